@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine:
+#   make serve   -> venv + install + `serve run deployments:app` (embedded default model)
+#   make test    -> venv + install + pytest
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: install test serve stream bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first (a local wheel on the dev/CI box) so pip never pulls a multi-GB CUDA build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/serve run deployments:app
+
+stream: $(STAMP)
+	$(BIN)/python -m engine.cli --prompt "Hello, Kairos!" --max-tokens 64
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,53 @@
+"""Kairos on Ray Serve.
+
+    serve run deployments:app                                   # embedded default model, 1 replica
+    serve run deployments:build_app model=/path/to/hf num_replicas=2 num_gpus=1 policy=scorpio prefill_max_tokens=2048
+
+`app` is a built `Application` (what `serve build deployments:app` needs); `build_app(args)` is the builder
+whose single argument is validated against `AppArgs` by Serve (see deployments/args.py for every knob).
+"""
+# NB: no `from __future__ import annotations` here: Serve inspects build_app's annotation as a class.
+from typing import Any
+
+from ray.serve import Application
+
+from deployments.args import AppArgs, ServeArgs
+from deployments.ingress import Ingress
+from deployments.replica import LLMServer
+
+ROUTER_PATH = "deployments.router:SLORouter"
+POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+
+
+def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
+    """Ingress -> LLMServer x num_replicas, wired with the SLO-aware router and Kairos metrics."""
+    a: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
+    actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
+    router = {
+        "request_router_class": ROUTER_PATH if a.router == "slo" else POW2_ROUTER_PATH,
+        "request_routing_stats_period_s": a.routing_stats_period_s,
+    }
+    llm = LLMServer.options(
+        num_replicas=a.num_replicas,
+        ray_actor_options=actor_opts,
+        max_ongoing_requests=a.max_ongoing_requests,
+        max_queued_requests=a.max_queued_requests,
+        health_check_period_s=a.health_check_period_s,
+        health_check_timeout_s=a.health_check_timeout_s,
+        request_router_config=router,
+    ).bind(a.engine_config().model_dump(mode="json"), a.metrics_interval_s, a.log_prompts)
+    settings = {
+        "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
+        "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
+    }
+    ingress = Ingress.options(
+        num_replicas=a.ingress_num_replicas,
+        max_ongoing_requests=a.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(llm, settings)
+
+
+app: Application = build_app(AppArgs())
+
+__all__ = ["AppArgs", "app", "build_app"]

@@ -1,0 +1,113 @@
+"""`AppArgs`: the typed, flat argument set of `serve run deployments:build_app key=value ...`.
+
+Serving knobs are declared here; every `EngineConfig` and `SchedulerConfig` field is merged in under its own
+flat name (`model=...`, `num_kv_blocks=...`, `policy=...`, `prefill_max_tokens=...`), with its type, default and
+constraints copied from those classes, so new engine/scheduler knobs become reachable without edits here.
+`engine_config()` maps the flat names back into the nested configs. Unknown names fail with a clear message.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from engine.config import EngineConfig
+from scheduling.config import SchedulerConfig
+
+_ENGINE_FIELDS = tuple(n for n in EngineConfig.model_fields if n != "scheduler")
+_SCHED_FIELDS = tuple(SchedulerConfig.model_fields)
+_CLASH = set(_ENGINE_FIELDS) & set(_SCHED_FIELDS)
+assert not _CLASH, f"engine and scheduler knobs share names {_CLASH}; AppArgs needs them distinct"
+
+
+class ServeArgs(BaseModel):
+    """Serving (Ray Serve / HTTP) knobs; the engine and scheduler knobs are added by `AppArgs`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # replicas and resources
+    num_replicas: int = Field(1, ge=1, le=1024, description="LLM replicas (one engine each)")
+    num_gpus: float = Field(0, ge=0, description="GPUs per LLM replica (0 on CPU, 1 = one replica per GPU)")
+    num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
+    max_ongoing_requests: int = Field(256, ge=1, description="per-LLM-replica cap enforced by the caller's router")
+    max_queued_requests: int = Field(1024, ge=-1, description="requests queued in the ingress's handle beyond "
+                                     "the replicas' caps before answering 429 (-1: unbounded)")
+    ingress_max_ongoing_requests: int = Field(1_000_000, ge=1, description="per-ingress-replica cap (keep high)")
+    ingress_num_replicas: int = Field(1, ge=1)
+    # routing / health / metrics
+    router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default")
+    routing_stats_period_s: float = Field(1.0, gt=0)
+    metrics_interval_s: float = Field(0.5, gt=0, description="engine gauge refresh period")
+    health_check_period_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    # HTTP surface
+    served_model_name: str | None = Field(None, description="name in /v1/models (default: the model argument)")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413 before any parsing")
+    api_keys_env: str | None = Field(None, description="env var holding comma-separated API keys (Bearer auth)")
+    api_key_file: str | None = Field(None, description="file with one API key per line (Bearer auth)")
+    retry_after_s: int = Field(1, ge=1, description="minimum Retry-After on 429/503")
+    log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            bad = [k for k in data if k not in known]
+            if bad:
+                hints = []
+                for k in bad:
+                    close = difflib.get_close_matches(str(k), known, n=1)
+                    hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                raise ValueError(f"unknown argument(s): {', '.join(hints)}; valid: {', '.join(sorted(known))}")
+        return data
+
+    @model_validator(mode="after")
+    def _validate_nested(self) -> "ServeArgs":
+        self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The nested engine config; only explicitly given knobs are passed, so the configs' defaults apply."""
+        given = self.model_fields_set
+        eng = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in given}
+        sched = {k: getattr(self, k) for k in _SCHED_FIELDS if k in given}
+        return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        model = str(getattr(self, "model", "kairos"))
+        return os.path.basename(model.rstrip("/")) or model
+
+def load_api_keys(env_name: str | None, key_file: str | None) -> list[str]:
+    """Keys are read where they are used (the ingress replica), so they never enter the Serve config."""
+    keys: list[str] = []
+    if env_name:
+        keys += [k.strip() for k in os.environ.get(env_name, "").split(",") if k.strip()]
+    if key_file:
+        with open(key_file, encoding="utf-8") as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    if (env_name or key_file) and not keys:
+        raise ValueError(f"API-key auth is configured (api_keys_env={env_name!r}, api_key_file={key_file!r}) "
+                         "but no key was found; refusing to serve unauthenticated")
+    return keys
+
+
+def _copied(model: type[BaseModel], names: tuple[str, ...]) -> dict[str, Any]:
+    return {n: (model.model_fields[n].annotation, model.model_fields[n]) for n in names}
+
+
+_clash_serve = (set(_ENGINE_FIELDS) | set(_SCHED_FIELDS)) & set(ServeArgs.model_fields)
+assert not _clash_serve, f"serving and engine knobs share names {_clash_serve}"
+
+AppArgs = create_model(  # type: ignore[call-overload]
+    "AppArgs",
+    __base__=ServeArgs,
+    __doc__="All arguments of `build_app`: serving knobs + every EngineConfig/SchedulerConfig knob (flat).",
+    **_copied(EngineConfig, _ENGINE_FIELDS),
+    **_copied(SchedulerConfig, _SCHED_FIELDS),
+)

@@ -1,0 +1,265 @@
+"""OpenAI-compatible HTTP ingress (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+Every request is read with a byte cap (413), parsed (400), validated (400), then sent to `LLMServer.generate`
+through a streaming handle. The first item is awaited *before* any status is sent, so SLO rejections,
+bad prompts and backpressure become proper 4xx/5xx answers and a 200 stream never turns into a 429.
+Client disconnects cancel the handle call, which aborts the request in the engine (see replica.py).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments import protocol as P
+from deployments.args import load_api_keys
+from engine.sampling import SamplingParams
+
+log = logging.getLogger("ray.serve")
+
+api = FastAPI(title="Kairos", version="0.1.0", description="SLO-aware OpenAI-compatible LLM server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
+
+
+def _err(status: int, message: str, type_: str = "invalid_request_error", code: Any = None,
+         headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(P.error_body(message, type_, code), status_code=status, headers=headers)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return _err(e.status, e.message, e.type, e.code, e.headers)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    return _err(400, f"invalid request: {e.errors()}")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return _err(e.status_code, str(e.detail), type_, headers=getattr(e, "headers", None))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error in ingress")
+    return _err(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("function-after",)) or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
+        self.llm = llm.options(stream=True)
+        self.model_name: str = settings["model_name"]
+        self.max_body_bytes: int = settings["max_body_bytes"]
+        self.retry_after_s: int = settings.get("retry_after_s", 1)
+        self.log_prompts: bool = settings.get("log_prompts", False)
+        keys = load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
+        self._keys = [k.encode() for k in keys]
+        self._max_model_len: int | None = None
+        self._info_handle = llm
+
+    # ------------------------------------------------------------------ routes
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._auth(request)
+        if self._max_model_len is None:
+            try:
+                self._max_model_len = (await self._info_handle.model_info.remote())["max_model_len"]
+            except Exception:  # noqa: BLE001 - the list still works without it
+                pass
+        card = P.ModelCard(id=self.model_name, max_model_len=self._max_model_len)
+        return P.ModelList(data=[card]).model_dump()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._handle(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._handle(request, "chat")
+
+    # ------------------------------------------------------------------ request handling
+    def _auth(self, request: Request) -> None:
+        if not self._keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        ok = False
+        for key in self._keys:  # compare against every key: no early exit
+            ok |= hmac.compare_digest(given, key)
+        if scheme.lower() != "bearer" or not ok:
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", "authentication_error",
+                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    async def _read_json(self, request: Request) -> Any:
+        cl = request.headers.get("content-length")
+        too_big = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+    def _slo(self, request: Request, body: P._Common) -> dict[str, Any]:
+        h = request.headers
+        try:
+            ttft = P.parse_slo_header("x-slo-ttft-ms", h.get("x-slo-ttft-ms"))
+            tpot = P.parse_slo_header("x-slo-tpot-ms", h.get("x-slo-tpot-ms"))
+            olen = P.parse_slo_header("x-slo-output-len", h.get("x-slo-output-len"), integer=True)
+            ttft = ttft if ttft is not None else P.check_slo_value("slo_ttft_ms", body.slo_ttft_ms)
+            tpot = tpot if tpot is not None else P.check_slo_value("slo_tpot_ms", body.slo_tpot_ms)
+            olen = olen if olen is not None else P.check_slo_value("output_len_hint", body.output_len_hint, True)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_slo") from None
+        return {"ttft_ms": ttft, "tpot_ms": tpot, "output_len_hint": olen}
+
+    def _build(self, request: Request, raw: Any, kind: str) -> tuple[P._Common, dict[str, Any]]:
+        if not isinstance(raw, dict):
+            raise APIError(400, "request body must be a JSON object")
+        schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
+        try:
+            body = schema.model_validate(raw)
+        except ValidationError as e:
+            raise APIError(400, _validation_message(e)) from None
+        slo = self._slo(request, body)
+        max_tokens = body.default_max_tokens()
+        params = body.sampling_kwargs(max_tokens)
+        try:  # validate here too, so bad sampling input never reaches a replica
+            SamplingParams(**{**params, "max_tokens": max_tokens or 1 << 30}).validate()
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        req: dict[str, Any] = {"request_id": rid, "kind": kind, "params": params, "slo": slo}
+        if isinstance(body, P.CompletionRequest):
+            req["prompt"] = body.prompt
+            hint = len(body.prompt) if isinstance(body.prompt, list) else len(body.prompt) // 4
+        else:
+            req["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+            hint = sum(len(m["content"]) for m in req["messages"]) // 4
+        req["prompt_len_hint"] = max(1, hint)
+        return body, req
+
+    async def _handle(self, request: Request, kind: str) -> Any:
+        self._auth(request)
+        body, req = self._build(request, await self._read_json(request), kind)
+        rid = req["request_id"]
+        if self.log_prompts:
+            log.info("%s %s", rid, req.get("prompt", req.get("messages")))
+        gen = self.llm.generate.remote(req)
+        try:
+            first = await gen.__anext__()
+        except BackPressureError as e:
+            retry = str(max(self.retry_after_s, int(getattr(e, "retry_after_s", None) or 0)))
+            raise APIError(429, "server overloaded: request queue is full", "rate_limit_error", "overloaded",
+                           {"Retry-After": retry}) from None
+        except (DeploymentUnavailableError, RayServeException, StopAsyncIteration) as e:
+            raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
+                           {"Retry-After": str(self.retry_after_s)}) from None
+        except BaseException:
+            gen.cancel()
+            raise
+        headers = {"x-request-id": rid, "x-kairos-replica": str(first.get("replica", ""))}
+        if "error" in first:
+            status = int(first.get("status", 500))
+            type_ = "invalid_request_error" if status < 500 else "server_error"
+            extra = {"Retry-After": str(self.retry_after_s)} if status == 503 else {}
+            raise APIError(status, first["error"], type_, headers={**headers, **extra})
+        if first.get("finish_reason") == "rejected":
+            reason = first.get("reject_reason") or "rejected"
+            retry = str(max(self.retry_after_s, int(first.get("retry_after_s") or 1)))
+            raise APIError(429, f"request rejected by SLO admission control: {reason}", "rate_limit_error",
+                           reason, {**headers, "Retry-After": retry, "x-kairos-reject-reason": reason})
+        if body.stream:
+            return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        return await self._collect(gen, first, kind, rid, headers)
+
+    async def _collect(self, gen: Any, first: dict, kind: str, rid: str, headers: dict[str, str]) -> JSONResponse:
+        parts, item = [first["text"]], first
+        try:
+            while not item["finished"]:
+                item = await gen.__anext__()
+                parts.append(item["text"])
+        except BaseException:  # client gone (CancelledError) or replica failure: stop generating
+            gen.cancel()
+            raise
+        if item.get("finish_reason") == "error":
+            raise APIError(500, f"generation failed: {item.get('error')}", "server_error", headers=headers)
+        build = P.completion_response if kind == "completion" else P.chat_response
+        out = build(rid, self.model_name, "".join(parts), item.get("finish_reason"), item["num_prompt_tokens"],
+                    item["num_output_tokens"])
+        return JSONResponse(out, headers=headers)
+
+    async def _sse(self, gen: Any, first: dict, kind: str, rid: str, include_usage: bool) -> AsyncIterator[bytes]:
+        created, model, item = int(time.time()), self.model_name, first
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        done = False
+        try:
+            if kind == "chat":
+                yield P.sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            while True:
+                fin = item.get("finish_reason") if item["finished"] else None
+                if fin == "error":
+                    yield P.sse(P.error_body(f"generation failed: {item.get('error')}", "server_error"))
+                elif item["text"] or item["finished"]:
+                    if kind == "completion":
+                        yield P.sse(P.completion_chunk(rid, model, created, item["text"], fin))
+                    else:
+                        delta = {"content": item["text"]} if item["text"] else {}
+                        yield P.sse(P.chat_chunk(rid, model, created, delta, fin))
+                if item["finished"]:
+                    done = True
+                    break
+                item = await gen.__anext__()
+            if include_usage:
+                yield P.sse(P.usage_chunk(rid, model, created, obj, item["num_prompt_tokens"],
+                                          item["num_output_tokens"]))
+            yield P.SSE_DONE
+        except (Exception, StopAsyncIteration) as e:  # replica died mid-stream: tell the client, end cleanly
+            log.warning("stream %s failed: %r", rid, e)
+            yield P.sse(P.error_body(f"generation failed: {type(e).__name__}", "server_error"))
+            yield P.SSE_DONE
+        finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine
+            if not done:
+                gen.cancel()

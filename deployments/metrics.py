@@ -1,0 +1,118 @@
+"""Kairos serving metrics via `ray.serve.metrics` (exported as `ray_kairos_*` by each node's metrics agent).
+
+Serve adds the `deployment`, `replica` and `application` tags itself. Per-request series are tagged by SLO tier
+(`engine.request.SLO.tier`, e.g. `best_effort`, `ttft500_tpot50`); engine gauges are refreshed periodically
+from `LLMEngine.stats()` by the replica; histograms and counters are updated when a request finishes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+log = logging.getLogger("ray.serve")
+
+_LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60]
+_E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
+_BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+class ReplicaMetrics:
+    """All series one LLM replica exports. Cheap to call from the request path (no I/O)."""
+
+    def __init__(self, model: str) -> None:
+        tier, model_tags = ("tier", "model"), {"model": model}
+
+        def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
+            h = Histogram(f"kairos_{name}", description=desc, boundaries=bounds, tag_keys=tier + ("model",))
+            h.set_default_tags(model_tags)
+            return h
+
+        def ctr(name: str, desc: str, keys: tuple[str, ...] = ()) -> Counter:
+            c = Counter(f"kairos_{name}", description=desc, tag_keys=keys + ("model",))
+            c.set_default_tags(model_tags)
+            return c
+
+        def gauge(name: str, desc: str) -> Gauge:
+            g = Gauge(f"kairos_{name}", description=desc, tag_keys=("model",))
+            g.set_default_tags(model_tags)
+            return g
+
+        self.ttft = hist("ttft_s", "time to first token (arrival to first token), seconds", _LAT_S)
+        self.tpot = hist("tpot_s", "time per output token after the first, per request, seconds", _LAT_S)
+        self.itl = hist("itl_s", "inter-token latency as observed by the replica, seconds", _LAT_S)
+        self.e2e = hist("e2e_s", "request latency, arrival to last token, seconds", _E2E_S)
+        self.tokens_in = ctr("prompt_tokens", "prompt tokens of finished requests", ("tier",))
+        self.tokens_out = ctr("generation_tokens", "generated tokens", ("tier",))
+        self.admitted = ctr("requests_admitted", "requests accepted by the engine", ("tier",))
+        self.finished = ctr("requests_finished", "finished requests by finish reason", ("tier", "reason"))
+        self.rejected = ctr("requests_rejected", "requests rejected at admission, by reason", ("tier", "reason"))
+        self.slo_met = ctr("slo_met", "finished requests that met all their SLOs", ("tier",))
+        self.slo_missed = ctr("slo_missed", "finished requests that missed an SLO, by which", ("tier", "slo"))
+        self.queue_len = gauge("queue_len", "requests waiting in the engine")
+        self.running = gauge("num_running", "requests running in the engine")
+        self.decode_batch = gauge("decode_batch_size", "last decode batch size")
+        self.prefill_batch = gauge("prefill_batch_size", "last prefill batch size")
+        self.vbs = gauge("vbs", "virtual batch size (SCORPIO)")
+        self.kv_used = gauge("kv_blocks_used", "paged-KV blocks in use")
+        self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
+        self.predictor_mape = gauge("predictor_mape", "TTFT/ITL predictor mean absolute percentage error")
+        self.inflight = gauge("replica_inflight", "requests inside this replica's generate()")
+        self.decode_hist = Histogram("kairos_decode_batch", description="sampled decode batch sizes",
+                                     boundaries=_BATCH, tag_keys=("model",))
+        self.decode_hist.set_default_tags(model_tags)
+
+    def update_engine(self, st: Any, inflight: int) -> None:
+        """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works)."""
+        g = lambda name, default=0: getattr(st, name, default)  # noqa: E731
+        self.queue_len.set(g("num_waiting"))
+        self.running.set(g("num_running"))
+        self.decode_batch.set(g("last_decode_batch"))
+        self.prefill_batch.set(g("last_prefill_batch"))
+        self.vbs.set(float(g("vbs", 0.0) or 0.0))
+        self.kv_used.set(g("kv_blocks_used"))
+        self.kv_free.set(g("kv_blocks_free"))
+        if g("predictor_mape", None) is not None:
+            self.predictor_mape.set(float(st.predictor_mape))
+        if g("last_decode_batch"):
+            self.decode_hist.observe(st.last_decode_batch)
+        self.inflight.set(inflight)
+
+    def on_admitted(self, tier: str) -> None:
+        self.admitted.inc(tags={"tier": tier})
+
+    def on_rejected(self, tier: str, reason: str) -> None:
+        self.rejected.inc(tags={"tier": tier, "reason": reason or "unknown"})
+
+    def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
+        for _ in range(n):
+            self.itl.observe(seconds, tags={"tier": tier})
+
+    def on_finished(self, tier: str, slo: dict, final: dict) -> None:
+        """Per-request histograms from the final stream item (see `replica._item`)."""
+        t = {"tier": tier}
+        reason = final.get("finish_reason") or "unknown"
+        self.finished.inc(tags={"tier": tier, "reason": reason})
+        self.tokens_in.inc(final.get("num_prompt_tokens", 0), tags=t)
+        self.tokens_out.inc(final.get("num_output_tokens", 0), tags=t)
+        ttft, tpot, e2e = final.get("ttft_s"), final.get("tpot_s"), final.get("e2e_s")
+        if ttft is not None:
+            self.ttft.observe(ttft, tags=t)
+        if tpot is not None:
+            self.tpot.observe(tpot, tags=t)
+        if e2e is not None:
+            self.e2e.observe(e2e, tags=t)
+        if reason not in ("stop", "length"):
+            return
+        missed = []
+        if slo.get("ttft_ms") is not None and (ttft is None or ttft * 1000 > slo["ttft_ms"]):
+            missed.append("ttft")
+        if slo.get("tpot_ms") is not None and tpot is not None and tpot * 1000 > slo["tpot_ms"]:
+            missed.append("tpot")
+        if slo.get("ttft_ms") is None and slo.get("tpot_ms") is None:
+            return
+        for which in missed:
+            self.slo_missed.inc(tags={"tier": tier, "slo": which})
+        if not missed:
+            self.slo_met.inc(tags=t)

@@ -1,0 +1,245 @@
+"""OpenAI-compatible request/response schemas (+ the vLLM extensions we honour) and SSE helpers.
+
+Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
+schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
+Unknown fields are ignored (clients send `user`, `logit_bias`, ...); fields we cannot honour with their
+non-default value (n > 1, best_of > 1, echo, logprobs, penalties, suffix, tools) are rejected explicitly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_SLO_MS = 3_600_000.0  # an SLO above one hour is treated as a client bug ("absurd"), not as best effort
+MAX_OUTPUT_LEN_HINT = 1_000_000
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling knobs, vLLM extensions and Kairos SLO fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # Kairos: SLOs in the body (the x-slo-* headers win when both are given)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    output_len_hint: int | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("n > 1 is not supported (one choice per request)")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float | None) -> float | None:
+        if v:
+            raise ValueError("presence/frequency penalties are not supported")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {v}")
+        return v
+
+    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        """Keyword arguments for `engine.sampling.SamplingParams` (None: fill the context window)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kw: dict[str, Any] = dict(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+        )
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        if self.echo or self.suffix or (self.best_of or 1) > 1 or self.logprobs is not None:
+            raise ValueError("echo, suffix, best_of > 1 and logprobs are not supported")
+        p = self.prompt
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("prompt must not be empty")
+            if isinstance(p[0], list) or (isinstance(p[0], str) and len(p) > 1):
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            if isinstance(p[0], str):
+                self.prompt = p[0]
+            elif any(t < 0 for t in p):  # type: ignore[operator]
+                raise ValueError("prompt token ids must be non-negative")
+        if self.prompt == "":
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def default_max_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.logprobs or self.tools:
+            raise ValueError("logprobs and tools are not supported")
+        if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
+            raise ValueError("max_completion_tokens must be a positive integer")
+        return self
+
+    def default_max_tokens(self) -> int | None:
+        """None means "the rest of the context window" (OpenAI's chat default)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kairos"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(pt, ct)}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": usage(pt, ct)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(pt, ct)}
+
+
+def sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def check_slo_value(name: str, v: float | int | None, integer: bool = False) -> float | int | None:
+    """Validate an SLO from a header or the body; raises ValueError with a client-facing message."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    limit = MAX_OUTPUT_LEN_HINT if integer else MAX_SLO_MS
+    if v > limit:
+        raise ValueError(f"{name} must be <= {limit:g}, got {v!r}")
+    if integer:
+        if int(v) != v:
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def parse_slo_header(name: str, raw: str | None, integer: bool = False) -> float | int | None:
+    if raw is None:
+        return None
+    try:
+        v: float = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"header {name} must be a number, got {raw!r}") from None
+    return check_slo_value(f"header {name}", v, integer)

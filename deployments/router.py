@@ -1,0 +1,132 @@
+"""SLO-aware request router for `LLMServer` (Ray Serve `RequestRouter`, an *alpha* API pinned to ray 2.60).
+
+Runs inside every caller of the LLM deployment (the ingress replicas). For a `generate` request it reads the
+SLO from `pending_request.args[0]["slo"]` and, per replica, combines
+  * the replica's `record_routing_stats()` (every `request_routing_stats_period_s`, 1 s by default):
+    predicted TTFT for a ~median prompt and for a 1-token prompt (queue-ahead), VBS, strictest running TPOT
+    SLO, observed inter-token latency, free KV blocks;
+  * this router's own in-flight count per replica (`on_request_routed` / `on_request_completed`), which is
+    fresh between reports: requests routed since the last report add their predicted prefill time.
+Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
+rest, least loaded first. Each replica is its own rank, so Ray falls through to the next one when the best
+is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the router believes about one replica right now."""
+
+    load: float  # requests running + waiting (max of the stats report and our in-flight count)
+    pred_ttft_ms: float | None  # for this request's prompt length, None when the replica reported no model
+    itl_ms: float | None  # projected inter-token latency with this request added
+    strictest_tpot_ms: float | None
+    kv_free: float
+
+
+def slo_of(pending: PendingRequest | None) -> tuple[dict[str, Any], int] | None:
+    """(slo dict, estimated prompt tokens) for a `generate` call, None for other methods."""
+    if pending is None or getattr(pending.metadata, "call_method", "") != "generate":
+        return None
+    req = pending.args[0] if pending.args else pending.kwargs.get("req")
+    if not isinstance(req, dict):
+        return None
+    return dict(req.get("slo") or {}), int(req.get("prompt_len_hint") or 1)
+
+
+def view(stats: dict[str, Any], inflight: int, prompt_tokens: int) -> ReplicaView:
+    reported = float(stats.get("inflight", stats.get("queue_len", 0)) or 0)
+    extra = max(0.0, inflight - reported)  # routed by us since the last report
+    q_ms, m_ms = stats.get("predicted_queue_ms"), stats.get("predicted_ttft_ms")
+    pred = None
+    if q_ms is not None and m_ms is not None:
+        median = max(int(stats.get("median_prompt_tokens") or 1), 1)
+        per_tok = max(0.0, (m_ms - q_ms) / max(median - 1, 1))
+        prefill_ms = max(m_ms - q_ms, 0.0)  # one ~median request's prefill, for each unreported arrival
+        pred = q_ms + per_tok * max(prompt_tokens - 1, 0) + extra * prefill_ms
+    itl, running = stats.get("itl_ms"), float(stats.get("num_running") or 0) + extra
+    vbs = max(float(stats.get("vbs") or 0.0), running)
+    proj_itl = None if itl is None else itl * (vbs + 1.0) / max(vbs, 1.0)
+    return ReplicaView(load=max(float(stats.get("queue_len") or 0), reported) + extra, pred_ttft_ms=pred,
+                       itl_ms=proj_itl, strictest_tpot_ms=stats.get("strictest_tpot_ms"),
+                       kv_free=float(stats.get("kv_free_blocks", math.inf)))
+
+
+def slack(v: ReplicaView, slo: dict[str, Any]) -> float | None:
+    """Smallest relative slack over the request's SLOs (>= 0 attainable); None when unknown/not attainable."""
+    slacks: list[float] = []
+    ttft, tpot = slo.get("ttft_ms"), slo.get("tpot_ms")
+    if ttft is not None:
+        if v.pred_ttft_ms is None:
+            return None
+        slacks.append((ttft - v.pred_ttft_ms) / ttft)
+    limits = [x for x in (tpot, v.strictest_tpot_ms) if x is not None]
+    if limits and v.itl_ms is not None:  # adding this request must keep every running TPOT SLO
+        tightest = min(limits)
+        slacks.append((tightest - v.itl_ms) / tightest)
+    if not slacks:
+        return math.inf  # no SLO (or nothing to check it against): every replica is fine
+    s = min(slacks)
+    return s if s >= 0 else None
+
+
+def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView],
+         slo: dict[str, Any]) -> list[RunningReplica]:
+    shuffled = random.sample(candidates, len(candidates))  # random tie-break
+    def load_key(r: RunningReplica) -> tuple[float, float, float]:
+        v = views[r.replica_id]
+        return (v.load, v.pred_ttft_ms if v.pred_ttft_ms is not None else 0.0, -v.kv_free)
+
+    ok, rest = [], []
+    for r in shuffled:
+        s = slack(views[r.replica_id], slo)
+        (ok if s is not None else rest).append((s, r))
+    if slo.get("ttft_ms") is None and slo.get("tpot_ms") is None:
+        ok_sorted = sorted((r for _, r in ok), key=load_key)  # best effort: least loaded
+    else:
+        ok_sorted = [r for _, r in sorted(ok, key=lambda sr: (-min(sr[0], 1e9), load_key(sr[1])))]
+    return ok_sorted + sorted((r for _, r in rest), key=load_key)
+
+
+class SLORouter(RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._inflight: dict[ReplicaID, int] = {}
+        self._by_request: dict[str, ReplicaID] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        info = slo_of(pending_request)
+        if info is None:
+            return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
+        slo, prompt_tokens = info
+        views = {r.replica_id: view(r.routing_stats or {}, self._inflight.get(r.replica_id, 0), prompt_tokens)
+                 for r in candidate_replicas}
+        return [[r] for r in rank(candidate_replicas, views, slo)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if slo_of(pending_request) is None:
+            return
+        self._by_request[pending_request.metadata.internal_request_id] = replica_id
+        self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._by_request.pop(internal_request_id, None)
+        if rid is not None:
+            self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id, None)

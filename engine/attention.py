@@ -1,0 +1,99 @@
+"""Our attention function over the paged KV cache, registered with transformers' AttentionInterface.
+
+The model is called on one packed sequence [1, T]: first the tokens of every prefill (or chunk),
+then one token per decoding request. Each layer writes its new K/V into the cache by slot, then:
+- a prefill with no cached prefix attends causally over its own fresh K/V;
+- a prefill with a cached prefix gathers its blocks and uses an offset causal mask;
+- all decode tokens are handled by one batched SDPA over blocks gathered into a reused workspace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from engine.kv.cache import KVCache
+
+ATTN_NAME = "kairos_paged"
+
+
+class Workspace:
+    """Grow-only scratch buffers for gathered K/V (fresh large allocations page-fault on every step)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(n, 1), dtype=like.dtype, device=like.device)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    cache: KVCache
+    workspace: Workspace
+    slot_mapping: torch.Tensor  # [T] flat slot of each new token
+    # prefills: (q_start, q_len, ctx_len, block_ids or None when ctx_len == q_len)
+    prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+    decode_start: int = 0  # tokens [decode_start, T) are decodes, one per request
+    num_decode: int = 0
+    decode_blocks: torch.Tensor | None = None  # [Bd * nb] flat block ids (padded with 0)
+    decode_nb: int = 0
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] bool
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    kairos: AttnMetadata | None = None, **_: object) -> tuple[torch.Tensor, None]:
+    if kairos is None:
+        raise RuntimeError("kairos_paged attention needs the `kairos` metadata kwarg (use the engine's runner)")
+    m = kairos
+    cache = m.cache
+    layer = module.layer_idx
+    _, num_heads, T, hd = query.shape
+    kvh, bs, cdt = cache.num_kv_heads, cache.block_size, cache.dtype
+    kc, vc = cache.k[layer], cache.v[layer]
+    key_t = key[0].transpose(0, 1)  # [T, kvh, hd]
+    val_t = value[0].transpose(0, 1)
+    kc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, key_t.to(cdt))
+    vc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, val_t.to(cdt))
+    gqa = num_heads != kvh
+    out = torch.empty((1, T, num_heads, hd), dtype=query.dtype, device=query.device)
+
+    for q_start, q_len, ctx_len, blocks in m.prefills:
+        q = query[:, :, q_start:q_start + q_len].to(cdt)
+        if blocks is None:
+            k = key[:, :, q_start:q_start + q_len].to(cdt)
+            v = value[:, :, q_start:q_start + q_len].to(cdt)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
+        else:
+            k = kc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
+            v = vc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out[0, q_start:q_start + q_len] = o[0].transpose(0, 1).to(query.dtype)
+
+    if m.num_decode:
+        B, nb, d0 = m.num_decode, m.decode_nb, m.decode_start
+        q = query[0, :, d0:].transpose(0, 1).unsqueeze(2).to(cdt)  # [B, H, 1, hd]
+        kbuf = m.workspace.get("k", (B * nb, bs, kvh, hd), kc)
+        vbuf = m.workspace.get("v", (B * nb, bs, kvh, hd), vc)
+        torch.index_select(kc, 0, m.decode_blocks, out=kbuf)
+        torch.index_select(vc, 0, m.decode_blocks, out=vbuf)
+        k = kbuf.view(B, nb * bs, kvh, hd).transpose(1, 2)
+        v = vbuf.view(B, nb * bs, kvh, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m.decode_mask, scale=scaling, enable_gqa=gqa)
+        out[0, d0:] = o[:, :, 0].to(query.dtype)
+    return out, None
+
+
+AttentionInterface.register(ATTN_NAME, paged_attention)

@@ -1,0 +1,30 @@
+"""Engine configuration (validated). The scheduler's knobs live in `scheduling.config`."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduling.config import SchedulerConfig
+
+DEFAULT_MODEL = "kairos-default"  # the embedded ~40M Llama; "kairos-tiny" is the ~5M test variant
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL, description="local HF dir, hub id, or kairos-default / kairos-tiny")
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    trust_remote_code: bool = False
+    num_threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
+    max_model_len: int | None = Field(None, gt=0, description="context window (default: the model's)")
+    # paged KV cache
+    block_size: int = Field(16, gt=0, le=1024)
+    num_kv_blocks: int | None = Field(None, gt=0, description="explicit cache size in blocks")
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description="cache size as a memory budget")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    kv_cache_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -1,0 +1,31 @@
+"""Incremental detokenization: exact for multi-byte UTF-8 split across tokens, linear in output length."""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("_hf", "_tok", "_stream", "_pending")
+
+    def __init__(self, hf_tokenizer) -> None:
+        self._hf = hf_tokenizer
+        self._tok = hf_tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._pending: list[int] = []  # ids whose bytes do not yet form a complete character
+
+    def step(self, token_id: int) -> str:
+        """Text completed by this token ('' while a character is still incomplete)."""
+        text = self._stream.step(self._tok, token_id)
+        if text:
+            self._pending.clear()
+            return text
+        self._pending.append(token_id)
+        return ""
+
+    def flush(self) -> str:
+        """At the end of a request: render a dangling partial character the way a one-shot decode does."""
+        if not self._pending:
+            return ""
+        text = self._hf.decode(self._pending, skip_special_tokens=True)
+        self._pending.clear()
+        return text

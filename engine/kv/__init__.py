@@ -1,0 +1,3 @@
+from engine.kv.block_manager import BlockManager, OutOfBlocks
+
+__all__ = ["BlockManager", "OutOfBlocks"]

@@ -1,0 +1,59 @@
+"""Paged-KV bookkeeping: which cache blocks each request owns. Pure Python, no tensors."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class HasBlocks(Protocol):
+    block_table: list[int]
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    # --- counts (used by admission control and metrics) ---
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks_for(self, seq: HasBlocks, num_tokens: int) -> int:
+        """Blocks `seq` still needs so that `num_tokens` tokens fit."""
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+
+    def can_fit(self, seq: HasBlocks, num_tokens: int, reserve: int = 0) -> bool:
+        return self.extra_blocks_for(seq, num_tokens) + reserve <= len(self._free)
+
+    # --- mutation ---
+    def ensure(self, seq: HasBlocks, num_tokens: int) -> None:
+        """Grow seq.block_table so that `num_tokens` tokens have slots. All-or-nothing."""
+        need = self.extra_blocks_for(seq, num_tokens)
+        if need > len(self._free):
+            raise OutOfBlocks(f"need {need} blocks, {len(self._free)} free")
+        for _ in range(need):
+            seq.block_table.append(self._free.popleft())
+
+    def free(self, seq: HasBlocks) -> None:
+        if seq.block_table:
+            self._free.extend(seq.block_table)
+            seq.block_table = []

@@ -1,0 +1,250 @@
+"""Load a causal LM + fast tokenizer into a `ModelBundle` (embedded Kairos models, local dirs, hub ids).
+
+Everything goes through `from_pretrained` (the embedded models are built once into the cache by
+`engine.default_model.ensure_default_model` and then loaded like any checkpoint). With
+`HF_HUB_OFFLINE=1` nothing is fetched (`local_files_only=True`). Attention registration is the
+caller's business: `attn_implementation` is passed through to `from_pretrained` untouched.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
+
+SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class ModelBundle:
+    model: Any  # transformers PreTrainedModel (causal LM), eval mode, no grads
+    tokenizer: Any  # fast tokenizer (has `.backend_tokenizer` for DecodeStream)
+    config: Any  # the HF config
+    device: torch.device
+    dtype: torch.dtype
+    name: str  # what the user asked for ("kairos-default", a path, a hub id)
+    path: str  # resolved checkpoint directory (or hub id)
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    vocab_limit: int = 0  # = len(tokenizer) (capped at the embedding rows): ids >= this are never sampled
+
+
+# --------------------------------------------------------------------------- device / dtype
+
+
+def resolve_device(s: str | torch.device = "auto") -> torch.device:
+    """"auto" -> cuda if available else cpu; otherwise a torch device string ("cpu", "cuda", "cuda:1")."""
+    if isinstance(s, torch.device):
+        dev = s
+    elif s is None or str(s).strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(str(s).strip().lower())
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"invalid device {s!r}: expected auto, cpu, cuda or cuda:N ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {s!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {s!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {s!r}: expected auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def _as_torch_dtype(d: Any) -> torch.dtype | None:
+    if d is None:
+        return None
+    if isinstance(d, torch.dtype):
+        return d
+    return _DTYPES.get(str(d).removeprefix("torch."))
+
+
+def resolve_dtype(
+    s: str | torch.dtype, device: torch.device | str, checkpoint_dtype: Any = None
+) -> torch.dtype:
+    """Map a dtype option to a torch dtype.
+
+    "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16" are taken literally. "auto" means:
+    - CUDA: bfloat16 if the GPU supports it, else float16;
+    - CPU: the checkpoint's own dtype (`checkpoint_dtype`, e.g. config.dtype) if it is float32 or
+      bfloat16, else float32 (fp16 matmuls are slow or unsupported on most CPUs).
+    """
+    if isinstance(s, torch.dtype):
+        if s not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {s}: expected float32, bfloat16 or float16")
+        return s
+    key = str(s).strip().lower()
+    if key in _DTYPES:
+        return _DTYPES[key]
+    if key != "auto":
+        raise ValueError(f"unsupported dtype {s!r}: expected auto, {', '.join(_DTYPES)}")
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    ckpt = _as_torch_dtype(checkpoint_dtype)
+    return ckpt if ckpt in (torch.float32, torch.bfloat16) else torch.float32
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.startswith(("/", "./", "../", "~", ".\\")) or s.count("/") > 1 or "\\" in s or s in (".", "..")
+
+
+def _resolve_source(model: str, what: str) -> tuple[str, bool]:
+    """Return (path or hub id, is_local)."""
+    if model in EMBEDDED_MODELS:
+        return str(ensure_default_model(model)), True
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        return os.path.abspath(expanded), True
+    if os.path.exists(expanded):
+        raise ValueError(f"cannot load {what} {model!r}: {expanded} is a file, expected a checkpoint directory")
+    if _looks_like_path(model):
+        raise ValueError(f"cannot load {what} {model!r}: no such directory")
+    return model, False  # a hub id
+
+
+def _model_max_len(config: Any) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    return [int(x) for x in v if x is not None]
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_model(
+    model: str,
+    *,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    max_model_len: int | None = None,
+) -> ModelBundle:
+    """Load `model` (kairos-default / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
+
+    Raises ValueError (never a bare OSError) for unknown paths/ids, unsupported model families,
+    non-fast tokenizers, bad dtype/device strings, or a `max_model_len` beyond the model's positions.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"cannot load model {model!r}: expected a model name, directory or hub id")
+    dev = resolve_device(device)
+    resolve_dtype(dtype, torch.device("cpu"))  # validate the string before any loading work
+    path, is_local = _resolve_source(model, "model")
+    tok_path = path if tokenizer is None else _resolve_source(tokenizer, "tokenizer")[0]
+    hub_kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if _offline():
+        hub_kw["local_files_only"] = True
+
+    try:
+        config = AutoConfig.from_pretrained(path, **hub_kw)
+    except (OSError, ValueError, KeyError) as e:
+        where = "" if is_local else "not a local directory or embedded model, and as a hub id: "
+        raise ValueError(f"cannot load model {model!r}: {where}{_short(e)}") from None
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"cannot load model {model!r}: unsupported model family {family!r}; "
+            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+
+    model_max = _model_max_len(config)
+    if max_model_len is not None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if model_max is not None and max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's maximum context of {model_max} positions"
+            )
+        limit = max_model_len
+    elif model_max is not None:
+        limit = model_max
+    else:
+        raise ValueError(f"model {model!r} does not declare its context length; pass max_model_len")
+
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_path, **hub_kw)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot load tokenizer {tokenizer or model!r}: {_short(e)}") from None
+    if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
+        raise ValueError(
+            f"tokenizer for {tokenizer or model!r} is not a fast (tokenizers-backed) tokenizer; "
+            "streaming detokenization needs one (save it with tokenizer.json)"
+        )
+
+    torch_dtype = resolve_dtype(dtype, dev, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    load_kw = dict(hub_kw, config=config, dtype=torch_dtype)
+    if attn_implementation is not None:
+        load_kw["attn_implementation"] = attn_implementation
+    try:
+        with quiet_progress_bars():
+            lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
+    lm = lm.to(device=dev, dtype=torch_dtype)
+    lm.eval()
+    lm.requires_grad_(False)
+
+    eos: list[int] = []
+    gen_cfg = getattr(lm, "generation_config", None)
+    for v in (getattr(gen_cfg, "eos_token_id", None), getattr(config, "eos_token_id", None), tok.eos_token_id):
+        for i in _ids(v):
+            if i not in eos:
+                eos.append(i)
+
+    out_emb = lm.get_output_embeddings()
+    rows = int(out_emb.weight.shape[0]) if out_emb is not None else int(config.vocab_size)
+    return ModelBundle(
+        model=lm,
+        tokenizer=tok,
+        config=config,
+        device=dev,
+        dtype=torch_dtype,
+        name=model,
+        path=path,
+        max_model_len=limit,
+        eos_token_ids=eos,
+        vocab_limit=min(len(tok), rows),
+    )
+
+
+__all__ = ["ModelBundle", "SUPPORTED_FAMILIES", "load_model", "resolve_device", "resolve_dtype"]

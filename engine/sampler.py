@@ -1,0 +1,55 @@
+"""Batched sampling: greedy rows in one argmax; temperature / top-k / top-p rows with per-request RNG."""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+class Sampler:
+    def __init__(self, vocab_limit: int, eos_token_ids: list[int], device: torch.device) -> None:
+        self.vocab_limit = vocab_limit
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        if req.generator is None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(req.params.seed)
+        return req.generator
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
+            logits = logits[:, : self.vocab_limit]
+        banned_rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
+        if banned_rows:
+            logits = logits.clone()
+            for i in banned_rows:
+                ban = self.eos_token_ids + reqs[i].params.stop_token_ids
+                logits[i, [t for t in ban if t < logits.shape[-1]]] = float("-inf")
+        greedy = [r.params.greedy for r in reqs]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1).tolist()
+        for i, r in enumerate(reqs):
+            if not greedy[i]:
+                out[i] = self._sample_one(logits[i].float(), r)
+        return out
+
+    def _sample_one(self, row: torch.Tensor, req: Request) -> int:
+        p = req.params
+        row = row / p.temperature
+        if p.top_k and p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = (cum - sorted_p) > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())

@@ -1,0 +1,94 @@
+"""A per-request output queue filled by the worker thread and read from threads or asyncio.
+
+put() never blocks; readers either block (`get`, iteration) or await (`aget`, async iteration).
+If the reader is behind, pending deltas are merged on read so it never falls further behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+from engine.outputs import RequestOutput
+
+
+class RequestStream:
+    __slots__ = ("request_id", "_items", "_lock", "_cond", "_waiter", "_closed")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._items: deque[RequestOutput] = deque()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._closed = False
+
+    # --- producer side (worker thread) ---
+    def put(self, item: RequestOutput) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._items.append(item)
+            if item.finished:
+                self._closed = True
+            waiter, self._waiter = self._waiter, None
+            self._cond.notify_all()
+        if waiter is not None:
+            loop, fut = waiter
+            loop.call_soon_threadsafe(_wake, fut)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- consumer side ---
+    def _pop_merged(self) -> RequestOutput:
+        first = self._items.popleft()
+        if not self._items or first.finished:
+            return first
+        texts, ids = [first.text], list(first.token_ids)
+        last = first
+        while self._items:
+            last = self._items.popleft()
+            texts.append(last.text)
+            ids.extend(last.token_ids)
+            if last.finished:
+                break
+        last.text = "".join(texts)
+        last.token_ids = ids
+        return last
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._items), timeout):
+                raise TimeoutError(f"no output for {self.request_id} within {timeout}s")
+            return self._pop_merged()
+
+    async def aget(self) -> RequestOutput:
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._pop_merged()
+                loop = asyncio.get_running_loop()
+                fut = loop.create_future()
+                self._waiter = (loop, fut)
+            await fut
+
+    def __iter__(self):
+        while True:
+            out = self.get()
+            yield out
+            if out.finished:
+                return
+
+    async def __aiter__(self):
+        while True:
+            out = await self.aget()
+            yield out
+            if out.finished:
+                return
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,0 +1,77 @@
+"""Test helpers: tiny random HF checkpoints (GPT-2, Llama with GQA, Qwen2 with qkv bias), built offline.
+
+`build_tiny_checkpoint(family, out_dir)` writes a real checkpoint with `save_pretrained` (safetensors,
+config.json, generation_config.json) plus a 512-token byte-level BPE tokenizer trained on the bundled
+corpus, so tests exercise the same `from_pretrained` path as real models. Deterministic for a given
+seed (same bytes in any process). Model vocab == len(tokenizer) == 512.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from engine.default_model import (
+    EOS_TOKEN,
+    IM_END,
+    deterministic_cpu_build,
+    quiet_progress_bars,
+    build_tokenizer,
+)
+
+TinyFamily = Literal["gpt2", "llama", "qwen2"]
+TINY_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2")
+TINY_VOCAB = 512
+TINY_MAX_POSITIONS = 512
+
+
+def _tiny_config(family: str, vocab: int, eos_id: int):
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    if family == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=TINY_MAX_POSITIONS, **ids
+        )
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        intermediate_size=128,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        **ids,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)  # q/k/v projections carry a bias in Qwen2
+    raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+
+
+def build_tiny_checkpoint(family: TinyFamily, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write a tiny random `family` checkpoint + tokenizer into `out_dir` (created). Returns the path."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(TINY_VOCAB)
+    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+    config = _tiny_config(family, len(tok), eos_id)
+    config.dtype = "float32"
+    with deterministic_cpu_build(seed):
+        model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=[eos_id, tok.convert_tokens_to_ids(IM_END)], pad_token_id=eos_id
+    )
+    with quiet_progress_bars():
+        model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+__all__ = ["TINY_FAMILIES", "TINY_MAX_POSITIONS", "TINY_VOCAB", "TinyFamily", "build_tiny_checkpoint"]

@@ -1,0 +1,94 @@
+"""Scheduler configuration: every knob of the seeds and of SCORPIO, validated, with policy presets."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PolicyName = Literal["fcfs", "pack", "edf", "edf_reject", "tpot_guard", "scorpio", "kairos"]
+POLICIES: tuple[str, ...] = ("fcfs", "pack", "edf", "edf_reject", "tpot_guard", "scorpio", "kairos")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyFlags:
+    """The mechanisms a policy switches on (resolved from its name plus explicit overrides)."""
+
+    queue_order: Literal["fifo", "ldf"]
+    admission: Literal["fifo", "pack"]
+    force_fifo_every: int
+    ttft_reject: bool
+    sort_before_reject: bool
+    credit_batching: bool
+    vbs_gate: bool
+    monotone_skip: bool
+    online_refit: bool
+
+
+_PRESETS: dict[str, tuple] = {
+    #              order   admission force ttft_rej sort1st credit gate  skip  refit
+    "fcfs":       ("fifo", "fifo", 0, False, False, False, False, False, False),
+    "pack":       ("fifo", "pack", 8, False, False, False, False, False, False),
+    "edf":        ("ldf",  "fifo", 0, False, False, False, False, False, False),
+    "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False),
+    "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False),
+    "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False),
+    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  True),
+}
+
+
+class SchedulerConfig(BaseModel):
+    """Named, validated scheduler knobs. `None` on a mechanism knob means "as the policy says"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyName = "kairos"
+    # capacity
+    max_num_seqs: int = Field(64, gt=0, description="max running (admitted, unfinished) requests")
+    # seeds: pending-queue admission
+    prefill_max_batch_size: int = Field(64, gt=0, description="requests per prefill round")
+    prefill_max_tokens: int | None = Field(1024, gt=0, description="prompt-token budget per prefill round")
+    prefill_admission_policy: Literal["fifo", "pack"] | None = None
+    prefill_admission_lookahead: int = Field(64, gt=0)
+    prefill_force_fifo_every: int | None = Field(None, ge=0, description="every N-th round is FIFO (0: never)")
+    # SCORPIO TTFT guard
+    queue_order: Literal["fifo", "ldf"] | None = None
+    ttft_reject: bool | None = None
+    ttft_margin_ms: float = Field(50.0, ge=0)
+    sort_before_reject: bool | None = None
+    # SCORPIO TPOT guard
+    credit_batching: bool | None = None
+    vbs_gate: bool | None = None
+    vbs_margin: float = Field(1.3, gt=0, description="k in ITL(VBS, L) * k < slack * T_min")
+    vbs_slack: float = Field(0.99, gt=0, le=1)
+    tpot_on_fail: Literal["reject", "hold"] = "reject"
+    monotone_skip: bool | None = None
+    best_effort_trp: float = Field(0.5, gt=0, le=1, description="decode rate of requests without a TPOT SLO")
+    # predictor
+    online_refit: bool | None = None
+    refit_forgetting: float = Field(0.98, gt=0, le=1)
+    predictor_path: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "SchedulerConfig":
+        if self.prefill_max_batch_size > 4096:
+            raise ValueError("prefill_max_batch_size is unreasonably large (> 4096)")
+        return self
+
+    def flags(self) -> PolicyFlags:
+        order, adm, force, rej, sort1, credit, gate, skip, refit = _PRESETS[self.policy]
+
+        def pick(v, d):
+            return d if v is None else v
+
+        return PolicyFlags(
+            queue_order=pick(self.queue_order, order),
+            admission=pick(self.prefill_admission_policy, adm),
+            force_fifo_every=pick(self.prefill_force_fifo_every, force),
+            ttft_reject=pick(self.ttft_reject, rej),
+            sort_before_reject=pick(self.sort_before_reject, sort1),
+            credit_batching=pick(self.credit_batching, credit),
+            vbs_gate=pick(self.vbs_gate, gate),
+            monotone_skip=pick(self.monotone_skip, skip),
+            online_refit=pick(self.online_refit, refit),
+        )

@@ -1,0 +1,259 @@
+"""Step-time model: ``Prefill(n)`` (piecewise linear) and ``ITL(B, L) = a·B·L + b·B + c·L + d``.
+
+Fitted offline by least squares on profiled steps (``profile``), refit online by recursive least
+squares with exponential forgetting, saved as JSON. Pure numpy; the engine supplies the timings.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MIN_MS = 0.05  # predictions are clamped to at least this
+_RIDGE = 1e-3  # prior precision of P (scaled coordinates): a direction without data gets P = 1/_RIDGE
+_P_MAX_TRACE = 1e4  # cap on trace(P): stops covariance wind-up when forgetting meets poor excitation
+_FORMAT = 1
+
+
+def r2(y: Sequence[float], yhat: Sequence[float]) -> float:
+    """Coefficient of determination (1.0 for a perfect fit of constant data)."""
+    y, yhat = np.asarray(y, float), np.asarray(yhat, float)
+    ss_res = float(np.sum((y - yhat) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    if ss_tot == 0.0:
+        return 1.0 if ss_res < 1e-12 else 0.0
+    return 1.0 - ss_res / ss_tot
+
+
+def mape(y: Sequence[float], yhat: Sequence[float]) -> float:
+    """Mean absolute percentage error as a fraction (0.027 = 2.7%)."""
+    y, yhat = np.asarray(y, float), np.asarray(yhat, float)
+    return float(np.mean(np.abs(y - yhat) / np.maximum(np.abs(y), 1e-12)))
+
+
+def _cap(p: np.ndarray) -> np.ndarray:
+    trace = float(np.trace(p))
+    if not math.isfinite(trace) or trace <= 0.0:
+        return np.eye(len(p)) / _RIDGE
+    return p * (_P_MAX_TRACE / trace) if trace > _P_MAX_TRACE else p
+
+
+class _LinearRLS:
+    """``y = w·x`` fitted in feature coordinates scaled to O(1) so that P stays well conditioned."""
+
+    def __init__(self, w: Sequence[float], scale: Sequence[float] | None = None, p: Any = None) -> None:
+        self.w = np.asarray(w, float)
+        self.scale = np.ones(len(self.w)) if scale is None else np.asarray(scale, float)
+        self.p = np.eye(len(self.w)) / _RIDGE if p is None else np.asarray(p, float)
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(self.w @ np.asarray(x, float))
+
+    def fit(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.scale = np.maximum(np.abs(x).max(axis=0), 1.0)
+        xs = x / self.scale
+        self.w = np.linalg.lstsq(xs, y, rcond=None)[0] / self.scale
+        self.p = _cap(np.linalg.inv(xs.T @ xs + _RIDGE * np.eye(xs.shape[1])))
+
+    def update(self, x: Sequence[float], y: float, lam: float) -> None:
+        xs = np.asarray(x, float) / self.scale
+        px = self.p @ xs
+        denom = lam + float(xs @ px)
+        if not math.isfinite(denom) or denom <= 0.0:
+            self.p = np.eye(len(self.w)) / _RIDGE
+            return
+        gain = px / denom
+        theta = self.w * self.scale + gain * (y - self.predict(x))
+        self.w = theta / self.scale
+        p = (self.p - np.outer(gain, px)) / lam
+        self.p = _cap((p + p.T) / 2.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"w": self.w.tolist(), "scale": self.scale.tolist(), "p": self.p.tolist()}
+
+
+def _prefill_x(n: float) -> list[float]:
+    return [float(n), 1.0]
+
+
+def _decode_x(batch: float, ctx_len: float) -> list[float]:
+    return [batch * ctx_len, float(batch), float(ctx_len), 1.0]
+
+
+class LatencyModel:
+    """Step-time predictor in milliseconds; ``meta`` records model/device/dtype of the fit."""
+
+    def __init__(
+        self,
+        prefill_coef: Sequence[float] = (0.0, 0.0),
+        decode_coef: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
+        *,
+        c0: float = 0.0,
+        theta: float = -5.0,
+        forgetting: float = 0.98,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError("forgetting must be in (0, 1]")
+        self.c0 = float(c0)
+        self.theta = float(theta)
+        self.forgetting = float(forgetting)
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._prefill = _LinearRLS(prefill_coef)
+        self._decode = _LinearRLS(decode_coef)
+
+    @property
+    def prefill_coef(self) -> tuple[float, float]:
+        """(alpha, beta) of ``alpha·n + beta``."""
+        alpha, beta = self._prefill.w.tolist()
+        return alpha, beta
+
+    @property
+    def decode_coef(self) -> tuple[float, float, float, float]:
+        """(a, b, c, d) of ``a·B·L + b·B + c·L + d``."""
+        a, b, c, d = self._decode.w.tolist()
+        return a, b, c, d
+
+    def prefill_ms(self, n: float) -> float:
+        """Time of a prefill step over ``n`` prompt tokens."""
+        raw = self.c0 if n <= self.theta else self._prefill.predict(_prefill_x(n))
+        return max(MIN_MS, raw)
+
+    def itl_ms(self, batch: float, ctx_len: float) -> float:
+        """Time of a decode step over ``batch`` sequences of mean context length ``ctx_len``."""
+        return max(MIN_MS, self._decode.predict(_decode_x(batch, ctx_len)))
+
+    def fit_prefill(self, samples: Sequence[tuple[float, float]]) -> LatencyModel:
+        """Least squares on ``(n, ms)``: ``c0`` = mean over ``n <= theta``, linear part over the rest."""
+        low = [ms for n, ms in samples if n <= self.theta]
+        high = [(n, ms) for n, ms in samples if n > self.theta]
+        if low:
+            self.c0 = float(np.mean(low))
+        if high:
+            self._prefill.fit(np.array([_prefill_x(n) for n, _ in high]), np.array([ms for _, ms in high]))
+        return self
+
+    def fit_decode(self, samples: Sequence[tuple[float, float, float]]) -> LatencyModel:
+        """Least squares on ``(B, L, ms)`` decode-step samples."""
+        if samples:
+            x = np.array([_decode_x(b, n) for b, n, _ in samples])
+            self._decode.fit(x, np.array([ms for _, _, ms in samples]))
+        return self
+
+    def observe_prefill(self, n: float, ms: float) -> None:
+        """Online refit from one measured prefill step (non-finite or non-positive times ignored)."""
+        if not (math.isfinite(ms) and ms > 0.0):
+            return
+        if n <= self.theta:
+            self.c0 += (1.0 - self.forgetting) * (ms - self.c0)
+        else:
+            self._prefill.update(_prefill_x(n), ms, self.forgetting)
+
+    def observe_decode(self, batch: float, ctx_len: float, ms: float) -> None:
+        """Online refit from one measured decode step (non-finite or non-positive times ignored)."""
+        if math.isfinite(ms) and ms > 0.0:
+            self._decode.update(_decode_x(batch, ctx_len), ms, self.forgetting)
+
+    def score_prefill(self, samples: Sequence[tuple[float, float]]) -> dict[str, float]:
+        y = [ms for _, ms in samples]
+        yhat = [self.prefill_ms(n) for n, _ in samples]
+        return {"r2": r2(y, yhat), "mape": mape(y, yhat)}
+
+    def score_decode(self, samples: Sequence[tuple[float, float, float]]) -> dict[str, float]:
+        y = [ms for _, _, ms in samples]
+        yhat = [self.itl_ms(b, n) for b, n, _ in samples]
+        return {"r2": r2(y, yhat), "mape": mape(y, yhat)}
+
+    def matches(self, meta: Mapping[str, Any]) -> bool:
+        """Whether this fit was made for ``meta`` (every given key equal, e.g. model/device/dtype)."""
+        return all(self.meta.get(k) == v for k, v in meta.items())
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": _FORMAT, "meta": self.meta, "theta": self.theta, "c0": self.c0,
+            "forgetting": self.forgetting,
+            "prefill": self._prefill.to_dict(), "decode": self._decode.to_dict(),
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> LatencyModel:
+        d = json.loads(text)
+        if d.get("format") != _FORMAT:
+            raise ValueError(f"unsupported latency-model format {d.get('format')!r}")
+        model = cls(c0=d["c0"], theta=d["theta"], forgetting=d["forgetting"], meta=d["meta"])
+        model._prefill = _LinearRLS(**d["prefill"])
+        model._decode = _LinearRLS(**d["decode"])
+        return model
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyModel:
+        return cls.from_json(Path(path).read_text())
+
+
+def profile(
+    run_prefill: Callable[[int], float],
+    run_decode: Callable[[int, int], float],
+    *,
+    prefill_sizes: Sequence[int],
+    batch_sizes: Sequence[int],
+    ctx_lens: Sequence[int],
+    repeats: int = 3,
+    time_budget_s: float = 60.0,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[LatencyModel, dict[str, Any]]:
+    """Measure prefill and decode steps through the engine's callables (which return ms) and fit.
+
+    Each repeat interleaves prefill sizes with the (B, L) grid in a seeded shuffled order, so a
+    budget cut leaves both kinds of sample and holding out every 4th decode sample does not alias
+    with the grid. No sample is started once ``time_budget_s`` has elapsed; the fit uses whatever
+    was measured. The decode fit excludes the held-out samples, which give ``mape_holdout``.
+    """
+    rng = np.random.default_rng(seed)
+    grid = [(b, n) for b in batch_sizes for n in ctx_lens]
+    prefill: list[tuple[float, float]] = []
+    decode: list[tuple[float, float, float]] = []
+    start = clock()
+    exhausted = False
+    for _ in range(repeats):
+        shuffled = [grid[i] for i in rng.permutation(len(grid))]
+        for task in itertools.chain.from_iterable(itertools.zip_longest(prefill_sizes, shuffled)):
+            if task is None:
+                continue
+            if clock() - start >= time_budget_s:
+                exhausted = True
+                break
+            if isinstance(task, tuple):
+                decode.append((task[0], task[1], float(run_decode(*task))))
+            else:
+                prefill.append((task, float(run_prefill(task))))
+        if exhausted:
+            break
+    train = [s for i, s in enumerate(decode) if i % 4 != 3]
+    holdout = [s for i, s in enumerate(decode) if i % 4 == 3]
+    model = LatencyModel().fit_prefill(prefill).fit_decode(train)
+    fit = model.score_decode(train) if train else {"r2": None, "mape": None}
+    prefill_fit = model.score_prefill(prefill) if prefill else {"r2": None, "mape": None}
+    report = {
+        "r2": fit["r2"],
+        "mape_train": fit["mape"],
+        "mape_holdout": model.score_decode(holdout)["mape"] if holdout else None,
+        "prefill_r2": prefill_fit["r2"],
+        "prefill_mape": prefill_fit["mape"],
+        "n_samples": len(prefill) + len(decode),
+        "n_prefill": len(prefill),
+        "n_decode": len(decode),
+        "n_holdout": len(holdout),
+        "seconds": clock() - start,
+        "budget_exhausted": exhausted,
+    }
+    return model, report

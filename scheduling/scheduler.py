@@ -1,0 +1,194 @@
+"""The per-replica scheduler: each step it decides which requests to prefill, which to decode, which to reject.
+
+Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate) according to
+the policy flags. Owns the waiting/running sets and the KV block accounting; the engine only executes.
+Steps are prefill-first (as vLLM V0 / SCORPIO): a step with admissions runs only those prefills.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv.block_manager import BlockManager
+from engine.request import Request, Status
+from scheduling.admission import Verdict, take_for_prefill
+from scheduling.config import SchedulerConfig
+from scheduling.predictor import LatencyModel
+from scheduling.queues import order_waiting
+from scheduling.tpot_guard import VBSGate, select_by_credit, vbs
+from scheduling.ttft_guard import find_ttft_unattainable
+
+TTFT_UNATTAINABLE = "ttft_unattainable"
+TPOT_UNATTAINABLE = "tpot_unattainable"
+
+
+@dataclass(slots=True)
+class StepPlan:
+    prefill: list[Request] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    rejected: list[tuple[Request, str]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
+                 predictor: LatencyModel | None = None) -> None:
+        self.config = config
+        self.flags = config.flags()
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.predictor = predictor
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._round = 0
+        self.last_vbs = 0.0
+
+    # --- queue membership ---
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Forget a request (finished, aborted, failed) and free its KV blocks."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.blocks.free(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _cost(self, req: Request) -> int:
+        return min(req.num_tokens - req.num_computed_tokens, self.max_model_len)
+
+    @property
+    def needs_predictor(self) -> bool:
+        return self.flags.ttft_reject or self.flags.vbs_gate
+
+    # --- the step decision ---
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        f = self.flags
+        if f.queue_order == "ldf" and f.sort_before_reject:
+            order_waiting(self.waiting, "ldf")
+        if f.ttft_reject and self.predictor is not None and self.waiting:
+            fresh = [r for r in self.waiting if r.first_token_s is None]
+            for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.config.ttft_margin_ms,
+                                            self._cost):
+                self.waiting.remove(r)
+                plan.rejected.append((r, TTFT_UNATTAINABLE))
+        if f.queue_order == "ldf" and not f.sort_before_reject:
+            order_waiting(self.waiting, "ldf")
+        plan.prefill = self._admit(now, plan)
+        if not plan.prefill and self.running:
+            plan.decode = self._select_decode(plan)
+        return plan
+
+    def _admit(self, now: float, plan: StepPlan) -> list[Request]:
+        cap = self.config.max_num_seqs - len(self.running)
+        if cap <= 0 or not self.waiting:
+            return []
+        f = self.flags
+        self._round += 1
+        force_fifo = f.force_fifo_every > 0 and self._round % f.force_fifo_every == 0
+        gate = None
+        if f.vbs_gate and self.predictor is not None:
+            gate = VBSGate(self.running, self.predictor.itl_ms, margin=self.config.vbs_margin,
+                           slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
+                           monotone_skip=f.monotone_skip)
+        kv_full = False
+
+        def accept(r: Request) -> Verdict:
+            nonlocal kv_full
+            if kv_full:
+                return Verdict.STOP
+            if gate is not None and r.first_token_s is None and not gate.check(r):
+                if self.config.tpot_on_fail == "reject" or (not self.running and not gate.admitted):
+                    plan.rejected.append((r, TPOT_UNATTAINABLE))
+                    return Verdict.DROP
+                return Verdict.STOP if gate.stopped else Verdict.KEEP
+            if not self.blocks.can_fit(r, r.num_tokens + 1):
+                kv_full = True  # memory is head-of-line: wait for blocks to free up
+                return Verdict.STOP
+            self.blocks.ensure(r, r.num_tokens)
+            if gate is not None:
+                gate.admit(r)
+            return Verdict.ADMIT
+
+        selected = take_for_prefill(
+            self.waiting, cost=self._cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
+            max_tokens=self.config.prefill_max_tokens, policy=f.admission,
+            lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
+        for r in selected:
+            r.status = Status.RUNNING
+            if r.admitted_s is None:
+                r.admitted_s = now
+            r.credit = 0.0
+            self.running.append(r)
+        return selected
+
+    def _select_decode(self, plan: StepPlan) -> list[Request]:
+        be = self.config.best_effort_trp
+        t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
+        self.last_vbs = vbs(self.running, t_min, be)
+        batch = select_by_credit(self.running, t_min, be) if self.flags.credit_batching else list(self.running)
+        out: list[Request] = []
+        for r in batch:
+            if r.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self.blocks.can_fit(r, r.num_tokens):
+                victim = self._victim(exclude=out)
+                self._preempt(victim, plan)
+                if victim is r:
+                    break
+            if r.status is Status.RUNNING:
+                self.blocks.ensure(r, r.num_tokens)
+                out.append(r)
+        return out
+
+    def _victim(self, exclude: list[Request]) -> Request:
+        """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice)."""
+        for r in reversed(self.running):
+            if r not in exclude:
+                return r
+        raise RuntimeError("KV cache too small for a single request")  # excluded by add-time validation
+
+    def _preempt(self, r: Request, plan: StepPlan) -> None:
+        self.running.remove(r)
+        self.blocks.free(r)
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        r.credit = 0.0
+        r.status = Status.WAITING
+        self.waiting.appendleft(r)
+        plan.preempted.append(r)
+
+    # --- feedback ---
+    def on_step_done(self, plan: StepPlan, step_ms: float) -> None:
+        if self.predictor is None or not self.flags.online_refit:
+            return
+        if plan.prefill and not plan.decode:
+            self.predictor.observe_prefill(plan.num_prefill_tokens, step_ms)
+        elif plan.decode and not plan.prefill:
+            avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
+            self.predictor.observe_decode(len(plan.decode), avg_len, step_ms)
+
+    def predict_ttft_ms(self, num_prompt_tokens: int) -> float:
+        """TTFT a new request would see now: prefill of everything queued ahead of it plus its own."""
+        if self.predictor is None:
+            return 0.0
+        ahead = sum(self._cost(r) for r in self.waiting)
+        return self.predictor.prefill_ms(ahead + min(num_prompt_tokens, self.max_model_len))

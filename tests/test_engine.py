@@ -1,0 +1,210 @@
+"""Engine behaviour on real (tiny, random) HF checkpoints: exact greedy equality, KV hygiene, abort, errors."""
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.request import SLO
+from scheduling.config import SchedulerConfig
+
+PROMPT_LENS = [1, 3, 7, 16, 33, 64, 100, 150, 250, 300]
+MAX_TOKENS = [12, 30, 5, 25, 17, 40, 9, 22, 14, 33]
+
+
+def _engine(path, policy="fcfs", **kw):
+    return LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4,
+                                  scheduler=SchedulerConfig(policy=policy, prefill_max_tokens=256), **kw))
+
+
+def _hf_greedy(path, prompt_ids, n):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # run to length, like ignore_eos
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.inference_mode():
+        for ids, k in zip(prompt_ids, n):
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=k, min_new_tokens=k, do_sample=False)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def _prompts(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _run_staggered(eng, prompts, slos=None):
+    """Submit in three waves at different engine steps; return each request's output token ids."""
+    streams = [None] * len(prompts)
+    outs = [[] for _ in prompts]
+    waves = [range(0, 4), range(4, 7), range(7, len(prompts))]
+    for w, idx in enumerate(waves):
+        for i in idx:
+            p = SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+            streams[i] = eng.add_request(prompts[i], p, slos[i] if slos else None)
+        if w < 2:  # let a few steps run so arrivals land mid-decode
+            first = streams[idx[0]].get(timeout=30)
+            outs[idx[0]].extend(first.token_ids)
+            if first.finished:
+                streams[idx[0]] = None
+    for i, s in enumerate(streams):
+        if s is None:
+            continue
+        for o in s:
+            outs[i].extend(o.token_ids)
+            assert o.finish_reason in (None, "length"), o
+    return outs
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_greedy_equals_hf_generate(tiny_checkpoints, family):
+    path = tiny_checkpoints[family]
+    eng = _engine(path, policy="tpot_guard")
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)
+        # loose, distinct TPOT SLOs: never rejected, but credit batching decodes subsets of the running set
+        slos = [SLO(tpot_ms=1e5 * (1 + i % 3)) for i in range(len(prompts))]
+        outs = _run_staggered(eng, prompts, slos)
+        assert outs == _hf_greedy(path, prompts, MAX_TOKENS)
+        time.sleep(0.05)
+        st = eng.stats()
+        assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
+    finally:
+        eng.shutdown()
+
+
+def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    # 120 blocks x 4 = 480 token slots: far less than the ~1300 the batch needs at once
+    eng = _engine(path, num_kv_blocks=120, max_model_len=400)
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit, seed=1)
+        outs = _run_staggered(eng, prompts)
+        assert outs == _hf_greedy(path, prompts, MAX_TOKENS)
+        time.sleep(0.05)
+        assert eng.stats().kv_blocks_free == 120
+    finally:
+        eng.shutdown()
+
+
+def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        s = eng.add_request([5] * 40, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                            request_id="long")
+        first = s.get(timeout=30)
+        assert not first.finished
+        eng.abort("long")
+        last = None
+        for last in s:
+            pass
+        assert last.finished and last.finish_reason == "abort"
+        deadline = time.time() + 5
+        while eng.stats().kv_blocks_used and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.stats().kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
+def test_streamed_text_equals_one_shot_decode(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["qwen2"])
+    tok = eng.tokenizer
+    try:
+        for seed in range(4):
+            p = SamplingParams(max_tokens=48, temperature=1.0, seed=seed, ignore_eos=True)
+            chunks, ids = [], []
+            for o in eng.add_request("héllo wörld ✓ 你好 🎉", p):
+                chunks.append(o.text)
+                ids.extend(o.token_ids)
+            assert "".join(chunks) == tok.decode(ids, skip_special_tokens=True)
+    finally:
+        eng.shutdown()
+
+
+def test_incremental_detokenizer_multibyte(tiny_checkpoints):
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.loader import load_model
+
+    tok = load_model(tiny_checkpoints["gpt2"]).tokenizer
+    text = "emoji 🎉🧪 and CJK 你好世界, accents héllo wörld ✓"
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.step(i) for i in ids]
+    assert "".join(pieces) == text
+    assert "" in pieces  # some characters really were split across tokens
+
+
+def test_seeded_sampling_is_reproducible(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        def run(seed):
+            p = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=seed, ignore_eos=True)
+            return [t for o in eng.add_request([3, 4, 5], p) for t in o.token_ids]
+        assert run(7) == run(7)
+        assert run(7) != run(8)
+    finally:
+        eng.shutdown()
+
+
+def test_stop_strings_and_eos(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        full = "".join(o.text for o in eng.add_request([3, 4, 5], p))
+        assert len(full) > 4
+        stop = full[3:5]
+        outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, stop=[stop])))
+        text = "".join(o.text for o in outs)
+        assert outs[-1].finish_reason == "stop" and stop not in text and full.startswith(text)
+        eos = eng.bundle.eos_token_ids[0]
+        outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=5, stop_token_ids=[], temperature=0.0)))
+        assert outs[-1].finish_reason in ("stop", "length")
+        assert eos not in [t for o in outs for t in o.token_ids][:-1]
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "non-empty"),
+    ([1] * 600, SamplingParams(), "context window is 512"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
+    ("hi", SamplingParams(temperature=-0.1), "temperature"),
+    ("hi", SamplingParams(top_p=0.0), "top_p"),
+    ("hi", SamplingParams(top_p=1.5), "top_p"),
+    ([10**9], SamplingParams(), "token ids"),
+])
+def test_bad_input_raises_clear_error_and_engine_keeps_serving(tiny_checkpoints, prompt, params, match):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(prompt, params)
+        outs = list(eng.add_request("still serving", SamplingParams(max_tokens=3, temperature=0.0)))
+        assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
+    finally:
+        eng.shutdown()
+
+
+def test_unknown_model_path_is_a_value_error():
+    with pytest.raises(ValueError, match="cannot load model"):
+        LLMEngine(EngineConfig(model="/nonexistent/model/dir", device="cpu"))
+
+
+def test_fault_in_a_step_ends_streams_with_error_and_engine_recovers(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        eng.inject_fault(1)
+        outs = list(eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0)))
+        assert outs[-1].finish_reason == "error" and "injected" in outs[-1].error
+        assert eng.is_alive()
+        outs = list(eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+        assert outs[-1].finish_reason == "length"
+    finally:
+        eng.shutdown()

@@ -1,0 +1,264 @@
+"""Model loading and the embedded default models (offline, random weights)."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import default_model as dm
+from engine.default_model import EMBEDDED_MODELS, build_model_dir, ensure_default_model
+from engine.loader import ModelBundle, load_model, resolve_device, resolve_dtype
+from engine.testing import TINY_VOCAB, build_tiny_checkpoint
+
+TEXT = "héllo wörld ✓ 你好 🎉"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"}]
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kairos_cache")
+
+
+@pytest.fixture(autouse=True)
+def _kairos_cache(cache_root, monkeypatch):
+    monkeypatch.setenv("KAIROS_CACHE", str(cache_root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def default_bundle(cache_root) -> ModelBundle:
+    os.environ["KAIROS_CACHE"] = str(cache_root)  # module fixtures run outside monkeypatch
+    try:
+        return load_model("kairos-default")
+    finally:
+        os.environ.pop("KAIROS_CACHE", None)
+
+
+# --------------------------------------------------------------------------- embedded models
+
+
+def test_embedded_tiny_builds_once_and_reloads_identically(cache_root):
+    rng_before = torch.get_rng_state()
+    path = ensure_default_model("kairos-tiny")
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the build does not disturb the caller's RNG
+    assert path.parent == cache_root and path.name.startswith("kairos-tiny-")
+    weights = path / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert ensure_default_model("kairos-tiny") == path
+    assert weights.stat().st_mtime_ns == mtime  # second call did not rebuild
+    assert not [p for p in cache_root.iterdir() if ".tmp-" in p.name]  # no temp dirs left
+
+    a, b = load_model("kairos-tiny", device="cpu"), load_model("kairos-tiny", device="cpu")
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.path == str(path) and a.name == "kairos-tiny"
+    cfg = a.config
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("llama", 256, 4)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 2, 8192)
+    assert a.max_model_len == 1024 and a.dtype == torch.float32 and a.device == torch.device("cpu")
+    assert not a.model.training and not any(p.requires_grad for p in a.model.parameters())
+    assert 4.9e6 < sum(p.numel() for p in a.model.parameters()) < 5.2e6
+
+
+def test_embedded_build_is_byte_deterministic(cache_root, tmp_path):
+    cached = ensure_default_model("kairos-tiny")
+    fresh = build_model_dir("kairos-tiny", tmp_path / "fresh")
+    for f in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
+        assert (cached / f).read_bytes() == (fresh / f).read_bytes(), f
+
+
+def test_recipe_change_gives_a_new_directory(monkeypatch):
+    before = dm.model_dir("kairos-tiny")
+    monkeypatch.setattr(dm, "RECIPE_VERSION", dm.RECIPE_VERSION + 1)
+    assert dm.model_dir("kairos-tiny") != before
+    assert dm.model_dir("kairos-tiny", "/somewhere").parent == Path("/somewhere")
+
+
+def test_lost_build_race_uses_the_winner(tmp_path, monkeypatch):
+    root = tmp_path / "race"
+    target = dm.model_dir("kairos-tiny", root)
+    real_build = dm.build_model_dir
+
+    def build_and_lose(name, out):  # another process publishes the target while we build
+        real_build(name, target)
+        return real_build(name, out)
+
+    monkeypatch.setattr(dm, "build_model_dir", build_and_lose)
+    assert ensure_default_model("kairos-tiny", root) == target
+    assert sorted(p.name for p in root.iterdir()) == [target.name]
+    assert (target / "model.safetensors").is_file()
+
+
+def test_embedded_default_model(default_bundle):
+    b = default_bundle
+    cfg = b.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        512, 8, 8, 8
+    )
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings) == (1408, 32000, 2048)
+    assert cfg.tie_word_embeddings
+    n = sum(p.numel() for p in b.model.parameters())
+    assert 42.0e6 < n < 42.2e6
+    assert b.max_model_len == 2048
+    with torch.no_grad():
+        logits = b.model(torch.tensor([b.tokenizer.encode(TEXT)])).logits
+    assert logits.shape[-1] == 32000 and torch.isfinite(logits).all()
+    assert logits.float().std() > 0  # not degenerate
+
+
+@pytest.mark.parametrize("name", EMBEDDED_MODELS)
+def test_embedded_vocab_limit_and_special_ids(name, default_bundle):
+    b = default_bundle if name == "kairos-default" else load_model(name)
+    tok = b.tokenizer
+    assert b.vocab_limit == len(tok) < b.config.vocab_size
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == eot
+    assert b.config.eos_token_id == b.config.bos_token_id == b.config.pad_token_id == eot
+    assert b.eos_token_ids == [eot, im_end]
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("name", EMBEDDED_MODELS)
+def test_tokenizer_round_trip_and_streaming(name, default_bundle):
+    from tokenizers.decoders import DecodeStream
+
+    tok = default_bundle.tokenizer if name == "kairos-default" else load_model(name).tokenizer
+    assert tok.is_fast
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert tok.decode(ids) == TEXT
+    stream = DecodeStream(skip_special_tokens=True)
+    pieces = [stream.step(tok.backend_tokenizer, i) for i in ids]
+    assert "".join(p for p in pieces if p) == TEXT
+    assert None in pieces  # multi-byte characters are split across tokens and held back
+
+
+def test_chat_template_renders():
+    tok = load_model("kairos-tiny").tokenizer
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi ✓<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    assert no_prompt.endswith("<|im_end|>\n") and "assistant" not in no_prompt
+    ids = tok.encode(text, add_special_tokens=False)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == im_start and ids.count(im_start) == 3  # special tokens are single ids
+    assert tok.decode(ids) == text
+
+
+# --------------------------------------------------------------------------- tiny checkpoints
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_tiny_checkpoints_load_and_run(family, tiny_checkpoints):
+    b = load_model(tiny_checkpoints[family], device="cpu")
+    assert b.config.model_type == family
+    assert b.vocab_limit == len(b.tokenizer) == b.config.vocab_size == TINY_VOCAB
+    assert b.max_model_len == 512 and b.dtype == torch.float32
+    assert 0 in b.eos_token_ids
+    ids = b.tokenizer.encode(TEXT, add_special_tokens=False)
+    assert b.tokenizer.decode(ids) == TEXT
+    with torch.no_grad():
+        logits = b.model(torch.tensor([ids, ids])).logits
+    assert logits.shape == (2, len(ids), TINY_VOCAB)
+    assert torch.isfinite(logits).all()
+    if family != "gpt2":
+        attn = b.model.model.layers[0].self_attn
+        assert attn.k_proj.out_features == 2 * attn.head_dim  # GQA: 2 kv heads
+        assert (attn.q_proj.bias is not None) == (family == "qwen2")
+
+
+def test_tiny_checkpoint_is_deterministic(tmp_path):
+    a = build_tiny_checkpoint("llama", tmp_path / "a", seed=0)
+    b = build_tiny_checkpoint("llama", tmp_path / "b", seed=0)
+    c = build_tiny_checkpoint("llama", tmp_path / "c", seed=1)
+    wa, wb, wc = ((p / "model.safetensors").read_bytes() for p in (a, b, c))
+    assert wa == wb and wa != wc
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+
+def test_max_model_len_and_dtype_options(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    b = load_model(path, max_model_len=100, dtype="bf16")
+    assert b.max_model_len == 100
+    assert b.dtype == torch.bfloat16 and next(b.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="exceeds the model's maximum context of 512"):
+        load_model(path, max_model_len=513)
+
+
+def test_separate_tokenizer_path(tiny_checkpoints):
+    b = load_model(tiny_checkpoints["llama"], tokenizer=tiny_checkpoints["gpt2"])
+    assert b.tokenizer.name_or_path.endswith("gpt2")
+
+
+# --------------------------------------------------------------------------- errors and options
+
+
+def test_unknown_path_is_a_clear_value_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match=r"cannot load model .*no-such-model.*: no such directory"):
+        load_model(str(missing))
+    with pytest.raises(ValueError, match=r"cannot load model 'nobody/no-such-model': not a local directory"):
+        load_model("nobody/no-such-model")  # HF_HUB_OFFLINE=1: no network
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_unsupported_family_lists_supported(tmp_path):
+    from transformers import OPTConfig
+
+    OPTConfig().save_pretrained(tmp_path / "opt")
+    with pytest.raises(ValueError, match=r"unsupported model family 'opt'.*gpt2, llama, qwen2"):
+        load_model(str(tmp_path / "opt"))
+
+
+def test_unsupported_dtype_and_device():
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+        load_model("kairos-tiny", dtype="int8")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("float64", torch.device("cpu"))
+    with pytest.raises(ValueError):
+        resolve_device("tpu")
+    with pytest.raises(ValueError):
+        resolve_device("not a device")
+
+
+def test_resolve_dtype_and_device():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("fp32", cpu) is torch.float32 and resolve_dtype("float32", cpu) is torch.float32
+    assert resolve_dtype("bf16", cpu) is torch.bfloat16 and resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    assert resolve_dtype("fp16", cpu) is torch.float16 and resolve_dtype("float16", cpu) is torch.float16
+    assert resolve_dtype("auto", cpu) is torch.float32
+    assert resolve_dtype("auto", cpu, torch.bfloat16) is torch.bfloat16
+    assert resolve_dtype("auto", cpu, "float16") is torch.float32
+    assert resolve_device("cpu") == cpu
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        expect = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        assert resolve_dtype("auto", torch.device("cuda")) is expect
+
+
+def test_trust_remote_code_defaults_false(tmp_path):
+    assert inspect.signature(load_model).parameters["trust_remote_code"].default is False
+    repo = tmp_path / "custom"
+    repo.mkdir()
+    marker = tmp_path / "EXECUTED"
+    (repo / "config.json").write_text(json.dumps({
+        "model_type": "kairos_custom",
+        "auto_map": {"AutoConfig": "custom.Cfg", "AutoModelForCausalLM": "custom.Model"},
+    }))
+    (repo / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_model(str(repo))
+    assert not marker.exists()  # the checkpoint's code never ran

@@ -1,0 +1,218 @@
+"""Queue order (LDF), TTFT guard, credit batching and the VBS gate, on engine Request objects."""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+
+from engine.request import SLO, Request
+from engine.sampling import SamplingParams
+from scheduling.queues import order_waiting
+from scheduling.tpot_guard import VBSGate, min_tpot, select_by_credit, trp, vbs
+from scheduling.ttft_guard import find_ttft_unattainable
+
+
+def _req(rid: str, *, prompt: int = 10, ttft: float | None = None, tpot: float | None = None,
+         arrival: float = 0.0, out_hint: int | None = None, max_tokens: int = 64) -> Request:
+    return Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens),
+                   slo=SLO(ttft_ms=ttft, tpot_ms=tpot, output_len_hint=out_hint), arrival_s=arrival)
+
+
+def _ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+# --- queue order ---
+
+def test_ldf_sorts_by_deadline_then_arrival_best_effort_last() -> None:
+    q = deque([
+        _req("be1", arrival=0.0),
+        _req("late", ttft=3000, arrival=0.0),      # deadline 3.0
+        _req("tie_b", ttft=1000, arrival=1.0),     # deadline 2.0
+        _req("tie_a", ttft=1500, arrival=0.5),     # deadline 2.0, earlier arrival
+        _req("be0", arrival=-1.0),
+        _req("urgent", ttft=500, arrival=1.0),     # deadline 1.5
+    ])
+    order_waiting(q, "ldf")
+    assert _ids(q) == ["urgent", "tie_a", "tie_b", "late", "be0", "be1"]
+
+
+def test_fifo_order_leaves_queue_alone() -> None:
+    q = deque([_req("b", ttft=900, arrival=1.0), _req("a", ttft=100, arrival=0.0)])
+    order_waiting(q, "fifo")
+    assert _ids(q) == ["b", "a"]
+    with pytest.raises(ValueError):
+        order_waiting(q, "lifo")  # type: ignore[arg-type]
+
+
+# --- TTFT guard ---
+
+def _prefill_ms(n: int) -> float:
+    return 0.1 * n + 10.0
+
+
+QUEUE = [  # (id, prompt tokens, deadline in ms from now=0; None = best effort)
+    ("r0", 100, 100.0),   # cum 100:  20 + 50 = 70  < 100  ok
+    ("r1", 500, 100.0),   # cum 600:  70 + 50 = 120 > 100  unattainable -> cum back to 100
+    ("r2", 1000, None),   # cum 1100: best effort, never returned, tokens count
+    ("r3", 100, 200.0),   # cum 1200: 130 + 50 = 180 < 200 ok
+    ("r4", 100, 185.0),   # cum 1300: 140 + 50 = 190 > 185 unattainable -> cum back to 1200
+    ("r5", 50, 186.0),    # cum 1250: 135 + 50 = 185 < 186 ok (would be 195 had r4 stayed)
+]
+
+
+def _ttft_queue() -> list[Request]:
+    return [_req(rid, prompt=n, ttft=ms) for rid, n, ms in QUEUE]
+
+
+def test_ttft_guard_rejects_by_cumulative_prefill() -> None:
+    out = find_ttft_unattainable(_ttft_queue(), 0.0, _prefill_ms, 50.0, lambda r: r.num_prompt_tokens)
+    assert _ids(out) == ["r1", "r4"]
+
+
+def test_ttft_guard_base_ms_and_now() -> None:
+    def unattainable(now_s: float, base_ms: float = 0.0) -> list[str]:
+        return _ids(find_ttft_unattainable(_ttft_queue(), now_s, _prefill_ms, 50.0,
+                                           lambda r: r.num_prompt_tokens, base_ms=base_ms))
+
+    # 10 ms of known delay: r3 needs 190 < 200 (ok), r5 needs 195 > 186.
+    assert unattainable(0.0, base_ms=10.0) == ["r1", "r4", "r5"]
+    # The same queue 0.1 s later: every SLO'd request has lost 100 ms of slack.
+    assert unattainable(0.1) == ["r0", "r1", "r3", "r4", "r5"]
+
+
+# --- credit batching ---
+
+def _run_steps(reqs, steps: int, be: float = 0.5) -> list[list[str]]:
+    t_min = min_tpot(reqs)
+    return [_ids(select_by_credit(reqs, t_min, be)) for _ in range(steps)]
+
+
+def test_trp_and_vbs() -> None:
+    assert trp(60, 30, 0.5) == 0.5
+    assert trp(math.inf, 30, 0.5) == 0.5
+    assert trp(math.inf, math.inf, 0.5) == 0.5
+    assert trp(30, math.inf, 0.5) == 1.0
+    reqs = [_req(str(i), tpot=t) for i, t in enumerate((30, 30, 60, 60))]
+    assert vbs(reqs, 30, 0.5) == 3.0
+    assert min_tpot([]) == math.inf
+
+
+def test_credit_schedule_2_4_6() -> None:
+    reqs = [_req("R1", tpot=2), _req("R2", tpot=4), _req("R3", tpot=6)]
+    assert _run_steps(reqs, 6) == [
+        ["R1"], ["R1", "R2"], ["R1", "R3"], ["R1", "R2"], ["R1"], ["R1", "R2", "R3"],
+    ]
+    assert reqs[0].credit == 0.0  # T == T_min never touches credit
+
+
+def test_credit_30_30_60_60_alternates_2_and_4() -> None:
+    reqs = [_req(str(i), tpot=t) for i, t in enumerate((30, 30, 60, 60))]
+    assert [len(b) for b in _run_steps(reqs, 6)] == [2, 4, 2, 4, 2, 4]
+
+
+def test_credit_best_effort_paced_and_all_best_effort_unpaced() -> None:
+    reqs = [_req("slo", tpot=30), _req("be")]
+    assert _run_steps(reqs, 4, be=0.5) == [["slo"], ["slo", "be"], ["slo"], ["slo", "be"]]
+    be_only = [_req("a"), _req("b")]
+    assert _run_steps(be_only, 2) == [["a", "b"], ["a", "b"]]
+
+
+# --- VBS gate ---
+# A linear ITL with dyadic coefficients, so the boundary is exact in floating point:
+# itl(B, L) = a·B·L + b·B + c·L + d with a = 1/256, b = 1, c = 1/128, d = 2.
+
+def _itl(batch: float, ctx: float) -> float:
+    return batch * ctx / 256 + batch + ctx / 128 + 2
+
+
+def _gate_case(out_len: int, **kw) -> bool:
+    # running: one request (T 64, 100 tokens); candidate: T 64, 140 prompt tokens.
+    # T_min' = 64, VBS' = 2 -> itl = L / 64 + 4; L_in = (100 + 140) / 2 = 120; L = 120 + out_len / 2.
+    gate = VBSGate([_req("run", tpot=64, prompt=100)], _itl, **kw)
+    return gate.check(_req("cand", tpot=64, prompt=140, out_hint=out_len, max_tokens=10_000))
+
+
+def test_vbs_gate_exact_boundary() -> None:
+    # margin 1, slack 1: admit iff L / 64 + 4 < 64  <=>  L < 3840  <=>  out_len < 7440.
+    assert _gate_case(7438, margin=1.0, slack=1.0)
+    assert not _gate_case(7440, margin=1.0, slack=1.0)
+
+
+def test_vbs_gate_default_margin_boundary() -> None:
+    # k = 1.3, slack 0.99: (L / 64 + 4) * 1.3 < 63.36  <=>  L < 2863.26  <=>  out_len/2 < 2743.26.
+    assert _gate_case(5486)
+    assert not _gate_case(5488)
+
+
+def test_vbs_gate_counts_round_admissions_and_tmin() -> None:
+    seen: list[tuple[float, float]] = []
+
+    def itl(batch: float, ctx: float) -> float:
+        seen.append((batch, ctx))
+        return 1.0
+
+    gate = VBSGate([_req("r", tpot=50, prompt=100), _req("be", prompt=300)], itl, best_effort_trp=0.5)
+    cand = _req("c", tpot=25, prompt=200, out_hint=40)
+    assert gate.check(cand)
+    # T_min' = 25: VBS' = 25/50 + 25/25 + 0.5; L = (100 + 300 + 200) / 3 + 40 / 2.
+    assert seen[-1] == (2.0, 220.0)
+    gate.admit(cand)
+    assert gate.admitted == 1
+    assert gate.check(_req("d", tpot=50, prompt=400, out_hint=40))
+    # T_min stays 25: VBS' = 0.5 + 1 + 0.5 + 0.5; L = (600 + 400) / 4 + 20 (we divide by all 4 sequences).
+    assert seen[-1] == (2.5, 270.0)
+
+
+def test_vbs_gate_output_len_estimate_overrides_hint() -> None:
+    seen: list[float] = []
+    gate = VBSGate([], lambda b, ctx: seen.append(ctx) or 1.0, output_len_estimate=lambda r: 10.0)
+    assert gate.check(_req("c", tpot=50, prompt=100, out_hint=500))
+    assert seen == [105.0]
+
+
+def _skip_scenario(monotone_skip: bool) -> tuple[list[bool], int, VBSGate]:
+    calls = []
+
+    def itl(batch: float, ctx: float) -> float:
+        calls.append(batch)
+        return 40.0 * batch
+
+    gate = VBSGate([_req("run", tpot=200)], itl, monotone_skip=monotone_skip)
+    # A (T 50): VBS' 1.25 -> 50 * 1.3 > 49.5 fails.  B (T 40) and B2 (T 50) are no looser.
+    # C (T 400): T_min' 200, VBS' 1.5 -> 60 * 1.3 < 198 passes.
+    cands = [_req("A", tpot=50), _req("B", tpot=40), _req("B2", tpot=50), _req("C", tpot=400)]
+    return [gate.check(c) for c in cands], len(calls), gate
+
+
+def test_monotone_skip_skips_tighter_but_tries_looser() -> None:
+    results, n_calls, gate = _skip_scenario(monotone_skip=True)
+    assert results == [False, False, False, True]
+    assert n_calls == 2  # B and B2 failed without evaluating the predictor
+    assert not gate.stopped
+
+
+def test_scorpio_head_of_line_stop() -> None:
+    results, n_calls, gate = _skip_scenario(monotone_skip=False)
+    assert results == [False, False, False, False]
+    assert n_calls == 1
+    assert gate.stopped
+    assert not gate.check(_req("be"))  # SCORPIO breaks: nobody else is considered this step
+
+
+def test_best_effort_never_rejected_but_counts_once_admitted() -> None:
+    seen: list[float] = []
+
+    def itl(batch: float, ctx: float) -> float:
+        seen.append(batch)
+        return 1e9
+
+    gate = VBSGate([_req("run", tpot=64)], itl, best_effort_trp=0.25)
+    for i in range(3):
+        be = _req(f"be{i}")
+        assert gate.check(be)
+        gate.admit(be)
+    assert seen == []
+    assert not gate.check(_req("slo", tpot=64))
+    assert seen == [1 + 1 + 3 * 0.25]

@@ -1,0 +1,178 @@
+"""Latency model: exact LS recovery, JSON persistence, online RLS refit, and the profiler."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from scheduling.predictor import MIN_MS, LatencyModel, mape, profile, r2
+
+DECODE = (0.002, 0.5, 0.01, 3.0)  # a, b, c, d
+PREFILL = (0.03, 4.0)  # alpha, beta
+BATCHES = (1, 2, 4, 8, 16, 32)
+CTX = (64, 128, 256, 512)
+SIZES = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def _itl(coef, b, n) -> float:
+    a, bb, c, d = coef
+    return a * b * n + bb * b + c * n + d
+
+
+def _pf(coef, n) -> float:
+    return coef[0] * n + coef[1]
+
+
+def _fitted() -> LatencyModel:
+    model = LatencyModel(meta={"model": "tiny-llama", "device": "cpu", "dtype": "float32"})
+    model.fit_prefill([(n, _pf(PREFILL, n)) for n in SIZES])
+    model.fit_decode([(b, n, _itl(DECODE, b, n)) for b in BATCHES for n in CTX])
+    return model
+
+
+def test_exact_recovery_of_linear_model() -> None:
+    model = _fitted()
+    assert model.decode_coef == pytest.approx(DECODE, rel=1e-9)
+    assert model.prefill_coef == pytest.approx(PREFILL, rel=1e-9)
+    assert model.itl_ms(12, 300) == pytest.approx(_itl(DECODE, 12, 300))
+    assert model.prefill_ms(700) == pytest.approx(_pf(PREFILL, 700))
+    score = model.score_decode([(b, n, _itl(DECODE, b, n)) for b in BATCHES for n in CTX])
+    assert score["r2"] == pytest.approx(1.0) and score["mape"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_piecewise_prefill_and_clamp() -> None:
+    model = LatencyModel(theta=32)
+    model.fit_prefill([(8, 5.0), (16, 7.0), (64, _pf(PREFILL, 64)), (512, _pf(PREFILL, 512))])
+    assert model.prefill_ms(10) == 6.0  # c0 = mean of the samples at n <= theta
+    assert model.prefill_ms(100) == pytest.approx(_pf(PREFILL, 100))
+    negative = LatencyModel(prefill_coef=(-1.0, 0.0), decode_coef=(0.0, 0.0, 0.0, -5.0))
+    assert negative.prefill_ms(100) == MIN_MS
+    assert negative.itl_ms(4, 100) == MIN_MS
+
+
+def test_json_round_trip(tmp_path) -> None:
+    model = _fitted()
+    model.observe_decode(8, 200, 20.0)  # non-trivial RLS state
+    clone = LatencyModel.from_json(model.to_json())
+    path = tmp_path / "fit.json"
+    model.save(path)
+    loaded = LatencyModel.load(path)
+    for other in (clone, loaded):
+        assert other.meta == model.meta and other.forgetting == model.forgetting
+        assert other.decode_coef == model.decode_coef and other.prefill_coef == model.prefill_coef
+        # The RLS covariance travels too: the same observation moves both models identically.
+        other.observe_decode(32, 500, 70.0)
+    model.observe_decode(32, 500, 70.0)
+    assert clone.itl_ms(3, 77) == loaded.itl_ms(3, 77) == model.itl_ms(3, 77)
+    assert model.matches({"model": "tiny-llama", "dtype": "float32"})
+    assert not model.matches({"device": "cuda"})
+    with pytest.raises(ValueError, match="format"):
+        LatencyModel.from_json('{"format": 99}')
+
+
+def test_online_refit_tracks_shifted_model() -> None:
+    model = _fitted()
+    shifted_decode = tuple(1.5 * x for x in DECODE)
+    shifted_prefill = (0.045, 9.0)
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        b, n = int(rng.integers(1, 33)), int(rng.integers(64, 513))
+        model.observe_decode(b, n, _itl(shifted_decode, b, n) * (1 + rng.normal(0, 0.002)))
+        p = int(rng.integers(16, 1025))
+        model.observe_prefill(p, _pf(shifted_prefill, p) * (1 + rng.normal(0, 0.002)))
+    for b in BATCHES:
+        for n in CTX:
+            assert model.itl_ms(b, n) == pytest.approx(_itl(shifted_decode, b, n), rel=0.01)
+    for n in SIZES:
+        assert model.prefill_ms(n) == pytest.approx(_pf(shifted_prefill, n), rel=0.01)
+
+
+def test_online_refit_survives_poor_excitation_and_bad_samples() -> None:
+    model = _fitted()
+    for _ in range(3000):  # the same point forever: covariance wind-up without the trace cap
+        model.observe_decode(8, 256, _itl(DECODE, 8, 256))
+    model.observe_decode(8, 256, math.nan)
+    model.observe_decode(8, 256, -1.0)
+    model.observe_prefill(100, math.inf)
+    model.observe_decode(30, 500, _itl(DECODE, 30, 500) * 1.01)
+    assert model.decode_coef == pytest.approx(DECODE, rel=0.05)
+    assert model.itl_ms(16, 128) == pytest.approx(_itl(DECODE, 16, 128), rel=0.02)
+    assert model.prefill_coef == pytest.approx(PREFILL, rel=1e-9)
+
+
+def test_online_refit_from_unfitted_model() -> None:
+    model = LatencyModel(forgetting=0.95)
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        b, n = int(rng.integers(1, 33)), int(rng.integers(64, 513))
+        model.observe_decode(b, n, _itl(DECODE, b, n))
+    assert model.itl_ms(16, 300) == pytest.approx(_itl(DECODE, 16, 300), rel=0.01)
+
+
+def test_score_helpers() -> None:
+    assert r2([1, 2, 3], [1, 2, 3]) == 1.0
+    assert r2([1, 2, 3], [2, 2, 2]) == 0.0
+    assert r2([5, 5], [5, 5]) == 1.0
+    assert mape([100, 200], [110, 180]) == pytest.approx(0.1)
+
+
+class FakeEngine:
+    """Callables returning measured ms; each call advances a fake clock by one second."""
+
+    def __init__(self, noise: float = 0.0) -> None:
+        self.now = 0.0
+        self.rng = np.random.default_rng(0)
+        self.noise = noise
+
+    def clock(self) -> float:
+        return self.now
+
+    def _measure(self, ms: float) -> float:
+        self.now += 1.0
+        return ms * (1 + self.rng.normal(0, self.noise)) if self.noise else ms
+
+    def prefill(self, n: int) -> float:
+        return self._measure(_pf(PREFILL, n))
+
+    def decode(self, b: int, n: int) -> float:
+        return self._measure(_itl(DECODE, b, n))
+
+
+def _profile(eng: FakeEngine, budget: float):
+    return profile(eng.prefill, eng.decode, prefill_sizes=SIZES, batch_sizes=BATCHES, ctx_lens=CTX,
+                   repeats=2, time_budget_s=budget, clock=eng.clock)
+
+
+def test_profile_full_run_recovers_model_and_reports_holdout() -> None:
+    model, report = _profile(FakeEngine(), budget=1e9)
+    n_decode = 2 * len(BATCHES) * len(CTX)
+    assert report["n_samples"] == 2 * len(SIZES) + n_decode
+    assert report["n_decode"] == n_decode and report["n_holdout"] == n_decode // 4
+    assert not report["budget_exhausted"]
+    assert report["r2"] == pytest.approx(1.0)
+    assert report["mape_holdout"] == pytest.approx(0.0, abs=1e-9)
+    assert model.decode_coef == pytest.approx(DECODE, rel=1e-9)
+
+
+def test_profile_noisy_holdout_mape() -> None:
+    _, report = _profile(FakeEngine(noise=0.02), budget=1e9)
+    assert 0.002 < report["mape_holdout"] < 0.05
+    assert 0.002 < report["mape_train"] < 0.05
+    assert report["r2"] > 0.99
+
+
+def test_profile_respects_time_budget() -> None:
+    eng = FakeEngine()
+    model, report = _profile(eng, budget=12.0)
+    assert report["n_samples"] == 12 and report["seconds"] == 12.0
+    assert report["budget_exhausted"]
+    assert report["n_prefill"] == 6 and report["n_decode"] == 6  # interleaved: both kinds measured
+    assert model.prefill_coef == pytest.approx(PREFILL, rel=1e-9)
+    assert model.itl_ms(4, 128) > MIN_MS  # fitted with what it had
+
+
+def test_profile_with_no_time_still_returns_a_model() -> None:
+    model, report = _profile(FakeEngine(), budget=0.0)
+    assert report["n_samples"] == 0 and report["mape_holdout"] is None and report["r2"] is None
+    assert model.itl_ms(4, 128) == MIN_MS
