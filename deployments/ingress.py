@@ -5,7 +5,7 @@ through a streaming handle. The first item is awaited *before* any status is sen
 bad prompts and backpressure become proper 4xx/5xx answers and a 200 stream never turns into a 429.
 Client disconnects cancel the handle call, which aborts the request in the engine (see replica.py).
 """
-from __future__ import annotations
+# NB: no `from __future__ import annotations`: FastAPI must see real annotations (Request) on Serve methods.
 
 import hmac
 import json
@@ -198,8 +198,8 @@ class Ingress:
         except BaseException:
             gen.cancel()
             raise
-        headers = {"x-request-id": rid, "x-kairos-replica": str(first.get("replica", ""))}
-        if "error" in first:
+        headers = {"x-kairos-request-id": rid, "x-kairos-replica": str(first.get("replica", ""))}
+        if "status" in first:  # the replica refused the input (400) or its engine is dead (503)
             status = int(first.get("status", 500))
             type_ = "invalid_request_error" if status < 500 else "server_error"
             extra = {"Retry-After": str(self.retry_after_s)} if status == 503 else {}

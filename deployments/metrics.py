@@ -26,17 +26,17 @@ class ReplicaMetrics:
 
         def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
             h = Histogram(f"kairos_{name}", description=desc, boundaries=bounds, tag_keys=tier + ("model",))
-            h.set_default_tags(model_tags)
+            h.set_default_tags(dict(model_tags))  # Serve mutates the dict
             return h
 
         def ctr(name: str, desc: str, keys: tuple[str, ...] = ()) -> Counter:
             c = Counter(f"kairos_{name}", description=desc, tag_keys=keys + ("model",))
-            c.set_default_tags(model_tags)
+            c.set_default_tags(dict(model_tags))  # Serve mutates the dict
             return c
 
         def gauge(name: str, desc: str) -> Gauge:
             g = Gauge(f"kairos_{name}", description=desc, tag_keys=("model",))
-            g.set_default_tags(model_tags)
+            g.set_default_tags(dict(model_tags))  # Serve mutates the dict
             return g
 
         self.ttft = hist("ttft_s", "time to first token (arrival to first token), seconds", _LAT_S)
@@ -61,7 +61,7 @@ class ReplicaMetrics:
         self.inflight = gauge("replica_inflight", "requests inside this replica's generate()")
         self.decode_hist = Histogram("kairos_decode_batch", description="sampled decode batch sizes",
                                      boundaries=_BATCH, tag_keys=("model",))
-        self.decode_hist.set_default_tags(model_tags)
+        self.decode_hist.set_default_tags(dict(model_tags))  # Serve mutates the dict
 
     def update_engine(self, st: Any, inflight: int) -> None:
         """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works)."""

@@ -67,6 +67,7 @@ class LLMServer:
         self.log_prompts = log_prompts
         self.metrics = ReplicaMetrics(str(cfg.model))
         self.inflight = 0
+        self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
         self.itl_ms: float | None = None  # EWMA of observed inter-token gaps
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
@@ -142,6 +143,7 @@ class LLMServer:
         finally:  # client went away (CancelledError / GeneratorExit) or an error: free the KV now
             self.inflight -= 1
             if not finished:
+                self.aborted += 1
                 self.engine.abort(rid)
                 log.info("request %s aborted (caller cancelled)", rid)
 
@@ -179,7 +181,7 @@ class LLMServer:
         st = self.engine.stats()
         return {"replica": self.replica_id, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": st.kv_blocks_total,
-                "inflight": self.inflight, "steps": st.steps, "rejected": dict(st.rejected)}
+                "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected)}
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len}

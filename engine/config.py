@@ -26,5 +26,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="cache size as a memory budget")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     kv_cache_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
+    cpu_upcast_matmul: Literal["auto", "on", "off"] = Field(
+        "auto", description="bf16/fp16 on CPUs without native half GEMM: run multi-row matmuls in fp32")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import cpu_matmul
 from engine.attention import ATTN_NAME
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -62,6 +63,7 @@ class LLMEngine:
             trust_remote_code=config.trust_remote_code, attn_implementation=ATTN_NAME,
             max_model_len=config.max_model_len)
         b = self.bundle
+        self.upcast_linears = cpu_matmul.install(b.model, config.cpu_upcast_matmul)
         self.tokenizer = b.tokenizer
         self.max_model_len = b.max_model_len
         self.model_name = b.name

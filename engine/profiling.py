@@ -76,7 +76,7 @@ class _Prober:
                 self.e.blocks.free(r)
 
 
-def load_or_profile(engine: "LLMEngine", time_budget_s: float = 15.0) -> tuple[LatencyModel, dict]:
+def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0) -> tuple[LatencyModel, dict]:
     meta = _meta(engine)
     path = Path(engine.config.scheduler.predictor_path or _default_path(meta))
     if path.exists():

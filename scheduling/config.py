@@ -23,17 +23,18 @@ class PolicyFlags:
     vbs_gate: bool
     monotone_skip: bool
     online_refit: bool
+    hybrid_steps: bool
 
 
 _PRESETS: dict[str, tuple] = {
-    #              order   admission force ttft_rej sort1st credit gate  skip  refit
-    "fcfs":       ("fifo", "fifo", 0, False, False, False, False, False, False),
-    "pack":       ("fifo", "pack", 8, False, False, False, False, False, False),
-    "edf":        ("ldf",  "fifo", 0, False, False, False, False, False, False),
-    "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False),
-    "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False),
-    "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False),
-    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  True),
+    #              order   admission force ttft_rej sort1st credit gate  skip   refit  hybrid
+    "fcfs":       ("fifo", "fifo", 0, False, False, False, False, False, False, False),
+    "pack":       ("fifo", "pack", 8, False, False, False, False, False, False, False),
+    "edf":        ("ldf",  "fifo", 0, False, False, False, False, False, False, False),
+    "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False, False),
+    "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False, False),
+    "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False, False),
+    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  True,  True),
 }
 
 
@@ -66,6 +67,7 @@ class SchedulerConfig(BaseModel):
     best_effort_trp: float = Field(0.5, gt=0, le=1, description="decode rate of requests without a TPOT SLO")
     # predictor
     online_refit: bool | None = None
+    hybrid_steps: bool | None = Field(None, description="decode running requests in the same forward as prefills")
     refit_forgetting: float = Field(0.98, gt=0, le=1)
     predictor_path: str | None = None
 
@@ -76,7 +78,7 @@ class SchedulerConfig(BaseModel):
         return self
 
     def flags(self) -> PolicyFlags:
-        order, adm, force, rej, sort1, credit, gate, skip, refit = _PRESETS[self.policy]
+        order, adm, force, rej, sort1, credit, gate, skip, refit, hybrid = _PRESETS[self.policy]
 
         def pick(v, d):
             return d if v is None else v
@@ -91,4 +93,5 @@ class SchedulerConfig(BaseModel):
             vbs_gate=pick(self.vbs_gate, gate),
             monotone_skip=pick(self.monotone_skip, skip),
             online_refit=pick(self.online_refit, refit),
+            hybrid_steps=pick(self.hybrid_steps, hybrid),
         )

@@ -2,7 +2,9 @@
 
 Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate) according to
 the policy flags. Owns the waiting/running sets and the KV block accounting; the engine only executes.
-Steps are prefill-first (as vLLM V0 / SCORPIO): a step with admissions runs only those prefills.
+Steps are prefill-first (as vLLM V0 / SCORPIO): a step with admissions runs only those prefills, unless
+`hybrid_steps` is on (kairos): then the running requests' decodes ride in the same forward as the prefills,
+so a prefill round no longer stalls every decode for a whole extra step.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class Scheduler:
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         plan.prefill = self._admit(now, plan)
-        if not plan.prefill and self.running:
+        if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
             plan.decode = self._select_decode(plan)
         return plan
 
@@ -142,15 +144,17 @@ class Scheduler:
 
     def _select_decode(self, plan: StepPlan) -> list[Request]:
         be = self.config.best_effort_trp
+        fresh = set(plan.prefill)
+        decoding = [r for r in self.running if r not in fresh] if fresh else self.running
         t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
         self.last_vbs = vbs(self.running, t_min, be)
-        batch = select_by_credit(self.running, t_min, be) if self.flags.credit_batching else list(self.running)
+        batch = select_by_credit(decoding, t_min, be) if self.flags.credit_batching else list(decoding)
         out: list[Request] = []
         for r in batch:
             if r.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
-                victim = self._victim(exclude=out)
+                victim = self._victim(exclude=out + plan.prefill)
                 self._preempt(victim, plan)
                 if victim is r:
                     break

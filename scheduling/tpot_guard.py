@@ -67,9 +67,10 @@ class VBSGate:
     divides by ``n_running + 1`` only, which overstates L once several are admitted in one step;
     we divide by the number of sequences actually summed. Best-effort candidates always pass.
 
-    After a failure at TPOT T: with ``monotone_skip`` later candidates of this round (the running set
-    is fixed per gate) with TPOT <= T fail without evaluation (looser ones are still tried); without it (SCORPIO) the gate is ``stopped`` and
-    every later check fails, which the caller maps to ``Verdict.STOP``.
+    After a failure at TPOT T: with ``monotone_skip`` later candidates of this round (the running
+    set is fixed per gate) with TPOT <= T fail without evaluation, looser ones are still tried;
+    without it (SCORPIO) the gate is ``stopped`` and every later check fails, which the caller maps
+    to ``Verdict.STOP``. The skip assumes comparable lengths, as SCORPIO's shortcut does.
     """
 
     def __init__(

@@ -1,0 +1,63 @@
+"""bf16/fp16 linears on CPUs without native half-precision GEMM (no AVX512-BF16 / AMX, e.g. AVX2-only EPYC).
+
+There oneDNN emulates bf16 GEMM at ~19 GFLOP/s against ~150 GFLOP/s in fp32 (2 cores). Like a weight-only
+quantized kernel, we keep the weights in bf16 (half the memory) and, for matmuls with >= MIN_ROWS rows,
+upcast the weight into a reused fp32 workspace and run the fp32 GEMM. Single-row GEMVs are bandwidth-bound
+and stay native. Numerically this is at least as accurate as a bf16 GEMM (fp32 accumulation, fp32 inputs).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MIN_ROWS = 4
+
+
+@functools.cache
+def cpu_has_native_half() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return True  # unknown platform: do not second-guess the vendor kernels
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+
+
+class _Workspace:
+    buf: torch.Tensor | None = None
+
+    @classmethod
+    def fp32(cls, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel()
+        if cls.buf is None or cls.buf.numel() < n:
+            cls.buf = torch.empty(n, dtype=torch.float32)
+        return cls.buf[:n].view(like.shape).copy_(like)
+
+
+class UpcastLinear(nn.Linear):
+    """nn.Linear whose multi-row matmuls run in fp32 from half-precision weights (same parameters)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < MIN_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        w = _Workspace.fp32(self.weight)
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def install(model: nn.Module, mode: str = "auto") -> int:
+    """Swap eligible nn.Linear modules to UpcastLinear. Returns how many were swapped."""
+    p = next(model.parameters())
+    if mode == "off" or p.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if mode == "auto" and cpu_has_native_half():
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = UpcastLinear
+            n += 1
+    return n

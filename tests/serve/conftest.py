@@ -1,0 +1,66 @@
+"""ONE session-scoped Ray + Serve app for all serving tests (cold start is the expensive part on 2 cores).
+
+kairos-tiny in float32, 2 LLM replicas (so routing is observable), a small KV cache, 1 torch thread per
+replica, a 64 KiB body cap. Tests talk real HTTP to 127.0.0.1:8000 and use a handle for replica stats.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+APP_NAME = "kairos-test"
+BASE_URL = "http://127.0.0.1:8000"
+MAX_BODY = 64 * 1024
+TEST_ARGS = dict(model="kairos-tiny", dtype="float32", num_replicas=2, num_kv_blocks=128, block_size=16,
+                 num_threads=1, max_num_seqs=16, max_body_bytes=MAX_BODY, served_model_name="kairos-tiny",
+                 routing_stats_period_s=1.0, metrics_interval_s=0.5, health_check_period_s=2.0)
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> Iterator[dict]:
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from deployments import build_app
+
+    t0 = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2)
+    t1 = time.monotonic()
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    serve.run(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/", blocking=False)
+    t2 = time.monotonic()
+    print(f"\n[serve fixture] ray.init {t1 - t0:.1f}s, deploy-to-ready {t2 - t1:.1f}s")
+    try:
+        yield {"base_url": BASE_URL, "app_name": APP_NAME, "startup_s": t2 - t0}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def base_url(serve_app: dict) -> str:
+    return serve_app["base_url"]
+
+
+@pytest.fixture(scope="session")
+def llm_handle(serve_app: dict):
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name=serve_app["app_name"])
+
+
+def replica_stats(handle, want: int = 2, timeout_s: float = 10.0) -> dict[str, dict]:
+    """Stats of every LLM replica: non-generate calls are spread at random by the router, so poll until all seen."""
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < want and time.monotonic() < deadline:
+        st = handle.stats.remote().result(timeout_s=timeout_s)
+        seen[st["replica"]] = st
+    return seen

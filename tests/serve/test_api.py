@@ -1,0 +1,118 @@
+"""Happy paths over real HTTP: completions and chat, streaming and not, plus the official openai client."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+MODEL = "kairos-tiny"
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str):
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        yield c
+
+
+def test_health_and_models(client: httpx.Client) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] > 0
+
+
+def test_completion(client: httpx.Client) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello, Kairos", "max_tokens": 6,
+                                             "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert isinstance(body["choices"][0]["text"], str) and body["choices"][0]["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] == 6 and u["total_tokens"] == u["prompt_tokens"] + 6
+    assert r.headers["x-kairos-replica"]
+
+
+def test_completion_token_ids_seed_and_stop_extensions(client: httpx.Client) -> None:
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 5, "seed": 7, "top_k": 5, "min_tokens": 2, "stop": ["zzz"],
+            "ignore_eos": True}
+    a = client.post("/v1/completions", json=body).json()
+    b = client.post("/v1/completions", json=body).json()
+    assert a["usage"]["prompt_tokens"] == 4 and a["usage"]["completion_tokens"] == 5
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # same seed -> same sample
+    one = client.post("/v1/completions", json={"prompt": ["just one string"], "max_tokens": 2})
+    assert one.status_code == 200, one.text
+
+
+def test_completion_stream(client: httpx.Client) -> None:
+    req = {"prompt": "Once upon a time", "max_tokens": 8, "stream": True, "ignore_eos": True,
+           "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=req) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text_chunks = [c for c in chunks if c["choices"]]
+    assert len(text_chunks) >= 2  # streamed as produced, not one blob
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_chat(client: httpx.Client) -> None:
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 5,
+                                                  "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_chat_stream_and_content_parts(client: httpx.Client) -> None:
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " a story"}]}]
+    with client.stream("POST", "/v1/chat/completions",
+                       json={"messages": msgs, "max_completion_tokens": 6, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in chunks[-1]  # only with stream_options.include_usage
+
+
+def test_openai_client(base_url: str) -> None:
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in oa.models.list()] == [MODEL]
+
+    c = oa.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 4 and c.choices[0].finish_reason == "length"
+    pieces = [ch.choices[0].text for ch in oa.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
+                                                                 stream=True, extra_body={"ignore_eos": True})
+              if ch.choices]
+    assert len(pieces) >= 2
+
+    chat = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                      extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    stream = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert any(ch.choices and ch.choices[0].finish_reason == "length" for ch in chunks)
+
+    with pytest.raises(openai.BadRequestError):
+        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+    with pytest.raises(openai.RateLimitError):
+        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_headers={"x-slo-ttft-ms": "0.001"})

@@ -1,0 +1,116 @@
+"""Bad input never yields a 500: each case maps to its status code and an OpenAI-style JSON error."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MAX_BODY
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_CMPL = {"prompt": "hi", "max_tokens": 2}
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str):
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err and "code" in err
+    return err
+
+
+BAD_BODIES = [
+    ("invalid_json", CMPL, b'{"prompt": "hi", "max_tokens": ', 400),
+    ("not_an_object", CMPL, b"[1, 2, 3]", 400),
+    ("empty_body", CHAT, b"", 400),
+    ("missing_prompt", CMPL, {"max_tokens": 2}, 400),
+    ("missing_messages", CHAT, {"max_tokens": 2}, 400),
+    ("empty_messages", CHAT, {"messages": []}, 400),
+    ("prompt_wrong_type", CMPL, {"prompt": 123}, 400),
+    ("messages_wrong_type", CHAT, {"messages": "hi"}, 400),
+    ("bad_role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("image_part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
+    ("max_tokens_str", CMPL, {**OK_CMPL, "max_tokens": "many"}, 400),
+    ("max_tokens_zero", CMPL, {**OK_CMPL, "max_tokens": 0}, 400),
+    ("max_tokens_negative", CHAT, {**OK_CHAT, "max_tokens": -5}, 400),
+    ("n_2", CMPL, {**OK_CMPL, "n": 2}, 400),
+    ("n_2_chat", CHAT, {**OK_CHAT, "n": 2}, 400),
+    ("temperature_negative", CMPL, {**OK_CMPL, "temperature": -1}, 400),
+    ("top_p_zero", CMPL, {**OK_CMPL, "top_p": 0}, 400),
+    ("stop_not_str", CMPL, {**OK_CMPL, "stop": [1]}, 400),
+    ("min_gt_max", CMPL, {**OK_CMPL, "min_tokens": 5}, 400),
+    ("negative_token_id", CMPL, {"prompt": [1, -2], "max_tokens": 2}, 400),
+    ("token_id_out_of_vocab", CMPL, {"prompt": [10**9], "max_tokens": 2}, 400),
+    ("batched_prompt", CMPL, {"prompt": ["a", "b"], "max_tokens": 2}, 400),
+    ("body_slo_negative", CMPL, {**OK_CMPL, "slo_ttft_ms": -1}, 400),
+    ("stream_bad_input", CMPL, {**OK_CMPL, "stream": True, "max_tokens": 0}, 400),
+]
+
+
+@pytest.mark.parametrize("path,body,status", [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES])
+def test_bad_body(client: httpx.Client, path: str, body, status: int) -> None:
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert_error(r, status)
+
+
+@pytest.mark.parametrize("header,value", [
+    ("x-slo-ttft-ms", "-5"), ("x-slo-ttft-ms", "0"), ("x-slo-ttft-ms", "fast"), ("x-slo-ttft-ms", "nan"),
+    ("x-slo-ttft-ms", "inf"), ("x-slo-ttft-ms", "1e12"), ("x-slo-tpot-ms", "-1"), ("x-slo-tpot-ms", ""),
+    ("x-slo-output-len", "1.5"), ("x-slo-output-len", "0"), ("x-slo-output-len", "1e9"),
+])
+def test_bad_slo_headers(client: httpx.Client, header: str, value: str) -> None:
+    err = assert_error(client.post(CMPL, json=OK_CMPL, headers={header: value}), 400)
+    assert err["code"] == "invalid_slo" and header in err["message"]
+
+
+def test_prompt_over_context_window(client: httpx.Client) -> None:
+    limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    err = assert_error(client.post(CMPL, json={"prompt": [5] * (limit + 10), "max_tokens": 2}), 400)
+    assert str(limit) in err["message"]
+    err = assert_error(client.post(CHAT, json={"messages": [{"role": "user", "content": "word " * (limit + 10)}]}),
+                       400)
+    assert str(limit) in err["message"]
+
+
+def test_body_too_large(client: httpx.Client) -> None:
+    big = {"prompt": "x" * (MAX_BODY + 10), "max_tokens": 2}
+    err = assert_error(client.post(CMPL, json=big), 413)
+    assert err["code"] == "body_too_large"
+
+    def chunks():  # no content-length: the cap applies while streaming the body in
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b"y" * 1024
+        yield b'"}'
+
+    assert_error(client.post(CMPL, content=chunks(), headers={"content-type": "application/json"}), 413)
+
+
+def test_unknown_route_and_method(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/embeddings", json={}), 404)
+    assert_error(client.get(CMPL), 405)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unattainable_ttft_slo_is_429(client: httpx.Client, stream: bool) -> None:
+    r = client.post(CMPL, json={**OK_CMPL, "stream": stream}, headers={"x-slo-ttft-ms": "0.001"})
+    err = assert_error(r, 429)
+    assert err["code"] == "ttft_unattainable" and "ttft_unattainable" in err["message"]
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-kairos-reject-reason"] == "ttft_unattainable"
+
+
+def test_valid_slo_is_served(client: httpx.Client) -> None:
+    r = client.post(CMPL, json=OK_CMPL, headers={"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "10000",
+                                                 "x-slo-output-len": "2"})
+    assert r.status_code == 200, r.text
+    r = client.post(CHAT, json={**OK_CHAT, "slo_ttft_ms": 60000, "output_len_hint": 2})
+    assert r.status_code == 200, r.text
