@@ -193,6 +193,7 @@ class Ingress:
             raise APIError(429, "server overloaded: request queue is full", "rate_limit_error", "overloaded",
                            {"Retry-After": retry}) from None
         except (DeploymentUnavailableError, RayServeException, StopAsyncIteration) as e:
+            gen.cancel()
             raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
                            {"Retry-After": str(self.retry_after_s)}) from None
         except BaseException:
@@ -204,6 +205,10 @@ class Ingress:
             type_ = "invalid_request_error" if status < 500 else "server_error"
             extra = {"Retry-After": str(self.retry_after_s)} if status == 503 else {}
             raise APIError(status, first["error"], type_, headers={**headers, **extra})
+        if first.get("finished") and first.get("finish_reason") in ("error", "abort"):  # failed before any token
+            status, msg = (500, "generation failed") if first["finish_reason"] == "error" else (503, "engine stopping")
+            raise APIError(status, f"{msg}: {first.get('error')}", "server_error",
+                           headers={**headers, "Retry-After": str(self.retry_after_s)})
         if first.get("finish_reason") == "rejected":
             reason = first.get("reject_reason") or "rejected"
             retry = str(max(self.retry_after_s, int(first.get("retry_after_s") or 1)))

@@ -32,11 +32,11 @@ class _Common(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator.manual_seed's range
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # vLLM extensions
@@ -51,10 +51,10 @@ class _Common(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
+    def _n(cls, v: int | None) -> int:
+        if v not in (None, 1):
             raise ValueError("n > 1 is not supported (one choice per request)")
-        return v
+        return 1
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

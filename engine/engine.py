@@ -47,6 +47,7 @@ class EngineStats:
     last_prefill_batch: int
     steps: int
     rejected: dict[str, int] = field(default_factory=dict)
+    waiting_tokens: int = 0  # prompt tokens queued for prefill
     predictor_mape: float | None = None
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -122,7 +123,11 @@ class LLMEngine:
             return self._stats
 
     def predict_ttft_ms(self, num_prompt_tokens: int) -> float:
-        return self.scheduler.predict_ttft_ms(num_prompt_tokens)  # reads worker state racily: an estimate
+        """TTFT a new request would see now: prefill of what is queued (last published) plus its own."""
+        pred = self.scheduler.predictor
+        if pred is None:
+            return 0.0
+        return pred.prefill_ms(self.stats().waiting_tokens + min(num_prompt_tokens, self.max_model_len))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
@@ -182,6 +187,7 @@ class LLMEngine:
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used,
             vbs=s.last_vbs, strictest_tpot_ms=None if tmin == float("inf") else tmin,
             last_decode_batch=last_decode, last_prefill_batch=last_prefill, steps=self._steps,
+            waiting_tokens=s.waiting_tokens(),
             rejected=dict(self._rejected),
             predictor_mape=(self.profile_report or {}).get("mape_holdout") if pred is not None else None,
             phase_s=dict(self._phase))
@@ -219,7 +225,9 @@ class LLMEngine:
                     continue
                 item.detok = IncrementalDetokenizer(self.tokenizer)
                 self._requests[item.request_id] = item
-                self.scheduler.add(item)
+                reason = self.scheduler.add(item)
+                if reason is not None:
+                    self._reject(item, reason)
             else:
                 req = self._requests.get(item)
                 if req is not None:
@@ -229,8 +237,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
         for req, reason in plan.rejected:
-            self._rejected[reason] = self._rejected.get(reason, 0) + 1
-            self._finish(req, FinishReason.REJECTED, reject_reason=reason)
+            self._reject(req, reason)
         t1 = time.perf_counter()
         self._phase["schedule"] += t1 - t0
         if plan.empty:
@@ -264,6 +271,10 @@ class LLMEngine:
         self._steps += 1
         self._phase["postprocess"] += time.perf_counter() - t3
         self._publish(len(plan.prefill), len(plan.decode))
+
+    def _reject(self, req: Request, reason: str) -> None:
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        self._finish(req, FinishReason.REJECTED, reject_reason=reason)
 
     def _append_token(self, req: Request, tok: int, now: float) -> None:
         req.token_ids.append(tok)

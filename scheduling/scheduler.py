@@ -23,6 +23,7 @@ from scheduling.ttft_guard import find_ttft_unattainable
 
 TTFT_UNATTAINABLE = "ttft_unattainable"
 TPOT_UNATTAINABLE = "tpot_unattainable"
+OVERLOADED = "overloaded"
 
 
 @dataclass(slots=True)
@@ -55,9 +56,13 @@ class Scheduler:
         self.last_vbs = 0.0
 
     # --- queue membership ---
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> str | None:
+        """Queue a new request; returns a rejection reason instead when the queue is full."""
+        if len(self.waiting) >= self.config.max_waiting:
+            return OVERLOADED
         req.status = Status.WAITING
         self.waiting.append(req)
+        return None
 
     def remove(self, req: Request) -> None:
         """Forget a request (finished, aborted, failed) and free its KV blocks."""
@@ -190,9 +195,5 @@ class Scheduler:
             avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
             self.predictor.observe_decode(len(plan.decode), avg_len, step_ms)
 
-    def predict_ttft_ms(self, num_prompt_tokens: int) -> float:
-        """TTFT a new request would see now: prefill of everything queued ahead of it plus its own."""
-        if self.predictor is None:
-            return 0.0
-        ahead = sum(self._cost(r) for r in self.waiting)
-        return self.predictor.prefill_ms(ahead + min(num_prompt_tokens, self.max_model_len))
+    def waiting_tokens(self) -> int:
+        return sum(self._cost(r) for r in self.waiting)

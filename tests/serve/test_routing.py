@@ -22,9 +22,34 @@ def test_both_replicas_receive_traffic(base_url: str) -> None:
 
 
 def test_routing_stats_reported(llm_handle) -> None:
-    # what record_routing_stats() returns is what the router sees; check its shape on the replica itself
-    for st in replica_stats(llm_handle).values():
-        assert st["kv_blocks_total"] > 0
+    # what record_routing_stats() returns is what the router reads as `RunningReplica.routing_stats`
+    st = llm_handle.record_routing_stats.remote().result(timeout_s=10)
+    for key in ("queue_len", "num_running", "vbs", "strictest_tpot_ms", "kv_free_blocks", "predicted_ttft_ms"):
+        assert key in st, st
+    assert st["kv_free_blocks"] <= st["kv_total_blocks"] and st["predicted_ttft_ms"] > 0
+
+
+def test_metrics_exported(base_url: str) -> None:
+    import ray
+
+    httpx.post(f"{base_url}/v1/completions", json={"prompt": "m", "max_tokens": 3}, timeout=60)
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "m", "max_tokens": 3},
+                   headers={"x-slo-ttft-ms": "0.001"}, timeout=60)
+    assert r.status_code == 429
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    want = {"ray_kairos_ttft_s_bucket", "ray_kairos_tpot_s_bucket", "ray_kairos_itl_s_bucket", "ray_kairos_e2e_s_bucket",
+            "ray_kairos_generation_tokens_total", "ray_kairos_prompt_tokens_total", "ray_kairos_kv_blocks_free",
+            "ray_kairos_kv_blocks_used", "ray_kairos_queue_len", "ray_kairos_num_running", "ray_kairos_vbs",
+            "ray_kairos_requests_rejected_total", "ray_kairos_requests_admitted_total"}
+    deadline, names = time.monotonic() + 20, set()
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        names = {ln.split("{")[0] for ln in text.splitlines() if ln.startswith("ray_kairos_")}
+        if want <= names:
+            break
+        time.sleep(0.5)
+    assert want <= names, want - names
+    assert 'reason="ttft_unattainable"' in text and 'deployment="LLMServer"' in text
 
 
 def test_client_disconnect_frees_kv(base_url: str, llm_handle) -> None:

@@ -1,0 +1,195 @@
+"""SLO metrics over per-request records (pure functions, no engine): the SCORPIO / DistServe definitions.
+
+- TTFT = first token − arrival; TPOT = (E2E − TTFT)/(n − 1) = (last token − first token)/(n − 1), 0 for n = 1.
+- A request is *good* iff it was not rejected, completed (finish_reason stop/length), TTFT ≤ F and TPOT ≤ T.
+- goodput = #good / wall (req/s); adherence = #good / #all, so rejections (and timeouts, errors) are misses.
+- Violations are counted among *served* (not rejected) requests: a TTFT violation is a late or missing first
+  token; a TPOT violation is TPOT > T over the tokens it got (needs ≥ 2). `incomplete` counts served requests
+  that did not complete (timed out / aborted / failed).
+- Warm-up: the first `warmup_frac` of the requests by arrival are dropped from every statistic.
+- wall (for goodput and token throughput): from the first kept arrival to the last kept end (last token,
+  rejection or give-up time), unless the caller passes `wall_s`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+COMPLETED = ("stop", "length")
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); NaN if empty."""
+    v = sorted(xs)
+    if not v:
+        return math.nan
+    pos = (len(v) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as measured. Times are seconds on one clock (time.monotonic); SLOs in ms."""
+
+    tier: str
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    arrival_s: float
+    rejected: bool = False
+    finish_reason: str | None = None  # stop | length | abort | rejected | error | timeout
+    ttft_s: float | None = None  # first token − arrival
+    token_times: list[float] = field(default_factory=list)  # absolute times of the output tokens (or chunks)
+    n_out: int = 0  # output tokens received
+    finished_s: float | None = None  # absolute end time (last token, rejection, give-up)
+    reject_reason: str | None = None
+    prompt_len: int = 0
+
+    @property
+    def completed(self) -> bool:
+        return not self.rejected and self.finish_reason in COMPLETED
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Last token − arrival."""
+        if self.token_times:
+            return self.token_times[-1] - self.arrival_s
+        if self.ttft_s is not None and self.finished_s is not None:
+            return self.finished_s - self.arrival_s
+        return None
+
+    @property
+    def end_s(self) -> float:
+        if self.finished_s is not None:
+            return self.finished_s
+        return self.token_times[-1] if self.token_times else self.arrival_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tpot_s(rec: RequestRecord) -> float | None:
+    """(E2E − TTFT)/(n − 1); 0.0 for a single token; None without any token."""
+    if rec.n_out <= 0 or rec.ttft_s is None:
+        return None
+    if rec.n_out == 1:
+        return 0.0
+    e2e = rec.e2e_s
+    if e2e is None:
+        return None
+    return max(0.0, e2e - rec.ttft_s) / (rec.n_out - 1)
+
+
+def ttft_ok(rec: RequestRecord) -> bool:
+    return rec.ttft_s is not None and rec.ttft_s * 1000.0 <= rec.ttft_slo_ms
+
+
+def tpot_ok(rec: RequestRecord) -> bool:
+    t = tpot_s(rec)
+    return t is not None and t * 1000.0 <= rec.tpot_slo_ms
+
+
+def is_good(rec: RequestRecord) -> bool:
+    return rec.completed and ttft_ok(rec) and tpot_ok(rec)
+
+
+def ttft_violation(rec: RequestRecord) -> bool:
+    """Served (not rejected) and the first token came late or never."""
+    return not rec.rejected and not ttft_ok(rec)
+
+
+def tpot_violation(rec: RequestRecord) -> bool:
+    """Served, at least 2 tokens, and TPOT over them exceeds the SLO."""
+    t = tpot_s(rec)
+    return not rec.rejected and rec.n_out >= 2 and t is not None and t * 1000.0 > rec.tpot_slo_ms
+
+
+def drop_warmup(records: Iterable[RequestRecord], frac: float = 0.1) -> list[RequestRecord]:
+    """Sort by arrival and drop the first floor(frac · n) requests."""
+    if not 0.0 <= frac < 1.0:
+        raise ValueError(f"warm-up fraction must be in [0, 1), got {frac}")
+    recs = sorted(records, key=lambda r: r.arrival_s)
+    return recs[int(math.floor(frac * len(recs))):]
+
+
+def wall_of(records: Sequence[RequestRecord]) -> float:
+    if not records:
+        return 0.0
+    return max(r.end_s for r in records) - min(r.arrival_s for r in records)
+
+
+def _latency_stats(recs: Sequence[RequestRecord]) -> dict[str, float]:
+    served = [r for r in recs if not r.rejected]
+    ttft = [r.ttft_s * 1000.0 for r in served if r.ttft_s is not None]
+    tpot = [t * 1000.0 for t in (tpot_s(r) for r in served if r.n_out >= 2) if t is not None]
+    return {
+        "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
+        "tpot_p50_ms": _percentile(tpot, 50), "tpot_p99_ms": _percentile(tpot, 99),
+    }
+
+
+def _counts(recs: Sequence[RequestRecord]) -> dict[str, Any]:
+    n = len(recs)
+    good = sum(is_good(r) for r in recs)
+    rej = sum(r.rejected for r in recs)
+    return {
+        "n": n,
+        "good": good,
+        "adherence": good / n if n else math.nan,
+        "rejected": rej,
+        "rejection_rate": rej / n if n else math.nan,
+        "ttft_violations": sum(ttft_violation(r) for r in recs),
+        "tpot_violations": sum(tpot_violation(r) for r in recs),
+        "incomplete": sum(not r.rejected and not r.completed for r in recs),
+    }
+
+
+def summarize(records: Iterable[RequestRecord], *, warmup_frac: float = 0.1, wall_s: float | None = None,
+              tiers: Sequence[str] | None = None) -> dict[str, Any]:
+    """Every metric of one run (one policy × load × seed, or pooled records with an explicit `wall_s`)."""
+    records = list(records)
+    kept = drop_warmup(records, warmup_frac)
+    wall = wall_of(kept) if wall_s is None else float(wall_s)
+    c = _counts(kept)
+    out_tokens = sum(r.n_out for r in kept)
+    reasons: dict[str, int] = {}
+    for r in kept:
+        if r.rejected:
+            key = r.reject_reason or "rejected"
+            reasons[key] = reasons.get(key, 0) + 1
+    names = list(tiers) if tiers is not None else list(dict.fromkeys(r.tier for r in kept))
+    per_tier = {}
+    for name in names:
+        sub = [r for r in kept if r.tier == name]
+        per_tier[name] = {**_counts(sub), **_latency_stats(sub)}
+    return {
+        **c,
+        "n_dropped_warmup": len(records) - len(kept),
+        "wall_s": wall,
+        "goodput_rps": c["good"] / wall if wall > 0 else math.nan,
+        "token_throughput": out_tokens / wall if wall > 0 else math.nan,
+        "output_tokens": out_tokens,
+        "reject_reasons": reasons,
+        **_latency_stats(kept),
+        "per_tier": per_tier,
+    }
+
+
+def pool(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean and population std of goodput / adherence across seeds (the pooled numbers come from `summarize`)."""
+    out: dict[str, float] = {}
+    for key in ("goodput_rps", "adherence"):
+        xs = [s[key] for s in summaries if s.get(key) is not None and not math.isnan(s[key])]
+        m = sum(xs) / len(xs) if xs else math.nan
+        out[f"{key}_mean"] = m
+        out[f"{key}_std"] = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) if xs else math.nan
+    return out
+
+
+__all__ = [
+    "COMPLETED", "RequestRecord", "drop_warmup", "is_good", "pool", "summarize", "tpot_ok", "tpot_s",
+    "tpot_violation", "ttft_ok", "ttft_violation", "wall_of",
+]

@@ -1,0 +1,239 @@
+"""Seeded heterogeneous-SLO workload for the goodput benchmark (`bench.slo`), after scorpio.md §4.
+
+- Lengths: ShareGPT-like lognormals scaled to the small models (prompt median 100 tokens, cap 512, min 4;
+  output median 60, cap 256, min 2; sigma 0.8). Outputs are forced to their length (max_tokens = length,
+  ignore_eos), so the engine's own EOS never matters.
+- Arrivals: open-loop Poisson (exponential gaps, mean 1/rate) or bursty gamma (shape 0.5, same mean rate).
+  Gaps are drawn at unit rate and divided by the rate, so one seed gives the *same* requests at every load
+  (common random numbers: load sweeps and the lambda* search compare like with like).
+- SLO tiers (scaled copies of the paper's three types) from the FITTED latency model:
+  u = 2·Prefill(budget), T_strict = d4 = ITL(4, L̄), T_loose = d12 = ITL(12, L̄), L̄ = E[prompt] + E[output]/2;
+  interactive = (1u, T_loose), strict_tpot = (6u, T_strict), relaxed = (30u, T_loose).
+- Output-length hint: exact, noisy (× lognormal sigma 0.5) or none (no hint). Caveat: because the length is
+  forced through max_tokens, an engine that falls back to max_tokens without a hint still knows the exact
+  length, so "none" only differs from "exact" where the engine's fallback does not use max_tokens.
+
+Pure numpy; no engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+Arrival = Literal["poisson", "gamma"]
+Hint = Literal["exact", "noisy", "none"]
+
+TIER_NAMES: tuple[str, ...] = ("interactive", "strict_tpot", "relaxed")
+MIXES: dict[str, tuple[float, float, float]] = {
+    "equal": (1 / 3, 1 / 3, 1 / 3),
+    "60-30-10": (0.6, 0.3, 0.1),
+}
+FIRST_TOKEN_ID = 3  # skip the special tokens (<|endoftext|>, <|im_start|>, <|im_end|>) of the embedded models
+
+
+class Predictor(Protocol):
+    def prefill_ms(self, n: float) -> float: ...
+
+    def itl_ms(self, batch: float, ctx_len: float) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDist:
+    """Integer lengths: round(lognormal(log median, sigma)) clipped to [min_len, cap]."""
+
+    median: float
+    sigma: float
+    cap: int
+    min_len: int
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        x = rng.lognormal(math.log(self.median), self.sigma, size=n)
+        return np.clip(np.rint(x), self.min_len, self.cap).astype(np.int64)
+
+    def mean(self) -> float:
+        """E[length] of the clipped distribution (fixed-seed Monte Carlo: identical for every run)."""
+        return float(self.sample(np.random.default_rng(12345), 200_000).mean())
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    arrival_s: float  # seconds after the start of the run
+    prompt_ids: list[int]
+    max_tokens: int  # the forced output length
+    tier: str
+    ttft_ms: float
+    tpot_ms: float
+    output_len_hint: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    num_requests: int = 400
+    rate_rps: float = 1.0
+    seed: int = 0
+    arrival: Arrival = "poisson"
+    gamma_shape: float = 0.5
+    prompt: LengthDist = field(default_factory=lambda: LengthDist(100, 0.8, 512, 4))
+    output: LengthDist = field(default_factory=lambda: LengthDist(60, 0.8, 256, 2))
+    mix: tuple[float, ...] = MIXES["equal"]
+    hint: Hint = "exact"
+    hint_sigma: float = 0.5
+    vocab_size: int = 2556  # prompt ids are drawn from [FIRST_TOKEN_ID, vocab_size)
+    max_model_len: int | None = None  # prompt + output is kept below this (output shortened if needed)
+
+    def with_rate(self, rate_rps: float) -> "WorkloadSpec":
+        return replace(self, rate_rps=rate_rps)
+
+
+@dataclass(frozen=True, slots=True)
+class SLOScale:
+    """What the tiers were derived from (all ms / tokens), kept for the report."""
+
+    budget_tokens: int
+    p_budget_ms: float
+    u_ms: float
+    mean_prompt: float
+    mean_output: float
+    l_bar: float
+    d1_ms: float
+    d4_ms: float
+    d12_ms: float
+    tiers: tuple[Tier, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tiers"] = {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in self.tiers}
+        return d
+
+
+def parse_mix(mix: str | Sequence[float]) -> tuple[float, float, float]:
+    """"equal", "60-30-10" or any "a-b-c"/"a,b,c" or three weights -> normalised proportions."""
+    if isinstance(mix, str):
+        if mix in MIXES:
+            return MIXES[mix]
+        parts = [float(p) for p in mix.replace(",", "-").split("-") if p.strip()]
+    else:
+        parts = [float(p) for p in mix]
+    if len(parts) != len(TIER_NAMES) or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"tier mix must be 'equal', '60-30-10' or three non-negative weights, got {mix!r}")
+    s = sum(parts)
+    return tuple(p / s for p in parts)  # type: ignore[return-value]
+
+
+def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | None = None) -> SLOScale:
+    """The reference protocol's SLO tiers from the fitted predictor and the workload's mean lengths."""
+    spec = spec or WorkloadSpec()
+    mp, mo = spec.prompt.mean(), spec.output.mean()
+    l_bar = mp + mo / 2.0
+    p_budget = float(predictor.prefill_ms(budget_tokens))
+    u = 2.0 * p_budget
+    d1, d4, d12 = (float(predictor.itl_ms(b, l_bar)) for b in (1, 4, 12))
+    tiers = (
+        Tier("interactive", u, d12),
+        Tier("strict_tpot", 6.0 * u, d4),
+        Tier("relaxed", 30.0 * u, d12),
+    )
+    return SLOScale(budget_tokens, p_budget, u, mp, mo, l_bar, d1, d4, d12, tiers)
+
+
+def unit_gaps(rng: np.random.Generator, n: int, arrival: Arrival, gamma_shape: float = 0.5) -> np.ndarray:
+    """Inter-arrival gaps with mean 1 (divide by the rate)."""
+    if arrival == "poisson":
+        return rng.exponential(1.0, size=n)
+    if arrival == "gamma":
+        return rng.gamma(gamma_shape, 1.0 / gamma_shape, size=n)
+    raise ValueError(f"unknown arrival process {arrival!r} (poisson | gamma)")
+
+
+def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
+    """The workload for `spec`: deterministic in (spec.seed, spec minus rate); arrivals scale with 1/rate."""
+    if spec.num_requests < 0:
+        raise ValueError("num_requests must be >= 0")
+    if not spec.rate_rps > 0:
+        raise ValueError(f"rate_rps must be > 0, got {spec.rate_rps}")
+    if len(tiers) != len(spec.mix):
+        raise ValueError(f"{len(tiers)} tiers but a mix of {len(spec.mix)} weights")
+    n = spec.num_requests
+    rng = np.random.default_rng(spec.seed)
+    # fixed draw order: changing one knob (rate, hint) leaves every other draw unchanged
+    gaps = unit_gaps(rng, n, spec.arrival, spec.gamma_shape)
+    prompt_lens = spec.prompt.sample(rng, n)
+    output_lens = spec.output.sample(rng, n)
+    p = np.asarray(spec.mix, float)
+    tier_idx = rng.choice(len(tiers), size=n, p=p / p.sum())
+    noise = rng.lognormal(0.0, spec.hint_sigma, size=n)
+    if spec.max_model_len is not None:
+        room = spec.max_model_len - 1 - prompt_lens
+        if np.any(room < 1):
+            raise ValueError(f"prompt cap {spec.prompt.cap} does not fit max_model_len {spec.max_model_len}")
+        output_lens = np.minimum(output_lens, room)
+    arrivals = np.cumsum(gaps) / spec.rate_rps
+    items: list[WorkItem] = []
+    for i in range(n):
+        ids = rng.integers(FIRST_TOKEN_ID, spec.vocab_size, size=int(prompt_lens[i])).tolist()
+        out = int(output_lens[i])
+        if spec.hint == "exact":
+            hint: int | None = out
+        elif spec.hint == "noisy":
+            hint = max(1, int(round(out * noise[i])))
+        elif spec.hint == "none":
+            hint = None
+        else:
+            raise ValueError(f"unknown hint variant {spec.hint!r} (exact | noisy | none)")
+        t = tiers[int(tier_idx[i])]
+        items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, hint))
+    return items
+
+
+def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's tau-b (ties handled), O(n^2) numpy; NaN for fewer than 2 points or constant input."""
+    a, b = np.asarray(x, float), np.asarray(y, float)
+    if len(a) < 2:
+        return math.nan
+    da = np.sign(a[:, None] - a[None, :])
+    db = np.sign(b[:, None] - b[None, :])
+    iu = np.triu_indices(len(a), 1)
+    da, db = da[iu], db[iu]
+    denom = math.sqrt(float(np.sum(da != 0)) * float(np.sum(db != 0)))
+    return float(np.sum(da * db) / denom) if denom > 0 else math.nan
+
+
+def describe(items: Sequence[WorkItem]) -> dict[str, Any]:
+    """Summary of a generated workload (for the JSON): lengths, tier counts, hint quality."""
+    if not items:
+        return {"n": 0}
+    pl = np.array([len(w.prompt_ids) for w in items])
+    ol = np.array([w.max_tokens for w in items])
+    gaps = np.diff([0.0] + [w.arrival_s for w in items])
+    tiers = {name: sum(w.tier == name for w in items) for name in dict.fromkeys(w.tier for w in items)}
+    hinted = [(w.output_len_hint, w.max_tokens) for w in items if w.output_len_hint is not None]
+    out: dict[str, Any] = {
+        "n": len(items),
+        "span_s": items[-1].arrival_s,
+        "mean_gap_s": float(gaps.mean()),
+        "prompt_len": {"median": float(np.median(pl)), "mean": float(pl.mean()), "max": int(pl.max())},
+        "output_len": {"median": float(np.median(ol)), "mean": float(ol.mean()), "max": int(ol.max())},
+        "tiers": tiers,
+    }
+    if hinted:
+        h, o = np.array(hinted, float).T
+        out["hint_mae_tokens"] = float(np.mean(np.abs(h - o)))
+        out["hint_kendall_tau"] = kendall_tau(h[:2000], o[:2000])
+    return out
+
+
+__all__ = [
+    "MIXES", "TIER_NAMES", "LengthDist", "SLOScale", "Tier", "WorkItem", "WorkloadSpec", "describe", "generate",
+    "kendall_tau", "parse_mix", "slo_scale", "unit_gaps",
+]
