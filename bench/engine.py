@@ -109,10 +109,18 @@ def make_workloads(plan: Plan, vocab_limit: int) -> Workloads:
 # =========================================================================== engine side
 
 
-def _final(stream, timeout: float = 1800.0):
+def _final(eng, stream, timeout: float = 1800.0):
+    """The stream's last output; raises if the engine's worker dies or nothing finishes within `timeout`."""
+    deadline = time.monotonic() + timeout
     out = None
     while out is None or not out.finished:
-        out = stream.get(timeout=timeout)
+        try:
+            out = stream.get(timeout=1.0)
+        except TimeoutError:
+            if not eng.is_alive():
+                raise RuntimeError(f"engine worker died: {getattr(eng, '_dead', None)!r}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"request {stream.request_id} did not finish within {timeout:.0f} s") from None
     return out
 
 
@@ -128,7 +136,7 @@ def _submit_and_wait(eng, prompts: list[list[int]], max_tokens: list[int], tag: 
         streams = [eng.add_request(p, sp, request_id=f"{tag}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     finally:
         sys.setswitchinterval(old)
-    finals = [_final(s) for s in streams]
+    finals = [_final(eng, s) for s in streams]
     for f, m in zip(finals, max_tokens):
         if f.finish_reason != "length" or f.num_output_tokens != m:
             raise RuntimeError(f"request {f.request_id} ended {f.finish_reason!r} after {f.num_output_tokens}/{m} "

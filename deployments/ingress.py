@@ -137,8 +137,9 @@ class Ingress:
                 raise too_big
         try:
             return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+            raise APIError(400, f"request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}",
+                           code="invalid_json") from None
 
     def _slo(self, request: Request, body: P._Common) -> dict[str, Any]:
         h = request.headers

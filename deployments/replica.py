@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import statistics
 import time
 from collections import deque
@@ -54,10 +55,13 @@ def _item(out: Any) -> dict[str, Any]:
                   health_check_period_s=5.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=20.0)
 class LLMServer:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
-                       log_prompts: bool = False) -> None:
+                       log_prompts: bool = False, share_cores_with: int | None = None) -> None:
         from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); only LLM replicas load it
 
         cfg = EngineConfig.model_validate(engine_config)
+        if cfg.num_threads is None and share_cores_with:
+            # num_cpus=0 replicas get OMP_NUM_THREADS=1 from Ray; share the node's cores among the replicas instead
+            cfg = cfg.model_copy(update={"num_threads": max(1, (os.cpu_count() or 1) // share_cores_with)})
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (unit use)
@@ -72,8 +76,8 @@ class LLMServer:
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
-        log.info("LLMServer %s ready: model=%s max_model_len=%d", self.replica_id, self.model_name,
-                 self.engine.max_model_len)
+        log.info("LLMServer %s ready: model=%s max_model_len=%d threads=%s", self.replica_id, self.model_name,
+                 self.engine.max_model_len, cfg.num_threads)
 
     # ------------------------------------------------------------------ request path
     def _prompt(self, req: dict[str, Any]) -> str | list[int]:

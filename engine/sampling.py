@@ -31,6 +31,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is None or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):

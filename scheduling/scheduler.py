@@ -100,6 +100,8 @@ class Scheduler:
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         plan.prefill = self._admit(now, plan)
+        if not self.running:
+            self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
             plan.decode = self._select_decode(plan)
         return plan

@@ -31,7 +31,8 @@ def serve_app() -> Iterator[dict]:
     from deployments import build_app
 
     t0 = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 1024**2,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=200 * 1024**2,
              _system_config={"metrics_report_interval_ms": 1000})  # metrics visible within ~1 s (default 10 s)
     t1 = time.monotonic()
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})

@@ -27,6 +27,8 @@ def assert_error(r: httpx.Response, status: int) -> dict:
 BAD_BODIES = [
     ("invalid_json", CMPL, b'{"prompt": "hi", "max_tokens": ', 400),
     ("not_an_object", CMPL, b"[1, 2, 3]", 400),
+    ("deeply_nested_json", CMPL, b"[" * 20000 + b"]" * 20000, 400),
+    ("not_utf8", CMPL, b'{"prompt": "\xff\xfe"}', 400),
     ("empty_body", CHAT, b"", 400),
     ("missing_prompt", CMPL, {"max_tokens": 2}, 400),
     ("missing_messages", CHAT, {"max_tokens": 2}, 400),

@@ -1,0 +1,696 @@
+"""Streaming benchmark: the seeds' `benchmark_streaming` against Kairos (`python -m bench.streaming`).
+
+Reproduces the CLI and the printed block of the seed blog posts (027 pending-queue admission, 028 prefill
+micro-batching, 031 prefill token budget, packed admission), driving either the in-process `LLMEngine`
+or, with `--target http://host:8000`, a running OpenAI-compatible server (streaming POST /v1/completions).
+
+Submission follows the seeds: one submitting thread calls `add_request` for each request in turn (each call
+timed with `time.perf_counter` -> "add_request latency"), sleeping `--submit-interval-ms` between calls, and
+starts one consumer thread per request that drains that request's stream and stamps every token on arrival
+(client side, `time.perf_counter`). Per request:
+
+- TTFT    = first token arrival - the instant just before its `add_request` call;
+- ITL     = gaps between consecutive token arrivals (all requests pooled);
+- TPOT    = (last token - first token) / (n - 1), for requests with n >= 2 tokens;
+- Latency = last arrival (the finished item) - the instant just before its `add_request` call.
+
+Submit wall = first submit -> end of the submission loop. Throughput (completion,total) = completion tokens /
+(first submit -> last finish); a "Throughput (prompt+completion)" line with all tokens follows the block.
+
+Notes on faithfulness
+- A `RequestStream` merges pending deltas when its reader is behind, so one delivery can carry k > 1 tokens;
+  the client then sees k tokens at the same instant (k - 1 gaps of 0 ms in ITL). `merged_deliveries` in the
+  JSON counts these; the engine's own per-token timestamps are in `engine_side` for comparison.
+- `--submit-mode inline` emulates the seeds' *before* of 027 (add_request ran the prefill inline): the
+  submitting thread blocks on the stream's first item before moving on, so add_request latency includes
+  the queueing + prefill of that request, as in the seed.
+- `--pretokenize` tokenizes every prompt before the timed loop and passes token ids, so add_request latency
+  excludes tokenization (the engine accepts `list[int]`); the tokenization time is reported separately.
+- `--no-prefix-cache` is accepted for command-line compatibility with the seeds and ignored: Kairos has no
+  prefix cache.
+- In Kairos `--max-batch-size` is `SchedulerConfig.max_num_seqs`, the bound on *running* requests, and a
+  prefill round admits at most the free slots; so `--prefill-max-batch-size` above `--max-batch-size`
+  behaves as `--max-batch-size` (in the seeds the prefill knob could exceed the decode batch).
+- `--target`: timestamps are client-side; "add_request latency" is the time to send the request and receive
+  the response headers (the Kairos ingress sends headers once the first item is ready, so this includes
+  most of TTFT), each request runs in its own thread so a slow header never delays the next submission,
+  token counts come from the final usage chunk and ITL uses SSE chunk arrivals (a chunk may hold several
+  tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+try:  # shared helpers (bench/common.py); small private fallbacks keep this file usable without them
+    from bench.common import percentile as _percentile
+except ImportError:  # pragma: no cover
+    def _percentile(values, q):
+        xs = sorted(float(v) for v in values)
+        if not xs:
+            return math.nan
+        pos = (len(xs) - 1) * q / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+try:
+    from bench.common import write_json as _write_json
+except ImportError:  # pragma: no cover
+    def _write_json(path, obj):
+        from pathlib import Path
+
+        def clean(o):
+            if isinstance(o, float) and not math.isfinite(o):
+                return None
+            if isinstance(o, dict):
+                return {str(k): clean(v) for k, v in o.items()}
+            if isinstance(o, (list, tuple)):
+                return [clean(v) for v in o]
+            return o
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(clean(obj), indent=2, default=str, allow_nan=False) + "\n")
+        return p
+
+
+def _run_info(argv: Sequence[str] | None) -> dict[str, Any]:
+    try:
+        from bench.common import run_info
+
+        return run_info("bench.streaming", argv)
+    except ImportError:  # pragma: no cover
+        return {"command": command_for(argv or sys.argv[1:]), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _free_memory() -> None:
+    try:
+        from bench.common import free_memory
+
+        free_memory()
+    except ImportError:  # pragma: no cover
+        import gc
+
+        gc.collect()
+
+
+def _resolve_model(name: str) -> str:
+    try:
+        from bench.common import resolve_bench_model
+
+        return resolve_bench_model(name)
+    except ImportError:  # pragma: no cover
+        return name
+
+
+PCTS = (50, 95, 99)
+BLOCK_HEADER = "=== streaming benchmark ==="
+BLOCK_LINES = ("Model:", "Device:", "Requests:", "Prompt tokens (total):", "Completion tokens (total):",
+               "Submit wall:", "add_request latency p50/p95/p99:", "TTFT p50/p95/p99:", "TPOT p50/p95/p99:",
+               "ITL p50/p95/p99:", "Latency p50/p95/p99:", "Throughput (completion,total):")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.streaming",
+        description="Streaming benchmark (the seeds' benchmark_streaming): add_request latency, TTFT, TPOT, "
+                    "ITL, end-to-end latency and throughput for a burst or a paced stream of requests.")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="kairos-default",
+                   help="kairos-default | kairos-tiny | llama-110m | a local HF dir (default: kairos-default)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompt", default="Hello", help="base prompt (default: Hello)")
+    g.add_argument("--prompt-repeats", default=None,
+                   help='comma-separated repeat counts, cycled per request; repeat r -> " ".join([prompt]*r). '
+                        'Example: "1,1,1,64" is a 3-short + 1-long mix')
+    g.add_argument("--unique-prompts", action="store_true", help='append " [i]" to request i\'s prompt')
+    g.add_argument("--num-requests", type=int, default=16, help="number of streaming requests (default: 16)")
+    g.add_argument("--submit-interval-ms", type=float, default=0.0,
+                   help="sleep this many ms between submissions (default: 0 = burst)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per request (default: 32)")
+    g.add_argument("--no-stop-on-eos", action="store_true", help="keep generating past EOS (ignore_eos)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0 = greedy)")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--policy", default="fcfs",
+                   help="scheduler policy: fcfs | pack | edf | edf_reject | tpot_guard | scorpio | kairos "
+                        "(default: fcfs, the seeds' scheduler)")
+    g.add_argument("--max-batch-size", type=int, default=8,
+                   help="max running requests (SchedulerConfig.max_num_seqs; default: 8)")
+    g.add_argument("--prefill-max-batch-size", type=int, default=None,
+                   help="max requests per prefill round (default: same as --max-batch-size)")
+    g.add_argument("--prefill-max-tokens", type=int, default=None,
+                   help="prompt-token budget per prefill round (default: unlimited)")
+    g.add_argument("--prefill-admission-policy", choices=("fifo", "pack"), default="fifo",
+                   help="prefill admission policy (default: fifo)")
+    g.add_argument("--prefill-admission-lookahead", type=int, default=64,
+                   help="pending lookahead window for pack admission (default: 64)")
+    g.add_argument("--prefill-force-fifo-every", type=int, default=0,
+                   help="force a FIFO admission round every N rounds (default: 0 = never)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="accepted for compatibility with the seeds' commands; ignored (Kairos has no prefix cache)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--submit-mode", choices=("async", "inline"), default="async",
+                   help="async: add_request returns at once (Kairos). inline: the submitter waits for each "
+                        "request's first output before submitting the next, emulating the seeds' pre-027 "
+                        "add_request that ran the prefill inline (default: async)")
+    g.add_argument("--pretokenize", action="store_true",
+                   help="tokenize all prompts before the timed loop and submit token ids, so add_request "
+                        "latency excludes tokenization")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="untimed warm-up requests after the engine starts (default: 1)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="give up on a request whose stream is silent this long, in s (default: 600)")
+    g.add_argument("--target", default=None,
+                   help="drive a running OpenAI-compatible server (e.g. http://127.0.0.1:8000) through "
+                        "streaming POST /v1/completions instead of the in-process engine")
+    g.add_argument("--api-key", default=None, help="bearer token for --target")
+    g.add_argument("--json", default=None, metavar="PATH", help="write every figure (and per-request data) here")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.num_requests <= 0:
+        raise SystemExit("--num-requests must be positive")
+    if args.max_new_tokens <= 0:
+        raise SystemExit("--max-new-tokens must be positive")
+    if args.submit_interval_ms < 0:
+        raise SystemExit("--submit-interval-ms must be >= 0")
+    parse_repeats(args.prompt_repeats)
+
+
+def parse_repeats(spec: str | None) -> list[int] | None:
+    if spec is None or str(spec).strip() == "":
+        return None
+    try:
+        reps = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-repeats must be comma-separated integers, got {spec!r}") from None
+    if not reps or any(r <= 0 for r in reps):
+        raise SystemExit(f"--prompt-repeats must be positive integers, got {spec!r}")
+    return reps
+
+
+def build_prompts(args: argparse.Namespace) -> list[str]:
+    """The seeds' prompt construction: repeats cycled per request, optional unique suffix."""
+    repeats = parse_repeats(args.prompt_repeats)
+    prompts = []
+    for i in range(int(args.num_requests)):
+        rep = repeats[i % len(repeats)] if repeats is not None else 1
+        p = " ".join([args.prompt] * rep) if rep > 1 else args.prompt
+        if args.unique_prompts:
+            p = f"{p} [{i}]"
+        prompts.append(p)
+    return prompts
+
+
+def command_for(argv: Sequence[str]) -> str:
+    return shlex.join(["python", "-m", "bench.streaming", *argv])
+
+
+# --------------------------------------------------------------------------- per-request record
+
+
+@dataclass
+class _Rec:
+    index: int
+    submit_start: float = math.nan
+    submit_end: float = math.nan
+    token_times: list[float] = field(default_factory=list)
+    deliveries: int = 0
+    merged_deliveries: int = 0
+    finish_ts: float = math.nan
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    engine: dict[str, Any] | None = None
+    add_error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.add_error is None and bool(self.token_times) \
+            and self.finish_reason in ("length", "stop")
+
+
+# --------------------------------------------------------------------------- in-process engine
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    from scheduling.config import SchedulerConfig
+
+    pmb = args.prefill_max_batch_size if args.prefill_max_batch_size is not None else args.max_batch_size
+    sched = SchedulerConfig(
+        policy=args.policy, max_num_seqs=args.max_batch_size, prefill_max_batch_size=pmb,
+        prefill_max_tokens=args.prefill_max_tokens, prefill_admission_policy=args.prefill_admission_policy,
+        prefill_admission_lookahead=args.prefill_admission_lookahead,
+        prefill_force_fifo_every=args.prefill_force_fifo_every)
+    return EngineConfig(model=_resolve_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
+                        scheduler=sched)
+
+
+def _sampling(args: argparse.Namespace):
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                          ignore_eos=bool(args.no_stop_on_eos))
+
+
+def _take(rec: _Rec, out, t: float) -> bool:
+    """Record one stream item that arrived at `t`; True when it was the final one."""
+    k = len(out.token_ids)
+    if k:
+        rec.token_times.extend([t] * k)
+        rec.deliveries += 1
+        if k > 1:
+            rec.merged_deliveries += 1
+    if not out.finished:
+        return False
+    rec.finish_ts = t
+    rec.finish_reason = out.finish_reason
+    rec.prompt_tokens = out.num_prompt_tokens
+    rec.completion_tokens = out.num_output_tokens or len(rec.token_times)
+    if out.error or out.reject_reason:
+        rec.error = out.error or f"rejected: {out.reject_reason}"
+    m = out.metrics
+    if m is not None:
+        rec.engine = {"arrival_s": m.arrival_s, "admitted_s": m.admitted_s, "first_token_s": m.first_token_s,
+                      "finished_s": m.finished_s, "token_times": list(m.token_times)}
+    return True
+
+
+def _consume(stream, rec: _Rec, first, timeout: float) -> None:
+    try:
+        if first is not None:
+            out, t = first
+            if _take(rec, out, t):
+                return
+        while True:
+            out = stream.get(timeout)
+            if _take(rec, out, time.perf_counter()):
+                return
+    except TimeoutError as e:
+        rec.error = f"timeout: {e}"
+    except Exception as e:  # noqa: BLE001 - recorded, reported as an error
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+def _warmup(engine, args: argparse.Namespace, n: int) -> None:
+    from engine.sampling import SamplingParams
+
+    for i in range(max(0, n)):
+        s = engine.add_request(f"{args.prompt} [warmup {i}]",
+                               SamplingParams(max_tokens=min(4, args.max_new_tokens), temperature=0.0,
+                                              ignore_eos=True), request_id=f"warmup-{i}")
+        for _ in s:
+            pass
+
+
+def _run_engine(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    from engine.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(_engine_config(args))
+    startup_s = time.perf_counter() - t0
+    try:
+        _warmup(engine, args, args.warmup)
+        tokenize_ms: list[float] = []
+        if args.pretokenize:
+            eos = engine.bundle.eos_token_ids[0]
+            inputs: list[Any] = []
+            for p in prompts:
+                ts = time.perf_counter()
+                inputs.append(engine.tokenizer.encode(p, add_special_tokens=False) or [eos])
+                tokenize_ms.append((time.perf_counter() - ts) * 1e3)
+        else:
+            inputs = list(prompts)
+        params = [_sampling(args) for _ in prompts]
+        recs = [_Rec(i) for i in range(len(prompts))]
+        threads: list[threading.Thread] = []
+        inline = args.submit_mode == "inline"
+        interval = args.submit_interval_ms / 1e3
+        timeout = args.request_timeout
+        steps0 = engine.stats().steps
+        t_first = time.perf_counter()
+        for i, inp in enumerate(inputs):
+            rec = recs[i]
+            rec.submit_start = time.perf_counter()
+            try:
+                stream = engine.add_request(inp, params[i], None, f"bench-{i}")
+            except Exception as e:  # noqa: BLE001 - counted as a failed request
+                rec.submit_end = time.perf_counter()
+                rec.add_error = f"{type(e).__name__}: {e}"
+                continue
+            first = None
+            if inline:  # the seeds' "before": add_request returned only after the request's prefill
+                try:
+                    out = stream.get(timeout)
+                    first = (out, time.perf_counter())
+                except TimeoutError as e:
+                    rec.error = f"timeout: {e}"
+            rec.submit_end = time.perf_counter()
+            if rec.error is None:
+                th = threading.Thread(target=_consume, args=(stream, rec, first, timeout), daemon=True,
+                                      name=f"bench-consumer-{i}")
+                th.start()
+                threads.append(th)
+            if interval > 0 and i + 1 < len(inputs):
+                time.sleep(interval)
+        submit_end = time.perf_counter()
+        for th in threads:
+            th.join()
+        st = engine.stats()
+        engine_stats = {"steps": st.steps - steps0, "phase_s": dict(st.phase_s), "rejected": dict(st.rejected),
+                        "kv_blocks_total": st.kv_blocks_total, "startup_s": startup_s,
+                        "profile": engine.profile_report, "dtype": str(engine.bundle.dtype),
+                        "max_model_len": engine.max_model_len, "model_path": engine.bundle.path}
+    finally:
+        engine.shutdown()
+        del engine
+        _free_memory()
+    return {"recs": recs, "t_first": t_first, "submit_end": submit_end, "tokenize_ms": tokenize_ms,
+            "engine_stats": engine_stats}
+
+
+# --------------------------------------------------------------------------- HTTP target
+
+
+def _http_request(client, url: str, body: dict, headers: dict, rec: _Rec, t_start: float, timeout: float) -> None:
+    import httpx
+
+    rec.submit_start = t_start
+    try:
+        req = client.build_request("POST", url, json=body, headers=headers,
+                                   timeout=httpx.Timeout(timeout, connect=30.0))
+        resp = client.send(req, stream=True)
+    except Exception as e:  # noqa: BLE001
+        rec.submit_end = time.perf_counter()
+        rec.add_error = f"{type(e).__name__}: {e}"
+        return
+    rec.submit_end = time.perf_counter()
+    try:
+        if resp.status_code != 200:
+            resp.read()
+            rec.add_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return
+        n_chunks = 0
+        for line in resp.iter_lines():
+            t = time.perf_counter()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                rec.error = str(obj["error"].get("message", obj["error"]))
+                continue
+            usage = obj.get("usage")
+            if usage:
+                rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                rec.completion_tokens = int(usage.get("completion_tokens", 0))
+            for ch in obj.get("choices") or []:
+                if ch.get("text"):
+                    rec.token_times.append(t)
+                    n_chunks += 1
+                if ch.get("finish_reason"):
+                    rec.finish_reason = ch["finish_reason"]
+                    rec.finish_ts = t
+        rec.deliveries = n_chunks
+        if math.isnan(rec.finish_ts):
+            rec.finish_ts = time.perf_counter()
+        if not rec.completion_tokens:
+            rec.completion_tokens = n_chunks
+    except Exception as e:  # noqa: BLE001
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        resp.close()
+
+
+def _run_http(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+    import httpx
+
+    base = args.target.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    n = len(prompts)
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    tokenize_ms: list[float] = []
+    inputs: list[Any] = list(prompts)
+    if args.pretokenize:
+        from transformers import AutoTokenizer
+
+        try:
+            from bench.common import resolve_model_path
+
+            path = resolve_model_path(args.model)
+        except ImportError:  # pragma: no cover
+            path = args.model
+        tok = AutoTokenizer.from_pretrained(path)
+        inputs = []
+        for p in prompts:
+            ts = time.perf_counter()
+            inputs.append(tok.encode(p, add_special_tokens=False) or [tok.eos_token_id or 0])
+            tokenize_ms.append((time.perf_counter() - ts) * 1e3)
+    with httpx.Client(limits=limits, headers=headers) as client:
+        served_model = None
+        try:
+            r = client.get(f"{base}/v1/models", timeout=30.0)
+            if r.status_code == 200:
+                served_model = r.json()["data"][0]["id"]
+        except Exception:  # noqa: BLE001 - the name is cosmetic
+            pass
+        url = f"{base}/v1/completions"
+        for i in range(max(0, args.warmup)):
+            body = {"prompt": f"{args.prompt} [warmup {i}]", "max_tokens": min(4, args.max_new_tokens),
+                    "temperature": 0.0, "ignore_eos": True, "stream": False}
+            try:
+                client.post(url, json=body, timeout=args.request_timeout)
+            except Exception:  # noqa: BLE001
+                pass
+        recs = [_Rec(i) for i in range(n)]
+        bodies = [{"prompt": inp, "max_tokens": args.max_new_tokens, "temperature": args.temperature,
+                   "ignore_eos": bool(args.no_stop_on_eos), "stream": True,
+                   "stream_options": {"include_usage": True}} for inp in inputs]
+        if args.seed is not None and args.temperature > 0:
+            for b in bodies:
+                b["seed"] = args.seed
+        threads = []
+        interval = args.submit_interval_ms / 1e3
+        t_first = time.perf_counter()
+        for i in range(n):
+            t_start = time.perf_counter()
+            th = threading.Thread(target=_http_request,
+                                  args=(client, url, bodies[i], {}, recs[i], t_start, args.request_timeout),
+                                  daemon=True, name=f"bench-http-{i}")
+            th.start()
+            threads.append(th)
+            if interval > 0 and i + 1 < n:
+                time.sleep(interval)
+        submit_end = time.perf_counter()
+        for th in threads:
+            th.join()
+    return {"recs": recs, "t_first": t_first, "submit_end": submit_end, "tokenize_ms": tokenize_ms,
+            "engine_stats": None, "served_model": served_model}
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _pcts(values: Sequence[float]) -> dict[str, float]:
+    xs = list(values)
+    out = {f"p{q}": _percentile(xs, q) for q in PCTS}
+    out["mean"] = sum(xs) / len(xs) if xs else math.nan
+    out["max"] = max(xs) if xs else math.nan
+    out["min"] = min(xs) if xs else math.nan
+    out["n"] = len(xs)
+    return out
+
+
+def _fmt3(d: dict[str, float]) -> str:
+    return "/".join(f"{d[f'p{q}']:.2f}" for q in PCTS)
+
+
+def _engine_side(recs: list[_Rec]) -> dict[str, Any]:
+    ttft, queue, itl, tpot = [], [], [], []
+    for r in recs:
+        e = r.engine
+        if not e or e.get("first_token_s") is None:
+            continue
+        ttft.append((e["first_token_s"] - e["arrival_s"]) * 1e3)
+        if e.get("admitted_s") is not None:
+            queue.append((e["admitted_s"] - e["arrival_s"]) * 1e3)
+        tt = e["token_times"]
+        itl.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
+        if len(tt) >= 2:
+            tpot.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
+    return {"ttft_ms": _pcts(ttft), "queue_ms": _pcts(queue), "itl_ms": _pcts(itl), "tpot_ms": _pcts(tpot),
+            "note": "engine timestamps (time.monotonic): arrival = add_request, tokens = end of the model step"}
+
+
+def summarize_run(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
+    recs: list[_Rec] = raw["recs"]
+    ok = [r for r in recs if r.ok]
+    t_first = raw["t_first"]
+    add_ms = [(r.submit_end - r.submit_start) * 1e3 for r in recs if r.add_error is None]
+    ttft_ms = [(r.token_times[0] - r.submit_start) * 1e3 for r in ok]
+    lat_ms = [(r.finish_ts - r.submit_start) * 1e3 for r in ok]
+    tpot_ms, itl_ms = [], []
+    for r in ok:
+        tt = r.token_times
+        itl_ms.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
+        n = r.completion_tokens if args.target else len(tt)
+        if n >= 2:
+            tpot_ms.append((tt[-1] - tt[0]) / (n - 1) * 1e3)
+    finishes = [r.finish_ts for r in recs if not math.isnan(r.finish_ts)]
+    wall = (max(finishes) - t_first) if finishes else math.nan
+    prompt_total = sum(r.prompt_tokens for r in recs)
+    completion_total = sum(r.completion_tokens for r in ok)
+    thr = completion_total / wall if wall and wall > 0 else math.nan
+    thr_total = (completion_total + sum(r.prompt_tokens for r in ok)) / wall if wall and wall > 0 else math.nan
+    res: dict[str, Any] = {
+        "bench": "streaming",
+        "model": raw.get("served_model") or args.model,
+        "device": args.device if not args.target else f"{args.target}",
+        "mode": "http" if args.target else "engine",
+        "requests": len(recs),
+        "ok_requests": len(ok),
+        "failed_requests": len(recs) - len(ok),
+        "errors": sorted({(r.add_error or r.error or f"finish_reason={r.finish_reason}") for r in recs if not r.ok}),
+        "prompt_tokens_total": prompt_total,
+        "completion_tokens_total": completion_total,
+        "submit_wall_s": raw["submit_end"] - t_first,
+        "wall_s": wall,
+        "add_request_ms": _pcts(add_ms),
+        "ttft_ms": _pcts(ttft_ms),
+        "tpot_ms": _pcts(tpot_ms),
+        "itl_ms": _pcts(itl_ms),
+        "latency_ms": _pcts(lat_ms),
+        "throughput_completion_tok_s": thr,
+        "throughput_total_tok_s": thr_total,
+        "merged_deliveries": sum(r.merged_deliveries for r in recs),
+        "deliveries": sum(r.deliveries for r in recs),
+        "submit_mode": args.submit_mode,
+        "pretokenized": bool(args.pretokenize),
+        "tokenize_ms": _pcts(raw.get("tokenize_ms") or []),
+    }
+    for name in ("add_request", "ttft", "tpot", "itl", "latency"):
+        for q in PCTS:
+            res[f"{name}_p{q}_ms"] = res[f"{name}_ms"][f"p{q}"]
+    if args.pretokenize:
+        res["add_request_p50_excl_tokenize_ms"] = res["add_request_p50_ms"]
+    if raw.get("engine_stats") is not None:
+        res["engine_stats"] = raw["engine_stats"]
+        res["engine_side"] = _engine_side(recs)
+    res["per_request"] = [
+        {"index": r.index, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+         "add_request_ms": (r.submit_end - r.submit_start) * 1e3,
+         "ttft_ms": (r.token_times[0] - r.submit_start) * 1e3 if r.token_times else None,
+         "latency_ms": (r.finish_ts - r.submit_start) * 1e3 if not math.isnan(r.finish_ts) else None,
+         "submit_offset_ms": (r.submit_start - t_first) * 1e3, "deliveries": r.deliveries,
+         "finish_reason": r.finish_reason, "error": r.add_error or r.error}
+        for r in recs]
+    res["block"] = format_block(res)
+    return res
+
+
+def format_block(res: dict[str, Any]) -> str:
+    """The seeds' printed block, line for line."""
+    return "\n".join([
+        BLOCK_HEADER,
+        f"Model: {res['model']}",
+        f"Device: {res['device']}",
+        f"Requests: {res['requests']}",
+        f"Prompt tokens (total): {res['prompt_tokens_total']}",
+        f"Completion tokens (total): {res['completion_tokens_total']}",
+        f"Submit wall: {res['submit_wall_s']:.6f} s",
+        f"add_request latency p50/p95/p99: {_fmt3(res['add_request_ms'])} ms",
+        f"TTFT p50/p95/p99: {_fmt3(res['ttft_ms'])} ms",
+        f"TPOT p50/p95/p99: {_fmt3(res['tpot_ms'])} ms/token",
+        f"ITL p50/p95/p99: {_fmt3(res['itl_ms'])} ms",
+        f"Latency p50/p95/p99: {_fmt3(res['latency_ms'])} ms",
+        f"Throughput (completion,total): {res['throughput_completion_tok_s']:.2f} tokens/s",
+    ])
+
+
+def format_extra(res: dict[str, Any]) -> str:
+    lines = [f"Throughput (prompt+completion): {res['throughput_total_tok_s']:.2f} tokens/s"]
+    if res["pretokenized"]:
+        lines.append(f"Tokenization (outside the timed loop) p50/p95/p99: {_fmt3(res['tokenize_ms'])} ms")
+    if res["failed_requests"]:
+        lines.append(f"Failed requests: {res['failed_requests']} ({'; '.join(res['errors'][:3])})")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def run(args: argparse.Namespace, *, verbose: bool = True, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run one benchmark configuration in-process; return every figure (and write --json if given)."""
+    _check_args(args)
+    prompts = build_prompts(args)
+    raw = _run_http(args, prompts) if args.target else _run_engine(args, prompts)
+    res = summarize_run(args, raw)
+    res["config"] = {k: v for k, v in vars(args).items()}
+    res["run_info"] = _run_info(argv if argv is not None else to_argv(args))
+    res["command"] = res["run_info"].get("command") or command_for(to_argv(args))
+    if verbose:
+        print(res["block"])
+        print(format_extra(res), flush=True)
+    if getattr(args, "json", None):
+        _write_json(args.json, res)
+    return res
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments that reproduce `args` (defaults omitted)."""
+    defaults = vars(build_parser().parse_args([]))
+    parser = build_parser()
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public walk
+        if not action.option_strings or action.dest == "help":
+            continue
+        v = getattr(args, action.dest, None)
+        if v == defaults.get(action.dest) or action.dest == "json":
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            if v:
+                out.append(flag)
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        out += [flag, str(v)]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    res = run(args, argv=argv)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0 if res["ok_requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

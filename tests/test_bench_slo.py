@@ -1,0 +1,302 @@
+"""The heterogeneous-SLO goodput benchmark: workload generator, metrics, lambda* search and an end-to-end smoke."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from bench import slo_metrics as M
+from bench import workload as W
+
+TIERS = (W.Tier("interactive", 100.0, 50.0), W.Tier("strict_tpot", 600.0, 30.0), W.Tier("relaxed", 3000.0, 50.0))
+
+
+# --------------------------------------------------------------------------- workload
+
+def test_same_seed_same_items_different_seed_differs():
+    spec = W.WorkloadSpec(num_requests=200, rate_rps=2.0, seed=7)
+    a, b = W.generate(spec, TIERS), W.generate(spec, TIERS)
+    assert a == b
+    c = W.generate(replace(spec, seed=8), TIERS)
+    assert [w.prompt_ids for w in a] != [w.prompt_ids for w in c]
+    assert [w.arrival_s for w in a] != [w.arrival_s for w in c]
+
+
+def test_rate_only_scales_arrivals():
+    spec = W.WorkloadSpec(num_requests=100, rate_rps=1.0, seed=3)
+    a, b = W.generate(spec, TIERS), W.generate(spec.with_rate(4.0), TIERS)
+    assert [w.prompt_ids for w in a] == [w.prompt_ids for w in b]
+    assert [w.tier for w in a] == [w.tier for w in b]
+    np.testing.assert_allclose([w.arrival_s / 4.0 for w in a], [w.arrival_s for w in b])
+
+
+def test_length_distributions_medians_and_caps():
+    items = W.generate(W.WorkloadSpec(num_requests=5000, rate_rps=10.0, seed=1, vocab_size=500), TIERS)
+    p = np.array([len(w.prompt_ids) for w in items])
+    o = np.array([w.max_tokens for w in items])
+    assert abs(np.median(p) - 100) <= 6
+    assert abs(np.median(o) - 60) <= 4
+    assert p.min() >= 4 and p.max() <= 512 and (p == 512).any()
+    assert o.min() >= 2 and o.max() <= 256
+    ids = np.concatenate([w.prompt_ids for w in items[:200]])
+    assert ids.min() >= W.FIRST_TOKEN_ID and ids.max() < 500
+
+
+def test_max_model_len_shortens_outputs():
+    spec = W.WorkloadSpec(num_requests=500, seed=2, max_model_len=300, prompt=W.LengthDist(100, 0.8, 200, 4))
+    assert all(len(w.prompt_ids) + w.max_tokens <= 299 for w in W.generate(spec, TIERS))
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "gamma"])
+def test_arrival_mean_gap(arrival):
+    rate = 4.0
+    items = W.generate(W.WorkloadSpec(num_requests=5000, rate_rps=rate, seed=5, arrival=arrival), TIERS)
+    gaps = np.diff([0.0] + [w.arrival_s for w in items])
+    assert abs(gaps.mean() - 1 / rate) < 0.06 / rate * (2 if arrival == "gamma" else 1)
+    cv = gaps.std() / gaps.mean()
+    assert abs(cv - (1.0 if arrival == "poisson" else math.sqrt(2))) < 0.12  # gamma shape 0.5: CV = sqrt(2)
+    assert all(b >= a for a, b in zip([w.arrival_s for w in items], [w.arrival_s for w in items][1:]))
+
+
+@pytest.mark.parametrize("mix", ["equal", "60-30-10"])
+def test_tier_mix_proportions(mix):
+    items = W.generate(W.WorkloadSpec(num_requests=5000, seed=9, mix=W.parse_mix(mix)), TIERS)
+    want = W.MIXES[mix]
+    for t, p in zip(TIERS, want):
+        got = sum(w.tier == t.name for w in items) / len(items)
+        assert abs(got - p) < 0.025, (t.name, got, p)
+        assert all((w.ttft_ms, w.tpot_ms) == (t.ttft_ms, t.tpot_ms) for w in items if w.tier == t.name)
+
+
+def test_parse_mix():
+    assert W.parse_mix("equal") == pytest.approx((1 / 3,) * 3)
+    assert W.parse_mix("6-3-1") == pytest.approx((0.6, 0.3, 0.1))
+    with pytest.raises(ValueError):
+        W.parse_mix("1-2")
+
+
+def test_hint_variants():
+    spec = W.WorkloadSpec(num_requests=2000, seed=4)
+    exact = W.generate(replace(spec, hint="exact"), TIERS)
+    noisy = W.generate(replace(spec, hint="noisy"), TIERS)
+    none = W.generate(replace(spec, hint="none"), TIERS)
+    assert all(w.output_len_hint == w.max_tokens for w in exact)
+    assert all(w.output_len_hint is None for w in none)
+    ratio = np.log([w.output_len_hint / w.max_tokens for w in noisy if w.max_tokens >= 20])
+    assert abs(ratio.std() - 0.5) < 0.05 and abs(np.median(ratio)) < 0.05
+    assert [w.max_tokens for w in noisy] == [w.max_tokens for w in exact]  # the noise never changes the work
+    d = W.describe(noisy)
+    assert d["hint_mae_tokens"] > 0 and 0.3 < d["hint_kendall_tau"] < 1.0
+
+
+class _FakePredictor:
+    def prefill_ms(self, n):
+        return 0.5 * n + 10.0
+
+    def itl_ms(self, b, length):
+        return 0.01 * b * length + 2.0 * b + 0.02 * length + 20.0
+
+
+def test_slo_scale_follows_the_protocol():
+    spec = W.WorkloadSpec()
+    sc = W.slo_scale(_FakePredictor(), 512, spec)
+    p = _FakePredictor()
+    assert sc.p_budget_ms == pytest.approx(p.prefill_ms(512))
+    assert sc.u_ms == pytest.approx(2 * p.prefill_ms(512))
+    assert sc.l_bar == pytest.approx(spec.prompt.mean() + spec.output.mean() / 2)
+    assert 120 < sc.mean_prompt < 160 and 70 < sc.mean_output < 95  # lognormal(0.8) means, capped
+    t = {x.name: x for x in sc.tiers}
+    assert (t["interactive"].ttft_ms, t["interactive"].tpot_ms) == pytest.approx((sc.u_ms, p.itl_ms(12, sc.l_bar)))
+    assert (t["strict_tpot"].ttft_ms, t["strict_tpot"].tpot_ms) == pytest.approx((6 * sc.u_ms, p.itl_ms(4, sc.l_bar)))
+    assert (t["relaxed"].ttft_ms, t["relaxed"].tpot_ms) == pytest.approx((30 * sc.u_ms, p.itl_ms(12, sc.l_bar)))
+    assert set(sc.to_dict()["tiers"]) == set(W.TIER_NAMES)
+
+
+def test_kendall_tau():
+    assert W.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert W.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(W.kendall_tau([1], [1]))
+
+
+# --------------------------------------------------------------------------- metrics on hand-made timelines
+
+def rec(tier="t", ttft_slo=100.0, tpot_slo=20.0, arrival=0.0, first=None, n=0, gap=0.01, reason="length",
+        rejected=False, end=None):
+    """A request that arrives at `arrival`, gets its first token `first` s later, then n-1 more every `gap` s."""
+    times = [] if first is None else [arrival + first + i * gap for i in range(n)]
+    return M.RequestRecord(tier=tier, ttft_slo_ms=ttft_slo, tpot_slo_ms=tpot_slo, arrival_s=arrival,
+                           rejected=rejected, finish_reason="rejected" if rejected else reason,
+                           ttft_s=first, token_times=times, n_out=len(times),
+                           finished_s=end if end is not None else (times[-1] if times else arrival + 0.001))
+
+
+def test_tpot_is_e2e_minus_ttft_over_n_minus_1():
+    r = rec(arrival=1.0, first=0.05, n=11, gap=0.02)
+    assert r.e2e_s == pytest.approx(0.05 + 10 * 0.02)
+    assert M.tpot_s(r) == pytest.approx((r.e2e_s - r.ttft_s) / 10)
+    assert M.tpot_s(rec(first=0.05, n=1)) == 0.0
+    assert M.tpot_s(rec(first=None, n=0)) is None
+    # HTTP mode: chunk times may be fewer than tokens; n_out still divides
+    r2 = M.RequestRecord("t", 100, 20, 0.0, finish_reason="length", ttft_s=0.1, token_times=[0.1, 0.5], n_out=5)
+    assert M.tpot_s(r2) == pytest.approx(0.4 / 4)
+
+
+def test_good_requires_both_slos_and_completion():
+    assert M.is_good(rec(first=0.05, n=5, gap=0.01))
+    assert not M.is_good(rec(first=0.15, n=5, gap=0.01))  # TTFT 150 > 100 ms
+    assert not M.is_good(rec(first=0.05, n=5, gap=0.03))  # TPOT 30 > 20 ms
+    assert M.is_good(rec(first=0.1, n=5, gap=0.02))  # boundaries are inclusive
+    assert not M.is_good(rec(first=0.05, n=5, gap=0.01, reason="timeout"))
+    assert not M.is_good(rec(rejected=True))
+    assert M.is_good(rec(first=0.05, n=1))  # n = 1: TPOT 0
+
+
+def test_summary_goodput_adherence_rejections_and_violations():
+    recs = [
+        rec("a", arrival=0.0, first=0.05, n=5, gap=0.01),  # good
+        rec("a", arrival=1.0, first=0.20, n=5, gap=0.01),  # TTFT violation
+        rec("b", arrival=2.0, first=0.05, n=5, gap=0.05),  # TPOT violation
+        rec("b", arrival=3.0, first=0.50, n=5, gap=0.05),  # both
+        rec("b", arrival=4.0, rejected=True, end=4.01),  # rejected: a miss, not a violation
+        rec("a", arrival=5.0, first=0.05, n=3, gap=0.01, reason="timeout", end=9.0),  # incomplete
+        rec("a", arrival=6.0, first=0.01, n=2, gap=0.01),  # good, ends at 6.02
+    ]
+    s = M.summarize(recs, warmup_frac=0.0)
+    assert s["n"] == 7 and s["good"] == 2
+    assert s["adherence"] == pytest.approx(2 / 7)
+    assert s["rejected"] == 1 and s["rejection_rate"] == pytest.approx(1 / 7)
+    assert s["ttft_violations"] == 2 and s["tpot_violations"] == 2
+    assert s["incomplete"] == 1
+    assert s["wall_s"] == pytest.approx(9.0)  # first arrival 0 -> last end (the give-up at 9.0)
+    assert s["goodput_rps"] == pytest.approx(2 / 9.0)
+    assert s["output_tokens"] == 5 * 4 + 3 + 2
+    assert s["token_throughput"] == pytest.approx(25 / 9.0)
+    a, b = s["per_tier"]["a"], s["per_tier"]["b"]
+    assert (a["n"], a["good"], a["ttft_violations"], a["incomplete"]) == (4, 2, 1, 1)
+    assert (b["n"], b["good"], b["rejected"], b["tpot_violations"]) == (3, 0, 1, 2)
+    assert b["adherence"] == 0.0
+    assert b["ttft_p50_ms"] == pytest.approx(275.0)  # served b: 50 and 500 ms
+    assert b["tpot_p50_ms"] == pytest.approx(50.0)
+    assert s["reject_reasons"] == {"rejected": 1}
+    assert M.summarize(recs, warmup_frac=0.0, wall_s=18.0)["goodput_rps"] == pytest.approx(2 / 18.0)
+
+
+def test_warmup_drop_by_arrival():
+    recs = [rec(arrival=float(t), first=0.05 if t >= 2 else 5.0, n=3) for t in (9, 3, 0, 7, 1, 5, 2, 8, 4, 6)]
+    kept = M.drop_warmup(recs, 0.2)
+    assert [r.arrival_s for r in kept] == [float(t) for t in range(2, 10)]
+    s = M.summarize(recs, warmup_frac=0.2)
+    assert s["n"] == 8 and s["n_dropped_warmup"] == 2 and s["adherence"] == 1.0  # the two late ones were dropped
+    assert M.summarize(recs, warmup_frac=0.0)["adherence"] == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        M.drop_warmup(recs, 1.0)
+
+
+def test_empty_summary_is_nan_not_error():
+    s = M.summarize([], warmup_frac=0.1)
+    assert s["n"] == 0 and math.isnan(s["adherence"]) and math.isnan(s["goodput_rps"])
+
+
+# --------------------------------------------------------------------------- lambda* search and reporting
+
+def test_find_lambda_star_brackets_and_bisects():
+    from bench.slo import find_lambda_star
+
+    true = 1.37
+
+    def adherence(rate):
+        return 1.0 if rate <= true else 0.5
+
+    for guess in (0.2, 1.0, 8.0):
+        lam, probes = find_lambda_star(adherence, guess, factor=1.6, bisect_steps=4)
+        assert lam <= true and lam > true / 1.6 ** (1 / 8), (guess, lam, probes)
+    lam, probes = find_lambda_star(lambda r: 0.0, 1.0, max_expand=3)  # never met: extrapolated below
+    assert lam < min(p["rate_rps"] for p in probes if "rate_rps" in p)
+
+
+def test_acceptance_checks():
+    from bench.slo import acceptance
+
+    def row(policy, load, goodput, adh, ttft=0, tpot=0):
+        return {"policy": policy, "load_multiple": load, "goodput_rps": goodput, "adherence": adh,
+                "ttft_violations": ttft, "tpot_violations": tpot}
+
+    res = [row("fcfs", 1.5, 1.0, 0.4, 30, 40), row("scorpio", 1.5, 2.0, 0.7), row("kairos", 1.5, 2.2, 0.75),
+           row("edf_reject", 1.5, 1.2, 0.5, 5, 40), row("tpot_guard", 1.5, 1.1, 0.45, 30, 3), row("fcfs", 2.0, 0.5, 0.2)]
+    acc = acceptance(res)
+    assert acc["load_multiple"] == 1.5
+    assert acc["scorpio_over_fcfs_goodput"] == pytest.approx(2.0)
+    assert acc["scorpio_minus_fcfs_adherence_pts"] == pytest.approx(30.0)
+    assert acc["kairos_goodput_ge_scorpio"] is True
+    assert acc["ttft_violations_fcfs_vs_edf_reject"] == [30, 5]
+    assert acc["tpot_violations_fcfs_vs_tpot_guard"] == [40, 3]
+    assert acceptance([row("fcfs", 1.25, 1, 1), row("fcfs", 2.0, 1, 1)])["load_multiple"] == 1.25  # nearest
+
+
+def test_http_point_against_a_mock_server():
+    """The HTTP client: SSE parsing, 429 = rejection, usage tokens, headers carry the SLOs."""
+    httpx = pytest.importorskip("httpx")
+    from bench.slo import run_http_point
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(dict(request.headers))
+        body = json.loads(request.content)
+        if float(request.headers["x-slo-ttft-ms"]) < 200:
+            return httpx.Response(429, headers={"x-kairos-reject-reason": "ttft_unattainable"}, json={})
+        n = body["max_tokens"]
+        chunks = [f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'
+                  for _ in range(n - 1)]
+        chunks.append(f'data: {json.dumps({"choices": [{"text": "y", "finish_reason": "length"}]})}\n\n')
+        chunks.append(f'data: {json.dumps({"choices": [], "usage": {"completion_tokens": n}})}\n\n')
+        chunks.append("data: [DONE]\n\n")
+        return httpx.Response(200, content="".join(chunks).encode(), headers={"content-type": "text/event-stream"})
+
+    items = [W.WorkItem(0.0, [5, 6, 7], 4, "interactive", 100.0, 50.0, 4),
+             W.WorkItem(0.01, [5, 6], 3, "relaxed", 3000.0, 50.0, None)]
+    run = run_http_point("http://mock", "m", items, drain_s=5.0, transport=httpx.MockTransport(handler))
+    r0, r1 = sorted(run.records, key=lambda r: r.arrival_s)
+    assert r0.rejected and r0.reject_reason == "ttft_unattainable"
+    assert r1.finish_reason == "length" and r1.n_out == 3 and r1.ttft_s is not None and M.is_good(r1)
+    assert seen[0]["x-slo-output-len"] == "4" and "x-slo-output-len" not in seen[1]
+
+
+# --------------------------------------------------------------------------- end-to-end smoke (real engine)
+
+def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
+    from bench import slo
+
+    out = tmp_path / "out"
+    js = tmp_path / "r.json"
+    argv = ["--quick", "--model", "kairos-tiny", "--policies", "fcfs,scorpio", "--loads", "1.5",
+            "--lambda-star", "2", "--num-requests", "12", "--prompt-median", "12", "--prompt-cap", "32",
+            "--output-median", "6", "--output-cap", "12", "--max-num-seqs", "8", "--prefill-max-tokens", "64",
+            "--drain", "10", "--out", str(out), "--json", str(js), "--no-progress"]
+    assert slo.main(argv) == 0
+    doc = json.loads(js.read_text())
+    assert doc["lambda_star_rps"] == 2.0
+    assert set(doc["tiers"]) == set(W.TIER_NAMES)
+    assert doc["predictor"]["r2"] is not None and "slo_scale" in doc["predictor"]
+    res = doc["results"]
+    assert res[0]["steps"] > 0 and res[0]["rejected"] == 0  # fcfs serves everything
+    assert [(r["policy"], r["load_multiple"]) for r in res] == [("fcfs", 1.5), ("scorpio", 1.5)]
+    for r in res:
+        assert r["rate_rps"] == pytest.approx(3.0)
+        assert r["n"] == 11 and r["n_dropped_warmup"] == 1  # 12 requests, 10% warm-up -> floor(1.2) = 1
+        assert 0.0 <= r["adherence"] <= 1.0 and r["goodput_rps"] >= 0.0
+        assert set(r["per_tier"]) <= set(W.TIER_NAMES)
+        assert r["steps"] >= 0 and (r["steps"] == 0 or r["sched_ms_per_step"] > 0)
+        assert r["good"] + r["rejected"] <= r["n"]
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert len(rows) == 2 and rows[0]["policy"] == "fcfs" and "interactive_adherence" in rows[0]
+    recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    assert len(recs) == 24
+    for name in ("goodput_vs_load", "adherence_vs_load", "tier_adherence", "ttft_cdf", "tpot_cdf"):
+        p = out / f"{name}.png"
+        assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "load_multiple" in doc["acceptance"]
