@@ -487,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--prefill-max-tokens", type=int, default=512, help="prefill token budget (= SLO budget)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine (protocol: 1)")
+    ap.add_argument("--reprofile", action="store_true",
+                    help="fit a fresh latency profile now (saved in --out) instead of the cached one: SLOs then "
+                         "match the machine's current speed (+~15 s)")
     ap.add_argument("--predictor-json", default=None,
                     help="latency-model JSON for the SLO scaling (HTTP mode; default: profile a local engine)")
     # HTTP
@@ -547,6 +550,7 @@ class _Engines:
         self.args = args
         self.start_s: dict[str, float] = {}
         self._model: str | None = None
+        self.predictor_path: str | None = None  # None: the shared cache (~/.cache/kairos/profiles)
 
     def model_path(self) -> str:
         if self._model is None:
@@ -565,7 +569,7 @@ class _Engines:
         eng = LLMEngine(EngineConfig(
             model=self.model_path(), dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
             scheduler=SchedulerConfig(policy=policy, max_num_seqs=a.max_num_seqs,
-                                      prefill_max_tokens=a.prefill_max_tokens)))
+                                      prefill_max_tokens=a.prefill_max_tokens, predictor_path=self.predictor_path)))
         self.start_s[policy] = time.perf_counter() - t0
         return eng
 
@@ -739,6 +743,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"loadavg {_loadavg()}", flush=True)
 
     engines = _Engines(args)
+    if args.reprofile:
+        engines.predictor_path = str((out_dir / "latency-profile.json").resolve())
+        Path(engines.predictor_path).unlink(missing_ok=True)
     eng = None
     if http:
         order = list(policies)
@@ -807,6 +814,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         search = {"guess_rps": guess, "probes": probes, "seconds": time.perf_counter() - t0,
                   "target_adherence": TARGET_ADHERENCE, "policy": "fcfs" if not http else args.label}
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
+    if any("never reached" in p.get("note", "") for p in search.get("probes", [])):
+        print(f"  WARNING: FCFS never reached {TARGET_ADHERENCE:.0%} adherence, so lambda* was extrapolated. The "
+              f"machine is probably slower now than its cached latency profile (loadavg {_loadavg()}), which "
+              "makes the strict tier (d4) unattainable at any load: rerun on a quiet machine, or with --reprofile.",
+              flush=True)
 
     # ---- size the sweep to the budget
     rates = [m * lam for m in plan.loads]
