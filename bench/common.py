@@ -57,15 +57,22 @@ def summarize(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> di
 
 
 def best_of(fn: Callable[[], Any], reps: int, key: Callable[[Any], float] | None = None,
-            warmup: int = 0) -> tuple[Any, list[Any]]:
-    """Run `fn` `warmup` + `reps` times; return (best result, all timed results).
+            warmup: int = 0, budget_s: float | None = None, min_reps: int = 1) -> tuple[Any, list[Any]]:
+    """Run `fn` `warmup` + up to `reps` times; return (best result, all timed results).
 
     With no `key`, `fn` must return seconds and best = the minimum. With a key, results can be any
-    object (e.g. a dict of figures) and best = the one with the smallest key.
+    object (e.g. a dict of figures) and best = the one with the smallest key. With `budget_s`, stop
+    early once `min_reps` runs are done and the timed runs together took longer than `budget_s`
+    (long configurations get fewer repetitions; `len(all)` says how many ran).
     """
     for _ in range(max(0, warmup)):
         fn()
-    results = [fn() for _ in range(max(1, reps))]
+    results: list[Any] = []
+    t0 = time.perf_counter()
+    for i in range(max(1, reps)):
+        results.append(fn())
+        if budget_s is not None and i + 1 >= min_reps and time.perf_counter() - t0 > budget_s:
+            break
     k = key or float
     return min(results, key=k), results
 

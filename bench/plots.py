@@ -84,7 +84,8 @@ def _tier_bars(results: Sequence[dict], load: float, path: Path) -> Path:
     return path
 
 
-def _cdf(records: Sequence[dict], load: float, key: str, slo_key: str, xlabel: str, path: Path) -> Path:
+def _cdf(records: Sequence[dict], load: float, key: str, slo_key: str, xlabel: str, path: Path,
+         log: bool = True) -> Path:
     rows = [r for r in records if r["load_multiple"] == load and not r.get("warmup") and not r["rejected"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows)):
@@ -102,9 +103,10 @@ def _cdf(records: Sequence[dict], load: float, key: str, slo_key: str, xlabel: s
     for j, (v, names) in enumerate(sorted(slos.items())):
         ax.axvline(v, color="k", linestyle="--", linewidth=0.8, alpha=0.6)
         ax.text(v, 0.02 + 0.06 * j, " " + "+".join(sorted(names)), fontsize=7, alpha=0.8)
-    ax.set_xscale("log")
+    if log:
+        ax.set_xscale("log")
     ax.set_ylim(0, 1.02)
-    ax.set_xlabel(xlabel + " (log)")
+    ax.set_xlabel(xlabel + (" (log)" if log else ""))
     ax.set_ylabel("fraction of all requests (rejected: never)")
     ax.set_title(f"{xlabel} CDF at {load:g}×λ* (dashed: tier SLOs)")
     ax.grid(alpha=0.3, which="both")
@@ -158,7 +160,7 @@ def make_all(doc: dict[str, Any], out_dir: str | Path, records_path: str | Path 
     records = read_records(Path(records_path or out / "records.jsonl"))
     if records:
         paths.append(_cdf(records, load, "ttft_ms", "ttft_slo_ms", "TTFT (ms)", out / "ttft_cdf.png"))
-        paths.append(_cdf(records, load, "tpot_ms", "tpot_slo_ms", "TPOT (ms)", out / "tpot_cdf.png"))
+        paths.append(_cdf(records, load, "tpot_ms", "tpot_slo_ms", "TPOT (ms)", out / "tpot_cdf.png", log=False))
         paths.append(_cumulative_good(records, load, out / "cumulative_good.png"))
     return paths
 

@@ -1,6 +1,6 @@
 """Heterogeneous-SLO goodput benchmark: policies × loads, open-loop, after scorpio.md §2/§4.
 
-    python -m bench.slo --quick                         # ~3 min smoke: 3 policies, loads 1 and 1.5 x lambda*
+    python -m bench.slo --quick                         # <=3 min smoke: 3 policies at 1.5 x lambda*, short requests
     python -m bench.slo                                 # full default sweep (all 7 policies x 6 loads, <= 30 min)
     python -m bench.slo --num-requests 400 --seeds 0,1,2   # the protocol's full size (hours on a 2-core box)
     python -m bench.slo --target http://127.0.0.1:8000  # drive a running server (its own policy) over HTTP
@@ -20,8 +20,13 @@ What one run does:
    table per load and the acceptance checks at 1.5×lambda*.
 
 Run length: the protocol asks for 400 requests per point × 3 seeds. On this 2-core box with kairos-default
-that is hours, so by default the requests per point are capped at 400 AND shrunk so that the whole sweep
-fits --budget-min (30 min; quick: 3 min). Pass --num-requests N to force exactly N (no budget cap).
+(lambda* well below 1 req/s) that is 10+ hours per seed, so by default the requests per point are capped at 400
+AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed plan shows the count and
+what 400/point would cost. The lambda* search gets at most ~25% of the budget (bisection is cut short).
+Pass --num-requests N to force exactly N per point (no budget cap).
+--quick is a smoke test, not a small copy of the sweep: 3 policies at 1.5×lambda* only, coarse search, and
+shorter requests (prompt median 40 / cap 160, output median 16 / cap 64), so lambda* is a few times higher and
+the 3-minute budget holds tens of requests per point. Its numbers are not comparable with the full sweep.
 
 dtype: float32 by default. On this AVX2 box (no AVX512-BF16/AMX) bf16 matmuls are emulated and run 3-5x
 slower than fp32, so fp32 is the faster and the representative choice here; use --dtype bfloat16 on
@@ -59,7 +64,7 @@ log = logging.getLogger("kairos.bench.slo")
 ALL_POLICIES = ("fcfs", "pack", "edf", "edf_reject", "tpot_guard", "scorpio", "kairos")
 QUICK_POLICIES = ("fcfs", "scorpio", "kairos")
 DEFAULT_LOADS = "0.5,0.75,1,1.25,1.5,2"
-QUICK_LOADS = "1,1.5"
+QUICK_LOADS = "1.5"
 TARGET_ADHERENCE = 0.90
 CHECK_LOAD = 1.5
 TIER_SHORT = {"interactive": "T1", "strict_tpot": "T2", "relaxed": "T3"}
@@ -100,7 +105,10 @@ def _fmt(v: Any, digits: int = 2) -> str:
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
     cells = [[_fmt(c) for c in r] for r in rows]
     w = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    line = lambda vals: "| " + " | ".join(v.ljust(w[i]) if i == 0 else v.rjust(w[i]) for i, v in enumerate(vals)) + " |"  # noqa: E731
+
+    def line(vals: Sequence[str]) -> str:
+        return "| " + " | ".join(v.ljust(w[i]) if i == 0 else v.rjust(w[i]) for i, v in enumerate(vals)) + " |"
+
     sep = "|" + "|".join("-" * (x + 2) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w)) + "|"
     out = [line(list(headers)), sep, *(line(r) for r in cells)]
     return (f"\n{title}\n" if title else "") + "\n".join(out)
@@ -192,40 +200,44 @@ def run_engine_point(eng: Any, items: Sequence[W.WorkItem], *, drain_s: float, t
     bar = _progress(n, desc, progress)
     timeouts = [0]
 
+    def finish(i: int, out: Any, timed_out_ok: bool) -> None:
+        w = items[i]
+        if out is None:  # the engine never answered even the abort: a miss with no metrics
+            records[i] = M.RequestRecord(w.tier, w.ttft_ms, w.tpot_ms, time.monotonic(), finish_reason="timeout",
+                                         finished_s=deadline[0], prompt_len=len(w.prompt_ids))
+        else:
+            late = timed_out_ok and out.finish_reason not in M.COMPLETED and out.finish_reason != "rejected"
+            records[i] = _record_from_output(w, out, timed_out=late, give_up_s=deadline[0])
+        timeouts[0] += records[i].finish_reason == "timeout"
+        if bar is not None:
+            bar.update(1)
+
     def consume() -> None:
-        give_up = False
+        """Polls `closed` every 20 ms instead of waking on every token, so the engine keeps the GIL."""
+        pending: dict[int, tuple[Any, str]] = {}
+        submitted_all = False
         while True:
-            got = handoff.get()
-            if got is None:
-                return
-            i, stream, rid = got
-            w = items[i]
             while True:
-                if give_up:
-                    eng.abort(rid)
-                    out = _last(stream, 30.0)
-                    if out is None:  # the engine never answered: a miss with no metrics
-                        records[i] = M.RequestRecord(w.tier, w.ttft_ms, w.tpot_ms, time.monotonic(),
-                                                     finish_reason="timeout", finished_s=deadline[0])
-                    else:
-                        records[i] = _record_from_output(w, out, timed_out=out.finish_reason not in M.COMPLETED
-                                                         and out.finish_reason != "rejected",
-                                                         give_up_s=deadline[0])
-                    timeouts[0] += records[i].finish_reason == "timeout"
-                    break
-                wait = min(0.5, deadline[0] - time.monotonic()) if math.isfinite(deadline[0]) else 0.5
-                if wait <= 0:
-                    give_up = True
-                    continue
                 try:
-                    out = stream.get(timeout=wait)
-                except TimeoutError:
-                    continue
-                if out.finished:
-                    records[i] = _record_from_output(w, out)
+                    got = handoff.get_nowait()
+                except queue.Empty:
                     break
-            if bar is not None:
-                bar.update(1)
+                if got is None:
+                    submitted_all = True
+                else:
+                    pending[got[0]] = (got[1], got[2])
+            for i in [i for i, (st, _) in pending.items() if st.closed]:
+                st, _ = pending.pop(i)
+                finish(i, _last(st, 5.0), False)
+            if submitted_all and not pending:
+                return
+            if time.monotonic() >= deadline[0]:  # give up: abort the stragglers, keep what they got
+                for _, rid in pending.values():
+                    eng.abort(rid)
+                for i, (st, _) in sorted(pending.items()):
+                    finish(i, _last(st, 30.0), True)
+                return
+            time.sleep(0.02)
 
     consumer = threading.Thread(target=consume, name="slo-consumer", daemon=True)
     consumer.start()
@@ -398,7 +410,7 @@ def find_lambda_star(measure: Callable[[float], float], guess: float, *, target:
 
     `measure(rate)` returns the adherence of a short run. Returns (lambda*, probes). If even the lowest probe
     misses, lambda* is that rate / factor (flagged in the probes); if the highest meets, it is that rate.
-    Bisection stops early once `out_of_time()` (the expansion always finishes its bracket or `max_expand`).
+    Once `out_of_time()`, bisection stops, and so does the expansion after its first two probes.
     """
     probes: list[dict] = []
 
@@ -410,7 +422,10 @@ def find_lambda_star(measure: Callable[[float], float], guess: float, *, target:
 
     lo = hi = None
     r = guess
-    for _ in range(max_expand):
+    for k in range(max_expand):
+        if k >= 2 and out_of_time():
+            probes.append({"note": "expansion cut short by the time budget"})
+            break
         if probe(r):
             lo = r
             if hi is not None:
@@ -422,7 +437,7 @@ def find_lambda_star(measure: Callable[[float], float], guess: float, *, target:
                 break
             r /= factor
     if lo is None:
-        lo = min(p["rate_rps"] for p in probes) / factor
+        lo = min(p["rate_rps"] for p in probes if "rate_rps" in p) / factor
         probes.append({"note": "never reached the target; lambda* extrapolated one factor below"})
         return lo, probes
     if hi is None:
@@ -469,6 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
     ap.add_argument("--hint", choices=("exact", "noisy", "none"), default="exact",
                     help="output-length hint sent with each request")
+    ap.add_argument("--strict-batch", type=float, default=4,
+                    help="T_strict = ITL(this batch, L) (protocol: 4 -> d4). Note: SCORPIO's gate admits a strict "
+                         "request only if 1.3*ITL(VBS, L) < 0.99*T_strict, so with d4/d1 < 1.3 (kairos-default) "
+                         "the guarded policies reject the strict tier even on an idle engine")
+    ap.add_argument("--loose-batch", type=float, default=12, help="T_loose = ITL(this batch, L) (protocol: 12)")
     ap.add_argument("--warmup-frac", type=float, default=0.1, help="drop this fraction of requests (by arrival)")
     ap.add_argument("--prompt-median", type=float, default=None, help="prompt tokens, lognormal median (100; quick 40)")
     ap.add_argument("--prompt-cap", type=int, default=None, help="prompt tokens, cap (512; quick 160)")
@@ -674,6 +694,7 @@ def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any
         out["scorpio_over_fcfs_goodput"] = s["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else math.inf
         out["scorpio_minus_fcfs_adherence_pts"] = 100 * (s["adherence"] - f["adherence"])
     if s and k:
+        out["kairos_goodput_rps"], out["scorpio_goodput_rps"] = k["goodput_rps"], s["goodput_rps"]
         out["kairos_goodput_ge_scorpio"] = k["goodput_rps"] >= s["goodput_rps"]
         out["kairos_adherence_ge_scorpio"] = k["adherence"] >= s["adherence"]
         out["kairos_minus_scorpio_adherence_pts"] = 100 * (k["adherence"] - s["adherence"])
@@ -695,7 +716,8 @@ def format_acceptance(acc: dict[str, Any]) -> str:
         lines.append(f"  scorpio - fcfs adherence      : {acc['scorpio_minus_fcfs_adherence_pts']:+.1f} pts")
     if "kairos_goodput_ge_scorpio" in acc:
         lines.append(f"  kairos >= scorpio (goodput)   : {_fmt(acc['kairos_goodput_ge_scorpio'])}"
-                     f"   (adherence: {_fmt(acc['kairos_adherence_ge_scorpio'])}, "
+                     f" ({acc['kairos_goodput_rps']:.3f} vs {acc['scorpio_goodput_rps']:.3f} rps; adherence: "
+                     f"{_fmt(acc['kairos_adherence_ge_scorpio'])}, "
                      f"{acc['kairos_minus_scorpio_adherence_pts']:+.1f} pts)")
     if "kairos_over_fcfs_goodput" in acc:
         lines.append(f"  kairos / fcfs goodput         : {acc['kairos_over_fcfs_goodput']:.2f}x")
@@ -773,7 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = W.LengthDist(args.output_median or (16 if q else 60), sig, args.output_cap or (64 if q else 256), 2)
     base = W.WorkloadSpec(arrival=args.arrival, mix=mix, hint=args.hint, vocab_size=vocab, max_model_len=max_len,
                           prompt=prompt, output=output)
-    scale = W.slo_scale(predictor, args.prefill_max_tokens, base)
+    scale = W.slo_scale(predictor, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
+                        loose_batch=args.loose_batch)
     tiers = [t.name for t in scale.tiers]
     pred_info["slo_scale"] = scale.to_dict()
     print("SLO tiers (ms): " + ", ".join(f"{t.name} TTFT {t.ttft_ms:.0f} / TPOT {t.tpot_ms:.1f}" for t in scale.tiers)
@@ -807,14 +830,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return a
 
         t0 = time.perf_counter()
-        search_end = t_start + (0.3 * plan.budget_s if plan.budget_s > 0 else math.inf)
+        search_end = t_start + (0.25 * plan.budget_s if plan.budget_s > 0 else math.inf)
         lam, probes = find_lambda_star(measure, guess, bisect_steps=plan.bisect_steps,
                                        max_expand=4 if args.quick else 6,
                                        out_of_time=lambda: time.perf_counter() > search_end)
         search = {"guess_rps": guess, "probes": probes, "seconds": time.perf_counter() - t0,
                   "target_adherence": TARGET_ADHERENCE, "policy": "fcfs" if not http else args.label}
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
-    if any("never reached" in p.get("note", "") for p in search.get("probes", [])):
+    notes = " ".join(p.get("note", "") for p in search.get("probes", []))
+    if "never reached" in notes and "cut short" in notes:
+        print(f"  note: the search used its time share (25% of the budget) before FCFS reached "
+              f"{TARGET_ADHERENCE:.0%} adherence; lambda* is extrapolated one step below the lowest probe.",
+              flush=True)
+    elif "never reached" in notes:
         print(f"  WARNING: FCFS never reached {TARGET_ADHERENCE:.0%} adherence, so lambda* was extrapolated. The "
               f"machine is probably slower now than its cached latency profile (loadavg {_loadavg()}), which "
               "makes the strict tier (d4) unattainable at any load: rerun on a quiet machine, or with --reprofile.",
@@ -826,9 +854,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_req = plan.n_cap
     starts = 0.0 if http else max(engines.start_s.values()) * (len(order) - 1)
     per_req_s = n_points * sum(1.0 / r for r in rates)  # seconds of arrivals per request of every point
-    drain_est = n_points * len(rates) * 4.0  # typical wait for the last requests after the last arrival
+    drain_est = n_points * len(rates) * 6.0  # typical wait for the last requests after the last arrival
     if not plan.n_fixed and plan.budget_s > 0:
-        left = plan.budget_s - (time.perf_counter() - t_start) - starts - 5.0
+        left = plan.budget_s - (time.perf_counter() - t_start) - starts - 15.0  # imports, plots, files
         fit = int(max(0.0, left - drain_est) * 0.92 / per_req_s)
         n_req = max(plan.n_min, min(plan.n_cap, fit))
     eta = n_req * per_req_s + drain_est + starts
@@ -843,7 +871,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # ---- sweep
     results: list[dict[str, Any]] = []
-    runs_by_point: dict[tuple[str, float], list[tuple[int, PointRun]]] = {}
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
     for pi, policy in enumerate(order):
@@ -863,7 +890,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with open(rec_path, "a") as f:
                     f.write("\n".join(_records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
             r = _summarize_point(policy, load, rate, runs, args.warmup_frac, tiers)
-            runs_by_point[(policy, load)] = runs
+            if eng is not None:  # this engine's fit (same cached profile for all; kairos refits online)
+                rep = eng.profile_report or {}
+                pe = eng.scheduler.predictor
+                r["predictor"] = {"r2": rep.get("r2"), "mape": rep.get("mape_holdout", rep.get("mape_train")),
+                                  "decode_coef_end": list(pe.decode_coef) if pe is not None else None,
+                                  "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None}
             results.append(r)
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "
                   f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol "
@@ -890,6 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seeds": plan.seeds, "num_requests_per_point": n_req, "num_requests_fixed": plan.n_fixed,
             "budget_min": plan.budget_s / 60.0, "arrival": args.arrival, "gamma_shape": base.gamma_shape,
             "mix": dict(zip(tiers, mix)), "hint": args.hint, "warmup_frac": args.warmup_frac,
+            "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "reprofile": args.reprofile,
             "quick": args.quick, "drain_s": args.drain, "prompt_len": _dist(base.prompt),
             "output_len": _dist(base.output), "engine_start_s": engines.start_s,
             "workload": W.describe(W.generate(replace(base, num_requests=n_req, rate_rps=lam, seed=plan.seeds[0]),

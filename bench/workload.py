@@ -131,18 +131,24 @@ def parse_mix(mix: str | Sequence[float]) -> tuple[float, float, float]:
     return tuple(p / s for p in parts)  # type: ignore[return-value]
 
 
-def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | None = None) -> SLOScale:
-    """The reference protocol's SLO tiers from the fitted predictor and the workload's mean lengths."""
+def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | None = None, *,
+              strict_batch: float = 4, loose_batch: float = 12) -> SLOScale:
+    """The reference protocol's SLO tiers from the fitted predictor and the workload's mean lengths.
+
+    T_strict = ITL(strict_batch, L̄) and T_loose = ITL(loose_batch, L̄) (the protocol: d4 and d12); d1/d4/d12
+    are always recorded as such.
+    """
     spec = spec or WorkloadSpec()
     mp, mo = spec.prompt.mean(), spec.output.mean()
     l_bar = mp + mo / 2.0
     p_budget = float(predictor.prefill_ms(budget_tokens))
     u = 2.0 * p_budget
     d1, d4, d12 = (float(predictor.itl_ms(b, l_bar)) for b in (1, 4, 12))
+    strict, loose = float(predictor.itl_ms(strict_batch, l_bar)), float(predictor.itl_ms(loose_batch, l_bar))
     tiers = (
-        Tier("interactive", u, d12),
-        Tier("strict_tpot", 6.0 * u, d4),
-        Tier("relaxed", 30.0 * u, d12),
+        Tier("interactive", u, loose),
+        Tier("strict_tpot", 6.0 * u, strict),
+        Tier("relaxed", 30.0 * u, loose),
     )
     return SLOScale(budget_tokens, p_budget, u, mp, mo, l_bar, d1, d4, d12, tiers)
 

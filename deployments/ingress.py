@@ -10,6 +10,7 @@ Client disconnects cancel the handle call, which aborts the request in the engin
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,6 +30,7 @@ from deployments.args import load_api_keys
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
 api = FastAPI(title="Kairos", version="0.1.0", description="SLO-aware OpenAI-compatible LLM server")
 
@@ -64,6 +67,16 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error in ingress")
     return _err(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+def _replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
+    """A request lost to its LLM replica: the actor died / is unreachable (503, retry) or raised (500)."""
+    if isinstance(e, (RayActorError, ActorUnavailableError)):
+        return APIError(503, f"generation failed: the LLM replica serving this request died ({type(e).__name__}); "
+                        "retry", "server_error", "replica_failed", {**(headers or {}), "Retry-After": str(retry_after_s)})
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
+    return APIError(500, f"generation failed: replica error {type(cause or e).__name__}", "server_error",
+                    "replica_error", headers)
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -104,11 +117,13 @@ class Ingress:
         card = P.ModelCard(id=self.model_name, max_model_len=self._max_model_len)
         return P.ModelList(data=[card]).model_dump()
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=P.openapi_operation(P.CompletionRequest),
+              responses=P.ERROR_RESPONSES)
     async def completions(self, request: Request) -> Any:
         return await self._handle(request, "completion")
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=P.openapi_operation(P.ChatCompletionRequest),
+              responses=P.ERROR_RESPONSES)
     async def chat_completions(self, request: Request) -> Any:
         return await self._handle(request, "chat")
 
@@ -136,7 +151,13 @@ class Ingress:
             if len(body) > self.max_body_bytes:
                 raise too_big
         try:
-            return json.loads(body)
+            obj = json.loads(body)
+            if _SURROGATE_ESCAPE.search(body):  # lone surrogates would make the tokenizer raise TypeError
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            raise APIError(400, "request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                           "strings must be valid Unicode", code="invalid_unicode") from None
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: absurdly deep nesting
             raise APIError(400, f"request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}",
                            code="invalid_json") from None
@@ -197,6 +218,10 @@ class Ingress:
             gen.cancel()
             raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
                            {"Retry-After": str(self.retry_after_s)}) from None
+        except (RayActorError, ActorUnavailableError, RayTaskError) as e:
+            gen.cancel()
+            log.warning("request %s failed in its replica: %r", rid, e)
+            raise _replica_failure(e, self.retry_after_s) from None
         except BaseException:
             gen.cancel()
             raise
@@ -227,7 +252,11 @@ class Ingress:
             while not item["finished"]:
                 item = await gen.__anext__()
                 parts.append(item["text"])
-        except BaseException:  # client gone (CancelledError) or replica failure: stop generating
+        except (RayActorError, ActorUnavailableError, RayTaskError, StopAsyncIteration) as e:  # replica failed
+            gen.cancel()
+            log.warning("request %s failed in its replica: %r", rid, e)
+            raise _replica_failure(e, self.retry_after_s, headers) from None
+        except BaseException:  # client gone (CancelledError): stop generating
             gen.cancel()
             raise
         if item.get("finish_reason") == "error":

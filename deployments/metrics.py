@@ -94,8 +94,10 @@ class ReplicaMetrics:
         t = {"tier": tier}
         reason = final.get("finish_reason") or "unknown"
         self.finished.inc(tags={"tier": tier, "reason": reason})
-        self.tokens_in.inc(final.get("num_prompt_tokens", 0), tags=t)
-        self.tokens_out.inc(final.get("num_output_tokens", 0), tags=t)
+        for ctr, n in ((self.tokens_in, final.get("num_prompt_tokens") or 0),
+                       (self.tokens_out, final.get("num_output_tokens") or 0)):
+            if n > 0:  # Counter.inc(0) raises ValueError (e.g. a request that failed before its first token)
+                ctr.inc(n, tags=t)
         ttft, tpot, e2e = final.get("ttft_s"), final.get("tpot_s"), final.get("e2e_s")
         if ttft is not None:
             self.ttft.observe(ttft, tags=t)

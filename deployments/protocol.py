@@ -16,6 +16,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_SLO_MS = 3_600_000.0  # an SLO above one hour is treated as a client bug ("absurd"), not as best effort
 MAX_OUTPUT_LEN_HINT = 1_000_000
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): logits / 1e-40 overflow to inf -> NaN
+
+
+def _documented(schema: dict[str, Any]) -> Any:
+    """A Field that documents exactly what is accepted in the JSON schema (OpenAPI, fuzzing), where the Python
+    type is broader than the contract; validation itself stays in the validators (same error messages)."""
+    def fix(s: dict[str, Any]) -> None:
+        title = s.get("title")
+        s.clear()
+        s.update(schema, **({"title": title} if title else {}))
+    return fix
+
+
+def _opt(schema: dict[str, Any]) -> Any:
+    return _documented({"anyOf": [schema, {"type": "null"}]})
+
+
+_POS_INT = {"type": "integer", "minimum": 1}
+_SLO_MS = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SLO_MS}
 
 
 class StreamOptions(BaseModel):
@@ -29,25 +48,26 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = 1
+    n: int | None = Field(1, json_schema_extra=_opt({"type": "integer", "const": 1}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator.manual_seed's range
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, json_schema_extra=_opt({"type": "number", "const": 0}))
+    frequency_penalty: float | None = Field(None, json_schema_extra=_opt({"type": "number", "const": 0}))
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024, json_schema_extra=_opt(
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 1024}))
     # Kairos: SLOs in the body (the x-slo-* headers win when both are given)
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    output_len_hint: int | None = None
+    slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
+    slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
+    output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
 
     @field_validator("n")
     @classmethod
@@ -63,6 +83,13 @@ class _Common(BaseModel):
             raise ValueError("presence/frequency penalties are not supported")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int | None) -> int | None:
@@ -74,7 +101,8 @@ class _Common(BaseModel):
         """Keyword arguments for `engine.sampling.SamplingParams` (None: fill the context window)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=1.0 if self.temperature is None else (0.0 if self.temperature < SAMPLING_EPS
+                                                              else self.temperature),
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
@@ -90,11 +118,14 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra=_documented({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]}))
+    echo: bool = Field(False, json_schema_extra=_documented({"type": "boolean", "const": False}))
+    suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
+    best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
+    logprobs: int | None = Field(None, json_schema_extra=_documented({"type": "null"}))
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
@@ -138,9 +169,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    tools: list[Any] | None = None
+    max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
+    logprobs: bool | None = Field(None, json_schema_extra=_opt({"type": "boolean", "const": False}))
+    tools: list[Any] | None = Field(None, json_schema_extra=_opt({"type": "array", "maxItems": 0}))
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -153,6 +184,66 @@ class ChatCompletionRequest(_Common):
     def default_max_tokens(self) -> int | None:
         """None means "the rest of the context window" (OpenAI's chat default)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------- OpenAPI (documentation + fuzzing)
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema with its `$defs` inlined, for an OpenAPI `requestBody` (no shared components)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return resolve({**defs[ref.rsplit("/", 1)[-1]], **rest})
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(x) for x in node]
+        return node
+
+    return resolve(schema)
+
+
+SLO_HEADERS: tuple[tuple[str, str, bool], ...] = (
+    ("x-slo-ttft-ms", "time-to-first-token SLO, milliseconds (overrides slo_ttft_ms)", False),
+    ("x-slo-tpot-ms", "time-per-output-token SLO, milliseconds (overrides slo_tpot_ms)", False),
+    ("x-slo-output-len", "expected output length in tokens (overrides output_len_hint)", True),
+)
+
+
+def openapi_operation(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` of a generation route: the JSON body the route parses itself, and the SLO headers."""
+    params = [{"name": name, "in": "header", "required": False, "description": desc,
+               "schema": {"type": "integer" if integer else "number", "exclusiveMinimum": 0,
+                          "maximum": MAX_OUTPUT_LEN_HINT if integer else MAX_SLO_MS}}
+              for name, desc, integer in SLO_HEADERS]
+    return {"parameters": params,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": inline_schema(model)}}}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "a completion (JSON), or with stream=true a text/event-stream of chunks ending in "
+                         "`data: [DONE]`", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    400: {"model": ErrorResponse, "description": "invalid JSON or request"},
+    401: {"model": ErrorResponse, "description": "missing or invalid API key (when auth is configured)"},
+    413: {"model": ErrorResponse, "description": "request body larger than max_body_bytes"},
+    429: {"model": ErrorResponse, "description": "overloaded or SLO unattainable; see Retry-After"},
+    500: {"model": ErrorResponse, "description": "generation failed in the engine"},
+    503: {"model": ErrorResponse, "description": "no LLM replica available; see Retry-After"},
+}
 
 
 # ---------------------------------------------------------------- responses

@@ -37,6 +37,16 @@ def render_plain_chat(messages: list[dict[str, str]]) -> str:
     return "\n".join(lines + ["Assistant:"])
 
 
+def _rss_bytes() -> int:
+    """Resident set size of this process (0 where it cannot be read)."""
+    try:
+        import psutil  # noqa: PLC0415
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001
+        return 0
+
+
 def _item(out: Any) -> dict[str, Any]:
     """A `RequestOutput` as a small picklable dict."""
     d: dict[str, Any] = {"text": out.text, "n": len(out.token_ids), "finished": out.finished,
@@ -98,6 +108,9 @@ class LLMServer:
             n = len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer.encode(prompt))
             kw["max_tokens"] = max(1, self.engine.max_model_len - n)
             kw["min_tokens"] = min(kw.get("min_tokens", 0), kw["max_tokens"])
+        vocab = self.engine.bundle.vocab_limit
+        if any(not 0 <= t < vocab for t in kw.get("stop_token_ids") or ()):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         return prompt, SamplingParams(**kw).validate(), SLO(**(req.get("slo") or {})).validate()
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -107,8 +120,8 @@ class LLMServer:
         try:
             prompt, params, slo = self._prepare(req)
             stream = self.engine.add_request(prompt, params, slo, request_id=rid)
-        except ValueError as e:
-            yield {"error": str(e), "status": 400, "replica": self.replica_id}
+        except (ValueError, TypeError, UnicodeError) as e:  # TypeError: the tokenizer refusing odd text
+            yield {"error": str(e)[:500], "status": 400, "replica": self.replica_id}
             return
         except EngineDeadError as e:
             yield {"error": f"engine unavailable: {e}", "status": 503, "replica": self.replica_id}
@@ -176,6 +189,14 @@ class LLMServer:
             "alive": st.alive, "ts": time.time(),
         }
 
+    def inject_fault(self, count: int = 1, replica: str | None = None) -> str:
+        """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this
+        replica's engine raise. With `replica`, only that replica arms the fault (handle calls land on a random
+        replica: call until the returned id matches). Returns this replica's id."""
+        if replica is None or replica == self.replica_id:
+            self.engine.inject_fault(int(count))
+        return self.replica_id
+
     def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError(f"LLM engine worker of replica {self.replica_id} is dead")
@@ -185,7 +206,8 @@ class LLMServer:
         st = self.engine.stats()
         return {"replica": self.replica_id, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": st.kv_blocks_total,
-                "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected)}
+                "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected),
+                "pid": os.getpid(), "rss_bytes": _rss_bytes()}
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -226,7 +227,8 @@ def test_acceptance_checks():
                 "ttft_violations": ttft, "tpot_violations": tpot}
 
     res = [row("fcfs", 1.5, 1.0, 0.4, 30, 40), row("scorpio", 1.5, 2.0, 0.7), row("kairos", 1.5, 2.2, 0.75),
-           row("edf_reject", 1.5, 1.2, 0.5, 5, 40), row("tpot_guard", 1.5, 1.1, 0.45, 30, 3), row("fcfs", 2.0, 0.5, 0.2)]
+           row("edf_reject", 1.5, 1.2, 0.5, 5, 40), row("tpot_guard", 1.5, 1.1, 0.45, 30, 3),
+           row("fcfs", 2.0, 0.5, 0.2)]
     acc = acceptance(res)
     assert acc["load_multiple"] == 1.5
     assert acc["scorpio_over_fcfs_goodput"] == pytest.approx(2.0)
@@ -300,3 +302,74 @@ def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
         p = out / f"{name}.png"
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "load_multiple" in doc["acceptance"]
+
+
+class _FakeEngine:
+    """Finishes even-numbered requests at once (3 tokens, 10 ms apart); odd ones only when aborted."""
+
+    def __init__(self):
+        from engine.stream import RequestStream
+
+        self._RS = RequestStream
+        self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
+        self._steps = 0
+        self.streams = {}
+        self.aborted = []
+
+    def add_request(self, prompt, params, slo, request_id):
+        from engine.outputs import RequestMetrics, RequestOutput
+
+        st = self._RS(request_id)
+        now = time.monotonic()
+        self.streams[request_id] = (st, now)
+        if int(request_id.rsplit("-", 1)[1]) % 2 == 0:
+            times = [now + 0.01 * k for k in range(3)]
+            st.put(RequestOutput(request_id, token_ids=[1], num_output_tokens=1))
+            st.put(RequestOutput(request_id, finished=True, finish_reason="length", num_output_tokens=3,
+                                 metrics=RequestMetrics(now, now, times[0], times[-1], times)))
+            self._steps += 3
+            self._phase["schedule"] += 0.001
+            self._phase["forward"] += 0.01
+        return st
+
+    def abort(self, rid):
+        from engine.outputs import RequestMetrics, RequestOutput
+
+        self.aborted.append(rid)
+        st, t = self.streams[rid]
+        st.put(RequestOutput(rid, finished=True, finish_reason="abort", num_output_tokens=1,
+                             metrics=RequestMetrics(t, t, t + 0.02, time.monotonic(), [t + 0.02])))
+
+
+def test_engine_point_open_loop_and_timeouts():
+    from bench.slo import run_engine_point
+
+    eng = _FakeEngine()
+    items = [W.WorkItem(0.05 * k, [5, 6], 3, "relaxed", 3000.0, 50.0, 3) for k in range(6)]
+    t0 = time.monotonic()
+    run = run_engine_point(eng, items, drain_s=0.3, tag="x")
+    took = time.monotonic() - t0
+    assert 0.55 <= took < 3.0  # last arrival at 0.25 s + 0.3 s drain
+    assert sorted(eng.aborted) == ["x-1", "x-3", "x-5"]
+    recs = sorted(run.records, key=lambda r: r.arrival_s)
+    assert [r.finish_reason for r in recs] == ["length", "timeout"] * 3
+    assert run.timeouts == 3
+    assert all(M.is_good(r) for r in recs[::2]) and not any(M.is_good(r) for r in recs[1::2])
+    arrivals = [r.arrival_s - recs[0].arrival_s for r in recs]
+    np.testing.assert_allclose(arrivals, [0.05 * k for k in range(6)], atol=0.03)  # open-loop schedule kept
+    assert all(r.finished_s >= recs[-1].arrival_s + 0.29 for r in recs[1::2])  # misses end at the give-up
+    assert run.engine["steps"] == 9 and run.engine["sched_ms_per_step"] == pytest.approx(1.0 / 3)
+
+
+def test_find_lambda_star_respects_the_time_budget():
+    from bench.slo import find_lambda_star
+
+    calls = []
+
+    def never(rate):
+        calls.append(rate)
+        return 0.0
+
+    lam, probes = find_lambda_star(never, 1.0, max_expand=6, out_of_time=lambda: len(calls) >= 2)
+    assert len(calls) == 2 and lam == pytest.approx(1.0 / 1.6 ** 2)
+    assert any("cut short" in p.get("note", "") for p in probes)

@@ -66,3 +66,16 @@ def replica_stats(handle, want: int = 2, timeout_s: float = 10.0) -> dict[str, d
         st = handle.stats.remote().result(timeout_s=timeout_s)
         seen[st["replica"]] = st
     return seen
+
+
+def wait_idle(handle, want: int, timeout_s: float = 30.0) -> dict[str, dict]:
+    """Poll every replica's stats until nothing runs, waits or is in flight and every KV block is free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = replica_stats(handle, want=want)
+        idle = len(stats) == want and all(
+            s["num_running"] == 0 and s["num_waiting"] == 0 and s["inflight"] == 0
+            and s["kv_blocks_free"] == s["kv_blocks_total"] for s in stats.values())
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.25)

@@ -1,0 +1,189 @@
+"""Overload: open-loop arrivals at 3x measured capacity against a second app with a small engine queue.
+
+Expected: the server keeps answering /health quickly, sheds load with 429 + Retry-After instead of queueing without
+bound, every admitted request completes with its full token count, and the replica's RSS stays flat.
+
+CI runs 20 s of overload; KAIROS_OVERLOAD_S=60 (or any number of seconds) gives the full run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from bench.common import percentile
+from tests.serve.conftest import BASE_URL, TEST_ARGS, wait_idle
+
+OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
+MAX_NUM_SEQS, MAX_WAITING = 4, 4
+OVL_ARGS = {**TEST_ARGS, "num_replicas": 1, "max_num_seqs": MAX_NUM_SEQS, "max_waiting": MAX_WAITING,
+            "max_ongoing_requests": 32, "max_queued_requests": 8, "retry_after_s": 1}
+DURATION_S = float(os.environ.get("KAIROS_OVERLOAD_S", "20"))
+OVERLOAD_FACTOR = 3.0
+MAX_TOKENS = 64
+CMPL = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def ovl_app(serve_app: dict):
+    from ray import serve
+
+    from deployments import build_app
+
+    serve.run(build_app(OVL_ARGS), name=OVL_APP, route_prefix=OVL_PREFIX, blocking=False)
+    try:
+        yield {"url": BASE_URL + OVL_PREFIX, "handle": serve.get_deployment_handle("LLMServer", app_name=OVL_APP)}
+    finally:
+        serve.delete(OVL_APP)
+
+
+def _body(i: int, stream: bool) -> dict:
+    return {"prompt": f"request {i}: " + "lorem ipsum " * random.randint(1, 20), "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+
+
+async def _one(ac: httpx.AsyncClient, i: int, stream: bool) -> dict:
+    t0 = time.monotonic()
+    res: dict = {"stream": stream, "status": None, "tokens": None, "error": None}
+    try:
+        if stream:
+            async with ac.stream("POST", CMPL, json=_body(i, stream)) as r:
+                res["status"], res["retry_after"] = r.status_code, r.headers.get("retry-after")
+                if r.status_code == 200:
+                    events = [ln[6:] async for ln in r.aiter_lines() if ln.startswith("data: ")]
+                    chunks = [json.loads(e) for e in events[:-1]]
+                    res["done"] = events[-1:] == ["[DONE]"] and not any("error" in c for c in chunks)
+                    res["tokens"] = chunks[-1]["usage"]["completion_tokens"] if chunks else None
+                else:
+                    res["body"] = json.loads(await r.aread())
+        else:
+            r = await ac.post(CMPL, json=_body(i, stream))
+            res["status"], res["retry_after"] = r.status_code, r.headers.get("retry-after")
+            res["body"] = r.json()
+            if r.status_code == 200:
+                res["done"], res["tokens"] = True, res["body"]["usage"]["completion_tokens"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        res["error"] = repr(e)
+    res["s"] = time.monotonic() - t0
+    return res
+
+
+async def _capacity(url: str, seconds: float = 4.0) -> float:
+    """Closed loop with as many clients as the engine runs at once: completed requests per second."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
+        await asyncio.gather(*(_one(ac, i, False) for i in range(MAX_NUM_SEQS)))  # warm-up
+        done, t_end = 0, time.monotonic() + seconds
+        t0 = time.monotonic()
+
+        async def worker(w: int) -> None:
+            nonlocal done
+            while time.monotonic() < t_end:
+                r = await _one(ac, w, False)
+                assert r["status"] == 200, r
+                done += 1
+
+        await asyncio.gather(*(worker(w) for w in range(MAX_NUM_SEQS)))
+        return done / (time.monotonic() - t0)
+
+
+async def _open_loop(url: str, rate: float, seconds: float) -> list[dict]:
+    limits = httpx.Limits(max_connections=500, max_keepalive_connections=50)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60), limits=limits) as ac:
+        rng = random.Random(7)
+        tasks, t_next, t_end, i = [], time.monotonic(), time.monotonic() + seconds, 0
+        while t_next < t_end:
+            await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+            tasks.append(asyncio.create_task(_one(ac, i, stream=(i % 2 == 0))))
+            i += 1
+            t_next += rng.expovariate(rate)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+
+class _Sampler(threading.Thread):
+    """Every second: /health latency (own connection), replica RSS (psutil) and engine queue (stats)."""
+
+    def __init__(self, url: str, handle, pid: int) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self.url, self.handle, self.proc = url, handle, psutil.Process(pid)
+        self.health: list[float] = []
+        self.rss: list[int] = []
+        self.queue: list[tuple[int, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=10) as c:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    ok = c.get(self.url + "/health").status_code == 200
+                    self.health.append(time.monotonic() - t0 if ok else float("inf"))
+                except httpx.HTTPError:
+                    self.health.append(float("inf"))
+                self.rss.append(self.proc.memory_info().rss)
+                try:
+                    st = self.handle.stats.remote().result(timeout_s=5)
+                    self.queue.append((st["num_waiting"], st["num_running"]))
+                except Exception:  # noqa: BLE001 - a slow stats call is not what this test measures
+                    pass
+                self.stop.wait(max(0.0, 1.0 - (time.monotonic() - t0)))
+
+
+def test_open_loop_3x_capacity_sheds_load_and_stays_healthy(ovl_app: dict) -> None:
+    url, handle = ovl_app["url"], ovl_app["handle"]
+    random.seed(3)
+    capacity = asyncio.run(_capacity(url))
+    rate = OVERLOAD_FACTOR * capacity
+    st0 = handle.stats.remote().result(timeout_s=10)
+    sampler = _Sampler(url, handle, st0["pid"])
+    sampler.start()
+    t0 = time.monotonic()
+    results = asyncio.run(_open_loop(url, rate, DURATION_S))
+    elapsed = time.monotonic() - t0
+    sampler.stop.set()
+    sampler.join(10)
+
+    ok = [r for r in results if r["status"] == 200]
+    shed = [r for r in results if r["status"] == 429]
+    other = [r for r in results if r["status"] not in (200, 429)]
+    rss_mb = [x / 2**20 for x in sampler.rss]
+    e2e_ok = [r["s"] for r in ok]
+    print(f"\n[overload] capacity {capacity:.2f} req/s (closed loop, {MAX_NUM_SEQS} clients); offered {rate:.2f} req/s "
+          f"for {DURATION_S:.0f}s -> {len(results)} requests in {elapsed:.1f}s: {len(ok)} x 200, {len(shed)} x 429, "
+          f"{len(other)} other; 200 e2e p50 {percentile(e2e_ok, 50):.2f}s p99 {percentile(e2e_ok, 99):.2f}s; "
+          f"429 p50 {percentile([r['s'] for r in shed], 50) * 1000:.0f} ms; health max "
+          f"{max(sampler.health) * 1000:.0f} ms over {len(sampler.health)} samples; engine max waiting/running "
+          f"{max((q[0] for q in sampler.queue), default=-1)}/{max((q[1] for q in sampler.queue), default=-1)}; "
+          f"replica RSS MB first {rss_mb[0]:.0f} max {max(rss_mb):.0f} last {rss_mb[-1]:.0f}")
+
+    assert not other, other[:5]
+    assert len(results) >= 0.6 * rate * DURATION_S
+    # sheds load: a good share is refused, fast, with Retry-After; the queue never grows past its bound
+    assert len(shed) >= 0.3 * len(results), (len(shed), len(results))
+    assert all(r["retry_after"] and int(r["retry_after"]) >= 1 for r in shed)
+    assert all(r["body"]["error"]["type"] == "rate_limit_error" for r in shed)
+    assert percentile([r["s"] for r in shed], 50) < 1.0
+    assert sampler.queue and max(q[0] for q in sampler.queue) <= MAX_WAITING
+    assert max(q[1] for q in sampler.queue) <= MAX_NUM_SEQS
+    # every admitted request completes in full
+    assert len(ok) >= 0.5 * capacity * DURATION_S
+    assert all(r.get("done") and r["tokens"] == MAX_TOKENS for r in ok), [r for r in ok if r["tokens"] != MAX_TOKENS]
+    # bounded queueing: an admitted request waits for at most ~ (running + waiting) requests' worth of work
+    assert percentile(e2e_ok, 99) < 15.0
+    # stays responsive
+    assert len(sampler.health) >= DURATION_S - 3
+    assert max(sampler.health) < 1.0, sorted(sampler.health)[-5:]
+    # flat memory: no growth trend over the run (first vs. last quarter of the samples)
+    q = max(1, len(rss_mb) // 4)
+    growth = statistics.median(rss_mb[-q:]) - statistics.median(rss_mb[:q])
+    assert growth < 50, f"replica RSS grew by {growth:.0f} MB: {rss_mb}"
+    (st,) = wait_idle(handle, want=1).values()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"], st

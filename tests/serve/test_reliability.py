@@ -1,0 +1,371 @@
+"""Reliability and security over real HTTP: client disconnects at random points, injected engine faults, a killed
+LLM replica, API-key auth, prompts kept out of logs, trust_remote_code refusal.
+
+Most tests use the session app (2 replicas). Auth, prompt-logging control, the pre-token fault and the replica
+kill use a second application on the same Ray/Serve instance (`kairos-rel` at /rel: 1 LLM replica, API keys
+from a file, log_prompts on), deleted at the end of this module. The replica kill runs last.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.conftest import BASE_URL, TEST_ARGS, replica_stats, wait_idle
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+REL_APP, REL_PREFIX = "kairos-rel", "/rel"
+KEYS = ("kairos-test-key-1", "kairos-test-key-2")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def sse_data(lines) -> list[str]:
+    return [ln[6:] for ln in lines if ln.startswith("data: ")]
+
+
+def arm_fault(handle, replica: str, count: int = 1) -> None:
+    """`inject_fault` is a handle-only test hook; calls land on a random replica, only `replica` arms."""
+    for _ in range(200):
+        if handle.inject_fault.remote(count, replica=replica).result(timeout_s=10) == replica:
+            return
+    raise AssertionError(f"could not reach replica {replica}")
+
+
+def serve_actors(app: str) -> dict[str, list[str]]:
+    """Named replica actors of `app`, by deployment."""
+    import ray
+
+    out: dict[str, list[str]] = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = a["name"] if isinstance(a, dict) else a
+        if name.startswith("SERVE_REPLICA::") and f"::{app}#" in name:
+            out.setdefault(name.split("#")[1], []).append(name)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ second app
+@pytest.fixture(scope="module")
+def rel_app(serve_app: dict, tmp_path_factory):
+    from ray import serve
+
+    from deployments import build_app
+
+    key_file = tmp_path_factory.mktemp("keys") / "api_keys"
+    key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
+    args = {**TEST_ARGS, "num_replicas": 1, "api_key_file": str(key_file), "log_prompts": True,
+            "health_check_period_s": 1.0, "health_check_timeout_s": 10.0}
+    t0 = time.monotonic()
+    serve.run(build_app(args), name=REL_APP, route_prefix=REL_PREFIX, blocking=False)
+    print(f"\n[rel app] deploy-to-ready {time.monotonic() - t0:.1f}s")
+    try:
+        yield {"url": BASE_URL + REL_PREFIX, "auth": {"Authorization": f"Bearer {KEYS[0]}"},
+               "handle": serve.get_deployment_handle("LLMServer", app_name=REL_APP)}
+    finally:
+        serve.delete(REL_APP)
+
+
+# ------------------------------------------------------------------------------------------------ security
+def test_api_key_auth(rel_app: dict) -> None:
+    url = rel_app["url"]
+    body = {"prompt": "auth", "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get("/health").json() == {"status": "ok"}  # health stays open for load balancers
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"},
+                        {"Authorization": KEYS[0]}, {"Authorization": f"Bearer {KEYS[0]}x"},
+                        {"Authorization": f"Bearer {KEYS[0][:-1]}"}, {"X-Api-Key": KEYS[0]}):
+            for method, path, kw in (("POST", CMPL, {"json": body}), ("POST", CHAT, {"json": {
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}), ("GET", "/v1/models", {})):
+                r = c.request(method, path, headers=headers, **kw)
+                assert r.status_code == 401, (headers, path, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        # auth comes before reading the body: an unauthenticated 10 MB upload is never parsed
+        r = c.post(CMPL, content=b"x" * (10 << 20), headers={"content-type": "application/json"})
+        assert r.status_code == 401
+        for key in KEYS:  # every key in the file works
+            r = c.post(CMPL, json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        assert c.get("/v1/models", headers={"authorization": f"bearer {KEYS[1]}"}).status_code == 200
+
+
+def _log_files() -> list[Path]:
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return [p for p in logs.rglob("*") if p.is_file() and p.suffix in (".log", ".out", ".err")]
+
+
+def _grep(marker: str) -> list[str]:
+    needle = marker.encode()
+    return [str(p) for p in _log_files() if needle in p.read_bytes()]
+
+
+def test_prompts_are_not_logged(base_url: str, rel_app: dict) -> None:
+    secret = f"KAIROS-PRIVATE-{uuid.uuid4().hex}"
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        assert c.post(CMPL, json={"prompt": f"{secret} hello", "max_tokens": 3}).status_code == 200
+        with c.stream("POST", CMPL, json={"prompt": f"{secret} stream", "max_tokens": 3, "stream": True}) as r:
+            assert r.status_code == 200 and sse_data(r.iter_lines())[-1] == "[DONE]"
+        msgs = [{"role": "system", "content": secret}, {"role": "user", "content": f"say {secret}"}]
+        assert c.post(CHAT, json={"messages": msgs, "max_tokens": 3}).status_code == 200
+        # error paths must not echo the prompt into logs either
+        assert c.post(CMPL, json={"prompt": secret, "max_tokens": 0}).status_code == 400
+        assert c.post(CMPL, json={"prompt": secret, "max_tokens": 2},
+                      headers={"x-slo-ttft-ms": "0.001"}).status_code == 429
+        assert c.post(CMPL, json={"prompt": (secret + " ") * 400, "max_tokens": 2}).status_code == 400
+    # positive control: the app with log_prompts=True does log it, so we are grepping the right files
+    control = f"KAIROS-LOGGED-{uuid.uuid4().hex}"
+    r = httpx.post(rel_app["url"] + CMPL, json={"prompt": control, "max_tokens": 2}, headers=rel_app["auth"],
+                   timeout=60)
+    assert r.status_code == 200
+    deadline = time.monotonic() + 20
+    while not _grep(control) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _grep(control), "log_prompts=True did not log the prompt: wrong log directory?"
+    assert any("/serve/" in f for f in _grep(control))
+    assert _grep(secret) == [], "a prompt was written to the logs with log_prompts=False"
+
+
+# ------------------------------------------------------------------------------------------------ disconnects
+async def _drop_client(ac: httpx.AsyncClient, k: int, i: int) -> dict:
+    """Stream a long completion and hang up: k < 0 before the first byte, k == 0 right after the headers,
+    k > 0 after k SSE events."""
+    info = {"k": k, "headers": False, "finished": False, "status": None}
+    req = {"prompt": f"client {i}: tell me a very long story", "max_tokens": 400, "ignore_eos": True,
+           "stream": True}
+
+    async def go() -> None:
+        async with ac.stream("POST", CMPL, json=req) as r:
+            info["headers"], info["status"] = True, r.status_code
+            if k == 0:
+                return
+            n = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                    info["finished"] |= '"finish_reason":"length"' in line or line == "data: [DONE]"
+                    if n >= k:
+                        return
+
+    if k < 0:
+        try:
+            await asyncio.wait_for(go(), timeout=random.uniform(0.0, 0.15))
+        except asyncio.TimeoutError:
+            pass
+    else:
+        await asyncio.wait_for(go(), timeout=120)
+    return info
+
+
+def test_100_clients_disconnect_at_random_points(base_url: str, llm_handle) -> None:
+    before = sum(s["aborted"] for s in replica_stats(llm_handle).values())
+    rng = random.Random(1234)
+    plan = [rng.choice([-1, -1, 0]) if rng.random() < 0.3 else rng.randint(1, 40) for _ in range(100)]
+    random.seed(99)
+
+    async def main() -> list[dict]:
+        out: list[dict] = []
+        limits = httpx.Limits(max_connections=40, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as ac:
+            for b in range(0, len(plan), 20):  # batches keep the 2-core box responsive
+                out += await asyncio.gather(*(_drop_client(ac, k, b + j) for j, k in enumerate(plan[b:b + 20])))
+        return out
+
+    t0 = time.monotonic()
+    infos = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    assert all(i["status"] in (None, 200) for i in infos), [i for i in infos if i["status"] not in (None, 200)]
+    stats = wait_idle(llm_handle, want=2, timeout_s=30)
+    for rid, s in stats.items():
+        assert s["num_running"] == 0 and s["num_waiting"] == 0 and s["inflight"] == 0, s
+        assert s["kv_blocks_free"] == s["kv_blocks_total"], f"replica {rid} leaked KV blocks: {s}"
+    aborted = sum(s["aborted"] for s in stats.values()) - before
+    must_abort = sum(1 for i in infos if i["headers"] and not i["finished"])
+    early = sum(1 for i in infos if not i["headers"])
+    print(f"\n[disconnects] {len(infos)} clients in {elapsed:.1f}s: {early} dropped before the first byte, "
+          f"{must_abort} after headers; replicas aborted {aborted}")
+    assert must_abort <= aborted <= len(infos)
+    assert early >= 5 and must_abort >= 50
+
+
+# ------------------------------------------------------------------------------------------------ faults
+def test_injected_fault_mid_stream_ends_with_error_event(base_url: str, llm_handle) -> None:
+    req = {"prompt": "fault injection", "max_tokens": 900, "ignore_eos": True, "stream": True,
+           "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        t0 = time.monotonic()
+        with c.stream("POST", CMPL, json=req) as r:
+            assert r.status_code == 200
+            replica = r.headers["x-kairos-replica"]
+            lines = r.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        break
+            arm_fault(llm_handle, replica)
+            events += sse_data(lines)
+        elapsed = time.monotonic() - t0
+        assert events[-1] == "[DONE]", events[-3:]
+        errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+        assert len(errors) == 1 and errors[0]["type"] == "server_error", events[-3:]
+        assert "injected fault" in errors[0]["message"]
+        assert not any('"finish_reason":"length"' in e for e in events), "the stream was not interrupted"
+        assert elapsed < 30
+        # the replica keeps serving: hit it again (routing is random among idle replicas)
+        served = set()
+        for _ in range(40):
+            r2 = c.post(CMPL, json={"prompt": "after the fault", "max_tokens": 4, "ignore_eos": True})
+            assert r2.status_code == 200, r2.text
+            assert r2.json()["usage"]["completion_tokens"] == 4
+            served.add(r2.headers["x-kairos-replica"])
+            if replica in served:
+                break
+        assert replica in served
+    assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in wait_idle(llm_handle, 2).values())
+
+
+def test_injected_fault_before_first_token_is_500_json(rel_app: dict) -> None:
+    handle = rel_app["handle"]
+    (replica,) = replica_stats(handle, want=1)
+    with httpx.Client(base_url=rel_app["url"], headers=rel_app["auth"], timeout=60) as c:
+        for stream in (False, True):
+            arm_fault(handle, replica)
+            r = c.post(CMPL, json={"prompt": "doomed", "max_tokens": 8, "stream": stream})
+            assert r.status_code == 500, r.text
+            assert r.headers["content-type"].startswith("application/json")
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "injected fault" in err["message"]
+        # non-streaming request failing mid-generation
+        arm_fault(handle, replica)  # consumed by the first step of the next request (its prefill)
+        r = c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 8})
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        r = c.post(CMPL, json={"prompt": "recovered", "max_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert c.get("/health").status_code == 200
+    (st,) = wait_idle(handle, want=1).values()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+# ------------------------------------------------------------------------------------------------ replica kill
+def test_killed_replica_fails_inflight_cleanly_and_is_replaced(rel_app: dict) -> None:
+    import ray
+
+    url, auth, handle = rel_app["url"], rel_app["auth"], rel_app["handle"]
+    actors = serve_actors(REL_APP)
+    assert len(actors.get("LLMServer", [])) == 1 and len(actors.get("Ingress", [])) == 1, actors
+    (old_replica,) = replica_stats(handle, want=1)
+    req = {"prompt": "in flight when the replica dies", "max_tokens": 900, "ignore_eos": True}
+    started = [False] * 4
+
+    def stream_one(i: int) -> dict:
+        t0 = time.monotonic()
+        with httpx.Client(base_url=url, headers=auth, timeout=httpx.Timeout(60, read=30)) as c:
+            with c.stream("POST", CMPL, json={**req, "stream": True}) as r:
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started[i] = True
+                return {"status": r.status_code, "events": events, "s": time.monotonic() - t0,
+                        "end": time.monotonic()}
+
+    def plain_one() -> dict:
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(url + CMPL, json=req, headers=auth, timeout=60)
+            return {"status": r.status_code, "body": r.text, "s": time.monotonic() - t0, "end": time.monotonic()}
+        except httpx.HTTPError as e:
+            return {"status": None, "body": repr(e), "s": time.monotonic() - t0, "end": time.monotonic()}
+
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream_one, i) for i in range(4)]
+        plains = [pool.submit(plain_one) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not all(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(started), "streams did not start"
+        t_kill = time.monotonic()
+        ray.kill(ray.get_actor(actors["LLMServer"][0], namespace="serve"), no_restart=False)
+        stream_res = [f.result(timeout=90) for f in streams]
+        plain_res = [f.result(timeout=90) for f in plains]
+    for res in stream_res:  # SSE error event, then [DONE]; no hang
+        assert res["status"] == 200 and res["events"][-1] == "[DONE]", res["events"][-3:]
+        last = json.loads(res["events"][-2])
+        assert last["error"]["type"] == "server_error" and "generation failed" in last["error"]["message"], last
+        assert res["s"] < 60
+    for res in plain_res:  # a JSON 503 that says what happened, no hang
+        assert res["status"] == 503, res
+        err = json.loads(res["body"])["error"]
+        assert err["code"] == "replica_failed" and "replica serving this request died" in err["message"], err
+    failed_within = max(r["end"] for r in stream_res + plain_res) - t_kill
+    print(f"\n[kill] every in-flight request failed within {failed_within:.1f}s of the kill: "
+          f"{[json.loads(r['body'])['error']['message'] for r in plain_res]}")
+
+    # new requests succeed once Serve has replaced the replica; the ingress survives
+    t0, new_replica, tries = time.monotonic(), None, 0
+    with httpx.Client(base_url=url, headers=auth, timeout=15) as c:
+        while time.monotonic() - t0 < 90:
+            tries += 1
+            try:
+                r = c.post(CMPL, json={"prompt": "after the restart", "max_tokens": 4, "ignore_eos": True})
+            except httpx.HTTPError:
+                time.sleep(1)
+                continue
+            if r.status_code == 200:
+                new_replica = r.headers["x-kairos-replica"]
+                assert r.json()["usage"]["completion_tokens"] == 4
+                break
+            assert r.status_code in (500, 502, 503, 504), r.text  # while no replica is up: a clean error
+            assert r.json()["error"]["message"]
+            time.sleep(1)
+    print(f"[kill] replacement served after {time.monotonic() - t0:.1f}s ({tries} tries)")
+    assert new_replica is not None, "no replacement replica within 90 s"
+    assert new_replica != old_replica
+    after = serve_actors(REL_APP)
+    assert after["Ingress"] == actors["Ingress"], "the ingress replica was restarted"
+    assert after["LLMServer"] != actors["LLMServer"]
+
+
+# ------------------------------------------------------------------------------------------------ remote code
+def test_checkpoint_with_custom_code_is_refused(tmp_path: Path) -> None:
+    from deployments.args import AppArgs
+    from engine.config import EngineConfig
+    from engine.loader import load_model
+
+    assert EngineConfig().trust_remote_code is False and AppArgs().engine_config().trust_remote_code is False
+    marker = tmp_path / "EXECUTED"
+    repo = tmp_path / "custom"
+    repo.mkdir()
+    (repo / "config.json").write_text(json.dumps({
+        "model_type": "kairos_evil", "architectures": ["EvilForCausalLM"],
+        "auto_map": {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}}))
+    (repo / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    with pytest.raises(ValueError) as e:
+        load_model(str(repo), trust_remote_code=False)
+    assert "custom code" in str(e.value) and str(repo) in str(e.value)
+    assert not marker.exists()
+
+
+def test_known_family_with_auto_map_never_runs_the_custom_code(tmp_path: Path) -> None:
+    from engine.loader import load_model
+    from engine.testing import build_tiny_checkpoint
+
+    repo = build_tiny_checkpoint("llama", tmp_path / "llama")
+    marker = tmp_path / "EXECUTED"
+    cfg = json.loads((repo / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "modeling_evil.Cfg", "AutoModelForCausalLM": "modeling_evil.Model"}
+    (repo / "config.json").write_text(json.dumps(cfg))
+    (repo / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    bundle = load_model(str(repo), dtype="float32", device="cpu")  # the built-in Llama class is used
+    assert type(bundle.model).__module__.startswith("transformers.")
+    assert not marker.exists()
