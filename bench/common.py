@@ -121,20 +121,68 @@ def loadavg() -> str:
         return ""
 
 
+def _cpu_jiffies() -> tuple[float, float] | None:
+    """(busy, total) seconds of all CPUs since boot, from the first line of /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            parts = f.readline().split()
+    except OSError:
+        return None
+    if not parts or parts[0] != "cpu":
+        return None
+    vals = [float(x) for x in parts[1:9]]  # user nice system idle iowait irq softirq steal
+    tck = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    total = sum(vals) / tck
+    return total - (vals[3] + vals[4]) / tck, total
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 class LoadLog:
-    """Collects /proc/loadavg samples by label: `log.mark("decode")` -> {"decode": "0.52 ..."}."""
+    """Noise log of a benchmark: per labelled section, /proc/loadavg and how many cores *other* processes used.
+
+    `mark(label)` starts a section (and ends the previous one). "other_cores" of a section is
+    (all CPUs' busy time - this process's CPU time) / wall time: ~0 on a quiet box; 1.0 means another
+    process kept a whole core busy, and then 2-thread timings are unreliable.
+    """
 
     def __init__(self) -> None:
         self.samples: dict[str, str] = {}
+        self.other_cores: dict[str, float] = {}
+        self._last: tuple[str, float, tuple[float, float] | None, float] | None = None
+
+    def _close(self) -> None:
+        if self._last is None:
+            return
+        label, t0, jif0, own0 = self._last
+        jif1, t1 = _cpu_jiffies(), time.monotonic()
+        if jif0 is not None and jif1 is not None and t1 - t0 > 0.05:
+            busy = jif1[0] - jif0[0]
+            self.other_cores[label] = max(0.0, (busy - (_own_cpu_s() - own0)) / (t1 - t0))
+        self._last = None
 
     def mark(self, label: str) -> str:
+        self._close()
         v = loadavg()
         self.samples[label] = v
+        self._last = (label, time.monotonic(), _cpu_jiffies(), _own_cpu_s())
         return v
 
+    def busiest(self) -> tuple[str | None, float]:
+        if not self.other_cores:
+            return None, 0.0
+        k = max(self.other_cores, key=self.other_cores.get)
+        return k, self.other_cores[k]
+
     def as_dict(self) -> dict[str, Any]:
+        self._close()
         vals = list(self.samples.values())
-        return {"start": vals[0] if vals else loadavg(), "end": loadavg(), "samples": dict(self.samples)}
+        label, worst = self.busiest()
+        return {"start": vals[0] if vals else loadavg(), "end": loadavg(), "samples": dict(self.samples),
+                "other_cores": dict(self.other_cores), "max_other_cores": worst, "max_other_section": label}
 
 
 def now_iso() -> str:

@@ -71,13 +71,14 @@ class Plan:
     bw_gb: float = 1.0
     bw_reps: int = 5
     prepare_reps: int = 50
+    rep_budget_s: float | None = 20.0  # per configuration: stop repeating (after >= 1 rep) once this is spent
     seed: int = 0
 
     @classmethod
     def quick(cls) -> "Plan":
         return cls(batches=(1, 8, 32), prompt_len=32, new_tokens=16, decode_reps=1, prefill_reps=2,
                    mixed_requests=16, mixed_prompt=(16, 128), mixed_output=(8, 32), mixed_hf_batch=8,
-                   mixed_reps=1, bw_gb=1.0, bw_reps=2, prepare_reps=10)
+                   mixed_reps=1, bw_gb=1.0, bw_reps=2, prepare_reps=10, rep_budget_s=None)
 
 
 @dataclass
@@ -179,7 +180,7 @@ def _throwaway(n_tokens: int, rng: random.Random, vocab: int, rid: str):
     return Request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0))
 
 
-def engine_prefill(eng, prompts: list[list[int]], reps: int) -> dict[str, Any]:
+def engine_prefill(eng, prompts: list[list[int]], reps: int, budget_s: float | None = None) -> dict[str, Any]:
     """Time `runner.execute` + sampling of one prefill step over throwaway requests (worker idle)."""
     from engine.request import Request
     from engine.sampling import SamplingParams
@@ -196,7 +197,7 @@ def engine_prefill(eng, prompts: list[list[int]], reps: int) -> dict[str, Any]:
             eng.sampler.sample(logits, reqs)
             return time.perf_counter() - t0
 
-        best, all_ = best_of(once, reps, warmup=1)
+        best, all_ = best_of(once, reps, warmup=1, budget_s=budget_s)
     finally:
         for r in reqs:
             eng.blocks.free(r)
@@ -255,7 +256,7 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
                    kv_cache={"blocks": eng.cache.num_blocks, "block_size": eng.blocks.block_size,
                              "dtype": str(eng.cache.dtype).removeprefix("torch."),
                              "tokens": eng.cache.num_blocks * eng.blocks.block_size},
-                   threads=torch.get_num_threads())
+                   threads=torch.get_num_threads(), upcast_linears=getattr(eng, "upcast_linears", None))
         w = make_workloads(plan, b.vocab_limit)
         res["workloads"] = w
 
@@ -270,7 +271,10 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
         phase_b = bmax
         for bsz in plan.batches:
             reps = []
+            t_cfg = time.perf_counter()
             for rep in range(plan.decode_reps):
+                if rep and plan.rep_budget_s is not None and time.perf_counter() - t_cfg > plan.rep_budget_s:
+                    break
                 before = _wait_idle(eng)
                 _, finals = _submit_and_wait(eng, w.decode[bsz], [plan.new_tokens] * bsz, f"dec{bsz}-{rep}")
                 after = _wait_idle(eng)
@@ -306,7 +310,7 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
         loads.mark("engine_prefill")
         prefill = {}
         for shape, prompts in w.prefill.items():
-            prefill[shape] = engine_prefill(eng, prompts, plan.prefill_reps)
+            prefill[shape] = engine_prefill(eng, prompts, plan.prefill_reps, plan.rep_budget_s)
             log(f"engine prefill {shape}: {prefill[shape]['tok_s']:.0f} tok/s ({prefill[shape]['ms']:.1f} ms)")
         res["prefill"] = prefill
 
@@ -358,6 +362,7 @@ def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log)
 
     from engine.loader import resolve_dtype
 
+    loads.mark("hf_load")
     hf_logging.set_verbosity_error()
     from transformers import AutoConfig
 
@@ -399,8 +404,9 @@ def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log)
         decode = {}
         for bsz in plan.batches:
             ids, mask = _left_pad(w.decode[bsz], pad)
-            t_full, all_full = best_of(lambda: generate(ids, mask, plan.new_tokens), plan.decode_reps)
-            t_pre, all_pre = best_of(lambda: generate(ids, mask, 1), plan.decode_reps)
+            t_full, all_full = best_of(lambda: generate(ids, mask, plan.new_tokens), plan.decode_reps,
+                                       budget_s=plan.rep_budget_s)
+            t_pre, all_pre = best_of(lambda: generate(ids, mask, 1), plan.decode_reps, budget_s=plan.rep_budget_s)
             dt = max(t_full - t_pre, 1e-9)
             steps = plan.new_tokens - 1
             decode[bsz] = {"tok_s": bsz * steps / dt, "ms_step": dt / steps * 1000.0, "generate_s": t_full,
@@ -412,7 +418,8 @@ def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log)
         prefill = {}
         for shape, prompts in w.prefill.items():
             ids, mask = _left_pad(prompts, pad)
-            best, all_ = best_of(lambda: prefill_once(ids, mask), plan.prefill_reps, warmup=1)
+            best, all_ = best_of(lambda: prefill_once(ids, mask), plan.prefill_reps, warmup=1,
+                                 budget_s=plan.rep_budget_s)
             tokens = sum(len(p) for p in prompts)
             prefill[shape] = {"tok_s": tokens / best, "ms": best * 1000.0, "all_ms": [x * 1000.0 for x in all_]}
             log(f"HF prefill {shape}: {prefill[shape]['tok_s']:.0f} tok/s ({prefill[shape]['ms']:.1f} ms)")
@@ -467,19 +474,22 @@ def build_report(args, argv, plan: Plan, info: dict, bw: float, eng: dict, hf: d
             "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s")),
             "engine_pct_of_bound": e["tok_s"] / (bsz / step_bound_s) * 100.0,
             "engine_prefill_aligned": e["prefill_aligned"], "engine_all_tok_s": e["all_tok_s"],
-            "engine_steps": e["steps"], "engine_tokens": e["tokens"],
+            "engine_steps": e["steps"], "engine_tokens": e["tokens"], "engine_reps": len(e["all_tok_s"]),
+            "hf_reps": len(h["all_generate_s"]) if h else None,
         })
     prefill = []
     for shape, e in eng["prefill"].items():
         h = hf.get("prefill", {}).get(shape, {})
         prefill.append({"shape": shape, "engine_tok_s": e["tok_s"], "hf_tok_s": h.get("tok_s"),
-                        "engine_ms": e["ms"], "hf_ms": h.get("ms"), "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s"))})
+                        "engine_ms": e["ms"], "hf_ms": h.get("ms"), "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s")),
+                        "engine_reps": len(e["all_ms"]), "hf_reps": len(h["all_ms"]) if h else None})
     em, hm = eng["mixed"], hf.get("mixed", {})
     mixed = {
         "engine_tok_s": em["tok_s"], "hf_tok_s": hm.get("tok_s"), "engine_wall_s": em["wall_s"],
         "hf_wall_s": hm.get("wall_s"), "engine_vs_hf": _ratio(em["tok_s"], hm.get("tok_s")),
         "requests": plan.mixed_requests, "prompt_len": list(plan.mixed_prompt), "output_len": list(plan.mixed_output),
-        "useful_tokens": sum(eng["workloads"].mixed_outputs), "prompt_tokens": sum(map(len, eng["workloads"].mixed_prompts)),
+        "useful_tokens": sum(eng["workloads"].mixed_outputs),
+        "prompt_tokens": sum(map(len, eng["workloads"].mixed_prompts)),
         "hf_batch": plan.mixed_hf_batch, "hf_generated_tokens_incl_waste": hm.get("generated_tokens_incl_waste"),
         "engine_ttft_s": em["ttft_s"], "engine_tpot_ms": em["tpot_ms"],
         "engine_all_wall_s": em["all_wall_s"], "hf_all_wall_s": hm.get("all_wall_s"),
@@ -492,7 +502,7 @@ def build_report(args, argv, plan: Plan, info: dict, bw: float, eng: dict, hf: d
         "bandwidth_gb_s": bw, "bound_ms_step": step_bound_s * 1000.0,
         "overhead_pct_b32": eng["overhead"]["overhead_pct"], "overhead": eng["overhead"],
         "engine_startup_s": eng["startup_s"], "engine_profile": eng["profile"], "engine_kv_cache": eng["kv_cache"],
-        "engine_rejected": eng["rejected"], "hf_included": bool(hf),
+        "engine_rejected": eng["rejected"], "engine_upcast_linears": eng["upcast_linears"], "hf_included": bool(hf),
         "cpu": info["cpu"], "loadavg": loads.as_dict(), "date": info["date"], "command": info["command"],
         "env": info, "settings": settings,
     }
@@ -508,30 +518,47 @@ def print_report(r: dict[str, Any], plan: Plan) -> None:
     print(f"memory bandwidth: {r['bandwidth_gb_s']:.1f} GB/s (torch sum over {plan.bw_gb:g} GB fp32, best of "
           f"{plan.bw_reps}) -> weight-read bound {r['bound_ms_step']:.2f} ms/step")
     prof = r["engine_profile"]
-    print(f"engine startup {r['engine_startup_s']:.1f} s (latency profile "
-          + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', 0):.1f} s") + ")")
+    kv = r["engine_kv_cache"]
+    up = r.get("engine_upcast_linears")
+    print(f"engine: startup {r['engine_startup_s']:.1f} s (latency profile "
+          + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', 0):.1f} s")
+          + f"); KV cache {kv['tokens']} tokens ({kv['dtype']})"
+          + (f"; {up} linears upcast to fp32 GEMM (no native bf16 on this CPU)" if up else "")
+          + "; HF: transformers eager, sdpa")
     la = r["loadavg"]
     print(f"loadavg: start {la['start']} | end {la['end']}")
+    if la.get("other_cores"):
+        print("cores used by other processes, per section: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in la["other_cores"].items()))
+        if la["max_other_cores"] > 0.25:
+            print(f"WARNING: other processes used {la['max_other_cores']:.2f} cores during {la['max_other_section']}: "
+                  "this box has 2 cores, so those timings are unreliable (rerun on a quiet box)")
     steps = plan.new_tokens - 1
+    budget = "" if plan.rep_budget_s is None else f", fewer once a configuration has used {plan.rep_budget_s:g} s"
+
+    def reps(d):
+        return f"{d['engine_reps']}/{'-' if d['hf_reps'] is None else d['hf_reps']}"
+
     print_table(
         ["batch", "engine tok/s", "HF tok/s", "engine/HF", "engine ms/step", "HF ms/step", "bound tok/s",
-         "engine % of bound"],
+         "engine % of bound", "reps e/HF"],
         [[d["batch"], d["engine_tok_s"], d["hf_tok_s"], d["engine_vs_hf"], d["engine_ms_step"], d["hf_ms_step"],
-          d["bound_tok_s"], d["engine_pct_of_bound"]] for d in r["decode"]],
+          d["bound_tok_s"], d["engine_pct_of_bound"], reps(d)] for d in r["decode"]],
         title=f"Decode: prompt {plan.prompt_len}, {plan.new_tokens} new tokens ({steps} timed decode steps), greedy, "
-              f"EOS ignored; best of {plan.decode_reps}; bound = B / (weight bytes / bandwidth)",
+              f"EOS ignored; best of up to {plan.decode_reps}{budget}; bound = B / (weight bytes / bandwidth)",
         digits=2 if r["quick"] else 1)
     print_table(
-        ["shape", "engine tok/s", "HF tok/s", "engine/HF", "engine ms", "HF ms"],
-        [[p["shape"], p["engine_tok_s"], p["hf_tok_s"], p["engine_vs_hf"], p["engine_ms"], p["hf_ms"]]
+        ["shape", "engine tok/s", "HF tok/s", "engine/HF", "engine ms", "HF ms", "reps e/HF"],
+        [[p["shape"], p["engine_tok_s"], p["hf_tok_s"], p["engine_vs_hf"], p["engine_ms"], p["hf_ms"], reps(p)]
          for p in r["prefill"]],
-        title=f"Prefill (engine: runner.execute + sampling; HF: one forward, logits_to_keep=1); best of "
-              f"{plan.prefill_reps}")
+        title=f"Prefill (engine: runner.execute + sampling; HF: one forward, logits_to_keep=1); best of up to "
+              f"{plan.prefill_reps}{budget}")
     m = r["mixed"]
     print_table(
         ["system", "wall s", "useful tok/s", "speedup"],
         [["engine (all at t=0)", m["engine_wall_s"], m["engine_tok_s"], m["engine_vs_hf"]],
-         [f"HF generate (static batches of {m['hf_batch']})", m["hf_wall_s"], m["hf_tok_s"], 1.0 if m["hf_tok_s"] else None]],
+         [f"HF generate (static batches of {m['hf_batch']})", m["hf_wall_s"], m["hf_tok_s"],
+          1.0 if m["hf_tok_s"] else None]],
         title=f"Mixed: {m['requests']} requests, prompts U[{m['prompt_len'][0]},{m['prompt_len'][1]}] "
               f"({m['prompt_tokens']} tokens), outputs U[{m['output_len'][0]},{m['output_len'][1]}] "
               f"({m['useful_tokens']} tokens), EOS ignored",
@@ -597,12 +624,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t_all:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     loads = LoadLog()
-    loads.mark("start")
+    loads.mark("setup")
     info = run_info(MODULE, argv)
     engine_model = resolve_bench_model(model_name)  # builds llama-110m on first use
 
+    loads.mark("bandwidth")
     bw = measure_bandwidth_gb_s(plan.bw_gb, plan.bw_reps)
-    log(f"bandwidth {bw:.1f} GB/s; loadavg {loads.mark('bandwidth')}")
+    log(f"bandwidth {bw:.1f} GB/s; loadavg {loads.mark('engine_startup')}")
 
     eng = run_engine(engine_model, args, plan, loads, log)
     hf = None
@@ -611,11 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     loads.mark("end")
     report = build_report(args, argv, plan, info, bw, eng, hf, loads, model_name)
     report["total_s"] = time.perf_counter() - t_all
+    if args.json:  # before printing: a closed stdout must not lose the figures
+        p = write_json(args.json, report)
+        log(f"wrote {p}")
     print_report(report, plan)
     print(f"total {report['total_s']:.0f} s")
-    if args.json:
-        p = write_json(args.json, report)
-        print(f"wrote {p}")
     return 0
 
 

@@ -34,6 +34,11 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass(slots=True)
+class _InjectFault:
+    count: int
+
+
+@dataclass(slots=True)
 class EngineStats:
     alive: bool
     num_waiting: int
@@ -98,6 +103,8 @@ class LLMEngine:
         if self._dead is not None or self._stop:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         params = (params or SamplingParams()).validate()
+        if any(t >= self.bundle.vocab_limit for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.bundle.vocab_limit}")
         slo = (slo or SLO()).validate()
         ids = self._tokenize(prompt)
         limit = self.max_model_len
@@ -134,7 +141,8 @@ class LLMEngine:
 
     def inject_fault(self, count: int = 1) -> None:
         """Test hook: the next `count` model steps raise."""
-        self._fault_steps += count
+        self._inbox.put(_InjectFault(count))
+        self._wakeup.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -147,7 +155,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False) or [self.bundle.eos_token_ids[0]]
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            except (TypeError, UnicodeError) as e:  # e.g. lone surrogates
+                raise ValueError(f"prompt is not valid text: {e}") from None
+            return ids or [self.bundle.eos_token_ids[0]]
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.bundle.vocab_limit
@@ -218,7 +230,9 @@ class LLMEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, Request):
+            if isinstance(item, _InjectFault):
+                self._fault_steps += item.count
+            elif isinstance(item, Request):
                 if item.request_id in self._requests:
                     item.stream.put(RequestOutput(item.request_id, finished=True, finish_reason="error",
                                                   error=f"duplicate request id {item.request_id!r}"))
@@ -267,7 +281,10 @@ class LLMEngine:
         now = time.monotonic()
         for req, tok in zip(reqs, tokens):
             req.num_computed_tokens = req.num_tokens
-            self._append_token(req, tok, now)
+            if isinstance(tok, Exception):
+                self._finish(req, FinishReason.ERROR, error=f"sampling failed: {tok!r}")
+            else:
+                self._append_token(req, tok, now)
         self._steps += 1
         self._phase["postprocess"] += time.perf_counter() - t3
         self._publish(len(plan.prefill), len(plan.decode))

@@ -7,7 +7,10 @@ caller's business: `attn_implementation` is passed through to `from_pretrained` 
 """
 from __future__ import annotations
 
+import json
+
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +151,14 @@ def _ids(v: Any) -> list[int]:
 # --------------------------------------------------------------------------- load
 
 
+def _has_remote_code(path: str) -> bool:
+    cfg = Path(path) / "config.json"
+    try:
+        return "auto_map" in json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def load_model(
     model: str,
     *,
@@ -175,6 +186,9 @@ def load_model(
     if _offline():
         hub_kw["local_files_only"] = True
 
+    if not trust_remote_code and is_local and _has_remote_code(path):
+        raise ValueError(f"cannot load model {model!r}: its config.json names custom code (auto_map); "
+                         "Kairos does not run checkpoint code unless trust_remote_code=True is set explicitly")
     try:
         config = AutoConfig.from_pretrained(path, **hub_kw)
     except (OSError, ValueError, KeyError) as e:

@@ -21,7 +21,8 @@ class Sampler:
         return req.generator
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
+        """One token per request; a request whose own sampling fails gets its exception instead."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
         banned_rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
@@ -33,10 +34,13 @@ class Sampler:
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
-        out = logits.argmax(dim=-1).tolist()
+        out: list[int | Exception] = logits.argmax(dim=-1).tolist()
         for i, r in enumerate(reqs):
             if not greedy[i]:
-                out[i] = self._sample_one(logits[i].float(), r)
+                try:
+                    out[i] = self._sample_one(logits[i].float(), r)
+                except (RuntimeError, ValueError) as e:  # e.g. non-finite probabilities
+                    out[i] = e
         return out
 
     def _sample_one(self, row: torch.Tensor, req: Request) -> int:

@@ -356,7 +356,7 @@ def test_checkpoint_with_custom_code_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_known_family_with_auto_map_never_runs_the_custom_code(tmp_path: Path) -> None:
+def test_known_family_with_auto_map_is_refused_without_running_it(tmp_path: Path) -> None:
     from engine.loader import load_model
     from engine.testing import build_tiny_checkpoint
 
@@ -366,6 +366,6 @@ def test_known_family_with_auto_map_never_runs_the_custom_code(tmp_path: Path) -
     cfg["auto_map"] = {"AutoConfig": "modeling_evil.Cfg", "AutoModelForCausalLM": "modeling_evil.Model"}
     (repo / "config.json").write_text(json.dumps(cfg))
     (repo / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
-    bundle = load_model(str(repo), dtype="float32", device="cpu")  # the built-in Llama class is used
-    assert type(bundle.model).__module__.startswith("transformers.")
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        load_model(str(repo), dtype="float32", device="cpu")
     assert not marker.exists()
