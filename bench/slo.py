@@ -19,8 +19,9 @@ What one run does:
 4. Writes results.json, results.csv, records.jsonl (one line per request) and the PNGs into --out, prints a
    table per load and the acceptance checks at 1.5×lambda*.
 
-Run length: the protocol asks for 400 requests per point × 3 seeds. On this 2-core box with kairos-default
-(lambda* well below 1 req/s) that is 10+ hours per seed, so by default the requests per point are capped at 400
+Model: kairos-tiny by default (the protocol's "tiny Llama, 4 layers, d=256"); with kairos-default lambda* is
+well below 1 req/s on this box and a 30-minute sweep holds only ~10 requests per point.
+Run length: the protocol asks for 400 requests per point × 3 seeds (10+ hours per seed here), so by default the requests per point are capped at 400
 AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed plan shows the count and
 what 400/point would cost. The lambda* search gets at most ~25% of the budget (bisection is cut short).
 Pass --num-requests N to force exactly N per point (no budget cap).
@@ -485,10 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hint", choices=("exact", "noisy", "none"), default="exact",
                     help="output-length hint sent with each request")
     ap.add_argument("--strict-batch", type=float, default=4,
-                    help="T_strict = ITL(this batch, L) (protocol: 4 -> d4). Note: SCORPIO's gate admits a strict "
-                         "request only if 1.3*ITL(VBS, L) < 0.99*T_strict, so with d4/d1 < 1.3 (kairos-default) "
-                         "the guarded policies reject the strict tier even on an idle engine")
-    ap.add_argument("--loose-batch", type=float, default=12, help="T_loose = ITL(this batch, L) (protocol: 12)")
+                    help="T_strict = headroom x ITL(this batch, L) (protocol: 4 -> d4)")
+    ap.add_argument("--loose-batch", type=float, default=12,
+                    help="T_loose = headroom x ITL(this batch, L) (protocol: 12)")
+    ap.add_argument("--tpot-headroom", type=float, default=W.GATE_HEADROOM,
+                    help="TPOT tiers = headroom x ITL(batch, L); default 1.3/0.99, the VBS gate's margin")
     ap.add_argument("--warmup-frac", type=float, default=0.1, help="drop this fraction of requests (by arrival)")
     ap.add_argument("--prompt-median", type=float, default=None, help="prompt tokens, lognormal median (100; quick 40)")
     ap.add_argument("--prompt-cap", type=int, default=None, help="prompt tokens, cap (512; quick 160)")
@@ -502,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait after the last arrival before unfinished requests count as misses "
                          "(default: max(10, 25%% of the arrival span), capped at 60)")
     # engine
-    ap.add_argument("--model", default="kairos-default", help="kairos-default | kairos-tiny | llama-110m | HF dir")
+    ap.add_argument("--model", default="kairos-tiny", help="kairos-default | kairos-tiny | llama-110m | HF dir")
     ap.add_argument("--dtype", default="float32", help="float32 (default: fastest on this AVX2 box) | bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--prefill-max-tokens", type=int, default=512, help="prefill token budget (= SLO budget)")
@@ -796,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = W.WorkloadSpec(arrival=args.arrival, mix=mix, hint=args.hint, vocab_size=vocab, max_model_len=max_len,
                           prompt=prompt, output=output)
     scale = W.slo_scale(predictor, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
-                        loose_batch=args.loose_batch)
+                        loose_batch=args.loose_batch, headroom=args.tpot_headroom)
     tiers = [t.name for t in scale.tiers]
     pred_info["slo_scale"] = scale.to_dict()
     print("SLO tiers (ms): " + ", ".join(f"{t.name} TTFT {t.ttft_ms:.0f} / TPOT {t.tpot_ms:.1f}" for t in scale.tiers)
@@ -922,7 +924,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seeds": plan.seeds, "num_requests_per_point": n_req, "num_requests_fixed": plan.n_fixed,
             "budget_min": plan.budget_s / 60.0, "arrival": args.arrival, "gamma_shape": base.gamma_shape,
             "mix": dict(zip(tiers, mix)), "hint": args.hint, "warmup_frac": args.warmup_frac,
-            "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "reprofile": args.reprofile,
+            "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "tpot_headroom": args.tpot_headroom, "reprofile": args.reprofile,
             "quick": args.quick, "drain_s": args.drain, "prompt_len": _dist(base.prompt),
             "output_len": _dist(base.output), "engine_start_s": engines.start_s,
             "workload": W.describe(W.generate(replace(base, num_requests=n_req, rate_rps=lam, seed=plan.seeds[0]),

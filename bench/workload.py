@@ -131,12 +131,17 @@ def parse_mix(mix: str | Sequence[float]) -> tuple[float, float, float]:
     return tuple(p / s for p in parts)  # type: ignore[return-value]
 
 
+GATE_HEADROOM = 1.3 / 0.99  # SCORPIO's VBS gate admits while ITL(VBS, L) * 1.3 < 0.99 * T_min
+
+
 def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | None = None, *,
-              strict_batch: float = 4, loose_batch: float = 12) -> SLOScale:
+              strict_batch: float = 4, loose_batch: float = 12, headroom: float = GATE_HEADROOM) -> SLOScale:
     """The reference protocol's SLO tiers from the fitted predictor and the workload's mean lengths.
 
-    T_strict = ITL(strict_batch, L̄) and T_loose = ITL(loose_batch, L̄) (the protocol: d4 and d12); d1/d4/d12
-    are always recorded as such.
+    T_strict = headroom·ITL(strict_batch, L̄) and T_loose = headroom·ITL(loose_batch, L̄): the protocol's d4 and
+    d12, scaled by the gate's own margin so that a tier admits about `strict_batch` (`loose_batch`) requests.
+    With headroom 1 and a flat ITL curve (a tiny model, a GPU), 1.3·ITL(1) > 0.99·d4 and the gate would reject
+    every strict request even on an idle engine. d1/d4/d12 are always recorded unscaled.
     """
     spec = spec or WorkloadSpec()
     mp, mo = spec.prompt.mean(), spec.output.mean()
@@ -144,7 +149,8 @@ def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | Non
     p_budget = float(predictor.prefill_ms(budget_tokens))
     u = 2.0 * p_budget
     d1, d4, d12 = (float(predictor.itl_ms(b, l_bar)) for b in (1, 4, 12))
-    strict, loose = float(predictor.itl_ms(strict_batch, l_bar)), float(predictor.itl_ms(loose_batch, l_bar))
+    strict = headroom * float(predictor.itl_ms(strict_batch, l_bar))
+    loose = headroom * float(predictor.itl_ms(loose_batch, l_bar))
     tiers = (
         Tier("interactive", u, loose),
         Tier("strict_tpot", 6.0 * u, strict),
