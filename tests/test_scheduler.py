@@ -1,0 +1,97 @@
+"""The scheduler's step decisions over plain Request objects and a real BlockManager (no model)."""
+from engine.kv.block_manager import BlockManager
+from engine.request import SLO, Request, Status
+from engine.sampling import SamplingParams
+from scheduling.config import SchedulerConfig
+from scheduling.predictor import LatencyModel
+from scheduling.scheduler import OVERLOADED, Scheduler
+
+
+def _req(i, n, tpot=None, ttft=None, arrival=0.0):
+    return Request(f"r{i}", [1] * n, SamplingParams(max_tokens=8), SLO(ttft_ms=ttft, tpot_ms=tpot), arrival_s=arrival)
+
+
+def _sched(policy="fcfs", blocks=64, **kw):
+    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))  # prefill 1+0.01n, itl 5+0.5B
+    return Scheduler(SchedulerConfig(policy=policy, **kw), BlockManager(blocks, 4), max_model_len=256,
+                     predictor=model)
+
+
+def _run(s, plan):
+    """Pretend the step ran: every scheduled request gets one token."""
+    for r in plan.prefill + plan.decode:
+        r.num_computed_tokens = r.num_tokens
+        r.token_ids.append(3)
+
+
+def test_prefill_first_then_decode():
+    s = _sched("fcfs")
+    a, b = _req(0, 5), _req(1, 5)
+    s.add(a)
+    p = s.schedule(0.0)
+    assert p.prefill == [a] and p.decode == []
+    _run(s, p)
+    s.add(b)
+    p = s.schedule(0.0)
+    assert p.prefill == [b] and p.decode == []  # fcfs: a step with admissions runs only prefills
+    _run(s, p)
+    p = s.schedule(0.0)
+    assert p.prefill == [] and p.decode == [a, b]
+
+
+def test_hybrid_steps_decode_running_requests_alongside_new_prefills():
+    s = _sched("kairos")
+    a, b = _req(0, 5), _req(1, 5)
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    s.add(b)
+    p = s.schedule(0.0)
+    assert p.prefill == [b] and p.decode == [a]
+
+
+def test_kv_exhaustion_makes_admission_wait_then_preempts_on_decode():
+    s = _sched("fcfs", blocks=6)  # 24 token slots
+    a, b, c = _req(0, 8), _req(1, 8), _req(2, 8)
+    for r in (a, b, c):
+        s.add(r)
+    p = s.schedule(0.0)
+    assert p.prefill == [a, b]  # c would leave no headroom: it waits, FIFO order kept
+    assert list(s.waiting) == [c] and s.blocks.num_free == 2
+    _run(s, p)
+    for _ in range(20):  # a and b grow into the 2 free blocks, then one of them must make room
+        p = s.schedule(0.0)
+        _run(s, p)
+        if p.preempted:
+            break
+    assert p.preempted == [b] and p.decode == [a]  # the most recently admitted is the victim and b.status is Status.WAITING and b.block_table == [] and s.waiting[0] is b
+    assert b.num_computed_tokens == 0  # recomputed from its prompt and the tokens it already produced
+
+
+def test_waiting_queue_is_bounded():
+    s = _sched("fcfs", max_waiting=2)
+    assert s.add(_req(0, 4)) is None and s.add(_req(1, 4)) is None
+    assert s.add(_req(2, 4)) == OVERLOADED
+
+
+def test_ldf_admits_the_earliest_deadline_first():
+    s = _sched("edf", prefill_max_batch_size=1)
+    late, early = _req(0, 4, ttft=5000, arrival=0.0), _req(1, 4, ttft=100, arrival=0.01)
+    s.add(late)
+    s.add(early)
+    assert s.schedule(0.02).prefill == [early]
+
+
+def test_ttft_guard_rejects_only_unattainable_requests():
+    s = _sched("kairos")
+    ok, doomed = _req(0, 100, ttft=10_000), _req(1, 100, ttft=1.0)
+    s.add(ok)
+    s.add(doomed)
+    p = s.schedule(0.0)
+    assert p.rejected == [(doomed, "ttft_unattainable")] and p.prefill == [ok]
+
+
+def test_vbs_gate_rejects_a_tpot_it_cannot_meet_even_alone():
+    s = _sched("scorpio")
+    r = _req(0, 4, tpot=5.0)  # predicted ITL(1) = 5.5 ms: 1.3 * 5.5 > 0.99 * 5
+    s.add(r)
+    assert s.schedule(0.0).rejected == [(r, "tpot_unattainable")]
