@@ -71,14 +71,15 @@ class Plan:
     bw_gb: float = 1.0
     bw_reps: int = 5
     prepare_reps: int = 50
-    rep_budget_s: float | None = 20.0  # per configuration: stop repeating (after >= 1 rep) once this is spent
+    rep_budget_s: float | None = 20.0  # per configuration: stop repeating (after min_reps) once this is spent
+    min_reps: int = 2
     seed: int = 0
 
     @classmethod
     def quick(cls) -> "Plan":
         return cls(batches=(1, 8, 32), prompt_len=32, new_tokens=16, decode_reps=1, prefill_reps=2,
                    mixed_requests=16, mixed_prompt=(16, 128), mixed_output=(8, 32), mixed_hf_batch=8,
-                   mixed_reps=1, bw_gb=1.0, bw_reps=2, prepare_reps=10, rep_budget_s=None)
+                   mixed_reps=1, bw_gb=1.0, bw_reps=2, prepare_reps=10, rep_budget_s=None, min_reps=1)
 
 
 @dataclass
@@ -180,7 +181,8 @@ def _throwaway(n_tokens: int, rng: random.Random, vocab: int, rid: str):
     return Request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0))
 
 
-def engine_prefill(eng, prompts: list[list[int]], reps: int, budget_s: float | None = None) -> dict[str, Any]:
+def engine_prefill(eng, prompts: list[list[int]], reps: int, budget_s: float | None = None,
+                   min_reps: int = 1) -> dict[str, Any]:
     """Time `runner.execute` + sampling of one prefill step over throwaway requests (worker idle)."""
     from engine.request import Request
     from engine.sampling import SamplingParams
@@ -197,7 +199,7 @@ def engine_prefill(eng, prompts: list[list[int]], reps: int, budget_s: float | N
             eng.sampler.sample(logits, reqs)
             return time.perf_counter() - t0
 
-        best, all_ = best_of(once, reps, warmup=1, budget_s=budget_s)
+        best, all_ = best_of(once, reps, warmup=1, budget_s=budget_s, min_reps=min_reps)
     finally:
         for r in reqs:
             eng.blocks.free(r)
@@ -273,7 +275,8 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
             reps = []
             t_cfg = time.perf_counter()
             for rep in range(plan.decode_reps):
-                if rep and plan.rep_budget_s is not None and time.perf_counter() - t_cfg > plan.rep_budget_s:
+                if (rep >= plan.min_reps and plan.rep_budget_s is not None
+                        and time.perf_counter() - t_cfg > plan.rep_budget_s):
                     break
                 before = _wait_idle(eng)
                 _, finals = _submit_and_wait(eng, w.decode[bsz], [plan.new_tokens] * bsz, f"dec{bsz}-{rep}")
@@ -310,7 +313,7 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
         loads.mark("engine_prefill")
         prefill = {}
         for shape, prompts in w.prefill.items():
-            prefill[shape] = engine_prefill(eng, prompts, plan.prefill_reps, plan.rep_budget_s)
+            prefill[shape] = engine_prefill(eng, prompts, plan.prefill_reps, plan.rep_budget_s, plan.min_reps)
             log(f"engine prefill {shape}: {prefill[shape]['tok_s']:.0f} tok/s ({prefill[shape]['ms']:.1f} ms)")
         res["prefill"] = prefill
 
@@ -405,8 +408,9 @@ def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log)
         for bsz in plan.batches:
             ids, mask = _left_pad(w.decode[bsz], pad)
             t_full, all_full = best_of(lambda: generate(ids, mask, plan.new_tokens), plan.decode_reps,
-                                       budget_s=plan.rep_budget_s)
-            t_pre, all_pre = best_of(lambda: generate(ids, mask, 1), plan.decode_reps, budget_s=plan.rep_budget_s)
+                                       budget_s=plan.rep_budget_s, min_reps=plan.min_reps)
+            t_pre, all_pre = best_of(lambda: generate(ids, mask, 1), plan.decode_reps, budget_s=plan.rep_budget_s,
+                                     min_reps=plan.min_reps)
             dt = max(t_full - t_pre, 1e-9)
             steps = plan.new_tokens - 1
             decode[bsz] = {"tok_s": bsz * steps / dt, "ms_step": dt / steps * 1000.0, "generate_s": t_full,
@@ -419,7 +423,7 @@ def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log)
         for shape, prompts in w.prefill.items():
             ids, mask = _left_pad(prompts, pad)
             best, all_ = best_of(lambda: prefill_once(ids, mask), plan.prefill_reps, warmup=1,
-                                 budget_s=plan.rep_budget_s)
+                                 budget_s=plan.rep_budget_s, min_reps=plan.min_reps)
             tokens = sum(len(p) for p in prompts)
             prefill[shape] = {"tok_s": tokens / best, "ms": best * 1000.0, "all_ms": [x * 1000.0 for x in all_]}
             log(f"HF prefill {shape}: {prefill[shape]['tok_s']:.0f} tok/s ({prefill[shape]['ms']:.1f} ms)")
@@ -534,7 +538,8 @@ def print_report(r: dict[str, Any], plan: Plan) -> None:
             print(f"WARNING: other processes used {la['max_other_cores']:.2f} cores during {la['max_other_section']}: "
                   "this box has 2 cores, so those timings are unreliable (rerun on a quiet box)")
     steps = plan.new_tokens - 1
-    budget = "" if plan.rep_budget_s is None else f", fewer once a configuration has used {plan.rep_budget_s:g} s"
+    budget = ("" if plan.rep_budget_s is None else
+              f" (at least {plan.min_reps}, fewer once a configuration has used {plan.rep_budget_s:g} s)")
 
     def reps(d):
         return f"{d['engine_reps']}/{'-' if d['hf_reps'] is None else d['hf_reps']}"

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger("kairos.profiling")
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 
@@ -29,6 +29,7 @@ def _meta(engine: "LLMEngine") -> dict:
     b, c = engine.bundle, engine.config
     return {"version": PROFILE_VERSION, "model": b.path, "dtype": str(b.dtype), "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
+            "upcast_linears": engine.upcast_linears,
             "torch": torch.__version__}
 
 
