@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.default_model import LLAMA_COMMON
+
 # --------------------------------------------------------------------------- statistics
 
 
@@ -281,14 +283,16 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def _clean(o: Any) -> Any:
-    """NaN/inf -> None so the JSON is strict."""
+def clean(o: Any) -> Any:
+    """NaN/inf -> None (so the JSON is strict), numpy / torch scalars -> Python numbers, dict keys -> str."""
     if isinstance(o, float) and not math.isfinite(o):
         return None
     if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
+        return {str(k): clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
+        return [clean(v) for v in o]
+    if hasattr(o, "item") and not isinstance(o, (str, bytes)):
+        return clean(o.item())
     return o
 
 
@@ -297,7 +301,7 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     p = Path(path).expanduser()
     if p.parent and not p.parent.exists():
         p.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_clean(obj), indent=2, default=_json_default, allow_nan=False) + "\n"
+    text = json.dumps(clean(obj), indent=2, default=_json_default, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=str(p.parent))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -342,12 +346,8 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
         "intermediate_size": 2048,
         "vocab_size": 32000,
         "max_position_embeddings": 2048,
-        "hidden_act": "silu",
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
+        # the shared Llama settings, less model_type (never part of this spec, so the cache hash stays)
+        **{k: v for k, v in LLAMA_COMMON.items() if k != "model_type"},
     },
 }
 BENCH_SEED = 0
@@ -461,7 +461,7 @@ def free_memory() -> None:
 
 
 __all__ = [
-    "BENCH_MODELS", "LoadLog", "best_of", "bench_model_dir", "command_line", "cpu_flags", "cpu_model",
+    "BENCH_MODELS", "LoadLog", "best_of", "bench_model_dir", "clean", "command_line", "cpu_flags", "cpu_model",
     "ensure_bench_model", "format_table", "free_memory", "loadavg", "measure_bandwidth_gb_s", "now_iso",
     "num_params", "percentile", "print_table", "resolve_bench_model", "resolve_model_path", "run_info",
     "summarize", "timed", "weight_bytes", "write_json",

@@ -42,6 +42,14 @@ def nearest_load(results: Sequence[dict], at: float = CHECK_LOAD) -> float | Non
     return min(loads, key=lambda x: (abs(x - at), -x)) if loads else None
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write (110 dpi) and close `fig`; return `path`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _line_plot(results: Sequence[dict], key: str, ylabel: str, title: str, path: Path, scale: float = 1.0,
                lam: float | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -55,10 +63,7 @@ def _line_plot(results: Sequence[dict], key: str, ylabel: str, title: str, path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _tier_bars(results: Sequence[dict], load: float, path: Path) -> Path:
@@ -78,10 +83,7 @@ def _tier_bars(results: Sequence[dict], load: float, path: Path) -> Path:
     ax.set_title(f"Per-tier adherence at {load:g}×λ*")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=min(4, len(pols)))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _cdf(records: Sequence[dict], load: float, key: str, slo_key: str, xlabel: str, path: Path,
@@ -111,10 +113,7 @@ def _cdf(records: Sequence[dict], load: float, key: str, slo_key: str, xlabel: s
     ax.set_title(f"{xlabel} CDF at {load:g}×λ* (dashed: tier SLOs)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _cumulative_good(records: Sequence[dict], load: float, path: Path) -> Path:
@@ -130,10 +129,7 @@ def _cumulative_good(records: Sequence[dict], load: float, path: Path) -> Path:
     ax.set_title(f"Cumulative good requests at {load:g}×λ* (seed {seed0})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

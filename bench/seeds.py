@@ -51,19 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from bench import streaming
-
-try:
-    from bench.common import write_json as _write_json
-except ImportError:  # pragma: no cover
-    _write_json = streaming._write_json  # noqa: SLF001
-
-try:
-    from bench.common import free_memory as _free_memory
-except ImportError:  # pragma: no cover
-    def _free_memory() -> None:
-        import gc
-
-        gc.collect()
+from bench.common import free_memory, resolve_model_path, write_json
 
 
 def _ratio(before: float, after: float) -> float:
@@ -184,14 +172,6 @@ def _fit_prompt(argv: list[str]) -> tuple[list[str], list[str]]:
     try:
         from transformers import AutoTokenizer
 
-        try:
-            from bench.common import resolve_model_path
-        except ImportError:  # pragma: no cover
-            from engine.default_model import ensure_default_model
-
-            def resolve_model_path(n: str) -> str:
-                return str(ensure_default_model(n))
-
         path = resolve_model_path(a.model)
         tok = AutoTokenizer.from_pretrained(path)
         with open(f"{path}/config.json", encoding="utf-8") as f:
@@ -267,7 +247,7 @@ def _one(label: str, argv: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = streaming.run(sargs, verbose=False, argv=argv)
     res["elapsed_s"] = time.perf_counter() - t0
-    _free_memory()
+    free_memory()
     return res
 
 
@@ -389,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{r['preset']}] {r['summary_line']}  target {r['target']}: "
                   f"{'MET' if r['target_met'] else 'NOT MET'}")
     if args.json:
-        _write_json(args.json, results if args.preset == "all" else results[0])
+        write_json(args.json, results if args.preset == "all" else results[0])
         print(f"wrote {args.json}")
     return 0
 

@@ -59,6 +59,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench import slo_metrics as M  # noqa: E402
 from bench import workload as W  # noqa: E402
+from bench.common import (  # noqa: E402
+    clean,
+    free_memory,
+    loadavg,
+    percentile,
+    resolve_bench_model,
+    run_info,
+    write_json,
+)
 
 log = logging.getLogger("kairos.bench.slo")
 
@@ -72,24 +81,6 @@ TIER_SHORT = {"interactive": "T1", "strict_tpot": "T2", "relaxed": "T3"}
 
 
 # --------------------------------------------------------------------------- small helpers (kept private)
-
-def _common():
-    try:
-        from bench import common
-        return common
-    except Exception:  # noqa: BLE001 - common.py is optional for this benchmark
-        return None
-
-
-def _loadavg() -> str:
-    c = _common()
-    if c is not None and hasattr(c, "loadavg"):
-        return c.loadavg()
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return ""
-
 
 def _fmt(v: Any, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -113,29 +104,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | N
     sep = "|" + "|".join("-" * (x + 2) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w)) + "|"
     out = [line(list(headers)), sep, *(line(r) for r in cells)]
     return (f"\n{title}\n" if title else "") + "\n".join(out)
-
-
-def _clean(o: Any) -> Any:
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    if hasattr(o, "item") and not isinstance(o, (str, bytes)):
-        return _clean(o.item())
-    return o
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    c = _common()
-    if c is not None and hasattr(c, "write_json"):
-        c.write_json(path, obj)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -576,9 +544,7 @@ class _Engines:
 
     def model_path(self) -> str:
         if self._model is None:
-            c = _common()
-            self._model = c.resolve_bench_model(self.args.model) if c and hasattr(c, "resolve_bench_model") \
-                else self.args.model
+            self._model = resolve_bench_model(self.args.model)
         return self._model
 
     def start(self, policy: str):
@@ -638,7 +604,7 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
         "step_ms": busy / steps * 1000.0 if steps else None,
         "steps": steps,
         "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
-        "submit_lag_p99_ms": M._percentile(lags, 99) if lags else None,
+        "submit_lag_p99_ms": percentile(lags, 99) if lags else None,
         "per_seed": per_seed, **M.pool([p for p in per_seed]),
     }
 
@@ -737,7 +703,7 @@ def _records_lines(policy: str, load: float, seed: int, run: PointRun, warmup: f
     out = []
     for r in sorted(run.records, key=lambda r: r.arrival_s):
         t = M.tpot_s(r)
-        out.append(json.dumps(_clean({
+        out.append(json.dumps(clean({
             "policy": policy, "load_multiple": load, "seed": seed, "tier": r.tier, "warmup": id(r) not in kept,
             "arrival_s": r.arrival_s - run.started_s, "rejected": r.rejected, "finish_reason": r.finish_reason,
             "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
@@ -759,12 +725,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = W.parse_mix(args.mix)
     http = args.target is not None
     policies = [args.label] if http else plan.policies
-    c = _common()
-    info = c.run_info("bench.slo", argv) if c is not None and hasattr(c, "run_info") else {"loadavg_start": _loadavg()}
+    info = run_info("bench.slo", argv)
     print(f"bench.slo: {'HTTP ' + args.target if http else 'engine'} | model {args.model} {args.dtype} | "
           f"policies {','.join(policies)} | loads {','.join(f'{x:g}' for x in plan.loads)} | seeds "
           f"{','.join(map(str, plan.seeds))} | {args.arrival} | mix {args.mix} | hint {args.hint} | "
-          f"loadavg {_loadavg()}", flush=True)
+          f"loadavg {loadavg()}", flush=True)
 
     engines = _Engines(args)
     if args.reprofile:
@@ -846,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
     elif "never reached" in notes:
         print(f"  WARNING: FCFS never reached {TARGET_ADHERENCE:.0%} adherence, so lambda* was extrapolated. The "
-              f"machine is probably slower now than its cached latency profile (loadavg {_loadavg()}), which "
+              f"machine is probably slower now than its cached latency profile (loadavg {loadavg()}), which "
               "makes the strict tier (d4) unattainable at any load: rerun on a quiet machine, or with --reprofile.",
               flush=True)
 
@@ -879,7 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not http and pi > 0:
             eng.shutdown()
             eng = None
-            _free()
+            free_memory()
             eng = engines.start(policy)
         if policy not in policies:
             continue
@@ -902,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "
                   f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol "
                   f"{r['ttft_violations']}/{r['tpot_violations']}, timeouts {r['timeouts']}  "
-                  f"[{time.perf_counter() - t_start:.0f}s, load {_loadavg().split(' ')[0]}]", flush=True)
+                  f"[{time.perf_counter() - t_start:.0f}s, load {loadavg().split(' ')[0]}]", flush=True)
     if eng is not None:
         eng.shutdown()
 
@@ -912,7 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     acc = acceptance(results)
     print(format_acceptance(acc))
     wall = time.perf_counter() - t_start
-    info["loadavg_end"] = _loadavg()
+    info["loadavg_end"] = loadavg()
     doc = {
         "benchmark": "slo",
         "lambda_star_rps": lam,
@@ -936,9 +901,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "acceptance": acc,
         "run": {**info, "wall_s": wall},
     }
-    _write_json(out_dir / "results.json", doc)
+    write_json(out_dir / "results.json", doc)
     if args.json:
-        _write_json(Path(args.json), doc)
+        write_json(Path(args.json), doc)
     write_csv(out_dir / "results.csv", results, tiers)
     pngs: list[str] = []
     if not args.no_plots:
@@ -955,14 +920,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dist(d: W.LengthDist) -> dict[str, Any]:
     return {"median": d.median, "sigma": d.sigma, "cap": d.cap, "min": d.min_len}
-
-
-def _free() -> None:
-    import gc
-    gc.collect()
-    c = _common()
-    if c is not None and hasattr(c, "free_memory"):
-        c.free_memory()
 
 
 if __name__ == "__main__":

@@ -17,18 +17,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench.common import percentile
+
 COMPLETED = ("stop", "length")
-
-
-def _percentile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); NaN if empty."""
-    v = sorted(xs)
-    if not v:
-        return math.nan
-    pos = (len(v) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 @dataclass(slots=True)
@@ -126,8 +117,8 @@ def _latency_stats(recs: Sequence[RequestRecord]) -> dict[str, float]:
     ttft = [r.ttft_s * 1000.0 for r in served if r.ttft_s is not None]
     tpot = [t * 1000.0 for t in (tpot_s(r) for r in served if r.n_out >= 2) if t is not None]
     return {
-        "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
-        "tpot_p50_ms": _percentile(tpot, 50), "tpot_p99_ms": _percentile(tpot, 99),
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+        "tpot_p50_ms": percentile(tpot, 50), "tpot_p99_ms": percentile(tpot, 99),
     }
 
 

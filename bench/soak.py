@@ -200,6 +200,18 @@ async def run_one(ac: Any, s: Spec, timeout_s: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ observation
+def _outcomes(results: list[dict[str, Any]], ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of `results` by outcome (`ok`: the served ones), by route and by request kind."""
+    return {
+        "sent": len(results), "served": len(ok),
+        "served_by": {"stream": sum(x["stream"] for x in ok), "chat": sum(x["chat"] for x in ok),
+                      "slo": sum(x["slo"] for x in ok)},
+        "disconnected": dict(Counter(x["kind"] for x in results if x["outcome"] == "disconnected")),
+        "rejected": dict(Counter(x["kind"] for x in results if x["outcome"] == "rejected")),
+        "errors": dict(Counter(x["kind"] for x in results if x["outcome"] == "error")),
+    }
+
+
 @dataclass
 class Window:
     index: int
@@ -215,12 +227,7 @@ class Window:
         nan = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v  # noqa: E731
         return {
             "window": self.index, "start_s": round(self.start_s, 1), "end_s": round(end_s, 1),
-            "sent": len(r), "served": len(ok),
-            "served_by": {"stream": sum(x["stream"] for x in ok), "chat": sum(x["chat"] for x in ok),
-                          "slo": sum(x["slo"] for x in ok)},
-            "disconnected": dict(Counter(x["kind"] for x in r if x["outcome"] == "disconnected")),
-            "rejected": dict(Counter(x["kind"] for x in r if x["outcome"] == "rejected")),
-            "errors": dict(Counter(x["kind"] for x in r if x["outcome"] == "error")),
+            **_outcomes(r, ok),
             "client_backlog": self.backlog,
             "ttft_p50_s": nan(percentile(ttft, 50)), "ttft_p99_s": nan(percentile(ttft, 99)),
             "e2e_p50_s": nan(percentile(e2e, 50)), "e2e_p99_s": nan(percentile(e2e, 99)),
@@ -424,12 +431,7 @@ async def offer_load(a: argparse.Namespace, url: str, app: str | None,
 def _totals(all_results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [x for x in all_results if x["outcome"] == "ok"]
     return {
-        "sent": len(all_results), "served": len(ok),
-        "served_by": {"stream": sum(x["stream"] for x in ok), "chat": sum(x["chat"] for x in ok),
-                      "slo": sum(x["slo"] for x in ok)},
-        "disconnected": dict(Counter(x["kind"] for x in all_results if x["outcome"] == "disconnected")),
-        "rejected": dict(Counter(x["kind"] for x in all_results if x["outcome"] == "rejected")),
-        "errors": dict(Counter(x["kind"] for x in all_results if x["outcome"] == "error")),
+        **_outcomes(all_results, ok),
         "ttft_p50_s": percentile([x["ttft"] for x in ok if x["ttft"] is not None], 50),
         "ttft_p99_s": percentile([x["ttft"] for x in ok if x["ttft"] is not None], 99),
         "e2e_p50_s": percentile([x["e2e"] for x in ok if x["e2e"] is not None], 50),

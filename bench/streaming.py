@@ -49,67 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-try:  # shared helpers (bench/common.py); small private fallbacks keep this file usable without them
-    from bench.common import percentile as _percentile
-except ImportError:  # pragma: no cover
-    def _percentile(values, q):
-        xs = sorted(float(v) for v in values)
-        if not xs:
-            return math.nan
-        pos = (len(xs) - 1) * q / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-try:
-    from bench.common import write_json as _write_json
-except ImportError:  # pragma: no cover
-    def _write_json(path, obj):
-        from pathlib import Path
-
-        def clean(o):
-            if isinstance(o, float) and not math.isfinite(o):
-                return None
-            if isinstance(o, dict):
-                return {str(k): clean(v) for k, v in o.items()}
-            if isinstance(o, (list, tuple)):
-                return [clean(v) for v in o]
-            return o
-
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(clean(obj), indent=2, default=str, allow_nan=False) + "\n")
-        return p
-
-
-def _run_info(argv: Sequence[str] | None) -> dict[str, Any]:
-    try:
-        from bench.common import run_info
-
-        return run_info("bench.streaming", argv)
-    except ImportError:  # pragma: no cover
-        return {"command": command_for(argv or sys.argv[1:]), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
-def _free_memory() -> None:
-    try:
-        from bench.common import free_memory
-
-        free_memory()
-    except ImportError:  # pragma: no cover
-        import gc
-
-        gc.collect()
-
-
-def _resolve_model(name: str) -> str:
-    try:
-        from bench.common import resolve_bench_model
-
-        return resolve_bench_model(name)
-    except ImportError:  # pragma: no cover
-        return name
-
+from bench.common import free_memory, percentile, resolve_bench_model, resolve_model_path, run_info, write_json
 
 PCTS = (50, 95, 99)
 BLOCK_HEADER = "=== streaming benchmark ==="
@@ -265,7 +205,7 @@ def _engine_config(args: argparse.Namespace):
         prefill_max_tokens=args.prefill_max_tokens, prefill_admission_policy=args.prefill_admission_policy,
         prefill_admission_lookahead=args.prefill_admission_lookahead,
         prefill_force_fifo_every=args.prefill_force_fifo_every)
-    return EngineConfig(model=_resolve_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
+    return EngineConfig(model=resolve_bench_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
                         scheduler=sched)
 
 
@@ -387,7 +327,7 @@ def _run_engine(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     finally:
         engine.shutdown()
         del engine
-        _free_memory()
+        free_memory()
     return {"recs": recs, "t_first": t_first, "submit_end": submit_end, "tokenize_ms": tokenize_ms,
             "engine_stats": engine_stats}
 
@@ -459,12 +399,7 @@ def _run_http(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     if args.pretokenize:
         from transformers import AutoTokenizer
 
-        try:
-            from bench.common import resolve_model_path
-
-            path = resolve_model_path(args.model)
-        except ImportError:  # pragma: no cover
-            path = args.model
+        path = resolve_model_path(args.model)
         tok = AutoTokenizer.from_pretrained(path)
         inputs = []
         for p in prompts:
@@ -518,7 +453,7 @@ def _run_http(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
 
 def _pcts(values: Sequence[float]) -> dict[str, float]:
     xs = list(values)
-    out = {f"p{q}": _percentile(xs, q) for q in PCTS}
+    out = {f"p{q}": percentile(xs, q) for q in PCTS}
     out["mean"] = sum(xs) / len(xs) if xs else math.nan
     out["max"] = max(xs) if xs else math.nan
     out["min"] = min(xs) if xs else math.nan
@@ -651,13 +586,13 @@ def run(args: argparse.Namespace, *, verbose: bool = True, argv: Sequence[str] |
     raw = _run_http(args, prompts) if args.target else _run_engine(args, prompts)
     res = summarize_run(args, raw)
     res["config"] = {k: v for k, v in vars(args).items()}
-    res["run_info"] = _run_info(argv if argv is not None else to_argv(args))
+    res["run_info"] = run_info("bench.streaming", argv if argv is not None else to_argv(args))
     res["command"] = res["run_info"].get("command") or command_for(to_argv(args))
     if verbose:
         print(res["block"])
         print(format_extra(res), flush=True)
     if getattr(args, "json", None):
-        _write_json(args.json, res)
+        write_json(args.json, res)
     return res
 
 

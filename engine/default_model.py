@@ -48,7 +48,8 @@ CHAT_TEMPLATE = (
 # for the bundled corpus) instead of memorising singletons.
 MIN_FREQUENCY = 2
 
-_COMMON: dict[str, Any] = {
+# Shared by every Llama recipe here (and bench.common's bench models); values are part of the recipe hash.
+LLAMA_COMMON: dict[str, Any] = {
     "model_type": "llama",
     "hidden_act": "silu",
     "rope_theta": 10000.0,
@@ -60,7 +61,7 @@ _COMMON: dict[str, Any] = {
 MODEL_RECIPES: dict[str, dict[str, Any]] = {
     # ≈42.1M params (baseline.md "llama-40m")
     "kairos-default": {
-        **_COMMON,
+        **LLAMA_COMMON,
         "hidden_size": 512,
         "num_hidden_layers": 8,
         "num_attention_heads": 8,
@@ -71,7 +72,7 @@ MODEL_RECIPES: dict[str, dict[str, Any]] = {
     },
     # ≈5.0M params, GQA (4 query heads, 2 kv heads)
     "kairos-tiny": {
-        **_COMMON,
+        **LLAMA_COMMON,
         "hidden_size": 256,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
@@ -277,6 +278,7 @@ def ensure_default_model(name: str = "kairos-default", cache_dir: str | os.PathL
 
 __all__ = [
     "EMBEDDED_MODELS",
+    "LLAMA_COMMON",
     "MODEL_RECIPES",
     "RECIPE_VERSION",
     "CHAT_TEMPLATE",

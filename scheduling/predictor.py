@@ -44,6 +44,24 @@ def _cap(p: np.ndarray) -> np.ndarray:
     return p * (_P_MAX_TRACE / trace) if trace > _P_MAX_TRACE else p
 
 
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set: drop the most negative, refit).
+
+    Step time cannot fall as the batch, the context or the prompt grows; on a noisy box a plain fit of
+    an overhead-dominated model can come out with a negative slope, which would invert every decision
+    made from it (a bigger batch predicted faster than a small one).
+    """
+    active = list(range(x.shape[1]))
+    w = np.zeros(x.shape[1])
+    while active:
+        sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        if (sol >= 0).all():
+            w[active] = sol
+            return w
+        active.pop(int(np.argmin(sol)))
+    return w
+
+
 class _LinearRLS:
     """``y = w·x`` fitted in feature coordinates scaled to O(1) so that P stays well conditioned."""
 
@@ -58,7 +76,7 @@ class _LinearRLS:
     def fit(self, x: np.ndarray, y: np.ndarray) -> None:
         self.scale = np.maximum(np.abs(x).max(axis=0), 1.0)
         xs = x / self.scale
-        self.w = np.linalg.lstsq(xs, y, rcond=None)[0] / self.scale
+        self.w = _nnls(xs, y) / self.scale
         self.p = _cap(np.linalg.inv(xs.T @ xs + _RIDGE * np.eye(xs.shape[1])))
 
     def update(self, x: Sequence[float], y: float, lam: float) -> None:
@@ -70,7 +88,7 @@ class _LinearRLS:
             return
         gain = px / denom
         theta = self.w * self.scale + gain * (y - self.predict(x))
-        self.w = theta / self.scale
+        self.w = np.maximum(theta, 0.0) / self.scale  # step time never falls with batch or context
         p = (self.p - np.outer(gain, px)) / lam
         self.p = _cap((p + p.T) / 2.0)
 

@@ -176,3 +176,15 @@ def test_profile_with_no_time_still_returns_a_model() -> None:
     model, report = _profile(FakeEngine(), budget=0.0)
     assert report["n_samples"] == 0 and report["mape_holdout"] is None and report["r2"] is None
     assert model.itl_ms(4, 128) == MIN_MS
+
+
+def test_fit_never_predicts_a_bigger_batch_faster():
+    """A flat, noisy ITL curve (tiny model, busy box) must not fit a negative slope."""
+    rng = np.random.default_rng(3)
+    samples = [(b, n, 10.0 + rng.normal(0, 1.5) - 0.05 * b) for b in (1, 2, 4, 8, 16, 32) for n in (64, 128, 256)]
+    m = LatencyModel().fit_decode(samples)
+    assert all(c >= 0 for c in m.decode_coef)
+    assert m.itl_ms(32, 128) >= m.itl_ms(1, 128)
+    for b, n, ms in samples:
+        m.observe_decode(b, n, ms)
+    assert all(c >= 0 for c in m.decode_coef)
