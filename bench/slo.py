@@ -59,15 +59,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench import slo_metrics as M  # noqa: E402
 from bench import workload as W  # noqa: E402
-from bench.common import (  # noqa: E402
-    clean,
-    free_memory,
-    loadavg,
-    percentile,
-    resolve_bench_model,
-    run_info,
-    write_json,
-)
+from bench.common import clean, free_memory, loadavg, percentile, run_info, write_json  # noqa: E402
+from bench.common import resolve_bench_model  # noqa: E402
 
 log = logging.getLogger("kairos.bench.slo")
 
