@@ -306,6 +306,9 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file ordinary permissions
         os.replace(tmp, p)
     finally:
         if os.path.exists(tmp):

@@ -34,7 +34,9 @@ _PRESETS: dict[str, tuple] = {
     "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False, False),
     "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False, False),
     "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False, False),
-    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  True,  True),
+    # online refit (RLS over all four ITL coefficients) is off by default: in the SLO sweep it drifted on
+    # small-batch steps (B and B*L unidentifiable) until the gate rejected everything; opt in with online_refit
+    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  False, True),
 }
 
 
