@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_SLO_MS = 3_600_000.0  # an SLO above one hour is treated as a client bug ("absurd"), not as best effort
 MAX_OUTPUT_LEN_HINT = 1_000_000
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): logits / 1e-40 overflow to inf -> NaN
 
 
 def _documented(schema: dict[str, Any]) -> Any:
@@ -55,7 +54,7 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator.manual_seed's range
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine's range (SamplingParams.validate)
     presence_penalty: float | None = Field(None, json_schema_extra=_opt({"type": "number", "const": 0}))
     frequency_penalty: float | None = Field(None, json_schema_extra=_opt({"type": "number", "const": 0}))
     # vLLM extensions
@@ -101,8 +100,7 @@ class _Common(BaseModel):
         """Keyword arguments for `engine.sampling.SamplingParams` (None: fill the context window)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
-            temperature=1.0 if self.temperature is None else (0.0 if self.temperature < SAMPLING_EPS
-                                                              else self.temperature),
+            temperature=1.0 if self.temperature is None else self.temperature,  # tiny ones: greedy (engine)
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),

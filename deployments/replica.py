@@ -108,9 +108,6 @@ class LLMServer:
             n = len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer.encode(prompt))
             kw["max_tokens"] = max(1, self.engine.max_model_len - n)
             kw["min_tokens"] = min(kw.get("min_tokens", 0), kw["max_tokens"])
-        vocab = self.engine.bundle.vocab_limit
-        if any(not 0 <= t < vocab for t in kw.get("stop_token_ids") or ()):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         return prompt, SamplingParams(**kw).validate(), SLO(**(req.get("slo") or {})).validate()
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
