@@ -6,28 +6,37 @@
     python -m bench.slo --target http://127.0.0.1:8000  # drive a running server (its own policy) over HTTP
 
 What one run does:
-1. Starts one engine per policy (the policy is fixed at construction), FCFS first. Engine start profiles the
-   model once (cached JSON under ~/.cache/kairos/profiles), so later starts take seconds. The FIRST engine's
+1. Starts one engine per policy (the policy is fixed at construction; all stay alive), FCFS first. Engine start
+   profiles the model once (cached JSON under ~/.cache/kairos/profiles, or --reprofile). The FIRST engine's
    fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy.
-2. Finds lambda* = the highest rate at which FCFS keeps >= 90% adherence: geometric expansion from an
-   analytical guess, then bisection in log space, on short runs of the same seeded workload (the requests are
-   identical at every rate; only the arrival times scale). Skip it with --lambda-star.
-3. Sweeps loads × policies open-loop: the main thread sleeps until each request's arrival time and calls
-   add_request (never blocks); one consumer thread drains the streams and keeps the final metrics (all
+2. Finds lambda*, FCFS's capacity (default, --lambda-def capacity): FCFS runs open-loop at a rising offered
+   rate (×2 from an analytical guess) until its completion rate, measured over the middle 60% of completions,
+   falls below 85% of the offered rate; that completion rate is lambda*. Above it FCFS's queue grows without
+   bound. `--lambda-def adherence` is the protocol's definition instead (highest rate with FCFS adherence
+   >= 90%: geometric expansion, then bisection). On this box FCFS's adherence hovers near 90% over a wide
+   band of rates (its strict tier loses TPOT long before the engine saturates), so that definition is
+   ill-conditioned here; the run still reports the protocol's value read off the sweep (lambda_star_90_rps).
+   The requests are identical at every rate; only the arrival times scale. Skip it with --lambda-star.
+3. Sweeps loads × policies open-loop, load-major (every policy at a load before the next load, so that a drift
+   in machine speed hits all policies alike): the main thread sleeps until each request's arrival time and
+   calls add_request (never blocks); one consumer thread drains the streams and keeps the final metrics (all
    timestamps are the engine's own time.monotonic). Requests unfinished `drain` seconds after the last arrival
    are aborted and counted as misses (finish_reason "timeout").
 4. Writes results.json, results.csv, records.jsonl (one line per request) and the PNGs into --out, prints a
-   table per load and the acceptance checks at 1.5×lambda*.
+   table per load and the acceptance checks at 1.5×lambda*. `--compare RESULTS_JSON` adds a side-by-side
+   with an earlier run (the HTTP run against the in-process one).
+
+Policy labels may carry scheduler overrides for ablations: `--policies kairos,kairos+itl_correction=false`.
 
 Model: kairos-tiny by default (the protocol's "tiny Llama, 4 layers, d=256"); with kairos-default lambda* is
 well below 1 req/s on this box and a 30-minute sweep holds only ~10 requests per point.
-Run length: the protocol asks for 400 requests per point × 3 seeds (10+ hours per seed here), so by default the requests per point are capped at 400
-AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed plan shows the count and
+Run length: the protocol asks for 400 requests per point × 3 seeds, so by default the requests per point
+are capped at 400 AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed plan shows the count and
 what 400/point would cost. The lambda* search gets at most ~25% of the budget (bisection is cut short).
 Pass --num-requests N to force exactly N per point (no budget cap).
 --quick is a smoke test, not a small copy of the sweep: 3 policies at 1.5×lambda* only, coarse search, and
 shorter requests (prompt median 40 / cap 160, output median 16 / cap 64), so lambda* is a few times higher and
-the 3-minute budget holds tens of requests per point. Its numbers are not comparable with the full sweep.
+the 3-minute budget holds 200 requests per point. Its numbers are not comparable with the full sweep.
 
 dtype: float32 by default. On this AVX2 box (no AVX512-BF16/AMX) bf16 matmuls are emulated and run 3-5x
 slower than fp32, so fp32 is the faster and the representative choice here; use --dtype bfloat16 on
@@ -38,18 +47,15 @@ Engine threads: 1 (torch.set_num_threads(1)), leaving the second core to the loa
 from __future__ import annotations
 
 import argparse
-import asyncio
-import csv
 import json
 import logging
 import math
 import os
-import queue
+import shutil
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +65,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench import slo_metrics as M  # noqa: E402
 from bench import workload as W  # noqa: E402
-from bench.common import clean, free_memory, loadavg, percentile, run_info, write_json  # noqa: E402
+from bench.common import loadavg, percentile, run_info, write_json  # noqa: E402
 from bench.common import resolve_bench_model  # noqa: E402
+
+from bench.slo_report import (_fmt, _records_lines, acceptance, compare, format_acceptance,  # noqa: E402,F401
+                              load_table, protocol_lambda_90, write_csv)
+from bench.slo_run import PointRun, run_engine_point, run_http_point, served_model  # noqa: E402,F401
+from bench.slo_search import (TARGET_ADHERENCE, capacity_guess, completion_rate, find_capacity,  # noqa: E402,F401
+                              find_lambda_star)
 
 log = logging.getLogger("kairos.bench.slo")
 
@@ -68,45 +80,6 @@ ALL_POLICIES = ("fcfs", "pack", "edf", "edf_reject", "tpot_guard", "scorpio", "k
 QUICK_POLICIES = ("fcfs", "scorpio", "kairos")
 DEFAULT_LOADS = "0.5,0.75,1,1.25,1.5,2"
 QUICK_LOADS = "1.5"
-TARGET_ADHERENCE = 0.90
-CHECK_LOAD = 1.5
-TIER_SHORT = {"interactive": "T1", "strict_tpot": "T2", "relaxed": "T3"}
-
-
-# --------------------------------------------------------------------------- small helpers (kept private)
-
-def _fmt(v: Any, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
-    cells = [[_fmt(c) for c in r] for r in rows]
-    w = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(vals: Sequence[str]) -> str:
-        return "| " + " | ".join(v.ljust(w[i]) if i == 0 else v.rjust(w[i]) for i, v in enumerate(vals)) + " |"
-
-    sep = "|" + "|".join("-" * (x + 2) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w)) + "|"
-    out = [line(list(headers)), sep, *(line(r) for r in cells)]
-    return (f"\n{title}\n" if title else "") + "\n".join(out)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the bench extra
-        return None
-    if not enabled:
-        return None
-    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr)
 
 
 def _floats(s: str) -> list[float]:
@@ -115,313 +88,6 @@ def _floats(s: str) -> list[float]:
 
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.replace(" ", "").split(",") if x]
-
-
-# --------------------------------------------------------------------------- running one point
-
-@dataclass
-class PointRun:
-    records: list[M.RequestRecord]
-    started_s: float  # monotonic time of arrival 0
-    submit_lag_ms: list[float] = field(default_factory=list)
-    engine: dict[str, Any] = field(default_factory=dict)  # scheduler-time stats (engine mode)
-    timeouts: int = 0
-
-
-def _sampling(max_tokens: int):
-    from engine.sampling import SamplingParams
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def _record_from_output(w: W.WorkItem, out: Any, *, timed_out: bool = False, give_up_s: float | None = None,
-                        fallback_arrival: float = 0.0) -> M.RequestRecord:
-    m = out.metrics
-    arrival = m.arrival_s if m is not None else fallback_arrival
-    reason = out.finish_reason
-    rec = M.RequestRecord(
-        tier=w.tier, ttft_slo_ms=w.ttft_ms, tpot_slo_ms=w.tpot_ms, arrival_s=arrival,
-        rejected=reason == "rejected", finish_reason="timeout" if timed_out else reason,
-        ttft_s=None if m is None or m.first_token_s is None else m.first_token_s - arrival,
-        token_times=list(m.token_times) if m is not None else [], n_out=out.num_output_tokens,
-        finished_s=give_up_s if timed_out else (m.finished_s if m is not None else None),
-        reject_reason=out.reject_reason, prompt_len=len(w.prompt_ids))
-    if rec.finished_s is None:
-        rec.finished_s = give_up_s if give_up_s is not None else rec.end_s
-    return rec
-
-
-def run_engine_point(eng: Any, items: Sequence[W.WorkItem], *, drain_s: float, tag: str = "r",
-                     progress: bool = False, desc: str = "") -> PointRun:
-    """Open-loop: submit each item at its arrival time, drain every stream, abort stragglers after `drain_s`."""
-    from engine.request import SLO
-
-    n = len(items)
-    records: list[M.RequestRecord | None] = [None] * n
-    handoff: queue.SimpleQueue = queue.SimpleQueue()
-    deadline = [math.inf]  # set once the last request is submitted
-    bar = _progress(n, desc, progress)
-    timeouts = [0]
-
-    def finish(i: int, out: Any, timed_out_ok: bool) -> None:
-        w = items[i]
-        if out is None:  # the engine never answered even the abort: a miss with no metrics
-            records[i] = M.RequestRecord(w.tier, w.ttft_ms, w.tpot_ms, time.monotonic(), finish_reason="timeout",
-                                         finished_s=deadline[0], prompt_len=len(w.prompt_ids))
-        else:
-            late = timed_out_ok and out.finish_reason not in M.COMPLETED and out.finish_reason != "rejected"
-            records[i] = _record_from_output(w, out, timed_out=late, give_up_s=deadline[0])
-        timeouts[0] += records[i].finish_reason == "timeout"
-        if bar is not None:
-            bar.update(1)
-
-    def consume() -> None:
-        """Polls `closed` every 20 ms instead of waking on every token, so the engine keeps the GIL."""
-        pending: dict[int, tuple[Any, str]] = {}
-        submitted_all = False
-        while True:
-            while True:
-                try:
-                    got = handoff.get_nowait()
-                except queue.Empty:
-                    break
-                if got is None:
-                    submitted_all = True
-                else:
-                    pending[got[0]] = (got[1], got[2])
-            for i in [i for i, (st, _) in pending.items() if st.closed]:
-                st, _ = pending.pop(i)
-                finish(i, _last(st, 5.0), False)
-            if submitted_all and not pending:
-                return
-            if time.monotonic() >= deadline[0]:  # give up: abort the stragglers, keep what they got
-                for _, rid in pending.values():
-                    eng.abort(rid)
-                for i, (st, _) in sorted(pending.items()):
-                    finish(i, _last(st, 30.0), True)
-                return
-            time.sleep(0.02)
-
-    consumer = threading.Thread(target=consume, name="slo-consumer", daemon=True)
-    consumer.start()
-    phase0, steps0 = dict(eng._phase), eng._steps
-    lags: list[float] = []
-    t0 = time.monotonic() + 0.05
-    for i, w in enumerate(items):
-        delay = t0 + w.arrival_s - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        lags.append(max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0)
-        rid = f"{tag}-{i}"
-        try:
-            stream = eng.add_request(w.prompt_ids, _sampling(w.max_tokens), SLO(w.ttft_ms, w.tpot_ms,
-                                                                               w.output_len_hint), request_id=rid)
-        except Exception as e:  # noqa: BLE001 - a refused submission is a miss, not a crash of the benchmark
-            now = time.monotonic()
-            records[i] = M.RequestRecord(w.tier, w.ttft_ms, w.tpot_ms, now, finish_reason="error", finished_s=now,
-                                         reject_reason=f"submit: {e!r}"[:200], prompt_len=len(w.prompt_ids))
-            if bar is not None:
-                bar.update(1)
-            continue
-        handoff.put((i, stream, rid))
-    deadline[0] = time.monotonic() + drain_s
-    handoff.put(None)
-    consumer.join()
-    if bar is not None:
-        bar.close()
-    phase1, steps1 = dict(eng._phase), eng._steps
-    d = {k: phase1.get(k, 0.0) - phase0.get(k, 0.0) for k in phase1}
-    dsteps = steps1 - steps0
-    busy = sum(d.values())
-    eng_stats = {
-        "steps": dsteps,
-        "phase_s": d,
-        "sched_ms_per_step": d.get("schedule", 0.0) / dsteps * 1000.0 if dsteps else math.nan,
-        "sched_pct": d.get("schedule", 0.0) / busy * 100.0 if busy > 0 else math.nan,
-        "step_ms": busy / dsteps * 1000.0 if dsteps else math.nan,
-    }
-    return PointRun([r for r in records if r is not None], t0, lags, eng_stats, timeouts[0])
-
-
-def _last(stream: Any, timeout: float) -> Any:
-    """Read a stream to its final item (None if nothing arrives within `timeout` seconds)."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            out = stream.get(timeout=max(0.01, end - time.monotonic()))
-        except TimeoutError:
-            return None
-        if out.finished:
-            return out
-
-
-# --------------------------------------------------------------------------- HTTP mode
-
-async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s: float,
-                      transport: Any = None, bar: Any = None) -> PointRun:
-    import httpx
-
-    n = len(items)
-    records: list[M.RequestRecord | None] = [None] * n
-    lags: list[float] = []
-
-    async def one(i: int, w: W.WorkItem, client: httpx.AsyncClient) -> None:
-        headers = {"x-slo-ttft-ms": f"{w.ttft_ms:.3f}", "x-slo-tpot-ms": f"{w.tpot_ms:.3f}"}
-        if w.output_len_hint is not None:
-            headers["x-slo-output-len"] = str(w.output_len_hint)
-        body = {"model": model, "prompt": w.prompt_ids, "max_tokens": w.max_tokens, "ignore_eos": True,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        arrival = time.monotonic()
-        rec = M.RequestRecord(w.tier, w.ttft_ms, w.tpot_ms, arrival, prompt_len=len(w.prompt_ids))
-        records[i] = rec
-        chunks = 0
-        try:
-            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
-                if resp.status_code == 429:
-                    await resp.aread()
-                    rec.rejected, rec.finish_reason = True, "rejected"
-                    rec.reject_reason = resp.headers.get("x-kairos-reject-reason") or "http_429"
-                    return
-                if resp.status_code != 200:
-                    await resp.aread()
-                    rec.finish_reason, rec.reject_reason = "error", f"http {resp.status_code}"
-                    return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    obj = json.loads(data)
-                    now = time.monotonic()
-                    if "error" in obj:
-                        rec.finish_reason = "error"
-                        continue
-                    for c in obj.get("choices") or []:
-                        if c.get("text"):
-                            chunks += 1
-                            rec.token_times.append(now)
-                            if rec.ttft_s is None:
-                                rec.ttft_s = now - arrival
-                        if c.get("finish_reason"):
-                            rec.finish_reason = c["finish_reason"]
-                    if obj.get("usage"):
-                        rec.n_out = int(obj["usage"].get("completion_tokens", 0))
-        except asyncio.CancelledError:
-            rec.finish_reason = "timeout"
-            raise
-        except Exception as e:  # noqa: BLE001 - a broken connection is a miss
-            rec.finish_reason, rec.reject_reason = "error", repr(e)[:200]
-        finally:
-            rec.n_out = rec.n_out or chunks
-            rec.finished_s = time.monotonic()
-            if bar is not None:
-                bar.update(1)
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
-                                 transport=transport) as client:
-        tasks = []
-        t0 = time.monotonic() + 0.05
-        for i, w in enumerate(items):
-            delay = t0 + w.arrival_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            lags.append(max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0)
-            tasks.append(asyncio.create_task(one(i, w, client)))
-        done, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
-        give_up = time.monotonic()
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    timeouts = 0
-    for r in records:
-        if r is not None and r.finish_reason == "timeout":
-            r.finished_s = give_up
-            timeouts += 1
-    return PointRun([r for r in records if r is not None], t0, lags, {}, timeouts)
-
-
-def run_http_point(url: str, model: str, items: Sequence[W.WorkItem], *, drain_s: float, progress: bool = False,
-                   desc: str = "", transport: Any = None) -> PointRun:
-    bar = _progress(len(items), desc, progress)
-    try:
-        return asyncio.run(_http_point(url.rstrip("/"), model, items, drain_s, transport, bar))
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _served_model(url: str) -> str:
-    import httpx
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10.0)
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
-    except Exception as e:  # noqa: BLE001
-        log.warning("could not read %s/v1/models (%r); sending model=None", url, e)
-        return ""
-
-
-# --------------------------------------------------------------------------- lambda* search
-
-def find_lambda_star(measure: Callable[[float], float], guess: float, *, target: float = TARGET_ADHERENCE,
-                     factor: float = 1.6, bisect_steps: int = 2, max_expand: int = 6,
-                     out_of_time: Callable[[], bool] = lambda: False) -> tuple[float, list[dict]]:
-    """Highest rate with measure(rate) >= target: expand geometrically from `guess`, then bisect (log space).
-
-    `measure(rate)` returns the adherence of a short run. Returns (lambda*, probes). If even the lowest probe
-    misses, lambda* is that rate / factor (flagged in the probes); if the highest meets, it is that rate.
-    Once `out_of_time()`, bisection stops, and so does the expansion after its first two probes.
-    """
-    probes: list[dict] = []
-
-    def probe(rate: float) -> bool:
-        a = measure(rate)
-        probes.append({"rate_rps": rate, "adherence": a})
-        log.info("lambda* probe: %.3f rps -> adherence %.3f", rate, a)
-        return a >= target
-
-    lo = hi = None
-    r = guess
-    for k in range(max_expand):
-        if k >= 2 and out_of_time():
-            probes.append({"note": "expansion cut short by the time budget"})
-            break
-        if probe(r):
-            lo = r
-            if hi is not None:
-                break
-            r *= factor
-        else:
-            hi = r
-            if lo is not None:
-                break
-            r /= factor
-    if lo is None:
-        lo = min(p["rate_rps"] for p in probes if "rate_rps" in p) / factor
-        probes.append({"note": "never reached the target; lambda* extrapolated one factor below"})
-        return lo, probes
-    if hi is None:
-        probes.append({"note": "target met at every probe; lambda* is the highest rate tried"})
-        return lo, probes
-    for _ in range(bisect_steps):
-        if out_of_time():
-            probes.append({"note": "bisection cut short by the time budget"})
-            break
-        mid = math.sqrt(lo * hi)
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, probes
-
-
-def capacity_guess(predictor: Any, scale: W.SLOScale) -> float:
-    """A rough FCFS-lambda* starting point (rps): 40% of the rate that one request's prefill plus its share of
-    decode steps at B=4 allows (FCFS loses the strict tier's d4 TPOT well before the engine saturates)."""
-    per_req_ms = predictor.prefill_ms(scale.mean_prompt) + scale.mean_output * predictor.itl_ms(4, scale.l_bar) / 4
-    return max(0.02, 0.4 * 1000.0 / max(per_req_ms, 1e-3))
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -459,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-cap", type=int, default=None, help="output tokens, cap (256; quick 64)")
     ap.add_argument("--length-sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
     ap.add_argument("--lambda-star", type=float, default=None, help="skip the search and use this rate (rps)")
+    ap.add_argument("--lambda-def", choices=("capacity", "adherence"), default="capacity",
+                    help="lambda* = FCFS's capacity (its completion rate under overload; default) or the "
+                         "protocol's highest rate with FCFS adherence >= 90%%")
     ap.add_argument("--probe-requests", type=int, default=None,
                     help="requests per lambda* probe (default: ~45 s of arrivals, 20..120; quick: ~12 s, 15..40)")
     ap.add_argument("--drain", type=float, default=None,
@@ -469,17 +138,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", help="float32 (default: fastest on this AVX2 box) | bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--prefill-max-tokens", type=int, default=512, help="prefill token budget (= SLO budget)")
+    ap.add_argument("--sched", action="append", metavar="KEY=VALUE",
+                    help="scheduler override for every policy (repeatable), e.g. --sched vbs_margin=1.2 (ablations)")
+    ap.add_argument("--kv-gb", type=float, default=0.25, help="KV cache per engine (GiB; all engines stay alive)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine (protocol: 1)")
     ap.add_argument("--reprofile", action="store_true",
                     help="fit a fresh latency profile now (saved in --out) instead of the cached one: SLOs then "
                          "match the machine's current speed (+~15 s)")
     ap.add_argument("--predictor-json", default=None,
-                    help="latency-model JSON for the SLO scaling (HTTP mode; default: profile a local engine)")
+                    help="latency-model JSON (e.g. an earlier run's latency-profile.json) for the SLO tiers and, in "
+                         "engine mode, for the engines' schedulers: the same tiers as that run")
     # HTTP
     ap.add_argument("--target", default=None, help="URL of a running Kairos server (POST /v1/completions)")
+    ap.add_argument("--client-nice", type=int, default=19,
+                    help="HTTP mode: lower this process's CPU priority by N (Ray Serve's workers run at nice 15; on "
+                         "a box shared with the server the load generator must not outrank them). 0: leave it")
     ap.add_argument("--label", default="server", help="policy label for the results in HTTP mode")
     # output
     ap.add_argument("--out", default=None, help="output directory (default bench/out/slo-<timestamp>)")
+    ap.add_argument("--compare", default=None, metavar="RESULTS_JSON",
+                    help="print this run against an earlier one (e.g. HTTP vs in-process at the same loads)")
     ap.add_argument("--json", default=None, help="also write the results JSON here")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
@@ -506,7 +184,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     policies = [p.strip() for p in (args.policies or ",".join(QUICK_POLICIES if q else ALL_POLICIES)).split(",")
                 if p.strip()]
     for p in policies:
-        if p not in ALL_POLICIES and not args.target:
+        if policy_spec(p)[0] not in ALL_POLICIES and not args.target:
             raise SystemExit(f"unknown policy {p!r}; choose from {', '.join(ALL_POLICIES)}")
     loads = _floats(args.loads or (QUICK_LOADS if q else DEFAULT_LOADS))
     if not loads or any(x <= 0 for x in loads):
@@ -514,7 +192,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     seeds = _ints(args.seeds)
     fixed = args.num_requests is not None
     budget = args.budget_min if args.budget_min is not None else (0.0 if fixed else (3.0 if q else 30.0))
-    return Plan(policies, loads, seeds or [0], args.num_requests or (60 if q else 400), fixed,
+    return Plan(policies, loads, seeds or [0], args.num_requests or (200 if q else 400), fixed,
                 args.min_requests or 10, budget * 60.0,
                 12.0 if q else 45.0, (15, 40) if q else (20, 120), 1 if q else 2)
 
@@ -540,19 +218,43 @@ class _Engines:
             self._model = resolve_bench_model(self.args.model)
         return self._model
 
-    def start(self, policy: str):
+    def start(self, label: str):
+        """An engine for `label`: a policy name, optionally with overrides (`kairos+monotone_skip=false`)."""
         from engine.config import EngineConfig
         from engine.engine import LLMEngine
         from scheduling.config import SchedulerConfig
 
         a = self.args
+        policy, extra = policy_spec(label)
         t0 = time.perf_counter()
         eng = LLMEngine(EngineConfig(
             model=self.model_path(), dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
+            kv_cache_memory_gb=a.kv_gb,
             scheduler=SchedulerConfig(policy=policy, max_num_seqs=a.max_num_seqs,
-                                      prefill_max_tokens=a.prefill_max_tokens, predictor_path=self.predictor_path)))
-        self.start_s[policy] = time.perf_counter() - t0
+                                      prefill_max_tokens=a.prefill_max_tokens, predictor_path=self.predictor_path,
+                                      **{**_overrides(a.sched), **extra})))
+        self.start_s[label] = time.perf_counter() - t0
         return eng
+
+
+def _overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """`--sched key=value` pairs as SchedulerConfig overrides (values parsed as JSON when they parse)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, val = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--sched takes key=value, got {pair!r}")
+        try:
+            out[key.strip()] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key.strip()] = val
+    return out
+
+
+def policy_spec(label: str) -> tuple[str, dict[str, Any]]:
+    """`kairos+monotone_skip=false+vbs_gate=false` -> ("kairos", {...}): a preset plus overrides (ablations)."""
+    name, *pairs = label.split("+")
+    return name, _overrides(pairs)
 
 
 def _predictor_info(eng: Any | None, predictor: Any) -> dict[str, Any]:
@@ -602,110 +304,6 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
     }
 
 
-CSV_FIELDS = ("policy", "load_multiple", "rate_rps", "goodput_rps", "adherence", "n", "good", "rejected",
-              "rejection_rate", "ttft_violations", "tpot_violations", "incomplete", "timeouts", "token_throughput",
-              "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "sched_ms_per_step", "sched_pct",
-              "step_ms", "engine_busy_pct", "wall_s", "submit_lag_p99_ms")
-
-
-def write_csv(path: Path, results: Sequence[dict], tiers: Sequence[str]) -> None:
-    cols = list(CSV_FIELDS)
-    for t in tiers:
-        cols += [f"{t}_adherence", f"{t}_ttft_p50_ms", f"{t}_ttft_p99_ms", f"{t}_tpot_p50_ms", f"{t}_tpot_p99_ms"]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for r in results:
-            row = [r.get(c) for c in CSV_FIELDS]
-            for t in tiers:
-                pt = r.get("per_tier", {}).get(t, {})
-                row += [pt.get("adherence"), pt.get("ttft_p50_ms"), pt.get("ttft_p99_ms"), pt.get("tpot_p50_ms"),
-                        pt.get("tpot_p99_ms")]
-            w.writerow(["" if v is None or (isinstance(v, float) and math.isnan(v)) else
-                        (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
-
-
-def load_table(results: Sequence[dict], load: float, tiers: Sequence[str]) -> str:
-    rows = []
-    for r in results:
-        if r["load_multiple"] != load:
-            continue
-        pt = r.get("per_tier", {})
-        rows.append([r["policy"], r["goodput_rps"], 100 * r["adherence"],
-                     *[100 * pt.get(t, {}).get("adherence", math.nan) for t in tiers],
-                     100 * r["rejection_rate"], r["ttft_violations"], r["tpot_violations"], r["incomplete"],
-                     r["token_throughput"], r["sched_ms_per_step"], r["sched_pct"]])
-    rate = next((r["rate_rps"] for r in results if r["load_multiple"] == load), math.nan)
-    heads = ["policy", "goodput rps", "adh %", *[f"{TIER_SHORT.get(t, t)} %" for t in tiers], "rej %",
-             "TTFT viol", "TPOT viol", "incompl", "tok/s", "sched ms/step", "sched %"]
-    n = next((r["n"] for r in results if r["load_multiple"] == load), 0)
-    return _table(heads, rows, f"load {load:g}x lambda* = {rate:.3f} rps  (n = {n} per policy after warm-up)")
-
-
-def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any]:
-    """The §4 checks at the load nearest to `at`×lambda*."""
-    loads = sorted({r["load_multiple"] for r in results})
-    if not loads:
-        return {}
-    load = min(loads, key=lambda x: (abs(x - at), -x))
-    by = {r["policy"]: r for r in results if r["load_multiple"] == load}
-    out: dict[str, Any] = {"load_multiple": load}
-    f, s, k = by.get("fcfs"), by.get("scorpio"), by.get("kairos")
-    if f and s:
-        out["scorpio_over_fcfs_goodput"] = s["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else math.inf
-        out["scorpio_minus_fcfs_adherence_pts"] = 100 * (s["adherence"] - f["adherence"])
-    if s and k:
-        out["kairos_goodput_rps"], out["scorpio_goodput_rps"] = k["goodput_rps"], s["goodput_rps"]
-        out["kairos_goodput_ge_scorpio"] = k["goodput_rps"] >= s["goodput_rps"]
-        out["kairos_adherence_ge_scorpio"] = k["adherence"] >= s["adherence"]
-        out["kairos_minus_scorpio_adherence_pts"] = 100 * (k["adherence"] - s["adherence"])
-    if f and k:
-        out["kairos_over_fcfs_goodput"] = k["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else math.inf
-    if f and by.get("edf_reject"):
-        out["ttft_violations_fcfs_vs_edf_reject"] = [f["ttft_violations"], by["edf_reject"]["ttft_violations"]]
-    if f and by.get("tpot_guard"):
-        out["tpot_violations_fcfs_vs_tpot_guard"] = [f["tpot_violations"], by["tpot_guard"]["tpot_violations"]]
-    return out
-
-
-def format_acceptance(acc: dict[str, Any]) -> str:
-    if not acc:
-        return ""
-    lines = [f"\nAcceptance checks at {acc['load_multiple']:g}x lambda*:"]
-    if "scorpio_over_fcfs_goodput" in acc:
-        lines.append(f"  scorpio / fcfs goodput        : {acc['scorpio_over_fcfs_goodput']:.2f}x")
-        lines.append(f"  scorpio - fcfs adherence      : {acc['scorpio_minus_fcfs_adherence_pts']:+.1f} pts")
-    if "kairos_goodput_ge_scorpio" in acc:
-        lines.append(f"  kairos >= scorpio (goodput)   : {_fmt(acc['kairos_goodput_ge_scorpio'])}"
-                     f" ({acc['kairos_goodput_rps']:.3f} vs {acc['scorpio_goodput_rps']:.3f} rps; adherence: "
-                     f"{_fmt(acc['kairos_adherence_ge_scorpio'])}, "
-                     f"{acc['kairos_minus_scorpio_adherence_pts']:+.1f} pts)")
-    if "kairos_over_fcfs_goodput" in acc:
-        lines.append(f"  kairos / fcfs goodput         : {acc['kairos_over_fcfs_goodput']:.2f}x")
-    if "ttft_violations_fcfs_vs_edf_reject" in acc:
-        a, b = acc["ttft_violations_fcfs_vs_edf_reject"]
-        lines.append(f"  TTFT violations fcfs -> edf_reject : {a} -> {b}")
-    if "tpot_violations_fcfs_vs_tpot_guard" in acc:
-        a, b = acc["tpot_violations_fcfs_vs_tpot_guard"]
-        lines.append(f"  TPOT violations fcfs -> tpot_guard : {a} -> {b}")
-    return "\n".join(lines)
-
-
-def _records_lines(policy: str, load: float, seed: int, run: PointRun, warmup: float) -> list[str]:
-    kept = {id(r) for r in M.drop_warmup(run.records, warmup)}
-    out = []
-    for r in sorted(run.records, key=lambda r: r.arrival_s):
-        t = M.tpot_s(r)
-        out.append(json.dumps(clean({
-            "policy": policy, "load_multiple": load, "seed": seed, "tier": r.tier, "warmup": id(r) not in kept,
-            "arrival_s": r.arrival_s - run.started_s, "rejected": r.rejected, "finish_reason": r.finish_reason,
-            "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
-            "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "prompt_len": r.prompt_len,
-            "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
-            "end_s": r.end_s - run.started_s})))
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -717,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = not args.no_progress
     mix = W.parse_mix(args.mix)
     http = args.target is not None
+    if http and args.client_nice:  # Ray runs its workers at nice 15: an equal-priority client would starve them
+        os.nice(args.client_nice)
     policies = [args.label] if http else plan.policies
     info = run_info("bench.slo", argv)
     print(f"bench.slo: {'HTTP ' + args.target if http else 'engine'} | model {args.model} {args.dtype} | "
@@ -728,10 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reprofile:
         engines.predictor_path = str((out_dir / "latency-profile.json").resolve())
         Path(engines.predictor_path).unlink(missing_ok=True)
+    elif args.predictor_json and not args.target:  # a copy: an engine whose setup differs re-profiles into it
+        engines.predictor_path = str((out_dir / "latency-profile.json").resolve())
+        if Path(args.predictor_json).resolve() != Path(engines.predictor_path):
+            shutil.copyfile(args.predictor_json, engines.predictor_path)
     eng = None
     if http:
         order = list(policies)
-        model_name = _served_model(args.target)
+        model_name = served_model(args.target)
         if args.predictor_json:
             from scheduling.predictor import LatencyModel
             predictor, pred_eng = LatencyModel.load(args.predictor_json), None
@@ -763,17 +367,34 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f"  [u={scale.u_ms:.0f}, d4={scale.d4_ms:.1f}, d12={scale.d12_ms:.1f}, L={scale.l_bar:.0f}; "
             f"fit r2={_fmt(pred_info['r2'], 3)} mape={_fmt(pred_info['mape'], 3)}]", flush=True)
 
-    def run_items(items: list[W.WorkItem], desc: str, tag: str) -> PointRun:
+    def run_items(items: list[W.WorkItem], desc: str, tag: str, engine: Any = None) -> PointRun:
         drain = _drain_for(items, args.drain)
         if http:
             return run_http_point(args.target, model_name, items, drain_s=drain, progress=progress, desc=desc)
-        return run_engine_point(eng, items, drain_s=drain, tag=tag, progress=progress, desc=desc)
+        return run_engine_point(engine or eng, items, drain_s=drain, tag=tag, progress=progress, desc=desc)
 
     # ---- lambda*
     search: dict[str, Any] = {}
     if args.lambda_star is not None:
         lam = float(args.lambda_star)
-        search = {"given": True}
+        search = {"given": True, "definition": args.lambda_def}
+    elif args.lambda_def == "capacity":
+        t0 = time.perf_counter()
+        cap_no = [0]
+
+        def measure_cap(rate: float) -> float | None:
+            n = args.probe_requests or (200 if args.quick else 240)
+            items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=plan.seeds[0]), scale.tiers)
+            cap_no[0] += 1
+            run = run_items(items, f"capacity probe {rate:.2f} rps", f"cap{cap_no[0]}")
+            got = completion_rate(run.records)
+            print(f"  capacity probe {cap_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS completes "
+                  f"{_fmt(got, 3)} rps", flush=True)
+            return got
+
+        lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
+        search = {"definition": "capacity", "probes": probes, "seconds": time.perf_counter() - t0,
+                  "policy": "fcfs" if not http else args.label}
     else:
         guess = capacity_guess(predictor, scale)
         probe_no = [0]
@@ -794,8 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lam, probes = find_lambda_star(measure, guess, bisect_steps=plan.bisect_steps,
                                        max_expand=4 if args.quick else 6,
                                        out_of_time=lambda: time.perf_counter() > search_end)
-        search = {"guess_rps": guess, "probes": probes, "seconds": time.perf_counter() - t0,
-                  "target_adherence": TARGET_ADHERENCE, "policy": "fcfs" if not http else args.label}
+        search = {"definition": "adherence", "guess_rps": guess, "probes": probes,
+                  "seconds": time.perf_counter() - t0, "target_adherence": TARGET_ADHERENCE, "policy": "fcfs" if not http else args.label}
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
     notes = " ".join(p.get("note", "") for p in search.get("probes", []))
     if "never reached" in notes and "cut short" in notes:
@@ -829,30 +450,30 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"~{100 / max(1, n_req - int(n_req * args.warmup_frac)):.0f} pts; use --num-requests/--budget-min "
               "on a quiet machine for protocol-size runs", flush=True)
 
-    # ---- sweep
+    # ---- sweep: load-major, every policy's engine kept alive, so that a drift in machine speed during the
+    # run hits all policies of a load alike instead of whichever policy happened to run last
     results: list[dict[str, Any]] = []
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
-    for pi, policy in enumerate(order):
-        if not http and pi > 0:
-            eng.shutdown()
-            eng = None
-            free_memory()
-            eng = engines.start(policy)
-        if policy not in policies:
-            continue
-        for load, rate in zip(plan.loads, rates):
+    live: dict[str, Any] = {} if http else {order[0]: eng}
+    for load, rate in zip(plan.loads, rates):
+        for policy in order:
+            if policy not in policies:
+                continue
+            if not http and policy not in live:
+                live[policy] = engines.start(policy)
+            e = live.get(policy)
             runs = []
             for seed in plan.seeds:
                 items = W.generate(replace(base, num_requests=n_req, rate_rps=rate, seed=seed), scale.tiers)
-                run = run_items(items, f"{policy} {load:g}x seed {seed}", f"{policy}-{load:g}-{seed}")
+                run = run_items(items, f"{policy} {load:g}x seed {seed}", f"{policy}-{load:g}-{seed}", e)
                 runs.append((seed, run))
                 with open(rec_path, "a") as f:
                     f.write("\n".join(_records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
             r = _summarize_point(policy, load, rate, runs, args.warmup_frac, tiers)
-            if eng is not None:  # this engine's fit (same cached profile for all; kairos refits online)
-                rep = eng.profile_report or {}
-                pe = eng.scheduler.predictor
+            if e is not None:  # this engine's fit (same cached profile for all)
+                rep = e.profile_report or {}
+                pe = e.scheduler.predictor
                 r["predictor"] = {"r2": rep.get("r2"), "mape": rep.get("mape_holdout", rep.get("mape_train")),
                                   "decode_coef_end": list(pe.decode_coef) if pe is not None else None,
                                   "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None}
@@ -861,28 +482,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol "
                   f"{r['ttft_violations']}/{r['tpot_violations']}, timeouts {r['timeouts']}  "
                   f"[{time.perf_counter() - t_start:.0f}s, load {loadavg().split(' ')[0]}]", flush=True)
-    if eng is not None:
-        eng.shutdown()
+    for e in live.values():
+        e.shutdown()
+    results.sort(key=lambda r: (order.index(r["policy"]), r["load_multiple"]))
 
     # ---- report
     for load in plan.loads:
         print(load_table(results, load, tiers))
     acc = acceptance(results)
     print(format_acceptance(acc))
+    lam90 = protocol_lambda_90(results)
+    if lam90 is not None and search.get("definition") == "capacity":
+        print(f"  protocol lambda*_90 (highest swept rate with FCFS adherence >= {TARGET_ADHERENCE:.0%}): "
+              f"{lam90:.3f} rps = {lam90 / lam:.2f} x capacity", flush=True)
+    comparison = None
+    if args.compare:
+        base_doc = json.loads(Path(args.compare).read_text())
+        print("\n" + compare(results, base_doc["results"], label=policies[0] if not http else "HTTP"))
+        comparison = {"baseline": args.compare, "baseline_results": base_doc["results"]}
     wall = time.perf_counter() - t_start
     info["loadavg_end"] = loadavg()
     doc = {
         "benchmark": "slo",
         "lambda_star_rps": lam,
         "lambda_star_search": search,
+        "lambda_star_90_rps": lam90,
+        "comparison": comparison,
         "config": {
             "mode": "http" if http else "engine", "target": args.target, "model": args.model, "dtype": args.dtype,
             "engine_threads": args.engine_threads, "max_num_seqs": args.max_num_seqs,
+            "sched_overrides": _overrides(args.sched), "kv_gb": args.kv_gb,
             "prefill_max_tokens": args.prefill_max_tokens, "policies": policies, "loads": plan.loads,
             "seeds": plan.seeds, "num_requests_per_point": n_req, "num_requests_fixed": plan.n_fixed,
             "budget_min": plan.budget_s / 60.0, "arrival": args.arrival, "gamma_shape": base.gamma_shape,
             "mix": dict(zip(tiers, mix)), "hint": args.hint, "warmup_frac": args.warmup_frac,
-            "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "tpot_headroom": args.tpot_headroom, "reprofile": args.reprofile,
+            "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "tpot_headroom": args.tpot_headroom,
+            "reprofile": args.reprofile,
             "quick": args.quick, "drain_s": args.drain, "prompt_len": _dist(base.prompt),
             "output_len": _dist(base.output), "engine_start_s": engines.start_s,
             "workload": W.describe(W.generate(replace(base, num_requests=n_req, rate_rps=lam, seed=plan.seeds[0]),

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pending lookahead window for pack admission (default: 64)")
     g.add_argument("--prefill-force-fifo-every", type=int, default=0,
                    help="force a FIFO admission round every N rounds (default: 0 = never)")
+    g.add_argument("--hybrid-steps", action="store_true",
+                   help="decode the running requests in every step, prefill rounds included (the seeds' worker "
+                        "loop: a prefill round then a decode round per iteration); default: the policy's")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="accepted for compatibility with the seeds' commands; ignored (Kairos has no prefix cache)")
     g = p.add_argument_group("measurement")
@@ -204,7 +207,7 @@ def _engine_config(args: argparse.Namespace):
         policy=args.policy, max_num_seqs=args.max_batch_size, prefill_max_batch_size=pmb,
         prefill_max_tokens=args.prefill_max_tokens, prefill_admission_policy=args.prefill_admission_policy,
         prefill_admission_lookahead=args.prefill_admission_lookahead,
-        prefill_force_fifo_every=args.prefill_force_fifo_every)
+        prefill_force_fifo_every=args.prefill_force_fifo_every, hybrid_steps=True if args.hybrid_steps else None)
     return EngineConfig(model=resolve_bench_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
                         scheduler=sched)
 

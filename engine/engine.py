@@ -54,6 +54,7 @@ class EngineStats:
     rejected: dict[str, int] = field(default_factory=dict)
     waiting_tokens: int = 0  # prompt tokens queued for prefill
     predictor_mape: float | None = None
+    itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -202,6 +203,7 @@ class LLMEngine:
             waiting_tokens=s.waiting_tokens(),
             rejected=dict(self._rejected),
             predictor_mape=(self.profile_report or {}).get("mape_holdout") if pred is not None else None,
+            itl_correction=s.last_correction,
             phase_s=dict(self._phase))
 
     # ------------------------------------------------------------------ worker thread
@@ -277,7 +279,6 @@ class LLMEngine:
         t3 = time.perf_counter()
         self._phase["forward"] += t2 - t1
         self._phase["sample"] += t3 - t2
-        self.scheduler.on_step_done(plan, (t2 - t1) * 1000.0)
         now = time.monotonic()
         for req, tok in zip(reqs, tokens):
             req.num_computed_tokens = req.num_tokens
@@ -286,7 +287,10 @@ class LLMEngine:
             else:
                 self._append_token(req, tok, now)
         self._steps += 1
-        self._phase["postprocess"] += time.perf_counter() - t3
+        t4 = time.perf_counter()
+        self._phase["postprocess"] += t4 - t3
+        # forward time refits the model; the whole step (what a running request waits per token) corrects it
+        self.scheduler.on_step_done(plan, (t2 - t1) * 1000.0, (t4 - t0) * 1000.0, time.monotonic())
         self._publish(len(plan.prefill), len(plan.decode))
 
     def _reject(self, req: Request, reason: str) -> None:

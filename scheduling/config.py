@@ -24,19 +24,21 @@ class PolicyFlags:
     monotone_skip: bool
     online_refit: bool
     hybrid_steps: bool
+    itl_correction: bool
 
 
 _PRESETS: dict[str, tuple] = {
-    #              order   admission force ttft_rej sort1st credit gate  skip   refit  hybrid
-    "fcfs":       ("fifo", "fifo", 0, False, False, False, False, False, False, False),
-    "pack":       ("fifo", "pack", 8, False, False, False, False, False, False, False),
-    "edf":        ("ldf",  "fifo", 0, False, False, False, False, False, False, False),
-    "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False, False),
-    "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False, False),
-    "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False, False),
+    #              order   admission force ttft_rej sort1st credit gate  skip   refit  hybrid correct
+    "fcfs":       ("fifo", "fifo", 0, False, False, False, False, False, False, False, False),
+    "pack":       ("fifo", "pack", 8, False, False, False, False, False, False, False, False),
+    "edf":        ("ldf",  "fifo", 0, False, False, False, False, False, False, False, False),
+    "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False, False, False),
+    "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False, False, False),
+    "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False, False, False),
     # online refit (RLS over all four ITL coefficients) is off by default: in the SLO sweep it drifted on
-    # small-batch steps (B and B*L unidentifiable) until the gate rejected everything; opt in with online_refit
-    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  False, True),
+    # small-batch steps (B and B*L unidentifiable) until the gate rejected everything; opt in with online_refit.
+    # kairos corrects the gate instead with a bounded factor measured on the steps it runs (ItlCorrection)
+    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  False, True,  True),
 }
 
 
@@ -72,6 +74,11 @@ class SchedulerConfig(BaseModel):
     online_refit: bool | None = None
     hybrid_steps: bool | None = Field(None, description="decode running requests in the same forward as prefills")
     refit_forgetting: float = Field(0.98, gt=0, le=1)
+    itl_correction: bool | None = Field(None, description="scale the gate's ITL by measured/predicted step time")
+    correction_tau_ms: float = Field(2000.0, gt=0, description="window of the ITL correction (wall ms)")
+    correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
+    correction_safety: float = Field(1.1, ge=1, description="gate multiplier with the correction: "
+                                     "max(vbs_margin, factor * correction_safety)")
     predictor_path: str | None = None
 
     @model_validator(mode="after")
@@ -81,7 +88,7 @@ class SchedulerConfig(BaseModel):
         return self
 
     def flags(self) -> PolicyFlags:
-        order, adm, force, rej, sort1, credit, gate, skip, refit, hybrid = _PRESETS[self.policy]
+        order, adm, force, rej, sort1, credit, gate, skip, refit, hybrid, corr = _PRESETS[self.policy]
 
         def pick(v, d):
             return d if v is None else v
@@ -97,4 +104,5 @@ class SchedulerConfig(BaseModel):
             monotone_skip=pick(self.monotone_skip, skip),
             online_refit=pick(self.online_refit, refit),
             hybrid_steps=pick(self.hybrid_steps, hybrid),
+            itl_correction=pick(self.itl_correction, corr),
         )

@@ -18,7 +18,7 @@ from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
-from scheduling.tpot_guard import VBSGate, select_by_credit, vbs
+from scheduling.tpot_guard import ItlCorrection, VBSGate, select_by_credit, vbs
 from scheduling.ttft_guard import find_ttft_unattainable
 
 TTFT_UNATTAINABLE = "ttft_unattainable"
@@ -54,6 +54,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._round = 0
         self.last_vbs = 0.0
+        self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
+                           if self.flags.itl_correction else None)
+        self.last_correction = 1.0
 
     # --- queue membership ---
     def add(self, req: Request) -> str | None:
@@ -115,7 +118,15 @@ class Scheduler:
         force_fifo = f.force_fifo_every > 0 and self._round % f.force_fifo_every == 0
         gate = None
         if f.vbs_gate and self.predictor is not None:
-            gate = VBSGate(self.running, self.predictor.itl_ms, margin=self.config.vbs_margin,
+            itl = self.predictor.itl_ms
+            if self.correction is not None:
+                # the static margin already covers this much inflation; scale only by what it does not
+                self.last_correction = self.correction.factor(now)
+                c = max(1.0, self.last_correction * self.config.correction_safety / self.config.vbs_margin)
+
+                def itl(b: float, length: float, _m=self.predictor.itl_ms, _c=c) -> float:
+                    return _m(b, length) * _c
+            gate = VBSGate(self.running, itl, margin=self.config.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip)
         kv_full = False
@@ -188,8 +199,17 @@ class Scheduler:
         plan.preempted.append(r)
 
     # --- feedback ---
-    def on_step_done(self, plan: StepPlan, step_ms: float) -> None:
-        if self.predictor is None or not self.flags.online_refit:
+    def on_step_done(self, plan: StepPlan, step_ms: float, wall_ms: float | None = None,
+                     now: float | None = None) -> None:
+        """Feedback after a step: `step_ms` is the forward, `wall_ms` the whole step as requests see it."""
+        if self.predictor is None:
+            return
+        if self.correction is not None and now is not None:
+            pred = 0.0
+            if plan.decode:
+                pred = self.predictor.itl_ms(len(plan.decode), sum(r.num_tokens for r in plan.decode) / len(plan.decode))
+            self.correction.observe(now, step_ms if wall_ms is None else wall_ms, pred)
+        if not self.flags.online_refit:
             return
         if plan.prefill and not plan.decode:
             self.predictor.observe_prefill(plan.num_prefill_tokens, step_ms)

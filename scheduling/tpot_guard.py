@@ -153,3 +153,46 @@ class VBSGate:
     def admit(self, candidate: T) -> None:
         """Record ``candidate`` as admitted this round: later checks include its TRP and tokens."""
         self._add(candidate.tpot_slo_ms, candidate.num_tokens)
+
+
+class ItlCorrection:
+    """Bounded multiplicative correction of the offline ITL model, learned from the steps actually run.
+
+    The gate's ITL(B, L) is a pure-decode fit; what a paced request experiences per token is every step's
+    wall time, prefill rounds (or hybrid forwards), scheduling and sampling included. Over a sliding
+    window (exponential, ``tau_ms`` of wall time) the factor is
+
+        sum(step wall ms) / sum(predicted ITL of the steps that decoded)
+
+    clamped to ``[lo, hi]``. A prefill-only step adds its time and predicts nothing: it is pure stall for
+    the running requests. With less than ``min_pred_ms`` of predictions in the window (idle engine, cold
+    start) the factor is 1, so the offline fit is never replaced, only scaled within bounds. This is the
+    robust replacement for four-coefficient RLS, which drifted on steps where B and B*L are collinear.
+    """
+
+    def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5, min_pred_ms: float = 100.0) -> None:
+        if not (0 < lo <= 1 <= hi) or tau_ms <= 0:
+            raise ValueError("need tau_ms > 0 and 0 < lo <= 1 <= hi")
+        self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
+        self._actual = 0.0
+        self._pred = 0.0
+        self._last_s: float | None = None
+
+    def _decay_to(self, now_s: float) -> None:
+        if self._last_s is not None and now_s > self._last_s:
+            k = math.exp(-(now_s - self._last_s) * 1000.0 / self.tau_ms)
+            self._actual *= k
+            self._pred *= k
+        self._last_s = now_s if self._last_s is None else max(self._last_s, now_s)
+
+    def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float) -> None:
+        """One finished step: its wall time and the model's ITL for its decode batch (0 if none)."""
+        self._decay_to(now_s)
+        self._actual += max(step_ms, 0.0)
+        self._pred += max(predicted_decode_ms, 0.0)
+
+    def factor(self, now_s: float) -> float:
+        self._decay_to(now_s)
+        if self._pred < self.min_pred_ms:
+            return 1.0
+        return min(self.hi, max(self.lo, self._actual / self._pred))

@@ -376,3 +376,61 @@ def test_find_lambda_star_respects_the_time_budget():
     lam, probes = find_lambda_star(never, 1.0, max_expand=6, out_of_time=lambda: len(calls) >= 2)
     assert len(calls) == 2 and lam == pytest.approx(1.0 / 1.6 ** 2)
     assert any("cut short" in p.get("note", "") for p in probes)
+
+
+def test_completion_rate_and_capacity_search():
+    from bench.slo import completion_rate, find_capacity
+
+    recs = [M.RequestRecord(tier="t", ttft_slo_ms=1, tpot_slo_ms=1, arrival_s=0.0, finish_reason="length",
+                            finished_s=0.1 * i, n_out=2) for i in range(100)]
+    assert completion_rate(recs) == pytest.approx(10.0)  # one every 100 ms, ramp and drain trimmed
+    assert completion_rate(recs[:4]) is None
+
+    served = []
+
+    def measure(rate):  # an engine that completes at most 12 req/s
+        served.append(rate)
+        return min(rate, 12.0)
+
+    cap, probes = find_capacity(measure, 5.0)
+    assert cap == 12.0 and served == [5.0, 10.0, 20.0]  # 10 -> 10 is not saturated, 20 -> 12 is
+    cap, probes = find_capacity(lambda r: r, 1.0, max_tries=3)
+    assert cap == 4.0 and "never saturated" in probes[-1]["note"]
+
+
+def test_policy_labels_with_overrides():
+    from bench.slo import policy_spec
+
+    assert policy_spec("kairos") == ("kairos", {})
+    assert policy_spec("kairos+monotone_skip=false+vbs_margin=1.2") == (
+        "kairos", {"monotone_skip": False, "vbs_margin": 1.2})
+
+
+def test_compare_and_protocol_lambda():
+    from bench.slo_report import compare, protocol_lambda_90
+
+    def row(policy, load, rate, adh, ttft):
+        return {"policy": policy, "load_multiple": load, "rate_rps": rate, "goodput_rps": rate * adh,
+                "adherence": adh, "rejected": 0, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft,
+                "tpot_p50_ms": 5.0, "tpot_p99_ms": 9.0}
+
+    base = [row("fcfs", 0.5, 5.0, 0.95, 20.0), row("fcfs", 1.0, 10.0, 0.6, 30.0)]
+    assert protocol_lambda_90(base) == 5.0 and protocol_lambda_90(base[1:]) is None
+    text = compare([row("scorpio", 0.5, 5.0, 0.9, 32.5)], base)
+    assert "added by HTTP" in text and "12.50" in text  # TTFT p50 32.5 - 20
+    assert "no load in common" in compare([row("scorpio", 2.0, 5.0, 0.9, 1.0)], base)
+
+
+def test_smoke_capacity_search(tmp_path):
+    from bench import slo
+
+    js = tmp_path / "r.json"
+    argv = ["--quick", "--model", "kairos-tiny", "--policies", "fcfs", "--loads", "1", "--num-requests", "12",
+            "--probe-requests", "24", "--prompt-median", "12", "--prompt-cap", "32", "--output-median", "6",
+            "--output-cap", "12", "--max-num-seqs", "8", "--prefill-max-tokens", "64", "--drain", "10",
+            "--out", str(tmp_path / "out"), "--json", str(js), "--no-progress", "--no-plots"]
+    assert slo.main(argv) == 0
+    doc = json.loads(js.read_text())
+    search = doc["lambda_star_search"]
+    assert search["definition"] == "capacity" and search["probes"]
+    assert doc["lambda_star_rps"] > 0 and doc["results"][0]["rate_rps"] == pytest.approx(doc["lambda_star_rps"])

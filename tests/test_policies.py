@@ -216,3 +216,26 @@ def test_best_effort_never_rejected_but_counts_once_admitted() -> None:
     assert seen == []
     assert not gate.check(_req("slo", tpot=64))
     assert seen == [1 + 1 + 3 * 0.25]
+
+
+def test_itl_correction_is_bounded_windowed_and_neutral_when_idle():
+    from scheduling.tpot_guard import ItlCorrection
+
+    c = ItlCorrection(tau_ms=1000.0, lo=0.8, hi=2.5, min_pred_ms=50.0)
+    assert c.factor(0.0) == 1.0  # nothing seen
+    for k in range(20):  # steps take 1.5x the model
+        c.observe(k * 0.015, 15.0, 10.0)
+    assert c.factor(0.3) == pytest.approx(1.5)
+    for k in range(20):  # a prefill-only step stalls decodes: its time counts, its prediction is 0
+        c.observe(0.3 + k * 0.01, 10.0, 0.0 if k % 2 else 10.0)
+    assert c.factor(0.5) > 1.5
+    c2 = ItlCorrection(tau_ms=100.0, hi=2.5, min_pred_ms=10.0)
+    for k in range(50):
+        c2.observe(k * 0.01, 100.0, 10.0)
+    assert c2.factor(0.5) == 2.5  # bounded above
+    for k in range(50):
+        c2.observe(1 + k * 0.01, 1.0, 10.0)
+    assert c2.factor(1.5) == pytest.approx(0.8, abs=0.05)  # and below
+    assert c2.factor(60.0) == 1.0  # a long idle gap forgets everything
+    with pytest.raises(ValueError):
+        ItlCorrection(lo=1.2)

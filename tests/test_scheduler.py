@@ -1,4 +1,6 @@
 """The scheduler's step decisions over plain Request objects and a real BlockManager (no model)."""
+import pytest
+
 from engine.kv.block_manager import BlockManager
 from engine.request import SLO, Request, Status
 from engine.sampling import SamplingParams
@@ -95,3 +97,27 @@ def test_vbs_gate_rejects_a_tpot_it_cannot_meet_even_alone():
     r = _req(0, 4, tpot=5.0)  # predicted ITL(1) = 5.5 ms: 1.3 * 5.5 > 0.99 * 5
     s.add(r)
     assert s.schedule(0.0).rejected == [(r, "tpot_unattainable")]
+
+
+def test_kairos_gate_scales_the_model_by_the_measured_step_time():
+    """Steps measured at 3x the model: kairos's gate (factor capped by what the 1.3 margin already covers)
+    rejects a TPOT that scorpio's static gate still admits."""
+    def slow_steps(s, now):
+        a = _req(0, 4)  # best effort, keeps a decode running
+        s.add(a)
+        _run(s, s.schedule(now))
+        for k in range(40):  # ~40 decode steps at 3x the predicted ITL(1) = 5.5 ms
+            p = s.schedule(now + 0.0165 * k)
+            _run(s, p)
+            s.on_step_done(p, 16.5, 16.5, now + 0.0165 * (k + 1))
+        return now + 0.0165 * 40
+
+    for policy, admitted in (("scorpio", True), ("kairos", False)):
+        s = _sched(policy)
+        t = slow_steps(s, 0.0)
+        r = _req(9, 4, tpot=12.0)  # ITL(2) = 6 ms: 1.3 * 6 < 0.99 * 12 unless the model is scaled up
+        s.add(r)
+        p = s.schedule(t)
+        assert (r in p.prefill) is admitted, policy
+        assert ((r, "tpot_unattainable") in p.rejected) is (not admitted), policy
+    assert s.last_correction == 2.5  # measured 3x, capped at correction_max
