@@ -31,10 +31,11 @@ Policy labels may carry scheduler overrides for ablations: `--policies kairos,ka
 Model: kairos-tiny by default (the protocol's "tiny Llama, 4 layers, d=256"); with kairos-default lambda* is
 well below 1 req/s on this box and a 30-minute sweep holds only ~10 requests per point.
 Run length: the protocol asks for 400 requests per point × 3 seeds, so by default the requests per point
-are capped at 400 AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed plan shows the count and
-what 400/point would cost. The lambda* search gets at most ~25% of the budget (bisection is cut short).
+are capped at 400 AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed
+plan shows the count and what 400/point would cost. The lambda* search (adherence definition) gets at most
+~25% of the budget (bisection is cut short); the capacity search takes 2-3 probes of 240 requests.
 Pass --num-requests N to force exactly N per point (no budget cap).
---quick is a smoke test, not a small copy of the sweep: 3 policies at 1.5×lambda* only, coarse search, and
+--quick is a smoke test, not a small copy of the sweep: 3 policies at 1.5×lambda* only, and
 shorter requests (prompt median 40 / cap 160, output median 16 / cap 64), so lambda* is a few times higher and
 the 3-minute budget holds 200 requests per point. Its numbers are not comparable with the full sweep.
 
@@ -416,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        max_expand=4 if args.quick else 6,
                                        out_of_time=lambda: time.perf_counter() > search_end)
         search = {"definition": "adherence", "guess_rps": guess, "probes": probes,
-                  "seconds": time.perf_counter() - t0, "target_adherence": TARGET_ADHERENCE, "policy": "fcfs" if not http else args.label}
+                  "seconds": time.perf_counter() - t0, "target_adherence": TARGET_ADHERENCE,
+                  "policy": "fcfs" if not http else args.label}
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
     notes = " ".join(p.get("note", "") for p in search.get("probes", []))
     if "never reached" in notes and "cut short" in notes:

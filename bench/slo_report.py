@@ -144,7 +144,8 @@ def _records_lines(policy: str, load: float, seed: int, run: PointRun, warmup: f
     return out
 
 
-def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTTP", base_label: str = "in-process") -> str:
+def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTTP",
+            base_label: str = "in-process") -> str:
     """Side by side, per load present in both: goodput, adherence, rejections, TTFT/TPOT percentiles, and the
     per-request deltas that the HTTP path adds (TTFT p50/p99, TPOT p50 = mean inter-token latency)."""
     def key(r: dict) -> float:

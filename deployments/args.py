@@ -48,6 +48,10 @@ class ServeArgs(BaseModel):
     api_keys_env: str | None = Field(None, description="env var holding comma-separated API keys (Bearer auth)")
     api_key_file: str | None = Field(None, description="file with one API key per line (Bearer auth)")
     retry_after_s: int = Field(1, ge=1, description="minimum Retry-After on 429/503")
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="stream batching: after the first token, "
+                                      "send at most one chunk per interval per request, merging the tokens "
+                                      "generated meanwhile (0: every token at once; fewer messages cut the "
+                                      "per-token CPU of the replica -> ingress -> proxy hops)")
     log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
 
     @model_validator(mode="before")

@@ -207,7 +207,8 @@ class Scheduler:
         if self.correction is not None and now is not None:
             pred = 0.0
             if plan.decode:
-                pred = self.predictor.itl_ms(len(plan.decode), sum(r.num_tokens for r in plan.decode) / len(plan.decode))
+                avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
+                pred = self.predictor.itl_ms(len(plan.decode), avg_len)
             self.correction.observe(now, step_ms if wall_ms is None else wall_ms, pred)
         if not self.flags.online_refit:
             return

@@ -1,6 +1,7 @@
 """Fast checks without Ray running: args mapping, protocol parsing, router ranking, auth, health check."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -180,3 +181,45 @@ def test_cluster_yaml_is_valid() -> None:
     cfg = prepare_config(yaml.safe_load((root / "cluster.yaml").read_text()))
     validate_config(cfg)
     assert cfg["available_node_types"]["head"]["resources"] == {"CPU": 0}
+
+
+def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
+    """stream_interval_ms: after the first token at most one message per interval, with every token kept."""
+    import asyncio
+    import threading
+
+    import engine.engine  # noqa: F401 - generate() imports it; import (torch) before the producer's clock starts
+    from deployments.replica import LLMServer
+    from engine.outputs import RequestOutput
+    from engine.request import SLO
+    from engine.stream import RequestStream
+
+    def run(interval_s: float) -> list[dict]:
+        st = RequestStream("r1")
+
+        def produce() -> None:
+            for i in range(40):
+                time.sleep(0.002)
+                st.put(RequestOutput("r1", text=f"t{i} ", token_ids=[i], num_output_tokens=i + 1,
+                                     finished=i == 39, finish_reason="length" if i == 39 else None))
+
+        noop = lambda *a, **k: None  # noqa: E731
+        me = SimpleNamespace(
+            stream_interval_s=interval_s, log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            _prompt_lens=[], _prepare=lambda req: ([1, 2], None, SLO()),
+            engine=SimpleNamespace(add_request=lambda *a, **k: st, abort=noop),
+            metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop))
+
+        async def collect() -> list[dict]:
+            threading.Thread(target=produce, daemon=True).start()
+            return [x async for x in LLMServer.func_or_class.generate(me, {"request_id": "r1"})]
+
+        return asyncio.run(collect())
+
+    every = run(0.0)
+    batched = run(0.025)
+    for items in (every, batched):
+        assert "".join(x["text"] for x in items) == "".join(f"t{i} " for i in range(40))
+        assert sum(x["n"] for x in items) == 40 and items[-1]["finished"]
+    assert batched[0]["n"] == 1  # the first token is never held back
+    assert len(batched) < len(every) / 2
