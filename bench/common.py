@@ -227,7 +227,8 @@ def run_info(module: str, argv: Sequence[str] | None) -> dict[str, Any]:
 # --------------------------------------------------------------------------- output
 
 
-def _fmt(v: Any, digits: int = 1) -> str:
+def fmt(v: Any, digits: int = 1) -> str:
+    """One table cell: floats with `digits` decimals (thousands separated), None/NaN as "-", bools yes/no."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -249,7 +250,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: 
 
     `align` is one character per column: "l" or "r" (default: first column left, the rest right).
     """
-    cells = [[_fmt(c, digits) for c in row] for row in rows]
+    cells = [[fmt(c, digits) for c in row] for row in rows]
     ncol = len(headers)
     align = align or ("l" + "r" * (ncol - 1))
     widths = [max([len(str(headers[i]))] + [len(r[i]) for r in cells]) for i in range(ncol)]
@@ -271,6 +272,17 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     if title:
         print(f"\n{title}", file=file)
     print(format_table(headers, rows, digits=digits, align=align), file=file, flush=True)
+
+
+SSE_DONE = "[DONE]"
+
+
+def sse_data(line: str) -> Any:
+    """One server-sent-events line: its JSON payload, SSE_DONE for `data: [DONE]`, None for any other line."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return SSE_DONE if data == SSE_DONE else json.loads(data)
 
 
 def _json_default(o: Any) -> Any:

@@ -66,10 +66,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench import slo_metrics as M  # noqa: E402
 from bench import workload as W  # noqa: E402
-from bench.common import loadavg, percentile, run_info, write_json  # noqa: E402
+from bench.common import fmt, loadavg, percentile, run_info, write_json  # noqa: E402
 from bench.common import resolve_bench_model  # noqa: E402
 
-from bench.slo_report import (_fmt, _records_lines, acceptance, compare, format_acceptance,  # noqa: E402,F401
+from bench.slo_report import (_records_lines, acceptance, compare, format_acceptance,  # noqa: E402,F401
                               load_table, protocol_lambda_90, write_csv)
 from bench.slo_run import PointRun, run_engine_point, run_http_point, served_model  # noqa: E402,F401
 from bench.slo_search import (TARGET_ADHERENCE, capacity_guess, completion_rate, find_capacity,  # noqa: E402,F401
@@ -301,7 +301,7 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
         "steps": steps,
         "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
         "submit_lag_p99_ms": percentile(lags, 99) if lags else None,
-        "per_seed": per_seed, **M.pool([p for p in per_seed]),
+        "per_seed": per_seed, **M.pool(per_seed),
     }
 
 
@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pred_info["slo_scale"] = scale.to_dict()
     print("SLO tiers (ms): " + ", ".join(f"{t.name} TTFT {t.ttft_ms:.0f} / TPOT {t.tpot_ms:.1f}" for t in scale.tiers)
           + f"  [u={scale.u_ms:.0f}, d4={scale.d4_ms:.1f}, d12={scale.d12_ms:.1f}, L={scale.l_bar:.0f}; "
-            f"fit r2={_fmt(pred_info['r2'], 3)} mape={_fmt(pred_info['mape'], 3)}]", flush=True)
+            f"fit r2={fmt(pred_info['r2'], 3)} mape={fmt(pred_info['mape'], 3)}]", flush=True)
 
     def run_items(items: list[W.WorkItem], desc: str, tag: str, engine: Any = None) -> PointRun:
         drain = _drain_for(items, args.drain)
@@ -376,21 +376,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # ---- lambda*
     search: dict[str, Any] = {}
+    probe_no = [0]
+
+    def probe(rate: float, n: int, desc: str, tag: str) -> PointRun:
+        """One FCFS search run: the first seed's workload, n requests at `rate`."""
+        probe_no[0] += 1
+        items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=plan.seeds[0]), scale.tiers)
+        return run_items(items, f"{desc} {rate:.2f} rps", f"{tag}{probe_no[0]}")
+
     if args.lambda_star is not None:
         lam = float(args.lambda_star)
         search = {"given": True, "definition": args.lambda_def}
     elif args.lambda_def == "capacity":
         t0 = time.perf_counter()
-        cap_no = [0]
 
         def measure_cap(rate: float) -> float | None:
             n = args.probe_requests or (200 if args.quick else 240)
-            items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=plan.seeds[0]), scale.tiers)
-            cap_no[0] += 1
-            run = run_items(items, f"capacity probe {rate:.2f} rps", f"cap{cap_no[0]}")
-            got = completion_rate(run.records)
-            print(f"  capacity probe {cap_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS completes "
-                  f"{_fmt(got, 3)} rps", flush=True)
+            got = completion_rate(probe(rate, n, "capacity probe", "cap").records)
+            print(f"  capacity probe {probe_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS completes "
+                  f"{fmt(got, 3)} rps", flush=True)
             return got
 
         lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
@@ -398,14 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "policy": "fcfs" if not http else args.label}
     else:
         guess = capacity_guess(predictor, scale)
-        probe_no = [0]
 
         def measure(rate: float) -> float:
             n = args.probe_requests or int(min(plan.probe_bounds[1], max(plan.probe_bounds[0],
                                                                        rate * plan.probe_seconds)))
-            items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=plan.seeds[0]), scale.tiers)
-            probe_no[0] += 1
-            run = run_items(items, f"lambda* probe {rate:.2f} rps", f"probe{probe_no[0]}")
+            run = probe(rate, n, "lambda* probe", "probe")
             a = M.summarize(run.records, warmup_frac=args.warmup_frac)["adherence"]
             print(f"  lambda* probe {probe_no[0]}: {rate:.3f} rps, n={n} -> FCFS adherence {100 * a:.1f}%",
                   flush=True)

@@ -9,35 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import slo_metrics as M
-from bench.common import clean
+from bench.common import clean, fmt, format_table
 from bench.slo_run import PointRun
 
 CHECK_LOAD = 1.5
 TIER_SHORT = {"interactive": "T1", "strict_tpot": "T2", "relaxed": "T3"}
-
-
-def _fmt(v: Any, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
-    cells = [[_fmt(c) for c in r] for r in rows]
-    w = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(vals: Sequence[str]) -> str:
-        return "| " + " | ".join(v.ljust(w[i]) if i == 0 else v.rjust(w[i]) for i, v in enumerate(vals)) + " |"
-
-    sep = "|" + "|".join("-" * (x + 2) if i == 0 else "-" * (x + 1) + ":" for i, x in enumerate(w)) + "|"
-    out = [line(list(headers)), sep, *(line(r) for r in cells)]
-    return (f"\n{title}\n" if title else "") + "\n".join(out)
 
 
 CSV_FIELDS = ("policy", "load_multiple", "rate_rps", "goodput_rps", "adherence", "n", "good", "rejected",
@@ -77,7 +53,8 @@ def load_table(results: Sequence[dict], load: float, tiers: Sequence[str]) -> st
     heads = ["policy", "goodput rps", "adh %", *[f"{TIER_SHORT.get(t, t)} %" for t in tiers], "rej %",
              "TTFT viol", "TPOT viol", "incompl", "tok/s", "sched ms/step", "sched %"]
     n = next((r["n"] for r in results if r["load_multiple"] == load), 0)
-    return _table(heads, rows, f"load {load:g}x lambda* = {rate:.3f} rps  (n = {n} per policy after warm-up)")
+    title = f"load {load:g}x lambda* = {rate:.3f} rps  (n = {n} per policy after warm-up)"
+    return f"\n{title}\n" + format_table(heads, rows, digits=2)
 
 
 def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any]:
@@ -114,9 +91,9 @@ def format_acceptance(acc: dict[str, Any]) -> str:
         lines.append(f"  scorpio / fcfs goodput        : {acc['scorpio_over_fcfs_goodput']:.2f}x")
         lines.append(f"  scorpio - fcfs adherence      : {acc['scorpio_minus_fcfs_adherence_pts']:+.1f} pts")
     if "kairos_goodput_ge_scorpio" in acc:
-        lines.append(f"  kairos >= scorpio (goodput)   : {_fmt(acc['kairos_goodput_ge_scorpio'])}"
+        lines.append(f"  kairos >= scorpio (goodput)   : {fmt(acc['kairos_goodput_ge_scorpio'])}"
                      f" ({acc['kairos_goodput_rps']:.3f} vs {acc['scorpio_goodput_rps']:.3f} rps; adherence: "
-                     f"{_fmt(acc['kairos_adherence_ge_scorpio'])}, "
+                     f"{fmt(acc['kairos_adherence_ge_scorpio'])}, "
                      f"{acc['kairos_minus_scorpio_adherence_pts']:+.1f} pts)")
     if "kairos_over_fcfs_goodput" in acc:
         lines.append(f"  kairos / fcfs goodput         : {acc['kairos_over_fcfs_goodput']:.2f}x")
@@ -165,7 +142,9 @@ def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTT
                      100 * (r["adherence"] - b["adherence"]), r["rejected"] - b["rejected"],
                      *(_diff(r, b, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"))])
     heads = ["run", "goodput rps", "adh %", "rejected", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
-    return _table(heads, rows, f"{label} vs {base_label}") if rows else f"(no load in common with the {base_label} run)"
+    if not rows:
+        return f"(no load in common with the {base_label} run)"
+    return f"\n{label} vs {base_label}\n" + format_table(heads, rows, digits=2)
 
 
 def _diff(a: dict, b: dict, k: str) -> float | None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import queue
@@ -15,6 +14,7 @@ from typing import Any
 
 from bench import slo_metrics as M
 from bench import workload as W
+from bench.common import SSE_DONE, sse_data
 
 log = logging.getLogger("kairos.bench.slo")
 
@@ -198,12 +198,11 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
                     rec.finish_reason, rec.reject_reason = "error", f"http {resp.status_code}"
                     return
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    obj = sse_data(line)
+                    if obj is None:
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if obj == SSE_DONE:
                         break
-                    obj = json.loads(data)
                     now = time.monotonic()
                     if "error" in obj:
                         rec.finish_reason = "error"

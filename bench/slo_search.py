@@ -1,7 +1,6 @@
 """bench.slo's lambda* searches: the protocol's 90%-adherence rate, and FCFS's capacity (saturation)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence

@@ -40,7 +40,6 @@ Notes on faithfulness
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -49,7 +48,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from bench.common import free_memory, percentile, resolve_bench_model, resolve_model_path, run_info, write_json
+from bench.common import (SSE_DONE, free_memory, percentile, resolve_bench_model, resolve_model_path, run_info,
+                          sse_data, write_json)
 
 PCTS = (50, 95, 99)
 BLOCK_HEADER = "=== streaming benchmark ==="
@@ -359,12 +359,11 @@ def _http_request(client, url: str, body: dict, headers: dict, rec: _Rec, t_star
         n_chunks = 0
         for line in resp.iter_lines():
             t = time.perf_counter()
-            if not line.startswith("data:"):
+            obj = sse_data(line)
+            if obj is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if obj == SSE_DONE:
                 break
-            obj = json.loads(data)
             if "error" in obj:
                 rec.error = str(obj["error"].get("message", obj["error"]))
                 continue

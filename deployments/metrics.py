@@ -57,6 +57,7 @@ class ReplicaMetrics:
         self.vbs = gauge("vbs", "virtual batch size (SCORPIO)")
         self.kv_used = gauge("kv_blocks_used", "paged-KV blocks in use")
         self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
+        self.itl_correction = gauge("itl_correction", "kairos: measured / predicted step time (1 = the profile holds)")
         self.predictor_mape = gauge("predictor_mape", "TTFT/ITL predictor mean absolute percentage error")
         self.inflight = gauge("replica_inflight", "requests inside this replica's generate()")
         self.decode_hist = Histogram("kairos_decode_batch", description="sampled decode batch sizes",
@@ -71,6 +72,7 @@ class ReplicaMetrics:
         self.decode_batch.set(g("last_decode_batch"))
         self.prefill_batch.set(g("last_prefill_batch"))
         self.vbs.set(float(g("vbs", 0.0) or 0.0))
+        self.itl_correction.set(float(g("itl_correction", 1.0)))
         self.kv_used.set(g("kv_blocks_used"))
         self.kv_free.set(g("kv_blocks_free"))
         if g("predictor_mape", None) is not None:

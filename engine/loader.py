@@ -8,10 +8,9 @@ caller's business: `attn_implementation` is passed through to `from_pretrained` 
 from __future__ import annotations
 
 import json
-
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -118,14 +118,14 @@ class Scheduler:
         force_fifo = f.force_fifo_every > 0 and self._round % f.force_fifo_every == 0
         gate = None
         if f.vbs_gate and self.predictor is not None:
-            itl = self.predictor.itl_ms
+            model = itl = self.predictor.itl_ms
             if self.correction is not None:
                 # the static margin already covers this much inflation; scale only by what it does not
                 self.last_correction = self.correction.factor(now)
-                c = max(1.0, self.last_correction * self.config.correction_safety / self.config.vbs_margin)
+                scale = max(1.0, self.last_correction * self.config.correction_safety / self.config.vbs_margin)
 
-                def itl(b: float, length: float, _m=self.predictor.itl_ms, _c=c) -> float:
-                    return _m(b, length) * _c
+                def itl(b: float, length: float) -> float:
+                    return model(b, length) * scale
             gate = VBSGate(self.running, itl, margin=self.config.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip)
@@ -199,23 +199,19 @@ class Scheduler:
         plan.preempted.append(r)
 
     # --- feedback ---
-    def on_step_done(self, plan: StepPlan, step_ms: float, wall_ms: float | None = None,
-                     now: float | None = None) -> None:
+    def on_step_done(self, plan: StepPlan, step_ms: float, wall_ms: float, now: float) -> None:
         """Feedback after a step: `step_ms` is the forward, `wall_ms` the whole step as requests see it."""
-        if self.predictor is None:
+        if self.predictor is None or (self.correction is None and not self.flags.online_refit):
             return
-        if self.correction is not None and now is not None:
-            pred = 0.0
-            if plan.decode:
-                avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
-                pred = self.predictor.itl_ms(len(plan.decode), avg_len)
-            self.correction.observe(now, step_ms if wall_ms is None else wall_ms, pred)
+        avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode) if plan.decode else 0.0
+        if self.correction is not None:
+            pred = self.predictor.itl_ms(len(plan.decode), avg_len) if plan.decode else 0.0
+            self.correction.observe(now, wall_ms, pred)
         if not self.flags.online_refit:
             return
         if plan.prefill and not plan.decode:
             self.predictor.observe_prefill(plan.num_prefill_tokens, step_ms)
         elif plan.decode and not plan.prefill:
-            avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
             self.predictor.observe_decode(len(plan.decode), avg_len, step_ms)
 
     def waiting_tokens(self) -> int:

@@ -170,7 +170,8 @@ class ItlCorrection:
     robust replacement for four-coefficient RLS, which drifted on steps where B and B*L are collinear.
     """
 
-    def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5, min_pred_ms: float = 100.0) -> None:
+    def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
+                 min_pred_ms: float = 100.0) -> None:
         if not (0 < lo <= 1 <= hi) or tau_ms <= 0:
             raise ValueError("need tau_ms > 0 and 0 < lo <= 1 <= hi")
         self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
@@ -179,11 +180,13 @@ class ItlCorrection:
         self._last_s: float | None = None
 
     def _decay_to(self, now_s: float) -> None:
-        if self._last_s is not None and now_s > self._last_s:
+        if self._last_s is not None:
+            if now_s <= self._last_s:
+                return
             k = math.exp(-(now_s - self._last_s) * 1000.0 / self.tau_ms)
             self._actual *= k
             self._pred *= k
-        self._last_s = now_s if self._last_s is None else max(self._last_s, now_s)
+        self._last_s = now_s
 
     def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float) -> None:
         """One finished step: its wall time and the model's ITL for its decode batch (0 if none)."""
