@@ -4,7 +4,9 @@ The model is called on one packed sequence [1, T]: first the tokens of every pre
 then one token per decoding request. Each layer writes its new K/V into the cache by slot, then:
 - a prefill with no cached prefix attends causally over its own fresh K/V;
 - a prefill with a cached prefix gathers its blocks and uses an offset causal mask;
-- all decode tokens are handled by one batched SDPA over blocks gathered into a reused workspace.
+- decode tokens come sorted by context length in groups of similar length; each group is one batched SDPA
+  over its blocks gathered into a reused workspace, padded only to the group's longest context (padding
+  every decode to the batch's longest made a step cost B x max length instead of the sum of lengths).
 """
 from __future__ import annotations
 
@@ -37,17 +39,22 @@ class Workspace:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    start: int  # first token of the group in the packed sequence
+    count: int
+    nb: int  # blocks per request after padding to the group's longest context
+    blocks: torch.Tensor  # [count * nb] flat block ids (padded with 0)
+    mask: torch.Tensor  # [count, 1, 1, nb * block_size] bool
+
+
+@dataclass(slots=True)
 class AttnMetadata:
     cache: KVCache
     workspace: Workspace
     slot_mapping: torch.Tensor  # [T] flat slot of each new token
     # prefills: (q_start, q_len, ctx_len, block_ids or None when ctx_len == q_len)
     prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
-    decode_start: int = 0  # tokens [decode_start, T) are decodes, one per request
-    num_decode: int = 0
-    decode_blocks: torch.Tensor | None = None  # [Bd * nb] flat block ids (padded with 0)
-    decode_nb: int = 0
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] bool
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # decodes, one token per request
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,17 +89,17 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[0, q_start:q_start + q_len] = o[0].transpose(0, 1).to(query.dtype)
 
-    if m.num_decode:
-        B, nb, d0 = m.num_decode, m.decode_nb, m.decode_start
-        q = query[0, :, d0:].transpose(0, 1).unsqueeze(2).to(cdt)  # [B, H, 1, hd]
+    for g in m.decode_groups:
+        B, nb, d0 = g.count, g.nb, g.start
+        q = query[0, :, d0:d0 + B].transpose(0, 1).unsqueeze(2).to(cdt)  # [B, H, 1, hd]
         kbuf = m.workspace.get("k", (B * nb, bs, kvh, hd), kc)
         vbuf = m.workspace.get("v", (B * nb, bs, kvh, hd), vc)
-        torch.index_select(kc, 0, m.decode_blocks, out=kbuf)
-        torch.index_select(vc, 0, m.decode_blocks, out=vbuf)
+        torch.index_select(kc, 0, g.blocks, out=kbuf)
+        torch.index_select(vc, 0, g.blocks, out=vbuf)
         k = kbuf.view(B, nb * bs, kvh, hd).transpose(1, 2)
         v = vbuf.view(B, nb * bs, kvh, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m.decode_mask, scale=scaling, enable_gqa=gqa)
-        out[0, d0:] = o[:, :, 0].to(query.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=gqa)
+        out[0, d0:d0 + B] = o[:, :, 0].to(query.dtype)
     return out, None
 
 

@@ -3,9 +3,28 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttnMetadata, Workspace
+from engine.attention import AttnMetadata, DecodeGroup, Workspace
 from engine.kv.cache import KVCache
 from engine.request import Request
+
+
+# A decode group costs a gather + SDPA call per layer; about this many blocks' worth of padded work. A longer
+# request starts a new group once joining would pad the group's members by more than that in total.
+GROUP_OVERHEAD_BLOCKS = 16
+
+
+def group_by_length(needs: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[tuple[int, int]]:
+    """Split ascending block counts into contiguous [start, end) groups, each padded to its last (longest)."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(needs):
+        if i > start and n * (i - start) - total > overhead:
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    if needs:
+        groups.append((start, len(needs)))
+    return groups
 
 
 class ModelRunner:
@@ -39,33 +58,36 @@ class ModelRunner:
                 nblk = -(-end // self.block_size)
                 blocks = torch.tensor(r.block_table[:nblk], dtype=torch.long, device=dev)
             prefills.append((q_start, end - start, end, blocks))
-        decode_start = len(tokens)
         bs = self.block_size
-        if decode:
-            nb = max(-(-r.num_tokens // bs) for r in decode)
+        need = [-(-r.num_tokens // bs) for r in decode]
+        order = sorted(range(len(decode)), key=need.__getitem__)  # packed by length; logits keep request order
+        decode_start = len(tokens)
+        rank = [0] * len(decode)
+        for pos, i in enumerate(order):
+            r = decode[i]
+            rank[i] = pos
+            p = r.num_tokens - 1
+            tokens.append(r.token_ids[-1])
+            positions.append(p)
+            slots.append(r.block_table[p // bs] * bs + p % bs)
+        last_idx.extend(decode_start + rank[i] for i in range(len(decode)))
+        groups = []
+        for g0, g1 in group_by_length([need[i] for i in order], GROUP_OVERHEAD_BLOCKS):
+            members = [decode[i] for i in order[g0:g1]]
+            nb = need[order[g1 - 1]]
             flat: list[int] = []
-            ctx: list[int] = []
-            for r in decode:
-                p = r.num_tokens - 1
-                tokens.append(r.token_ids[-1])
-                positions.append(p)
-                table = r.block_table
-                slots.append(table[p // bs] * bs + p % bs)
-                need = -(-r.num_tokens // bs)
-                flat.extend(table[:need])
-                flat.extend([0] * (nb - need))
-                ctx.append(r.num_tokens)
-            last_idx.extend(range(decode_start, len(tokens)))
-            ctx_t = torch.tensor(ctx, device=dev)
-            mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx_t[:, None]).view(len(decode), 1, 1, nb * bs)
-            decode_blocks = torch.tensor(flat, dtype=torch.long, device=dev)
-        else:
-            nb, mask, decode_blocks = 0, None, None
+            for r in members:
+                k = -(-r.num_tokens // bs)
+                flat.extend(r.block_table[:k])
+                flat.extend([0] * (nb - k))
+            ctx_t = torch.tensor([r.num_tokens for r in members], device=dev)
+            mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx_t[:, None]).view(len(members), 1, 1, nb * bs)
+            groups.append(DecodeGroup(decode_start + g0, len(members), nb,
+                                      torch.tensor(flat, dtype=torch.long, device=dev), mask))
         meta = AttnMetadata(
             cache=self.cache, workspace=self.workspace,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills, decode_start=decode_start, num_decode=len(decode),
-            decode_blocks=decode_blocks, decode_nb=nb, decode_mask=mask,
+            prefills=prefills, decode_groups=groups,
         )
         inputs = {
             "input_ids": torch.tensor([tokens], dtype=torch.long, device=dev),
@@ -76,7 +98,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: dict, meta: AttnMetadata) -> torch.Tensor:
-        """Logits [n_requests, vocab] for the last token of each request, prefills first."""
+        """Logits [n_requests, vocab] for the last token of each request, in `prefill + decode` order."""
         out = self.model(**inputs, use_cache=False, kairos=meta)
         return out.logits[0]
 

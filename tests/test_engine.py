@@ -208,3 +208,15 @@ def test_fault_in_a_step_ends_streams_with_error_and_engine_recovers(tiny_checkp
         assert outs[-1].finish_reason == "length"
     finally:
         eng.shutdown()
+
+
+def test_decode_groups_split_by_length_and_pad_little():
+    from engine.model_runner import group_by_length
+    assert group_by_length([]) == []
+    assert group_by_length([3, 3, 3, 3], overhead=0) == [(0, 4)]  # equal lengths: one group, no padding
+    # a long request joining four short ones would pad each by 30 blocks: it gets its own group
+    assert group_by_length([2, 2, 2, 2, 32], overhead=16) == [(0, 4), (4, 5)]
+    assert group_by_length([2, 3, 4, 5], overhead=16) == [(0, 4)]  # small padding: one call is cheaper
+    groups = group_by_length(sorted([1, 5, 9, 14, 20, 40, 41, 60, 90, 91]), overhead=8)
+    assert groups[0][0] == 0 and groups[-1][1] == 10
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))  # contiguous, in order, covering all
