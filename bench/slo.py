@@ -8,7 +8,10 @@
 What one run does:
 1. Starts one engine per policy (the policy is fixed at construction; all stay alive), FCFS first. Engine start
    profiles the model once (cached JSON under ~/.cache/kairos/profiles, or --reprofile). The FIRST engine's
-   fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy.
+   fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy. In engine
+   mode each load point then starts fresh engines on a profile taken just before it (--refresh-profile, the
+   default unless --predictor-json): this VM's speed drifts by up to ~30% within minutes, and a stale offline
+   profile would misjudge every TPOT the static gates (scorpio, tpot_guard) admit. The tiers stay fixed.
 2. Finds lambda*, FCFS's capacity (default, --lambda-def capacity): FCFS runs open-loop at a rising offered
    rate (×2 from an analytical guess) until its completion rate, measured over the middle 60% of completions,
    falls below 85% of the offered rate; that completion rate is lambda*. Above it FCFS's queue grows without
@@ -146,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reprofile", action="store_true",
                     help="fit a fresh latency profile now (saved in --out) instead of the cached one: SLOs then "
                          "match the machine's current speed (+~15 s)")
+    ap.add_argument("--refresh-profile", action=argparse.BooleanOptionalAction, default=None,
+                    help="re-profile the engine before each load point (saved as latency-profile-<load>x.json in "
+                         "--out) and give every policy at that point the fresh fit; the SLO tiers stay those of the "
+                         "first profile. Default: on in engine mode unless --predictor-json is given (this VM's "
+                         "speed drifts by up to ~30%% over tens of minutes, which an offline profile cannot see)")
     ap.add_argument("--predictor-json", default=None,
                     help="latency-model JSON (e.g. an earlier run's latency-profile.json) for the SLO tiers and, in "
                          "engine mode, for the engines' schedulers: the same tiers as that run")
@@ -436,7 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = [m * lam for m in plan.loads]
     n_points = len(policies) * len(plan.seeds)
     n_req = plan.n_cap
-    starts = 0.0 if http else max(engines.start_s.values()) * (len(order) - 1)
+    refresh = (not http) and (args.refresh_profile if args.refresh_profile is not None else not args.predictor_json)
+    starts = 0.0 if http else max(engines.start_s.values()) * (len(order) * len(rates) if refresh else len(order) - 1)
     per_req_s = n_points * sum(1.0 / r for r in rates)  # seconds of arrivals per request of every point
     drain_est = n_points * len(rates) * 6.0  # typical wait for the last requests after the last arrival
     if not plan.n_fixed and plan.budget_s > 0:
@@ -459,12 +468,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
     live: dict[str, Any] = {} if http else {order[0]: eng}
+    profiles: dict[str, Any] = {}
     for load, rate in zip(plan.loads, rates):
+        if refresh:  # fresh engines on a profile taken now: the first one started profiles, the rest load it
+            for e in live.values():
+                e.shutdown()
+            live = {}
+            engines.predictor_path = str((out_dir / f"latency-profile-{load:g}x.json").resolve())
+            Path(engines.predictor_path).unlink(missing_ok=True)
         for policy in order:
             if policy not in policies:
                 continue
             if not http and policy not in live:
                 live[policy] = engines.start(policy)
+                if refresh and f"{load:g}" not in profiles:
+                    profiles[f"{load:g}"] = _refreshed(live[policy].scheduler.predictor, scale)
+                    print(f"  profile for {load:g}x: {profiles[f'{load:g}']['summary']}", flush=True)
             e = live.get(policy)
             runs = []
             for seed in plan.seeds:
@@ -520,13 +539,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "budget_min": plan.budget_s / 60.0, "arrival": args.arrival, "gamma_shape": base.gamma_shape,
             "mix": dict(zip(tiers, mix)), "hint": args.hint, "warmup_frac": args.warmup_frac,
             "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "tpot_headroom": args.tpot_headroom,
-            "reprofile": args.reprofile,
+            "reprofile": args.reprofile, "refresh_profile": refresh,
             "quick": args.quick, "drain_s": args.drain, "prompt_len": _dist(base.prompt),
             "output_len": _dist(base.output), "engine_start_s": engines.start_s,
             "workload": W.describe(W.generate(replace(base, num_requests=n_req, rate_rps=lam, seed=plan.seeds[0]),
                                               scale.tiers)),
         },
         "predictor": pred_info,
+        "profiles_per_load": profiles,
         "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers},
         "results": results,
         "acceptance": acc,
@@ -547,6 +567,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nwrote {out_dir}/results.json, results.csv, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")
           + (f" and {args.json}" if args.json else "") + f"  (wall {wall:.0f} s)", flush=True)
     return 0
+
+
+def _refreshed(pred: Any, scale: W.SLOScale) -> dict[str, Any]:
+    """A load point's fresh fit against the one that set the tiers: d4/d12 at the same L̄, and their ratio."""
+    d4, d12 = float(pred.itl_ms(4, scale.l_bar)), float(pred.itl_ms(12, scale.l_bar))
+    ratio = d12 / scale.d12_ms if scale.d12_ms else math.nan
+    return {"d4_ms": d4, "d12_ms": d12, "d12_over_tiers": ratio, "decode_coef": list(pred.decode_coef),
+            "prefill_coef": list(pred.prefill_coef),
+            "summary": f"d4 {d4:.2f} ms, d12 {d12:.2f} ms ({ratio:.2f}x the tiers' profile)"}
 
 
 def _dist(d: W.LengthDist) -> dict[str, Any]:

@@ -26,7 +26,8 @@ def _progress(total: int, desc: str, enabled: bool):
         return None
     if not enabled:
         return None
-    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr)
+    # disable=None: no bar when stderr is not a terminal (a log file would get a line per update)
+    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr, disable=None)
 
 
 # --------------------------------------------------------------------------- running one point
