@@ -285,6 +285,21 @@ def sse_data(line: str) -> Any:
     return SSE_DONE if data == SSE_DONE else json.loads(data)
 
 
+def parse_server_timing(value: str | None) -> dict[str, float]:
+    """`Server-Timing: a;dur=1.5, b;dur=2` -> {"a": 1.5, "b": 2.0} (entries without a duration are skipped)."""
+    out: dict[str, float] = {}
+    for entry in (value or "").split(","):
+        name, *params = [p.strip() for p in entry.split(";")]
+        for p in params:
+            key, _, val = p.partition("=")
+            if name and key.strip() == "dur":
+                try:
+                    out[name] = float(val.strip().strip('"'))
+                except ValueError:
+                    pass
+    return out
+
+
 def _json_default(o: Any) -> Any:
     if hasattr(o, "item"):  # numpy / torch scalars
         return o.item()

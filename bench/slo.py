@@ -72,9 +72,10 @@ from bench import workload as W  # noqa: E402
 from bench.common import fmt, loadavg, percentile, run_info, write_json  # noqa: E402
 from bench.common import resolve_bench_model  # noqa: E402
 
-from bench.slo_report import (_records_lines, acceptance, compare, format_acceptance,  # noqa: E402,F401
+from bench.slo_report import (_records_lines, acceptance, compare, format_acceptance, hops_table,  # noqa: E402,F401
                               load_table, protocol_lambda_90, write_csv)
-from bench.slo_run import PointRun, run_engine_point, run_http_point, served_model  # noqa: E402,F401
+from bench.slo_run import (PointRun, hop_summary, run_engine_point, run_http_point,  # noqa: E402,F401
+                           served_model)
 from bench.slo_search import (TARGET_ADHERENCE, capacity_guess, completion_rate, find_capacity,  # noqa: E402,F401
                               find_lambda_star)
 
@@ -300,6 +301,7 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
     sched = sum(e["phase_s"].get("schedule", 0.0) for e in eng)
     busy = sum(sum(e["phase_s"].values()) for e in eng)
     lags = sorted(x for _, r in runs for x in r.submit_lag_ms)
+    hops = hop_summary(pooled)
     return {
         "policy": policy, "load_multiple": load, "rate_rps": rate, **s,
         "timeouts": sum(r.timeouts for _, r in runs),
@@ -310,6 +312,7 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
         "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
         "submit_lag_p99_ms": percentile(lags, 99) if lags else None,
         "per_seed": per_seed, **M.pool(per_seed),
+        **({"http_hops_ms": hops} if hops else {}),
     }
 
 
@@ -517,6 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if lam90 is not None and search.get("definition") == "capacity":
         print(f"  protocol lambda*_90 (highest swept rate with FCFS adherence >= {TARGET_ADHERENCE:.0%}): "
               f"{lam90:.3f} rps = {lam90 / lam:.2f} x capacity", flush=True)
+    if http:
+        print(hops_table(results))
     comparison = None
     if args.compare:
         base_doc = json.loads(Path(args.compare).read_text())

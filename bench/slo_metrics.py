@@ -38,6 +38,7 @@ class RequestRecord:
     finished_s: float | None = None  # absolute end time (last token, rejection, give-up)
     reject_reason: str | None = None
     prompt_len: int = 0
+    hops: dict[str, float] = field(default_factory=dict)  # HTTP mode: where the time to the first token went (ms)
 
     @property
     def completed(self) -> bool:

@@ -117,7 +117,7 @@ def _records_lines(policy: str, load: float, seed: int, run: PointRun, warmup: f
             "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
             "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "prompt_len": r.prompt_len,
             "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
-            "end_s": r.end_s - run.started_s})))
+            "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None})))
     return out
 
 
@@ -145,6 +145,24 @@ def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTT
     if not rows:
         return f"(no load in common with the {base_label} run)"
     return f"\n{label} vs {base_label}\n" + format_table(heads, rows, digits=2)
+
+
+def hops_table(results: Sequence[dict]) -> str:
+    """HTTP mode: where each point's time to first token went, hop by hop (from the Server-Timing header)."""
+    from bench.slo_run import HOP_NOTES, HOPS
+
+    rows = []
+    for r in results:
+        hops = r.get("http_hops_ms") or {}
+        for hop in HOPS:
+            h = hops.get(hop)
+            if h:
+                rows.append([f"{r['load_multiple']:g}x {r['policy']}", hop, h["n"], h["p50"], h["p90"], h["p99"],
+                             h["max"], HOP_NOTES[hop]])
+    if not rows:
+        return ""
+    return "\nTime to first token by hop (ms)\n" + format_table(
+        ["point", "hop", "n", "p50", "p90", "p99", "max", "what"], rows, digits=1)
 
 
 def _diff(a: dict, b: dict, k: str) -> float | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from bench import slo_metrics as M
 from bench import workload as W
-from bench.common import SSE_DONE, sse_data
+from bench.common import SSE_DONE, parse_server_timing, percentile, sse_data
 
 log = logging.getLogger("kairos.bench.slo")
 
@@ -189,6 +189,7 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
         chunks = 0
         try:
             async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+                rec.hops = _hops(resp.headers.get("server-timing"), (time.monotonic() - arrival) * 1000.0)
                 if resp.status_code == 429:
                     await resp.aread()
                     rec.rejected, rec.finish_reason = True, "rejected"
@@ -214,6 +215,8 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
                             rec.token_times.append(now)
                             if rec.ttft_s is None:
                                 rec.ttft_s = now - arrival
+                                if "headers" in rec.hops:
+                                    rec.hops["body"] = rec.ttft_s * 1000.0 - rec.hops["headers"]
                         if c.get("finish_reason"):
                             rec.finish_reason = c["finish_reason"]
                     if obj.get("usage"):
@@ -252,6 +255,36 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
             r.finished_s = give_up
             timeouts += 1
     return PointRun([r for r in records if r is not None], t0, lags, {}, timeouts)
+
+
+HOPS = ("client_proxy", "parse", "route", "replica", "body")
+HOP_NOTES = {
+    "client_proxy": "request sent -> response headers, minus the ingress's own time: client, HTTP proxy, proxy->ingress",
+    "parse": "ingress: read and validate the body",
+    "route": "ingress -> replica handle call: routing and transport, both ways",
+    "replica": "replica: tokenize, engine queue, prefill, first output",
+    "body": "response headers -> first token chunk at the client",
+}
+
+
+def _hops(server_timing: str | None, headers_ms: float) -> dict[str, float]:
+    """One request's split of its time to first token, from the ingress's Server-Timing header."""
+    st = parse_server_timing(server_timing)
+    hops = {"headers": headers_ms, **st}
+    if st:
+        hops["client_proxy"] = headers_ms - sum(st.values())
+    return hops
+
+
+def hop_summary(records: Sequence[M.RequestRecord]) -> dict[str, dict[str, float]]:
+    """p50/p90/p99/max per hop over the requests that reported one (HTTP mode)."""
+    out: dict[str, dict[str, float]] = {}
+    for hop in HOPS:
+        xs = sorted(r.hops[hop] for r in records if hop in r.hops)
+        if xs:
+            out[hop] = {"n": len(xs), "p50": percentile(xs, 50), "p90": percentile(xs, 90),
+                        "p99": percentile(xs, 99), "max": xs[-1]}
+    return out
 
 
 def run_http_point(url: str, model: str, items: Sequence[W.WorkItem], *, drain_s: float, progress: bool = False,

@@ -79,6 +79,19 @@ def _replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, st
                     "replica_error", headers)
 
 
+def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None) -> str:
+    """W3C Server-Timing for the way to the first output: `parse` (read, validate), `route` (the handle call:
+    routing plus transport both ways, i.e. the rest), `replica` (tokenize, queue, prefill in the replica).
+    Each is measured on one clock (ingress or replica), so they hold across machines."""
+    wait = (t_first - t_call) * 1000.0
+    parts = [f"parse;dur={(t_call - t_in) * 1000.0:.1f}"]
+    if replica_ms is not None:
+        parts += [f"route;dur={max(0.0, wait - replica_ms):.1f}", f"replica;dur={replica_ms:.1f}"]
+    else:
+        parts.append(f"route;dur={wait:.1f}")
+    return ", ".join(parts)
+
+
 def _validation_message(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:
@@ -202,8 +215,10 @@ class Ingress:
         return body, req
 
     async def _handle(self, request: Request, kind: str) -> Any:
+        t_in = time.perf_counter()
         self._auth(request)
         body, req = self._build(request, await self._read_json(request), kind)
+        t_call = time.perf_counter()
         rid = req["request_id"]
         if self.log_prompts:
             log.info("%s %s", rid, req.get("prompt", req.get("messages")))
@@ -225,7 +240,8 @@ class Ingress:
         except BaseException:
             gen.cancel()
             raise
-        headers = {"x-kairos-request-id": rid, "x-kairos-replica": str(first.get("replica", ""))}
+        headers = {"x-kairos-request-id": rid, "x-kairos-replica": str(first.get("replica", "")),
+                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), first.get("replica_ms"))}
         if "status" in first:  # the replica refused the input (400) or its engine is dead (503)
             status = int(first.get("status", 500))
             type_ = "invalid_request_error" if status < 500 else "server_error"

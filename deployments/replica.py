@@ -4,7 +4,8 @@ Protocol with the ingress (`generate(request: dict)`, called via `handle.options
   request: {request_id, kind: "completion"|"chat", prompt | messages, params: SamplingParams kwargs
             (no max_tokens: fill the context window), slo: {ttft_ms, tpot_ms, output_len_hint}, prompt_len_hint}
   items:   {"error", "status"} once for bad input / dead engine; else `_item(RequestOutput)` dicts, the first
-           carrying "replica" (and "retry_after_s" when rejected), the last finished=True with latency fields.
+           carrying "replica", "replica_ms" (call received -> first output: tokenize, queue, prefill) and
+           "retry_after_s" when rejected; the last finished=True with latency fields.
 The engine is imported lazily so that the ingress process never loads torch.
 """
 from __future__ import annotations
@@ -116,6 +117,7 @@ class LLMServer:
         from engine.engine import EngineDeadError  # noqa: PLC0415
 
         rid = req["request_id"]
+        t_in = time.monotonic()
         try:
             prompt, params, slo = self._prepare(req)
             stream = self.engine.add_request(prompt, params, slo, request_id=rid)
@@ -147,6 +149,7 @@ class LLMServer:
                 if first:
                     first = False
                     item["replica"] = self.replica_id
+                    item["replica_ms"] = (now - t_in) * 1000.0  # for the ingress's Server-Timing header
                     self._prompt_lens.append(out.num_prompt_tokens or max(n_prompt, 1))
                     if out.finish_reason == "rejected":
                         item["retry_after_s"] = self._retry_after_s(out.num_prompt_tokens)

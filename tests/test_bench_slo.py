@@ -260,7 +260,9 @@ def test_http_point_against_a_mock_server():
         chunks.append(f'data: {json.dumps({"choices": [{"text": "y", "finish_reason": "length"}]})}\n\n')
         chunks.append(f'data: {json.dumps({"choices": [], "usage": {"completion_tokens": n}})}\n\n')
         chunks.append("data: [DONE]\n\n")
-        return httpx.Response(200, content="".join(chunks).encode(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content="".join(chunks).encode(),
+                              headers={"content-type": "text/event-stream",
+                                       "server-timing": "parse;dur=0.5, route;dur=2.0, replica;dur=7.5"})
 
     items = [W.WorkItem(0.0, [5, 6, 7], 4, "interactive", 100.0, 50.0, 4),
              W.WorkItem(0.01, [5, 6], 3, "relaxed", 3000.0, 50.0, None)]
@@ -269,6 +271,24 @@ def test_http_point_against_a_mock_server():
     assert r0.rejected and r0.reject_reason == "ttft_unattainable"
     assert r1.finish_reason == "length" and r1.n_out == 3 and r1.ttft_s is not None and M.is_good(r1)
     assert seen[0]["x-slo-output-len"] == "4" and "x-slo-output-len" not in seen[1]
+    # the ingress's Server-Timing splits the time to first token; the rest up to the headers is client/proxy
+    h = r1.hops
+    assert (h["parse"], h["route"], h["replica"]) == (0.5, 2.0, 7.5)
+    assert h["client_proxy"] == pytest.approx(h["headers"] - 10.0) and h["body"] >= 0.0
+    from bench.slo_run import hop_summary
+    summary = hop_summary(run.records)
+    assert summary["replica"]["p50"] == 7.5 and summary["replica"]["n"] == 1 and "parse" in summary
+
+
+def test_server_timing_round_trip():
+    from bench.common import parse_server_timing
+    from deployments.ingress import server_timing
+
+    st = parse_server_timing(server_timing(10.0, 10.002, 10.050, 40.0))
+    assert st == pytest.approx({"parse": 2.0, "route": 8.0, "replica": 40.0})
+    assert parse_server_timing(server_timing(0.0, 0.0, 0.01, None)) == pytest.approx({"parse": 0.0, "route": 10.0})
+    assert parse_server_timing('a;dur=1, b;desc="x", c;dur="2.5", bad;dur=x') == {"a": 1.0, "c": 2.5}
+    assert parse_server_timing(None) == {}
 
 
 # --------------------------------------------------------------------------- end-to-end smoke (real engine)
@@ -287,6 +307,8 @@ def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
     assert doc["lambda_star_rps"] == 2.0
     assert set(doc["tiers"]) == set(W.TIER_NAMES)
     assert doc["predictor"]["r2"] is not None and "slo_scale" in doc["predictor"]
+    assert doc["config"]["refresh_profile"] and doc["profiles_per_load"]["1.5"]["d4_ms"] > 0  # fresh fit per load
+    assert (out / "latency-profile-1.5x.json").exists()
     res = doc["results"]
     assert res[0]["steps"] > 0 and res[0]["rejected"] == 0  # fcfs serves everything
     assert [(r["policy"], r["load_multiple"]) for r in res] == [("fcfs", 1.5), ("scorpio", 1.5)]

@@ -37,6 +37,8 @@ def test_completion(client: httpx.Client) -> None:
     u = body["usage"]
     assert u["completion_tokens"] == 6 and u["total_tokens"] == u["prompt_tokens"] + 6
     assert r.headers["x-kairos-replica"]
+    timing = r.headers["server-timing"]  # where the time to the first token went
+    assert all(f"{hop};dur=" in timing for hop in ("parse", "route", "replica")), timing
 
 
 def test_completion_token_ids_seed_and_stop_extensions(client: httpx.Client) -> None:
