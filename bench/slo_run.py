@@ -210,7 +210,7 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
                         rec.finish_reason = "error"
                         continue
                     for c in obj.get("choices") or []:
-                        if c.get("text"):
+                        if "text" in c:  # one chunk per delivery of >= 1 token (its text may be '' mid-character)
                             chunks += 1
                             rec.token_times.append(now)
                             if rec.ttft_s is None:
@@ -221,6 +221,10 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
                             rec.finish_reason = c["finish_reason"]
                     if obj.get("usage"):
                         rec.n_out = int(obj["usage"].get("completion_tokens", 0))
+                        em = obj.get("kairos_metrics") or {}
+                        for k in ("ttft", "tpot"):
+                            if em.get(f"{k}_ms") is not None:
+                                rec.hops[f"engine_{k}"] = float(em[f"{k}_ms"])
         except asyncio.CancelledError:
             rec.finish_reason = "timeout"
             raise
@@ -257,13 +261,15 @@ async def _http_point(url: str, model: str, items: Sequence[W.WorkItem], drain_s
     return PointRun([r for r in records if r is not None], t0, lags, {}, timeouts)
 
 
-HOPS = ("client_proxy", "parse", "route", "replica", "body")
+HOPS = ("client_proxy", "parse", "route", "replica", "body", "engine_ttft", "engine_tpot")
 HOP_NOTES = {
     "client_proxy": "request sent -> response headers, minus the ingress's own time: client, HTTP proxy, proxy->ingress",
     "parse": "ingress: read and validate the body",
     "route": "ingress -> replica handle call: routing and transport, both ways",
     "replica": "replica: tokenize, engine queue, prefill, first output",
     "body": "response headers -> first token chunk at the client",
+    "engine_ttft": "TTFT as the engine measured it (add_request -> first token), from the usage chunk",
+    "engine_tpot": "TPOT as the engine measured it; the client's TPOT minus this is what delivery adds",
 }
 
 

@@ -372,7 +372,7 @@ def _http_request(client, url: str, body: dict, headers: dict, rec: _Rec, t_star
                 rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
                 rec.completion_tokens = int(usage.get("completion_tokens", 0))
             for ch in obj.get("choices") or []:
-                if ch.get("text"):
+                if "text" in ch:  # one chunk per delivery of >= 1 token (its text may be '' mid-character)
                     rec.token_times.append(t)
                     n_chunks += 1
                 if ch.get("finish_reason"):

@@ -48,10 +48,12 @@ class ServeArgs(BaseModel):
     api_keys_env: str | None = Field(None, description="env var holding comma-separated API keys (Bearer auth)")
     api_key_file: str | None = Field(None, description="file with one API key per line (Bearer auth)")
     retry_after_s: int = Field(1, ge=1, description="minimum Retry-After on 429/503")
-    stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="stream batching: after the first token, "
-                                      "send at most one chunk per interval per request, merging the tokens "
-                                      "generated meanwhile (0: every token at once; fewer messages cut the "
-                                      "per-token CPU of the replica -> ingress -> proxy hops)")
+    stream_interval_ms: float = Field(50.0, ge=0, le=1000, description="stream batching (Ray Serve LLM's default "
+                                      "is also 50 ms): after the first token, send at most one chunk per interval "
+                                      "per request, merging the tokens generated meanwhile; the final tokens go "
+                                      "out as soon as the request ends (0: every token at once; fewer messages "
+                                      "cut the replica's per-token Python work, which competes with its engine "
+                                      "thread for the GIL)")
     log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
 
     @model_validator(mode="before")

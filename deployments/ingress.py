@@ -293,7 +293,8 @@ class Ingress:
                 fin = item.get("finish_reason") if item["finished"] else None
                 if fin == "error":
                     yield P.sse(P.error_body(f"generation failed: {item.get('error')}", "server_error"))
-                elif item["text"] or item["finished"]:
+                elif item["text"] or item["n"] or item["finished"]:  # a token with no text yet (a partial
+                    # UTF-8 character) still gets its chunk, as in vLLM: clients time tokens by chunk arrival
                     if kind == "completion":
                         yield P.sse(P.completion_chunk(rid, model, created, item["text"], fin))
                     else:
@@ -305,7 +306,7 @@ class Ingress:
                 item = await gen.__anext__()
             if include_usage:
                 yield P.sse(P.usage_chunk(rid, model, created, obj, item["num_prompt_tokens"],
-                                          item["num_output_tokens"]))
+                                          item["num_output_tokens"], P.engine_metrics(item)))
             yield P.SSE_DONE
         except (Exception, StopAsyncIteration) as e:  # replica died mid-stream: tell the client, end cleanly
             log.warning("stream %s failed: %r", rid, e)

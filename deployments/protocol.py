@@ -296,8 +296,20 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(pt, ct)}
+def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int,
+                metrics: dict | None = None) -> dict:
+    """The final usage chunk; `metrics` (Kairos extension, ignored by OpenAI clients): the engine's own view."""
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(pt, ct)}
+    if metrics:
+        out["kairos_metrics"] = metrics
+    return out
+
+
+def engine_metrics(item: dict) -> dict | None:
+    """TTFT / TPOT / end-to-end as the engine measured them (ms), from the replica's final item."""
+    ms = {k: item.get(f"{k}_s") for k in ("ttft", "tpot", "e2e")}
+    out = {f"{k}_ms": round(v * 1000.0, 3) for k, v in ms.items() if v is not None}
+    return out or None
 
 
 def sse(obj: dict | str) -> bytes:

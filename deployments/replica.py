@@ -141,8 +141,8 @@ class LLMServer:
                     # stream batching: after the first token, at most one message per interval; aget() then
                     # merges every delta queued meanwhile (fewer hops through Ray, same tokens, same TPOT)
                     wait = last_t + self.stream_interval_s - time.monotonic()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
+                    if wait > 0:  # ...but the final tokens go out as soon as the request finishes
+                        await stream.wait_closed(wait)
                 out = await stream.aget()
                 item = _item(out)
                 now = time.monotonic()

@@ -13,7 +13,7 @@ from engine.outputs import RequestOutput
 
 
 class RequestStream:
-    __slots__ = ("request_id", "_items", "_lock", "_cond", "_waiter", "_closed")
+    __slots__ = ("request_id", "_items", "_lock", "_cond", "_waiter", "_close_waiter", "_closed")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -21,6 +21,7 @@ class RequestStream:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._close_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._closed = False
 
     # --- producer side (worker thread) ---
@@ -29,13 +30,16 @@ class RequestStream:
             if self._closed:
                 return
             self._items.append(item)
+            closer = None
             if item.finished:
                 self._closed = True
+                closer, self._close_waiter = self._close_waiter, None
             waiter, self._waiter = self._waiter, None
             self._cond.notify_all()
-        if waiter is not None:
-            loop, fut = waiter
-            loop.call_soon_threadsafe(_wake, fut)
+        for w in (waiter, closer):
+            if w is not None:
+                loop, fut = w
+                loop.call_soon_threadsafe(_wake, fut)
 
     @property
     def closed(self) -> bool:
@@ -73,6 +77,26 @@ class RequestStream:
                 fut = loop.create_future()
                 self._waiter = (loop, fut)
             await fut
+
+    async def wait_closed(self, timeout: float) -> bool:
+        """Wait until the final item has been put or `timeout` seconds pass; True if closed. Only the final
+        item wakes this waiter (not every token), so a stream batcher can sleep its interval yet flush the
+        last tokens at once."""
+        with self._lock:
+            if self._closed:
+                return True
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._close_waiter = (loop, fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                if self._close_waiter is not None and self._close_waiter[1] is fut:
+                    self._close_waiter = None
+        return self._closed
 
     def __iter__(self):
         while True:

@@ -258,7 +258,7 @@ def test_http_point_against_a_mock_server():
         chunks = [f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'
                   for _ in range(n - 1)]
         chunks.append(f'data: {json.dumps({"choices": [{"text": "y", "finish_reason": "length"}]})}\n\n')
-        chunks.append(f'data: {json.dumps({"choices": [], "usage": {"completion_tokens": n}})}\n\n')
+        chunks.append(f'data: {json.dumps({"choices": [], "usage": {"completion_tokens": n}, "kairos_metrics": {"ttft_ms": 9.0, "tpot_ms": 4.5}})}\n\n')
         chunks.append("data: [DONE]\n\n")
         return httpx.Response(200, content="".join(chunks).encode(),
                               headers={"content-type": "text/event-stream",
@@ -274,6 +274,7 @@ def test_http_point_against_a_mock_server():
     # the ingress's Server-Timing splits the time to first token; the rest up to the headers is client/proxy
     h = r1.hops
     assert (h["parse"], h["route"], h["replica"]) == (0.5, 2.0, 7.5)
+    assert (h["engine_ttft"], h["engine_tpot"]) == (9.0, 4.5)  # the engine's own view, from the usage chunk
     assert h["client_proxy"] == pytest.approx(h["headers"] - 10.0) and h["body"] >= 0.0
     from bench.slo_run import hop_summary
     summary = hop_summary(run.records)

@@ -223,3 +223,58 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
         assert sum(x["n"] for x in items) == 40 and items[-1]["finished"]
     assert batched[0]["n"] == 1  # the first token is never held back
     assert len(batched) < len(every) / 2
+
+
+def test_sse_sends_a_chunk_for_every_token_delivery_even_without_text() -> None:
+    """A token that only starts a multi-byte character has no text yet; its chunk still goes out (as in vLLM),
+    since clients time tokens by chunk arrival: holding it made the first token look seconds late."""
+    import asyncio
+    import json
+
+    from deployments.ingress import Ingress
+
+    items = [{"text": "", "n": 1, "finished": False}, {"text": "é", "n": 1, "finished": False},
+             {"text": "", "n": 1, "finished": True, "finish_reason": "length", "num_prompt_tokens": 2,
+              "num_output_tokens": 3}]
+
+    class Gen:
+        def __init__(self) -> None:
+            self.i = 1
+
+        async def __anext__(self) -> dict:
+            self.i += 1
+            return items[self.i - 1]
+
+        def cancel(self) -> None:
+            pass
+
+    me = SimpleNamespace(model_name="m")
+
+    async def collect() -> list[bytes]:
+        return [c async for c in Ingress.func_or_class._sse(me, Gen(), items[0], "completion", "cmpl-1", False)]
+
+    chunks = [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+    assert [c["choices"][0]["text"] for c in chunks] == ["", "é", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_wait_closed_wakes_on_the_final_item_only() -> None:
+    """The stream batcher sleeps its interval on wait_closed: tokens do not wake it, the final item does."""
+    import asyncio
+    import threading
+
+    from engine.outputs import RequestOutput
+    from engine.stream import RequestStream
+
+    async def scenario() -> tuple[bool, bool, float]:
+        st = RequestStream("r")
+        st.put(RequestOutput("r", text="a", token_ids=[1]))
+        not_closed = await st.wait_closed(0.01)  # a token is not the end: times out
+        threading.Timer(0.05, lambda: st.put(RequestOutput("r", text="b", token_ids=[2], finished=True,
+                                                           finish_reason="length"))).start()
+        t0 = time.monotonic()
+        closed = await st.wait_closed(30.0)  # woken by the final item, long before the timeout
+        return not_closed, closed, time.monotonic() - t0
+
+    not_closed, closed, waited = asyncio.run(scenario())
+    assert not not_closed and closed and waited < 10.0
