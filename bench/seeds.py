@@ -209,15 +209,27 @@ def _fit_prompt(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, notes
 
 
+def _flag_pairs(argv: Sequence[str]) -> list[tuple[str, str | None]]:
+    """`--a 1 --switch --b x` -> [("--a", "1"), ("--switch", None), ("--b", "x")]."""
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        out.append((argv[i], argv[i + 1] if has_value else None))
+        i += 2 if has_value else 1
+    return out
+
+
 def _preset_argvs(p: Preset, args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
     quick = args.quick
     base = list(p.quick_base if quick else p.base)
     if not quick and not args.literal:
-        for flag, value in zip(p.mapped[::2], p.mapped[1::2]):
+        for flag, value in _flag_pairs(p.mapped):
             if flag in base:
-                base[base.index(flag) + 1] = value
+                if value is not None:
+                    base[base.index(flag) + 1] = value
             else:
-                base += [flag, value]
+                base += [flag] if value is None else [flag, value]
     before = list(p.quick_before if quick and p.quick_before is not None else p.before)
     after = list(p.quick_after if quick and p.quick_after is not None else p.after)
     model = args.model or ("kairos-tiny" if quick else "kairos-default")

@@ -228,7 +228,11 @@ def test_seed_presets_mapping_and_literal():
 
     tb = argv("token_budget")
     assert tb.count("--max-batch-size") == 1 and mbs(tb) == 32
+    assert streaming.parse_args(tb).hybrid_steps  # a valueless mapped flag is applied too
     assert mbs(argv("token_budget", "--literal")) == 8
+    assert not streaming.parse_args(argv("token_budget", "--literal")).hybrid_steps
+    assert seeds._flag_pairs(["--a", "1", "--s", "--b", "x", "--t"]) == [("--a", "1"), ("--s", None),
+                                                                         ("--b", "x"), ("--t", None)]
     assert mbs(argv("micro_batching")) == 32 and mbs(argv("micro_batching", "--literal")) == 8
     pk = streaming.parse_args(argv("packed_admission"))
     assert (pk.max_batch_size, pk.prefill_max_batch_size, pk.prefill_max_tokens, pk.num_requests,
