@@ -234,9 +234,13 @@ def test_seed_presets_mapping_and_literal():
     assert seeds._flag_pairs(["--a", "1", "--s", "--b", "x", "--t"]) == [("--a", "1"), ("--s", None),
                                                                          ("--b", "x"), ("--t", None)]
     assert mbs(argv("micro_batching")) == 32 and mbs(argv("micro_batching", "--literal")) == 8
-    pk = streaming.parse_args(argv("packed_admission"))
-    assert (pk.max_batch_size, pk.prefill_max_batch_size, pk.prefill_max_tokens, pk.num_requests,
-            pk.prompt_repeats, pk.prefill_admission_policy, pk.prefill_admission_lookahead,
-            pk.prefill_force_fifo_every, pk.max_new_tokens) == (8, 128, 256, 128, "512,1,1,1", "pack", 64, 8, 32)
+    def pk(*flags: str) -> tuple:
+        a = streaming.parse_args(argv("packed_admission", *flags))
+        return (a.max_batch_size, a.prefill_max_batch_size, a.prefill_max_tokens, a.num_requests, a.prompt_repeats,
+                a.prefill_admission_policy, a.prefill_admission_lookahead, a.prefill_force_fifo_every,
+                a.max_new_tokens)
+
+    assert pk("--literal") == (8, 128, 256, 128, "512,1,1,1", "pack", 64, 8, 32)
+    assert pk() == (128, 128, 256, 128, "171,1,1,1", "pack", 64, 8, 32)  # seed's active set, 512-token prompt
     tbx = streaming.parse_args(argv("token_budget", "--extra=--max-batch-size 16"))
     assert tbx.max_batch_size == 16 and tbx.prefill_max_tokens == 224 and tbx.submit_interval_ms == 20
