@@ -9,10 +9,9 @@ What one run does:
 1. Starts one engine per policy (the policy is fixed at construction; all stay alive), FCFS first. Engine start
    profiles the model once (cached JSON under ~/.cache/kairos/profiles, or --reprofile). The FIRST engine's
    fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy. In engine
-   mode each (load, policy) point then runs on a fresh engine whose profile is taken just before it
-   (--refresh-profile, the default unless --predictor-json; +~1.5 s a point): this VM's speed drifts by up to
-   ~30% within minutes, and a stale offline profile would misjudge every TPOT the static gates (scorpio,
-   tpot_guard) admit. The tiers stay those of the first profile.
+   mode each load point then starts fresh engines on a profile taken just before it (--refresh-profile, the
+   default unless --predictor-json): this VM's speed drifts by up to ~30% within minutes, and a stale offline
+   profile would misjudge every TPOT the static gates (scorpio, tpot_guard) admit. The tiers stay fixed.
 2. Finds lambda*, FCFS's capacity (default, --lambda-def capacity): FCFS runs open-loop at a rising offered
    rate (×2 from an analytical guess) until its completion rate, measured over the middle 60% of completions,
    falls below 85% of the offered rate; that completion rate is lambda*. Above it FCFS's queue grows without
@@ -56,7 +55,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -153,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fit a fresh latency profile now (saved in --out) instead of the cached one: SLOs then "
                          "match the machine's current speed (+~15 s)")
     ap.add_argument("--refresh-profile", action=argparse.BooleanOptionalAction, default=None,
-                    help="re-profile before each (load, policy) point on a fresh engine (saved under --out/profiles); "
-                         "the SLO tiers stay those of the first profile. Default: on in engine mode unless --predictor-json is given (this VM's "
+                    help="re-profile the engine before each load point (saved as latency-profile-<load>x.json in "
+                         "--out) and give every policy at that point the fresh fit; the SLO tiers stay those of the "
+                         "first profile. Default: on in engine mode unless --predictor-json is given (this VM's "
                          "speed drifts by up to ~30%% over tens of minutes, which an offline profile cannot see)")
     ap.add_argument("--predictor-json", default=None,
                     help="latency-model JSON (e.g. an earlier run's latency-profile.json) for the SLO tiers and, in "
@@ -449,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_points = len(policies) * len(plan.seeds)
     n_req = plan.n_cap
     refresh = (not http) and (args.refresh_profile if args.refresh_profile is not None else not args.predictor_json)
-    starts = 0.0 if http else (max(engines.start_s.values()) * (len(order) * len(rates) if refresh else len(order) - 1))
+    starts = 0.0 if http else max(engines.start_s.values()) * (len(order) * len(rates) if refresh else len(order) - 1)
     per_req_s = n_points * sum(1.0 / r for r in rates)  # seconds of arrivals per request of every point
     drain_est = n_points * len(rates) * 6.0  # typical wait for the last requests after the last arrival
     if not plan.n_fixed and plan.budget_s > 0:
@@ -466,32 +465,28 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"~{100 / max(1, n_req - int(n_req * args.warmup_frac)):.0f} pts; use --num-requests/--budget-min "
               "on a quiet machine for protocol-size runs", flush=True)
 
-    # ---- sweep: load-major, so that a drift in machine speed during the run hits all policies of a load alike
-    # instead of whichever policy happened to run last; with --refresh-profile each point also gets a fresh
-    # engine and profile, otherwise every policy's engine stays alive on the first profile
+    # ---- sweep: load-major, every policy's engine kept alive, so that a drift in machine speed during the
+    # run hits all policies of a load alike instead of whichever policy happened to run last
     results: list[dict[str, Any]] = []
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
     live: dict[str, Any] = {} if http else {order[0]: eng}
     profiles: dict[str, Any] = {}
     for load, rate in zip(plan.loads, rates):
+        if refresh:  # fresh engines on a profile taken now: the first one started profiles, the rest load it
+            for e in live.values():
+                e.shutdown()
+            live = {}
+            engines.predictor_path = str((out_dir / f"latency-profile-{load:g}x.json").resolve())
+            Path(engines.predictor_path).unlink(missing_ok=True)
         for policy in order:
             if policy not in policies:
                 continue
-            if refresh:  # a fresh engine on a profile taken now, just before this point runs
-                for old in live.values():
-                    old.shutdown()
-                live = {}
-                key = f"{load:g}x {policy}"
-                slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key)
-                engines.predictor_path = str((out_dir / "profiles" / f"latency-profile-{slug}.json").resolve())
-                Path(engines.predictor_path).parent.mkdir(exist_ok=True)
-                Path(engines.predictor_path).unlink(missing_ok=True)
             if not http and policy not in live:
                 live[policy] = engines.start(policy)
-                if refresh:
-                    profiles[key] = _refreshed(live[policy].scheduler.predictor, scale)
-                    print(f"  profile for {key}: {profiles[key]['summary']}", flush=True)
+                if refresh and f"{load:g}" not in profiles:
+                    profiles[f"{load:g}"] = _refreshed(live[policy].scheduler.predictor, scale)
+                    print(f"  profile for {load:g}x: {profiles[f'{load:g}']['summary']}", flush=True)
             e = live.get(policy)
             runs = []
             for seed in plan.seeds:
@@ -556,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               scale.tiers)),
         },
         "predictor": pred_info,
-        "profiles_per_point": profiles,
+        "profiles_per_load": profiles,
         "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers},
         "results": results,
         "acceptance": acc,

@@ -308,9 +308,8 @@ def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
     assert doc["lambda_star_rps"] == 2.0
     assert set(doc["tiers"]) == set(W.TIER_NAMES)
     assert doc["predictor"]["r2"] is not None and "slo_scale" in doc["predictor"]
-    prof = doc["profiles_per_point"]  # a fresh fit before every (load, policy) point
-    assert doc["config"]["refresh_profile"] and set(prof) == {"1.5x fcfs", "1.5x scorpio"}
-    assert prof["1.5x scorpio"]["d4_ms"] > 0 and (out / "profiles" / "latency-profile-1.5x_scorpio.json").exists()
+    assert doc["config"]["refresh_profile"] and doc["profiles_per_load"]["1.5"]["d4_ms"] > 0  # fresh fit per load
+    assert (out / "latency-profile-1.5x.json").exists()
     res = doc["results"]
     assert res[0]["steps"] > 0 and res[0]["rejected"] == 0  # fcfs serves everything
     assert [(r["policy"], r["load_multiple"]) for r in res] == [("fcfs", 1.5), ("scorpio", 1.5)]
