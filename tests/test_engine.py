@@ -220,3 +220,18 @@ def test_decode_groups_split_by_length_and_pad_little():
     groups = group_by_length(sorted([1, 5, 9, 14, 20, 40, 41, 60, 90, 91]), overhead=8)
     assert groups[0][0] == 0 and groups[-1][1] == 10
     assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))  # contiguous, in order, covering all
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "default"])
+def test_prompt_encoder_matches_hf_encode(tiny_checkpoints, family):
+    """add_request tokenizes through the fast tokenizer's backend directly: the same ids as HF's encode."""
+    from engine.engine import prompt_encoder
+    from engine.loader import load_model
+
+    path = "kairos-default" if family == "default" else tiny_checkpoints[family]
+    tok = load_model(path, dtype="float32", device="cpu").tokenizer
+    enc = prompt_encoder(tok)
+    eos = tok.eos_token or ""
+    for text in ["Hello", " leading space", "two  spaces\nnew line\ttab", "ünïcödé — 漢字 🙂", f"a{eos}b",
+                 "x" * 300, "  ", "123 456.789"]:
+        assert enc(text) == tok.encode(text, add_special_tokens=False), text
