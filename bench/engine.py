@@ -21,6 +21,7 @@ Figures (all greedy, EOS ignored, random prompt ids < vocab_limit, seeded):
   decode step time (phases from `LLMEngine.stats().phase_s`, `runner.prepare` timed separately).
 
 Best-of-N everywhere (the box is noisy); /proc/loadavg is logged per section.
+The HF baseline lives in `bench/engine_hf.py`, the JSON document and printed tables in `bench/engine_report.py`.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,13 +43,14 @@ from bench.common import (  # noqa: E402
     free_memory,
     measure_bandwidth_gb_s,
     num_params,
-    print_table,
     resolve_bench_model,
     run_info,
     summarize,
     weight_bytes,
     write_json,
 )
+from bench.engine_hf import run_hf  # noqa: E402
+from bench.engine_report import build_report, print_report  # noqa: E402
 
 MODULE = "bench.engine"
 
@@ -341,249 +343,6 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
     del eng
     free_memory()
     return res
-
-
-# =========================================================================== HF side
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int):
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
-def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from engine.loader import resolve_dtype
-
-    loads.mark("hf_load")
-    hf_logging.set_verbosity_error()
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path, local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
-    tdtype = resolve_dtype(dtype, torch.device("cpu"), getattr(cfg, "dtype", None))
-    log(f"HF: loading {path} ({tdtype}, sdpa) ...")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, attn_implementation="sdpa")
-    model.eval()
-    model.requires_grad_(False)
-    gcfg = model.generation_config
-    eos = gcfg.eos_token_id if gcfg.eos_token_id is not None else cfg.eos_token_id
-    pad = gcfg.pad_token_id if gcfg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    res: dict[str, Any] = {}
-
-    @torch.inference_mode()
-    def generate(ids, mask, n: int) -> float:
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, num_beams=1, pad_token_id=pad, use_cache=True)
-        dt = time.perf_counter() - t0
-        if out.shape[1] - ids.shape[1] != n:
-            raise RuntimeError(f"HF generate produced {out.shape[1] - ids.shape[1]} tokens, expected {n}")
-        return dt
-
-    @torch.inference_mode()
-    def prefill_once(ids, mask) -> float:
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
-        out.logits[:, -1].argmax(-1).tolist()
-        return time.perf_counter() - t0
-
-    try:
-        # warm-up: page in the weights, size the allocator
-        bmax = max(plan.batches)
-        ids, mask = _left_pad(w.decode[bmax], pad)
-        generate(ids, mask, min(4, plan.new_tokens))
-
-        loads.mark("hf_decode")
-        decode = {}
-        for bsz in plan.batches:
-            ids, mask = _left_pad(w.decode[bsz], pad)
-            t_full, all_full = best_of(lambda: generate(ids, mask, plan.new_tokens), plan.decode_reps,
-                                       budget_s=plan.rep_budget_s, min_reps=plan.min_reps)
-            t_pre, all_pre = best_of(lambda: generate(ids, mask, 1), plan.decode_reps, budget_s=plan.rep_budget_s,
-                                     min_reps=plan.min_reps)
-            dt = max(t_full - t_pre, 1e-9)
-            steps = plan.new_tokens - 1
-            decode[bsz] = {"tok_s": bsz * steps / dt, "ms_step": dt / steps * 1000.0, "generate_s": t_full,
-                           "prefill_only_s": t_pre, "all_generate_s": all_full, "all_prefill_only_s": all_pre}
-            log(f"HF decode B={bsz}: {decode[bsz]['tok_s']:.1f} tok/s, {decode[bsz]['ms_step']:.2f} ms/step")
-        res["decode"] = decode
-
-        loads.mark("hf_prefill")
-        prefill = {}
-        for shape, prompts in w.prefill.items():
-            ids, mask = _left_pad(prompts, pad)
-            best, all_ = best_of(lambda: prefill_once(ids, mask), plan.prefill_reps, warmup=1,
-                                 budget_s=plan.rep_budget_s, min_reps=plan.min_reps)
-            tokens = sum(len(p) for p in prompts)
-            prefill[shape] = {"tok_s": tokens / best, "ms": best * 1000.0, "all_ms": [x * 1000.0 for x in all_]}
-            log(f"HF prefill {shape}: {prefill[shape]['tok_s']:.0f} tok/s ({prefill[shape]['ms']:.1f} ms)")
-        res["prefill"] = prefill
-
-        loads.mark("hf_mixed")
-        runs = []
-        for _ in range(plan.mixed_reps):
-            wall, useful, computed = 0.0, 0, 0
-            k = plan.mixed_hf_batch
-            for i in range(0, len(w.mixed_prompts), k):
-                prompts, outs = w.mixed_prompts[i:i + k], w.mixed_outputs[i:i + k]
-                ids, mask = _left_pad(prompts, pad)
-                n = max(outs)
-                wall += generate(ids, mask, n)
-                useful += sum(outs)
-                computed += n * len(prompts)
-            runs.append({"wall_s": wall, "tok_s": useful / wall, "useful_tokens": useful,
-                         "generated_tokens_incl_waste": computed, "batch": k})
-            log(f"HF mixed: {wall:.1f} s wall, {useful / wall:.1f} useful tok/s")
-        best = min(runs, key=lambda r: r["wall_s"])
-        best["all_wall_s"] = [r["wall_s"] for r in runs]
-        res["mixed"] = best
-    finally:
-        del model
-        free_memory()
-    return res
-
-
-# =========================================================================== report
-
-
-def _ratio(a, b):
-    try:
-        return a / b if a is not None and b else None
-    except TypeError:
-        return None
-
-
-def build_report(args, argv, plan: Plan, info: dict, bw: float, eng: dict, hf: dict | None,
-                 loads: LoadLog, model_name: str) -> dict[str, Any]:
-    wb = eng["weight_bytes"]
-    step_bound_s = wb / (bw * 1e9)
-    hf = hf or {}
-    decode = []
-    for bsz in plan.batches:
-        e, h = eng["decode"][bsz], hf.get("decode", {}).get(bsz, {})
-        decode.append({
-            "batch": bsz, "engine_tok_s": e["tok_s"], "hf_tok_s": h.get("tok_s"),
-            "engine_ms_step": e["ms_step"], "hf_ms_step": h.get("ms_step"),
-            "bound_tok_s": bsz / step_bound_s, "bound_ms_step": step_bound_s * 1000.0,
-            "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s")),
-            "engine_pct_of_bound": e["tok_s"] / (bsz / step_bound_s) * 100.0,
-            "engine_prefill_aligned": e["prefill_aligned"], "engine_all_tok_s": e["all_tok_s"],
-            "engine_steps": e["steps"], "engine_tokens": e["tokens"], "engine_reps": len(e["all_tok_s"]),
-            "hf_reps": len(h["all_generate_s"]) if h else None,
-        })
-    prefill = []
-    for shape, e in eng["prefill"].items():
-        h = hf.get("prefill", {}).get(shape, {})
-        prefill.append({"shape": shape, "engine_tok_s": e["tok_s"], "hf_tok_s": h.get("tok_s"),
-                        "engine_ms": e["ms"], "hf_ms": h.get("ms"), "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s")),
-                        "engine_reps": len(e["all_ms"]), "hf_reps": len(h["all_ms"]) if h else None})
-    em, hm = eng["mixed"], hf.get("mixed", {})
-    mixed = {
-        "engine_tok_s": em["tok_s"], "hf_tok_s": hm.get("tok_s"), "engine_wall_s": em["wall_s"],
-        "hf_wall_s": hm.get("wall_s"), "engine_vs_hf": _ratio(em["tok_s"], hm.get("tok_s")),
-        "requests": plan.mixed_requests, "prompt_len": list(plan.mixed_prompt), "output_len": list(plan.mixed_output),
-        "useful_tokens": sum(eng["workloads"].mixed_outputs),
-        "prompt_tokens": sum(map(len, eng["workloads"].mixed_prompts)),
-        "hf_batch": plan.mixed_hf_batch, "hf_generated_tokens_incl_waste": hm.get("generated_tokens_incl_waste"),
-        "engine_ttft_s": em["ttft_s"], "engine_tpot_ms": em["tpot_ms"],
-        "engine_all_wall_s": em["all_wall_s"], "hf_all_wall_s": hm.get("all_wall_s"),
-    }
-    settings = asdict(plan)
-    return {
-        "model": model_name, "model_path": eng["model_path"], "dtype": eng["torch_dtype"], "threads": args.threads,
-        "quick": bool(args.quick), "params": eng["params"], "weight_bytes": wb, "vocab_limit": eng["vocab_limit"],
-        "decode": decode, "prefill": prefill, "mixed": mixed,
-        "bandwidth_gb_s": bw, "bound_ms_step": step_bound_s * 1000.0,
-        "overhead_pct_b32": eng["overhead"]["overhead_pct"], "overhead": eng["overhead"],
-        "engine_startup_s": eng["startup_s"], "engine_profile": eng["profile"], "engine_kv_cache": eng["kv_cache"],
-        "engine_rejected": eng["rejected"], "engine_upcast_linears": eng["upcast_linears"], "hf_included": bool(hf),
-        "cpu": info["cpu"], "loadavg": loads.as_dict(), "date": info["date"], "command": info["command"],
-        "env": info, "settings": settings,
-    }
-
-
-def print_report(r: dict[str, Any], plan: Plan) -> None:
-    mb = r["weight_bytes"] / 1e6
-    print(f"\n## Kairos engine benchmark: {r['model']} ({r['params'] / 1e6:.1f}M params, {mb:.1f} MB of weights), "
-          f"{r['dtype']}, {r['threads']} threads{' [quick]' if r['quick'] else ''}")
-    env = r["env"]
-    print(f"cpu: {r['cpu']} [{' '.join(env.get('cpu_flags', [])) or '?'}] | torch {env.get('torch')} | "
-          f"transformers {env.get('transformers')} | {r['date']}")
-    print(f"memory bandwidth: {r['bandwidth_gb_s']:.1f} GB/s (torch sum over {plan.bw_gb:g} GB fp32, best of "
-          f"{plan.bw_reps}) -> weight-read bound {r['bound_ms_step']:.2f} ms/step")
-    prof = r["engine_profile"]
-    kv = r["engine_kv_cache"]
-    up = r.get("engine_upcast_linears")
-    print(f"engine: startup {r['engine_startup_s']:.1f} s (latency profile "
-          + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', 0):.1f} s")
-          + f"); KV cache {kv['tokens']} tokens ({kv['dtype']})"
-          + (f"; {up} linears upcast to fp32 GEMM (no native bf16 on this CPU)" if up else "")
-          + "; HF: transformers eager, sdpa")
-    la = r["loadavg"]
-    print(f"loadavg: start {la['start']} | end {la['end']}")
-    if la.get("other_cores"):
-        print("cores used by other processes, per section: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in la["other_cores"].items()))
-        if la["max_other_cores"] > 0.25:
-            print(f"WARNING: other processes used {la['max_other_cores']:.2f} cores during {la['max_other_section']}: "
-                  "this box has 2 cores, so those timings are unreliable (rerun on a quiet box)")
-    steps = plan.new_tokens - 1
-    budget = ("" if plan.rep_budget_s is None else
-              f" (at least {plan.min_reps}, fewer once a configuration has used {plan.rep_budget_s:g} s)")
-
-    def reps(d):
-        return f"{d['engine_reps']}/{'-' if d['hf_reps'] is None else d['hf_reps']}"
-
-    print_table(
-        ["batch", "engine tok/s", "HF tok/s", "engine/HF", "engine ms/step", "HF ms/step", "bound tok/s",
-         "engine % of bound", "reps e/HF"],
-        [[d["batch"], d["engine_tok_s"], d["hf_tok_s"], d["engine_vs_hf"], d["engine_ms_step"], d["hf_ms_step"],
-          d["bound_tok_s"], d["engine_pct_of_bound"], reps(d)] for d in r["decode"]],
-        title=f"Decode: prompt {plan.prompt_len}, {plan.new_tokens} new tokens ({steps} timed decode steps), greedy, "
-              f"EOS ignored; best of up to {plan.decode_reps}{budget}; bound = B / (weight bytes / bandwidth)",
-        digits=2 if r["quick"] else 1)
-    print_table(
-        ["shape", "engine tok/s", "HF tok/s", "engine/HF", "engine ms", "HF ms", "reps e/HF"],
-        [[p["shape"], p["engine_tok_s"], p["hf_tok_s"], p["engine_vs_hf"], p["engine_ms"], p["hf_ms"], reps(p)]
-         for p in r["prefill"]],
-        title=f"Prefill (engine: runner.execute + sampling; HF: one forward, logits_to_keep=1); best of up to "
-              f"{plan.prefill_reps}{budget}")
-    m = r["mixed"]
-    print_table(
-        ["system", "wall s", "useful tok/s", "speedup"],
-        [["engine (all at t=0)", m["engine_wall_s"], m["engine_tok_s"], m["engine_vs_hf"]],
-         [f"HF generate (static batches of {m['hf_batch']})", m["hf_wall_s"], m["hf_tok_s"],
-          1.0 if m["hf_tok_s"] else None]],
-        title=f"Mixed: {m['requests']} requests, prompts U[{m['prompt_len'][0]},{m['prompt_len'][1]}] "
-              f"({m['prompt_tokens']} tokens), outputs U[{m['output_len'][0]},{m['output_len'][1]}] "
-              f"({m['useful_tokens']} tokens), EOS ignored",
-        digits=2)
-    t, tp = m["engine_ttft_s"], m["engine_tpot_ms"]
-    print(f"engine mixed: TTFT p50 {t['p50']:.2f} s / p99 {t['p99']:.2f} s; TPOT p50 {tp['p50']:.1f} ms / "
-          f"p99 {tp['p99']:.1f} ms")
-    o = r["overhead"]
-    print_table(
-        ["schedule ms", "prepare ms", "sample ms", "postprocess ms", "overhead ms", "decode step ms", "overhead %"],
-        [[o["schedule_ms"], o["prepare_ms"], o["sample_ms"], o["postprocess_ms"], o["overhead_ms"], o["step_ms"],
-          o["overhead_pct"]]],
-        title=f"Engine per-step overhead at batch {o['batch']} (everything but the model forward)", digits=2,
-        align="r" * 7)
-    if any(not d["engine_prefill_aligned"] for d in r["decode"]):
-        print("note: in some decode runs the batch was not prefilled in a single step (the window counts "
-              "only tokens after the last first token)")
-    if r["engine_rejected"]:
-        print(f"note: engine rejected requests: {r['engine_rejected']}")
-    sys.stdout.flush()
 
 
 # =========================================================================== CLI

@@ -36,27 +36,22 @@ Notes on faithfulness
   most of TTFT), each request runs in its own thread so a slow header never delays the next submission,
   token counts come from the final usage chunk and ITL uses SSE chunk arrivals (a chunk may hold several
   tokens).
+
+The HTTP client lives in `bench/streaming_http.py`, the per-request record and the figures in
+`bench/streaming_report.py`.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from bench.common import (SSE_DONE, free_memory, percentile, resolve_bench_model, resolve_model_path, run_info,
-                          sse_data, write_json)
-
-PCTS = (50, 95, 99)
-BLOCK_HEADER = "=== streaming benchmark ==="
-BLOCK_LINES = ("Model:", "Device:", "Requests:", "Prompt tokens (total):", "Completion tokens (total):",
-               "Submit wall:", "add_request latency p50/p95/p99:", "TTFT p50/p95/p99:", "TPOT p50/p95/p99:",
-               "ITL p50/p95/p99:", "Latency p50/p95/p99:", "Throughput (completion,total):")
-
+from bench.common import free_memory, resolve_bench_model, run_info, write_json
+from bench.streaming_http import run_http
+from bench.streaming_report import Rec, format_extra, summarize_run
 
 # --------------------------------------------------------------------------- CLI
 
@@ -170,31 +165,6 @@ def command_for(argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "bench.streaming", *argv])
 
 
-# --------------------------------------------------------------------------- per-request record
-
-
-@dataclass
-class _Rec:
-    index: int
-    submit_start: float = math.nan
-    submit_end: float = math.nan
-    token_times: list[float] = field(default_factory=list)
-    deliveries: int = 0
-    merged_deliveries: int = 0
-    finish_ts: float = math.nan
-    finish_reason: str | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    engine: dict[str, Any] | None = None
-    add_error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.add_error is None and bool(self.token_times) \
-            and self.finish_reason in ("length", "stop")
-
-
 # --------------------------------------------------------------------------- in-process engine
 
 
@@ -219,7 +189,7 @@ def _sampling(args: argparse.Namespace):
                           ignore_eos=bool(args.no_stop_on_eos))
 
 
-def _take(rec: _Rec, out, t: float) -> bool:
+def _take(rec: Rec, out, t: float) -> bool:
     """Record one stream item that arrived at `t`; True when it was the final one."""
     k = len(out.token_ids)
     if k:
@@ -242,7 +212,7 @@ def _take(rec: _Rec, out, t: float) -> bool:
     return True
 
 
-def _consume(stream, rec: _Rec, first, timeout: float) -> None:
+def _consume(stream, rec: Rec, first, timeout: float) -> None:
     try:
         if first is not None:
             out, t = first
@@ -288,7 +258,7 @@ def _run_engine(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
         else:
             inputs = list(prompts)
         params = [_sampling(args) for _ in prompts]
-        recs = [_Rec(i) for i in range(len(prompts))]
+        recs = [Rec(i) for i in range(len(prompts))]
         threads: list[threading.Thread] = []
         inline = args.submit_mode == "inline"
         interval = args.submit_interval_ms / 1e3
@@ -335,249 +305,6 @@ def _run_engine(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
             "engine_stats": engine_stats}
 
 
-# --------------------------------------------------------------------------- HTTP target
-
-
-def _http_request(client, url: str, body: dict, headers: dict, rec: _Rec, t_start: float, timeout: float) -> None:
-    import httpx
-
-    rec.submit_start = t_start
-    try:
-        req = client.build_request("POST", url, json=body, headers=headers,
-                                   timeout=httpx.Timeout(timeout, connect=30.0))
-        resp = client.send(req, stream=True)
-    except Exception as e:  # noqa: BLE001
-        rec.submit_end = time.perf_counter()
-        rec.add_error = f"{type(e).__name__}: {e}"
-        return
-    rec.submit_end = time.perf_counter()
-    try:
-        if resp.status_code != 200:
-            resp.read()
-            rec.add_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            return
-        n_chunks = 0
-        for line in resp.iter_lines():
-            t = time.perf_counter()
-            obj = sse_data(line)
-            if obj is None:
-                continue
-            if obj == SSE_DONE:
-                break
-            if "error" in obj:
-                rec.error = str(obj["error"].get("message", obj["error"]))
-                continue
-            usage = obj.get("usage")
-            if usage:
-                rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
-                rec.completion_tokens = int(usage.get("completion_tokens", 0))
-            for ch in obj.get("choices") or []:
-                if "text" in ch:  # one chunk per delivery of >= 1 token (its text may be '' mid-character)
-                    rec.token_times.append(t)
-                    n_chunks += 1
-                if ch.get("finish_reason"):
-                    rec.finish_reason = ch["finish_reason"]
-                    rec.finish_ts = t
-        rec.deliveries = n_chunks
-        if math.isnan(rec.finish_ts):
-            rec.finish_ts = time.perf_counter()
-        if not rec.completion_tokens:
-            rec.completion_tokens = n_chunks
-    except Exception as e:  # noqa: BLE001
-        rec.error = f"{type(e).__name__}: {e}"
-    finally:
-        resp.close()
-
-
-def _run_http(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
-    import httpx
-
-    base = args.target.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    n = len(prompts)
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    tokenize_ms: list[float] = []
-    inputs: list[Any] = list(prompts)
-    if args.pretokenize:
-        from transformers import AutoTokenizer
-
-        path = resolve_model_path(args.model)
-        tok = AutoTokenizer.from_pretrained(path)
-        inputs = []
-        for p in prompts:
-            ts = time.perf_counter()
-            inputs.append(tok.encode(p, add_special_tokens=False) or [tok.eos_token_id or 0])
-            tokenize_ms.append((time.perf_counter() - ts) * 1e3)
-    with httpx.Client(limits=limits, headers=headers) as client:
-        served_model = None
-        try:
-            r = client.get(f"{base}/v1/models", timeout=30.0)
-            if r.status_code == 200:
-                served_model = r.json()["data"][0]["id"]
-        except Exception:  # noqa: BLE001 - the name is cosmetic
-            pass
-        url = f"{base}/v1/completions"
-        for i in range(max(0, args.warmup)):
-            body = {"prompt": f"{args.prompt} [warmup {i}]", "max_tokens": min(4, args.max_new_tokens),
-                    "temperature": 0.0, "ignore_eos": True, "stream": False}
-            try:
-                client.post(url, json=body, timeout=args.request_timeout)
-            except Exception:  # noqa: BLE001
-                pass
-        recs = [_Rec(i) for i in range(n)]
-        bodies = [{"prompt": inp, "max_tokens": args.max_new_tokens, "temperature": args.temperature,
-                   "ignore_eos": bool(args.no_stop_on_eos), "stream": True,
-                   "stream_options": {"include_usage": True}} for inp in inputs]
-        if args.seed is not None and args.temperature > 0:
-            for b in bodies:
-                b["seed"] = args.seed
-        threads = []
-        interval = args.submit_interval_ms / 1e3
-        t_first = time.perf_counter()
-        for i in range(n):
-            t_start = time.perf_counter()
-            th = threading.Thread(target=_http_request,
-                                  args=(client, url, bodies[i], {}, recs[i], t_start, args.request_timeout),
-                                  daemon=True, name=f"bench-http-{i}")
-            th.start()
-            threads.append(th)
-            if interval > 0 and i + 1 < n:
-                time.sleep(interval)
-        submit_end = time.perf_counter()
-        for th in threads:
-            th.join()
-    return {"recs": recs, "t_first": t_first, "submit_end": submit_end, "tokenize_ms": tokenize_ms,
-            "engine_stats": None, "served_model": served_model}
-
-
-# --------------------------------------------------------------------------- figures
-
-
-def _pcts(values: Sequence[float]) -> dict[str, float]:
-    xs = list(values)
-    out = {f"p{q}": percentile(xs, q) for q in PCTS}
-    out["mean"] = sum(xs) / len(xs) if xs else math.nan
-    out["max"] = max(xs) if xs else math.nan
-    out["min"] = min(xs) if xs else math.nan
-    out["n"] = len(xs)
-    return out
-
-
-def _fmt3(d: dict[str, float]) -> str:
-    return "/".join(f"{d[f'p{q}']:.2f}" for q in PCTS)
-
-
-def _engine_side(recs: list[_Rec]) -> dict[str, Any]:
-    ttft, queue, itl, tpot = [], [], [], []
-    for r in recs:
-        e = r.engine
-        if not e or e.get("first_token_s") is None:
-            continue
-        ttft.append((e["first_token_s"] - e["arrival_s"]) * 1e3)
-        if e.get("admitted_s") is not None:
-            queue.append((e["admitted_s"] - e["arrival_s"]) * 1e3)
-        tt = e["token_times"]
-        itl.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
-        if len(tt) >= 2:
-            tpot.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
-    return {"ttft_ms": _pcts(ttft), "queue_ms": _pcts(queue), "itl_ms": _pcts(itl), "tpot_ms": _pcts(tpot),
-            "note": "engine timestamps (time.monotonic): arrival = add_request, tokens = end of the model step"}
-
-
-def summarize_run(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
-    recs: list[_Rec] = raw["recs"]
-    ok = [r for r in recs if r.ok]
-    t_first = raw["t_first"]
-    add_ms = [(r.submit_end - r.submit_start) * 1e3 for r in recs if r.add_error is None]
-    ttft_ms = [(r.token_times[0] - r.submit_start) * 1e3 for r in ok]
-    lat_ms = [(r.finish_ts - r.submit_start) * 1e3 for r in ok]
-    tpot_ms, itl_ms = [], []
-    for r in ok:
-        tt = r.token_times
-        itl_ms.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
-        n = r.completion_tokens if args.target else len(tt)
-        if n >= 2:
-            tpot_ms.append((tt[-1] - tt[0]) / (n - 1) * 1e3)
-    finishes = [r.finish_ts for r in recs if not math.isnan(r.finish_ts)]
-    wall = (max(finishes) - t_first) if finishes else math.nan
-    prompt_total = sum(r.prompt_tokens for r in recs)
-    completion_total = sum(r.completion_tokens for r in ok)
-    thr = completion_total / wall if wall and wall > 0 else math.nan
-    thr_total = (completion_total + sum(r.prompt_tokens for r in ok)) / wall if wall and wall > 0 else math.nan
-    res: dict[str, Any] = {
-        "bench": "streaming",
-        "model": raw.get("served_model") or args.model,
-        "device": args.device if not args.target else f"{args.target}",
-        "mode": "http" if args.target else "engine",
-        "requests": len(recs),
-        "ok_requests": len(ok),
-        "failed_requests": len(recs) - len(ok),
-        "errors": sorted({(r.add_error or r.error or f"finish_reason={r.finish_reason}") for r in recs if not r.ok}),
-        "prompt_tokens_total": prompt_total,
-        "completion_tokens_total": completion_total,
-        "submit_wall_s": raw["submit_end"] - t_first,
-        "wall_s": wall,
-        "add_request_ms": _pcts(add_ms),
-        "ttft_ms": _pcts(ttft_ms),
-        "tpot_ms": _pcts(tpot_ms),
-        "itl_ms": _pcts(itl_ms),
-        "latency_ms": _pcts(lat_ms),
-        "throughput_completion_tok_s": thr,
-        "throughput_total_tok_s": thr_total,
-        "merged_deliveries": sum(r.merged_deliveries for r in recs),
-        "deliveries": sum(r.deliveries for r in recs),
-        "submit_mode": args.submit_mode,
-        "pretokenized": bool(args.pretokenize),
-        "tokenize_ms": _pcts(raw.get("tokenize_ms") or []),
-    }
-    for name in ("add_request", "ttft", "tpot", "itl", "latency"):
-        for q in PCTS:
-            res[f"{name}_p{q}_ms"] = res[f"{name}_ms"][f"p{q}"]
-    if args.pretokenize:
-        res["add_request_p50_excl_tokenize_ms"] = res["add_request_p50_ms"]
-    if raw.get("engine_stats") is not None:
-        res["engine_stats"] = raw["engine_stats"]
-        res["engine_side"] = _engine_side(recs)
-    res["per_request"] = [
-        {"index": r.index, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-         "add_request_ms": (r.submit_end - r.submit_start) * 1e3,
-         "ttft_ms": (r.token_times[0] - r.submit_start) * 1e3 if r.token_times else None,
-         "latency_ms": (r.finish_ts - r.submit_start) * 1e3 if not math.isnan(r.finish_ts) else None,
-         "submit_offset_ms": (r.submit_start - t_first) * 1e3, "deliveries": r.deliveries,
-         "finish_reason": r.finish_reason, "error": r.add_error or r.error}
-        for r in recs]
-    res["block"] = format_block(res)
-    return res
-
-
-def format_block(res: dict[str, Any]) -> str:
-    """The seeds' printed block, line for line."""
-    return "\n".join([
-        BLOCK_HEADER,
-        f"Model: {res['model']}",
-        f"Device: {res['device']}",
-        f"Requests: {res['requests']}",
-        f"Prompt tokens (total): {res['prompt_tokens_total']}",
-        f"Completion tokens (total): {res['completion_tokens_total']}",
-        f"Submit wall: {res['submit_wall_s']:.6f} s",
-        f"add_request latency p50/p95/p99: {_fmt3(res['add_request_ms'])} ms",
-        f"TTFT p50/p95/p99: {_fmt3(res['ttft_ms'])} ms",
-        f"TPOT p50/p95/p99: {_fmt3(res['tpot_ms'])} ms/token",
-        f"ITL p50/p95/p99: {_fmt3(res['itl_ms'])} ms",
-        f"Latency p50/p95/p99: {_fmt3(res['latency_ms'])} ms",
-        f"Throughput (completion,total): {res['throughput_completion_tok_s']:.2f} tokens/s",
-    ])
-
-
-def format_extra(res: dict[str, Any]) -> str:
-    lines = [f"Throughput (prompt+completion): {res['throughput_total_tok_s']:.2f} tokens/s"]
-    if res["pretokenized"]:
-        lines.append(f"Tokenization (outside the timed loop) p50/p95/p99: {_fmt3(res['tokenize_ms'])} ms")
-    if res["failed_requests"]:
-        lines.append(f"Failed requests: {res['failed_requests']} ({'; '.join(res['errors'][:3])})")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- entry points
 
 
@@ -585,7 +312,7 @@ def run(args: argparse.Namespace, *, verbose: bool = True, argv: Sequence[str] |
     """Run one benchmark configuration in-process; return every figure (and write --json if given)."""
     _check_args(args)
     prompts = build_prompts(args)
-    raw = _run_http(args, prompts) if args.target else _run_engine(args, prompts)
+    raw = run_http(args, prompts) if args.target else _run_engine(args, prompts)
     res = summarize_run(args, raw)
     res["config"] = {k: v for k, v in vars(args).items()}
     res["run_info"] = run_info("bench.streaming", argv if argv is not None else to_argv(args))
