@@ -50,7 +50,6 @@ Engine threads: 1 (torch.set_num_threads(1)), leaving the second core to the loa
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -59,7 +58,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,252 +68,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from bench import slo_metrics as M  # noqa: E402
 from bench import workload as W  # noqa: E402
-from bench.common import fmt, loadavg, percentile, run_info, write_json  # noqa: E402
-from bench.common import resolve_bench_model  # noqa: E402
+from bench.common import fmt, loadavg, run_info, write_json  # noqa: E402
 
 from bench.slo_report import (_records_lines, acceptance, compare, format_acceptance, hops_table,  # noqa: E402,F401
                               load_table, protocol_lambda_90, write_csv)
-from bench.slo_run import (PointRun, hop_summary, run_engine_point, run_http_point,  # noqa: E402,F401
-                           served_model)
+from bench.slo_cli import ALL_POLICIES, Plan, _plan  # noqa: E402,F401
+from bench.slo_cli import build_parser as _build_parser  # noqa: E402
+from bench.slo_points import (_dist, _drain_for, _Engines, _overrides, _predictor_info, _refreshed,  # noqa: E402
+                              _summarize_point, policy_spec)
+from bench.slo_run import PointRun, run_engine_point, run_http_point, served_model  # noqa: E402,F401
 from bench.slo_search import (TARGET_ADHERENCE, capacity_guess, completion_rate, find_capacity,  # noqa: E402,F401
                               find_lambda_star)
 
 log = logging.getLogger("kairos.bench.slo")
 
-ALL_POLICIES = ("fcfs", "pack", "edf", "edf_reject", "tpot_guard", "scorpio", "kairos")
-QUICK_POLICIES = ("fcfs", "scorpio", "kairos")
-DEFAULT_LOADS = "0.5,0.75,1,1.25,1.5,2"
-QUICK_LOADS = "1.5"
 
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.replace(" ", "").split(",") if x]
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.replace(" ", "").split(",") if x]
-
-
-# --------------------------------------------------------------------------- the benchmark
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.slo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help=f"smoke run (<3 min): policies {','.join(QUICK_POLICIES)}, loads {QUICK_LOADS}, "
-                         "<=60 requests per point, coarse lambda* search")
-    ap.add_argument("--policies", default=None, help=f"comma list (default: all = {','.join(ALL_POLICIES)})")
-    ap.add_argument("--loads", default=None, help=f"multiples of lambda* (default {DEFAULT_LOADS})")
-    ap.add_argument("--num-requests", type=int, default=None,
-                    help="exactly N requests per point (protocol: 400). Default: up to 400 (quick: 60), "
-                         "reduced so the sweep fits --budget-min")
-    ap.add_argument("--min-requests", type=int, default=None,
-                    help="floor of the budget-reduced request count (default 10)")
-    ap.add_argument("--budget-min", type=float, default=None,
-                    help="wall-clock budget of the whole run in minutes (default 30; quick 3; 0: no cap)")
-    ap.add_argument("--seeds", default="0", help="comma list of workload seeds (default 0; protocol: 0,1,2)")
-    ap.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
-    ap.add_argument("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
-    ap.add_argument("--hint", choices=("exact", "noisy", "none"), default="exact",
-                    help="output-length hint sent with each request")
-    ap.add_argument("--strict-batch", type=float, default=4,
-                    help="T_strict = headroom x ITL(this batch, L) (protocol: 4 -> d4)")
-    ap.add_argument("--loose-batch", type=float, default=12,
-                    help="T_loose = headroom x ITL(this batch, L) (protocol: 12)")
-    ap.add_argument("--tpot-headroom", type=float, default=W.GATE_HEADROOM,
-                    help="TPOT tiers = headroom x ITL(batch, L); default 1.3/0.99, the VBS gate's margin")
-    ap.add_argument("--warmup-frac", type=float, default=0.1, help="drop this fraction of requests (by arrival)")
-    ap.add_argument("--prompt-median", type=float, default=None, help="prompt tokens, lognormal median (100; quick 40)")
-    ap.add_argument("--prompt-cap", type=int, default=None, help="prompt tokens, cap (512; quick 160)")
-    ap.add_argument("--output-median", type=float, default=None, help="output tokens, lognormal median (60; quick 16)")
-    ap.add_argument("--output-cap", type=int, default=None, help="output tokens, cap (256; quick 64)")
-    ap.add_argument("--length-sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
-    ap.add_argument("--lambda-star", type=float, default=None, help="skip the search and use this rate (rps)")
-    ap.add_argument("--lambda-def", choices=("capacity", "adherence"), default="capacity",
-                    help="lambda* = FCFS's capacity (its completion rate under overload; default) or the "
-                         "protocol's highest rate with FCFS adherence >= 90%%")
-    ap.add_argument("--probe-requests", type=int, default=None,
-                    help="requests per lambda* probe (default: ~45 s of arrivals, 20..120; quick: ~12 s, 15..40)")
-    ap.add_argument("--drain", type=float, default=None,
-                    help="seconds to wait after the last arrival before unfinished requests count as misses "
-                         "(default: max(10, 25%% of the arrival span), capped at 60)")
-    # engine
-    ap.add_argument("--model", default="kairos-tiny", help="kairos-default | kairos-tiny | llama-110m | HF dir")
-    ap.add_argument("--dtype", default="float32", help="float32 (default: fastest on this AVX2 box) | bfloat16")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--prefill-max-tokens", type=int, default=512, help="prefill token budget (= SLO budget)")
-    ap.add_argument("--sched", action="append", metavar="KEY=VALUE",
-                    help="scheduler override for every policy (repeatable), e.g. --sched vbs_margin=1.2 (ablations)")
-    ap.add_argument("--kv-gb", type=float, default=0.25, help="KV cache per engine (GiB; all engines stay alive)")
-    ap.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine (protocol: 1)")
-    ap.add_argument("--reprofile", action="store_true",
-                    help="fit a fresh latency profile now (saved in --out) instead of the cached one: SLOs then "
-                         "match the machine's current speed (+~15 s)")
-    ap.add_argument("--refresh-profile", action=argparse.BooleanOptionalAction, default=None,
-                    help="re-profile the engine before each load point (saved as latency-profile-<load>x.json in "
-                         "--out) and give every policy at that point the fresh fit; the SLO tiers stay those of the "
-                         "first profile. Default: on in engine mode unless --predictor-json is given (this VM's "
-                         "speed drifts by up to ~30%% over tens of minutes, which an offline profile cannot see)")
-    ap.add_argument("--predictor-json", default=None,
-                    help="latency-model JSON (e.g. an earlier run's latency-profile.json) for the SLO tiers and, in "
-                         "engine mode, for the engines' schedulers: the same tiers as that run")
-    # HTTP
-    ap.add_argument("--target", default=None, help="URL of a running Kairos server (POST /v1/completions)")
-    ap.add_argument("--client-nice", type=int, default=19,
-                    help="HTTP mode: lower this process's CPU priority by N (Ray Serve's workers run at nice 15; on "
-                         "a box shared with the server the load generator must not outrank them). 0: leave it")
-    ap.add_argument("--label", default="server", help="policy label for the results in HTTP mode")
-    # output
-    ap.add_argument("--out", default=None, help="output directory (default bench/out/slo-<timestamp>)")
-    ap.add_argument("--compare", default=None, metavar="RESULTS_JSON",
-                    help="print this run against an earlier one (e.g. HTTP vs in-process at the same loads)")
-    ap.add_argument("--json", default=None, help="also write the results JSON here")
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    return ap
-
-
-@dataclass
-class Plan:
-    policies: list[str]
-    loads: list[float]
-    seeds: list[int]
-    n_cap: int
-    n_fixed: bool
-    n_min: int
-    budget_s: float
-    probe_seconds: float
-    probe_bounds: tuple[int, int]
-    bisect_steps: int
-
-
-def _plan(args: argparse.Namespace) -> Plan:
-    q = args.quick
-    policies = [p.strip() for p in (args.policies or ",".join(QUICK_POLICIES if q else ALL_POLICIES)).split(",")
-                if p.strip()]
-    for p in policies:
-        if policy_spec(p)[0] not in ALL_POLICIES and not args.target:
-            raise SystemExit(f"unknown policy {p!r}; choose from {', '.join(ALL_POLICIES)}")
-    loads = _floats(args.loads or (QUICK_LOADS if q else DEFAULT_LOADS))
-    if not loads or any(x <= 0 for x in loads):
-        raise SystemExit("--loads must be positive multiples of lambda*")
-    seeds = _ints(args.seeds)
-    fixed = args.num_requests is not None
-    budget = args.budget_min if args.budget_min is not None else (0.0 if fixed else (3.0 if q else 30.0))
-    return Plan(policies, loads, seeds or [0], args.num_requests or (200 if q else 400), fixed,
-                args.min_requests or 10, budget * 60.0,
-                12.0 if q else 45.0, (15, 40) if q else (20, 120), 1 if q else 2)
-
-
-def _drain_for(items: Sequence[W.WorkItem], drain: float | None) -> float:
-    if drain is not None:
-        return drain
-    span = items[-1].arrival_s if items else 0.0
-    return min(60.0, max(10.0, 0.25 * span))
-
-
-class _Engines:
-    """Starts engines one at a time (policy fixed at construction) and remembers the start times."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.start_s: dict[str, float] = {}
-        self._model: str | None = None
-        self.predictor_path: str | None = None  # None: the shared cache (~/.cache/kairos/profiles)
-
-    def model_path(self) -> str:
-        if self._model is None:
-            self._model = resolve_bench_model(self.args.model)
-        return self._model
-
-    def start(self, label: str):
-        """An engine for `label`: a policy name, optionally with overrides (`kairos+monotone_skip=false`)."""
-        from engine.config import EngineConfig
-        from engine.engine import LLMEngine
-        from scheduling.config import SchedulerConfig
-
-        a = self.args
-        policy, extra = policy_spec(label)
-        t0 = time.perf_counter()
-        eng = LLMEngine(EngineConfig(
-            model=self.model_path(), dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
-            kv_cache_memory_gb=a.kv_gb,
-            scheduler=SchedulerConfig(policy=policy, max_num_seqs=a.max_num_seqs,
-                                      prefill_max_tokens=a.prefill_max_tokens, predictor_path=self.predictor_path,
-                                      **{**_overrides(a.sched), **extra})))
-        self.start_s[label] = time.perf_counter() - t0
-        return eng
-
-
-def _overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """`--sched key=value` pairs as SchedulerConfig overrides (values parsed as JSON when they parse)."""
-    out: dict[str, Any] = {}
-    for pair in pairs or ():
-        key, sep, val = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--sched takes key=value, got {pair!r}")
-        try:
-            out[key.strip()] = json.loads(val)
-        except json.JSONDecodeError:
-            out[key.strip()] = val
-    return out
-
-
-def policy_spec(label: str) -> tuple[str, dict[str, Any]]:
-    """`kairos+monotone_skip=false+vbs_gate=false` -> ("kairos", {...}): a preset plus overrides (ablations)."""
-    name, *pairs = label.split("+")
-    return name, _overrides(pairs)
-
-
-def _predictor_info(eng: Any | None, predictor: Any) -> dict[str, Any]:
-    rep = dict(getattr(eng, "profile_report", None) or {}) if eng is not None else {}
-    info: dict[str, Any] = {
-        "r2": rep.get("r2"), "mape": rep.get("mape_holdout", rep.get("mape_train")),
-        "mape_train": rep.get("mape_train"), "prefill_r2": rep.get("prefill_r2"),
-        "prefill_mape": rep.get("prefill_mape"), "n_samples": rep.get("n_samples"),
-        "cached": rep.get("cached"), "path": rep.get("path"), "profile_seconds": rep.get("seconds"),
-    }
-    try:
-        info["prefill_coef"] = list(predictor.prefill_coef)
-        info["decode_coef"] = list(predictor.decode_coef)
-    except AttributeError:
-        pass
-    return info
-
-
-def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int, PointRun]],
-                     warmup: float, tiers: Sequence[str]) -> dict[str, Any]:
-    per_seed = []
-    pooled: list[M.RequestRecord] = []
-    wall = 0.0
-    for seed, run in runs:
-        s = M.summarize(run.records, warmup_frac=warmup, tiers=tiers)
-        per_seed.append({"seed": seed, "goodput_rps": s["goodput_rps"], "adherence": s["adherence"],
-                         "wall_s": s["wall_s"], "n": s["n"]})
-        pooled.extend(M.drop_warmup(run.records, warmup))
-        wall += s["wall_s"]
-    s = M.summarize(pooled, warmup_frac=0.0, wall_s=wall, tiers=tiers)  # warm-up already dropped per seed
-    s["n_dropped_warmup"] = sum(len(r.records) for _, r in runs) - len(pooled)
-    eng = [r.engine for _, r in runs if r.engine]
-    steps = sum(e["steps"] for e in eng)
-    sched = sum(e["phase_s"].get("schedule", 0.0) for e in eng)
-    busy = sum(sum(e["phase_s"].values()) for e in eng)
-    lags = sorted(x for _, r in runs for x in r.submit_lag_ms)
-    hops = hop_summary(pooled)
-    return {
-        "policy": policy, "load_multiple": load, "rate_rps": rate, **s,
-        "timeouts": sum(r.timeouts for _, r in runs),
-        "sched_ms_per_step": sched / steps * 1000.0 if steps else None,
-        "sched_pct": sched / busy * 100.0 if busy > 0 and steps else None,
-        "step_ms": busy / steps * 1000.0 if steps else None,
-        "steps": steps,
-        "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
-        "submit_lag_p99_ms": percentile(lags, 99) if lags else None,
-        "per_seed": per_seed, **M.pool(per_seed),
-        **({"http_hops_ms": hops} if hops else {}),
-    }
-
+def build_parser():
+    """bench.slo's flags (bench/slo_cli.py), with this module's docstring as the --help text."""
+    return _build_parser(__doc__)
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -572,19 +343,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nwrote {out_dir}/results.json, results.csv, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")
           + (f" and {args.json}" if args.json else "") + f"  (wall {wall:.0f} s)", flush=True)
     return 0
-
-
-def _refreshed(pred: Any, scale: W.SLOScale) -> dict[str, Any]:
-    """A load point's fresh fit against the one that set the tiers: d4/d12 at the same L̄, and their ratio."""
-    d4, d12 = float(pred.itl_ms(4, scale.l_bar)), float(pred.itl_ms(12, scale.l_bar))
-    ratio = d12 / scale.d12_ms if scale.d12_ms else math.nan
-    return {"d4_ms": d4, "d12_ms": d12, "d12_over_tiers": ratio, "decode_coef": list(pred.decode_coef),
-            "prefill_coef": list(pred.prefill_coef),
-            "summary": f"d4 {d4:.2f} ms, d12 {d12:.2f} ms ({ratio:.2f}x the tiers' profile)"}
-
-
-def _dist(d: W.LengthDist) -> dict[str, Any]:
-    return {"median": d.median, "sigma": d.sigma, "cap": d.cap, "min": d.min_len}
 
 
 if __name__ == "__main__":
