@@ -37,18 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench.common import (  # noqa: E402
-    LoadLog,
-    best_of,
-    free_memory,
-    measure_bandwidth_gb_s,
-    num_params,
-    resolve_bench_model,
-    run_info,
-    summarize,
-    weight_bytes,
-    write_json,
-)
+from bench.common import LoadLog, best_of, measure_bandwidth_gb_s, run_info, summarize, write_json  # noqa: E402
+from bench.models import free_memory, num_params, resolve_bench_model, weight_bytes  # noqa: E402
 from bench.engine_hf import run_hf  # noqa: E402
 from bench.engine_report import build_report, print_report  # noqa: E402
 

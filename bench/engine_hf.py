@@ -5,7 +5,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from bench.common import LoadLog, best_of, free_memory
+from bench.common import LoadLog, best_of
+from bench.models import free_memory
 if TYPE_CHECKING:
     from bench.engine import Plan, Workloads
 

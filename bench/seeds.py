@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from bench import streaming
-from bench.common import free_memory, resolve_model_path, write_json
+from bench.common import write_json
+from bench.models import free_memory, resolve_model_path
 
 
 def _ratio(before: float, after: float) -> float:

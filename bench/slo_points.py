@@ -10,7 +10,8 @@ from typing import Any
 
 from bench import slo_metrics as M
 from bench import workload as W
-from bench.common import percentile, resolve_bench_model
+from bench.common import percentile
+from bench.models import resolve_bench_model
 from bench.slo_run import PointRun, hop_summary
 
 def _drain_for(items: Sequence[W.WorkItem], drain: float | None) -> float:

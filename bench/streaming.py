@@ -49,7 +49,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from bench.common import free_memory, resolve_bench_model, run_info, write_json
+from bench.common import run_info, write_json
+from bench.models import free_memory, resolve_bench_model
 from bench.streaming_http import run_http
 from bench.streaming_report import Rec, format_extra, summarize_run
 

@@ -7,7 +7,8 @@ import threading
 import time
 from typing import Any
 
-from bench.common import SSE_DONE, resolve_model_path, sse_data
+from bench.common import SSE_DONE, sse_data
+from bench.models import resolve_model_path
 from bench.streaming_report import Rec
 
 # --------------------------------------------------------------------------- HTTP target
