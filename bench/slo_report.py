@@ -149,8 +149,6 @@ def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTT
 
 def hops_table(results: Sequence[dict]) -> str:
     """HTTP mode: where each point's time to first token went, hop by hop (from the Server-Timing header)."""
-    from bench.slo_run import HOP_NOTES, HOPS
-
     rows = []
     for r in results:
         hops = r.get("http_hops_ms") or {}

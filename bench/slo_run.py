@@ -14,7 +14,7 @@ from typing import Any
 
 from bench import slo_metrics as M
 from bench import workload as W
-from bench.common import SSE_DONE, parse_server_timing, percentile, sse_data
+from bench.common import SSE_DONE, parse_server_timing, sse_data, summarize
 
 log = logging.getLogger("kairos.bench.slo")
 
@@ -283,13 +283,12 @@ def _hops(server_timing: str | None, headers_ms: float) -> dict[str, float]:
 
 
 def hop_summary(records: Sequence[M.RequestRecord]) -> dict[str, dict[str, float]]:
-    """p50/p90/p99/max per hop over the requests that reported one (HTTP mode)."""
+    """n/min/mean/max and p50/p90/p99 per hop over the requests that reported one (HTTP mode)."""
     out: dict[str, dict[str, float]] = {}
     for hop in HOPS:
-        xs = sorted(r.hops[hop] for r in records if hop in r.hops)
+        xs = [r.hops[hop] for r in records if hop in r.hops]
         if xs:
-            out[hop] = {"n": len(xs), "p50": percentile(xs, 50), "p90": percentile(xs, 90),
-                        "p99": percentile(xs, 99), "max": xs[-1]}
+            out[hop] = summarize(xs)
     return out
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from bench.common import percentile
+from bench.common import summarize
 
 PCTS = (50, 95, 99)
 BLOCK_HEADER = "=== streaming benchmark ==="
@@ -44,13 +44,7 @@ class Rec:
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float]:
-    xs = list(values)
-    out = {f"p{q}": percentile(xs, q) for q in PCTS}
-    out["mean"] = sum(xs) / len(xs) if xs else math.nan
-    out["max"] = max(xs) if xs else math.nan
-    out["min"] = min(xs) if xs else math.nan
-    out["n"] = len(xs)
-    return out
+    return summarize(values, PCTS)
 
 
 def _fmt3(d: dict[str, float]) -> str:

@@ -73,14 +73,13 @@ class ModelRunner:
         last_idx.extend(decode_start + rank[i] for i in range(len(decode)))
         groups = []
         for g0, g1 in group_by_length([need[i] for i in order], GROUP_OVERHEAD_BLOCKS):
-            members = [decode[i] for i in order[g0:g1]]
-            nb = need[order[g1 - 1]]
+            members = order[g0:g1]
+            nb = need[members[-1]]
             flat: list[int] = []
-            for r in members:
-                k = -(-r.num_tokens // bs)
-                flat.extend(r.block_table[:k])
-                flat.extend([0] * (nb - k))
-            ctx_t = torch.tensor([r.num_tokens for r in members], device=dev)
+            for i in members:
+                flat.extend(decode[i].block_table[:need[i]])
+                flat.extend([0] * (nb - need[i]))
+            ctx_t = torch.tensor([decode[i].num_tokens for i in members], device=dev)
             mask = (torch.arange(nb * bs, device=dev)[None, :] < ctx_t[:, None]).view(len(members), 1, 1, nb * bs)
             groups.append(DecodeGroup(decode_start + g0, len(members), nb,
                                       torch.tensor(flat, dtype=torch.long, device=dev), mask))
