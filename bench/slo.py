@@ -276,7 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(r)
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "
                   f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol "
-                  f"{r['ttft_violations']}/{r['tpot_violations']}, timeouts {r['timeouts']}  "
+                  f"{r['ttft_violations']}/{r['tpot_violations']}, timeouts {r['timeouts']}"
+                  + (f", prefill-only steps {fmt(r.get('prefill_only_pct'))}% of engine time, decode step / model "
+                     f"{fmt(r.get('decode_wall_over_model_p50'), 2)}" if not http else "") + "  "
                   f"[{time.perf_counter() - t_start:.0f}s, load {loadavg().split(' ')[0]}]", flush=True)
     for e in live.values():
         e.shutdown()

@@ -13,6 +13,7 @@ from bench import workload as W
 from bench.common import percentile
 from bench.models import resolve_bench_model
 from bench.slo_run import PointRun, hop_summary
+from bench.slo_steps import step_figures
 
 def _drain_for(items: Sequence[W.WorkItem], drain: float | None) -> float:
     if drain is not None:
@@ -116,6 +117,7 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
         "sched_pct": sched / busy * 100.0 if busy > 0 and steps else None,
         "step_ms": busy / steps * 1000.0 if steps else None,
         "steps": steps,
+        **(step_figures([e["tap"] for e in eng]) if eng else {}),
         "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
         "submit_lag_p99_ms": percentile(lags, 99) if lags else None,
         "per_seed": per_seed, **M.pool(per_seed),

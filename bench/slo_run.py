@@ -15,6 +15,7 @@ from typing import Any
 from bench import slo_metrics as M
 from bench import workload as W
 from bench.common import SSE_DONE, parse_server_timing, sse_data, summarize
+from bench.slo_steps import StepTap
 
 log = logging.getLogger("kairos.bench.slo")
 
@@ -117,6 +118,7 @@ def run_engine_point(eng: Any, items: Sequence[W.WorkItem], *, drain_s: float, t
     consumer = threading.Thread(target=consume, name="slo-consumer", daemon=True)
     consumer.start()
     phase0, steps0 = dict(eng._phase), eng._steps
+    tap = StepTap(eng.scheduler)
     lags: list[float] = []
     t0 = time.monotonic() + 0.05
     for i, w in enumerate(items):
@@ -141,6 +143,7 @@ def run_engine_point(eng: Any, items: Sequence[W.WorkItem], *, drain_s: float, t
     consumer.join()
     if bar is not None:
         bar.close()
+    taps = tap.close()
     phase1, steps1 = dict(eng._phase), eng._steps
     d = {k: phase1.get(k, 0.0) - phase0.get(k, 0.0) for k in phase1}
     dsteps = steps1 - steps0
@@ -151,6 +154,7 @@ def run_engine_point(eng: Any, items: Sequence[W.WorkItem], *, drain_s: float, t
         "sched_ms_per_step": d.get("schedule", 0.0) / dsteps * 1000.0 if dsteps else math.nan,
         "sched_pct": d.get("schedule", 0.0) / busy * 100.0 if busy > 0 else math.nan,
         "step_ms": busy / dsteps * 1000.0 if dsteps else math.nan,
+        "tap": taps,
     }
     return PointRun([r for r in records if r is not None], t0, lags, eng_stats, timeouts[0])
 

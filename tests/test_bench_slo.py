@@ -312,6 +312,7 @@ def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
     assert (out / "latency-profile-1.5x.json").exists()
     res = doc["results"]
     assert res[0]["steps"] > 0 and res[0]["rejected"] == 0  # fcfs serves everything
+    assert 0.0 <= res[0]["prefill_only_pct"] <= 100.0 and res[0]["decode_wall_over_model_p50"] > 0
     assert [(r["policy"], r["load_multiple"]) for r in res] == [("fcfs", 1.5), ("scorpio", 1.5)]
     for r in res:
         assert r["rate_rps"] == pytest.approx(3.0)
@@ -330,6 +331,13 @@ def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
     assert "load_multiple" in doc["acceptance"]
 
 
+class _FakeScheduler:
+    predictor = None
+
+    def on_step_done(self, plan, step_ms, wall_ms, now):
+        pass
+
+
 class _FakeEngine:
     """Finishes even-numbered requests at once (3 tokens, 10 ms apart); odd ones only when aborted."""
 
@@ -341,6 +349,7 @@ class _FakeEngine:
         self._steps = 0
         self.streams = {}
         self.aborted = []
+        self.scheduler = _FakeScheduler()
 
     def add_request(self, prompt, params, slo, request_id):
         from engine.outputs import RequestMetrics, RequestOutput
@@ -457,3 +466,31 @@ def test_smoke_capacity_search(tmp_path):
     search = doc["lambda_star_search"]
     assert search["definition"] == "capacity" and search["probes"]
     assert doc["lambda_star_rps"] > 0 and doc["results"][0]["rate_rps"] == pytest.approx(doc["lambda_star_rps"])
+
+
+def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
+    """StepTap: prefill-only share of engine time, decode wall / model ITL; the scheduler's own hook still runs."""
+    from types import SimpleNamespace as NS
+
+    from bench.slo_steps import StepTap, step_figures
+
+    seen = []
+
+    class Sched:
+        predictor = NS(itl_ms=lambda b, length: 2.0 * b)  # 2 ms per decoding request
+
+        def on_step_done(self, plan, step_ms, wall_ms, now):
+            seen.append(wall_ms)
+
+    sched = Sched()
+    tap = StepTap(sched)
+    req = NS(num_tokens=10)
+    for prefill, decode, wall in (([req], [], 30.0), ([], [req, req], 5.0), ([], [req, req], 4.0),
+                                  ([req], [req], 11.0)):  # a hybrid step counts in the total only
+        sched.on_step_done(NS(prefill=prefill, decode=decode), wall, wall, 0.0)
+    raw = tap.close()
+    assert seen == [30.0, 5.0, 4.0, 11.0] and "on_step_done" not in vars(sched)  # hook ran; method restored
+    figs = step_figures([raw, {"total_ms": 0.0, "prefill_only_ms": 0.0, "decode_ratios": []}])
+    assert figs["prefill_only_pct"] == pytest.approx(60.0)  # 30 of 50 ms
+    assert figs["decode_wall_over_model_p50"] == pytest.approx((1.25 + 1.0) / 2)  # 5/4 and 4/4
+    assert step_figures([]) == {"prefill_only_pct": None, "decode_wall_over_model_p50": None}
