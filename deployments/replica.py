@@ -67,7 +67,7 @@ def _item(out: Any) -> dict[str, Any]:
 class LLMServer:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
-                       stream_interval_ms: float = 0.0) -> None:
+                       stream_interval_ms: float = 50.0) -> None:
         from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); only LLM replicas load it
 
         cfg = EngineConfig.model_validate(engine_config)
