@@ -8,10 +8,12 @@
 What one run does:
 1. Starts one engine per policy (the policy is fixed at construction; all stay alive), FCFS first. Engine start
    profiles the model once (cached JSON under ~/.cache/kairos/profiles, or --reprofile). The FIRST engine's
-   fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy. In engine
-   mode each load point then starts fresh engines on a profile taken just before it (--refresh-profile, the
-   default unless --predictor-json): this VM's speed drifts by up to ~30% within minutes, and a stale offline
-   profile would misjudge every TPOT the static gates (scorpio, tpot_guard) admit. The tiers stay fixed.
+   fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy; they stay fixed.
+   In engine mode (unless --predictor-json) the schedulers' model follows the machine: one FCFS run at lambda*
+   calibrates the probe fit to served steps (--calibrate), and before every (policy, seed) run the engine
+   re-times its model and gets that fit times the calibration (--refresh-profile): this VM's speed drifts by up
+   to ~35% within a minute, and a stale or probe-only fit would misjudge every TPOT the static gates (scorpio,
+   tpot_guard) admit (bench/slo_calibrate.py).
 2. Finds lambda*, FCFS's capacity (default, --lambda-def capacity): FCFS runs open-loop at a rising offered
    rate (×2 from an analytical guess) until its completion rate, measured over the middle 60% of completions,
    falls below 85% of the offered rate; that completion rate is lambda*. Above it FCFS's queue grows without
@@ -74,7 +76,8 @@ from bench.slo_report import (_records_lines, acceptance, compare, format_accept
                               load_table, protocol_lambda_90, write_csv)
 from bench.slo_cli import ALL_POLICIES, Plan, _plan  # noqa: E402,F401
 from bench.slo_cli import build_parser as _build_parser  # noqa: E402
-from bench.slo_points import (_dist, _drain_for, _Engines, _overrides, _predictor_info, _refreshed,  # noqa: E402
+from bench.slo_calibrate import PROFILE_BUDGET_S, calibrate, fresh_fit  # noqa: E402
+from bench.slo_points import (_dist, _drain_for, _Engines, _overrides, _predictor_info,  # noqa: E402
                               _summarize_point, policy_spec)
 from bench.slo_run import PointRun, run_engine_point, run_http_point, served_model  # noqa: E402,F401
 from bench.slo_search import (TARGET_ADHERENCE, capacity_guess, completion_rate, find_capacity,  # noqa: E402,F401
@@ -134,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = (["fcfs"] if need_fcfs else []) + [p for p in policies if p != "fcfs"]
         eng = engines.start(order[0])
         predictor = eng.scheduler.predictor
+        if args.predictor_json:  # the tiers of that run, even where the engine had to re-profile (older format)
+            from scheduling.predictor import LatencyModel
+            predictor = LatencyModel.load(args.predictor_json)
         vocab, max_len = eng.bundle.vocab_limit, eng.max_model_len
         pred_info = _predictor_info(eng, predictor)
     q = args.quick
@@ -146,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         loose_batch=args.loose_batch, headroom=args.tpot_headroom)
     tiers = [t.name for t in scale.tiers]
     pred_info["slo_scale"] = scale.to_dict()
+    predictor.save(out_dir / "tiers-profile.json")  # --predictor-json this to rerun on the same tiers
     print("SLO tiers (ms): " + ", ".join(f"{t.name} TTFT {t.ttft_ms:.0f} / TPOT {t.tpot_ms:.1f}" for t in scale.tiers)
           + f"  [u={scale.u_ms:.0f}, d4={scale.d4_ms:.1f}, d12={scale.d12_ms:.1f}, L={scale.l_bar:.0f}; "
             f"fit r2={fmt(pred_info['r2'], 3)} mape={fmt(pred_info['mape'], 3)}]", flush=True)
@@ -219,7 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_points = len(policies) * len(plan.seeds)
     n_req = plan.n_cap
     refresh = (not http) and (args.refresh_profile if args.refresh_profile is not None else not args.predictor_json)
-    starts = 0.0 if http else max(engines.start_s.values()) * (len(order) * len(rates) if refresh else len(order) - 1)
+    calibrating = refresh if args.calibrate is None else (args.calibrate and not http)
+    n_runs = len(order) * len(rates) * len(plan.seeds)
+    starts = 0.0 if http else (max(engines.start_s.values()) * (len(order) - 1)
+                               + (n_runs * PROFILE_BUDGET_S * 0.6 if refresh else 0.0))
     per_req_s = n_points * sum(1.0 / r for r in rates)  # seconds of arrivals per request of every point
     drain_est = n_points * len(rates) * 6.0  # typical wait for the last requests after the last arrival
     if not plan.n_fixed and plan.budget_s > 0:
@@ -236,49 +246,57 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"~{100 / max(1, n_req - int(n_req * args.warmup_frac)):.0f} pts; use --num-requests/--budget-min "
               "on a quiet machine for protocol-size runs", flush=True)
 
+    # ---- calibration: served steps against the probe fit (FCFS at lambda*)
+    calib = None
+    d_ref = lambda m: (m.itl_ms(4, scale.l_bar), m.itl_ms(12, scale.l_bar))  # noqa: E731
+    live: dict[str, Any] = {} if http else {order[0]: eng}
+    if calibrating:
+        live.setdefault("fcfs", eng if order[0] == "fcfs" else engines.start("fcfs"))
+        n_cal = args.probe_requests or (200 if args.quick else 240)
+        items = W.generate(replace(base, num_requests=n_cal, rate_rps=lam, seed=plan.seeds[0]), scale.tiers)
+        calib = calibrate(live["fcfs"], lambda e: run_items(items, "calibration", "cal", e).engine["tap"], d_ref)
+        print(f"calibration (FCFS at lambda*, n={n_cal}): a served decode step takes {calib['decode']:.2f}x the "
+              f"probe fit (median of {calib['n_decode_steps']} steps), a prefill step {calib['prefill']:.2f}x "
+              f"({calib['n_prefill_steps']}); the static policies' refreshed fits are scaled by these", flush=True)
+
     # ---- sweep: load-major, every policy's engine kept alive, so that a drift in machine speed during the
     # run hits all policies of a load alike instead of whichever policy happened to run last
     results: list[dict[str, Any]] = []
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
-    live: dict[str, Any] = {} if http else {order[0]: eng}
-    profiles: dict[str, Any] = {}
+    profiles: list[dict[str, Any]] = []
     for load, rate in zip(plan.loads, rates):
-        if refresh:  # fresh engines on a profile taken now: the first one started profiles, the rest load it
-            for e in live.values():
-                e.shutdown()
-            live = {}
-            engines.predictor_path = str((out_dir / f"latency-profile-{load:g}x.json").resolve())
-            Path(engines.predictor_path).unlink(missing_ok=True)
         for policy in order:
             if policy not in policies:
                 continue
             if not http and policy not in live:
                 live[policy] = engines.start(policy)
-                if refresh and f"{load:g}" not in profiles:
-                    profiles[f"{load:g}"] = _refreshed(live[policy].scheduler.predictor, scale)
-                    print(f"  profile for {load:g}x: {profiles[f'{load:g}']['summary']}", flush=True)
             e = live.get(policy)
             runs = []
+            fits = []
             for seed in plan.seeds:
+                if refresh:  # the model as of now, calibrated to served steps
+                    fits.append(fresh_fit(e, calib, d_ref, scale.d12_ms))
+                    profiles.append({"policy": policy, "load": load, "seed": seed, **fits[-1]})
                 items = W.generate(replace(base, num_requests=n_req, rate_rps=rate, seed=seed), scale.tiers)
                 run = run_items(items, f"{policy} {load:g}x seed {seed}", f"{policy}-{load:g}-{seed}", e)
                 runs.append((seed, run))
                 with open(rec_path, "a") as f:
                     f.write("\n".join(_records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
             r = _summarize_point(policy, load, rate, runs, args.warmup_frac, tiers)
-            if e is not None:  # this engine's fit (same cached profile for all)
-                rep = e.profile_report or {}
+            if e is not None:  # the scheduler's model at the end of the point
                 pe = e.scheduler.predictor
-                r["predictor"] = {"r2": rep.get("r2"), "mape": rep.get("mape_holdout", rep.get("mape_train")),
-                                  "decode_coef_end": list(pe.decode_coef) if pe is not None else None,
-                                  "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None}
+                r["predictor"] = {"decode_coef_end": list(pe.decode_coef) if pe is not None else None,
+                                  "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None,
+                                  "fits": fits}
             results.append(r)
+            speed = sum(f["d12_over_tiers"] for f in fits) / len(fits) if fits else None
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "
                   f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol "
                   f"{r['ttft_violations']}/{r['tpot_violations']}, timeouts {r['timeouts']}"
                   + (f", prefill-only steps {fmt(r.get('prefill_only_pct'))}% of engine time, decode step / model "
-                     f"{fmt(r.get('decode_wall_over_model_p50'), 2)}" if not http else "") + "  "
+                     f"{fmt(r.get('decode_wall_over_model_p50'), 2)}" if not http else "")
+                  + (f", fit {speed:.2f}x the tiers'" if speed is not None else "") + "  "
                   f"[{time.perf_counter() - t_start:.0f}s, load {loadavg().split(' ')[0]}]", flush=True)
     for e in live.values():
         e.shutdown()
@@ -317,14 +335,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "budget_min": plan.budget_s / 60.0, "arrival": args.arrival, "gamma_shape": base.gamma_shape,
             "mix": dict(zip(tiers, mix)), "hint": args.hint, "warmup_frac": args.warmup_frac,
             "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "tpot_headroom": args.tpot_headroom,
-            "reprofile": args.reprofile, "refresh_profile": refresh,
+            "reprofile": args.reprofile, "refresh_profile": refresh, "calibrate": calibrating,
             "quick": args.quick, "drain_s": args.drain, "prompt_len": _dist(base.prompt),
             "output_len": _dist(base.output), "engine_start_s": engines.start_s,
             "workload": W.describe(W.generate(replace(base, num_requests=n_req, rate_rps=lam, seed=plan.seeds[0]),
                                               scale.tiers)),
         },
         "predictor": pred_info,
-        "profiles_per_load": profiles,
+        "calibration": calib,
+        "profiles_per_run": profiles,
         "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers},
         "results": results,
         "acceptance": acc,

@@ -78,10 +78,15 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="fit a fresh latency profile now (saved in --out) instead of the cached one: SLOs then "
                          "match the machine's current speed (+~15 s)")
     ap.add_argument("--refresh-profile", action=argparse.BooleanOptionalAction, default=None,
-                    help="re-profile the engine before each load point (saved as latency-profile-<load>x.json in "
-                         "--out) and give every policy at that point the fresh fit; the SLO tiers stay those of the "
-                         "first profile. Default: on in engine mode unless --predictor-json is given (this VM's "
-                         "speed drifts by up to ~30%% over tens of minutes, which an offline profile cannot see)")
+                    help="before every (policy, seed) run, the engine re-times its model (~2 s) and its scheduler "
+                         "gets that fit (times the calibration); the SLO tiers stay those of the first profile. "
+                         "Default: on in engine mode unless --predictor-json is given (this VM's speed drifts by up "
+                         "to ~35%% within a minute, which an earlier profile cannot see)")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                    help="one FCFS run at lambda* before the sweep measures served steps against the probe fit "
+                         "(median ratio, decode and prefill); the refreshed fits of the policies without the online "
+                         "ITL correction are scaled by it, as SCORPIO fits its model on served steps "
+                         "(bench/slo_calibrate.py). Default: with --refresh-profile")
     ap.add_argument("--predictor-json", default=None,
                     help="latency-model JSON (e.g. an earlier run's latency-profile.json) for the SLO tiers and, in "
                          "engine mode, for the engines' schedulers: the same tiers as that run")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -123,15 +122,6 @@ def _summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int
         "per_seed": per_seed, **M.pool(per_seed),
         **({"http_hops_ms": hops} if hops else {}),
     }
-
-
-def _refreshed(pred: Any, scale: W.SLOScale) -> dict[str, Any]:
-    """A load point's fresh fit against the one that set the tiers: d4/d12 at the same L̄, and their ratio."""
-    d4, d12 = float(pred.itl_ms(4, scale.l_bar)), float(pred.itl_ms(12, scale.l_bar))
-    ratio = d12 / scale.d12_ms if scale.d12_ms else math.nan
-    return {"d4_ms": d4, "d12_ms": d12, "d12_over_tiers": ratio, "decode_coef": list(pred.decode_coef),
-            "prefill_coef": list(pred.prefill_coef),
-            "summary": f"d4 {d4:.2f} ms, d12 {d12:.2f} ms ({ratio:.2f}x the tiers' profile)"}
 
 
 def _dist(d: W.LengthDist) -> dict[str, Any]:

@@ -40,6 +40,15 @@ class _InjectFault:
 
 
 @dataclass(slots=True)
+class _Reprofile:
+    time_budget_s: float
+    scale: tuple[float, float]
+    done: threading.Event = field(default_factory=threading.Event)
+    report: dict | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
 class EngineStats:
     alive: bool
     num_waiting: int
@@ -147,6 +156,21 @@ class LLMEngine:
         self._inbox.put(_InjectFault(count))
         self._wakeup.set()
 
+    def reprofile(self, time_budget_s: float = 12.0, scale: tuple[float, float] = (1.0, 1.0),
+                  timeout: float = 120.0) -> dict:
+        """Time the model again now and give the scheduler the new fit, its (decode, prefill) step times times
+        `scale` (a calibration to served steps); returns the fit's report. It runs on the worker thread between
+        steps, and only while no request is in flight (a profile needs free KV blocks and would stall running
+        requests): otherwise RuntimeError. The unscaled fit replaces the cached profile."""
+        job = _Reprofile(time_budget_s, scale)
+        self._inbox.put(job)
+        self._wakeup.set()
+        if not job.done.wait(timeout):
+            raise TimeoutError(f"reprofile did not finish within {timeout} s")
+        if job.error is not None:
+            raise RuntimeError(job.error)
+        return dict(job.report or {})
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wakeup.set()
@@ -236,6 +260,8 @@ class LLMEngine:
                 return
             if isinstance(item, _InjectFault):
                 self._fault_steps += item.count
+            elif isinstance(item, _Reprofile):
+                self._reprofile(item)
             elif isinstance(item, Request):
                 if item.request_id in self._requests:
                     item.stream.put(RequestOutput(item.request_id, finished=True, finish_reason="error",
@@ -294,6 +320,20 @@ class LLMEngine:
         # forward time refits the model; the whole step (what a running request waits per token) corrects it
         self.scheduler.on_step_done(plan, (t2 - t1) * 1000.0, (t4 - t0) * 1000.0, time.monotonic())
         self._publish(len(plan.prefill), len(plan.decode))
+
+    def _reprofile(self, job: _Reprofile) -> None:
+        from engine.profiling import load_or_profile  # noqa: PLC0415 (imports this module's types)
+
+        if self._stop or self._requests:
+            job.error = "engine shut down" if self._stop else f"{len(self._requests)} requests in flight"
+        else:
+            try:
+                model, self.profile_report = load_or_profile(self, job.time_budget_s, fresh=True)
+                self.scheduler.predictor = model.scaled(*job.scale) if job.scale != (1.0, 1.0) else model
+                job.report = self.profile_report
+            except Exception as e:  # noqa: BLE001 - the caller gets the error; the old fit stays
+                job.error = f"profiling failed: {e!r}"
+        job.done.set()
 
     def _reject(self, req: Request, reason: str) -> None:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1

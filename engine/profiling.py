@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger("kairos.profiling")
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: decode probes hold mixed context lengths
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 
@@ -40,7 +40,13 @@ def _default_path(meta: dict) -> Path:
 
 
 class _Prober:
-    """Builds throwaway requests on the real cache and times real steps (forward + sampling)."""
+    """Builds throwaway requests on the real cache and times real steps (forward + sampling).
+
+    A decode probe of (B, L) holds B contexts whose mean is exactly L but whose lengths spread over about
+    [L/4, 7L/4] in mirrored pairs, as a served batch's do: the step runs its attention in length groups
+    (`model_runner.group_by_length`), so a batch of equal lengths is ~5-10% cheaper than a real one of the
+    same mean, and a fit on equal lengths under-predicts every real step by that much.
+    """
 
     def __init__(self, engine: "LLMEngine") -> None:
         self.e = engine
@@ -65,22 +71,34 @@ class _Prober:
         finally:
             self.e.blocks.free(r)
 
+    def lengths(self, batch: int, ctx: int) -> list[int]:
+        """`batch` lengths with mean exactly `ctx`, each within [1, max_model_len - 1]."""
+        spread = min(3 * ctx // 4, ctx - 1, self.e.max_model_len - 1 - ctx)
+        lens = [ctx] * (batch % 2)
+        for _ in range(batch // 2):
+            d = self.rng.randint(0, max(spread, 0))
+            lens += [ctx - d, ctx + d]
+        return lens
+
     def decode(self, batch: int, ctx: int) -> float:
-        reqs = [self._req(ctx) for _ in range(batch)]
+        lens = self.lengths(batch, ctx)
+        reqs = [self._req(n) for n in lens]
         try:
-            for r in reqs:
-                self.e.blocks.ensure(r, ctx)
-                r.num_computed_tokens = ctx - 1  # KV contents do not change the step time
+            for r, n in zip(reqs, lens):
+                self.e.blocks.ensure(r, n)
+                r.num_computed_tokens = n - 1  # KV contents do not change the step time
             return self._timed([], reqs)
         finally:
             for r in reqs:
                 self.e.blocks.free(r)
 
 
-def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0) -> tuple[LatencyModel, dict]:
+def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
+                    fresh: bool = False) -> tuple[LatencyModel, dict]:
+    """The cached fit for this engine's setup, or (none cached, or `fresh`) a new one, saved for next time."""
     meta = _meta(engine)
     path = Path(engine.config.scheduler.predictor_path or _default_path(meta))
-    if path.exists():
+    if path.exists() and not fresh:
         try:
             model = LatencyModel.load(path)
             if model.meta.get("fit") and {k: model.meta.get(k) for k in meta} == meta:
@@ -91,7 +109,8 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0) -> tuple[L
     limit = engine.max_model_len - 1
     capacity = engine.blocks.num_blocks * engine.blocks.block_size
     ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)
-    batches = tuple(B for B in BATCH_SIZES if B * max(ctx_lens) <= capacity) or (1,)
+    block = engine.blocks.block_size  # mixed lengths round up to a block each
+    batches = tuple(B for B in BATCH_SIZES if B * (max(ctx_lens) + block) <= capacity) or (1,)
     budget = engine.config.scheduler.prefill_max_tokens or 1024
     sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, 2 * budget) if n <= min(limit, capacity)})
     for _ in range(2):  # warm up: page in the weights, size the workspace
@@ -99,7 +118,7 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0) -> tuple[L
         probe.decode(batches[-1], ctx_lens[-1])
     t0 = time.perf_counter()
     model, report = profile(probe.prefill, probe.decode, prefill_sizes=sizes, batch_sizes=batches,
-                            ctx_lens=ctx_lens, repeats=3, time_budget_s=time_budget_s)
+                            ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s)
     report = dict(report, seconds=round(time.perf_counter() - t0, 2))
     model.meta = dict(meta, fit=report)
     try:

@@ -164,6 +164,14 @@ class LatencyModel:
             self._decode.fit(x, np.array([ms for _, _, ms in samples]))
         return self
 
+    def scaled(self, decode: float = 1.0, prefill: float = 1.0) -> LatencyModel:
+        """A copy whose decode and prefill step times are multiplied by these factors (a calibration)."""
+        model = LatencyModel.from_json(self.to_json())
+        model._decode.w = model._decode.w * decode
+        model._prefill.w = model._prefill.w * prefill
+        model.c0 *= prefill
+        return model
+
     def observe_prefill(self, n: float, ms: float) -> None:
         """Online refit from one measured prefill step (non-finite or non-positive times ignored)."""
         if not (math.isfinite(ms) and ms > 0.0):
@@ -217,6 +225,14 @@ class LatencyModel:
         return cls.from_json(Path(path).read_text())
 
 
+def _cell_medians(samples: Sequence[tuple[float, ...]]) -> list[tuple[float, ...]]:
+    """One sample per distinct input (all fields but the last): the median of its measured times."""
+    cells: dict[tuple[float, ...], list[float]] = {}
+    for *key, ms in samples:
+        cells.setdefault(tuple(key), []).append(ms)
+    return [(*key, float(np.median(v))) for key, v in cells.items()]
+
+
 def profile(
     run_prefill: Callable[[int], float],
     run_decode: Callable[[int, int], float],
@@ -258,7 +274,7 @@ def profile(
             break
     train = [s for i, s in enumerate(decode) if i % 4 != 3]
     holdout = [s for i, s in enumerate(decode) if i % 4 == 3]
-    model = LatencyModel().fit_prefill(prefill).fit_decode(train)
+    model = LatencyModel().fit_prefill(_cell_medians(prefill)).fit_decode(_cell_medians(train))
     fit = model.score_decode(train) if train else {"r2": None, "mape": None}
     prefill_fit = model.score_prefill(prefill) if prefill else {"r2": None, "mape": None}
     report = {

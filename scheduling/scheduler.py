@@ -32,14 +32,11 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)
     rejected: list[tuple[Request, str]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # fixed when planned: after the step every prefill has 1 token left to compute
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.prefill)
 
 
 class Scheduler:
@@ -107,6 +104,7 @@ class Scheduler:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
             plan.decode = self._select_decode(plan)
+        plan.num_prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in plan.prefill)
         return plan
 
     def _admit(self, now: float, plan: StepPlan) -> list[Request]:

@@ -308,8 +308,11 @@ def test_smoke_run_writes_json_csv_and_pngs(tmp_path):
     assert doc["lambda_star_rps"] == 2.0
     assert set(doc["tiers"]) == set(W.TIER_NAMES)
     assert doc["predictor"]["r2"] is not None and "slo_scale" in doc["predictor"]
-    assert doc["config"]["refresh_profile"] and doc["profiles_per_load"]["1.5"]["d4_ms"] > 0  # fresh fit per load
-    assert (out / "latency-profile-1.5x.json").exists()
+    assert doc["config"]["refresh_profile"] and doc["config"]["calibrate"]
+    cal = doc["calibration"]  # served steps against the probe fit, from one FCFS run at lambda*
+    assert cal["decode"] > 0 and cal["n_decode_steps"] > 0 and cal["prefill"] > 0
+    fits = doc["profiles_per_run"]  # a fresh fit before every (policy, seed) run
+    assert [(f["policy"], f["seed"]) for f in fits] == [("fcfs", 0), ("scorpio", 0)] and fits[0]["d4_ms"] > 0
     res = doc["results"]
     assert res[0]["steps"] > 0 and res[0]["rejected"] == 0  # fcfs serves everything
     assert 0.0 <= res[0]["prefill_only_pct"] <= 100.0 and res[0]["decode_wall_over_model_p50"] > 0
@@ -477,7 +480,7 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     seen = []
 
     class Sched:
-        predictor = NS(itl_ms=lambda b, length: 2.0 * b)  # 2 ms per decoding request
+        predictor = NS(itl_ms=lambda b, length: 2.0 * b, prefill_ms=lambda n: 2.0 * n)  # 2 ms per request/token
 
         def on_step_done(self, plan, step_ms, wall_ms, now):
             seen.append(wall_ms)
@@ -487,10 +490,16 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     req = NS(num_tokens=10)
     for prefill, decode, wall in (([req], [], 30.0), ([], [req, req], 5.0), ([], [req, req], 4.0),
                                   ([req], [req], 11.0)):  # a hybrid step counts in the total only
-        sched.on_step_done(NS(prefill=prefill, decode=decode), wall, wall, 0.0)
+        sched.on_step_done(NS(prefill=prefill, decode=decode, num_prefill_tokens=10 * len(prefill)), wall, wall, 0.0)
     raw = tap.close()
     assert seen == [30.0, 5.0, 4.0, 11.0] and "on_step_done" not in vars(sched)  # hook ran; method restored
     figs = step_figures([raw, {"total_ms": 0.0, "prefill_only_ms": 0.0, "decode_ratios": []}])
     assert figs["prefill_only_pct"] == pytest.approx(60.0)  # 30 of 50 ms
     assert figs["decode_wall_over_model_p50"] == pytest.approx((1.25 + 1.0) / 2)  # 5/4 and 4/4
     assert step_figures([]) == {"prefill_only_pct": None, "decode_wall_over_model_p50": None}
+    from bench.slo_calibrate import factors  # the calibration: medians of the same ratios
+
+    cal = factors([raw])
+    assert cal["decode"] == pytest.approx(1.125) and cal["prefill"] == pytest.approx(1.5)  # 30 ms / (2 ms x 10)
+    assert (cal["n_decode_steps"], cal["n_prefill_steps"]) == (2, 1)
+    assert factors([{"decode_ratios": [], "prefill_ratios": []}])["decode"] == 1.0  # nothing seen: no change

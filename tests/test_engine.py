@@ -235,3 +235,44 @@ def test_prompt_encoder_matches_hf_encode(tiny_checkpoints, family):
     for text in ["Hello", " leading space", "two  spaces\nnew line\ttab", "ünïcödé — 漢字 🙂", f"a{eos}b",
                  "x" * 300, "  ", "123 456.789"]:
         assert enc(text) == tok.encode(text, add_special_tokens=False), text
+
+
+def test_reprofile_swaps_the_fit_when_idle_and_refuses_while_serving(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        before = eng.scheduler.predictor
+        report = eng.reprofile(time_budget_s=2.0)
+        assert report["cached"] is False and report["n_decode"] > 0
+        assert eng.scheduler.predictor is not before and eng.profile_report == report
+        fit = eng.scheduler.predictor
+        eng.reprofile(time_budget_s=2.0, scale=(2.0, 3.0))  # calibrated: the new fit's times, scaled
+        cal = eng.scheduler.predictor
+        assert cal.itl_ms(4, 100) > 1.5 * fit.itl_ms(4, 100) and cal.prefill_ms(200) > 2.0 * fit.prefill_ms(200)
+        s = eng.add_request([5] * 40, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                            request_id="busy")
+        with pytest.raises(RuntimeError, match="in flight"):
+            eng.reprofile(time_budget_s=2.0)
+        eng.abort("busy")
+        assert list(s)[-1].finish_reason == "abort"
+        deadline = time.time() + 5
+        while eng.stats().kv_blocks_used and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.stats().kv_blocks_used == 0  # the refused profile took no blocks
+        outs = list(eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+        assert outs[-1].finish_reason == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_decode_probe_lengths_spread_around_the_mean():
+    """A profile's decode batch of (B, L) has mean context exactly L, spread as a served batch's is."""
+    from types import SimpleNamespace
+
+    from engine.profiling import _Prober
+
+    probe = _Prober(SimpleNamespace(max_model_len=600))
+    for batch, ctx in ((1, 64), (7, 128), (32, 256), (16, 512)):
+        lens = probe.lengths(batch, ctx)
+        assert len(lens) == batch and sum(lens) == batch * ctx
+        assert all(1 <= n <= 599 for n in lens)
+    assert len(set(probe.lengths(32, 256))) > 8  # not all equal

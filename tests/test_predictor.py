@@ -188,3 +188,11 @@ def test_fit_never_predicts_a_bigger_batch_faster():
     for b, n, ms in samples:
         m.observe_decode(b, n, ms)
     assert all(c >= 0 for c in m.decode_coef)
+
+
+def test_scaled_copy_multiplies_step_times_and_leaves_the_original() -> None:
+    m = LatencyModel(prefill_coef=(0.1, 2.0), decode_coef=(0.001, 0.2, 0.01, 3.0))
+    s = m.scaled(decode=1.5, prefill=2.0)
+    assert s.itl_ms(8, 200) == pytest.approx(1.5 * m.itl_ms(8, 200))
+    assert s.prefill_ms(300) == pytest.approx(2.0 * m.prefill_ms(300))
+    assert m.itl_ms(8, 200) == pytest.approx(0.001 * 1600 + 1.6 + 2.0 + 3.0)  # the original is untouched

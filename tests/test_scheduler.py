@@ -121,3 +121,15 @@ def test_kairos_gate_scales_the_model_by_the_measured_step_time():
         assert (r in p.prefill) is admitted, policy
         assert ((r, "tpot_unattainable") in p.rejected) is (not admitted), policy
     assert s.last_correction == 2.5  # measured 3x, capped at correction_max
+
+
+def test_plan_keeps_its_prefill_token_count_after_the_step():
+    """Step feedback (online refit, bench calibration) reads the count after the step has run."""
+    s = _sched("fcfs")
+    a, b = _req(0, 5), _req(1, 7)
+    s.add(a)
+    s.add(b)
+    p = s.schedule(0.0)
+    assert p.prefill == [a, b] and p.num_prefill_tokens == 12
+    _run(s, p)
+    assert p.num_prefill_tokens == 12
