@@ -27,7 +27,8 @@ What one run does:
    calls add_request (never blocks); one consumer thread drains the streams and keeps the final metrics (all
    timestamps are the engine's own time.monotonic). Requests unfinished `drain` seconds after the last arrival
    are aborted and counted as misses (finish_reason "timeout").
-4. Writes results.json, results.csv, records.jsonl (one line per request) and the PNGs into --out, prints a
+4. Writes results.json, results.csv, records.jsonl (one line per request), tiers-profile.json (the fit that set
+   the tiers: --predictor-json it to rerun on them) and the PNGs into --out, prints a
    table per load and the acceptance checks at 1.5×lambda*. `--compare RESULTS_JSON` adds a side-by-side
    with an earlier run (the HTTP run against the in-process one).
 

@@ -503,3 +503,14 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     assert cal["decode"] == pytest.approx(1.125) and cal["prefill"] == pytest.approx(1.5)  # 30 ms / (2 ms x 10)
     assert (cal["n_decode_steps"], cal["n_prefill_steps"]) == (2, 1)
     assert factors([{"decode_ratios": [], "prefill_ratios": []}])["decode"] == 1.0  # nothing seen: no change
+
+
+def test_smoke_probe_check(tmp_path):
+    """bench.probe_check: both probe fits scored against served-like batches, a drift series, JSON."""
+    from bench import probe_check
+
+    js = tmp_path / "p.json"
+    assert probe_check.main(["--reps", "1", "--drift-s", "0.1", "--json", str(js)]) == 0
+    doc = json.loads(js.read_text())
+    assert doc["fits"][0]["equal"] > 0 and doc["fits"][0]["mixed"] > 0
+    assert len(doc["drift_ms"]) == 1 and doc["drift_max_over_min"] == 1.0
