@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_points = len(policies) * len(plan.seeds)
     n_req = plan.n_cap
     refresh = (not http) and (args.refresh_profile if args.refresh_profile is not None else not args.predictor_json)
-    calibrating = refresh if args.calibrate is None else (args.calibrate and not http)
+    calibrating = refresh and args.calibrate is not False  # it scales the refreshed fits: nothing to scale without
     n_runs = len(order) * len(rates) * len(plan.seeds)
     starts = 0.0 if http else (max(engines.start_s.values()) * (len(order) - 1)
                                + (n_runs * PROFILE_BUDGET_S * 0.6 if refresh else 0.0))

@@ -86,7 +86,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="one FCFS run at lambda* before the sweep measures served steps against the probe fit "
                          "(median ratio, decode and prefill); the refreshed fits of the policies without the online "
                          "ITL correction are scaled by it, as SCORPIO fits its model on served steps "
-                         "(bench/slo_calibrate.py). Default: with --refresh-profile")
+                         "(bench/slo_calibrate.py). Default: on with --refresh-profile, which it needs")
     ap.add_argument("--predictor-json", default=None,
                     help="latency-model JSON (e.g. an earlier run's latency-profile.json) for the SLO tiers and, in "
                          "engine mode, for the engines' schedulers: the same tiers as that run")
