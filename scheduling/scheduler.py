@@ -118,9 +118,11 @@ class Scheduler:
         if f.vbs_gate and self.predictor is not None:
             model = itl = self.predictor.itl_ms
             if self.correction is not None:
-                # the static margin already covers this much inflation; scale only by what it does not
+                # the static margin already covers up to k of inflation; scale only by what it does not. Steps
+                # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
                 self.last_correction = self.correction.factor(now)
-                scale = max(1.0, self.last_correction * self.config.correction_safety / self.config.vbs_margin)
+                c = self.last_correction * self.config.correction_safety
+                scale = c if c < 1.0 else max(1.0, c / self.config.vbs_margin)
 
                 def itl(b: float, length: float) -> float:
                     return model(b, length) * scale

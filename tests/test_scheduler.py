@@ -133,3 +133,22 @@ def test_plan_keeps_its_prefill_token_count_after_the_step():
     assert p.prefill == [a, b] and p.num_prefill_tokens == 12
     _run(s, p)
     assert p.num_prefill_tokens == 12
+
+
+def test_kairos_gate_trusts_steps_measured_faster_than_the_model():
+    """A fit taken while the machine stalled over-predicts: kairos's measured factor (< 1) scales the gate's
+    model down, the 1.3 margin kept, and admits a TPOT that the static gate (scorpio) refuses."""
+    for policy, admitted in (("scorpio", False), ("kairos", True)):
+        s = _sched(policy)
+        a = _req(0, 4)
+        s.add(a)
+        _run(s, s.schedule(0.0))
+        for k in range(40):  # decode steps of ITL(1) = 5.5 ms predicted, measured 4.4 ms (0.8x)
+            p = s.schedule(0.0044 * k)
+            _run(s, p)
+            s.on_step_done(p, 4.4, 4.4, 0.0044 * (k + 1))
+        r = _req(9, 4, tpot=7.0)  # ITL(2) = 6 ms: 1.3 * 6 > 0.99 * 7, but 1.3 * 0.8 * 6 < 0.99 * 7
+        s.add(r)
+        p = s.schedule(0.0044 * 40)
+        assert (r in p.prefill) is admitted, policy
+    assert s.last_correction == pytest.approx(0.8)
