@@ -77,8 +77,8 @@ class SchedulerConfig(BaseModel):
     itl_correction: bool | None = Field(None, description="scale the gate's ITL by measured/predicted step time")
     correction_tau_ms: float = Field(2000.0, gt=0, description="window of the ITL correction (wall ms)")
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
-    correction_safety: float = Field(1.0, ge=1, description="gate multiplier with the correction: "
-                                     "max(vbs_margin, factor * correction_safety); 1.0 measured best at "
+    correction_safety: float = Field(1.0, ge=1, description="multiplies the measured factor f; the gate "
+                                     "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 measured best at "
                                      "1.5x capacity (3 seeds: 10.9 vs 9.3 req/s with 1.1, bench/README.md)")
     predictor_path: str | None = None
 
