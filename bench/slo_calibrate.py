@@ -46,7 +46,8 @@ def calibrate(fcfs_engine: Any, run: Callable[[Any], dict[str, Any]],
 
 def fresh_fit(eng: Any, calib: dict[str, Any] | None, d_ref: Callable[[Any], tuple[float, float]],
               tiers_d12: float) -> dict[str, Any]:
-    """Re-time `eng`'s model now, scale it by `calib`, give it to the scheduler; returns what it measured.
+    """Re-time `eng`'s model now, scale it by `calib` (not under an online correction), give it to the
+    scheduler; returns what it measured.
 
     `d_ref(model)` gives the model's (d4, d12) at the tiers' L̄, so that the fit can be compared with the one
     that set the tiers (`d12_over_tiers`, before calibration: the machine's speed now against then).
