@@ -38,22 +38,12 @@ def main(argv: list[str] | None = None) -> int:
                     kv_cache_memory_gb=0.25, prefill_max_tokens=512)
     probe = _Prober(eng)
 
-    def step(lens: list[int]) -> float:
-        reqs = [probe._req(n) for n in lens]
-        try:
-            for r, n in zip(reqs, lens):
-                eng.blocks.ensure(r, n)
-                r.num_computed_tokens = n - 1
-            return probe._timed([], reqs)
-        finally:
-            for r in reqs:
-                eng.blocks.free(r)
-
+    step = probe.time_decode
     rng = random.Random(7)
     served = [[max(8, int(rng.lognormvariate(4.6, 0.8)) + rng.randint(0, 60)) for _ in range(b)]
               for b in (4, 8, 16, 24) for _ in range(8)]
     fits = []
-    kinds = {"equal": lambda b, n: step([n] * b), "mixed": lambda b, n: step(probe.lengths(b, n))}
+    kinds = {"equal": lambda b, n: step([n] * b), "mixed": probe.decode}
     for rep in range(args.reps):
         row = {"rep": rep}
         for kind, run in kinds.items():

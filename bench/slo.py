@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         live.setdefault("fcfs", eng if order[0] == "fcfs" else engines.start("fcfs"))
         n_cal = args.probe_requests or (200 if args.quick else 240)
         items = W.generate(replace(base, num_requests=n_cal, rate_rps=lam, seed=plan.seeds[0]), scale.tiers)
-        calib = calibrate(live["fcfs"], lambda e: run_items(items, "calibration", "cal", e).engine["tap"], d_ref)
+        calib = calibrate(live["fcfs"], lambda e: run_items(items, "calibration", "cal", e).engine["tap"])
         print(f"calibration (FCFS at lambda*, n={n_cal}): a served decode step takes {calib['decode']:.2f}x the "
               f"probe fit (median of {calib['n_decode_steps']} steps), a prefill step {calib['prefill']:.2f}x "
               f"({calib['n_prefill_steps']}); the static policies' refreshed fits are scaled by these", flush=True)
@@ -288,8 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if e is not None:  # the scheduler's model at the end of the point
                 pe = e.scheduler.predictor
                 r["predictor"] = {"decode_coef_end": list(pe.decode_coef) if pe is not None else None,
-                                  "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None,
-                                  "fits": fits}
+                                  "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None}
             results.append(r)
             speed = sum(f["d12_over_tiers"] for f in fits) / len(fits) if fits else None
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "

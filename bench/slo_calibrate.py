@@ -37,10 +37,9 @@ def factors(taps: list[dict[str, Any]]) -> dict[str, Any]:
             "n_decode_steps": len(dec), "n_prefill_steps": len(pre)}
 
 
-def calibrate(fcfs_engine: Any, run: Callable[[Any], dict[str, Any]],
-              d_ref: Callable[[Any], tuple[float, float]]) -> dict[str, Any]:
+def calibrate(fcfs_engine: Any, run: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """The calibration factors from one run (`run(engine)` returns its StepTap's raw sums) on a fresh fit."""
-    fresh_fit(fcfs_engine, None, d_ref, 0.0)
+    fcfs_engine.reprofile(time_budget_s=PROFILE_BUDGET_S)
     return factors([run(fcfs_engine)])
 
 

@@ -329,7 +329,7 @@ class LLMEngine:
         else:
             try:
                 model, self.profile_report = load_or_profile(self, job.time_budget_s, fresh=True)
-                self.scheduler.predictor = model.scaled(*job.scale) if job.scale != (1.0, 1.0) else model
+                self.scheduler.predictor = model.scaled(*job.scale)
                 job.report = self.profile_report
             except Exception as e:  # noqa: BLE001 - the caller gets the error; the old fit stays
                 job.error = f"profiling failed: {e!r}"

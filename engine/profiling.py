@@ -81,7 +81,10 @@ class _Prober:
         return lens
 
     def decode(self, batch: int, ctx: int) -> float:
-        lens = self.lengths(batch, ctx)
+        return self.time_decode(self.lengths(batch, ctx))
+
+    def time_decode(self, lens: list[int]) -> float:
+        """One decode step over contexts of these lengths (ms)."""
         reqs = [self._req(n) for n in lens]
         try:
             for r, n in zip(reqs, lens):

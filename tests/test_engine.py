@@ -10,6 +10,7 @@ from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.request import SLO
 from scheduling.config import SchedulerConfig
+from scheduling.predictor import LatencyModel
 
 PROMPT_LENS = [1, 3, 7, 16, 33, 64, 100, 150, 250, 300]
 MAX_TOKENS = [12, 30, 5, 25, 17, 40, 9, 22, 14, 33]
@@ -244,10 +245,10 @@ def test_reprofile_swaps_the_fit_when_idle_and_refuses_while_serving(tiny_checkp
         report = eng.reprofile(time_budget_s=2.0)
         assert report["cached"] is False and report["n_decode"] > 0
         assert eng.scheduler.predictor is not before and eng.profile_report == report
-        fit = eng.scheduler.predictor
-        eng.reprofile(time_budget_s=2.0, scale=(2.0, 3.0))  # calibrated: the new fit's times, scaled
-        cal = eng.scheduler.predictor
-        assert cal.itl_ms(4, 100) > 1.5 * fit.itl_ms(4, 100) and cal.prefill_ms(200) > 2.0 * fit.prefill_ms(200)
+        rep = eng.reprofile(time_budget_s=2.0, scale=(2.0, 3.0))  # calibrated: the new fit's times, scaled
+        fit, cal = LatencyModel.load(rep["path"]), eng.scheduler.predictor  # the cache keeps the unscaled fit
+        assert cal.itl_ms(4, 100) == pytest.approx(2.0 * fit.itl_ms(4, 100))
+        assert cal.prefill_ms(200) == pytest.approx(3.0 * fit.prefill_ms(200))
         s = eng.add_request([5] * 40, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
                             request_id="busy")
         with pytest.raises(RuntimeError, match="in flight"):
