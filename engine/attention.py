@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine.kv.cache import KVCache
+from engine.kv_cache import KVCache
 
 ATTN_NAME = "kairos_paged"
 

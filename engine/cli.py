@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttnMetadata, DecodeGroup, Workspace
-from engine.kv.cache import KVCache
-from engine.request import Request
+from engine.kv_cache import KVCache
+from core.request import Request
 
 
 # A decode group costs a gather + SDPA call per layer; about this many blocks' worth of padded work. A longer

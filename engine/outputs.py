@@ -1,41 +1,80 @@
-"""What a request's stream yields: plain dataclasses, picklable across Ray."""
+"""Turns sampled tokens into stream items: incremental detokenization, stop strings, the final item.
+
+The engine's worker thread owns one `OutputProcessor`; it keeps per request what the output side needs (the
+stream, the detokenizer, the text so far) and never changes the `Request` itself.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from core.messages import ErrorKind, RejectReason, RequestMetrics, RequestOutput
+from core.request import FinishReason, Request
+from engine.detokenizer import IncrementalDetokenizer
+from engine.stream import RequestStream
 
 
 @dataclass(slots=True)
-class RequestMetrics:
-    arrival_s: float
-    admitted_s: float | None
-    first_token_s: float | None
-    finished_s: float | None
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (n - 1): the SCORPIO / DistServe definition."""
-        t = self.token_times
-        if len(t) < 2:
-            return None
-        return (t[-1] - t[0]) / (len(t) - 1)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One stream item. `text`/`token_ids` are the delta since the previous item."""
-
-    request_id: str
+class _Live:
+    stream: RequestStream
+    detok: IncrementalDetokenizer
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | rejected | error
-    reject_reason: str | None = None  # ttft_unattainable | tpot_unattainable | overloaded
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    metrics: RequestMetrics | None = None  # set on the final item
+    emitted_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._live: dict[str, _Live] = {}
+
+    def add(self, req: Request, stream: RequestStream) -> None:
+        self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer))
+
+    def on_token(self, req: Request, tok: int, reason: FinishReason | None) -> FinishReason | None:
+        """Detokenize `tok` and check the stop strings. Emits the delta unless the request ends now; returns
+        the request's finish reason (a stop string makes it STOP), or None while it goes on."""
+        live = self._live[req.request_id]
+        p = req.params
+        delta = live.detok.step(tok)
+        if delta:
+            live.text += delta
+            if p.stop:
+                hit = _find_stop(live.text, p.stop, len(live.text) - len(delta))
+                if hit is not None:
+                    live.text = live.text[:hit]
+                    reason = FinishReason.STOP
+        if reason is not None:
+            return reason
+        hold = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
+        upto = max(live.emitted_chars, len(live.text) - hold)
+        text = live.text[live.emitted_chars:upto]
+        live.emitted_chars = upto
+        live.stream.put(RequestOutput(req.request_id, text=text, token_ids=[tok],
+                                      num_prompt_tokens=req.num_prompt_tokens,
+                                      num_output_tokens=req.num_output_tokens))
+        return None
+
+    def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,
+               error_kind: ErrorKind | None = None, last_token: int | None = None) -> None:
+        """Send the final item of a request the scheduler has just ended (`req.finish_reason` is set)."""
+        live = self._live.pop(req.request_id)
+        reason = req.finish_reason
+        if reason is not FinishReason.STOP or not req.params.stop:
+            live.text += live.detok.flush()
+        text = live.text[live.emitted_chars:]
+        live.stream.put(RequestOutput(
+            req.request_id, text=text, token_ids=[] if last_token is None else [last_token], finished=True,
+            finish_reason=reason, reject_reason=reject_reason, error=error,
+            error_kind=error_kind if reason is FinishReason.ERROR else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
+                                   req.token_times)))
+
+
+def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
+    """Earliest index of a stop string that ends inside the newly added text."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

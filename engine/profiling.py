@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import Request
-from engine.sampling import SamplingParams
+from core.kv import BlockManager
+from core.request import Request
+from core.sampling import SamplingParams
 from scheduling.predictor import LatencyModel, profile
 
 if TYPE_CHECKING:
@@ -39,8 +40,10 @@ def _default_path(meta: dict) -> Path:
     return root / f"latency-{key}.json"
 
 
-class _Prober:
-    """Builds throwaway requests on the real cache and times real steps (forward + sampling).
+class Prober:
+    """Times real steps (forward + sampling) of throwaway requests on the real cache. Only on an idle engine:
+    before its worker starts, or inside `LLMEngine.run_idle`. With nothing in flight every cache block is
+    free, so the probes take their blocks from a scratch `BlockManager` and touch no scheduler state.
 
     A decode probe of (B, L) holds B contexts whose mean is exactly L but whose lengths spread over about
     [L/4, 7L/4] in mirrored pairs, as a served batch's do: the step runs its attention in length groups
@@ -53,9 +56,18 @@ class _Prober:
         self.rng = random.Random(0)
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def _req(self, n: int) -> Request:
-        ids = [self.rng.randrange(self.e.bundle.vocab_limit) for _ in range(n)]
-        return Request("probe", ids, self.params)
+    def _requests(self, prompts: list[list[int]], computed: int) -> tuple[list[Request], BlockManager]:
+        """Requests over these token ids with blocks for all of them; all but the last `computed` from the end
+        count as already in the cache (the KV contents do not change the step time)."""
+        blocks = BlockManager(self.e.cache.num_blocks, self.e.cache.block_size)
+        reqs = [Request(f"probe-{i}", list(ids), self.params) for i, ids in enumerate(prompts)]
+        for r in reqs:
+            blocks.ensure(r, r.num_tokens)
+            r.num_computed_tokens = max(0, r.num_tokens - computed) if computed else 0
+        return reqs, blocks
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.e.bundle.vocab_limit) for _ in range(n)]
 
     def _timed(self, prefill: list[Request], decode: list[Request]) -> float:
         t0 = time.perf_counter()
@@ -63,13 +75,13 @@ class _Prober:
         self.e.sampler.sample(logits, prefill + decode)  # .tolist() synchronises CUDA
         return (time.perf_counter() - t0) * 1000.0
 
+    def prefill_ms(self, prompts: list[list[int]]) -> float:
+        """One prefill step over these prompts (ms)."""
+        reqs, _ = self._requests(prompts, 0)
+        return self._timed(reqs, [])
+
     def prefill(self, n: int) -> float:
-        r = self._req(n)
-        self.e.blocks.ensure(r, n)
-        try:
-            return self._timed([r], [])
-        finally:
-            self.e.blocks.free(r)
+        return self.prefill_ms([self._ids(n)])
 
     def lengths(self, batch: int, ctx: int) -> list[int]:
         """`batch` lengths with mean exactly `ctx`, each within [1, max_model_len - 1]."""
@@ -81,19 +93,19 @@ class _Prober:
         return lens
 
     def decode(self, batch: int, ctx: int) -> float:
-        return self.time_decode(self.lengths(batch, ctx))
+        return self.decode_ms(self.lengths(batch, ctx))
 
-    def time_decode(self, lens: list[int]) -> float:
+    def decode_ms(self, lens: list[int]) -> float:
         """One decode step over contexts of these lengths (ms)."""
-        reqs = [self._req(n) for n in lens]
-        try:
-            for r, n in zip(reqs, lens):
-                self.e.blocks.ensure(r, n)
-                r.num_computed_tokens = n - 1  # KV contents do not change the step time
-            return self._timed([], reqs)
-        finally:
-            for r in reqs:
-                self.e.blocks.free(r)
+        reqs, _ = self._requests([self._ids(n) for n in lens], 1)
+        return self._timed([], reqs)
+
+    def prepare_ms(self, lens: list[int]) -> float:
+        """Only the runner's input preparation of such a decode step (ms)."""
+        reqs, _ = self._requests([self._ids(n) for n in lens], 1)
+        t0 = time.perf_counter()
+        self.e.runner.prepare([], reqs)
+        return (time.perf_counter() - t0) * 1000.0
 
 
 def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
@@ -108,11 +120,11 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
                 return model, dict(model.meta["fit"], cached=True, path=str(path))
         except (ValueError, KeyError, OSError) as e:
             log.warning("ignoring unreadable latency profile %s: %s", path, e)
-    probe = _Prober(engine)
+    probe = Prober(engine)
     limit = engine.max_model_len - 1
-    capacity = engine.blocks.num_blocks * engine.blocks.block_size
+    capacity = engine.cache.num_blocks * engine.cache.block_size
     ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)
-    block = engine.blocks.block_size  # mixed lengths round up to a block each
+    block = engine.cache.block_size  # mixed lengths round up to a block each
     batches = tuple(B for B in BATCH_SIZES if B * (max(ctx_lens) + block) <= capacity) or (1,)
     budget = engine.config.scheduler.prefill_max_tokens or 1024
     sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, 2 * budget) if n <= min(limit, capacity)})

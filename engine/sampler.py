@@ -1,9 +1,12 @@
-"""Batched sampling: greedy rows in one argmax; temperature / top-k / top-p rows with per-request RNG."""
+"""Batched sampling: greedy rows in one argmax; temperature / top-k / top-p rows with per-request RNG.
+
+The sampler reads requests and never changes them; the seeded RNGs are its own, keyed by request id
+(`release` drops one when its request ends)."""
 from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from core.request import Request
 
 
 class Sampler:
@@ -11,14 +14,19 @@ class Sampler:
         self.vocab_limit = vocab_limit
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
+        self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None:
             return None
-        if req.generator is None:
-            req.generator = torch.Generator(device=self.device)
-            req.generator.manual_seed(req.params.seed)
-        return req.generator
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(req.params.seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
@@ -29,7 +37,7 @@ class Sampler:
         if banned_rows:
             logits = logits.clone()
             for i in banned_rows:
-                ban = self.eos_token_ids + reqs[i].params.stop_token_ids
+                ban = self.eos_token_ids + list(reqs[i].params.stop_token_ids)
                 logits[i, [t for t in ban if t < logits.shape[-1]]] = float("-inf")
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):

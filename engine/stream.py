@@ -6,10 +6,11 @@ If the reader is behind, pending deltas are merged on read so it never falls fur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections import deque
 
-from engine.outputs import RequestOutput
+from core.messages import RequestOutput
 
 
 class RequestStream:
@@ -47,20 +48,13 @@ class RequestStream:
 
     # --- consumer side ---
     def _pop_merged(self) -> RequestOutput:
-        first = self._items.popleft()
-        if not self._items or first.finished:
-            return first
-        texts, ids = [first.text], list(first.token_ids)
-        last = first
-        while self._items:
-            last = self._items.popleft()
-            texts.append(last.text)
-            ids.extend(last.token_ids)
-            if last.finished:
-                break
-        last.text = "".join(texts)
-        last.token_ids = ids
-        return last
+        parts = [self._items.popleft()]
+        while self._items and not parts[-1].finished:
+            parts.append(self._items.popleft())
+        if len(parts) == 1:
+            return parts[0]
+        return dataclasses.replace(parts[-1], text="".join(p.text for p in parts),
+                                   token_ids=[t for p in parts for t in p.token_ids])
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         with self._cond:

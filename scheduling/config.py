@@ -1,7 +1,7 @@
 """Scheduler configuration: every knob of the seeds and of SCORPIO, validated, with policy presets."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -12,34 +12,33 @@ POLICIES: tuple[str, ...] = ("fcfs", "pack", "edf", "edf_reject", "tpot_guard", 
 
 @dataclass(frozen=True, slots=True)
 class PolicyFlags:
-    """The mechanisms a policy switches on (resolved from its name plus explicit overrides)."""
+    """The mechanisms a policy switches on (a preset, then the config's explicit overrides)."""
 
-    queue_order: Literal["fifo", "ldf"]
-    admission: Literal["fifo", "pack"]
-    force_fifo_every: int
-    ttft_reject: bool
-    sort_before_reject: bool
-    credit_batching: bool
-    vbs_gate: bool
-    monotone_skip: bool
-    online_refit: bool
-    hybrid_steps: bool
-    itl_correction: bool
+    queue_order: Literal["fifo", "ldf"] = "fifo"
+    admission: Literal["fifo", "pack"] = "fifo"
+    force_fifo_every: int = 0
+    ttft_reject: bool = False
+    sort_before_reject: bool = False
+    credit_batching: bool = False
+    vbs_gate: bool = False
+    monotone_skip: bool = False
+    hybrid_steps: bool = False
+    itl_correction: bool = False
 
 
-_PRESETS: dict[str, tuple] = {
-    #              order   admission force ttft_rej sort1st credit gate  skip   refit  hybrid correct
-    "fcfs":       ("fifo", "fifo", 0, False, False, False, False, False, False, False, False),
-    "pack":       ("fifo", "pack", 8, False, False, False, False, False, False, False, False),
-    "edf":        ("ldf",  "fifo", 0, False, False, False, False, False, False, False, False),
-    "edf_reject": ("ldf",  "fifo", 0, True,  False, False, False, False, False, False, False),
-    "tpot_guard": ("fifo", "fifo", 0, False, False, True,  True,  False, False, False, False),
-    "scorpio":    ("ldf",  "fifo", 0, True,  False, True,  True,  False, False, False, False),
-    # online refit (RLS over all four ITL coefficients) is off by default: in the SLO sweep it drifted on
-    # small-batch steps (B and B*L unidentifiable) until the gate rejected everything; opt in with online_refit.
-    # kairos corrects the gate instead with a bounded factor measured on the steps it runs (ItlCorrection)
-    "kairos":     ("ldf",  "fifo", 0, True,  True,  True,  True,  True,  False, True,  True),
+PRESETS: dict[str, PolicyFlags] = {
+    "fcfs": PolicyFlags(),
+    "pack": PolicyFlags(admission="pack", force_fifo_every=8),
+    "edf": PolicyFlags(queue_order="ldf"),
+    "edf_reject": PolicyFlags(queue_order="ldf", ttft_reject=True),
+    "tpot_guard": PolicyFlags(credit_batching=True, vbs_gate=True),
+    "scorpio": PolicyFlags(queue_order="ldf", ttft_reject=True, credit_batching=True, vbs_gate=True),
+    # kairos corrects the gate with a bounded factor measured on the steps it runs (ItlCorrection)
+    "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
+                          vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True),
 }
+_OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
+                                                      "force_fifo_every": "prefill_force_fifo_every"}
 
 
 class SchedulerConfig(BaseModel):
@@ -70,10 +69,8 @@ class SchedulerConfig(BaseModel):
     tpot_on_fail: Literal["reject", "hold"] = "reject"
     monotone_skip: bool | None = None
     best_effort_trp: float = Field(0.5, gt=0, le=1, description="decode rate of requests without a TPOT SLO")
-    # predictor
-    online_refit: bool | None = None
+    # step composition and the gate's correction
     hybrid_steps: bool | None = Field(None, description="decode running requests in the same forward as prefills")
-    refit_forgetting: float = Field(0.98, gt=0, le=1)
     itl_correction: bool | None = Field(None, description="scale the gate's ITL by measured/predicted step time")
     correction_tau_ms: float = Field(2000.0, gt=0, description="window of the ITL correction (wall ms)")
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
@@ -89,21 +86,7 @@ class SchedulerConfig(BaseModel):
         return self
 
     def flags(self) -> PolicyFlags:
-        order, adm, force, rej, sort1, credit, gate, skip, refit, hybrid, corr = _PRESETS[self.policy]
-
-        def pick(v, d):
-            return d if v is None else v
-
-        return PolicyFlags(
-            queue_order=pick(self.queue_order, order),
-            admission=pick(self.prefill_admission_policy, adm),
-            force_fifo_every=pick(self.prefill_force_fifo_every, force),
-            ttft_reject=pick(self.ttft_reject, rej),
-            sort_before_reject=pick(self.sort_before_reject, sort1),
-            credit_batching=pick(self.credit_batching, credit),
-            vbs_gate=pick(self.vbs_gate, gate),
-            monotone_skip=pick(self.monotone_skip, skip),
-            online_refit=pick(self.online_refit, refit),
-            hybrid_steps=pick(self.hybrid_steps, hybrid),
-            itl_correction=pick(self.itl_correction, corr),
-        )
+        """The policy's preset with every explicitly set knob applied."""
+        preset = PRESETS[self.policy]
+        set_ = {flag: getattr(self, knob) for flag, knob in _OVERRIDES.items() if getattr(self, knob) is not None}
+        return replace(preset, **set_)

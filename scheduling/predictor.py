@@ -1,7 +1,7 @@
 """Step-time model: ``Prefill(n)`` (piecewise linear) and ``ITL(B, L) = a·B·L + b·B + c·L + d``.
 
-Fitted offline by least squares on profiled steps (``profile``), refit online by recursive least
-squares with exponential forgetting, saved as JSON. Pure numpy; the engine supplies the timings.
+Fitted by non-negative least squares on profiled steps (``profile``) and saved as JSON. A fitted model is
+not changed afterwards (``scaled`` returns a copy). Pure numpy; the engine supplies the timings.
 """
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 
 MIN_MS = 0.05  # predictions are clamped to at least this
-_RIDGE = 1e-3  # prior precision of P (scaled coordinates): a direction without data gets P = 1/_RIDGE
-_P_MAX_TRACE = 1e4  # cap on trace(P): stops covariance wind-up when forgetting meets poor excitation
-_FORMAT = 1
+_FORMAT = 2  # 2: no RLS state
 
 
 def r2(y: Sequence[float], yhat: Sequence[float]) -> float:
@@ -35,13 +33,6 @@ def mape(y: Sequence[float], yhat: Sequence[float]) -> float:
     """Mean absolute percentage error as a fraction (0.027 = 2.7%)."""
     y, yhat = np.asarray(y, float), np.asarray(yhat, float)
     return float(np.mean(np.abs(y - yhat) / np.maximum(np.abs(y), 1e-12)))
-
-
-def _cap(p: np.ndarray) -> np.ndarray:
-    trace = float(np.trace(p))
-    if not math.isfinite(trace) or trace <= 0.0:
-        return np.eye(len(p)) / _RIDGE
-    return p * (_P_MAX_TRACE / trace) if trace > _P_MAX_TRACE else p
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -62,38 +53,22 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return w
 
 
-class _LinearRLS:
-    """``y = w·x`` fitted in feature coordinates scaled to O(1) so that P stays well conditioned."""
+class _Linear:
+    """``y = w·x``, fitted in feature coordinates scaled to O(1)."""
 
-    def __init__(self, w: Sequence[float], scale: Sequence[float] | None = None, p: Any = None) -> None:
+    def __init__(self, w: Sequence[float], scale: Sequence[float] | None = None) -> None:
         self.w = np.asarray(w, float)
         self.scale = np.ones(len(self.w)) if scale is None else np.asarray(scale, float)
-        self.p = np.eye(len(self.w)) / _RIDGE if p is None else np.asarray(p, float)
 
     def predict(self, x: Sequence[float]) -> float:
         return float(self.w @ np.asarray(x, float))
 
     def fit(self, x: np.ndarray, y: np.ndarray) -> None:
         self.scale = np.maximum(np.abs(x).max(axis=0), 1.0)
-        xs = x / self.scale
-        self.w = _nnls(xs, y) / self.scale
-        self.p = _cap(np.linalg.inv(xs.T @ xs + _RIDGE * np.eye(xs.shape[1])))
-
-    def update(self, x: Sequence[float], y: float, lam: float) -> None:
-        xs = np.asarray(x, float) / self.scale
-        px = self.p @ xs
-        denom = lam + float(xs @ px)
-        if not math.isfinite(denom) or denom <= 0.0:
-            self.p = np.eye(len(self.w)) / _RIDGE
-            return
-        gain = px / denom
-        theta = self.w * self.scale + gain * (y - self.predict(x))
-        self.w = np.maximum(theta, 0.0) / self.scale  # step time never falls with batch or context
-        p = (self.p - np.outer(gain, px)) / lam
-        self.p = _cap((p + p.T) / 2.0)
+        self.w = _nnls(x / self.scale, y) / self.scale
 
     def to_dict(self) -> dict[str, Any]:
-        return {"w": self.w.tolist(), "scale": self.scale.tolist(), "p": self.p.tolist()}
+        return {"w": self.w.tolist(), "scale": self.scale.tolist()}
 
 
 def _prefill_x(n: float) -> list[float]:
@@ -114,17 +89,13 @@ class LatencyModel:
         *,
         c0: float = 0.0,
         theta: float = -5.0,
-        forgetting: float = 0.98,
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        if not 0.0 < forgetting <= 1.0:
-            raise ValueError("forgetting must be in (0, 1]")
         self.c0 = float(c0)
         self.theta = float(theta)
-        self.forgetting = float(forgetting)
         self.meta: dict[str, Any] = dict(meta or {})
-        self._prefill = _LinearRLS(prefill_coef)
-        self._decode = _LinearRLS(decode_coef)
+        self._prefill = _Linear(prefill_coef)
+        self._decode = _Linear(decode_coef)
 
     @property
     def prefill_coef(self) -> tuple[float, float]:
@@ -172,20 +143,6 @@ class LatencyModel:
         model.c0 *= prefill
         return model
 
-    def observe_prefill(self, n: float, ms: float) -> None:
-        """Online refit from one measured prefill step (non-finite or non-positive times ignored)."""
-        if not (math.isfinite(ms) and ms > 0.0):
-            return
-        if n <= self.theta:
-            self.c0 += (1.0 - self.forgetting) * (ms - self.c0)
-        else:
-            self._prefill.update(_prefill_x(n), ms, self.forgetting)
-
-    def observe_decode(self, batch: float, ctx_len: float, ms: float) -> None:
-        """Online refit from one measured decode step (non-finite or non-positive times ignored)."""
-        if math.isfinite(ms) and ms > 0.0:
-            self._decode.update(_decode_x(batch, ctx_len), ms, self.forgetting)
-
     def score_prefill(self, samples: Sequence[tuple[float, float]]) -> dict[str, float]:
         y = [ms for _, ms in samples]
         yhat = [self.prefill_ms(n) for n, _ in samples]
@@ -203,7 +160,6 @@ class LatencyModel:
     def to_json(self) -> str:
         return json.dumps({
             "format": _FORMAT, "meta": self.meta, "theta": self.theta, "c0": self.c0,
-            "forgetting": self.forgetting,
             "prefill": self._prefill.to_dict(), "decode": self._decode.to_dict(),
         })
 
@@ -212,9 +168,9 @@ class LatencyModel:
         d = json.loads(text)
         if d.get("format") != _FORMAT:
             raise ValueError(f"unsupported latency-model format {d.get('format')!r}")
-        model = cls(c0=d["c0"], theta=d["theta"], forgetting=d["forgetting"], meta=d["meta"])
-        model._prefill = _LinearRLS(**d["prefill"])
-        model._decode = _LinearRLS(**d["decode"])
+        model = cls(c0=d["c0"], theta=d["theta"], meta=d["meta"])
+        model._prefill = _Linear(d["prefill"]["w"], d["prefill"]["scale"])
+        model._decode = _Linear(d["decode"]["w"], d["decode"]["scale"])
         return model
 
     def save(self, path: str | Path) -> None:

@@ -1,7 +1,8 @@
 """The per-replica scheduler: each step it decides which requests to prefill, which to decode, which to reject.
 
 Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate) according to
-the policy flags. Owns the waiting/running sets and the KV block accounting; the engine only executes.
+the policy flags. Owns the waiting/running sets, the KV block accounting and the step's bookkeeping; the
+engine executes the plan and hands the sampled tokens back (`postprocess`).
 Steps are prefill-first (as vLLM V0 / SCORPIO): a step with admissions runs only those prefills, unless
 `hybrid_steps` is on (kairos): then the running requests' decodes ride in the same forward as the prefills,
 so a prefill round no longer stalls every decode for a whole extra step.
@@ -12,8 +13,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv.block_manager import BlockManager
-from engine.request import Request, Status
+from core.kv import BlockManager
+from core.messages import RejectReason
+from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
@@ -21,31 +23,41 @@ from scheduling.queues import order_waiting
 from scheduling.tpot_guard import ItlCorrection, VBSGate, select_by_credit, vbs
 from scheduling.ttft_guard import find_ttft_unattainable
 
-TTFT_UNATTAINABLE = "ttft_unattainable"
-TPOT_UNATTAINABLE = "tpot_unattainable"
-OVERLOADED = "overloaded"
+TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
+TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE
+OVERLOADED = RejectReason.OVERLOADED
 
 
 @dataclass(slots=True)
 class StepPlan:
     prefill: list[Request] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
-    rejected: list[tuple[Request, str]] = field(default_factory=list)
+    rejected: list[tuple[Request, RejectReason]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0  # fixed when planned: after the step every prefill has 1 token left to compute
+    decode_mean_len: float = 0.0  # mean context of the decodes, fixed when planned
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def requests(self) -> list[Request]:
+        """The requests this step runs, in the order of the model's output rows."""
+        return self.prefill + self.decode
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 predictor: LatencyModel | None = None) -> None:
+    """Owns the waiting and running requests, their KV blocks (its own `BlockManager`) and every change to a
+    `Request`: admission, preemption, the step's bookkeeping (`postprocess`) and finishing (`finish`)."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
+                 eos_token_ids: list[int] | tuple[int, ...] = (), predictor: LatencyModel | None = None) -> None:
         self.config = config
         self.flags = config.flags()
-        self.blocks = blocks
+        self.blocks = BlockManager(num_blocks, block_size)
         self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.predictor = predictor
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -64,26 +76,32 @@ class Scheduler:
         self.waiting.append(req)
         return None
 
-    def remove(self, req: Request) -> None:
-        """Forget a request (finished, aborted, failed) and free its KV blocks."""
+    def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
+        """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""
+        if req.status is Status.FINISHED:
+            return False
         if req.status is Status.RUNNING:
             self.running.remove(req)
-        elif req.status is Status.WAITING:
+        else:
             try:
                 self.waiting.remove(req)
             except ValueError:
                 pass
         self.blocks.free(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finished_s = now
+        return True
+
+    def set_predictor(self, predictor: LatencyModel | None) -> None:
+        """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
+        self.predictor = predictor
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _cost(self, req: Request) -> int:
         return min(req.num_tokens - req.num_computed_tokens, self.max_model_len)
-
-    @property
-    def needs_predictor(self) -> bool:
-        return self.flags.ttft_reject or self.flags.vbs_gate
 
     # --- the step decision ---
     def schedule(self, now: float) -> StepPlan:
@@ -105,6 +123,8 @@ class Scheduler:
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
             plan.decode = self._select_decode(plan)
         plan.num_prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in plan.prefill)
+        if plan.decode:
+            plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
         return plan
 
     def _admit(self, now: float, plan: StepPlan) -> list[Request]:
@@ -198,21 +218,38 @@ class Scheduler:
         self.waiting.appendleft(r)
         plan.preempted.append(r)
 
-    # --- feedback ---
-    def on_step_done(self, plan: StepPlan, step_ms: float, wall_ms: float, now: float) -> None:
-        """Feedback after a step: `step_ms` is the forward, `wall_ms` the whole step as requests see it."""
-        if self.predictor is None or (self.correction is None and not self.flags.online_refit):
+    # --- the step's bookkeeping ---
+    def postprocess(self, plan: StepPlan, tokens: list[int | Exception], now: float
+                    ) -> list[tuple[Request, int | Exception, FinishReason | None]]:
+        """Record the step's sampled tokens (one per `plan.requests`, or the exception sampling raised for it).
+        Returns per request its token and the token-level verdict: STOP (EOS or a stop token id), LENGTH
+        (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings* are text and
+        the engine's; it ends such requests with `finish`."""
+        out: list[tuple[Request, int | Exception, FinishReason | None]] = []
+        for req, tok in zip(plan.requests, tokens):
+            req.num_computed_tokens = req.num_tokens
+            if isinstance(tok, Exception):
+                out.append((req, tok, FinishReason.ERROR))
+                continue
+            req.token_ids.append(tok)
+            req.token_times.append(now)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            p = req.params
+            reason = None
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                reason = FinishReason.STOP
+            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            out.append((req, tok, reason))
+        return out
+
+    def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
+        """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction)."""
+        if self.predictor is None or self.correction is None:
             return
-        avg_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode) if plan.decode else 0.0
-        if self.correction is not None:
-            pred = self.predictor.itl_ms(len(plan.decode), avg_len) if plan.decode else 0.0
-            self.correction.observe(now, wall_ms, pred)
-        if not self.flags.online_refit:
-            return
-        if plan.prefill and not plan.decode:
-            self.predictor.observe_prefill(plan.num_prefill_tokens, step_ms)
-        elif plan.decode and not plan.prefill:
-            self.predictor.observe_decode(len(plan.decode), avg_len, step_ms)
+        pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
+        self.correction.observe(now, wall_ms, pred)
 
     def waiting_tokens(self) -> int:
         return sum(self._cost(r) for r in self.waiting)

@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.request import SLO
+from core.sampling import SamplingParams
+from core.request import SLO
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 
@@ -226,7 +226,7 @@ def test_decode_groups_split_by_length_and_pad_little():
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "default"])
 def test_prompt_encoder_matches_hf_encode(tiny_checkpoints, family):
     """add_request tokenizes through the fast tokenizer's backend directly: the same ids as HF's encode."""
-    from engine.engine import prompt_encoder
+    from engine.inputs import prompt_encoder
     from engine.loader import load_model
 
     path = "kairos-default" if family == "default" else tiny_checkpoints[family]
@@ -241,12 +241,12 @@ def test_prompt_encoder_matches_hf_encode(tiny_checkpoints, family):
 def test_reprofile_swaps_the_fit_when_idle_and_refuses_while_serving(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:
-        before = eng.scheduler.predictor
+        before = eng.latency_model
         report = eng.reprofile(time_budget_s=2.0)
         assert report["cached"] is False and report["n_decode"] > 0
-        assert eng.scheduler.predictor is not before and eng.profile_report == report
+        assert eng.latency_model is not before and eng.profile_report == report
         rep = eng.reprofile(time_budget_s=2.0, scale=(2.0, 3.0))  # calibrated: the new fit's times, scaled
-        fit, cal = LatencyModel.load(rep["path"]), eng.scheduler.predictor  # the cache keeps the unscaled fit
+        fit, cal = LatencyModel.load(rep["path"]), eng.latency_model  # the cache keeps the unscaled fit
         assert cal.itl_ms(4, 100) == pytest.approx(2.0 * fit.itl_ms(4, 100))
         assert cal.prefill_ms(200) == pytest.approx(3.0 * fit.prefill_ms(200))
         s = eng.add_request([5] * 40, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
@@ -269,9 +269,9 @@ def test_decode_probe_lengths_spread_around_the_mean():
     """A profile's decode batch of (B, L) has mean context exactly L, spread as a served batch's is."""
     from types import SimpleNamespace
 
-    from engine.profiling import _Prober
+    from engine.profiling import Prober
 
-    probe = _Prober(SimpleNamespace(max_model_len=600))
+    probe = Prober(SimpleNamespace(max_model_len=600))
     for batch, ctx in ((1, 64), (7, 128), (32, 256), (16, 512)):
         lens = probe.lengths(batch, ctx)
         assert len(lens) == batch and sum(lens) == batch * ctx

@@ -6,8 +6,8 @@ from collections import deque
 
 import pytest
 
-from engine.request import SLO, Request
-from engine.sampling import SamplingParams
+from core.request import SLO, Request
+from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
 from scheduling.tpot_guard import VBSGate, min_tpot, select_by_credit, trp, vbs
 from scheduling.ttft_guard import find_ttft_unattainable

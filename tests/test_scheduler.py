@@ -1,9 +1,8 @@
-"""The scheduler's step decisions over plain Request objects and a real BlockManager (no model)."""
+"""The scheduler's step decisions over plain Request objects and its own real BlockManager (no model)."""
 import pytest
 
-from engine.kv.block_manager import BlockManager
-from engine.request import SLO, Request, Status
-from engine.sampling import SamplingParams
+from core.request import SLO, Request, Status
+from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import OVERLOADED, Scheduler
@@ -15,7 +14,7 @@ def _req(i, n, tpot=None, ttft=None, arrival=0.0):
 
 def _sched(policy="fcfs", blocks=64, **kw):
     model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))  # prefill 1+0.01n, itl 5+0.5B
-    return Scheduler(SchedulerConfig(policy=policy, **kw), BlockManager(blocks, 4), max_model_len=256,
+    return Scheduler(SchedulerConfig(policy=policy, **kw), blocks, 4, max_model_len=256,
                      predictor=model)
 
 
@@ -109,7 +108,7 @@ def test_kairos_gate_scales_the_model_by_the_measured_step_time():
         for k in range(40):  # ~40 decode steps at 3x the predicted ITL(1) = 5.5 ms
             p = s.schedule(now + 0.0165 * k)
             _run(s, p)
-            s.on_step_done(p, 16.5, 16.5, now + 0.0165 * (k + 1))
+            s.on_step_done(p, 16.5, now + 0.0165 * (k + 1))
         return now + 0.0165 * 40
 
     for policy, admitted in (("scorpio", True), ("kairos", False)):
@@ -146,7 +145,7 @@ def test_kairos_gate_trusts_steps_measured_faster_than_the_model():
         for k in range(40):  # decode steps of ITL(1) = 5.5 ms predicted, measured 4.4 ms (0.8x)
             p = s.schedule(0.0044 * k)
             _run(s, p)
-            s.on_step_done(p, 4.4, 4.4, 0.0044 * (k + 1))
+            s.on_step_done(p, 4.4, 0.0044 * (k + 1))
         r = _req(9, 4, tpot=7.0)  # ITL(2) = 6 ms: 1.3 * 6 > 0.99 * 7, but 1.3 * 0.8 * 6 < 0.99 * 7
         s.add(r)
         p = s.schedule(0.0044 * 40)

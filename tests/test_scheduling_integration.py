@@ -5,8 +5,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import SLO
-from engine.sampling import SamplingParams
+from core.request import SLO
+from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
 
 # Measured TPOT may exceed the SLO by this factor before the test fails: the gate predicts from a fitted
@@ -33,7 +33,7 @@ def _drain(stream):
 
 
 def test_strict_requests_meet_tpot_and_loose_ones_yield(engine):
-    pred = engine.scheduler.predictor
+    pred = engine.latency_model
     strict = max(4.0 * pred.itl_ms(1, 64), 3.0)   # a handful of requests fit at this TPOT, not all
     loose = 4.0 * strict
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

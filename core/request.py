@@ -1,12 +1,16 @@
-"""One state object per request, owned by the engine's worker thread (no torch here)."""
+"""A request's plain state and its SLO. The scheduler owns every `Request` it holds and is the only party that
+changes one: queue state, KV blocks, tokens, timestamps. The engine keeps its own per-request helpers (stream,
+detokenizer, sampler RNG) in its own tables, keyed by request id."""
 from __future__ import annotations
 
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
+
+MAX_SLO_MS = 3_600_000.0  # an SLO above one hour is a client bug, not best effort
+MAX_OUTPUT_LEN_HINT = 1_000_000
 
 
 class Status(enum.Enum):
@@ -15,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
@@ -23,7 +27,18 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass(slots=True)
+def _check_slo_value(name: str, v: float | int | None, limit: float, integer: bool) -> None:
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    if v > limit:
+        raise ValueError(f"{name} must be <= {limit:g}, got {v!r}")
+    if integer and int(v) != v:
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class SLO:
     """Per-request latency objectives. None means best effort (never rejected for SLO reasons)."""
 
@@ -32,12 +47,10 @@ class SLO:
     output_len_hint: int | None = None
 
     def validate(self) -> "SLO":
-        for name in ("ttft_ms", "tpot_ms"):
-            v = getattr(self, name)
-            if v is not None and not (0.0 < v < 1e9):
-                raise ValueError(f"{name} must be a positive number of milliseconds, got {v!r}")
-        if self.output_len_hint is not None and not (0 < self.output_len_hint < 10_000_000):
-            raise ValueError(f"output_len_hint must be a positive integer, got {self.output_len_hint!r}")
+        """The one set of limits, wherever an SLO enters (HTTP header, body, in-process call)."""
+        _check_slo_value("ttft_ms", self.ttft_ms, MAX_SLO_MS, False)
+        _check_slo_value("tpot_ms", self.tpot_ms, MAX_SLO_MS, False)
+        _check_slo_value("output_len_hint", self.output_len_hint, MAX_OUTPUT_LEN_HINT, True)
         return self
 
     @property
@@ -69,13 +82,6 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
     finish_reason: FinishReason | None = None
-    error: str | None = None
-    # per-request helpers owned by the engine (stream sink, detokenizer, sampler RNG)
-    stream: Any = None
-    detok: Any = None
-    generator: Any = None
-    text: str = ""
-    emitted_chars: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

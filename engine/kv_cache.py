@@ -30,3 +30,28 @@ def choose_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.dev
     if setting != "auto":
         return getattr(torch, setting)
     return model_dtype if device.type == "cuda" else torch.float32
+
+
+def build_cache(config, bundle, max_model_len: int) -> KVCache:
+    """Size and allocate the cache: an explicit block count or memory budget; on CUDA what
+    `gpu_memory_utilization` leaves free; on CPU 1 GiB. It must hold at least one full context."""
+    hf = bundle.config
+    layers = hf.num_hidden_layers
+    heads = hf.num_attention_heads
+    kvh = getattr(hf, "num_key_value_heads", None) or heads
+    hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    dtype = choose_cache_dtype(config.kv_cache_dtype, bundle.dtype, bundle.device)
+    per_block = KVCache.bytes_per_block(layers, config.block_size, kvh, hd, dtype)
+    if config.num_kv_blocks:
+        n = config.num_kv_blocks
+    elif config.kv_cache_memory_gb:
+        n = int(config.kv_cache_memory_gb * 1024**3 // per_block)
+    elif bundle.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(bundle.device)
+        n = int((free - (1 - config.gpu_memory_utilization) * total) // per_block)
+    else:
+        n = int(1024**3 // per_block)  # 1 GiB on CPU
+    min_blocks = -(-max_model_len // config.block_size)
+    if n < min_blocks:
+        raise ValueError(f"KV cache of {n} blocks cannot hold one full context ({min_blocks} blocks)")
+    return KVCache(layers, n, config.block_size, kvh, hd, dtype, bundle.device)

@@ -1,12 +1,8 @@
-"""Paged-KV bookkeeping: which cache blocks each request owns. Pure Python, no tensors."""
+"""Paged-KV bookkeeping: which cache blocks each request owns. Pure Python, no tensors; owned by the scheduler."""
 from __future__ import annotations
 
 from collections import deque
 from typing import Protocol
-
-
-class OutOfBlocks(RuntimeError):
-    pass
 
 
 class HasBlocks(Protocol):
@@ -21,7 +17,6 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
 
-    # --- counts (used by admission control and metrics) ---
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -30,10 +25,6 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def usage(self) -> float:
-        return self.num_used / self.num_blocks
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -41,15 +32,14 @@ class BlockManager:
         """Blocks `seq` still needs so that `num_tokens` tokens fit."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
-    def can_fit(self, seq: HasBlocks, num_tokens: int, reserve: int = 0) -> bool:
-        return self.extra_blocks_for(seq, num_tokens) + reserve <= len(self._free)
+    def can_fit(self, seq: HasBlocks, num_tokens: int) -> bool:
+        return self.extra_blocks_for(seq, num_tokens) <= len(self._free)
 
-    # --- mutation ---
     def ensure(self, seq: HasBlocks, num_tokens: int) -> None:
-        """Grow seq.block_table so that `num_tokens` tokens have slots. All-or-nothing."""
+        """Grow seq.block_table so that `num_tokens` tokens have slots. Callers check `can_fit` first."""
         need = self.extra_blocks_for(seq, num_tokens)
         if need > len(self._free):
-            raise OutOfBlocks(f"need {need} blocks, {len(self._free)} free")
+            raise RuntimeError(f"KV accounting bug: need {need} blocks, {len(self._free)} free")
         for _ in range(need):
             seq.block_table.append(self._free.popleft())
 

@@ -1,33 +1,33 @@
-"""Sampling parameters (plain data, validated) — the per-request knobs of an OpenAI/vLLM request."""
+"""Sampling parameters (plain, frozen data): the per-request knobs of an OpenAI/vLLM request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context window (the engine resolves it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
 
     def validate(self) -> "SamplingParams":
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        """The one set of limits, wherever a request enters (HTTP or in-process)."""
+        mt = self.max_tokens
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt <= 0):
+            raise ValueError(f"max_tokens must be a positive integer, got {mt!r}")
         if self.temperature is None or not (self.temperature >= 0.0):  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_p is None or not (0.0 < self.top_p <= 1.0):
@@ -37,7 +37,7 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        if self.min_tokens < 0 or (mt is not None and self.min_tokens > mt):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")

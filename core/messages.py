@@ -1,0 +1,188 @@
+"""The typed messages that cross a process boundary (vLLM v1's engine-core messages, in spirit).
+
+Each is defined once, here, and used by both ends:
+- `GenerateRequest`: ingress -> replica (validated at the edge, the HTTP ingress or an in-process caller);
+- `RequestOutput`: one stream item, engine -> replica -> ingress; an error or a rejection is a typed field;
+- `RoutingStats`: replica -> router (through Serve's `record_routing_stats`, which carries a plain dict).
+A receiver checks what it got with `check_output` / `RoutingStats.from_dict`: anything unknown or malformed
+raises `ProtocolError` instead of passing for a success.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.request import SLO, FinishReason
+from core.sampling import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A message that does not match its contract."""
+
+
+class RejectReason(enum.StrEnum):
+    TTFT_UNATTAINABLE = "ttft_unattainable"
+    TPOT_UNATTAINABLE = "tpot_unattainable"
+    OVERLOADED = "overloaded"
+
+
+class ErrorKind(enum.StrEnum):
+    """What failed, for a final item with finish_reason `error`: the HTTP status follows from it."""
+
+    INVALID_REQUEST = "invalid_request"  # 400: the replica refused the input (prompt too long, bad ids, ...)
+    UNAVAILABLE = "unavailable"  # 503: the engine is dead or shutting down
+    ENGINE = "engine"  # 500: the model step or sampling failed
+
+
+def _enum(cls: type[enum.Enum], v: Any, name: str) -> Any:
+    if v is None or isinstance(v, cls):
+        return v
+    try:
+        return cls(v)
+    except ValueError:
+        raise ProtocolError(f"unknown {name} {v!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation call. Exactly one of `prompt` (text or token ids) and `messages` (chat) is set."""
+
+    request_id: str
+    prompt: str | tuple[int, ...] | None = None
+    messages: tuple[ChatTurn, ...] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    slo: SLO = field(default_factory=SLO)
+    prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("a GenerateRequest has exactly one of prompt and messages")
+        if isinstance(self.prompt, list):
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+        if self.messages is not None:
+            object.__setattr__(self, "messages", tuple(self.messages))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    arrival_s: float
+    admitted_s: float | None
+    first_token_s: float | None
+    finished_s: float | None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (n - 1): the SCORPIO / DistServe definition."""
+        t = self.token_times
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (len(t) - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_s is None or self.first_token_s is None else self.finished_s - self.arrival_s
+
+
+@dataclass(frozen=True, slots=True)
+class ServedBy:
+    """Set by the replica on a stream's first item: who served it and how long the replica took to answer."""
+
+    replica: str
+    replica_ms: float  # call received -> first item (tokenize, queue, prefill)
+    retry_after_s: int | None = None  # on a rejection
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One stream item. `text`/`token_ids` are the delta since the previous item; the last has finished=True."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    reject_reason: RejectReason | None = None  # with finish_reason `rejected`
+    error: str | None = None  # a message, with finish_reason `error` (or `abort` when the engine stopped)
+    error_kind: ErrorKind | None = None  # with finish_reason `error`
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None  # set on the final item
+    served_by: ServedBy | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "finish_reason", _enum(FinishReason, self.finish_reason, "finish_reason"))
+        object.__setattr__(self, "reject_reason", _enum(RejectReason, self.reject_reason, "reject_reason"))
+        kind = self.error_kind
+        if kind is None and self.finish_reason is FinishReason.ERROR:
+            kind = ErrorKind.ENGINE
+        object.__setattr__(self, "error_kind", _enum(ErrorKind, kind, "error_kind"))
+        self.check()
+
+    def check(self) -> "RequestOutput":
+        """Raise ProtocolError unless the item is consistent (also for items that arrived pickled)."""
+        if self.finished != (self.finish_reason is not None):
+            raise ProtocolError(f"item of {self.request_id!r}: finished={self.finished} with "
+                                f"finish_reason={self.finish_reason!r}")
+        if self.finish_reason is not None and not isinstance(self.finish_reason, FinishReason):
+            raise ProtocolError(f"unknown finish_reason {self.finish_reason!r}")
+        if (self.finish_reason is FinishReason.REJECTED) != isinstance(self.reject_reason, RejectReason):
+            raise ProtocolError(f"item of {self.request_id!r}: a rejection needs a reject_reason, and only a rejection")
+        if self.finish_reason is FinishReason.ERROR and not isinstance(self.error_kind, ErrorKind):
+            raise ProtocolError(f"item of {self.request_id!r}: an error needs an error_kind")
+        return self
+
+
+def check_output(item: Any) -> RequestOutput:
+    """The receiving end's check: a `RequestOutput` that holds its invariants, else ProtocolError."""
+    if not isinstance(item, RequestOutput):
+        raise ProtocolError(f"expected a RequestOutput stream item, got {type(item).__name__}")
+    return item.check()
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingStats:
+    """What a replica reports to the router every `request_routing_stats_period_s`."""
+
+    num_waiting: int
+    num_running: int
+    inflight: int  # generate calls in progress in the replica (includes the engine's waiting + running)
+    vbs: float
+    strictest_tpot_ms: float | None
+    kv_free_blocks: int
+    kv_total_blocks: int
+    predicted_ttft_ms: float | None  # for a ~median prompt, queue included; None before the model is fitted
+    predicted_queue_ms: float | None  # for a 1-token prompt: the queue ahead
+    median_prompt_tokens: int
+    itl_ms: float | None  # EWMA of observed inter-token gaps
+    alive: bool
+    ts: float
+
+    @property
+    def queue_len(self) -> int:
+        return self.num_waiting + self.num_running
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RoutingStats":
+        if not isinstance(d, dict):
+            raise ProtocolError(f"routing stats must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != names:
+            raise ProtocolError(f"routing stats keys differ: missing {sorted(names - set(d))}, "
+                                f"unknown {sorted(set(d) - names)}")
+        return cls(**d)

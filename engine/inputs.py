@@ -1,0 +1,84 @@
+"""Turns what a caller sends (text, token ids or chat turns) into a validated `Request`: the only place a
+prompt is tokenized. Chat uses the tokenizer's own template; models without one get `Role: content` lines
+followed by `Assistant:`."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from core.messages import ChatTurn
+from core.request import SLO, Request
+from core.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+def prompt_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """text -> ids, as `tokenizer.encode(text, add_special_tokens=False)`. A fast tokenizer's Rust backend is
+    called directly: the same ids without the Python wrapper, which was most of add_request's own cost."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return lambda text: tokenizer.encode(text, add_special_tokens=False)
+    return lambda text: backend.encode(text, add_special_tokens=False).ids
+
+
+def render_plain_chat(messages: Sequence[ChatTurn]) -> str:
+    """The fallback chat format: one `Role: content` line per message, then `Assistant:`."""
+    return "\n".join([f"{m.role.capitalize()}: {m.content}" for m in messages] + ["Assistant:"])
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
+                 kv_capacity_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.encode = prompt_encoder(tokenizer)
+        self.vocab_limit = vocab_limit
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.kv_capacity_tokens = kv_capacity_tokens
+
+    def render_chat(self, messages: Sequence[ChatTurn]) -> str:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            turns = [{"role": m.role, "content": m.content} for m in messages]
+            return tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return render_plain_chat(messages)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            try:
+                ids = self.encode(prompt)
+            except (TypeError, UnicodeError) as e:  # e.g. lone surrogates
+                raise ValueError(f"prompt is not valid text: {e}") from None
+            return ids or [self.eos_token_ids[0]]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.vocab_limit
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return list(prompt)
+
+    def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
+                request_id: str | None, messages: Sequence[ChatTurn] | None = None) -> Request:
+        """Validate and tokenize; ValueError with a client-facing message on bad input."""
+        params = (params or SamplingParams()).validate()
+        if any(t >= self.vocab_limit for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
+        slo = (slo or SLO()).validate()
+        ids = self.tokenize(self.render_chat(messages) if messages is not None else prompt)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window is {limit} tokens "
+                             f"(prompt + at least 1 generated token must fit)")
+        if len(ids) + 1 > self.kv_capacity_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the KV cache capacity of "
+                             f"{self.kv_capacity_tokens} tokens")
+        if params.max_tokens is None:  # OpenAI's chat default: the rest of the context window
+            rest = max(1, limit - len(ids))
+            params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        return Request(rid, ids, params, slo, arrival_s=time.monotonic())

@@ -1,0 +1,55 @@
+"""What the engine publishes: a stats snapshot (any thread reads it) and a `StepEvent` per model step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduling.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """One model step, as observers see it."""
+
+    t_end: float  # time.monotonic() at the end of the step
+    num_prefill: int
+    num_prefill_tokens: int
+    num_decode: int
+    decode_mean_len: float  # mean context of the decodes (0.0 without decodes)
+    forward_ms: float  # prepare + forward
+    wall_ms: float  # the whole step: schedule, forward, sample, postprocess
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    alive: bool
+    num_waiting: int
+    num_running: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_used: int
+    vbs: float
+    strictest_tpot_ms: float | None
+    last_decode_batch: int
+    last_prefill_batch: int
+    steps: int
+    rejected: dict[str, int] = field(default_factory=dict)
+    waiting_tokens: int = 0  # prompt tokens queued for prefill
+    predictor_mape: float | None = None
+    itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
+    # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+
+def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
+             predictor_mape: float | None, last: tuple[int, int]) -> EngineStats:
+    """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
+    bm = s.blocks
+    tmin = min((r.tpot_slo_ms for r in s.running), default=float("inf"))
+    return EngineStats(
+        alive=alive, num_waiting=len(s.waiting), num_running=len(s.running),
+        kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used,
+        vbs=s.last_vbs, strictest_tpot_ms=None if tmin == float("inf") else tmin,
+        last_prefill_batch=last[0], last_decode_batch=last[1], steps=steps,
+        waiting_tokens=s.waiting_tokens(), rejected=dict(rejected),
+        predictor_mape=predictor_mape if s.predictor is not None else None,
+        itl_correction=s.last_correction, phase_s=dict(phase_s))
