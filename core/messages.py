@@ -161,8 +161,8 @@ class RoutingStats:
     inflight: int  # generate calls in progress in the replica (includes the engine's waiting + running)
     vbs: float
     strictest_tpot_ms: float | None
-    kv_free_blocks: int
-    kv_total_blocks: int
+    kv_blocks_free: int
+    kv_blocks_total: int
     predicted_ttft_ms: float | None  # for a ~median prompt, queue included; None before the model is fitted
     predicted_queue_ms: float | None  # for a 1-token prompt: the queue ahead
     median_prompt_tokens: int

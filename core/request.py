@@ -27,15 +27,21 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
-def _check_slo_value(name: str, v: float | int | None, limit: float, integer: bool) -> None:
+def check_slo_value(name: str, v: float | int | None, integer: bool = False) -> float | int | None:
+    """Validate one SLO value (ms, or the output-length hint with `integer`); ValueError with a client-facing
+    message. Returns it as float (int for the hint)."""
     if v is None:
-        return
+        return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    limit = MAX_OUTPUT_LEN_HINT if integer else MAX_SLO_MS
     if v > limit:
         raise ValueError(f"{name} must be <= {limit:g}, got {v!r}")
-    if integer and int(v) != v:
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if integer:
+        if int(v) != v:
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+        return int(v)
+    return float(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +54,9 @@ class SLO:
 
     def validate(self) -> "SLO":
         """The one set of limits, wherever an SLO enters (HTTP header, body, in-process call)."""
-        _check_slo_value("ttft_ms", self.ttft_ms, MAX_SLO_MS, False)
-        _check_slo_value("tpot_ms", self.tpot_ms, MAX_SLO_MS, False)
-        _check_slo_value("output_len_hint", self.output_len_hint, MAX_OUTPUT_LEN_HINT, True)
+        check_slo_value("ttft_ms", self.ttft_ms)
+        check_slo_value("tpot_ms", self.tpot_ms)
+        check_slo_value("output_len_hint", self.output_len_hint, integer=True)
         return self
 
     @property

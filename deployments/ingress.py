@@ -25,9 +25,13 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.messages import ChatTurn, GenerateRequest, ProtocolError, RequestOutput, check_output
+from core.request import SLO, FinishReason
+from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from engine.sampling import SamplingParams
+from deployments.errors import APIError, error_response, first_item_failure, protocol_failure, replica_failure
+from deployments.openapi import ERROR_RESPONSES, openapi_operation
 
 log = logging.getLogger("ray.serve")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
@@ -35,48 +39,26 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JS
 api = FastAPI(title="Kairos", version="0.1.0", description="SLO-aware OpenAI-compatible LLM server")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
-
-
-def _err(status: int, message: str, type_: str = "invalid_request_error", code: Any = None,
-         headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(P.error_body(message, type_, code), status_code=status, headers=headers)
-
-
 @api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return _err(e.status, e.message, e.type, e.code, e.headers)
+    return error_response(e.status, e.message, e.type, e.code, e.headers)
 
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    return _err(400, f"invalid request: {e.errors()}")
+    return error_response(400, f"invalid request: {e.errors()}")
 
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return _err(e.status_code, str(e.detail), type_, headers=getattr(e, "headers", None))
+    return error_response(e.status_code, str(e.detail), type_, headers=getattr(e, "headers", None))
 
 
 @api.exception_handler(Exception)
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error in ingress")
-    return _err(500, f"internal error: {type(e).__name__}", "server_error")
-
-
-def _replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
-    """A request lost to its LLM replica: the actor died / is unreachable (503, retry) or raised (500)."""
-    if isinstance(e, (RayActorError, ActorUnavailableError)):
-        return APIError(503, f"generation failed: the LLM replica serving this request died ({type(e).__name__}); "
-                        "retry", "server_error", "replica_failed", {**(headers or {}), "Retry-After": str(retry_after_s)})
-    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
-    return APIError(500, f"generation failed: replica error {type(cause or e).__name__}", "server_error",
-                    "replica_error", headers)
+    return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
 
 def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None) -> str:
@@ -130,13 +112,13 @@ class Ingress:
         card = P.ModelCard(id=self.model_name, max_model_len=self._max_model_len)
         return P.ModelList(data=[card]).model_dump()
 
-    @api.post("/v1/completions", openapi_extra=P.openapi_operation(P.CompletionRequest),
-              responses=P.ERROR_RESPONSES)
+    @api.post("/v1/completions", openapi_extra=openapi_operation(P.CompletionRequest),
+              responses=ERROR_RESPONSES)
     async def completions(self, request: Request) -> Any:
         return await self._handle(request, "completion")
 
-    @api.post("/v1/chat/completions", openapi_extra=P.openapi_operation(P.ChatCompletionRequest),
-              responses=P.ERROR_RESPONSES)
+    @api.post("/v1/chat/completions", openapi_extra=openapi_operation(P.ChatCompletionRequest),
+              responses=ERROR_RESPONSES)
     async def chat_completions(self, request: Request) -> Any:
         return await self._handle(request, "chat")
 
@@ -175,7 +157,7 @@ class Ingress:
             raise APIError(400, f"request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}",
                            code="invalid_json") from None
 
-    def _slo(self, request: Request, body: P._Common) -> dict[str, Any]:
+    def _slo(self, request: Request, body: P._Common) -> SLO:
         h = request.headers
         try:
             ttft = P.parse_slo_header("x-slo-ttft-ms", h.get("x-slo-ttft-ms"))
@@ -186,9 +168,10 @@ class Ingress:
             olen = olen if olen is not None else P.check_slo_value("output_len_hint", body.output_len_hint, True)
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_slo") from None
-        return {"ttft_ms": ttft, "tpot_ms": tpot, "output_len_hint": olen}
+        return SLO(ttft_ms=ttft, tpot_ms=tpot, output_len_hint=olen)
 
-    def _build(self, request: Request, raw: Any, kind: str) -> tuple[P._Common, dict[str, Any]]:
+    def _build(self, request: Request, raw: Any, kind: str) -> tuple[P._Common, GenerateRequest]:
+        """Validate once, here at the edge: the typed request the replica gets needs no further checks."""
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
         schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
@@ -197,21 +180,19 @@ class Ingress:
         except ValidationError as e:
             raise APIError(400, _validation_message(e)) from None
         slo = self._slo(request, body)
-        max_tokens = body.default_max_tokens()
-        params = body.sampling_kwargs(max_tokens)
-        try:  # validate here too, so bad sampling input never reaches a replica
-            SamplingParams(**{**params, "max_tokens": max_tokens or 1 << 30}).validate()
+        try:
+            params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens())).validate()
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        req: dict[str, Any] = {"request_id": rid, "kind": kind, "params": params, "slo": slo}
         if isinstance(body, P.CompletionRequest):
-            req["prompt"] = body.prompt
-            hint = len(body.prompt) if isinstance(body.prompt, list) else len(body.prompt) // 4
+            prompt = body.prompt
+            hint = len(prompt) if isinstance(prompt, list) else len(prompt) // 4
+            req = GenerateRequest(rid, prompt=prompt, params=params, slo=slo, prompt_len_hint=max(1, hint))
         else:
-            req["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
-            hint = sum(len(m["content"]) for m in req["messages"]) // 4
-        req["prompt_len_hint"] = max(1, hint)
+            turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
+            hint = sum(len(t.content) for t in turns) // 4
+            req = GenerateRequest(rid, messages=turns, params=params, slo=slo, prompt_len_hint=max(1, hint))
         return body, req
 
     async def _handle(self, request: Request, kind: str) -> Any:
@@ -219,9 +200,9 @@ class Ingress:
         self._auth(request)
         body, req = self._build(request, await self._read_json(request), kind)
         t_call = time.perf_counter()
-        rid = req["request_id"]
+        rid = req.request_id
         if self.log_prompts:
-            log.info("%s %s", rid, req.get("prompt", req.get("messages")))
+            log.info("%s %s", rid, req.prompt if req.messages is None else req.messages)
         gen = self.llm.generate.remote(req)
         try:
             first = await gen.__anext__()
@@ -236,53 +217,54 @@ class Ingress:
         except (RayActorError, ActorUnavailableError, RayTaskError) as e:
             gen.cancel()
             log.warning("request %s failed in its replica: %r", rid, e)
-            raise _replica_failure(e, self.retry_after_s) from None
+            raise replica_failure(e, self.retry_after_s) from None
         except BaseException:
             gen.cancel()
             raise
-        headers = {"x-kairos-request-id": rid, "x-kairos-replica": str(first.get("replica", "")),
-                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), first.get("replica_ms"))}
-        if "status" in first:  # the replica refused the input (400) or its engine is dead (503)
-            status = int(first.get("status", 500))
-            type_ = "invalid_request_error" if status < 500 else "server_error"
-            extra = {"Retry-After": str(self.retry_after_s)} if status == 503 else {}
-            raise APIError(status, first["error"], type_, headers={**headers, **extra})
-        if first.get("finished") and first.get("finish_reason") in ("error", "abort"):  # failed before any token
-            status, msg = (500, "generation failed") if first["finish_reason"] == "error" else (503, "engine stopping")
-            raise APIError(status, f"{msg}: {first.get('error')}", "server_error",
-                           headers={**headers, "Retry-After": str(self.retry_after_s)})
-        if first.get("finish_reason") == "rejected":
-            reason = first.get("reject_reason") or "rejected"
-            retry = str(max(self.retry_after_s, int(first.get("retry_after_s") or 1)))
-            raise APIError(429, f"request rejected by SLO admission control: {reason}", "rate_limit_error",
-                           reason, {**headers, "Retry-After": retry, "x-kairos-reject-reason": reason})
+        try:
+            first = check_output(first)
+        except ProtocolError as e:
+            gen.cancel()
+            raise protocol_failure(rid, e) from None
+        sb = first.served_by
+        headers = {"x-kairos-request-id": rid, "x-kairos-replica": sb.replica if sb else "",
+                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
+        if first.finished:
+            failure = first_item_failure(first, headers, self.retry_after_s)
+            if failure is not None:
+                raise failure
         if body.stream:
             return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage),
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         return await self._collect(gen, first, kind, rid, headers)
 
-    async def _collect(self, gen: Any, first: dict, kind: str, rid: str, headers: dict[str, str]) -> JSONResponse:
-        parts, item = [first["text"]], first
+    async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
+                       headers: dict[str, str]) -> JSONResponse:
+        parts, item = [first.text], first
         try:
-            while not item["finished"]:
-                item = await gen.__anext__()
-                parts.append(item["text"])
+            while not item.finished:
+                item = check_output(await gen.__anext__())
+                parts.append(item.text)
+        except ProtocolError as e:
+            gen.cancel()
+            raise protocol_failure(rid, e) from None
         except (RayActorError, ActorUnavailableError, RayTaskError, StopAsyncIteration) as e:  # replica failed
             gen.cancel()
             log.warning("request %s failed in its replica: %r", rid, e)
-            raise _replica_failure(e, self.retry_after_s, headers) from None
+            raise replica_failure(e, self.retry_after_s, headers) from None
         except BaseException:  # client gone (CancelledError): stop generating
             gen.cancel()
             raise
-        if item.get("finish_reason") == "error":
-            raise APIError(500, f"generation failed: {item.get('error')}", "server_error", headers=headers)
+        if item.finish_reason is FinishReason.ERROR:
+            raise APIError(500, f"generation failed: {item.error}", "server_error", headers=headers)
         build = P.completion_response if kind == "completion" else P.chat_response
-        out = build(rid, self.model_name, "".join(parts), item.get("finish_reason"), item["num_prompt_tokens"],
-                    item["num_output_tokens"])
+        out = build(rid, self.model_name, "".join(parts), item.finish_reason, item.num_prompt_tokens,
+                    item.num_output_tokens)
         return JSONResponse(out, headers=headers)
 
-    async def _sse(self, gen: Any, first: dict, kind: str, rid: str, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
+                   include_usage: bool) -> AsyncIterator[bytes]:
         created, model, item = int(time.time()), self.model_name, first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         done = False
@@ -290,26 +272,26 @@ class Ingress:
             if kind == "chat":
                 yield P.sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
             while True:
-                fin = item.get("finish_reason") if item["finished"] else None
-                if fin == "error":
-                    yield P.sse(P.error_body(f"generation failed: {item.get('error')}", "server_error"))
-                elif item["text"] or item["n"] or item["finished"]:  # a token with no text yet (a partial
+                fin = item.finish_reason
+                if fin is FinishReason.ERROR:
+                    yield P.sse(P.error_body(f"generation failed: {item.error}", "server_error"))
+                elif item.text or item.token_ids or item.finished:  # a token with no text yet (a partial
                     # UTF-8 character) still gets its chunk, as in vLLM: clients time tokens by chunk arrival
                     if kind == "completion":
-                        yield P.sse(P.completion_chunk(rid, model, created, item["text"], fin))
+                        yield P.sse(P.completion_chunk(rid, model, created, item.text, fin))
                     else:
-                        delta = {"content": item["text"]} if item["text"] else {}
+                        delta = {"content": item.text} if item.text else {}
                         yield P.sse(P.chat_chunk(rid, model, created, delta, fin))
-                if item["finished"]:
+                if item.finished:
                     done = True
                     break
-                item = await gen.__anext__()
+                item = check_output(await gen.__anext__())
             if include_usage:
-                yield P.sse(P.usage_chunk(rid, model, created, obj, item["num_prompt_tokens"],
-                                          item["num_output_tokens"], P.engine_metrics(item)))
+                yield P.sse(P.usage_chunk(rid, model, created, obj, item.num_prompt_tokens,
+                                          item.num_output_tokens, P.engine_metrics(item.metrics)))
             yield P.SSE_DONE
-        except (Exception, StopAsyncIteration) as e:  # replica died mid-stream: tell the client, end cleanly
-            log.warning("stream %s failed: %r", rid, e)
+        except (Exception, StopAsyncIteration) as e:  # replica died mid-stream or broke the contract: tell the
+            log.warning("stream %s failed: %r", rid, e)  # client with an error event, end cleanly
             yield P.sse(P.error_body(f"generation failed: {type(e).__name__}", "server_error"))
             yield P.SSE_DONE
         finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine

@@ -1,13 +1,16 @@
 """Kairos serving metrics via `ray.serve.metrics` (exported as `ray_kairos_*` by each node's metrics agent).
 
 Serve adds the `deployment`, `replica` and `application` tags itself. Per-request series are tagged by SLO tier
-(`engine.request.SLO.tier`, e.g. `best_effort`, `ttft500_tpot50`); engine gauges are refreshed periodically
+(`core.request.SLO.tier`, e.g. `best_effort`, `ttft500_tpot50`); engine gauges are refreshed periodically
 from `LLMEngine.stats()` by the replica; histograms and counters are updated when a request finishes.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+from core.messages import RequestOutput
+from core.request import SLO
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -91,31 +94,26 @@ class ReplicaMetrics:
         for _ in range(n):
             self.itl.observe(seconds, tags={"tier": tier})
 
-    def on_finished(self, tier: str, slo: dict, final: dict) -> None:
-        """Per-request histograms from the final stream item (see `replica._item`)."""
+    def on_finished(self, tier: str, slo: SLO, final: RequestOutput) -> None:
+        """Per-request histograms from the final stream item."""
         t = {"tier": tier}
-        reason = final.get("finish_reason") or "unknown"
+        reason = final.finish_reason or "unknown"
         self.finished.inc(tags={"tier": tier, "reason": reason})
-        for ctr, n in ((self.tokens_in, final.get("num_prompt_tokens") or 0),
-                       (self.tokens_out, final.get("num_output_tokens") or 0)):
+        for ctr, n in ((self.tokens_in, final.num_prompt_tokens), (self.tokens_out, final.num_output_tokens)):
             if n > 0:  # Counter.inc(0) raises ValueError (e.g. a request that failed before its first token)
                 ctr.inc(n, tags=t)
-        ttft, tpot, e2e = final.get("ttft_s"), final.get("tpot_s"), final.get("e2e_s")
-        if ttft is not None:
-            self.ttft.observe(ttft, tags=t)
-        if tpot is not None:
-            self.tpot.observe(tpot, tags=t)
-        if e2e is not None:
-            self.e2e.observe(e2e, tags=t)
-        if reason not in ("stop", "length"):
+        m = final.metrics
+        ttft, tpot, e2e = (m.ttft_s, m.tpot_s, m.e2e_s) if m is not None else (None, None, None)
+        for hist, v in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e)):
+            if v is not None:
+                hist.observe(v, tags=t)
+        if reason not in ("stop", "length") or (slo.ttft_ms is None and slo.tpot_ms is None):
             return
         missed = []
-        if slo.get("ttft_ms") is not None and (ttft is None or ttft * 1000 > slo["ttft_ms"]):
+        if slo.ttft_ms is not None and (ttft is None or ttft * 1000 > slo.ttft_ms):
             missed.append("ttft")
-        if slo.get("tpot_ms") is not None and tpot is not None and tpot * 1000 > slo["tpot_ms"]:
+        if slo.tpot_ms is not None and tpot is not None and tpot * 1000 > slo.tpot_ms:
             missed.append("tpot")
-        if slo.get("ttft_ms") is None and slo.get("tpot_ms") is None:
-            return
         for which in missed:
             self.slo_missed.inc(tags={"tier": tier, "slo": which})
         if not missed:

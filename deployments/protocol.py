@@ -8,14 +8,14 @@ non-default value (n > 1, best_of > 1, echo, logprobs, penalties, suffix, tools)
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_SLO_MS = 3_600_000.0  # an SLO above one hour is treated as a client bug ("absurd"), not as best effort
-MAX_OUTPUT_LEN_HINT = 1_000_000
+from core.messages import RequestMetrics
+
+from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 
 
 def _documented(schema: dict[str, Any]) -> Any:
@@ -97,7 +97,7 @@ class _Common(BaseModel):
         return v
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
-        """Keyword arguments for `engine.sampling.SamplingParams` (None: fill the context window)."""
+        """Keyword arguments for `core.sampling.SamplingParams` (max_tokens None: fill the context window)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kw: dict[str, Any] = dict(
             temperature=1.0 if self.temperature is None else self.temperature,  # tiny ones: greedy (engine)
@@ -106,8 +106,7 @@ class _Common(BaseModel):
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
         )
-        if max_tokens is not None:
-            kw["max_tokens"] = max_tokens
+        kw["max_tokens"] = max_tokens
         return kw
 
     @property
@@ -184,66 +183,6 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-# ---------------------------------------------------------------- OpenAPI (documentation + fuzzing)
-def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """`model`'s JSON schema with its `$defs` inlined, for an OpenAPI `requestBody` (no shared components)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def resolve(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                rest = {k: v for k, v in node.items() if k != "$ref"}
-                return resolve({**defs[ref.rsplit("/", 1)[-1]], **rest})
-            return {k: resolve(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [resolve(x) for x in node]
-        return node
-
-    return resolve(schema)
-
-
-SLO_HEADERS: tuple[tuple[str, str, bool], ...] = (
-    ("x-slo-ttft-ms", "time-to-first-token SLO, milliseconds (overrides slo_ttft_ms)", False),
-    ("x-slo-tpot-ms", "time-per-output-token SLO, milliseconds (overrides slo_tpot_ms)", False),
-    ("x-slo-output-len", "expected output length in tokens (overrides output_len_hint)", True),
-)
-
-
-def openapi_operation(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` of a generation route: the JSON body the route parses itself, and the SLO headers."""
-    params = [{"name": name, "in": "header", "required": False, "description": desc,
-               "schema": {"type": "integer" if integer else "number", "exclusiveMinimum": 0,
-                          "maximum": MAX_OUTPUT_LEN_HINT if integer else MAX_SLO_MS}}
-              for name, desc, integer in SLO_HEADERS]
-    return {"parameters": params,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": inline_schema(model)}}}}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "a completion (JSON), or with stream=true a text/event-stream of chunks ending in "
-                         "`data: [DONE]`", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-    400: {"model": ErrorResponse, "description": "invalid JSON or request"},
-    401: {"model": ErrorResponse, "description": "missing or invalid API key (when auth is configured)"},
-    413: {"model": ErrorResponse, "description": "request body larger than max_body_bytes"},
-    429: {"model": ErrorResponse, "description": "overloaded or SLO unattainable; see Retry-After"},
-    500: {"model": ErrorResponse, "description": "generation failed in the engine"},
-    503: {"model": ErrorResponse, "description": "no LLM replica available; see Retry-After"},
-}
-
-
 # ---------------------------------------------------------------- responses
 class Usage(BaseModel):
     prompt_tokens: int
@@ -305,9 +244,11 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int,
     return out
 
 
-def engine_metrics(item: dict) -> dict | None:
-    """TTFT / TPOT / end-to-end as the engine measured them (ms), from the replica's final item."""
-    ms = {k: item.get(f"{k}_s") for k in ("ttft", "tpot", "e2e")}
+def engine_metrics(m: RequestMetrics | None) -> dict | None:
+    """TTFT / TPOT / end-to-end as the engine measured them (ms), from the final item's metrics."""
+    if m is None:
+        return None
+    ms = {"ttft": m.ttft_s, "tpot": m.tpot_s, "e2e": m.e2e_s}
     out = {f"{k}_ms": round(v * 1000.0, 3) for k, v in ms.items() if v is not None}
     return out or None
 
@@ -318,22 +259,6 @@ def sse(obj: dict | str) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def check_slo_value(name: str, v: float | int | None, integer: bool = False) -> float | int | None:
-    """Validate an SLO from a header or the body; raises ValueError with a client-facing message."""
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
-    limit = MAX_OUTPUT_LEN_HINT if integer else MAX_SLO_MS
-    if v > limit:
-        raise ValueError(f"{name} must be <= {limit:g}, got {v!r}")
-    if integer:
-        if int(v) != v:
-            raise ValueError(f"{name} must be an integer, got {v!r}")
-        return int(v)
-    return float(v)
 
 
 def parse_slo_header(name: str, raw: str | None, integer: bool = False) -> float | int | None:

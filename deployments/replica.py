@@ -1,16 +1,14 @@
-"""`LLMServer`: one `LLMEngine` per Ray Serve replica, streamed to the ingress as plain dicts.
+"""`LLMServer`: one `LLMEngine` per Ray Serve replica.
 
-Protocol with the ingress (`generate(request: dict)`, called via `handle.options(stream=True)`):
-  request: {request_id, kind: "completion"|"chat", prompt | messages, params: SamplingParams kwargs
-            (no max_tokens: fill the context window), slo: {ttft_ms, tpot_ms, output_len_hint}, prompt_len_hint}
-  items:   {"error", "status"} once for bad input / dead engine; else `_item(RequestOutput)` dicts, the first
-           carrying "replica", "replica_ms" (call received -> first output: tokenize, queue, prefill) and
-           "retry_after_s" when rejected; the last finished=True with latency fields.
-The engine is imported lazily so that the ingress process never loads torch.
+The ingress calls `generate(GenerateRequest)` through a streaming handle and gets `RequestOutput` items back
+(core/messages.py): the engine's own stream items, the first one stamped with `served_by` (this replica, and
+how long it took to answer). Bad input and a dead engine come back as a final item with a typed error, never
+as an exception. The engine is imported lazily so that the ingress process never loads torch.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -21,21 +19,12 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from engine.config import EngineConfig
-from engine.request import SLO
-from engine.sampling import SamplingParams
-
+from core.messages import ErrorKind, GenerateRequest, RequestOutput, RoutingStats, ServedBy
+from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
+from engine.config import EngineConfig
 
 log = logging.getLogger("ray.serve")
-
-PLAIN_CHAT_NOTE = "Models without a chat template get 'Role: content' lines and a final 'Assistant:' line."
-
-
-def render_plain_chat(messages: list[dict[str, str]]) -> str:
-    """The fallback chat format: one `Role: content` line per message, then `Assistant:`."""
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return "\n".join(lines + ["Assistant:"])
 
 
 def _rss_bytes() -> int:
@@ -46,20 +35,6 @@ def _rss_bytes() -> int:
         return int(psutil.Process().memory_info().rss)
     except Exception:  # noqa: BLE001
         return 0
-
-
-def _item(out: Any) -> dict[str, Any]:
-    """A `RequestOutput` as a small picklable dict."""
-    d: dict[str, Any] = {"text": out.text, "n": len(out.token_ids), "finished": out.finished,
-                         "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
-                         "num_output_tokens": out.num_output_tokens}
-    if out.finished:
-        d["reject_reason"], d["error"] = out.reject_reason, out.error
-        m = out.metrics
-        if m is not None:
-            d["ttft_s"], d["tpot_s"] = m.ttft_s, m.tpot_s
-            d["e2e_s"] = None if m.finished_s is None or m.first_token_s is None else m.finished_s - m.arrival_s
-    return d
 
 
 @serve.deployment(name="LLMServer", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
@@ -93,46 +68,28 @@ class LLMServer:
                  self.engine.max_model_len, cfg.num_threads)
 
     # ------------------------------------------------------------------ request path
-    def _prompt(self, req: dict[str, Any]) -> str | list[int]:
-        if req.get("kind") != "chat":
-            return req["prompt"]
-        tok = self.engine.tokenizer
-        msgs = [{"role": m["role"], "content": m["content"]} for m in req["messages"]]
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        else:
-            text = render_plain_chat(msgs)
-        return tok.encode(text, add_special_tokens=False)  # as the engine tokenizes strings
+    def _refused(self, req: GenerateRequest, t_in: float, kind: ErrorKind, message: str) -> RequestOutput:
+        return RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR, error=message[:500],
+                             error_kind=kind, served_by=ServedBy(self.replica_id, (time.monotonic() - t_in) * 1e3))
 
-    def _prepare(self, req: dict[str, Any]) -> tuple[str | list[int], SamplingParams, SLO]:
-        prompt = self._prompt(req)
-        kw = dict(req["params"])
-        if kw.get("max_tokens") is None:  # OpenAI chat default: the rest of the context window
-            n = len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer.encode(prompt))
-            kw["max_tokens"] = max(1, self.engine.max_model_len - n)
-            kw["min_tokens"] = min(kw.get("min_tokens", 0), kw["max_tokens"])
-        return prompt, SamplingParams(**kw).validate(), SLO(**(req.get("slo") or {})).validate()
-
-    async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         from engine.engine import EngineDeadError  # noqa: PLC0415
 
-        rid = req["request_id"]
+        rid = req.request_id
         t_in = time.monotonic()
         try:
-            prompt, params, slo = self._prepare(req)
-            stream = self.engine.add_request(prompt, params, slo, request_id=rid)
+            stream = self.engine.generate(req)
         except (ValueError, TypeError, UnicodeError) as e:  # TypeError: the tokenizer refusing odd text
-            yield {"error": str(e)[:500], "status": 400, "replica": self.replica_id}
+            yield self._refused(req, t_in, ErrorKind.INVALID_REQUEST, str(e))
             return
         except EngineDeadError as e:
-            yield {"error": f"engine unavailable: {e}", "status": 503, "replica": self.replica_id}
+            yield self._refused(req, t_in, ErrorKind.UNAVAILABLE, f"engine unavailable: {e}")
             return
-        tier = slo.tier
-        n_prompt = len(prompt) if isinstance(prompt, list) else -1
+        tier = req.slo.tier
         if self.log_prompts:
-            log.info("request %s prompt=%r", rid, prompt)
+            log.info("request %s prompt=%r messages=%r", rid, req.prompt, req.messages)
         else:
-            log.debug("request %s: %s prompt tokens, slo=%s", rid, n_prompt, req.get("slo"))
+            log.debug("request %s: slo=%s", rid, req.slo)
         self.inflight += 1
         finished, first, last_t = False, True, time.monotonic()
         try:
@@ -144,28 +101,28 @@ class LLMServer:
                     if wait > 0:  # ...but the final tokens go out as soon as the request finishes
                         await stream.wait_closed(wait)
                 out = await stream.aget()
-                item = _item(out)
                 now = time.monotonic()
                 if first:
                     first = False
-                    item["replica"] = self.replica_id
-                    item["replica_ms"] = (now - t_in) * 1000.0  # for the ingress's Server-Timing header
-                    self._prompt_lens.append(out.num_prompt_tokens or max(n_prompt, 1))
-                    if out.finish_reason == "rejected":
-                        item["retry_after_s"] = self._retry_after_s(out.num_prompt_tokens)
+                    self._prompt_lens.append(max(out.num_prompt_tokens, 1))
+                    retry = None
+                    if out.finish_reason is FinishReason.REJECTED:
+                        retry = self._retry_after_s(out.num_prompt_tokens)
                         self.metrics.on_rejected(tier, out.reject_reason or "unknown")
                     else:
                         self.metrics.on_admitted(tier)
-                elif item["n"] > 0:
-                    gap = (now - last_t) / item["n"]
+                    out = dataclasses.replace(out, served_by=ServedBy(self.replica_id, (now - t_in) * 1000.0, retry))
+                elif out.token_ids:
+                    n = len(out.token_ids)
+                    gap = (now - last_t) / n
                     self.itl_ms = gap * 1e3 if self.itl_ms is None else 0.9 * self.itl_ms + 0.1 * gap * 1e3
-                    self.metrics.on_itl(tier, gap, item["n"])
+                    self.metrics.on_itl(tier, gap, n)
                 last_t = now
                 if out.finished:
                     finished = True
-                    if out.finish_reason != "rejected":
-                        self.metrics.on_finished(tier, req.get("slo") or {}, item)
-                yield item
+                    if out.finish_reason is not FinishReason.REJECTED:
+                        self.metrics.on_finished(tier, req.slo, out)
+                yield out
                 if out.finished:
                     break
         finally:  # client went away (CancelledError / GeneratorExit) or an error: free the KV now
@@ -183,7 +140,8 @@ class LLMServer:
 
     # ------------------------------------------------------------------ control plane
     def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by the controller every `request_routing_stats_period_s`; read by `router.SLORouter`."""
+        """Polled by the controller every `request_routing_stats_period_s`; read by `router.SLORouter` as a
+        `RoutingStats` (Serve carries it as a plain dict)."""
         st = self.engine.stats()
         median = int(statistics.median(self._prompt_lens))
         try:
@@ -191,14 +149,11 @@ class LLMServer:
             median_ms = self.engine.predict_ttft_ms(median)
         except Exception:  # noqa: BLE001 - predictor not ready: fall back to load only
             queue_ms = median_ms = None
-        return {
-            "queue_len": st.num_waiting + st.num_running, "num_waiting": st.num_waiting,
-            "num_running": st.num_running, "inflight": self.inflight, "vbs": st.vbs,
-            "strictest_tpot_ms": st.strictest_tpot_ms, "kv_free_blocks": st.kv_blocks_free,
-            "kv_total_blocks": st.kv_blocks_total, "predicted_ttft_ms": median_ms,
-            "predicted_queue_ms": queue_ms, "median_prompt_tokens": median, "itl_ms": self.itl_ms,
-            "alive": st.alive, "ts": time.time(),
-        }
+        return RoutingStats(
+            num_waiting=st.num_waiting, num_running=st.num_running, inflight=self.inflight, vbs=st.vbs,
+            strictest_tpot_ms=st.strictest_tpot_ms, kv_blocks_free=st.kv_blocks_free,
+            kv_blocks_total=st.kv_blocks_total, predicted_ttft_ms=median_ms, predicted_queue_ms=queue_ms,
+            median_prompt_tokens=median, itl_ms=self.itl_ms, alive=st.alive, ts=time.time()).to_dict()
 
     def inject_fault(self, count: int = 1, replica: str | None = None) -> str:
         """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this

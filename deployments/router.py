@@ -1,7 +1,7 @@
 """SLO-aware request router for `LLMServer` (Ray Serve `RequestRouter`, an *alpha* API pinned to ray 2.60).
 
 Runs inside every caller of the LLM deployment (the ingress replicas). For a `generate` request it reads the
-SLO from `pending_request.args[0]["slo"]` and, per replica, combines
+SLO from the `GenerateRequest` (`pending_request.args[0]`) and, per replica, combines
   * the replica's `record_routing_stats()` (every `request_routing_stats_period_s`, 1 s by default):
     predicted TTFT for a ~median prompt and for a 1-token prompt (queue-ahead), VBS, strictest running TPOT
     SLO, observed inter-token latency, free KV blocks;
@@ -21,6 +21,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from core.messages import GenerateRequest, ProtocolError, RoutingStats
+from core.request import SLO
+
 log = logging.getLogger("ray.serve")
 
 
@@ -35,38 +38,43 @@ class ReplicaView:
     kv_free: float
 
 
-def slo_of(pending: PendingRequest | None) -> tuple[dict[str, Any], int] | None:
-    """(slo dict, estimated prompt tokens) for a `generate` call, None for other methods."""
+def slo_of(pending: PendingRequest | None) -> tuple[SLO, int] | None:
+    """(SLO, estimated prompt tokens) for a `generate` call, None for other methods."""
     if pending is None or getattr(pending.metadata, "call_method", "") != "generate":
         return None
     req = pending.args[0] if pending.args else pending.kwargs.get("req")
-    if not isinstance(req, dict):
-        return None
-    return dict(req.get("slo") or {}), int(req.get("prompt_len_hint") or 1)
+    if not isinstance(req, GenerateRequest):
+        raise ProtocolError(f"generate() takes a GenerateRequest, got {type(req).__name__}")
+    return req.slo, req.prompt_len_hint
 
 
-def view(stats: dict[str, Any], inflight: int, prompt_tokens: int) -> ReplicaView:
-    reported = float(stats.get("inflight", stats.get("queue_len", 0)) or 0)
+def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int) -> ReplicaView:
+    """What to believe about a replica: its last `RoutingStats` report (None or {} before the first) plus the
+    requests this router sent it since."""
+    if not report:
+        return ReplicaView(load=float(inflight), pred_ttft_ms=None, itl_ms=None, strictest_tpot_ms=None,
+                           kv_free=math.inf)
+    st = RoutingStats.from_dict(report)
+    reported = float(st.inflight)
     extra = max(0.0, inflight - reported)  # routed by us since the last report
-    q_ms, m_ms = stats.get("predicted_queue_ms"), stats.get("predicted_ttft_ms")
+    q_ms, m_ms = st.predicted_queue_ms, st.predicted_ttft_ms
     pred = None
     if q_ms is not None and m_ms is not None:
-        median = max(int(stats.get("median_prompt_tokens") or 1), 1)
+        median = max(st.median_prompt_tokens, 1)
         per_tok = max(0.0, (m_ms - q_ms) / max(median - 1, 1))
         prefill_ms = max(m_ms - q_ms, 0.0)  # one ~median request's prefill, for each unreported arrival
         pred = q_ms + per_tok * max(prompt_tokens - 1, 0) + extra * prefill_ms
-    itl, running = stats.get("itl_ms"), float(stats.get("num_running") or 0) + extra
-    vbs = max(float(stats.get("vbs") or 0.0), running)
-    proj_itl = None if itl is None else itl * (vbs + 1.0) / max(vbs, 1.0)
-    return ReplicaView(load=max(float(stats.get("queue_len") or 0), reported) + extra, pred_ttft_ms=pred,
-                       itl_ms=proj_itl, strictest_tpot_ms=stats.get("strictest_tpot_ms"),
-                       kv_free=float(stats.get("kv_free_blocks", math.inf)))
+    running = float(st.num_running) + extra
+    vbs = max(st.vbs, running)
+    proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / max(vbs, 1.0)
+    return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
+                       strictest_tpot_ms=st.strictest_tpot_ms, kv_free=float(st.kv_blocks_free))
 
 
-def slack(v: ReplicaView, slo: dict[str, Any]) -> float | None:
+def slack(v: ReplicaView, slo: SLO) -> float | None:
     """Smallest relative slack over the request's SLOs (>= 0 attainable); None when unknown/not attainable."""
     slacks: list[float] = []
-    ttft, tpot = slo.get("ttft_ms"), slo.get("tpot_ms")
+    ttft, tpot = slo.ttft_ms, slo.tpot_ms
     if ttft is not None:
         if v.pred_ttft_ms is None:
             return None
@@ -81,8 +89,7 @@ def slack(v: ReplicaView, slo: dict[str, Any]) -> float | None:
     return s if s >= 0 else None
 
 
-def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView],
-         slo: dict[str, Any]) -> list[RunningReplica]:
+def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO) -> list[RunningReplica]:
     shuffled = random.sample(candidates, len(candidates))  # random tie-break
     def load_key(r: RunningReplica) -> tuple[float, float, float]:
         v = views[r.replica_id]
@@ -92,7 +99,7 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView],
     for r in shuffled:
         s = slack(views[r.replica_id], slo)
         (ok if s is not None else rest).append((s, r))
-    if slo.get("ttft_ms") is None and slo.get("tpot_ms") is None:
+    if slo.ttft_ms is None and slo.tpot_ms is None:
         ok_sorted = sorted((r for _, r in ok), key=load_key)  # best effort: least loaded
     else:
         ok_sorted = [r for _, r in sorted(ok, key=lambda sr: (-min(sr[0], 1e9), load_key(sr[1])))]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path

@@ -23,10 +23,12 @@ def test_both_replicas_receive_traffic(base_url: str) -> None:
 
 def test_routing_stats_reported(llm_handle) -> None:
     # what record_routing_stats() returns is what the router reads as `RunningReplica.routing_stats`
-    st = llm_handle.record_routing_stats.remote().result(timeout_s=10)
-    for key in ("queue_len", "num_running", "vbs", "strictest_tpot_ms", "kv_free_blocks", "predicted_ttft_ms"):
-        assert key in st, st
-    assert st["kv_free_blocks"] <= st["kv_total_blocks"] and st["predicted_ttft_ms"] > 0
+    from core.messages import RoutingStats
+
+    st = RoutingStats.from_dict(llm_handle.record_routing_stats.remote().result(timeout_s=10))
+    for key in ("queue_len", "num_running", "vbs", "strictest_tpot_ms", "kv_blocks_free", "predicted_ttft_ms"):
+        assert hasattr(st, key), st
+    assert st.kv_blocks_free <= st.kv_blocks_total and st.predicted_ttft_ms > 0
 
 
 def test_metrics_exported(base_url: str) -> None:

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from core.messages import ChatTurn, GenerateRequest, RequestOutput, RoutingStats
+from core.request import SLO
 from deployments import protocol as P
 from deployments.args import AppArgs, load_api_keys
 from deployments.router import rank, view
@@ -96,15 +98,15 @@ def _replica(name: str, stats: dict) -> SimpleNamespace:
 
 
 def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None = 10.0, kv: int = 100) -> dict:
-    return {"predicted_queue_ms": queue_ms, "predicted_ttft_ms": median_ms, "median_prompt_tokens": 64,
-            "queue_len": load, "inflight": load, "num_running": load, "vbs": load, "itl_ms": itl,
-            "strictest_tpot_ms": None, "kv_free_blocks": kv}
+    return RoutingStats(predicted_queue_ms=queue_ms, predicted_ttft_ms=median_ms, median_prompt_tokens=64,
+                        num_waiting=0, num_running=load, inflight=load, vbs=load, itl_ms=itl, strictest_tpot_ms=None,
+                        kv_blocks_free=kv, kv_blocks_total=kv, alive=True, ts=0.0).to_dict()
 
 
 def _rank(replicas: list, slo: dict, inflight: dict | None = None, prompt_tokens: int = 64) -> list[str]:
     inflight = inflight or {}
     views = {r.replica_id: view(r.routing_stats, inflight.get(r.replica_id, 0), prompt_tokens) for r in replicas}
-    return [r.replica_id for r in rank(replicas, views, slo)]
+    return [r.replica_id for r in rank(replicas, views, SLO(**slo))]
 
 
 def test_router_prefers_attainable_slo_with_most_slack() -> None:
@@ -147,9 +149,9 @@ def test_check_health_raises_when_engine_dead() -> None:
 
 
 def test_plain_chat_format() -> None:
-    from deployments.replica import render_plain_chat
+    from engine.inputs import render_plain_chat
 
-    assert render_plain_chat([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == \
+    assert render_plain_chat([ChatTurn("system", "S"), ChatTurn("user", "U")]) == \
         "System: S\nUser: U\nAssistant:"
 
 
@@ -190,11 +192,9 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
 
     import engine.engine  # noqa: F401 - generate() imports it; import (torch) before the producer's clock starts
     from deployments.replica import LLMServer
-    from engine.outputs import RequestOutput
-    from engine.request import SLO
     from engine.stream import RequestStream
 
-    def run(interval_s: float) -> list[dict]:
+    def run(interval_s: float) -> list[RequestOutput]:
         st = RequestStream("r1")
 
         def produce() -> None:
@@ -206,75 +206,104 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
         noop = lambda *a, **k: None  # noqa: E731
         me = SimpleNamespace(
             stream_interval_s=interval_s, log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
-            _prompt_lens=[], _prepare=lambda req: ([1, 2], None, SLO()),
-            engine=SimpleNamespace(add_request=lambda *a, **k: st, abort=noop),
+            _prompt_lens=[], engine=SimpleNamespace(generate=lambda req: st, abort=noop),
             metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop))
 
-        async def collect() -> list[dict]:
+        async def collect() -> list[RequestOutput]:
             threading.Thread(target=produce, daemon=True).start()
-            return [x async for x in LLMServer.func_or_class.generate(me, {"request_id": "r1"})]
+            gen = LLMServer.func_or_class.generate(me, GenerateRequest("r1", prompt=(1, 2)))
+            return [x async for x in gen]
 
         return asyncio.run(collect())
 
     every = run(0.0)
     batched = run(0.025)
     for items in (every, batched):
-        assert "".join(x["text"] for x in items) == "".join(f"t{i} " for i in range(40))
-        assert sum(x["n"] for x in items) == 40 and items[-1]["finished"]
-    assert batched[0]["n"] == 1  # the first token is never held back
+        assert "".join(x.text for x in items) == "".join(f"t{i} " for i in range(40))
+        assert sum(len(x.token_ids) for x in items) == 40 and items[-1].finished
+    assert len(batched[0].token_ids) == 1  # the first token is never held back
     assert len(batched) < len(every) / 2
 
 
-def test_sse_sends_a_chunk_for_every_token_delivery_even_without_text() -> None:
-    """A token that only starts a multi-byte character has no text yet; its chunk still goes out (as in vLLM),
-    since clients time tokens by chunk arrival: holding it made the first token look seconds late."""
+class _Gen:
+    """A stand-in for the replica's streaming handle call: yields `items[1:]` (the first is passed in)."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.i, self.cancelled = items, 1, False
+
+    async def __anext__(self):
+        self.i += 1
+        return self.items[self.i - 1]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _sse_chunks(items: list) -> list:
     import asyncio
     import json
 
     from deployments.ingress import Ingress
 
-    items = [{"text": "", "n": 1, "finished": False}, {"text": "é", "n": 1, "finished": False},
-             {"text": "", "n": 1, "finished": True, "finish_reason": "length", "num_prompt_tokens": 2,
-              "num_output_tokens": 3}]
-
-    class Gen:
-        def __init__(self) -> None:
-            self.i = 1
-
-        async def __anext__(self) -> dict:
-            self.i += 1
-            return items[self.i - 1]
-
-        def cancel(self) -> None:
-            pass
-
-    me = SimpleNamespace(model_name="m")
-
     async def collect() -> list[bytes]:
-        return [c async for c in Ingress.func_or_class._sse(me, Gen(), items[0], "completion", "cmpl-1", False)]
+        gen = Ingress.func_or_class._sse(SimpleNamespace(model_name="m"), _Gen(items), items[0], "completion",
+                                         "cmpl-1", False)
+        return [c async for c in gen]
 
-    chunks = [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+    return [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+
+
+def test_sse_sends_a_chunk_for_every_token_delivery_even_without_text() -> None:
+    """A token that only starts a multi-byte character has no text yet; its chunk still goes out (as in vLLM),
+    since clients time tokens by chunk arrival: holding it made the first token look seconds late."""
+    items = [RequestOutput("cmpl-1", token_ids=[1]), RequestOutput("cmpl-1", text="é", token_ids=[2]),
+             RequestOutput("cmpl-1", token_ids=[3], finished=True, finish_reason="length", num_prompt_tokens=2,
+                           num_output_tokens=3)]
+    chunks = _sse_chunks(items)
     assert [c["choices"][0]["text"] for c in chunks] == ["", "é", ""]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_stream_wait_closed_wakes_on_the_final_item_only() -> None:
-    """The stream batcher sleeps its interval on wait_closed: tokens do not wake it, the final item does."""
+def test_malformed_stream_items_fail_loudly() -> None:
+    """The typed contract: an unknown or malformed stream item raises at the receiving end and is never
+    taken for a success (no finish_reason read off a dict, no 200 with a normal end)."""
     import asyncio
-    import threading
 
-    from engine.outputs import RequestOutput
-    from engine.stream import RequestStream
+    from core.messages import ProtocolError, RoutingStats, check_output
+    from deployments.errors import APIError
+    from deployments.ingress import Ingress
 
-    async def scenario() -> tuple[bool, bool, float]:
-        st = RequestStream("r")
-        st.put(RequestOutput("r", text="a", token_ids=[1]))
-        not_closed = await st.wait_closed(0.01)  # a token is not the end: times out
-        threading.Timer(0.05, lambda: st.put(RequestOutput("r", text="b", token_ids=[2], finished=True,
-                                                           finish_reason="length"))).start()
-        t0 = time.monotonic()
-        closed = await st.wait_closed(30.0)  # woken by the final item, long before the timeout
-        return not_closed, closed, time.monotonic() - t0
-
-    not_closed, closed, waited = asyncio.run(scenario())
-    assert not not_closed and closed and waited < 10.0
+    ok = RequestOutput("r", text="a", token_ids=[1])
+    for bad in ({"text": "hi", "finished": True, "finish_reason": "stop"}, "done", None):
+        with pytest.raises(ProtocolError):
+            check_output(bad)
+    with pytest.raises(ProtocolError, match="finish_reason"):
+        RequestOutput("r", finished=True, finish_reason="complete")  # unknown reason
+    with pytest.raises(ProtocolError):
+        RequestOutput("r", finished=True)  # finished without a reason
+    with pytest.raises(ProtocolError, match="reject_reason"):
+        RequestOutput("r", finished=True, finish_reason="rejected")  # a rejection must say why
+    with pytest.raises(ProtocolError):
+        RequestOutput("r", finished=True, finish_reason="stop", reject_reason="overloaded")
+    # an item that arrived pickled skips __post_init__; check() still catches a tampered one
+    tampered = RequestOutput("r", finished=True, finish_reason="stop")
+    object.__setattr__(tampered, "finish_reason", "stop-ish")
+    with pytest.raises(ProtocolError):
+        check_output(tampered)
+    # the ingress, non-streaming: a dict in the stream is a 500 protocol error, not a completion
+    me = SimpleNamespace(model_name="m", retry_after_s=1)
+    with pytest.raises(APIError) as err:
+        asyncio.run(Ingress.func_or_class._collect(me, _Gen([ok, {"text": "b", "finished": True}]), ok,
+                                                   "completion", "r", {}))
+    assert err.value.status == 500 and err.value.code == "protocol_error"
+    # the ingress, streaming: an error event, never a chunk that ends the choice normally
+    chunks = _sse_chunks([ok, {"text": "b", "finished": True, "finish_reason": "stop"}])
+    assert chunks[-1]["error"]["type"] == "server_error"
+    assert all(c.get("choices", [{}])[0].get("finish_reason") is None for c in chunks[:-1])
+    # routing stats: missing or unknown keys are refused
+    good = _stats(10, 20)
+    assert RoutingStats.from_dict(good).kv_blocks_free == 100
+    with pytest.raises(ProtocolError, match="missing"):
+        RoutingStats.from_dict({k: v for k, v in good.items() if k != "vbs"})
+    with pytest.raises(ProtocolError, match="unknown"):
+        RoutingStats.from_dict({**good, "kv_free_blocks": 3})

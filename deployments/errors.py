@@ -1,0 +1,64 @@
+"""How the ingress answers failures: `APIError` (status, OpenAI-shaped body, headers) and the mapping from
+replica failures and typed stream items to it."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+from core.messages import ErrorKind, ProtocolError, RequestOutput
+from core.request import FinishReason
+from deployments import protocol as P
+
+log = logging.getLogger("ray.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code: Any = None,
+         headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(P.error_body(message, type_, code), status_code=status, headers=headers)
+
+
+def replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
+    """A request lost to its LLM replica: the actor died / is unreachable (503, retry) or raised (500)."""
+    if isinstance(e, (RayActorError, ActorUnavailableError)):
+        return APIError(503, f"generation failed: the LLM replica serving this request died ({type(e).__name__}); "
+                        "retry", "server_error", "replica_failed", {**(headers or {}), "Retry-After": str(retry_after_s)})
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
+    return APIError(500, f"generation failed: replica error {type(cause or e).__name__}", "server_error",
+                    "replica_error", headers)
+
+
+def protocol_failure(rid: str, e: ProtocolError) -> APIError:
+    """A stream item that breaks the contract: a loud 500, never a success."""
+    log.error("request %s: malformed stream item from the replica: %s", rid, e)
+    return APIError(500, f"internal error: malformed reply from the LLM replica ({e})", "server_error",
+                    "protocol_error")
+
+
+def first_item_failure(first: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
+    """The error response for a stream that ended at its first item without output, None if it succeeded."""
+    reason, retry = first.finish_reason, {"Retry-After": str(retry_after_s)}
+    if reason is FinishReason.REJECTED:
+        why = first.reject_reason
+        sb = first.served_by
+        wait = str(max(retry_after_s, (sb.retry_after_s if sb else None) or 1))
+        return APIError(429, f"request rejected by SLO admission control: {why}", "rate_limit_error", why,
+                        {**headers, "Retry-After": wait, "x-kairos-reject-reason": why})
+    if reason is FinishReason.ABORT:
+        return APIError(503, f"engine stopping: {first.error}", "server_error", headers={**headers, **retry})
+    if reason is not FinishReason.ERROR:
+        return None
+    if first.error_kind is ErrorKind.INVALID_REQUEST:
+        return APIError(400, first.error or "invalid request", headers=headers)
+    if first.error_kind is ErrorKind.UNAVAILABLE:
+        return APIError(503, first.error or "engine unavailable", "server_error", headers={**headers, **retry})
+    return APIError(500, f"generation failed: {first.error}", "server_error", headers={**headers, **retry})
