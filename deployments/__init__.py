@@ -1,10 +1,12 @@
 """Kairos on Ray Serve.
 
-    serve run deployments:app                                   # embedded default model, 1 replica
-    serve run deployments:build_app model=/path/to/hf num_replicas=2 num_gpus=1 policy=scorpio prefill_max_tokens=2048
+    serve run deployments:app                                   # the trained default model, 1 replica
+    serve run deployments:app model=/path/to/hf dtype=float32 num_replicas=2 num_gpus=1 policy=scorpio
+    serve build deployments:default_app -o serve_config.yaml    # `serve build` needs a built application
 
-`app` is a built `Application` (what `serve build deployments:app` needs); `build_app(args)` is the builder
-whose single argument is validated against `AppArgs` by Serve (see deployments/args.py for every knob).
+`app` is the application builder (`build_app`): Serve validates its `key=value` arguments against `AppArgs`
+(see deployments/args.py for every knob), and calls it with none for a plain `serve run deployments:app`.
+`default_app` is the application built with the defaults.
 """
 # NB: no `from __future__ import annotations` here: Serve inspects build_app's annotation as a class.
 from typing import Any
@@ -49,6 +51,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     return ingress.bind(llm, settings)
 
 
-app: Application = build_app(AppArgs())
+app = build_app  # `serve run deployments:app [key=value ...]`
+default_app: Application = build_app(AppArgs())  # `serve build deployments:default_app`
 
-__all__ = ["AppArgs", "app", "build_app"]
+__all__ = ["AppArgs", "app", "build_app", "default_app"]

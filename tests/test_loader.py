@@ -1,4 +1,4 @@
-"""Model loading and the embedded default models (offline, random weights)."""
+"""Model loading and the embedded random-weight models (offline). The trained default: test_trained_model.py."""
 from __future__ import annotations
 
 import inspect
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import default_model as dm
-from engine.default_model import EMBEDDED_MODELS, build_model_dir, ensure_default_model
+from engine.default_model import RANDOM_MODELS, build_model_dir, ensure_default_model
 from engine.loader import ModelBundle, load_model, resolve_device, resolve_dtype
 from engine.testing import TINY_VOCAB, build_tiny_checkpoint
 
@@ -33,7 +33,7 @@ def _kairos_cache(cache_root, monkeypatch):
 def default_bundle(cache_root) -> ModelBundle:
     os.environ["KAIROS_CACHE"] = str(cache_root)  # module fixtures run outside monkeypatch
     try:
-        return load_model("kairos-default")
+        return load_model("kairos-random-42m")
     finally:
         os.environ.pop("KAIROS_CACHE", None)
 
@@ -94,7 +94,7 @@ def test_lost_build_race_uses_the_winner(tmp_path, monkeypatch):
     assert (target / "model.safetensors").is_file()
 
 
-def test_embedded_default_model(default_bundle):
+def test_embedded_random_42m_model(default_bundle):
     b = default_bundle
     cfg = b.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
@@ -111,9 +111,9 @@ def test_embedded_default_model(default_bundle):
     assert logits.float().std() > 0  # not degenerate
 
 
-@pytest.mark.parametrize("name", EMBEDDED_MODELS)
+@pytest.mark.parametrize("name", RANDOM_MODELS)
 def test_embedded_vocab_limit_and_special_ids(name, default_bundle):
-    b = default_bundle if name == "kairos-default" else load_model(name)
+    b = default_bundle if name == "kairos-random-42m" else load_model(name)
     tok = b.tokenizer
     assert b.vocab_limit == len(tok) < b.config.vocab_size
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -126,11 +126,11 @@ def test_embedded_vocab_limit_and_special_ids(name, default_bundle):
 # --------------------------------------------------------------------------- tokenizer
 
 
-@pytest.mark.parametrize("name", EMBEDDED_MODELS)
+@pytest.mark.parametrize("name", RANDOM_MODELS)
 def test_tokenizer_round_trip_and_streaming(name, default_bundle):
     from tokenizers.decoders import DecodeStream
 
-    tok = default_bundle.tokenizer if name == "kairos-default" else load_model(name).tokenizer
+    tok = default_bundle.tokenizer if name == "kairos-random-42m" else load_model(name).tokenizer
     assert tok.is_fast
     ids = tok.encode(TEXT, add_special_tokens=False)
     assert tok.decode(ids) == TEXT

@@ -166,11 +166,33 @@ def test_serve_config_yaml_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     cfg = ServeDeploySchema.model_validate(yaml.safe_load((root / "serve_config.yaml").read_text()))
     app_cfg = cfg.applications[0]
-    assert app_cfg.import_path == "deployments:build_app"
+    assert app_cfg.import_path == "deployments:app"
     a = AppArgs.model_validate(app_cfg.args)
     assert a.num_gpus == 1 and build_app(a) is not None
     llm = next(d for d in app_cfg.deployments if d.name == "LLMServer")
     assert llm.ray_actor_options.num_gpus == 1
+
+
+def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> None:
+    """`serve run deployments:app model=DIR dtype=float32` and a plain `serve run deployments:app` both work:
+    Serve hands `app` its key=value arguments (or none); `serve build` gets the built `default_app`."""
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as serve_builds
+
+    import deployments
+
+    for args in ({"model": str(tmp_path), "dtype": "float32"}, {}):
+        built = serve_builds(deployments.app, args)
+        assert isinstance(built, Application)
+        llm = built._bound_deployment.init_args[0]._bound_deployment  # Ingress(llm, settings) -> LLMServer
+        engine_config = llm.init_args[0]
+        assert engine_config["model"] == args.get("model", "kairos-default")
+        assert engine_config["dtype"] == args.get("dtype", "auto")
+    assert isinstance(deployments.default_app, Application)
+    with pytest.raises(ValueError, match="Arguments can only be passed"):
+        serve_builds(deployments.default_app, {"model": "x"})
+    with pytest.raises(ValidationError):
+        serve_builds(deployments.app, {"num_replicas": 0})
 
 
 def test_cluster_yaml_is_valid() -> None:
