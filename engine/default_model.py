@@ -290,25 +290,3 @@ def ensure_default_model(name: str = TRAINED_DEFAULT, cache_dir: str | os.PathLi
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-__all__ = [
-    "EMBEDDED_MODELS",
-    "RANDOM_MODELS",
-    "TRAINED_DEFAULT",
-    "LLAMA_COMMON",
-    "MODEL_RECIPES",
-    "RECIPE_VERSION",
-    "CHAT_TEMPLATE",
-    "SPECIAL_TOKENS",
-    "build_tokenizer",
-    "build_model_dir",
-    "cache_root",
-    "corpus_text",
-    "deterministic_cpu_build",
-    "quiet_progress_bars",
-    "ensure_default_model",
-    "model_dir",
-    "recipe",
-    "recipe_hash",
-]

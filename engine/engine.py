@@ -30,7 +30,7 @@ from engine.kv_cache import build_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
-from engine.profiling import load_or_profile
+from engine.profiling import load_or_profile, refit
 from engine.sampler import Sampler
 from engine.stats import EngineStats, StepEvent, snapshot
 from engine.stream import RequestStream
@@ -164,15 +164,7 @@ class LLMEngine:
         `scale` (a calibration to served steps); returns the fit's report. Only while no request is in flight
         (a profile needs free KV blocks and would stall running requests): otherwise RuntimeError. The
         unscaled fit replaces the cached profile."""
-        def job(e: LLMEngine) -> dict:
-            try:
-                model, report = load_or_profile(e, time_budget_s, fresh=True)
-            except Exception as err:  # noqa: BLE001 - the caller gets the error; the old fit stays
-                raise RuntimeError(f"profiling failed: {err!r}") from err
-            e.profile_report = report
-            e.scheduler.set_predictor(model.scaled(*scale))
-            return dict(report)
-        return self.run_idle(job, timeout)
+        return self.run_idle(lambda e: refit(e, time_budget_s, scale), timeout)
 
     def inject_fault(self, count: int = 1) -> None:
         """Test hook: the next `count` model steps raise."""

@@ -143,3 +143,14 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
         log.warning("could not save latency profile to %s: %s", path, e)
     log.info("latency model fitted in %.1fs: %s", report["seconds"], report)
     return model, dict(report, cached=False, path=str(path))
+
+
+def refit(engine: "LLMEngine", time_budget_s: float, scale: tuple[float, float]) -> dict:
+    """A fresh fit for an idle engine (inside `run_idle`): cached unscaled, handed to the scheduler scaled."""
+    try:
+        model, report = load_or_profile(engine, time_budget_s, fresh=True)
+    except Exception as err:  # noqa: BLE001 - the caller gets the error; the old fit stays
+        raise RuntimeError(f"profiling failed: {err!r}") from err
+    engine.profile_report = report
+    engine.scheduler.set_predictor(model.scaled(*scale))
+    return dict(report)

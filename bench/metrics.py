@@ -1,4 +1,7 @@
-"""SLO metrics over per-request records (pure functions, no engine): the SCORPIO / DistServe definitions.
+"""The figures every benchmark reports, as pure functions over numbers and `driver.Record`s (no engine).
+
+Distributions: `percentile`, `distribution` (n/min/mean/max/p50/p90/p99). SLO attainment, with the SCORPIO /
+DistServe definitions (`summarize` a run):
 
 - TTFT = first token − arrival; TPOT = (E2E − TTFT)/(n − 1) = (last token − first token)/(n − 1), 0 for n = 1.
 - A request is *good* iff it was not rejected, completed (finish_reason stop/length), TTFT ≤ F and TPOT ≤ T.
@@ -14,56 +17,43 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.common import percentile
-
-COMPLETED = ("stop", "length")
+from bench.driver import Record
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    """One request as measured. Times are seconds on one clock (time.monotonic); SLOs in ms."""
-
-    tier: str
-    ttft_slo_ms: float
-    tpot_slo_ms: float
-    arrival_s: float
-    rejected: bool = False
-    finish_reason: str | None = None  # stop | length | abort | rejected | error | timeout
-    ttft_s: float | None = None  # first token − arrival
-    token_times: list[float] = field(default_factory=list)  # absolute times of the output tokens (or chunks)
-    n_out: int = 0  # output tokens received
-    finished_s: float | None = None  # absolute end time (last token, rejection, give-up)
-    reject_reason: str | None = None
-    prompt_len: int = 0
-    hops: dict[str, float] = field(default_factory=dict)  # HTTP mode: where the time to the first token went (ms)
-
-    @property
-    def completed(self) -> bool:
-        return not self.rejected and self.finish_reason in COMPLETED
-
-    @property
-    def e2e_s(self) -> float | None:
-        """Last token − arrival."""
-        if self.token_times:
-            return self.token_times[-1] - self.arrival_s
-        if self.ttft_s is not None and self.finished_s is not None:
-            return self.finished_s - self.arrival_s
-        return None
-
-    @property
-    def end_s(self) -> float:
-        if self.finished_s is not None:
-            return self.finished_s
-        return self.token_times[-1] if self.token_times else self.arrival_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+# --------------------------------------------------------------------------- distributions
 
 
-def tpot_s(rec: RequestRecord) -> float | None:
+def percentile(values: Iterable[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default "linear" method); q in [0, 100]. NaN if empty."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return math.nan
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
+    """{"n", "min", "mean", "max", "p50", "p90", "p99"} of `values` (NaN fields when empty)."""
+    xs = [float(v) for v in values]
+    out: dict[str, float] = {"n": len(xs)}
+    out["min"] = min(xs) if xs else math.nan
+    out["mean"] = sum(xs) / len(xs) if xs else math.nan
+    out["max"] = max(xs) if xs else math.nan
+    for q in qs:
+        out[f"p{q:g}"] = percentile(xs, q)
+    return out
+
+
+# --------------------------------------------------------------------------- SLO attainment
+
+
+def tpot_s(rec: Record) -> float | None:
     """(E2E − TTFT)/(n − 1); 0.0 for a single token; None without any token."""
     if rec.n_out <= 0 or rec.ttft_s is None:
         return None
@@ -75,31 +65,31 @@ def tpot_s(rec: RequestRecord) -> float | None:
     return max(0.0, e2e - rec.ttft_s) / (rec.n_out - 1)
 
 
-def ttft_ok(rec: RequestRecord) -> bool:
+def ttft_ok(rec: Record) -> bool:
     return rec.ttft_s is not None and rec.ttft_s * 1000.0 <= rec.ttft_slo_ms
 
 
-def tpot_ok(rec: RequestRecord) -> bool:
+def tpot_ok(rec: Record) -> bool:
     t = tpot_s(rec)
     return t is not None and t * 1000.0 <= rec.tpot_slo_ms
 
 
-def is_good(rec: RequestRecord) -> bool:
+def is_good(rec: Record) -> bool:
     return rec.completed and ttft_ok(rec) and tpot_ok(rec)
 
 
-def ttft_violation(rec: RequestRecord) -> bool:
+def ttft_violation(rec: Record) -> bool:
     """Served (not rejected) and the first token came late or never."""
     return not rec.rejected and not ttft_ok(rec)
 
 
-def tpot_violation(rec: RequestRecord) -> bool:
+def tpot_violation(rec: Record) -> bool:
     """Served, at least 2 tokens, and TPOT over them exceeds the SLO."""
     t = tpot_s(rec)
     return not rec.rejected and rec.n_out >= 2 and t is not None and t * 1000.0 > rec.tpot_slo_ms
 
 
-def drop_warmup(records: Iterable[RequestRecord], frac: float = 0.1) -> list[RequestRecord]:
+def drop_warmup(records: Iterable[Record], frac: float = 0.1) -> list[Record]:
     """Sort by arrival and drop the first floor(frac · n) requests."""
     if not 0.0 <= frac < 1.0:
         raise ValueError(f"warm-up fraction must be in [0, 1), got {frac}")
@@ -107,13 +97,13 @@ def drop_warmup(records: Iterable[RequestRecord], frac: float = 0.1) -> list[Req
     return recs[int(math.floor(frac * len(recs))):]
 
 
-def wall_of(records: Sequence[RequestRecord]) -> float:
+def wall_of(records: Sequence[Record]) -> float:
     if not records:
         return 0.0
     return max(r.end_s for r in records) - min(r.arrival_s for r in records)
 
 
-def _latency_stats(recs: Sequence[RequestRecord]) -> dict[str, float]:
+def _latency_stats(recs: Sequence[Record]) -> dict[str, float]:
     served = [r for r in recs if not r.rejected]
     ttft = [r.ttft_s * 1000.0 for r in served if r.ttft_s is not None]
     tpot = [t * 1000.0 for t in (tpot_s(r) for r in served if r.n_out >= 2) if t is not None]
@@ -123,7 +113,7 @@ def _latency_stats(recs: Sequence[RequestRecord]) -> dict[str, float]:
     }
 
 
-def _counts(recs: Sequence[RequestRecord]) -> dict[str, Any]:
+def _counts(recs: Sequence[Record]) -> dict[str, Any]:
     n = len(recs)
     good = sum(is_good(r) for r in recs)
     rej = sum(r.rejected for r in recs)
@@ -139,7 +129,7 @@ def _counts(recs: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def summarize(records: Iterable[RequestRecord], *, warmup_frac: float = 0.1, wall_s: float | None = None,
+def summarize(records: Iterable[Record], *, warmup_frac: float = 0.1, wall_s: float | None = None,
               tiers: Sequence[str] | None = None) -> dict[str, Any]:
     """Every metric of one run (one policy × load × seed, or pooled records with an explicit `wall_s`)."""
     records = list(records)
@@ -179,9 +169,3 @@ def pool(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
         out[f"{key}_mean"] = m
         out[f"{key}_std"] = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) if xs else math.nan
     return out
-
-
-__all__ = [
-    "COMPLETED", "RequestRecord", "drop_warmup", "is_good", "pool", "summarize", "tpot_ok", "tpot_s",
-    "tpot_violation", "ttft_ok", "ttft_violation", "wall_of",
-]

@@ -1,12 +1,11 @@
-"""Shared helpers for the Kairos benchmarks (`python -m bench.<name>`).
+"""What every benchmark reports with, besides its figures (`bench/metrics.py`):
 
-Generic on purpose so that every benchmark reuses them:
-- statistics: `percentile`, `summarize`, `best_of`;
-- the environment: `cpu_model`, `loadavg`, `run_info` (cpu, loadavg, date, command, versions);
+- timing: `best_of`, `timed`; machine limits: `measure_bandwidth_gb_s` (torch sum over 1 GB fp32, best of N);
+- the environment: `cpu_model`, `loadavg`, `LoadLog`, `run_info` (cpu, loadavg, date, command, versions);
 - output: `format_table` / `print_table` (GitHub-flavoured markdown), `write_json`;
-- machine limits: `measure_bandwidth_gb_s` (torch sum over a 1 GB fp32 tensor, best of N).
-Models (`resolve_bench_model`, the `llama-110m` bench model built on demand, `weight_bytes`, `free_memory`)
-are in `bench/models.py`.
+- headline summaries: `write_summary` keeps a small committed JSON per headline result (command, commit, date,
+  machine, figures) under `bench/summaries/`, and `python -m bench.report` regenerates the table of
+  `bench/README.md` from them.
 
 The box these run on is noisy (other processes share 2 cores), so benchmarks take best-of-N or the
 median and log /proc/loadavg next to every section.
@@ -24,35 +23,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 
 # --------------------------------------------------------------------------- statistics
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default "linear" method); q in [0, 100]. NaN if empty."""
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        return math.nan
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(values: Iterable[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
-    """{"n", "min", "mean", "max", "p50", "p90", "p99"} of `values` (NaN fields when empty)."""
-    xs = [float(v) for v in values]
-    out: dict[str, float] = {"n": len(xs)}
-    out["min"] = min(xs) if xs else math.nan
-    out["mean"] = sum(xs) / len(xs) if xs else math.nan
-    out["max"] = max(xs) if xs else math.nan
-    for q in qs:
-        out[f"p{q:g}"] = percentile(xs, q)
-    return out
 
 
 def best_of(fn: Callable[[], Any], reps: int, key: Callable[[Any], float] | None = None,
@@ -271,32 +245,6 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     print(format_table(headers, rows, digits=digits, align=align), file=file, flush=True)
 
 
-SSE_DONE = "[DONE]"
-
-
-def sse_data(line: str) -> Any:
-    """One server-sent-events line: its JSON payload, SSE_DONE for `data: [DONE]`, None for any other line."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    return SSE_DONE if data == SSE_DONE else json.loads(data)
-
-
-def parse_server_timing(value: str | None) -> dict[str, float]:
-    """`Server-Timing: a;dur=1.5, b;dur=2` -> {"a": 1.5, "b": 2.0} (entries without a duration are skipped)."""
-    out: dict[str, float] = {}
-    for entry in (value or "").split(","):
-        name, *params = [p.strip() for p in entry.split(";")]
-        for p in params:
-            key, _, val = p.partition("=")
-            if name and key.strip() == "dur":
-                try:
-                    out[name] = float(val.strip().strip('"'))
-                except ValueError:
-                    pass
-    return out
-
-
 def _json_default(o: Any) -> Any:
     if hasattr(o, "item"):  # numpy / torch scalars
         return o.item()
@@ -359,3 +307,92 @@ def measure_bandwidth_gb_s(gb: float = 1.0, reps: int = 5) -> float:
     del x
     gc.collect()
     return nbytes / best / 1e9
+
+
+# --------------------------------------------------------------------------- headline summaries
+
+SUMMARIES = Path(__file__).resolve().parent / "summaries"
+README = Path(__file__).resolve().parent / "README.md"
+_BEGIN, _END = "<!-- summaries:begin -->", "<!-- summaries:end -->"
+
+
+def git_commit() -> str:
+    """The checkout's commit (short), with "+dirty" when tracked files differ from it; "" outside git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return sha + ("+dirty" if dirty else "")
+
+
+def machine() -> dict[str, Any]:
+    m: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_flags": cpu_flags()}
+    try:
+        import torch
+
+        m["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            m["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:  # pragma: no cover
+        pass
+    return m
+
+
+def write_summary(name: str, command: str, headline: str, figures: dict[str, Any],
+                  root: str | os.PathLike[str] | None = None) -> Path:
+    """Keep one headline result as `<root>/<name>.json` (default bench/summaries/): small enough to commit.
+
+    `headline` is the one line the README table shows; `figures` holds the numbers behind it."""
+    if not name or any(c in name for c in "/\\ "):
+        raise ValueError(f"summary name must be a plain file stem, got {name!r}")
+    doc = {"name": name, "command": command, "commit": git_commit(), "date": now_iso(), "machine": machine(),
+           "headline": headline, "figures": figures}
+    return write_json(Path(root or SUMMARIES) / f"{name}.json", doc)
+
+
+def summaries_table(root: str | os.PathLike[str] | None = None) -> str:
+    """The headline table of bench/README.md, one row per summary JSON, sorted by name."""
+    rows = []
+    for p in sorted(Path(root or SUMMARIES).glob("*.json")):
+        d = json.loads(p.read_text(encoding="utf-8"))
+        m = d.get("machine") or {}
+        where = m.get("gpu") or f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores)"
+        rows.append([d["name"], d["headline"], where, (d.get("date") or "")[:10], d.get("commit") or "-",
+                     f"`{d['command']}`"])
+    return format_table(["result", "headline", "machine", "date", "commit", "command"], rows, align="llllll")
+
+
+def update_readme(readme: str | os.PathLike[str] | None = None, root: str | os.PathLike[str] | None = None) -> bool:
+    """Replace the table between the summaries markers of bench/README.md; True when the file changed."""
+    path = Path(readme or README)
+    text = path.read_text(encoding="utf-8")
+    a, b = text.find(_BEGIN), text.find(_END)
+    if a < 0 or b < a:
+        raise ValueError(f"{path} has no {_BEGIN} ... {_END} block")
+    new = text[:a + len(_BEGIN)] + "\n" + summaries_table(root) + "\n" + text[b:]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.report`: print the headline table; `--write` puts it into bench/README.md."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
+    ap.add_argument("--write", action="store_true", help="update bench/README.md between its summaries markers")
+    args = ap.parse_args(argv)
+    if args.write:
+        print("updated" if update_readme() else "unchanged", README)
+    else:
+        print(summaries_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,649 @@
+"""The load driver: one record type, and one open-loop driver that offers a list of `WorkItem`s either to an
+in-process `LLMEngine` (`run_engine`) or over HTTP to an OpenAI-compatible server (`run_http`).
+
+Every item is sent at its `arrival_s` (seconds after the start) whether or not earlier ones have finished,
+and every request ends as one `Record` on one clock (`time.monotonic`):
+- in-process, the record carries the client's view (token arrival per stream item, when `per_request_threads`)
+  or the engine's own per-token times (the default: one polling consumer, so the engine keeps the GIL), and
+  the engine's timestamps in `engine`;
+- over HTTP, token times are SSE chunk arrivals (a chunk may hold several tokens; `n_out` comes from the usage
+  chunk), 429 is a rejection, and `hops` splits the time to the first token with the ingress's Server-Timing.
+A request's outcome is its `finish_reason`: stop | length (completed), rejected, abort, error (with `error`
+saying what), timeout (the driver gave up on it) or disconnected (the client dropped it on purpose).
+
+Bench models (the random `llama-110m`, built on demand) and their resolution to a directory are here too,
+since both drivers and the engine benchmark load them.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import json
+import math
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.workload import WorkItem
+
+COMPLETED = ("stop", "length")
+
+# --------------------------------------------------------------------------- bench models
+
+# Llama 768/12/12/2048/32000, tied (baseline.md "llama-110m"): the heavy random-weight bench model.
+BENCH_MODELS: dict[str, dict[str, Any]] = {
+    "llama-110m": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                   "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000,
+                   "max_position_embeddings": 2048},
+}
+BENCH_SEED = 0
+_TOKENIZER_SOURCE = "kairos-random-42m"  # its tokenizer (2.5k ids) fits the 32k vocabulary
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "generation_config.json")
+
+
+def _bench_config(name: str) -> dict[str, Any]:
+    from engine.default_model import LLAMA_COMMON
+
+    return {**BENCH_MODELS[name], **{k: v for k, v in LLAMA_COMMON.items() if k != "model_type"}}
+
+
+def bench_model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    from engine.default_model import cache_root, recipe_hash
+
+    spec = {"name": name, "seed": BENCH_SEED, "config": _bench_config(name),
+            "tokenizer_from": f"{_TOKENIZER_SOURCE}-{recipe_hash(_TOKENIZER_SOURCE)}"}
+    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root(cache_dir) / "bench" / f"{name}-{h}"
+
+
+def ensure_bench_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Build bench model `name` (random init, seed 0, fp32) once; return its directory.
+
+    The tokenizer and generation config come from the random kairos model. Built in a temp dir and published
+    with os.replace (safe against races).
+    """
+    if name not in BENCH_MODELS:
+        raise ValueError(f"unknown bench model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
+    target = bench_model_dir(name, cache_dir)
+    if all((target / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+        return target
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.default_model import deterministic_cpu_build, ensure_default_model, quiet_progress_bars
+
+    src = ensure_default_model(_TOKENIZER_SOURCE, cache_dir)
+    src_cfg = json.loads((src / "config.json").read_text())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        config = LlamaConfig(**_bench_config(name), bos_token_id=src_cfg.get("bos_token_id", 0),
+                             eos_token_id=src_cfg.get("eos_token_id", 0), pad_token_id=src_cfg.get("pad_token_id", 0))
+        config.dtype = "float32"
+        with deterministic_cpu_build(BENCH_SEED):
+            model = LlamaForCausalLM(config)
+        with quiet_progress_bars():
+            model.eval().save_pretrained(tmp)
+        del model
+        for f in _TOKENIZER_FILES:  # overwrites save_pretrained's generation_config.json with the source's
+            if (src / f).is_file():
+                shutil.copy2(src / f, tmp / f)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    gc.collect()
+    return target
+
+
+def resolve_bench_model(name: str) -> str:
+    """What to hand to `EngineConfig(model=...)`: bench-model names become their built directory; kairos names,
+    paths and hub ids pass through unchanged."""
+    return str(ensure_bench_model(name)) if name in BENCH_MODELS else name
+
+
+def resolve_model_path(name: str) -> str:
+    """The checkpoint directory (or hub id) for `name`, building kairos / bench models if needed."""
+    if name in BENCH_MODELS:
+        return str(ensure_bench_model(name))
+    from engine.default_model import EMBEDDED_MODELS, ensure_default_model
+
+    if name in EMBEDDED_MODELS:
+        return str(ensure_default_model(name))
+    p = os.path.expanduser(name)
+    return os.path.abspath(p) if os.path.isdir(p) else name
+
+
+def free_memory() -> None:
+    """Collect garbage and trim the malloc heap, to return memory between phases (drop your references first)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# --------------------------------------------------------------------------- the record
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as measured. Times are seconds on time.monotonic(); SLOs in ms (inf: none)."""
+
+    tier: str
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    arrival_s: float  # the client started to send it
+    rejected: bool = False
+    finish_reason: str | None = None  # stop | length | abort | rejected | error | timeout | disconnected
+    ttft_s: float | None = None  # first token - arrival
+    token_times: list[float] = field(default_factory=list)  # absolute arrival of each token (or chunk)
+    n_out: int = 0  # output tokens received
+    finished_s: float | None = None  # absolute end (last token, rejection, give-up)
+    reject_reason: str | None = None
+    prompt_len: int = 0
+    hops: dict[str, float] = field(default_factory=dict)  # HTTP: where the time to the first token went (ms)
+    index: int = -1  # position in the offered list
+    sent_s: float | None = None  # add_request returned / the response headers arrived
+    error: str | None = None  # what went wrong, with finish_reason error / disconnected
+    prompt_tokens: int = 0
+    deliveries: int = 0  # stream items (in-process) or chunks (HTTP) that carried tokens
+    merged_deliveries: int = 0  # in-process items that carried more than one token
+    engine: dict[str, Any] | None = None  # in-process: the engine's own timestamps (RequestMetrics)
+
+    @property
+    def completed(self) -> bool:
+        return not self.rejected and self.finish_reason in COMPLETED
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Last token - arrival."""
+        if self.token_times:
+            return self.token_times[-1] - self.arrival_s
+        if self.ttft_s is not None and self.finished_s is not None:
+            return self.finished_s - self.arrival_s
+        return None
+
+    @property
+    def end_s(self) -> float:
+        if self.finished_s is not None:
+            return self.finished_s
+        return self.token_times[-1] if self.token_times else self.arrival_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def new_record(i: int, w: WorkItem, arrival: float) -> Record:
+    return Record(w.tier, w.ttft_ms, w.tpot_ms, arrival, prompt_len=w.prompt_len, index=i)
+
+
+@dataclass
+class Run:
+    """One pass of the driver over a list of items."""
+
+    records: list[Record]  # in item order
+    started_s: float  # monotonic time of arrival 0
+    submit_end_s: float = math.nan  # the last item was sent
+    submit_lag_ms: list[float] = field(default_factory=list)  # how late each item was sent
+    engine: dict[str, Any] = field(default_factory=dict)  # in-process: steps and phase times of the run
+    timeouts: int = 0
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the bench extra
+        return None
+    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr, disable=None)
+
+
+def _pace(t0: float, w: WorkItem) -> float:
+    """Sleep until the item's arrival; return how late it is (ms)."""
+    delay = t0 + w.arrival_s - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    return max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def _submit(engine: Any, w: WorkItem, rid: str) -> Any:
+    from core.messages import ChatTurn
+    from core.request import SLO
+    from core.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=w.max_tokens, temperature=w.temperature, ignore_eos=w.ignore_eos,
+                            seed=w.seed)
+    finite = [x if math.isfinite(x) else None for x in (w.ttft_ms, w.tpot_ms)]
+    slo = SLO(*finite, w.output_len_hint) if any(x is not None for x in finite) else None
+    if w.chat:
+        turns = [ChatTurn("user", w.prompt if isinstance(w.prompt, str) else "")]
+        return engine.add_request(None, params, slo, rid, messages=turns)
+    return engine.add_request(w.prompt, params, slo, rid)
+
+
+def _take(rec: Record, out: Any, t: float, client_times: bool) -> bool:
+    """Fold one stream item that arrived at `t` into the record; True when it was the final one."""
+    k = len(out.token_ids)
+    if k and client_times:
+        rec.token_times.extend([t] * k)
+        if rec.ttft_s is None:
+            rec.ttft_s = t - rec.arrival_s
+        rec.deliveries += 1
+        rec.merged_deliveries += k > 1
+    if not out.finished:
+        return False
+    reason = str(out.finish_reason) if out.finish_reason is not None else None
+    rec.finish_reason, rec.n_out, rec.prompt_tokens = reason, out.num_output_tokens, out.num_prompt_tokens
+    rec.rejected = reason == "rejected"
+    rec.reject_reason = str(out.reject_reason) if out.reject_reason is not None else None
+    rec.error = out.error
+    m = out.metrics
+    if m is not None:
+        rec.engine = {"arrival_s": m.arrival_s, "admitted_s": m.admitted_s, "first_token_s": m.first_token_s,
+                      "finished_s": m.finished_s, "token_times": list(m.token_times)}
+        if not client_times:  # the engine's clock is the same monotonic clock
+            rec.arrival_s, rec.token_times, rec.finished_s = m.arrival_s, list(m.token_times), m.finished_s
+            rec.ttft_s = m.ttft_s
+    rec.finished_s = rec.finished_s if rec.finished_s is not None else t
+    return True
+
+
+def _drain(stream: Any, rec: Record, timeout: float, client_times: bool, first: Any = None) -> None:
+    try:
+        if first is not None and _take(rec, first, rec.sent_s, client_times):
+            return
+        while not _take(rec, stream.get(timeout), time.monotonic(), client_times):
+            pass
+    except TimeoutError as e:
+        rec.finish_reason, rec.error, rec.finished_s = "timeout", f"timeout: {e}", time.monotonic()
+    except Exception as e:  # noqa: BLE001 - recorded as an error, never a crash of the benchmark
+        rec.finish_reason, rec.error, rec.finished_s = "error", f"{type(e).__name__}: {e}", time.monotonic()
+
+
+def run_engine(engine: Any, items: Sequence[WorkItem], *, drain_s: float = math.inf, timeout_s: float = 600.0,
+               per_request_threads: bool = False, inline: bool = False, tag: str = "r",
+               progress: bool = False, desc: str = "") -> Run:
+    """Offer `items` open-loop to an in-process engine; wait for every stream (abort stragglers after `drain_s`).
+
+    per_request_threads: one consumer thread per request stamps each stream item on arrival (the client's
+    view). Default: one consumer polls the streams every 20 ms and keeps the engine's own token times, so
+    thousands of requests do not take the GIL from the engine thread. inline: the submitter waits for each
+    request's first item before sending the next (the seeds' add_request that ran the prefill inline).
+    """
+    n = len(items)
+    records: list[Record] = [new_record(i, w, math.nan) for i, w in enumerate(items)]
+    streams: queue.SimpleQueue = queue.SimpleQueue()
+    deadline = [math.inf]
+    bar = progress_bar(n, desc, progress)
+    threads: list[threading.Thread] = []
+
+    def done(i: int) -> None:
+        if bar is not None:
+            bar.update(1)
+
+    def poll() -> None:
+        pending: dict[int, tuple[Any, str]] = {}
+        submitted_all = False
+        while True:
+            while True:
+                try:
+                    got = streams.get_nowait()
+                except queue.Empty:
+                    break
+                if got is None:
+                    submitted_all = True
+                else:
+                    pending[got[0]] = got[1:]
+            for i in [i for i, (st, _) in pending.items() if st.closed]:
+                _drain(pending.pop(i)[0], records[i], 5.0, False)
+                done(i)
+            if submitted_all and not pending:
+                return
+            if time.monotonic() >= deadline[0]:  # give up: abort the stragglers, keep what they got
+                for _, rid in pending.values():
+                    engine.abort(rid)
+                for i, (st, _) in sorted(pending.items()):
+                    rec = records[i]
+                    _drain(st, rec, 30.0, False)
+                    if rec.finish_reason not in COMPLETED and rec.finish_reason != "rejected":
+                        rec.finish_reason, rec.finished_s = "timeout", deadline[0]
+                    done(i)
+                return
+            time.sleep(0.02)
+
+    poller = None if per_request_threads else threading.Thread(target=poll, name="bench-poll", daemon=True)
+    if poller is not None:
+        poller.start()
+    stats0 = engine.stats()
+    lags: list[float] = []
+    t0 = time.monotonic() + 0.05
+    for i, w in enumerate(items):
+        lags.append(_pace(t0, w))
+        rec = records[i]
+        rec.arrival_s = time.monotonic()
+        rid = f"{tag}-{i}"
+        try:
+            stream = _submit(engine, w, rid)
+        except Exception as e:  # noqa: BLE001 - a refused submission is a miss, not a crash of the benchmark
+            rec.sent_s = rec.finished_s = time.monotonic()
+            rec.finish_reason, rec.error = "error", f"submit: {type(e).__name__}: {e}"[:200]
+            rec.reject_reason = rec.error
+            done(i)
+            continue
+        first = None
+        if inline:
+            try:
+                first = stream.get(timeout_s)
+            except TimeoutError as e:
+                rec.finish_reason, rec.error = "timeout", f"timeout: {e}"
+        rec.sent_s = time.monotonic()
+        if rec.finish_reason is not None:
+            rec.finished_s = rec.sent_s
+            done(i)
+        elif poller is not None:
+            streams.put((i, stream, rid))
+        else:
+            th = threading.Thread(target=lambda s=stream, r=rec, f=first, j=i: (_drain(s, r, timeout_s, True, f),
+                                                                                  done(j)),
+                                  name=f"bench-consumer-{i}", daemon=True)
+            th.start()
+            threads.append(th)
+    submit_end = time.monotonic()
+    deadline[0] = submit_end + drain_s
+    if poller is not None:
+        streams.put(None)
+        poller.join()
+    for th in threads:
+        th.join()
+    if bar is not None:
+        bar.close()
+    stats1 = engine.stats()
+    phase = {k: v - stats0.phase_s.get(k, 0.0) for k, v in stats1.phase_s.items()}
+    steps, busy = stats1.steps - stats0.steps, sum(phase.values())
+    eng = {"steps": steps, "phase_s": phase,
+           "sched_ms_per_step": phase.get("schedule", 0.0) / steps * 1000.0 if steps else math.nan,
+           "sched_pct": phase.get("schedule", 0.0) / busy * 100.0 if busy > 0 else math.nan,
+           "step_ms": busy / steps * 1000.0 if steps else math.nan,
+           "rejected": {k: v - stats0.rejected.get(k, 0) for k, v in stats1.rejected.items()}}
+    return Run(records, t0, submit_end, lags, eng, sum(r.finish_reason == "timeout" for r in records))
+
+
+# --------------------------------------------------------------------------- HTTP
+
+SSE_DONE = "[DONE]"
+HOPS = ("client_proxy", "parse", "route", "replica", "body", "engine_ttft", "engine_tpot")
+HOP_NOTES = {
+    "client_proxy": "request sent -> response headers, minus the ingress's own time: client, HTTP proxy, proxy->ingress",
+    "parse": "ingress: read and validate the body",
+    "route": "ingress -> replica handle call: routing and transport, both ways",
+    "replica": "replica: tokenize, engine queue, prefill, first output",
+    "body": "response headers -> first token chunk at the client",
+    "engine_ttft": "TTFT as the engine measured it (add_request -> first token), from the usage chunk",
+    "engine_tpot": "TPOT as the engine measured it; the client's TPOT minus this is what delivery adds",
+}
+
+
+def sse_data(line: str) -> Any:
+    """One server-sent-events line: its JSON payload, SSE_DONE for `data: [DONE]`, None for any other line."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return SSE_DONE if data == SSE_DONE else json.loads(data)
+
+
+def parse_server_timing(value: str | None) -> dict[str, float]:
+    """`Server-Timing: a;dur=1.5, b;dur=2` -> {"a": 1.5, "b": 2.0} (entries without a duration are skipped)."""
+    out: dict[str, float] = {}
+    for entry in (value or "").split(","):
+        name, *params = [p.strip() for p in entry.split(";")]
+        for p in params:
+            key, _, val = p.partition("=")
+            if name and key.strip() == "dur":
+                try:
+                    out[name] = float(val.strip().strip('"'))
+                except ValueError:
+                    pass
+    return out
+
+
+def request_body(w: WorkItem, model: str) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """(path, JSON body, SLO headers) of one item as an OpenAI request."""
+    body: dict[str, Any] = {"model": model, "max_tokens": w.max_tokens, "ignore_eos": w.ignore_eos,
+                            "temperature": w.temperature, "stream": w.stream}
+    if model == "":
+        del body["model"]
+    if w.seed is not None:
+        body["seed"] = w.seed
+    if w.stream:
+        body["stream_options"] = {"include_usage": True}
+    if w.chat:
+        body["messages"] = [{"role": "user", "content": w.prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = w.prompt
+        path = "/v1/completions"
+    headers = {}
+    if math.isfinite(w.ttft_ms):
+        headers["x-slo-ttft-ms"] = f"{w.ttft_ms:.3f}"
+    if math.isfinite(w.tpot_ms):
+        headers["x-slo-tpot-ms"] = f"{w.tpot_ms:.3f}"
+    if w.output_len_hint is not None and headers:
+        headers["x-slo-output-len"] = str(w.output_len_hint)
+    return path, body, headers
+
+
+def _error_code(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"].get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "non_json"
+
+
+async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
+    done = False
+    async for line in resp.aiter_lines():
+        obj = sse_data(line)
+        if obj is None:
+            continue
+        if obj == SSE_DONE:
+            done = True
+            break
+        now = time.monotonic()
+        if "error" in obj:
+            err = obj["error"]
+            rec.finish_reason, rec.error = "error", str(err.get("message", err) if isinstance(err, dict) else err)
+            continue
+        for c in obj.get("choices") or []:
+            if "text" in c or (c.get("delta") or {}).get("content") is not None:
+                rec.token_times.append(now)  # one chunk per delivery of >= 1 token (text may be '' mid-character)
+                rec.deliveries += 1
+                if rec.ttft_s is None:
+                    rec.ttft_s = now - rec.arrival_s
+                    if "headers" in rec.hops:
+                        rec.hops["body"] = rec.ttft_s * 1000.0 - rec.hops["headers"]
+                if w.drop_at is not None and rec.deliveries >= w.drop_at:
+                    rec.finish_reason, rec.error = "disconnected", "after_chunks"
+                    return
+            if c.get("finish_reason") and rec.finish_reason != "error":
+                rec.finish_reason = c["finish_reason"]
+        usage = obj.get("usage")
+        if usage:
+            rec.n_out, rec.prompt_tokens = int(usage.get("completion_tokens", 0)), int(usage.get("prompt_tokens", 0))
+            em = obj.get("kairos_metrics") or {}
+            for k in ("ttft", "tpot"):
+                if em.get(f"{k}_ms") is not None:
+                    rec.hops[f"engine_{k}"] = float(em[f"{k}_ms"])
+    if not done and rec.finish_reason != "error":
+        rec.finish_reason, rec.error = "error", "stream_without_done"
+
+
+async def _read_json(resp: Any, rec: Record) -> None:
+    body = json.loads(await resp.aread())
+    now = time.monotonic()
+    usage = body.get("usage") or {}
+    rec.n_out, rec.prompt_tokens = int(usage.get("completion_tokens", 0)), int(usage.get("prompt_tokens", 0))
+    choice = (body.get("choices") or [{}])[0]
+    rec.finish_reason = choice.get("finish_reason") or "error"
+    rec.ttft_s, rec.token_times = now - rec.arrival_s, [now]
+
+
+async def _send(client: Any, i: int, w: WorkItem, model: str) -> Record:
+    """One request over HTTP, to its end (or its planned drop)."""
+    path, body, headers = request_body(w, model)
+    rec = new_record(i, w, time.monotonic())
+
+    async def go() -> None:
+        async with client.stream("POST", path, json=body, headers=headers) as resp:
+            rec.sent_s = time.monotonic()
+            st = parse_server_timing(resp.headers.get("server-timing"))
+            rec.hops = {"headers": (rec.sent_s - rec.arrival_s) * 1000.0, **st}
+            if st:
+                rec.hops["client_proxy"] = rec.hops["headers"] - sum(st.values())
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                if resp.status_code == 429:
+                    rec.rejected, rec.finish_reason = True, "rejected"
+                    rec.reject_reason = resp.headers.get("x-kairos-reject-reason") or _error_code(raw)
+                    if not resp.headers.get("retry-after"):
+                        rec.error = "429_without_retry_after"
+                else:
+                    rec.finish_reason = "error"
+                    rec.error = rec.reject_reason = f"http_{resp.status_code}:{_error_code(raw)}"
+                return
+            if w.drop_at == 0:
+                rec.finish_reason, rec.error = "disconnected", "after_headers"
+                return
+            await (_read_sse(resp, rec, w) if w.stream else _read_json(resp, rec))
+
+    import httpx
+
+    try:
+        if w.drop_at == -1:
+            try:
+                await asyncio.wait_for(go(), timeout=w.drop_delay_s)
+            except asyncio.TimeoutError:
+                rec.finish_reason, rec.error = "disconnected", "before_first_byte"
+        else:
+            await go()
+    except asyncio.CancelledError:
+        rec.finish_reason = "timeout"
+        raise
+    except httpx.HTTPError as e:
+        rec.finish_reason, rec.error = "error", f"transport:{type(e).__name__}"
+    except (ValueError, KeyError, TypeError) as e:
+        rec.finish_reason, rec.error = "error", f"bad_response:{type(e).__name__}"
+    finally:
+        rec.n_out = rec.n_out or len(rec.token_times)
+        rec.finished_s = time.monotonic()
+        if rec.completed and w.ignore_eos and rec.n_out != w.max_tokens:
+            rec.finish_reason, rec.error = "error", "token_count_mismatch"
+        if rec.finish_reason is None:
+            rec.finish_reason, rec.error = "error", rec.error or "no_finish_reason"
+    return rec
+
+
+async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = "", drain_s: float = math.inf,
+                         timeout_s: float | None = None, api_key: str | None = None, transport: Any = None,
+                         max_inflight: int | None = None, on_done: Callable[[Record], None] | None = None,
+                         bar: Any = None) -> Run:
+    """Offer `items` (any iterable, e.g. a generator bounded by a duration) open-loop over HTTP.
+
+    A request still running `drain_s` after the last arrival is cancelled ("timeout"); one that takes longer
+    than `timeout_s` ends as an error "client_timeout". With `max_inflight`, an arrival that finds that many
+    requests in flight is not sent (its record: error "client_backlog").
+    """
+    import httpx
+
+    records: list[Record] = []
+    lags: list[float] = []
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def one(i: int, w: WorkItem) -> Record:
+        try:
+            rec = await asyncio.wait_for(_send(client, i, w, model), timeout_s) if timeout_s else \
+                await _send(client, i, w, model)
+        except asyncio.TimeoutError:
+            rec = new_record(i, w, time.monotonic() - (timeout_s or 0.0))
+            rec.finish_reason, rec.error, rec.finished_s = "error", "client_timeout", time.monotonic()
+        records[i] = rec
+        if on_done is not None:
+            on_done(rec)
+        if bar is not None:
+            bar.update(1)
+        return rec
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits, transport=transport,
+                                 timeout=httpx.Timeout(None, connect=30.0)) as client:
+        tasks: set[asyncio.Task] = set()
+        t0 = time.monotonic() + 0.05
+        for i, w in enumerate(items):
+            delay = t0 + w.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            lags.append(max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0)
+            records.append(new_record(i, w, time.monotonic()))
+            if max_inflight is not None and sum(not t.done() for t in tasks) >= max_inflight:
+                rec = records[i]
+                rec.finish_reason, rec.error, rec.finished_s = "error", "client_backlog", rec.arrival_s
+                if on_done is not None:
+                    on_done(rec)
+                continue
+            tasks.add(asyncio.create_task(one(i, w)))
+        submit_end = time.monotonic()
+        _, pending = await asyncio.wait(tasks, timeout=drain_s if math.isfinite(drain_s) else None) \
+            if tasks else (set(), set())
+        give_up = time.monotonic()
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    timeouts = 0
+    for r in records:
+        if r.finish_reason == "timeout":
+            r.finished_s = give_up
+            timeouts += 1
+    return Run(records, t0, submit_end, lags, {}, timeouts)
+
+
+def run_http(url: str, items: Sequence[WorkItem], *, progress: bool = False, desc: str = "", **kw: Any) -> Run:
+    """`run_http_async` from synchronous code."""
+    bar = progress_bar(len(items), desc, progress)
+    try:
+        return asyncio.run(run_http_async(url, items, bar=bar, **kw))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The first model id of `GET /v1/models` ("" when the server does not say)."""
+    import httpx
+
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10.0, headers=headers)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - the name is cosmetic; requests then go without "model"
+        return ""
