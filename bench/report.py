@@ -361,7 +361,10 @@ def summaries_table(root: str | os.PathLike[str] | None = None) -> str:
     for p in sorted(Path(root or SUMMARIES).glob("*.json")):
         d = json.loads(p.read_text(encoding="utf-8"))
         m = d.get("machine") or {}
-        where = m.get("gpu") or f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores)"
+        flags = m.get("cpu_flags") or []
+        isa = "AMX" if any(f.startswith("amx") for f in flags) else \
+            "AVX-512 bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+        where = m.get("gpu") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {isa}"
         rows.append([d["name"], d["headline"], where, (d.get("date") or "")[:10], d.get("commit") or "-",
                      f"`{d['command']}`"])
     return format_table(["result", "headline", "machine", "date", "commit", "command"], rows, align="llllll")
