@@ -471,7 +471,8 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
         now = time.monotonic()
         if "error" in obj:
             err = obj["error"]
-            rec.finish_reason, rec.error = "error", str(err.get("message", err) if isinstance(err, dict) else err)
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            rec.finish_reason, rec.error = "error", f"stream_error: {msg}"
             continue
         for c in obj.get("choices") or []:
             if "text" in c or (c.get("delta") or {}).get("content") is not None:
@@ -507,10 +508,10 @@ async def _read_json(resp: Any, rec: Record) -> None:
     rec.ttft_s, rec.token_times = now - rec.arrival_s, [now]
 
 
-async def _send(client: Any, i: int, w: WorkItem, model: str) -> Record:
-    """One request over HTTP, to its end (or its planned drop)."""
+async def _send(client: Any, rec: Record, w: WorkItem, model: str) -> None:
+    """One request over HTTP, to its end (or its planned drop), measured into `rec`."""
     path, body, headers = request_body(w, model)
-    rec = new_record(i, w, time.monotonic())
+    rec.arrival_s = time.monotonic()
 
     async def go() -> None:
         async with client.stream("POST", path, json=body, headers=headers) as resp:
@@ -559,7 +560,6 @@ async def _send(client: Any, i: int, w: WorkItem, model: str) -> Record:
             rec.finish_reason, rec.error = "error", "token_count_mismatch"
         if rec.finish_reason is None:
             rec.finish_reason, rec.error = "error", rec.error or "no_finish_reason"
-    return rec
 
 
 async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = "", drain_s: float = math.inf,
@@ -578,41 +578,39 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
     lags: list[float] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async def one(i: int, w: WorkItem) -> Record:
-        try:
-            rec = await asyncio.wait_for(_send(client, i, w, model), timeout_s) if timeout_s else \
-                await _send(client, i, w, model)
+    async def one(rec: Record, w: WorkItem) -> None:
+        try:  # a cancellation at the drain deadline leaves the record as "timeout"
+            await asyncio.wait_for(_send(client, rec, w, model), timeout_s)
         except asyncio.TimeoutError:
-            rec = new_record(i, w, time.monotonic() - (timeout_s or 0.0))
             rec.finish_reason, rec.error, rec.finished_s = "error", "client_timeout", time.monotonic()
-        records[i] = rec
         if on_done is not None:
             on_done(rec)
         if bar is not None:
             bar.update(1)
-        return rec
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits, transport=transport,
                                  timeout=httpx.Timeout(None, connect=30.0)) as client:
-        tasks: set[asyncio.Task] = set()
+        inflight: set[asyncio.Task] = set()
         t0 = time.monotonic() + 0.05
         for i, w in enumerate(items):
             delay = t0 + w.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             lags.append(max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0)
-            records.append(new_record(i, w, time.monotonic()))
-            if max_inflight is not None and sum(not t.done() for t in tasks) >= max_inflight:
-                rec = records[i]
+            rec = new_record(i, w, time.monotonic())
+            records.append(rec)
+            if max_inflight is not None and len(inflight) >= max_inflight:
                 rec.finish_reason, rec.error, rec.finished_s = "error", "client_backlog", rec.arrival_s
                 if on_done is not None:
                     on_done(rec)
                 continue
-            tasks.add(asyncio.create_task(one(i, w)))
+            task = asyncio.create_task(one(rec, w))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
         submit_end = time.monotonic()
-        _, pending = await asyncio.wait(tasks, timeout=drain_s if math.isfinite(drain_s) else None) \
-            if tasks else (set(), set())
+        _, pending = await asyncio.wait(inflight, timeout=drain_s if math.isfinite(drain_s) else None) \
+            if inflight else (set(), set())
         give_up = time.monotonic()
         for t in pending:
             t.cancel()

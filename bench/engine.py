@@ -1,48 +1,42 @@
 """Engine benchmark: Kairos `LLMEngine` vs HF transformers on the same model, same process, same run.
 
-    python -m bench.engine                                   # kairos-default, bfloat16, 2 threads
-    python -m bench.engine --dtype float32 --json /tmp/e.json
+    python -m bench.engine                                   # kairos-random-42m, bfloat16, 2 threads
+    python -m bench.engine --model kairos-default --json /tmp/e.json --summary engine-smollm2-bf16
     python -m bench.engine --llama-110m --dtype float32      # (= --model llama-110m) heavy bench model
     python -m bench.engine --model kairos-tiny --dtype float32 --quick
 
-Figures (all greedy, EOS ignored, random prompt ids < vocab_limit, seeded):
-- decode tok/s and ms/step at batch 1/8/16/32, prompt 64, 64 new tokens. Engine: B requests submitted
-  at once through `add_request`; decode-only throughput = tokens produced after the step in which the
-  last request got its first token, up to the step in which the last one finished, over that time
-  (per-request `metrics.token_times`). HF: `generate` (sdpa) on the batch, min_new_tokens =
-  max_new_tokens = 64, minus a prefill-only (`max_new_tokens=1`) run, as baseline.md section 3.
-  Beside them: the memory-bandwidth bound B / (weight bytes / GB/s), GB/s from a torch sum over 1 GB fp32.
-- prefill tok/s for 1x512 and 8x128. Engine: `runner.execute` + sampling on throwaway requests over the
-  real paged cache (as engine.profiling._Prober). HF: one forward with `logits_to_keep=1` (+ argmax).
-- mixed workload: 64 requests, prompt lengths U[16, 512], output lengths U[16, 256], all at t=0. Engine:
-  wall from the first submit to the last finish. HF: `generate` in static left-padded batches of 32, each
-  running to its longest output; only each request's own requested tokens count as useful output.
-- engine per-step overhead at batch 32: schedule + input preparation + sample + postprocess, as % of the
-  decode step time (phases from `LLMEngine.stats().phase_s`, `runner.prepare` timed separately).
-
-Best-of-N everywhere (the box is noisy); /proc/loadavg is logged per section.
-The HF baseline lives in `bench/engine_hf.py`, the JSON document and printed tables in `bench/engine_report.py`.
+Figures (all greedy, EOS ignored, random prompt ids < vocab_limit, seeded; best-of-N, /proc/loadavg per section):
+- decode tok/s and ms/step at batch 1/8/16/32, prompt 64, 64 new tokens. Engine: B requests submitted at once;
+  decode-only = tokens after the step in which the last request got its first token, up to the step in which
+  the last one finished, over that time (`metrics.token_times`). HF: `generate` (sdpa) with min = max = 64 new
+  tokens, minus a prefill-only (`max_new_tokens=1`) run. Beside them the memory-bandwidth bound
+  B / (weight bytes / GB/s), GB/s from a torch sum over 1 GB fp32.
+- prefill tok/s for 1x512 and 8x128. Engine: one step (forward + sampling) of throwaway requests on the real
+  paged cache (`engine.profiling.Prober` inside `LLMEngine.run_idle`). HF: one forward, `logits_to_keep=1`.
+- mixed: 64 requests, prompts U[16, 512], outputs U[16, 256], all at t=0. Engine: first submit to last finish.
+  HF: `generate` in static left-padded batches of 32, each to its longest output (only requested tokens count).
+- engine per-step overhead at batch 32: schedule + prepare + sample + postprocess, as % of the decode step
+  (`LLMEngine.stats().phase_s`; `runner.prepare` timed by `Prober.prepare_ms`).
+Files only where asked: `--json PATH` (every figure), `--summary NAME` (`bench/summaries/NAME.json`).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from bench.common import LoadLog, best_of, measure_bandwidth_gb_s, run_info, summarize, write_json  # noqa: E402
-from bench.models import free_memory, num_params, resolve_bench_model, weight_bytes  # noqa: E402
-from bench.engine_hf import run_hf  # noqa: E402
-from bench.engine_report import build_report, print_report  # noqa: E402
+from bench.driver import free_memory, resolve_bench_model
+from bench.metrics import distribution
+from bench.report import LoadLog, best_of, measure_bandwidth_gb_s, print_table, run_info, write_json, write_summary
 
 MODULE = "bench.engine"
+DEFAULT_MODEL = "kairos-random-42m"  # the random 42M model (the old kairos-default)
+_RUNS = itertools.count()  # request ids unique across repetitions
 
 
 @dataclass
@@ -68,10 +62,13 @@ class Plan:
     seed: int = 0
 
     @classmethod
-    def quick(cls) -> "Plan":
+    def quick(cls) -> Plan:
         return cls(batches=(1, 8, 32), prompt_len=32, new_tokens=16, decode_reps=1, prefill_reps=2,
                    mixed_requests=16, mixed_prompt=(16, 128), mixed_output=(8, 32), mixed_hf_batch=8,
                    mixed_reps=1, bw_gb=1.0, bw_reps=2, prepare_reps=10, rep_budget_s=None, min_reps=1)
+
+    def reps(self, fn, n: int, key=None, warmup: int = 0):
+        return best_of(fn, n, key=key, warmup=warmup, budget_s=self.rep_budget_s, min_reps=self.min_reps)
 
 
 @dataclass
@@ -85,42 +82,40 @@ class Workloads:
 
 
 def make_workloads(plan: Plan, vocab_limit: int) -> Workloads:
-    w = Workloads()
+    w, base = Workloads(), plan.seed * 1_000_003
+
+    def ids(rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(vocab_limit) for _ in range(n)]
+
     for b in plan.batches:
-        rng = random.Random(plan.seed * 1_000_003 + 1000 + b)
-        w.decode[b] = [[rng.randrange(vocab_limit) for _ in range(plan.prompt_len)] for _ in range(b)]
+        rng = random.Random(base + 1000 + b)
+        w.decode[b] = [ids(rng, plan.prompt_len) for _ in range(b)]
     for n, length in plan.prefill_shapes:
-        rng = random.Random(plan.seed * 1_000_003 + 2000 + n * 10_000 + length)
-        w.prefill[f"{n}x{length}"] = [[rng.randrange(vocab_limit) for _ in range(length)] for _ in range(n)]
-    rng = random.Random(plan.seed * 1_000_003 + 3000)
+        rng = random.Random(base + 2000 + n * 10_000 + length)
+        w.prefill[f"{n}x{length}"] = [ids(rng, length) for _ in range(n)]
+    rng = random.Random(base + 3000)
     for _ in range(plan.mixed_requests):
-        p = rng.randint(*plan.mixed_prompt)
-        w.mixed_prompts.append([rng.randrange(vocab_limit) for _ in range(p)])
+        w.mixed_prompts.append(ids(rng, rng.randint(*plan.mixed_prompt)))
         w.mixed_outputs.append(rng.randint(*plan.mixed_output))
     return w
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters (tied weights counted once): what one decode step must read."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def num_params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 # =========================================================================== engine side
 
 
-def _final(eng, stream, timeout: float = 1800.0):
-    """The stream's last output; raises if the engine's worker dies or nothing finishes within `timeout`."""
-    deadline = time.monotonic() + timeout
-    out = None
-    while out is None or not out.finished:
-        try:
-            out = stream.get(timeout=1.0)
-        except TimeoutError:
-            if not eng.is_alive():
-                raise RuntimeError(f"engine worker died: {getattr(eng, '_dead', None)!r}") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"request {stream.request_id} did not finish within {timeout:.0f} s") from None
-    return out
-
-
 def _submit_and_wait(eng, prompts: list[list[int]], max_tokens: list[int], tag: str) -> tuple[float, list]:
     """Submit every prompt at (nearly) the same instant; return (t0 monotonic, final outputs in order)."""
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     old = sys.getswitchinterval()
@@ -130,12 +125,19 @@ def _submit_and_wait(eng, prompts: list[list[int]], max_tokens: list[int], tag: 
         streams = [eng.add_request(p, sp, request_id=f"{tag}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     finally:
         sys.setswitchinterval(old)
-    finals = [_final(eng, s) for s in streams]
+    finals = [_final(st) for st in streams]
     for f, m in zip(finals, max_tokens):
         if f.finish_reason != "length" or f.num_output_tokens != m:
             raise RuntimeError(f"request {f.request_id} ended {f.finish_reason!r} after {f.num_output_tokens}/{m} "
                                f"tokens (reject={f.reject_reason!r}, error={f.error!r})")
     return t0, finals
+
+
+def _final(stream, timeout: float = 1800.0):
+    """The stream's last item (a failed engine finishes its streams with an error item; a hang raises)."""
+    while not (out := stream.get(timeout)).finished:
+        pass
+    return out
 
 
 def _wait_idle(eng, timeout: float = 30.0):
@@ -155,70 +157,38 @@ def _decode_figures(finals) -> dict[str, Any]:
     window = [x for t in tts for x in t if t_start < x <= t_end]
     dt = t_end - t_start
     steps = len(set(window))  # every token of one step carries the same timestamp
-    return {
-        "tok_s": len(window) / dt if dt > 0 else float("nan"),
-        "ms_step": dt / steps * 1000.0 if steps else float("nan"),
-        "tokens": len(window),
-        "steps": steps,
-        "seconds": dt,
-        "prefill_aligned": len({t[0] for t in tts}) == 1,  # all B prefilled in one step
-    }
+    return {"tok_s": len(window) / dt if dt > 0 else float("nan"),
+            "ms_step": dt / steps * 1000.0 if steps else float("nan"),
+            "tokens": len(window), "steps": steps, "seconds": dt,
+            "prefill_aligned": len({t[0] for t in tts}) == 1}  # all B prefilled in one step
 
 
-def _throwaway(n_tokens: int, rng: random.Random, vocab: int, rid: str):
-    from engine.request import Request
-    from engine.sampling import SamplingParams
+def _probe(eng, fn):
+    """`fn(Prober)` on the engine's worker while it is idle (the probes use the real paged cache)."""
+    from engine.profiling import Prober
 
-    ids = [rng.randrange(vocab) for _ in range(n_tokens)]
-    return Request(rid, ids, SamplingParams(max_tokens=1, temperature=0.0))
-
-
-def engine_prefill(eng, prompts: list[list[int]], reps: int, budget_s: float | None = None,
-                   min_reps: int = 1) -> dict[str, Any]:
-    """Time `runner.execute` + sampling of one prefill step over throwaway requests (worker idle)."""
-    from engine.request import Request
-    from engine.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    reqs = [Request(f"bench-prefill-{i}", list(p), params) for i, p in enumerate(prompts)]
-    try:
-        for r in reqs:
-            eng.blocks.ensure(r, r.num_tokens)
-
-        def once() -> float:
-            t0 = time.perf_counter()
-            logits = eng.runner.execute(reqs, [])
-            eng.sampler.sample(logits, reqs)
-            return time.perf_counter() - t0
-
-        best, all_ = best_of(once, reps, warmup=1, budget_s=budget_s, min_reps=min_reps)
-    finally:
-        for r in reqs:
-            eng.blocks.free(r)
-    tokens = sum(len(p) for p in prompts)
-    return {"tok_s": tokens / best, "ms": best * 1000.0, "all_ms": [x * 1000.0 for x in all_]}
+    return eng.run_idle(lambda e: fn(Prober(e)), timeout=3600.0)
 
 
-def engine_prepare_ms(eng, batch: int, ctx: int, reps: int) -> float:
-    """Best-of time of `runner.prepare` for a decode step of `batch` requests at context `ctx`."""
-    rng = random.Random(7)
-    vocab = eng.bundle.vocab_limit
-    reqs = [_throwaway(ctx, rng, vocab, f"bench-prep-{i}") for i in range(batch)]
-    try:
-        for r in reqs:
-            eng.blocks.ensure(r, ctx)
-            r.num_computed_tokens = ctx - 1
-
-        def once() -> float:
-            t0 = time.perf_counter()
-            eng.runner.prepare([], reqs)
-            return time.perf_counter() - t0
-
-        best, _ = best_of(once, reps, warmup=2)
-    finally:
-        for r in reqs:
-            eng.blocks.free(r)
-    return best * 1000.0
+def measure(side: str, plan: Plan, w: Workloads, loads: LoadLog, log, decode, prefill, mixed) -> dict[str, Any]:
+    """The three sections, alike for both systems: `decode(B)` -> best figures (tok_s, ms_step, ...),
+    `prefill(prompts)` -> seconds of one prefill, `mixed()` -> one run's figures (wall_s, tok_s, ...)."""
+    res: dict[str, Any] = {"decode": {}, "prefill": {}}
+    loads.mark(f"{side.lower()}_decode")
+    for bsz in plan.batches:
+        d = res["decode"][bsz] = decode(bsz)
+        log(f"{side} decode B={bsz}: {d['tok_s']:.1f} tok/s, {d['ms_step']:.2f} ms/step")
+    loads.mark(f"{side.lower()}_prefill")
+    for shape, prompts in w.prefill.items():
+        best, all_ = plan.reps(lambda p=prompts: prefill(p), plan.prefill_reps, warmup=1)
+        p = res["prefill"][shape] = {"tok_s": sum(map(len, prompts)) / best, "ms": best * 1000.0,
+                                     "all_ms": [x * 1000.0 for x in all_]}
+        log(f"{side} prefill {shape}: {p['tok_s']:.0f} tok/s ({p['ms']:.1f} ms)")
+    loads.mark(f"{side.lower()}_mixed")
+    best, runs = best_of(mixed, plan.mixed_reps, key=lambda r: r["wall_s"])
+    res["mixed"] = dict(best, all_wall_s=[r["wall_s"] for r in runs])
+    log(f"{side} mixed: {best['wall_s']:.1f} s wall, {best['tok_s']:.1f} useful tok/s")
+    return res
 
 
 def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, Any]:
@@ -228,111 +198,268 @@ def run_engine(model: str, args, plan: Plan, loads: LoadLog, log) -> dict[str, A
     from engine.engine import LLMEngine
     from scheduling.config import SchedulerConfig
 
-    extra: dict[str, Any] = {}
-    if args.kv_cache_gb:
-        extra["kv_cache_memory_gb"] = args.kv_cache_gb
+    extra: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_gb} if args.kv_cache_gb else {}
     cfg = EngineConfig(model=model, dtype=args.dtype, device="cpu", num_threads=args.threads,
                        scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=64, prefill_max_tokens=4096), **extra)
-    log(f"engine: loading {model} ({args.dtype}) and its latency profile "
-        "(the first start fits it: ~15 s; cached after) ...")
+    log(f"engine: loading {model} ({args.dtype}) and its latency profile (the first start fits it; cached after)")
     t0 = time.perf_counter()
     eng = LLMEngine(cfg)
-    startup = time.perf_counter() - t0
-    prof = dict(eng.profile_report or {})
+    startup, prof = time.perf_counter() - t0, dict(eng.profile_report or {})
     log(f"engine: started in {startup:.1f} s; latency profile "
-        + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', float('nan')):.1f} s")
-        + (f" (holdout MAPE {prof['mape_holdout']:.3f})" if isinstance(prof.get("mape_holdout"), float) else ""))
-    res: dict[str, Any] = {"startup_s": startup, "profile": prof}
+        + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', float('nan')):.1f} s"))
     try:
-        b = eng.bundle
-        res.update(vocab_limit=b.vocab_limit, weight_bytes=weight_bytes(b.model), params=num_params(b.model),
-                   model_path=b.path, torch_dtype=str(b.dtype).removeprefix("torch."),
-                   kv_cache={"blocks": eng.cache.num_blocks, "block_size": eng.blocks.block_size,
-                             "dtype": str(eng.cache.dtype).removeprefix("torch."),
-                             "tokens": eng.cache.num_blocks * eng.blocks.block_size},
-                   threads=torch.get_num_threads(), upcast_linears=getattr(eng, "upcast_linears", None))
+        b, bs = eng.bundle, eng.config.block_size
         w = make_workloads(plan, b.vocab_limit)
-        res["workloads"] = w
-
-        # warm-up: one small round through the whole loop at the largest batch
         bmax = max(plan.batches)
-        _submit_and_wait(eng, w.decode[bmax], [min(4, plan.new_tokens)] * bmax, "warm")
-        _wait_idle(eng)
+        _submit_and_wait(eng, w.decode[bmax], [min(4, plan.new_tokens)] * bmax, "warm")  # the whole loop, once
 
-        # ---- decode
-        loads.mark("engine_decode")
-        decode: dict[int, dict[str, Any]] = {}
-        phase_b = bmax
-        for bsz in plan.batches:
-            reps = []
-            t_cfg = time.perf_counter()
-            for rep in range(plan.decode_reps):
-                if (rep >= plan.min_reps and plan.rep_budget_s is not None
-                        and time.perf_counter() - t_cfg > plan.rep_budget_s):
-                    break
+        def decode(bsz: int) -> dict[str, Any]:
+            def once() -> dict[str, Any]:
                 before = _wait_idle(eng)
-                _, finals = _submit_and_wait(eng, w.decode[bsz], [plan.new_tokens] * bsz, f"dec{bsz}-{rep}")
+                _, finals = _submit_and_wait(eng, w.decode[bsz], [plan.new_tokens] * bsz, f"dec{bsz}-{next(_RUNS)}")
                 after = _wait_idle(eng)
-                fig = _decode_figures(finals)
-                fig["phase_delta_s"] = {k: after.phase_s.get(k, 0.0) - before.phase_s.get(k, 0.0)
-                                        for k in after.phase_s}
-                fig["step_delta"] = after.steps - before.steps
-                reps.append(fig)
-            best = max(reps, key=lambda f: f["tok_s"])
-            best["all_tok_s"] = [f["tok_s"] for f in reps]
-            decode[bsz] = best
-            log(f"engine decode B={bsz}: {best['tok_s']:.1f} tok/s, {best['ms_step']:.2f} ms/step "
-                f"(reps {', '.join(f'{x:.0f}' for x in best['all_tok_s'])})")
-        res["decode"] = decode
+                return dict(_decode_figures(finals), step_delta=after.steps - before.steps,
+                            phase_delta_s={k: v - before.phase_s.get(k, 0.0) for k, v in after.phase_s.items()})
 
-        # ---- per-step overhead at the largest batch (32 by default)
-        d = decode[phase_b]
-        n = max(1, d["step_delta"])
-        per_step = {k: v / n * 1000.0 for k, v in d["phase_delta_s"].items()}
-        prep = engine_prepare_ms(eng, phase_b, plan.prompt_len + plan.new_tokens // 2, plan.prepare_reps)
-        over = per_step.get("schedule", 0.0) + per_step.get("sample", 0.0) + per_step.get("postprocess", 0.0) + prep
+            best, runs = plan.reps(once, plan.decode_reps, key=lambda f: -f["tok_s"])
+            return dict(best, all_tok_s=[f["tok_s"] for f in runs])
+
+        def mixed() -> dict[str, Any]:
+            _wait_idle(eng)
+            t0m, finals = _submit_and_wait(eng, w.mixed_prompts, w.mixed_outputs, f"mix-{next(_RUNS)}")
+            wall = max(f.metrics.finished_s for f in finals) - t0m
+            gen = sum(f.num_output_tokens for f in finals)
+            return {"wall_s": wall, "tok_s": gen / wall, "generated_tokens": gen,
+                    "ttft_s": distribution(f.metrics.ttft_s for f in finals),
+                    "tpot_ms": distribution((f.metrics.tpot_s or 0.0) * 1000.0 for f in finals)}
+
+        res = measure("engine", plan, w, loads, log, decode,
+                      lambda prompts: _probe(eng, lambda p: p.prefill_ms(prompts)) / 1000.0, mixed)
+
+        # per-step overhead at the largest batch (32 by default): phases of its best decode run, prepare probed
+        loads.mark("engine_overhead")
+        d = res["decode"][bmax]
+        per_step = {k: v / max(1, d["step_delta"]) * 1000.0 for k, v in d["phase_delta_s"].items()}
+        ctx = plan.prompt_len + plan.new_tokens // 2
+        prep = _probe(eng, lambda p: best_of(lambda: p.prepare_ms([ctx] * bmax), plan.prepare_reps, warmup=2)[0])
+        over = sum(per_step.get(k, 0.0) for k in ("schedule", "sample", "postprocess")) + prep
         res["overhead"] = {
-            "batch": phase_b, "steps": d["step_delta"], "step_ms": d["ms_step"],
+            "batch": bmax, "steps": d["step_delta"], "step_ms": d["ms_step"],
             "schedule_ms": per_step.get("schedule"), "prepare_ms": prep, "sample_ms": per_step.get("sample"),
             "postprocess_ms": per_step.get("postprocess"),
             "forward_incl_prepare_ms": per_step.get("forward"),  # averaged over all steps incl. the prefill step
             "overhead_ms": over, "overhead_pct": over / d["ms_step"] * 100.0,
             "note": "phase times averaged over the run's steps (one prefill step included); prepare timed "
-                    "separately on throwaway requests at the mid-decode context",
-        }
-
-        # ---- prefill
-        loads.mark("engine_prefill")
-        prefill = {}
-        for shape, prompts in w.prefill.items():
-            prefill[shape] = engine_prefill(eng, prompts, plan.prefill_reps, plan.rep_budget_s, plan.min_reps)
-            log(f"engine prefill {shape}: {prefill[shape]['tok_s']:.0f} tok/s ({prefill[shape]['ms']:.1f} ms)")
-        res["prefill"] = prefill
-
-        # ---- mixed
-        loads.mark("engine_mixed")
-        runs = []
-        for rep in range(plan.mixed_reps):
-            _wait_idle(eng)
-            t0m, finals = _submit_and_wait(eng, w.mixed_prompts, w.mixed_outputs, f"mix-{rep}")
-            wall = max(f.metrics.finished_s for f in finals) - t0m
-            gen = sum(f.num_output_tokens for f in finals)
-            runs.append({
-                "wall_s": wall, "tok_s": gen / wall, "generated_tokens": gen,
-                "ttft_s": summarize(f.metrics.ttft_s for f in finals),
-                "tpot_ms": summarize((f.metrics.tpot_s or 0.0) * 1000.0 for f in finals),
-            })
-            log(f"engine mixed: {wall:.1f} s wall, {gen / wall:.1f} tok/s")
-        best = min(runs, key=lambda r: r["wall_s"])
-        best["all_wall_s"] = [r["wall_s"] for r in runs]
-        res["mixed"] = best
-        s = _wait_idle(eng)
-        res["rejected"] = dict(s.rejected)
+                    "separately on throwaway requests at the mid-decode context"}
+        res.update(startup_s=startup, profile=prof, workloads=w, rejected=dict(_wait_idle(eng).rejected),
+                   vocab_limit=b.vocab_limit, weight_bytes=weight_bytes(b.model), params=num_params(b.model),
+                   model_path=b.path, torch_dtype=str(b.dtype).removeprefix("torch."),
+                   kv_cache={"blocks": eng.cache.num_blocks, "block_size": bs,
+                             "dtype": str(eng.cache.dtype).removeprefix("torch."),
+                             "tokens": eng.cache.num_blocks * bs},
+                   threads=torch.get_num_threads(), upcast_linears=eng.upcast_linears)
     finally:
         eng.shutdown()
-    del eng
-    free_memory()
-    return res
+    return res  # the caller frees the memory (this frame's closures hold the engine until it returns)
+
+
+# =========================================================================== HF side
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def run_hf(path: str, dtype: str, plan: Plan, w: Workloads, loads: LoadLog, log) -> dict[str, Any]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from engine.loader import resolve_dtype
+
+    loads.mark("hf_load")
+    hf_logging.set_verbosity_error()
+    cfg = AutoConfig.from_pretrained(path, local_files_only=os.environ.get("HF_HUB_OFFLINE") == "1")
+    tdtype = resolve_dtype(dtype, torch.device("cpu"), getattr(cfg, "dtype", None))
+    log(f"HF: loading {path} ({tdtype}, sdpa) ...")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    gcfg = model.generation_config
+    eos = gcfg.eos_token_id if gcfg.eos_token_id is not None else cfg.eos_token_id
+    pad = gcfg.pad_token_id if gcfg.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], n: int) -> float:
+        ids, mask = _left_pad(prompts, pad)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, num_beams=1, pad_token_id=pad, use_cache=True)
+        dt = time.perf_counter() - t0
+        if out.shape[1] - ids.shape[1] != n:
+            raise RuntimeError(f"HF generate produced {out.shape[1] - ids.shape[1]} tokens, expected {n}")
+        return dt
+
+    @torch.inference_mode()
+    def prefill(prompts: list[list[int]]) -> float:
+        ids, mask = _left_pad(prompts, pad)
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
+        return time.perf_counter() - t0
+
+    def decode(bsz: int) -> dict[str, Any]:  # generate(64) - generate(1): 63 decode steps
+        t_full, all_full = plan.reps(lambda: generate(w.decode[bsz], plan.new_tokens), plan.decode_reps)
+        t_pre, all_pre = plan.reps(lambda: generate(w.decode[bsz], 1), plan.decode_reps)
+        dt, steps = max(t_full - t_pre, 1e-9), plan.new_tokens - 1
+        return {"tok_s": bsz * steps / dt, "ms_step": dt / steps * 1000.0, "generate_s": t_full,
+                "prefill_only_s": t_pre, "all_generate_s": all_full, "all_prefill_only_s": all_pre}
+
+    def mixed() -> dict[str, Any]:  # static batches, each to its longest output
+        k = plan.mixed_hf_batch
+        chunks = [(w.mixed_prompts[i:i + k], w.mixed_outputs[i:i + k]) for i in range(0, plan.mixed_requests, k)]
+        wall = sum(generate(prompts, max(outs)) for prompts, outs in chunks)
+        useful = sum(w.mixed_outputs)
+        return {"wall_s": wall, "tok_s": useful / wall, "useful_tokens": useful, "batch": k,
+                "generated_tokens_incl_waste": sum(max(outs) * len(prompts) for prompts, outs in chunks)}
+
+    generate(w.decode[max(plan.batches)], min(4, plan.new_tokens))  # warm-up: page in, size the allocator
+    return measure("HF", plan, w, loads, log, decode, prefill, mixed)  # the caller frees the memory
+
+
+# =========================================================================== report
+
+
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def build_report(args, plan: Plan, info: dict, bw: float, eng: dict, hf: dict | None, loads: LoadLog,
+                 model_name: str) -> dict[str, Any]:
+    wb, hf = eng["weight_bytes"], hf or {}
+    step_bound_s = wb / (bw * 1e9)
+    decode = []
+    for bsz in plan.batches:
+        e, h = eng["decode"][bsz], hf.get("decode", {}).get(bsz, {})
+        decode.append({
+            "batch": bsz, "engine_tok_s": e["tok_s"], "hf_tok_s": h.get("tok_s"),
+            "engine_ms_step": e["ms_step"], "hf_ms_step": h.get("ms_step"),
+            "bound_tok_s": bsz / step_bound_s, "bound_ms_step": step_bound_s * 1000.0,
+            "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s")),
+            "engine_pct_of_bound": e["tok_s"] / (bsz / step_bound_s) * 100.0,
+            "engine_prefill_aligned": e["prefill_aligned"], "engine_all_tok_s": e["all_tok_s"],
+            "engine_steps": e["steps"], "engine_tokens": e["tokens"], "engine_reps": len(e["all_tok_s"]),
+            "hf_reps": len(h["all_generate_s"]) if h else None})
+    prefill = []
+    for shape, e in eng["prefill"].items():
+        h = hf.get("prefill", {}).get(shape, {})
+        prefill.append({"shape": shape, "engine_tok_s": e["tok_s"], "hf_tok_s": h.get("tok_s"),
+                        "engine_ms": e["ms"], "hf_ms": h.get("ms"), "engine_vs_hf": _ratio(e["tok_s"], h.get("tok_s")),
+                        "engine_reps": len(e["all_ms"]), "hf_reps": len(h["all_ms"]) if h else None})
+    em, hm, wl = eng["mixed"], hf.get("mixed", {}), eng["workloads"]
+    mixed = {
+        "engine_tok_s": em["tok_s"], "hf_tok_s": hm.get("tok_s"), "engine_wall_s": em["wall_s"],
+        "hf_wall_s": hm.get("wall_s"), "engine_vs_hf": _ratio(em["tok_s"], hm.get("tok_s")),
+        "requests": plan.mixed_requests, "prompt_len": list(plan.mixed_prompt), "output_len": list(plan.mixed_output),
+        "useful_tokens": sum(wl.mixed_outputs), "prompt_tokens": sum(map(len, wl.mixed_prompts)),
+        "hf_batch": plan.mixed_hf_batch, "hf_generated_tokens_incl_waste": hm.get("generated_tokens_incl_waste"),
+        "engine_ttft_s": em["ttft_s"], "engine_tpot_ms": em["tpot_ms"],
+        "engine_all_wall_s": em["all_wall_s"], "hf_all_wall_s": hm.get("all_wall_s")}
+    return {
+        "model": model_name, "model_path": eng["model_path"], "dtype": eng["torch_dtype"], "threads": args.threads,
+        "quick": bool(args.quick), "params": eng["params"], "weight_bytes": wb, "vocab_limit": eng["vocab_limit"],
+        "decode": decode, "prefill": prefill, "mixed": mixed,
+        "bandwidth_gb_s": bw, "bound_ms_step": step_bound_s * 1000.0,
+        "overhead_pct_b32": eng["overhead"]["overhead_pct"], "overhead": eng["overhead"],
+        "engine_startup_s": eng["startup_s"], "engine_profile": eng["profile"], "engine_kv_cache": eng["kv_cache"],
+        "engine_rejected": eng["rejected"], "engine_upcast_linears": eng["upcast_linears"], "hf_included": bool(hf),
+        "cpu": info["cpu"], "loadavg": loads.as_dict(), "date": info["date"], "command": info["command"],
+        "env": info, "settings": asdict(plan)}
+
+
+def summary(r: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """`--summary`'s one-line headline (decode tok/s per batch, engine vs HF) and its small figures dict."""
+    hf, m = r["hf_included"], r["mixed"]
+    headline = f"decode tok/s engine{' vs HF generate' if hf else ''}: " + ", ".join(
+        f"B={d['batch']} {d['engine_tok_s']:.0f}" + (f" vs {d['hf_tok_s']:.0f}" if hf else "") for d in r["decode"])
+    figures = {"model": r["model"], "dtype": r["dtype"], "threads": r["threads"], "quick": r["quick"],
+               "decode": {d["batch"]: {k: d[k] for k in ("engine_tok_s", "hf_tok_s")} for d in r["decode"]},
+               "prefill_tok_s": {p["shape"]: {k: p[k] for k in ("engine_tok_s", "hf_tok_s")} for p in r["prefill"]},
+               "mixed_wall_s": {"engine": m["engine_wall_s"], "hf": m["hf_wall_s"]},
+               "overhead_pct_b32": r["overhead_pct_b32"], "bandwidth_gb_s": r["bandwidth_gb_s"]}
+    return headline, figures
+
+
+def print_report(r: dict[str, Any], plan: Plan) -> None:
+    env, prof, kv, la = r["env"], r["engine_profile"], r["engine_kv_cache"], r["loadavg"]
+    up = r["engine_upcast_linears"]
+    print(f"\n## Kairos engine benchmark: {r['model']} ({r['params'] / 1e6:.1f}M params, "
+          f"{r['weight_bytes'] / 1e6:.1f} MB of weights), {r['dtype']}, {r['threads']} threads"
+          + (" [quick]" if r["quick"] else ""))
+    print(f"cpu: {r['cpu']} [{' '.join(env.get('cpu_flags', [])) or '?'}] | torch {env.get('torch')} | "
+          f"transformers {env.get('transformers')} | {r['date']}")
+    print(f"memory bandwidth: {r['bandwidth_gb_s']:.1f} GB/s (torch sum over {plan.bw_gb:g} GB fp32, best of "
+          f"{plan.bw_reps}) -> weight-read bound {r['bound_ms_step']:.2f} ms/step")
+    print(f"engine: startup {r['engine_startup_s']:.1f} s (latency profile "
+          + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', 0):.1f} s")
+          + f"); KV cache {kv['tokens']} tokens ({kv['dtype']})"
+          + (f"; {up} linears upcast to fp32 GEMM (no native bf16 on this CPU)" if up else "")
+          + "; HF: transformers eager, sdpa")
+    print(f"loadavg: start {la['start']} | end {la['end']}")
+    if la.get("other_cores"):
+        print("cores used by other processes, per section: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in la["other_cores"].items()))
+        if la["max_other_cores"] > 0.25:
+            print(f"WARNING: other processes used {la['max_other_cores']:.2f} cores during {la['max_other_section']}: "
+                  "this box has 2 cores, so those timings are unreliable (rerun on a quiet box)")
+    budget = ("" if plan.rep_budget_s is None else
+              f" (at least {plan.min_reps}, fewer once a configuration has used {plan.rep_budget_s:g} s)")
+
+    def reps(d):
+        return f"{d['engine_reps']}/{'-' if d['hf_reps'] is None else d['hf_reps']}"
+
+    print_table(["batch", "engine tok/s", "HF tok/s", "engine/HF", "engine ms/step", "HF ms/step", "bound tok/s",
+                 "engine % of bound", "reps e/HF"],
+                [[d["batch"], d["engine_tok_s"], d["hf_tok_s"], d["engine_vs_hf"], d["engine_ms_step"], d["hf_ms_step"],
+                  d["bound_tok_s"], d["engine_pct_of_bound"], reps(d)] for d in r["decode"]],
+                title=f"Decode: prompt {plan.prompt_len}, {plan.new_tokens} new tokens ({plan.new_tokens - 1} timed "
+                      f"decode steps), greedy, EOS ignored; best of up to {plan.decode_reps}{budget}; "
+                      "bound = B / (weight bytes / bandwidth)", digits=2 if r["quick"] else 1)
+    print_table(["shape", "engine tok/s", "HF tok/s", "engine/HF", "engine ms", "HF ms", "reps e/HF"],
+                [[p["shape"], p["engine_tok_s"], p["hf_tok_s"], p["engine_vs_hf"], p["engine_ms"], p["hf_ms"], reps(p)]
+                 for p in r["prefill"]],
+                title="Prefill (engine: one step, forward + sampling; HF: one forward, logits_to_keep=1); best of "
+                      f"up to {plan.prefill_reps}{budget}")
+    m = r["mixed"]
+    print_table(["system", "wall s", "useful tok/s", "speedup"],
+                [["engine (all at t=0)", m["engine_wall_s"], m["engine_tok_s"], m["engine_vs_hf"]],
+                 [f"HF generate (static batches of {m['hf_batch']})", m["hf_wall_s"], m["hf_tok_s"],
+                  1.0 if m["hf_tok_s"] else None]],
+                title=f"Mixed: {m['requests']} requests, prompts U[{m['prompt_len'][0]},{m['prompt_len'][1]}] "
+                      f"({m['prompt_tokens']} tokens), outputs U[{m['output_len'][0]},{m['output_len'][1]}] "
+                      f"({m['useful_tokens']} tokens), EOS ignored", digits=2)
+    t, tp = m["engine_ttft_s"], m["engine_tpot_ms"]
+    print(f"engine mixed: TTFT p50 {t['p50']:.2f} s / p99 {t['p99']:.2f} s; TPOT p50 {tp['p50']:.1f} ms / "
+          f"p99 {tp['p99']:.1f} ms")
+    o = r["overhead"]
+    print_table(["schedule ms", "prepare ms", "sample ms", "postprocess ms", "overhead ms", "decode step ms",
+                 "overhead %"],
+                [[o[k] for k in ("schedule_ms", "prepare_ms", "sample_ms", "postprocess_ms", "overhead_ms", "step_ms",
+                                 "overhead_pct")]],
+                title=f"Engine per-step overhead at batch {o['batch']} (everything but the model forward)", digits=2,
+                align="r" * 7)
+    if any(not d["engine_prefill_aligned"] for d in r["decode"]):
+        print("note: in some decode runs the batch was not prefilled in a single step (the window counts "
+              "only tokens after the last first token)")
+    if r["engine_rejected"]:
+        print(f"note: engine rejected requests: {r['engine_rejected']}")
+    sys.stdout.flush()
 
 
 # =========================================================================== CLI
@@ -343,14 +470,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bench.engine",
         description="Kairos engine vs HF transformers: decode, prefill, mixed workload, per-step overhead "
                     "(same model, same run), with the memory-bandwidth bound.")
-    ap.add_argument("--model", default="kairos-default",
-                    help="kairos-default | kairos-tiny | llama-110m (built on demand) | a local HF checkpoint dir")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"{DEFAULT_MODEL} (default) | kairos-default (trained SmolLM2-135M) | kairos-tiny | "
+                         "llama-110m (built on demand) | a local HF checkpoint dir")
     ap.add_argument("--llama-110m", action="store_true",
                     help="shorthand for --model llama-110m (Llama 768/12/12/2048/32000, random, seed 0)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | float16 | auto (default bfloat16)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (process-wide; default 2)")
     ap.add_argument("--quick", action="store_true", help="fewer reps and smaller sizes (tests, smoke runs)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    ap.add_argument("--summary", metavar="NAME",
+                    help="also keep the headline (decode tok/s per batch, mixed wall) as bench/summaries/NAME.json")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF baseline (engine figures only)")
     ap.add_argument("--decode-reps", type=int, help="override the decode repetitions (best of N)")
     ap.add_argument("--mixed-reps", type=int, help="override the mixed-workload repetitions (best of N)")
@@ -363,14 +493,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(k, v)  # before transformers is imported (nothing above imports it)
     import torch
 
     torch.set_num_threads(args.threads)
     plan = Plan.quick() if args.quick else Plan()
-    if args.decode_reps:
-        plan.decode_reps = args.decode_reps
-    if args.mixed_reps:
-        plan.mixed_reps = args.mixed_reps
+    plan.decode_reps = args.decode_reps or plan.decode_reps
+    plan.mixed_reps = args.mixed_reps or plan.mixed_reps
     model_name = "llama-110m" if args.llama_110m else args.model
     t_all = time.perf_counter()
 
@@ -381,21 +511,21 @@ def main(argv: list[str] | None = None) -> int:
     loads.mark("setup")
     info = run_info(MODULE, argv)
     engine_model = resolve_bench_model(model_name)  # builds llama-110m on first use
-
     loads.mark("bandwidth")
     bw = measure_bandwidth_gb_s(plan.bw_gb, plan.bw_reps)
     log(f"bandwidth {bw:.1f} GB/s; loadavg {loads.mark('engine_startup')}")
-
     eng = run_engine(engine_model, args, plan, loads, log)
-    hf = None
-    if not args.no_hf:
-        hf = run_hf(eng["model_path"], args.dtype, plan, eng["workloads"], loads, log)
+    free_memory()
+    hf = None if args.no_hf else run_hf(eng["model_path"], args.dtype, plan, eng["workloads"], loads, log)
+    free_memory()
     loads.mark("end")
-    report = build_report(args, argv, plan, info, bw, eng, hf, loads, model_name)
+    report = build_report(args, plan, info, bw, eng, hf, loads, model_name)
     report["total_s"] = time.perf_counter() - t_all
     if args.json:  # before printing: a closed stdout must not lose the figures
-        p = write_json(args.json, report)
-        log(f"wrote {p}")
+        log(f"wrote {write_json(args.json, report)}")
+    if args.summary:
+        headline, figures = summary(report)
+        log(f"wrote {write_summary(args.summary, info['command'], headline, figures)}: {headline}")
     print_report(report, plan)
     print(f"total {report['total_s']:.0f} s")
     return 0

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench import common
+from bench import metrics, report
 
 
 def _num(x) -> bool:
@@ -14,29 +14,37 @@ def _num(x) -> bool:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def out(tmp_path_factory):
     from bench.engine import main
 
-    path = tmp_path_factory.mktemp("bench") / "engine.json"
-    assert main(["--model", "kairos-tiny", "--dtype", "float32", "--quick", "--json", str(path)]) == 0
-    return json.loads(path.read_text())
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:  # --summary writes to bench/summaries/: keep it in the temp dir
+        mp.setattr(report, "SUMMARIES", out / "summaries")
+        assert main(["--model", "kairos-tiny", "--dtype", "float32", "--quick", "--json", str(out / "engine.json"),
+                     "--summary", "engine-tiny"]) == 0
+    return out
 
 
-def test_top_level(report):
-    assert report["model"] == "kairos-tiny"
-    assert report["dtype"] == "float32"
-    assert report["threads"] == 2 and report["quick"] is True
+@pytest.fixture(scope="module")
+def doc(out):
+    return json.loads((out / "engine.json").read_text())
+
+
+def test_top_level(doc):
+    assert doc["model"] == "kairos-tiny"
+    assert doc["dtype"] == "float32"
+    assert doc["threads"] == 2 and doc["quick"] is True
     for k in ("bandwidth_gb_s", "overhead_pct_b32", "weight_bytes", "params", "bound_ms_step", "engine_startup_s"):
-        assert _num(report[k]) and report[k] > 0, k
+        assert _num(doc[k]) and doc[k] > 0, k
     for k in ("cpu", "date", "command"):
-        assert isinstance(report[k], str) and report[k], k
-    assert report["command"].startswith("python -m bench.engine") and "--quick" in report["command"]
-    assert isinstance(report["loadavg"], dict) and isinstance(report["loadavg"]["start"], str)
-    assert report["loadavg"]["samples"]
+        assert isinstance(doc[k], str) and doc[k], k
+    assert doc["command"].startswith("python -m bench.engine") and "--quick" in doc["command"]
+    assert isinstance(doc["loadavg"], dict) and isinstance(doc["loadavg"]["start"], str)
+    assert doc["loadavg"]["samples"]
 
 
-def test_decode(report):
-    rows = report["decode"]
+def test_decode(doc):
+    rows = doc["decode"]
     assert isinstance(rows, list) and [r["batch"] for r in rows] == sorted(r["batch"] for r in rows)
     assert 1 in [r["batch"] for r in rows] and 32 in [r["batch"] for r in rows]
     for r in rows:
@@ -49,39 +57,52 @@ def test_decode(report):
     assert b32["bound_tok_s"] == pytest.approx(32 * b1["bound_tok_s"])
 
 
-def test_prefill(report):
-    rows = report["prefill"]
+def test_prefill(doc):
+    rows = doc["prefill"]
     assert [r["shape"] for r in rows] == ["1x512", "8x128"]
     for r in rows:
         for k in ("engine_tok_s", "hf_tok_s", "engine_ms", "hf_ms"):
             assert _num(r[k]) and r[k] > 0, (r["shape"], k)
 
 
-def test_mixed_and_overhead(report):
-    m = report["mixed"]
+def test_mixed_and_overhead(doc):
+    m = doc["mixed"]
     for k in ("engine_tok_s", "hf_tok_s", "engine_wall_s", "hf_wall_s"):
         assert _num(m[k]) and m[k] > 0, k
     assert isinstance(m["useful_tokens"], int) and m["useful_tokens"] > 0
     assert m["hf_generated_tokens_incl_waste"] >= m["useful_tokens"]
-    o = report["overhead"]
+    o = doc["overhead"]
     assert o["batch"] == 32
     for k in ("schedule_ms", "prepare_ms", "sample_ms", "postprocess_ms", "overhead_ms", "step_ms"):
         assert _num(o[k]) and o[k] >= 0, k
-    assert report["overhead_pct_b32"] == pytest.approx(o["overhead_ms"] / o["step_ms"] * 100)
+    assert doc["overhead_pct_b32"] == pytest.approx(o["overhead_ms"] / o["step_ms"] * 100)
 
 
-def test_common_helpers(tmp_path):
-    assert common.percentile([3, 1, 2], 50) == 2
-    assert common.percentile([1, 2, 3, 4], 25) == pytest.approx(1.75)
-    assert math.isnan(common.percentile([], 50))
-    s = common.summarize([1.0, 2.0, 3.0])
+def test_report_and_metrics_helpers(tmp_path):
+    assert metrics.percentile([3, 1, 2], 50) == 2
+    assert metrics.percentile([1, 2, 3, 4], 25) == pytest.approx(1.75)
+    assert math.isnan(metrics.percentile([], 50))
+    s = metrics.distribution([1.0, 2.0, 3.0])
     assert s["n"] == 3 and s["p50"] == 2.0 and s["min"] == 1.0 and s["max"] == 3.0
-    best, all_ = common.best_of(iter([0.3, 0.1, 0.2]).__next__, 3)
+    best, all_ = report.best_of(iter([0.3, 0.1, 0.2]).__next__, 3)
     assert best == 0.1 and all_ == [0.3, 0.1, 0.2]
-    table = common.format_table(["a", "b"], [["x", 1.234], ["yy", None]], digits=2)
+    table = report.format_table(["a", "b"], [["x", 1.234], ["yy", None]], digits=2)
     lines = table.splitlines()
     assert len(lines) == 4 and "1.23" in lines[2] and "-" in lines[3]
     assert len({len(line) for line in lines}) == 1
-    p = common.write_json(tmp_path / "sub" / "x.json", {"a": float("nan"), "b": (1, 2)})
+    p = report.write_json(tmp_path / "sub" / "x.json", {"a": float("nan"), "b": (1, 2)})
     assert json.loads(p.read_text()) == {"a": None, "b": [1, 2]}
-    assert isinstance(common.loadavg(), str) and common.cpu_model()
+    assert isinstance(report.loadavg(), str) and report.cpu_model()
+
+
+def test_summary(out, doc):
+    s = json.loads((out / "summaries" / "engine-tiny.json").read_text())
+    assert s["name"] == "engine-tiny" and s["command"] == doc["command"]
+    assert "--summary engine-tiny" in s["command"]
+    assert s["headline"].startswith("decode tok/s engine vs HF generate: B=1 ") and "B=32 " in s["headline"]
+    assert "\n" not in s["headline"]
+    f = s["figures"]
+    assert f["model"] == "kairos-tiny" and f["dtype"] == "float32"
+    assert f["decode"] == {str(r["batch"]): {"engine_tok_s": r["engine_tok_s"], "hf_tok_s": r["hf_tok_s"]}
+                           for r in doc["decode"]}
+    assert set(f["prefill_tok_s"]) == {"1x512", "8x128"} and _num(f["mixed_wall_s"]["engine"])

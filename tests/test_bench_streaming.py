@@ -1,4 +1,4 @@
-"""Smoke tests for the seeds' streaming benchmark (`bench.streaming`) and the seed presets (`bench.seeds`).
+"""Smoke tests for the seeds' streaming benchmark (`bench.streaming`) and its seed presets (`bench.streaming seeds`).
 
 Shape only (no timing asserts): the printed block has the seeds' lines, the JSON carries every figure.
 Runs the embedded kairos-tiny on CPU; the whole file takes well under a minute.
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench import seeds, streaming
+from bench import report, streaming
 
 SEED_LINES = (
     "=== streaming benchmark ===",
@@ -82,7 +82,8 @@ def test_prompts_and_repeats():
     assert (d.model, d.device, d.dtype, d.prompt, d.num_requests, d.max_new_tokens, d.max_batch_size,
             d.prefill_max_batch_size, d.prefill_max_tokens, d.prefill_admission_policy,
             d.prefill_admission_lookahead, d.prefill_force_fifo_every, d.policy, d.temperature) == (
-        "kairos-default", "cpu", "auto", "Hello", 16, 32, 8, None, None, "fifo", 64, 0, "fcfs", 0.0)
+        "kairos-random-42m", "cpu", "auto", "Hello", 16, 32, 8, None, None, "fifo", 64, 0, "fcfs", 0.0)
+    assert (d.dataset, d.max_model_len, d.summary) == ("synthetic", None, None)
 
 
 def test_streaming_smoke(tmp_path, capsys):
@@ -114,6 +115,26 @@ def test_streaming_inline_pretokenized(capsys):
     # inline: each add_request returned only once the request's first token was out
     for r in res["per_request"]:
         assert r["ttft_ms"] <= r["add_request_ms"] + 1e-6
+
+
+def test_streaming_sharegpt_and_summary(tmp_path, monkeypatch, capsys):
+    """--dataset sharegpt: real prompts, each reply forced to its ShareGPT length; --summary writes a headline."""
+    from bench.workload import sharegpt
+
+    monkeypatch.setattr(report, "SUMMARIES", tmp_path)
+    argv = ["--model", "kairos-tiny", "--dataset", "sharegpt", "--num-requests", "3", "--max-model-len", "96",
+            "--warmup", "0", "--pretokenize", "--summary", "stream-test"]
+    res = streaming.run(streaming.parse_args(argv), argv=argv)
+    _check_block(capsys.readouterr().out)
+    tok, _ = streaming.model_tokenizer("kairos-tiny")
+    samples = sharegpt(tok, 3, 0, 96).samples
+    assert res["dataset"] == "sharegpt" and res["ok_requests"] == 3 and res["failed_requests"] == 0
+    assert [r["completion_tokens"] for r in res["per_request"]] == [s.output_len for s in samples]
+    assert [r["prompt_tokens"] for r in res["per_request"]] == [len(s.prompt_ids) for s in samples]
+    assert res["completion_tokens_total"] == sum(s.output_len for s in samples)
+    summary = json.loads((tmp_path / "stream-test.json").read_text())
+    assert summary["command"].startswith("python -m bench.streaming") and "--dataset sharegpt" in summary["command"]
+    assert "TTFT p50" in summary["headline"] and summary["figures"]["ttft_p50_ms"] == res["ttft_p50_ms"]
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
@@ -180,7 +201,7 @@ PRESET_KEYS = ("preset", "metric", "unit", "before", "after", "ratio", "before_f
 
 def test_seeds_all_quick(tmp_path, capsys):
     out = tmp_path / "seeds.json"
-    assert seeds.main(["--preset", "all", "--quick", "--json", str(out)]) == 0
+    assert streaming.main(["seeds", "--preset", "all", "--quick", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert isinstance(data, list)
@@ -194,7 +215,7 @@ def test_seeds_all_quick(tmp_path, capsys):
         assert isinstance(d["before"], float) and isinstance(d["after"], float)
         assert d["ratio"] == pytest.approx(d["before"] / d["after"])
         assert d["before_full"][d["metric"]] == d["before"] and d["after_full"][d["metric"]] == d["after"]
-        assert d["command"].startswith("python -m bench.seeds --preset " + d["preset"])
+        assert d["command"].startswith("python -m bench.streaming seeds --preset " + d["preset"])
         assert d["commands"]["before"] != d["commands"]["after"]
         for full in (d["before_full"], d["after_full"]):
             assert full["model"] == "kairos-tiny" and full["failed_requests"] == 0
@@ -207,7 +228,7 @@ def test_seeds_all_quick(tmp_path, capsys):
 def test_seeds_single_preset_json_is_an_object(tmp_path):
     out = tmp_path / "one.json"
     # a variant through --extra, and the long prompt is capped to fit kairos-tiny's 1024-token context
-    assert seeds.main(["--preset", "packed_admission", "--quick", "--json", str(out),
+    assert streaming.main(["seeds", "--preset", "packed_admission", "--quick", "--json", str(out),
                        "--extra=--num-requests 4 --prompt-repeats 400,1"]) == 0
     d = json.loads(out.read_text())
     assert isinstance(d, dict) and d["preset"] == "packed_admission"
@@ -219,8 +240,8 @@ def test_seeds_single_preset_json_is_an_object(tmp_path):
 def test_seed_presets_mapping_and_literal():
     """The default Kairos mapping vs the seed commands' exact flags (no engine needed)."""
     def argv(preset: str, *flags: str) -> list[str]:
-        a = seeds.build_parser().parse_args(["--preset", preset, *flags])
-        base, _, after = seeds._preset_argvs(seeds.PRESETS[preset], a)
+        a = streaming.seeds_parser().parse_args(["--preset", preset, *flags])
+        base, _, after = streaming._preset_argvs(streaming.PRESETS[preset], a)
         return base + after
 
     def mbs(v: list[str]) -> int:
@@ -231,8 +252,9 @@ def test_seed_presets_mapping_and_literal():
     assert streaming.parse_args(tb).hybrid_steps  # a valueless mapped flag is applied too
     assert mbs(argv("token_budget", "--literal")) == 8
     assert not streaming.parse_args(argv("token_budget", "--literal")).hybrid_steps
-    assert seeds._flag_pairs(["--a", "1", "--s", "--b", "x", "--t"]) == [("--a", "1"), ("--s", None),
-                                                                         ("--b", "x"), ("--t", None)]
+    assert streaming._flag_pairs(["--a", "1", "--s", "--b", "x", "--t"]) == [("--a", "1"), ("--s", None),
+                                                                             ("--b", "x"), ("--t", None)]
+    assert streaming.parse_args(tb).model == "kairos-random-42m"  # the seeds' runs: the random 42M model
     assert mbs(argv("micro_batching")) == 32 and mbs(argv("micro_batching", "--literal")) == 8
     def pk(*flags: str) -> tuple:
         a = streaming.parse_args(argv("packed_admission", *flags))
