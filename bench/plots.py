@@ -1,6 +1,6 @@
 """PNG plots for the SLO benchmark (matplotlib, Agg backend).
 
-    python -m bench.plots bench/out/slo-<timestamp>     # (re)draw from results.json + records.jsonl
+    python -m bench.plots bench/out/slo/<timestamp>     # (re)draw from results.json + records.jsonl
 
 - goodput_vs_load.png     goodput (req/s) vs load multiple of lambda*, one line per policy
 - adherence_vs_load.png   SLO adherence (%) vs load, one line per policy

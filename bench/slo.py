@@ -1,67 +1,64 @@
 """Heterogeneous-SLO goodput benchmark: policies × loads, open-loop, after scorpio.md §2/§4.
 
-    python -m bench.slo --quick                         # <=3 min smoke: 3 policies at 1.5 x lambda*, short requests
-    python -m bench.slo                                 # full default sweep (all 7 policies x 6 loads, <= 30 min)
-    python -m bench.slo --num-requests 400 --seeds 0,1,2   # the protocol's full size (hours on a 2-core box)
-    python -m bench.slo --target http://127.0.0.1:8000  # drive a running server (its own policy) over HTTP
+    python -m bench.slo --quick                           # <=3 min smoke: fcfs, scorpio, kairos at 1.5 x lambda*
+    python -m bench.slo                                   # full sweep: 7 policies x 6 loads (<= 30 min)
+    python -m bench.slo --num-requests 400 --seeds 0,1,2  # the protocol's size (hours on a 2-core box)
+    python -m bench.slo --dataset sharegpt                # ShareGPT prompts and reply lengths (default: lognormals)
+    python -m bench.slo --target http://127.0.0.1:8000    # drive a running server (its own policy) over HTTP
+    python -m bench.slo --probe-check                     # probe fit vs served-like decode steps; speed drift
 
-What one run does:
-1. Starts one engine per policy (the policy is fixed at construction; all stay alive), FCFS first. Engine start
-   profiles the model once (cached JSON under ~/.cache/kairos/profiles, or --reprofile). The FIRST engine's
-   fitted predictor sets the SLO tiers (u = 2·Prefill(budget), d4, d12 at L̄) for every policy; they stay fixed.
-   In engine mode (unless --predictor-json) the schedulers' model follows the machine: one FCFS run at lambda*
-   calibrates the probe fit to served steps (--calibrate), and before every (policy, seed) run the engine
-   re-times its model and gets that fit times the calibration (--refresh-profile): this VM's speed drifts by up
-   to ~35% within a minute, and a stale or probe-only fit would misjudge every TPOT the static gates (scorpio,
-   tpot_guard) admit (bench/slo_calibrate.py).
-2. Finds lambda*, FCFS's capacity (default, --lambda-def capacity): FCFS runs open-loop at a rising offered
-   rate (×2 from an analytical guess) until its completion rate, measured over the middle 60% of completions,
-   falls below 85% of the offered rate; that completion rate is lambda*. Above it FCFS's queue grows without
-   bound. `--lambda-def adherence` is the protocol's definition instead (highest rate with FCFS adherence
-   >= 90%: geometric expansion, then bisection). On this box FCFS's adherence hovers near 90% over a wide
-   band of rates (its strict tier loses TPOT long before the engine saturates), so that definition is
-   ill-conditioned here; the run still reports the protocol's value read off the sweep (lambda_star_90_rps).
-   The requests are identical at every rate; only the arrival times scale. Skip it with --lambda-star.
-3. Sweeps loads × policies open-loop, load-major (every policy at a load before the next load, so that a drift
-   in machine speed hits all policies alike): the main thread sleeps until each request's arrival time and
-   calls add_request (never blocks); one consumer thread drains the streams and keeps the final metrics (all
-   timestamps are the engine's own time.monotonic). Requests unfinished `drain` seconds after the last arrival
-   are aborted and counted as misses (finish_reason "timeout").
+1. One engine per policy (fixed at construction; all stay alive), FCFS first; each profiles the model at start
+   (cached under ~/.cache/kairos/profiles, or --reprofile). The first engine's fit sets the SLO tiers for every
+   policy (u = 2·Prefill(budget), d4, d12 at L̄; bench/workload.py). In engine mode (unless --predictor-json)
+   the schedulers' model follows the machine, as SCORPIO fits its model on served steps: one FCFS run at
+   lambda* measures the median served/probe ratio of decode-only and prefill-only steps (--calibrate; ~1.05-1.15
+   here: the client shares caches and memory bus, a step also schedules and emits), and before every (policy,
+   seed) run each engine re-times its model (--refresh-profile, ~2 s; this VM's speed drifts by up to ~35%
+   within a minute) and gets that fit times the calibration. kairos gets it unscaled: its online ITL correction
+   measures the same ratio while serving, and a calibration underneath would count it twice.
+2. lambda*, FCFS's capacity (--lambda-def capacity, default): FCFS runs open-loop at a rising rate (x2 from an
+   analytical guess) until its completion rate over the middle 60% of completions falls below 85% of the
+   offered rate; that completion rate is lambda*. `--lambda-def adherence` is the protocol's (highest rate with
+   FCFS adherence >= 90%: expansion, then bisection), ill-conditioned here (FCFS hovers near 90% over a wide
+   band); the sweep still reports it (lambda_star_90_rps). The requests are identical at every rate; only the
+   arrivals scale. --lambda-star skips the search.
+3. Sweeps loads × policies load-major (a drift in machine speed hits all policies of a load alike), open-loop
+   through bench/driver.py. Requests unfinished `drain` s after the last arrival are aborted: misses (timeout).
+   Engine mode also records, from the engine's step observer, the share of engine time in prefill-only steps
+   (no decode runs then) and the median decode step against the model (decode_wall_over_model_p50).
 4. Writes results.json, results.csv, records.jsonl (one line per request), tiers-profile.json (the fit that set
-   the tiers: --predictor-json it to rerun on them) and the PNGs into --out, prints a
-   table per load and the acceptance checks at 1.5×lambda*. `--compare RESULTS_JSON` adds a side-by-side
-   with an earlier run (the HTTP run against the in-process one).
+   the tiers: --predictor-json it to rerun on them) and PNGs into --out (default bench/out/slo/<timestamp>),
+   prints a table per load and the acceptance checks at 1.5×lambda*. --compare RESULTS_JSON adds a side-by-side
+   with an earlier run; --summary NAME keeps the headline in bench/summaries/NAME.json (bench.report).
 
 Policy labels may carry scheduler overrides for ablations: `--policies kairos,kairos+itl_correction=false`.
+Defaults: kairos-tiny (the protocol's tiny Llama), float32 (bf16 is emulated, 3-5x slower, on this AVX2 box),
+1 engine thread (the second core drives the load). Requests per point: at most 400, shrunk so the run fits
+--budget-min (30; quick 3); --num-requests N forces N. --quick is a smoke test, not a small sweep: 3 policies
+at 1.5×lambda*, shorter requests (prompt median 40 / cap 160, output 16 / 64), not comparable with the sweep.
+--dataset sharegpt: first turns of ShareGPT in the served model's tokens (bench.workload.sharegpt); the
+length flags then do not apply, except --output-cap, which caps the reply lengths.
 
-Model: kairos-tiny by default (the protocol's "tiny Llama, 4 layers, d=256"); with kairos-default lambda* is
-well below 1 req/s on this box and a 30-minute sweep holds only ~10 requests per point.
-Run length: the protocol asks for 400 requests per point × 3 seeds, so by default the requests per point
-are capped at 400 AND shrunk so that the whole run fits --budget-min (30 min; quick: 3 min); the printed
-plan shows the count and what 400/point would cost. The lambda* search (adherence definition) gets at most
-~25% of the budget (bisection is cut short); the capacity search takes 2-3 probes of 240 requests.
-Pass --num-requests N to force exactly N per point (no budget cap).
---quick is a smoke test, not a small copy of the sweep: 3 policies at 1.5×lambda* only, and
-shorter requests (prompt median 40 / cap 160, output median 16 / cap 64), so lambda* is a few times higher and
-the 3-minute budget holds 200 requests per point. Its numbers are not comparable with the full sweep.
-
-dtype: float32 by default. On this AVX2 box (no AVX512-BF16/AMX) bf16 matmuls are emulated and run 3-5x
-slower than fp32, so fp32 is the faster and the representative choice here; use --dtype bfloat16 on
-hardware with native bf16.
-
-Engine threads: 1 (torch.set_num_threads(1)), leaving the second core to the load generator (§4).
+--probe-check [--reps 3] [--drift-s 60]: per repeat, two fits of the same grid (decode probes of equal context
+lengths, and of mixed lengths of the same mean, as the engine profiles), each scored on 32 served-like batches
+(median measured/predicted step; 1 = unbiased); then one fixed decode step (B=12, L=173) timed 20 times every
+2 s for --drift-s seconds (max/min ratio = the machine's drift). All through the engine's public Prober.
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import json
 import logging
 import math
 import os
+import random
 import shutil
+import statistics
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,86 +66,619 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench import slo_metrics as M  # noqa: E402
+from bench import driver as D  # noqa: E402
+from bench import metrics as M  # noqa: E402
 from bench import workload as W  # noqa: E402
-from bench.common import fmt, loadavg, run_info, write_json  # noqa: E402
-
-from bench.slo_report import (_records_lines, acceptance, compare, format_acceptance, hops_table,  # noqa: E402,F401
-                              load_table, protocol_lambda_90, write_csv)
-from bench.slo_cli import ALL_POLICIES, Plan, _plan  # noqa: E402,F401
-from bench.slo_cli import build_parser as _build_parser  # noqa: E402
-from bench.slo_calibrate import PROFILE_BUDGET_S, calibrate, fresh_fit  # noqa: E402
-from bench.slo_points import (_dist, _drain_for, _Engines, _overrides, _predictor_info,  # noqa: E402
-                              _summarize_point, policy_spec)
-from bench.slo_run import PointRun, run_engine_point, run_http_point, served_model  # noqa: E402,F401
-from bench.slo_search import (TARGET_ADHERENCE, capacity_guess, completion_rate, find_capacity,  # noqa: E402,F401
-                              find_lambda_star)
+from bench.report import (clean, command_line, fmt, format_table, loadavg, run_info, write_json,  # noqa: E402
+                          write_summary)
+from scheduling.config import POLICIES as ALL_POLICIES  # noqa: E402
 
 log = logging.getLogger("kairos.bench.slo")
+QUICK_POLICIES = ("fcfs", "scorpio", "kairos")
+DEFAULT_LOADS, QUICK_LOADS = "0.5,0.75,1,1.25,1.5,2", "1.5"
+TARGET_ADHERENCE, CHECK_LOAD, PROFILE_BUDGET_S = 0.90, 1.5, 4.0
+TIER_SHORT = {"interactive": "T1", "strict_tpot": "T2", "relaxed": "T3"}
+CSV_FIELDS = ("policy", "load_multiple", "rate_rps", "goodput_rps", "adherence", "n", "good", "rejected",
+              "rejection_rate", "ttft_violations", "tpot_violations", "incomplete", "timeouts", "token_throughput",
+              "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "sched_ms_per_step", "sched_pct",
+              "step_ms", "engine_busy_pct", "wall_s", "submit_lag_p99_ms")
 
 
-def build_parser():
-    """bench.slo's flags (bench/slo_cli.py), with this module's docstring as the --help text."""
-    return _build_parser(__doc__)
+# --------------------------------------------------------------------------- command line and run plan
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.slo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--quick", action="store_true", help=f"smoke run (<3 min): {','.join(QUICK_POLICIES)} at {QUICK_LOADS}x")
+    a("--policies", default=None, help=f"comma list (default: all = {','.join(ALL_POLICIES)})")
+    a("--loads", default=None, help=f"multiples of lambda* (default {DEFAULT_LOADS})")
+    a("--num-requests", type=int, default=None, help="exactly N requests per point (protocol: 400). Default: up "
+      "to 400 (quick: 200), reduced so the sweep fits --budget-min")
+    a("--min-requests", type=int, default=None, help="floor of the budget-reduced request count (default 10)")
+    a("--budget-min", type=float, default=None, help="wall-clock budget in minutes (default 30; quick 3; 0: none)")
+    a("--seeds", default="0", help="comma list of workload seeds (default 0; protocol: 0,1,2)")
+    a("--dataset", choices=("synthetic", "sharegpt"), default="synthetic",
+      help="synthetic: lognormal lengths, random ids (default); sharegpt: real first turns and reply lengths")
+    a("--arrival", choices=("poisson", "gamma"), default="poisson")
+    a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
+    a("--hint", choices=("exact", "noisy", "none"), default="exact", help="output-length hint of each request")
+    a("--strict-batch", type=float, default=4, help="T_strict = headroom x ITL(this batch, L) (protocol: 4 -> d4)")
+    a("--loose-batch", type=float, default=12, help="T_loose = headroom x ITL(this batch, L) (protocol: 12)")
+    a("--tpot-headroom", type=float, default=W.GATE_HEADROOM,
+      help="TPOT tiers = headroom x ITL(batch, L); default 1.3/0.99, the VBS gate's margin")
+    a("--warmup-frac", type=float, default=0.1, help="drop this fraction of requests (by arrival)")
+    a("--prompt-median", type=float, default=None, help="prompt tokens, lognormal median (100; quick 40)")
+    a("--prompt-cap", type=int, default=None, help="prompt tokens, cap (512; quick 160)")
+    a("--output-median", type=float, default=None, help="output tokens, lognormal median (60; quick 16)")
+    a("--output-cap", type=int, default=None, help="output tokens, cap (256; quick 64; sharegpt: only if given)")
+    a("--length-sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
+    a("--lambda-star", type=float, default=None, help="skip the search and use this rate (rps)")
+    a("--lambda-def", choices=("capacity", "adherence"), default="capacity",
+      help="lambda* = FCFS's completion rate under overload (default) or the protocol's highest rate with FCFS "
+           "adherence >= 90%%")
+    a("--probe-requests", type=int, default=None, help="requests per lambda* probe (capacity: 240, quick 200; "
+      "adherence: ~45 s of arrivals, 20..120; quick: ~12 s, 15..40)")
+    a("--drain", type=float, default=None, help="seconds after the last arrival before unfinished requests are "
+      "misses (default: max(10, 25%% of the arrival span), capped at 60)")
+    # engine
+    a("--model", default="kairos-tiny", help="kairos-tiny | kairos-random-42m | kairos-default | llama-110m | dir")
+    a("--tokenizer", default=None, help="--dataset sharegpt: the tokenizer (default: --model's)")
+    a("--dtype", default="float32", help="float32 (default: fastest on this AVX2 box) | bfloat16")
+    a("--max-num-seqs", type=int, default=32)
+    a("--prefill-max-tokens", type=int, default=512, help="prefill token budget (= SLO budget)")
+    a("--sched", action="append", metavar="KEY=VALUE",
+      help="scheduler override for every policy (repeatable), e.g. --sched vbs_margin=1.2 (ablations)")
+    a("--kv-gb", type=float, default=0.25, help="KV cache per engine (GiB; all engines stay alive)")
+    a("--engine-threads", type=int, default=1, help="torch threads of the engine (protocol: 1)")
+    a("--reprofile", action="store_true", help="fit a fresh latency profile now (saved in --out), not the cached one")
+    a("--refresh-profile", action=argparse.BooleanOptionalAction, default=None,
+      help="re-time each engine's model before every (policy, seed) run (x the calibration); the tiers stay. "
+           "Default: on in engine mode unless --predictor-json")
+    a("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+      help="scale the refreshed fits of the policies without online ITL correction by served/probe step ratios "
+           "of one FCFS run at lambda*. Default: on with --refresh-profile, which it needs")
+    a("--predictor-json", default=None, help="latency-model JSON (e.g. an earlier run's tiers-profile.json) for the "
+      "SLO tiers and, in engine mode, the schedulers: the same tiers as that run")
+    # HTTP
+    a("--target", default=None, help="URL of a running Kairos server (POST /v1/completions)")
+    a("--client-nice", type=int, default=19, help="HTTP mode: lower this process's CPU priority by N (Ray Serve's "
+      "workers run at nice 15; the load generator must not outrank them). 0: leave it")
+    a("--label", default="server", help="policy label for the results in HTTP mode")
+    # output
+    a("--out", default=None, help="output directory (default bench/out/slo/<timestamp>)")
+    a("--compare", default=None, metavar="RESULTS_JSON", help="print this run against an earlier one")
+    a("--json", default=None, help="also write the results JSON here")
+    a("--summary", default=None, metavar="NAME", help="keep the headline as bench/summaries/NAME.json")
+    a("--no-plots", action="store_true")
+    a("--no-progress", action="store_true")
+    a("-v", "--verbose", action="store_true")
+    # probe check
+    a("--probe-check", action="store_true", help="check the probe fit and the machine's drift instead (see above)")
+    a("--reps", type=int, default=3, help="--probe-check: fit repeats")
+    a("--drift-s", type=float, default=60.0, help="--probe-check: seconds of drift timing")
+    return ap
+
+
+@dataclass
+class Plan:
+    policies: list[str]
+    loads: list[float]
+    seeds: list[int]
+    n_cap: int
+    n_fixed: bool
+    n_min: int
+    budget_s: float
+    probe_seconds: float
+    probe_bounds: tuple[int, int]
+    bisect_steps: int
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    q = args.quick
+    policies = [p.strip() for p in (args.policies or ",".join(QUICK_POLICIES if q else ALL_POLICIES)).split(",")
+                if p.strip()]
+    for p in policies:
+        if policy_spec(p)[0] not in ALL_POLICIES and not args.target:
+            raise SystemExit(f"unknown policy {p!r}; choose from {', '.join(ALL_POLICIES)}")
+    loads = [float(x) for x in (args.loads or (QUICK_LOADS if q else DEFAULT_LOADS)).replace(" ", "").split(",") if x]
+    if not loads or any(x <= 0 for x in loads):
+        raise SystemExit("--loads must be positive multiples of lambda*")
+    seeds = [int(x) for x in args.seeds.replace(" ", "").split(",") if x]
+    fixed = args.num_requests is not None
+    budget = args.budget_min if args.budget_min is not None else (0.0 if fixed else (3.0 if q else 30.0))
+    return Plan(policies, loads, seeds or [0], args.num_requests or (200 if q else 400), fixed,
+                args.min_requests or 10, budget * 60.0, 12.0 if q else 45.0, (15, 40) if q else (20, 120),
+                1 if q else 2)
+
+
+# --------------------------------------------------------------------------- engines
+
+def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """`--sched key=value` pairs as SchedulerConfig overrides (values parsed as JSON when they parse)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, val = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--sched takes key=value, got {pair!r}")
+        try:
+            out[key.strip()] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key.strip()] = val
+    return out
+
+
+def policy_spec(label: str) -> tuple[str, dict[str, Any]]:
+    """`kairos+monotone_skip=false+vbs_gate=false` -> ("kairos", {...}): a preset plus overrides (ablations)."""
+    name, *pairs = label.split("+")
+    return name, overrides(pairs)
+
+
+class Engines:
+    """Starts engines one at a time (the policy is fixed at construction) and remembers how long each took."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.start_s = args, {}
+        self.predictor_path: str | None = None  # None: the shared cache (~/.cache/kairos/profiles)
+
+    def start(self, label: str, **sched: Any) -> Any:
+        from engine.config import EngineConfig
+        from engine.engine import LLMEngine
+        from scheduling.config import SchedulerConfig
+
+        a = self.args
+        policy, extra = policy_spec(label)
+        t0 = time.perf_counter()
+        eng = LLMEngine(EngineConfig(
+            model=D.resolve_bench_model(a.model), dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
+            kv_cache_memory_gb=a.kv_gb,
+            scheduler=SchedulerConfig(**{"policy": policy, "max_num_seqs": a.max_num_seqs, "prefill_max_tokens":
+                                         a.prefill_max_tokens, "predictor_path": self.predictor_path,
+                                         **overrides(a.sched), **extra, **sched})))
+        self.start_s[label] = time.perf_counter() - t0
+        return eng
+
+
+def predictor_info(eng: Any | None, predictor: Any) -> dict[str, Any]:
+    rep = dict(eng.profile_report or {}) if eng is not None else {}
+    info: dict[str, Any] = {
+        "r2": rep.get("r2"), "mape": rep.get("mape_holdout", rep.get("mape_train")),
+        "profile_seconds": rep.get("seconds"),
+        **{k: rep.get(k) for k in ("mape_train", "prefill_r2", "prefill_mape", "n_samples", "cached", "path")}}
+    if predictor is not None:
+        info["prefill_coef"], info["decode_coef"] = list(predictor.prefill_coef), list(predictor.decode_coef)
+    return info
+
+
+# --------------------------------------------------------------------------- steps: where a token's time goes
+
+class StepTap:
+    """One engine's steps over a run (its step observer): per step the whole wall time; for a prefill-only step
+    (no decode runs meanwhile) and a decode-only step, its wall time over the latency model's prediction."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.total_ms = self.prefill_only_ms = 0.0
+        self.decode_ratios: list[float] = []
+        self.prefill_ratios: list[float] = []
+        self._unsubscribe = engine.add_step_observer(self)
+
+    def __call__(self, ev: Any) -> None:  # a StepEvent, on the engine's worker thread
+        self.total_ms += ev.wall_ms
+        model = self.engine.latency_model
+        if ev.num_prefill and not ev.num_decode:
+            self.prefill_only_ms += ev.wall_ms
+            pred = model.prefill_ms(ev.num_prefill_tokens) if model is not None else 0.0
+            if pred > 0:
+                self.prefill_ratios.append(ev.wall_ms / pred)
+        elif ev.num_decode and not ev.num_prefill and model is not None:
+            pred = model.itl_ms(ev.num_decode, ev.decode_mean_len)
+            if pred > 0:
+                self.decode_ratios.append(ev.wall_ms / pred)
+
+    def close(self) -> dict[str, Any]:
+        """Unsubscribe; the raw sums (pool a point's with `step_figures`, a calibration's with `factors`)."""
+        self._unsubscribe()
+        return {"total_ms": self.total_ms, "prefill_only_ms": self.prefill_only_ms,
+                "decode_ratios": self.decode_ratios, "prefill_ratios": self.prefill_ratios}
+
+
+def step_figures(taps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A point's two figures, pooled over its seeds (None where nothing was measured)."""
+    total = sum(t["total_ms"] for t in taps)
+    ratios = [x for t in taps for x in t["decode_ratios"]]
+    return {"prefill_only_pct": 100.0 * sum(t["prefill_only_ms"] for t in taps) / total if total > 0 else None,
+            "decode_wall_over_model_p50": M.percentile(ratios, 50) if ratios else None}
+
+
+def factors(taps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The calibration: median served/model ratio of decode-only and prefill-only steps (1.0 where none ran)."""
+    dec = [x for t in taps for x in t["decode_ratios"] if math.isfinite(x) and x > 0]
+    pre = [x for t in taps for x in t["prefill_ratios"] if math.isfinite(x) and x > 0]
+    return {"decode": M.percentile(dec, 50) if dec else 1.0, "prefill": M.percentile(pre, 50) if pre else 1.0,
+            "n_decode_steps": len(dec), "n_prefill_steps": len(pre)}
+
+
+def engine_point(engine: Any, items: Sequence[W.WorkItem], **kw: Any) -> D.Run:
+    """`driver.run_engine` with a StepTap over the run (its raw sums in `run.engine["tap"]`)."""
+    tap = StepTap(engine)
+    try:
+        run = D.run_engine(engine, items, **kw)
+    finally:
+        raw = tap.close()
+    run.engine["tap"] = raw
+    return run
+
+
+def fresh_fit(eng: Any, calib: dict[str, Any] | None, d_ref: Callable[[Any], tuple[float, float]],
+              tiers_d12: float) -> dict[str, Any]:
+    """Re-time `eng`'s model now and hand the scheduler that fit times `calib` (unscaled under an online ITL
+    correction); `d_ref(model)` = its (d4, d12) at the tiers' L̄, so `d12_over_tiers` = speed now vs then."""
+    c_dec, c_pre = (calib["decode"], calib["prefill"]) if calib and not eng.itl_correction_enabled else (1.0, 1.0)
+    rep = eng.reprofile(time_budget_s=PROFILE_BUDGET_S, scale=(c_dec, c_pre))
+    d4, d12 = (x / c_dec for x in d_ref(eng.latency_model))
+    return {"d4_ms": d4, "d12_ms": d12, "d12_over_tiers": d12 / tiers_d12 if tiers_d12 else math.nan,
+            "calibrated": (c_dec, c_pre) != (1.0, 1.0), "mape": rep.get("mape_holdout"), "seconds": rep.get("seconds")}
+
+
+# --------------------------------------------------------------------------- lambda*
+
+def find_lambda_star(measure: Callable[[float], float], guess: float, *, target: float = TARGET_ADHERENCE,
+                     factor: float = 1.6, bisect_steps: int = 2, max_expand: int = 6,
+                     out_of_time: Callable[[], bool] = lambda: False) -> tuple[float, list[dict]]:
+    """Highest rate with measure(rate) (a short run's adherence) >= target: expand geometrically from `guess`,
+    then bisect in log space. If even the lowest probe misses, lambda* is that rate / factor; if the highest
+    meets, that rate (both flagged). Once `out_of_time()`, bisection stops, and the expansion after 2 probes."""
+    probes: list[dict] = []
+    lo = hi = None
+    r = guess
+    for k in range(max_expand):
+        if k >= 2 and out_of_time():
+            probes.append({"note": "expansion cut short by the time budget"})
+            break
+        a = measure(r)
+        probes.append({"rate_rps": r, "adherence": a})
+        if a >= target:
+            lo = r
+            if hi is not None:
+                break
+            r *= factor
+        else:
+            hi = r
+            if lo is not None:
+                break
+            r /= factor
+    if lo is None:
+        probes.append({"note": "never reached the target; lambda* extrapolated one factor below"})
+        return min(p["rate_rps"] for p in probes if "rate_rps" in p) / factor, probes
+    if hi is None:
+        probes.append({"note": "target met at every probe; lambda* is the highest rate tried"})
+        return lo, probes
+    for _ in range(bisect_steps):
+        if out_of_time():
+            probes.append({"note": "bisection cut short by the time budget"})
+            break
+        mid = math.sqrt(lo * hi)
+        a = measure(mid)
+        probes.append({"rate_rps": mid, "adherence": a})
+        lo, hi = (mid, hi) if a >= target else (lo, mid)
+    return lo, probes
+
+
+def completion_rate(records: Sequence[D.Record], trim: float = 0.2) -> float | None:
+    """Completions per second over the middle of a run (first and last `trim` of completions dropped): under
+    overload, the engine's service rate free of the ramp-up and the final drain."""
+    ends = sorted(r.finished_s for r in records if r.completed and r.finished_s is not None)
+    a, b = int(len(ends) * trim), int(len(ends) * (1 - trim)) - 1
+    if b - a < 5 or ends[b] <= ends[a]:
+        return None
+    return (b - a) / (ends[b] - ends[a])
+
+
+def find_capacity(measure: Callable[[float], float | None], guess: float, *, saturated: float = 0.85,
+                  factor: float = 2.0, max_tries: int = 4) -> tuple[float, list[dict]]:
+    """FCFS capacity: `measure(rate)` (its completion rate offered `rate`) from `guess`, x`factor`, until it falls
+    below `saturated` x offered (the queue then grows without bound). Never saturated: the best seen (flagged)."""
+    probes: list[dict] = []
+    rate, best = guess, 0.0
+    for _ in range(max_tries):
+        got = measure(rate)
+        probes.append({"rate_rps": rate, "completion_rps": got})
+        if got is not None:
+            best = max(best, got)
+            if got < saturated * rate:
+                return got, probes
+        rate *= factor
+    probes.append({"note": "FCFS never saturated; capacity is the highest completion rate seen"})
+    return best, probes
+
+
+def capacity_guess(predictor: Any, scale: W.SLOScale) -> float:
+    """A rough start (rps): 40% of what one request's prefill plus its share of B=4 decode steps allows."""
+    per_req_ms = predictor.prefill_ms(scale.mean_prompt) + scale.mean_output * predictor.itl_ms(4, scale.l_bar) / 4
+    return max(0.02, 0.4 * 1000.0 / max(per_req_ms, 1e-3))
+
+
+# --------------------------------------------------------------------------- one point's figures
+
+def hop_summary(records: Sequence[D.Record]) -> dict[str, dict[str, float]]:
+    """HTTP mode: n/min/mean/max and p50/p90/p99 per hop over the requests that reported one."""
+    out = {}
+    for hop in D.HOPS:
+        xs = [r.hops[hop] for r in records if hop in r.hops]
+        if xs:
+            out[hop] = M.distribution(xs)
+    return out
+
+
+def summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int, D.Run]], warmup: float,
+                    tiers: Sequence[str]) -> dict[str, Any]:
+    per_seed, pooled, wall = [], [], 0.0
+    for seed, run in runs:
+        s = M.summarize(run.records, warmup_frac=warmup, tiers=tiers)
+        per_seed.append({"seed": seed, "goodput_rps": s["goodput_rps"], "adherence": s["adherence"],
+                         "wall_s": s["wall_s"], "n": s["n"]})
+        pooled.extend(M.drop_warmup(run.records, warmup))
+        wall += s["wall_s"]
+    s = M.summarize(pooled, warmup_frac=0.0, wall_s=wall, tiers=tiers)  # warm-up already dropped per seed
+    s["n_dropped_warmup"] = sum(len(r.records) for _, r in runs) - len(pooled)
+    eng = [r.engine for _, r in runs if r.engine]
+    steps = sum(e["steps"] for e in eng)
+    sched = sum(e["phase_s"].get("schedule", 0.0) for e in eng)
+    busy = sum(sum(e["phase_s"].values()) for e in eng)
+    lags = [x for _, r in runs for x in r.submit_lag_ms]
+    hops = hop_summary(pooled)
+    return {"policy": policy, "load_multiple": load, "rate_rps": rate, **s,
+            "timeouts": sum(r.timeouts for _, r in runs),
+            "sched_ms_per_step": sched / steps * 1000.0 if steps else None,
+            "sched_pct": sched / busy * 100.0 if busy > 0 and steps else None,
+            "step_ms": busy / steps * 1000.0 if steps else None, "steps": steps,
+            **(step_figures([e["tap"] for e in eng if "tap" in e]) if eng else {}),
+            "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
+            "submit_lag_p99_ms": M.percentile(lags, 99) if lags else None,
+            "per_seed": per_seed, **M.pool(per_seed), **({"http_hops_ms": hops} if hops else {})}
+
+
+# --------------------------------------------------------------------------- report
+
+def write_csv(path: Path, results: Sequence[dict], tiers: Sequence[str]) -> None:
+    per = ("adherence", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(list(CSV_FIELDS) + [f"{t}_{k}" for t in tiers for k in per])
+        for r in results:
+            row = [r.get(c) for c in CSV_FIELDS] + [r.get("per_tier", {}).get(t, {}).get(k) for t in tiers for k in per]
+            w.writerow(["" if v is None or (isinstance(v, float) and math.isnan(v)) else
+                        (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
+
+
+def load_table(results: Sequence[dict], load: float, tiers: Sequence[str]) -> str:
+    at = [r for r in results if r["load_multiple"] == load]
+    rows = [[r["policy"], r["goodput_rps"], 100 * r["adherence"],
+             *[100 * r.get("per_tier", {}).get(t, {}).get("adherence", math.nan) for t in tiers],
+             100 * r["rejection_rate"], r["ttft_violations"], r["tpot_violations"], r["incomplete"],
+             r["token_throughput"], r["sched_ms_per_step"], r["sched_pct"]] for r in at]
+    heads = ["policy", "goodput rps", "adh %", *[f"{TIER_SHORT.get(t, t)} %" for t in tiers], "rej %",
+             "TTFT viol", "TPOT viol", "incompl", "tok/s", "sched ms/step", "sched %"]
+    rate, n = (at[0]["rate_rps"], at[0]["n"]) if at else (math.nan, 0)
+    return (f"\nload {load:g}x lambda* = {rate:.3f} rps  (n = {n} per policy after warm-up)\n"
+            + format_table(heads, rows, digits=2))
+
+
+def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any]:
+    """The §4 checks at the load nearest to `at`×lambda*."""
+    loads = sorted({r["load_multiple"] for r in results})
+    if not loads:
+        return {}
+    load = min(loads, key=lambda x: (abs(x - at), -x))
+    by = {r["policy"]: r for r in results if r["load_multiple"] == load}
+    out: dict[str, Any] = {"load_multiple": load}
+    f, s, k = by.get("fcfs"), by.get("scorpio"), by.get("kairos")
+    if f and s:
+        out["scorpio_over_fcfs_goodput"] = s["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else math.inf
+        out["scorpio_minus_fcfs_adherence_pts"] = 100 * (s["adherence"] - f["adherence"])
+    if s and k:
+        out["kairos_goodput_rps"], out["scorpio_goodput_rps"] = k["goodput_rps"], s["goodput_rps"]
+        out["kairos_goodput_ge_scorpio"] = k["goodput_rps"] >= s["goodput_rps"]
+        out["kairos_adherence_ge_scorpio"] = k["adherence"] >= s["adherence"]
+        out["kairos_minus_scorpio_adherence_pts"] = 100 * (k["adherence"] - s["adherence"])
+    if f and k:
+        out["kairos_over_fcfs_goodput"] = k["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else math.inf
+    if f and by.get("edf_reject"):
+        out["ttft_violations_fcfs_vs_edf_reject"] = [f["ttft_violations"], by["edf_reject"]["ttft_violations"]]
+    if f and by.get("tpot_guard"):
+        out["tpot_violations_fcfs_vs_tpot_guard"] = [f["tpot_violations"], by["tpot_guard"]["tpot_violations"]]
+    return out
+
+
+def format_acceptance(acc: dict[str, Any]) -> str:
+    if not acc:
+        return ""
+    lines = [f"\nAcceptance checks at {acc['load_multiple']:g}x lambda*:"]
+    if "scorpio_over_fcfs_goodput" in acc:
+        lines += [f"  scorpio / fcfs goodput        : {acc['scorpio_over_fcfs_goodput']:.2f}x",
+                  f"  scorpio - fcfs adherence      : {acc['scorpio_minus_fcfs_adherence_pts']:+.1f} pts"]
+    if "kairos_goodput_ge_scorpio" in acc:
+        lines.append(f"  kairos >= scorpio (goodput)   : {fmt(acc['kairos_goodput_ge_scorpio'])} "
+                     f"({acc['kairos_goodput_rps']:.3f} vs {acc['scorpio_goodput_rps']:.3f} rps; adherence: "
+                     f"{fmt(acc['kairos_adherence_ge_scorpio'])}, "
+                     f"{acc['kairos_minus_scorpio_adherence_pts']:+.1f} pts)")
+    if "kairos_over_fcfs_goodput" in acc:
+        lines.append(f"  kairos / fcfs goodput         : {acc['kairos_over_fcfs_goodput']:.2f}x")
+    for key, label in (("ttft_violations_fcfs_vs_edf_reject", "TTFT violations fcfs -> edf_reject"),
+                       ("tpot_violations_fcfs_vs_tpot_guard", "TPOT violations fcfs -> tpot_guard")):
+        if key in acc:
+            lines.append(f"  {label} : {acc[key][0]} -> {acc[key][1]}")
+    return "\n".join(lines)
+
+
+def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float) -> list[str]:
+    kept = {id(r) for r in M.drop_warmup(run.records, warmup)}
+    out = []
+    for r in sorted(run.records, key=lambda r: r.arrival_s):
+        t = M.tpot_s(r)
+        out.append(json.dumps(clean({
+            "policy": policy, "load_multiple": load, "seed": seed, "tier": r.tier, "warmup": id(r) not in kept,
+            "arrival_s": r.arrival_s - run.started_s, "rejected": r.rejected, "finish_reason": r.finish_reason,
+            "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
+            "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "prompt_len": r.prompt_len,
+            "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
+            "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None})))
+    return out
+
+
+def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTTP",
+            base_label: str = "in-process") -> str:
+    """Side by side per load in both runs, and what `label` adds (TTFT p50/p99, TPOT p50/p99)."""
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+    base = {round(float(r["load_multiple"]), 6): r for r in baseline}
+    rows = []
+    for r in results:
+        b = base.get(round(float(r["load_multiple"]), 6))
+        if b is None:
+            continue
+        for name, x in ((base_label, b), (label, r)):
+            rows.append([f"{r['load_multiple']:g}x {name} ({x['policy']})", x["goodput_rps"], 100 * x["adherence"],
+                         x["rejected"], *(x.get(k) for k in keys)])
+        rows.append([f"{r['load_multiple']:g}x added by {label}", r["goodput_rps"] - b["goodput_rps"],
+                     100 * (r["adherence"] - b["adherence"]), r["rejected"] - b["rejected"],
+                     *(None if r.get(k) is None or b.get(k) is None else r[k] - b[k] for k in keys)])
+    if not rows:
+        return f"(no load in common with the {base_label} run)"
+    heads = ["run", "goodput rps", "adh %", "rejected", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
+    return f"\n{label} vs {base_label}\n" + format_table(heads, rows, digits=2)
+
+
+def hops_table(results: Sequence[dict]) -> str:
+    """HTTP mode: where each point's time to first token went, hop by hop (the Server-Timing header)."""
+    rows = [[f"{r['load_multiple']:g}x {r['policy']}", hop, h["n"], h["p50"], h["p90"], h["p99"], h["max"],
+             D.HOP_NOTES[hop]] for r in results for hop in D.HOPS if (h := (r.get("http_hops_ms") or {}).get(hop))]
+    return "\nTime to first token by hop (ms)\n" + format_table(
+        ["point", "hop", "n", "p50", "p90", "p99", "max", "what"], rows, digits=1) if rows else ""
+
+
+def protocol_lambda_90(results: Sequence[dict], target: float = TARGET_ADHERENCE) -> float | None:
+    """The protocol's lambda* read off the sweep: the highest swept FCFS rate with adherence >= target."""
+    ok = [r["rate_rps"] for r in results if r["policy"] == "fcfs" and r["adherence"] >= target]
+    return max(ok) if ok else None
+
+
+# --------------------------------------------------------------------------- --probe-check
+
+def probe_check(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """How well a probe fit (equal- vs mixed-length decode probes) predicts served-like steps; the drift."""
+    from engine.profiling import BATCH_SIZES, CTX_LENS, Prober
+    from scheduling.predictor import profile
+
+    eng = Engines(args).start("fcfs", max_num_seqs=64)  # reads only the public Prober, inside run_idle
+    probe = Prober(eng)
+    rng = random.Random(7)
+    served = [[max(8, int(rng.lognormvariate(4.6, 0.8)) + rng.randint(0, 60)) for _ in range(b)]
+              for b in (4, 8, 16, 24) for _ in range(8)]
+    kinds = {"equal": lambda b, n: probe.decode_ms([n] * b), "mixed": probe.decode}
+
+    def fit_and_score(kind: str, rep: int) -> float:  # on the worker, between steps
+        model, _ = profile(probe.prefill, kinds[kind], prefill_sizes=[16, 512], batch_sizes=BATCH_SIZES,
+                           ctx_lens=CTX_LENS, repeats=5, seed=rep)
+        return statistics.median(probe.decode_ms(ls) / model.itl_ms(len(ls), sum(ls) / len(ls)) for ls in served)
+
+    fits = []
+    try:
+        for rep in range(args.reps):
+            fits.append({"rep": rep, **{k: eng.run_idle(lambda e, k=k, r=rep: fit_and_score(k, r), 600.0)
+                                        for k in kinds}})
+            print(f"fit {rep}: served-like batch / fit, median: equal-length probes {fits[-1]['equal']:.3f}, "
+                  f"mixed-length probes {fits[-1]['mixed']:.3f}", flush=True)
+        drift: list[float] = []
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < args.drift_s:
+            drift.append(eng.run_idle(lambda e: statistics.median(
+                probe.decode_ms(probe.lengths(12, 173)) for _ in range(20))))
+            print(f"  drift {time.perf_counter() - t0:5.1f} s: B=12 L=173 step {drift[-1]:.2f} ms", flush=True)
+            time.sleep(2.0)
+    finally:
+        eng.shutdown()
+    spread = max(drift) / min(drift) if drift else None
+    if drift:
+        print(f"drift over {args.drift_s:g} s: {min(drift):.2f}-{max(drift):.2f} ms, max/min {spread:.2f}")
+    if args.json:
+        write_json(args.json, {"benchmark": "probe_check", "model": args.model, "fits": fits, "drift_ms": drift,
+                               "drift_max_over_min": spread, "run": run_info("bench.slo", argv)})
+    return 0
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def drain_for(items: Sequence[W.WorkItem], drain: float | None) -> float:
+    span = items[-1].arrival_s if items else 0.0
+    return drain if drain is not None else min(60.0, max(10.0, 0.25 * span))
+
+
+def sharegpt_corpus(args: argparse.Namespace, n: int, max_len: int | None) -> W.Corpus:
+    """`n` ShareGPT first turns in the served model's tokens (--tokenizer, else --model); --output-cap caps replies."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(D.resolve_model_path(args.tokenizer or args.model))
+    corpus = W.sharegpt(tok, n, seed=0, max_model_len=max_len)
+    if args.output_cap:
+        corpus = replace(corpus, samples=tuple(replace(s, output_len=min(s.output_len, args.output_cap))
+                                               for s in corpus.samples))
+    return corpus
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.probe_check:
+        return probe_check(args, argv)
     t_start = time.perf_counter()
-    plan = _plan(args)
-    out_dir = Path(args.out or f"bench/out/slo-{time.strftime('%Y%m%d-%H%M%S')}")
+    plan = make_plan(args)
+    out_dir = Path(args.out or f"bench/out/slo/{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    progress = not args.no_progress
-    mix = W.parse_mix(args.mix)
-    http = args.target is not None
+    progress, http, mix = not args.no_progress, args.target is not None, W.parse_mix(args.mix)
     if http and args.client_nice:  # Ray runs its workers at nice 15: an equal-priority client would starve them
         os.nice(args.client_nice)
     policies = [args.label] if http else plan.policies
     info = run_info("bench.slo", argv)
-    print(f"bench.slo: {'HTTP ' + args.target if http else 'engine'} | model {args.model} {args.dtype} | "
-          f"policies {','.join(policies)} | loads {','.join(f'{x:g}' for x in plan.loads)} | seeds "
-          f"{','.join(map(str, plan.seeds))} | {args.arrival} | mix {args.mix} | hint {args.hint} | "
+    print(f"bench.slo: {'HTTP ' + args.target if http else 'engine'} | model {args.model} {args.dtype} | policies "
+          f"{','.join(policies)} | loads {','.join(f'{x:g}' for x in plan.loads)} | seeds "
+          f"{','.join(map(str, plan.seeds))} | {args.dataset} | {args.arrival} | mix {args.mix} | hint {args.hint} | "
           f"loadavg {loadavg()}", flush=True)
 
-    engines = _Engines(args)
-    if args.reprofile:
+    engines = Engines(args)
+    if args.reprofile or (args.predictor_json and not http):  # a copy: an engine whose setup differs re-profiles
         engines.predictor_path = str((out_dir / "latency-profile.json").resolve())
-        Path(engines.predictor_path).unlink(missing_ok=True)
-    elif args.predictor_json and not args.target:  # a copy: an engine whose setup differs re-profiles into it
-        engines.predictor_path = str((out_dir / "latency-profile.json").resolve())
-        if Path(args.predictor_json).resolve() != Path(engines.predictor_path):
+        if args.reprofile:
+            Path(engines.predictor_path).unlink(missing_ok=True)
+        elif Path(args.predictor_json).resolve() != Path(engines.predictor_path):
             shutil.copyfile(args.predictor_json, engines.predictor_path)
-    eng = None
-    if http:
-        order = list(policies)
-        model_name = served_model(args.target)
-        if args.predictor_json:
-            from scheduling.predictor import LatencyModel
-            predictor, pred_eng = LatencyModel.load(args.predictor_json), None
-        else:
-            pred_eng = engines.start("fcfs")
-            predictor = pred_eng.scheduler.predictor
-        vocab, max_len = (pred_eng.bundle.vocab_limit, pred_eng.max_model_len) if pred_eng else (2556, None)
-        pred_info = _predictor_info(pred_eng, predictor)
-        if pred_eng is not None:
-            pred_eng.shutdown()
-    else:
-        need_fcfs = args.lambda_star is None or "fcfs" in policies
-        order = (["fcfs"] if need_fcfs else []) + [p for p in policies if p != "fcfs"]
-        eng = engines.start(order[0])
-        predictor = eng.scheduler.predictor
-        if args.predictor_json:  # the tiers of that run, even where the engine had to re-profile (older format)
-            from scheduling.predictor import LatencyModel
-            predictor = LatencyModel.load(args.predictor_json)
-        vocab, max_len = eng.bundle.vocab_limit, eng.max_model_len
-        pred_info = _predictor_info(eng, predictor)
-    q = args.quick
-    sig = args.length_sigma
+    need_fcfs = not http and (args.lambda_star is None or "fcfs" in policies)
+    order = list(policies) if http else (["fcfs"] if need_fcfs else []) + [p for p in policies if p != "fcfs"]
+    model_name = D.served_model(args.target) if http else ""
+    eng = None if http and args.predictor_json else engines.start("fcfs" if http else order[0])
+    predictor = eng.latency_model if eng is not None else None
+    if args.predictor_json:  # the tiers of that run, even where the engine had to re-profile (older format)
+        from scheduling.predictor import LatencyModel
+        predictor = LatencyModel.load(args.predictor_json)
+    vocab, max_len = (eng.bundle.vocab_limit, eng.max_model_len) if eng is not None else (2556, None)
+    pred_info = predictor_info(eng, predictor)
+    if http and eng is not None:
+        eng.shutdown()
+        eng = None
+    q, sig = args.quick, args.length_sigma
     prompt = W.LengthDist(args.prompt_median or (40 if q else 100), sig, args.prompt_cap or (160 if q else 512), 4)
     output = W.LengthDist(args.output_median or (16 if q else 60), sig, args.output_cap or (64 if q else 256), 2)
+    corpus, dataset = None, {"name": args.dataset}
+    if args.dataset == "sharegpt":
+        corpus = sharegpt_corpus(args, max(plan.n_cap, args.probe_requests or 240), max_len)
+        dataset.update(conversations_read=corpus.conversations_read, samples=len(corpus.samples),
+                       mean_prompt=corpus.mean_prompt, mean_output=corpus.mean_output,
+                       tokenizer=args.tokenizer or args.model, output_cap=args.output_cap)
+        print(f"ShareGPT: read {corpus.conversations_read} conversations, kept {len(corpus.samples)}; mean prompt "
+              f"{corpus.mean_prompt:.1f} tokens, mean output {corpus.mean_output:.1f}", flush=True)
     base = W.WorkloadSpec(arrival=args.arrival, mix=mix, hint=args.hint, vocab_size=vocab, max_model_len=max_len,
-                          prompt=prompt, output=output)
+                          prompt=prompt, output=output, corpus=corpus)
     scale = W.slo_scale(predictor, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
                         loose_batch=args.loose_batch, headroom=args.tpot_headroom)
     tiers = [t.name for t in scale.tiers]
@@ -158,75 +688,62 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f"  [u={scale.u_ms:.0f}, d4={scale.d4_ms:.1f}, d12={scale.d12_ms:.1f}, L={scale.l_bar:.0f}; "
             f"fit r2={fmt(pred_info['r2'], 3)} mape={fmt(pred_info['mape'], 3)}]", flush=True)
 
-    def run_items(items: list[W.WorkItem], desc: str, tag: str, engine: Any = None) -> PointRun:
-        drain = _drain_for(items, args.drain)
+    def workload(n: int, rate: float, seed: int) -> list[W.WorkItem]:
+        return W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed), scale.tiers)
+
+    def run_items(items: list[W.WorkItem], desc: str, tag: str, engine: Any = None) -> D.Run:
+        kw = {"drain_s": drain_for(items, args.drain), "progress": progress, "desc": desc}
         if http:
-            return run_http_point(args.target, model_name, items, drain_s=drain, progress=progress, desc=desc)
-        return run_engine_point(engine or eng, items, drain_s=drain, tag=tag, progress=progress, desc=desc)
+            return D.run_http(args.target, items, model=model_name, **kw)
+        return engine_point(engine or eng, items, tag=tag, **kw)
 
     # ---- lambda*
-    search: dict[str, Any] = {}
-    probe_no = [0]
+    probe_no, label = [0], "fcfs" if not http else args.label
 
-    def probe(rate: float, n: int, desc: str, tag: str) -> PointRun:
-        """One FCFS search run: the first seed's workload, n requests at `rate`."""
+    def probe(rate: float, n: int, desc: str, tag: str) -> D.Run:
         probe_no[0] += 1
-        items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=plan.seeds[0]), scale.tiers)
-        return run_items(items, f"{desc} {rate:.2f} rps", f"{tag}{probe_no[0]}")
+        return run_items(workload(n, rate, plan.seeds[0]), f"{desc} {rate:.2f} rps", f"{tag}{probe_no[0]}")
 
+    t0 = time.perf_counter()
     if args.lambda_star is not None:
-        lam = float(args.lambda_star)
-        search = {"given": True, "definition": args.lambda_def}
+        lam, search = float(args.lambda_star), {"given": True, "definition": args.lambda_def}
     elif args.lambda_def == "capacity":
-        t0 = time.perf_counter()
-
         def measure_cap(rate: float) -> float | None:
-            n = args.probe_requests or (200 if args.quick else 240)
+            n = args.probe_requests or (200 if q else 240)
             got = completion_rate(probe(rate, n, "capacity probe", "cap").records)
-            print(f"  capacity probe {probe_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS completes "
-                  f"{fmt(got, 3)} rps", flush=True)
+            print(f"  capacity probe {probe_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS completes {fmt(got, 3)} rps",
+                  flush=True)
             return got
 
         lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
-        search = {"definition": "capacity", "probes": probes, "seconds": time.perf_counter() - t0,
-                  "policy": "fcfs" if not http else args.label}
+        search = {"definition": "capacity", "probes": probes, "seconds": time.perf_counter() - t0, "policy": label}
     else:
-        guess = capacity_guess(predictor, scale)
-
         def measure(rate: float) -> float:
-            n = args.probe_requests or int(min(plan.probe_bounds[1], max(plan.probe_bounds[0],
-                                                                       rate * plan.probe_seconds)))
-            run = probe(rate, n, "lambda* probe", "probe")
-            a = M.summarize(run.records, warmup_frac=args.warmup_frac)["adherence"]
-            print(f"  lambda* probe {probe_no[0]}: {rate:.3f} rps, n={n} -> FCFS adherence {100 * a:.1f}%",
-                  flush=True)
+            lo, hi = plan.probe_bounds
+            n = args.probe_requests or int(min(hi, max(lo, rate * plan.probe_seconds)))
+            a = M.summarize(probe(rate, n, "lambda* probe", "probe").records, warmup_frac=args.warmup_frac)["adherence"]
+            print(f"  lambda* probe {probe_no[0]}: {rate:.3f} rps, n={n} -> FCFS adherence {100 * a:.1f}%", flush=True)
             return a
 
-        t0 = time.perf_counter()
-        search_end = t_start + (0.25 * plan.budget_s if plan.budget_s > 0 else math.inf)
-        lam, probes = find_lambda_star(measure, guess, bisect_steps=plan.bisect_steps,
-                                       max_expand=4 if args.quick else 6,
-                                       out_of_time=lambda: time.perf_counter() > search_end)
-        search = {"definition": "adherence", "guess_rps": guess, "probes": probes,
-                  "seconds": time.perf_counter() - t0, "target_adherence": TARGET_ADHERENCE,
-                  "policy": "fcfs" if not http else args.label}
+        guess = capacity_guess(predictor, scale)
+        end = t_start + (0.25 * plan.budget_s if plan.budget_s > 0 else math.inf)
+        lam, probes = find_lambda_star(measure, guess, bisect_steps=plan.bisect_steps, max_expand=4 if q else 6,
+                                       out_of_time=lambda: time.perf_counter() > end)
+        search = {"definition": "adherence", "guess_rps": guess, "probes": probes, "seconds": time.perf_counter() - t0,
+                  "target_adherence": TARGET_ADHERENCE, "policy": label}
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
     notes = " ".join(p.get("note", "") for p in search.get("probes", []))
-    if "never reached" in notes and "cut short" in notes:
-        print(f"  note: the search used its time share (25% of the budget) before FCFS reached "
-              f"{TARGET_ADHERENCE:.0%} adherence; lambda* is extrapolated one step below the lowest probe.",
-              flush=True)
-    elif "never reached" in notes:
-        print(f"  WARNING: FCFS never reached {TARGET_ADHERENCE:.0%} adherence, so lambda* was extrapolated. The "
-              f"machine is probably slower now than its cached latency profile (loadavg {loadavg()}), which "
-              "makes the strict tier (d4) unattainable at any load: rerun on a quiet machine, or with --reprofile.",
+    if "never reached" in notes:
+        print(f"  note: FCFS never reached {TARGET_ADHERENCE:.0%} adherence"
+              + (" before the search used its 25% of the budget" if "cut short" in notes else
+                 f": the machine is probably slower now than its cached profile (loadavg {loadavg()}); rerun on a "
+                 "quiet machine or with --reprofile") + "; lambda* is extrapolated one step below the lowest probe.",
               flush=True)
 
     # ---- size the sweep to the budget
     rates = [m * lam for m in plan.loads]
-    n_points = len(policies) * len(plan.seeds)
-    n_req = plan.n_cap
-    refresh = (not http) and (args.refresh_profile if args.refresh_profile is not None else not args.predictor_json)
+    n_points, n_req = len(policies) * len(plan.seeds), plan.n_cap
+    refresh = not http and (args.refresh_profile if args.refresh_profile is not None else not args.predictor_json)
     calibrating = refresh and args.calibrate is not False  # it scales the refreshed fits: nothing to scale without
     n_runs = len(order) * len(rates) * len(plan.seeds)
     starts = 0.0 if http else (max(engines.start_s.values()) * (len(order) - 1)
@@ -235,69 +752,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     drain_est = n_points * len(rates) * 6.0  # typical wait for the last requests after the last arrival
     if not plan.n_fixed and plan.budget_s > 0:
         left = plan.budget_s - (time.perf_counter() - t_start) - starts - 15.0  # imports, plots, files
-        fit = int(max(0.0, left - drain_est) * 0.92 / per_req_s)
-        n_req = max(plan.n_min, min(plan.n_cap, fit))
-    eta = n_req * per_req_s + drain_est + starts
-    print(f"sweep: {n_req} requests per point "
-          f"({'fixed' if plan.n_fixed else f'cap {plan.n_cap}, sized to the {plan.budget_s / 60:g}-min budget'}), "
-          f"{len(policies) * len(rates) * len(plan.seeds)} points, ETA ~{eta / 60:.1f} min "
-          f"(400/point would take ~{(400 * per_req_s + drain_est + starts) / 3600:.1f} h)", flush=True)
+        n_req = max(plan.n_min, min(plan.n_cap, int(max(0.0, left - drain_est) * 0.92 / per_req_s)))
+    sized = "fixed" if plan.n_fixed else f"cap {plan.n_cap}, sized to the {plan.budget_s / 60:g}-min budget"
+    print(f"sweep: {n_req} requests per point ({sized}), {n_points * len(rates)} points, ETA "
+          f"~{(n_req * per_req_s + drain_est + starts) / 60:.1f} min (400/point would take "
+          f"~{(400 * per_req_s + drain_est + starts) / 3600:.1f} h)", flush=True)
     if n_req < 40:
-        print(f"  note: only {n_req} requests per point: adherence has a resolution of "
-              f"~{100 / max(1, n_req - int(n_req * args.warmup_frac)):.0f} pts; use --num-requests/--budget-min "
-              "on a quiet machine for protocol-size runs", flush=True)
+        print(f"  note: only {n_req} requests per point: adherence has a resolution of ~"
+              f"{100 / max(1, n_req - int(n_req * args.warmup_frac)):.0f} pts", flush=True)
 
     # ---- calibration: served steps against the probe fit (FCFS at lambda*)
     calib = None
     d_ref = lambda m: (m.itl_ms(4, scale.l_bar), m.itl_ms(12, scale.l_bar))  # noqa: E731
     live: dict[str, Any] = {} if http else {order[0]: eng}
     if calibrating:
-        live.setdefault("fcfs", eng if order[0] == "fcfs" else engines.start("fcfs"))
-        n_cal = args.probe_requests or (200 if args.quick else 240)
-        items = W.generate(replace(base, num_requests=n_cal, rate_rps=lam, seed=plan.seeds[0]), scale.tiers)
-        calib = calibrate(live["fcfs"], lambda e: run_items(items, "calibration", "cal", e).engine["tap"])
+        fcfs = live.setdefault("fcfs", eng if order[0] == "fcfs" else engines.start("fcfs"))
+        n_cal = args.probe_requests or (200 if q else 240)
+        fcfs.reprofile(time_budget_s=PROFILE_BUDGET_S)
+        calib = factors([run_items(workload(n_cal, lam, plan.seeds[0]), "calibration", "cal", fcfs).engine["tap"]])
         print(f"calibration (FCFS at lambda*, n={n_cal}): a served decode step takes {calib['decode']:.2f}x the "
               f"probe fit (median of {calib['n_decode_steps']} steps), a prefill step {calib['prefill']:.2f}x "
               f"({calib['n_prefill_steps']}); the static policies' refreshed fits are scaled by these", flush=True)
 
-    # ---- sweep: load-major, every policy's engine kept alive, so that a drift in machine speed during the
-    # run hits all policies of a load alike instead of whichever policy happened to run last
+    # ---- sweep: load-major, every policy's engine kept alive
     results: list[dict[str, Any]] = []
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
     profiles: list[dict[str, Any]] = []
     for load, rate in zip(plan.loads, rates):
-        for policy in order:
-            if policy not in policies:
-                continue
-            if not http and policy not in live:
-                live[policy] = engines.start(policy)
-            e = live.get(policy)
-            runs = []
-            fits = []
+        for policy in (p for p in order if p in policies):
+            e = None if http else live.get(policy) or live.setdefault(policy, engines.start(policy))
+            runs, fits = [], []
             for seed in plan.seeds:
                 if refresh:  # the model as of now, calibrated to served steps
                     fits.append(fresh_fit(e, calib, d_ref, scale.d12_ms))
                     profiles.append({"policy": policy, "load": load, "seed": seed, **fits[-1]})
-                items = W.generate(replace(base, num_requests=n_req, rate_rps=rate, seed=seed), scale.tiers)
-                run = run_items(items, f"{policy} {load:g}x seed {seed}", f"{policy}-{load:g}-{seed}", e)
+                run = run_items(workload(n_req, rate, seed), f"{policy} {load:g}x seed {seed}",
+                                f"{policy}-{load:g}-{seed}", e)
                 runs.append((seed, run))
                 with open(rec_path, "a") as f:
-                    f.write("\n".join(_records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
-            r = _summarize_point(policy, load, rate, runs, args.warmup_frac, tiers)
-            if e is not None:  # the scheduler's model at the end of the point
-                pe = e.scheduler.predictor
-                r["predictor"] = {"decode_coef_end": list(pe.decode_coef) if pe is not None else None,
-                                  "prefill_coef_end": list(pe.prefill_coef) if pe is not None else None}
+                    f.write("\n".join(records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
+            r = summarize_point(policy, load, rate, runs, args.warmup_frac, tiers)
+            if e is not None and e.latency_model is not None:  # the scheduler's model at the end of the point
+                r["predictor"] = {"decode_coef_end": list(e.latency_model.decode_coef),
+                                  "prefill_coef_end": list(e.latency_model.prefill_coef)}
             results.append(r)
             speed = sum(f["d12_over_tiers"] for f in fits) / len(fits) if fits else None
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "
-                  f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol "
-                  f"{r['ttft_violations']}/{r['tpot_violations']}, timeouts {r['timeouts']}"
+                  f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol {r['ttft_violations']}/"
+                  f"{r['tpot_violations']}, timeouts {r['timeouts']}"
                   + (f", prefill-only steps {fmt(r.get('prefill_only_pct'))}% of engine time, decode step / model "
                      f"{fmt(r.get('decode_wall_over_model_p50'), 2)}" if not http else "")
-                  + (f", fit {speed:.2f}x the tiers'" if speed is not None else "") + "  "
-                  f"[{time.perf_counter() - t_start:.0f}s, load {loadavg().split(' ')[0]}]", flush=True)
+                  + (f", fit {speed:.2f}x the tiers'" if speed is not None else "")
+                  + f"  [{time.perf_counter() - t_start:.0f}s, load {loadavg().split(' ')[0]}]", flush=True)
     for e in live.values():
         e.shutdown()
     results.sort(key=lambda r: (order.index(r["policy"]), r["load_multiple"]))
@@ -320,34 +827,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         comparison = {"baseline": args.compare, "baseline_results": base_doc["results"]}
     wall = time.perf_counter() - t_start
     info["loadavg_end"] = loadavg()
+    dist = lambda d: {"median": d.median, "sigma": d.sigma, "cap": d.cap, "min": d.min_len}  # noqa: E731
     doc = {
-        "benchmark": "slo",
-        "lambda_star_rps": lam,
-        "lambda_star_search": search,
-        "lambda_star_90_rps": lam90,
+        "benchmark": "slo", "lambda_star_rps": lam, "lambda_star_search": search, "lambda_star_90_rps": lam90,
         "comparison": comparison,
         "config": {
             "mode": "http" if http else "engine", "target": args.target, "model": args.model, "dtype": args.dtype,
             "engine_threads": args.engine_threads, "max_num_seqs": args.max_num_seqs,
-            "sched_overrides": _overrides(args.sched), "kv_gb": args.kv_gb,
-            "prefill_max_tokens": args.prefill_max_tokens, "policies": policies, "loads": plan.loads,
-            "seeds": plan.seeds, "num_requests_per_point": n_req, "num_requests_fixed": plan.n_fixed,
-            "budget_min": plan.budget_s / 60.0, "arrival": args.arrival, "gamma_shape": base.gamma_shape,
-            "mix": dict(zip(tiers, mix)), "hint": args.hint, "warmup_frac": args.warmup_frac,
-            "strict_batch": args.strict_batch, "loose_batch": args.loose_batch, "tpot_headroom": args.tpot_headroom,
-            "reprofile": args.reprofile, "refresh_profile": refresh, "calibrate": calibrating,
-            "quick": args.quick, "drain_s": args.drain, "prompt_len": _dist(base.prompt),
-            "output_len": _dist(base.output), "engine_start_s": engines.start_s,
-            "workload": W.describe(W.generate(replace(base, num_requests=n_req, rate_rps=lam, seed=plan.seeds[0]),
-                                              scale.tiers)),
+            "sched_overrides": overrides(args.sched), "kv_gb": args.kv_gb,
+            "prefill_max_tokens": args.prefill_max_tokens,
+            "policies": policies, "loads": plan.loads, "seeds": plan.seeds, "num_requests_per_point": n_req,
+            "num_requests_fixed": plan.n_fixed, "budget_min": plan.budget_s / 60.0, "arrival": args.arrival,
+            "gamma_shape": base.gamma_shape, "mix": dict(zip(tiers, mix)), "hint": args.hint,
+            "warmup_frac": args.warmup_frac, "strict_batch": args.strict_batch, "loose_batch": args.loose_batch,
+            "tpot_headroom": args.tpot_headroom, "reprofile": args.reprofile, "refresh_profile": refresh,
+            "calibrate": calibrating, "quick": args.quick, "drain_s": args.drain, "dataset": dataset,
+            "prompt_len": dist(base.prompt) if corpus is None else None,
+            "output_len": dist(base.output) if corpus is None else None, "engine_start_s": engines.start_s,
+            "workload": W.describe(workload(n_req, lam, plan.seeds[0])),
         },
-        "predictor": pred_info,
-        "calibration": calib,
-        "profiles_per_run": profiles,
+        "predictor": pred_info, "calibration": calib, "profiles_per_run": profiles,
         "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers},
-        "results": results,
-        "acceptance": acc,
-        "run": {**info, "wall_s": wall},
+        "results": results, "acceptance": acc, "run": {**info, "wall_s": wall},
     }
     write_json(out_dir / "results.json", doc)
     if args.json:
@@ -361,6 +862,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - plots must never lose the numbers
             log.warning("plotting failed: %r", e)
             print(f"plotting failed: {e!r}", file=sys.stderr)
+    if args.summary:
+        at = [r for r in results if r["load_multiple"] == acc.get("load_multiple")]
+        headline = (f"{acc.get('load_multiple', 0):g}x lambda* = {lam * acc.get('load_multiple', 0):.3g} rps "
+                    f"({args.model}, {args.dataset}): " + ", ".join(
+                        f"{r['policy']} {r['goodput_rps']:.2f} rps / {100 * r['adherence']:.0f}%" for r in at))
+        keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms")
+        p = write_summary(args.summary, command_line("bench.slo", argv), headline, {
+            "lambda_star_rps": lam, "load_multiple": acc.get("load_multiple"), "model": args.model,
+            "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds,
+            "policies": {r["policy"]: {k: r.get(k) for k in keys} for r in at}, "acceptance": acc})
+        print(f"summary: {headline}  -> {p}", flush=True)
     print(f"\nwrote {out_dir}/results.json, results.csv, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")
           + (f" and {args.json}" if args.json else "") + f"  (wall {wall:.0f} s)", flush=True)
     return 0

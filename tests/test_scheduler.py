@@ -1,7 +1,7 @@
 """The scheduler's step decisions over plain Request objects and its own real BlockManager (no model)."""
 import pytest
 
-from core.request import SLO, Request, Status
+from core.request import SLO, Request
 from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
