@@ -52,7 +52,7 @@ CHAT_TEMPLATE = (
 # for the bundled corpus) instead of memorising singletons.
 MIN_FREQUENCY = 2
 
-# Shared by every Llama recipe here (and bench.common's bench models); values are part of the recipe hash.
+# Shared by every Llama recipe here (and bench.driver's bench models); values are part of the recipe hash.
 LLAMA_COMMON: dict[str, Any] = {
     "model_type": "llama",
     "hidden_act": "silu",

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from bench.common import percentile
+from bench.metrics import percentile
 from tests.serve.conftest import BASE_URL, TEST_ARGS, wait_idle
 
 OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
