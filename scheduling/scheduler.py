@@ -20,6 +20,7 @@ from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
+from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import ItlCorrection, VBSGate, select_by_credit, vbs
 from scheduling.ttft_guard import find_ttft_unattainable
 
@@ -66,6 +67,9 @@ class Scheduler:
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
+        self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
+                      if self.flags.tier_floor else None)
+        self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
 
     # --- queue membership ---
     def add(self, req: Request) -> str | None:
@@ -74,6 +78,8 @@ class Scheduler:
             return OVERLOADED
         req.status = Status.WAITING
         self.waiting.append(req)
+        if self.floor is not None:
+            self.floor.arrived(req.tpot_slo_ms, req.arrival_s)
         return None
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
@@ -150,12 +156,19 @@ class Scheduler:
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip)
         kv_full = False
+        self._held = [r for r in self._held if r.status is Status.WAITING]
+        held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
 
         def accept(r: Request) -> Verdict:
             nonlocal kv_full
             if kv_full:
                 return Verdict.STOP
+            if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:
+                return Verdict.KEEP  # waits (not rejected) while the batch drains for a starved tier
             if gate is not None and r.first_token_s is None and not gate.check(r):
+                if self._hold_for_floor(r, gate, now):
+                    held.add(tpot_class(r.tpot_slo_ms))
+                    return Verdict.KEEP
                 if self.config.tpot_on_fail == "reject" or (not self.running and not gate.admitted):
                     plan.rejected.append((r, TPOT_UNATTAINABLE))
                     return Verdict.DROP
@@ -166,6 +179,8 @@ class Scheduler:
             self.blocks.ensure(r, r.num_tokens)
             if gate is not None:
                 gate.admit(r)
+            if self.floor is not None and r.first_token_s is None:
+                self.floor.admitted(r.tpot_slo_ms, now)
             return Verdict.ADMIT
 
         selected = take_for_prefill(
@@ -179,6 +194,16 @@ class Scheduler:
             r.credit = 0.0
             self.running.append(r)
         return selected
+
+    def _hold_for_floor(self, r: Request, gate: VBSGate, now: float) -> bool:
+        """Tier floor: hold a gate-failed request of a starved tier if it would pass on an idle replica."""
+        if self.floor is None or not self.floor.starved(r.tpot_slo_ms, now):
+            return False
+        if gate.predicted_tpot_ms_idle(r) * self.config.vbs_margin >= self.config.vbs_slack * r.tpot_slo_ms:
+            return False  # infeasible even alone: the floor does not apply, the gate's verdict stands
+        if r not in self._held:
+            self._held.append(r)
+        return True
 
     def _select_decode(self, plan: StepPlan) -> list[Request]:
         be = self.config.best_effort_trp

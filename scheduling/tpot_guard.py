@@ -134,6 +134,10 @@ class VBSGate:
         l_in = (self._tokens + candidate.num_tokens) / (self._n_seqs + 1)
         return self._itl(vbs_new, l_in + self._out_len(candidate) / 2.0)
 
+    def predicted_tpot_ms_idle(self, candidate: T) -> float:
+        """ITL(1, L) of the candidate alone on the replica (before the margin)."""
+        return self._itl(1.0, candidate.num_tokens + self._out_len(candidate) / 2.0)
+
     def check(self, candidate: T) -> bool:
         """Whether admitting ``candidate`` keeps every admitted request within its TPOT SLO."""
         if self._stopped:
