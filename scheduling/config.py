@@ -75,11 +75,13 @@ class SchedulerConfig(BaseModel):
     itl_correction: bool | None = Field(None, description="scale the gate's ITL by measured/predicted step time")
     correction_tau_ms: float = Field(2000.0, gt=0, description="window of the ITL correction (wall ms)")
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
-    tier_floor: bool | None = Field(None, description="hold a starved feasible TPOT tier's request and let the "
-                                    "batch drain for it instead of rejecting it (scheduling/tier_floor.py)")
+    tier_floor: bool | None = Field(None, description="keep every TPOT tier that is feasible on an idle replica "
+                                    "above a share of its arrivals (scheduling/tier_floor.py)")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted less than this share of "
                                     "its recent arrivals is starved")
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")
+    tier_floor_mode: Literal["reserve", "hold", "both"] = Field(
+        "both", description="reserve: keep VBS room for a starved tier; hold: drain the batch for its request")
     correction_safety: float = Field(1.0, ge=1, description="multiplies the measured factor f; the gate "
                                      "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 measured best at "
                                      "1.5x capacity (3 seeds: 10.9 vs 9.3 req/s with 1.1, bench/README.md)")

@@ -75,11 +75,13 @@ class Scheduler:
     def add(self, req: Request) -> str | None:
         """Queue a new request; returns a rejection reason instead when the queue is full."""
         if len(self.waiting) >= self.config.max_waiting:
+            if self.floor is not None:
+                self.floor.rejected(req.tpot_slo_ms, req.arrival_s)
             return OVERLOADED
         req.status = Status.WAITING
         self.waiting.append(req)
         if self.floor is not None:
-            self.floor.arrived(req.tpot_slo_ms, req.arrival_s)
+            self.floor.arrived(req.tpot_slo_ms, req.arrival_s, req.num_tokens + req.expected_output_len / 2.0)
         return None
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
@@ -124,6 +126,9 @@ class Scheduler:
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         plan.prefill = self._admit(now, plan)
+        if self.floor is not None:
+            for r, _ in plan.rejected:
+                self.floor.rejected(r.tpot_slo_ms, now)
         if not self.running:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
@@ -158,6 +163,7 @@ class Scheduler:
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
+        room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
 
         def accept(r: Request) -> Verdict:
             nonlocal kv_full
@@ -173,6 +179,9 @@ class Scheduler:
                     plan.rejected.append((r, TPOT_UNATTAINABLE))
                     return Verdict.DROP
                 return Verdict.STOP if gate.stopped else Verdict.KEEP
+            if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
+                    and not gate.leaves_room(r, *room):
+                return Verdict.KEEP  # would take the starved tier's room: waits
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
@@ -195,11 +204,23 @@ class Scheduler:
             self.running.append(r)
         return selected
 
+    def _feasible_alone(self, itl_ms: float, tpot_ms: float) -> bool:
+        return itl_ms * self.config.vbs_margin < self.config.vbs_slack * tpot_ms
+
+    def _floor_reservation(self, gate: VBSGate | None, now: float) -> tuple[float, float] | None:
+        if self.floor is None or gate is None or self.config.tier_floor_mode == "hold":
+            return None
+        room = self.floor.reservation(now)
+        if room is None or not self._feasible_alone(gate.itl_ms(1.0, room[1]), room[0]):
+            return None
+        return room
+
     def _hold_for_floor(self, r: Request, gate: VBSGate, now: float) -> bool:
         """Tier floor: hold a gate-failed request of a starved tier if it would pass on an idle replica."""
-        if self.floor is None or not self.floor.starved(r.tpot_slo_ms, now):
+        if self.floor is None or self.config.tier_floor_mode == "reserve" \
+                or not self.floor.starved(r.tpot_slo_ms, now):
             return False
-        if gate.predicted_tpot_ms_idle(r) * self.config.vbs_margin >= self.config.vbs_slack * r.tpot_slo_ms:
+        if not self._feasible_alone(gate.predicted_tpot_ms_idle(r), r.tpot_slo_ms):
             return False  # infeasible even alone: the floor does not apply, the gate's verdict stands
         if r not in self._held:
             self._held.append(r)

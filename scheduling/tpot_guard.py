@@ -123,16 +123,29 @@ class VBSGate:
 
     def predicted_tpot_ms(self, candidate: T) -> float:
         """ITL(VBS', L) at the midpoint of the candidate's decode (before the margin)."""
-        tpot = candidate.tpot_slo_ms
-        t_min = min(self._t_min, tpot)
-        inv_sum = self._inv_sum + (0.0 if math.isinf(tpot) else 1.0 / tpot)
-        n_be = self._n_best_effort + (1 if math.isinf(tpot) else 0)
-        if math.isinf(t_min):
-            vbs_new = float(self._n_seqs + 1)  # nobody is paced: every sequence decodes every step
-        else:
-            vbs_new = t_min * inv_sum + self._be_trp * n_be
-        l_in = (self._tokens + candidate.num_tokens) / (self._n_seqs + 1)
-        return self._itl(vbs_new, l_in + self._out_len(candidate) / 2.0)
+        return self._predict([(candidate.tpot_slo_ms, candidate.num_tokens)], self._out_len(candidate))
+
+    def _predict(self, extra: Sequence[tuple[float, float]], out_len: float) -> float:
+        """ITL(VBS', L) with `extra` (tpot, tokens) sequences added to the batch."""
+        tpots = [t for t, _ in extra]
+        t_min = min(self._t_min, *tpots)
+        inv_sum = self._inv_sum + sum(1.0 / t for t in tpots if not math.isinf(t))
+        n_be = self._n_best_effort + sum(math.isinf(t) for t in tpots)
+        n = self._n_seqs + len(extra)
+        vbs_new = float(n) if math.isinf(t_min) else t_min * inv_sum + self._be_trp * n_be
+        l_in = (self._tokens + sum(k for _, k in extra)) / n
+        return self._itl(vbs_new, l_in + out_len / 2.0)
+
+    def leaves_room(self, candidate: T, tpot_ms: float, length: float) -> bool:
+        """Whether, with `candidate` admitted, one more request of TPOT `tpot_ms` and mean context `length`
+        would still pass: the tier floor's reservation of VBS budget for a starved tier."""
+        extra = [(candidate.tpot_slo_ms, candidate.num_tokens), (tpot_ms, length)]
+        t_min = min(self._t_min, candidate.tpot_slo_ms, tpot_ms)
+        return self._predict(extra, self._out_len(candidate)) * self._margin < self._slack * t_min
+
+    def itl_ms(self, batch: float, length: float) -> float:
+        """The gate's ITL model (with any correction the scheduler applies)."""
+        return self._itl(batch, length)
 
     def predicted_tpot_ms_idle(self, candidate: T) -> float:
         """ITL(1, L) of the candidate alone on the replica (before the margin)."""
