@@ -176,6 +176,7 @@ def run_info(module: str, argv: Sequence[str] | None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "date": now_iso(),
         "command": command_line(module, argv),
+        "commit": start_commit(),
         "loadavg_start": loadavg(),
         "python": platform.python_version(),
     }
@@ -343,6 +344,22 @@ def machine() -> dict[str, Any]:
     return m
 
 
+_START_COMMIT: str | None = None
+
+
+def start_commit() -> str:
+    """The commit of the code this process runs: taken once, the first time (bench.report is imported at the
+    start of every benchmark, and `run_info` asks), so a summary written at the end of a long run does not
+    name a commit made meanwhile."""
+    global _START_COMMIT
+    if _START_COMMIT is None:
+        _START_COMMIT = git_commit()
+    return _START_COMMIT
+
+
+start_commit()  # at import: every benchmark imports this module when it starts
+
+
 def write_summary(name: str, command: str, headline: str, figures: dict[str, Any],
                   root: str | os.PathLike[str] | None = None) -> Path:
     """Keep one headline result as `<root>/<name>.json` (default bench/summaries/): small enough to commit.
@@ -350,7 +367,7 @@ def write_summary(name: str, command: str, headline: str, figures: dict[str, Any
     `headline` is the one line the README table shows; `figures` holds the numbers behind it."""
     if not name or any(c in name for c in "/\\ "):
         raise ValueError(f"summary name must be a plain file stem, got {name!r}")
-    doc = {"name": name, "command": command, "commit": git_commit(), "date": now_iso(), "machine": machine(),
+    doc = {"name": name, "command": command, "commit": start_commit(), "date": now_iso(), "machine": machine(),
            "headline": headline, "figures": figures}
     return write_json(Path(root or SUMMARIES) / f"{name}.json", doc)
 
