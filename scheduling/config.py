@@ -76,9 +76,9 @@ class SchedulerConfig(BaseModel):
     correction_tau_ms: float = Field(2000.0, gt=0, description="window of the ITL correction (wall ms)")
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
     tier_floor: bool | None = Field(None, description="keep every TPOT tier that is feasible on an idle replica "
-                                    "above a share of its arrivals (scheduling/tier_floor.py)")
-    tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted less than this share of "
-                                    "its recent arrivals is starved")
+                                    "above a share of its admission decisions (scheduling/tier_floor.py)")
+    tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "
+                                    "of its recent admit/reject decisions is starved")
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")
     tier_floor_mode: Literal["reserve", "hold", "both"] = Field(
         "both", description="reserve: keep VBS room for a starved tier; hold: drain the batch for its request")

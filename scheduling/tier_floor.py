@@ -8,10 +8,11 @@ be served on an idle replica.
 
 The floor: requests are classed by TPOT SLO (classes `CLASS_RATIO` wide). Per class, exponentially decayed
 counts (window `tau_s`) of admissions and rejections give its admitted share (requests still waiting do not
-count). A class is *starved* when its share is below `floor` (after at least `min_decided` recent decisions). While the strictest starved class's SLO is
-feasible on an idle replica, the scheduler (`tier_floor_mode`):
+count). A class is *starved* when its share is below `floor` (after at least `min_decided` recent
+decisions). While the strictest starved class's SLO is feasible on an idle replica, the scheduler
+(`tier_floor_mode`):
 - `reserve`: admits a candidate of another class only if the gate would still pass one more request of the
-  starved class afterwards (its TPOT, its classes' mean context): a share of the VBS budget is kept for it, so
+  starved class afterwards (its TPOT, the class's mean mid-decode context): a share of the VBS budget is kept for it, so
   its next arrival gets in at once instead of being rejected behind a full batch;
 - `hold`: when a starved class's candidate fails the gate, holds it instead of rejecting it, and admits only
   starved classes while the running batch decodes and drains, until the held request fits. Its TTFT guard
@@ -20,7 +21,8 @@ feasible on an idle replica, the scheduler (`tier_floor_mode`):
 Candidates that are kept out wait in the queue; they are not rejected for it. Best-effort requests (no TPOT)
 have no class.
 
-Pure bookkeeping over floats; the scheduler calls `arrived`, `admitted` and `starved`.
+Pure bookkeeping over floats; the scheduler calls `arrived`, `admitted`, `rejected`, `starved` and
+`reservation`.
 """
 from __future__ import annotations
 

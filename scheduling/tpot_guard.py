@@ -147,10 +147,6 @@ class VBSGate:
         """The gate's ITL model (with any correction the scheduler applies)."""
         return self._itl(batch, length)
 
-    def predicted_tpot_ms_idle(self, candidate: T) -> float:
-        """ITL(1, L) of the candidate alone on the replica (before the margin)."""
-        return self._itl(1.0, candidate.num_tokens + self._out_len(candidate) / 2.0)
-
     def check(self, candidate: T) -> bool:
         """Whether admitting ``candidate`` keeps every admitted request within its TPOT SLO."""
         if self._stopped:
