@@ -55,31 +55,27 @@ class AttnMetadata:
     # prefills: (q_start, q_len, ctx_len, block_ids or None when ctx_len == q_len)
     prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # decodes, one token per request
+    max_position: int = 0  # the step's largest position id
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    kairos: AttnMetadata | None = None, **_: object) -> tuple[torch.Tensor, None]:
-    if kairos is None:
-        raise RuntimeError("kairos_paged attention needs the `kairos` metadata kwarg (use the engine's runner)")
-    m = kairos
+def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: AttnMetadata,
+           scaling: float | None) -> torch.Tensor:
+    """One layer's attention for the packed step: query [T, H, hd], key/value [T, kvh, hd] (any strides).
+    Writes the new K/V into the cache and returns [T, H, hd] in the query's dtype."""
     cache = m.cache
-    layer = module.layer_idx
-    _, num_heads, T, hd = query.shape
+    T, num_heads, hd = query.shape
     kvh, bs, cdt = cache.num_kv_heads, cache.block_size, cache.dtype
     kc, vc = cache.k[layer], cache.v[layer]
-    key_t = key[0].transpose(0, 1)  # [T, kvh, hd]
-    val_t = value[0].transpose(0, 1)
-    kc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, key_t.to(cdt))
-    vc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, val_t.to(cdt))
+    kc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, key.to(cdt))
+    vc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, value.to(cdt))
     gqa = num_heads != kvh
-    out = torch.empty((1, T, num_heads, hd), dtype=query.dtype, device=query.device)
+    out = torch.empty((T, num_heads, hd), dtype=query.dtype, device=query.device)
 
     for q_start, q_len, ctx_len, blocks in m.prefills:
-        q = query[:, :, q_start:q_start + q_len].to(cdt)
+        q = query[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)  # [1, H, L, hd]
         if blocks is None:
-            k = key[:, :, q_start:q_start + q_len].to(cdt)
-            v = value[:, :, q_start:q_start + q_len].to(cdt)
+            k = key[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)
+            v = value[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
         else:
             k = kc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
@@ -87,20 +83,33 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        out[0, q_start:q_start + q_len] = o[0].transpose(0, 1).to(query.dtype)
+        out[q_start:q_start + q_len] = o[0].transpose(0, 1)
 
+    group = num_heads // kvh
     for g in m.decode_groups:
         B, nb, d0 = g.count, g.nb, g.start
-        q = query[0, :, d0:d0 + B].transpose(0, 1).unsqueeze(2).to(cdt)  # [B, H, 1, hd]
+        # the `group` query heads that share a KV head ride as that head's query rows: no KV repeat
+        q = query[d0:d0 + B].reshape(B, kvh, group, hd).to(cdt)
         kbuf = m.workspace.get("k", (B * nb, bs, kvh, hd), kc)
         vbuf = m.workspace.get("v", (B * nb, bs, kvh, hd), vc)
         torch.index_select(kc, 0, g.blocks, out=kbuf)
         torch.index_select(vc, 0, g.blocks, out=vbuf)
         k = kbuf.view(B, nb * bs, kvh, hd).transpose(1, 2)
         v = vbuf.view(B, nb * bs, kvh, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling, enable_gqa=gqa)
-        out[0, d0:d0 + B] = o[:, :, 0].to(query.dtype)
-    return out, None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling)  # [B, kvh, group, hd]
+        out[d0:d0 + B] = o.reshape(B, num_heads, hd)
+    return out
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    kairos: AttnMetadata | None = None, **_: object) -> tuple[torch.Tensor, None]:
+    """The HF attention interface over `attend`: query [1, H, T, hd], key/value [1, kvh, T, hd]."""
+    if kairos is None:
+        raise RuntimeError("kairos_paged attention needs the `kairos` metadata kwarg (use the engine's runner)")
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 kairos, scaling)
+    return out.unsqueeze(0), None
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)

@@ -28,5 +28,7 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
     cpu_upcast_matmul: Literal["auto", "on", "off"] = Field(
         "auto", description="bf16/fp16 on CPUs without native half GEMM: run multi-row matmuls in fp32")
+    model_impl: Literal["auto", "kairos", "hf"] = Field(
+        "auto", description="kairos: our own forward (Llama-family); hf: the HF modules' forward; auto: ours when it supports the model")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -37,15 +37,20 @@ class _Workspace:
         return cls.buf[:n].view(like.shape).copy_(like)
 
 
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear that runs multi-row matmuls in fp32 from half-precision weights."""
+    if x.numel() < MIN_ROWS * x.shape[-1]:
+        return F.linear(x, weight, bias)
+    w = _Workspace.fp32(weight)
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
 class UpcastLinear(nn.Linear):
     """nn.Linear whose multi-row matmuls run in fp32 from half-precision weights (same parameters)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < MIN_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
-        w = _Workspace.fp32(self.weight)
-        b = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), w, b).to(x.dtype)
+        return upcast_linear(x, self.weight, self.bias)
 
 
 def install(model: nn.Module, mode: str = "auto") -> int:

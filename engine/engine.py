@@ -25,6 +25,7 @@ from core.sampling import SamplingParams
 from engine import cpu_matmul
 from engine.attention import ATTN_NAME
 from engine.config import EngineConfig
+from engine.decoder import build_decoder
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import build_cache
 from engine.loader import load_model
@@ -60,7 +61,34 @@ class _IdleJob:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        self.config = config = (config or EngineConfig()).model_copy(update=overrides)
+        """Load the model and start the worker; raises what loading raised (ValueError for bad settings)."""
+        self.config = (config or EngineConfig()).model_copy(update=overrides)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._requests: dict[str, Request] = {}  # worker-owned
+        self._observers: list[Callable[[StepEvent], None]] = []
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._fault_steps = 0
+        self._steps = 0
+        self._rejected: dict[str, int] = {}
+        self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
+        self._stats_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="kairos-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            self._thread.join()
+            raise self._setup_error
+
+    def _setup(self) -> None:
+        """On the worker thread, like every tensor op of the engine: libgomp keeps one thread pool per thread
+        that starts parallel regions and, once it manages more threads than there are cores, wakes its workers
+        by futex instead of spinning, which doubled the step time on a 2-core box when the model was loaded
+        (and so a pool started) on the caller's thread."""
+        config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -73,28 +101,26 @@ class LLMEngine:
         self.max_model_len = b.max_model_len
         self.model_name = b.name
         self.cache = build_cache(config, b, self.max_model_len)
-        self.runner = ModelRunner(b.model, self.cache, b.device)
+        decoder = build_decoder(config.model_impl, b, self.upcast_linears > 0)
+        self.runner = ModelRunner(b.model, self.cache, b.device, decoder)
         self.sampler = Sampler(b.vocab_limit, b.eos_token_ids, b.device)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size)
         self.outputs = OutputProcessor(b.tokenizer)
-        predictor, self.profile_report = load_or_profile(self)  # before the worker starts: this thread's
+        predictor, self.profile_report = load_or_profile(self)
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
                                    self.max_model_len, b.eos_token_ids, predictor)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._requests: dict[str, Request] = {}  # worker-owned
-        self._observers: list[Callable[[StepEvent], None]] = []
-        self._stop = False
-        self._dead: BaseException | None = None
-        self._fault_steps = 0
-        self._steps = 0
-        self._rejected: dict[str, int] = {}
-        self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
-        self._stats_lock = threading.Lock()
         self._stats = self._snapshot(0, 0)
-        self._thread = threading.Thread(target=self._run, name="kairos-engine", daemon=True)
-        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the constructor
+            self._setup_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._run()
 
     # ------------------------------------------------------------------ public API (any thread)
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttnMetadata, DecodeGroup, Workspace
+from engine.decoder import KairosDecoder
 from engine.kv_cache import KVCache
 from core.request import Request
 
@@ -28,8 +29,12 @@ def group_by_length(needs: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> 
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device) -> None:
+    """Runs a step with `KairosDecoder` when given one (Llama-family models), else with the HF forward."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device,
+                 decoder: KairosDecoder | None = None) -> None:
         self.model = model
+        self.decoder = decoder
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
@@ -86,7 +91,7 @@ class ModelRunner:
         meta = AttnMetadata(
             cache=self.cache, workspace=self.workspace,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills, decode_groups=groups,
+            prefills=prefills, decode_groups=groups, max_position=max(positions, default=0),
         )
         inputs = {
             "input_ids": torch.tensor([tokens], dtype=torch.long, device=dev),
@@ -98,6 +103,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: dict, meta: AttnMetadata) -> torch.Tensor:
         """Logits [n_requests, vocab] for the last token of each request, in `prefill + decode` order."""
+        if self.decoder is not None:
+            return self.decoder(inputs["input_ids"][0], inputs["position_ids"][0], inputs["logits_to_keep"], meta)
         out = self.model(**inputs, use_cache=False, kairos=meta)
         return out.logits[0]
 

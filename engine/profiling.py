@@ -30,7 +30,7 @@ def _meta(engine: "LLMEngine") -> dict:
     b, c = engine.bundle, engine.config
     return {"version": PROFILE_VERSION, "model": b.path, "dtype": str(b.dtype), "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
-            "upcast_linears": engine.upcast_linears,
+            "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
             "torch": torch.__version__}
 
 

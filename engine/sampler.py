@@ -39,10 +39,12 @@ class Sampler:
             for i in banned_rows:
                 ban = self.eos_token_ids + list(reqs[i].params.stop_token_ids)
                 logits[i, [t for t in ban if t < logits.shape[-1]]] = float("-inf")
+        # max(dim).indices, like argmax, is the first maximum; on CPU it is 2-4x faster than argmax over a
+        # [32, 49k] bf16 or fp32 batch (argmax there does not vectorise)
         greedy = [r.params.greedy for r in reqs]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        out: list[int | Exception] = logits.argmax(dim=-1).tolist()
+            return logits.max(dim=-1).indices.tolist()
+        out: list[int | Exception] = logits.max(dim=-1).indices.tolist()
         for i, r in enumerate(reqs):
             if not greedy[i]:
                 try:

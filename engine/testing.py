@@ -1,4 +1,5 @@
-"""Test helpers: tiny random HF checkpoints (GPT-2, Llama with GQA, Qwen2 with qkv bias), built offline.
+"""Test helpers: tiny random HF checkpoints (GPT-2, Llama with GQA, Qwen2 with qkv bias, Qwen3 with q/k norms),
+built offline.
 
 `build_tiny_checkpoint(family, out_dir)` writes a real checkpoint with `save_pretrained` (safetensors,
 config.json, generation_config.json) plus a 512-token byte-level BPE tokenizer trained on the bundled
@@ -19,14 +20,14 @@ from engine.default_model import (
     build_tokenizer,
 )
 
-TinyFamily = Literal["gpt2", "llama", "qwen2"]
-TINY_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2")
+TinyFamily = Literal["gpt2", "llama", "qwen2", "qwen3"]
+TINY_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "qwen3")
 TINY_VOCAB = 512
 TINY_MAX_POSITIONS = 512
 
 
 def _tiny_config(family: str, vocab: int, eos_id: int):
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
     if family == "gpt2":
@@ -47,6 +48,8 @@ def _tiny_config(family: str, vocab: int, eos_id: int):
         return LlamaConfig(**common)
     if family == "qwen2":
         return Qwen2Config(**common)  # q/k/v projections carry a bias in Qwen2
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16)  # RMSNorm over each head's q and k before RoPE
     raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
 
 

@@ -62,11 +62,14 @@ def _run_staggered(eng, prompts, slos=None):
     return outs
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
-def test_greedy_equals_hf_generate(tiny_checkpoints, family):
+@pytest.mark.parametrize("family,impl", [("gpt2", "auto"), ("llama", "auto"), ("qwen2", "auto"), ("qwen3", "auto"),
+                                         ("llama", "hf")])
+def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl):
     path = tiny_checkpoints[family]
-    eng = _engine(path, policy="tpot_guard")
+    eng = _engine(path, policy="tpot_guard", model_impl=impl)
     try:
+        # Llama-family models run on Kairos's own forward unless asked otherwise; GPT-2 on the HF modules
+        assert (eng.runner.decoder is not None) == (family != "gpt2" and impl == "auto")
         prompts = _prompts(eng.bundle.vocab_limit)
         # loose, distinct TPOT SLOs: never rejected, but credit batching decodes subsets of the running set
         slos = [SLO(tpot_ms=1e5 * (1 + i % 3)) for i in range(len(prompts))]
@@ -277,3 +280,35 @@ def test_decode_probe_lengths_spread_around_the_mean():
         assert len(lens) == batch and sum(lens) == batch * ctx
         assert all(1 <= n <= 599 for n in lens)
     assert len(set(probe.lengths(32, 256))) > 8  # not all equal
+
+
+def _first_logits(eng, prompts):
+    """Logits of one prefill step over `prompts` (an idle engine, throwaway blocks)."""
+    from engine.profiling import Prober
+
+    def job(e):
+        reqs, _ = Prober(e)._requests(prompts, 0)
+        return e.runner.execute(reqs, []).float()
+    return eng.run_idle(job)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_own_forward_matches_hf_modules_in_bf16(tiny_checkpoints, family):
+    """bf16 takes other matmul kernels (oneDNN packed weights with fused post-ops on CPUs with native bf16,
+    upcast fp32 GEMMs elsewhere): the logits stay within bf16 rounding of the HF modules' forward."""
+    prompts = _prompts(512)[:4]
+    out = {}
+    for impl in ("kairos", "hf"):
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints[family], dtype="bfloat16", device="cpu", block_size=4,
+                                     model_impl=impl))
+        try:
+            out[impl] = _first_logits(eng, prompts)
+        finally:
+            eng.shutdown()
+    scale = out["hf"].abs().max().item()
+    assert (out["kairos"] - out["hf"]).abs().max().item() <= 0.03 * scale
+
+
+def test_model_impl_kairos_refuses_an_unsupported_family(tiny_checkpoints):
+    with pytest.raises(ValueError, match="model_impl='kairos'"):
+        LLMEngine(EngineConfig(model=tiny_checkpoints["gpt2"], dtype="float32", device="cpu", model_impl="kairos"))

@@ -11,6 +11,7 @@ import torch
 
 from engine import default_model as dm
 from engine.default_model import RANDOM_MODELS, build_model_dir, ensure_default_model
+from engine.cpu_matmul import cpu_has_native_half
 from engine.loader import ModelBundle, load_model, resolve_device, resolve_dtype
 from engine.testing import TINY_VOCAB, build_tiny_checkpoint
 
@@ -60,7 +61,7 @@ def test_embedded_tiny_builds_once_and_reloads_identically(cache_root):
     cfg = a.config
     assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("llama", 256, 4)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 2, 8192)
-    assert a.max_model_len == 1024 and a.dtype == torch.float32 and a.device == torch.device("cpu")
+    assert a.max_model_len == 1024 and a.dtype == resolve_dtype("auto", "cpu") and a.device == torch.device("cpu")
     assert not a.model.training and not any(p.requires_grad for p in a.model.parameters())
     assert 4.9e6 < sum(p.numel() for p in a.model.parameters()) < 5.2e6
 
@@ -164,7 +165,7 @@ def test_tiny_checkpoints_load_and_run(family, tiny_checkpoints):
     b = load_model(tiny_checkpoints[family], device="cpu")
     assert b.config.model_type == family
     assert b.vocab_limit == len(b.tokenizer) == b.config.vocab_size == TINY_VOCAB
-    assert b.max_model_len == 512 and b.dtype == torch.float32
+    assert b.max_model_len == 512 and b.dtype == resolve_dtype("auto", "cpu")
     assert 0 in b.eos_token_ids
     ids = b.tokenizer.encode(TEXT, add_special_tokens=False)
     assert b.tokenizer.decode(ids) == TEXT
@@ -239,9 +240,8 @@ def test_resolve_dtype_and_device():
     assert resolve_dtype("fp32", cpu) is torch.float32 and resolve_dtype("float32", cpu) is torch.float32
     assert resolve_dtype("bf16", cpu) is torch.bfloat16 and resolve_dtype("bfloat16", cpu) is torch.bfloat16
     assert resolve_dtype("fp16", cpu) is torch.float16 and resolve_dtype("float16", cpu) is torch.float16
-    assert resolve_dtype("auto", cpu) is torch.float32
-    assert resolve_dtype("auto", cpu, torch.bfloat16) is torch.bfloat16
-    assert resolve_dtype("auto", cpu, "float16") is torch.float32
+    # auto on CPU: bf16 where the CPU has native bf16 GEMMs, else fp32
+    assert resolve_dtype("auto", cpu) is (torch.bfloat16 if cpu_has_native_half() else torch.float32)
     assert resolve_device("cpu") == cpu
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
