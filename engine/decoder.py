@@ -9,9 +9,11 @@ the step's tokens packed into one [T] sequence and about a dozen tensor ops per 
 
 and the final norm and LM head only on the rows whose logits are sampled. Per layer that is three fused
 projections (q|k|v and gate|up are concatenated once at load; the HF modules' parameters become views of
-the fused tensors, so nothing is stored twice and the HF forward keeps working) instead of HF's seven,
+the fused tensors, so nothing is stored twice) instead of HF's seven,
 and no per-layer Python of the HF modules (kwargs, attention-interface lookup, cache objects).
 Numerics follow HF's: RMSNorm in fp32 then cast, RoPE tables from the model's own rotary module.
+With `OneDNNMatmuls` the packed weights are copies, so the decoder empties the HF projections' weights
+(embeddings and norms stay): the HF forward of that model object is unusable afterwards (`model_impl=hf` keeps it).
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class TorchMatmuls:
     """Matmuls through `F.linear` (or `cpu_matmul.upcast_linear` for bf16 on CPUs without native bf16)."""
 
     name = "torch"
+    copies_weights = False
 
     def __init__(self, linear=F.linear) -> None:
         self.linear = linear
@@ -90,6 +93,7 @@ class OneDNNMatmuls:
     the weights 2-3x faster than `F.linear` on the same bf16 tensors."""
 
     name = "onednn"
+    copies_weights = True  # the packed tensors are copies: the decoder drops the originals
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
@@ -167,6 +171,9 @@ class KairosDecoder:
                 mm.pack(a.o_proj.weight), a.o_proj.bias, mm.pack_mlp(mlp.gate_proj, mlp.up_proj),
                 mm.pack(mlp.down_proj.weight),
                 None if qn is None else qn.weight, None if kn is None else kn.weight))
+            if mm.copies_weights:  # keep one copy of the weights: the HF projections are emptied
+                for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         self._table_rope = (getattr(self.rotary, "rope_type", None) or "default") in _TABLE_ROPE
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         if self._table_rope:
