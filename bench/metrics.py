@@ -129,6 +129,18 @@ def _counts(recs: Sequence[Record]) -> dict[str, Any]:
     }
 
 
+def per_replica(records: Iterable[Record]) -> dict[str, dict[str, int]]:
+    """HTTP runs: how the load split over the LLM replicas (requests each answered, completed, output tokens)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        if r.replica:
+            d = out.setdefault(r.replica, {"requests": 0, "completed": 0, "output_tokens": 0})
+            d["requests"] += 1
+            d["completed"] += int(r.completed)
+            d["output_tokens"] += r.n_out
+    return dict(sorted(out.items()))
+
+
 def summarize(records: Iterable[Record], *, warmup_frac: float = 0.1, wall_s: float | None = None,
               tiers: Sequence[str] | None = None) -> dict[str, Any]:
     """Every metric of one run (one policy × load × seed, or pooled records with an explicit `wall_s`)."""
@@ -157,6 +169,7 @@ def summarize(records: Iterable[Record], *, warmup_frac: float = 0.1, wall_s: fl
         "reject_reasons": reasons,
         **_latency_stats(kept),
         "per_tier": per_tier,
+        "per_replica": per_replica(kept),
     }
 
 

@@ -461,8 +461,12 @@ def load_table(results: Sequence[dict], load: float, tiers: Sequence[str]) -> st
     heads = ["policy", "goodput rps", "adh %", *[f"{TIER_SHORT.get(t, t)} %" for t in tiers], "rej %",
              "TTFT viol", "TPOT viol", "incompl", "tok/s", "sched ms/step", "sched %"]
     rate, n = (at[0]["rate_rps"], at[0]["n"]) if at else (math.nan, 0)
+    split = [f"  {r['policy']}: " + ", ".join(f"{rid[-8:]} {d['requests']} req / {d['output_tokens']} tok"
+                                              for rid, d in r["per_replica"].items())
+             for r in at if r.get("per_replica")]
     return (f"\nload {load:g}x lambda* = {rate:.3f} rps  (n = {n} per policy after warm-up)\n"
-            + format_table(heads, rows, digits=2))
+            + format_table(heads, rows, digits=2)
+            + ("\nreplicas (requests answered / output tokens):\n" + "\n".join(split) if split else ""))
 
 
 def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any]:

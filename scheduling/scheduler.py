@@ -153,11 +153,11 @@ class Scheduler:
                 # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
                 self.last_correction = self.correction.factor(now)
                 c = self.last_correction * self.config.correction_safety
-                scale = c if c < 1.0 else max(1.0, c / self.config.vbs_margin)
+                scale = c if c < 1.0 else max(1.0, c / self.flags.vbs_margin)
 
                 def itl(b: float, length: float) -> float:
                     return model(b, length) * scale
-            gate = VBSGate(self.running, itl, margin=self.config.vbs_margin,
+            gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip)
         kv_full = False
@@ -206,7 +206,7 @@ class Scheduler:
 
     def _feasible_alone(self, gate: VBSGate, tpot_ms: float, length: float) -> bool:
         """Would a request of this TPOT and mid-decode context pass the gate on an idle replica?"""
-        return gate.itl_ms(1.0, length) * self.config.vbs_margin < self.config.vbs_slack * tpot_ms
+        return gate.itl_ms(1.0, length) * self.flags.vbs_margin < self.config.vbs_slack * tpot_ms
 
     def _floor_reservation(self, gate: VBSGate | None, now: float) -> tuple[float, float] | None:
         if self.floor is None or gate is None or self.config.tier_floor_mode == "hold":

@@ -323,3 +323,12 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     assert cal["decode"] == pytest.approx(1.125) and cal["prefill"] == pytest.approx(1.5)  # 30 ms / (2 ms x 10)
     assert (cal["n_decode_steps"], cal["n_prefill_steps"]) == (2, 1)
     assert factors([{"decode_ratios": [], "prefill_ratios": []}])["decode"] == 1.0  # nothing seen: no change
+
+
+def test_per_replica_split_counts_what_each_replica_answered():
+    recs = [M.Record("t", 1e9, 1e9, float(i), finish_reason="length", ttft_s=0.1, token_times=[i + 0.1], n_out=4,
+                     replica=rid) for i, rid in enumerate(["a", "b", "a", None])]
+    recs.append(M.Record("t", 1e9, 1e9, 9.0, rejected=True, finish_reason="rejected", replica="b"))
+    assert M.per_replica(recs) == {"a": {"requests": 2, "completed": 2, "output_tokens": 8},
+                                   "b": {"requests": 2, "completed": 1, "output_tokens": 4}}
+    assert M.summarize(recs, warmup_frac=0)["per_replica"] == M.per_replica(recs)

@@ -239,3 +239,13 @@ def test_itl_correction_is_bounded_windowed_and_neutral_when_idle():
     assert c2.factor(60.0) == 1.0  # a long idle gap forgets everything
     with pytest.raises(ValueError):
         ItlCorrection(lo=1.2)
+
+
+def test_vbs_margin_is_the_policys_unless_set():
+    from scheduling.config import SchedulerConfig
+
+    assert SchedulerConfig(policy="scorpio").flags().vbs_margin == 1.3  # as published
+    assert SchedulerConfig(policy="tpot_guard").flags().vbs_margin == 1.3
+    assert SchedulerConfig(policy="kairos").flags().vbs_margin == 1.1  # its measured ITL correction covers the rest
+    assert SchedulerConfig(policy="kairos", vbs_margin=1.3).flags().vbs_margin == 1.3
+    assert SchedulerConfig(policy="scorpio", vbs_margin=1.2).flags().vbs_margin == 1.2

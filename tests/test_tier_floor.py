@@ -18,7 +18,7 @@ def _starve(s, n=4):
 
 def _loaded(floor: bool):
     """Six loose requests running, then four strict (a starved tier, with the floor) and one more loose arriving."""
-    s = _sched("kairos", tier_floor=floor)
+    s = _sched("kairos", vbs_margin=1.3, tier_floor=floor)
     loose = [_req(i, 5, tpot=LOOSE) for i in range(6)]
     for r in loose:
         s.add(r)
@@ -85,7 +85,7 @@ def test_the_floor_holds_a_starved_feasible_tier_and_drains_the_batch_for_it():
 
 
 def test_the_floor_does_not_hold_a_tier_that_is_infeasible_even_alone():
-    s = _sched("kairos", tier_floor=True)
+    s = _sched("kairos", vbs_margin=1.3, tier_floor=True)
     hopeless = [_req(i, 5, tpot=6.0) for i in range(5)]  # 1.3 x ITL(1) = 7.15 > 0.99 x 6
     for r in hopeless:
         s.add(r)
@@ -104,7 +104,7 @@ def test_a_tier_at_its_floor_is_not_held():
 
 @pytest.mark.parametrize("mode", ["reserve", "both"])
 def test_reserve_keeps_vbs_room_for_a_starved_tier_so_its_next_request_gets_in(mode):
-    s = _sched("kairos", tier_floor=True, tier_floor_mode=mode)
+    s = _sched("kairos", vbs_margin=1.3, tier_floor=True, tier_floor_mode=mode)
     running = [_req(i, 5, tpot=LOOSE) for i in range(3)]
     for r in running:
         s.add(r)
@@ -128,7 +128,7 @@ def test_reserve_keeps_vbs_room_for_a_starved_tier_so_its_next_request_gets_in(m
 
 
 def test_without_a_starved_tier_nothing_is_reserved():
-    s = _sched("kairos", tier_floor=True, tier_floor_mode="reserve")
+    s = _sched("kairos", vbs_margin=1.3, tier_floor=True, tier_floor_mode="reserve")
     loose = [_req(i, 5, tpot=LOOSE) for i in range(7)]
     for r in loose:
         s.add(r)
