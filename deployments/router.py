@@ -66,7 +66,10 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int) -> Re
         pred = q_ms + per_tok * max(prompt_tokens - 1, 0) + extra * prefill_ms
     running = float(st.num_running) + extra
     vbs = max(st.vbs, running)
-    proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / max(vbs, 1.0)
+    # the observed ITL belongs to the batch as reported: scale it to that batch plus the arrivals not yet in a
+    # report plus this request (scaling by (vbs + 1) / vbs made every unreported arrival *raise* the slack)
+    reported_batch = max(st.vbs, float(st.num_running), 1.0)
+    proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / reported_batch
     return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
                        strictest_tpot_ms=st.strictest_tpot_ms, kv_free=float(st.kv_blocks_free))
 

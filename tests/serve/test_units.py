@@ -134,6 +134,14 @@ def test_router_tpot_headroom() -> None:
     assert _rank([strict, loose], {"tpot_ms": 100}) == ["loose", "strict"]
 
 
+def test_router_projects_itl_with_the_arrivals_it_sent_since_the_report() -> None:
+    # both report a batch of 2 at 10 ms; three strict requests went to "a" since: joining it would make its batch
+    # 6 (projected 30 ms), over a 20 ms TPOT; joining "b" makes 3 (15 ms)
+    a, b = _replica("a", _stats(10, 20, load=2)), _replica("b", _stats(10, 20, load=2))
+    assert _rank([a, b], {"tpot_ms": 20}, inflight={"a": 5, "b": 2}) == ["b", "a"]
+    assert _rank([a, b], {"tpot_ms": 20}, inflight={"a": 2, "b": 5}) == ["a", "b"]
+
+
 def test_router_without_stats_spreads_by_inflight() -> None:
     a, b = _replica("a", {}), _replica("b", {})
     assert _rank([a, b], {"ttft_ms": 100}, inflight={"a": 1}) == ["b", "a"]
