@@ -94,14 +94,14 @@ def run_vllm(venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list
 
 
 def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int,
-               threads: int, engine_kw: dict[str, Any]) -> dict[str, Any]:
+               threads: int) -> dict[str, Any]:
     import torch
 
     from core.sampling import SamplingParams
     from engine.engine import LLMEngine
 
     t0 = time.perf_counter()
-    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=1024, **engine_kw)
+    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=1024)
     start_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     result: dict[str, Any] = {"engine": "kairos", "dtype": str(eng.bundle.dtype).removeprefix("torch."),
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(batches, args.prompt_len, vocab, seed=0)
     results = []
     for d in kdtypes:
-        results.append(run_kairos(model_dir, d, prompts, args.new_tokens, args.reps, args.threads, {}))
+        results.append(run_kairos(model_dir, d, prompts, args.new_tokens, args.reps, args.threads))
     if args.vllm_venv:
         for d in dtypes:
             results.append(run_vllm(args.vllm_venv, model_dir, d, prompts, args.new_tokens, args.reps,

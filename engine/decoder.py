@@ -1,16 +1,17 @@
 """Kairos's own forward for Llama-family checkpoints (llama, mistral, qwen2, qwen3) over the paged cache.
 
 The HF module tree stays the source of the weights and of the RoPE tables; this class only runs them, with
-the step's tokens packed into one [T] sequence and about a dozen tensor ops per layer:
+the step's tokens packed into one [T] sequence:
 
     x = rms_norm(h); q, k, v = x @ W_qkv (+ bias); [qwen3: per-head rms_norm of q, k]; RoPE on q and k;
     o = attend(...)  (cache write + attention, `engine.attention`); h += o @ W_o
-    x = rms_norm(h); g, u = x @ W_gate_up; h += (silu(g) * u) @ W_down
+    x = rms_norm(h); h += (silu(x @ W_gate) * (x @ W_up)) @ W_down
 
-and the final norm and LM head only on the rows whose logits are sampled. Per layer that is three fused
-projections (q|k|v and gate|up are concatenated once at load; the HF modules' parameters become views of
-the fused tensors, so nothing is stored twice) instead of HF's seven,
-and no per-layer Python of the HF modules (kwargs, attention-interface lookup, cache objects).
+and the final norm and LM head only on the rows whose logits are sampled. q|k|v are concatenated once at
+load into one projection; how the matmuls run is the backend's: `TorchMatmuls` (F.linear; gate|up
+concatenated too, the HF modules' parameters becoming views of the fused tensors, so nothing is stored
+twice) or `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs). No per-layer Python of the
+HF modules runs (kwargs, attention-interface lookup, cache objects).
 Numerics follow HF's: RMSNorm in fp32 then cast, RoPE tables from the model's own rotary module.
 With `OneDNNMatmuls` the packed weights are copies, so the decoder empties the HF projections' weights
 (embeddings and norms stay): the HF forward of that model object is unusable afterwards (`model_impl=hf` keeps it).
@@ -65,7 +66,6 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 class TorchMatmuls:
     """Matmuls through `F.linear` (or `cpu_matmul.upcast_linear` for bf16 on CPUs without native bf16)."""
 
-    name = "torch"
     copies_weights = False
 
     def __init__(self, linear=F.linear) -> None:
@@ -89,10 +89,10 @@ class TorchMatmuls:
 class OneDNNMatmuls:
     """bf16 on CPUs with native bf16 (AVX512-BF16 / AMX): oneDNN weights packed once at load, with the
     step's elementwise work fused into the GEMMs as post-ops: silu into the gate projection, the product
-    into the up projection, the residual adds into o_proj and down_proj. At batch 1 the packed GEMV reads
-    the weights 2-3x faster than `F.linear` on the same bf16 tensors."""
+    into the up projection, the residual adds into o_proj and down_proj. One-row GEMMs on packed weights ran
+    1.8-2.9x faster than `F.linear` on the same bf16 tensors in a micro-benchmark whose weights stayed in
+    cache; in the engine's step most of that is lost to DRAM bandwidth (bench/README.md)."""
 
-    name = "onednn"
     copies_weights = True  # the packed tensors are copies: the decoder drops the originals
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:

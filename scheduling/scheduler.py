@@ -204,15 +204,11 @@ class Scheduler:
             self.running.append(r)
         return selected
 
-    def _feasible_alone(self, gate: VBSGate, tpot_ms: float, length: float) -> bool:
-        """Would a request of this TPOT and mid-decode context pass the gate on an idle replica?"""
-        return gate.itl_ms(1.0, length) * self.flags.vbs_margin < self.config.vbs_slack * tpot_ms
-
     def _floor_reservation(self, gate: VBSGate | None, now: float) -> tuple[float, float] | None:
         if self.floor is None or gate is None or self.config.tier_floor_mode == "hold":
             return None
         room = self.floor.reservation(now)
-        if room is None or not self._feasible_alone(gate, *room):
+        if room is None or not gate.feasible_alone(*room):
             return None
         return room
 
@@ -221,7 +217,7 @@ class Scheduler:
         if self.floor is None or self.config.tier_floor_mode == "reserve" \
                 or not self.floor.starved(r.tpot_slo_ms, now):
             return False
-        if not self._feasible_alone(gate, r.tpot_slo_ms, r.num_tokens + r.expected_output_len / 2.0):
+        if not gate.feasible_alone(r.tpot_slo_ms, r.num_tokens + r.expected_output_len / 2.0):
             return False  # infeasible even alone: the floor does not apply, the gate's verdict stands
         if r not in self._held:
             self._held.append(r)

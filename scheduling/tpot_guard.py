@@ -147,6 +147,10 @@ class VBSGate:
         """The gate's ITL model (with any correction the scheduler applies)."""
         return self._itl(batch, length)
 
+    def feasible_alone(self, tpot_ms: float, length: float) -> bool:
+        """Would a request of this TPOT and mid-decode context pass the gate on an idle replica?"""
+        return self._itl(1.0, length) * self._margin < self._slack * tpot_ms
+
     def check(self, candidate: T) -> bool:
         """Whether admitting ``candidate`` keeps every admitted request within its TPOT SLO."""
         if self._stopped:

@@ -1,0 +1,93 @@
+"""Two small CPU checks behind bench/README.md's "Against vLLM on CPU" section.
+
+    python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
+    python -m bench.step omp
+
+`steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
+`engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32.
+`omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
+then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
+than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
+its worker thread, `LLMEngine._setup`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+MODULE = "bench.step"
+
+
+def steps(model: str, dtype: str, impl: str, threads: int) -> dict[int, float]:
+    from engine.engine import LLMEngine
+    from engine.profiling import Prober
+
+    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, model_impl=impl, max_model_len=1024,
+                    kv_cache_memory_gb=0.2)
+    try:
+        return eng.run_idle(lambda e: {b: min(Prober(e).decode_ms([96] * b) for _ in range(8)) for b in (1, 8, 32)})
+    finally:
+        eng.shutdown()
+
+
+def _gemv_stack_ms() -> float:
+    import torch
+
+    torch.set_num_threads(2)
+    pack, lin = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+    shapes = [(576, 960), (576, 576), (576, 1536), (576, 1536), (1536, 576)] * 30  # (in, out) per layer
+    ws = [pack(torch.randn(n, k).bfloat16()) for k, n in shapes]
+    xs = {k: torch.randn(1, k).bfloat16() for k in (576, 1536)}
+
+    def run() -> None:
+        for (k, _), w in zip(shapes, ws):
+            lin(xs[k], w, None, "none", [], "")
+    for _ in range(2):
+        run()
+    t = time.perf_counter()
+    for _ in range(5):
+        run()
+    return (time.perf_counter() - t) / 5 * 1000.0
+
+
+def _on_fresh_thread(fn):
+    out: list = []
+    th = threading.Thread(target=lambda: out.append(fn()))
+    th.start()
+    th.join()
+    return out[0]
+
+
+def omp() -> tuple[float, float]:
+    import torch
+
+    alone = _on_fresh_thread(_gemv_stack_ms)
+    torch.randn(1 << 20).sum()  # one parallel op here starts this thread's OpenMP pool
+    return alone, _on_fresh_thread(_gemv_stack_ms)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("steps")
+    s.add_argument("--model", default="kairos-default")
+    s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
+    s.add_argument("--threads", type=int, default=2)
+    sub.add_parser("omp")
+    args = ap.parse_args(argv)
+    if args.cmd == "steps":
+        ms = steps(args.model, args.dtype, args.model_impl, args.threads)
+        print(f"{args.model} {args.dtype} impl={args.model_impl}: decode step ms (context 96) "
+              + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items()))
+    else:
+        alone, after = omp()
+        print(f"30 layers of bf16 GEMVs: {alone:.2f} ms on a fresh thread; {after:.2f} ms on a fresh thread after "
+              "the main thread ran one parallel op")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
