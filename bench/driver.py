@@ -638,12 +638,20 @@ def run_http(url: str, items: Sequence[WorkItem], *, progress: bool = False, des
 
 def served_model(url: str, api_key: str | None = None) -> str:
     """The first model id of `GET /v1/models` ("" when the server does not say)."""
+    return served_model_info(url, api_key)[0]
+
+
+def served_model_info(url: str, api_key: str | None = None) -> tuple[str, int | None]:
+    """(id, max_model_len) of the first model of `GET /v1/models`; ("", None) when the server does not say (vLLM
+    and Kairos both list `max_model_len`)."""
     import httpx
 
     try:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10.0, headers=headers)
         r.raise_for_status()
-        return r.json()["data"][0]["id"]
+        model = r.json()["data"][0]
+        max_len = model.get("max_model_len")
+        return model["id"], int(max_len) if isinstance(max_len, int) and max_len > 0 else None
     except Exception:  # noqa: BLE001 - the name is cosmetic; requests then go without "model"
-        return ""
+        return "", None

@@ -527,7 +527,7 @@ def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float
             "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
             "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "prompt_len": r.prompt_len,
             "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
-            "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None})))
+            "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None, "replica": r.replica})))
     return out
 
 
@@ -659,13 +659,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.copyfile(args.predictor_json, engines.predictor_path)
     need_fcfs = not http and (args.lambda_star is None or "fcfs" in policies)
     order = list(policies) if http else (["fcfs"] if need_fcfs else []) + [p for p in policies if p != "fcfs"]
-    model_name = D.served_model(args.target) if http else ""
+    model_name, served_len = D.served_model_info(args.target) if http else ("", None)
     eng = None if http and args.predictor_json else engines.start("fcfs" if http else order[0])
     predictor = eng.latency_model if eng is not None else None
     if args.predictor_json:  # the tiers of that run, even where the engine had to re-profile (older format)
         from scheduling.predictor import LatencyModel
         predictor = LatencyModel.load(args.predictor_json)
     vocab, max_len = (eng.bundle.vocab_limit, eng.max_model_len) if eng is not None else (2556, None)
+    if served_len is not None:  # the served model's context window caps the workload (ShareGPT replies)
+        max_len = served_len if max_len is None else min(max_len, served_len)
     pred_info = predictor_info(eng, predictor)
     if http and eng is not None:
         eng.shutdown()

@@ -61,6 +61,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     slo: SLO = field(default_factory=SLO)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
+    avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -69,6 +70,7 @@ class GenerateRequest:
             object.__setattr__(self, "prompt", tuple(self.prompt))
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(self.messages))
+        object.__setattr__(self, "avoid_replicas", tuple(self.avoid_replicas))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +168,11 @@ class RoutingStats:
     predicted_ttft_ms: float | None  # for a ~median prompt, queue included; None before the model is fitted
     predicted_queue_ms: float | None  # for a 1-token prompt: the queue ahead
     median_prompt_tokens: int
-    itl_ms: float | None  # EWMA of observed inter-token gaps
+    itl_ms: float | None  # EWMA of the decode step time (what a request decoding every step sees); paced
+    # requests' gaps are longer by design, so they say nothing about room for a stricter TPOT
     alive: bool
     ts: float
+    step_batch: float | None = None  # EWMA of the decode batch sizes behind `itl_ms`
 
     @property
     def queue_len(self) -> int:

@@ -7,6 +7,7 @@ Client disconnects cancel the handle call, which aborts the request in the engin
 """
 # NB: no `from __future__ import annotations`: FastAPI must see real annotations (Request) on Serve methods.
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -91,6 +92,7 @@ class Ingress:
         self.max_body_bytes: int = settings["max_body_bytes"]
         self.retry_after_s: int = settings.get("retry_after_s", 1)
         self.log_prompts: bool = settings.get("log_prompts", False)
+        self.reroutes: int = settings.get("reroutes", 0)
         keys = load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         self._keys = [k.encode() for k in keys]
         self._max_model_len: int | None = None
@@ -203,6 +205,36 @@ class Ingress:
         rid = req.request_id
         if self.log_prompts:
             log.info("%s %s", rid, req.prompt if req.messages is None else req.messages)
+        gen, first = await self._first_item(req)
+        for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
+            sb = first.served_by
+            if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
+                break
+            spent_ms = (time.perf_counter() - t_call) * 1000.0
+            ttft = req.slo.ttft_ms
+            if ttft is not None and spent_ms >= ttft:
+                break
+            slo = req.slo if ttft is None else dataclasses.replace(req.slo, ttft_ms=ttft - spent_ms)
+            req = dataclasses.replace(req, slo=slo, avoid_replicas=(*req.avoid_replicas, sb.replica))
+            gen, first = await self._first_item(req)
+        sb = first.served_by
+        headers = {"x-kairos-request-id": rid, "x-kairos-replica": sb.replica if sb else "",
+                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
+        if req.avoid_replicas:
+            headers["x-kairos-rerouted"] = str(len(req.avoid_replicas))
+        if first.finished:
+            failure = first_item_failure(first, headers, self.retry_after_s)
+            if failure is not None:
+                raise failure
+        if body.stream:
+            return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        return await self._collect(gen, first, kind, rid, headers)
+
+    async def _first_item(self, req: GenerateRequest) -> tuple[Any, RequestOutput]:
+        """Call a replica (the router picks it) and wait for the request's first item: a token, or its end."""
+        rid = req.request_id
         gen = self.llm.generate.remote(req)
         try:
             first = await gen.__anext__()
@@ -222,22 +254,10 @@ class Ingress:
             gen.cancel()
             raise
         try:
-            first = check_output(first)
+            return gen, check_output(first)
         except ProtocolError as e:
             gen.cancel()
             raise protocol_failure(rid, e) from None
-        sb = first.served_by
-        headers = {"x-kairos-request-id": rid, "x-kairos-replica": sb.replica if sb else "",
-                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
-        if first.finished:
-            failure = first_item_failure(first, headers, self.retry_after_s)
-            if failure is not None:
-                raise failure
-        if body.stream:
-            return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
-        return await self._collect(gen, first, kind, rid, headers)
 
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                        headers: dict[str, str]) -> JSONResponse:

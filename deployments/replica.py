@@ -60,7 +60,6 @@ class LLMServer:
         self.metrics = ReplicaMetrics(str(cfg.model))
         self.inflight = 0
         self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
-        self.itl_ms: float | None = None  # EWMA of observed inter-token gaps
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
@@ -115,7 +114,6 @@ class LLMServer:
                 elif out.token_ids:
                     n = len(out.token_ids)
                     gap = (now - last_t) / n
-                    self.itl_ms = gap * 1e3 if self.itl_ms is None else 0.9 * self.itl_ms + 0.1 * gap * 1e3
                     self.metrics.on_itl(tier, gap, n)
                 last_t = now
                 if out.finished:
@@ -153,7 +151,8 @@ class LLMServer:
             num_waiting=st.num_waiting, num_running=st.num_running, inflight=self.inflight, vbs=st.vbs,
             strictest_tpot_ms=st.strictest_tpot_ms, kv_blocks_free=st.kv_blocks_free,
             kv_blocks_total=st.kv_blocks_total, predicted_ttft_ms=median_ms, predicted_queue_ms=queue_ms,
-            median_prompt_tokens=median, itl_ms=self.itl_ms, alive=st.alive, ts=time.time()).to_dict()
+            median_prompt_tokens=median, itl_ms=st.step_ms, alive=st.alive, ts=time.time(),
+            step_batch=st.step_batch).to_dict()
 
     def inject_fault(self, count: int = 1, replica: str | None = None) -> str:
         """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this

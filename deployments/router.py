@@ -1,14 +1,22 @@
 """SLO-aware request router for `LLMServer` (Ray Serve `RequestRouter`, an *alpha* API pinned to ray 2.60).
 
 Runs inside every caller of the LLM deployment (the ingress replicas). For a `generate` request it reads the
-SLO from the `GenerateRequest` (`pending_request.args[0]`) and, per replica, combines
+SLO (and the replicas to avoid, where one turned it away already) from the `GenerateRequest`
+(`pending_request.args[0]`) and, per replica, combines
   * the replica's `record_routing_stats()` (every `request_routing_stats_period_s`, 1 s by default):
     predicted TTFT for a ~median prompt and for a 1-token prompt (queue-ahead), VBS, strictest running TPOT
-    SLO, observed inter-token latency, free KV blocks;
+    SLO, decode step time (and the batch it was measured on), free KV blocks;
   * this router's own in-flight count per replica (`on_request_routed` / `on_request_completed`), which is
     fresh between reports: requests routed since the last report add their predicted prefill time.
-Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
-rest, least loaded first. Each replica is its own rank, so Ray falls through to the next one when the best
+Ranking: replicas where every SLO of the request looks attainable with some room come first, by *pace
+affinity*, then most slack; then the ones just attainable, most slack first; then the rest, least loaded first.
+Pace affinity: a replica's batch decodes at the pace of its strictest TPOT SLO, and the VBS gate limits the
+batch so that a step takes less than that; a step's fixed cost is the same at any pace, so a batch paced for a
+strict tier holds fewer requests than one paced for a loose tier. A request that would tighten a replica's pace
+costs that replica capacity for as long as it runs, and a loose one on a strict replica takes room the strict
+tier needs. So requests go first where their TPOT class is already the pace (tiers settle on replicas of their
+own while capacity lasts), then to idle replicas, then where they would be looser than the pace, and last where
+they would tighten it. Each replica is its own rank, so Ray falls through to the next one when the best
 is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
 """
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +32,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from core.messages import GenerateRequest, ProtocolError, RoutingStats
 from core.request import SLO
+from scheduling.tier_floor import CLASS_RATIO
 
 log = logging.getLogger("ray.serve")
+
+COMFORT = 0.1  # slack (relative) under which a replica is only "just attainable": affinity no longer applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,21 +50,22 @@ class ReplicaView:
     kv_free: float
 
 
-def slo_of(pending: PendingRequest | None) -> tuple[SLO, int] | None:
-    """(SLO, estimated prompt tokens) for a `generate` call, None for other methods."""
+def generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
+    """The `GenerateRequest` of a `generate` call, None for other methods."""
     if pending is None or getattr(pending.metadata, "call_method", "") != "generate":
         return None
     req = pending.args[0] if pending.args else pending.kwargs.get("req")
     if not isinstance(req, GenerateRequest):
         raise ProtocolError(f"generate() takes a GenerateRequest, got {type(req).__name__}")
-    return req.slo, req.prompt_len_hint
+    return req
 
 
-def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int) -> ReplicaView:
+def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
+         inflight_tpot_ms: float | None = None) -> ReplicaView:
     """What to believe about a replica: its last `RoutingStats` report (None or {} before the first) plus the
-    requests this router sent it since."""
+    requests this router sent it since (`inflight`, and the strictest TPOT SLO among those in flight)."""
     if not report:
-        return ReplicaView(load=float(inflight), pred_ttft_ms=None, itl_ms=None, strictest_tpot_ms=None,
+        return ReplicaView(load=float(inflight), pred_ttft_ms=None, itl_ms=None, strictest_tpot_ms=inflight_tpot_ms,
                            kv_free=math.inf)
     st = RoutingStats.from_dict(report)
     reported = float(st.inflight)
@@ -66,12 +79,13 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int) -> Re
         pred = q_ms + per_tok * max(prompt_tokens - 1, 0) + extra * prefill_ms
     running = float(st.num_running) + extra
     vbs = max(st.vbs, running)
-    # the observed ITL belongs to the batch as reported: scale it to that batch plus the arrivals not yet in a
-    # report plus this request (scaling by (vbs + 1) / vbs made every unreported arrival *raise* the slack)
-    reported_batch = max(st.vbs, float(st.num_running), 1.0)
+    # the step time belongs to the batches it was measured on: scale it to the batch now plus the arrivals not
+    # yet in a report plus this request (scaling by (vbs + 1) / vbs made every unreported arrival *raise* the slack)
+    reported_batch = max(st.step_batch if st.step_batch is not None else max(st.vbs, float(st.num_running)), 1.0)
     proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / reported_batch
+    strictest = min((t for t in (st.strictest_tpot_ms, inflight_tpot_ms) if t is not None), default=None)
     return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
-                       strictest_tpot_ms=st.strictest_tpot_ms, kv_free=float(st.kv_blocks_free))
+                       strictest_tpot_ms=strictest, kv_free=float(st.kv_blocks_free))
 
 
 def slack(v: ReplicaView, slo: SLO) -> float | None:
@@ -92,7 +106,26 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
     return s if s >= 0 else None
 
 
-def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO) -> list[RunningReplica]:
+def affinity(v: ReplicaView, slo: SLO) -> int:
+    """How well the request's TPOT matches the replica's pace (lower is better): 0 its class is the pace, 1 the
+    replica paces nothing (idle, or best effort only) or the request has no TPOT, 2 the request is looser than
+    the pace (it takes room the stricter tier needs), 3 it is stricter (it would tighten the whole batch)."""
+    tpot, pace = slo.tpot_ms, v.strictest_tpot_ms
+    if tpot is None or pace is None:
+        return 1
+    if tpot < pace / CLASS_RATIO:
+        return 3
+    return 2 if tpot > pace * CLASS_RATIO else 0
+
+
+def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO,
+         avoid: tuple[str, ...] = ()) -> list[RunningReplica]:
+    """Replicas best first (see the module docstring); the ones in `avoid` (by unique id: they turned this request
+    away already) last, in the same order among themselves."""
+    if avoid:
+        ranked = rank(candidates, views, slo)
+        return [r for r in ranked if r.replica_id.unique_id not in avoid] + \
+            [r for r in ranked if r.replica_id.unique_id in avoid]
     shuffled = random.sample(candidates, len(candidates))  # random tie-break
     def load_key(r: RunningReplica) -> tuple[float, float, float]:
         v = views[r.replica_id]
@@ -105,38 +138,55 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], 
     if slo.ttft_ms is None and slo.tpot_ms is None:
         ok_sorted = sorted((r for _, r in ok), key=load_key)  # best effort: least loaded
     else:
-        ok_sorted = [r for _, r in sorted(ok, key=lambda sr: (-min(sr[0], 1e9), load_key(sr[1])))]
+        def key(sr: tuple[float, RunningReplica]) -> tuple:
+            s, r = sr
+            roomy = s >= COMFORT
+            return (not roomy, affinity(views[r.replica_id], slo) if roomy else 0, -min(s, 1e9), load_key(r))
+        ok_sorted = [r for _, r in sorted(ok, key=key)]
     return ok_sorted + sorted((r for _, r in rest), key=load_key)
 
 
 class SLORouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._inflight: dict[ReplicaID, int] = {}
-        self._by_request: dict[str, ReplicaID] = {}
+        self._tpots: dict[ReplicaID, Counter[float]] = {}  # TPOT SLOs of the requests in flight there
+        self._by_request: dict[str, tuple[ReplicaID, float | None]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        info = slo_of(pending_request)
-        if info is None:
+        req = generate_request(pending_request)
+        if req is None:
             return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
-        slo, prompt_tokens = info
-        views = {r.replica_id: view(r.routing_stats or {}, self._inflight.get(r.replica_id, 0), prompt_tokens)
+        views = {r.replica_id: view(r.routing_stats or {}, self._inflight.get(r.replica_id, 0), req.prompt_len_hint,
+                                    min(self._tpots.get(r.replica_id) or (), default=None))
                  for r in candidate_replicas}
-        return [[r] for r in rank(candidate_replicas, views, slo)]
+        return [[r] for r in rank(candidate_replicas, views, req.slo, req.avoid_replicas)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        if slo_of(pending_request) is None:
+        req = generate_request(pending_request)
+        if req is None:
             return
-        self._by_request[pending_request.metadata.internal_request_id] = replica_id
+        tpot = req.slo.tpot_ms
+        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, tpot)
         self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
+        if tpot is not None:
+            self._tpots.setdefault(replica_id, Counter())[tpot] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = self._by_request.pop(internal_request_id, None)
-        if rid is not None:
-            self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+        entry = self._by_request.pop(internal_request_id, None)
+        if entry is None:
+            return
+        rid, tpot = entry
+        self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+        tpots = self._tpots.get(rid)
+        if tpot is not None and tpots:
+            tpots[tpot] -= 1
+            if tpots[tpot] <= 0:
+                del tpots[tpot]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
+        self._tpots.pop(replica_id, None)

@@ -73,6 +73,8 @@ class LLMEngine:
         self._steps = 0
         self._rejected: dict[str, int] = {}
         self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
+        self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
+        self._step_batch: float | None = None  # EWMA of their decode batch sizes
         self._stats_lock = threading.Lock()
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
@@ -207,7 +209,8 @@ class LLMEngine:
     def _snapshot(self, last_prefill: int, last_decode: int) -> EngineStats:
         mape = (self.profile_report or {}).get("mape_holdout")
         return snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
-                        phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode))
+                        phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
+                        step=(self._step_ms, self._step_batch))
 
     def _run(self) -> None:
         try:
@@ -307,6 +310,11 @@ class LLMEngine:
         self._phase["postprocess"] += t4 - t3
         now = time.monotonic()
         sched.on_step_done(plan, (t4 - t0) * 1000.0, now)
+        if plan.decode:
+            ms, b = (t4 - t0) * 1000.0, float(len(plan.decode))
+            first = self._step_ms is None
+            self._step_ms = ms if first else 0.9 * self._step_ms + 0.1 * ms
+            self._step_batch = b if first else 0.9 * self._step_batch + 0.1 * b
         if self._observers:
             event = StepEvent(now, len(plan.prefill), plan.num_prefill_tokens, len(plan.decode),
                               plan.decode_mean_len, (t2 - t1) * 1000.0, (t4 - t0) * 1000.0)

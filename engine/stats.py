@@ -36,12 +36,15 @@ class EngineStats:
     waiting_tokens: int = 0  # prompt tokens queued for prefill
     predictor_mape: float | None = None
     itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
+    step_ms: float | None = None  # EWMA of the wall time of steps that decoded: the ITL of a request paced every step
+    step_batch: float | None = None  # EWMA of those steps' decode batch sizes
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
-             predictor_mape: float | None, last: tuple[int, int]) -> EngineStats:
+             predictor_mape: float | None, last: tuple[int, int],
+             step: tuple[float | None, float | None] = (None, None)) -> EngineStats:
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
     tmin = min((r.tpot_slo_ms for r in s.running), default=float("inf"))
@@ -52,4 +55,5 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         last_prefill_batch=last[0], last_decode_batch=last[1], steps=steps,
         waiting_tokens=s.waiting_tokens(), rejected=dict(rejected),
         predictor_mape=predictor_mape if s.predictor is not None else None,
-        itl_correction=s.last_correction, phase_s=dict(phase_s))
+        itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
+        step_batch=step[1])

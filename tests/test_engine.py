@@ -78,6 +78,8 @@ def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl):
         time.sleep(0.05)
         st = eng.stats()
         assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
+        # the step time the router scales: measured on steps that decoded, with their batch sizes
+        assert st.step_ms > 0 and 1 <= st.step_batch <= len(prompts)
     finally:
         eng.shutdown()
 

@@ -111,6 +111,13 @@ def test_unattainable_ttft_slo_is_429(client: httpx.Client, stream: bool) -> Non
     assert r.headers["x-kairos-reject-reason"] == "ttft_unattainable"
 
 
+def test_a_request_every_replica_turns_away_is_rerouted_once_then_429(client: httpx.Client) -> None:
+    r = client.post(CMPL, json=OK_CMPL, headers={"x-slo-tpot-ms": "0.01"})  # no replica decodes that fast
+    err = assert_error(r, 429)
+    assert err["code"] == "tpot_unattainable" and int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-kairos-rerouted"] == "1"  # the other replica was asked too (router=slo, 2 replicas)
+
+
 def test_valid_slo_is_served(client: httpx.Client) -> None:
     r = client.post(CMPL, json=OK_CMPL, headers={"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "10000",
                                                  "x-slo-output-len": "2"})

@@ -29,6 +29,8 @@ def test_routing_stats_reported(llm_handle) -> None:
     for key in ("queue_len", "num_running", "vbs", "strictest_tpot_ms", "kv_blocks_free", "predicted_ttft_ms"):
         assert hasattr(st, key), st
     assert st.kv_blocks_free <= st.kv_blocks_total and st.predicted_ttft_ms > 0
+    # the ITL the router projects is the engine's decode step time (None before any step decoded)
+    assert (st.itl_ms is None) == (st.step_batch is None)
 
 
 def test_metrics_exported(base_url: str) -> None:
