@@ -6,18 +6,14 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
   * the replica's `record_routing_stats()` (every `request_routing_stats_period_s`, 1 s by default):
     predicted TTFT for a ~median prompt and for a 1-token prompt (queue-ahead), VBS, strictest running TPOT
     SLO, decode step time (and the batch it was measured on), free KV blocks;
-  * this router's own in-flight count per replica (`on_request_routed` / `on_request_completed`), which is
-    fresh between reports: requests routed since the last report add their predicted prefill time.
-Ranking: replicas where every SLO of the request looks attainable with some room come first, by *pace
-affinity*, then most slack; then the ones just attainable, most slack first; then the rest, least loaded first.
-Pace affinity: a replica's batch decodes at the pace of its strictest TPOT SLO, and the VBS gate limits the
-batch so that a step takes less than that; a step's fixed cost is the same at any pace, so a batch paced for a
-strict tier holds fewer requests than one paced for a loose tier. A request that would tighten a replica's pace
-costs that replica capacity for as long as it runs, and a loose one on a strict replica takes room the strict
-tier needs. So requests go first where their TPOT class is already the pace (tiers settle on replicas of their
-own while capacity lasts), then to idle replicas, then where they would be looser than the pace, and last where
-they would tighten it. Each replica is its own rank, so Ray falls through to the next one when the best
-is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
+  * this router's own in-flight requests per replica (`on_request_routed` / `on_request_completed`), fresh
+    between reports: requests routed since the last report add their predicted prefill time and their share of
+    the batch, and the strictest TPOT SLO in flight counts as running.
+Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
+rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
+by the ingress when it reroutes) come last. Each replica is its own rank, so Ray falls through to the next one
+when the best is at `max_ongoing_requests`. Pace affinity (each TPOT tier first where it already sets the
+batch's pace) was tried and lost to pow2 on a 2-core box where both replicas share the cores (bench/README.md). Other methods (`stats`, ...) are spread uniformly at random.
 """
 from __future__ import annotations
 
@@ -32,11 +28,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from core.messages import GenerateRequest, ProtocolError, RoutingStats
 from core.request import SLO
-from scheduling.tier_floor import CLASS_RATIO
 
 log = logging.getLogger("ray.serve")
-
-COMFORT = 0.1  # slack (relative) under which a replica is only "just attainable": affinity no longer applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,18 +99,6 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
     return s if s >= 0 else None
 
 
-def affinity(v: ReplicaView, slo: SLO) -> int:
-    """How well the request's TPOT matches the replica's pace (lower is better): 0 its class is the pace, 1 the
-    replica paces nothing (idle, or best effort only) or the request has no TPOT, 2 the request is looser than
-    the pace (it takes room the stricter tier needs), 3 it is stricter (it would tighten the whole batch)."""
-    tpot, pace = slo.tpot_ms, v.strictest_tpot_ms
-    if tpot is None or pace is None:
-        return 1
-    if tpot < pace / CLASS_RATIO:
-        return 3
-    return 2 if tpot > pace * CLASS_RATIO else 0
-
-
 def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO,
          avoid: tuple[str, ...] = ()) -> list[RunningReplica]:
     """Replicas best first (see the module docstring); the ones in `avoid` (by unique id: they turned this request
@@ -138,11 +119,7 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], 
     if slo.ttft_ms is None and slo.tpot_ms is None:
         ok_sorted = sorted((r for _, r in ok), key=load_key)  # best effort: least loaded
     else:
-        def key(sr: tuple[float, RunningReplica]) -> tuple:
-            s, r = sr
-            roomy = s >= COMFORT
-            return (not roomy, affinity(views[r.replica_id], slo) if roomy else 0, -min(s, 1e9), load_key(r))
-        ok_sorted = [r for _, r in sorted(ok, key=key)]
+        ok_sorted = [r for _, r in sorted(ok, key=lambda sr: (-min(sr[0], 1e9), load_key(sr[1])))]
     return ok_sorted + sorted((r for _, r in rest), key=load_key)
 
 

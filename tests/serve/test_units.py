@@ -143,20 +143,12 @@ def test_router_projects_itl_with_the_arrivals_it_sent_since_the_report() -> Non
     assert _rank([a, b], {"tpot_ms": 20}, inflight={"a": 2, "b": 5}) == ["a", "b"]
 
 
-def test_router_sends_each_tier_where_its_tpot_is_already_the_pace() -> None:
-    # "strict" paces for 10 ms, "loose" for 40 ms, both with room; "idle" runs nothing
-    strict = _replica("strict", {**_stats(10, 20, load=1), "itl_ms": 4.0, "strictest_tpot_ms": 10.0})
-    loose = _replica("loose", {**_stats(10, 20, load=3), "itl_ms": 6.0, "strictest_tpot_ms": 40.0})
-    idle = _replica("idle", _stats(5, 15, load=0, itl=None))
-    assert _rank([strict, loose, idle], {"tpot_ms": 10}) == ["strict", "idle", "loose"]
-    assert _rank([strict, loose, idle], {"tpot_ms": 40}) == ["loose", "idle", "strict"]
-    # its own in-flight requests set a replica's pace before any report does
-    a, b = _replica("a", _stats(10, 20, itl=None)), _replica("b", _stats(10, 20, itl=None))
-    views = {"a": view(a.routing_stats, 1, 64, inflight_tpot_ms=10.0), "b": view(b.routing_stats, 1, 64, 40.0)}
+def test_router_counts_the_tpot_slos_it_sent_before_any_report() -> None:
+    # "a" has a request of TPOT 10 in flight (not reported yet): a request of TPOT 40 joining it must keep 10 ms
+    a, b = _replica("a", _stats(10, 20, load=2, itl=8.0)), _replica("b", _stats(10, 20, load=2, itl=8.0))
+    views = {"a": view(a.routing_stats, 3, 64, inflight_tpot_ms=10.0), "b": view(b.routing_stats, 2, 64)}
+    assert views["a"].strictest_tpot_ms == 10.0 and views["b"].strictest_tpot_ms is None
     assert [r.replica_id for r in rank([a, b], views, SLO(tpot_ms=40))] == ["b", "a"]
-    # affinity holds only with room: a replica that is just attainable comes after every roomy one
-    tight = _replica("tight", {**_stats(10, 20, load=3), "itl_ms": 27.75, "strictest_tpot_ms": 40.0})  # 37 ms
-    assert _rank([tight, strict], {"tpot_ms": 40}) == ["strict", "tight"]
 
 
 def test_router_puts_the_replicas_that_turned_the_request_away_last() -> None:
