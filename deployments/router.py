@@ -12,8 +12,9 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last. Each replica is its own rank, so Ray falls through to the next one
-when the best is at `max_ongoing_requests`. Pace affinity (each TPOT tier first where it already sets the
-batch's pace) was tried and lost to pow2 on a 2-core box where both replicas share the cores (bench/README.md). Other methods (`stats`, ...) are spread uniformly at random.
+when the best is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
+Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried and lost to pow2 on a
+2-core box where both replicas share the cores (bench/README.md).
 """
 from __future__ import annotations
 
