@@ -166,6 +166,7 @@ class Record:
     merged_deliveries: int = 0  # in-process items that carried more than one token
     engine: dict[str, Any] | None = None  # in-process: the engine's own timestamps (RequestMetrics)
     replica: str | None = None  # HTTP: the LLM replica that answered (`x-kairos-replica`)
+    rerouted: int = 0  # HTTP: replicas that turned it away before that one (`x-kairos-rerouted`)
 
     @property
     def completed(self) -> bool:
@@ -518,6 +519,7 @@ async def _send(client: Any, rec: Record, w: WorkItem, model: str) -> None:
         async with client.stream("POST", path, json=body, headers=headers) as resp:
             rec.sent_s = time.monotonic()
             rec.replica = resp.headers.get("x-kairos-replica") or None
+            rec.rerouted = int(resp.headers.get("x-kairos-rerouted") or 0)
             st = parse_server_timing(resp.headers.get("server-timing"))
             rec.hops = {"headers": (rec.sent_s - rec.arrival_s) * 1000.0, **st}
             if st:

@@ -170,7 +170,15 @@ def summarize(records: Iterable[Record], *, warmup_frac: float = 0.1, wall_s: fl
         **_latency_stats(kept),
         "per_tier": per_tier,
         "per_replica": per_replica(kept),
+        "rerouted": rerouted(kept),
     }
+
+
+def rerouted(records: Iterable[Record]) -> dict[str, int]:
+    """HTTP runs with router=slo: the requests a replica turned away that the ingress sent on to another one, and
+    what became of them."""
+    sub = [r for r in records if r.rerouted]
+    return {"requests": len(sub), "served": sum(not r.rejected for r in sub), "good": sum(is_good(r) for r in sub)}
 
 
 def pool(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -464,6 +464,8 @@ def load_table(results: Sequence[dict], load: float, tiers: Sequence[str]) -> st
     split = [f"  {r['policy']}: " + ", ".join(f"{rid[-8:]} {d['requests']} req / {d['output_tokens']} tok"
                                               for rid, d in r["per_replica"].items())
              for r in at if r.get("per_replica")]
+    split += [f"  {r['policy']}: {d['requests']} rerouted after a rejection, {d['served']} of them served, {d['good']} "
+              "within SLO" for r in at if (d := r.get("rerouted")) and d["requests"]]
     return (f"\nload {load:g}x lambda* = {rate:.3f} rps  (n = {n} per policy after warm-up)\n"
             + format_table(heads, rows, digits=2)
             + ("\nreplicas (requests answered / output tokens):\n" + "\n".join(split) if split else ""))
@@ -527,7 +529,8 @@ def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float
             "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
             "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "prompt_len": r.prompt_len,
             "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
-            "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None, "replica": r.replica})))
+            "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None, "replica": r.replica,
+            "rerouted": r.rerouted})))
     return out
 
 

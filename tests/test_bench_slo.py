@@ -332,3 +332,13 @@ def test_per_replica_split_counts_what_each_replica_answered():
     assert M.per_replica(recs) == {"a": {"requests": 2, "completed": 2, "output_tokens": 8},
                                    "b": {"requests": 2, "completed": 1, "output_tokens": 4}}
     assert M.summarize(recs, warmup_frac=0)["per_replica"] == M.per_replica(recs)
+
+
+def test_rerouted_requests_are_counted_with_what_became_of_them():
+    ok = M.Record("t", 1e9, 1e9, 0.0, finish_reason="length", ttft_s=0.1, token_times=[0.1], n_out=4, rerouted=1)
+    late = M.Record("t", 1.0, 1e9, 1.0, finish_reason="length", ttft_s=0.5, token_times=[1.5], n_out=4, rerouted=1)
+    turned_away = M.Record("t", 1e9, 1e9, 2.0, rejected=True, finish_reason="rejected", rerouted=1)
+    plain = M.Record("t", 1e9, 1e9, 3.0, finish_reason="length", ttft_s=0.1, token_times=[3.1], n_out=4)
+    recs = [ok, late, turned_away, plain]
+    assert M.rerouted(recs) == {"requests": 3, "served": 2, "good": 1}  # `late` missed its 1 ms TTFT SLO
+    assert M.summarize(recs, warmup_frac=0)["rerouted"] == M.rerouted(recs)
