@@ -39,10 +39,12 @@ class ServeArgs(BaseModel):
     # routing / health / metrics
     router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default")
     routing_stats_period_s: float = Field(1.0, gt=0)
-    reroute_rejected: int = Field(1, ge=0, le=16, description="router=slo with several replicas: a request a "
+    reroute_rejected: int = Field(0, ge=0, le=16, description="router=slo with several replicas: a request a "
                                   "replica turns away for its SLOs or its load (429) is sent on to another replica "
                                   "this many times, with its TTFT SLO less the time spent, before the client gets "
-                                  "the 429 (Ray's pow2 router cannot avoid a replica, so it never reroutes)")
+                                  "the 429 (Ray's pow2 router cannot avoid a replica). Off by default: on a 2-core "
+                                  "box most rerouted requests were turned away again and the extra calls cost "
+                                  "goodput (bench/README.md)")
     metrics_interval_s: float = Field(0.5, gt=0, description="engine gauge refresh period")
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
