@@ -170,9 +170,9 @@ class RoutingStats:
     median_prompt_tokens: int
     itl_ms: float | None  # EWMA of the decode step time (what a request decoding every step sees); paced
     # requests' gaps are longer by design, so they say nothing about room for a stricter TPOT
+    step_batch: float | None  # EWMA of the decode batch sizes behind `itl_ms` (None with it)
     alive: bool
     ts: float
-    step_batch: float | None = None  # EWMA of the decode batch sizes behind `itl_ms`
 
     @property
     def queue_len(self) -> int:

@@ -75,8 +75,7 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
     vbs = max(st.vbs, running)
     # the step time belongs to the batches it was measured on: scale it to the batch now plus the arrivals not
     # yet in a report plus this request (scaling by (vbs + 1) / vbs made every unreported arrival *raise* the slack)
-    reported_batch = max(st.step_batch if st.step_batch is not None else max(st.vbs, float(st.num_running)), 1.0)
-    proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / reported_batch
+    proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / max(st.step_batch or 1.0, 1.0)
     strictest = min((t for t in (st.strictest_tpot_ms, inflight_tpot_ms) if t is not None), default=None)
     return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
                        strictest_tpot_ms=strictest, kv_free=float(st.kv_blocks_free))
@@ -126,8 +125,9 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], 
 
 class SLORouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
-        self._inflight: dict[ReplicaID, int] = {}
-        self._tpots: dict[ReplicaID, Counter[float]] = {}  # TPOT SLOs of the requests in flight there
+        # per replica, the TPOT SLOs (None: none) of the generate calls this router has in flight there: their
+        # count is its in-flight load, their minimum its strictest pace before the next report
+        self._inflight: dict[ReplicaID, Counter[float | None]] = {}
         self._by_request: dict[str, tuple[ReplicaID, float | None]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -137,34 +137,28 @@ class SLORouter(RequestRouter):
         req = generate_request(pending_request)
         if req is None:
             return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
-        views = {r.replica_id: view(r.routing_stats or {}, self._inflight.get(r.replica_id, 0), req.prompt_len_hint,
-                                    min(self._tpots.get(r.replica_id) or (), default=None))
-                 for r in candidate_replicas}
+        views = {}
+        for r in candidate_replicas:
+            tpots = self._inflight.get(r.replica_id) or Counter()
+            views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
+                                       min((t for t in tpots if t is not None), default=None))
         return [[r] for r in rank(candidate_replicas, views, req.slo, req.avoid_replicas)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         req = generate_request(pending_request)
         if req is None:
             return
-        tpot = req.slo.tpot_ms
-        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, tpot)
-        self._inflight[replica_id] = self._inflight.get(replica_id, 0) + 1
-        if tpot is not None:
-            self._tpots.setdefault(replica_id, Counter())[tpot] += 1
+        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, req.slo.tpot_ms)
+        self._inflight.setdefault(replica_id, Counter())[req.slo.tpot_ms] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         entry = self._by_request.pop(internal_request_id, None)
-        if entry is None:
-            return
-        rid, tpot = entry
-        self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
-        tpots = self._tpots.get(rid)
-        if tpot is not None and tpots:
-            tpots[tpot] -= 1
-            if tpots[tpot] <= 0:
-                del tpots[tpot]
+        tpots = None if entry is None else self._inflight.get(entry[0])
+        if tpots:
+            tpots[entry[1]] -= 1
+            if tpots[entry[1]] <= 0:
+                del tpots[entry[1]]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
-        self._tpots.pop(replica_id, None)

@@ -309,15 +309,16 @@ class LLMEngine:
         t4 = time.perf_counter()
         self._phase["postprocess"] += t4 - t3
         now = time.monotonic()
-        sched.on_step_done(plan, (t4 - t0) * 1000.0, now)
+        step_ms = (t4 - t0) * 1000.0
+        sched.on_step_done(plan, step_ms, now)
         if plan.decode:
-            ms, b = (t4 - t0) * 1000.0, float(len(plan.decode))
+            b = float(len(plan.decode))
             first = self._step_ms is None
-            self._step_ms = ms if first else 0.9 * self._step_ms + 0.1 * ms
+            self._step_ms = step_ms if first else 0.9 * self._step_ms + 0.1 * step_ms
             self._step_batch = b if first else 0.9 * self._step_batch + 0.1 * b
         if self._observers:
             event = StepEvent(now, len(plan.prefill), plan.num_prefill_tokens, len(plan.decode),
-                              plan.decode_mean_len, (t2 - t1) * 1000.0, (t4 - t0) * 1000.0)
+                              plan.decode_mean_len, (t2 - t1) * 1000.0, step_ms)
             for fn in self._observers:
                 fn(event)
         self._publish(len(plan.prefill), len(plan.decode))

@@ -100,7 +100,8 @@ def _replica(name: str, stats: dict) -> SimpleNamespace:
 
 def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None = 10.0, kv: int = 100) -> dict:
     return RoutingStats(predicted_queue_ms=queue_ms, predicted_ttft_ms=median_ms, median_prompt_tokens=64,
-                        num_waiting=0, num_running=load, inflight=load, vbs=load, itl_ms=itl, strictest_tpot_ms=None,
+                        num_waiting=0, num_running=load, inflight=load, vbs=load, itl_ms=itl,
+                        step_batch=None if itl is None else max(load, 1), strictest_tpot_ms=None,
                         kv_blocks_free=kv, kv_blocks_total=kv, alive=True, ts=0.0).to_dict()
 
 
