@@ -128,7 +128,9 @@ class SLORouter(RequestRouter):
         # per replica, the TPOT SLOs (None: none) of the generate calls this router has in flight there: their
         # count is its in-flight load, their minimum its strictest pace before the next report
         self._inflight: dict[ReplicaID, Counter[float | None]] = {}
-        self._by_request: dict[str, tuple[ReplicaID, float | None]] = {}
+        # (request id, replica) -> TPOT SLOs of the calls in flight: a rerouted request makes a second call under
+        # the same request id (Serve's id of the HTTP request), so a call is only known by the pair
+        self._calls: dict[tuple[str, ReplicaID], list[float | None]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -148,17 +150,25 @@ class SLORouter(RequestRouter):
         req = generate_request(pending_request)
         if req is None:
             return
-        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, req.slo.tpot_ms)
-        self._inflight.setdefault(replica_id, Counter())[req.slo.tpot_ms] += 1
+        tpot = req.slo.tpot_ms
+        self._calls.setdefault((pending_request.metadata.internal_request_id, replica_id), []).append(tpot)
+        self._inflight.setdefault(replica_id, Counter())[tpot] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        entry = self._by_request.pop(internal_request_id, None)
-        tpots = None if entry is None else self._inflight.get(entry[0])
+        key = (internal_request_id, replica_id)
+        calls = self._calls.get(key)
+        if not calls:
+            return
+        tpot = calls.pop()
+        if not calls:
+            del self._calls[key]
+        tpots = self._inflight.get(replica_id)
         if tpots:
-            tpots[entry[1]] -= 1
-            if tpots[entry[1]] <= 0:
-                del tpots[entry[1]]
+            tpots[tpot] -= 1
+            if tpots[tpot] <= 0:
+                del tpots[tpot]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
+        self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}

@@ -164,6 +164,26 @@ def test_router_puts_the_replicas_that_turned_the_request_away_last() -> None:
     assert [r.replica_id.unique_id for r in rank([a, b, c], views, SLO(ttft_ms=1000), ("a",))] == ["b", "c", "a"]
 
 
+def test_router_bookkeeping_survives_a_reroute_under_the_same_request_id() -> None:
+    from deployments.router import SLORouter
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+
+    def pending(tpot):
+        req = GenerateRequest("cmpl-1", prompt="x", slo=SLO(tpot_ms=tpot))
+        return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id="http-1"),
+                               args=(req,), kwargs={})
+
+    router.on_request_routed(pending(20.0), "a", None)  # "a" turns it away, the ingress calls again
+    router.on_request_routed(pending(15.0), "b", None)  # (its TTFT SLO shortened, the same request id)
+    assert router._inflight == {"a": {20.0: 1}, "b": {15.0: 1}}
+    router.on_request_completed("a", "http-1")
+    assert router._inflight["a"].total() == 0 and router._inflight["b"] == {15.0: 1}
+    router.on_request_completed("b", "http-1")
+    assert router._inflight["b"].total() == 0 and router._calls == {}
+
+
 def test_router_without_stats_spreads_by_inflight() -> None:
     a, b = _replica("a", {}), _replica("b", {})
     assert _rank([a, b], {"ttft_ms": 100}, inflight={"a": 1}) == ["b", "a"]
