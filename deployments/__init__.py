@@ -38,7 +38,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         health_check_timeout_s=a.health_check_timeout_s,
         request_router_config=router,
     ).bind(a.engine_config().model_dump(mode="json"), a.metrics_interval_s, a.log_prompts,
-           a.num_replicas if a.num_cpus == 0 else None, a.stream_interval_ms)
+           a.num_replicas if a.num_cpus == 0 else None, a.stream_interval_ms, a.engine_process)
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,

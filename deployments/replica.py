@@ -23,6 +23,7 @@ from core.messages import ErrorKind, GenerateRequest, RequestOutput, RoutingStat
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 
 log = logging.getLogger("ray.serve")
 
@@ -42,18 +43,31 @@ def _rss_bytes() -> int:
 class LLMServer:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
-                       stream_interval_ms: float = 50.0) -> None:
-        from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); only LLM replicas load it
+                       stream_interval_ms: float = 20.0, engine_process: bool = True) -> None:
 
         cfg = EngineConfig.model_validate(engine_config)
+        cpus = os.cpu_count() or 1
         if cfg.num_threads is None and share_cores_with:
-            # num_cpus=0 replicas get OMP_NUM_THREADS=1 from Ray; share the node's cores among the replicas instead
-            cfg = cfg.model_copy(update={"num_threads": max(1, (os.cpu_count() or 1) // share_cores_with)})
+            # num_cpus=0 replicas get OMP_NUM_THREADS=1 from Ray; share the node's cores among the replicas instead,
+            # less one core for Serve's own processes (proxy, ingress, this event loop) where there are cores to
+            # spare, as vLLM's CPU backend reserves one for its API server: 1.46x the tokens/s of a 2-thread
+            # engine on 2 cores under an HTTP burst (bench/README.md, "The engine in its own process")
+            spare = 1 if engine_process and cpus > share_cores_with else 0
+            cfg = cfg.model_copy(update={"num_threads": max(1, (cpus - spare) // share_cores_with)})
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (unit use)
             self.replica_id = "local"
-        self.engine = await asyncio.to_thread(LLMEngine, cfg)
+        if engine_process:  # the engine in its own process: no per-token Python shares its GIL
+            from engine.core_proc import EngineCoreClient  # noqa: PLC0415
+
+            # its steps go before Serve's Python only where the engines leave a core to that Python
+            favoured = (cfg.num_threads or 1) * (share_cores_with or 1) < cpus
+            self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=favoured)
+        else:
+            from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only
+
+            self.engine = await asyncio.to_thread(LLMEngine, cfg)
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
         self.stream_interval_s = max(0.0, stream_interval_ms) / 1000.0
@@ -63,8 +77,8 @@ class LLMServer:
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
-        log.info("LLMServer %s ready: model=%s max_model_len=%d threads=%s", self.replica_id, self.model_name,
-                 self.engine.max_model_len, cfg.num_threads)
+        log.info("LLMServer %s ready: model=%s max_model_len=%d threads=%s engine_process=%s", self.replica_id,
+                 self.model_name, self.engine.max_model_len, cfg.num_threads, engine_process)
 
     # ------------------------------------------------------------------ request path
     def _refused(self, req: GenerateRequest, t_in: float, kind: ErrorKind, message: str) -> RequestOutput:
@@ -72,8 +86,6 @@ class LLMServer:
                              error_kind=kind, served_by=ServedBy(self.replica_id, (time.monotonic() - t_in) * 1e3))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        from engine.engine import EngineDeadError  # noqa: PLC0415
-
         rid = req.request_id
         t_in = time.monotonic()
         try:

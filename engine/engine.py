@@ -25,6 +25,7 @@ from core.sampling import SamplingParams
 from engine import cpu_matmul
 from engine.attention import ATTN_NAME
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.decoder import build_decoder
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import build_cache
@@ -33,17 +34,13 @@ from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import load_or_profile, refit
 from engine.sampler import Sampler
-from engine.stats import EngineStats, StepEvent, snapshot
-from engine.stream import RequestStream
+from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
+from engine.stream import OutputSink, RequestStream
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler
 
 log = logging.getLogger("kairos.engine")
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 @dataclass(slots=True)
@@ -60,9 +57,14 @@ class _IdleJob:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        """Load the model and start the worker; raises what loading raised (ValueError for bad settings)."""
+    def __init__(self, config: EngineConfig | None = None, *, on_outputs: Callable[[], None] | None = None,
+                 **overrides) -> None:
+        """Load the model and start the worker; raises what loading raised (ValueError for bad settings).
+        `on_outputs`, if given, runs on the worker thread after each turn of its loop (a step, or a drained
+        inbox while idle): the hook that ships a turn's stream items out of the process at once
+        (`engine.core_proc`)."""
         self.config = (config or EngineConfig()).model_copy(update=overrides)
+        self._emit = on_outputs or (lambda: None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}  # worker-owned
@@ -128,13 +130,18 @@ class LLMEngine:
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,
                     request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None) -> RequestStream:
         """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s."""
-        if self._dead is not None or self._stop:
-            raise EngineDeadError(f"engine is not running: {self._dead!r}")
         req = self.inputs.process(prompt, params, slo, request_id, messages)
         stream = RequestStream(req.request_id)
+        self.submit(req, stream)
+        return stream
+
+    def submit(self, req: Request, stream: OutputSink) -> None:
+        """Enqueue a request that `InputProcessor.process` has already validated; the worker thread puts its
+        items into `stream`."""
+        if self._dead is not None or self._stop:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
         self._inbox.put((req, stream))
         self._wakeup.set()
-        return stream
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
@@ -160,10 +167,7 @@ class LLMEngine:
 
     def predict_ttft_ms(self, num_prompt_tokens: int) -> float:
         """TTFT a new request would see now: prefill of what is queued (last published) plus its own."""
-        pred = self.latency_model
-        if pred is None:
-            return 0.0
-        return pred.prefill_ms(self.stats().waiting_tokens + min(num_prompt_tokens, self.max_model_len))
+        return predict_ttft_ms(self.latency_model, self.stats(), num_prompt_tokens, self.max_model_len)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
@@ -218,10 +222,12 @@ class LLMEngine:
                 self._drain_inbox()
                 if not self.scheduler.has_work():
                     self._publish(0, 0)
+                    self._emit()
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
                     continue
                 self._step()
+                self._emit()
         except BaseException as e:  # noqa: BLE001 - the loop itself broke: fail everyone, mark dead
             log.exception("engine worker died")
             self._dead = e
@@ -230,6 +236,7 @@ class LLMEngine:
             self._publish(0, 0)
         finally:
             self._drain_after_stop()
+            self._emit()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -248,7 +255,7 @@ class LLMEngine:
                 if req is not None:
                     self._finish(req, FinishReason.ABORT)
 
-    def _admit(self, req: Request, stream: RequestStream) -> None:
+    def _admit(self, req: Request, stream: OutputSink) -> None:
         if req.request_id in self._requests:
             stream.put(RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR,
                                      error=f"duplicate request id {req.request_id!r}",

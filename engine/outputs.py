@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from core.messages import ErrorKind, RejectReason, RequestMetrics, RequestOutput
 from core.request import FinishReason, Request
 from engine.detokenizer import IncrementalDetokenizer
-from engine.stream import RequestStream
+from engine.stream import OutputSink
 
 
 @dataclass(slots=True)
 class _Live:
-    stream: RequestStream
+    stream: OutputSink
     detok: IncrementalDetokenizer
     text: str = ""
     emitted_chars: int = 0
@@ -26,7 +26,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._live: dict[str, _Live] = {}
 
-    def add(self, req: Request, stream: RequestStream) -> None:
+    def add(self, req: Request, stream: OutputSink) -> None:
         self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer))
 
     def on_token(self, req: Request, tok: int, reason: FinishReason | None) -> FinishReason | None:

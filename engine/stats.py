@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler
 
 
@@ -57,3 +58,11 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
         step_batch=step[1])
+
+
+def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,
+                    max_model_len: int) -> float:
+    """TTFT a new request would see now: prefill of what is queued (as last published) plus its own."""
+    if model is None:
+        return 0.0
+    return model.prefill_ms(stats.waiting_tokens + min(num_prompt_tokens, max_model_len))

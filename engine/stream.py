@@ -9,8 +9,16 @@ import asyncio
 import dataclasses
 import threading
 from collections import deque
+from typing import Protocol
 
 from core.messages import RequestOutput
+
+
+class OutputSink(Protocol):
+    """Where the engine's worker thread puts a request's items (never blocks): a `RequestStream` in-process,
+    a batch bound for the client in `engine.core_proc`."""
+
+    def put(self, item: RequestOutput) -> None: ...
 
 
 class RequestStream:

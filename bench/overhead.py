@@ -1,0 +1,119 @@
+"""What the HTTP path adds over the in-process engine, back to back, same model and load.
+
+    python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--saturate] [--summary NAME]
+
+Runs `bench.streaming` once in-process, then once against `serve run deployments:app ARGS` for each `--serve`
+(default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
+one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
+and what HTTP adds over the in-process run. `--saturate` adds the same comparison under a burst (150 requests
+10 ms apart) without the in-process run. Never run beside another benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.report import command_line, write_summary
+
+MODULE = "bench.overhead"
+TARGET = "http://127.0.0.1:8000"
+FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok_s")
+
+
+def _streaming(argv: list[str], out: Path) -> dict:
+    subprocess.run([sys.executable, "-m", "bench.streaming", *argv, "--json", str(out)], check=True,
+                   stdout=subprocess.DEVNULL)
+    doc = json.loads(out.read_text())
+    return {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
+
+
+def _get(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
+    bindir = Path(sys.executable).parent
+    cmd = [str(bindir / "serve"), "run", "deployments:app", *shlex.split(serve_args)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        # /health answers as soon as the ingress is up; a completion needs the LLM replica
+        while not _get(f"{TARGET}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log}")
+            time.sleep(2)
+        return _streaming(bench_argv + ["--target", TARGET], out)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        subprocess.run([str(bindir / "ray"), "stop", "--force"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", action="append", help="serve run arguments of one server (repeatable)")
+    p.add_argument("--model", default="kairos-default")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--submit-interval-ms", type=float, default=150.0)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
+    p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    servers = args.serve if args.serve else ["", "engine_process=false"]
+
+    def load(n: int, ivl: float) -> list[str]:
+        return ["--model", args.model, "--prompt", "Hello", "--prompt-repeats", "8", "--unique-prompts",
+                "--num-requests", str(n), "--submit-interval-ms", str(ivl), "--max-new-tokens",
+                str(args.max_new_tokens), "--no-stop-on-eos"]
+
+    figures: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        figures["in_process"] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"],
+                                           t / "inproc.json")
+        for i, s in enumerate(servers):
+            figures[f"http[{s or 'defaults'}]"] = _served(s, load(args.num_requests, args.submit_interval_ms),
+                                                          t / f"http{i}.json", t / f"serve{i}.log")
+        if args.saturate:
+            for i, s in enumerate(servers):
+                figures[f"burst http[{s or 'defaults'}]"] = _served(s, load(150, 10.0), t / f"sat{i}.json",
+                                                                    t / f"sat{i}.log")
+    base = figures["in_process"]
+    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms)")
+    for name, f in figures.items():
+        added = "" if name == "in_process" or name.startswith("burst") else \
+            f"  +{f['ttft_p50_ms'] - base['ttft_p50_ms']:.1f} / +{f['itl_p50_ms'] - base['itl_p50_ms']:.1f}"
+        print(f"{name:<40} {f['ttft_p50_ms']:>9.1f} {f['tpot_p50_ms']:>9.1f} {f['itl_p50_ms']:>9.1f} "
+              f"{f['throughput_completion_tok_s']:>8.1f}{added}")
+    if args.summary:
+        first = figures[f"http[{servers[0] or 'defaults'}]"]
+        headline = (f"HTTP ({servers[0] or 'defaults'}) adds TTFT +{first['ttft_p50_ms'] - base['ttft_p50_ms']:.1f} ms, "
+                    f"ITL +{first['itl_p50_ms'] - base['itl_p50_ms']:.1f} ms p50 over the in-process engine")
+        path = write_summary(args.summary, command_line(MODULE, argv), headline, figures)
+        print(f"summary: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

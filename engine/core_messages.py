@@ -1,0 +1,63 @@
+"""The typed messages between `EngineCoreClient` and its engine process (`engine.core_proc`), pickled over
+one socket. Their own module, so that both sides name them the same (the child runs `engine.core_proc` as
+`__main__`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.messages import RequestOutput
+from core.request import Request
+from engine.stats import EngineStats
+from scheduling.predictor import LatencyModel
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the child tells the client once its engine is up."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer_path: str
+    trust_remote_code: bool
+    vocab_limit: int
+    eos_token_ids: list[int]
+    kv_capacity_tokens: int
+    latency_model: LatencyModel | None
+    num_threads: int
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class SetupFailed:
+    """Loading failed: `bad_input` (a ValueError: bad settings) or not, and the message."""
+
+    bad_input: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class InjectFault:
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """One loop turn of the child's engine: its stream items, in order, and its latest stats."""
+
+    items: list[RequestOutput] = field(default_factory=list)
+    stats: EngineStats | None = None

@@ -1,0 +1,132 @@
+"""The engine in its own process (`engine.core_proc`): the same tokens as the in-process engine, errors raised in
+the caller, KV freed on abort, and a child that dies or fails to start reported, never hung on."""
+import os
+import signal
+import time
+
+import pytest
+
+from core.messages import ErrorKind, GenerateRequest
+from core.request import FinishReason
+from core.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.core_proc import EngineCoreClient
+from engine.engine import LLMEngine
+from engine.errors import EngineDeadError
+from scheduling.config import SchedulerConfig
+
+
+def _config(path):
+    return EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, num_threads=1,
+                        scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256))
+
+
+def _greedy(i, n):
+    return GenerateRequest(request_id=f"r{i}", prompt=f"hello number {i} " * (i + 1),
+                           params=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+def _tokens(stream):
+    outs = list(stream)
+    return [t for o in outs for t in o.token_ids], outs[-1]
+
+
+def _text(stream):
+    return "".join(o.text for o in stream)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_checkpoints):
+    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+    yield c
+    c.shutdown()
+
+
+def _wait_free(client, total, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while client.stats().kv_blocks_free != total and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client.stats().kv_blocks_free
+
+
+def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client):
+    reqs = [_greedy(i, n) for i, n in enumerate((5, 17, 9, 30))]
+    streams = [client.generate(r) for r in reqs]
+    got = [_tokens(s) for s in streams]
+    eng = LLMEngine(_config(tiny_checkpoints["llama"]))
+    try:
+        want = [_tokens(eng.generate(r)) for r in reqs]
+        want_text = [_text(eng.generate(r)) for r in reqs]
+    finally:
+        eng.shutdown()
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(g[1].finish_reason is FinishReason.LENGTH for g in got)
+    assert [_text(client.generate(r)) for r in reqs] == want_text
+    assert client.model_name == tiny_checkpoints["llama"] and client.max_model_len > 0
+
+
+def test_bad_input_is_a_value_error_in_the_caller(client):
+    with pytest.raises(ValueError, match="must not be empty"):
+        client.generate(GenerateRequest(request_id="bad", prompt="", params=SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="context window"):
+        client.generate(GenerateRequest(request_id="long", prompt=[1] * (client.max_model_len + 5),
+                                        params=SamplingParams(max_tokens=2)))
+    toks, last = _tokens(client.generate(_greedy(1, 3)))  # and it keeps serving
+    assert len(toks) == 3 and last.finish_reason is FinishReason.LENGTH
+
+
+def test_duplicate_request_id_is_refused_without_touching_the_first(client):
+    first = client.generate(_greedy(50, 40))
+    dup = client.generate(_greedy(50, 4))
+    out = dup.get(timeout=10)
+    assert out.finished and out.error_kind is ErrorKind.INVALID_REQUEST and "duplicate" in out.error
+    toks, last = _tokens(first)
+    assert len(toks) == 40 and last.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_ends_the_stream_and_frees_its_kv(client):
+    total = client.stats().kv_blocks_total
+    stream = client.generate(_greedy(7, 500))
+    stream.get(timeout=30)
+    client.abort("r7")
+    _, last = _tokens(stream)
+    assert last.finish_reason is FinishReason.ABORT
+    assert _wait_free(client, total) == total
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(client):
+    client.inject_fault(1)
+    _, last = _tokens(client.generate(_greedy(9, 5)))
+    assert last.finish_reason is FinishReason.ERROR and "injected fault" in last.error
+    toks, last = _tokens(client.generate(_greedy(10, 4)))
+    assert len(toks) == 4 and client.is_alive()
+
+
+def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(tiny_checkpoints):
+    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+    try:
+        stream = c.generate(_greedy(3, 2000))
+        stream.get(timeout=30)
+        os.kill(c._proc.pid, signal.SIGKILL)
+        _, last = _tokens(stream)
+        assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.ENGINE
+        assert not c.is_alive()
+        with pytest.raises(EngineDeadError):
+            c.generate(_greedy(4, 2))
+    finally:
+        c.shutdown()
+
+
+def test_a_model_that_cannot_load_raises_value_error_from_the_child():
+    with pytest.raises(ValueError, match="cannot load model"):
+        EngineCoreClient(EngineConfig(model="/nonexistent/model-dir"))
+
+
+def test_shutdown_aborts_what_is_in_flight(tiny_checkpoints):
+    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+    stream = c.generate(_greedy(5, 2000))
+    stream.get(timeout=30)
+    c.shutdown()
+    _, last = _tokens(stream)
+    assert last.finished and last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+    assert c._proc.poll() is not None and not c.is_alive()
