@@ -38,6 +38,24 @@ def _rss_bytes() -> int:
         return 0
 
 
+def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | None, engine_process: bool,
+                   omp_num_threads: str | None) -> tuple[int | None, bool]:
+    """(torch threads for the engine, None for torch's default; whether its process may undo Ray's nice 15).
+
+    With `num_cpus=0` (`share_cores_with` = the replicas on the node) Ray sets OMP_NUM_THREADS=1, so the replicas
+    share the node's cores instead, less one core for Serve's own processes (proxy, ingress, the replicas' event
+    loops) where there are cores to spare and the engine runs in its own process, as vLLM's CPU backend keeps
+    one for its API server: 1.4x the tokens/s of a 2-thread engine on 2 cores under an HTTP burst
+    (bench/README.md, "The engine in its own process"). The engine's steps go before Serve's Python only where
+    the engines leave that Python a core: 2 threads at nice 0 on 2 cores starved the HTTP proxy."""
+    threads = num_threads
+    if threads is None and share_cores_with:
+        spare = 1 if engine_process and cpus > share_cores_with else 0
+        threads = max(1, (cpus - spare) // share_cores_with)
+    used = threads or (int(omp_num_threads) if (omp_num_threads or "").isdigit() else cpus)  # torch's default
+    return threads, engine_process and used * (share_cores_with or 1) < cpus
+
+
 @serve.deployment(name="LLMServer", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
                   health_check_period_s=5.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=20.0)
 class LLMServer:
@@ -46,14 +64,9 @@ class LLMServer:
                        stream_interval_ms: float = 20.0, engine_process: bool = True) -> None:
 
         cfg = EngineConfig.model_validate(engine_config)
-        cpus = os.cpu_count() or 1
-        if cfg.num_threads is None and share_cores_with:
-            # num_cpus=0 replicas get OMP_NUM_THREADS=1 from Ray; share the node's cores among the replicas instead,
-            # less one core for Serve's own processes (proxy, ingress, this event loop) where there are cores to
-            # spare, as vLLM's CPU backend reserves one for its API server: 1.46x the tokens/s of a 2-thread
-            # engine on 2 cores under an HTTP burst (bench/README.md, "The engine in its own process")
-            spare = 1 if engine_process and cpus > share_cores_with else 0
-            cfg = cfg.model_copy(update={"num_threads": max(1, (cpus - spare) // share_cores_with)})
+        threads, favoured = engine_threads(os.cpu_count() or 1, cfg.num_threads, share_cores_with, engine_process,
+                                           os.environ.get("OMP_NUM_THREADS"))
+        cfg = cfg.model_copy(update={"num_threads": threads})
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (unit use)
@@ -61,8 +74,6 @@ class LLMServer:
         if engine_process:  # the engine in its own process: no per-token Python shares its GIL
             from engine.core_proc import EngineCoreClient  # noqa: PLC0415
 
-            # its steps go before Serve's Python only where the engines leave a core to that Python
-            favoured = (cfg.num_threads or 1) * (share_cores_with or 1) < cpus
             self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=favoured)
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only

@@ -48,6 +48,21 @@ def test_every_engine_and_scheduler_knob_is_reachable() -> None:
     assert {"model", "num_replicas", "num_gpus", "policy"} <= names
 
 
+def test_engine_threads_leave_serve_a_core_and_favour_the_engine_only_then() -> None:
+    from deployments.replica import engine_threads
+
+    assert engine_threads(2, None, 1, True, "1") == (1, True)  # 2 cores, 1 replica: 1 core each, engine first
+    assert engine_threads(16, None, 1, True, "1") == (15, True)
+    assert engine_threads(2, None, 2, True, "1") == (1, False)  # 2 replicas fill both cores: no favour
+    assert engine_threads(16, None, 4, True, "1") == (3, True)
+    assert engine_threads(2, None, 1, False, "1") == (2, False)  # engine as a thread: all cores, as before
+    assert engine_threads(2, 2, 1, True, "1") == (2, False)  # explicit num_threads wins, and fills the box
+    assert engine_threads(2, 1, 1, True, "1") == (1, True)
+    assert engine_threads(2, None, None, True, "2") == (None, False)  # num_cpus>0: Ray's OMP_NUM_THREADS
+    assert engine_threads(4, None, None, True, "2") == (None, True)
+    assert engine_threads(4, None, None, True, None) == (None, False)  # torch's default: every core
+
+
 def test_api_keys(tmp_path, monkeypatch) -> None:
     f = tmp_path / "keys"
     f.write_text("# comment\nk1\n\nk2\n")
