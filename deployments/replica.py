@@ -28,12 +28,12 @@ from engine.errors import EngineDeadError
 log = logging.getLogger("ray.serve")
 
 
-def _rss_bytes() -> int:
-    """Resident set size of this process (0 where it cannot be read)."""
+def _rss_bytes(pid: int | None = None) -> int:
+    """Resident set size of a process, this one by default (0 where it cannot be read)."""
     try:
         import psutil  # noqa: PLC0415
 
-        return int(psutil.Process().memory_info().rss)
+        return int(psutil.Process(pid).memory_info().rss)
     except Exception:  # noqa: BLE001
         return 0
 
@@ -47,13 +47,23 @@ def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | N
     loops) where there are cores to spare and the engine runs in its own process, as vLLM's CPU backend keeps
     one for its API server: 1.4x the tokens/s of a 2-thread engine on 2 cores under an HTTP burst
     (bench/README.md, "The engine in its own process"). The engine's steps go before Serve's Python only where
-    the engines leave that Python a core: 2 threads at nice 0 on 2 cores starved the HTTP proxy."""
+    the engines leave that Python a core (2 threads at nice 0 on 2 cores starved the HTTP proxy), which is known
+    only when Kairos splits the cores itself (`num_cpus=0`); with `num_cpus>0` Ray's split stands."""
     threads = num_threads
     if threads is None and share_cores_with:
         spare = 1 if engine_process and cpus > share_cores_with else 0
         threads = max(1, (cpus - spare) // share_cores_with)
+    if not (engine_process and share_cores_with):
+        return threads, False
     used = threads or (int(omp_num_threads) if (omp_num_threads or "").isdigit() else cpus)  # torch's default
-    return threads, engine_process and used * (share_cores_with or 1) < cpus
+    return threads, used * share_cores_with < cpus
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @serve.deployment(name="LLMServer", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
@@ -64,21 +74,24 @@ class LLMServer:
                        stream_interval_ms: float = 20.0, engine_process: bool = True) -> None:
 
         cfg = EngineConfig.model_validate(engine_config)
-        threads, favoured = engine_threads(os.cpu_count() or 1, cfg.num_threads, share_cores_with, engine_process,
+        threads, favoured = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
                                            os.environ.get("OMP_NUM_THREADS"))
         cfg = cfg.model_copy(update={"num_threads": threads})
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            ctx = serve.get_replica_context()
+            self.replica_id = ctx.replica_id.unique_id
+            label = f"ServeReplica:{ctx.app_name}:{ctx.deployment}-engine"  # as Ray titles the replica's process
         except Exception:  # noqa: BLE001 - outside Serve (unit use)
-            self.replica_id = "local"
+            self.replica_id, label = "local", None
         if engine_process:  # the engine in its own process: no per-token Python shares its GIL
             from engine.core_proc import EngineCoreClient  # noqa: PLC0415
 
-            self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=favoured)
+            self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=favoured, label=label)
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only
 
             self.engine = await asyncio.to_thread(LLMEngine, cfg)
+        self._engine_pid = getattr(self.engine, "pid", os.getpid())
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
         self.stream_interval_s = max(0.0, stream_interval_ms) / 1000.0
@@ -195,7 +208,9 @@ class LLMServer:
         return {"replica": self.replica_id, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": st.kv_blocks_total,
                 "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected),
-                "pid": os.getpid(), "rss_bytes": _rss_bytes()}
+                "pid": os.getpid(), "engine_pid": self._engine_pid,
+                # this replica's memory, its engine process included
+                "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len}

@@ -48,6 +48,7 @@ class Abort:
 @dataclass(frozen=True, slots=True)
 class InjectFault:
     count: int
+    fatal: bool = False
 
 
 @dataclass(frozen=True, slots=True)

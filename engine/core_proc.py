@@ -9,16 +9,19 @@ the per-request Python on its own side:
   request fails at once in the caller, and sends the child a ready `Request`;
 - the child's worker thread detokenizes and batches every stream item of a loop turn into one `Outputs`
   message, with the engine's stats snapshot;
-- one reader thread on each side turns the socket into calls: `LLMEngine.submit` / `abort` in the child,
-  `RequestStream.put` in the client.
+- one reader on each side turns the socket into calls: the child's main thread calls `LLMEngine.submit` /
+  `abort`, the client's reader thread `RequestStream.put`.
 
 The client has the surface the Serve replica uses (`generate`, `abort`, `stats`, `predict_ttft_ms`, `is_alive`,
-`inject_fault`, `shutdown`). The child exits when the client says so or its socket closes (the caller died).
+`inject_fault`, `shutdown`). The child exits when the client says so, when its socket closes, when its parent
+is gone (polled every second, so also while the model loads), and when its engine's worker dies (it hangs up
+first; the client then fails every open stream with an engine error and refuses new requests).
 
-    python -m engine.core_proc FD [--favoured]     # started by EngineCoreClient, never by hand
+    python -m engine.core_proc FD [--favoured] [--label TEXT]     # started by EngineCoreClient only
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -46,7 +49,8 @@ STATS_PERIOD_S = 0.05  # stats ride on every Outputs message; alone, at most thi
 # ---------------------------------------------------------------------- the child
 class _Batch:
     """The child's output side: every request's items go into one list, which the worker thread ships at the
-    end of each loop turn (`flush`, the engine's `on_outputs` hook). Only the worker thread touches it."""
+    end of each loop turn (`flush`, the engine's `on_outputs` hook). Only the worker thread touches it: once
+    the worker has died the main thread does not use it, it ends the process (`main`)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -73,49 +77,70 @@ class _Batch:
             self._last_stats, self._stats_at = stats, now
         try:
             self.conn.send(msg)
-        except OSError:  # the client is gone; the reader thread shuts the engine down
+        except (OSError, TypeError, ValueError):  # the client is gone (or the socket closed at exit)
             pass
+        if not stats.alive:  # the worker died: end the link, so the client fails what is open and refuses more
+            _hang_up(self.conn)
+
+
+def _hang_up(conn: Connection) -> None:
+    """Shut the socket down (both ways) under a main thread blocked reading it: its recv ends with EOF."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The child outlives no parent, even one killed while the model loads: poll who the parent is."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch  # noqa: PLC0415 - only the child runs tensors
-
-    from engine.engine import LLMEngine  # noqa: PLC0415
-
     args = argv if argv is not None else sys.argv[1:]
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="kairos-parent-watch",
+                     daemon=True).start()
     fd = int(args[0])
     if "--favoured" in args:
         _unnice()
     conn = Connection(fd)
-    config = EngineConfig.model_validate(conn.recv())
     batch = _Batch(conn)
     try:
+        import torch  # noqa: PLC0415 - only the child runs tensors
+
+        from engine.engine import LLMEngine  # noqa: PLC0415
+
+        config = EngineConfig.model_validate(conn.recv())
         engine = LLMEngine(config, on_outputs=batch.flush)
+        inputs = engine.inputs
+        info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
+                        config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
+                        inputs.kv_capacity_tokens, engine.latency_model,
+                        engine.run_idle(lambda _: torch.get_num_threads(), require_idle=False), engine.stats())
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
-    inputs = engine.inputs
-    tokenizer = engine.bundle.path if config.tokenizer is None else config.tokenizer
-    conn.send(CoreInfo(engine.model_name, engine.max_model_len, tokenizer, config.trust_remote_code,
-                       inputs.vocab_limit, list(inputs.eos_token_ids), inputs.kv_capacity_tokens,
-                       engine.latency_model, engine.run_idle(lambda _: torch.get_num_threads(),
-                                                             require_idle=False), engine.stats()))
+    conn.send(info)
     batch.engine = engine
     try:
         while True:
             try:
                 msg = conn.recv()
-            except (EOFError, OSError):  # the client closed its end or died
+            except (EOFError, OSError):  # the client closed its end or died, or the worker hung up
                 break
             if isinstance(msg, Add):
                 try:
                     engine.submit(msg.request, batch)
-                except EngineDeadError as e:
-                    batch.put(_error(msg.request.request_id, f"engine unavailable: {e}", ErrorKind.UNAVAILABLE))
+                except EngineDeadError:  # the worker died: it hangs up; the client fails this request
+                    break
             elif isinstance(msg, Abort):
                 engine.abort(msg.request_id)
             elif isinstance(msg, InjectFault):
-                engine.inject_fault(msg.count)
+                engine.inject_fault(msg.count, fatal=msg.fatal)
             elif isinstance(msg, Shutdown):
                 break
     finally:
@@ -145,41 +170,53 @@ class EngineCoreClient:
     """An `LLMEngine` in a child process, driven from this one. Construction starts the child and waits until
     its model is loaded; it raises what loading raised (ValueError for bad settings)."""
 
-    def __init__(self, config: EngineConfig | None = None, *, favoured: bool = False,
+    def __init__(self, config: EngineConfig | None = None, *, favoured: bool = False, label: str | None = None,
                  startup_timeout_s: float = 1800.0, **overrides) -> None:
         """`favoured`: the child undoes an inherited low priority (Ray's nice 15), so that its steps go before
         the serving processes' Python. Only where its threads leave those processes a core: on 2 cores, an
-        engine with 2 threads at nice 0 starved the HTTP proxy (TTFT p50 986 ms against 126)."""
+        engine with 2 threads at nice 0 starved the HTTP proxy (TTFT p50 986 ms against 126). `label` goes on
+        the child's command line (e.g. the Serve replica it belongs to), for whoever lists processes."""
         self.config = (config or EngineConfig()).model_copy(update=overrides)
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        argv = [sys.executable, "-m", "engine.core_proc", str(theirs.fileno())] + (["--favoured"] if favoured else [])
+        argv = [sys.executable, "-m", "engine.core_proc", str(theirs.fileno())]
+        argv += (["--favoured"] if favoured else []) + (["--label", label] if label else [])
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()  # guards _streams (callers' threads add, the reader removes)
+        self._lock = threading.Lock()  # guards _streams and _dead (callers' threads add, the reader removes)
         self._dead: str | None = None
-        self._send(self.config.model_dump(mode="json"))
-        info = self._wait_ready(startup_timeout_s)
+        try:
+            self._send(self.config.model_dump(mode="json"))
+            info = self._wait_ready(startup_timeout_s)
+            from transformers import AutoTokenizer  # noqa: PLC0415
+
+            kw: dict[str, Any] = {"trust_remote_code": info.trust_remote_code}
+            if os.environ.get("HF_HUB_OFFLINE") == "1":
+                kw["local_files_only"] = True
+            tok = AutoTokenizer.from_pretrained(info.tokenizer_path, **kw)
+        except BaseException:
+            self._kill()
+            self._conn.close()
+            raise
         self.info = info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.latency_model = info.latency_model
         self.num_threads = info.num_threads
         self._stats: EngineStats = info.stats
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
-        kw: dict[str, Any] = {"trust_remote_code": info.trust_remote_code}
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
-            kw["local_files_only"] = True
-        tok = AutoTokenizer.from_pretrained(info.tokenizer_path, **kw)
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens)
         self._reader = threading.Thread(target=self._read, name="kairos-core-reader", daemon=True)
         self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._proc.pid
 
     def _wait_ready(self, timeout_s: float) -> CoreInfo:
         deadline = time.monotonic() + timeout_s
@@ -187,26 +224,24 @@ class EngineCoreClient:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"the engine process exited with code {self._proc.returncode} while starting")
             if time.monotonic() > deadline:
-                self._kill()
                 raise TimeoutError(f"the engine process did not start within {timeout_s:.0f} s")
         try:
             msg = self._conn.recv()
         except EOFError:
             raise RuntimeError(f"the engine process exited with code {self._proc.wait()} while starting") from None
         if isinstance(msg, SetupFailed):
-            self._proc.wait(30)
             raise (ValueError if msg.bad_input else RuntimeError)(msg.message)
         return msg
 
     # ------------------------------------------------------------------ the LLMEngine surface
     def generate(self, request: GenerateRequest) -> RequestStream:
         """Validate and tokenize here (ValueError on bad input), then hand the request to the child."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive()
         req = self.inputs.process(request.prompt, request.params, request.slo, request.request_id,
                                   request.messages)
         stream = RequestStream(req.request_id)
         with self._lock:
+            self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:
                 stream.put(_error(req.request_id, f"duplicate request id {req.request_id!r}",
                                   ErrorKind.INVALID_REQUEST))
@@ -214,11 +249,19 @@ class EngineCoreClient:
             self._streams[req.request_id] = stream
         try:
             self._send(Add(req))
-        except OSError as e:
+        except BaseException as e:
             with self._lock:
                 self._streams.pop(req.request_id, None)
-            raise EngineDeadError(f"engine process unreachable: {e}") from None
+            if isinstance(e, OSError):
+                raise EngineDeadError(f"engine process unreachable: {e}") from None
+            raise
         return stream
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if not self._stats.alive:
+            raise EngineDeadError("the engine's worker died")
 
     def abort(self, request_id: str) -> None:
         try:
@@ -226,8 +269,9 @@ class EngineCoreClient:
         except OSError:
             pass  # the process is gone: its streams were already failed
 
-    def inject_fault(self, count: int = 1) -> None:
-        self._send(InjectFault(count))
+    def inject_fault(self, count: int = 1, *, fatal: bool = False) -> None:
+        """Test hook, as `LLMEngine.inject_fault`."""
+        self._send(InjectFault(count, fatal))
 
     def stats(self) -> EngineStats:
         """The child's last published snapshot."""
@@ -276,8 +320,9 @@ class EngineCoreClient:
         except BaseException:  # noqa: BLE001 - a broken message: the link cannot be trusted any more
             log.exception("engine client: reading the engine process failed")
         code = self._proc.poll()
-        self._dead = f"engine process exited (code {code})" if code is not None else "engine process link closed"
         with self._lock:
+            self._dead = f"engine process exited (code {code})" if code is not None else "engine process link closed"
+            self._stats = dataclasses.replace(self._stats, alive=False)
             orphans, self._streams = self._streams, {}
         for rid, stream in orphans.items():
             stream.put(_error(rid, f"engine failure: {self._dead}", ErrorKind.ENGINE))

@@ -46,6 +46,7 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class _InjectFault:
     count: int
+    fatal: bool = False
 
 
 @dataclass(slots=True)
@@ -72,6 +73,7 @@ class LLMEngine:
         self._stop = False
         self._dead: BaseException | None = None
         self._fault_steps = 0
+        self._fatal_fault = False
         self._steps = 0
         self._rejected: dict[str, int] = {}
         self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
@@ -198,9 +200,10 @@ class LLMEngine:
         unscaled fit replaces the cached profile."""
         return self.run_idle(lambda e: refit(e, time_budget_s, scale), timeout)
 
-    def inject_fault(self, count: int = 1) -> None:
-        """Test hook: the next `count` model steps raise."""
-        self._inbox.put(_InjectFault(count))
+    def inject_fault(self, count: int = 1, *, fatal: bool = False) -> None:
+        """Test hook: the next `count` model steps raise (their requests fail, the engine goes on); with `fatal`,
+        the next step breaks the worker's loop itself (every request fails, the engine is dead)."""
+        self._inbox.put(_InjectFault(count, fatal))
         self._wakeup.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -245,7 +248,8 @@ class LLMEngine:
             except queue.Empty:
                 return
             if isinstance(item, _InjectFault):
-                self._fault_steps += item.count
+                self._fault_steps += 0 if item.fatal else item.count
+                self._fatal_fault = self._fatal_fault or item.fatal
             elif isinstance(item, _IdleJob):
                 self._run_job(item)
             elif isinstance(item, tuple):
@@ -290,6 +294,8 @@ class LLMEngine:
                 self._wakeup.clear()
             return
         reqs = plan.requests
+        if self._fatal_fault:
+            raise RuntimeError("injected fatal fault")
         try:
             if self._fault_steps > 0:
                 self._fault_steps -= 1

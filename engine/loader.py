@@ -42,6 +42,7 @@ class ModelBundle:
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
     vocab_limit: int = 0  # = len(tokenizer) (capped at the embedding rows): ids >= this are never sampled
+    tokenizer_path: str = ""  # where the tokenizer was loaded from (resolved like `path`)
 
 
 # --------------------------------------------------------------------------- device / dtype
@@ -250,6 +251,7 @@ def load_model(
         max_model_len=limit,
         eos_token_ids=eos,
         vocab_limit=min(len(tok), rows),
+        tokenizer_path=tok_path,
     )
 
 

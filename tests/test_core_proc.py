@@ -117,6 +117,64 @@ def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(tiny_c
         c.shutdown()
 
 
+def test_a_dead_engine_worker_ends_the_process_and_the_client_refuses_new_requests(tiny_checkpoints):
+    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+    try:
+        stream = c.generate(_greedy(3, 2000))
+        stream.get(timeout=30)
+        c.inject_fault(1, fatal=True)
+        _, last = _tokens(stream)
+        assert last.finish_reason is FinishReason.ERROR
+        assert c._proc.wait(30) is not None  # the child hung up and exited
+        deadline = time.monotonic() + 10
+        while c.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not c.is_alive() and not c.stats().alive
+        with pytest.raises(EngineDeadError):
+            c.generate(_greedy(4, 2))
+    finally:
+        c.shutdown()
+
+
+def test_the_engine_process_exits_when_its_parent_dies(tiny_checkpoints, tmp_path):
+    """A parent killed outright (no shutdown, no socket close by Python) leaves no engine process behind."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.core_proc import EngineCoreClient\n"
+        f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_model_that_cannot_load_raises_value_error_from_the_child():
     with pytest.raises(ValueError, match="cannot load model"):
         EngineCoreClient(EngineConfig(model="/nonexistent/model-dir"))

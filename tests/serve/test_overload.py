@@ -107,13 +107,14 @@ async def _open_loop(url: str, rate: float, seconds: float) -> list[dict]:
 
 
 class _Sampler(threading.Thread):
-    """Every second: /health latency (own connection), replica RSS (psutil) and engine queue (stats)."""
+    """Every second: /health latency (own connection), replica RSS (psutil: the replica's process and its engine's)
+    and engine queue (stats)."""
 
-    def __init__(self, url: str, handle, pid: int) -> None:
+    def __init__(self, url: str, handle, pids: set[int]) -> None:
         super().__init__(daemon=True)
         import psutil
 
-        self.url, self.handle, self.proc = url, handle, psutil.Process(pid)
+        self.url, self.handle, self.procs = url, handle, [psutil.Process(p) for p in pids]
         self.health: list[float] = []
         self.rss: list[int] = []
         self.queue: list[tuple[int, int]] = []
@@ -128,7 +129,7 @@ class _Sampler(threading.Thread):
                     self.health.append(time.monotonic() - t0 if ok else float("inf"))
                 except httpx.HTTPError:
                     self.health.append(float("inf"))
-                self.rss.append(self.proc.memory_info().rss)
+                self.rss.append(sum(p.memory_info().rss for p in self.procs))
                 try:
                     st = self.handle.stats.remote().result(timeout_s=5)
                     self.queue.append((st["num_waiting"], st["num_running"]))
@@ -143,7 +144,7 @@ def test_open_loop_3x_capacity_sheds_load_and_stays_healthy(ovl_app: dict) -> No
     capacity = asyncio.run(_capacity(url))
     rate = OVERLOAD_FACTOR * capacity
     st0 = handle.stats.remote().result(timeout_s=10)
-    sampler = _Sampler(url, handle, st0["pid"])
+    sampler = _Sampler(url, handle, {st0["pid"], st0["engine_pid"]})
     sampler.start()
     t0 = time.monotonic()
     results = asyncio.run(_open_loop(url, rate, DURATION_S))
