@@ -1,8 +1,9 @@
 """What the HTTP path adds over the in-process engine, back to back, same model and load.
 
-    python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--saturate] [--summary NAME]
+    python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--inproc-threads 2,1] [--saturate]
+                             [--summary NAME]
 
-Runs `bench.streaming` once in-process, then once against `serve run deployments:app ARGS` for each `--serve`
+Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: torch's default), then once against `serve run deployments:app ARGS` for each `--serve`
 (default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
 one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
 and what HTTP adds over the in-process run. `--saturate` adds the same comparison under a burst (150 requests
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--submit-interval-ms", type=float, default=150.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--inproc-threads", default="", help="comma-separated torch thread counts of the in-process "
+                   "runs (the first is the baseline of 'added'); empty: torch's default")
     p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
     p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
     args = p.parse_args(argv)
@@ -90,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        figures["in_process"] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"],
-                                           t / "inproc.json")
+        for i, n in enumerate(x.strip() for x in (args.inproc_threads or "").split(",")):
+            name = "in_process" if i == 0 else f"in_process[{n} threads]"
+            figures[name] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
+                                       + (["--num-threads", n] if n else []), t / f"inproc{i}.json")
         for i, s in enumerate(servers):
             figures[f"http[{s or 'defaults'}]"] = _served(s, load(args.num_requests, args.submit_interval_ms),
                                                           t / f"http{i}.json", t / f"serve{i}.log")
@@ -99,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
             for i, s in enumerate(servers):
                 figures[f"burst http[{s or 'defaults'}]"] = _served(s, load(150, 10.0), t / f"sat{i}.json",
                                                                     t / f"sat{i}.log")
-    base = figures["in_process"]
-    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms)")
+    bases = {k: f for k, f in figures.items() if k.startswith("in_process")}
+    base = bases["in_process"]
+    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms) vs in-process")
     for name, f in figures.items():
-        added = "" if name == "in_process" or name.startswith("burst") else \
-            f"  +{f['ttft_p50_ms'] - base['ttft_p50_ms']:.1f} / +{f['itl_p50_ms'] - base['itl_p50_ms']:.1f}"
+        added = "" if name.startswith(("in_process", "burst")) else "  " + ", ".join(
+            f"{f['ttft_p50_ms'] - b['ttft_p50_ms']:+.1f} / {f['itl_p50_ms'] - b['itl_p50_ms']:+.1f}"
+            f"{'' if k == 'in_process' else ' vs ' + k[len('in_process'):]}" for k, b in bases.items())
         print(f"{name:<40} {f['ttft_p50_ms']:>9.1f} {f['tpot_p50_ms']:>9.1f} {f['itl_p50_ms']:>9.1f} "
               f"{f['throughput_completion_tok_s']:>8.1f}{added}")
     if args.summary:

@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     a("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     a("--seed", type=int, default=0, help="engine seed; ShareGPT order (default: 0)")
+    a("--num-threads", type=int, default=None, help="in-process engine's torch threads (default: all cores)")
     a("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     a = p.add_argument_group("workload").add_argument
     a("--dataset", choices=("synthetic", "sharegpt"), default="synthetic",
@@ -223,7 +224,7 @@ def _engine_config(args: argparse.Namespace):
         prefill_admission_lookahead=args.prefill_admission_lookahead,
         prefill_force_fifo_every=args.prefill_force_fifo_every, hybrid_steps=True if args.hybrid_steps else None)
     return EngineConfig(model=resolve_bench_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
-                        max_model_len=args.max_model_len, scheduler=sched)
+                        max_model_len=args.max_model_len, num_threads=args.num_threads, scheduler=sched)
 
 
 def _run_engine(args: argparse.Namespace) -> dict[str, Any]:
