@@ -72,7 +72,6 @@ class LLMServer:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
                        stream_interval_ms: float = 20.0, engine_process: bool = True) -> None:
-
         cfg = EngineConfig.model_validate(engine_config)
         threads, favoured = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
                                            os.environ.get("OMP_NUM_THREADS"))
