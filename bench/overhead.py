@@ -36,7 +36,7 @@ def _streaming(argv: list[str], out: Path) -> dict:
     return {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
 
 
-def _get(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
+def _ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     try:
@@ -54,7 +54,7 @@ def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dic
     try:
         deadline = time.monotonic() + 600
         # /health answers as soon as the ingress is up; a completion needs the LLM replica
-        while not _get(f"{TARGET}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
+        while not _ok(f"{TARGET}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log}")
             time.sleep(2)

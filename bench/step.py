@@ -2,6 +2,7 @@
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
     python -m bench.step omp
+    python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2]
 
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
 `engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32.
@@ -9,6 +10,9 @@
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
 its worker thread, `LLMEngine._setup`).
+`contend`: a raw decode step (B = 1 and 8, context 96, median of 10) alone, with a Python spinner busy 1 ms in
+every 2 as a thread of the engine's process, and with the same spinner in another process: a thread costs the
+engine its GIL, a process only cores (why a served engine runs in its own process, `engine/core_proc.py`).
 """
 from __future__ import annotations
 
@@ -68,6 +72,48 @@ def omp() -> tuple[float, float]:
     return alone, _on_fresh_thread(_gemv_stack_ms)
 
 
+def _spin(stop, duty_s: float = 0.001, period_s: float = 0.002) -> None:
+    """Busy `duty_s` in every `period_s` until `stop` is set (a stand-in for a server's per-token Python)."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        while time.perf_counter() - t < duty_s:
+            pass
+        time.sleep(period_s - duty_s)
+
+
+def contend(model: str, dtype: str, threads: int) -> dict[str, dict[int, float]]:
+    import multiprocessing as mp
+    import statistics
+
+    from engine.engine import LLMEngine
+    from engine.profiling import Prober
+
+    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=1024, kv_cache_memory_gb=0.2)
+
+    def measure() -> dict[int, float]:
+        return eng.run_idle(lambda e: {b: statistics.median(Prober(e).decode_ms([96] * b) for _ in range(10))
+                                       for b in (1, 8)})
+    try:
+        out = {"alone": measure()}
+        stop = threading.Event()
+        th = threading.Thread(target=_spin, args=(stop,), daemon=True)
+        th.start()
+        out["spinner thread"] = measure()
+        stop.set()
+        th.join()
+        ctx = mp.get_context("spawn")
+        pstop = ctx.Event()
+        proc = ctx.Process(target=_spin, args=(pstop,), daemon=True)
+        proc.start()
+        time.sleep(1.0)  # the child's interpreter start is not part of the measurement
+        out["spinner process"] = measure()
+        pstop.set()
+        proc.join()
+        return out
+    finally:
+        eng.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -77,11 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
     s.add_argument("--threads", type=int, default=2)
     sub.add_parser("omp")
+    c = sub.add_parser("contend")
+    c.add_argument("--model", default="kairos-default")
+    c.add_argument("--dtype", default="auto")
+    c.add_argument("--threads", default="1,2", help="comma-separated engine thread counts")
     args = ap.parse_args(argv)
     if args.cmd == "steps":
         ms = steps(args.model, args.dtype, args.model_impl, args.threads)
         print(f"{args.model} {args.dtype} impl={args.model_impl}: decode step ms (context 96) "
               + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items()))
+    elif args.cmd == "contend":
+        for n in (int(x) for x in args.threads.split(",")):
+            for name, ms in contend(args.model, args.dtype, n).items():
+                print(f"{n} engine thread(s), {name}: decode step ms " + ", ".join(f"B={b} {v:.1f}" for b, v in ms.items()))
     else:
         alone, after = omp()
         print(f"30 layers of bf16 GEMVs: {alone:.2f} ms on a fresh thread; {after:.2f} ms on a fresh thread after "

@@ -23,7 +23,6 @@ class CoreInfo:
     eos_token_ids: list[int]
     kv_capacity_tokens: int
     latency_model: LatencyModel | None
-    num_threads: int
     stats: EngineStats
 
 

@@ -110,17 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     conn = Connection(fd)
     batch = _Batch(conn)
     try:
-        import torch  # noqa: PLC0415 - only the child runs tensors
-
-        from engine.engine import LLMEngine  # noqa: PLC0415
+        from engine.engine import LLMEngine  # noqa: PLC0415 - torch: only the child runs tensors
 
         config = EngineConfig.model_validate(conn.recv())
         engine = LLMEngine(config, on_outputs=batch.flush)
         inputs = engine.inputs
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
-                        inputs.kv_capacity_tokens, engine.latency_model,
-                        engine.run_idle(lambda _: torch.get_num_threads(), require_idle=False), engine.stats())
+                        inputs.kv_capacity_tokens, engine.latency_model, engine.stats())
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
@@ -202,11 +199,9 @@ class EngineCoreClient:
             self._kill()
             self._conn.close()
             raise
-        self.info = info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.latency_model = info.latency_model
-        self.num_threads = info.num_threads
         self._stats: EngineStats = info.stats
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens)

@@ -248,8 +248,10 @@ class LLMEngine:
             except queue.Empty:
                 return
             if isinstance(item, _InjectFault):
-                self._fault_steps += 0 if item.fatal else item.count
-                self._fatal_fault = self._fatal_fault or item.fatal
+                if item.fatal:
+                    self._fatal_fault = True
+                else:
+                    self._fault_steps += item.count
             elif isinstance(item, _IdleJob):
                 self._run_job(item)
             elif isinstance(item, tuple):

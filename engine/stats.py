@@ -45,7 +45,7 @@ class EngineStats:
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
              predictor_mape: float | None, last: tuple[int, int],
-             step: tuple[float | None, float | None] = (None, None)) -> EngineStats:
+             step: tuple[float | None, float | None]) -> EngineStats:
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
     tmin = min((r.tpot_slo_ms for r in s.running), default=float("inf"))
