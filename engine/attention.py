@@ -4,8 +4,10 @@ The model is called on one packed sequence [1, T]: first the tokens of every pre
 then one token per decoding request. Each layer writes its new K/V into the cache by slot, then:
 - a prefill with no cached prefix attends causally over its own fresh K/V;
 - a prefill with a cached prefix gathers its blocks and uses an offset causal mask;
-- decode tokens come sorted by context length in groups of similar length; each group is one batched SDPA
-  over its blocks gathered into a reused workspace, padded only to the group's longest context (padding
+- decode tokens, with Kairos's CPU kernels (`engine.cpu_kernels`): one call that reads each context's blocks
+  through its block table, no copy;
+- decode tokens otherwise come sorted by context length in groups of similar length; each group is one batched
+  SDPA over its blocks gathered into a reused workspace, padded only to the group's longest context (padding
   every decode to the batch's longest made a step cost B x max length instead of the sum of lengths).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.cpu_kernels import CpuKernels
 from engine.kv_cache import KVCache
 
 ATTN_NAME = "kairos_paged"
@@ -48,6 +51,15 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class PagedDecodes:
+    """The step's decodes for the CPU kernel: one token each, from `start` in the packed sequence."""
+    kernels: CpuKernels
+    start: int
+    tables: torch.Tensor  # [count, max blocks] int32 block ids (row tails unused)
+    lens: torch.Tensor  # [count] int32 context lengths, this token included
+
+
+@dataclass(slots=True)
 class AttnMetadata:
     cache: KVCache
     workspace: Workspace
@@ -55,7 +67,9 @@ class AttnMetadata:
     # prefills: (q_start, q_len, ctx_len, block_ids or None when ctx_len == q_len)
     prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # decodes, one token per request
+    paged: PagedDecodes | None = None  # the decodes instead, through the CPU kernel
     max_position: int = 0  # the step's largest position id
+    kv_written: bool = False  # the decoder already wrote this step's K/V into the cache (`cpu_kernels.rope_write`)
 
 
 def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: AttnMetadata,
@@ -66,8 +80,9 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     T, num_heads, hd = query.shape
     kvh, bs, cdt = cache.num_kv_heads, cache.block_size, cache.dtype
     kc, vc = cache.k[layer], cache.v[layer]
-    kc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, key.to(cdt))
-    vc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, value.to(cdt))
+    if not m.kv_written:
+        kc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, key.to(cdt))
+        vc.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, value.to(cdt))
     gqa = num_heads != kvh
     out = torch.empty((T, num_heads, hd), dtype=query.dtype, device=query.device)
 
@@ -85,6 +100,14 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[q_start:q_start + q_len] = o[0].transpose(0, 1)
 
+    if m.paged is not None:
+        p = m.paged
+        n = p.lens.shape[0]
+        q = query[p.start:p.start + n]
+        if q.stride(2) != 1 or q.stride(1) != hd:  # the HF modules' layout: heads outermost
+            q = q.contiguous()
+        out[p.start:p.start + n] = p.kernels.decode_attn(q.to(cdt), kc, vc, p.tables, p.lens,
+                                                         hd ** -0.5 if scaling is None else scaling)
     group = num_heads // kvh
     for g in m.decode_groups:
         B, nb, d0 = g.count, g.nb, g.start

@@ -30,5 +30,8 @@ class EngineConfig(BaseModel):
         "auto", description="bf16/fp16 on CPUs without native half GEMM: run multi-row matmuls in fp32")
     model_impl: Literal["auto", "kairos", "hf"] = Field(
         "auto", description="kairos: our own forward (Llama-family); hf: the HF modules' forward; auto: ours when it supports the model")
+    cpu_kernels: Literal["auto", "on", "off"] = Field(
+        "auto", description="CPU: Kairos's compiled kernels for RMSNorm, RoPE + cache write and paged decode attention "
+                            "(built at first use with the system's C++ compiler); auto: when they build, else torch ops")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

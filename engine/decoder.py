@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttnMetadata, attend
+from engine.cpu_kernels import CpuKernels
 from engine.cpu_matmul import cpu_has_native_half, upcast_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -144,7 +145,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class KairosDecoder:
-    def __init__(self, model: nn.Module, max_positions: int, upcast: bool = False) -> None:
+    def __init__(self, model: nn.Module, max_positions: int, upcast: bool = False,
+                 kernels: CpuKernels | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"KairosDecoder cannot run this model: {reason}")
@@ -178,6 +180,8 @@ class KairosDecoder:
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         if self._table_rope:
             self._grow_tables(max_positions)
+        self.kernels = kernels  # CPU: norms, RoPE + cache write in compiled kernels (`engine.cpu_kernels`)
+        self.norm_fn = rms_norm if kernels is None else kernels.rms_norm
 
     def _grow_tables(self, n: int) -> None:
         self._tables = self._rope(torch.arange(n, device=self.embed.device)[None])
@@ -194,39 +198,49 @@ class KairosDecoder:
         if self._table_rope:
             if meta.max_position >= self._tables[0].shape[0]:  # probes may run past max_model_len
                 self._grow_tables(2 * meta.max_position)
-            cos, sin = self._tables[0][positions], self._tables[1][positions]
-        else:
-            cos, sin = self._rope(positions[None])
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         H, KV, hd, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         T = input_ids.shape[0]
-        half = hd // 2
-        mm = self.mm
+        mm, norm = self.mm, self.norm_fn
         linear = mm.linear
+        fused = self.kernels is not None and self._table_rope  # RoPE + cache write in one kernel call
+        if fused:
+            meta.kv_written = True
+        elif self._table_rope:
+            cos, sin = self._tables[0][positions][:, None], self._tables[1][positions][:, None]  # over heads
+        else:
+            cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.ln_in, eps)
-            qkv = linear(x, L.qkv_w, L.qkv_b).view(T, H + 2 * KV, hd)
-            qk, v = qkv[:, :H + KV], qkv[:, H + KV:]
-            if L.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)], 1)
-            rot = torch.cat((-qk[..., half:], qk[..., :half]), -1)
-            qk = qk * cos + rot * sin
-            o = attend(i, qk[:, :H], qk[:, H:], v, meta, self.scaling)
+            x = norm(h, L.ln_in, eps)
+            qkv = linear(x, L.qkv_w, L.qkv_b)
+            heads = qkv.view(T, H + 2 * KV, hd)
+            if L.q_norm is not None:  # qwen3: per-head norms of q and k, before RoPE
+                heads[:, :H] = rms_norm(heads[:, :H], L.q_norm, eps)
+                heads[:, H:H + KV] = rms_norm(heads[:, H:H + KV], L.k_norm, eps)
+            if fused:
+                self.kernels.rope_write(qkv, H, KV, *self._tables, positions, meta.slot_mapping,
+                                        meta.cache.k[i], meta.cache.v[i])
+                qk = heads[:, :H + KV]
+            else:
+                qk = heads[:, :H + KV]
+                half = hd // 2
+                qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
+            o = attend(i, qk[:, :H], qk[:, H:], heads[:, H + KV:], meta, self.scaling)
             h = mm.residual(o.view(T, H * hd), L.o_w, L.o_b, h)
-            h = mm.mlp(rms_norm(h, L.ln_post, eps), L.mlp, L.down_w, h)
-        h = rms_norm(h[logit_rows], self.norm, eps)
+            h = mm.mlp(norm(h, L.ln_post, eps), L.mlp, L.down_w, h)
+        h = norm(h[logit_rows], self.norm, eps)
         return linear(h, self.lm_head)
 
 
-def build_decoder(model_impl: str, bundle, upcast: bool = False) -> KairosDecoder | None:
+def build_decoder(model_impl: str, bundle, upcast: bool = False,
+                  kernels: CpuKernels | None = None) -> KairosDecoder | None:
     """The decoder `model_impl` asks for: "hf" -> None (HF forward); "kairos" -> ours or a ValueError;
     "auto" -> ours when it supports the model."""
     if model_impl == "hf":
         return None
     reason = unsupported_reason(bundle.model)
     if reason is None:
-        return KairosDecoder(bundle.model, bundle.max_model_len, upcast)
+        return KairosDecoder(bundle.model, bundle.max_model_len, upcast, kernels)
     if model_impl == "kairos":
         raise ValueError(f"model_impl='kairos' cannot run {bundle.name!r}: {reason}; use model_impl='hf'")
     return None

@@ -22,7 +22,7 @@ import torch
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, RejectReason, RequestOutput
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
-from engine import cpu_matmul
+from engine import cpu_kernels, cpu_matmul
 from engine.attention import ATTN_NAME
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -107,9 +107,11 @@ class LLMEngine:
         self.max_model_len = b.max_model_len
         self.model_name = b.name
         self.cache = build_cache(config, b, self.max_model_len)
-        decoder = build_decoder(config.model_impl, b, self.upcast_linears > 0)
-        self.runner = ModelRunner(b.model, self.cache, b.device, decoder)
-        self.sampler = Sampler(b.vocab_limit, b.eos_token_ids, b.device)
+        kernels = cpu_kernels.choose(config.cpu_kernels, b.device, b.dtype, self.cache.dtype, self.cache.head_dim)
+        decoder = build_decoder(config.model_impl, b, self.upcast_linears > 0, kernels)
+        self.runner = ModelRunner(b.model, self.cache, b.device, decoder, kernels)
+        self.sampler = Sampler(b.vocab_limit, b.eos_token_ids, b.device,
+                               kernels.argmax_rows if kernels is not None else None)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size)
         self.outputs = OutputProcessor(b.tokenizer)

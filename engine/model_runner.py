@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttnMetadata, DecodeGroup, Workspace
+from engine.attention import AttnMetadata, DecodeGroup, PagedDecodes, Workspace
+from engine.cpu_kernels import CpuKernels
 from engine.decoder import KairosDecoder
 from engine.kv_cache import KVCache
 from core.request import Request
@@ -32,9 +33,10 @@ class ModelRunner:
     """Runs a step with `KairosDecoder` when given one (Llama-family models), else with the HF forward."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device,
-                 decoder: KairosDecoder | None = None) -> None:
+                 decoder: KairosDecoder | None = None, kernels: CpuKernels | None = None) -> None:
         self.model = model
         self.decoder = decoder
+        self.kernels = kernels  # decode attention through the CPU kernel (no groups, no gather)
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
@@ -65,7 +67,10 @@ class ModelRunner:
             prefills.append((q_start, end - start, end, blocks))
         bs = self.block_size
         need = [-(-r.num_tokens // bs) for r in decode]
-        order = sorted(range(len(decode)), key=need.__getitem__)  # packed by length; logits keep request order
+        if self.kernels is not None:
+            order = list(range(len(decode)))
+        else:  # packed by length for the groups; logits keep request order
+            order = sorted(range(len(decode)), key=need.__getitem__)
         decode_start = len(tokens)
         rank = [0] * len(decode)
         for pos, i in enumerate(order):
@@ -77,7 +82,17 @@ class ModelRunner:
             slots.append(r.block_table[p // bs] * bs + p % bs)
         last_idx.extend(decode_start + rank[i] for i in range(len(decode)))
         groups = []
-        for g0, g1 in group_by_length([need[i] for i in order], GROUP_OVERHEAD_BLOCKS):
+        paged = None
+        if self.kernels is not None and decode:
+            width = max(need)
+            flat: list[int] = []
+            for i, r in enumerate(decode):
+                flat.extend(r.block_table[:need[i]])
+                flat.extend([0] * (width - need[i]))
+            tables = torch.tensor(flat, dtype=torch.int32).view(len(decode), width)
+            lens = torch.tensor([r.num_tokens for r in decode], dtype=torch.int32)
+            paged = PagedDecodes(self.kernels, decode_start, tables, lens)
+        for g0, g1 in ([] if paged else group_by_length([need[i] for i in order], GROUP_OVERHEAD_BLOCKS)):
             members = order[g0:g1]
             nb = need[members[-1]]
             flat: list[int] = []
@@ -91,7 +106,7 @@ class ModelRunner:
         meta = AttnMetadata(
             cache=self.cache, workspace=self.workspace,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills, decode_groups=groups, max_position=max(positions, default=0),
+            prefills=prefills, decode_groups=groups, paged=paged, max_position=max(positions, default=0),
         )
         inputs = {
             "input_ids": torch.tensor([tokens], dtype=torch.long, device=dev),

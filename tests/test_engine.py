@@ -62,14 +62,17 @@ def _run_staggered(eng, prompts, slos=None):
     return outs
 
 
-@pytest.mark.parametrize("family,impl", [("gpt2", "auto"), ("llama", "auto"), ("qwen2", "auto"), ("qwen3", "auto"),
-                                         ("llama", "hf")])
-def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl):
+@pytest.mark.parametrize("family,impl,kernels", [
+    ("gpt2", "auto", "auto"), ("llama", "auto", "auto"), ("qwen2", "auto", "auto"), ("qwen3", "auto", "auto"),
+    ("llama", "hf", "auto"), ("llama", "auto", "off"), ("gpt2", "auto", "off")])
+def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
     path = tiny_checkpoints[family]
-    eng = _engine(path, policy="tpot_guard", model_impl=impl)
+    eng = _engine(path, policy="tpot_guard", model_impl=impl, cpu_kernels=kernels)
     try:
         # Llama-family models run on Kairos's own forward unless asked otherwise; GPT-2 on the HF modules
         assert (eng.runner.decoder is not None) == (family != "gpt2" and impl == "auto")
+        # Kairos's CPU kernels where asked (they build on every box the tests run on), torch ops otherwise
+        assert (eng.runner.kernels is not None) == (kernels == "auto")
         prompts = _prompts(eng.bundle.vocab_limit)
         # loose, distinct TPOT SLOs: never rejected, but credit batching decodes subsets of the running set
         slos = [SLO(tpot_ms=1e5 * (1 + i % 3)) for i in range(len(prompts))]

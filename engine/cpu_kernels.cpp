@@ -1,0 +1,378 @@
+// Kairos's CPU kernels for the decoder's small per-layer work, built at first use by engine/cpu_kernels.py
+// (g++ -O3 -march=native -fopenmp; plain C ABI, called through ctypes with tensors' data pointers).
+//
+// - rms_norm:    y = w * cast(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (HF's RMSNorm, one pass per row)
+// - rope_write:  RoPE on q and k in place (HF's rotate_half, each op rounded to the activation dtype as torch's
+//                eager ops do), then k and v written into the paged cache by slot
+// - decode_attn: one query token per request against its context in the paged cache, read block by block
+//                through the block table (no gathered copy); scores and accumulation in fp32
+//
+// Element types: float or bf16 (uint16 bit patterns), the same for activations and cache. Parallel regions
+// use OpenMP with an explicit thread count; loaded into a process that has torch, libgomp.so.1 resolves to
+// torch's own runtime, so these regions share torch's thread pool.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float bf2f(bf16 x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline bf16 f2bf(float f) {  // round to nearest even, as torch does; NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<bf16>(u >> 16);
+}
+
+// e^x for x <= 0 (softmax after subtracting the max), within ~2 ulp of expf; written so that it vectorises
+// (glibc's vector expf is only declared under -ffast-math). Below -87 it returns e^-87 (~1.6e-38): as good as 0
+// against the max's term of 1.
+inline float exp_nonpos(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float f = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;  // ln 2 in two parts
+    float p = 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+template <typename T> struct Num;
+template <> struct Num<float> {
+    static inline float ld(float x) { return x; }
+    static inline float st(float x) { return x; }
+    static inline float round(float x) { return x; }
+};
+template <> struct Num<bf16> {
+    static inline float ld(bf16 x) { return bf2f(x); }
+    static inline bf16 st(float x) { return f2bf(x); }
+    static inline float round(float x) { return bf2f(f2bf(x)); }  // what storing an intermediate would give
+};
+
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, const T* w, T* y, int64_t n, int64_t d, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * d >= 65536)
+    for (int64_t i = 0; i < n; ++i) {
+        const T* xr = x + i * x_stride;
+        T* yr = y + i * d;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < d; ++j) {
+            float v = Num<T>::ld(xr[j]);
+            ss += v * v;
+        }
+        const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j)
+            yr[j] = Num<T>::st(Num<T>::ld(w[j]) * Num<T>::round(Num<T>::ld(xr[j]) * r));
+    }
+}
+
+template <typename T>
+void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const int64_t* pos, const int64_t* slots,
+                T* kc, T* vc, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int nthreads) {
+    const int64_t half = hd / 2, nrot = nh + nkv;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 16)
+    for (int64_t i = 0; i < n; ++i) {
+        T* row = qkv + i * row_stride;
+        const T* c = cos + pos[i] * hd;
+        const T* s = sin + pos[i] * hd;
+        float tmp[1024];  // head_dim <= 1024 (checked by the caller)
+        for (int64_t h = 0; h < nrot; ++h) {
+            T* v = row + h * hd;
+            for (int64_t j = 0; j < hd; ++j) {
+                const float rot = j < half ? -Num<T>::ld(v[j + half]) : Num<T>::ld(v[j - half]);
+                const float a = Num<T>::round(Num<T>::ld(v[j]) * Num<T>::ld(c[j]));
+                const float b = Num<T>::round(Num<T>::round(rot) * Num<T>::ld(s[j]));
+                tmp[j] = a + b;
+            }
+            for (int64_t j = 0; j < hd; ++j) v[j] = Num<T>::st(tmp[j]);
+        }
+        const int64_t kvw = nkv * hd;
+        std::memcpy(kc + slots[i] * kvw, row + nh * hd, kvw * sizeof(T));
+        std::memcpy(vc + slots[i] * kvw, row + nrot * hd, kvw * sizeof(T));
+    }
+}
+
+// One (request, KV head) task: the G query heads that share the KV head score every context row as it is read,
+// then accumulate the V rows. HD is a compile-time head size (64, 128), or 0 for any other (runtime `hd`).
+template <typename T, int HD>
+void attend_one(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t hd_rt,
+                int64_t row, int64_t bs, float scale, T* o, float* qf, float* s, float* acc, float* kv) {
+    const int64_t hd = HD ? HD : hd_rt;
+    for (int64_t j = 0; j < G * hd; ++j) qf[j] = Num<T>::ld(qr[j]) * scale;
+    for (int64_t t = 0; t < L; ++t) {
+        const T* kr = kc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+#pragma omp simd
+        for (int64_t j = 0; j < hd; ++j) kv[j] = Num<T>::ld(kr[j]);
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf + g * hd;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < hd; ++j) dot = std::fma(qg[j], kv[j], dot);
+            s[g * L + t] = dot;
+        }
+    }
+    float inv[64];
+    for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * L;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        float tot = 0.f;
+#pragma omp simd reduction(+ : tot)
+        for (int64_t t = 0; t < L; ++t) {
+            sg[t] = exp_nonpos(sg[t] - m);
+            tot += sg[t];
+        }
+        inv[g] = 1.f / tot;
+    }
+    for (int64_t j = 0; j < G * hd; ++j) acc[j] = 0.f;
+    for (int64_t t = 0; t < L; ++t) {
+        const T* vr = vc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+#pragma omp simd
+        for (int64_t j = 0; j < hd; ++j) kv[j] = Num<T>::ld(vr[j]);
+        for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * L + t];
+            float* ag = acc + g * hd;
+#pragma omp simd
+            for (int64_t j = 0; j < hd; ++j) ag[j] = std::fma(p, kv[j], ag[j]);
+        }
+    }
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < hd; ++j) o[g * hd + j] = Num<T>::st(acc[g * hd + j] * inv[g]);
+}
+
+#ifdef __AVX2__
+// AVX2 path for a head size of 64: 8-float vectors; the G dot products of 8 context rows are summed across
+// lanes together (hadd transpose) instead of one horizontal reduction per dot.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 sum_each8(const __m256* v) {  // lane j = the sum of v[j]'s 8 lanes
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+inline __m256 exp8_nonpos(__m256 x) {  // exp_nonpos, 8 lanes
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    __m256 f = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f)));
+    f = _mm256_sub_ps(f, _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187045e-06f)));
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    for (float k : c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(k));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    for (int j = 0; j < 8; ++j) p[j] = f2bf(tmp[j]);
+}
+
+template <typename T>
+void attend_one_avx64(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t row,
+                      int64_t bs, float scale, T* o, float* s) {
+    constexpr int C = 8;  // vectors per 64-float row
+    __m256 q[8][C], acc[8][C];  // G <= 8 (checked by the caller)
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) q[g][c] = _mm256_mul_ps(load8(qr + g * 64 + c * 8), sc);
+    const int64_t L8 = (L + 7) / 8 * 8;
+    for (int64_t t0 = 0; t0 < L8; t0 += 8) {
+        __m256 part[8][8];  // [g][row within the 8]
+        for (int tt = 0; tt < 8; ++tt) {
+            const int64_t t = t0 + tt;
+            if (t >= L) {
+                for (int64_t g = 0; g < G; ++g) part[g][tt] = _mm256_setzero_ps();
+                continue;
+            }
+            const T* kr = kc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+            __m256 k[C];
+            for (int c = 0; c < C; ++c) k[c] = load8(kr + c * 8);
+            for (int64_t g = 0; g < G; ++g) {
+                __m256 a0 = _mm256_mul_ps(q[g][0], k[0]), a1 = _mm256_mul_ps(q[g][1], k[1]);
+                for (int c = 2; c < C; c += 2) {
+                    a0 = _mm256_fmadd_ps(q[g][c], k[c], a0);
+                    a1 = _mm256_fmadd_ps(q[g][c + 1], k[c + 1], a1);
+                }
+                part[g][tt] = _mm256_add_ps(a0, a1);
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(s + g * L8 + t0, sum_each8(part[g]));
+    }
+    float inv[8];
+    for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * L8;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = L; t < L8; ++t) sg[t] = -INFINITY;  // padding rows weigh 0
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 tot = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L8; t += 8) {
+            const __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+            const __m256 keep = _mm256_cmp_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m256 ev = _mm256_and_ps(e, keep);
+            _mm256_storeu_ps(sg + t, ev);
+            tot = _mm256_add_ps(tot, ev);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, tot);
+        float total = 0.f;
+        for (float v : lanes) total += v;
+        inv[g] = 1.f / total;
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+    }
+    for (int64_t t = 0; t < L; ++t) {
+        const T* vr = vc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+        __m256 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load8(vr + c * 8);
+        for (int64_t g = 0; g < G; ++g) {
+            const __m256 p = _mm256_set1_ps(s[g * L8 + t]);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const __m256 iv = _mm256_set1_ps(inv[g]);
+        for (int c = 0; c < C; ++c) store8(o + g * 64 + c * 8, _mm256_mul_ps(acc[g][c], iv));
+    }
+}
+#endif
+
+template <typename T>
+void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const int32_t* tables, int64_t max_blocks,
+                 const int32_t* ctx, T* out, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale,
+                 int nthreads) {
+    const int64_t G = nh / nkv;  // query heads per KV head: they share every K/V row read (G <= 64)
+    const int64_t row = nkv * hd;
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> qf(G * hd), acc(G * hd), kv(hd), s;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * nkv; ++task) {
+            const int64_t i = task / nkv, h = task % nkv, L = ctx[i];
+            if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
+            const T* qr = q + i * q_stride + h * G * hd;
+            const int32_t* bt = tables + i * max_blocks;
+            T* o = out + (i * nh + h * G) * hd;
+            const T* k0 = kc + h * hd;
+            const T* v0 = vc + h * hd;
+#ifdef __AVX2__
+            if (hd == 64 && G <= 8)
+                attend_one_avx64<T>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
+            else
+#endif
+            if (hd == 64)
+                attend_one<T, 64>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(), kv.data());
+            else if (hd == 128)
+                attend_one<T, 128>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(), kv.data());
+            else
+                attend_one<T, 0>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(), kv.data());
+        }
+    }
+}
+
+// The index of each row's first maximum, as torch's max(dim).indices (a NaN counts as the maximum).
+template <typename T>
+void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * width >= 262144)
+    for (int64_t i = 0; i < n; ++i) {
+        const T* r = x + i * row_stride;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t j = 0; j < width; ++j) {
+            const float v = Num<T>::ld(r[j]);
+            m = v > m ? v : m;
+            nan |= v != v;
+        }
+        int64_t at = 0;
+        for (int64_t j = 0; j < width; ++j) {
+            const float v = Num<T>::ld(r[j]);
+            if (nan ? v != v : v == m) {
+                at = j;
+                break;
+            }
+        }
+        out[i] = at;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kairos_abi_version() { return 2; }
+
+void kairos_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out,
+                        int nthreads) {
+    if (dtype == 1)
+        argmax_rows(static_cast<const bf16*>(x), row_stride, n, width, out, nthreads);
+    else
+        argmax_rows(static_cast<const float*>(x), row_stride, n, width, out, nthreads);
+}
+
+// dtype: 0 = float32, 1 = bfloat16
+void kairos_rms_norm(int dtype, const void* x, int64_t x_stride, const void* w, void* y, int64_t n, int64_t d,
+                     float eps, int nthreads) {
+    if (dtype == 1)
+        rms_norm(static_cast<const bf16*>(x), x_stride, static_cast<const bf16*>(w), static_cast<bf16*>(y), n, d, eps,
+                 nthreads);
+    else
+        rms_norm(static_cast<const float*>(x), x_stride, static_cast<const float*>(w), static_cast<float*>(y), n, d,
+                 eps, nthreads);
+}
+
+void kairos_rope_write(int dtype, void* qkv, int64_t row_stride, const void* cos, const void* sin, const int64_t* pos,
+                       const int64_t* slots, void* kc, void* vc, int64_t n, int64_t nh, int64_t nkv, int64_t hd,
+                       int nthreads) {
+    if (dtype == 1)
+        rope_write(static_cast<bf16*>(qkv), row_stride, static_cast<const bf16*>(cos), static_cast<const bf16*>(sin),
+                   pos, slots, static_cast<bf16*>(kc), static_cast<bf16*>(vc), n, nh, nkv, hd, nthreads);
+    else
+        rope_write(static_cast<float*>(qkv), row_stride, static_cast<const float*>(cos), static_cast<const float*>(sin),
+                   pos, slots, static_cast<float*>(kc), static_cast<float*>(vc), n, nh, nkv, hd, nthreads);
+}
+
+void kairos_decode_attn(int dtype, const void* q, int64_t q_stride, const void* kc, const void* vc,
+                        const int32_t* tables, int64_t max_blocks, const int32_t* ctx, void* out, int64_t n,
+                        int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float scale, int nthreads) {
+    if (dtype == 1)
+        decode_attn(static_cast<const bf16*>(q), q_stride, static_cast<const bf16*>(kc), static_cast<const bf16*>(vc),
+                    tables, max_blocks, ctx, static_cast<bf16*>(out), n, nh, nkv, hd, bs, scale, nthreads);
+    else
+        decode_attn(static_cast<const float*>(q), q_stride, static_cast<const float*>(kc),
+                    static_cast<const float*>(vc), tables, max_blocks, ctx, static_cast<float*>(out), n, nh, nkv, hd,
+                    bs, scale, nthreads);
+}
+
+}  // extern "C"

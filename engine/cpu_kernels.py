@@ -1,0 +1,176 @@
+"""Kairos's own CPU kernels (`cpu_kernels.cpp`): RMSNorm, RoPE + paged-cache write, paged decode attention.
+
+On CPU the decoder's small per-layer ops cost more in dispatch and in passes over memory than in arithmetic:
+a decode step ran ~45 torch ops a layer, and decode attention gathered every context's blocks into a dense
+copy before one SDPA call per group of similar lengths. These kernels do that work in three calls a layer and
+read the paged cache through the block table directly.
+
+Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, ~2 s) into the Kairos cache
+(`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
+flags, and called through ctypes (which releases the GIL). Where there is no compiler, or the build fails, or
+the CPU or dtypes are not supported, the engine keeps its torch ops (`EngineConfig.cpu_kernels`: auto warns, on
+refuses to start, off never builds). float32 and bfloat16 only, with the KV cache in the activations' dtype.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
+ABI_VERSION = 2
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 1024
+
+_i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    root = Path(os.environ.get("KAIROS_CACHE", Path.home() / ".cache" / "kairos")).expanduser() / "kernels"
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode(),
+                 subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout):
+        key.update(part)
+    return root / f"kairos_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(out, path)  # atomic: a concurrent build by another process just wins or loses the rename
+
+
+class CpuKernels:
+    """The loaded library; every method takes torch tensors and checks what the C code assumes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.kairos_rms_norm.argtypes = [_int, _p, _i64, _p, _p, _i64, _i64, _f32, _int]
+        lib.kairos_rope_write.argtypes = [_int, _p, _i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int]
+        lib.kairos_decode_attn.argtypes = [_int, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
+                                           _f32, _int]
+        lib.kairos_argmax_rows.argtypes = [_int, _p, _i64, _i64, _i64, _p, _int]
+        for fn in (lib.kairos_rms_norm, lib.kairos_rope_write, lib.kairos_decode_attn, lib.kairos_argmax_rows):
+            fn.restype = None
+
+    @staticmethod
+    def supports(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype in DTYPES and cache_dtype == dtype and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [n, d] with unit stride along d; returns a new contiguous [n, d]."""
+        n, d = x.shape
+        assert x.stride(1) == 1 and w.is_contiguous() and w.dtype == x.dtype
+        y = torch.empty((n, d), dtype=x.dtype)
+        self.lib.kairos_rms_norm(DTYPES[x.dtype], x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), n, d, eps,
+                                 torch.get_num_threads())
+        return y
+
+    def rope_write(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> None:
+        """qkv [n, (H + 2 KV) * hd] (rows may be strided): RoPE on its q and k heads in place, then k and v
+        into the layer's cache [blocks, block_size, KV, hd] at `slots`. cos/sin: [max_position, hd] tables."""
+        n = qkv.shape[0]
+        hd = cos.shape[-1]
+        assert qkv.stride(1) == 1 and positions.dtype == slots.dtype == torch.int64
+        assert cos.is_contiguous() and sin.is_contiguous() and kc.is_contiguous() and vc.is_contiguous()
+        self.lib.kairos_rope_write(DTYPES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                   positions.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(), n,
+                                   num_heads, num_kv_heads, hd, torch.get_num_threads())
+
+    def decode_attn(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+                    ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [n, H, hd] (rows may be strided, heads contiguous), one query token per request; tables [n, max
+        blocks] int32; ctx_lens [n] int32 (the context including this token). Returns [n, H, hd]."""
+        n, nh, hd = q.shape
+        _, bs, nkv, _ = kc.shape
+        assert q.stride(2) == 1 and q.stride(1) == hd and tables.dtype == ctx_lens.dtype == torch.int32
+        assert tables.is_contiguous() and ctx_lens.is_contiguous() and nh % nkv == 0
+        out = torch.empty((n, nh, hd), dtype=q.dtype)
+        self.lib.kairos_decode_attn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
+                                    tables.data_ptr(), tables.shape[1], ctx_lens.data_ptr(), out.data_ptr(), n, nh,
+                                    nkv, hd, bs, scale, torch.get_num_threads())
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> list[int]:
+        """Each row's first maximum (torch's `max(-1).indices`; a NaN counts as the maximum) of a 2-D float32 or
+        bfloat16 tensor with unit stride along the row, as a list. One pass to find the maximum, one to find it."""
+        n, width = x.shape
+        if x.dtype not in DTYPES or x.stride(1) != 1 or x.device.type != "cpu":
+            return x.max(dim=-1).indices.tolist()
+        out = torch.empty(n, dtype=torch.int64)
+        self.lib.kairos_argmax_rows(DTYPES[x.dtype], x.data_ptr(), x.stride(0), n, width, out.data_ptr(),
+                                    torch.get_num_threads())
+        return out.tolist()
+
+
+class KernelsUnavailable(RuntimeError):
+    pass
+
+
+@functools.cache
+def _load_cached() -> CpuKernels:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise KernelsUnavailable("no C++ compiler (g++ or c++; or set CXX)")
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+        if lib.kairos_abi_version() != ABI_VERSION:
+            raise KernelsUnavailable(f"{path} is stale (ABI {lib.kairos_abi_version()}, want {ABI_VERSION})")
+        return CpuKernels(lib)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        raise KernelsUnavailable(str(e)) from e
+
+
+def load() -> CpuKernels:
+    """The kernels, built at first use (once per process); KernelsUnavailable says why not."""
+    return _load_cached()
+
+
+def choose(setting: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+           head_dim: int) -> CpuKernels | None:
+    """The kernels `EngineConfig.cpu_kernels` asks for on this device and model: None means torch ops."""
+    if setting == "off" or device.type != "cpu":
+        if setting == "on" and device.type != "cpu":
+            raise ValueError("cpu_kernels='on' needs device='cpu'")
+        return None
+    why = None
+    if not CpuKernels.supports(dtype, cache_dtype, head_dim):
+        why = f"dtype {dtype} with a {cache_dtype} KV cache and head_dim {head_dim}"
+    else:
+        try:
+            return load()
+        except KernelsUnavailable as e:
+            why = str(e)
+    if setting == "on":
+        raise ValueError(f"cpu_kernels='on' but Kairos's CPU kernels cannot run here: {why}")
+    log.warning("Kairos CPU kernels not used (%s): the engine runs torch ops instead (slower)", why)
+    return None

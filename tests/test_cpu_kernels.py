@@ -1,0 +1,146 @@
+"""Kairos's compiled CPU kernels against the torch ops they replace, on hand-made paged caches."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.config import EngineConfig
+from engine.decoder import rms_norm
+from engine.engine import LLMEngine
+
+H, KV, HD, BS = 9, 3, 64, 16
+
+
+def _on_thread(fn):
+    """Like the engine: tensor work on a thread of its own (one OpenMP pool per thread that runs parallel ops)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return cpu_kernels.load()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_matches_hf_rmsnorm(kernels, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    got = _on_thread(lambda: kernels.rms_norm(x, w, 1e-5))
+    ref = rms_norm(x, w, 1e-5)
+    if dtype == torch.bfloat16:  # the fp32 statistics round to the same bf16 values
+        assert torch.equal(got, ref)
+    else:  # the mean's summation order differs in the last bit
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    strided = torch.cat([x, x], 1)[:, :576]  # a row stride other than the width
+    assert torch.equal(_on_thread(lambda: kernels.rms_norm(strided, w, 1e-5)), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_rope_write_is_bit_exact_with_the_torch_ops_and_fills_the_slots(kernels, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (H + 2 * KV) * HD, generator=g).to(dtype)
+    cos, sin = (torch.randn(512, HD, generator=g).to(dtype) for _ in range(2))
+    pos = torch.randint(0, 512, (rows,), generator=g)
+    slots = torch.randperm(20 * BS, generator=g)[:rows]
+    kc = torch.zeros(20, BS, KV, HD, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    heads = qkv.view(rows, H + 2 * KV, HD)
+    qk = heads[:, :H + KV]
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    ref = qk * c + torch.cat((-qk[..., HD // 2:], qk[..., :HD // 2]), -1) * s  # the decoder's torch RoPE
+    v = heads[:, H + KV:].clone()
+    got = qkv.clone()
+    _on_thread(lambda: kernels.rope_write(got, H, KV, cos, sin, pos, slots, kc, vc))
+    got = got.view(rows, H + 2 * KV, HD)
+    assert torch.equal(got[:, :H + KV], ref)
+    assert torch.equal(got[:, H + KV:], v)  # v untouched
+    assert torch.equal(kc.view(-1, KV, HD)[slots], ref[:, H:])
+    assert torch.equal(vc.view(-1, KV, HD)[slots], v)
+    untouched = torch.ones(20 * BS, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc.view(-1, KV, HD)[untouched].any() and not vc.view(-1, KV, HD)[untouched].any()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 16, 2)])
+def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, head_dim, heads, kv_heads):
+    g = torch.Generator().manual_seed(head_dim + heads)
+    blocks = 64
+    kc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 7, 16, 17, 100, 250], dtype=torch.int32)  # one block, partial, full, odd, long
+    width = -(-int(lens.max()) // BS)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens]).to(torch.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    got = _on_thread(lambda: kernels.decode_attn(q, kc, vc, tables, lens, scale))
+    for i, n in enumerate(lens.tolist()):
+        blk = tables[i, :-(-n // BS)].long()
+        k = kc[blk].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        v = vc[blk].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        ref = F.scaled_dot_product_attention(q[i].float().view(heads, 1, head_dim), k, v, scale=scale,
+                                             enable_gqa=True).view(heads, head_dim)
+        torch.testing.assert_close(got[i].float(), ref, rtol=tol, atol=tol)
+
+
+def test_unsupported_combinations_fall_back_or_refuse():
+    cpu = torch.device("cpu")
+    assert cpu_kernels.choose("off", cpu, torch.float32, torch.float32, 64) is None
+    assert cpu_kernels.choose("auto", cpu, torch.bfloat16, torch.float32, 64) is None  # cache in another dtype
+    with pytest.raises(ValueError, match="cpu_kernels='on'"):
+        cpu_kernels.choose("on", cpu, torch.float16, torch.float16, 64)
+    assert cpu_kernels.choose("on", cpu, torch.float32, torch.float32, 64) is not None
+
+
+def _decode_logits(eng, prompts):
+    """Prefill the prompts, then decode their last token again from the cache: the decode step's logits."""
+    from engine.profiling import Prober
+
+    def job(e):
+        reqs, _ = Prober(e)._requests(prompts, 0)
+        e.runner.execute(reqs, [])
+        for r in reqs:
+            r.num_computed_tokens = r.num_tokens - 1
+        return e.runner.execute([], reqs).float()
+    return eng.run_idle(job)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_step_with_kernels_matches_torch_ops(tiny_checkpoints, dtype):
+    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
+    logits = {}
+    for setting in ("on", "off"):
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype=dtype, device="cpu", block_size=4,
+                                     kv_cache_dtype="model", cpu_kernels=setting))
+        try:
+            assert (eng.runner.kernels is not None) == (setting == "on")
+            logits[setting] = _decode_logits(eng, prompts)
+        finally:
+            eng.shutdown()
+    scale = logits["off"].abs().max().item()
+    tol = 1e-5 if dtype == "float32" else 0.03  # bf16: rounding of a different summation order
+    assert (logits["on"] - logits["off"]).abs().max().item() <= tol * scale
+    if dtype == "float32":
+        assert torch.equal(logits["on"].argmax(-1), logits["off"].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torchs_first_maximum(kernels, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 5000, generator=g).to(dtype)
+    x[3, 100] = x[3, 4000] = 50.0  # a tie: the first wins
+    x[5] = -float("inf")
+    x[6, 77] = float("nan")  # a NaN counts as the maximum
+    view = x[:, :4500]  # a row stride other than the width, as the sampler's vocab-limit slice
+    got = _on_thread(lambda: kernels.argmax_rows(view))
+    assert got == view.max(dim=-1).indices.tolist()
+    assert got[3] == 100 and got[6] == 77
