@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX2__
+#ifdef __SSE__
 #include <immintrin.h>
 #endif
 
@@ -29,12 +29,12 @@ inline float bf2f(bf16 x) {
     return f;
 }
 
-inline bf16 f2bf(float f) {  // round to nearest even, as torch does; NaN stays NaN
+inline bf16 f2bf(float f) {  // round to nearest even, as torch does; NaN stays NaN (branch-free: vectorises)
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<bf16>(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 // e^x for x <= 0 (softmax after subtracting the max), within ~2 ulp of expf; written so that it vectorises
@@ -101,12 +101,15 @@ void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const in
         float tmp[1024];  // head_dim <= 1024 (checked by the caller)
         for (int64_t h = 0; h < nrot; ++h) {
             T* v = row + h * hd;
-            for (int64_t j = 0; j < hd; ++j) {
-                const float rot = j < half ? -Num<T>::ld(v[j + half]) : Num<T>::ld(v[j - half]);
-                const float a = Num<T>::round(Num<T>::ld(v[j]) * Num<T>::ld(c[j]));
-                const float b = Num<T>::round(Num<T>::round(rot) * Num<T>::ld(s[j]));
-                tmp[j] = a + b;
-            }
+            // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): two halves, so that each loop vectorises
+#pragma omp simd
+            for (int64_t j = 0; j < half; ++j)
+                tmp[j] = Num<T>::round(Num<T>::ld(v[j]) * Num<T>::ld(c[j])) +
+                         Num<T>::round(-Num<T>::ld(v[j + half]) * Num<T>::ld(s[j]));
+#pragma omp simd
+            for (int64_t j = half; j < hd; ++j)
+                tmp[j] = Num<T>::round(Num<T>::ld(v[j]) * Num<T>::ld(c[j])) +
+                         Num<T>::round(Num<T>::ld(v[j - half]) * Num<T>::ld(s[j]));
             for (int64_t j = 0; j < hd; ++j) v[j] = Num<T>::st(tmp[j]);
         }
         const int64_t kvw = nkv * hd;
@@ -277,26 +280,49 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
 #pragma omp parallel num_threads(nthreads)
     {
         std::vector<float> qf(G * hd), acc(G * hd), kv(hd), s;
+        // A task is one request with all its KV heads when there are enough requests to share out: each K/V
+        // row (all heads side by side) then comes from memory once, and the heads after the first read it from
+        // cache. With fewer requests than 2 per thread, a task is one (request, KV head).
+        const bool whole = n >= 2 * nthreads;
+        const int64_t per = whole ? nkv : 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < n * nkv; ++task) {
-            const int64_t i = task / nkv, h = task % nkv, L = ctx[i];
+        for (int64_t task = 0; task < n * nkv / per; ++task) {
+            const int64_t i = task * per / nkv, L = ctx[i];
             if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
-            const T* qr = q + i * q_stride + h * G * hd;
             const int32_t* bt = tables + i * max_blocks;
-            T* o = out + (i * nh + h * G) * hd;
-            const T* k0 = kc + h * hd;
-            const T* v0 = vc + h * hd;
-#ifdef __AVX2__
-            if (hd == 64 && G <= 8)
-                attend_one_avx64<T>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
-            else
+#ifdef __SSE__
+            // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask
+            // for all of them up front, K and V, so that their reads overlap instead of stalling block by block
+            const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(T));
+            for (int64_t b = 0; b < (L + bs - 1) / bs; ++b) {
+                const char* kb = reinterpret_cast<const char*>(kc + static_cast<int64_t>(bt[b]) * bs * row);
+                const char* vb = reinterpret_cast<const char*>(vc + static_cast<int64_t>(bt[b]) * bs * row);
+                for (int64_t off = 0; off < block_bytes; off += 64) {
+                    _mm_prefetch(kb + off, _MM_HINT_T1);
+                    _mm_prefetch(vb + off, _MM_HINT_T1);
+                }
+            }
 #endif
-            if (hd == 64)
-                attend_one<T, 64>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(), kv.data());
-            else if (hd == 128)
-                attend_one<T, 128>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(), kv.data());
-            else
-                attend_one<T, 0>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(), kv.data());
+            for (int64_t h = task * per % nkv, h_end = h + per; h < h_end; ++h) {
+                const T* qr = q + i * q_stride + h * G * hd;
+                T* o = out + (i * nh + h * G) * hd;
+                const T* k0 = kc + h * hd;
+                const T* v0 = vc + h * hd;
+#ifdef __AVX2__
+                if (hd == 64 && G <= 8)
+                    attend_one_avx64<T>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
+                else
+#endif
+                if (hd == 64)
+                    attend_one<T, 64>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                                      kv.data());
+                else if (hd == 128)
+                    attend_one<T, 128>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                                       kv.data());
+                else
+                    attend_one<T, 0>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                                     kv.data());
+            }
         }
     }
 }
