@@ -1,11 +1,13 @@
 """Two small CPU checks behind bench/README.md's "Against vLLM on CPU" section.
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
+                               [--cpu-kernels auto,off]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2]
 
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
-`engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32.
+`engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32; once per `--cpu-kernels`
+setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace).
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -24,12 +26,12 @@ import time
 MODULE = "bench.step"
 
 
-def steps(model: str, dtype: str, impl: str, threads: int) -> dict[int, float]:
+def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "auto") -> dict[int, float]:
     from engine.engine import LLMEngine
     from engine.profiling import Prober
 
     eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, model_impl=impl, max_model_len=1024,
-                    kv_cache_memory_gb=0.2)
+                    kv_cache_memory_gb=0.2, cpu_kernels=cpu_kernels)
     try:
         return eng.run_idle(lambda e: {b: min(Prober(e).decode_ms([96] * b) for _ in range(8)) for b in (1, 8, 32)})
     finally:
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dtype", default="bfloat16")
     s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--cpu-kernels", default="auto", help="comma list of EngineConfig.cpu_kernels settings")
     sub.add_parser("omp")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
@@ -129,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--threads", default="1,2", help="comma-separated engine thread counts")
     args = ap.parse_args(argv)
     if args.cmd == "steps":
-        ms = steps(args.model, args.dtype, args.model_impl, args.threads)
-        print(f"{args.model} {args.dtype} impl={args.model_impl}: decode step ms (context 96) "
-              + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items()))
+        for setting in args.cpu_kernels.split(","):
+            ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting)
+            print(f"{args.model} {args.dtype} impl={args.model_impl} cpu_kernels={setting}: decode step ms "
+                  "(context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):
             for name, ms in contend(args.model, args.dtype, n).items():

@@ -167,8 +167,8 @@ void attend_one(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_
 }
 
 #ifdef __AVX2__
-// AVX2 path for a head size of 64: 8-float vectors; the G dot products of 8 context rows are summed across
-// lanes together (hadd transpose) instead of one horizontal reduction per dot.
+// AVX2 / AVX-512 path for a head size of 64: the G dot products of 8 context rows are summed across lanes
+// together (hadd transpose) instead of one horizontal reduction per dot.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -196,23 +196,73 @@ inline __m256 exp8_nonpos(__m256 x) {  // exp_nonpos, 8 lanes
 }
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256i bf16_bits8(__m256 v) {  // f2bf's round to nearest even, 8 lanes (NaN payloads aside), as int32
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+}
+inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
 inline void store8(bf16* p, __m256 v) {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    for (int j = 0; j < 8; ++j) p[j] = f2bf(tmp[j]);
+    const __m256i r = bf16_bits8(v);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
-template <typename T>
-void attend_one_avx64(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t row,
-                      int64_t bs, float scale, T* o, float* s) {
-    constexpr int C = 8;  // vectors per 64-float row
-    __m256 q[8][C], acc[8][C];  // G <= 8 (checked by the caller)
-    const __m256 sc = _mm256_set1_ps(scale);
+// The row-wide arithmetic of attend_one_vec over one vector type: 8 lanes (AVX2) or 16 (AVX-512).
+struct Vec8 {
+    using V = __m256;
+    static constexpr int W = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static V load(const bf16* p) { return load8(p); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static __m256 to8(V a) { return a; }  // a vector whose 8 lanes sum to a's
+    template <typename T> static void store(T* p, V v) { store8(p, v); }
+};
+
+#ifdef __AVX512F__
+struct Vec16 {
+    using V = __m512;
+    static constexpr int W = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V set1(float x) { return _mm512_set1_ps(x); }
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static V load(const bf16* p) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static __m256 to8(V a) {
+        return _mm256_add_ps(_mm512_castps512_ps256(a),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    }
+    template <typename T> static void store(T* p, V v) {
+        store8(p, _mm512_castps512_ps256(v));
+        store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
+};
+using VecWide = Vec16;
+#else
+using VecWide = Vec8;
+#endif
+
+template <typename T, typename Vec>
+void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t row,
+                    int64_t bs, float scale, T* o, float* s) {
+    using V = typename Vec::V;
+    constexpr int C = 64 / Vec::W;  // vectors per 64-float row
+    V q[8][C], acc[8][C];  // G <= 8 (checked by the caller)
+    const V sc = Vec::set1(scale);
     for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) q[g][c] = _mm256_mul_ps(load8(qr + g * 64 + c * 8), sc);
+        for (int c = 0; c < C; ++c) q[g][c] = Vec::mul(Vec::load(qr + g * 64 + c * Vec::W), sc);
     const int64_t L8 = (L + 7) / 8 * 8;
     for (int64_t t0 = 0; t0 < L8; t0 += 8) {
-        __m256 part[8][8];  // [g][row within the 8]
+        __m256 part[8][8];  // [g][row within the 8], each summing to that row's score
         for (int tt = 0; tt < 8; ++tt) {
             const int64_t t = t0 + tt;
             if (t >= L) {
@@ -220,15 +270,15 @@ void attend_one_avx64(const T* qr, const T* kc, const T* vc, const int32_t* bt, 
                 continue;
             }
             const T* kr = kc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
-            __m256 k[C];
-            for (int c = 0; c < C; ++c) k[c] = load8(kr + c * 8);
+            V k[C];
+            for (int c = 0; c < C; ++c) k[c] = Vec::load(kr + c * Vec::W);
             for (int64_t g = 0; g < G; ++g) {
-                __m256 a0 = _mm256_mul_ps(q[g][0], k[0]), a1 = _mm256_mul_ps(q[g][1], k[1]);
+                V a0 = Vec::mul(q[g][0], k[0]), a1 = Vec::mul(q[g][1], k[1]);
                 for (int c = 2; c < C; c += 2) {
-                    a0 = _mm256_fmadd_ps(q[g][c], k[c], a0);
-                    a1 = _mm256_fmadd_ps(q[g][c + 1], k[c + 1], a1);
+                    a0 = Vec::fmadd(q[g][c], k[c], a0);
+                    a1 = Vec::fmadd(q[g][c + 1], k[c + 1], a1);
                 }
-                part[g][tt] = _mm256_add_ps(a0, a1);
+                part[g][tt] = Vec::to8(Vec::add(a0, a1));
             }
         }
         for (int64_t g = 0; g < G; ++g) _mm256_storeu_ps(s + g * L8 + t0, sum_each8(part[g]));
@@ -253,20 +303,20 @@ void attend_one_avx64(const T* qr, const T* kc, const T* vc, const int32_t* bt, 
         float total = 0.f;
         for (float v : lanes) total += v;
         inv[g] = 1.f / total;
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) acc[g][c] = Vec::zero();
     }
     for (int64_t t = 0; t < L; ++t) {
         const T* vr = vc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
-        __m256 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load8(vr + c * 8);
+        V v[C];
+        for (int c = 0; c < C; ++c) v[c] = Vec::load(vr + c * Vec::W);
         for (int64_t g = 0; g < G; ++g) {
-            const __m256 p = _mm256_set1_ps(s[g * L8 + t]);
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+            const V p = Vec::set1(s[g * L8 + t]);
+            for (int c = 0; c < C; ++c) acc[g][c] = Vec::fmadd(p, v[c], acc[g][c]);
         }
     }
     for (int64_t g = 0; g < G; ++g) {
-        const __m256 iv = _mm256_set1_ps(inv[g]);
-        for (int c = 0; c < C; ++c) store8(o + g * 64 + c * 8, _mm256_mul_ps(acc[g][c], iv));
+        const V iv = Vec::set1(inv[g]);
+        for (int c = 0; c < C; ++c) Vec::template store<T>(o + g * 64 + c * Vec::W, Vec::mul(acc[g][c], iv));
     }
 }
 #endif
@@ -310,7 +360,7 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
                 const T* v0 = vc + h * hd;
 #ifdef __AVX2__
                 if (hd == 64 && G <= 8)
-                    attend_one_avx64<T>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
+                    attend_one_vec<T, VecWide>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
                 else
 #endif
                 if (hd == 64)
