@@ -2,12 +2,16 @@
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
                                [--cpu-kernels auto,off]
+    python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2]
 
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
 `engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32; once per `--cpu-kernels`
 setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace).
+`parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
+compiled kernels timed by wrapping them, "other" is the rest of the forward (embedding, views, the Python
+between calls); the totals include sampling.
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -35,6 +39,74 @@ def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "a
     try:
         return eng.run_idle(lambda e: {b: min(Prober(e).decode_ms([96] * b) for _ in range(8)) for b in (1, 8, 32)})
     finally:
+        eng.shutdown()
+
+
+_PARTS = {"matmuls": ("linear", "residual", "mlp"),
+          "kernels": ("rms_norm", "rope_write", "decode_attn", "argmax_rows")}
+
+
+def parts(model: str, dtype: str, batches: list[int], threads: int) -> dict[int, dict[str, float]]:
+    """Mean ms per decode step spent in each matmul call kind and compiled kernel, plus the step."""
+    from collections import defaultdict
+
+    from engine.engine import LLMEngine
+    from engine.profiling import Prober
+
+    acc: dict[str, float] = defaultdict(float)
+    depth = [0]  # a timed call inside another (TorchMatmuls.mlp calls its linear) counts once, in the outer
+
+    def timed(name, fn, whole=False):  # whole: times everything inside, whatever else is timed there
+        def wrapper(*a, **kw):
+            if whole:
+                t = time.perf_counter()
+                out = fn(*a, **kw)
+                acc[name] += time.perf_counter() - t
+                return out
+            if depth[0]:
+                return fn(*a, **kw)
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] += time.perf_counter() - t
+                depth[0] -= 1
+        return wrapper
+
+    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=1024, kv_cache_memory_gb=0.2)
+    try:
+        dec, kernels = eng.runner.decoder, eng.runner.kernels
+        if dec is None:
+            raise SystemExit(f"{model} runs on the HF modules' forward: nothing to break down")
+        for name in _PARTS["matmuls"]:  # instance attributes shadow the backend's methods for this engine only
+            setattr(dec.mm, name, timed(name, getattr(dec.mm, name)))
+        if kernels is not None:
+            for name in _PARTS["kernels"]:
+                setattr(kernels, name, timed(name, getattr(kernels, name)))
+            dec.norm_fn = kernels.rms_norm
+            eng.sampler.argmax = kernels.argmax_rows
+        fwd = eng.runner.forward
+        eng.runner.forward = timed("forward", fwd, whole=True)
+
+        def run(e) -> dict[int, dict[str, float]]:
+            out = {}
+            p = Prober(e)
+            for b in batches:
+                for _ in range(5):
+                    p.decode_ms([96] * b)
+                acc.clear()
+                step = sum(p.decode_ms([96] * b) for _ in range(20)) / 20
+                row = {k: v / 20 * 1000.0 for k, v in acc.items()}
+                row["other"] = row.pop("forward") - sum(v for k, v in row.items() if k != "argmax_rows")
+                row["step"] = step
+                out[b] = row
+            return out
+        return eng.run_idle(run, timeout=600)
+    finally:
+        if kernels is not None:  # the loaded kernels are shared by every engine of this process
+            for name in _PARTS["kernels"]:
+                kernels.__dict__.pop(name, None)
         eng.shutdown()
 
 
@@ -125,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--cpu-kernels", default="auto", help="comma list of EngineConfig.cpu_kernels settings")
+    pp = sub.add_parser("parts")
+    pp.add_argument("--model", default="kairos-default")
+    pp.add_argument("--dtype", default="bfloat16")
+    pp.add_argument("--batches", default="1,8,32")
+    pp.add_argument("--threads", type=int, default=2)
     sub.add_parser("omp")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
@@ -136,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting)
             print(f"{args.model} {args.dtype} impl={args.model_impl} cpu_kernels={setting}: decode step ms "
                   "(context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items()))
+    elif args.cmd == "parts":
+        for b, row in parts(args.model, args.dtype, [int(x) for x in args.batches.split(",")], args.threads).items():
+            print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):
             for name, ms in contend(args.model, args.dtype, n).items():
