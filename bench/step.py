@@ -11,7 +11,8 @@
 setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
 compiled kernels timed by wrapping them, "other" is the rest of the forward (embedding, views, the Python
-between calls); the totals include sampling.
+between calls), "outside" the step's input preparation and the rest of sampling. The ~7 timer wrappers a layer
+add a little to the step against `steps`.
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -98,7 +99,9 @@ def parts(model: str, dtype: str, batches: list[int], threads: int) -> dict[int,
                 acc.clear()
                 step = sum(p.decode_ms([96] * b) for _ in range(20)) / 20
                 row = {k: v / 20 * 1000.0 for k, v in acc.items()}
-                row["other"] = row.pop("forward") - sum(v for k, v in row.items() if k != "argmax_rows")
+                forward = row.pop("forward")
+                row["other"] = forward - sum(v for k, v in row.items() if k != "argmax_rows")
+                row["outside"] = step - forward - row.get("argmax_rows", 0.0)  # input preparation, the rest of sampling
                 row["step"] = step
                 out[b] = row
             return out

@@ -12,6 +12,7 @@
 // torch's own runtime, so these regions share torch's thread pool.
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 #ifdef __SSE__
@@ -342,14 +343,20 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
             const int32_t* bt = tables + i * max_blocks;
 #ifdef __SSE__
             // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask
-            // for all of them up front, K and V, so that their reads overlap instead of stalling block by block
-            const int64_t block_bytes = bs * row * static_cast<int64_t>(sizeof(T));
-            for (int64_t b = 0; b < (L + bs - 1) / bs; ++b) {
-                const char* kb = reinterpret_cast<const char*>(kc + static_cast<int64_t>(bt[b]) * bs * row);
-                const char* vb = reinterpret_cast<const char*>(vc + static_cast<int64_t>(bt[b]) * bs * row);
-                for (int64_t off = 0; off < block_bytes; off += 64) {
-                    _mm_prefetch(kb + off, _MM_HINT_T1);
-                    _mm_prefetch(vb + off, _MM_HINT_T1);
+            // for this task's K and V rows up front (all heads of a token when the task has them all, else its
+            // head's slice), at most 256 KiB of them, so that their reads overlap instead of stalling block by block
+            {
+                const int64_t skip = whole ? 0 : (task % nkv) * hd;
+                const int64_t span = (whole ? row : hd) * static_cast<int64_t>(sizeof(T));
+                const int64_t upto = std::min<int64_t>(L, 128 * 1024 / span);
+                for (int64_t t = 0; t < upto; ++t) {
+                    const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row + skip;
+                    const char* kr = reinterpret_cast<const char*>(kc + at);
+                    const char* vr = reinterpret_cast<const char*>(vc + at);
+                    for (int64_t off = 0; off < span; off += 64) {
+                        _mm_prefetch(kr + off, _MM_HINT_T1);
+                        _mm_prefetch(vr + off, _MM_HINT_T1);
+                    }
                 }
             }
 #endif

@@ -33,6 +33,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "
 ABI_VERSION = 2
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024
+MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -68,8 +69,9 @@ def _build(compiler: str, path: Path) -> None:
 class CpuKernels:
     """The loaded library; every method takes torch tensors and checks what the C code assumes."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, build: str = "") -> None:
         self.lib = lib
+        self.build = build  # the library's name: a hash of the source, the flags and the CPU
         lib.kairos_rms_norm.argtypes = [_int, _p, _i64, _p, _p, _i64, _i64, _f32, _int]
         lib.kairos_rope_write.argtypes = [_int, _p, _i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _int]
         lib.kairos_decode_attn.argtypes = [_int, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
@@ -79,8 +81,9 @@ class CpuKernels:
             fn.restype = None
 
     @staticmethod
-    def supports(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in DTYPES and cache_dtype == dtype and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
+    def supports(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, heads_per_kv: int = 1) -> bool:
+        return (dtype in DTYPES and cache_dtype == dtype and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
+                and heads_per_kv <= MAX_HEADS_PER_KV)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """x [n, d] with unit stride along d; returns a new contiguous [n, d]."""
@@ -98,6 +101,8 @@ class CpuKernels:
         n = qkv.shape[0]
         hd = cos.shape[-1]
         assert qkv.stride(1) == 1 and positions.dtype == slots.dtype == torch.int64
+        assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * hd and kc.shape[-1] == hd  # full-width RoPE only
+        assert cos.dtype == sin.dtype == kc.dtype == vc.dtype == qkv.dtype
         assert cos.is_contiguous() and sin.is_contiguous() and kc.is_contiguous() and vc.is_contiguous()
         self.lib.kairos_rope_write(DTYPES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
                                    positions.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(), n,
@@ -111,6 +116,7 @@ class CpuKernels:
         _, bs, nkv, _ = kc.shape
         assert q.stride(2) == 1 and q.stride(1) == hd and tables.dtype == ctx_lens.dtype == torch.int32
         assert tables.is_contiguous() and ctx_lens.is_contiguous() and nh % nkv == 0
+        assert nh // nkv <= MAX_HEADS_PER_KV and kc.is_contiguous() and vc.is_contiguous() and kc.dtype == q.dtype
         out = torch.empty((n, nh, hd), dtype=q.dtype)
         self.lib.kairos_decode_attn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], ctx_lens.data_ptr(), out.data_ptr(), n, nh,
@@ -145,7 +151,7 @@ def _load_cached() -> CpuKernels:
         lib = ctypes.CDLL(str(path))
         if lib.kairos_abi_version() != ABI_VERSION:
             raise KernelsUnavailable(f"{path} is stale (ABI {lib.kairos_abi_version()}, want {ABI_VERSION})")
-        return CpuKernels(lib)
+        return CpuKernels(lib, path.stem)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(str(e)) from e
 
@@ -156,15 +162,15 @@ def load() -> CpuKernels:
 
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
-           head_dim: int) -> CpuKernels | None:
+           head_dim: int, heads_per_kv: int = 1) -> CpuKernels | None:
     """The kernels `EngineConfig.cpu_kernels` asks for on this device and model: None means torch ops."""
     if setting == "off" or device.type != "cpu":
         if setting == "on" and device.type != "cpu":
             raise ValueError("cpu_kernels='on' needs device='cpu'")
         return None
     why = None
-    if not CpuKernels.supports(dtype, cache_dtype, head_dim):
-        why = f"dtype {dtype} with a {cache_dtype} KV cache and head_dim {head_dim}"
+    if not CpuKernels.supports(dtype, cache_dtype, head_dim, heads_per_kv):
+        why = f"dtype {dtype} with a {cache_dtype} KV cache, head_dim {head_dim}, {heads_per_kv} heads per KV head"
     else:
         try:
             return load()

@@ -107,7 +107,9 @@ class LLMEngine:
         self.max_model_len = b.max_model_len
         self.model_name = b.name
         self.cache = build_cache(config, b, self.max_model_len)
-        kernels = cpu_kernels.choose(config.cpu_kernels, b.device, b.dtype, self.cache.dtype, self.cache.head_dim)
+        heads = b.config.num_attention_heads
+        kernels = cpu_kernels.choose(config.cpu_kernels, b.device, b.dtype, self.cache.dtype, self.cache.head_dim,
+                                     heads // self.cache.num_kv_heads)
         decoder = build_decoder(config.model_impl, b, self.upcast_linears > 0, kernels)
         self.runner = ModelRunner(b.model, self.cache, b.device, decoder, kernels)
         self.sampler = Sampler(b.vocab_limit, b.eos_token_ids, b.device,

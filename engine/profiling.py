@@ -31,6 +31,7 @@ def _meta(engine: "LLMEngine") -> dict:
     return {"version": PROFILE_VERSION, "model": b.path, "dtype": str(b.dtype), "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
+            "cpu_kernels": engine.runner.kernels.build if engine.runner.kernels else None,  # their source, flags, CPU
             "torch": torch.__version__}
 
 
