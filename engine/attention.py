@@ -106,8 +106,9 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         q = query[p.start:p.start + n]
         if q.stride(2) != 1 or q.stride(1) != hd:  # the HF modules' layout: heads outermost
             q = q.contiguous()
-        out[p.start:p.start + n] = p.kernels.decode_attn(q.to(cdt), kc, vc, p.tables, p.lens,
-                                                         hd ** -0.5 if scaling is None else scaling)
+        # into `out` directly; the kernels run only where the cache is in the activations' dtype
+        p.kernels.decode_attn(q, kc, vc, p.tables, p.lens, hd ** -0.5 if scaling is None else scaling,
+                              out=out[p.start:p.start + n])
     group = num_heads // kvh
     for g in m.decode_groups:
         B, nb, d0 = g.count, g.nb, g.start

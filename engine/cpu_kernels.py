@@ -109,15 +109,18 @@ class CpuKernels:
                                    num_heads, num_kv_heads, hd, torch.get_num_threads())
 
     def decode_attn(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
-                    ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    ctx_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [n, H, hd] (rows may be strided, heads contiguous), one query token per request; tables [n, max
-        blocks] int32; ctx_lens [n] int32 (the context including this token). Returns [n, H, hd]."""
+        blocks] int32; ctx_lens [n] int32 (the context including this token). Returns [n, H, hd]: `out` (a
+        contiguous tensor of that shape, written in place) when given."""
         n, nh, hd = q.shape
         _, bs, nkv, _ = kc.shape
         assert q.stride(2) == 1 and q.stride(1) == hd and tables.dtype == ctx_lens.dtype == torch.int32
         assert tables.is_contiguous() and ctx_lens.is_contiguous() and nh % nkv == 0
         assert nh // nkv <= MAX_HEADS_PER_KV and kc.is_contiguous() and vc.is_contiguous() and kc.dtype == q.dtype
-        out = torch.empty((n, nh, hd), dtype=q.dtype)
+        if out is None:
+            out = torch.empty((n, nh, hd), dtype=q.dtype)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
         self.lib.kairos_decode_attn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], ctx_lens.data_ptr(), out.data_ptr(), n, nh,
                                     nkv, hd, bs, scale, torch.get_num_threads())
@@ -140,7 +143,8 @@ class KernelsUnavailable(RuntimeError):
 
 
 @functools.cache
-def _load_cached() -> CpuKernels:
+def load() -> CpuKernels:
+    """The kernels, built at first use (once per process); KernelsUnavailable says why not."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler (g++ or c++; or set CXX)")
@@ -154,11 +158,6 @@ def _load_cached() -> CpuKernels:
         return CpuKernels(lib, path.stem)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(str(e)) from e
-
-
-def load() -> CpuKernels:
-    """The kernels, built at first use (once per process); KernelsUnavailable says why not."""
-    return _load_cached()
 
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
