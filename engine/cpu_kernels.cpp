@@ -18,6 +18,11 @@
 #ifdef __SSE__
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -410,11 +415,185 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64
     }
 }
 
+
+// ---- Linear layers on packed bf16 weights (AMX) --------------------------------------------------------------
+// A weight W [N, K] is packed once at load (engine/cpu_kernels.py: pack_weight) into panels of 16 output columns;
+// a panel holds K/2 rows of 64 bytes, each 16 columns x 2 consecutive k (the "VNNI" pairs that AMX's bf16 dot
+// product reads): P[p][kk][c][e] = W[16p + c][2kk + e]. Columns are padded with zeros to a multiple of 32, K must
+// be a multiple of 32. Panels are walked two at a time (32 columns) and the threads split the panel pairs, so each
+// thread streams its share of the weights once per block of activation rows; fp32 accumulation in tiles, then one
+// epilogue per 32 columns: the bias, a residual add, or silu(gate) * up for a gate|up pair packed panel by panel.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KAIROS_AMX 1
+
+struct TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {  // tiles 0-3: C (16 x 16 fp32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 k-pairs x 32 bf16)
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// c [16 * MT][32] fp32 = a's MT tiles of 16 rows (row stride lda elements) x panels b0 | b1, over k.
+template <int MT>
+inline void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (MT == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const int64_t sa = lda * 2;
+    for (int64_t kb = 0; kb < k; kb += 32) {
+        _tile_loadd(4, a + kb, sa);
+        _tile_loadd(6, b0 + kb * 16, 64);
+        _tile_loadd(7, b1 + kb * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (MT == 2) {
+            _tile_loadd(5, a + 16 * lda + kb, sa);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (MT == 2) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+#endif
+
+inline float silu(float g) {  // g * sigmoid(g), with exp of a non-positive argument only
+    const float e = exp_nonpos(g < 0.f ? g : -g);
+    const float s = (g < 0.f ? e : 1.f) / (1.f + e);
+    return g * s;
+}
+
+enum Epilogue { kPlain = 0, kResidual = 1, kSiluMul = 2 };
+
+// rows [m0, m0 + nrows) of the output from c [nrows][32] for panel pair `pair`.
+inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pair, int64_t n, const bf16* bias,
+                          const bf16* res, bf16* out, int64_t ldo, int mode) {
+    if (mode == kSiluMul) {  // panels: gate, up of the same 16 features; n is the features' count
+        const int64_t n0 = pair * 16, w = std::min<int64_t>(16, n - n0);
+        for (int64_t r = 0; r < nrows; ++r) {
+            const float* cr = c + r * 32;
+            bf16* o = out + (m0 + r) * ldo + n0;
+            int64_t j = 0;
+#ifdef KAIROS_AMX  // (AMX implies AVX-512, so AVX2's 8 lanes are there)
+            for (; j + 8 <= w; j += 8) {
+                const __m256 g = round8(load8(cr + j)), u = round8(load8(cr + 16 + j));
+                const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+                const __m256 e = exp8_nonpos(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // e^-|g|
+                const __m256 s = _mm256_div_ps(_mm256_blendv_ps(_mm256_set1_ps(1.f), e, neg),
+                                               _mm256_add_ps(_mm256_set1_ps(1.f), e));
+                store8(o + j, _mm256_mul_ps(round8(_mm256_mul_ps(g, s)), u));
+            }
+#endif
+            for (; j < w; ++j) {
+                const float g = Num<bf16>::round(cr[j]), u = Num<bf16>::round(cr[16 + j]);
+                o[j] = f2bf(Num<bf16>::round(silu(g)) * u);
+            }
+        }
+        return;
+    }
+    const int64_t n0 = pair * 32, w = std::min<int64_t>(32, n - n0);
+    for (int64_t r = 0; r < nrows; ++r) {
+        const float* cr = c + r * 32;
+        bf16* o = out + (m0 + r) * ldo + n0;
+        const bf16* h = res == nullptr ? nullptr : res + (m0 + r) * ldo + n0;
+#pragma omp simd
+        for (int64_t j = 0; j < w; ++j) {
+            float v = cr[j];
+            if (bias != nullptr) v += bf2f(bias[n0 + j]);
+            if (mode == kResidual) v = Num<bf16>::round(v) + bf2f(h[j]);
+            o[j] = f2bf(v);
+        }
+    }
+}
+
+// out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
+int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
+                const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
+#ifdef KAIROS_AMX
+    if (k % 32 != 0) return 1;
+    const int64_t full = m / 16, tiles = (m + 15) / 16;
+    std::vector<bf16> tail;  // the last partial tile's rows, zero-padded to 16
+    if (tiles > full) {
+        tail.assign(16 * k, 0);
+        for (int64_t r = 0; r < m - 16 * full; ++r)
+            std::memcpy(tail.data() + r * k, x + (16 * full + r) * ldx, k * sizeof(bf16));
+    }
+    const int64_t panel = 16 * k;  // elements
+    const int64_t chunk = 16;      // tiles of rows per pass over the weights (256 rows)
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_configure();
+        alignas(64) float c[32 * 32];
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
+            const int64_t t1 = std::min(tiles, t0 + chunk);
+            for (int64_t p = p0; p < p1; ++p) {
+                const bf16* b0 = w + 2 * p * panel;
+                const bf16* b1 = b0 + panel;
+                for (int64_t i = t0; i < t1; i += 2) {
+                    const bool two = i + 1 < t1 && i + 1 < full;  // both tiles read straight from x
+                    const bf16* a = i < full ? x + 16 * i * ldx : tail.data();
+                    const int64_t lda = i < full ? ldx : k;
+                    if (two)
+                        amx_block<2>(a, lda, b0, b1, k, c);
+                    else
+                        amx_block<1>(a, lda, b0, b1, k, c);
+                    const int64_t rows = std::min<int64_t>(two ? 32 : 16, m - 16 * i);
+                    gemm_epilogue(c, rows, 16 * i, p, n, bias, res, out, ldo, mode);
+                    if (!two && i + 1 < t1) {  // the second tile alone (the partial one)
+                        const bf16* a2 = i + 1 < full ? x + 16 * (i + 1) * ldx : tail.data();
+                        amx_block<1>(a2, i + 1 < full ? ldx : k, b0, b1, k, c);
+                        gemm_epilogue(c, std::min<int64_t>(16, m - 16 * (i + 1)), 16 * (i + 1), p, n, bias, res,
+                                      out, ldo, mode);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
+        (void)mode, (void)nthreads;
+    return 2;
+#endif
+}
+
+int amx_enable() {  // Linux gives a process AMX's tile state only on request
+#ifdef KAIROS_AMX
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 0 : 3;
+#else
+    return 2;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
 
-int kairos_abi_version() { return 2; }
+int kairos_abi_version() { return 3; }
 
 void kairos_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out,
                         int nthreads) {
@@ -457,5 +636,15 @@ void kairos_decode_attn(int dtype, const void* q, int64_t q_stride, const void* 
                     static_cast<const float*>(vc), tables, max_blocks, ctx, static_cast<float*>(out), n, nh, nkv, hd,
                     bs, scale, nthreads);
 }
+
+// gemm: 0 on success, 1 = K not a multiple of 32, 2 = built without AMX
+int kairos_gemm_packed(const void* x, int64_t ldx, int64_t m, int64_t k, const void* w, int64_t pairs, int64_t n,
+                       const void* bias, const void* res, void* out, int64_t ldo, int mode, int nthreads) {
+    return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
+                       static_cast<const bf16*>(bias), static_cast<const bf16*>(res), static_cast<bf16*>(out), ldo,
+                       mode, nthreads);
+}
+
+int kairos_amx_enable() { return amx_enable(); }
 
 }  // extern "C"

@@ -1,9 +1,12 @@
-"""Kairos's own CPU kernels (`cpu_kernels.cpp`): RMSNorm, RoPE + paged-cache write, paged decode attention.
+"""Kairos's own CPU kernels (`cpu_kernels.cpp`): RMSNorm, RoPE + paged-cache write, paged decode attention, and
+(on CPUs with AMX) the linear layers on bf16 weights packed once at load.
 
 On CPU the decoder's small per-layer ops cost more in dispatch and in passes over memory than in arithmetic:
 a decode step ran ~45 torch ops a layer, and decode attention gathered every context's blocks into a dense
 copy before one SDPA call per group of similar lengths. These kernels do that work in three calls a layer and
-read the paged cache through the block table directly.
+read the paged cache through the block table directly. The GEMMs of a decode step are bound by reading the
+weights: oneDNN's bf16 GEMM streamed them at ~16 GB/s on the AMX box at 1-32 rows, the packed AMX kernel at
+~20-23 GB/s (bench/README.md), and it fuses the bias, the residual add and silu(gate) * up into its epilogue.
 
 Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, ~2 s) into the Kairos cache
 (`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
@@ -22,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
@@ -79,6 +83,54 @@ class CpuKernels:
         lib.kairos_argmax_rows.argtypes = [_int, _p, _i64, _i64, _i64, _p, _int]
         for fn in (lib.kairos_rms_norm, lib.kairos_rope_write, lib.kairos_decode_attn, lib.kairos_argmax_rows):
             fn.restype = None
+        lib.kairos_gemm_packed.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _int, _int]
+        lib.kairos_gemm_packed.restype = _int
+        lib.kairos_amx_enable.restype = _int
+        self.amx = lib.kairos_amx_enable() == 0  # built with AMX, and the OS grants this process its tile state
+
+    def packed_linear_supported(self, dtype: torch.dtype, *inner_dims: int) -> bool:
+        """Whether `pack_weight` + `linear` can run bf16 layers whose input widths (K) are `inner_dims`."""
+        return self.amx and dtype == torch.bfloat16 and all(k % 32 == 0 for k in inner_dims)
+
+    @staticmethod
+    def pack_weight(w: torch.Tensor) -> PackedWeight:
+        """W [N, K] -> panels of 16 output columns, each K/2 rows of (16 columns x 2 consecutive k)."""
+        n, k = w.shape
+        assert w.dtype == torch.bfloat16 and k % 32 == 0
+        padded = -(-n // 32) * 32
+        wp = w.new_zeros((padded, k))
+        wp[:n] = w
+        data = wp.view(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return PackedWeight(data, n, k, padded // 32)
+
+    @classmethod
+    def pack_gated(cls, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
+        """gate, up [I, K] -> one weight whose panel pairs are (gate, up) of the same 16 features; `linear` with it
+        returns silu(x @ gate^T) * (x @ up^T) [., I]."""
+        n, k = gate.shape
+        assert up.shape == gate.shape
+        g, u = (cls.pack_weight(w).data.view(-1, 16 * k)[:-(-n // 16)] for w in (gate, up))
+        return PackedWeight(torch.stack([g, u], 1).contiguous(), n, k, g.shape[0], gated=True)
+
+    def linear(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bf16 (rows may be strided) @ W^T (+ bias) [M, N]; with `residual` [M, N] contiguous, adds the
+        (rounded) product to it in place and returns it. A gated weight returns silu(gate) * up instead."""
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == w.k
+        if residual is not None:
+            assert residual.shape == (m, w.n) and residual.is_contiguous() and residual.dtype == x.dtype
+            out, mode = residual, 1
+        else:
+            out, mode = torch.empty((m, w.n), dtype=x.dtype), 2 if w.gated else 0
+        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and not w.gated)
+        rc = self.lib.kairos_gemm_packed(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.pairs, w.n,
+                                         None if bias is None else bias.data_ptr(),
+                                         None if residual is None else residual.data_ptr(), out.data_ptr(), w.n,
+                                         mode, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"kairos_gemm_packed failed ({rc})")
+        return out
 
     @staticmethod
     def supports(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, heads_per_kv: int = 1) -> bool:
@@ -136,6 +188,20 @@ class CpuKernels:
         self.lib.kairos_argmax_rows(DTYPES[x.dtype], x.data_ptr(), x.stride(0), n, width, out.data_ptr(),
                                     torch.get_num_threads())
         return out.tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A linear layer's weight in the packed AMX layout (`CpuKernels.pack_weight`)."""
+    data: torch.Tensor
+    n: int  # output features
+    k: int  # input features
+    pairs: int  # pairs of 16-column panels
+    gated: bool = False  # (gate, up) panel pairs: the product is silu(gate) * up, n features
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
 
 
 class KernelsUnavailable(RuntimeError):

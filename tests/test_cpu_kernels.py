@@ -144,3 +144,70 @@ def test_argmax_rows_is_torchs_first_maximum(kernels, dtype):
     got = _on_thread(lambda: kernels.argmax_rows(view))
     assert got == view.max(dim=-1).indices.tolist()
     assert got[3] == 100 and got[6] == 77
+
+
+def _needs_amx(kernels):
+    if not kernels.amx:
+        pytest.skip("the packed GEMM needs AMX (this CPU or OS has none)")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45, 300])
+@pytest.mark.parametrize("n", [96, 100, 576])
+def test_packed_linear_matches_f_linear(kernels, rows, n):
+    """Kairos's AMX GEMM on packed weights: plain, with a bias, and adding into a residual in place, for row
+    counts around its 16-row tiles and output widths that are not a multiple of its 32-column blocks."""
+    _needs_amx(kernels)
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    k = 192
+    xs = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)
+    x = xs[:, :k]  # rows with a stride
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    h = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    pw = kernels.pack_weight(w)
+
+    def run():
+        plain, biased = kernels.linear(x, pw), kernels.linear(x, pw, b)
+        res = h.clone()
+        out = kernels.linear(x, pw, b, residual=res)
+        return plain, biased, res, out
+
+    plain, biased, res, out = _on_thread(run)
+    ref = x.float() @ w.float().t()  # fp32 accumulation, then one rounding, as oneDNN does
+    assert plain.shape == (rows, n) and plain.dtype == torch.bfloat16
+    assert (plain.float() - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
+    assert (biased.float() - (ref + b.float())).abs().max().item() <= 0.01 * ref.abs().max().item()
+    assert out is res  # in place
+    assert (res.float() - (h.float() + biased.float())).abs().max().item() <= 0.02 * res.float().abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_packed_gated_linear_is_silu_gate_times_up(kernels, rows):
+    _needs_amx(kernels)
+    g = torch.Generator().manual_seed(rows)
+    k, inter = 128, 200  # 200 features: 12 full 16-column panels and a partial one
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    gate, up = ((torch.randn(inter, k, generator=g) / k ** 0.5).to(torch.bfloat16) for _ in range(2))
+    pw = kernels.pack_gated(gate, up)
+    got = _on_thread(lambda: kernels.linear(x, pw))
+    ref = F.silu(F.linear(x, gate)) * F.linear(x, up)  # the HF MLP's ops in bf16
+    assert got.shape == (rows, inter)
+    # each product rounds once from fp32, as torch's ops do; a different summation order moves ~1 bf16 ulp
+    assert (got.float() - ref.float()).abs().max().item() <= 0.02 * ref.float().abs().max().item()
+
+
+def test_packed_linear_refuses_what_it_cannot_run(kernels):
+    assert not kernels.packed_linear_supported(torch.float32, 64)
+    assert not kernels.packed_linear_supported(torch.bfloat16, 48)  # K must be a multiple of 32
+    with pytest.raises(AssertionError):
+        kernels.pack_weight(torch.zeros(32, 48, dtype=torch.bfloat16))
+
+
+def test_bf16_decoder_uses_the_packed_gemm_where_the_cpu_has_amx(tiny_checkpoints, kernels):
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["qwen2"], dtype="bfloat16", device="cpu",
+                                 kv_cache_dtype="model"))
+    try:
+        packed = type(eng.runner.decoder.mm).__name__ == "PackedMatmuls"
+        assert packed == kernels.amx
+    finally:
+        eng.shutdown()
