@@ -2,7 +2,8 @@
 
 The model is called on one packed sequence [1, T]: first the tokens of every prefill (or chunk),
 then one token per decoding request. Each layer writes its new K/V into the cache by slot, then:
-- a prefill with no cached prefix attends causally over its own fresh K/V;
+- a prefill with no cached prefix attends causally over its own fresh K/V (consecutive prompts of one length
+  in one batched SDPA call);
 - a prefill with a cached prefix gathers its blocks and uses an offset causal mask;
 - decode tokens, with Kairos's CPU kernels (`engine.cpu_kernels`): one call that reads each context's blocks
   through its block table, no copy;
@@ -72,6 +73,25 @@ class AttnMetadata:
     kv_written: bool = False  # the decoder already wrote this step's K/V into the cache (`cpu_kernels.rope_write`)
 
 
+def _prefill_runs(prefills: list[tuple[int, int, int, torch.Tensor | None]]):
+    """The step's prefills for `attend`: consecutive fresh prompts of one length merge into one run
+    (q_start, q_len, count, None); a prefill over a cached prefix stays alone as (q_start, q_len, ctx_len, blocks)."""
+    run: list[int] | None = None  # [q_start, q_len, count]
+    for q_start, q_len, ctx_len, blocks in prefills:
+        if blocks is None and run is not None and q_len == run[1] and q_start == run[0] + run[1] * run[2]:
+            run[2] += 1
+            continue
+        if run is not None:
+            yield run[0], run[1], run[2], None
+            run = None
+        if blocks is None:
+            run = [q_start, q_len, 1]
+        else:
+            yield q_start, q_len, ctx_len, blocks
+    if run is not None:
+        yield run[0], run[1], run[2], None
+
+
 def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: AttnMetadata,
            scaling: float | None) -> torch.Tensor:
     """One layer's attention for the packed step: query [T, H, hd], key/value [T, kvh, hd] (any strides).
@@ -86,18 +106,20 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     gqa = num_heads != kvh
     out = torch.empty((T, num_heads, hd), dtype=query.dtype, device=query.device)
 
-    for q_start, q_len, ctx_len, blocks in m.prefills:
-        q = query[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)  # [1, H, L, hd]
-        if blocks is None:
-            k = key[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)
-            v = value[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)
+    for q_start, q_len, n, blocks in _prefill_runs(m.prefills):
+        if blocks is None:  # n fresh prompts of q_len tokens each, back to back: one batched causal SDPA
+            rows = slice(q_start, q_start + n * q_len)
+            q, k, v = (t[rows].reshape(n, q_len, -1, hd).transpose(1, 2).to(cdt) for t in (query, key, value))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
-        else:
-            k = kc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
-            v = vc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+            out[rows].view(n, q_len, num_heads, hd).copy_(o.transpose(1, 2))
+            continue
+        ctx_len = n  # a prefill over a cached prefix: its blocks gathered, an offset causal mask
+        q = query[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0).to(cdt)  # [1, H, L, hd]
+        k = kc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
+        v = vc.index_select(0, blocks).view(1, -1, kvh, hd)[:, :ctx_len].transpose(1, 2)
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[q_start:q_start + q_len] = o[0].transpose(0, 1)
 
     if m.paged is not None:

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #ifdef __SSE__
 #include <immintrin.h>
@@ -76,12 +77,45 @@ template <> struct Num<bf16> {
     static inline float round(float x) { return bf2f(f2bf(x)); }  // what storing an intermediate would give
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KAIROS_AVX512_BF16 1
+// 16 lanes with AVX-512's bf16 conversions (round to nearest even, as torch's)
+inline __m512 ld16(const bf16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i bf16x16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline void st16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
+inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+}
+
+// rms_norm's row for bf16 with a width that is a multiple of 16
+inline void rms_norm_row16(const bf16* xr, const bf16* w, bf16* yr, int64_t d, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+        const __m512 v = ld16(xr + j);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(d) + eps));
+    for (int64_t j = 0; j < d; j += 16)
+        st16(yr + j, _mm512_mul_ps(ld16(w + j), round16(_mm512_mul_ps(ld16(xr + j), r))));
+}
+#endif
+
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, const T* w, T* y, int64_t n, int64_t d, float eps, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * d >= 65536)
     for (int64_t i = 0; i < n; ++i) {
         const T* xr = x + i * x_stride;
         T* yr = y + i * d;
+#ifdef KAIROS_AVX512_BF16
+        if (std::is_same<T, bf16>::value && d % 16 == 0) {
+            rms_norm_row16(reinterpret_cast<const bf16*>(xr), reinterpret_cast<const bf16*>(w),
+                           reinterpret_cast<bf16*>(yr), d, eps);
+            continue;
+        }
+#endif
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
         for (int64_t j = 0; j < d; ++j) {
@@ -423,7 +457,7 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64
 // be a multiple of 32. Panels are walked two at a time (32 columns) and the threads split the panel pairs, so each
 // thread streams its share of the weights once per block of activation rows; fp32 accumulation in tiles, then one
 // epilogue per 32 columns: the bias, a residual add, or silu(gate) * up for a gate|up pair packed panel by panel.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(KAIROS_AVX512_BF16)
 #define KAIROS_AMX 1
 
 struct TileConfig {
@@ -472,6 +506,27 @@ inline void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1
         _tile_stored(3, c + 16 * 32 + 16, 128);
     }
 }
+
+// The epilogue's 16 lanes: ld16 / st16 / round16 (above; AMX implies AVX-512 with its bf16 conversions).
+inline __m512 exp16_nonpos(__m512 x) {  // exp_nonpos, 16 lanes
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                        _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
+    f = _mm512_sub_ps(f, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    for (float k : c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(k));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+inline __m512 silu16(__m512 g) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 e = exp16_nonpos(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));  // e^-|g|
+    const __m512 num = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e);
+    return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+}
 #endif
 
 inline float silu(float g) {  // g * sigmoid(g), with exp of a non-positive argument only
@@ -491,14 +546,11 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
             const float* cr = c + r * 32;
             bf16* o = out + (m0 + r) * ldo + n0;
             int64_t j = 0;
-#ifdef KAIROS_AMX  // (AMX implies AVX-512, so AVX2's 8 lanes are there)
-            for (; j + 8 <= w; j += 8) {
-                const __m256 g = round8(load8(cr + j)), u = round8(load8(cr + 16 + j));
-                const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-                const __m256 e = exp8_nonpos(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // e^-|g|
-                const __m256 s = _mm256_div_ps(_mm256_blendv_ps(_mm256_set1_ps(1.f), e, neg),
-                                               _mm256_add_ps(_mm256_set1_ps(1.f), e));
-                store8(o + j, _mm256_mul_ps(round8(_mm256_mul_ps(g, s)), u));
+#ifdef KAIROS_AMX
+            if (w == 16) {
+                const __m512 g = round16(_mm512_loadu_ps(cr));
+                st16(o, _mm512_mul_ps(round16(silu16(g)), round16(_mm512_loadu_ps(cr + 16))));
+                continue;
             }
 #endif
             for (; j < w; ++j) {
@@ -509,6 +561,25 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
         return;
     }
     const int64_t n0 = pair * 32, w = std::min<int64_t>(32, n - n0);
+#ifdef KAIROS_AMX
+    if (w == 32) {
+        const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0);
+        const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0 + 16);
+        for (int64_t r = 0; r < nrows; ++r) {
+            const float* cr = c + r * 32;
+            bf16* o = out + (m0 + r) * ldo + n0;
+            __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(cr), b0), v1 = _mm512_add_ps(_mm512_loadu_ps(cr + 16), b1);
+            if (mode == kResidual) {
+                const bf16* h = res + (m0 + r) * ldo + n0;
+                v0 = _mm512_add_ps(round16(v0), ld16(h));
+                v1 = _mm512_add_ps(round16(v1), ld16(h + 16));
+            }
+            st16(o, v0);
+            st16(o + 16, v1);
+        }
+        return;
+    }
+#endif
     for (int64_t r = 0; r < nrows; ++r) {
         const float* cr = c + r * 32;
         bf16* o = out + (m0 + r) * ldo + n0;
