@@ -652,6 +652,42 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
 #endif
 }
 
+// A whole decode-only step's decoder layers (Llama / Qwen2 shape, bf16, packed weights) in one call: per layer
+// rms_norm -> q|k|v GEMM (+ bias) -> RoPE + cache write -> paged decode attention -> o_proj GEMM += h -> rms_norm
+// -> silu(gate) * up GEMM -> down GEMM += h. The same kernels as the per-op calls, without a Python round trip
+// between them. lp: per layer, kLayerFields int64 (pointers as integers, pair counts); h [n, d] is updated in
+// place; scratch holds n x (d + q|k|v width + nh * hd + inter) bf16.
+enum LayerField { kLnIn, kLnPost, kQkvW, kQkvPairs, kQkvB, kOW, kOPairs, kOB, kGateUpW, kGateUpPairs, kDownW,
+                  kDownPairs, kKCache, kVCache, kLayerFields };
+
+int decode_layers(int64_t nl, const int64_t* lp, bf16* h, int64_t n, int64_t d, int64_t nh, int64_t nkv, int64_t hd,
+                  int64_t inter, float eps, const bf16* cos, const bf16* sin, const int64_t* pos, const int64_t* slots,
+                  const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t bs, float scale,
+                  bf16* scratch, int nt) {
+    const int64_t wq = (nh + 2 * nkv) * hd, wo = nh * hd;
+    bf16* x = scratch;
+    bf16* qkv = x + n * d;
+    bf16* ao = qkv + n * wq;
+    bf16* act = ao + n * wo;
+    auto ptr = [](int64_t v) { return reinterpret_cast<bf16*>(v); };
+    for (int64_t l = 0; l < nl; ++l) {
+        const int64_t* f = lp + l * kLayerFields;
+        int rc = 0;
+        rms_norm(h, d, ptr(f[kLnIn]), x, n, d, eps, nt);
+        rc |= gemm_packed(x, d, n, d, ptr(f[kQkvW]), f[kQkvPairs], wq, ptr(f[kQkvB]), nullptr, qkv, wq, kPlain, nt);
+        rope_write(qkv, wq, cos, sin, pos, slots, ptr(f[kKCache]), ptr(f[kVCache]), n, nh, nkv, hd, nt);
+        decode_attn(static_cast<const bf16*>(qkv), wq, ptr(f[kKCache]), ptr(f[kVCache]), tables, max_blocks, lens,
+                    ao, n, nh, nkv, hd, bs, scale, nt);
+        rc |= gemm_packed(ao, wo, n, wo, ptr(f[kOW]), f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
+        rms_norm(h, d, ptr(f[kLnPost]), x, n, d, eps, nt);
+        rc |= gemm_packed(x, d, n, d, ptr(f[kGateUpW]), f[kGateUpPairs], inter, nullptr, nullptr, act, inter,
+                          kSiluMul, nt);
+        rc |= gemm_packed(act, inter, n, inter, ptr(f[kDownW]), f[kDownPairs], d, nullptr, h, h, d, kResidual, nt);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}
+
 int amx_enable() {  // Linux gives a process AMX's tile state only on request
 #ifdef KAIROS_AMX
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 0 : 3;
@@ -717,5 +753,16 @@ int kairos_gemm_packed(const void* x, int64_t ldx, int64_t m, int64_t k, const v
 }
 
 int kairos_amx_enable() { return amx_enable(); }
+
+int kairos_layer_fields() { return kLayerFields; }
+
+int kairos_decode_layers(int64_t nl, const int64_t* lp, void* h, int64_t n, int64_t d, int64_t nh, int64_t nkv,
+                         int64_t hd, int64_t inter, float eps, const void* cos, const void* sin, const int64_t* pos,
+                         const int64_t* slots, const int32_t* tables, int64_t max_blocks, const int32_t* lens,
+                         int64_t bs, float scale, void* scratch, int nthreads) {
+    return decode_layers(nl, lp, static_cast<bf16*>(h), n, d, nh, nkv, hd, inter, eps, static_cast<const bf16*>(cos),
+                         static_cast<const bf16*>(sin), pos, slots, tables, max_blocks, lens, bs, scale,
+                         static_cast<bf16*>(scratch), nthreads);
+}
 
 }  // extern "C"

@@ -86,6 +86,11 @@ class CpuKernels:
         lib.kairos_gemm_packed.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _int, _int]
         lib.kairos_gemm_packed.restype = _int
         lib.kairos_amx_enable.restype = _int
+        lib.kairos_layer_fields.restype = _int
+        self.layer_fields = lib.kairos_layer_fields()
+        lib.kairos_decode_layers.argtypes = [_i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p, _p,
+                                             _p, _i64, _p, _i64, _f32, _p, _int]
+        lib.kairos_decode_layers.restype = _int
         self.amx = lib.kairos_amx_enable() == 0  # built with AMX, and the OS grants this process its tile state
 
     def packed_linear_supported(self, dtype: torch.dtype, *inner_dims: int) -> bool:
@@ -178,6 +183,38 @@ class CpuKernels:
                                     nkv, hd, bs, scale, torch.get_num_threads())
         return out
 
+    def layer_table(self, layers: list[tuple]) -> torch.Tensor:
+        """The per-layer int64 table `decode_layers` reads: for each layer (ln_in, ln_post, qkv PackedWeight, qkv
+        bias or None, o PackedWeight, o bias or None, gate|up PackedWeight, down PackedWeight, k cache, v cache).
+        The caller keeps every tensor alive as long as the table."""
+        rows = []
+        for ln_in, ln_post, qkv, qkv_b, o, o_b, gu, down, kc, vc in layers:
+            assert gu.gated and not qkv.gated and kc.is_contiguous() and vc.is_contiguous()
+            ptr = (lambda t: 0 if t is None else t.data_ptr())
+            rows.append([ptr(ln_in), ptr(ln_post), ptr(qkv.data), qkv.pairs, ptr(qkv_b), ptr(o.data), o.pairs, ptr(o_b),
+                         ptr(gu.data), gu.pairs, ptr(down.data), down.pairs, ptr(kc), ptr(vc)])
+            assert len(rows[-1]) == self.layer_fields
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def decode_layers(self, table: torch.Tensor, shape: DecoderShape, h: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                      lens: torch.Tensor, block_size: int, scratch: torch.Tensor) -> None:
+        """Every decoder layer of a decode-only step (one token per request, bf16, packed weights) in one call:
+        h [n, hidden] is updated in place; the step's K/V go into the caches named in `table`."""
+        n = h.shape[0]
+        assert h.is_contiguous() and h.dtype == torch.bfloat16 and h.shape[1] == shape.hidden
+        assert positions.dtype == slots.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32
+        assert tables.is_contiguous() and lens.shape == (n,) and tables.shape[0] == n
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == shape.head_dim
+        assert scratch.dtype == torch.bfloat16 and scratch.numel() >= shape.scratch_elems(n)
+        rc = self.lib.kairos_decode_layers(table.shape[0], table.data_ptr(), h.data_ptr(), n, shape.hidden, shape.heads,
+                                           shape.kv_heads, shape.head_dim, shape.inter, shape.eps, cos.data_ptr(),
+                                           sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                           tables.shape[1], lens.data_ptr(), block_size, shape.scale,
+                                           scratch.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"kairos_decode_layers failed ({rc})")
+
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
         """Each row's first maximum (torch's `max(-1).indices`; a NaN counts as the maximum) of a 2-D float32 or
         bfloat16 tensor with unit stride along the row, as a list. One pass to find the maximum, one to find it."""
@@ -202,6 +239,20 @@ class PackedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.k
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+
+    def scratch_elems(self, n: int) -> int:
+        return n * (self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim + self.inter)
 
 
 class KernelsUnavailable(RuntimeError):

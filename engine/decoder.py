@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttnMetadata, attend
-from engine.cpu_kernels import CpuKernels, PackedWeight
+from engine.cpu_kernels import CpuKernels, DecoderShape, PackedWeight
 from engine.cpu_matmul import cpu_has_native_half, upcast_linear
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -220,6 +220,25 @@ class KairosDecoder:
             self._grow_tables(max_positions)
         self.kernels = kernels  # CPU: norms, RoPE + cache write in compiled kernels (`engine.cpu_kernels`)
         self.norm_fn = rms_norm if kernels is None else kernels.rms_norm
+        # a decode-only step runs every layer in one kernel call where the model has the plain Llama/Qwen2 shape
+        self._whole = isinstance(mm, PackedMatmuls) and self._table_rope and self.layers[0].q_norm is None
+        self._shape = DecoderShape(hidden, self.num_heads, self.num_kv_heads, self.head_dim, cfg.intermediate_size,
+                                   self.eps, self.scaling)
+        self._table: tuple[int, torch.Tensor] | None = None  # (the KV cache's first k data_ptr, layer table)
+        self._scratch = torch.empty(0, dtype=self.dtype)
+
+    def _decode_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> None:
+        cache = meta.cache
+        if self._table is None or self._table[0] != cache.k[0].data_ptr():
+            self._table = (cache.k[0].data_ptr(), self.kernels.layer_table(
+                [(L.ln_in, L.ln_post, L.qkv_w, L.qkv_b, L.o_w, L.o_b, L.mlp, L.down_w, cache.k[i], cache.v[i])
+                 for i, L in enumerate(self.layers)]))
+        need = self._shape.scratch_elems(h.shape[0])
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=self.dtype)
+        p = meta.paged
+        self.kernels.decode_layers(self._table[1], self._shape, h, *self._tables, positions, meta.slot_mapping,
+                                   p.tables, p.lens, cache.block_size, self._scratch)
 
     def _grow_tables(self, n: int) -> None:
         self._tables = self._rope(torch.arange(n, device=self.embed.device)[None])
@@ -248,6 +267,10 @@ class KairosDecoder:
         else:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
+        if self._whole and meta.paged is not None and not meta.prefills and meta.paged.lens.shape[0] == T \
+                and meta.cache.dtype == self.dtype:
+            self._decode_layers(h, positions, meta)
+            return linear(norm(h[logit_rows], self.norm, eps), self.lm_head)
         for i, L in enumerate(self.layers):
             x = norm(h, L.ln_in, eps)
             qkv = linear(x, L.qkv_w, L.qkv_b)

@@ -211,3 +211,27 @@ def test_bf16_decoder_uses_the_packed_gemm_where_the_cpu_has_amx(tiny_checkpoint
         assert packed == kernels.amx
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, family):
+    """A decode-only step runs every layer in one kernel call (`decode_layers`): the same kernels in the same
+    order as the per-op Python loop, so the logits are bit-identical (Qwen2: with the q|k|v bias)."""
+    _needs_amx(kernels)
+    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints[family], dtype="bfloat16", device="cpu", block_size=4,
+                                 kv_cache_dtype="model"))
+    try:
+        dec = eng.runner.decoder
+        assert dec._whole
+        calls = []
+        real = kernels.decode_layers
+        dec.kernels = type("Spy", (), {"__getattr__": lambda s, name: getattr(kernels, name),
+                                       "decode_layers": lambda s, *a: calls.append(1) or real(*a)})()
+        whole = _decode_logits(eng, prompts)
+        assert calls  # the whole-step path ran
+        dec._whole = False
+        per_op = _decode_logits(eng, prompts)
+    finally:
+        eng.shutdown()
+    assert torch.equal(whole, per_op)
