@@ -7,10 +7,12 @@
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2]
 
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
-`engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32; once per `--cpu-kernels`
+`engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32, and one prefill step of 16
+prompts of 64 tokens (one 1024-token budget), best of 4; once per `--cpu-kernels`
 setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
-compiled kernels timed by wrapping them, "other" is the rest of the forward (embedding, views, the Python
+compiled kernels timed by wrapping them, on the per-op path (a decode-only step otherwise runs every layer in one
+kernel call, `KairosDecoder.whole_step`, and its Python between calls is gone), "other" is the rest of the forward (embedding, views, the Python
 between calls), "outside" the step's input preparation and the rest of sampling. The ~7 timer wrappers a layer
 add a little to the step against `steps`.
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
@@ -24,6 +26,7 @@ engine its GIL, a process only cores (why a served engine runs in its own proces
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import threading
 import time
@@ -31,14 +34,22 @@ import time
 MODULE = "bench.step"
 
 
-def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "auto") -> dict[int, float]:
+def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "auto") -> dict[int | str, float]:
     from engine.engine import LLMEngine
     from engine.profiling import Prober
 
     eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, model_impl=impl, max_model_len=1024,
                     kv_cache_memory_gb=0.2, cpu_kernels=cpu_kernels)
+    def run(e) -> dict[int | str, float]:
+        p = Prober(e)
+        out: dict[int | str, float] = {b: min(p.decode_ms([96] * b) for _ in range(8)) for b in (1, 8, 32)}
+        rng = random.Random(0)
+        prompts = [[rng.randrange(e.bundle.vocab_limit) for _ in range(64)] for _ in range(16)]
+        out["prefill 16x64"] = min(p.prefill_ms(prompts) for _ in range(4))
+        return out
+
     try:
-        return eng.run_idle(lambda e: {b: min(Prober(e).decode_ms([96] * b) for _ in range(8)) for b in (1, 8, 32)})
+        return eng.run_idle(run, timeout=600)
     finally:
         eng.shutdown()
 
@@ -80,6 +91,7 @@ def parts(model: str, dtype: str, batches: list[int], threads: int) -> dict[int,
         dec, kernels = eng.runner.decoder, eng.runner.kernels
         if dec is None:
             raise SystemExit(f"{model} runs on the HF modules' forward: nothing to break down")
+        dec.whole_step = False  # the per-op path, whose calls can be timed one by one (`steps` times the one call)
         for name in _PARTS["matmuls"]:  # instance attributes shadow the backend's methods for this engine only
             setattr(dec.mm, name, timed(name, getattr(dec.mm, name)))
         if kernels is not None:
@@ -214,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "steps":
         for setting in args.cpu_kernels.split(","):
             ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting)
+            prefill = ms.pop("prefill 16x64")
             print(f"{args.model} {args.dtype} impl={args.model_impl} cpu_kernels={setting}: decode step ms "
-                  "(context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items()))
+                  "(context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items())
+                  + f"; prefill of 16 prompts x 64 tokens {prefill:.1f} ms")
     elif args.cmd == "parts":
         for b, row in parts(args.model, args.dtype, [int(x) for x in args.batches.split(",")], args.threads).items():
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))

@@ -221,7 +221,7 @@ class KairosDecoder:
         self.kernels = kernels  # CPU: norms, RoPE + cache write in compiled kernels (`engine.cpu_kernels`)
         self.norm_fn = rms_norm if kernels is None else kernels.rms_norm
         # a decode-only step runs every layer in one kernel call where the model has the plain Llama/Qwen2 shape
-        self._whole = isinstance(mm, PackedMatmuls) and self._table_rope and self.layers[0].q_norm is None
+        self.whole_step = isinstance(mm, PackedMatmuls) and self._table_rope and self.layers[0].q_norm is None
         self._shape = DecoderShape(hidden, self.num_heads, self.num_kv_heads, self.head_dim, cfg.intermediate_size,
                                    self.eps, self.scaling)
         self._table: tuple[int, torch.Tensor] | None = None  # (the KV cache's first k data_ptr, layer table)
@@ -267,7 +267,7 @@ class KairosDecoder:
         else:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
-        if self._whole and meta.paged is not None and not meta.prefills and meta.paged.lens.shape[0] == T \
+        if self.whole_step and meta.paged is not None and not meta.prefills and meta.paged.lens.shape[0] == T \
                 and meta.cache.dtype == self.dtype:
             self._decode_layers(h, positions, meta)
             return linear(norm(h[logit_rows], self.norm, eps), self.lm_head)

@@ -223,14 +223,14 @@ def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, 
                                  kv_cache_dtype="model"))
     try:
         dec = eng.runner.decoder
-        assert dec._whole
+        assert dec.whole_step
         calls = []
         real = kernels.decode_layers
         dec.kernels = type("Spy", (), {"__getattr__": lambda s, name: getattr(kernels, name),
                                        "decode_layers": lambda s, *a: calls.append(1) or real(*a)})()
         whole = _decode_logits(eng, prompts)
         assert calls  # the whole-step path ran
-        dec._whole = False
+        dec.whole_step = False
         per_op = _decode_logits(eng, prompts)
     finally:
         eng.shutdown()
