@@ -38,6 +38,7 @@ ABI_VERSION = 3
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
+PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
 
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -125,9 +126,9 @@ class CpuKernels:
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == w.k
         if residual is not None:
             assert residual.shape == (m, w.n) and residual.is_contiguous() and residual.dtype == x.dtype
-            out, mode = residual, 1
+            out, mode = residual, RESIDUAL
         else:
-            out, mode = torch.empty((m, w.n), dtype=x.dtype), 2 if w.gated else 0
+            out, mode = torch.empty((m, w.n), dtype=x.dtype), SILU_MUL if w.gated else PLAIN
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and not w.gated)
         rc = self.lib.kairos_gemm_packed(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.pairs, w.n,
                                          None if bias is None else bias.data_ptr(),
@@ -236,13 +237,10 @@ class PackedWeight:
     pairs: int  # pairs of 16-column panels
     gated: bool = False  # (gate, up) panel pairs: the product is silu(gate) * up, n features
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.k
-
 
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
+    """What `decode_layers` needs to know of a Llama/Qwen2-shaped decoder besides its weights."""
     hidden: int
     heads: int
     kv_heads: int
@@ -252,6 +250,7 @@ class DecoderShape:
     scale: float
 
     def scratch_elems(self, n: int) -> int:
+        """bf16 elements of scratch for n tokens: the normed input, q|k|v, the attention output, the MLP product."""
         return n * (self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim + self.inter)
 
 
