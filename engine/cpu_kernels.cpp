@@ -222,19 +222,6 @@ inline __m256 sum_each8(const __m256* v) {  // lane j = the sum of v[j]'s 8 lane
     return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-inline __m256 exp8_nonpos(__m256 x) {  // exp_nonpos, 8 lanes
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                                   _mm256_set1_ps(0.5f)));
-    __m256 f = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f)));
-    f = _mm256_sub_ps(f, _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187045e-06f)));
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
-    for (float k : c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(k));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline __m256i bf16_bits8(__m256 v) {  // f2bf's round to nearest even, 8 lanes (NaN payloads aside), as int32
     const __m256i u = _mm256_castps_si256(v);
@@ -258,6 +245,13 @@ struct Vec8 {
     static V load(const bf16* p) { return load8(p); }
     static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    static V floor(V a) { return _mm256_floor_ps(a); }
+    static V times_pow2(V p, V n) {  // p * 2^n for integral n in the exponent's range
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
     static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     static __m256 to8(V a) { return a; }  // a vector whose 8 lanes sum to a's
     template <typename T> static void store(T* p, V v) { store8(p, v); }
@@ -276,6 +270,13 @@ struct Vec16 {
     }
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    static V floor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+    static V times_pow2(V p, V n) {
+        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+        return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    }
     static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static __m256 to8(V a) {
         return _mm256_add_ps(_mm512_castps512_ps256(a),
@@ -290,6 +291,20 @@ using VecWide = Vec16;
 #else
 using VecWide = Vec8;
 #endif
+
+// exp_nonpos over a vector's lanes (the same range reduction and polynomial)
+template <typename Vec>
+inline typename Vec::V exp_nonpos_v(typename Vec::V x) {
+    using V = typename Vec::V;
+    x = Vec::max(x, Vec::set1(-87.f));
+    const V n = Vec::floor(Vec::add(Vec::mul(x, Vec::set1(1.44269504088896341f)), Vec::set1(0.5f)));
+    V f = Vec::sub(x, Vec::mul(n, Vec::set1(0.693145751953125f)));
+    f = Vec::sub(f, Vec::mul(n, Vec::set1(1.428606765330187045e-06f)));
+    V p = Vec::set1(1.f / 5040.f);
+    const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    for (float k : c) p = Vec::fmadd(p, f, Vec::set1(k));
+    return Vec::times_pow2(p, n);
+}
 
 template <typename T, typename Vec>
 void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t row,
@@ -332,7 +347,7 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, in
         const __m256 mv = _mm256_set1_ps(m);
         __m256 tot = _mm256_setzero_ps();
         for (int64_t t = 0; t < L8; t += 8) {
-            const __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+            const __m256 e = exp_nonpos_v<Vec8>(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
             const __m256 keep = _mm256_cmp_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
             const __m256 ev = _mm256_and_ps(e, keep);
             _mm256_storeu_ps(sg + t, ev);
@@ -507,23 +522,10 @@ inline void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1
     }
 }
 
-// The epilogue's 16 lanes: ld16 / st16 / round16 (above; AMX implies AVX-512 with its bf16 conversions).
-inline __m512 exp16_nonpos(__m512 x) {  // exp_nonpos, 16 lanes
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                        _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
-    f = _mm512_sub_ps(f, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
-    for (float k : c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(k));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+// The epilogue's 16 lanes: ld16 / st16 / round16 and Vec16 (above; AMX implies AVX-512 with its bf16 conversions).
 inline __m512 silu16(__m512 g) {
     const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 e = exp16_nonpos(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));  // e^-|g|
+    const __m512 e = exp_nonpos_v<Vec16>(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));  // e^-|g|
     const __m512 num = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e);
     return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
 }
