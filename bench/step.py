@@ -4,7 +4,7 @@
                                [--cpu-kernels auto,off]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32]
     python -m bench.step omp
-    python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2]
+    python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
 
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
 `engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32, and one prefill step of 16
@@ -22,10 +22,13 @@ its worker thread, `LLMEngine._setup`).
 `contend`: a raw decode step (B = 1 and 8, context 96, median of 10) alone, with a Python spinner busy 1 ms in
 every 2 as a thread of the engine's process, and with the same spinner in another process: a thread costs the
 engine its GIL, a process only cores (why a served engine runs in its own process, `engine/core_proc.py`).
+`--team`: the CPU kernels' loops run on Kairos's thread team instead of OpenMP (`engine.config.TEAM_ENV`, as a
+served engine that shares its cores runs them).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import threading
@@ -222,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="kairos-default")
     c.add_argument("--dtype", default="auto")
     c.add_argument("--threads", default="1,2", help="comma-separated engine thread counts")
+    c.add_argument("--team", action="store_true", help="the CPU kernels' loops on Kairos's thread team")
     args = ap.parse_args(argv)
+    if getattr(args, "team", False):  # before torch loads: its OpenMP reads the wait policy once
+        from engine.config import TEAM_ENV  # noqa: PLC0415
+
+        os.environ[TEAM_ENV] = "1"
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     if args.cmd == "steps":
         for setting in args.cpu_kernels.split(","):
             ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting)

@@ -38,25 +38,38 @@ def _rss_bytes(pid: int | None = None) -> int:
         return 0
 
 
-def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | None, engine_process: bool,
-                   omp_num_threads: str | None) -> tuple[int | None, bool]:
-    """(torch threads for the engine, None for torch's default; whether its process may undo Ray's nice 15).
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineCores:
+    """How a replica's engine uses the node's cores."""
+    threads: int | None  # torch threads; None: torch's default
+    favoured: bool  # its process may undo Ray's nice 15, but not its team's workers (`EngineCoreClient(favoured=...)`)
+    team: bool  # its kernels run on Kairos's thread team (`EngineCoreClient(team=...)`)
 
-    With `num_cpus=0` (`share_cores_with` = the replicas on the node) Ray sets OMP_NUM_THREADS=1, so the replicas
-    share the node's cores instead, less one core for Serve's own processes (proxy, ingress, the replicas' event
-    loops) where there are cores to spare and the engine runs in its own process, as vLLM's CPU backend keeps
-    one for its API server: 1.4x the tokens/s of a 2-thread engine on 2 cores under an HTTP burst
-    (bench/README.md, "The engine in its own process"). The engine's steps go before Serve's Python only where
-    the engines leave that Python a core (2 threads at nice 0 on 2 cores starved the HTTP proxy), which is known
-    only when Kairos splits the cores itself (`num_cpus=0`); with `num_cpus>0` Ray's split stands."""
+
+def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | None, engine_process: bool,
+                   omp_num_threads: str | None) -> EngineCores:
+    """How the engine of a replica uses `cpus` cores, shared with `share_cores_with` replicas' engines.
+
+    With `num_cpus=0` (`share_cores_with` = the replicas on the node) Ray sets OMP_NUM_THREADS=1, so Kairos splits
+    the node's cores between the replicas itself. Where each engine gets 4 cores or more and runs in its own
+    process, one core stays with Serve's own processes (proxy, ingress, the replicas' event loops), as vLLM's CPU
+    backend keeps one for its API server, and the engine's steps go before that Python (nice 0). With fewer, a
+    spare core would cost an engine half its speed or more, so it takes every core: its kernels run on Kairos's
+    thread team, which does not wait for a worker that Serve's Python keeps off its core, and only the engine's
+    own thread goes before that Python, its workers staying at Ray's nice 15. On 2 cores HTTP then added
+    +15.8 / +3.4 ms TTFT / ITL p50 over the in-process engine, against +25.3 / +8.3 with 1 thread
+    (bench/README.md, "A thread team for shared cores"); 2 OpenMP threads at nice 0 starved the HTTP proxy
+    (TTFT p50 986 ms). With `num_cpus>0` Ray's split stands."""
     threads = num_threads
     if threads is None and share_cores_with:
-        spare = 1 if engine_process and cpus > share_cores_with else 0
+        spare = 1 if engine_process and cpus // share_cores_with >= 4 else 0
         threads = max(1, (cpus - spare) // share_cores_with)
     if not (engine_process and share_cores_with):
-        return threads, False
+        return EngineCores(threads, False, False)
     used = threads or (int(omp_num_threads) if (omp_num_threads or "").isdigit() else cpus)  # torch's default
-    return threads, used * share_cores_with < cpus
+    spares_a_core = used * share_cores_with < cpus
+    team = not spares_a_core and used > 1
+    return EngineCores(threads, spares_a_core or team, team)
 
 
 def _usable_cpus() -> int:
@@ -71,11 +84,11 @@ def _usable_cpus() -> int:
 class LLMServer:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
-                       stream_interval_ms: float = 20.0, engine_process: bool = True) -> None:
+                       stream_interval_ms: float = 0.0, engine_process: bool = True) -> None:
         cfg = EngineConfig.model_validate(engine_config)
-        threads, favoured = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
-                                           os.environ.get("OMP_NUM_THREADS"))
-        cfg = cfg.model_copy(update={"num_threads": threads})
+        cores = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
+                               os.environ.get("OMP_NUM_THREADS"))
+        cfg = cfg.model_copy(update={"num_threads": cores.threads})
         try:
             ctx = serve.get_replica_context()
             self.replica_id = ctx.replica_id.unique_id
@@ -85,7 +98,8 @@ class LLMServer:
         if engine_process:  # the engine in its own process: no per-token Python shares its GIL
             from engine.core_proc import EngineCoreClient  # noqa: PLC0415
 
-            self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=favoured, label=label)
+            self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=cores.favoured,
+                                                  team=cores.team, label=label)
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only
 
@@ -100,8 +114,8 @@ class LLMServer:
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
-        log.info("LLMServer %s ready: model=%s max_model_len=%d threads=%s engine_process=%s", self.replica_id,
-                 self.model_name, self.engine.max_model_len, cfg.num_threads, engine_process)
+        log.info("LLMServer %s ready: model=%s max_model_len=%d engine_process=%s %s", self.replica_id,
+                 self.model_name, self.engine.max_model_len, engine_process, cores)
 
     # ------------------------------------------------------------------ request path
     def _refused(self, req: GenerateRequest, t_in: float, kind: ErrorKind, message: str) -> RequestOutput:

@@ -7,6 +7,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduling.config import SchedulerConfig
 
+# "1": the CPU kernels' parallel loops (engine/cpu_kernels.cpp) run on Kairos's own thread team instead of OpenMP
+# regions. The team does not wait for a thread that another process keeps off its core, as OpenMP's static shares
+# and join barriers do: for an engine that shares its cores (a served engine beside the HTTP ingress). Set it with
+# OMP_WAIT_POLICY=PASSIVE before torch loads, or torch's OpenMP workers spin on the team's cores after each torch op
+# (`EngineCoreClient(team=True)` sets both).
+TEAM_ENV = "KAIROS_CPU_TEAM"
+# The nice value the team's worker threads take (they inherit their creator's otherwise): a favoured engine process
+# (engine/core_proc.py) runs its own thread at nice 0 and leaves its workers at the priority it was started with.
+TEAM_NICE_ENV = "KAIROS_CPU_TEAM_NICE"
+
 DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / kairos-tiny: random weights
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from core.messages import ErrorKind, GenerateRequest, RequestOutput
 from core.request import FinishReason
-from engine.config import EngineConfig
+from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig
 from engine.errors import EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                      daemon=True).start()
     fd = int(args[0])
     if "--favoured" in args:
-        _unnice()
+        was = _unnice()
+        if was > 0 and os.environ.get(TEAM_ENV) == "1":  # the team's workers stay where Ray put the process
+            os.environ.setdefault(TEAM_NICE_ENV, str(was))
     conn = Connection(fd)
     batch = _Batch(conn)
     try:
@@ -146,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _unnice() -> None:
+def _unnice() -> int:
     """Undo an inherited low priority (Ray starts its workers at nice 15) before any thread starts, as threads
     inherit it: the engine's steps are what every request waits for, so they should not queue behind the
     serving processes' Python for a core. Needs the privilege to lower a nice value; without it, nothing
-    changes."""
+    changes. Returns the nice value it undid (0: none)."""
     try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+        was = os.getpriority(os.PRIO_PROCESS, 0)
+        if was > 0:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
+            return was
     except OSError:
         pass
+    return 0
 
 
 def _error(rid: str, message: str, kind: ErrorKind) -> RequestOutput:
@@ -167,16 +172,24 @@ class EngineCoreClient:
     """An `LLMEngine` in a child process, driven from this one. Construction starts the child and waits until
     its model is loaded; it raises what loading raised (ValueError for bad settings)."""
 
-    def __init__(self, config: EngineConfig | None = None, *, favoured: bool = False, label: str | None = None,
+    def __init__(self, config: EngineConfig | None = None, *, favoured: bool = False, team: bool = False,
+                 label: str | None = None,
                  startup_timeout_s: float = 1800.0, **overrides) -> None:
         """`favoured`: the child undoes an inherited low priority (Ray's nice 15), so that its steps go before
-        the serving processes' Python. Only where its threads leave those processes a core: on 2 cores, an
-        engine with 2 threads at nice 0 starved the HTTP proxy (TTFT p50 986 ms against 126). `label` goes on
-        the child's command line (e.g. the Serve replica it belongs to), for whoever lists processes."""
+        the serving processes' Python. Only where its threads leave those processes a core, or where the other
+        threads are the team's workers, which keep the inherited priority: on 2 cores, an engine with 2 OpenMP
+        threads at nice 0 starved the HTTP proxy (TTFT p50 986 ms against 126). `team`: the child's CPU kernels
+        run on Kairos's thread team, and torch's OpenMP threads sleep when idle instead of spinning on the
+        team's cores (`engine.config.TEAM_ENV`), for an engine whose cores other processes share (neither is set
+        where the caller set it already). `label` goes on the child's command line (e.g. the Serve replica it
+        belongs to), for whoever lists processes."""
         self.config = (config or EngineConfig()).model_copy(update=overrides)
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        if team:
+            env.setdefault(TEAM_ENV, "1")
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads libgomp
         argv = [sys.executable, "-m", "engine.core_proc", str(theirs.fileno())]
         argv += (["--favoured"] if favoured else []) + (["--label", label] if label else [])
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)

@@ -7,13 +7,19 @@
 // - decode_attn: one query token per request against its context in the paged cache, read block by block
 //                through the block table (no gathered copy); scores and accumulation in fp32
 //
-// Element types: float or bf16 (uint16 bit patterns), the same for activations and cache. Parallel regions
-// use OpenMP with an explicit thread count; loaded into a process that has torch, libgomp.so.1 resolves to
-// torch's own runtime, so these regions share torch's thread pool.
-#include <cmath>
-#include <cstdint>
+// Element types: float or bf16 (uint16 bit patterns), the same for activations and cache. Parallel loops take
+// an explicit thread count and run as OpenMP regions (loaded into a process that has torch, libgomp.so.1
+// resolves to torch's own runtime, so they share torch's thread pool), or on Kairos's own thread team, which
+// does not wait for a thread that another process keeps off its core (`Team`, `kairos_set_team`).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #ifdef __SSE__
@@ -24,6 +30,7 @@
 #endif
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <sys/resource.h>
 
 namespace {
 
@@ -77,6 +84,177 @@ template <> struct Num<bf16> {
     static inline float round(float x) { return bf2f(f2bf(x)); }  // what storing an intermediate would give
 };
 
+// ---- The kernels' thread team ----------------------------------------------------------------------------------
+// A parallel loop over chunks 0..n-1 hands them out from one atomic counter; the calling thread takes chunks too
+// and then waits only for the chunks that others have taken. A worker that the OS has not scheduled (because
+// another process runs on its core: a served engine shares its cores with the HTTP ingress) takes none, and the
+// loop ends without it. OpenMP's regions would wait for it twice: its static share of the work, and the join
+// barrier. A decode step runs ~200 such loops, so one busy core made a 2-thread step as slow as a 1-thread one
+// (`python -m bench.step contend`). Workers spin for a while after a loop (the next comes within microseconds in a
+// step), then sleep until the next loop's call wakes them.
+class Team {
+    using Clock = std::chrono::steady_clock;
+
+  public:
+    static Team& get() {
+        static Team* team = new Team;  // never destroyed: its workers may still be asleep at exit
+        return *team;
+    }
+
+    // f(i) for i in [0, n) on up to `nthreads` threads (the caller included); returns when every f(i) has returned
+    template <typename F>
+    void run(int64_t n, int nthreads, F&& f) {
+        if (n <= 0) return;
+        using Fn = std::remove_reference_t<F>;
+        std::unique_lock<std::mutex> one(call_, std::defer_lock);
+        if (nthreads <= 1 || n == 1 || !one.try_lock()) {  // a loop already running (another thread, or nested)
+            for (int64_t i = 0; i < n; ++i) f(i);
+            return;
+        }
+        if (serial_left_ > 0) {  // the team did not pay lately (`account`)
+            --serial_left_;
+            for (int64_t i = 0; i < n; ++i) f(i);
+            return;
+        }
+        grow(nthreads - 1);
+        fn_ = [](void* c, int64_t i) { (*static_cast<Fn*>(c))(i); };
+        ctx_ = const_cast<void*>(static_cast<const void*>(&f));
+        helpers_.store(nthreads - 1, std::memory_order_relaxed);
+        done_.store(0, std::memory_order_relaxed);
+        next_.store(static_cast<uint64_t>(n) << 32, std::memory_order_release);  // publishes fn_, ctx_, done_
+        gen_.fetch_add(1, std::memory_order_seq_cst);
+        if (sleeping_.load(std::memory_order_seq_cst) > 0) {
+            { std::lock_guard<std::mutex> lock(sleep_); }
+            wake_.notify_all();
+        }
+        const auto t0 = Clock::now();
+        const int64_t mine = work();
+        const auto t1 = Clock::now();
+        for (int spins = 1; done_.load(std::memory_order_acquire) < n; ++spins) {
+            pause();
+            if (spins % 64 == 0) std::this_thread::yield();  // a preempted worker holds a chunk: let it run
+        }
+        account(t1 - t0, mine, n, Clock::now() - t1);
+    }
+
+    // the nice value workers give themselves when they start (they inherit the caller's otherwise)
+    void set_worker_nice(int nice) { worker_nice_.store(nice, std::memory_order_relaxed); }
+
+    static constexpr int kInheritNice = 1000;
+  private:
+    static inline void pause() {
+#ifdef __SSE2__
+        _mm_pause();
+#endif
+    }
+
+    // claims chunks of the current loop while there are any: next_ = n << 32 | the next unclaimed chunk
+    // returns how many it ran
+    int64_t work() {
+        uint64_t cur = next_.load(std::memory_order_acquire);
+        for (int64_t ran = 0;;) {
+            const int64_t n = static_cast<int64_t>(cur >> 32), i = static_cast<int64_t>(cur & 0xffffffffu);
+            if (i >= n) return ran;
+            if (next_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+                fn_(ctx_, i);  // the loop cannot end (nor fn_ change) before this chunk is done
+                done_.fetch_add(1, std::memory_order_release);
+                ++ran;
+                cur = next_.load(std::memory_order_acquire);
+            }
+        }
+    }
+
+    // Whether the team pays: a loop saves about the time of the chunks others ran (at the caller's own time per
+    // chunk) and costs the time the caller then waited for them, long where the OS has preempted a worker holding
+    // a chunk because another process wanted its core. Summed over windows of `kWindow` loops (about a decode
+    // step), a window that did not gain sends the next `penalty_` loops to the caller alone, twice as many after
+    // each further such window up to `kSerialMax`; a window that gained resets the penalty.
+    static constexpr int kWindow = 256, kSerialMin = 256, kSerialMax = 8192;
+
+    void account(Clock::duration own, int64_t mine, int64_t n, Clock::duration waited) {
+        if (mine > 0) net_ += (own / mine) * (n - mine) - waited;
+        if (++loops_ < kWindow) return;
+        if (net_.count() <= 0) {
+            serial_left_ = penalty_;
+            penalty_ = std::min(2 * penalty_, kSerialMax);
+        } else {
+            penalty_ = kSerialMin;
+        }
+        loops_ = 0;
+        net_ = Clock::duration::zero();
+    }
+
+    void grow(int workers) {
+        while (static_cast<int>(threads_.size()) < workers) {
+            const int index = static_cast<int>(threads_.size());
+            threads_.emplace_back([this, index] { loop(index); });
+            threads_.back().detach();
+        }
+    }
+
+    void loop(int index) {
+        const int nice = worker_nice_.load(std::memory_order_relaxed);
+        if (nice != kInheritNice) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
+        uint64_t seen = gen_.load(std::memory_order_acquire);
+        for (;;) {
+            const auto start = Clock::now();
+            for (int spins = 1; gen_.load(std::memory_order_acquire) == seen; ++spins) {
+                pause();
+                if (spins % 64 == 0) std::this_thread::yield();
+                if (spins % 256 == 0 && Clock::now() - start > std::chrono::microseconds(200)) {
+                    std::unique_lock<std::mutex> lock(sleep_);
+                    sleeping_.fetch_add(1, std::memory_order_seq_cst);
+                    wake_.wait(lock, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
+                    sleeping_.fetch_sub(1, std::memory_order_relaxed);
+                }
+            }
+            seen = gen_.load(std::memory_order_acquire);
+            if (index < helpers_.load(std::memory_order_relaxed)) work();
+        }
+    }
+
+    std::atomic<uint64_t> next_{0};
+    std::atomic<int64_t> done_{0};
+    std::atomic<uint64_t> gen_{0};  // one per loop: what sleeping workers wait on
+    std::atomic<int> helpers_{0};   // workers that may take part in the current loop
+    std::atomic<int> sleeping_{0};
+    std::atomic<int> worker_nice_{kInheritNice};
+    int serial_left_ = 0, penalty_ = kSerialMin, loops_ = 0;  // `account`'s state (under call_)
+    Clock::duration net_{};
+    void (*fn_)(void*, int64_t) = nullptr;
+    void* ctx_ = nullptr;
+    std::mutex call_, sleep_;
+    std::condition_variable wake_;
+    std::vector<std::thread> threads_;
+};
+
+// Whether parallel loops run on the team (kairos_set_team) or as OpenMP regions in torch's own thread pool. The
+// team pays off where the engine's cores are shared, and wants torch's OpenMP threads passive (OMP_WAIT_POLICY):
+// libgomp's workers otherwise spin for milliseconds after each torch op, on the cores the team needs.
+std::atomic<bool> use_team{false};
+
+// f(i) for i in [0, n): tasks handed out one at a time, to the team or to OpenMP's threads
+template <typename F>
+void parallel_for(int64_t n, int nthreads, F&& f) {
+    if (nthreads <= 1 || n <= 1) {
+        for (int64_t i = 0; i < n; ++i) f(i);
+    } else if (use_team.load(std::memory_order_relaxed)) {
+        Team::get().run(n, nthreads, f);
+    } else {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) f(i);
+    }
+}
+
+// f(i) for i in [0, n) in runs of rows, about 4 a thread
+template <typename F>
+void parallel_rows(int64_t n, int nthreads, F&& f) {
+    const int64_t per = std::max<int64_t>(1, (n + 4 * nthreads - 1) / (4 * std::max(1, nthreads)));
+    parallel_for((n + per - 1) / per, nthreads, [&](int64_t c) {
+        for (int64_t i = c * per, end = std::min(n, (c + 1) * per); i < end; ++i) f(i);
+    });
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KAIROS_AVX512_BF16 1
 // 16 lanes with AVX-512's bf16 conversions (round to nearest even, as torch's)
@@ -105,15 +283,14 @@ inline void rms_norm_row16(const bf16* xr, const bf16* w, bf16* yr, int64_t d, f
 
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, const T* w, T* y, int64_t n, int64_t d, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * d >= 65536)
-    for (int64_t i = 0; i < n; ++i) {
+    parallel_rows(n, n * d >= 65536 ? nthreads : 1, [&](int64_t i) {
         const T* xr = x + i * x_stride;
         T* yr = y + i * d;
 #ifdef KAIROS_AVX512_BF16
         if (std::is_same<T, bf16>::value && d % 16 == 0) {
             rms_norm_row16(reinterpret_cast<const bf16*>(xr), reinterpret_cast<const bf16*>(w),
                            reinterpret_cast<bf16*>(yr), d, eps);
-            continue;
+            return;
         }
 #endif
         float ss = 0.f;
@@ -126,15 +303,14 @@ void rms_norm(const T* x, int64_t x_stride, const T* w, T* y, int64_t n, int64_t
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j)
             yr[j] = Num<T>::st(Num<T>::ld(w[j]) * Num<T>::round(Num<T>::ld(xr[j]) * r));
-    }
+    });
 }
 
 template <typename T>
 void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const int64_t* pos, const int64_t* slots,
                 T* kc, T* vc, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int nthreads) {
     const int64_t half = hd / 2, nrot = nh + nkv;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 16)
-    for (int64_t i = 0; i < n; ++i) {
+    parallel_rows(n, n >= 16 ? nthreads : 1, [&](int64_t i) {
         T* row = qkv + i * row_stride;
         const T* c = cos + pos[i] * hd;
         const T* s = sin + pos[i] * hd;
@@ -155,7 +331,7 @@ void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const in
         const int64_t kvw = nkv * hd;
         std::memcpy(kc + slots[i] * kvw, row + nh * hd, kvw * sizeof(T));
         std::memcpy(vc + slots[i] * kvw, row + nrot * hd, kvw * sizeof(T));
-    }
+    });
 }
 
 // One (request, KV head) task: the G query heads that share the KV head score every context row as it is read,
@@ -382,67 +558,64 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
                  int nthreads) {
     const int64_t G = nh / nkv;  // query heads per KV head: they share every K/V row read (G <= 64)
     const int64_t row = nkv * hd;
-#pragma omp parallel num_threads(nthreads)
-    {
-        std::vector<float> qf(G * hd), acc(G * hd), kv(hd), s;
-        // A task is one request with all its KV heads when there are enough requests to share out: each K/V
-        // row (all heads side by side) then comes from memory once, and the heads after the first read it from
-        // cache. With fewer requests than 2 per thread, a task is one (request, KV head).
-        const bool whole = n >= 2 * nthreads;
-        const int64_t per = whole ? nkv : 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < n * nkv / per; ++task) {
-            const int64_t i = task * per / nkv, L = ctx[i];
-            if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
-            const int32_t* bt = tables + i * max_blocks;
+    // A task is one request with all its KV heads when there are enough requests to share out: each K/V row (all
+    // heads side by side) then comes from memory once, and the heads after the first read it from cache. With
+    // fewer requests than 2 per thread, a task is one (request, KV head).
+    const bool whole = n >= 2 * nthreads;
+    const int64_t per = whole ? nkv : 1;
+    parallel_for(n * nkv / per, nthreads, [&](int64_t task) {
+        thread_local std::vector<float> qf, acc, kv, s;  // scratch: each thread's, kept between calls
+        if (static_cast<int64_t>(qf.size()) < G * hd) qf.resize(G * hd), acc.resize(G * hd);
+        if (static_cast<int64_t>(kv.size()) < hd) kv.resize(hd);
+        const int64_t i = task * per / nkv, L = ctx[i];
+        if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
+        const int32_t* bt = tables + i * max_blocks;
 #ifdef __SSE__
-            // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask
-            // for this task's K and V rows up front (all heads of a token when the task has them all, else its
-            // head's slice), at most 256 KiB of them, so that their reads overlap instead of stalling block by block
-            {
-                const int64_t skip = whole ? 0 : (task % nkv) * hd;
-                const int64_t span = (whole ? row : hd) * static_cast<int64_t>(sizeof(T));
-                const int64_t upto = std::min<int64_t>(L, 128 * 1024 / span);
-                for (int64_t t = 0; t < upto; ++t) {
-                    const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row + skip;
-                    const char* kr = reinterpret_cast<const char*>(kc + at);
-                    const char* vr = reinterpret_cast<const char*>(vc + at);
-                    for (int64_t off = 0; off < span; off += 64) {
-                        _mm_prefetch(kr + off, _MM_HINT_T1);
-                        _mm_prefetch(vr + off, _MM_HINT_T1);
-                    }
+        // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask
+        // for this task's K and V rows up front (all heads of a token when the task has them all, else its
+        // head's slice), at most 256 KiB of them, so that their reads overlap instead of stalling block by block
+        {
+            const int64_t skip = whole ? 0 : (task % nkv) * hd;
+            const int64_t span = (whole ? row : hd) * static_cast<int64_t>(sizeof(T));
+            const int64_t upto = std::min<int64_t>(L, 128 * 1024 / span);
+            for (int64_t t = 0; t < upto; ++t) {
+                const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row + skip;
+                const char* kr = reinterpret_cast<const char*>(kc + at);
+                const char* vr = reinterpret_cast<const char*>(vc + at);
+                for (int64_t off = 0; off < span; off += 64) {
+                    _mm_prefetch(kr + off, _MM_HINT_T1);
+                    _mm_prefetch(vr + off, _MM_HINT_T1);
                 }
             }
-#endif
-            for (int64_t h = task * per % nkv, h_end = h + per; h < h_end; ++h) {
-                const T* qr = q + i * q_stride + h * G * hd;
-                T* o = out + (i * nh + h * G) * hd;
-                const T* k0 = kc + h * hd;
-                const T* v0 = vc + h * hd;
-#ifdef __AVX2__
-                if (hd == 64 && G <= 8)
-                    attend_one_vec<T, VecWide>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
-                else
-#endif
-                if (hd == 64)
-                    attend_one<T, 64>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
-                                      kv.data());
-                else if (hd == 128)
-                    attend_one<T, 128>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
-                                       kv.data());
-                else
-                    attend_one<T, 0>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
-                                     kv.data());
-            }
         }
-    }
+#endif
+        for (int64_t h = task * per % nkv, h_end = h + per; h < h_end; ++h) {
+            const T* qr = q + i * q_stride + h * G * hd;
+            T* o = out + (i * nh + h * G) * hd;
+            const T* k0 = kc + h * hd;
+            const T* v0 = vc + h * hd;
+#ifdef __AVX2__
+            if (hd == 64 && G <= 8)
+                attend_one_vec<T, VecWide>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
+            else
+#endif
+            if (hd == 64)
+                attend_one<T, 64>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                                  kv.data());
+            else if (hd == 128)
+                attend_one<T, 128>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                                   kv.data());
+            else
+                attend_one<T, 0>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                                 kv.data());
+        }
+    });
 }
 
 // The index of each row's first maximum, as torch's max(dim).indices (a NaN counts as the maximum).
 template <typename T>
 void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n * width >= 262144)
-    for (int64_t i = 0; i < n; ++i) {
+    parallel_rows(n, n * width >= 262144 ? nthreads : 1, [&](int64_t i) {
         const T* r = x + i * row_stride;
         float m = -INFINITY;
         int nan = 0;
@@ -461,7 +634,7 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64
             }
         }
         out[i] = at;
-    }
+    });
 }
 
 
@@ -610,16 +783,12 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
     }
     const int64_t panel = 16 * k;  // elements
     const int64_t chunk = 16;      // tiles of rows per pass over the weights (256 rows)
-#pragma omp parallel num_threads(nthreads)
-    {
-        amx_configure();
+    // a task is a run of panel pairs, about 4 a thread, each streamed once per `chunk` tiles of rows
+    const int64_t per = std::max<int64_t>(1, (pairs + 4 * nthreads - 1) / (4 * std::max(1, nthreads)));
+    parallel_for((pairs + per - 1) / per, nthreads, [&](int64_t task) {
+        amx_configure();  // per task: the thread may have run other AMX code (oneDNN) since its last
         alignas(64) float c[32 * 32];
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        const int64_t p0 = task * per, p1 = std::min(pairs, p0 + per);
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = std::min(tiles, t0 + chunk);
             for (int64_t p = p0; p < p1; ++p) {
@@ -645,7 +814,7 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
             }
         }
         _tile_release();
-    }
+    });
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
@@ -702,7 +871,7 @@ int amx_enable() {  // Linux gives a process AMX's tile state only on request
 
 extern "C" {
 
-int kairos_abi_version() { return 3; }
+int kairos_abi_version() { return 4; }
 
 void kairos_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out,
                         int nthreads) {
@@ -755,6 +924,12 @@ int kairos_gemm_packed(const void* x, int64_t ldx, int64_t m, int64_t k, const v
 }
 
 int kairos_amx_enable() { return amx_enable(); }
+
+// on: parallel loops run on the team; worker_nice: the nice value its workers take (Team::kInheritNice: the caller's)
+void kairos_set_team(int on, int worker_nice) {
+    Team::get().set_worker_nice(worker_nice);
+    use_team.store(on != 0);
+}
 
 int kairos_layer_fields() { return kLayerFields; }
 

@@ -30,12 +30,15 @@ from pathlib import Path
 
 import torch
 
+from engine.config import TEAM_ENV, TEAM_NICE_ENV
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 3
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
+ABI_VERSION = 4
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
@@ -93,6 +96,16 @@ class CpuKernels:
                                              _p, _i64, _p, _i64, _f32, _p, _int]
         lib.kairos_decode_layers.restype = _int
         self.amx = lib.kairos_amx_enable() == 0  # built with AMX, and the OS grants this process its tile state
+        lib.kairos_set_team.argtypes = [_int, _int]
+        lib.kairos_set_team.restype = None
+        nice = os.environ.get(TEAM_NICE_ENV, "")
+        self.set_team(os.environ.get(TEAM_ENV) == "1", int(nice) if nice.lstrip("-").isdigit() else None)
+
+    def set_team(self, on: bool, worker_nice: int | None = None) -> None:
+        """Parallel loops on Kairos's thread team (`on`) or as OpenMP regions; `worker_nice`: the nice value the
+        team's workers take when they start (None: their creator's). For the whole process: the library is one."""
+        self.team = on
+        self.lib.kairos_set_team(int(on), _INHERIT_NICE if worker_nice is None else worker_nice)
 
     def packed_linear_supported(self, dtype: torch.dtype, *inner_dims: int) -> bool:
         """Whether `pack_weight` + `linear` can run bf16 layers whose input widths (K) are `inner_dims`."""

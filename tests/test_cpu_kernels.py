@@ -235,3 +235,55 @@ def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, 
     finally:
         eng.shutdown()
     assert torch.equal(whole, per_op)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_thread_team_computes_what_openmp_computes(tiny_checkpoints, kernels, dtype):
+    """The thread team (`CpuKernels.set_team`) runs the same chunks as the OpenMP loops, only on other threads:
+    the decode step's logits are bit-identical, on the whole-step and the per-op paths."""
+    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype=dtype, device="cpu", block_size=4,
+                                 kv_cache_dtype="model", num_threads=2))
+    was = kernels.team
+    try:
+        logits = {}
+        for team in (False, True):
+            kernels.set_team(team)
+            logits[team] = _decode_logits(eng, prompts)
+            if eng.runner.decoder.whole_step:
+                eng.runner.decoder.whole_step = False
+                logits[team, "per op"] = _decode_logits(eng, prompts)
+                eng.runner.decoder.whole_step = True
+    finally:
+        kernels.set_team(was)
+        eng.shutdown()
+    assert torch.equal(logits[True], logits[False])
+    if (False, "per op") in logits:
+        assert torch.equal(logits[True, "per op"], logits[False, "per op"])
+
+
+def test_team_workers_take_the_nice_value_they_are_given():
+    """A favoured engine process runs its own thread at nice 0 and its team's workers where Ray put it
+    (engine/core_proc.py hands the value over in TEAM_NICE_ENV)."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.config import TEAM_ENV, TEAM_NICE_ENV
+    code = """
+import os, torch
+from engine import cpu_kernels
+k = cpu_kernels.load()
+assert k.team
+torch.set_num_threads(2)
+x, w = torch.randn(4096, 64), torch.ones(64)
+for _ in range(20):
+    k.rms_norm(x, w, 1e-6)
+nice = {int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16])
+        for t in os.listdir("/proc/self/task")}
+print(sorted(nice - {os.getpriority(os.PRIO_PROCESS, 0)}))
+"""
+    env = dict(os.environ, **{TEAM_ENV: "1", TEAM_NICE_ENV: "7"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[7]"

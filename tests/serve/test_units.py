@@ -48,19 +48,22 @@ def test_every_engine_and_scheduler_knob_is_reachable() -> None:
     assert {"model", "num_replicas", "num_gpus", "policy"} <= names
 
 
-def test_engine_threads_leave_serve_a_core_and_favour_the_engine_only_then() -> None:
-    from deployments.replica import engine_threads
+def test_engine_threads_spare_a_core_only_for_big_engines_and_team_up_otherwise() -> None:
+    from deployments.replica import EngineCores, engine_threads
 
-    assert engine_threads(2, None, 1, True, "1") == (1, True)  # 2 cores, 1 replica: 1 core each, engine first
-    assert engine_threads(16, None, 1, True, "1") == (15, True)
-    assert engine_threads(2, None, 2, True, "1") == (1, False)  # 2 replicas fill both cores: no favour
-    assert engine_threads(16, None, 4, True, "1") == (3, True)
-    assert engine_threads(2, None, 1, False, "1") == (2, False)  # engine as a thread: all cores, as before
-    assert engine_threads(2, 2, 1, True, "1") == (2, False)  # explicit num_threads wins, and fills the box
-    assert engine_threads(2, 1, 1, True, "1") == (1, True)
+    # 2 cores, 1 replica: a spare core would halve the engine; it takes both, on the thread team, whose workers
+    # keep Ray's nice while the engine's own thread goes first
+    assert engine_threads(2, None, 1, True, "1") == EngineCores(2, True, True)
+    assert engine_threads(3, None, 1, True, "1") == EngineCores(3, True, True)
+    assert engine_threads(16, None, 1, True, "1") == EngineCores(15, True, False)  # one core for Serve, engine first
+    assert engine_threads(2, None, 2, True, "1") == EngineCores(1, False, False)  # 2 replicas fill both cores
+    assert engine_threads(16, None, 4, True, "1") == EngineCores(3, True, False)
+    assert engine_threads(2, None, 1, False, "1") == EngineCores(2, False, False)  # engine as a thread: all cores
+    assert engine_threads(2, 2, 1, True, "1") == EngineCores(2, True, True)  # explicit num_threads wins
+    assert engine_threads(2, 1, 1, True, "1") == EngineCores(1, True, False)
     # num_cpus>0: Ray splits the cores (its OMP_NUM_THREADS stands) and the replicas' count is not known here
-    assert engine_threads(4, None, None, True, "1") == (None, False)
-    assert engine_threads(2, 1, None, True, None) == (1, False)
+    assert engine_threads(4, None, None, True, "1") == EngineCores(None, False, False)
+    assert engine_threads(2, 1, None, True, None) == EngineCores(1, False, False)
 
 
 def test_api_keys(tmp_path, monkeypatch) -> None:
