@@ -1,7 +1,7 @@
 """Two small CPU checks behind bench/README.md's "Against vLLM on CPU" section.
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
-                               [--cpu-kernels auto,off]
+                               [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
@@ -9,7 +9,8 @@
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
 `engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32, and one prefill step of 16
 prompts of 64 tokens (one 1024-token budget), best of 4; once per `--cpu-kernels`
-setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace).
+setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace), and once per
+`--packed-isa` (the packed bf16 GEMM on AMX or on AVX512-BF16, or none: oneDNN's GEMM; `CpuKernels.use_packed_isa`).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
 compiled kernels timed by wrapping them, on the per-op path (a decode-only step otherwise runs every layer in one
 kernel call, `KairosDecoder.whole_step`, and its Python between calls is gone), "other" is the rest of the forward (embedding, views, the Python
@@ -37,10 +38,16 @@ import time
 MODULE = "bench.step"
 
 
-def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "auto") -> dict[int | str, float]:
+def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "auto",
+          packed_isa: str = "best") -> dict[int | str, float]:
+    from engine import cpu_kernels as ck
     from engine.engine import LLMEngine
     from engine.profiling import Prober
 
+    if packed_isa != "best" or cpu_kernels != "off":  # set it each time: the choice is the process's
+        k = ck.load()
+        best = k.packed_isas[-1] if k.packed_isas else None
+        k.use_packed_isa({"best": best, "none": None}.get(packed_isa, packed_isa))
     eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, model_impl=impl, max_model_len=1024,
                     kv_cache_memory_gb=0.2, cpu_kernels=cpu_kernels)
     def run(e) -> dict[int | str, float]:
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--cpu-kernels", default="auto", help="comma list of EngineConfig.cpu_kernels settings")
+    s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, none (oneDNN)")
     pp = sub.add_parser("parts")
     pp.add_argument("--model", default="kairos-default")
     pp.add_argument("--dtype", default="bfloat16")
@@ -234,11 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     if args.cmd == "steps":
         for setting in args.cpu_kernels.split(","):
-            ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting)
-            prefill = ms.pop("prefill 16x64")
-            print(f"{args.model} {args.dtype} impl={args.model_impl} cpu_kernels={setting}: decode step ms "
-                  "(context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items())
-                  + f"; prefill of 16 prompts x 64 tokens {prefill:.1f} ms")
+            for isa in args.packed_isa.split(","):
+                ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting, isa)
+                prefill = ms.pop("prefill 16x64")
+                print(f"{args.model} {args.dtype} impl={args.model_impl} cpu_kernels={setting} packed_isa={isa}: "
+                      "decode step ms (context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items())
+                      + f"; prefill of 16 prompts x 64 tokens {prefill:.1f} ms")
     elif args.cmd == "parts":
         for b, row in parts(args.model, args.dtype, [int(x) for x in args.batches.split(",")], args.threads).items():
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))

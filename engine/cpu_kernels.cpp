@@ -638,13 +638,14 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64
 }
 
 
-// ---- Linear layers on packed bf16 weights (AMX) --------------------------------------------------------------
+// ---- Linear layers on packed bf16 weights (AMX, else AVX512-BF16) ---------------------------------------------
 // A weight W [N, K] is packed once at load (engine/cpu_kernels.py: pack_weight) into panels of 16 output columns;
 // a panel holds K/2 rows of 64 bytes, each 16 columns x 2 consecutive k (the "VNNI" pairs that AMX's bf16 dot
 // product reads): P[p][kk][c][e] = W[16p + c][2kk + e]. Columns are padded with zeros to a multiple of 32, K must
 // be a multiple of 32. Panels are walked two at a time (32 columns) and the threads split the panel pairs, so each
-// thread streams its share of the weights once per block of activation rows; fp32 accumulation in tiles, then one
-// epilogue per 32 columns: the bias, a residual add, or silu(gate) * up for a gate|up pair packed panel by panel.
+// thread streams its share of the weights once per block of activation rows; fp32 accumulation in AMX's tiles (or
+// in AVX-512 registers where the CPU has its bf16 dot product but no AMX: dp_block), then one epilogue per 32
+// columns: the bias, a residual add, or silu(gate) * up for a gate|up pair packed panel by panel.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(KAIROS_AVX512_BF16)
 #define KAIROS_AMX 1
 
@@ -695,7 +696,48 @@ inline void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1
     }
 }
 
-// The epilogue's 16 lanes: ld16 / st16 / round16 and Vec16 (above; AMX implies AVX-512 with its bf16 conversions).
+#endif
+
+#ifdef KAIROS_AVX512_BF16
+// Without AMX (e.g. AMD Zen 4): the same block from AVX-512's bf16 dot product of k pairs, which reads the packed
+// panels as they are (a panel's row of 16 columns x 2 k is one 512-bit register). c [R][32] fp32 = R rows of a (row
+// stride lda elements) x panels b0 | b1, over k. R <= 12: 2R accumulators, 2 weight rows and a broadcast in 32
+// registers. Each row's k pair is broadcast to all 16 lanes; the sums run in the order AMX's run (k pair by pair).
+template <int R>
+inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c) {
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k / 2; ++kk) {
+        const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + kk * 32));
+        const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + kk * 32));
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, a + r * lda + 2 * kk, sizeof(pair));
+            const __m512bh xa = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], xa, w0);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], xa, w1);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(c + r * 32, acc0[r]);
+        _mm512_storeu_ps(c + r * 32 + 16, acc1[r]);
+    }
+}
+
+constexpr int kDpRows = 12;
+
+inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, const bf16* b1, int64_t k, float* c) {
+    switch (rows) {
+#define KAIROS_DP_CASE(R) \
+    case R: dp_block<R>(a, lda, b0, b1, k, c); break;
+        KAIROS_DP_CASE(1) KAIROS_DP_CASE(2) KAIROS_DP_CASE(3) KAIROS_DP_CASE(4) KAIROS_DP_CASE(5) KAIROS_DP_CASE(6)
+        KAIROS_DP_CASE(7) KAIROS_DP_CASE(8) KAIROS_DP_CASE(9) KAIROS_DP_CASE(10) KAIROS_DP_CASE(11) KAIROS_DP_CASE(12)
+#undef KAIROS_DP_CASE
+        default: break;
+    }
+}
+
+// The epilogue's 16 lanes: ld16 / st16 / round16 and Vec16 (above).
 inline __m512 silu16(__m512 g) {
     const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 e = exp_nonpos_v<Vec16>(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));  // e^-|g|
@@ -703,6 +745,11 @@ inline __m512 silu16(__m512 g) {
     return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
 }
 #endif
+
+// Which instructions gemm_packed runs: AMX's tiles where built with them and the OS grants this process their state
+// (packed_gemm_enable), else AVX-512's bf16 dot products where built with them, else none.
+enum PackedIsa { kIsaNone = 0, kIsaAvx512Bf16 = 1, kIsaAmx = 2 };
+std::atomic<int> packed_isa{kIsaNone};
 
 inline float silu(float g) {  // g * sigmoid(g), with exp of a non-positive argument only
     const float e = exp_nonpos(g < 0.f ? g : -g);
@@ -721,7 +768,7 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
             const float* cr = c + r * 32;
             bf16* o = out + (m0 + r) * ldo + n0;
             int64_t j = 0;
-#ifdef KAIROS_AMX
+#ifdef KAIROS_AVX512_BF16
             if (w == 16) {
                 const __m512 g = round16(_mm512_loadu_ps(cr));
                 st16(o, _mm512_mul_ps(round16(silu16(g)), round16(_mm512_loadu_ps(cr + 16))));
@@ -736,7 +783,7 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
         return;
     }
     const int64_t n0 = pair * 32, w = std::min<int64_t>(32, n - n0);
-#ifdef KAIROS_AMX
+#ifdef KAIROS_AVX512_BF16
     if (w == 32) {
         const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0);
         const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0 + 16);
@@ -772,8 +819,34 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
 int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
                 const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
-#ifdef KAIROS_AMX
     if (k % 32 != 0) return 1;
+    const int isa = packed_isa.load(std::memory_order_relaxed);
+    const int64_t panel = 16 * k;  // elements
+    // a task is a run of panel pairs, about 4 a thread, each streamed once per block of rows
+    const int64_t per = std::max<int64_t>(1, (pairs + 4 * nthreads - 1) / (4 * std::max(1, nthreads)));
+#ifdef KAIROS_AVX512_BF16
+    if (isa == kIsaAvx512Bf16) {
+        const int64_t block = 256;  // rows per pass over the weights
+        parallel_for((pairs + per - 1) / per, nthreads, [&](int64_t task) {
+            alignas(64) float c[kDpRows * 32];
+            const int64_t p0 = task * per, p1 = std::min(pairs, p0 + per);
+            for (int64_t r0 = 0; r0 < m; r0 += block) {
+                const int64_t r1 = std::min(m, r0 + block);
+                for (int64_t p = p0; p < p1; ++p) {
+                    const bf16* b0 = w + 2 * p * panel;
+                    for (int64_t i = r0; i < r1; i += kDpRows) {
+                        const int64_t rows = std::min<int64_t>(kDpRows, r1 - i);
+                        dp_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c);
+                        gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+                    }
+                }
+            }
+        });
+        return 0;
+    }
+#endif
+#ifdef KAIROS_AMX
+    if (isa != kIsaAmx) return 2;
     const int64_t full = m / 16, tiles = (m + 15) / 16;
     std::vector<bf16> tail;  // the last partial tile's rows, zero-padded to 16
     if (tiles > full) {
@@ -781,10 +854,7 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
         for (int64_t r = 0; r < m - 16 * full; ++r)
             std::memcpy(tail.data() + r * k, x + (16 * full + r) * ldx, k * sizeof(bf16));
     }
-    const int64_t panel = 16 * k;  // elements
-    const int64_t chunk = 16;      // tiles of rows per pass over the weights (256 rows)
-    // a task is a run of panel pairs, about 4 a thread, each streamed once per `chunk` tiles of rows
-    const int64_t per = std::max<int64_t>(1, (pairs + 4 * nthreads - 1) / (4 * std::max(1, nthreads)));
+    const int64_t chunk = 16;  // tiles of rows per pass over the weights (256 rows)
     parallel_for((pairs + per - 1) / per, nthreads, [&](int64_t task) {
         amx_configure();  // per task: the thread may have run other AMX code (oneDNN) since its last
         alignas(64) float c[32 * 32];
@@ -817,8 +887,8 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
     });
     return 0;
 #else
-    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
-        (void)mode, (void)nthreads;
+    (void)x, (void)ldx, (void)m, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo, (void)mode,
+        (void)isa, (void)panel, (void)per;
     return 2;
 #endif
 }
@@ -859,19 +929,25 @@ int decode_layers(int64_t nl, const int64_t* lp, bf16* h, int64_t n, int64_t d, 
     return 0;
 }
 
-int amx_enable() {  // Linux gives a process AMX's tile state only on request
-#ifdef KAIROS_AMX
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 0 : 3;
-#else
-    return 2;
+int packed_gemm_enable() {  // the PackedIsa gemm_packed will run; Linux gives a process AMX's state only on request
+    int isa = kIsaNone;
+#ifdef KAIROS_AVX512_BF16
+    isa = kIsaAvx512Bf16;
 #endif
+#ifdef KAIROS_AMX
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0) isa = kIsaAmx;
+#endif
+    packed_isa.store(isa);
+    return isa;
 }
+
+int packed_gemm_granted = -1;  // what packed_gemm_enable found, once
 
 }  // namespace
 
 extern "C" {
 
-int kairos_abi_version() { return 4; }
+int kairos_abi_version() { return 5; }
 
 void kairos_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out,
                         int nthreads) {
@@ -915,7 +991,7 @@ void kairos_decode_attn(int dtype, const void* q, int64_t q_stride, const void* 
                     bs, scale, nthreads);
 }
 
-// gemm: 0 on success, 1 = K not a multiple of 32, 2 = built without AMX
+// gemm: 0 on success, 1 = K not a multiple of 32, 2 = neither AMX nor AVX512-BF16 (kairos_packed_gemm_enable)
 int kairos_gemm_packed(const void* x, int64_t ldx, int64_t m, int64_t k, const void* w, int64_t pairs, int64_t n,
                        const void* bias, const void* res, void* out, int64_t ldo, int mode, int nthreads) {
     return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
@@ -923,7 +999,13 @@ int kairos_gemm_packed(const void* x, int64_t ldx, int64_t m, int64_t k, const v
                        mode, nthreads);
 }
 
-int kairos_amx_enable() { return amx_enable(); }
+// the PackedIsa the packed GEMM runs from now on: the one asked for if this CPU and OS have it, else their best
+int kairos_packed_gemm_enable(int want) {
+    if (packed_gemm_granted < 0) packed_gemm_granted = packed_gemm_enable();
+    const int isa = want >= kIsaNone && want <= packed_gemm_granted ? want : packed_gemm_granted;
+    packed_isa.store(isa);
+    return isa;
+}
 
 // on: parallel loops run on the team; worker_nice: the nice value its workers take (Team::kInheritNice: the caller's)
 void kairos_set_team(int on, int worker_nice) {

@@ -1,5 +1,5 @@
 """Kairos's own CPU kernels (`cpu_kernels.cpp`): RMSNorm, RoPE + paged-cache write, paged decode attention, and
-(on CPUs with AMX) the linear layers on bf16 weights packed once at load.
+(on CPUs with AMX or AVX512-BF16) the linear layers on bf16 weights packed once at load.
 
 On CPU the decoder's small per-layer ops cost more in dispatch and in passes over memory than in arithmetic:
 a decode step ran ~45 torch ops a layer, and decode attention gathered every context's blocks into a dense
@@ -36,12 +36,13 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
+PACKED_ISAS = {1: "avx512_bf16", 2: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
 
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -89,13 +90,18 @@ class CpuKernels:
             fn.restype = None
         lib.kairos_gemm_packed.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _int, _int]
         lib.kairos_gemm_packed.restype = _int
-        lib.kairos_amx_enable.restype = _int
+        lib.kairos_packed_gemm_enable.argtypes = [_int]
+        lib.kairos_packed_gemm_enable.restype = _int
         lib.kairos_layer_fields.restype = _int
         self.layer_fields = lib.kairos_layer_fields()
         lib.kairos_decode_layers.argtypes = [_i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p, _p,
                                              _p, _i64, _p, _i64, _f32, _p, _int]
         lib.kairos_decode_layers.restype = _int
-        self.amx = lib.kairos_amx_enable() == 0  # built with AMX, and the OS grants this process its tile state
+        # what the packed GEMM runs on: "amx" (built with AMX, and the OS grants this process its tile state),
+        # "avx512_bf16" (AVX-512's bf16 dot product), or None (no packed GEMM)
+        best = lib.kairos_packed_gemm_enable(-1)  # -1: the best this CPU and OS have
+        self.packed_isa = PACKED_ISAS.get(best)
+        self.packed_isas = [name for isa, name in PACKED_ISAS.items() if isa <= best]
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None
         nice = os.environ.get(TEAM_NICE_ENV, "")
@@ -107,9 +113,16 @@ class CpuKernels:
         self.team = on
         self.lib.kairos_set_team(int(on), _INHERIT_NICE if worker_nice is None else worker_nice)
 
+    def use_packed_isa(self, name: str | None) -> None:
+        """Run the packed GEMM on `name` (one of `packed_isas`: what this CPU and OS offer; None: no packed GEMM, so
+        decoders built from now on use oneDNN or torch) for the whole process; tests and benchmarks compare with it."""
+        assert name is None or name in self.packed_isas, (name, self.packed_isas)
+        code = next((isa for isa, n in PACKED_ISAS.items() if n == name), 0)
+        self.packed_isa = PACKED_ISAS.get(self.lib.kairos_packed_gemm_enable(code))
+
     def packed_linear_supported(self, dtype: torch.dtype, *inner_dims: int) -> bool:
         """Whether `pack_weight` + `linear` can run bf16 layers whose input widths (K) are `inner_dims`."""
-        return self.amx and dtype == torch.bfloat16 and all(k % 32 == 0 for k in inner_dims)
+        return self.packed_isa is not None and dtype == torch.bfloat16 and all(k % 32 == 0 for k in inner_dims)
 
     @staticmethod
     def pack_weight(w: torch.Tensor) -> PackedWeight:

@@ -146,17 +146,28 @@ def test_argmax_rows_is_torchs_first_maximum(kernels, dtype):
     assert got[3] == 100 and got[6] == 77
 
 
-def _needs_amx(kernels):
-    if not kernels.amx:
-        pytest.skip("the packed GEMM needs AMX (this CPU or OS has none)")
+def _needs_packed(kernels):
+    if kernels.packed_isa is None:
+        pytest.skip("the packed GEMM needs AMX or AVX512-BF16 (this CPU or OS has neither)")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45, 300])
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def packed_isa(kernels, request):
+    """Each instruction set the packed GEMM can run on, where this CPU has it (AMX CPUs run both)."""
+    if request.param not in kernels.packed_isas:
+        pytest.skip(f"this CPU or OS has no {request.param}")
+    best = kernels.packed_isa
+    kernels.use_packed_isa(request.param)
+    yield request.param
+    kernels.use_packed_isa(best)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 12, 16, 17, 32, 45, 300])
 @pytest.mark.parametrize("n", [96, 100, 576])
-def test_packed_linear_matches_f_linear(kernels, rows, n):
-    """Kairos's AMX GEMM on packed weights: plain, with a bias, and adding into a residual in place, for row
-    counts around its 16-row tiles and output widths that are not a multiple of its 32-column blocks."""
-    _needs_amx(kernels)
+def test_packed_linear_matches_f_linear(kernels, packed_isa, rows, n):
+    """Kairos's GEMM on packed weights: plain, with a bias, and adding into a residual in place, for row counts
+    around its 16-row AMX tiles and 12-row AVX-512 blocks, and output widths that are not a multiple of its
+    32-column blocks."""
     g = torch.Generator().manual_seed(rows * 1000 + n)
     k = 192
     xs = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)
@@ -182,8 +193,7 @@ def test_packed_linear_matches_f_linear(kernels, rows, n):
 
 
 @pytest.mark.parametrize("rows", [1, 20])
-def test_packed_gated_linear_is_silu_gate_times_up(kernels, rows):
-    _needs_amx(kernels)
+def test_packed_gated_linear_is_silu_gate_times_up(kernels, packed_isa, rows):
     g = torch.Generator().manual_seed(rows)
     k, inter = 128, 200  # 200 features: 12 full 16-column panels and a partial one
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
@@ -203,21 +213,20 @@ def test_packed_linear_refuses_what_it_cannot_run(kernels):
         kernels.pack_weight(torch.zeros(32, 48, dtype=torch.bfloat16))
 
 
-def test_bf16_decoder_uses_the_packed_gemm_where_the_cpu_has_amx(tiny_checkpoints, kernels):
+def test_bf16_decoder_uses_the_packed_gemm_where_the_cpu_has_amx_or_avx512_bf16(tiny_checkpoints, kernels):
     eng = LLMEngine(EngineConfig(model=tiny_checkpoints["qwen2"], dtype="bfloat16", device="cpu",
                                  kv_cache_dtype="model"))
     try:
         packed = type(eng.runner.decoder.mm).__name__ == "PackedMatmuls"
-        assert packed == kernels.amx
+        assert packed == (kernels.packed_isa is not None)
     finally:
         eng.shutdown()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, family):
+def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, packed_isa, family):
     """A decode-only step runs every layer in one kernel call (`decode_layers`): the same kernels in the same
     order as the per-op Python loop, so the logits are bit-identical (Qwen2: with the q|k|v bias)."""
-    _needs_amx(kernels)
     prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
     eng = LLMEngine(EngineConfig(model=tiny_checkpoints[family], dtype="bfloat16", device="cpu", block_size=4,
                                  kv_cache_dtype="model"))
