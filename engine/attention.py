@@ -6,7 +6,8 @@ then one token per decoding request. Each layer writes its new K/V into the cach
   in one batched SDPA call);
 - a prefill with a cached prefix gathers its blocks and uses an offset causal mask;
 - decode tokens, with Kairos's CPU kernels (`engine.cpu_kernels`): one call that reads each context's blocks
-  through its block table, no copy;
+  through its block table, no copy; short prefills ride in the same call, one query row per token whose context
+  ends at that token (`model_runner.PAGED_PREFILL_MAX`);
 - decode tokens otherwise come sorted by context length in groups of similar length; each group is one batched
   SDPA over its blocks gathered into a reused workspace, padded only to the group's longest context (padding
   every decode to the batch's longest made a step cost B x max length instead of the sum of lengths).
@@ -52,11 +53,12 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
-class PagedDecodes:
-    """The step's decodes for the CPU kernel: one token each, from `start` in the packed sequence."""
+class PagedTokens:
+    """The step's tokens that attend through the CPU kernel, `count` of them from `start` in the packed sequence:
+    the decodes (one token each) and short prefills (each token a query row whose context ends at itself)."""
     kernels: CpuKernels
     start: int
-    tables: torch.Tensor  # [count, max blocks] int32 block ids (row tails unused)
+    tables: torch.Tensor  # [count, max blocks] int32 block ids of each token's request (row tails unused)
     lens: torch.Tensor  # [count] int32 context lengths, this token included
 
 
@@ -68,7 +70,7 @@ class AttnMetadata:
     # prefills: (q_start, q_len, ctx_len, block_ids or None when ctx_len == q_len)
     prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # decodes, one token per request
-    paged: PagedDecodes | None = None  # the decodes instead, through the CPU kernel
+    paged: PagedTokens | None = None  # the decodes (and short prefills) instead, through the CPU kernel
     max_position: int = 0  # the step's largest position id
     kv_written: bool = False  # the decoder already wrote this step's K/V into the cache (`cpu_kernels.rope_write`)
 

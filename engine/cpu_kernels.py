@@ -226,8 +226,9 @@ class CpuKernels:
     def decode_layers(self, table: torch.Tensor, shape: DecoderShape, h: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                       lens: torch.Tensor, block_size: int, scratch: torch.Tensor) -> None:
-        """Every decoder layer of a decode-only step (one token per request, bf16, packed weights) in one call:
-        h [n, hidden] is updated in place; the step's K/V go into the caches named in `table`."""
+        """Every decoder layer of a step whose tokens all attend through the paged kernel (decodes, and prefill tokens
+        as rows whose context ends at themselves; bf16, packed weights) in one call: h [n, hidden] is updated in
+        place; the step's K/V go into the caches named in `table`."""
         n = h.shape[0]
         assert h.is_contiguous() and h.dtype == torch.bfloat16 and h.shape[1] == shape.hidden
         assert positions.dtype == slots.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32

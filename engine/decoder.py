@@ -220,7 +220,8 @@ class KairosDecoder:
             self._grow_tables(max_positions)
         self.kernels = kernels  # CPU: norms, RoPE + cache write in compiled kernels (`engine.cpu_kernels`)
         self.norm_fn = rms_norm if kernels is None else kernels.rms_norm
-        # a decode-only step runs every layer in one kernel call where the model has the plain Llama/Qwen2 shape
+        # a step whose every token attends through the kernel (decodes, short prefills: `model_runner.prepare`)
+        # runs every layer in one kernel call where the model has the plain Llama/Qwen2 shape
         self.whole_step = isinstance(mm, PackedMatmuls) and self._table_rope and self.layers[0].q_norm is None
         self._shape = DecoderShape(hidden, self.num_heads, self.num_kv_heads, self.head_dim, cfg.intermediate_size,
                                    self.eps, self.scaling)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttnMetadata, DecodeGroup, PagedDecodes, Workspace
+from engine.attention import AttnMetadata, DecodeGroup, PagedTokens, Workspace
 from engine.cpu_kernels import CpuKernels
 from engine.decoder import KairosDecoder
 from engine.kv_cache import KVCache
@@ -13,6 +13,9 @@ from core.request import Request
 # A decode group costs a gather + SDPA call per layer; about this many blocks' worth of padded work. A longer
 # request starts a new group once joining would pad the group's members by more than that in total.
 GROUP_OVERHEAD_BLOCKS = 16
+# With the CPU kernels, a prefill whose context (prefix included) is at most this many tokens attends through the
+# paged decode kernel, one query row per token; a longer one through SDPA (bench/README.md: the A/B that set it).
+PAGED_PREFILL_MAX = 256
 
 
 def group_by_length(needs: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[tuple[int, int]]:
@@ -50,24 +53,40 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        last_idx: list[int] = []
         prefills = []
         dev = self.device
-        for r in prefill:
+        bs = self.block_size
+        # With the CPU kernels, prefills of up to PAGED_PREFILL_MAX tokens of context attend through the decode
+        # kernel too, one query row per token (its context: the positions up to its own): one call for the step's
+        # short prompts and its decodes. Longer prompts keep SDPA, which shares each K/V read among many queries.
+        kernel_rows = self.kernels is not None
+        paged_prefill = [kernel_rows and r.num_tokens <= PAGED_PREFILL_MAX for r in prefill]
+        order_p = sorted(range(len(prefill)), key=paged_prefill.__getitem__)  # SDPA prefills first, then the rest
+        last_idx = [0] * len(prefill)
+        row_tables: list[list[int]] = []  # per paged row: its request's blocks, and its context length
+        row_lens: list[int] = []
+        paged_start = None
+        for i in order_p:
+            r = prefill[i]
             start, end = r.num_computed_tokens, r.num_tokens
             q_start = len(tokens)
             tokens.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(r, start, end))
-            last_idx.append(len(tokens) - 1)
+            last_idx[i] = len(tokens) - 1
+            if paged_prefill[i]:
+                paged_start = q_start if paged_start is None else paged_start
+                table = r.block_table[:-(-end // bs)]
+                row_tables.extend([table] * (end - start))
+                row_lens.extend(range(start + 1, end + 1))
+                continue
             blocks = None
             if start > 0:  # cached prefix: attend over the cache
-                nblk = -(-end // self.block_size)
+                nblk = -(-end // bs)
                 blocks = torch.tensor(r.block_table[:nblk], dtype=torch.long, device=dev)
             prefills.append((q_start, end - start, end, blocks))
-        bs = self.block_size
         need = [-(-r.num_tokens // bs) for r in decode]
-        if self.kernels is not None:
+        if kernel_rows:
             order = list(range(len(decode)))
         else:  # packed by length for the groups; logits keep request order
             order = sorted(range(len(decode)), key=need.__getitem__)
@@ -83,15 +102,17 @@ class ModelRunner:
         last_idx.extend(decode_start + rank[i] for i in range(len(decode)))
         groups = []
         paged = None
-        if self.kernels is not None and decode:
-            width = max(need)
+        if kernel_rows and (decode or row_lens):
+            row_tables.extend(r.block_table[:need[i]] for i, r in enumerate(decode))
+            row_lens.extend(r.num_tokens for r in decode)
+            width = max(len(t) for t in row_tables)
             flat: list[int] = []
-            for i, r in enumerate(decode):
-                flat.extend(r.block_table[:need[i]])
-                flat.extend([0] * (width - need[i]))
-            tables = torch.tensor(flat, dtype=torch.int32).view(len(decode), width)
-            lens = torch.tensor([r.num_tokens for r in decode], dtype=torch.int32)
-            paged = PagedDecodes(self.kernels, decode_start, tables, lens)
+            for t in row_tables:
+                flat.extend(t)
+                flat.extend([0] * (width - len(t)))
+            tables = torch.tensor(flat, dtype=torch.int32).view(len(row_lens), width)
+            lens = torch.tensor(row_lens, dtype=torch.int32)
+            paged = PagedTokens(self.kernels, decode_start if paged_start is None else paged_start, tables, lens)
         for g0, g1 in ([] if paged else group_by_length([need[i] for i in order], GROUP_OVERHEAD_BLOCKS)):
             members = order[g0:g1]
             nb = need[members[-1]]
