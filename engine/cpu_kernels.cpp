@@ -337,12 +337,12 @@ void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const in
 // One (request, KV head) task: the G query heads that share the KV head score every context row as it is read,
 // then accumulate the V rows. HD is a compile-time head size (64, 128), or 0 for any other (runtime `hd`).
 template <typename T, int HD>
-void attend_one(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t hd_rt,
-                int64_t row, int64_t bs, float scale, T* o, float* qf, float* s, float* acc, float* kv) {
+void attend_one(const T* qr, const T* kc, const T* vc, const int64_t* off, int64_t L, int64_t G, int64_t hd_rt,
+                float scale, T* o, float* qf, float* s, float* acc, float* kv) {
     const int64_t hd = HD ? HD : hd_rt;
     for (int64_t j = 0; j < G * hd; ++j) qf[j] = Num<T>::ld(qr[j]) * scale;
     for (int64_t t = 0; t < L; ++t) {
-        const T* kr = kc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+        const T* kr = kc + off[t];
 #pragma omp simd
         for (int64_t j = 0; j < hd; ++j) kv[j] = Num<T>::ld(kr[j]);
         for (int64_t g = 0; g < G; ++g) {
@@ -368,7 +368,7 @@ void attend_one(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_
     }
     for (int64_t j = 0; j < G * hd; ++j) acc[j] = 0.f;
     for (int64_t t = 0; t < L; ++t) {
-        const T* vr = vc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+        const T* vr = vc + off[t];
 #pragma omp simd
         for (int64_t j = 0; j < hd; ++j) kv[j] = Num<T>::ld(vr[j]);
         for (int64_t g = 0; g < G; ++g) {
@@ -483,8 +483,8 @@ inline typename Vec::V exp_nonpos_v(typename Vec::V x) {
 }
 
 template <typename T, typename Vec>
-void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, int64_t L, int64_t G, int64_t row,
-                    int64_t bs, float scale, T* o, float* s) {
+void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, int64_t L, int64_t G, float scale,
+                    T* o, float* s) {
     using V = typename Vec::V;
     constexpr int C = 64 / Vec::W;  // vectors per 64-float row
     V q[8][C], acc[8][C];  // G <= 8 (checked by the caller)
@@ -500,7 +500,7 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, in
                 for (int64_t g = 0; g < G; ++g) part[g][tt] = _mm256_setzero_ps();
                 continue;
             }
-            const T* kr = kc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+            const T* kr = kc + off[t];
             V k[C];
             for (int c = 0; c < C; ++c) k[c] = Vec::load(kr + c * Vec::W);
             for (int64_t g = 0; g < G; ++g) {
@@ -537,7 +537,7 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, in
         for (int c = 0; c < C; ++c) acc[g][c] = Vec::zero();
     }
     for (int64_t t = 0; t < L; ++t) {
-        const T* vr = vc + (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row;
+        const T* vr = vc + off[t];
         V v[C];
         for (int c = 0; c < C; ++c) v[c] = Vec::load(vr + c * Vec::W);
         for (int64_t g = 0; g < G; ++g) {
@@ -548,6 +548,110 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int32_t* bt, in
     for (int64_t g = 0; g < G; ++g) {
         const V iv = Vec::set1(inv[g]);
         for (int c = 0; c < C; ++c) Vec::template store<T>(o + g * 64 + c * Vec::W, Vec::mul(acc[g][c], iv));
+    }
+}
+#endif
+
+#ifdef KAIROS_AVX512_BF16
+// bf16 with AVX-512's bf16 dot product, head sizes 64 and 128 (HD): the scores q.k from the bf16 pairs of q and of
+// each K row as they are (no conversion), and the V rows two at a time: rows t and t+1 interleaved element by element
+// make bf16 pairs that one dot product weighs by the pair (p_t, p_t+1). The probabilities are normalised and rounded
+// to bf16 first, as HF's eager attention rounds softmax's output to the activations' dtype before its matmul with V.
+// Query heads go in groups whose accumulators fit in registers; each group reads the context's K and V rows again
+// (from cache). s: G * (L + 8) floats; p16: G * (L + 8) bf16.
+template <int HD>
+void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, int64_t G,
+                   float scale, bf16* o, float* s, bf16* p16) {
+    constexpr int NV = HD / 32;          // 512-bit vectors of bf16 per head row
+    constexpr int GB = 12 / NV;          // heads per group: 2 * GB * NV accumulators in the V pass
+    const int64_t L8 = (L + 7) / 8 * 8;  // score rows, padded
+    const int64_t LP = L8 + 2;           // p16 row length: even, with room for the pair past an odd L
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        const int64_t gn = std::min<int64_t>(GB, G - g0);
+        __m512bh q[GB][NV];
+        for (int64_t g = 0; g < gn; ++g)
+            for (int c = 0; c < NV; ++c)
+                q[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qr + (g0 + g) * HD + c * 32));
+        for (int64_t t0 = 0; t0 < L8; t0 += 8) {
+            __m256 part[GB][8];
+            for (int tt = 0; tt < 8; ++tt) {
+                const int64_t t = t0 + tt;
+                if (t >= L) {
+                    for (int64_t g = 0; g < gn; ++g) part[g][tt] = _mm256_setzero_ps();
+                    continue;
+                }
+                const bf16* kr = kc + off[t];
+                __m512bh k[NV];
+                for (int c = 0; c < NV; ++c) k[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kr + c * 32));
+                for (int64_t g = 0; g < gn; ++g) {
+                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
+                    for (int c = 1; c < NV; ++c) a = _mm512_dpbf16_ps(a, q[g][c], k[c]);
+                    part[g][tt] = Vec16::to8(a);
+                }
+            }
+            for (int64_t g = 0; g < gn; ++g)
+                _mm256_storeu_ps(s + (g0 + g) * L8 + t0, _mm256_mul_ps(sum_each8(part[g]), _mm512_castps512_ps256(sc)));
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // softmax, normalised, rounded to bf16
+        float* sg = s + g * L8;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = L; t < L8; ++t) sg[t] = -INFINITY;  // padding rows weigh 0
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 tot = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L8; t += 8) {
+            const __m256 x = _mm256_loadu_ps(sg + t);
+            const __m256 e = _mm256_and_ps(exp_nonpos_v<Vec8>(_mm256_sub_ps(x, mv)),
+                                           _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+            _mm256_storeu_ps(sg + t, e);
+            tot = _mm256_add_ps(tot, e);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, tot);
+        float total = 0.f;
+        for (float v : lanes) total += v;
+        const __m256 inv = _mm256_set1_ps(1.f / total);
+        bf16* pg = p16 + g * LP;
+        for (int64_t t = 0; t < L8; t += 8) store8(pg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
+        pg[L8] = pg[L8 + 1] = 0;
+    }
+    // 128-bit lane j of unpacklo(a, b) holds the pairs of elements 8j..8j+3, unpackhi's those of 8j+4..8j+7: the
+    // accumulators' lanes go back to element order through these two permutations
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        const int64_t gn = std::min<int64_t>(GB, G - g0);
+        __m512 lo[GB][NV], hi[GB][NV];
+        for (int64_t g = 0; g < gn; ++g)
+            for (int c = 0; c < NV; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < L; t += 2) {
+            const bf16* v0 = vc + off[t];
+            const bf16* v1 = t + 1 < L ? vc + off[t + 1] : nullptr;  // past an odd L: a zero row, never a read
+            __m512bh plo[NV], phi[NV];
+            for (int c = 0; c < NV; ++c) {
+                const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+                const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
+                plo[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+                phi[c] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+            }
+            for (int64_t g = 0; g < gn; ++g) {
+                int32_t pair;
+                std::memcpy(&pair, p16 + (g0 + g) * LP + t, sizeof(pair));
+                const __m512bh pv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+                for (int c = 0; c < NV; ++c) {
+                    lo[g][c] = _mm512_dpbf16_ps(lo[g][c], plo[c], pv);
+                    hi[g][c] = _mm512_dpbf16_ps(hi[g][c], phi[c], pv);
+                }
+            }
+        }
+        for (int64_t g = 0; g < gn; ++g)
+            for (int c = 0; c < NV; ++c) {
+                bf16* oc = o + (g0 + g) * HD + c * 32;
+                st16(oc, _mm512_permutex2var_ps(lo[g][c], first, hi[g][c]));
+                st16(oc + 16, _mm512_permutex2var_ps(lo[g][c], second, hi[g][c]));
+            }
     }
 }
 #endif
@@ -565,11 +669,18 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
     const int64_t per = whole ? nkv : 1;
     parallel_for(n * nkv / per, nthreads, [&](int64_t task) {
         thread_local std::vector<float> qf, acc, kv, s;  // scratch: each thread's, kept between calls
+        thread_local std::vector<bf16> p16;
+        thread_local std::vector<int64_t> off;
         if (static_cast<int64_t>(qf.size()) < G * hd) qf.resize(G * hd), acc.resize(G * hd);
         if (static_cast<int64_t>(kv.size()) < hd) kv.resize(hd);
         const int64_t i = task * per / nkv, L = ctx[i];
         if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
         const int32_t* bt = tables + i * max_blocks;
+        // each context row's offset in the cache (in elements, all heads of a token), once for the task's heads
+        if (static_cast<int64_t>(off.size()) < L) off.resize(L);
+        for (int64_t b = 0, t = 0; t < L; ++b)
+            for (int64_t j = 0, at = static_cast<int64_t>(bt[b]) * bs * row; j < bs && t < L; ++j, ++t, at += row)
+                off[t] = at;
 #ifdef __SSE__
         // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask
         // for this task's K and V rows up front (all heads of a token when the task has them all, else its
@@ -579,7 +690,7 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
             const int64_t span = (whole ? row : hd) * static_cast<int64_t>(sizeof(T));
             const int64_t upto = std::min<int64_t>(L, 128 * 1024 / span);
             for (int64_t t = 0; t < upto; ++t) {
-                const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row + skip;
+                const int64_t at = off[t] + skip;
                 const char* kr = reinterpret_cast<const char*>(kc + at);
                 const char* vr = reinterpret_cast<const char*>(vc + at);
                 for (int64_t off = 0; off < span; off += 64) {
@@ -594,19 +705,31 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
             T* o = out + (i * nh + h * G) * hd;
             const T* k0 = kc + h * hd;
             const T* v0 = vc + h * hd;
+#ifdef KAIROS_AVX512_BF16
+            if constexpr (std::is_same_v<T, bf16>) {
+                if (hd == 64 || hd == 128) {
+                    if (static_cast<int64_t>(p16.size()) < G * (L + 10)) p16.resize(G * (L + 10));
+                    if (hd == 64)
+                        attend_one_dp<64>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), p16.data());
+                    else
+                        attend_one_dp<128>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), p16.data());
+                    continue;
+                }
+            }
+#endif
 #ifdef __AVX2__
             if (hd == 64 && G <= 8)
-                attend_one_vec<T, VecWide>(qr, k0, v0, bt, L, G, row, bs, scale, o, s.data());
+                attend_one_vec<T, VecWide>(qr, k0, v0, off.data(), L, G, scale, o, s.data());
             else
 #endif
             if (hd == 64)
-                attend_one<T, 64>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                attend_one<T, 64>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
                                   kv.data());
             else if (hd == 128)
-                attend_one<T, 128>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                attend_one<T, 128>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
                                    kv.data());
             else
-                attend_one<T, 0>(qr, k0, v0, bt, L, G, hd, row, bs, scale, o, qf.data(), s.data(), acc.data(),
+                attend_one<T, 0>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
                                  kv.data());
         }
     });
