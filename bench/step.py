@@ -2,7 +2,7 @@
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
-    python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32]
+    python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
 
@@ -12,10 +12,11 @@ prompts of 64 tokens (one 1024-token budget), best of 4; once per `--cpu-kernels
 setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace), and once per
 `--packed-isa` (the packed bf16 GEMM on AMX or on AVX512-BF16, or none: oneDNN's GEMM; `CpuKernels.use_packed_isa`).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
-compiled kernels timed by wrapping them, on the per-op path (a decode-only step otherwise runs every layer in one
-kernel call, `KairosDecoder.whole_step`, and its Python between calls is gone), "other" is the rest of the forward (embedding, views, the Python
-between calls), "outside" the step's input preparation and the rest of sampling. The ~7 timer wrappers a layer
-add a little to the step against `steps`.
+compiled kernels timed by wrapping them; where a decode step runs every layer in one kernel call
+(`KairosDecoder.whole_step`), that call's phases as it times them itself ("layers: ...", `CpuKernels.phase_times`),
+else (or with `--per-op`) on the per-op path; "other" is the rest of the forward (embedding, views, the Python
+between calls), "outside" the step's input preparation and the rest of sampling. On the per-op path the ~7 timer
+wrappers a layer add a little to the step against `steps`.
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -68,8 +69,10 @@ _PARTS = {"matmuls": ("linear", "residual", "mlp"),
           "kernels": ("rms_norm", "rope_write", "decode_attn", "argmax_rows")}
 
 
-def parts(model: str, dtype: str, batches: list[int], threads: int) -> dict[int, dict[str, float]]:
-    """Mean ms per decode step spent in each matmul call kind and compiled kernel, plus the step."""
+def parts(model: str, dtype: str, batches: list[int], threads: int,
+          per_op: bool = False) -> dict[int, dict[str, float]]:
+    """Mean ms per decode step spent in each matmul call kind and compiled kernel, plus the step; where the step
+    runs its layers in one kernel call (and not `per_op`), that call's own phase times ("layers: ...")."""
     from collections import defaultdict
 
     from engine.engine import LLMEngine
@@ -101,7 +104,11 @@ def parts(model: str, dtype: str, batches: list[int], threads: int) -> dict[int,
         dec, kernels = eng.runner.decoder, eng.runner.kernels
         if dec is None:
             raise SystemExit(f"{model} runs on the HF modules' forward: nothing to break down")
-        dec.whole_step = False  # the per-op path, whose calls can be timed one by one (`steps` times the one call)
+        if not per_op and dec.whole_step and kernels is not None:
+            phases = kernels  # decode_layers times its own phases (`CpuKernels.phase_times`)
+        else:
+            phases = None
+            dec.whole_step = False  # the per-op path, whose calls can be timed one by one
         for name in _PARTS["matmuls"]:  # instance attributes shadow the backend's methods for this engine only
             setattr(dec.mm, name, timed(name, getattr(dec.mm, name)))
         if kernels is not None:
@@ -119,8 +126,12 @@ def parts(model: str, dtype: str, batches: list[int], threads: int) -> dict[int,
                 for _ in range(5):
                     p.decode_ms([96] * b)
                 acc.clear()
+                if phases is not None:
+                    phases.phase_times(on=True)
                 step = sum(p.decode_ms([96] * b) for _ in range(20)) / 20
                 row = {k: v / 20 * 1000.0 for k, v in acc.items()}
+                if phases is not None:
+                    row.update({f"layers: {k}": v / 20 for k, v in phases.phase_times(on=False).items()})
                 forward = row.pop("forward")
                 row["other"] = forward - sum(v for k, v in row.items() if k != "argmax_rows")
                 row["outside"] = step - forward - row.get("argmax_rows", 0.0)  # input preparation, the rest of sampling
@@ -228,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--dtype", default="bfloat16")
     pp.add_argument("--batches", default="1,8,32")
     pp.add_argument("--threads", type=int, default=2)
+    pp.add_argument("--per-op", action="store_true", help="time the per-op path even where a step is one call")
     sub.add_parser("omp")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
@@ -249,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                       "decode step ms (context 96) " + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items())
                       + f"; prefill of 16 prompts x 64 tokens {prefill:.1f} ms")
     elif args.cmd == "parts":
-        for b, row in parts(args.model, args.dtype, [int(x) for x in args.batches.split(",")], args.threads).items():
+        for b, row in parts(args.model, args.dtype, [int(x) for x in args.batches.split(",")], args.threads,
+                            args.per_op).items():
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):

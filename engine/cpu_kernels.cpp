@@ -517,10 +517,12 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, i
     float inv[8];
     for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * L8;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         for (int64_t t = L; t < L8; ++t) sg[t] = -INFINITY;  // padding rows weigh 0
-        const __m256 mv = _mm256_set1_ps(m);
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < L8; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + t), mv);  // a NaN score: skipped
+        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
+        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));  // every lane: the maximum
         __m256 tot = _mm256_setzero_ps();
         for (int64_t t = 0; t < L8; t += 8) {
             const __m256 e = exp_nonpos_v<Vec8>(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
@@ -596,10 +598,12 @@ void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t
     }
     for (int64_t g = 0; g < G; ++g) {  // softmax, normalised, rounded to bf16
         float* sg = s + g * L8;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
         for (int64_t t = L; t < L8; ++t) sg[t] = -INFINITY;  // padding rows weigh 0
-        const __m256 mv = _mm256_set1_ps(m);
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < L8; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + t), mv);  // a NaN score: skipped
+        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
+        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));  // every lane: the maximum
         __m256 tot = _mm256_setzero_ps();
         for (int64_t t = 0; t < L8; t += 8) {
             const __m256 x = _mm256_loadu_ps(sg + t);
@@ -826,11 +830,17 @@ inline void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1
 // panels as they are (a panel's row of 16 columns x 2 k is one 512-bit register). c [R][32] fp32 = R rows of a (row
 // stride lda elements) x panels b0 | b1, over k. R <= 12: 2R accumulators, 2 weight rows and a broadcast in 32
 // registers. Each row's k pair is broadcast to all 16 lanes; the sums run in the order AMX's run (k pair by pair).
+// pf, pf_lines: cache lines (of the next panel pair) to ask for into L2 meanwhile, two per k pair.
 template <int R>
-inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c) {
+inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c,
+                     const char* pf, int64_t pf_lines) {
     __m512 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k / 2; ++kk) {
+        if (2 * kk < pf_lines) {
+            _mm_prefetch(pf + 128 * kk, _MM_HINT_T1);
+            if (2 * kk + 1 < pf_lines) _mm_prefetch(pf + 128 * kk + 64, _MM_HINT_T1);
+        }
         const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + kk * 32));
         const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + kk * 32));
         for (int r = 0; r < R; ++r) {
@@ -849,10 +859,11 @@ inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
 
 constexpr int kDpRows = 12;
 
-inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, const bf16* b1, int64_t k, float* c) {
+inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, const bf16* b1, int64_t k, float* c,
+                    const char* pf, int64_t pf_lines) {
     switch (rows) {
 #define KAIROS_DP_CASE(R) \
-    case R: dp_block<R>(a, lda, b0, b1, k, c); break;
+    case R: dp_block<R>(a, lda, b0, b1, k, c, pf, pf_lines); break;
         KAIROS_DP_CASE(1) KAIROS_DP_CASE(2) KAIROS_DP_CASE(3) KAIROS_DP_CASE(4) KAIROS_DP_CASE(5) KAIROS_DP_CASE(6)
         KAIROS_DP_CASE(7) KAIROS_DP_CASE(8) KAIROS_DP_CASE(9) KAIROS_DP_CASE(10) KAIROS_DP_CASE(11) KAIROS_DP_CASE(12)
 #undef KAIROS_DP_CASE
@@ -957,9 +968,16 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
                 const int64_t r1 = std::min(m, r0 + block);
                 for (int64_t p = p0; p < p1; ++p) {
                     const bf16* b0 = w + 2 * p * panel;
-                    for (int64_t i = r0; i < r1; i += kDpRows) {
+                    // the weights come from memory once per block of rows: while the row groups run over this
+                    // pair, the next pair (k lines of 64 bytes) is fetched into L2, a share per group
+                    const char* next = reinterpret_cast<const char*>(b0 + 2 * panel);
+                    const int64_t groups = (r1 - r0 + kDpRows - 1) / kDpRows;
+                    const int64_t share = p + 1 < p1 ? (k + groups - 1) / groups : 0;
+                    for (int64_t i = r0, g = 0; i < r1; i += kDpRows, ++g) {
                         const int64_t rows = std::min<int64_t>(kDpRows, r1 - i);
-                        dp_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c);
+                        const int64_t first = std::min(k, g * share);
+                        dp_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
+                                std::min(k, first + share) - first);
                         gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
                     }
                 }
@@ -1024,6 +1042,24 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
 enum LayerField { kLnIn, kLnPost, kQkvW, kQkvPairs, kQkvB, kOW, kOPairs, kOB, kGateUpW, kGateUpPairs, kDownW,
                   kDownPairs, kKCache, kVCache, kLayerFields };
 
+// Where decode_layers' time goes, summed over calls while profiling is on (kairos_phase_times; bench.step parts).
+enum Phase { kPhaseNorm, kPhaseQkv, kPhaseRope, kPhaseAttn, kPhaseO, kPhaseGateUp, kPhaseDown, kPhases };
+std::atomic<bool> phase_timing{false};
+std::atomic<int64_t> phase_ns[kPhases];
+
+struct PhaseClock {  // laps of the calling thread's work between phases, when phase_timing is on
+    bool on = phase_timing.load(std::memory_order_relaxed);
+    std::chrono::steady_clock::time_point last = on ? std::chrono::steady_clock::now()
+                                                    : std::chrono::steady_clock::time_point{};
+    void lap(Phase p) {
+        if (!on) return;
+        const auto now = std::chrono::steady_clock::now();
+        phase_ns[p].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
+                              std::memory_order_relaxed);
+        last = now;
+    }
+};
+
 int decode_layers(int64_t nl, const int64_t* lp, bf16* h, int64_t n, int64_t d, int64_t nh, int64_t nkv, int64_t hd,
                   int64_t inter, float eps, const bf16* cos, const bf16* sin, const int64_t* pos, const int64_t* slots,
                   const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t bs, float scale,
@@ -1034,19 +1070,28 @@ int decode_layers(int64_t nl, const int64_t* lp, bf16* h, int64_t n, int64_t d, 
     bf16* ao = qkv + n * wq;
     bf16* act = ao + n * wo;
     auto ptr = [](int64_t v) { return reinterpret_cast<bf16*>(v); };
+    PhaseClock clock;
     for (int64_t l = 0; l < nl; ++l) {
         const int64_t* f = lp + l * kLayerFields;
         int rc = 0;
         rms_norm(h, d, ptr(f[kLnIn]), x, n, d, eps, nt);
+        clock.lap(kPhaseNorm);
         rc |= gemm_packed(x, d, n, d, ptr(f[kQkvW]), f[kQkvPairs], wq, ptr(f[kQkvB]), nullptr, qkv, wq, kPlain, nt);
+        clock.lap(kPhaseQkv);
         rope_write(qkv, wq, cos, sin, pos, slots, ptr(f[kKCache]), ptr(f[kVCache]), n, nh, nkv, hd, nt);
+        clock.lap(kPhaseRope);
         decode_attn(static_cast<const bf16*>(qkv), wq, ptr(f[kKCache]), ptr(f[kVCache]), tables, max_blocks, lens,
                     ao, n, nh, nkv, hd, bs, scale, nt);
+        clock.lap(kPhaseAttn);
         rc |= gemm_packed(ao, wo, n, wo, ptr(f[kOW]), f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
+        clock.lap(kPhaseO);
         rms_norm(h, d, ptr(f[kLnPost]), x, n, d, eps, nt);
+        clock.lap(kPhaseNorm);
         rc |= gemm_packed(x, d, n, d, ptr(f[kGateUpW]), f[kGateUpPairs], inter, nullptr, nullptr, act, inter,
                           kSiluMul, nt);
+        clock.lap(kPhaseGateUp);
         rc |= gemm_packed(act, inter, n, inter, ptr(f[kDownW]), f[kDownPairs], d, nullptr, h, h, d, kResidual, nt);
+        clock.lap(kPhaseDown);
         if (rc != 0) return rc;
     }
     return 0;
@@ -1070,7 +1115,7 @@ int packed_gemm_granted = -1;  // what packed_gemm_enable found, once
 
 extern "C" {
 
-int kairos_abi_version() { return 5; }
+int kairos_abi_version() { return 6; }
 
 void kairos_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out,
                         int nthreads) {
@@ -1137,6 +1182,17 @@ void kairos_set_team(int on, int worker_nice) {
 }
 
 int kairos_layer_fields() { return kLayerFields; }
+
+// on 1: decode_layers sums its phases' wall time from now on, from zero; 0: no longer; -1: as it was. out (if not
+// null) gets the kPhases sums so far in ns; returns kPhases
+int kairos_phase_times(int on, int64_t* out) {
+    if (out != nullptr)
+        for (int p = 0; p < kPhases; ++p) out[p] = phase_ns[p].load();
+    if (on > 0)
+        for (auto& t : phase_ns) t.store(0);
+    if (on >= 0) phase_timing.store(on != 0);
+    return kPhases;
+}
 
 int kairos_decode_layers(int64_t nl, const int64_t* lp, void* h, int64_t n, int64_t d, int64_t nh, int64_t nkv,
                          int64_t hd, int64_t inter, float eps, const void* cos, const void* sin, const int64_t* pos,

@@ -36,13 +36,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
 PACKED_ISAS = {1: "avx512_bf16", 2: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
+# `Phase` in cpu_kernels.cpp: the parts of a layer that `decode_layers` times (`phase_times`)
+PHASES = ("rms_norm", "qkv", "rope_write", "attention", "o_proj", "gate_up", "down")
 
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
@@ -97,6 +99,9 @@ class CpuKernels:
         lib.kairos_decode_layers.argtypes = [_i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p, _p,
                                              _p, _i64, _p, _i64, _f32, _p, _int]
         lib.kairos_decode_layers.restype = _int
+        lib.kairos_phase_times.argtypes = [_int, _p]
+        lib.kairos_phase_times.restype = _int
+        assert lib.kairos_phase_times(-1, None) == len(PHASES)
         # what the packed GEMM runs on: "amx" (built with AMX, and the OS grants this process its tile state),
         # "avx512_bf16" (AVX-512's bf16 dot product), or None (no packed GEMM)
         best = lib.kairos_packed_gemm_enable(-1)  # -1: the best this CPU and OS have
@@ -242,6 +247,14 @@ class CpuKernels:
                                            scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"kairos_decode_layers failed ({rc})")
+
+    def phase_times(self, on: bool | None = None) -> dict[str, float]:
+        """ms that `decode_layers` has spent in each of `PHASES` (summed over layers and calls, wall time of the
+        calling thread) since timing last went on; `on` True/False turns timing on (restarting the sums) or off
+        for the whole process. Off by default: it costs two clock reads a phase."""
+        out = torch.zeros(len(PHASES), dtype=torch.int64)
+        self.lib.kairos_phase_times(-1 if on is None else int(on), out.data_ptr())
+        return {name: ns / 1e6 for name, ns in zip(PHASES, out.tolist())}
 
     def argmax_rows(self, x: torch.Tensor) -> list[int]:
         """Each row's first maximum (torch's `max(-1).indices`; a NaN counts as the maximum) of a 2-D float32 or

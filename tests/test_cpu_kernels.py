@@ -237,8 +237,13 @@ def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, 
         real = kernels.decode_layers
         dec.kernels = type("Spy", (), {"__getattr__": lambda s, name: getattr(kernels, name),
                                        "decode_layers": lambda s, *a: calls.append(1) or real(*a)})()
+        kernels.phase_times(on=True)
         whole = _decode_logits(eng, prompts)
+        phases = kernels.phase_times(on=False)
         assert calls  # the whole-step path ran
+        # and timed its phases (bench.step parts)
+        assert list(phases) == list(cpu_kernels.PHASES) and all(ms > 0 for ms in phases.values()), phases
+        assert kernels.phase_times() == phases  # off: the sums stay
         dec.whole_step = False
         per_op = _decode_logits(eng, prompts)
     finally:

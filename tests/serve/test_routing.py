@@ -6,10 +6,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.serve.conftest import replica_stats
+from tests.serve.conftest import replica_stats, wait_idle
 
 
-def test_both_replicas_receive_traffic(base_url: str) -> None:
+def test_both_replicas_receive_traffic(base_url: str, llm_handle) -> None:
+    # the router ranks by each replica's last stats report (every second) plus what it sent since: a report still
+    # showing an earlier test's load would send all of these short requests to the other replica
+    wait_idle(llm_handle, want=2)
+    time.sleep(2.5)
     def one(i: int) -> str:
         r = httpx.post(f"{base_url}/v1/completions", json={"prompt": f"request {i}", "max_tokens": 24,
                                                              "ignore_eos": True}, timeout=60)
