@@ -44,7 +44,7 @@ class OutputProcessor:
                     reason = FinishReason.STOP
         if reason is not None:
             return reason
-        hold = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be completing
+        hold = max(map(len, p.stop)) - 1 if p.stop else 0  # a stop string may still be completing
         upto = max(live.emitted_chars, len(live.text) - hold)
         text = live.text[live.emitted_chars:upto]
         live.emitted_chars = upto
