@@ -482,6 +482,22 @@ inline typename Vec::V exp_nonpos_v(typename Vec::V x) {
     return Vec::times_pow2(p, n);
 }
 
+// While an attention pass scores context rows [t0, t0 + 8): ask for this head's K row (into L1) and V row (into L2)
+// of the rows kAhead further on, `bytes` each, so that memory serves a steady stream instead of one miss at a time.
+constexpr int64_t kAhead = 16;
+template <typename T>
+inline void ask_ahead(const T* kc, const T* vc, const int64_t* off, int64_t t0, int64_t L, int64_t bytes) {
+#ifdef __SSE__
+    for (int64_t t = t0 + kAhead, e = std::min(L, t0 + kAhead + 8); t < e; ++t)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + off[t]) + b, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + off[t]) + b, _MM_HINT_T1);
+        }
+#else
+    (void)kc, (void)vc, (void)off, (void)t0, (void)L, (void)bytes;
+#endif
+}
+
 template <typename T, typename Vec>
 void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, int64_t L, int64_t G, float scale,
                     T* o, float* s) {
@@ -493,6 +509,7 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, i
         for (int c = 0; c < C; ++c) q[g][c] = Vec::mul(Vec::load(qr + g * 64 + c * Vec::W), sc);
     const int64_t L8 = (L + 7) / 8 * 8;
     for (int64_t t0 = 0; t0 < L8; t0 += 8) {
+        ask_ahead(kc, vc, off, t0, L, 64 * static_cast<int64_t>(sizeof(T)));
         __m256 part[8][8];  // [g][row within the 8], each summing to that row's score
         for (int tt = 0; tt < 8; ++tt) {
             const int64_t t = t0 + tt;
@@ -576,6 +593,7 @@ void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t
             for (int c = 0; c < NV; ++c)
                 q[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qr + (g0 + g) * HD + c * 32));
         for (int64_t t0 = 0; t0 < L8; t0 += 8) {
+            if (g0 == 0) ask_ahead(kc, vc, off, t0, L, HD * 2);
             __m256 part[GB][8];
             for (int tt = 0; tt < 8; ++tt) {
                 const int64_t t = t0 + tt;

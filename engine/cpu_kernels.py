@@ -4,9 +4,13 @@
 On CPU the decoder's small per-layer ops cost more in dispatch and in passes over memory than in arithmetic:
 a decode step ran ~45 torch ops a layer, and decode attention gathered every context's blocks into a dense
 copy before one SDPA call per group of similar lengths. These kernels do that work in three calls a layer and
-read the paged cache through the block table directly. The GEMMs of a decode step are bound by reading the
-weights: oneDNN's bf16 GEMM streamed them at ~16 GB/s on the AMX box at 1-32 rows, the packed AMX kernel at
+read the paged cache through the block table directly. The GEMMs of a small decode step are bound by reading
+the weights: oneDNN's bf16 GEMM streamed them at ~16 GB/s on the AMX box at 1-32 rows, the packed AMX kernel at
 ~20-23 GB/s (bench/README.md), and it fuses the bias, the residual add and silu(gate) * up into its epilogue.
+Where there is AVX512-BF16 but no AMX (AMD Zen 4) the same packed panels feed AVX-512's bf16 dot product; each
+thread asks for its next panel pair while it computes on this one, and a batch of 32 then runs at ~90% of the
+dot product's peak. A step whose tokens all attend through the paged kernel runs every layer in one call
+(`decode_layers`), which can time its own phases (`phase_times`).
 
 Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, ~2 s) into the Kairos cache
 (`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
@@ -270,7 +274,8 @@ class CpuKernels:
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A linear layer's weight in the packed AMX layout (`CpuKernels.pack_weight`)."""
+    """A linear layer's weight in the packed layout of AMX's tiles (`CpuKernels.pack_weight`), which AVX512-BF16's
+    dot product reads as it is too."""
     data: torch.Tensor
     n: int  # output features
     k: int  # input features

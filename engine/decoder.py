@@ -10,8 +10,10 @@ the step's tokens packed into one [T] sequence:
 and the final norm and LM head only on the rows whose logits are sampled. q|k|v are concatenated once at
 load into one projection; how the matmuls run is the backend's: `TorchMatmuls` (F.linear; gate|up
 concatenated too, the HF modules' parameters becoming views of the fused tensors, so nothing is stored
-twice), `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs) or `PackedMatmuls` (Kairos's AMX
-GEMM on its own packed layout, elementwise work fused into its epilogue). No per-layer Python of the
+twice), `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs) or `PackedMatmuls` (Kairos's bf16
+GEMM on its own packed layout, on AMX tiles or AVX512-BF16 dot products, elementwise work fused into its epilogue).
+Where every token of a step attends through the paged kernel (decodes, and prefills of short contexts) and the
+backend is `PackedMatmuls`, the whole step's layers run in one kernel call (`CpuKernels.decode_layers`). No per-layer Python of the
 HF modules runs (kwargs, attention-interface lookup, cache objects).
 Numerics follow HF's: RMSNorm in fp32 then cast, RoPE tables from the model's own rotary module.
 With `OneDNNMatmuls` or `PackedMatmuls` the packed weights are copies, so the decoder empties the HF projections' weights
@@ -118,9 +120,10 @@ class OneDNNMatmuls:
 
 
 class PackedMatmuls:
-    """bf16 on CPUs with AMX: Kairos's own GEMM (`CpuKernels.linear`) on weights packed once at load into AMX's
-    layout, the bias, the residual adds and silu(gate) * up fused into its epilogue. At 1-32 rows (decode) it
-    streams the weights ~1.4x faster than oneDNN's packed GEMM, and matches it on prefill (bench/README.md)."""
+    """bf16 on CPUs with AMX or AVX512-BF16: Kairos's own GEMM (`CpuKernels.linear`) on weights packed once at
+    load into AMX's layout (which AVX512-BF16's dot product reads as it is), the bias, the residual adds and
+    silu(gate) * up fused into its epilogue. At 1-32 rows (decode) it runs ~1.4x (AMX) to ~2x (Zen 4) faster than
+    oneDNN's packed GEMM, and matches it on prefill (bench/README.md)."""
 
     copies_weights = True
 
@@ -148,8 +151,8 @@ Matmuls = TorchMatmuls | OneDNNMatmuls | PackedMatmuls
 
 def choose_matmuls(dtype: torch.dtype, device: torch.device, upcast: bool, kernels: CpuKernels | None = None,
                    inner_dims: tuple[int, ...] = ()) -> Matmuls:
-    """Kairos's packed GEMM where the kernels run AMX on these widths; else oneDNN's packed bf16 where the CPU
-    has native bf16; else `F.linear` (upcast per call where bf16 would be emulated)."""
+    """Kairos's packed GEMM where the kernels run it (AMX or AVX512-BF16) on these widths; else oneDNN's packed
+    bf16 where the CPU has native bf16; else `F.linear` (upcast per call where bf16 would be emulated)."""
     if device.type == "cpu" and not upcast and kernels is not None \
             and kernels.packed_linear_supported(dtype, *inner_dims):
         return PackedMatmuls(kernels)
