@@ -41,15 +41,23 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
-        """One token per request; a request whose own sampling fails gets its exception instead."""
+        """One token per request; a request whose own sampling fails gets its exception instead. The logits are
+        the sampler's to change (a step's fresh output)."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
-        banned_rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_tokens]
-        if banned_rows:
-            logits = logits.clone()
-            for i in banned_rows:
-                ban = self.eos_token_ids + list(reqs[i].params.stop_token_ids)
-                logits[i, [t for t in ban if t < logits.shape[-1]]] = float("-inf")
+        # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in vLLM): one
+        # masked write for the whole batch, in place
+        rows: list[int] = []
+        cols: list[int] = []
+        width = logits.shape[-1]
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens:
+                ban = {t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < width}
+                rows.extend([i] * len(ban))
+                cols.extend(ban)
+        if rows:
+            dev = logits.device
+            logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
         greedy = [r.params.greedy for r in reqs]
         out: list[int | Exception] = self.argmax(logits)
         if all(greedy):
