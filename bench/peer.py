@@ -107,10 +107,13 @@ def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_
     result: dict[str, Any] = {"engine": "kairos", "dtype": str(eng.bundle.dtype).removeprefix("torch."),
                               "asked_dtype": dtype, "start_s": start_s, "threads": torch.get_num_threads(),
                               "batches": {}}
+    steps: list[Any] = []
+    eng.add_step_observer(steps.append)  # called on the engine's thread; list.append is atomic
     try:
         for b, ps in prompts.items():
-            walls = []
+            walls, best = [], None
             for rep in range(reps + 1):
+                steps.clear()
                 t = time.perf_counter()
                 streams = [eng.add_request(p, params) for p in ps]
                 ntok = 0
@@ -121,11 +124,34 @@ def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_
                 wall = time.perf_counter() - t
                 if rep:
                     walls.append(wall)
-            result["batches"][b] = {"tokens": ntok, "walls_s": walls, "tok_s": ntok / min(walls)}
-            print(f"kairos {dtype} B={b}: {ntok / min(walls):.1f} tok/s", file=sys.stderr, flush=True)
+                    if wall == min(walls):
+                        best = anatomy(list(steps), wall)
+            result["batches"][b] = {"tokens": ntok, "walls_s": walls, "tok_s": ntok / min(walls), "anatomy": best}
+            print(f"kairos {dtype} B={b}: {ntok / min(walls):.1f} tok/s; best run: {describe(best)}",
+                  file=sys.stderr, flush=True)
     finally:
         eng.shutdown()
     return result
+
+
+def anatomy(steps: list[Any], wall_s: float) -> dict[str, Any]:
+    """Where one run's wall time went, from the engine's `StepEvent`s: steps with prefill work, decode-only
+    steps, and the rest (submitting, waiting between steps, reading the streams)."""
+    pre = [e.wall_ms for e in steps if e.num_prefill]
+    dec = sorted(e.wall_ms for e in steps if not e.num_prefill)
+    fwd = sum(e.forward_ms for e in steps if not e.num_prefill)
+    return {"prefill_steps_ms": [round(x, 1) for x in pre], "decode_steps": len(dec),
+            "decode_ms": round(sum(dec), 1), "decode_forward_ms": round(fwd, 1),
+            "decode_step_median_ms": round(dec[len(dec) // 2], 2) if dec else None,
+            "outside_steps_ms": round(wall_s * 1000.0 - sum(pre) - sum(dec), 1)}
+
+
+def describe(a: dict[str, Any] | None) -> str:
+    if not a:
+        return "-"
+    return (f"prefill steps {a['prefill_steps_ms']} ms, {a['decode_steps']} decode steps {a['decode_ms']:.0f} ms "
+            f"(median {a['decode_step_median_ms']} ms, forward {a['decode_forward_ms']:.0f}), "
+            f"outside steps {a['outside_steps_ms']:.0f} ms")
 
 
 # --------------------------------------------------------------------------- report

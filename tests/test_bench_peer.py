@@ -24,4 +24,6 @@ def test_kairos_only_run(tmp_path, capsys):
     res = json.loads(out.read_text())["results"]
     assert [r["engine"] for r in res] == ["kairos"]
     assert {int(b): v["tokens"] for b, v in res[0]["batches"].items()} == {1: 4, 3: 12}
+    a = res[0]["batches"]["3"]["anatomy"]  # one prefill step for the 3 prompts, then 3 decode steps
+    assert len(a["prefill_steps_ms"]) == 1 and a["decode_steps"] == 3
     assert "B=3 tok/s" in capsys.readouterr().out
