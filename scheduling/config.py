@@ -25,6 +25,7 @@ class PolicyFlags:
     hybrid_steps: bool = False
     itl_correction: bool = False
     tier_floor: bool = False
+    pace_guard: bool = False
     vbs_margin: float = 1.3  # k of the VBS gate: ITL(VBS, L) * k < slack * T_min (SCORPIO's published 1.3)
 
 
@@ -39,7 +40,8 @@ PRESETS: dict[str, PolicyFlags] = {
     # margin only has to cover what that measurement misses: 1.1 (ShareGPT, 3 seeds at 1.5x: 3.04 vs 2.95 req/s
     # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
-                          vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, vbs_margin=1.1),
+                          vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
+                          vbs_margin=1.1),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -82,6 +84,9 @@ class SchedulerConfig(BaseModel):
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
     tier_floor: bool | None = Field(None, description="keep every TPOT tier that is feasible on an idle replica "
                                     "above a share of its admission decisions (scheduling/tier_floor.py)")
+    pace_guard: bool | None = Field(None, description="decode a paced request its credit would skip when skipping "
+                                    "would put its mean TPOT over its SLO, while the step's predicted time stays "
+                                    "within T_min (tpot_guard.behind_pace)")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "
                                     "of its recent admit/reject decisions is starved")
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from core.kv import BlockManager
@@ -21,7 +22,7 @@ from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
 from scheduling.tier_floor import TierFloor, tpot_class
-from scheduling.tpot_guard import ItlCorrection, VBSGate, select_by_credit, vbs
+from scheduling.tpot_guard import ItlCorrection, VBSGate, behind_pace, select_by_credit, vbs
 from scheduling.ttft_guard import find_ttft_unattainable
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
@@ -41,6 +42,10 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    def num_prefill_tokens_now(self) -> int:
+        """The prompt tokens the planned prefills still have to compute (before the step runs)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.prefill)
 
     @property
     def requests(self) -> list[Request]:
@@ -132,8 +137,8 @@ class Scheduler:
         if not self.running:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
-            plan.decode = self._select_decode(plan)
-        plan.num_prefill_tokens = sum(r.num_tokens - r.num_computed_tokens for r in plan.prefill)
+            plan.decode = self._select_decode(plan, now)
+        plan.num_prefill_tokens = plan.num_prefill_tokens_now()
         if plan.decode:
             plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
         return plan
@@ -223,13 +228,16 @@ class Scheduler:
             self._held.append(r)
         return True
 
-    def _select_decode(self, plan: StepPlan) -> list[Request]:
+    def _select_decode(self, plan: StepPlan, now: float) -> list[Request]:
         be = self.config.best_effort_trp
         fresh = set(plan.prefill)
         decoding = [r for r in self.running if r not in fresh] if fresh else self.running
         t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
         self.last_vbs = vbs(self.running, t_min, be)
-        batch = select_by_credit(decoding, t_min, be) if self.flags.credit_batching else list(decoding)
+        if self.flags.credit_batching:
+            batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now))
+        else:
+            batch = list(decoding)
         out: list[Request] = []
         for r in batch:
             if r.status is not Status.RUNNING:  # preempted earlier in this loop
@@ -243,6 +251,24 @@ class Scheduler:
                 self.blocks.ensure(r, r.num_tokens)
                 out.append(r)
         return out
+
+    def _pace_guard(self, plan: StepPlan, decoding: list[Request], t_min: float, now: float
+                    ) -> Callable[[Request, int], bool] | None:
+        """kairos's pace guard for `select_by_credit`: a request its credit skipped decodes anyway when it is behind
+        its TPOT (`behind_pace`) and the step, one request larger, is still predicted within T_min (the time the
+        strictest request in the batch allows a step)."""
+        if not self.flags.pace_guard or self.predictor is None or math.isinf(t_min) or not decoding:
+            return None
+        scale = self.last_correction if self.correction is not None else 1.0
+        mean_len = sum(r.num_tokens for r in decoding) / len(decoding)
+        limit = self.config.vbs_slack * t_min
+        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
+
+        def due(r: Request, batch: int) -> bool:
+            step_ms = self.predictor.itl_ms(batch + 1, mean_len) * scale
+            return step_ms <= limit and behind_pace(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now,
+                                                    step_ms + prefill_ms, step_ms)
+        return due
 
     def _victim(self, exclude: list[Request]) -> Request:
         """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice)."""

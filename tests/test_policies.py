@@ -9,7 +9,7 @@ import pytest
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
-from scheduling.tpot_guard import VBSGate, min_tpot, select_by_credit, trp, vbs
+from scheduling.tpot_guard import VBSGate, behind_pace, min_tpot, select_by_credit, trp, vbs
 from scheduling.ttft_guard import find_ttft_unattainable
 
 
@@ -117,6 +117,30 @@ def test_credit_best_effort_paced_and_all_best_effort_unpaced() -> None:
     assert _run_steps(reqs, 4, be=0.5) == [["slo"], ["slo", "be"], ["slo"], ["slo", "be"]]
     be_only = [_req("a"), _req("b")]
     assert _run_steps(be_only, 2) == [["a", "b"], ["a", "b"]]
+
+
+def test_behind_pace_when_skipping_this_step_would_break_the_mean_tpot() -> None:
+    # 4 tokens out, the first at t=1.0 s, TPOT 10 ms: the 5th is due by 1.040 s
+    assert not behind_pace(1.0, 4, 10.0, now_s=1.025, this_step_ms=5.0, next_step_ms=5.0)  # skipped: at 1.035
+    assert behind_pace(1.0, 4, 10.0, now_s=1.031, this_step_ms=5.0, next_step_ms=5.0)  # skipped: at 1.041
+    assert behind_pace(1.0, 4, 10.0, now_s=1.025, this_step_ms=12.0, next_step_ms=5.0)  # a prefill rides along
+    assert not behind_pace(None, 0, 10.0, 5.0, 5.0, 5.0)  # no first token yet: nothing to keep
+    assert not behind_pace(1.0, 4, math.inf, 9.0, 5.0, 5.0)  # best effort has no pace
+
+
+def test_credit_due_requests_decode_and_pay_down_to_minus_one() -> None:
+    strict, loose = _req("strict", tpot=30), _req("loose", tpot=60)
+    reqs = [strict, loose]
+    behind = {"loose"}
+    due = lambda r, n: r.request_id in behind  # noqa: E731
+    assert _ids(select_by_credit(reqs, 30, 0.5, due)) == ["strict", "loose"]  # credit 0.5 -> paid: -0.5
+    assert loose.credit == -0.5
+    assert _ids(select_by_credit(reqs, 30, 0.5, due)) == ["strict", "loose"]  # 0.0 -> -1.0
+    assert _ids(select_by_credit(reqs, 30, 0.5, due)) == ["strict", "loose"]  # -0.5 -> floor -1.0
+    assert loose.credit == -1.0
+    behind.clear()  # back on pace: its credit decides again, from -1
+    assert [_ids(select_by_credit(reqs, 30, 0.5, due)) for _ in range(4)] == \
+        [["strict"], ["strict"], ["strict"], ["strict", "loose"]]
 
 
 # --- VBS gate ---

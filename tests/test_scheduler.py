@@ -151,3 +151,41 @@ def test_kairos_gate_trusts_steps_measured_faster_than_the_model():
         p = s.schedule(0.0044 * 40)
         assert (r in p.prefill) is admitted, policy
     assert s.last_correction == pytest.approx(0.8)
+
+
+def _pace_case(policy: str, **kw) -> list[str]:
+    """A strict request (TPOT 10 ms) paces the batch; a loose one (TPOT 20 ms, TRP 0.5) has had 4 tokens since
+    t=0 and so is due by t = 80 ms. The model's step: 5 + 0.5 B ms, so a step of both takes 6 ms."""
+    s = _sched(policy, **kw)
+    strict, loose = _req(0, 4, tpot=10.0), _req(1, 4, tpot=20.0)
+    for r in (strict, loose):
+        s.add(r)
+    _run(s, s.schedule(0.0))  # both prefilled: their first token
+    for r in (strict, loose):
+        r.first_token_s = 0.0
+        r.token_ids.extend([3, 3, 3])  # 4 tokens out
+        r.num_computed_tokens = r.num_tokens
+    loose.credit = -0.5  # its credit says: skip this step
+    return [r.request_id for r in s.schedule(0.075).decode]  # skipped, its next token would come at ~87 ms
+
+
+def test_pace_guard_decodes_a_request_its_credit_would_skip_when_it_is_behind():
+    assert _pace_case("kairos") == ["r0", "r1"]
+    assert _pace_case("kairos", pace_guard=False) == ["r0"]
+    assert _pace_case("scorpio") == ["r0"]  # as published: credit alone
+
+
+def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
+    # strict TPOT 6.05 ms: the gate (margin 1) admits both, at VBS 1.3 a step is 5.65 ms < 0.99 x 6.05 = 5.99;
+    # but a step of both is 6 ms, over 5.99: the loose request keeps to its credit
+    s = _sched("kairos", vbs_margin=1.0)
+    strict, loose = _req(0, 4, tpot=6.05), _req(1, 4, tpot=20.0)
+    for r in (strict, loose):
+        s.add(r)
+    _run(s, s.schedule(0.0))
+    for r in (strict, loose):
+        r.first_token_s = 0.0
+        r.token_ids.extend([3, 3, 3])
+        r.num_computed_tokens = r.num_tokens
+    loose.credit = -0.9
+    assert [r.request_id for r in s.schedule(0.075).decode] == ["r0"]
