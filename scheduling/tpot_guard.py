@@ -80,8 +80,8 @@ def behind_pace(first_token_s: float | None, num_output_tokens: int, tpot_ms: fl
     decoded now it comes at the end of this step, skipped at the end of the next one.
 
     Credit counts steps, so a request falls behind its SLO whenever steps run longer than T_min (a prefill
-    rides in the step, a slow step), and a short reply cannot make that up: on the Zen 4 box, 4 of kairos's 5
-    TPOT misses at 1.5x ShareGPT load were replies of 22-58 tokens at 1.02-1.05x their TPOT."""
+    rides in the step, a slow step), and a short reply cannot make that up: on the Zen 4 box, 3 of kairos's 5
+    TPOT misses at 1.5x ShareGPT load were replies of 22-58 tokens at 1.02-1.06x their TPOT."""
     if first_token_s is None or num_output_tokens < 1 or math.isinf(tpot_ms):
         return False
     due_s = first_token_s + num_output_tokens * tpot_ms / 1000.0
