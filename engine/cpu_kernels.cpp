@@ -498,6 +498,15 @@ inline void ask_ahead(const T* kc, const T* vc, const int64_t* off, int64_t t0, 
 #endif
 }
 
+// The maximum of s[0, n) (n a multiple of 8) in every lane; a NaN score is skipped.
+inline __m256 max_each8(const float* s, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + t), mv);
+    mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
+    mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 template <typename T, typename Vec>
 void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, int64_t L, int64_t G, float scale,
                     T* o, float* s) {
@@ -535,11 +544,7 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, i
     for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * L8;
         for (int64_t t = L; t < L8; ++t) sg[t] = -INFINITY;  // padding rows weigh 0
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < L8; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + t), mv);  // a NaN score: skipped
-        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
-        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
-        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));  // every lane: the maximum
+        const __m256 mv = max_each8(sg, L8);
         __m256 tot = _mm256_setzero_ps();
         for (int64_t t = 0; t < L8; t += 8) {
             const __m256 e = exp_nonpos_v<Vec8>(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
@@ -617,11 +622,7 @@ void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t
     for (int64_t g = 0; g < G; ++g) {  // softmax, normalised, rounded to bf16
         float* sg = s + g * L8;
         for (int64_t t = L; t < L8; ++t) sg[t] = -INFINITY;  // padding rows weigh 0
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < L8; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + t), mv);  // a NaN score: skipped
-        mv = _mm256_max_ps(mv, _mm256_permute2f128_ps(mv, mv, 1));
-        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
-        mv = _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));  // every lane: the maximum
+        const __m256 mv = max_each8(sg, L8);
         __m256 tot = _mm256_setzero_ps();
         for (int64_t t = 0; t < L8; t += 8) {
             const __m256 x = _mm256_loadu_ps(sg + t);

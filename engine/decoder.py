@@ -11,10 +11,11 @@ and the final norm and LM head only on the rows whose logits are sampled. q|k|v 
 load into one projection; how the matmuls run is the backend's: `TorchMatmuls` (F.linear; gate|up
 concatenated too, the HF modules' parameters becoming views of the fused tensors, so nothing is stored
 twice), `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs) or `PackedMatmuls` (Kairos's bf16
-GEMM on its own packed layout, on AMX tiles or AVX512-BF16 dot products, elementwise work fused into its epilogue).
-Where every token of a step attends through the paged kernel (decodes, and prefills of short contexts) and the
-backend is `PackedMatmuls`, the whole step's layers run in one kernel call (`CpuKernels.decode_layers`). No per-layer Python of the
-HF modules runs (kwargs, attention-interface lookup, cache objects).
+GEMM on its own packed layout, on AMX tiles or AVX512-BF16 dot products, elementwise work fused into its
+epilogue). Where every token of a step attends through the paged kernel (decodes, and prefills of short
+contexts) and the backend is `PackedMatmuls`, the whole step's layers run in one kernel call
+(`CpuKernels.decode_layers`). No per-layer Python of the HF modules runs (kwargs, attention-interface lookup,
+cache objects).
 Numerics follow HF's: RMSNorm in fp32 then cast, RoPE tables from the model's own rotary module.
 With `OneDNNMatmuls` or `PackedMatmuls` the packed weights are copies, so the decoder empties the HF projections' weights
 (embeddings and norms stay): the HF forward of that model object is unusable afterwards (`model_impl=hf` keeps it).

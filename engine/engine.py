@@ -158,18 +158,18 @@ class LLMEngine:
         prompt is validated first: a bad one raises ValueError and enqueues none."""
         reqs = [self.inputs.process(p, params, slo, None, None) for p in prompts]
         streams = [RequestStream(r.request_id) for r in reqs]
-        if self._dead is not None or self._stop:
-            raise EngineDeadError(f"engine is not running: {self._dead!r}")
-        self._inbox.put(list(zip(reqs, streams)))
-        self._wakeup.set()
+        self._enqueue(list(zip(reqs, streams)))
         return streams
 
     def submit(self, req: Request, stream: OutputSink) -> None:
         """Enqueue a request that `InputProcessor.process` has already validated; the worker thread puts its
         items into `stream`."""
+        self._enqueue((req, stream))
+
+    def _enqueue(self, item: tuple[Request, OutputSink] | list[tuple[Request, OutputSink]]) -> None:
         if self._dead is not None or self._stop:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
-        self._inbox.put((req, stream))
+        self._inbox.put(item)
         self._wakeup.set()
 
     def generate(self, request: GenerateRequest) -> RequestStream:
