@@ -60,7 +60,7 @@ def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dic
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 600
-        # /health answers as soon as the ingress is up; a completion needs the LLM replica
+        # a completion, not /health (200 once an LLM replica is up): it also warms the replica's first request
         while not _ok(f"{TARGET}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log}")

@@ -7,6 +7,7 @@ Client disconnects cancel the handle call, which aborts the request in the engin
 """
 # NB: no `from __future__ import annotations`: FastAPI must see real annotations (Request) on Serve methods.
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -14,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -83,10 +84,37 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+class Readiness:
+    """Whether the app can serve yet: the Ingress answers HTTP as soon as it is up, often long before an LLM replica
+    has loaded its model (12 s for the default model on a 2-core CPU), and a load balancer that sent traffic on the
+    Ingress's first 200 would hold every request that long. `watch` calls `probe` (an LLM replica's `model_info`)
+    until one call returns, each call bounded by `timeout_s` and retried `retry_s` later; after that `info` holds
+    its answer and `ready` stays true (a replica that dies later is Serve's to replace, and requests meanwhile get
+    503s of their own)."""
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None
+
+    async def watch(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float = 60.0,
+                    retry_s: float = 1.0) -> None:
+        while self.info is None:
+            try:
+                self.info = await asyncio.wait_for(probe(), timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a replica still starting, or one that died: ask again
+                log.info("ingress: no LLM replica ready yet (%s); asking again in %.0f s", type(e).__name__, retry_s)
+                await asyncio.sleep(retry_s)
+
+
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
+    async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
         self.llm = llm.options(stream=True)
         self.model_name: str = settings["model_name"]
         self.max_body_bytes: int = settings["max_body_bytes"]
@@ -95,23 +123,24 @@ class Ingress:
         self.reroutes: int = settings.get("reroutes", 0)
         keys = load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         self._keys = [k.encode() for k in keys]
-        self._max_model_len: int | None = None
-        self._info_handle = llm
+        self._readiness = Readiness()
+        self._ready_task = asyncio.get_running_loop().create_task(
+            self._readiness.watch(lambda: llm.model_info.remote()))
 
     # ------------------------------------------------------------------ routes
     @api.get("/health")
-    async def health(self) -> dict[str, str]:
+    async def health(self) -> Any:
+        """200 once an LLM replica has answered (the app can serve), 503 `starting` before: what a load balancer's
+        readiness probe needs. Answered from the Ingress's own state: it never waits on a replica."""
+        if not self._readiness.ready:
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "1"})
         return {"status": "ok"}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         self._auth(request)
-        if self._max_model_len is None:
-            try:
-                self._max_model_len = (await self._info_handle.model_info.remote())["max_model_len"]
-            except Exception:  # noqa: BLE001 - the list still works without it
-                pass
-        card = P.ModelCard(id=self.model_name, max_model_len=self._max_model_len)
+        info = self._readiness.info  # the list works without it while no replica has answered yet
+        card = P.ModelCard(id=self.model_name, max_model_len=info["max_model_len"] if info else None)
         return P.ModelList(data=[card]).model_dump()
 
     @api.post("/v1/completions", openapi_extra=openapi_operation(P.CompletionRequest),

@@ -23,6 +23,23 @@ TEST_ARGS = dict(model="kairos-tiny", dtype="float32", num_replicas=2, num_kv_bl
                  routing_stats_period_s=1.0, metrics_interval_s=0.5, health_check_period_s=2.0, reroute_rejected=1)
 
 
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    """Poll `url`/health until it answers 200, as a load balancer's readiness probe would: the Ingress answers 503
+    `starting` until an LLM replica has answered it (`deployments.ingress.Readiness`)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(url + "/health", timeout=10)
+        if r.status_code == 200:
+            assert r.json() == {"status": "ok"}
+            return
+        assert r.status_code == 503 and r.json() == {"status": "starting"}, r.text
+        assert r.headers["retry-after"] == "1"
+        assert time.monotonic() < deadline, f"{url} not ready after {timeout_s:.0f} s"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def serve_app() -> Iterator[dict]:
     ray = pytest.importorskip("ray")
@@ -37,6 +54,7 @@ def serve_app() -> Iterator[dict]:
     t1 = time.monotonic()
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     serve.run(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/", blocking=False)
+    wait_ready(BASE_URL)
     t2 = time.monotonic()
     print(f"\n[serve fixture] ray.init {t1 - t0:.1f}s, deploy-to-ready {t2 - t1:.1f}s")
     try:

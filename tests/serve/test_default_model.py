@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.conftest import BASE_URL
+from tests.serve.conftest import BASE_URL, wait_ready
 
 PREFIX = "/default"
 
@@ -17,6 +17,7 @@ def default_url(serve_app: dict):
     import deployments
 
     serve.run(serve_builds(deployments.app, {}), name="kairos-default-app", route_prefix=PREFIX, blocking=False)
+    wait_ready(BASE_URL + PREFIX)
     try:
         yield BASE_URL + PREFIX
     finally:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from bench.metrics import percentile
-from tests.serve.conftest import BASE_URL, TEST_ARGS, wait_idle
+from tests.serve.conftest import BASE_URL, TEST_ARGS, wait_idle, wait_ready
 
 OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
 MAX_NUM_SEQS, MAX_WAITING = 4, 4
@@ -38,6 +38,7 @@ def ovl_app(serve_app: dict):
     from deployments import build_app
 
     serve.run(build_app(OVL_ARGS), name=OVL_APP, route_prefix=OVL_PREFIX, blocking=False)
+    wait_ready(BASE_URL + OVL_PREFIX)
     try:
         yield {"url": BASE_URL + OVL_PREFIX, "handle": serve.get_deployment_handle("LLMServer", app_name=OVL_APP)}
     finally:

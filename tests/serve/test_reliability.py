@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.conftest import BASE_URL, TEST_ARGS, replica_stats, wait_idle
+from tests.serve.conftest import BASE_URL, TEST_ARGS, replica_stats, wait_idle, wait_ready
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 REL_APP, REL_PREFIX = "kairos-rel", "/rel"
@@ -63,6 +63,7 @@ def rel_app(serve_app: dict, tmp_path_factory):
             "health_check_period_s": 1.0, "health_check_timeout_s": 10.0}
     t0 = time.monotonic()
     serve.run(build_app(args), name=REL_APP, route_prefix=REL_PREFIX, blocking=False)
+    wait_ready(BASE_URL + REL_PREFIX)
     print(f"\n[rel app] deploy-to-ready {time.monotonic() - t0:.1f}s")
     try:
         yield {"url": BASE_URL + REL_PREFIX, "auth": {"Authorization": f"Bearer {KEYS[0]}"},

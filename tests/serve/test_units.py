@@ -397,3 +397,31 @@ def test_malformed_stream_items_fail_loudly() -> None:
         RoutingStats.from_dict({k: v for k, v in good.items() if k != "vbs"})
     with pytest.raises(ProtocolError, match="unknown"):
         RoutingStats.from_dict({**good, "kv_free_blocks": 3})
+
+
+def test_readiness_waits_for_the_first_replica_answer_and_retries_failures() -> None:
+    """The Ingress's /health is 503 until an LLM replica answers `model_info`; a failed or hung probe is asked again."""
+    import asyncio
+
+    from deployments.ingress import Readiness
+
+    calls: list[str] = []
+
+    async def probe() -> dict:
+        calls.append("probe")
+        if len(calls) == 1:
+            raise RuntimeError("replica still starting")
+        if len(calls) == 2:
+            await asyncio.sleep(10)  # hangs: cut by the timeout
+        return {"max_model_len": 77}
+
+    async def run() -> None:
+        r = Readiness()
+        assert not r.ready and r.info is None
+        task = asyncio.create_task(r.watch(probe, timeout_s=0.05, retry_s=0.01))
+        await asyncio.sleep(0)
+        assert not r.ready
+        await asyncio.wait_for(task, 5)
+        assert r.ready and r.info == {"max_model_len": 77} and len(calls) == 3
+
+    asyncio.run(run())
