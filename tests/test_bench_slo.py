@@ -249,9 +249,17 @@ def test_completion_rate_and_capacity_search():
         return min(rate, 12.0)
 
     cap, probes = find_capacity(measure, 5.0)
-    assert cap == 12.0 and served == [5.0, 10.0, 20.0]  # 10 -> 10 is not saturated, 20 -> 12 is
+    assert cap == 12.0 and served == [5.0, 10.0, 20.0, 40.0]  # 10 -> 10 is not saturated, 20 and 40 -> 12 are
     cap, probes = find_capacity(lambda r: r, 1.0, max_tries=3)
     assert cap == 4.0 and "never saturated" in probes[-1]["note"]
+
+    def ramping(rate):  # just past capacity the batch is not full for much of a run: the first saturated probe
+        return {4.0: 3.3, 8.0: 4.6, 16.0: 4.5}[rate]  # reads low, the next one finds the plateau
+
+    cap, probes = find_capacity(ramping, 4.0)
+    assert cap == 4.6 and [p["rate_rps"] for p in probes] == [4.0, 8.0, 16.0]
+    cap, probes = find_capacity(ramping, 8.0, max_tries=1)  # saturated once, no room to confirm: flagged
+    assert cap == 4.6 and "no second probe" in probes[-1]["note"]
 
 
 def test_acceptance_checks():
