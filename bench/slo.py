@@ -18,12 +18,12 @@
    measures the same ratio while serving, and a calibration underneath would count it twice.
 2. lambda*, FCFS's capacity (--lambda-def capacity, default): FCFS runs open-loop at a rising rate (x2 from an
    analytical guess) until its completion rate over the middle 60% of completions falls below 85% of the
-   offered rate; that completion rate is lambda*. `--lambda-def adherence` is the protocol's (highest rate with
+   offered rate in two probes in a row, the second within 10% of the first; the higher is lambda*. `--lambda-def adherence` is the protocol's (highest rate with
    FCFS adherence >= 90%: expansion, then bisection), ill-conditioned here (FCFS hovers near 90% over a wide
    band); the sweep still reports it (lambda_star_90_rps). The requests are identical at every rate; only the
    arrivals scale. --lambda-star skips the search.
-3. Sweeps loads × policies load-major (a drift in machine speed hits all policies of a load alike), open-loop
-   through bench/driver.py. Requests unfinished `drain` s after the last arrival are aborted: misses (timeout).
+3. Sweeps loads, then seeds, then policies: each seed's workload runs under every policy back to back, so a
+   drift in machine speed hits every policy alike; open-loop through bench/driver.py. Requests unfinished `drain` s after the last arrival are aborted: misses (timeout).
    Engine mode also records, from the engine's step observer, the share of engine time in prefill-only steps
    (no decode runs then) and the median decode step against the model (decode_wall_over_model_p50).
 4. Writes results.json, results.csv, records.jsonl (one line per request), tiers-profile.json (the fit that set
@@ -792,30 +792,37 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"probe fit (median of {calib['n_decode_steps']} steps), a prefill step {calib['prefill']:.2f}x "
               f"({calib['n_prefill_steps']}); the static policies' refreshed fits are scaled by these", flush=True)
 
-    # ---- sweep: load-major, every policy's engine kept alive
+    # ---- sweep: load-major, then seed-major: each seed's workload runs under every policy back to back (this box's
+    # speed drifts by up to a third within minutes, and a policy's seeds run in one block would each see a different
+    # box); every policy's engine is kept alive
     results: list[dict[str, Any]] = []
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
     profiles: list[dict[str, Any]] = []
     for load, rate in zip(plan.loads, rates):
-        for policy in (p for p in order if p in policies):
-            e = None if http else live.get(policy) or live.setdefault(policy, engines.start(policy))
-            runs, fits = [], []
-            for seed in plan.seeds:
+        point_policies = [p for p in order if p in policies]
+        runs: dict[str, list[tuple[int, Any]]] = {p: [] for p in point_policies}
+        fits: dict[str, list[dict[str, Any]]] = {p: [] for p in point_policies}
+        for seed in plan.seeds:
+            for policy in point_policies:
+                e = None if http else live.get(policy) or live.setdefault(policy, engines.start(policy))
                 if refresh:  # the model as of now, calibrated to served steps
-                    fits.append(fresh_fit(e, calib, d_ref, scale.d12_ms))
-                    profiles.append({"policy": policy, "load": load, "seed": seed, **fits[-1]})
+                    fits[policy].append(fresh_fit(e, calib, d_ref, scale.d12_ms))
+                    profiles.append({"policy": policy, "load": load, "seed": seed, **fits[policy][-1]})
                 run = run_items(workload(n_req, rate, seed), f"{policy} {load:g}x seed {seed}",
                                 f"{policy}-{load:g}-{seed}", e)
-                runs.append((seed, run))
+                runs[policy].append((seed, run))
                 with open(rec_path, "a") as f:
                     f.write("\n".join(records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
-            r = summarize_point(policy, load, rate, runs, args.warmup_frac, tiers)
+        for policy in point_policies:
+            e = None if http else live.get(policy)
+            r = summarize_point(policy, load, rate, runs[policy], args.warmup_frac, tiers)
             if e is not None and e.latency_model is not None:  # the scheduler's model at the end of the point
                 r["predictor"] = {"decode_coef_end": list(e.latency_model.decode_coef),
                                   "prefill_coef_end": list(e.latency_model.prefill_coef)}
             results.append(r)
-            speed = sum(f["d12_over_tiers"] for f in fits) / len(fits) if fits else None
+            pf = fits[policy]
+            speed = sum(f["d12_over_tiers"] for f in pf) / len(pf) if pf else None
             print(f"  {policy:<11} {load:>4g}x {rate:6.3f} rps: goodput {r['goodput_rps']:.3f} rps, adherence "
                   f"{100 * r['adherence']:5.1f}%, rejected {r['rejected']}, TTFT/TPOT viol {r['ttft_violations']}/"
                   f"{r['tpot_violations']}, timeouts {r['timeouts']}"
