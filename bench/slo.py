@@ -18,12 +18,14 @@
    measures the same ratio while serving, and a calibration underneath would count it twice.
 2. lambda*, FCFS's capacity (--lambda-def capacity, default): FCFS runs open-loop at a rising rate (x2 from an
    analytical guess) until its completion rate over the middle 60% of completions falls below 85% of the
-   offered rate in two probes in a row, the second within 10% of the first; the higher is lambda*. `--lambda-def adherence` is the protocol's (highest rate with
-   FCFS adherence >= 90%: expansion, then bisection), ill-conditioned here (FCFS hovers near 90% over a wide
-   band); the sweep still reports it (lambda_star_90_rps). The requests are identical at every rate; only the
-   arrivals scale. --lambda-star skips the search.
+   offered rate in two probes in a row, the second within 10% of the first; the higher is lambda*.
+   `--lambda-def adherence` is the protocol's (highest rate with FCFS adherence >= 90%: expansion, then
+   bisection), ill-conditioned here (FCFS hovers near 90% over a wide band); the sweep still reports it
+   (lambda_star_90_rps). The requests are identical at every rate; only the arrivals scale. --lambda-star skips
+   the search.
 3. Sweeps loads, then seeds, then policies: each seed's workload runs under every policy back to back, so a
-   drift in machine speed hits every policy alike; open-loop through bench/driver.py. Requests unfinished `drain` s after the last arrival are aborted: misses (timeout).
+   drift in machine speed hits every policy alike; open-loop through bench/driver.py. Requests unfinished
+   `drain` s after the last arrival are aborted: misses (timeout).
    Engine mode also records, from the engine's step observer, the share of engine time in prefill-only steps
    (no decode runs then) and the median decode step against the model (decode_wall_over_model_p50).
 4. Writes results.json, results.csv, records.jsonl (one line per request), tiers-profile.json (the fit that set
