@@ -8,8 +8,12 @@
 (see deployments/args.py for every knob), and calls it with none for a plain `serve run deployments:app`.
 `default_app` is the application built with the defaults.
 
+Two topologies (`topology=`): *routed*, an Ingress deployment that sends each request to one of the LLM replicas
+through a Serve handle, picked by the SLO-aware router; and *direct*, LLM replicas that serve HTTP themselves,
+without that hop (deployments/direct.py). The default, `auto`, is direct for one LLM replica and routed for more.
+
 Importing this package also asks Ray Serve 2.60 for its HAProxy ingress (`haproxy_ingress`): HTTP then goes
-from HAProxy straight to the Ingress replicas, not through Serve's Python proxy actor. It must be in the
+from HAProxy straight to the replicas that serve it, not through Serve's Python proxy actor. It must be in the
 environment before Ray starts, which `serve run` does after importing the app; on a cluster started with
 `ray start`, cluster.yaml sets it. `RAY_SERVE_ENABLE_HA_PROXY=0` keeps Serve's Python proxy.
 """
@@ -23,6 +27,7 @@ prefer_haproxy_ingress()  # before Ray starts: `serve run` imports the app first
 from ray.serve import Application  # noqa: E402
 
 from deployments.args import AppArgs, ServeArgs  # noqa: E402
+from deployments.direct import DirectLLMServer  # noqa: E402
 from deployments.ingress import Ingress  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
@@ -31,9 +36,26 @@ POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRo
 
 
 def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
-    """Ingress -> LLMServer x num_replicas, wired with the SLO-aware router and Kairos metrics."""
+    """Ingress -> LLMServer x num_replicas, wired with the SLO-aware router (`topology=routed`), or LLM replicas
+    that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
     a: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
+    replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None,
+                    a.stream_interval_ms, a.engine_process)
+    settings = {
+        "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
+        "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
+        "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 else 0,
+    }
+    engine_config = a.engine_config().model_dump(mode="json")
+    if a.direct:
+        return DirectLLMServer.options(
+            num_replicas=a.num_replicas,
+            ray_actor_options=actor_opts,
+            max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
+            health_check_period_s=a.health_check_period_s,
+            health_check_timeout_s=a.health_check_timeout_s,
+        ).bind(engine_config, settings, a.max_ongoing_requests, a.max_queued_requests, *replica_args)
     router = {
         "request_router_class": ROUTER_PATH if a.router == "slo" else POW2_ROUTER_PATH,
         "request_routing_stats_period_s": a.routing_stats_period_s,
@@ -46,13 +68,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         health_check_period_s=a.health_check_period_s,
         health_check_timeout_s=a.health_check_timeout_s,
         request_router_config=router,
-    ).bind(a.engine_config().model_dump(mode="json"), a.metrics_interval_s, a.log_prompts,
-           a.num_replicas if a.num_cpus == 0 else None, a.stream_interval_ms, a.engine_process)
-    settings = {
-        "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
-        "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
-        "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 else 0,
-    }
+    ).bind(engine_config, *replica_args)
     ingress = Ingress.options(
         num_replicas=a.ingress_num_replicas,
         max_ongoing_requests=a.ingress_max_ongoing_requests,

@@ -36,13 +36,17 @@ class ServeArgs(BaseModel):
                                      "the replicas' caps before answering 429 (-1: unbounded)")
     ingress_max_ongoing_requests: int = Field(1_000_000, ge=1, description="per-ingress-replica cap (keep high)")
     ingress_num_replicas: int = Field(1, ge=1)
-    # routing / health / metrics
+    # topology / routing / health / metrics
+    topology: Literal["auto", "routed", "direct"] = Field(
+        "auto", description="routed: an Ingress deployment sends each request to an LLM replica through a Serve "
+        "handle, picked by `router`; direct: the LLM replicas serve HTTP themselves (HAProxy balances them; no "
+        "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more")
     router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default")
     routing_stats_period_s: float = Field(1.0, gt=0)
     reroute_rejected: int = Field(0, ge=0, le=16, description="router=slo with several replicas: a request a "
                                   "replica turns away for its SLOs or its load (429) is sent on to another replica "
                                   "this many times, with its TTFT SLO less the time spent, before the client gets "
-                                  "the 429 (Ray's pow2 router cannot avoid a replica). Off by default: on a 2-core "
+                                  "the 429 (Ray's pow2 router cannot avoid a replica; routed topology only). Off by default: on a 2-core "
                                   "box most rerouted requests were turned away again and the extra calls cost "
                                   "goodput (bench/README.md)")
     metrics_interval_s: float = Field(0.5, gt=0, description="engine gauge refresh period")
@@ -84,6 +88,13 @@ class ServeArgs(BaseModel):
     def _validate_nested(self) -> "ServeArgs":
         self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
         return self
+
+    @property
+    def direct(self) -> bool:
+        """Whether the LLM replicas serve HTTP themselves (`topology`)."""
+        if self.topology == "auto":
+            return self.num_replicas == 1 and self.ingress_num_replicas == 1
+        return self.topology == "direct"
 
     def engine_config(self) -> EngineConfig:
         """The nested engine config; only explicitly given knobs are passed, so the configs' defaults apply."""

@@ -27,6 +27,13 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(P.error_body(message, type_, code), status_code=status, headers=headers)
 
 
+def overloaded(retry_after_s: int) -> APIError:
+    """429 for a request that found the replicas' queue full (Serve's `max_queued_requests`, or the direct
+    replica's own cap)."""
+    return APIError(429, "server overloaded: request queue is full", "rate_limit_error", "overloaded",
+                    {"Retry-After": str(retry_after_s)})
+
+
 def replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
     """A request lost to its LLM replica: the actor died / is unreachable (503, retry) or raised (500)."""
     if isinstance(e, (RayActorError, ActorUnavailableError)):

@@ -1,9 +1,11 @@
-"""OpenAI-compatible HTTP ingress (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health.
 
-Every request is read with a byte cap (413), parsed (400), validated (400), then sent to `LLMServer.generate`
-through a streaming handle. The first item is awaited *before* any status is sent, so SLO rejections,
-bad prompts and backpressure become proper 4xx/5xx answers and a 200 stream never turns into a 429.
-Client disconnects cancel the handle call, which aborts the request in the engine (see replica.py).
+`OpenAIFrontend` reads every request with a byte cap (413), parses (400) and validates it (400), then starts it
+and awaits its first item *before* any status is sent, so SLO rejections, bad prompts and backpressure become
+proper 4xx/5xx answers and a 200 stream never turns into a 429. A client that disconnects cancels the stream,
+which aborts the request in the engine (see replica.py). Where a request goes is the subclass's part: `Ingress`
+(the routed topology) sends it to an `LLMServer` replica through a streaming handle; `deployments.direct` serves
+HTTP from the LLM replica itself.
 """
 # NB: no `from __future__ import annotations`: FastAPI must see real annotations (Request) on Serve methods.
 
@@ -15,7 +17,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,32 +34,26 @@ from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from deployments.errors import APIError, error_response, first_item_failure, protocol_failure, replica_failure
+from deployments.errors import (APIError, error_response, first_item_failure, overloaded, protocol_failure,
+                                replica_failure)
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 
 log = logging.getLogger("ray.serve")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
-api = FastAPI(title="Kairos", version="0.1.0", description="SLO-aware OpenAI-compatible LLM server")
-
-
-@api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.type, e.code, e.headers)
 
 
-@api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     return error_response(400, f"invalid request: {e.errors()}")
 
 
-@api.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     return error_response(e.status_code, str(e.detail), type_, headers=getattr(e, "headers", None))
 
 
-@api.exception_handler(Exception)
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error in ingress")
     return error_response(500, f"internal error: {type(e).__name__}", "server_error")
@@ -111,45 +107,55 @@ class Readiness:
                 await asyncio.sleep(retry_s)
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)
-@serve.ingress(api)
-class Ingress:
-    async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
-        self.llm = llm.options(stream=True)
-        self.model_name: str = settings["model_name"]
+class GenerateStream(Protocol):
+    """What `OpenAIFrontend` reads a request's outputs from: Serve's `DeploymentResponseGenerator`, or
+    `deployments.direct.LocalStream` where the engine is in the same replica."""
+
+    def __anext__(self) -> Awaitable[RequestOutput]: ...
+
+    def cancel(self) -> None: ...
+
+
+class OpenAIFrontend:
+    """The OpenAI HTTP surface (routes, auth, validation, SSE, error mapping), apart from where requests go.
+
+    A subclass says that with `_open(req)` (start a request's stream) and `_ready_info()` (the model's info once an
+    engine can serve, None before). `Ingress` sends requests to LLM replicas through a Serve handle;
+    `deployments.direct.DirectLLMServer` is an LLM replica that serves HTTP itself. `openai_api()` builds the
+    FastAPI app whose routes are this class's methods; `serve.ingress` binds them to the replica's instance."""
+
+    def _init_frontend(self, settings: dict[str, Any]) -> None:
+        self.served_model_name: str = settings["model_name"]
         self.max_body_bytes: int = settings["max_body_bytes"]
         self.retry_after_s: int = settings.get("retry_after_s", 1)
         self.log_prompts: bool = settings.get("log_prompts", False)
         self.reroutes: int = settings.get("reroutes", 0)
         keys = load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         self._keys = [k.encode() for k in keys]
-        self._readiness = Readiness()
-        self._ready_task = asyncio.get_running_loop().create_task(
-            self._readiness.watch(lambda: llm.model_info.remote()))
 
-    # ------------------------------------------------------------------ routes
-    @api.get("/health")
+    def _open(self, req: GenerateRequest) -> GenerateStream:
+        raise NotImplementedError
+
+    def _ready_info(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ routes (registered by `openai_api`)
     async def health(self) -> Any:
-        """200 once an LLM replica has answered (the app can serve), 503 `starting` before: what a load balancer's
-        readiness probe needs. Answered from the Ingress's own state: it never waits on a replica."""
-        if not self._readiness.ready:
+        """200 once an engine can serve, 503 `starting` before: what a load balancer's readiness probe needs.
+        Answered from the replica's own state: it never waits on an engine."""
+        if self._ready_info() is None:
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "1"})
         return {"status": "ok"}
 
-    @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         self._auth(request)
-        info = self._readiness.info  # the list works without it while no replica has answered yet
-        card = P.ModelCard(id=self.model_name, max_model_len=info["max_model_len"] if info else None)
+        info = self._ready_info()  # the list works without it while no engine has answered yet
+        card = P.ModelCard(id=self.served_model_name, max_model_len=info["max_model_len"] if info else None)
         return P.ModelList(data=[card]).model_dump()
 
-    @api.post("/v1/completions", openapi_extra=openapi_operation(P.CompletionRequest),
-              responses=ERROR_RESPONSES)
     async def completions(self, request: Request) -> Any:
         return await self._handle(request, "completion")
 
-    @api.post("/v1/chat/completions", openapi_extra=openapi_operation(P.ChatCompletionRequest),
-              responses=ERROR_RESPONSES)
     async def chat_completions(self, request: Request) -> Any:
         return await self._handle(request, "chat")
 
@@ -261,16 +267,15 @@ class Ingress:
                                      headers={**headers, "Cache-Control": "no-cache"})
         return await self._collect(gen, first, kind, rid, headers)
 
-    async def _first_item(self, req: GenerateRequest) -> tuple[Any, RequestOutput]:
-        """Call a replica (the router picks it) and wait for the request's first item: a token, or its end."""
+    async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
+        """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
+        item: a token, or its end."""
         rid = req.request_id
-        gen = self.llm.generate.remote(req)
+        gen = self._open(req)
         try:
             first = await gen.__anext__()
         except BackPressureError as e:
-            retry = str(max(self.retry_after_s, int(getattr(e, "retry_after_s", None) or 0)))
-            raise APIError(429, "server overloaded: request queue is full", "rate_limit_error", "overloaded",
-                           {"Retry-After": retry}) from None
+            raise overloaded(max(self.retry_after_s, int(getattr(e, "retry_after_s", None) or 0))) from None
         except (DeploymentUnavailableError, RayServeException, StopAsyncIteration) as e:
             gen.cancel()
             raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
@@ -308,13 +313,13 @@ class Ingress:
         if item.finish_reason is FinishReason.ERROR:
             raise APIError(500, f"generation failed: {item.error}", "server_error", headers=headers)
         build = P.completion_response if kind == "completion" else P.chat_response
-        out = build(rid, self.model_name, "".join(parts), item.finish_reason, item.num_prompt_tokens,
+        out = build(rid, self.served_model_name, "".join(parts), item.finish_reason, item.num_prompt_tokens,
                     item.num_output_tokens)
         return JSONResponse(out, headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool) -> AsyncIterator[bytes]:
-        created, model, item = int(time.time()), self.model_name, first
+        created, model, item = int(time.time()), self.served_model_name, first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         done = False
         try:
@@ -346,3 +351,42 @@ class Ingress:
         finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine
             if not done:
                 gen.cancel()
+
+
+def openai_api() -> FastAPI:
+    """A FastAPI app whose routes are `OpenAIFrontend`'s methods; each deployment class gets its own
+    (`serve.ingress` rewrites the app's routes for the class it decorates)."""
+    api = FastAPI(title="Kairos", version="0.1.0", description="SLO-aware OpenAI-compatible LLM server")
+    api.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    api.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    api.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    api.add_exception_handler(Exception, _unexpected)
+    api.add_api_route("/health", OpenAIFrontend.health, methods=["GET"])
+    api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
+    for path, fn, schema in (("/v1/completions", OpenAIFrontend.completions, P.CompletionRequest),
+                             ("/v1/chat/completions", OpenAIFrontend.chat_completions, P.ChatCompletionRequest)):
+        api.add_api_route(path, fn, methods=["POST"], openapi_extra=openapi_operation(schema),
+                          responses=ERROR_RESPONSES)
+    return api
+
+
+class IngressFrontend(OpenAIFrontend):
+    """The routed topology's front: requests go to `LLMServer` replicas through a streaming handle, each to the
+    replica the router picks (`router=slo`: by SLO slack, deployments/router.py)."""
+
+    async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
+        self._init_frontend(settings)
+        self.llm = llm.options(stream=True)
+        self._readiness = Readiness()
+        self._ready_task = asyncio.get_running_loop().create_task(
+            self._readiness.watch(lambda: llm.model_info.remote()))
+
+    def _open(self, req: GenerateRequest) -> GenerateStream:
+        return self.llm.generate.remote(req)
+
+    def _ready_info(self) -> dict[str, Any] | None:
+        return self._readiness.info  # an LLM replica has answered: the app can serve
+
+
+Ingress = serve.deployment(serve.ingress(openai_api())(IngressFrontend), name="Ingress",
+                           ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)

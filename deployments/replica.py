@@ -79,9 +79,11 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-@serve.deployment(name="LLMServer", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
-                  health_check_period_s=5.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=20.0)
-class LLMServer:
+class LLMReplica:
+    """One engine and what Serve asks of it: `generate` streams, the control plane (`check_health`,
+    `record_routing_stats`, `stats`, `model_info`, `inject_fault`) and the replica's metrics. `LLMServer` below
+    deploys it behind the Ingress; `deployments.direct.DirectLLMServer` adds the HTTP surface to it."""
+
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
                        stream_interval_ms: float = 0.0, engine_process: bool = True) -> None:
@@ -244,3 +246,8 @@ class LLMServer:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown(timeout=5.0)
+
+
+LLMServer = serve.deployment(
+    LLMReplica, name="LLMServer", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
+    health_check_period_s=5.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=20.0)

@@ -59,7 +59,7 @@ def rel_app(serve_app: dict, tmp_path_factory):
 
     key_file = tmp_path_factory.mktemp("keys") / "api_keys"
     key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
-    args = {**TEST_ARGS, "num_replicas": 1, "api_key_file": str(key_file), "log_prompts": True,
+    args = {**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file), "log_prompts": True,
             "health_check_period_s": 1.0, "health_check_timeout_s": 10.0}
     t0 = time.monotonic()
     serve.run(build_app(args), name=REL_APP, route_prefix=REL_PREFIX, blocking=False)

@@ -249,11 +249,18 @@ def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> 
 
     import deployments
 
-    for args in ({"model": str(tmp_path), "dtype": "float32"}, {}):
+    for args in ({"model": str(tmp_path), "dtype": "float32"}, {}, {"num_replicas": 2}):
         built = serve_builds(deployments.app, args)
         assert isinstance(built, Application)
-        llm = built._bound_deployment.init_args[0]._bound_deployment  # Ingress(llm, settings) -> LLMServer
-        engine_config = llm.init_args[0]
+        top = built._bound_deployment
+        if args.get("num_replicas", 1) == 1:  # topology=auto: one replica serves HTTP itself
+            assert top.name == "LLMServer" and top.func_or_class.__name__ == "DirectFrontend"
+            engine_config = top.init_args[0]
+        else:  # Ingress(llm, settings) -> LLMServer
+            assert top.name == "Ingress"
+            llm = top.init_args[0]._bound_deployment
+            assert llm.name == "LLMServer" and llm.num_replicas == 2
+            engine_config = llm.init_args[0]
         assert engine_config["model"] == args.get("model", "kairos-default")
         assert engine_config["dtype"] == args.get("dtype", "auto")
     assert isinstance(deployments.default_app, Application)
@@ -336,7 +343,7 @@ def _sse_chunks(items: list) -> list:
     from deployments.ingress import Ingress
 
     async def collect() -> list[bytes]:
-        gen = Ingress.func_or_class._sse(SimpleNamespace(model_name="m"), _Gen(items), items[0], "completion",
+        gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "completion",
                                          "cmpl-1", False)
         return [c async for c in gen]
 
@@ -381,7 +388,7 @@ def test_malformed_stream_items_fail_loudly() -> None:
     with pytest.raises(ProtocolError):
         check_output(tampered)
     # the ingress, non-streaming: a dict in the stream is a 500 protocol error, not a completion
-    me = SimpleNamespace(model_name="m", retry_after_s=1)
+    me = SimpleNamespace(served_model_name="m", retry_after_s=1)
     with pytest.raises(APIError) as err:
         asyncio.run(Ingress.func_or_class._collect(me, _Gen([ok, {"text": "b", "finished": True}]), ok,
                                                    "completion", "r", {}))
@@ -423,5 +430,62 @@ def test_readiness_waits_for_the_first_replica_answer_and_retries_failures() -> 
         assert not r.ready
         await asyncio.wait_for(task, 5)
         assert r.ready and r.info == {"max_model_len": 77} and len(calls) == 3
+
+    asyncio.run(run())
+
+
+def test_direct_replica_caps_its_engine_share_and_queue_and_aborts_closed_streams() -> None:
+    """topology=direct: at most `max_ongoing_requests` requests in the engine, `max_queued_requests` more waiting for
+    a slot, a 429 beyond; a stream cancelled by its client (or closed before it started) releases its slot and runs
+    the replica's abort."""
+    import asyncio
+
+    from deployments.direct import DirectFrontend, LocalStream
+    from deployments.errors import APIError
+
+    async def run() -> None:
+        release = asyncio.Event()
+        started: list[str] = []
+        aborted: list[str] = []
+
+        async def generate(req: GenerateRequest):
+            started.append(req.request_id)
+            try:
+                yield RequestOutput(req.request_id, text="a", token_ids=[1])
+                await release.wait()
+                yield RequestOutput(req.request_id, text="b", token_ids=[2], finished=True, finish_reason="length",
+                                    num_output_tokens=2)
+            finally:
+                if not release.is_set():
+                    aborted.append(req.request_id)
+
+        class Direct(DirectFrontend):
+            def __del__(self) -> None:  # no engine to stop (Serve awaits the real, async one)
+                pass
+
+        me = object.__new__(Direct)
+        me.generate, me.retry_after_s = generate, 3
+        me._slots, me._cap, me._calls = asyncio.Semaphore(1), 2, 0
+        a = me._open(GenerateRequest("a", prompt=(1,)))
+        assert (await a.__anext__()).text == "a" and me._calls == 1  # holds the one slot
+        b = me._open(GenerateRequest("b", prompt=(1,)))
+        b_first = asyncio.create_task(b.__anext__())  # waits for the slot
+        await asyncio.sleep(0.01)
+        assert not b_first.done() and me._calls == 2 and started == ["a"]
+        c = me._open(GenerateRequest("c", prompt=(1,)))
+        with pytest.raises(APIError) as e:
+            await c.__anext__()
+        assert e.value.status == 429 and e.value.headers == {"Retry-After": "3"} and me._calls == 2
+        never = me._open(GenerateRequest("never", prompt=(1,)))
+        never.cancel()  # closed before it started: counts nothing
+        a.cancel()  # the client of `a` went away while it held the slot: aborted, slot to `b`
+        assert (await asyncio.wait_for(b_first, 5)).text == "a"
+        assert aborted == ["a"] and started == ["a", "b"] and me._calls == 1
+        release.set()
+        assert (await b.__anext__()).finished
+        with pytest.raises(StopAsyncIteration):
+            await b.__anext__()
+        assert me._calls == 0 and aborted == ["a"]
+        assert isinstance(b, LocalStream)
 
     asyncio.run(run())

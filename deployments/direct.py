@@ -1,0 +1,105 @@
+"""The direct topology: LLM replicas that serve HTTP themselves (HTTP -> replica -> engine process).
+
+The routed topology puts a hop between HTTP and the engine: the Ingress replica calls an `LLMServer` replica
+through a streaming Serve handle, and every streamed token crosses Ray's streaming generator and serialization
+in both processes. With one LLM replica there is nothing to route, so that hop is pure cost; `build_app` then
+deploys `DirectLLMServer` (`topology=auto`, the default): an `LLMReplica` that also carries the
+`OpenAIFrontend`, reached straight from Serve's HAProxy (or its Python proxy), as vLLM's API server talks to its
+engine core and as Ray Serve LLM's direct-streaming mode skips its ingress. It keeps the deployment name
+`LLMServer`, so handles, metrics and dashboards read the same in both topologies.
+
+`topology=direct` with several replicas is also allowed: HAProxy then balances requests over them (least
+connections), not Kairos's SLO router.
+
+What the routed topology gets from Serve, the direct replica does itself: at most `max_ongoing_requests`
+requests in its engine, up to `max_queued_requests` more waiting for a slot, and a 429 + Retry-After beyond that.
+"""
+# NB: no `from __future__ import annotations`: FastAPI must see real annotations on the inherited routes.
+
+import asyncio
+import inspect
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from core.messages import GenerateRequest, RequestOutput
+from deployments.errors import overloaded
+from deployments.ingress import GenerateStream, OpenAIFrontend, openai_api
+from deployments.replica import LLMReplica
+
+
+class LocalStream:
+    """A `GenerateStream` over an async generator of this process: `cancel` closes it, which runs its `finally`
+    (the replica's abort of the request in the engine)."""
+
+    _closing: set[asyncio.Task] = set()  # the event loop holds tasks weakly
+
+    def __init__(self, agen: AsyncIterator[RequestOutput]) -> None:
+        self._agen = agen
+
+    def __anext__(self) -> Any:
+        return self._agen.__anext__()
+
+    def cancel(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self) -> None:
+        try:
+            await self._agen.aclose()  # type: ignore[attr-defined]
+        except RuntimeError:  # still running in the task being cancelled: that cancellation closes it
+            pass
+
+
+class DirectFrontend(OpenAIFrontend, LLMReplica):
+    async def __init__(self, engine_config: dict[str, Any], settings: dict[str, Any], max_ongoing_requests: int,
+                       max_queued_requests: int, metrics_interval_s: float = 0.5, log_prompts: bool = False,
+                       share_cores_with: int | None = None, stream_interval_ms: float = 0.0,
+                       engine_process: bool = True) -> None:
+        await LLMReplica.__init__(self, engine_config, metrics_interval_s, log_prompts, share_cores_with,
+                                  stream_interval_ms, engine_process)
+        self._init_frontend(settings)
+        self._info = self.model_info()  # the engine is up: this replica can serve from its first request
+        self._slots = asyncio.Semaphore(max_ongoing_requests)
+        self._cap = None if max_queued_requests < 0 else max_ongoing_requests + max_queued_requests
+        self._calls = 0  # requests holding or waiting for a slot
+
+    def _ready_info(self) -> dict[str, Any] | None:
+        return self._info
+
+    async def __del__(self) -> None:
+        """Stop the engine, then let what follows `LLMReplica` in the deployed class's MRO (Serve's ASGI
+        wrapper, which shuts the app's lifespan down) do its part."""
+        LLMReplica.__del__(self)
+        rest = getattr(super(LLMReplica, self), "__del__", None)
+        if rest is not None:
+            res = rest()
+            if inspect.isawaitable(res):
+                await res
+
+    def _open(self, req: GenerateRequest) -> GenerateStream:
+        return LocalStream(self._bounded(req))
+
+    async def _bounded(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """`generate` within the replica's caps. The check and the count sit in the generator's body, so a stream
+        closed before it started counts nothing; a full queue raises at the first item (429)."""
+        if self._cap is not None and self._calls >= self._cap:
+            raise overloaded(self.retry_after_s)
+        self._calls += 1
+        try:
+            async with self._slots:
+                inner = self.generate(req)
+                try:
+                    async for out in inner:
+                        yield out
+                finally:
+                    await inner.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._calls -= 1
+
+
+DirectLLMServer = serve.deployment(
+    serve.ingress(openai_api())(DirectFrontend), name="LLMServer", ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=1_000_000, health_check_period_s=5.0, health_check_timeout_s=30.0,
+    graceful_shutdown_timeout_s=20.0)
