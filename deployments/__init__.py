@@ -45,7 +45,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
-        "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 else 0,
+        "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
     }
     engine_config = a.engine_config().model_dump(mode="json")
     if a.direct:
