@@ -1,14 +1,15 @@
 """What the HTTP path adds over the in-process engine, back to back, same model and load.
 
     python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--inproc-threads 2,1] [--saturate]
-                             [--summary NAME]
+                             [--rounds N] [--summary NAME]
 
 Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: torch's default), then once against `serve run deployments:app ARGS` for each `--serve` (ARGS: app key=value arguments, and
 NAME=VALUE environment variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`)
 (default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
 one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
 and what HTTP adds over the in-process run. `--saturate` adds the same comparison under a burst (150 requests
-10 ms apart) without the in-process run. Never run beside another benchmark.
+10 ms apart) without the in-process run. `--rounds N` runs all of it N times, in rounds, and reports medians (the
+added TTFT / ITL as the median of each round's own difference). Never run beside another benchmark.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,6 +78,33 @@ def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dic
                        stderr=subprocess.DEVNULL)
 
 
+def _added(rounds: list[dict[str, dict]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per HTTP run and in-process baseline: (TTFT, ITL) p50 added, the median over rounds of each round's
+    difference (the pairs ran minutes apart; runs of different rounds did not)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name in rounds[0]:
+        if name.startswith(("in_process", "burst")):
+            continue
+        out[name] = {b: tuple(round(statistics.median(rd[name][k] - rd[b][k] for rd in rounds), 2)
+                              for k in ("ttft_p50_ms", "itl_p50_ms"))
+                     for b in rounds[0] if b.startswith("in_process")}
+    return out
+
+
+def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, float]]]) -> None:
+    bases = {k: f for k, f in figures.items() if k.startswith("in_process")}
+    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms) vs in-process")
+    for name, f in figures.items():
+        text = ""
+        if not name.startswith(("in_process", "burst")):
+            diffs = added.get(name) or {k: (f["ttft_p50_ms"] - b["ttft_p50_ms"], f["itl_p50_ms"] - b["itl_p50_ms"])
+                                        for k, b in bases.items()}
+            text = "  " + ", ".join(f"{d[0]:+.1f} / {d[1]:+.1f}{'' if k == 'in_process' else ' vs ' + k[len('in_process'):]}"
+                                    for k, d in diffs.items())
+        print(f"{name:<40} {f['ttft_p50_ms']:>9.1f} {f['tpot_p50_ms']:>9.1f} {f['itl_p50_ms']:>9.1f} "
+              f"{f['throughput_completion_tok_s']:>8.1f}{text}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", action="append", help="serve run arguments of one server (repeatable)")
@@ -86,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inproc-threads", default="", help="comma-separated torch thread counts of the in-process "
                    "runs (the first is the baseline of 'added'); empty: torch's default")
     p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
+    p.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, in rounds "
+                   "(this box drifts by up to 35%% within a minute); figures are medians over rounds")
     p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,34 +128,40 @@ def main(argv: list[str] | None = None) -> int:
                 "--num-requests", str(n), "--submit-interval-ms", str(ivl), "--max-new-tokens",
                 str(args.max_new_tokens), "--no-stop-on-eos"]
 
-    figures: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        for i, n in enumerate(x.strip() for x in (args.inproc_threads or "").split(",")):
-            name = "in_process" if i == 0 else f"in_process[{n} threads]"
-            figures[name] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
-                                       + (["--num-threads", n] if n else []), t / f"inproc{i}.json")
-        for i, s in enumerate(servers):
-            figures[f"http[{s or 'defaults'}]"] = _served(s, load(args.num_requests, args.submit_interval_ms),
-                                                          t / f"http{i}.json", t / f"serve{i}.log")
-        if args.saturate:
+        for r in range(args.rounds):  # each round runs every configuration once, so drift hits them alike
+            figures: dict[str, dict] = {}
+            for i, n in enumerate(x.strip() for x in (args.inproc_threads or "").split(",")):
+                name = "in_process" if i == 0 else f"in_process[{n} threads]"
+                figures[name] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
+                                           + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json")
             for i, s in enumerate(servers):
-                figures[f"burst http[{s or 'defaults'}]"] = _served(s, load(150, 10.0), t / f"sat{i}.json",
-                                                                    t / f"sat{i}.log")
-    bases = {k: f for k, f in figures.items() if k.startswith("in_process")}
-    base = bases["in_process"]
-    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms) vs in-process")
-    for name, f in figures.items():
-        added = "" if name.startswith(("in_process", "burst")) else "  " + ", ".join(
-            f"{f['ttft_p50_ms'] - b['ttft_p50_ms']:+.1f} / {f['itl_p50_ms'] - b['itl_p50_ms']:+.1f}"
-            f"{'' if k == 'in_process' else ' vs ' + k[len('in_process'):]}" for k, b in bases.items())
-        print(f"{name:<40} {f['ttft_p50_ms']:>9.1f} {f['tpot_p50_ms']:>9.1f} {f['itl_p50_ms']:>9.1f} "
-              f"{f['throughput_completion_tok_s']:>8.1f}{added}")
+                figures[f"http[{s or 'defaults'}]"] = _served(s, load(args.num_requests, args.submit_interval_ms),
+                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log")
+            if args.saturate:
+                for i, s in enumerate(servers):
+                    figures[f"burst http[{s or 'defaults'}]"] = _served(s, load(150, 10.0), t / f"sat{r}-{i}.json",
+                                                                        t / f"sat{r}-{i}.log")
+            rounds.append(figures)
+            if args.rounds > 1:
+                print(f"round {r + 1} of {args.rounds}:")
+                _print(figures, {})
+    added = _added(rounds)
+    figures = {name: {k: sum(rd[name][k] for rd in rounds) if k == "failed" else
+                      round(statistics.median(rd[name][k] for rd in rounds), 2) for k in rounds[0][name]}
+               for name in rounds[0]}
+    if args.rounds > 1:
+        print(f"median of {args.rounds} rounds (added: the median of each round's difference):")
+    _print(figures, added)
     if args.summary:
-        first = figures[f"http[{servers[0] or 'defaults'}]"]
-        headline = (f"HTTP ({servers[0] or 'defaults'}) adds TTFT +{first['ttft_p50_ms'] - base['ttft_p50_ms']:.1f} ms, "
-                    f"ITL +{first['itl_p50_ms'] - base['itl_p50_ms']:.1f} ms p50 over the in-process engine")
-        path = write_summary(args.summary, command_line(MODULE, argv), headline, figures)
+        first = f"http[{servers[0] or 'defaults'}]"
+        ttft, itl = added[first]["in_process"]
+        headline = (f"HTTP ({servers[0] or 'defaults'}) adds TTFT {ttft:+.1f} ms, ITL {itl:+.1f} ms p50 over the "
+                    f"in-process engine" + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""))
+        doc = figures | {"added_ttft_itl_ms": added} | ({"rounds": rounds} if args.rounds > 1 else {})
+        path = write_summary(args.summary, command_line(MODULE, argv), headline, doc)
         print(f"summary: {path}")
     return 0
 
