@@ -6,7 +6,8 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
   * the replica's `record_routing_stats()` (every `request_routing_stats_period_s`, 1 s by default):
     predicted TTFT for a ~median prompt and for a 1-token prompt (queue-ahead), VBS, strictest running TPOT
     SLO, decode step time (and the batch it was measured on), free KV blocks;
-  * this router's own in-flight requests per replica (`on_request_routed` / `on_request_completed`), fresh
+  * this router's own in-flight requests per replica (`on_request_routed` / `on_request_completed`, and the
+    calls it chose a replica for that are not routed yet, so that requests arriving together spread), fresh
     between reports: requests routed since the last report add their predicted prefill time and their share of
     the batch, and the strictest TPOT SLO in flight counts as running.
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,7 @@ from core.messages import GenerateRequest, ProtocolError, RoutingStats
 from core.request import SLO
 
 log = logging.getLogger("ray.serve")
+CHOSEN_TTL_S = 30.0  # a call chosen this long ago and never routed was cancelled: stop counting it
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,11 @@ class SLORouter(RequestRouter):
         # (request id, replica) -> TPOT SLOs of the calls in flight: a rerouted request makes a second call under
         # the same request id (Serve's id of the HTTP request), so a call is only known by the pair
         self._calls: dict[tuple[str, ReplicaID], list[float | None]] = {}
+        # request id -> (replica ranked first, TPOT SLO, when) for the calls chosen but not yet routed. Serve calls
+        # `on_request_routed` only once the replica has answered that it accepts the call (a round trip); every
+        # request chosen meanwhile would see the same in-flight counts and go to the same replica. So the choice
+        # counts at once where it will most likely land, and moves in `on_request_routed` if it landed elsewhere.
+        self._chosen: dict[str, tuple[ReplicaID, float | None, float]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -139,20 +147,40 @@ class SLORouter(RequestRouter):
         req = generate_request(pending_request)
         if req is None:
             return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
+        call_id = pending_request.metadata.internal_request_id  # type: ignore[union-attr]
+        self._unchoose(call_id)  # a retry (the replica ranked first was full): choose afresh
+        now = time.monotonic()
+        for stale in [k for k, (_, _, t) in self._chosen.items() if now - t > CHOSEN_TTL_S]:
+            self._unchoose(stale)  # chosen, then never routed (cancelled while routing)
         views = {}
         for r in candidate_replicas:
             tpots = self._inflight.get(r.replica_id) or Counter()
             views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
                                        min((t for t in tpots if t is not None), default=None))
-        return [[r] for r in rank(candidate_replicas, views, req.slo, req.avoid_replicas)]
+        ranked = rank(candidate_replicas, views, req.slo, req.avoid_replicas)
+        self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
+        self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
+        return [[r] for r in ranked]
+
+    def _count(self, replica_id: ReplicaID, tpot: float | None, n: int) -> None:
+        tpots = self._inflight.setdefault(replica_id, Counter())
+        tpots[tpot] += n
+        if tpots[tpot] <= 0:
+            del tpots[tpot]
+
+    def _unchoose(self, call_id: str) -> None:
+        chosen = self._chosen.pop(call_id, None)
+        if chosen is not None:
+            self._count(chosen[0], chosen[1], -1)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         req = generate_request(pending_request)
         if req is None:
             return
-        tpot = req.slo.tpot_ms
-        self._calls.setdefault((pending_request.metadata.internal_request_id, replica_id), []).append(tpot)
-        self._inflight.setdefault(replica_id, Counter())[tpot] += 1
+        tpot, call_id = req.slo.tpot_ms, pending_request.metadata.internal_request_id
+        self._unchoose(call_id)  # counted as chosen until now: from here on, as in flight where it landed
+        self._calls.setdefault((call_id, replica_id), []).append(tpot)
+        self._count(replica_id, tpot, +1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = (internal_request_id, replica_id)
@@ -162,13 +190,11 @@ class SLORouter(RequestRouter):
         tpot = calls.pop()
         if not calls:
             del self._calls[key]
-        tpots = self._inflight.get(replica_id)
-        if tpots:
-            tpots[tpot] -= 1
-            if tpots[tpot] <= 0:
-                del tpots[tpot]
+        if self._inflight.get(replica_id, {}).get(tpot, 0) > 0:
+            self._count(replica_id, tpot, -1)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
         self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}
+        self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}

@@ -202,6 +202,43 @@ def test_router_bookkeeping_survives_a_reroute_under_the_same_request_id() -> No
     assert router._inflight["b"].total() == 0 and router._calls == {}
 
 
+def test_router_spreads_requests_chosen_before_serve_reports_them_routed() -> None:
+    # Serve calls on_request_routed only after the replica accepted the call (a round trip): requests arriving
+    # together are all chosen before that, and must not all go to the same replica
+    import asyncio
+
+    from deployments.router import SLORouter
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+    a, b = _replica("a", _stats(10, 20)), _replica("b", _stats(10, 20, kv=99))  # "a" first on ties (more KV free)
+
+    def pending(call_id: str, tpot: float | None = None):
+        req = GenerateRequest(f"cmpl-{call_id}", prompt="x", slo=SLO(tpot_ms=tpot))
+        return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call_id),
+                               args=(req,), kwargs={})
+
+    def choose(p) -> str:
+        return asyncio.run(router.choose_replicas([a, b], p))[0][0].replica_id
+
+    calls = [pending(f"http-{i}") for i in range(4)]
+    assert [choose(p) for p in calls] == ["a", "b", "a", "b"]
+    assert choose(calls[0]) == "a" and router._inflight == {"a": {None: 2}, "b": {None: 2}}  # a retry: no double count
+    router.on_request_routed(calls[0], "b", None)  # ranked "a" first, but "a" was full: it landed on "b"
+    assert router._inflight == {"a": {None: 1}, "b": {None: 3}} and "http-0" not in router._chosen
+    for p, where in zip(calls[1:], "bab"):
+        router.on_request_routed(p, where, None)
+    assert router._inflight == {"a": {None: 1}, "b": {None: 3}} and router._chosen == {}
+    for p, where in zip(calls, "bbab"):
+        router.on_request_completed(where, p.metadata.internal_request_id)
+    assert router._inflight["a"].total() == 0 and router._inflight["b"].total() == 0
+    # a call chosen but never routed (cancelled while routing) stops counting after a while
+    choose(pending("http-9", 20.0))
+    router._chosen["http-9"] = (*router._chosen["http-9"][:2], 0.0)
+    choose(pending("http-10"))
+    assert "http-9" not in router._chosen and router._inflight["a"].get(20.0) is None
+
+
 def test_router_without_stats_spreads_by_inflight() -> None:
     a, b = _replica("a", {}), _replica("b", {})
     assert _rank([a, b], {"ttft_ms": 100}, inflight={"a": 1}) == ["b", "a"]
