@@ -526,3 +526,17 @@ def test_direct_replica_caps_its_engine_share_and_queue_and_aborts_closed_stream
         assert isinstance(b, LocalStream)
 
     asyncio.run(run())
+
+
+def test_user_code_runs_on_the_http_loop_unless_the_user_says_otherwise(monkeypatch) -> None:
+    from deployments import haproxy_ingress as H
+
+    monkeypatch.setenv(H.USER_CODE_ENV, "1")  # the user's choice stands
+    assert H.prefer_user_code_on_main_loop() is False and H.os.environ[H.USER_CODE_ENV] == "1"
+    monkeypatch.delenv(H.USER_CODE_ENV)
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # too late: replicas may already run with Ray's default
+    assert H.prefer_user_code_on_main_loop() is False and H.USER_CODE_ENV not in H.os.environ
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert H.prefer_user_code_on_main_loop() is True and H.os.environ[H.USER_CODE_ENV] == "0"
