@@ -381,6 +381,8 @@ def summaries_table(root: str | os.PathLike[str] | None = None) -> str:
         flags = m.get("cpu_flags") or []
         isa = "AMX" if any(f.startswith("amx") for f in flags) else \
             "AVX-512 bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+        if "avx512_vp2intersect" in flags:  # tells two EPYCs of this workplace apart (Zen 5 has it, Zen 4 not)
+            isa += " + VP2INTERSECT"
         where = m.get("gpu") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {isa}"
         rows.append([d["name"], d["headline"], where, (d.get("date") or "")[:10], d.get("commit") or "-",
                      f"`{d['command']}`"])
