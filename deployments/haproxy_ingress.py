@@ -15,8 +15,8 @@ Ingress replicas' minimum drain on shutdown from Ray's 30 s to 5 s (`DRAIN_ENV`)
 `prefer_user_code_on_main_loop` also keeps a replica's request handlers on the event loop that serves its HTTP
 (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`): with Ray's default each request's handler runs on a second loop
 in its own thread, and the ASGI messages of every request and every streamed chunk cross between the two loops.
-Kairos's handlers never block (the engine runs in its own process or thread; tokenizing a prompt takes well under
-a millisecond), so the second loop only adds a thread hop. Same load, back to back, two runs of 3 rounds on a 2-core
+Kairos's handlers do not block (the engine runs in its own process or thread; validating and tokenizing a prompt
+take milliseconds at most), so the second loop only adds a thread hop. Same load, back to back, two runs of 3 rounds on a 2-core
 Zen 5 EPYC (bench/README.md, "One event loop per replica"): TTFT p50 lower in five rounds of six (0.9 ms at the
 median), ITL and a 150-request burst's throughput the same.
 """
