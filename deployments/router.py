@@ -163,7 +163,10 @@ class SLORouter(RequestRouter):
         return [[r] for r in ranked]
 
     def _count(self, replica_id: ReplicaID, tpot: float | None, n: int) -> None:
-        tpots = self._inflight.setdefault(replica_id, Counter())
+        """Add n (+1 or -1) calls of TPOT SLO `tpot` to a replica's in-flight count; a count never goes below 0."""
+        tpots = self._inflight.setdefault(replica_id, Counter()) if n > 0 else self._inflight.get(replica_id)
+        if tpots is None:
+            return
         tpots[tpot] += n
         if tpots[tpot] <= 0:
             del tpots[tpot]
@@ -190,8 +193,7 @@ class SLORouter(RequestRouter):
         tpot = calls.pop()
         if not calls:
             del self._calls[key]
-        if self._inflight.get(replica_id, {}).get(tpot, 0) > 0:
-            self._count(replica_id, tpot, -1)
+        self._count(replica_id, tpot, -1)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

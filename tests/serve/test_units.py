@@ -234,7 +234,9 @@ def test_router_spreads_requests_chosen_before_serve_reports_them_routed() -> No
     assert router._inflight["a"].total() == 0 and router._inflight["b"].total() == 0
     # a call chosen but never routed (cancelled while routing) stops counting after a while
     choose(pending("http-9", 20.0))
-    router._chosen["http-9"] = (*router._chosen["http-9"][:2], 0.0)
+    from deployments.router import CHOSEN_TTL_S
+
+    router._chosen["http-9"] = (*router._chosen["http-9"][:2], time.monotonic() - CHOSEN_TTL_S - 1.0)
     choose(pending("http-10"))
     assert "http-9" not in router._chosen and router._inflight["a"].get(20.0) is None
 
