@@ -69,6 +69,10 @@ class ServeArgs(BaseModel):
                                  "the GIL the engine's steps need (false: the engine runs as a thread of the "
                                  "replica)")
     log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
+    access_log: bool = Field(False, description="Ray Serve's access log: a line per request in the replicas' logs "
+                             "(and, through Ray's log monitor, on the driver's console). Off by default, as vLLM "
+                             "logs requests only when asked: every line is work for the replica, the log monitor "
+                             "and the GCS on the cores the engine steps on. Serve's request metrics stay on")
 
     @model_validator(mode="before")
     @classmethod

@@ -542,3 +542,90 @@ def test_user_code_runs_on_the_http_loop_unless_the_user_says_otherwise(monkeypa
     assert H.prefer_user_code_on_main_loop() is False and H.USER_CODE_ENV not in H.os.environ
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert H.prefer_user_code_on_main_loop() is True and H.os.environ[H.USER_CODE_ENV] == "0"
+
+
+def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_to_fastapi() -> None:
+    """`GenerationFastPath`: POST /v1/completions and /v1/chat/completions go to the frontend's handler (SSE, errors
+    as JSON); every other path, method and scope goes to the FastAPI app; a request cancelled mid-stream (as Serve
+    cancels it when the client goes away) closes its engine stream."""
+    import asyncio
+    import json
+
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend, route_path
+
+    assert route_path({"path": "/api/v1/completions", "root_path": "/api"}) == "/v1/completions"
+    assert route_path({"path": "/v1/completions", "root_path": ""}) == "/v1/completions"
+    assert route_path({"path": "/apix/v1/completions", "root_path": "/api"}) == "/apix/v1/completions"
+    closed: list[str] = []
+    hold = asyncio.Event()
+
+    async def generate(req: GenerateRequest):
+        try:
+            yield RequestOutput(req.request_id, text="Hi", token_ids=[1])
+            if req.params.max_tokens > 2:
+                await hold.wait()
+            yield RequestOutput(req.request_id, text="!", token_ids=[2], finished=True, finish_reason="length",
+                                num_prompt_tokens=1, num_output_tokens=2)
+        finally:
+            closed.append(req.params.max_tokens)
+
+    class Front(OpenAIFrontend):
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+    to_fastapi: list[tuple[str, str]] = []
+
+    class Api:  # stands for the FastAPI app
+        docs_url = "/docs"
+
+        async def __call__(self, scope, receive, send) -> None:
+            to_fastapi.append((scope["type"], scope.get("path", "")))
+
+    app = GenerationFastPath(front, Api())  # type: ignore[arg-type]
+    assert app.docs_url == "/docs"
+
+    async def call(method: str, path: str, body: bytes = b"", scope_type: str = "http") -> list[dict]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await app({"type": scope_type, "method": method, "path": path, "root_path": "", "headers": [],
+                   "query_string": b""}, receive, send)
+        return sent
+
+    async def run() -> None:
+        sent = await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, "stream": True}).encode())
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        assert (b"x-kairos-request-id", sent[0]["headers"][0][1]) in sent[0]["headers"]
+        body = b"".join(m.get("body", b"") for m in sent[1:])
+        events = [e for e in body.decode().split("\n\n") if e]
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["Hi", "!"]
+        assert events[-1] == "data: [DONE]" and sent[-1] == {"type": "http.response.body", "body": b"",
+                                                             "more_body": False}
+        sent = await call("POST", "/v1/chat/completions", b"{not json")
+        assert sent[0]["status"] == 400 and b"invalid_json" in sent[1]["body"]
+        sent = await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
+        assert sent[0]["status"] == 200 and json.loads(sent[1]["body"])["choices"][0]["text"] == "Hi!"
+        for method, path, kind in (("GET", "/health", "http"), ("GET", "/v1/completions", "http"),
+                                   ("POST", "/v1/completions/", "http"), ("POST", "/v1/models", "http"),
+                                   ("", "", "lifespan")):
+            await call(method, path, scope_type=kind)
+        assert to_fastapi == [("http", "/health"), ("http", "/v1/completions"), ("http", "/v1/completions/"),
+                              ("http", "/v1/models"), ("lifespan", "")]
+        task = asyncio.create_task(call("POST", "/v1/completions",
+                                        json.dumps({"prompt": "x", "max_tokens": 9, "stream": True}).encode()))
+        await asyncio.sleep(0.05)
+        task.cancel()  # what Serve's ingress does when the client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.01)
+        assert 9 in closed and not hold.is_set()
+
+    asyncio.run(run())
