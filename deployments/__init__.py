@@ -51,11 +51,11 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
     }
     engine_config = a.engine_config().model_dump(mode="json")
-    logging = {"enable_access_log": a.access_log}
+    log_config = {"enable_access_log": a.access_log}
     if a.direct:
         return DirectLLMServer.options(
             num_replicas=a.num_replicas,
-            logging_config=logging,
+            logging_config=log_config,
             ray_actor_options=actor_opts,
             max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
             health_check_period_s=a.health_check_period_s,
@@ -67,7 +67,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     }
     llm = LLMServer.options(
         num_replicas=a.num_replicas,
-        logging_config=logging,
+        logging_config=log_config,
         ray_actor_options=actor_opts,
         max_ongoing_requests=a.max_ongoing_requests,
         max_queued_requests=a.max_queued_requests,
@@ -77,7 +77,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     ).bind(engine_config, *replica_args)
     ingress = Ingress.options(
         num_replicas=a.ingress_num_replicas,
-        logging_config=logging,
+        logging_config=log_config,
         max_ongoing_requests=a.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )

@@ -288,18 +288,23 @@ def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> 
 
     import deployments
 
-    for args in ({"model": str(tmp_path), "dtype": "float32"}, {}, {"num_replicas": 2}):
+    for args in ({"model": str(tmp_path), "dtype": "float32"}, {}, {"num_replicas": 2},
+                 {"num_replicas": 2, "access_log": "true"}):
         built = serve_builds(deployments.app, args)
         assert isinstance(built, Application)
         top = built._bound_deployment
         if args.get("num_replicas", 1) == 1:  # topology=auto: one replica serves HTTP itself
             assert top.name == "LLMServer" and top.func_or_class.__name__ == "DirectFrontend"
             engine_config = top.init_args[0]
+            deployed = [top]
         else:  # Ingress(llm, settings) -> LLMServer
             assert top.name == "Ingress"
             llm = top.init_args[0]._bound_deployment
             assert llm.name == "LLMServer" and llm.num_replicas == 2
             engine_config = llm.init_args[0]
+            deployed = [top, llm]
+        for d in deployed:  # Serve's access log: off unless asked
+            assert d._deployment_config.logging_config["enable_access_log"] is ("access_log" in args)
         assert engine_config["model"] == args.get("model", "kairos-default")
         assert engine_config["dtype"] == args.get("dtype", "auto")
     assert isinstance(deployments.default_app, Application)
