@@ -163,10 +163,15 @@ class OpenAIFrontend:
         if not isinstance(response, StreamingResponse):
             await response(scope, receive, send)
             return
-        await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-        async for chunk in response.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        body = response.body_iterator
+        try:
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": response.raw_headers})
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:  # also where sending failed: closing the stream aborts its request in the engine
+            await body.aclose()  # type: ignore[attr-defined]
 
     def _ready_info(self) -> dict[str, Any] | None:
         raise NotImplementedError

@@ -592,13 +592,16 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
     app = GenerationFastPath(front, Api())  # type: ignore[arg-type]
     assert app.docs_url == "/docs"
 
-    async def call(method: str, path: str, body: bytes = b"", scope_type: str = "http") -> list[dict]:
+    async def call(method: str, path: str, body: bytes = b"", scope_type: str = "http",
+                   fail_at: int | None = None) -> list[dict]:
         sent: list[dict] = []
 
         async def receive() -> dict:
             return {"type": "http.request", "body": body, "more_body": False}
 
         async def send(msg: dict) -> None:
+            if len(sent) == fail_at:
+                raise OSError("connection lost")
             sent.append(msg)
 
         await app({"type": scope_type, "method": method, "path": path, "root_path": "", "headers": [],
@@ -632,5 +635,10 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
             await task
         await asyncio.sleep(0.01)
         assert 9 in closed and not hold.is_set()
+        with pytest.raises(OSError):  # sending failed mid-stream: the stream is closed all the same
+            await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 7, "stream": True}).encode(),
+                       fail_at=1)
+        await asyncio.sleep(0.01)
+        assert 7 in closed and not hold.is_set()
 
     asyncio.run(run())
