@@ -26,6 +26,7 @@ class RejectReason(enum.StrEnum):
     TTFT_UNATTAINABLE = "ttft_unattainable"
     TPOT_UNATTAINABLE = "tpot_unattainable"
     OVERLOADED = "overloaded"
+    SHED = "shed"  # overload: a request asking for more work than the replica's shedding threshold
 
 
 class ErrorKind(enum.StrEnum):

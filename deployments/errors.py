@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from core.messages import ErrorKind, ProtocolError, RequestOutput
+from core.messages import ErrorKind, ProtocolError, RejectReason, RequestOutput
 from core.request import FinishReason
 from deployments import protocol as P
 
@@ -51,6 +51,12 @@ def protocol_failure(rid: str, e: ProtocolError) -> APIError:
                     "protocol_error")
 
 
+_REJECT_HINTS = {  # what a client can do about a rejection, after its reason
+    RejectReason.SHED.value: " (the replica is overloaded and turns away the requests asking for the most output "
+                             "tokens first; a smaller max_tokens may be admitted)",
+}
+
+
 def first_item_failure(first: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
     """The error response for a stream that ended at its first item without output, None if it succeeded."""
     reason, retry = first.finish_reason, {"Retry-After": str(retry_after_s)}
@@ -58,7 +64,8 @@ def first_item_failure(first: RequestOutput, headers: dict[str, str], retry_afte
         why = first.reject_reason
         sb = first.served_by
         wait = str(max(retry_after_s, (sb.retry_after_s if sb else None) or 1))
-        return APIError(429, f"request rejected by SLO admission control: {why}", "rate_limit_error", why,
+        hint = _REJECT_HINTS.get(why or "", "")
+        return APIError(429, f"request rejected by SLO admission control: {why}{hint}", "rate_limit_error", why,
                         {**headers, "Retry-After": wait, "x-kairos-reject-reason": why})
     if reason is FinishReason.ABORT:
         return APIError(503, f"engine stopping: {first.error}", "server_error", headers={**headers, **retry})

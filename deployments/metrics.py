@@ -61,6 +61,8 @@ class ReplicaMetrics:
         self.kv_used = gauge("kv_blocks_used", "paged-KV blocks in use")
         self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
         self.itl_correction = gauge("itl_correction", "kairos: measured / predicted step time (1 = the profile holds)")
+        self.shed_threshold = gauge("shed_threshold", "kairos work shedding: fresh requests of more work "
+                                    "(output tokens / TPOT SLO ms) than this are shed under overload (0: none)")
         self.predictor_mape = gauge("predictor_mape", "TTFT/ITL predictor mean absolute percentage error")
         self.inflight = gauge("replica_inflight", "requests inside this replica's generate()")
         self.decode_hist = Histogram("kairos_decode_batch", description="sampled decode batch sizes",
@@ -78,6 +80,7 @@ class ReplicaMetrics:
         self.itl_correction.set(float(g("itl_correction", 1.0)))
         self.kv_used.set(g("kv_blocks_used"))
         self.kv_free.set(g("kv_blocks_free"))
+        self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))
         if g("last_decode_batch"):

@@ -26,6 +26,7 @@ class PolicyFlags:
     itl_correction: bool = False
     tier_floor: bool = False
     pace_guard: bool = False
+    work_shedding: bool = False
     vbs_margin: float = 1.3  # k of the VBS gate: ITL(VBS, L) * k < slack * T_min (SCORPIO's published 1.3)
 
 
@@ -41,7 +42,7 @@ PRESETS: dict[str, PolicyFlags] = {
     # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
-                          vbs_margin=1.1),
+                          work_shedding=True, vbs_margin=1.1),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -92,6 +93,12 @@ class SchedulerConfig(BaseModel):
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")
     tier_floor_mode: Literal["reserve", "hold", "both"] = Field(
         "both", description="reserve: keep VBS room for a starved tier; hold: drain the batch for its request")
+    work_shedding: bool | None = Field(None, description="under overload, shed the fresh requests with the most "
+                                       "work (expected output tokens / TPOT SLO) first, so that what the replica "
+                                       "can decode goes to as many requests as fit (scheduling/shedding.py)")
+    shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
+                               "this multiple of the work per second measured while saturated")
+    shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")
     correction_safety: float = Field(1.0, ge=1, description="multiplies the measured factor f; the gate "
                                      "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 measured best at "
                                      "1.5x capacity (3 seeds: 10.9 vs 9.3 req/s with 1.1, bench/README.md)")

@@ -21,6 +21,7 @@ from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
+from scheduling.shedding import WorkShedder
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import ItlCorrection, VBSGate, behind_pace, select_by_credit, vbs
 from scheduling.ttft_guard import find_ttft_unattainable
@@ -28,6 +29,7 @@ from scheduling.ttft_guard import find_ttft_unattainable
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
 TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE
 OVERLOADED = RejectReason.OVERLOADED
+SHED = RejectReason.SHED
 
 
 @dataclass(slots=True)
@@ -75,13 +77,20 @@ class Scheduler:
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
+        self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
+                        if self.flags.work_shedding else None)
+        self.last_shed_threshold = math.inf
 
     # --- queue membership ---
     def add(self, req: Request) -> str | None:
         """Queue a new request; returns a rejection reason instead when the queue is full."""
+        if self.shedder is not None:
+            self.shedder.arrived(self._work(req), req.arrival_s)
         if len(self.waiting) >= self.config.max_waiting:
             if self.floor is not None:
                 self.floor.rejected(req.tpot_slo_ms, req.arrival_s)
+            if self.shedder is not None:
+                self.shedder.saturated(req.arrival_s)
             return OVERLOADED
         req.status = Status.WAITING
         self.waiting.append(req)
@@ -134,6 +143,8 @@ class Scheduler:
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
+        if self.shedder is not None and any(reason is not SHED for _, reason in plan.rejected):
+            self.shedder.saturated(now)
         if not self.running:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
@@ -169,11 +180,15 @@ class Scheduler:
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
+        shed_above = self._shed_threshold(now)
 
         def accept(r: Request) -> Verdict:
             nonlocal kv_full
             if kv_full:
                 return Verdict.STOP
+            if r.first_token_s is None and self._work(r) > shed_above:
+                plan.rejected.append((r, SHED))
+                return Verdict.DROP
             if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:
                 return Verdict.KEEP  # waits (not rejected) while the batch drains for a starved tier
             if gate is not None and r.first_token_s is None and not gate.check(r):
@@ -208,6 +223,20 @@ class Scheduler:
             r.credit = 0.0
             self.running.append(r)
         return selected
+
+    @staticmethod
+    def _work(r: Request, tokens: int | None = None) -> float:
+        """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects): tokens / TPOT SLO.
+        A stricter pace costs more per token (the gate fits fewer requests into a batch that steps every T ms);
+        a request without a TPOT SLO weighs nothing, so best effort is left to the queue bound."""
+        n = r.expected_output_len if tokens is None else tokens
+        return 0.0 if math.isinf(r.tpot_slo_ms) else n / r.tpot_slo_ms
+
+    def _shed_threshold(self, now: float) -> float:
+        """Work shedding's threshold for this round: +inf (none) without it or on an idle replica."""
+        self.last_shed_threshold = math.inf if self.shedder is None or not self.running \
+            else self.shedder.threshold(now)
+        return self.last_shed_threshold
 
     def _floor_reservation(self, gate: VBSGate | None, now: float) -> tuple[float, float] | None:
         if self.floor is None or gate is None or self.config.tier_floor_mode == "hold":
@@ -314,7 +343,10 @@ class Scheduler:
         return out
 
     def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
-        """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction)."""
+        """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;
+        the tokens per second work shedding measures)."""
+        if self.shedder is not None:
+            self.shedder.step(now, sum(self._work(r, 1) for r in plan.requests), wall_ms)
         if self.predictor is None or self.correction is None:
             return
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0

@@ -644,3 +644,16 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
         assert 7 in closed and not hold.is_set() and failed.traceback
 
     asyncio.run(run())
+
+
+def test_a_shed_request_gets_429_with_retry_after_and_what_to_do():
+    from core.messages import ServedBy
+    from core.request import FinishReason
+    from deployments.errors import first_item_failure
+    first = RequestOutput("r", finished=True, finish_reason=FinishReason.REJECTED, reject_reason="shed",
+                          served_by=ServedBy("rep", 1.0, 3))
+    e = first_item_failure(first, {"x-request-id": "r"}, 1)
+    assert e.status == 429 and e.code == "shed" and "smaller max_tokens" in e.message
+    assert e.headers["Retry-After"] == "3" and e.headers["x-kairos-reject-reason"] == "shed"
+    other = dataclasses.replace(first, reject_reason="tpot_unattainable")
+    assert first_item_failure(other, {}, 1).message == "request rejected by SLO admission control: tpot_unattainable"

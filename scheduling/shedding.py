@@ -1,0 +1,92 @@
+"""Work shedding (kairos): under overload, turn away the requests that would hold the batch longest.
+
+Why. Goodput counts requests. Once the VBS gate binds, a replica decodes a roughly fixed amount per second: a
+paced request of TPOT t decodes one token every t ms, and a request of n output tokens holds its share of the
+batch for about n steps at the strictest pace, whatever its tier. *Which* arrivals get that capacity decides
+how many requests are served. Admitted as they come, the batch takes whatever arrives when a place frees, and
+the long replies stay longest (ShareGPT: the longest 30% of replies carry over half of the tokens). Serving the
+shorter replies first serves more requests with the same capacity.
+
+A request's *work* is its expected output tokens divided by its TPOT SLO (the scheduler's `_work`): a token at
+a stricter pace costs more, since a batch that must step every T ms fits fewer requests. The shedder keeps the
+works of the arrivals of the last `window_s` seconds, and C, the work per second of the steps run while the
+replica was saturated (each step's tokens weighed alike): within `hold_s` of a request turned away by the TPOT
+gate, the TTFT guard or a full queue. Its own sheds do not count, or shedding would lower C, which would shed
+more. Its threshold is the largest work θ such that the arrivals of work <= θ offer at most `target` x C per
+second; a fresh request of work > θ is shed (429 with Retry-After) instead of being offered to the gate. θ is
++inf while all arrivals together offer less than that and before any saturated step is measured, and it is
+never below the window's median work (requests that all ask for the same are never shed by it). The scheduler
+sheds only while requests are running: an idle replica admits anything.
+
+Pure bookkeeping over floats; the scheduler calls `arrived`, `saturated`, `step` and `threshold`.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections import deque
+from itertools import accumulate
+
+
+class WorkShedder:
+    def __init__(self, target: float = 1.0, window_s: float = 20.0, hold_s: float = 1.0, tau_s: float = 10.0,
+                 min_arrivals: int = 20) -> None:
+        if target <= 0 or window_s <= 0 or hold_s < 0 or tau_s <= 0 or min_arrivals < 1:
+            raise ValueError("need target > 0, window_s > 0, hold_s >= 0, tau_s > 0 and min_arrivals >= 1")
+        self.target, self.window_s, self.hold_s, self.tau_s = target, window_s, hold_s, tau_s
+        self.min_arrivals = min_arrivals
+        self._arrivals: deque[tuple[float, float]] = deque()  # (arrival s, work), oldest first
+        self._first_s: float | None = None
+        self._saturated_s = -math.inf
+        self._work = 0.0  # decayed sums over saturated steps
+        self._ms = 0.0
+        self._last_s: float | None = None
+
+    def arrived(self, work: float, now_s: float) -> None:
+        """A request of this work arrived."""
+        if self._first_s is None:
+            self._first_s = now_s
+        self._arrivals.append((now_s, max(float(work), 0.0)))
+        self._expire(now_s)
+
+    def saturated(self, now_s: float) -> None:
+        """A request was turned away for capacity (gate, TTFT guard, full queue), not by the shedder."""
+        self._saturated_s = max(self._saturated_s, now_s)
+
+    def step(self, now_s: float, work: float, wall_ms: float) -> None:
+        """A finished step that did `work` (its tokens' work) in `wall_ms`; measured only while saturated."""
+        if self._last_s is not None and now_s > self._last_s:
+            k = math.exp(-(now_s - self._last_s) / self.tau_s)
+            self._work *= k
+            self._ms *= k
+        if self._last_s is None or now_s > self._last_s:
+            self._last_s = now_s
+        if now_s - self._saturated_s <= self.hold_s and wall_ms > 0:
+            self._work += work
+            self._ms += wall_ms
+
+    @property
+    def capacity_per_s(self) -> float | None:
+        """C: work per second over the saturated steps (None before any)."""
+        return None if self._ms <= 0 else 1000.0 * self._work / self._ms
+
+    def _expire(self, now_s: float) -> None:
+        while self._arrivals and self._arrivals[0][0] < now_s - self.window_s:
+            self._arrivals.popleft()
+
+    def threshold(self, now_s: float) -> float:
+        """θ: requests of more work than this are shed (+inf: none)."""
+        self._expire(now_s)
+        cap = self.capacity_per_s
+        if cap is None or len(self._arrivals) < self.min_arrivals or self._first_s is None:
+            return math.inf
+        span = max(min(self.window_s, now_s - self._first_s), 1.0)
+        budget = self.target * cap * span  # the work the window's arrivals may offer
+        works = sorted(w for _, w in self._arrivals)
+        cum = list(accumulate(works))
+        if cum[-1] <= budget:
+            return math.inf
+        cut = works[bisect_right(cum, budget)]  # the shortest work that no longer fits
+        below = bisect_left(works, cut)  # every arrival of that work counts once θ reaches it
+        theta = works[below - 1] if below > 0 else -math.inf
+        return max(theta, works[(len(works) - 1) // 2])

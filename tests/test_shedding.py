@@ -1,0 +1,170 @@
+"""Work shedding (kairos): under overload, the fresh requests asking for the most output tokens are shed first;
+pinned on hand-made arrivals and queues (scheduling/shedding.py)."""
+import math
+
+import pytest
+
+from core.messages import RejectReason
+from core.request import SLO, Request
+from core.sampling import SamplingParams
+from scheduling.shedding import WorkShedder
+from tests.test_scheduler import _run, _sched
+
+
+def _saturated_capacity(s: WorkShedder, tok_s: float, now: float = 0.0) -> None:
+    """One second of saturated steps at `tok_s` tokens per second."""
+    s.saturated(now)
+    s.step(now, int(tok_s), 1000.0)
+
+
+def test_no_threshold_before_capacity_is_measured_or_with_few_arrivals():
+    s = WorkShedder(min_arrivals=4)
+    for i in range(10):
+        s.arrived(1000, i * 0.1)
+    assert s.capacity_per_s is None and s.threshold(1.0) == math.inf
+    s2 = WorkShedder(min_arrivals=4)
+    _saturated_capacity(s2, 10.0)
+    for i in range(3):
+        s2.arrived(1000, i * 0.1)
+    assert s2.threshold(1.0) == math.inf  # three arrivals are too few to judge
+
+
+def test_capacity_counts_only_the_steps_near_a_capacity_rejection():
+    s = WorkShedder(hold_s=1.0, tau_s=10.0)
+    s.step(0.0, 100, 10.0)  # never saturated: not measured
+    assert s.capacity_per_s is None
+    s.saturated(1.0)
+    s.step(1.5, 10, 10.0)  # within hold_s: 1,000 tok/s
+    assert s.capacity_per_s == pytest.approx(1000.0)
+    s.step(3.0, 100, 10.0)  # 2 s after the rejection: an unsaturated step, ignored
+    assert s.capacity_per_s == pytest.approx(1000.0)
+
+
+def _arrivals(s: WorkShedder) -> None:
+    """10 s of arrivals: 60 of 100 tokens, 30 of 300, 10 of 1,000 (25,000 tokens; the median work is 100)."""
+    works = [100] * 60 + [300] * 30 + [1000] * 10
+    for i, w in enumerate(works):
+        s.arrived(w, i * 0.1)
+
+
+@pytest.mark.parametrize("tok_s, theta", [(3000.0, math.inf),  # all 25,000 fit in 10 s
+                                          (1600.0, 300.0),  # 6,000 + 9,000 fit, not one more long one
+                                          (1000.0, 100.0)])  # 13 of the 300s would fit: all of them count
+def test_threshold_keeps_the_shortest_arrivals_that_fit_the_capacity(tok_s, theta):
+    s = WorkShedder(target=1.0, window_s=20.0, min_arrivals=4)
+    _arrivals(s)
+    _saturated_capacity(s, tok_s, now=10.0)
+    assert s.threshold(10.0) == theta
+    t = WorkShedder(target=2.0, window_s=20.0, min_arrivals=4)
+    _arrivals(t)
+    _saturated_capacity(t, tok_s / 2.0, now=10.0)  # the target scales the budget
+    assert t.threshold(10.0) == theta
+
+
+def test_threshold_is_inf_when_everything_fits_and_never_below_the_median():
+    s = WorkShedder(min_arrivals=4)
+    for i in range(40):
+        s.arrived(50 + i, i * 0.25)
+    _saturated_capacity(s, 1e6, now=10.0)
+    assert s.threshold(10.0) == math.inf  # arrivals offer less than the capacity
+    t = WorkShedder(min_arrivals=4)
+    for i in range(40):
+        t.arrived(1000 + i, i * 0.25)
+    _saturated_capacity(t, 1.0, now=10.0)  # nothing would fit: the median still passes
+    assert t.threshold(10.0) == 1019.0
+    u = WorkShedder(min_arrivals=4)
+    for i in range(40):
+        u.arrived(500, i * 0.25)
+    _saturated_capacity(u, 1.0, now=10.0)
+    assert u.threshold(10.0) == 500.0  # all alike (e.g. no max_tokens anywhere): nobody exceeds it
+
+
+def test_old_arrivals_leave_the_window():
+    s = WorkShedder(window_s=5.0, min_arrivals=4)
+    for i in range(10):
+        s.arrived(1000, i * 0.1)
+    for i in range(10):
+        s.arrived(10, 20.0 + i * 0.1)
+    _saturated_capacity(s, 1.0, now=21.0)
+    assert s.threshold(21.0) == 10.0  # the old long arrivals no longer count
+    with pytest.raises(ValueError):
+        WorkShedder(target=0.0)
+
+
+TPOT = 40.0  # the requests below: work = output tokens / 40 ms
+
+
+def _req(i, max_tokens, tpot=TPOT, arrival=0.0):
+    return Request(f"r{i}", [1] * 5, SamplingParams(max_tokens=max_tokens), SLO(tpot_ms=tpot), arrival_s=arrival)
+
+
+def _prime(s: WorkShedder) -> None:
+    """10 s of arrivals (30 of 10 tokens, 10 of 200) and a saturated second at 20 tok/s: not even the short
+    ones all fit, so θ is the median work, 10 tokens' at 40 ms."""
+    for i in range(40):
+        s.arrived((10 if i % 4 else 200) / TPOT, i * 0.25)
+    s.saturated(10.0)
+    s.step(10.0, 20 / TPOT, 1000.0)
+
+
+def _primed(**kw):
+    """A kairos scheduler with one request running and a primed shedder."""
+    s = _sched("kairos", blocks=256, **kw)
+    first = _req(0, 10)
+    s.add(first)
+    _run(s, s.schedule(0.0))
+    assert s.running == [first]
+    if s.shedder is not None:
+        _prime(s.shedder)
+    return s
+
+
+def test_kairos_sheds_a_long_request_under_overload_and_admits_a_short_one():
+    s = _primed()
+    assert s.shedder.threshold(10.0) == pytest.approx(10 / TPOT)
+    long_, short = _req(1, 200, arrival=10.0), _req(2, 10, arrival=10.0)
+    s.add(long_)
+    s.add(short)
+    plan = s.schedule(10.0)
+    assert plan.rejected == [(long_, RejectReason.SHED)] and plan.prefill == [short]
+    assert long_ not in s.waiting and long_ not in s.running and s.last_shed_threshold == pytest.approx(10 / TPOT)
+
+
+def test_an_idle_replica_never_sheds():
+    s = _sched("kairos", blocks=256)
+    _prime(s.shedder)
+    long_ = _req(1, 200, arrival=10.0)
+    s.add(long_)
+    assert s.schedule(10.0).prefill == [long_]
+
+
+def test_without_work_shedding_the_long_request_is_offered_to_the_gate():
+    s = _primed(work_shedding=False)
+    assert s.shedder is None
+    long_ = _req(1, 200, arrival=10.0)
+    s.add(long_)
+    plan = s.schedule(10.0)
+    assert plan.prefill == [long_] and plan.rejected == []
+    assert _sched("scorpio").shedder is None  # SCORPIO as published has no shedding
+
+
+def test_a_full_queue_marks_saturation_but_a_shed_does_not():
+    s = _primed(max_waiting=1)
+    before = s.shedder._saturated_s
+    s.add(_req(1, 200, arrival=11.0))
+    assert s.add(_req(2, 10, arrival=11.5)) == RejectReason.OVERLOADED
+    assert s.shedder._saturated_s == 11.5
+    plan = s.schedule(12.0)  # the long request is shed: no new saturation mark
+    assert [reason for _, reason in plan.rejected] == [RejectReason.SHED]
+    assert s.shedder._saturated_s == 11.5 > before
+
+
+def test_a_stricter_tpot_weighs_more_and_best_effort_is_never_shed():
+    s = _primed()  # θ = 10 tokens at 40 ms
+    loose, strict, best_effort = _req(1, 10, arrival=10.0), _req(2, 10, tpot=20.0, arrival=10.0), \
+        Request("r3", [1] * 5, SamplingParams(max_tokens=500), SLO(), arrival_s=10.0)
+    for r in (loose, strict, best_effort):
+        s.add(r)
+    plan = s.schedule(10.0)
+    assert plan.rejected == [(strict, RejectReason.SHED)]  # 10 tokens at 20 ms: the work of 20 at 40 ms
+    assert set(plan.prefill) == {loose, best_effort}
