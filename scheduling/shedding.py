@@ -30,12 +30,16 @@ from itertools import accumulate
 
 class WorkShedder:
     def __init__(self, target: float = 1.0, window_s: float = 20.0, hold_s: float = 1.0, tau_s: float = 10.0,
-                 min_arrivals: int = 20) -> None:
-        if target <= 0 or window_s <= 0 or hold_s < 0 or tau_s <= 0 or min_arrivals < 1:
-            raise ValueError("need target > 0, window_s > 0, hold_s >= 0, tau_s > 0 and min_arrivals >= 1")
+                 min_arrivals: int = 20, max_arrivals: int = 4096, refresh_s: float = 0.05) -> None:
+        if target <= 0 or window_s <= 0 or hold_s < 0 or tau_s <= 0 or not 1 <= min_arrivals <= max_arrivals \
+                or refresh_s < 0:
+            raise ValueError("need target > 0, window_s > 0, hold_s >= 0, tau_s > 0, "
+                             "1 <= min_arrivals <= max_arrivals and refresh_s >= 0")
         self.target, self.window_s, self.hold_s, self.tau_s = target, window_s, hold_s, tau_s
-        self.min_arrivals = min_arrivals
-        self._arrivals: deque[tuple[float, float]] = deque()  # (arrival s, work), oldest first
+        self.min_arrivals, self.refresh_s = min_arrivals, refresh_s
+        # (arrival s, work), oldest first; at most max_arrivals, so a fast replica's window costs a bounded sort
+        self._arrivals: deque[tuple[float, float]] = deque(maxlen=max_arrivals)
+        self._theta: tuple[float, float] | None = None  # (when, θ): reused for refresh_s
         self._first_s: float | None = None
         self._saturated_s = -math.inf
         self._work = 0.0  # decayed sums over saturated steps
@@ -75,12 +79,22 @@ class WorkShedder:
             self._arrivals.popleft()
 
     def threshold(self, now_s: float) -> float:
-        """θ: requests of more work than this are shed (+inf: none)."""
+        """θ: requests of more work than this are shed (+inf: none). Computed at most every `refresh_s`."""
+        if self._theta is not None and 0.0 <= now_s - self._theta[0] < self.refresh_s:
+            return self._theta[1]
+        theta = self._compute(now_s)
+        self._theta = (now_s, theta)
+        return theta
+
+    def _compute(self, now_s: float) -> float:
         self._expire(now_s)
         cap = self.capacity_per_s
         if cap is None or len(self._arrivals) < self.min_arrivals or self._first_s is None:
             return math.inf
-        span = max(min(self.window_s, now_s - self._first_s), 1.0)
+        start = max(self._first_s, now_s - self.window_s)
+        if len(self._arrivals) == self._arrivals.maxlen:  # the oldest ones were dropped: the window is shorter
+            start = max(start, self._arrivals[0][0])
+        span = max(now_s - start, 1.0)
         budget = self.target * cap * span  # the work the window's arrivals may offer
         works = sorted(w for _, w in self._arrivals)
         cum = list(accumulate(works))

@@ -94,6 +94,25 @@ def test_old_arrivals_leave_the_window():
 TPOT = 40.0  # the requests below: work = output tokens / 40 ms
 
 
+def test_threshold_is_reused_for_refresh_s_and_the_window_is_bounded_in_count():
+    s = WorkShedder(min_arrivals=4, refresh_s=0.05)
+    _arrivals(s)
+    _saturated_capacity(s, 1600.0, now=10.0)
+    assert s.threshold(10.0) == 300.0
+    s.step(10.0, 0, 1000.0)  # a saturated second with nothing decoded: C halves to 800 tok/s
+    assert s.threshold(10.01) == 300.0  # within refresh_s: the last θ
+    assert s.threshold(10.1) == 100.0
+    t = WorkShedder(min_arrivals=4, max_arrivals=10)
+    for i in range(100):
+        t.arrived(100 if i < 90 else 1000, i * 0.1)  # only the last 10 (1,000 each, 0.9 s) are kept
+    _saturated_capacity(t, 5000.0, now=10.0)
+    assert t.threshold(10.0) == 1000.0  # the median of what is kept; the 100s no longer count
+    _saturated_capacity(t, 1e5, now=10.0)
+    assert t.threshold(10.1) == math.inf  # 10,000 tokens over the kept span (1.0 s) fit
+    with pytest.raises(ValueError):
+        WorkShedder(min_arrivals=10, max_arrivals=5)
+
+
 def _req(i, max_tokens, tpot=TPOT, arrival=0.0):
     return Request(f"r{i}", [1] * 5, SamplingParams(max_tokens=max_tokens), SLO(tpot_ms=tpot), arrival_s=arrival)
 
