@@ -129,6 +129,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         f = self.flags
+        busy = bool(self.running)
         if f.queue_order == "ldf" and f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         if f.ttft_reject and self.predictor is not None and self.waiting:
@@ -143,8 +144,8 @@ class Scheduler:
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
-        if self.shedder is not None and any(reason is not SHED for _, reason in plan.rejected):
-            self.shedder.saturated(now)
+        if self.shedder is not None and busy and any(reason is not SHED for _, reason in plan.rejected):
+            self.shedder.saturated(now)  # turned away for capacity (on an idle replica: infeasible, not full)
         if not self.running:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
@@ -344,7 +345,7 @@ class Scheduler:
 
     def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
         """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;
-        the tokens per second work shedding measures)."""
+        the work per second work shedding measures)."""
         if self.shedder is not None:
             self.shedder.step(now, sum(self._work(r, 1) for r in plan.requests), wall_ms)
         if self.predictor is None or self.correction is None:

@@ -187,3 +187,12 @@ def test_a_stricter_tpot_weighs_more_and_best_effort_is_never_shed():
     plan = s.schedule(10.0)
     assert plan.rejected == [(strict, RejectReason.SHED)]  # 10 tokens at 20 ms: the work of 20 at 40 ms
     assert set(plan.prefill) == {loose, best_effort}
+
+
+def test_a_rejection_on_an_idle_replica_does_not_mark_saturation():
+    s = _sched("kairos", blocks=256)
+    hopeless = _req(1, 10, tpot=1.0)  # 1 ms TPOT: infeasible even alone (ITL(1) = 5.5 ms)
+    s.add(hopeless)
+    plan = s.schedule(1.0)
+    assert plan.rejected == [(hopeless, RejectReason.TPOT_UNATTAINABLE)]
+    assert s.shedder._saturated_s == -math.inf
