@@ -1,8 +1,8 @@
 """The per-replica scheduler: each step it decides which requests to prefill, which to decode, which to reject.
 
-Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate) according to
-the policy flags. Owns the waiting/running sets, the KV block accounting and the step's bookkeeping; the
-engine executes the plan and hands the sampled tokens back (`postprocess`).
+Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate, tier floor, work
+shedding) according to the policy flags. Owns the waiting/running sets, the KV block accounting and the step's
+bookkeeping; the engine executes the plan and hands the sampled tokens back (`postprocess`).
 Steps are prefill-first (as vLLM V0 / SCORPIO): a step with admissions runs only those prefills, unless
 `hybrid_steps` is on (kairos): then the running requests' decodes ride in the same forward as the prefills,
 so a prefill round no longer stalls every decode for a whole extra step.
