@@ -52,8 +52,8 @@ def protocol_failure(rid: str, e: ProtocolError) -> APIError:
 
 
 _REJECT_HINTS = {  # what a client can do about a rejection, after its reason
-    RejectReason.SHED.value: " (the replica is overloaded and turns away the requests asking for the most output "
-                             "tokens first; a smaller max_tokens may be admitted)",
+    RejectReason.SHED.value: " (the replica is overloaded and turns away the requests with the most work, output "
+                             "tokens at their TPOT SLO, first; a smaller max_tokens may be admitted)",
 }
 
 

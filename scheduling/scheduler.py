@@ -346,7 +346,7 @@ class Scheduler:
     def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
         """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;
         the work per second work shedding measures)."""
-        if self.shedder is not None:
+        if self.shedder is not None and self.shedder.measuring(now):  # the step's work is summed only if it counts
             self.shedder.step(now, sum(self._work(r, 1) for r in plan.requests), wall_ms)
         if self.predictor is None or self.correction is None:
             return

@@ -57,15 +57,20 @@ class WorkShedder:
         """A request was turned away for capacity (gate, TTFT guard, full queue), not by the shedder."""
         self._saturated_s = max(self._saturated_s, now_s)
 
+    def measuring(self, now_s: float) -> bool:
+        """Whether a step finished now counts toward C (within `hold_s` of a capacity rejection)."""
+        return now_s - self._saturated_s <= self.hold_s
+
     def step(self, now_s: float, work: float, wall_ms: float) -> None:
-        """A finished step that did `work` (its tokens' work) in `wall_ms`; measured only while saturated."""
+        """A finished step that did `work` (its tokens' work) in `wall_ms`; measured only while saturated.
+        Steps not measured need not be reported: the sums decay by the time since the last one measured."""
         if self._last_s is not None and now_s > self._last_s:
             k = math.exp(-(now_s - self._last_s) / self.tau_s)
             self._work *= k
             self._ms *= k
         if self._last_s is None or now_s > self._last_s:
             self._last_s = now_s
-        if now_s - self._saturated_s <= self.hold_s and wall_ms > 0:
+        if self.measuring(now_s) and wall_ms > 0:
             self._work += work
             self._ms += wall_ms
 
