@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from bench.report import command_line, write_summary
+from bench.serving import served
 
 MODULE = "bench.overhead"
-TARGET = "http://127.0.0.1:8000"
 FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok_s")
 
 
@@ -39,43 +36,10 @@ def _streaming(argv: list[str], out: Path) -> dict:
     return {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
 
 
-def _ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
-    """`serve run deployments:app` with `serve_args`: key=value app arguments, and NAME=VALUE (upper case)
-    environment variables of that server (e.g. RAY_SERVE_ENABLE_HA_PROXY=0)."""
-    bindir = Path(sys.executable).parent
-    tokens = shlex.split(serve_args)
-    env = dict(os.environ)
-    env.update(t.split("=", 1) for t in tokens if "=" in t and t.split("=", 1)[0].isupper())
-    cmd = [str(bindir / "serve"), "run", "deployments:app",
-           *(t for t in tokens if not ("=" in t and t.split("=", 1)[0].isupper()))]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 600
-        # a completion, not /health (200 once an LLM replica is up): it also warms the replica's first request
-        while not _ok(f"{TARGET}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log}")
-            time.sleep(2)
-        return _streaming(bench_argv + ["--target", TARGET], out)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        subprocess.run([str(bindir / "ray"), "stop", "--force"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+    """`bench.streaming` against a fresh `serve run deployments:app` with `serve_args` (see bench.serving)."""
+    with served(serve_args, log) as target:
+        return _streaming(bench_argv + ["--target", target], out)
 
 
 def _added(rounds: list[dict[str, dict]]) -> dict[str, dict[str, tuple[float, float]]]:

@@ -104,6 +104,11 @@ class ServeArgs(BaseModel):
         """The nested engine config; only explicitly given knobs are passed, so the configs' defaults apply."""
         given = self.model_fields_set
         eng = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in given}
+        if self.num_gpus == 0 and eng.get("device", "auto") == "auto":
+            eng["device"] = "cpu"  # Ray leaves a GPU-less actor's CUDA visible: auto would take a GPU it was not given
+        elif 0 < self.num_gpus < 1 and "gpu_memory_utilization" not in given:
+            # replicas sharing a GPU: each takes its fraction of what one replica per GPU would
+            eng["gpu_memory_utilization"] = EngineConfig.model_fields["gpu_memory_utilization"].default * self.num_gpus
         sched = {k: getattr(self, k) for k in _SCHED_FIELDS if k in given}
         return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
 

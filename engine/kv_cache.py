@@ -37,6 +37,13 @@ def choose_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.dev
     return torch.float32
 
 
+def cuda_cache_bytes(free: int, total: int, own: int, utilization: float) -> int:
+    """Bytes of KV cache on a GPU: this process may hold `utilization` of the card, the `own` bytes it holds
+    already (weights) included, as vLLM counts it; and the cache must fit in what is `free` now, less 2% of the
+    card, so that replicas sharing a GPU (each with its own fraction) cannot take each other's room."""
+    return max(0, int(min(utilization * total - own, free - 0.02 * total)))
+
+
 def build_cache(config, bundle, max_model_len: int) -> KVCache:
     """Size and allocate the cache: an explicit block count or memory budget; on CUDA what
     `gpu_memory_utilization` leaves free; on CPU 1 GiB. It must hold at least one full context."""
@@ -53,7 +60,8 @@ def build_cache(config, bundle, max_model_len: int) -> KVCache:
         n = int(config.kv_cache_memory_gb * 1024**3 // per_block)
     elif bundle.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(bundle.device)
-        n = int((free - (1 - config.gpu_memory_utilization) * total) // per_block)
+        own = torch.cuda.memory_reserved(bundle.device)
+        n = int(cuda_cache_bytes(free, total, own, config.gpu_memory_utilization) // per_block)
     else:
         n = int(1024**3 // per_block)  # 1 GiB on CPU
     min_blocks = -(-max_model_len // config.block_size)

@@ -25,7 +25,28 @@ def test_app_args_map_flat_knobs_into_nested_configs() -> None:
     assert cfg.scheduler.vbs_margin == 1.5 and a.num_replicas == 2 and a.num_gpus == 1
     assert a.model_name == "m"
     defaults = AppArgs().engine_config()
-    assert defaults == EngineConfig()  # nothing given -> the engine's own defaults
+    assert defaults == EngineConfig(device="cpu")  # nothing given -> the engine's own defaults, on a GPU-less replica
+
+
+def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
+    from engine.kv_cache import cuda_cache_bytes
+
+    # Ray leaves CUDA visible to an actor with num_gpus=0: "auto" would put every such replica on GPU 0
+    assert AppArgs().engine_config().device == "cpu"
+    assert AppArgs.model_validate({"num_gpus": 1}).engine_config().device == "auto"
+    assert AppArgs.model_validate({"device": "cuda"}).engine_config().device == "cuda"  # the user's choice stands
+    half = AppArgs.model_validate({"num_gpus": 0.5}).engine_config()
+    assert half.gpu_memory_utilization == pytest.approx(0.5 * EngineConfig().gpu_memory_utilization)
+    assert AppArgs.model_validate({"num_gpus": 0.5, "gpu_memory_utilization": 0.3}).engine_config(
+    ).gpu_memory_utilization == 0.3
+    gib = 1 << 30
+    # one engine per 80 GiB card, 1 GiB of weights: 85% of the card less the weights
+    assert cuda_cache_bytes(free=79 * gib, total=80 * gib, own=gib, utilization=0.85) == int(0.85 * 80 * gib - gib)
+    # the second of two half-card replicas: its own share, not what the first one left free
+    assert cuda_cache_bytes(free=45 * gib, total=80 * gib, own=gib, utilization=0.425) == int(0.425 * 80 * gib - gib)
+    # a card another process filled: only what is free, less a 2% margin; never negative
+    assert cuda_cache_bytes(free=10 * gib, total=80 * gib, own=gib, utilization=0.85) == int(10 * gib - 1.6 * gib)
+    assert cuda_cache_bytes(free=gib, total=80 * gib, own=gib, utilization=0.85) == 0
 
 
 def test_app_args_reject_unknown_and_invalid() -> None:

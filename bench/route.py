@@ -1,0 +1,125 @@
+"""Routing across replicas over HTTP, back to back: the served replicas' FCFS capacity, then kairos under each router.
+
+    python -m bench.route [--serve "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"]
+                          [--routers slo,pow2] [--loads 1,1.5] [--seeds 0,1,2] [--num-requests 242]
+                          [--lambda-star RPS] [--predictor-json TIERS] [--out DIR] [--summary NAME]
+
+1. Unless `--lambda-star` is given: `serve run deployments:app SERVE policy=fcfs`, and `bench.slo --target` finds
+   lambda* (FCFS's completion rate under overload over HTTP, all replicas together) and fixes the SLO tiers
+   (`--predictor-json`, else a profile of one engine on this machine), saved as DIR/fcfs/tiers-profile.json.
+2. For each router R: a fresh `serve run deployments:app SERVE policy=kairos router=R`, then `bench.slo --target`
+   at every load x seed on those tiers and that lambda*.
+Prints goodput, adherence, per-tier adherence, rejections, TPOT misses and how the requests and output tokens split
+over the replicas (`x-kairos-replica`), per router and load. Each server is fresh and stopped before the next.
+Never run beside another benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.report import command_line, write_summary
+from bench.serving import served
+
+MODULE = "bench.route"
+DEFAULT_SERVE = "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"
+
+
+def _slo(target: str, out: Path, log: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "bench.slo", "--target", target, "--dataset", "sharegpt", "--budget-min", "0",
+           "--no-progress", "--no-plots", "--out", str(out), *extra]
+    with open(log, "w") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True)
+    return json.loads((out / "results.json").read_text())
+
+
+def _row(router: str, res: dict) -> dict:
+    """One router x load: the figures of bench.slo's results, summed over seeds where they are counts."""
+    tiers = res["per_tier"]
+    split = {rid: (v["requests"], v["output_tokens"]) for rid, v in sorted(res.get("per_replica", {}).items())}
+    return {
+        "router": router, "load": res["load_multiple"], "rate_rps": round(res["rate_rps"], 3), "n": res["n"],
+        "goodput_rps": round(res.get("goodput_rps_mean", res["goodput_rps"]), 3),
+        "adherence": round(res.get("adherence_mean", res["adherence"]), 4),
+        "per_tier_adherence": {t: round(v["adherence"], 4) for t, v in tiers.items()},
+        "rejection_rate": round(res["rejection_rate"], 4), "ttft_misses": res["ttft_violations"],
+        "tpot_misses": res["tpot_violations"], "tok_s": round(res["token_throughput"], 1),
+        "replica_split": split, "per_seed": res.get("per_seed", []),
+    }
+
+
+def _print(rows: list[dict]) -> None:
+    tiers = list(rows[0]["per_tier_adherence"]) if rows else []
+    print(f"{'router':8} {'load':>5} {'goodput':>8} {'adher.':>7}  {' / '.join(tiers):30} {'rej.':>6} "
+          f"{'TTFT/TPOT miss':>14} {'tok/s':>7}  replica split (req / tok)")
+    for r in rows:
+        per = " / ".join(f"{100 * r['per_tier_adherence'][t]:.1f}" for t in tiers)
+        split = ", ".join(f"{q} / {t / 1000:.1f}k" for q, t in r["replica_split"].values())
+        print(f"{r['router']:8} {r['load']:>5g} {r['goodput_rps']:>8.3f} {100 * r['adherence']:>6.1f}%  {per:30} "
+              f"{100 * r['rejection_rate']:>5.1f}% {r['ttft_misses']:>6} / {r['tpot_misses']:<6} {r['tok_s']:>7.0f}  "
+              f"{split}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", default=DEFAULT_SERVE, help=f"serve run arguments of every server (default: "
+                   f"{DEFAULT_SERVE!r}); policy and router are added per arm")
+    p.add_argument("--routers", default="slo,pow2", help="comma list of router= values, run in this order")
+    p.add_argument("--loads", default="1,1.5", help="multiples of lambda*")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--num-requests", type=int, default=242)
+    p.add_argument("--lambda-star", type=float, default=None, help="skip the FCFS capacity probe")
+    p.add_argument("--predictor-json", default=None, help="the SLO tiers of an earlier run (tiers-profile.json)")
+    p.add_argument("--model", default=None, help="bench.slo --model (tokenizer of the ShareGPT prompts; default: "
+                   "the model= of --serve, else kairos-tiny)")
+    p.add_argument("--out", default="bench/out/route")
+    p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model or next((t.split("=", 1)[1] for t in args.serve.split() if t.startswith("model=")),
+                               "kairos-tiny")
+    common = ["--model", model]
+    tiers = args.predictor_json
+    lam = args.lambda_star
+    if lam is None:
+        with served(f"{args.serve} policy=fcfs", out / "serve-fcfs.log") as target:
+            res = _slo(target, out / "fcfs", out / "fcfs.log",
+                       common + ["--loads", "1", "--num-requests", "20", "--probe-requests", "160", "--label", "fcfs"]
+                       + (["--predictor-json", tiers] if tiers else []))
+        lam = float(res["lambda_star_rps"])
+        tiers = tiers or str(out / "fcfs" / "tiers-profile.json")
+        print(f"lambda* = {lam:.3f} req/s (FCFS over HTTP, {args.serve})", flush=True)
+    rows: list[dict] = []
+    for router in [r.strip() for r in args.routers.split(",") if r.strip()]:
+        with served(f"{args.serve} policy=kairos router={router}", out / f"serve-{router}.log") as target:
+            res = _slo(target, out / router, out / f"{router}.log",
+                       common + ["--lambda-star", f"{lam}", "--loads", args.loads, "--seeds", args.seeds,
+                                 "--num-requests", str(args.num_requests), "--policies", "kairos",
+                                 "--label", f"kairos-router={router}"]
+                       + (["--predictor-json", tiers] if tiers else []))
+        rows += [_row(router, r) for r in res["results"]]
+        _print([r for r in rows if r["router"] == router])
+    print(f"\nlambda* = {lam:.3f} req/s; {args.serve}; seeds {args.seeds}, {args.num_requests} requests a point")
+    _print(sorted(rows, key=lambda r: (r["load"], r["router"])))
+    doc = {"lambda_star_rps": lam, "serve": args.serve, "seeds": args.seeds, "rows": rows}
+    (out / "route.json").write_text(json.dumps(doc, indent=1))
+    if args.summary:
+        by = {(r["router"], r["load"]): r for r in rows}
+        parts = []
+        for load in sorted({r["load"] for r in rows}):
+            a, b = by.get(("slo", load)), by.get(("pow2", load))
+            if a and b and b["goodput_rps"] > 0:
+                parts.append(f"{load:g}x: slo {a['goodput_rps']:.2f} vs pow2 {b['goodput_rps']:.2f} req/s "
+                             f"({a['goodput_rps'] / b['goodput_rps']:.2f}x), adherence {100 * a['adherence']:.1f} "
+                             f"vs {100 * b['adherence']:.1f}%")
+        headline = f"{args.serve} over HTTP, ShareGPT, seeds {args.seeds}, lambda* {lam:.2f}: " + "; ".join(parts)
+        print(f"summary: {write_summary(args.summary, command_line(MODULE, argv), headline, doc)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
