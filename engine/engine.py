@@ -325,19 +325,19 @@ class LLMEngine:
                 self._wakeup.wait(0.005)
                 self._wakeup.clear()
             return
-        reqs = plan.requests
+        reqs = plan.requests  # those that sample a token (a prefill chunk does not)
         if self._fatal_fault:
             raise RuntimeError("injected fatal fault")
         try:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise RuntimeError("injected fault")
-            logits = self.runner.execute(plan.prefill, plan.decode)
+            logits = self.runner.execute(plan.prefill, plan.decode, plan.ends())
             t2 = time.perf_counter()
-            tokens = self.sampler.sample(logits, reqs)
+            tokens = self.sampler.sample(logits, reqs) if reqs else []
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
-            log.exception("model step failed; failing %d requests", len(reqs))
-            for req in reqs:
+            log.exception("model step failed; failing %d requests", len(plan.forward))
+            for req in plan.forward:
                 self._finish(req, FinishReason.ERROR, error=f"model step failed: {e!r}")
             return
         t3 = time.perf_counter()

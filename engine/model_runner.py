@@ -49,7 +49,11 @@ class ModelRunner:
         bs, table = self.block_size, req.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, prefill: list[Request], decode: list[Request]) -> tuple[dict, AttnMetadata]:
+    def prepare(self, prefill: list[Request], decode: list[Request], ends: list[int] | None = None
+                ) -> tuple[dict, AttnMetadata]:
+        """The step's inputs: each prefill computes its positions [num_computed_tokens, end) (`ends`, default its
+        num_tokens) and has an output row only if it reaches its num_tokens; each decode its last token."""
+        ends = ends if ends is not None else [r.num_tokens for r in prefill]
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -60,20 +64,21 @@ class ModelRunner:
         # kernel too, one query row per token (its context: the positions up to its own): one call for the step's
         # short prompts and its decodes. Longer prompts keep SDPA, which shares each K/V read among many queries.
         kernel_rows = self.kernels is not None
-        paged_prefill = [kernel_rows and r.num_tokens <= PAGED_PREFILL_MAX for r in prefill]
+        paged_prefill = [kernel_rows and end <= PAGED_PREFILL_MAX for end in ends]
         order_p = sorted(range(len(prefill)), key=paged_prefill.__getitem__)  # SDPA prefills first, then the rest
-        last_idx = [0] * len(prefill)
+        last_idx: list[int | None] = [None] * len(prefill)
         row_tables: list[list[int]] = []  # per paged row: its request's blocks, and its context length
         row_lens: list[int] = []
         paged_start = None
         for i in order_p:
             r = prefill[i]
-            start, end = r.num_computed_tokens, r.num_tokens
+            start, end = r.num_computed_tokens, ends[i]
             q_start = len(tokens)
             tokens.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(r, start, end))
-            last_idx[i] = len(tokens) - 1
+            if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
+                last_idx[i] = len(tokens) - 1
             if paged_prefill[i]:
                 paged_start = q_start if paged_start is None else paged_start
                 table = r.block_table[:-(-end // bs)]
@@ -99,7 +104,8 @@ class ModelRunner:
             tokens.append(r.token_ids[-1])
             positions.append(p)
             slots.append(r.block_table[p // bs] * bs + p % bs)
-        last_idx.extend(decode_start + rank[i] for i in range(len(decode)))
+        rows = [x for x in last_idx if x is not None]
+        rows.extend(decode_start + rank[i] for i in range(len(decode)))
         groups = []
         paged = None
         if kernel_rows and (decode or row_lens):
@@ -132,7 +138,7 @@ class ModelRunner:
         inputs = {
             "input_ids": torch.tensor([tokens], dtype=torch.long, device=dev),
             "position_ids": torch.tensor([positions], dtype=torch.long, device=dev),
-            "logits_to_keep": torch.tensor(last_idx, dtype=torch.long, device=dev),
+            "logits_to_keep": torch.tensor(rows, dtype=torch.long, device=dev),
         }
         return inputs, meta
 
@@ -144,6 +150,6 @@ class ModelRunner:
         out = self.model(**inputs, use_cache=False, kairos=meta)
         return out.logits[0]
 
-    def execute(self, prefill: list[Request], decode: list[Request]) -> torch.Tensor:
-        inputs, meta = self.prepare(prefill, decode)
+    def execute(self, prefill: list[Request], decode: list[Request], ends: list[int] | None = None) -> torch.Tensor:
+        inputs, meta = self.prepare(prefill, decode, ends)
         return self.forward(inputs, meta)

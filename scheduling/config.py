@@ -61,6 +61,9 @@ class SchedulerConfig(BaseModel):
     # seeds: pending-queue admission
     prefill_max_batch_size: int = Field(64, gt=0, description="requests per prefill round")
     prefill_max_tokens: int | None = Field(1024, gt=0, description="prompt-token budget per prefill round")
+    chunked_prefill: bool = Field(False, description="split a prompt over several steps so that no step computes "
+                                  "more than prefill_max_tokens of prompt (vLLM's chunked prefill); a prompt in "
+                                  "progress goes first in each step's budget")
     prefill_admission_policy: Literal["fifo", "pack"] | None = None
     prefill_admission_lookahead: int = Field(64, gt=0)
     prefill_force_fifo_every: int | None = Field(None, ge=0, description="every N-th round is FIFO (0: never)")

@@ -38,7 +38,10 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)
     rejected: list[tuple[Request, RejectReason]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    num_prefill_tokens: int = 0  # fixed when planned: after the step every prefill has 1 token left to compute
+    # where each prefill's computation stops this step (aligned with `prefill`): its num_tokens, or less for a
+    # chunk of a longer prompt (chunked prefill), which samples no token
+    prefill_ends: list[int] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # fixed when planned: the prompt tokens this step computes
     decode_mean_len: float = 0.0  # mean context of the decodes, fixed when planned
 
     @property
@@ -46,12 +49,23 @@ class StepPlan:
         return not self.prefill and not self.decode
 
     def num_prefill_tokens_now(self) -> int:
-        """The prompt tokens the planned prefills still have to compute (before the step runs)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.prefill)
+        """The prompt tokens the planned prefills compute this step (before the step runs)."""
+        return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.ends()))
+
+    def ends(self) -> list[int]:
+        return self.prefill_ends if len(self.prefill_ends) == len(self.prefill) else [r.num_tokens for r in self.prefill]
 
     @property
     def requests(self) -> list[Request]:
-        """The requests this step runs, in the order of the model's output rows."""
+        """The requests that sample a token this step, in the order of the model's output rows: the prefills
+        this step completes, then the decodes. A prefill chunk that leaves prompt for later steps has no row."""
+        if len(self.prefill_ends) != len(self.prefill):
+            return self.prefill + self.decode
+        return [r for r, end in zip(self.prefill, self.prefill_ends) if end == r.num_tokens] + self.decode
+
+    @property
+    def forward(self) -> list[Request]:
+        """Every request in this step's forward pass (chunks included)."""
         return self.prefill + self.decode
 
 
@@ -140,7 +154,20 @@ class Scheduler:
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
-        plan.prefill = self._admit(now, plan)
+        budget = self.config.prefill_max_tokens
+        if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
+            for r in self.running:
+                if self._mid_prefill(r) and (budget is None or budget > 0):
+                    end = r.num_tokens if budget is None else min(r.num_tokens, r.num_computed_tokens + budget)
+                    plan.prefill.append(r)
+                    plan.prefill_ends.append(end)
+                    if budget is not None:
+                        budget -= end - r.num_computed_tokens
+        if budget is None or budget > 0:
+            admitted = self._admit(now, plan, budget)
+            plan.prefill += admitted
+            plan.prefill_ends += [self._chunk_end(r, budget) for r in admitted] if self.config.chunked_prefill \
+                else [r.num_tokens for r in admitted]
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
@@ -155,7 +182,18 @@ class Scheduler:
             plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
         return plan
 
-    def _admit(self, now: float, plan: StepPlan) -> list[Request]:
+    @staticmethod
+    def _mid_prefill(r: Request) -> bool:
+        """A running request whose prompt is only partly computed (chunked prefill). With one token left it is
+        an ordinary decode: that step computes the last prompt token and samples the first output token."""
+        return r.num_tokens - r.num_computed_tokens > 1
+
+    def _chunk_end(self, r: Request, budget: int | None) -> int:
+        """Chunked prefill: where a request admitted this round stops (its `_cost` is capped at the round's
+        budget, so the round's chunks fit it in queue order)."""
+        return r.num_tokens if budget is None else min(r.num_tokens, r.num_computed_tokens + budget)
+
+    def _admit(self, now: float, plan: StepPlan, budget: int | None = None) -> list[Request]:
         cap = self.config.max_num_seqs - len(self.running)
         if cap <= 0 or not self.waiting:
             return []
@@ -213,9 +251,13 @@ class Scheduler:
                 self.floor.admitted(r.tpot_slo_ms, now)
             return Verdict.ADMIT
 
+        cost = self._cost
+        if self.config.chunked_prefill and budget is not None:
+            def cost(r: Request) -> int:  # a prompt longer than the round's budget takes all of it, as a chunk
+                return min(self._cost(r), budget)
         selected = take_for_prefill(
-            self.waiting, cost=self._cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
-            max_tokens=self.config.prefill_max_tokens, policy=f.admission,
+            self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
+            max_tokens=budget if self.config.chunked_prefill else self.config.prefill_max_tokens, policy=f.admission,
             lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
         for r in selected:
             r.status = Status.RUNNING
@@ -261,7 +303,8 @@ class Scheduler:
     def _select_decode(self, plan: StepPlan, now: float) -> list[Request]:
         be = self.config.best_effort_trp
         fresh = set(plan.prefill)
-        decoding = [r for r in self.running if r not in fresh] if fresh else self.running
+        decoding = [r for r in self.running if r not in fresh and not self._mid_prefill(r)] \
+            if fresh or self.config.chunked_prefill else self.running
         t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
         self.last_vbs = vbs(self.running, t_min, be)
         if self.flags.credit_batching:
@@ -325,6 +368,9 @@ class Scheduler:
         (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings* are text and
         the engine's; it ends such requests with `finish`."""
         out: list[tuple[Request, int | Exception, FinishReason | None]] = []
+        for req, end in zip(plan.prefill, plan.ends()):
+            if end < req.num_tokens:  # a chunk: its KV is in the cache now, no token yet
+                req.num_computed_tokens = end
         for req, tok in zip(plan.requests, tokens):
             req.num_computed_tokens = req.num_tokens
             if isinstance(tok, Exception):

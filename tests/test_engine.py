@@ -87,6 +87,29 @@ def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),
+                                                  ("qwen2", "hf", "auto"), ("gpt2", "auto", "off")])
+def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):
+    """Prompts up to 300 tokens prefilled 37 tokens a step (chunks across SDPA, the paged kernel and the HF
+    modules, a prompt in progress sharing its step with other prefills and decodes): the same tokens as HF."""
+    path = tiny_checkpoints[family]
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, model_impl=impl,
+                                 cpu_kernels=kernels, scheduler=SchedulerConfig(
+                                     policy="kairos", prefill_max_tokens=37, chunked_prefill=True)))
+    seen: list[int] = []
+    eng.add_step_observer(lambda ev: seen.append(ev.num_prefill_tokens))
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit, seed=2)
+        outs = _run_staggered(eng, prompts)
+        assert outs == _hf_greedy(path, prompts, MAX_TOKENS)
+        assert max(seen) <= 37 and sum(seen) >= sum(PROMPT_LENS)  # no step computed more prompt than the budget
+        time.sleep(0.05)
+        st = eng.stats()
+        assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
+    finally:
+        eng.shutdown()
+
+
 def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     # 120 blocks x 4 = 480 token slots: far less than the ~1300 the batch needs at once

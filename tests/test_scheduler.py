@@ -189,3 +189,52 @@ def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
         r.num_computed_tokens = r.num_tokens
     loose.credit = -0.9
     assert [r.request_id for r in s.schedule(0.075).decode] == ["r0"]
+
+
+def _step(s, plan):
+    """Pretend the step ran through the scheduler's own bookkeeping (chunks advance, rows get one token)."""
+    s.postprocess(plan, [3] * len(plan.requests), 0.0)
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_continues_it_first():
+    s = _sched("kairos", prefill_max_tokens=64, chunked_prefill=True)
+    long, short = _req(0, 150), _req(1, 10)
+    s.add(long)
+    s.add(short)
+    p = s.schedule(0.0)
+    assert p.prefill == [long] and p.prefill_ends == [64] and p.num_prefill_tokens == 64
+    assert p.requests == []  # a chunk samples nothing
+    _step(s, p)
+    assert long.num_computed_tokens == 64 and long.num_output_tokens == 0
+    p = s.schedule(0.0)  # the prompt in progress goes first and takes the whole budget
+    assert p.prefill == [long] and p.prefill_ends == [128] and list(s.waiting) == [short]
+    _step(s, p)
+    p = s.schedule(0.0)  # its last 22 tokens, then the short prompt in what is left; nothing decodes yet
+    assert p.prefill == [long, short] and p.prefill_ends == [150, 10] and p.decode == []
+    assert p.requests == [long, short]
+    _step(s, p)
+    assert long.num_output_tokens == 1 and short.num_output_tokens == 1
+    p = s.schedule(0.0)
+    assert p.prefill == [] and p.decode == [long, short]
+
+
+def test_chunked_prefill_never_decodes_a_prompt_in_progress():
+    s = _sched("kairos", prefill_max_tokens=32, chunked_prefill=True)
+    a = _req(0, 8)
+    s.add(a)
+    _step(s, s.schedule(0.0))
+    b = _req(1, 100)
+    s.add(b)
+    p = s.schedule(0.0)
+    assert p.prefill == [b] and p.prefill_ends == [32] and p.decode == [a]  # hybrid: a decodes beside the chunk
+    _step(s, p)
+    p = s.schedule(0.0)
+    assert p.prefill == [b] and p.prefill_ends == [64] and p.decode == [a]
+
+
+def test_without_chunked_prefill_a_long_prompt_is_prefilled_whole():
+    s = _sched("kairos", prefill_max_tokens=64)
+    long = _req(0, 150)
+    s.add(long)
+    p = s.schedule(0.0)
+    assert p.prefill == [long] and p.prefill_ends == [150] and p.requests == [long]
