@@ -1,8 +1,9 @@
 """The per-replica scheduler: each step it decides which requests to prefill, which to decode, which to reject.
 
-Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate, tier floor, work
-shedding) according to the policy flags. Owns the waiting/running sets, the KV block accounting and the step's
-bookkeeping; the engine executes the plan and hands the sampled tokens back (`postprocess`).
+Composes the pure mechanisms (admission, queue order, TTFT guard, credit batching, VBS gate, pace guard,
+catch-up, tier floor, work shedding, chunked prefill) according to the policy flags. Owns the waiting/running
+sets, the KV block accounting and the step's bookkeeping; the engine executes the plan and hands the sampled
+tokens back (`postprocess`).
 Steps are prefill-first (as vLLM V0 / SCORPIO): a step with admissions runs only those prefills, unless
 `hybrid_steps` is on (kairos): then the running requests' decodes ride in the same forward as the prefills,
 so a prefill round no longer stalls every decode for a whole extra step.
@@ -13,6 +14,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from core.kv import BlockManager
 from core.messages import RejectReason
@@ -23,7 +25,8 @@ from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
 from scheduling.shedding import WorkShedder
 from scheduling.tier_floor import TierFloor, tpot_class
-from scheduling.tpot_guard import ItlCorrection, VBSGate, behind_pace, select_by_credit, vbs
+from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, select_by_credit,
+                                   trim_for_catch_up, vbs)
 from scheduling.ttft_guard import find_ttft_unattainable
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
@@ -311,6 +314,12 @@ class Scheduler:
             batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now))
         else:
             batch = list(decoding)
+        if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
+            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch), partial(self._afford, now=now))
+            for r in batch:
+                if r not in kept and self.flags.credit_batching:
+                    r.credit += 1.0  # sat this step out: it decodes at its next chance
+            batch = kept
         out: list[Request] = []
         for r in batch:
             if r.status is not Status.RUNNING:  # preempted earlier in this loop
@@ -324,6 +333,19 @@ class Scheduler:
                 self.blocks.ensure(r, r.num_tokens)
                 out.append(r)
         return out
+
+    @staticmethod
+    def _afford(r: Request, extra_steps: int, now: float) -> float:
+        return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms, now,
+                                  extra_steps)
+
+    def _step_ms_for(self, plan: StepPlan, batch: list[Request]) -> Callable[[int], float]:
+        """The predicted time of this step with n of `batch` decoding (the model scaled by the measured factor,
+        plus the step's prefill)."""
+        scale = self.last_correction if self.correction is not None else 1.0
+        mean_len = sum(r.num_tokens for r in batch) / len(batch)
+        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
+        return lambda n: prefill_ms + self.predictor.itl_ms(n, mean_len) * scale
 
     def _pace_guard(self, plan: StepPlan, decoding: list[Request], t_min: float, now: float
                     ) -> Callable[[Request, int], bool] | None:

@@ -88,6 +88,44 @@ def behind_pace(first_token_s: float | None, num_output_tokens: int, tpot_ms: fl
     return now_s + (this_step_ms + next_step_ms) / 1000.0 > due_s
 
 
+def affordable_step_ms(first_token_s: float | None, num_output_tokens: int, expected_output_len: int,
+                       tpot_ms: float, now_s: float, extra_steps: int = 0) -> float:
+    """The longest step a paced request can afford from now on, every remaining step alike, for the mean TPOT
+    of all its tokens to stay within ``tpot_ms``: (t_first + (n - 1) * tpot - now) / (n - k + extra_steps),
+    n its expected output length (at least k + 1), k the tokens out; ``extra_steps`` counts steps it would
+    sit out. +inf for a request without a TPOT SLO or without its first token."""
+    if first_token_s is None or num_output_tokens < 1 or math.isinf(tpot_ms):
+        return math.inf
+    n = max(expected_output_len, num_output_tokens + 1)
+    budget_ms = (first_token_s - now_s) * 1000.0 + (n - 1) * tpot_ms
+    return budget_ms / (n - num_output_tokens + extra_steps)
+
+
+def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], afford: Callable[[T, int], float]
+                      ) -> list[T]:
+    """kairos's catch-up: when the step predicted for ``batch`` is longer than what its most pressed request can
+    afford (``afford(r, 0)``), leave out of this step the requests that can afford to sit it out
+    (``afford(r, 1)`` >= the step without them), those with the most room first, until the step fits or no one
+    else can wait. A request that cannot afford even a step alone (``step_ms(1)``) is past saving and sets no
+    limit. A reply that fell behind (a prefill rode in its steps, the box slowed) then gets shorter steps
+    instead of ending just over its TPOT, paid for by requests ahead of their own pace. Keeps ``batch`` order."""
+    b = list(batch)
+    if len(b) < 2:
+        return b
+    floor = step_ms(1)  # a request that cannot afford even a step of its own is past saving: not worth a skip
+    limit = min((a for a in (afford(r, 0) for r in b) if a >= floor), default=math.inf)
+    if step_ms(len(b)) <= limit:
+        return b
+    out: set[int] = set()
+    for r in sorted(b, key=lambda r: -afford(r, 1)):
+        n = len(b) - len(out)
+        if n <= 1 or step_ms(n) <= limit:
+            break
+        if afford(r, 0) > limit and afford(r, 1) >= step_ms(n - 1):
+            out.add(id(r))
+    return [r for r in b if id(r) not in out]
+
+
 class VBSGate:
     """Per-round VBS admission gate for prefill candidates (SCORPIO's ``gate<k>``).
 

@@ -9,7 +9,8 @@ import pytest
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
-from scheduling.tpot_guard import VBSGate, behind_pace, min_tpot, select_by_credit, trp, vbs
+from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, min_tpot, select_by_credit, trim_for_catch_up,
+                                   trp, vbs)
 from scheduling.ttft_guard import find_ttft_unattainable
 
 
@@ -273,3 +274,33 @@ def test_vbs_margin_is_the_policys_unless_set():
     assert SchedulerConfig(policy="kairos").flags().vbs_margin == 1.1  # its measured ITL correction covers the rest
     assert SchedulerConfig(policy="kairos", vbs_margin=1.3).flags().vbs_margin == 1.3
     assert SchedulerConfig(policy="scorpio", vbs_margin=1.2).flags().vbs_margin == 1.2
+
+
+def test_affordable_step_is_what_keeps_the_mean_tpot_of_all_tokens() -> None:
+    # 10 tokens expected at 4 ms, the first at t=0, 5 out at t=20 ms: 16 ms left of (10-1)*4 = 36 for 5 steps
+    assert affordable_step_ms(0.0, 5, 10, 4.0, 0.020) == pytest.approx(16.0 / 5)
+    assert affordable_step_ms(0.0, 5, 10, 4.0, 0.020, extra_steps=1) == pytest.approx(16.0 / 6)
+    assert affordable_step_ms(0.0, 5, 3, 4.0, 0.020) == pytest.approx((5 * 4.0 - 20.0) / 1)  # n >= k + 1
+    assert math.isinf(affordable_step_ms(None, 0, 10, 4.0, 0.0))  # no first token yet
+    assert math.isinf(affordable_step_ms(0.0, 5, 10, math.inf, 0.02))  # best effort
+
+
+def test_catch_up_leaves_out_requests_ahead_of_pace_until_the_step_fits() -> None:
+    afford = {"behind": (3.0, 2.5), "ahead1": (9.0, 8.0), "ahead2": (7.0, 6.0), "tight": (3.5, 2.9)}
+
+    def step(n: int) -> float:
+        return 2.0 + 0.5 * n  # 4 decodes: 4.0 ms, 3: 3.5, 2: 3.0
+
+    batch = ["behind", "ahead1", "tight", "ahead2"]
+    kept = trim_for_catch_up(batch, step, lambda r, extra: afford[r][extra])
+    # the most room sits out first, then the next, until the step (3.0 ms) fits the pressed request's 3.0 ms;
+    # "tight" could not afford a skip at 3.0 ms, so it would have stayed
+    assert kept == ["behind", "tight"]
+    # a step that already fits is left alone
+    assert trim_for_catch_up(batch, lambda n: 2.9, lambda r, extra: afford[r][extra]) == batch
+    # nobody can wait: nothing is trimmed, even though the step stays too long
+    assert trim_for_catch_up(["behind", "tight"], step, lambda r, extra: afford[r][extra]) == ["behind", "tight"]
+    # a request past saving (it cannot afford even a step alone, 2.5 ms) costs nobody a step
+    afford["lost"] = (2.2, 2.0)
+    assert trim_for_catch_up(["lost", "ahead1", "ahead2"], step, lambda r, extra: afford[r][extra]) == [
+        "lost", "ahead1", "ahead2"]

@@ -238,3 +238,23 @@ def test_without_chunked_prefill_a_long_prompt_is_prefilled_whole():
     s.add(long)
     p = s.schedule(0.0)
     assert p.prefill == [long] and p.prefill_ends == [150] and p.requests == [long]
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_catch_up_gives_a_reply_behind_its_pace_a_shorter_step(catch_up):
+    s = _sched("kairos", catch_up=catch_up)  # predicted step: 5 + 0.5 * decodes ms
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))  # 8 tokens expected
+    b = Request("b", [1] * 5, SamplingParams(max_tokens=100), SLO(tpot_ms=8.0))  # 100: far from its end
+    for r in (a, b):
+        s.add(r)
+    p = s.schedule(0.0)
+    assert p.prefill == [a, b]
+    _run(s, p)
+    for _ in range(4):  # a has 5 tokens out, the first at t=0; b has 1, from t=38 ms
+        a.token_ids.append(3)
+    a.num_computed_tokens = a.num_tokens - 1
+    a.first_token_s, b.first_token_s = 0.0, 0.038
+    # at 39 ms a can afford (7 * 8 - 39) / 3 = 5.67 ms a step: both decoding take 6.0, a alone 5.5. b, with
+    # 99 tokens to spread a skip over, can sit this one out
+    p = s.schedule(0.039)
+    assert p.decode == ([a] if catch_up else [a, b])
