@@ -34,7 +34,8 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, gt=0, le=1024)
     num_kv_blocks: int | None = Field(None, gt=0, description="explicit cache size in blocks")
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="cache size as a memory budget")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: share of the GPU's memory this engine may hold, weights and KV cache together")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="CUDA: share of the GPU's memory this "
+                                          "engine may hold, weights and KV cache together")
     kv_cache_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
     cpu_upcast_matmul: Literal["auto", "on", "off"] = Field(
         "auto", description="bf16/fp16 on CPUs without native half GEMM: run multi-row matmuls in fp32")

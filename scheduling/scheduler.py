@@ -56,15 +56,16 @@ class StepPlan:
         return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.ends()))
 
     def ends(self) -> list[int]:
-        return self.prefill_ends if len(self.prefill_ends) == len(self.prefill) else [r.num_tokens for r in self.prefill]
+        """`prefill_ends`, or every prefill's num_tokens where the plan was built without them."""
+        if len(self.prefill_ends) == len(self.prefill):
+            return self.prefill_ends
+        return [r.num_tokens for r in self.prefill]
 
     @property
     def requests(self) -> list[Request]:
         """The requests that sample a token this step, in the order of the model's output rows: the prefills
         this step completes, then the decodes. A prefill chunk that leaves prompt for later steps has no row."""
-        if len(self.prefill_ends) != len(self.prefill):
-            return self.prefill + self.decode
-        return [r for r, end in zip(self.prefill, self.prefill_ends) if end == r.num_tokens] + self.decode
+        return [r for r, end in zip(self.prefill, self.ends()) if end == r.num_tokens] + self.decode
 
     @property
     def forward(self) -> list[Request]:
@@ -254,10 +255,10 @@ class Scheduler:
                 self.floor.admitted(r.tpot_slo_ms, now)
             return Verdict.ADMIT
 
-        cost = self._cost
-        if self.config.chunked_prefill and budget is not None:
-            def cost(r: Request) -> int:  # a prompt longer than the round's budget takes all of it, as a chunk
-                return min(self._cost(r), budget)
+        def capped(r: Request) -> int:  # chunked prefill: a prompt longer than the budget takes all of it
+            return min(self._cost(r), budget)
+
+        cost = capped if self.config.chunked_prefill and budget is not None else self._cost
         selected = take_for_prefill(
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
             max_tokens=budget if self.config.chunked_prefill else self.config.prefill_max_tokens, policy=f.admission,
@@ -316,9 +317,9 @@ class Scheduler:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
             kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch), partial(self._afford, now=now))
-            for r in batch:
-                if r not in kept and self.flags.credit_batching:
-                    r.credit += 1.0  # sat this step out: it decodes at its next chance
+            for r in batch:  # sat this step out: a request that paid credit for it gets it back
+                if r not in kept and self.flags.credit_batching and r.tpot_slo_ms != t_min:
+                    r.credit += 1.0
             batch = kept
         out: list[Request] = []
         for r in batch:

@@ -9,8 +9,8 @@ import pytest
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
-from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, min_tpot, select_by_credit, trim_for_catch_up,
-                                   trp, vbs)
+from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, min_tpot, select_by_credit,
+                                   trim_for_catch_up, trp, vbs)
 from scheduling.ttft_guard import find_ttft_unattainable
 
 
