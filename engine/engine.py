@@ -332,7 +332,7 @@ class LLMEngine:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise RuntimeError("injected fault")
-            logits = self.runner.execute(plan.prefill, plan.decode, plan.ends())
+            logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends)
             t2 = time.perf_counter()
             tokens = self.sampler.sample(logits, reqs) if reqs else []
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving

@@ -53,19 +53,13 @@ class StepPlan:
 
     def num_prefill_tokens_now(self) -> int:
         """The prompt tokens the planned prefills compute this step (before the step runs)."""
-        return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.ends()))
-
-    def ends(self) -> list[int]:
-        """`prefill_ends`, or every prefill's num_tokens where the plan was built without them."""
-        if len(self.prefill_ends) == len(self.prefill):
-            return self.prefill_ends
-        return [r.num_tokens for r in self.prefill]
+        return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.prefill_ends))
 
     @property
     def requests(self) -> list[Request]:
         """The requests that sample a token this step, in the order of the model's output rows: the prefills
         this step completes, then the decodes. A prefill chunk that leaves prompt for later steps has no row."""
-        return [r for r, end in zip(self.prefill, self.ends()) if end == r.num_tokens] + self.decode
+        return [r for r, end in zip(self.prefill, self.prefill_ends) if end == r.num_tokens] + self.decode
 
     @property
     def forward(self) -> list[Request]:
@@ -162,7 +156,7 @@ class Scheduler:
         if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
             for r in self.running:
                 if self._mid_prefill(r) and (budget is None or budget > 0):
-                    end = r.num_tokens if budget is None else min(r.num_tokens, r.num_computed_tokens + budget)
+                    end = self._chunk_end(r, budget)
                     plan.prefill.append(r)
                     plan.prefill_ends.append(end)
                     if budget is not None:
@@ -193,11 +187,12 @@ class Scheduler:
         return r.num_tokens - r.num_computed_tokens > 1
 
     def _chunk_end(self, r: Request, budget: int | None) -> int:
-        """Chunked prefill: where a request admitted this round stops (its `_cost` is capped at the round's
-        budget, so the round's chunks fit it in queue order)."""
+        """Chunked prefill: where a request's computation stops this step, `budget` prompt tokens on (for one
+        admitted this round: its `_cost` is capped at the round's budget, so the round's chunks fit it in order)."""
         return r.num_tokens if budget is None else min(r.num_tokens, r.num_computed_tokens + budget)
 
-    def _admit(self, now: float, plan: StepPlan, budget: int | None = None) -> list[Request]:
+    def _admit(self, now: float, plan: StepPlan, budget: int | None) -> list[Request]:
+        """This round's admissions under `budget` prompt tokens (None: no budget)."""
         cap = self.config.max_num_seqs - len(self.running)
         if cap <= 0 or not self.waiting:
             return []
@@ -261,7 +256,7 @@ class Scheduler:
         cost = capped if self.config.chunked_prefill and budget is not None else self._cost
         selected = take_for_prefill(
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
-            max_tokens=budget if self.config.chunked_prefill else self.config.prefill_max_tokens, policy=f.admission,
+            max_tokens=budget, policy=f.admission,
             lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
         for r in selected:
             r.status = Status.RUNNING
@@ -317,9 +312,11 @@ class Scheduler:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
             kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch), partial(self._afford, now=now))
-            for r in batch:  # sat this step out: a request that paid credit for it gets it back
-                if r not in kept and self.flags.credit_batching and r.tpot_slo_ms != t_min:
-                    r.credit += 1.0
+            if len(kept) < len(batch) and self.flags.credit_batching:
+                stays = {id(r) for r in kept}
+                for r in batch:  # sat this step out: a request that paid credit for it gets it back
+                    if id(r) not in stays and r.tpot_slo_ms != t_min:
+                        r.credit += 1.0
             batch = kept
         out: list[Request] = []
         for r in batch:
@@ -391,7 +388,7 @@ class Scheduler:
         (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings* are text and
         the engine's; it ends such requests with `finish`."""
         out: list[tuple[Request, int | Exception, FinishReason | None]] = []
-        for req, end in zip(plan.prefill, plan.ends()):
+        for req, end in zip(plan.prefill, plan.prefill_ends):
             if end < req.num_tokens:  # a chunk: its KV is in the cache now, no token yet
                 req.num_computed_tokens = end
         for req, tok in zip(plan.requests, tokens):

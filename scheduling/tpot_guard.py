@@ -112,18 +112,20 @@ def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], affor
     b = list(batch)
     if len(b) < 2:
         return b
+    now = [afford(r, 0) for r in b]
     floor = step_ms(1)  # a request that cannot afford even a step of its own is past saving: not worth a skip
-    limit = min((a for a in (afford(r, 0) for r in b) if a >= floor), default=math.inf)
+    limit = min((a for a in now if a >= floor), default=math.inf)
     if step_ms(len(b)) <= limit:
         return b
+    later = [afford(r, 1) for r in b]
     out: set[int] = set()
-    for r in sorted(b, key=lambda r: -afford(r, 1)):
+    for i in sorted(range(len(b)), key=lambda i: -later[i]):
         n = len(b) - len(out)
         if n <= 1 or step_ms(n) <= limit:
             break
-        if afford(r, 0) > limit and afford(r, 1) >= step_ms(n - 1):
-            out.add(id(r))
-    return [r for r in b if id(r) not in out]
+        if now[i] > limit and later[i] >= step_ms(n - 1):
+            out.add(i)
+    return [r for i, r in enumerate(b) if i not in out]
 
 
 class VBSGate:
