@@ -28,6 +28,7 @@ class PolicyFlags:
     pace_guard: bool = False
     work_shedding: bool = False
     catch_up: bool = False
+    prefill_hold: bool = False
     vbs_margin: float = 1.3  # k of the VBS gate: ITL(VBS, L) * k < slack * T_min (SCORPIO's published 1.3)
 
 
@@ -43,7 +44,7 @@ PRESETS: dict[str, PolicyFlags] = {
     # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
-                          work_shedding=True, catch_up=True, vbs_margin=1.1),
+                          work_shedding=True, catch_up=True, prefill_hold=True, vbs_margin=1.1),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -102,6 +103,9 @@ class SchedulerConfig(BaseModel):
                                        "can decode goes to as many requests as fit (scheduling/shedding.py)")
     catch_up: bool | None = Field(None, description="leave out of a step the requests ahead of their pace when "
                                   "a request behind its TPOT needs a shorter step (tpot_guard.trim_for_catch_up)")
+    prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "
+                                      "would end after a running reply's next token is due and its TTFT deadline "
+                                      "leaves room to wait (tpot_guard.hold_prefill)")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")
     shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")

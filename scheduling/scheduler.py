@@ -25,8 +25,8 @@ from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
 from scheduling.shedding import WorkShedder
 from scheduling.tier_floor import TierFloor, tpot_class
-from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, select_by_credit,
-                                   trim_for_catch_up, vbs)
+from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
+                                   next_token_slack_ms, select_by_credit, trim_for_catch_up, vbs)
 from scheduling.ttft_guard import find_ttft_unattainable
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
@@ -219,9 +219,11 @@ class Scheduler:
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
         shed_above = self._shed_threshold(now)
+        stall = self._stall_room(now) if f.prefill_hold else None  # (what the replies absorb, their decode ms)
+        round_tokens = 0
 
         def accept(r: Request) -> Verdict:
-            nonlocal kv_full
+            nonlocal kv_full, round_tokens
             if kv_full:
                 return Verdict.STOP
             if r.first_token_s is None and self._work(r) > shed_above:
@@ -240,10 +242,13 @@ class Scheduler:
             if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
                     and not gate.leaves_room(r, *room):
                 return Verdict.KEEP  # would take the starved tier's room: waits
+            if stall is not None and r.first_token_s is None and self._hold(r, stall, round_tokens, now):
+                return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)
+            round_tokens += self._cost(r)
             if gate is not None:
                 gate.admit(r)
             if self.floor is not None and r.first_token_s is None:
@@ -265,6 +270,31 @@ class Scheduler:
             r.credit = 0.0
             self.running.append(r)
         return selected
+
+    def _stall_room(self, now: float) -> tuple[float, float] | None:
+        """Prefill hold: how long a step may take before a running reply's next token is due (the least
+        `next_token_slack_ms`) and the decode step predicted now; None when no reply sets a limit. A reply
+        already late for it by more than a decode step is behind its pace whatever the step, and sets none."""
+        if self.predictor is None or not self.running:
+            return None
+        scale = self.last_correction if self.correction is not None else 1.0
+        mean_len = sum(r.num_tokens for r in self.running) / len(self.running)
+        decode_ms = self.predictor.itl_ms(len(self.running), mean_len) * scale
+        limit = min((x for r in self.running
+                     if (x := next_token_slack_ms(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now))
+                     >= decode_ms), default=math.inf)
+        return None if math.isinf(limit) else (limit, decode_ms)
+
+    def _hold(self, r: Request, stall: tuple[float, float], round_tokens: int, now: float) -> bool:
+        """Prefill hold for fresh `r`, `round_tokens` prompt tokens already admitted this round."""
+        deadline = r.deadline_s
+        if math.isinf(deadline):
+            return False  # best effort: no deadline to wait against, so it is never held
+        limit, decode_ms = stall
+        k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
+        step_ms = (self.predictor.prefill_ms(round_tokens + self._cost(r)) + decode_ms) * k
+        return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, self.predictor.prefill_ms(self._cost(r)),
+                            self.config.ttft_margin_ms)
 
     @staticmethod
     def _work(r: Request, tokens: int | None = None) -> float:
@@ -311,7 +341,8 @@ class Scheduler:
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
-            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch), partial(self._afford, now=now))
+            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch), partial(self._afford, now=now),
+                                     pace=lambda r: r.tpot_slo_ms)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
                 for r in batch:  # sat this step out: a request that paid credit for it gets it back

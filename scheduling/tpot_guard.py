@@ -82,10 +82,7 @@ def behind_pace(first_token_s: float | None, num_output_tokens: int, tpot_ms: fl
     Credit counts steps, so a request falls behind its SLO whenever steps run longer than T_min (a prefill
     rides in the step, a slow step), and a short reply cannot make that up: on the Zen 4 box, 3 of kairos's 5
     TPOT misses at 1.5x ShareGPT load were replies of 22-58 tokens at 1.02-1.06x their TPOT."""
-    if first_token_s is None or num_output_tokens < 1 or math.isinf(tpot_ms):
-        return False
-    due_s = first_token_s + num_output_tokens * tpot_ms / 1000.0
-    return now_s + (this_step_ms + next_step_ms) / 1000.0 > due_s
+    return this_step_ms + next_step_ms > next_token_slack_ms(first_token_s, num_output_tokens, tpot_ms, now_s)
 
 
 def affordable_step_ms(first_token_s: float | None, num_output_tokens: int, expected_output_len: int,
@@ -101,14 +98,40 @@ def affordable_step_ms(first_token_s: float | None, num_output_tokens: int, expe
     return budget_ms / (n - num_output_tokens + extra_steps)
 
 
-def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], afford: Callable[[T, int], float]
-                      ) -> list[T]:
+def next_token_slack_ms(first_token_s: float | None, num_output_tokens: int, tpot_ms: float, now_s: float) -> float:
+    """How long from now until a paced request's next token is due: with k tokens out, the first at
+    ``first_token_s``, its (k + 1)-th keeps the mean TPOT of its tokens within ``tpot_ms`` if it comes by
+    t_first + k * tpot. +inf without a TPOT SLO or a first token."""
+    if first_token_s is None or num_output_tokens < 1 or math.isinf(tpot_ms):
+        return math.inf
+    return (first_token_s - now_s) * 1000.0 + num_output_tokens * tpot_ms
+
+
+def hold_prefill(step_ms: float, limit_ms: float, ttft_slack_ms: float, prefill_ms: float, margin_ms: float
+                 ) -> bool:
+    """kairos's prefill hold: keep a fresh prompt waiting this step when the step it would make (``step_ms``: its
+    prefill, the round's prefills before it, and the decodes riding along) would end after a running reply's
+    next token is due (``limit_ms``, the least `next_token_slack_ms`), while its own TTFT deadline,
+    ``ttft_slack_ms`` away, still leaves twice its prefill plus ``margin_ms``. A long prompt prefilled in the
+    middle of a short reply stalls that reply for the whole step (an 800-token prompt: ~85 ms, half of what a
+    35-token reply at 5.4 ms may take); held a few steps, it waits for the reply to end or to get ahead of its
+    pace, and it is admitted anyway when its deadline draws near. A reply's later steps are no help: the VBS
+    gate fills the batch until they take about the strictest TPOT, so a stall is paid only from the time a reply
+    is ahead of its pace."""
+    return step_ms > limit_ms and ttft_slack_ms > 2.0 * prefill_ms + margin_ms
+
+
+def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], afford: Callable[[T, int], float],
+                      pace: Callable[[T], float] | None = None) -> list[T]:
     """kairos's catch-up: when the step predicted for ``batch`` is longer than what its most pressed request can
     afford (``afford(r, 0)``), leave out of this step the requests that can afford to sit it out
     (``afford(r, 1)`` >= the step without them), those with the most room first, until the step fits or no one
     else can wait. A request that cannot afford even a step alone (``step_ms(1)``) is past saving and sets no
     limit. A reply that fell behind (a prefill rode in its steps, the box slowed) then gets shorter steps
-    instead of ending just over its TPOT, paid for by requests ahead of their own pace. Keeps ``batch`` order."""
+    instead of ending just over its TPOT, paid for by requests ahead of their own pace. Keeps ``batch`` order.
+    ``pace(r)``: the time each of r's later tokens will take (default: the trimmed step); a request sits out only
+    if its steps can then be that long. The trimmed step is no bound on a request's later tokens: it decodes in
+    full batches again, and skipped step after step it ended over its TPOT (a 35-token reply sat out 47 ms)."""
     b = list(batch)
     if len(b) < 2:
         return b
@@ -123,7 +146,7 @@ def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], affor
         n = len(b) - len(out)
         if n <= 1 or step_ms(n) <= limit:
             break
-        if now[i] > limit and later[i] >= step_ms(n - 1):
+        if now[i] > limit and later[i] >= max(step_ms(n - 1), pace(b[i]) if pace is not None else 0.0):
             out.add(i)
     return [r for i, r in enumerate(b) if i not in out]
 

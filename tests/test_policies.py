@@ -9,8 +9,8 @@ import pytest
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
-from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, min_tpot, select_by_credit,
-                                   trim_for_catch_up, trp, vbs)
+from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, hold_prefill, min_tpot,
+                                   next_token_slack_ms, select_by_credit, trim_for_catch_up, trp, vbs)
 from scheduling.ttft_guard import find_ttft_unattainable
 
 
@@ -304,3 +304,18 @@ def test_catch_up_leaves_out_requests_ahead_of_pace_until_the_step_fits() -> Non
     afford["lost"] = (2.2, 2.0)
     assert trim_for_catch_up(["lost", "ahead1", "ahead2"], step, lambda r, extra: afford[r][extra]) == [
         "lost", "ahead1", "ahead2"]
+
+
+def test_next_token_slack_is_the_time_until_the_next_token_is_due_at_the_slo() -> None:
+    # 4 ms TPOT, the first token at t=0, 5 out: the 6th is due by 5 x 4 = 20 ms, 8 ms after t=12 ms
+    assert next_token_slack_ms(0.0, 5, 4.0, 0.012) == pytest.approx(8.0)
+    assert next_token_slack_ms(0.0, 5, 4.0, 0.025) == pytest.approx(-5.0)  # late: behind its pace
+    assert math.isinf(next_token_slack_ms(None, 0, 4.0, 0.0))
+    assert math.isinf(next_token_slack_ms(0.0, 5, math.inf, 0.02))
+
+
+def test_hold_prefill_only_while_the_step_is_too_long_and_the_deadline_far() -> None:
+    assert hold_prefill(85.0, 50.0, 2000.0, 80.0, 50.0)  # a step of 85 ms where 50 is absorbed; 2 s to spare
+    assert not hold_prefill(45.0, 50.0, 2000.0, 40.0, 50.0)  # absorbed
+    assert not hold_prefill(85.0, 50.0, 210.0, 80.0, 50.0)  # 210 ms left: no more than 2 x 80 + 50, so it goes
+    assert hold_prefill(85.0, 50.0, 211.0, 80.0, 50.0)

@@ -242,7 +242,7 @@ def test_without_chunked_prefill_a_long_prompt_is_prefilled_whole():
 
 @pytest.mark.parametrize("catch_up", [True, False])
 def test_catch_up_gives_a_reply_behind_its_pace_a_shorter_step(catch_up):
-    s = _sched("kairos", catch_up=catch_up)  # predicted step: 5 + 0.5 * decodes ms
+    s = _sched("kairos", catch_up=catch_up, prefill_hold=False)  # predicted step: 5 + 0.5 * decodes ms
     a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))  # 8 tokens expected
     b = Request("b", [1] * 5, SamplingParams(max_tokens=100), SLO(tpot_ms=8.0))  # 100: far from its end
     for r in (a, b):
@@ -250,11 +250,71 @@ def test_catch_up_gives_a_reply_behind_its_pace_a_shorter_step(catch_up):
     p = s.schedule(0.0)
     assert p.prefill == [a, b]
     _run(s, p)
-    for _ in range(4):  # a has 5 tokens out, the first at t=0; b has 1, from t=38 ms
-        a.token_ids.append(3)
-    a.num_computed_tokens = a.num_tokens - 1
-    a.first_token_s, b.first_token_s = 0.0, 0.038
-    # at 39 ms a can afford (7 * 8 - 39) / 3 = 5.67 ms a step: both decoding take 6.0, a alone 5.5. b, with
-    # 99 tokens to spread a skip over, can sit this one out
+    for r, k in ((a, 4), (b, 9)):  # a has 5 tokens out, b 10, both from t=0
+        r.token_ids.extend([3] * k)
+        r.num_computed_tokens = r.num_tokens - 1
+    a.first_token_s = b.first_token_s = 0.0
+    # at 39 ms a can afford (7 * 8 - 39) / 3 = 5.67 ms a step: both decoding take 6.0, a alone 5.5. b, ahead of
+    # its pace, can sit one out and still take its 8 ms per token after: (99 * 8 - 39) / 91 = 8.27 ms
     p = s.schedule(0.039)
     assert p.decode == ([a] if catch_up else [a, b])
+
+
+def test_catch_up_does_not_skip_a_reply_that_is_only_on_pace():
+    s = _sched("kairos", prefill_hold=False)
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))
+    b = Request("b", [1] * 5, SamplingParams(max_tokens=100), SLO(tpot_ms=8.0))
+    for r in (a, b):
+        s.add(r)
+    _run(s, s.schedule(0.0))
+    a.token_ids.extend([3] * 4)
+    a.num_computed_tokens = a.num_tokens - 1
+    a.first_token_s, b.first_token_s = 0.0, 0.038
+    # b has its first token only: skipped now, its 99 later tokens would have to beat 8 ms (791 / 100 = 7.91),
+    # though the steps it decodes in are no shorter than a's pace needs: it stays
+    assert s.schedule(0.039).decode == [a, b]
+
+
+def _pressed_reply(**kw):
+    """kairos over a model whose prefill costs 1 + 0.1 n ms (decode: 5 + 0.5 B), with one short reply running:
+    8 ms TPOT, 5 tokens out, the first at t=0, so its 6th is due at 40 ms. At 30 ms a step may take 10 ms;
+    steps are predicted with the gate's margin, 1.1."""
+    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
+    s = Scheduler(SchedulerConfig(policy="kairos", **kw), 256, 4, max_model_len=256, predictor=model)
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    a.token_ids.extend([3] * 4)
+    a.num_computed_tokens = a.num_tokens - 1
+    a.first_token_s = 0.0
+    return s, a
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_prefill_hold_keeps_a_long_prompt_waiting_while_a_short_reply_cannot_absorb_its_step(hold):
+    s, a = _pressed_reply(prefill_hold=hold)
+    long = _req(1, 200, tpot=50.0, ttft=1000.0, arrival=0.03)  # its step: (21 ms prefill + 5.5 decode) x 1.1
+    short = _req(2, 20, tpot=50.0, ttft=1000.0, arrival=0.03)  # (3 + 5.5) x 1.1 = 9.35 ms: absorbed
+    for r in (long, short):
+        s.add(r)
+    p = s.schedule(0.030)
+    assert p.prefill == ([short] if hold else [long, short]) and p.decode == [a]
+    assert (long in s.waiting) == hold
+
+
+def test_prefill_hold_admits_a_long_prompt_whose_deadline_draws_near():
+    s, a = _pressed_reply()
+    # 90 ms to its deadline: more than its 21 ms prefill and the TTFT guard's 50 ms margin, less than twice
+    # the prefill plus the margin (92 ms), so it waits no longer
+    late = _req(1, 200, tpot=50.0, ttft=90.0, arrival=0.03)
+    s.add(late)
+    assert s.schedule(0.030).prefill == [late]
+
+
+def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
+    s, a = _pressed_reply()
+    long = _req(1, 200, tpot=50.0, ttft=1000.0, arrival=0.03)
+    s.add(long)
+    # at 60 ms the reply is 20 ms late for its 6th token: behind its pace whatever the step, it holds no prompt back
+    assert s.schedule(0.060).prefill == [long]
+
