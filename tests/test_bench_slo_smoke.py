@@ -146,7 +146,7 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
     out, js = tmp_path / "out", tmp_path / "r.json"
     argv = ["--quick", *SMALL, *SHORT, "--policies", "fcfs,scorpio", "--loads", "1.5", "--lambda-star", "2",
             "--num-requests", "12", "--probe-requests", "24", "--out", str(out), "--json", str(js),
-            "--summary", "slo-smoke"]
+            "--summary", "slo-smoke", "--trace"]
     assert slo.main(argv) == 0
     doc = json.loads(js.read_text())
     assert doc["lambda_star_rps"] == 2.0
@@ -173,6 +173,15 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
     assert len(rows) == 2 and rows[0]["policy"] == "fcfs" and "interactive_adherence" in rows[0]
     recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     assert len(recs) == 24
+    for rec in recs:  # --trace: each reply's token times, from the run's start, none before its arrival
+        times = rec["token_times_s"]
+        assert len(times) == rec["n_out"] and times == sorted(times)
+        assert not times or times[0] >= rec["arrival_s"]
+    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]  # --trace: every step
+    assert [(x["policy"], x["seed"]) for x in steps] == [("fcfs", 0), ("scorpio", 0)]
+    for x in steps:
+        assert x["steps"] and all(len(row) == len(x["columns"]) for row in x["steps"])
+        assert sum(row[3] for row in x["steps"]) > 0  # prompt tokens were prefilled
     for name in ("goodput_vs_load", "adherence_vs_load", "tier_adherence", "ttft_cdf", "tpot_cdf"):
         p = out / f"{name}.png"
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
