@@ -169,8 +169,8 @@ class Scheduler:
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
-        if self.shedder is not None and busy and any(reason is not SHED for _, reason in plan.rejected):
-            self.shedder.saturated(now)  # turned away for capacity (on an idle replica: infeasible, not full)
+        if self.shedder is not None and busy and any(self._for_capacity(r, reason) for r, reason in plan.rejected):
+            self.shedder.saturated(now)
         if not self.running:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
@@ -270,6 +270,23 @@ class Scheduler:
             r.credit = 0.0
             self.running.append(r)
         return selected
+
+    def _for_capacity(self, r: Request, reason: RejectReason) -> bool:
+        """Whether a rejection says the replica is full (work shedding measures its capacity only then): not one
+        of its own sheds, and not a request that would have been turned away by an idle replica too (a prompt
+        whose prefill alone overruns its TTFT SLO, a TPOT below a one-request step), which arrive whatever the
+        load: counted, they had the shedder measure "capacity" on a nearly empty batch and shed more."""
+        if reason is SHED:
+            return False
+        if self.predictor is None:
+            return True
+        if reason is TTFT_UNATTAINABLE:
+            return (r.deadline_s - r.arrival_s) * 1000.0 >= self.predictor.prefill_ms(self._cost(r)) \
+                + self.config.ttft_margin_ms
+        if reason is TPOT_UNATTAINABLE:
+            alone_ms = self.predictor.itl_ms(1.0, r.num_tokens + r.expected_output_len / 2.0)
+            return alone_ms * self.flags.vbs_margin < self.config.vbs_slack * r.tpot_slo_ms
+        return True
 
     def _stall_room(self, now: float) -> tuple[float, float] | None:
         """Prefill hold: how long a step may take before a running reply's next token is due (the least

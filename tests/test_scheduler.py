@@ -318,3 +318,21 @@ def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
     # at 60 ms the reply is 20 ms late for its 6th token: behind its pace whatever the step, it holds no prompt back
     assert s.schedule(0.060).prefill == [long]
 
+
+
+def test_work_shedding_measures_capacity_only_on_rejections_that_mean_the_replica_is_full():
+    s = _sched("kairos", prefill_hold=False)  # TTFT guard margin 50 ms; prefill 1 + 0.01 n ms
+    a = _req(0, 5, tpot=50.0)
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    a.first_token_s = 0.0
+    hopeless = _req(1, 5, ttft=40.0, arrival=0.01)  # 40 ms: less than its prefill plus the margin, even alone
+    s.add(hopeless)
+    p = s.schedule(0.01)
+    assert [r for r, _ in p.rejected] == [hopeless]
+    assert not s.shedder.measuring(0.01)  # says nothing about this replica's load
+    late = _req(2, 5, ttft=100.0, arrival=0.01)  # feasible alone, but 80 ms of it went waiting
+    s.add(late)
+    p = s.schedule(0.09)
+    assert [r for r, _ in p.rejected] == [late]
+    assert s.shedder.measuring(0.09)
