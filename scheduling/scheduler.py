@@ -219,7 +219,7 @@ class Scheduler:
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
         shed_above = self._shed_threshold(now)
-        stall = self._stall_room(now) if f.prefill_hold else None  # (what the replies absorb, their decode ms)
+        stall = self._stall_room(now) if f.prefill_hold else None  # (ms to a reply's next token, decode ms)
         round_tokens = 0
 
         def accept(r: Request) -> Verdict:

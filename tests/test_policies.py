@@ -300,6 +300,11 @@ def test_catch_up_leaves_out_requests_ahead_of_pace_until_the_step_fits() -> Non
     assert trim_for_catch_up(batch, lambda n: 2.9, lambda r, extra: afford[r][extra]) == batch
     # nobody can wait: nothing is trimmed, even though the step stays too long
     assert trim_for_catch_up(["behind", "tight"], step, lambda r, extra: afford[r][extra]) == ["behind", "tight"]
+    # with each request's own pace after the skip: "ahead2" (6.0 ms after a skip) cannot take 7 ms per token, so
+    # only "ahead1" sits out and the step stays at 3.5 ms, over what "behind" affords: nobody else can wait
+    pace = {"behind": 3.0, "ahead1": 7.0, "ahead2": 7.0, "tight": 3.5}
+    assert trim_for_catch_up(batch, step, lambda r, extra: afford[r][extra], pace=pace.get) == [
+        "behind", "tight", "ahead2"]
     # a request past saving (it cannot afford even a step alone, 2.5 ms) costs nobody a step
     afford["lost"] = (2.2, 2.0)
     assert trim_for_catch_up(["lost", "ahead1", "ahead2"], step, lambda r, extra: afford[r][extra]) == [
