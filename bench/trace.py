@@ -35,8 +35,10 @@ class Miss:
     gaps: list[Gap]  # the longest, longest first
 
 
-def misses(records: Sequence[dict[str, Any]], steps: dict[tuple[str, int], list[list[float]]], top: int = 3
-           ) -> list[Miss]:
+Key = tuple[str, float, int]  # policy, load multiple, seed: one run of the engine
+
+
+def misses(records: Sequence[dict[str, Any]], steps: dict[Key, list[list[float]]], top: int = 3) -> list[Miss]:
     """The admitted, non-warm-up requests over their TPOT SLO, each with its `top` longest gaps (pure)."""
     out = []
     for r in records:
@@ -44,7 +46,7 @@ def misses(records: Sequence[dict[str, Any]], steps: dict[tuple[str, int], list[
         if r.get("rejected") or r.get("warmup") or tpot is None or tpot <= r["tpot_slo_ms"]:
             continue
         times = r.get("token_times_s") or []
-        run = steps.get((r["policy"], r["seed"]), [])
+        run = steps.get((r["policy"], r["load_multiple"], r["seed"]), [])
         ends = [s[0] for s in run]
         gaps = []
         for i in range(len(times) - 1):
@@ -55,23 +57,23 @@ def misses(records: Sequence[dict[str, Any]], steps: dict[tuple[str, int], list[
     return out
 
 
-def load(run_dir: Path) -> tuple[list[dict[str, Any]], dict[tuple[str, int], list[list[float]]]]:
+def load(run_dir: Path) -> tuple[list[dict[str, Any]], dict[Key, list[list[float]]]]:
     records = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines() if x.strip()]
-    steps: dict[tuple[str, int], list[list[float]]] = {}
+    steps: dict[Key, list[list[float]]] = {}
     path = run_dir / "steps.jsonl"
     if path.exists():
         for x in path.read_text().splitlines():
             if x.strip():
                 d = json.loads(x)
-                steps[(d["policy"], d["seed"])] = d["steps"]
+                steps[(d["policy"], d["load_multiple"], d["seed"])] = d["steps"]
     return records, steps
 
 
 def describe(m: Miss) -> str:
     r = m.record
-    lines = [f"{r['policy']} seed {r['seed']} {r['tier']}: arrived {r['arrival_s']:.3f} s, prompt {r['prompt_len']}, "
-             f"{r['n_out']} tokens at {r['tpot_ms']:.2f} ms against {r['tpot_slo_ms']:.2f} "
-             f"({r['tpot_ms'] / r['tpot_slo_ms']:.2f}x)"]
+    lines = [f"{r['policy']} {r['load_multiple']:g}x seed {r['seed']} {r['tier']}: arrived {r['arrival_s']:.3f} s, "
+             f"prompt {r['prompt_len']}, {r['n_out']} tokens at {r['tpot_ms']:.2f} ms against "
+             f"{r['tpot_slo_ms']:.2f} ({r['tpot_ms'] / r['tpot_slo_ms']:.2f}x)"]
     for g in m.gaps:
         s = g.step
         what = "no step ended in it" if s is None else (f"{g.steps} steps, the longest {s[1]:.1f} ms: {s[2]:.0f} "
