@@ -26,7 +26,7 @@ from scheduling.queues import order_waiting
 from scheduling.shedding import WorkShedder
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
-                                   next_token_slack_ms, select_by_credit, trim_for_catch_up, vbs)
+                                   next_token_slack_ms, passes_gate, select_by_credit, trim_for_catch_up, vbs)
 from scheduling.ttft_guard import find_ttft_unattainable
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
@@ -285,7 +285,7 @@ class Scheduler:
                 + self.config.ttft_margin_ms
         if reason is TPOT_UNATTAINABLE:
             alone_ms = self.predictor.itl_ms(1.0, r.num_tokens + r.expected_output_len / 2.0)
-            return alone_ms * self.flags.vbs_margin < self.config.vbs_slack * r.tpot_slo_ms
+            return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
     def _stall_room(self, now: float) -> tuple[float, float] | None:
@@ -294,9 +294,7 @@ class Scheduler:
         already late for it by more than a decode step is behind its pace whatever the step, and sets none."""
         if self.predictor is None or not self.running:
             return None
-        scale = self.last_correction if self.correction is not None else 1.0
-        mean_len = sum(r.num_tokens for r in self.running) / len(self.running)
-        decode_ms = self.predictor.itl_ms(len(self.running), mean_len) * scale
+        decode_ms = self._decode_model(self.running)(len(self.running))
         limit = min((x for r in self.running
                      if (x := next_token_slack_ms(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now))
                      >= decode_ms), default=math.inf)
@@ -386,12 +384,17 @@ class Scheduler:
                                   extra_steps)
 
     def _step_ms_for(self, plan: StepPlan, batch: list[Request]) -> Callable[[int], float]:
-        """The predicted time of this step with n of `batch` decoding (the model scaled by the measured factor,
-        plus the step's prefill)."""
-        scale = self.last_correction if self.correction is not None else 1.0
-        mean_len = sum(r.num_tokens for r in batch) / len(batch)
+        """The predicted time of this step with n of `batch` decoding (`_decode_model`, plus the step's prefill)."""
+        decode = self._decode_model(batch)
         prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
-        return lambda n: prefill_ms + self.predictor.itl_ms(n, mean_len) * scale
+        return lambda n: prefill_ms + decode(n)
+
+    def _decode_model(self, reqs: list[Request]) -> Callable[[int], float]:
+        """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
+        measured step factor (`ItlCorrection`; 1 without it)."""
+        scale = self.last_correction if self.correction is not None else 1.0
+        mean_len = sum(r.num_tokens for r in reqs) / len(reqs)
+        return lambda n: self.predictor.itl_ms(n, mean_len) * scale
 
     def _pace_guard(self, plan: StepPlan, decoding: list[Request], t_min: float, now: float
                     ) -> Callable[[Request, int], bool] | None:
@@ -400,13 +403,12 @@ class Scheduler:
         strictest request in the batch allows a step)."""
         if not self.flags.pace_guard or self.predictor is None or math.isinf(t_min) or not decoding:
             return None
-        scale = self.last_correction if self.correction is not None else 1.0
-        mean_len = sum(r.num_tokens for r in decoding) / len(decoding)
+        decode = self._decode_model(decoding)
         limit = self.config.vbs_slack * t_min
         prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
 
         def due(r: Request, batch: int) -> bool:
-            step_ms = self.predictor.itl_ms(batch + 1, mean_len) * scale
+            step_ms = decode(batch + 1)
             return step_ms <= limit and behind_pace(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now,
                                                     step_ms + prefill_ms, step_ms)
         return due

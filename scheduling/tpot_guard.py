@@ -151,6 +151,11 @@ def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], affor
     return [r for i, r in enumerate(b) if i not in out]
 
 
+def passes_gate(itl_ms: float, margin: float, slack: float, t_min_ms: float) -> bool:
+    """The VBS gate's test of a predicted inter-token latency: ``itl * margin < slack * T_min``."""
+    return itl_ms * margin < slack * t_min_ms
+
+
 class VBSGate:
     """Per-round VBS admission gate for prefill candidates (SCORPIO's ``gate<k>``).
 
@@ -235,7 +240,7 @@ class VBSGate:
         would still pass: the tier floor's reservation of VBS budget for a starved tier."""
         extra = [(candidate.tpot_slo_ms, candidate.num_tokens), (tpot_ms, length)]
         t_min = min(self._t_min, candidate.tpot_slo_ms, tpot_ms)
-        return self._predict(extra, self._out_len(candidate)) * self._margin < self._slack * t_min
+        return passes_gate(self._predict(extra, self._out_len(candidate)), self._margin, self._slack, t_min)
 
     def itl_ms(self, batch: float, length: float) -> float:
         """The gate's ITL model (with any correction the scheduler applies)."""
@@ -243,7 +248,7 @@ class VBSGate:
 
     def feasible_alone(self, tpot_ms: float, length: float) -> bool:
         """Would a request of this TPOT and mid-decode context pass the gate on an idle replica?"""
-        return self._itl(1.0, length) * self._margin < self._slack * tpot_ms
+        return passes_gate(self._itl(1.0, length), self._margin, self._slack, tpot_ms)
 
     def check(self, candidate: T) -> bool:
         """Whether admitting ``candidate`` keeps every admitted request within its TPOT SLO."""
@@ -255,7 +260,7 @@ class VBSGate:
         if self._monotone_skip and tpot <= self._fail_tpot:
             return False
         t_min = min(self._t_min, tpot)
-        if self.predicted_tpot_ms(candidate) * self._margin < self._slack * t_min:
+        if passes_gate(self.predicted_tpot_ms(candidate), self._margin, self._slack, t_min):
             return True
         self._fail_tpot = max(self._fail_tpot, tpot)
         self._stopped = not self._monotone_skip
