@@ -498,6 +498,30 @@ inline void ask_ahead(const T* kc, const T* vc, const int64_t* off, int64_t t0, 
 #endif
 }
 
+// The next request's K and V rows (every head of a token, `row_bytes` each), asked for into L2 `per` rows at a time
+// while the current request computes (decode_attn's runs of requests), so that memory serves the next context while
+// the core does this one's arithmetic, instead of one stall per context.
+struct AskNext {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    const int32_t* bt = nullptr;  // the next request's block table (nullptr: no next request)
+    int64_t L = 0, t = 0, bs = 1, row_bytes = 0, per = 0;
+    void ask() { ask(per); }
+    void ask(int64_t rows) {
+#ifdef __SSE__
+        for (const int64_t e = bt == nullptr ? t : std::min(L, t + rows); t < e; ++t) {
+            const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch(k + at + b, _MM_HINT_T1);
+                _mm_prefetch(v + at + b, _MM_HINT_T1);
+            }
+        }
+#else
+        (void)rows;
+#endif
+    }
+};
+
 // The maximum of s[0, n) (n a multiple of 8) in every lane; a NaN score is skipped.
 inline __m256 max_each8(const float* s, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -585,7 +609,7 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, i
 // (from cache). s: G * (L + 8) floats; p16: G * (L + 8) bf16.
 template <int HD>
 void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, int64_t G,
-                   float scale, bf16* o, float* s, bf16* p16) {
+                   float scale, bf16* o, float* s, bf16* p16, AskNext& next) {
     constexpr int NV = HD / 32;          // 512-bit vectors of bf16 per head row
     constexpr int GB = 12 / NV;          // heads per group: 2 * GB * NV accumulators in the V pass
     const int64_t L8 = (L + 7) / 8 * 8;  // score rows, padded
@@ -599,6 +623,7 @@ void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t
                 q[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qr + (g0 + g) * HD + c * 32));
         for (int64_t t0 = 0; t0 < L8; t0 += 8) {
             if (g0 == 0) ask_ahead(kc, vc, off, t0, L, HD * 2);
+            next.ask();
             __m256 part[GB][8];
             for (int tt = 0; tt < 8; ++tt) {
                 const int64_t t = t0 + tt;
@@ -650,6 +675,7 @@ void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t
         for (int64_t g = 0; g < gn; ++g)
             for (int c = 0; c < NV; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
         for (int64_t t = 0; t < L; t += 2) {
+            next.ask();
             const bf16* v0 = vc + off[t];
             const bf16* v1 = t + 1 < L ? vc + off[t + 1] : nullptr;  // past an odd L: a zero row, never a read
             __m512bh plo[NV], phi[NV];
@@ -685,75 +711,92 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
                  int nthreads) {
     const int64_t G = nh / nkv;  // query heads per KV head: they share every K/V row read (G <= 64)
     const int64_t row = nkv * hd;
-    // A task is one request with all its KV heads when there are enough requests to share out: each K/V row (all
-    // heads side by side) then comes from memory once, and the heads after the first read it from cache. With
-    // fewer requests than 2 per thread, a task is one (request, KV head).
+    // With enough requests to share out, a task is a run of requests, each with all its KV heads: each K/V row (all
+    // heads side by side) then comes from memory once, and the heads after the first read it from cache, while the
+    // next request's rows are asked for (AskNext). With fewer requests than 2 per thread, a task is one (request,
+    // KV head).
     const bool whole = n >= 2 * nthreads;
-    const int64_t per = whole ? nkv : 1;
-    parallel_for(n * nkv / per, nthreads, [&](int64_t task) {
+    const int64_t run = whole ? std::max<int64_t>(1, (n + 4 * nthreads - 1) / (4 * nthreads)) : 1;  // ~4 a thread
+    const int64_t tasks = whole ? (n + run - 1) / run : n * nkv;
+    parallel_for(tasks, nthreads, [&](int64_t task) {
         thread_local std::vector<float> qf, acc, kv, s;  // scratch: each thread's, kept between calls
         thread_local std::vector<bf16> p16;
         thread_local std::vector<int64_t> off;
         if (static_cast<int64_t>(qf.size()) < G * hd) qf.resize(G * hd), acc.resize(G * hd);
         if (static_cast<int64_t>(kv.size()) < hd) kv.resize(hd);
-        const int64_t i = task * per / nkv, L = ctx[i];
-        if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
-        const int32_t* bt = tables + i * max_blocks;
-        // each context row's offset in the cache (in elements, all heads of a token), once for the task's heads
-        if (static_cast<int64_t>(off.size()) < L) off.resize(L);
-        for (int64_t b = 0, t = 0; t < L; ++b)
-            for (int64_t j = 0, at = static_cast<int64_t>(bt[b]) * bs * row; j < bs && t < L; ++j, ++t, at += row)
-                off[t] = at;
+        const int64_t i0 = whole ? task * run : task / nkv, i1 = whole ? std::min(n, i0 + run) : i0 + 1;
+        const int64_t h0 = whole ? 0 : task % nkv, h1 = whole ? nkv : h0 + 1;
+        AskNext next;  // request i + 1's rows, asked for while request i computes
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t L = ctx[i];
+            if (static_cast<int64_t>(s.size()) < G * (L + 8)) s.resize(G * (L + 8));
+            const int32_t* bt = tables + i * max_blocks;
+            // each context row's offset in the cache (in elements, all heads of a token), once for the task's heads
+            if (static_cast<int64_t>(off.size()) < L) off.resize(L);
+            for (int64_t b = 0, t = 0; t < L; ++b)
+                for (int64_t j = 0, at = static_cast<int64_t>(bt[b]) * bs * row; j < bs && t < L; ++j, ++t, at += row)
+                    off[t] = at;
+            const int64_t asked = next.bt == bt ? next.t : 0;  // rows the previous request asked for
 #ifdef __SSE__
-        // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask
-        // for this task's K and V rows up front (all heads of a token when the task has them all, else its
-        // head's slice), at most 256 KiB of them, so that their reads overlap instead of stalling block by block
-        {
-            const int64_t skip = whole ? 0 : (task % nkv) * hd;
-            const int64_t span = (whole ? row : hd) * static_cast<int64_t>(sizeof(T));
-            const int64_t upto = std::min<int64_t>(L, 128 * 1024 / span);
-            for (int64_t t = 0; t < upto; ++t) {
-                const int64_t at = off[t] + skip;
-                const char* kr = reinterpret_cast<const char*>(kc + at);
-                const char* vr = reinterpret_cast<const char*>(vc + at);
-                for (int64_t off = 0; off < span; off += 64) {
-                    _mm_prefetch(kr + off, _MM_HINT_T1);
-                    _mm_prefetch(vr + off, _MM_HINT_T1);
+            // the context's blocks sit anywhere in the cache, where the hardware prefetcher cannot follow: ask for
+            // the rows not yet asked for up front (all heads of a token when the task has them all, else its head's
+            // slice), at most 128 KiB of them, so that their reads overlap instead of stalling block by block
+            {
+                const int64_t skip = h0 * hd;
+                const int64_t span = (h1 - h0) * hd * static_cast<int64_t>(sizeof(T));
+                const int64_t upto = std::min<int64_t>(L, 128 * 1024 / span);
+                for (int64_t t = asked; t < upto; ++t) {
+                    const char* kr = reinterpret_cast<const char*>(kc + off[t] + skip);
+                    const char* vr = reinterpret_cast<const char*>(vc + off[t] + skip);
+                    for (int64_t b = 0; b < span; b += 64) {
+                        _mm_prefetch(kr + b, _MM_HINT_T1);
+                        _mm_prefetch(vr + b, _MM_HINT_T1);
+                    }
                 }
             }
-        }
 #endif
-        for (int64_t h = task * per % nkv, h_end = h + per; h < h_end; ++h) {
-            const T* qr = q + i * q_stride + h * G * hd;
-            T* o = out + (i * nh + h * G) * hd;
-            const T* k0 = kc + h * hd;
-            const T* v0 = vc + h * hd;
+            next = AskNext{};
+            if (i + 1 < i1) {  // the next request's rows, spread over this one's passes: about nkv x (L/8 + L/2) asks
+                next.k = reinterpret_cast<const char*>(kc);
+                next.v = reinterpret_cast<const char*>(vc);
+                next.bt = bt + max_blocks;
+                next.L = ctx[i + 1], next.bs = bs, next.row_bytes = row * static_cast<int64_t>(sizeof(T));
+                const int64_t asks = nkv * ((L + 7) / 8 + (L + 1) / 2);
+                next.per = (next.L + asks - 1) / std::max<int64_t>(1, asks);
+            }
+            for (int64_t h = h0; h < h1; ++h) {
+                const T* qr = q + i * q_stride + h * G * hd;
+                T* o = out + (i * nh + h * G) * hd;
+                const T* k0 = kc + h * hd;
+                const T* v0 = vc + h * hd;
 #ifdef KAIROS_AVX512_BF16
-            if constexpr (std::is_same_v<T, bf16>) {
-                if (hd == 64 || hd == 128) {
-                    if (static_cast<int64_t>(p16.size()) < G * (L + 10)) p16.resize(G * (L + 10));
-                    if (hd == 64)
-                        attend_one_dp<64>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), p16.data());
-                    else
-                        attend_one_dp<128>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), p16.data());
-                    continue;
+                if constexpr (std::is_same_v<T, bf16>) {
+                    if (hd == 64 || hd == 128) {
+                        if (static_cast<int64_t>(p16.size()) < G * (L + 10)) p16.resize(G * (L + 10));
+                        if (hd == 64)
+                            attend_one_dp<64>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), p16.data(), next);
+                        else
+                            attend_one_dp<128>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), p16.data(), next);
+                        continue;
+                    }
                 }
-            }
 #endif
+                next.ask((next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0) - next.t);  // its share before each head
 #ifdef __AVX2__
-            if (hd == 64 && G <= 8)
-                attend_one_vec<T, VecWide>(qr, k0, v0, off.data(), L, G, scale, o, s.data());
-            else
+                if (hd == 64 && G <= 8)
+                    attend_one_vec<T, VecWide>(qr, k0, v0, off.data(), L, G, scale, o, s.data());
+                else
 #endif
-            if (hd == 64)
-                attend_one<T, 64>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
-                                  kv.data());
-            else if (hd == 128)
-                attend_one<T, 128>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
-                                   kv.data());
-            else
-                attend_one<T, 0>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
-                                 kv.data());
+                if (hd == 64)
+                    attend_one<T, 64>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
+                                      kv.data());
+                else if (hd == 128)
+                    attend_one<T, 128>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
+                                       kv.data());
+                else
+                    attend_one<T, 0>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
+                                     kv.data());
+            }
         }
     });
 }

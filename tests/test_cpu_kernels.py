@@ -70,14 +70,21 @@ def test_rope_write_is_bit_exact_with_the_torch_ops_and_fills_the_slots(kernels,
     assert not kc.view(-1, KV, HD)[untouched].any() and not vc.view(-1, KV, HD)[untouched].any()
 
 
+# one block, partial, full, odd, long; then enough requests that a task is a run of several (decode_attn asks for the
+# next request's rows while one computes), of lengths that differ from one to the next
+LENS = {"few": [1, 7, 16, 17, 100, 250], "runs": [5, 250, 1, 33, 64, 17, 100, 2, 96, 96, 31, 200, 16, 9, 128, 3, 70,
+                                                   250, 1, 48, 65, 7]}
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 16, 2)])
-def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, head_dim, heads, kv_heads):
+@pytest.mark.parametrize("batch", sorted(LENS))
+def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, head_dim, heads, kv_heads, batch):
     g = torch.Generator().manual_seed(head_dim + heads)
     blocks = 64
     kc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
     vc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
-    lens = torch.tensor([1, 7, 16, 17, 100, 250], dtype=torch.int32)  # one block, partial, full, odd, long
+    lens = torch.tensor(LENS[batch], dtype=torch.int32)
     width = -(-int(lens.max()) // BS)
     tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens]).to(torch.int32)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
