@@ -334,6 +334,30 @@ void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const in
     });
 }
 
+// The next request's K and V rows (every head of a token, `row_bytes` each), asked for into L2 `per` rows at a time
+// while the current request computes (decode_attn's runs of requests), so that memory serves the next context while
+// the core does this one's arithmetic, instead of one stall per context.
+struct AskNext {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    const int32_t* bt = nullptr;  // the next request's block table (nullptr: no next request)
+    int64_t L = 0, t = 0, bs = 1, row_bytes = 0, per = 0;
+    void ask() { ask(per); }
+    void ask(int64_t rows) {
+#ifdef __SSE__
+        for (const int64_t e = bt == nullptr ? t : std::min(L, t + rows); t < e; ++t) {
+            const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch(k + at + b, _MM_HINT_T1);
+                _mm_prefetch(v + at + b, _MM_HINT_T1);
+            }
+        }
+#else
+        (void)rows;
+#endif
+    }
+};
+
 // One (request, KV head) task: the G query heads that share the KV head score every context row as it is read,
 // then accumulate the V rows. HD is a compile-time head size (64, 128), or 0 for any other (runtime `hd`).
 template <typename T, int HD>
@@ -497,30 +521,6 @@ inline void ask_ahead(const T* kc, const T* vc, const int64_t* off, int64_t t0, 
     (void)kc, (void)vc, (void)off, (void)t0, (void)L, (void)bytes;
 #endif
 }
-
-// The next request's K and V rows (every head of a token, `row_bytes` each), asked for into L2 `per` rows at a time
-// while the current request computes (decode_attn's runs of requests), so that memory serves the next context while
-// the core does this one's arithmetic, instead of one stall per context.
-struct AskNext {
-    const char* k = nullptr;
-    const char* v = nullptr;
-    const int32_t* bt = nullptr;  // the next request's block table (nullptr: no next request)
-    int64_t L = 0, t = 0, bs = 1, row_bytes = 0, per = 0;
-    void ask() { ask(per); }
-    void ask(int64_t rows) {
-#ifdef __SSE__
-        for (const int64_t e = bt == nullptr ? t : std::min(L, t + rows); t < e; ++t) {
-            const int64_t at = (static_cast<int64_t>(bt[t / bs]) * bs + t % bs) * row_bytes;
-            for (int64_t b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch(k + at + b, _MM_HINT_T1);
-                _mm_prefetch(v + at + b, _MM_HINT_T1);
-            }
-        }
-#else
-        (void)rows;
-#endif
-    }
-};
 
 // The maximum of s[0, n) (n a multiple of 8) in every lane; a NaN score is skipped.
 inline __m256 max_each8(const float* s, int64_t n) {
