@@ -1012,20 +1012,30 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
     }
 }
 
+// gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
+// still unassigned, so that a thread streams long runs first (the next pair fetched while one computes) and the
+// threads end within a pair or two of each other (equal runs left one thread idle for up to a run at the end).
+inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
+    std::vector<int64_t> at{0};
+    const int64_t parts = 2 * std::max(1, nthreads);
+    while (at.back() < pairs) at.push_back(at.back() + std::max<int64_t>(1, (pairs - at.back()) / parts));
+    return at;
+}
+
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
 int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
                 const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
     if (k % 32 != 0) return 1;
     const int isa = packed_isa.load(std::memory_order_relaxed);
     const int64_t panel = 16 * k;  // elements
-    // a task is a run of panel pairs, about 4 a thread, each streamed once per block of rows
-    const int64_t per = std::max<int64_t>(1, (pairs + 4 * nthreads - 1) / (4 * std::max(1, nthreads)));
+    const std::vector<int64_t> runs = pair_runs(pairs, nthreads);  // a task: a run, streamed once per block of rows
+    const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
 #ifdef KAIROS_AVX512_BF16
     if (isa == kIsaAvx512Bf16) {
         const int64_t block = 256;  // rows per pass over the weights
-        parallel_for((pairs + per - 1) / per, nthreads, [&](int64_t task) {
+        parallel_for(tasks, nthreads, [&](int64_t task) {
             alignas(64) float c[kDpRows * 32];
-            const int64_t p0 = task * per, p1 = std::min(pairs, p0 + per);
+            const int64_t p0 = runs[task], p1 = runs[task + 1];
             for (int64_t r0 = 0; r0 < m; r0 += block) {
                 const int64_t r1 = std::min(m, r0 + block);
                 for (int64_t p = p0; p < p1; ++p) {
@@ -1058,10 +1068,10 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
             std::memcpy(tail.data() + r * k, x + (16 * full + r) * ldx, k * sizeof(bf16));
     }
     const int64_t chunk = 16;  // tiles of rows per pass over the weights (256 rows)
-    parallel_for((pairs + per - 1) / per, nthreads, [&](int64_t task) {
+    parallel_for(tasks, nthreads, [&](int64_t task) {
         amx_configure();  // per task: the thread may have run other AMX code (oneDNN) since its last
         alignas(64) float c[32 * 32];
-        const int64_t p0 = task * per, p1 = std::min(pairs, p0 + per);
+        const int64_t p0 = runs[task], p1 = runs[task + 1];
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk) {
             const int64_t t1 = std::min(tiles, t0 + chunk);
             for (int64_t p = p0; p < p1; ++p) {
@@ -1091,7 +1101,7 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo, (void)mode,
-        (void)isa, (void)panel, (void)per;
+        (void)isa, (void)panel, (void)tasks;
     return 2;
 #endif
 }
