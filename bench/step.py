@@ -3,6 +3,7 @@
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
+    python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
 
@@ -17,6 +18,11 @@ compiled kernels timed by wrapping them; where a decode step runs every layer in
 else (or with `--per-op`) on the per-op path; "other" is the rest of the forward (embedding, views, the Python
 between calls), "outside" the step's input preparation and the rest of sampling. On the per-op path the ~7 timer
 wrappers a layer add a little to the step against `steps`.
+`gemm`: one pass of the model's per-layer linear layers on Kairos's packed bf16 GEMM (q|k|v, o_proj += h,
+silu(gate) * up, down += h, every layer; random weights of the model's shapes, so that they stream from memory as a
+step's do), at each row count, median and best of `--reps` on a fresh thread. With `--against`, each given version of
+`engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
+timed in turn with this tree's, alternating within every repetition (this box drifts within minutes).
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -146,6 +152,58 @@ def parts(model: str, dtype: str, batches: list[int], threads: int,
         eng.shutdown()
 
 
+def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int) -> dict[str, dict[int, tuple]]:
+    import statistics
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig
+
+    from engine import cpu_kernels as ck
+    from engine.loader import resolve_source
+
+    cfg = AutoConfig.from_pretrained(resolve_source(model, "model")[0])
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+    wq, wo = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.num_attention_heads * hd
+    builds = {"this tree": ck.load()} | {src: ck.load_source(Path(src)) for src in against}
+    for k in builds.values():
+        if k.packed_isa is None:
+            raise SystemExit("this CPU has neither AMX nor AVX512-BF16: no packed GEMM to time")
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.05).bfloat16()
+    pack = ck.CpuKernels.pack_weight
+    layers = [(pack(rand(wq, d)), pack(rand(d, wo)), ck.CpuKernels.pack_gated(rand(inter, d), rand(inter, d)),
+               pack(rand(d, inter))) for _ in range(cfg.num_hidden_layers)]
+
+    def one_pass(k: ck.CpuKernels, x: torch.Tensor, a: torch.Tensor, o: torch.Tensor, h: torch.Tensor) -> None:
+        for qkv, o_proj, gate_up, down in layers:  # the inputs' values do not change the time
+            k.linear(x, qkv)
+            k.linear(o, o_proj, residual=h)
+            k.linear(x, gate_up)
+            k.linear(a, down, residual=h)
+
+    def run() -> dict[str, dict[int, tuple]]:
+        torch.set_num_threads(threads)
+        out: dict[str, dict[int, tuple]] = {name: {} for name in builds}
+        for m in rows:
+            x, a, o, h = rand(m, d), rand(m, inter), rand(m, wo), rand(m, d)
+            times: dict[str, list[float]] = {name: [] for name in builds}
+            for k in builds.values():
+                one_pass(k, x, a, o, h)
+            for _ in range(reps):
+                for name, k in builds.items():
+                    t = time.perf_counter()
+                    one_pass(k, x, a, o, h)
+                    times[name].append((time.perf_counter() - t) * 1000.0)
+            for name, ts in times.items():
+                out[name][m] = (statistics.median(ts), min(ts))
+        return out
+    return _on_fresh_thread(run)
+
+
 def _gemv_stack_ms() -> float:
     import torch
 
@@ -240,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--batches", default="1,8,32")
     pp.add_argument("--threads", type=int, default=2)
     pp.add_argument("--per-op", action="store_true", help="time the per-op path even where a step is one call")
+    gm = sub.add_parser("gemm")
+    gm.add_argument("--model", default="kairos-default")
+    gm.add_argument("--rows", default="1,8,32,1024")
+    gm.add_argument("--against", action="append", default=[], help="another version of engine/cpu_kernels.cpp")
+    gm.add_argument("--reps", type=int, default=15)
+    gm.add_argument("--threads", type=int, default=2)
     sub.add_parser("omp")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
@@ -264,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         for b, row in parts(args.model, args.dtype, [int(x) for x in args.batches.split(",")], args.threads,
                             args.per_op).items():
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    elif args.cmd == "gemm":
+        for name, by_rows in gemm(args.model, [int(x) for x in args.rows.split(",")], args.against, args.reps,
+                                  args.threads).items():
+            print(f"{name}: one pass of the per-layer GEMMs, ms (median / best of {args.reps}): "
+                  + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):
             for name, ms in contend(args.model, args.dtype, n).items():

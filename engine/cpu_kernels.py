@@ -61,20 +61,20 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, source: Path = SOURCE) -> Path:
     root = Path(os.environ.get("KAIROS_CACHE", Path.home() / ".cache" / "kairos")).expanduser() / "kernels"
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode(),
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode(),
                  subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout):
         key.update(part)
     return root / f"kairos_cpu-{key.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, path: Path) -> None:
+def _build(compiler: str, path: Path, source: Path = SOURCE) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(out)], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -306,13 +306,19 @@ class KernelsUnavailable(RuntimeError):
 @functools.cache
 def load() -> CpuKernels:
     """The kernels, built at first use (once per process); KernelsUnavailable says why not."""
+    return load_source(SOURCE)
+
+
+def load_source(source: Path) -> CpuKernels:
+    """The kernels built from `source` (this tree's `cpu_kernels.cpp`, or another version of it, which a benchmark
+    compares with), with the same flags and cache; each call loads the library anew."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler (g++ or c++; or set CXX)")
     try:
-        path = _library_path(compiler)
+        path = _library_path(compiler, source)
         if not path.exists():
-            _build(compiler, path)
+            _build(compiler, path, source)
         lib = ctypes.CDLL(str(path))
         if lib.kairos_abi_version() != ABI_VERSION:
             raise KernelsUnavailable(f"{path} is stale (ABI {lib.kairos_abi_version()}, want {ABI_VERSION})")

@@ -308,3 +308,17 @@ print(sorted(nice - {os.getpriority(os.PRIO_PROCESS, 0)}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[7]"
+
+
+def test_bench_step_gemm_times_this_tree_and_another_version_of_the_source(kernels, tmp_path):
+    """`python -m bench.step gemm --against OTHER.cpp`: both builds run the model's per-layer GEMMs at each row count."""
+    if kernels.packed_isa is None:
+        pytest.skip("no packed GEMM on this CPU (neither AMX nor AVX512-BF16)")
+    from bench.step import gemm
+
+    other = tmp_path / "other.cpp"
+    other.write_text(cpu_kernels.SOURCE.read_text() + "\n// another version\n")
+    out = gemm("kairos-tiny", [1, 5], [str(other)], reps=2, threads=2)
+    assert list(out) == ["this tree", str(other)]
+    assert all(set(by_rows) == {1, 5} and all(med >= best > 0 for med, best in by_rows.values())
+               for by_rows in out.values())
