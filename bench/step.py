@@ -4,6 +4,7 @@
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...]
+    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
 
@@ -23,6 +24,9 @@ silu(gate) * up, down += h, every layer; random weights of the model's shapes, s
 step's do), at each row count, median and best of `--reps` on a fresh thread. With `--against`, each given version of
 `engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
 timed in turn with this tree's, alternating within every repetition (this box drifts within minutes).
+`attn`: the bf16 paged decode attention of every layer for B requests of `--context` tokens, their blocks scattered
+over each layer's cache (one cache per layer, so that a pass reads them from memory as a step does), timed the
+same way, with `--against` as for `gemm`.
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -152,56 +156,104 @@ def parts(model: str, dtype: str, batches: list[int], threads: int,
         eng.shutdown()
 
 
-def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int) -> dict[str, dict[int, tuple]]:
-    import statistics
+def _builds(against: list[str]) -> dict:
+    """This tree's kernels and each other version of cpu_kernels.cpp, built with the same flags."""
     from pathlib import Path
 
+    from engine import cpu_kernels as ck
+
+    return {"this tree": ck.load()} | {src: ck.load_source(Path(src)) for src in against}
+
+
+def _alternating(builds: dict, sizes: list[int], reps: int, threads: int, setup, one_pass) -> dict[str, dict[int, tuple]]:
+    """(median, best) ms of `one_pass(kernels, inputs)` per build and size, `inputs = setup(size)`, the builds taking
+    turns within every repetition, after one warm-up pass each; on a fresh thread (the engine's OpenMP pool rule)."""
+    import statistics
+
     import torch
+
+    def run() -> dict[str, dict[int, tuple]]:
+        torch.set_num_threads(threads)
+        out: dict[str, dict[int, tuple]] = {name: {} for name in builds}
+        for size in sizes:
+            inputs = setup(size)
+            times: dict[str, list[float]] = {name: [] for name in builds}
+            for k in builds.values():
+                one_pass(k, inputs)
+            for _ in range(reps):
+                for name, k in builds.items():
+                    t = time.perf_counter()
+                    one_pass(k, inputs)
+                    times[name].append((time.perf_counter() - t) * 1000.0)
+            for name, ts in times.items():
+                out[name][size] = (statistics.median(ts), min(ts))
+        return out
+    return _on_fresh_thread(run)
+
+
+def _model_config(model: str):
     from transformers import AutoConfig
 
-    from engine import cpu_kernels as ck
     from engine.loader import resolve_source
 
     cfg = AutoConfig.from_pretrained(resolve_source(model, "model")[0])
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg, hd
+
+
+def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int) -> dict[str, dict[int, tuple]]:
+    import torch
+
+    from engine.cpu_kernels import CpuKernels
+
+    cfg, hd = _model_config(model)
     d, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
     wq, wo = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.num_attention_heads * hd
-    builds = {"this tree": ck.load()} | {src: ck.load_source(Path(src)) for src in against}
-    for k in builds.values():
-        if k.packed_isa is None:
-            raise SystemExit("this CPU has neither AMX nor AVX512-BF16: no packed GEMM to time")
+    builds = _builds(against)
+    if any(k.packed_isa is None for k in builds.values()):
+        raise SystemExit("this CPU has neither AMX nor AVX512-BF16: no packed GEMM to time")
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.05).bfloat16()
-    pack = ck.CpuKernels.pack_weight
-    layers = [(pack(rand(wq, d)), pack(rand(d, wo)), ck.CpuKernels.pack_gated(rand(inter, d), rand(inter, d)),
+    pack = CpuKernels.pack_weight
+    layers = [(pack(rand(wq, d)), pack(rand(d, wo)), CpuKernels.pack_gated(rand(inter, d), rand(inter, d)),
                pack(rand(d, inter))) for _ in range(cfg.num_hidden_layers)]
 
-    def one_pass(k: ck.CpuKernels, x: torch.Tensor, a: torch.Tensor, o: torch.Tensor, h: torch.Tensor) -> None:
+    def one_pass(k: CpuKernels, inputs: tuple) -> None:
+        x, a, o, h = inputs
         for qkv, o_proj, gate_up, down in layers:  # the inputs' values do not change the time
             k.linear(x, qkv)
             k.linear(o, o_proj, residual=h)
             k.linear(x, gate_up)
             k.linear(a, down, residual=h)
+    return _alternating(builds, rows, reps, threads, lambda m: (rand(m, d), rand(m, inter), rand(m, wo), rand(m, d)),
+                        one_pass)
 
-    def run() -> dict[str, dict[int, tuple]]:
-        torch.set_num_threads(threads)
-        out: dict[str, dict[int, tuple]] = {name: {} for name in builds}
-        for m in rows:
-            x, a, o, h = rand(m, d), rand(m, inter), rand(m, wo), rand(m, d)
-            times: dict[str, list[float]] = {name: [] for name in builds}
-            for k in builds.values():
-                one_pass(k, x, a, o, h)
-            for _ in range(reps):
-                for name, k in builds.items():
-                    t = time.perf_counter()
-                    one_pass(k, x, a, o, h)
-                    times[name].append((time.perf_counter() - t) * 1000.0)
-            for name, ts in times.items():
-                out[name][m] = (statistics.median(ts), min(ts))
-        return out
-    return _on_fresh_thread(run)
+
+def attn(model: str, batches: list[int], context: int, against: list[str], reps: int,
+         threads: int) -> dict[str, dict[int, tuple]]:
+    import torch
+
+    from engine.cpu_kernels import CpuKernels
+
+    cfg, hd = _model_config(model)
+    nh, nkv, nl, bs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers, 16
+    width = -(-context // bs)
+    g = torch.Generator().manual_seed(0)
+
+    def setup(b: int) -> tuple:
+        blocks = b * width + 1
+        caches = [tuple(torch.randn(blocks, bs, nkv, hd, generator=g).bfloat16() for _ in range(2))
+                  for _ in range(nl)]  # every layer's: the step reads them all from memory
+        tables = torch.randperm(blocks - 1, generator=g)[:b * width].view(b, width).to(torch.int32)  # scattered
+        return caches, tables, torch.full((b,), context, dtype=torch.int32), torch.randn(b, nh, hd).bfloat16()
+
+    def one_pass(k: CpuKernels, inputs: tuple) -> None:
+        caches, tables, lens, q = inputs
+        for kc, vc in caches:
+            k.decode_attn(q, kc, vc, tables, lens, hd ** -0.5)
+    return _alternating(_builds(against), batches, reps, threads, setup, one_pass)
 
 
 def _gemv_stack_ms() -> float:
@@ -304,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     gm.add_argument("--against", action="append", default=[], help="another version of engine/cpu_kernels.cpp")
     gm.add_argument("--reps", type=int, default=15)
     gm.add_argument("--threads", type=int, default=2)
+    at = sub.add_parser("attn")
+    at.add_argument("--model", default="kairos-default")
+    at.add_argument("--batches", default="1,8,32")
+    at.add_argument("--context", type=int, default=96)
+    at.add_argument("--against", action="append", default=[], help="another version of engine/cpu_kernels.cpp")
+    at.add_argument("--reps", type=int, default=15)
+    at.add_argument("--threads", type=int, default=2)
     sub.add_parser("omp")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
@@ -333,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
                                   args.threads).items():
             print(f"{name}: one pass of the per-layer GEMMs, ms (median / best of {args.reps}): "
                   + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
+    elif args.cmd == "attn":
+        for name, by_b in attn(args.model, [int(x) for x in args.batches.split(",")], args.context, args.against,
+                               args.reps, args.threads).items():
+            print(f"{name}: bf16 decode attention of every layer, context {args.context}, ms (median / best of "
+                  f"{args.reps}): " + ", ".join(f"B={b} {med:.2f} / {best:.2f}" for b, (med, best) in by_b.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):
             for name, ms in contend(args.model, args.dtype, n).items():

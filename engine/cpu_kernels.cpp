@@ -716,7 +716,7 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
     // next request's rows are asked for (AskNext). With fewer requests than 2 per thread, a task is one (request,
     // KV head).
     const bool whole = n >= 2 * nthreads;
-    const int64_t run = whole ? std::max<int64_t>(1, (n + 4 * nthreads - 1) / (4 * nthreads)) : 1;  // ~4 a thread
+    const int64_t run = whole ? std::max<int64_t>(1, (n + 2 * nthreads - 1) / (2 * nthreads)) : 1;  // ~2 a thread
     const int64_t tasks = whole ? (n + run - 1) / run : n * nkv;
     parallel_for(tasks, nthreads, [&](int64_t task) {
         thread_local std::vector<float> qf, acc, kv, s;  // scratch: each thread's, kept between calls

@@ -310,15 +310,17 @@ print(sorted(nice - {os.getpriority(os.PRIO_PROCESS, 0)}))
     assert out.stdout.strip() == "[7]"
 
 
-def test_bench_step_gemm_times_this_tree_and_another_version_of_the_source(kernels, tmp_path):
-    """`python -m bench.step gemm --against OTHER.cpp`: both builds run the model's per-layer GEMMs at each row count."""
+def test_bench_step_times_this_tree_and_another_version_of_the_source(kernels, tmp_path):
+    """`python -m bench.step gemm|attn --against OTHER.cpp`: both builds run the model's per-layer GEMMs at each row
+    count, and its decode attention at each batch size."""
     if kernels.packed_isa is None:
         pytest.skip("no packed GEMM on this CPU (neither AMX nor AVX512-BF16)")
-    from bench.step import gemm
+    from bench.step import attn, gemm
 
     other = tmp_path / "other.cpp"
     other.write_text(cpu_kernels.SOURCE.read_text() + "\n// another version\n")
-    out = gemm("kairos-tiny", [1, 5], [str(other)], reps=2, threads=2)
-    assert list(out) == ["this tree", str(other)]
-    assert all(set(by_rows) == {1, 5} and all(med >= best > 0 for med, best in by_rows.values())
-               for by_rows in out.values())
+    for out in (gemm("kairos-tiny", [1, 5], [str(other)], reps=2, threads=2),
+                attn("kairos-tiny", [1, 5], 40, [str(other)], reps=2, threads=2)):
+        assert list(out) == ["this tree", str(other)]
+        assert all(set(by_size) == {1, 5} and all(med >= best > 0 for med, best in by_size.values())
+                   for by_size in out.values())
