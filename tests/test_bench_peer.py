@@ -27,3 +27,58 @@ def test_kairos_only_run(tmp_path, capsys):
     a = res[0]["batches"]["3"]["anatomy"]  # one prefill step for the 3 prompts, then 3 decode steps
     assert len(a["prefill_steps_ms"]) == 1 and a["decode_steps"] == 3
     assert "B=3 tok/s" in capsys.readouterr().out
+
+
+def test_paired_figures_are_each_engines_best_and_the_median_of_the_rounds_ratios():
+    runs = {8: [{"kairos": 300.0, "vllm": 200.0}, {"kairos": 330.0, "vllm": 300.0}, {"kairos": 280.0, "vllm": 140.0}]}
+    f = peer.paired_figures(runs)
+    assert f["best_tok_s"] == {8: {"kairos": 330.0, "vllm": 300.0}}
+    assert f["ratio_median"] == {8: 1.5} and f["ratio_range"] == {8: (1.1, 2.0)}
+
+
+def test_child_loop_replies_once_ready_then_once_per_command():
+    import io
+    import json
+
+    asked = []
+
+    def run(b):
+        asked.append(b)
+        return 0.5, 4 * b
+    replies = io.StringIO()
+    peer.serve_commands(run, {"start_s": 1.5}, io.StringIO('{"b": 1}\n{"b": 8}\n'), replies)
+    lines = replies.getvalue().splitlines()
+    assert all(line.startswith(peer.REPLY) for line in lines) and asked == [1, 8]
+    assert [json.loads(line[len(peer.REPLY):]) for line in lines] == [
+        {"start_s": 1.5}, {"b": 1, "wall_s": 0.5, "tokens": 4}, {"b": 8, "wall_s": 0.5, "tokens": 32}]
+
+
+def test_paired_run_alternates_the_engines_round_by_round(monkeypatch):
+    """`--paired` with a stand-in for the vLLM child (no vLLM here) and Kairos's real engine: a warm-up of each per
+    batch size, then per round each batch size on both engines, the first engine alternating by round."""
+    order = []
+
+    class FakeVllm:
+        def __init__(self, venv, model_dir, dtype, prompts, new_tokens, workdir):
+            self.start_s, self.prompts, self.new_tokens = 2.0, prompts, new_tokens
+
+        def run(self, b):
+            order.append(("vllm", b))
+            return 1.0, b * self.new_tokens
+
+        def close(self):
+            order.append("closed")
+    real_run = peer.KairosSession.run
+
+    def kairos_run(self, b):
+        order.append(("kairos", b))
+        return real_run(self, b)
+    monkeypatch.setattr(peer, "VllmSession", FakeVllm)
+    monkeypatch.setattr(peer.KairosSession, "run", kairos_run)
+    prompts = peer.make_prompts([1, 2], 8, 256, seed=0)
+    res = peer.run_paired("kairos-tiny", "float32", "unused", "bfloat16", prompts, 3, rounds=2, threads=1)
+    warm = [("kairos", 1), ("vllm", 1), ("kairos", 2), ("vllm", 2)]
+    assert order == warm + warm + [("vllm", 1), ("kairos", 1), ("vllm", 2), ("kairos", 2), "closed"]
+    assert res["kairos_dtype"] == "float32" and res["start_s"]["vllm"] == 2.0
+    assert all(len(res["runs"][b]) == 2 and all(p["vllm"] == b * 3 for p in res["runs"][b]) for b in (1, 2))
+    assert set(res["ratio_median"]) == {1, 2} and all(r > 0 for r in res["ratio_median"].values())
