@@ -21,7 +21,8 @@ between calls), "outside" the step's input preparation and the rest of sampling.
 wrappers a layer add a little to the step against `steps`.
 `gemm`: one pass of the model's per-layer linear layers on Kairos's packed bf16 GEMM (q|k|v, o_proj += h,
 silu(gate) * up, down += h, every layer; random weights of the model's shapes, so that they stream from memory as a
-step's do), at each row count, median and best of `--reps` on a fresh thread. With `--against`, each given version of
+step's do; `--cached`: one layer's weights for every layer, so that they come from the caches), at each row count,
+median and best of `--reps` on a fresh thread. With `--against`, each given version of
 `engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
 timed in turn with this tree's, alternating within every repetition (this box drifts within minutes).
 `attn`: the bf16 paged decode attention of every layer for B requests of `--context` tokens, their blocks scattered
@@ -201,7 +202,8 @@ def _model_config(model: str):
     return cfg, hd
 
 
-def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int) -> dict[str, dict[int, tuple]]:
+def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int,
+         cached: bool = False) -> dict[str, dict[int, tuple]]:
     import torch
 
     from engine.cpu_kernels import CpuKernels
@@ -218,7 +220,8 @@ def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: in
         return (torch.randn(*shape, generator=g) * 0.05).bfloat16()
     pack = CpuKernels.pack_weight
     layers = [(pack(rand(wq, d)), pack(rand(d, wo)), CpuKernels.pack_gated(rand(inter, d), rand(inter, d)),
-               pack(rand(d, inter))) for _ in range(cfg.num_hidden_layers)]
+               pack(rand(d, inter))) for _ in range(1 if cached else cfg.num_hidden_layers)]
+    layers *= cfg.num_hidden_layers // len(layers)  # --cached: one layer's weights every time, from the caches
 
     def one_pass(k: CpuKernels, inputs: tuple) -> None:
         x, a, o, h = inputs
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     gm.add_argument("--against", action="append", default=[], help="another version of engine/cpu_kernels.cpp")
     gm.add_argument("--reps", type=int, default=15)
     gm.add_argument("--threads", type=int, default=2)
+    gm.add_argument("--cached", action="store_true", help="one layer's weights for every layer (they stay cached)")
     at = sub.add_parser("attn")
     at.add_argument("--model", default="kairos-default")
     at.add_argument("--batches", default="1,8,32")
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     elif args.cmd == "gemm":
         for name, by_rows in gemm(args.model, [int(x) for x in args.rows.split(",")], args.against, args.reps,
-                                  args.threads).items():
+                                  args.threads, args.cached).items():
             print(f"{name}: one pass of the per-layer GEMMs, ms (median / best of {args.reps}): "
                   + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
     elif args.cmd == "attn":
