@@ -5,7 +5,7 @@
     python -m bench.peer --vllm-venv /work/peers/vllm --paired auto:bfloat16 --reps 4     # side by side
 
 The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new
-tokens each with EOS ignored, greedy, all B submitted at once (`LLMEngine.add_requests`); tok/s = B * 64 / (submit to last token), best of
+tokens each with EOS ignored, greedy (or `--temperature`, `--top-p`), all B submitted at once (`LLMEngine.add_requests`); tok/s = B * 64 / (submit to last token), best of
 `--reps` after one warm-up. Kairos runs in this process (`LLMEngine`, `num_threads` threads); vLLM runs in a
 child process with the peer venv's Python (`LLM(model=dir, dtype=..., max_model_len=1024)`,
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never run at the same time.
@@ -65,7 +65,8 @@ class _VllmRunner:
         self.llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                        skip_tokenizer_init=True, seed=0)
         self.start_s = time.perf_counter() - t0
-        self.params = SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True, temperature=0.0,
+        self.params = SamplingParams(max_tokens=spec["new_tokens"], ignore_eos=True,
+                                     temperature=spec.get("temperature", 0.0), top_p=spec.get("top_p", 1.0),
                                      detokenize=False)
         self.inputs = {int(b): [TokensPrompt(prompt_token_ids=p) for p in ps] for b, ps in spec["prompts"].items()}
 
@@ -117,9 +118,10 @@ def _child_cmd(venv: str) -> tuple[list[str], dict[str, str]]:
     return [str(python), "-m", MODULE, "--child"], env
 
 
-def _spec(model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int) -> str:
+def _spec(model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int,
+          temperature: float = 0.0, top_p: float = 1.0) -> str:
     return json.dumps({"model": model_dir, "dtype": dtype, "max_model_len": 1024, "reps": reps,
-                       "new_tokens": new_tokens, "prompts": prompts})
+                       "new_tokens": new_tokens, "prompts": prompts, "temperature": temperature, "top_p": top_p})
 
 
 class VllmSession:
@@ -128,10 +130,10 @@ class VllmSession:
     which halved Kairos's runs beside them."""
 
     def __init__(self, venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]],
-                 new_tokens: int, workdir: Path) -> None:
+                 new_tokens: int, workdir: Path, temperature: float = 0.0, top_p: float = 1.0) -> None:
         cmd, env = _child_cmd(venv)
         spec = workdir / f"spec-{dtype}.json"
-        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, 0))
+        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, 0, temperature, top_p))
         self.dtype, self._tail = dtype, collections.deque(maxlen=15)
         self.proc = subprocess.Popen([*cmd, str(spec), "-"], env=env, cwd=workdir, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -173,12 +175,12 @@ class VllmSession:
 
 
 def run_vllm(venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
-             reps: int, timeout_s: float) -> dict[str, Any]:
+             reps: int, timeout_s: float, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
     cmd, env = _child_cmd(venv)
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "out.json"
-        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, reps))
+        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, reps, temperature, top_p))
         proc = subprocess.run([*cmd, str(spec), str(out)], env=env, cwd=tmp, timeout=timeout_s,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -196,7 +198,7 @@ class KairosSession:
     """Kairos's engine in this process: `run(b)` -> (wall s, tokens, anatomy) of one run of batch b's prompts."""
 
     def __init__(self, model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
-                 threads: int) -> None:
+                 threads: int, temperature: float = 0.0, top_p: float = 1.0) -> None:
         import torch
 
         from core.sampling import SamplingParams
@@ -208,7 +210,8 @@ class KairosSession:
         self.dtype = str(self.eng.bundle.dtype).removeprefix("torch.")
         self.threads = torch.get_num_threads()
         self.prompts = prompts
-        self.params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        self.params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=temperature,
+                                     top_p=top_p, ignore_eos=True)
         self.steps: list[Any] = []
         self.eng.add_step_observer(self.steps.append)  # called on the engine's thread; list.append is atomic
 
@@ -230,8 +233,8 @@ class KairosSession:
 
 
 def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int,
-               threads: int) -> dict[str, Any]:
-    k = KairosSession(model, dtype, prompts, new_tokens, threads)
+               threads: int, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
+    k = KairosSession(model, dtype, prompts, new_tokens, threads, temperature, top_p)
     result: dict[str, Any] = {"engine": "kairos", "dtype": k.dtype, "asked_dtype": dtype, "start_s": k.start_s,
                               "threads": k.threads, "batches": {}}
     try:
@@ -252,12 +255,13 @@ def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_
 
 
 def run_paired(model_dir: str, kdtype: str, venv: str, vdtype: str, prompts: dict[int, list[list[int]]],
-               new_tokens: int, rounds: int, threads: int) -> dict[str, Any]:
+               new_tokens: int, rounds: int, threads: int, temperature: float = 0.0,
+               top_p: float = 1.0) -> dict[str, Any]:
     """Both engines alive, alternating run by run (see the module's doc)."""
     with tempfile.TemporaryDirectory() as tmp:
-        k = KairosSession(model_dir, kdtype, prompts, new_tokens, threads)
+        k = KairosSession(model_dir, kdtype, prompts, new_tokens, threads, temperature, top_p)
         try:
-            v = VllmSession(venv, model_dir, vdtype, prompts, new_tokens, Path(tmp))
+            v = VllmSession(venv, model_dir, vdtype, prompts, new_tokens, Path(tmp), temperature, top_p)
             try:
                 for b in prompts:  # warm-ups
                     k.run(b)
@@ -344,6 +348,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds per vLLM child")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--summary", metavar="NAME", help="write bench/summaries/NAME.json")
+    ap.add_argument("--temperature", type=float, default=0.0, help="both engines (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="both engines, with --temperature > 0")
     ap.add_argument("--paired", metavar="KAIROS_DTYPE:VLLM_DTYPE",
                     help="both engines side by side, alternating run by run, --reps rounds (e.g. auto:bfloat16)")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -372,11 +378,12 @@ def main(argv: list[str] | None = None) -> int:
         return _main_paired(args, info, model_dir, prompts, batches)
     results = []
     for d in kdtypes:
-        results.append(run_kairos(model_dir, d, prompts, args.new_tokens, args.reps, args.threads))
+        results.append(run_kairos(model_dir, d, prompts, args.new_tokens, args.reps, args.threads,
+                                  args.temperature, args.top_p))
     if args.vllm_venv:
         for d in dtypes:
             results.append(run_vllm(args.vllm_venv, model_dir, d, prompts, args.new_tokens, args.reps,
-                                    args.vllm_timeout))
+                                    args.vllm_timeout, args.temperature, args.top_p))
     headers, rows = table(results, batches)
     print_table(headers, rows, title=f"{args.model}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
                 f"best of {args.reps}, {args.threads} threads")
@@ -403,7 +410,8 @@ def _main_paired(args: argparse.Namespace, info: dict[str, Any], model_dir: str,
     kdtype, _, vdtype = args.paired.partition(":")
     if not (kdtype and vdtype):
         raise SystemExit("--paired takes KAIROS_DTYPE:VLLM_DTYPE, e.g. auto:bfloat16")
-    res = run_paired(model_dir, kdtype, args.vllm_venv, vdtype, prompts, args.new_tokens, args.reps, args.threads)
+    res = run_paired(model_dir, kdtype, args.vllm_venv, vdtype, prompts, args.new_tokens, args.reps, args.threads,
+                     args.temperature, args.top_p)
     headers = ["B", f"kairos {res['kairos_dtype']} best tok/s", f"vllm {vdtype} best tok/s",
                "ratio, median of rounds", "range"]
     rows = [[b, res["best_tok_s"][b]["kairos"], res["best_tok_s"][b]["vllm"], res["ratio_median"][b],

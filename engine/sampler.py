@@ -1,4 +1,5 @@
-"""Batched sampling: greedy rows in one argmax; temperature / top-k / top-p rows with per-request RNG.
+"""Batched sampling: greedy rows in one argmax; temperature / top-k / top-p rows together, each drawn with one
+uniform number from its request's own seeded generator (or the sampler's).
 
 The sampler reads requests and never changes them; the seeded RNGs are its own, keyed by request id
 (`release` drops one when its request ends)."""
@@ -10,11 +11,44 @@ import torch
 
 from core.request import Request
 
+# top-p looks for the kept tokens among each row's most likely ones, this many first, then more, then all of them
+# (here a sort of a 49k vocabulary took ~1.4 ms a row, `topk` of 64 ~0.04 ms and of 1,024 ~0.25)
+TOP_P_CANDIDATES = (64, 1024)
+
 
 def _first_max(logits: torch.Tensor) -> list[int]:
     # max(dim).indices, like argmax, is the first maximum; on CPU it is 2-4x faster than argmax over a
     # [32, 49k] bf16 or fp32 batch (argmax there does not vectorise)
     return logits.max(dim=-1).indices.tolist()
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's index whose cumulative probability first exceeds u x the row's total (inverse CDF: a token is
+    drawn with its probability; zero-probability tokens never). probs [n, m] >= 0, u [n] in [0, 1)."""
+    c = torch.cumsum(probs, dim=-1)
+    j = torch.searchsorted(c, (u * c[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return j.clamp_(max=probs.shape[-1] - 1)
+
+
+def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw from each row's smallest set of most likely tokens whose mass reaches its top_p (the nucleus), in
+    proportion to their probabilities. The nucleus is looked for among the row's `TOP_P_CANDIDATES` most likely
+    tokens first; a row whose candidates do not reach top_p tries more, then sorts its whole row."""
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    todo = torch.arange(probs.shape[0])
+    for k in (*TOP_P_CANDIDATES, probs.shape[-1]):
+        k = min(k, probs.shape[-1])
+        vals, idx = torch.topk(probs[todo], k, dim=-1)  # sorted, most likely first
+        cum = torch.cumsum(vals, dim=-1)
+        p = top_p[todo]
+        reached = (cum[:, -1] >= p) | (k == probs.shape[-1])
+        kept = vals.masked_fill((cum - vals) > p.unsqueeze(-1), 0.0)  # the smallest prefix whose mass reaches top_p
+        j = _draw(kept[reached], u[todo][reached])
+        out[todo[reached]] = idx[reached].gather(-1, j.unsqueeze(-1)).squeeze(-1)
+        todo = todo[~reached]
+        if todo.numel() == 0:
+            break
+    return out
 
 
 class Sampler:
@@ -58,29 +92,40 @@ class Sampler:
         if rows:
             dev = logits.device
             logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
-        greedy = [r.params.greedy for r in reqs]
-        out: list[int | Exception] = self.argmax(logits)
-        if all(greedy):
-            return out
-        for i, r in enumerate(reqs):
-            if not greedy[i]:
-                try:
-                    out[i] = self._sample_one(logits[i].float(), r)
-                except (RuntimeError, ValueError) as e:  # e.g. non-finite probabilities
-                    out[i] = e
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        out: list[int | Exception] = self.argmax(logits) if len(sampled) < len(reqs) else [0] * len(reqs)
+        if sampled:
+            for i, tok in zip(sampled, self._sample_rows(logits, [reqs[i] for i in sampled], sampled)):
+                out[i] = tok
         return out
 
-    def _sample_one(self, row: torch.Tensor, req: Request) -> int:
-        p = req.params
-        row = row / p.temperature
-        if p.top_k and p.top_k > 0 and p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = (cum - sorted_p) > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int | Exception]:
+        """The sampled rows together: temperature, top-k (per row), softmax, then each row's draw, with one uniform
+        number per row from its request's generator (seeded requests) or the default one."""
+        x = logits[rows].float().div_(torch.tensor([[r.params.temperature] for r in reqs]))
+        for j, r in enumerate(reqs):
+            k = r.params.top_k
+            if k and 0 < k < x.shape[-1]:
+                kth = torch.topk(x[j], k).values[-1]
+                x[j].masked_fill_(x[j] < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        u = torch.rand(len(reqs))
+        for j, r in enumerate(reqs):
+            gen = self._generator(r)
+            if gen is not None:
+                u[j] = torch.rand((), generator=gen)
+        total = probs.sum(dim=-1)  # NaN where a row's logits held one: that row fails alone
+        ok = torch.isfinite(total) & (total > 0)
+        top_p = torch.tensor([r.params.top_p for r in reqs])
+        nucleus = ok & (top_p < 1.0)
+        plain = ok & ~nucleus
+        if bool(plain.all()):  # the common case, without copies
+            tokens = _draw(probs, u)
+        else:
+            tokens = torch.zeros(len(reqs), dtype=torch.long)
+            if plain.any():
+                tokens[plain] = _draw(probs[plain], u[plain])
+            if nucleus.any():
+                tokens[nucleus] = _top_p_draw(probs[nucleus], top_p[nucleus], u[nucleus])
+        return [int(t) if good else RuntimeError("sampling: the probabilities are not finite")
+                for t, good in zip(tokens.tolist(), ok.tolist())]

@@ -59,7 +59,7 @@ def test_paired_run_alternates_the_engines_round_by_round(monkeypatch):
     order = []
 
     class FakeVllm:
-        def __init__(self, venv, model_dir, dtype, prompts, new_tokens, workdir):
+        def __init__(self, venv, model_dir, dtype, prompts, new_tokens, workdir, temperature=0.0, top_p=1.0):
             self.start_s, self.prompts, self.new_tokens = 2.0, prompts, new_tokens
 
         def run(self, b):

@@ -35,3 +35,66 @@ def test_min_tokens_mask_lifts_once_reached():
     logits = torch.zeros(1, 10)
     logits[0, EOS] = 1.0
     assert s.sample(logits, [r]) == [EOS]
+
+
+def _sampled(rid: str, **params) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(**params))
+
+
+def _counts(s: Sampler, logits: torch.Tensor, req: Request, n: int) -> torch.Tensor:
+    """How often each token was drawn in n steps of a batch of 8 copies of one row."""
+    counts = torch.zeros(logits.shape[-1])
+    reqs = [req] * 8
+    for _ in range(n // 8):
+        for t in s.sample(logits.repeat(8, 1), reqs):
+            counts[t] += 1
+    return counts
+
+
+def test_temperature_draws_follow_the_softmax():
+    torch.manual_seed(0)
+    s = Sampler(vocab_limit=6, eos_token_ids=[EOS], device=torch.device("cpu"))
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]])
+    n = 16000
+    for temp in (1.0, 0.5):
+        counts = _counts(s, logits, _sampled("t", temperature=temp), n)
+        want = torch.softmax(logits[0] / temp, -1) * n
+        assert counts[4] == 0  # probability 0 (a banned or masked token) is never drawn
+        assert torch.all((counts - want).abs() <= 5 * want.sqrt() + 1), (counts, want)
+
+
+def test_top_p_keeps_the_smallest_nucleus_and_top_k_the_k_best():
+    torch.manual_seed(1)
+    s = Sampler(vocab_limit=200, eos_token_ids=[EOS], device=torch.device("cpu"))
+    probs = torch.full((200,), 0.3 / 196)
+    probs[[10, 20, 30, 40]] = torch.tensor([0.4, 0.2, 0.05, 0.05])  # 0.4, then 0.6, then 0.65
+    logits = probs.log().unsqueeze(0)
+    counts = _counts(s, logits, _sampled("p", temperature=1.0, top_p=0.58), 4000)
+    assert set(counts.nonzero().flatten().tolist()) == {10, 20}  # 0.4 alone is short of 0.58: 20 completes it
+    assert abs(counts[10] / counts.sum() - 2 / 3) < 0.04
+    counts = _counts(s, logits, _sampled("p2", temperature=1.0, top_p=0.62), 4000)
+    assert set(counts.nonzero().flatten().tolist()) <= {10, 20, 30, 40} and counts[30] + counts[40] > 0
+    counts = _counts(s, logits, _sampled("k", temperature=1.0, top_k=2), 4000)
+    assert set(counts.nonzero().flatten().tolist()) == {10, 20}
+    counts = _counts(s, logits, _sampled("k3", temperature=1.0, top_k=3), 4000)  # a tie at the k-th: both stay
+    assert set(counts.nonzero().flatten().tolist()) == {10, 20, 30, 40}
+    # a nucleus larger than the first candidates (a flat row: top_p 0.85 needs 170 of 200 tokens)
+    flat = torch.zeros(1, 200)
+    counts = _counts(s, flat, _sampled("flat", temperature=1.0, top_p=0.85), 4000)
+    assert int((counts > 0).sum()) in (170, 171)
+
+
+def test_seeded_rows_repeat_and_a_bad_row_fails_alone():
+    s = Sampler(vocab_limit=50, eos_token_ids=[EOS], device=torch.device("cpu"))
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    logits[2, 7] = float("nan")
+
+    def run():
+        s.release("a"), s.release("b"), s.release("c")
+        reqs = [_sampled("a", temperature=1.0, seed=11), _sampled("b", temperature=0.7, top_p=0.8, seed=12),
+                _sampled("c", temperature=1.0, seed=13)]
+        return [s.sample(logits.clone(), reqs) for _ in range(20)]
+    first, again = run(), run()
+    assert [o[:2] for o in first] == [o[:2] for o in again]
+    assert len({o[0] for o in first}) > 1  # it does draw, not take the maximum
+    assert all(isinstance(o[2], RuntimeError) for o in first)  # the NaN row fails, the others do not
