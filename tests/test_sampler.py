@@ -98,3 +98,17 @@ def test_seeded_rows_repeat_and_a_bad_row_fails_alone():
     assert [o[:2] for o in first] == [o[:2] for o in again]
     assert len({o[0] for o in first}) > 1  # it does draw, not take the maximum
     assert all(isinstance(o[2], RuntimeError) for o in first)  # the NaN row fails, the others do not
+
+
+def test_nucleus_of_a_flat_row_is_the_sorted_prefix():
+    """`_nucleus` (a row whose nucleus is too wide for the top-k candidates) keeps what a full sort would."""
+    from engine.sampler import _nucleus
+
+    g = torch.Generator().manual_seed(5)
+    for top_p in (0.3, 0.9, 0.999):
+        p = torch.softmax(torch.randn(5000, generator=g) * 0.2, -1)
+        vals, idx = torch.sort(p, descending=True)
+        cum = torch.cumsum(vals.double(), 0)
+        ref = torch.zeros(5000, dtype=torch.bool)
+        ref[idx[(cum - vals.double()) < top_p]] = True
+        assert torch.equal(_nucleus(p, top_p), ref), top_p
