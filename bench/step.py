@@ -166,7 +166,8 @@ def _builds(against: list[str]) -> dict:
     return {"this tree": ck.load()} | {src: ck.load_source(Path(src)) for src in against}
 
 
-def _alternating(builds: dict, sizes: list[int], reps: int, threads: int, setup, one_pass) -> dict[str, dict[int, tuple]]:
+def _alternating(builds: dict, sizes: list[int], reps: int, threads: int, setup,
+                 one_pass) -> dict[str, dict[int, tuple]]:
     """(median, best) ms of `one_pass(kernels, inputs)` per build and size, `inputs = setup(size)`, the builds taking
     turns within every repetition, after one warm-up pass each; on a fresh thread (the engine's OpenMP pool rule)."""
     import statistics
