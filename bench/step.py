@@ -196,9 +196,9 @@ def _alternating(builds: dict, sizes: list[int], reps: int, threads: int, setup,
 def _model_config(model: str):
     from transformers import AutoConfig
 
-    from engine.loader import resolve_source
+    from bench.driver import resolve_model_path
 
-    cfg = AutoConfig.from_pretrained(resolve_source(model, "model")[0])
+    cfg = AutoConfig.from_pretrained(resolve_model_path(model))
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg, hd
 

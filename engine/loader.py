@@ -111,7 +111,7 @@ def _looks_like_path(s: str) -> bool:
     return s.startswith(("/", "./", "../", "~", ".\\")) or s.count("/") > 1 or "\\" in s or s in (".", "..")
 
 
-def resolve_source(model: str, what: str) -> tuple[str, bool]:
+def _resolve_source(model: str, what: str) -> tuple[str, bool]:
     """Return (path or hub id, is_local)."""
     if model in EMBEDDED_MODELS:
         return str(ensure_default_model(model)), True
@@ -173,8 +173,8 @@ def load_model(
         raise ValueError(f"cannot load model {model!r}: expected a model name, directory or hub id")
     dev = resolve_device(device)
     resolve_dtype(dtype, torch.device("cpu"))  # validate the string before any loading work
-    path, is_local = resolve_source(model, "model")
-    tok_path = path if tokenizer is None else resolve_source(tokenizer, "tokenizer")[0]
+    path, is_local = _resolve_source(model, "model")
+    tok_path = path if tokenizer is None else _resolve_source(tokenizer, "tokenizer")[0]
     hub_kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if _offline():
         hub_kw["local_files_only"] = True

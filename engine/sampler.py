@@ -12,7 +12,7 @@ import torch
 from core.request import Request
 
 # top-p looks for the kept tokens among each row's most likely ones, this many first, then more, then in the whole
-# row (`_nucleus`; here a sort of a 49k vocabulary took ~1.4 ms a row, `topk` of 64 ~0.04 ms and of 1,024 ~0.25)
+# row (`_nucleus`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
 TOP_P_CANDIDATES = (64, 1024)
 
 
@@ -121,7 +121,8 @@ class Sampler:
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int | Exception]:
         """The sampled rows together: temperature, top-k (per row), softmax, then each row's draw, with one uniform
         number per row from its request's generator (seeded requests) or the default one."""
-        x = logits[rows].float().div_(torch.tensor([[r.params.temperature] for r in reqs]))
+        x = (logits if len(rows) == logits.shape[0] else logits[rows]).float()  # fp32; the logits are ours to change
+        x.div_(torch.tensor([[r.params.temperature] for r in reqs]))
         for j, r in enumerate(reqs):
             k = r.params.top_k
             if k and 0 < k < x.shape[-1]:
