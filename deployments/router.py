@@ -33,7 +33,10 @@ from core.messages import GenerateRequest, ProtocolError, RoutingStats
 from core.request import SLO
 
 log = logging.getLogger("ray.serve")
-CHOSEN_TTL_S = 30.0  # a call chosen this long ago and never routed was cancelled: stop counting it
+# a call chosen this long ago and never routed was cancelled (a live one is chosen again at least every
+# RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S, 0.5 s, until a replica accepts it): stop counting it
+CHOSEN_TTL_S = 5.0
+REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may not be in it yet (transit, clocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +134,11 @@ class SLORouter(RequestRouter):
         # per replica, the TPOT SLOs (None: none) of the generate calls this router has in flight there: their
         # count is its in-flight load, their minimum its strictest pace before the next report
         self._inflight: dict[ReplicaID, Counter[float | None]] = {}
-        # (request id, replica) -> TPOT SLOs of the calls in flight: a rerouted request makes a second call under
-        # the same request id (Serve's id of the HTTP request), so a call is only known by the pair
-        self._calls: dict[tuple[str, ReplicaID], list[float | None]] = {}
+        # (request id, replica) -> (TPOT SLO, wall time routed) of the calls in flight: a rerouted request makes a
+        # second call under the same request id (Serve's id of the HTTP request), so a call is only known by the pair
+        self._calls: dict[tuple[str, ReplicaID], list[tuple[float | None, float]]] = {}
+        # replica -> `ts` of the last report `_reconcile` checked our count against
+        self._reconciled: dict[ReplicaID, float] = {}
         # request id -> (replica ranked first, TPOT SLO, when) for the calls chosen but not yet routed. Serve calls
         # `on_request_routed` only once the replica has answered that it accepts the call (a round trip); every
         # request chosen meanwhile would see the same in-flight counts and go to the same replica. So the choice
@@ -154,6 +159,7 @@ class SLORouter(RequestRouter):
             self._unchoose(stale)  # chosen, then never routed (cancelled while routing)
         views = {}
         for r in candidate_replicas:
+            self._reconcile(r.replica_id, r.routing_stats)
             tpots = self._inflight.get(r.replica_id) or Counter()
             views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
                                        min((t for t in tpots if t is not None), default=None))
@@ -171,6 +177,33 @@ class SLORouter(RequestRouter):
         if tpots[tpot] <= 0:
             del tpots[tpot]
 
+    def _reconcile(self, replica_id: ReplicaID, report: dict[str, Any] | None) -> None:
+        """Drop calls a replica's report proves finished. Serve schedules a call's completion callback and the
+        routing coroutine that calls `on_request_routed` separately on the event loop: a call that ends at once
+        (a 429, a 400) can complete *before* it is routed, and would then count as in flight forever, steering
+        every later request away from that replica. Every call we routed well before a report (`REPORT_LAG_S`)
+        and still count is in that report's `inflight` if it still runs there, so some of them have ended more such calls than it
+        counts (other ingress replicas only add to it) when we hold more such calls than it counts, and the oldest
+        extra ones are dropped. Once per report."""
+        if not report or self._reconciled.get(replica_id) == report.get("ts"):
+            return
+        st = RoutingStats.from_dict(report)
+        self._reconciled[replica_id] = st.ts
+        before = sorted(((routed_at, key, i) for key, calls in self._calls.items() if key[1] == replica_id
+                         for i, (_, routed_at) in enumerate(calls) if routed_at < st.ts - REPORT_LAG_S),
+                        key=lambda c: c[0])
+        extra = len(before) - st.inflight
+        if extra <= 0:
+            return
+        gone = sorted(before[:extra], key=lambda c: -c[2])  # pop from the back so indices stay valid
+        for _, key, i in gone:
+            tpot, _ = self._calls[key].pop(i)
+            if not self._calls[key]:
+                del self._calls[key]
+            self._count(replica_id, tpot, -1)
+        log.warning("router: %d call(s) to %s counted as in flight had finished (the replica reports %d); "
+                    "no longer counted", extra, replica_id, st.inflight)
+
     def _unchoose(self, call_id: str) -> None:
         chosen = self._chosen.pop(call_id, None)
         if chosen is not None:
@@ -182,7 +215,7 @@ class SLORouter(RequestRouter):
             return
         tpot, call_id = req.slo.tpot_ms, pending_request.metadata.internal_request_id
         self._unchoose(call_id)  # counted as chosen until now: from here on, as in flight where it landed
-        self._calls.setdefault((call_id, replica_id), []).append(tpot)
+        self._calls.setdefault((call_id, replica_id), []).append((tpot, time.time()))
         self._count(replica_id, tpot, +1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -190,7 +223,7 @@ class SLORouter(RequestRouter):
         calls = self._calls.get(key)
         if not calls:
             return
-        tpot = calls.pop()
+        tpot, _ = calls.pop()
         if not calls:
             del self._calls[key]
         self._count(replica_id, tpot, -1)
@@ -199,4 +232,5 @@ class SLORouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
         self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}
+        self._reconciled.pop(replica_id, None)
         self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}

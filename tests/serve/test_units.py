@@ -262,6 +262,39 @@ def test_router_spreads_requests_chosen_before_serve_reports_them_routed() -> No
     assert "http-9" not in router._chosen and router._inflight["a"].get(20.0) is None
 
 
+def test_router_drops_calls_a_report_proves_finished() -> None:
+    # Serve may run a call's completion callback before `on_request_routed` (a call that failed at once): that call
+    # would count as in flight forever and steer every request away from its replica, unless a report fixes it
+    import asyncio
+
+    from deployments.router import REPORT_LAG_S, SLORouter
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+
+    def pending(call_id: str, tpot: float | None = None):
+        req = GenerateRequest(f"cmpl-{call_id}", prompt="x", slo=SLO(tpot_ms=tpot))
+        return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call_id),
+                               args=(req,), kwargs={})
+
+    router.on_request_completed("a", "http-0")  # completed first...
+    router.on_request_routed(pending("http-0", 10.0), "a", None)  # ...then routed: a leak
+    router.on_request_routed(pending("http-1"), "a", None)  # still running there
+    assert router._inflight["a"].total() == 2
+    t0 = time.time()
+    a, b = _replica("a", {**_stats(10, 20), "ts": t0}), _replica("b", {**_stats(10, 20, kv=99), "ts": t0})
+    # a report taken right after they were routed proves nothing yet (it may not include them)
+    asyncio.run(router.choose_replicas([a, b], pending("http-2")))
+    assert router._inflight["a"].total() == 2
+    # a later report counts one call running: one of ours is gone, and the strict TPOT with it (the oldest)
+    a.routing_stats = {**_stats(10, 20, load=1), "ts": t0 + REPORT_LAG_S + 1.0}
+    b.routing_stats = {**_stats(10, 20, kv=99), "ts": t0 + REPORT_LAG_S + 1.0}
+    chosen = asyncio.run(router.choose_replicas([a, b], pending("http-3")))[0][0].replica_id
+    assert dict(router._inflight["a"]) == {None: 1 + (chosen == "a")}
+    router.on_request_completed("a", "http-1")
+    assert router._calls == {}
+
+
 def test_router_without_stats_spreads_by_inflight() -> None:
     a, b = _replica("a", {}), _replica("b", {})
     assert _rank([a, b], {"ttft_ms": 100}, inflight={"a": 1}) == ["b", "a"]
