@@ -472,9 +472,21 @@ def _error_code(raw: bytes) -> str:
         return "non_json"
 
 
+async def _lines(resp: Any) -> Any:
+    """The body's lines as they arrive (no length limit, unlike aiohttp's own line reader)."""
+    buf = b""
+    async for data in resp.content.iter_any():
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if buf:
+        yield buf.decode()
+
+
 async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
     done = False
-    async for line in resp.aiter_lines():
+    async for line in _lines(resp):
         obj = sse_data(line)
         if obj is None:
             continue
@@ -512,7 +524,7 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
 
 
 async def _read_json(resp: Any, rec: Record) -> None:
-    body = json.loads(await resp.aread())
+    body = json.loads(await resp.read())
     now = time.monotonic()
     usage = body.get("usage") or {}
     rec.n_out, rec.prompt_tokens = int(usage.get("completion_tokens", 0)), int(usage.get("prompt_tokens", 0))
@@ -521,13 +533,14 @@ async def _read_json(resp: Any, rec: Record) -> None:
     rec.ttft_s, rec.token_times = now - rec.arrival_s, [now]
 
 
-async def _send(client: Any, rec: Record, w: WorkItem, model: str) -> None:
-    """One request over HTTP, to its end (or its planned drop), measured into `rec`."""
+async def _send(client: Any, base: str, rec: Record, w: WorkItem, model: str) -> None:
+    """One request over HTTP (`client`: an aiohttp session, `base`: the server's URL), to its end (or its planned
+    drop), measured into `rec`."""
     path, body, headers = request_body(w, model)
     rec.arrival_s = time.monotonic()
 
     async def go() -> None:
-        async with client.stream("POST", path, json=body, headers=headers) as resp:
+        async with client.post(base + path, json=body, headers=headers) as resp:
             rec.sent_s = time.monotonic()
             rec.replica = resp.headers.get("x-kairos-replica") or None
             rec.rerouted = int(resp.headers.get("x-kairos-rerouted") or 0)
@@ -535,23 +548,23 @@ async def _send(client: Any, rec: Record, w: WorkItem, model: str) -> None:
             rec.hops = {"headers": (rec.sent_s - rec.arrival_s) * 1000.0, **st}
             if st:
                 rec.hops["client_proxy"] = rec.hops["headers"] - sum(st.values())
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                if resp.status_code == 429:
+            if resp.status != 200:
+                raw = await resp.read()
+                if resp.status == 429:
                     rec.rejected, rec.finish_reason = True, "rejected"
                     rec.reject_reason = resp.headers.get("x-kairos-reject-reason") or _error_code(raw)
                     if not resp.headers.get("retry-after"):
                         rec.error = "429_without_retry_after"
                 else:
                     rec.finish_reason = "error"
-                    rec.error = rec.reject_reason = f"http_{resp.status_code}:{_error_code(raw)}"
+                    rec.error = rec.reject_reason = f"http_{resp.status}:{_error_code(raw)}"
                 return
             if w.drop_at == 0:
                 rec.finish_reason, rec.error = "disconnected", "after_headers"
                 return
             await (_read_sse(resp, rec, w) if w.stream else _read_json(resp, rec))
 
-    import httpx
+    import aiohttp
 
     try:
         if w.drop_at == -1:
@@ -564,7 +577,7 @@ async def _send(client: Any, rec: Record, w: WorkItem, model: str) -> None:
     except asyncio.CancelledError:
         rec.finish_reason = "timeout"
         raise
-    except httpx.HTTPError as e:
+    except aiohttp.ClientError as e:
         rec.finish_reason, rec.error = "error", f"transport:{type(e).__name__}"
     except (ValueError, KeyError, TypeError) as e:
         rec.finish_reason, rec.error = "error", f"bad_response:{type(e).__name__}"
@@ -578,7 +591,7 @@ async def _send(client: Any, rec: Record, w: WorkItem, model: str) -> None:
 
 
 async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = "", drain_s: float = math.inf,
-                         timeout_s: float | None = None, api_key: str | None = None, transport: Any = None,
+                         timeout_s: float | None = None, api_key: str | None = None,
                          max_inflight: int | None = None, on_done: Callable[[Record], None] | None = None,
                          bar: Any = None) -> Run:
     """Offer `items` (any iterable, e.g. a generator bounded by a duration) open-loop over HTTP.
@@ -586,8 +599,11 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
     A request still running `drain_s` after the last arrival is cancelled ("timeout"); one that takes longer
     than `timeout_s` ends as an error "client_timeout". With `max_inflight`, an arrival that finds that many
     requests in flight is not sent (its record: error "client_backlog").
+
+    The client is aiohttp's, as in vLLM's `bench serve`: httpx's async client spent about 1 ms more
+    per request of its own, on the cores the server shares on one box (bench/README.md).
     """
-    import httpx
+    import aiohttp
 
     records: list[Record] = []
     lags: list[float] = []
@@ -595,7 +611,7 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
 
     async def one(rec: Record, w: WorkItem) -> None:
         try:  # a cancellation at the drain deadline leaves the record as "timeout"
-            await asyncio.wait_for(_send(client, rec, w, model), timeout_s)
+            await asyncio.wait_for(_send(client, base, rec, w, model), timeout_s)
         except asyncio.TimeoutError:
             rec.finish_reason, rec.error, rec.finished_s = "error", "client_timeout", time.monotonic()
         if on_done is not None:
@@ -603,9 +619,9 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
         if bar is not None:
             bar.update(1)
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits, transport=transport,
-                                 timeout=httpx.Timeout(None, connect=30.0)) as client:
+    base = url.rstrip("/")
+    async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None, connect=30.0)) as client:
         inflight: set[asyncio.Task] = set()
         t0 = time.monotonic() + 0.05
         for i, w in enumerate(items):

@@ -18,30 +18,33 @@ from bench import workload as W
 
 def test_http_point_against_a_mock_server():
     """The HTTP client: SSE parsing, 429 = rejection, usage tokens, headers carry the SLOs."""
-    httpx = pytest.importorskip("httpx")
+    from aiohttp import web
+
     from bench.driver import run_http
     from bench.slo import hop_summary
+    from tests.stub_http import stub_server
 
     seen = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(dict(request.headers))
-        body = json.loads(request.content)
+    async def handler(request: web.Request) -> web.Response:
+        seen.append({k.lower(): v for k, v in request.headers.items()})
+        body = await request.json()
         if float(request.headers["x-slo-ttft-ms"]) < 200:
-            return httpx.Response(429, headers={"x-kairos-reject-reason": "ttft_unattainable"}, json={})
+            return web.json_response({}, status=429, headers={"x-kairos-reject-reason": "ttft_unattainable"})
         n = body["max_tokens"]
         chunks = [f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'
                   for _ in range(n - 1)]
         chunks.append(f'data: {json.dumps({"choices": [{"text": "y", "finish_reason": "length"}]})}\n\n')
         usage = {"choices": [], "usage": {"completion_tokens": n}, "kairos_metrics": {"ttft_ms": 9.0, "tpot_ms": 4.5}}
         chunks += [f"data: {json.dumps(usage)}\n\n", "data: [DONE]\n\n"]
-        return httpx.Response(200, content="".join(chunks).encode(),
-                              headers={"content-type": "text/event-stream",
-                                       "server-timing": "parse;dur=0.5, route;dur=2.0, replica;dur=7.5"})
+        return web.Response(body="".join(chunks).encode(),
+                            headers={"content-type": "text/event-stream",
+                                     "server-timing": "parse;dur=0.5, route;dur=2.0, replica;dur=7.5"})
 
     items = [W.WorkItem(0.0, [5, 6, 7], 4, "interactive", 100.0, 50.0, 4),
              W.WorkItem(0.01, [5, 6], 3, "relaxed", 3000.0, 50.0, None)]
-    run = run_http("http://mock", items, model="m", drain_s=5.0, transport=httpx.MockTransport(handler))
+    with stub_server(handler) as url:
+        run = run_http(url, items, model="m", drain_s=5.0)
     r0, r1 = sorted(run.records, key=lambda r: r.arrival_s)
     assert r0.rejected and r0.reject_reason == "ttft_unattainable"
     assert r1.finish_reason == "length" and r1.n_out == 3 and r1.ttft_s is not None and M.is_good(r1)

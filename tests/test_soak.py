@@ -7,7 +7,6 @@ is a separate application at /kairos-soak, deleted afterwards); run alone, the s
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 import os
@@ -77,38 +76,39 @@ def test_soak_outcomes() -> None:
 
 
 def _fake_server(delay_s: float, seen: list):
-    """An OpenAI-compatible stand-in for httpx.MockTransport: exactly max_tokens tokens, SSE or JSON."""
-    import httpx
+    """An OpenAI-compatible stand-in (a real HTTP server, `stub_server`): exactly max_tokens tokens, SSE or JSON."""
+    from aiohttp import web
 
-    async def handle(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        seen.append((request.url.path, dict(request.headers), body))
+    from tests.stub_http import stub_server
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.path, {k.lower(): v for k, v in request.headers.items()}, body))
         await asyncio.sleep(delay_s)
         n, chat = body["max_tokens"], "messages" in body
         usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
         if not body["stream"]:
-            return httpx.Response(200, json={"choices": [{"index": 0, "finish_reason": "length"}], "usage": usage})
+            return web.json_response({"choices": [{"index": 0, "finish_reason": "length"}], "usage": usage})
         tok = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
         end = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else {"index": 0, "finish_reason": "length"}
         events = [{"choices": [tok]}] * n + [{"choices": [end]}, {"choices": [], "usage": usage}]
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+        return web.Response(body=sse.encode(), headers={"content-type": "text/event-stream"})
 
-    return httpx.MockTransport(handle)
+    return stub_server(handle)
 
 
 @pytest.mark.parametrize("max_inflight", [128, 1])
-def test_soak_windows_over_the_driver(monkeypatch: pytest.MonkeyPatch, max_inflight: int) -> None:
+def test_soak_windows_over_the_driver(max_inflight: int) -> None:
     import bench.soak as soak
-    from bench.driver import run_http_async
 
     seen: list = []
     delay = 0.01 if max_inflight > 1 else 0.3
-    monkeypatch.setattr(soak, "run_http_async", functools.partial(run_http_async, transport=_fake_server(delay, seen)))
     a = soak.parse_args(["--duration-s", "3", "--report-every-s", "1", "--rate", "20", "--seed", "2",
                          "--disconnect-frac", "0.3", "--max-inflight", str(max_inflight)])
     lines: list[str] = []
-    windows, results, mix = asyncio.run(soak.offer_load(a, "http://soak.test", None, None, lines.append))
+    with _fake_server(delay, seen) as url:
+        windows, results, mix = asyncio.run(soak.offer_load(a, url, None, None, lines.append))
     t = soak.figures(results, mix)
     assert len(windows) == 3 and sum(ln.startswith("[soak] window") for ln in lines) == 3, lines
     assert [w["window"] for w in windows] == [1, 2, 3] and windows[-1]["end_s"] == pytest.approx(3, abs=0.3)
