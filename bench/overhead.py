@@ -7,7 +7,8 @@ Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: t
 NAME=VALUE environment variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`)
 (default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
 one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
-and what HTTP adds over the in-process run. `--saturate` adds the same comparison under a burst (150 requests
+and what HTTP adds over the in-process run, and for each HTTP run where its TTFT went: outside the replica's
+handler (client, proxy, HTTP server) and in it (its Server-Timing `replica`). `--saturate` adds the same comparison under a burst (150 requests
 10 ms apart) without the in-process run. `--rounds N` runs all of it N times, in rounds, and reports medians (the
 added TTFT / ITL as the median of each round's own difference). Never run beside another benchmark.
 """
@@ -32,8 +33,17 @@ FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok
 def _streaming(argv: list[str], out: Path) -> dict:
     subprocess.run([sys.executable, "-m", "bench.streaming", *argv, "--json", str(out)], check=True,
                    stdout=subprocess.DEVNULL)
-    doc = json.loads(out.read_text())
-    return {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
+    return _figures(json.loads(out.read_text()))
+
+
+def _figures(doc: dict) -> dict:
+    """The figures kept of one `bench.streaming --json` document."""
+    figures = {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
+    hops = doc.get("hops_p50_ms") or {}
+    if "replica" in hops:  # HTTP: the time to first token outside the replica's handler, and inside it
+        figures["outside_p50_ms"] = round(hops.get("client_proxy", 0.0) + hops.get("body", 0.0), 2)
+        figures["replica_p50_ms"] = round(hops["replica"], 2)
+    return figures
 
 
 def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
@@ -67,6 +77,9 @@ def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, flo
                                     for k, d in diffs.items())
         print(f"{name:<40} {f['ttft_p50_ms']:>9.1f} {f['tpot_p50_ms']:>9.1f} {f['itl_p50_ms']:>9.1f} "
               f"{f['throughput_completion_tok_s']:>8.1f}{text}")
+        if "replica_p50_ms" in f:
+            print(f"{'':<4}TTFT p50 split: {f['outside_p50_ms']:.1f} ms outside the replica's handler (client, proxy, "
+                  f"HTTP server, both ways), {f['replica_p50_ms']:.1f} in it (tokenize, engine queue, prefill)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from bench.driver import Record, free_memory, resolve_bench_model, resolve_model_path, run_engine, run_http, \
+from bench.driver import HOPS, Record, free_memory, resolve_bench_model, resolve_model_path, run_engine, run_http, \
     served_model
 from bench.metrics import distribution
 from bench.report import run_info, write_json, write_summary
@@ -330,6 +330,9 @@ def summarize_run(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, An
             res[f"{name}_p{q}_ms"] = res[f"{name}_ms"][f"p{q}"]
     if args.pretokenize:
         res["add_request_p50_excl_tokenize_ms"] = res["add_request_p50_ms"]
+    if args.target:  # where the time to first token went, by the server's Server-Timing (bench.driver.HOPS)
+        res["hops_p50_ms"] = {h: statistics.median(xs) for h in HOPS
+                              if (xs := [r.hops[h] for r in ok if h in r.hops])}
     if raw.get("engine_stats") is not None:
         res["engine_stats"], res["engine_side"] = raw["engine_stats"], _engine_side(recs)
     res["per_request"] = [

@@ -1,7 +1,7 @@
 """bench.overhead's aggregation over rounds (pure; the runs themselves are benchmarks, not tests)."""
 from __future__ import annotations
 
-from bench.overhead import _added
+from bench.overhead import _added, _figures
 
 
 def _fig(ttft: float, itl: float) -> dict:
@@ -15,3 +15,12 @@ def test_added_is_the_median_of_each_rounds_own_difference() -> None:
               {"in_process": _fig(30, 14), "http[defaults]": _fig(40, 15), "burst http[defaults]": _fig(990, 70)},
               {"in_process": _fig(21, 9), "http[defaults]": _fig(28, 11), "burst http[defaults]": _fig(950, 65)}]
     assert _added(rounds) == {"http[defaults]": {"in_process": (9, 1)}}
+
+
+def test_http_runs_split_their_ttft_at_the_replicas_handler() -> None:
+    doc = {"ttft_p50_ms": 20.0, "tpot_p50_ms": 9.0, "itl_p50_ms": 9.0, "throughput_completion_tok_s": 1.0,
+           "failed_requests": 0}
+    assert "replica_p50_ms" not in _figures(doc)  # in-process: no Server-Timing
+    hops = {"client_proxy": 1.25, "parse": 0.2, "route": 0.1, "replica": 17.0, "body": 0.5}
+    f = _figures(doc | {"hops_p50_ms": hops})
+    assert (f["outside_p50_ms"], f["replica_p50_ms"]) == (1.75, 17.0)
