@@ -9,7 +9,9 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
   * this router's own in-flight requests per replica (`on_request_routed` / `on_request_completed`, and the
     calls it chose a replica for that are not routed yet, so that requests arriving together spread), fresh
     between reports: requests routed since the last report add their predicted prefill time and their share of
-    the batch, and the strictest TPOT SLO in flight counts as running.
+    the batch, and the strictest TPOT SLO in flight counts as running. Each report also corrects the count: calls
+    it shows ended are dropped (`SLORouter._reconcile`), and a chosen call never routed stops counting after
+    `CHOSEN_TTL_S`.
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last. Each replica is its own rank, so Ray falls through to the next one
@@ -181,10 +183,10 @@ class SLORouter(RequestRouter):
         """Drop calls a replica's report proves finished. Serve schedules a call's completion callback and the
         routing coroutine that calls `on_request_routed` separately on the event loop: a call that ends at once
         (a 429, a 400) can complete *before* it is routed, and would then count as in flight forever, steering
-        every later request away from that replica. Every call we routed well before a report (`REPORT_LAG_S`)
-        and still count is in that report's `inflight` if it still runs there, so some of them have ended more such calls than it
-        counts (other ingress replicas only add to it) when we hold more such calls than it counts, and the oldest
-        extra ones are dropped. Once per report."""
+        every later request away from that replica. A call we routed well before a report (`REPORT_LAG_S`) and
+        still count is in that report's `inflight` if it still runs there (other ingress replicas' calls only add
+        to it); where we hold more such calls than the report counts, the oldest extra ones have ended and are
+        dropped. Once per report."""
         if not report or self._reconciled.get(replica_id) == report.get("ts"):
             return
         st = RoutingStats.from_dict(report)
