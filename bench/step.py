@@ -7,6 +7,7 @@
     python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
+                                 [--busy-ms 1 --every-ms 2] [--spinner-nice 0]
 
 `steps`: one raw decode step (forward + sampling, no scheduling) of B contexts of 96 tokens, timed by
 `engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32, and one prefill step of 16
@@ -33,10 +34,11 @@ then on a fresh thread after the main thread has run one parallel op: libgomp th
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
 its worker thread, `LLMEngine._setup`).
 `contend`: a raw decode step (B = 1 and 8, context 96, median of 10) alone, with a Python spinner busy 1 ms in
-every 2 as a thread of the engine's process, and with the same spinner in another process: a thread costs the
+every 2 (`--busy-ms`, `--every-ms`) as a thread of the engine's process, and with the same spinner in another process: a thread costs the
 engine its GIL, a process only cores (why a served engine runs in its own process, `engine/core_proc.py`).
 `--team`: the CPU kernels' loops run on Kairos's thread team instead of OpenMP (`engine.config.TEAM_ENV`, as a
-served engine that shares its cores runs them).
+served engine that shares its cores runs them). `--spinner-nice`: the spinner process's nice value; set
+`KAIROS_CPU_TEAM_NICE` too to put the team's worker where a served engine's is (Ray's 15).
 """
 from __future__ import annotations
 
@@ -296,8 +298,11 @@ def omp() -> tuple[float, float]:
     return alone, _on_fresh_thread(_gemv_stack_ms)
 
 
-def _spin(stop, duty_s: float = 0.001, period_s: float = 0.002) -> None:
-    """Busy `duty_s` in every `period_s` until `stop` is set (a stand-in for a server's per-token Python)."""
+def _spin(stop, duty_s: float = 0.001, period_s: float = 0.002, nice: int = 0) -> None:
+    """Busy `duty_s` in every `period_s` until `stop` is set (a stand-in for a server's per-token Python), at
+    `nice` (a process; a thread shares its process's)."""
+    if nice:
+        os.nice(nice)
     while not stop.is_set():
         t = time.perf_counter()
         while time.perf_counter() - t < duty_s:
@@ -305,7 +310,8 @@ def _spin(stop, duty_s: float = 0.001, period_s: float = 0.002) -> None:
         time.sleep(period_s - duty_s)
 
 
-def contend(model: str, dtype: str, threads: int) -> dict[str, dict[int, float]]:
+def contend(model: str, dtype: str, threads: int, busy_s: float = 0.001, every_s: float = 0.002,
+            nice: int = 0) -> dict[str, dict[int, float]]:
     import multiprocessing as mp
     import statistics
 
@@ -320,14 +326,14 @@ def contend(model: str, dtype: str, threads: int) -> dict[str, dict[int, float]]
     try:
         out = {"alone": measure()}
         stop = threading.Event()
-        th = threading.Thread(target=_spin, args=(stop,), daemon=True)
+        th = threading.Thread(target=_spin, args=(stop, busy_s, every_s), daemon=True)
         th.start()
         out["spinner thread"] = measure()
         stop.set()
         th.join()
         ctx = mp.get_context("spawn")
         pstop = ctx.Event()
-        proc = ctx.Process(target=_spin, args=(pstop,), daemon=True)
+        proc = ctx.Process(target=_spin, args=(pstop, busy_s, every_s, nice), daemon=True)
         proc.start()
         time.sleep(1.0)  # the child's interpreter start is not part of the measurement
         out["spinner process"] = measure()
@@ -374,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dtype", default="auto")
     c.add_argument("--threads", default="1,2", help="comma-separated engine thread counts")
     c.add_argument("--team", action="store_true", help="the CPU kernels' loops on Kairos's thread team")
+    c.add_argument("--busy-ms", type=float, default=1.0, help="the spinner is busy this long...")
+    c.add_argument("--every-ms", type=float, default=2.0, help="...in every this long")
+    c.add_argument("--spinner-nice", type=int, default=0, help="the spinner process's nice value (Ray's workers: 15)")
     args = ap.parse_args(argv)
     if getattr(args, "team", False):  # before torch loads: its OpenMP reads the wait policy once
         from engine.config import TEAM_ENV  # noqa: PLC0415
@@ -404,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.reps}): " + ", ".join(f"B={b} {med:.2f} / {best:.2f}" for b, (med, best) in by_b.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):
-            for name, ms in contend(args.model, args.dtype, n).items():
+            for name, ms in contend(args.model, args.dtype, n, args.busy_ms / 1000.0, args.every_ms / 1000.0,
+                                    args.spinner_nice).items():
                 print(f"{n} engine thread(s), {name}: decode step ms " + ", ".join(f"B={b} {v:.1f}" for b, v in ms.items()))
     else:
         alone, after = omp()
