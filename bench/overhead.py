@@ -8,9 +8,10 @@ NAME=VALUE environment variables of that server, e.g. `--serve "RAY_SERVE_ENABLE
 (default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
 one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
 and what HTTP adds over the in-process run, and for each HTTP run where its TTFT went: outside the replica's
-handler (client, proxy, HTTP server) and in it (its Server-Timing `replica`). `--saturate` adds the same comparison under a burst (150 requests
-10 ms apart) without the in-process run. `--rounds N` runs all of it N times, in rounds, and reports medians (the
-added TTFT / ITL as the median of each round's own difference). Never run beside another benchmark.
+handler (client, proxy, HTTP server) and in it (its Server-Timing `replica`). `--saturate` adds the same
+comparison under a burst (150 requests 10 ms apart) without the in-process run. `--rounds N` runs all of it N
+times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference). Never
+run beside another benchmark.
 """
 from __future__ import annotations
 

@@ -34,8 +34,9 @@ then on a fresh thread after the main thread has run one parallel op: libgomp th
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
 its worker thread, `LLMEngine._setup`).
 `contend`: a raw decode step (B = 1 and 8, context 96, median of 10) alone, with a Python spinner busy 1 ms in
-every 2 (`--busy-ms`, `--every-ms`) as a thread of the engine's process, and with the same spinner in another process: a thread costs the
-engine its GIL, a process only cores (why a served engine runs in its own process, `engine/core_proc.py`).
+every 2 (`--busy-ms`, `--every-ms`) as a thread of the engine's process, and with the same spinner in another
+process: a thread costs the engine its GIL, a process only cores (why a served engine runs in its own process,
+`engine/core_proc.py`).
 `--team`: the CPU kernels' loops run on Kairos's thread team instead of OpenMP (`engine.config.TEAM_ENV`, as a
 served engine that shares its cores runs them). `--spinner-nice`: the spinner process's nice value; set
 `KAIROS_CPU_TEAM_NICE` too to put the team's worker where a served engine's is (Ray's 15).
@@ -384,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--every-ms", type=float, default=2.0, help="...in every this long")
     c.add_argument("--spinner-nice", type=int, default=0, help="the spinner process's nice value (Ray's workers: 15)")
     args = ap.parse_args(argv)
+    if args.cmd == "contend" and not 0 < args.busy_ms < args.every_ms:
+        ap.error("contend: --busy-ms must be above 0 and below --every-ms")
     if getattr(args, "team", False):  # before torch loads: its OpenMP reads the wait policy once
         from engine.config import TEAM_ENV  # noqa: PLC0415
 
