@@ -601,7 +601,7 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
     requests in flight is not sent (its record: error "client_backlog").
 
     The client is aiohttp's, as in vLLM's `bench serve`: with httpx's async client the TTFT p50 over HTTP read
-    1.3-2.3 ms more, its own work on the cores the server shares on one box (bench/README.md).
+    1.6-2.0 ms more, run pair by run pair, its own work on the cores the server shares on one box (bench/README.md).
     """
     import aiohttp
 

@@ -415,8 +415,8 @@ def _main_paired(args: argparse.Namespace, info: dict[str, Any], model_dir: str,
                      args.temperature, args.top_p)
     headers = ["B", f"kairos {res['kairos_dtype']} best tok/s", f"vllm {vdtype} best tok/s",
                "ratio, median of rounds", "range"]
-    rows = [[b, res["best_tok_s"][b]["kairos"], res["best_tok_s"][b]["vllm"], res["ratio_median"][b],
-             "{:.2f}-{:.2f}".format(*res["ratio_range"][b])] for b in batches]
+    rows = [[b, res["best_tok_s"][b]["kairos"], res["best_tok_s"][b]["vllm"], f"{res['ratio_median'][b]:.2f}",
+             "{:.2f}-{:.2f}".format(*res["ratio_range"][b])] for b in batches]  # ratios to 2 digits: 1.46 is not 1.5
     print_table(headers, rows, title=f"{args.model}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
                 f"{args.reps} rounds side by side, {args.threads} threads")
     head = ", ".join(f"B={b} {res['ratio_median'][b]:.2f}x" for b in batches)

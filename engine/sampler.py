@@ -38,7 +38,8 @@ def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     bucket = p.view(torch.int32) >> 16  # p >= 0: the bits grow with the value
     mass = torch.bincount(bucket, weights=p.double(), minlength=1 << 15)
     above = mass.flip(0).cumsum(0).flip(0) - mass  # mass of the buckets above each one
-    b = int(torch.nonzero(above + mass >= top_p).max()) if bool((above + mass >= top_p).any()) else 0
+    reach = above + mass >= top_p  # the buckets from the top down to each one hold top_p
+    b = int(torch.nonzero(reach).max()) if bool(reach.any()) else 0
     inside = torch.sort(p[bucket == b], descending=True).values
     need = top_p - float(above[b])  # what the boundary bucket must add
     cum = torch.cumsum(inside.double(), 0)
