@@ -4,7 +4,7 @@
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...]
-    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--against OTHER.cpp ...]
+    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached] [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
                                  [--busy-ms 1 --every-ms 2] [--spinner-nice 0]
@@ -27,8 +27,9 @@ median and best of `--reps` on a fresh thread. With `--against`, each given vers
 `engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
 timed in turn with this tree's, alternating within every repetition (this box drifts within minutes).
 `attn`: the bf16 paged decode attention of every layer for B requests of `--context` tokens, their blocks scattered
-over each layer's cache (one cache per layer, so that a pass reads them from memory as a step does), timed the
-same way, with `--against` as for `gemm`.
+over each layer's cache (one cache per layer, so that a pass reads them from memory as a step does; `--cached`: one
+layer's cache for every layer, so that it comes from the caches and the arithmetic shows), timed the same way, with
+`--against` as for `gemm`.
 `omp`: 30 layers of SmolLM2-shaped bf16 GEMVs (packed oneDNN weights, one row), timed on a fresh thread,
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
@@ -239,7 +240,7 @@ def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: in
 
 
 def attn(model: str, batches: list[int], context: int, against: list[str], reps: int,
-         threads: int) -> dict[str, dict[int, tuple]]:
+         threads: int, cached: bool = False) -> dict[str, dict[int, tuple]]:
     import torch
 
     from engine.cpu_kernels import CpuKernels
@@ -252,7 +253,8 @@ def attn(model: str, batches: list[int], context: int, against: list[str], reps:
     def setup(b: int) -> tuple:
         blocks = b * width + 1
         caches = [tuple(torch.randn(blocks, bs, nkv, hd, generator=g).bfloat16() for _ in range(2))
-                  for _ in range(nl)]  # every layer's: the step reads them all from memory
+                  for _ in range(1 if cached else nl)]  # every layer's: the step reads them all from memory
+        caches *= nl // len(caches)  # --cached: one layer's cache every time, from the caches
         tables = torch.randperm(blocks - 1, generator=g)[:b * width].view(b, width).to(torch.int32)  # scattered
         return caches, tables, torch.full((b,), context, dtype=torch.int32), torch.randn(b, nh, hd).bfloat16()
 
@@ -375,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     at.add_argument("--against", action="append", default=[], help="another version of engine/cpu_kernels.cpp")
     at.add_argument("--reps", type=int, default=15)
     at.add_argument("--threads", type=int, default=2)
+    at.add_argument("--cached", action="store_true", help="one layer's cache for every layer (it stays cached)")
     sub.add_parser("omp")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
@@ -411,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
     elif args.cmd == "attn":
         for name, by_b in attn(args.model, [int(x) for x in args.batches.split(",")], args.context, args.against,
-                               args.reps, args.threads).items():
-            print(f"{name}: bf16 decode attention of every layer, context {args.context}, ms (median / best of "
+                               args.reps, args.threads, args.cached).items():
+            print(f"{name}: bf16 decode attention of every layer{' (cached)' if args.cached else ''}, context "
+                  f"{args.context}, ms (median / best of "
                   f"{args.reps}): " + ", ".join(f"B={b} {med:.2f} / {best:.2f}" for b, (med, best) in by_b.items()))
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):

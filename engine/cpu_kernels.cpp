@@ -605,43 +605,97 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, i
 // each K row as they are (no conversion), and the V rows two at a time: rows t and t+1 interleaved element by element
 // make bf16 pairs that one dot product weighs by the pair (p_t, p_t+1). The probabilities are normalised and rounded
 // to bf16 first, as HF's eager attention rounds softmax's output to the activations' dtype before its matmul with V.
-// Query heads go in groups whose accumulators fit in registers; each group reads the context's K and V rows again
-// (from cache). s: G * (L + 8) floats; p16: G * (L + 8) bf16.
+// Query heads go in groups of GN (a compile-time count, so that the group's accumulators live in registers); each
+// group reads the context's K and V rows again (from cache). s: G * (L + 8) floats; p16: G * (L + 8) bf16.
+
+// The scores of GN query heads (qr: the first one's row) against context rows [0, L8), scaled, into s (row stride L8).
+template <int HD, int GN>
+inline void dp_scores(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, int64_t L8,
+                      bool ask_rows, float scale, float* s, AskNext& next) {
+    constexpr int NV = HD / 32;  // 512-bit vectors of bf16 per head row
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m512bh q[GN][NV];
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < NV; ++c) q[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qr + g * HD + c * 32));
+    for (int64_t t0 = 0; t0 < L8; t0 += 8) {
+        if (ask_rows) ask_ahead(kc, vc, off, t0, L, HD * 2);
+        next.ask();
+        __m256 part[GN][8];
+        for (int tt = 0; tt < 8; ++tt) {
+            const int64_t t = t0 + tt;
+            if (t >= L) {
+                for (int g = 0; g < GN; ++g) part[g][tt] = _mm256_setzero_ps();
+                continue;
+            }
+            const bf16* kr = kc + off[t];
+            __m512bh k[NV];
+            for (int c = 0; c < NV; ++c) k[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kr + c * 32));
+            for (int g = 0; g < GN; ++g) {
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
+                for (int c = 1; c < NV; ++c) a = _mm512_dpbf16_ps(a, q[g][c], k[c]);
+                part[g][tt] = Vec16::to8(a);
+            }
+        }
+        for (int g = 0; g < GN; ++g) _mm256_storeu_ps(s + g * L8 + t0, _mm256_mul_ps(sum_each8(part[g]), sc));
+    }
+}
+
+// o (GN heads of HD) = the bf16 probabilities p16 (GN rows of stride LP, zero past L) x V's context rows.
+template <int HD, int GN>
+inline void dp_values(const bf16* vc, const int64_t* off, int64_t L, const bf16* p16, int64_t LP, bf16* o,
+                      AskNext& next) {
+    constexpr int NV = HD / 32;
+    // 128-bit lane j of unpacklo(a, b) holds the pairs of elements 8j..8j+3, unpackhi's those of 8j+4..8j+7: the
+    // accumulators' lanes go back to element order through these two permutations
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512 lo[GN][NV], hi[GN][NV];
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < NV; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += 2) {
+        next.ask();
+        const bf16* v0 = vc + off[t];
+        const bf16* v1 = t + 1 < L ? vc + off[t + 1] : nullptr;  // past an odd L: a zero row, never a read
+        __m512bh plo[NV], phi[NV];
+        for (int c = 0; c < NV; ++c) {
+            const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+            const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
+            plo[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+            phi[c] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+        }
+        for (int g = 0; g < GN; ++g) {
+            int32_t pair;
+            std::memcpy(&pair, p16 + g * LP + t, sizeof(pair));
+            const __m512bh pv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+            for (int c = 0; c < NV; ++c) {
+                lo[g][c] = _mm512_dpbf16_ps(lo[g][c], plo[c], pv);
+                hi[g][c] = _mm512_dpbf16_ps(hi[g][c], phi[c], pv);
+            }
+        }
+    }
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < NV; ++c) {
+            bf16* oc = o + g * HD + c * 32;
+            st16(oc, _mm512_permutex2var_ps(lo[g][c], first, hi[g][c]));
+            st16(oc + 16, _mm512_permutex2var_ps(lo[g][c], second, hi[g][c]));
+        }
+}
+
 template <int HD>
 void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, int64_t G,
                    float scale, bf16* o, float* s, bf16* p16, AskNext& next) {
-    constexpr int NV = HD / 32;          // 512-bit vectors of bf16 per head row
-    constexpr int GB = 12 / NV;          // heads per group: 2 * GB * NV accumulators in the V pass
+    constexpr int GB = 12 / (HD / 32);   // heads per group: 2 * GB * NV accumulators in the V pass
     const int64_t L8 = (L + 7) / 8 * 8;  // score rows, padded
     const int64_t LP = L8 + 2;           // p16 row length: even, with room for the pair past an odd L
-    const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        const int64_t gn = std::min<int64_t>(GB, G - g0);
-        __m512bh q[GB][NV];
-        for (int64_t g = 0; g < gn; ++g)
-            for (int c = 0; c < NV; ++c)
-                q[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qr + (g0 + g) * HD + c * 32));
-        for (int64_t t0 = 0; t0 < L8; t0 += 8) {
-            if (g0 == 0) ask_ahead(kc, vc, off, t0, L, HD * 2);
-            next.ask();
-            __m256 part[GB][8];
-            for (int tt = 0; tt < 8; ++tt) {
-                const int64_t t = t0 + tt;
-                if (t >= L) {
-                    for (int64_t g = 0; g < gn; ++g) part[g][tt] = _mm256_setzero_ps();
-                    continue;
-                }
-                const bf16* kr = kc + off[t];
-                __m512bh k[NV];
-                for (int c = 0; c < NV; ++c) k[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kr + c * 32));
-                for (int64_t g = 0; g < gn; ++g) {
-                    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[g][0], k[0]);
-                    for (int c = 1; c < NV; ++c) a = _mm512_dpbf16_ps(a, q[g][c], k[c]);
-                    part[g][tt] = Vec16::to8(a);
-                }
-            }
-            for (int64_t g = 0; g < gn; ++g)
-                _mm256_storeu_ps(s + (g0 + g) * L8 + t0, _mm256_mul_ps(sum_each8(part[g]), _mm512_castps512_ps256(sc)));
+        const bf16* qg = qr + g0 * HD;
+        float* sg = s + g0 * L8;
+        switch (std::min<int64_t>(GB, G - g0)) {
+#define KAIROS_SCORES(GN) \
+    case GN: if constexpr (GN <= GB) dp_scores<HD, GN>(qg, kc, vc, off, L, L8, g0 == 0, scale, sg, next); break;
+            KAIROS_SCORES(1) KAIROS_SCORES(2) KAIROS_SCORES(3) KAIROS_SCORES(4) KAIROS_SCORES(5) KAIROS_SCORES(6)
+#undef KAIROS_SCORES
+            default: break;
         }
     }
     for (int64_t g = 0; g < G; ++g) {  // softmax, normalised, rounded to bf16
@@ -665,42 +719,16 @@ void attend_one_dp(const bf16* qr, const bf16* kc, const bf16* vc, const int64_t
         for (int64_t t = 0; t < L8; t += 8) store8(pg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
         pg[L8] = pg[L8 + 1] = 0;
     }
-    // 128-bit lane j of unpacklo(a, b) holds the pairs of elements 8j..8j+3, unpackhi's those of 8j+4..8j+7: the
-    // accumulators' lanes go back to element order through these two permutations
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        const int64_t gn = std::min<int64_t>(GB, G - g0);
-        __m512 lo[GB][NV], hi[GB][NV];
-        for (int64_t g = 0; g < gn; ++g)
-            for (int c = 0; c < NV; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < L; t += 2) {
-            next.ask();
-            const bf16* v0 = vc + off[t];
-            const bf16* v1 = t + 1 < L ? vc + off[t + 1] : nullptr;  // past an odd L: a zero row, never a read
-            __m512bh plo[NV], phi[NV];
-            for (int c = 0; c < NV; ++c) {
-                const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-                const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
-                plo[c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
-                phi[c] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
-            }
-            for (int64_t g = 0; g < gn; ++g) {
-                int32_t pair;
-                std::memcpy(&pair, p16 + (g0 + g) * LP + t, sizeof(pair));
-                const __m512bh pv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-                for (int c = 0; c < NV; ++c) {
-                    lo[g][c] = _mm512_dpbf16_ps(lo[g][c], plo[c], pv);
-                    hi[g][c] = _mm512_dpbf16_ps(hi[g][c], phi[c], pv);
-                }
-            }
+        const bf16* pg = p16 + g0 * LP;
+        bf16* og = o + g0 * HD;
+        switch (std::min<int64_t>(GB, G - g0)) {
+#define KAIROS_VALUES(GN) \
+    case GN: if constexpr (GN <= GB) dp_values<HD, GN>(vc, off, L, pg, LP, og, next); break;
+            KAIROS_VALUES(1) KAIROS_VALUES(2) KAIROS_VALUES(3) KAIROS_VALUES(4) KAIROS_VALUES(5) KAIROS_VALUES(6)
+#undef KAIROS_VALUES
+            default: break;
         }
-        for (int64_t g = 0; g < gn; ++g)
-            for (int c = 0; c < NV; ++c) {
-                bf16* oc = o + (g0 + g) * HD + c * 32;
-                st16(oc, _mm512_permutex2var_ps(lo[g][c], first, hi[g][c]));
-                st16(oc + 16, _mm512_permutex2var_ps(lo[g][c], second, hi[g][c]));
-            }
     }
 }
 #endif

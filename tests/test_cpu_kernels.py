@@ -77,7 +77,7 @@ LENS = {"few": [1, 7, 16, 17, 100, 250], "runs": [5, 250, 1, 33, 64, 17, 100, 2,
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 16, 2)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 4, 4), (128, 16, 2), (64, 14, 2)])
 @pytest.mark.parametrize("batch", sorted(LENS))
 def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, head_dim, heads, kv_heads, batch):
     g = torch.Generator().manual_seed(head_dim + heads)
