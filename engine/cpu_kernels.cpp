@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -855,6 +856,141 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64
 }
 
 
+// ---- Sampling ----------------------------------------------------------------------------------------------------
+// One token per row of logits [n, width] (row stride ld), drawn as engine/sampler.py's torch path draws it: x =
+// logits / T; top-k (0 < k < width) keeps the values >= the k-th largest (ties stay); p = softmax over the kept; top-p
+// (< 1) keeps the smallest prefix of the p sorted from the largest whose mass reaches top_p (of tokens tied at its last
+// value, the first ones in vocabulary order, as a stable sort would keep them); the token
+// is the first index, in vocabulary order, where the kept mass from index 0 exceeds u x the kept total. Every row
+// touches its logits once and its probabilities a few times, with no sort of the vocabulary: the nucleus's edge is
+// found from the mass per bucket of the probabilities' float bits (they order the values), and only the edge
+// bucket's values are sorted. Row i of the batch is row rows[i] of the logits; out[i] = -1 for a row with a NaN or
+// +inf logit, or nothing kept.
+constexpr int kSampleBucketShift = 20;  // 11 bits of a non-negative float: 8 of exponent, 3 of mantissa
+
+template <typename T>
+void sample_rows(const T* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t width, const float* temp,
+                 const int64_t* top_k, const float* top_p, const float* u, int64_t* out, int nthreads) {
+    parallel_for(n, n * width >= 65536 ? nthreads : 1, [&](int64_t i) {
+        thread_local std::vector<float> e, pick;
+        thread_local std::vector<double> mass;
+        if (static_cast<int64_t>(e.size()) < width) e.resize(width);
+        float* x = e.data();
+        const T* r = logits + rows[i] * ld;
+        const float t = temp[i];
+        float m = -INFINITY;
+        int bad = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad)
+        for (int64_t j = 0; j < width; ++j) {
+            const float v = Num<T>::ld(r[j]) / t;
+            x[j] = v;
+            m = v > m ? v : m;
+            bad |= v != v;
+        }
+        out[i] = -1;
+        if (bad || m == INFINITY || m == -INFINITY) return;
+        float floor = -INFINITY;  // top-k: the k-th largest value; below it, a token weighs 0
+        const int64_t k = top_k[i];
+        if (k > 0 && k < width && k <= 1024) {  // a min-heap of the k largest so far: few values get past its top
+            pick.assign(x, x + k);
+            std::make_heap(pick.begin(), pick.end(), std::greater<float>());
+            for (int64_t j = k; j < width; ++j)
+                if (x[j] > pick.front()) {
+                    std::pop_heap(pick.begin(), pick.end(), std::greater<float>());
+                    pick.back() = x[j];
+                    std::push_heap(pick.begin(), pick.end(), std::greater<float>());
+                }
+            floor = pick.front();
+        } else if (k > 0 && k < width) {
+            pick.assign(x, x + width);
+            std::nth_element(pick.begin(), pick.begin() + (k - 1), pick.end(), std::greater<float>());
+            floor = pick[k - 1];
+        }
+        const float cut = std::max(floor, std::nextafter(-INFINITY, 0.f));  // a masked (-inf) token weighs 0 too
+        double total = 0.0;  // of the weights exp(x - m), in [0, 1]
+        int64_t j = 0;
+#ifdef __AVX2__
+        {
+            const __m256 mv = _mm256_set1_ps(m), cv = _mm256_set1_ps(cut);
+            __m256 acc = _mm256_setzero_ps();
+            for (; j + 8 <= width; j += 8) {
+                const __m256 v = _mm256_loadu_ps(x + j);
+                const __m256 w = _mm256_and_ps(exp_nonpos_v<Vec8>(_mm256_sub_ps(v, mv)),
+                                               _mm256_cmp_ps(v, cv, _CMP_GE_OQ));
+                _mm256_storeu_ps(x + j, w);
+                acc = _mm256_add_ps(acc, w);
+            }
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, acc);
+            for (const float l : lanes) total += l;
+        }
+#endif
+        for (; j < width; ++j) {
+            x[j] = x[j] >= cut ? exp_nonpos(x[j] - m) : 0.f;
+            total += x[j];
+        }
+        float keep = 0.f;     // the smallest weight kept...
+        int64_t ties = width;  // ...and how many tokens of that weight, the first ones in vocabulary order
+        if (top_p[i] < 1.f) {
+            const double target = static_cast<double>(top_p[i]) * total;
+            // two histograms, even and odd tokens, so that runs of tokens in one bucket do not wait on each other
+            const int64_t buckets = (0x7f800000 >> kSampleBucketShift) + 1;
+            mass.assign(2 * buckets, 0.0);
+            for (int64_t j = 0; j < width; ++j) {
+                uint32_t bits;
+                std::memcpy(&bits, x + j, sizeof(bits));
+                if (bits != 0) mass[(j & 1) * buckets + (bits >> kSampleBucketShift)] += x[j];
+            }
+            for (int64_t b = 0; b < buckets; ++b) mass[b] += mass[buckets + b];
+            mass.resize(buckets);
+            int64_t edge = 0;  // the bucket where the mass from the top reaches top_p
+            double above = 0.0;
+            for (int64_t b = static_cast<int64_t>(mass.size()) - 1; b >= 0; --b) {
+                if (above + mass[b] >= target) {
+                    edge = b;
+                    break;
+                }
+                above += mass[b];
+            }
+            pick.clear();
+            for (int64_t j = 0; j < width; ++j) {
+                uint32_t bits;
+                std::memcpy(&bits, x + j, sizeof(bits));
+                if ((bits >> kSampleBucketShift) == static_cast<uint32_t>(edge)) pick.push_back(x[j]);
+            }
+            std::sort(pick.begin(), pick.end(), std::greater<float>());
+            keep = pick.empty() ? 0.f : pick.back();
+            ties = static_cast<int64_t>(pick.size());
+            for (size_t a = 0; a < pick.size(); ++a) {  // the sorted prefix reaching top_p: its last value, and how
+                above += pick[a];                        // many of the tokens of that value it holds
+                if (above >= target) {
+                    keep = pick[a];
+                    ties = static_cast<int64_t>(a + 1 - (std::lower_bound(pick.begin(), pick.end(), keep,
+                                                                          std::greater<float>()) - pick.begin()));
+                    break;
+                }
+            }
+            float kept = 0.f;
+#pragma omp simd reduction(+ : kept)
+            for (int64_t k = 0; k < width; ++k) kept += x[k] > keep ? x[k] : 0.f;
+            total = static_cast<double>(kept) + static_cast<double>(ties) * keep;
+        }
+        if (!(total > 0.0)) return;
+        const float goal = u[i] * static_cast<float>(total);
+        float run = 0.f;
+        int64_t last = -1;
+        for (int64_t j = 0; j < width; ++j) {
+            const float w = x[j];
+            if (w > 0.f && (w > keep || (w == keep && ties-- > 0))) {
+                run += w;
+                last = j;
+                if (run > goal) break;
+            }
+        }
+        out[i] = last;  // past the goal, or (rounding) the last kept token
+    });
+}
+
 // ---- Linear layers on packed bf16 weights (AMX, else AVX512-BF16) ---------------------------------------------
 // A weight W [N, K] is packed once at load (engine/cpu_kernels.py: pack_weight) into panels of 16 output columns;
 // a panel holds K/2 rows of 64 bytes, each 16 columns x 2 consecutive k (the "VNNI" pairs that AMX's bf16 dot
@@ -1215,7 +1351,16 @@ int packed_gemm_granted = -1;  // what packed_gemm_enable found, once
 
 extern "C" {
 
-int kairos_abi_version() { return 6; }
+int kairos_abi_version() { return 7; }
+
+void kairos_sample_rows(int dtype, const void* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t width,
+                        const float* temp, const int64_t* top_k, const float* top_p, const float* u, int64_t* out,
+                        int nthreads) {
+    if (dtype == 1)
+        sample_rows(static_cast<const bf16*>(logits), ld, rows, n, width, temp, top_k, top_p, u, out, nthreads);
+    else
+        sample_rows(static_cast<const float*>(logits), ld, rows, n, width, temp, top_k, top_p, u, out, nthreads);
+}
 
 void kairos_argmax_rows(int dtype, const void* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out,
                         int nthreads) {

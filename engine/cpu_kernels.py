@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
@@ -92,7 +92,9 @@ class CpuKernels:
         lib.kairos_decode_attn.argtypes = [_int, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
                                            _f32, _int]
         lib.kairos_argmax_rows.argtypes = [_int, _p, _i64, _i64, _i64, _p, _int]
-        for fn in (lib.kairos_rms_norm, lib.kairos_rope_write, lib.kairos_decode_attn, lib.kairos_argmax_rows):
+        lib.kairos_sample_rows.argtypes = [_int, _p, _i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _int]
+        for fn in (lib.kairos_rms_norm, lib.kairos_rope_write, lib.kairos_decode_attn, lib.kairos_argmax_rows,
+                   lib.kairos_sample_rows):
             fn.restype = None
         lib.kairos_gemm_packed.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _int, _int]
         lib.kairos_gemm_packed.restype = _int
@@ -268,6 +270,24 @@ class CpuKernels:
             return x.max(dim=-1).indices.tolist()
         out = torch.empty(n, dtype=torch.int64)
         self.lib.kairos_argmax_rows(DTYPES[x.dtype], x.data_ptr(), x.stride(0), n, width, out.data_ptr(),
+                                    torch.get_num_threads())
+        return out.tolist()
+
+    def sample_rows(self, x: torch.Tensor, rows: list[int], temperature: list[float], top_k: list[int],
+                    top_p: list[float], u: torch.Tensor) -> list[int] | None:
+        """One token for each of x's `rows` (logits [n, width], float32 or bfloat16, unit stride along the row):
+        temperature, top-k (0: off), top-p (1: off) and an inverse-CDF draw with the row's uniform number u, as
+        `engine.sampler`'s torch path does; -1 for a row whose logits hold a NaN or +inf. None where x does not
+        fit (the caller then runs the torch path)."""
+        if x.dtype not in DTYPES or x.stride(1) != 1 or x.device.type != "cpu":
+            return None
+        m = len(rows)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        temp, p = torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_p, dtype=torch.float32)
+        k, u = torch.tensor(top_k, dtype=torch.int64), u.to(torch.float32).contiguous()
+        out = torch.empty(m, dtype=torch.int64)
+        self.lib.kairos_sample_rows(DTYPES[x.dtype], x.data_ptr(), x.stride(0), idx.data_ptr(), m, x.shape[1],
+                                    temp.data_ptr(), k.data_ptr(), p.data_ptr(), u.data_ptr(), out.data_ptr(),
                                     torch.get_num_threads())
         return out.tolist()
 

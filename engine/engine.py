@@ -114,7 +114,8 @@ class LLMEngine:
         decoder = build_decoder(config.model_impl, b, self.upcast_linears > 0, kernels)
         self.runner = ModelRunner(b.model, self.cache, b.device, decoder, kernels)
         self.sampler = Sampler(b.vocab_limit, b.eos_token_ids, b.device,
-                               kernels.argmax_rows if kernels is not None else None)
+                               kernels.argmax_rows if kernels is not None else None,
+                               kernels.sample_rows if kernels is not None else None)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size)
         self.outputs = OutputProcessor(b.tokenizer)

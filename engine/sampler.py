@@ -71,14 +71,22 @@ def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> to
     return out
 
 
+# (logits, rows, temperatures, top-ks, top-ps, uniforms) -> a token per row (-1: the row's logits are not finite),
+# or None where it cannot run on these logits: `CpuKernels.sample_rows`
+DrawRows = Callable[[torch.Tensor, list[int], list[float], list[int], list[float], torch.Tensor], list[int] | None]
+
+
 class Sampler:
     def __init__(self, vocab_limit: int, eos_token_ids: list[int], device: torch.device,
-                 argmax: Callable[[torch.Tensor], list[int]] | None = None) -> None:
-        """`argmax`: each row's first maximum as a list (`CpuKernels.argmax_rows` on CPU), else torch's."""
+                 argmax: Callable[[torch.Tensor], list[int]] | None = None, draw: DrawRows | None = None) -> None:
+        """`argmax`: each row's first maximum as a list (`CpuKernels.argmax_rows` on CPU), else torch's. `draw`:
+        the sampled rows in one call (`CpuKernels.sample_rows` on CPU: each row touches its logits once, instead
+        of torch's softmax, cumsum and top-k over the whole batch), else the torch ops below."""
         self.vocab_limit = vocab_limit
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.argmax = argmax or _first_max
+        self.draw = draw
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, req: Request) -> torch.Generator | None:
@@ -122,6 +130,16 @@ class Sampler:
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int | Exception]:
         """The sampled rows together: temperature, top-k (per row), softmax, then each row's draw, with one uniform
         number per row from its request's generator (seeded requests) or the default one."""
+        u = torch.rand(len(reqs))
+        for j, r in enumerate(reqs):
+            gen = self._generator(r)
+            if gen is not None:
+                u[j] = torch.rand((), generator=gen)
+        if self.draw is not None:
+            drawn = self.draw(logits, rows, [r.params.temperature for r in reqs], [r.params.top_k or 0 for r in reqs],
+                              [r.params.top_p for r in reqs], u)
+            if drawn is not None:
+                return [t if t >= 0 else RuntimeError("sampling: the probabilities are not finite") for t in drawn]
         x = (logits if len(rows) == logits.shape[0] else logits[rows]).float()  # fp32; the logits are ours to change
         x.div_(torch.tensor([[r.params.temperature] for r in reqs]))
         for j, r in enumerate(reqs):
@@ -130,11 +148,6 @@ class Sampler:
                 kth = torch.topk(x[j], k).values[-1]
                 x[j].masked_fill_(x[j] < kth, float("-inf"))
         probs = torch.softmax(x, dim=-1)
-        u = torch.rand(len(reqs))
-        for j, r in enumerate(reqs):
-            gen = self._generator(r)
-            if gen is not None:
-                u[j] = torch.rand((), generator=gen)
         total = probs.sum(dim=-1)  # NaN where a row's logits held one: that row fails alone
         ok = torch.isfinite(total) & (total > 0)
         top_p = torch.tensor([r.params.top_p for r in reqs])

@@ -99,6 +99,63 @@ def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, h
         torch.testing.assert_close(got[i].float(), ref, rtol=tol, atol=tol)
 
 
+def _kept_weights(x: torch.Tensor, temp: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The torch reference of one row: softmax of x / temp over the top-k, then the smallest prefix of the
+    probabilities sorted from the largest that reaches top_p (of tokens tied at its last value, the first in
+    vocabulary order), as weights in vocabulary order."""
+    x = x.float() / temp
+    if 0 < top_k < x.numel():
+        x = x.masked_fill(x < torch.topk(x, top_k).values[-1], float("-inf"))
+    p = torch.softmax(x.double(), -1)
+    if top_p < 1.0:
+        vals, _ = torch.sort(p, descending=True)
+        cum = torch.cumsum(vals, 0)
+        at = int(torch.searchsorted(cum, torch.tensor([top_p], dtype=cum.dtype)).clamp(max=p.numel() - 1))
+        ties = at + 1 - int((vals > vals[at]).sum())  # of the tokens of the last value, how many the prefix holds
+        tied = (p == vals[at]).nonzero().flatten()
+        p = torch.where(p > vals[at], p, torch.zeros_like(p))
+        p[tied[:ties]] = vals[at]
+    return p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temp,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 40, 1.0), (1.0, 40, 0.5),
+                                              (1.0, 0, 0.999), (1.0, 2000, 0.95)])
+def test_sample_rows_draws_the_token_whose_interval_holds_u(kernels, dtype, temp, top_k, top_p):
+    """Each kept token owns the slice of [0, 1) that its weight takes in vocabulary order: a u in the middle of a
+    token's slice draws that token, for peaked and flat rows, with the rows picked out of a wider batch."""
+    g = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    width = 3000
+    logits = torch.randn(4, width + 7, generator=g)[:, :width]  # rows strided past the vocabulary, as in the engine
+    logits[0] *= 6.0  # peaked
+    logits[1] *= 0.2  # flat
+    logits[2, 17] = float("-inf")  # a banned token
+    logits = logits.to(dtype)
+    rows = [2, 0, 1]
+    for i, row in enumerate(rows):
+        w = _kept_weights(logits[row], temp, top_k, top_p)
+        cum = torch.cumsum(w, 0)
+        kept = w.nonzero().flatten()
+        if top_p < 1.0:
+            assert kept.numel() < width
+        kept = kept[w[kept] > 1e-4 * cum[-1]]  # slices wide against the kernel's float sums
+        picks = kept[torch.linspace(0, kept.numel() - 1, min(25, kept.numel())).long()]
+        for j in picks.tolist():
+            mid = float((cum[j] - w[j] / 2) / cum[-1])
+            u = torch.full((len(rows),), 0.5)
+            u[i] = mid
+            got = kernels.sample_rows(logits, rows, [temp] * 3, [top_k] * 3, [top_p] * 3, u)
+            assert got[i] == j, (row, j, got[i])
+
+
+def test_sample_rows_fails_a_row_with_a_nan_alone(kernels):
+    logits = torch.randn(3, 100)
+    logits[1, 5] = float("nan")
+    logits[2, :] = float("-inf")  # nothing left to draw
+    got = kernels.sample_rows(logits, [0, 1, 2], [1.0] * 3, [0] * 3, [0.9] * 3, torch.rand(3))
+    assert 0 <= got[0] < 100 and got[1:] == [-1, -1]
+
+
 def test_unsupported_combinations_fall_back_or_refuse():
     cpu = torch.device("cpu")
     assert cpu_kernels.choose("off", cpu, torch.float32, torch.float32, 64) is None

@@ -1,4 +1,6 @@
-"""The sampler's masks and greedy choice on hand-made logits (pure unit)."""
+"""The sampler's masks, greedy choice and draws on hand-made logits, on torch's ops and on the CPU kernel's
+`sample_rows`."""
+import pytest
 import torch
 
 from core.request import Request
@@ -41,6 +43,19 @@ def _sampled(rid: str, **params) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(**params))
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def draw(request):
+    """The draw path: torch's ops, or the compiled CPU kernel (where it builds)."""
+    if request.param == "torch":
+        return None
+    from engine import cpu_kernels
+
+    try:
+        return cpu_kernels.load().sample_rows
+    except cpu_kernels.KernelsUnavailable as e:
+        pytest.skip(str(e))
+
+
 def _counts(s: Sampler, logits: torch.Tensor, req: Request, n: int) -> torch.Tensor:
     """How often each token was drawn in n steps of a batch of 8 copies of one row."""
     counts = torch.zeros(logits.shape[-1])
@@ -51,9 +66,9 @@ def _counts(s: Sampler, logits: torch.Tensor, req: Request, n: int) -> torch.Ten
     return counts
 
 
-def test_temperature_draws_follow_the_softmax():
+def test_temperature_draws_follow_the_softmax(draw):
     torch.manual_seed(0)
-    s = Sampler(vocab_limit=6, eos_token_ids=[EOS], device=torch.device("cpu"))
+    s = Sampler(vocab_limit=6, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]])
     n = 16000
     for temp in (1.0, 0.5):
@@ -63,9 +78,9 @@ def test_temperature_draws_follow_the_softmax():
         assert torch.all((counts - want).abs() <= 5 * want.sqrt() + 1), (counts, want)
 
 
-def test_top_p_keeps_the_smallest_nucleus_and_top_k_the_k_best():
+def test_top_p_keeps_the_smallest_nucleus_and_top_k_the_k_best(draw):
     torch.manual_seed(1)
-    s = Sampler(vocab_limit=200, eos_token_ids=[EOS], device=torch.device("cpu"))
+    s = Sampler(vocab_limit=200, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
     probs = torch.full((200,), 0.3 / 196)
     probs[[10, 20, 30, 40]] = torch.tensor([0.4, 0.2, 0.05, 0.05])  # 0.4, then 0.6, then 0.65
     logits = probs.log().unsqueeze(0)
@@ -84,8 +99,8 @@ def test_top_p_keeps_the_smallest_nucleus_and_top_k_the_k_best():
     assert int((counts > 0).sum()) in (170, 171)
 
 
-def test_seeded_rows_repeat_and_a_bad_row_fails_alone():
-    s = Sampler(vocab_limit=50, eos_token_ids=[EOS], device=torch.device("cpu"))
+def test_seeded_rows_repeat_and_a_bad_row_fails_alone(draw):
+    s = Sampler(vocab_limit=50, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
     logits[2, 7] = float("nan")
 
