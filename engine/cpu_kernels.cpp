@@ -1176,6 +1176,8 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
     }
 }
 
+constexpr int64_t kAskNextRunRows = 8;
+
 // gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
 // still unassigned, so that a thread streams long runs first (the next pair fetched while one computes) and the
 // threads end within a pair or two of each other (equal runs left one thread idle for up to a run at the end).
@@ -1197,24 +1199,37 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
 #ifdef KAIROS_AVX512_BF16
     if (isa == kIsaAvx512Bf16) {
         const int64_t block = 256;  // rows per pass over the weights
-        parallel_for(tasks, nthreads, [&](int64_t task) {
+        // each thread claims runs in order until none is left; while it computes the last pair of a run, it asks
+        // for the pair it will most likely compute next: the run's first again (the next block of rows), else,
+        // from kAskNextRunRows rows on, the first pair of the run next to be claimed, so that a run's first pair
+        // does not start cold (with fewer rows the weights' stream is the step, and the extra asks slowed it)
+        std::atomic<int64_t> claimed{0};
+        parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
             alignas(64) float c[kDpRows * 32];
-            const int64_t p0 = runs[task], p1 = runs[task + 1];
-            for (int64_t r0 = 0; r0 < m; r0 += block) {
-                const int64_t r1 = std::min(m, r0 + block);
-                for (int64_t p = p0; p < p1; ++p) {
-                    const bf16* b0 = w + 2 * p * panel;
-                    // the weights come from memory once per block of rows: while the row groups run over this
-                    // pair, the next pair (k lines of 64 bytes) is fetched into L2, a share per group
-                    const char* next = reinterpret_cast<const char*>(b0 + 2 * panel);
-                    const int64_t groups = (r1 - r0 + kDpRows - 1) / kDpRows;
-                    const int64_t share = p + 1 < p1 ? (k + groups - 1) / groups : 0;
-                    for (int64_t i = r0, g = 0; i < r1; i += kDpRows, ++g) {
-                        const int64_t rows = std::min<int64_t>(kDpRows, r1 - i);
-                        const int64_t first = std::min(k, g * share);
-                        dp_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
-                                std::min(k, first + share) - first);
-                        gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+            for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
+                 task = claimed.fetch_add(1, std::memory_order_relaxed)) {
+                const int64_t p0 = runs[task], p1 = runs[task + 1];
+                for (int64_t r0 = 0; r0 < m; r0 += block) {
+                    const int64_t r1 = std::min(m, r0 + block);
+                    for (int64_t p = p0; p < p1; ++p) {
+                        const bf16* b0 = w + 2 * p * panel;
+                        int64_t ahead = p + 1;  // the pair to fetch into L2 while the row groups run over this one
+                        if (ahead == p1) {
+                            const int64_t t = claimed.load(std::memory_order_relaxed);
+                            ahead = r1 < m ? p0 : t < tasks && m >= kAskNextRunRows ? runs[t] : -1;
+                        }
+                        // the weights come from memory once per block of rows: that pair (k lines of 64 bytes)
+                        // is asked for a share per row group
+                        const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
+                        const int64_t groups = (r1 - r0 + kDpRows - 1) / kDpRows;
+                        const int64_t share = ahead >= 0 ? (k + groups - 1) / groups : 0;
+                        for (int64_t i = r0, g = 0; i < r1; i += kDpRows, ++g) {
+                            const int64_t rows = std::min<int64_t>(kDpRows, r1 - i);
+                            const int64_t first = std::min(k, g * share);
+                            dp_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
+                                    std::min(k, first + share) - first);
+                            gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+                        }
                     }
                 }
             }
