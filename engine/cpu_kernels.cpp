@@ -889,7 +889,7 @@ void sample_rows(const T* logits, int64_t ld, const int64_t* rows, int64_t n, in
         }
         out[i] = -1;
         if (bad || m == INFINITY || m == -INFINITY) return;
-        float floor = -INFINITY;  // top-k: the k-th largest value; below it, a token weighs 0
+        float kth = -INFINITY;  // top-k: the k-th largest value; below it, a token weighs 0
         const int64_t k = top_k[i];
         if (k > 0 && k < width && k <= 1024) {  // a min-heap of the k largest so far: few values get past its top
             pick.assign(x, x + k);
@@ -900,13 +900,13 @@ void sample_rows(const T* logits, int64_t ld, const int64_t* rows, int64_t n, in
                     pick.back() = x[j];
                     std::push_heap(pick.begin(), pick.end(), std::greater<float>());
                 }
-            floor = pick.front();
+            kth = pick.front();
         } else if (k > 0 && k < width) {
             pick.assign(x, x + width);
             std::nth_element(pick.begin(), pick.begin() + (k - 1), pick.end(), std::greater<float>());
-            floor = pick[k - 1];
+            kth = pick[k - 1];
         }
-        const float cut = std::max(floor, std::nextafter(-INFINITY, 0.f));  // a masked (-inf) token weighs 0 too
+        const float cut = std::max(kth, std::nextafter(-INFINITY, 0.f));  // a masked (-inf) token weighs 0 too
         double total = 0.0;  // of the weights exp(x - m), in [0, 1]
         int64_t j = 0;
 #ifdef __AVX2__
