@@ -4,7 +4,8 @@
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...]
-    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached] [--against OTHER.cpp ...]
+    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached]
+                              [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
                                  [--busy-ms 1 --every-ms 2] [--spinner-nice 0]
