@@ -14,6 +14,7 @@ from core.request import Request
 # top-p looks for the kept tokens among each row's most likely ones, this many first, then more, then in the whole
 # row (`_nucleus`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
 TOP_P_CANDIDATES = (64, 1024)
+NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits held a NaN or +inf fails alone
 
 
 def _first_max(logits: torch.Tensor) -> list[int]:
@@ -139,7 +140,7 @@ class Sampler:
             drawn = self.draw(logits, rows, [r.params.temperature for r in reqs], [r.params.top_k or 0 for r in reqs],
                               [r.params.top_p for r in reqs], u)
             if drawn is not None:
-                return [t if t >= 0 else RuntimeError("sampling: the probabilities are not finite") for t in drawn]
+                return [t if t >= 0 else RuntimeError(NOT_FINITE) for t in drawn]
         x = (logits if len(rows) == logits.shape[0] else logits[rows]).float()  # fp32; the logits are ours to change
         x.div_(torch.tensor([[r.params.temperature] for r in reqs]))
         for j, r in enumerate(reqs):
@@ -161,5 +162,5 @@ class Sampler:
                 tokens[plain] = _draw(probs[plain], u[plain])
             if nucleus.any():
                 tokens[nucleus] = _top_p_draw(probs[nucleus], top_p[nucleus], u[nucleus])
-        return [int(t) if good else RuntimeError("sampling: the probabilities are not finite")
+        return [int(t) if good else RuntimeError(NOT_FINITE)
                 for t, good in zip(tokens.tolist(), ok.tolist())]

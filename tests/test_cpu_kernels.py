@@ -139,6 +139,7 @@ def test_sample_rows_draws_the_token_whose_interval_holds_u(kernels, dtype, temp
         if top_p < 1.0:
             assert kept.numel() < width
         kept = kept[w[kept] > 1e-4 * cum[-1]]  # slices wide against the kernel's float sums
+        assert kept.numel() > 0
         picks = kept[torch.linspace(0, kept.numel() - 1, min(25, kept.numel())).long()]
         for j in picks.tolist():
             mid = float((cum[j] - w[j] / 2) / cum[-1])
