@@ -307,6 +307,26 @@ void rms_norm(const T* x, int64_t x_stride, const T* w, T* y, int64_t n, int64_t
     });
 }
 
+#ifdef KAIROS_AVX512_BF16
+// rope_write's rotation of one row's `nrot` heads for bf16 with half a head a multiple of 16: the same roundings
+inline void rope_row16(bf16* row, const bf16* c, const bf16* s, int64_t nrot, int64_t hd) {
+    const int64_t half = hd / 2;
+    const __m512 neg = _mm512_set1_ps(-0.f);
+    for (int64_t h = 0; h < nrot; ++h) {
+        bf16* v = row + h * hd;
+        for (int64_t j = 0; j < half; j += 16) {
+            const __m512 x1 = ld16(v + j), x2 = ld16(v + j + half);
+            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, ld16(c + j))),
+                                            round16(_mm512_mul_ps(_mm512_xor_ps(x2, neg), ld16(s + j))));
+            const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(x2, ld16(c + j + half))),
+                                            round16(_mm512_mul_ps(x1, ld16(s + j + half))));
+            st16(v + j, lo);
+            st16(v + j + half, hi);
+        }
+    }
+}
+#endif
+
 template <typename T>
 void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const int64_t* pos, const int64_t* slots,
                 T* kc, T* vc, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int nthreads) {
@@ -316,6 +336,12 @@ void rope_write(T* qkv, int64_t row_stride, const T* cos, const T* sin, const in
         const T* c = cos + pos[i] * hd;
         const T* s = sin + pos[i] * hd;
         float tmp[1024];  // head_dim <= 1024 (checked by the caller)
+#ifdef KAIROS_AVX512_BF16
+        if (std::is_same<T, bf16>::value && half % 16 == 0) {
+            rope_row16(reinterpret_cast<bf16*>(row), reinterpret_cast<const bf16*>(c),
+                       reinterpret_cast<const bf16*>(s), nrot, hd);
+        } else
+#endif
         for (int64_t h = 0; h < nrot; ++h) {
             T* v = row + h * hd;
             // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): two halves, so that each loop vectorises
