@@ -157,6 +157,7 @@ class Record:
     finished_s: float | None = None  # absolute end (last token, rejection, give-up)
     reject_reason: str | None = None
     prompt_len: int = 0
+    max_tokens: int = 0  # the output length asked for
     hops: dict[str, float] = field(default_factory=dict)  # HTTP: where the time to the first token went (ms)
     index: int = -1  # position in the offered list
     sent_s: float | None = None  # add_request returned / the response headers arrived
@@ -192,7 +193,7 @@ class Record:
 
 
 def new_record(i: int, w: WorkItem, arrival: float) -> Record:
-    return Record(w.tier, w.ttft_ms, w.tpot_ms, arrival, prompt_len=w.prompt_len, index=i)
+    return Record(w.tier, w.ttft_ms, w.tpot_ms, arrival, prompt_len=w.prompt_len, max_tokens=w.max_tokens, index=i)
 
 
 @dataclass

@@ -547,7 +547,8 @@ def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float
             "policy": policy, "load_multiple": load, "seed": seed, "tier": r.tier, "warmup": id(r) not in kept,
             "arrival_s": r.arrival_s - run.started_s, "rejected": r.rejected, "finish_reason": r.finish_reason,
             "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
-            "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "prompt_len": r.prompt_len,
+            "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "max_tokens": r.max_tokens,
+            "prompt_len": r.prompt_len,
             "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
             "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None, "replica": r.replica,
             "rerouted": r.rerouted, **times})))
