@@ -109,6 +109,9 @@ class SchedulerConfig(BaseModel):
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")
     shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")
+    shed_pace_factor: float = Field(1.0, gt=0, le=1, description="work shedding: a fresh request whose TPOT would "
+                                    "set a faster pace for the whole batch is shed above this share of the "
+                                    "threshold (shedding.sheds)")
     correction_safety: float = Field(1.0, ge=1, description="multiplies the measured factor f; the gate "
                                      "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 measured best at "
                                      "1.5x capacity (3 seeds: 10.9 vs 9.3 req/s with 1.1, bench/README.md)")

@@ -23,7 +23,7 @@ from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_waiting
-from scheduling.shedding import WorkShedder
+from scheduling.shedding import WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
                                    next_token_slack_ms, passes_gate, select_by_credit, trim_for_catch_up, vbs)
@@ -221,12 +221,14 @@ class Scheduler:
         shed_above = self._shed_threshold(now)
         stall = self._stall_room(now) if f.prefill_hold else None  # (ms to a reply's next token, decode ms)
         round_tokens = 0
+        pace = min((r.tpot_slo_ms for r in self.running), default=math.inf)  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
-            nonlocal kv_full, round_tokens
+            nonlocal kv_full, round_tokens, pace
             if kv_full:
                 return Verdict.STOP
-            if r.first_token_s is None and self._work(r) > shed_above:
+            if r.first_token_s is None and sheds(self._work(r), shed_above, r.tpot_slo_ms, pace,
+                                                 self.config.shed_pace_factor):
                 plan.rejected.append((r, SHED))
                 return Verdict.DROP
             if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:
@@ -249,6 +251,7 @@ class Scheduler:
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)
             round_tokens += self._cost(r)
+            pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
                 gate.admit(r)
             if self.floor is not None and r.first_token_s is None:

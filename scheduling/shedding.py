@@ -18,7 +18,15 @@ second; a fresh request of work > θ is shed (429 with Retry-After) instead of b
 never below the window's median work (requests that all ask for the same are never shed by it). The scheduler
 sheds only while requests are running: an idle replica admits anything.
 
-Pure bookkeeping over floats; the scheduler calls `arrived`, `saturated`, `step` and `threshold`.
+A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
+costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits a third as
+many requests into such steps (ShareGPT on the Zen 4: ~5 rows at 5.1 ms against ~14 at 8.0). With
+`pace_factor` < 1 such a request is shed above `pace_factor` x θ (`sheds`), so the strict tier is served by its
+shorter requests, and strict requests that arrive while one already runs share that cost (the pace is set).
+Off by default (`shed_pace_factor` 1.0): on ShareGPT it traded the strict tier's share for goodput that did not
+hold from run to run (bench/README.md).
+
+Pure bookkeeping over floats; the scheduler calls `arrived`, `saturated`, `step` and `threshold`, then `sheds`.
 """
 from __future__ import annotations
 
@@ -26,6 +34,17 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate
+
+
+PACE_TOLERANCE = 0.95  # a TPOT under this share of the batch's pace sets a faster one (tiers differ by far more)
+
+
+def sheds(work: float, threshold: float, tpot_ms: float, pace_ms: float, pace_factor: float = 1.0) -> bool:
+    """Whether work shedding turns away a fresh request of this work and TPOT SLO, the round's threshold θ and
+    the batch's pace (the strictest TPOT running or admitted this round; +inf for none): its work is over θ, or
+    over `pace_factor` x θ when its TPOT would set a faster pace for the batch."""
+    lowers_pace = tpot_ms < PACE_TOLERANCE * pace_ms
+    return work > (threshold * pace_factor if lowers_pace else threshold)
 
 
 class WorkShedder:

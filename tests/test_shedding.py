@@ -7,7 +7,7 @@ import pytest
 from core.messages import RejectReason
 from core.request import SLO, Request
 from core.sampling import SamplingParams
-from scheduling.shedding import WorkShedder
+from scheduling.shedding import WorkShedder, sheds
 from tests.test_scheduler import _run, _sched
 
 
@@ -196,3 +196,35 @@ def test_a_rejection_on_an_idle_replica_does_not_mark_saturation():
     plan = s.schedule(1.0)
     assert plan.rejected == [(hopeless, RejectReason.TPOT_UNATTAINABLE)]
     assert s.shedder._saturated_s == -math.inf
+
+
+def test_sheds_holds_a_request_that_sets_a_faster_pace_to_a_share_of_the_threshold():
+    assert not sheds(0.2, 0.25, tpot_ms=40.0, pace_ms=40.0, pace_factor=0.5)  # the batch's own pace: θ
+    assert sheds(0.3, 0.25, tpot_ms=40.0, pace_ms=40.0, pace_factor=0.5)
+    assert sheds(0.2, 0.25, tpot_ms=20.0, pace_ms=40.0, pace_factor=0.5)  # faster pace: 0.5 θ
+    assert not sheds(0.1, 0.25, tpot_ms=20.0, pace_ms=40.0, pace_factor=0.5)
+    assert not sheds(0.2, 0.25, tpot_ms=20.0, pace_ms=40.0)  # factor 1: as any request
+    assert not sheds(0.2, 0.25, tpot_ms=39.0, pace_ms=40.0, pace_factor=0.5)  # within the tolerance: same pace
+    assert sheds(0.2, 0.25, tpot_ms=20.0, pace_ms=math.inf, pace_factor=0.5)  # the first to set the batch's pace
+    assert not sheds(1e9, math.inf, tpot_ms=20.0, pace_ms=40.0, pace_factor=0.5)  # no threshold: nothing shed
+
+
+def test_kairos_sheds_a_pace_setting_request_sooner_than_one_of_the_batch_pace():
+    s = _primed(shed_pace_factor=0.5)  # a 40 ms request runs; θ = 10 tokens at 40 ms (0.25)
+    strict, loose = _req(1, 4, tpot=20.0, arrival=10.0), _req(2, 8, arrival=10.0)  # works 0.2 and 0.2
+    s.add(strict)
+    s.add(loose)
+    plan = s.schedule(10.0)
+    assert plan.rejected == [(strict, RejectReason.SHED)] and plan.prefill == [loose]
+
+
+def test_a_strict_request_joins_a_batch_already_at_its_pace():
+    s = _sched("kairos", blocks=256, shed_pace_factor=0.5)
+    first = _req(0, 10, tpot=20.0)
+    s.add(first)
+    _run(s, s.schedule(0.0))
+    _prime(s.shedder)
+    strict = _req(1, 4, tpot=20.0, arrival=10.0)  # work 0.2 <= θ: the batch's pace is already 20 ms
+    s.add(strict)
+    plan = s.schedule(10.0)
+    assert plan.rejected == [] and plan.prefill == [strict]
