@@ -45,29 +45,30 @@ def test_rms_norm_matches_hf_rmsnorm(kernels, dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 40])
-def test_rope_write_is_bit_exact_with_the_torch_ops_and_fills_the_slots(kernels, dtype, rows):
+@pytest.mark.parametrize("hd", [HD, 40])  # 40: half a head not a multiple of 16 (the scalar rotation)
+def test_rope_write_is_bit_exact_with_the_torch_ops_and_fills_the_slots(kernels, dtype, rows, hd):
     g = torch.Generator().manual_seed(rows)
-    qkv = torch.randn(rows, (H + 2 * KV) * HD, generator=g).to(dtype)
-    cos, sin = (torch.randn(512, HD, generator=g).to(dtype) for _ in range(2))
+    qkv = torch.randn(rows, (H + 2 * KV) * hd, generator=g).to(dtype)
+    cos, sin = (torch.randn(512, hd, generator=g).to(dtype) for _ in range(2))
     pos = torch.randint(0, 512, (rows,), generator=g)
     slots = torch.randperm(20 * BS, generator=g)[:rows]
-    kc = torch.zeros(20, BS, KV, HD, dtype=dtype)
+    kc = torch.zeros(20, BS, KV, hd, dtype=dtype)
     vc = torch.zeros_like(kc)
-    heads = qkv.view(rows, H + 2 * KV, HD)
+    heads = qkv.view(rows, H + 2 * KV, hd)
     qk = heads[:, :H + KV]
     c, s = cos[pos][:, None], sin[pos][:, None]
-    ref = qk * c + torch.cat((-qk[..., HD // 2:], qk[..., :HD // 2]), -1) * s  # the decoder's torch RoPE
+    ref = qk * c + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), -1) * s  # the decoder's torch RoPE
     v = heads[:, H + KV:].clone()
     got = qkv.clone()
     _on_thread(lambda: kernels.rope_write(got, H, KV, cos, sin, pos, slots, kc, vc))
-    got = got.view(rows, H + 2 * KV, HD)
+    got = got.view(rows, H + 2 * KV, hd)
     assert torch.equal(got[:, :H + KV], ref)
     assert torch.equal(got[:, H + KV:], v)  # v untouched
-    assert torch.equal(kc.view(-1, KV, HD)[slots], ref[:, H:])
-    assert torch.equal(vc.view(-1, KV, HD)[slots], v)
+    assert torch.equal(kc.view(-1, KV, hd)[slots], ref[:, H:])
+    assert torch.equal(vc.view(-1, KV, hd)[slots], v)
     untouched = torch.ones(20 * BS, dtype=torch.bool)
     untouched[slots] = False
-    assert not kc.view(-1, KV, HD)[untouched].any() and not vc.view(-1, KV, HD)[untouched].any()
+    assert not kc.view(-1, KV, hd)[untouched].any() and not vc.view(-1, KV, hd)[untouched].any()
 
 
 # one block, partial, full, odd, long; then enough requests that a task is a run of several (decode_attn asks for the
