@@ -19,8 +19,8 @@ never below the window's median work (requests that all ask for the same are nev
 sheds only while requests are running: an idle replica admits anything.
 
 A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
-costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits a third as
-many requests into such steps (ShareGPT on the Zen 4: ~5 rows at 5.1 ms against ~14 at 8.0). With
+costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits less than half
+as many requests into such steps (ShareGPT on the Zen 4: ~7 rows at 5.1 ms against ~16 at 8.0). With
 `pace_factor` < 1 such a request is shed above `pace_factor` x θ (`sheds`), so the strict tier is served by its
 shorter requests, and strict requests that arrive while one already runs share that cost (the pace is set).
 Off by default (`shed_pace_factor` 1.0): on ShareGPT it traded the strict tier's share for goodput that did not
