@@ -934,9 +934,9 @@ void sample_rows(const T* logits, int64_t ld, const int64_t* rows, int64_t n, in
         }
         const float cut = std::max(kth, std::nextafter(-INFINITY, 0.f));  // a masked (-inf) token weighs 0 too
         double total = 0.0;  // of the weights exp(x - m), in [0, 1]
-        int64_t j = 0;
-#ifdef __AVX2__
         {
+            int64_t j = 0;
+#ifdef __AVX2__
             const __m256 mv = _mm256_set1_ps(m), cv = _mm256_set1_ps(cut);
             __m256 acc = _mm256_setzero_ps();
             for (; j + 8 <= width; j += 8) {
@@ -949,11 +949,11 @@ void sample_rows(const T* logits, int64_t ld, const int64_t* rows, int64_t n, in
             alignas(32) float lanes[8];
             _mm256_store_ps(lanes, acc);
             for (const float l : lanes) total += l;
-        }
 #endif
-        for (; j < width; ++j) {
-            x[j] = x[j] >= cut ? exp_nonpos(x[j] - m) : 0.f;
-            total += x[j];
+            for (; j < width; ++j) {
+                x[j] = x[j] >= cut ? exp_nonpos(x[j] - m) : 0.f;
+                total += x[j];
+            }
         }
         float keep = 0.f;     // the smallest weight kept...
         int64_t ties = width;  // ...and how many tokens of that weight, the first ones in vocabulary order
@@ -998,7 +998,7 @@ void sample_rows(const T* logits, int64_t ld, const int64_t* rows, int64_t n, in
             }
             float kept = 0.f;
 #pragma omp simd reduction(+ : kept)
-            for (int64_t k = 0; k < width; ++k) kept += x[k] > keep ? x[k] : 0.f;
+            for (int64_t j = 0; j < width; ++j) kept += x[j] > keep ? x[j] : 0.f;
             total = static_cast<double>(kept) + static_cast<double>(ties) * keep;
         }
         if (!(total > 0.0)) return;
