@@ -2,7 +2,8 @@
 
     python -m bench.route [--serve "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"]
                           [--routers slo,pow2] [--loads 1,1.5] [--seeds 0,1,2] [--num-requests 242]
-                          [--lambda-star RPS] [--predictor-json TIERS] [--out DIR] [--summary NAME]
+                          [--lambda-star RPS] [--predictor-json TIERS] [--dataset-path SHAREGPT_JSON]
+                          [--out DIR] [--summary NAME]
 
 1. Unless `--lambda-star` is given: `serve run deployments:app SERVE policy=fcfs`, and `bench.slo --target` finds
    lambda* (FCFS's completion rate under overload over HTTP, all replicas together) and fixes the SLO tiers
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=242)
     p.add_argument("--lambda-star", type=float, default=None, help="skip the FCFS capacity probe")
     p.add_argument("--predictor-json", default=None, help="the SLO tiers of an earlier run (tiers-profile.json)")
+    p.add_argument("--dataset-path", default=None, help="bench.slo --dataset-path (default: the packaged ShareGPT)")
     p.add_argument("--model", default=None, help="bench.slo --model (tokenizer of the ShareGPT prompts; default: "
                    "the model= of --serve, else kairos-tiny)")
     p.add_argument("--out", default="bench/out/route")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model or next((t.split("=", 1)[1] for t in args.serve.split() if t.startswith("model=")),
                                "kairos-tiny")
-    common = ["--model", model]
+    common = ["--model", model] + (["--dataset-path", args.dataset_path] if args.dataset_path else [])
     tiers = args.predictor_json
     lam = args.lambda_star
     if lam is None:
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         tiers = tiers or str(out / "fcfs" / "tiers-profile.json")
         print(f"lambda* = {lam:.3f} req/s (FCFS over HTTP, {args.serve})", flush=True)
     rows: list[dict] = []
+    doc = {"lambda_star_rps": lam, "serve": args.serve, "seeds": args.seeds, "rows": rows}
     for router in [r.strip() for r in args.routers.split(",") if r.strip()]:
         with served(f"{args.serve} policy=kairos router={router}", out / f"serve-{router}.log") as target:
             res = _slo(target, out / router, out / f"{router}.log",
@@ -103,19 +106,20 @@ def main(argv: list[str] | None = None) -> int:
                        + (["--predictor-json", tiers] if tiers else []))
         rows += [_row(router, r) for r in res["results"]]
         _print([r for r in rows if r["router"] == router])
+        (out / "route.json").write_text(json.dumps(doc, indent=1))  # after each router: a cut-off run keeps its arms
     print(f"\nlambda* = {lam:.3f} req/s; {args.serve}; seeds {args.seeds}, {args.num_requests} requests a point")
     _print(sorted(rows, key=lambda r: (r["load"], r["router"])))
-    doc = {"lambda_star_rps": lam, "serve": args.serve, "seeds": args.seeds, "rows": rows}
-    (out / "route.json").write_text(json.dumps(doc, indent=1))
     if args.summary:
         by = {(r["router"], r["load"]): r for r in rows}
         parts = []
         for load in sorted({r["load"] for r in rows}):
-            a, b = by.get(("slo", load)), by.get(("pow2", load))
-            if a and b and b["goodput_rps"] > 0:
-                parts.append(f"{load:g}x: slo {a['goodput_rps']:.2f} vs pow2 {b['goodput_rps']:.2f} req/s "
-                             f"({a['goodput_rps'] / b['goodput_rps']:.2f}x), adherence {100 * a['adherence']:.1f} "
-                             f"vs {100 * b['adherence']:.1f}%")
+            b = by.get(("pow2", load))
+            for name in ("slo", "slo_pace"):
+                a = by.get((name, load))
+                if a and b and b["goodput_rps"] > 0:
+                    parts.append(f"{load:g}x: {name} {a['goodput_rps']:.2f} vs pow2 {b['goodput_rps']:.2f} req/s "
+                                 f"({a['goodput_rps'] / b['goodput_rps']:.2f}x), adherence "
+                                 f"{100 * a['adherence']:.1f} vs {100 * b['adherence']:.1f}%")
         headline = f"{args.serve} over HTTP, ShareGPT, seeds {args.seeds}, lambda* {lam:.2f}: " + "; ".join(parts)
         print(f"summary: {write_summary(args.summary, command_line(MODULE, argv), headline, doc)}")
     return 0

