@@ -48,7 +48,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
-        "reroutes": a.reroute_rejected if a.router != "pow2" and a.num_replicas > 1 and not a.direct else 0,
+        "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
     }
     engine_config = a.engine_config().model_dump(mode="json")
     log_config = {"enable_access_log": a.access_log}
@@ -62,11 +62,9 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
             health_check_timeout_s=a.health_check_timeout_s,
         ).bind(engine_config, settings, a.max_ongoing_requests, a.max_queued_requests, *replica_args)
     router = {
-        "request_router_class": POW2_ROUTER_PATH if a.router == "pow2" else ROUTER_PATH,
+        "request_router_class": ROUTER_PATH if a.router == "slo" else POW2_ROUTER_PATH,
         "request_routing_stats_period_s": a.routing_stats_period_s,
     }
-    if a.router != "pow2":
-        router["request_router_kwargs"] = {"pace_affinity": a.router == "slo_pace"}
     llm = LLMServer.options(
         num_replicas=a.num_replicas,
         logging_config=log_config,

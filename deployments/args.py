@@ -41,12 +41,9 @@ class ServeArgs(BaseModel):
         "auto", description="routed: an Ingress deployment sends each request to an LLM replica through a Serve "
         "handle, picked by `router`; direct: the LLM replicas serve HTTP themselves (HAProxy balances them; no "
         "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more")
-    router: Literal["slo", "slo_pace", "pow2"] = Field(
-        "slo", description="slo: Kairos SLO-aware router; slo_pace: the same with pace affinity (each TPOT tier "
-        "first to replicas its class already paces; for replicas with hardware of their own, deployments/router.py); "
-        "pow2: Ray's default")
+    router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default")
     routing_stats_period_s: float = Field(1.0, gt=0)
-    reroute_rejected: int = Field(0, ge=0, le=16, description="router=slo/slo_pace with several replicas: a request a "
+    reroute_rejected: int = Field(0, ge=0, le=16, description="router=slo with several replicas: a request a "
                                   "replica turns away for its SLOs or its load (429) is sent on to another replica "
                                   "this many times, with its TTFT SLO less the time spent, before the client gets "
                                   "the 429 (Ray's pow2 router cannot avoid a replica; routed topology only). Off by default: on a 2-core "

@@ -16,13 +16,10 @@ Ranking: replicas where every SLO of the request looks attainable come first, mo
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last. Each replica is its own rank, so Ray falls through to the next one
 when the best is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
-`router=slo_pace` adds *pace affinity* (`affinity`): among the replicas where the request's SLOs look attainable
-with room (`COMFORT`), a request goes first where its TPOT class already sets the batch's pace, then to a replica
-that paces nothing, then where it is looser than the pace, last where it would tighten it. A batch decodes at
-its strictest TPOT SLO's pace, and the VBS gate caps it so a step fits that pace; a step's fixed cost is the same
-at any pace, so one strict request in a loose batch costs that batch room for as long as it runs. With affinity
-the tiers settle on replicas of their own pace while room lasts. On a 2-core box, where both replicas share the
-cores, it lost to pow2 (bench/README.md); it is meant for replicas with hardware of their own.
+Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed: it lost
+to pow2 on a 2-core box where both replicas share the cores, and on a 16-core host with a core per replica it
+was level with pow2 (1.00x at 1.5x) while this ranking was 1.13x ahead: ranking by slack already sends most
+strict requests to one replica, and affinity only cost the interactive tier its TTFT (bench/README.md).
 """
 from __future__ import annotations
 
@@ -38,14 +35,12 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from core.messages import GenerateRequest, ProtocolError, RoutingStats
 from core.request import SLO
-from scheduling.tier_floor import CLASS_RATIO
 
 log = logging.getLogger("ray.serve")
 # a call chosen this long ago and never routed was cancelled (a live one is chosen again at least every
 # RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S, 0.5 s, until a replica accepts it): stop counting it
 CHOSEN_TTL_S = 5.0
 REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may not be in it yet (transit, clocks)
-COMFORT = 0.1  # relative slack under which a replica is only just attainable: pace affinity no longer applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,24 +109,12 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
     return s if s >= 0 else None
 
 
-def affinity(v: ReplicaView, slo: SLO) -> int:
-    """How well the request's TPOT SLO matches the replica's pace (lower is better): 0 its TPOT class is the pace,
-    1 the replica paces nothing (idle, or best effort only) or the request has no TPOT SLO, 2 the request is looser
-    than the pace (it takes room the stricter tier needs), 3 it is stricter (it would tighten the whole batch)."""
-    tpot, pace = slo.tpot_ms, v.strictest_tpot_ms
-    if tpot is None or pace is None:
-        return 1
-    if tpot < pace / CLASS_RATIO:
-        return 3
-    return 2 if tpot > pace * CLASS_RATIO else 0
-
-
 def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO,
-         avoid: tuple[str, ...] = (), pace_affinity: bool = False) -> list[RunningReplica]:
+         avoid: tuple[str, ...] = ()) -> list[RunningReplica]:
     """Replicas best first (see the module docstring); the ones in `avoid` (by unique id: they turned this request
     away already) last, in the same order among themselves."""
     if avoid:
-        ranked = rank(candidates, views, slo, pace_affinity=pace_affinity)
+        ranked = rank(candidates, views, slo)
         return [r for r in ranked if r.replica_id.unique_id not in avoid] + \
             [r for r in ranked if r.replica_id.unique_id in avoid]
     shuffled = random.sample(candidates, len(candidates))  # random tie-break
@@ -146,18 +129,12 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], 
     if slo.ttft_ms is None and slo.tpot_ms is None:
         ok_sorted = sorted((r for _, r in ok), key=load_key)  # best effort: least loaded
     else:
-        def key(sr: tuple[float, RunningReplica]) -> tuple:
-            s, r = sr
-            roomy = pace_affinity and s >= COMFORT
-            return (not roomy, affinity(views[r.replica_id], slo) if roomy else 0, -min(s, 1e9), load_key(r))
-        ok_sorted = [r for _, r in sorted(ok, key=key)]
+        ok_sorted = [r for _, r in sorted(ok, key=lambda sr: (-min(sr[0], 1e9), load_key(sr[1])))]
     return ok_sorted + sorted((r for _, r in rest), key=load_key)
 
 
 class SLORouter(RequestRouter):
-    def initialize_state(self, pace_affinity: bool = False, **kwargs: Any) -> None:
-        self._pace_affinity = pace_affinity  # `router=slo_pace` (request_router_kwargs)
-        log.info("SLO router: pace affinity %s", "on" if pace_affinity else "off")
+    def initialize_state(self, **kwargs: Any) -> None:
         # per replica, the TPOT SLOs (None: none) of the generate calls this router has in flight there: their
         # count is its in-flight load, their minimum its strictest pace before the next report
         self._inflight: dict[ReplicaID, Counter[float | None]] = {}
@@ -190,7 +167,7 @@ class SLORouter(RequestRouter):
             tpots = self._inflight.get(r.replica_id) or Counter()
             views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
                                        min((t for t in tpots if t is not None), default=None))
-        ranked = rank(candidate_replicas, views, req.slo, req.avoid_replicas, self._pace_affinity)
+        ranked = rank(candidate_replicas, views, req.slo, req.avoid_replicas)
         self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
         self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
         return [[r] for r in ranked]

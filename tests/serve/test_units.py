@@ -144,36 +144,10 @@ def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None =
                         kv_blocks_free=kv, kv_blocks_total=kv, alive=True, ts=0.0).to_dict()
 
 
-def _rank(replicas: list, slo: dict, inflight: dict | None = None, prompt_tokens: int = 64,
-          pace_affinity: bool = False) -> list[str]:
+def _rank(replicas: list, slo: dict, inflight: dict | None = None, prompt_tokens: int = 64) -> list[str]:
     inflight = inflight or {}
     views = {r.replica_id: view(r.routing_stats, inflight.get(r.replica_id, 0), prompt_tokens) for r in replicas}
-    return [r.replica_id for r in rank(replicas, views, SLO(**slo), pace_affinity=pace_affinity)]
-
-
-def _paced(name: str, load: int, itl: float, pace: float | None) -> SimpleNamespace:
-    return _replica(name, {**_stats(10, 20, load=load, itl=itl), "strictest_tpot_ms": pace})
-
-
-def test_pace_affinity_sends_each_tpot_tier_where_its_class_sets_the_pace_while_there_is_room() -> None:
-    # itl is measured at the reported batch; joining projects it to (load + 1) / load of that
-    strict = _paced("strict", 4, 3.0, 5.0)  # joining: 3.75 ms, paced at 5 ms
-    loose = _paced("loose", 2, 2.0, 8.0)  # joining: 3.0 ms, paced at 8 ms
-    # a 5 ms request: 0.25 of slack on "strict", 0.4 on "loose": most slack first, unless affinity
-    assert _rank([strict, loose], {"tpot_ms": 5.0}) == ["loose", "strict"]
-    assert _rank([strict, loose], {"tpot_ms": 5.0}, pace_affinity=True) == ["strict", "loose"]
-    # an 8 ms request on a busier loose replica (0.175 of slack) rather than on the strict one (0.25)
-    busy_loose = _paced("loose", 10, 6.0, 8.0)  # joining: 6.6 ms
-    assert _rank([strict, busy_loose], {"tpot_ms": 8.0}) == ["strict", "loose"]
-    assert _rank([strict, busy_loose], {"tpot_ms": 8.0}, pace_affinity=True) == ["loose", "strict"]
-    # an idle replica (paces nothing) comes before tightening a loose batch, after one of the request's own pace
-    idle = _paced("idle", 1, 1.8, None)  # joining: 3.6 ms, less slack than "loose" for a 5 ms request
-    assert _rank([idle, loose], {"tpot_ms": 5.0}) == ["loose", "idle"]
-    assert _rank([idle, loose], {"tpot_ms": 5.0}, pace_affinity=True) == ["idle", "loose"]
-    assert _rank([idle, strict], {"tpot_ms": 5.0}, pace_affinity=True) == ["strict", "idle"]
-    # the strict replica just attainable (0.075 of slack < COMFORT): room wins over pace
-    full_strict = _paced("strict", 4, 3.7, 5.0)  # joining: 4.625 ms
-    assert _rank([full_strict, loose], {"tpot_ms": 5.0}, pace_affinity=True) == ["loose", "strict"]
+    return [r.replica_id for r in rank(replicas, views, SLO(**slo))]
 
 
 def test_router_prefers_attainable_slo_with_most_slack() -> None:
