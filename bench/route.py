@@ -8,8 +8,9 @@
 1. Unless `--lambda-star` is given: `serve run deployments:app SERVE policy=fcfs`, and `bench.slo --target` finds
    lambda* (FCFS's completion rate under overload over HTTP, all replicas together) and fixes the SLO tiers
    (`--predictor-json`, else a profile of one engine on this machine), saved as DIR/fcfs/tiers-profile.json.
-2. For each router R: a fresh `serve run deployments:app SERVE policy=kairos router=R`, then `bench.slo --target`
-   at every load x seed on those tiers and that lambda*.
+2. For each arm R (a router, optionally with app arguments of its own: `slo+reroute_rejected=1`): a fresh `serve run
+   deployments:app SERVE policy=kairos router=R` (`router=slo reroute_rejected=1`), then `bench.slo --target` at
+   every load x seed on those tiers and that lambda*.
 Prints goodput, adherence, per-tier adherence, rejections, TPOT misses and how the requests and output tokens split
 over the replicas (`x-kairos-replica`), per router and load. Each server is fresh and stopped before the next.
 Never run beside another benchmark.
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", default=DEFAULT_SERVE, help=f"serve run arguments of every server (default: "
                    f"{DEFAULT_SERVE!r}); policy and router are added per arm")
-    p.add_argument("--routers", default="slo,pow2", help="comma list of router= values, run in this order")
+    p.add_argument("--routers", default="slo,pow2", help="comma list of arms, run in this order: router= values, each "
+                   "optionally with app arguments of its own after '+' (slo+reroute_rejected=1)")
     p.add_argument("--loads", default="1,1.5", help="multiples of lambda*")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--num-requests", type=int, default=242)
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     doc = {"lambda_star_rps": lam, "serve": args.serve, "seeds": args.seeds, "rows": rows}
     for router in [r.strip() for r in args.routers.split(",") if r.strip()]:
-        with served(f"{args.serve} policy=kairos router={router}", out / f"serve-{router}.log") as target:
+        arm_args = " ".join(["router=" + router.split("+")[0], *router.split("+")[1:]])
+        with served(f"{args.serve} policy=kairos {arm_args}", out / f"serve-{router}.log") as target:
             res = _slo(target, out / router, out / f"{router}.log",
                        common + ["--lambda-star", f"{lam}", "--loads", args.loads, "--seeds", args.seeds,
                                  "--num-requests", str(args.num_requests), "--policies", "kairos",
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = []
         for load in sorted({r["load"] for r in rows}):
             b = by.get(("pow2", load))
-            for name in ("slo", "slo_pace"):
+            for name in sorted({r["router"] for r in rows} - {"pow2"}):
                 a = by.get((name, load))
                 if a and b and b["goodput_rps"] > 0:
                     parts.append(f"{load:g}x: {name} {a['goodput_rps']:.2f} vs pow2 {b['goodput_rps']:.2f} req/s "

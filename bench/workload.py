@@ -316,14 +316,30 @@ def first_turns(records: Sequence[dict]) -> list[tuple[str, str]]:
     return pairs
 
 
+def sample_order(n_pairs: int, seed: int) -> list[int]:
+    """The order in which `sharegpt` tries the first turns (a seeded shuffle of their indices)."""
+    order = list(range(n_pairs))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def sharegpt_subset(records: Sequence[dict], keep: int, seed: int = 0) -> list[dict]:
+    """The records `sharegpt(..., seed=seed)` reads, with the text of every first turn but the first `keep` of its
+    order emptied (so it filters them out): the same samples, as long as it needs no more than `keep` candidates,
+    from a much smaller file (to carry to a machine without the packaged one; `--dataset-path`)."""
+    pairs = first_turns(records)
+    kept = set(sample_order(len(pairs), seed)[:keep])
+    return [{"conversations": [{"from": "human", "value": p if i in kept else ""},
+                               {"from": "gpt", "value": r if i in kept else ""}]} for i, (p, r) in enumerate(pairs)]
+
+
 def sharegpt(tokenizer: Any, n: int, seed: int = 0, max_model_len: int | None = None,
              path: str | None = None) -> Corpus:
     """`n` conversations in a seeded order, with vLLM's `bench serve` filters (4 <= prompt <= 1024 tokens,
     output >= 4, prompt + output <= 2048, in `tokenizer`'s tokens), the reply capped to the model's context."""
     records = read_conversations(path)
     pairs = first_turns(records)
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
+    order = sample_order(len(pairs), seed)
     cap = min(max_model_len or SHAREGPT_MAX_TOTAL, SHAREGPT_MAX_TOTAL)
     out: list[Sample] = []
     for k in order:
@@ -380,15 +396,19 @@ def describe(items: Sequence[WorkItem]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.workload --export-sharegpt PATH`: the complete ShareGPT records as one JSON array, for
-    vLLM's `bench serve --dataset-path` and aiperf."""
+    vLLM's `bench serve --dataset-path` and aiperf. With `--keep N`: only the first N first turns of the benchmarks'
+    order keep their text (`sharegpt_subset`), for `bench.slo --dataset-path` where the package is not installed."""
     ap = argparse.ArgumentParser(prog="python -m bench.workload", description=main.__doc__)
     ap.add_argument("--export-sharegpt", required=True, metavar="PATH")
+    ap.add_argument("--keep", type=int, default=None, metavar="N", help="keep the text of the first N first turns "
+                    "of bench.slo's order only (the samples of any run needing no more candidates are unchanged)")
     args = ap.parse_args(argv)
     records = read_conversations()
     out = Path(args.export_sharegpt)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(list(records)), encoding="utf-8")
-    print(f"read {len(records)} complete conversations (the file is cut off after them); wrote {out}")
+    doc = list(records) if args.keep is None else sharegpt_subset(records, args.keep)
+    out.write_text(json.dumps(doc), encoding="utf-8")
+    print(f"read {len(records)} complete conversations (the file is cut off after them); wrote {len(doc)} to {out}")
     return 0
 
 

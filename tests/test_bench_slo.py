@@ -2,6 +2,7 @@
 accounting (the end-to-end runs are in test_bench_slo_smoke.py)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -122,6 +123,23 @@ def test_kendall_tau():
     assert W.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert W.kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert math.isnan(W.kendall_tau([1], [1]))
+
+
+def test_a_sharegpt_subset_gives_the_same_samples_from_a_smaller_file(tmp_path):
+    class Words:  # a whitespace tokenizer: enough for the length filters
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+    records = [{"conversations": [{"from": "human", "value": "a b c d " * (i % 7 + 1)},
+                                  {"from": "gpt", "value": "x y z w " * (i % 5 + 1)}]} for i in range(60)]
+    records[3:3] = [{"conversations": [{"from": "gpt", "value": "no human turn first"}]}, {"id": "empty"}]
+    full, sub = tmp_path / "full.json", tmp_path / "sub.json"
+    full.write_text(json.dumps(records))
+    sub.write_text(json.dumps(W.sharegpt_subset(records, keep=20, seed=0)))
+    assert W.sharegpt(Words(), 15, path=str(sub)).samples == W.sharegpt(Words(), 15, path=str(full)).samples
+    # beyond the kept candidates the subset has nothing: the emptied turns fail the length filter
+    assert len(W.sharegpt(Words(), 60, path=str(sub)).samples) == 20
+    assert len(W.sharegpt(Words(), 60, path=str(full)).samples) == 60
 
 
 # --------------------------------------------------------------------------- metrics on hand-made timelines
