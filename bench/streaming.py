@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("workload").add_argument
     a("--dataset", choices=("synthetic", "sharegpt"), default="synthetic",
       help="synthetic: --prompt repeated (the seeds); sharegpt: real prompts and reply lengths (default: synthetic)")
+    a("--dataset-path", default=None, help="--dataset sharegpt: a ShareGPT JSON file instead of the packaged one")
     a("--prompt", default="Hello", help="base prompt (default: Hello)")
     a("--prompt-repeats", default=None, help='comma-separated repeat counts, cycled per request; repeat r -> '
       '" ".join([prompt]*r). Example: "1,1,1,64" is a 3-short + 1-long mix')
@@ -189,7 +190,7 @@ def build_items(args: argparse.Namespace, tok: Any, max_len: int | None) -> tupl
     if args.dataset == "sharegpt":
         from bench.workload import sharegpt
 
-        samples = sharegpt(tok, n, args.seed, max_len).samples
+        samples = sharegpt(tok, n, args.seed, max_len, path=args.dataset_path).samples
         picked = [samples[i % len(samples)] for i in range(n)]
         texts, lens, ignore_eos = [s.text for s in picked], [s.output_len for s in picked], True
     else:
