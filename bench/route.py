@@ -4,6 +4,7 @@
                           [--routers slo,pow2] [--loads 1,1.5] [--seeds 0,1,2] [--num-requests 242]
                           [--lambda-star RPS] [--predictor-json TIERS] [--dataset-path SHAREGPT_JSON]
                           [--out DIR] [--summary NAME]
+    python -m bench.route --tally DIR     # the arms an earlier run left in DIR, tabulated again (nothing served)
 
 1. Unless `--lambda-star` is given: `serve run deployments:app SERVE policy=fcfs`, and `bench.slo --target` finds
    lambda* (FCFS's completion rate under overload over HTTP, all replicas together) and fixes the SLO tiers
@@ -11,9 +12,9 @@
 2. For each arm R (a router, optionally with app arguments of its own: `slo+reroute_rejected=1`): a fresh `serve run
    deployments:app SERVE policy=kairos router=R` (`router=slo reroute_rejected=1`), then `bench.slo --target` at
    every load x seed on those tiers and that lambda*.
-Prints goodput, adherence, per-tier adherence, rejections, TPOT misses and how the requests and output tokens split
-over the replicas (`x-kairos-replica`), per router and load. Each server is fresh and stopped before the next.
-Never run beside another benchmark.
+Prints goodput, adherence, per-tier adherence and counts, rejections by reason, TPOT misses and how the requests,
+output tokens and tiers split over the replicas (`x-kairos-replica`), per router and load. Each server is fresh and
+stopped before the next. Never run beside another benchmark.
 """
 from __future__ import annotations
 
@@ -38,19 +39,37 @@ def _slo(target: str, out: Path, log: Path, extra: list[str]) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-def _row(router: str, res: dict) -> dict:
-    """One router x load: the figures of bench.slo's results, summed over seeds where they are counts."""
+def _row(router: str, res: dict, records: list[dict] | None = None) -> dict:
+    """One router x load: the figures of bench.slo's results, summed over seeds where they are counts; with that
+    load's lines of records.jsonl, also how many requests of each tier each replica answered (warm-up excluded)."""
     tiers = res["per_tier"]
     split = {rid: (v["requests"], v["output_tokens"]) for rid, v in sorted(res.get("per_replica", {}).items())}
+    replica_tiers: dict[str, dict[str, int]] = {}
+    for r in records or []:
+        if not r["warmup"] and r.get("replica"):
+            by = replica_tiers.setdefault(r["replica"], {})
+            by[r["tier"]] = by.get(r["tier"], 0) + 1
     return {
         "router": router, "load": res["load_multiple"], "rate_rps": round(res["rate_rps"], 3), "n": res["n"],
         "goodput_rps": round(res.get("goodput_rps_mean", res["goodput_rps"]), 3),
         "adherence": round(res.get("adherence_mean", res["adherence"]), 4),
         "per_tier_adherence": {t: round(v["adherence"], 4) for t, v in tiers.items()},
-        "rejection_rate": round(res["rejection_rate"], 4), "ttft_misses": res["ttft_violations"],
-        "tpot_misses": res["tpot_violations"], "tok_s": round(res["token_throughput"], 1),
-        "replica_split": split, "per_seed": res.get("per_seed", []),
+        "per_tier_good": {t: v["good"] for t, v in tiers.items()},
+        "per_tier_ttft_misses": {t: v["ttft_violations"] for t, v in tiers.items()},
+        "rejection_rate": round(res["rejection_rate"], 4), "reject_reasons": res.get("reject_reasons", {}),
+        "ttft_misses": res["ttft_violations"], "tpot_misses": res["tpot_violations"],
+        "tok_s": round(res["token_throughput"], 1), "replica_split": split,
+        "replica_tiers": dict(sorted(replica_tiers.items())), "per_seed": res.get("per_seed", []),
     }
+
+
+def _rows(router: str, arm_out: Path) -> list[dict]:
+    """The rows of one arm's finished bench.slo run (its --out directory), one per load."""
+    results = json.loads((arm_out / "results.json").read_text())["results"]
+    recs_path = arm_out / "records.jsonl"
+    records = [json.loads(line) for line in recs_path.open()] if recs_path.exists() else []
+    return [_row(router, res, [r for r in records if r["load_multiple"] == res["load_multiple"]])
+            for res in results]
 
 
 def _print(rows: list[dict]) -> None:
@@ -63,6 +82,10 @@ def _print(rows: list[dict]) -> None:
         print(f"{r['router']:8} {r['load']:>5g} {r['goodput_rps']:>8.3f} {100 * r['adherence']:>6.1f}%  {per:30} "
               f"{100 * r['rejection_rate']:>5.1f}% {r['ttft_misses']:>6} / {r['tpot_misses']:<6} {r['tok_s']:>7.0f}  "
               f"{split}")
+        good = ", ".join(f"{t} {r['per_tier_good'][t]} (TTFT misses {r['per_tier_ttft_misses'][t]})" for t in tiers)
+        print(f"    within SLO: {good}; rejected: {r['reject_reasons']}")
+        for rid, by in r["replica_tiers"].items():
+            print(f"    replica {rid}: " + ", ".join(f"{t} {by.get(t, 0)}" for t in tiers))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
                    "the model= of --serve, else kairos-tiny)")
     p.add_argument("--out", default="bench/out/route")
     p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
+    p.add_argument("--tally", metavar="DIR", help="serve nothing: tabulate the arms an earlier run left in DIR (its "
+                   "--out; each arm's bench.slo directory), e.g. one cut off by a time limit")
     args = p.parse_args(argv)
+    if args.tally:
+        rows = [row for arm in sorted(d for d in Path(args.tally).iterdir() if (d / "results.json").exists())
+                for row in _rows(arm.name, arm)]
+        _print(sorted(rows, key=lambda r: (r["load"], r["router"])))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model or next((t.split("=", 1)[1] for t in args.serve.split() if t.startswith("model=")),
@@ -102,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     for router in [r.strip() for r in args.routers.split(",") if r.strip()]:
         arm_args = " ".join(["router=" + router.split("+")[0], *router.split("+")[1:]])
         with served(f"{args.serve} policy=kairos {arm_args}", out / f"serve-{router}.log") as target:
-            res = _slo(target, out / router, out / f"{router}.log",
-                       common + ["--lambda-star", f"{lam}", "--loads", args.loads, "--seeds", args.seeds,
-                                 "--num-requests", str(args.num_requests), "--policies", "kairos",
-                                 "--label", f"kairos-router={router}"]
-                       + (["--predictor-json", tiers] if tiers else []))
-        rows += [_row(router, r) for r in res["results"]]
+            _slo(target, out / router, out / f"{router}.log",
+                 common + ["--lambda-star", f"{lam}", "--loads", args.loads, "--seeds", args.seeds,
+                           "--num-requests", str(args.num_requests), "--policies", "kairos",
+                           "--label", f"kairos-router={router}"]
+                 + (["--predictor-json", tiers] if tiers else []))
+        rows += _rows(router, out / router)
         _print([r for r in rows if r["router"] == router])
         (out / "route.json").write_text(json.dumps(doc, indent=1))  # after each router: a cut-off run keeps its arms
     print(f"\nlambda* = {lam:.3f} req/s; {args.serve}; seeds {args.seeds}, {args.num_requests} requests a point")
