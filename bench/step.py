@@ -7,6 +7,7 @@
     python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached]
                               [--against OTHER.cpp ...]
     python -m bench.step omp
+    python -m bench.step peak [--threads 1,2]
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
                                  [--busy-ms 1 --every-ms 2] [--spinner-nice 0]
 
@@ -35,6 +36,9 @@ layer's cache for every layer, so that it comes from the caches and the arithmet
 then on a fresh thread after the main thread has run one parallel op: libgomp then manages more threads
 than cores and wakes its workers by futex instead of spinning (why the engine does all its tensor work on
 its worker thread, `LLMEngine._setup`).
+`peak`: the arithmetic ceiling the packed GEMM works under: GFLOP/s of AVX-512's bf16 dot product (`vdpbf16ps` on
+24 independent accumulators, registers only; `vfmadd231ps` where the CPU lacks AVX512-BF16) on each of `--threads`
+OpenMP threads at once, compiled as the kernels are. Set against `gemm --cached`'s rows x 2 x weights / time.
 `contend`: a raw decode step (B = 1 and 8, context 96, median of 10) alone, with a Python spinner busy 1 ms in
 every 2 (`--busy-ms`, `--every-ms`) as a thread of the engine's process, and with the same spinner in another
 process: a thread costs the engine its GIL, a process only cores (why a served engine runs in its own process,
@@ -302,6 +306,75 @@ def omp() -> tuple[float, float]:
     return alone, _on_fresh_thread(_gemv_stack_ms)
 
 
+_PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+int main(int argc, char** argv) {
+    const int threads = std::atoi(argv[1]);
+    const long iters = 20000000;
+    double gflops = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : gflops)
+    {
+#if defined(__AVX512BF16__)
+        __m512 a[24];
+        for (int j = 0; j < 24; ++j) a[j] = _mm512_setzero_ps();
+        __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+        const double per = 24.0 * 16 * 2 * 2;  // 16 lanes x 2 products, a multiply and an add each
+#define STEP(j) a[j] = _mm512_dpbf16_ps(a[j], x, x)
+#elif defined(__AVX2__)
+        __m256 a[12];
+        for (int j = 0; j < 12; ++j) a[j] = _mm256_setzero_ps();
+        __m256 x = _mm256_set1_ps(1e-9f);
+        const double per = 12.0 * 8 * 2;
+#define STEP(j) a[j] = _mm256_fmadd_ps(x, x, a[j])
+#endif
+        const int n = sizeof(a) / sizeof(a[0]);
+        const auto t = std::chrono::steady_clock::now();
+        for (long i = 0; i < iters; ++i) {
+#pragma GCC unroll 24
+            for (int j = 0; j < n; ++j) STEP(j);
+            __asm__ volatile("" : "+v"(x));
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+        float sink = 0;
+        for (int j = 0; j < n; ++j) sink += ((float*)&a[j])[0];
+        if (sink == 42.f) std::puts("");
+        gflops += iters * per / s / 1e9;
+    }
+#if defined(__AVX512BF16__)
+    std::printf("vdpbf16ps %.1f\n", gflops);
+#else
+    std::printf("vfmadd231ps-ymm %.1f\n", gflops);
+#endif
+}
+"""
+
+
+def peak(threads: list[int]) -> dict[int, tuple[str, float]]:
+    """{threads: (instruction, GFLOP/s over all of them)}: the CPU's multiply-add ceiling, built as the kernels are."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise SystemExit("peak: no C++ compiler")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "peak.cpp", Path(tmp) / "peak"
+        src.write_text(_PEAK_SOURCE)
+        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", str(src), "-o", str(exe)], check=True)
+        out = {}
+        for n in threads:
+            name, value = subprocess.run([str(exe), str(n)], check=True, capture_output=True,
+                                         text=True).stdout.split()
+            out[n] = (name, float(value))
+        return out
+
+
 def _spin(stop, duty_s: float = 0.001, period_s: float = 0.002, nice: int = 0) -> None:
     """Busy `duty_s` in every `period_s` until `stop` is set (a stand-in for a server's per-token Python), at
     `nice` (a process; a thread shares its process's)."""
@@ -380,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     at.add_argument("--threads", type=int, default=2)
     at.add_argument("--cached", action="store_true", help="one layer's cache for every layer (it stays cached)")
     sub.add_parser("omp")
+    pk = sub.add_parser("peak")
+    pk.add_argument("--threads", default="1,2", help="comma list of thread counts")
     c = sub.add_parser("contend")
     c.add_argument("--model", default="kairos-default")
     c.add_argument("--dtype", default="auto")
@@ -424,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, ms in contend(args.model, args.dtype, n, args.busy_ms / 1000.0, args.every_ms / 1000.0,
                                     args.spinner_nice).items():
                 print(f"{n} engine thread(s), {name}: decode step ms " + ", ".join(f"B={b} {v:.1f}" for b, v in ms.items()))
+    elif args.cmd == "peak":
+        for n, (name, gflops) in peak([int(x) for x in args.threads.split(",")]).items():
+            print(f"{n} thread(s): {name} {gflops:.1f} GFLOP/s ({gflops / n:.1f} a thread)")
     else:
         alone, after = omp()
         print(f"30 layers of bf16 GEMVs: {alone:.2f} ms on a fresh thread; {after:.2f} ms on a fresh thread after "

@@ -383,3 +383,16 @@ def test_bench_step_times_this_tree_and_another_version_of_the_source(kernels, t
         assert list(out) == ["this tree", str(other)]
         assert all(set(by_size) == {1, 5} and all(med >= best > 0 for med, best in by_size.values())
                    for by_size in out.values())
+
+
+def test_bench_step_peak_measures_the_multiply_add_ceiling(kernels):
+    """`python -m bench.step peak`: the dot product's (or FMA's) GFLOP/s on each thread count, compiled as the
+    kernels are, which bench/README.md sets the packed GEMM's rate against."""
+    if "avx2" not in cpu_kernels._cpu_flags().split():
+        pytest.skip("peak's loop is written for AVX2 / AVX-512")
+    from bench.step import peak
+
+    out = peak([1, 2])
+    assert set(out) == {1, 2}
+    want = "vdpbf16ps" if "avx512_bf16" in cpu_kernels._cpu_flags().split() else "vfmadd231ps-ymm"
+    assert all(name == want and gflops > 0 for name, gflops in out.values())
