@@ -8,6 +8,7 @@
                               [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step peak [--threads 1,2]
+    python -m bench.step prefill [--model kairos-default] [--dtype bfloat16] [--work 1x2048,4x512] [--limits 0,default]
     python -m bench.step contend [--model kairos-default] [--dtype auto] [--threads 1,2] [--team]
                                  [--busy-ms 1 --every-ms 2] [--spinner-nice 0]
 
@@ -39,6 +40,9 @@ its worker thread, `LLMEngine._setup`).
 `peak`: the arithmetic ceiling the packed GEMM works under: GFLOP/s of AVX-512's bf16 dot product (`vdpbf16ps` on
 24 independent accumulators, registers only; `vfmadd231ps` where the CPU lacks AVX512-BF16) on each of `--threads`
 OpenMP threads at once, compiled as the kernels are. Set against `gemm --cached`'s rows x 2 x weights / time.
+`prefill`: one prefill step of each `--work` item (COUNTxLENGTH: that many prompts of that many random tokens), best
+of 2, with prefills of up to each `--limits` entry tokens attending through the paged kernel (`ModelRunner.
+paged_prefill_max`; 0: SDPA for every prompt, `default`: what this CPU and dtype get), alternating, twice.
 `contend`: a raw decode step (B = 1 and 8, context 96, median of 10) alone, with a Python spinner busy 1 ms in
 every 2 (`--busy-ms`, `--every-ms`) as a thread of the engine's process, and with the same spinner in another
 process: a thread costs the engine its GIL, a process only cores (why a served engine runs in its own process,
@@ -375,6 +379,37 @@ def peak(threads: list[int]) -> dict[int, tuple[str, float]]:
         return out
 
 
+def prefill_paths(model: str, dtype: str, threads: int, work: list[tuple[int, int]],
+            limits: list[str]) -> dict[tuple[int, int], dict[str, float]]:
+    """{(count, length): {limit: ms}}: the best of 2 x 2 alternating rounds of one prefill step."""
+    from engine.engine import LLMEngine
+    from engine.profiling import Prober
+
+    longest = max(n for _, n in work)
+    eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, max_model_len=max(1024, longest + 1))
+    default = eng.runner.paged_prefill_max
+    values = {x: default if x == "default" else int(x) for x in limits}
+
+    def run(e) -> dict[tuple[int, int], dict[str, float]]:
+        p = Prober(e)
+        out: dict[tuple[int, int], dict[str, float]] = {}
+        for cnt, n in work:
+            ids = [[p.rng.randrange(100, e.bundle.vocab_limit) for _ in range(n)] for _ in range(cnt)]
+            best = {x: float("inf") for x in limits}
+            for _ in range(2):
+                for x in limits:
+                    e.runner.paged_prefill_max = values[x]
+                    p.prefill_ms(ids)
+                    best[x] = min(best[x], *(p.prefill_ms(ids) for _ in range(2)))
+            out[(cnt, n)] = best
+        e.runner.paged_prefill_max = default
+        return out
+    try:
+        return eng.run_idle(run, timeout=3600)
+    finally:
+        eng.shutdown()
+
+
 def _spin(stop, duty_s: float = 0.001, period_s: float = 0.002, nice: int = 0) -> None:
     """Busy `duty_s` in every `period_s` until `stop` is set (a stand-in for a server's per-token Python), at
     `nice` (a process; a thread shares its process's)."""
@@ -453,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
     at.add_argument("--threads", type=int, default=2)
     at.add_argument("--cached", action="store_true", help="one layer's cache for every layer (it stays cached)")
     sub.add_parser("omp")
+    pf = sub.add_parser("prefill")
+    pf.add_argument("--model", default="kairos-default")
+    pf.add_argument("--dtype", default="bfloat16")
+    pf.add_argument("--threads", type=int, default=2)
+    pf.add_argument("--work", default="1x4096,1x2048,2x1024,4x512,8x300", help="COUNTxLENGTH list")
+    pf.add_argument("--limits", default="0,default", help="paged-prefill limits to compare (0: SDPA only; "
+                    "default: this CPU's and dtype's)")
     pk = sub.add_parser("peak")
     pk.add_argument("--threads", default="1,2", help="comma list of thread counts")
     c = sub.add_parser("contend")
@@ -499,6 +541,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, ms in contend(args.model, args.dtype, n, args.busy_ms / 1000.0, args.every_ms / 1000.0,
                                     args.spinner_nice).items():
                 print(f"{n} engine thread(s), {name}: decode step ms " + ", ".join(f"B={b} {v:.1f}" for b, v in ms.items()))
+    elif args.cmd == "prefill":
+        limits = [x.strip() for x in args.limits.split(",")]
+        work = [tuple(int(v) for v in w.split("x")) for w in args.work.split(",")]
+        for (cnt, n), ms in prefill_paths(args.model, args.dtype, args.threads, work, limits).items():
+            print(f"{args.model} {args.dtype} {cnt} x {n} tokens: prefill step ms "
+                  + ", ".join(f"limit {x} {v:.1f}" for x, v in ms.items())
+                  + (f" ({ms[limits[0]] / ms[limits[-1]]:.2f}x)" if len(limits) == 2 else ""))
     elif args.cmd == "peak":
         for n, (name, gflops) in peak([int(x) for x in args.threads.split(",")]).items():
             print(f"{n} thread(s): {name} {gflops:.1f} GFLOP/s ({gflops / n:.1f} a thread)")

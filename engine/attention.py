@@ -7,7 +7,7 @@ then one token per decoding request. Each layer writes its new K/V into the cach
 - a prefill with a cached prefix gathers its blocks and uses an offset causal mask;
 - decode tokens, with Kairos's CPU kernels (`engine.cpu_kernels`): one call that reads each context's blocks
   through its block table, no copy; short prefills ride in the same call, one query row per token whose context
-  ends at that token (`model_runner.PAGED_PREFILL_MAX`);
+  ends at that token (`model_runner.paged_prefill_max`);
 - decode tokens otherwise come sorted by context length in groups of similar length; each group is one batched
   SDPA over its blocks gathered into a reused workspace, padded only to the group's longest context (padding
   every decode to the batch's longest made a step cost B x max length instead of the sum of lengths).

@@ -14,8 +14,23 @@ from core.request import Request
 # request starts a new group once joining would pad the group's members by more than that in total.
 GROUP_OVERHEAD_BLOCKS = 16
 # With the CPU kernels, a prefill whose context (prefix included) is at most this many tokens attends through the
-# paged decode kernel, one query row per token; a longer one through SDPA (bench/README.md: the A/B that set it).
+# paged decode kernel, one query row per token; a longer one through SDPA, which shares each K/V read among many
+# queries. In fp32 SDPA's flash kernel is faster on long prompts (one prompt of 1,000 tokens on kairos-tiny: 108
+# against 125 ms; 2,048 on SmolLM2: 3.6 against 4.4 s; `python -m bench.step prefill`, bench/README.md).
 PAGED_PREFILL_MAX = 256
+# In bf16 where the kernels' attention and GEMMs run on AVX512-BF16's dot product without AMX (AMD Zen 4), the paged
+# kernel, whose steps also run every layer in one call, beat SDPA at every length measured up to 4,096 tokens (1.03x
+# there, 1.12-1.29x at 300-2,048). On AMX, SDPA may do better: not measured, so 256 there.
+PAGED_PREFILL_MAX_AVX512_BF16 = 4096
+
+
+def paged_prefill_max(kernels: CpuKernels | None, cache_dtype: torch.dtype) -> int:
+    """The longest context (in tokens) whose prefill attends through the paged kernel (0: none, no kernels)."""
+    if kernels is None:
+        return 0
+    if cache_dtype == torch.bfloat16 and kernels.packed_isa == "avx512_bf16":
+        return PAGED_PREFILL_MAX_AVX512_BF16
+    return PAGED_PREFILL_MAX
 
 
 def group_by_length(needs: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[tuple[int, int]]:
@@ -44,6 +59,8 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.workspace = Workspace()
+        # prefills of up to this many tokens of context attend through the paged kernel (benchmarks compare others)
+        self.paged_prefill_max = paged_prefill_max(kernels, cache.dtype)
 
     def _slots(self, req: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, req.block_table
@@ -60,15 +77,15 @@ class ModelRunner:
         prefills = []
         dev = self.device
         bs = self.block_size
-        # With the CPU kernels, prefills of up to PAGED_PREFILL_MAX tokens of context attend through the decode
+        # With the CPU kernels, prefills of up to `self.paged_prefill_max` tokens of context attend through the decode
         # kernel too, one query row per token (its context: the positions up to its own): one call for the step's
-        # short prompts and its decodes. Longer prompts keep SDPA, which shares each K/V read among many queries.
+        # prompts and its decodes. Longer prompts keep SDPA.
         kernel_rows = self.kernels is not None
-        paged_prefill = [kernel_rows and end <= PAGED_PREFILL_MAX for end in ends]
+        paged_prefill = [kernel_rows and end <= self.paged_prefill_max for end in ends]
         order_p = sorted(range(len(prefill)), key=paged_prefill.__getitem__)  # SDPA prefills first, then the rest
         last_idx: list[int | None] = [None] * len(prefill)
-        row_tables: list[list[int]] = []  # per paged row: its request's blocks, and its context length
-        row_lens: list[int] = []
+        row_tables: list[tuple[list[int], int]] = []  # per paged request: its blocks, and its rows in this step
+        row_lens: list[int] = []  # per paged row: its context length
         paged_start = None
         for i in order_p:
             r = prefill[i]
@@ -81,8 +98,7 @@ class ModelRunner:
                 last_idx[i] = len(tokens) - 1
             if paged_prefill[i]:
                 paged_start = q_start if paged_start is None else paged_start
-                table = r.block_table[:-(-end // bs)]
-                row_tables.extend([table] * (end - start))
+                row_tables.append((r.block_table[:-(-end // bs)], end - start))
                 row_lens.extend(range(start + 1, end + 1))
                 continue
             blocks = None
@@ -109,14 +125,13 @@ class ModelRunner:
         groups = []
         paged = None
         if kernel_rows and (decode or row_lens):
-            row_tables.extend(r.block_table[:need[i]] for i, r in enumerate(decode))
+            row_tables.extend((r.block_table[:need[i]], 1) for i, r in enumerate(decode))
             row_lens.extend(r.num_tokens for r in decode)
-            width = max(len(t) for t in row_tables)
-            flat: list[int] = []
-            for t in row_tables:
-                flat.extend(t)
-                flat.extend([0] * (width - len(t)))
-            tables = torch.tensor(flat, dtype=torch.int32).view(len(row_lens), width)
+            width = max(len(t) for t, _ in row_tables)
+            # a prompt's rows share its table: one padded row per request, repeated by torch (a 4,096-token prompt
+            # has 4,096 rows of 256 blocks: 60 ms to build as Python lists, 2 ms this way)
+            tables = torch.cat([torch.tensor(t + [0] * (width - len(t)), dtype=torch.int32).expand(n, width)
+                                for t, n in row_tables])
             lens = torch.tensor(row_lens, dtype=torch.int32)
             paged = PagedTokens(self.kernels, decode_start if paged_start is None else paged_start, tables, lens)
         for g0, g1 in ([] if paged else group_by_length([need[i] for i in order], GROUP_OVERHEAD_BLOCKS)):

@@ -1,4 +1,5 @@
 """Engine behaviour on real (tiny, random) HF checkpoints: exact greedy equality, KV hygiene, abort, errors."""
+import random
 import time
 
 import pytest
@@ -357,3 +358,42 @@ def test_own_forward_matches_hf_modules_in_bf16(tiny_checkpoints, family):
 def test_model_impl_kairos_refuses_an_unsupported_family(tiny_checkpoints):
     with pytest.raises(ValueError, match="model_impl='kairos'"):
         LLMEngine(EngineConfig(model=tiny_checkpoints["gpt2"], dtype="float32", device="cpu", model_impl="kairos"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_long_prefill_through_the_paged_kernel_matches_sdpa(tiny_checkpoints, dtype):
+    """A 450-token prompt's prefill attends either through SDPA or, one query row per token, through the paged
+    decode kernel (`model_runner.paged_prefill_max`: up to 4,096 tokens in bf16 on AVX512-BF16 without AMX): the
+    same logits within the dtype's rounding, the same greedy token."""
+    from engine.profiling import Prober
+
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype=dtype, device="cpu", max_model_len=512))
+    rng = random.Random(7)
+    ids = [rng.randrange(3, eng.bundle.vocab_limit) for _ in range(450)]
+
+    def logits(limit: int) -> torch.Tensor:
+        eng.runner.paged_prefill_max = limit
+        reqs, _ = Prober(eng)._requests([ids], 0)
+        return eng.runner.execute(reqs, [])[0].float()
+
+    try:
+        assert eng.runner.kernels is not None
+        sdpa, paged = (eng.run_idle(lambda e, n=n: logits(n)) for n in (0, 512))
+        assert sdpa.argmax() == paged.argmax()
+        tol = 0.02 if dtype == "bfloat16" else 1e-4
+        assert (sdpa - paged).abs().max() <= tol * sdpa.abs().max()
+    finally:
+        eng.shutdown()
+
+
+def test_paged_prefill_limit_by_dtype_and_instruction_set():
+    from engine.model_runner import PAGED_PREFILL_MAX, PAGED_PREFILL_MAX_AVX512_BF16, paged_prefill_max
+
+    class Kernels:
+        def __init__(self, isa):
+            self.packed_isa = isa
+
+    assert paged_prefill_max(None, torch.bfloat16) == 0
+    assert paged_prefill_max(Kernels("avx512_bf16"), torch.bfloat16) == PAGED_PREFILL_MAX_AVX512_BF16 == 4096
+    for isa, dtype in (("amx", torch.bfloat16), (None, torch.bfloat16), ("avx512_bf16", torch.float32)):
+        assert paged_prefill_max(Kernels(isa), dtype) == PAGED_PREFILL_MAX == 256
