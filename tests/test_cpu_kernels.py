@@ -396,3 +396,13 @@ def test_bench_step_peak_measures_the_multiply_add_ceiling(kernels):
     assert set(out) == {1, 2}
     want = "vdpbf16ps" if "avx512_bf16" in cpu_kernels._cpu_flags().split() else "vfmadd231ps-ymm"
     assert all(name == want and gflops > 0 for name, gflops in out.values())
+
+
+def test_bench_step_prefill_times_each_workload_at_each_paged_limit(kernels):
+    """`python -m bench.step prefill`: one prefill step per COUNTxLENGTH workload at each paged-prefill limit, and
+    the engine's own limit back afterwards."""
+    from bench.step import prefill_paths
+
+    out = prefill_paths("kairos-tiny", "float32", 1, [(1, 40), (2, 20)], ["0", "default"])
+    assert set(out) == {(1, 40), (2, 20)}
+    assert all(set(ms) == {"0", "default"} and all(v > 0 for v in ms.values()) for ms in out.values())
