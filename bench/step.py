@@ -1,4 +1,4 @@
-"""Two small CPU checks behind bench/README.md's "Against vLLM on CPU" section.
+"""Small CPU checks behind bench/README.md's "Against vLLM on CPU" section.
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
@@ -380,7 +380,7 @@ def peak(threads: list[int]) -> dict[int, tuple[str, float]]:
 
 
 def prefill_paths(model: str, dtype: str, threads: int, work: list[tuple[int, int]],
-            limits: list[str]) -> dict[tuple[int, int], dict[str, float]]:
+                  limits: list[str]) -> dict[tuple[int, int], dict[str, float]]:
     """{(count, length): {limit: ms}}: the best of 2 x 2 alternating rounds of one prefill step."""
     from engine.engine import LLMEngine
     from engine.profiling import Prober
