@@ -81,7 +81,7 @@ class ModelRunner:
         # kernel too, one query row per token (its context: the positions up to its own): one call for the step's
         # prompts and its decodes. Longer prompts keep SDPA.
         kernel_rows = self.kernels is not None
-        paged_prefill = [kernel_rows and end <= self.paged_prefill_max for end in ends]
+        paged_prefill = [end <= self.paged_prefill_max for end in ends]  # 0 without the kernels: none
         order_p = sorted(range(len(prefill)), key=paged_prefill.__getitem__)  # SDPA prefills first, then the rest
         last_idx: list[int | None] = [None] * len(prefill)
         row_tables: list[tuple[list[int], int]] = []  # per paged request: its blocks, and its rows in this step
