@@ -16,7 +16,8 @@
 `engine.profiling.Prober` inside `LLMEngine.run_idle`, best of 8, at B = 1, 8, 32, and one prefill step of 16
 prompts of 64 tokens (one 1024-token budget), best of 4; once per `--cpu-kernels`
 setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace), and once per
-`--packed-isa` (the packed bf16 GEMM on AMX or on AVX512-BF16, or none: oneDNN's GEMM; `CpuKernels.use_packed_isa`).
+`--packed-isa` (the packed bf16 GEMM on AMX or on AVX512-BF16, or none: oneDNN's GEMM, and torch's linear for fp32
+instead of the packed fp32 GEMM; `CpuKernels.use_packed_isa`, `use_packed_f32`).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
 compiled kernels timed by wrapping them; where a decode step runs every layer in one kernel call
 (`KairosDecoder.whole_step`), that call's phases as it times them itself ("layers: ...", `CpuKernels.phase_times`),
@@ -73,6 +74,7 @@ def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "a
         k = ck.load()
         best = k.packed_isas[-1] if k.packed_isas else None
         k.use_packed_isa({"best": best, "none": None}.get(packed_isa, packed_isa))
+        k.use_packed_f32(packed_isa != "none")  # none: torch's linear for fp32 too
     eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, model_impl=impl, max_model_len=1024,
                     kv_cache_memory_gb=0.2, cpu_kernels=cpu_kernels)
     def run(e) -> dict[int | str, float]:
@@ -465,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--cpu-kernels", default="auto", help="comma list of EngineConfig.cpu_kernels settings")
-    s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, none (oneDNN)")
+    s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, none (oneDNN; fp32: "
+                   "torch's linear)")
     pp = sub.add_parser("parts")
     pp.add_argument("--model", default="kairos-default")
     pp.add_argument("--dtype", default="bfloat16")

@@ -1311,11 +1311,151 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
 #endif
 }
 
-// A whole decode-only step's decoder layers (Llama / Qwen2 shape, bf16, packed weights) in one call: per layer
+// ---- Linear layers on packed fp32 weights (AVX2 or AVX-512 FMA) ------------------------------------------------
+// fp32 models, and every model on a CPU without native bf16 (where dtype "auto" is fp32). torch's fp32 linear (MKL's
+// sgemm) re-reads the weight for each of 1-3 rows (2 rows took 1.9x one row's time, 3 rows 2.8x, on a 2-core Zen 4),
+// so a decode step of 2-3 requests cost more than one of 4. The same scheme as the bf16 GEMM above: W [N, K] packed
+// once at load into panels of 16 output columns, each K rows of 16 floats (P[p][kk][c] = W[16p + c][kk]), columns
+// padded with zeros to a multiple of 32 (panel pairs); the threads split the pairs, each streams its share of the
+// weights once per block of rows and asks for the next pair meanwhile; kFmaRows rows at a time are multiplied in
+// registers (each row's k-th input broadcast, one FMA per 16 or 8 columns), then the same epilogues in fp32.
+#if defined(__AVX2__) && defined(__FMA__)
+#define KAIROS_PACKED_F32 1
+constexpr int kFmaRows = VecWide::W == 16 ? 12 : 6;  // 2 accumulators a row, 2 weight vectors and a broadcast
+
+// c[r][j] (row stride 32) for j in [0, 2W) = rows r of a (row stride lda) x the 2W columns whose k-th weights are
+// w0[16 kk, +W) | w1[16 kk, +W); meanwhile asks for pf's first pf_lines cache lines (two per k)
+template <int R>
+inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* w1, int64_t k, float* c,
+                     const char* pf, int64_t pf_lines) {
+    using Vec = VecWide;
+    typename Vec::V acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = Vec::zero();
+    for (int64_t kk = 0; kk < k; ++kk) {
+        if (2 * kk < pf_lines) {
+            _mm_prefetch(pf + 128 * kk, _MM_HINT_T1);
+            if (2 * kk + 1 < pf_lines) _mm_prefetch(pf + 128 * kk + 64, _MM_HINT_T1);
+        }
+        const typename Vec::V b0 = Vec::load(w0 + 16 * kk), b1 = Vec::load(w1 + 16 * kk);
+        for (int r = 0; r < R; ++r) {
+            const typename Vec::V xr = Vec::set1(a[r * lda + kk]);
+            acc0[r] = Vec::fmadd(xr, b0, acc0[r]);
+            acc1[r] = Vec::fmadd(xr, b1, acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        Vec::store(c + r * 32, acc0[r]);
+        Vec::store(c + r * 32 + Vec::W, acc1[r]);
+    }
+}
+
+// c [rows][32] = rows of a x panels b0 | b1 (one call with 16-lane vectors, one per panel with 8-lane ones)
+template <int R>
+inline void fma_pair(const float* a, int64_t lda, const float* b0, const float* b1, int64_t k, float* c,
+                     const char* pf, int64_t pf_lines) {
+    if constexpr (VecWide::W == 16) {
+        fma_cols<R>(a, lda, b0, b1, k, c, pf, pf_lines);
+    } else {
+        const int64_t half = (pf_lines + 1) / 2;
+        fma_cols<R>(a, lda, b0, b0 + 8, k, c, pf, half);
+        fma_cols<R>(a, lda, b1, b1 + 8, k, c + 16, pf + 64 * half, pf_lines - half);
+    }
+}
+
+inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0, const float* b1, int64_t k,
+                     float* c, const char* pf, int64_t pf_lines) {
+    switch (rows) {
+#define KAIROS_FMA_CASE(R) \
+    case R: if constexpr (R <= kFmaRows) fma_pair<R>(a, lda, b0, b1, k, c, pf, pf_lines); break;
+        KAIROS_FMA_CASE(1) KAIROS_FMA_CASE(2) KAIROS_FMA_CASE(3) KAIROS_FMA_CASE(4) KAIROS_FMA_CASE(5)
+        KAIROS_FMA_CASE(6) KAIROS_FMA_CASE(7) KAIROS_FMA_CASE(8) KAIROS_FMA_CASE(9) KAIROS_FMA_CASE(10)
+        KAIROS_FMA_CASE(11) KAIROS_FMA_CASE(12)
+#undef KAIROS_FMA_CASE
+        default: break;
+    }
+}
+
+// rows [m0, m0 + nrows) of the output from c [nrows][32] for panel pair `pair`: + bias, then + the residual (in
+// place) as torch adds them (h + (x @ W^T + b)), or silu(gate) * up
+inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pair, int64_t n, const float* bias,
+                          const float* res, float* out, int64_t ldo, int mode) {
+    if (mode == kSiluMul) {
+        const int64_t n0 = pair * 16, w = std::min<int64_t>(16, n - n0);
+        for (int64_t r = 0; r < nrows; ++r) {
+            const float* cr = c + r * 32;
+            float* o = out + (m0 + r) * ldo + n0;
+#pragma omp simd
+            for (int64_t j = 0; j < w; ++j) o[j] = silu(cr[j]) * cr[16 + j];
+        }
+        return;
+    }
+    const int64_t n0 = pair * 32, w = std::min<int64_t>(32, n - n0);
+    for (int64_t r = 0; r < nrows; ++r) {
+        const float* cr = c + r * 32;
+        float* o = out + (m0 + r) * ldo + n0;
+        const float* h = res == nullptr ? nullptr : res + (m0 + r) * ldo + n0;
+#pragma omp simd
+        for (int64_t j = 0; j < w; ++j) {
+            float v = cr[j];
+            if (bias != nullptr) v += bias[n0 + j];
+            o[j] = h != nullptr ? h[j] + v : v;
+        }
+    }
+}
+#endif
+
+// out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above (fp32) with `pairs` panel pairs;
+// 2 where this build has no FMA
+int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t pairs, int64_t n,
+                const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
+#ifdef KAIROS_PACKED_F32
+    const int64_t panel = 16 * k;  // elements
+    const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
+    const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
+    const int64_t block = 256;  // rows per pass over the weights
+    std::atomic<int64_t> claimed{0};
+    parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {  // as the bf16 GEMM's loop
+        alignas(64) float c[kFmaRows * 32];
+        for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
+             task = claimed.fetch_add(1, std::memory_order_relaxed)) {
+            const int64_t p0 = runs[task], p1 = runs[task + 1];
+            for (int64_t r0 = 0; r0 < m; r0 += block) {
+                const int64_t r1 = std::min(m, r0 + block);
+                for (int64_t p = p0; p < p1; ++p) {
+                    const float* b0 = w + 2 * p * panel;
+                    int64_t ahead = p + 1;
+                    if (ahead == p1) {
+                        const int64_t t = claimed.load(std::memory_order_relaxed);
+                        ahead = r1 < m ? p0 : t < tasks && m >= kAskNextRunRows ? runs[t] : -1;
+                    }
+                    const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
+                    const int64_t lines = ahead >= 0 ? 2 * k : 0;  // a pair: 2 panels of k lines of 64 bytes
+                    const int64_t groups = (r1 - r0 + kFmaRows - 1) / kFmaRows;
+                    const int64_t share = (lines + groups - 1) / groups;
+                    for (int64_t i = r0, g = 0; i < r1; i += kFmaRows, ++g) {
+                        const int64_t rows = std::min<int64_t>(kFmaRows, r1 - i);
+                        const int64_t first = std::min(lines, g * share);
+                        fma_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
+                                 std::min(lines, first + share) - first);
+                        gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+                    }
+                }
+            }
+        }
+    });
+    return 0;
+#else
+    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
+        (void)mode, (void)nthreads;
+    return 2;
+#endif
+}
+
+// A whole decode-only step's decoder layers (Llama / Qwen2 shape, bf16 or fp32, packed weights) in one call: per layer
 // rms_norm -> q|k|v GEMM (+ bias) -> RoPE + cache write -> paged decode attention -> o_proj GEMM += h -> rms_norm
 // -> silu(gate) * up GEMM -> down GEMM += h. The same kernels as the per-op calls, without a Python round trip
 // between them. lp: per layer, kLayerFields int64 (pointers as integers, pair counts); h [n, d] is updated in
-// place; scratch holds n x (d + q|k|v width + nh * hd + inter) bf16.
+// place; scratch holds n x (d + q|k|v width + nh * hd + inter) elements of h's type.
 enum LayerField { kLnIn, kLnPost, kQkvW, kQkvPairs, kQkvB, kOW, kOPairs, kOB, kGateUpW, kGateUpPairs, kDownW,
                   kDownPairs, kKCache, kVCache, kLayerFields };
 
@@ -1337,16 +1477,17 @@ struct PhaseClock {  // laps of the calling thread's work between phases, when p
     }
 };
 
-int decode_layers(int64_t nl, const int64_t* lp, bf16* h, int64_t n, int64_t d, int64_t nh, int64_t nkv, int64_t hd,
-                  int64_t inter, float eps, const bf16* cos, const bf16* sin, const int64_t* pos, const int64_t* slots,
+template <typename T>
+int decode_layers(int64_t nl, const int64_t* lp, T* h, int64_t n, int64_t d, int64_t nh, int64_t nkv, int64_t hd,
+                  int64_t inter, float eps, const T* cos, const T* sin, const int64_t* pos, const int64_t* slots,
                   const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t bs, float scale,
-                  bf16* scratch, int nt) {
+                  T* scratch, int nt) {
     const int64_t wq = (nh + 2 * nkv) * hd, wo = nh * hd;
-    bf16* x = scratch;
-    bf16* qkv = x + n * d;
-    bf16* ao = qkv + n * wq;
-    bf16* act = ao + n * wo;
-    auto ptr = [](int64_t v) { return reinterpret_cast<bf16*>(v); };
+    T* x = scratch;
+    T* qkv = x + n * d;
+    T* ao = qkv + n * wq;
+    T* act = ao + n * wo;
+    auto ptr = [](int64_t v) { return reinterpret_cast<T*>(v); };
     PhaseClock clock;
     for (int64_t l = 0; l < nl; ++l) {
         const int64_t* f = lp + l * kLayerFields;
@@ -1357,7 +1498,7 @@ int decode_layers(int64_t nl, const int64_t* lp, bf16* h, int64_t n, int64_t d, 
         clock.lap(kPhaseQkv);
         rope_write(qkv, wq, cos, sin, pos, slots, ptr(f[kKCache]), ptr(f[kVCache]), n, nh, nkv, hd, nt);
         clock.lap(kPhaseRope);
-        decode_attn(static_cast<const bf16*>(qkv), wq, ptr(f[kKCache]), ptr(f[kVCache]), tables, max_blocks, lens,
+        decode_attn(static_cast<const T*>(qkv), wq, ptr(f[kKCache]), ptr(f[kVCache]), tables, max_blocks, lens,
                     ao, n, nh, nkv, hd, bs, scale, nt);
         clock.lap(kPhaseAttn);
         rc |= gemm_packed(ao, wo, n, wo, ptr(f[kOW]), f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
@@ -1392,7 +1533,7 @@ int packed_gemm_granted = -1;  // what packed_gemm_enable found, once
 
 extern "C" {
 
-int kairos_abi_version() { return 7; }
+int kairos_abi_version() { return 8; }
 
 void kairos_sample_rows(int dtype, const void* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t width,
                         const float* temp, const int64_t* top_k, const float* top_p, const float* u, int64_t* out,
@@ -1445,12 +1586,26 @@ void kairos_decode_attn(int dtype, const void* q, int64_t q_stride, const void* 
                     bs, scale, nthreads);
 }
 
-// gemm: 0 on success, 1 = K not a multiple of 32, 2 = neither AMX nor AVX512-BF16 (kairos_packed_gemm_enable)
-int kairos_gemm_packed(const void* x, int64_t ldx, int64_t m, int64_t k, const void* w, int64_t pairs, int64_t n,
-                       const void* bias, const void* res, void* out, int64_t ldo, int mode, int nthreads) {
-    return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
-                       static_cast<const bf16*>(bias), static_cast<const bf16*>(res), static_cast<bf16*>(out), ldo,
+// gemm: 0 on success; bf16: 1 = K not a multiple of 32, 2 = neither AMX nor AVX512-BF16 (kairos_packed_gemm_enable);
+// fp32: 2 = built without FMA (kairos_packed_f32)
+int kairos_gemm_packed(int dtype, const void* x, int64_t ldx, int64_t m, int64_t k, const void* w, int64_t pairs,
+                       int64_t n, const void* bias, const void* res, void* out, int64_t ldo, int mode, int nthreads) {
+    if (dtype == 1)
+        return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
+                           static_cast<const bf16*>(bias), static_cast<const bf16*>(res), static_cast<bf16*>(out), ldo,
+                           mode, nthreads);
+    return gemm_packed(static_cast<const float*>(x), ldx, m, k, static_cast<const float*>(w), pairs, n,
+                       static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out), ldo,
                        mode, nthreads);
+}
+
+// whether this build runs the fp32 packed GEMM (AVX2 or AVX-512 with FMA)
+int kairos_packed_f32() {
+#ifdef KAIROS_PACKED_F32
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 // the PackedIsa the packed GEMM runs from now on: the one asked for if this CPU and OS have it, else their best
@@ -1480,13 +1635,17 @@ int kairos_phase_times(int on, int64_t* out) {
     return kPhases;
 }
 
-int kairos_decode_layers(int64_t nl, const int64_t* lp, void* h, int64_t n, int64_t d, int64_t nh, int64_t nkv,
-                         int64_t hd, int64_t inter, float eps, const void* cos, const void* sin, const int64_t* pos,
-                         const int64_t* slots, const int32_t* tables, int64_t max_blocks, const int32_t* lens,
-                         int64_t bs, float scale, void* scratch, int nthreads) {
-    return decode_layers(nl, lp, static_cast<bf16*>(h), n, d, nh, nkv, hd, inter, eps, static_cast<const bf16*>(cos),
-                         static_cast<const bf16*>(sin), pos, slots, tables, max_blocks, lens, bs, scale,
-                         static_cast<bf16*>(scratch), nthreads);
+int kairos_decode_layers(int dtype, int64_t nl, const int64_t* lp, void* h, int64_t n, int64_t d, int64_t nh,
+                         int64_t nkv, int64_t hd, int64_t inter, float eps, const void* cos, const void* sin,
+                         const int64_t* pos, const int64_t* slots, const int32_t* tables, int64_t max_blocks,
+                         const int32_t* lens, int64_t bs, float scale, void* scratch, int nthreads) {
+    if (dtype == 1)
+        return decode_layers(nl, lp, static_cast<bf16*>(h), n, d, nh, nkv, hd, inter, eps,
+                             static_cast<const bf16*>(cos), static_cast<const bf16*>(sin), pos, slots, tables,
+                             max_blocks, lens, bs, scale, static_cast<bf16*>(scratch), nthreads);
+    return decode_layers(nl, lp, static_cast<float*>(h), n, d, nh, nkv, hd, inter, eps, static_cast<const float*>(cos),
+                         static_cast<const float*>(sin), pos, slots, tables, max_blocks, lens, bs, scale,
+                         static_cast<float*>(scratch), nthreads);
 }
 
 }  // extern "C"

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
@@ -61,20 +61,20 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str, source: Path = SOURCE) -> Path:
+def _library_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = tuple(FLAGS)) -> Path:
     root = Path(os.environ.get("KAIROS_CACHE", Path.home() / ".cache" / "kairos")).expanduser() / "kernels"
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_flags().encode(), platform.machine().encode(),
+    for part in (source.read_bytes(), " ".join(flags).encode(), _cpu_flags().encode(), platform.machine().encode(),
                  subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout):
         key.update(part)
     return root / f"kairos_cpu-{key.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, path: Path, source: Path = SOURCE) -> None:
+def _build(compiler: str, path: Path, source: Path = SOURCE, flags: tuple[str, ...] = tuple(FLAGS)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(out)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -96,14 +96,15 @@ class CpuKernels:
         for fn in (lib.kairos_rms_norm, lib.kairos_rope_write, lib.kairos_decode_attn, lib.kairos_argmax_rows,
                    lib.kairos_sample_rows):
             fn.restype = None
-        lib.kairos_gemm_packed.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _int, _int]
+        lib.kairos_gemm_packed.argtypes = [_int, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _int, _int]
         lib.kairos_gemm_packed.restype = _int
+        lib.kairos_packed_f32.restype = _int
         lib.kairos_packed_gemm_enable.argtypes = [_int]
         lib.kairos_packed_gemm_enable.restype = _int
         lib.kairos_layer_fields.restype = _int
         self.layer_fields = lib.kairos_layer_fields()
-        lib.kairos_decode_layers.argtypes = [_i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p, _p,
-                                             _p, _i64, _p, _i64, _f32, _p, _int]
+        lib.kairos_decode_layers.argtypes = [_int, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p,
+                                             _p, _p, _i64, _p, _i64, _f32, _p, _int]
         lib.kairos_decode_layers.restype = _int
         lib.kairos_phase_times.argtypes = [_int, _p]
         lib.kairos_phase_times.restype = _int
@@ -113,6 +114,9 @@ class CpuKernels:
         best = lib.kairos_packed_gemm_enable(-1)  # -1: the best this CPU and OS have
         self.packed_isa = PACKED_ISAS.get(best)
         self.packed_isas = [name for isa, name in PACKED_ISAS.items() if isa <= best]
+        # fp32 layers on the packed fp32 GEMM (built with AVX2 or AVX-512 FMA); `use_packed_f32` turns it off
+        self.packed_f32_built = bool(lib.kairos_packed_f32())
+        self.packed_f32 = self.packed_f32_built
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None
         nice = os.environ.get(TEAM_NICE_ENV, "")
@@ -131,19 +135,31 @@ class CpuKernels:
         code = next((isa for isa, n in PACKED_ISAS.items() if n == name), 0)
         self.packed_isa = PACKED_ISAS.get(self.lib.kairos_packed_gemm_enable(code))
 
+    def use_packed_f32(self, on: bool) -> None:
+        """fp32 decoders built from now on use the packed fp32 GEMM (`on`, where built) or torch's linear; tests and
+        benchmarks compare the two."""
+        self.packed_f32 = bool(on) and self.packed_f32_built
+
     def packed_linear_supported(self, dtype: torch.dtype, *inner_dims: int) -> bool:
-        """Whether `pack_weight` + `linear` can run bf16 layers whose input widths (K) are `inner_dims`."""
+        """Whether `pack_weight` + `linear` can run layers of this dtype whose input widths (K) are `inner_dims`:
+        bf16 on AMX or AVX512-BF16 with K a multiple of 32, fp32 on AVX2 or AVX-512 FMA."""
+        if dtype == torch.float32:
+            return self.packed_f32 and all(k > 0 for k in inner_dims)
         return self.packed_isa is not None and dtype == torch.bfloat16 and all(k % 32 == 0 for k in inner_dims)
 
     @staticmethod
     def pack_weight(w: torch.Tensor) -> PackedWeight:
-        """W [N, K] -> panels of 16 output columns, each K/2 rows of (16 columns x 2 consecutive k)."""
+        """W [N, K] -> panels of 16 output columns (N padded to a multiple of 32): bf16, each K/2 rows of (16 columns
+        x 2 consecutive k); fp32, each K rows of 16 columns."""
         n, k = w.shape
-        assert w.dtype == torch.bfloat16 and k % 32 == 0
+        assert w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and k % 32 == 0)
         padded = -(-n // 32) * 32
         wp = w.new_zeros((padded, k))
         wp[:n] = w
-        data = wp.view(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        if w.dtype == torch.float32:
+            data = wp.view(padded // 16, 16, k).permute(0, 2, 1).contiguous()
+        else:
+            data = wp.view(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
         return PackedWeight(data, n, k, padded // 32)
 
     @classmethod
@@ -157,17 +173,17 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] bf16 (rows may be strided) @ W^T (+ bias) [M, N]; with `residual` [M, N] contiguous, adds the
-        (rounded) product to it in place and returns it. A gated weight returns silu(gate) * up instead."""
+        """x [M, K] (rows may be strided; W's dtype) @ W^T (+ bias) [M, N]; with `residual` [M, N] contiguous, adds
+        the (rounded) product to it in place and returns it. A gated weight returns silu(gate) * up instead."""
         m, k = x.shape
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == w.k
+        assert x.dtype == w.data.dtype and x.dtype in DTYPES and x.stride(1) == 1 and k == w.k
         if residual is not None:
             assert residual.shape == (m, w.n) and residual.is_contiguous() and residual.dtype == x.dtype
             out, mode = residual, RESIDUAL
         else:
             out, mode = torch.empty((m, w.n), dtype=x.dtype), SILU_MUL if w.gated else PLAIN
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and not w.gated)
-        rc = self.lib.kairos_gemm_packed(x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.pairs, w.n,
+        rc = self.lib.kairos_gemm_packed(DTYPES[x.dtype], x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.pairs, w.n,
                                          None if bias is None else bias.data_ptr(),
                                          None if residual is None else residual.data_ptr(), out.data_ptr(), w.n,
                                          mode, torch.get_num_threads())
@@ -238,15 +254,15 @@ class CpuKernels:
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                       lens: torch.Tensor, block_size: int, scratch: torch.Tensor) -> None:
         """Every decoder layer of a step whose tokens all attend through the paged kernel (decodes, and prefill tokens
-        as rows whose context ends at themselves; bf16, packed weights) in one call: h [n, hidden] is updated in
-        place; the step's K/V go into the caches named in `table`."""
+        as rows whose context ends at themselves; bf16 or fp32, packed weights) in one call: h [n, hidden] is updated
+        in place; the step's K/V go into the caches named in `table`."""
         n = h.shape[0]
-        assert h.is_contiguous() and h.dtype == torch.bfloat16 and h.shape[1] == shape.hidden
+        assert h.is_contiguous() and h.dtype in DTYPES and h.shape[1] == shape.hidden
         assert positions.dtype == slots.dtype == torch.int64 and tables.dtype == lens.dtype == torch.int32
         assert tables.is_contiguous() and lens.shape == (n,) and tables.shape[0] == n
         assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == shape.head_dim
-        assert scratch.dtype == torch.bfloat16 and scratch.numel() >= shape.scratch_elems(n)
-        rc = self.lib.kairos_decode_layers(table.shape[0], table.data_ptr(), h.data_ptr(), n, shape.hidden, shape.heads,
+        assert scratch.dtype == h.dtype and scratch.numel() >= shape.scratch_elems(n)
+        rc = self.lib.kairos_decode_layers(DTYPES[h.dtype], table.shape[0], table.data_ptr(), h.data_ptr(), n, shape.hidden, shape.heads,
                                            shape.kv_heads, shape.head_dim, shape.inter, shape.eps, cos.data_ptr(),
                                            sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                                            tables.shape[1], lens.data_ptr(), block_size, shape.scale,
@@ -294,8 +310,8 @@ class CpuKernels:
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A linear layer's weight in the packed layout of AMX's tiles (`CpuKernels.pack_weight`), which AVX512-BF16's
-    dot product reads as it is too."""
+    """A linear layer's weight in panels of 16 output columns (`CpuKernels.pack_weight`): for bf16 the layout of AMX's
+    tiles, which AVX512-BF16's dot product reads as it is too; for fp32 K rows of 16 columns."""
     data: torch.Tensor
     n: int  # output features
     k: int  # input features
@@ -315,7 +331,7 @@ class DecoderShape:
     scale: float
 
     def scratch_elems(self, n: int) -> int:
-        """bf16 elements of scratch for n tokens: the normed input, q|k|v, the attention output, the MLP product."""
+        """Elements of scratch (the activations' dtype) for n tokens: the normed input, q|k|v, the attention output, the MLP product."""
         return n * (self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim + self.inter)
 
 
@@ -329,16 +345,18 @@ def load() -> CpuKernels:
     return load_source(SOURCE)
 
 
-def load_source(source: Path) -> CpuKernels:
+def load_source(source: Path, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
     """The kernels built from `source` (this tree's `cpu_kernels.cpp`, or another version of it, which a benchmark
-    compares with), with the same flags and cache; each call loads the library anew."""
+    compares with), with the same flags (and `extra_flags` after them, e.g. -mno-avx512f to build what an AVX2 CPU
+    runs) and cache; each call loads the library anew."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler (g++ or c++; or set CXX)")
     try:
-        path = _library_path(compiler, source)
+        flags = (*FLAGS, *extra_flags)
+        path = _library_path(compiler, source, flags)
         if not path.exists():
-            _build(compiler, path, source)
+            _build(compiler, path, source, flags)
         lib = ctypes.CDLL(str(path))
         if lib.kairos_abi_version() != ABI_VERSION:
             raise KernelsUnavailable(f"{path} is stale (ABI {lib.kairos_abi_version()}, want {ABI_VERSION})")

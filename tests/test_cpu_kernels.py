@@ -212,35 +212,31 @@ def test_argmax_rows_is_torchs_first_maximum(kernels, dtype):
     assert got[3] == 100 and got[6] == 77
 
 
-def _needs_packed(kernels):
-    if kernels.packed_isa is None:
-        pytest.skip("the packed GEMM needs AMX or AVX512-BF16 (this CPU or OS has neither)")
-
-
-@pytest.fixture(params=["amx", "avx512_bf16"])
-def packed_isa(kernels, request):
-    """Each instruction set the packed GEMM can run on, where this CPU has it (AMX CPUs run both)."""
+@pytest.fixture(params=["float32", "amx", "avx512_bf16"])
+def packed_dtype(kernels, request):
+    """The packed GEMM's variants this CPU runs: fp32 (AVX2 or AVX-512 FMA), and bf16 on each instruction set it
+    has (AMX CPUs run both)."""
+    if request.param == "float32":
+        if not kernels.packed_f32:
+            pytest.skip("the fp32 packed GEMM needs AVX2 with FMA")
+        yield torch.float32
+        return
     if request.param not in kernels.packed_isas:
         pytest.skip(f"this CPU or OS has no {request.param}")
     best = kernels.packed_isa
     kernels.use_packed_isa(request.param)
-    yield request.param
+    yield torch.bfloat16
     kernels.use_packed_isa(best)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 12, 16, 17, 32, 45, 300])
-@pytest.mark.parametrize("n", [96, 100, 576])
-def test_packed_linear_matches_f_linear(kernels, packed_isa, rows, n):
-    """Kairos's GEMM on packed weights: plain, with a bias, and adding into a residual in place, for row counts
-    around its 16-row AMX tiles and 12-row AVX-512 blocks, and output widths that are not a multiple of its
-    32-column blocks."""
+def _check_packed_linear(kernels, dtype, rows, n):
     g = torch.Generator().manual_seed(rows * 1000 + n)
     k = 192
-    xs = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)
+    xs = torch.randn(rows, 2 * k, generator=g).to(dtype)
     x = xs[:, :k]  # rows with a stride
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16)
-    h = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    h = torch.randn(rows, n, generator=g).to(dtype)
     pw = kernels.pack_weight(w)
 
     def run():
@@ -250,33 +246,81 @@ def test_packed_linear_matches_f_linear(kernels, packed_isa, rows, n):
         return plain, biased, res, out
 
     plain, biased, res, out = _on_thread(run)
-    ref = x.float() @ w.float().t()  # fp32 accumulation, then one rounding, as oneDNN does
-    assert plain.shape == (rows, n) and plain.dtype == torch.bfloat16
-    assert (plain.float() - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
-    assert (biased.float() - (ref + b.float())).abs().max().item() <= 0.01 * ref.abs().max().item()
+    ref = x.float() @ w.float().t()  # fp32 accumulation, then (bf16) one rounding, as oneDNN does
+    tol = 1e-5 if dtype == torch.float32 else 0.01  # fp32: another summation order
+    assert plain.shape == (rows, n) and plain.dtype == dtype
+    assert (plain.float() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    assert (biased.float() - (ref + b.float())).abs().max().item() <= tol * ref.abs().max().item()
     assert out is res  # in place
-    assert (res.float() - (h.float() + biased.float())).abs().max().item() <= 0.02 * res.float().abs().max().item()
+    assert (res.float() - (h.float() + biased.float())).abs().max().item() <= 2 * tol * res.float().abs().max().item()
+
+
+def _check_packed_gated(kernels, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    k, inter = 128, 200  # 200 features: 12 full 16-column panels and a partial one
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    gate, up = ((torch.randn(inter, k, generator=g) / k ** 0.5).to(dtype) for _ in range(2))
+    pw = kernels.pack_gated(gate, up)
+    got = _on_thread(lambda: kernels.linear(x, pw))
+    ref = F.silu(F.linear(x, gate)) * F.linear(x, up)  # the HF MLP's ops
+    assert got.shape == (rows, inter)
+    # bf16: each product rounds once from fp32, as torch's ops do; a different summation order moves ~1 bf16 ulp
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    assert (got.float() - ref.float()).abs().max().item() <= tol * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 12, 16, 17, 32, 45, 300])
+@pytest.mark.parametrize("n", [96, 100, 576])
+def test_packed_linear_matches_f_linear(kernels, packed_dtype, rows, n):
+    """Kairos's GEMM on packed weights: plain, with a bias, and adding into a residual in place, for row counts
+    around its 16-row AMX tiles and 12-row AVX-512 blocks (6 with AVX2), and output widths that are not a multiple
+    of its 32-column blocks."""
+    _check_packed_linear(kernels, packed_dtype, rows, n)
 
 
 @pytest.mark.parametrize("rows", [1, 20])
-def test_packed_gated_linear_is_silu_gate_times_up(kernels, packed_isa, rows):
-    g = torch.Generator().manual_seed(rows)
-    k, inter = 128, 200  # 200 features: 12 full 16-column panels and a partial one
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    gate, up = ((torch.randn(inter, k, generator=g) / k ** 0.5).to(torch.bfloat16) for _ in range(2))
-    pw = kernels.pack_gated(gate, up)
-    got = _on_thread(lambda: kernels.linear(x, pw))
-    ref = F.silu(F.linear(x, gate)) * F.linear(x, up)  # the HF MLP's ops in bf16
-    assert got.shape == (rows, inter)
-    # each product rounds once from fp32, as torch's ops do; a different summation order moves ~1 bf16 ulp
-    assert (got.float() - ref.float()).abs().max().item() <= 0.02 * ref.float().abs().max().item()
+def test_packed_gated_linear_is_silu_gate_times_up(kernels, packed_dtype, rows):
+    _check_packed_gated(kernels, packed_dtype, rows)
+
+
+def test_packed_fp32_gemm_with_8_lane_vectors(kernels, tmp_path):
+    """The fp32 packed GEMM as a CPU with AVX2 but no AVX-512 runs it (8-lane vectors, 6-row blocks, a panel at a
+    time): the kernels built again without AVX-512."""
+    if "avx512f" not in cpu_kernels._cpu_flags().split():
+        pytest.skip("the default build already has 8-lane vectors (no AVX-512 here)")
+    avx2 = cpu_kernels.load_source(cpu_kernels.SOURCE, extra_flags=("-mno-avx512f",))
+    assert avx2.packed_f32 and avx2.packed_isa is None  # no AVX-512: no bf16 dot product either
+    for rows in (1, 5, 6, 7, 13):
+        _check_packed_linear(avx2, torch.float32, rows, 100)
+    _check_packed_gated(avx2, torch.float32, 7)
 
 
 def test_packed_linear_refuses_what_it_cannot_run(kernels):
-    assert not kernels.packed_linear_supported(torch.float32, 64)
     assert not kernels.packed_linear_supported(torch.bfloat16, 48)  # K must be a multiple of 32
     with pytest.raises(AssertionError):
         kernels.pack_weight(torch.zeros(32, 48, dtype=torch.bfloat16))
+    assert not kernels.packed_linear_supported(torch.float16, 64)
+    assert kernels.packed_linear_supported(torch.float32, 48) == kernels.packed_f32_built  # fp32: any K
+    kernels.use_packed_f32(False)
+    try:
+        assert not kernels.packed_linear_supported(torch.float32, 64)
+    finally:
+        kernels.use_packed_f32(True)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_fp32_decoder_uses_the_packed_gemm_where_built(tiny_checkpoints, kernels, on):
+    kernels.use_packed_f32(on)
+    try:
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu"))
+        try:
+            dec = eng.runner.decoder
+            assert type(dec.mm).__name__ == ("PackedMatmuls" if on and kernels.packed_f32_built else "TorchMatmuls")
+            assert dec.whole_step == (on and kernels.packed_f32_built)
+        finally:
+            eng.shutdown()
+    finally:
+        kernels.use_packed_f32(True)
 
 
 def test_bf16_decoder_uses_the_packed_gemm_where_the_cpu_has_amx_or_avx512_bf16(tiny_checkpoints, kernels):
@@ -290,12 +334,12 @@ def test_bf16_decoder_uses_the_packed_gemm_where_the_cpu_has_amx_or_avx512_bf16(
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, packed_isa, family):
+def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, packed_dtype, family):
     """A decode-only step runs every layer in one kernel call (`decode_layers`): the same kernels in the same
     order as the per-op Python loop, so the logits are bit-identical (Qwen2: with the q|k|v bias)."""
     prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
-    eng = LLMEngine(EngineConfig(model=tiny_checkpoints[family], dtype="bfloat16", device="cpu", block_size=4,
-                                 kv_cache_dtype="model"))
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints[family], dtype=str(packed_dtype).removeprefix("torch."),
+                                 device="cpu", block_size=4, kv_cache_dtype="model"))
     try:
         dec = eng.runner.decoder
         assert dec.whole_step
