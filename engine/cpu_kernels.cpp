@@ -6,6 +6,9 @@
 //                eager ops do), then k and v written into the paged cache by slot
 // - decode_attn: one query token per request against its context in the paged cache, read block by block
 //                through the block table (no gathered copy); scores and accumulation in fp32
+// - gemm_packed: linear layers on weights packed once at load, bf16 (AMX tiles or AVX512-BF16 dot products) or
+//                fp32 (AVX-512 or AVX2 FMAs), with the bias, a residual add or silu(gate) * up fused in
+// - decode_layers: every decoder layer of a decode step in one call, from the kernels above
 //
 // Element types: float or bf16 (uint16 bit patterns), the same for activations and cache. Parallel loops take
 // an explicit thread count and run as OpenMP regions (loaded into a process that has torch, libgomp.so.1

@@ -323,9 +323,10 @@ class Scheduler:
         return 0.0 if math.isinf(r.tpot_slo_ms) else n / r.tpot_slo_ms
 
     def _shed_threshold(self, now: float) -> float:
-        """Work shedding's threshold for this round: +inf (none) without it or on an idle replica."""
+        """Work shedding's threshold for this round: +inf (none) without it, on an idle replica, or on one not
+        saturated now (no capacity rejection within the shedder's hold)."""
         self.last_shed_threshold = math.inf if self.shedder is None or not self.running \
-            else self.shedder.threshold(now)
+            or not self.shedder.measuring(now) else self.shedder.threshold(now)
         return self.last_shed_threshold
 
     def _floor_reservation(self, gate: VBSGate | None, now: float) -> tuple[float, float] | None:

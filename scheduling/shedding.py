@@ -16,7 +16,10 @@ more. Its threshold is the largest work θ such that the arrivals of work <= θ 
 second; a fresh request of work > θ is shed (429 with Retry-After) instead of being offered to the gate. θ is
 +inf while all arrivals together offer less than that and before any saturated step is measured, and it is
 never below the window's median work (requests that all ask for the same are never shed by it). The scheduler
-sheds only while requests are running: an idle replica admits anything.
+sheds only while requests are running (an idle replica admits anything) and while the replica is saturated (within
+`hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
+request it would shed was served within SLO, and shedding it then lost ~6% of goodput on ShareGPT
+(bench/README.md).
 
 A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
 costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits less than half
@@ -77,7 +80,8 @@ class WorkShedder:
         self._saturated_s = max(self._saturated_s, now_s)
 
     def measuring(self, now_s: float) -> bool:
-        """Whether a step finished now counts toward C (within `hold_s` of a capacity rejection)."""
+        """Whether the replica counts as saturated now (within `hold_s` of a capacity rejection): a step finished now
+        counts toward C, and the scheduler sheds only then."""
         return now_s - self._saturated_s <= self.hold_s
 
     def step(self, now_s: float, work: float, wall_ms: float) -> None:

@@ -149,6 +149,17 @@ def test_kairos_sheds_a_long_request_under_overload_and_admits_a_short_one():
     assert long_ not in s.waiting and long_ not in s.running and s.last_shed_threshold == pytest.approx(10 / TPOT)
 
 
+def test_kairos_sheds_only_while_the_replica_is_saturated():
+    """θ stays what the window says, but 1.5 s after the last capacity rejection (the shedder's hold is 1 s) the
+    batch has had room: the long request goes to the gate instead, and is admitted."""
+    s = _primed()  # saturated at 10.0
+    long_ = _req(1, 200, arrival=11.5)
+    s.add(long_)
+    plan = s.schedule(11.5)
+    assert plan.rejected == [] and plan.prefill == [long_] and s.last_shed_threshold == math.inf
+    assert s.shedder.threshold(11.5) == pytest.approx(10 / TPOT)
+
+
 def test_an_idle_replica_never_sheds():
     s = _sched("kairos", blocks=256)
     _prime(s.shedder)
