@@ -41,10 +41,11 @@ PRESETS: dict[str, PolicyFlags] = {
     "scorpio": PolicyFlags(queue_order="ldf", ttft_reject=True, credit_batching=True, vbs_gate=True),
     # kairos corrects the gate with a bounded factor measured on the steps it runs (ItlCorrection), so its static
     # margin only has to cover what that measurement misses: 1.1 (ShareGPT, 3 seeds at 1.5x: 3.04 vs 2.95 req/s
-    # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%)
+    # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%). Work shedding is opt-in: it gained 6.6% on a
+    # slow engine and lost 2-8% (four runs) once the packed fp32 GEMM made steps 2-4x faster (bench/README.md)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
-                          work_shedding=True, catch_up=True, prefill_hold=True, vbs_margin=1.1),
+                          catch_up=True, prefill_hold=True, vbs_margin=1.1),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -100,7 +101,8 @@ class SchedulerConfig(BaseModel):
         "both", description="reserve: keep VBS room for a starved tier; hold: drain the batch for its request")
     work_shedding: bool | None = Field(None, description="under overload, shed the fresh requests with the most "
                                        "work (expected output tokens / TPOT SLO) first, so that what the replica "
-                                       "can decode goes to as many requests as fit (scheduling/shedding.py)")
+                                       "can decode goes to as many requests as fit (scheduling/shedding.py; off "
+                                       "by default in every policy)")
     catch_up: bool | None = Field(None, description="leave out of a step the requests ahead of their pace when "
                                   "a request behind its TPOT needs a shorter step (tpot_guard.trim_for_catch_up)")
     prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "

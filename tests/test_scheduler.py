@@ -321,7 +321,7 @@ def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
 
 
 def test_work_shedding_measures_capacity_only_on_rejections_that_mean_the_replica_is_full():
-    s = _sched("kairos", prefill_hold=False)  # TTFT guard margin 50 ms; prefill 1 + 0.01 n ms
+    s = _sched("kairos", prefill_hold=False, work_shedding=True)  # TTFT guard margin 50 ms; prefill 1 + 0.01 n ms
     a = _req(0, 5, tpot=50.0)
     s.add(a)
     _run(s, s.schedule(0.0))

@@ -128,7 +128,7 @@ def _prime(s: WorkShedder) -> None:
 
 def _primed(**kw):
     """A kairos scheduler with one request running and a primed shedder."""
-    s = _sched("kairos", blocks=256, **kw)
+    s = _sched("kairos", blocks=256, **{"work_shedding": True, **kw})
     first = _req(0, 10)
     s.add(first)
     _run(s, s.schedule(0.0))
@@ -161,7 +161,7 @@ def test_kairos_sheds_only_while_the_replica_is_saturated():
 
 
 def test_an_idle_replica_never_sheds():
-    s = _sched("kairos", blocks=256)
+    s = _sched("kairos", blocks=256, work_shedding=True)
     _prime(s.shedder)
     long_ = _req(1, 200, arrival=10.0)
     s.add(long_)
@@ -176,6 +176,7 @@ def test_without_work_shedding_the_long_request_is_offered_to_the_gate():
     plan = s.schedule(10.0)
     assert plan.prefill == [long_] and plan.rejected == []
     assert _sched("scorpio").shedder is None  # SCORPIO as published has no shedding
+    assert _sched("kairos").shedder is None  # opt-in (work_shedding=true)
 
 
 def test_a_full_queue_marks_saturation_but_a_shed_does_not():
@@ -201,7 +202,7 @@ def test_a_stricter_tpot_weighs_more_and_best_effort_is_never_shed():
 
 
 def test_a_rejection_on_an_idle_replica_does_not_mark_saturation():
-    s = _sched("kairos", blocks=256)
+    s = _sched("kairos", blocks=256, work_shedding=True)
     hopeless = _req(1, 10, tpot=1.0)  # 1 ms TPOT: infeasible even alone (ITL(1) = 5.5 ms)
     s.add(hopeless)
     plan = s.schedule(1.0)
@@ -230,7 +231,7 @@ def test_kairos_sheds_a_pace_setting_request_sooner_than_one_of_the_batch_pace()
 
 
 def test_a_strict_request_joins_a_batch_already_at_its_pace():
-    s = _sched("kairos", blocks=256, shed_pace_factor=0.5)
+    s = _sched("kairos", blocks=256, work_shedding=True, shed_pace_factor=0.5)
     first = _req(0, 10, tpot=20.0)
     s.add(first)
     _run(s, s.schedule(0.0))
