@@ -183,8 +183,8 @@ class CpuKernels:
         else:
             out, mode = torch.empty((m, w.n), dtype=x.dtype), SILU_MUL if w.gated else PLAIN
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and not w.gated)
-        rc = self.lib.kairos_gemm_packed(DTYPES[x.dtype], x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(), w.pairs, w.n,
-                                         None if bias is None else bias.data_ptr(),
+        rc = self.lib.kairos_gemm_packed(DTYPES[x.dtype], x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(),
+                                         w.pairs, w.n, None if bias is None else bias.data_ptr(),
                                          None if residual is None else residual.data_ptr(), out.data_ptr(), w.n,
                                          mode, torch.get_num_threads())
         if rc != 0:
@@ -262,11 +262,11 @@ class CpuKernels:
         assert tables.is_contiguous() and lens.shape == (n,) and tables.shape[0] == n
         assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == shape.head_dim
         assert scratch.dtype == h.dtype and scratch.numel() >= shape.scratch_elems(n)
-        rc = self.lib.kairos_decode_layers(DTYPES[h.dtype], table.shape[0], table.data_ptr(), h.data_ptr(), n, shape.hidden, shape.heads,
-                                           shape.kv_heads, shape.head_dim, shape.inter, shape.eps, cos.data_ptr(),
-                                           sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                                           tables.shape[1], lens.data_ptr(), block_size, shape.scale,
-                                           scratch.data_ptr(), torch.get_num_threads())
+        rc = self.lib.kairos_decode_layers(DTYPES[h.dtype], table.shape[0], table.data_ptr(), h.data_ptr(), n,
+                                           shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.inter,
+                                           shape.eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                           slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                           block_size, shape.scale, scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"kairos_decode_layers failed ({rc})")
 

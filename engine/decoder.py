@@ -10,11 +10,11 @@ the step's tokens packed into one [T] sequence:
 and the final norm and LM head only on the rows whose logits are sampled. q|k|v are concatenated once at
 load into one projection; how the matmuls run is the backend's: `TorchMatmuls` (F.linear; gate|up
 concatenated too, the HF modules' parameters becoming views of the fused tensors, so nothing is stored
-twice), `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs) or `PackedMatmuls` (Kairos's bf16
-GEMM on its own packed layout, on AMX tiles or AVX512-BF16 dot products, elementwise work fused into its
-epilogue). Where every token of a step attends through the paged kernel (decodes, and prefills of short
-contexts) and the backend is `PackedMatmuls`, the whole step's layers run in one kernel call
-(`CpuKernels.decode_layers`). No per-layer Python of the HF modules runs (kwargs, attention-interface lookup,
+twice), `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs) or `PackedMatmuls` (Kairos's
+GEMM on its own packed layout: bf16 on AMX tiles or AVX512-BF16 dot products, fp32 on AVX-512 or AVX2 FMAs;
+elementwise work fused into its epilogue). Where every token of a step attends through the paged kernel
+(decodes, and prefills of short contexts) and the backend is `PackedMatmuls`, the whole step's layers run in one
+kernel call (`CpuKernels.decode_layers`). No per-layer Python of the HF modules runs (kwargs, attention-interface lookup,
 cache objects).
 Numerics follow HF's: RMSNorm in fp32 then cast, RoPE tables from the model's own rotary module.
 With `OneDNNMatmuls` or `PackedMatmuls` the packed weights are copies, so the decoder empties the HF projections' weights
@@ -121,10 +121,11 @@ class OneDNNMatmuls:
 
 
 class PackedMatmuls:
-    """bf16 on CPUs with AMX or AVX512-BF16: Kairos's own GEMM (`CpuKernels.linear`) on weights packed once at
-    load into AMX's layout (which AVX512-BF16's dot product reads as it is), the bias, the residual adds and
-    silu(gate) * up fused into its epilogue. At 1-32 rows (decode) it runs ~1.4x (AMX) to ~2x (Zen 4) faster than
-    oneDNN's packed GEMM, and matches it on prefill (bench/README.md)."""
+    """Kairos's own GEMM (`CpuKernels.linear`) on weights packed once at load, the bias, the residual adds and
+    silu(gate) * up fused into its epilogue. bf16 on CPUs with AMX or AVX512-BF16 (AMX's layout, which AVX512-BF16's
+    dot product reads as it is): at 1-32 rows (decode) ~1.4x (AMX) to ~2x (Zen 4) faster than oneDNN's packed GEMM,
+    level on prefill. fp32 on AVX-512 or AVX2 FMAs: decode steps 2-3.6x faster than torch's linear (MKL), which
+    re-reads the weights for each of 1-3 rows (bench/README.md)."""
 
     copies_weights = True
 
@@ -152,8 +153,9 @@ Matmuls = TorchMatmuls | OneDNNMatmuls | PackedMatmuls
 
 def choose_matmuls(dtype: torch.dtype, device: torch.device, upcast: bool, kernels: CpuKernels | None = None,
                    inner_dims: tuple[int, ...] = ()) -> Matmuls:
-    """Kairos's packed GEMM where the kernels run it (AMX or AVX512-BF16) on these widths; else oneDNN's packed
-    bf16 where the CPU has native bf16; else `F.linear` (upcast per call where bf16 would be emulated)."""
+    """Kairos's packed GEMM where the kernels run it on this dtype and these widths (bf16: AMX or AVX512-BF16;
+    fp32: AVX2 or AVX-512 FMA); else oneDNN's packed bf16 where the CPU has native bf16; else `F.linear` (upcast
+    per call where bf16 would be emulated)."""
     if device.type == "cpu" and not upcast and kernels is not None \
             and kernels.packed_linear_supported(dtype, *inner_dims):
         return PackedMatmuls(kernels)
