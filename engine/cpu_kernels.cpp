@@ -1148,59 +1148,65 @@ inline float silu(float g) {  // g * sigmoid(g), with exp of a non-positive argu
 
 enum Epilogue { kPlain = 0, kResidual = 1, kSiluMul = 2 };
 
-// rows [m0, m0 + nrows) of the output from c [nrows][32] for panel pair `pair`.
-inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pair, int64_t n, const bf16* bias,
-                          const bf16* res, bf16* out, int64_t ldo, int mode) {
+// rows [m0, m0 + nrows) of the output from c [nrows][32] for panel pair `pair`: + bias, then + the residual (in
+// place) as torch adds them (h + (x @ W^T + b), each op rounded to T), or silu(gate) * up
+template <typename T>
+inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pair, int64_t n, const T* bias,
+                          const T* res, T* out, int64_t ldo, int mode) {
     if (mode == kSiluMul) {  // panels: gate, up of the same 16 features; n is the features' count
         const int64_t n0 = pair * 16, w = std::min<int64_t>(16, n - n0);
         for (int64_t r = 0; r < nrows; ++r) {
             const float* cr = c + r * 32;
-            bf16* o = out + (m0 + r) * ldo + n0;
-            int64_t j = 0;
+            T* o = out + (m0 + r) * ldo + n0;
 #ifdef KAIROS_AVX512_BF16
-            if (w == 16) {
-                const __m512 g = round16(_mm512_loadu_ps(cr));
-                st16(o, _mm512_mul_ps(round16(silu16(g)), round16(_mm512_loadu_ps(cr + 16))));
-                continue;
+            if constexpr (std::is_same_v<T, bf16>) {
+                if (w == 16) {
+                    const __m512 g = round16(_mm512_loadu_ps(cr));
+                    st16(o, _mm512_mul_ps(round16(silu16(g)), round16(_mm512_loadu_ps(cr + 16))));
+                    continue;
+                }
             }
 #endif
-            for (; j < w; ++j) {
-                const float g = Num<bf16>::round(cr[j]), u = Num<bf16>::round(cr[16 + j]);
-                o[j] = f2bf(Num<bf16>::round(silu(g)) * u);
+#pragma omp simd
+            for (int64_t j = 0; j < w; ++j) {
+                const float g = Num<T>::round(cr[j]), u = Num<T>::round(cr[16 + j]);
+                o[j] = Num<T>::st(Num<T>::round(silu(g)) * u);
             }
         }
         return;
     }
     const int64_t n0 = pair * 32, w = std::min<int64_t>(32, n - n0);
 #ifdef KAIROS_AVX512_BF16
-    if (w == 32) {
-        const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0);
-        const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0 + 16);
-        for (int64_t r = 0; r < nrows; ++r) {
-            const float* cr = c + r * 32;
-            bf16* o = out + (m0 + r) * ldo + n0;
-            __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(cr), b0), v1 = _mm512_add_ps(_mm512_loadu_ps(cr + 16), b1);
-            if (mode == kResidual) {
-                const bf16* h = res + (m0 + r) * ldo + n0;
-                v0 = _mm512_add_ps(round16(v0), ld16(h));
-                v1 = _mm512_add_ps(round16(v1), ld16(h + 16));
+    if constexpr (std::is_same_v<T, bf16>) {
+        if (w == 32) {
+            const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0);
+            const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : ld16(bias + n0 + 16);
+            for (int64_t r = 0; r < nrows; ++r) {
+                const float* cr = c + r * 32;
+                bf16* o = out + (m0 + r) * ldo + n0;
+                __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(cr), b0), v1 = _mm512_add_ps(_mm512_loadu_ps(cr + 16), b1);
+                if (mode == kResidual) {
+                    const bf16* h = res + (m0 + r) * ldo + n0;
+                    v0 = _mm512_add_ps(round16(v0), ld16(h));
+                    v1 = _mm512_add_ps(round16(v1), ld16(h + 16));
+                }
+                st16(o, v0);
+                st16(o + 16, v1);
             }
-            st16(o, v0);
-            st16(o + 16, v1);
+            return;
         }
-        return;
     }
 #endif
     for (int64_t r = 0; r < nrows; ++r) {
         const float* cr = c + r * 32;
-        bf16* o = out + (m0 + r) * ldo + n0;
-        const bf16* h = res == nullptr ? nullptr : res + (m0 + r) * ldo + n0;
+        T* o = out + (m0 + r) * ldo + n0;
+        const T* h = res == nullptr ? nullptr : res + (m0 + r) * ldo + n0;
 #pragma omp simd
         for (int64_t j = 0; j < w; ++j) {
             float v = cr[j];
-            if (bias != nullptr) v += bf2f(bias[n0 + j]);
-            if (mode == kResidual) v = Num<bf16>::round(v) + bf2f(h[j]);
-            o[j] = f2bf(v);
+            if (bias != nullptr) v += Num<T>::ld(bias[n0 + j]);
+            if (mode == kResidual) v = Num<T>::round(v) + Num<T>::ld(h[j]);
+            o[j] = Num<T>::st(v);
         }
     }
 }
@@ -1217,57 +1223,70 @@ inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
     return at;
 }
 
+// The register-blocked packed GEMMs (AVX512-BF16 dot products, fp32 FMAs): out [m, n] = x [m, k] @ W^T, W packed in
+// panel pairs. Tasks are runs of pairs (pair_runs), each streamed once per block of 256 rows; each thread claims runs
+// in order until none is left. Per pair, rows_fn(x rows, ldx, rows, panel 0, panel 1, k, c, ask, ask_lines) computes
+// row groups of up to R rows into c [R][32] floats (the thread's), then the epilogue writes them out; meanwhile each
+// group asks for its share of the pair most likely computed next (ask_lines cache lines from ask): the run's next
+// pair, else its first again (the next block of rows), else, from kAskNextRunRows rows on, the first pair of the run
+// next to be claimed, so that a run's first pair does not start cold (with fewer rows the weights' stream is the
+// step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk.
+template <int R, typename T, typename RowsFn>
+void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int64_t pairs, int64_t n, const T* bias,
+                  const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
+    const int64_t panel = 16 * k;  // elements
+    const int64_t pair_lines = 2 * panel * static_cast<int64_t>(sizeof(T)) / 64;
+    const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
+    const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
+    const int64_t rows_per_pass = 256;
+    std::atomic<int64_t> claimed{0};
+    parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
+        alignas(64) float c[R * 32];
+        for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
+             task = claimed.fetch_add(1, std::memory_order_relaxed)) {
+            const int64_t p0 = runs[task], p1 = runs[task + 1];
+            for (int64_t r0 = 0; r0 < m; r0 += rows_per_pass) {
+                const int64_t r1 = std::min(m, r0 + rows_per_pass);
+                for (int64_t p = p0; p < p1; ++p) {
+                    const T* b0 = w + 2 * p * panel;
+                    int64_t ahead = p + 1;
+                    if (ahead == p1) {
+                        const int64_t t = claimed.load(std::memory_order_relaxed);
+                        ahead = r1 < m ? p0 : t < tasks && m >= kAskNextRunRows ? runs[t] : -1;
+                    }
+                    const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
+                    const int64_t lines = ahead >= 0 ? pair_lines : 0;
+                    const int64_t groups = (r1 - r0 + R - 1) / R;
+                    const int64_t share = (lines + groups - 1) / groups;
+                    for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
+                        const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
+                        rows_fn(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
+                                std::min(lines, first + share) - first);
+                        gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+                    }
+                }
+            }
+        }
+    });
+}
+
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
 int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
                 const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
     if (k % 32 != 0) return 1;
     const int isa = packed_isa.load(std::memory_order_relaxed);
     const int64_t panel = 16 * k;  // elements
-    const std::vector<int64_t> runs = pair_runs(pairs, nthreads);  // a task: a run, streamed once per block of rows
-    const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
 #ifdef KAIROS_AVX512_BF16
     if (isa == kIsaAvx512Bf16) {
-        const int64_t block = 256;  // rows per pass over the weights
-        // each thread claims runs in order until none is left; while it computes the last pair of a run, it asks
-        // for the pair it will most likely compute next: the run's first again (the next block of rows), else,
-        // from kAskNextRunRows rows on, the first pair of the run next to be claimed, so that a run's first pair
-        // does not start cold (with fewer rows the weights' stream is the step, and the extra asks slowed it)
-        std::atomic<int64_t> claimed{0};
-        parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
-            alignas(64) float c[kDpRows * 32];
-            for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
-                 task = claimed.fetch_add(1, std::memory_order_relaxed)) {
-                const int64_t p0 = runs[task], p1 = runs[task + 1];
-                for (int64_t r0 = 0; r0 < m; r0 += block) {
-                    const int64_t r1 = std::min(m, r0 + block);
-                    for (int64_t p = p0; p < p1; ++p) {
-                        const bf16* b0 = w + 2 * p * panel;
-                        int64_t ahead = p + 1;  // the pair to fetch into L2 while the row groups run over this one
-                        if (ahead == p1) {
-                            const int64_t t = claimed.load(std::memory_order_relaxed);
-                            ahead = r1 < m ? p0 : t < tasks && m >= kAskNextRunRows ? runs[t] : -1;
-                        }
-                        // the weights come from memory once per block of rows: that pair (k lines of 64 bytes)
-                        // is asked for a share per row group
-                        const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
-                        const int64_t groups = (r1 - r0 + kDpRows - 1) / kDpRows;
-                        const int64_t share = ahead >= 0 ? (k + groups - 1) / groups : 0;
-                        for (int64_t i = r0, g = 0; i < r1; i += kDpRows, ++g) {
-                            const int64_t rows = std::min<int64_t>(kDpRows, r1 - i);
-                            const int64_t first = std::min(k, g * share);
-                            dp_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
-                                    std::min(k, first + share) - first);
-                            gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
-                        }
-                    }
-                }
-            }
-        });
+        gemm_blocked<kDpRows>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+                              [](auto... a) { dp_rows(a...); });
         return 0;
     }
 #endif
 #ifdef KAIROS_AMX
     if (isa != kIsaAmx) return 2;
+    const std::vector<int64_t> runs = pair_runs(pairs, nthreads);  // a task: a run, streamed once per block of rows
+    const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
     const int64_t full = m / 16, tiles = (m + 15) / 16;
     std::vector<bf16> tail;  // the last partial tile's rows, zero-padded to 16
     if (tiles > full) {
@@ -1309,7 +1328,7 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo, (void)mode,
-        (void)isa, (void)panel, (void)tasks;
+        (void)isa, (void)panel, (void)nthreads;
     return 2;
 #endif
 }
@@ -1378,33 +1397,6 @@ inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0,
     }
 }
 
-// rows [m0, m0 + nrows) of the output from c [nrows][32] for panel pair `pair`: + bias, then + the residual (in
-// place) as torch adds them (h + (x @ W^T + b)), or silu(gate) * up
-inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pair, int64_t n, const float* bias,
-                          const float* res, float* out, int64_t ldo, int mode) {
-    if (mode == kSiluMul) {
-        const int64_t n0 = pair * 16, w = std::min<int64_t>(16, n - n0);
-        for (int64_t r = 0; r < nrows; ++r) {
-            const float* cr = c + r * 32;
-            float* o = out + (m0 + r) * ldo + n0;
-#pragma omp simd
-            for (int64_t j = 0; j < w; ++j) o[j] = silu(cr[j]) * cr[16 + j];
-        }
-        return;
-    }
-    const int64_t n0 = pair * 32, w = std::min<int64_t>(32, n - n0);
-    for (int64_t r = 0; r < nrows; ++r) {
-        const float* cr = c + r * 32;
-        float* o = out + (m0 + r) * ldo + n0;
-        const float* h = res == nullptr ? nullptr : res + (m0 + r) * ldo + n0;
-#pragma omp simd
-        for (int64_t j = 0; j < w; ++j) {
-            float v = cr[j];
-            if (bias != nullptr) v += bias[n0 + j];
-            o[j] = h != nullptr ? h[j] + v : v;
-        }
-    }
-}
 #endif
 
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above (fp32) with `pairs` panel pairs;
@@ -1412,40 +1404,8 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t pairs, int64_t n,
                 const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
-    const int64_t panel = 16 * k;  // elements
-    const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
-    const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
-    const int64_t block = 256;  // rows per pass over the weights
-    std::atomic<int64_t> claimed{0};
-    parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {  // as the bf16 GEMM's loop
-        alignas(64) float c[kFmaRows * 32];
-        for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
-             task = claimed.fetch_add(1, std::memory_order_relaxed)) {
-            const int64_t p0 = runs[task], p1 = runs[task + 1];
-            for (int64_t r0 = 0; r0 < m; r0 += block) {
-                const int64_t r1 = std::min(m, r0 + block);
-                for (int64_t p = p0; p < p1; ++p) {
-                    const float* b0 = w + 2 * p * panel;
-                    int64_t ahead = p + 1;
-                    if (ahead == p1) {
-                        const int64_t t = claimed.load(std::memory_order_relaxed);
-                        ahead = r1 < m ? p0 : t < tasks && m >= kAskNextRunRows ? runs[t] : -1;
-                    }
-                    const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
-                    const int64_t lines = ahead >= 0 ? 2 * k : 0;  // a pair: 2 panels of k lines of 64 bytes
-                    const int64_t groups = (r1 - r0 + kFmaRows - 1) / kFmaRows;
-                    const int64_t share = (lines + groups - 1) / groups;
-                    for (int64_t i = r0, g = 0; i < r1; i += kFmaRows, ++g) {
-                        const int64_t rows = std::min<int64_t>(kFmaRows, r1 - i);
-                        const int64_t first = std::min(lines, g * share);
-                        fma_rows(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
-                                 std::min(lines, first + share) - first);
-                        gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
-                    }
-                }
-            }
-        }
-    });
+    gemm_blocked<kFmaRows>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+                           [](auto... a) { fma_rows(a...); });
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
