@@ -284,14 +284,15 @@ def test_packed_gated_linear_is_silu_gate_times_up(kernels, packed_dtype, rows):
 
 
 def test_packed_fp32_gemm_with_8_lane_vectors(kernels, tmp_path):
-    """The fp32 packed GEMM as a CPU with AVX2 but no AVX-512 runs it (8-lane vectors, 6-row blocks, a panel at a
-    time): the kernels built again without AVX-512."""
+    """The fp32 packed GEMM as a CPU with AVX2 but no AVX-512 runs it (8-lane vectors: 1-3 rows over both panels of
+    a pair at once, else 6-row blocks a panel at a time): the kernels built again without AVX-512."""
     if "avx512f" not in cpu_kernels._cpu_flags().split():
         pytest.skip("the default build already has 8-lane vectors (no AVX-512 here)")
     avx2 = cpu_kernels.load_source(cpu_kernels.SOURCE, extra_flags=("-mno-avx512f",))
     assert avx2.packed_f32 and avx2.packed_isa is None  # no AVX-512: no bf16 dot product either
-    for rows in (1, 5, 6, 7, 13):
+    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13):  # 1-3 rows: both panels at once; else a panel at a time, 6 rows a group
         _check_packed_linear(avx2, torch.float32, rows, 100)
+    _check_packed_gated(avx2, torch.float32, 1)
     _check_packed_gated(avx2, torch.float32, 7)
 
 
