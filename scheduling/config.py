@@ -42,7 +42,7 @@ PRESETS: dict[str, PolicyFlags] = {
     # kairos corrects the gate with a bounded factor measured on the steps it runs (ItlCorrection), so its static
     # margin only has to cover what that measurement misses: 1.1 (ShareGPT, 3 seeds at 1.5x: 3.04 vs 2.95 req/s
     # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%). Work shedding is opt-in: it gained 6.6% on a
-    # slow engine and lost 2-8% (four runs) once the packed fp32 GEMM made steps 2-4x faster (bench/README.md)
+    # slow engine; once the packed fp32 GEMM made steps 2-4x faster it cost 5-8% in three runs of four (bench/README.md)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.1),
