@@ -1080,6 +1080,17 @@ inline void amx_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1
 
 #endif
 
+#ifdef __AVX2__
+// The packed GEMMs' weight asks: during step kk of a block's k loop, lines 2 kk and 2 kk + 1 of the pf_lines cache
+// lines from pf (the pair computed next) into L2
+inline void ask_lines_of(const char* pf, int64_t kk, int64_t pf_lines) {
+    if (2 * kk < pf_lines) {
+        _mm_prefetch(pf + 128 * kk, _MM_HINT_T1);
+        if (2 * kk + 1 < pf_lines) _mm_prefetch(pf + 128 * kk + 64, _MM_HINT_T1);
+    }
+}
+#endif
+
 #ifdef KAIROS_AVX512_BF16
 // Without AMX (e.g. AMD Zen 4): the same block from AVX-512's bf16 dot product of k pairs, which reads the packed
 // panels as they are (a panel's row of 16 columns x 2 k is one 512-bit register). c [R][32] fp32 = R rows of a (row
@@ -1092,10 +1103,7 @@ inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
     __m512 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k / 2; ++kk) {
-        if (2 * kk < pf_lines) {
-            _mm_prefetch(pf + 128 * kk, _MM_HINT_T1);
-            if (2 * kk + 1 < pf_lines) _mm_prefetch(pf + 128 * kk + 64, _MM_HINT_T1);
-        }
+        ask_lines_of(pf, kk, pf_lines);
         const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + kk * 32));
         const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + kk * 32));
         for (int r = 0; r < R; ++r) {
@@ -1354,10 +1362,7 @@ inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* 
     typename Vec::V acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = Vec::zero();
     for (int64_t kk = 0; kk < k; ++kk) {
-        if (2 * kk < pf_lines) {
-            _mm_prefetch(pf + 128 * kk, _MM_HINT_T1);
-            if (2 * kk + 1 < pf_lines) _mm_prefetch(pf + 128 * kk + 64, _MM_HINT_T1);
-        }
+        ask_lines_of(pf, kk, pf_lines);
         const typename Vec::V b0 = Vec::load(w0 + 16 * kk), b1 = Vec::load(w1 + 16 * kk);
         for (int r = 0; r < R; ++r) {
             const typename Vec::V xr = Vec::set1(a[r * lda + kk]);
@@ -1374,7 +1379,7 @@ inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* 
 // With 8-lane vectors and at most 3 rows: c[r][0, 32) from both panels in one pass (4 accumulators a row; with 3 rows
 // the compiler reads the weights from L1 again rather than keep them in registers), so that the weights stream with
 // four independent sums a row (a panel at a time, a GEMV ran ~40% slower than with 16-lane vectors on a Zen 4, and
-// 1-3 rows of the LM head 6.2-7.2 ms against 4.9-5.9 this way, one thread; `tests/test_cpu_kernels.py` builds it)
+// 1-3 rows of the LM head 6.4-7.2 ms against 4.9-5.9 this way, one thread; `tests/test_cpu_kernels.py` builds it)
 template <int R>
 inline void fma_both8(const float* a, int64_t lda, const float* b0, const float* b1, int64_t k, float* c,
                       const char* pf, int64_t pf_lines) {
@@ -1382,10 +1387,7 @@ inline void fma_both8(const float* a, int64_t lda, const float* b0, const float*
     for (int r = 0; r < R; ++r)
         for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k; ++kk) {
-        if (2 * kk < pf_lines) {
-            _mm_prefetch(pf + 128 * kk, _MM_HINT_T1);
-            if (2 * kk + 1 < pf_lines) _mm_prefetch(pf + 128 * kk + 64, _MM_HINT_T1);
-        }
+        ask_lines_of(pf, kk, pf_lines);
         const __m256 w[4] = {_mm256_loadu_ps(b0 + 16 * kk), _mm256_loadu_ps(b0 + 16 * kk + 8),
                              _mm256_loadu_ps(b1 + 16 * kk), _mm256_loadu_ps(b1 + 16 * kk + 8)};
         for (int r = 0; r < R; ++r) {

@@ -15,8 +15,9 @@ from core.request import Request
 GROUP_OVERHEAD_BLOCKS = 16
 # With the CPU kernels, a prefill whose context (prefix included) is at most this many tokens attends through the
 # paged decode kernel, one query row per token; a longer one through SDPA, which shares each K/V read among many
-# queries. In fp32 SDPA's flash kernel is faster on long prompts (one prompt of 1,000 tokens on kairos-tiny: 108
-# against 125 ms; 2,048 on SmolLM2: 3.6 against 4.4 s; `python -m bench.step prefill`, bench/README.md).
+# queries. In fp32 SDPA's flash kernel is faster on long prompts (one prompt of 1,000 tokens on kairos-tiny: 120
+# against 134 ms; 2,048 on SmolLM2: 3.6 against 4.4 s, with the packed fp32 GEMM; `python -m bench.step prefill`,
+# bench/README.md).
 PAGED_PREFILL_MAX = 256
 # In bf16 where the kernels' attention and GEMMs run on AVX512-BF16's dot product without AMX (AMD Zen 4), the paged
 # kernel, whose steps also run every layer in one call, beat SDPA at every length measured up to 4,096 tokens (1.03x

@@ -326,7 +326,7 @@ class Scheduler:
         """Work shedding's threshold for this round: +inf (none) without it, on an idle replica, or on one not
         saturated now (no capacity rejection within the shedder's hold)."""
         self.last_shed_threshold = math.inf if self.shedder is None or not self.running \
-            or not self.shedder.measuring(now) else self.shedder.threshold(now)
+            or not self.shedder.saturated_now(now) else self.shedder.threshold(now)
         return self.last_shed_threshold
 
     def _floor_reservation(self, gate: VBSGate | None, now: float) -> tuple[float, float] | None:
@@ -466,7 +466,7 @@ class Scheduler:
     def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
         """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;
         the work per second work shedding measures)."""
-        if self.shedder is not None and self.shedder.measuring(now):  # the step's work is summed only if it counts
+        if self.shedder is not None and self.shedder.saturated_now(now):  # the step's work is summed only if it counts
             self.shedder.step(now, sum(self._work(r, 1) for r in plan.requests), wall_ms)
         if self.predictor is None or self.correction is None:
             return

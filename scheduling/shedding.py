@@ -20,7 +20,7 @@ never below the window's median work (requests that all ask for the same are nev
 sheds only while requests are running (an idle replica admits anything) and while the replica is saturated (within
 `hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
 request shed there would have been served within SLO (on ShareGPT with the packed fp32 GEMM, 72 of 100 sheds came
-while no strict reply paced the batch). The rule halved the sheds there, but shedding still did not pay on that
+while no strict reply paced the batch). The rule cut the sheds there by a third, but shedding still did not pay on that
 engine, so it is off by default (bench/README.md).
 
 A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
@@ -81,7 +81,7 @@ class WorkShedder:
         """A request was turned away for capacity (gate, TTFT guard, full queue), not by the shedder."""
         self._saturated_s = max(self._saturated_s, now_s)
 
-    def measuring(self, now_s: float) -> bool:
+    def saturated_now(self, now_s: float) -> bool:
         """Whether the replica counts as saturated now (within `hold_s` of a capacity rejection): a step finished now
         counts toward C, and the scheduler sheds only then."""
         return now_s - self._saturated_s <= self.hold_s
@@ -95,7 +95,7 @@ class WorkShedder:
             self._ms *= k
         if self._last_s is None or now_s > self._last_s:
             self._last_s = now_s
-        if self.measuring(now_s) and wall_ms > 0:
+        if self.saturated_now(now_s) and wall_ms > 0:
             self._work += work
             self._ms += wall_ms
 

@@ -330,9 +330,9 @@ def test_work_shedding_measures_capacity_only_on_rejections_that_mean_the_replic
     s.add(hopeless)
     p = s.schedule(0.01)
     assert [r for r, _ in p.rejected] == [hopeless]
-    assert not s.shedder.measuring(0.01)  # says nothing about this replica's load
+    assert not s.shedder.saturated_now(0.01)  # says nothing about this replica's load
     late = _req(2, 5, ttft=100.0, arrival=0.01)  # feasible alone, but 80 ms of it went waiting
     s.add(late)
     p = s.schedule(0.09)
     assert [r for r, _ in p.rejected] == [late]
-    assert s.shedder.measuring(0.09)
+    assert s.shedder.saturated_now(0.09)
