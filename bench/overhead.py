@@ -53,6 +53,11 @@ def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dic
         return _streaming(bench_argv + ["--target", target], out)
 
 
+def _with_model(serve_args: str, model: str) -> str:
+    """`serve_args` with `model=MODEL` added unless it names a model: both sides of a comparison serve one model."""
+    return serve_args if any(t.startswith("model=") for t in serve_args.split()) else f"model={model} {serve_args}".strip()
+
+
 def _added(rounds: list[dict[str, dict]]) -> dict[str, dict[str, tuple[float, float]]]:
     """Per HTTP run and in-process baseline: (TTFT, ITL) p50 added, the median over rounds of each round's
     difference (the pairs ran minutes apart; runs of different rounds did not)."""
@@ -86,7 +91,8 @@ def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, flo
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", action="append", help="serve run arguments of one server (repeatable)")
-    p.add_argument("--model", default="kairos-default")
+    p.add_argument("--model", default="kairos-default", help="the model of every run: in process, and of each "
+                   "server whose --serve names none")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--submit-interval-ms", type=float, default=150.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -116,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                 figures[name] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
                                            + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json")
             for i, s in enumerate(servers):
-                figures[f"http[{s or 'defaults'}]"] = _served(s, load(args.num_requests, args.submit_interval_ms),
+                figures[f"http[{s or 'defaults'}]"] = _served(_with_model(s, args.model),
+                                                              load(args.num_requests, args.submit_interval_ms),
                                                               t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log")
             if args.saturate:
                 for i, s in enumerate(servers):
-                    figures[f"burst http[{s or 'defaults'}]"] = _served(s, load(150, 10.0), t / f"sat{r}-{i}.json",
-                                                                        t / f"sat{r}-{i}.log")
+                    figures[f"burst http[{s or 'defaults'}]"] = _served(_with_model(s, args.model), load(150, 10.0),
+                                                                        t / f"sat{r}-{i}.json", t / f"sat{r}-{i}.log")
             rounds.append(figures)
             if args.rounds > 1:
                 print(f"round {r + 1} of {args.rounds}:")

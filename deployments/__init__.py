@@ -32,6 +32,7 @@ from ray.serve import Application  # noqa: E402
 from deployments.args import AppArgs, ServeArgs  # noqa: E402
 from deployments.direct import DirectLLMServer  # noqa: E402
 from deployments.ingress import Ingress  # noqa: E402
+from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
 ROUTER_PATH = "deployments.router:SLORouter"
@@ -43,8 +44,10 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
     a: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
-    replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None,
-                    a.stream_interval_ms, a.engine_process)
+    pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
+                                 a.ingress_num_replicas, routed=not a.direct)
+    replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
+                    a.engine_process)
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,

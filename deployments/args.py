@@ -61,9 +61,15 @@ class ServeArgs(BaseModel):
     stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="stream batching: after the first token, "
                                       "send at most one chunk per request per interval, merging the tokens "
                                       "generated meanwhile; the final tokens go out as soon as the request ends. "
-                                      "0 (as vLLM): every token at once; a burst's tokens/s was the same with 0 "
-                                      "and 20 ms, and 20 ms floors the ITL at 20 ms once steps are faster. Ray "
-                                      "Serve LLM uses 50 ms")
+                                      "0 (as vLLM): every token at once; 20 ms floors the ITL at 20 ms once steps "
+                                      "are faster. Ray Serve LLM uses 50 ms")
+    stream_max_chunks_s: float = Field(2000.0, ge=0, description="stream pacing, routed topology: the chunks a "
+                                       "second each Ingress replica relays for all streams (shared by the LLM "
+                                       "replicas behind it). While one chunk per stream per engine step stays "
+                                       "within it every token goes out at once; past it each stream merges its "
+                                       "tokens into fewer chunks (mean TPOT unchanged), so the Ingress and proxy "
+                                       "do not fall behind the engines (deployments/pacing.py). 0: no budget; "
+                                       "the direct topology has no Ingress and no budget")
     engine_process: bool = Field(True, description="run each replica's engine in its own child process (as vLLM "
                                  "v1's engine core): the replica's event loop and Ray's threads then never hold "
                                  "the GIL the engine's steps need (false: the engine runs as a thread of the "

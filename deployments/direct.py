@@ -25,6 +25,7 @@ from ray import serve
 from core.messages import GenerateRequest, RequestOutput
 from deployments.errors import overloaded
 from deployments.ingress import GenerateStream, OpenAIFrontend, openai_api
+from deployments.pacing import StreamPacing
 from deployments.replica import LLMReplica
 
 
@@ -55,10 +56,10 @@ class LocalStream:
 class DirectFrontend(OpenAIFrontend, LLMReplica):
     async def __init__(self, engine_config: dict[str, Any], settings: dict[str, Any], max_ongoing_requests: int,
                        max_queued_requests: int, metrics_interval_s: float = 0.5, log_prompts: bool = False,
-                       share_cores_with: int | None = None, stream_interval_ms: float = 0.0,
+                       share_cores_with: int | None = None, pacing: StreamPacing | None = None,
                        engine_process: bool = True) -> None:
         await LLMReplica.__init__(self, engine_config, metrics_interval_s, log_prompts, share_cores_with,
-                                  stream_interval_ms, engine_process)
+                                  pacing, engine_process)
         self._init_frontend(settings)
         self._info = self.model_info()  # the engine is up: this replica can serve from its first request
         self._slots = asyncio.Semaphore(max_ongoing_requests)

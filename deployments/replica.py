@@ -22,6 +22,7 @@ from ray import serve
 from core.messages import ErrorKind, GenerateRequest, RequestOutput, RoutingStats, ServedBy
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
+from deployments.pacing import StreamPacing
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 
@@ -86,7 +87,7 @@ class LLMReplica:
 
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
-                       stream_interval_ms: float = 0.0, engine_process: bool = True) -> None:
+                       pacing: StreamPacing | None = None, engine_process: bool = True) -> None:
         cfg = EngineConfig.model_validate(engine_config)
         cores = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
                                os.environ.get("OMP_NUM_THREADS"))
@@ -109,7 +110,7 @@ class LLMReplica:
         self._engine_pid = getattr(self.engine, "pid", os.getpid())
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
-        self.stream_interval_s = max(0.0, stream_interval_ms) / 1000.0
+        self.pacing = pacing or StreamPacing()
         self.metrics = ReplicaMetrics(str(cfg.model))
         self.inflight = 0
         self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
@@ -144,10 +145,12 @@ class LLMReplica:
         finished, first, last_t = False, True, time.monotonic()
         try:
             while True:
-                if not first and self.stream_interval_s:
-                    # stream batching: after the first token, at most one message per interval; aget() then
-                    # merges every delta queued meanwhile (fewer hops through Ray, same tokens, same TPOT)
-                    wait = last_t + self.stream_interval_s - time.monotonic()
+                if not first:
+                    # stream pacing (deployments/pacing.py): after the first token, a chunk at most every `hold`
+                    # seconds; aget() then merges every delta queued meanwhile (fewer chunks through Ray and the
+                    # proxy, the same tokens, the same mean TPOT)
+                    hold = self.pacing.hold_s(self.inflight, self.engine.stats().step_ms)
+                    wait = last_t + hold - time.monotonic()
                     if wait > 0:  # ...but the final tokens go out as soon as the request finishes
                         await stream.wait_closed(wait)
                 out = await stream.aget()

@@ -9,11 +9,15 @@
 set -u
 T0=$(date +%s)
 mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
+# the bundle has no dashboard web build; without even an empty one the dashboard fails to start, and Ray waits
+# ~60 s for it at every server's start (the third lease: ~100 s a server, 61 s of it this wait)
+mkdir -p /tmp/site/ray/dashboard/client/build/static
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 lscpu | grep -E "Model name|^CPU\(s\)"
 python3 -c "import ray, pydantic; from ray import serve; print('ray', ray.__version__, 'pydantic', pydantic.VERSION)" || exit 4
 fixed=()
 if [ -n "${LAMBDA:-}" ]; then fixed=(--lambda-star "$LAMBDA" --predictor-json "${TIERS:?TIERS with LAMBDA}"); fi
+rm -rf /tmp/r  # a host can come back with an earlier lease's /tmp (the third did): no stale arms in the tally
 timeout "${LIMIT_S:-500}" python3 -m bench.route --routers "${ROUTERS:-pow2,slo}" --loads "${LOADS:-1.5,1}" \
   --seeds "${SEEDS:-0}" --num-requests "${NUM_REQUESTS:-242}" --dataset-path .dev/sharegpt-sub.json "${fixed[@]}" --out /tmp/r \
   --summary "${SUMMARY:-route-2replicas-device}" 2>&1 | tee "$OUT/route.log"

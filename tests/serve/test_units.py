@@ -381,11 +381,12 @@ def test_cluster_yaml_is_valid() -> None:
 
 
 def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
-    """stream_interval_ms: after the first token at most one message per interval, with every token kept."""
+    """stream pacing: after the first token at most one message per hold, with every token kept."""
     import asyncio
     import threading
 
     import engine.engine  # noqa: F401 - generate() imports it; import (torch) before the producer's clock starts
+    from deployments.pacing import StreamPacing
     from deployments.replica import LLMServer
     from engine.stream import RequestStream
 
@@ -400,8 +401,9 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
 
         noop = lambda *a, **k: None  # noqa: E731
         me = SimpleNamespace(
-            stream_interval_s=interval_s, log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
-            _prompt_lens=[], engine=SimpleNamespace(generate=lambda req: st, abort=noop),
+            pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            _prompt_lens=[], engine=SimpleNamespace(generate=lambda req: st, abort=noop,
+                                                    stats=lambda: SimpleNamespace(step_ms=2.0)),
             metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop))
 
         async def collect() -> list[RequestOutput]:
@@ -418,6 +420,35 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
         assert sum(len(x.token_ids) for x in items) == 40 and items[-1].finished
     assert len(batched[0].token_ids) == 1  # the first token is never held back
     assert len(batched) < len(every) / 2
+
+
+def test_stream_pacing_holds_only_past_the_chunk_budget() -> None:
+    from deployments.pacing import StreamPacing
+
+    p = StreamPacing(max_chunks_per_s=1000)
+    # 4 streams on 5 ms steps: 800 chunks a second fit the budget, every token goes out at once
+    assert p.hold_s(4, 5.0) == 0.0
+    # 40 streams on 5 ms steps would send 8,000 a second: each holds 40 ms, 1,000 a second in all
+    assert p.hold_s(40, 5.0) == pytest.approx(0.040)
+    # steps slower than the hold: one chunk per step already stays within the budget
+    assert p.hold_s(40, 50.0) == 0.0
+    assert p.hold_s(2, None) == pytest.approx(0.002)  # no step time yet: taken as fast
+    assert p.hold_s(0, 1.0) == 0.0
+    # the fixed interval is a floor; no budget means only the floor
+    assert StreamPacing(0.020, 1000).hold_s(4, 5.0) == pytest.approx(0.020)
+    assert StreamPacing(0.020, 1000).hold_s(40, 5.0) == pytest.approx(0.040)
+    assert StreamPacing(0.0, 0.0).hold_s(500, 0.1) == 0.0
+    with pytest.raises(ValueError):
+        StreamPacing(-1.0)
+
+
+def test_stream_pacing_splits_the_app_budget_over_the_replicas_behind_an_ingress() -> None:
+    from deployments.pacing import StreamPacing
+
+    assert StreamPacing.of_app(0, 2000, num_replicas=2).max_chunks_per_s == 1000
+    assert StreamPacing.of_app(0, 2000, num_replicas=4, ingress_num_replicas=2).max_chunks_per_s == 1000
+    assert StreamPacing.of_app(10, 2000, num_replicas=1, routed=False) == StreamPacing(0.010, 0)  # no Ingress
+    assert StreamPacing.of_app(0, 0, num_replicas=3).max_chunks_per_s == 0
 
 
 class _Gen:

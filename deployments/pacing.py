@@ -1,0 +1,49 @@
+"""Stream pacing: how long a replica's stream holds its tokens before the next chunk goes out.
+
+Every chunk costs the HTTP path the same whatever it carries: a Ray message from the replica to the Ingress, an
+SSE event through the proxy. Those processes are single Python processes shared by every stream, so past some
+chunks a second they fall behind, and each stream's tokens reach its client later and later, though the engine
+made them in time (on a 16-core host, two kairos-tiny replicas behind one Ingress streaming ~2.8k chunks a second:
+237 of 346 admitted requests missed their TPOT SLO at the client, none in the engine; bench/README.md).
+
+A stream sends its first token at once. After that it waits `hold_s` seconds since its last chunk (the tokens
+made meanwhile go out together, so its mean TPOT is unchanged) and the last tokens go out as soon as it ends:
+- `interval_s`: a fixed floor (`stream_interval_ms`; 0 by default, as vLLM).
+- `max_chunks_per_s`: the replica's budget of chunks a second over all its streams. While one chunk per stream
+  per engine step stays within it, nothing is held (a lightly loaded replica streams token by token, its ITL
+  untouched); past it, each of the `streams` streams holds `streams / max_chunks_per_s` seconds, so together
+  they send at most the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StreamPacing:
+    interval_s: float = 0.0  # fixed floor between a stream's chunks after its first
+    max_chunks_per_s: float = 0.0  # the replica's chunk budget over all its streams; 0: none
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 0 or self.max_chunks_per_s < 0:
+            raise ValueError(f"StreamPacing wants non-negative figures, got {self}")
+
+    @classmethod
+    def of_app(cls, stream_interval_ms: float, stream_max_chunks_s: float, num_replicas: int,
+               ingress_num_replicas: int = 1, routed: bool = True) -> "StreamPacing":
+        """The app's budget (chunks a second through each Ingress replica) split over the LLM replicas that share
+        it. In the direct topology there is no Ingress: each replica writes its streams to the proxy itself, a
+        hop without Ray that a burst of ~3.2k chunks a second did not slow (a budget there only held tokens
+        back: bench/README.md), so no budget applies."""
+        per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else 0.0
+        return cls(max(0.0, stream_interval_ms) / 1000.0, per)
+
+    def hold_s(self, streams: int, step_ms: float | None) -> float:
+        """Seconds a stream waits after its last chunk, with `streams` streams open on the replica and its engine
+        stepping every `step_ms` (None: not known yet, taken as faster than any budget)."""
+        hold = self.interval_s
+        if self.max_chunks_per_s > 0 and streams > 0:
+            paced = streams / self.max_chunks_per_s
+            if (step_ms or 0.0) / 1000.0 < paced:  # a chunk per stream per step would exceed the budget
+                hold = max(hold, paced)
+        return hold
