@@ -36,8 +36,8 @@ find "$W/site" -name __pycache__ -prune -exec rm -rf {} +
 strip --strip-unneeded "$W"/site/ray/core/src/ray/gcs/gcs_server "$W"/site/ray/core/src/ray/raylet/raylet "$W"/site/ray/_raylet.so
 tar -cJf .dev/site312.tar.xz -C "$W/site" .
 "$PY" -m bench.workload --export-sharegpt .dev/sharegpt-sub.json --keep 2000
-# the 16-core Xeon host's one-engine-thread profile (2026-11-25): with LAMBDA=6.689 (that host's FCFS capacity over
-# HTTP), route.sh skips the capacity probe
-"$PY" -c "import json; s = json.load(open('bench/summaries/route-2replicas-16core-device.json'));
+# the 16-core Xeon host's one-engine-thread profile on the current engine (2026-11-26, the third lease): with
+# LAMBDA=6.978 (that host's FCFS capacity over HTTP then), route.sh skips the capacity probe
+"$PY" -c "import json; s = json.load(open('bench/summaries/route-2replicas-16core-device-c.json'));
 json.dump(s['figures']['tiers_profile'], open('.dev/tiers-profile-xeon16.json', 'w'))"
 ls -la .dev
