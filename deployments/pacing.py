@@ -9,13 +9,14 @@ made them in time (on a 16-core host, two kairos-tiny replicas behind one Ingres
 A stream sends its first token at once. After that it waits `hold_s` seconds since its last chunk (the tokens
 made meanwhile go out together, so its mean TPOT is unchanged) and the last tokens go out as soon as it ends:
 - `interval_s`: a fixed floor (`stream_interval_ms`; 0 by default, as vLLM).
-- `max_chunks_per_s`: the replica's budget of chunks a second over all its streams. While one chunk per stream
-  per engine step stays within it, nothing is held (a lightly loaded replica streams token by token, its ITL
-  untouched); past it, each of the `streams` streams holds `streams / max_chunks_per_s` seconds, so together
-  they send at most the budget.
+- `max_chunks_per_s`: the replica's budget of chunks a second over all its streams. While one chunk per decoding
+  stream per engine step stays within it, nothing is held (a lightly loaded replica streams token by token, its
+  ITL untouched); past it, each of the n decoding streams holds n / `max_chunks_per_s` seconds, so together they
+  send at most the budget.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -38,10 +39,13 @@ class StreamPacing:
         per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else 0.0
         return cls(max(0.0, stream_interval_ms) / 1000.0, per)
 
-    def hold_s(self, streams: int, step_ms: float | None) -> float:
-        """Seconds a stream waits after its last chunk, with `streams` streams open on the replica and its engine
-        stepping every `step_ms` (None: not known yet, taken as faster than any budget)."""
+    def hold_s(self, streams: int, step_ms: float | None, step_batch: float | None = None) -> float:
+        """Seconds a stream waits after its last chunk, with `streams` streams open on the replica, its engine
+        stepping every `step_ms` (None: not known yet, taken as faster than any budget) with `step_batch`
+        requests decoding on average (None: every open stream; streams still queued for prefill send nothing)."""
         hold = self.interval_s
+        if step_batch is not None:
+            streams = min(streams, max(1, math.ceil(step_batch)))
         if self.max_chunks_per_s > 0 and streams > 0:
             paced = streams / self.max_chunks_per_s
             if (step_ms or 0.0) / 1000.0 < paced:  # a chunk per stream per step would exceed the budget

@@ -149,7 +149,8 @@ class LLMReplica:
                     # stream pacing (deployments/pacing.py): after the first token, a chunk at most every `hold`
                     # seconds; aget() then merges every delta queued meanwhile (fewer chunks through Ray and the
                     # proxy, the same tokens, the same mean TPOT)
-                    hold = self.pacing.hold_s(self.inflight, self.engine.stats().step_ms)
+                    st = self.engine.stats()
+                    hold = self.pacing.hold_s(self.inflight, st.step_ms, st.step_batch)
                     wait = last_t + hold - time.monotonic()
                     if wait > 0:  # ...but the final tokens go out as soon as the request finishes
                         await stream.wait_closed(wait)

@@ -403,7 +403,7 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
         me = SimpleNamespace(
             pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
             _prompt_lens=[], engine=SimpleNamespace(generate=lambda req: st, abort=noop,
-                                                    stats=lambda: SimpleNamespace(step_ms=2.0)),
+                                                    stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
             metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop))
 
         async def collect() -> list[RequestOutput]:
@@ -434,6 +434,9 @@ def test_stream_pacing_holds_only_past_the_chunk_budget() -> None:
     assert p.hold_s(40, 50.0) == 0.0
     assert p.hold_s(2, None) == pytest.approx(0.002)  # no step time yet: taken as fast
     assert p.hold_s(0, 1.0) == 0.0
+    # 200 streams open but 30 decoding (the rest queued for prefill send nothing): 30 share the budget
+    assert p.hold_s(200, 5.0, step_batch=29.4) == pytest.approx(0.030)
+    assert p.hold_s(4, 5.0, step_batch=30.0) == 0.0  # never more streams than are open
     # the fixed interval is a floor; no budget means only the floor
     assert StreamPacing(0.020, 1000).hold_s(4, 5.0) == pytest.approx(0.020)
     assert StreamPacing(0.020, 1000).hold_s(40, 5.0) == pytest.approx(0.040)
