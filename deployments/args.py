@@ -65,7 +65,7 @@ class ServeArgs(BaseModel):
                                       "are faster. Ray Serve LLM uses 50 ms")
     stream_max_chunks_s: float = Field(2000.0, ge=0, description="stream pacing, routed topology: the chunks a "
                                        "second each Ingress replica relays for all streams (shared by the LLM "
-                                       "replicas behind it). While one chunk per stream per engine step stays "
+                                       "replicas behind it). While one chunk per decoding stream per engine step stays "
                                        "within it every token goes out at once; past it each stream merges its "
                                        "tokens into fewer chunks (mean TPOT unchanged), so the Ingress and proxy "
                                        "do not fall behind the engines (deployments/pacing.py). 0: no budget; "
