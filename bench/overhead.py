@@ -55,7 +55,9 @@ def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dic
 
 def _with_model(serve_args: str, model: str) -> str:
     """`serve_args` with `model=MODEL` added unless it names a model: both sides of a comparison serve one model."""
-    return serve_args if any(t.startswith("model=") for t in serve_args.split()) else f"model={model} {serve_args}".strip()
+    if any(t.startswith("model=") for t in serve_args.split()):
+        return serve_args
+    return f"model={model} {serve_args}".strip()
 
 
 def _added(rounds: list[dict[str, dict]]) -> dict[str, dict[str, tuple[float, float]]]:
