@@ -34,10 +34,15 @@ class StreamPacing:
                ingress_num_replicas: int = 1, routed: bool = True) -> "StreamPacing":
         """The app's budget (chunks a second through each Ingress replica) split over the LLM replicas that share
         it. In the direct topology there is no Ingress: each replica writes its streams to the proxy itself, a
-        hop without Ray that a burst of ~3.2k chunks a second did not slow (a budget there only held tokens
-        back: bench/README.md), so no budget applies."""
+        hop without Ray where a budget, binding at a burst of ~3.2k chunks a second, gained no tokens a second
+        and only held tokens back (bench/README.md), so no budget applies."""
         per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else 0.0
         return cls(max(0.0, stream_interval_ms) / 1000.0, per)
+
+    @property
+    def holds(self) -> bool:
+        """Whether a stream can ever be held (else the replica sends each token as it comes, asking nothing)."""
+        return self.interval_s > 0 or self.max_chunks_per_s > 0
 
     def hold_s(self, streams: int, step_ms: float | None, step_batch: float | None = None) -> float:
         """Seconds a stream waits after its last chunk, with `streams` streams open on the replica, its engine

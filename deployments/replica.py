@@ -145,7 +145,7 @@ class LLMReplica:
         finished, first, last_t = False, True, time.monotonic()
         try:
             while True:
-                if not first:
+                if not first and self.pacing.holds:
                     # stream pacing (deployments/pacing.py): after the first token, a chunk at most every `hold`
                     # seconds; aget() then merges every delta queued meanwhile (fewer chunks through Ray and the
                     # proxy, the same tokens, the same mean TPOT)

@@ -14,8 +14,8 @@ twice), `OneDNNMatmuls` (packed bf16, elementwise work fused into the GEMMs) or 
 GEMM on its own packed layout: bf16 on AMX tiles or AVX512-BF16 dot products, fp32 on AVX-512 or AVX2 FMAs;
 elementwise work fused into its epilogue). Where every token of a step attends through the paged kernel
 (decodes, and prefills of short contexts) and the backend is `PackedMatmuls`, the whole step's layers run in one
-kernel call (`CpuKernels.decode_layers`). No per-layer Python of the HF modules runs (kwargs, attention-interface lookup,
-cache objects).
+kernel call (`CpuKernels.decode_layers`). No per-layer Python of the HF modules runs (kwargs, attention-interface
+lookup, cache objects).
 Numerics follow HF's: RMSNorm in fp32 then cast, RoPE tables from the model's own rotary module.
 With `OneDNNMatmuls` or `PackedMatmuls` the packed weights are copies, so the decoder empties the HF projections' weights
 (embeddings and norms stay): the HF forward of that model object is unusable afterwards (`model_impl=hf` keeps it).

@@ -440,7 +440,8 @@ def test_stream_pacing_holds_only_past_the_chunk_budget() -> None:
     # the fixed interval is a floor; no budget means only the floor
     assert StreamPacing(0.020, 1000).hold_s(4, 5.0) == pytest.approx(0.020)
     assert StreamPacing(0.020, 1000).hold_s(40, 5.0) == pytest.approx(0.040)
-    assert StreamPacing(0.0, 0.0).hold_s(500, 0.1) == 0.0
+    assert StreamPacing(0.0, 0.0).hold_s(500, 0.1) == 0.0 and not StreamPacing().holds
+    assert StreamPacing(0.001).holds and p.holds
     with pytest.raises(ValueError):
         StreamPacing(-1.0)
 
