@@ -84,20 +84,29 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
 
     async def _bounded(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """`generate` within the replica's caps. The check and the count sit in the generator's body, so a stream
-        closed before it started counts nothing; a full queue raises at the first item (429)."""
+        closed before it started counts nothing; a full queue raises at the first item (429). The slot and the
+        count are given back before the last item is yielded: the frontend stops at a finished item without
+        closing the stream, and a stream kept alive by a reference cycle (a 429's traceback) would otherwise hold
+        its slot until the garbage collector ran."""
         if self._cap is not None and self._calls >= self._cap:
             raise overloaded(self.retry_after_s)
         self._calls += 1
+        last = None
         try:
             async with self._slots:
                 inner = self.generate(req)
                 try:
                     async for out in inner:
+                        if out.finished:
+                            last = out
+                            break
                         yield out
                 finally:
                     await inner.aclose()  # type: ignore[attr-defined]
         finally:
             self._calls -= 1
+        if last is not None:
+            yield last
 
 
 DirectLLMServer = serve.deployment(

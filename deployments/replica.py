@@ -142,7 +142,7 @@ class LLMReplica:
         else:
             log.debug("request %s: slo=%s", rid, req.slo)
         self.inflight += 1
-        finished, first, last_t = False, True, time.monotonic()
+        finished, counted, first, last_t = False, True, True, time.monotonic()
         try:
             while True:
                 if not first and self.pacing.holds:
@@ -175,11 +175,16 @@ class LLMReplica:
                     finished = True
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.slo, out)
+                    # counted out before the last item goes: a caller that stops at it may never resume (or
+                    # close) this generator, and its `finally` would then wait for the garbage collector
+                    self.inflight -= 1
+                    counted = False
+                    yield out
+                    return
                 yield out
-                if out.finished:
-                    break
         finally:  # client went away (CancelledError / GeneratorExit) or an error: free the KV now
-            self.inflight -= 1
+            if counted:
+                self.inflight -= 1
             if not finished:
                 self.aborted += 1
                 self.engine.abort(rid)

@@ -147,12 +147,12 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
 
     monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
     out, js = tmp_path / "out", tmp_path / "r.json"
-    argv = ["--quick", *SMALL, *SHORT, "--policies", "fcfs,scorpio", "--loads", "1.5", "--lambda-star", "2",
+    argv = ["--quick", *SMALL, *SHORT, "--policies", "fcfs,scorpio", "--loads", "1.5", "--lambda-star", "6",
             "--num-requests", "12", "--probe-requests", "24", "--out", str(out), "--json", str(js),
             "--summary", "slo-smoke", "--trace"]
     assert slo.main(argv) == 0
     doc = json.loads(js.read_text())
-    assert doc["lambda_star_rps"] == 2.0
+    assert doc["lambda_star_rps"] == 6.0
     assert set(doc["tiers"]) == set(W.TIER_NAMES)
     assert doc["predictor"]["r2"] is not None and "slo_scale" in doc["predictor"]
     assert doc["config"]["refresh_profile"] and doc["config"]["calibrate"]
@@ -166,7 +166,7 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
     assert 0.0 <= res[0]["prefill_only_pct"] <= 100.0 and res[0]["decode_wall_over_model_p50"] > 0
     assert [(r["policy"], r["load_multiple"]) for r in res] == [("fcfs", 1.5), ("scorpio", 1.5)]
     for r in res:
-        assert r["rate_rps"] == pytest.approx(3.0)
+        assert r["rate_rps"] == pytest.approx(9.0)
         assert r["n"] == 11 and r["n_dropped_warmup"] == 1  # 12 requests, 10% warm-up -> floor(1.2) = 1
         assert 0.0 <= r["adherence"] <= 1.0 and r["goodput_rps"] >= 0.0
         assert set(r["per_tier"]) <= set(W.TIER_NAMES)

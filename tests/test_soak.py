@@ -1,5 +1,5 @@
 """`python -m bench.soak`: its workload and outcome classification, its windows over bench.driver against a fake
-server (no Ray), and its short CI mode (~30 s of load): mixed workload, per-window report, no KV leak.
+server (no Ray), and its short CI mode (~20 s of load): mixed workload, per-window report, no KV leak.
 
 The CI mode runs in this process. Inside the full test session the Ray/Serve instance of tests/serve is reused (the soak app
 is a separate application at /kairos-soak, deleted afterwards); run alone, the soak starts and stops its own Ray.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOAK_S = float(os.environ.get("KAIROS_SOAK_S", "30"))
+SOAK_S = float(os.environ.get("KAIROS_SOAK_S", "20"))
 
 
 def test_soak_help() -> None:

@@ -3,7 +3,7 @@
 Expected: the server keeps answering /health quickly, sheds load with 429 + Retry-After instead of queueing without
 bound, every admitted request completes with its full token count, and the replica's RSS stays flat.
 
-CI runs 20 s of overload; KAIROS_OVERLOAD_S=60 (or any number of seconds) gives the full run.
+CI runs 15 s of overload; KAIROS_OVERLOAD_S=60 (or any number of seconds) gives the full run.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
 MAX_NUM_SEQS, MAX_WAITING = 4, 4
 OVL_ARGS = {**TEST_ARGS, "num_replicas": 1, "max_num_seqs": MAX_NUM_SEQS, "max_waiting": MAX_WAITING,
             "max_ongoing_requests": 32, "max_queued_requests": 8, "retry_after_s": 1}
-DURATION_S = float(os.environ.get("KAIROS_OVERLOAD_S", "20"))
+DURATION_S = float(os.environ.get("KAIROS_OVERLOAD_S", "15"))
 OVERLOAD_FACTOR = 3.0
 MAX_TOKENS = 64
 CMPL = "/v1/completions"
@@ -187,5 +187,7 @@ def test_open_loop_3x_capacity_sheds_load_and_stays_healthy(ovl_app: dict) -> No
     q = max(1, len(rss_mb) // 4)
     growth = statistics.median(rss_mb[-q:]) - statistics.median(rss_mb[:q])
     assert growth < 50, f"replica RSS grew by {growth:.0f} MB: {rss_mb}"
-    (st,) = wait_idle(handle, want=1).values()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"], st
+    # and nothing stays counted: every request's slot, queue place and in-flight count were given back (a 429's
+    # stream, kept alive by its traceback, once held them until the garbage collector ran)
+    (st,) = wait_idle(handle, want=1, timeout_s=10).values()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["inflight"] == 0, st

@@ -259,8 +259,8 @@ def test_injected_fault_before_first_token_is_500_json(rel_app: dict) -> None:
         r = c.post(CMPL, json={"prompt": "recovered", "max_tokens": 5, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert c.get("/health").status_code == 200
-    (st,) = wait_idle(handle, want=1).values()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    (st,) = wait_idle(handle, want=1, timeout_s=10).values()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["inflight"] == 0, st
 
 
 # ------------------------------------------------------------------------------------------------ replica kill

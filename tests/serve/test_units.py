@@ -616,10 +616,53 @@ def test_direct_replica_caps_its_engine_share_and_queue_and_aborts_closed_stream
         assert aborted == ["a"] and started == ["a", "b"] and me._calls == 1
         release.set()
         assert (await b.__anext__()).finished
+        assert me._calls == 0  # given back with the last item: the frontend stops there without closing
         with pytest.raises(StopAsyncIteration):
             await b.__anext__()
         assert me._calls == 0 and aborted == ["a"]
         assert isinstance(b, LocalStream)
+
+    asyncio.run(run())
+
+
+def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
+    """The frontend stops reading at a finished item and does not close the stream: the replica's in-flight count
+    (routing stats, pacing, metrics) must not wait for that generator to be collected."""
+    import asyncio
+    from collections import deque
+
+    from deployments.pacing import StreamPacing
+    from deployments.replica import LLMReplica
+
+    class Stream:
+        def __init__(self, items: list[RequestOutput]) -> None:
+            self.items = items
+
+        async def aget(self) -> RequestOutput:
+            return self.items.pop(0)
+
+    class Metrics:
+        def __getattr__(self, name: str):
+            return lambda *a, **k: None
+
+    async def run() -> None:
+        me = object.__new__(LLMReplica)
+        aborted: list[str] = []
+        me.engine = type("E", (), {"generate": lambda _s, req: Stream([
+            RequestOutput(req.request_id, text="a", token_ids=[1], num_prompt_tokens=1),
+            RequestOutput(req.request_id, text="b", token_ids=[2], finished=True, finish_reason="length")]),
+            "abort": lambda _s, rid: aborted.append(rid)})()
+        me.log_prompts, me.pacing, me.metrics, me.replica_id = False, StreamPacing(), Metrics(), "r"
+        me.inflight, me.aborted, me._prompt_lens = 0, 0, deque(maxlen=4)
+        done = me.generate(GenerateRequest("done", prompt=(1,)))
+        assert (await done.__anext__()).text == "a" and me.inflight == 1
+        assert (await done.__anext__()).finished and me.inflight == 0  # before the generator is resumed or closed
+        gone = me.generate(GenerateRequest("gone", prompt=(1,)))
+        await gone.__anext__()
+        await gone.aclose()  # the client went away mid-stream: counted out once, aborted in the engine
+        assert me.inflight == 0 and aborted == ["gone"] and me.aborted == 1
+        await done.aclose()
+        assert me.inflight == 0 and aborted == ["gone"]
 
     asyncio.run(run())
 
