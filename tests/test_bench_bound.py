@@ -24,7 +24,8 @@ def test_shortest_first_counts_what_fits() -> None:
 def test_bounds_per_policy_own_tokens_and_the_fastest_rate(tmp_path, capsys) -> None:
     lengths = [10, 20, 30, 40, 100]
     recs = [_rec("fast", 0, 50, good=True, warmup=True, end=1.0)]  # the warm-up: decoded, not counted
-    recs += [_rec("fast", i + 1, n, good=False, end=4.0) for i, n in enumerate(lengths)]  # 200 tokens (250 with the warm-up) in 4 s
+    # 200 tokens (250 with the warm-up) in 4 s
+    recs += [_rec("fast", i + 1, n, good=False, end=4.0) for i, n in enumerate(lengths)]
     recs += [_rec("slow", 0, 50, good=True, warmup=True, end=1.0)]
     recs += [_rec("slow", 1, 10, good=True, end=1.5), _rec("slow", 2, 20, good=True, end=2.0),
              _rec("slow", 3, 30, good=False, rejected=True), _rec("slow", 4, 40, good=False, rejected=True),
