@@ -1,6 +1,6 @@
 """How many requests a policy could have completed in a `bench.slo` run, had it chosen perfectly: shortest first.
 
-    python -m bench.bound bench/out/RUN [--load 1.5] [--against scorpio] [--json PATH]
+    python -m bench.bound bench/out/RUN [--load 1.5] [--against scorpio] [--json PATH] [--summary NAME]
 
 `bench.slo --out RUN` writes one record per request (`records.jsonl`). For each seed of a load point and each
 policy this counts how many of the measured arrivals (the warm-up left out, as in the goodput) a chooser that
@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from bench.report import format_table, write_json
+from bench.report import command_line, format_table, write_json, write_summary
 
 
 def shortest_first(lengths: Iterable[int], budget: float) -> int:
@@ -85,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--against", default="scorpio", help="the policy whose good requests the bounds are set "
                                                        "against (default scorpio)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    p.add_argument("--summary", metavar="NAME", help="keep the totals as bench/summaries/NAME.json")
     a = p.parse_args(argv)
     res = bounds(read_records(a.run), a.load)
     if not res:
@@ -111,6 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({_ratio(full, ref_total)})")
     if a.json:
         write_json(a.json, {"run": str(a.run), "against": a.against, "bounds": res, "totals": dict(total)})
+    if a.summary:
+        own, full = (lambda n: _ratio(total[f"{n}:oracle_own_tokens"], ref_total),
+                     lambda n: _ratio(total[f"{n}:oracle_full_rate"], ref_total))
+        parts = [f"{n} {own(n)} / {full(n)}" for n in res[0]["policies"] if n != "fcfs"]
+        headline = (f"shortest-first oracle over {a.run.name} ({total['arrivals']} arrivals), against {a.against}'s "
+                    f"{ref_total} good: with each policy's own decode tokens / at the fastest rate in its time: "
+                    + ", ".join(parts))
+        print(f"summary: {write_summary(a.summary, command_line('bench.bound', argv), headline, dict(total))}")
     return 0
 
 

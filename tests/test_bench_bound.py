@@ -21,7 +21,10 @@ def test_shortest_first_counts_what_fits() -> None:
     assert shortest_first([4, 4], 8) == 2 and shortest_first([4, 4], 7.9) == 1
 
 
-def test_bounds_per_policy_own_tokens_and_the_fastest_rate(tmp_path, capsys) -> None:
+def test_bounds_per_policy_own_tokens_and_the_fastest_rate(tmp_path, capsys, monkeypatch) -> None:
+    from bench import report
+
+    monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
     lengths = [10, 20, 30, 40, 100]
     recs = [_rec("fast", 0, 50, good=True, warmup=True, end=1.0)]  # the warm-up: decoded, not counted
     # 200 tokens (250 with the warm-up) in 4 s
@@ -40,10 +43,13 @@ def test_bounds_per_policy_own_tokens_and_the_fastest_rate(tmp_path, capsys) -> 
     path = tmp_path / "run"
     path.mkdir()
     (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    assert main([str(path), "--against", "slow", "--json", str(tmp_path / "b.json")]) == 0
+    assert main([str(path), "--against", "slow", "--json", str(tmp_path / "b.json"), "--summary", "b"]) == 0
     out = capsys.readouterr().out
     assert "slow: good 2; shortest first with its own tokens 2 (1.00x slow's good), at the full rate in its time 4 " \
            "(2.00x)" in out
     assert json.loads((tmp_path / "b.json").read_text())["bounds"][0]["policies"]["slow"]["oracle_full_rate"] == 4
+    summary = json.loads((tmp_path / "summaries" / "b.json").read_text())
+    assert summary["command"].startswith("python -m bench.bound ") and summary["figures"]["slow:oracle_full_rate"] == 4
+    assert "slow 1.00x / 2.00x" in summary["headline"]
     with pytest.raises(SystemExit):
         main([str(path), "--load", "2"])
