@@ -142,7 +142,7 @@ class LLMReplica:
         else:
             log.debug("request %s: slo=%s", rid, req.slo)
         self.inflight += 1
-        finished, counted, first, last_t = False, True, True, time.monotonic()
+        finished, first, last_t = False, True, time.monotonic()
         try:
             while True:
                 if not first and self.pacing.holds:
@@ -172,20 +172,18 @@ class LLMReplica:
                     self.metrics.on_itl(tier, gap, n)
                 last_t = now
                 if out.finished:
-                    finished = True
-                    if out.finish_reason is not FinishReason.REJECTED:
-                        self.metrics.on_finished(tier, req.slo, out)
                     # counted out before the last item goes: a caller that stops at it may never resume (or
                     # close) this generator, and its `finally` would then wait for the garbage collector
+                    finished = True
                     self.inflight -= 1
-                    counted = False
+                    if out.finish_reason is not FinishReason.REJECTED:
+                        self.metrics.on_finished(tier, req.slo, out)
                     yield out
                     return
                 yield out
         finally:  # client went away (CancelledError / GeneratorExit) or an error: free the KV now
-            if counted:
-                self.inflight -= 1
             if not finished:
+                self.inflight -= 1
                 self.aborted += 1
                 self.engine.abort(rid)
                 log.info("request %s aborted (caller cancelled)", rid)
