@@ -29,6 +29,7 @@ class PolicyFlags:
     work_shedding: bool = False
     catch_up: bool = False
     prefill_hold: bool = False
+    short_first: bool = False
     vbs_margin: float = 1.3  # k of the VBS gate: ITL(VBS, L) * k < slack * T_min (SCORPIO's published 1.3)
 
 
@@ -42,10 +43,12 @@ PRESETS: dict[str, PolicyFlags] = {
     # kairos corrects the gate with a bounded factor measured on the steps it runs (ItlCorrection), so its static
     # margin only has to cover what that measurement misses: 1.1 (ShareGPT, 3 seeds at 1.5x: 3.04 vs 2.95 req/s
     # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%). Work shedding is opt-in: it gained 6.6% on a
-    # slow engine; once the packed fp32 GEMM made steps 2-4x faster it cost 5-8% in three runs of four (bench/README.md)
+    # slow engine; once the packed fp32 GEMM made steps 2-4x faster it cost 5-8% in three runs of four (bench/README.md).
+    # short_first: requests the gate turns away wait within their TTFT SLO, and room goes to the least work first
+    # (ShareGPT, 3 seeds at 1.5x: +6% goodput over kairos without it, bench/README.md "Least work first")
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
-                          catch_up=True, prefill_hold=True, vbs_margin=1.1),
+                          catch_up=True, prefill_hold=True, short_first=True, vbs_margin=1.1),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -108,6 +111,9 @@ class SchedulerConfig(BaseModel):
     prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "
                                       "would end after a running reply's next token is due and its TTFT deadline "
                                       "leaves room to wait (tpot_guard.hold_prefill)")
+    short_first: bool | None = Field(None, description="a fresh request the VBS gate turns away waits (while its "
+                                     "TTFT SLO allows) instead of being rejected, and the waiting queue is offered "
+                                     "room least work first: expected output tokens left / TPOT SLO (queues.order_least_work)")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")
     shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")

@@ -1,7 +1,9 @@
-"""Waiting-queue ordering: FIFO (leave as is) or LDF (least deadline first, SCORPIO's TTFT-slack sort)."""
+"""Waiting-queue ordering: FIFO (leave as is), LDF (least deadline first, SCORPIO's TTFT-slack sort), or least work
+first (kairos's `short_first`)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Literal, TypeVar
 
 T = TypeVar("T")
@@ -21,5 +23,15 @@ def order_waiting(waiting: deque[T], order: QueueOrder) -> None:
     if order != "ldf":
         raise ValueError("order must be fifo|ldf")
     ordered = sorted(waiting, key=lambda r: (r.deadline_s, r.arrival_s))
+    waiting.clear()
+    waiting.extend(ordered)
+
+
+def order_least_work(waiting: deque[T], work: Callable[[T], float]) -> None:
+    """Reorder ``waiting`` in place: requests already started (preempted mid-reply) first, in their order; then the
+    fresh ones by ``work(r)``, least first, ties by ``(deadline_s, arrival_s)``. With goodput counted in requests,
+    the least work per request is the most requests a replica's decode rate completes (kairos's `short_first`)."""
+    ordered = sorted(waiting, key=lambda r: (0.0, 0.0, 0.0) if r.first_token_s is not None
+                     else (1.0, work(r), r.deadline_s, r.arrival_s))
     waiting.clear()
     waiting.extend(ordered)

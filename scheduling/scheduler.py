@@ -22,7 +22,7 @@ from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
-from scheduling.queues import order_waiting
+from scheduling.queues import order_least_work, order_waiting
 from scheduling.shedding import WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
@@ -152,6 +152,8 @@ class Scheduler:
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
+        if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
+            order_least_work(self.waiting, lambda r: self._work(r, r.expected_output_len - r.num_output_tokens))
         budget = self.config.prefill_max_tokens
         if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
             for r in self.running:
@@ -237,6 +239,8 @@ class Scheduler:
                 if self._hold_for_floor(r, gate, now):
                     held.add(tpot_class(r.tpot_slo_ms))
                     return Verdict.KEEP
+                if f.short_first and self._wait_for_room(r, gate):
+                    return Verdict.KEEP  # the TTFT guard rejects it once its deadline is out of reach
                 if self.config.tpot_on_fail == "reject" or (not self.running and not gate.admitted):
                     plan.rejected.append((r, TPOT_UNATTAINABLE))
                     return Verdict.DROP
@@ -273,6 +277,13 @@ class Scheduler:
             r.credit = 0.0
             self.running.append(r)
         return selected
+
+    def _wait_for_room(self, r: Request, gate: VBSGate) -> bool:
+        """short_first: whether a fresh request the VBS gate turns away waits in the queue for room instead of being
+        rejected: it has a TTFT deadline (so the wait is bounded), the batch it failed is not empty (others will
+        finish and make room), and it would pass on an idle replica."""
+        return math.isfinite(r.deadline_s) and bool(self.running or gate.admitted) and gate.feasible_alone(
+            r.tpot_slo_ms, r.num_tokens + r.expected_output_len / 2.0)
 
     def _for_capacity(self, r: Request, reason: RejectReason) -> bool:
         """Whether a rejection says the replica is full (work shedding measures its capacity only then): not one

@@ -166,7 +166,7 @@ def _pace_case(policy: str, **kw) -> list[str]:
         r.token_ids.extend([3, 3, 3])  # 4 tokens out
         r.num_computed_tokens = r.num_tokens
     loose.credit = -0.5  # its credit says: skip this step
-    return [r.request_id for r in s.schedule(0.075).decode]  # skipped, its next token would come at ~87 ms
+    return sorted(r.request_id for r in s.schedule(0.075).decode)  # skipped, its next token would come at ~87 ms
 
 
 def test_pace_guard_decodes_a_request_its_credit_would_skip_when_it_is_behind():
@@ -336,3 +336,72 @@ def test_work_shedding_measures_capacity_only_on_rejections_that_mean_the_replic
     p = s.schedule(0.09)
     assert [r for r, _ in p.rejected] == [late]
     assert s.shedder.saturated_now(0.09)
+
+
+def _reply(name, prompt, out, tpot=10.0, ttft=None, arrival=0.0):
+    return Request(name, [1] * prompt, SamplingParams(max_tokens=out), SLO(ttft_ms=ttft, tpot_ms=tpot),
+                   arrival_s=arrival)
+
+
+def _full_batch(**kw):
+    """kairos with 6 running replies of TPOT 10 ms: the gate, (5 + 0.5 VBS) x 1.1 < 0.99 x 10, has room for one more."""
+    s = _sched("kairos", prefill_hold=False, **kw)
+    for i in range(6):
+        s.add(_reply(f"a{i}", 4, 50))
+    _run(s, s.schedule(0.0))
+    assert len(s.running) == 6
+    return s
+
+
+@pytest.mark.parametrize("short_first", [False, True])
+def test_short_first_gives_the_room_to_the_least_work_and_keeps_the_rest_waiting(short_first):
+    s = _full_batch(short_first=short_first)
+    long = _reply("long", 4, 100, ttft=1000.0, arrival=0.001)  # the earlier deadline
+    short = _reply("short", 4, 5, ttft=1000.0, arrival=0.002)
+    s.add(long)
+    s.add(short)
+    p = s.schedule(0.01)
+    if short_first:
+        assert p.prefill == [short] and p.rejected == [] and list(s.waiting) == [long]
+    else:  # least deadline first, and a request the gate turns away is rejected at once
+        assert p.prefill == [long] and p.rejected == [(short, "tpot_unattainable")] and not s.waiting
+
+
+def test_short_first_admits_a_waiting_request_once_the_batch_makes_room():
+    s = _full_batch(short_first=True)
+    s.add(_reply("short", 4, 5, ttft=1000.0, arrival=0.001))
+    _run(s, s.schedule(0.01))
+    long = _reply("long", 4, 100, ttft=1000.0, arrival=0.002)
+    s.add(long)
+    assert s.schedule(0.02).prefill == [] and list(s.waiting) == [long]
+    s.finish(s.running[0], "length", 0.03)
+    assert s.schedule(0.03).prefill == [long]
+
+
+def test_short_first_waits_only_within_the_ttft_slo():
+    s = _full_batch(short_first=True)
+    s.add(_reply("short", 4, 5, ttft=1000.0, arrival=0.0))
+    _run(s, s.schedule(0.0))
+    no_ttft = _reply("no_ttft", 4, 100, arrival=0.001)  # no deadline: waiting for room would be unbounded
+    timed = _reply("timed", 4, 100, ttft=200.0, arrival=0.001)
+    s.add(no_ttft)
+    s.add(timed)
+    p = s.schedule(0.01)
+    assert p.rejected == [(no_ttft, "tpot_unattainable")] and list(s.waiting) == [timed]
+    # 60 ms before its deadline: less than its prefill plus the TTFT guard's 50 ms margin is left
+    p = s.schedule(0.001 + 0.2 - 0.049)
+    assert p.rejected == [(timed, "ttft_unattainable")] and not s.waiting
+
+
+def test_order_least_work_puts_started_replies_first_then_the_least_work():
+    from collections import deque
+
+    from scheduling.queues import order_least_work
+
+    started = _reply("started", 4, 50, ttft=5000.0)
+    started.first_token_s = 0.0
+    heavy, light = _reply("heavy", 4, 40, ttft=100.0), _reply("light", 4, 20, ttft=900.0)
+    tie_late, tie_early = _reply("tie_late", 4, 20, ttft=950.0), _reply("tie_early", 4, 20, ttft=800.0)
+    q = deque([heavy, tie_late, light, started, tie_early])
+    order_least_work(q, lambda r: r.expected_output_len)
+    assert list(q) == [started, tie_early, light, tie_late, heavy]
