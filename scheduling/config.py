@@ -44,11 +44,12 @@ PRESETS: dict[str, PolicyFlags] = {
     # margin only has to cover what that measurement misses: 1.1 (ShareGPT, 3 seeds at 1.5x: 3.04 vs 2.95 req/s
     # with 1.3, TPOT met for 99.3% of the admitted; 1.0 missed 1.8%). Work shedding is opt-in: it gained 6.6% on a
     # slow engine; once the packed fp32 GEMM made steps 2-4x faster it cost 5-8% in three runs of four (bench/README.md).
-    # short_first: requests the gate turns away wait within their TTFT SLO, and room goes to the least work first
-    # (ShareGPT, 3 seeds at 1.5x: +6% goodput over kairos without it, bench/README.md "Least work first")
+    # short_first (requests the gate turns away wait within their TTFT SLO, room goes to the least work first) is
+    # opt-in: on ShareGPT, 3 seeds at 1.5x, +5.7%, +1.4% and -2.2% goodput in three paired runs (bench/README.md
+    # "Least work first"), and it moves the interactive tier's share to the relaxed one
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
-                          catch_up=True, prefill_hold=True, short_first=True, vbs_margin=1.1),
+                          catch_up=True, prefill_hold=True, vbs_margin=1.1),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -111,7 +112,7 @@ class SchedulerConfig(BaseModel):
     prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "
                                       "would end after a running reply's next token is due and its TTFT deadline "
                                       "leaves room to wait (tpot_guard.hold_prefill)")
-    short_first: bool | None = Field(None, description="a fresh request the VBS gate turns away waits (while its "
+    short_first: bool | None = Field(None, description="opt-in: a fresh request the VBS gate turns away waits (while its "
                                      "TTFT SLO allows) instead of being rejected, and the waiting queue is offered "
                                      "room least work first: expected output tokens left / TPOT SLO (queues.order_least_work)")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
