@@ -271,7 +271,7 @@ def test_vbs_margin_is_the_policys_unless_set():
 
     assert SchedulerConfig(policy="scorpio").flags().vbs_margin == 1.3  # as published
     assert SchedulerConfig(policy="tpot_guard").flags().vbs_margin == 1.3
-    assert SchedulerConfig(policy="kairos").flags().vbs_margin == 1.1  # its measured ITL correction covers the rest
+    assert SchedulerConfig(policy="kairos").flags().vbs_margin == 1.05  # its measured ITL correction covers the rest
     assert SchedulerConfig(policy="kairos", vbs_margin=1.3).flags().vbs_margin == 1.3
     assert SchedulerConfig(policy="scorpio", vbs_margin=1.2).flags().vbs_margin == 1.2
 

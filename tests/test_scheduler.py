@@ -280,7 +280,8 @@ def _pressed_reply(**kw):
     8 ms TPOT, 5 tokens out, the first at t=0, so its 6th is due at 40 ms. At 30 ms a step may take 10 ms;
     steps are predicted with the gate's margin, 1.1."""
     model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
-    s = Scheduler(SchedulerConfig(policy="kairos", **kw), 256, 4, max_model_len=256, predictor=model)
+    s = Scheduler(SchedulerConfig(policy="kairos", **{"vbs_margin": 1.1, **kw}), 256, 4, max_model_len=256,
+                  predictor=model)
     a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))
     s.add(a)
     _run(s, s.schedule(0.0))
@@ -344,8 +345,9 @@ def _reply(name, prompt, out, tpot=10.0, ttft=None, arrival=0.0):
 
 
 def _full_batch(**kw):
-    """kairos with 6 running replies of TPOT 10 ms: the gate, (5 + 0.5 VBS) x 1.1 < 0.99 x 10, has room for one more."""
-    s = _sched("kairos", prefill_hold=False, **kw)
+    """kairos (margin 1.1) with 6 running replies of TPOT 10 ms: the gate, (5 + 0.5 VBS) x 1.1 < 0.99 x 10, has room
+    for one more."""
+    s = _sched("kairos", prefill_hold=False, vbs_margin=1.1, **kw)
     for i in range(6):
         s.add(_reply(f"a{i}", 4, 50))
     _run(s, s.schedule(0.0))
