@@ -114,9 +114,10 @@ class SchedulerConfig(BaseModel):
     prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "
                                       "would end after a running reply's next token is due and its TTFT deadline "
                                       "leaves room to wait (tpot_guard.hold_prefill)")
-    short_first: bool | None = Field(None, description="opt-in: a fresh request the VBS gate turns away waits (while its "
-                                     "TTFT SLO allows) instead of being rejected, and the waiting queue is offered "
-                                     "room least work first: expected output tokens left / TPOT SLO (queues.order_least_work)")
+    short_first: bool | None = Field(None, description="opt-in: a fresh request the VBS gate turns away waits "
+                                     "(while its TTFT SLO allows) instead of being rejected, and the waiting queue "
+                                     "is offered room least work first: expected output tokens left / TPOT SLO "
+                                     "(queues.order_least_work)")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")
     shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")

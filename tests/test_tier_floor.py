@@ -73,8 +73,7 @@ def test_the_floor_holds_a_starved_feasible_tier_and_drains_the_batch_for_it():
     s, loose, strict, late = _loaded(floor=True)
     plan = s.schedule(0.1)
     assert plan.rejected == [] and plan.prefill == []  # held, and the loose arrival waits instead of joining
-    assert sorted(r.request_id for r in s.waiting) == sorted(r.request_id for r in (*strict, late))
-    assert all(r.status is Status.WAITING for r in s.waiting)
+    assert list(s.waiting) == [*strict, late] and all(r.status is Status.WAITING for r in s.waiting)
     assert plan.decode  # the running batch keeps decoding meanwhile
     _run(s, plan)
     for r in loose[:4]:  # four loose requests finish: VBS' with 2 loose running is 1.4 -> 1.3 x 5.7 = 7.41 ms
