@@ -105,17 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"/ {a.against} good (full)"], rows))
     ref_total = total.get(f"{a.against}:good")
     print(f"all seeds: {total['arrivals']} arrivals; {a.against} good {ref_total}")
+    parts = []  # the summary's headline: each policy's two ratios (FCFS's, the rate reference, left out)
     for name in res[0]["policies"]:
         own, full = total[f"{name}:oracle_own_tokens"], total[f"{name}:oracle_full_rate"]
         print(f"  {name}: good {total[f'{name}:good']}; shortest first with its own tokens {own} "
               f"({_ratio(own, ref_total)} {a.against}'s good), at the full rate in its time {full} "
               f"({_ratio(full, ref_total)})")
+        if name != "fcfs":
+            parts.append(f"{name} {_ratio(own, ref_total)} / {_ratio(full, ref_total)}")
     if a.json:
         write_json(a.json, {"run": str(a.run), "against": a.against, "bounds": res, "totals": dict(total)})
     if a.summary:
-        own, full = (lambda n: _ratio(total[f"{n}:oracle_own_tokens"], ref_total),
-                     lambda n: _ratio(total[f"{n}:oracle_full_rate"], ref_total))
-        parts = [f"{n} {own(n)} / {full(n)}" for n in res[0]["policies"] if n != "fcfs"]
         headline = (f"shortest-first oracle over {a.run.name} ({total['arrivals']} arrivals), against {a.against}'s "
                     f"{ref_total} good: with each policy's own decode tokens / at the fastest rate in its time: "
                     + ", ".join(parts))

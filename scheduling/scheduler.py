@@ -107,7 +107,7 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
         if self.floor is not None:
-            self.floor.arrived(req.tpot_slo_ms, req.arrival_s, req.num_tokens + req.expected_output_len / 2.0)
+            self.floor.arrived(req.tpot_slo_ms, req.arrival_s, self._mid_len(req))
         return None
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
@@ -278,12 +278,17 @@ class Scheduler:
             self.running.append(r)
         return selected
 
+    @staticmethod
+    def _mid_len(r: Request) -> float:
+        """The context length the gate sees for `r` over its reply: its prompt and half the output it expects."""
+        return r.num_tokens + r.expected_output_len / 2.0
+
     def _wait_for_room(self, r: Request, gate: VBSGate) -> bool:
         """short_first: whether a fresh request the VBS gate turns away waits in the queue for room instead of being
         rejected: it has a TTFT deadline (so the wait is bounded), the batch it failed is not empty (others will
         finish and make room), and it would pass on an idle replica."""
-        return math.isfinite(r.deadline_s) and bool(self.running or gate.admitted) and gate.feasible_alone(
-            r.tpot_slo_ms, r.num_tokens + r.expected_output_len / 2.0)
+        return math.isfinite(r.deadline_s) and bool(self.running or gate.admitted) \
+            and gate.feasible_alone(r.tpot_slo_ms, self._mid_len(r))
 
     def _for_capacity(self, r: Request, reason: RejectReason) -> bool:
         """Whether a rejection says the replica is full (work shedding measures its capacity only then): not one
@@ -298,7 +303,7 @@ class Scheduler:
             return (r.deadline_s - r.arrival_s) * 1000.0 >= self.predictor.prefill_ms(self._cost(r)) \
                 + self.config.ttft_margin_ms
         if reason is TPOT_UNATTAINABLE:
-            alone_ms = self.predictor.itl_ms(1.0, r.num_tokens + r.expected_output_len / 2.0)
+            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r))
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
@@ -353,7 +358,7 @@ class Scheduler:
         if self.floor is None or self.config.tier_floor_mode == "reserve" \
                 or not self.floor.starved(r.tpot_slo_ms, now):
             return False
-        if not gate.feasible_alone(r.tpot_slo_ms, r.num_tokens + r.expected_output_len / 2.0):
+        if not gate.feasible_alone(r.tpot_slo_ms, self._mid_len(r)):
             return False  # infeasible even alone: the floor does not apply, the gate's verdict stands
         if r not in self._held:
             self._held.append(r)
