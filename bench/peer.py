@@ -353,12 +353,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=1.0, help="both engines, with --temperature > 0")
     ap.add_argument("--paired", metavar="KAIROS_DTYPE:VLLM_DTYPE",
                     help="both engines side by side, alternating run by run, --reps rounds (e.g. auto:bfloat16)")
+    ap.add_argument("--emulate-avx2", action="store_true",
+                    help="both engines as on a CPU with AVX2 but no AVX-512 (see AVX2_ENV): Kairos builds its kernels "
+                         "without AVX-512 and `auto` means float32; vLLM's oneDNN and MKL stop at AVX2")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
+# What --emulate-avx2 sets before either engine starts (torch reads ATEN_CPU_CAPABILITY, oneDNN ONEDNN_MAX_CPU_ISA and
+# MKL MKL_ENABLE_INSTRUCTIONS once, at start-up: hence a fresh process). On a Zen 4, whose AVX-512 runs on 256-bit
+# units, AVX2 code reaches the same FLOPs a cycle as on the Zen 2/3 EPYCs this emulates.
+AVX2_ENV = {"KAIROS_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ATEN_CPU_CAPABILITY": "avx2"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.emulate_avx2 and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, "-m", MODULE, *(sys.argv[1:] if argv is None else argv)],
+                  {**os.environ, **AVX2_ENV})
     if args.child:
         _vllm_child(*args.child)
         return 0

@@ -483,6 +483,9 @@ struct Vec8 {
         return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     }
     static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V div(V a, V b) { return _mm256_div_ps(a, b); }
+    static V neg_abs(V a) { return _mm256_or_ps(a, _mm256_set1_ps(-0.f)); }  // -|a|
+    static V where_neg(V m, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(m, zero(), _CMP_LT_OQ)); }
     static __m256 to8(V a) { return a; }  // a vector whose 8 lanes sum to a's
     template <typename T> static void store(T* p, V v) { store8(p, v); }
 };
@@ -508,6 +511,11 @@ struct Vec16 {
         return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
     }
     static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V div(V a, V b) { return _mm512_div_ps(a, b); }
+    static V neg_abs(V a) { return _mm512_or_ps(a, _mm512_set1_ps(-0.f)); }
+    static V where_neg(V m, V a, V b) {  // a where m < 0, else b
+        return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, zero(), _CMP_LT_OQ), b, a);
+    }
     static __m256 to8(V a) {
         return _mm256_add_ps(_mm512_castps512_ps256(a),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -534,6 +542,13 @@ inline typename Vec::V exp_nonpos_v(typename Vec::V x) {
     const float c[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
     for (float k : c) p = Vec::fmadd(p, f, Vec::set1(k));
     return Vec::times_pow2(p, n);
+}
+
+// silu over a vector's lanes, as silu() below: g * sigmoid(g), from e^-|g| only
+template <typename Vec>
+inline typename Vec::V silu_v(typename Vec::V g) {
+    const typename Vec::V e = exp_nonpos_v<Vec>(Vec::neg_abs(g)), one = Vec::set1(1.f);
+    return Vec::mul(g, Vec::div(Vec::where_neg(g, e, one), Vec::add(one, e)));
 }
 
 // While an attention pass scores context rows [t0, t0 + 8): ask for this head's K row (into L1) and V row (into L2)
@@ -1134,13 +1149,6 @@ inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, co
     }
 }
 
-// The epilogue's 16 lanes: ld16 / st16 / round16 and Vec16 (above).
-inline __m512 silu16(__m512 g) {
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 e = exp_nonpos_v<Vec16>(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));  // e^-|g|
-    const __m512 num = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e);
-    return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-}
 #endif
 
 // Which instructions gemm_packed runs: AMX's tiles where built with them and the OS grants this process their state
@@ -1170,7 +1178,17 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
             if constexpr (std::is_same_v<T, bf16>) {
                 if (w == 16) {
                     const __m512 g = round16(_mm512_loadu_ps(cr));
-                    st16(o, _mm512_mul_ps(round16(silu16(g)), round16(_mm512_loadu_ps(cr + 16))));
+                    st16(o, _mm512_mul_ps(round16(silu_v<Vec16>(g)), round16(_mm512_loadu_ps(cr + 16))));
+                    continue;
+                }
+            }
+#endif
+#ifdef __AVX2__
+            if constexpr (std::is_same_v<T, float>) {  // 2 x 8 or 1 x 16 lanes: the scalar loop does not vectorise
+                if (w == 16) {
+                    for (int j = 0; j < 16; j += VecWide::W)
+                        VecWide::store(o + j, VecWide::mul(silu_v<VecWide>(VecWide::load(cr + j)),
+                                                           VecWide::load(cr + 16 + j)));
                     continue;
                 }
             }

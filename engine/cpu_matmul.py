@@ -8,6 +8,7 @@ and stay native. Numerically this is at least as accurate as a bf16 GEMM (fp32 a
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,8 @@ MIN_ROWS = 4
 
 @functools.cache
 def cpu_has_native_half() -> bool:
+    if os.environ.get("KAIROS_CPU_ISA", "").strip().lower() == "avx2":  # `cpu_kernels.emulated_avx2`
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
