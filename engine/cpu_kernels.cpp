@@ -1114,9 +1114,12 @@ inline void ask_lines_of(const char* pf, int64_t kk, int64_t pf_lines) {
 // pf, pf_lines: cache lines (of the next panel pair) to ask for into L2 meanwhile, two per k pair.
 template <int R>
 inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c,
-                     const char* pf, int64_t pf_lines) {
+                     const char* pf, int64_t pf_lines, bool add) {
     __m512 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+        acc0[r] = add ? _mm512_loadu_ps(c + r * 32) : _mm512_setzero_ps();
+        acc1[r] = add ? _mm512_loadu_ps(c + r * 32 + 16) : _mm512_setzero_ps();
+    }
     for (int64_t kk = 0; kk < k / 2; ++kk) {
         ask_lines_of(pf, kk, pf_lines);
         const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + kk * 32));
@@ -1138,10 +1141,10 @@ inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
 constexpr int kDpRows = 12;
 
 inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, const bf16* b1, int64_t k, float* c,
-                    const char* pf, int64_t pf_lines) {
+                    const char* pf, int64_t pf_lines, bool add) {
     switch (rows) {
 #define KAIROS_DP_CASE(R) \
-    case R: dp_block<R>(a, lda, b0, b1, k, c, pf, pf_lines); break;
+    case R: dp_block<R>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
         KAIROS_DP_CASE(1) KAIROS_DP_CASE(2) KAIROS_DP_CASE(3) KAIROS_DP_CASE(4) KAIROS_DP_CASE(5) KAIROS_DP_CASE(6)
         KAIROS_DP_CASE(7) KAIROS_DP_CASE(8) KAIROS_DP_CASE(9) KAIROS_DP_CASE(10) KAIROS_DP_CASE(11) KAIROS_DP_CASE(12)
 #undef KAIROS_DP_CASE
@@ -1238,6 +1241,15 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 }
 
 constexpr int64_t kAskNextRunRows = 8;
+constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
+// The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked), below kChunkRowsBelow rows. On a Zen 4 built without
+// AVX-512 (SmolLM2's 30 layers of q|k|v, gate|up and down, weights streamed from memory, 2 threads): 4 / 8 / 16 rows
+// 13.8 / 14.4 / 21.6 ms against 15.6 / 19.4 / 25.9 walking the whole K per group; at 64 rows ~7% slower, hence the
+// bound. With 16-lane vectors (and bf16) chunks did not help: 12 rows a group cover a decode step in one or two groups.
+#ifndef KAIROS_CHUNK_K
+#define KAIROS_CHUNK_K 32
+#endif
+constexpr int64_t kChunkRowsBelow = 32;
 
 // gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
 // still unassigned, so that a thread streams long runs first (the next pair fetched while one computes) and the
@@ -1257,22 +1269,26 @@ inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
 // pair, else its first again (the next block of rows), else, from kAskNextRunRows rows on, the first pair of the run
 // next to be claimed, so that a run's first pair does not start cold (with fewer rows the weights' stream is the
 // step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk.
-template <int R, typename T, typename RowsFn>
+template <int R, int64_t Chunk, typename T, typename RowsFn>
 void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int64_t pairs, int64_t n, const T* bias,
                   const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
     const int64_t panel = 16 * k;  // elements
     const int64_t pair_lines = 2 * panel * static_cast<int64_t>(sizeof(T)) / 64;
     const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
     const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
-    const int64_t rows_per_pass = 256;
     std::atomic<int64_t> claimed{0};
+    // Chunk > 0 and fewer than kChunkRowsBelow rows: the pair is walked Chunk k at a time, every row group (and with
+    // 8-lane vectors each panel of the pair) in turn on each chunk, so that they read the chunk's weights from L1 (a
+    // whole pair, 32 columns x K, outgrows L1). More rows make the weights' stream a small part of the work, and the
+    // chunks' extra loads and stores of the sums cost more than they save.
+    const int64_t chunk = Chunk > 0 && m < kChunkRowsBelow ? Chunk : k;
     parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
-        alignas(64) float c[R * 32];
+        alignas(64) float c[kRowsPerPass * 32];  // the pass's sums, R rows a group
         for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
              task = claimed.fetch_add(1, std::memory_order_relaxed)) {
             const int64_t p0 = runs[task], p1 = runs[task + 1];
-            for (int64_t r0 = 0; r0 < m; r0 += rows_per_pass) {
-                const int64_t r1 = std::min(m, r0 + rows_per_pass);
+            for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
+                const int64_t r1 = std::min(m, r0 + kRowsPerPass);
                 for (int64_t p = p0; p < p1; ++p) {
                     const T* b0 = w + 2 * p * panel;
                     int64_t ahead = p + 1;
@@ -1283,13 +1299,19 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
                     const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
                     const int64_t lines = ahead >= 0 ? pair_lines : 0;
                     const int64_t groups = (r1 - r0 + R - 1) / R;
-                    const int64_t share = (lines + groups - 1) / groups;
-                    for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
-                        const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
-                        rows_fn(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
-                                std::min(lines, first + share) - first);
-                        gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+                    for (int64_t k0 = 0; k0 < k; k0 += chunk) {  // the chunk's share of the asks, split by group
+                        const int64_t kn = std::min(chunk, k - k0), first = lines * k0 / k;
+                        const int64_t asks = lines * (k0 + kn) / k - first, share = (asks + groups - 1) / groups;
+                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
+                            const int64_t from = std::min(asks, g * share);
+                            rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), b0 + 16 * k0,
+                                    b0 + panel + 16 * k0, kn, c + (i - r0) * 32, next + 64 * (first + from),
+                                    std::min(asks, from + share) - from, k0 > 0);
+                        }
                     }
+                    for (int64_t i = r0; i < r1; i += R)
+                        gemm_epilogue(c + (i - r0) * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
+                                      mode);
                 }
             }
         }
@@ -1304,7 +1326,7 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
     const int64_t panel = 16 * k;  // elements
 #ifdef KAIROS_AVX512_BF16
     if (isa == kIsaAvx512Bf16) {
-        gemm_blocked<kDpRows>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+        gemm_blocked<kDpRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
                               [](auto... a) { dp_rows(a...); });
         return 0;
     }
@@ -1375,10 +1397,13 @@ constexpr int kFmaRows = VecWide::W == 16 ? 12 : 6;  // 2 accumulators a row, 2 
 // w0[16 kk, +W) | w1[16 kk, +W); meanwhile asks for pf's first pf_lines cache lines (two per k)
 template <int R>
 inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* w1, int64_t k, float* c,
-                     const char* pf, int64_t pf_lines) {
+                     const char* pf, int64_t pf_lines, bool add) {
     using Vec = VecWide;
     typename Vec::V acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = Vec::zero();
+    for (int r = 0; r < R; ++r) {
+        acc0[r] = add ? Vec::load(c + r * 32) : Vec::zero();
+        acc1[r] = add ? Vec::load(c + r * 32 + Vec::W) : Vec::zero();
+    }
     for (int64_t kk = 0; kk < k; ++kk) {
         ask_lines_of(pf, kk, pf_lines);
         const typename Vec::V b0 = Vec::load(w0 + 16 * kk), b1 = Vec::load(w1 + 16 * kk);
@@ -1400,10 +1425,10 @@ inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* 
 // 1-3 rows of the LM head 6.4-7.2 ms against 4.9-5.9 this way, one thread; `tests/test_cpu_kernels.py` builds it)
 template <int R>
 inline void fma_both8(const float* a, int64_t lda, const float* b0, const float* b1, int64_t k, float* c,
-                      const char* pf, int64_t pf_lines) {
+                      const char* pf, int64_t pf_lines, bool add) {
     __m256 acc[R][4];
     for (int r = 0; r < R; ++r)
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+        for (int v = 0; v < 4; ++v) acc[r][v] = add ? _mm256_loadu_ps(c + r * 32 + 8 * v) : _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k; ++kk) {
         ask_lines_of(pf, kk, pf_lines);
         const __m256 w[4] = {_mm256_loadu_ps(b0 + 16 * kk), _mm256_loadu_ps(b0 + 16 * kk + 8),
@@ -1420,23 +1445,23 @@ inline void fma_both8(const float* a, int64_t lda, const float* b0, const float*
 // c [rows][32] = rows of a x panels b0 | b1 (one call with 16-lane vectors, one per panel with 8-lane ones)
 template <int R>
 inline void fma_pair(const float* a, int64_t lda, const float* b0, const float* b1, int64_t k, float* c,
-                     const char* pf, int64_t pf_lines) {
+                     const char* pf, int64_t pf_lines, bool add) {
     if constexpr (VecWide::W == 16) {
-        fma_cols<R>(a, lda, b0, b1, k, c, pf, pf_lines);
+        fma_cols<R>(a, lda, b0, b1, k, c, pf, pf_lines, add);
     } else if constexpr (R <= 3) {
-        fma_both8<R>(a, lda, b0, b1, k, c, pf, pf_lines);
+        fma_both8<R>(a, lda, b0, b1, k, c, pf, pf_lines, add);
     } else {
         const int64_t half = (pf_lines + 1) / 2;
-        fma_cols<R>(a, lda, b0, b0 + 8, k, c, pf, half);
-        fma_cols<R>(a, lda, b1, b1 + 8, k, c + 16, pf + 64 * half, pf_lines - half);
+        fma_cols<R>(a, lda, b0, b0 + 8, k, c, pf, half, add);
+        fma_cols<R>(a, lda, b1, b1 + 8, k, c + 16, pf + 64 * half, pf_lines - half, add);
     }
 }
 
 inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0, const float* b1, int64_t k,
-                     float* c, const char* pf, int64_t pf_lines) {
+                     float* c, const char* pf, int64_t pf_lines, bool add) {
     switch (rows) {
 #define KAIROS_FMA_CASE(R) \
-    case R: if constexpr (R <= kFmaRows) fma_pair<R>(a, lda, b0, b1, k, c, pf, pf_lines); break;
+    case R: if constexpr (R <= kFmaRows) fma_pair<R>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
         KAIROS_FMA_CASE(1) KAIROS_FMA_CASE(2) KAIROS_FMA_CASE(3) KAIROS_FMA_CASE(4) KAIROS_FMA_CASE(5)
         KAIROS_FMA_CASE(6) KAIROS_FMA_CASE(7) KAIROS_FMA_CASE(8) KAIROS_FMA_CASE(9) KAIROS_FMA_CASE(10)
         KAIROS_FMA_CASE(11) KAIROS_FMA_CASE(12)
@@ -1452,7 +1477,7 @@ inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0,
 int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t pairs, int64_t n,
                 const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
-    gemm_blocked<kFmaRows>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+    gemm_blocked<kFmaRows, VecWide::W == 8 ? KAIROS_CHUNK_K : 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
                            [](auto... a) { fma_rows(a...); });
     return 0;
 #else
