@@ -4,7 +4,7 @@
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...]
-    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached]
+    python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached] [--dtype float32]
                               [--against OTHER.cpp ...]
     python -m bench.step omp
     python -m bench.step peak [--threads 1,2]
@@ -178,7 +178,7 @@ def _builds(against: list[str]) -> dict:
 
     from engine import cpu_kernels as ck
 
-    return {"this tree": ck.load()} | {src: ck.load_source(Path(src)) for src in against}
+    return {"this tree": ck.load()} | {src: ck.load_source(Path(src), ck.isa_flags()) for src in against}
 
 
 def _alternating(builds: dict, sizes: list[int], reps: int, threads: int, setup,
@@ -251,9 +251,10 @@ def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: in
 
 
 def attn(model: str, batches: list[int], context: int, against: list[str], reps: int,
-         threads: int, cached: bool = False) -> dict[str, dict[int, tuple]]:
+         threads: int, cached: bool = False, dtype: str = "bfloat16") -> dict[str, dict[int, tuple]]:
     import torch
 
+    dt = getattr(torch, dtype)
     from engine.cpu_kernels import CpuKernels
 
     cfg, hd = _model_config(model)
@@ -263,11 +264,11 @@ def attn(model: str, batches: list[int], context: int, against: list[str], reps:
 
     def setup(b: int) -> tuple:
         blocks = b * width + 1
-        caches = [tuple(torch.randn(blocks, bs, nkv, hd, generator=g).bfloat16() for _ in range(2))
+        caches = [tuple(torch.randn(blocks, bs, nkv, hd, generator=g).to(dt) for _ in range(2))
                   for _ in range(1 if cached else nl)]  # every layer's: the step reads them all from memory
         caches *= nl // len(caches)  # --cached: one layer's cache every time, from the caches
         tables = torch.randperm(blocks - 1, generator=g)[:b * width].view(b, width).to(torch.int32)  # scattered
-        return caches, tables, torch.full((b,), context, dtype=torch.int32), torch.randn(b, nh, hd).bfloat16()
+        return caches, tables, torch.full((b,), context, dtype=torch.int32), torch.randn(b, nh, hd).to(dt)
 
     def one_pass(k: CpuKernels, inputs: tuple) -> None:
         caches, tables, lens, q = inputs
@@ -490,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     at.add_argument("--reps", type=int, default=15)
     at.add_argument("--threads", type=int, default=2)
     at.add_argument("--cached", action="store_true", help="one layer's cache for every layer (it stays cached)")
+    at.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     sub.add_parser("omp")
     pf = sub.add_parser("prefill")
     pf.add_argument("--model", default="kairos-default")
@@ -535,8 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
     elif args.cmd == "attn":
         for name, by_b in attn(args.model, [int(x) for x in args.batches.split(",")], args.context, args.against,
-                               args.reps, args.threads, args.cached).items():
-            print(f"{name}: bf16 decode attention of every layer{' (cached)' if args.cached else ''}, context "
+                               args.reps, args.threads, args.cached, args.dtype).items():
+            print(f"{name}: {args.dtype} decode attention of every layer{' (cached)' if args.cached else ''}, context "
                   f"{args.context}, ms (median / best of "
                   f"{args.reps}): " + ", ".join(f"B={b} {med:.2f} / {best:.2f}" for b, (med, best) in by_b.items()))
     elif args.cmd == "contend":

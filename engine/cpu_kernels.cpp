@@ -1242,14 +1242,15 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 
 constexpr int64_t kAskNextRunRows = 8;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
-// The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked), below kChunkRowsBelow rows. On a Zen 4 built without
-// AVX-512 (SmolLM2's 30 layers of q|k|v, gate|up and down, weights streamed from memory, 2 threads): 4 / 8 / 16 rows
-// 13.8 / 14.4 / 21.6 ms against 15.6 / 19.4 / 25.9 walking the whole K per group; at 64 rows ~7% slower, hence the
-// bound. With 16-lane vectors (and bf16) chunks did not help: 12 rows a group cover a decode step in one or two groups.
+// The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked). On a Zen 4 built without AVX-512 (SmolLM2's 30 layers
+// of q|k|v, gate|up and down, weights streamed from memory, 2 threads): 4 / 8 / 16 rows 13.8 / 14.4 / 21.6 ms in
+// chunks of 32 against 15.6 / 19.4 / 25.9 walking the whole K per group; at 32 rows chunks of 128 ran 3.5% faster
+// than the whole K, while at 64 rows chunks of 32 ran ~7% slower and at 256 chunks of 128 ~1-2% slower. With 16-lane
+// vectors (and bf16) chunks did not help: 12 rows a group cover a decode step in one to three groups.
 #ifndef KAIROS_CHUNK_K
 #define KAIROS_CHUNK_K 32
 #endif
-constexpr int64_t kChunkRowsBelow = 32;
+constexpr int64_t kChunkRowsBelow = 32, kChunkKMany = 128, kChunkRowsUpTo = 64;
 
 // gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
 // still unassigned, so that a thread streams long runs first (the next pair fetched while one computes) and the
@@ -1277,11 +1278,11 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
     const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
     const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
     std::atomic<int64_t> claimed{0};
-    // Chunk > 0 and fewer than kChunkRowsBelow rows: the pair is walked Chunk k at a time, every row group (and with
-    // 8-lane vectors each panel of the pair) in turn on each chunk, so that they read the chunk's weights from L1 (a
-    // whole pair, 32 columns x K, outgrows L1). More rows make the weights' stream a small part of the work, and the
-    // chunks' extra loads and stores of the sums cost more than they save.
-    const int64_t chunk = Chunk > 0 && m < kChunkRowsBelow ? Chunk : k;
+    // Chunk > 0 and fewer than kChunkRowsUpTo rows: the pair is walked Chunk k at a time (kChunkKMany from
+    // kChunkRowsBelow rows on), every row group (and with 8-lane vectors each panel of the pair) in turn on each chunk,
+    // so that they read the chunk's weights from L1 (a whole pair, 32 columns x K, outgrows L1). With more rows the
+    // weights' stream is a small part of the work, and the chunks' reloads of the sums cost more than they save.
+    const int64_t chunk = Chunk > 0 && m < kChunkRowsUpTo ? (m < kChunkRowsBelow ? Chunk : kChunkKMany) : k;
     parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
         alignas(64) float c[kRowsPerPass * 32];  // the pass's sums, R rows a group
         for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;

@@ -348,10 +348,15 @@ def emulated_avx2() -> bool:
     return os.environ.get(EMULATE_ISA_ENV, "").strip().lower() == "avx2"
 
 
+def isa_flags() -> tuple[str, ...]:
+    """The build flags beyond FLAGS that `emulated_avx2` asks for."""
+    return ("-mno-avx512f",) if emulated_avx2() else ()
+
+
 @functools.cache
 def load() -> CpuKernels:
     """The kernels, built at first use (once per process); KernelsUnavailable says why not."""
-    return load_source(SOURCE, ("-mno-avx512f",) if emulated_avx2() else ())
+    return load_source(SOURCE, isa_flags())
 
 
 def load_source(source: Path, extra_flags: tuple[str, ...] = ()) -> CpuKernels:

@@ -229,9 +229,8 @@ def packed_dtype(kernels, request):
     kernels.use_packed_isa(best)
 
 
-def _check_packed_linear(kernels, dtype, rows, n):
+def _check_packed_linear(kernels, dtype, rows, n, k=192):
     g = torch.Generator().manual_seed(rows * 1000 + n)
-    k = 192
     xs = torch.randn(rows, 2 * k, generator=g).to(dtype)
     x = xs[:, :k]  # rows with a stride
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
@@ -290,8 +289,12 @@ def test_packed_fp32_gemm_with_8_lane_vectors(kernels, tmp_path):
         pytest.skip("the default build already has 8-lane vectors (no AVX-512 here)")
     avx2 = cpu_kernels.load_source(cpu_kernels.SOURCE, extra_flags=("-mno-avx512f",))
     assert avx2.packed_f32 and avx2.packed_isa is None  # no AVX-512: no bf16 dot product either
-    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13):  # 1-3 rows: both panels at once; else a panel at a time, 6 rows a group
+    # 1-3 rows: both panels at once; else a panel at a time, 6 rows a group; below 32 rows in chunks of 32 k, below 64
+    # in chunks of 128, then the whole K (K = 192 and 100: a last chunk that is partial, or the only one)
+    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 40, 70):
         _check_packed_linear(avx2, torch.float32, rows, 100)
+    for rows in (2, 8, 40):
+        _check_packed_linear(avx2, torch.float32, rows, 100, k=100)
     _check_packed_gated(avx2, torch.float32, 1)
     _check_packed_gated(avx2, torch.float32, 7)
 
