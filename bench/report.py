@@ -333,6 +333,8 @@ def git_commit() -> str:
 
 def machine() -> dict[str, Any]:
     m: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_flags": cpu_flags()}
+    if os.environ.get("KAIROS_CPU_ISA"):  # the run emulated a narrower CPU (`bench.peer --emulate-avx2`)
+        m["emulated_isa"] = os.environ["KAIROS_CPU_ISA"]
     try:
         import torch
 
@@ -383,6 +385,8 @@ def summaries_table(root: str | os.PathLike[str] | None = None) -> str:
             "AVX-512 bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
         if "avx512_vp2intersect" in flags:  # tells two EPYCs of this workplace apart (Zen 5 has it, Zen 4 not)
             isa += " + VP2INTERSECT"
+        if m.get("emulated_isa"):
+            isa += f", run as {m['emulated_isa'].upper()} only"
         where = m.get("gpu") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {isa}"
         rows.append([d["name"], d["headline"], where, (d.get("date") or "")[:10], d.get("commit") or "-",
                      f"`{d['command']}`"])

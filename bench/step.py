@@ -3,7 +3,7 @@
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
                                [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
-    python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...]
+    python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...] [--dtype float32]
     python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached] [--dtype float32]
                               [--against OTHER.cpp ...]
     python -m bench.step omp
@@ -219,21 +219,22 @@ def _model_config(model: str):
 
 
 def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int,
-         cached: bool = False) -> dict[str, dict[int, tuple]]:
+         cached: bool = False, dtype: str = "bfloat16") -> dict[str, dict[int, tuple]]:
     import torch
 
     from engine.cpu_kernels import CpuKernels
 
+    dt = getattr(torch, dtype)
     cfg, hd = _model_config(model)
     d, inter = cfg.hidden_size, cfg.intermediate_size
     wq, wo = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.num_attention_heads * hd
     builds = _builds(against)
-    if any(k.packed_isa is None for k in builds.values()):
-        raise SystemExit("this CPU has neither AMX nor AVX512-BF16: no packed GEMM to time")
+    if any(not k.packed_linear_supported(dt, d, inter) for k in builds.values()):
+        raise SystemExit(f"no packed {dtype} GEMM here (bf16 needs AMX or AVX512-BF16, fp32 AVX2 FMAs)")
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.05).bfloat16()
+        return (torch.randn(*shape, generator=g) * 0.05).to(dt)
     pack = CpuKernels.pack_weight
     layers = [(pack(rand(wq, d)), pack(rand(d, wo)), CpuKernels.pack_gated(rand(inter, d), rand(inter, d)),
                pack(rand(d, inter))) for _ in range(1 if cached else cfg.num_hidden_layers)]
@@ -483,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     gm.add_argument("--reps", type=int, default=15)
     gm.add_argument("--threads", type=int, default=2)
     gm.add_argument("--cached", action="store_true", help="one layer's weights for every layer (they stay cached)")
+    gm.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     at = sub.add_parser("attn")
     at.add_argument("--model", default="kairos-default")
     at.add_argument("--batches", default="1,8,32")
@@ -532,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     elif args.cmd == "gemm":
         for name, by_rows in gemm(args.model, [int(x) for x in args.rows.split(",")], args.against, args.reps,
-                                  args.threads, args.cached).items():
-            print(f"{name}: one pass of the per-layer GEMMs, ms (median / best of {args.reps}): "
+                                  args.threads, args.cached, args.dtype).items():
+            print(f"{name}: one pass of the per-layer {args.dtype} GEMMs, ms (median / best of {args.reps}): "
                   + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
     elif args.cmd == "attn":
         for name, by_b in attn(args.model, [int(x) for x in args.batches.split(",")], args.context, args.against,

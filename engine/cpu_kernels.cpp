@@ -1242,15 +1242,13 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 
 constexpr int64_t kAskNextRunRows = 8;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
-// The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked). On a Zen 4 built without AVX-512 (SmolLM2's 30 layers
+// The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked): kChunkK below kChunkRowsBelow rows, kChunkKMany below
+// kChunkRowsUpTo, then none. On a Zen 4 built without AVX-512 (SmolLM2's 30 layers
 // of q|k|v, gate|up and down, weights streamed from memory, 2 threads): 4 / 8 / 16 rows 13.8 / 14.4 / 21.6 ms in
 // chunks of 32 against 15.6 / 19.4 / 25.9 walking the whole K per group; at 32 rows chunks of 128 ran 3.5% faster
 // than the whole K, while at 64 rows chunks of 32 ran ~7% slower and at 256 chunks of 128 ~1-2% slower. With 16-lane
 // vectors (and bf16) chunks did not help: 12 rows a group cover a decode step in one to three groups.
-#ifndef KAIROS_CHUNK_K
-#define KAIROS_CHUNK_K 32
-#endif
-constexpr int64_t kChunkRowsBelow = 32, kChunkKMany = 128, kChunkRowsUpTo = 64;
+constexpr int64_t kChunkK = 32, kChunkKMany = 128, kChunkRowsBelow = 32, kChunkRowsUpTo = 64;
 
 // gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
 // still unassigned, so that a thread streams long runs first (the next pair fetched while one computes) and the
@@ -1278,13 +1276,11 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
     const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
     const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
     std::atomic<int64_t> claimed{0};
-    // Chunk > 0 and fewer than kChunkRowsUpTo rows: the pair is walked Chunk k at a time (kChunkKMany from
-    // kChunkRowsBelow rows on), every row group (and with 8-lane vectors each panel of the pair) in turn on each chunk,
-    // so that they read the chunk's weights from L1 (a whole pair, 32 columns x K, outgrows L1). With more rows the
-    // weights' stream is a small part of the work, and the chunks' reloads of the sums cost more than they save.
-    const int64_t chunk = Chunk > 0 && m < kChunkRowsUpTo ? (m < kChunkRowsBelow ? Chunk : kChunkKMany) : k;
+    // Chunk > 0 (callers: fewer than kChunkRowsUpTo rows): the pair is walked Chunk k at a time, every row group (and
+    // with 8-lane vectors each panel of the pair) in turn on each chunk, so that they read the chunk's weights from L1
+    // (a whole pair, 32 columns x K, outgrows L1). Chunk 0: each group walks the whole K, its epilogue right after.
     parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
-        alignas(64) float c[kRowsPerPass * 32];  // the pass's sums, R rows a group
+        alignas(64) float c[(Chunk > 0 ? kChunkRowsUpTo + R : R) * 32];  // a group's sums, or every group's
         for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
              task = claimed.fetch_add(1, std::memory_order_relaxed)) {
             const int64_t p0 = runs[task], p1 = runs[task + 1];
@@ -1300,18 +1296,28 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
                     const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
                     const int64_t lines = ahead >= 0 ? pair_lines : 0;
                     const int64_t groups = (r1 - r0 + R - 1) / R;
-                    for (int64_t k0 = 0; k0 < k; k0 += chunk) {  // the chunk's share of the asks, split by group
-                        const int64_t kn = std::min(chunk, k - k0), first = lines * k0 / k;
+                    if constexpr (Chunk == 0) {
+                        const int64_t share = (lines + groups - 1) / groups;
+                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
+                            const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
+                            rows_fn(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
+                                    std::min(lines, first + share) - first, false);
+                            gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
+                        }
+                        continue;
+                    }
+                    for (int64_t k0 = 0; k0 < k; k0 += Chunk) {  // the chunk's share of the asks, split by group
+                        const int64_t kn = std::min(Chunk, k - k0), first = lines * k0 / k;
                         const int64_t asks = lines * (k0 + kn) / k - first, share = (asks + groups - 1) / groups;
                         for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
                             const int64_t from = std::min(asks, g * share);
                             rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), b0 + 16 * k0,
-                                    b0 + panel + 16 * k0, kn, c + (i - r0) * 32, next + 64 * (first + from),
+                                    b0 + panel + 16 * k0, kn, c + g * R * 32, next + 64 * (first + from),
                                     std::min(asks, from + share) - from, k0 > 0);
                         }
                     }
-                    for (int64_t i = r0; i < r1; i += R)
-                        gemm_epilogue(c + (i - r0) * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
+                    for (int64_t i = r0, g = 0; i < r1; i += R, ++g)
+                        gemm_epilogue(c + g * R * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
                                       mode);
                 }
             }
@@ -1478,8 +1484,19 @@ inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0,
 int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t pairs, int64_t n,
                 const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
-    gemm_blocked<kFmaRows, VecWide::W == 8 ? KAIROS_CHUNK_K : 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
-                           [](auto... a) { fma_rows(a...); });
+    auto rows_fn = [](auto... a) { fma_rows(a...); };
+    if constexpr (VecWide::W == 8) {  // k chunks below kChunkRowsUpTo rows (kChunkK's note)
+        if (m < kChunkRowsBelow) {
+            gemm_blocked<kFmaRows, kChunkK>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+            return 0;
+        }
+        if (m < kChunkRowsUpTo) {
+            gemm_blocked<kFmaRows, kChunkKMany>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+                                                rows_fn);
+            return 0;
+        }
+    }
+    gemm_blocked<kFmaRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
