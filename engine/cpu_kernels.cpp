@@ -1111,7 +1111,8 @@ inline void ask_lines_of(const char* pf, int64_t kk, int64_t pf_lines) {
 // panels as they are (a panel's row of 16 columns x 2 k is one 512-bit register). c [R][32] fp32 = R rows of a (row
 // stride lda elements) x panels b0 | b1, over k. R <= 12: 2R accumulators, 2 weight rows and a broadcast in 32
 // registers. Each row's k pair is broadcast to all 16 lanes; the sums run in the order AMX's run (k pair by pair).
-// pf, pf_lines: cache lines (of the next panel pair) to ask for into L2 meanwhile, two per k pair.
+// pf, pf_lines: cache lines (of the next panel pair) to ask for into L2 meanwhile, two per k pair. add: start from
+// c's sums instead of zero (a later chunk of k; gemm_blocked).
 template <int R>
 inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c,
                      const char* pf, int64_t pf_lines, bool add) {
@@ -1243,11 +1244,11 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 constexpr int64_t kAskNextRunRows = 8;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
 // The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked): kChunkK below kChunkRowsBelow rows, kChunkKMany below
-// kChunkRowsUpTo, then none. On a Zen 4 built without AVX-512 (SmolLM2's 30 layers
-// of q|k|v, gate|up and down, weights streamed from memory, 2 threads): 4 / 8 / 16 rows 13.8 / 14.4 / 21.6 ms in
-// chunks of 32 against 15.6 / 19.4 / 25.9 walking the whole K per group; at 32 rows chunks of 128 ran 3.5% faster
-// than the whole K, while at 64 rows chunks of 32 ran ~7% slower and at 256 chunks of 128 ~1-2% slower. With 16-lane
-// vectors (and bf16) chunks did not help: 12 rows a group cover a decode step in one to three groups.
+// kChunkRowsUpTo, then none. On a Zen 4 built without AVX-512 (`KAIROS_CPU_ISA=avx2 python -m bench.step gemm --dtype
+// float32`: SmolLM2's 30 layers, weights streamed from memory, 2 threads): 4 / 8 / 16 / 32 rows 17.1 / 16.8 / 27.1 /
+// 40.8 ms against 19.0 / 22.7 / 32.1 / 41.8 walking the whole K per group; in throwaway loops chunks of 32 ran ~7%
+// slower from 64 rows on, and chunks of 128 ~1-2% slower at 256. With 16-lane vectors (and bf16) chunks did not help:
+// 12 rows a group cover a decode step in one to three groups.
 constexpr int64_t kChunkK = 32, kChunkKMany = 128, kChunkRowsBelow = 32, kChunkRowsUpTo = 64;
 
 // gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
@@ -1401,7 +1402,8 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
 constexpr int kFmaRows = VecWide::W == 16 ? 12 : 6;  // 2 accumulators a row, 2 weight vectors and a broadcast
 
 // c[r][j] (row stride 32) for j in [0, 2W) = rows r of a (row stride lda) x the 2W columns whose k-th weights are
-// w0[16 kk, +W) | w1[16 kk, +W); meanwhile asks for pf's first pf_lines cache lines (two per k)
+// w0[16 kk, +W) | w1[16 kk, +W); meanwhile asks for pf's first pf_lines cache lines (two per k). add: start from c's
+// sums (a later chunk of k)
 template <int R>
 inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* w1, int64_t k, float* c,
                      const char* pf, int64_t pf_lines, bool add) {
