@@ -17,10 +17,16 @@ from torch import nn
 MIN_ROWS = 4
 
 
-@functools.cache
 def cpu_has_native_half() -> bool:
-    if os.environ.get("KAIROS_CPU_ISA", "").strip().lower() == "avx2":  # `cpu_kernels.emulated_avx2`
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16, AMX); not while a benchmark emulates an AVX2-only CPU
+    (KAIROS_CPU_ISA=avx2, `cpu_kernels.emulated_avx2`)."""
+    if os.environ.get("KAIROS_CPU_ISA", "").strip().lower() == "avx2":
         return False
+    return _cpu_flags_native_half()
+
+
+@functools.cache
+def _cpu_flags_native_half() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")

@@ -249,6 +249,18 @@ def test_resolve_dtype_and_device():
         assert resolve_dtype("auto", torch.device("cuda")) is expect
 
 
+def test_emulated_avx2_means_fp32_and_kernels_without_avx512(monkeypatch):
+    """`bench.peer --emulate-avx2` (KAIROS_CPU_ISA=avx2): `auto` is fp32 and the kernels build without AVX-512, as on
+    a CPU with AVX2 only."""
+    from engine import cpu_kernels
+
+    monkeypatch.setenv("KAIROS_CPU_ISA", "avx2")
+    assert not cpu_has_native_half() and resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert cpu_kernels.emulated_avx2() and cpu_kernels.isa_flags() == ("-mno-avx512f",)
+    monkeypatch.delenv("KAIROS_CPU_ISA")
+    assert cpu_kernels.isa_flags() == ()
+
+
 def test_trust_remote_code_defaults_false(tmp_path):
     assert inspect.signature(load_model).parameters["trust_remote_code"].default is False
     repo = tmp_path / "custom"
