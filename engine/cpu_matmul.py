@@ -8,11 +8,12 @@ and stay native. Numerically this is at least as accurate as a bf16 GEMM (fp32 a
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.cpu_kernels import emulated_avx2
 
 MIN_ROWS = 4
 
@@ -20,7 +21,7 @@ MIN_ROWS = 4
 def cpu_has_native_half() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16, AMX); not while a benchmark emulates an AVX2-only CPU
     (KAIROS_CPU_ISA=avx2, `cpu_kernels.emulated_avx2`)."""
-    if os.environ.get("KAIROS_CPU_ISA", "").strip().lower() == "avx2":
+    if emulated_avx2():
         return False
     return _cpu_flags_native_half()
 
