@@ -24,13 +24,15 @@ compiled kernels timed by wrapping them; where a decode step runs every layer in
 else (or with `--per-op`) on the per-op path; "other" is the rest of the forward (embedding, views, the Python
 between calls), "outside" the step's input preparation and the rest of sampling. On the per-op path the ~7 timer
 wrappers a layer add a little to the step against `steps`.
-`gemm`: one pass of the model's per-layer linear layers on Kairos's packed bf16 GEMM (q|k|v, o_proj += h,
+`gemm`: one pass of the model's per-layer linear layers on Kairos's packed bf16 GEMM (`--dtype float32`: the fp32
+one; q|k|v, o_proj += h,
 silu(gate) * up, down += h, every layer; random weights of the model's shapes, so that they stream from memory as a
 step's do; `--cached`: one layer's weights for every layer, so that they come from the caches), at each row count,
 median and best of `--reps` on a fresh thread. With `--against`, each given version of
 `engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
-timed in turn with this tree's, alternating within every repetition (this box drifts within minutes).
-`attn`: the bf16 paged decode attention of every layer for B requests of `--context` tokens, their blocks scattered
+timed in turn with this tree's, alternating within every repetition (this box drifts within minutes). With
+KAIROS_CPU_ISA=avx2 in front, every build is the one a CPU without AVX-512 runs (`bench.peer --emulate-avx2`).
+`attn`: the bf16 (or `--dtype float32`) paged decode attention of every layer for B requests of `--context` tokens, their blocks scattered
 over each layer's cache (one cache per layer, so that a pass reads them from memory as a step does; `--cached`: one
 layer's cache for every layer, so that it comes from the caches and the arithmetic shows), timed the same way, with
 `--against` as for `gemm`.
@@ -255,9 +257,9 @@ def attn(model: str, batches: list[int], context: int, against: list[str], reps:
          threads: int, cached: bool = False, dtype: str = "bfloat16") -> dict[str, dict[int, tuple]]:
     import torch
 
-    dt = getattr(torch, dtype)
     from engine.cpu_kernels import CpuKernels
 
+    dt = getattr(torch, dtype)
     cfg, hd = _model_config(model)
     nh, nkv, nl, bs = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers, 16
     width = -(-context // bs)
