@@ -25,9 +25,9 @@ else (or with `--per-op`) on the per-op path; "other" is the rest of the forward
 between calls), "outside" the step's input preparation and the rest of sampling. On the per-op path the ~7 timer
 wrappers a layer add a little to the step against `steps`.
 `gemm`: one pass of the model's per-layer linear layers on Kairos's packed bf16 GEMM (`--dtype float32`: the fp32
-one; q|k|v, o_proj += h,
-silu(gate) * up, down += h, every layer; random weights of the model's shapes, so that they stream from memory as a
-step's do; `--cached`: one layer's weights for every layer, so that they come from the caches), at each row count,
+one; q|k|v, o_proj += h, silu(gate) * up, down += h, every layer; random weights of the model's shapes, so that they
+stream from memory as a step's do; `--cached`: one layer's weights for every layer, so that they come from the
+caches), at each row count,
 median and best of `--reps` on a fresh thread. With `--against`, each given version of
 `engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
 timed in turn with this tree's, alternating within every repetition (this box drifts within minutes). With
