@@ -297,6 +297,7 @@ def test_packed_fp32_gemm_with_8_lane_vectors(kernels, tmp_path):
         _check_packed_linear(avx2, torch.float32, rows, 100, k=100)
     _check_packed_gated(avx2, torch.float32, 1)
     _check_packed_gated(avx2, torch.float32, 7)
+    _check_packed_gated(avx2, torch.float32, 40)
 
 
 def test_packed_linear_refuses_what_it_cannot_run(kernels):
