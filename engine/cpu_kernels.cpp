@@ -1280,13 +1280,14 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
     // Chunk > 0 (callers: fewer than kChunkRowsUpTo rows): the pair is walked Chunk k at a time, every row group (and
     // with 8-lane vectors each panel of the pair) in turn on each chunk, so that they read the chunk's weights from L1
     // (a whole pair, 32 columns x K, outgrows L1). Chunk 0: each group walks the whole K, its epilogue right after.
+    const int64_t pass = Chunk > 0 ? kChunkRowsUpTo : kRowsPerPass;  // rows a pass over the weights
     parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
         alignas(64) float c[(Chunk > 0 ? kChunkRowsUpTo + R : R) * 32];  // a group's sums, or every group's
         for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
              task = claimed.fetch_add(1, std::memory_order_relaxed)) {
             const int64_t p0 = runs[task], p1 = runs[task + 1];
-            for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {
-                const int64_t r1 = std::min(m, r0 + kRowsPerPass);
+            for (int64_t r0 = 0; r0 < m; r0 += pass) {
+                const int64_t r1 = std::min(m, r0 + pass);
                 for (int64_t p = p0; p < p1; ++p) {
                     const T* b0 = w + 2 * p * panel;
                     int64_t ahead = p + 1;
