@@ -1111,16 +1111,12 @@ inline void ask_lines_of(const char* pf, int64_t kk, int64_t pf_lines) {
 // panels as they are (a panel's row of 16 columns x 2 k is one 512-bit register). c [R][32] fp32 = R rows of a (row
 // stride lda elements) x panels b0 | b1, over k. R <= 12: 2R accumulators, 2 weight rows and a broadcast in 32
 // registers. Each row's k pair is broadcast to all 16 lanes; the sums run in the order AMX's run (k pair by pair).
-// pf, pf_lines: cache lines (of the next panel pair) to ask for into L2 meanwhile, two per k pair. add: start from
-// c's sums instead of zero (a later chunk of k; gemm_blocked).
+// pf, pf_lines: cache lines (of the next panel pair) to ask for into L2 meanwhile, two per k pair.
 template <int R>
 inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c,
-                     const char* pf, int64_t pf_lines, bool add) {
+                     const char* pf, int64_t pf_lines) {
     __m512 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) {
-        acc0[r] = add ? _mm512_loadu_ps(c + r * 32) : _mm512_setzero_ps();
-        acc1[r] = add ? _mm512_loadu_ps(c + r * 32 + 16) : _mm512_setzero_ps();
-    }
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k / 2; ++kk) {
         ask_lines_of(pf, kk, pf_lines);
         const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + kk * 32));
@@ -1142,10 +1138,10 @@ inline void dp_block(const bf16* a, int64_t lda, const bf16* b0, const bf16* b1,
 constexpr int kDpRows = 12;
 
 inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, const bf16* b1, int64_t k, float* c,
-                    const char* pf, int64_t pf_lines, bool add) {
+                    const char* pf, int64_t pf_lines) {
     switch (rows) {
 #define KAIROS_DP_CASE(R) \
-    case R: dp_block<R>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+    case R: dp_block<R>(a, lda, b0, b1, k, c, pf, pf_lines); break;
         KAIROS_DP_CASE(1) KAIROS_DP_CASE(2) KAIROS_DP_CASE(3) KAIROS_DP_CASE(4) KAIROS_DP_CASE(5) KAIROS_DP_CASE(6)
         KAIROS_DP_CASE(7) KAIROS_DP_CASE(8) KAIROS_DP_CASE(9) KAIROS_DP_CASE(10) KAIROS_DP_CASE(11) KAIROS_DP_CASE(12)
 #undef KAIROS_DP_CASE
@@ -1268,7 +1264,8 @@ inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
 // group asks for its share of the pair most likely computed next (ask_lines cache lines from ask): the run's next
 // pair, else its first again (the next block of rows), else, from kAskNextRunRows rows on, the first pair of the run
 // next to be claimed, so that a run's first pair does not start cold (with fewer rows the weights' stream is the
-// step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk.
+// step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk. With Chunk > 0
+// (below), rows_fn takes one more argument, add: start from c's sums (a later chunk of k).
 template <int R, int64_t Chunk, typename T, typename RowsFn>
 void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int64_t pairs, int64_t n, const T* bias,
                   const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
@@ -1303,24 +1300,24 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
                         for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
                             const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
                             rows_fn(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
-                                    std::min(lines, first + share) - first, false);
+                                    std::min(lines, first + share) - first);
                             gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
                         }
-                        continue;
-                    }
-                    for (int64_t k0 = 0; k0 < k; k0 += Chunk) {  // the chunk's share of the asks, split by group
-                        const int64_t kn = std::min(Chunk, k - k0), first = lines * k0 / k;
-                        const int64_t asks = lines * (k0 + kn) / k - first, share = (asks + groups - 1) / groups;
-                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
-                            const int64_t from = std::min(asks, g * share);
-                            rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), b0 + 16 * k0,
-                                    b0 + panel + 16 * k0, kn, c + g * R * 32, next + 64 * (first + from),
-                                    std::min(asks, from + share) - from, k0 > 0);
+                    } else {
+                        for (int64_t k0 = 0; k0 < k; k0 += Chunk) {  // the chunk's share of the asks, split by group
+                            const int64_t kn = std::min(Chunk, k - k0), first = lines * k0 / k;
+                            const int64_t asks = lines * (k0 + kn) / k - first, share = (asks + groups - 1) / groups;
+                            for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
+                                const int64_t from = std::min(asks, g * share);
+                                rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), b0 + 16 * k0,
+                                        b0 + panel + 16 * k0, kn, c + g * R * 32, next + 64 * (first + from),
+                                        std::min(asks, from + share) - from, k0 > 0);
+                            }
                         }
+                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g)
+                            gemm_epilogue(c + g * R * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
+                                          mode);
                     }
-                    for (int64_t i = r0, g = 0; i < r1; i += R, ++g)
-                        gemm_epilogue(c + g * R * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
-                                      mode);
                 }
             }
         }
@@ -1468,7 +1465,7 @@ inline void fma_pair(const float* a, int64_t lda, const float* b0, const float* 
 }
 
 inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0, const float* b1, int64_t k,
-                     float* c, const char* pf, int64_t pf_lines, bool add) {
+                     float* c, const char* pf, int64_t pf_lines, bool add = false) {
     switch (rows) {
 #define KAIROS_FMA_CASE(R) \
     case R: if constexpr (R <= kFmaRows) fma_pair<R>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
