@@ -31,7 +31,7 @@ def order_least_work(waiting: deque[T], work: Callable[[T], float]) -> None:
     """Reorder ``waiting`` in place: requests already started (preempted mid-reply) first, in their order; then the
     fresh ones by ``work(r)``, least first, ties by ``(deadline_s, arrival_s)``. With goodput counted in requests,
     the least work per request is the most requests a replica's decode rate completes (kairos's `short_first`)."""
-    ordered = sorted(waiting, key=lambda r: (0.0, 0.0, 0.0) if r.first_token_s is not None
-                     else (1.0, work(r), r.deadline_s, r.arrival_s))
+    ordered = sorted(waiting, key=lambda r: (0,) if r.first_token_s is not None  # a stable sort keeps their order
+                     else (1, work(r), r.deadline_s, r.arrival_s))
     waiting.clear()
     waiting.extend(ordered)
