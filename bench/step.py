@@ -471,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-impl", default="auto", choices=("auto", "kairos", "hf"))
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--cpu-kernels", default="auto", help="comma list of EngineConfig.cpu_kernels settings")
-    s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, none (oneDNN; fp32: "
-                   "torch's linear)")
+    s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, avx2_fma, none "
+                   "(oneDNN; fp32: torch's linear)")
     pp = sub.add_parser("parts")
     pp.add_argument("--model", default="kairos-default")
     pp.add_argument("--dtype", default="bfloat16")

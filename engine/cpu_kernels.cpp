@@ -1153,7 +1153,7 @@ inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, co
 
 // Which instructions gemm_packed runs: AMX's tiles where built with them and the OS grants this process their state
 // (packed_gemm_enable), else AVX-512's bf16 dot products where built with them, else none.
-enum PackedIsa { kIsaNone = 0, kIsaAvx512Bf16 = 1, kIsaAmx = 2 };
+enum PackedIsa { kIsaNone = 0, kIsaAvx2Fma = 1, kIsaAvx512Bf16 = 2, kIsaAmx = 3 };
 std::atomic<int> packed_isa{kIsaNone};
 
 inline float silu(float g) {  // g * sigmoid(g), with exp of a non-positive argument only
@@ -1266,11 +1266,11 @@ inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
 // next to be claimed, so that a run's first pair does not start cold (with fewer rows the weights' stream is the
 // step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk. With Chunk > 0
 // (below), rows_fn takes one more argument, add: start from c's sums (a later chunk of k).
-template <int R, int64_t Chunk, typename T, typename RowsFn>
-void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int64_t pairs, int64_t n, const T* bias,
+template <int R, int64_t Chunk, typename TX, typename TW, typename T, typename RowsFn>
+void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, int64_t pairs, int64_t n, const T* bias,
                   const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
     const int64_t panel = 16 * k;  // elements
-    const int64_t pair_lines = 2 * panel * static_cast<int64_t>(sizeof(T)) / 64;
+    const int64_t pair_lines = 2 * panel * static_cast<int64_t>(sizeof(TW)) / 64;
     const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
     const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
     std::atomic<int64_t> claimed{0};
@@ -1286,7 +1286,7 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
             for (int64_t r0 = 0; r0 < m; r0 += pass) {
                 const int64_t r1 = std::min(m, r0 + pass);
                 for (int64_t p = p0; p < p1; ++p) {
-                    const T* b0 = w + 2 * p * panel;
+                    const TW* b0 = w + 2 * p * panel;
                     int64_t ahead = p + 1;
                     if (ahead == p1) {
                         const int64_t t = claimed.load(std::memory_order_relaxed);
@@ -1324,12 +1324,16 @@ void gemm_blocked(const T* x, int64_t ldx, int64_t m, int64_t k, const T* w, int
     });
 }
 
+int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
+                  const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads);
+
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
 int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
                 const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
     if (k % 32 != 0) return 1;
     const int isa = packed_isa.load(std::memory_order_relaxed);
     const int64_t panel = 16 * k;  // elements
+    if (isa == kIsaAvx2Fma) return gemm_bf16_fma(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads);
 #ifdef KAIROS_AVX512_BF16
     if (isa == kIsaAvx512Bf16) {
         gemm_blocked<kDpRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
@@ -1477,7 +1481,97 @@ inline void fma_rows(const float* a, int64_t lda, int64_t rows, const float* b0,
     }
 }
 
+// bf16 weights in the bf16 GEMM's layout with fp32 FMAs, for CPUs without a bf16 dot product (AVX2; packed ISA
+// "avx2_fma"): half the bytes of fp32 weights to stream. A panel's k pair is 16 columns x (k, k + 1) side by side, so
+// a 256-bit load holds 8 columns' pairs as 32-bit lanes: shifted up by 16 they are the k weights, with the low 16 bits
+// cleared the k + 1 weights, each exactly as fp32. Rows of a are fp32 (the caller widens the bf16 activations, which is
+// exact); the sums run k by k in fp32 as the fp32 GEMM's do. c[r][0, 16) from panel b0, [16, 32) from b1; pf /
+// pf_lines and add as fma_cols.
+constexpr int kBf16FmaRows = 6;  // 2 accumulators a row, 2 weight vectors, a broadcast and the mask in 16 registers
+
+template <int R>
+inline void fma_bf16w(const float* a, int64_t lda, const bf16* b0, const bf16* b1, int64_t k, float* c,
+                      const char* pf, int64_t pf_lines, bool add) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const int64_t half_lines = (pf_lines + 1) / 2;
+    for (int h = 0; h < 2; ++h) {
+        const bf16* b = h ? b1 : b0;
+        float* cc = c + 16 * h;
+        const char* ask = pf + 64 * (h ? half_lines : 0);
+        const int64_t lines = h ? pf_lines - half_lines : half_lines;
+        __m256 acc0[R], acc1[R];
+        for (int r = 0; r < R; ++r) {
+            acc0[r] = add ? _mm256_loadu_ps(cc + r * 32) : _mm256_setzero_ps();
+            acc1[r] = add ? _mm256_loadu_ps(cc + r * 32 + 8) : _mm256_setzero_ps();
+        }
+        for (int64_t kk = 0; kk < k; kk += 2) {
+            ask_lines_of(ask, kk / 2, lines);
+            const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * kk));
+            const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * kk + 16));
+            __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+            __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+            for (int r = 0; r < R; ++r) {
+                const __m256 xr = _mm256_set1_ps(a[r * lda + kk]);
+                acc0[r] = _mm256_fmadd_ps(xr, w0, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(xr, w1, acc1[r]);
+            }
+            w0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+            for (int r = 0; r < R; ++r) {
+                const __m256 xr = _mm256_set1_ps(a[r * lda + kk + 1]);
+                acc0[r] = _mm256_fmadd_ps(xr, w0, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(xr, w1, acc1[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            _mm256_storeu_ps(cc + r * 32, acc0[r]);
+            _mm256_storeu_ps(cc + r * 32 + 8, acc1[r]);
+        }
+    }
+}
+
+inline void fma_rows_bf16w(const float* a, int64_t lda, int64_t rows, const bf16* b0, const bf16* b1, int64_t k,
+                           float* c, const char* pf, int64_t pf_lines, bool add = false) {
+    switch (rows) {
+        case 1: fma_bf16w<1>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+        case 2: fma_bf16w<2>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+        case 3: fma_bf16w<3>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+        case 4: fma_bf16w<4>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+        case 5: fma_bf16w<5>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+        case 6: fma_bf16w<6>(a, lda, b0, b1, k, c, pf, pf_lines, add); break;
+        default: break;
+    }
+}
+
 #endif
+
+// gemm_packed's bf16 GEMM on the "avx2_fma" packed ISA: x widened to fp32 (the calling thread's scratch), then the
+// walk of the fp32 GEMM (k chunks below kChunkRowsUpTo rows) over fma_bf16w; the epilogue rounds to bf16 as the other
+// bf16 GEMMs do. 2 where this build has no FMA.
+int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
+                  const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
+#ifdef KAIROS_PACKED_F32
+    thread_local std::vector<float> xf;
+    if (static_cast<int64_t>(xf.size()) < m * k) xf.resize(m * k);
+    float* xs = xf.data();
+    parallel_rows(m, m * k >= 65536 ? nthreads : 1, [&](int64_t i) {
+        for (int64_t j = 0; j < k; ++j) xs[i * k + j] = bf2f(x[i * ldx + j]);
+    });
+    auto rows_fn = [](auto... a) { fma_rows_bf16w(a...); };
+    if (m < kChunkRowsBelow)
+        gemm_blocked<kBf16FmaRows, kChunkK>(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    else if (m < kChunkRowsUpTo)
+        gemm_blocked<kBf16FmaRows, kChunkKMany>(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+                                                rows_fn);
+    else
+        gemm_blocked<kBf16FmaRows, 0>(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
+        (void)mode, (void)nthreads;
+    return 2;
+#endif
+}
 
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above (fp32) with `pairs` panel pairs;
 // 2 where this build has no FMA
@@ -1571,6 +1665,9 @@ int decode_layers(int64_t nl, const int64_t* lp, T* h, int64_t n, int64_t d, int
 
 int packed_gemm_enable() {  // the PackedIsa gemm_packed will run; Linux gives a process AMX's state only on request
     int isa = kIsaNone;
+#ifdef KAIROS_PACKED_F32
+    isa = kIsaAvx2Fma;
+#endif
 #ifdef KAIROS_AVX512_BF16
     isa = kIsaAvx512Bf16;
 #endif

@@ -46,7 +46,7 @@ _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice val
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
-PACKED_ISAS = {1: "avx512_bf16", 2: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
+PACKED_ISAS = {1: "avx2_fma", 2: "avx512_bf16", 3: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
 # `Phase` in cpu_kernels.cpp: the parts of a layer that `decode_layers` times (`phase_times`)
 PHASES = ("rms_norm", "qkv", "rope_write", "attention", "o_proj", "gate_up", "down")
 
@@ -110,7 +110,8 @@ class CpuKernels:
         lib.kairos_phase_times.restype = _int
         assert lib.kairos_phase_times(-1, None) == len(PHASES)
         # what the packed GEMM runs on: "amx" (built with AMX, and the OS grants this process its tile state),
-        # "avx512_bf16" (AVX-512's bf16 dot product), or None (no packed GEMM)
+        # "avx512_bf16" (AVX-512's bf16 dot product), "avx2_fma" (bf16 weights widened in registers, fp32 FMAs: CPUs
+        # without a bf16 dot product), or None (no packed GEMM)
         best = lib.kairos_packed_gemm_enable(-1)  # -1: the best this CPU and OS have
         self.packed_isa = PACKED_ISAS.get(best)
         self.packed_isas = [name for isa, name in PACKED_ISAS.items() if isa <= best]

@@ -27,6 +27,17 @@ def cpu_has_native_half() -> bool:
 
 
 @functools.cache
+def cpu_has_avx2_fma() -> bool:
+    """Whether this CPU has AVX2 and FMA: Kairos's kernels then run bf16 models (packed ISA "avx2_fma")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@functools.cache
 def _cpu_flags_native_half() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

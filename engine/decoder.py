@@ -153,11 +153,12 @@ Matmuls = TorchMatmuls | OneDNNMatmuls | PackedMatmuls
 
 def choose_matmuls(dtype: torch.dtype, device: torch.device, upcast: bool, kernels: CpuKernels | None = None,
                    inner_dims: tuple[int, ...] = ()) -> Matmuls:
-    """Kairos's packed GEMM where the kernels run it on this dtype and these widths (bf16: AMX or AVX512-BF16;
-    fp32: AVX2 or AVX-512 FMA); else oneDNN's packed bf16 where the CPU has native bf16; else `F.linear` (upcast
-    per call where bf16 would be emulated)."""
-    if device.type == "cpu" and not upcast and kernels is not None \
-            and kernels.packed_linear_supported(dtype, *inner_dims):
+    """Kairos's packed GEMM where the kernels run it on this dtype and these widths (bf16: AMX, AVX512-BF16, or
+    AVX2's FMAs on bf16 weights widened to fp32, which is itself an upcast matmul; fp32: AVX2 or AVX-512 FMA); else
+    oneDNN's packed bf16 where the CPU has native bf16; else `F.linear` (upcast per call where bf16 would be
+    emulated)."""
+    if device.type == "cpu" and kernels is not None and kernels.packed_linear_supported(dtype, *inner_dims) \
+            and (not upcast or (dtype == torch.bfloat16 and kernels.packed_isa == "avx2_fma")):
         return PackedMatmuls(kernels)
     if device.type == "cpu" and dtype == torch.bfloat16 and not upcast and cpu_has_native_half() \
             and torch.backends.mkldnn.is_available():

@@ -212,7 +212,7 @@ def test_argmax_rows_is_torchs_first_maximum(kernels, dtype):
     assert got[3] == 100 and got[6] == 77
 
 
-@pytest.fixture(params=["float32", "amx", "avx512_bf16"])
+@pytest.fixture(params=["float32", "amx", "avx512_bf16", "avx2_fma"])
 def packed_dtype(kernels, request):
     """The packed GEMM's variants this CPU runs: fp32 (AVX2 or AVX-512 FMA), and bf16 on each instruction set it
     has (AMX CPUs run both)."""
@@ -455,3 +455,28 @@ def test_bench_step_prefill_times_each_workload_at_each_paged_limit(kernels):
     out = prefill_paths("kairos-tiny", "float32", 1, [(1, 40), (2, 20)], ["0", "default"])
     assert set(out) == {(1, 40), (2, 20)}
     assert all(set(ms) == {"0", "default"} and all(v > 0 for v in ms.values()) for ms in out.values())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 40, 70])
+def test_bf16_gemm_on_avx2_fma_is_the_fp32_gemm_of_the_widened_values(kernels, rows):
+    """The "avx2_fma" packed ISA (CPUs without a bf16 dot product) widens the bf16 weights and rows to fp32 and sums k
+    by k as the fp32 GEMM does: its output is the fp32 GEMM's on the same values, rounded once to bf16, bit for bit
+    (1-3 rows, 6-row groups, k chunks of 32 and 128, the whole K; a bias and a residual added in the epilogue)."""
+    if "avx2_fma" not in kernels.packed_isas or not kernels.packed_f32:
+        pytest.skip("needs AVX2 with FMA")
+    g = torch.Generator().manual_seed(rows)
+    k, n = 192, 100
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    best = kernels.packed_isa
+    try:
+        kernels.use_packed_isa("avx2_fma")
+        got = _on_thread(lambda: kernels.linear(x, kernels.pack_weight(w)))
+        got_b = _on_thread(lambda: kernels.linear(x, kernels.pack_weight(w), b))
+    finally:
+        kernels.use_packed_isa(best)
+    ref = _on_thread(lambda: kernels.linear(x.float(), kernels.pack_weight(w.float())))
+    assert torch.equal(got, ref.bfloat16())
+    ref_b = _on_thread(lambda: kernels.linear(x.float(), kernels.pack_weight(w.float()), b.float()))
+    assert (got_b.float() - ref_b).abs().max().item() <= 0.01 * ref_b.abs().max().item()

@@ -274,3 +274,21 @@ def test_trust_remote_code_defaults_false(tmp_path):
     with pytest.raises(ValueError, match="cannot load model"):
         load_model(str(repo))
     assert not marker.exists()  # the checkpoint's code never ran
+
+
+def test_cache_dtype_auto_is_bf16_for_bf16_models_where_the_kernels_read_it(monkeypatch):
+    """kv_cache_dtype=auto: a bf16 model's cache is bf16 on CUDA, on CPUs with native bf16, and on AVX2 CPUs with
+    Kairos's kernels on (their decode attention reads bf16 rows); fp32 on CPUs where SDPA would run it in bf16."""
+    from engine import kv_cache
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(kv_cache, "cpu_has_native_half", lambda: False)
+    monkeypatch.setattr(kv_cache, "cpu_has_avx2_fma", lambda: True)
+    assert kv_cache.choose_cache_dtype("auto", bf16, cpu) is bf16
+    assert kv_cache.choose_cache_dtype("auto", bf16, cpu, cpu_kernels="off") is torch.float32
+    assert kv_cache.choose_cache_dtype("auto", torch.float32, cpu) is torch.float32
+    monkeypatch.setattr(kv_cache, "cpu_has_avx2_fma", lambda: False)
+    assert kv_cache.choose_cache_dtype("auto", bf16, cpu) is torch.float32
+    assert kv_cache.choose_cache_dtype("model", bf16, cpu) is bf16
+    monkeypatch.setattr(kv_cache, "cpu_has_native_half", lambda: True)
+    assert kv_cache.choose_cache_dtype("auto", bf16, cpu, cpu_kernels="off") is bf16
