@@ -1152,7 +1152,8 @@ inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, co
 #endif
 
 // Which instructions gemm_packed runs: AMX's tiles where built with them and the OS grants this process their state
-// (packed_gemm_enable), else AVX-512's bf16 dot products where built with them, else none.
+// (packed_gemm_enable), else AVX-512's bf16 dot products where built with them, else AVX2's fp32 FMAs on the bf16
+// weights widened in registers (gemm_bf16_fma) where built with FMA, else none.
 enum PackedIsa { kIsaNone = 0, kIsaAvx2Fma = 1, kIsaAvx512Bf16 = 2, kIsaAmx = 3 };
 std::atomic<int> packed_isa{kIsaNone};
 

@@ -26,25 +26,26 @@ def cpu_has_native_half() -> bool:
     return _cpu_flags_native_half()
 
 
-@functools.cache
 def cpu_has_avx2_fma() -> bool:
     """Whether this CPU has AVX2 and FMA: Kairos's kernels then run bf16 models (packed ISA "avx2_fma")."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+    flags = _cpu_flag_set()
+    return flags is not None and {"avx2", "fma"} <= flags
 
 
 @functools.cache
-def _cpu_flags_native_half() -> bool:
+def _cpu_flag_set() -> frozenset[str] | None:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
+        return None
+
+
+def _cpu_flags_native_half() -> bool:
+    flags = _cpu_flag_set()
+    if flags is None:
         return True  # unknown platform: do not second-guess the vendor kernels
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
 
 
 class _Workspace:

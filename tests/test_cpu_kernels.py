@@ -461,7 +461,7 @@ def test_bench_step_prefill_times_each_workload_at_each_paged_limit(kernels):
 def test_bf16_gemm_on_avx2_fma_is_the_fp32_gemm_of_the_widened_values(kernels, rows):
     """The "avx2_fma" packed ISA (CPUs without a bf16 dot product) widens the bf16 weights and rows to fp32 and sums k
     by k as the fp32 GEMM does: its output is the fp32 GEMM's on the same values, rounded once to bf16, bit for bit
-    (1-3 rows, 6-row groups, k chunks of 32 and 128, the whole K; a bias and a residual added in the epilogue)."""
+    (1-3 rows, 6-row groups, k chunks of 32 and 128, the whole K); with a bias, within a bf16 rounding."""
     if "avx2_fma" not in kernels.packed_isas or not kernels.packed_f32:
         pytest.skip("needs AVX2 with FMA")
     g = torch.Generator().manual_seed(rows)
