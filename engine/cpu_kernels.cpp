@@ -1546,32 +1546,42 @@ inline void fma_rows_bf16w(const float* a, int64_t lda, int64_t rows, const bf16
 
 #endif
 
-// gemm_packed's bf16 GEMM on the "avx2_fma" packed ISA: x widened to fp32 (the calling thread's scratch), then the
-// walk of the fp32 GEMM (k chunks below kChunkRowsUpTo rows) over fma_bf16w; the epilogue rounds to bf16 as the other
-// bf16 GEMMs do. 2 where this build has no FMA.
-int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
-                  const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
+// fp32 rows x [m, k] on a weight packed as bf16 in the bf16 GEMM's layout, with fma_bf16w (the fp32 GEMM's walk: k
+// chunks below kChunkRowsUpTo rows), into T out. Two uses: the "avx2_fma" packed ISA's bf16 GEMM (gemm_bf16_fma),
+// and "compact" fp32 weights, whose values are all bf16 values (the FMAs and their order are the fp32 GEMM's, so the
+// output is the same bit for bit, from half the bytes). 2 where this build has no FMA.
+template <typename T>
+int gemm_compact(const float* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
+                 const T* bias, const T* res, T* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
-    thread_local std::vector<float> xf;
-    if (static_cast<int64_t>(xf.size()) < m * k) xf.resize(m * k);
-    float* xs = xf.data();
-    parallel_rows(m, m * k >= 65536 ? nthreads : 1, [&](int64_t i) {
-        for (int64_t j = 0; j < k; ++j) xs[i * k + j] = bf2f(x[i * ldx + j]);
-    });
+    if (k % 2 != 0) return 1;
     auto rows_fn = [](auto... a) { fma_rows_bf16w(a...); };
     if (m < kChunkRowsBelow)
-        gemm_blocked<kBf16FmaRows, kChunkK>(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<kBf16FmaRows, kChunkK>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     else if (m < kChunkRowsUpTo)
-        gemm_blocked<kBf16FmaRows, kChunkKMany>(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+        gemm_blocked<kBf16FmaRows, kChunkKMany>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
                                                 rows_fn);
     else
-        gemm_blocked<kBf16FmaRows, 0>(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<kBf16FmaRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
         (void)mode, (void)nthreads;
     return 2;
 #endif
+}
+
+// gemm_packed's bf16 GEMM on the "avx2_fma" packed ISA: x widened to fp32 (exact; the calling thread's scratch),
+// then gemm_compact; the epilogue rounds to bf16 as the other bf16 GEMMs do.
+int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
+                  const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
+    thread_local std::vector<float> xf;
+    if (static_cast<int64_t>(xf.size()) < m * k) xf.resize(m * k);
+    float* xs = xf.data();
+    parallel_rows(m, m * k >= 65536 ? nthreads : 1, [&](int64_t i) {
+        for (int64_t j = 0; j < k; ++j) xs[i * k + j] = bf2f(x[i * ldx + j]);
+    });
+    return gemm_compact(xs, k, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads);
 }
 
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above (fp32) with `pairs` panel pairs;
@@ -1605,8 +1615,23 @@ int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
 // -> silu(gate) * up GEMM -> down GEMM += h. The same kernels as the per-op calls, without a Python round trip
 // between them. lp: per layer, kLayerFields int64 (pointers as integers, pair counts); h [n, d] is updated in
 // place; scratch holds n x (d + q|k|v width + nh * hd + inter) elements of h's type.
+// kCompact: which of the layer's fp32 weights are packed compact (gemm_compact): bits kQkvBit, kOBit, kGateUpBit,
+// kDownBit (0 for bf16 layers).
 enum LayerField { kLnIn, kLnPost, kQkvW, kQkvPairs, kQkvB, kOW, kOPairs, kOB, kGateUpW, kGateUpPairs, kDownW,
-                  kDownPairs, kKCache, kVCache, kLayerFields };
+                  kDownPairs, kKCache, kVCache, kCompact, kLayerFields };
+enum CompactBit { kQkvBit = 1, kOBit = 2, kGateUpBit = 4, kDownBit = 8 };
+
+// decode_layers' GEMMs: the weight at address w as packed (fp32 rows: fp32, or compact where `compact`)
+inline int gemm_layer(const bf16* x, int64_t ldx, int64_t m, int64_t k, int64_t w, bool, int64_t pairs, int64_t n,
+                      const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nt) {
+    return gemm_packed(x, ldx, m, k, reinterpret_cast<const bf16*>(w), pairs, n, bias, res, out, ldo, mode, nt);
+}
+inline int gemm_layer(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t w, bool compact, int64_t pairs,
+                      int64_t n, const float* bias, const float* res, float* out, int64_t ldo, int mode, int nt) {
+    if (compact)
+        return gemm_compact(x, ldx, m, k, reinterpret_cast<const bf16*>(w), pairs, n, bias, res, out, ldo, mode, nt);
+    return gemm_packed(x, ldx, m, k, reinterpret_cast<const float*>(w), pairs, n, bias, res, out, ldo, mode, nt);
+}
 
 // Where decode_layers' time goes, summed over calls while profiling is on (kairos_phase_times; bench.step parts).
 enum Phase { kPhaseNorm, kPhaseQkv, kPhaseRope, kPhaseAttn, kPhaseO, kPhaseGateUp, kPhaseDown, kPhases };
@@ -1643,21 +1668,24 @@ int decode_layers(int64_t nl, const int64_t* lp, T* h, int64_t n, int64_t d, int
         int rc = 0;
         rms_norm(h, d, ptr(f[kLnIn]), x, n, d, eps, nt);
         clock.lap(kPhaseNorm);
-        rc |= gemm_packed(x, d, n, d, ptr(f[kQkvW]), f[kQkvPairs], wq, ptr(f[kQkvB]), nullptr, qkv, wq, kPlain, nt);
+        const int64_t compact = f[kCompact];
+        rc |= gemm_layer(x, d, n, d, f[kQkvW], compact & kQkvBit, f[kQkvPairs], wq, ptr(f[kQkvB]), nullptr, qkv, wq,
+                         kPlain, nt);
         clock.lap(kPhaseQkv);
         rope_write(qkv, wq, cos, sin, pos, slots, ptr(f[kKCache]), ptr(f[kVCache]), n, nh, nkv, hd, nt);
         clock.lap(kPhaseRope);
         decode_attn(static_cast<const T*>(qkv), wq, ptr(f[kKCache]), ptr(f[kVCache]), tables, max_blocks, lens,
                     ao, n, nh, nkv, hd, bs, scale, nt);
         clock.lap(kPhaseAttn);
-        rc |= gemm_packed(ao, wo, n, wo, ptr(f[kOW]), f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
+        rc |= gemm_layer(ao, wo, n, wo, f[kOW], compact & kOBit, f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
         clock.lap(kPhaseO);
         rms_norm(h, d, ptr(f[kLnPost]), x, n, d, eps, nt);
         clock.lap(kPhaseNorm);
-        rc |= gemm_packed(x, d, n, d, ptr(f[kGateUpW]), f[kGateUpPairs], inter, nullptr, nullptr, act, inter,
-                          kSiluMul, nt);
+        rc |= gemm_layer(x, d, n, d, f[kGateUpW], compact & kGateUpBit, f[kGateUpPairs], inter, nullptr, nullptr, act,
+                         inter, kSiluMul, nt);
         clock.lap(kPhaseGateUp);
-        rc |= gemm_packed(act, inter, n, inter, ptr(f[kDownW]), f[kDownPairs], d, nullptr, h, h, d, kResidual, nt);
+        rc |= gemm_layer(act, inter, n, inter, f[kDownW], compact & kDownBit, f[kDownPairs], d, nullptr, h, h, d,
+                         kResidual, nt);
         clock.lap(kPhaseDown);
         if (rc != 0) return rc;
     }
@@ -1746,6 +1774,10 @@ int kairos_gemm_packed(int dtype, const void* x, int64_t ldx, int64_t m, int64_t
         return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
                            static_cast<const bf16*>(bias), static_cast<const bf16*>(res), static_cast<bf16*>(out), ldo,
                            mode, nthreads);
+    if (dtype == 2)  // fp32 rows, compact weight
+        return gemm_compact(static_cast<const float*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
+                            static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out),
+                            ldo, mode, nthreads);
     return gemm_packed(static_cast<const float*>(x), ldx, m, k, static_cast<const float*>(w), pairs, n,
                        static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out), ldo,
                        mode, nthreads);

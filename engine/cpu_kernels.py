@@ -46,6 +46,7 @@ _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice val
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
+COMPACT = 2  # kairos_gemm_packed's dtype code for fp32 rows on a compact (bf16-packed) fp32 weight
 PACKED_ISAS = {1: "avx2_fma", 2: "avx512_bf16", 3: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
 # `Phase` in cpu_kernels.cpp: the parts of a layer that `decode_layers` times (`phase_times`)
 PHASES = ("rms_norm", "qkv", "rope_write", "attention", "o_proj", "gate_up", "down")
@@ -118,6 +119,9 @@ class CpuKernels:
         # fp32 layers on the packed fp32 GEMM (built with AVX2 or AVX-512 FMA); `use_packed_f32` turns it off
         self.packed_f32_built = bool(lib.kairos_packed_f32())
         self.packed_f32 = self.packed_f32_built
+        # fp32 weights whose values are all bf16 values (a bf16 checkpoint run in fp32) packed as bf16 ("compact"):
+        # the same output bit for bit from half the bytes (`compactable`); `use_compact_weights` turns it off
+        self.compact_weights = self.packed_f32_built and "avx2_fma" in self.packed_isas
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None
         nice = os.environ.get(TEAM_NICE_ENV, "")
@@ -148,10 +152,24 @@ class CpuKernels:
             return self.packed_f32 and all(k > 0 for k in inner_dims)
         return self.packed_isa is not None and dtype == torch.bfloat16 and all(k % 32 == 0 for k in inner_dims)
 
+    def use_compact_weights(self, on: bool) -> None:
+        """Pack compactable fp32 weights as bf16 from now on (where this build can; weights packed already stay)."""
+        self.compact_weights = bool(on) and self.packed_f32_built and "avx2_fma" in self.packed_isas
+
+    def compactable(self, *ws: torch.Tensor) -> bool:
+        """Whether fp32 weights may be packed compact: every value a bf16 value (so bf16 holds it exactly), K a
+        multiple of 32 (the bf16 layout), and compact packing on."""
+        return self.compact_weights and all(
+            w.dtype == torch.float32 and w.shape[-1] % 32 == 0 and torch.equal(w, w.bfloat16().float()) for w in ws)
+
     @staticmethod
-    def pack_weight(w: torch.Tensor) -> PackedWeight:
+    def pack_weight(w: torch.Tensor, compact: bool = False) -> PackedWeight:
         """W [N, K] -> panels of 16 output columns (N padded to a multiple of 32): bf16, each K/2 rows of (16 columns
-        x 2 consecutive k); fp32, each K rows of 16 columns."""
+        x 2 consecutive k); fp32, each K rows of 16 columns, or with `compact` (see `compactable`) as bf16, which
+        fp32 rows multiply through the same FMAs."""
+        if compact:
+            assert w.dtype == torch.float32 and torch.equal(w, w.bfloat16().float())
+            w = w.bfloat16()
         n, k = w.shape
         assert w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and k % 32 == 0)
         padded = -(-n // 32) * 32
@@ -164,12 +182,12 @@ class CpuKernels:
         return PackedWeight(data, n, k, padded // 32)
 
     @classmethod
-    def pack_gated(cls, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
+    def pack_gated(cls, gate: torch.Tensor, up: torch.Tensor, compact: bool = False) -> PackedWeight:
         """gate, up [I, K] -> one weight whose panel pairs are (gate, up) of the same 16 features; `linear` with it
         returns silu(x @ gate^T) * (x @ up^T) [., I]."""
         n, k = gate.shape
         assert up.shape == gate.shape
-        g, u = (cls.pack_weight(w).data.view(-1, 16 * k)[:-(-n // 16)] for w in (gate, up))
+        g, u = (cls.pack_weight(w, compact).data.view(-1, 16 * k)[:-(-n // 16)] for w in (gate, up))
         return PackedWeight(torch.stack([g, u], 1).contiguous(), n, k, g.shape[0], gated=True)
 
     def linear(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
@@ -177,14 +195,16 @@ class CpuKernels:
         """x [M, K] (rows may be strided; W's dtype) @ W^T (+ bias) [M, N]; with `residual` [M, N] contiguous, adds
         the (rounded) product to it in place and returns it. A gated weight returns silu(gate) * up instead."""
         m, k = x.shape
-        assert x.dtype == w.data.dtype and x.dtype in DTYPES and x.stride(1) == 1 and k == w.k
+        compact = x.dtype == torch.float32 and w.data.dtype == torch.bfloat16  # fp32 rows, compact weight
+        assert (x.dtype == w.data.dtype or compact) and x.dtype in DTYPES and x.stride(1) == 1 and k == w.k
         if residual is not None:
             assert residual.shape == (m, w.n) and residual.is_contiguous() and residual.dtype == x.dtype
             out, mode = residual, RESIDUAL
         else:
             out, mode = torch.empty((m, w.n), dtype=x.dtype), SILU_MUL if w.gated else PLAIN
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and not w.gated)
-        rc = self.lib.kairos_gemm_packed(DTYPES[x.dtype], x.data_ptr(), x.stride(0), m, k, w.data.data_ptr(),
+        rc = self.lib.kairos_gemm_packed(COMPACT if compact else DTYPES[x.dtype], x.data_ptr(), x.stride(0), m, k,
+                                         w.data.data_ptr(),
                                          w.pairs, w.n, None if bias is None else bias.data_ptr(),
                                          None if residual is None else residual.data_ptr(), out.data_ptr(), w.n,
                                          mode, torch.get_num_threads())
@@ -246,8 +266,10 @@ class CpuKernels:
         for ln_in, ln_post, qkv, qkv_b, o, o_b, gu, down, kc, vc in layers:
             assert gu.gated and not qkv.gated and kc.is_contiguous() and vc.is_contiguous()
             ptr = (lambda t: 0 if t is None else t.data_ptr())
+            compact = sum(1 << i for i, pw in enumerate((qkv, o, gu, down))  # `CompactBit` in cpu_kernels.cpp
+                          if ln_in.dtype == torch.float32 and pw.data.dtype == torch.bfloat16)
             rows.append([ptr(ln_in), ptr(ln_post), ptr(qkv.data), qkv.pairs, ptr(qkv_b), ptr(o.data), o.pairs, ptr(o_b),
-                         ptr(gu.data), gu.pairs, ptr(down.data), down.pairs, ptr(kc), ptr(vc)])
+                         ptr(gu.data), gu.pairs, ptr(down.data), down.pairs, ptr(kc), ptr(vc), compact])
             assert len(rows[-1]) == self.layer_fields
         return torch.tensor(rows, dtype=torch.int64)
 

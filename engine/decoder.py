@@ -133,13 +133,15 @@ class PackedMatmuls:
         self.kernels = kernels
 
     def pack(self, w: torch.Tensor) -> PackedWeight:
-        return self.kernels.pack_weight(w.detach())
+        w = w.detach()
+        return self.kernels.pack_weight(w, self.kernels.compactable(w))
 
     def linear(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, w, b)
 
     def pack_mlp(self, gate: nn.Linear, up: nn.Linear) -> PackedWeight:
-        return self.kernels.pack_gated(gate.weight.detach(), up.weight.detach())
+        g, u = gate.weight.detach(), up.weight.detach()
+        return self.kernels.pack_gated(g, u, self.kernels.compactable(g, u))
 
     def residual(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, w, b, residual=h)  # h += x @ W^T + b, in place

@@ -480,3 +480,41 @@ def test_bf16_gemm_on_avx2_fma_is_the_fp32_gemm_of_the_widened_values(kernels, r
     assert torch.equal(got, ref.bfloat16())
     ref_b = _on_thread(lambda: kernels.linear(x.float(), kernels.pack_weight(w.float()), b.float()))
     assert (got_b.float() - ref_b).abs().max().item() <= 0.01 * ref_b.abs().max().item()
+
+
+def test_fp32_weights_with_bf16_values_run_compact_with_the_same_logits(tiny_checkpoints, kernels, tmp_path):
+    """An fp32 model whose weights are all bf16 values (a bf16 checkpoint run in fp32) is packed as bf16 where AVX2's
+    FMAs can widen it ("compact"): the decoder's weights take half the bytes, and the logits of a prefill and of a
+    whole-step decode are bit-identical to the fp32 packing's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if not kernels.compact_weights:
+        pytest.skip("needs the fp32 packed GEMM and AVX2 with FMA")
+    ckpt = tmp_path / "llama-bf16-values"
+    shutil.copytree(tiny_checkpoints["llama"], ckpt)
+    for f in ckpt.glob("*.safetensors"):
+        save_file({k: v.bfloat16().float() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
+
+    def run(compact):
+        kernels.use_compact_weights(compact)
+        eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
+                                     kv_cache_dtype="model"))
+        try:
+            dec = eng.runner.decoder
+            assert dec.whole_step
+            layer = dec.layers[0]
+            dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype}
+            return _decode_logits(eng, prompts), dtypes
+        finally:
+            eng.shutdown()
+
+    try:
+        compact, compact_dtypes = run(True)
+        plain, plain_dtypes = run(False)
+    finally:
+        kernels.use_compact_weights(True)
+    assert compact_dtypes == {torch.bfloat16} and plain_dtypes == {torch.float32}
+    assert torch.equal(compact, plain)
