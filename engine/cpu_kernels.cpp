@@ -1328,6 +1328,18 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
 int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
                   const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads);
 
+// The walk of the GEMMs with 8-lane vectors: k chunks below kChunkRowsUpTo rows (kChunkK's note), then the whole K
+template <int R, typename TX, typename TW, typename T, typename RowsFn>
+void gemm_walk8(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, int64_t pairs, int64_t n, const T* bias,
+                const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
+    if (m < kChunkRowsBelow)
+        gemm_blocked<R, kChunkK>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    else if (m < kChunkRowsUpTo)
+        gemm_blocked<R, kChunkKMany>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    else
+        gemm_blocked<R, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+}
+
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
 int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
                 const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads) {
@@ -1555,14 +1567,8 @@ int gemm_compact(const float* x, int64_t ldx, int64_t m, int64_t k, const bf16* 
                  const T* bias, const T* res, T* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
     if (k % 2 != 0) return 1;
-    auto rows_fn = [](auto... a) { fma_rows_bf16w(a...); };
-    if (m < kChunkRowsBelow)
-        gemm_blocked<kBf16FmaRows, kChunkK>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
-    else if (m < kChunkRowsUpTo)
-        gemm_blocked<kBf16FmaRows, kChunkKMany>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
-                                                rows_fn);
-    else
-        gemm_blocked<kBf16FmaRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    gemm_walk8<kBf16FmaRows>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
+                             [](auto... a) { fma_rows_bf16w(a...); });
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
@@ -1590,18 +1596,10 @@ int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
                 const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
     auto rows_fn = [](auto... a) { fma_rows(a...); };
-    if constexpr (VecWide::W == 8) {  // k chunks below kChunkRowsUpTo rows (kChunkK's note)
-        if (m < kChunkRowsBelow) {
-            gemm_blocked<kFmaRows, kChunkK>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
-            return 0;
-        }
-        if (m < kChunkRowsUpTo) {
-            gemm_blocked<kFmaRows, kChunkKMany>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads,
-                                                rows_fn);
-            return 0;
-        }
-    }
-    gemm_blocked<kFmaRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    if constexpr (VecWide::W == 8)
+        gemm_walk8<kFmaRows>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    else
+        gemm_blocked<kFmaRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     return 0;
 #else
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
