@@ -54,12 +54,19 @@ PHASES = ("rms_norm", "qkv", "rope_write", "attention", "o_proj", "gate_up", "do
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flag_line() -> str | None:
+    """The "flags" line of /proc/cpuinfo, read once; None where there is no such file."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return platform.processor()
+        return None
+
+
+def _cpu_flags() -> str:
+    line = cpu_flag_line()
+    return platform.processor() if line is None else line
 
 
 def _library_path(compiler: str, source: Path = SOURCE, flags: tuple[str, ...] = tuple(FLAGS)) -> Path:
@@ -168,7 +175,7 @@ class CpuKernels:
         x 2 consecutive k); fp32, each K rows of 16 columns, or with `compact` (see `compactable`) as bf16, which
         fp32 rows multiply through the same FMAs."""
         if compact:
-            assert w.dtype == torch.float32 and torch.equal(w, w.bfloat16().float())
+            assert w.dtype == torch.float32  # its values were checked by `compactable`
             w = w.bfloat16()
         n, k = w.shape
         assert w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and k % 32 == 0)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels import emulated_avx2
+from engine.cpu_kernels import cpu_flag_line, emulated_avx2
 
 MIN_ROWS = 4
 
@@ -34,11 +34,8 @@ def cpu_has_avx2_fma() -> bool:
 
 @functools.cache
 def _cpu_flag_set() -> frozenset[str] | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return None
+    line = cpu_flag_line()
+    return None if line is None else frozenset(line.split())
 
 
 def _cpu_flags_native_half() -> bool:
