@@ -47,7 +47,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
-                    a.engine_process)
+                    a.engine_process, a.loop_priority)
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,

@@ -74,6 +74,11 @@ class ServeArgs(BaseModel):
                                  "v1's engine core): the replica's event loop and Ray's threads then never hold "
                                  "the GIL the engine's steps need (false: the engine runs as a thread of the "
                                  "replica)")
+    loop_priority: Literal["engine", "ray"] = Field(
+        "engine", description="the nice value of each LLM replica's event loop thread (it admits the requests, "
+        "delivers the tokens and answers /health) where the engine's own thread undid Ray's nice 15 (an engine "
+        "sharing the node's cores): engine: the engine thread's (0); ray: Ray's 15, under which a burst's "
+        "admissions held /health for up to 0.6 s on 2 cores (bench/README.md)")
     log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
     access_log: bool = Field(False, description="Ray Serve's access log: a line per request in the replicas' logs "
                              "(and, through Ray's log monitor, on the driver's console). Off by default, as vLLM "

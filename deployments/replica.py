@@ -87,7 +87,8 @@ class LLMReplica:
 
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
-                       pacing: StreamPacing | None = None, engine_process: bool = True) -> None:
+                       pacing: StreamPacing | None = None, engine_process: bool = True,
+                       loop_priority: str = "engine") -> None:
         cfg = EngineConfig.model_validate(engine_config)
         cores = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
                                os.environ.get("OMP_NUM_THREADS"))
@@ -99,10 +100,18 @@ class LLMReplica:
         except Exception:  # noqa: BLE001 - outside Serve (unit use)
             self.replica_id, label = "local", None
         if engine_process:  # the engine in its own process: no per-token Python shares its GIL
-            from engine.core_proc import EngineCoreClient  # noqa: PLC0415
+            from engine.core_proc import EngineCoreClient, unnice  # noqa: PLC0415
 
             self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=cores.favoured,
                                                   team=cores.team, label=label)
+            if cores.favoured and loop_priority == "engine":
+                # This thread runs the replica's event loop (`prefer_user_code_on_main_loop`): it admits every
+                # request, delivers every token and answers /health. At Ray's nice 15 it lost its core to the
+                # favoured engine thread whenever both were runnable: on a 2-core box a burst's admissions held
+                # /health for 0.34-0.59 s, against 0.14-0.26 s at nice 0 (bench/README.md, "The replica's event
+                # loop at the engine's priority"). Its work is small next to the steps', so it runs at the engine
+                # thread's priority.
+                unnice()
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only
 

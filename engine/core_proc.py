@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                      daemon=True).start()
     fd = int(args[0])
     if "--favoured" in args:
-        was = _unnice()
+        was = unnice()
         if was > 0 and os.environ.get(TEAM_ENV) == "1":  # the team's workers stay where Ray put the process
             os.environ.setdefault(TEAM_NICE_ENV, str(was))
     conn = Connection(fd)
@@ -148,11 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _unnice() -> int:
-    """Undo an inherited low priority (Ray starts its workers at nice 15) before any thread starts, as threads
-    inherit it: the engine's steps are what every request waits for, so they should not queue behind the
-    serving processes' Python for a core. Needs the privilege to lower a nice value; without it, nothing
-    changes. Returns the nice value it undid (0: none)."""
+def unnice() -> int:
+    """Undo the calling thread's inherited low priority (Ray starts its workers at nice 15; on Linux a nice value
+    is a thread's, and threads started after this inherit it). The engine process does it before any thread
+    starts: its steps are what every request waits for, so they should not queue behind the serving processes'
+    Python for a core. Needs the privilege to lower a nice value; without it, nothing changes. Returns the nice
+    value it undid (0: none)."""
     try:
         was = os.getpriority(os.PRIO_PROCESS, 0)
         if was > 0:

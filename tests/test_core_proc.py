@@ -188,3 +188,29 @@ def test_shutdown_aborts_what_is_in_flight(tiny_checkpoints):
     _, last = _tokens(stream)
     assert last.finished and last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
     assert c._proc.poll() is not None and not c.is_alive()
+
+
+def test_unnice_undoes_the_calling_threads_nice_value_only() -> None:
+    """`unnice` (the engine process's thread, and a replica's event-loop thread with `loop_priority=engine`)
+    lowers the calling thread's nice value to 0 where it may, and leaves the process's other threads alone."""
+    import threading
+
+    from engine.core_proc import unnice
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    low = min(19, max(before, 0) + 5)  # raising one's own nice value needs no privilege
+    seen: dict[str, int] = {}
+
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, low)  # this thread only (Linux: a nice value is a thread's)
+        seen["was"] = unnice()
+        seen["now"] = os.getpriority(os.PRIO_PROCESS, 0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    if os.geteuid() == 0:  # may lower a nice value
+        assert seen == {"was": low, "now": 0}
+    else:
+        assert seen == {"was": 0, "now": low}
