@@ -106,11 +106,11 @@ class LLMReplica:
                                                   team=cores.team, label=label)
             if cores.favoured and loop_priority == "engine":
                 # This thread runs the replica's event loop (`prefer_user_code_on_main_loop`): it admits every
-                # request, delivers every token and answers /health. At Ray's nice 15 it lost its core to the
-                # favoured engine thread whenever both were runnable: on a 2-core box a burst's admissions held
-                # /health for 0.34-0.59 s, against 0.14-0.26 s at nice 0 (bench/README.md, "The replica's event
-                # loop at the engine's priority"). Its work is small next to the steps', so it runs at the engine
-                # thread's priority.
+                # request and delivers every token (and, serving HTTP itself, answers /health). At Ray's nice 15
+                # it lost its core to the favoured engine thread whenever both were runnable: on a 2-core box a
+                # burst's admissions held /health for 0.34-0.59 s, against 0.14-0.26 s at nice 0 (bench/README.md,
+                # "The replica's event loop at the engine's priority"). Its work is small next to the steps', so it
+                # runs at the engine thread's priority.
                 unnice()
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only
