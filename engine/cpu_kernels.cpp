@@ -1151,6 +1151,10 @@ inline void dp_rows(const bf16* a, int64_t lda, int64_t rows, const bf16* b0, co
 
 #endif
 
+// A kernel's answer where this build lacks its instructions: 2 (its arguments only keep them from being unused)
+template <typename... A>
+inline int not_built(const A&...) { return 2; }
+
 // Which instructions gemm_packed runs: AMX's tiles where built with them and the OS grants this process their state
 // (packed_gemm_enable), else AVX-512's bf16 dot products where built with them, else AVX2's fp32 FMAs on the bf16
 // weights widened in registers (gemm_bf16_fma) where built with FMA, else none.
@@ -1398,9 +1402,7 @@ int gemm_packed(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w,
     });
     return 0;
 #else
-    (void)x, (void)ldx, (void)m, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo, (void)mode,
-        (void)isa, (void)panel, (void)nthreads;
-    return 2;
+    return not_built(x, ldx, m, w, pairs, n, bias, res, out, ldo, mode, isa, panel, nthreads);
 #endif
 }
 
@@ -1571,9 +1573,7 @@ int gemm_compact(const float* x, int64_t ldx, int64_t m, int64_t k, const bf16* 
                              [](auto... a) { fma_rows_bf16w(a...); });
     return 0;
 #else
-    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
-        (void)mode, (void)nthreads;
-    return 2;
+    return not_built(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads);
 #endif
 }
 
@@ -1602,9 +1602,7 @@ int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
         gemm_blocked<kFmaRows, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     return 0;
 #else
-    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)pairs, (void)n, (void)bias, (void)res, (void)out, (void)ldo,
-        (void)mode, (void)nthreads;
-    return 2;
+    return not_built(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads);
 #endif
 }
 

@@ -128,7 +128,7 @@ class CpuKernels:
         self.packed_f32 = self.packed_f32_built
         # fp32 weights whose values are all bf16 values (a bf16 checkpoint run in fp32) packed as bf16 ("compact"):
         # the same output bit for bit from half the bytes (`compactable`); `use_compact_weights` turns it off
-        self.compact_weights = self.packed_f32_built and "avx2_fma" in self.packed_isas
+        self.use_compact_weights(True)
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None
         nice = os.environ.get(TEAM_NICE_ENV, "")
