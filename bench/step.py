@@ -1,7 +1,8 @@
 """Small CPU checks behind bench/README.md's "Against vLLM on CPU" section.
 
     python -m bench.step steps [--model kairos-default] [--dtype bfloat16] [--model-impl auto|kairos|hf]
-                               [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none]
+                               [--cpu-kernels auto,off] [--packed-isa best,avx512_bf16,none] [--compact on,off]
+                               [--grid on,off]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...] [--dtype float32]
     python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached] [--dtype float32]
@@ -18,7 +19,9 @@ prompts of 64 tokens (one 1024-token budget), best of 4; once per `--cpu-kernels
 setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the torch ops they replace), and once per
 `--packed-isa` (the packed bf16 GEMM on AMX or on AVX512-BF16, or none: oneDNN's GEMM, and torch's linear for fp32
 instead of the packed fp32 GEMM; `CpuKernels.use_packed_isa`, `use_packed_f32`), and once per `--compact` (on: fp32
-weights whose values are all bf16 values packed as bf16, `CpuKernels.use_compact_weights`).
+weights whose values are all bf16 values packed as bf16, `CpuKernels.use_compact_weights`) and `--grid` (on: fp32
+weights whose blocks of 32 k lie on a 4-bit grid, as a de-quantized Q4_1 GGUF's do, packed as grid4,
+`CpuKernels.use_grid_weights`).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
 compiled kernels timed by wrapping them; where a decode step runs every layer in one kernel call
 (`KairosDecoder.whole_step`), that call's phases as it times them itself ("layers: ...", `CpuKernels.phase_times`),
@@ -58,6 +61,7 @@ served engine that shares its cores runs them). `--spinner-nice`: the spinner pr
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import sys
@@ -68,7 +72,7 @@ MODULE = "bench.step"
 
 
 def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "auto",
-          packed_isa: str = "best", compact: str = "on") -> dict[int | str, float]:
+          packed_isa: str = "best", compact: str = "on", grid: str = "on") -> dict[int | str, float]:
     from engine import cpu_kernels as ck
     from engine.engine import LLMEngine
     from engine.profiling import Prober
@@ -79,6 +83,7 @@ def steps(model: str, dtype: str, impl: str, threads: int, cpu_kernels: str = "a
         k.use_packed_isa({"best": best, "none": None}.get(packed_isa, packed_isa))
         k.use_packed_f32(packed_isa != "none")  # none: torch's linear for fp32 too
         k.use_compact_weights(compact == "on")
+        k.use_grid_weights(grid == "on")
     eng = LLMEngine(model=model, dtype=dtype, num_threads=threads, model_impl=impl, max_model_len=1024,
                     kv_cache_memory_gb=0.2, cpu_kernels=cpu_kernels)
     def run(e) -> dict[int | str, float]:
@@ -476,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, avx2_fma, none "
                    "(oneDNN; fp32: torch's linear)")
     s.add_argument("--compact", default="on", help="comma list: on, off (fp32 weights with bf16 values packed as bf16)")
+    s.add_argument("--grid", default="on", help="comma list: on, off (fp32 weights on a 4-bit grid packed as grid4)")
     pp = sub.add_parser("parts")
     pp.add_argument("--model", default="kairos-default")
     pp.add_argument("--dtype", default="bfloat16")
@@ -528,11 +534,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "steps":
         for setting in args.cpu_kernels.split(","):
             for isa in args.packed_isa.split(","):
-                for compact in args.compact.split(","):
-                    ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting, isa, compact)
+                for compact, grid in itertools.product(args.compact.split(","), args.grid.split(",")):
+                    ms = steps(args.model, args.dtype, args.model_impl, args.threads, setting, isa, compact, grid)
                     prefill = ms.pop("prefill 16x64")
                     print(f"{args.model} {args.dtype} impl={args.model_impl} cpu_kernels={setting} packed_isa={isa} "
-                          f"compact={compact}: decode step ms (context 96) "
+                          f"compact={compact} grid={grid}: decode step ms (context 96) "
                           + ", ".join(f"B={b} {v:.2f}" for b, v in ms.items())
                           + f"; prefill of 16 prompts x 64 tokens {prefill:.1f} ms")
     elif args.cmd == "parts":

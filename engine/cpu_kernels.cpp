@@ -1242,6 +1242,49 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
     }
 }
 
+// ---- 4-bit grid weights ("grid4") ----------------------------------------------------------------------------
+// An fp32 weight whose every block of 32 consecutive k of an output column holds values fl(fl(d * q) + m), q in
+// 0..15, d and m one fp32 pair per block (what a Q4_1 GGUF checkpoint de-quantized to fp32 holds, as the default
+// model's layers do; `CpuKernels.grid4` finds d, m and q exactly or refuses) is packed as its nibbles: per panel of 16
+// columns and block of 32 k, d[16] and m[16] (fp32, one per column), then for each of the 32 k 8 bytes, byte j holding
+// column j's q in its low nibble and column j + 8's in its high one: 384 bytes for 512 weights (fp32: 2,048). The GEMM
+// unpacks a pair's k range to the packed fp32 layout with the same two roundings (a multiply, then an add), so it
+// multiplies the very fp32 values the checkpoint holds, in the fp32 GEMM's order: the same output bit for bit.
+constexpr int64_t kGridK = 32, kGridBlockBytes = 384;
+
+// The panel pair at `pair` (K = k), k in [k0, k0 + kn) (multiples of 32), into out [2][kn][16] floats
+inline void grid4_unpack(const uint8_t* pair, int64_t k, int64_t k0, int64_t kn, float* out) {
+    const int64_t panel = k / kGridK * kGridBlockBytes;
+    for (int h = 0; h < 2; ++h) {
+        const uint8_t* blk = pair + h * panel + k0 / kGridK * kGridBlockBytes;
+        float* o = out + h * 16 * kn;
+        for (int64_t b = 0; b < kn / kGridK; ++b, blk += kGridBlockBytes) {
+            float dm[32];  // d[16], m[16]
+            std::memcpy(dm, blk, sizeof(dm));
+            const uint8_t* q = blk + sizeof(dm);
+#ifdef __AVX2__
+            const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
+            const __m256 m0 = _mm256_loadu_ps(dm + 16), m1 = _mm256_loadu_ps(dm + 24);
+            const __m256i low = _mm256_set1_epi32(15);
+            for (int kk = 0; kk < kGridK; ++kk, o += 16) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * kk)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(d0, lo), m0));
+                _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(d1, hi), m1));
+            }
+#else
+            for (int kk = 0; kk < kGridK; ++kk, o += 16)
+                for (int j = 0; j < 8; ++j) {
+                    const uint8_t byte = q[8 * kk + j];
+                    o[j] = dm[j] * static_cast<float>(byte & 15) + dm[16 + j];
+                    o[j + 8] = dm[j + 8] * static_cast<float>(byte >> 4) + dm[24 + j];
+                }
+#endif
+        }
+    }
+}
+
 constexpr int64_t kAskNextRunRows = 8;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
 // The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked): kChunkK below kChunkRowsBelow rows, kChunkKMany below
@@ -1271,10 +1314,13 @@ inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
 // next to be claimed, so that a run's first pair does not start cold (with fewer rows the weights' stream is the
 // step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk. With Chunk > 0
 // (below), rows_fn takes one more argument, add: start from c's sums (a later chunk of k).
-template <int R, int64_t Chunk, typename TX, typename TW, typename T, typename RowsFn>
+//
+// Grid (TW uint8_t, grid4 weights): each pair's k range is unpacked to fp32 panels in the thread's scratch first
+// (grid4_unpack), the whole K once per block of rows, or a chunk at a time, and rows_fn reads those.
+template <int R, int64_t Chunk, bool Grid = false, typename TX, typename TW, typename T, typename RowsFn>
 void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, int64_t pairs, int64_t n, const T* bias,
                   const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
-    const int64_t panel = 16 * k;  // elements
+    const int64_t panel = Grid ? k / kGridK * kGridBlockBytes : 16 * k;  // elements of TW
     const int64_t pair_lines = 2 * panel * static_cast<int64_t>(sizeof(TW)) / 64;
     const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
     const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
@@ -1285,6 +1331,22 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
     const int64_t pass = Chunk > 0 ? kChunkRowsUpTo : kRowsPerPass;  // rows a pass over the weights
     parallel_for(std::min<int64_t>(tasks, nthreads), nthreads, [&](int64_t) {
         alignas(64) float c[(Chunk > 0 ? kChunkRowsUpTo + R : R) * 32];  // a group's sums, or every group's
+        float* unpacked = nullptr;  // Grid: the pair's k range as fp32 panels [2][kn][16]
+        if constexpr (Grid) {
+            thread_local std::vector<float> scratch;
+            const size_t need = 32 * static_cast<size_t>(Chunk > 0 ? std::min(Chunk, k) : k);
+            if (scratch.size() < need) scratch.resize(need);
+            unpacked = scratch.data();
+        }
+        // the pair at b0's k in [k0, k0 + kn) as rows_fn reads them: panel 0 and panel 1
+        auto panels = [&](const TW* b0, int64_t k0, int64_t kn) {
+            if constexpr (Grid) {
+                grid4_unpack(b0, k, k0, kn, unpacked);
+                return std::pair<const float*, const float*>(unpacked, unpacked + 16 * kn);
+            } else {
+                return std::pair<const TW*, const TW*>(b0 + 16 * k0, b0 + panel + 16 * k0);
+            }
+        };
         for (int64_t task = claimed.fetch_add(1, std::memory_order_relaxed); task < tasks;
              task = claimed.fetch_add(1, std::memory_order_relaxed)) {
             const int64_t p0 = runs[task], p1 = runs[task + 1];
@@ -1302,9 +1364,10 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                     const int64_t groups = (r1 - r0 + R - 1) / R;
                     if constexpr (Chunk == 0) {
                         const int64_t share = (lines + groups - 1) / groups;
+                        const auto pp = panels(b0, 0, k);
                         for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
                             const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
-                            rows_fn(x + i * ldx, ldx, rows, b0, b0 + panel, k, c, next + 64 * first,
+                            rows_fn(x + i * ldx, ldx, rows, pp.first, pp.second, k, c, next + 64 * first,
                                     std::min(lines, first + share) - first);
                             gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
                         }
@@ -1312,10 +1375,11 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                         for (int64_t k0 = 0; k0 < k; k0 += Chunk) {  // the chunk's share of the asks, split by group
                             const int64_t kn = std::min(Chunk, k - k0), first = lines * k0 / k;
                             const int64_t asks = lines * (k0 + kn) / k - first, share = (asks + groups - 1) / groups;
+                            const auto pp = panels(b0, k0, kn);
                             for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
                                 const int64_t from = std::min(asks, g * share);
-                                rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), b0 + 16 * k0,
-                                        b0 + panel + 16 * k0, kn, c + g * R * 32, next + 64 * (first + from),
+                                rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), pp.first, pp.second, kn,
+                                        c + g * R * 32, next + 64 * (first + from),
                                         std::min(asks, from + share) - from, k0 > 0);
                             }
                         }
@@ -1333,15 +1397,15 @@ int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* 
                   const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads);
 
 // The walk of the GEMMs with 8-lane vectors: k chunks below kChunkRowsUpTo rows (kChunkK's note), then the whole K
-template <int R, typename TX, typename TW, typename T, typename RowsFn>
+template <int R, bool Grid = false, typename TX, typename TW, typename T, typename RowsFn>
 void gemm_walk8(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, int64_t pairs, int64_t n, const T* bias,
                 const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
     if (m < kChunkRowsBelow)
-        gemm_blocked<R, kChunkK>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<R, kChunkK, Grid>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     else if (m < kChunkRowsUpTo)
-        gemm_blocked<R, kChunkKMany>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<R, kChunkKMany, Grid>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     else
-        gemm_blocked<R, 0>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<R, 0, Grid>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
 }
 
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
@@ -1577,6 +1641,23 @@ int gemm_compact(const float* x, int64_t ldx, int64_t m, int64_t k, const bf16* 
 #endif
 }
 
+// fp32 rows x [m, k] on a grid4 weight (above): the fp32 GEMM's walk and kernels on its unpacked panels. 1 where K is
+// not a multiple of 32, 2 where this build has no FMA.
+int gemm_grid4(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* w, int64_t pairs, int64_t n,
+               const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
+#ifdef KAIROS_PACKED_F32
+    if (k % kGridK != 0) return 1;
+    auto rows_fn = [](auto... a) { fma_rows(a...); };
+    if constexpr (VecWide::W == 8)
+        gemm_walk8<kFmaRows, true>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    else
+        gemm_blocked<kFmaRows, 0, true>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+    return 0;
+#else
+    return not_built(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads);
+#endif
+}
+
 // gemm_packed's bf16 GEMM on the "avx2_fma" packed ISA: x widened to fp32 (exact; the calling thread's scratch),
 // then gemm_compact; the epilogue rounds to bf16 as the other bf16 GEMMs do.
 int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* w, int64_t pairs, int64_t n,
@@ -1611,21 +1692,24 @@ int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
 // -> silu(gate) * up GEMM -> down GEMM += h. The same kernels as the per-op calls, without a Python round trip
 // between them. lp: per layer, kLayerFields int64 (pointers as integers, pair counts); h [n, d] is updated in
 // place; scratch holds n x (d + q|k|v width + nh * hd + inter) elements of h's type.
-// kCompact: which of the layer's fp32 weights are packed compact (gemm_compact): bits kQkvBit, kOBit, kGateUpBit,
-// kDownBit (0 for bf16 layers).
+// kFormats: how each of the layer's fp32 weights is packed, 4 bits a weight (WeightFormat) at kQkvShift, kOShift,
+// kGateUpShift, kDownShift (0 for bf16 layers).
 enum LayerField { kLnIn, kLnPost, kQkvW, kQkvPairs, kQkvB, kOW, kOPairs, kOB, kGateUpW, kGateUpPairs, kDownW,
-                  kDownPairs, kKCache, kVCache, kCompact, kLayerFields };
-enum CompactBit { kQkvBit = 1, kOBit = 2, kGateUpBit = 4, kDownBit = 8 };
+                  kDownPairs, kKCache, kVCache, kFormats, kLayerFields };
+enum WeightFormat { kFmtPacked = 0, kFmtCompact = 1, kFmtGrid4 = 2 };
+enum FormatShift { kQkvShift = 0, kOShift = 4, kGateUpShift = 8, kDownShift = 12 };
 
-// decode_layers' GEMMs: the weight at address w as packed (fp32 rows: fp32, or compact where `compact`)
-inline int gemm_layer(const bf16* x, int64_t ldx, int64_t m, int64_t k, int64_t w, bool, int64_t pairs, int64_t n,
+// decode_layers' GEMMs: the weight at address w as packed (fp32 rows: fp32, compact or grid4, by `format`)
+inline int gemm_layer(const bf16* x, int64_t ldx, int64_t m, int64_t k, int64_t w, int, int64_t pairs, int64_t n,
                       const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nt) {
     return gemm_packed(x, ldx, m, k, reinterpret_cast<const bf16*>(w), pairs, n, bias, res, out, ldo, mode, nt);
 }
-inline int gemm_layer(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t w, bool compact, int64_t pairs,
+inline int gemm_layer(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t w, int format, int64_t pairs,
                       int64_t n, const float* bias, const float* res, float* out, int64_t ldo, int mode, int nt) {
-    if (compact)
+    if (format == kFmtCompact)
         return gemm_compact(x, ldx, m, k, reinterpret_cast<const bf16*>(w), pairs, n, bias, res, out, ldo, mode, nt);
+    if (format == kFmtGrid4)
+        return gemm_grid4(x, ldx, m, k, reinterpret_cast<const uint8_t*>(w), pairs, n, bias, res, out, ldo, mode, nt);
     return gemm_packed(x, ldx, m, k, reinterpret_cast<const float*>(w), pairs, n, bias, res, out, ldo, mode, nt);
 }
 
@@ -1664,8 +1748,9 @@ int decode_layers(int64_t nl, const int64_t* lp, T* h, int64_t n, int64_t d, int
         int rc = 0;
         rms_norm(h, d, ptr(f[kLnIn]), x, n, d, eps, nt);
         clock.lap(kPhaseNorm);
-        const int64_t compact = f[kCompact];
-        rc |= gemm_layer(x, d, n, d, f[kQkvW], compact & kQkvBit, f[kQkvPairs], wq, ptr(f[kQkvB]), nullptr, qkv, wq,
+        const int64_t formats = f[kFormats];
+        auto format = [formats](FormatShift at) { return static_cast<int>((formats >> at) & 15); };
+        rc |= gemm_layer(x, d, n, d, f[kQkvW], format(kQkvShift), f[kQkvPairs], wq, ptr(f[kQkvB]), nullptr, qkv, wq,
                          kPlain, nt);
         clock.lap(kPhaseQkv);
         rope_write(qkv, wq, cos, sin, pos, slots, ptr(f[kKCache]), ptr(f[kVCache]), n, nh, nkv, hd, nt);
@@ -1673,14 +1758,14 @@ int decode_layers(int64_t nl, const int64_t* lp, T* h, int64_t n, int64_t d, int
         decode_attn(static_cast<const T*>(qkv), wq, ptr(f[kKCache]), ptr(f[kVCache]), tables, max_blocks, lens,
                     ao, n, nh, nkv, hd, bs, scale, nt);
         clock.lap(kPhaseAttn);
-        rc |= gemm_layer(ao, wo, n, wo, f[kOW], compact & kOBit, f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
+        rc |= gemm_layer(ao, wo, n, wo, f[kOW], format(kOShift), f[kOPairs], d, ptr(f[kOB]), h, h, d, kResidual, nt);
         clock.lap(kPhaseO);
         rms_norm(h, d, ptr(f[kLnPost]), x, n, d, eps, nt);
         clock.lap(kPhaseNorm);
-        rc |= gemm_layer(x, d, n, d, f[kGateUpW], compact & kGateUpBit, f[kGateUpPairs], inter, nullptr, nullptr, act,
+        rc |= gemm_layer(x, d, n, d, f[kGateUpW], format(kGateUpShift), f[kGateUpPairs], inter, nullptr, nullptr, act,
                          inter, kSiluMul, nt);
         clock.lap(kPhaseGateUp);
-        rc |= gemm_layer(act, inter, n, inter, f[kDownW], compact & kDownBit, f[kDownPairs], d, nullptr, h, h, d,
+        rc |= gemm_layer(act, inter, n, inter, f[kDownW], format(kDownShift), f[kDownPairs], d, nullptr, h, h, d,
                          kResidual, nt);
         clock.lap(kPhaseDown);
         if (rc != 0) return rc;
@@ -1709,7 +1794,7 @@ int packed_gemm_granted = -1;  // what packed_gemm_enable found, once
 
 extern "C" {
 
-int kairos_abi_version() { return 8; }
+int kairos_abi_version() { return 9; }
 
 void kairos_sample_rows(int dtype, const void* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t width,
                         const float* temp, const int64_t* top_k, const float* top_p, const float* u, int64_t* out,
@@ -1770,6 +1855,10 @@ int kairos_gemm_packed(int dtype, const void* x, int64_t ldx, int64_t m, int64_t
         return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
                            static_cast<const bf16*>(bias), static_cast<const bf16*>(res), static_cast<bf16*>(out), ldo,
                            mode, nthreads);
+    if (dtype == 3)  // fp32 rows, grid4 weight
+        return gemm_grid4(static_cast<const float*>(x), ldx, m, k, static_cast<const uint8_t*>(w), pairs, n,
+                          static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out),
+                          ldo, mode, nthreads);
     if (dtype == 2)  // fp32 rows, compact weight
         return gemm_compact(static_cast<const float*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
                             static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out),

@@ -40,13 +40,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
 COMPACT = 2  # kairos_gemm_packed's dtype code for fp32 rows on a compact (bf16-packed) fp32 weight
+GRID4 = 3  # kairos_gemm_packed's dtype code for fp32 rows on a grid4 (4-bit) fp32 weight
+GRID_K = 32  # grid4's block of k (`kGridK` in cpu_kernels.cpp)
 PACKED_ISAS = {1: "avx2_fma", 2: "avx512_bf16", 3: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
 # `Phase` in cpu_kernels.cpp: the parts of a layer that `decode_layers` times (`phase_times`)
 PHASES = ("rms_norm", "qkv", "rope_write", "attention", "o_proj", "gate_up", "down")
@@ -129,6 +131,10 @@ class CpuKernels:
         # fp32 weights whose values are all bf16 values (a bf16 checkpoint run in fp32) packed as bf16 ("compact"):
         # the same output bit for bit from half the bytes (`compactable`); `use_compact_weights` turns it off
         self.use_compact_weights(True)
+        # fp32 weights whose blocks of 32 k hold values d * q + m with 4-bit q (a Q4_1 GGUF de-quantized, as the default
+        # model's layers are) packed as their nibbles ("grid4", `grid4`): the same output bit for bit from under a
+        # fifth of the bytes; `use_grid_weights` turns it off
+        self.use_grid_weights(True)
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None
         nice = os.environ.get(TEAM_NICE_ENV, "")
@@ -169,6 +175,27 @@ class CpuKernels:
         return self.compact_weights and all(
             w.dtype == torch.float32 and w.shape[-1] % 32 == 0 and torch.equal(w, w.bfloat16().float()) for w in ws)
 
+    def use_grid_weights(self, on: bool) -> None:
+        """Pack fp32 weights that lie on a 4-bit grid as grid4 from now on (where this build can; weights packed
+        already stay)."""
+        self.grid_weights = bool(on) and self.packed_f32_built
+
+    def pack_exact(self, w: torch.Tensor) -> PackedWeight:
+        """`w` packed in the fewest bytes that give the fp32 (or bf16) GEMM's output bit for bit: grid4 where its
+        values lie on a 4-bit grid (`grid4`), else compact where they are bf16 values (`compactable`), else as is."""
+        grid = grid4(w) if self.grid_weights else None
+        if grid is not None:
+            return pack_grid4(w, *grid)
+        return self.pack_weight(w, self.compactable(w))
+
+    def pack_exact_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
+        """`pack_gated` in the fewest exact bytes, as `pack_exact` (both weights in one format)."""
+        if self.grid_weights:
+            grids = [grid4(w) for w in (gate, up)]
+            if all(g is not None for g in grids):
+                return stack_gated(*(pack_grid4(w, *g) for w, g in zip((gate, up), grids)))
+        return self.pack_gated(gate, up, self.compactable(gate, up))
+
     @staticmethod
     def pack_weight(w: torch.Tensor, compact: bool = False) -> PackedWeight:
         """W [N, K] -> panels of 16 output columns (N padded to a multiple of 32): bf16, each K/2 rows of (16 columns
@@ -192,25 +219,23 @@ class CpuKernels:
     def pack_gated(cls, gate: torch.Tensor, up: torch.Tensor, compact: bool = False) -> PackedWeight:
         """gate, up [I, K] -> one weight whose panel pairs are (gate, up) of the same 16 features; `linear` with it
         returns silu(x @ gate^T) * (x @ up^T) [., I]."""
-        n, k = gate.shape
         assert up.shape == gate.shape
-        g, u = (cls.pack_weight(w, compact).data.view(-1, 16 * k)[:-(-n // 16)] for w in (gate, up))
-        return PackedWeight(torch.stack([g, u], 1).contiguous(), n, k, g.shape[0], gated=True)
+        return stack_gated(cls.pack_weight(gate, compact), cls.pack_weight(up, compact))
 
     def linear(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] (rows may be strided; W's dtype) @ W^T (+ bias) [M, N]; with `residual` [M, N] contiguous, adds
         the (rounded) product to it in place and returns it. A gated weight returns silu(gate) * up instead."""
         m, k = x.shape
-        compact = x.dtype == torch.float32 and w.data.dtype == torch.bfloat16  # fp32 rows, compact weight
-        assert (x.dtype == w.data.dtype or compact) and x.dtype in DTYPES and x.stride(1) == 1 and k == w.k
+        code = weight_code(x.dtype, w)
+        assert code is not None and x.stride(1) == 1 and k == w.k, (x.dtype, w.data.dtype)
         if residual is not None:
             assert residual.shape == (m, w.n) and residual.is_contiguous() and residual.dtype == x.dtype
             out, mode = residual, RESIDUAL
         else:
             out, mode = torch.empty((m, w.n), dtype=x.dtype), SILU_MUL if w.gated else PLAIN
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and not w.gated)
-        rc = self.lib.kairos_gemm_packed(COMPACT if compact else DTYPES[x.dtype], x.data_ptr(), x.stride(0), m, k,
+        rc = self.lib.kairos_gemm_packed(code, x.data_ptr(), x.stride(0), m, k,
                                          w.data.data_ptr(),
                                          w.pairs, w.n, None if bias is None else bias.data_ptr(),
                                          None if residual is None else residual.data_ptr(), out.data_ptr(), w.n,
@@ -273,10 +298,10 @@ class CpuKernels:
         for ln_in, ln_post, qkv, qkv_b, o, o_b, gu, down, kc, vc in layers:
             assert gu.gated and not qkv.gated and kc.is_contiguous() and vc.is_contiguous()
             ptr = (lambda t: 0 if t is None else t.data_ptr())
-            compact = sum(1 << i for i, pw in enumerate((qkv, o, gu, down))  # `CompactBit` in cpu_kernels.cpp
-                          if ln_in.dtype == torch.float32 and pw.data.dtype == torch.bfloat16)
+            formats = sum(WEIGHT_FORMATS[weight_code(ln_in.dtype, pw)] << 4 * i  # `FormatShift` in cpu_kernels.cpp
+                          for i, pw in enumerate((qkv, o, gu, down)))
             rows.append([ptr(ln_in), ptr(ln_post), ptr(qkv.data), qkv.pairs, ptr(qkv_b), ptr(o.data), o.pairs, ptr(o_b),
-                         ptr(gu.data), gu.pairs, ptr(down.data), down.pairs, ptr(kc), ptr(vc), compact])
+                         ptr(gu.data), gu.pairs, ptr(down.data), down.pairs, ptr(kc), ptr(vc), formats])
             assert len(rows[-1]) == self.layer_fields
         return torch.tensor(rows, dtype=torch.int64)
 
@@ -341,12 +366,90 @@ class CpuKernels:
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
     """A linear layer's weight in panels of 16 output columns (`CpuKernels.pack_weight`): for bf16 the layout of AMX's
-    tiles, which AVX512-BF16's dot product reads as it is too; for fp32 K rows of 16 columns."""
+    tiles, which AVX512-BF16's dot product reads as it is too; for fp32 K rows of 16 columns; compact fp32 as bf16;
+    grid4 fp32 (uint8 data) as blocks of 32 k (`pack_grid4`). data's first dimension is the panels."""
     data: torch.Tensor
     n: int  # output features
     k: int  # input features
     pairs: int  # pairs of 16-column panels
     gated: bool = False  # (gate, up) panel pairs: the product is silu(gate) * up, n features
+
+
+def weight_code(rows: torch.dtype, w: PackedWeight) -> int | None:
+    """kairos_gemm_packed's dtype code for rows of dtype `rows` on `w`, or None where they do not go together."""
+    if rows == w.data.dtype and rows in DTYPES:
+        return DTYPES[rows]
+    if rows == torch.float32:
+        return {torch.bfloat16: COMPACT, torch.uint8: GRID4}.get(w.data.dtype)
+    return None
+
+
+WEIGHT_FORMATS = {DTYPES[torch.float32]: 0, DTYPES[torch.bfloat16]: 0, COMPACT: 1, GRID4: 2}  # `WeightFormat`
+
+
+def stack_gated(gate: PackedWeight, up: PackedWeight) -> PackedWeight:
+    """One weight whose panel pairs are (gate, up) of the same 16 features, from the two packed alike: `linear`
+    with it returns silu(x @ gate^T) * (x @ up^T) [., I]."""
+    assert (gate.n, gate.k, gate.data.dtype, gate.data.shape) == (up.n, up.k, up.data.dtype, up.data.shape)
+    panels = -(-gate.n // 16)
+    g, u = (w.data.view(w.data.shape[0], -1)[:panels] for w in (gate, up))
+    return PackedWeight(torch.stack([g, u], 1).contiguous(), gate.n, gate.k, panels, gated=True)
+
+
+def grid4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """d, m [N, K/32] fp32 and q [N, K/32, 32] uint8 (0..15) such that every value of the fp32 weight w [N, K] is
+    fl(fl(d * q) + m) of its block of 32 k, bit for bit; None where some block is not so (or K is not a multiple of
+    32). A Q4_1 GGUF de-quantized to fp32 is so: its blocks hold d * q + m with d and m fp16, and its minimum at q = 0.
+    A weight that is not is refused after its first 64 rows."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GRID_K or w.numel() == 0 or w.device.type != "cpu":
+        return None
+    if w.shape[0] > 64 and _grid4_blocks(w[:64]) is None:
+        return None
+    return _grid4_blocks(w)
+
+
+def _grid4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    n, k = w.shape
+    b = w.detach().reshape(n, k // GRID_K, GRID_K)
+    bits = b.view(torch.int32)
+    m, top = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    if not (torch.isfinite(m).all() and torch.isfinite(top).all()):
+        return None
+    step = (top - m) / 15
+    half = step.to(torch.float16).view(torch.int16)  # Q4_1's d is fp16: that, its neighbours, then the fp32 quotient
+    candidates = [(half + i).view(torch.float16).float() for i in (0, 1, -1)] + [step]
+    d, q = torch.zeros_like(m), torch.zeros(b.shape, dtype=torch.uint8)
+    done = torch.zeros(m.shape, dtype=torch.bool)
+    for c in candidates:
+        c = torch.where(torch.isfinite(c) & (c > 0), c, torch.zeros_like(c))
+        qc = torch.where(c > 0, (b - m) / torch.where(c > 0, c, torch.ones_like(c)), torch.zeros_like(b))
+        qc = qc.round().clamp(0, 15)
+        good = (((c * qc) + m).view(torch.int32) == bits).all(-1, keepdim=True) & ~done
+        d, q = torch.where(good, c, d), torch.where(good, qc.to(torch.uint8), q)
+        done |= good
+        if bool(done.all()):
+            return d.squeeze(-1), m.squeeze(-1), q
+    return None
+
+
+def pack_grid4(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> PackedWeight:
+    """The fp32 weight w [N, K] as grid4 (`kGridK` in cpu_kernels.cpp), from `grid4(w)`: per panel of 16 columns and
+    block of 32 k, d[16] and m[16] fp32, then 32 k x 8 bytes (column j's q in the low nibble of byte j, column j + 8's
+    in its high one); N padded with zero columns to a multiple of 32."""
+    n, k = w.shape
+    padded, blocks = -(-n // 32) * 32, k // GRID_K
+    panels = padded // 16
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros((padded, *t.shape[1:]))
+        out[:n] = t
+        return out
+
+    d, m, q = pad(d), pad(m), pad(q)
+    scales = [t.view(panels, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (d, m)]
+    cols = q.view(panels, 16, blocks, GRID_K).permute(0, 2, 3, 1)  # [panel, block, k, column]
+    nibbles = (cols[..., :8] | (cols[..., 8:] << 4)).reshape(panels, blocks, GRID_K * 8)
+    return PackedWeight(torch.cat([*scales, nibbles], -1).contiguous(), n, k, padded // 32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,14 +134,14 @@ class PackedMatmuls:
 
     def pack(self, w: torch.Tensor) -> PackedWeight:
         w = w.detach()
-        return self.kernels.pack_weight(w, self.kernels.compactable(w))
+        return self.kernels.pack_exact(w)
 
     def linear(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, w, b)
 
     def pack_mlp(self, gate: nn.Linear, up: nn.Linear) -> PackedWeight:
         g, u = gate.weight.detach(), up.weight.detach()
-        return self.kernels.pack_gated(g, u, self.kernels.compactable(g, u))
+        return self.kernels.pack_exact_gated(g, u)
 
     def residual(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, w, b, residual=h)  # h += x @ W^T + b, in place
