@@ -20,8 +20,8 @@ setting (Kairos's compiled CPU kernels, `engine/cpu_kernels.py`, against the tor
 `--packed-isa` (the packed bf16 GEMM on AMX or on AVX512-BF16, or none: oneDNN's GEMM, and torch's linear for fp32
 instead of the packed fp32 GEMM; `CpuKernels.use_packed_isa`, `use_packed_f32`), and once per `--compact` (on: fp32
 weights whose values are all bf16 values packed as bf16, `CpuKernels.use_compact_weights`) and `--grid` (on: fp32
-weights whose blocks of 32 k lie on a 4-bit grid, as a de-quantized Q4_1 GGUF's do, packed as grid4,
-`CpuKernels.use_grid_weights`).
+weights whose blocks of 32 k lie on a 4- or 8-bit grid, as a de-quantized Q4_1 or Q8_0 GGUF's do, packed as
+grid4 / grid8, `CpuKernels.use_grid_weights`).
 `parts`: where a decode step's time goes (context 96, mean of 20 after 5 warm-ups): the decoder's matmul calls and
 compiled kernels timed by wrapping them; where a decode step runs every layer in one kernel call
 (`KairosDecoder.whole_step`), that call's phases as it times them itself ("layers: ...", `CpuKernels.phase_times`),
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, avx2_fma, none "
                    "(oneDNN; fp32: torch's linear)")
     s.add_argument("--compact", default="on", help="comma list: on, off (fp32 weights with bf16 values packed as bf16)")
-    s.add_argument("--grid", default="on", help="comma list: on, off (fp32 weights on a 4-bit grid packed as grid4)")
+    s.add_argument("--grid", default="on", help="comma list: on, off (fp32 weights on a 4- or 8-bit grid packed as such)")
     pp = sub.add_parser("parts")
     pp.add_argument("--model", default="kairos-default")
     pp.add_argument("--dtype", default="bfloat16")

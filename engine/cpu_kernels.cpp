@@ -1242,46 +1242,116 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
     }
 }
 
-// ---- 4-bit grid weights ("grid4") ----------------------------------------------------------------------------
-// An fp32 weight whose every block of 32 consecutive k of an output column holds values fl(fl(d * q) + m), q in
-// 0..15, d and m one fp32 pair per block (what a Q4_1 GGUF checkpoint de-quantized to fp32 holds, as the default
-// model's layers do; `CpuKernels.grid4` finds d, m and q exactly or refuses) is packed as its nibbles: per panel of 16
-// columns and block of 32 k, d[16] and m[16] (fp32, one per column), then for each of the 32 k 8 bytes, byte j holding
-// column j's q in its low nibble and column j + 8's in its high one: 384 bytes for 512 weights (fp32: 2,048). The GEMM
-// unpacks a pair's k range to the packed fp32 layout with the same two roundings (a multiply, then an add), so it
-// multiplies the very fp32 values the checkpoint holds, in the fp32 GEMM's order: the same output bit for bit.
-constexpr int64_t kGridK = 32, kGridBlockBytes = 384;
+// ---- Grid weights ("grid4", "grid8") ---------------------------------------------------------------------------
+// An fp32 weight whose every block of 32 consecutive k of an output column holds values fl(fl(d * q) + m), with d and m
+// one fp32 pair per block and q 4-bit unsigned (0..15: a Q4_1 GGUF de-quantized to fp32, as the default model's layers
+// are) or 8-bit signed (m = 0: Q8_0, as its embedding is), is packed as its q: per panel of 16 columns and block of 32
+// k, d[16] and m[16] (fp32, one per column), then the q of each of the 32 k: grid4 8 bytes, byte j holding column j's
+// q in its low nibble and column j + 8's in its high one (384 bytes for 512 weights; fp32: 2,048), grid8 16 int8
+// (640 bytes). `CpuKernels.grid` finds d, m and q exactly or refuses. The GEMM builds the fp32 values with the same
+// two roundings (a multiply, then an add), so it multiplies the very values the checkpoint holds, in the fp32 GEMM's
+// order: the same output bit for bit.
+constexpr int64_t kGridK = 32;
+constexpr int64_t grid_block_bytes(int bits) { return 128 + 64 * bits; }
+
+#ifdef __AVX2__
+// columns 0-7 and 8-15 of a block's q at k index kk, as int32 lanes
+template <int Bits>
+inline void grid_q(const uint8_t* q, int64_t kk, __m256i& lo, __m256i& hi) {
+    if constexpr (Bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * kk)));
+        lo = _mm256_and_si256(v, _mm256_set1_epi32(15));
+        hi = _mm256_srli_epi32(v, 4);
+    } else {
+        lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * kk)));
+        hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * kk + 8)));
+    }
+}
+
+inline __m256 grid_value(__m256i q, __m256 d, __m256 m) {  // fl(fl(d * q) + m)
+    return _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
+}
+#endif
 
 // The panel pair at `pair` (K = k), k in [k0, k0 + kn) (multiples of 32), into out [2][kn][16] floats
-inline void grid4_unpack(const uint8_t* pair, int64_t k, int64_t k0, int64_t kn, float* out) {
-    const int64_t panel = k / kGridK * kGridBlockBytes;
+template <int Bits>
+inline void grid_unpack(const uint8_t* pair, int64_t k, int64_t k0, int64_t kn, float* out) {
+    constexpr int64_t bytes = grid_block_bytes(Bits);
+    const int64_t panel = k / kGridK * bytes;
     for (int h = 0; h < 2; ++h) {
-        const uint8_t* blk = pair + h * panel + k0 / kGridK * kGridBlockBytes;
+        const uint8_t* blk = pair + h * panel + k0 / kGridK * bytes;
         float* o = out + h * 16 * kn;
-        for (int64_t b = 0; b < kn / kGridK; ++b, blk += kGridBlockBytes) {
+        for (int64_t b = 0; b < kn / kGridK; ++b, blk += bytes) {
             float dm[32];  // d[16], m[16]
             std::memcpy(dm, blk, sizeof(dm));
             const uint8_t* q = blk + sizeof(dm);
 #ifdef __AVX2__
             const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8);
             const __m256 m0 = _mm256_loadu_ps(dm + 16), m1 = _mm256_loadu_ps(dm + 24);
-            const __m256i low = _mm256_set1_epi32(15);
             for (int kk = 0; kk < kGridK; ++kk, o += 16) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * kk)));
-                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
-                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(d0, lo), m0));
-                _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(d1, hi), m1));
+                __m256i lo, hi;
+                grid_q<Bits>(q, kk, lo, hi);
+                _mm256_storeu_ps(o, grid_value(lo, d0, m0));
+                _mm256_storeu_ps(o + 8, grid_value(hi, d1, m1));
             }
 #else
             for (int kk = 0; kk < kGridK; ++kk, o += 16)
-                for (int j = 0; j < 8; ++j) {
-                    const uint8_t byte = q[8 * kk + j];
-                    o[j] = dm[j] * static_cast<float>(byte & 15) + dm[16 + j];
-                    o[j + 8] = dm[j + 8] * static_cast<float>(byte >> 4) + dm[24 + j];
+                for (int j = 0; j < 16; ++j) {
+                    const int qj = Bits == 4 ? (q[8 * kk + j % 8] >> (j < 8 ? 0 : 4)) & 15
+                                             : static_cast<int8_t>(q[16 * kk + j]);
+                    o[j] = dm[j] * static_cast<float>(qj) + dm[16 + j];
                 }
 #endif
         }
+    }
+}
+
+// Few rows (1-3) with 8-lane vectors: c[r][0, 32) (+= with add) rows r of a (k0 applied) x the pair's k in [k0, k0 +
+// kn) built in registers from its blocks, four sums a row as fma_both8 (no pass through memory: a GEMV's weights are
+// read once anyway); pf / pf_lines as fma_cols
+constexpr int kGridFusedRows = 3;
+template <int Bits, int R>
+inline void grid_rows(const float* a, int64_t lda, const uint8_t* pair, int64_t k, int64_t k0, int64_t kn, float* c,
+                      const char* pf, int64_t pf_lines, bool add) {
+#ifdef __AVX2__
+    constexpr int64_t bytes = grid_block_bytes(Bits);
+    const int64_t panel = k / kGridK * bytes;
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = add ? _mm256_loadu_ps(c + r * 32 + 8 * v) : _mm256_setzero_ps();
+    for (int64_t b = 0; b < kn / kGridK; ++b) {
+        const uint8_t* blk[2] = {pair + (k0 / kGridK + b) * bytes, pair + panel + (k0 / kGridK + b) * bytes};
+        const float* dm[2] = {reinterpret_cast<const float*>(blk[0]), reinterpret_cast<const float*>(blk[1])};
+        for (int64_t kk = 0; kk < kGridK; ++kk) {
+            ask_lines_of(pf, b * kGridK + kk, pf_lines);
+            __m256 w[4];
+            for (int h = 0; h < 2; ++h) {
+                __m256i lo, hi;
+                grid_q<Bits>(blk[h] + 128, kk, lo, hi);
+                w[2 * h] = grid_value(lo, _mm256_loadu_ps(dm[h]), _mm256_loadu_ps(dm[h] + 16));
+                w[2 * h + 1] = grid_value(hi, _mm256_loadu_ps(dm[h] + 8), _mm256_loadu_ps(dm[h] + 24));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256 xr = _mm256_set1_ps(a[r * lda + b * kGridK + kk]);
+                for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xr, w[v], acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(c + r * 32 + 8 * v, acc[r][v]);
+#else
+    not_built(a, lda, pair, k, k0, kn, c, pf, pf_lines, add);
+#endif
+}
+
+template <int Bits>
+inline void grid_few_rows(const float* a, int64_t lda, int64_t rows, const uint8_t* pair, int64_t k, int64_t k0,
+                          int64_t kn, float* c, const char* pf, int64_t pf_lines, bool add) {
+    switch (rows) {
+        case 1: grid_rows<Bits, 1>(a, lda, pair, k, k0, kn, c, pf, pf_lines, add); break;
+        case 2: grid_rows<Bits, 2>(a, lda, pair, k, k0, kn, c, pf, pf_lines, add); break;
+        case 3: grid_rows<Bits, 3>(a, lda, pair, k, k0, kn, c, pf, pf_lines, add); break;
+        default: break;
     }
 }
 
@@ -1315,12 +1385,14 @@ inline std::vector<int64_t> pair_runs(int64_t pairs, int nthreads) {
 // step, and the extra asks slowed it). rows_fn is a lambda, so that the kernel inlines into the walk. With Chunk > 0
 // (below), rows_fn takes one more argument, add: start from c's sums (a later chunk of k).
 //
-// Grid (TW uint8_t, grid4 weights): each pair's k range is unpacked to fp32 panels in the thread's scratch first
-// (grid4_unpack), the whole K once per block of rows, or a chunk at a time, and rows_fn reads those.
-template <int R, int64_t Chunk, bool Grid = false, typename TX, typename TW, typename T, typename RowsFn>
+// GridBits 4 or 8 (TW uint8_t, grid weights): each pair's k range is unpacked to fp32 panels in the thread's scratch
+// first (grid_unpack), the whole K once per block of rows, or a chunk at a time, and rows_fn reads those; with 8-lane
+// vectors, up to kGridFusedRows rows multiply the blocks straight (grid_rows).
+template <int R, int64_t Chunk, int GridBits = 0, typename TX, typename TW, typename T, typename RowsFn>
 void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, int64_t pairs, int64_t n, const T* bias,
                   const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
-    const int64_t panel = Grid ? k / kGridK * kGridBlockBytes : 16 * k;  // elements of TW
+    constexpr bool Grid = GridBits != 0;
+    const int64_t panel = Grid ? k / kGridK * grid_block_bytes(GridBits) : 16 * k;  // elements of TW
     const int64_t pair_lines = 2 * panel * static_cast<int64_t>(sizeof(TW)) / 64;
     const std::vector<int64_t> runs = pair_runs(pairs, nthreads);
     const int64_t tasks = static_cast<int64_t>(runs.size()) - 1;
@@ -1341,7 +1413,7 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
         // the pair at b0's k in [k0, k0 + kn) as rows_fn reads them: panel 0 and panel 1
         auto panels = [&](const TW* b0, int64_t k0, int64_t kn) {
             if constexpr (Grid) {
-                grid4_unpack(b0, k, k0, kn, unpacked);
+                grid_unpack<GridBits>(b0, k, k0, kn, unpacked);
                 return std::pair<const float*, const float*>(unpacked, unpacked + 16 * kn);
             } else {
                 return std::pair<const TW*, const TW*>(b0 + 16 * k0, b0 + panel + 16 * k0);
@@ -1375,6 +1447,13 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                         for (int64_t k0 = 0; k0 < k; k0 += Chunk) {  // the chunk's share of the asks, split by group
                             const int64_t kn = std::min(Chunk, k - k0), first = lines * k0 / k;
                             const int64_t asks = lines * (k0 + kn) / k - first, share = (asks + groups - 1) / groups;
+                            if constexpr (Grid && VecWide::W == 8) {
+                                if (r1 - r0 <= kGridFusedRows) {
+                                    grid_few_rows<GridBits>(x + r0 * ldx + k0, ldx, r1 - r0, b0, k, k0, kn, c,
+                                                            next + 64 * first, asks, k0 > 0);
+                                    continue;
+                                }
+                            }
                             const auto pp = panels(b0, k0, kn);
                             for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
                                 const int64_t from = std::min(asks, g * share);
@@ -1397,15 +1476,15 @@ int gemm_bf16_fma(const bf16* x, int64_t ldx, int64_t m, int64_t k, const bf16* 
                   const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nthreads);
 
 // The walk of the GEMMs with 8-lane vectors: k chunks below kChunkRowsUpTo rows (kChunkK's note), then the whole K
-template <int R, bool Grid = false, typename TX, typename TW, typename T, typename RowsFn>
+template <int R, int GridBits = 0, typename TX, typename TW, typename T, typename RowsFn>
 void gemm_walk8(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, int64_t pairs, int64_t n, const T* bias,
                 const T* res, T* out, int64_t ldo, int mode, int nthreads, RowsFn&& rows_fn) {
     if (m < kChunkRowsBelow)
-        gemm_blocked<R, kChunkK, Grid>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<R, kChunkK, GridBits>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     else if (m < kChunkRowsUpTo)
-        gemm_blocked<R, kChunkKMany, Grid>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<R, kChunkKMany, GridBits>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     else
-        gemm_blocked<R, 0, Grid>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<R, 0, GridBits>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
 }
 
 // out [m, n] (row stride ldo) = x [m, k] (row stride ldx) @ W^T, W packed as above with `pairs` panel pairs.
@@ -1641,17 +1720,18 @@ int gemm_compact(const float* x, int64_t ldx, int64_t m, int64_t k, const bf16* 
 #endif
 }
 
-// fp32 rows x [m, k] on a grid4 weight (above): the fp32 GEMM's walk and kernels on its unpacked panels. 1 where K is
-// not a multiple of 32, 2 where this build has no FMA.
-int gemm_grid4(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* w, int64_t pairs, int64_t n,
-               const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
+// fp32 rows x [m, k] on a grid weight of Bits (above): the fp32 GEMM's walk and kernels on its unpacked panels. 1
+// where K is not a multiple of 32, 2 where this build has no FMA.
+template <int Bits>
+int gemm_grid(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* w, int64_t pairs, int64_t n,
+              const float* bias, const float* res, float* out, int64_t ldo, int mode, int nthreads) {
 #ifdef KAIROS_PACKED_F32
     if (k % kGridK != 0) return 1;
     auto rows_fn = [](auto... a) { fma_rows(a...); };
     if constexpr (VecWide::W == 8)
-        gemm_walk8<kFmaRows, true>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_walk8<kFmaRows, Bits>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     else
-        gemm_blocked<kFmaRows, 0, true>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
+        gemm_blocked<kFmaRows, 0, Bits>(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads, rows_fn);
     return 0;
 #else
     return not_built(x, ldx, m, k, w, pairs, n, bias, res, out, ldo, mode, nthreads);
@@ -1696,10 +1776,10 @@ int gemm_packed(const float* x, int64_t ldx, int64_t m, int64_t k, const float* 
 // kGateUpShift, kDownShift (0 for bf16 layers).
 enum LayerField { kLnIn, kLnPost, kQkvW, kQkvPairs, kQkvB, kOW, kOPairs, kOB, kGateUpW, kGateUpPairs, kDownW,
                   kDownPairs, kKCache, kVCache, kFormats, kLayerFields };
-enum WeightFormat { kFmtPacked = 0, kFmtCompact = 1, kFmtGrid4 = 2 };
+enum WeightFormat { kFmtPacked = 0, kFmtCompact = 1, kFmtGrid4 = 2, kFmtGrid8 = 3 };
 enum FormatShift { kQkvShift = 0, kOShift = 4, kGateUpShift = 8, kDownShift = 12 };
 
-// decode_layers' GEMMs: the weight at address w as packed (fp32 rows: fp32, compact or grid4, by `format`)
+// decode_layers' GEMMs: the weight at address w as packed (fp32 rows: fp32, compact, grid4 or grid8, by `format`)
 inline int gemm_layer(const bf16* x, int64_t ldx, int64_t m, int64_t k, int64_t w, int, int64_t pairs, int64_t n,
                       const bf16* bias, const bf16* res, bf16* out, int64_t ldo, int mode, int nt) {
     return gemm_packed(x, ldx, m, k, reinterpret_cast<const bf16*>(w), pairs, n, bias, res, out, ldo, mode, nt);
@@ -1708,8 +1788,9 @@ inline int gemm_layer(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t
                       int64_t n, const float* bias, const float* res, float* out, int64_t ldo, int mode, int nt) {
     if (format == kFmtCompact)
         return gemm_compact(x, ldx, m, k, reinterpret_cast<const bf16*>(w), pairs, n, bias, res, out, ldo, mode, nt);
-    if (format == kFmtGrid4)
-        return gemm_grid4(x, ldx, m, k, reinterpret_cast<const uint8_t*>(w), pairs, n, bias, res, out, ldo, mode, nt);
+    if (format == kFmtGrid4 || format == kFmtGrid8)
+        return (format == kFmtGrid4 ? gemm_grid<4> : gemm_grid<8>)(x, ldx, m, k, reinterpret_cast<const uint8_t*>(w),
+                                                                   pairs, n, bias, res, out, ldo, mode, nt);
     return gemm_packed(x, ldx, m, k, reinterpret_cast<const float*>(w), pairs, n, bias, res, out, ldo, mode, nt);
 }
 
@@ -1855,10 +1936,12 @@ int kairos_gemm_packed(int dtype, const void* x, int64_t ldx, int64_t m, int64_t
         return gemm_packed(static_cast<const bf16*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
                            static_cast<const bf16*>(bias), static_cast<const bf16*>(res), static_cast<bf16*>(out), ldo,
                            mode, nthreads);
-    if (dtype == 3)  // fp32 rows, grid4 weight
-        return gemm_grid4(static_cast<const float*>(x), ldx, m, k, static_cast<const uint8_t*>(w), pairs, n,
-                          static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out),
-                          ldo, mode, nthreads);
+    if (dtype == 3 || dtype == 4)  // fp32 rows, grid4 / grid8 weight
+        return (dtype == 3 ? gemm_grid<4> : gemm_grid<8>)(static_cast<const float*>(x), ldx, m, k,
+                                                          static_cast<const uint8_t*>(w), pairs, n,
+                                                          static_cast<const float*>(bias),
+                                                          static_cast<const float*>(res), static_cast<float*>(out), ldo,
+                                                          mode, nthreads);
     if (dtype == 2)  // fp32 rows, compact weight
         return gemm_compact(static_cast<const float*>(x), ldx, m, k, static_cast<const bf16*>(w), pairs, n,
                             static_cast<const float*>(bias), static_cast<const float*>(res), static_cast<float*>(out),

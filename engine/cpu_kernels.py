@@ -47,8 +47,8 @@ MAX_HEAD_DIM = 1024
 MAX_HEADS_PER_KV = 64  # query heads sharing one KV head (decode_attn's per-head softmax scratch)
 PLAIN, RESIDUAL, SILU_MUL = 0, 1, 2  # the packed GEMM's epilogues (`Epilogue` in cpu_kernels.cpp)
 COMPACT = 2  # kairos_gemm_packed's dtype code for fp32 rows on a compact (bf16-packed) fp32 weight
-GRID4 = 3  # kairos_gemm_packed's dtype code for fp32 rows on a grid4 (4-bit) fp32 weight
-GRID_K = 32  # grid4's block of k (`kGridK` in cpu_kernels.cpp)
+GRID4, GRID8 = 3, 4  # kairos_gemm_packed's dtype codes for fp32 rows on a grid4 / grid8 fp32 weight
+GRID_K = 32  # a grid weight's block of k (`kGridK` in cpu_kernels.cpp)
 PACKED_ISAS = {1: "avx2_fma", 2: "avx512_bf16", 3: "amx"}  # `PackedIsa` in cpu_kernels.cpp (0: none)
 # `Phase` in cpu_kernels.cpp: the parts of a layer that `decode_layers` times (`phase_times`)
 PHASES = ("rms_norm", "qkv", "rope_write", "attention", "o_proj", "gate_up", "down")
@@ -132,8 +132,8 @@ class CpuKernels:
         # the same output bit for bit from half the bytes (`compactable`); `use_compact_weights` turns it off
         self.use_compact_weights(True)
         # fp32 weights whose blocks of 32 k hold values d * q + m with 4-bit q (a Q4_1 GGUF de-quantized, as the default
-        # model's layers are) packed as their nibbles ("grid4", `grid4`): the same output bit for bit from under a
-        # fifth of the bytes; `use_grid_weights` turns it off
+        # model's layers are) or 8-bit q (Q8_0, as its embedding) packed as their q ("grid4", "grid8", `grid`): the
+        # same output bit for bit from 19% / 31% of the bytes; `use_grid_weights` turns it off
         self.use_grid_weights(True)
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None
@@ -176,24 +176,26 @@ class CpuKernels:
             w.dtype == torch.float32 and w.shape[-1] % 32 == 0 and torch.equal(w, w.bfloat16().float()) for w in ws)
 
     def use_grid_weights(self, on: bool) -> None:
-        """Pack fp32 weights that lie on a 4-bit grid as grid4 from now on (where this build can; weights packed
-        already stay)."""
+        """Pack fp32 weights that lie on a 4- or 8-bit grid (`grid`) as such from now on (where this build can; weights
+        packed already stay)."""
         self.grid_weights = bool(on) and self.packed_f32_built
 
     def pack_exact(self, w: torch.Tensor) -> PackedWeight:
-        """`w` packed in the fewest bytes that give the fp32 (or bf16) GEMM's output bit for bit: grid4 where its
-        values lie on a 4-bit grid (`grid4`), else compact where they are bf16 values (`compactable`), else as is."""
-        grid = grid4(w) if self.grid_weights else None
-        if grid is not None:
-            return pack_grid4(w, *grid)
+        """`w` packed in the fewest bytes that give the fp32 (or bf16) GEMM's output bit for bit: grid4 or grid8
+        where its values lie on such a grid (`grid`), else compact where they are bf16 values (`compactable`), else
+        as is."""
+        for bits in GRID_BITS if self.grid_weights else ():
+            found = grid(w, bits)
+            if found is not None:
+                return pack_grid(w, *found)
         return self.pack_weight(w, self.compactable(w))
 
     def pack_exact_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
         """`pack_gated` in the fewest exact bytes, as `pack_exact` (both weights in one format)."""
-        if self.grid_weights:
-            grids = [grid4(w) for w in (gate, up)]
-            if all(g is not None for g in grids):
-                return stack_gated(*(pack_grid4(w, *g) for w, g in zip((gate, up), grids)))
+        for bits in GRID_BITS if self.grid_weights else ():
+            found = [grid(w, bits) for w in (gate, up)]
+            if all(f is not None for f in found):
+                return stack_gated(*(pack_grid(w, *f) for w, f in zip((gate, up), found)))
         return self.pack_gated(gate, up, self.compactable(gate, up))
 
     @staticmethod
@@ -367,7 +369,7 @@ class CpuKernels:
 class PackedWeight:
     """A linear layer's weight in panels of 16 output columns (`CpuKernels.pack_weight`): for bf16 the layout of AMX's
     tiles, which AVX512-BF16's dot product reads as it is too; for fp32 K rows of 16 columns; compact fp32 as bf16;
-    grid4 fp32 (uint8 data) as blocks of 32 k (`pack_grid4`). data's first dimension is the panels."""
+    grid4 / grid8 fp32 (uint8 / int8 data) as blocks of 32 k (`pack_grid`). data's first dimension is the panels."""
     data: torch.Tensor
     n: int  # output features
     k: int  # input features
@@ -380,11 +382,11 @@ def weight_code(rows: torch.dtype, w: PackedWeight) -> int | None:
     if rows == w.data.dtype and rows in DTYPES:
         return DTYPES[rows]
     if rows == torch.float32:
-        return {torch.bfloat16: COMPACT, torch.uint8: GRID4}.get(w.data.dtype)
+        return {torch.bfloat16: COMPACT, torch.uint8: GRID4, torch.int8: GRID8}.get(w.data.dtype)
     return None
 
 
-WEIGHT_FORMATS = {DTYPES[torch.float32]: 0, DTYPES[torch.bfloat16]: 0, COMPACT: 1, GRID4: 2}  # `WeightFormat`
+WEIGHT_FORMATS = {DTYPES[torch.float32]: 0, DTYPES[torch.bfloat16]: 0, COMPACT: 1, GRID4: 2, GRID8: 3}  # `WeightFormat`
 
 
 def stack_gated(gate: PackedWeight, up: PackedWeight) -> PackedWeight:
@@ -396,46 +398,56 @@ def stack_gated(gate: PackedWeight, up: PackedWeight) -> PackedWeight:
     return PackedWeight(torch.stack([g, u], 1).contiguous(), gate.n, gate.k, panels, gated=True)
 
 
-def grid4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """d, m [N, K/32] fp32 and q [N, K/32, 32] uint8 (0..15) such that every value of the fp32 weight w [N, K] is
-    fl(fl(d * q) + m) of its block of 32 k, bit for bit; None where some block is not so (or K is not a multiple of
-    32). A Q4_1 GGUF de-quantized to fp32 is so: its blocks hold d * q + m with d and m fp16, and its minimum at q = 0.
-    A weight that is not is refused after its first 64 rows."""
+GRID_BITS = (4, 8)
+_GRID_Q = {4: (0, 15), 8: (-128, 127)}  # q's range
+
+
+def grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """d, m [N, K/32] fp32 and q [N, K/32, 32] (bits 4: uint8 0..15; 8: int8, with m = 0) such that every value of the
+    fp32 weight w [N, K] is fl(fl(d * q) + m) of its block of 32 k, bit for bit; None where some block is not so (or
+    K is not a multiple of 32). A de-quantized GGUF is so: Q4_1's blocks hold d * q + m with d and m fp16 and their
+    minimum at q = 0, Q8_0's d * q with d fp16. A weight that is not is refused after its first 64 rows."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GRID_K or w.numel() == 0 or w.device.type != "cpu":
         return None
-    if w.shape[0] > 64 and _grid4_blocks(w[:64]) is None:
+    if w.shape[0] > 64 and _grid_blocks(w[:64], bits) is None:
         return None
-    return _grid4_blocks(w)
+    return _grid_blocks(w, bits)
 
 
-def _grid4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _grid_blocks(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     n, k = w.shape
     b = w.detach().reshape(n, k // GRID_K, GRID_K)
-    bits = b.view(torch.int32)
-    m, top = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-    if not (torch.isfinite(m).all() and torch.isfinite(top).all()):
+    if not torch.isfinite(b).all():
         return None
-    step = (top - m) / 15
-    half = step.to(torch.float16).view(torch.int16)  # Q4_1's d is fp16: that, its neighbours, then the fp32 quotient
+    q_lo, q_hi = _GRID_Q[bits]
+    if bits == 4:  # Q4_1: the block's minimum is m (q = 0), its maximum q = 15
+        m = b.amin(-1, keepdim=True)
+        step = (b.amax(-1, keepdim=True) - m) / q_hi
+    else:  # Q8_0: m = 0, the largest magnitude q = +-127
+        m = torch.zeros_like(b[..., :1])
+        step = b.abs().amax(-1, keepdim=True) / 127
+    half = step.to(torch.float16).view(torch.int16)  # GGUF's d is fp16: that, its neighbours, then the fp32 quotient
     candidates = [(half + i).view(torch.float16).float() for i in (0, 1, -1)] + [step]
-    d, q = torch.zeros_like(m), torch.zeros(b.shape, dtype=torch.uint8)
+    bits_of = b.view(torch.int32)
+    d, q = torch.zeros_like(m), torch.zeros(b.shape, dtype=torch.float32)
     done = torch.zeros(m.shape, dtype=torch.bool)
     for c in candidates:
         c = torch.where(torch.isfinite(c) & (c > 0), c, torch.zeros_like(c))
         qc = torch.where(c > 0, (b - m) / torch.where(c > 0, c, torch.ones_like(c)), torch.zeros_like(b))
-        qc = qc.round().clamp(0, 15)
-        good = (((c * qc) + m).view(torch.int32) == bits).all(-1, keepdim=True) & ~done
-        d, q = torch.where(good, c, d), torch.where(good, qc.to(torch.uint8), q)
+        qc = qc.round().clamp(q_lo, q_hi)
+        good = (((c * qc) + m).view(torch.int32) == bits_of).all(-1, keepdim=True) & ~done
+        d, q = torch.where(good, c, d), torch.where(good, qc, q)
         done |= good
         if bool(done.all()):
-            return d.squeeze(-1), m.squeeze(-1), q
+            return d.squeeze(-1), m.squeeze(-1), q.to(torch.uint8 if bits == 4 else torch.int8)
     return None
 
 
-def pack_grid4(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> PackedWeight:
-    """The fp32 weight w [N, K] as grid4 (`kGridK` in cpu_kernels.cpp), from `grid4(w)`: per panel of 16 columns and
-    block of 32 k, d[16] and m[16] fp32, then 32 k x 8 bytes (column j's q in the low nibble of byte j, column j + 8's
-    in its high one); N padded with zero columns to a multiple of 32."""
+def pack_grid(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> PackedWeight:
+    """The fp32 weight w [N, K] as a grid weight (`grid_block_bytes` in cpu_kernels.cpp), from `grid(w, bits)`: per
+    panel of 16 columns and block of 32 k, d[16] and m[16] fp32, then per k the columns' q: 4-bit (uint8 q; data
+    uint8), column j's in the low nibble of byte j and column j + 8's in its high one; or 8-bit (int8 q; data int8),
+    a byte each. N padded with zero columns to a multiple of 32."""
     n, k = w.shape
     padded, blocks = -(-n // 32) * 32, k // GRID_K
     panels = padded // 16
@@ -446,10 +458,12 @@ def pack_grid4(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, q: torch.Tenso
         return out
 
     d, m, q = pad(d), pad(m), pad(q)
-    scales = [t.view(panels, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (d, m)]
+    scales = [t.view(panels, 16, blocks).permute(0, 2, 1).contiguous().view(q.dtype) for t in (d, m)]
     cols = q.view(panels, 16, blocks, GRID_K).permute(0, 2, 3, 1)  # [panel, block, k, column]
-    nibbles = (cols[..., :8] | (cols[..., 8:] << 4)).reshape(panels, blocks, GRID_K * 8)
-    return PackedWeight(torch.cat([*scales, nibbles], -1).contiguous(), n, k, padded // 32)
+    if q.dtype == torch.uint8:
+        cols = cols[..., :8] | (cols[..., 8:] << 4)
+    codes = cols.reshape(panels, blocks, -1)
+    return PackedWeight(torch.cat([*scales, codes], -1).contiguous(), n, k, padded // 32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -531,38 +531,52 @@ def _q4_1(w):
     return ((d.half().float() * q) + lo.half().float()).reshape(w.shape)
 
 
-def test_grid4_finds_the_blocks_of_a_q4_1_weight_and_refuses_others():
-    """`grid4` (pure): a de-quantized Q4_1 weight gives d, m and 4-bit q that rebuild every value bit for bit; a weight
-    with one value off the grid, random values, or K not a multiple of 32 gives None."""
-    g = torch.Generator().manual_seed(0)
-    w = _q4_1(torch.randn(70, 96, generator=g))
-    d, m, q = cpu_kernels.grid4(w)
-    assert d.shape == m.shape == (70, 3) and q.shape == (70, 3, 32) and q.dtype == torch.uint8 and int(q.max()) <= 15
+def _q8_0(w):
+    """w's values after a Q8_0 round trip (quantize_row_q8_0_ref, then gguf's de-quantize): per block of 32 k,
+    d = amax / 127, q = round(x / d), value fl(fp16(d) * q)."""
+    b = w.reshape(w.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, b * torch.where(d > 0, 1 / d, 0), 0).round() + 0.0  # q is an int8: no -0
+    return (d.half().float() * q).reshape(w.shape)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grid_finds_the_blocks_of_a_de_quantized_gguf_weight_and_refuses_others(bits):
+    """`grid` (pure): a de-quantized Q4_1 (bits 4) or Q8_0 (bits 8) weight gives d, m and q that rebuild every value
+    bit for bit; a weight with one value off the grid, random values, or K not a multiple of 32 gives None."""
+    g = torch.Generator().manual_seed(bits)
+    quant, qtype, qmax = (_q4_1, torch.uint8, 15) if bits == 4 else (_q8_0, torch.int8, 127)
+    w = quant(torch.randn(70, 96, generator=g))
+    d, m, q = cpu_kernels.grid(w, bits)
+    assert d.shape == m.shape == (70, 3) and q.shape == (70, 3, 32) and q.dtype == qtype
+    assert int(q.max()) <= qmax and (bits == 4 or not m.any())
     rebuilt = ((d.unsqueeze(-1) * q.float()) + m.unsqueeze(-1)).reshape(70, 96)
     assert torch.equal(rebuilt.view(torch.int32), w.view(torch.int32))
-    flat = torch.full((40, 32), 0.25)  # one value a block: d = 0
-    assert torch.equal(cpu_kernels.grid4(flat)[1], torch.full((40, 1), 0.25))
+    d, m, q = cpu_kernels.grid(torch.zeros(40, 32), bits)  # all-zero blocks (padding): d = m = q = 0
+    assert not (d.any() or m.any() or q.any())
     off = w.clone()
     off[69, 95] = torch.nextafter(off[69, 95], torch.tensor(1.0))  # one ulp off, in the last row: past the probe
-    assert cpu_kernels.grid4(off) is None
-    assert cpu_kernels.grid4(torch.randn(100, 64, generator=g)) is None
-    assert cpu_kernels.grid4(_q4_1(torch.randn(10, 64, generator=g))[:, :48]) is None
-    assert cpu_kernels.grid4(w.bfloat16()) is None
+    assert cpu_kernels.grid(off, bits) is None
+    assert cpu_kernels.grid(torch.randn(100, 64, generator=g), bits) is None
+    assert cpu_kernels.grid(quant(torch.randn(10, 64, generator=g))[:, :48], bits) is None
+    assert cpu_kernels.grid(w.bfloat16(), bits) is None
 
 
-def test_grid4_gemm_is_the_fp32_gemm_bit_for_bit(kernels):
-    """fp32 rows on a grid4 weight (its nibbles, d and m: under a fifth of fp32's bytes) give the packed fp32 GEMM's
-    output bit for bit, for every walk (1-3 rows, k chunks of 32 and 128, the whole K) and epilogue, with a partial
-    panel pair (100 columns)."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grid_gemm_is_the_fp32_gemm_bit_for_bit(kernels, bits):
+    """fp32 rows on a grid weight (its q, d and m: 19% / 31% of fp32's bytes) give the packed fp32 GEMM's output bit
+    for bit, for every walk (1-3 rows straight from the blocks, k chunks of 32 and 128, the whole K) and epilogue,
+    with a partial panel pair (100 columns)."""
     if not kernels.grid_weights:
         pytest.skip("needs the fp32 packed GEMM")
     g = torch.Generator().manual_seed(1)
+    quant, dtype = (_q4_1, torch.uint8) if bits == 4 else (_q8_0, torch.int8)
     for n, k in ((100, 96), (64, 192)):
-        w, up = (_q4_1(torch.randn(n, k, generator=g) / k ** 0.5) for _ in range(2))
-        grid, plain = kernels.pack_exact(w), kernels.pack_weight(w)
-        assert grid.data.dtype == torch.uint8 and grid.data.numel() * 5 < plain.data.numel() * 4
+        w, up = (quant(torch.randn(n, k, generator=g) / k ** 0.5) for _ in range(2))
+        packed, plain = kernels.pack_exact(w), kernels.pack_weight(w)
+        assert packed.data.dtype == dtype and packed.data.numel() * (5 if bits == 4 else 3) < plain.data.numel() * 4
         gated = kernels.pack_exact_gated(w, up)
-        assert gated.data.dtype == torch.uint8 and gated.gated
+        assert gated.data.dtype == dtype and gated.gated
         b = torch.randn(n, generator=g)
         for rows in (1, 2, 3, 5, 7, 13, 40, 70):
             x = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows with a stride
@@ -572,46 +586,48 @@ def test_grid4_gemm_is_the_fp32_gemm_bit_for_bit(kernels):
                 res = h.clone()
                 return (kernels.linear(x, w1), kernels.linear(x, w1, b), kernels.linear(x, w1, b, residual=res),
                         kernels.linear(x, w2))
-            got = _on_thread(lambda: run(grid, gated))
+            got = _on_thread(lambda: run(packed, gated))
             ref = _on_thread(lambda: run(plain, kernels.pack_gated(w, up)))
             for a, r in zip(got, ref):
                 assert torch.equal(a, r), (n, k, rows)
 
 
-def test_fp32_weights_on_a_4bit_grid_run_as_grid4_with_the_same_logits(tiny_checkpoints, kernels, tmp_path):
-    """An fp32 model whose weights are a de-quantized Q4_1 GGUF (as the default model's layers are) is packed as
-    grid4, the LM head included: the logits of a prefill and of a whole-step decode are bit-identical to the fp32
-    packing's."""
+def test_fp32_weights_of_a_de_quantized_gguf_run_as_grid_weights_with_the_same_logits(tiny_checkpoints, kernels,
+                                                                                      tmp_path):
+    """An fp32 model de-quantized from a GGUF (as the default model is: Q4_1 layers, a Q8_0 embedding that is also
+    its LM head) is packed as grid4 and grid8: the logits of a prefill and of a whole-step decode are bit-identical
+    to the fp32 packing's."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     if not kernels.grid_weights:
         pytest.skip("needs the fp32 packed GEMM")
-    ckpt = tmp_path / "llama-q4_1-values"
+    ckpt = tmp_path / "llama-gguf-values"
     shutil.copytree(tiny_checkpoints["llama"], ckpt)
     for f in ckpt.glob("*.safetensors"):
-        save_file({k: _q4_1(v) if v.dim() == 2 else v for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+        save_file({k: (_q8_0(v) if "embed" in k or "lm_head" in k else _q4_1(v)) if v.dim() == 2 else v
+                   for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
     prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
 
-    def run(grid):
-        kernels.use_grid_weights(grid)
+    def run(on):
+        kernels.use_grid_weights(on)
         eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
                                      kv_cache_dtype="model"))
         try:
             dec = eng.runner.decoder
             assert dec.whole_step
             layer = dec.layers[0]
-            dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype,
-                      dec.lm_head.data.dtype}
-            return _decode_logits(eng, prompts), dtypes
+            dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype}
+            return _decode_logits(eng, prompts), dtypes, dec.lm_head.data.dtype
         finally:
             eng.shutdown()
 
     try:
-        grid, grid_dtypes = run(True)
-        plain, plain_dtypes = run(False)
+        grid, grid_dtypes, grid_head = run(True)
+        plain, plain_dtypes, plain_head = run(False)
     finally:
         kernels.use_grid_weights(True)
-    assert grid_dtypes == {torch.uint8} and plain_dtypes == {torch.float32}
+    assert grid_dtypes == {torch.uint8} and grid_head == torch.int8
+    assert plain_dtypes == {torch.float32} and plain_head == torch.float32
     assert torch.equal(grid, plain)
