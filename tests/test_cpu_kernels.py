@@ -298,6 +298,8 @@ def test_packed_fp32_gemm_with_8_lane_vectors(kernels, tmp_path):
     _check_packed_gated(avx2, torch.float32, 1)
     _check_packed_gated(avx2, torch.float32, 7)
     _check_packed_gated(avx2, torch.float32, 40)
+    for bits in (4, 8):  # grid weights: 1-3 rows straight from the blocks, more from unpacked chunks
+        _check_grid_gemm(avx2, bits)
 
 
 def test_packed_linear_refuses_what_it_cannot_run(kernels):
@@ -565,10 +567,14 @@ def test_grid_finds_the_blocks_of_a_de_quantized_gguf_weight_and_refuses_others(
 @pytest.mark.parametrize("bits", [4, 8])
 def test_grid_gemm_is_the_fp32_gemm_bit_for_bit(kernels, bits):
     """fp32 rows on a grid weight (its q, d and m: 19% / 31% of fp32's bytes) give the packed fp32 GEMM's output bit
-    for bit, for every walk (1-3 rows straight from the blocks, k chunks of 32 and 128, the whole K) and epilogue,
-    with a partial panel pair (100 columns)."""
+    for bit, for every walk (with 8-lane vectors 1-3 rows straight from the blocks, k chunks of 32 and 128, the whole
+    K) and epilogue, with a partial panel pair (100 columns)."""
     if not kernels.grid_weights:
         pytest.skip("needs the fp32 packed GEMM")
+    _check_grid_gemm(kernels, bits)
+
+
+def _check_grid_gemm(kernels, bits):
     g = torch.Generator().manual_seed(1)
     quant, dtype = (_q4_1, torch.uint8) if bits == 4 else (_q8_0, torch.int8)
     for n, k in ((100, 96), (64, 192)):
