@@ -22,9 +22,11 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #ifdef __SSE__
 #include <immintrin.h>
@@ -1306,6 +1308,72 @@ inline void grid_unpack(const uint8_t* pair, int64_t k, int64_t k0, int64_t kn, 
     }
 }
 
+// Finding a weight's grid (CpuKernels.find_grid): per block of 32 values, m (4 bits: the minimum, at q = 0; 8 bits: 0)
+// and d from the step (4 bits: (max - m) / 15; 8 bits: the largest magnitude / 127) rounded to fp16, its two fp16
+// neighbours, then the fp32 step; the first d whose rounded, clamped q rebuild all 32 values bit for bit wins. The same
+// search, op for op, as `grid` in engine/cpu_kernels.py (torch), in one pass. 1 found, 0 not, -1 not built (no F16C).
+template <int Bits, typename Q>
+bool grid_block(const float* v, float& d_out, float& m_out, Q* q_out) {
+#ifdef __F16C__
+    float lo = v[0], hi = v[0];
+    bool finite = true;
+    for (int j = 0; j < kGridK; ++j) {  // branch-free loops, so that they vectorise
+        finite &= std::fabs(v[j]) <= std::numeric_limits<float>::max();
+        lo = std::min(lo, v[j]);
+        hi = std::max(hi, v[j]);
+    }
+    if (!finite) return false;
+    const float m = Bits == 4 ? lo : 0.f;
+    const float step = Bits == 4 ? (hi - lo) / 15.f : std::max(std::fabs(lo), std::fabs(hi)) / 127.f;
+    const float q_lo = Bits == 4 ? 0.f : -128.f, q_hi = Bits == 4 ? 15.f : 127.f;
+    const uint16_t half = _cvtss_sh(step, _MM_FROUND_TO_NEAREST_INT);
+    const float candidates[4] = {_cvtsh_ss(half), _cvtsh_ss(static_cast<uint16_t>(half + 1)),
+                                 _cvtsh_ss(static_cast<uint16_t>(half - 1)), step};
+    for (float c : candidates) {
+        if (!(std::isfinite(c) && c > 0.f)) c = 0.f;
+        const float div = c > 0.f ? c : 1.f;
+        uint32_t bad = 0;
+        float qs[kGridK];
+        for (int j = 0; j < kGridK; ++j) {
+            const float q = c > 0.f ? std::min(q_hi, std::max(q_lo, std::nearbyint((v[j] - m) / div))) : 0.f;
+            const float back = c * q + m;
+            uint32_t got, want;
+            std::memcpy(&got, &back, sizeof(got));
+            std::memcpy(&want, &v[j], sizeof(want));
+            bad |= got ^ want;
+            qs[j] = q;
+        }
+        if (bad == 0) {
+            d_out = c;
+            m_out = m;
+            for (int j = 0; j < kGridK; ++j) q_out[j] = static_cast<Q>(qs[j]);
+            return true;
+        }
+    }
+#else
+    not_built(v, d_out, m_out, q_out);
+#endif
+    return false;
+}
+
+template <int Bits, typename Q>
+int grid_find(const float* w, int64_t n, int64_t k, float* d, float* m, Q* q, int nthreads) {
+#ifdef __F16C__
+    std::atomic<bool> off{false};
+    const int64_t blocks = k / kGridK;
+    parallel_rows(n, nthreads, [&](int64_t i) {
+        for (int64_t b = 0; b < blocks && !off.load(std::memory_order_relaxed); ++b)
+            if (!grid_block<Bits>(w + i * k + b * kGridK, d[i * blocks + b], m[i * blocks + b],
+                                  q + (i * blocks + b) * kGridK))
+                off.store(true, std::memory_order_relaxed);
+    });
+    return off.load() ? 0 : 1;
+#else
+    not_built(w, n, k, d, m, q, nthreads);
+    return -1;
+#endif
+}
+
 // Few rows (1-3) with 8-lane vectors: c[r][0, 32) (+= with add) rows r of a (k0 applied) x the pair's k in [k0, k0 +
 // kn) built in registers from its blocks, four sums a row as fma_both8 (no pass through memory: a GEMV's weights are
 // read once anyway); pf / pf_lines as fma_cols
@@ -1875,7 +1943,7 @@ int packed_gemm_granted = -1;  // what packed_gemm_enable found, once
 
 extern "C" {
 
-int kairos_abi_version() { return 9; }
+int kairos_abi_version() { return 10; }
 
 void kairos_sample_rows(int dtype, const void* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t width,
                         const float* temp, const int64_t* top_k, const float* top_p, const float* u, int64_t* out,
@@ -1975,6 +2043,15 @@ void kairos_set_team(int on, int worker_nice) {
 }
 
 int kairos_layer_fields() { return kLayerFields; }
+
+// w [n, k] fp32 (k a multiple of 32) on a grid of `bits` (4 or 8)? 1: d, m [n, k / 32] and q [n, k / 32, 32] (uint8
+// for 4 bits, int8 for 8) hold it; 0: not; -1: this build cannot search (no F16C)
+int kairos_grid_find(const float* w, int64_t n, int64_t k, int bits, float* d, float* m, void* q, int nthreads) {
+    if (k % kGridK != 0) return 0;
+    if (bits == 4) return grid_find<4>(w, n, k, d, m, static_cast<uint8_t*>(q), nthreads);
+    if (bits == 8) return grid_find<8>(w, n, k, d, m, static_cast<int8_t*>(q), nthreads);
+    return 0;
+}
 
 // on 1: decode_layers sums its phases' wall time from now on, from zero; 0: no longer; -1: as it was. out (if not
 // null) gets the kPhases sums so far in ns; returns kPhases

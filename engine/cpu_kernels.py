@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _INHERIT_NICE = 1000  # Team::kInheritNice: the team's workers keep the nice value of the thread that starts them
 MAX_HEAD_DIM = 1024
@@ -112,6 +112,8 @@ class CpuKernels:
         lib.kairos_packed_gemm_enable.argtypes = [_int]
         lib.kairos_packed_gemm_enable.restype = _int
         lib.kairos_layer_fields.restype = _int
+        lib.kairos_grid_find.argtypes = [_p, _i64, _i64, _int, _p, _p, _p, _int]
+        lib.kairos_grid_find.restype = _int
         self.layer_fields = lib.kairos_layer_fields()
         lib.kairos_decode_layers.argtypes = [_int, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _p, _p, _p,
                                              _p, _p, _i64, _p, _i64, _f32, _p, _int]
@@ -185,7 +187,7 @@ class CpuKernels:
         where its values lie on such a grid (`grid`), else compact where they are bf16 values (`compactable`), else
         as is."""
         for bits in GRID_BITS if self.grid_weights else ():
-            found = grid(w, bits)
+            found = self.find_grid(w, bits)
             if found is not None:
                 return pack_grid(w, *found)
         return self.pack_weight(w, self.compactable(w))
@@ -193,10 +195,25 @@ class CpuKernels:
     def pack_exact_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
         """`pack_gated` in the fewest exact bytes, as `pack_exact` (both weights in one format)."""
         for bits in GRID_BITS if self.grid_weights else ():
-            found = [grid(w, bits) for w in (gate, up)]
+            found = [self.find_grid(w, bits) for w in (gate, up)]
             if all(f is not None for f in found):
                 return stack_gated(*(pack_grid(w, *f) for w, f in zip((gate, up), found)))
         return self.pack_gated(gate, up, self.compactable(gate, up))
+
+    def find_grid(self, w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`grid(w, bits)`, searched by the kernels in one pass on every thread (the same d, m and q: op for op the
+        same search), or by `grid` where this build cannot."""
+        if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % GRID_K or w.numel() == 0 or w.device.type != "cpu":
+            return None
+        w = w.detach().contiguous()
+        n, k = w.shape
+        d, m = torch.empty(n, k // GRID_K), torch.empty(n, k // GRID_K)
+        q = torch.empty(n, k // GRID_K, GRID_K, dtype=torch.uint8 if bits == 4 else torch.int8)
+        found = self.lib.kairos_grid_find(w.data_ptr(), n, k, bits, d.data_ptr(), m.data_ptr(), q.data_ptr(),
+                                          torch.get_num_threads())
+        if found < 0:
+            return grid(w, bits)
+        return (d, m, q) if found == 1 else None
 
     @staticmethod
     def pack_weight(w: torch.Tensor, compact: bool = False) -> PackedWeight:

@@ -637,3 +637,24 @@ def test_fp32_weights_of_a_de_quantized_gguf_run_as_grid_weights_with_the_same_l
     assert grid_dtypes == {torch.uint8} and grid_head == torch.int8
     assert plain_dtypes == {torch.float32} and plain_head == torch.float32
     assert torch.equal(grid, plain)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernels_find_the_grid_that_grid_finds(kernels, bits):
+    """`CpuKernels.find_grid` (one pass in the kernels) returns what `grid` (torch, the reference) returns, d, m and q
+    bit for bit, or None alike: on-grid weights, one value off, random values, zero blocks, steps past fp16's range."""
+    g = torch.Generator().manual_seed(10 + bits)
+    quant = _q4_1 if bits == 4 else _q8_0
+    on = quant(torch.randn(300, 128, generator=g))
+    off = on.clone()
+    off[150, 77] = torch.nextafter(off[150, 77], torch.tensor(-1.0))
+    cases = [on, off, torch.randn(70, 64, generator=g), torch.zeros(40, 32), quant(torch.randn(80, 96, generator=g)) * 1e6,
+             quant(torch.randn(64, 32, generator=g) * 1e-6), _q4_1(torch.randn(50, 64, generator=g)),
+             _q8_0(torch.randn(50, 64, generator=g))]
+    for w in cases:
+        want, got = cpu_kernels.grid(w, bits), kernels.find_grid(w, bits)
+        assert (want is None) == (got is None)
+        if want is not None:
+            for a, b in zip(want, got):
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert kernels.find_grid(on, bits) is not None and kernels.find_grid(off, bits) is None
