@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--packed-isa", default="best", help="comma list: best, amx, avx512_bf16, avx2_fma, none "
                    "(oneDNN; fp32: torch's linear)")
     s.add_argument("--compact", default="on", help="comma list: on, off (fp32 weights with bf16 values packed as bf16)")
-    s.add_argument("--grid", default="on", help="comma list: on, off (fp32 weights on a 4- or 8-bit grid packed as such)")
+    s.add_argument("--grid", default="on",
+                   help="comma list: on, off (fp32 weights on a 4- or 8-bit grid packed as such)")
     pp = sub.add_parser("parts")
     pp.add_argument("--model", default="kairos-default")
     pp.add_argument("--dtype", default="bfloat16")

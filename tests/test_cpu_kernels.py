@@ -484,48 +484,62 @@ def test_bf16_gemm_on_avx2_fma_is_the_fp32_gemm_of_the_widened_values(kernels, r
     assert (got_b.float() - ref_b).abs().max().item() <= 0.01 * ref_b.abs().max().item()
 
 
-def test_fp32_weights_with_bf16_values_run_compact_with_the_same_logits(tiny_checkpoints, kernels, tmp_path):
-    """An fp32 model whose weights are all bf16 values (a bf16 checkpoint run in fp32) is packed as bf16 where AVX2's
-    FMAs can widen it ("compact"): the decoder's weights take half the bytes, and the logits of a prefill and of a
-    whole-step decode are bit-identical to the fp32 packing's."""
+def _checkpoint_with(src, dst, values):
+    """A copy of the checkpoint folder src at dst whose every tensor is values(name, tensor)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({k: values(k, v) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return dst
+
+
+def _packed_logits(ckpt):
+    """An fp32 engine's decode logits for a few prompts (`_decode_logits`, whole-step path), the dtypes of its first
+    layer's packed weights, and its LM head's."""
+    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
+    eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
+                                 kv_cache_dtype="model"))
+    try:
+        dec = eng.runner.decoder
+        assert dec.whole_step
+        layer = dec.layers[0]
+        dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype}
+        return _decode_logits(eng, prompts), dtypes, dec.lm_head.data.dtype
+    finally:
+        eng.shutdown()
+
+
+def _packed_logits_on_and_off(ckpt, use):
+    """`_packed_logits` with a packing on, then with it off (`use(False)`); on again after."""
+    try:
+        on = _packed_logits(ckpt)
+        use(False)
+        return on, _packed_logits(ckpt)
+    finally:
+        use(True)
+
+
+def test_fp32_weights_with_bf16_values_run_compact_with_the_same_logits(tiny_checkpoints, kernels, tmp_path):
+    """An fp32 model whose weights are all bf16 values (a bf16 checkpoint run in fp32) is packed as bf16 where AVX2's
+    FMAs can widen it ("compact"): the decoder's weights take half the bytes, and the logits of a prefill and of a
+    whole-step decode are bit-identical to the fp32 packing's."""
     if not kernels.compact_weights:
         pytest.skip("needs the fp32 packed GEMM and AVX2 with FMA")
-    ckpt = tmp_path / "llama-bf16-values"
-    shutil.copytree(tiny_checkpoints["llama"], ckpt)
-    for f in ckpt.glob("*.safetensors"):
-        save_file({k: v.bfloat16().float() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
-    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
-
-    def run(compact):
-        kernels.use_compact_weights(compact)
-        eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
-                                     kv_cache_dtype="model"))
-        try:
-            dec = eng.runner.decoder
-            assert dec.whole_step
-            layer = dec.layers[0]
-            dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype}
-            return _decode_logits(eng, prompts), dtypes
-        finally:
-            eng.shutdown()
-
-    try:
-        compact, compact_dtypes = run(True)
-        plain, plain_dtypes = run(False)
-    finally:
-        kernels.use_compact_weights(True)
+    ckpt = _checkpoint_with(tiny_checkpoints["llama"], tmp_path / "llama-bf16-values",
+                            lambda k, v: v.bfloat16().float())
+    (compact, compact_dtypes, _), (plain, plain_dtypes, _) = _packed_logits_on_and_off(
+        ckpt, kernels.use_compact_weights)
     assert compact_dtypes == {torch.bfloat16} and plain_dtypes == {torch.float32}
     assert torch.equal(compact, plain)
 
 
 def _q4_1(w):
     """w's values after a Q4_1 round trip as GGUF makes it (ggml's quantize_row_q4_1_ref, then gguf's de-quantize in
-    fp32): per block of 32 k of a row, d = fp16((max - min) / 15), m = fp16(min), q = trunc((x - min) / d + 0.5) capped at
-    15, value fl(fl(d * q) + m)."""
+    fp32): per block of 32 k of a row, d = fp16((max - min) / 15), m = fp16(min), q = trunc((x - min) / d + 0.5)
+    capped at 15, value fl(fl(d * q) + m)."""
     b = w.reshape(w.shape[0], -1, 32)
     lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
     d = (hi - lo) / 15
@@ -603,37 +617,14 @@ def test_fp32_weights_of_a_de_quantized_gguf_run_as_grid_weights_with_the_same_l
     """An fp32 model de-quantized from a GGUF (as the default model is: Q4_1 layers, a Q8_0 embedding that is also
     its LM head) is packed as grid4 and grid8: the logits of a prefill and of a whole-step decode are bit-identical
     to the fp32 packing's."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     if not kernels.grid_weights:
         pytest.skip("needs the fp32 packed GEMM")
-    ckpt = tmp_path / "llama-gguf-values"
-    shutil.copytree(tiny_checkpoints["llama"], ckpt)
-    for f in ckpt.glob("*.safetensors"):
-        save_file({k: (_q8_0(v) if "embed" in k or "lm_head" in k else _q4_1(v)) if v.dim() == 2 else v
-                   for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
-    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
 
-    def run(on):
-        kernels.use_grid_weights(on)
-        eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
-                                     kv_cache_dtype="model"))
-        try:
-            dec = eng.runner.decoder
-            assert dec.whole_step
-            layer = dec.layers[0]
-            dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype}
-            return _decode_logits(eng, prompts), dtypes, dec.lm_head.data.dtype
-        finally:
-            eng.shutdown()
-
-    try:
-        grid, grid_dtypes, grid_head = run(True)
-        plain, plain_dtypes, plain_head = run(False)
-    finally:
-        kernels.use_grid_weights(True)
+    def gguf_values(name, v):
+        return v if v.dim() != 2 else _q8_0(v) if "embed" in name or "lm_head" in name else _q4_1(v)
+    ckpt = _checkpoint_with(tiny_checkpoints["llama"], tmp_path / "llama-gguf-values", gguf_values)
+    (grid, grid_dtypes, grid_head), (plain, plain_dtypes, plain_head) = _packed_logits_on_and_off(
+        ckpt, kernels.use_grid_weights)
     assert grid_dtypes == {torch.uint8} and grid_head == torch.int8
     assert plain_dtypes == {torch.float32} and plain_head == torch.float32
     assert torch.equal(grid, plain)
@@ -648,9 +639,9 @@ def test_the_kernels_find_the_grid_that_grid_finds(kernels, bits):
     on = quant(torch.randn(300, 128, generator=g))
     off = on.clone()
     off[150, 77] = torch.nextafter(off[150, 77], torch.tensor(-1.0))
-    cases = [on, off, torch.randn(70, 64, generator=g), torch.zeros(40, 32), quant(torch.randn(80, 96, generator=g)) * 1e6,
-             quant(torch.randn(64, 32, generator=g) * 1e-6), _q4_1(torch.randn(50, 64, generator=g)),
-             _q8_0(torch.randn(50, 64, generator=g))]
+    cases = [on, off, torch.randn(70, 64, generator=g), torch.zeros(40, 32),
+             quant(torch.randn(80, 96, generator=g)) * 1e6, quant(torch.randn(64, 32, generator=g) * 1e-6),
+             _q4_1(torch.randn(50, 64, generator=g)), _q8_0(torch.randn(50, 64, generator=g))]
     for w in cases:
         want, got = cpu_kernels.grid(w, bits), kernels.find_grid(w, bits)
         assert (want is None) == (got is None)
