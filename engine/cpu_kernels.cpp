@@ -1250,9 +1250,10 @@ inline void gemm_epilogue(const float* c, int64_t nrows, int64_t m0, int64_t pai
 // are) or 8-bit signed (m = 0: Q8_0, as its embedding is), is packed as its q: per panel of 16 columns and block of 32
 // k, d[16] and m[16] (fp32, one per column), then the q of each of the 32 k: grid4 8 bytes, byte j holding column j's
 // q in its low nibble and column j + 8's in its high one (384 bytes for 512 weights; fp32: 2,048), grid8 16 int8
-// (640 bytes). `CpuKernels.grid` finds d, m and q exactly or refuses. The GEMM builds the fp32 values with the same
-// two roundings (a multiply, then an add), so it multiplies the very values the checkpoint holds, in the fp32 GEMM's
-// order: the same output bit for bit.
+// (640 bytes). `CpuKernels.find_grid` (grid_find below; `grid` in engine/cpu_kernels.py is its torch reference)
+// finds d, m and q exactly or refuses. The GEMM builds the fp32 values with the same two roundings (a multiply, then
+// an add), so it multiplies the very values the checkpoint holds, in the fp32 GEMM's order: the same output bit for
+// bit.
 constexpr int64_t kGridK = 32;
 constexpr int64_t grid_block_bytes(int bits) { return 128 + 64 * bits; }
 
@@ -1270,7 +1271,9 @@ inline void grid_q(const uint8_t* q, int64_t kk, __m256i& lo, __m256i& hi) {
     }
 }
 
-inline __m256 grid_value(__m256i q, __m256 d, __m256 m) {  // fl(fl(d * q) + m)
+// fl(fl(d * q) + m): two roundings only because the build passes -ffp-contract=off (GCC's intrinsics are plain
+// vector arithmetic, which it would otherwise fuse into one FMA; the grid tests compare bit for bit)
+inline __m256 grid_value(__m256i q, __m256 d, __m256 m) {
     return _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
 }
 #endif
@@ -1311,7 +1314,9 @@ inline void grid_unpack(const uint8_t* pair, int64_t k, int64_t k0, int64_t kn, 
 // Finding a weight's grid (CpuKernels.find_grid): per block of 32 values, m (4 bits: the minimum, at q = 0; 8 bits: 0)
 // and d from the step (4 bits: (max - m) / 15; 8 bits: the largest magnitude / 127) rounded to fp16, its two fp16
 // neighbours, then the fp32 step; the first d whose rounded, clamped q rebuild all 32 values bit for bit wins. The same
-// search, op for op, as `grid` in engine/cpu_kernels.py (torch), in one pass. 1 found, 0 not, -1 not built (no F16C).
+// search, op for op, as `grid` in engine/cpu_kernels.py (torch), in one pass (every block, no probe). grid_block:
+// whether one block is on the grid (d, m and q written if so); grid_find: 1 every block is, 0 not, -1 this build cannot
+// search (no F16C).
 template <int Bits, typename Q>
 bool grid_block(const float* v, float& d_out, float& m_out, Q* q_out) {
 #ifdef __F16C__
@@ -1432,6 +1437,7 @@ constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the we
 // slower from 64 rows on, and chunks of 128 ~1-2% slower at 256. With 16-lane vectors (and bf16) chunks did not help:
 // 12 rows a group cover a decode step in one to three groups.
 constexpr int64_t kChunkK = 32, kChunkKMany = 128, kChunkRowsBelow = 32, kChunkRowsUpTo = 64;
+static_assert(kChunkK % kGridK == 0 && kChunkKMany % kGridK == 0, "grid weights unpack whole blocks of k");
 
 // gemm_packed's tasks, as runs of panel pairs [at[j], at[j + 1]): guided, each about a (2 x nthreads)th of the pairs
 // still unassigned, so that a thread streams long runs first (the next pair fetched while one computes) and the
@@ -1996,8 +2002,10 @@ void kairos_decode_attn(int dtype, const void* q, int64_t q_stride, const void* 
                     bs, scale, nthreads);
 }
 
+// dtype: 0 = fp32 rows and weight, 1 = bf16, 2 = fp32 rows on a compact weight, 3 / 4 = on a grid4 / grid8 weight.
 // gemm: 0 on success; bf16: 1 = K not a multiple of 32, 2 = neither AMX nor AVX512-BF16 (kairos_packed_gemm_enable);
-// fp32: 2 = built without FMA (kairos_packed_f32)
+// fp32 (all of 0, 2, 3, 4): 2 = built without FMA (kairos_packed_f32); compact: 1 = K odd; grid: 1 = K not a
+// multiple of 32
 int kairos_gemm_packed(int dtype, const void* x, int64_t ldx, int64_t m, int64_t k, const void* w, int64_t pairs,
                        int64_t n, const void* bias, const void* res, void* out, int64_t ldo, int mode, int nthreads) {
     if (dtype == 1)

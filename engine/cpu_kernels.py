@@ -195,9 +195,10 @@ class CpuKernels:
     def pack_exact_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
         """`pack_gated` in the fewest exact bytes, as `pack_exact` (both weights in one format)."""
         for bits in GRID_BITS if self.grid_weights else ():
-            found = [self.find_grid(w, bits) for w in (gate, up)]
-            if all(f is not None for f in found):
-                return stack_gated(*(pack_grid(w, *f) for w, f in zip((gate, up), found)))
+            found = self.find_grid(gate, bits)
+            found_up = self.find_grid(up, bits) if found is not None else None
+            if found_up is not None:
+                return stack_gated(pack_grid(gate, *found), pack_grid(up, *found_up))
         return self.pack_gated(gate, up, self.compactable(gate, up))
 
     def find_grid(self, w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -207,7 +208,7 @@ class CpuKernels:
             return None
         w = w.detach().contiguous()
         n, k = w.shape
-        d, m = torch.empty(n, k // GRID_K), torch.empty(n, k // GRID_K)
+        d, m = torch.empty(n, k // GRID_K, dtype=torch.float32), torch.empty(n, k // GRID_K, dtype=torch.float32)
         q = torch.empty(n, k // GRID_K, GRID_K, dtype=torch.uint8 if bits == 4 else torch.int8)
         found = self.lib.kairos_grid_find(w.data_ptr(), n, k, bits, d.data_ptr(), m.data_ptr(), q.data_ptr(),
                                           torch.get_num_threads())
@@ -317,8 +318,9 @@ class CpuKernels:
         for ln_in, ln_post, qkv, qkv_b, o, o_b, gu, down, kc, vc in layers:
             assert gu.gated and not qkv.gated and kc.is_contiguous() and vc.is_contiguous()
             ptr = (lambda t: 0 if t is None else t.data_ptr())
-            formats = sum(WEIGHT_FORMATS[weight_code(ln_in.dtype, pw)] << 4 * i  # `FormatShift` in cpu_kernels.cpp
-                          for i, pw in enumerate((qkv, o, gu, down)))
+            codes = [weight_code(ln_in.dtype, pw) for pw in (qkv, o, gu, down)]
+            assert None not in codes, (ln_in.dtype, [pw.data.dtype for pw in (qkv, o, gu, down)])
+            formats = sum(WEIGHT_FORMATS[c] << 4 * i for i, c in enumerate(codes))  # `FormatShift` in cpu_kernels.cpp
             rows.append([ptr(ln_in), ptr(ln_post), ptr(qkv.data), qkv.pairs, ptr(qkv_b), ptr(o.data), o.pairs, ptr(o_b),
                          ptr(gu.data), gu.pairs, ptr(down.data), down.pairs, ptr(kc), ptr(vc), formats])
             assert len(rows[-1]) == self.layer_fields

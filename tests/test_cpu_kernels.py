@@ -497,8 +497,8 @@ def _checkpoint_with(src, dst, values):
 
 
 def _packed_logits(ckpt):
-    """An fp32 engine's decode logits for a few prompts (`_decode_logits`, whole-step path), the dtypes of its first
-    layer's packed weights, and its LM head's."""
+    """An fp32 engine's whole-step decode logits after a prefill (`_decode_logits`) for 5 prompts and for 1, the
+    dtypes of its first layer's packed weights (q|k|v, o, gate|up, down), and its LM head's."""
     prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
     eng = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
                                  kv_cache_dtype="model"))
@@ -506,8 +506,9 @@ def _packed_logits(ckpt):
         dec = eng.runner.decoder
         assert dec.whole_step
         layer = dec.layers[0]
-        dtypes = {layer.qkv_w.data.dtype, layer.o_w.data.dtype, layer.mlp.data.dtype, layer.down_w.data.dtype}
-        return _decode_logits(eng, prompts), dtypes, dec.lm_head.data.dtype
+        dtypes = tuple(w.data.dtype for w in (layer.qkv_w, layer.o_w, layer.mlp, layer.down_w))
+        logits = torch.cat([_decode_logits(eng, prompts), _decode_logits(eng, prompts[-1:])])
+        return logits, dtypes, dec.lm_head.data.dtype
     finally:
         eng.shutdown()
 
@@ -532,7 +533,7 @@ def test_fp32_weights_with_bf16_values_run_compact_with_the_same_logits(tiny_che
                             lambda k, v: v.bfloat16().float())
     (compact, compact_dtypes, _), (plain, plain_dtypes, _) = _packed_logits_on_and_off(
         ckpt, kernels.use_compact_weights)
-    assert compact_dtypes == {torch.bfloat16} and plain_dtypes == {torch.float32}
+    assert set(compact_dtypes) == {torch.bfloat16} and set(plain_dtypes) == {torch.float32}
     assert torch.equal(compact, plain)
 
 
@@ -598,7 +599,7 @@ def _check_grid_gemm(kernels, bits):
         gated = kernels.pack_exact_gated(w, up)
         assert gated.data.dtype == dtype and gated.gated
         b = torch.randn(n, generator=g)
-        for rows in (1, 2, 3, 5, 7, 13, 40, 70):
+        for rows in (1, 2, 3, 5, 7, 13, 40, 70, 300):  # 300: two passes of 256 rows, each unpacking again
             x = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows with a stride
             h = torch.randn(rows, n, generator=g)
 
@@ -615,18 +616,24 @@ def _check_grid_gemm(kernels, bits):
 def test_fp32_weights_of_a_de_quantized_gguf_run_as_grid_weights_with_the_same_logits(tiny_checkpoints, kernels,
                                                                                       tmp_path):
     """An fp32 model de-quantized from a GGUF (as the default model is: Q4_1 layers, a Q8_0 embedding that is also
-    its LM head) is packed as grid4 and grid8: the logits of a prefill and of a whole-step decode are bit-identical
+    its LM head) is packed as grid4 and grid8, each weight in its own format: here with a Q8_0 down_proj and a
+    bf16-valued o_proj (compact) among Q4_1 weights, the whole-step decode's logits after a prefill are bit-identical
     to the fp32 packing's."""
     if not kernels.grid_weights:
         pytest.skip("needs the fp32 packed GEMM")
 
     def gguf_values(name, v):
-        return v if v.dim() != 2 else _q8_0(v) if "embed" in name or "lm_head" in name else _q4_1(v)
+        if v.dim() != 2:
+            return v
+        if "o_proj" in name:
+            return v.bfloat16().float()
+        return _q8_0(v) if "embed" in name or "lm_head" in name or "down_proj" in name else _q4_1(v)
     ckpt = _checkpoint_with(tiny_checkpoints["llama"], tmp_path / "llama-gguf-values", gguf_values)
     (grid, grid_dtypes, grid_head), (plain, plain_dtypes, plain_head) = _packed_logits_on_and_off(
         ckpt, kernels.use_grid_weights)
-    assert grid_dtypes == {torch.uint8} and grid_head == torch.int8
-    assert plain_dtypes == {torch.float32} and plain_head == torch.float32
+    assert grid_dtypes == (torch.uint8, torch.bfloat16, torch.uint8, torch.int8) and grid_head == torch.int8
+    assert plain_dtypes == (torch.float32, torch.bfloat16, torch.float32, torch.float32)
+    assert plain_head == torch.float32
     assert torch.equal(grid, plain)
 
 
@@ -642,6 +649,12 @@ def test_the_kernels_find_the_grid_that_grid_finds(kernels, bits):
     cases = [on, off, torch.randn(70, 64, generator=g), torch.zeros(40, 32),
              quant(torch.randn(80, 96, generator=g)) * 1e6, quant(torch.randn(64, 32, generator=g) * 1e-6),
              _q4_1(torch.randn(50, 64, generator=g)), _q8_0(torch.randn(50, 64, generator=g))]
+    # a step past fp16's range: d from the fp32 quotient (its fp16 rounding is inf, and the neighbours fail)
+    q = torch.randint(0, 16 if bits == 4 else 128, (16, 32), generator=g).float()
+    q[:, 0], q[:, 1] = 0, 15 if bits == 4 else 127
+    wide = (torch.full((16, 1), 2e37 if bits == 4 else 2e36) * q) + (-1.5e38 if bits == 4 else 0.0)
+    assert cpu_kernels.grid(wide, bits) is not None
+    cases.append(wide)
     for w in cases:
         want, got = cpu_kernels.grid(w, bits), kernels.find_grid(w, bits)
         assert (want is None) == (got is None)
