@@ -10,7 +10,9 @@ the weights: oneDNN's bf16 GEMM streamed them at ~16 GB/s on the AMX box at 1-32
 Where there is AVX512-BF16 but no AMX (AMD Zen 4) the same packed panels feed AVX-512's bf16 dot product; each
 thread asks for its next panel pair while it computes on this one, and a batch of 32 then runs at ~90% of the
 dot product's peak. A step whose tokens all attend through the paged kernel runs every layer in one call
-(`decode_layers`), which can time its own phases (`phase_times`).
+(`decode_layers`), which can time its own phases (`phase_times`). fp32 weights run on a packed fp32 GEMM, stored in
+fewer bytes wherever that gives the same output bit for bit: as bf16 where every value is a bf16 value ("compact"),
+or as 4- / 8-bit q with per-block d and m where the values are a de-quantized GGUF's (`grid`, "grid4" / "grid8").
 
 Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, ~2 s) into the Kairos cache
 (`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
