@@ -195,12 +195,11 @@ class CpuKernels:
         return self.pack_weight(w, self.compactable(w))
 
     def pack_exact_gated(self, gate: torch.Tensor, up: torch.Tensor) -> PackedWeight:
-        """`pack_gated` in the fewest exact bytes, as `pack_exact` (both weights in one format)."""
-        for bits in GRID_BITS if self.grid_weights else ():
-            found = self.find_grid(gate, bits)
-            found_up = self.find_grid(up, bits) if found is not None else None
-            if found_up is not None:
-                return stack_gated(pack_grid(gate, *found), pack_grid(up, *found_up))
+        """`pack_gated` in the fewest exact bytes: each weight as `pack_exact` packs it where both come out in one
+        format, else both in the best format they share."""
+        g, u = self.pack_exact(gate), self.pack_exact(up)
+        if g.data.dtype == u.data.dtype:
+            return stack_gated(g, u)
         return self.pack_gated(gate, up, self.compactable(gate, up))
 
     def find_grid(self, w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
