@@ -5,6 +5,7 @@
                                [--grid on,off]
     python -m bench.step parts [--model kairos-default] [--dtype bfloat16] [--batches 1,8,32] [--per-op]
     python -m bench.step gemm [--model kairos-default] [--rows 1,8,32,1024] [--against OTHER.cpp ...] [--dtype float32]
+                              [--grid]
     python -m bench.step attn [--model kairos-default] [--batches 1,8,32] [--context 96] [--cached] [--dtype float32]
                               [--against OTHER.cpp ...]
     python -m bench.step omp
@@ -30,7 +31,8 @@ between calls), "outside" the step's input preparation and the rest of sampling.
 wrappers a layer add a little to the step against `steps`.
 `gemm`: one pass of the model's per-layer linear layers on Kairos's packed bf16 GEMM (`--dtype float32`: the fp32
 one; q|k|v, o_proj += h, silu(gate) * up, down += h, every layer; random weights of the model's shapes, so that they
-stream from memory as a step's do; `--cached`: one layer's weights for every layer, so that they come from the
+stream from memory as a step's do; `--grid`: fp32 weights on a Q4_1 grid, packed as grid4 as the default model's
+layers are; `--cached`: one layer's weights for every layer, so that they come from the
 caches), at each row count,
 median and best of `--reps` on a fresh thread. With `--against`, each given version of
 `engine/cpu_kernels.cpp` (e.g. `git show REV:engine/cpu_kernels.cpp > old.cpp`) is built with the same flags and
@@ -228,10 +230,11 @@ def _model_config(model: str):
 
 
 def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: int,
-         cached: bool = False, dtype: str = "bfloat16") -> dict[str, dict[int, tuple]]:
+         cached: bool = False, dtype: str = "bfloat16", grid: bool = False) -> dict[str, dict[int, tuple]]:
     import torch
 
-    from engine.cpu_kernels import CpuKernels
+    from engine.cpu_kernels import CpuKernels, grid as find_grid, pack_grid, stack_gated
+    from engine.testing import q4_1_round_trip
 
     dt = getattr(torch, dtype)
     cfg, hd = _model_config(model)
@@ -244,8 +247,16 @@ def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: in
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.05).to(dt)
-    pack = CpuKernels.pack_weight
-    layers = [(pack(rand(wq, d)), pack(rand(d, wo)), CpuKernels.pack_gated(rand(inter, d), rand(inter, d)),
+    if grid:  # every weight on a Q4_1 GGUF's grid, packed as grid4 (the default model's layers)
+        def pack(w: torch.Tensor):
+            w = q4_1_round_trip(w)
+            return pack_grid(w, *find_grid(w, 4))
+
+        def pack_gated(gate: torch.Tensor, up: torch.Tensor):
+            return stack_gated(pack(gate), pack(up))
+    else:
+        pack, pack_gated = CpuKernels.pack_weight, CpuKernels.pack_gated
+    layers = [(pack(rand(wq, d)), pack(rand(d, wo)), pack_gated(rand(inter, d), rand(inter, d)),
                pack(rand(d, inter))) for _ in range(1 if cached else cfg.num_hidden_layers)]
     layers *= cfg.num_hidden_layers // len(layers)  # --cached: one layer's weights every time, from the caches
 
@@ -497,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     gm.add_argument("--threads", type=int, default=2)
     gm.add_argument("--cached", action="store_true", help="one layer's weights for every layer (they stay cached)")
     gm.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    gm.add_argument("--grid", action="store_true", help="float32 weights on a Q4_1 grid, packed as grid4")
     at = sub.add_parser("attn")
     at.add_argument("--model", default="kairos-default")
     at.add_argument("--batches", default="1,8,32")
@@ -548,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     elif args.cmd == "gemm":
         for name, by_rows in gemm(args.model, [int(x) for x in args.rows.split(",")], args.against, args.reps,
-                                  args.threads, args.cached, args.dtype).items():
+                                  args.threads, args.cached, args.dtype, args.grid).items():
             print(f"{name}: one pass of the per-layer {args.dtype} GEMMs, ms (median / best of {args.reps}): "
                   + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
     elif args.cmd == "attn":

@@ -578,18 +578,47 @@ inline __m256 max_each8(const float* s, int64_t n) {
     return _mm256_max_ps(mv, _mm256_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
+// attend_one_vec's output for GN query heads (o: the first one's row; p: their probabilities, row stride L8), columns
+// [c0, c0 + kAttnVecs) vectors of each 64: sum over t of p[g][t] x V row t, in t order, times inv[g]
+constexpr int kAttnVecs = 4;
+template <typename T, typename Vec, int GN>
+inline void attend_v_block(const T* vc, const int64_t* off, int64_t L, const float* p, int64_t L8, const float* inv,
+                           int c0, T* o, AskNext* next) {
+    using V = typename Vec::V;
+    constexpr int CB = 64 / Vec::W < kAttnVecs ? 64 / Vec::W : kAttnVecs;
+    V acc[GN][CB];
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < CB; ++c) acc[g][c] = Vec::zero();
+    for (int64_t t = 0; t < L; ++t) {  // GN broadcasts, then one V vector at a time: GN x CB + GN + 1 registers
+        if (next != nullptr && t % 2 == 0) next->ask();
+        const T* vr = vc + off[t] + c0 * Vec::W;
+        V pg[GN];
+        for (int g = 0; g < GN; ++g) pg[g] = Vec::set1(p[g * L8 + t]);
+        for (int c = 0; c < CB; ++c) {
+            const V v = Vec::load(vr + c * Vec::W);
+            for (int g = 0; g < GN; ++g) acc[g][c] = Vec::fmadd(pg[g], v, acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GN; ++g) {
+        const V iv = Vec::set1(inv[g]);
+        for (int c = 0; c < CB; ++c)
+            Vec::template store<T>(o + g * 64 + (c0 + c) * Vec::W, Vec::mul(acc[g][c], iv));
+    }
+}
+
 template <typename T, typename Vec>
 void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, int64_t L, int64_t G, float scale,
-                    T* o, float* s) {
+                    T* o, float* s, AskNext& next) {
     using V = typename Vec::V;
     constexpr int C = 64 / Vec::W;  // vectors per 64-float row
-    V q[8][C], acc[8][C];  // G <= 8 (checked by the caller)
+    V q[8][C];  // G <= 8 (checked by the caller)
     const V sc = Vec::set1(scale);
     for (int64_t g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) q[g][c] = Vec::mul(Vec::load(qr + g * 64 + c * Vec::W), sc);
     const int64_t L8 = (L + 7) / 8 * 8;
     for (int64_t t0 = 0; t0 < L8; t0 += 8) {
         ask_ahead(kc, vc, off, t0, L, 64 * static_cast<int64_t>(sizeof(T)));
+        next.ask();
         __m256 part[8][8];  // [g][row within the 8], each summing to that row's score
         for (int tt = 0; tt < 8; ++tt) {
             const int64_t t = t0 + tt;
@@ -629,21 +658,24 @@ void attend_one_vec(const T* qr, const T* kc, const T* vc, const int64_t* off, i
         float total = 0.f;
         for (float v : lanes) total += v;
         inv[g] = 1.f / total;
-        for (int c = 0; c < C; ++c) acc[g][c] = Vec::zero();
     }
-    for (int64_t t = 0; t < L; ++t) {
-        const T* vr = vc + off[t];
-        V v[C];
-        for (int c = 0; c < C; ++c) v[c] = Vec::load(vr + c * Vec::W);
-        for (int64_t g = 0; g < G; ++g) {
-            const V p = Vec::set1(s[g * L8 + t]);
-            for (int c = 0; c < C; ++c) acc[g][c] = Vec::fmadd(p, v[c], acc[g][c]);
+    // the weighted sum of the V rows, in blocks of heads x columns whose sums fit the registers (AVX2's 16: 3 heads x
+    // 32 columns; all G x 64 would spill, each row's sums then going through memory)
+    constexpr int GB = Vec::W == 8 ? 3 : 6;
+    for (int c0 = 0; c0 < C; c0 += kAttnVecs)
+        for (int64_t g0 = 0; g0 < G; g0 += GB) {
+            AskNext* asks = c0 + g0 == 0 ? &next : nullptr;  // the first block asks as it goes
+            const float* p = s + g0 * L8;
+            T* og = o + g0 * 64;
+            switch (std::min<int64_t>(GB, G - g0)) {
+                case 1: attend_v_block<T, Vec, 1>(vc, off, L, p, L8, inv + g0, c0, og, asks); break;
+                case 2: attend_v_block<T, Vec, 2>(vc, off, L, p, L8, inv + g0, c0, og, asks); break;
+                case 3: attend_v_block<T, Vec, 3>(vc, off, L, p, L8, inv + g0, c0, og, asks); break;
+                case 4: attend_v_block<T, Vec, 4>(vc, off, L, p, L8, inv + g0, c0, og, asks); break;
+                case 5: attend_v_block<T, Vec, 5>(vc, off, L, p, L8, inv + g0, c0, og, asks); break;
+                default: attend_v_block<T, Vec, 6>(vc, off, L, p, L8, inv + g0, c0, og, asks); break;
+            }
         }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-        const V iv = Vec::set1(inv[g]);
-        for (int c = 0; c < C; ++c) Vec::template store<T>(o + g * 64 + c * Vec::W, Vec::mul(acc[g][c], iv));
-    }
 }
 #endif
 
@@ -856,12 +888,14 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
                     }
                 }
 #endif
-                next.ask((next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0) - next.t);  // its share before each head
 #ifdef __AVX2__
-                if (hd == 64 && G <= 8)
-                    attend_one_vec<T, VecWide>(qr, k0, v0, off.data(), L, G, scale, o, s.data());
-                else
+                if (hd == 64 && G <= 8) {  // asks as it goes (every 8 rows scored, every 2 weighed), then its share
+                    attend_one_vec<T, VecWide>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), next);
+                    next.ask((next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0) - next.t);
+                    continue;
+                }
 #endif
+                next.ask((next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0) - next.t);  // its share before each head
                 if (hd == 64)
                     attend_one<T, 64>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
                                       kv.data());
@@ -1429,6 +1463,10 @@ inline void grid_few_rows(const float* a, int64_t lda, int64_t rows, const uint8
 }
 
 constexpr int64_t kAskNextRunRows = 8;
+// gemm_blocked's row groups are even where none gets fewer rows than this (or R): on a Zen 3 (AVX2, one thread, a
+// 6 x 16 FMA block on weights in L1, throwaway loop) groups of 4 rows ran at 27-38 GFLOP/s, of 5 at 45-49, of 6 at
+// 47-58 (the FMA's latency wants 10+ independent sums)
+constexpr int64_t kEvenGroupsMin = 5;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
 // The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked): kChunkK below kChunkRowsBelow rows, kChunkKMany below
 // kChunkRowsUpTo, then none. On a Zen 4 built without AVX-512 (`KAIROS_CPU_ISA=avx2 python -m bench.step gemm --dtype
@@ -1507,12 +1545,23 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                     }
                     const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
                     const int64_t lines = ahead >= 0 ? pair_lines : 0;
+                    // the pass's rows in groups of at most R, as even as they go where no group falls below
+                    // kEvenGroupsMin rows (32 rows of R = 6: 6, 6, 5, 5, 5, 5, not five of 6 and one of 2, whose few
+                    // sums a k wait on the FMA's latency), else of R and the rest (8 rows: 6 and 2, not 4 and 4):
+                    // group g starts at row r0 + g * base + min(g, extra)
                     const int64_t groups = (r1 - r0 + R - 1) / R;
+                    const bool even = (r1 - r0) / groups >= std::min<int64_t>(R, kEvenGroupsMin);
+                    const int64_t base = even ? (r1 - r0) / groups : R, extra = even ? (r1 - r0) % groups : 0;
+                    auto group = [&](int64_t g) {
+                        const int64_t i = r0 + g * base + std::min(g, extra);
+                        return std::pair<int64_t, int64_t>(i, std::min(base + (g < extra), r1 - i));
+                    };
                     if constexpr (Chunk == 0) {
                         const int64_t share = (lines + groups - 1) / groups;
                         const auto pp = panels(b0, 0, k);
-                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
-                            const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
+                        for (int64_t g = 0; g < groups; ++g) {
+                            const auto [i, rows] = group(g);
+                            const int64_t first = std::min(lines, g * share);
                             rows_fn(x + i * ldx, ldx, rows, pp.first, pp.second, k, c, next + 64 * first,
                                     std::min(lines, first + share) - first);
                             gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
@@ -1529,16 +1578,17 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                                 }
                             }
                             const auto pp = panels(b0, k0, kn);
-                            for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
+                            for (int64_t g = 0; g < groups; ++g) {
+                                const auto [i, rows] = group(g);
                                 const int64_t from = std::min(asks, g * share);
-                                rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), pp.first, pp.second, kn,
-                                        c + g * R * 32, next + 64 * (first + from),
-                                        std::min(asks, from + share) - from, k0 > 0);
+                                rows_fn(x + i * ldx + k0, ldx, rows, pp.first, pp.second, kn, c + (i - r0) * 32,
+                                        next + 64 * (first + from), std::min(asks, from + share) - from, k0 > 0);
                             }
                         }
-                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g)
-                            gemm_epilogue(c + g * R * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
-                                          mode);
+                        for (int64_t g = 0; g < groups; ++g) {
+                            const auto [i, rows] = group(g);
+                            gemm_epilogue(c + (i - r0) * 32, rows, i, p, n, bias, res, out, ldo, mode);
+                        }
                     }
                 }
             }

@@ -77,4 +77,29 @@ def build_tiny_checkpoint(family: TinyFamily, out_dir: str | os.PathLike[str], s
     return out
 
 
-__all__ = ["TINY_FAMILIES", "TINY_MAX_POSITIONS", "TINY_VOCAB", "TinyFamily", "build_tiny_checkpoint"]
+__all__ = ["TINY_FAMILIES", "TINY_MAX_POSITIONS", "TINY_VOCAB", "TinyFamily", "build_tiny_checkpoint", "q4_1_round_trip",
+           "q8_0_round_trip"]
+
+
+def q4_1_round_trip(w: "torch.Tensor") -> "torch.Tensor":
+    """w's values after a Q4_1 round trip as GGUF makes it (ggml's quantize_row_q4_1_ref, then gguf's de-quantize in
+    fp32): per block of 32 k of a row, d = fp16((max - min) / 15), m = fp16(min), q = trunc((x - min) / d + 0.5)
+    capped at 15, value fl(fl(d * q) + m)."""
+    import torch
+
+    b = w.reshape(w.shape[0], -1, 32)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.where(d > 0, (b - lo) * torch.where(d > 0, 1 / d, 0) + 0.5, 0).floor().clamp(0, 15)
+    return ((d.half().float() * q) + lo.half().float()).reshape(w.shape)
+
+
+def q8_0_round_trip(w: "torch.Tensor") -> "torch.Tensor":
+    """w's values after a Q8_0 round trip (quantize_row_q8_0_ref, then gguf's de-quantize): per block of 32 k,
+    d = amax / 127, q = round(x / d), value fl(fp16(d) * q)."""
+    import torch
+
+    b = w.reshape(w.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, b * torch.where(d > 0, 1 / d, 0), 0).round() + 0.0  # q is an int8: no -0
+    return (d.half().float() * q).reshape(w.shape)

@@ -9,6 +9,7 @@ from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.decoder import rms_norm
 from engine.engine import LLMEngine
+from engine.testing import q4_1_round_trip, q8_0_round_trip
 
 H, KV, HD, BS = 9, 3, 64, 16
 
@@ -537,32 +538,12 @@ def test_fp32_weights_with_bf16_values_run_compact_with_the_same_logits(tiny_che
     assert torch.equal(compact, plain)
 
 
-def _q4_1(w):
-    """w's values after a Q4_1 round trip as GGUF makes it (ggml's quantize_row_q4_1_ref, then gguf's de-quantize in
-    fp32): per block of 32 k of a row, d = fp16((max - min) / 15), m = fp16(min), q = trunc((x - min) / d + 0.5)
-    capped at 15, value fl(fl(d * q) + m)."""
-    b = w.reshape(w.shape[0], -1, 32)
-    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-    d = (hi - lo) / 15
-    q = torch.where(d > 0, (b - lo) * torch.where(d > 0, 1 / d, 0) + 0.5, 0).floor().clamp(0, 15)
-    return ((d.half().float() * q) + lo.half().float()).reshape(w.shape)
-
-
-def _q8_0(w):
-    """w's values after a Q8_0 round trip (quantize_row_q8_0_ref, then gguf's de-quantize): per block of 32 k,
-    d = amax / 127, q = round(x / d), value fl(fp16(d) * q)."""
-    b = w.reshape(w.shape[0], -1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, b * torch.where(d > 0, 1 / d, 0), 0).round() + 0.0  # q is an int8: no -0
-    return (d.half().float() * q).reshape(w.shape)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_grid_finds_the_blocks_of_a_de_quantized_gguf_weight_and_refuses_others(bits):
     """`grid` (pure): a de-quantized Q4_1 (bits 4) or Q8_0 (bits 8) weight gives d, m and q that rebuild every value
     bit for bit; a weight with one value off the grid, random values, or K not a multiple of 32 gives None."""
     g = torch.Generator().manual_seed(bits)
-    quant, qtype, qmax = (_q4_1, torch.uint8, 15) if bits == 4 else (_q8_0, torch.int8, 127)
+    quant, qtype, qmax = (q4_1_round_trip, torch.uint8, 15) if bits == 4 else (q8_0_round_trip, torch.int8, 127)
     w = quant(torch.randn(70, 96, generator=g))
     d, m, q = cpu_kernels.grid(w, bits)
     assert d.shape == m.shape == (70, 3) and q.shape == (70, 3, 32) and q.dtype == qtype
@@ -591,7 +572,7 @@ def test_grid_gemm_is_the_fp32_gemm_bit_for_bit(kernels, bits):
 
 def _check_grid_gemm(kernels, bits):
     g = torch.Generator().manual_seed(1)
-    quant, dtype = (_q4_1, torch.uint8) if bits == 4 else (_q8_0, torch.int8)
+    quant, dtype = (q4_1_round_trip, torch.uint8) if bits == 4 else (q8_0_round_trip, torch.int8)
     for n, k in ((100, 96), (64, 192)):
         w, up = (quant(torch.randn(n, k, generator=g) / k ** 0.5) for _ in range(2))
         packed, plain = kernels.pack_exact(w), kernels.pack_weight(w)
@@ -627,7 +608,7 @@ def test_fp32_weights_of_a_de_quantized_gguf_run_as_grid_weights_with_the_same_l
             return v
         if "o_proj" in name:
             return v.bfloat16().float()
-        return _q8_0(v) if "embed" in name or "lm_head" in name or "down_proj" in name else _q4_1(v)
+        return q8_0_round_trip(v) if "embed" in name or "lm_head" in name or "down_proj" in name else q4_1_round_trip(v)
     ckpt = _checkpoint_with(tiny_checkpoints["llama"], tmp_path / "llama-gguf-values", gguf_values)
     (grid, grid_dtypes, grid_head), (plain, plain_dtypes, plain_head) = _packed_logits_on_and_off(
         ckpt, kernels.use_grid_weights)
@@ -642,13 +623,13 @@ def test_the_kernels_find_the_grid_that_grid_finds(kernels, bits):
     """`CpuKernels.find_grid` (one pass in the kernels) returns what `grid` (torch, the reference) returns, d, m and q
     bit for bit, or None alike: on-grid weights, one value off, random values, zero blocks, steps past fp16's range."""
     g = torch.Generator().manual_seed(10 + bits)
-    quant = _q4_1 if bits == 4 else _q8_0
+    quant = q4_1_round_trip if bits == 4 else q8_0_round_trip
     on = quant(torch.randn(300, 128, generator=g))
     off = on.clone()
     off[150, 77] = torch.nextafter(off[150, 77], torch.tensor(-1.0))
     cases = [on, off, torch.randn(70, 64, generator=g), torch.zeros(40, 32),
              quant(torch.randn(80, 96, generator=g)) * 1e6, quant(torch.randn(64, 32, generator=g) * 1e-6),
-             _q4_1(torch.randn(50, 64, generator=g)), _q8_0(torch.randn(50, 64, generator=g))]
+             q4_1_round_trip(torch.randn(50, 64, generator=g)), q8_0_round_trip(torch.randn(50, 64, generator=g))]
     # a step past fp16's range: d from the fp32 quotient (its fp16 rounding is inf, and the neighbours fail)
     q = torch.randint(0, 16 if bits == 4 else 128, (16, 32), generator=g).float()
     q[:, 0], q[:, 1] = 0, 15 if bits == 4 else 127
