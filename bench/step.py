@@ -318,6 +318,16 @@ def _gemv_stack_ms() -> float:
     return (time.perf_counter() - t) / 5 * 1000.0
 
 
+def _report(lines: list[str], summary: str | None, argv: list[str] | None) -> None:
+    """Print each build's line; with a summary name, keep them as that summary (headline: the lines joined)."""
+    for line in lines:
+        print(line)
+    if summary:
+        from bench.report import command_line, write_summary  # noqa: PLC0415
+
+        print(write_summary(summary, command_line("bench.step", argv), "; ".join(lines), {"lines": lines}))
+
+
 def _on_fresh_thread(fn):
     out: list = []
     th = threading.Thread(target=lambda: out.append(fn()))
@@ -509,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     gm.add_argument("--cached", action="store_true", help="one layer's weights for every layer (they stay cached)")
     gm.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     gm.add_argument("--grid", action="store_true", help="float32 weights on a Q4_1 grid, packed as grid4")
+    gm.add_argument("--summary", help="also keep the figures as bench/summaries/NAME.json")
     at = sub.add_parser("attn")
     at.add_argument("--model", default="kairos-default")
     at.add_argument("--batches", default="1,8,32")
@@ -518,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     at.add_argument("--threads", type=int, default=2)
     at.add_argument("--cached", action="store_true", help="one layer's cache for every layer (it stays cached)")
     at.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    at.add_argument("--summary", help="also keep the figures as bench/summaries/NAME.json")
     sub.add_parser("omp")
     pf = sub.add_parser("prefill")
     pf.add_argument("--model", default="kairos-default")
@@ -559,16 +571,19 @@ def main(argv: list[str] | None = None) -> int:
                             args.per_op).items():
             print(f"B={b}: step {row.pop('step'):.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     elif args.cmd == "gemm":
-        for name, by_rows in gemm(args.model, [int(x) for x in args.rows.split(",")], args.against, args.reps,
-                                  args.threads, args.cached, args.dtype, args.grid).items():
-            print(f"{name}: one pass of the per-layer {args.dtype} GEMMs, ms (median / best of {args.reps}): "
-                  + ", ".join(f"{m} rows {med:.2f} / {best:.2f}" for m, (med, best) in by_rows.items()))
+        lines = [f"{name}: one pass of the per-layer {args.dtype}{' grid4' if args.grid else ''} GEMMs, ms (median / "
+                 f"best of {args.reps}): " + ", ".join(f"{m} rows {med:.2f} / {best:.2f}"
+                                                       for m, (med, best) in by_rows.items())
+                 for name, by_rows in gemm(args.model, [int(x) for x in args.rows.split(",")], args.against,
+                                           args.reps, args.threads, args.cached, args.dtype, args.grid).items()]
+        _report(lines, args.summary, argv)
     elif args.cmd == "attn":
-        for name, by_b in attn(args.model, [int(x) for x in args.batches.split(",")], args.context, args.against,
-                               args.reps, args.threads, args.cached, args.dtype).items():
-            print(f"{name}: {args.dtype} decode attention of every layer{' (cached)' if args.cached else ''}, context "
-                  f"{args.context}, ms (median / best of "
-                  f"{args.reps}): " + ", ".join(f"B={b} {med:.2f} / {best:.2f}" for b, (med, best) in by_b.items()))
+        lines = [f"{name}: {args.dtype} decode attention of every layer{' (cached)' if args.cached else ''}, context "
+                 f"{args.context}, ms (median / best of {args.reps}): "
+                 + ", ".join(f"B={b} {med:.2f} / {best:.2f}" for b, (med, best) in by_b.items())
+                 for name, by_b in attn(args.model, [int(x) for x in args.batches.split(",")], args.context,
+                                        args.against, args.reps, args.threads, args.cached, args.dtype).items()]
+        _report(lines, args.summary, argv)
     elif args.cmd == "contend":
         for n in (int(x) for x in args.threads.split(",")):
             for name, ms in contend(args.model, args.dtype, n, args.busy_ms / 1000.0, args.every_ms / 1000.0,

@@ -1463,10 +1463,6 @@ inline void grid_few_rows(const float* a, int64_t lda, int64_t rows, const uint8
 }
 
 constexpr int64_t kAskNextRunRows = 8;
-// gemm_blocked's row groups are even where none gets fewer rows than this (or R): on a Zen 3 (AVX2, one thread, a
-// 6 x 16 FMA block on weights in L1, throwaway loop) groups of 4 rows ran at 27-38 GFLOP/s, of 5 at 45-49, of 6 at
-// 47-58 (the FMA's latency wants 10+ independent sums)
-constexpr int64_t kEvenGroupsMin = 5;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
 // The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked): kChunkK below kChunkRowsBelow rows, kChunkKMany below
 // kChunkRowsUpTo, then none. On a Zen 4 built without AVX-512 (`KAIROS_CPU_ISA=avx2 python -m bench.step gemm --dtype
@@ -1545,23 +1541,12 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                     }
                     const char* next = reinterpret_cast<const char*>(w + 2 * std::max<int64_t>(ahead, 0) * panel);
                     const int64_t lines = ahead >= 0 ? pair_lines : 0;
-                    // the pass's rows in groups of at most R, as even as they go where no group falls below
-                    // kEvenGroupsMin rows (32 rows of R = 6: 6, 6, 5, 5, 5, 5, not five of 6 and one of 2, whose few
-                    // sums a k wait on the FMA's latency), else of R and the rest (8 rows: 6 and 2, not 4 and 4):
-                    // group g starts at row r0 + g * base + min(g, extra)
                     const int64_t groups = (r1 - r0 + R - 1) / R;
-                    const bool even = (r1 - r0) / groups >= std::min<int64_t>(R, kEvenGroupsMin);
-                    const int64_t base = even ? (r1 - r0) / groups : R, extra = even ? (r1 - r0) % groups : 0;
-                    auto group = [&](int64_t g) {
-                        const int64_t i = r0 + g * base + std::min(g, extra);
-                        return std::pair<int64_t, int64_t>(i, std::min(base + (g < extra), r1 - i));
-                    };
                     if constexpr (Chunk == 0) {
                         const int64_t share = (lines + groups - 1) / groups;
                         const auto pp = panels(b0, 0, k);
-                        for (int64_t g = 0; g < groups; ++g) {
-                            const auto [i, rows] = group(g);
-                            const int64_t first = std::min(lines, g * share);
+                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
+                            const int64_t rows = std::min<int64_t>(R, r1 - i), first = std::min(lines, g * share);
                             rows_fn(x + i * ldx, ldx, rows, pp.first, pp.second, k, c, next + 64 * first,
                                     std::min(lines, first + share) - first);
                             gemm_epilogue(c, rows, i, p, n, bias, res, out, ldo, mode);
@@ -1578,17 +1563,16 @@ void gemm_blocked(const TX* x, int64_t ldx, int64_t m, int64_t k, const TW* w, i
                                 }
                             }
                             const auto pp = panels(b0, k0, kn);
-                            for (int64_t g = 0; g < groups; ++g) {
-                                const auto [i, rows] = group(g);
+                            for (int64_t i = r0, g = 0; i < r1; i += R, ++g) {
                                 const int64_t from = std::min(asks, g * share);
-                                rows_fn(x + i * ldx + k0, ldx, rows, pp.first, pp.second, kn, c + (i - r0) * 32,
-                                        next + 64 * (first + from), std::min(asks, from + share) - from, k0 > 0);
+                                rows_fn(x + i * ldx + k0, ldx, std::min<int64_t>(R, r1 - i), pp.first, pp.second, kn,
+                                        c + g * R * 32, next + 64 * (first + from),
+                                        std::min(asks, from + share) - from, k0 > 0);
                             }
                         }
-                        for (int64_t g = 0; g < groups; ++g) {
-                            const auto [i, rows] = group(g);
-                            gemm_epilogue(c + (i - r0) * 32, rows, i, p, n, bias, res, out, ldo, mode);
-                        }
+                        for (int64_t i = r0, g = 0; i < r1; i += R, ++g)
+                            gemm_epilogue(c + g * R * 32, std::min<int64_t>(R, r1 - i), i, p, n, bias, res, out, ldo,
+                                          mode);
                     }
                 }
             }
