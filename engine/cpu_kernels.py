@@ -14,8 +14,8 @@ dot product's peak. A step whose tokens all attend through the paged kernel runs
 fewer bytes wherever that gives the same output bit for bit: as bf16 where every value is a bf16 value ("compact"),
 or as 4- / 8-bit q with per-block d and m where the values are a de-quantized GGUF's (`grid`, "grid4" / "grid8").
 
-Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, ~2 s) into the Kairos cache
-(`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
+Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, 23 s on a 2-core Zen 3) into
+the cache (`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
 flags, and called through ctypes (which releases the GIL). Where there is no compiler, or the build fails, or
 the CPU or dtypes are not supported, the engine keeps its torch ops (`EngineConfig.cpu_kernels`: auto warns, on
 refuses to start, off never builds). float32 and bfloat16 only, with the KV cache in the activations' dtype.
