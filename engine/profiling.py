@@ -26,9 +26,34 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 
 
+_SAMPLE_BYTES = 1 << 20
+
+
+def model_identity(path: str) -> str:
+    """What a cached profile is keyed by for the model at `path`: for a checkpoint folder, its name and a hash of its
+    config.json and of each weight file's name, size, first and last MiB; else the path. The same checkpoint built
+    again elsewhere (a test session's temporary folder) finds its profile; a checkpoint rewritten in place does not."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return str(path)
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.name == "config.json":
+            h.update(f.name.encode() + f.read_bytes())
+        elif f.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with f.open("rb") as fh:
+                h.update(fh.read(_SAMPLE_BYTES))
+                fh.seek(max(0, size - _SAMPLE_BYTES))
+                h.update(fh.read(_SAMPLE_BYTES))
+    return f"{folder.name}-{h.hexdigest()[:16]}"
+
+
 def _meta(engine: "LLMEngine") -> dict:
     b, c = engine.bundle, engine.config
-    return {"version": PROFILE_VERSION, "model": b.path, "dtype": str(b.dtype), "device": str(b.device),
+    return {"version": PROFILE_VERSION, "model": model_identity(b.path), "dtype": str(b.dtype),
+            "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
             "cpu_kernels": engine.runner.kernels.build if engine.runner.kernels else None,  # their source, flags, CPU

@@ -1,6 +1,7 @@
 """Engine behaviour on real (tiny, random) HF checkpoints: exact greedy equality, KV hygiene, abort, errors."""
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,6 +286,27 @@ def test_prompt_encoder_matches_hf_encode(tiny_checkpoints, family):
     for text in ["Hello", " leading space", "two  spaces\nnew line\ttab", "ünïcödé — 漢字 🙂", f"a{eos}b",
                  "x" * 300, "  ", "123 456.789"]:
         assert enc(text) == tok.encode(text, add_special_tokens=False), text
+
+
+def test_a_cached_profile_follows_the_checkpoint_not_its_folder(tiny_checkpoints, tmp_path):
+    """The profile cache is keyed by the checkpoint's content: a copy elsewhere (the same tiny model built in
+    another test session's temporary folder) has the same identity; a weight rewritten in place, or another
+    config, does not."""
+    import shutil
+
+    from engine.profiling import model_identity
+
+    src = Path(tiny_checkpoints["llama"])
+    copy = tmp_path / src.name
+    shutil.copytree(src, copy)
+    assert model_identity(str(copy)) == model_identity(str(src))
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor
+    weights.write_bytes(bytes(data))
+    assert model_identity(str(copy)) != model_identity(str(src))
+    assert model_identity(tiny_checkpoints["qwen2"]) != model_identity(str(src))
+    assert model_identity("some-hub/id") == "some-hub/id"  # not a folder: the name as given
 
 
 def test_reprofile_swaps_the_fit_when_idle_and_refuses_while_serving(tiny_checkpoints):
