@@ -5,6 +5,9 @@ built offline.
 config.json, generation_config.json) plus a 512-token byte-level BPE tokenizer trained on the bundled
 corpus, so tests exercise the same `from_pretrained` path as real models. Deterministic for a given
 seed (same bytes in any process). Model vocab == len(tokenizer) == 512.
+
+`q4_1_round_trip(w)`, `q8_0_round_trip(w)`: a weight's values after a GGUF Q4_1 / Q8_0 round trip, the values the
+grid-weight kernels pack exactly (tests, and `bench.step gemm --grid`).
 """
 from __future__ import annotations
 
@@ -77,10 +80,6 @@ def build_tiny_checkpoint(family: TinyFamily, out_dir: str | os.PathLike[str], s
     return out
 
 
-__all__ = ["TINY_FAMILIES", "TINY_MAX_POSITIONS", "TINY_VOCAB", "TinyFamily", "build_tiny_checkpoint", "q4_1_round_trip",
-           "q8_0_round_trip"]
-
-
 def q4_1_round_trip(w: "torch.Tensor") -> "torch.Tensor":
     """w's values after a Q4_1 round trip as GGUF makes it (ggml's quantize_row_q4_1_ref, then gguf's de-quantize in
     fp32): per block of 32 k of a row, d = fp16((max - min) / 15), m = fp16(min), q = trunc((x - min) / d + 0.5)
@@ -103,3 +102,7 @@ def q8_0_round_trip(w: "torch.Tensor") -> "torch.Tensor":
     d = b.abs().amax(-1, keepdim=True) / 127
     q = torch.where(d > 0, b * torch.where(d > 0, 1 / d, 0), 0).round() + 0.0  # q is an int8: no -0
     return (d.half().float() * q).reshape(w.shape)
+
+
+__all__ = ["TINY_FAMILIES", "TINY_MAX_POSITIONS", "TINY_VOCAB", "TinyFamily", "build_tiny_checkpoint", "q4_1_round_trip",
+           "q8_0_round_trip"]
