@@ -73,6 +73,9 @@ class _FakeEngine:
     """Finishes even-numbered requests at once (3 tokens, 10 ms apart, 3 decode steps); odd ones only when aborted."""
 
     def __init__(self):
+        import engine.stats  # noqa: F401 - imported here, not in the first add_request: its ~0.4 s cold import there
+        import engine.stream  # noqa: F401 - would stamp the first arrival late and break the open-loop check
+
         self.streams, self.aborted, self.observers = {}, [], []
         self.steps, self.phase = 0, {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self.latency_model = NS(itl_ms=lambda b, length: 5.0, prefill_ms=lambda n: 5.0)
@@ -182,9 +185,12 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
         assert not times or times[0] >= rec["arrival_s"]
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]  # --trace: every step
     assert [(x["policy"], x["seed"]) for x in steps] == [("fcfs", 0), ("scorpio", 0)]
-    for x in steps:
-        assert x["steps"] and all(len(row) == len(x["columns"]) for row in x["steps"])
-        assert sum(row[3] for row in x["steps"]) > 0  # prompt tokens were prefilled
+    ran = {r["policy"]: r["steps"] for r in res}
+    for x in steps:  # every step of a run, as many as it took (none where scorpio's guard refused every request:
+        # its fresh fit, re-timed on a box slower than when the tiers were set, can make every TPOT infeasible)
+        assert (x["steps"] or ran[x["policy"]] == 0) and all(len(row) == len(x["columns"]) for row in x["steps"])
+        assert not x["steps"] or sum(row[3] for row in x["steps"]) > 0  # prompt tokens were prefilled
+    assert steps[0]["steps"]  # fcfs serves everything
     for name in ("goodput_vs_load", "adherence_vs_load", "tier_adherence", "ttft_cdf", "tpot_cdf"):
         p = out / f"{name}.png"
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
