@@ -233,7 +233,7 @@ def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: in
          cached: bool = False, dtype: str = "bfloat16", grid: bool = False) -> dict[str, dict[int, tuple]]:
     import torch
 
-    from engine.cpu_kernels import CpuKernels, grid as find_grid, pack_grid, stack_gated
+    from engine.cpu_kernels import CpuKernels
     from engine.testing import q4_1_round_trip
 
     dt = getattr(torch, dtype)
@@ -247,13 +247,16 @@ def gemm(model: str, rows: list[int], against: list[str], reps: int, threads: in
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.05).to(dt)
-    if grid:  # every weight on a Q4_1 GGUF's grid, packed as grid4 (the default model's layers)
+    if grid:  # every weight on a Q4_1 GGUF's grid, packed as grid4 as the engine packs the default model's layers
+        if dt != torch.float32:
+            raise SystemExit("--grid packs fp32 weights: add --dtype float32")
+        packer = next(iter(builds.values()))
+
         def pack(w: torch.Tensor):
-            w = q4_1_round_trip(w)
-            return pack_grid(w, *find_grid(w, 4))
+            return packer.pack_exact(q4_1_round_trip(w))
 
         def pack_gated(gate: torch.Tensor, up: torch.Tensor):
-            return stack_gated(pack(gate), pack(up))
+            return packer.pack_exact_gated(q4_1_round_trip(gate), q4_1_round_trip(up))
     else:
         pack, pack_gated = CpuKernels.pack_weight, CpuKernels.pack_gated
     layers = [(pack(rand(wq, d)), pack(rand(d, wo)), pack_gated(rand(inter, d), rand(inter, d)),

@@ -888,14 +888,16 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
                     }
                 }
 #endif
+                // the next request's rows asked for by the end of this head: its share of them
+                const int64_t share = (next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0);
 #ifdef __AVX2__
-                if (hd == 64 && G <= 8) {  // asks as it goes (every 8 rows scored, every 2 weighed), then its share
+                if (hd == 64 && G <= 8) {  // asks as it goes (every 8 rows scored, every 2 weighed), then the rest
                     attend_one_vec<T, VecWide>(qr, k0, v0, off.data(), L, G, scale, o, s.data(), next);
-                    next.ask((next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0) - next.t);
+                    next.ask(share - next.t);
                     continue;
                 }
 #endif
-                next.ask((next.L * (h - h0 + 1) + (h1 - h0) - 1) / (h1 - h0) - next.t);  // its share before each head
+                next.ask(share - next.t);  // the other kernels ask for the head's share before it
                 if (hd == 64)
                     attend_one<T, 64>(qr, k0, v0, off.data(), L, G, hd, scale, o, qf.data(), s.data(), acc.data(),
                                       kv.data());
