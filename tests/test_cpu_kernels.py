@@ -289,7 +289,8 @@ def test_packed_fp32_gemm_with_8_lane_vectors(kernels, tmp_path):
     if "avx512f" not in cpu_kernels._cpu_flags().split():
         pytest.skip("the default build already has 8-lane vectors (no AVX-512 here)")
     avx2 = cpu_kernels.load_source(cpu_kernels.SOURCE, extra_flags=("-mno-avx512f",))
-    assert avx2.packed_f32 and avx2.packed_isa is None  # no AVX-512: no bf16 dot product either
+    # no AVX-512: no bf16 dot product nor AMX; bf16 weights run widened in registers on fp32 FMAs
+    assert avx2.packed_f32 and avx2.packed_isa == "avx2_fma" and avx2.packed_isas == ["avx2_fma"]
     # 1-3 rows: both panels at once; else a panel at a time, 6 rows a group; below 32 rows in chunks of 32 k, below 64
     # in chunks of 128, then the whole K (K = 192 and 100: a last chunk that is partial, or the only one)
     for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 40, 70):
