@@ -34,11 +34,18 @@ def overloaded(retry_after_s: int) -> APIError:
                     {"Retry-After": str(retry_after_s)})
 
 
+def replica_died(detail: str, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
+    """503 for a request whose LLM replica died under it, or whose replica's engine did (an engine process that
+    exited, or an engine found dead): either way Serve replaces that replica, so the client should retry. Which of
+    the two a killed replica shows first is a race, so both answer alike."""
+    return APIError(503, f"generation failed: the LLM replica serving this request died ({detail}); retry",
+                    "server_error", "replica_failed", {**(headers or {}), "Retry-After": str(retry_after_s)})
+
+
 def replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
     """A request lost to its LLM replica: the actor died / is unreachable (503, retry) or raised (500)."""
     if isinstance(e, (RayActorError, ActorUnavailableError)):
-        return APIError(503, f"generation failed: the LLM replica serving this request died ({type(e).__name__}); "
-                        "retry", "server_error", "replica_failed", {**(headers or {}), "Retry-After": str(retry_after_s)})
+        return replica_died(type(e).__name__, retry_after_s, headers)
     cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
     return APIError(500, f"generation failed: replica error {type(cause or e).__name__}", "server_error",
                     "replica_error", headers)
@@ -57,8 +64,9 @@ _REJECT_HINTS = {  # what a client can do about a rejection, after its reason
 }
 
 
-def first_item_failure(first: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
-    """The error response for a stream that ended at its first item without output, None if it succeeded."""
+def item_failure(first: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
+    """The error response for a stream that ended at this item without success, None if it succeeded: its first item
+    (before any response went out), or, for a non-streaming request, whichever item ended it."""
     reason, retry = first.finish_reason, {"Retry-After": str(retry_after_s)}
     if reason is FinishReason.REJECTED:
         why = first.reject_reason
@@ -74,5 +82,5 @@ def first_item_failure(first: RequestOutput, headers: dict[str, str], retry_afte
     if first.error_kind is ErrorKind.INVALID_REQUEST:
         return APIError(400, first.error or "invalid request", headers=headers)
     if first.error_kind is ErrorKind.UNAVAILABLE:
-        return APIError(503, first.error or "engine unavailable", "server_error", headers={**headers, **retry})
+        return replica_died(first.error or "engine unavailable", retry_after_s, headers)
     return APIError(500, f"generation failed: {first.error}", "server_error", headers={**headers, **retry})

@@ -35,7 +35,7 @@ from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from deployments.errors import (APIError, error_response, first_item_failure, overloaded, protocol_failure,
+from deployments.errors import (APIError, error_response, item_failure, overloaded, protocol_failure,
                                 replica_failure)
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 
@@ -295,7 +295,7 @@ class OpenAIFrontend:
         if req.avoid_replicas:
             headers["x-kairos-rerouted"] = str(len(req.avoid_replicas))
         if first.finished:
-            failure = first_item_failure(first, headers, self.retry_after_s)
+            failure = item_failure(first, headers, self.retry_after_s)
             if failure is not None:
                 raise failure
         if body.stream:
@@ -347,8 +347,8 @@ class OpenAIFrontend:
         except BaseException:  # client gone (CancelledError): stop generating
             gen.cancel()
             raise
-        if item.finish_reason is FinishReason.ERROR:
-            raise APIError(500, f"generation failed: {item.error}", "server_error", headers=headers)
+        if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
+            raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
         build = P.completion_response if kind == "completion" else P.chat_response
         out = build(rid, self.served_model_name, "".join(parts), item.finish_reason, item.num_prompt_tokens,
                     item.num_output_tokens)

@@ -334,7 +334,7 @@ class EngineCoreClient:
             self._stats = dataclasses.replace(self._stats, alive=False)
             orphans, self._streams = self._streams, {}
         for rid, stream in orphans.items():
-            stream.put(_error(rid, f"engine failure: {self._dead}", ErrorKind.ENGINE))
+            stream.put(_error(rid, f"engine failure: {self._dead}", ErrorKind.UNAVAILABLE))
 
 
 if __name__ == "__main__":

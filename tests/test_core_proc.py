@@ -109,7 +109,8 @@ def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(tiny_c
         stream.get(timeout=30)
         os.kill(c._proc.pid, signal.SIGKILL)
         _, last = _tokens(stream)
-        assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.ENGINE
+        # the engine is gone, not a step of it: unavailable (503 and retry over HTTP), as a dead replica is
+        assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.UNAVAILABLE
         assert not c.is_alive()
         with pytest.raises(EngineDeadError):
             c.generate(_greedy(4, 2))

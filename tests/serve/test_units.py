@@ -781,11 +781,30 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
 def test_a_shed_request_gets_429_with_retry_after_and_what_to_do():
     from core.messages import ServedBy
     from core.request import FinishReason
-    from deployments.errors import first_item_failure
+    from deployments.errors import item_failure
     first = RequestOutput("r", finished=True, finish_reason=FinishReason.REJECTED, reject_reason="shed",
                           served_by=ServedBy("rep", 1.0, 3))
-    e = first_item_failure(first, {"x-request-id": "r"}, 1)
+    e = item_failure(first, {"x-request-id": "r"}, 1)
     assert e.status == 429 and e.code == "shed" and "smaller max_tokens" in e.message
     assert e.headers["Retry-After"] == "3" and e.headers["x-kairos-reject-reason"] == "shed"
     other = dataclasses.replace(first, reject_reason="tpot_unattainable")
-    assert first_item_failure(other, {}, 1).message == "request rejected by SLO admission control: tpot_unattainable"
+    assert item_failure(other, {}, 1).message == "request rejected by SLO admission control: tpot_unattainable"
+
+
+def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
+    """A killed replica's in-flight request sees either the replica die (a Ray actor error) or, first, its engine
+    process (an `unavailable` item from the engine client): both are a 503 to retry, not a 500. A failed step stays
+    a 500."""
+    from ray.exceptions import RayActorError
+
+    from core.messages import ErrorKind
+    from core.request import FinishReason
+    from deployments.errors import item_failure, replica_failure
+    dead = RequestOutput("r", finished=True, finish_reason=FinishReason.ERROR, error_kind=ErrorKind.UNAVAILABLE,
+                         error="engine failure: engine process exited (code -9)")
+    for e in (item_failure(dead, {"x-kairos-request-id": "r"}, 2), replica_failure(RayActorError(), 2)):
+        assert (e.status, e.code, e.headers["Retry-After"]) == (503, "replica_failed", "2"), vars(e)
+        assert "replica serving this request died" in e.message
+    assert "engine process exited" in item_failure(dead, {}, 2).message
+    step = dataclasses.replace(dead, error_kind=ErrorKind.ENGINE, error="injected fault")
+    assert item_failure(step, {}, 2).status == 500
