@@ -64,23 +64,23 @@ _REJECT_HINTS = {  # what a client can do about a rejection, after its reason
 }
 
 
-def item_failure(first: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
+def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
     """The error response for a stream that ended at this item without success, None if it succeeded: its first item
     (before any response went out), or, for a non-streaming request, whichever item ended it."""
-    reason, retry = first.finish_reason, {"Retry-After": str(retry_after_s)}
+    reason, retry = item.finish_reason, {"Retry-After": str(retry_after_s)}
     if reason is FinishReason.REJECTED:
-        why = first.reject_reason
-        sb = first.served_by
+        why = item.reject_reason
+        sb = item.served_by
         wait = str(max(retry_after_s, (sb.retry_after_s if sb else None) or 1))
         hint = _REJECT_HINTS.get(why or "", "")
         return APIError(429, f"request rejected by SLO admission control: {why}{hint}", "rate_limit_error", why,
                         {**headers, "Retry-After": wait, "x-kairos-reject-reason": why})
     if reason is FinishReason.ABORT:
-        return APIError(503, f"engine stopping: {first.error}", "server_error", headers={**headers, **retry})
+        return APIError(503, f"engine stopping: {item.error}", "server_error", headers={**headers, **retry})
     if reason is not FinishReason.ERROR:
         return None
-    if first.error_kind is ErrorKind.INVALID_REQUEST:
-        return APIError(400, first.error or "invalid request", headers=headers)
-    if first.error_kind is ErrorKind.UNAVAILABLE:
-        return replica_died(first.error or "engine unavailable", retry_after_s, headers)
-    return APIError(500, f"generation failed: {first.error}", "server_error", headers={**headers, **retry})
+    if item.error_kind is ErrorKind.INVALID_REQUEST:
+        return APIError(400, item.error or "invalid request", headers=headers)
+    if item.error_kind is ErrorKind.UNAVAILABLE:
+        return replica_died(item.error or "engine unavailable", retry_after_s, headers)
+    return APIError(500, f"generation failed: {item.error}", "server_error", headers={**headers, **retry})
