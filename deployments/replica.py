@@ -102,8 +102,10 @@ class LLMReplica:
         if engine_process:  # the engine in its own process: no per-token Python shares its GIL
             from engine.core_proc import EngineCoreClient, unnice  # noqa: PLC0415
 
+            # its outputs are read on this replica's event loop, which delivers them (`reader_loop`)
             self.engine = await asyncio.to_thread(EngineCoreClient, cfg, favoured=cores.favoured,
-                                                  team=cores.team, label=label)
+                                                  team=cores.team, label=label,
+                                                  reader_loop=asyncio.get_running_loop())
             if cores.favoured and loop_priority == "engine":
                 # This thread runs the replica's event loop (`prefer_user_code_on_main_loop`): it admits every
                 # request and delivers every token (and, serving HTTP itself, answers /health). At Ray's nice 15

@@ -29,8 +29,9 @@ class RequestStream:
         self._items: deque[RequestOutput] = deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-        self._close_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        # (loop, future, the loop's thread) of an awaiting reader
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
+        self._close_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
         self._closed = False
 
     # --- producer side (worker thread) ---
@@ -47,8 +48,11 @@ class RequestStream:
             self._cond.notify_all()
         for w in (waiter, closer):
             if w is not None:
-                loop, fut = w
-                loop.call_soon_threadsafe(_wake, fut)
+                loop, fut, thread = w
+                if thread == threading.get_ident():  # put on the reader's own loop (the engine client's reader_loop)
+                    _wake(fut)
+                else:
+                    loop.call_soon_threadsafe(_wake, fut)
 
     @property
     def closed(self) -> bool:
@@ -77,7 +81,7 @@ class RequestStream:
                     return self._pop_merged()
                 loop = asyncio.get_running_loop()
                 fut = loop.create_future()
-                self._waiter = (loop, fut)
+                self._waiter = (loop, fut, threading.get_ident())
             await fut
 
     async def wait_closed(self, timeout: float) -> bool:
@@ -89,7 +93,7 @@ class RequestStream:
                 return True
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
-            self._close_waiter = (loop, fut)
+            self._close_waiter = (loop, fut, threading.get_ident())
         try:
             await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

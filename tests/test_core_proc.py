@@ -215,3 +215,64 @@ def test_unnice_undoes_the_calling_threads_nice_value_only() -> None:
         assert seen == {"was": low, "now": 0}
     else:
         assert seen == {"was": 0, "now": low}
+
+
+def test_a_client_reading_on_an_event_loop_streams_the_same_tokens_and_fails_streams_of_a_dead_engine(
+        tiny_checkpoints):
+    """`reader_loop` (how a Serve replica runs its engine): the engine's outputs are read on the caller's asyncio
+    loop, built from another thread as the replica does. Awaiting readers get the same tokens as the reader
+    thread's; a killed engine process ends what is open as unavailable; shutdown ends what is left."""
+    import asyncio
+
+    reqs = [_greedy(i, n) for i, n in enumerate((5, 17, 9))]
+
+    async def collect(stream):
+        toks, last = [], None
+        async for out in stream:
+            toks += out.token_ids
+            last = out
+        return toks, last
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        c = await asyncio.to_thread(EngineCoreClient, _config(tiny_checkpoints["llama"]), reader_loop=loop)
+        try:
+            assert c._reader is None
+            got = await asyncio.gather(*(collect(c.generate(r)) for r in reqs))
+            long = c.generate(_greedy(3, 2000))
+            await long.aget()
+            os.kill(c._proc.pid, signal.SIGKILL)
+            _, last = await asyncio.wait_for(collect(long), 30)
+            with pytest.raises(EngineDeadError):
+                c.generate(_greedy(4, 2))
+            return got, last
+        finally:
+            c.shutdown()
+
+    got, last = asyncio.run(main())
+    eng = LLMEngine(_config(tiny_checkpoints["llama"]))
+    try:
+        want = [_tokens(eng.generate(r)) for r in reqs]
+    finally:
+        eng.shutdown()
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(g[1].finish_reason is FinishReason.LENGTH for g in got)
+    assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.UNAVAILABLE
+
+
+def test_shutdown_of_a_client_reading_on_an_event_loop_ends_what_is_in_flight(tiny_checkpoints):
+    import asyncio
+
+    async def main():
+        c = EngineCoreClient(_config(tiny_checkpoints["llama"]), reader_loop=asyncio.get_running_loop())
+        stream = c.generate(_greedy(5, 2000))
+        await stream.aget()
+        c.shutdown()
+        last = None
+        async for out in stream:
+            last = out
+        return c, last
+
+    c, last = asyncio.run(main())
+    assert last.finished and last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+    assert c._proc.poll() is not None and not c.is_alive()
