@@ -16,16 +16,18 @@ Importing this package also asks Ray Serve 2.60 for its HAProxy ingress (`haprox
 from HAProxy straight to the replicas that serve it, not through Serve's Python proxy actor. It must be in the
 environment before Ray starts, which `serve run` does after importing the app; on a cluster started with
 `ray start`, cluster.yaml sets it. `RAY_SERVE_ENABLE_HA_PROXY=0` keeps Serve's Python proxy. In the same way it keeps
-the replicas' request handlers on the event loop that serves their HTTP (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`,
-see haproxy_ingress.py).
+the replicas' request handlers on the event loop that serves their HTTP (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`),
+and runs Serve's controller loop every 0.5 s instead of 0.1 s (`RAY_SERVE_CONTROL_LOOP_INTERVAL_S`, see haproxy_ingress.py).
 """
 # NB: no `from __future__ import annotations` here: Serve inspects build_app's annotation as a class.
 from typing import Any
 
-from deployments.haproxy_ingress import prefer_haproxy_ingress, prefer_user_code_on_main_loop
+from deployments.haproxy_ingress import prefer_haproxy_ingress, prefer_quiet_control_loop, \
+    prefer_user_code_on_main_loop
 
 prefer_haproxy_ingress()  # before Ray starts: `serve run` imports the app first
 prefer_user_code_on_main_loop()
+prefer_quiet_control_loop()
 
 from ray.serve import Application  # noqa: E402
 

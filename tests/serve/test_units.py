@@ -681,6 +681,20 @@ def test_user_code_runs_on_the_http_loop_unless_the_user_says_otherwise(monkeypa
     assert H.prefer_user_code_on_main_loop() is True and H.os.environ[H.USER_CODE_ENV] == "0"
 
 
+def test_serve_control_loop_is_slowed_to_half_a_second_unless_the_user_says_otherwise(monkeypatch) -> None:
+    from deployments import haproxy_ingress as H
+
+    monkeypatch.setenv(H.CONTROL_LOOP_ENV, "0.1")  # the user's choice stands
+    assert H.prefer_quiet_control_loop() is False and H.os.environ[H.CONTROL_LOOP_ENV] == "0.1"
+    monkeypatch.delenv(H.CONTROL_LOOP_ENV)
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # too late: the controller may already run
+    assert H.prefer_quiet_control_loop() is False and H.CONTROL_LOOP_ENV not in H.os.environ
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert H.prefer_quiet_control_loop() is True and H.os.environ[H.CONTROL_LOOP_ENV] == "0.5"
+
+
 def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_to_fastapi() -> None:
     """`GenerationFastPath`: POST /v1/completions and /v1/chat/completions go to the frontend's handler (SSE, errors
     as JSON); every other path, method and scope goes to the FastAPI app; a request cancelled mid-stream (as Serve
