@@ -1,7 +1,7 @@
 """What the HTTP path adds over the in-process engine, back to back, same model and load.
 
     python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--inproc-threads 2,1] [--saturate]
-                             [--rounds N] [--summary NAME]
+                             [--rounds N] [--cpu] [--summary NAME]
 
 Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: torch's default), then once against `serve run deployments:app ARGS` for each `--serve` (ARGS: app key=value arguments, and
 NAME=VALUE environment variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`)
@@ -10,8 +10,10 @@ one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT /
 and what HTTP adds over the in-process run, and for each HTTP run where its TTFT went: outside the replica's
 handler (client, proxy, HTTP server) and in it (its Server-Timing `replica`). `--saturate` adds the same
 comparison under a burst (150 requests 10 ms apart) without the in-process run. `--rounds N` runs all of it N
-times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference). Never
-run beside another benchmark.
+times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference). `--cpu`
+adds, for each run, where the machine's CPU went while the load ran (`bench.procstat`): CPU seconds and run-queue
+wait (ready, waiting for a core) of the engine process, the replica, HAProxy, Serve's controller, the rest of Ray,
+and the client (with its start-up). Never run beside another benchmark.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from bench import procstat
 from bench.report import command_line, write_summary
 from bench.serving import served
 
@@ -31,10 +35,16 @@ MODULE = "bench.overhead"
 FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok_s")
 
 
-def _streaming(argv: list[str], out: Path) -> dict:
+def _streaming(argv: list[str], out: Path, cpu: bool = False) -> dict:
+    before, client0 = (procstat.snapshot(), procstat.children_cpu_s()) if cpu else ({}, 0.0)
     subprocess.run([sys.executable, "-m", "bench.streaming", *argv, "--json", str(out)], check=True,
                    stdout=subprocess.DEVNULL)
-    return _figures(json.loads(out.read_text()))
+    figures = _figures(json.loads(out.read_text()))
+    if cpu:
+        used = procstat.usage(before, procstat.snapshot())
+        figures["cpu_s"] = {g: [round(t.cpu_s, 2), round(t.wait_s, 2)] for g, t in sorted(used.items())} | {
+            "client": [round(procstat.children_cpu_s() - client0, 2), None]}
+    return figures
 
 
 def _figures(doc: dict) -> dict:
@@ -47,10 +57,20 @@ def _figures(doc: dict) -> dict:
     return figures
 
 
-def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
+def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path, cpu: bool = False) -> dict:
     """`bench.streaming` against a fresh `serve run deployments:app` with `serve_args` (see bench.serving)."""
     with served(serve_args, log) as target:
-        return _streaming(bench_argv + ["--target", target], out)
+        return _streaming(bench_argv + ["--target", target], out, cpu)
+
+
+def _median_of(key: str, values: list) -> Any:
+    """One figure over rounds: failures summed, CPU per group as medians, the rest a median."""
+    if key == "failed":
+        return sum(values)
+    if key == "cpu_s":
+        return {g: [None if values[0][g][j] is None else round(statistics.median(v[g][j] for v in values), 2)
+                    for j in range(2)] for g in values[0] if all(g in v for v in values)}
+    return round(statistics.median(values), 2)
 
 
 def _with_model(serve_args: str, model: str) -> str:
@@ -88,6 +108,9 @@ def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, flo
         if "replica_p50_ms" in f:
             print(f"{'':<4}TTFT p50 split: {f['outside_p50_ms']:.1f} ms outside the replica's handler (client, proxy, "
                   f"HTTP server, both ways), {f['replica_p50_ms']:.1f} in it (tokenize, engine queue, prefill)")
+        if "cpu_s" in f:
+            print(f"{'':<4}CPU s (run-queue wait s) while it ran: " + ", ".join(
+                f"{g} {c:.2f}" + (f" ({w:.2f})" if w is not None else "") for g, (c, w) in f["cpu_s"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
     p.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, in rounds "
                    "(this box drifts by up to 35%% within a minute); figures are medians over rounds")
+    p.add_argument("--cpu", action="store_true", help="also where the CPU went during each run (bench.procstat)")
     p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             for i, n in enumerate(x.strip() for x in (args.inproc_threads or "").split(",")):
                 name = "in_process" if i == 0 else f"in_process[{n} threads]"
                 figures[name] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
-                                           + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json")
+                                           + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json",
+                                           args.cpu)
             for i, s in enumerate(servers):
                 figures[f"http[{s or 'defaults'}]"] = _served(_with_model(s, args.model),
                                                               load(args.num_requests, args.submit_interval_ms),
-                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log")
+                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log",
+                                                              args.cpu)
             if args.saturate:
                 for i, s in enumerate(servers):
                     figures[f"burst http[{s or 'defaults'}]"] = _served(_with_model(s, args.model), load(150, 10.0),
@@ -136,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1} of {args.rounds}:")
                 _print(figures, {})
     added = _added(rounds)
-    figures = {name: {k: sum(rd[name][k] for rd in rounds) if k == "failed" else
-                      round(statistics.median(rd[name][k] for rd in rounds), 2) for k in rounds[0][name]}
+    figures = {name: {k: _median_of(k, [rd[name][k] for rd in rounds]) for k in rounds[0][name]}
                for name in rounds[0]}
     if args.rounds > 1:
         print(f"median of {args.rounds} rounds (added: the median of each round's difference):")

