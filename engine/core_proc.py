@@ -11,7 +11,7 @@ the per-request Python on its own side:
   message, with the engine's stats snapshot;
 - one reader on each side turns the socket into calls: the child's main thread calls `LLMEngine.submit` /
   `abort`; the client's side calls `RequestStream.put`, from a reader thread of its own, or, in a process that
-  serves on an asyncio loop (a Serve replica), from that loop (`read_on`): as vLLM v1's API server reads its
+  serves on an asyncio loop (a Serve replica), from that loop (`reader_loop`): as vLLM v1's API server reads its
   engine core's outputs in its event loop, no thread wakes up and hands each step's items over to the loop.
 
 The client has the surface the Serve replica uses (`generate`, `abort`, `stats`, `predict_ttft_ms`, `is_alive`,
@@ -433,7 +433,7 @@ class EngineCoreClient:
                 self._deliver(msg)
         except OSError:
             eof = True
-        except BaseException:  # noqa: BLE001 - as in _read
+        except Exception:  # noqa: BLE001 - a broken message, as in _read
             log.exception("engine client: reading the engine process failed")
             eof = True
         if eof:
