@@ -13,7 +13,8 @@ comparison under a burst (150 requests 10 ms apart) without the in-process run. 
 times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference). `--cpu`
 adds, for each run, where the machine's CPU went while the load ran (`bench.procstat`): CPU seconds and run-queue
 wait (ready, waiting for a core) of the engine process, the replica, HAProxy, Serve's controller, the rest of Ray,
-and the client (with its start-up). Never run beside another benchmark.
+and the client (with its start-up; in process, the one process that is engine and client). Never run beside
+another benchmark.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def _streaming(argv: list[str], out: Path, cpu: bool = False) -> dict:
     figures = _figures(json.loads(out.read_text()))
     if cpu:
         used = procstat.usage(before, procstat.snapshot())
+        bench = "client" if "--target" in argv else "engine and client (one process)"  # bench.streaming itself
         figures["cpu_s"] = {g: [round(t.cpu_s, 2), round(t.wait_s, 2)] for g, t in sorted(used.items())} | {
-            "client": [round(procstat.children_cpu_s() - client0, 2), None]}
+            bench: [round(procstat.children_cpu_s() - client0, 2), None]}
     return figures
 
 

@@ -24,13 +24,12 @@ GROUPS = (
 class Times:
     cpu_s: float = 0.0
     wait_s: float = 0.0  # ready to run, waiting for a core
-    slices: int = 0  # times it got a core
 
     def __add__(self, o: "Times") -> "Times":
-        return Times(self.cpu_s + o.cpu_s, self.wait_s + o.wait_s, self.slices + o.slices)
+        return Times(self.cpu_s + o.cpu_s, self.wait_s + o.wait_s)
 
     def __sub__(self, o: "Times") -> "Times":
-        return Times(self.cpu_s - o.cpu_s, self.wait_s - o.wait_s, self.slices - o.slices)
+        return Times(self.cpu_s - o.cpu_s, self.wait_s - o.wait_s)
 
 
 def group_of(cmdline: str) -> str | None:
@@ -45,10 +44,10 @@ def _process(pid: str) -> Times:
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                run_ns, wait_ns, slices = (int(x) for x in f.read().split()[:3])
+                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
         except (OSError, ValueError):
             continue
-        total += Times(run_ns / 1e9, wait_ns / 1e9, slices)
+        total += Times(run_ns / 1e9, wait_ns / 1e9)
     return total
 
 

@@ -385,15 +385,7 @@ class EngineCoreClient:
             self._reader.join(timeout)
         elif self._dead is None:  # read on a loop: stop reading, deliver what the child sent last, end the rest
             self._stop_reading_on_loop()
-            try:
-                while True:
-                    msgs, eof = self._conn.read_available()
-                    for msg in msgs:
-                        self._deliver(msg)
-                    if eof or not msgs:
-                        break
-            except Exception:  # noqa: BLE001 - the child is gone; what is left open ends below
-                pass
+            self._on_readable()  # the child has exited: one pass reads to the end of the socket
             self._gone()
 
     # ------------------------------------------------------------------ plumbing
