@@ -79,24 +79,25 @@ def prefer_haproxy_ingress() -> bool:
 USER_CODE_ENV = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 
 
-def prefer_user_code_on_main_loop() -> bool:
-    """Run replicas' handlers on the loop that serves their HTTP, unless the user chose otherwise or Ray is already
-    running in this process (the flag is read by each replica when it starts); True when it is set to 0."""
-    if USER_CODE_ENV in os.environ:
-        return os.environ[USER_CODE_ENV] == "0"
+def _prefer(name: str, value: str) -> bool:
+    """`name=value` in the environment of the Ray that `serve run` is about to start, unless the user set `name` or
+    Ray is already running in this process (its processes read it when they start); True when `name` is `value`."""
+    if name in os.environ:
+        return os.environ[name] == value
     if not _before_ray():
         return False
-    os.environ[USER_CODE_ENV] = "0"
+    os.environ[name] = value
     return True
+
+
+def prefer_user_code_on_main_loop() -> bool:
+    """Run replicas' handlers on the loop that serves their HTTP (each replica reads the flag when it starts)."""
+    return _prefer(USER_CODE_ENV, "0")
 
 
 CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5"
 
 
 def prefer_quiet_control_loop() -> bool:
-    """Serve's controller loop every 0.5 s, unless the user chose an interval or Ray is already running in this
-    process (the controller reads it when it starts); True when it is set here."""
-    if CONTROL_LOOP_ENV in os.environ or not _before_ray():
-        return False
-    os.environ[CONTROL_LOOP_ENV] = CONTROL_LOOP_S
-    return True
+    """Serve's controller loop every 0.5 s (the controller reads it when it starts)."""
+    return _prefer(CONTROL_LOOP_ENV, CONTROL_LOOP_S)

@@ -78,7 +78,7 @@ class Link:
 
     def _pop(self) -> Any:
         n = self.HEADER.unpack_from(self._buf)[0]
-        data = bytes(self._buf[8:8 + n])
+        data = self._buf[8:8 + n]  # a copy: the buffer's front is dropped next
         del self._buf[:8 + n]
         return pickle.loads(data)
 
@@ -295,6 +295,8 @@ class EngineCoreClient:
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens)
         self._loop = reader_loop
+        # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread
+        self._read_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         if reader_loop is None:
             self._reader = threading.Thread(target=self._read, name="kairos-core-reader", daemon=True)
@@ -420,9 +422,10 @@ class EngineCoreClient:
     def _on_readable(self) -> None:
         """`reader_loop`'s callback when the socket has data (or has closed)."""
         try:
-            msgs, eof = self._conn.read_available()
-            for msg in msgs:
-                self._deliver(msg)
+            with self._read_lock:  # read and delivered in order, whichever thread calls
+                msgs, eof = self._conn.read_available()
+                for msg in msgs:
+                    self._deliver(msg)
         except OSError:
             eof = True
         except Exception:  # noqa: BLE001 - a broken message, as in _read
