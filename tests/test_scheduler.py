@@ -1,7 +1,7 @@
 """The scheduler's step decisions over plain Request objects and its own real BlockManager (no model)."""
 import pytest
 
-from core.request import SLO, Request
+from core.request import SLO, Request, Status
 from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
@@ -64,7 +64,8 @@ def test_kv_exhaustion_makes_admission_wait_then_preempts_on_decode():
         _run(s, p)
         if p.preempted:
             break
-    assert p.preempted == [b] and p.decode == [a]  # the most recently admitted is the victim and b.status is Status.WAITING and b.block_table == [] and s.waiting[0] is b
+    assert p.preempted == [b] and p.decode == [a]  # the most recently admitted is the victim
+    assert b.status is Status.WAITING and b.block_table == [] and s.waiting[0] is b  # back at the head of the queue
     assert b.num_computed_tokens == 0  # recomputed from its prompt and the tokens it already produced
 
 
