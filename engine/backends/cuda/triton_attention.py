@@ -1,0 +1,447 @@
+"""Paged attention kernels in Triton for the CUDA backend.
+
+The KV cache of one layer is ``k_cache`` / ``v_cache`` of shape [num_blocks, block_size, num_kv_heads, head_dim]
+(the last dimension contiguous). A sequence's token ``t`` lives in physical block ``block_tables[s, t // block_size]``
+at row ``t % block_size``. The kernels read K/V through the block table in place: no gather, no mask tensor, and
+never a block-table entry (or a cache row) past a sequence's length, so row tails may hold anything.
+
+Two entry points:
+
+* :func:`paged_decode_attention`: one query token per sequence (flash-decoding). Stage 1 runs one program per
+  (sequence, KV head, split); the program loads its KV head's whole group of query heads, so every K/V tile is read
+  once per group. Long contexts are cut into ``num_splits`` contiguous ranges whose partial (max, sum, acc) go to a
+  workspace; stage 2 merges them. With one split, stage 1 writes the output directly. CUDA-graph capturable: the
+  grid depends on shapes and ``num_splits`` only, nothing syncs with the host, and a preallocated ``workspace``
+  (:func:`alloc_decode_workspace`) makes the call allocation-free.
+* :func:`paged_prefill_attention`: varlen causal attention for prefill / chunked prefill over a cached prefix. Each
+  program takes a tile of one sequence's query tokens times its KV head's group of query heads, and streams that
+  sequence's cached K/V once for the whole tile.
+
+Both use fp32 accumulation and an online softmax in the exp2 domain (the scale is folded with log2(e)).
+
+GQA packing: a decode program computes ``S = Q_group @ K^T`` with ``tl.dot``, the group padded to at least 16 rows
+(the minimum tile of an MMA). The padding rows cost tensor-core work only; decode attention is bound by the bytes of
+K/V it reads, which are loaded once per group whatever the group size, and one code path serves every ratio from
+MHA (group 1) to MQA.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Stage 2 holds all of a head's partials in registers: [MAX_NUM_SPLITS, head_dim] fp32.
+MAX_NUM_SPLITS = 64
+# A split shorter than this is not worth its partial's write and merge (see choose_num_splits).
+MIN_TOKENS_PER_SPLIT = 256
+
+
+def _interpreting() -> bool:
+    # Triton's CPU interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16); the kernels upcast
+    # their dot operands to fp32 there. On a GPU the operands stay in the cache dtype (tensor cores).
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms_of(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (an H100/H200-sized 132 for a CPU tensor, i.e. the interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def _decode_tile(head_dim_padded: int) -> int:
+    """Tokens of K/V a decode program loads per iteration: [tile, head_dim] of K and of V, ~16 KiB each in bf16
+    at head_dim 128."""
+    return 64 if head_dim_padded <= 128 else 32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> int:
+    """Splits per (sequence, KV head) for :func:`paged_decode_attention`.
+
+    One split when the (sequence, KV head) programs alone fill the GPU (at least one per SM): then splitting only adds
+    partial writes and a second kernel. Otherwise enough splits for about two programs per SM, but no more than
+    the longest possible context cut into MIN_TOKENS_PER_SPLIT-token pieces, and at most MAX_NUM_SPLITS.
+
+    ``max_context_len`` must come from shapes or configuration (``block_tables.shape[1] * block_size``, or the
+    model's window) rather than from context_lens, so that a captured CUDA graph keeps its grid. Sequences shorter
+    than the longest use fewer splits inside the kernel (the surplus programs exit at once)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs >= num_sms:
+        return 1
+    splits = triton.cdiv(2 * num_sms, programs)
+    splits = min(splits, triton.cdiv(max(1, max_context_len), MIN_TOKENS_PER_SPLIT), MAX_NUM_SPLITS)
+    return max(1, splits)
+
+
+def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of the split-K workspace: partial outputs [B, H, S, D], then maxima and sums [B, H, S] each."""
+    if num_splits <= 1:
+        return 0
+    return num_seqs * num_heads * num_splits * (head_dim + 2)
+
+
+def alloc_decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_splits: int,
+                           device: torch.device | str) -> torch.Tensor:
+    """A workspace for :func:`paged_decode_attention` at up to ``num_seqs`` sequences and ``num_splits`` splits.
+    Allocate it once for the largest batch (and largest split count) that will be captured; any smaller call can
+    share it. Its contents need no initialisation."""
+    n = decode_workspace_numel(num_seqs, num_heads, head_dim, num_splits)
+    return torch.empty(max(1, n), dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh,
+    stride_ob, stride_oh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    TILE_N: tl.constexpr,  # tokens per iteration
+    DOT_F32: tl.constexpr,  # upcast dot operands (interpreter, or an fp32 cache)
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx = tl.load(ctx_ptr + seq)
+    num_tiles = tl.cdiv(ctx, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, TILE_N)
+    head = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    if NUM_SPLITS > 1:
+        # An empty split (a short sequence, or a padded slot of context 0) writes nothing: stage 2 derives the
+        # same split count from the context length and never reads it.
+        if tile_lo >= tile_hi:
+            return
+
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * TILE_N + offs_n
+        n_mask = tok < ctx
+        # Block ids of the tile's tokens; masked past the context, so the row's tail is never read.
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = (tok % BLOCK_SIZE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        # Every tile in [tile_lo, tile_hi) holds at least one token < ctx, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        # Direct output; a context of 0 gives l_i == 0 and zeros.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # Partials, indexed [seq, head, split]; acc unnormalised (relative to this split's max).
+        idx = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_ml_ptr + idx * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + idx * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    stride_ob, stride_oh,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr,  # stage 1's tile, to count the splits it filled
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+
+    ctx = tl.load(ctx_ptr + seq)
+    num_tiles = tl.cdiv(ctx, TILE_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
+    active = tl.cdiv(num_tiles, tiles_per_split)  # splits stage 1 wrote; 0 for an empty context
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < active
+    d_mask = offs_d < HEAD_DIM
+    idx = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + idx * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + idx * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(active > 0, m_max, 0.0)
+    w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
+    denom = tl.sum(w * l, axis=0)
+    denom = tl.where(denom > 0, denom, 1.0)
+    acc = tl.load(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [blocks, block_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("the head dimension of q, out, k_cache and v_cache must be contiguous")
+    if q.shape[-1] != k_cache.shape[3] or out.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)}, out {tuple(out.shape)} and cache head_dim {k_cache.shape[3]} differ")
+    if q.shape[-2] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, *, num_splits: int | None = None,
+                           workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    q, out: [B, H, D] (out in q's dtype; q and out may be strided views with a contiguous last dim).
+    k_cache, v_cache: [num_blocks, block_size, KVH, D]. block_tables: int32 [B, max_blocks].
+    context_lens: int32 [B], the tokens each query attends to, its own (already in the cache) included; 0 for a
+    padded slot, whose output is zeros. num_splits: None picks :func:`choose_num_splits` from shapes only.
+    workspace: fp32, at least :func:`decode_workspace_numel` elements when num_splits > 1; allocated here if None.
+    """
+    _check_cache(q, k_cache, v_cache, out)
+    B, H, D = q.shape
+    _, block_size, KVH, _ = k_cache.shape
+    if B == 0:
+        return out
+    group = H // KVH
+    BLOCK_D = _pow2(D, 16)
+    TILE_N = _decode_tile(BLOCK_D)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, KVH, block_tables.shape[1] * block_size, num_sms_of(q.device))
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
+    part_acc = part_ml = out  # placeholders, unused with one split
+    if num_splits > 1:
+        need = decode_workspace_numel(B, H, D, num_splits)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
+        part_acc = workspace[: B * H * num_splits * D]
+        part_ml = workspace[B * H * num_splits * D: need]
+    dot_f32 = _interpreting() or k_cache.dtype == torch.float32
+    _decode_stage1_kernel[(B, KVH, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        H,
+        NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        BLOCK_SIZE=block_size, TILE_N=TILE_N, DOT_F32=dot_f32,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_stage2_kernel[(B, H)](
+            context_lens, out, part_acc, part_ml,
+            out.stride(0), out.stride(1),
+            H,
+            NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), HEAD_DIM=D, BLOCK_D=BLOCK_D, TILE_N=TILE_N,
+            num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prefill (varlen, causal, over the paged cache)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP <= BLOCK_M
+    BLOCK_M: tl.constexpr,  # rows of the tile: (query token, head of the group) pairs, a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    qblk = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if qblk * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqlen_ptr + seq)
+    prefix = seq_len - q_len  # tokens before this sequence's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, TILE_N)
+    qpos = qblk * BLOCK_Q + offs_m // GROUP  # query index within the sequence
+    head = kvh * GROUP + offs_m % GROUP
+    m_mask = (offs_m < BLOCK_Q * GROUP) & (qpos < q_len)
+    d_mask = offs_d < HEAD_DIM
+    io_mask = m_mask[:, None] & d_mask[None, :]
+    tok_q = (q_start + qpos).to(tl.int64)
+
+    q = tl.load(q_ptr + tok_q[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Causal limit: query qpos sees tokens < prefix + qpos + 1. The tile's last query bounds the KV range.
+    q_last = tl.minimum(qblk * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = prefix + q_last + 1
+    limit = prefix + qpos + 1  # per row
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    for start in range(0, kv_end, TILE_N):
+        tok = start + offs_n
+        n_mask = tok < kv_end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = (tok % BLOCK_SIZE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        # Token 0 is visible to every row (padding rows included), so each row's max is finite from the first tile.
+        s = tl.where(tok[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + tok_q[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, out: torch.Tensor, *, max_query_len: int) -> torch.Tensor:
+    """Causal attention of packed new tokens over each sequence's paged cache (prefill, chunked prefill, prefix
+    reuse; also decode, as q_len 1).
+
+    q, out: [T, H, D], the new tokens of S sequences packed; query_start_loc: int32 [S+1] cumulative offsets.
+    seq_lens: int32 [S], each sequence's total tokens in the cache; its queries are its last q_len tokens (already
+    written to the cache), and query i attends to tokens [0, seq_len - q_len + i]. A sequence with q_len 0 is
+    skipped. block_tables: int32 [S, max_blocks]. max_query_len: a host int >= every q_len (sizes the grid).
+    """
+    _check_cache(q, k_cache, v_cache, out)
+    T, H, D = q.shape
+    S = query_start_loc.shape[0] - 1
+    _, block_size, KVH, _ = k_cache.shape
+    if T == 0 or S <= 0 or max_query_len <= 0:
+        return out
+    group = H // KVH
+    BLOCK_D = _pow2(D, 16)
+    # Rows per program: (query token, group head) pairs. 64 rows keep one program's fp32 accumulator and tiles in
+    # registers at head_dim up to 128 with 4 warps; longer prompts take 128 rows with 8 warps at head_dim <= 128.
+    big = BLOCK_D <= 128 and max_query_len * group >= 128
+    BLOCK_M = max(128 if big else 64, _pow2(group))
+    BLOCK_Q = BLOCK_M // group
+    TILE_N = 64 if BLOCK_D <= 128 else 32
+    dot_f32 = _interpreting() or k_cache.dtype == torch.float32
+    grid = (triton.cdiv(max_query_len, BLOCK_Q), S, KVH)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        BLOCK_SIZE=block_size, TILE_N=TILE_N, DOT_F32=dot_f32,
+        num_warps=8 if big else 4,
+    )
+    return out
