@@ -1,56 +1,419 @@
-"""What the HTTP path adds over the in-process engine, back to back, same model and load.
+"""What the HTTP path adds over the in-process engine: one load, in process and against fresh servers, back to back.
 
     python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--inproc-threads 2,1] [--saturate]
-                             [--rounds N] [--cpu] [--summary NAME]
+                             [--rounds N] [--summary NAME]
+    python -m bench.overhead run [--model M] [--num-requests N] [--submit-interval-ms MS] [--max-new-tokens N]
+                                 [--dataset sharegpt] [--policy P] [--target URL] [--json PATH] [--summary NAME]
 
-Runs `bench.streaming` in-process (once per `--inproc-threads` entry; default: torch's default), then once against `serve run deployments:app ARGS` for each `--serve` (ARGS: app key=value arguments, and
-NAME=VALUE environment variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`)
-(default: the defaults, and the engine as a thread of its replica), each server started fresh, warmed with
-one request, and stopped (`ray stop --force`) before the next. Prints p50 TTFT / TPOT / ITL and tok/s of each
-and what HTTP adds over the in-process run, and for each HTTP run where its TTFT went: outside the replica's
-handler (client, proxy, HTTP server) and in it (its Server-Timing `replica`). `--saturate` adds the same
-comparison under a burst (150 requests 10 ms apart) without the in-process run. `--rounds N` runs all of it N
-times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference). `--cpu`
-adds, for each run, where the machine's CPU went while the load ran (`bench.procstat`): CPU seconds and run-queue
-wait (ready, waiting for a core) of the engine process, the replica, HAProxy, Serve's controller, the rest of Ray,
-and the client (with its start-up; in process, the one process that is engine and client). Never run beside
-another benchmark.
+`run` is one load (a burst, or request i at i x `--submit-interval-ms`, open-loop, through `bench/driver.py`) on
+the in-process `LLMEngine` or, with `--target`, on a running OpenAI-compatible server (streaming POST
+/v1/completions). It prints one block: add_request latency (in process: the call; HTTP: send -> response headers),
+TTFT, TPOT = (last - first token) / (n - 1), ITL (gaps between token arrivals, pooled), latency and completion
+tokens/s over first submit -> last finish. In process, one consumer thread per request stamps each stream item on
+arrival; a reader that falls behind gets several tokens in one item (`merged_deliveries`), and `engine_side` has
+the engine's own per-token times. Over HTTP, token counts come from the usage chunk and the TTFT split from the
+server's Server-Timing header (`hops_p50_ms`). `--dataset sharegpt` takes prompts and reply lengths (forced with
+ignore_eos) from `bench.workload.sharegpt` in the served model's tokenizer.
+
+The comparison runs `run` in process (once per `--inproc-threads` entry; default: torch's default), then against
+`serve run deployments:app ARGS` for each `--serve` (ARGS: app key=value arguments, and NAME=VALUE environment
+variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`; default: the defaults, and the engine as a
+thread of its replica), each server started fresh, warmed with one request and stopped (`ray stop --force`) before
+the next. It prints p50 TTFT / TPOT / ITL and tok/s of each, what HTTP adds over the in-process run, and for each
+HTTP run where its TTFT went: outside the replica's handler (client, proxy, HTTP server) and in it (Server-Timing
+`replica`). `--saturate` adds a burst (150 requests 10 ms apart) over HTTP only. `--rounds N` runs all of it N
+times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference).
+`served()` (a fresh server for a benchmark) is shared with `bench.route`. Never run beside another benchmark.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
-from bench import procstat
-from bench.report import command_line, write_summary
-from bench.serving import served
+from bench.driver import HOPS, Record, free_memory, resolve_bench_model, resolve_model_path, run_engine, run_http, \
+    served_model
+from bench.metrics import distribution
+from bench.report import command_line, run_info, write_json, write_summary
+from bench.workload import WorkItem
 
 MODULE = "bench.overhead"
 FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok_s")
+PCTS = (50, 95, 99)
+BLOCK_HEADER = "=== streaming benchmark ==="
+DEFAULT_MODEL = "kairos-random-42m"  # `run`'s default (kairos-default is the trained model)
+TARGET = "http://127.0.0.1:8000"
+
+# --------------------------------------------------------------------------- a fresh server
 
 
-def _streaming(argv: list[str], out: Path, cpu: bool = False) -> dict:
-    before, client0 = (procstat.snapshot(), procstat.children_cpu_s()) if cpu else ({}, 0.0)
-    subprocess.run([sys.executable, "-m", "bench.streaming", *argv, "--json", str(out)], check=True,
+def ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
+    """True when `url` answers 200 (a POST of `body` as JSON when given)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def stop_ray() -> None:
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def served(serve_args: str, log: Path, target: str = TARGET, start_timeout_s: float = 600.0) -> Iterator[str]:
+    """`serve run deployments:app` with `serve_args` (key=value app arguments, and NAME=VALUE upper-case
+    environment variables of that server), up and warmed; yields its URL. Started as `python -m
+    ray.serve.scripts run` and stopped with `python -m ray.scripts.scripts stop --force`, so it needs no console
+    scripts on PATH (a `pip --target` install has none)."""
+    tokens = shlex.split(serve_args)
+    env_pairs = [t.split("=", 1) for t in tokens if "=" in t and t.split("=", 1)[0].isupper()]
+    env = dict(os.environ) | dict(env_pairs)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    cmd = [sys.executable, "-m", "ray.serve.scripts", "run", "deployments:app",
+           *(t for t in tokens if not ("=" in t and t.split("=", 1)[0].isupper()))]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        # a completion, not /health (200 once an LLM replica is up): it also warms the replica's first request
+        while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log}")
+            time.sleep(2)
+        yield target
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        stop_ray()
+
+
+# --------------------------------------------------------------------------- one load: `run`
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE} run",
+        description="One load: add_request latency, TTFT, TPOT, ITL, end-to-end latency and throughput for a burst "
+                    "or a paced stream of requests, in process or against --target.")
+    a = p.add_argument_group("model").add_argument
+    a("--model", default=DEFAULT_MODEL, help="kairos-random-42m | kairos-default (trained) | kairos-tiny | "
+      f"llama-110m | a local HF dir (default: {DEFAULT_MODEL})")
+    a("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
+    a("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    a("--seed", type=int, default=0, help="engine seed; ShareGPT order (default: 0)")
+    a("--num-threads", type=int, default=None, help="in-process engine's torch threads (default: all cores)")
+    a("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    a = p.add_argument_group("workload").add_argument
+    a("--dataset", choices=("synthetic", "sharegpt"), default="synthetic",
+      help="synthetic: --prompt repeated; sharegpt: real prompts and reply lengths (default: synthetic)")
+    a("--dataset-path", default=None, help="--dataset sharegpt: a ShareGPT JSON file instead of the packaged one")
+    a("--prompt", default="Hello", help="base prompt (default: Hello)")
+    a("--prompt-repeats", default=None, help='comma-separated repeat counts, cycled per request; repeat r -> '
+      '" ".join([prompt]*r). Example: "1,1,1,64" is a 3-short + 1-long mix')
+    a("--unique-prompts", action="store_true", help='append " [i]" to request i\'s prompt')
+    a("--num-requests", type=int, default=16, help="number of streaming requests (default: 16)")
+    a("--submit-interval-ms", type=float, default=0.0, help="request i is sent at i x this (default: 0 = burst)")
+    a("--max-new-tokens", type=int, default=32, help="tokens to generate per request (default: 32)")
+    a("--no-stop-on-eos", action="store_true", help="keep generating past EOS (ignore_eos)")
+    a("--temperature", type=float, default=0.0, help="sampling temperature (default: 0 = greedy)")
+    a = p.add_argument_group("scheduler (in process)").add_argument
+    a("--policy", default="fcfs", help="fcfs | pack | edf | edf_reject | tpot_guard | scorpio | kairos "
+      "(default: fcfs)")
+    a("--max-batch-size", type=int, default=8, help="max running requests (max_num_seqs; default: 8)")
+    a("--prefill-max-tokens", type=int, default=None, help="prompt-token budget per prefill round (default: none)")
+    a = p.add_argument_group("measurement").add_argument
+    a("--warmup", type=int, default=1, help="untimed warm-up requests (default: 1)")
+    a("--request-timeout", type=float, default=600.0, help="give up on a silent stream (HTTP: a request) after "
+      "this many s (default: 600)")
+    a("--target", default=None, help="drive a running OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
+    a("--api-key", default=None, help="bearer token for --target")
+    a("--json", default=None, metavar="PATH", help="write every figure (and per-request data) here")
+    a("--summary", default=None, metavar="NAME", help="keep the headline as bench/summaries/NAME.json")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for flag, good in (("--num-requests must be positive", args.num_requests > 0),
+                       ("--max-new-tokens must be positive", args.max_new_tokens > 0),
+                       ("--submit-interval-ms must be >= 0", args.submit_interval_ms >= 0)):
+        if not good:
+            raise SystemExit(flag)
+    parse_repeats(args.prompt_repeats)
+
+
+def parse_repeats(spec: str | None) -> list[int] | None:
+    if spec is None or str(spec).strip() == "":
+        return None
+    try:
+        reps = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-repeats must be comma-separated integers, got {spec!r}") from None
+    if not reps or any(r <= 0 for r in reps):
+        raise SystemExit(f"--prompt-repeats must be positive integers, got {spec!r}")
+    return reps
+
+
+def build_prompts(args: argparse.Namespace) -> list[str]:
+    """Repeats cycled per request, optional unique suffix."""
+    reps = parse_repeats(args.prompt_repeats) or [1]
+    out = [" ".join([args.prompt] * reps[i % len(reps)]) for i in range(int(args.num_requests))]
+    return [f"{p} [{i}]" for i, p in enumerate(out)] if args.unique_prompts else out
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line arguments that reproduce `args` (defaults, --json and --summary omitted)."""
+    parser = build_parser()
+    defaults, out = vars(parser.parse_args([])), []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public walk
+        v = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in ("help", "json", "summary") or v == defaults[action.dest]:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            out += [action.option_strings[0]] if v else []
+            continue
+        out += [action.option_strings[0], str(int(v) if isinstance(v, float) and v.is_integer() else v)]
+    return out
+
+
+def model_tokenizer(model: str) -> tuple[Any, int]:
+    """(the HF tokenizer of `model`, its context length or 0)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    try:
+        with open(f"{path}/config.json", encoding="utf-8") as f:
+            ctx = int(json.load(f).get("max_position_embeddings") or 0)
+    except OSError:
+        ctx = 0
+    return AutoTokenizer.from_pretrained(path), ctx
+
+
+def build_items(args: argparse.Namespace, tok: Any, max_len: int | None) -> list[WorkItem]:
+    """The requests as `WorkItem`s (request i at i x interval)."""
+    n = int(args.num_requests)
+    if args.dataset == "sharegpt":
+        from bench.workload import sharegpt
+
+        samples = sharegpt(tok, n, args.seed, max_len, path=args.dataset_path).samples
+        picked = [samples[i % len(samples)] for i in range(n)]
+        texts, lens, ignore_eos = [s.text for s in picked], [s.output_len for s in picked], True
+    else:
+        texts, lens, ignore_eos = build_prompts(args), [args.max_new_tokens] * n, bool(args.no_stop_on_eos)
+    seed = args.seed if args.target and args.temperature > 0 else None
+    interval = args.submit_interval_ms / 1e3
+    return [WorkItem(i * interval, [], lens[i], text=texts[i], ignore_eos=ignore_eos, temperature=args.temperature,
+                     seed=seed) for i in range(n)]
+
+
+def _warmup_items(args: argparse.Namespace) -> list[WorkItem]:
+    return [WorkItem(0.0, [], min(4, args.max_new_tokens), text=f"{args.prompt} [warmup {i}]", stream=False)
+            for i in range(max(0, args.warmup))]
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    from scheduling.config import SchedulerConfig
+
+    sched = SchedulerConfig(policy=args.policy, max_num_seqs=args.max_batch_size,
+                            prefill_max_batch_size=args.max_batch_size, prefill_max_tokens=args.prefill_max_tokens)
+    return EngineConfig(model=resolve_bench_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
+                        max_model_len=args.max_model_len, num_threads=args.num_threads, scheduler=sched)
+
+
+def _run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(_engine_config(args))
+    startup_s = time.perf_counter() - t0
+    try:
+        for i, w in enumerate(_warmup_items(args)):  # one after the other
+            run_engine(engine, [w], per_request_threads=True, timeout_s=args.request_timeout, tag=f"warmup{i}")
+        items = build_items(args, engine.tokenizer, engine.max_model_len)
+        run = run_engine(engine, items, per_request_threads=True, timeout_s=args.request_timeout, tag="bench")
+        engine_stats = {**run.engine, "kv_blocks_total": engine.stats().kv_blocks_total, "startup_s": startup_s,
+                        "profile": engine.profile_report, "dtype": str(engine.bundle.dtype),
+                        "max_model_len": engine.max_model_len, "model_path": engine.bundle.path}
+    finally:
+        engine.shutdown()
+        del engine
+        free_memory()
+    return {"run": run, "engine_stats": engine_stats}
+
+
+def _run_http(args: argparse.Namespace) -> dict[str, Any]:
+    tok, ctx = model_tokenizer(args.model) if args.dataset == "sharegpt" else (None, 0)
+    items = build_items(args, tok, args.max_model_len or ctx or None)
+    kw = {"api_key": args.api_key, "timeout_s": args.request_timeout}
+    for w in _warmup_items(args):
+        run_http(args.target, [w], **kw)
+    return {"run": run_http(args.target, items, **kw), "engine_stats": None,
+            "served_model": served_model(args.target, args.api_key)}
+
+
+def _pcts(values: Sequence[float]) -> dict[str, float]:
+    return distribution(values, PCTS)
+
+
+def _fmt3(d: dict[str, float]) -> str:
+    return "/".join(f"{d[f'p{q}']:.2f}" for q in PCTS)
+
+
+def _ok(r: Record) -> bool:
+    return r.completed and r.error is None and bool(r.token_times)
+
+
+def _engine_side(recs: list[Record]) -> dict[str, Any]:
+    ttft, queue, itl, tpot = [], [], [], []
+    for e in (r.engine for r in recs):
+        if not e or e.get("first_token_s") is None:
+            continue
+        ttft.append((e["first_token_s"] - e["arrival_s"]) * 1e3)
+        if e.get("admitted_s") is not None:
+            queue.append((e["admitted_s"] - e["arrival_s"]) * 1e3)
+        tt = e["token_times"]
+        itl.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
+        if len(tt) >= 2:
+            tpot.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
+    return {"ttft_ms": _pcts(ttft), "queue_ms": _pcts(queue), "itl_ms": _pcts(itl), "tpot_ms": _pcts(tpot),
+            "note": "engine timestamps (time.monotonic): arrival = add_request, tokens = end of the model step"}
+
+
+def summarize_run(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
+    recs: list[Record] = raw["run"].records
+    good = [r for r in recs if _ok(r)]
+    t_first = min(r.arrival_s for r in recs)
+    sent = [r for r in recs if r.sent_s is not None and not (r.error or "").startswith("submit:")]
+    ms = lambda a, b: (a - b) * 1e3 if a is not None else None  # noqa: E731
+    tpot_ms, itl_ms = [], []
+    for r in good:
+        tt = r.token_times
+        itl_ms.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
+        n = r.n_out if args.target else len(tt)
+        if n >= 2:
+            tpot_ms.append((tt[-1] - tt[0]) / (n - 1) * 1e3)
+    finishes = [r.finished_s for r in recs if r.finished_s is not None]
+    wall = (max(finishes) - t_first) if finishes else math.nan
+    completion_total = sum(r.n_out for r in good)
+    rate = (lambda tokens: tokens / wall if wall > 0 else math.nan)
+    res: dict[str, Any] = {
+        "bench": "overhead run", "model": raw.get("served_model") or args.model,
+        "device": args.device if not args.target else f"{args.target}", "mode": "http" if args.target else "engine",
+        "dataset": args.dataset, "requests": len(recs), "ok_requests": len(good),
+        "failed_requests": len(recs) - len(good),
+        "errors": sorted({r.error or (f"rejected: {r.reject_reason}" if r.rejected else
+                                      f"finish_reason={r.finish_reason}") for r in recs if not _ok(r)}),
+        "prompt_tokens_total": sum(r.prompt_tokens for r in recs), "completion_tokens_total": completion_total,
+        "submit_wall_s": raw["run"].submit_end_s - t_first, "wall_s": wall,
+        "add_request_ms": _pcts([ms(r.sent_s, r.arrival_s) for r in sent]),
+        "ttft_ms": _pcts([ms(r.token_times[0], r.arrival_s) for r in good]),
+        "tpot_ms": _pcts(tpot_ms), "itl_ms": _pcts(itl_ms),
+        "latency_ms": _pcts([ms(r.finished_s, r.arrival_s) for r in good]),
+        "throughput_completion_tok_s": rate(completion_total),
+        "throughput_total_tok_s": rate(completion_total + sum(r.prompt_tokens for r in good)),
+        "merged_deliveries": sum(r.merged_deliveries for r in recs), "deliveries": sum(r.deliveries for r in recs),
+    }
+    for name in ("add_request", "ttft", "tpot", "itl", "latency"):
+        for q in PCTS:
+            res[f"{name}_p{q}_ms"] = res[f"{name}_ms"][f"p{q}"]
+    if args.target:  # where the time to first token went, by the server's Server-Timing (bench.driver.HOPS)
+        res["hops_p50_ms"] = {h: statistics.median(xs) for h in HOPS
+                              if (xs := [r.hops[h] for r in good if h in r.hops])}
+    if raw.get("engine_stats") is not None:
+        res["engine_stats"], res["engine_side"] = raw["engine_stats"], _engine_side(recs)
+    res["per_request"] = [
+        {"index": r.index, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.n_out,
+         "add_request_ms": ms(r.sent_s, r.arrival_s),
+         "ttft_ms": ms(r.token_times[0], r.arrival_s) if r.token_times else None,
+         "latency_ms": ms(r.finished_s, r.arrival_s), "submit_offset_ms": ms(r.arrival_s, t_first),
+         "deliveries": r.deliveries, "finish_reason": r.finish_reason, "error": r.error}
+        for r in recs]
+    res["block"] = format_block(res)
+    return res
+
+
+def format_block(res: dict[str, Any]) -> str:
+    lines = [
+        BLOCK_HEADER, f"Model: {res['model']}", f"Device: {res['device']}", f"Requests: {res['requests']}",
+        f"Prompt tokens (total): {res['prompt_tokens_total']}",
+        f"Completion tokens (total): {res['completion_tokens_total']}",
+        f"Submit wall: {res['submit_wall_s']:.6f} s",
+        f"add_request latency p50/p95/p99: {_fmt3(res['add_request_ms'])} ms",
+        f"TTFT p50/p95/p99: {_fmt3(res['ttft_ms'])} ms",
+        f"TPOT p50/p95/p99: {_fmt3(res['tpot_ms'])} ms/token",
+        f"ITL p50/p95/p99: {_fmt3(res['itl_ms'])} ms",
+        f"Latency p50/p95/p99: {_fmt3(res['latency_ms'])} ms",
+        f"Throughput (completion,total): {res['throughput_completion_tok_s']:.2f} tokens/s",
+        f"Throughput (prompt+completion): {res['throughput_total_tok_s']:.2f} tokens/s"]
+    if res["failed_requests"]:
+        lines.append(f"Failed requests: {res['failed_requests']} ({'; '.join(res['errors'][:3])})")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, *, verbose: bool = True, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run one load; return every figure (and write --json / --summary if given)."""
+    _check_args(args)
+    res = summarize_run(args, _run_http(args) if args.target else _run_engine(args))
+    res["config"] = dict(vars(args))
+    res["run_info"] = run_info(MODULE, ["run", *(argv if argv is not None else to_argv(args))])
+    res["command"] = res["run_info"]["command"]
+    if verbose:
+        print(res["block"], flush=True)
+    if getattr(args, "json", None):
+        write_json(args.json, res)
+    if getattr(args, "summary", None):
+        figures = {k: v for k, v in res.items() if k not in ("per_request", "block", "config", "run_info")}
+        write_summary(args.summary, res["command"], f"{res['model']}, {res['requests']} requests: TTFT p50 "
+                      f"{res['ttft_p50_ms']:.1f} ms, TPOT p50 {res['tpot_p50_ms']:.1f} ms/token, ITL p99 "
+                      f"{res['itl_p99_ms']:.1f} ms, {res['throughput_completion_tok_s']:.1f} tok/s", figures)
+    return res
+
+
+def run_main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv or [])
+    args = parse_args(argv)
+    res = run(args, argv=argv)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0 if res["ok_requests"] else 1
+
+
+# --------------------------------------------------------------------------- HTTP against in process
+
+
+def _load(argv: list[str], out: Path) -> dict:
+    """One `run` in a process of its own (the in-process engine then has the interpreter to itself)."""
+    subprocess.run([sys.executable, "-m", MODULE, "run", *argv, "--json", str(out)], check=True,
                    stdout=subprocess.DEVNULL)
-    figures = _figures(json.loads(out.read_text()))
-    if cpu:
-        used = procstat.usage(before, procstat.snapshot())
-        bench = "client" if "--target" in argv else "engine and client (one process)"  # bench.streaming itself
-        figures["cpu_s"] = {g: [round(t.cpu_s, 2), round(t.wait_s, 2)] for g, t in sorted(used.items())} | {
-            bench: [round(procstat.children_cpu_s() - client0, 2), None]}
-    return figures
+    return _figures(json.loads(out.read_text()))
 
 
 def _figures(doc: dict) -> dict:
-    """The figures kept of one `bench.streaming --json` document."""
+    """The figures kept of one `run --json` document."""
     figures = {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
     hops = doc.get("hops_p50_ms") or {}
     if "replica" in hops:  # HTTP: the time to first token outside the replica's handler, and inside it
@@ -59,19 +422,16 @@ def _figures(doc: dict) -> dict:
     return figures
 
 
-def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path, cpu: bool = False) -> dict:
-    """`bench.streaming` against a fresh `serve run deployments:app` with `serve_args` (see bench.serving)."""
+def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
+    """`run` against a fresh `serve run deployments:app` with `serve_args`."""
     with served(serve_args, log) as target:
-        return _streaming(bench_argv + ["--target", target], out, cpu)
+        return _load(bench_argv + ["--target", target], out)
 
 
 def _median_of(key: str, values: list) -> Any:
-    """One figure over rounds: failures summed, CPU per group as medians, the rest a median."""
+    """One figure over rounds: failures summed, the rest a median."""
     if key == "failed":
         return sum(values)
-    if key == "cpu_s":
-        return {g: [None if values[0][g][j] is None else round(statistics.median(v[g][j] for v in values), 2)
-                    for j in range(2)] for g in values[0] if all(g in v for v in values)}
     return round(statistics.median(values), 2)
 
 
@@ -110,13 +470,14 @@ def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, flo
         if "replica_p50_ms" in f:
             print(f"{'':<4}TTFT p50 split: {f['outside_p50_ms']:.1f} ms outside the replica's handler (client, proxy, "
                   f"HTTP server, both ways), {f['replica_p50_ms']:.1f} in it (tokenize, engine queue, prefill)")
-        if "cpu_s" in f:
-            print(f"{'':<4}CPU s (run-queue wait s) while it ran: " + ", ".join(
-                f"{g} {c:.2f}" + (f" ({w:.2f})" if w is not None else "") for g, (c, w) in f["cpu_s"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return run_main(argv[1:])
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0],
+                                epilog=f"`python -m {MODULE} run --help`: one load.")
     p.add_argument("--serve", action="append", help="serve run arguments of one server (repeatable)")
     p.add_argument("--model", default="kairos-default", help="the model of every run: in process, and of each "
                    "server whose --serve names none")
@@ -128,7 +489,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
     p.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, in rounds "
                    "(this box drifts by up to 35%% within a minute); figures are medians over rounds")
-    p.add_argument("--cpu", action="store_true", help="also where the CPU went during each run (bench.procstat)")
     p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -147,14 +507,12 @@ def main(argv: list[str] | None = None) -> int:
             figures: dict[str, dict] = {}
             for i, n in enumerate(x.strip() for x in (args.inproc_threads or "").split(",")):
                 name = "in_process" if i == 0 else f"in_process[{n} threads]"
-                figures[name] = _streaming(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
-                                           + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json",
-                                           args.cpu)
+                figures[name] = _load(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
+                                      + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json")
             for i, s in enumerate(servers):
                 figures[f"http[{s or 'defaults'}]"] = _served(_with_model(s, args.model),
                                                               load(args.num_requests, args.submit_interval_ms),
-                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log",
-                                                              args.cpu)
+                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log")
             if args.saturate:
                 for i, s in enumerate(servers):
                     figures[f"burst http[{s or 'defaults'}]"] = _served(_with_model(s, args.model), load(150, 10.0),

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from bench.report import command_line, write_summary
-from bench.serving import served
+from bench.overhead import served
 
 MODULE = "bench.route"
 DEFAULT_SERVE = "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"

