@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                    "runs (the first is the baseline of 'added'); empty: torch's default")
     p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
     p.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, in rounds "
-                   "(this box drifts by up to 35%% within a minute); figures are medians over rounds")
+                   "(a shared box drifts within minutes); figures are medians over rounds")
     p.add_argument("--summary", help="keep the figures as bench/summaries/NAME.json")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

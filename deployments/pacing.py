@@ -3,8 +3,7 @@
 Every chunk costs the HTTP path the same whatever it carries: a Ray message from the replica to the Ingress, an
 SSE event through the proxy. Those processes are single Python processes shared by every stream, so past some
 chunks a second they fall behind, and each stream's tokens reach its client later and later, though the engine
-made them in time (on a 16-core host, two kairos-tiny replicas behind one Ingress streaming ~2.8k chunks a second:
-237 of 346 admitted requests missed their TPOT SLO at the client, none in the engine; bench/README.md).
+made them in time: requests then miss their TPOT SLO at the client and not in the engine.
 
 A stream sends its first token at once. After that it waits `hold_s` seconds since its last chunk (the tokens
 made meanwhile go out together, so its mean TPOT is unchanged) and the last tokens go out as soon as it ends:
@@ -34,8 +33,8 @@ class StreamPacing:
                ingress_num_replicas: int = 1, routed: bool = True) -> "StreamPacing":
         """The app's budget (chunks a second through each Ingress replica) split over the LLM replicas that share
         it. In the direct topology there is no Ingress: each replica writes its streams to the proxy itself, a
-        hop without Ray where a budget, binding at a burst of ~3.2k chunks a second, gained no tokens a second
-        and only held tokens back (bench/README.md), so no budget applies."""
+        hop without Ray where a budget, binding under a burst, gained no tokens a second and only held tokens
+        back, so no budget applies."""
         per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else 0.0
         return cls(max(0.0, stream_interval_ms) / 1000.0, per)
 

@@ -16,10 +16,9 @@ Ranking: replicas where every SLO of the request looks attainable come first, mo
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last. Each replica is its own rank, so Ray falls through to the next one
 when the best is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
-Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed: it lost
-to pow2 on a 2-core box where both replicas share the cores, and on a 16-core host with a core per replica it
-was level with pow2 (1.00x at 1.5x) while this ranking was 1.13x ahead: ranking by slack already sends most
-strict requests to one replica, and affinity only cost the interactive tier its TTFT (bench/README.md).
+Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed (git
+history): ranking by slack already sends most strict requests to one replica, and affinity only cost the
+interactive tier its TTFT.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Why. Goodput counts requests. Once the VBS gate binds, a replica decodes a rough
 paced request of TPOT t decodes one token every t ms, and a request of n output tokens holds its share of the
 batch for about n steps at the strictest pace, whatever its tier. *Which* arrivals get that capacity decides
 how many requests are served. Admitted as they come, the batch takes whatever arrives when a place frees, and
-the long replies stay longest (ShareGPT: the longest 30% of replies carry over half of the tokens). Serving the
+the long replies stay longest (on ShareGPT a minority of long replies carries most of the tokens). Serving the
 shorter replies first serves more requests with the same capacity.
 
 A request's *work* is its expected output tokens divided by its TPOT SLO (the scheduler's `_work`): a token at
@@ -19,17 +19,16 @@ second; a fresh request of work > θ is shed (429 with Retry-After) instead of b
 never below the window's median work (requests that all ask for the same are never shed by it). The scheduler
 sheds only while requests are running (an idle replica admits anything) and while the replica is saturated (within
 `hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
-request shed there would have been served within SLO (on ShareGPT with the packed fp32 GEMM, 72 of 100 sheds came
-while no strict reply paced the batch). The rule cut the sheds there by a third, but shedding still did not pay on that
-engine, so it is off by default (bench/README.md).
+request shed there would have been served within SLO (most sheds came while no strict reply paced the batch).
+Shedding still did not pay once the engine's steps got faster, so it is off by default.
 
 A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
 costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits less than half
-as many requests into such steps (ShareGPT on the Zen 4: ~7 rows at 5.1 ms against ~16 at 8.0). With
+as many requests into such steps. With
 `pace_factor` < 1 such a request is shed above `pace_factor` x θ (`sheds`), so the strict tier is served by its
 shorter requests, and strict requests that arrive while one already runs share that cost (the pace is set).
 Off by default (`shed_pace_factor` 1.0): on ShareGPT it traded the strict tier's share for goodput that did not
-hold from run to run (bench/README.md).
+hold from run to run.
 
 Pure bookkeeping over floats; the scheduler calls `arrived`, `saturated`, `step` and `threshold`, then `sheds`.
 """

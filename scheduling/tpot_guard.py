@@ -80,8 +80,8 @@ def behind_pace(first_token_s: float | None, num_output_tokens: int, tpot_ms: fl
     decoded now it comes at the end of this step, skipped at the end of the next one.
 
     Credit counts steps, so a request falls behind its SLO whenever steps run longer than T_min (a prefill
-    rides in the step, a slow step), and a short reply cannot make that up: on the Zen 4 box, 3 of kairos's 5
-    TPOT misses at 1.5x ShareGPT load were replies of 22-58 tokens at 1.02-1.06x their TPOT."""
+    rides in the step, a slow step), and a short reply cannot make that up: kairos's TPOT misses under
+    overload were mostly short replies just over their TPOT."""
     return this_step_ms + next_step_ms > next_token_slack_ms(first_token_s, num_output_tokens, tpot_ms, now_s)
 
 
@@ -113,8 +113,8 @@ def hold_prefill(step_ms: float, limit_ms: float, ttft_slack_ms: float, prefill_
     prefill, the round's prefills before it, and the decodes riding along) would end after a running reply's
     next token is due (``limit_ms``, the least `next_token_slack_ms`), while its own TTFT deadline,
     ``ttft_slack_ms`` away, still leaves twice its prefill plus ``margin_ms``. A long prompt prefilled in the
-    middle of a short reply stalls that reply for the whole step (an 800-token prompt: ~85 ms, half of what a
-    35-token reply at 5.4 ms may take); held a few steps, it waits for the reply to end or to get ahead of its
+    middle of a short reply stalls that reply for the whole step (a long prompt's prefill can take a large share
+    of what a short reply may take in all); held a few steps, it waits for the reply to end or to get ahead of its
     pace, and it is admitted anyway when its deadline draws near. A reply's later steps are no help: the VBS
     gate fills the batch until they take about the strictest TPOT, so a stall is paid only from the time a reply
     is ahead of its pace."""
@@ -131,7 +131,7 @@ def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], affor
     instead of ending just over its TPOT, paid for by requests ahead of their own pace. Keeps ``batch`` order.
     ``pace(r)``: the time each of r's later tokens will take (default: the trimmed step); a request sits out only
     if its steps can then be that long. The trimmed step is no bound on a request's later tokens: it decodes in
-    full batches again, and skipped step after step it ended over its TPOT (a 35-token reply sat out 47 ms)."""
+    full batches again, and skipped step after step it would end over its TPOT."""
     b = list(batch)
     if len(b) < 2:
         return b
