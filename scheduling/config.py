@@ -41,14 +41,11 @@ PRESETS: dict[str, PolicyFlags] = {
     "tpot_guard": PolicyFlags(credit_batching=True, vbs_gate=True),
     "scorpio": PolicyFlags(queue_order="ldf", ttft_reject=True, credit_batching=True, vbs_gate=True),
     # kairos corrects the gate with a bounded factor measured on the steps it runs (ItlCorrection), so its static
-    # margin only has to cover what that measurement misses: 1.05 (ShareGPT, 3 seeds at 1.5x, two paired runs on the
-    # packed fp32 GEMM: +6.6% and +7.1% goodput over 1.1, every seed ahead, TPOT met for 99.8-100% of the admitted;
-    # on the slower engine before it 1.1 had beaten 1.3, 3.04 vs 2.95 req/s, and 1.0 missed 1.8%). Work shedding is
-    # opt-in: it gained 6.6% on a slow engine; once the packed fp32 GEMM made steps 2-4x faster it cost 5-8% in three
-    # runs of four (bench/README.md).
+    # margin only has to cover what that measurement misses (1.05: more goodput than 1.1 on ShareGPT, TPOT still met;
+    # 1.0 let misses through). Work shedding is opt-in: it paid on a slow engine and cost goodput on the faster one.
     # short_first (requests the gate turns away wait within their TTFT SLO, room goes to the least work first) is
-    # opt-in: on ShareGPT, 3 seeds at 1.5x, +5.7%, +1.4% and -2.2% goodput in three paired runs (bench/README.md
-    # "Least work first"), and it moves the interactive tier's share to the relaxed one
+    # opt-in: on ShareGPT its goodput gain did not hold from run to run, and it moves the interactive tier's share to
+    # the relaxed one
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05),
@@ -125,8 +122,8 @@ class SchedulerConfig(BaseModel):
                                     "set a faster pace for the whole batch is shed above this share of the "
                                     "threshold (shedding.sheds)")
     correction_safety: float = Field(1.0, ge=1, description="multiplies the measured factor f; the gate "
-                                     "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 measured best at "
-                                     "1.5x capacity (3 seeds: 10.9 vs 9.3 req/s with 1.1, bench/README.md)")
+                                     "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 did best on the "
+                                     "SLO benchmark")
     predictor_path: str | None = None
 
     @model_validator(mode="after")
