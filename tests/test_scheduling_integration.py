@@ -11,8 +11,8 @@ from scheduling.config import SchedulerConfig
 
 # Measured TPOT may exceed the SLO by this factor, plus an absolute allowance, before the test fails: the gate
 # predicts from a fitted latency model and the 2-core test box is noisy (GC pauses, the idle Ray cluster of the
-# session's serve tests). The hiccups are absolute: with the compiled CPU kernels a step of the tiny model takes
-# under 2 ms and the strict SLO is ~7 ms, where one full-suite run saw a strict request at 13.4 ms.
+# session's serve tests). The hiccups are absolute, not proportional to a step of the tiny model, hence the
+# allowance beside the factor.
 TPOT_TOLERANCE = 1.5
 TPOT_NOISE_MS = 5.0
 
@@ -61,8 +61,8 @@ def _strict_and_loose(engine) -> tuple[dict[str, list[float]], list[str], float]
 
 def test_strict_requests_meet_tpot_and_loose_ones_yield(engine):
     # One rerun where a strict request was late: the gate predicts from a fit and cannot foresee a stall of the
-    # shared box (a fresh-clone CI run, the rest of the suite passing, saw one at 24.1 ms against a limit of 20.9);
-    # a gate that admits too much is late in both runs.
+    # shared box (a fresh-clone CI run saw one, the rest of the suite passing); a gate that admits too much is late
+    # in both runs.
     for _ in range(2):
         served, reasons, strict = _strict_and_loose(engine)
         late = [t for t in served["strict"] if t > strict * TPOT_TOLERANCE + TPOT_NOISE_MS]
@@ -73,8 +73,7 @@ def test_strict_requests_meet_tpot_and_loose_ones_yield(engine):
     assert not late, (late, strict)
     # credit batching: a loose request (TRP 1/4) is decoded less often than a strict one while both run (without
     # credits both would step alike, a ratio of ~1). How much less depends on how many strict ones the gate lets in
-    # and how long both run together: one kairos run measured 1.47 (strict 6.0 ms against an SLO of 6.2, loose
-    # 8.8 ms); a fresh-clone CI run measured scorpio at 1.298 (3.18 and 4.12 ms), under the 1.3 this asked before
+    # and how long both run together, so the bound leaves room below what single runs of kairos and scorpio showed
     assert statistics.median(served["loose"]) > 1.2 * statistics.median(served["strict"]), (served, strict)
 
 

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # A replica that serves HTTP behind HAProxy stays reachable this long after it is told to stop, so that load
 # balancers can deregister it (5 s by default, `deployments.haproxy_ingress.DRAIN_S`). Nothing but Serve's own
-# HAProxy sends to the test apps, and each deletion waited it out (6-7 s, against 2-4 s without).
+# HAProxy sends to the test apps, and each deletion would wait it out.
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
 
 APP_NAME = "kairos-test"
