@@ -52,7 +52,7 @@ def bounds(records: Iterable[dict], load: float | None = None) -> list[dict[str,
     out = []
     for (lm, seed), by_policy in sorted(runs.items()):
         measured = {p: [r for r in recs if not r.get("warmup")] for p, recs in by_policy.items()}
-        lengths = [r["max_tokens"] for r in next(iter(measured.values()))]
+        lengths = [r.get("output_len") or r["max_tokens"] for r in next(iter(measured.values()))]
         policies: dict[str, dict[str, Any]] = {}
         for p, recs in by_policy.items():
             span = _span_s(recs)

@@ -11,6 +11,14 @@ and every request ends as one `Record` on one clock (`time.monotonic`):
 A request's outcome is its `finish_reason`: stop | length (completed), rejected, abort, error (with `error`
 saying what), timeout (the driver gave up on it) or disconnected (the client dropped it on purpose).
 
+The benchmark-only stop (`WorkItem.stop_after`, bench.slo --lengths hidden|predicted): the reply ends after that
+many tokens while max_tokens is only a cap, and no policy can read it. In-process the driver tokenizes through
+the engine's own `InputProcessor` and sets `Request.bench_stop_after`, which only the scheduler's finish check
+honours and only with `SchedulerConfig.bench_stop` (an engine without it runs to the cap: the record is an error,
+token_count_mismatch); no HTTP field reaches it. Over HTTP the client itself stops: it closes the stream after
+`stop_after` token chunks (the server aborts the request) and records the reply as complete (finish "length");
+the server may decode a token or two more before the abort lands.
+
 Bench models (the random `llama-110m`, built on demand) and their resolution to a directory are here too,
 since both drivers and the engine benchmark load them.
 """
@@ -157,7 +165,8 @@ class Record:
     finished_s: float | None = None  # absolute end (last token, rejection, give-up)
     reject_reason: str | None = None
     prompt_len: int = 0
-    max_tokens: int = 0  # the output length asked for
+    max_tokens: int = 0  # the output length asked for (a cap when the reply's length is hidden)
+    output_len: int = 0  # where the reply ends: max_tokens, or the benchmark-only stop
     hops: dict[str, float] = field(default_factory=dict)  # HTTP: where the time to the first token went (ms)
     index: int = -1  # position in the offered list
     sent_s: float | None = None  # add_request returned / the response headers arrived
@@ -193,7 +202,8 @@ class Record:
 
 
 def new_record(i: int, w: WorkItem, arrival: float) -> Record:
-    return Record(w.tier, w.ttft_ms, w.tpot_ms, arrival, prompt_len=w.prompt_len, max_tokens=w.max_tokens, index=i)
+    return Record(w.tier, w.ttft_ms, w.tpot_ms, arrival, prompt_len=w.prompt_len, max_tokens=w.max_tokens,
+                  output_len=w.output_len, index=i)
 
 
 @dataclass
@@ -238,10 +248,24 @@ def _submit(engine: Any, w: WorkItem, rid: str) -> Any:
                             seed=w.seed)
     finite = [x if math.isfinite(x) else None for x in (w.ttft_ms, w.tpot_ms)]
     slo = SLO(*finite, w.output_len_hint) if any(x is not None for x in finite) else None
+    turns = [ChatTurn("user", w.prompt if isinstance(w.prompt, str) else "")] if w.chat else None
+    if w.stop_after is not None:  # the benchmark-only stop: on the Request, where only the finish check reads it
+        from engine.stream import RequestStream
+
+        req = engine.inputs.process(None if w.chat else w.prompt, params, slo, rid, turns)
+        req.bench_stop_after = w.stop_after
+        stream = RequestStream(req.request_id)
+        engine.submit(req, stream)
+        return stream
     if w.chat:
-        turns = [ChatTurn("user", w.prompt if isinstance(w.prompt, str) else "")]
         return engine.add_request(None, params, slo, rid, messages=turns)
     return engine.add_request(w.prompt, params, slo, rid)
+
+
+def check_length(rec: Record, w: WorkItem) -> None:
+    """A completed forced-length reply (ignore_eos, or the benchmark-only stop) of another length is an error."""
+    if rec.completed and (w.ignore_eos or w.stop_after is not None) and rec.n_out != w.output_len:
+        rec.finish_reason, rec.error = "error", "token_count_mismatch"
 
 
 def _take(rec: Record, out: Any, t: float, client_times: bool) -> bool:
@@ -391,6 +415,8 @@ def run_engine(engine: Any, items: Sequence[WorkItem], *, drain_s: float = math.
         th.join()
     if bar is not None:
         bar.close()
+    for rec, w in zip(records, items):
+        check_length(rec, w)
     stats1 = engine.stats()
     phase = {k: v - stats0.phase_s.get(k, 0.0) for k, v in stats1.phase_s.items()}
     steps, busy = stats1.steps - stats0.steps, sum(phase.values())
@@ -511,6 +537,9 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
                 if w.drop_at is not None and rec.deliveries >= w.drop_at:
                     rec.finish_reason, rec.error = "disconnected", "after_chunks"
                     return
+                if w.stop_after is not None and rec.deliveries >= w.stop_after:  # the benchmark-only stop
+                    rec.finish_reason, rec.n_out = "length", w.stop_after
+                    return
             if c.get("finish_reason") and rec.finish_reason != "error":
                 rec.finish_reason = c["finish_reason"]
         usage = obj.get("usage")
@@ -585,8 +614,7 @@ async def _send(client: Any, base: str, rec: Record, w: WorkItem, model: str) ->
     finally:
         rec.n_out = rec.n_out or len(rec.token_times)
         rec.finished_s = time.monotonic()
-        if rec.completed and w.ignore_eos and rec.n_out != w.max_tokens:
-            rec.finish_reason, rec.error = "error", "token_count_mismatch"
+        check_length(rec, w)
         if rec.finish_reason is None:
             rec.finish_reason, rec.error = "error", rec.error or "no_finish_reason"
 

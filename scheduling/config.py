@@ -30,6 +30,7 @@ class PolicyFlags:
     catch_up: bool = False
     prefill_hold: bool = False
     short_first: bool = False
+    length_predictor: bool = False
     vbs_margin: float = 1.3  # k of the VBS gate: ITL(VBS, L) * k < slack * T_min (SCORPIO's published 1.3)
 
 
@@ -125,6 +126,19 @@ class SchedulerConfig(BaseModel):
                                      "uses k * f when f < 1, else max(k, f) (k = vbs_margin); 1.0 did best on the "
                                      "SLO benchmark")
     predictor_path: str | None = None
+    # reply lengths (scheduling/length_predictor.py)
+    length_predictor: bool | None = Field(None, description="predict each request's reply length from its prompt "
+                                          "at admission (Request.predicted_len): the expected length everywhere the "
+                                          "scheduler plans with one (VBS gate, work estimates, least-work order, "
+                                          "pace) is then the client's output-length hint if given, else the "
+                                          "prediction capped by max_tokens, else max_tokens")
+    length_predictor_path: str | None = Field(None, description="the predictor's .npz (default: the one shipped in "
+                                              "the package, trained on ShareGPT in kairos-tiny's tokens)")
+    length_predictor_quantile: float | None = Field(None, gt=0, lt=1, description="plan for this quantile of the "
+                                                    "predicted length distribution instead of its geometric mean")
+    bench_stop: bool = Field(False, description="BENCHMARK ONLY: honour Request.bench_stop_after, a reply length "
+                             "the benchmark sets in-process and no policy reads (bench.slo --lengths hidden|"
+                             "predicted). Off in serving")
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

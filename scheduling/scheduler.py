@@ -21,6 +21,7 @@ from core.messages import RejectReason
 from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
+from scheduling.length_predictor import load_cached as load_length_predictor
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_least_work, order_waiting
 from scheduling.shedding import WorkShedder, sheds
@@ -92,10 +93,13 @@ class Scheduler:
         self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
                         if self.flags.work_shedding else None)
         self.last_shed_threshold = math.inf
+        self.lengths = load_length_predictor(config.length_predictor_path) if self.flags.length_predictor else None
 
     # --- queue membership ---
     def add(self, req: Request) -> str | None:
         """Queue a new request; returns a rejection reason instead when the queue is full."""
+        if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint:
+            req.predicted_len = self.lengths.predict(req.prompt_token_ids, self.config.length_predictor_quantile)
         if self.shedder is not None:
             self.shedder.arrived(self._work(req), req.arrival_s)
         if len(self.waiting) >= self.config.max_waiting:
@@ -474,7 +478,9 @@ class Scheduler:
             reason = None
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = FinishReason.STOP
-            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len or (
+                    self.config.bench_stop and req.bench_stop_after is not None
+                    and req.num_output_tokens >= req.bench_stop_after):  # benchmark only: see Request
                 reason = FinishReason.LENGTH
             out.append((req, tok, reason))
         return out

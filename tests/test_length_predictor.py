@@ -1,0 +1,199 @@
+"""Reply lengths learned from prompts (scheduling/length_predictor.py), where the scheduler plans with them, and the
+benchmark's length arms (hidden / predicted / exact) with their benchmark-only stop."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from bench import workload as W
+from core.request import SLO, FinishReason, Request
+from core.sampling import SamplingParams
+from scheduling import length_predictor as LP
+from scheduling.config import SchedulerConfig
+from scheduling.predictor import LatencyModel
+from scheduling.scheduler import TPOT_UNATTAINABLE, Scheduler
+
+TIERS = (W.Tier("interactive", 100.0, 50.0), W.Tier("strict_tpot", 600.0, 30.0), W.Tier("relaxed", 3000.0, 50.0))
+
+
+# --------------------------------------------------------------------------- the predictor
+
+def test_shipped_predictor_loads_without_download_and_reports_its_held_out_figures():
+    assert LP.DEFAULT_PATH.is_file() and LP.DEFAULT_PATH.stat().st_size < 4_000_000
+    m = LP.LengthPredictor.load()
+    h = m.meta["heldout"]
+    assert h["n"] >= 1000 and 0.0 < h["bucket_accuracy"] <= 1.0
+    assert h["spearman"] > h["spearman_prompt_len_only"]  # the prompt's words say more than its length
+    assert m.meta["tokenizer"] == "kairos-tiny" and m.meta["edges"] == list(LP.EDGES)
+    p = m.probs([5, 6, 7, 8])
+    assert p.shape == (len(LP.EDGES) + 1,) and p.sum() == pytest.approx(1.0)
+    a = m.predict([5, 6, 7, 8])
+    assert isinstance(a, int) and LP.LEN_LO <= a <= LP.LEN_HI and a == m.predict([5, 6, 7, 8])
+    assert m.predict([5, 6, 7, 8], q=0.1) <= m.predict([5, 6, 7, 8], q=0.5) <= m.predict([5, 6, 7, 8], q=0.9)
+    assert isinstance(m.predict([]), int)  # no ids at all still predicts
+
+
+def test_features_are_hashed_into_the_table_and_depend_on_order():
+    bag, fixed = LP.features([10, 11, 12])
+    assert len(bag) == 3 + 2 and len(fixed) == 3 + 1
+    assert bag.min() >= 0 and bag.max() < LP.DIM and fixed.max() < LP.DIM
+    assert not np.array_equal(LP.features([11, 10, 12])[0], bag)  # bigrams and head positions see order
+
+
+def test_save_load_round_trip_and_layout_check(tmp_path):
+    K = len(LP.EDGES) + 1
+    W_ = np.zeros((LP.DIM, K), np.float32)
+    bias = np.zeros(K, np.float32)
+    bias[3] = 5.0  # every prompt: bucket 3
+    m = LP.LengthPredictor(W_, bias, {"edges": list(LP.EDGES), "x": 1})
+    m.save(tmp_path / "m.npz")
+    back = LP.LengthPredictor.load(tmp_path / "m.npz")
+    assert back.meta["x"] == 1 and int(np.argmax(back.probs([1, 2]))) == 3
+    assert LP.EDGES[2] <= back.predict([1, 2]) <= LP.EDGES[3]
+    np.savez(tmp_path / "bad.npz", W=np.zeros((8, K), np.float16), bias=bias, meta=np.array(json.dumps({})))
+    with pytest.raises(ValueError):
+        LP.LengthPredictor.load(tmp_path / "bad.npz")
+
+
+def test_spearman_and_buckets():
+    assert LP.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert LP.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert LP.spearman([1, 1, 2, 2], [1, 2, 3, 4]) == pytest.approx(0.894, abs=1e-3)  # ties: average ranks
+    assert math.isnan(LP.spearman([1, 1], [1, 2]))
+    assert [LP.bucket_of(n) for n in (4, 15, 16, 1023, 1024, 5000)] == [0, 0, 1, 9, 10, 10]
+
+
+# --------------------------------------------------------------------------- the scheduler's expected length
+
+def _req(rid, n=10, max_tokens=900, hint=None, tpot=None, predicted=None):
+    r = Request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens), SLO(tpot_ms=tpot,
+                                                                                        output_len_hint=hint))
+    r.predicted_len = predicted
+    return r
+
+
+def test_expected_length_is_the_hint_else_the_prediction_capped_else_max_tokens():
+    assert _req("a").expected_output_len == 900
+    assert _req("b", hint=40, predicted=300).expected_output_len == 40
+    assert _req("c", predicted=300).expected_output_len == 300
+    assert _req("d", max_tokens=100, predicted=300).expected_output_len == 100
+    r = _req("e", predicted=2)
+    r.token_ids += [7, 7, 7]  # outlived its prediction: at least one more token
+    assert r.expected_output_len == 4
+    r.bench_stop_after = 5  # the benchmark-only stop is not an expectation
+    assert r.expected_output_len == 4
+
+
+def _sched(policy="scorpio", **kw):
+    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.0, 0.01, 5.0))  # itl = 5 + 0.01 L
+    return Scheduler(SchedulerConfig(policy=policy, **kw), 512, 4, max_model_len=1024, predictor=model)
+
+
+def test_the_predictor_sets_predicted_len_at_admission_only_when_on_and_unhinted():
+    on, off = _sched(length_predictor=True), _sched(length_predictor=False)
+    a, b, c = _req("a"), _req("b"), _req("c", hint=50)
+    on.add(a)
+    off.add(b)
+    on.add(c)
+    assert a.predicted_len == LP.load_cached(None).predict(a.prompt_token_ids) and b.predicted_len is None
+    assert c.predicted_len is None and c.expected_output_len == 50
+    assert SchedulerConfig(policy="fcfs").flags().length_predictor is False
+    assert SchedulerConfig(policy="fcfs", length_predictor=True).flags().length_predictor is True
+
+
+def test_the_vbs_gate_plans_for_the_prediction_instead_of_the_cap():
+    """A strict reply with a cap of 900 tokens: planned at the cap (context 10 + 450), one step's ITL * 1.3 is
+    over its TPOT; planned at a short predicted length it fits."""
+    for predicted, admitted in ((None, False), (40, True)):
+        s = _sched()
+        r = _req("r", tpot=10.0, predicted=predicted)
+        s.add(r)
+        p = s.schedule(0.0)
+        assert (p.prefill == [r]) is admitted
+        assert (p.rejected == [(r, TPOT_UNATTAINABLE)]) is not admitted
+
+
+def test_bench_stop_ends_a_reply_only_where_the_engine_was_started_for_the_benchmark():
+    for bench_stop, ends_at in ((True, 3), (False, 8)):
+        s = _sched("fcfs", bench_stop=bench_stop)
+        r = _req("r", max_tokens=8)
+        r.bench_stop_after = 3
+        s.add(r)
+        for step in range(10):
+            plan = s.schedule(0.0)
+            (_, _, reason), = s.postprocess(plan, [5], float(step))
+            if reason is not None:
+                break
+        assert reason is FinishReason.LENGTH and r.num_output_tokens == ends_at
+
+
+# --------------------------------------------------------------------------- the benchmark's arms
+
+def test_length_arms_offer_the_same_requests_and_hide_only_the_length():
+    spec = W.WorkloadSpec(num_requests=40, rate_rps=2.0, seed=3, max_model_len=800)
+    exact = W.generate(spec, TIERS)
+    hidden = W.generate(replace(spec, lengths="hidden"), TIERS)
+    capped = W.generate(replace(spec, lengths="predicted", length_cap=64), TIERS)
+    for e, h, c in zip(exact, hidden, capped):
+        assert (e.arrival_s, e.prompt_ids, e.tier) == (h.arrival_s, h.prompt_ids, h.tier)
+        assert e.stop_after is None and e.output_len == e.max_tokens == e.output_len_hint
+        assert h.output_len_hint is None and h.max_tokens == 800 - 1 - len(h.prompt_ids)
+        assert h.stop_after == h.output_len == e.max_tokens
+        assert c.max_tokens == min(64, 800 - 1 - len(c.prompt_ids)) and c.stop_after == min(e.max_tokens, c.max_tokens)
+    assert W.describe(hidden)["output_len"] == W.describe(exact)["output_len"]
+    with pytest.raises(ValueError):
+        W.generate(replace(spec, lengths="oracle"), TIERS)
+
+
+def test_policy_labels_carry_their_length_arm():
+    from bench.slo import arm_sched, length_arm, policy_spec
+
+    assert policy_spec("kairos+lengths=exact+vbs_margin=1.2") == ("kairos", {"vbs_margin": 1.2})
+    assert length_arm("kairos+lengths=exact", "hidden") == "exact" and length_arm("kairos", "predicted") == "predicted"
+    with pytest.raises(SystemExit):
+        length_arm("kairos+lengths=oracle", "hidden")
+    assert arm_sched("predicted") == {"length_predictor": True, "bench_stop": True}
+    assert arm_sched("hidden")["length_predictor"] is False and arm_sched("exact")["length_predictor"] is False
+
+
+def test_http_client_stops_a_hidden_length_reply_itself():
+    """Over HTTP the benchmark-only stop is the client's: it closes the stream after `stop_after` token chunks and
+    counts the reply complete; the server never sees the length (no hint header, max_tokens the cap)."""
+    from aiohttp import web
+
+    from bench.driver import run_http
+    from tests.stub_http import stub_server
+
+    seen = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append((body["max_tokens"], dict(request.headers)))
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(body["max_tokens"]):
+                await resp.write(f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'.encode())
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return resp
+
+    item = W.WorkItem(0.0, [5, 6, 7], 50, "relaxed", 3000.0, 500.0, None, stop_after=4)
+    with stub_server(handler) as url:
+        run = run_http(url, [item], model="m", drain_s=5.0)
+    rec = run.records[0]
+    assert rec.finish_reason == "length" and rec.n_out == 4 and rec.output_len == 4 and rec.max_tokens == 50
+    assert seen[0][0] == 50 and "x-slo-output-len" not in {k.lower() for k in seen[0][1]}
+
+
+def test_bound_reads_the_reply_length_not_the_cap(tmp_path):
+    from bench.bound import bounds
+
+    recs = [{"load_multiple": 1.5, "seed": 0, "policy": "kairos", "warmup": False, "good": True, "rejected": False,
+             "n_out": n, "max_tokens": 500, "output_len": n, "arrival_s": 0.0, "end_s": 1.0} for n in (10, 20, 30)]
+    (b,) = bounds(recs)
+    assert b["arrival_tokens"] == 60 and b["policies"]["kairos"]["oracle_own_tokens"] == 3
