@@ -1,18 +1,28 @@
 """engine.backends.cuda.triton_attention against a gather + masked-softmax reference, on CPU tensors through
-Triton's interpreter (TRITON_INTERPRET=1). Shapes are small: the interpreter runs each program in numpy.
+Triton's interpreter. Shapes are small: the interpreter runs each program in numpy.
 tests/gpu/test_triton_attention_cuda.py runs the same checks compiled on a GPU at realistic sizes."""
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: tests/gpu/test_triton_attention_cuda.py runs these kernels compiled",
+                allow_module_level=True)
+# triton.jit picks the interpreter at decoration time, triton's own library functions (tl.cdiv, tl.max, ...)
+# included, so the variable must be set before triton is first imported in this process.
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the CUDA backend's kernels need it")
-if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+import triton.language as tl  # noqa: E402
 
-from engine.backends.cuda import triton_attention as ta  # noqa: E402
+if type(tl.cdiv).__name__ != "InterpretedFunction":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set (set it in the environment to run "
+                "these tests in a CPU-only process)", allow_module_level=True)
+
+from tests.paged_attention_reference import (  # noqa: E402
+    TOL, assert_close, make_paged, reference_attention, run_decode_case, run_prefill_case)
 
 
 def _interpreter_numpy_fix():
@@ -34,102 +44,9 @@ def _interpreter_numpy_fix():
 
 
 _interpreter_numpy_fix()
+from engine.backends.cuda import triton_attention as ta  # noqa: E402
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reference and fixtures (shared with tests/gpu/test_triton_attention_cuda.py)
-# ---------------------------------------------------------------------------------------------------------------
-
-def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
-    """Per sequence: gather its tokens through the block table, expand GQA, causal softmax in fp32."""
-    T, H, D = q.shape
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
-    qsl = query_start_loc.tolist()
-    for s, L in enumerate(seq_lens.tolist()):
-        a, b = qsl[s], qsl[s + 1]
-        if b == a or L == 0:
-            continue
-        t = torch.arange(L, device=q.device)
-        blocks = block_tables[s, t // bs].long()
-        k = k_cache[blocks, t % bs].float().repeat_interleave(H // kvh, dim=1)  # [L, H, D]
-        v = v_cache[blocks, t % bs].float().repeat_interleave(H // kvh, dim=1)
-        qs = q[a:b].float()  # [n, H, D]
-        n = b - a
-        scores = torch.einsum("nhd,lhd->hnl", qs, k) * scale
-        qpos = L - n + torch.arange(n, device=q.device)
-        scores = scores.masked_fill(t[None, None, :] > qpos[None, :, None], float("-inf"))
-        out[a:b] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
-    return out
-
-
-def make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, extra_blocks=3, seed=0):
-    """A cache holding the sequences in shuffled (non-contiguous) blocks. Every cache row that belongs to no
-    sequence's context (free blocks, the rows past a context in its last block) is NaN, and each block-table row's
-    tail past its context holds out-of-range ids: a kernel that reads either shows it."""
-    g = torch.Generator().manual_seed(seed)
-    nblk = [-(-L // block_size) for L in seq_lens]
-    max_blocks = max(nblk + [1]) + 2
-    num_blocks = sum(nblk) + extra_blocks
-    perm = torch.randperm(num_blocks, generator=g)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.full(shape, float("nan"))
-    v = torch.full(shape, float("nan"))
-    tables = torch.randint(10**6, 2**30, (len(seq_lens), max_blocks), generator=g, dtype=torch.int32)
-    used = 0
-    for s, L in enumerate(seq_lens):
-        for j in range(nblk[s]):
-            blk = int(perm[used])
-            used += 1
-            tables[s, j] = blk
-            rows = min(block_size, L - j * block_size)
-            k[blk, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=g)
-            v[blk, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=g)
-    return k.to(device, dtype), v.to(device, dtype), tables.to(device)
-
-
-TOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
-
-
-def assert_close(out, ref, dtype):
-    assert torch.isfinite(out).all(), "non-finite output: a kernel read a row or block it must not"
-    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-
-
-def run_decode_case(seq_lens, group, head_dim, block_size, dtype, device, num_splits, num_kv_heads=2, seed=0):
-    H = num_kv_heads * group
-    k, v, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    B = len(seq_lens)
-    q = torch.randn(B, H, head_dim, generator=g).to(device, dtype)
-    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))
-    ta.paged_decode_attention(q, k, v, tables, ctx, scale, out, num_splits=num_splits)
-    # One query per live sequence; a padded slot (context 0) has none, and its row must be zeros.
-    ref = torch.zeros(B, H, head_dim, device=device)
-    live = [i for i, L in enumerate(seq_lens) if L > 0]
-    if live:
-        ref[live] = reference_attention(q[live], k, v, tables[live], torch.arange(len(live) + 1, device=device),
-                                        ctx[live], scale)
-    assert_close(out, ref, dtype)
-    return out
-
-
-def run_prefill_case(q_lens, seq_lens, group, head_dim, block_size, dtype, device, num_kv_heads=2, seed=0):
-    H = num_kv_heads * group
-    k, v, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    T = sum(q_lens)
-    q = torch.randn(T, H, head_dim, generator=g).to(device, dtype)
-    qsl = torch.tensor([0] + list(q_lens), dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))
-    ta.paged_prefill_attention(q, k, v, tables, qsl, sl, scale, out, max_query_len=max(q_lens))
-    ref = reference_attention(q, k, v, tables, qsl, sl, scale)
-    assert_close(out, ref, dtype)
-    return out
+assert ta.INTERPRETED
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,6 +75,16 @@ def test_decode_block_size_32_many_splits_and_auto():
     # More splits than a short sequence has tiles: the surplus splits stay empty and are never merged.
     run_decode_case([3, 33, 200], 2, 64, 32, torch.float16, "cpu", num_splits=7)
     run_decode_case([3, 33, 200], 2, 64, 32, torch.float16, "cpu", num_splits=None)
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", [(2, 96, 64), (1, 256, 16), (3, 64, 8)])
+def test_decode_other_head_dims_block_sizes_and_groups(group, head_dim, block_size):
+    # head_dim 96 and 256 (BLOCK_D 128 / 256 and a 32-token tile), blocks of 64 (a tile inside one block) and
+    # of 8 (a tile across eight blocks), and a group of 3 (padded to 16 rows, 13 of them masked).
+    lens = [1, block_size, 2 * block_size + 1, 70]
+    one = run_decode_case(lens, group, head_dim, block_size, torch.float16, "cpu", num_splits=1)
+    split = run_decode_case(lens, group, head_dim, block_size, torch.float16, "cpu", num_splits=3)
+    torch.testing.assert_close(one, split, atol=TOL[torch.float16], rtol=TOL[torch.float16])
 
 
 def test_decode_strided_q_out_and_preallocated_workspace():
@@ -210,6 +137,12 @@ def test_prefill_varlen_over_cached_prefix(group, head_dim, dtype):
     q_lens = [1, 20, 7, 1, 0, 16]
     seq_lens = [1, 20, 40, 33, 12, 50]
     run_prefill_case(q_lens, seq_lens, group, head_dim, BS, dtype, "cpu")
+
+
+def test_prefill_group_of_three_and_head_dim_256():
+    # A group of 3 packs 21 query tokens x 3 heads into a 64-row tile (one row masked).
+    run_prefill_case([30, 4], [45, 4], 3, 64, 16, torch.float16, "cpu")
+    run_prefill_case([9, 1], [20, 17], 2, 256, 32, torch.bfloat16, "cpu")
 
 
 def test_prefill_matches_decode_for_single_tokens():

@@ -27,7 +27,6 @@ MHA (group 1) to MQA.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -38,12 +37,6 @@ LOG2E = 1.4426950408889634
 MAX_NUM_SPLITS = 64
 # A split shorter than this is not worth its partial's write and merge (see choose_num_splits).
 MIN_TOKENS_PER_SPLIT = 256
-
-
-def _interpreting() -> bool:
-    # Triton's CPU interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16); the kernels upcast
-    # their dot operands to fp32 there. On a GPU the operands stay in the cache dtype (tensor cores).
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,6 +235,12 @@ def _decode_stage2_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+# Whether this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 when it was imported).
+# The interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16), so there the kernels upcast their
+# dot operands to fp32; compiled for a GPU, they stay in the cache dtype (tensor cores).
+INTERPRETED = type(_decode_stage1_kernel).__name__ == "InterpretedFunction"
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache must both be [blocks, block_size, kv_heads, head_dim], got "
@@ -287,7 +286,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
         part_acc = workspace[: B * H * num_splits * D]
         part_ml = workspace[B * H * num_splits * D: need]
-    dot_f32 = _interpreting() or k_cache.dtype == torch.float32
+    dot_f32 = INTERPRETED or k_cache.dtype == torch.float32
     _decode_stage1_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
         scale * LOG2E,
@@ -430,7 +429,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     BLOCK_M = max(128 if big else 64, _pow2(group))
     BLOCK_Q = BLOCK_M // group
     TILE_N = 64 if BLOCK_D <= 128 else 32
-    dot_f32 = _interpreting() or k_cache.dtype == torch.float32
+    dot_f32 = INTERPRETED or k_cache.dtype == torch.float32
     grid = (triton.cdiv(max_query_len, BLOCK_Q), S, KVH)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,

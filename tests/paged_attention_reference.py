@@ -1,0 +1,103 @@
+"""A pure-torch reference for engine.backends.cuda.triton_attention, and paged-cache fixtures, shared by
+tests/test_triton_attention.py (Triton's CPU interpreter) and tests/gpu/test_triton_attention_cuda.py (compiled,
+on a GPU). Importing this module imports neither triton nor the kernels: each test module controls how they load."""
+import torch
+
+
+def reference_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Per sequence: gather its tokens through the block table, expand GQA, causal softmax in fp32."""
+    T, H, D = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for s, L in enumerate(seq_lens.tolist()):
+        a, b = qsl[s], qsl[s + 1]
+        if b == a or L == 0:
+            continue
+        t = torch.arange(L, device=q.device)
+        blocks = block_tables[s, t // bs].long()
+        k = k_cache[blocks, t % bs].float().repeat_interleave(H // kvh, dim=1)  # [L, H, D]
+        v = v_cache[blocks, t % bs].float().repeat_interleave(H // kvh, dim=1)
+        qs = q[a:b].float()  # [n, H, D]
+        n = b - a
+        scores = torch.einsum("nhd,lhd->hnl", qs, k) * scale
+        qpos = L - n + torch.arange(n, device=q.device)
+        scores = scores.masked_fill(t[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[a:b] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+def make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, extra_blocks=3, seed=0):
+    """A cache holding the sequences in shuffled (non-contiguous) blocks. Every cache row that belongs to no
+    sequence's context (free blocks, the rows past a context in its last block) is NaN, and each block-table row's
+    tail past its context holds out-of-range ids: a kernel that reads either shows it."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-L // block_size) for L in seq_lens]
+    max_blocks = max(nblk + [1]) + 2
+    num_blocks = sum(nblk) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    valid = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    tables = torch.randint(10**6, 2**30, (len(seq_lens), max_blocks), generator=g, dtype=torch.int32)
+    used = 0
+    for s, L in enumerate(seq_lens):
+        blocks = perm[used:used + nblk[s]]
+        used += nblk[s]
+        tables[s, :nblk[s]] = blocks.to(torch.int32)
+        valid[blocks] = (torch.arange(nblk[s] * block_size) < L).view(nblk[s], block_size)
+    k[~valid] = float("nan")
+    v[~valid] = float("nan")
+    return k.to(device, dtype), v.to(device, dtype), tables.to(device)
+
+
+TOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+def assert_close(out, ref, dtype):
+    assert torch.isfinite(out).all(), "non-finite output: a kernel read a row or block it must not"
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def run_decode_case(seq_lens, group, head_dim, block_size, dtype, device, num_splits, num_kv_heads=2, seed=0,
+                    workspace=None):
+    """Decode through the kernels against the reference; returns the kernel's output."""
+    from engine.backends.cuda import triton_attention as ta
+
+    H = num_kv_heads * group
+    k, v, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    B = len(seq_lens)
+    q = torch.randn(B, H, head_dim, generator=g).to(device, dtype)
+    ctx = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    ta.paged_decode_attention(q, k, v, tables, ctx, scale, out, num_splits=num_splits, workspace=workspace)
+    # One query per live sequence; a padded slot (context 0) has none, and its row must be zeros.
+    ref = torch.zeros(B, H, head_dim, device=device)
+    live = [i for i, L in enumerate(seq_lens) if L > 0]
+    if live:
+        ref[live] = reference_attention(q[live], k, v, tables[live], torch.arange(len(live) + 1, device=device),
+                                        ctx[live], scale)
+    assert_close(out, ref, dtype)
+    return out
+
+
+def run_prefill_case(q_lens, seq_lens, group, head_dim, block_size, dtype, device, num_kv_heads=2, seed=0):
+    """Prefill (q_lens new tokens of sequences of seq_lens) through the kernels against the reference."""
+    from engine.backends.cuda import triton_attention as ta
+
+    H = num_kv_heads * group
+    k, v, tables = make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    T = sum(q_lens)
+    q = torch.randn(T, H, head_dim, generator=g).to(device, dtype)
+    qsl = torch.tensor([0] + list(q_lens), dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    ta.paged_prefill_attention(q, k, v, tables, qsl, sl, scale, out, max_query_len=max(q_lens))
+    ref = reference_attention(q, k, v, tables, qsl, sl, scale)
+    assert_close(out, ref, dtype)
+    return out
