@@ -1,0 +1,165 @@
+"""The engine on the GPU, through its public API: greedy token-exact with HF `generate` (fp32) on the four tiny
+families; sampled requests (the API's default temperature 1.0, and temperature / top-k / top-p / seed),
+seeded reproducibility alone and in a batch, a greedy request beside sampled ones; mixed context lengths in one
+batch; chunked prefill; a preempted request resumed. Skipped without CUDA (conftest.py)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.gpu.conftest import (
+    collect,
+    free_device_memory,
+    greedy,
+    hf_greedy,
+    hf_model,
+    make_engine,
+    random_prompts,
+    run_all,
+)
+
+LENS = [1, 7, 33, 100, 250, 300]
+MAX_TOKENS = [12, 30, 5, 25, 17, 40]
+MIXED_LENS = [3, 17, 64, 129, 200, 257, 350, 420]
+
+
+def _submit_together(eng, prompts, params) -> list:
+    """Each prompt with its own params, enqueued back to back holding the GIL (so that the worker sees them in
+    one step, as far as a thread switch allows; the assertions do not depend on it)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        return [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _observe(eng) -> tuple[list, callable]:
+    events: list = []
+    return events, eng.add_step_observer(events.append)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_greedy_token_exact_with_hf(device, ckpts, family):
+    path = ckpts[family]
+    eng = make_engine(path, device)
+    try:
+        prompts = random_prompts(LENS, eng.bundle.vocab_limit, seed=3)
+        outs = run_all(_submit_together(eng, prompts, [greedy(k) for k in MAX_TOKENS]))
+    finally:
+        eng.shutdown()
+    ref = hf_greedy(hf_model(path, device), prompts, MAX_TOKENS)
+    free_device_memory()
+    assert outs == ref
+
+
+def test_mixed_lengths_in_one_batch_equal_each_alone(device, llama_engine):
+    eng = llama_engine
+    prompts = random_prompts(MIXED_LENS, eng.bundle.vocab_limit, seed=5)
+    events, unsubscribe = _observe(eng)
+    try:
+        together = run_all(eng.add_requests(prompts, greedy(24)))
+    finally:
+        unsubscribe()
+    assert max(e.num_decode for e in events) == len(prompts)  # all of them decoded in one step
+    alone = [run_all([eng.add_request(p, greedy(24))])[0] for p in prompts]
+    assert together == alone
+
+
+def test_chunked_prefill_equals_unchunked(device, ckpts, llama_engine):
+    prompts = random_prompts([400, 9, 150], llama_engine.bundle.vocab_limit, seed=7)
+    unchunked = [run_all([llama_engine.add_request(p, greedy(20))])[0] for p in prompts]
+    eng = make_engine(ckpts["llama"], device, prefill_max_tokens=32, chunked_prefill=True)
+    try:
+        events, _ = _observe(eng)
+        chunked = run_all(_submit_together(eng, prompts, [greedy(20)] * len(prompts)))
+        eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
+    finally:
+        eng.shutdown()
+    assert max(e.num_prefill_tokens for e in events) <= 32  # the 400-token prompt took 13 steps or more
+    assert sum(e.num_prefill_tokens for e in events) >= sum(map(len, prompts))
+    assert chunked == unchunked
+
+
+def test_preempted_requests_resume_token_exact(device, ckpts, llama_engine):
+    """40 blocks of 16 = 640 cache slots; 8 prompts of 48 tokens fit, their 64 new tokens each (896 slots in
+    all) do not: the scheduler preempts, then recomputes the preempted requests (more prompt tokens prefilled
+    than the prompts hold), and every output equals the unconstrained engine's."""
+    prompts = random_prompts([48] * 8, llama_engine.bundle.vocab_limit, seed=11)
+    free = run_all(llama_engine.add_requests(prompts, greedy(64)))
+    eng = make_engine(ckpts["llama"], device, num_kv_blocks=40, block_size=16, max_model_len=400)
+    try:
+        events, _ = _observe(eng)
+        tight = run_all(eng.add_requests(prompts, greedy(64)))
+        eng.run_idle(lambda e: None, require_idle=False)
+        st = eng.stats()
+        assert st.kv_blocks_free == st.kv_blocks_total == 40
+    finally:
+        eng.shutdown()
+    assert sum(e.num_prefill_tokens for e in events) > sum(map(len, prompts)), "nothing was preempted"
+    assert tight == free
+
+
+def test_default_temperature_and_sampling_knobs(device, llama_engine):
+    """What an OpenAI client sends without `temperature` (1.0), and each knob: every request ends by length
+    with ids the tokenizer has."""
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    params = [SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.7, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.9, top_k=20, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=1.2, top_p=0.8, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=1.0, top_p=0.05, ignore_eos=True)]
+    prompts = random_prompts([5, 40, 12, 77, 3, 20], eng.bundle.vocab_limit, seed=13)
+    outs = run_all(_submit_together(eng, prompts, params))
+    assert all(len(o) == 16 and all(0 <= t < eng.bundle.vocab_limit for t in o) for o in outs)
+    assert len({tuple(o) for o in outs[:4]}) > 1  # sampled, not one fixed answer
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(device, llama_engine):
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    p, q, r = random_prompts([9, 31, 70], eng.bundle.vocab_limit, seed=17)
+
+    def seeded(seed):
+        return SamplingParams(max_tokens=32, temperature=1.0, top_k=100, top_p=0.95, seed=seed, ignore_eos=True)
+
+    solo = run_all([eng.add_request(p, seeded(7))])[0]
+    assert run_all([eng.add_request(p, seeded(7))])[0] == solo
+    assert run_all([eng.add_request(p, seeded(8))])[0] != solo
+    # the same prompt and seed twice in one batch, beside other prompts with that seed: the same tokens as alone
+    batched = run_all(eng.add_requests([p, q, p, r], seeded(7)))
+    assert batched[0] == solo and batched[2] == solo
+    # and beside unseeded and greedy neighbours
+    mixed = run_all(_submit_together(eng, [q, p, r], [SamplingParams(max_tokens=32, ignore_eos=True), seeded(7),
+                                                       greedy(32)]))
+    assert mixed[1] == solo
+
+
+def test_greedy_request_beside_sampled_ones_equals_its_solo_run(device, llama_engine):
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    g, a, b, c = random_prompts([25, 8, 60, 14], eng.bundle.vocab_limit, seed=19)
+    solo = run_all([eng.add_request(g, greedy(32))])[0]
+    events, unsubscribe = _observe(eng)
+    try:
+        streams = _submit_together(eng, [a, g, b, c], [
+            SamplingParams(max_tokens=40, ignore_eos=True),
+            greedy(32),
+            SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=1.1, top_k=10, ignore_eos=True)])
+        outs = run_all(streams)
+    finally:
+        unsubscribe()
+    assert outs[1] == solo
+    assert max(e.num_decode for e in events) >= 2  # the greedy request shared decode steps with sampled ones
+
+
+def test_a_stream_ends_with_usage_counts(device, llama_engine):
+    toks, last = collect(llama_engine.add_request([5, 6, 7, 8], greedy(6)))
+    assert len(toks) == 6 and last.num_output_tokens == 6 and last.num_prompt_tokens == 4
