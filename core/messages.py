@@ -23,16 +23,31 @@ class ProtocolError(ValueError):
 
 
 class RejectReason(enum.StrEnum):
-    TTFT_UNATTAINABLE = "ttft_unattainable"
-    TPOT_UNATTAINABLE = "tpot_unattainable"
-    OVERLOADED = "overloaded"
-    SHED = "shed"  # overload: a request asking for more work than the replica's shedding threshold
+    """Why a request was turned away. The scheduler gives the first four; the replica relabels a TTFT or TPOT
+    rejection that an idle replica would have made too (by its latency model) as `SLO_UNATTAINABLE`."""
+
+    TTFT_UNATTAINABLE = "ttft_unattainable"  # busy: the queue ahead puts its TTFT SLO out of reach now (429)
+    TPOT_UNATTAINABLE = "tpot_unattainable"  # busy: the running batch leaves no room for its TPOT SLO now (429)
+    OVERLOADED = "overloaded"  # busy: the replica's waiting queue is full (429)
+    SHED = "shed"  # overload: a request asking for more work than the replica's shedding threshold (429)
+    SLO_UNATTAINABLE = "slo_unattainable"  # not even an idle replica could meet it: retrying cannot help (400)
+
+
+class ContextLengthExceeded(ValueError):
+    """`max_tokens` beyond what the context window leaves after the prompt (raised where the prompt is tokenized;
+    the message is vLLM's)."""
+
+    def __init__(self, max_tokens: int, max_model_len: int, prompt_tokens: int) -> None:
+        super().__init__(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                         f"context length is {max_model_len} tokens and your request has {prompt_tokens} input "
+                         f"tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
 
 
 class ErrorKind(enum.StrEnum):
     """What failed, for a final item with finish_reason `error`: the HTTP status follows from it."""
 
     INVALID_REQUEST = "invalid_request"  # 400: the replica refused the input (prompt too long, bad ids, ...)
+    CONTEXT_LENGTH = "context_length"  # 400: max_tokens beyond the context the prompt leaves (`ContextLengthExceeded`)
     UNAVAILABLE = "unavailable"  # 503: the engine is dead or shutting down
     ENGINE = "engine"  # 500: the model step or sampling failed
 
@@ -106,6 +121,9 @@ class ServedBy:
     replica: str
     replica_ms: float  # call received -> first item (tokenize, queue, prefill)
     retry_after_s: int | None = None  # on a rejection
+    # on a rejection: the strictest TTFT / TPOT SLO (ms) an idle replica would accept for this request
+    best_ttft_ms: float | None = None
+    best_tpot_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@ replica failures and typed stream items to it."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -17,21 +18,35 @@ log = logging.getLogger("ray.serve")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
+        self.param = param
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: Any = None,
-         headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(P.error_body(message, type_, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(P.error_body(message, type_, code, param), status_code=status, headers=headers)
+
+
+def model_not_found(model: str, served: list[str]) -> APIError:
+    """404 for a `model` this deployment does not serve, as OpenAI answers (vLLM: the same status and message)."""
+    return APIError(404, f"The model `{model}` does not exist. This server serves: {', '.join(served)}",
+                    code="model_not_found", param="model")
+
+
+def unsupported_media_type(content_type: str | None) -> APIError:
+    """415 for a body not declared as JSON (no content-type, or another type), as FastAPI's JSON body parsing does."""
+    got = f"content-type {content_type!r}" if content_type else "no content-type header"
+    return APIError(415, f"Unsupported Media Type: the body must be JSON (content-type: application/json); got {got}",
+                    code="unsupported_media_type")
 
 
 def overloaded(retry_after_s: int) -> APIError:
     """429 for a request that found the replicas' queue full (Serve's `max_queued_requests`, or the direct
     replica's own cap)."""
     return APIError(429, "server overloaded: request queue is full", "rate_limit_error", "overloaded",
-                    {"Retry-After": str(retry_after_s)})
+                    {"Retry-After": str(retry_after_s), "x-kairos-reject-reason": "overloaded"})
 
 
 def replica_died(detail: str, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
@@ -61,7 +76,33 @@ def protocol_failure(rid: str, e: ProtocolError) -> APIError:
 _REJECT_HINTS = {  # what a client can do about a rejection, after its reason
     RejectReason.SHED.value: " (the replica is overloaded and turns away the requests with the most work, output "
                              "tokens at their TPOT SLO, first; a smaller max_tokens may be admitted)",
+    RejectReason.TTFT_UNATTAINABLE.value: " (the queue ahead puts the TTFT SLO out of reach now; retry after "
+                                          "Retry-After seconds)",
+    RejectReason.TPOT_UNATTAINABLE.value: " (the running batch leaves no room for the TPOT SLO now; retry after "
+                                          "Retry-After seconds)",
+    RejectReason.OVERLOADED.value: " (the replica's queue is full; retry after Retry-After seconds)",
 }
+BEST_TTFT_HEADER, BEST_TPOT_HEADER = "x-kairos-slo-best-ttft-ms", "x-kairos-slo-best-tpot-ms"
+
+
+def _ms_up(v: float) -> str:
+    """A bound in ms for a header or message, rounded up to 0.1 ms (the TPOT bound is strict: one step above)."""
+    return f"{math.floor(v * 10.0 + 1.0) / 10.0:.1f}"
+
+
+def unattainable(item: RequestOutput, headers: dict[str, str]) -> APIError:
+    """400 `slo_unattainable`: an SLO stricter than an idle replica could meet for this request, by the latency
+    model. Not retryable; the message and the `x-kairos-slo-best-*` headers give what the deployment can offer."""
+    sb = item.served_by
+    best = {}
+    if sb is not None and sb.best_ttft_ms is not None and sb.best_tpot_ms is not None:
+        best = {BEST_TTFT_HEADER: _ms_up(sb.best_ttft_ms), BEST_TPOT_HEADER: _ms_up(sb.best_tpot_ms)}
+    offer = (f"; the best this deployment offers for this request is a TTFT SLO of {best[BEST_TTFT_HEADER]} ms and "
+             f"a TPOT SLO of {best[BEST_TPOT_HEADER]} ms (x-kairos-slo-best-ttft-ms / -tpot-ms)") if best else ""
+    return APIError(400, "SLO unattainable: no replica of this deployment can meet the requested x-slo-ttft-ms / "
+                    f"x-slo-tpot-ms for this request even when idle{offer}; relax the SLO (retrying will not help)",
+                    "invalid_request_error", RejectReason.SLO_UNATTAINABLE.value,
+                    {**headers, **best, "x-kairos-reject-reason": RejectReason.SLO_UNATTAINABLE.value})
 
 
 def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
@@ -70,6 +111,8 @@ def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: in
     reason, retry = item.finish_reason, {"Retry-After": str(retry_after_s)}
     if reason is FinishReason.REJECTED:
         why = item.reject_reason
+        if why is RejectReason.SLO_UNATTAINABLE:
+            return unattainable(item, headers)
         sb = item.served_by
         wait = str(max(retry_after_s, (sb.retry_after_s if sb else None) or 1))
         hint = _REJECT_HINTS.get(why or "", "")
@@ -79,6 +122,9 @@ def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: in
         return APIError(503, f"engine stopping: {item.error}", "server_error", headers={**headers, **retry})
     if reason is not FinishReason.ERROR:
         return None
+    if item.error_kind is ErrorKind.CONTEXT_LENGTH:
+        return APIError(400, item.error or "max_tokens is too large", headers=headers, param="max_tokens",
+                        code="context_length_exceeded")
     if item.error_kind is ErrorKind.INVALID_REQUEST:
         return APIError(400, item.error or "invalid request", headers=headers)
     if item.error_kind is ErrorKind.UNAVAILABLE:

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -30,20 +30,45 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import ChatTurn, GenerateRequest, ProtocolError, RequestOutput, check_output
+from core.messages import ChatTurn, GenerateRequest, ProtocolError, RejectReason, RequestOutput, check_output
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from deployments.errors import (APIError, error_response, item_failure, overloaded, protocol_failure,
-                                replica_failure)
+from deployments.errors import (APIError, error_response, item_failure, model_not_found, overloaded,
+                                protocol_failure, replica_failure, unsupported_media_type)
+from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 
 log = logging.getLogger("ray.serve")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return error_response(e.status, e.message, e.type, e.code, e.headers)
+    return error_response(e.status, e.message, e.type, e.code, e.headers, e.param)
+
+
+# Other names a model is known by, accepted as `model` and listed in /v1/models beside the served name
+MODEL_ALIASES: dict[str, tuple[str, ...]] = {
+    "kairos-default": ("HuggingFaceTB/SmolLM2-135M-Instruct",),  # what engine/trained_model.py converts
+}
+
+
+def served_names(served: str, model: str | None) -> list[str]:
+    """Every name a request's `model` may give, the served name first: the served name, the model the engine
+    loaded (`model=`: a kairos name, a hub id or a path), and their aliases (`MODEL_ALIASES`)."""
+    names = [served]
+    for name in (model, *MODEL_ALIASES.get(served, ()), *MODEL_ALIASES.get(model or "", ())):
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """`application/json` (any parameters, e.g. charset) or a `+json` type, as FastAPI reads a JSON body."""
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -132,6 +157,9 @@ class OpenAIFrontend:
         self.retry_after_s: int = settings.get("retry_after_s", 1)
         self.log_prompts: bool = settings.get("log_prompts", False)
         self.reroutes: int = settings.get("reroutes", 0)
+        self._names: list[str] = served_names(self.served_model_name, None)
+        self._names_final = False  # set once an engine has said which model it loaded
+        self._scraper = AgentScraper()
         keys = load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         self._keys = [k.encode() for k in keys]
 
@@ -187,8 +215,23 @@ class OpenAIFrontend:
     async def models(self, request: Request) -> dict[str, Any]:
         self._auth(request)
         info = self._ready_info()  # the list works without it while no engine has answered yet
-        card = P.ModelCard(id=self.served_model_name, max_model_len=info["max_model_len"] if info else None)
-        return P.ModelList(data=[card]).model_dump()
+        max_len = info["max_model_len"] if info else None
+        cards = [P.ModelCard(id=name, max_model_len=max_len, root=self.served_model_name)
+                 for name in self._served_names()]
+        return P.ModelList(data=cards).model_dump()
+
+    async def prometheus_metrics(self) -> Any:
+        """Prometheus text: the `ray_kairos_*` and `ray_serve_*` series of this node's Ray metrics agent (where
+        vLLM users look: /metrics on the serving port). Unauthenticated, as vLLM's."""
+        try:
+            text = await self._scraper.scrape()
+        except Exception as e:  # noqa: BLE001 - the agent is out of reach: say where the series are
+            log.warning("/metrics: the Ray metrics agent is out of reach: %r", e)
+            raise APIError(503, "metrics unavailable: this node's Ray metrics agent did not answer "
+                           f"({type(e).__name__}); the series are exported by the agent's Prometheus endpoint "
+                           "(ray.nodes()[i]['MetricsExportPort'], /tmp/ray/prom_metrics_service_discovery.json)",
+                           "server_error", "metrics_unavailable", {"Retry-After": "1"}) from None
+        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     async def completions(self, request: Request) -> Any:
         return await self._handle(request, "completion")
@@ -197,6 +240,14 @@ class OpenAIFrontend:
         return await self._handle(request, "chat")
 
     # ------------------------------------------------------------------ request handling
+    def _served_names(self) -> list[str]:
+        if not self._names_final:
+            info = self._ready_info()
+            if info is not None:
+                self._names = served_names(self.served_model_name, info.get("model"))
+                self._names_final = True
+        return self._names
+
     def _auth(self, request: Request) -> None:
         if not self._keys:
             return
@@ -210,6 +261,9 @@ class OpenAIFrontend:
                            "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
     async def _read_json(self, request: Request) -> Any:
+        ctype = request.headers.get("content-type")
+        if not is_json_content_type(ctype):
+            raise unsupported_media_type(ctype)
         cl = request.headers.get("content-length")
         too_big = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
@@ -253,6 +307,8 @@ class OpenAIFrontend:
             body = schema.model_validate(raw)
         except ValidationError as e:
             raise APIError(400, _validation_message(e)) from None
+        if body.model is not None and body.model not in self._served_names():  # absent: the served model
+            raise model_not_found(body.model, self._served_names())
         slo = self._slo(request, body)
         try:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens())).validate()
@@ -280,7 +336,8 @@ class OpenAIFrontend:
         gen, first = await self._first_item(req)
         for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
             sb = first.served_by
-            if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
+            if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica) \
+                    or first.reject_reason is RejectReason.SLO_UNATTAINABLE:  # no replica could: not rerouted
                 break
             spent_ms = (time.perf_counter() - t_call) * 1000.0
             ttft = req.slo.ttft_ms
@@ -437,6 +494,8 @@ def openai_api() -> FastAPI:
     api.add_exception_handler(Exception, _unexpected)
     api.add_api_route("/health", OpenAIFrontend.health, methods=["GET"])
     api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
+    api.add_api_route("/metrics", OpenAIFrontend.prometheus_metrics, methods=["GET"],
+                      response_class=PlainTextResponse)
     for path, fn, schema in (("/v1/completions", OpenAIFrontend.completions, P.CompletionRequest),
                              ("/v1/chat/completions", OpenAIFrontend.chat_completions, P.ChatCompletionRequest)):
         api.add_api_route(path, fn, methods=["POST"], openapi_extra=openapi_operation(schema),

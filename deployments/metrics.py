@@ -121,3 +121,64 @@ class ReplicaMetrics:
             self.slo_missed.inc(tags={"tier": tier, "slo": which})
         if not missed:
             self.slo_met.inc(tags=t)
+
+
+SCRAPE_PREFIXES = ("ray_kairos_", "ray_serve_")  # what `/metrics` on the serving port passes on
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def filter_exposition(text: str, prefixes: tuple[str, ...] = SCRAPE_PREFIXES) -> str:
+    """The lines of a Prometheus text exposition that belong to metrics named with one of `prefixes` (samples and
+    their `# HELP` / `# TYPE` lines), in order."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            keep = len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].startswith(prefixes)
+        else:
+            keep = line.startswith(prefixes)
+        if keep:
+            out.append(line)
+    return "\n".join(out) + ("\n" if out else "")
+
+
+class AgentScraper:
+    """`/metrics` on the serving port: the series this node's Ray metrics agent exports (Serve's `ray_serve_*` and
+    Kairos's `ray_kairos_*`, from every replica on the node), read from the agent's Prometheus endpoint on each
+    scrape. The agent's address is looked up once (`ray.nodes()`: this node's `MetricsExportPort`). On a
+    multi-node cluster each node's agent holds its own replicas' series: scrape every node's agent (Ray's
+    service discovery file, /tmp/ray/prom_metrics_service_discovery.json) for the whole picture."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.timeout_s = timeout_s
+        self._url: str | None = None
+
+    @staticmethod
+    def agent_url() -> str:
+        import ray  # noqa: PLC0415
+
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
+                return f"http://{node['NodeManagerAddress']}:{int(node['MetricsExportPort'])}/metrics"
+        raise RuntimeError("this node's Ray metrics agent has no export port")
+
+    def _fetch(self) -> str:
+        import urllib.request  # noqa: PLC0415
+
+        if self._url is None:
+            self._url = self.agent_url()
+        with urllib.request.urlopen(self._url, timeout=self.timeout_s) as r:  # noqa: S310 - the node's own agent
+            return r.read().decode("utf-8", "replace")
+
+    async def scrape(self) -> str:
+        """The filtered exposition (the blocking read runs on a worker thread); raises where the agent is out of
+        reach."""
+        import asyncio  # noqa: PLC0415
+
+        try:
+            text = await asyncio.to_thread(self._fetch)
+        except Exception:
+            self._url = None  # look the agent up again next time (restarted on another port)
+            raise
+        return filter_exposition(text)

@@ -55,13 +55,37 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+REJECTION_HEADERS = {  # the headers of an SLO rejection (400 slo_unattainable, or 429)
+    "x-kairos-reject-reason": {"description": "why the SLO admission control turned the request away (see the 400 and "
+                                              "429 responses)", "schema": {"type": "string"}},
+    "x-kairos-slo-best-ttft-ms": {"description": "with slo_unattainable: the strictest x-slo-ttft-ms an idle replica "
+                                                 "accepts for this request", "schema": {"type": "number"}},
+    "x-kairos-slo-best-tpot-ms": {"description": "with slo_unattainable: the strictest x-slo-tpot-ms an idle replica "
+                                                 "accepts for this request", "schema": {"type": "number"}},
+}
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying (429: predicted from the replica's "
+                                              "queue, 1 to 60)", "schema": {"type": "integer"}}}
+
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "a completion (JSON), or with stream=true a text/event-stream of chunks ending in "
                          "`data: [DONE]`", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-    400: {"model": ErrorResponse, "description": "invalid JSON or request"},
+    400: {"model": ErrorResponse, "headers": REJECTION_HEADERS,
+          "description": "invalid JSON or request; `context_length_exceeded` (param `max_tokens`): max_tokens / "
+                         "max_completion_tokens beyond the context window the prompt leaves; `slo_unattainable` "
+                         "(x-kairos-reject-reason `slo_unattainable`): an SLO no replica can meet for this request "
+                         "even when idle, by its latency model: do not retry, relax the SLO to at most the "
+                         "x-kairos-slo-best-ttft-ms / x-kairos-slo-best-tpot-ms offered"},
     401: {"model": ErrorResponse, "description": "missing or invalid API key (when auth is configured)"},
+    404: {"model": ErrorResponse, "description": "`model_not_found`: `model` names no model this server serves "
+                                                 "(GET /v1/models lists the names; an absent `model` is the served one)"},
     413: {"model": ErrorResponse, "description": "request body larger than max_body_bytes"},
-    429: {"model": ErrorResponse, "description": "overloaded or SLO unattainable; see Retry-After"},
+    415: {"model": ErrorResponse, "description": "`unsupported_media_type`: the body is not declared as JSON "
+                                                 "(content-type: application/json)"},
+    429: {"model": ErrorResponse, "headers": {**REJECTION_HEADERS, **RETRY_AFTER},
+          "description": "busy: retry after Retry-After seconds. x-kairos-reject-reason: `ttft_unattainable` (the "
+                         "queue ahead puts the TTFT SLO out of reach now), `tpot_unattainable` (the running batch "
+                         "leaves no room for the TPOT SLO now), `shed` (overload: the requests with the most work "
+                         "go first), `overloaded` (the replica's queue, or Serve's, is full)"},
     500: {"model": ErrorResponse, "description": "generation failed in the engine"},
     503: {"model": ErrorResponse, "description": "no LLM replica available; see Retry-After"},
 }

@@ -195,6 +195,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kairos"
+    root: str | None = None  # the served model this name stands for (vLLM's field)
     max_model_len: int | None = None
 
 
@@ -208,8 +209,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:

@@ -19,14 +19,61 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from core.messages import ErrorKind, GenerateRequest, RequestOutput, RoutingStats, ServedBy
+from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, RejectReason, RequestOutput,
+                           RoutingStats, ServedBy)
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from scheduling.config import SchedulerConfig
+from scheduling.ttft_guard import idle_slo_floor
 
 log = logging.getLogger("ray.serve")
+
+MAX_RETRY_AFTER_S = 60  # the `openai` client waits out a Retry-After of up to 60 s, and no longer
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RejectionView:
+    """What a client is told about a rejection: the reason (a TTFT or TPOT rejection that an idle replica would
+    have made too becomes `slo_unattainable`), when to retry a busy one, and the strictest SLOs an idle replica
+    would accept for the request (None without a latency model)."""
+    reason: RejectReason
+    retry_after_s: int | None
+    best_ttft_ms: float | None
+    best_tpot_ms: float | None
+
+
+def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_tokens: int, model: Any,
+                    sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
+                    decode_left: list[int]) -> RejectionView:
+    """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
+    scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
+    one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
+    this one, plus, where the running batch has to thin out (TPOT gate, work shedding), the decode steps until
+    the in-flight request nearest its end finishes (`decode_left`: their expected remaining tokens; a step takes
+    `step_ms`, the engine's measured decode step, else the model's). Rounded up to whole seconds, 1 to 60."""
+    n = max(num_prompt_tokens, 1)
+    if model is None:
+        return RejectionView(reason, 1, None, None)
+    flags = sched.flags()
+    p = req.params.max_tokens if req.params.max_tokens is not None else max(1, max_model_len - n)
+    hint = req.slo.output_len_hint
+    mid_len = n + (min(hint, p) if hint else p) / 2.0
+    best_ttft, best_tpot = idle_slo_floor(model.prefill_ms, model.itl_ms, min(n, max_model_len), mid_len,
+                                          sched.ttft_margin_ms, flags.vbs_margin, sched.vbs_slack)
+    slo = req.slo
+    if reason in (RejectReason.TTFT_UNATTAINABLE, RejectReason.TPOT_UNATTAINABLE) and (
+            (flags.ttft_reject and slo.ttft_ms is not None and slo.ttft_ms < best_ttft)
+            or (flags.vbs_gate and slo.tpot_ms is not None and slo.tpot_ms <= best_tpot)):
+        return RejectionView(RejectReason.SLO_UNATTAINABLE, None, best_ttft, best_tpot)
+    wait_ms = model.prefill_ms(waiting_tokens + min(n, max_model_len))
+    if reason in (RejectReason.TPOT_UNATTAINABLE, RejectReason.SHED) and decode_left:
+        step = step_ms if step_ms else model.itl_ms(float(len(decode_left)), mid_len)
+        wait_ms += max(0, min(decode_left)) * step
+    retry = min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait_ms / 1000.0)))
+    return RejectionView(reason, retry, best_ttft, best_tpot)
 
 
 def _rss_bytes(pid: int | None = None) -> int:
@@ -119,6 +166,8 @@ class LLMReplica:
 
             self.engine = await asyncio.to_thread(LLMEngine, cfg)
         self._engine_pid = getattr(self.engine, "pid", os.getpid())
+        self._sched = cfg.scheduler
+        self._decode_left: dict[str, int] = {}  # in-flight request -> output tokens it is still expected to make
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
         self.pacing = pacing or StreamPacing()
@@ -141,6 +190,9 @@ class LLMReplica:
         t_in = time.monotonic()
         try:
             stream = self.engine.generate(req)
+        except ContextLengthExceeded as e:
+            yield self._refused(req, t_in, ErrorKind.CONTEXT_LENGTH, str(e))
+            return
         except (ValueError, TypeError, UnicodeError) as e:  # TypeError: the tokenizer refusing odd text
             yield self._refused(req, t_in, ErrorKind.INVALID_REQUEST, str(e))
             return
@@ -153,6 +205,9 @@ class LLMReplica:
         else:
             log.debug("request %s: slo=%s", rid, req.slo)
         self.inflight += 1
+        left = self._decode_left
+        hint, cap = req.slo.output_len_hint, req.params.max_tokens or self.engine.max_model_len
+        left[rid] = min(hint, cap) if hint else cap
         finished, first, last_t = False, True, time.monotonic()
         try:
             while True:
@@ -170,23 +225,30 @@ class LLMReplica:
                 if first:
                     first = False
                     self._prompt_lens.append(max(out.num_prompt_tokens, 1))
-                    retry = None
+                    served = ServedBy(self.replica_id, (now - t_in) * 1000.0)
                     if out.finish_reason is FinishReason.REJECTED:
-                        retry = self._retry_after_s(out.num_prompt_tokens)
-                        self.metrics.on_rejected(tier, out.reject_reason or "unknown")
+                        left.pop(rid, None)
+                        view = self._judge(req, out)
+                        served = dataclasses.replace(served, retry_after_s=view.retry_after_s,
+                                                     best_ttft_ms=view.best_ttft_ms, best_tpot_ms=view.best_tpot_ms)
+                        out = dataclasses.replace(out, reject_reason=view.reason)
+                        self.metrics.on_rejected(tier, view.reason)
                     else:
                         self.metrics.on_admitted(tier)
-                    out = dataclasses.replace(out, served_by=ServedBy(self.replica_id, (now - t_in) * 1000.0, retry))
+                    out = dataclasses.replace(out, served_by=served)
+                    if out.token_ids and rid in left:
+                        left[rid] -= len(out.token_ids)
                 elif out.token_ids:
                     n = len(out.token_ids)
-                    gap = (now - last_t) / n
-                    self.metrics.on_itl(tier, gap, n)
+                    left[rid] -= n
+                    self.metrics.on_itl(tier, (now - last_t) / n, n)
                 last_t = now
                 if out.finished:
                     # counted out before the last item goes: a caller that stops at it may never resume (or
                     # close) this generator, and its `finally` would then wait for the garbage collector
                     finished = True
                     self.inflight -= 1
+                    left.pop(rid, None)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.slo, out)
                     yield out
@@ -195,15 +257,21 @@ class LLMReplica:
         finally:  # client went away (CancelledError / GeneratorExit) or an error: free the KV now
             if not finished:
                 self.inflight -= 1
+                left.pop(rid, None)
                 self.aborted += 1
                 self.engine.abort(rid)
                 log.info("request %s aborted (caller cancelled)", rid)
 
-    def _retry_after_s(self, num_prompt_tokens: int) -> int:
+    def _judge(self, req: GenerateRequest, out: RequestOutput) -> RejectionView:
+        reason = out.reject_reason or RejectReason.OVERLOADED
         try:
-            return max(1, math.ceil(self.engine.predict_ttft_ms(max(num_prompt_tokens, 1)) / 1000.0))
-        except Exception:  # noqa: BLE001
-            return 1
+            st = self.engine.stats()
+            return judge_rejection(reason, req, out.num_prompt_tokens, self.engine.latency_model, self._sched,
+                                   self.engine.max_model_len, st.waiting_tokens, st.step_ms,
+                                   list(self._decode_left.values()))
+        except Exception:  # noqa: BLE001 - a rejection must still answer
+            log.exception("judging a rejection failed")
+            return RejectionView(reason, 1, None, None)
 
     # ------------------------------------------------------------------ control plane
     def record_routing_stats(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from core.messages import ChatTurn
+from core.messages import ChatTurn, ContextLengthExceeded
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 
@@ -77,6 +77,8 @@ class InputProcessor:
         if len(ids) + 1 > self.kv_capacity_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the KV cache capacity of "
                              f"{self.kv_capacity_tokens} tokens")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:  # a 400 naming the limit, as vLLM
+            raise ContextLengthExceeded(params.max_tokens, limit, len(ids))
         if params.max_tokens is None:  # OpenAI's chat default: the rest of the context window
             rest = max(1, limit - len(ids))
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))

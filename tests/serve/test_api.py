@@ -98,7 +98,7 @@ def test_chat_stream_and_content_parts(client: httpx.Client) -> None:
 def test_openai_client(base_url: str) -> None:
     openai = pytest.importorskip("openai")
     oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    assert [m.id for m in oa.models.list()] == [MODEL]
+    assert [m.id for m in oa.models.list()][0] == MODEL
 
     c = oa.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, extra_body={"ignore_eos": True})
     assert c.usage.completion_tokens == 4 and c.choices[0].finish_reason == "length"
@@ -122,5 +122,36 @@ def test_openai_client(base_url: str) -> None:
 
     with pytest.raises(openai.BadRequestError):
         oa.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
-    with pytest.raises(openai.RateLimitError):
-        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_headers={"x-slo-ttft-ms": "0.001"})
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
+    assert e.value.code == "model_not_found"
+    # an SLO no replica can meet is not retried (a 400), even by a client that retries 429s and 5xx
+    retrying = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=3, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        retrying.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_headers={"x-slo-ttft-ms": "0.001"})
+    assert e.value.code == "slo_unattainable" and "x-kairos-slo-best-ttft-ms" in e.value.response.headers
+
+
+def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
+    """/metrics on the serving port (through Serve's HAProxy): the Ray metrics agent's kairos and Serve series, in
+    Prometheus text format, as a vLLM user's scraper expects them."""
+    import time
+
+    assert client.post("/v1/completions", json={"prompt": "m", "max_tokens": 3}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "m", "max_tokens": 3},
+                       headers={"x-slo-ttft-ms": "0.001"}).status_code == 400
+    want = {"ray_kairos_ttft_s_bucket", "ray_kairos_generation_tokens_total", "ray_kairos_kv_blocks_free",
+            "ray_kairos_requests_rejected_total"}
+    deadline, names, text = time.monotonic() + 30, set(), ""
+    while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
+        r = client.get("/metrics")
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        text = r.text
+        names = {ln.split("{")[0].split(" ")[0] for ln in text.splitlines() if ln and not ln.startswith("#")}
+        if want <= names and 'reason="slo_unattainable"' in text:
+            break
+        time.sleep(0.5)
+    assert want <= names, want - names
+    assert all(n.startswith(("ray_kairos_", "ray_serve_")) for n in names), names
+    assert 'reason="slo_unattainable"' in text and 'deployment="LLMServer"' in text

@@ -103,19 +103,66 @@ def test_unknown_route_and_method(client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_unattainable_ttft_slo_is_429(client: httpx.Client, stream: bool) -> None:
+def test_an_slo_no_idle_replica_meets_is_a_400_saying_what_is_attainable(client: httpx.Client, stream: bool) -> None:
     r = client.post(CMPL, json={**OK_CMPL, "stream": stream}, headers={"x-slo-ttft-ms": "0.001"})
-    err = assert_error(r, 429)
-    assert err["code"] == "ttft_unattainable" and "ttft_unattainable" in err["message"]
-    assert int(r.headers["retry-after"]) >= 1
-    assert r.headers["x-kairos-reject-reason"] == "ttft_unattainable"
+    err = assert_error(r, 400)  # not retryable: the openai client does not retry a 400
+    assert err["code"] == "slo_unattainable" and err["type"] == "invalid_request_error"
+    assert r.headers["x-kairos-reject-reason"] == "slo_unattainable" and "retry-after" not in r.headers
+    best_ttft, best_tpot = float(r.headers["x-kairos-slo-best-ttft-ms"]), float(r.headers["x-kairos-slo-best-tpot-ms"])
+    assert 0.001 < best_ttft and 0 < best_tpot and f"{best_ttft:.1f} ms" in err["message"]
+    assert "x-kairos-rerouted" not in r.headers  # no replica could: not sent to the other one
+    # what the deployment offers is served (with room for the hops before the engine's clock starts)
+    r = client.post(CMPL, json={**OK_CMPL, "stream": stream},
+                    headers={"x-slo-ttft-ms": f"{2 * best_ttft + 1000:.1f}", "x-slo-tpot-ms": f"{2 * best_tpot:.1f}"})
+    assert r.status_code == 200, r.text
 
 
-def test_a_request_every_replica_turns_away_is_rerouted_once_then_429(client: httpx.Client) -> None:
+def test_a_tpot_no_replica_decodes_at_is_unattainable_not_rerouted(client: httpx.Client) -> None:
     r = client.post(CMPL, json=OK_CMPL, headers={"x-slo-tpot-ms": "0.01"})  # no replica decodes that fast
-    err = assert_error(r, 429)
-    assert err["code"] == "tpot_unattainable" and int(r.headers["retry-after"]) >= 1
-    assert r.headers["x-kairos-rerouted"] == "1"  # the other replica was asked too (router=slo, 2 replicas)
+    err = assert_error(r, 400)
+    assert err["code"] == "slo_unattainable" and float(r.headers["x-kairos-slo-best-tpot-ms"]) > 0.01
+    assert "x-kairos-rerouted" not in r.headers
+
+
+def test_an_unknown_model_is_404_and_the_served_names_are_listed(client: httpx.Client) -> None:
+    models = client.get("/v1/models").json()["data"]
+    names = [m["id"] for m in models]
+    assert names[0] == "kairos-tiny" and all(m["root"] == "kairos-tiny" for m in models)
+    for path, body in ((CMPL, OK_CMPL), (CHAT, OK_CHAT)):
+        for name in names:  # every listed name is served
+            assert client.post(path, json={**body, "model": name}).status_code == 200
+        assert client.post(path, json=body).status_code == 200  # no model: the served one (as vLLM)
+        for stream in (False, True):
+            r = client.post(path, json={**body, "model": "gpt-4o", "stream": stream})
+            err = assert_error(r, 404)
+            assert (err["code"], err["param"], err["type"]) == ("model_not_found", "model", "invalid_request_error")
+            assert "gpt-4o" in err["message"] and "kairos-tiny" in err["message"]
+
+
+def test_max_tokens_beyond_the_context_left_is_a_400_naming_the_limit(client: httpx.Client) -> None:
+    limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    prompt = [5] * 10
+    err = assert_error(client.post(CMPL, json={"prompt": prompt, "max_tokens": 1_000_000_000}), 400)
+    assert err["message"] == (f"'max_tokens' or 'max_completion_tokens' is too large: 1000000000. This model's "
+                              f"maximum context length is {limit} tokens and your request has 10 input tokens "
+                              f"(1000000000 > {limit} - 10).")
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "max_tokens")
+    for key in ("max_tokens", "max_completion_tokens"):
+        err = assert_error(client.post(CHAT, json={"messages": OK_CHAT["messages"], key: limit, "stream": True}), 400)
+        assert f"is too large: {limit}." in err["message"] and f"maximum context length is {limit}" in err["message"]
+    r = client.post(CMPL, json={"prompt": [5] * (limit - 8), "max_tokens": 8, "ignore_eos": True})  # exactly fits
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+
+
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_declared_json_is_415(client: httpx.Client, ctype: str | None) -> None:
+    raw = b'{"prompt": "hi", "max_tokens": 2}'
+    for path in (CMPL, CHAT):
+        headers = {} if ctype is None else {"content-type": ctype}
+        err = assert_error(client.post(path, content=raw, headers=headers), 415)
+        assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+    r = client.post(CMPL, content=raw, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
 
 
 def test_valid_slo_is_served(client: httpx.Client) -> None:

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from core.messages import ChatTurn, GenerateRequest, RequestOutput, RoutingStats
 from core.request import SLO
+from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import AppArgs, load_api_keys
 from deployments.router import rank, view
@@ -402,7 +403,7 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
         noop = lambda *a, **k: None  # noqa: E731
         me = SimpleNamespace(
             pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
-            _prompt_lens=[], engine=SimpleNamespace(generate=lambda req: st, abort=noop,
+            _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st, abort=noop,
                                                     stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
             metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop))
 
@@ -608,7 +609,8 @@ def test_direct_replica_caps_its_engine_share_and_queue_and_aborts_closed_stream
         c = me._open(GenerateRequest("c", prompt=(1,)))
         with pytest.raises(APIError) as e:
             await c.__anext__()
-        assert e.value.status == 429 and e.value.headers == {"Retry-After": "3"} and me._calls == 2
+        assert e.value.status == 429 and e.value.headers == {"Retry-After": "3", "x-kairos-reject-reason": "overloaded"} \
+            and me._calls == 2
         never = me._open(GenerateRequest("never", prompt=(1,)))
         never.cancel()  # closed before it started: counts nothing
         a.cancel()  # the client of `a` went away while it held the slot: aborted, slot to `b`
@@ -653,7 +655,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
             RequestOutput(req.request_id, text="b", token_ids=[2], finished=True, finish_reason="length")]),
             "abort": lambda _s, rid: aborted.append(rid)})()
         me.log_prompts, me.pacing, me.metrics, me.replica_id = False, StreamPacing(), Metrics(), "r"
-        me.inflight, me.aborted, me._prompt_lens = 0, 0, deque(maxlen=4)
+        me.inflight, me.aborted, me._prompt_lens, me._decode_left = 0, 0, deque(maxlen=4), {}
         done = me.generate(GenerateRequest("done", prompt=(1,)))
         assert (await done.__anext__()).text == "a" and me.inflight == 1
         assert (await done.__anext__()).finished and me.inflight == 0  # before the generator is resumed or closed
@@ -750,8 +752,8 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
                 raise OSError("connection lost")
             sent.append(msg)
 
-        await app({"type": scope_type, "method": method, "path": path, "root_path": "", "headers": [],
-                   "query_string": b""}, receive, send)
+        await app({"type": scope_type, "method": method, "path": path, "root_path": "",
+                   "headers": [(b"content-type", b"application/json")], "query_string": b""}, receive, send)
         return sent
 
     async def run() -> None:
@@ -802,7 +804,8 @@ def test_a_shed_request_gets_429_with_retry_after_and_what_to_do():
     assert e.status == 429 and e.code == "shed" and "smaller max_tokens" in e.message
     assert e.headers["Retry-After"] == "3" and e.headers["x-kairos-reject-reason"] == "shed"
     other = dataclasses.replace(first, reject_reason="tpot_unattainable")
-    assert item_failure(other, {}, 1).message == "request rejected by SLO admission control: tpot_unattainable"
+    assert item_failure(other, {}, 1).message.startswith("request rejected by SLO admission control: "
+                                                         "tpot_unattainable (the running batch leaves no room")
 
 
 def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
@@ -822,3 +825,110 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
     assert "engine process exited" in item_failure(dead, {}, 2).message
     step = dataclasses.replace(dead, error_kind=ErrorKind.ENGINE, error="injected fault")
     assert item_failure(step, {}, 2).status == 500
+
+
+def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
+                    step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos"):
+    from deployments.replica import judge_rejection
+    from scheduling.config import SchedulerConfig
+    from scheduling.predictor import LatencyModel
+
+    # prefill: 1 ms per token + 10 ms; a decode step: 20 ms + 0.01 ms per context token per sequence
+    model = LatencyModel(prefill_coef=(1.0, 10.0), decode_coef=(0.01, 20.0, 0.0, 0.0), theta=0.0)
+    req = GenerateRequest("r", prompt=(1,), params=SamplingParams(max_tokens=max_tokens), slo=slo)
+    return judge_rejection(reason, req, prompt_tokens, model, SchedulerConfig(policy=policy), 1024,
+                           waiting_tokens, step_ms, list(decode_left))
+
+
+def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is():
+    """The latency model's idle floor for this request: TTFT = its prefill alone + the TTFT margin (100 + 10 + 50);
+    TPOT = one sequence's decode step at its mid-reply context, times the gate's margin over its slack."""
+    v = _rejection_view("ttft_unattainable", SLO(ttft_ms=150.0))
+    assert v.reason == "slo_unattainable" and v.retry_after_s is None
+    assert v.best_ttft_ms == pytest.approx(160.0)
+    assert v.best_tpot_ms == pytest.approx((20.0 + 0.01 * 125) * 1.05 / 0.99)  # kairos: margin 1.05
+    assert _rejection_view("tpot_unattainable", SLO(tpot_ms=22.0)).reason == "slo_unattainable"
+    # a busy rejection of a request whose other SLO no idle replica meets: retrying cannot help either
+    assert _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0, tpot_ms=1.0)).reason == "slo_unattainable"
+    # ...unless the policy does not enforce that SLO (no VBS gate: the TPOT is not checked at all)
+    assert _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0, tpot_ms=1.0), policy="edf_reject").reason \
+        == "ttft_unattainable"
+    # shedding and a full queue are load, whatever the SLO
+    assert _rejection_view("shed", SLO(tpot_ms=1.0)).reason == "shed"
+
+
+def test_a_busy_rejection_gets_a_retry_after_computed_from_the_queue():
+    # TTFT: the queued prefill ahead (2,000 tokens) and its own: 2.11 s -> 3 s
+    v = _rejection_view("ttft_unattainable", SLO(ttft_ms=500.0), waiting_tokens=2000)
+    assert (v.reason, v.retry_after_s) == ("ttft_unattainable", 3) and v.best_ttft_ms == pytest.approx(160.0)
+    # TPOT: the batch must thin out: plus the steps until the in-flight request nearest its end is done
+    v = _rejection_view("tpot_unattainable", SLO(tpot_ms=60.0), step_ms=25.0, decode_left=(300, 80, 900))
+    assert (v.reason, v.retry_after_s) == ("tpot_unattainable", 3)  # 0.11 s + 80 x 25 ms = 2.11 s
+    assert _rejection_view("tpot_unattainable", SLO(tpot_ms=60.0)).retry_after_s == 1  # at least 1
+    assert _rejection_view("overloaded", SLO(), waiting_tokens=10**6).retry_after_s == 60  # at most 60
+
+
+def test_rejections_answer_400_unattainable_or_429_busy_with_their_headers():
+    from core.messages import ServedBy
+    from core.request import FinishReason
+    from deployments.errors import item_failure
+
+    unattainable = RequestOutput("r", finished=True, finish_reason=FinishReason.REJECTED,
+                                 reject_reason="slo_unattainable", served_by=ServedBy("rep", 1.0, None, 160.0, 22.3))
+    e = item_failure(unattainable, {"x-kairos-request-id": "r"}, 1)
+    assert (e.status, e.type, e.code) == (400, "invalid_request_error", "slo_unattainable")
+    assert e.headers["x-kairos-reject-reason"] == "slo_unattainable" and "Retry-After" not in e.headers
+    assert e.headers["x-kairos-slo-best-ttft-ms"] == "160.1" and e.headers["x-kairos-slo-best-tpot-ms"] == "22.4"
+    assert "160.1 ms" in e.message and "22.4 ms" in e.message and e.headers["x-kairos-request-id"] == "r"
+    busy = dataclasses.replace(unattainable, reject_reason="ttft_unattainable",
+                               served_by=ServedBy("rep", 1.0, 4, 160.0, 22.3))
+    e = item_failure(busy, {}, 1)
+    assert (e.status, e.type, e.code) == (429, "rate_limit_error", "ttft_unattainable")
+    assert e.headers["Retry-After"] == "4" and e.headers["x-kairos-reject-reason"] == "ttft_unattainable"
+
+
+def test_max_tokens_beyond_the_context_window_is_a_400_naming_the_limit():
+    from core.messages import ContextLengthExceeded, ErrorKind
+    from core.request import FinishReason
+    from deployments.errors import item_failure
+
+    msg = str(ContextLengthExceeded(1000, 512, 20))
+    assert msg == ("'max_tokens' or 'max_completion_tokens' is too large: 1000. This model's maximum context length "
+                   "is 512 tokens and your request has 20 input tokens (1000 > 512 - 20).")
+    item = RequestOutput("r", finished=True, finish_reason=FinishReason.ERROR, error=msg,
+                         error_kind=ErrorKind.CONTEXT_LENGTH)
+    e = item_failure(item, {}, 1)
+    assert (e.status, e.code, e.param, e.message) == (400, "context_length_exceeded", "max_tokens", msg)
+
+
+def test_served_names_and_json_content_types():
+    from deployments.ingress import is_json_content_type, served_names
+
+    assert served_names("kairos-default", "kairos-default") == ["kairos-default",
+                                                                "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert served_names("mine", "kairos-default") == ["mine", "kairos-default", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert served_names("hf", "/models/hf") == ["hf", "/models/hf"]
+    assert served_names("kairos-tiny", None) == ["kairos-tiny"]
+    for ok in ("application/json", "Application/JSON; charset=utf-8", "application/merge-patch+json"):
+        assert is_json_content_type(ok), ok
+    for bad in (None, "", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        assert not is_json_content_type(bad), bad
+
+
+def test_metrics_exposition_keeps_only_kairos_and_serve_series():
+    from deployments.metrics import filter_exposition
+
+    text = """# HELP ray_kairos_ttft_s time to first token
+# TYPE ray_kairos_ttft_s histogram
+ray_kairos_ttft_s_bucket{le="0.1",tier="best_effort"} 3.0
+# HELP ray_node_cpu_utilization cpu
+# TYPE ray_node_cpu_utilization gauge
+ray_node_cpu_utilization{ip="127.0.0.1"} 12.5
+# TYPE ray_serve_num_http_requests_total counter
+ray_serve_num_http_requests_total{route="/"} 7.0
+"""
+    assert filter_exposition(text).splitlines() == [
+        "# HELP ray_kairos_ttft_s time to first token", "# TYPE ray_kairos_ttft_s histogram",
+        'ray_kairos_ttft_s_bucket{le="0.1",tier="best_effort"} 3.0',
+        "# TYPE ray_serve_num_http_requests_total counter", 'ray_serve_num_http_requests_total{route="/"} 7.0']
+    assert filter_exposition("ray_node_mem 1\n") == ""
