@@ -101,3 +101,21 @@ def run_prefill_case(q_lens, seq_lens, group, head_dim, block_size, dtype, devic
     ref = reference_attention(q, k, v, tables, qsl, sl, scale)
     assert_close(out, ref, dtype)
     return out
+
+
+def patch_interpreter_for_numpy():
+    """Triton <= 3.7's interpreter turns a scalar (a 1-element array there) into a loop bound with int(array),
+    which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed in 3.8). Re-patch __index__ with an explicit
+    element read on top of the interpreter's own patches (its scope restores both, last first)."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_kairos_fix", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._kairos_fix = True
+    interpreter._patch_lang_tensor = patched

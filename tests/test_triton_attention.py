@@ -22,28 +22,11 @@ if type(tl.cdiv).__name__ != "InterpretedFunction":
                 "these tests in a CPU-only process)", allow_module_level=True)
 
 from tests.paged_attention_reference import (  # noqa: E402
-    TOL, assert_close, make_paged, reference_attention, run_decode_case, run_prefill_case)
+    TOL, assert_close, make_paged, patch_interpreter_for_numpy, reference_attention, run_decode_case,
+    run_prefill_case)
 
 
-def _interpreter_numpy_fix():
-    """Triton <= 3.7's interpreter turns a scalar (a 1-element array there) into a loop bound with int(array),
-    which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed in 3.8). Re-patch __index__ with an explicit
-    element read on top of the interpreter's own patches (its scope restores both, last first)."""
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_kairos_fix", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._kairos_fix = True
-    interpreter._patch_lang_tensor = patched
-
-
-_interpreter_numpy_fix()
+patch_interpreter_for_numpy()
 from engine.backends.cuda import triton_attention as ta  # noqa: E402
 
 assert ta.INTERPRETED
@@ -166,3 +149,6 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="num_splits"):
         ta.paged_decode_attention(q, k, v, tables, torch.tensor([4], dtype=torch.int32), 1.0, torch.empty_like(q),
                                   num_splits=0)
+    with pytest.raises(ValueError, match="dtype"):
+        ta.paged_decode_attention(q.half(), k, v, tables, torch.tensor([4], dtype=torch.int32), 1.0,
+                                  torch.empty_like(q.half()))

@@ -249,6 +249,8 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError("the head dimension of q, out, k_cache and v_cache must be contiguous")
     if q.shape[-1] != k_cache.shape[3] or out.shape != q.shape:
         raise ValueError(f"q {tuple(q.shape)}, out {tuple(out.shape)} and cache head_dim {k_cache.shape[3]} differ")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
     if q.shape[-2] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
 
