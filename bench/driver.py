@@ -7,7 +7,8 @@ and every request ends as one `Record` on one clock (`time.monotonic`):
   or the engine's own per-token times (the default: one polling consumer, so the engine keeps the GIL), and
   the engine's timestamps in `engine`;
 - over HTTP, token times are SSE chunk arrivals (a chunk may hold several tokens; `n_out` comes from the usage
-  chunk), 429 is a rejection, and `hops` splits the time to the first token with the ingress's Server-Timing.
+  chunk), 429 is a rejection (so is a 400 with x-kairos-reject-reason: slo_unattainable), and `hops` splits the
+  time to the first token with the ingress's Server-Timing.
 A request's outcome is its `finish_reason`: stop | length (completed), rejected, abort, error (with `error`
 saying what), timeout (the driver gave up on it) or disconnected (the client dropped it on purpose).
 
@@ -580,10 +581,10 @@ async def _send(client: Any, base: str, rec: Record, w: WorkItem, model: str) ->
                 rec.hops["client_proxy"] = rec.hops["headers"] - sum(st.values())
             if resp.status != 200:
                 raw = await resp.read()
-                if resp.status == 429:
+                if resp.status == 429 or resp.headers.get("x-kairos-reject-reason"):  # 400: slo_unattainable
                     rec.rejected, rec.finish_reason = True, "rejected"
                     rec.reject_reason = resp.headers.get("x-kairos-reject-reason") or _error_code(raw)
-                    if not resp.headers.get("retry-after"):
+                    if resp.status == 429 and not resp.headers.get("retry-after"):
                         rec.error = "429_without_retry_after"
                 else:
                     rec.finish_reason = "error"
