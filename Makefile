@@ -26,8 +26,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# `exec`: serve replaces the recipe's shell, so a SIGTERM/SIGINT for the recipe reaches it (it shuts Serve and Ray
+# down, HAProxy included); SERVE_ARGS: app arguments, e.g. SERVE_ARGS="policy=fcfs"; KAIROS_HTTP_HOST/PORT: the address
 serve: $(STAMP)
-	$(BIN)/serve run deployments:app
+	exec $(BIN)/serve run deployments:app $(SERVE_ARGS)
 
 stream: $(STAMP)
 	$(BIN)/python -m engine.cli --prompt "Hello, Kairos!" --max-tokens 64
