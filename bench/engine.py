@@ -18,6 +18,20 @@ Figures (all greedy, EOS ignored, random prompt ids < vocab_limit, seeded; best-
 - engine per-step overhead at batch 32: schedule + prepare + sample + postprocess, as % of the decode step
   (`LLMEngine.stats().phase_s`; `runner.prepare` timed by `Prober.prepare_ms`).
 Files only where asked: `--json PATH` (every figure), `--summary NAME` (`bench/summaries/NAME.json`).
+
+A model of a named shape on a device (issue 54's figures; no download, random weights):
+
+    python -m bench.engine --device cuda --shape llama-8b --summary $OUT/engine-cuda.json   # on a GPU host
+    python -m bench.engine --device cpu --shape tiny --quick --dtype float32              # the dry run
+
+builds a Llama of that shape from a config directly on the device, writes it (/dev/shm where it fits) for the
+engine to load, and prints in one run: the device-to-device copy bandwidth; for each batch 1/16/64/128/256 at
+prompt 512, and again with contexts spread evenly over 128-4096, the served step (the median wall time of the
+engine's decode-only steps of the whole batch, `add_step_observer`), tok/s and the ratio to the bound (weight bytes
++ the step's KV bytes) / bandwidth, beside that step's forward + sampling alone (`Prober.decode_ms`); prefill tok/s
+and TFLOP/s for 8 x 1024 tokens against the bf16 dense peak; HF `generate` ms/step at batch 1/16/64; start-up
+(the model's build and write, then `LLMEngine(...)` with its latency profile). `--time-limit-s` skips what is left
+once a run has taken that long.
 """
 from __future__ import annotations
 
@@ -462,7 +476,449 @@ def print_report(r: dict[str, Any], plan: Plan) -> None:
     sys.stdout.flush()
 
 
+
+# =========================================================================== a named shape on a device (--shape)
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.1-8B: 8.0B parameters, untied embeddings
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # Llama-3.2-1B: 1.2B parameters, tied embeddings
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # a tiny Llama for dry runs and tests (vocabulary = the tiny tokenizer's)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False),
+}
+# bf16 dense matrix peak by the vendor's datasheet (TFLOP/s), matched against torch's device name
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+@dataclass
+class ShapePlan:
+    """Sizes of a `--shape` run (`--quick`: a small one for the CPU dry run and tests)."""
+
+    batches: tuple[int, ...] = (1, 16, 64, 128, 256)
+    prompt_len: int = 512
+    spread_batches: tuple[int, ...] = (1, 16, 64, 128, 256)
+    spread: tuple[int, int] = (128, 4096)
+    warmup_steps: int = 4
+    decode_steps: int = 16
+    probe_reps: int = 5
+    prefill: tuple[int, int] = (8, 1024)
+    prefill_reps: int = 3
+    hf_batches: tuple[int, ...] = (1, 16, 64)
+    max_model_len: int = 8192
+    prefill_max_tokens: int = 32768
+    bw_bytes: int = 4 << 30
+
+    @classmethod
+    def quick(cls) -> ShapePlan:
+        return cls(batches=(1, 4), prompt_len=32, spread_batches=(1, 4), spread=(16, 96), warmup_steps=2,
+                   decode_steps=4, probe_reps=2, prefill=(2, 64), prefill_reps=2, hf_batches=(1, 4),
+                   max_model_len=256, prefill_max_tokens=2048, bw_bytes=64 << 20)
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _empty_cache(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth_gb_s(dev, nbytes: int, reps: int = 10) -> float:
+    """A device-to-device copy of `nbytes` (bytes read + bytes written over the time; median of `reps`)."""
+    import statistics
+
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    return moved / statistics.median(times) / 1e9
+
+
+def shape_config(shape: str, vocab: int, max_model_len: int):
+    from transformers import LlamaConfig
+
+    kw = dict(SHAPES[shape])
+    kw["vocab_size"] = kw["vocab_size"] or vocab
+    return LlamaConfig(max_position_embeddings=max_model_len, rope_theta=500000.0, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0, **kw)
+
+
+def build_shape_model(config, dev, dtype, seed: int = 0):
+    """A random model of `config`, its weights created on `dev` (no host round trip)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.device(dev):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _scratch_dir(nbytes: int) -> str:
+    """Where to write the checkpoint the engine loads: /dev/shm when it has room (RAM, no disk), else tmp."""
+    import shutil
+    import tempfile
+
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and shutil.disk_usage(shm).free > 1.3 * nbytes else None
+    return tempfile.mkdtemp(prefix="kairos-shape-", dir=base)
+
+
+def _linear_params(model) -> int:
+    """Parameters of the decoder layers (the matmuls every prompt token goes through)."""
+    return sum(p.numel() for p in model.model.layers.parameters())
+
+
+def prefill_flops(cfg, linear_params: int, lengths: list[int]) -> float:
+    """2 x params x tokens for the layers' matmuls, causal attention (QK^T and PV over half the square), and the
+    LM head for each prompt's last token."""
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = sum(4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd * n * (n + 1) / 2 for n in lengths)
+    return 2.0 * linear_params * sum(lengths) + attn + 2.0 * cfg.vocab_size * cfg.hidden_size * len(lengths)
+
+
+def _spread_lengths(b: int, lo: int, hi: int) -> list[int]:
+    return [(lo + hi) // 2] if b == 1 else [lo + (hi - lo) * i // (b - 1) for i in range(b)]
+
+
+class _Events:
+    """The engine's StepEvents, collected on its worker thread."""
+
+    def __init__(self, eng) -> None:
+        self.items: list = []
+        self.unsubscribe = eng.add_step_observer(self.items.append)
+
+
+def _served_decode(eng, events: _Events, prompts: list[list[int]], plan: ShapePlan, tag: str) -> dict[str, Any]:
+    """Submit the batch at once, decode `warmup + steps + 1` tokens each; the figures of the decode-only steps
+    with the whole batch after the first `warmup` of them (the engine's own step wall time: schedule, forward,
+    sampling, postprocess)."""
+    import statistics
+
+    b = len(prompts)
+    start = len(events.items)
+    _submit_and_wait(eng, prompts, [plan.warmup_steps + plan.decode_steps + 1] * b, tag)
+    eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
+    steps = [e for e in events.items[start:] if e.num_decode == b and e.num_prefill == 0][plan.warmup_steps:]
+    steps = steps[:plan.decode_steps]
+    if not steps:
+        raise RuntimeError(f"no decode-only step of the whole batch of {b} (the scheduler split it)")
+    ms = statistics.median(e.wall_ms for e in steps)
+    return {"ms_step": ms, "tok_s": b / ms * 1000.0, "steps": len(steps),
+            "forward_ms": statistics.median(e.forward_ms for e in steps),
+            "mean_context": statistics.mean(e.decode_mean_len for e in steps),
+            "all_ms": [e.wall_ms for e in steps]}
+
+
+def run_shape(args, argv) -> int:
+    import shutil
+    import statistics
+
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.default_model import build_tokenizer, quiet_progress_bars
+    from engine.engine import LLMEngine
+    from engine.loader import resolve_device, resolve_dtype
+    from engine.testing import TINY_VOCAB
+    from scheduling.config import SchedulerConfig
+
+    plan = ShapePlan.quick() if args.quick else ShapePlan()
+    for name in ("batches", "spread_batches", "hf_batches"):
+        if getattr(args, name) is not None:
+            setattr(plan, name, tuple(getattr(args, name)))
+    if args.decode_steps:
+        plan.decode_steps = args.decode_steps
+    shape = args.shape or "llama-8b"
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    t_all = time.perf_counter()
+    deadline = None if args.time_limit_s is None else t_all + args.time_limit_s
+    skipped: list[str] = []
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_all:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def time_left(what: str) -> bool:
+        if deadline is not None and time.perf_counter() > deadline:
+            skipped.append(what)
+            log(f"skipped {what}: past --time-limit-s {args.time_limit_s:g}")
+            return False
+        return True
+
+    info = run_info(MODULE, argv)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if gpu and k in gpu), None)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 runs stay fp32 (bf16 is the default)
+    bw = copy_bandwidth_gb_s(dev, plan.bw_bytes)
+    log(f"{gpu or info['cpu']}: device-to-device copy {bw:.0f} GB/s")
+    _empty_cache(dev)
+
+    # ---- the model: built on the device from a config, written where the engine loads it from
+    tok = build_tokenizer(TINY_VOCAB)
+    cfg = shape_config(shape, len(tok), plan.max_model_len)
+    t0 = time.perf_counter()
+    model = build_shape_model(cfg, dev, dtype)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    wbytes, params, linear = weight_bytes(model), num_params(model), _linear_params(model)
+    folder = _scratch_dir(wbytes)
+    t0 = time.perf_counter()
+    with quiet_progress_bars():
+        model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    save_s = time.perf_counter() - t0
+    del model
+    free_memory()
+    _empty_cache(dev)
+    dname = str(dtype).removeprefix("torch.")
+    log(f"{shape}: {params / 1e6:.1f}M parameters, {wbytes / 1e9:.2f} GB ({dname}); built on {dev} in "
+        f"{build_s:.1f} s, written to {folder} in {save_s:.1f} s")
+
+    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": None, "hf": []}
+    bmax = max(plan.batches + plan.spread_batches)
+    try:
+        sched = SchedulerConfig(policy="fcfs", max_num_seqs=bmax, max_waiting=2 * bmax, prefill_max_batch_size=bmax,
+                                prefill_max_tokens=plan.prefill_max_tokens)
+        extra: dict[str, Any] = {"gpu_memory_utilization": args.gpu_memory_utilization} \
+            if args.gpu_memory_utilization else {}
+        if args.kv_cache_gb:
+            extra["kv_cache_memory_gb"] = args.kv_cache_gb
+        t0 = time.perf_counter()
+        eng = LLMEngine(EngineConfig(model=folder, dtype=str(dtype).removeprefix("torch."), device=str(dev),
+                                     num_threads=args.threads if dev.type == "cpu" else None,
+                                     max_model_len=plan.max_model_len, scheduler=sched, **extra))
+        init_s = time.perf_counter() - t0
+        prof = dict(eng.profile_report or {})
+        kv_per_token = (2 * cfg.num_hidden_layers * eng.cache.num_kv_heads * eng.cache.head_dim
+                        * torch.empty((), dtype=eng.cache.dtype).element_size())  # K and V, every layer
+        startup = {"build_s": build_s, "save_s": save_s, "engine_init_s": init_s,
+                   "profile_fit_s": None if prof.get("cached") else prof.get("seconds"),
+                   "profile_cached": bool(prof.get("cached")), "scratch_dir": folder,
+                   "note": "engine_init_s is LLMEngine(...) wall time: loading the checkpoint, sizing the KV cache, "
+                           "the latency profile (its fit time is profile_fit_s) and whatever else the engine "
+                           "does at start; build_s + save_s are this benchmark's, not the engine's"}
+        for k in ("startup_report", "graph_capture_s"):  # phase times, where the engine exposes them
+            if getattr(eng, k, None) is not None:
+                startup[k] = getattr(eng, k)
+        log(f"engine ready in {init_s:.1f} s (latency profile "
+            + ("cached" if prof.get("cached") else f"fitted in {prof.get('seconds', float('nan')):.1f} s")
+            + f"); KV cache {eng.cache.num_blocks * eng.cache.block_size} tokens")
+        events = _Events(eng)
+        rng = random.Random(0)
+        vl = eng.bundle.vocab_limit
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(vl) for _ in range(n)]
+
+        def bound_ms(b: int, mean_ctx: float) -> tuple[float, float]:
+            kv = b * mean_ctx * kv_per_token
+            return (wbytes + kv) / (bw * 1e9) * 1000.0, kv
+
+        def probe(lens: list[int]) -> float | None:  # forward + sampling alone, on throwaway requests
+            try:
+                return statistics.median(_probe(eng, lambda p: [p.decode_ms(lens) for _ in range(plan.probe_reps)]))
+            except Exception as e:  # noqa: BLE001 - a figure beside the served one; the run goes on
+                log(f"probe of {len(lens)} contexts failed: {e!r}")
+                return None
+
+        _submit_and_wait(eng, [ids(plan.prompt_len)] * 2, [4, 4], "warm")
+        def ladder(section: str, batches: tuple[int, ...], lens_of) -> None:
+            for b in batches:
+                if not time_left(f"{section} B={b}"):
+                    continue
+                lens = lens_of(b)
+                bs, extra_tokens = eng.cache.block_size, plan.warmup_steps + plan.decode_steps + 2
+                if sum(-(-(n + extra_tokens) // bs) for n in lens) > eng.cache.num_blocks:
+                    skipped.append(f"{section} B={b} (KV cache too small)")
+                    continue
+                d = _served_decode(eng, events, [ids(n) for n in lens], plan, f"{section}{b}-{next(_RUNS)}")
+                bms, kv = bound_ms(b, d["mean_context"])
+                d.update(batch=b, contexts=[min(lens), max(lens)], bound_ms=bms, kv_bytes_per_step=kv,
+                         ratio_to_bound=d["ms_step"] / bms,
+                         probe_ms=probe([n + plan.warmup_steps + plan.decode_steps // 2 for n in lens]))
+                res[section].append(d)
+                log(f"{section} B={b} ctx {min(lens)}-{max(lens)}: {d['ms_step']:.2f} ms/step, {d['tok_s']:.0f} "
+                    f"tok/s, {d['ratio_to_bound']:.2f}x the bound ({bms:.2f} ms); forward+sampling alone "
+                    f"{d['probe_ms'] or float('nan'):.2f} ms")
+
+        # cheapest and most asked-for first: a --time-limit-s cut leaves out the spread ladder's large batches
+        ladder("decode", plan.batches, lambda b: [plan.prompt_len] * b)
+        if time_left("prefill"):
+            n, length = plan.prefill
+            prompts = [ids(length) for _ in range(n)]
+            best, all_ = best_of(lambda: _probe(eng, lambda p: p.prefill_ms(prompts)) / 1000.0, plan.prefill_reps,
+                                 warmup=1)
+            flops = prefill_flops(cfg, linear, [length] * n)
+            res["prefill"] = {"shape": f"{n}x{length}", "ms": best * 1000.0, "tok_s": n * length / best,
+                              "tflops": flops / best / 1e12, "flops": flops, "peak_tflops": peak,
+                              "pct_of_peak": flops / best / 1e12 / peak * 100.0 if peak else None,
+                              "all_ms": [x * 1000.0 for x in all_]}
+            p = res["prefill"]
+            log(f"prefill {p['shape']}: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s, {p['tflops']:.1f} TFLOP/s"
+                + (f" ({p['pct_of_peak']:.0f}% of {peak:g})" if peak else ""))
+        ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
+        kv_info = {"blocks": eng.cache.num_blocks, "block_size": eng.cache.block_size,
+                   "dtype": str(eng.cache.dtype).removeprefix("torch."), "bytes_per_token": kv_per_token}
+        rejected = dict(eng.stats().rejected)
+        events.unsubscribe()
+        eng.shutdown()
+        del eng, events
+        free_memory()
+        _empty_cache(dev)
+
+        # ---- HF generate on a model of the same shape (built again on the device: the values do not matter)
+        if plan.hf_batches and time_left("hf"):
+            model = build_shape_model(cfg, dev, dtype)
+            n_new = plan.decode_steps + 1
+
+            @torch.inference_mode()
+            def generate(prompts: list[list[int]], n: int) -> float:
+                x, mask = _left_pad(prompts, 0)
+                x, mask = x.to(dev), mask.to(dev)
+                _sync(dev)
+                t0 = time.perf_counter()
+                model.generate(input_ids=x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, num_beams=1, pad_token_id=0, use_cache=True)
+                _sync(dev)
+                return time.perf_counter() - t0
+
+            generate([ids(plan.prompt_len)], 2)  # warm-up
+            for b in plan.hf_batches:
+                if not time_left(f"hf B={b}"):
+                    continue
+                prompts = [ids(plan.prompt_len) for _ in range(b)]
+                t_full, t_one = generate(prompts, n_new), generate(prompts, 1)
+                ms = max(t_full - t_one, 1e-9) / (n_new - 1) * 1000.0
+                res["hf"].append({"batch": b, "ms_step": ms, "tok_s": b / ms * 1000.0, "generate_s": t_full,
+                                  "prefill_only_s": t_one})
+                log(f"HF generate B={b}: {ms:.2f} ms/step")
+            del model
+            free_memory()
+    finally:
+        if not args.keep_model:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    report = {
+        "mode": "shape", "shape": shape, "config": {k: getattr(cfg, k) for k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings", "max_position_embeddings")},
+        "device": str(dev), "gpu": gpu, "dtype": str(dtype).removeprefix("torch."), "params": params,
+        "weight_bytes": wbytes, "bandwidth_gb_s": bw, "peak_bf16_tflops": peak,
+        "bound_definition": "(all weight bytes + the step's KV bytes: batch x mean context x per-token K and V "
+                            "bytes) / the copy bandwidth measured in this run",
+        "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
+        "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
+        "skipped": skipped, "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
+        "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
+    if args.json:
+        log(f"wrote {write_json(args.json, report)}")
+    if args.summary:
+        log(f"wrote {write_shape_summary(args.summary, report)}")
+    print_shape_report(report)
+    return 0
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    v: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for mod in ("triton", "transformers"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except ImportError:
+            v[mod] = None
+    return v
+
+
+def shape_headline(r: dict[str, Any]) -> str:
+    parts = [f"{r['shape']} {r['dtype']} on {r['gpu'] or r['device']}: bw {r['bandwidth_gb_s']:.0f} GB/s"]
+    if r["decode"]:
+        parts.append("decode ms/step (x bound) " + ", ".join(
+            f"B={d['batch']} {d['ms_step']:.1f} ({d['ratio_to_bound']:.1f}x)" for d in r["decode"]))
+    if r["spread"]:
+        parts.append("spread " + ", ".join(f"B={d['batch']} {d['ms_step']:.1f} ({d['ratio_to_bound']:.1f}x)"
+                                           for d in r["spread"]))
+    if r["prefill"]:
+        parts.append(f"prefill {r['prefill']['shape']} {r['prefill']['tflops']:.0f} TFLOP/s")
+    return "; ".join(parts)
+
+
+def write_shape_summary(target: str, r: dict[str, Any]):
+    """`--summary`: a path (has a '/' or ends in .json) gets the summary there; a plain name goes to
+    bench/summaries/NAME.json as every benchmark's does."""
+    from bench.report import machine, write_summary
+
+    figures = {k: r[k] for k in ("shape", "device", "gpu", "dtype", "params", "weight_bytes", "bandwidth_gb_s",
+                                 "peak_bf16_tflops", "bound_definition", "startup", "kv_cache", "decode", "spread",
+                                 "prefill", "hf", "skipped", "versions", "total_s")}
+    headline = shape_headline(r)
+    if "/" not in target and not target.endswith(".json"):
+        return write_summary(target, r["command"], headline, figures)
+    doc = {"name": os.path.basename(target).removesuffix(".json"), "command": r["command"], "commit": r["commit"],
+           "date": r["date"], "machine": machine(), "headline": headline, "figures": figures}
+    return write_json(target, doc)
+
+
+def print_shape_report(r: dict[str, Any]) -> None:
+    st = r["startup"]
+    print(f"\n## Kairos engine on {r['gpu'] or r['device']}: {r['shape']} shape, {r['params'] / 1e6:.1f}M params, "
+          f"{r['weight_bytes'] / 1e9:.2f} GB of weights ({r['dtype']}), random weights")
+    print(f"versions: {r['versions']} | commit {r['commit'] or '?'} | {r['date']}")
+    print(f"bandwidth: {r['bandwidth_gb_s']:.0f} GB/s (device-to-device copy, bytes read + written); "
+          f"bound = {r['bound_definition']}")
+    print(f"start-up: build {st['build_s']:.1f} s + write {st['save_s']:.1f} s (this benchmark); LLMEngine(...) "
+          f"{st['engine_init_s']:.1f} s, of it the latency profile's fit "
+          + ("(cached)" if st["profile_cached"] else f"{st['profile_fit_s'] or float('nan'):.1f} s")
+          + f"; KV cache {r['kv_cache']['blocks'] * r['kv_cache']['block_size']} tokens ({r['kv_cache']['dtype']})")
+    hdr = ["batch", "contexts", "ms/step", "tok/s", "bound ms", "x bound", "fwd+sample ms", "steps"]
+    for key, title in (("decode", "Decode, prompts of equal length"), ("spread", "Decode, contexts spread evenly")):
+        if r[key]:
+            print_table(hdr, [[d["batch"], f"{d['contexts'][0]}-{d['contexts'][1]}", d["ms_step"], d["tok_s"],
+                               d["bound_ms"], d["ratio_to_bound"], d["probe_ms"], d["steps"]] for d in r[key]],
+                        title=f"{title}: the served step (LLMEngine's step wall time, median of the decode-only "
+                              "steps of the whole batch); fwd+sample = that step's forward and sampling alone",
+                        digits=2)
+    p = r["prefill"]
+    if p:
+        print(f"prefill {p['shape']}: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s, {p['tflops']:.1f} TFLOP/s"
+              + (f" = {p['pct_of_peak']:.0f}% of {p['peak_tflops']:g} (bf16 dense peak, datasheet)"
+                 if p["peak_tflops"] else " (no peak known for this device)"))
+    if r["hf"]:
+        print_table(["batch", "HF ms/step", "HF tok/s"], [[h["batch"], h["ms_step"], h["tok_s"]] for h in r["hf"]],
+                    title="HF generate (sdpa), greedy: (generate(n) - generate(1)) / (n - 1)", digits=2)
+    if r["skipped"]:
+        print(f"skipped: {', '.join(r['skipped'])}")
+    print(f"total {r['total_s']:.0f} s")
+    sys.stdout.flush()
+
+
 # =========================================================================== CLI
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -480,11 +936,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="fewer reps and smaller sizes (tests, smoke runs)")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     ap.add_argument("--summary", metavar="NAME",
-                    help="also keep the headline (decode tok/s per batch, mixed wall) as bench/summaries/NAME.json")
+                    help="also keep the headline (decode tok/s per batch, mixed wall) as bench/summaries/NAME.json "
+                         "(a --shape run: NAME may be a path, e.g. $OUT/engine-cuda.json)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF baseline (engine figures only)")
     ap.add_argument("--decode-reps", type=int, help="override the decode repetitions (best of N)")
     ap.add_argument("--mixed-reps", type=int, help="override the mixed-workload repetitions (best of N)")
     ap.add_argument("--kv-cache-gb", type=float, help="engine KV cache size in GB (default: the engine's own)")
+    g = ap.add_argument_group("a model of a named shape on a device (--device cuda, or --shape)")
+    g.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N; not cpu: the --shape run")
+    g.add_argument("--shape", choices=sorted(SHAPES), help="build a Llama of this shape from a config (random "
+                   "weights, no download; default with --device cuda: llama-8b) and run the decode ladder at equal "
+                   "and spread contexts, prefill TFLOP/s, HF generate, start-up and the measured bandwidth")
+    g.add_argument("--batches", type=_ints, help="decode batches at the prompt length (default 1,16,64,128,256)")
+    g.add_argument("--spread-batches", type=_ints, help="decode batches with contexts spread over 128-4096 "
+                   "(default 1,16,64,128,256)")
+    g.add_argument("--hf-batches", type=_ints, help="HF generate batches (default 1,16,64; '' for none)")
+    g.add_argument("--decode-steps", type=int, help="timed decode steps per batch (default 16, after 4 warm-up)")
+    g.add_argument("--time-limit-s", type=float, help="skip the remaining points once the run has taken this long")
+    g.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak (default: 989 for an H100 or "
+                   "H200, by the datasheet; else none)")
+    g.add_argument("--gpu-memory-utilization", type=float, help="the engine's share of the GPU (default its own)")
+    g.add_argument("--keep-model", action="store_true", help="keep the written checkpoint (default: deleted)")
     args = ap.parse_args(argv)
     if args.threads <= 0:
         ap.error("--threads must be positive")
@@ -496,6 +968,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(k, v)  # before transformers is imported (nothing above imports it)
     import torch
+
+    if args.shape or args.device != "cpu":
+        if args.device == "cpu":
+            torch.set_num_threads(args.threads)
+        return run_shape(args, argv)
 
     torch.set_num_threads(args.threads)
     plan = Plan.quick() if args.quick else Plan()

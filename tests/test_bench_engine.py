@@ -106,3 +106,32 @@ def test_summary(out, doc):
     assert f["decode"] == {str(r["batch"]): {"engine_tok_s": r["engine_tok_s"], "hf_tok_s": r["hf_tok_s"]}
                            for r in doc["decode"]}
     assert set(f["prefill_tok_s"]) == {"1x512", "8x128"} and _num(f["mixed_wall_s"]["engine"])
+
+
+def test_shape_mode_on_cpu(tmp_path):
+    """`--device cpu --shape tiny --quick`: the GPU benchmark's whole run at a tiny shape (a model built from a
+    config, the decode ladders at equal and spread contexts, prefill, HF generate, start-up), its JSON and its
+    summary at a path (as `--summary $OUT/...` on a GPU host)."""
+    from bench.engine import main
+
+    assert main(["--device", "cpu", "--shape", "tiny", "--quick", "--dtype", "float32", "--json",
+                 str(tmp_path / "shape.json"), "--summary", str(tmp_path / "out" / "engine-shape.json")]) == 0
+    doc = json.loads((tmp_path / "shape.json").read_text())
+    assert doc["shape"] == "tiny" and doc["device"] == "cpu" and doc["dtype"] == "float32" and not doc["skipped"]
+    assert doc["config"]["vocab_size"] == 512 and doc["config"]["num_key_value_heads"] == 2
+    for k in ("bandwidth_gb_s", "weight_bytes", "params", "total_s"):
+        assert _num(doc[k]) and doc[k] > 0, k
+    for key, contexts in (("decode", {1: [32, 32], 4: [32, 32]}), ("spread", {1: [56, 56], 4: [16, 96]})):
+        assert {d["batch"]: d["contexts"] for d in doc[key]} == contexts, key
+        for d in doc[key]:
+            for k in ("ms_step", "tok_s", "bound_ms", "ratio_to_bound", "probe_ms", "kv_bytes_per_step"):
+                assert _num(d[k]) and d[k] > 0, (key, d["batch"], k)
+            assert d["steps"] == 4 and d["ratio_to_bound"] == pytest.approx(d["ms_step"] / d["bound_ms"])
+    p = doc["prefill"]
+    assert p["shape"] == "2x64" and _num(p["tflops"]) and p["peak_tflops"] is None
+    assert [h["batch"] for h in doc["hf"]] == [1, 4] and all(_num(h["ms_step"]) for h in doc["hf"])
+    st = doc["startup"]
+    assert all(_num(st[k]) for k in ("build_s", "save_s", "engine_init_s"))
+    s = json.loads((tmp_path / "out" / "engine-shape.json").read_text())
+    assert s["name"] == "engine-shape" and "--shape tiny" in s["command"] and s["headline"].startswith("tiny ")
+    assert s["figures"]["decode"] == doc["decode"] and "machine" in s and "date" in s
