@@ -1,0 +1,331 @@
+"""SCORPIO's experiment on one GPU replica, end to end over Ray Serve (bench/device/slo_gpu.sh runs it; see there).
+
+1. Builds a random-weight Llama of `--shape` (llama-8b: Llama-3.1-8B's config; no download) in bf16 on the device,
+   with kairos-tiny's tokenizer (the length predictor's tokens; ShareGPT's reply lengths are counted in them), and
+   saves it once under --model-dir.
+2. `serve run deployments:app model=DIR device=... policy=fcfs predictor_path=P`: the replica profiles itself at
+   start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
+   SLO from that fit (as bench.slo does in-process on the CPU), finds FCFS's capacity lambda* over HTTP, then runs
+   fcfs at every load and seed.
+3. One fresh server per policy (scorpio, kairos; `length_predictor=true`, `predictor_path=P`, so the same fit, no
+   new profile) at the same lambda* and tiers: the predicted arm (`--lengths predicted`) at every load and seed;
+   kairos also with `--lengths exact` at the highest load (the bound).
+4. One summary JSON (--summary-out): every point's goodput, adherence, per-tier adherence, TPOT met among the
+   admitted, the shortest-first oracle (bench.bound) over the predicted arm, and the issue's acceptance checks.
+   It is rewritten after every phase, so a run cut off by its time limit keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+SHAPES: dict[str, dict[str, Any]] = {  # Llama-3.1's configs, random weights; "tiny" is the CPU dry run's
+    "llama-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "intermediate_size": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                 "tie_word_embeddings": True},
+    "tiny": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 704, "vocab_size": 8192, "rms_norm_eps": 1e-5},
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def log(msg: str) -> None:
+    print(f"[slo_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(shape: str, out: Path, dtype: str, device: str, window: int) -> Path:
+    """A random Llama of `shape` with kairos-tiny's tokenizer, saved with save_pretrained (once per shape/dtype)."""
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.default_model import ensure_default_model
+
+    src = ensure_default_model("kairos-tiny")
+    src_cfg = json.loads((src / "config.json").read_text())
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=window, bos_token_id=src_cfg.get("bos_token_id", 0),
+                      eos_token_id=src_cfg.get("eos_token_id", 0), pad_token_id=src_cfg.get("pad_token_id", 0))
+    tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(tdtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.config.dtype = dtype
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.eval().save_pretrained(tmp, max_shard_size="5GB")
+    del model
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy2(src / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log(f"built {shape} ({dtype}, on {device}) in {time.perf_counter() - t0:.0f} s -> {out}")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(serve_args: str, log_path: Path, start_timeout_s: float, exclusive: bool) -> Iterator[str]:
+    """`serve run deployments:app SERVE_ARGS` on a port of its own (KAIROS_HTTP_PORT), up and warmed; yields its URL.
+    Stopped with SIGTERM (Serve shuts down as on Ctrl-C, and the Ray instance `serve run` started with it); only on
+    a host of its own (`exclusive`, the lent device) is `ray stop --force` run after, for stragglers: on a shared box
+    that would end other people's Ray."""
+    from bench.overhead import ok, stop_ray
+
+    port = free_port()
+    env = dict(os.environ, KAIROS_HTTP_PORT=str(port), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    # as the `serve` console script (a pip --target install has none): deployments' hook then reads the port and turns
+    # SIGTERM into Ctrl-C only in a process whose argv[0] is `serve`
+    cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'serve'; from ray.serve.scripts import cli; cli()",
+           "run", "deployments:app", *shlex.split(serve_args)]
+    target = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log_path}")
+            time.sleep(2)
+        yield target
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if exclusive:
+            stop_ray()
+
+
+class Clock:
+    def __init__(self, limit_s: float) -> None:
+        self.t0, self.limit_s = time.monotonic(), limit_s
+
+    def left(self) -> float:
+        return self.limit_s - (time.monotonic() - self.t0)
+
+
+def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extra: list[str]) -> dict | None:
+    """`bench.slo --target` into `out` (its log beside it); None when it failed or ran out of time."""
+    cmd = [sys.executable, "-m", "bench.slo", "--target", target, "--dataset", "sharegpt", "--budget-min", "0",
+           "--no-progress", "--no-plots", "--model", str(args.model_dir), "--prefill-max-tokens",
+           str(args.prefill_max_tokens), "--strict-batch", str(args.strict_batch), "--loose-batch",
+           str(args.loose_batch), "--out", str(out), *(["--dataset-path", args.dataset_path] if args.dataset_path
+                                                      else []), *extra]
+    left = clock.left() - 20.0
+    if left < 30.0:
+        log(f"out of time before {out.name}")
+        return None
+    log(" ".join(cmd[2:]))
+    with open(out.with_suffix(".log"), "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            log(f"{out.name}: cut off by the time limit")
+            return None
+    if rc != 0 or not (out / "results.json").is_file():
+        log(f"{out.name}: bench.slo exit {rc}; see {out.with_suffix('.log')}")
+        return None
+    return json.loads((out / "results.json").read_text())
+
+
+def records(out: Path) -> list[dict]:
+    p = out / "records.jsonl"
+    return [json.loads(line) for line in p.open() if line.strip()] if p.is_file() else []
+
+
+def point_row(policy: str, arm: str, res: dict, recs: list[dict]) -> dict:
+    """One policy x arm x load: bench.slo's figures, and TPOT met among the admitted (warm-up excluded)."""
+    mine = [r for r in recs if r["load_multiple"] == res["load_multiple"] and not r["warmup"]]
+    admitted = [r for r in mine if not r["rejected"] and (r.get("n_out") or 0) >= 2 and r.get("tpot_ms") is not None]
+    met = sum(r["tpot_ms"] <= r["tpot_slo_ms"] for r in admitted)
+    return {"policy": policy, "lengths": arm, "load": res["load_multiple"], "rate_rps": res["rate_rps"],
+            "goodput_rps": res["goodput_rps"], "adherence": res["adherence"], "n": res["n"],
+            "per_seed": res.get("per_seed", []),
+            "per_tier_adherence": {t: v.get("adherence") for t, v in res.get("per_tier", {}).items()},
+            "rejection_rate": res["rejection_rate"], "ttft_violations": res["ttft_violations"],
+            "tpot_violations": res["tpot_violations"], "admitted_with_tpot": len(admitted),
+            "tpot_met_admitted": met / len(admitted) if admitted else None,
+            "ttft_p99_ms": res.get("ttft_p99_ms"), "tpot_p99_ms": res.get("tpot_p99_ms"),
+            "token_throughput": res.get("token_throughput")}
+
+
+def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict[str, Any]:
+    """The issue's checks, where the rows allow them (None: not measured)."""
+    by = {(r["policy"], r["lengths"], r["load"]): r for r in rows}
+    hi, lo = max(loads), min(loads)
+    f, s, k = (by.get((p, "predicted", hi)) for p in ("fcfs", "scorpio", "kairos"))
+    out: dict[str, Any] = {"load_high": hi, "load_low": lo}
+    if f and s:
+        out["scorpio_over_fcfs_goodput"] = s["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else None
+    if s and k:
+        out["kairos_over_scorpio_goodput"] = k["goodput_rps"] / s["goodput_rps"] if s["goodput_rps"] else None
+        sp = {x["seed"]: x["goodput_rps"] for x in s["per_seed"]}
+        out["kairos_over_scorpio_per_seed"] = {x["seed"]: (x["goodput_rps"] / sp[x["seed"]] if sp.get(x["seed"])
+                                                           else None) for x in k["per_seed"] if x["seed"] in sp}
+    if k:
+        out["kairos_tpot_met_admitted"] = k["tpot_met_admitted"]
+        out["kairos_min_tier_adherence"] = min(k["per_tier_adherence"].values(), default=None)
+        good = sum(o["policies"].get("kairos", {}).get("good", 0) for o in oracle if o["load_multiple"] == hi)
+        orc = sum(o["policies"].get("kairos", {}).get("oracle_own_tokens", 0) for o in oracle
+                  if o["load_multiple"] == hi)
+        out["kairos_over_oracle_own_tokens"] = good / orc if orc else None
+    e = by.get(("kairos", "exact", hi))
+    if k and e:
+        out["kairos_predicted_over_exact_goodput"] = k["goodput_rps"] / e["goodput_rps"] if e["goodput_rps"] else None
+    f1, k1 = by.get(("fcfs", "predicted", lo)), by.get(("kairos", "predicted", lo))
+    if k1:
+        out["kairos_adherence_low_load"] = k1["adherence"]
+    if f1 and k1:
+        out["kairos_goodput_ge_fcfs_low_load"] = k1["goodput_rps"] >= f1["goodput_rps"]
+    checks = {"scorpio_2x_fcfs": ("scorpio_over_fcfs_goodput", 2.0), "kairos_1.15x_scorpio":
+              ("kairos_over_scorpio_goodput", 1.15), "kairos_tpot_99": ("kairos_tpot_met_admitted", 0.99),
+              "kairos_every_tier_25": ("kairos_min_tier_adherence", 0.25),
+              "kairos_90pct_oracle": ("kairos_over_oracle_own_tokens", 0.9),
+              "kairos_low_load_adherence_95": ("kairos_adherence_low_load", 0.95)}
+    out["checks"] = {name: (None if out.get(key) is None else out[key] >= th) for name, (key, th) in checks.items()}
+    if f and s:  # FCFS may serve nothing within SLO: compare the goodputs, not their ratio
+        out["checks"]["scorpio_2x_fcfs"] = s["goodput_rps"] >= 2.0 * f["goodput_rps"] and s["goodput_rps"] > 0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--window", type=int, default=4096, help="max_position_embeddings of the built model")
+    ap.add_argument("--model-dir", type=Path, default=None, help="where the model is built (default /tmp/kairos-SHAPE)")
+    ap.add_argument("--serve", default="", help="more app arguments of every server (e.g. num_threads=1)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--prefill-max-tokens", type=int, default=2048)
+    ap.add_argument("--strict-batch", type=float, default=32, help="bench.slo --strict-batch (T_strict at this batch)")
+    ap.add_argument("--loose-batch", type=float, default=128, help="bench.slo --loose-batch")
+    ap.add_argument("--policies", default="scorpio,kairos", help="after fcfs, one server each")
+    ap.add_argument("--loads", default="1,1.5")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--num-requests", type=int, default=160)
+    ap.add_argument("--probe-requests", type=int, default=160)
+    ap.add_argument("--lambda-star", type=float, default=None, help="skip the capacity search")
+    ap.add_argument("--exact", default="kairos", help="policies also run with --lengths exact at the highest load")
+    ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (the bundle's .dev/sharegpt-sub.json)")
+    ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run's time limit, start-up included")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/slo_gpu"))
+    ap.add_argument("--summary-out", type=Path, default=None, help="the summary JSON (default OUT/slo-gpu.json)")
+    args = ap.parse_args(argv)
+    clock = Clock(args.limit_s)
+    from bench.bound import bounds
+    from bench.report import run_info
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.model_dir = args.model_dir or Path(f"/tmp/kairos-{args.shape}-{args.dtype}")
+    summary_path = args.summary_out or args.out / "slo-gpu.json"
+    loads = [float(x) for x in args.loads.split(",") if x]
+    profile = args.out / "replica-profile.json"
+    profile.unlink(missing_ok=True)
+    doc: dict[str, Any] = {"benchmark": "slo_gpu", "shape": args.shape, "dtype": args.dtype, "device": args.device,
+                           "run": run_info("bench/device/slo_gpu.py", argv), "rows": [], "phases": {}}
+    try:
+        import torch
+
+        if args.device.startswith("cuda") and torch.cuda.is_available():
+            doc["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - the name is cosmetic
+        pass
+
+    def save() -> None:
+        doc["wall_s"] = time.monotonic() - clock.t0
+        summary_path.write_text(json.dumps(doc, indent=1, default=str))
+
+    build_model(args.shape, args.model_dir, args.dtype, args.device, args.window)
+    doc["phases"]["built_s"] = time.monotonic() - clock.t0
+    common = (f"model={args.model_dir} dtype={args.dtype} device={args.device} max_num_seqs={args.max_num_seqs} "
+              f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
+              f"predictor_path={profile.resolve()} {args.serve}")
+    arm_recs: list[dict] = []
+    runs = [("fcfs", "")] + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
+    lam = args.lambda_star
+    for policy, extra in runs:
+        if clock.left() < 90:
+            log(f"out of time before {policy}")
+            break
+        t0 = time.monotonic()
+        with served(f"{common} policy={policy} {extra}", args.out / f"serve-{policy}.log",
+                    max(60.0, clock.left() - 60), exclusive=args.device != "cpu") as target:
+            doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
+            if not profile.is_file():
+                log("the replica left no profile at predictor_path; the tiers cannot follow it")
+                return 2
+            fixed = ["--predictor-json", str(profile), "--loads", args.loads, "--seeds", args.seeds,
+                     "--num-requests", str(args.num_requests), "--label", policy]
+            fixed += ["--lambda-star", str(lam)] if lam is not None else ["--probe-requests", str(args.probe_requests)]
+            out = args.out / f"{policy}-predicted"
+            res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"])
+            if res is not None:
+                if lam is None:
+                    lam = float(res["lambda_star_rps"])
+                    doc["lambda_star_rps"], doc["lambda_star_search"] = lam, res.get("lambda_star_search")
+                    doc["tiers"] = res.get("tiers")
+                    log(f"lambda* = {lam:.3f} req/s; tiers {doc['tiers']}")
+                recs = records(out)
+                arm_recs += recs
+                doc["rows"] += [point_row(policy, "predicted", r, recs) for r in res["results"]]
+            if policy in args.exact.split(",") and lam is not None:
+                out = args.out / f"{policy}-exact"
+                res = run_slo(target, out, args, clock, ["--predictor-json", str(profile), "--loads", str(max(loads)),
+                                                         "--seeds", args.seeds, "--num-requests",
+                                                         str(args.num_requests), "--label", policy,
+                                                         "--lambda-star", str(lam), "--lengths", "exact"])
+                if res is not None:
+                    doc["rows"] += [point_row(policy, "exact", r, records(out)) for r in res["results"]]
+        doc["phases"][f"{policy}_s"] = time.monotonic() - t0
+        if lam is None:
+            log("no lambda*: FCFS's capacity search failed; stopping")
+            break
+        doc["oracle"] = bounds(arm_recs)
+        doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
+        save()
+    doc["oracle"] = bounds(arm_recs)
+    doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
+    save()
+    for r in doc["rows"]:
+        log(f"{r['policy']:8} {r['lengths']:9} {r['load']:>4g}x {r['rate_rps']:7.2f} rps: goodput "
+            f"{r['goodput_rps']:.2f} rps, adherence {100 * r['adherence']:.1f}%, TPOT met (admitted) "
+            f"{r['tpot_met_admitted']}, tiers {r['per_tier_adherence']}")
+    log(f"acceptance: {json.dumps(doc['acceptance'])}")
+    log(f"summary -> {summary_path} ({doc['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+#!/bin/bash
+# SCORPIO's experiment on one GPU replica over Ray Serve (issue 55): an 8B-shaped bf16 Llama with random weights
+# built on the device (no download), FCFS's capacity lambda* over HTTP, then fcfs, scorpio and kairos at LOADS x
+# lambda*, SEEDS, ShareGPT prompts with their reference reply lengths hidden from the scheduler (the predicted arm:
+# every policy's length predictor on) and kairos with exact lengths as the bound. One summary JSON under $OUT.
+#
+# Run HERE first: bench/device/bundle.sh (builds .dev/site312.tar.xz, Ray Serve and pydantic for CPython 3.12, and
+# .dev/sharegpt-sub.json). Then THERE (a lent GPU host, `carry: [".dev"]`):
+#   bash bench/device/slo_gpu.sh
+# The CPU dry run HERE (kairos-tiny's shape, float32, one engine thread, a few minutes; the local venv's Ray):
+#   DRY_RUN=1 bash bench/device/slo_gpu.sh
+# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (160),
+#   PROBE_REQUESTS (160), LAMBDA (skip the capacity search), LIMIT_S (540: the whole run, model build and server
+#   starts included; the summary is rewritten after each policy, so a cut-off run keeps what it measured),
+#   STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that batch, L) of the replica's own fit),
+#   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
+set -u
+T0=$(date +%s)
+OUT=${OUT:-bench/out/slo_gpu_out}
+mkdir -p "$OUT"
+export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  PY=${PY:-.venv/bin/python}
+  args=(--shape "${SHAPE:-tiny}" --dtype float32 --device cpu --window 1024 --serve "num_threads=1 ${SERVE:-}"
+        --max-num-seqs 16 --prefill-max-tokens 512 --strict-batch 4 --loose-batch 12 --loads "${LOADS:-1.5}"
+        --seeds "${SEEDS:-0}" --num-requests "${NUM_REQUESTS:-24}" --probe-requests "${PROBE_REQUESTS:-40}"
+        --limit-s "${LIMIT_S:-900}" --model-dir "${MODEL_DIR:-/tmp/kairos-slo-gpu-dry}")
+  [ -n "${DATASET_PATH:-}" ] && args+=(--dataset-path "$DATASET_PATH")
+else
+  PY=${PY:-python3}
+  mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
+  # no dashboard web build in the bundle: without an empty one Ray waits ~60 s for the dashboard at every start
+  mkdir -p /tmp/site/ray/dashboard/client/build/static
+  export PYTHONPATH=/tmp/site:$PWD
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import ray, pydantic, torch; from ray import serve; print('ray', ray.__version__, 'pydantic',
+pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 4
+  args=(--shape "${SHAPE:-llama-8b}" --dtype bfloat16 --device cuda --serve "${SERVE:-}" --loads "${LOADS:-1,1.5}"
+        --seeds "${SEEDS:-0,1}" --num-requests "${NUM_REQUESTS:-160}" --probe-requests "${PROBE_REQUESTS:-160}"
+        --strict-batch "${STRICT_BATCH:-32}" --loose-batch "${LOOSE_BATCH:-128}" --limit-s "${LIMIT_S:-540}"
+        --dataset-path .dev/sharegpt-sub.json)
+fi
+[ -n "${LAMBDA:-}" ] && args+=(--lambda-star "$LAMBDA")
+rm -rf /tmp/slo_gpu  # a host can come back with an earlier lease's /tmp
+"$PY" bench/device/slo_gpu.py "${args[@]}" --out /tmp/slo_gpu --summary-out "$OUT/slo-gpu.json" 2>&1 | tee "$OUT/slo_gpu.log"
+echo "slo_gpu exit ${PIPESTATUS[0]}, $(( $(date +%s) - T0 )) s in all"
+tar --exclude='*.png' --exclude='*.safetensors' -czf "$OUT/slo_gpu-out.tgz" -C /tmp slo_gpu 2>/dev/null
+ls -la "$OUT"
