@@ -39,13 +39,16 @@ HOLDOUT = 3000
 _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
 
 
-def _mix(x: np.ndarray, salt: int) -> np.ndarray:
-    """A 64-bit integer hash (splitmix-style) of `x`, into [0, DIM)."""
-    with np.errstate(over="ignore"):
-        h = (x.astype(np.uint64) + np.uint64(salt) * _M2) * _M1
-        h ^= h >> np.uint64(31)
-        h *= _M2
-        h ^= h >> np.uint64(29)
+_SALT_OF = np.arange(5, dtype=np.uint64) * _M2  # one salt per kind of feature (1 unigram .. 4 length)
+
+
+def _mix(x: np.ndarray, salt: int | np.ndarray) -> np.ndarray:
+    """A 64-bit integer hash (splitmix-style) of `x` under `salt` (per element or one), into [0, DIM). Integer
+    arrays wrap on overflow without a warning, as the hash wants."""
+    h = (x.astype(np.uint64) + (_SALT_OF[salt] if isinstance(salt, np.ndarray) else np.uint64(salt) * _M2)) * _M1
+    h ^= h >> np.uint64(31)
+    h *= _M2
+    h ^= h >> np.uint64(29)
     return (h & np.uint64(DIM - 1)).astype(np.int64)
 
 
@@ -56,15 +59,16 @@ def len_bucket(n: int) -> int:
 
 def features(ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(bag, fixed) feature indices of a prompt: bag = unigrams and bigrams (mean-pooled); fixed = the first HEAD
-    tokens by position and the length bucket (summed)."""
+    tokens by position and the length bucket (summed). Hashed in one pass (the add-time cost is the scheduler's)."""
     a = np.asarray(ids, dtype=np.int64)
     if a.size == 0:
         a = np.zeros(1, np.int64)
-    uni = _mix(a, 1)
-    bi = _mix(a[:-1] * np.int64(1 << 20) + a[1:], 2) if a.size > 1 else np.zeros(0, np.int64)
-    head = _mix(a[:HEAD] * np.int64(64) + np.arange(min(HEAD, a.size)), 3)
-    fixed = np.concatenate([head, _mix(np.array([len_bucket(a.size)]), 4)])
-    return np.concatenate([uni, bi]), fixed
+    n, h = a.size, min(HEAD, a.size)
+    keys = np.concatenate([a, a[:-1] * np.int64(1 << 20) + a[1:], a[:h] * np.int64(64) + np.arange(h),
+                           np.array([len_bucket(n)], np.int64)])
+    salts = np.repeat(np.arange(1, 5), (n, n - 1, h, 1))
+    out = _mix(keys, salts)
+    return out[:2 * n - 1], out[2 * n - 1:]
 
 
 def bucket_of(n: float) -> int:
@@ -93,6 +97,9 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
+_LOG_MIDS = np.log(bucket_mids())
+
+
 @dataclass(frozen=True)
 class LengthPredictor:
     """Loaded weights: `W` (DIM x buckets, float32), `bias` (buckets,), `meta` (training facts, held-out figures)."""
@@ -111,9 +118,8 @@ class LengthPredictor:
         """Predicted reply length in tokens: the probability-weighted geometric mean of the bucket midpoints, or
         with `q` the q-quantile of the predicted distribution (interpolated in log length within its bucket)."""
         p = self.probs(ids)
-        mids = bucket_mids()
         if q is None:
-            return max(1, int(round(math.exp(float(p @ np.log(mids))))))
+            return max(1, int(round(math.exp(float(p @ _LOG_MIDS)))))
         cdf = np.cumsum(p)
         k = int(min(np.searchsorted(cdf, q), len(p) - 1))
         lo = (LEN_LO, *EDGES)[k]
