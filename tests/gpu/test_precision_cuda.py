@@ -25,9 +25,10 @@ MIN_AGREEMENT = 0.85  # HF's own bf16 vs fp32 top-1 at this shape on the CPU: 96
 TIE_LOGITS = 0.3  # a disagreement must be this close in fp32 logits (HF bf16 vs fp32 there: at most 0.055)
 
 
-def build_llama_checkpoint(out: Path, shape: dict, seed: int = 0) -> Path:
-    """A random Llama of `shape` with the tiny tokenizer (vocab = len(tokenizer)), weights saved in bf16 so that
-    the fp32 and bf16 engines hold exactly the same values."""
+def build_llama_checkpoint(out: Path, shape: dict, device: str = "cpu", seed: int = 0) -> Path:
+    """A random Llama of `shape` with the tiny tokenizer (vocab = len(tokenizer)), initialised on `device` (the GPU
+    draws 1B random weights in a moment), saved in bf16 so that the fp32 and bf16 engines hold exactly the same
+    values."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
@@ -39,7 +40,7 @@ def build_llama_checkpoint(out: Path, shape: dict, seed: int = 0) -> Path:
     cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=TINY_MAX_POSITIONS, tie_word_embeddings=True,
                       rope_theta=500000.0, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **shape)
     cfg.dtype = "bfloat16"
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if device != "cpu" else []), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
@@ -52,7 +53,9 @@ def build_llama_checkpoint(out: Path, shape: dict, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def shape_ckpt(device, tmp_path_factory) -> tuple[str, str]:
     name = "llama-1b" if device == "cuda" else "small"
-    return name, str(build_llama_checkpoint(tmp_path_factory.mktemp(f"llama-{name}"), SHAPES[name]))
+    path = build_llama_checkpoint(tmp_path_factory.mktemp(f"llama-{name}"), SHAPES[name], device)
+    free_device_memory()
+    return name, str(path)
 
 
 def _next_tokens(eng, prefixes: list[list[int]]) -> list[int]:
