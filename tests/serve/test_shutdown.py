@@ -1,0 +1,235 @@
+"""`serve run deployments:app` as a process manager runs it: started in a subprocess, stopped with SIGTERM, started
+again on the same port. Stopping leaves no process of it (Serve's HAProxy included) and frees its ports; while it
+runs, every listener of Kairos and its Serve config binds loopback (Ray's own gRPC, agent and metrics servers bind
+the node's interfaces and Ray 2.60 offers no loopback setting for them; see README "Keeping it private").
+
+The app runs the small test model on free ports (`KAIROS_HTTP_PORT`, Ray's `RAY_SERVE_HAPROXY_*_PORT`), so it can run
+beside the session app of the other serving tests."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deployments import haproxy_ingress as H
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = Path(sys.executable).with_name("serve")
+APP_ARGS = ["model=kairos-tiny", "dtype=float32", "num_kv_blocks=128", "block_size=16", "num_threads=1",
+            "max_num_seqs=16", "health_check_period_s=2.0"]
+DIRECT_INGRESS_PORTS = range(30000, 31000)  # Ray's RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_HTTP_PORT defaults
+
+
+# --- units: the launcher's rewrite of HAProxy's admin listeners, and serve run's HTTP address --------------------
+
+HAPROXY_CFG = """global
+    stats socket /tmp/x/admin.sock mode 666 level admin expose-fd listeners
+frontend prometheus
+    bind :9101
+    mode http
+frontend http_frontend
+    bind 127.0.0.1:8000
+listen stats
+  bind *:8404
+  stats enable
+"""
+
+
+def test_admin_listeners_are_rebound_and_the_http_frontend_is_left_alone() -> None:
+    out = H.admin_binds_on(HAPROXY_CFG, "127.0.0.1")
+    assert "    bind 127.0.0.1:9101\n" in out and "  bind 127.0.0.1:8404\n" in out
+    assert "    bind 127.0.0.1:8000\n" in out and out.count("bind ") == 3
+    assert H.admin_binds_on(out, "127.0.0.1") == out  # a reload's second pass changes nothing
+    assert H.admin_binds_on(HAPROXY_CFG.replace("127.0.0.1:8000", "*:8000"), "10.0.0.5").count("*:8000") == 1
+
+
+def test_ray_template_binds_the_admin_listeners_where_the_launcher_looks() -> None:
+    """If Ray's template moves these binds, the launcher would silently leave them on all interfaces."""
+    templates = pytest.importorskip("ray.serve._private.haproxy_templates")
+    t = templates.HAPROXY_CONFIG_TEMPLATE
+    assert "frontend prometheus\n    bind :{{ config.metrics_port }}" in t
+    assert "listen stats\n  bind *:{{ config.stats_port }}" in t
+
+
+def test_serve_run_http_address_is_loopback_unless_opted_in(monkeypatch) -> None:
+    for name in (H.HTTP_HOST_ENV, H.HTTP_PORT_ENV, "RAY_SERVE_DEFAULT_HTTP_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    assert H.http_options() == {"host": "127.0.0.1", "port": 8000}
+    monkeypatch.setenv(H.HTTP_HOST_ENV, "0.0.0.0")
+    monkeypatch.setenv(H.HTTP_PORT_ENV, "8123")
+    assert H.http_options() == {"host": "0.0.0.0", "port": 8123}
+    monkeypatch.setenv(H.HTTP_PORT_ENV, "http")
+    with pytest.raises(ValueError, match="KAIROS_HTTP_PORT"):
+        H.http_options()
+
+
+# --- the app in a subprocess ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT does not count
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _start(env: dict, log: Path) -> subprocess.Popen:
+    out = open(log, "ab")
+    try:
+        return subprocess.Popen([str(SERVE), "run", "deployments:app", *APP_ARGS], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        out.close()
+
+
+def _wait_answering(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.0) -> None:
+    """/health answers 200, then a completion comes back."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"serve run exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"not ready after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def _tree(proc: subprocess.Popen) -> list:
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _listeners(procs: list) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP listener of `procs`."""
+    import psutil
+
+    found = []
+    for p in procs:
+        try:
+            conns = getattr(p, "net_connections", p.connections)(kind="tcp")
+            name = p.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def _our_listeners(proc: subprocess.Popen, serve_ports: set[int], want: set[int], timeout_s: float = 30.0):
+    """The process tree, its listeners and those of Kairos/Serve (HAProxy's, Serve's HTTP ports, the replicas'
+    direct-ingress ports), once the `want` ports are among them: HAProxy hands its listeners to a new process on
+    every reload, and Serve reloads it after the app answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = _tree(proc)
+        listeners = _listeners(procs)
+        ours = [(n, ip, port) for n, ip, port in listeners
+                if n == "haproxy" or port in serve_ports
+                or (port in DIRECT_INGRESS_PORTS and n.startswith(("ray::ServeReplica", "ray::ProxyActor")))]
+        if {port for _, _, port in ours} >= want or time.monotonic() > deadline:
+            return procs, listeners, ours
+        time.sleep(0.5)
+
+
+def _alive(procs: list) -> list[str]:
+    import psutil
+
+    left = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {p.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def _stop(proc: subprocess.Popen, procs: list, log: Path) -> None:
+    """SIGTERM to `serve run` alone (as `kill` or a container runtime sends it); it and every process it started
+    exit."""
+    import psutil
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve run still running 120 s after SIGTERM:\n{log.read_text()[-4000:]}")
+    assert rc == 0, f"serve run exited {rc} on SIGTERM:\n{log.read_text()[-4000:]}"
+    psutil.wait_procs(procs, timeout=60)
+    assert not _alive(procs), f"left running after SIGTERM: {_alive(procs)}"
+
+
+def _kill(procs: list) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process-tree and listener checks read /proc")
+def test_sigterm_stops_everything_and_the_same_port_serves_again(tmp_path: Path) -> None:
+    pytest.importorskip("psutil")
+    ports = {"http": _free_port(), "stats": _free_port(), "metrics": _free_port(), "fallback": _free_port()}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", H.HTTP_HOST_ENV, H.STATS_HOST_ENV)}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"),
+               KAIROS_HTTP_PORT=str(ports["http"]), RAY_SERVE_HAPROXY_STATS_PORT=str(ports["stats"]),
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(ports["metrics"]),
+               RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(ports["fallback"]),
+               RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")  # no balancer but Serve's own to wait for
+    url = f"http://127.0.0.1:{ports['http']}"
+    log = tmp_path / "serve.log"
+    procs: list = []
+    proc = _start(env, log)
+    try:
+        _wait_answering(proc, url, log)
+        haproxy = H.haproxy_available() and env.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1"
+        want = {ports["http"]} | ({ports["stats"], ports["metrics"]} if haproxy else set())
+        procs, listeners, ours = _our_listeners(proc, set(ports.values()), want)
+        assert ("haproxy" in [p.name() for p in procs]) == haproxy, procs
+        assert {port for _, _, port in ours} >= want, listeners
+        open_ = [x for x in ours if not ipaddress.ip_address(x[1]).is_loopback]
+        assert not open_, f"listeners of ours on non-loopback addresses: {open_}"
+
+        procs = _tree(proc)
+        _stop(proc, procs, log)
+        assert all(_port_free(p) for p in ports.values()), ports
+
+        proc = _start(env, log)  # the same ports, right away
+        _wait_answering(proc, url, log)
+        procs = _tree(proc)
+        _stop(proc, procs, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill(procs + (_tree(proc) if proc.poll() is None else []))
