@@ -124,6 +124,30 @@ def test_a_tpot_no_replica_decodes_at_is_unattainable_not_rerouted(client: httpx
     assert "x-kairos-rerouted" not in r.headers
 
 
+def test_a_burst_at_the_offered_slo_is_served_or_told_to_retry_never_told_it_is_unattainable(base_url: str) -> None:
+    """SLOs at what the deployment offers (x-kairos-slo-best-*) are attainable on an idle replica: under a burst a
+    request may find the replicas busy (429, a busy reason, Retry-After from the queue), never 400."""
+    import asyncio
+
+    body = {**OK_CMPL, "max_tokens": 8, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        r = c.post(CMPL, json=body, headers={"x-slo-tpot-ms": "0.001"})
+    assert r.status_code == 400
+    slo = {"x-slo-ttft-ms": f"{float(r.headers['x-kairos-slo-best-ttft-ms']) + 2000:.1f}",
+           "x-slo-tpot-ms": r.headers["x-kairos-slo-best-tpot-ms"]}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as ac:
+            return await asyncio.gather(*(ac.post(CMPL, json=body, headers=slo) for _ in range(24)))
+
+    for r in asyncio.run(burst()):
+        if r.status_code == 200:
+            continue
+        err = assert_error(r, 429)
+        assert err["code"] in ("tpot_unattainable", "ttft_unattainable", "shed", "overloaded"), err
+        assert r.headers["x-kairos-reject-reason"] == err["code"] and 1 <= int(r.headers["retry-after"]) <= 60
+
+
 def test_an_unknown_model_is_404_and_the_served_names_are_listed(client: httpx.Client) -> None:
     models = client.get("/v1/models").json()["data"]
     names = [m["id"] for m in models]
