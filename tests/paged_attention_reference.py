@@ -119,3 +119,86 @@ def patch_interpreter_for_numpy():
 
     patched._kairos_fix = True
     interpreter._patch_lang_tensor = patched
+
+
+# Kernel variants that tests/test_triton_attention.py compiles for Hopper (sm_90) without a GPU: (kernel, heads,
+# KV heads, head_dim, block_size, dtype, num_splits or max_query_len). They cover the 8B shape's decode with and
+# without splits, head_dim 256, the fp32 paths of the tiny and 1B-shaped checks, and both prefill tile shapes.
+COMPILE_CASES = [
+    ("decode", 32, 8, 128, 16, "bfloat16", 1),
+    ("decode", 32, 8, 128, 16, "bfloat16", 8),
+    ("decode", 8, 4, 256, 32, "float16", 4),
+    ("decode", 4, 2, 16, 16, "float32", 2),
+    ("decode", 32, 8, 64, 16, "float32", 1),
+    ("prefill", 32, 8, 128, 16, "bfloat16", 1024),
+    ("prefill", 32, 8, 128, 16, "bfloat16", 1),
+    ("prefill", 32, 8, 64, 16, "float32", 512),
+    ("prefill", 16, 8, 256, 16, "bfloat16", 512),
+]
+
+
+def compile_report(arch: int = 90) -> None:
+    """Compile COMPILE_CASES' kernels ahead of time for CUDA `arch` with Triton's own compiler and ptxas (no GPU
+    needed) and print one JSON line per kernel: registers, stack and local (spill) bytes, shared memory. Run in a
+    process where TRITON_INTERPRET is unset. Exits 3 if this Triton lacks the ahead-of-time API."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        print(f"no ahead-of-time compile API in triton {triton.__version__}: {e}")
+        sys.exit(3)
+    from engine.backends.cuda import triton_attention as ta
+
+    assert not ta.INTERPRETED, "unset TRITON_INTERPRET"
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+    def build(fn, meta, dtype):
+        meta = dict(meta)
+        opts = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
+        sig = {}
+        for name in fn.arg_names:
+            if name in meta:
+                sig[name] = "constexpr"
+            elif name in ("part_acc_ptr", "part_ml_ptr"):
+                sig[name] = "*fp32"
+            elif name in ("bt_ptr", "ctx_ptr", "qsl_ptr", "seqlen_ptr"):
+                sig[name] = "*i32"
+            elif name.endswith("_ptr"):
+                sig[name] = "*" + short[dtype]
+            else:
+                sig[name] = "fp32" if name == "qk_scale" else "i32"
+        # Pointers and strides divisible by 16, as Triton's launcher specializes them for a real cache.
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n in sig if sig[n].startswith("*") or n.startswith("stride")}
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=meta, attrs=attrs),
+                                target=GPUTarget("cuda", arch, 32), options=opts)
+        row = {"kernel": fn.__name__, "dtype": short[dtype], **{k: v for k, v in meta.items() if k.isupper()},
+               **opts, "shared": kernel.metadata.shared}
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", res)
+        if m:
+            row.update(regs=int(m[1]), stack=int(m[2]), local=int(m[3]))
+        print(json.dumps(row), flush=True)
+
+    for kind, h, kvh, d, bs, dt, n in COMPILE_CASES:
+        dtype = getattr(torch, dt)
+        if kind == "decode":
+            meta1, meta2 = ta._decode_meta(h, kvh, d, bs, dtype, n)
+            build(ta._decode_stage1_kernel, meta1, dtype)
+            if n > 1:
+                build(ta._decode_stage2_kernel, meta2, dtype)
+        else:
+            build(ta._prefill_kernel, ta._prefill_meta(h, kvh, d, bs, dtype, n), dtype)

@@ -1,8 +1,11 @@
 """engine.backends.cuda.triton_attention against a gather + masked-softmax reference, on CPU tensors through
 Triton's interpreter. Shapes are small: the interpreter runs each program in numpy.
 tests/gpu/test_triton_attention_cuda.py runs the same checks compiled on a GPU at realistic sizes."""
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ if type(tl.cdiv).__name__ != "InterpretedFunction":
                 "these tests in a CPU-only process)", allow_module_level=True)
 
 from tests.paged_attention_reference import (  # noqa: E402
-    TOL, assert_close, make_paged, patch_interpreter_for_numpy, reference_attention, run_decode_case,
+    COMPILE_CASES, TOL, assert_close, make_paged, patch_interpreter_for_numpy, reference_attention, run_decode_case,
     run_prefill_case)
 
 
@@ -152,3 +155,31 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="dtype"):
         ta.paged_decode_attention(q.half(), k, v, tables, torch.tensor([4], dtype=torch.int32), 1.0,
                                   torch.empty_like(q.half()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled for Hopper, without a GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+# The most dynamic shared memory one block may take on an H100/H200 (227 KiB).
+HOPPER_SMEM = 227 * 1024
+
+
+def test_kernels_compile_for_hopper_without_spills():
+    """The interpreter accepts code the GPU compiler may not; Triton's own compiler and ptxas (shipped in its
+    wheel) build the kernels for sm_90 here, with no GPU, in a process without TRITON_INTERPRET. Every variant
+    must compile and fit an SM's shared memory, and the 16-bit kernels (the fast path) must not spill registers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.paged_attention_reference import compile_report; compile_report()"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode == 3:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    expected = sum(2 if kind == "decode" and n > 1 else 1 for kind, *_, n in COMPILE_CASES)
+    assert len(rows) == expected, r.stdout
+    for row in rows:
+        assert row["shared"] <= HOPPER_SMEM, row
+        if row["dtype"] != "fp32" and "local" in row:
+            assert row["local"] == 0 and row["stack"] == 0, row

@@ -55,10 +55,22 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
-def _decode_tile(head_dim_padded: int) -> int:
-    """Tokens of K/V a decode program loads per iteration: [tile, head_dim] of K and of V, ~16 KiB each in bf16
-    at head_dim 128."""
-    return 64 if head_dim_padded <= 128 else 32
+def _kv_tile(head_dim_padded: int, elem_size: int) -> int:
+    """Tokens of K/V a program loads per iteration: rows of up to 256 bytes take 64-token tiles (16 KiB each of K
+    and V, e.g. bf16 at head_dim 128), wider rows (fp32, or head_dim 256) proportionally fewer, so that a tile's
+    registers and pipelined shared-memory buffers stay within one SM's budget."""
+    row = head_dim_padded * elem_size
+    return 64 if row <= 256 else 32 if row <= 512 else 16
+
+
+def _prefill_config(head_dim_padded: int, elem_size: int, group: int, max_query_len: int) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, num_stages) of the prefill kernel. BLOCK_M rows are (query token, group head) pairs:
+    128 rows over 8 warps for long 16-bit prompts at head_dim <= 128; else 64 rows over 4 warps (short chunks,
+    decode-like rows, head_dim 256), 32 for fp32 at head_dim >= 128. An fp32 cache also pipelines over 2 stages
+    instead of 3. Each choice keeps a program's tiles in registers (no spills) and its buffers in shared memory."""
+    big = head_dim_padded <= 128 and elem_size == 2 and max_query_len * group >= 128
+    rows = 128 if big else 32 if elem_size == 4 and head_dim_padded >= 128 else 64
+    return max(rows, _pow2(group)), 8 if big else 4, 3 if elem_size == 2 else 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,6 +130,7 @@ def _decode_stage1_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     TILE_N: tl.constexpr,  # tokens per iteration
     DOT_F32: tl.constexpr,  # upcast dot operands (interpreter, or an fp32 cache)
+    DOT_PREC: tl.constexpr,  # input_precision of the fp32 dots
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -168,7 +181,7 @@ def _decode_stage1_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
@@ -178,7 +191,7 @@ def _decode_stage1_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -241,6 +254,13 @@ def _decode_stage2_kernel(
 INTERPRETED = type(_decode_stage1_kernel).__name__ == "InterpretedFunction"
 
 
+def _dot_precision() -> str:
+    """Precision of the dots over an fp32 cache: exact fp32 in the interpreter (numpy); on a GPU "tf32x3", three
+    tensor-core TF32 products whose sum is as accurate as fp32 FMA, where an "ieee" FMA dot of these tiles would
+    spill registers."""
+    return "ieee" if INTERPRETED else "tf32x3"
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache must both be [blocks, block_size, kv_heads, head_dim], got "
@@ -253,6 +273,22 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}, {v_cache.dtype}) must share a dtype")
     if q.shape[-2] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_meta(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype,
+                 num_splits: int) -> tuple[dict, dict]:
+    """Compile-time parameters and launch options of the two decode kernels (stage 2's unused with one split).
+    Cached: the callers spread the dicts into a launch and never change them."""
+    group = num_heads // num_kv_heads
+    block_d = _pow2(head_dim, 16)
+    tile_n = _kv_tile(block_d, cache_dtype.itemsize)
+    stage1 = dict(NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  BLOCK_SIZE=block_size, TILE_N=tile_n, DOT_F32=INTERPRETED or cache_dtype == torch.float32,
+                  DOT_PREC=_dot_precision(), num_warps=4)
+    stage2 = dict(NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                  TILE_N=tile_n, num_warps=4)
+    return stage1, stage2
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -272,9 +308,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, KVH, _ = k_cache.shape
     if B == 0:
         return out
-    group = H // KVH
-    BLOCK_D = _pow2(D, 16)
-    TILE_N = _decode_tile(BLOCK_D)
     if num_splits is None:
         num_splits = choose_num_splits(B, KVH, block_tables.shape[1] * block_size, num_sms_of(q.device))
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
@@ -288,7 +321,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {need} elements")
         part_acc = workspace[: B * H * num_splits * D]
         part_ml = workspace[B * H * num_splits * D: need]
-    dot_f32 = INTERPRETED or k_cache.dtype == torch.float32
+    meta1, meta2 = _decode_meta(H, KVH, D, block_size, k_cache.dtype, num_splits)
     _decode_stage1_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
         scale * LOG2E,
@@ -298,17 +331,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         H,
-        NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=D, BLOCK_D=BLOCK_D,
-        BLOCK_SIZE=block_size, TILE_N=TILE_N, DOT_F32=dot_f32,
-        num_warps=4,
+        **meta1,
     )
     if num_splits > 1:
         _decode_stage2_kernel[(B, H)](
             context_lens, out, part_acc, part_ml,
             out.stride(0), out.stride(1),
             H,
-            NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), HEAD_DIM=D, BLOCK_D=BLOCK_D, TILE_N=TILE_N,
-            num_warps=4,
+            **meta2,
         )
     return out
 
@@ -335,6 +365,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     qblk = tl.program_id(0)
     seq = tl.program_id(1)
@@ -386,7 +417,7 @@ def _prefill_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         else:
             s = tl.dot(q, tl.trans(k))
         # Token 0 is visible to every row (padding rows included), so each row's max is finite from the first tile.
@@ -396,7 +427,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -404,6 +435,20 @@ def _prefill_kernel(
     o = acc / l_i[:, None]
     tl.store(out_ptr + tok_q[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@functools.lru_cache(maxsize=256)
+def _prefill_meta(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype,
+                  max_query_len: int) -> dict:
+    """Compile-time parameters and launch options of the prefill kernel."""
+    group = num_heads // num_kv_heads
+    block_d = _pow2(head_dim, 16)
+    elem = cache_dtype.itemsize
+    block_m, num_warps, num_stages = _prefill_config(block_d, elem, group, max_query_len)
+    return dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                BLOCK_SIZE=block_size, TILE_N=_kv_tile(block_d, elem),
+                DOT_F32=INTERPRETED or cache_dtype == torch.float32, DOT_PREC=_dot_precision(),
+                num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -423,16 +468,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, block_size, KVH, _ = k_cache.shape
     if T == 0 or S <= 0 or max_query_len <= 0:
         return out
-    group = H // KVH
-    BLOCK_D = _pow2(D, 16)
-    # Rows per program: (query token, group head) pairs. 64 rows keep one program's fp32 accumulator and tiles in
-    # registers at head_dim up to 128 with 4 warps; longer prompts take 128 rows with 8 warps at head_dim <= 128.
-    big = BLOCK_D <= 128 and max_query_len * group >= 128
-    BLOCK_M = max(128 if big else 64, _pow2(group))
-    BLOCK_Q = BLOCK_M // group
-    TILE_N = 64 if BLOCK_D <= 128 else 32
-    dot_f32 = INTERPRETED or k_cache.dtype == torch.float32
-    grid = (triton.cdiv(max_query_len, BLOCK_Q), S, KVH)
+    meta = _prefill_meta(H, KVH, D, block_size, k_cache.dtype, max_query_len)
+    grid = (triton.cdiv(max_query_len, meta["BLOCK_Q"]), S, KVH)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E,
@@ -441,8 +478,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-        BLOCK_SIZE=block_size, TILE_N=TILE_N, DOT_F32=dot_f32,
-        num_warps=8 if big else 4,
+        **meta,
     )
     return out
