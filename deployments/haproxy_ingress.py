@@ -321,3 +321,13 @@ def hook_serve_run() -> bool:
     serve_start.kairos_hook = True  # type: ignore[attr-defined]
     api.serve_start = serve_start
     return True
+
+
+if __name__ == "__main__":
+    # `eval "$(python3 deployments/haproxy_ingress.py)"` before `ray start` (cluster.yaml): the nodes' HAProxy then
+    # runs through the launcher too. Run as a file, not `-m`, so that the package (torch, Ray) is not imported.
+    import shlex
+
+    if guard_haproxy():
+        print(f"export {BINARY_ENV}={shlex.quote(os.environ[BINARY_ENV])} "
+              f"{REAL_BINARY_ENV}={shlex.quote(os.environ[REAL_BINARY_ENV])}")
