@@ -368,3 +368,39 @@ def test_rerouted_requests_are_counted_with_what_became_of_them():
     recs = [ok, late, turned_away, plain]
     assert M.rerouted(recs) == {"requests": 3, "served": 2, "good": 1}  # `late` missed its 1 ms TTFT SLO
     assert M.summarize(recs, warmup_frac=0)["rerouted"] == M.rerouted(recs)
+
+
+def test_slo_gpu_checks_from_its_rows():
+    """bench/device/slo_gpu.py: the issue's acceptance checks from the rows of its bench.slo runs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+
+    def res(load, goodput, adh, seeds):
+        return {"load_multiple": load, "rate_rps": 10.0 * load, "goodput_rps": goodput, "adherence": adh, "n": 100,
+                "per_seed": [{"seed": s, "goodput_rps": x} for s, x in seeds], "rejection_rate": 0.1,
+                "ttft_violations": 0, "tpot_violations": 1, "per_tier": {"a": {"adherence": adh}, "b": {"adherence": 0.3}}}
+
+    recs = [{"load_multiple": 1.5, "warmup": False, "rejected": False, "n_out": 9, "tpot_ms": t, "tpot_slo_ms": 10.0}
+            for t in (5.0,) * 99 + (11.0,)] + [{"load_multiple": 1.5, "warmup": False, "rejected": True, "n_out": 0,
+                                                  "tpot_ms": None, "tpot_slo_ms": 10.0}]
+    rows = [g.point_row("fcfs", "predicted", res(1.5, 0.0, 0.0, [(0, 0.0), (1, 0.0)]), []),
+            g.point_row("scorpio", "predicted", res(1.5, 4.0, 0.5, [(0, 4.0), (1, 4.0)]), []),
+            g.point_row("kairos", "predicted", res(1.5, 5.0, 0.6, [(0, 5.0), (1, 4.4)]), recs),
+            g.point_row("fcfs", "predicted", res(1.0, 8.0, 0.9, [(0, 8.0)]), []),
+            g.point_row("kairos", "predicted", res(1.0, 9.0, 0.96, [(0, 9.0)]), []),
+            g.point_row("kairos", "exact", res(1.5, 6.0, 0.7, [(0, 6.0)]), [])]
+    assert rows[2]["tpot_met_admitted"] == pytest.approx(0.99) and rows[2]["admitted_with_tpot"] == 100
+    oracle = [{"load_multiple": 1.5, "policies": {"kairos": {"good": 50, "oracle_own_tokens": 60}}}]
+    acc = g.acceptance(rows, oracle, [1.0, 1.5])
+    assert acc["kairos_over_scorpio_goodput"] == pytest.approx(1.25)
+    assert acc["kairos_over_scorpio_per_seed"] == pytest.approx({0: 1.25, 1: 1.1})
+    assert acc["kairos_predicted_over_exact_goodput"] == pytest.approx(5 / 6)
+    assert acc["kairos_over_scorpio_min_seed"] == pytest.approx(1.1)
+    assert acc["checks"] == {"scorpio_2x_fcfs": True, "kairos_1.15x_scorpio_each_seed": False, "kairos_tpot_99": True,
+                             "kairos_every_tier_25": True, "kairos_90pct_oracle": False,
+                             "kairos_low_load_adherence_95": True}

@@ -193,6 +193,8 @@ def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict
         sp = {x["seed"]: x["goodput_rps"] for x in s["per_seed"]}
         out["kairos_over_scorpio_per_seed"] = {x["seed"]: (x["goodput_rps"] / sp[x["seed"]] if sp.get(x["seed"])
                                                            else None) for x in k["per_seed"] if x["seed"] in sp}
+        per = [x for x in out["kairos_over_scorpio_per_seed"].values() if x is not None]
+        out["kairos_over_scorpio_min_seed"] = min(per) if per else None
     if k:
         out["kairos_tpot_met_admitted"] = k["tpot_met_admitted"]
         out["kairos_min_tier_adherence"] = min(k["per_tier_adherence"].values(), default=None)
@@ -208,8 +210,8 @@ def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict
         out["kairos_adherence_low_load"] = k1["adherence"]
     if f1 and k1:
         out["kairos_goodput_ge_fcfs_low_load"] = k1["goodput_rps"] >= f1["goodput_rps"]
-    checks = {"scorpio_2x_fcfs": ("scorpio_over_fcfs_goodput", 2.0), "kairos_1.15x_scorpio":
-              ("kairos_over_scorpio_goodput", 1.15), "kairos_tpot_99": ("kairos_tpot_met_admitted", 0.99),
+    checks = {"scorpio_2x_fcfs": ("scorpio_over_fcfs_goodput", 2.0), "kairos_1.15x_scorpio_each_seed":
+              ("kairos_over_scorpio_min_seed", 1.15), "kairos_tpot_99": ("kairos_tpot_met_admitted", 0.99),
               "kairos_every_tier_25": ("kairos_min_tier_adherence", 0.25),
               "kairos_90pct_oracle": ("kairos_over_oracle_own_tokens", 0.9),
               "kairos_low_load_adherence_95": ("kairos_adherence_low_load", 0.95)}
