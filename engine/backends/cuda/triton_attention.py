@@ -97,7 +97,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 
 
 def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the split-K workspace: partial outputs [B, H, S, D], then maxima and sums [B, H, S] each."""
+    """fp32 elements of the split-K workspace: partial outputs [B, H, S, D], then (max, sum) pairs [B, H, S, 2]."""
     if num_splits <= 1:
         return 0
     return num_seqs * num_heads * num_splits * (head_dim + 2)
