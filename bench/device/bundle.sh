@@ -8,7 +8,8 @@
 #   .dev/sharegpt-sub.json  ShareGPT with the text of the first 2,000 candidates of bench.slo's order only (~6 MB;
 #                           the same samples for any run needing fewer)
 #   .dev/tiers-profile-xeon16.json  the SLO tiers of the 16-core Xeon host type (TIERS for route.sh)
-# Then carry `.dev` (ignored through .git/info/exclude) and run bench/device/route.sh there.
+# Then carry `.dev` (ignored through .git/info/exclude) and run bench/device/route.sh or bench/device/gpu_check.sh
+# there (the site has FastAPI, Starlette and uvicorn too: ray[serve] needs them and the host has none).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 W=$(mktemp -d)
@@ -30,6 +31,10 @@ for w in "$W"/whl/*.whl; do
     wrapt-*|annotated_doc-*) ;;
     *) unzip -q -o "$w" -d "$W/site" ;;
   esac
+done
+# Serve's HTTP stack comes with ray[serve]; the host has none of it (bench/device/gpu_check.sh imports these there)
+for m in ray pydantic pydantic_core fastapi starlette uvicorn; do
+  [ -f "$W/site/$m/__init__.py" ] || { echo "bundle.sh: $m is missing from the bundle" >&2; exit 1; }
 done
 rm -rf "$W"/site/ray/{jars,rllib,data,tune,train,llm,dashboard/client}
 find "$W/site" -name __pycache__ -prune -exec rm -rf {} +
