@@ -367,7 +367,9 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    qblk = tl.program_id(0)
+    # Query tiles in reverse: a sequence's last tiles attend to the most keys, so they start first and the short
+    # ones fill in behind them.
+    qblk = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
 
