@@ -666,6 +666,14 @@ def run_shape(args, argv) -> int:
             return False
         return True
 
+    def guarded(what: str, fn) -> None:
+        """A section that fails is reported in `skipped`; the run goes on and writes what it has."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            skipped.append(f"{what} failed: {e!r}"[:300])
+            log(skipped[-1])
+
     info = run_info(MODULE, argv)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if gpu and k in gpu), None)
@@ -743,7 +751,7 @@ def run_shape(args, argv) -> int:
                 log(f"probe of {len(lens)} contexts failed: {e!r}")
                 return None
 
-        _submit_and_wait(eng, [ids(plan.prompt_len)] * 2, [4, 4], "warm")
+        guarded("warm-up", lambda: _submit_and_wait(eng, [ids(plan.prompt_len)] * 2, [4, 4], "warm"))
         def ladder(section: str, batches: tuple[int, ...], lens_of) -> None:
             for b in batches:
                 if not time_left(f"{section} B={b}"):
@@ -765,7 +773,7 @@ def run_shape(args, argv) -> int:
 
         # cheapest and most asked-for first: a --time-limit-s cut leaves out the spread ladder's large batches
         ladder("decode", plan.batches, lambda b: [plan.prompt_len] * b)
-        if time_left("prefill"):
+        def prefill_point() -> None:
             n, length = plan.prefill
             prompts = [ids(length) for _ in range(n)]
             best, all_ = best_of(lambda: _probe(eng, lambda p: p.prefill_ms(prompts)) / 1000.0, plan.prefill_reps,
@@ -778,6 +786,9 @@ def run_shape(args, argv) -> int:
             p = res["prefill"]
             log(f"prefill {p['shape']}: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s, {p['tflops']:.1f} TFLOP/s"
                 + (f" ({p['pct_of_peak']:.0f}% of {peak:g})" if peak else ""))
+
+        if time_left("prefill"):
+            guarded("prefill", prefill_point)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
         kv_info = {"blocks": eng.cache.num_blocks, "block_size": eng.cache.block_size,
                    "dtype": str(eng.cache.dtype).removeprefix("torch."), "bytes_per_token": kv_per_token}
@@ -789,7 +800,7 @@ def run_shape(args, argv) -> int:
         _empty_cache(dev)
 
         # ---- HF generate on a model of the same shape (built again on the device: the values do not matter)
-        if plan.hf_batches and time_left("hf"):
+        def hf_section() -> None:
             model = build_shape_model(cfg, dev, dtype)
             n_new = plan.decode_steps + 1
 
@@ -814,7 +825,9 @@ def run_shape(args, argv) -> int:
                 res["hf"].append({"batch": b, "ms_step": ms, "tok_s": b / ms * 1000.0, "generate_s": t_full,
                                   "prefill_only_s": t_one})
                 log(f"HF generate B={b}: {ms:.2f} ms/step")
-            del model
+
+        if plan.hf_batches and time_left("hf"):
+            guarded("hf", hf_section)
             free_memory()
     finally:
         if not args.keep_model:

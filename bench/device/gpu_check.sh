@@ -57,7 +57,7 @@ timeout_args=()
 set -o pipefail
 if [ "${TESTS:-1}" = "1" ]; then
   timeout -s INT -k 20 "$TEST_LIMIT_S" "$PY" -m pytest tests/gpu -rs -rA -p no:cacheprovider "${timeout_args[@]}" \
-    --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
+    --continue-on-collection-errors --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
   TEST_RC=$?
 else
   TEST_RC=""
@@ -105,7 +105,8 @@ try:
                 outcome = {"failure": "failed"}.get(tag, tag)
                 message = (el.get("message") or "")[:500]
                 break
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        cls = case.get("classname") or ""  # empty for a collection error (its name is the module then)
+        name = f"{cls.replace('.', '/')}.py::{case.get('name')}" if cls else case.get("name")
         tests.append({"test": name, "outcome": outcome, "time_s": round(float(case.get("time") or 0), 2),
                       "message": message})
     source = "junit.xml"
