@@ -70,6 +70,31 @@ def test_serve_run_http_address_is_loopback_unless_opted_in(monkeypatch) -> None
         H.http_options()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_what_the_haproxy_launcher_starts_dies_with_the_process_that_started_it() -> None:
+    """The launcher Serve spawns HAProxy through, with `sleep` in HAProxy's place: SIGKILL its parent (as when Ray
+    kills the HAProxyManager actor) and the kernel kills it too."""
+    psutil = pytest.importorskip("psutil")
+    launcher = H._write_launcher(sys.executable, os.path.abspath(H.__file__))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; c = subprocess.Popen(sys.argv[1:]); print(c.pid, flush=True); "
+         "c.wait()", launcher, "300"], env={**os.environ, H.REAL_BINARY_ENV: "/bin/sleep"}, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while child.name() != "sleep":  # the launcher has exec'd it
+            assert time.monotonic() < deadline, child.cmdline()
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait()
+        psutil.wait_procs([child], timeout=30)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()
+        parent.stdout.close()
+
+
 # --- the app in a subprocess ------------------------------------------------------------------------------------
 
 def _free_port() -> int:
