@@ -11,7 +11,9 @@
 # Knobs (environment): TOTAL_S the whole run's budget in seconds (default 340: tests then benchmark; the device's
 # start and transfers come on top); TEST_LIMIT_S the tests' share (default 200); TESTS=0 / BENCH=0 skip either;
 # SHAPE llama-8b (default) | llama-1b; BENCH_ARGS more bench.engine arguments; MIN_BENCH_S the least time left
-# for the benchmark to start (default 120).
+# for the benchmark to start (default 120); SUMMARY the benchmark summary's name ($OUT/NAME.json, the schema of
+# bench/summaries/; default engine-cuda-SHAPE). If the benchmark was cut short, a second call on the warm host
+# with TESTS=0 gives it the whole budget.
 # Dry run on a box without a GPU (tiny shapes, the CPU): KAIROS_GPU_TESTS_ON_CPU=1 OUT=/tmp/gpucheck-out bash
 # bench/device/gpu_check.sh. What would travel (must be <= 64 MiB): bash bench/device/gpu_check.sh --carried-size
 set -u
@@ -31,7 +33,9 @@ export OUT=${OUT:-/tmp/gpucheck-out}
 TOTAL_S=${TOTAL_S:-340}
 TEST_LIMIT_S=${TEST_LIMIT_S:-200}
 MIN_BENCH_S=${MIN_BENCH_S:-120}
-mkdir -p "$OUT" && rm -f "$OUT"/{junit.xml,pytest.log,bench.log,bench-engine.json,bench-engine-full.json,gpu-check.json}
+dflt=engine-cuda-${SHAPE:-llama-8b}; [ "${KAIROS_GPU_TESTS_ON_CPU:-}" = 1 ] && dflt=engine-cpu-tiny
+SUMMARY=${SUMMARY:-$dflt}  # the benchmark's summary: $OUT/$SUMMARY.json (for bench/summaries/)
+mkdir -p "$OUT" && rm -f "$OUT"/{junit.xml,pytest.log,bench.log,"$SUMMARY".json,bench-engine-full.json,gpu-check.json}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export KAIROS_CACHE=${KAIROS_CACHE:-/tmp/kairos-cache}  # latency profiles: fitted afresh, as on a new replica
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -80,14 +84,14 @@ else
   fi
   # the start-up (build, write, load, profile) cannot be cut: stop adding points a minute before the end
   timeout -s INT -k 15 $((left - 5)) "$PY" -m bench.engine "${bench[@]}" --time-limit-s $((left - 60)) \
-    --summary "$OUT/bench-engine.json" --json "$OUT/bench-engine-full.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+    --summary "$OUT/$SUMMARY.json" --json "$OUT/bench-engine-full.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   BENCH_RC=$?
 fi
 T_BENCH=$(date +%s)
 
 # ONE summary: $OUT/gpu-check.json
 T0=$T0 T_UNPACK=$T_UNPACK T_TESTS=$T_TESTS T_BENCH=$T_BENCH TEST_RC=$TEST_RC BENCH_RC=$BENCH_RC \
-BENCH_NOTE=$BENCH_NOTE "$PY" - <<'EOF'
+BENCH_NOTE=$BENCH_NOTE SUMMARY=$SUMMARY "$PY" - <<'EOF'
 import datetime, json, os, platform, re, subprocess, time
 import xml.etree.ElementTree as ET
 
@@ -161,8 +165,8 @@ if not commit:
         commit = ""
 bench = {"rc": int(env["BENCH_RC"]) if env.get("BENCH_RC") else None, "note": env.get("BENCH_NOTE") or None}
 try:
-    b = json.load(open(os.path.join(out, "bench-engine.json")))
-    bench.update(headline=b["headline"], command=b["command"], figures=b["figures"])
+    b = json.load(open(os.path.join(out, env["SUMMARY"] + ".json")))
+    bench.update(summary=env["SUMMARY"] + ".json", headline=b["headline"], command=b["command"], figures=b["figures"])
 except (OSError, ValueError, KeyError):
     bench.setdefault("headline", None)
 t = {k: int(env[k]) for k in ("T0", "T_UNPACK", "T_TESTS", "T_BENCH")}
