@@ -14,8 +14,9 @@
 # for the benchmark to start (default 120); SUMMARY the benchmark summary's name ($OUT/NAME.json, the schema of
 # bench/summaries/; default engine-cuda-SHAPE). If the benchmark was cut short, a second call on the warm host
 # with TESTS=0 gives it the whole budget.
-# Dry run on a box without a GPU (tiny shapes, the CPU): KAIROS_GPU_TESTS_ON_CPU=1 OUT=/tmp/gpucheck-out bash
-# bench/device/gpu_check.sh. What would travel (must be <= 64 MiB): bash bench/device/gpu_check.sh --carried-size
+# Dry run on a box without a GPU (tiny shapes, the CPU; ~5 minutes on 2 cores): KAIROS_GPU_TESTS_ON_CPU=1
+# PY=.venv/bin/python TEST_LIMIT_S=1200 TOTAL_S=1800 bash bench/device/gpu_check.sh (OUT defaults to
+# /tmp/gpucheck-out). What would travel (must be <= 64 MiB): bash bench/device/gpu_check.sh --carried-size
 set -u
 if [ "${1:-}" = "--carried-size" ]; then  # here: what travels (tracked + untracked not ignored files) + .dev
   tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
