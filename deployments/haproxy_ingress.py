@@ -26,6 +26,11 @@ background processes, 3.9% of a core, and all of Ray's took 16.0%, on the cores 
 1.6% and 12.1%. Under the `bench.overhead` load the controller's CPU went from 0.52 to 0.21 s a run, and the engine
 waited less for a core in each of three rounds (bench/README.md, "The engine's outputs on the replica's loop").
 Serve then reacts to a replica's state change up to 0.4 s later, which nothing in serving an LLM notices.
+
+`guard_haproxy` (with the flags) has Serve start HAProxy through a launcher that ties HAProxy's life to the actor that
+started it and binds its stats and Prometheus listeners to 127.0.0.1; `hook_serve_run` gives `serve run
+deployments:app` its HTTP address (`KAIROS_HTTP_HOST`, `KAIROS_HTTP_PORT`; 127.0.0.1:8000) and a SIGTERM that shuts
+Serve down as Ctrl-C does. Their sections below say why.
 """
 from __future__ import annotations
 
@@ -154,7 +159,7 @@ def guard_haproxy() -> bool:
 
 
 def _write_launcher(python: str, module_path: str) -> str:
-    """An executable that runs `exec_haproxy` of this file with the venv's Python (isolated, no site: ~20 ms), in a
+    """An executable that runs `exec_haproxy` of this file with the venv's Python (isolated, without site), in a
     per-user directory; its name hashes its content, so concurrent writers agree and a stale one is never reused."""
     import hashlib
     import tempfile
