@@ -335,7 +335,7 @@ def git_commit() -> str:
 
 def machine() -> dict[str, Any]:
     m: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "cpu_flags": cpu_flags()}
-    if os.environ.get("KAIROS_CPU_ISA"):  # the run emulated a narrower CPU (`engine.cpu_kernels.EMULATE_ISA_ENV`)
+    if os.environ.get("KAIROS_CPU_ISA"):  # the run emulated a narrower CPU (`engine.backends.cpu.kernels.EMULATE_ISA_ENV`)
         m["emulated_isa"] = os.environ["KAIROS_CPU_ISA"]
     try:
         import torch

@@ -121,6 +121,7 @@ class ServeArgs(BaseModel):
             # replicas sharing a GPU: each takes its fraction of what one replica per GPU would
             eng["gpu_memory_utilization"] = EngineConfig.model_fields["gpu_memory_utilization"].default * self.num_gpus
         sched = {k: getattr(self, k) for k in _SCHED_FIELDS if k in given}
+        eng.setdefault("max_tokens_over_context", "reject")  # an OpenAI server answers 400, as vLLM's does
         return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
 
     @property

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduling.config import SchedulerConfig
 
-# "1": the CPU kernels' parallel loops (engine/cpu_kernels.cpp) run on Kairos's own thread team instead of OpenMP
+# "1": the CPU kernels' parallel loops (engine/backends/cpu/) run on Kairos's own thread team instead of OpenMP
 # regions. The team does not wait for a thread that another process keeps off its core, as OpenMP's static shares
 # and join barriers do: for an engine that shares its cores (a served engine beside the HTTP ingress). Set it with
 # OMP_WAIT_POLICY=PASSIVE before torch loads, or torch's OpenMP workers spin on the team's cores after each torch op
@@ -41,8 +41,16 @@ class EngineConfig(BaseModel):
         "auto", description="bf16/fp16 on CPUs without native half GEMM: run multi-row matmuls in fp32")
     model_impl: Literal["auto", "kairos", "hf"] = Field(
         "auto", description="kairos: our own forward (Llama-family); hf: the HF modules' forward; auto: ours when it supports the model")
-    cpu_kernels: Literal["auto", "on", "off"] = Field(
-        "auto", description="CPU: Kairos's compiled kernels for RMSNorm, RoPE + cache write and paged decode attention "
-                            "(built at first use with the system's C++ compiler); auto: when they build, else torch ops")
+    backend: Literal["auto", "torch", "cpu", "cuda"] = Field(
+        "auto", description="the device backend (engine/backends): auto: the device's own (cpu or cuda); torch: the "
+                            "device-agnostic torch reference")
+    kernels: Literal["auto", "on", "off"] = Field(
+        "auto", description="the backend's own kernels. CPU: Kairos's compiled kernels for RMSNorm, RoPE + cache "
+                            "write, paged decode attention, sampling and packed GEMMs (built at first use with the "
+                            "system's C++ compiler); CUDA: Triton paged attention and CUDA graphs. auto: where they "
+                            "run, else torch ops; on: refuse to start without them; off: torch ops")
+    max_tokens_over_context: Literal["clamp", "reject"] = Field(
+        "clamp", description="a max_tokens beyond the context left: clamp (the reply ends at the window, as an "
+                             "in-process engine does) or reject (ValueError; the OpenAI server's 400, as vLLM's)")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -293,7 +293,7 @@ class EngineCoreClient:
         self.latency_model = info.latency_model
         self._stats: EngineStats = info.stats
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
-                                     info.kv_capacity_tokens)
+                                     info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject")
         self._loop = reader_loop
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread
         self._read_lock = threading.Lock()

@@ -23,18 +23,19 @@ import torch
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, RejectReason, RequestOutput
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
-from engine import cpu_kernels, cpu_matmul
+from core.kv import BlockManager
+from engine import backends
 from engine.attention import ATTN_NAME
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.decoder import build_decoder
 from engine.inputs import InputProcessor, Prompt
-from engine.kv_cache import build_cache
+from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
+                             host_cache_blocks)
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import load_or_profile, refit
-from engine.sampler import Sampler
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.predictor import LatencyModel
@@ -42,6 +43,14 @@ from scheduling.scheduler import Scheduler
 
 log = logging.getLogger("kairos.engine")
 T = TypeVar("T")
+
+
+class _StepFailed(RuntimeError):
+    """A request's own forward failed (its step was re-run request by request)."""
+
+
+class _InjectedFault(RuntimeError):
+    """`inject_fault`'s failure of a whole step (not re-run request by request)."""
 
 
 @dataclass(slots=True)
@@ -102,22 +111,29 @@ class LLMEngine:
         self.bundle = b = load_model(
             config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
             trust_remote_code=config.trust_remote_code, attn_implementation=ATTN_NAME,
-            max_model_len=config.max_model_len)
-        self.upcast_linears = cpu_matmul.install(b.model, config.cpu_upcast_matmul)
+            max_model_len=config.max_model_len, backend=config.backend)
+        self.backend = backend = backends.create(config.backend, b.device, config.kernels)
+        self.upcast_linears = backend.adapt_model(b.model, config.cpu_upcast_matmul)
         self.tokenizer = b.tokenizer
         self.max_model_len = b.max_model_len
         self.model_name = b.name
-        self.cache = build_cache(config, b, self.max_model_len)
-        heads = b.config.num_attention_heads
-        kernels = cpu_kernels.choose(config.cpu_kernels, b.device, b.dtype, self.cache.dtype, self.cache.head_dim,
-                                     heads // self.cache.num_kv_heads)
-        decoder = build_decoder(config.model_impl, b, self.upcast_linears > 0, kernels)
-        self.runner = ModelRunner(b.model, self.cache, b.device, decoder, kernels)
-        self.sampler = Sampler(b.vocab_limit, b.eos_token_ids, b.device,
-                               kernels.argmax_rows if kernels is not None else None,
-                               kernels.sample_rows if kernels is not None else None)
+        spec = cache_spec(config, b, backend)
+        backend.bind(spec, b.dtype, b.config.num_attention_heads)
+        decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0)
+        self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
+        blocks = configured_blocks(config, spec)
+        if blocks is None and b.device.type == "cuda":  # what is left after the largest step's activations
+            blocks = cuda_cache_blocks(config, spec, b.device, self._warmup_peak(spec, decoder))
+        elif blocks is None:
+            blocks = host_cache_blocks(spec)
+        check_blocks(blocks, spec, self.max_model_len)
+        self.cache = KVCache.of(spec, blocks, b.device, backend.scratch_blocks)
+        backend.attach(self.cache)
+        self.runner = ModelRunner(b.model, self.cache, backend, decoder)
+        self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
-                                     self.cache.num_blocks * self.cache.block_size)
+                                     self.cache.num_blocks * self.cache.block_size,
+                                     config.max_tokens_over_context == "reject")
         self.outputs = OutputProcessor(b.tokenizer)
         predictor, self.profile_report = load_or_profile(self)
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
@@ -142,6 +158,65 @@ class LLMEngine:
             self._run()
         finally:
             gc.unfreeze()  # what the engine held may be garbage now (its cycles too)
+            self._release()
+
+    def _warmup_peak(self, spec: KVCacheSpec, decoder) -> int:
+        """Bytes the largest step's activations take beyond the weights, measured as vLLM and nano-vllm do: one
+        step with a full prefill token budget and `max_num_seqs` decodes, over a cache just big enough for it (CUDA:
+        the cache is sized after this, from what is left)."""
+        sc = self.config.scheduler
+        budget = min(sc.prefill_max_tokens or self.max_model_len, self.max_model_len - 1)
+        seqs = sc.max_num_seqs
+        bs = spec.block_size
+        dev = self.bundle.device
+        n = -(-budget // bs) + seqs
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        cache = KVCache.of(spec, n, dev, self.backend.scratch_blocks)
+        base += cache.nbytes
+        self.backend.attach(cache)
+        runner = ModelRunner(self.bundle.model, cache, self.backend, decoder)
+        blocks = BlockManager(n, bs)
+        params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
+        prompt = Request("warmup-prefill", [0] * budget, params)
+        decodes = [Request(f"warmup-decode-{i}", [0, 0], params) for i in range(seqs)]
+        for r in (prompt, *decodes):
+            blocks.ensure(r, r.num_tokens)
+        for r in decodes:
+            r.num_computed_tokens = 1
+        logits = runner.execute([prompt], decodes)
+        self.sampler.sample(logits, [prompt, *decodes])
+        for r in (prompt, *decodes):
+            self.sampler.release(r.request_id)
+        torch.cuda.synchronize(dev)
+        peak = max(0, torch.cuda.max_memory_allocated(dev) - base)
+        del logits, runner, cache
+        self.backend.attach(None)
+        gc.collect()
+        torch.cuda.empty_cache()
+        log.info("warm-up step (%d prompt tokens, %d decodes): %.2f GiB of activations at its peak", budget, seqs,
+                 peak / 1024**3)
+        return peak
+
+    def _release(self) -> None:
+        """The engine stopped: free what it holds on the device (weights, KV cache, the backend's buffers and graphs)
+        so that another engine in this process can have it."""
+        backend = getattr(self, "backend", None)
+        if backend is None:
+            return
+        backend.release()
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.model = runner.decoder = runner.cache = None
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            cache.k = cache.v = None
+        self.bundle.model = None
+        gc.collect()
+        if self.bundle.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ public API (any thread)
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,
@@ -332,21 +407,22 @@ class LLMEngine:
         try:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
-                raise RuntimeError("injected fault")
+                raise _InjectedFault("injected fault")
             logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends)
             t2 = time.perf_counter()
             tokens = self.sampler.sample(logits, reqs) if reqs else []
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
-            log.exception("model step failed; failing %d requests", len(plan.forward))
-            for req in plan.forward:
-                self._finish(req, FinishReason.ERROR, error=f"model step failed: {e!r}")
-            return
+            t2 = time.perf_counter()
+            tokens = self._isolate(plan, reqs, e)
+            if tokens is None:
+                return
         t3 = time.perf_counter()
         self._phase["forward"] += t2 - t1
         self._phase["sample"] += t3 - t2
         for req, tok, reason in sched.postprocess(plan, tokens, time.monotonic()):
             if isinstance(tok, Exception):
-                self._finish(req, FinishReason.ERROR, error=f"sampling failed: {tok!r}")
+                what = "model step failed" if isinstance(tok, _StepFailed) else "sampling failed"
+                self._finish(req, FinishReason.ERROR, error=f"{what}: {tok.__cause__ or tok!r}")
                 continue
             reason = self.outputs.on_token(req, tok, reason)
             if reason is not None:
@@ -368,6 +444,38 @@ class LLMEngine:
             for fn in self._observers:
                 fn(event)
         self._publish(len(plan.prefill), len(plan.decode))
+
+    def _isolate(self, plan, reqs: list[Request], err: Exception) -> list[int | Exception] | None:
+        """A step failed: run each of its requests alone so that one bad request fails alone, not its neighbours.
+        Returns the tokens of `reqs` (a `_StepFailed` for those that fail again; chunks that fail are finished
+        here), or None when the whole step failed (one request, an injected fault, or every request failing)."""
+        forward = plan.forward
+        if len(forward) == 1 or isinstance(err, _InjectedFault):
+            log.exception("model step failed; failing %d requests", len(forward), exc_info=err)
+            for req in forward:
+                self._finish(req, FinishReason.ERROR, error=f"model step failed: {err!r}")
+            return None
+        log.warning("model step of %d requests failed (%r): running them one by one", len(forward), err)
+        sampled = {id(r): i for i, r in enumerate(reqs)}
+        tokens: list[int | Exception] = [0] * len(reqs)
+        ends = dict(zip(map(id, plan.prefill), plan.prefill_ends))
+        for req in forward:
+            try:
+                if id(req) in ends:
+                    logits = self.runner.execute([req], [], [ends[id(req)]])
+                else:
+                    logits = self.runner.execute([], [req])
+                tok = self.sampler.sample(logits, [req])[0] if id(req) in sampled else None
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                log.warning("request %s failed its step: %r", req.request_id, e)
+                fail = _StepFailed(str(e))
+                fail.__cause__ = e
+                tok = fail
+                if id(req) not in sampled:  # a chunk: no token to carry the error
+                    self._finish(req, FinishReason.ERROR, error=f"model step failed: {e!r}")
+            if id(req) in sampled:
+                tokens[sampled[id(req)]] = tok
+        return tokens
 
     def _reject(self, req: Request, reason: RejectReason) -> None:
         self._rejected[reason.value] = self._rejected.get(reason.value, 0) + 1

@@ -31,13 +31,16 @@ def render_plain_chat(messages: Sequence[ChatTurn]) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
-                 kv_capacity_tokens: int) -> None:
+                 kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False) -> None:
+        """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
+        OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way)."""
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
         self.vocab_limit = vocab_limit
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.reject_max_tokens_over_context = reject_max_tokens_over_context
 
     def render_chat(self, messages: Sequence[ChatTurn]) -> str:
         tok = self.tokenizer
@@ -77,7 +80,8 @@ class InputProcessor:
         if len(ids) + 1 > self.kv_capacity_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the KV cache capacity of "
                              f"{self.kv_capacity_tokens} tokens")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:  # a 400 naming the limit, as vLLM
+        if self.reject_max_tokens_over_context and params.max_tokens is not None \
+                and len(ids) + params.max_tokens > limit:  # a 400 naming the limit, as vLLM
             raise ContextLengthExceeded(params.max_tokens, limit, len(ids))
         if params.max_tokens is None:  # OpenAI's chat default: the rest of the context window
             rest = max(1, limit - len(ids))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_matmul import cpu_has_native_half
+from engine.backends import default_dtype
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
 
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")
@@ -69,16 +69,13 @@ def resolve_device(s: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def resolve_dtype(s: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+def resolve_dtype(s: str | torch.dtype, device: torch.device | str, backend: str = "auto") -> torch.dtype:
     """Map a dtype option to a torch dtype.
 
-    "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16" are taken literally. "auto" means:
-    - CUDA: bfloat16 if the GPU supports it, else float16;
-    - CPU with native bf16 (AVX512-BF16 or AMX): bfloat16, whatever the checkpoint's dtype, as vLLM's CPU
-      backend does. Measured with `python -m bench.peer` on SmolLM2-135M (an fp32 checkpoint), 2-core AMX
-      Xeon: bf16 decodes 1.3x (batch 1) to 2.4x (batch 32) faster than fp32 (end to end, 64 new tokens);
-    - other CPUs: float32. There bf16 GEMMs are emulated, and upcasting bf16 weights per matmul
-      (`engine.cpu_matmul`) still lost to plain fp32 at batch 8 and 32 on an AVX2 EPYC.
+    "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16" are taken literally. "auto" is the device's backend's
+    choice (`engine.backends`): on CUDA bfloat16 where the GPU supports it, else float16; on CPUs with native bf16
+    (AVX512-BF16 or AMX) bfloat16, whatever the checkpoint's dtype, as vLLM's CPU backend does; on other CPUs
+    float32, where bf16 GEMMs are emulated.
     """
     if isinstance(s, torch.dtype):
         if s not in _DTYPES.values():
@@ -90,9 +87,7 @@ def resolve_dtype(s: str | torch.dtype, device: torch.device | str) -> torch.dty
     if key != "auto":
         raise ValueError(f"unsupported dtype {s!r}: expected auto, {', '.join(_DTYPES)}")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if dev.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_half() else torch.float32
+    return default_dtype(dev, backend)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -161,6 +156,7 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     max_model_len: int | None = None,
+    backend: str = "auto",
 ) -> ModelBundle:
     """Load `model` (kairos-default / kairos-random-42m / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
 
@@ -218,7 +214,7 @@ def load_model(
             "streaming detokenization needs one (save it with tokenizer.json)"
         )
 
-    torch_dtype = resolve_dtype(dtype, dev)
+    torch_dtype = resolve_dtype(dtype, dev, backend)
     load_kw = dict(hub_kw, config=config, dtype=torch_dtype)
     if attn_implementation is not None:
         load_kw["attn_implementation"] = attn_implementation

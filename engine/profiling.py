@@ -24,6 +24,11 @@ log = logging.getLogger("kairos.profiling")
 PROFILE_VERSION = 3  # 3: decode probes hold mixed context lengths
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
+# A GPU replica runs hundreds of requests at contexts in the thousands: its probes reach `max_num_seqs` and the
+# model's window, on a sample of the (batch, context) grid that fits the cache
+GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+GPU_CTX_LENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+GPU_GRID_SAMPLES = 40
 
 
 _SAMPLE_BYTES = 1 << 20
@@ -56,7 +61,7 @@ def _meta(engine: "LLMEngine") -> dict:
             "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
-            "cpu_kernels": engine.runner.kernels.build if engine.runner.kernels else None,  # their source, flags, CPU
+            **engine.backend.identity(),  # e.g. the CPU kernels' build (their source, flags, CPU), graph use
             "torch": torch.__version__}
 
 
@@ -73,13 +78,14 @@ class Prober:
 
     A decode probe of (B, L) holds B contexts whose mean is exactly L but whose lengths spread over about
     [L/4, 7L/4] in mirrored pairs, as a served batch's do: the step runs its attention in length groups
-    (`model_runner.group_by_length`), so a batch of equal lengths is ~5-10% cheaper than a real one of the
-    same mean, and a fit on equal lengths under-predicts every real step by that much.
+    (the torch reference backend's length groups, or a paged kernel whose work follows each context), so a fit
+    on equal lengths would under-predict every real step.
     """
 
     def __init__(self, engine: "LLMEngine") -> None:
         self.e = engine
         self.rng = random.Random(0)
+        self.gen = torch.Generator().manual_seed(0)
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def _requests(self, prompts: list[list[int]], computed: int) -> tuple[list[Request], BlockManager]:
@@ -93,12 +99,13 @@ class Prober:
         return reqs, blocks
 
     def _ids(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.e.bundle.vocab_limit) for _ in range(n)]
+        # what the tokens are does not change a step's time; a GPU probe holds up to millions of them
+        return torch.randint(self.e.bundle.vocab_limit, (n,), generator=self.gen).tolist()
 
     def _timed(self, prefill: list[Request], decode: list[Request]) -> float:
         t0 = time.perf_counter()
         logits = self.e.runner.execute(prefill, decode)
-        self.e.sampler.sample(logits, prefill + decode)  # .tolist() synchronises CUDA
+        self.e.sampler.sample(logits, prefill + decode)  # its one copy of the tokens to the host waits for the device
         return (time.perf_counter() - t0) * 1000.0
 
     def prefill_ms(self, prompts: list[list[int]]) -> float:
@@ -149,17 +156,31 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     probe = Prober(engine)
     limit = engine.max_model_len - 1
     capacity = engine.cache.num_blocks * engine.cache.block_size
-    ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)
     block = engine.cache.block_size  # mixed lengths round up to a block each
-    batches = tuple(B for B in BATCH_SIZES if B * (max(ctx_lens) + block) <= capacity) or (1,)
-    budget = engine.config.scheduler.prefill_max_tokens or 1024
-    sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, 2 * budget) if n <= min(limit, capacity)})
+    sc = engine.config.scheduler
+    budget = sc.prefill_max_tokens or 1024
+    grid = None
+    if engine.bundle.device.type == "cuda":
+        batches = tuple(B for B in GPU_BATCH_SIZES if B <= sc.max_num_seqs)
+        ctx_lens = tuple(L for L in GPU_CTX_LENS if L <= limit) or (min(limit, 32),)
+        fits = [(B, L) for B in batches for L in ctx_lens if B * (2 * L + block) <= capacity]
+        rng = random.Random(0)
+        corners = {fits[0], fits[-1], *[(B, min(L for b, L in fits if b == B)) for B in {b for b, _ in fits}]}
+        rest = [c for c in fits if c not in corners]
+        grid = sorted(corners) + sorted(rng.sample(rest, min(len(rest), max(0, GPU_GRID_SAMPLES - len(corners)))))
+        sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, budget, 2 * budget)
+                        if n <= min(limit, capacity, max(budget, 16) * 2)})
+    else:
+        ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)
+        batches = tuple(B for B in BATCH_SIZES if B * (max(ctx_lens) + block) <= capacity) or (1,)
+        sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, 2 * budget) if n <= min(limit, capacity)})
+    big = grid[-1] if grid else (batches[-1], ctx_lens[-1])
     for _ in range(2):  # warm up: page in the weights, size the workspace
         probe.prefill(sizes[-1])
-        probe.decode(batches[-1], ctx_lens[-1])
+        probe.decode(*big)
     t0 = time.perf_counter()
     model, report = profile(probe.prefill, probe.decode, prefill_sizes=sizes, batch_sizes=batches,
-                            ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s)
+                            ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s, grid=grid)
     report = dict(report, seconds=round(time.perf_counter() - t0, 2))
     model.meta = dict(meta, fit=report)
     try:

@@ -1,5 +1,11 @@
-"""Batched sampling: greedy rows in one argmax; temperature / top-k / top-p rows together, each drawn with one
-uniform number from its request's own seeded generator (or the sampler's).
+"""Batched sampling on the logits' device: greedy rows in one argmax; temperature / top-k / top-p rows together, each
+drawn with one uniform number from its request's own seeded generator (on that device) or the sampler's.
+
+One implementation for every device: every op runs where the logits are, in whole-batch tensor ops, and the step's
+tokens come back to the host in one copy (a row whose logits are not finite comes back as -1 and fails alone). A few
+syncs per step decide whether a flat row needs the exact nucleus search; none is per row. A seeded row's draw
+depends only on its own generator, whatever else is in the batch. A backend may hand in faster host paths
+(`argmax`, `draw`: the CPU kernels').
 
 The sampler reads requests and never changes them; the seeded RNGs are its own, keyed by request id
 (`release` drops one when its request ends)."""
@@ -12,15 +18,14 @@ import torch
 from core.request import Request
 
 # top-p looks for the kept tokens among each row's most likely ones, this many first, then more, then in the whole
-# row (`_nucleus`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
+# row (`_nucleus_keys`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
 TOP_P_CANDIDATES = (64, 1024)
 NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits held a NaN or +inf fails alone
 
 
-def _first_max(logits: torch.Tensor) -> list[int]:
-    # max(dim).indices, like argmax, is the first maximum; on CPU it is 2-4x faster than argmax over a
-    # [32, 49k] bf16 or fp32 batch (argmax there does not vectorise)
-    return logits.max(dim=-1).indices.tolist()
+def _first_max(logits: torch.Tensor) -> torch.Tensor:
+    # max(dim).indices, like argmax, is the first maximum; on CPU it vectorises where argmax does not
+    return logits.max(dim=-1).indices
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -31,44 +36,59 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return j.clamp_(max=probs.shape[-1] - 1)
 
 
+def _nucleus_keys(p: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's nucleus threshold without sorting: probabilities >= 0 order like their float bits, so a bisection
+    over the 31-bit keys finds, for every row at once, the largest key K whose tokens (key >= K) hold top_p of the
+    mass. Ties at the last kept probability stay in. p [n, m] (rows sum to ~1), top_p [n]; returns K [n, 1]."""
+    keys = p.view(torch.int32)
+    need = torch.minimum(top_p.double(), p.double().sum(-1))  # rounding: the whole row always qualifies
+    lo = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)  # mass(lo) >= need
+    hi = keys.max(dim=-1).values + 1  # mass(hi) = 0 < need
+    pd = p.double()
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        mass = torch.where(keys >= mid.unsqueeze(-1), pd, 0.0).sum(-1)
+        up = mass >= need
+        lo = torch.where(up, mid, lo)
+        hi = torch.where(up, hi, mid)
+    return lo.unsqueeze(-1)
+
+
 def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
-    """One row's nucleus as a mask, without sorting the row: the probabilities' float bits order them, so the mass
-    per bucket of their top 16 bits (sign, exponent, 7 bits of mantissa) finds the bucket where the mass from the
-    top reaches top_p, and only that bucket's tokens (within 1% of each other) are sorted. Ties at the last kept
-    probability stay in."""
-    bucket = p.view(torch.int32) >> 16  # p >= 0: the bits grow with the value
-    mass = torch.bincount(bucket, weights=p.double(), minlength=1 << 15)
-    above = mass.flip(0).cumsum(0).flip(0) - mass  # mass of the buckets above each one
-    reach = above + mass >= top_p  # the buckets from the top down to each one hold top_p
-    b = int(torch.nonzero(reach).max()) if bool(reach.any()) else 0
-    inside = torch.sort(p[bucket == b], descending=True).values
-    need = top_p - float(above[b])  # what the boundary bucket must add
-    cum = torch.cumsum(inside.double(), 0)
-    last = int(torch.searchsorted(cum, torch.tensor([need], dtype=cum.dtype)).clamp(max=inside.numel() - 1))
-    return (bucket > b) | ((bucket == b) & (p >= inside[last]))
+    """One row's nucleus as a mask (`_nucleus_keys`)."""
+    k = _nucleus_keys(p.unsqueeze(0), torch.tensor([top_p], device=p.device))
+    return p.view(torch.int32) >= k[0]
 
 
 def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draw from each row's smallest set of most likely tokens whose mass reaches its top_p (the nucleus), in
     proportion to their probabilities. The nucleus is looked for among the row's `TOP_P_CANDIDATES` most likely
-    tokens first; a row whose candidates do not reach top_p (a flat distribution) finds it with `_nucleus`."""
-    out = torch.empty(probs.shape[0], dtype=torch.long)
-    todo = torch.arange(probs.shape[0])
+    tokens first (one sync to see which rows found it); rows whose candidates do not reach top_p (a flat distribution)
+    find it with the bisection of `_nucleus_keys`, all together."""
+    n, width = probs.shape
+    out = torch.empty(n, dtype=torch.long, device=probs.device)
+    todo = None  # rows still to draw: None = all
     for k in TOP_P_CANDIDATES:
-        k = min(k, probs.shape[-1])
-        vals, idx = torch.topk(probs[todo], k, dim=-1)  # sorted, most likely first
+        k = min(k, width)
+        p_rows = probs if todo is None else probs[todo]
+        tp, uu = (top_p, u) if todo is None else (top_p[todo], u[todo])
+        vals, idx = torch.topk(p_rows, k, dim=-1)  # sorted, most likely first
         cum = torch.cumsum(vals, dim=-1)
-        p = top_p[todo]
-        reached = (cum[:, -1] >= p) | (k == probs.shape[-1])
-        kept = vals.masked_fill((cum - vals) > p.unsqueeze(-1), 0.0)  # the smallest prefix whose mass reaches top_p
-        j = _draw(kept[reached], u[todo][reached])
-        out[todo[reached]] = idx[reached].gather(-1, j.unsqueeze(-1)).squeeze(-1)
-        todo = todo[~reached]
-        if todo.numel() == 0:
+        reached = (cum[:, -1] >= tp) | (k == width)
+        kept = vals.masked_fill((cum - vals) > tp.unsqueeze(-1), 0.0)  # the smallest prefix whose mass reaches top_p
+        tok = idx.gather(-1, _draw(kept, uu).unsqueeze(-1)).squeeze(-1)
+        if todo is None:
+            out.copy_(tok)
+            todo_all = torch.arange(n, device=probs.device)
+        else:
+            out[todo] = tok
+            todo_all = todo
+        if bool(reached.all()):  # the one sync of the common case
             return out
-    for i in todo.tolist():
-        kept = probs[i].masked_fill(~_nucleus(probs[i], float(top_p[i])), 0.0)
-        out[i] = _draw(kept.unsqueeze(0), u[i : i + 1])[0]
+        todo = todo_all[~reached]
+    p_rows = probs[todo]
+    kept = torch.where(p_rows.view(torch.int32) >= _nucleus_keys(p_rows, top_p[todo]), p_rows, 0.0)
+    out[todo] = _draw(kept, u[todo])
     return out
 
 
@@ -80,23 +100,24 @@ DrawRows = Callable[[torch.Tensor, list[int], list[float], list[int], list[float
 class Sampler:
     def __init__(self, vocab_limit: int, eos_token_ids: list[int], device: torch.device,
                  argmax: Callable[[torch.Tensor], list[int]] | None = None, draw: DrawRows | None = None) -> None:
-        """`argmax`: each row's first maximum as a list (`CpuKernels.argmax_rows` on CPU), else torch's. `draw`:
-        the sampled rows in one call (`CpuKernels.sample_rows` on CPU: each row touches its logits once, instead
-        of torch's softmax, cumsum and top-k over the whole batch), else the torch ops below."""
+        """`argmax`: each row's first maximum as a list (the CPU kernels' `argmax_rows`), else torch's on the
+        logits' device. `draw`: the sampled rows in one host call (the CPU kernels' `sample_rows`: each row touches
+        its logits once), else the torch ops below, on the logits' device."""
         self.vocab_limit = vocab_limit
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
-        self.argmax = argmax or _first_max
+        self.argmax = argmax
         self.draw = draw
         self._generators: dict[str, torch.Generator] = {}
 
-    def _generator(self, req: Request) -> torch.Generator | None:
+    def _generator(self, req: Request, device: torch.device) -> torch.Generator | None:
         if req.params.seed is None:
             return None
         gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = self._generators[req.request_id] = torch.Generator(device=self.device)
+        if gen is None or gen.device != device:
+            gen = torch.Generator(device=device)
             gen.manual_seed(req.params.seed)
+            self._generators[req.request_id] = gen
         return gen
 
     def release(self, request_id: str) -> None:
@@ -108,6 +129,7 @@ class Sampler:
         the sampler's to change (a step's fresh output)."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
+        dev = logits.device
         # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in vLLM): one
         # masked write for the whole batch, in place
         rows: list[int] = []
@@ -119,48 +141,99 @@ class Sampler:
                 rows.extend([i] * len(ban))
                 cols.extend(ban)
         if rows:
-            dev = logits.device
             logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        out: list[int | Exception] = self.argmax(logits) if len(sampled) < len(reqs) else [0] * len(reqs)
-        if sampled:
-            for i, tok in zip(sampled, self._sample_rows(logits, [reqs[i] for i in sampled], sampled)):
-                out[i] = tok
+        failed: dict[int, Exception] = {}
+        u = self._uniforms(reqs, sampled, dev, failed)
+        if failed:  # a row whose own generator failed is left out; the others go on
+            keep = [j for j, i in enumerate(sampled) if i not in failed]
+            sampled = [sampled[j] for j in keep]
+            u = u[torch.tensor(keep, dtype=torch.long, device=dev)]
+        greedy = len(sampled) + len(failed) < len(reqs)
+        if self.argmax is not None or self.draw is not None:
+            out = self._host_paths(logits, reqs, sampled, u, greedy)
+        else:
+            out = self._device_paths(logits, reqs, sampled, u, greedy)
+        for i, e in failed.items():
+            out[i] = e
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int | Exception]:
-        """The sampled rows together: temperature, top-k (per row), softmax, then each row's draw, with one uniform
-        number per row from its request's generator (seeded requests) or the default one."""
-        u = torch.rand(len(reqs))
-        for j, r in enumerate(reqs):
-            gen = self._generator(r)
-            if gen is not None:
-                u[j] = torch.rand((), generator=gen)
-        if self.draw is not None:
-            drawn = self.draw(logits, rows, [r.params.temperature for r in reqs], [r.params.top_k or 0 for r in reqs],
-                              [r.params.top_p for r in reqs], u)
-            if drawn is not None:
-                return [t if t >= 0 else RuntimeError(NOT_FINITE) for t in drawn]
-        x = (logits if len(rows) == logits.shape[0] else logits[rows]).float()  # fp32; the logits are ours to change
-        x.div_(torch.tensor([[r.params.temperature] for r in reqs]))
-        for j, r in enumerate(reqs):
-            k = r.params.top_k
-            if k and 0 < k < x.shape[-1]:
-                kth = torch.topk(x[j], k).values[-1]
-                x[j].masked_fill_(x[j] < kth, float("-inf"))
+    def _uniforms(self, reqs: list[Request], rows: list[int], dev: torch.device,
+                  failed: dict[int, Exception]) -> torch.Tensor:
+        """One uniform number per sampled row (`rows`), on the logits' device: a seeded row's from its own
+        generator. A row whose generator cannot be made goes into `failed`."""
+        u = torch.rand(len(rows), device=dev)
+        for j, i in enumerate(rows):
+            try:
+                gen = self._generator(reqs[i], dev)
+                if gen is not None:
+                    u[j] = torch.rand((), generator=gen, device=dev)
+            except Exception as e:  # noqa: BLE001 - this row fails alone
+                failed[i] = e
+        return u
+
+    def _host_paths(self, logits: torch.Tensor, reqs: list[Request], sampled: list[int], u: torch.Tensor,
+                    greedy: bool) -> list[int | Exception]:
+        """The backend's host calls (CPU kernels), each falling back to the torch ops where it cannot run."""
+        if greedy:
+            out: list[int | Exception] = (self.argmax(logits) if self.argmax is not None
+                                          else _first_max(logits).tolist())
+        else:
+            out = [0] * len(reqs)
+        if sampled:
+            sreqs = [reqs[i] for i in sampled]
+            drawn = None
+            if self.draw is not None:
+                drawn = self.draw(logits, sampled, [r.params.temperature for r in sreqs],
+                                  [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u)
+            if drawn is None:
+                drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()
+            for i, t in zip(sampled, drawn):
+                out[i] = t if t >= 0 else RuntimeError(NOT_FINITE)
+        return out
+
+    def _device_paths(self, logits: torch.Tensor, reqs: list[Request], sampled: list[int], u: torch.Tensor,
+                      greedy: bool) -> list[int | Exception]:
+        """Greedy and sampled rows on the logits' device, one copy of the tokens to the host."""
+        dev = logits.device
+        if greedy:
+            tokens = _first_max(logits)
+        else:
+            tokens = torch.zeros(len(reqs), dtype=torch.long, device=dev)
+        if sampled:
+            drawn = self._sample_rows(logits, [reqs[i] for i in sampled], sampled, u)
+            if len(sampled) == len(reqs):
+                tokens = drawn
+            else:
+                tokens[torch.tensor(sampled, device=dev)] = drawn
+        return [t if t >= 0 else RuntimeError(NOT_FINITE) for t in tokens.tolist()]
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], u: torch.Tensor) -> torch.Tensor:
+        """The sampled rows together, on the logits' device: temperature, top-k, softmax, top-p, then each row's
+        draw with its uniform number. -1 for a row whose probabilities are not finite."""
+        dev = logits.device
+        n = len(reqs)
+        x = (logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]).float()
+        x.div_(torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(-1))
+        width = x.shape[-1]
+        ks = [r.params.top_k if r.params.top_k and 0 < r.params.top_k < width else 0 for r in reqs]
+        kmax = max(ks)
+        if kmax:
+            kt = torch.tensor(ks, device=dev)
+            kth = torch.topk(x, kmax, dim=-1).values.gather(-1, (kt - 1).clamp_(min=0).unsqueeze(-1))
+            x.masked_fill_((x < kth) & (kt > 0).unsqueeze(-1), float("-inf"))
         probs = torch.softmax(x, dim=-1)
         total = probs.sum(dim=-1)  # NaN where a row's logits held one: that row fails alone
         ok = torch.isfinite(total) & (total > 0)
-        top_p = torch.tensor([r.params.top_p for r in reqs])
-        nucleus = ok & (top_p < 1.0)
-        plain = ok & ~nucleus
-        if bool(plain.all()):  # the common case, without copies
+        probs = torch.where(ok.unsqueeze(-1), probs, 1.0)  # a failed row draws from anything finite, then is dropped
+        top_ps = [r.params.top_p for r in reqs]
+        nucleus = [j for j, p in enumerate(top_ps) if p < 1.0]
+        if not nucleus:
             tokens = _draw(probs, u)
+        elif len(nucleus) == n:
+            tokens = _top_p_draw(probs, torch.tensor(top_ps, device=dev), u)
         else:
-            tokens = torch.zeros(len(reqs), dtype=torch.long)
-            if plain.any():
-                tokens[plain] = _draw(probs[plain], u[plain])
-            if nucleus.any():
-                tokens[nucleus] = _top_p_draw(probs[nucleus], top_p[nucleus], u[nucleus])
-        return [int(t) if good else RuntimeError(NOT_FINITE)
-                for t, good in zip(tokens.tolist(), ok.tolist())]
+            tokens = _draw(probs, u)
+            sel = torch.tensor(nucleus, device=dev)
+            tokens[sel] = _top_p_draw(probs[sel], torch.tensor([top_ps[j] for j in nucleus], device=dev), u[sel])
+        return torch.where(ok, tokens, -1)

@@ -199,16 +199,17 @@ def profile(
     time_budget_s: float = 60.0,
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
+    grid: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[LatencyModel, dict[str, Any]]:
     """Measure prefill and decode steps through the engine's callables (which return ms) and fit.
 
     Each repeat interleaves prefill sizes with the (B, L) grid in a seeded shuffled order, so a
     budget cut leaves both kinds of sample and holding out every 4th decode sample does not alias
-    with the grid. No sample is started once ``time_budget_s`` has elapsed; the fit uses whatever
+    with the grid (`grid`, a sample of (B, L) pairs, replaces the full product). No sample is started once ``time_budget_s`` has elapsed; the fit uses whatever
     was measured. The decode fit excludes the held-out samples, which give ``mape_holdout``.
     """
     rng = np.random.default_rng(seed)
-    grid = [(b, n) for b in batch_sizes for n in ctx_lens]
+    grid = list(grid) if grid is not None else [(b, n) for b in batch_sizes for n in ctx_lens]
     prefill: list[tuple[float, float]] = []
     decode: list[tuple[float, float, float]] = []
     start = clock()

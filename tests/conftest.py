@@ -6,6 +6,18 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels (the CUDA backend's) run in Triton's interpreter on CPU tensors. triton.jit picks the
+# interpreter when a kernel is decorated, so this must be set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from tests.paged_attention_reference import patch_interpreter_for_numpy
+
+        patch_interpreter_for_numpy()
+    except ImportError:  # triton is not installed: the tests that need it skip
+        pass
 
 
 @pytest.fixture(scope="session")

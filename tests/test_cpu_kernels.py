@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine.backends.cpu import kernels as cpu_kernels
 from engine.config import EngineConfig
-from engine.decoder import rms_norm
+from engine.backends.base import rms_norm
 from engine.engine import LLMEngine
 from engine.testing import q4_1_round_trip, q8_0_round_trip
 
@@ -163,7 +163,7 @@ def test_unsupported_combinations_fall_back_or_refuse():
     cpu = torch.device("cpu")
     assert cpu_kernels.choose("off", cpu, torch.float32, torch.float32, 64) is None
     assert cpu_kernels.choose("auto", cpu, torch.bfloat16, torch.float32, 64) is None  # cache in another dtype
-    with pytest.raises(ValueError, match="cpu_kernels='on'"):
+    with pytest.raises(ValueError, match="kernels='on'"):
         cpu_kernels.choose("on", cpu, torch.float16, torch.float16, 64)
     assert cpu_kernels.choose("on", cpu, torch.float32, torch.float32, 64) is not None
 
@@ -187,9 +187,9 @@ def test_engine_step_with_kernels_matches_torch_ops(tiny_checkpoints, dtype):
     logits = {}
     for setting in ("on", "off"):
         eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype=dtype, device="cpu", block_size=4,
-                                     kv_cache_dtype="model", cpu_kernels=setting))
+                                     kv_cache_dtype="model", kernels=setting))
         try:
-            assert (eng.runner.kernels is not None) == (setting == "on")
+            assert (eng.backend.kernels is not None) == (setting == "on")
             logits[setting] = _decode_logits(eng, prompts)
         finally:
             eng.shutdown()
@@ -354,8 +354,8 @@ def test_whole_step_decode_equals_the_per_op_decoder(tiny_checkpoints, kernels, 
         assert dec.whole_step
         calls = []
         real = kernels.decode_layers
-        dec.kernels = type("Spy", (), {"__getattr__": lambda s, name: getattr(kernels, name),
-                                       "decode_layers": lambda s, *a: calls.append(1) or real(*a)})()
+        eng.backend.kernels = type("Spy", (), {"__getattr__": lambda s, name: getattr(kernels, name),
+                                               "decode_layers": lambda s, *a: calls.append(1) or real(*a)})()
         kernels.phase_times(on=True)
         whole = _decode_logits(eng, prompts)
         phases = kernels.phase_times(on=False)
@@ -405,7 +405,7 @@ def test_team_workers_take_the_nice_value_they_are_given():
     from engine.config import TEAM_ENV, TEAM_NICE_ENV
     code = """
 import os, torch
-from engine import cpu_kernels
+from engine.backends.cpu import kernels as cpu_kernels
 k = cpu_kernels.load()
 assert k.team
 torch.set_num_threads(2)

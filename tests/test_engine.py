@@ -69,12 +69,12 @@ def _run_staggered(eng, prompts, slos=None):
     ("llama", "hf", "auto"), ("llama", "auto", "off"), ("gpt2", "auto", "off")])
 def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
     path = tiny_checkpoints[family]
-    eng = _engine(path, policy="tpot_guard", model_impl=impl, cpu_kernels=kernels)
+    eng = _engine(path, policy="tpot_guard", model_impl=impl, kernels=kernels)
     try:
         # Llama-family models run on Kairos's own forward unless asked otherwise; GPT-2 on the HF modules
         assert (eng.runner.decoder is not None) == (family != "gpt2" and impl == "auto")
         # Kairos's CPU kernels where asked (they build on every box the tests run on), torch ops otherwise
-        assert (eng.runner.kernels is not None) == (kernels == "auto")
+        assert (eng.backend.kernels is not None) == (kernels == "auto")
         prompts = _prompts(eng.bundle.vocab_limit)
         # loose, distinct TPOT SLOs: never rejected, but credit batching decodes subsets of the running set
         slos = [SLO(tpot_ms=1e5 * (1 + i % 3)) for i in range(len(prompts))]
@@ -96,7 +96,7 @@ def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):
     modules, a prompt in progress sharing its step with other prefills and decodes): the same tokens as HF."""
     path = tiny_checkpoints[family]
     eng = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, model_impl=impl,
-                                 cpu_kernels=kernels, scheduler=SchedulerConfig(
+                                 kernels=kernels, scheduler=SchedulerConfig(
                                      policy="kairos", prefill_max_tokens=37, chunked_prefill=True)))
     seen: list[int] = []
     eng.add_step_observer(lambda ev: seen.append(ev.num_prefill_tokens))
@@ -262,7 +262,7 @@ def test_fault_in_a_step_ends_streams_with_error_and_engine_recovers(tiny_checkp
 
 
 def test_decode_groups_split_by_length_and_pad_little():
-    from engine.model_runner import group_by_length
+    from engine.backends.torch_ref import group_by_length
     assert group_by_length([]) == []
     assert group_by_length([3, 3, 3, 3], overhead=0) == [(0, 4)]  # equal lengths: one group, no padding
     # a long request joining four short ones would pad each by 30 blocks: it gets its own group
@@ -385,7 +385,7 @@ def test_model_impl_kairos_refuses_an_unsupported_family(tiny_checkpoints):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_long_prefill_through_the_paged_kernel_matches_sdpa(tiny_checkpoints, dtype):
     """A 450-token prompt's prefill attends either through SDPA or, one query row per token, through the paged
-    decode kernel (`model_runner.paged_prefill_max`: up to 4,096 tokens in bf16 on AVX512-BF16 without AMX): the
+    decode kernel (`CpuBackend.paged_prefill_max`: up to 4,096 tokens in bf16 on AVX512-BF16 without AMX): the
     same logits within the dtype's rounding, the same greedy token."""
     from engine.profiling import Prober
 
@@ -394,12 +394,12 @@ def test_long_prefill_through_the_paged_kernel_matches_sdpa(tiny_checkpoints, dt
     ids = [rng.randrange(3, eng.bundle.vocab_limit) for _ in range(450)]
 
     def logits(limit: int) -> torch.Tensor:
-        eng.runner.paged_prefill_max = limit
+        eng.backend.paged_prefill_max = limit
         reqs, _ = Prober(eng)._requests([ids], 0)
         return eng.runner.execute(reqs, [])[0].float()
 
     try:
-        assert eng.runner.kernels is not None
+        assert eng.backend.kernels is not None
         sdpa, paged = (eng.run_idle(lambda e, n=n: logits(n)) for n in (0, 512))
         assert sdpa.argmax() == paged.argmax()
         tol = 0.02 if dtype == "bfloat16" else 1e-4
@@ -409,7 +409,7 @@ def test_long_prefill_through_the_paged_kernel_matches_sdpa(tiny_checkpoints, dt
 
 
 def test_paged_prefill_limit_by_dtype_and_instruction_set():
-    from engine.model_runner import PAGED_PREFILL_MAX, PAGED_PREFILL_MAX_AVX512_BF16, paged_prefill_max
+    from engine.backends.cpu.backend import PAGED_PREFILL_MAX, PAGED_PREFILL_MAX_AVX512_BF16, paged_prefill_max
 
     class Kernels:
         def __init__(self, isa):

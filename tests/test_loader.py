@@ -11,7 +11,7 @@ import torch
 
 from engine import default_model as dm
 from engine.default_model import RANDOM_MODELS, build_model_dir, ensure_default_model
-from engine.cpu_matmul import cpu_has_native_half
+from engine.backends.cpu.matmul import cpu_has_native_half
 from engine.loader import ModelBundle, load_model, resolve_device, resolve_dtype
 from engine.testing import TINY_VOCAB, build_tiny_checkpoint
 
@@ -252,7 +252,7 @@ def test_resolve_dtype_and_device():
 def test_emulated_avx2_means_fp32_and_kernels_without_avx512(monkeypatch):
     """`bench.peer --emulate-avx2` (KAIROS_CPU_ISA=avx2): `auto` is fp32 and the kernels build without AVX-512, as on
     a CPU with AVX2 only."""
-    from engine import cpu_kernels
+    from engine.backends.cpu import kernels as cpu_kernels
 
     monkeypatch.setenv("KAIROS_CPU_ISA", "avx2")
     assert not cpu_has_native_half() and resolve_dtype("auto", torch.device("cpu")) is torch.float32
@@ -279,16 +279,21 @@ def test_trust_remote_code_defaults_false(tmp_path):
 def test_cache_dtype_auto_is_bf16_for_bf16_models_where_the_kernels_read_it(monkeypatch):
     """kv_cache_dtype=auto: a bf16 model's cache is bf16 on CUDA, on CPUs with native bf16, and on AVX2 CPUs with
     Kairos's kernels on (their decode attention reads bf16 rows); fp32 on CPUs where SDPA would run it in bf16."""
-    from engine import kv_cache
+    from engine.backends.cpu import backend as cpu_backend
+    from engine.backends.cpu.backend import CpuBackend
+    from engine.backends.torch_ref import TorchBackend
+    from engine.kv_cache import choose_cache_dtype
 
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    monkeypatch.setattr(kv_cache, "cpu_has_native_half", lambda: False)
-    monkeypatch.setattr(kv_cache, "cpu_has_avx2_fma", lambda: True)
-    assert kv_cache.choose_cache_dtype("auto", bf16, cpu) is bf16
-    assert kv_cache.choose_cache_dtype("auto", bf16, cpu, cpu_kernels="off") is torch.float32
-    assert kv_cache.choose_cache_dtype("auto", torch.float32, cpu) is torch.float32
-    monkeypatch.setattr(kv_cache, "cpu_has_avx2_fma", lambda: False)
-    assert kv_cache.choose_cache_dtype("auto", bf16, cpu) is torch.float32
-    assert kv_cache.choose_cache_dtype("model", bf16, cpu) is bf16
-    monkeypatch.setattr(kv_cache, "cpu_has_native_half", lambda: True)
-    assert kv_cache.choose_cache_dtype("auto", bf16, cpu, cpu_kernels="off") is bf16
+    on, off = CpuBackend(cpu, "auto"), CpuBackend(cpu, "off")
+    monkeypatch.setattr(cpu_backend, "cpu_has_native_half", lambda: False)
+    monkeypatch.setattr(cpu_backend, "cpu_has_avx2_fma", lambda: True)
+    assert choose_cache_dtype("auto", bf16, on) is bf16
+    assert choose_cache_dtype("auto", bf16, off) is torch.float32
+    assert choose_cache_dtype("auto", torch.float32, on) is torch.float32
+    monkeypatch.setattr(cpu_backend, "cpu_has_avx2_fma", lambda: False)
+    assert choose_cache_dtype("auto", bf16, on) is torch.float32
+    assert choose_cache_dtype("model", bf16, on) is bf16
+    monkeypatch.setattr(cpu_backend, "cpu_has_native_half", lambda: True)
+    assert choose_cache_dtype("auto", bf16, off) is bf16
+    assert choose_cache_dtype("auto", bf16, TorchBackend(cpu)) is torch.float32  # the reference: fp32 on any CPU

@@ -48,7 +48,7 @@ def draw(request):
     """The draw path: torch's ops, or the compiled CPU kernel (where it builds)."""
     if request.param == "torch":
         return None
-    from engine import cpu_kernels
+    from engine.backends.cpu import kernels as cpu_kernels
 
     try:
         return cpu_kernels.load().sample_rows

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernels import cpu_flag_line, emulated_avx2
+from engine.backends.cpu.kernels import cpu_flag_line, emulated_avx2
 
 MIN_ROWS = 4
 

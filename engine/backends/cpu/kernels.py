@@ -17,7 +17,7 @@ or as 4- / 8-bit q with per-block d and m where the values are a de-quantized GG
 Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, 23 s on a 2-core Zen 3) into
 the cache (`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
 flags, and called through ctypes (which releases the GIL). Where there is no compiler, or the build fails, or
-the CPU or dtypes are not supported, the engine keeps its torch ops (`EngineConfig.cpu_kernels`: auto warns, on
+the CPU or dtypes are not supported, the engine keeps its torch ops (`EngineConfig.kernels`: auto warns, on
 refuses to start, off never builds). float32 and bfloat16 only, with the KV cache in the activations' dtype.
 """
 from __future__ import annotations
@@ -548,10 +548,10 @@ def load_source(source: Path, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
 
 def choose(setting: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
            head_dim: int, heads_per_kv: int = 1) -> CpuKernels | None:
-    """The kernels `EngineConfig.cpu_kernels` asks for on this device and model: None means torch ops."""
+    """The kernels `EngineConfig.kernels` asks for on this device and model: None means torch ops."""
     if setting == "off" or device.type != "cpu":
         if setting == "on" and device.type != "cpu":
-            raise ValueError("cpu_kernels='on' needs device='cpu'")
+            raise ValueError("kernels='on' with the CPU backend needs device='cpu'")
         return None
     why = None
     if not CpuKernels.supports(dtype, cache_dtype, head_dim, heads_per_kv):
@@ -562,6 +562,6 @@ def choose(setting: str, device: torch.device, dtype: torch.dtype, cache_dtype: 
         except KernelsUnavailable as e:
             why = str(e)
     if setting == "on":
-        raise ValueError(f"cpu_kernels='on' but Kairos's CPU kernels cannot run here: {why}")
+        raise ValueError(f"kernels='on' but Kairos's CPU kernels cannot run here: {why}")
     log.warning("Kairos CPU kernels not used (%s): the engine runs torch ops instead (slower)", why)
     return None

@@ -1,0 +1,226 @@
+"""The device backend seam: what a device (CPU, CUDA, or the device-agnostic torch reference) implements.
+
+The generic engine (`engine.engine`, `model_runner`, `decoder`, `attention`, `kv_cache`, `loader`) imports only this
+module and `engine.backends.create`. A backend owns:
+- the KV cache's dtype (`cache_dtype`) and any blocks it reserves for itself (`scratch_blocks`);
+- the step's attention metadata (`prepare`: a `StepBatch` in, a `PreparedStep` out) and attention over the paged
+  cache (`attend`: writes the step's K/V into the cache, returns the attention output);
+- how the decoder's matmuls run (`matmuls`), its norms and fused RoPE + cache write where it has them, and a whole
+  step in one call where it can (`whole_step`);
+- the sampler (`sampler`);
+- thread or stream policy and graph capture (`capture`, `execute`: a graph backend replays captured steps there);
+- what it holds on the device, freed by `release`.
+
+The torch reference backend (`engine.backends.torch_ref`) implements all of it with torch ops on any device; the CPU
+and CUDA backends extend it. Picture one step:
+
+    scheduler -> StepBatch(prefill, decode, ends) -> backend.execute(runner, step)
+        = runner.forward(backend.prepare(step))  (or a graph replay)
+            -> decoder / HF forward -> backend.attend(layer, q, k, v, meta) per layer
+    logits -> backend's sampler -> tokens
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from core.request import Request
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache, KVCacheSpec
+    from engine.model_runner import ModelRunner
+    from engine.sampler import Sampler
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step as the scheduler planned it: each prefill computes its positions [num_computed_tokens, ends[i]) and
+    samples only if it reaches its num_tokens; each decode computes its last token."""
+    prefill: list[Request]
+    decode: list[Request]
+    ends: list[int]
+
+    @classmethod
+    def of(cls, prefill: list[Request], decode: list[Request], ends: list[int] | None = None) -> "StepBatch":
+        return cls(prefill, decode, ends if ends is not None else [r.num_tokens for r in prefill])
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    """What every backend's attention needs; backends subclass it with their own fields."""
+    backend: "Backend"
+    cache: "KVCache"
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    max_position: int = 0  # the step's largest position id
+    kv_written: bool = False  # the decoder already wrote this step's K/V into the cache (a fused RoPE + write)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """The model's inputs for one packed step: tokens [T], their positions [T], the rows [R] whose logits are
+    sampled (in `prefill + decode` request order), and the backend's attention metadata."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logit_rows: torch.Tensor
+    meta: AttnMetadata
+
+
+@dataclass(slots=True)
+class Packed:
+    """The step's tokens packed into one sequence, as Python lists (a backend turns them into tensors).
+    `spans[j]` = (i, q_start, start, end): prefill `step.prefill[i]` computes positions [start, end) at rows
+    [q_start, q_start + end - start); decodes follow from `decode_start` in `decode_order`."""
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    decode_start: int = 0
+    decode_order: list[int] = field(default_factory=list)
+
+
+def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = None,
+         decode_order: list[int] | None = None) -> Packed:
+    """Pack the step's tokens: the prefills in `prefill_order`, then the decodes in `decode_order` (default: as
+    given). The logit rows keep request order whatever the packing order."""
+    p = Packed()
+    bs = block_size
+    tokens, positions, slots = p.tokens, p.positions, p.slots
+    last: list[int | None] = [None] * len(step.prefill)
+    for i in (prefill_order if prefill_order is not None else range(len(step.prefill))):
+        r, end = step.prefill[i], step.ends[i]
+        start = r.num_computed_tokens
+        q_start = len(tokens)
+        table = r.block_table
+        tokens.extend(r.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend([table[q // bs] * bs + q % bs for q in range(start, end)])
+        if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
+            last[i] = len(tokens) - 1
+        p.spans.append((i, q_start, start, end))
+    p.decode_start = len(tokens)
+    order = decode_order if decode_order is not None else list(range(len(step.decode)))
+    p.decode_order = order
+    rank = [0] * len(step.decode)
+    for pos, i in enumerate(order):
+        r = step.decode[i]
+        rank[i] = pos
+        q = r.num_tokens - 1
+        tokens.append(r.token_ids[-1])
+        positions.append(q)
+        slots.append(r.block_table[q // bs] * bs + q % bs)
+    p.rows = [x for x in last if x is not None]
+    p.rows.extend(p.decode_start + rank[i] for i in range(len(step.decode)))
+    return p
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: statistics in fp32, the weight applied in the input's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Backend:
+    """The interface (with the defaults a backend without the feature keeps). `engine.backends.torch_ref.TorchBackend`
+    implements every abstract method; subclasses override what their device does better."""
+
+    name: ClassVar[str] = "base"
+    scratch_blocks: int = 0  # cache blocks the backend keeps for itself beyond the scheduler's (graph padding)
+    fused_rope_write: bool = False  # `rope_write` writes K/V into the cache with the rotation (then kv_written)
+
+    def __init__(self, device: torch.device, kernels: str = "auto") -> None:
+        self.device = device
+        self.kernels_setting = kernels
+        self.spec: "KVCacheSpec | None" = None
+        self.cache: "KVCache | None" = None
+
+    # ---------------------------------------------------------------- before the cache exists
+    @staticmethod
+    def default_dtype(device: torch.device) -> torch.dtype:
+        """The activations' dtype for `dtype="auto"` on this device."""
+        raise NotImplementedError
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for `kv_cache_dtype="auto"`."""
+        raise NotImplementedError
+
+    def adapt_model(self, model: torch.nn.Module, upcast: str) -> int:
+        """Change the loaded HF modules for this device before anything runs (returns how many were changed)."""
+        return 0
+
+    def bind(self, spec: "KVCacheSpec", model_dtype: torch.dtype, num_heads: int) -> None:
+        """The model is loaded and the cache's shape and dtype are known: load kernels, choose paths."""
+        self.spec = spec
+
+    def attach(self, cache: "KVCache | None") -> None:
+        """The cache the steps run over (a warm-up's small one first, where the backend sizes it after one)."""
+        self.cache = cache
+
+    # ---------------------------------------------------------------- the model's ops
+    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]) -> Any:
+        """The decoder's matmul strategy (`pack`, `pack_mlp`, `linear`, `residual`, `mlp`, `copies_weights`)."""
+        raise NotImplementedError
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def rope_write(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, meta: AttnMetadata, layer: int) -> None:
+        raise NotImplementedError
+
+    def whole_step(self, decoder: Any, h: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> bool:
+        """Run every layer of this step in one call where the backend can (h updated in place); False: it cannot."""
+        return False
+
+    def prepare(self, step: StepBatch) -> PreparedStep:
+        raise NotImplementedError
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttnMetadata,
+               scaling: float | None) -> torch.Tensor:
+        """One layer's attention for the packed step: query [T, H, hd], key/value [T, kvh, hd] (any strides).
+        Writes the new K/V into the cache (unless `meta.kv_written`) and returns [T, H, hd] in the query's dtype."""
+        raise NotImplementedError
+
+    def sampler(self, vocab_limit: int, eos_token_ids: list[int]) -> "Sampler":
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- running steps
+    def capture(self, runner: "ModelRunner", max_num_seqs: int = 0, max_model_len: int = 0) -> dict:
+        """Capture what the backend replays (CUDA graphs: decode steps up to `max_num_seqs` requests over contexts up
+        to `max_model_len`) once the model and cache are ready; returns a report."""
+        return {}
+
+    def execute(self, runner: "ModelRunner", step: StepBatch) -> torch.Tensor:
+        """Logits [R, vocab] of the step's sampled rows, in `prefill + decode` order."""
+        return runner.forward(self.prepare(step))
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing)."""
+
+    def identity(self) -> dict:
+        """What a cached latency profile depends on beyond the model (kernel builds, graph use)."""
+        return {"backend": self.name}
+
+    def release(self) -> None:
+        """Free what the backend holds on the device (buffers, graphs); the engine is shutting down."""
+        self.cache = None
+
+
+def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) along the output dim; the modules keep views of the result."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    b = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    off = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(w[off:off + n], requires_grad=False)
+        if b is not None:
+            m.bias = torch.nn.Parameter(b[off:off + n], requires_grad=False)
+        off += n
+    if any(has_bias) and b is None:
+        raise ValueError("some but not all of the fused projections have biases")
+    return w, b

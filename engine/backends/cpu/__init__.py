@@ -1,0 +1,1 @@
+"""The CPU backend (`backend.CpuBackend`), its compiled kernels and matmul strategies."""

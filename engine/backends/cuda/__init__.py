@@ -1,0 +1,1 @@
+"""The CUDA backend (`backend.CudaBackend`): Triton paged attention, CUDA graphs for decode."""

@@ -1,0 +1,174 @@
+"""The CUDA backend: the torch reference backend with our Triton paged attention (`triton_attention.py`) and decode
+steps replayed from CUDA graphs (`graphs.py`).
+
+- Decodes attend through `paged_decode_attention`, which reads each context's K/V through its block table in place
+  (no gather, no mask, any mix of lengths; split-K over long contexts), all of a step's decodes in one call a layer.
+- Fresh prompts attend causally through SDPA (its flash kernel in half precision), consecutive prompts of one length
+  in one call; prompts over a cached prefix (and chunks of a chunked prefill) through `paged_prefill_attention`, in
+  one call for all of them.
+- Decode-only steps of our own decoder replay a CUDA graph captured at start for a ladder of batch sizes up to
+  `max_num_seqs`, over persistent input buffers filled from pinned host memory (`graphs.DecodeGraphs`); the padding
+  rows of a graph's batch write their K/V into a scratch block of the cache and attend to nothing.
+- Sampling runs on the device (`engine.sampler`), one copy of the step's tokens to the host.
+
+Without Triton (or `kernels="off"`), every step runs the torch reference backend's ops. The Triton kernels also run
+on a CPU device under `TRITON_INTERPRET=1`, which is how CI checks this backend's metadata end to end; graphs need
+CUDA.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, pack
+from engine.backends.torch_ref import TorchAttnMetadata, TorchBackend
+
+log = logging.getLogger("kairos.cuda")
+
+
+def _triton():
+    """The Triton kernels module, or the reason it cannot be used."""
+    try:
+        from engine.backends.cuda import triton_attention
+    except Exception as e:  # noqa: BLE001 - ImportError, or Triton failing to find a driver
+        return None, f"{type(e).__name__}: {e}"
+    return triton_attention, None
+
+
+@dataclass(slots=True)
+class CudaAttnMetadata(TorchAttnMetadata):
+    # the decodes, rows [decode_start, decode_start + B) of the packed step, through the paged decode kernel
+    decode_start: int = 0
+    decode_tables: torch.Tensor | None = None  # int32 [B, W]
+    decode_lens: torch.Tensor | None = None  # int32 [B], 0 for a graph's padding rows
+    num_splits: int | None = None  # fixed for a captured graph; None: chosen from shapes per call
+    workspace_splits: torch.Tensor | None = None  # the split-K partials (a graph's own, preallocated)
+    # prompts over a cached prefix (and prefill chunks), rows [paged_start, paged_end), through the prefill kernel
+    paged_start: int = 0
+    paged_end: int = 0
+    paged_tables: torch.Tensor | None = None  # int32 [S, W]
+    paged_query_start: torch.Tensor | None = None  # int32 [S + 1], relative to paged_start
+    paged_seq_lens: torch.Tensor | None = None  # int32 [S]
+    paged_max_query: int = 0
+
+
+def _tables(rows: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """Block tables as one int32 [n, width] host tensor (row tails zero: the kernels never read past a length)."""
+    width = width if width is not None else max((len(t) for t in rows), default=1)
+    flat: list[int] = []
+    for t in rows:
+        flat.extend(t)
+        flat.extend([0] * (width - len(t)))
+    return torch.tensor(flat, dtype=torch.int32).view(len(rows), max(width, 1) if rows else 0)
+
+
+class CudaBackend(TorchBackend):
+    name = "cuda"
+
+    def __init__(self, device: torch.device, kernels: str = "auto") -> None:
+        super().__init__(device, kernels)
+        self.ops = None
+        if kernels != "off":
+            self.ops, why = _triton()
+            if self.ops is None:
+                if kernels == "on":
+                    raise ValueError(f"kernels='on' but the CUDA backend's Triton kernels cannot run: {why}")
+                log.warning("Triton paged attention not used (%s): the engine runs torch ops instead (slower)", why)
+        self.graphs = None  # `graphs.DecodeGraphs` once captured
+        self.scratch_blocks = 1 if device.type == "cuda" else 0  # a graph's padding rows write here
+        self._pinned = device.type == "cuda"
+
+    def identity(self) -> dict:
+        return {"backend": self.name, "triton": self.ops is not None,
+                "graphs": self.device.type == "cuda" and self.ops is not None and self.kernels_setting != "off"}
+
+    # ---------------------------------------------------------------- host -> device
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device:
+            return t
+        if self._pinned:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return self._to_device(torch.tensor(values, dtype=torch.long))
+
+    # ---------------------------------------------------------------- metadata
+    def prepare(self, step: StepBatch) -> PreparedStep:
+        if self.ops is None:
+            return super().prepare(step)
+        bs = self.cache.block_size
+        # fresh prompts first (SDPA), then prompts over a cached prefix (the prefill kernel), then the decodes
+        prefix = [step.prefill[i].num_computed_tokens > 0 for i in range(len(step.prefill))]
+        order_p = sorted(range(len(step.prefill)), key=prefix.__getitem__)
+        p = pack(step, bs, prefill_order=order_p)
+        fresh = [s for s in p.spans if not prefix[s[0]]]
+        paged = [s for s in p.spans if prefix[s[0]]]
+        fields: dict = {"prefills": self.sdpa_prefills(step, fresh)}
+        if paged:
+            p0 = paged[0][1]
+            starts = [q_start - p0 for _, q_start, _, _ in paged]
+            starts.append(p.decode_start - p0)
+            fields.update(
+                paged_start=p0, paged_end=p.decode_start,
+                paged_tables=self._to_device(_tables([step.prefill[i].block_table[:-(-end // bs)]
+                                                      for i, _, _, end in paged])),
+                paged_query_start=self._to_device(torch.tensor(starts, dtype=torch.int32)),
+                paged_seq_lens=self._to_device(torch.tensor([end for *_, end in paged], dtype=torch.int32)),
+                paged_max_query=max(end - start for _, _, start, end in paged))
+        if step.decode:
+            fields.update(
+                decode_start=p.decode_start,
+                decode_tables=self._to_device(_tables([r.block_table[:-(-r.num_tokens // bs)]
+                                                       for r in step.decode])),
+                decode_lens=self._to_device(torch.tensor([r.num_tokens for r in step.decode], dtype=torch.int32)))
+        meta = CudaAttnMetadata(self, self.cache, self._long(p.slots), max(p.positions, default=0),
+                                workspace=self.workspace, **fields)
+        return PreparedStep(self._long(p.tokens), self._long(p.positions), self._long(p.rows), meta)
+
+    # ---------------------------------------------------------------- attention
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttnMetadata,
+               scaling: float | None) -> torch.Tensor:
+        if not isinstance(meta, CudaAttnMetadata):
+            return super().attend(layer, query, key, value, meta, scaling)
+        if not meta.kv_written:
+            self.write_kv(layer, key, value, meta)
+        cache = meta.cache
+        kc, vc = cache.k[layer], cache.v[layer]
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        q = query if query.dtype == cache.dtype else query.to(cache.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.attend_prefills(layer, q, key, value, meta, scaling, out)
+        if meta.paged_end > meta.paged_start:
+            rows = slice(meta.paged_start, meta.paged_end)
+            self.ops.paged_prefill_attention(q[rows], kc, vc, meta.paged_tables, meta.paged_query_start,
+                                             meta.paged_seq_lens, scale, out[rows],
+                                             max_query_len=meta.paged_max_query)
+        if meta.decode_tables is not None:
+            n = meta.decode_tables.shape[0]
+            rows = slice(meta.decode_start, meta.decode_start + n)
+            self.ops.paged_decode_attention(q[rows], kc, vc, meta.decode_tables, meta.decode_lens, scale, out[rows],
+                                            num_splits=meta.num_splits, workspace=meta.workspace_splits)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    # ---------------------------------------------------------------- graphs
+    def capture(self, runner, max_num_seqs: int = 0, max_model_len: int = 0) -> dict:
+        if self.device.type != "cuda" or self.ops is None or runner.decoder is None or not max_num_seqs:
+            return {"graphs": 0}
+        from engine.backends.cuda.graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self, runner.decoder, self.cache, max_num_seqs, max_model_len)
+        return self.graphs.capture()
+
+    def execute(self, runner, step: StepBatch) -> torch.Tensor:
+        g = self.graphs
+        if g is not None and not step.prefill and 0 < len(step.decode) <= g.max_batch:
+            return g.replay(step.decode)
+        return runner.forward(self.prepare(step))
+
+    def release(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        super().release()

@@ -1,0 +1,138 @@
+"""CUDA graphs for decode-only steps of our decoder (`engine.decoder.KairosDecoder`).
+
+At start, one graph is captured per batch size of a ladder up to `max_num_seqs` (1, 2, 4, 8, then every 16, as
+nano-vllm does), largest first, all sharing one memory pool. Each graph reads persistent input buffers: token ids,
+positions, cache slots, block tables [B, window / block_size], context lengths, and writes the logits of its B rows.
+A step of n decodes replays the smallest graph of at least n rows: the host fills pinned staging buffers, one
+non-blocking copy each moves them to the device, and the padding rows (token 0, position 0, the cache's scratch slot,
+context length 0) write their K/V into the scratch block and attend to nothing. The split-K count of each graph's
+decode attention is fixed from shapes at capture, with its own preallocated workspace.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from core.request import Request
+from engine.backends.cuda.backend import CudaAttnMetadata
+
+log = logging.getLogger("kairos.cuda")
+
+
+def ladder(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, backend, decoder, cache, max_batch: int, max_model_len: int) -> None:
+        self.backend, self.decoder, self.cache = backend, decoder, cache
+        self.device = backend.device
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // cache.block_size)
+        dev, B, W = self.device, max_batch, self.width
+        # device buffers the graphs read
+        self.ids = torch.zeros(B, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.slots = torch.full((B,), cache.scratch_slot, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(B, W, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(B, dtype=torch.long, device=dev)
+        # pinned host staging, one copy per buffer per step
+        self.h_ids = torch.zeros(B, dtype=torch.long, pin_memory=True)
+        self.h_pos = torch.zeros(B, dtype=torch.long, pin_memory=True)
+        self.h_slots = torch.zeros(B, dtype=torch.long, pin_memory=True)
+        self.h_lens = torch.zeros(B, dtype=torch.int32, pin_memory=True)
+        self.h_tables = torch.zeros(B, W, dtype=torch.int32, pin_memory=True)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sizes: list[int] = []
+        self.pool = None
+        self._workspaces: list[torch.Tensor] = []
+        self._copied: torch.cuda.Event | None = None  # the last step's staging copies
+
+    def _meta(self, b: int) -> CudaAttnMetadata:
+        ops = self.backend.ops
+        kvh, hd = self.cache.num_kv_heads, self.cache.head_dim
+        heads = self.decoder.num_heads
+        splits = ops.choose_num_splits(b, kvh, self.width * self.cache.block_size, ops.num_sms_of(self.device))
+        ws = ops.alloc_decode_workspace(b, heads, hd, splits, self.device)
+        self._workspaces.append(ws)
+        return CudaAttnMetadata(self.backend, self.cache, self.slots[:b], self.max_model_len - 1,
+                                decode_start=0, decode_tables=self.tables[:b], decode_lens=self.lens[:b],
+                                num_splits=splits, workspace_splits=ws)
+
+    @torch.inference_mode()
+    def capture(self) -> dict:
+        t0 = time.perf_counter()
+        sizes = ladder(self.max_batch)
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(sizes):
+            meta = self._meta(b)
+            args = (self.ids[:b], self.pos[:b], self.rows[:b], meta)
+            # compile the kernels for this shape (and let the allocator settle) before capture
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.decoder(*args)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.decoder(*args)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.sizes = sizes
+        report = {"graphs": len(sizes), "max_batch": self.max_batch, "capture_s": round(time.perf_counter() - t0, 2)}
+        log.info("captured decode graphs: %s", report)
+        return report
+
+    def replay(self, decode: list[Request]) -> torch.Tensor:
+        n = len(decode)
+        b = next(s for s in self.sizes if s >= n)
+        if self._copied is not None:  # the staging buffers are free once the last step's copies are done
+            self._copied.synchronize()
+        bs = self.cache.block_size
+        ids, pos, slots, lens = [], [], [], []
+        width = 1
+        tables = self.h_tables.numpy()
+        for i, r in enumerate(decode):
+            p = r.num_tokens - 1
+            table = r.block_table
+            ids.append(r.token_ids[-1])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            lens.append(r.num_tokens)
+            nb = p // bs + 1
+            tables[i, :nb] = table[:nb]
+            width = max(width, nb)
+        pad = b - n
+        if pad:
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [self.cache.scratch_slot] * pad
+            lens += [0] * pad
+        self.h_ids[:b] = torch.tensor(ids, dtype=torch.long)
+        self.h_pos[:b] = torch.tensor(pos, dtype=torch.long)
+        self.h_slots[:b] = torch.tensor(slots, dtype=torch.long)
+        self.h_lens[:b] = torch.tensor(lens, dtype=torch.int32)
+        self.ids[:b].copy_(self.h_ids[:b], non_blocking=True)
+        self.pos[:b].copy_(self.h_pos[:b], non_blocking=True)
+        self.slots[:b].copy_(self.h_slots[:b], non_blocking=True)
+        self.lens[:b].copy_(self.h_lens[:b], non_blocking=True)
+        self.tables[:n, :width].copy_(self.h_tables[:n, :width], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self._workspaces.clear()
+        self.pool = None

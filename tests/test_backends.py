@@ -1,0 +1,136 @@
+"""The backend seam (engine/backends): the same greedy tokens from the torch reference, CPU and CUDA backends (the
+CUDA backend's Triton kernels run in Triton's interpreter on a CPU device here), a mixed greedy + sampled batch,
+seeded draws that do not depend on the batch, one bad request failing alone, and a shut-down engine that frees what
+it held. The generic engine modules import only the seam's base."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from scheduling.config import SchedulerConfig
+
+ENGINE = Path(__file__).resolve().parents[1] / "engine"
+
+
+def test_generic_modules_import_only_the_seam():
+    """Device-specific code lives behind the seam: engine/*.py names no CPU or CUDA backend module."""
+    for path in ENGINE.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"cpu_kernels|cpu_matmul", text), path.name
+        for line in text.splitlines():
+            if re.match(r"\s*(from|import) engine\.backends\.(cpu|cuda|torch_ref)", line):
+                pytest.fail(f"{path.name} imports a backend directly: {line.strip()}")
+
+
+def _run(path, prompts, params, **cfg):
+    eng = LLMEngine(EngineConfig(model=path, device="cpu", block_size=4, **cfg))
+    try:
+        streams = eng.add_requests(prompts, params) if not isinstance(params, list) else \
+            [eng.add_request(p, q) for p, q in zip(prompts, params)]
+        out = []
+        for s in streams:
+            toks, err = [], None
+            for item in s:
+                toks.extend(item.token_ids or [])
+                err = err or item.error
+            out.append(err if err else toks)
+        return out, eng
+    finally:
+        eng.shutdown()
+
+
+PROMPTS = [list(range(3, 5)), list(range(7, 30)), list(range(11, 70)), list(range(2, 9)) * 3]
+
+
+def _triton_interpreted() -> bool:
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return type(tl.cdiv).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_backends_decode_the_same_greedy_tokens(tiny_checkpoints, backend):
+    """Mixed prompt lengths (decodes over contexts of different lengths in one step), fp32: the torch reference
+    backend and the CUDA backend's Triton path (interpreted on CPU) give the CPU backend's tokens."""
+    if backend == "cuda" and not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want, ref = _run(tiny_checkpoints["llama"], PROMPTS, params, dtype="float32", backend="cpu")
+    got, eng = _run(tiny_checkpoints["llama"], PROMPTS, params, dtype="float32", backend=backend)
+    assert type(eng.backend).__name__.lower().startswith(backend)
+    if backend == "cuda":
+        assert eng.backend.ops is not None  # the Triton path ran, not the reference fallback
+    assert got == want
+
+
+def test_cuda_backend_chunked_prefill_over_the_paged_prefill_kernel(tiny_checkpoints):
+    """A prompt prefilled in chunks attends over its cached prefix through the Triton prefill kernel: the same
+    tokens as the CPU backend."""
+    if not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    sched = SchedulerConfig(chunked_prefill=True, prefill_max_tokens=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(5, 45)), list(range(9, 30))]
+    want, _ = _run(tiny_checkpoints["qwen2"], prompts, params, dtype="float32", backend="cpu", scheduler=sched)
+    got, _ = _run(tiny_checkpoints["qwen2"], prompts, params, dtype="float32", backend="cuda", scheduler=sched)
+    assert got == want
+
+
+def test_mixed_greedy_and_sampled_batch_and_seeds_independent_of_the_batch(tiny_checkpoints):
+    """The API's default temperature 1.0 batched with greedy requests: the greedy ones keep their solo tokens, and a
+    seeded request draws the same tokens alone and in a batch (the torch sampler on the logits' device)."""
+    path = tiny_checkpoints["llama"]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    default = SamplingParams(max_tokens=6, ignore_eos=True)
+    solo_g, _ = _run(path, [PROMPTS[1]], greedy, dtype="float32", backend="torch")
+    solo_s, _ = _run(path, [PROMPTS[2]], seeded, dtype="float32", backend="torch")
+    mixed, _ = _run(path, [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3]], [greedy, seeded, default, default],
+                    dtype="float32", backend="torch")
+    assert mixed[0] == solo_g[0]
+    assert mixed[1] == solo_s[0]
+    assert all(isinstance(t, list) and len(t) == 6 for t in mixed)
+
+
+def test_a_request_whose_forward_fails_fails_alone(tiny_checkpoints):
+    """A step whose forward raises is run again request by request: only the request that fails again fails."""
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", backend="torch"))
+    try:
+        real = eng.backend.prepare
+
+        def prepare(step):
+            if any(r.request_id == "bad" for r in (*step.prefill, *step.decode)):
+                raise RuntimeError("this request's inputs break the kernel")
+            return real(step)
+        eng.backend.prepare = prepare
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        streams = [eng.add_request(PROMPTS[i], params, request_id=rid) for i, rid in enumerate(["a", "bad", "c"])]
+        last = {}
+        for s in streams:
+            for item in s:
+                last[s.request_id] = item
+        assert last["a"].error is None and last["c"].error is None
+        assert last["bad"].error and "model step failed" in last["bad"].error
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_frees_the_engine_and_a_second_engine_gets_the_same_cache(tiny_checkpoints):
+    cfg = EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32")
+    first = LLMEngine(cfg)
+    blocks = first.cache.num_blocks
+    first.shutdown()
+    assert first.cache.k is None and first.bundle.model is None and first.runner.decoder is None
+    second = LLMEngine(cfg)
+    try:
+        assert second.cache.num_blocks == blocks
+        s = second.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0))
+        assert [i for i in s][-1].error is None
+    finally:
+        second.shutdown()
