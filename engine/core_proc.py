@@ -1,7 +1,7 @@
 """The engine in its own process: `EngineCoreClient` (the caller's side) and `main` (the process's side).
 
 Why: every torch call of a step drops and retakes the GIL, so a process whose engine thread shares its
-interpreter with per-token Python (a Serve replica's event loop, Ray's threads) runs its steps up to 2x slower.
+interpreter with per-token Python (a Serve replica's event loop, Ray's threads) runs its steps slower.
 Like vLLM v1's engine core, the `LLMEngine` runs in a child process that does nothing else; the client keeps
 the per-request Python on its own side:
 
@@ -251,14 +251,14 @@ class EngineCoreClient:
         """`favoured`: the child undoes an inherited low priority (Ray's nice 15), so that its steps go before
         the serving processes' Python. Only where its threads leave those processes a core, or where the other
         threads are the team's workers, which keep the inherited priority: on 2 cores, an engine with 2 OpenMP
-        threads at nice 0 starved the HTTP proxy (TTFT p50 986 ms against 126). `team`: the child's CPU kernels
+        threads at nice 0 starved the HTTP proxy. `team`: the child's CPU kernels
         run on Kairos's thread team, and torch's OpenMP threads sleep when idle instead of spinning on the
         team's cores (`engine.config.TEAM_ENV`), for an engine whose cores other processes share (neither is set
         where the caller set it already). `label` goes on the child's command line (e.g. the Serve replica it
         belongs to), for whoever lists processes. `reader_loop`: read the engine's outputs on this asyncio loop
         (a callback on its socket) instead of on a thread of this client's, for a process that serves on that
         loop: each step's items then reach the streams' readers without a thread that wakes up only to hand them
-        over (on 2 shared cores, Ray's nice 15 kept that thread waiting ~0.4 ms for a core per step). The client
+        over (on shared cores, Ray's nice 15 kept that thread waiting for a core each step). The client
         may be built on another thread; it starts reading once the loop runs."""
         self.config = (config or EngineConfig()).model_copy(update=overrides)
         ours, theirs = socket.socketpair()

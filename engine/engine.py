@@ -140,7 +140,7 @@ class LLMEngine:
                                    self.max_model_len, b.eos_token_ids, predictor)
         self._stats = self._snapshot(0, 0)
         # The model, its tokenizer and the libraries leave ~400k objects that live as long as the engine, and a
-        # full collection walks them all: 190 ms on a 2-core box, a stall of every request in flight (one in
+        # full collection walks them all: a stall of every request in flight (one in
         # each few runs of 32 x 64 tokens). Like a Ray Serve replica after its start-up, the engine moves them
         # out of the collector's reach (the permanent generation) until its worker exits.
         gc.collect()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger("kairos.profiling")
-PROFILE_VERSION = 3  # 3: decode probes hold mixed context lengths
+PROFILE_VERSION = 4  # 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 # A GPU replica runs hundreds of requests at contexts in the thousands: its probes reach `max_num_seqs` and the
@@ -180,7 +180,8 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
         probe.decode(*big)
     t0 = time.perf_counter()
     model, report = profile(probe.prefill, probe.decode, prefill_sizes=sizes, batch_sizes=batches,
-                            ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s, grid=grid)
+                            ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s, grid=grid,
+                            find_knee=grid is not None)
     report = dict(report, seconds=round(time.perf_counter() - t0, 2))
     model.meta = dict(meta, fit=report)
     try:

@@ -7,7 +7,7 @@ corpus, so tests exercise the same `from_pretrained` path as real models. Determ
 seed (same bytes in any process). Model vocab == len(tokenizer) == 512.
 
 `q4_1_round_trip(w)`, `q8_0_round_trip(w)`: a weight's values after a GGUF Q4_1 / Q8_0 round trip, the values the
-grid-weight kernels pack exactly (tests, and `bench.step gemm --grid`).
+grid-weight kernels pack exactly (tests).
 """
 from __future__ import annotations
 

@@ -117,8 +117,21 @@ class LatencyModel:
         """Time of a decode step over ``batch`` sequences of mean context length ``ctx_len``."""
         return max(MIN_MS, self._decode.predict(_decode_x(batch, ctx_len)))
 
-    def fit_prefill(self, samples: Sequence[tuple[float, float]]) -> LatencyModel:
-        """Least squares on ``(n, ms)``: ``c0`` = mean over ``n <= theta``, linear part over the rest."""
+    def fit_prefill(self, samples: Sequence[tuple[float, float]], *, find_knee: bool = False) -> LatencyModel:
+        """Least squares on ``(n, ms)``: ``c0`` = mean over ``n <= theta``, linear part over the rest. With
+        ``find_knee`` theta is chosen among the sampled sizes (or none) for the least squared error: on a GPU a small
+        prefill costs about the same as a launch-bound step whatever its size, and only larger ones grow with n."""
+        if find_knee:
+            sizes = sorted({n for n, _ in samples})
+            best = None
+            for theta in [-5.0, *sizes[:-2]]:
+                trial = LatencyModel(c0=self.c0, theta=theta).fit_prefill(samples)
+                err = sum((trial.prefill_ms(n) - ms) ** 2 for n, ms in samples)
+                if best is None or err < best[0] - 1e-12:
+                    best = (err, trial)
+            if best is not None:
+                self.theta, self.c0, self._prefill = best[1].theta, best[1].c0, best[1]._prefill
+            return self
         low = [ms for n, ms in samples if n <= self.theta]
         high = [(n, ms) for n, ms in samples if n > self.theta]
         if low:
@@ -200,12 +213,13 @@ def profile(
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
     grid: Sequence[tuple[int, int]] | None = None,
+    find_knee: bool = False,
 ) -> tuple[LatencyModel, dict[str, Any]]:
     """Measure prefill and decode steps through the engine's callables (which return ms) and fit.
 
     Each repeat interleaves prefill sizes with the (B, L) grid in a seeded shuffled order, so a
     budget cut leaves both kinds of sample and holding out every 4th decode sample does not alias
-    with the grid (`grid`, a sample of (B, L) pairs, replaces the full product). No sample is started once ``time_budget_s`` has elapsed; the fit uses whatever
+    with the grid (`grid`, a sample of (B, L) pairs, replaces the full product; `find_knee`: see `fit_prefill`). No sample is started once ``time_budget_s`` has elapsed; the fit uses whatever
     was measured. The decode fit excludes the held-out samples, which give ``mape_holdout``.
     """
     rng = np.random.default_rng(seed)
@@ -230,7 +244,7 @@ def profile(
             break
     train = [s for i, s in enumerate(decode) if i % 4 != 3]
     holdout = [s for i, s in enumerate(decode) if i % 4 == 3]
-    model = LatencyModel().fit_prefill(_cell_medians(prefill)).fit_decode(_cell_medians(train))
+    model = LatencyModel().fit_prefill(_cell_medians(prefill), find_knee=find_knee).fit_decode(_cell_medians(train))
     fit = model.score_decode(train) if train else {"r2": None, "mape": None}
     prefill_fit = model.score_prefill(prefill) if prefill else {"r2": None, "mape": None}
     report = {

@@ -149,3 +149,17 @@ def test_scaled_copy_multiplies_step_times_and_leaves_the_original() -> None:
     assert s.itl_ms(8, 200) == pytest.approx(1.5 * m.itl_ms(8, 200))
     assert s.prefill_ms(300) == pytest.approx(2.0 * m.prefill_ms(300))
     assert m.itl_ms(8, 200) == pytest.approx(0.001 * 1600 + 1.6 + 2.0 + 3.0)  # the original is untouched
+
+
+def test_prefill_knee_fits_a_flat_then_linear_step_time():
+    """A GPU-like prefill: flat at 10 ms up to 512 tokens, then 10 + 0.02 ms a token beyond. The knee search puts
+    theta at the flat part's end and fits the line beyond it; without it one line misses both ends."""
+    from scheduling.predictor import LatencyModel
+
+    sizes = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    samples = [(n, 10.0 if n <= 512 else 10.0 + 0.02 * (n - 512)) for n in sizes]
+    knee = LatencyModel().fit_prefill(samples, find_knee=True)
+    assert knee.score_prefill(samples)["mape"] < 0.01
+    assert abs(knee.prefill_ms(64) - 10.0) < 0.1 and abs(knee.prefill_ms(3000) - (10 + 0.02 * 2488)) < 1.0
+    plain = LatencyModel().fit_prefill(samples)
+    assert plain.score_prefill(samples)["mape"] > 0.1

@@ -28,10 +28,10 @@ from engine.backends.torch_ref import TorchAttnMetadata, TorchBackend, TorchMatm
 from engine.sampler import Sampler
 
 # With the kernels, a prefill whose context (prefix included) is at most this many tokens attends through the paged
-# decode kernel, one query row per token; a longer one through SDPA (bench/README.md, the step studies).
+# decode kernel, one query row per token; a longer one through SDPA, which shares each K/V read among many queries.
 PAGED_PREFILL_MAX = 256
 # In bf16 where the kernels' attention and GEMMs run on AVX512-BF16's dot product without AMX (AMD Zen 4), the paged
-# kernel, whose steps also run every layer in one call, was the faster one at every length measured (bench/README.md).
+# kernel, whose steps also run every layer in one call, was the faster one at every length measured.
 PAGED_PREFILL_MAX_AVX512_BF16 = 4096
 
 

@@ -95,8 +95,8 @@ template <> struct Num<bf16> {
 // and then waits only for the chunks that others have taken. A worker that the OS has not scheduled (because
 // another process runs on its core: a served engine shares its cores with the HTTP ingress) takes none, and the
 // loop ends without it. OpenMP's regions would wait for it twice: its static share of the work, and the join
-// barrier. A decode step runs ~200 such loops, so one busy core made a 2-thread step as slow as a 1-thread one
-// (`python -m bench.step contend`). Workers spin for a while after a loop (the next comes within microseconds in a
+// barrier. A decode step runs hundreds of such loops, so one busy core made a 2-thread step as slow as a 1-thread
+// one. Workers spin for a while after a loop (the next comes within microseconds in a
 // step), then sleep until the next loop's call wakes them.
 class Team {
     using Clock = std::chrono::steady_clock;
@@ -1467,11 +1467,9 @@ inline void grid_few_rows(const float* a, int64_t lda, int64_t rows, const uint8
 constexpr int64_t kAskNextRunRows = 8;
 constexpr int64_t kRowsPerPass = 256;  // gemm_blocked's rows a pass over the weights
 // The fp32 GEMM's k chunks with 8-lane vectors (gemm_blocked): kChunkK below kChunkRowsBelow rows, kChunkKMany below
-// kChunkRowsUpTo, then none. On a Zen 4 built without AVX-512 (`KAIROS_CPU_ISA=avx2 python -m bench.step gemm --dtype
-// float32`: SmolLM2's 30 layers, weights streamed from memory, 2 threads): 4 / 8 / 16 / 32 rows 17.1 / 16.8 / 27.1 /
-// 40.8 ms against 19.0 / 22.7 / 32.1 / 41.8 walking the whole K per group; in throwaway loops chunks of 32 ran ~7%
-// slower from 64 rows on, and chunks of 128 ~1-2% slower at 256. With 16-lane vectors (and bf16) chunks did not help:
-// 12 rows a group cover a decode step in one to three groups.
+// kChunkRowsUpTo, then none: measured on a Zen 4 built without AVX-512 against walking the whole K per group, with
+// SmolLM2's layers streamed from memory (the sizes where each chunking was faster). With 16-lane vectors (and bf16)
+// chunks did not help: 12 rows a group cover a decode step in one to three groups.
 constexpr int64_t kChunkK = 32, kChunkKMany = 128, kChunkRowsBelow = 32, kChunkRowsUpTo = 64;
 static_assert(kChunkK % kGridK == 0 && kChunkKMany % kGridK == 0, "grid weights unpack whole blocks of k");
 
@@ -1700,8 +1698,8 @@ inline void fma_cols(const float* a, int64_t lda, const float* w0, const float* 
 
 // With 8-lane vectors and at most 3 rows: c[r][0, 32) from both panels in one pass (4 accumulators a row; with 3 rows
 // the compiler reads the weights from L1 again rather than keep them in registers), so that the weights stream with
-// four independent sums a row (a panel at a time, a GEMV ran ~40% slower than with 16-lane vectors on a Zen 4, and
-// 1-3 rows of the LM head 6.4-7.2 ms against 4.9-5.9 this way, one thread; `tests/test_cpu_kernels.py` builds it)
+// four independent sums a row (a panel at a time was slower on a Zen 4, for a GEMV and for 1-3 rows of the LM head;
+// `tests/test_cpu_kernels.py` builds it)
 template <int R>
 inline void fma_both8(const float* a, int64_t lda, const float* b0, const float* b1, int64_t k, float* c,
                       const char* pf, int64_t pf_lines, bool add) {
@@ -1904,7 +1902,7 @@ inline int gemm_layer(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t
     return gemm_packed(x, ldx, m, k, reinterpret_cast<const float*>(w), pairs, n, bias, res, out, ldo, mode, nt);
 }
 
-// Where decode_layers' time goes, summed over calls while profiling is on (kairos_phase_times; bench.step parts).
+// Where decode_layers' time goes, summed over calls while profiling is on (kairos_phase_times).
 enum Phase { kPhaseNorm, kPhaseQkv, kPhaseRope, kPhaseAttn, kPhaseO, kPhaseGateUp, kPhaseDown, kPhases };
 std::atomic<bool> phase_timing{false};
 std::atomic<int64_t> phase_ns[kPhases];

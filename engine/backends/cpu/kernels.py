@@ -5,16 +5,15 @@ On CPU the decoder's small per-layer ops cost more in dispatch and in passes ove
 a decode step ran ~45 torch ops a layer, and decode attention gathered every context's blocks into a dense
 copy before one SDPA call per group of similar lengths. These kernels do that work in three calls a layer and
 read the paged cache through the block table directly. The GEMMs of a small decode step are bound by reading
-the weights: oneDNN's bf16 GEMM streamed them at ~16 GB/s on the AMX box at 1-32 rows, the packed AMX kernel at
-~20-23 GB/s (bench/README.md), and it fuses the bias, the residual add and silu(gate) * up into its epilogue.
+the weights, which the packed GEMM streams faster than oneDNN's bf16 GEMM at 1-32 rows, and it fuses the bias, the
+residual add and silu(gate) * up into its epilogue.
 Where there is AVX512-BF16 but no AMX (AMD Zen 4) the same packed panels feed AVX-512's bf16 dot product; each
-thread asks for its next panel pair while it computes on this one, and a batch of 32 then runs at ~90% of the
-dot product's peak. A step whose tokens all attend through the paged kernel runs every layer in one call
+thread asks for its next panel pair while it computes on this one. A step whose tokens all attend through the paged kernel runs every layer in one call
 (`decode_layers`), which can time its own phases (`phase_times`). fp32 weights run on a packed fp32 GEMM, stored in
 fewer bytes wherever that gives the same output bit for bit: as bf16 where every value is a bf16 value ("compact"),
 or as 4- / 8-bit q with per-block d and m where the values are a de-quantized GGUF's (`grid`, "grid4" / "grid8").
 
-Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, 23 s on a 2-core Zen 3) into
+Built at first use with the system's C++ compiler (`g++ -O3 -march=native -fopenmp`, tens of seconds) into
 the cache (`$KAIROS_CACHE/kernels`, else `~/.cache/kairos/kernels`), keyed by the source, the flags and the CPU's
 flags, and called through ctypes (which releases the GIL). Where there is no compiler, or the build fails, or
 the CPU or dtypes are not supported, the engine keeps its torch ops (`EngineConfig.kernels`: auto warns, on
@@ -137,7 +136,7 @@ class CpuKernels:
         self.use_compact_weights(True)
         # fp32 weights whose blocks of 32 k hold values d * q + m with 4-bit q (a Q4_1 GGUF de-quantized, as the default
         # model's layers are) or 8-bit q (Q8_0, as its embedding) packed as their q ("grid4", "grid8", `grid`): the
-        # same output bit for bit from 19% / 31% of the bytes; `use_grid_weights` turns it off
+        # same output bit for bit from a fraction of the bytes; `use_grid_weights` turns it off
         self.use_grid_weights(True)
         lib.kairos_set_team.argtypes = [_int, _int]
         lib.kairos_set_team.restype = None

@@ -99,7 +99,6 @@ class DecodeGraphs:
             self._copied.synchronize()
         bs = self.cache.block_size
         ids, pos, slots, lens = [], [], [], []
-        width = 1
         tables = self.h_tables.numpy()
         for i, r in enumerate(decode):
             p = r.num_tokens - 1
@@ -110,7 +109,6 @@ class DecodeGraphs:
             lens.append(r.num_tokens)
             nb = p // bs + 1
             tables[i, :nb] = table[:nb]
-            width = max(width, nb)
         pad = b - n
         if pad:
             ids += [0] * pad
@@ -125,7 +123,7 @@ class DecodeGraphs:
         self.pos[:b].copy_(self.h_pos[:b], non_blocking=True)
         self.slots[:b].copy_(self.h_slots[:b], non_blocking=True)
         self.lens[:b].copy_(self.h_lens[:b], non_blocking=True)
-        self.tables[:n, :width].copy_(self.h_tables[:n, :width], non_blocking=True)
+        self.tables[:n].copy_(self.h_tables[:n], non_blocking=True)  # whole rows: one contiguous copy
         self._copied = torch.cuda.Event()
         self._copied.record()
         graph, out = self.graphs[b]
