@@ -55,6 +55,11 @@ class DecodeGraphs:
         self.pool = None
         self._workspaces: list[torch.Tensor] = []
         self._copied: torch.cuda.Event | None = None  # the last step's staging copies
+        # what each staging row of the block tables holds: (request id, its preemptions, blocks written). A request
+        # that keeps its row from one step to the next (the usual case: the running batch changes little) gets only
+        # its new blocks written: a running request's table only grows, and a preemption (which gives it new blocks)
+        # changes the key
+        self._rows: list[tuple[str, int, int] | None] = [None] * max_batch
 
     def _meta(self, b: int) -> CudaAttnMetadata:
         ops = self.backend.ops
@@ -108,7 +113,11 @@ class DecodeGraphs:
             slots.append(table[p // bs] * bs + p % bs)
             lens.append(r.num_tokens)
             nb = p // bs + 1
-            tables[i, :nb] = table[:nb]
+            held = self._rows[i]
+            done = held[2] if held is not None and held[:2] == (r.request_id, r.num_preemptions) else 0
+            if done < nb:
+                tables[i, done:nb] = table[done:nb]
+                self._rows[i] = (r.request_id, r.num_preemptions, nb)
         pad = b - n
         if pad:
             ids += [0] * pad
