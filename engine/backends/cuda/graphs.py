@@ -55,11 +55,11 @@ class DecodeGraphs:
         self.pool = None
         self._workspaces: list[torch.Tensor] = []
         self._copied: torch.cuda.Event | None = None  # the last step's staging copies
-        # what each staging row of the block tables holds: (request id, its preemptions, blocks written). A request
+        # what each staging row of the block tables holds: (the request, its preemptions, blocks written). A request
         # that keeps its row from one step to the next (the usual case: the running batch changes little) gets only
         # its new blocks written: a running request's table only grows, and a preemption (which gives it new blocks)
         # changes the key
-        self._rows: list[tuple[str, int, int] | None] = [None] * max_batch
+        self._rows: list[tuple[Request, int, int] | None] = [None] * max_batch
 
     def _meta(self, b: int) -> CudaAttnMetadata:
         ops = self.backend.ops
@@ -114,10 +114,10 @@ class DecodeGraphs:
             lens.append(r.num_tokens)
             nb = p // bs + 1
             held = self._rows[i]
-            done = held[2] if held is not None and held[:2] == (r.request_id, r.num_preemptions) else 0
+            done = held[2] if held is not None and held[0] is r and held[1] == r.num_preemptions else 0
             if done < nb:
                 tables[i, done:nb] = table[done:nb]
-                self._rows[i] = (r.request_id, r.num_preemptions, nb)
+                self._rows[i] = (r, r.num_preemptions, nb)
         pad = b - n
         if pad:
             ids += [0] * pad
@@ -141,5 +141,6 @@ class DecodeGraphs:
 
     def release(self) -> None:
         self.graphs.clear()
+        self._rows = [None] * self.max_batch
         self._workspaces.clear()
         self.pool = None
