@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, pack
-from engine.backends.torch_ref import TorchAttnMetadata, TorchBackend
+from engine.backends.torch_ref import TorchAttnMetadata, TorchBackend, TorchMatmuls
 
 log = logging.getLogger("kairos.cuda")
 
@@ -64,10 +64,34 @@ def _tables(rows: list[list[int]], width: int | None = None) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.int32).view(len(rows), max(width, 1) if rows else 0)
 
 
+class CudaMatmuls(TorchMatmuls):
+    """F.linear matmuls with the elementwise work between them in the fused Triton kernels (`fused.py`): silu(gate)
+    * up in one kernel, and (for a decoder that asks) each residual add fused with the RMSNorm after it."""
+
+    def __init__(self, fused) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def mlp(self, x: torch.Tensor, mlp: tuple[torch.Tensor, int], down: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        w, n = mlp
+        return h + self.linear(self.fused.silu_mul(self.linear(x, w), n), down)
+
+    def residual_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor,
+                      norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + x @ W^T + b, rms_norm of that): the sum is written in place into h."""
+        return self.fused.add_rms_norm(h, self.linear(x, w, b), norm_w, eps)
+
+    def mlp_norm(self, x: torch.Tensor, mlp: tuple[torch.Tensor, int], down: torch.Tensor, h: torch.Tensor,
+                 norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + mlp(x), rms_norm of that), the next layer's input norm fused with the add (h updated in place)."""
+        w, n = mlp
+        return self.fused.add_rms_norm(h, self.linear(self.fused.silu_mul(self.linear(x, w), n), down), norm_w, eps)
+
+
 class CudaBackend(TorchBackend):
     name = "cuda"
 
-    def __init__(self, device: torch.device, kernels: str = "auto") -> None:
+    def __init__(self, device: torch.device, kernels: str = "auto", fused_ops: bool | None = None) -> None:
         super().__init__(device, kernels)
         self.ops = None
         if kernels != "off":
@@ -76,13 +100,34 @@ class CudaBackend(TorchBackend):
                 if kernels == "on":
                     raise ValueError(f"kernels='on' but the CUDA backend's Triton kernels cannot run: {why}")
                 log.warning("Triton paged attention not used (%s): the engine runs torch ops instead (slower)", why)
+        # the fused small ops (RMSNorm, RoPE + cache write, silu * up): on wherever the Triton kernels are
+        self.fused = None
+        if self.ops is not None and fused_ops is not False:
+            from engine.backends.cuda import fused
+            self.fused = fused
+        self.fused_rope_write = self.fused is not None
         self.graphs = None  # `graphs.DecodeGraphs` once captured
         self.scratch_blocks = 1 if device.type == "cuda" else 0  # a graph's padding rows write here
         self._pinned = device.type == "cuda"
 
     def identity(self) -> dict:
-        return {"backend": self.name, "triton": self.ops is not None,
+        return {"backend": self.name, "triton": self.ops is not None, "fused": self.fused is not None,
                 "graphs": self.device.type == "cuda" and self.ops is not None and self.kernels_setting != "off"}
+
+    # ---------------------------------------------------------------- the model's ops
+    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]) -> TorchMatmuls:
+        return TorchMatmuls() if self.fused is None else CudaMatmuls(self.fused)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.fused is None:
+            return super().rms_norm(x, weight, eps)
+        return self.fused.rms_norm(x, weight, eps)
+
+    def rope_write(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, meta: AttnMetadata, layer: int) -> None:
+        cache = meta.cache
+        self.fused.rope_write(qkv, num_heads, num_kv_heads, cos, sin, positions, meta.slot_mapping,
+                              cache.k[layer], cache.v[layer])
 
     # ---------------------------------------------------------------- host -> device
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
