@@ -172,7 +172,7 @@ def test_rope_write_matches_the_decoders_torch_path(H, KV, hd, dtype, table_dtyp
     positions[-3:] = 0  # padding rows of a graph's batch: position 0, the scratch block's slot
     slots = torch.randperm((blocks - 1) * bs)[:T]
     slots[-3:] = (blocks - 1) * bs  # the scratch block (written more than once: any of the rows may land)
-    want_cache, got_cache = _cache(2, blocks, bs, KV, hd, dtype), None
+    want_cache = _cache(2, blocks, bs, KV, hd, dtype)
     got_cache = SimpleNamespace(**{**vars(want_cache), "k": want_cache.k.clone(), "v": want_cache.v.clone()})
     v_before = qkv.view(T, H + 2 * KV, hd)[:, H + KV:].clone()
 
