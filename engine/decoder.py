@@ -131,8 +131,12 @@ class KairosDecoder:
         h = F.embedding(input_ids, self.embed)
         if self.whole_step and backend.whole_step(self, h, positions, meta):
             return linear(norm(h[logit_rows], self.norm, eps), self.lm_head)
-        for i, L in enumerate(self.layers):
-            x = norm(h, L.ln_in, eps)
+        fuse_norm = hasattr(mm, "residual_norm")  # each residual add fused with the RMSNorm after it
+        layers = self.layers
+        x = norm(h, layers[0].ln_in, eps)
+        for i, L in enumerate(layers):
+            if i and not fuse_norm:
+                x = norm(h, L.ln_in, eps)
             qkv = linear(x, L.qkv_w, L.qkv_b)
             heads = qkv.view(T, H + 2 * KV, hd)
             if L.q_norm is not None:  # qwen3: per-head norms of q and k, before RoPE
@@ -146,8 +150,15 @@ class KairosDecoder:
                 half = hd // 2
                 qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
             o = attend(i, qk[:, :H], qk[:, H:], heads[:, H + KV:], meta, self.scaling)
-            h = mm.residual(o.view(T, H * hd), L.o_w, L.o_b, h)
-            h = mm.mlp(norm(h, L.ln_post, eps), L.mlp, L.down_w, h)
+            if not fuse_norm:
+                h = mm.residual(o.view(T, H * hd), L.o_w, L.o_b, h)
+                h = mm.mlp(norm(h, L.ln_post, eps), L.mlp, L.down_w, h)
+            else:  # (h + o W_o, its norm), then (h + mlp, the next layer's input norm): h updated in place
+                h, x = mm.residual_norm(o.view(T, H * hd), L.o_w, L.o_b, h, L.ln_post, eps)
+                if i + 1 < len(layers):
+                    h, x = mm.mlp_norm(x, L.mlp, L.down_w, h, layers[i + 1].ln_in, eps)
+                else:
+                    h = mm.mlp(x, L.mlp, L.down_w, h)
         h = norm(h.index_select(0, logit_rows), self.norm, eps)
         return linear(h, self.lm_head)
 
