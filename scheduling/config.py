@@ -47,6 +47,8 @@ PRESETS: dict[str, PolicyFlags] = {
     # short_first (requests the gate turns away wait within their TTFT SLO, room goes to the least work first) is
     # opt-in: on ShareGPT its goodput gain did not hold from run to run, and it moves the interactive tier's share to
     # the relaxed one
+    # length_predictor (reply lengths predicted from the prompt where no hint is given) is opt-in in every preset: on
+    # ShareGPT with the lengths hidden, kairos served less with it than without (bench.slo --lengths predicted)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05),
