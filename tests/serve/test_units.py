@@ -26,7 +26,9 @@ def test_app_args_map_flat_knobs_into_nested_configs() -> None:
     assert cfg.scheduler.vbs_margin == 1.5 and a.num_replicas == 2 and a.num_gpus == 1
     assert a.model_name == "m"
     defaults = AppArgs().engine_config()
-    assert defaults == EngineConfig(device="cpu")  # nothing given -> the engine's own defaults, on a GPU-less replica
+    # nothing given -> the engine's own defaults, on a GPU-less replica, as an OpenAI server (max_tokens past the
+    # context is a 400, as vLLM's)
+    assert defaults == EngineConfig(device="cpu", max_tokens_over_context="reject")
 
 
 def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
