@@ -1,4 +1,5 @@
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,6 +19,45 @@ if not torch.cuda.is_available():
         patch_interpreter_for_numpy()
     except ImportError:  # triton is not installed: the tests that need it skip
         pass
+
+
+# An engine fits its latency model on its first start for each (checkpoint, dtype, threads, kernel build, ...) and
+# caches the fit; any change to the kernels' source or to the profile's version makes every fit stale, and the suite
+# starts engines of some forty such setups. In this process (not in Ray replicas or engine subprocesses) an engine
+# profiles for TEST_PROFILE_S instead of the default budget, a real but shorter fit, and keeps it apart from the
+# full-budget fits that serving and benchmarks use (`profiles-tests/` beside `profiles/`). An engine given its own
+# `predictor_path` (a test that needs a fit of this machine, now) gets the full budget.
+TEST_PROFILE_S = float(os.environ.get("KAIROS_TEST_PROFILE_S", "3"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _short_test_profiles():
+    try:
+        from engine import profiling
+    except ImportError:
+        yield
+        return
+    load, default_path = profiling.load_or_profile, getattr(profiling, "_default_path", None)
+    defaults = load.__defaults__
+
+    def test_path(meta):
+        path = default_path(meta)
+        return path.parent.with_name(path.parent.name + "-tests") / path.name
+
+    def short_default(engine, time_budget_s=None, **kw):
+        if time_budget_s is None:
+            explicit = getattr(engine.config.scheduler, "predictor_path", None)
+            time_budget_s = defaults[0] if explicit else TEST_PROFILE_S
+        return load(engine, time_budget_s, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        if default_path is not None and defaults:
+            mp.setattr(profiling, "_default_path", test_path)
+            mp.setattr(profiling, "load_or_profile", short_default)
+            engine_mod = sys.modules.get("engine.engine") or __import__("engine.engine", fromlist=["_"])
+            if getattr(engine_mod, "load_or_profile", None) is load:
+                mp.setattr(engine_mod, "load_or_profile", short_default)
+        yield
 
 
 @pytest.fixture(scope="session")

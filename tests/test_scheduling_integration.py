@@ -17,10 +17,16 @@ TPOT_TOLERANCE = 1.5
 TPOT_NOISE_MS = 5.0
 
 
+@pytest.fixture(scope="module")
+def fit_path(tmp_path_factory):
+    """Profile afresh (not a cached fit from another time): the gate must predict this machine, now. The first
+    engine fits; the second (the same model, dtype and threads, another policy) loads that fit."""
+    return str(tmp_path_factory.mktemp("fit") / "latency.json")
+
+
 @pytest.fixture(scope="module", params=["scorpio", "kairos"])
-def engine(request, tmp_path_factory):
-    # profile afresh (not a cached fit from another time): the gate must predict this machine, now
-    fit = tmp_path_factory.mktemp("fit") / "latency.json"
+def engine(request, fit_path):
+    fit = fit_path
     eng = LLMEngine(EngineConfig(model="kairos-tiny", dtype="float32", device="cpu",
                                  scheduler=SchedulerConfig(policy=request.param, max_num_seqs=96,
                                                            predictor_path=str(fit))))
