@@ -969,11 +969,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         headline = (f"{acc.get('load_multiple', 0):g}x lambda* = {lam * acc.get('load_multiple', 0):.3g} rps "
                     f"({args.model}, {args.dataset}): " + ", ".join(
                         f"{r['policy']} {r['goodput_rps']:.2f} rps / {100 * r['adherence']:.0f}%" for r in at))
-        keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms", "lengths", "per_seed")
-        p = write_summary(args.summary, command_line("bench.slo", argv), headline, {
+        keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms", "lengths", "per_seed",
+                "reject_reasons", "tpot_violations", "ttft_violations")
+        figures = {
             "lambda_star_rps": lam, "load_multiple": acc.get("load_multiple"), "model": args.model,
             "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds, "lengths": args.lengths,
-            "policies": {r["policy"]: {k: r.get(k) for k in keys} for r in at}, "acceptance": acc})
+            "policies": {r["policy"]: {k: r.get(k) for k in keys} for r in at}, "acceptance": acc}
+        if profiles:  # each run's refreshed fit against the tiers' (the box's speed at that run's start)
+            figures["fit_over_tiers_per_run"] = {f"{x['policy']}@{x['seed']}": round(x["d12_over_tiers"], 3)
+                                                 for x in profiles if x.get("d12_over_tiers") is not None}
+        if any(length_arm(lbl, args.lengths) == "predicted" for lbl in policies):
+            from scheduling.length_predictor import load_cached as load_lengths
+            figures["length_predictor_heldout"] = load_lengths(None).meta.get("heldout")
+        p = write_summary(args.summary, command_line("bench.slo", argv), headline, figures)
         print(f"summary: {headline}  -> {p}", flush=True)
     print(f"\nwrote {out_dir}/results.json, results.csv, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")
           + (f" and {args.json}" if args.json else "") + f"  (wall {wall:.0f} s)", flush=True)

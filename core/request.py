@@ -13,6 +13,22 @@ MAX_SLO_MS = 3_600_000.0  # an SLO above one hour is a client bug, not best effo
 MAX_OUTPUT_LEN_HINT = 1_000_000
 
 
+OUTLOOK_RATIO = 1.15  # the grid of a predicted length outlook: entry i is E[len | len > OUTLOOK_RATIO ** i]
+
+
+def outlook_at(outlook: tuple[float, ...], num_output_tokens: int) -> float:
+    """The expected length of a reply `num_output_tokens` long by now, from its predicted outlook (scheduling.
+    length_predictor.LengthPredictor.outlook): the entry of the largest grid length below it, at least one more
+    token."""
+    k = num_output_tokens
+    if k < 1:
+        return outlook[0]
+    i = min(int(math.log(k) / math.log(OUTLOOK_RATIO)), len(outlook) - 1)
+    while i > 0 and OUTLOOK_RATIO ** i >= k:  # rounding at the grid's points
+        i -= 1
+    return max(outlook[i], k + 1.0)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -84,6 +100,12 @@ class Request:
     num_preemptions: int = 0
     # the reply length the scheduler's length predictor expects (scheduling/length_predictor.py; set at add)
     predicted_len: int | None = None
+    # with it, the length expected once the reply has output some tokens (`outlook_at`: the predicted distribution's
+    # mean above them); None: predicted_len throughout, and once outlived, one more token
+    length_outlook: tuple[float, ...] | None = None
+    # the reply length the VBS gate admits a fresh request against where it is not the expected one: a conservative
+    # quantile of the predicted distribution (SchedulerConfig.length_gate_quantile; set at add)
+    gate_len: int | None = None
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the
@@ -130,13 +152,25 @@ class Request:
         return math.inf if self.slo.tpot_ms is None else self.slo.tpot_ms
 
     @property
+    def gate_output_len(self) -> int:
+        """The reply length admission (the VBS gate) plans for: `gate_len` where set and no hint is given (capped by
+        max_tokens, at least one more token than out so far), else `expected_output_len`."""
+        if self.gate_len is not None and not self.slo.output_len_hint:
+            return min(max(self.gate_len, self.num_output_tokens + 1), self.params.max_tokens)
+        return self.expected_output_len
+
+    @property
     def expected_output_len(self) -> int:
-        """The reply length the scheduler plans for: the client's hint, else the predicted length (at least one
-        more than it has output, once a reply outlives its prediction), else max_tokens; never above max_tokens."""
+        """The reply length the scheduler plans for: the client's hint, else the predicted length (with an outlook,
+        the predicted distribution's mean above what the reply has output so far; without, at least one more
+        token than that), else max_tokens; never above max_tokens."""
         cap = self.params.max_tokens
         hint = self.slo.output_len_hint
         if hint:
             return min(hint, cap)
         if self.predicted_len is not None:
-            return min(max(self.predicted_len, self.num_output_tokens + 1), cap)
+            k = self.num_output_tokens
+            if self.length_outlook is not None and k > 0:
+                return min(int(outlook_at(self.length_outlook, k)), cap)
+            return min(max(self.predicted_len, k + 1), cap)
         return cap

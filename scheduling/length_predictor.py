@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from core.request import OUTLOOK_RATIO, outlook_at  # noqa: F401 (outlook_at: the lookup, beside its grid)
+
 DEFAULT_PATH = Path(__file__).with_name("assets") / "length_predictor.npz"
 DIM = 1 << 15  # hashed feature space
 HEAD = 8  # first tokens kept with their position
@@ -98,6 +100,35 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 _LOG_MIDS = np.log(bucket_mids())
+_LO = np.asarray((LEN_LO, *EDGES), float)
+_HI = np.asarray((*EDGES, LEN_HI), float)
+OUTLOOK_GRID = OUTLOOK_RATIO ** np.arange(int(math.log(LEN_HI) / math.log(OUTLOOK_RATIO)) + 1)
+
+
+def quantile(p: np.ndarray, q: float) -> int:
+    """The q-quantile of bucket probabilities `p` (interpolated in log length within its bucket), in tokens."""
+    cdf = np.cumsum(p)
+    k = int(min(np.searchsorted(cdf, q), len(p) - 1))
+    lo = (LEN_LO, *EDGES)[k]
+    hi = (*EDGES, LEN_HI)[k]
+    below = cdf[k] - p[k]
+    frac = (q - below) / p[k] if p[k] > 0 else 0.5
+    return max(1, int(round(math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo))))))
+
+
+def conditional_means(p: np.ndarray) -> tuple[float, ...]:
+    """E[len | len > t] for every t of OUTLOOK_GRID, bucket probabilities `p`, each bucket log-uniform over
+    [lo, hi): the part of a bucket above t has mass p * ln(hi / t') / ln(hi / lo) and mean (hi - t') / ln(hi / t'),
+    t' = max(t, lo). Past the last bucket's end: t + 1."""
+    t = np.maximum(OUTLOOK_GRID[:, None], _LO[None, :])  # (grid, buckets)
+    above = t < _HI[None, :]
+    t = np.where(above, t, _HI[None, :] * 0.999)
+    logs = np.log(_HI[None, :] / t)
+    mass = np.where(above, p[None, :] * logs / np.log(_HI / _LO)[None, :], 0.0)
+    mean = (_HI[None, :] - t) / logs
+    tot = mass.sum(axis=1)
+    out = np.where(tot > 1e-12, (mass * mean).sum(axis=1) / np.maximum(tot, 1e-300), OUTLOOK_GRID + 1.0)
+    return tuple(float(x) for x in np.maximum(out, OUTLOOK_GRID + 1.0))
 
 
 @dataclass(frozen=True)
@@ -120,13 +151,15 @@ class LengthPredictor:
         p = self.probs(ids)
         if q is None:
             return max(1, int(round(math.exp(float(p @ _LOG_MIDS)))))
-        cdf = np.cumsum(p)
-        k = int(min(np.searchsorted(cdf, q), len(p) - 1))
-        lo = (LEN_LO, *EDGES)[k]
-        hi = (*EDGES, LEN_HI)[k]
-        below = cdf[k] - p[k]
-        frac = (q - below) / p[k] if p[k] > 0 else 0.5
-        return max(1, int(round(math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo))))))
+        return quantile(p, q)
+
+    def outlook(self, ids: Sequence[int]) -> tuple[float, ...]:
+        """The expected reply length given that it is longer than each of `OUTLOOK_GRID`'s lengths: entry i is
+        E[len | len > OUTLOOK_GRID[i]] under the predicted bucket distribution, each bucket's lengths spread
+        log-uniformly over it. Entry 0 is the distribution's mean (every reply is longer than the grid's first
+        point). A reply that outlives its expected length is then expected to run on by what the distribution
+        still leaves above its length, not to end with its next token (`Request.expected_output_len`)."""
+        return conditional_means(self.probs(ids))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

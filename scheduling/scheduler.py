@@ -21,7 +21,9 @@ from core.messages import RejectReason
 from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
+from scheduling.length_predictor import conditional_means
 from scheduling.length_predictor import load_cached as load_length_predictor
+from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_least_work, order_waiting
 from scheduling.shedding import WorkShedder, sheds
@@ -99,7 +101,7 @@ class Scheduler:
     def add(self, req: Request) -> str | None:
         """Queue a new request; returns a rejection reason instead when the queue is full."""
         if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint:
-            req.predicted_len = self.lengths.predict(req.prompt_token_ids, self.config.length_predictor_quantile)
+            self._predict_length(req)
         if self.shedder is not None:
             self.shedder.arrived(self._work(req), req.arrival_s)
         if len(self.waiting) >= self.config.max_waiting:
@@ -113,6 +115,20 @@ class Scheduler:
         if self.floor is not None:
             self.floor.arrived(req.tpot_slo_ms, req.arrival_s, self._mid_len(req))
         return None
+
+    def _predict_length(self, req: Request) -> None:
+        """The length predictor's expectations for `req`: with a planning quantile, that quantile everywhere; else
+        the predicted distribution's mean (and its mean above the tokens out, as the reply runs: length_outlook),
+        and for the VBS gate the policy's gate quantile (a bound the reply seldom outruns; 0: the mean)."""
+        p = self.lengths.probs(req.prompt_token_ids)
+        q = self.config.length_predictor_quantile
+        if q is not None:
+            req.predicted_len = length_quantile(p, q)
+            return
+        req.length_outlook = conditional_means(p)
+        req.predicted_len = max(1, int(round(req.length_outlook[0])))
+        if self.flags.length_gate_quantile > 0:
+            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile))
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""
@@ -219,7 +235,7 @@ class Scheduler:
                     return model(b, length) * scale
             gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
-                           monotone_skip=f.monotone_skip)
+                           monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len)
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
@@ -284,8 +300,8 @@ class Scheduler:
 
     @staticmethod
     def _mid_len(r: Request) -> float:
-        """The context length the gate sees for `r` over its reply: its prompt and half the output it expects."""
-        return r.num_tokens + r.expected_output_len / 2.0
+        """The context length the gate sees for `r` over its reply: its prompt and half the output it plans for."""
+        return r.num_tokens + r.gate_output_len / 2.0
 
     def _wait_for_room(self, r: Request, gate: VBSGate) -> bool:
         """short_first: whether a fresh request the VBS gate turns away waits in the queue for room instead of being

@@ -99,10 +99,56 @@ def test_the_predictor_sets_predicted_len_at_admission_only_when_on_and_unhinted
     on.add(a)
     off.add(b)
     on.add(c)
-    assert a.predicted_len == LP.load_cached(None).predict(a.prompt_token_ids) and b.predicted_len is None
+    m = LP.load_cached(None)
+    assert a.predicted_len == round(m.outlook(a.prompt_token_ids)[0]) and b.predicted_len is None
+    assert a.length_outlook == m.outlook(a.prompt_token_ids) and a.gate_len is None  # scorpio: the mean throughout
     assert c.predicted_len is None and c.expected_output_len == 50
     assert SchedulerConfig(policy="fcfs").flags().length_predictor is False
     assert SchedulerConfig(policy="fcfs", length_predictor=True).flags().length_predictor is True
+
+
+def test_outlook_is_the_mean_above_the_tokens_out_and_grows_as_a_reply_outlives_it():
+    K = len(LP.EDGES) + 1
+    p = np.zeros(K)
+    p[2], p[8] = 0.5, 0.5  # 32..64 or 512..768
+    o = LP.conditional_means(p)
+    assert len(o) == len(LP.OUTLOOK_GRID) and o[0] == pytest.approx(0.5 * (64 - 32) / math.log(2)
+                                                                      + 0.5 * (768 - 512) / math.log(1.5), rel=1e-6)
+    assert LP.outlook_at(o, 0) == o[0]
+    assert LP.outlook_at(o, 100) > 512  # past the short bucket: only the long one is left
+    assert all(b >= a - 1e-9 for a, b in zip(o, o[1:]))  # never shrinks as the reply runs
+    assert LP.outlook_at(o, 5000) == 5001  # past every bucket: one more token
+    assert LP.quantile(p, 0.25) < 64 < 512 <= LP.quantile(p, 0.75)
+
+
+def test_expected_length_follows_the_outlook_and_the_gate_plans_for_its_own_length():
+    r = _req("o", max_tokens=600, predicted=100)
+    r.length_outlook = tuple([100.0] * 10 + [400.0] * (len(LP.OUTLOOK_GRID) - 10))
+    assert r.expected_output_len == 100 and r.gate_output_len == 100
+    r.token_ids += [7] * 120
+    assert r.expected_output_len == 400  # outlived the mean: the distribution's mean above 120
+    r.gate_len = 500
+    assert r.gate_output_len == 500 and r.expected_output_len == 400
+    r.gate_len = 5000
+    assert r.gate_output_len == 600  # capped by max_tokens
+    h = _req("h", hint=40, predicted=300)
+    h.gate_len = 500
+    assert h.gate_output_len == 40  # a hint wins everywhere
+
+
+def test_kairos_gates_on_a_conservative_quantile_scorpio_on_the_mean():
+    k, s = _sched("kairos", length_predictor=True), _sched("scorpio", length_predictor=True)
+    a, b = _req("a"), _req("b")
+    k.add(a)
+    s.add(b)
+    m = LP.load_cached(None)
+    p = m.probs(a.prompt_token_ids)
+    assert a.predicted_len == b.predicted_len and b.gate_len is None
+    assert a.gate_len == max(a.predicted_len, LP.quantile(p, 0.8)) and a.gate_output_len >= a.expected_output_len
+    z = _sched("kairos", length_predictor=True, length_gate_quantile=0)
+    c = _req("c")
+    z.add(c)
+    assert c.gate_len is None
 
 
 def test_the_vbs_gate_plans_for_the_prediction_instead_of_the_cap():
