@@ -1,4 +1,4 @@
-"""ONE session-scoped Ray + Serve app for all serving tests (cold start is the expensive part on 2 cores).
+"""ONE Ray + Serve app for all serving tests (package-scoped: it stops after the last of them) (cold start is the expensive part on 2 cores).
 
 kairos-tiny in float32, 2 LLM replicas (so routing is observable), a small KV cache, 1 torch thread per
 replica, a 64 KiB body cap. Tests talk real HTTP to 127.0.0.1:8000 and use a handle for replica stats.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +45,21 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Within this package, the tests that need no session app (units, `serve run` in a subprocess) run first, so
+    that none of them runs beside the app's idle replicas; with the app's package scope, the rest of the suite runs
+    after its Ray cluster has stopped."""
+    here = Path(__file__).resolve().parent
+    idx = [i for i, it in enumerate(items) if here in Path(str(it.path)).resolve().parents]
+    if not idx:
+        return
+    block = [items[i] for i in idx]
+    block.sort(key=lambda it: "serve_app" in getattr(it, "fixturenames", ()))  # stable: file order otherwise
+    for i, it in zip(idx, block):
+        items[i] = it
+
+
+@pytest.fixture(scope="package")
 def serve_app() -> Iterator[dict]:
     ray = pytest.importorskip("ray")
     from ray import serve
@@ -68,12 +83,12 @@ def serve_app() -> Iterator[dict]:
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def base_url(serve_app: dict) -> str:
     return serve_app["base_url"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def llm_handle(serve_app: dict):
     from ray import serve
 
