@@ -49,19 +49,27 @@ def _wait_free(client, total, timeout=10.0):
     return client.stats().kv_blocks_free
 
 
-def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client):
-    reqs = [_greedy(i, n) for i, n in enumerate((5, 17, 9, 30))]
-    streams = [client.generate(r) for r in reqs]
-    got = [_tokens(s) for s in streams]
+LENGTHS = (5, 17, 9, 30)
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_checkpoints):
+    """What the in-process engine answers to `_greedy(i, n)` for each n of LENGTHS: (token ids, text)."""
     eng = LLMEngine(_config(tiny_checkpoints["llama"]))
     try:
-        want = [_tokens(eng.generate(r)) for r in reqs]
-        want_text = [_text(eng.generate(r)) for r in reqs]
+        reqs = [_greedy(i, n) for i, n in enumerate(LENGTHS)]
+        return [(_tokens(eng.generate(r))[0], _text(eng.generate(r))) for r in reqs]
     finally:
         eng.shutdown()
-    assert [g[0] for g in got] == [w[0] for w in want]
+
+
+def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client, in_process):
+    reqs = [_greedy(i, n) for i, n in enumerate(LENGTHS)]
+    streams = [client.generate(r) for r in reqs]
+    got = [_tokens(s) for s in streams]
+    assert [g[0] for g in got] == [w[0] for w in in_process]
     assert all(g[1].finish_reason is FinishReason.LENGTH for g in got)
-    assert [_text(client.generate(r)) for r in reqs] == want_text
+    assert [_text(client.generate(r)) for r in reqs] == [w[1] for w in in_process]
     assert client.model_name == tiny_checkpoints["llama"] and client.max_model_len > 0
 
 
@@ -218,13 +226,13 @@ def test_unnice_undoes_the_calling_threads_nice_value_only() -> None:
 
 
 def test_a_client_reading_on_an_event_loop_streams_the_same_tokens_and_fails_streams_of_a_dead_engine(
-        tiny_checkpoints):
+        tiny_checkpoints, in_process):
     """`reader_loop` (how a Serve replica runs its engine): the engine's outputs are read on the caller's asyncio
     loop, built from another thread as the replica does. Awaiting readers get the same tokens as the reader
     thread's; a killed engine process ends what is open as unavailable; shutdown ends what is left."""
     import asyncio
 
-    reqs = [_greedy(i, n) for i, n in enumerate((5, 17, 9))]
+    reqs = [_greedy(i, n) for i, n in enumerate(LENGTHS[:3])]
 
     async def collect(stream):
         toks, last = [], None
@@ -250,12 +258,7 @@ def test_a_client_reading_on_an_event_loop_streams_the_same_tokens_and_fails_str
             c.shutdown()
 
     got, last = asyncio.run(main())
-    eng = LLMEngine(_config(tiny_checkpoints["llama"]))
-    try:
-        want = [_tokens(eng.generate(r)) for r in reqs]
-    finally:
-        eng.shutdown()
-    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g[0] for g in got] == [w[0] for w in in_process[:3]]
     assert all(g[1].finish_reason is FinishReason.LENGTH for g in got)
     assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.UNAVAILABLE
 
