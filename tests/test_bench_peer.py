@@ -82,3 +82,39 @@ def test_paired_run_alternates_the_engines_round_by_round(monkeypatch):
     assert res["kairos_dtype"] == "float32" and res["start_s"]["vllm"] == 2.0
     assert all(len(res["runs"][b]) == 2 and all(p["vllm"] == b * 3 for p in res["runs"][b]) for b in (1, 2))
     assert set(res["ratio_median"]) == {1, 2} and all(r > 0 for r in res["ratio_median"].values())
+
+
+def test_serve_mode_alternates_the_servers_and_reports_each_ones_median(monkeypatch, tmp_path):
+    """`--serve` with stand-ins for both servers and vLLM's client (no Ray, no vLLM here): round r runs Kairos first
+    when r is even, each run's client figures are kept, and each engine's figures are the median of its runs."""
+    import contextlib
+
+    import bench.overhead
+
+    order, ttft = [], iter([100.0, 200.0, 300.0, 150.0, 120.0, 210.0])
+
+    @contextlib.contextmanager
+    def served(args, log):
+        order.append(("kairos", args))
+        yield "http://kairos"
+
+    def vllm_run(venv, model_dir, run, log, timeout_s):
+        order.append(("vllm", venv))
+        return run("http://vllm")
+
+    def client(venv, url, model_dir, dataset, n, rate, out):
+        assert (n, rate, dataset) == (8, 1.5, "sg.json")
+        return {"median_ttft_ms": next(ttft), "median_tpot_ms": 20.0, "request_throughput": 1.4,
+                "mean_ttft_ms": 1.0, "p99_ttft_ms": 2.0, "url": url}
+    monkeypatch.setattr(bench.overhead, "served", served)
+    monkeypatch.setattr(peer, "vllm_server_run", vllm_run)
+    monkeypatch.setattr(peer, "bench_serve", client)
+    args = peer.parse_args(["--serve", "--vllm-venv", "V", "--serve-args", "policy=fcfs", "--rate", "1.5",
+                            "--num-prompts", "8", "--reps", "3", "--dataset-path", "sg.json"])
+    res = peer.run_servers(args, "model-dir")
+    assert [e for e, _ in order] == ["kairos", "vllm", "vllm", "kairos", "kairos", "vllm"]
+    assert ("kairos", "policy=fcfs") in order
+    assert [r["median_ttft_ms"] for r in res["runs"]["kairos"]] == [100.0, 150.0, 120.0]
+    assert {r["url"] for r in res["runs"]["vllm"]} == {"http://vllm"}
+    assert res["median_of_runs"]["kairos"]["median_ttft_ms"] == 120.0
+    assert res["median_of_runs"]["vllm"]["median_ttft_ms"] == 210.0
