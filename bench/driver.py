@@ -311,8 +311,8 @@ def _drain(stream: Any, rec: Record, timeout: float, client_times: bool, first: 
 def freeze_heap() -> None:
     """Move what this process holds now (the ShareGPT corpus, the workloads, earlier points' records) out of the
     garbage collector's reach before a timed run. A full collection walks every tracked object: with the corpus
-    loaded that took 20-43 ms here, a stall of the in-process engine's thread (it shares the GIL) or of the
-    client's token stamps, which put short replies 1.2-1.5x over their TPOT under every policy alike. The engine
+    loaded that stalls the in-process engine's thread (it shares the GIL) or the client's token stamps, which put
+    short replies over their TPOT under every policy alike. The engine
     freezes its own start-up heap the same way; a served replica holds no such heap."""
     gc.collect()
     gc.freeze()
@@ -630,8 +630,8 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
     than `timeout_s` ends as an error "client_timeout". With `max_inflight`, an arrival that finds that many
     requests in flight is not sent (its record: error "client_backlog").
 
-    The client is aiohttp's, as in vLLM's `bench serve`: with httpx's async client the TTFT p50 over HTTP read
-    1.6-2.0 ms more, run pair by run pair, its own work on the cores the server shares on one box (bench/README.md).
+    The client is aiohttp's, as in vLLM's `bench serve`: httpx's async client read a higher TTFT over HTTP, run pair
+    by run pair, its own work on the cores the server shares on one box.
     """
     import aiohttp
 

@@ -46,9 +46,9 @@ class ServeArgs(BaseModel):
     reroute_rejected: int = Field(0, ge=0, le=16, description="router=slo with several replicas: a request a "
                                   "replica turns away for its SLOs or its load (429) is sent on to another replica "
                                   "this many times, with its TTFT SLO less the time spent, before the client gets "
-                                  "the 429 (Ray's pow2 router cannot avoid a replica; routed topology only). Off by default: on a 2-core "
+                                  "the 429 (Ray's pow2 router cannot avoid a replica; routed topology only). Off by default: on a small "
                                   "box most rerouted requests were turned away again and the extra calls cost "
-                                  "goodput (bench/README.md)")
+                                  "goodput")
     metrics_interval_s: float = Field(0.5, gt=0, description="engine gauge refresh period")
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
@@ -78,7 +78,7 @@ class ServeArgs(BaseModel):
         "engine", description="the nice value of each LLM replica's event loop thread (it admits the requests, "
         "delivers the tokens and answers /health) where the engine's own thread undid Ray's nice 15 (an engine "
         "sharing the node's cores): engine: the engine thread's (0); ray: Ray's 15, under which a burst's "
-        "admissions held /health for up to 0.6 s on 2 cores (bench/README.md)")
+        "admissions held /health for longer on a small box")
     log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
     access_log: bool = Field(False, description="Ray Serve's access log: a line per request in the replicas' logs "
                              "(and, through Ray's log monitor, on the driver's console). Off by default, as vLLM "

@@ -3,9 +3,8 @@
 By default Serve runs a Python proxy actor per node: every HTTP request and every streamed chunk crosses it
 (ASGI over Ray) on its way to the Ingress replica. With `RAY_SERVE_ENABLE_HA_PROXY=1` and
 `RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, HAProxy (C) listens on the HTTP port and forwards to each Ingress replica,
-which serves HTTP itself. Measured with `python -m bench.overhead` on the 2-core AMX Xeon, trained model, same
-load (bench/README.md, `http-overhead-haproxy`): it takes what HTTP adds to TTFT p50 from ~+50 to ~+28 ms and
-lifts a 150-request burst's throughput.
+which serves HTTP itself: HTTP adds less to TTFT and a burst's throughput rises (`python -m bench.overhead`, the
+summary `http-overhead-haproxy`).
 
 Both flags are read by Serve's controller when it starts, so they must be in the environment before Ray does.
 `prefer_haproxy_ingress` sets them, unless the user set either already (`RAY_SERVE_ENABLE_HA_PROXY=0` keeps the
@@ -16,16 +15,13 @@ Ingress replicas' minimum drain on shutdown from Ray's 30 s to 5 s (`DRAIN_ENV`)
 (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`): with Ray's default each request's handler runs on a second loop
 in its own thread, and the ASGI messages of every request and every streamed chunk cross between the two loops.
 Kairos's handlers do not block (the engine runs in its own process or thread; validating and tokenizing a prompt
-take milliseconds at most), so the second loop only adds a thread hop. Same load, back to back, two runs of 3 rounds on a 2-core
-Zen 5 EPYC (bench/README.md, "One event loop per replica"): TTFT p50 lower in five rounds of six (0.9 ms at the
-median), ITL and a 150-request burst's throughput the same.
+take milliseconds at most), so the second loop only adds a thread hop (measured with `python -m bench.overhead`:
+TTFT lower, ITL and a burst's throughput the same).
 
 `prefer_quiet_control_loop` slows Serve's controller loop from Ray's 0.1 s to 0.5 s (`RAY_SERVE_CONTROL_LOOP_INTERVAL_S`).
-That loop reconciles deployments, health checks and autoscaling; on an idle 2-core box it was the largest of Ray's
-background processes, 3.9% of a core, and all of Ray's took 16.0%, on the cores the engine's steps run on. At 0.5 s:
-1.6% and 12.1%. Under the `bench.overhead` load the controller's CPU went from 0.52 to 0.21 s a run, and the engine
-waited less for a core in each of three rounds (bench/README.md, "The engine's outputs on the replica's loop").
-Serve then reacts to a replica's state change up to 0.4 s later, which nothing in serving an LLM notices.
+That loop reconciles deployments, health checks and autoscaling; on an idle small box it was the largest of Ray's
+background processes, on the cores the engine's steps run on, and at 0.5 s it takes a fraction of that CPU (the
+summary `http-overhead-amx-emr-loop-reader`). Serve then reacts to a replica's state change up to 0.4 s later, which nothing in serving an LLM notices.
 
 `guard_haproxy` (with the flags) has Serve start HAProxy through a launcher that ties HAProxy's life to the actor that
 started it and binds its stats and Prometheus listeners to 127.0.0.1; `hook_serve_run` gives `serve run

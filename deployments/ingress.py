@@ -463,9 +463,8 @@ class GenerationFastPath:
     frontend (`OpenAIFrontend._serve_generation`); everything else (health, models, the docs, lifespan, unknown
     paths and methods) to the FastAPI app, whose routes stay the API's reference (OpenAPI schema, docs).
 
-    On the 2-core box FastAPI's routing, middleware and `StreamingResponse` were ~12% of a replica's CPU for
-    one-token requests, spent while the engine steps on the same cores; without them HTTP added 0.8 ms less TTFT
-    p50 (bench/README.md, "The generation routes' fast path")."""
+    FastAPI's routing, middleware and `StreamingResponse` were a sizeable share of a replica's CPU for one-token
+    requests, spent while the engine steps on the same cores; without them HTTP adds less TTFT."""
 
     def __init__(self, frontend: OpenAIFrontend, api: FastAPI) -> None:
         self.frontend, self.api = frontend, api

@@ -104,10 +104,9 @@ def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | N
     backend keeps one for its API server, and the engine's steps go before that Python (nice 0). With fewer, a
     spare core would cost an engine half its speed or more, so it takes every core: its kernels run on Kairos's
     thread team, which does not wait for a worker that Serve's Python keeps off its core, and only the engine's
-    own thread goes before that Python, its workers staying at Ray's nice 15. On 2 cores HTTP then added
-    +15.8 / +3.4 ms TTFT / ITL p50 over the in-process engine, against +25.3 / +8.3 with 1 thread
-    (bench/README.md, "A thread team for shared cores"); 2 OpenMP threads at nice 0 starved the HTTP proxy
-    (TTFT p50 986 ms). With `num_cpus>0` Ray's split stands."""
+    own thread goes before that Python, its workers staying at Ray's nice 15 (HTTP then adds less over the
+    in-process engine than with one thread; OpenMP threads at nice 0 starved the HTTP proxy). With `num_cpus>0`
+    Ray's split stands."""
     threads = num_threads
     if threads is None and share_cores_with:
         spare = 1 if engine_process and cpus // share_cores_with >= 4 else 0
@@ -156,10 +155,9 @@ class LLMReplica:
             if cores.favoured and loop_priority == "engine":
                 # This thread runs the replica's event loop (`prefer_user_code_on_main_loop`): it admits every
                 # request and delivers every token (and, serving HTTP itself, answers /health). At Ray's nice 15
-                # it lost its core to the favoured engine thread whenever both were runnable: on a 2-core box a
-                # burst's admissions held /health for 0.34-0.59 s, against 0.14-0.26 s at nice 0 (bench/README.md,
-                # "The replica's event loop at the engine's priority"). Its work is small next to the steps', so it
-                # runs at the engine thread's priority.
+                # it lost its core to the favoured engine thread whenever both were runnable: on a small box a
+                # burst's admissions held /health several times longer than at nice 0. Its work is small next to
+                # the steps', so it runs at the engine thread's priority.
                 unnice()
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only

@@ -73,7 +73,7 @@ class _FakeEngine:
     """Finishes even-numbered requests at once (3 tokens, 10 ms apart, 3 decode steps); odd ones only when aborted."""
 
     def __init__(self):
-        import engine.stats  # noqa: F401 - imported here, not in the first add_request: its ~0.4 s cold import there
+        import engine.stats  # noqa: F401 - imported here, not in the first add_request: its cold import there
         import engine.stream  # noqa: F401 - would stamp the first arrival late and break the open-loop check
 
         self.streams, self.aborted, self.observers = {}, [], []
