@@ -51,9 +51,10 @@ PRESETS: dict[str, PolicyFlags] = {
     # opt-in: on ShareGPT its goodput gain did not hold from run to run, and it moves the interactive tier's share to
     # the relaxed one
     # length_predictor (reply lengths predicted from the prompt where no hint is given) is opt-in in every preset: on
-    # ShareGPT with the lengths hidden, kairos served less with it than without (bench.slo --lengths predicted).
-    # With it, kairos's VBS gate admits against the 0.8 quantile of the predicted length (a reply that outruns the
-    # plan slows the whole batch), everything else plans for the mean; SCORPIO plans for the mean throughout
+    # ShareGPT with the lengths hidden (bench.slo --lengths predicted), kairos with it served a little more than
+    # without, short of what exact lengths give, and its weights count kairos-tiny's tokens. With it, kairos's VBS
+    # gate admits against the 0.8 quantile of the predicted length (a reply that outruns the plan slows the whole
+    # batch; the mean did as well there), everything else plans for the mean; SCORPIO plans for the mean throughout
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_gate_quantile=0.8),
