@@ -201,3 +201,24 @@ def compile_report(arch: int = 90) -> None:
                 build(ta._decode_stage2_kernel, meta2, dtype)
         else:
             build(ta._prefill_kernel, ta._prefill_meta(h, kvh, d, bs, dtype, n), dtype)
+
+
+def triton_device_or_skip(what: str) -> tuple[bool, str]:
+    """For a module of tests/gpu that runs Triton kernels: (on CUDA, its device). Without CUDA the module is skipped,
+    unless KAIROS_GPU_TESTS_ON_CPU=1 and TRITON_INTERPRET=1 (set before the process starts) dry-run it on the CPU
+    through Triton's interpreter. `what` names the kernels in the skip reason."""
+    import os
+
+    import pytest
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    on_cpu = (not on_cuda and os.environ.get("KAIROS_GPU_TESTS_ON_CPU") == "1"
+              and os.environ.get("TRITON_INTERPRET") == "1")
+    if not (on_cuda or on_cpu):
+        pytest.skip("no CUDA device (KAIROS_GPU_TESTS_ON_CPU=1 TRITON_INTERPRET=1 dry-runs this module on the CPU)",
+                    allow_module_level=True)
+    pytest.importorskip("triton", reason=f"triton is not installed: the CUDA backend's {what} need it")
+    if on_cpu:
+        patch_interpreter_for_numpy()
+    return on_cuda, "cuda" if on_cuda else "cpu"

@@ -9,28 +9,19 @@ graph and its effective bandwidth at batch 1 / 64 / 256.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.paged_attention_reference import patch_interpreter_for_numpy
+from tests.paged_attention_reference import triton_device_or_skip
 
-ON_CUDA = torch.cuda.is_available()
-ON_CPU = (not ON_CUDA and os.environ.get("KAIROS_GPU_TESTS_ON_CPU") == "1"
-          and os.environ.get("TRITON_INTERPRET") == "1")
-if not (ON_CUDA or ON_CPU):
-    pytest.skip("no CUDA device (KAIROS_GPU_TESTS_ON_CPU=1 TRITON_INTERPRET=1 dry-runs this module on the CPU)",
-                allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's fused kernels need it")
-if ON_CPU:
-    patch_interpreter_for_numpy()
+ON_CUDA, DEV = triton_device_or_skip("fused kernels")
+ON_CPU = not ON_CUDA
 
 from engine.backends.base import rms_norm as ref_rms_norm  # noqa: E402
 from engine.backends.cuda import fused  # noqa: E402
 
-DEV = "cuda" if ON_CUDA else "cpu"
 HIDDEN, INTER, H, KV, HD, BS = 4096, 14336, 32, 8, 128, 16
 if ON_CPU:  # the interpreter runs each program in numpy: a smaller MLP
     INTER = 1024

@@ -15,19 +15,11 @@ import pytest
 import torch
 
 from tests.paged_attention_reference import (
-    TOL, assert_close, make_paged, patch_interpreter_for_numpy, run_decode_case, run_prefill_case)
+    TOL, assert_close, make_paged, run_decode_case, run_prefill_case, triton_device_or_skip)
 
-ON_CUDA = torch.cuda.is_available()
-ON_CPU = (not ON_CUDA and os.environ.get("KAIROS_GPU_TESTS_ON_CPU") == "1"
-          and os.environ.get("TRITON_INTERPRET") == "1")
-if not (ON_CUDA or ON_CPU):
-    pytest.skip("no CUDA device (KAIROS_GPU_TESTS_ON_CPU=1 TRITON_INTERPRET=1 dry-runs this module on the CPU)",
-                allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed: the CUDA backend's attention kernels need it")
-if ON_CPU:
-    patch_interpreter_for_numpy()
+ON_CUDA, DEV = triton_device_or_skip("attention kernels")
+ON_CPU = not ON_CUDA
 
-DEV = "cuda" if ON_CUDA else "cpu"
 # Sizes shrink by this factor on the CPU dry run (the interpreter runs each program in numpy).
 SHRINK = 1 if ON_CUDA else 16
 

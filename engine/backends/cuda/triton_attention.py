@@ -113,6 +113,27 @@ def alloc_decode_workspace(num_seqs: int, num_heads: int, head_dim: int, num_spl
 
 
 @triton.jit
+def _scores_and_values(q, k_base, v_base, bt_row, tok, n_mask, d_mask, offs_d, stride_kb, stride_kt, stride_vb,
+                       stride_vt, BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One K/V tile of a sequence, read in place through its block table (the block ids of the tile's tokens are
+    masked past the context, so a row's tail is never read): the scores q @ K^T (unscaled) and the tile's V."""
+    blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = (tok % BLOCK_SIZE).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s, v
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale,  # softmax scale * log2(e)
@@ -170,20 +191,8 @@ def _decode_stage1_kernel(
     for tile in range(tile_lo, tile_hi):
         tok = tile * TILE_N + offs_n
         n_mask = tok < ctx
-        # Block ids of the tile's tokens; masked past the context, so the row's tail is never read.
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = (tok % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s, v = _scores_and_values(q, k_base, v_base, bt_row, tok, n_mask, d_mask, offs_d, stride_kb, stride_kt,
+                                  stride_vb, stride_vt, BLOCK_SIZE, DOT_F32, DOT_PREC)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
         # Every tile in [tile_lo, tile_hi) holds at least one token < ctx, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -409,19 +418,8 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         tok = start + offs_n
         n_mask = tok < kv_end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = (tok % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s, v = _scores_and_values(q, k_base, v_base, bt_row, tok, n_mask, d_mask, offs_d, stride_kb, stride_kt,
+                                  stride_vb, stride_vt, BLOCK_SIZE, DOT_F32, DOT_PREC)
         # Token 0 is visible to every row (padding rows included), so each row's max is finite from the first tile.
         s = tl.where(tok[None, :] < limit[:, None], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
