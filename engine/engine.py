@@ -448,7 +448,7 @@ class LLMEngine:
     def _isolate(self, plan, reqs: list[Request], err: Exception) -> list[int | Exception] | None:
         """A step failed: run each of its requests alone so that one bad request fails alone, not its neighbours.
         Returns the tokens of `reqs` (a `_StepFailed` for those that fail again; chunks that fail are finished
-        here), or None when the whole step failed (one request, an injected fault, or every request failing)."""
+        here), or None when the whole step failed as it was (a step of one request, or an injected fault)."""
         forward = plan.forward
         if len(forward) == 1 or isinstance(err, _InjectedFault):
             log.exception("model step failed; failing %d requests", len(forward), exc_info=err)

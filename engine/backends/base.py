@@ -71,14 +71,13 @@ class PreparedStep:
 class Packed:
     """The step's tokens packed into one sequence, as Python lists (a backend turns them into tensors).
     `spans[j]` = (i, q_start, start, end): prefill `step.prefill[i]` computes positions [start, end) at rows
-    [q_start, q_start + end - start); decodes follow from `decode_start` in `decode_order`."""
+    [q_start, q_start + end - start); the decodes follow from `decode_start`, in the order `pack` was given."""
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     decode_start: int = 0
-    decode_order: list[int] = field(default_factory=list)
 
 
 def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = None,
@@ -102,7 +101,6 @@ def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = Non
         p.spans.append((i, q_start, start, end))
     p.decode_start = len(tokens)
     order = decode_order if decode_order is not None else list(range(len(step.decode)))
-    p.decode_order = order
     rank = [0] * len(step.decode)
     for pos, i in enumerate(order):
         r = step.decode[i]
@@ -196,9 +194,6 @@ class Backend:
     def execute(self, runner: "ModelRunner", step: StepBatch) -> torch.Tensor:
         """Logits [R, vocab] of the step's sampled rows, in `prefill + decode` order."""
         return runner.forward(self.prepare(step))
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work (timing)."""
 
     def identity(self) -> dict:
         """What a cached latency profile depends on beyond the model (kernel builds, graph use)."""

@@ -248,10 +248,6 @@ class TorchBackend(Backend):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scaling)  # [B, kvh, group, hd]
             out[d0:d0 + B] = o.reshape(B, num_heads, hd)
 
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def release(self) -> None:
         self.workspace.clear()
         super().release()
