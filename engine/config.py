@@ -52,5 +52,10 @@ class EngineConfig(BaseModel):
     max_tokens_over_context: Literal["clamp", "reject"] = Field(
         "clamp", description="a max_tokens beyond the context left: clamp (the reply ends at the window, as an "
                              "in-process engine does) or reject (ValueError; the OpenAI server's 400, as vLLM's)")
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="overlap scheduling: plan and launch step N+1 while the device still runs step N (its "
+                            "sampled tokens feed N+1 on the device; the host learns them one step later, so a reply "
+                            "that ends at N costs one discarded row in N+1). auto: on for CUDA, off on the CPU "
+                            "(where the host is the device, nothing overlaps)")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

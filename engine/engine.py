@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, RejectReason, RequestOutput
-from core.request import SLO, FinishReason, Request
+from core.request import SLO, FinishReason, Request, Status
 from core.sampling import SamplingParams
 from core.kv import BlockManager
 from engine import backends
@@ -36,10 +36,11 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import load_or_profile, refit
+from engine.sampler import SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.predictor import LatencyModel
-from scheduling.scheduler import Scheduler
+from scheduling.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger("kairos.engine")
 T = TypeVar("T")
@@ -57,6 +58,17 @@ class _InjectedFault(RuntimeError):
 class _InjectFault:
     count: int
     fatal: bool = False
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read yet (overlap scheduling keeps one in flight)."""
+    plan: StepPlan
+    reqs: list[Request]  # the rows that sample (`plan.requests` when it was launched)
+    index: list[int]  # where each row's placeholder sits in its token_ids (`Scheduler.launched`)
+    tokens: SampledTokens | None  # None: no row samples (prefill chunks only)
+    t0: float  # when its scheduling started (perf_counter)
+    forward_ms: float  # its forward's launch (the whole forward where the device is the host)
 
 
 @dataclass(slots=True)
@@ -89,6 +101,8 @@ class LLMEngine:
         self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
         self._step_batch: float | None = None  # EWMA of their decode batch sizes
+        self._inflight: _InFlight | None = None  # overlap scheduling: the launched step not yet resolved
+        self._last_resolved = 0.0  # perf_counter when the last step's tokens were resolved
         self._stats_lock = threading.Lock()
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
@@ -130,6 +144,7 @@ class LLMEngine:
         self.cache = KVCache.of(spec, blocks, b.device, backend.scratch_blocks)
         backend.attach(self.cache)
         self.runner = ModelRunner(b.model, self.cache, backend, decoder)
+        self.overlap = config.overlap == "on" or (config.overlap == "auto" and b.device.type == "cuda")
         self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
@@ -327,6 +342,9 @@ class LLMEngine:
             while not self._stop:
                 self._drain_inbox()
                 if not self.scheduler.has_work():
+                    if self._inflight is not None:  # its requests all ended (aborted): nothing waits for it
+                        self._settle()
+                        continue
                     self._publish(0, 0)
                     self._emit()
                     self._wakeup.wait(0.5)
@@ -341,6 +359,7 @@ class LLMEngine:
                 self._finish(req, FinishReason.ERROR, error=f"engine failure: {e!r}")
             self._publish(0, 0)
         finally:
+            self._inflight = None
             self._drain_after_stop()
             self._emit()
 
@@ -381,6 +400,7 @@ class LLMEngine:
 
     def _run_job(self, job: _IdleJob) -> None:
         try:
+            self._settle()  # a job sees the engine between steps, every launched step resolved
             if self._stop:
                 raise RuntimeError("engine shut down")
             job.result = job.fn(self)
@@ -389,6 +409,8 @@ class LLMEngine:
         job.done.set()
 
     def _step(self) -> None:
+        """Schedule and launch a step; resolve the step launched before it (overlap scheduling: this one stays in
+        flight while the host plans the next), or this one at once (without overlap)."""
         t0 = time.perf_counter()
         sched = self.scheduler
         plan = sched.schedule(time.monotonic())
@@ -396,8 +418,11 @@ class LLMEngine:
             self._reject(req, reason)
         t1 = time.perf_counter()
         self._phase["schedule"] += t1 - t0
+        prev, self._inflight = self._inflight, None
         if plan.empty:
-            if not plan.rejected:  # waiting requests that cannot be admitted yet
+            if prev is not None:  # what is left runs out with the step in flight (its last tokens)
+                self._resolve(prev)
+            elif not plan.rejected:  # waiting requests that cannot be admitted yet
                 self._wakeup.wait(0.005)
                 self._wakeup.clear()
             return
@@ -408,30 +433,61 @@ class LLMEngine:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise _InjectedFault("injected fault")
-            logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends)
+            prev_tokens = prev.tokens.device_tokens(self.bundle.device) \
+                if prev is not None and prev.tokens is not None else None
+            logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends, prev_tokens)
             t2 = time.perf_counter()
-            tokens = self.sampler.sample(logits, reqs) if reqs else []
+            tokens = self.sampler.sample_async(logits, reqs) if reqs else None
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
             t2 = time.perf_counter()
-            tokens = self._isolate(plan, reqs, e)
-            if tokens is None:
+            if prev is not None:  # the step before first: its tokens are this one's inputs
+                self._resolve(prev)
+                prev = None
+            isolated = self._isolate(plan, reqs, e)
+            if isolated is None:
                 return
+            tokens = SampledTokens.of(isolated)
         t3 = time.perf_counter()
         self._phase["forward"] += t2 - t1
         self._phase["sample"] += t3 - t2
-        for req, tok, reason in sched.postprocess(plan, tokens, time.monotonic()):
+        launched = _InFlight(plan, reqs, sched.launched(plan), tokens, t0, (t2 - t1) * 1000.0)
+        if prev is not None:
+            self._resolve(prev)
+        if self.overlap:
+            self._inflight = launched
+        else:
+            self._resolve(launched)
+
+    def _settle(self) -> None:
+        """Resolve the step in flight, if any."""
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            self._resolve(f)
+
+    def _resolve(self, f: _InFlight) -> None:
+        """A launched step's tokens reach the host (waiting for the device): the scheduler's bookkeeping, then the
+        streams, the step's feedback and the published stats."""
+        sched, plan = self.scheduler, f.plan
+        t0 = time.perf_counter()
+        tokens = f.tokens.result() if f.tokens is not None else []
+        t1 = time.perf_counter()
+        self._phase["forward"] += t1 - t0  # waiting for the device
+        where = {id(r): i for r, i in zip(f.reqs, f.index)}
+        for req, tok, reason in sched.resolved(f.reqs, f.index, tokens, time.monotonic()):
             if isinstance(tok, Exception):
                 what = "model step failed" if isinstance(tok, _StepFailed) else "sampling failed"
                 self._finish(req, FinishReason.ERROR, error=f"{what}: {tok.__cause__ or tok!r}")
                 continue
-            reason = self.outputs.on_token(req, tok, reason)
+            reason = self.outputs.on_token(req, tok, reason, where[id(req)] + 1 - req.num_prompt_tokens)
             if reason is not None:
                 self._finish(req, reason, last_token=tok)
         self._steps += 1
-        t4 = time.perf_counter()
-        self._phase["postprocess"] += t4 - t3
+        t2 = time.perf_counter()
+        self._phase["postprocess"] += t2 - t1
         now = time.monotonic()
-        step_ms = (t4 - t0) * 1000.0
+        # the step as its requests saw it: from its start, or from the step before's tokens where it overlapped that
+        step_ms = (t2 - max(f.t0, self._last_resolved)) * 1000.0
+        self._last_resolved = t2
         sched.on_step_done(plan, step_ms, now)
         if plan.decode:
             b = float(len(plan.decode))
@@ -440,7 +496,7 @@ class LLMEngine:
             self._step_batch = b if first else 0.9 * self._step_batch + 0.1 * b
         if self._observers:
             event = StepEvent(now, len(plan.prefill), plan.num_prefill_tokens, len(plan.decode),
-                              plan.decode_mean_len, (t2 - t1) * 1000.0, step_ms)
+                              plan.decode_mean_len, f.forward_ms, step_ms)
             for fn in self._observers:
                 fn(event)
         self._publish(len(plan.prefill), len(plan.decode))
@@ -460,6 +516,8 @@ class LLMEngine:
         tokens: list[int | Exception] = [0] * len(reqs)
         ends = dict(zip(map(id, plan.prefill), plan.prefill_ends))
         for req in forward:
+            if req.status is Status.FINISHED:  # ended with the step before (overlap scheduling)
+                continue
             try:
                 if id(req) in ends:
                     logits = self.runner.execute([req], [], [ends[id(req)]])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from core.request import Request
-from engine.backends.base import Backend, PreparedStep, StepBatch
+from engine.backends.base import Backend, PreparedStep, StepBatch, resolve_placeholders
 from engine.decoder import KairosDecoder
 from engine.kv_cache import KVCache
 
@@ -31,13 +31,16 @@ class ModelRunner:
         return self.backend.prepare(StepBatch.of(prefill, decode, ends))
 
     @torch.inference_mode()
-    def forward(self, step: PreparedStep) -> torch.Tensor:
-        """Logits [n_requests, vocab] for the last token of each request, in `prefill + decode` order."""
+    def forward(self, step: PreparedStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n_requests, vocab] for the last token of each request, in `prefill + decode` order. Placeholder
+        ids read the previous step's tokens from `prev_tokens` (`StepBatch`)."""
+        ids = resolve_placeholders(step.input_ids, prev_tokens)
         if self.decoder is not None:
-            return self.decoder(step.input_ids, step.positions, step.logit_rows, step.meta)
-        out = self.model(input_ids=step.input_ids[None], position_ids=step.positions[None],
+            return self.decoder(ids, step.positions, step.logit_rows, step.meta)
+        out = self.model(input_ids=ids[None], position_ids=step.positions[None],
                          logits_to_keep=step.logit_rows, use_cache=False, kairos=step.meta)
         return out.logits[0]
 
-    def execute(self, prefill: list[Request], decode: list[Request], ends: list[int] | None = None) -> torch.Tensor:
-        return self.backend.execute(self, StepBatch.of(prefill, decode, ends))
+    def execute(self, prefill: list[Request], decode: list[Request], ends: list[int] | None = None,
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.execute(self, StepBatch.of(prefill, decode, ends, prev_tokens))

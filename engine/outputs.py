@@ -29,9 +29,11 @@ class OutputProcessor:
     def add(self, req: Request, stream: OutputSink) -> None:
         self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer))
 
-    def on_token(self, req: Request, tok: int, reason: FinishReason | None) -> FinishReason | None:
-        """Detokenize `tok` and check the stop strings. Emits the delta unless the request ends now; returns
-        the request's finish reason (a stop string makes it STOP), or None while it goes on."""
+    def on_token(self, req: Request, tok: int, reason: FinishReason | None,
+                 num_output_tokens: int | None = None) -> FinishReason | None:
+        """Detokenize `tok`, the request's `num_output_tokens`-th output token (default: its last), and check the
+        stop strings. Emits the delta unless the request ends now; returns the request's finish reason (a stop
+        string makes it STOP), or None while it goes on."""
         live = self._live[req.request_id]
         p = req.params
         delta = live.detok.step(tok)
@@ -50,7 +52,7 @@ class OutputProcessor:
         live.emitted_chars = upto
         live.stream.put(RequestOutput(req.request_id, text=text, token_ids=[tok],
                                       num_prompt_tokens=req.num_prompt_tokens,
-                                      num_output_tokens=req.num_output_tokens))
+                                      num_output_tokens=num_output_tokens or req.num_output_tokens))
         return None
 
     def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,

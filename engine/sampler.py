@@ -123,10 +123,15 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
         """One token per request; a request whose own sampling fails gets its exception instead. The logits are
         the sampler's to change (a step's fresh output)."""
+        return self.sample_async(logits, reqs).result()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, reqs: list[Request]) -> "SampledTokens":
+        """`sample` without waiting for the device: the tokens stay on the logits' device (where the next step can
+        read them) and are on their way to the host; `result()` waits for them."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
         dev = logits.device
@@ -151,12 +156,8 @@ class Sampler:
             u = u[torch.tensor(keep, dtype=torch.long, device=dev)]
         greedy = len(sampled) + len(failed) < len(reqs)
         if self.argmax is not None or self.draw is not None:
-            out = self._host_paths(logits, reqs, sampled, u, greedy)
-        else:
-            out = self._device_paths(logits, reqs, sampled, u, greedy)
-        for i, e in failed.items():
-            out[i] = e
-        return out
+            return SampledTokens(self._host_paths(logits, reqs, sampled, u, greedy), failed)
+        return SampledTokens.on_device(self._device_paths(logits, reqs, sampled, u, greedy), failed)
 
     def _uniforms(self, reqs: list[Request], rows: list[int], dev: torch.device,
                   failed: dict[int, Exception]) -> torch.Tensor:
@@ -173,11 +174,10 @@ class Sampler:
         return u
 
     def _host_paths(self, logits: torch.Tensor, reqs: list[Request], sampled: list[int], u: torch.Tensor,
-                    greedy: bool) -> list[int | Exception]:
+                    greedy: bool) -> list[int]:
         """The backend's host calls (CPU kernels), each falling back to the torch ops where it cannot run."""
         if greedy:
-            out: list[int | Exception] = (self.argmax(logits) if self.argmax is not None
-                                          else _first_max(logits).tolist())
+            out: list[int] = self.argmax(logits) if self.argmax is not None else _first_max(logits).tolist()
         else:
             out = [0] * len(reqs)
         if sampled:
@@ -189,12 +189,12 @@ class Sampler:
             if drawn is None:
                 drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()
             for i, t in zip(sampled, drawn):
-                out[i] = t if t >= 0 else RuntimeError(NOT_FINITE)
+                out[i] = t
         return out
 
     def _device_paths(self, logits: torch.Tensor, reqs: list[Request], sampled: list[int], u: torch.Tensor,
-                      greedy: bool) -> list[int | Exception]:
-        """Greedy and sampled rows on the logits' device, one copy of the tokens to the host."""
+                      greedy: bool) -> torch.Tensor:
+        """Greedy and sampled rows on the logits' device: the tokens [R] there (-1: a row that failed)."""
         dev = logits.device
         if greedy:
             tokens = _first_max(logits)
@@ -206,7 +206,7 @@ class Sampler:
                 tokens = drawn
             else:
                 tokens[torch.tensor(sampled, device=dev)] = drawn
-        return [t if t >= 0 else RuntimeError(NOT_FINITE) for t in tokens.tolist()]
+        return tokens
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], u: torch.Tensor) -> torch.Tensor:
         """The sampled rows together, on the logits' device: temperature, top-k, softmax, top-p, then each row's
@@ -237,3 +237,53 @@ class Sampler:
             sel = torch.tensor(nucleus, device=dev)
             tokens[sel] = _top_p_draw(probs[sel], torch.tensor([top_ps[j] for j in nucleus], device=dev), u[sel])
         return torch.where(ok, tokens, -1)
+
+
+class SampledTokens:
+    """A step's sampled tokens: on the device where they were drawn (`device_tokens`: the next step's inputs read them
+    there) and, once `result()` has waited for its copy, on the host. -1 marks a row whose probabilities were not
+    finite; `failed` holds the rows whose own sampling raised."""
+
+    __slots__ = ("_host", "_device", "_ready", "_failed")
+
+    def __init__(self, host: list[int] | torch.Tensor, failed: dict[int, Exception] | None = None,
+                 device: torch.Tensor | None = None, ready: "torch.cuda.Event | None" = None) -> None:
+        self._host = host
+        self._device = device
+        self._ready = ready
+        self._failed = failed or {}
+
+    @classmethod
+    def of(cls, tokens: list[int | Exception]) -> "SampledTokens":
+        """Tokens already on the host (an exception for a row that failed)."""
+        failed = {i: t for i, t in enumerate(tokens) if isinstance(t, Exception)}
+        return cls([0 if isinstance(t, Exception) else t for t in tokens], failed)
+
+    @classmethod
+    def on_device(cls, tokens: torch.Tensor, failed: dict[int, Exception]) -> "SampledTokens":
+        """Tokens drawn on `tokens.device`: a CUDA device's start a non-blocking copy into pinned host memory now."""
+        if tokens.device.type != "cuda":
+            return cls(tokens, failed, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(host, failed, tokens, ready)
+
+    def device_tokens(self, device: torch.device) -> torch.Tensor:
+        """The tokens as a long tensor on `device` (the step's inputs resolve their placeholders from it)."""
+        if self._device is None or self._device.device != device:
+            host = self._host if isinstance(self._host, torch.Tensor) else torch.tensor(self._host, dtype=torch.long)
+            self._device = host.to(device)
+        return self._device
+
+    def result(self) -> list[int | Exception]:
+        """One token per row (waits for the device): the exception of a row that failed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        toks = self._host.tolist() if isinstance(self._host, torch.Tensor) else self._host
+        out: list[int | Exception] = [t if t >= 0 else RuntimeError(NOT_FINITE) for t in toks]
+        for i, e in self._failed.items():
+            out[i] = e
+        return out

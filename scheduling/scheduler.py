@@ -142,6 +142,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.blocks.free(req)
+        while req.token_ids and req.token_ids[-1] < 0:  # placeholders of tokens it will not get (`launched`)
+            req.token_ids.pop()
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_s = now
@@ -389,6 +391,10 @@ class Scheduler:
         fresh = set(plan.prefill)
         decoding = [r for r in self.running if r not in fresh and not self._mid_prefill(r)] \
             if fresh or self.config.chunked_prefill else self.running
+        if any(r.token_ids[-1] < 0 for r in decoding):
+            # overlap scheduling: a request whose last token is on its way and ends it by length has nothing more
+            # to compute (it ends when that token is resolved)
+            decoding = [r for r in decoding if r.token_ids[-1] >= 0 or not self._length_reached(r, r.num_tokens)]
         t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
         self.last_vbs = vbs(self.running, t_min, be)
         if self.flags.credit_batching:
@@ -473,20 +479,38 @@ class Scheduler:
     # --- the step's bookkeeping ---
     def postprocess(self, plan: StepPlan, tokens: list[int | Exception], now: float
                     ) -> list[tuple[Request, int | Exception, FinishReason | None]]:
-        """Record the step's sampled tokens (one per `plan.requests`, or the exception sampling raised for it).
-        Returns per request its token and the token-level verdict: STOP (EOS or a stop token id), LENGTH
-        (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings* are text and
-        the engine's; it ends such requests with `finish`."""
-        out: list[tuple[Request, int | Exception, FinishReason | None]] = []
+        """Record the step's sampled tokens (one per `plan.requests`, or the exception sampling raised for it):
+        `launched` then `resolved`. Returns per request its token and the token-level verdict: STOP (EOS or a stop
+        token id), LENGTH (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings*
+        are text and the engine's; it ends such requests with `finish`."""
+        return self.resolved(plan.requests, self.launched(plan), tokens, now)
+
+    def launched(self, plan: StepPlan) -> list[int]:
+        """The step is on its way: its KV will be in the cache before any later step reads it, and each request that
+        samples gets a placeholder for its token, -(row + 1) for its row of the step's tokens (`StepBatch`), until
+        `resolved`. Returns where each placeholder sits in its request's token_ids (aligned with `plan.requests`)."""
         for req, end in zip(plan.prefill, plan.prefill_ends):
             if end < req.num_tokens:  # a chunk: its KV is in the cache now, no token yet
                 req.num_computed_tokens = end
-        for req, tok in zip(plan.requests, tokens):
+        index: list[int] = []
+        for row, req in enumerate(plan.requests):
             req.num_computed_tokens = req.num_tokens
+            index.append(req.num_tokens)
+            req.token_ids.append(-(row + 1))
+        return index
+
+    def resolved(self, reqs: list[Request], index: list[int], tokens: list[int | Exception], now: float
+                 ) -> list[tuple[Request, int | Exception, FinishReason | None]]:
+        """The sampled tokens of a `launched` step are known: each fills its placeholder. A request that ended
+        meanwhile (overlap scheduling: it ended on the step before, or was aborted) is skipped."""
+        out: list[tuple[Request, int | Exception, FinishReason | None]] = []
+        for req, i, tok in zip(reqs, index, tokens):
+            if req.status is Status.FINISHED:
+                continue
             if isinstance(tok, Exception):
                 out.append((req, tok, FinishReason.ERROR))
                 continue
-            req.token_ids.append(tok)
+            req.token_ids[i] = tok
             req.token_times.append(now)
             if req.first_token_s is None:
                 req.first_token_s = now
@@ -494,12 +518,17 @@ class Scheduler:
             reason = None
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = FinishReason.STOP
-            elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len or (
-                    self.config.bench_stop and req.bench_stop_after is not None
-                    and req.num_output_tokens >= req.bench_stop_after):  # benchmark only: see Request
+            elif self._length_reached(req, i + 1):
                 reason = FinishReason.LENGTH
             out.append((req, tok, reason))
         return out
+
+    def _length_reached(self, req: Request, num_tokens: int) -> bool:
+        """Whether `req` ends by its length once it holds `num_tokens` tokens: max_tokens, the context window, or
+        (benchmark only: see Request) its reference reply length."""
+        n_out = num_tokens - req.num_prompt_tokens
+        return n_out >= req.params.max_tokens or num_tokens >= self.max_model_len or (
+            self.config.bench_stop and req.bench_stop_after is not None and n_out >= req.bench_stop_after)
 
     def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
         """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;

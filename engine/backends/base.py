@@ -15,7 +15,7 @@ The torch reference backend (`engine.backends.torch_ref`) implements all of it w
 and CUDA backends extend it. Picture one step:
 
     scheduler -> StepBatch(prefill, decode, ends) -> backend.execute(runner, step)
-        = runner.forward(backend.prepare(step))  (or a graph replay)
+        = runner.forward(backend.prepare(step), step.prev_tokens)  (or a graph replay)
             -> decoder / HF forward -> backend.attend(layer, q, k, v, meta) per layer
     logits -> backend's sampler -> tokens
 """
@@ -37,14 +37,26 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class StepBatch:
     """One step as the scheduler planned it: each prefill computes its positions [num_computed_tokens, ends[i]) and
-    samples only if it reaches its num_tokens; each decode computes its last token."""
+    samples only if it reaches its num_tokens; each decode computes its last token.
+    Overlap scheduling: a token id -(j + 1) is a placeholder for row j of the previous step's sampled tokens, which
+    are still on the device (`prev_tokens`, [R] long); the inputs read it there (`resolve_placeholders`)."""
     prefill: list[Request]
     decode: list[Request]
     ends: list[int]
+    prev_tokens: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, prefill: list[Request], decode: list[Request], ends: list[int] | None = None) -> "StepBatch":
-        return cls(prefill, decode, ends if ends is not None else [r.num_tokens for r in prefill])
+    def of(cls, prefill: list[Request], decode: list[Request], ends: list[int] | None = None,
+           prev_tokens: torch.Tensor | None = None) -> "StepBatch":
+        return cls(prefill, decode, ends if ends is not None else [r.num_tokens for r in prefill], prev_tokens)
+
+
+def resolve_placeholders(ids: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+    """`ids` with each placeholder -(j + 1) replaced by `prev[j]`, on the device, without a sync (`StepBatch`)."""
+    if prev is None or prev.numel() == 0:
+        return ids
+    rows = (-ids - 1).clamp_(min=0, max=prev.numel() - 1)
+    return torch.where(ids < 0, prev.index_select(0, rows), ids)
 
 
 @dataclass(slots=True)
@@ -193,7 +205,7 @@ class Backend:
 
     def execute(self, runner: "ModelRunner", step: StepBatch) -> torch.Tensor:
         """Logits [R, vocab] of the step's sampled rows, in `prefill + decode` order."""
-        return runner.forward(self.prepare(step))
+        return runner.forward(self.prepare(step), step.prev_tokens)
 
     def identity(self) -> dict:
         """What a cached latency profile depends on beyond the model (kernel builds, graph use)."""

@@ -163,3 +163,31 @@ def test_greedy_request_beside_sampled_ones_equals_its_solo_run(device, llama_en
 def test_a_stream_ends_with_usage_counts(device, llama_engine):
     toks, last = collect(llama_engine.add_request([5, 6, 7, 8], greedy(6)))
     assert len(toks) == 6 and last.num_output_tokens == 6 and last.num_prompt_tokens == 4
+
+
+def test_overlap_scheduling_gives_the_replies_of_a_synchronous_engine(device, ckpts):
+    """Overlap scheduling (on by default on CUDA: decode graphs read the previous step's tokens on the device) against
+    the same engine without it: greedy and seeded replies, stop token ids the host learns one step late, max_tokens
+    ending others; the same tokens and finish reasons."""
+    from core.sampling import SamplingParams
+
+    path = ckpts["llama"]
+    replies = {}
+    for overlap in ("off", "on"):
+        eng = make_engine(path, device, overlap=overlap)
+        try:
+            assert eng.overlap is (overlap == "on")
+            prompts = random_prompts([5, 40, 12, 77, 3, 20], eng.bundle.vocab_limit, seed=23)
+            free = run_all(_submit_together(eng, prompts, [greedy(12)] * len(prompts)))
+            params = [greedy(7)] + [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[o[i]])
+                                    for i, o in enumerate(free[1:4])]
+            params += [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=4, ignore_eos=True),
+                       SamplingParams(max_tokens=9, temperature=0.7, top_k=30, seed=5, ignore_eos=True)]
+            streams = _submit_together(eng, prompts, params)
+            replies[overlap] = [collect(s) for s in streams]
+        finally:
+            eng.shutdown()
+        free_device_memory()
+    got = [(toks, last.finish_reason) for toks, last in replies["on"]]
+    assert got == [(toks, last.finish_reason) for toks, last in replies["off"]]
+    assert [len(t) for t, _ in got][0] == 7 and all(last.error is None for _, last in replies["on"])

@@ -209,8 +209,8 @@ class CudaBackend(TorchBackend):
     def execute(self, runner, step: StepBatch) -> torch.Tensor:
         g = self.graphs
         if g is not None and not step.prefill and 0 < len(step.decode) <= g.max_batch:
-            return g.replay(step.decode)
-        return runner.forward(self.prepare(step))
+            return g.replay(step.decode, step.prev_tokens)
+        return runner.forward(self.prepare(step), step.prev_tokens)
 
     def release(self) -> None:
         if self.graphs is not None:

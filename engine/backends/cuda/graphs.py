@@ -16,6 +16,7 @@ import time
 import torch
 
 from core.request import Request
+from engine.backends.base import resolve_placeholders
 from engine.backends.cuda.backend import CudaAttnMetadata
 
 log = logging.getLogger("kairos.cuda")
@@ -97,7 +98,7 @@ class DecodeGraphs:
         log.info("captured decode graphs: %s", report)
         return report
 
-    def replay(self, decode: list[Request]) -> torch.Tensor:
+    def replay(self, decode: list[Request], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         n = len(decode)
         b = next(s for s in self.sizes if s >= n)
         if self._copied is not None:  # the staging buffers are free once the last step's copies are done
@@ -133,6 +134,8 @@ class DecodeGraphs:
         self.slots[:b].copy_(self.h_slots[:b], non_blocking=True)
         self.lens[:b].copy_(self.h_lens[:b], non_blocking=True)
         self.tables[:n].copy_(self.h_tables[:n], non_blocking=True)  # whole rows: one contiguous copy
+        if prev_tokens is not None:  # overlap scheduling: the last step's tokens, still on the device
+            self.ids[:b].copy_(resolve_placeholders(self.ids[:b], prev_tokens))
         self._copied = torch.cuda.Event()
         self._copied.record()
         graph, out = self.graphs[b]

@@ -1,0 +1,154 @@
+"""Overlap scheduling (`EngineConfig.overlap`): step N+1 is planned and launched before the host reads step N's
+tokens, which reach N+1's inputs as placeholders resolved on the device. On the CPU nothing overlaps in time, but the
+bookkeeping is the same as on a GPU: every reply must be token for token, and end for end, what the engine gives
+without it (data-dependent stops, length limits, preemption, chunked prefill, seeded sampling, aborts, a request
+whose forward fails)."""
+import pytest
+
+from core.request import FinishReason, Request, Status
+from core.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from scheduling.config import SchedulerConfig
+from scheduling.scheduler import Scheduler
+
+PROMPTS = [list(range(3, 5)), list(range(7, 30)), list(range(11, 70)), list(range(2, 9)) * 3, list(range(40, 52))]
+
+
+PREEMPTED: list[bool] = []  # per preemption: whether a token of the request was still on its way
+
+
+def _serve(path, prompts, params, overlap, **cfg):
+    """Per request: (tokens, finish reason, error, the num_output_tokens its stream items reported)."""
+    eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap=overlap, **cfg))
+    try:
+        assert eng.overlap is (overlap == "on")
+        preempt = eng.scheduler._preempt
+
+        def counted(r, plan):
+            PREEMPTED.append(r.token_ids[-1] < 0)
+            preempt(r, plan)
+        eng.scheduler._preempt = counted
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        streams = [eng.add_request(p, q) for p, q in zip(prompts, params)]
+        out = []
+        for s in streams:
+            toks, counts, last = [], [], None
+            for item in s:  # (a consumer that falls behind gets items merged: counts may skip)
+                toks.extend(item.token_ids or [])
+                counts.append(item.num_output_tokens)
+                last = item
+            out.append((toks, last.finish_reason, last.error, counts))
+        return out
+    finally:
+        eng.shutdown()
+
+
+def _both(path, prompts, params, **cfg):
+    """Both engines' replies, without the item counts (how items merge depends on the consumer's pace)."""
+    off = _serve(path, prompts, params, "off", **cfg)
+    on = _serve(path, prompts, params, "on", **cfg)
+    for toks, _, err, counts in on:
+        assert err is not None or (counts == sorted(counts) and counts[-1] == len(toks))
+    return [x[:3] for x in off], [x[:3] for x in on]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_greedy_replies_with_data_dependent_stops_are_token_exact(tiny_checkpoints, backend):
+    """Stop token ids end replies at steps the host learns one step late; max_tokens ends others: the same tokens,
+    the same finish reasons, and stream items that count the tokens so far (never one still on its way)."""
+    path = tiny_checkpoints["llama"]
+    free = _serve(path, PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), "off",
+                  backend=backend)
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)]
+    for i, (toks, *_rest) in enumerate(free[1:]):  # stop each other reply on a token it produces, at various steps
+        params.append(SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[toks[i]]))
+    off, on = _both(path, PROMPTS, params, backend=backend)
+    assert on == off
+    assert {r for _, r, _ in off} == {FinishReason.STOP, FinishReason.LENGTH}
+    assert all(err is None for _, _, err in on)
+
+
+def test_preemption_chunked_prefill_and_seeded_sampling_are_exact(tiny_checkpoints):
+    """A cache too small for every reply at once (requests preempted and recomputed, some while a token of theirs is
+    still on its way), prompts prefilled in chunks, and seeded sampling: the same replies as without overlap."""
+    path = tiny_checkpoints["qwen2"]
+    sched = SchedulerConfig(chunked_prefill=True, prefill_max_tokens=16)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=5, min_tokens=4)]
+    PREEMPTED.clear()
+    off, on = _both(path, PROMPTS, params, scheduler=sched, num_kv_blocks=24, max_model_len=96)
+    assert on == off
+    assert PREEMPTED  # the cache is too small for every reply at once
+    assert all(err is None for _, _, err in on)
+
+
+def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):
+    """An abort lands between a step's launch and its tokens, and a request whose forward raises fails alone: the
+    other replies are those of an engine without overlap."""
+    path = tiny_checkpoints["llama"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = _serve(path, [PROMPTS[0], PROMPTS[2]], params, "off")
+    eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="on",
+                                 backend="torch"))
+    try:
+        real = eng.backend.prepare
+
+        def prepare(step):
+            if any(r.request_id == "bad" for r in (*step.prefill, *step.decode)):
+                raise RuntimeError("this request's inputs break the kernel")
+            return real(step)
+        eng.backend.prepare = prepare
+        streams = [eng.add_request(PROMPTS[i], params, request_id=rid)
+                   for i, rid in zip([0, 1, 2, 3], ["a", "bad", "c", "gone"])]
+        eng.abort("gone")
+        got = {}
+        for s in streams:
+            toks, last = [], None
+            for item in s:
+                toks.extend(item.token_ids or [])
+                last = item
+            got[s.request_id] = (toks, last)
+        assert got["a"][0] == want[0][0] and got["c"][0] == want[1][0]
+        assert got["bad"][1].error and "model step failed" in got["bad"][1].error
+        assert got["gone"][1].finish_reason is FinishReason.ABORT
+        assert eng.scheduler.blocks.num_used == 0 and not eng.scheduler.running
+    finally:
+        eng.shutdown()
+
+
+def test_the_cuda_backends_inputs_read_placeholders_on_the_device(tiny_checkpoints):
+    """The CUDA backend's packed inputs (Triton kernels interpreted on the CPU) with overlap: the same tokens."""
+    from tests.test_backends import _triton_interpreted
+    if not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    off, on = _both(tiny_checkpoints["llama"], PROMPTS[:3], params, backend="cuda")
+    assert on == off
+
+
+def test_the_scheduler_keeps_placeholders_until_resolved_and_skips_ended_requests():
+    """`launched` appends a placeholder per sampling row; a request whose last token is on its way and ends it by
+    length is not planned again; `finish` drops placeholders it will never get; `resolved` skips ended requests."""
+    s = Scheduler(SchedulerConfig(policy="fcfs"), num_blocks=64, block_size=4, max_model_len=64)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0))
+    b = Request("b", [4, 5], SamplingParams(max_tokens=5, temperature=0.0))
+    s.add(a)
+    s.add(b)
+    plan = s.schedule(0.0)
+    reqs = plan.requests
+    index = s.launched(plan)
+    assert index == [3, 2] and a.token_ids == [1, 2, 3, -1] and b.token_ids == [4, 5, -2]
+    nxt = s.schedule(0.0)  # a's one token is launched: only b decodes, over its placeholder
+    assert nxt.decode == [b] and not nxt.prefill
+    index2 = s.launched(nxt)
+    assert b.token_ids == [4, 5, -2, -1]
+    out = s.resolved(reqs, index, [9, 7], 0.0)
+    assert [(r.request_id, t, why) for r, t, why in out] == [("a", 9, FinishReason.LENGTH), ("b", 7, None)]
+    assert s.finish(a, FinishReason.LENGTH, 0.0) and a.token_ids == [1, 2, 3, 9]
+    assert s.finish(b, FinishReason.ABORT, 0.0) and b.token_ids == [4, 5, 7] and b.status is Status.FINISHED
+    assert s.resolved(nxt.requests or [b], index2, [8], 0.0) == []
+    assert s.blocks.num_used == 0
