@@ -10,34 +10,32 @@ and every request ends as one `Record` on one clock (`time.monotonic`):
   chunk), 429 is a rejection (so is a 400 with x-kairos-reject-reason: slo_unattainable), and `hops` splits the
   time to the first token with the ingress's Server-Timing.
 A request's outcome is its `finish_reason`: stop | length (completed), rejected, abort, error (with `error`
-saying what), timeout (the driver gave up on it) or disconnected (the client dropped it on purpose).
+saying what), timeout (the driver gave up on it).
 
 The benchmark-only stop (`WorkItem.stop_after`, bench.slo --lengths hidden|predicted): the reply ends after that
-many tokens while max_tokens is only a cap, and no policy can read it. In-process the driver tokenizes through
-the engine's own `InputProcessor` and sets `Request.bench_stop_after`, which only the scheduler's finish check
-honours and only with `SchedulerConfig.bench_stop` (an engine without it runs to the cap: the record is an error,
-token_count_mismatch); no HTTP field reaches it. Over HTTP the client itself stops: it closes the stream after
-`stop_after` token chunks (the server aborts the request) and records the reply as complete (finish "length");
-the server may decode a token or two more before the abort lands.
+many tokens while max_tokens is only a cap, and no policy can read it. In-process it is `Request.bench_stop_after`,
+honoured only by the scheduler's finish check with `SchedulerConfig.bench_stop`; over HTTP the client closes the
+stream after that many token chunks and records the reply complete (finish "length").
 
-Bench models (the random `llama-110m`, built on demand) and their resolution to a directory are here too,
-since both drivers and the engine benchmark load them.
+`served()` starts a fresh `serve run deployments:app` for a benchmark; `resolve_model_path` finds a model's folder.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
-import hashlib
 import json
 import math
 import os
 import queue
-import shutil
+import shlex
+import socket
+import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,88 +44,11 @@ from bench.workload import WorkItem
 
 COMPLETED = ("stop", "length")
 
-# --------------------------------------------------------------------------- bench models
-
-# Llama 768/12/12/2048/32000, tied (baseline.md "llama-110m"): the heavy random-weight bench model.
-BENCH_MODELS: dict[str, dict[str, Any]] = {
-    "llama-110m": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-                   "num_key_value_heads": 12, "intermediate_size": 2048, "vocab_size": 32000,
-                   "max_position_embeddings": 2048},
-}
-BENCH_SEED = 0
-_TOKENIZER_SOURCE = "kairos-random-42m"  # its tokenizer (2.5k ids) fits the 32k vocabulary
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "generation_config.json")
-
-
-def _bench_config(name: str) -> dict[str, Any]:
-    from engine.default_model import LLAMA_COMMON
-
-    return {**BENCH_MODELS[name], **{k: v for k, v in LLAMA_COMMON.items() if k != "model_type"}}
-
-
-def bench_model_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    from engine.default_model import cache_root, recipe_hash
-
-    spec = {"name": name, "seed": BENCH_SEED, "config": _bench_config(name),
-            "tokenizer_from": f"{_TOKENIZER_SOURCE}-{recipe_hash(_TOKENIZER_SOURCE)}"}
-    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_root(cache_dir) / "bench" / f"{name}-{h}"
-
-
-def ensure_bench_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Build bench model `name` (random init, seed 0, fp32) once; return its directory.
-
-    The tokenizer and generation config come from the random kairos model. Built in a temp dir and published
-    with os.replace (safe against races).
-    """
-    if name not in BENCH_MODELS:
-        raise ValueError(f"unknown bench model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
-    target = bench_model_dir(name, cache_dir)
-    if all((target / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
-        return target
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.default_model import deterministic_cpu_build, ensure_default_model, quiet_progress_bars
-
-    src = ensure_default_model(_TOKENIZER_SOURCE, cache_dir)
-    src_cfg = json.loads((src / "config.json").read_text())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        config = LlamaConfig(**_bench_config(name), bos_token_id=src_cfg.get("bos_token_id", 0),
-                             eos_token_id=src_cfg.get("eos_token_id", 0), pad_token_id=src_cfg.get("pad_token_id", 0))
-        config.dtype = "float32"
-        with deterministic_cpu_build(BENCH_SEED):
-            model = LlamaForCausalLM(config)
-        with quiet_progress_bars():
-            model.eval().save_pretrained(tmp)
-        del model
-        for f in _TOKENIZER_FILES:  # overwrites save_pretrained's generation_config.json with the source's
-            if (src / f).is_file():
-                shutil.copy2(src / f, tmp / f)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    gc.collect()
-    return target
-
-
-def resolve_bench_model(name: str) -> str:
-    """What to hand to `EngineConfig(model=...)`: bench-model names become their built directory; kairos names,
-    paths and hub ids pass through unchanged."""
-    return str(ensure_bench_model(name)) if name in BENCH_MODELS else name
+# --------------------------------------------------------------------------- models and servers
 
 
 def resolve_model_path(name: str) -> str:
-    """The checkpoint directory (or hub id) for `name`, building kairos / bench models if needed."""
-    if name in BENCH_MODELS:
-        return str(ensure_bench_model(name))
+    """The checkpoint directory (or hub id) for `name`, building a kairos model if needed."""
     from engine.default_model import EMBEDDED_MODELS, ensure_default_model
 
     if name in EMBEDDED_MODELS:
@@ -147,6 +68,59 @@ def free_memory() -> None:
         pass
 
 
+def ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
+    """True when `url` answers 200 (a POST of `body` as JSON when given)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_stop: bool = False) -> Iterator[str]:
+    """`serve run deployments:app` with `serve_args` (key=value app arguments, and NAME=VALUE upper-case environment
+    variables of that server) on a free port (KAIROS_HTTP_PORT), up and warmed with one completion; yields its URL.
+    Run as the `serve` console script (a pip --target install has none), so SIGTERM stops it as Ctrl-C does, with
+    the Ray instance it started. `ray_stop`: then `ray stop --force` for stragglers (a host of its own only: on a
+    shared box it ends everyone's Ray)."""
+    tokens = shlex.split(serve_args)
+    is_env = [("=" in t and t.split("=", 1)[0].isupper()) for t in tokens]
+    port = free_port()
+    env = dict(os.environ, KAIROS_HTTP_PORT=str(port), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled") \
+        | dict(t.split("=", 1) for t, e in zip(tokens, is_env) if e)
+    cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'serve'; from ray.serve.scripts import cli; cli()",
+           "run", "deployments:app", *(t for t, e in zip(tokens, is_env) if not e)]
+    target = f"http://127.0.0.1:{port}"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`serve run deployments:app {serve_args}` did not come up; see {log}")
+            time.sleep(2)
+        yield target
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if ray_stop:
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 # --------------------------------------------------------------------------- the record
 
 
@@ -159,7 +133,7 @@ class Record:
     tpot_slo_ms: float
     arrival_s: float  # the client started to send it
     rejected: bool = False
-    finish_reason: str | None = None  # stop | length | abort | rejected | error | timeout | disconnected
+    finish_reason: str | None = None  # stop | length | abort | rejected | error | timeout
     ttft_s: float | None = None  # first token - arrival
     token_times: list[float] = field(default_factory=list)  # absolute arrival of each token (or chunk)
     n_out: int = 0  # output tokens received
@@ -171,7 +145,7 @@ class Record:
     hops: dict[str, float] = field(default_factory=dict)  # HTTP: where the time to the first token went (ms)
     index: int = -1  # position in the offered list
     sent_s: float | None = None  # add_request returned / the response headers arrived
-    error: str | None = None  # what went wrong, with finish_reason error / disconnected
+    error: str | None = None  # what went wrong, with finish_reason error
     prompt_tokens: int = 0
     deliveries: int = 0  # stream items (in-process) or chunks (HTTP) that carried tokens
     merged_deliveries: int = 0  # in-process items that carried more than one token
@@ -296,10 +270,8 @@ def _take(rec: Record, out: Any, t: float, client_times: bool) -> bool:
     return True
 
 
-def _drain(stream: Any, rec: Record, timeout: float, client_times: bool, first: Any = None) -> None:
+def _drain(stream: Any, rec: Record, timeout: float, client_times: bool) -> None:
     try:
-        if first is not None and _take(rec, first, rec.sent_s, client_times):
-            return
         while not _take(rec, stream.get(timeout), time.monotonic(), client_times):
             pass
     except TimeoutError as e:
@@ -319,14 +291,13 @@ def freeze_heap() -> None:
 
 
 def run_engine(engine: Any, items: Sequence[WorkItem], *, drain_s: float = math.inf, timeout_s: float = 600.0,
-               per_request_threads: bool = False, inline: bool = False, tag: str = "r",
+               per_request_threads: bool = False, tag: str = "r",
                progress: bool = False, desc: str = "") -> Run:
     """Offer `items` open-loop to an in-process engine; wait for every stream (abort stragglers after `drain_s`).
 
     per_request_threads: one consumer thread per request stamps each stream item on arrival (the client's
     view). Default: one consumer polls the streams every 20 ms and keeps the engine's own token times, so
-    thousands of requests do not take the GIL from the engine thread. inline: the submitter waits for each
-    request's first item before sending the next (the seeds' add_request that ran the prefill inline).
+    thousands of requests do not take the GIL from the engine thread.
     """
     n = len(items)
     records: list[Record] = [new_record(i, w, math.nan) for i, w in enumerate(items)]
@@ -389,21 +360,11 @@ def run_engine(engine: Any, items: Sequence[WorkItem], *, drain_s: float = math.
             rec.reject_reason = rec.error
             done(i)
             continue
-        first = None
-        if inline:
-            try:
-                first = stream.get(timeout_s)
-            except TimeoutError as e:
-                rec.finish_reason, rec.error = "timeout", f"timeout: {e}"
         rec.sent_s = time.monotonic()
-        if rec.finish_reason is not None:
-            rec.finished_s = rec.sent_s
-            done(i)
-        elif poller is not None:
+        if poller is not None:
             streams.put((i, stream, rid))
         else:
-            th = threading.Thread(target=lambda s=stream, r=rec, f=first, j=i: (_drain(s, r, timeout_s, True, f),
-                                                                                  done(j)),
+            th = threading.Thread(target=lambda s=stream, r=rec, j=i: (_drain(s, r, timeout_s, True), done(j)),
                                   name=f"bench-consumer-{i}", daemon=True)
             th.start()
             threads.append(th)
@@ -535,9 +496,6 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
                     rec.ttft_s = now - rec.arrival_s
                     if "headers" in rec.hops:
                         rec.hops["body"] = rec.ttft_s * 1000.0 - rec.hops["headers"]
-                if w.drop_at is not None and rec.deliveries >= w.drop_at:
-                    rec.finish_reason, rec.error = "disconnected", "after_chunks"
-                    return
                 if w.stop_after is not None and rec.deliveries >= w.stop_after:  # the benchmark-only stop
                     rec.finish_reason, rec.n_out = "length", w.stop_after
                     return
@@ -565,8 +523,8 @@ async def _read_json(resp: Any, rec: Record) -> None:
 
 
 async def _send(client: Any, base: str, rec: Record, w: WorkItem, model: str) -> None:
-    """One request over HTTP (`client`: an aiohttp session, `base`: the server's URL), to its end (or its planned
-    drop), measured into `rec`."""
+    """One request over HTTP (`client`: an aiohttp session, `base`: the server's URL), to its end, measured into
+    `rec`."""
     path, body, headers = request_body(w, model)
     rec.arrival_s = time.monotonic()
 
@@ -590,21 +548,12 @@ async def _send(client: Any, base: str, rec: Record, w: WorkItem, model: str) ->
                     rec.finish_reason = "error"
                     rec.error = rec.reject_reason = f"http_{resp.status}:{_error_code(raw)}"
                 return
-            if w.drop_at == 0:
-                rec.finish_reason, rec.error = "disconnected", "after_headers"
-                return
             await (_read_sse(resp, rec, w) if w.stream else _read_json(resp, rec))
 
     import aiohttp
 
     try:
-        if w.drop_at == -1:
-            try:
-                await asyncio.wait_for(go(), timeout=w.drop_delay_s)
-            except asyncio.TimeoutError:
-                rec.finish_reason, rec.error = "disconnected", "before_first_byte"
-        else:
-            await go()
+        await go()
     except asyncio.CancelledError:
         rec.finish_reason = "timeout"
         raise

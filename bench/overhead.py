@@ -1,49 +1,28 @@
 """What the HTTP path adds over the in-process engine: one load, in process and against fresh servers, back to back.
 
-    python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--inproc-threads 2,1] [--saturate]
-                             [--rounds N] [--summary NAME]
+    python -m bench.overhead [--serve "" --serve "engine_process=false" ...] [--saturate] [--rounds N] [--summary NAME]
     python -m bench.overhead run [--model M] [--num-requests N] [--submit-interval-ms MS] [--max-new-tokens N]
                                  [--dataset sharegpt] [--policy P] [--target URL] [--json PATH] [--summary NAME]
 
-`run` is one load (a burst, or request i at i x `--submit-interval-ms`, open-loop, through `bench/driver.py`) on
-the in-process `LLMEngine` or, with `--target`, on a running OpenAI-compatible server (streaming POST
-/v1/completions). It prints one block: add_request latency (in process: the call; HTTP: send -> response headers),
-TTFT, TPOT = (last - first token) / (n - 1), ITL (gaps between token arrivals, pooled), latency and completion
-tokens/s over first submit -> last finish. In process, one consumer thread per request stamps each stream item on
-arrival; a reader that falls behind gets several tokens in one item (`merged_deliveries`), and `engine_side` has
-the engine's own per-token times. Over HTTP, token counts come from the usage chunk and the TTFT split from the
-server's Server-Timing header (`hops_p50_ms`). `--dataset sharegpt` takes prompts and reply lengths (forced with
-ignore_eos) from `bench.workload.sharegpt` in the served model's tokenizer.
-
-The comparison runs `run` in process (once per `--inproc-threads` entry; default: torch's default), then against
-`serve run deployments:app ARGS` for each `--serve` (ARGS: app key=value arguments, and NAME=VALUE environment
-variables of that server, e.g. `--serve "RAY_SERVE_ENABLE_HA_PROXY=0"`; default: the defaults, and the engine as a
-thread of its replica), each server started fresh, warmed with one request and stopped (`ray stop --force`) before
-the next. It prints p50 TTFT / TPOT / ITL and tok/s of each, what HTTP adds over the in-process run, and for each
-HTTP run where its TTFT went: outside the replica's handler (client, proxy, HTTP server) and in it (Server-Timing
-`replica`). `--saturate` adds a burst (150 requests 10 ms apart) over HTTP only. `--rounds N` runs all of it N
-times, in rounds, and reports medians (the added TTFT / ITL as the median of each round's own difference).
-`served()` (a fresh server for a benchmark) is shared with `bench.route`. Never run beside another benchmark.
+`run` is one load (request i at i x `--submit-interval-ms`, open-loop, through `bench/driver.py`) on the in-process
+`LLMEngine` or, with `--target`, on a running OpenAI-compatible server. The comparison runs `run` in process, then
+against a fresh `serve run deployments:app ARGS` for each `--serve`, and prints what HTTP adds (bench/README.md).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from bench.driver import HOPS, Record, free_memory, resolve_bench_model, resolve_model_path, run_engine, run_http, \
-    served_model
+from bench.driver import HOPS, Record, free_memory, resolve_model_path, run_engine, run_http, served, served_model
 from bench.metrics import distribution
 from bench.report import command_line, run_info, write_json, write_summary
 from bench.workload import WorkItem
@@ -53,58 +32,6 @@ FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok
 PCTS = (50, 95, 99)
 BLOCK_HEADER = "=== streaming benchmark ==="
 DEFAULT_MODEL = "kairos-random-42m"  # `run`'s default (kairos-default is the trained model)
-TARGET = "http://127.0.0.1:8000"
-
-# --------------------------------------------------------------------------- a fresh server
-
-
-def ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
-    """True when `url` answers 200 (a POST of `body` as JSON when given)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def stop_ray() -> None:
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-
-
-@contextlib.contextmanager
-def served(serve_args: str, log: Path, target: str = TARGET, start_timeout_s: float = 600.0) -> Iterator[str]:
-    """`serve run deployments:app` with `serve_args` (key=value app arguments, and NAME=VALUE upper-case
-    environment variables of that server), up and warmed; yields its URL. Started as `python -m
-    ray.serve.scripts run` and stopped with `python -m ray.scripts.scripts stop --force`, so it needs no console
-    scripts on PATH (a `pip --target` install has none)."""
-    tokens = shlex.split(serve_args)
-    env_pairs = [t.split("=", 1) for t in tokens if "=" in t and t.split("=", 1)[0].isupper()]
-    env = dict(os.environ) | dict(env_pairs)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    cmd = [sys.executable, "-m", "ray.serve.scripts", "run", "deployments:app",
-           *(t for t in tokens if not ("=" in t and t.split("=", 1)[0].isupper()))]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        # a completion, not /health (200 once an LLM replica is up): it also warms the replica's first request
-        while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log}")
-            time.sleep(2)
-        yield target
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        stop_ray()
-
 
 # --------------------------------------------------------------------------- one load: `run`
 
@@ -115,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "or a paced stream of requests, in process or against --target.")
     a = p.add_argument_group("model").add_argument
     a("--model", default=DEFAULT_MODEL, help="kairos-random-42m | kairos-default (trained) | kairos-tiny | "
-      f"llama-110m | a local HF dir (default: {DEFAULT_MODEL})")
+      f"a local HF dir (default: {DEFAULT_MODEL})")
     a("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     a("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     a("--seed", type=int, default=0, help="engine seed; ShareGPT order (default: 0)")
@@ -184,21 +111,6 @@ def build_prompts(args: argparse.Namespace) -> list[str]:
     return [f"{p} [{i}]" for i, p in enumerate(out)] if args.unique_prompts else out
 
 
-def to_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line arguments that reproduce `args` (defaults, --json and --summary omitted)."""
-    parser = build_parser()
-    defaults, out = vars(parser.parse_args([])), []
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public walk
-        v = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest in ("help", "json", "summary") or v == defaults[action.dest]:
-            continue
-        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
-            out += [action.option_strings[0]] if v else []
-            continue
-        out += [action.option_strings[0], str(int(v) if isinstance(v, float) and v.is_integer() else v)]
-    return out
-
-
 def model_tokenizer(model: str) -> tuple[Any, int]:
     """(the HF tokenizer of `model`, its context length or 0)."""
     from transformers import AutoTokenizer
@@ -240,7 +152,7 @@ def _engine_config(args: argparse.Namespace):
 
     sched = SchedulerConfig(policy=args.policy, max_num_seqs=args.max_batch_size,
                             prefill_max_batch_size=args.max_batch_size, prefill_max_tokens=args.prefill_max_tokens)
-    return EngineConfig(model=resolve_bench_model(args.model), dtype=args.dtype, device=args.device, seed=args.seed,
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
                         max_model_len=args.max_model_len, num_threads=args.num_threads, scheduler=sched)
 
 
@@ -287,22 +199,6 @@ def _ok(r: Record) -> bool:
     return r.completed and r.error is None and bool(r.token_times)
 
 
-def _engine_side(recs: list[Record]) -> dict[str, Any]:
-    ttft, queue, itl, tpot = [], [], [], []
-    for e in (r.engine for r in recs):
-        if not e or e.get("first_token_s") is None:
-            continue
-        ttft.append((e["first_token_s"] - e["arrival_s"]) * 1e3)
-        if e.get("admitted_s") is not None:
-            queue.append((e["admitted_s"] - e["arrival_s"]) * 1e3)
-        tt = e["token_times"]
-        itl.extend((b - a) * 1e3 for a, b in zip(tt, tt[1:]))
-        if len(tt) >= 2:
-            tpot.append((tt[-1] - tt[0]) / (len(tt) - 1) * 1e3)
-    return {"ttft_ms": _pcts(ttft), "queue_ms": _pcts(queue), "itl_ms": _pcts(itl), "tpot_ms": _pcts(tpot),
-            "note": "engine timestamps (time.monotonic): arrival = add_request, tokens = end of the model step"}
-
-
 def summarize_run(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     recs: list[Record] = raw["run"].records
     good = [r for r in recs if _ok(r)]
@@ -344,7 +240,7 @@ def summarize_run(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, An
         res["hops_p50_ms"] = {h: statistics.median(xs) for h in HOPS
                               if (xs := [r.hops[h] for r in good if h in r.hops])}
     if raw.get("engine_stats") is not None:
-        res["engine_stats"], res["engine_side"] = raw["engine_stats"], _engine_side(recs)
+        res["engine_stats"] = raw["engine_stats"]
     res["per_request"] = [
         {"index": r.index, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.n_out,
          "add_request_ms": ms(r.sent_s, r.arrival_s),
@@ -374,18 +270,18 @@ def format_block(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, *, verbose: bool = True, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run one load; return every figure (and write --json / --summary if given)."""
-    _check_args(args)
+def run(argv: Sequence[str], *, verbose: bool = True) -> dict[str, Any]:
+    """Run one load (`run`'s arguments); return every figure (and write --json / --summary if given)."""
+    args = parse_args(argv)
     res = summarize_run(args, _run_http(args) if args.target else _run_engine(args))
     res["config"] = dict(vars(args))
-    res["run_info"] = run_info(MODULE, ["run", *(argv if argv is not None else to_argv(args))])
+    res["run_info"] = run_info(MODULE, ["run", *argv])
     res["command"] = res["run_info"]["command"]
     if verbose:
         print(res["block"], flush=True)
-    if getattr(args, "json", None):
+    if args.json:
         write_json(args.json, res)
-    if getattr(args, "summary", None):
+    if args.summary:
         figures = {k: v for k, v in res.items() if k not in ("per_request", "block", "config", "run_info")}
         write_summary(args.summary, res["command"], f"{res['model']}, {res['requests']} requests: TTFT p50 "
                       f"{res['ttft_p50_ms']:.1f} ms, TPOT p50 {res['tpot_p50_ms']:.1f} ms/token, ITL p99 "
@@ -393,12 +289,8 @@ def run(args: argparse.Namespace, *, verbose: bool = True, argv: Sequence[str] |
     return res
 
 
-def run_main(argv: Sequence[str] | None = None) -> int:
-    argv = list(argv or [])
-    args = parse_args(argv)
-    res = run(args, argv=argv)
-    if args.json:
-        print(f"wrote {args.json}")
+def run_main(argv: Sequence[str]) -> int:
+    res = run(list(argv))
     return 0 if res["ok_requests"] else 1
 
 
@@ -443,28 +335,20 @@ def _with_model(serve_args: str, model: str) -> str:
 
 
 def _added(rounds: list[dict[str, dict]]) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per HTTP run and in-process baseline: (TTFT, ITL) p50 added, the median over rounds of each round's
+    """Per HTTP run: (TTFT, ITL) p50 added over the in-process run, the median over rounds of each round's
     difference (the pairs ran minutes apart; runs of different rounds did not)."""
-    out: dict[str, dict[str, tuple[float, float]]] = {}
-    for name in rounds[0]:
-        if name.startswith(("in_process", "burst")):
-            continue
-        out[name] = {b: tuple(round(statistics.median(rd[name][k] - rd[b][k] for rd in rounds), 2)
-                              for k in ("ttft_p50_ms", "itl_p50_ms"))
-                     for b in rounds[0] if b.startswith("in_process")}
-    return out
+    return {name: {"in_process": tuple(round(statistics.median(rd[name][k] - rd["in_process"][k] for rd in rounds), 2)
+                                       for k in ("ttft_p50_ms", "itl_p50_ms"))}
+            for name in rounds[0] if name.startswith("http")}
 
 
 def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, float]]]) -> None:
-    bases = {k: f for k, f in figures.items() if k.startswith("in_process")}
-    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms) vs in-process")
+    base = figures["in_process"]
+    print(f"{'run':<40} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p50':>9} {'tok/s':>8}  added TTFT / ITL (ms)")
     for name, f in figures.items():
-        text = ""
-        if not name.startswith(("in_process", "burst")):
-            diffs = added.get(name) or {k: (f["ttft_p50_ms"] - b["ttft_p50_ms"], f["itl_p50_ms"] - b["itl_p50_ms"])
-                                        for k, b in bases.items()}
-            text = "  " + ", ".join(f"{d[0]:+.1f} / {d[1]:+.1f}{'' if k == 'in_process' else ' vs ' + k[len('in_process'):]}"
-                                    for k, d in diffs.items())
+        d = (added.get(name) or {}).get("in_process") or (f["ttft_p50_ms"] - base["ttft_p50_ms"],
+                                                           f["itl_p50_ms"] - base["itl_p50_ms"])
+        text = f"  {d[0]:+.1f} / {d[1]:+.1f}" if name.startswith("http") else ""
         print(f"{name:<40} {f['ttft_p50_ms']:>9.1f} {f['tpot_p50_ms']:>9.1f} {f['itl_p50_ms']:>9.1f} "
               f"{f['throughput_completion_tok_s']:>8.1f}{text}")
         if "replica_p50_ms" in f:
@@ -484,8 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--submit-interval-ms", type=float, default=150.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--inproc-threads", default="", help="comma-separated torch thread counts of the in-process "
-                   "runs (the first is the baseline of 'added'); empty: torch's default")
     p.add_argument("--saturate", action="store_true", help="also 150 requests 10 ms apart, HTTP only")
     p.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, in rounds "
                    "(a shared box drifts within minutes); figures are medians over rounds")
@@ -505,10 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         t = Path(tmp)
         for r in range(args.rounds):  # each round runs every configuration once, so drift hits them alike
             figures: dict[str, dict] = {}
-            for i, n in enumerate(x.strip() for x in (args.inproc_threads or "").split(",")):
-                name = "in_process" if i == 0 else f"in_process[{n} threads]"
-                figures[name] = _load(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"]
-                                      + (["--num-threads", n] if n else []), t / f"inproc{r}-{i}.json")
+            figures["in_process"] = _load(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"],
+                                          t / f"inproc{r}.json")
             for i, s in enumerate(servers):
                 figures[f"http[{s or 'defaults'}]"] = _served(_with_model(s, args.model),
                                                               load(args.num_requests, args.submit_interval_ms),

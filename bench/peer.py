@@ -354,7 +354,7 @@ def bench_serve(venv: str, url: str, model_dir: str, dataset: str, num_prompts: 
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    from bench.overhead import ok
+    from bench.driver import ok
 
     deadline = time.monotonic() + timeout_s
     while not ok(f"{url}/v1/completions", {"model": "kairos-default", "prompt": "warm", "max_tokens": 4}, 30):
@@ -393,7 +393,7 @@ def vllm_server_run(venv: str, model_dir: str, run: Callable[[str], dict[str, An
 
 def run_servers(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     """`--serve`: Kairos's and vLLM's servers under vLLM's client, alternating (see the module's doc)."""
-    from bench.overhead import served
+    from bench.driver import served
     from bench.workload import main as export_sharegpt
 
     runs: dict[str, list[dict[str, Any]]] = {"kairos": [], "vllm": []}

@@ -24,8 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.driver import served
 from bench.report import command_line, write_summary
-from bench.overhead import served
 
 MODULE = "bench.route"
 DEFAULT_SERVE = "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"

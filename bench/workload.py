@@ -99,8 +99,6 @@ class WorkItem:
     ignore_eos: bool = True
     temperature: float = 0.0
     seed: int | None = None
-    drop_at: int | None = None  # HTTP: the client drops it: -1 before the first byte, 0 after the headers, k chunks
-    drop_delay_s: float = 0.0  # with drop_at -1: how long it waits before giving up
     stop_after: int | None = None  # BENCHMARK ONLY: the reply ends after this many tokens, hidden from the scheduler
 
     @property

@@ -72,9 +72,6 @@ def test_prompts_and_repeats():
     assert overhead.parse_repeats(None) is None
     with pytest.raises(SystemExit):
         overhead.parse_args(["--prompt-repeats", "1,x"])
-    # the reproduction command round-trips
-    argv = ["--model", "kairos-tiny", "--num-requests", "6", "--no-stop-on-eos", "--prefill-max-tokens", "224"]
-    assert vars(overhead.parse_args(overhead.to_argv(overhead.parse_args(argv)))) == vars(overhead.parse_args(argv))
     d = overhead.parse_args([])
     assert (d.model, d.device, d.dtype, d.prompt, d.num_requests, d.max_new_tokens, d.max_batch_size,
             d.prefill_max_tokens, d.policy, d.temperature) == (
@@ -94,7 +91,6 @@ def test_run_smoke(tmp_path, capsys):
     res = json.loads(out.read_text())
     _check_result(res, 6, 4)
     assert res["block"] in text
-    assert res["engine_side"]["ttft_ms"]["n"] == 6
     assert res["engine_stats"]["steps"] > 0
     assert res["command"].startswith("python -m bench.overhead run")
 
@@ -106,7 +102,7 @@ def test_run_sharegpt_and_summary(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(report, "SUMMARIES", tmp_path)
     argv = ["--model", "kairos-tiny", "--dataset", "sharegpt", "--num-requests", "3", "--max-model-len", "96",
             "--warmup", "0", "--summary", "stream-test"]
-    res = overhead.run(overhead.parse_args(argv), argv=argv)
+    res = overhead.run(argv)
     _check_block(capsys.readouterr().out)
     tok, _ = overhead.model_tokenizer("kairos-tiny")
     samples = sharegpt(tok, 3, 0, 96).samples
@@ -165,8 +161,8 @@ def test_run_http_target(capsys):
     th.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        res = overhead.run(overhead.parse_args(["--target", url, "--num-requests", "4", "--max-new-tokens", "3",
-                                                  "--submit-interval-ms", "1"]))
+        res = overhead.run(["--target", url, "--num-requests", "4", "--max-new-tokens", "3",
+                            "--submit-interval-ms", "1"])
     finally:
         server.shutdown()
         server.server_close()

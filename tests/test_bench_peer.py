@@ -89,7 +89,7 @@ def test_serve_mode_alternates_the_servers_and_reports_each_ones_median(monkeypa
     when r is even, each run's client figures are kept, and each engine's figures are the median of its runs."""
     import contextlib
 
-    import bench.overhead
+    import bench.driver
 
     order, ttft = [], iter([100.0, 200.0, 300.0, 150.0, 120.0, 210.0])
 
@@ -106,7 +106,7 @@ def test_serve_mode_alternates_the_servers_and_reports_each_ones_median(monkeypa
         assert (n, rate, dataset) == (8, 1.5, "sg.json")
         return {"median_ttft_ms": next(ttft), "median_tpot_ms": 20.0, "request_throughput": 1.4,
                 "mean_ttft_ms": 1.0, "p99_ttft_ms": 2.0, "url": url}
-    monkeypatch.setattr(bench.overhead, "served", served)
+    monkeypatch.setattr(bench.driver, "served", served)
     monkeypatch.setattr(peer, "vllm_server_run", vllm_run)
     monkeypatch.setattr(peer, "bench_serve", client)
     args = peer.parse_args(["--serve", "--vllm-venv", "V", "--serve-args", "policy=fcfs", "--rate", "1.5",

@@ -17,16 +17,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,47 +80,6 @@ def build_model(shape: str, out: Path, dtype: str, device: str, window: int) -> 
     os.replace(tmp, out)
     log(f"built {shape} ({dtype}, on {device}) in {time.perf_counter() - t0:.0f} s -> {out}")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def served(serve_args: str, log_path: Path, start_timeout_s: float, exclusive: bool) -> Iterator[str]:
-    """`serve run deployments:app SERVE_ARGS` on a port of its own (KAIROS_HTTP_PORT), up and warmed; yields its URL.
-    Stopped with SIGTERM (Serve shuts down as on Ctrl-C, and the Ray instance `serve run` started with it); only on
-    a host of its own (`exclusive`, the lent device) is `ray stop --force` run after, for stragglers: on a shared box
-    that would end other people's Ray."""
-    from bench.overhead import ok, stop_ray
-
-    port = free_port()
-    env = dict(os.environ, KAIROS_HTTP_PORT=str(port), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
-    # as the `serve` console script (a pip --target install has none): deployments' hook then reads the port and turns
-    # SIGTERM into Ctrl-C only in a process whose argv[0] is `serve`
-    cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'serve'; from ray.serve.scripts import cli; cli()",
-           "run", "deployments:app", *shlex.split(serve_args)]
-    target = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`{' '.join(cmd)}` did not come up; see {log_path}")
-            time.sleep(2)
-        yield target
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        if exclusive:
-            stop_ray()
 
 
 class Clock:
@@ -247,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clock = Clock(args.limit_s)
     from bench.bound import bounds
+    from bench.driver import served
     from bench.report import run_info
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         t0 = time.monotonic()
         with served(f"{common} policy={policy} {extra}", args.out / f"serve-{policy}.log",
-                    max(60.0, clock.left() - 60), exclusive=args.device != "cpu") as target:
+                    start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu") as target:
             doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
             if not profile.is_file():
                 log("the replica left no profile at predictor_path; the tiers cannot follow it")
