@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.driver import free_memory, resolve_bench_model
+from bench.driver import free_memory
 from bench.metrics import distribution
 from bench.report import LoadLog, best_of, measure_bandwidth_gb_s, print_table, run_info, write_json, write_summary
 
@@ -1000,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = LoadLog()
     loads.mark("setup")
     info = run_info(MODULE, argv)
-    engine_model = resolve_bench_model(model_name)  # builds llama-110m on first use
+    engine_model = model_name
     loads.mark("bandwidth")
     bw = measure_bandwidth_gb_s(plan.bw_gb, plan.bw_reps)
     log(f"bandwidth {bw:.1f} GB/s; loadavg {loads.mark('engine_startup')}")

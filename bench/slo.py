@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--drain", type=float, default=None, help="seconds after the last arrival before unfinished requests are "
       "misses (default: max(10, 25%% of the arrival span), capped at 60)")
     # engine
-    a("--model", default="kairos-tiny", help="kairos-tiny | kairos-random-42m | kairos-default | llama-110m | dir")
+    a("--model", default="kairos-tiny", help="kairos-tiny | kairos-random-42m | kairos-default | dir")
     a("--tokenizer", default=None, help="--dataset sharegpt: the tokenizer (default: --model's)")
     a("--dtype", default="float32", help="float32 (default: fastest on this AVX2 box) | bfloat16")
     a("--max-num-seqs", type=int, default=32)
@@ -272,7 +272,7 @@ class Engines:
         arm = arm_sched(length_arm(label, a.lengths))
         t0 = time.perf_counter()
         eng = LLMEngine(EngineConfig(
-            model=D.resolve_bench_model(a.model), dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
+            model=a.model, dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
             kv_cache_memory_gb=a.kv_gb,
             scheduler=SchedulerConfig(**{"policy": policy, "max_num_seqs": a.max_num_seqs, "prefill_max_tokens":
                                          a.prefill_max_tokens, "predictor_path": self.predictor_path,
