@@ -30,6 +30,28 @@ if not torch.cuda.is_available():
 TEST_PROFILE_S = float(os.environ.get("KAIROS_TEST_PROFILE_S", "3"))
 
 
+# A host engine's default KV cache is 1 GiB, zeroed at start and freed at shutdown: for a tiny checkpoint that is two
+# million tokens, page-faulted in (most of an in-process engine's start on this box) by each of the suite's ~hundred
+# engines. In this process (not in Ray replicas or engine subprocesses) an engine with no cache size of its own holds
+# TEST_KV_TOKENS tokens where 1 GiB would hold more (a real checkpoint, e.g. SmolLM2, keeps the 1 GiB default; 0: off).
+TEST_KV_TOKENS = int(os.environ.get("KAIROS_TEST_KV_TOKENS", "65536"))
+
+
+def _small_host_caches(mp: pytest.MonkeyPatch) -> None:
+    try:
+        from engine import engine as engine_mod
+    except ImportError:
+        return
+    full = getattr(engine_mod, "host_cache_blocks", None)
+    if full is None or TEST_KV_TOKENS <= 0:
+        return
+
+    def test_host_cache_blocks(spec):
+        return min(full(spec), -(-TEST_KV_TOKENS // spec.block_size))
+
+    mp.setattr(engine_mod, "host_cache_blocks", test_host_cache_blocks)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _short_test_profiles():
     try:
@@ -51,6 +73,7 @@ def _short_test_profiles():
         return load(engine, time_budget_s, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
+        _small_host_caches(mp)
         if default_path is not None and defaults:
             mp.setattr(profiling, "_default_path", test_path)
             mp.setattr(profiling, "load_or_profile", short_default)
