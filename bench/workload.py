@@ -1,26 +1,17 @@
-"""Seeded heterogeneous-SLO workload for the goodput benchmark (`bench.slo`), after scorpio.md §4.
+"""Seeded heterogeneous-SLO workload for the goodput benchmark (`bench.slo`), after SCORPIO's protocol.
 
-- Lengths: ShareGPT-like lognormals scaled to the small models (prompt median 100 tokens, cap 512, min 4;
-  output median 60, cap 256, min 2; sigma 0.8). Outputs are forced to their length (max_tokens = length,
-  ignore_eos), so the engine's own EOS never matters. Or real ones (`--dataset sharegpt`): `sharegpt()` reads
-  the first human turn of ShareGPT conversations as the prompt and the token count of the first reply as the
-  output length (vLLM's `bench serve` and SCORPIO's convention), into a `Corpus` that `WorkloadSpec` draws from.
-- Arrivals: open-loop Poisson (exponential gaps, mean 1/rate) or bursty gamma (shape 0.5, same mean rate).
-  Gaps are drawn at unit rate and divided by the rate, so one seed gives the *same* requests at every load
-  (common random numbers: load sweeps and the lambda* search compare like with like).
-- SLO tiers (scaled copies of the paper's three types) from the FITTED latency model:
-  u = 2·Prefill(budget), T_strict = d4 = ITL(4, L̄), T_loose = d12 = ITL(12, L̄), L̄ = E[prompt] + E[output]/2;
-  interactive = (1u, T_loose), strict_tpot = (6u, T_strict), relaxed = (30u, T_loose).
-- Output-length hint: exact, noisy (× lognormal sigma 0.5) or none (no hint). Caveat: because the length is
-  forced through max_tokens, an engine that falls back to max_tokens without a hint still knows the exact
-  length, so "none" only differs from "exact" where the engine's fallback does not use max_tokens.
-- Reply lengths (`lengths`): "exact" forces them through max_tokens (and the hint above), as described; "hidden"
-  and "predicted" hide them from the scheduler, as real traffic does: max_tokens is a realistic cap
-  (`length_cap`, default the rest of the context window), no hint is sent, and the reply still ends at its
-  reference length through a benchmark-only stop (`WorkItem.stop_after`) that the driver carries where no policy
-  reads it (bench/driver.py). "predicted" differs from "hidden" only in the scheduler: its length predictor is on.
+- Lengths: lognormals scaled to the small models (prompt median 100 tokens, cap 512; output median 60, cap 256;
+  sigma 0.8), or real ones: `sharegpt()` reads the first human turn of ShareGPT conversations as the prompt and the
+  token count of the first reply as the output length (vLLM's `bench serve` convention) into a `Corpus`.
+- Arrivals: open-loop Poisson or bursty gamma (shape 0.5). Gaps are drawn at unit rate and divided by the rate, so
+  one seed gives the same requests at every load.
+- SLO tiers from the fitted latency model (`slo_scale`): u = 2·Prefill(budget), L̄ = E[prompt] + E[output]/2;
+  interactive = (u, T_loose), strict_tpot = (6u, T_strict), relaxed = (30u, T_loose).
+- Reply lengths (`lengths`): "exact" forces them through max_tokens (ignore_eos) and sends them as a hint;
+  "hidden" and "predicted" send max_tokens as a cap and no hint, and end each reply at its reference length through
+  a benchmark-only stop (`WorkItem.stop_after`) no policy reads; "predicted" differs only in the scheduler.
 
-Pure numpy (the tokenizer is passed in); no engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
+No engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
 """
 from __future__ import annotations
 
@@ -30,7 +21,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -38,7 +29,6 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 Arrival = Literal["poisson", "gamma"]
-Hint = Literal["exact", "noisy", "none"]
 Lengths = Literal["hidden", "predicted", "exact"]
 LENGTH_ARMS: tuple[str, ...] = ("hidden", "predicted", "exact")
 DEFAULT_LENGTH_CAP = 1024  # max_tokens of the hidden arms where the context window is not known
@@ -126,8 +116,6 @@ class WorkloadSpec:
     prompt: LengthDist = field(default_factory=lambda: LengthDist(100, 0.8, 512, 4))
     output: LengthDist = field(default_factory=lambda: LengthDist(60, 0.8, 256, 2))
     mix: tuple[float, ...] = MIXES["equal"]
-    hint: Hint = "exact"
-    hint_sigma: float = 0.5
     vocab_size: int = 2556  # prompt ids are drawn from [FIRST_TOKEN_ID, vocab_size)
     max_model_len: int | None = None  # prompt + output is kept below this (output shortened if needed)
     corpus: "Corpus | None" = None  # real prompts and reply lengths (ShareGPT) instead of the lognormals
@@ -139,9 +127,6 @@ class WorkloadSpec:
         if self.corpus is not None:
             return self.corpus.mean_prompt, self.corpus.mean_output
         return self.prompt.mean(), self.output.mean()
-
-    def with_rate(self, rate_rps: float) -> "WorkloadSpec":
-        return replace(self, rate_rps=rate_rps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +211,7 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
         raise ValueError(f"{len(tiers)} tiers but a mix of {len(spec.mix)} weights")
     n = spec.num_requests
     rng = np.random.default_rng(spec.seed)
-    # fixed draw order: changing one knob (rate, hint) leaves every other draw unchanged
+    # fixed draw order: changing one knob (rate, lengths) leaves every other draw unchanged
     gaps = unit_gaps(rng, n, spec.arrival, spec.gamma_shape)
     if spec.corpus is None:
         prompt_lens = spec.prompt.sample(rng, n)
@@ -237,7 +222,7 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
         output_lens = np.array([spec.corpus.samples[k].output_len for k in picks], np.int64)
     p = np.asarray(spec.mix, float)
     tier_idx = rng.choice(len(tiers), size=n, p=p / p.sum())
-    noise = rng.lognormal(0.0, spec.hint_sigma, size=n)
+    rng.lognormal(0.0, 0.5, size=n)  # a retired option's draw, kept so that a seed still gives the same requests
     if spec.max_model_len is not None:
         room = spec.max_model_len - 1 - prompt_lens
         if np.any(room < 1):
@@ -251,17 +236,9 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
         else:
             ids = list(spec.corpus.samples[int(picks[i])].prompt_ids)
         out = int(output_lens[i])
-        if spec.hint == "exact":
-            hint: int | None = out
-        elif spec.hint == "noisy":
-            hint = max(1, int(round(out * noise[i])))
-        elif spec.hint == "none":
-            hint = None
-        else:
-            raise ValueError(f"unknown hint variant {spec.hint!r} (exact | noisy | none)")
         t = tiers[int(tier_idx[i])]
         if spec.lengths == "exact":
-            items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, hint))
+            items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, out))
         elif spec.lengths in ("hidden", "predicted"):
             cap = length_cap(spec, len(ids))
             items.append(WorkItem(float(arrivals[i]), ids, cap, t.name, t.ttft_ms, t.tpot_ms, None,
@@ -386,29 +363,15 @@ def sharegpt(tokenizer: Any, n: int, seed: int = 0, max_model_len: int | None = 
     return Corpus(tuple(out), len(records))
 
 
-def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
-    """Kendall's tau-b (ties handled), O(n^2) numpy; NaN for fewer than 2 points or constant input."""
-    a, b = np.asarray(x, float), np.asarray(y, float)
-    if len(a) < 2:
-        return math.nan
-    da = np.sign(a[:, None] - a[None, :])
-    db = np.sign(b[:, None] - b[None, :])
-    iu = np.triu_indices(len(a), 1)
-    da, db = da[iu], db[iu]
-    denom = math.sqrt(float(np.sum(da != 0)) * float(np.sum(db != 0)))
-    return float(np.sum(da * db) / denom) if denom > 0 else math.nan
-
-
 def describe(items: Sequence[WorkItem]) -> dict[str, Any]:
-    """Summary of a generated workload (for the JSON): lengths, tier counts, hint quality."""
+    """Summary of a generated workload (for the JSON): lengths and tier counts."""
     if not items:
         return {"n": 0}
     pl = np.array([len(w.prompt_ids) for w in items])
     ol = np.array([w.output_len for w in items])
     gaps = np.diff([0.0] + [w.arrival_s for w in items])
     tiers = {name: sum(w.tier == name for w in items) for name in dict.fromkeys(w.tier for w in items)}
-    hinted = [(w.output_len_hint, w.output_len) for w in items if w.output_len_hint is not None]
-    out: dict[str, Any] = {
+    return {
         "n": len(items),
         "span_s": items[-1].arrival_s,
         "mean_gap_s": float(gaps.mean()),
@@ -416,11 +379,6 @@ def describe(items: Sequence[WorkItem]) -> dict[str, Any]:
         "output_len": {"median": float(np.median(ol)), "mean": float(ol.mean()), "max": int(ol.max())},
         "tiers": tiers,
     }
-    if hinted:
-        h, o = np.array(hinted, float).T
-        out["hint_mae_tokens"] = float(np.mean(np.abs(h - o)))
-        out["hint_kendall_tau"] = kendall_tau(h[:2000], o[:2000])
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

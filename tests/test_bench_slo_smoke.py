@@ -2,7 +2,6 @@
 engine), then `python -m bench.slo` on kairos-tiny (sweep, capacity search, ShareGPT, --probe-check)."""
 from __future__ import annotations
 
-import csv
 import json
 import time
 from types import SimpleNamespace as NS
@@ -145,7 +144,7 @@ SHORT = ["--prompt-median", "12", "--prompt-cap", "32", "--output-median", "6", 
          "--prefill-max-tokens", "64"]
 
 
-def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
+def test_smoke_run_writes_json_pngs_and_summary(tmp_path, monkeypatch):
     from bench import report, slo
 
     monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
@@ -175,8 +174,6 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
         assert set(r["per_tier"]) <= set(W.TIER_NAMES)
         assert r["steps"] >= 0 and (r["steps"] == 0 or r["sched_ms_per_step"] > 0)
         assert r["good"] + r["rejected"] <= r["n"]
-    rows = list(csv.DictReader(open(out / "results.csv")))
-    assert len(rows) == 2 and rows[0]["policy"] == "fcfs" and "interactive_adherence" in rows[0]
     recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     assert len(recs) == 24
     for rec in recs:  # --trace: each reply's token times, from the run's start, none before its arrival
@@ -191,7 +188,7 @@ def test_smoke_run_writes_json_csv_pngs_and_summary(tmp_path, monkeypatch):
         assert (x["steps"] or ran[x["policy"]] == 0) and all(len(row) == len(x["columns"]) for row in x["steps"])
         assert not x["steps"] or sum(row[3] for row in x["steps"]) > 0  # prompt tokens were prefilled
     assert steps[0]["steps"]  # fcfs serves everything
-    for name in ("goodput_vs_load", "adherence_vs_load", "tier_adherence", "ttft_cdf", "tpot_cdf"):
+    for name in ("goodput_vs_load", "latency_cdf"):
         p = out / f"{name}.png"
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "load_multiple" in doc["acceptance"]
@@ -236,14 +233,3 @@ def test_smoke_sharegpt(tmp_path):
     assert wl["prompt_len"]["max"] < 1024 and wl["output_len"]["max"] <= 16
     r = doc["results"][0]
     assert r["policy"] == "fcfs" and r["n"] == 8 and r["rejected"] == 0 and r["output_tokens"] > 0
-
-
-def test_smoke_probe_check(tmp_path):
-    """--probe-check: both probe fits scored against served-like batches, a drift series, JSON."""
-    from bench import slo
-
-    js = tmp_path / "p.json"
-    assert slo.main(["--probe-check", "--reps", "1", "--drift-s", "0.1", "--json", str(js)]) == 0
-    doc = json.loads(js.read_text())
-    assert doc["fits"][0]["equal"] > 0 and doc["fits"][0]["mixed"] > 0
-    assert len(doc["drift_ms"]) == 1 and doc["drift_max_over_min"] == 1.0
