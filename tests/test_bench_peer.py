@@ -9,24 +9,18 @@ def test_prompts_are_seeded_and_avoid_special_ids():
     assert all(len(p) == 16 and all(100 <= t < 512 for t in p) for ps in a.values() for p in ps)
 
 
-def test_ratio_is_best_dtype_over_best_dtype():
-    res = [{"engine": "kairos", "batches": {1: {"tok_s": 30.0}}}, {"engine": "kairos", "batches": {1: {"tok_s": 40.0}}},
-           {"engine": "vllm", "batches": {1: {"tok_s": 20.0}}}, {"engine": "vllm", "batches": {1: {"tok_s": 25.0}}}]
-    assert peer.ratios(res, [1]) == {1: 40.0 / 25.0}
-
-
 def test_kairos_only_run(tmp_path, capsys):
-    out = tmp_path / "peer.json"
-    assert peer.main(["--model", "kairos-tiny", "--kairos-dtypes", "float32", "--batches", "1,3", "--prompt-len", "8",
-                      "--new-tokens", "4", "--reps", "1", "--json", str(out)]) == 0
+    """Without --vllm-venv, Kairos alone: the same rounds, its best run per batch size."""
     import json
 
-    res = json.loads(out.read_text())["results"]
-    assert [r["engine"] for r in res] == ["kairos"]
-    assert {int(b): v["tokens"] for b, v in res[0]["batches"].items()} == {1: 4, 3: 12}
-    a = res[0]["batches"]["3"]["anatomy"]  # one prefill step for the 3 prompts, then 3 decode steps
-    assert len(a["prefill_steps_ms"]) == 1 and a["decode_steps"] == 3
-    assert "B=3 tok/s" in capsys.readouterr().out
+    out = tmp_path / "peer.json"
+    assert peer.main(["--model", "kairos-tiny", "--paired", "float32:bfloat16", "--batches", "1,3", "--prompt-len",
+                      "8", "--new-tokens", "4", "--reps", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["paired"]
+    assert res["kairos_dtype"] == "float32" and res["vllm_dtype"] is None and res["ratio_median"] == {}
+    assert [list(p) for b in ("1", "3") for p in res["runs"][b]] == [["kairos"], ["kairos"]]
+    assert set(res["best_tok_s"]) == {"1", "3"} and all(v["kairos"] > 0 for v in res["best_tok_s"].values())
+    assert "kairos float32 best tok/s" in capsys.readouterr().out
 
 
 def test_paired_figures_are_each_engines_best_and_the_median_of_the_rounds_ratios():
