@@ -8,6 +8,10 @@ STAMP   := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_AUTH_MODE ?= disabled
+# The install skips byte-compiling (--no-compile, below): Python compiles what a process imports and caches it in
+# __pycache__, but not where PYTHONDONTWRITEBYTECODE is set (as on the CI box), and there every process of the suite
+# (pytest, each engine process, each Ray worker, each `serve run`) compiled torch, transformers and Ray again.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install wheels test serve stream bench clean
 
