@@ -1,9 +1,11 @@
 """Batched sampling on the logits' device: greedy rows in one argmax; temperature / top-k / top-p rows together, each
-drawn with one uniform number from its request's own seeded generator (on that device) or the sampler's.
+drawn with its uniform numbers (one, or a device top-p draw's `rounds`) from its request's own seeded generator (on
+that device) or the sampler's.
 
 One implementation for every device: every op runs where the logits are, in whole-batch tensor ops, and the step's
-tokens come back to the host in one copy (a row whose logits are not finite comes back as -1 and fails alone). A few
-syncs per step decide whether a flat row needs the exact nucleus search; none is per row. A seeded row's draw
+tokens come back to the host in one copy (a row whose logits are not finite comes back as -1 and fails alone). Top-p
+rows: a backend may hand in a device draw with no host sync (`top_p_draw`: the CUDA backend's Triton kernel); else a
+few syncs per step decide whether a flat row needs the exact nucleus search, none per row. A seeded row's draw
 depends only on its own generator, whatever else is in the batch. A backend may hand in faster host paths
 (`argmax`, `draw`: the CPU kernels').
 
@@ -95,19 +97,27 @@ def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> to
 # (logits, rows, temperatures, top-ks, top-ps, uniforms) -> a token per row (-1: the row's logits are not finite),
 # or None where it cannot run on these logits: `CpuKernels.sample_rows`
 DrawRows = Callable[[torch.Tensor, list[int], list[float], list[int], list[float], torch.Tensor], list[int] | None]
+# (probs [n, V], top_p [n], uniforms [n, rounds], row sums [n]) -> a token per row from its nucleus, on the device
+# with no host sync: the CUDA backend's `sampling.top_p_draw`
+TopPDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Sampler:
     def __init__(self, vocab_limit: int, eos_token_ids: list[int], device: torch.device,
-                 argmax: Callable[[torch.Tensor], list[int]] | None = None, draw: DrawRows | None = None) -> None:
+                 argmax: Callable[[torch.Tensor], list[int]] | None = None, draw: DrawRows | None = None,
+                 top_p_draw: TopPDraw | None = None, rounds: int = 1) -> None:
         """`argmax`: each row's first maximum as a list (the CPU kernels' `argmax_rows`), else torch's on the
         logits' device. `draw`: the sampled rows in one host call (the CPU kernels' `sample_rows`: each row touches
-        its logits once), else the torch ops below, on the logits' device."""
+        its logits once), else the torch ops below, on the logits' device. `top_p_draw`: the nucleus rows' draw on
+        the device, with `rounds` uniform numbers a row (else `_top_p_draw`, which syncs to learn which rows its
+        candidates covered)."""
         self.vocab_limit = vocab_limit
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.argmax = argmax
         self.draw = draw
+        self.top_p_draw = top_p_draw
+        self.rounds = rounds if top_p_draw is not None else 1
         self._generators: dict[str, torch.Generator] = {}
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator | None:
@@ -161,14 +171,15 @@ class Sampler:
 
     def _uniforms(self, reqs: list[Request], rows: list[int], dev: torch.device,
                   failed: dict[int, Exception]) -> torch.Tensor:
-        """One uniform number per sampled row (`rows`), on the logits' device: a seeded row's from its own
-        generator. A row whose generator cannot be made goes into `failed`."""
-        u = torch.rand(len(rows), device=dev)
+        """`rounds` uniform numbers per sampled row (`rows`) [n, rounds], on the logits' device: a seeded row's from its
+        own generator. A row whose generator cannot be made goes into `failed`."""
+        k = self.rounds
+        u = torch.rand(len(rows), k, device=dev)
         for j, i in enumerate(rows):
             try:
                 gen = self._generator(reqs[i], dev)
                 if gen is not None:
-                    u[j] = torch.rand((), generator=gen, device=dev)
+                    u[j] = torch.rand(k, generator=gen, device=dev)
             except Exception as e:  # noqa: BLE001 - this row fails alone
                 failed[i] = e
         return u
@@ -185,7 +196,7 @@ class Sampler:
             drawn = None
             if self.draw is not None:
                 drawn = self.draw(logits, sampled, [r.params.temperature for r in sreqs],
-                                  [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u)
+                                  [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u[:, 0])
             if drawn is None:
                 drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()
             for i, t in zip(sampled, drawn):
@@ -210,7 +221,7 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], u: torch.Tensor) -> torch.Tensor:
         """The sampled rows together, on the logits' device: temperature, top-k, softmax, top-p, then each row's
-        draw with its uniform number. -1 for a row whose probabilities are not finite."""
+        draw with its uniform numbers (u [n, rounds]). -1 for a row whose probabilities are not finite."""
         dev = logits.device
         n = len(reqs)
         x = (logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]).float()
@@ -229,14 +240,21 @@ class Sampler:
         top_ps = [r.params.top_p for r in reqs]
         nucleus = [j for j, p in enumerate(top_ps) if p < 1.0]
         if not nucleus:
-            tokens = _draw(probs, u)
+            tokens = _draw(probs, u[:, 0])
         elif len(nucleus) == n:
-            tokens = _top_p_draw(probs, torch.tensor(top_ps, device=dev), u)
+            tokens = self._nucleus_draw(probs, torch.tensor(top_ps, device=dev), u, total, ok)
         else:
-            tokens = _draw(probs, u)
+            tokens = _draw(probs, u[:, 0])
             sel = torch.tensor(nucleus, device=dev)
-            tokens[sel] = _top_p_draw(probs[sel], torch.tensor([top_ps[j] for j in nucleus], device=dev), u[sel])
+            tokens[sel] = self._nucleus_draw(probs[sel], torch.tensor([top_ps[j] for j in nucleus], device=dev),
+                                             u[sel], total[sel], ok[sel])
         return torch.where(ok, tokens, -1)
+
+    def _nucleus_draw(self, probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, total: torch.Tensor,
+                      ok: torch.Tensor) -> torch.Tensor:
+        if self.top_p_draw is None:
+            return _top_p_draw(probs, top_p, u[:, 0])
+        return self.top_p_draw(probs, top_p, u, torch.where(ok, total, float(probs.shape[-1])))
 
 
 class SampledTokens:

@@ -82,17 +82,22 @@ def test_cuda_backend_chunked_prefill_over_the_paged_prefill_kernel(tiny_checkpo
     assert got == want
 
 
-def test_mixed_greedy_and_sampled_batch_and_seeds_independent_of_the_batch(tiny_checkpoints):
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_mixed_greedy_and_sampled_batch_and_seeds_independent_of_the_batch(tiny_checkpoints, backend):
     """The API's default temperature 1.0 batched with greedy requests: the greedy ones keep their solo tokens, and a
-    seeded request draws the same tokens alone and in a batch (the torch sampler on the logits' device)."""
+    seeded request draws the same tokens alone and in a batch (the torch sampler on the logits' device; the CUDA
+    backend's top-p rows through its Triton draw, interpreted here)."""
+    if backend == "cuda" and not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
     path = tiny_checkpoints["llama"]
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     default = SamplingParams(max_tokens=6, ignore_eos=True)
-    solo_g, _ = _run(path, [PROMPTS[1]], greedy, dtype="float32", backend="torch")
-    solo_s, _ = _run(path, [PROMPTS[2]], seeded, dtype="float32", backend="torch")
+    solo_g, _ = _run(path, [PROMPTS[1]], greedy, dtype="float32", backend=backend)
+    solo_s, eng = _run(path, [PROMPTS[2]], seeded, dtype="float32", backend=backend)
     mixed, _ = _run(path, [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3]], [greedy, seeded, default, default],
-                    dtype="float32", backend="torch")
+                    dtype="float32", backend=backend)
+    assert (eng.sampler.top_p_draw is not None) is (backend == "cuda")
     assert mixed[0] == solo_g[0]
     assert mixed[1] == solo_s[0]
     assert all(isinstance(t, list) and len(t) == 6 for t in mixed)

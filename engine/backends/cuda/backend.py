@@ -9,7 +9,8 @@ steps replayed from CUDA graphs (`graphs.py`).
 - Decode-only steps of our own decoder replay a CUDA graph captured at start for a ladder of batch sizes up to
   `max_num_seqs`, over persistent input buffers filled from pinned host memory (`graphs.DecodeGraphs`); the padding
   rows of a graph's batch write their K/V into a scratch block of the cache and attend to nothing.
-- Sampling runs on the device (`engine.sampler`), one copy of the step's tokens to the host.
+- Sampling runs on the device (`engine.sampler`; top-p rows through `sampling.py`, with no host sync), one copy of
+  the step's tokens to the host.
 
 Without Triton (or `kernels="off"`), every step runs the torch reference backend's ops. The Triton kernels also run
 on a CPU device under `TRITON_INTERPRET=1`, which is how CI checks this backend's metadata end to end; graphs need
@@ -128,6 +129,15 @@ class CudaBackend(TorchBackend):
         cache = meta.cache
         self.fused.rope_write(qkv, num_heads, num_kv_heads, cos, sin, positions, meta.slot_mapping,
                               cache.k[layer], cache.v[layer])
+
+    def sampler(self, vocab_limit: int, eos_token_ids: list[int]):
+        """The torch sampler on the device, its top-p rows drawn by our Triton kernel (no host sync: `sampling.py`)."""
+        if self.ops is None:
+            return super().sampler(vocab_limit, eos_token_ids)
+        from engine.backends.cuda import sampling
+        from engine.sampler import Sampler
+        return Sampler(vocab_limit, eos_token_ids, self.device, top_p_draw=sampling.top_p_draw,
+                       rounds=sampling.ROUNDS)
 
     # ---------------------------------------------------------------- host -> device
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
