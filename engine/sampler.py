@@ -289,8 +289,9 @@ class SampledTokens:
         return cls(host, failed, tokens, ready)
 
     def device_tokens(self, device: torch.device) -> torch.Tensor:
-        """The tokens as a long tensor on `device` (the step's inputs resolve their placeholders from it)."""
-        if self._device is None or self._device.device != device:
+        """The tokens as a long tensor where they were drawn, or on `device` if they were drawn on the host (the next
+        step's inputs resolve their placeholders from it)."""
+        if self._device is None:  # drawn on the host (the CPU kernels' paths)
             host = self._host if isinstance(self._host, torch.Tensor) else torch.tensor(self._host, dtype=torch.long)
             self._device = host.to(device)
         return self._device

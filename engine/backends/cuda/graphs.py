@@ -3,8 +3,9 @@
 At start, one graph is captured per batch size of a ladder up to `max_num_seqs` (1, 2, 4, 8, then every 16, as
 nano-vllm does), largest first, all sharing one memory pool. Each graph reads persistent input buffers: token ids,
 positions, cache slots, block tables [B, window / block_size], context lengths, and writes the logits of its B rows.
-A step of n decodes replays the smallest graph of at least n rows: the host fills pinned staging buffers, one
-non-blocking copy each moves them to the device, and the padding rows (token 0, position 0, the cache's scratch slot,
+A step of n decodes replays the smallest graph of at least n rows: the host fills pinned staging buffers (two sets, in
+turn), one non-blocking copy each moves them to the device, placeholder token ids (overlap scheduling) are read from
+the previous step's tokens on the device, and the padding rows (token 0, position 0, the cache's scratch slot,
 context length 0) write their K/V into the scratch block and attend to nothing. The split-K count of each graph's
 decode attention is fixed from shapes at capture, with its own preallocated workspace.
 """
@@ -45,22 +46,23 @@ class DecodeGraphs:
         self.tables = torch.zeros(B, W, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(B, dtype=torch.int32, device=dev)
         self.rows = torch.arange(B, dtype=torch.long, device=dev)
-        # pinned host staging, one copy per buffer per step
-        self.h_ids = torch.zeros(B, dtype=torch.long, pin_memory=True)
-        self.h_pos = torch.zeros(B, dtype=torch.long, pin_memory=True)
-        self.h_slots = torch.zeros(B, dtype=torch.long, pin_memory=True)
-        self.h_lens = torch.zeros(B, dtype=torch.int32, pin_memory=True)
-        self.h_tables = torch.zeros(B, W, dtype=torch.int32, pin_memory=True)
+        # pinned host staging, one copy per buffer per step; two sets, used in turn, so that a step's host work
+        # never waits for the copies of the step before (overlap scheduling launches a step while that one runs)
+        self.h_ids = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
+        self.h_pos = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
+        self.h_slots = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
+        self.h_lens = torch.zeros(2, B, dtype=torch.int32, pin_memory=True)
+        self.h_tables = torch.zeros(2, B, W, dtype=torch.int32, pin_memory=True)
+        self._set = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sizes: list[int] = []
         self.pool = None
         self._workspaces: list[torch.Tensor] = []
-        self._copied: torch.cuda.Event | None = None  # the last step's staging copies
-        # what each staging row of the block tables holds: (the request, its preemptions, blocks written). A request
-        # that keeps its row from one step to the next (the usual case: the running batch changes little) gets only
-        # its new blocks written: a running request's table only grows, and a preemption (which gives it new blocks)
-        # changes the key
-        self._rows: list[tuple[Request, int, int] | None] = [None] * max_batch
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each staging set's last copies
+        # what each staging row of each set's block tables holds: (the request, its preemptions, blocks written). A
+        # request that keeps its row (the usual case: the running batch changes little) gets only its new blocks
+        # written: a running request's table only grows, and a preemption (which gives it new blocks) changes the key
+        self._rows: list[list[tuple[Request, int, int] | None]] = [[None] * max_batch, [None] * max_batch]
 
     def _meta(self, b: int) -> CudaAttnMetadata:
         ops = self.backend.ops
@@ -101,11 +103,16 @@ class DecodeGraphs:
     def replay(self, decode: list[Request], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         n = len(decode)
         b = next(s for s in self.sizes if s >= n)
-        if self._copied is not None:  # the staging buffers are free once the last step's copies are done
-            self._copied.synchronize()
+        k = self._set
+        self._set ^= 1
+        if self._copied[k] is not None:  # this set is free once its copies (two steps ago) are done
+            self._copied[k].synchronize()
+        h_ids, h_pos, h_slots, h_lens, h_tables = (self.h_ids[k], self.h_pos[k], self.h_slots[k], self.h_lens[k],
+                                                   self.h_tables[k])
+        rows = self._rows[k]
         bs = self.cache.block_size
         ids, pos, slots, lens = [], [], [], []
-        tables = self.h_tables.numpy()
+        tables = h_tables.numpy()
         for i, r in enumerate(decode):
             p = r.num_tokens - 1
             table = r.block_table
@@ -114,36 +121,37 @@ class DecodeGraphs:
             slots.append(table[p // bs] * bs + p % bs)
             lens.append(r.num_tokens)
             nb = p // bs + 1
-            held = self._rows[i]
+            held = rows[i]
             done = held[2] if held is not None and held[0] is r and held[1] == r.num_preemptions else 0
             if done < nb:
                 tables[i, done:nb] = table[done:nb]
-                self._rows[i] = (r, r.num_preemptions, nb)
+                rows[i] = (r, r.num_preemptions, nb)
         pad = b - n
         if pad:
             ids += [0] * pad
             pos += [0] * pad
             slots += [self.cache.scratch_slot] * pad
             lens += [0] * pad
-        self.h_ids[:b] = torch.tensor(ids, dtype=torch.long)
-        self.h_pos[:b] = torch.tensor(pos, dtype=torch.long)
-        self.h_slots[:b] = torch.tensor(slots, dtype=torch.long)
-        self.h_lens[:b] = torch.tensor(lens, dtype=torch.int32)
-        self.ids[:b].copy_(self.h_ids[:b], non_blocking=True)
-        self.pos[:b].copy_(self.h_pos[:b], non_blocking=True)
-        self.slots[:b].copy_(self.h_slots[:b], non_blocking=True)
-        self.lens[:b].copy_(self.h_lens[:b], non_blocking=True)
-        self.tables[:n].copy_(self.h_tables[:n], non_blocking=True)  # whole rows: one contiguous copy
+        h_ids[:b] = torch.tensor(ids, dtype=torch.long)
+        h_pos[:b] = torch.tensor(pos, dtype=torch.long)
+        h_slots[:b] = torch.tensor(slots, dtype=torch.long)
+        h_lens[:b] = torch.tensor(lens, dtype=torch.int32)
+        self.ids[:b].copy_(h_ids[:b], non_blocking=True)
+        self.pos[:b].copy_(h_pos[:b], non_blocking=True)
+        self.slots[:b].copy_(h_slots[:b], non_blocking=True)
+        self.lens[:b].copy_(h_lens[:b], non_blocking=True)
+        self.tables[:n].copy_(h_tables[:n], non_blocking=True)  # whole rows: one contiguous copy
         if prev_tokens is not None:  # overlap scheduling: the last step's tokens, still on the device
             self.ids[:b].copy_(resolve_placeholders(self.ids[:b], prev_tokens))
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied[k] = torch.cuda.Event()
+        self._copied[k].record()
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]
 
     def release(self) -> None:
         self.graphs.clear()
-        self._rows = [None] * self.max_batch
+        self._rows = [[None] * self.max_batch, [None] * self.max_batch]
+        self._copied = [None, None]
         self._workspaces.clear()
         self.pool = None
