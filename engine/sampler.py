@@ -25,6 +25,16 @@ TOP_P_CANDIDATES = (64, 1024)
 NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits held a NaN or +inf fails alone
 
 
+def _to(values: list, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on `dev`. To a GPU through pinned memory with a non-blocking copy: torch's blocking
+    copy from pageable memory waits for the whole stream, the step's forward included (overlap scheduling launches
+    the next step in that time)."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t
+
+
 def _first_max(logits: torch.Tensor) -> torch.Tensor:
     # max(dim).indices, like argmax, is the first maximum; on CPU it vectorises where argmax does not
     return logits.max(dim=-1).indices
@@ -156,14 +166,14 @@ class Sampler:
                 rows.extend([i] * len(ban))
                 cols.extend(ban)
         if rows:
-            logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+            logits[_to(rows, dev), _to(cols, dev)] = float("-inf")
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed)
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
-            u = u[torch.tensor(keep, dtype=torch.long, device=dev)]
+            u = u[_to(keep, dev, torch.long)]
         greedy = len(sampled) + len(failed) < len(reqs)
         if self.argmax is not None or self.draw is not None:
             return SampledTokens(self._host_paths(logits, reqs, sampled, u, greedy), failed)
@@ -216,7 +226,7 @@ class Sampler:
             if len(sampled) == len(reqs):
                 tokens = drawn
             else:
-                tokens[torch.tensor(sampled, device=dev)] = drawn
+                tokens[_to(sampled, dev)] = drawn
         return tokens
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], u: torch.Tensor) -> torch.Tensor:
@@ -224,13 +234,13 @@ class Sampler:
         draw with its uniform numbers (u [n, rounds]). -1 for a row whose probabilities are not finite."""
         dev = logits.device
         n = len(reqs)
-        x = (logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=dev)]).float()
-        x.div_(torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(-1))
+        x = (logits if len(rows) == logits.shape[0] else logits[_to(rows, dev)]).float()
+        x.div_(_to([r.params.temperature for r in reqs], dev).unsqueeze(-1))
         width = x.shape[-1]
         ks = [r.params.top_k if r.params.top_k and 0 < r.params.top_k < width else 0 for r in reqs]
         kmax = max(ks)
         if kmax:
-            kt = torch.tensor(ks, device=dev)
+            kt = _to(ks, dev)
             kth = torch.topk(x, kmax, dim=-1).values.gather(-1, (kt - 1).clamp_(min=0).unsqueeze(-1))
             x.masked_fill_((x < kth) & (kt > 0).unsqueeze(-1), float("-inf"))
         probs = torch.softmax(x, dim=-1)
@@ -242,11 +252,11 @@ class Sampler:
         if not nucleus:
             tokens = _draw(probs, u[:, 0])
         elif len(nucleus) == n:
-            tokens = self._nucleus_draw(probs, torch.tensor(top_ps, device=dev), u, total, ok)
+            tokens = self._nucleus_draw(probs, _to(top_ps, dev), u, total, ok)
         else:
             tokens = _draw(probs, u[:, 0])
-            sel = torch.tensor(nucleus, device=dev)
-            tokens[sel] = self._nucleus_draw(probs[sel], torch.tensor([top_ps[j] for j in nucleus], device=dev),
+            sel = _to(nucleus, dev)
+            tokens[sel] = self._nucleus_draw(probs[sel], _to([top_ps[j] for j in nucleus], dev),
                                              u[sel], total[sel], ok[sel])
         return torch.where(ok, tokens, -1)
 
