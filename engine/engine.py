@@ -450,7 +450,7 @@ class LLMEngine:
         t3 = time.perf_counter()
         self._phase["forward"] += t2 - t1
         self._phase["sample"] += t3 - t2
-        launched = _InFlight(plan, reqs, sched.launched(plan), tokens, t0, (t2 - t1) * 1000.0)
+        launched = _InFlight(plan, reqs, sched.launched(plan, reqs), tokens, t0, (t2 - t1) * 1000.0)
         if prev is not None:
             self._resolve(prev)
         if self.overlap:

@@ -483,17 +483,22 @@ class Scheduler:
         `launched` then `resolved`. Returns per request its token and the token-level verdict: STOP (EOS or a stop
         token id), LENGTH (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings*
         are text and the engine's; it ends such requests with `finish`."""
-        return self.resolved(plan.requests, self.launched(plan), tokens, now)
+        reqs = plan.requests
+        return self.resolved(reqs, self.launched(plan, reqs), tokens, now)
 
-    def launched(self, plan: StepPlan) -> list[int]:
+    def launched(self, plan: StepPlan, reqs: list[Request] | None = None) -> list[int]:
         """The step is on its way: its KV will be in the cache before any later step reads it, and each request that
-        samples gets a placeholder for its token, -(row + 1) for its row of the step's tokens (`StepBatch`), until
-        `resolved`. Returns where each placeholder sits in its request's token_ids (aligned with `plan.requests`)."""
+        samples (`reqs`: `plan.requests` as planned) gets a placeholder for its token, -(row + 1) for its row of the
+        step's tokens (`StepBatch`), until `resolved`. Returns where each placeholder sits in its request's token_ids
+        (-1 for a request that has already ended: a failed step's)."""
         for req, end in zip(plan.prefill, plan.prefill_ends):
             if end < req.num_tokens:  # a chunk: its KV is in the cache now, no token yet
                 req.num_computed_tokens = end
         index: list[int] = []
-        for row, req in enumerate(plan.requests):
+        for row, req in enumerate(plan.requests if reqs is None else reqs):
+            if req.status is Status.FINISHED:
+                index.append(-1)
+                continue
             req.num_computed_tokens = req.num_tokens
             index.append(req.num_tokens)
             req.token_ids.append(-(row + 1))
