@@ -645,11 +645,6 @@ def run_http(url: str, items: Sequence[WorkItem], *, progress: bool = False, des
             bar.close()
 
 
-def served_model(url: str, api_key: str | None = None) -> str:
-    """The first model id of `GET /v1/models` ("" when the server does not say)."""
-    return served_model_info(url, api_key)[0]
-
-
 def served_model_info(url: str, api_key: str | None = None) -> tuple[str, int | None]:
     """(id, max_model_len) of the first model of `GET /v1/models`; ("", None) when the server does not say (vLLM
     and Kairos both list `max_model_len`)."""

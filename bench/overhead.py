@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.driver import HOPS, Record, free_memory, resolve_model_path, run_engine, run_http, served, served_model
+from bench.driver import HOPS, Record, free_memory, resolve_model_path, run_engine, run_http, served, served_model_info
 from bench.metrics import distribution
 from bench.report import command_line, run_info, write_json, write_summary
 from bench.workload import WorkItem
@@ -184,7 +184,7 @@ def _run_http(args: argparse.Namespace) -> dict[str, Any]:
     for w in _warmup_items(args):
         run_http(args.target, [w], **kw)
     return {"run": run_http(args.target, items, **kw), "engine_stats": None,
-            "served_model": served_model(args.target, args.api_key)}
+            "served_model": served_model_info(args.target, args.api_key)[0]}
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float]:

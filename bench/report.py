@@ -1,19 +1,14 @@
 """What every benchmark reports with, besides its figures (`bench/metrics.py`):
 
-- timing: `best_of`, `timed`; machine limits: `measure_bandwidth_gb_s` (torch sum over 1 GB fp32, best of N);
-- the environment: `cpu_model`, `loadavg`, `LoadLog`, `run_info` (cpu, loadavg, date, command, versions);
-- output: `format_table` / `print_table` (GitHub-flavoured markdown), `write_json`;
+- the environment: `cpu_model`, `cpu_flags`, `loadavg`, `run_info` (cpu, date, command, commit, versions);
+- output: `format_table` / `print_table` (GitHub-flavoured markdown), `write_json`, `best_of`;
 - headline summaries: `write_summary` keeps a small committed JSON per headline result (command, commit, date,
   machine, figures) under `bench/summaries/`; `python -m bench.report --write` regenerates the table of
   `bench/README.md` from them, and `--readme` the headline table of the top-level README (`HEADLINES`).
-
-The box these run on is noisy (other processes share 2 cores), so benchmarks take best-of-N or the
-median and log /proc/loadavg next to every section.
 """
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import json
 import math
 import os
@@ -26,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
-# --------------------------------------------------------------------------- statistics
 
 
 def best_of(fn: Callable[[], Any], reps: int, key: Callable[[Any], float] | None = None,
@@ -48,13 +42,6 @@ def best_of(fn: Callable[[], Any], reps: int, key: Callable[[Any], float] | None
             break
     k = key or float
     return min(results, key=k), results
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """(seconds, result) of one call, measured with perf_counter."""
-    t0 = time.perf_counter()
-    r = fn()
-    return time.perf_counter() - t0, r
 
 
 # --------------------------------------------------------------------------- environment
@@ -92,70 +79,6 @@ def loadavg() -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _cpu_jiffies() -> tuple[float, float] | None:
-    """(busy, total) seconds of all CPUs since boot, from the first line of /proc/stat."""
-    try:
-        with open("/proc/stat", encoding="utf-8") as f:
-            parts = f.readline().split()
-    except OSError:
-        return None
-    if not parts or parts[0] != "cpu":
-        return None
-    vals = [float(x) for x in parts[1:9]]  # user nice system idle iowait irq softirq steal
-    tck = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-    total = sum(vals) / tck
-    return total - (vals[3] + vals[4]) / tck, total
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-class LoadLog:
-    """Noise log of a benchmark: per labelled section, /proc/loadavg and how many cores *other* processes used.
-
-    `mark(label)` starts a section (and ends the previous one). "other_cores" of a section is
-    (all CPUs' busy time - this process's CPU time) / wall time: ~0 on a quiet box; 1.0 means another
-    process kept a whole core busy, and then 2-thread timings are unreliable.
-    """
-
-    def __init__(self) -> None:
-        self.samples: dict[str, str] = {}
-        self.other_cores: dict[str, float] = {}
-        self._last: tuple[str, float, tuple[float, float] | None, float] | None = None
-
-    def _close(self) -> None:
-        if self._last is None:
-            return
-        label, t0, jif0, own0 = self._last
-        jif1, t1 = _cpu_jiffies(), time.monotonic()
-        if jif0 is not None and jif1 is not None and t1 - t0 > 0.05:
-            busy = jif1[0] - jif0[0]
-            self.other_cores[label] = max(0.0, (busy - (_own_cpu_s() - own0)) / (t1 - t0))
-        self._last = None
-
-    def mark(self, label: str) -> str:
-        self._close()
-        v = loadavg()
-        self.samples[label] = v
-        self._last = (label, time.monotonic(), _cpu_jiffies(), _own_cpu_s())
-        return v
-
-    def busiest(self) -> tuple[str | None, float]:
-        if not self.other_cores:
-            return None, 0.0
-        k = max(self.other_cores, key=self.other_cores.get)
-        return k, self.other_cores[k]
-
-    def as_dict(self) -> dict[str, Any]:
-        self._close()
-        vals = list(self.samples.values())
-        label, worst = self.busiest()
-        return {"start": vals[0] if vals else loadavg(), "end": loadavg(), "samples": dict(self.samples),
-                "other_cores": dict(self.other_cores), "max_other_cores": worst, "max_other_section": label}
 
 
 def now_iso() -> str:
@@ -287,27 +210,6 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return p
-
-
-# --------------------------------------------------------------------------- machine limits
-
-
-def measure_bandwidth_gb_s(gb: float = 1.0, reps: int = 5) -> float:
-    """DRAM read bandwidth (GB/s, 1e9 bytes): torch sum over a `gb`-GB fp32 tensor, best of `reps`."""
-    import torch
-
-    n = int(gb * 1e9) // 4
-    x = torch.ones(n, dtype=torch.float32)
-    x.sum()  # page in
-    best = math.inf
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    nbytes = x.numel() * x.element_size()
-    del x
-    gc.collect()
-    return nbytes / best / 1e9
 
 
 # --------------------------------------------------------------------------- headline summaries

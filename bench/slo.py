@@ -120,9 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", default=None, help="output directory (default bench/out/slo/<timestamp>)")
     a("--json", default=None, help="also write the results JSON here")
     a("--summary", default=None, metavar="NAME", help="keep the headline as bench/summaries/NAME.json")
-    a("--trace", action="store_true", help="where each reply's time went: its token times in records.jsonl "
-      "(token_times_s, from the run's start) and, in-process, every engine step in steps.jsonl (end s, wall ms, "
-      "prefills, prompt tokens, decodes, their mean context) per policy and seed")
     a("--no-plots", action="store_true")
     a("--no-progress", action="store_true")
     a("-v", "--verbose", action="store_true")
@@ -239,9 +236,8 @@ class StepTap:
     """One engine's steps over a run (its step observer): per step the whole wall time; for a prefill-only step
     (no decode runs meanwhile) and a decode-only step, its wall time over the latency model's prediction."""
 
-    def __init__(self, engine: Any, trace: bool = False) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.steps: list[tuple[float, ...]] | None = [] if trace else None  # --trace: every step
         self.total_ms = self.prefill_only_ms = 0.0
         self.decode_ratios: list[float] = []
         self.prefill_ratios: list[float] = []
@@ -249,9 +245,6 @@ class StepTap:
 
     def __call__(self, ev: Any) -> None:  # a StepEvent, on the engine's worker thread
         self.total_ms += ev.wall_ms
-        if self.steps is not None:
-            self.steps.append((ev.t_end, ev.wall_ms, ev.num_prefill, ev.num_prefill_tokens, ev.num_decode,
-                               ev.decode_mean_len))
         model = self.engine.latency_model
         if ev.num_prefill and not ev.num_decode:
             self.prefill_only_ms += ev.wall_ms
@@ -267,7 +260,7 @@ class StepTap:
         """Unsubscribe; the raw sums (pool a point's with `step_figures`, a calibration's with `factors`)."""
         self._unsubscribe()
         return {"total_ms": self.total_ms, "prefill_only_ms": self.prefill_only_ms,
-                "decode_ratios": self.decode_ratios, "prefill_ratios": self.prefill_ratios, "steps": self.steps}
+                "decode_ratios": self.decode_ratios, "prefill_ratios": self.prefill_ratios}
 
 
 def step_figures(taps: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -286,9 +279,9 @@ def factors(taps: list[dict[str, Any]]) -> dict[str, Any]:
             "n_decode_steps": len(dec), "n_prefill_steps": len(pre)}
 
 
-def engine_point(engine: Any, items: Sequence[W.WorkItem], trace: bool = False, **kw: Any) -> D.Run:
+def engine_point(engine: Any, items: Sequence[W.WorkItem], **kw: Any) -> D.Run:
     """`driver.run_engine` with a StepTap over the run (its raw sums in `run.engine["tap"]`)."""
-    tap = StepTap(engine, trace)
+    tap = StepTap(engine)
     try:
         run = D.run_engine(engine, items, **kw)
     finally:
@@ -325,9 +318,8 @@ def find_capacity(measure: Callable[[float], float | None], guess: float, *, sat
     """FCFS capacity: `measure(rate)` (its completion rate offered `rate`) from `guess`, x`factor`, until it falls
     below `saturated` x offered (the queue then grows without bound) *twice in a row* with the second no more than
     `plateau` above the first: just past capacity the batch is not full yet for much of a run, so the first
-    saturated probe can read a third low (on the Zen 4 box 3.46 req/s offered 4.04, then 4.57 offered 8.08; a
-    probe at 0.849 x offered stopped the search at 2.99 where 0.857 went on). The capacity is the highest
-    saturated completion rate. Never saturated: the best seen (flagged)."""
+    saturated probe can read low. The capacity is the highest saturated completion rate. Never saturated: the best
+    seen (flagged)."""
     probes: list[dict] = []
     rate, best, best_saturated = guess, 0.0, None
     for _ in range(max_tries):
@@ -466,13 +458,11 @@ def format_acceptance(acc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float, trace: bool = False
-                  ) -> list[str]:
+def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float) -> list[str]:
     kept = {id(r) for r in M.drop_warmup(run.records, warmup)}
     out = []
     for r in sorted(run.records, key=lambda r: r.arrival_s):
         t = M.tpot_s(r)
-        times = {"token_times_s": [round(x - run.started_s, 6) for x in r.token_times]} if trace else {}
         out.append(json.dumps(clean({
             "policy": policy, "load_multiple": load, "seed": seed, "tier": r.tier, "warmup": id(r) not in kept,
             "arrival_s": r.arrival_s - run.started_s, "rejected": r.rejected, "finish_reason": r.finish_reason,
@@ -481,19 +471,8 @@ def records_lines(policy: str, load: float, seed: int, run: D.Run, warmup: float
             "prompt_len": r.prompt_len, "output_len": r.output_len,
             "ttft_slo_ms": r.ttft_slo_ms, "tpot_slo_ms": r.tpot_slo_ms, "good": M.is_good(r),
             "end_s": r.end_s - run.started_s, "hops_ms": r.hops or None, "replica": r.replica,
-            "rerouted": r.rerouted, **times})))
+            "rerouted": r.rerouted})))
     return out
-
-
-def steps_line(policy: str, load: float, seed: int, run: D.Run) -> str | None:
-    """--trace: the run's engine steps as one JSON line (times from the run's start), taken out of `run`."""
-    steps = (run.engine.get("tap") or {}).pop("steps", None)
-    if steps is None:
-        return None
-    rows = [[round(s[0] - run.started_s, 6), round(s[1], 3), *s[2:5], round(s[5], 1)] for s in steps]
-    return json.dumps({"policy": policy, "load_multiple": load, "seed": seed,
-                       "columns": ["end_s", "wall_ms", "prefills", "prompt_tokens", "decodes", "decode_mean_len"],
-                       "steps": rows})
 
 
 def hops_table(results: Sequence[dict]) -> str:
@@ -653,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = {"drain_s": drain_for(items, args.drain), "progress": progress, "desc": desc}
         if http:
             return D.run_http(args.target, items, model=model_name, **kw)
-        return engine_point(engine or eng, items, tag=tag, trace=args.trace, **kw)
+        return engine_point(engine or eng, items, tag=tag, **kw)
 
     # ---- lambda*
     probe_no, label = [0], "fcfs" if not http else args.label
@@ -717,8 +696,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     rec_path = out_dir / "records.jsonl"
     rec_path.write_text("")
-    if args.trace:
-        (out_dir / "steps.jsonl").write_text("")
     profiles: list[dict[str, Any]] = []
     for load, rate in zip(plan.loads, rates):
         point_policies = [p for p in order if p in policies]
@@ -735,10 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 f"{policy}-{load:g}-{seed}", e)
                 runs[policy].append((seed, run))
                 with open(rec_path, "a") as f:
-                    f.write("\n".join(records_lines(policy, load, seed, run, args.warmup_frac, args.trace)) + "\n")
-                if (line := steps_line(policy, load, seed, run)) is not None:
-                    with open(out_dir / "steps.jsonl", "a") as f:
-                        f.write(line + "\n")
+                    f.write("\n".join(records_lines(policy, load, seed, run, args.warmup_frac)) + "\n")
         for policy in point_policies:
             e = None if http else live.get(policy)
             r = summarize_point(policy, load, rate, runs[policy], args.warmup_frac, tiers)

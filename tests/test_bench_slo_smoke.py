@@ -151,7 +151,7 @@ def test_smoke_run_writes_json_pngs_and_summary(tmp_path, monkeypatch):
     out, js = tmp_path / "out", tmp_path / "r.json"
     argv = ["--quick", *SMALL, *SHORT, "--policies", "fcfs,scorpio", "--loads", "1.5", "--lambda-star", "6",
             "--num-requests", "12", "--probe-requests", "24", "--out", str(out), "--json", str(js),
-            "--summary", "slo-smoke", "--trace"]
+            "--summary", "slo-smoke"]
     assert slo.main(argv) == 0
     doc = json.loads(js.read_text())
     assert doc["lambda_star_rps"] == 6.0
@@ -175,19 +175,7 @@ def test_smoke_run_writes_json_pngs_and_summary(tmp_path, monkeypatch):
         assert r["steps"] >= 0 and (r["steps"] == 0 or r["sched_ms_per_step"] > 0)
         assert r["good"] + r["rejected"] <= r["n"]
     recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
-    assert len(recs) == 24
-    for rec in recs:  # --trace: each reply's token times, from the run's start, none before its arrival
-        times = rec["token_times_s"]
-        assert len(times) == rec["n_out"] and times == sorted(times)
-        assert not times or times[0] >= rec["arrival_s"]
-    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]  # --trace: every step
-    assert [(x["policy"], x["seed"]) for x in steps] == [("fcfs", 0), ("scorpio", 0)]
-    ran = {r["policy"]: r["steps"] for r in res}
-    for x in steps:  # every step of a run, as many as it took (none where scorpio's guard refused every request:
-        # its fresh fit, re-timed on a box slower than when the tiers were set, can make every TPOT infeasible)
-        assert (x["steps"] or ran[x["policy"]] == 0) and all(len(row) == len(x["columns"]) for row in x["steps"])
-        assert not x["steps"] or sum(row[3] for row in x["steps"]) > 0  # prompt tokens were prefilled
-    assert steps[0]["steps"]  # fcfs serves everything
+    assert len(recs) == 24 and {"ttft_ms", "tpot_ms", "good", "output_len", "warmup"} <= set(recs[0])
     for name in ("goodput_vs_load", "latency_cdf"):
         p = out / f"{name}.png"
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
