@@ -2,7 +2,10 @@
 the caller, KV freed on abort, and a child that dies or fails to start reported, never hung on."""
 import os
 import signal
+import subprocess
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -35,11 +38,44 @@ def _text(stream):
     return "".join(o.text for o in stream)
 
 
+ENGINES = ("shared", "killed", "fatal", "shut_down", "unloadable")
+
+
 @pytest.fixture(scope="module")
-def client(tiny_checkpoints):
-    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
-    yield c
-    c.shutdown()
+def engines(tiny_checkpoints, tmp_path_factory):
+    """The module's engine processes, started all at once (each start is mostly its child importing torch and
+    transformers, on one core): the shared client, one per test that ends its engine, the one that cannot load, and
+    the parent process of `test_the_engine_process_exits_when_its_parent_dies`. Futures of clients by name, and that
+    parent."""
+    cfg = _config(tiny_checkpoints["llama"])
+    script = tmp_path_factory.mktemp("parent") / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.core_proc import EngineCoreClient\n"
+        f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with ThreadPoolExecutor(2) as pool:  # as many as this box has cores: more only queue for them
+        futures: dict[str, Future] = {
+            name: pool.submit(EngineCoreClient, EngineConfig(model="/nonexistent/model-dir") if name == "unloadable"
+                              else cfg) for name in ENGINES}
+        try:
+            yield futures, parent
+        finally:
+            parent.kill()
+            parent.wait()
+            parent.stdout.close()
+            for f in futures.values():
+                if f.exception() is None:
+                    f.result().shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engines):
+    return engines[0]["shared"].result()
 
 
 def _wait_free(client, total, timeout=10.0):
@@ -110,8 +146,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(client):
     assert len(toks) == 4 and client.is_alive()
 
 
-def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(tiny_checkpoints):
-    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(engines):
+    c = engines[0]["killed"].result()
     try:
         stream = c.generate(_greedy(3, 2000))
         stream.get(timeout=30)
@@ -126,8 +162,8 @@ def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(tiny_c
         c.shutdown()
 
 
-def test_a_dead_engine_worker_ends_the_process_and_the_client_refuses_new_requests(tiny_checkpoints):
-    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+def test_a_dead_engine_worker_ends_the_process_and_the_client_refuses_new_requests(engines):
+    c = engines[0]["fatal"].result()
     try:
         stream = c.generate(_greedy(3, 2000))
         stream.get(timeout=30)
@@ -145,31 +181,16 @@ def test_a_dead_engine_worker_ends_the_process_and_the_client_refuses_new_reques
         c.shutdown()
 
 
-def test_the_engine_process_exits_when_its_parent_dies(tiny_checkpoints, tmp_path):
+def test_the_engine_process_exits_when_its_parent_dies(engines):
     """A parent killed outright (no shutdown, no socket close by Python) leaves no engine process behind."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "parent.py"
-    script.write_text(
-        "import sys, time\n"
-        "from engine.config import EngineConfig\n"
-        "from engine.core_proc import EngineCoreClient\n"
-        f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
-        "print(c.pid, flush=True)\n"
-        "time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        child = int(parent.stdout.readline())
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(10)
-        deadline = time.monotonic() + 15
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(child)
-    finally:
-        parent.kill()
+    parent = engines[1]
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 15
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(child)
 
 
 def _alive(pid: int) -> bool:
@@ -184,13 +205,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_model_that_cannot_load_raises_value_error_from_the_child():
+def test_a_model_that_cannot_load_raises_value_error_from_the_child(engines):
     with pytest.raises(ValueError, match="cannot load model"):
-        EngineCoreClient(EngineConfig(model="/nonexistent/model-dir"))
+        engines[0]["unloadable"].result()
 
 
-def test_shutdown_aborts_what_is_in_flight(tiny_checkpoints):
-    c = EngineCoreClient(_config(tiny_checkpoints["llama"]))
+def test_shutdown_aborts_what_is_in_flight(engines):
+    c = engines[0]["shut_down"].result()
     stream = c.generate(_greedy(5, 2000))
     stream.get(timeout=30)
     c.shutdown()

@@ -221,6 +221,14 @@ def test_stop_strings_and_eos(tiny_checkpoints):
         eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def llama_engine(tiny_checkpoints):
+    """One engine for every bad input below: each must leave it serving the next."""
+    eng = _engine(tiny_checkpoints["llama"])
+    yield eng
+    eng.shutdown()
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ("", SamplingParams(), "empty"),
     ([], SamplingParams(), "non-empty"),
@@ -232,15 +240,11 @@ def test_stop_strings_and_eos(tiny_checkpoints):
     ("hi", SamplingParams(top_p=1.5), "top_p"),
     ([10**9], SamplingParams(), "token ids"),
 ])
-def test_bad_input_raises_clear_error_and_engine_keeps_serving(tiny_checkpoints, prompt, params, match):
-    eng = _engine(tiny_checkpoints["llama"])
-    try:
-        with pytest.raises(ValueError, match=match):
-            eng.add_request(prompt, params)
-        outs = list(eng.add_request("still serving", SamplingParams(max_tokens=3, temperature=0.0)))
-        assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
-    finally:
-        eng.shutdown()
+def test_bad_input_raises_clear_error_and_engine_keeps_serving(llama_engine, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llama_engine.add_request(prompt, params)
+    outs = list(llama_engine.add_request("still serving", SamplingParams(max_tokens=3, temperature=0.0)))
+    assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
 
 
 def test_unknown_model_path_is_a_value_error():
