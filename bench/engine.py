@@ -9,8 +9,10 @@ the default with a GPU; random weights, no download, written to /dev/shm where i
 run prints: the device-to-device copy bandwidth; for each batch at the prompt length, and again with contexts
 spread evenly (`spread`), the served step (the median wall time of the engine's decode-only steps of the whole
 batch, from its step observer), tok/s and the ratio to the bound (weight bytes + the step's KV bytes) / bandwidth,
-beside that step's forward + sampling alone (`Prober.decode_ms`); prefill tok/s and TFLOP/s (against the bf16 dense
-peak where known); HF `generate` ms/step on the same model; start-up. `--time-limit-s` skips what is left once the
+beside that step's forward + sampling alone (`Prober.decode_ms`); at one batch, the served step sampling at
+temperature 1.0 / top-p 0.9 beside greedy, back to back (`sampling`); where the engine overlaps scheduling (CUDA),
+the served step without it beside with it (`overlap`); prefill tok/s and TFLOP/s (against the bf16 dense peak where
+known); HF `generate` ms/step on the same model; start-up. `--time-limit-s` skips what is left once the
 run has taken that long; a section that fails is reported in `skipped` and the run goes on.
 """
 from __future__ import annotations
@@ -63,13 +65,15 @@ class Plan:
     prefill: tuple[tuple[int, int], ...] = ((8, 1024),)
     prefill_reps: int = 3
     hf_batches: tuple[int, ...] = (1, 16, 64)
+    sampling_batch: int = 128  # greedy beside temperature 1.0 / top-p 0.9 (0: none)
+    overlap_batches: tuple[int, ...] = (1, 64)  # with and without overlap scheduling, where the engine has it
     max_model_len: int = 8192  # a built shape's context window
     prefill_max_tokens: int = 32768
     bw_bytes: int = 4 << 30
 
     @classmethod
     def cpu(cls) -> Plan:
-        return cls(batches=(1, 8, 16, 32), prompt_len=64, spread_batches=(), decode_steps=32,
+        return cls(batches=(1, 8, 16, 32), prompt_len=64, spread_batches=(), decode_steps=32, sampling_batch=16,
                    prefill=((1, 512), (8, 128)), prefill_reps=5, hf_batches=(1, 8, 32), max_model_len=2048,
                    prefill_max_tokens=4096, bw_bytes=1 << 30)
 
@@ -77,6 +81,7 @@ class Plan:
     def quick(cls) -> Plan:
         return cls(batches=(1, 4), prompt_len=32, spread_batches=(1, 4), spread=(16, 96), warmup_steps=2,
                    decode_steps=4, probe_reps=2, prefill=((2, 64),), prefill_reps=2, hf_batches=(1, 4),
+                   sampling_batch=4, overlap_batches=(1,),
                    max_model_len=256, prefill_max_tokens=2048, bw_bytes=64 << 20)
 
 
@@ -175,11 +180,13 @@ def _left_pad(prompts: list[list[int]], pad_id: int):
 
 # =========================================================================== the engine's steps
 
-def _submit_and_wait(eng, prompts: list[list[int]], max_tokens: list[int], tag: str) -> list:
-    """Submit every prompt at (nearly) the same instant; the final outputs, in order."""
+def _submit_and_wait(eng, prompts: list[list[int]], max_tokens: list[int], tag: str,
+                     sampling: dict[str, float] | None = None) -> list:
+    """Submit every prompt at (nearly) the same instant, greedy (or with `sampling`'s knobs); the final outputs."""
     from core.sampling import SamplingParams
 
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    knobs = sampling or {"temperature": 0.0}
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **knobs) for m in max_tokens]
     old = sys.getswitchinterval()
     sys.setswitchinterval(1.0)  # keep the GIL while enqueueing, so the worker sees the whole batch at once
     try:
@@ -204,12 +211,13 @@ def _probe(eng, fn):
     return eng.run_idle(lambda e: fn(Prober(e)), timeout=3600.0)
 
 
-def _served_decode(eng, events: list, prompts: list[list[int]], plan: Plan, tag: str) -> dict[str, Any]:
+def _served_decode(eng, events: list, prompts: list[list[int]], plan: Plan, tag: str,
+                   sampling: dict[str, float] | None = None) -> dict[str, Any]:
     """Submit the batch at once, decode `warmup + steps + 1` tokens each; the figures of the decode-only steps
     with the whole batch after the first `warmup` of them (the engine's own step wall time: schedule, forward,
     sampling, postprocess)."""
     b, start = len(prompts), len(events)
-    _submit_and_wait(eng, prompts, [plan.warmup_steps + plan.decode_steps + 1] * b, tag)
+    _submit_and_wait(eng, prompts, [plan.warmup_steps + plan.decode_steps + 1] * b, tag, sampling)
     eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
     steps = [e for e in events[start:] if e.num_decode == b and e.num_prefill == 0][plan.warmup_steps:]
     steps = steps[:plan.decode_steps]
@@ -300,8 +308,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         path = resolve_model_path(args.model or DEFAULT_MODEL)
         cfg = AutoConfig.from_pretrained(path)
 
-    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": []}
-    bmax = max(plan.batches + plan.spread_batches)
+    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "overlap": []}
+    bmax = max(plan.batches + plan.spread_batches + plan.overlap_batches + (plan.sampling_batch,))
     try:
         sched = SchedulerConfig(policy="fcfs", max_num_seqs=bmax, max_waiting=2 * bmax, prefill_max_batch_size=bmax,
                                 prefill_max_tokens=plan.prefill_max_tokens)
@@ -310,7 +318,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         eng = LLMEngine(EngineConfig(model=path, dtype=dname, device=str(dev),
                                      num_threads=args.threads if dev.type == "cpu" else None,
-                                     max_model_len=plan.max_model_len if shape else None, scheduler=sched, **extra))
+                                     max_model_len=plan.max_model_len if shape else None, scheduler=sched,
+                                     overlap=args.overlap, **extra))
         prof = dict(eng.profile_report or {})
         startup.update(engine_init_s=time.perf_counter() - t0, profile_cached=bool(prof.get("cached")),
                        profile_fit_s=None if prof.get("cached") else prof.get("seconds"))
@@ -374,11 +383,43 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                 log(f"prefill {p['shape']}: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s, {p['tflops']:.2f} TFLOP/s"
                     + (f" ({p['pct_of_peak']:.0f}% of {peak:g})" if peak else ""))
 
+        def side_by_side(section: str, b: int, other: str, run_other) -> None:
+            """The served step of batch b at the prompt length, as the engine runs by default and then by `other`
+            (`run_other(prompts, tag)`), back to back on the same prompts."""
+            prompts = [ids(plan.prompt_len) for _ in range(b)]
+            base = _served_decode(eng, events, prompts, plan, f"{section}{b}-{next(_RUNS)}")
+            alt = run_other(prompts, f"{section}{b}-{next(_RUNS)}")
+            d = {"batch": b, "prompt_len": plan.prompt_len, "ms_step": base["ms_step"],
+                 f"{other}_ms_step": alt["ms_step"], "ratio": alt["ms_step"] / base["ms_step"]}
+            res[section].append(d)
+            log(f"{section} B={b}: {base['ms_step']:.2f} ms/step, {other} {alt['ms_step']:.2f} ms/step "
+                f"({d['ratio']:.3f}x)")
+
+        def sampling() -> None:
+            knobs = {"temperature": 1.0, "top_p": 0.9}
+            side_by_side("sampling", plan.sampling_batch, "top_p",
+                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
+
+        def overlap() -> None:
+            def without(prompts, tag):
+                eng.run_idle(lambda e: setattr(e, "overlap", False))
+                try:
+                    return _served_decode(eng, events, prompts, plan, tag)
+                finally:
+                    eng.run_idle(lambda e: setattr(e, "overlap", True))
+            for b in plan.overlap_batches:
+                if time_left(f"overlap B={b}"):
+                    side_by_side("overlap", b, "no_overlap", without)
+
         guarded("warm-up", lambda: _submit_and_wait(eng, [ids(plan.prompt_len)] * 2, [4, 4], "warm"))
         # cheapest and most asked-for first: a --time-limit-s cut leaves out the spread ladder's large batches
         ladder("decode", plan.batches, lambda b: [plan.prompt_len] * b)
         if time_left("prefill"):
             guarded("prefill", prefill)
+        if plan.sampling_batch and time_left("sampling"):
+            guarded("sampling", sampling)
+        if eng.overlap and plan.overlap_batches:
+            guarded("overlap", overlap)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
         kv_info = {"blocks": eng.cache.num_blocks, "block_size": eng.cache.block_size,
                    "dtype": str(eng.cache.dtype).removeprefix("torch."), "bytes_per_token": kv_per_token}
@@ -441,7 +482,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                             "bytes) / the copy bandwidth measured in this run",
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
-        "skipped": skipped, "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
+        "sampling": res["sampling"], "overlap": res["overlap"], "skipped": skipped, "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
 
 
@@ -474,6 +515,10 @@ def headline(r: dict[str, Any]) -> str:
     if r["prefill"]:
         parts.append("prefill " + ", ".join(f"{p['shape']} {p['tok_s']:.0f} tok/s {p['tflops']:.1f} TFLOP/s"
                                             for p in r["prefill"]))
+    for d in r.get("sampling", []):
+        parts.append(f"top-p 0.9 at B={d['batch']} {d['ratio']:.3f}x greedy's step")
+    if r.get("overlap"):
+        parts.append("without overlap " + ", ".join(f"B={d['batch']} {d['ratio']:.2f}x" for d in r["overlap"]))
     return "; ".join(parts)
 
 
@@ -482,7 +527,8 @@ def write_run_summary(target: str, r: dict[str, Any]):
     bench/summaries/NAME.json as every benchmark's does."""
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
-                                 "decode", "spread", "prefill", "hf", "skipped", "versions", "total_s")}
+                                 "decode", "spread", "prefill", "hf", "sampling", "overlap", "skipped", "versions",
+                                 "total_s")}
     if "/" not in target and not target.endswith(".json"):
         return write_summary(target, r["command"], headline(r), figures)
     doc = {"name": os.path.basename(target).removesuffix(".json"), "command": r["command"], "commit": r["commit"],
@@ -516,6 +562,12 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"prefill {p['shape']}: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s, {p['tflops']:.2f} TFLOP/s"
               + (f" = {p['pct_of_peak']:.0f}% of {p['peak_tflops']:g} (bf16 dense peak, datasheet)"
                  if p["peak_tflops"] else ""))
+    for d in r["sampling"]:
+        print(f"sampling B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, temperature 1.0 + top-p 0.9 "
+              f"{d['top_p_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
+    for d in r["overlap"]:
+        print(f"overlap scheduling B={d['batch']}: {d['ms_step']:.2f} ms/step, without it {d['no_overlap_ms_step']:.2f} "
+              f"ms/step ({d['ratio']:.2f}x)")
     if r["skipped"]:
         print(f"skipped: {', '.join(r['skipped'])}")
     print(f"total {r['total_s']:.0f} s")
@@ -551,6 +603,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "H200, by the datasheet; else none)")
     ap.add_argument("--gpu-memory-utilization", type=float, help="the engine's share of the GPU (default its own)")
     ap.add_argument("--kv-cache-gb", type=float, help="the engine's KV cache in GB (default its own)")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="the engine's overlap "
+                    "scheduling (auto: on for CUDA); where on, the run also times steps without it")
     ap.add_argument("--keep-model", action="store_true", help="keep a built shape's checkpoint (default: deleted)")
     args = ap.parse_args(argv)
     if args.threads <= 0:

@@ -27,6 +27,8 @@ def _check_ladders(doc: dict, contexts: dict[str, dict[int, list[int]]]) -> None
     for k in ("bandwidth_gb_s", "weight_bytes", "params", "total_s"):
         assert _num(doc[k]) and doc[k] > 0, k
     assert _num(doc["startup"]["engine_init_s"]) and not doc["skipped"]
+    [d] = doc["sampling"]  # greedy beside top-p, back to back
+    assert d["batch"] == 4 and all(_num(d[k]) and d[k] > 0 for k in ("ms_step", "top_p_ms_step", "ratio"))
 
 
 def test_a_checkpoint(tmp_path, monkeypatch):
@@ -38,6 +40,7 @@ def test_a_checkpoint(tmp_path, monkeypatch):
                  "--summary", "engine-tiny"]) == 0
     doc = json.loads((tmp_path / "e.json").read_text())
     assert doc["model"] == "kairos-tiny" and doc["shape"] is None and doc["dtype"] == "float32"
+    assert doc["overlap"] == []  # the CPU engine does not overlap scheduling by default
     assert doc["threads"] == 2 and doc["quick"] is True and doc["model_path"]
     assert doc["command"].startswith("python -m bench.engine") and "--quick" in doc["command"]
     _check_ladders(doc, {"decode": {1: [32, 32], 4: [32, 32]}, "spread": {1: [56, 56], 4: [16, 96]}})
@@ -49,20 +52,24 @@ def test_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_a_shape_on_cpu(tmp_path):
-    """`--device cpu --shape tiny --quick`: the GPU check's whole run at a tiny shape (a model built from a config),
-    its summary at a path (as `--summary $OUT/...` on a GPU host)."""
+    """`--device cpu --shape tiny --quick --overlap on`: the GPU check's whole run at a tiny shape (a model built from a
+    config; overlap scheduling on, as on a GPU, so its steps are also timed without it), its summary at a path (as
+    `--summary $OUT/...` on a GPU host)."""
     from bench.engine import main
 
-    assert main(["--device", "cpu", "--shape", "tiny", "--quick", "--dtype", "float32", "--json",
+    assert main(["--device", "cpu", "--shape", "tiny", "--quick", "--dtype", "float32", "--overlap", "on", "--json",
                  str(tmp_path / "shape.json"), "--summary", str(tmp_path / "out" / "engine-shape.json")]) == 0
     doc = json.loads((tmp_path / "shape.json").read_text())
     assert doc["shape"] == "tiny" and doc["device"] == "cpu" and doc["dtype"] == "float32"
     assert doc["config"]["vocab_size"] == 512 and doc["config"]["num_key_value_heads"] == 2
     assert all(_num(doc["startup"][k]) for k in ("build_s", "save_s"))
+    [o] = doc["overlap"]
+    assert o["batch"] == 1 and all(_num(o[k]) and o[k] > 0 for k in ("ms_step", "no_overlap_ms_step", "ratio"))
     _check_ladders(doc, {"decode": {1: [32, 32], 4: [32, 32]}, "spread": {1: [56, 56], 4: [16, 96]}})
     s = json.loads((tmp_path / "out" / "engine-shape.json").read_text())
     assert s["name"] == "engine-shape" and "--shape tiny" in s["command"] and s["headline"].startswith("tiny ")
     assert s["figures"]["decode"] == doc["decode"] and "machine" in s and "date" in s
+    assert "top-p 0.9 at B=4" in s["headline"] and "without overlap B=1" in s["headline"]
 
 
 def test_report_and_metrics_helpers(tmp_path):
