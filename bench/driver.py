@@ -4,8 +4,7 @@ in-process `LLMEngine` (`run_engine`) or over HTTP to an OpenAI-compatible serve
 Every item is sent at its `arrival_s` (seconds after the start) whether or not earlier ones have finished,
 and every request ends as one `Record` on one clock (`time.monotonic`):
 - in-process, the record carries the client's view (token arrival per stream item, when `per_request_threads`)
-  or the engine's own per-token times (the default: one polling consumer, so the engine keeps the GIL), and
-  the engine's timestamps in `engine`;
+  or the engine's own per-token times (the default: one polling consumer, so the engine keeps the GIL);
 - over HTTP, token times are SSE chunk arrivals (a chunk may hold several tokens; `n_out` comes from the usage
   chunk), 429 is a rejection (so is a 400 with x-kairos-reject-reason: slo_unattainable), and `hops` splits the
   time to the first token with the ingress's Server-Timing.
@@ -149,7 +148,6 @@ class Record:
     prompt_tokens: int = 0
     deliveries: int = 0  # stream items (in-process) or chunks (HTTP) that carried tokens
     merged_deliveries: int = 0  # in-process items that carried more than one token
-    engine: dict[str, Any] | None = None  # in-process: the engine's own timestamps (RequestMetrics)
     replica: str | None = None  # HTTP: the LLM replica that answered (`x-kairos-replica`)
     rerouted: int = 0  # HTTP: replicas that turned it away before that one (`x-kairos-rerouted`)
 
@@ -260,12 +258,9 @@ def _take(rec: Record, out: Any, t: float, client_times: bool) -> bool:
     rec.reject_reason = str(out.reject_reason) if out.reject_reason is not None else None
     rec.error = out.error
     m = out.metrics
-    if m is not None:
-        rec.engine = {"arrival_s": m.arrival_s, "admitted_s": m.admitted_s, "first_token_s": m.first_token_s,
-                      "finished_s": m.finished_s, "token_times": list(m.token_times)}
-        if not client_times:  # the engine's clock is the same monotonic clock
-            rec.arrival_s, rec.token_times, rec.finished_s = m.arrival_s, list(m.token_times), m.finished_s
-            rec.ttft_s = m.ttft_s
+    if m is not None and not client_times:  # the engine's clock is the same monotonic clock
+        rec.arrival_s, rec.token_times, rec.finished_s = m.arrival_s, list(m.token_times), m.finished_s
+        rec.ttft_s = m.ttft_s
     rec.finished_s = rec.finished_s if rec.finished_s is not None else t
     return True
 
@@ -281,11 +276,9 @@ def _drain(stream: Any, rec: Record, timeout: float, client_times: bool) -> None
 
 
 def freeze_heap() -> None:
-    """Move what this process holds now (the ShareGPT corpus, the workloads, earlier points' records) out of the
-    garbage collector's reach before a timed run. A full collection walks every tracked object: with the corpus
-    loaded that stalls the in-process engine's thread (it shares the GIL) or the client's token stamps, which put
-    short replies over their TPOT under every policy alike. The engine
-    freezes its own start-up heap the same way; a served replica holds no such heap."""
+    """Move what this process holds now (the ShareGPT corpus, the workloads, earlier records) out of the garbage
+    collector's reach before a timed run: a full collection walks every tracked object and stalls the in-process
+    engine's thread (it shares the GIL) or the client's token stamps."""
     gc.collect()
     gc.freeze()
 

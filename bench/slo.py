@@ -436,25 +436,15 @@ def acceptance(results: Sequence[dict], at: float = CHECK_LOAD) -> dict[str, Any
 
 
 def format_acceptance(acc: dict[str, Any]) -> str:
+    """The checks, one a line (ratios to 2 decimals, differences in points of adherence)."""
     if not acc:
         return ""
     lines = [f"\nAcceptance checks at {acc['load_multiple']:g}x lambda*:"]
-    if "scorpio_over_fcfs_goodput" in acc:
-        lines += [f"  scorpio / fcfs goodput        : {acc['scorpio_over_fcfs_goodput']:.2f}x",
-                  f"  scorpio - fcfs adherence      : {acc['scorpio_minus_fcfs_adherence_pts']:+.1f} pts"]
-    if "kairos_goodput_ge_scorpio" in acc:
-        lines.append(f"  kairos >= scorpio (goodput)   : {fmt(acc['kairos_goodput_ge_scorpio'])} "
-                     f"({acc['kairos_goodput_rps']:.3f} vs {acc['scorpio_goodput_rps']:.3f} rps; adherence: "
-                     f"{fmt(acc['kairos_adherence_ge_scorpio'])}, "
-                     f"{acc['kairos_minus_scorpio_adherence_pts']:+.1f} pts)")
-    if "kairos_over_fcfs_goodput" in acc:
-        lines.append(f"  kairos / fcfs goodput         : {acc['kairos_over_fcfs_goodput']:.2f}x")
-    for p, x in (acc.get("kairos_goodput_over") or {}).items():
-        lines.append(f"  kairos / {p:<20} : {x:.2f}x goodput")
-    for key, label in (("ttft_violations_fcfs_vs_edf_reject", "TTFT violations fcfs -> edf_reject"),
-                       ("tpot_violations_fcfs_vs_tpot_guard", "TPOT violations fcfs -> tpot_guard")):
-        if key in acc:
-            lines.append(f"  {label} : {acc[key][0]} -> {acc[key][1]}")
+    for key, v in acc.items():
+        if key != "load_multiple":
+            text = ", ".join(f"{p} {fmt(x, 2)}" for p, x in v.items()) if isinstance(v, dict) else \
+                " -> ".join(map(str, v)) if isinstance(v, list) else fmt(v, 2 if "pts" not in key else 1)
+            lines.append(f"  {key:<36}: {text}")
     return "\n".join(lines)
 
 

@@ -29,15 +29,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-SHAPES: dict[str, dict[str, Any]] = {  # Llama-3.1's configs, random weights; "tiny" is the CPU dry run's
-    "llama-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                 "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
-    "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-                 "intermediate_size": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-                 "tie_word_embeddings": True},
-    "tiny": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 704, "vocab_size": 8192, "rms_norm_eps": 1e-5},
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -46,32 +37,25 @@ def log(msg: str) -> None:
 
 
 def build_model(shape: str, out: Path, dtype: str, device: str, window: int) -> Path:
-    """A random Llama of `shape` with kairos-tiny's tokenizer, saved with save_pretrained (once per shape/dtype)."""
+    """A random Llama of `shape` (bench.engine's shapes) with kairos-tiny's tokenizer, saved once per shape/dtype."""
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
+    from bench.engine import build_shape_model, shape_config
     from engine.default_model import ensure_default_model
 
     src = ensure_default_model("kairos-tiny")
     src_cfg = json.loads((src / "config.json").read_text())
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=window, bos_token_id=src_cfg.get("bos_token_id", 0),
-                      eos_token_id=src_cfg.get("eos_token_id", 0), pad_token_id=src_cfg.get("pad_token_id", 0))
-    tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    cfg = shape_config(shape, len(AutoTokenizer.from_pretrained(src)), window)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(cfg, k, src_cfg.get(k, 0))
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(tdtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.config.dtype = dtype
+    model = build_shape_model(cfg, torch.device(device), getattr(torch, dtype))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.eval().save_pretrained(tmp, max_shard_size="5GB")
+    model.save_pretrained(tmp, max_shard_size="5GB")
     del model
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
@@ -178,7 +162,7 @@ def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="llama-8b", choices=("llama-8b", "llama-1b", "tiny"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--window", type=int, default=4096, help="max_position_embeddings of the built model")
