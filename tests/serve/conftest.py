@@ -79,7 +79,9 @@ def serve_app() -> Iterator[dict]:
     try:
         yield {"base_url": BASE_URL, "app_name": APP_NAME, "startup_s": t2 - t0}
     finally:
-        serve.shutdown()
+        # Stopping the Ray node this fixture started stops every process of the apps in it at once (HAProxy dies with
+        # its manager, `guard_haproxy`; an engine process with its replica); `serve.shutdown()` first waited out each
+        # replica's drain, seconds of an idle suite. Nothing after this package uses Serve in this process.
         ray.shutdown()
 
 

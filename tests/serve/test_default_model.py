@@ -21,7 +21,7 @@ def default_url(serve_app: dict):
     try:
         yield BASE_URL + PREFIX
     finally:
-        serve.delete("kairos-default-app")
+        serve.delete("kairos-default-app", _blocking=False)  # its replicas drain while the next tests run
 
 
 def test_openai_client_chat_answers_paris(default_url: str) -> None:

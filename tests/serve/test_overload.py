@@ -42,7 +42,7 @@ def ovl_app(serve_app: dict):
     try:
         yield {"url": BASE_URL + OVL_PREFIX, "handle": serve.get_deployment_handle("LLMServer", app_name=OVL_APP)}
     finally:
-        serve.delete(OVL_APP)
+        serve.delete(OVL_APP, _blocking=False)  # its replicas drain while the next tests run
 
 
 def _body(i: int, stream: bool) -> dict:

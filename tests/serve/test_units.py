@@ -655,7 +655,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         me.engine = type("E", (), {"generate": lambda _s, req: Stream([
             RequestOutput(req.request_id, text="a", token_ids=[1], num_prompt_tokens=1),
             RequestOutput(req.request_id, text="b", token_ids=[2], finished=True, finish_reason="length")]),
-            "abort": lambda _s, rid: aborted.append(rid)})()
+            "abort": lambda _s, rid: aborted.append(rid), "shutdown": lambda _s, timeout=None: None})()
         me.log_prompts, me.pacing, me.metrics, me.replica_id = False, StreamPacing(), Metrics(), "r"
         me.inflight, me.aborted, me._prompt_lens, me._decode_left = 0, 0, deque(maxlen=4), {}
         done = me.generate(GenerateRequest("done", prompt=(1,)))
