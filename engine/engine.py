@@ -126,6 +126,8 @@ class LLMEngine:
             config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
             trust_remote_code=config.trust_remote_code, attn_implementation=ATTN_NAME,
             max_model_len=config.max_model_len, backend=config.backend)
+        if b.device.type == "cuda":  # this thread's current device: kernels, graphs and events go to the model's GPU
+            torch.cuda.set_device(b.device)
         self.backend = backend = backends.create(config.backend, b.device, config.kernels)
         self.upcast_linears = backend.adapt_model(b.model, config.cpu_upcast_matmul)
         self.tokenizer = b.tokenizer
@@ -359,7 +361,7 @@ class LLMEngine:
                 self._finish(req, FinishReason.ERROR, error=f"engine failure: {e!r}")
             self._publish(0, 0)
         finally:
-            self._inflight = None
+            self._inflight = None  # (its device work finishes before `_release` frees memory: `Backend.release`)
             self._drain_after_stop()
             self._emit()
 
@@ -444,9 +446,11 @@ class LLMEngine:
                 self._resolve(prev)
                 prev = None
             isolated = self._isolate(plan, reqs, e)
-            if isolated is None:
-                return
-            tokens = SampledTokens.of(isolated)
+            if isolated is not None:  # its tokens are on the host already: resolved now, so that the requests that
+                # failed end before the next step is planned (else that step fails and is isolated again)
+                self._resolve(_InFlight(plan, reqs, sched.launched(plan, reqs), SampledTokens.of(isolated), t0,
+                                        (t2 - t1) * 1000.0))
+            return
         t3 = time.perf_counter()
         self._phase["forward"] += t2 - t1
         self._phase["sample"] += t3 - t2
@@ -488,7 +492,7 @@ class LLMEngine:
         # the step as its requests saw it: from its start, or from the step before's tokens where it overlapped that
         step_ms = (t2 - max(f.t0, self._last_resolved)) * 1000.0
         self._last_resolved = t2
-        sched.on_step_done(plan, step_ms, now)
+        sched.on_step_done(plan, step_ms, now, f.reqs)
         if plan.decode:
             b = float(len(plan.decode))
             first = self._step_ms is None

@@ -16,7 +16,7 @@ class StepEvent:
     num_prefill_tokens: int
     num_decode: int
     decode_mean_len: float  # mean context of the decodes (0.0 without decodes)
-    forward_ms: float  # prepare + forward
+    forward_ms: float  # prepare + forward (its launch, where the device runs it asynchronously: CUDA)
     wall_ms: float  # the whole step: schedule, forward, sample, postprocess
 
 

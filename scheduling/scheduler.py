@@ -535,11 +535,12 @@ class Scheduler:
         return n_out >= req.params.max_tokens or num_tokens >= self.max_model_len or (
             self.config.bench_stop and req.bench_stop_after is not None and n_out >= req.bench_stop_after)
 
-    def on_step_done(self, plan: StepPlan, wall_ms: float, now: float) -> None:
+    def on_step_done(self, plan: StepPlan, wall_ms: float, now: float, reqs: list[Request] | None = None) -> None:
         """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;
-        the work per second work shedding measures)."""
+        the work per second work shedding measures); `reqs`: the rows that sampled (`plan.requests` as planned)."""
         if self.shedder is not None and self.shedder.saturated_now(now):  # the step's work is summed only if it counts
-            self.shedder.step(now, sum(self._work(r, 1) for r in plan.requests), wall_ms)
+            rows = plan.requests if reqs is None else reqs
+            self.shedder.step(now, sum(self._work(r, 1) for r in rows), wall_ms)
         if self.predictor is None or self.correction is None:
             return
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0

@@ -122,3 +122,11 @@ def test_kernel_compiles_for_hopper_without_spills():
     assert r.returncode == 0, r.stderr[-4000:]
     row = json.loads(r.stdout.strip().splitlines()[-1])
     assert row.get("local", 0) == 0 and row.get("stack", 0) == 0, row
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """The API takes any top_p > 0: one below fp32's smallest number is 0 there, and keeps the most likely token (the
+    kernel never reads before its row)."""
+    probs = torch.softmax(torch.randn(3, 400), -1)
+    tok = _draw(probs, torch.tensor([1e-46, 1e-46, 1e-46], dtype=torch.float64).float())
+    assert torch.equal(tok, probs.max(-1).indices)

@@ -4,6 +4,7 @@ bookkeeping is the same as on a GPU: every reply must be token for token, and en
 without it (data-dependent stops, length limits, preemption, chunked prefill, seeded sampling, aborts, a request
 whose forward fails)."""
 import pytest
+import torch
 
 from core.request import FinishReason, Request, Status
 from core.sampling import SamplingParams
@@ -152,3 +153,52 @@ def test_the_scheduler_keeps_placeholders_until_resolved_and_skips_ended_request
     assert s.finish(b, FinishReason.ABORT, 0.0) and b.token_ids == [4, 5, 7] and b.status is Status.FINISHED
     assert s.resolved(nxt.requests or [b], index2, [8], 0.0) == []
     assert s.blocks.num_used == 0
+
+
+class _Spy:
+    """The decoder, recording the smallest token id each forward feeds it."""
+
+    def __init__(self, inner, seen):
+        self._inner, self._seen = inner, seen
+
+    def __call__(self, ids, *args, **kwargs):
+        self._seen.append(int(ids.min()) if ids.numel() else 0)
+        return self._inner(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_a_not_finite_row_never_feeds_a_negative_id_to_the_next_step(tiny_checkpoints):
+    """A sampled row whose probabilities are not finite comes back as -1; the next step's inputs read that row on the
+    device before the host has seen it. No id below 0 may reach the model (on a GPU an out-of-range embedding index
+    is a device-side assert: every request lost): the request fails alone, its neighbour is served."""
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", block_size=4,
+                                 overlap="on", backend="torch"))
+    try:
+        assert eng.runner.decoder is not None
+        seen: list[int] = []
+        eng.runner.decoder = _Spy(eng.runner.decoder, seen)
+        sample_async = eng.sampler.sample_async
+        count = {"n": 0}
+
+        def poisoned(logits, reqs):  # the "nan" request's second sampled row holds a NaN
+            for i, r in enumerate(reqs):
+                if r.request_id == "nan":
+                    count["n"] += 1
+                    if count["n"] == 2:
+                        with torch.inference_mode():
+                            logits[i, 3] = float("nan")
+            return sample_async(logits, reqs)
+        eng.sampler.sample_async = poisoned
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        a = eng.add_request(list(range(7, 30)), greedy, request_id="a")
+        bad = eng.add_request(list(range(11, 40)), SamplingParams(max_tokens=8, temperature=1.0, seed=1,
+                                                                  ignore_eos=True), request_id="nan")
+        last_bad = list(bad)[-1]
+        toks = [t for item in a for t in (item.token_ids or [])]
+        assert last_bad.finish_reason is FinishReason.ERROR and "not finite" in last_bad.error
+        assert len(toks) == 8
+        assert min(seen) >= 0, f"a forward was fed token id {min(seen)}"
+    finally:
+        eng.shutdown()

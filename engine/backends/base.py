@@ -52,11 +52,13 @@ class StepBatch:
 
 
 def resolve_placeholders(ids: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
-    """`ids` with each placeholder -(j + 1) replaced by `prev[j]`, on the device, without a sync (`StepBatch`)."""
+    """`ids` with each placeholder -(j + 1) replaced by `prev[j]`, on the device, without a sync (`StepBatch`). A row
+    that failed (-1: probabilities not finite) reads as token 0: its request ends with an error when the host learns
+    it, and no id below 0 may reach the embedding (on a GPU an out-of-range index is a device-side assert)."""
     if prev is None or prev.numel() == 0:
         return ids
     rows = (-ids - 1).clamp_(min=0, max=prev.numel() - 1)
-    return torch.where(ids < 0, prev.index_select(0, rows), ids)
+    return torch.where(ids < 0, prev.index_select(0, rows).clamp(min=0), ids)
 
 
 @dataclass(slots=True)

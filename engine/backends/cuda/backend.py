@@ -223,6 +223,8 @@ class CudaBackend(TorchBackend):
         return runner.forward(self.prepare(step), step.prev_tokens)
 
     def release(self) -> None:
+        if self.device.type == "cuda":  # a step still in flight (overlap scheduling) reads what is freed here
+            torch.cuda.synchronize(self.device)
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

@@ -58,7 +58,7 @@ def _top_p_kernel(p_ptr, total_ptr, top_p_ptr, u_ptr, out_ptr, V, stride_p, stri
             last = tl.maximum(last, tile_last)
             run += s
             start += BLOCK
-        j = tl.where(j < 0, last, j)
+        j = tl.maximum(tl.where(j < 0, last, j), 0)  # (no token above the pivot: a rejected round, never read out)
         pj = tl.load(base + j.to(tl.int64))
         above = mass * 0.0
         for s2 in range(0, V, BLOCK):
@@ -93,8 +93,11 @@ def top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, total:
         return out
     probs = probs if probs.stride(-1) == 1 else probs.contiguous()
     u = u.float().contiguous()
+    # a top_p that rounds to 0 in fp32 (the API takes any top_p > 0) keeps the most likely token, as the smallest
+    # positive one does
+    top_p = top_p.float().clamp(min=torch.finfo(torch.float32).tiny)
     block = 512 if _INTERPRETED else 2048
-    _top_p_kernel[(n,)](probs, total.float().contiguous(), top_p.float().contiguous(), u, out, width,
+    _top_p_kernel[(n,)](probs, total.float().contiguous(), top_p.contiguous(), u, out, width,
                         probs.stride(0), u.stride(0), ROUNDS=u.shape[1], BLOCK=block,
                         num_warps=1 if _INTERPRETED else 8)
     return out
