@@ -351,23 +351,24 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
         def ladder(section: str, batches: tuple[int, ...], lens_of) -> None:
             for b in batches:
-                if not time_left(f"{section} B={b}"):
-                    continue
-                lens = lens_of(b)
-                bs, extra_tokens = eng.cache.block_size, plan.warmup_steps + plan.decode_steps + 2
-                if sum(-(-(n + extra_tokens) // bs) for n in lens) > eng.cache.num_blocks:
-                    skipped.append(f"{section} B={b} (KV cache too small)")
-                    continue
-                d = _served_decode(eng, events, [ids(n) for n in lens], plan, f"{section}{b}-{next(_RUNS)}")
-                kv = b * d["mean_context"] * kv_per_token
-                bms = (wbytes + kv) / (bw * 1e9) * 1000.0
-                d.update(batch=b, contexts=[min(lens), max(lens)], bound_ms=bms, kv_bytes_per_step=kv,
-                         ratio_to_bound=d["ms_step"] / bms,
-                         probe_ms=probe([n + plan.warmup_steps + plan.decode_steps // 2 for n in lens]))
-                res[section].append(d)
-                log(f"{section} B={b} ctx {min(lens)}-{max(lens)}: {d['ms_step']:.2f} ms/step, {d['tok_s']:.0f} "
-                    f"tok/s, {d['ratio_to_bound']:.2f}x the bound ({bms:.2f} ms); forward+sampling alone "
-                    f"{d['probe_ms'] or float('nan'):.2f} ms")
+                if time_left(f"{section} B={b}"):
+                    guarded(f"{section} B={b}", lambda b=b: point(section, b, lens_of(b)))
+
+        def point(section: str, b: int, lens: list[int]) -> None:
+            bs, extra_tokens = eng.cache.block_size, plan.warmup_steps + plan.decode_steps + 2
+            if sum(-(-(n + extra_tokens) // bs) for n in lens) > eng.cache.num_blocks:
+                skipped.append(f"{section} B={b} (KV cache too small)")
+                return
+            d = _served_decode(eng, events, [ids(n) for n in lens], plan, f"{section}{b}-{next(_RUNS)}")
+            kv = b * d["mean_context"] * kv_per_token
+            bms = (wbytes + kv) / (bw * 1e9) * 1000.0
+            d.update(batch=b, contexts=[min(lens), max(lens)], bound_ms=bms, kv_bytes_per_step=kv,
+                     ratio_to_bound=d["ms_step"] / bms,
+                     probe_ms=probe([n + plan.warmup_steps + plan.decode_steps // 2 for n in lens]))
+            res[section].append(d)
+            log(f"{section} B={b} ctx {min(lens)}-{max(lens)}: {d['ms_step']:.2f} ms/step, {d['tok_s']:.0f} "
+                f"tok/s, {d['ratio_to_bound']:.2f}x the bound ({bms:.2f} ms); forward+sampling alone "
+                f"{d['probe_ms'] or float('nan'):.2f} ms")
 
         def prefill() -> None:
             for n, length in plan.prefill:
