@@ -28,6 +28,8 @@ def test_shipped_predictor_loads_without_download_and_reports_its_held_out_figur
     h = m.meta["heldout"]
     assert h["n"] >= 1000 and 0.0 < h["bucket_accuracy"] <= 1.0
     assert h["spearman"] > h["spearman_prompt_len_only"]  # the prompt's words say more than its length
+    assert h["log_loss"] < math.log(len(LP.EDGES) + 1)  # calibrated: better than knowing nothing
+    assert m.meta["n_train"] > m.meta["n_train_first_turns"] and 0 < m.meta["bag_pool"] <= 1
     assert m.meta["tokenizer"] == "kairos-tiny" and m.meta["edges"] == list(LP.EDGES)
     p = m.probs([5, 6, 7, 8])
     assert p.shape == (len(LP.EDGES) + 1,) and p.sum() == pytest.approx(1.0)
@@ -57,6 +59,82 @@ def test_save_load_round_trip_and_layout_check(tmp_path):
     np.savez(tmp_path / "bad.npz", W=np.zeros((8, K), np.float16), bias=bias, meta=np.array(json.dumps({})))
     with pytest.raises(ValueError):
         LP.LengthPredictor.load(tmp_path / "bad.npz")
+
+
+def test_bag_pooling_scales_the_bag_by_its_size_to_the_meta_power():
+    K = len(LP.EDGES) + 1
+    ids = [10, 11, 12, 13]
+    bag, fixed = LP.features(ids)
+    W_ = np.zeros((LP.DIM, K), np.float32)
+    W_[bag, 5] = 1.0  # every n-gram votes for bucket 5
+    W_[fixed] = 0.0
+    z = {}
+    for pool in (1.0, 0.5, 0.0):
+        p = LP.LengthPredictor(W_, np.zeros(K, np.float32), {"edges": list(LP.EDGES), "bag_pool": pool}).probs(ids)
+        z[pool] = math.log(p[5] / p[0])
+    assert z[1.0] == pytest.approx(1.0, rel=1e-5) and z[0.5] == pytest.approx(len(bag) ** 0.5, rel=1e-5)
+    assert z[0.0] == pytest.approx(len(bag), rel=1e-5)
+    old = LP.LengthPredictor(W_, np.zeros(K, np.float32), {"edges": list(LP.EDGES)})  # a file without bag_pool
+    assert math.log(old.probs(ids)[5] / old.probs(ids)[0]) == pytest.approx(1.0, rel=1e-5)  # a mean, as before
+
+
+def test_training_rows_keep_the_held_out_prompts_and_their_conversations_out(monkeypatch):
+    """Held out: first turns of the first HOLDOUT conversations of bench.workload's seed-0 order. Training: every
+    turn pair of the others, later turns too, unless its prompt text is a held-out prompt's."""
+    def conv(*turns):
+        return [{"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    records = [{"id": f"c{i}_0", "conversations": conv(f"ask {w} one two", "reply " * (5 + i),
+                                                        f"more {w} three four", "again " * 6)}
+               for i, w in enumerate(words)]
+    records += [{"id": f"c{i}_1", "conversations": conv(f"ask {w} one two", "copy " * 9)}  # the same prompts again
+                for i, w in enumerate(words)]
+    records.append({"id": "x_0", "conversations": [{"from": "gpt", "value": "no human first"}]})
+    vocab: dict[str, int] = {}
+
+    class Tok:
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[vocab.setdefault(w, len(vocab)) for w in t.split()] for t in texts]}
+
+    def text(ids):
+        back = {v: k for k, v in vocab.items()}
+        return " ".join(back[i] for i in ids)
+
+    monkeypatch.setattr(W, "read_conversations", lambda path=None: tuple(records))
+    monkeypatch.setattr(LP, "HOLDOUT", 4)
+    rows = LP.sharegpt_rows(Tok())
+    firsts = records[:-1]  # every record but the last opens with a human turn (W.first_turns' records)
+    assert len(W.first_turns(records)) == len(firsts)
+    held_recs = [firsts[k] for k in W.sample_order(len(firsts), 0)[:4]]
+    held_texts = [r["conversations"][0]["value"] for r in held_recs]
+    assert [text(x) for x, h in zip(rows.ids, rows.held) if h] == held_texts  # in the benchmark's order
+    assert rows.held[:4].all() and not rows.held[4:].any() and rows.first[:4].all()
+    want = sorted((c[t]["value"], t == 0, r["id"].rsplit("_", 1)[0]) for r in firsts if r not in held_recs
+                  for t, c in ((t, r["conversations"]) for t in (0, 2)) if t < len(c)
+                  and c[t]["value"] not in held_texts)
+    got = sorted((text(x), bool(f), g) for x, f, g, h in zip(rows.ids, rows.first, rows.group, rows.held) if not h)
+    assert got == want and any(not f for _, f, _ in got)  # later turns are in
+    assert any(r not in held_recs and r["conversations"][0]["value"] in held_texts for r in firsts)  # some left out
+
+
+def test_training_learns_which_prompts_get_long_replies_and_calibrates_a_temperature():
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    ids, lens = [], []
+    for i in range(400):
+        long = i % 2 == 0
+        ids.append([7 if long else 8] + [int(t) for t in rng.integers(100, 110, size=8)])
+        lens.append(float(rng.integers(600, 760) if long else rng.integers(20, 30)))
+    lens = np.asarray(lens)
+    cfg = LP.TrainConfig(max_epochs=4, lr=0.05, dropout=0.1, batch=16)
+    W_, b, hist = LP.train(ids[:300], lens[:300], cfg=cfg, val=(ids[300:], lens[300:]))
+    assert [h["epoch"] for h in hist] == [1, 2, 3, 4]
+    m = LP.LengthPredictor(W_, b, {"edges": list(LP.EDGES), "bag_pool": cfg.bag_pool})
+    fig = LP.evaluate(m, ids[300:], lens[300:])
+    assert fig["bucket_accuracy"] > 0.9 and fig["spearman"] > 0.6  # (ties within a class cap the rank correlation)
+    assert fig["spearman"] == pytest.approx(max(h["spearman"] for h in hist))  # the best epoch's weights
+    assert 0.5 <= LP.fit_temperature(m, ids[300:], lens[300:]) <= 4.0
 
 
 def test_spearman_and_buckets():
