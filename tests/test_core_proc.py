@@ -43,10 +43,10 @@ ENGINES = ("shared", "killed", "fatal", "shut_down", "unloadable")
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoints, tmp_path_factory):
-    """The module's engine processes, started all at once (each start is mostly its child importing torch and
-    transformers, on one core): the shared client, one per test that ends its engine, the one that cannot load, and
-    the parent process of `test_the_engine_process_exits_when_its_parent_dies`. Futures of clients by name, and that
-    parent."""
+    """The module's engine processes, started from the module's start as many at a time as there are cores (each
+    start is mostly its child importing torch and transformers, on one core): the shared client, one per test that
+    ends its engine, the one that cannot load, and the parent process of
+    `test_the_engine_process_exits_when_its_parent_dies`. Futures of clients by name, and that parent."""
     cfg = _config(tiny_checkpoints["llama"])
     script = tmp_path_factory.mktemp("parent") / "parent.py"
     script.write_text(
@@ -58,7 +58,7 @@ def engines(tiny_checkpoints, tmp_path_factory):
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with ThreadPoolExecutor(2) as pool:  # as many as this box has cores: more only queue for them
+    with ThreadPoolExecutor(min(len(ENGINES), os.cpu_count() or 1)) as pool:  # more would only queue for cores
         futures: dict[str, Future] = {
             name: pool.submit(EngineCoreClient, EngineConfig(model="/nonexistent/model-dir") if name == "unloadable"
                               else cfg) for name in ENGINES}
