@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.driver import free_memory, resolve_model_path
-from bench.report import best_of, machine, print_table, run_info, write_json, write_summary
+from bench.report import best_of, print_table, run_info, write_json, write_summary
 
 MODULE = "bench.engine"
 DEFAULT_MODEL = "kairos-random-42m"
@@ -524,17 +524,10 @@ def headline(r: dict[str, Any]) -> str:
 
 
 def write_run_summary(target: str, r: dict[str, Any]):
-    """`--summary`: a path (has a '/' or ends in .json) gets the summary there; a plain name goes to
-    bench/summaries/NAME.json as every benchmark's does."""
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
-                                 "decode", "spread", "prefill", "hf", "sampling", "overlap", "skipped", "versions",
-                                 "total_s")}
-    if "/" not in target and not target.endswith(".json"):
-        return write_summary(target, r["command"], headline(r), figures)
-    doc = {"name": os.path.basename(target).removesuffix(".json"), "command": r["command"], "commit": r["commit"],
-           "date": r["date"], "machine": machine(), "headline": headline(r), "figures": figures}
-    return write_json(target, doc)
+                                 "decode", "spread", "prefill", "hf", "skipped", "versions", "total_s")}
+    return write_summary(target, r["command"], headline(r), figures, commit=r["commit"])
 
 
 def print_report(r: dict[str, Any]) -> None:

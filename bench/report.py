@@ -267,15 +267,17 @@ start_commit()  # at import: every benchmark imports this module when it starts
 
 
 def write_summary(name: str, command: str, headline: str, figures: dict[str, Any],
-                  root: str | os.PathLike[str] | None = None) -> Path:
-    """Keep one headline result as `<root>/<name>.json` (default bench/summaries/): small enough to commit.
+                  root: str | os.PathLike[str] | None = None, commit: str | None = None) -> Path:
+    """Keep one headline result as `<root>/<name>.json` (default bench/summaries/): small enough to commit. A
+    `name` with a '/' or ending in .json is a path (e.g. `$OUT/engine-cuda.json` on a device host, to commit here).
 
     `headline` is the one line the README table shows; `figures` holds the numbers behind it."""
-    if not name or any(c in name for c in "/\\ "):
-        raise ValueError(f"summary name must be a plain file stem, got {name!r}")
-    doc = {"name": name, "command": command, "commit": start_commit(), "date": now_iso(), "machine": machine(),
-           "headline": headline, "figures": figures}
-    return write_json(Path(root or SUMMARIES) / f"{name}.json", doc)
+    path = Path(name) if "/" in name or name.endswith(".json") else Path(root or SUMMARIES) / f"{name}.json"
+    if not path.stem or " " in path.stem:
+        raise ValueError(f"summary name must be a file stem without spaces, got {name!r}")
+    doc = {"name": path.stem, "command": command, "commit": commit or start_commit(), "date": now_iso(),
+           "machine": machine(), "headline": headline, "figures": figures}
+    return write_json(path, doc)
 
 
 def _isa(m: dict[str, Any]) -> str:
