@@ -1,7 +1,7 @@
 #!/bin/bash
 # Run HERE (a box with pip's index), from the repo root: builds .dev/, what a lent device host needs to serve Kairos
 # over Ray Serve on its CPU cores. That host has CPython 3.12 with torch and transformers but no Ray, pydantic or
-# FastAPI, and no network (see bench/README.md, "Two replicas with cores of their own").
+# FastAPI, and no network (see bench/README.md, "Routing across replicas").
 #   .dev/site312.tar.xz     Ray Serve 2.60 and the packages it needs that the host lacks, for CPython 3.12: Ray
 #                           without its jars, RLlib, Data, Tune, Train, LLM and the dashboard's web build, binaries
 #                           stripped (~42 MB)

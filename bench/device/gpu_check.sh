@@ -45,7 +45,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import ray, ray.serve, pydantic, fastapi, starlette, uvicorn" 2>/dev/null; then
   if [ -f .dev/site312.tar.xz ]; then
     mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || echo "gpu_check: could not unpack the bundle"
-    # without even an empty dashboard build, Ray waits ~60 s for its dashboard at every start (bench/README.md)
+    # without even an empty dashboard build, Ray waits ~60 s for its dashboard at every start
     mkdir -p /tmp/site/ray/dashboard/client/build/static
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
   else
