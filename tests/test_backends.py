@@ -103,17 +103,22 @@ def test_mixed_greedy_and_sampled_batch_and_seeds_independent_of_the_batch(tiny_
     assert all(isinstance(t, list) and len(t) == 6 for t in mixed)
 
 
+def break_inputs_of(eng, request_id: str) -> None:
+    """Every step with `request_id` in it raises in the backend's `prepare` (as a kernel a bad input breaks)."""
+    real = eng.backend.prepare
+
+    def prepare(step):
+        if any(r.request_id == request_id for r in (*step.prefill, *step.decode)):
+            raise RuntimeError("this request's inputs break the kernel")
+        return real(step)
+    eng.backend.prepare = prepare
+
+
 def test_a_request_whose_forward_fails_fails_alone(tiny_checkpoints):
     """A step whose forward raises is run again request by request: only the request that fails again fails."""
     eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", backend="torch"))
     try:
-        real = eng.backend.prepare
-
-        def prepare(step):
-            if any(r.request_id == "bad" for r in (*step.prefill, *step.decode)):
-                raise RuntimeError("this request's inputs break the kernel")
-            return real(step)
-        eng.backend.prepare = prepare
+        break_inputs_of(eng, "bad")
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         streams = [eng.add_request(PROMPTS[i], params, request_id=rid) for i, rid in enumerate(["a", "bad", "c"])]
         last = {}

@@ -287,8 +287,9 @@ except ImportError as e:
     print(f"no ahead-of-time compile API in triton {triton.__version__}: {e}")
     sys.exit(3)
 from engine.backends.cuda import fused as fz
+from engine.backends.cuda import sampling as sm
 
-assert not fz.INTERPRETED, "unset TRITON_INTERPRET"
+assert not fz.INTERPRETED and not sm._INTERPRETED, "unset TRITON_INTERPRET"
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
@@ -321,13 +322,17 @@ build(fz._rope_write_kernel, dict(NUM_HEADS=32, NUM_KV=8, HEAD_DIM=128, HALF=64,
                                   BLOCK_R=1024 // 64, BLOCK_HALF=64, FIX_BF16=False),
       {"qkv_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "pos_ptr": "*i64", "slot_ptr": "*i64", "k_cache_ptr": bf,
        "v_cache_ptr": bf}, 4)
+# the sampler's top-p draw (engine/backends/cuda/sampling.py) over fp32 rows of the 128k vocabulary
+build(sm._top_p_kernel, dict(ROUNDS=sm.ROUNDS, BLOCK=2048), {"p_ptr": "*fp32", "total_ptr": "*fp32",
+      "top_p_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*i64"}, 8)
 '''
 
 
 def test_kernels_compile_for_hopper_vectorised_without_spills():
     """The interpreter accepts code the GPU compiler may not: Triton's compiler and ptxas build the 8B shape's
-    kernels for sm_90 here (no GPU), in a process without TRITON_INTERPRET. Each must compile without register
-    spills and move its bf16 rows with 16-byte loads and stores (no 2-byte accesses)."""
+    kernels for sm_90 here (no GPU), in a process without TRITON_INTERPRET, and the sampler's top-p draw
+    (sampling.py). Each must compile without register spills and move its rows with 16-byte loads and stores (no
+    2-byte accesses)."""
     import json
     import subprocess
     from pathlib import Path
@@ -340,7 +345,7 @@ def test_kernels_compile_for_hopper_vectorised_without_spills():
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 6, r.stdout
+    assert len(rows) == 7, r.stdout
     for row in rows:
         assert row.get("local", 0) == 0 and row.get("stack", 0) == 0, row
         assert row["v4"] > 0 and row["scalar16"] == 0, row

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from scheduling.config import SchedulerConfig
 from scheduling.scheduler import Scheduler
+from tests.test_backends import _triton_interpreted, break_inputs_of
 
 PROMPTS = [list(range(3, 5)), list(range(7, 30)), list(range(11, 70)), list(range(2, 9)) * 3, list(range(40, 52))]
 
@@ -96,13 +97,7 @@ def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="on",
                                  backend="torch"))
     try:
-        real = eng.backend.prepare
-
-        def prepare(step):
-            if any(r.request_id == "bad" for r in (*step.prefill, *step.decode)):
-                raise RuntimeError("this request's inputs break the kernel")
-            return real(step)
-        eng.backend.prepare = prepare
+        break_inputs_of(eng, "bad")
         streams = [eng.add_request(PROMPTS[i], params, request_id=rid)
                    for i, rid in zip([0, 1, 2, 3], ["a", "bad", "c", "gone"])]
         eng.abort("gone")
@@ -123,7 +118,6 @@ def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):
 
 def test_the_cuda_backends_inputs_read_placeholders_on_the_device(tiny_checkpoints):
     """The CUDA backend's packed inputs (Triton kernels interpreted on the CPU) with overlap: the same tokens."""
-    from tests.test_backends import _triton_interpreted
     if not _triton_interpreted():
         pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
