@@ -87,7 +87,7 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
         closed before it started counts nothing; a full queue raises at the first item (429). The slot and the
         count are given back before the last item is yielded: the frontend stops at a finished item without
         closing the stream, and a stream still referenced somewhere (a reference cycle) would otherwise hold its slot
-        until the garbage collector ran: after the overload test, 4 of ~1,400 requests were still counted."""
+        until the garbage collector ran (the overload test found some still counted)."""
         if self._cap is not None and self._calls >= self._cap:
             raise overloaded(self.retry_after_s)
         self._calls += 1

@@ -4,7 +4,7 @@ tokenizer (`kairos-random-42m`, `kairos-tiny`) for fast tests and the CPU SLO be
 
 No weights can be downloaded (offline serving, CI), so for the random models Kairos ships a *recipe*:
 a `LlamaConfig`, a seed and an in-repo corpus (`engine/assets/corpus.txt`). The first call of
-`ensure_default_model(name)` builds the checkpoint once (≈1-3 s), writes it with `save_pretrained`
+`ensure_default_model(name)` builds the checkpoint once (seconds), writes it with `save_pretrained`
 (safetensors + config.json + generation_config.json + tokenizer files) into the cache, and every later
 load goes through the ordinary `from_pretrained` path like any other HF checkpoint.
 
@@ -52,7 +52,7 @@ CHAT_TEMPLATE = (
 # for the bundled corpus) instead of memorising singletons.
 MIN_FREQUENCY = 2
 
-# Shared by every Llama recipe here (and bench.driver's bench models); values are part of the recipe hash.
+# Shared by every Llama recipe here; values are part of the recipe hash.
 LLAMA_COMMON: dict[str, Any] = {
     "model_type": "llama",
     "hidden_act": "silu",

@@ -116,8 +116,8 @@ class LLMEngine:
     def _setup(self) -> None:
         """On the worker thread, like every tensor op of the engine: libgomp keeps one thread pool per thread
         that starts parallel regions and, once it manages more threads than there are cores, wakes its workers
-        by futex instead of spinning, which doubled the step time on a 2-core box when the model was loaded
-        (and so a pool started) on the caller's thread."""
+        by futex instead of spinning, which slowed every step when the model was loaded (and so a pool started)
+        on the caller's thread."""
         config = self.config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -156,10 +156,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
                                    self.max_model_len, b.eos_token_ids, predictor)
         self._stats = self._snapshot(0, 0)
-        # The model, its tokenizer and the libraries leave ~400k objects that live as long as the engine, and a
-        # full collection walks them all: a stall of every request in flight (one in
-        # each few runs of 32 x 64 tokens). Like a Ray Serve replica after its start-up, the engine moves them
-        # out of the collector's reach (the permanent generation) until its worker exits.
+        # The model, its tokenizer and the libraries leave hundreds of thousands of objects that live as long as the
+        # engine, and a full collection walks them all: a stall of every request in flight. Like a Ray Serve replica
+        # after its start-up, the engine moves them out of the collector's reach (the permanent generation) until
+        # its worker exits.
         gc.collect()
         gc.freeze()
 

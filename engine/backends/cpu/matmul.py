@@ -1,6 +1,6 @@
 """bf16/fp16 linears on CPUs without native half-precision GEMM (no AVX512-BF16 / AMX, e.g. AVX2-only EPYC).
 
-There oneDNN emulates bf16 GEMM at ~19 GFLOP/s against ~150 GFLOP/s in fp32 (2 cores). Like a weight-only
+There oneDNN emulates bf16 GEMM, several times slower than its fp32 GEMM. Like a weight-only
 quantized kernel, we keep the weights in bf16 (half the memory) and, for matmuls with >= MIN_ROWS rows,
 upcast the weight into a reused fp32 workspace and run the fp32 GEMM. Single-row GEMVs are bandwidth-bound
 and stay native. Numerically this is at least as accurate as a bf16 GEMM (fp32 accumulation, fp32 inputs).
