@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from core.request import Request
+from engine.backends.base import to_device
 
 # top-p looks for the kept tokens among each row's most likely ones, this many first, then more, then in the whole
 # row (`_nucleus_keys`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
@@ -26,13 +27,8 @@ NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits 
 
 
 def _to(values: list, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list as a tensor on `dev`. To a GPU through pinned memory with a non-blocking copy: torch's blocking
-    copy from pageable memory waits for the whole stream, the step's forward included (overlap scheduling launches
-    the next step in that time)."""
-    t = torch.tensor(values, dtype=dtype)
-    if dev.type == "cuda":
-        return t.pin_memory().to(dev, non_blocking=True)
-    return t
+    """A host list as a tensor on `dev` (`to_device`: no wait for the step in flight on a GPU)."""
+    return to_device(torch.tensor(values, dtype=dtype), dev)
 
 
 def _first_max(logits: torch.Tensor) -> torch.Tensor:

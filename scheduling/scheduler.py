@@ -486,7 +486,7 @@ class Scheduler:
         reqs = plan.requests
         return self.resolved(reqs, self.launched(plan, reqs), tokens, now)
 
-    def launched(self, plan: StepPlan, reqs: list[Request] | None = None) -> list[int]:
+    def launched(self, plan: StepPlan, reqs: list[Request]) -> list[int]:
         """The step is on its way: its KV will be in the cache before any later step reads it, and each request that
         samples (`reqs`: `plan.requests` as planned) gets a placeholder for its token, -(row + 1) for its row of the
         step's tokens (`StepBatch`), until `resolved`. Returns where each placeholder sits in its request's token_ids
@@ -495,7 +495,7 @@ class Scheduler:
             if end < req.num_tokens:  # a chunk: its KV is in the cache now, no token yet
                 req.num_computed_tokens = end
         index: list[int] = []
-        for row, req in enumerate(plan.requests if reqs is None else reqs):
+        for row, req in enumerate(reqs):
             if req.status is Status.FINISHED:
                 index.append(-1)
                 continue

@@ -135,17 +135,17 @@ def test_the_scheduler_keeps_placeholders_until_resolved_and_skips_ended_request
     s.add(b)
     plan = s.schedule(0.0)
     reqs = plan.requests
-    index = s.launched(plan)
+    index = s.launched(plan, reqs)
     assert index == [3, 2] and a.token_ids == [1, 2, 3, -1] and b.token_ids == [4, 5, -2]
     nxt = s.schedule(0.0)  # a's one token is launched: only b decodes, over its placeholder
     assert nxt.decode == [b] and not nxt.prefill
-    index2 = s.launched(nxt)
+    index2 = s.launched(nxt, nxt.requests)
     assert b.token_ids == [4, 5, -2, -1]
     out = s.resolved(reqs, index, [9, 7], 0.0)
     assert [(r.request_id, t, why) for r, t, why in out] == [("a", 9, FinishReason.LENGTH), ("b", 7, None)]
     assert s.finish(a, FinishReason.LENGTH, 0.0) and a.token_ids == [1, 2, 3, 9]
     assert s.finish(b, FinishReason.ABORT, 0.0) and b.token_ids == [4, 5, 7] and b.status is Status.FINISHED
-    assert s.resolved(nxt.requests or [b], index2, [8], 0.0) == []
+    assert s.resolved([b], index2, [8], 0.0) == []
     assert s.blocks.num_used == 0
 
 

@@ -51,6 +51,16 @@ class StepBatch:
         return cls(prefill, decode, ends if ends is not None else [r.num_tokens for r in prefill], prev_tokens)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory with a non-blocking copy (torch's blocking copy from
+    pageable memory waits for the whole stream: the step in flight, with overlap scheduling)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def resolve_placeholders(ids: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     """`ids` with each placeholder -(j + 1) replaced by `prev[j]`, on the device, without a sync (`StepBatch`). A row
     that failed (-1: probabilities not finite) reads as token 0: its request ends with an error when the host learns

@@ -4,6 +4,7 @@ a CUDA graph (it reads no value on the host). Skipped without CUDA; `KAIROS_GPU_
 `TRITON_INTERPRET=1` dry-runs it on the CPU at a reduced size."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.paged_attention_reference import triton_device_or_skip
@@ -35,7 +36,7 @@ def test_draws_lie_in_the_exact_nucleus_at_the_8b_vocabulary():
 
 def test_the_draw_replays_from_a_cuda_graph():
     if not ON_CUDA:
-        return
+        pytest.skip("CUDA graphs need a GPU")
     probs, top_p = _rows(1)
     u = torch.rand(BATCH, sampling.ROUNDS, device=DEV)
     total = probs.sum(-1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, pack
+from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, pack, to_device
 from engine.backends.torch_ref import TorchAttnMetadata, TorchBackend, TorchMatmuls
 
 log = logging.getLogger("kairos.cuda")
@@ -109,7 +109,6 @@ class CudaBackend(TorchBackend):
         self.fused_rope_write = self.fused is not None
         self.graphs = None  # `graphs.DecodeGraphs` once captured
         self.scratch_blocks = 1 if device.type == "cuda" else 0  # a graph's padding rows write here
-        self._pinned = device.type == "cuda"
 
     def identity(self) -> dict:
         return {"backend": self.name, "triton": self.ops is not None, "fused": self.fused is not None,
@@ -141,11 +140,7 @@ class CudaBackend(TorchBackend):
 
     # ---------------------------------------------------------------- host -> device
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device == self.device:
-            return t
-        if self._pinned:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return to_device(t, self.device)
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return self._to_device(torch.tensor(values, dtype=torch.long))
