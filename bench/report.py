@@ -301,12 +301,21 @@ def _load(name: str, root: str | os.PathLike[str] | None = None) -> dict[str, An
     return json.loads((Path(root or SUMMARIES) / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def summaries_table(root: str | os.PathLike[str] | None = None) -> str:
-    """The table of bench/README.md, one row per summary JSON, sorted by name (the command is in each JSON)."""
-    rows = []
-    for p in sorted(Path(root or SUMMARIES).glob("*.json")):
+def summaries_table(root: str | os.PathLike[str] | None = None, per_group: int = 5) -> str:
+    """The table of bench/README.md: summaries grouped by the first word of their name (`peer`, `slo`, `http`, ...),
+    the newest `per_group` of each (by date, then name), then one row counting the group's older ones (every
+    summary stays in bench/summaries, and git keeps what was pruned; the command is in each JSON)."""
+    groups: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for p in Path(root or SUMMARIES).glob("*.json"):
         d = json.loads(p.read_text(encoding="utf-8"))
-        rows.append([f"[{d['name']}](summaries/{p.name})", d["headline"], where(d), (d.get("date") or "")[:10]])
+        groups.setdefault(p.stem.split("-")[0], []).append(((d.get("date") or "")[:10], p.name, d))
+    rows = []
+    for group in sorted(groups):
+        docs = sorted(groups[group], key=lambda t: (t[0], t[1]), reverse=True)
+        for date, fname, d in docs[:per_group]:
+            rows.append([f"[{d['name']}](summaries/{fname})", d["headline"], where(d), date])
+        if len(docs) > per_group:
+            rows.append([f"{group}-*: {len(docs) - per_group} older", "in bench/summaries/", "", ""])
     return format_table(["summary", "headline", "machine", "date"], rows, align="llll")
 
 

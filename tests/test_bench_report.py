@@ -29,6 +29,18 @@ def test_summaries_table_has_a_row_per_summary(tmp_path: Path) -> None:
     assert "2026-11-28" in rows[1] and "B headline" in rows[1]
 
 
+def test_summaries_table_shows_the_newest_of_each_group_and_counts_the_rest(tmp_path: Path) -> None:
+    for i in range(4):
+        _summary(tmp_path, f"slo-run{i}", f"slo {i}", {})
+        doc = json.loads((tmp_path / f"slo-run{i}.json").read_text())
+        doc["date"] = f"2026-11-2{i}T08:00:00+00:00"
+        (tmp_path / f"slo-run{i}.json").write_text(json.dumps(doc))
+    _summary(tmp_path, "peer-x", "peer", {})
+    rows = [r.split("|")[1].strip() for r in report.summaries_table(tmp_path, per_group=2).splitlines()[2:]]
+    assert rows == ["[peer-x](summaries/peer-x.json)", "[slo-run3](summaries/slo-run3.json)",
+                    "[slo-run2](summaries/slo-run2.json)", "slo-*: 2 older"]
+
+
 def test_headline_rows_come_from_the_named_summaries_only(tmp_path: Path, monkeypatch) -> None:
     table = {"headers": ["B", "kairos", "vllm", "ratio, median of rounds", "range"],
              "rows": [[1, 100.0, 40.0, "2.50", "2.4-2.6"], [8, 400.0, 200.0, "2.00", "1.9-2.1"]]}
