@@ -188,9 +188,10 @@ def length_arm(label: str, default: str) -> str:
 
 
 def arm_sched(arm: str) -> dict[str, Any]:
-    """What an arm sets in every policy's scheduler: its length predictor (on in the predicted arm only) and the
-    benchmark-only stop."""
-    return {"length_predictor": arm == "predicted", "bench_stop": True}
+    """What an arm sets in every policy's scheduler: its length predictor and the benchmark-only stop. The predictor
+    is off in the hidden arm and on in the others (in the exact arm each request's hint wins over it, so a policy
+    runs there as it does with length information, every length exact)."""
+    return {"length_predictor": arm != "hidden", "bench_stop": True}
 
 
 class Engines:

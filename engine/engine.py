@@ -39,6 +39,7 @@ from engine.profiling import load_or_profile, refit
 from engine.sampler import SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
+from scheduling.length_predictor import tokenizer_fingerprint
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler, StepPlan
 
@@ -154,7 +155,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(b.tokenizer)
         predictor, self.profile_report = load_or_profile(self)
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
-                                   self.max_model_len, b.eos_token_ids, predictor)
+                                   self.max_model_len, b.eos_token_ids, predictor,
+                                   tokenizer_fingerprint(b.tokenizer_path or b.path))
         self._stats = self._snapshot(0, 0)
         # The model, its tokenizer and the libraries leave hundreds of thousands of objects that live as long as the
         # engine, and a full collection walks them all: a stall of every request in flight. Like a Ray Serve replica

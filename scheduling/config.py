@@ -46,18 +46,17 @@ PRESETS: dict[str, PolicyFlags] = {
     "scorpio": PolicyFlags(queue_order="ldf", ttft_reject=True, credit_batching=True, vbs_gate=True),
     # kairos corrects the gate with a bounded factor measured on the steps it runs (ItlCorrection), so its static
     # margin only has to cover what that measurement misses (1.05: more goodput than 1.1 on ShareGPT, TPOT still met;
-    # 1.0 let misses through). Work shedding is opt-in: it paid on a slow engine and cost goodput on the faster one.
-    # short_first (requests the gate turns away wait within their TTFT SLO, room goes to the least work first) is
-    # opt-in: on ShareGPT its goodput gain did not hold from run to run, and it moves the interactive tier's share to
-    # the relaxed one
-    # length_predictor (reply lengths predicted from the prompt where no hint is given) is opt-in in every preset: on
-    # ShareGPT with the lengths hidden (bench.slo --lengths predicted), kairos with it served a little more than
-    # without, short of what exact lengths give, and its weights count kairos-tiny's tokens. With it, kairos's VBS
-    # gate admits against the 0.8 quantile of the predicted length (a reply that outruns the plan slows the whole
-    # batch; the mean did as well there), everything else plans for the mean; SCORPIO plans for the mean throughout
+    # 1.0 let misses through). It predicts reply lengths from the prompt (length_predictor: where the predictor counts
+    # in the served model's tokens, Scheduler) and, with those lengths, spends its capacity on the least work: a
+    # fresh request the VBS gate turns away waits within its TTFT SLO instead of being rejected, and the waiting
+    # queue gets room least work first (short_first); under overload the fresh requests with the most work are
+    # turned away before they reach the gate (work_shedding). Without length information (no predictor) work is
+    # max_tokens / TPOT, a ranking by tier, and the Scheduler leaves these two off unless a config sets them.
+    # Its gate plans for the predicted mean, as everything else
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
-                          catch_up=True, prefill_hold=True, vbs_margin=1.05, length_gate_quantile=0.8),
+                          catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
+                          work_shedding=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}

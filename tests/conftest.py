@@ -103,3 +103,38 @@ def tiny_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt")
     return {fam: str(build_tiny_checkpoint(fam, root / fam)) for fam in ("gpt2", "llama", "qwen2", "qwen3")}
+
+
+# `serve run` stopped by SIGTERM and started again (tests/serve/test_shutdown.py) is two cold starts of a Ray cluster,
+# most of a minute spent waiting on processes that start. It runs in a thread from the first test after the serving
+# package (whose Ray cluster has stopped by then) beside the in-process tests, and its test goes last, to report it.
+SIGTERM_TEST = "test_sigterm_stops_everything_and_the_same_port_serves_again"
+_SERVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve")
+
+
+def _in_serve_package(item) -> bool:
+    return os.path.dirname(os.path.abspath(str(item.path))) == _SERVE_DIR
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items) -> None:
+    last = [it for it in items if it.name == SIGTERM_TEST and _in_serve_package(it)]
+    rest = [it for it in items if it not in last]
+    after = [i for i, it in enumerate(rest) if _in_serve_package(it)]
+    start = (after[-1] + 1) if after else 0  # the first test after the serving package
+    if last and start < len(rest):
+        items[:] = rest + last
+        config._kairos_sigterm_start = rest[start].nodeid
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.nodeid == getattr(item.config, "_kairos_sigterm_start", None):
+        from tests.serve import test_shutdown
+
+        test_shutdown.start_in_background()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    mod = sys.modules.get("tests.serve.test_shutdown")
+    if mod is not None:  # an interrupted session: let the scenario stop what it started
+        mod.wait_for_background(120)

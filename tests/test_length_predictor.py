@@ -214,8 +214,8 @@ def test_expected_length_follows_the_outlook_and_the_gate_plans_for_its_own_leng
     assert h.gate_output_len == 40  # a hint wins everywhere
 
 
-def test_kairos_gates_on_a_conservative_quantile_scorpio_on_the_mean():
-    k, s = _sched("kairos", length_predictor=True), _sched("scorpio", length_predictor=True)
+def test_a_gate_quantile_plans_admission_for_a_conservative_length():
+    k, s = _sched("kairos", length_predictor=True, length_gate_quantile=0.8), _sched("scorpio", length_predictor=True)
     a, b = _req("a"), _req("b")
     k.add(a)
     s.add(b)
@@ -223,10 +223,21 @@ def test_kairos_gates_on_a_conservative_quantile_scorpio_on_the_mean():
     p = m.probs(a.prompt_token_ids)
     assert a.predicted_len == b.predicted_len and b.gate_len is None
     assert a.gate_len == max(a.predicted_len, LP.quantile(p, 0.8)) and a.gate_output_len >= a.expected_output_len
-    z = _sched("kairos", length_predictor=True, length_gate_quantile=0)
+    z = _sched("kairos", length_predictor=True)  # the preset's gate plans for the mean, as everything else
     c = _req("c")
     z.add(c)
     assert c.gate_len is None
+
+
+def test_kairos_ranks_by_work_only_with_length_information():
+    """short_first and work shedding (kairos's preset) rank requests by expected work: on with an active predictor,
+    off without one (work would be max_tokens / TPOT, a ranking by tier) unless the config sets them."""
+    on, off = _sched("kairos", length_predictor=True), _sched("kairos", length_predictor=False)
+    assert on.flags.short_first and on.flags.work_shedding and on.shedder is not None
+    assert not off.flags.short_first and not off.flags.work_shedding and off.shedder is None
+    forced = _sched("kairos", length_predictor=False, short_first=True)
+    assert forced.flags.short_first and not forced.flags.work_shedding
+    assert not _sched("scorpio", length_predictor=True).flags.short_first
 
 
 def test_the_vbs_gate_plans_for_the_prediction_instead_of_the_cap():
@@ -281,7 +292,7 @@ def test_policy_labels_carry_their_length_arm():
     with pytest.raises(SystemExit):
         length_arm("kairos+lengths=oracle", "hidden")
     assert arm_sched("predicted") == {"length_predictor": True, "bench_stop": True}
-    assert arm_sched("hidden")["length_predictor"] is False and arm_sched("exact")["length_predictor"] is False
+    assert arm_sched("hidden")["length_predictor"] is False and arm_sched("exact")["length_predictor"] is True
 
 
 def test_http_client_stops_a_hidden_length_reply_itself():
@@ -321,3 +332,24 @@ def test_bound_reads_the_reply_length_not_the_cap(tmp_path):
              "n_out": n, "max_tokens": 500, "output_len": n, "arrival_s": 0.0, "end_s": 1.0} for n in (10, 20, 30)]
     (b,) = bounds(recs)
     assert b["arrival_tokens"] == 60 and b["policies"]["kairos"]["oracle_own_tokens"] == 3
+
+
+def test_a_policy_turns_the_predictor_on_only_for_the_tokenizer_it_counts_in(tmp_path):
+    """kairos's preset turns the predictor on; it takes effect only where the served model's tokenizer is the one the
+    predictor was trained in (its fingerprint), unless the config sets it explicitly; the fingerprint is the SHA-256
+    of tokenizer.json."""
+    m = LP.load_cached(None)
+    ours = m.meta["tokenizer_sha256"]
+    (tmp_path / "tokenizer.json").write_text("{}")
+    other = LP.tokenizer_fingerprint(tmp_path)
+    assert other != ours and LP.tokenizer_fingerprint(tmp_path / "missing") is None
+    assert LP.tokenizer_fingerprint(None) is None and LP.counts_in(m, ours) and not LP.counts_in(m, None)
+    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.0, 0.01, 5.0))
+
+    def lengths(fingerprint, **kw):
+        return Scheduler(SchedulerConfig(policy="kairos", **kw), 512, 4, max_model_len=1024, predictor=model,
+                         tokenizer_fingerprint=fingerprint).lengths
+
+    assert SchedulerConfig(policy="kairos").flags().length_predictor is True
+    assert lengths(ours) is m and lengths(other) is None and lengths(None) is None
+    assert lengths(other, length_predictor=True) is m and lengths(ours, length_predictor=False) is None

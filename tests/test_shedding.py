@@ -176,7 +176,7 @@ def test_without_work_shedding_the_long_request_is_offered_to_the_gate():
     plan = s.schedule(10.0)
     assert plan.prefill == [long_] and plan.rejected == []
     assert _sched("scorpio").shedder is None  # SCORPIO as published has no shedding
-    assert _sched("kairos").shedder is None  # opt-in (work_shedding=true)
+    assert _sched("kairos").shedder is None  # kairos sheds only with its length predictor on
 
 
 def test_a_full_queue_marks_saturation_but_a_shed_does_not():
