@@ -1,5 +1,5 @@
-"""Work shedding (kairos's, where it predicts reply lengths; `work_shedding=true` elsewhere): under overload, turn away the requests that would hold the batch
-longest.
+"""Work shedding (kairos's where it predicts reply lengths; `work_shedding=true` elsewhere): under overload, turn
+away the requests that would hold the batch longest.
 
 Why. Goodput counts requests. Once the VBS gate binds, a replica decodes a roughly fixed amount per second: a
 paced request of TPOT t decodes one token every t ms, and a request of n output tokens holds its share of the

@@ -46,9 +46,9 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Within this package, the tests that need no session app (units, `serve run` in a subprocess) run first, so
-    that none of them runs beside the app's idle replicas; with the app's package scope, the rest of the suite runs
-    after its Ray cluster has stopped."""
+    """Within this package, the tests that need no session app (units) run first, so that none of them runs beside
+    the app's idle replicas; with the app's package scope, the rest of the suite runs after its Ray cluster has
+    stopped (`serve run` in a subprocess runs beside that rest: tests/conftest.py)."""
     here = Path(__file__).resolve().parent
     idx = [i for i, it in enumerate(items) if here in Path(str(it.path)).resolve().parents]
     if not idx:
