@@ -93,3 +93,11 @@ def test_unattainable_ttft_is_rejected_with_reason(engine):
 def test_best_effort_is_never_rejected(engine):
     streams = [engine.add_request([9] * 100, SamplingParams(max_tokens=8, temperature=0.0)) for _ in range(30)]
     assert all(_drain(s)[1].finish_reason in ("stop", "length") for s in streams)
+
+
+def test_kairos_predicts_lengths_on_the_tokenizer_its_predictor_counts_in(engine):
+    """kairos-tiny's tokenizer is the shipped length predictor's (its fingerprint, passed by the engine): kairos runs
+    with the predictor and ranks by work; scorpio's preset leaves the predictor off."""
+    on = engine.config.scheduler.policy == "kairos"
+    assert (engine.scheduler.lengths is not None) is on
+    assert engine.scheduler.flags.short_first is on and (engine.scheduler.shedder is not None) is on
