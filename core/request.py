@@ -111,6 +111,9 @@ class Request:
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the
     # reply's length from the scheduler (bench.slo --lengths hidden|predicted)
     bench_stop_after: int | None = None
+    # while it has no token: when it was last admitted and the prefill time the TTFT guard predicted for it then
+    # (ms; ttft_guard.MeasuredMargin measures the difference to its first token)
+    ttft_estimate: tuple[float, float] | None = None
     # timestamps (time.monotonic seconds)
     admitted_s: float | None = None
     first_token_s: float | None = None

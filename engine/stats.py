@@ -39,6 +39,7 @@ class EngineStats:
     itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
     step_ms: float | None = None  # EWMA of the wall time of steps that decoded: the ITL of a request paced every step
     step_batch: float | None = None  # EWMA of those steps' decode batch sizes
+    ttft_margin_ms: float | None = None  # the TTFT guard's margin now (measured where the policy measures it)
     shed_threshold: float | None = None  # work shedding: fresh requests of more work (tokens / TPOT ms) are shed
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -58,7 +59,8 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         waiting_tokens=s.waiting_tokens(), rejected=dict(rejected),
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
-        step_batch=step[1], shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold)
+        step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
+        shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold)
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

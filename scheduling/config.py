@@ -30,6 +30,8 @@ class PolicyFlags:
     catch_up: bool = False
     prefill_hold: bool = False
     short_first: bool = False
+    measured_margin: bool = False
+    impatient_reserve: bool = False
     length_predictor: bool = False
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
     # distribution (0: against the expected length, as everything else plans)
@@ -52,11 +54,12 @@ PRESETS: dict[str, PolicyFlags] = {
     # queue gets room least work first (short_first); under overload the fresh requests with the most work are
     # turned away before they reach the gate (work_shedding). Without length information (no predictor) work is
     # max_tokens / TPOT, a ranking by tier, and the Scheduler leaves these two off unless a config sets them.
-    # Its gate plans for the predicted mean, as everything else
+    # Its gate plans for the predicted mean, as everything else. Its TTFT margin is measured on its own admissions
+    # (measured_margin: ttft_guard.MeasuredMargin), SCORPIO's a fixed 50 ms
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
-                          work_shedding=True),
+                          work_shedding=True, measured_margin=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -84,7 +87,13 @@ class SchedulerConfig(BaseModel):
     # SCORPIO TTFT guard
     queue_order: Literal["fifo", "ldf"] | None = None
     ttft_reject: bool | None = None
-    ttft_margin_ms: float = Field(50.0, ge=0)
+    ttft_margin_ms: float = Field(50.0, ge=0, description="the TTFT guard's margin (ms): a waiting request is "
+                                  "rejected once its prefill plus this no longer fits before its deadline. With "
+                                  "measured_margin, the margin until enough admissions are measured")
+    measured_margin: bool | None = Field(None, description="the TTFT guard's margin is a high quantile of the "
+                                         "measured (first token - admission) - predicted prefill of the requests "
+                                         "admitted lately (ttft_guard.MeasuredMargin; kairos)")
+    ttft_margin_quantile: float = Field(0.99, gt=0, le=1, description="measured_margin: the quantile of those errors")
     sort_before_reject: bool | None = None
     # SCORPIO TPOT guard
     credit_batching: bool | None = None
@@ -123,6 +132,11 @@ class SchedulerConfig(BaseModel):
                                      "(while its TTFT SLO allows) instead of being rejected, and the waiting queue "
                                      "is offered room least work first: expected output tokens left / TPOT SLO "
                                      "(queues.order_least_work)")
+    impatient_reserve: bool | None = Field(None, description="a fresh request whose TTFT deadline is further away "
+                                           "than the measured time between finished replies is admitted only if the "
+                                           "VBS gate would still pass a typical request whose TTFT SLO is shorter "
+                                           "than that; else it waits (scheduling/reserve.py; opt-in)")
+    impatient_window_s: float = Field(10.0, gt=0, description="window of the finishes and arrivals it measures (s)")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")
     shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")

@@ -26,11 +26,12 @@ from scheduling.length_predictor import load_cached as load_length_predictor
 from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_least_work, order_waiting
+from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
                                    next_token_slack_ms, passes_gate, select_by_credit, trim_for_catch_up, vbs)
-from scheduling.ttft_guard import find_ttft_unattainable
+from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
 TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE
@@ -106,6 +107,9 @@ class Scheduler:
         self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
                         if self.flags.work_shedding else None)
         self.last_shed_threshold = math.inf
+        self.reserve = ImpatientReserve(config.impatient_window_s) if self.flags.impatient_reserve else None
+        self.margin = MeasuredMargin(config.ttft_margin_ms, config.ttft_margin_quantile) \
+            if self.flags.measured_margin else None
 
     # --- queue membership ---
     def add(self, req: Request) -> str | None:
@@ -114,6 +118,9 @@ class Scheduler:
             self._predict_length(req)
         if self.shedder is not None:
             self.shedder.arrived(self._work(req), req.arrival_s)
+        if self.reserve is not None:
+            self.reserve.arrived(req.arrival_s, (req.deadline_s - req.arrival_s) * 1000.0, req.tpot_slo_ms,
+                                 self._mid_len(req))
         if len(self.waiting) >= self.config.max_waiting:
             if self.floor is not None:
                 self.floor.rejected(req.tpot_slo_ms, req.arrival_s)
@@ -146,6 +153,8 @@ class Scheduler:
             return False
         if req.status is Status.RUNNING:
             self.running.remove(req)
+            if self.reserve is not None:
+                self.reserve.finished(now)
         else:
             try:
                 self.waiting.remove(req)
@@ -158,6 +167,10 @@ class Scheduler:
         req.finish_reason = reason
         req.finished_s = now
         return True
+
+    def ttft_margin_ms(self) -> float:
+        """The TTFT guard's margin now: measured (`MeasuredMargin`) or the configured one."""
+        return self.margin.margin_ms() if self.margin is not None else self.config.ttft_margin_ms
 
     def set_predictor(self, predictor: LatencyModel | None) -> None:
         """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
@@ -178,7 +191,7 @@ class Scheduler:
             order_waiting(self.waiting, "ldf")
         if f.ttft_reject and self.predictor is not None and self.waiting:
             fresh = [r for r in self.waiting if r.first_token_s is None]
-            for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.config.ttft_margin_ms,
+            for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.ttft_margin_ms(),
                                             self._cost):
                 self.waiting.remove(r)
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
@@ -255,6 +268,10 @@ class Scheduler:
         shed_above = self._shed_threshold(now)
         stall = self._stall_room(now) if f.prefill_hold else None  # (ms to a reply's next token, decode ms)
         round_tokens = 0
+        # (patience ms, (tpot, length) of a typical impatient arrival): room a patient request leaves (reserve.py)
+        impatient = None
+        if self.reserve is not None and gate is not None and (room_for := self.reserve.room(now)) is not None:
+            impatient = (self.reserve.patience_ms(now), room_for)
         pace = min((r.tpot_slo_ms for r in self.running), default=math.inf)  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
@@ -280,6 +297,9 @@ class Scheduler:
             if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
                     and not gate.leaves_room(r, *room):
                 return Verdict.KEEP  # would take the starved tier's room: waits
+            if impatient is not None and r.first_token_s is None \
+                    and (r.deadline_s - now) * 1000.0 > impatient[0] and not gate.leaves_room(r, *impatient[1]):
+                return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
             if stall is not None and r.first_token_s is None and self._hold(r, stall, round_tokens, now):
                 return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
@@ -287,6 +307,8 @@ class Scheduler:
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)
             round_tokens += self._cost(r)
+            if self.margin is not None and r.first_token_s is None and self.predictor is not None:
+                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens))
             pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
                 gate.admit(r)
@@ -333,7 +355,7 @@ class Scheduler:
             return True
         if reason is TTFT_UNATTAINABLE:
             return (r.deadline_s - r.arrival_s) * 1000.0 >= self.predictor.prefill_ms(self._cost(r)) \
-                + self.config.ttft_margin_ms
+                + self.ttft_margin_ms()
         if reason is TPOT_UNATTAINABLE:
             alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r))
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
@@ -360,10 +382,9 @@ class Scheduler:
         k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
         step_ms = (self.predictor.prefill_ms(round_tokens + self._cost(r)) + decode_ms) * k
         return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, self.predictor.prefill_ms(self._cost(r)),
-                            self.config.ttft_margin_ms)
+                            self.ttft_margin_ms())
 
-    @staticmethod
-    def _work(r: Request, tokens: int | None = None) -> float:
+    def _work(self, r: Request, tokens: int | None = None) -> float:
         """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects): tokens / TPOT SLO.
         A stricter pace costs more per token (the gate fits fewer requests into a batch that steps every T ms);
         a request without a TPOT SLO weighs nothing, so best effort is left to the queue bound."""
@@ -529,6 +550,9 @@ class Scheduler:
             req.token_times.append(now)
             if req.first_token_s is None:
                 req.first_token_s = now
+                if self.margin is not None and req.ttft_estimate is not None:
+                    admitted_s, predicted_ms = req.ttft_estimate
+                    self.margin.observe((now - admitted_s) * 1000.0 - predicted_ms)
             p = req.params
             reason = None
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:

@@ -11,7 +11,7 @@ from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
 from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, hold_prefill, min_tpot,
                                    next_token_slack_ms, select_by_credit, trim_for_catch_up, trp, vbs)
-from scheduling.ttft_guard import find_ttft_unattainable
+from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
 
 def _req(rid: str, *, prompt: int = 10, ttft: float | None = None, tpot: float | None = None,
@@ -324,3 +324,17 @@ def test_hold_prefill_only_while_the_step_is_too_long_and_the_deadline_far() -> 
     assert not hold_prefill(45.0, 50.0, 2000.0, 40.0, 50.0)  # absorbed
     assert not hold_prefill(85.0, 50.0, 210.0, 80.0, 50.0)  # 210 ms left: no more than 2 x 80 + 50, so it goes
     assert hold_prefill(85.0, 50.0, 211.0, 80.0, 50.0)
+
+
+def test_measured_margin_is_the_configured_one_until_measured_then_a_high_quantile_of_the_window() -> None:
+    m = MeasuredMargin(50.0, quantile=0.9, window=20, min_samples=10)
+    for e in range(9):
+        m.observe(float(e))
+    assert m.margin_ms() == 50.0  # 9 < min_samples: the configured margin
+    m.observe(9.0)
+    assert m.margin_ms() == 8.0  # 0..9: the 0.9 quantile is the 9th smallest
+    for _ in range(20):
+        m.observe(-3.0)  # early tokens count as no error; the window forgets the old ones
+    assert m.margin_ms() == 0.0
+    with pytest.raises(ValueError):
+        MeasuredMargin(50.0, min_samples=0)

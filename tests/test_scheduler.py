@@ -408,3 +408,55 @@ def test_order_least_work_puts_started_replies_first_then_the_least_work():
     q = deque([heavy, tie_late, light, started, tie_early])
     order_least_work(q, lambda r: r.expected_output_len)
     assert list(q) == [started, tie_early, light, tie_late, heavy]
+
+
+@pytest.mark.parametrize("policy", ["kairos", "scorpio"])
+def test_kairos_measures_its_ttft_margin_on_its_own_admissions(policy):
+    """kairos's TTFT guard keeps a request the fixed 50 ms margin would reject, once its admissions show first tokens
+    coming within a few ms of the predicted prefill; scorpio keeps SCORPIO's fixed margin."""
+    from core.request import FinishReason
+    s = _sched(policy)
+    t = 0.0
+    for i in range(40):  # one request at a time: its first token 2 ms after its predicted prefill (1 + 0.01 * 100)
+        r = _req(i, 100, ttft=1_000.0, arrival=t)
+        s.add(r)
+        plan = s.schedule(t)
+        assert plan.prefill == [r]
+        t += (2.0 + 2.0) / 1000.0
+        s.postprocess(plan, [3] * len(plan.requests), t)
+        s.finish(r, FinishReason.STOP, t)
+    late = _req(99, 100, ttft=30.0, arrival=t)  # 30 ms: 2 ms of prefill + 2 measured fit, + 50 fixed does not
+    s.add(late)
+    plan = s.schedule(t)
+    if policy == "kairos":
+        assert s.ttft_margin_ms() == pytest.approx(2.0) and plan.prefill == [late] and not plan.rejected
+    else:
+        assert s.ttft_margin_ms() == 50.0 and plan.rejected == [(late, "ttft_unattainable")]
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_a_request_that_can_wait_leaves_room_for_one_that_cannot(reserve):
+    """kairos (impatient_reserve): with replies finishing every ~250 ms and arrivals whose TTFT SLO (100 ms) is shorter
+    than that, a fresh request with seconds of TTFT slack is admitted only if the gate keeps room for one of them."""
+    s = _sched("kairos", prefill_hold=False, vbs_margin=1.1, impatient_reserve=reserve)
+    for k in range(8):  # one impatient request at a time, finished 10 ms after it arrived
+        w = _reply(f"w{k}", 4, 50, ttft=100.0, arrival=0.25 * k)
+        s.add(w)
+        assert s.schedule(0.25 * k).prefill == [w]
+        s.finish(w, "length", 0.25 * k + 0.01)
+    for i in range(6):  # no TTFT SLO: they can wait, and leave room for one more: (5 + 0.5 x 7) x 1.1 < 9.9
+        s.add(_reply(f"a{i}", 4, 50, arrival=2.0))
+    _run(s, s.schedule(2.0))
+    assert len(s.running) == 6
+    patient = _reply("patient", 4, 50, ttft=5000.0, arrival=2.01)
+    s.add(patient)
+    p = s.schedule(2.01)
+    if not reserve:
+        assert p.prefill == [patient]
+        return
+    assert s.reserve.patience_ms(2.01) == pytest.approx(1000.0 * 2.0 / 8) and p.prefill == [] \
+        and list(s.waiting) == [patient]
+    urgent = _reply("urgent", 4, 50, ttft=100.0, arrival=2.02)
+    s.add(urgent)
+    p = s.schedule(2.02)
+    assert p.prefill == [urgent]  # the room it was kept (the patient one now fails the gate)

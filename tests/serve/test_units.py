@@ -830,7 +830,8 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
 
 
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
-                    step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos"):
+                    step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos",
+                    ttft_margin_ms: float | None = None):
     from deployments.replica import judge_rejection
     from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel
@@ -839,7 +840,7 @@ def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens:
     model = LatencyModel(prefill_coef=(1.0, 10.0), decode_coef=(0.01, 20.0, 0.0, 0.0), theta=0.0)
     req = GenerateRequest("r", prompt=(1,), params=SamplingParams(max_tokens=max_tokens), slo=slo)
     return judge_rejection(reason, req, prompt_tokens, model, SchedulerConfig(policy=policy), 1024,
-                           waiting_tokens, step_ms, list(decode_left))
+                           waiting_tokens, step_ms, list(decode_left), ttft_margin_ms)
 
 
 def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is():
@@ -849,6 +850,9 @@ def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is(
     assert v.reason == "slo_unattainable" and v.retry_after_s is None
     assert v.best_ttft_ms == pytest.approx(160.0)
     assert v.best_tpot_ms == pytest.approx((20.0 + 0.01 * 125) * 1.05 / 0.99)  # kairos: margin 1.05
+    # the margin the engine's guard measured (kairos: Scheduler.ttft_margin_ms) instead of the configured 50 ms
+    v = _rejection_view("ttft_unattainable", SLO(ttft_ms=150.0), ttft_margin_ms=5.0)
+    assert v.reason == "ttft_unattainable" and v.retry_after_s is not None and v.best_ttft_ms == pytest.approx(115.0)
     assert _rejection_view("tpot_unattainable", SLO(tpot_ms=22.0)).reason == "slo_unattainable"
     # a busy rejection of a request whose other SLO no idle replica meets: retrying cannot help either
     assert _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0, tpot_ms=1.0)).reason == "slo_unattainable"
