@@ -289,6 +289,8 @@ class Scheduler:
                     held.add(tpot_class(r.tpot_slo_ms))
                     return Verdict.KEEP
                 if f.short_first and self._wait_for_room(r, gate):
+                    if self.shedder is not None:  # turned away for capacity as much as a rejection is
+                        self.shedder.saturated(now)
                     return Verdict.KEEP  # the TTFT guard rejects it once its deadline is out of reach
                 if self.config.tpot_on_fail == "reject" or (not self.running and not gate.admitted):
                     plan.rejected.append((r, TPOT_UNATTAINABLE))

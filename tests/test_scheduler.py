@@ -370,6 +370,17 @@ def test_short_first_gives_the_room_to_the_least_work_and_keeps_the_rest_waiting
         assert p.prefill == [long] and p.rejected == [(short, "tpot_unattainable")] and not s.waiting
 
 
+def test_a_request_short_first_keeps_waiting_for_room_tells_work_shedding_the_replica_is_full():
+    s = _full_batch(short_first=True, work_shedding=True)
+    s.add(_reply("short", 4, 5, ttft=1000.0, arrival=0.001))
+    _run(s, s.schedule(0.01))  # the batch's last room
+    assert not s.shedder.saturated_now(0.02)
+    s.add(_reply("long", 4, 100, ttft=1000.0, arrival=0.02))
+    p = s.schedule(0.02)
+    assert p.prefill == [] and not p.rejected and len(s.waiting) == 1  # kept waiting, not rejected...
+    assert s.shedder.saturated_now(0.02)  # ...but turned away for capacity all the same
+
+
 def test_short_first_admits_a_waiting_request_once_the_batch_makes_room():
     s = _full_batch(short_first=True)
     s.add(_reply("short", 4, 5, ttft=1000.0, arrival=0.001))
