@@ -135,7 +135,9 @@ class SchedulerConfig(BaseModel):
     impatient_reserve: bool | None = Field(None, description="a fresh request whose TTFT deadline is further away "
                                            "than the measured time between finished replies is admitted only if the "
                                            "VBS gate would still pass a typical request whose TTFT SLO is shorter "
-                                           "than that; else it waits (scheduling/reserve.py; opt-in)")
+                                           "than that; else it waits (scheduling/reserve.py). Opt-in: on ShareGPT "
+                                           "it served the tightest TTFT tier more, the others less, at the same "
+                                           "goodput")
     impatient_window_s: float = Field(10.0, gt=0, description="window of the finishes and arrivals it measures (s)")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")

@@ -363,7 +363,21 @@ def fit_temperature(model: LengthPredictor, ids: list[list[int]], lens: np.ndarr
     return min(np.arange(0.5, 4.0001, 0.05), key=loss)
 
 
-def evaluate(model: LengthPredictor, ids: list[list[int]], lens: np.ndarray) -> dict[str, float]:
+def selection_gain(pred: np.ndarray, lens: np.ndarray, budget: float = 0.5, orders: int = 20) -> dict[str, float]:
+    """How much a ranking is worth to a replica that can decode only `budget` of the offered tokens: the requests
+    served when they are admitted shortest-predicted first until the budget is spent, over those served in a random
+    order (the mean of `orders` shuffles), beside the same with the true lengths (the oracle)."""
+    cap = budget * float(np.sum(lens))
+
+    def served(order: np.ndarray) -> int:
+        return int(np.sum(np.cumsum(lens[order]) <= cap))
+    rng = np.random.default_rng(0)
+    random = float(np.mean([served(rng.permutation(len(lens))) for _ in range(orders)]))
+    return {"budget": budget, "predicted": served(np.argsort(pred, kind="stable")) / random,
+            "exact": served(np.argsort(lens, kind="stable")) / random}
+
+
+def evaluate(model: LengthPredictor, ids: list[list[int]], lens: np.ndarray) -> dict[str, Any]:
     P = np.array([model.probs(x) for x in ids])
     pred = np.array([max(1, int(round(math.exp(float(p @ _LOG_MIDS))))) for p in P], float)
     mean = np.array([conditional_means(p)[0] for p in P])
@@ -371,6 +385,7 @@ def evaluate(model: LengthPredictor, ids: list[list[int]], lens: np.ndarray) -> 
     true_b = np.array([bucket_of(n) for n in lens])
     base = np.full(len(lens), float(np.median(lens)))
     return {"n": len(ids), "bucket_accuracy": float(np.mean(arg == true_b)),
+            "selection_gain": selection_gain(mean, lens),
             "bucket_accuracy_within_1": float(np.mean(np.abs(arg - true_b) <= 1)),
             "spearman": spearman(pred, lens),
             "spearman_of_mean": spearman(mean, lens),
@@ -401,11 +416,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--val-fraction", type=float, default=0.25, help="of the training conversations")
     ap.add_argument("--summary", default="length-predictor-sharegpt",
                     help="bench/summaries/NAME.json (empty: none)")
+    ap.add_argument("--evaluate", action="store_true", help="train nothing: print the held-out figures of the "
+                    "predictor at --out")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
     from bench.driver import resolve_model_path
 
+    if args.evaluate:
+        rows = sharegpt_rows(AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer)))
+        print(json.dumps(evaluate(LengthPredictor.load(args.out), *rows.take(rows.held)), indent=1))
+        return 0
     cfg = TrainConfig(max_epochs=args.epochs, lr=args.lr, l2=args.l2, dropout=args.dropout, bag_pool=args.bag_pool,
                       later_weight=args.later_weight)
     t0 = time.perf_counter()
@@ -455,7 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{h['bucket_accuracy_within_1']:.3f}), Spearman {h['spearman']:.3f} (of the mean "
           f"{h['spearman_of_mean']:.3f}; prompt length alone {h['spearman_prompt_len_only']:.3f}), log loss "
           f"{h['log_loss']:.3f}, MAE {h['mae_tokens']:.0f} tokens (median guess "
-          f"{h['mae_tokens_median_baseline']:.0f}); train: accuracy {meta['train']['bucket_accuracy']:.3f}, "
+          f"{h['mae_tokens_median_baseline']:.0f}); at half the tokens its order serves "
+          f"{h['selection_gain']['predicted']:.2f}x a random one (true lengths {h['selection_gain']['exact']:.2f}x); "
+          f"train: accuracy {meta['train']['bucket_accuracy']:.3f}, "
           f"Spearman {meta['train']['spearman']:.3f}  -> {args.out} ({Path(args.out).stat().st_size / 1e6:.2f} MB)")
     if args.summary:
         from bench.report import SUMMARIES, command_line, write_summary

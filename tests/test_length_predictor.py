@@ -353,3 +353,12 @@ def test_a_policy_turns_the_predictor_on_only_for_the_tokenizer_it_counts_in(tmp
     assert SchedulerConfig(policy="kairos").flags().length_predictor is True
     assert lengths(ours) is m and lengths(other) is None and lengths(None) is None
     assert lengths(other, length_predictor=True) is m and lengths(ours, length_predictor=False) is None
+
+
+def test_selection_gain_is_what_a_ranking_serves_under_half_the_tokens_over_a_random_order():
+    from scheduling.length_predictor import selection_gain
+    lens = np.array([10.0, 20.0, 30.0, 40.0, 100.0, 200.0, 300.0, 400.0])  # 1,100 tokens: a budget of 550
+    exact = selection_gain(lens, lens)
+    assert exact["predicted"] == exact["exact"] > 1.0  # the true order: 10..200 (400 tokens) + 300 > 550 -> 6
+    worst = selection_gain(-lens, lens)  # longest first: 400 alone
+    assert worst["predicted"] < 1.0 < worst["exact"]
