@@ -1,4 +1,5 @@
-"""Room for the impatient (kairos): a request that can wait for room leaves some for one that cannot.
+"""Room for the impatient (opt-in, `impatient_reserve`): a request that can wait for room leaves some for one that
+cannot.
 
 Why. Heterogeneous TTFT SLOs differ by an order of magnitude or more (SCORPIO's tiers: u, 6u, 30u). Under
 overload the batch is full most of the time and room appears one finished reply at a time. A request whose TTFT

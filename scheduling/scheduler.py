@@ -386,7 +386,8 @@ class Scheduler:
         return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, self.predictor.prefill_ms(self._cost(r)),
                             self.ttft_margin_ms())
 
-    def _work(self, r: Request, tokens: int | None = None) -> float:
+    @staticmethod
+    def _work(r: Request, tokens: int | None = None) -> float:
         """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects): tokens / TPOT SLO.
         A stricter pace costs more per token (the gate fits fewer requests into a batch that steps every T ms);
         a request without a TPOT SLO weighs nothing, so best effort is left to the queue bound."""
