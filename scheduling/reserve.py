@@ -58,10 +58,11 @@ class ImpatientReserve:
         span_s = now_s - max(self._finished[0], now_s - self.window_s)
         return 1000.0 * max(span_s, 1e-6) / len(self._finished)
 
-    def room(self, now_s: float) -> tuple[float, float] | None:
+    def room(self, now_s: float, patience: float | None = None) -> tuple[float, float] | None:
         """(TPOT SLO ms, mid-reply context) of a typical impatient arrival of the window, None if none (or no
-        measure of patience yet)."""
-        patience = self.patience_ms(now_s)
+        measure of patience yet). `patience`: `patience_ms(now_s)` where the caller has it already."""
+        if patience is None:
+            patience = self.patience_ms(now_s)
         if patience is None:
             return None
         imp = [(tpot, mid) for _, ttft, tpot, mid in self._arrivals if ttft < patience]

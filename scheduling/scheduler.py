@@ -270,8 +270,10 @@ class Scheduler:
         round_tokens = 0
         # (patience ms, (tpot, length) of a typical impatient arrival): room a patient request leaves (reserve.py)
         impatient = None
-        if self.reserve is not None and gate is not None and (room_for := self.reserve.room(now)) is not None:
-            impatient = (self.reserve.patience_ms(now), room_for)
+        if self.reserve is not None and gate is not None \
+                and (patience := self.reserve.patience_ms(now)) is not None \
+                and (room_for := self.reserve.room(now, patience)) is not None:
+            impatient = (patience, room_for)
         pace = min((r.tpot_slo_ms for r in self.running), default=math.inf)  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
