@@ -17,8 +17,8 @@ or shedding would lower C, which would shed more. Its threshold is the largest w
 work <= θ offer at most `target` x C per second; a fresh request of work > θ is shed (429 with Retry-After)
 instead of being offered to the gate. θ is +inf while all arrivals together offer less than that and before any
 saturated step is measured, and it is never below the window's median work (requests that all ask for the same
-are never shed by it). The scheduler sheds only while requests are running (an idle replica admits anything) and while the replica is saturated (within
-`hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
+are never shed by it). The scheduler sheds only while requests are running (an idle replica admits anything) and
+while the replica is saturated (within `hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
 request shed there would have been served within SLO (most sheds came while no strict reply paced the batch).
 It ranks by expected work, so kairos sheds only with length information (its predictor, `Scheduler`): with no
 more than max_tokens to go by, work ranks requests by their tier.
