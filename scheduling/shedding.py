@@ -8,20 +8,20 @@ how many requests are served. Admitted as they come, the batch takes whatever ar
 the long replies stay longest (on ShareGPT a minority of long replies carries most of the tokens). Serving the
 shorter replies first serves more requests with the same capacity.
 
-A request's *work* is its expected output tokens divided by its TPOT SLO (the scheduler's `_work`): a token at
-a stricter pace costs more, since a batch that must step every T ms fits fewer requests. The shedder keeps the
-works of the arrivals of the last `window_s` seconds, and C, the work per second of the steps run while the
-replica was saturated (each step's tokens weighed alike): within `hold_s` of a request turned away by the TPOT
-gate (rejected, or kept waiting for room: short_first), the TTFT guard or a full queue. Its own sheds do not count,
-or shedding would lower C, which would shed more. Its threshold is the largest work θ such that the arrivals of
-work <= θ offer at most `target` x C per second; a fresh request of work > θ is shed (429 with Retry-After)
-instead of being offered to the gate. θ is +inf while all arrivals together offer less than that and before any
-saturated step is measured, and it is never below the window's median work (requests that all ask for the same
-are never shed by it). The scheduler sheds only while requests are running (an idle replica admits anything) and
-while the replica is saturated (within `hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a long
-request shed there would have been served within SLO (most sheds came while no strict reply paced the batch).
-It ranks by expected work, so kairos sheds only with length information (its predictor, `Scheduler`): with no
-more than max_tokens to go by, work ranks requests by their tier.
+A request's *work* is its expected output tokens divided by its TPOT SLO (the scheduler's `_work`): a token at a
+stricter pace costs more, since a batch that must step every T ms fits fewer requests. The shedder keeps the works
+of the arrivals of the last `window_s` seconds, and C, the work per second of the steps run while the replica was
+saturated (each step's tokens weighed alike): within `hold_s` of a request turned away by the TPOT gate (rejected,
+or kept waiting for room: short_first), the TTFT guard or a full queue. Its own sheds do not count, or shedding
+would lower C, which would shed more. Its threshold is the largest work θ such that the arrivals of work <= θ offer
+at most `target` x C per second; a fresh request of work > θ is shed (429 with Retry-After) instead of being offered
+to the gate. θ is +inf while all arrivals together offer less than that and before any saturated step is measured,
+and it is never below the window's median work (requests that all ask for the same are never shed by it). The
+scheduler sheds only while requests are running (an idle replica admits anything) and while the replica is saturated
+(within `hold_s` of a capacity rejection): where a fast replica's batch has room between the bursts that fill it, a
+long request shed there would have been served within SLO (most sheds came while no strict reply paced the batch).
+It ranks by expected work, so kairos sheds only with length information (its predictor, `Scheduler`): with no more
+than max_tokens to go by, work ranks requests by their tier.
 
 A request that would set a faster pace for the whole batch (its TPOT stricter than every running request's)
 costs more than its own tokens: while it runs, every decode step must fit its TPOT, and the gate fits less than half
