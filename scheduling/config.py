@@ -32,6 +32,7 @@ class PolicyFlags:
     short_first: bool = False
     measured_margin: bool = False
     impatient_reserve: bool = False
+    pace_work: bool = False
     length_predictor: bool = False
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
     # distribution (0: against the expected length, as everything else plans)
@@ -55,11 +56,12 @@ PRESETS: dict[str, PolicyFlags] = {
     # turned away before they reach the gate (work_shedding). Without length information (no predictor) work is
     # max_tokens / TPOT, a ranking by tier, and the Scheduler leaves these two off unless a config sets them.
     # Its gate plans for the predicted mean, as everything else. Its TTFT margin is measured on its own admissions
-    # (measured_margin: ttft_guard.MeasuredMargin), SCORPIO's a fixed 50 ms
+    # (measured_margin: ttft_guard.MeasuredMargin), SCORPIO's a fixed 50 ms. Work is the machine time a request
+    # takes at its pace, and what a faster pace costs the batch (pace_work: shedding.PaceCost)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
-                          work_shedding=True, measured_margin=True),
+                          work_shedding=True, measured_margin=True, pace_work=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -139,6 +141,10 @@ class SchedulerConfig(BaseModel):
                                            "it served the tightest TTFT tier more, the others less, at the same "
                                            "goodput")
     impatient_window_s: float = Field(10.0, gt=0, description="window of the finishes and arrivals it measures (s)")
+    pace_work: bool | None = Field(None, description="work shedding and least-work order weigh a request by the "
+                                   "machine time it takes (shedding.PaceCost): its tokens at the pace it decodes "
+                                   "at, and, if it would set a faster pace for the batch, the throughput the others "
+                                   "lose meanwhile; instead of tokens / TPOT SLO")
     shed_target: float = Field(1.0, gt=0, description="shed above the work at which the lighter arrivals offer "
                                "this multiple of the work per second measured while saturated")
     shed_window_s: float = Field(20.0, gt=0, description="window of the arrivals' works (seconds)")

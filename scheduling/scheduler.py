@@ -27,7 +27,7 @@ from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
-from scheduling.shedding import WorkShedder, sheds
+from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
                                    next_token_slack_ms, passes_gate, select_by_credit, trim_for_catch_up, vbs)
@@ -107,6 +107,8 @@ class Scheduler:
         self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
                         if self.flags.work_shedding else None)
         self.last_shed_threshold = math.inf
+        self.pace_cost: PaceCost | None = None  # work in machine time (pace_work), over the latency model
+        self._set_pace_cost()
         self.reserve = ImpatientReserve(config.impatient_window_s) if self.flags.impatient_reserve else None
         self.margin = MeasuredMargin(config.ttft_margin_ms, config.ttft_margin_quantile) \
             if self.flags.measured_margin else None
@@ -117,7 +119,7 @@ class Scheduler:
         if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint:
             self._predict_length(req)
         if self.shedder is not None:
-            self.shedder.arrived(self._work(req), req.arrival_s)
+            self.shedder.arrived(self._work(req, pace=self._pace()), req.arrival_s)
         if self.reserve is not None:
             self.reserve.arrived(req.arrival_s, (req.deadline_s - req.arrival_s) * 1000.0, req.tpot_slo_ms,
                                  self._mid_len(req))
@@ -175,6 +177,19 @@ class Scheduler:
     def set_predictor(self, predictor: LatencyModel | None) -> None:
         """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
         self.predictor = predictor
+        self._set_pace_cost()
+
+    def _set_pace_cost(self) -> None:
+        if self.flags.pace_work and self.predictor is not None:
+            model = self.predictor
+            self.pace_cost = PaceCost(lambda b, length: model.itl_ms(b, length), self.flags.vbs_margin,
+                                      self.config.vbs_slack, self.config.max_num_seqs)
+        else:
+            self.pace_cost = None
+
+    def _pace(self) -> float:
+        """The running batch's pace: its strictest TPOT SLO (+inf: none)."""
+        return min((r.tpot_slo_ms for r in self.running), default=math.inf)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -198,7 +213,9 @@ class Scheduler:
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
-            order_least_work(self.waiting, lambda r: self._work(r, r.expected_output_len - r.num_output_tokens))
+            pace = self._pace()
+            order_least_work(self.waiting,
+                             lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace))
         budget = self.config.prefill_max_tokens
         if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
             for r in self.running:
@@ -255,6 +272,8 @@ class Scheduler:
                 self.last_correction = self.correction.factor(now)
                 c = self.last_correction * self.config.correction_safety
                 scale = c if c < 1.0 else max(1.0, c / self.flags.vbs_margin)
+                if self.pace_cost is not None:
+                    self.pace_cost.set_scale(scale)
 
                 def itl(b: float, length: float) -> float:
                     return model(b, length) * scale
@@ -274,13 +293,13 @@ class Scheduler:
                 and (patience := self.reserve.patience_ms(now)) is not None \
                 and (room_for := self.reserve.room(now, patience)) is not None:
             impatient = (patience, room_for)
-        pace = min((r.tpot_slo_ms for r in self.running), default=math.inf)  # the batch's, for work shedding
+        pace = self._pace()  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
             nonlocal kv_full, round_tokens, pace
             if kv_full:
                 return Verdict.STOP
-            if r.first_token_s is None and sheds(self._work(r), shed_above, r.tpot_slo_ms, pace,
+            if r.first_token_s is None and sheds(self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace,
                                                  self.config.shed_pace_factor):
                 plan.rejected.append((r, SHED))
                 return Verdict.DROP
@@ -388,12 +407,14 @@ class Scheduler:
         return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, self.predictor.prefill_ms(self._cost(r)),
                             self.ttft_margin_ms())
 
-    @staticmethod
-    def _work(r: Request, tokens: int | None = None) -> float:
-        """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects): tokens / TPOT SLO.
-        A stricter pace costs more per token (the gate fits fewer requests into a batch that steps every T ms);
-        a request without a TPOT SLO weighs nothing, so best effort is left to the queue bound."""
+    def _work(self, r: Request, tokens: int | None = None, pace: float = math.inf) -> float:
+        """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects) joining a batch paced
+        at `pace` (ms): tokens / TPOT SLO; with pace_work the machine time they take (shedding.PaceCost). A stricter
+        pace costs more per token (the gate fits fewer requests into a batch that steps every T ms); a request
+        without a TPOT SLO weighs nothing, so best effort is left to the queue bound."""
         n = r.expected_output_len if tokens is None else tokens
+        if self.pace_cost is not None:
+            return self.pace_cost.work(n, r.tpot_slo_ms, pace, self._mid_len(r))
         return 0.0 if math.isinf(r.tpot_slo_ms) else n / r.tpot_slo_ms
 
     def _shed_threshold(self, now: float) -> float:
@@ -579,7 +600,8 @@ class Scheduler:
         the work per second work shedding measures); `reqs`: the rows that sampled (`plan.requests` as planned)."""
         if self.shedder is not None and self.shedder.saturated_now(now):  # the step's work is summed only if it counts
             rows = plan.requests if reqs is None else reqs
-            self.shedder.step(now, sum(self._work(r, 1) for r in rows), wall_ms)
+            pace = min((r.tpot_slo_ms for r in rows), default=math.inf)
+            self.shedder.step(now, sum(self._work(r, 1, pace) for r in rows), wall_ms)
         if self.predictor is None or self.correction is None:
             return
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0

@@ -31,6 +31,11 @@ shorter requests, and strict requests that arrive while one already runs share t
 Off by default (`shed_pace_factor` 1.0): on ShareGPT it traded the strict tier's share for goodput that did not
 hold from run to run.
 
+With `pace_work` the work is machine time instead (`PaceCost`): a token decoded at pace T costs the predicted
+step of the largest batch the VBS gate fits into T, divided by that batch (so tiers cost alike where the step
+hardly grows with the batch, as on a GPU), and a request that would set a faster pace for the whole batch also
+pays for what the others lose while it runs: about n x T of wall time at the lower throughput of the faster pace.
+
 Pure bookkeeping over floats; the scheduler calls `arrived`, `saturated`, `step` and `threshold`, then `sheds`.
 """
 from __future__ import annotations
@@ -50,6 +55,62 @@ def sheds(work: float, threshold: float, tpot_ms: float, pace_ms: float, pace_fa
     over `pace_factor` x θ when its TPOT would set a faster pace for the batch."""
     lowers_pace = tpot_ms < PACE_TOLERANCE * pace_ms
     return work > (threshold * pace_factor if lowers_pace else threshold)
+
+
+class PaceCost:
+    """Machine time per decoded token at a pace, from the latency model the VBS gate uses (`itl(b, length)`, ms;
+    increasing in b): a batch stepping at pace T holds at most V(T) requests, the largest b with
+    itl(b, L) * margin <= slack * T (at least 1, at most `max_batch`), and each of its tokens costs itl(V, L) / V.
+    Lengths are bucketed (`len_step` tokens) and each (pace, length) is solved once per `scale` of the model."""
+
+    def __init__(self, itl, margin: float, slack: float, max_batch: int, len_step: int = 64) -> None:
+        self.itl, self.margin, self.slack, self.max_batch, self.len_step = itl, margin, slack, max_batch, len_step
+        self.scale = 1.0
+        self._memo: dict[tuple[float, int], float] = {}
+
+    def set_scale(self, scale: float) -> None:
+        """The gate's correction of the model (measured / predicted steps); the memo is kept within 5% of it."""
+        if abs(scale - self.scale) > 0.05 * self.scale:
+            self.scale = scale
+            self._memo.clear()
+
+    def token_ms(self, tpot_ms: float, length: float) -> float:
+        bucket = max(1, int(length) // self.len_step + 1)
+        key = (round(tpot_ms, 3) if math.isfinite(tpot_ms) else math.inf, bucket)
+        if (got := self._memo.get(key)) is not None:
+            return got
+        ctx = float(bucket * self.len_step)
+
+        def step(b: int) -> float:
+            return self.itl(float(b), ctx) * self.scale
+
+        lo, hi = 1, self.max_batch  # V: the largest feasible b (1 if even one request alone does not fit)
+        limit = self.slack * tpot_ms / self.margin
+        if step(hi) <= limit:
+            lo = hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if step(mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        cost = max(step(lo), 1e-9) / lo
+        if len(self._memo) >= 4096:  # clients' TPOTs are arbitrary floats: keep the memo bounded
+            self._memo.clear()
+        self._memo[key] = cost
+        return cost
+
+    def work(self, tokens: float, tpot_ms: float, pace_ms: float, length: float) -> float:
+        """Machine ms for `tokens` more tokens of a request of TPOT `tpot_ms` joining a batch paced at `pace_ms`
+        (+inf: none): its own tokens at the pace it decodes at, plus, if it would set a faster pace, what the
+        batch loses over its n x T of wall time (the share of the machine's throughput the faster pace costs)."""
+        if tokens <= 0 or not math.isfinite(tpot_ms):
+            return 0.0
+        own = self.token_ms(min(tpot_ms, pace_ms), length)
+        if tpot_ms >= PACE_TOLERANCE * pace_ms:
+            return tokens * own
+        lost = max(0.0, 1.0 - self.token_ms(pace_ms, length) / own)
+        return tokens * (own + tpot_ms * lost)
 
 
 class WorkShedder:

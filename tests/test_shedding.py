@@ -7,7 +7,7 @@ import pytest
 from core.messages import RejectReason
 from core.request import SLO, Request
 from core.sampling import SamplingParams
-from scheduling.shedding import WorkShedder, sheds
+from scheduling.shedding import PaceCost, WorkShedder, sheds
 from tests.test_scheduler import _run, _sched
 
 
@@ -128,7 +128,7 @@ def _prime(s: WorkShedder) -> None:
 
 def _primed(**kw):
     """A kairos scheduler with one request running and a primed shedder."""
-    s = _sched("kairos", blocks=256, **{"work_shedding": True, **kw})
+    s = _sched("kairos", blocks=256, **{"work_shedding": True, "pace_work": False, **kw})
     first = _req(0, 10)
     s.add(first)
     _run(s, s.schedule(0.0))
@@ -231,7 +231,7 @@ def test_kairos_sheds_a_pace_setting_request_sooner_than_one_of_the_batch_pace()
 
 
 def test_a_strict_request_joins_a_batch_already_at_its_pace():
-    s = _sched("kairos", blocks=256, work_shedding=True, shed_pace_factor=0.5)
+    s = _sched("kairos", blocks=256, work_shedding=True, shed_pace_factor=0.5, pace_work=False)
     first = _req(0, 10, tpot=20.0)
     s.add(first)
     _run(s, s.schedule(0.0))
@@ -240,3 +240,62 @@ def test_a_strict_request_joins_a_batch_already_at_its_pace():
     s.add(strict)
     plan = s.schedule(10.0)
     assert plan.rejected == [] and plan.prefill == [strict]
+
+
+# --- pace_work: work in machine time (PaceCost) ---
+
+def _linear(b, length):  # the tests' latency model (tests.test_scheduler._sched): ITL = 5 + 0.5 B ms
+    return 5.0 + 0.5 * b
+
+
+def test_pace_cost_is_the_step_of_the_largest_batch_the_gate_fits_per_request():
+    pc = PaceCost(_linear, margin=1.05, slack=0.99, max_batch=64)
+    # 40 ms: 5 + 0.5 b <= 0.99 * 40 / 1.05 -> b <= 65, capped at 64: a step of 37 ms for 64 tokens
+    assert pc.token_ms(40.0, 100) == pytest.approx(37.0 / 64)
+    assert pc.token_ms(20.0, 100) == pytest.approx(18.5 / 27)  # b <= 27.7
+    assert pc.token_ms(math.inf, 100) == pytest.approx(37.0 / 64)
+    assert pc.token_ms(5.0, 100) == pytest.approx(5.5)  # not even one request fits: its step alone
+    pc.set_scale(2.0)  # the gate's correction: the machine runs twice the model
+    assert pc.token_ms(40.0, 100) == pytest.approx(2 * 18.5 / 27)  # 2 (5 + 0.5 b) <= 37.71 -> b <= 27
+
+
+def test_pace_work_charges_a_faster_pace_to_the_request_that_sets_it():
+    pc = PaceCost(_linear, margin=1.05, slack=0.99, max_batch=64)
+    loose, strict = pc.token_ms(40.0, 100), pc.token_ms(20.0, 100)
+    assert pc.work(10, 40.0, 40.0, 100) == pytest.approx(10 * loose)
+    assert pc.work(10, 40.0, 20.0, 100) == pytest.approx(10 * strict)  # a loose request in a strict batch
+    assert pc.work(10, 20.0, 20.0, 100) == pytest.approx(10 * strict)  # joins a batch already at its pace
+    # sets a faster pace: over its 10 x 20 ms the batch decodes at 1 / strict instead of 1 / loose tokens per ms
+    assert pc.work(10, 20.0, 40.0, 100) == pytest.approx(10 * (strict + 20.0 * (1 - loose / strict)))
+    assert pc.work(10, math.inf, 40.0, 100) == 0.0 and pc.work(0, 20.0, 40.0, 100) == 0.0  # best effort, done
+
+
+def test_where_the_step_hardly_grows_with_the_batch_every_pace_costs_alike():
+    """A memory-bound GPU step: the largest batch fits every tier's pace, so tiers weigh by their tokens only."""
+    pc = PaceCost(lambda b, length: 8.0 + 0.001 * b, margin=1.05, slack=0.99, max_batch=256)
+    assert pc.token_ms(10.0, 500) == pytest.approx(pc.token_ms(40.0, 500))
+    assert pc.work(100, 10.0, 40.0, 500) == pytest.approx(pc.work(100, 40.0, 40.0, 500))
+
+
+def test_kairos_sheds_a_request_that_would_set_a_faster_pace_and_admits_one_that_joins_it():
+    """pace_work (kairos's default): θ is 10 loose tokens' machine time. A 20 ms request of 4 tokens into a 40 ms
+    batch costs its tokens at the strict pace and what the batch loses meanwhile: shed. Into a batch already at
+    20 ms it costs only its tokens: admitted."""
+    for pace, shed in ((40.0, True), (20.0, False)):
+        s = _sched("kairos", blocks=256, work_shedding=True)
+        assert s.pace_cost is not None
+        unit = s.pace_cost.token_ms(40.0, 100)
+        first = _req(0, 10, tpot=pace)
+        s.add(first)
+        _run(s, s.schedule(0.0))
+        for i in range(40):  # 30 arrivals of 10 loose tokens, 10 of 200; a saturated second of 20 tokens
+            s.shedder.arrived((10 if i % 4 else 200) * unit, i * 0.25)
+        s.shedder.saturated(10.0)
+        s.shedder.step(10.0, 20 * unit, 1000.0)
+        assert s.shedder.threshold(10.0) == pytest.approx(10 * unit)
+        strict, loose = _req(1, 4, tpot=20.0, arrival=10.0), _req(2, 8, arrival=10.0)
+        s.add(strict)
+        s.add(loose)
+        plan = s.schedule(10.0)
+        assert (plan.rejected == [(strict, RejectReason.SHED)]) is shed
+        assert loose in plan.prefill and (strict in plan.prefill) is not shed

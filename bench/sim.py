@@ -1,0 +1,238 @@
+"""bench.slo's experiment replayed on a virtual clock: the real Scheduler, a latency model for the machine.
+
+Why. A policy's goodput on a 2-core box moves by ±10% from run to run (the box's speed drifts, the run is
+short, a replica's choices snowball), so a mechanism worth a few percent cannot be told from noise there, and a
+GPU is not always at hand. This replays the same workload (`bench.workload.generate`: ShareGPT prompts, tiers,
+arrivals, the length arms) through `scheduling.scheduler.Scheduler`, the object the engine drives, with no model:
+each step takes what a *truth* latency model says of it (prefill tokens and decode rows at their mean context),
+times `factor` (the machine slower than the model the scheduler plans with, as the bench's "decode step / model"
+reports) and a lognormal jitter, plus a fixed host time per step. The scheduler sees only its own latency model
+and what it measures, as in the engine. Everything else is deterministic, so paired comparisons need far fewer
+seeds, and a GPU-shaped truth model (`--truth`, a LatencyModel JSON profiled on that GPU) shows what the
+scheduler does at batch sizes in the hundreds.
+
+What it leaves out: the engine's host work beyond `--host-ms` per step, HTTP, overlap scheduling (a step's tokens
+count when the step ends), KV pressure (blocks are ample), and EOS (replies end at their reference length). It
+ranks mechanisms; real runs (bench.slo) measure them.
+
+    python -m bench.sim --tiers bench/out/RUN/tiers-profile.json --policies kairos,scorpio,kairos+lengths=exact \\
+        --loads 1.5 --seeds 0-9
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench import driver as D
+from bench import metrics as M
+from bench import workload as W
+from bench.slo import arm_sched, completion_rate, find_capacity, length_arm, overrides, policy_spec
+from core.request import SLO, FinishReason, Request
+from core.sampling import SamplingParams
+from scheduling.config import SchedulerConfig
+from scheduling.predictor import LatencyModel
+from scheduling.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The simulated machine: step ms = (truth prefill + truth decode) x factor x jitter + host_ms."""
+
+    truth: LatencyModel
+    factor: float = 1.25
+    jitter: float = 0.1  # sigma of the lognormal multiplier
+    host_ms: float = 0.15
+    seed: int = 0
+
+    def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random) -> float:
+        ms = self.truth.prefill_ms(prefill_tokens) if prefill_tokens else 0.0
+        if decode_rows:
+            ms += self.truth.itl_ms(float(decode_rows), mean_len)
+        mult = math.exp(rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0
+        return ms * self.factor * mult + self.host_ms
+
+
+def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Machine, planner: LatencyModel, *,
+             max_model_len: int = 2048, block_size: int = 16, drain_s: float = 30.0,
+             tokenizer_fingerprint: str | None = None) -> list[D.Record]:
+    """Offer `items` (arrival order) to a fresh Scheduler on a virtual clock; one Record per item."""
+    blocks = config.max_num_seqs * (max_model_len // block_size + 2) + 64
+    sched = Scheduler(config, blocks, block_size, max_model_len, predictor=planner,
+                      tokenizer_fingerprint=tokenizer_fingerprint)
+    rng = random.Random(machine.seed)
+    order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
+    recs: dict[str, D.Record] = {}
+    reqs: dict[str, Request] = {}
+    t, k = 0.0, 0
+    end = (items[order[-1]].arrival_s if items else 0.0) + drain_s
+
+    def close(req: Request, reason: FinishReason, now: float) -> None:
+        if not sched.finish(req, reason, now):
+            return
+        rec = recs[req.request_id]
+        rec.finish_reason = reason.value
+        rec.finished_s = now
+        rec.token_times = list(req.token_times)
+        rec.n_out = len(req.token_times)
+        if req.first_token_s is not None:
+            rec.ttft_s = req.first_token_s - rec.arrival_s
+
+    while t < end:
+        while k < len(order) and items[order[k]].arrival_s <= t:
+            i = order[k]
+            w = items[i]
+            k += 1
+            rid = f"sim-{i}"
+            slo = SLO(*(x if math.isfinite(x) else None for x in (w.ttft_ms, w.tpot_ms)), w.output_len_hint).validate()
+            req = Request(rid, list(w.prompt_ids), SamplingParams(max_tokens=w.max_tokens, ignore_eos=True).validate(),
+                          slo, arrival_s=w.arrival_s)
+            req.bench_stop_after = w.stop_after
+            recs[rid] = D.Record(w.tier, w.ttft_ms, w.tpot_ms, w.arrival_s, prompt_len=len(w.prompt_ids),
+                                 max_tokens=w.max_tokens, output_len=w.output_len, index=i, sent_s=w.arrival_s)
+            reqs[rid] = req
+            reason = sched.add(req)
+            if reason is not None:
+                recs[rid].rejected, recs[rid].reject_reason = True, str(reason.value)
+                close(req, FinishReason.REJECTED, t)
+        plan = sched.schedule(t)
+        for req, reason in plan.rejected:
+            recs[req.request_id].rejected, recs[req.request_id].reject_reason = True, str(reason.value)
+            close(req, FinishReason.REJECTED, t)
+        if plan.empty:
+            if k < len(order):
+                t = max(t + 1e-4, min(items[order[k]].arrival_s, t + 0.005))
+            elif not sched.has_work():
+                break
+            else:
+                t += 0.005
+            continue
+        rows = plan.requests
+        ms = machine.step_ms(plan.num_prefill_tokens, len(plan.decode), plan.decode_mean_len, rng)
+        index = sched.launched(plan, rows)
+        t += ms / 1000.0
+        for req, _tok, reason in sched.resolved(rows, index, [7] * len(rows), t):
+            if reason is not None:
+                close(req, reason, t)
+        sched.on_step_done(plan, ms, t, rows)
+    for rid, req in reqs.items():  # what the drain left unfinished
+        rec = recs[rid]
+        if rec.finish_reason is None:
+            close(req, FinishReason.ABORT, t)
+            rec.finish_reason = "timeout"
+    return [recs[f"sim-{i}"] for i in range(len(items))]
+
+
+def parse_seeds(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out.extend(range(int(a), int(b) + 1))
+        elif part.strip():
+            out.append(int(part))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--tiers", required=True, help="a LatencyModel JSON (bench.slo's tiers-profile.json): the scheduler's model "
+      "and the tiers' base")
+    a("--truth", default=None, help="the machine's LatencyModel JSON (default: --tiers)")
+    a("--factor", type=float, default=1.25, help="machine / model step time")
+    a("--jitter", type=float, default=0.1)
+    a("--host-ms", type=float, default=0.15)
+    a("--policies", default="fcfs,scorpio,kairos")
+    a("--loads", default="1.5")
+    a("--seeds", default="0-9")
+    a("--num-requests", type=int, default=400)
+    a("--dataset", choices=("sharegpt", "synthetic"), default="sharegpt", help="as bench.slo's (synthetic: "
+      "lognormal lengths, random ids)")
+    a("--lengths", choices=W.LENGTH_ARMS, default="predicted")
+    a("--lambda-star", type=float, default=None, help="skip the FCFS capacity search")
+    a("--max-num-seqs", type=int, default=32)
+    a("--prefill-max-tokens", type=int, default=512)
+    a("--max-model-len", type=int, default=2048)
+    a("--sched", action="append", default=[], help="key=value scheduler override for every policy")
+    a("--warmup-frac", type=float, default=0.1)
+    a("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    planner = LatencyModel.load(args.tiers)
+    truth = LatencyModel.load(args.truth) if args.truth else planner
+    corpus = None
+    if args.dataset == "sharegpt":
+        from bench.slo import build_parser, sharegpt_corpus
+
+        corpus = sharegpt_corpus(build_parser().parse_args(["--dataset", "sharegpt"]), max(args.num_requests, 240),
+                                 args.max_model_len)
+    base = W.WorkloadSpec(arrival="poisson", mix=W.parse_mix("equal"), max_model_len=args.max_model_len,
+                          corpus=corpus, lengths=args.lengths)
+    scale = W.slo_scale(planner, args.prefill_max_tokens, base)
+    seeds = parse_seeds(args.seeds)
+    # the workload's ids are kairos-tiny's (bench.slo's default model), the tokenizer the shipped predictor counts in
+    from bench.driver import resolve_model_path
+    from scheduling.length_predictor import tokenizer_fingerprint
+
+    fp = tokenizer_fingerprint(resolve_model_path("kairos-tiny"))
+
+    def config(label: str) -> SchedulerConfig:
+        policy, extra = policy_spec(label)
+        return SchedulerConfig(**{"policy": policy, "max_num_seqs": args.max_num_seqs,
+                                  "prefill_max_tokens": args.prefill_max_tokens,
+                                  **arm_sched(length_arm(label, args.lengths)), **overrides(args.sched), **extra})
+
+    def run(label: str, rate: float, seed: int, n: int) -> list[D.Record]:
+        items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
+                                   lengths=length_arm(label, args.lengths)), scale.tiers)
+        machine = Machine(truth, args.factor, args.jitter, args.host_ms, seed)
+        return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
+                        tokenizer_fingerprint=fp)
+
+    t0 = time.perf_counter()
+    if args.lambda_star is not None:
+        lam = args.lambda_star
+    else:
+        lam, _ = find_capacity(lambda r: completion_rate(run("fcfs", r, seeds[0], 240)), 1.0)
+    print(f"bench.sim: lambda* {lam:.3f} rps; tiers " + ", ".join(
+        f"{t.name} {t.ttft_ms:.0f}/{t.tpot_ms:.2f}" for t in scale.tiers), flush=True)
+    out: dict[str, Any] = {"lambda_star_rps": lam, "args": vars(args), "points": []}
+    for load in [float(x) for x in args.loads.split(",")]:
+        rate = lam * load
+        by: dict[str, list[float]] = {}
+        for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
+            per_seed, tiers_served = [], {}
+            for seed in seeds:
+                recs = run(label, rate, seed, args.num_requests)
+                s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
+                per_seed.append(s["goodput_rps"])
+                for t in scale.tiers:
+                    tiers_served.setdefault(t.name, []).append(s["per_tier"].get(t.name, {}).get(
+                        "adherence", math.nan))
+            by[label] = per_seed
+            tiers_txt = " ".join(f"{name[:4]} {100 * statistics.fmean(v):.0f}%" for name, v in tiers_served.items())
+            print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
+                  f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}", flush=True)
+            out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served})
+        first = next(iter(by))
+        for label, g in by.items():
+            if label != first and statistics.fmean(g) > 0:
+                ratios = [x / y for x, y in zip(by[first], g) if y > 0]
+                of_means = statistics.fmean(by[first]) / statistics.fmean(g)
+                print(f"    {first} / {label}: mean of ratios {statistics.fmean(ratios):.3f} "
+                      f"(min {min(ratios):.2f}), ratio of means {of_means:.3f}")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
