@@ -33,7 +33,8 @@ from typing import Any, Sequence
 from bench import driver as D
 from bench import metrics as M
 from bench import workload as W
-from bench.slo import arm_sched, completion_rate, find_capacity, length_arm, overrides, policy_spec
+from bench.slo import (arm_sched, capacity_guess, completion_rate, find_adherent_rate, find_capacity, length_arm,
+                       overrides, policy_spec)
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
@@ -158,12 +159,17 @@ def main(argv: Sequence[str] | None = None) -> int:
       "lognormal lengths, random ids)")
     a("--lengths", choices=W.LENGTH_ARMS, default="predicted")
     a("--lambda-star", type=float, default=None, help="skip the FCFS capacity search")
+    a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="as bench.slo's")
+    a("--probe-requests", type=int, default=240, help="requests per lambda* probe")
     a("--max-num-seqs", type=int, default=32)
+    a("--strict-batch", type=float, default=4, help="as bench.slo's (slo_gpu.sh: 32)")
+    a("--loose-batch", type=float, default=12, help="as bench.slo's (slo_gpu.sh: 128)")
     a("--prefill-max-tokens", type=int, default=512)
     a("--max-model-len", type=int, default=2048)
     a("--sched", action="append", default=[], help="key=value scheduler override for every policy")
     a("--warmup-frac", type=float, default=0.1)
     a("--json", default=None, help="write the results here")
+    a("--summary", default=None, help="bench/summaries/NAME.json: the command, the figures and a headline")
     args = ap.parse_args(argv)
     planner = LatencyModel.load(args.tiers)
     truth = LatencyModel.load(args.truth) if args.truth else planner
@@ -175,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  args.max_model_len)
     base = W.WorkloadSpec(arrival="poisson", mix=W.parse_mix("equal"), max_model_len=args.max_model_len,
                           corpus=corpus, lengths=args.lengths)
-    scale = W.slo_scale(planner, args.prefill_max_tokens, base)
+    scale = W.slo_scale(planner, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
+                        loose_batch=args.loose_batch)
     seeds = parse_seeds(args.seeds)
     # the workload's ids are kairos-tiny's (bench.slo's default model), the tokenizer the shipped predictor counts in
     from bench.driver import resolve_model_path
@@ -200,10 +207,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lambda_star is not None:
         lam = args.lambda_star
     else:
-        lam, _ = find_capacity(lambda r: completion_rate(run("fcfs", r, seeds[0], 240)), 1.0)
+        names = [t.name for t in scale.tiers]
+
+        def adherence(rate: float) -> float:
+            recs = run("fcfs", rate, seeds[0], args.probe_requests)
+            return M.summarize(recs, warmup_frac=args.warmup_frac, tiers=names)["adherence"]
+
+        guess = capacity_guess(planner, scale)
+        lam = find_adherent_rate(adherence, guess)[0] if args.lambda_def == "adherence" else \
+            find_capacity(lambda r: completion_rate(run("fcfs", r, seeds[0], args.probe_requests)), 2.5 * guess)[0]
     print(f"bench.sim: lambda* {lam:.3f} rps; tiers " + ", ".join(
         f"{t.name} {t.ttft_ms:.0f}/{t.tpot_ms:.2f}" for t in scale.tiers), flush=True)
-    out: dict[str, Any] = {"lambda_star_rps": lam, "args": vars(args), "points": []}
+    out: dict[str, Any] = {"lambda_star_rps": lam, "args": vars(args), "points": [], "ratios": []}
     for load in [float(x) for x in args.loads.split(",")]:
         rate = lam * load
         by: dict[str, list[float]] = {}
@@ -226,11 +241,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if label != first and statistics.fmean(g) > 0:
                 ratios = [x / y for x, y in zip(by[first], g) if y > 0]
                 of_means = statistics.fmean(by[first]) / statistics.fmean(g)
+                out["ratios"].append({"load": load, "of": first, "over": label, "mean_of_ratios":
+                                      statistics.fmean(ratios), "min": min(ratios), "ratio_of_means": of_means})
                 print(f"    {first} / {label}: mean of ratios {statistics.fmean(ratios):.3f} "
                       f"(min {min(ratios):.2f}), ratio of means {of_means:.3f}")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.summary:
+        from bench.report import command_line, write_summary
+
+        goodput = ", ".join(f"{p['policy']} {statistics.fmean(p['goodput_rps']):.2f}" for p in out["points"])
+        ratios = ", ".join(f"/{r['over']} {r['mean_of_ratios']:.2f}" for r in out["ratios"])
+        head = (f"simulated ({len(seeds)} seeds, {args.dataset}, lengths {args.lengths}, lambda* {lam:.2f} rps, "
+                f"truth {Path(args.truth or args.tiers).name} x{args.factor:g}): {goodput}; {ratios}")
+        print(f"summary -> {write_summary(args.summary, command_line('bench.sim', argv), head, out)}")
     return 0
 
 

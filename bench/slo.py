@@ -11,6 +11,7 @@
    that fit times the calibration (kairos unscaled: its online ITL correction measures the same ratio).
 2. lambda*, FCFS's capacity: FCFS runs open-loop at a rising rate (x2) until its completion rate over the middle
    of its completions falls below 85% of the offered rate twice in a row; --lambda-star skips the search.
+   --lambda-def adherence: the reference protocol's, the highest rate at which FCFS keeps 90% adherence.
 3. Loads, then seeds, then policies: each seed's workload runs under every policy back to back. Requests unfinished
    `--drain` s after the last arrival are aborted (misses).
 4. Writes results.json, records.jsonl (one line per request), tiers-profile.json (--predictor-json it to rerun on
@@ -89,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--output-cap", type=int, default=None, help="output tokens, cap (256; quick 64; sharegpt: only if given)")
     a("--length-sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
     a("--lambda-star", type=float, default=None, help="skip the search and use this rate (rps)")
+    a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="lambda*: FCFS's capacity, its "
+      "completion rate under overload (default), or the reference protocol's highest rate at which FCFS keeps "
+      "--lambda-adherence of its requests within SLO (where the tiers keep batches far below the most a replica "
+      "holds, as on a GPU, the capacity is a deep overload for every SLO)")
+    a("--lambda-adherence", type=float, default=0.9, help="--lambda-def adherence: FCFS's adherence at lambda*")
+    a("--lambda-refine", type=int, default=2, help="--lambda-def adherence: bisections once the rate is bracketed")
     a("--probe-requests", type=int, default=None, help="requests per lambda* probe (240; quick 200)")
     a("--drain", type=float, default=None, help="seconds after the last arrival before unfinished requests are "
       "misses (default: max(10, 25%% of the arrival span), capped at 60)")
@@ -338,6 +345,39 @@ def find_capacity(measure: Callable[[float], float | None], guess: float, *, sat
         return best_saturated, probes
     probes.append({"note": "FCFS never saturated; capacity is the highest completion rate seen"})
     return best, probes
+
+
+def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *, target: float = 0.9,
+                       factor: float = 2.0, max_tries: int = 5, refine: int = 2) -> tuple[float, list[dict]]:
+    """The reference protocol's lambda*: the highest offered rate at which FCFS keeps `target` adherence
+    (`measure(rate)`). From `guess`, x`factor` while adherent, /`factor` while not, until the rate is bracketed;
+    then `refine` geometric bisections. Never bracketed: the best adherent rate seen, else the lowest probed."""
+    probes: list[dict] = []
+    lo: float | None = None  # highest adherent rate
+    hi: float | None = None  # lowest rate that is not
+    rate = guess
+    for _ in range(max_tries):
+        got = measure(rate)
+        probes.append({"rate_rps": rate, "adherence": got})
+        if got is not None and got >= target:
+            lo = rate if lo is None else max(lo, rate)
+        else:
+            hi = rate if hi is None else min(hi, rate)
+        if lo is not None and hi is not None:
+            break
+        rate = rate * factor if hi is None else rate / factor
+    if lo is None or hi is None:
+        probes.append({"note": f"FCFS's adherence of {target} was not bracketed"})
+        return (lo if lo is not None else min(p["rate_rps"] for p in probes if "rate_rps" in p)), probes
+    for _ in range(refine):
+        mid = (lo * hi) ** 0.5
+        got = measure(mid)
+        probes.append({"rate_rps": mid, "adherence": got})
+        if got is not None and got >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
 
 
 def capacity_guess(predictor: Any, scale: W.SLOScale) -> float:
@@ -643,8 +683,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                   flush=True)
             return got
 
-        lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
-        search = {"definition": "capacity", "probes": probes, "seconds": time.perf_counter() - t0, "policy": label}
+        def measure_adherence(rate: float) -> float | None:
+            n = args.probe_requests or (200 if q else 240)
+            recs = probe(rate, n, "adherence probe", "adh").records
+            got = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=tiers)["adherence"]
+            print(f"  adherence probe {probe_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS adherence {fmt(got, 3)}",
+                  flush=True)
+            return None if math.isnan(got) else got
+
+        if args.lambda_def == "adherence":
+            lam, probes = find_adherent_rate(measure_adherence, capacity_guess(predictor, scale),
+                                             target=args.lambda_adherence, refine=args.lambda_refine)
+        else:
+            lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
+        search = {"definition": args.lambda_def, "probes": probes, "seconds": time.perf_counter() - t0,
+                  "policy": label}
+        if args.lambda_def == "adherence":
+            search["adherence"] = args.lambda_adherence
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
 
     # ---- size the sweep to the budget

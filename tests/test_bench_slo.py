@@ -208,6 +208,24 @@ def test_empty_summary_is_nan_not_error():
 
 # --------------------------------------------------------------------------- capacity search and reporting
 
+def test_the_reference_protocols_lambda_star_is_the_highest_rate_fcfs_keeps_its_adherence():
+    from bench.slo import find_adherent_rate
+
+    def fcfs(rate):  # adherence falls past 10 req/s
+        return 1.0 if rate <= 10.0 else 0.5
+
+    probed = []
+    lam, probes = find_adherent_rate(lambda r: probed.append(r) or fcfs(r), 4.0, target=0.9, refine=2)
+    assert probed[:3] == [4.0, 8.0, 16.0]  # doubled until it fails, then two geometric bisections of (8, 16)
+    assert probed[3] == pytest.approx(8 * 2 ** 0.5) and lam == pytest.approx(8 * 2 ** 0.25) and 8.0 < lam <= 10.0
+    lam, _ = find_adherent_rate(fcfs, 40.0, refine=0)  # from above: halved until adherent
+    assert lam == 10.0
+    lam, probes = find_adherent_rate(lambda r: 0.0, 1.0, max_tries=2)  # never adherent: the lowest probed, flagged
+    assert lam == 0.5 and "not bracketed" in probes[-1]["note"]
+    lam, _ = find_adherent_rate(lambda r: None if r > 3 else 1.0, 2.0, refine=0)  # no figure counts as a miss
+    assert lam == 2.0
+
+
 def test_completion_rate_and_capacity_search():
     from bench.slo import completion_rate, find_capacity
 

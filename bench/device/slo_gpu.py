@@ -5,8 +5,9 @@
    saves it once under --model-dir.
 2. `serve run deployments:app model=DIR device=... policy=fcfs predictor_path=P`: the replica profiles itself at
    start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
-   SLO from that fit (as bench.slo does in-process on the CPU), finds FCFS's capacity lambda* over HTTP, then runs
-   fcfs at every load and seed.
+   SLO from that fit (as bench.slo does in-process on the CPU), finds lambda* over HTTP (by default the reference
+   protocol's: the highest rate at which FCFS keeps 90% adherence; --lambda-def), then runs fcfs at every load and
+   seed.
 3. One fresh server per policy (scorpio, kairos; `length_predictor=true`, `predictor_path=P`, so the same fit, no
    new profile) at the same lambda* and tiers: the predicted arm (`--lengths predicted`) at every load and seed;
    kairos also with `--lengths exact` at the highest load (the bound).
@@ -177,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--num-requests", type=int, default=160)
     ap.add_argument("--probe-requests", type=int, default=160)
-    ap.add_argument("--lambda-star", type=float, default=None, help="skip the capacity search")
+    ap.add_argument("--lambda-star", type=float, default=None, help="skip the lambda* search")
+    ap.add_argument("--lambda-def", choices=("adherence", "capacity"), default="adherence",
+                    help="bench.slo --lambda-def: adherence (default), the reference protocol's highest rate at which "
+                    "FCFS keeps 90%% adherence; capacity, FCFS's completion rate under overload, which on a GPU is "
+                    "far past what the TPOT tiers let any policy serve (and which probes of a few hundred requests "
+                    "read low: they do not fill a batch of max_num_seqs long replies)")
     ap.add_argument("--exact", default="kairos", help="policies also run with --lengths exact at the highest load")
     ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (the bundle's .dev/sharegpt-sub.json)")
     ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run's time limit, start-up included")
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             fixed = ["--predictor-json", str(profile), "--loads", args.loads, "--seeds", args.seeds,
                      "--num-requests", str(args.num_requests), "--label", policy]
-            fixed += ["--lambda-star", str(lam)] if lam is not None else ["--probe-requests", str(args.probe_requests)]
+            fixed += ["--lambda-star", str(lam)] if lam is not None else [
+                "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def, "--lambda-refine", "1"]
             out = args.out / f"{policy}-predicted"
             res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"])
             if res is not None:

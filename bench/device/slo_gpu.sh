@@ -1,8 +1,9 @@
 #!/bin/bash
 # SCORPIO's experiment on one GPU replica over Ray Serve (issue 55): an 8B-shaped bf16 Llama with random weights
-# built on the device (no download), FCFS's capacity lambda* over HTTP, then fcfs, scorpio and kairos at LOADS x
-# lambda*, SEEDS, ShareGPT prompts with their reference reply lengths hidden from the scheduler (the predicted arm:
-# every policy's length predictor on) and kairos with exact lengths as the bound. One summary JSON under $OUT.
+# built on the device (no download), lambda* over HTTP (the highest rate at which FCFS keeps 90% adherence), then
+# fcfs, scorpio and kairos at LOADS x lambda*, SEEDS, ShareGPT prompts with their reference reply lengths hidden
+# from the scheduler (the predicted arm: every policy's length predictor on) and kairos with exact lengths as the
+# bound. One summary JSON under $OUT.
 #
 # Run HERE first: bench/device/bundle.sh (builds .dev/site312.tar.xz, Ray Serve and pydantic for CPython 3.12, and
 # .dev/sharegpt-sub.json). Then THERE (a lent GPU host, `carry: [".dev"]`):
@@ -10,9 +11,11 @@
 # The CPU dry run HERE (kairos-tiny's shape, float32, one engine thread, a few minutes; the local venv's Ray):
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
 # Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (160),
-#   PROBE_REQUESTS (160), LAMBDA (skip the capacity search), LIMIT_S (540: the whole run, model build and server
-#   starts included; the summary is rewritten after each policy, so a cut-off run keeps what it measured),
-#   STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that batch, L) of the replica's own fit),
+#   PROBE_REQUESTS (160), LAMBDA (skip the lambda* search), LAMBDA_DEF (adherence: the highest rate at which FCFS
+#   keeps 90% adherence, the reference protocol's; capacity: FCFS's completion rate under overload), LIMIT_S (540:
+#   the whole run, model build and server starts included; the summary is rewritten after each policy, so a cut-off
+#   run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that
+#   batch, L) of the replica's own fit),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 set -u
 T0=$(date +%s)
@@ -41,6 +44,7 @@ pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())
         --dataset-path .dev/sharegpt-sub.json)
 fi
 [ -n "${LAMBDA:-}" ] && args+=(--lambda-star "$LAMBDA")
+[ -n "${LAMBDA_DEF:-}" ] && args+=(--lambda-def "$LAMBDA_DEF")
 rm -rf /tmp/slo_gpu  # a host can come back with an earlier lease's /tmp
 "$PY" bench/device/slo_gpu.py "${args[@]}" --out /tmp/slo_gpu --summary-out "$OUT/slo-gpu.json" 2>&1 | tee "$OUT/slo_gpu.log"
 echo "slo_gpu exit ${PIPESTATUS[0]}, $(( $(date +%s) - T0 )) s in all"
