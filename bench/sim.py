@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--dataset", choices=("sharegpt", "synthetic"), default="sharegpt", help="as bench.slo's (synthetic: "
       "lognormal lengths, random ids)")
     a("--lengths", choices=W.LENGTH_ARMS, default="predicted")
-    a("--lambda-star", type=float, default=None, help="skip the FCFS capacity search")
+    a("--lambda-star", type=float, default=None, help="skip the lambda* search")
     a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="as bench.slo's")
     a("--probe-requests", type=int, default=240, help="requests per lambda* probe")
     a("--max-num-seqs", type=int, default=32)
@@ -177,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dataset == "sharegpt":
         from bench.slo import build_parser, sharegpt_corpus
 
-        corpus = sharegpt_corpus(build_parser().parse_args(["--dataset", "sharegpt"]), max(args.num_requests, 240),
-                                 args.max_model_len)
+        corpus = sharegpt_corpus(build_parser().parse_args(["--dataset", "sharegpt"]),
+                                 max(args.num_requests, args.probe_requests), args.max_model_len)
     base = W.WorkloadSpec(arrival="poisson", mix=W.parse_mix("equal"), max_model_len=args.max_model_len,
                           corpus=corpus, lengths=args.lengths)
     scale = W.slo_scale(planner, args.prefill_max_tokens, base, strict_batch=args.strict_batch,

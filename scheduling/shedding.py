@@ -44,6 +44,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate
+from typing import Callable
 
 
 PACE_TOLERANCE = 0.95  # a TPOT under this share of the batch's pace sets a faster one (tiers differ by far more)
@@ -63,7 +64,8 @@ class PaceCost:
     itl(b, L) * margin <= slack * T (at least 1, at most `max_batch`), and each of its tokens costs itl(V, L) / V.
     Lengths are bucketed (`len_step` tokens) and each (pace, length) is solved once per `scale` of the model."""
 
-    def __init__(self, itl, margin: float, slack: float, max_batch: int, len_step: int = 64) -> None:
+    def __init__(self, itl: Callable[[float, float], float], margin: float, slack: float, max_batch: int,
+                 len_step: int = 64) -> None:
         self.itl, self.margin, self.slack, self.max_batch, self.len_step = itl, margin, slack, max_batch, len_step
         self.scale = 1.0
         self._memo: dict[tuple[float, int], float] = {}
@@ -75,6 +77,7 @@ class PaceCost:
             self._memo.clear()
 
     def token_ms(self, tpot_ms: float, length: float) -> float:
+        """Machine ms per token of a batch paced at `tpot_ms` (+inf: the largest batch) at mean context `length`."""
         bucket = max(1, int(length) // self.len_step + 1)
         key = (round(tpot_ms, 3) if math.isfinite(tpot_ms) else math.inf, bucket)
         if (got := self._memo.get(key)) is not None:
