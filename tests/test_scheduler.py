@@ -176,6 +176,25 @@ def test_pace_guard_decodes_a_request_its_credit_would_skip_when_it_is_behind():
     assert _pace_case("scorpio") == ["r0"]  # as published: credit alone
 
 
+def test_fill_steps_decodes_a_request_its_credit_would_skip_while_the_step_stays_short_enough():
+    # a step of both takes 6 ms, within what the gate plans a step at the strict 10 ms to take (0.99 x 10 / 1.05)
+    assert _pace_case("kairos", pace_guard=False, fill_steps=True) == ["r0", "r1"]
+    assert _pace_case("kairos", pace_guard=False) == ["r0"]  # off (the default): the credit decides
+    # at a 6.2 ms strict TPOT a step of both (6 ms) is over 0.99 x 6.2 / 1.05 and over what the strict request,
+    # 4 tokens out at 75 ms, can afford: the loose one keeps to its credit
+    s = _sched("kairos", pace_guard=False, fill_steps=True)
+    strict, loose = _req(0, 4, tpot=6.2), _req(1, 4, tpot=20.0)
+    for r in (strict, loose):
+        s.add(r)
+    _run(s, s.schedule(0.0))
+    for r in (strict, loose):
+        r.first_token_s = 0.0
+        r.token_ids.extend([3, 3, 3])
+        r.num_computed_tokens = r.num_tokens
+    loose.credit = -0.5
+    assert [r.request_id for r in s.schedule(0.075).decode] == ["r0"]
+
+
 def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
     # strict TPOT 6.05 ms: the gate (margin 1) admits both, at VBS 1.3 a step is 5.65 ms < 0.99 x 6.05 = 5.99;
     # but a step of both is 6 ms, over 5.99: the loose request keeps to its credit
