@@ -154,11 +154,12 @@ def test_kairos_gate_trusts_steps_measured_faster_than_the_model():
     assert s.last_correction == pytest.approx(0.8)
 
 
-def _pace_case(policy: str, **kw) -> list[str]:
-    """A strict request (TPOT 10 ms) paces the batch; a loose one (TPOT 20 ms, TRP 0.5) has had 4 tokens since
-    t=0 and so is due by t = 80 ms. The model's step: 5 + 0.5 B ms, so a step of both takes 6 ms."""
+def _pace_case(policy: str, strict_tpot: float = 10.0, loose_credit: float = -0.5, **kw) -> list[str]:
+    """A strict request (TPOT `strict_tpot`, 10 ms) paces the batch; a loose one (TPOT 20 ms, TRP 0.5 at 10 ms)
+    has had 4 tokens since t=0 and so is due by t = 80 ms; its credit (`loose_credit`) says skip. The model's
+    step: 5 + 0.5 B ms, so a step of both takes 6 ms. Returns who decodes at t = 75 ms."""
     s = _sched(policy, **kw)
-    strict, loose = _req(0, 4, tpot=10.0), _req(1, 4, tpot=20.0)
+    strict, loose = _req(0, 4, tpot=strict_tpot), _req(1, 4, tpot=20.0)
     for r in (strict, loose):
         s.add(r)
     _run(s, s.schedule(0.0))  # both prefilled: their first token
@@ -166,7 +167,7 @@ def _pace_case(policy: str, **kw) -> list[str]:
         r.first_token_s = 0.0
         r.token_ids.extend([3, 3, 3])  # 4 tokens out
         r.num_computed_tokens = r.num_tokens
-    loose.credit = -0.5  # its credit says: skip this step
+    loose.credit = loose_credit  # its credit says: skip this step
     return [r.request_id for r in s.schedule(0.075).decode]  # skipped, its next token would come at ~87 ms
 
 
@@ -182,33 +183,13 @@ def test_fill_steps_decodes_a_request_its_credit_would_skip_while_the_step_stays
     assert _pace_case("kairos", pace_guard=False) == ["r0"]  # off (the default): the credit decides
     # at a 6.2 ms strict TPOT a step of both (6 ms) is over 0.99 x 6.2 / 1.05 and over what the strict request,
     # 4 tokens out at 75 ms, can afford: the loose one keeps to its credit
-    s = _sched("kairos", pace_guard=False, fill_steps=True)
-    strict, loose = _req(0, 4, tpot=6.2), _req(1, 4, tpot=20.0)
-    for r in (strict, loose):
-        s.add(r)
-    _run(s, s.schedule(0.0))
-    for r in (strict, loose):
-        r.first_token_s = 0.0
-        r.token_ids.extend([3, 3, 3])
-        r.num_computed_tokens = r.num_tokens
-    loose.credit = -0.5
-    assert [r.request_id for r in s.schedule(0.075).decode] == ["r0"]
+    assert _pace_case("kairos", strict_tpot=6.2, pace_guard=False, fill_steps=True) == ["r0"]
 
 
 def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
     # strict TPOT 6.05 ms: the gate (margin 1) admits both, at VBS 1.3 a step is 5.65 ms < 0.99 x 6.05 = 5.99;
     # but a step of both is 6 ms, over 5.99: the loose request keeps to its credit
-    s = _sched("kairos", vbs_margin=1.0)
-    strict, loose = _req(0, 4, tpot=6.05), _req(1, 4, tpot=20.0)
-    for r in (strict, loose):
-        s.add(r)
-    _run(s, s.schedule(0.0))
-    for r in (strict, loose):
-        r.first_token_s = 0.0
-        r.token_ids.extend([3, 3, 3])
-        r.num_computed_tokens = r.num_tokens
-    loose.credit = -0.9
-    assert [r.request_id for r in s.schedule(0.075).decode] == ["r0"]
+    assert _pace_case("kairos", strict_tpot=6.05, loose_credit=-0.9, vbs_margin=1.0) == ["r0"]
 
 
 def _step(s, plan):
