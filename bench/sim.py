@@ -179,8 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         corpus = sharegpt_corpus(build_parser().parse_args(["--dataset", "sharegpt"]),
                                  max(args.num_requests, args.probe_requests), args.max_model_len)
-    base = W.WorkloadSpec(arrival="poisson", mix=W.parse_mix("equal"), max_model_len=args.max_model_len,
-                          corpus=corpus, lengths=args.lengths)
+    base = W.WorkloadSpec(max_model_len=args.max_model_len, corpus=corpus, lengths=args.lengths)  # Poisson, equal mix
     scale = W.slo_scale(planner, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
                         loose_batch=args.loose_batch)
     seeds = parse_seeds(args.seeds)

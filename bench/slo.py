@@ -353,22 +353,22 @@ def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *
     (`measure(rate)`). From `guess`, x`factor` while adherent, /`factor` while not, until the rate is bracketed;
     then `refine` geometric bisections. Never bracketed: the best adherent rate seen, else the lowest probed."""
     probes: list[dict] = []
-    lo: float | None = None  # highest adherent rate
-    hi: float | None = None  # lowest rate that is not
+    lo: float | None = None  # highest adherent rate (the search rises while adherent)
+    hi: float | None = None  # lowest rate that is not (it falls while not)
     rate = guess
     for _ in range(max_tries):
         got = measure(rate)
         probes.append({"rate_rps": rate, "adherence": got})
         if got is not None and got >= target:
-            lo = rate if lo is None else max(lo, rate)
+            lo = rate
         else:
-            hi = rate if hi is None else min(hi, rate)
+            hi = rate
         if lo is not None and hi is not None:
             break
         rate = rate * factor if hi is None else rate / factor
     if lo is None or hi is None:
         probes.append({"note": f"FCFS's adherence of {target} was not bracketed"})
-        return (lo if lo is not None else min(p["rate_rps"] for p in probes if "rate_rps" in p)), probes
+        return (lo if lo is not None else hi), probes
     for _ in range(refine):
         mid = (lo * hi) ** 0.5
         got = measure(mid)
@@ -676,30 +676,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lambda_star is not None:
         lam, search = float(args.lambda_star), {"given": True}
     else:
+        n = args.probe_requests or (200 if q else 240)
+
         def measure_cap(rate: float) -> float | None:
-            n = args.probe_requests or (200 if q else 240)
             got = completion_rate(probe(rate, n, "capacity probe", "cap").records)
             print(f"  capacity probe {probe_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS completes {fmt(got, 3)} rps",
                   flush=True)
             return got
 
         def measure_adherence(rate: float) -> float | None:
-            n = args.probe_requests or (200 if q else 240)
             recs = probe(rate, n, "adherence probe", "adh").records
             got = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=tiers)["adherence"]
             print(f"  adherence probe {probe_no[0]}: offered {rate:.3f} rps, n={n} -> FCFS adherence {fmt(got, 3)}",
                   flush=True)
             return None if math.isnan(got) else got
 
+        search: dict[str, Any] = {"definition": args.lambda_def, "policy": label}
         if args.lambda_def == "adherence":
             lam, probes = find_adherent_rate(measure_adherence, capacity_guess(predictor, scale),
                                              target=args.lambda_adherence, refine=args.lambda_refine)
+            search["adherence"] = args.lambda_adherence
         else:
             lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
-        search = {"definition": args.lambda_def, "probes": probes, "seconds": time.perf_counter() - t0,
-                  "policy": label}
-        if args.lambda_def == "adherence":
-            search["adherence"] = args.lambda_adherence
+        search.update(probes=probes, seconds=time.perf_counter() - t0)
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
 
     # ---- size the sweep to the budget

@@ -121,8 +121,8 @@ class SchedulerConfig(BaseModel):
                                     "skip decodes anyway while the step, one request larger, is still predicted "
                                     "within what the VBS gate plans a step at the strictest TPOT to take, or within "
                                     "what every decoding request can afford (work-conserving decode where the step "
-                                    "hardly grows with the batch, as on a GPU). On the 2-core CPU it tripled TPOT "
-                                    "misses at the same goodput; simulated on a GPU-shaped step it served more")
+                                    "hardly grows with the batch, as on a GPU). Opt-in: on the 2-core CPU it "
+                                    "missed more TPOTs at the same goodput")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "
                                     "of its recent admit/reject decisions is starved")
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")

@@ -181,9 +181,8 @@ class Scheduler:
 
     def _set_pace_cost(self) -> None:
         if self.flags.pace_work and self.predictor is not None:
-            model = self.predictor
-            self.pace_cost = PaceCost(lambda b, length: model.itl_ms(b, length), self.flags.vbs_margin,
-                                      self.config.vbs_slack, self.config.max_num_seqs)
+            self.pace_cost = PaceCost(self.predictor.itl_ms, self.flags.vbs_margin, self.config.vbs_slack,
+                                      self.config.max_num_seqs)
         else:
             self.pace_cost = None
 
