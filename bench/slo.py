@@ -353,13 +353,17 @@ def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *
     (`measure(rate)`). From `guess`, x`factor` while adherent, /`factor` while not, until the rate is bracketed;
     then `refine` geometric bisections. Never bracketed: the best adherent rate seen, else the lowest probed."""
     probes: list[dict] = []
+
+    def adherent(rate: float) -> bool:
+        got = measure(rate)
+        probes.append({"rate_rps": rate, "adherence": got})
+        return got is not None and got >= target
+
     lo: float | None = None  # highest adherent rate (the search rises while adherent)
     hi: float | None = None  # lowest rate that is not (it falls while not)
     rate = guess
     for _ in range(max_tries):
-        got = measure(rate)
-        probes.append({"rate_rps": rate, "adherence": got})
-        if got is not None and got >= target:
+        if adherent(rate):
             lo = rate
         else:
             hi = rate
@@ -371,9 +375,7 @@ def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *
         return (lo if lo is not None else hi), probes
     for _ in range(refine):
         mid = (lo * hi) ** 0.5
-        got = measure(mid)
-        probes.append({"rate_rps": mid, "adherence": got})
-        if got is not None and got >= target:
+        if adherent(mid):
             lo = mid
         else:
             hi = mid
