@@ -157,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--num-requests", type=int, default=400)
     a("--dataset", choices=("sharegpt", "synthetic"), default="sharegpt", help="as bench.slo's (synthetic: "
       "lognormal lengths, random ids)")
+    a("--pool", type=int, default=W.SHAREGPT_POOL, help="as bench.slo's")
     a("--lengths", choices=W.LENGTH_ARMS, default="predicted")
     a("--lambda-star", type=float, default=None, help="skip the lambda* search")
     a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="as bench.slo's")
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.slo import build_parser, sharegpt_corpus
 
         corpus = sharegpt_corpus(build_parser().parse_args(["--dataset", "sharegpt"]),
-                                 max(args.num_requests, args.probe_requests), args.max_model_len)
+                                 max(args.num_requests, args.probe_requests, args.pool), args.max_model_len)
     base = W.WorkloadSpec(max_model_len=args.max_model_len, corpus=corpus, lengths=args.lengths)  # Poisson, equal mix
     scale = W.slo_scale(planner, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
                         loose_batch=args.loose_batch)
@@ -222,19 +223,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = lam * load
         by: dict[str, list[float]] = {}
         for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            per_seed, tiers_served = [], {}
+            per_seed, tiers_served, tpot_missed, reasons = [], {}, [], {}
             for seed in seeds:
                 recs = run(label, rate, seed, args.num_requests)
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
+                tpot_missed.append(s["tpot_violations"] / max(1, s["n"] - s["rejected"]))
+                for r in M.drop_warmup(recs, args.warmup_frac):
+                    if r.rejected:
+                        by_why = reasons.setdefault(r.tier, {})
+                        by_why[r.reject_reason] = by_why.get(r.reject_reason, 0) + 1
                 for t in scale.tiers:
                     tiers_served.setdefault(t.name, []).append(s["per_tier"].get(t.name, {}).get(
                         "adherence", math.nan))
             by[label] = per_seed
             tiers_txt = " ".join(f"{name[:4]} {100 * statistics.fmean(v):.0f}%" for name, v in tiers_served.items())
             print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
-                  f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}", flush=True)
-            out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served})
+                  f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}  TPOT missed by "
+                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted", flush=True)
+            out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
+                                  "tpot_missed": tpot_missed, "rejected_by_tier": reasons})
         first = next(iter(by))
         for label, g in by.items():
             if label != first and statistics.fmean(g) > 0:

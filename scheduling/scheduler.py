@@ -504,17 +504,16 @@ class Scheduler:
         its TPOT (`behind_pace`) and the step, one request larger, is still predicted within T_min (the time the
         strictest request in the batch allows a step). With fill_steps, also whenever the step one request larger,
         its prefill included, is still predicted within what the VBS gate plans a step at T_min to take
-        (slack x T_min / margin) or within what every decoding request can afford from now on, each step alike
-        (`affordable_step_ms`): credits then leave a request out only to keep a step short enough, and the decode
-        is work-conserving where the step hardly grows with the batch (a GPU)."""
+        (slack x T_min / margin): credits then leave a request out only to keep a step within that plan, and the
+        decode is work-conserving where the step hardly grows with the batch (a GPU), so loose replies do not
+        linger in seats a seat-bound replica needs. Filling further, to what every decoding request could still
+        afford (`affordable_step_ms`), ran steps at the edge of T_min and missed TPOTs."""
         f = self.flags
         if not (f.pace_guard or f.fill_steps) or self.predictor is None or math.isinf(t_min) or not decoding:
             return None
         decode = self._decode_model(decoding)
         limit = self.config.vbs_slack * t_min
-        # fill: what the gate plans a step at T_min to take, or more while every decoding request can afford it
-        fill_limit = max(limit / f.vbs_margin, min((self._afford(r, 0, now) for r in decoding), default=math.inf)) \
-            if f.fill_steps else 0.0
+        fill_limit = limit / f.vbs_margin if f.fill_steps else 0.0  # what the gate plans a step at T_min to take
         prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
 
         def due(r: Request, batch: int) -> bool:

@@ -172,24 +172,24 @@ def _pace_case(policy: str, strict_tpot: float = 10.0, loose_credit: float = -0.
 
 
 def test_pace_guard_decodes_a_request_its_credit_would_skip_when_it_is_behind():
-    assert _pace_case("kairos") == ["r0", "r1"]
-    assert _pace_case("kairos", pace_guard=False) == ["r0"]
+    assert _pace_case("kairos", fill_steps=False) == ["r0", "r1"]
+    assert _pace_case("kairos", pace_guard=False, fill_steps=False) == ["r0"]
     assert _pace_case("scorpio") == ["r0"]  # as published: credit alone
 
 
 def test_fill_steps_decodes_a_request_its_credit_would_skip_while_the_step_stays_short_enough():
     # a step of both takes 6 ms, within what the gate plans a step at the strict 10 ms to take (0.99 x 10 / 1.05)
-    assert _pace_case("kairos", pace_guard=False, fill_steps=True) == ["r0", "r1"]
-    assert _pace_case("kairos", pace_guard=False) == ["r0"]  # off (the default): the credit decides
-    # at a 6.2 ms strict TPOT a step of both (6 ms) is over 0.99 x 6.2 / 1.05 and over what the strict request,
-    # 4 tokens out at 75 ms, can afford: the loose one keeps to its credit
-    assert _pace_case("kairos", strict_tpot=6.2, pace_guard=False, fill_steps=True) == ["r0"]
+    assert _pace_case("kairos", pace_guard=False) == ["r0", "r1"]  # on in the kairos preset
+    assert _pace_case("kairos", pace_guard=False, fill_steps=False) == ["r0"]  # off: the credit decides
+    assert _pace_case("scorpio", fill_steps=True) == ["r0", "r1"]
+    # at a 6.2 ms strict TPOT a step of both (6 ms) is over 0.99 x 6.2 / 1.05: the loose one keeps to its credit
+    assert _pace_case("kairos", strict_tpot=6.2, pace_guard=False) == ["r0"]
 
 
 def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
     # strict TPOT 6.05 ms: the gate (margin 1) admits both, at VBS 1.3 a step is 5.65 ms < 0.99 x 6.05 = 5.99;
     # but a step of both is 6 ms, over 5.99: the loose request keeps to its credit
-    assert _pace_case("kairos", strict_tpot=6.05, loose_credit=-0.9, vbs_margin=1.0) == ["r0"]
+    assert _pace_case("kairos", strict_tpot=6.05, loose_credit=-0.9, vbs_margin=1.0) == ["r0"]  # fill_steps too
 
 
 def _step(s, plan):
