@@ -60,7 +60,8 @@ PRESETS: dict[str, PolicyFlags] = {
     # (measured_margin: ttft_guard.MeasuredMargin), SCORPIO's a fixed 50 ms. Work is the machine time a request
     # takes at its pace, and what a faster pace costs the batch (pace_work: shedding.PaceCost). Credits skip a
     # request only to keep a step within the gate's plan (fill_steps): where the step hardly grows with the batch,
-    # paced replies would otherwise hold their seats for twice their TPOT (a GPU replica, whose seats then bind)
+    # paced replies would otherwise hold their seats for twice their TPOT (a GPU replica, whose seats then bind);
+    # filling pauses after a paced reply misses its TPOT (steps at the plan leave a strict reply no room for stalls)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
@@ -122,7 +123,10 @@ class SchedulerConfig(BaseModel):
     fill_steps: bool | None = Field(None, description="with credit batching: a request its credit would skip "
                                     "decodes anyway while the step, one request larger, is still predicted within "
                                     "what the VBS gate plans a step at the strictest TPOT to take (work-conserving "
-                                    "decode where the step hardly grows with the batch, as on a GPU)")
+                                    "decode where the step hardly grows with the batch, as on a GPU); paused for "
+                                    "fill_pause_s after a paced reply ends over its TPOT SLO")
+    fill_pause_s: float = Field(10.0, ge=0, description="fill_steps pauses this long after a paced reply ends "
+                                "over its TPOT SLO: filled steps leave a strict reply no room for a stall")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "
                                     "of its recent admit/reject decisions is starved")
     tier_floor_window_s: float = Field(10.0, gt=0, description="window of the tier shares (seconds)")

@@ -101,6 +101,7 @@ class Scheduler:
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
+        self._fill_off_until = -math.inf  # fill_steps: suspended until then (a paced reply ended over its TPOT)
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
@@ -168,7 +169,16 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_s = now
+        if self.flags.fill_steps and reason in (FinishReason.STOP, FinishReason.LENGTH) and self._missed_tpot(req, now):
+            self._fill_off_until = now + self.config.fill_pause_s
         return True
+
+    @staticmethod
+    def _missed_tpot(req: Request, now: float) -> bool:
+        """Whether a reply ending now took longer per token than its TPOT SLO (first token to last)."""
+        n = req.num_output_tokens - 1
+        return req.first_token_s is not None and n > 0 and math.isfinite(req.tpot_slo_ms) \
+            and (now - req.first_token_s) * 1000.0 > req.tpot_slo_ms * n
 
     def ttft_margin_ms(self) -> float:
         """The TTFT guard's margin now: measured (`MeasuredMargin`) or the configured one."""
@@ -506,14 +516,17 @@ class Scheduler:
         its prefill included, is still predicted within what the VBS gate plans a step at T_min to take
         (slack x T_min / margin): credits then leave a request out only to keep a step within that plan, and the
         decode is work-conserving where the step hardly grows with the batch (a GPU), so loose replies do not
-        linger in seats a seat-bound replica needs. Filling further, to what every decoding request could still
-        afford (`affordable_step_ms`), ran steps at the edge of T_min and missed TPOTs."""
+        linger in seats a seat-bound replica needs. It pauses for `fill_pause_s` after a paced reply ends over its
+        TPOT (`finish`): where steps scatter (a CPU sharing its cores), steps filled to the plan leave a strict
+        reply no room for a stall. Filling further, to what every decoding request could still afford
+        (`affordable_step_ms`), ran steps at the edge of T_min and missed TPOTs."""
         f = self.flags
         if not (f.pace_guard or f.fill_steps) or self.predictor is None or math.isinf(t_min) or not decoding:
             return None
         decode = self._decode_model(decoding)
         limit = self.config.vbs_slack * t_min
-        fill_limit = limit / f.vbs_margin if f.fill_steps else 0.0  # what the gate plans a step at T_min to take
+        # fill: what the gate plans a step at T_min to take; none for a while after a paced reply missed its TPOT
+        fill_limit = limit / f.vbs_margin if f.fill_steps and now >= self._fill_off_until else 0.0
         prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
 
         def due(r: Request, batch: int) -> bool:

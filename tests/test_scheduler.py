@@ -1,7 +1,7 @@
 """The scheduler's step decisions over plain Request objects and its own real BlockManager (no model)."""
 import pytest
 
-from core.request import SLO, Request, Status
+from core.request import SLO, FinishReason, Request, Status
 from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
@@ -154,11 +154,19 @@ def test_kairos_gate_trusts_steps_measured_faster_than_the_model():
     assert s.last_correction == pytest.approx(0.8)
 
 
-def _pace_case(policy: str, strict_tpot: float = 10.0, loose_credit: float = -0.5, **kw) -> list[str]:
+def _pace_case(policy: str, strict_tpot: float = 10.0, loose_credit: float = -0.5, missed_at: float | None = None,
+               **kw) -> list[str]:
     """A strict request (TPOT `strict_tpot`, 10 ms) paces the batch; a loose one (TPOT 20 ms, TRP 0.5 at 10 ms)
     has had 4 tokens since t=0 and so is due by t = 80 ms; its credit (`loose_credit`) says skip. The model's
-    step: 5 + 0.5 B ms, so a step of both takes 6 ms. Returns who decodes at t = 75 ms."""
+    step: 5 + 0.5 B ms, so a step of both takes 6 ms. With `missed_at`, a third reply (TPOT 10 ms) ended then,
+    its 8 tokens 100 ms after its first one: over its TPOT. Returns who decodes at t = 75 ms."""
     s = _sched(policy, **kw)
+    if missed_at is not None:
+        late = _req(2, 4, tpot=10.0)
+        s.add(late)
+        late.first_token_s = missed_at - 0.1
+        late.token_ids.extend([3] * 8)
+        s.finish(late, FinishReason.LENGTH, missed_at)
     strict, loose = _req(0, 4, tpot=strict_tpot), _req(1, 4, tpot=20.0)
     for r in (strict, loose):
         s.add(r)
@@ -184,6 +192,11 @@ def test_fill_steps_decodes_a_request_its_credit_would_skip_while_the_step_stays
     assert _pace_case("scorpio", fill_steps=True) == ["r0", "r1"]
     # at a 6.2 ms strict TPOT a step of both (6 ms) is over 0.99 x 6.2 / 1.05: the loose one keeps to its credit
     assert _pace_case("kairos", strict_tpot=6.2, pace_guard=False) == ["r0"]
+
+
+def test_fill_steps_pause_after_a_paced_reply_misses_its_tpot():
+    assert _pace_case("kairos", pace_guard=False, missed_at=0.07) == ["r0"]  # within fill_pause_s (10 s) of it
+    assert _pace_case("kairos", pace_guard=False, missed_at=0.07, fill_pause_s=0.004) == ["r0", "r1"]  # over
 
 
 def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
