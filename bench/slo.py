@@ -640,7 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = W.LengthDist(args.output_median or (16 if q else 60), sig, args.output_cap or (64 if q else 256), 2)
     corpus, dataset = None, {"name": args.dataset}
     if args.dataset == "sharegpt":
-        corpus = sharegpt_corpus(args, max(plan.n_cap, args.probe_requests or 240, args.pool or W.SHAREGPT_POOL), max_len)
+        pool = max(plan.n_cap, args.probe_requests or 240, args.pool or W.SHAREGPT_POOL)
+        corpus = sharegpt_corpus(args, pool, max_len)
         dataset.update(conversations_read=corpus.conversations_read, samples=len(corpus.samples),
                        mean_prompt=corpus.mean_prompt, mean_output=corpus.mean_output,
                        tokenizer=args.tokenizer or args.model, output_cap=args.output_cap)
