@@ -334,6 +334,12 @@ def _with_model(serve_args: str, model: str) -> str:
     return f"model={model} {serve_args}".strip()
 
 
+def _with_engine(serve_args: str, engine: dict[str, str]) -> str:
+    """`serve_args` with the comparison's engine knobs (device, dtype) added where it does not set them."""
+    given = {t.split("=", 1)[0] for t in serve_args.split()}
+    return " ".join([serve_args] + [f"{k}={v}" for k, v in engine.items() if k not in given]).strip()
+
+
 def _added(rounds: list[dict[str, dict]]) -> dict[str, dict[str, tuple[float, float]]]:
     """Per HTTP run: (TTFT, ITL) p50 added over the in-process run, the median over rounds of each round's
     difference (the pairs ran minutes apart; runs of different rounds did not)."""
@@ -365,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", action="append", help="serve run arguments of one server (repeatable)")
     p.add_argument("--model", default="kairos-default", help="the model of every run: in process, and of each "
                    "server whose --serve names none")
+    p.add_argument("--device", default=None, help="the engine's device on both sides (e.g. cuda; default: each "
+                   "side's own default, the CPU)")
+    p.add_argument("--dtype", default=None, help="the engine's dtype on both sides (default: auto)")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--submit-interval-ms", type=float, default=150.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -377,25 +386,32 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     servers = args.serve if args.serve else ["", "engine_process=false"]
 
+    engine = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
+
     def load(n: int, ivl: float) -> list[str]:
         return ["--model", args.model, "--prompt", "Hello", "--prompt-repeats", "8", "--unique-prompts",
                 "--num-requests", str(n), "--submit-interval-ms", str(ivl), "--max-new-tokens",
                 str(args.max_new_tokens), "--no-stop-on-eos"]
+
+    def serve_args(s: str) -> str:
+        return _with_engine(_with_model(s, args.model), engine)
+
+    in_process = [a for k, v in engine.items() for a in (f"--{k}", v)]
 
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         for r in range(args.rounds):  # each round runs every configuration once, so drift hits them alike
             figures: dict[str, dict] = {}
-            figures["in_process"] = _load(load(args.num_requests, args.submit_interval_ms) + ["--policy", "kairos"],
-                                          t / f"inproc{r}.json")
+            figures["in_process"] = _load(load(args.num_requests, args.submit_interval_ms) + in_process
+                                          + ["--policy", "kairos"], t / f"inproc{r}.json")
             for i, s in enumerate(servers):
-                figures[f"http[{s or 'defaults'}]"] = _served(_with_model(s, args.model),
+                figures[f"http[{s or 'defaults'}]"] = _served(serve_args(s),
                                                               load(args.num_requests, args.submit_interval_ms),
                                                               t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log")
             if args.saturate:
                 for i, s in enumerate(servers):
-                    figures[f"burst http[{s or 'defaults'}]"] = _served(_with_model(s, args.model), load(150, 10.0),
+                    figures[f"burst http[{s or 'defaults'}]"] = _served(serve_args(s), load(150, 10.0),
                                                                         t / f"sat{r}-{i}.json", t / f"sat{r}-{i}.log")
             rounds.append(figures)
             if args.rounds > 1:

@@ -199,3 +199,13 @@ def test_figures_over_rounds_are_medians_and_failures_add_up() -> None:
     from bench.overhead import _median_of
 
     assert _median_of("failed", [1, 0, 2]) == 3 and _median_of("ttft_p50_ms", [3.0, 1.0, 2.0]) == 2.0
+
+
+def test_the_comparison_runs_every_server_on_its_engine_knobs_unless_the_server_sets_its_own():
+    from bench.overhead import _with_engine, _with_model
+
+    engine = {"device": "cuda", "dtype": "bfloat16"}
+    assert _with_engine(_with_model("", "/m"), engine) == "model=/m device=cuda dtype=bfloat16"
+    assert _with_engine("engine_process=false dtype=float16", engine) == \
+        "engine_process=false dtype=float16 device=cuda"
+    assert _with_engine("policy=fcfs", {}) == "policy=fcfs"

@@ -1,0 +1,50 @@
+#!/bin/bash
+# The HTTP hop on a GPU host (issue 55's "adds <= 2 ms p50 TTFT and <= 0.5 ms p50 ITL over in-process"):
+# `python -m bench.overhead` on a random-weight Llama built on the device, the in-process engine and a fresh
+# `serve run deployments:app` (defaults) in turn, on the GPU, ROUNDS rounds; its summary goes to
+# $OUT/overhead-http-gpu.json.
+#
+# Run HERE first: bench/device/bundle.sh (Ray Serve and pydantic for CPython 3.12 in .dev/site312.tar.xz). Then
+# THERE, best on the host slo_gpu.sh just ran on (it reuses the 8B model that one built under /tmp):
+#   run(carry=[".dev"], timeout_s=300, command="bash bench/device/overhead_gpu.sh")
+# The CPU dry run HERE (kairos-tiny's shape, float32): DRY_RUN=1 bash bench/device/overhead_gpu.sh
+# Knobs (environment): SHAPE (llama-8b if slo_gpu.sh built it on this host, else llama-1b), ROUNDS (2),
+#   NUM_REQUESTS (60), INTERVAL_MS (150), MAX_NEW_TOKENS (32), OUT (where results go; the device tool sets it).
+set -u
+T0=$(date +%s)
+OUT=${OUT:-bench/out/overhead_gpu_out}
+mkdir -p "$OUT"
+export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  PY=${PY:-.venv/bin/python}
+  SHAPE=${SHAPE:-tiny} DTYPE=float32 DEVICE=cpu
+else
+  PY=${PY:-python3}
+  mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
+  mkdir -p /tmp/site/ray/dashboard/client/build/static  # no dashboard build: Ray would wait for it at start
+  export PYTHONPATH=/tmp/site:$PWD
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  DTYPE=bfloat16 DEVICE=cuda
+  if [ -z "${SHAPE:-}" ]; then
+    SHAPE=llama-1b
+    [ -f /tmp/kairos-llama-8b-bfloat16/config.json ] && SHAPE=llama-8b
+  fi
+fi
+MODEL=/tmp/kairos-$SHAPE-$DTYPE
+"$PY" - "$SHAPE" "$MODEL" "$DTYPE" "$DEVICE" <<'EOF' || exit 5
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench/device")
+from slo_gpu import build_model  # noqa: E402 (the same model slo_gpu.sh serves, built once per shape and dtype)
+shape, out, dtype, device = sys.argv[1:]
+build_model(shape, Path(out), dtype, device, 4096)
+EOF
+"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --serve "" \
+  --num-requests "${NUM_REQUESTS:-60}" --submit-interval-ms "${INTERVAL_MS:-150}" \
+  --max-new-tokens "${MAX_NEW_TOKENS:-32}" --rounds "${ROUNDS:-2}" --summary overhead-http-gpu 2>&1 \
+  | tee "$OUT/overhead_gpu.log"
+rc=${PIPESTATUS[0]}
+cp bench/summaries/overhead-http-gpu.json "$OUT/" 2>/dev/null
+[ "${DRY_RUN:-0}" = 1 ] && rm -f bench/summaries/overhead-http-gpu.json  # a dry run's figures are not kept
+echo "overhead_gpu exit $rc ($SHAPE, $DEVICE), $(( $(date +%s) - T0 )) s in all"
+exit "$rc"
