@@ -10,19 +10,15 @@
 # The CPU dry run HERE (kairos-tiny's shape, float32): DRY_RUN=1 bash bench/device/overhead_gpu.sh
 # Knobs (environment): SHAPE (llama-8b if slo_gpu.sh built it on this host, else llama-1b), ROUNDS (2),
 #   NUM_REQUESTS (60), INTERVAL_MS (150), MAX_NEW_TOKENS (32), OUT (where results go; the device tool sets it).
-set -u
-T0=$(date +%s)
+. bench/device/common.sh
 OUT=${OUT:-bench/out/overhead_gpu_out}
 mkdir -p "$OUT"
-export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "${DRY_RUN:-0}" = 1 ]; then
   PY=${PY:-.venv/bin/python}
   SHAPE=${SHAPE:-tiny} DTYPE=float32 DEVICE=cpu
 else
   PY=${PY:-python3}
-  mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
-  mkdir -p /tmp/site/ray/dashboard/client/build/static  # no dashboard build: Ray would wait for it at start
-  export PYTHONPATH=/tmp/site:$PWD
+  unpack_site
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   DTYPE=bfloat16 DEVICE=cuda
   if [ -z "${SHAPE:-}" ]; then

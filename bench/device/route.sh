@@ -6,13 +6,8 @@
 #   LAMBDA   lambda* in req/s, with TIERS a tiers-profile.json: skip the FCFS capacity probe (~3 minutes)
 #   LIMIT_S  seconds bench.route may run (default 500; it writes route.json after each arm)
 #   SUMMARY  a bench/summaries name (default route-2replicas-device)
-set -u
-T0=$(date +%s)
-mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
-# the bundle has no dashboard web build; without even an empty one the dashboard fails to start, and Ray waits
-# ~60 s for it at every server's start (the third lease: ~100 s a server, 61 s of it this wait)
-mkdir -p /tmp/site/ray/dashboard/client/build/static
-export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+. bench/device/common.sh
+unpack_site
 lscpu | grep -E "Model name|^CPU\(s\)"
 python3 -c "import ray, pydantic; from ray import serve; print('ray', ray.__version__, 'pydantic', pydantic.VERSION)" || exit 4
 fixed=()

@@ -17,11 +17,9 @@
 #   run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that
 #   batch, L) of the replica's own fit),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
-set -u
-T0=$(date +%s)
+. bench/device/common.sh
 OUT=${OUT:-bench/out/slo_gpu_out}
 mkdir -p "$OUT"
-export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "${DRY_RUN:-0}" = 1 ]; then
   PY=${PY:-.venv/bin/python}
   args=(--shape "${SHAPE:-tiny}" --dtype float32 --device cpu --window 1024 --serve "num_threads=1 ${SERVE:-}"
@@ -31,10 +29,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   [ -n "${DATASET_PATH:-}" ] && args+=(--dataset-path "$DATASET_PATH")
 else
   PY=${PY:-python3}
-  mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
-  # no dashboard web build in the bundle: without an empty one Ray waits ~60 s for the dashboard at every start
-  mkdir -p /tmp/site/ray/dashboard/client/build/static
-  export PYTHONPATH=/tmp/site:$PWD
+  unpack_site
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import ray, pydantic, torch; from ray import serve; print('ray', ray.__version__, 'pydantic',
 pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 4

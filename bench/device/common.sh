@@ -1,0 +1,14 @@
+# Sourced first by the device scripts (slo_gpu.sh, overhead_gpu.sh, route.sh): `set -u`, T0, an offline Ray Serve
+# run's environment, and `unpack_site`, which puts the bundle's packages (Ray Serve and pydantic for CPython 3.12,
+# built here by bundle.sh into .dev/site312.tar.xz, carried there with `carry: [".dev"]`) on PYTHONPATH, or exits 3.
+set -u
+T0=$(date +%s)  # the script's start, for its "s in all"
+export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+unpack_site() {
+  mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
+  # the bundle has no dashboard web build; without even an empty one the dashboard fails to start, and Ray waits
+  # for it at every server's start
+  mkdir -p /tmp/site/ray/dashboard/client/build/static
+  export PYTHONPATH=/tmp/site:$PWD
+}
