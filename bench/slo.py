@@ -250,6 +250,7 @@ class StepTap:
         self.engine = engine
         self.total_ms = self.prefill_only_ms = 0.0
         self.decode_ratios: list[float] = []
+        self.decode_rows: list[int] = []  # each decode ratio's rows
         self.prefill_ratios: list[float] = []
         self._unsubscribe = engine.add_step_observer(self)
 
@@ -265,20 +266,30 @@ class StepTap:
             pred = model.itl_ms(ev.num_decode, ev.decode_mean_len)
             if pred > 0:
                 self.decode_ratios.append(ev.wall_ms / pred)
+                self.decode_rows.append(ev.num_decode)
 
     def close(self) -> dict[str, Any]:
         """Unsubscribe; the raw sums (pool a point's with `step_figures`, a calibration's with `factors`)."""
         self._unsubscribe()
         return {"total_ms": self.total_ms, "prefill_only_ms": self.prefill_only_ms,
-                "decode_ratios": self.decode_ratios, "prefill_ratios": self.prefill_ratios}
+                "decode_ratios": self.decode_ratios, "decode_rows": self.decode_rows,
+                "prefill_ratios": self.prefill_ratios}
 
 
-def step_figures(taps: list[dict[str, Any]]) -> dict[str, float | None]:
-    """A point's two figures, pooled over its seeds (None where nothing was measured)."""
+def step_figures(taps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A point's step figures, pooled over its seeds (None where nothing was measured): the prefill-only share of
+    engine time, the median decode step / model, and that median by decode rows (key k: rows in (k/2, k]; where
+    the model errs by batch size, as the strict tier's few rows against the loose tiers' many)."""
     total = sum(t["total_ms"] for t in taps)
     ratios = [x for t in taps for x in t["decode_ratios"]]
+    by_rows: dict[int, list[float]] = {}
+    for t in taps:
+        for x, n in zip(t["decode_ratios"], t.get("decode_rows", ())):
+            by_rows.setdefault(1 << max(0, n - 1).bit_length(), []).append(x)
     return {"prefill_only_pct": 100.0 * sum(t["prefill_only_ms"] for t in taps) / total if total > 0 else None,
-            "decode_wall_over_model_p50": M.percentile(ratios, 50) if ratios else None}
+            "decode_wall_over_model_p50": M.percentile(ratios, 50) if ratios else None,
+            "decode_wall_over_model_by_rows": {str(k): round(M.percentile(v, 50), 3)
+                                               for k, v in sorted(by_rows.items())}}
 
 
 def factors(taps: list[dict[str, Any]]) -> dict[str, Any]:

@@ -303,7 +303,12 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     figs = step_figures([raw, {"total_ms": 0.0, "prefill_only_ms": 0.0, "decode_ratios": []}])
     assert figs["prefill_only_pct"] == pytest.approx(60.0)  # 30 of 50 ms
     assert figs["decode_wall_over_model_p50"] == pytest.approx((1.25 + 1.0) / 2)  # 5/4 and 4/4
-    assert step_figures([]) == {"prefill_only_pct": None, "decode_wall_over_model_p50": None}
+    assert figs["decode_wall_over_model_by_rows"] == {"2": pytest.approx(1.125)}  # both had 2 rows
+    assert step_figures([]) == {"prefill_only_pct": None, "decode_wall_over_model_p50": None,
+                                "decode_wall_over_model_by_rows": {}}
+    rows = step_figures([{"total_ms": 1.0, "prefill_only_ms": 0.0, "decode_ratios": [1.0, 2.0, 3.0, 0.5],
+                          "decode_rows": [1, 3, 4, 5]}])["decode_wall_over_model_by_rows"]
+    assert rows == {"1": 1.0, "4": 2.5, "8": 0.5}  # rows in (k/2, k]
     cal = factors([raw])  # the calibration: medians of the same ratios
     assert cal["decode"] == pytest.approx(1.125) and cal["prefill"] == pytest.approx(1.5)  # 30 ms / (2 ms x 10)
     assert (cal["n_decode_steps"], cal["n_prefill_steps"]) == (2, 1)
