@@ -101,6 +101,7 @@ class Scheduler:
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
+        self._now = 0.0  # the time of the step being planned (schedule)
         self._fill_off_until = -math.inf  # fill_steps: suspended until then (a paced reply ended over its TPOT)
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
@@ -210,6 +211,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         f = self.flags
+        self._now = now
         busy = bool(self.running)
         if f.queue_order == "ldf" and f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
@@ -279,13 +281,13 @@ class Scheduler:
                 # the static margin already covers up to k of inflation; scale only by what it does not. Steps
                 # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
                 self.last_correction = self.correction.factor(now)
-                c = self.last_correction * self.config.correction_safety
-                scale = c if c < 1.0 else max(1.0, c / self.flags.vbs_margin)
+                scale = self._gate_scale(self.last_correction)
                 if self.pace_cost is not None:
                     self.pace_cost.set_scale(scale)
+                corr, by_rows = self.correction, self.config.correction_by_rows
 
                 def itl(b: float, length: float) -> float:
-                    return model(b, length) * scale
+                    return model(b, length) * (self._gate_scale(corr.factor(now, math.ceil(b))) if by_rows else scale)
             gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len)
@@ -426,6 +428,12 @@ class Scheduler:
             return self.pace_cost.work(n, r.tpot_slo_ms, pace, self._mid_len(r))
         return 0.0 if math.isinf(r.tpot_slo_ms) else n / r.tpot_slo_ms
 
+    def _gate_scale(self, factor: float) -> float:
+        """The gate's scale of the model for a measured step factor: the static margin already covers up to k of
+        inflation, so only what it does not; a factor under 1 (steps faster than the model) scales it down."""
+        c = factor * self.config.correction_safety
+        return c if c < 1.0 else max(1.0, c / self.flags.vbs_margin)
+
     def _shed_threshold(self, now: float) -> float:
         """Work shedding's threshold for this round: +inf (none) without it, on an idle replica, or on one not
         saturated now (no capacity rejection within the shedder's hold)."""
@@ -503,9 +511,12 @@ class Scheduler:
 
     def _decode_model(self, reqs: list[Request]) -> Callable[[int], float]:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
-        measured step factor (`ItlCorrection`; 1 without it)."""
+        measured step factor (`ItlCorrection`, of n rows' bucket with correction_by_rows; 1 without it)."""
         scale = self.last_correction if self.correction is not None else 1.0
         mean_len = sum(r.num_tokens for r in reqs) / len(reqs)
+        if self.correction is not None and self.config.correction_by_rows:
+            corr, at = self.correction, self._now
+            return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(at, n)
         return lambda n: self.predictor.itl_ms(n, mean_len) * scale
 
     def _pace_guard(self, plan: StepPlan, decoding: list[Request], t_min: float, now: float
@@ -626,7 +637,7 @@ class Scheduler:
         if self.predictor is None or self.correction is None:
             return
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
-        self.correction.observe(now, wall_ms, pred)
+        self.correction.observe(now, wall_ms, pred, len(plan.decode))
 
     def waiting_tokens(self) -> int:
         return sum(self._cost(r) for r in self.waiting)

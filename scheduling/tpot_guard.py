@@ -293,6 +293,8 @@ class ItlCorrection:
         self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
         self._actual = 0.0
         self._pred = 0.0
+        self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
+        self._rows: dict[int, list[float]] = {}  # rows bucket -> [wall ms, predicted ms] of its steps
         self._last_s: float | None = None
 
     def _decay_to(self, now_s: float) -> None:
@@ -302,16 +304,38 @@ class ItlCorrection:
             k = math.exp(-(now_s - self._last_s) * 1000.0 / self.tau_ms)
             self._actual *= k
             self._pred *= k
+            self._decode_actual *= k
+            for sums in self._rows.values():
+                sums[0] *= k
+                sums[1] *= k
         self._last_s = now_s
 
-    def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float) -> None:
-        """One finished step: its wall time and the model's ITL for its decode batch (0 if none)."""
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """The rows bucket of a decode batch: the least power of two >= rows."""
+        return 1 << max(0, int(rows) - 1).bit_length()
+
+    def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float, rows: int = 0) -> None:
+        """One finished step: its wall time, the model's ITL for its decode batch (0 if none) and that batch's
+        rows."""
         self._decay_to(now_s)
         self._actual += max(step_ms, 0.0)
         self._pred += max(predicted_decode_ms, 0.0)
+        if predicted_decode_ms > 0 and rows > 0:
+            self._decode_actual += max(step_ms, 0.0)
+            sums = self._rows.setdefault(self.bucket(rows), [0.0, 0.0])
+            sums[0] += max(step_ms, 0.0)
+            sums[1] += predicted_decode_ms
 
-    def factor(self, now_s: float) -> float:
+    def factor(self, now_s: float, rows: int | None = None) -> float:
+        """The factor over all steps; with `rows`, over the steps of that many rows' bucket (times the share the
+        prefill-only stalls add to all steps), where the model errs differently by batch size; the factor over
+        all steps while that bucket has too few predictions."""
         self._decay_to(now_s)
         if self._pred < self.min_pred_ms:
             return 1.0
-        return min(self.hi, max(self.lo, self._actual / self._pred))
+        f = self._actual / self._pred
+        if rows is not None and (sums := self._rows.get(self.bucket(rows))) is not None \
+                and sums[1] >= self.min_pred_ms and self._decode_actual > 0:
+            f = sums[0] / sums[1] * (self._actual / self._decode_actual)
+        return min(self.hi, max(self.lo, f))

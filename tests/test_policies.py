@@ -266,6 +266,22 @@ def test_itl_correction_is_bounded_windowed_and_neutral_when_idle():
         ItlCorrection(lo=1.2)
 
 
+def test_itl_correction_by_rows_keeps_a_factor_per_batch_size_bucket():
+    from scheduling.tpot_guard import ItlCorrection
+
+    c = ItlCorrection(tau_ms=1000.0, min_pred_ms=50.0)
+    for k in range(20):  # one-row steps take 1.3x the model, 16-row steps 0.9x; every other step a stall of 5 ms
+        c.observe(k * 0.02, 13.0, 10.0, 1)
+        c.observe(k * 0.02 + 0.005, 9.0, 10.0, 16)
+        c.observe(k * 0.02 + 0.01, 5.0, 0.0, 0)
+    stalls = (13.0 + 9.0 + 5.0) / (13.0 + 9.0)  # the prefill-only share every bucket bears
+    assert c.factor(0.4, 1) == pytest.approx(1.3 * stalls, rel=0.02)
+    assert c.factor(0.4, 11) == pytest.approx(0.9 * stalls, rel=0.02)  # 11 rows: the (8, 16] bucket
+    assert c.factor(0.4) == pytest.approx(1.35, rel=0.02)  # all steps: 27 ms per 20 predicted
+    assert c.factor(0.4, 100) == c.factor(0.4)  # a bucket with no steps: the factor over all of them
+    assert [ItlCorrection.bucket(n) for n in (0, 1, 2, 3, 4, 5, 200)] == [1, 1, 2, 4, 4, 8, 256]
+
+
 def test_vbs_margin_is_the_policys_unless_set():
     from scheduling.config import SchedulerConfig
 
