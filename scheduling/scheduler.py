@@ -101,7 +101,6 @@ class Scheduler:
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
-        self._now = 0.0  # the time of the step being planned (schedule)
         self._fill_off_until = -math.inf  # fill_steps: suspended until then (a paced reply ended over its TPOT)
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
@@ -211,7 +210,6 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         f = self.flags
-        self._now = now
         busy = bool(self.running)
         if f.queue_order == "ldf" and f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
@@ -401,7 +399,7 @@ class Scheduler:
         already late for it by more than a decode step is behind its pace whatever the step, and sets none."""
         if self.predictor is None or not self.running:
             return None
-        decode_ms = self._decode_model(self.running)(len(self.running))
+        decode_ms = self._decode_model(self.running, now)(len(self.running))
         limit = min((x for r in self.running
                      if (x := next_token_slack_ms(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now))
                      >= decode_ms), default=math.inf)
@@ -476,7 +474,7 @@ class Scheduler:
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
-            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch), partial(self._afford, now=now),
+            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), partial(self._afford, now=now),
                                      pace=lambda r: r.tpot_slo_ms)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
@@ -503,20 +501,20 @@ class Scheduler:
         return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms, now,
                                   extra_steps)
 
-    def _step_ms_for(self, plan: StepPlan, batch: list[Request]) -> Callable[[int], float]:
+    def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
         """The predicted time of this step with n of `batch` decoding (`_decode_model`, plus the step's prefill)."""
-        decode = self._decode_model(batch)
+        decode = self._decode_model(batch, now)
         prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
         return lambda n: prefill_ms + decode(n)
 
-    def _decode_model(self, reqs: list[Request]) -> Callable[[int], float]:
+    def _decode_model(self, reqs: list[Request], now: float) -> Callable[[int], float]:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
         measured step factor (`ItlCorrection`, of n rows' bucket with correction_by_rows; 1 without it)."""
         scale = self.last_correction if self.correction is not None else 1.0
         mean_len = sum(r.num_tokens for r in reqs) / len(reqs)
         if self.correction is not None and self.config.correction_by_rows:
-            corr, at = self.correction, self._now
-            return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(at, n)
+            corr = self.correction
+            return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(now, n)
         return lambda n: self.predictor.itl_ms(n, mean_len) * scale
 
     def _pace_guard(self, plan: StepPlan, decoding: list[Request], t_min: float, now: float
@@ -534,7 +532,7 @@ class Scheduler:
         f = self.flags
         if not (f.pace_guard or f.fill_steps) or self.predictor is None or math.isinf(t_min) or not decoding:
             return None
-        decode = self._decode_model(decoding)
+        decode = self._decode_model(decoding, now)
         limit = self.config.vbs_slack * t_min
         # fill: what the gate plans a step at T_min to take; none for a while after a paced reply missed its TPOT
         fill_limit = limit / f.vbs_margin if f.fill_steps and now >= self._fill_off_until else 0.0
