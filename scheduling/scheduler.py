@@ -635,7 +635,7 @@ class Scheduler:
         if self.predictor is None or self.correction is None:
             return
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
-        self.correction.observe(now, wall_ms, pred, len(plan.decode))
+        self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0)
 
     def waiting_tokens(self) -> int:
         return sum(self._cost(r) for r in self.waiting)
