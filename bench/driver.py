@@ -638,6 +638,51 @@ def run_http(url: str, items: Sequence[WorkItem], *, progress: bool = False, des
             bar.close()
 
 
+def decode_over_model(text: str) -> dict[int, tuple[int, float]]:
+    """From Prometheus text (a Kairos server's /metrics): per decode-rows bucket, the decode-only steps and the sum of
+    their wall / model ratios (`ray_kairos_decode_steps_total`, `ray_kairos_decode_step_over_model_sum_total`),
+    summed over replicas."""
+    out: dict[int, list[float]] = {}
+    names = {"ray_kairos_decode_steps_total": 0, "ray_kairos_decode_step_over_model_sum_total": 1}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in names or "}" not in rest:
+            continue
+        labels, _, value = rest.rpartition("}")
+        rows = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",") if kv.startswith("rows=")), None)
+        try:
+            k, v = int(rows or ""), float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+        out.setdefault(k, [0.0, 0.0])[names[name]] += v
+    return {k: (int(n), total) for k, (n, total) in sorted(out.items()) if n > 0}
+
+
+def server_decode_over_model(url: str, *, settle_s: float = 2.0, limit_s: float = 12.0,
+                             api_key: str | None = None) -> dict[str, Any] | None:
+    """What a Kairos server's /metrics says of its latency model against its decode-only steps so far, by decode
+    rows: {rows: {"steps", "mean"}} (mean wall / model). Ray's agent exports what replicas report every few seconds,
+    so this scrapes until two scrapes `settle_s` apart agree (at most `limit_s`). None where the server exports no
+    such series (another server, or its metrics agent out of reach)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline, last = time.monotonic() + limit_s, None
+    while True:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10.0, headers=headers)
+            got = decode_over_model(r.text) if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - a figure for the report, never a failed run
+            got = None
+        if got is not None and got == last or time.monotonic() + settle_s > deadline:
+            break
+        last = got
+        time.sleep(settle_s)
+    if not got:
+        return None
+    return {str(k): {"steps": n, "mean": round(total / n, 4)} for k, (n, total) in got.items()}
+
+
 def served_model_info(url: str, api_key: str | None = None) -> tuple[str, int | None]:
     """(id, max_model_len) of the first model of `GET /v1/models`; ("", None) when the server does not say (vLLM
     and Kairos both list `max_model_len`)."""

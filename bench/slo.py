@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
       "SLO tiers and, in engine mode, the schedulers: the same tiers as that run")
     # HTTP
     a("--target", default=None, help="URL of a running Kairos server (POST /v1/completions)")
+    a("--no-server-steps", action="store_true", help="--target: do not read the server's decode step / latency "
+      "model by decode rows from its /metrics after the run (a few seconds: Ray's agent exports what replicas "
+      "report every few seconds)")
     a("--client-nice", type=int, default=19, help="HTTP mode: lower this process's CPU priority by N (Ray Serve's "
       "workers run at nice 15; the load generator must not outrank them). 0: leave it")
     a("--label", default="server", help="policy label for the results in HTTP mode")
@@ -802,8 +805,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(load_table(results, load, tiers))
     acc = acceptance(results)
     print(format_acceptance(acc))
+    server_steps = None
     if http:
         print(hops_table(results))
+        server_steps = None if args.no_server_steps else D.server_decode_over_model(args.target)
+        if server_steps:
+            print("server's decode step / latency model by decode rows (all its steps so far): " + ", ".join(
+                f"{k}: {v['mean']:.2f} (n={v['steps']})" for k, v in server_steps.items()), flush=True)
     wall = time.perf_counter() - t_start
     info["loadavg_end"] = loadavg()
     dist = lambda d: {"median": d.median, "sigma": d.sigma, "cap": d.cap, "min": d.min_len}  # noqa: E731
@@ -828,6 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "predictor": pred_info, "calibration": calib, "profiles_per_run": profiles,
         "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers},
         "results": results, "acceptance": acc, "run": {**info, "wall_s": wall},
+        # HTTP: the server's own figure (its /metrics), cumulative over the server's life (lambda* probes too)
+        **({"server_decode_over_model_by_rows": server_steps} if server_steps else {}),
     }
     write_json(out_dir / "results.json", doc)
     if args.json:

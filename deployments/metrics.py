@@ -68,6 +68,12 @@ class ReplicaMetrics:
         self.decode_hist = Histogram("kairos_decode_batch", description="sampled decode batch sizes",
                                      boundaries=_BATCH, tag_keys=("model",))
         self.decode_hist.set_default_tags(dict(model_tags))  # Serve mutates the dict
+        # the step-time model against served decode-only steps, by decode-rows bucket (a power of two): their
+        # mean wall / model is rate(..._sum) / rate(decode_steps) of one `rows`
+        self.decode_steps = ctr("decode_steps", "decode-only model steps, by decode rows (rows in (k/2, k])", ("rows",))
+        self.decode_over_model = ctr("decode_step_over_model_sum", "sum over decode-only steps of wall time / the "
+                                     "latency model's ITL, by decode rows (a mean of 1: the model holds)", ("rows",))
+        self._decode_seen: dict[int, tuple[int, float]] = {}
 
     def update_engine(self, st: Any, inflight: int) -> None:
         """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works)."""
@@ -85,6 +91,15 @@ class ReplicaMetrics:
             self.predictor_mape.set(float(st.predictor_mape))
         if g("last_decode_batch"):
             self.decode_hist.observe(st.last_decode_batch)
+        for rows, (n, total) in (g("decode_over_model", None) or {}).items():
+            n0, t0 = self._decode_seen.get(rows, (0, 0.0))
+            if n < n0:  # a new engine (its sums start again)
+                n0, t0 = 0, 0.0
+            if n > n0:
+                tags = {"rows": str(rows)}
+                self.decode_steps.inc(n - n0, tags=tags)
+                self.decode_over_model.inc(max(total - t0, 0.0), tags=tags)
+            self._decode_seen[rows] = (n, total)
         self.inflight.set(inflight)
 
     def on_admitted(self, tier: str) -> None:

@@ -70,6 +70,13 @@ def _run_staggered(eng, prompts, slos=None):
 def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
     path = tiny_checkpoints[family]
     eng = _engine(path, policy="tpot_guard", model_impl=impl, kernels=kernels)
+    decode_only: dict[int, int] = {}  # rows bucket (the least power of two >= rows) -> decode-only steps
+
+    def count(ev) -> None:
+        if ev.num_decode and not ev.num_prefill:
+            k = 1 << (ev.num_decode - 1).bit_length()
+            decode_only[k] = decode_only.get(k, 0) + 1
+    eng.add_step_observer(count)
     try:
         # Llama-family models run on Kairos's own forward unless asked otherwise; GPT-2 on the HF modules
         assert (eng.runner.decoder is not None) == (family != "gpt2" and impl == "auto")
@@ -85,6 +92,10 @@ def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
         assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
         # the step time the router scales: measured on steps that decoded, with their batch sizes
         assert st.step_ms > 0 and 1 <= st.step_batch <= len(prompts)
+        # the latency model against every decode-only step, by rows bucket (what /metrics exports)
+        assert eng.latency_model is not None and decode_only
+        assert {k: n for k, (n, _) in st.decode_over_model.items()} == decode_only
+        assert all(total > 0 for _, total in st.decode_over_model.values())
     finally:
         eng.shutdown()
 

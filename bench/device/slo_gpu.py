@@ -239,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
             fixed += ["--lambda-star", str(lam)] if lam is not None else [
                 "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def, "--lambda-refine", "1"]
             out = args.out / f"{policy}-predicted"
-            res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"])
+            exact = policy in args.exact.split(",")
+            # the server's latency model by decode rows: read once per server, after its last run
+            res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"]
+                          + (["--no-server-steps"] if exact else []))
+            steps = res.get("server_decode_over_model_by_rows") if res is not None else None
             if res is not None:
                 if lam is None:
                     lam = float(res["lambda_star_rps"])
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 recs = records(out)
                 arm_recs += recs
                 doc["rows"] += [point_row(policy, "predicted", r, recs) for r in res["results"]]
-            if policy in args.exact.split(",") and lam is not None:
+            if exact and lam is not None:
                 out = args.out / f"{policy}-exact"
                 res = run_slo(target, out, args, clock, ["--predictor-json", str(profile), "--loads", str(max(loads)),
                                                          "--seeds", args.seeds, "--num-requests",
@@ -257,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          "--lambda-star", str(lam), "--lengths", "exact"])
                 if res is not None:
                     doc["rows"] += [point_row(policy, "exact", r, records(out)) for r in res["results"]]
+                    steps = res.get("server_decode_over_model_by_rows")
+            if steps:  # decode step / model by decode rows over all this server's steps (lambda* probes too)
+                doc.setdefault("decode_over_model_by_rows", {})[policy] = steps
         doc["phases"][f"{policy}_s"] = time.monotonic() - t0
         if lam is None:
             log("no lambda*: FCFS's capacity search failed; stopping")

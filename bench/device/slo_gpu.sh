@@ -3,7 +3,7 @@
 # built on the device (no download), lambda* over HTTP (the highest rate at which FCFS keeps 90% adherence), then
 # fcfs, scorpio and kairos at LOADS x lambda*, SEEDS, ShareGPT prompts with their reference reply lengths hidden
 # from the scheduler (the predicted arm: every policy's length predictor on) and kairos with exact lengths as the
-# bound. One summary JSON under $OUT.
+# bound; each server's decode step / latency model by decode rows (its /metrics). One summary JSON under $OUT.
 #
 # Run HERE first: bench/device/bundle.sh (builds .dev/site312.tar.xz, Ray Serve and pydantic for CPython 3.12, and
 # .dev/sharegpt-sub.json). Then THERE (a lent GPU host, `carry: [".dev"]`):
@@ -18,6 +18,9 @@
 #   batch, L) of the replica's own fit),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
+# Ray's agent exports what replicas report this often (default 10 s): bench.slo reads each server's decode step /
+# latency model by decode rows from /metrics after its run
+export RAY_metrics_report_interval_ms=${RAY_metrics_report_interval_ms:-2000}
 OUT=${OUT:-bench/out/slo_gpu_out}
 mkdir -p "$OUT"
 if [ "${DRY_RUN:-0}" = 1 ]; then

@@ -141,7 +141,8 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
     assert client.post("/v1/completions", json={"prompt": "m", "max_tokens": 3},
                        headers={"x-slo-ttft-ms": "0.001"}).status_code == 400
     want = {"ray_kairos_ttft_s_bucket", "ray_kairos_generation_tokens_total", "ray_kairos_kv_blocks_free",
-            "ray_kairos_requests_rejected_total"}
+            "ray_kairos_requests_rejected_total", "ray_kairos_decode_steps_total",
+            "ray_kairos_decode_step_over_model_sum_total"}
     deadline, names, text = time.monotonic() + 30, set(), ""
     while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
         r = client.get("/metrics")
@@ -155,3 +156,8 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
     assert want <= names, want - names
     assert all(n.startswith(("ray_kairos_", "ray_serve_")) for n in names), names
     assert 'reason="slo_unattainable"' in text and 'deployment="LLMServer"' in text
+    # the latency model against the replicas' decode-only steps, by decode rows, as bench.slo reads it
+    from bench.driver import server_decode_over_model
+
+    by_rows = server_decode_over_model(str(client.base_url), settle_s=0.5, limit_s=5.0)
+    assert by_rows and all(v["steps"] >= 1 and v["mean"] > 0 for v in by_rows.values()), by_rows

@@ -938,3 +938,55 @@ ray_serve_num_http_requests_total{route="/"} 7.0
         'ray_kairos_ttft_s_bucket{le="0.1",tier="best_effort"} 3.0',
         "# TYPE ray_serve_num_http_requests_total counter", 'ray_serve_num_http_requests_total{route="/"} 7.0']
     assert filter_exposition("ray_node_mem 1\n") == ""
+
+
+def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(monkeypatch):
+    """The engine publishes cumulative (steps, sum of wall / model) per decode-rows bucket; the replica's counters
+    take what is new since its last refresh, and start again with a new engine (its sums reset)."""
+    from types import SimpleNamespace
+
+    from deployments import metrics as Mx
+
+    incs: list[tuple[str, float, dict]] = []
+
+    class Ctr:
+        def __init__(self, name, description="", tag_keys=()):
+            self.name = name
+
+        def set_default_tags(self, tags):
+            pass
+
+        def inc(self, value=1.0, tags=None):
+            incs.append((self.name, value, dict(tags or {})))
+
+    monkeypatch.setattr(Mx, "Counter", Ctr)
+    m = Mx.ReplicaMetrics("m")
+
+    def refresh(sums):
+        incs.clear()
+        m.update_engine(SimpleNamespace(decode_over_model=sums), 0)
+        return sorted((n, v, t["rows"]) for n, v, t in incs if n.startswith("kairos_decode_step"))
+    assert refresh({1: (4, 5.0), 16: (2, 1.8)}) == [
+        ("kairos_decode_step_over_model_sum", 1.8, "16"), ("kairos_decode_step_over_model_sum", 5.0, "1"),
+        ("kairos_decode_steps", 2, "16"), ("kairos_decode_steps", 4, "1")]
+    assert refresh({1: (4, 5.0), 16: (2, 1.8)}) == []  # nothing new
+    got = refresh({1: (6, 7.5), 16: (2, 1.8)})
+    assert got == [("kairos_decode_step_over_model_sum", pytest.approx(2.5), "1"), ("kairos_decode_steps", 2, "1")]
+    assert refresh({1: (1, 0.9)}) == [("kairos_decode_step_over_model_sum", 0.9, "1"), ("kairos_decode_steps", 1, "1")]
+
+
+def test_bench_reads_the_model_error_by_rows_from_prometheus_text():
+    from bench.driver import decode_over_model
+
+    text = """# TYPE ray_kairos_decode_steps_total counter
+ray_kairos_decode_steps_total{Component="core_worker",deployment="LLMServer",model="m",replica="a",rows="16"} 10.0
+ray_kairos_decode_steps_total{Component="core_worker",deployment="LLMServer",model="m",replica="b",rows="16"} 5.0
+ray_kairos_decode_steps_total{deployment="LLMServer",model="m",replica="a",rows="2"} 4.0
+ray_kairos_decode_step_over_model_sum_total{deployment="LLMServer",model="m",replica="a",rows="16"} 12.0
+ray_kairos_decode_step_over_model_sum_total{deployment="LLMServer",model="m",replica="b",rows="16"} 6.0
+ray_kairos_decode_step_over_model_sum_total{deployment="LLMServer",model="m",replica="a",rows="2"} 5.2
+ray_kairos_decode_steps_total{deployment="LLMServer",model="m",replica="a",rows="x"} 1.0
+ray_kairos_vbs{deployment="LLMServer",model="m"} 3.0
+"""
+    assert decode_over_model(text) == {2: (4, pytest.approx(5.2)), 16: (15, pytest.approx(18.0))}
+    assert decode_over_model("") == {}
