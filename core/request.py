@@ -98,6 +98,10 @@ class Request:
     # scheduling state
     credit: float = 0.0
     num_preemptions: int = 0
+    # what the length predictor reads where it is not the prompt: a chat request's last user message alone (its
+    # prompt is the conversation in the chat template, the predictor was trained on a turn's own text); set by the
+    # input processor
+    question_ids: list[int] | None = None
     # the reply length the scheduler's length predictor expects (scheduling/length_predictor.py; set at add)
     predicted_len: int | None = None
     # with it, the length expected once the reply has output some tokens (`outlook_at`: the predicted distribution's

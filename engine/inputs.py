@@ -87,4 +87,12 @@ class InputProcessor:
             rest = max(1, limit - len(ids))
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        return Request(rid, ids, params, slo, arrival_s=time.monotonic())
+        req = Request(rid, ids, params, slo, arrival_s=time.monotonic())
+        if messages is not None:  # the length predictor reads the question, not the template around it
+            last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
+            if last:
+                try:
+                    req.question_ids = self.encode(last) or None
+                except (TypeError, UnicodeError):
+                    pass  # the prompt it is part of tokenized: the prompt stands in
+        return req

@@ -28,7 +28,8 @@ bucket probabilities the scheduler plans with are calibrated); the shipped weigh
 training and validation rows together. Regularised by feature dropout, an l2 penalty and a small learning
 rate. The held-out bucket accuracy and Spearman rank correlation are printed, stored in the file's metadata and
 written to bench/summaries/length-predictor-sharegpt.json (with the previous summary's held-out figures).
-Training uses torch; loading and predicting only numpy.
+Training uses torch; loading and predicting only numpy. The file (`save`) holds W in int8 steps of each bucket
+column's largest magnitude, the bias, the metadata and the tokenizer's `WordTable`.
 """
 from __future__ import annotations
 
@@ -90,9 +91,10 @@ def _text_hash(text: str) -> int:
 @dataclass(frozen=True)
 class WordTable:
     """What the word features need to know of a tokenizer, per token id: whether the token opens a word (`opens`: it
-    starts with a space or newline marker, or has no letter or digit), `key`, the polynomial hash of its text (UTF-8)
-    lowercased without the marker, and `span`, that text's length in bytes. Ids past the table (another tokenizer's)
-    open words of their own."""
+    starts with a space or newline marker, has no letter or digit, or is a special or byte token such as
+    `<|im_start|>` or `<0x0A>`: a word of its own), `key`, the polynomial hash of its text (UTF-8) lowercased without
+    the marker, and `span`, that text's length in bytes. Ids past the table (another tokenizer's) open words of
+    their own."""
 
     opens: np.ndarray  # bool (vocab,)
     key: np.ndarray  # uint64 (vocab,)
@@ -104,7 +106,7 @@ class WordTable:
         for t in tokens:
             t = t or ""
             text = t.lstrip(_MARKS)
-            word = any(c.isalnum() for c in text)
+            word = any(c.isalnum() for c in text) and not (len(t) > 2 and t[0] == "<" and t[-1] == ">")
             opens.append(not word or text != t)
             text = text.lower() if word else t
             key.append(_text_hash(text))

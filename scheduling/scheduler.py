@@ -137,10 +137,11 @@ class Scheduler:
         return None
 
     def _predict_length(self, req: Request) -> None:
-        """The length predictor's expectations for `req`: with a planning quantile, that quantile everywhere; else
-        the predicted distribution's mean (and its mean above the tokens out, as the reply runs: length_outlook),
-        and for the VBS gate the policy's gate quantile (a bound the reply seldom outruns; 0: the mean)."""
-        p = self.lengths.probs(req.prompt_token_ids)
+        """The length predictor's expectations for `req`, from its question (a chat request's last user message) or
+        else its prompt: with a planning quantile, that quantile everywhere; else the predicted distribution's mean
+        (and its mean above the tokens out, as the reply runs: length_outlook), and for the VBS gate the policy's
+        gate quantile (a bound the reply seldom outruns; 0: the mean)."""
+        p = self.lengths.probs(req.question_ids or req.prompt_token_ids)
         q = self.config.length_predictor_quantile
         if q is not None:
             req.predicted_len = length_quantile(p, q)

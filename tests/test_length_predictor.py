@@ -49,9 +49,10 @@ def test_features_are_hashed_into_the_table_and_depend_on_order():
 
 
 def test_words_are_keyed_by_their_text_lowercased_without_the_space_marker():
-    toks = ["\u0120write", "W", "rit", "e", "\u0120w", "\u0120the", ",", "\u0120essay", "\u010a", "\u2581Write"]
+    toks = ["\u0120write", "W", "rit", "e", "\u0120w", "\u0120the", ",", "\u0120essay", "\u010a", "\u2581Write",
+            "<|im_start|>", "<0x0A>"]
     t = LP.WordTable.of_tokens(toks)
-    assert t.opens.tolist() == [True, False, False, False, True, True, True, True, True, True]
+    assert t.opens.tolist() == [True, False, False, False, True, True, True, True, True, True, True, True]
 
     def words(ids):
         return t.words(np.asarray(ids, np.int64)).tolist()
@@ -395,3 +396,28 @@ def test_selection_gain_is_what_a_ranking_serves_under_half_the_tokens_over_a_ra
     assert exact["predicted"] == exact["exact"] > 1.0  # the true order: 10..200 (400 tokens) + 300 > 550 -> 6
     worst = selection_gain(-lens, lens)  # longest first: 400 alone
     assert worst["predicted"] < 1.0 < worst["exact"]
+
+
+def test_a_chat_request_is_predicted_from_its_last_user_message_not_the_template():
+    """The predictor was trained on a turn's own text; a chat request's prompt is the conversation in the chat
+    template, so the input processor hands the scheduler the last user message's ids to predict from."""
+    from transformers import AutoTokenizer
+
+    from core.messages import ChatTurn
+    from engine.default_model import ensure_default_model
+    from engine.inputs import InputProcessor
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_default_model("kairos-tiny")))
+    inputs = InputProcessor(tok, len(tok), [0], 1024, 1 << 16)
+    question = "Write a detailed essay about the history of the French revolution."
+    chat = inputs.process(None, SamplingParams(max_tokens=500), None, "c", messages=[
+        ChatTurn("system", "You are terse."), ChatTurn("user", "hi"), ChatTurn("assistant", "hello"),
+        ChatTurn("user", question)])
+    plain = inputs.process(question, SamplingParams(max_tokens=500), None, "p")
+    assert chat.question_ids == plain.prompt_token_ids != chat.prompt_token_ids and plain.question_ids is None
+    s = _sched("kairos", length_predictor=True)
+    s.add(chat)
+    s.add(plain)
+    m = LP.load_cached(None)
+    assert chat.length_outlook == plain.length_outlook == m.outlook(plain.prompt_token_ids)
+    assert m.outlook(chat.prompt_token_ids) != chat.length_outlook  # the template would have shifted it
