@@ -157,7 +157,7 @@ class LLMEngine:
         predictor, self.profile_report = load_or_profile(self)
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
                                    self.max_model_len, b.eos_token_ids, predictor,
-                                   tokenizer_fingerprint(b.tokenizer_path or b.path))
+                                   tokenizer_fingerprint(b.tokenizer_path or b.path), b.tokenizer)
         self._stats = self._snapshot(0, 0)
         # The model, its tokenizer and the libraries leave hundreds of thousands of objects that live as long as the
         # engine, and a full collection walks them all: a stall of every request in flight. Like a Ray Serve replica

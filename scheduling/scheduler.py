@@ -15,14 +15,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 from core.kv import BlockManager
 from core.messages import RejectReason
 from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
-from scheduling.length_predictor import conditional_means, counts_in
-from scheduling.length_predictor import load_cached as load_length_predictor
+from scheduling.length_predictor import conditional_means, for_served_model
 from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import LatencyModel
 from scheduling.queues import order_least_work, order_waiting
@@ -77,20 +77,20 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int,
                  eos_token_ids: list[int] | tuple[int, ...] = (), predictor: LatencyModel | None = None,
-                 tokenizer_fingerprint: str | None = None) -> None:
+                 tokenizer_fingerprint: str | None = None, tokenizer: Any = None) -> None:
         self.config = config
         self.flags = config.flags()
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.predictor = predictor
-        # the length predictor where it is on: set explicitly, always; turned on by the policy, only if it counts
-        # lengths in the served model's tokens (`tokenizer_fingerprint`: length_predictor.tokenizer_fingerprint)
+        # the length predictor where it is on: the one that counts lengths in the served model's tokens
+        # (`tokenizer_fingerprint`: length_predictor.tokenizer_fingerprint), else a words-only one bound to the served
+        # `tokenizer`, else (set explicitly) the configured one as it is (`for_served_model`)
         self.lengths = None
         if self.flags.length_predictor:
-            model = load_length_predictor(config.length_predictor_path)
-            if config.length_predictor or counts_in(model, tokenizer_fingerprint):
-                self.lengths = model
+            self.lengths = for_served_model(config.length_predictor_path, tokenizer_fingerprint, tokenizer,
+                                            explicit=bool(config.length_predictor))
         if self.lengths is None:  # a policy ranks requests by their work only with length information (PRESETS)
             self.flags = replace(self.flags, **{k: False for k in ("short_first", "work_shedding")
                                                 if getattr(config, k) is None})
@@ -142,14 +142,14 @@ class Scheduler:
         (and its mean above the tokens out, as the reply runs: length_outlook), and for the VBS gate the policy's
         gate quantile (a bound the reply seldom outruns; 0: the mean)."""
         p = self.lengths.probs(req.question_ids or req.prompt_token_ids)
-        q = self.config.length_predictor_quantile
+        q, scale = self.config.length_predictor_quantile, self.lengths.scale
         if q is not None:
-            req.predicted_len = length_quantile(p, q)
+            req.predicted_len = length_quantile(p, q, scale)
             return
-        req.length_outlook = conditional_means(p)
+        req.length_outlook = conditional_means(p, scale)
         req.predicted_len = max(1, int(round(req.length_outlook[0])))
         if self.flags.length_gate_quantile > 0:
-            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile))
+            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale))
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""

@@ -421,3 +421,59 @@ def test_a_chat_request_is_predicted_from_its_last_user_message_not_the_template
     m = LP.load_cached(None)
     assert chat.length_outlook == plain.length_outlook == m.outlook(plain.prompt_token_ids)
     assert m.outlook(chat.prompt_token_ids) != chat.length_outlook  # the template would have shifted it
+
+
+# --------------------------------------------------------------------------- a predictor for any served tokenizer
+
+def test_words_only_features_depend_on_the_text_not_on_how_a_tokenizer_splits_it():
+    one = LP.WordTable.of_tokens(["\u0120Write", "\u0120an", "\u0120essay", "."])  # " Write an essay."
+    two = LP.WordTable.of_tokens(["W", "rite", "\u0120a", "n", "\u0120ess", "ay", ".", "\u0120"])
+    a, b = LP.features([0, 1, 2, 3], one, words_only=True), LP.features([0, 1, 2, 3, 4, 5, 6], two, words_only=True)
+    assert a[0].tolist() == b[0].tolist() and a[1].tolist() == b[1].tolist()
+    assert one.num_bytes(np.array([0, 1, 2, 3])) == two.num_bytes(np.array([0, 1, 2, 3, 4, 5, 6])) == 13  # no spaces
+    assert LP.features([0, 2, 1, 3], one, words_only=True)[0].tolist() != a[0].tolist()  # word bigrams see order
+
+
+def test_lengths_scale_into_the_served_tokenizers_tokens():
+    K = len(LP.EDGES) + 1
+    p = np.zeros(K)
+    p[3], p[7] = 0.6, 0.4
+    base, double = LP.conditional_means(p), LP.conditional_means(p, 2.0)
+    assert double[0] == pytest.approx(2 * base[0]) and LP.quantile(p, 0.5, 2.0) in (2 * LP.quantile(p, 0.5) + d
+                                                                                      for d in (-1, 0, 1))
+    k = 150  # tokens out in the served tokenizer: 75 of the training tokenizer's
+    assert LP.outlook_at(double, k) == pytest.approx(2 * LP.outlook_at(base, k // 2), rel=0.08)  # (grid rounding)
+
+
+def test_the_served_model_gets_a_predictor_in_its_own_tokens():
+    """The shipped predictor where the served tokenizer is the one it counts in; on any other model the words-only
+    predictor bound to that tokenizer, its lengths scaled by the tokenizers' token counts on the file's reference
+    text; none without a tokenizer unless the config asks."""
+    from transformers import AutoTokenizer
+
+    from engine.default_model import ensure_default_model
+
+    main, words = LP.load_cached(None), LP.load_cached(str(LP.WORDS_PATH))
+    assert words.words_only and not main.words_only and words.meta["reference_tokens"] > 0
+    other = words.meta["heldout_other_tokenizer"]
+    assert other["spearman"] > other["spearman_prompt_len_only"] and other["n"] == main.meta["heldout"]["n"]
+    with pytest.raises(ValueError):
+        main.bind(None)
+    tiny = AutoTokenizer.from_pretrained(str(ensure_default_model("kairos-tiny")))
+    smol = AutoTokenizer.from_pretrained(str(ensure_default_model("kairos-default")))
+    ours = main.meta["tokenizer_sha256"]
+    assert LP.for_served_model(None, ours, tiny) is main
+    bound = LP.for_served_model(None, "another", smol)
+    assert bound is not None and bound.words_only and bound.table.key.size == len(smol)
+    assert 0.3 < bound.scale < 0.9  # SmolLM2's 49k vocabulary spends fewer tokens on a text than kairos-tiny's 2.5k
+    assert LP.for_served_model(None, "another") is None and LP.for_served_model(None, "another", explicit=True) is main
+    # a chat request on SmolLM2: predicted from its question, in SmolLM2's tokens
+    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.0, 0.01, 5.0))
+    s = Scheduler(SchedulerConfig(policy="kairos"), 512, 4, max_model_len=1024, predictor=model,
+                  tokenizer_fingerprint="another", tokenizer=smol)
+    assert s.lengths is not None and s.lengths.scale == bound.scale
+    r = Request("q", smol("Write a long essay about rivers.", add_special_tokens=False)["input_ids"],
+                SamplingParams(max_tokens=900), SLO())
+    s.add(r)
+    p = words.bind(smol).probs(r.prompt_token_ids)
+    assert r.length_outlook == LP.conditional_means(p, bound.scale) and r.predicted_len == round(r.length_outlook[0])
