@@ -257,7 +257,7 @@ class LengthPredictor:
         return self.meta.get("features") == "words"
 
     def bind(self, tokenizer: Any) -> "LengthPredictor":
-        """A words-only predictor for ids of `tokenizer` (any: its WordTable, cached by vocabulary), its lengths
+        """A words-only predictor for ids of `tokenizer` (any: its WordTable, built once per tokenizer), its lengths
         scaled by that tokenizer's tokens over the training tokenizer's on the reference text the file carries
         (ShareGPT replies: the text whose length is predicted)."""
         if not self.words_only:
