@@ -178,7 +178,9 @@ class SchedulerConfig(BaseModel):
                                           "pace) is then the client's output-length hint if given, else the "
                                           "prediction capped by max_tokens, else max_tokens")
     length_predictor_path: str | None = Field(None, description="the predictor's .npz (default: the one shipped in "
-                                              "the package, trained on ShareGPT in kairos-tiny's tokens)")
+                                              "the package, trained on ShareGPT in kairos-tiny's tokens, and on "
+                                              "another model the shipped words-only one, bound to its tokenizer; a "
+                                              "words-only file given here is bound likewise)")
     length_predictor_quantile: float | None = Field(None, gt=0, lt=1, description="plan everywhere for this "
                                                     "quantile of the predicted length distribution instead of its "
                                                     "mean (and its mean above the tokens out so far)")
