@@ -37,7 +37,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import load_or_profile, refit
 from engine.sampler import SampledTokens
-from engine.stats import EngineStats, StepEvent, StepModelError, predict_ttft_ms, snapshot
+from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.length_predictor import tokenizer_fingerprint
 from scheduling.predictor import LatencyModel
@@ -93,7 +93,6 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}  # worker-owned
         self._observers: list[Callable[[StepEvent], None]] = []
-        self._model_error = StepModelError()  # the latency model against served decode steps, by rows
         self._stop = False
         self._dead: BaseException | None = None
         self._fault_steps = 0
@@ -340,7 +339,7 @@ class LLMEngine:
         mape = (self.profile_report or {}).get("mape_holdout")
         return snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
                         phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
-                        step=(self._step_ms, self._step_batch), decode_over_model=self._model_error.snapshot())
+                        step=(self._step_ms, self._step_batch))
 
     def _run(self) -> None:
         try:
@@ -498,8 +497,6 @@ class LLMEngine:
         sched.on_step_done(plan, step_ms, now, f.reqs)
         if plan.decode:
             b = float(len(plan.decode))
-            if not plan.prefill and (model := sched.predictor) is not None:
-                self._model_error.observe(len(plan.decode), step_ms, model.itl_ms(b, plan.decode_mean_len))
             first = self._step_ms is None
             self._step_ms = step_ms if first else 0.9 * self._step_ms + 0.1 * step_ms
             self._step_batch = b if first else 0.9 * self._step_batch + 0.1 * b

@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler
-from scheduling.tpot_guard import ItlCorrection
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,37 +44,13 @@ class EngineStats:
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
     # the latency model's error as served, since start: per decode-rows bucket (a power of two, rows in (k/2, k]) the
-    # decode-only steps run and the sum of their wall time / the model's ITL (StepModelError)
+    # decode-only steps run and the sum of their wall time / the model's ITL (Scheduler.model_error)
     decode_over_model: dict[int, tuple[int, float]] = field(default_factory=dict)
-
-
-class StepModelError:
-    """How far served decode steps are from the step-time model, by batch size: per decode-rows bucket
-    (`ItlCorrection.bucket`), the count of decode-only steps and the sum of their wall time over the model's ITL for
-    their rows and mean context. Cumulative (a scraper takes differences); fed on the worker thread. Where the model
-    errs by batch size (the strict tier's few rows against the loose tiers' hundreds), the buckets show it, which
-    the one-factor ITL correction averages away."""
-
-    __slots__ = ("_sums",)
-
-    def __init__(self) -> None:
-        self._sums: dict[int, tuple[int, float]] = {}
-
-    def observe(self, rows: int, wall_ms: float, model_ms: float) -> None:
-        if rows <= 0 or not model_ms > 0.0 or not wall_ms >= 0.0:
-            return
-        k = ItlCorrection.bucket(rows)
-        n, total = self._sums.get(k, (0, 0.0))
-        self._sums[k] = (n + 1, total + wall_ms / model_ms)
-
-    def snapshot(self) -> dict[int, tuple[int, float]]:
-        return dict(self._sums)
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
              predictor_mape: float | None, last: tuple[int, int],
-             step: tuple[float | None, float | None],
-             decode_over_model: dict[int, tuple[int, float]] | None = None) -> EngineStats:
+             step: tuple[float | None, float | None]) -> EngineStats:
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
     tmin = min((r.tpot_slo_ms for r in s.running), default=float("inf"))
@@ -89,7 +64,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
         step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
-        decode_over_model=decode_over_model or {})
+        decode_over_model=s.model_error.snapshot())
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

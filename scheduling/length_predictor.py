@@ -351,11 +351,10 @@ def for_served_model(path: str | None, fingerprint: str | None, tokenizer: Any =
     model = load_cached(path)
     if counts_in(model, fingerprint):
         return model
-    if tokenizer is not None:
-        words = model if model.words_only else load_cached(str(WORDS_PATH)) if path is None and WORDS_PATH.is_file() \
-            else None
-        if words is not None:
-            return words.bind(tokenizer)
+    if tokenizer is not None and model.words_only:
+        return model.bind(tokenizer)
+    if tokenizer is not None and path is None and WORDS_PATH.is_file():
+        return load_cached(str(WORDS_PATH)).bind(tokenizer)
     return model if explicit else None
 
 

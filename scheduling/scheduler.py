@@ -29,8 +29,9 @@ from scheduling.queues import order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
-from scheduling.tpot_guard import (ItlCorrection, VBSGate, affordable_step_ms, behind_pace, hold_prefill,
-                                   next_token_slack_ms, passes_gate, select_by_credit, trim_for_catch_up, vbs)
+from scheduling.tpot_guard import (ItlCorrection, StepModelError, VBSGate, affordable_step_ms, behind_pace,
+                                   hold_prefill, next_token_slack_ms, passes_gate, select_by_credit,
+                                   trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
@@ -101,6 +102,7 @@ class Scheduler:
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
+        self.model_error = StepModelError()  # the model against the served decode-only steps, by rows (stats)
         self._fill_off_until = -math.inf  # fill_steps: suspended until then (a paced reply ended over its TPOT)
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
@@ -633,10 +635,13 @@ class Scheduler:
             rows = plan.requests if reqs is None else reqs
             pace = min((r.tpot_slo_ms for r in rows), default=math.inf)
             self.shedder.step(now, sum(self._work(r, 1, pace) for r in rows), wall_ms)
-        if self.predictor is None or self.correction is None:
+        if self.predictor is None:
             return
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
-        self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0)
+        if plan.decode and not plan.prefill:
+            self.model_error.observe(len(plan.decode), wall_ms, pred)
+        if self.correction is not None:
+            self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0)
 
     def waiting_tokens(self) -> int:
         return sum(self._cost(r) for r in self.waiting)

@@ -339,3 +339,26 @@ class ItlCorrection:
                 and sums[1] >= self.min_pred_ms and self._decode_actual > 0:
             f = sums[0] / sums[1] * (self._actual / self._decode_actual)
         return min(self.hi, max(self.lo, f))
+
+
+class StepModelError:
+    """How far served decode steps are from the step-time model, by batch size: per decode-rows bucket
+    (`ItlCorrection.bucket`), the count of decode-only steps and the sum of their wall time over the model's ITL for
+    their rows and mean context. Cumulative (a scraper takes differences); fed by the scheduler after each step.
+    Where the model errs by batch size (the strict tier's few rows against the loose tiers' hundreds), the buckets
+    show it, which the one-factor ITL correction averages away."""
+
+    __slots__ = ("_sums",)
+
+    def __init__(self) -> None:
+        self._sums: dict[int, tuple[int, float]] = {}
+
+    def observe(self, rows: int, wall_ms: float, model_ms: float) -> None:
+        if rows <= 0 or not model_ms > 0.0 or not wall_ms >= 0.0:
+            return
+        k = ItlCorrection.bucket(rows)
+        n, total = self._sums.get(k, (0, 0.0))
+        self._sums[k] = (n + 1, total + wall_ms / model_ms)
+
+    def snapshot(self) -> dict[int, tuple[int, float]]:
+        return dict(self._sums)
