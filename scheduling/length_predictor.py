@@ -54,6 +54,7 @@ from core.request import OUTLOOK_RATIO, outlook_at  # noqa: F401 (outlook_at: th
 DEFAULT_PATH = Path(__file__).with_name("assets") / "length_predictor.npz"
 DIM = 1 << 18  # hashed feature space (a file's own: its W's rows)
 HEAD = 8  # first tokens kept with their position
+READ_MAX = 4096  # a longer prompt's features are read from its first and last READ_MAX / 2 tokens (and its length)
 EDGES = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)  # bucket k: EDGES[k-1] <= len < EDGES[k]
 LEN_LO, LEN_HI = 4, 2048  # the bench's ShareGPT filters bound a reply to this range
 HOLDOUT = 3000
@@ -152,21 +153,26 @@ def features(ids: Sequence[int], table: WordTable | None = None, dim: int = DIM,
     unigrams and bigrams (pooled, `LengthPredictor.probs`); fixed = the first HEAD tokens by position and the length
     bucket (summed). `words_only` (a `table` needed): the words alone, with the first HEAD words by position and the
     length in words and in bytes, so that features depend on the text and not on how a tokenizer splits it (a
-    predictor of another tokenizer's ids). Hashed in one pass (the add-time cost is the scheduler's)."""
+    predictor of another tokenizer's ids). Hashed in one pass; a prompt over READ_MAX tokens is read at its head and
+    its tail (its length features from the whole), so a long context costs what READ_MAX tokens cost."""
     a = np.asarray(ids, dtype=np.int64)
     if a.size == 0:
         a = np.zeros(1, np.int64)
+    full = a
+    if a.size > READ_MAX:  # a long prompt is read at its head and its tail: its cost is bounded
+        a = np.concatenate([a[:READ_MAX // 2], a[-(READ_MAX // 2):]])
     if words_only:
         assert table is not None, "word features need the tokenizer's WordTable"
         w = table.words(a)
         n, h = w.size, min(HEAD, w.size)
+        words = round(n * full.size / a.size)  # the words of the whole prompt, as the window has them per token
         keys = np.concatenate([w, w[:-1] * np.int64(1000003) + w[1:], w[:h] * np.int64(64) + np.arange(h),
-                               np.array([len_bucket(n), len_bucket(table.num_bytes(a))], np.int64)])
+                               np.array([len_bucket(words), len_bucket(table.num_bytes(full))], np.int64)])
         out = _mix(keys, np.repeat(np.array([5, 6, 7, 8, 9]), (n, n - 1, h, 1, 1)), dim)
         return out[:2 * n - 1], out[2 * n - 1:]
     n, h = a.size, min(HEAD, a.size)
     parts = [a, a[:-1] * np.int64(1 << 20) + a[1:], a[:h] * np.int64(64) + np.arange(h),
-             np.array([len_bucket(n)], np.int64)]
+             np.array([len_bucket(full.size)], np.int64)]
     sizes = [n, n - 1, h, 1]
     if table is not None:
         w = table.words(a)

@@ -117,10 +117,17 @@ class Scheduler:
             if self.flags.measured_margin else None
 
     # --- queue membership ---
-    def add(self, req: Request) -> str | None:
-        """Queue a new request; returns a rejection reason instead when the queue is full."""
+    def prepare(self, req: Request) -> None:
+        """What queueing `req` needs of the request alone, computed before it is submitted: its length prediction.
+        It reads only the request and what the scheduler fixed at its start (the length predictor), and writes only
+        the request, so any thread may run it: the engine runs it on the caller's thread, off the step loop."""
         if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint:
             self._predict_length(req)
+
+    def add(self, req: Request) -> str | None:
+        """Queue a new request (`prepare`d here if it was not); returns a rejection reason instead when the queue
+        is full."""
+        self.prepare(req)
         if self.shedder is not None:
             self.shedder.arrived(self._work(req, pace=self._pace()), req.arrival_s)
         if self.reserve is not None:

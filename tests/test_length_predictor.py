@@ -69,6 +69,24 @@ def test_words_are_keyed_by_their_text_lowercased_without_the_space_marker():
     assert small[0].max() < 64 and small[1].max() < 64
 
 
+def test_a_long_prompt_is_read_at_its_head_and_tail_with_its_whole_length():
+    """Past READ_MAX tokens the features are the head's and the tail's (a bounded cost on the step loop for a long
+    context), and the length features still count the whole prompt."""
+    rng = np.random.default_rng(0)
+    n = LP.READ_MAX + 3000
+    a = rng.integers(0, 5000, n)
+    b = a.copy()
+    mid = slice(LP.READ_MAX // 2 + 10, n - LP.READ_MAX // 2 - 10)
+    b[mid] = a[mid][::-1]  # its middle reversed: the same head, tail and length (in tokens, words and bytes)
+    table = LP.WordTable.of_tokens([f"\u0120w{i}" if i % 3 else f"x{i}" for i in range(5000)])
+    for kw in ({}, {"table": table}, {"table": table, "words_only": True}):
+        fa, fb = LP.features(a, **kw), LP.features(b, **kw)
+        assert fa[0].tolist() == fb[0].tolist() and fa[1].tolist() == fb[1].tolist()
+        assert LP.features(a[:LP.READ_MAX + 1], **kw)[1].tolist() != fa[1].tolist()  # shorter: another length
+    short = a[:100]
+    assert LP.features(short)[0].size == 2 * 100 - 1  # under READ_MAX: every token
+
+
 def test_save_load_round_trip_and_layout_check(tmp_path):
     K = len(LP.EDGES) + 1
     W_ = np.zeros((LP.DIM, K), np.float32)
@@ -217,6 +235,19 @@ def test_the_predictor_sets_predicted_len_at_admission_only_when_on_and_unhinted
     assert c.predicted_len is None and c.expected_output_len == 50
     assert SchedulerConfig(policy="fcfs").flags().length_predictor is False
     assert SchedulerConfig(policy="fcfs", length_predictor=True).flags().length_predictor is True
+
+
+def test_the_engine_predicts_a_length_on_the_callers_thread_before_the_step_loop_sees_it():
+    """Scheduler.prepare reads only the request and the predictor, so the engine runs it where the request is
+    submitted; the worker's `add` then finds the prediction made and does not make it again."""
+    s = _sched("kairos", length_predictor=True)
+    r = _req("a")
+    s.prepare(r)
+    first = r.length_outlook
+    assert r.predicted_len is not None and first is not None
+    r.length_outlook = marker = (1.0,) * len(first)
+    s.add(r)
+    assert r.length_outlook is marker and r in s.waiting  # queued with the prediction it came with
 
 
 def test_outlook_is_the_mean_above_the_tokens_out_and_grows_as_a_reply_outlives_it():
