@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pool", type=int, default=W.SHAREGPT_POOL, help="--dataset sharegpt: the first turns each seed draws its "
       "requests from (default %(default)s, all held out from the length predictor's training; at least the "
       "requests per run)")
+    a("--api", choices=("completions", "chat"), default="completions", help="--dataset sharegpt: send each first "
+      "turn as a completion of its text (default) or as a chat request, one user message in the served model's "
+      "template (/v1/chat/completions; the length predictor reads the message)")
     a("--arrival", choices=("poisson", "gamma"), default="poisson")
     a("--mix", default="equal", help="tier mix: equal | 60-30-10 | a-b-c")
     a("--lengths", choices=W.LENGTH_ARMS, default="hidden", help="reply lengths: hidden from the scheduler (default; "
@@ -161,6 +164,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     loads = [float(x) for x in (args.loads or (QUICK_LOADS if q else DEFAULT_LOADS)).replace(" ", "").split(",") if x]
     if not loads or any(x <= 0 for x in loads):
         raise SystemExit("--loads must be positive multiples of lambda*")
+    if args.api == "chat" and args.dataset != "sharegpt":
+        raise SystemExit("--api chat sends text: it needs --dataset sharegpt")
     seeds = [int(x) for x in args.seeds.replace(" ", "").split(",") if x]
     fixed = args.num_requests is not None
     budget = args.budget_min if args.budget_min is not None else (0.0 if fixed else (3.0 if q else 30.0))
@@ -603,7 +608,14 @@ def sharegpt_corpus(args: argparse.Namespace, n: int, max_len: int | None) -> W.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(D.resolve_model_path(args.tokenizer or args.model))
-    corpus = W.sharegpt(tok, n, seed=0, max_model_len=max_len, path=args.dataset_path)
+    chat = None
+    if args.api == "chat":
+        from core.messages import ChatTurn
+        from engine.inputs import render_chat
+
+        def chat(text: str) -> str:
+            return render_chat(tok, [ChatTurn("user", text)])
+    corpus = W.sharegpt(tok, n, seed=0, max_model_len=max_len, path=args.dataset_path, chat=chat)
     if args.output_cap:
         corpus = replace(corpus, samples=tuple(replace(s, output_len=min(s.output_len, args.output_cap))
                                                for s in corpus.samples))
@@ -660,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         corpus = sharegpt_corpus(args, pool, max_len)
         dataset.update(conversations_read=corpus.conversations_read, samples=len(corpus.samples),
                        mean_prompt=corpus.mean_prompt, mean_output=corpus.mean_output,
-                       tokenizer=args.tokenizer or args.model, output_cap=args.output_cap)
+                       tokenizer=args.tokenizer or args.model, output_cap=args.output_cap, api=args.api)
         print(f"ShareGPT: read {corpus.conversations_read} conversations, kept {len(corpus.samples)}; mean prompt "
               f"{corpus.mean_prompt:.1f} tokens, mean output {corpus.mean_output:.1f}", flush=True)
     base = W.WorkloadSpec(arrival=args.arrival, mix=mix, vocab_size=vocab, max_model_len=max_len,

@@ -20,7 +20,7 @@ import importlib.metadata
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -231,18 +231,22 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
     arrivals = np.cumsum(gaps) / spec.rate_rps
     items: list[WorkItem] = []
     for i in range(n):
+        chat = {}
         if spec.corpus is None:
             ids = rng.integers(FIRST_TOKEN_ID, spec.vocab_size, size=int(prompt_lens[i])).tolist()
         else:
-            ids = list(spec.corpus.samples[int(picks[i])].prompt_ids)
+            sample = spec.corpus.samples[int(picks[i])]
+            ids = list(sample.prompt_ids)
+            if spec.corpus.chat:
+                chat = {"text": sample.text, "chat": True}
         out = int(output_lens[i])
         t = tiers[int(tier_idx[i])]
         if spec.lengths == "exact":
-            items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, out))
+            items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, out, **chat))
         elif spec.lengths in ("hidden", "predicted"):
             cap = length_cap(spec, len(ids))
             items.append(WorkItem(float(arrivals[i]), ids, cap, t.name, t.ttft_ms, t.tpot_ms, None,
-                                  stop_after=min(out, cap)))
+                                  stop_after=min(out, cap), **chat))
         else:
             raise ValueError(f"unknown lengths arm {spec.lengths!r} (hidden | predicted | exact)")
     return items
@@ -279,6 +283,7 @@ class Sample:
 class Corpus:
     samples: tuple[Sample, ...]
     conversations_read: int  # complete records in the (truncated) file
+    chat: bool = False  # sent as chat requests (one user message, the sample's text); prompt_ids: the rendered chat
 
     @property
     def mean_prompt(self) -> float:
@@ -343,9 +348,11 @@ def sharegpt_subset(records: Sequence[dict], keep: int, seed: int = 0) -> list[d
 
 
 def sharegpt(tokenizer: Any, n: int, seed: int = 0, max_model_len: int | None = None,
-             path: str | None = None) -> Corpus:
+             path: str | None = None, chat: Callable[[str], str] | None = None) -> Corpus:
     """`n` conversations in a seeded order, with vLLM's `bench serve` filters (4 <= prompt <= 1024 tokens,
-    output >= 4, prompt + output <= 2048, in `tokenizer`'s tokens), the reply capped to the model's context."""
+    output >= 4, prompt + output <= 2048, in `tokenizer`'s tokens), the reply capped to the model's context.
+    `chat`: the prompt a first turn becomes as a chat request's one user message (the served model's template):
+    the samples are sent as chat requests, their ids (lengths, filters) the rendered prompt's."""
     records = read_conversations(path)
     pairs = first_turns(records)
     order = sample_order(len(pairs), seed)
@@ -353,7 +360,7 @@ def sharegpt(tokenizer: Any, n: int, seed: int = 0, max_model_len: int | None = 
     out: list[Sample] = []
     for k in order:
         prompt, reply = pairs[k]
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(chat(prompt) if chat is not None else prompt, add_special_tokens=False)
         p, o = len(ids), len(tokenizer.encode(reply, add_special_tokens=False))
         if p < SHAREGPT_MIN or o < SHAREGPT_MIN or p > SHAREGPT_MAX_PROMPT or p + o > SHAREGPT_MAX_TOTAL \
                 or p >= cap - SHAREGPT_MIN:
@@ -363,7 +370,7 @@ def sharegpt(tokenizer: Any, n: int, seed: int = 0, max_model_len: int | None = 
             break
     if not out:
         raise ValueError("no ShareGPT conversation fits this model's context")
-    return Corpus(tuple(out), len(records))
+    return Corpus(tuple(out), len(records), chat is not None)
 
 
 def describe(items: Sequence[WorkItem]) -> dict[str, Any]:

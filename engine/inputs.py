@@ -7,6 +7,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from core.messages import ChatTurn, ContextLengthExceeded
 from core.request import SLO, Request
@@ -29,6 +30,15 @@ def render_plain_chat(messages: Sequence[ChatTurn]) -> str:
     return "\n".join([f"{m.role.capitalize()}: {m.content}" for m in messages] + ["Assistant:"])
 
 
+def render_chat(tokenizer: Any, messages: Sequence[ChatTurn]) -> str:
+    """A conversation as the prompt a chat request becomes: the tokenizer's chat template with the assistant's turn
+    opened, else `render_plain_chat`."""
+    if getattr(tokenizer, "chat_template", None):
+        turns = [{"role": m.role, "content": m.content} for m in messages]
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return render_plain_chat(messages)
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
                  kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False) -> None:
@@ -43,11 +53,7 @@ class InputProcessor:
         self.reject_max_tokens_over_context = reject_max_tokens_over_context
 
     def render_chat(self, messages: Sequence[ChatTurn]) -> str:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            turns = [{"role": m.role, "content": m.content} for m in messages]
-            return tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        return render_plain_chat(messages)
+        return render_chat(self.tokenizer, messages)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

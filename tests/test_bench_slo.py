@@ -127,6 +127,35 @@ def test_a_sharegpt_subset_gives_the_same_samples_from_a_smaller_file(tmp_path):
     assert len(W.sharegpt(Words(), 60, path=str(full)).samples) == 60
 
 
+def test_a_chat_corpus_sends_each_first_turn_as_one_user_message(tmp_path):
+    """--api chat: the same first turns in the same order, each sent as a chat request of its text; the ids (and so
+    the length filters, the prompt length and the cap) are the rendered chat's."""
+    from bench.driver import request_body
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+    records = [{"conversations": [{"from": "human", "value": f"q{i} " * (i % 7 + 4)},
+                                  {"from": "gpt", "value": "x y z w " * (i % 5 + 1)}]} for i in range(30)]
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(records))
+    plain = W.sharegpt(Words(), 10, path=str(f))
+    chat = W.sharegpt(Words(), 10, path=str(f), chat=lambda t: f"<user> {t} <assistant>")
+    assert chat.chat and not plain.chat
+    assert [s.text for s in chat.samples] == [s.text for s in plain.samples]
+    assert all(len(c.prompt_ids) == len(p.prompt_ids) + 2 for c, p in zip(chat.samples, plain.samples))
+    tiers = [W.Tier("t", 1000.0, 50.0)]
+    spec = W.WorkloadSpec(num_requests=5, corpus=chat, lengths="hidden", mix=(1.0,))
+    items = W.generate(spec, tiers)
+    texts = {s.text for s in chat.samples}
+    assert all(w.chat and w.prompt in texts and w.stop_after is not None for w in items)
+    path, body, _ = request_body(items[0], "m")
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": items[0].prompt}]
+    same = W.generate(replace(spec, corpus=plain), tiers)
+    assert [w.stop_after for w in same] == [w.stop_after for w in items] and not any(w.chat for w in same)
+
+
 # --------------------------------------------------------------------------- metrics on hand-made timelines
 
 def rec(tier="t", ttft_slo=100.0, tpot_slo=20.0, arrival=0.0, first=None, n=0, gap=0.01, reason="length",

@@ -198,8 +198,10 @@ def test_smoke_capacity_search(tmp_path):
     assert doc["lambda_star_rps"] > 0 and doc["results"][0]["rate_rps"] == pytest.approx(doc["lambda_star_rps"])
 
 
-def test_smoke_sharegpt(tmp_path):
-    """--dataset sharegpt: real first turns in kairos-tiny's tokens (its 1024-token context filters the rest)."""
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_smoke_sharegpt(tmp_path, api):
+    """--dataset sharegpt: real first turns in kairos-tiny's tokens (its 1024-token context filters the rest), sent
+    as completions or as chat requests (--api chat: one user message, in the model's chat template)."""
     import importlib.metadata
 
     try:
@@ -211,11 +213,11 @@ def test_smoke_sharegpt(tmp_path):
     js = tmp_path / "r.json"
     argv = ["--dataset", "sharegpt", "--quick", *SMALL, "--policies", "fcfs", "--loads", "1", "--lambda-star", "2",
             "--num-requests", "8", "--output-cap", "16", "--no-refresh-profile", "--out", str(tmp_path / "out"),
-            "--json", str(js), "--no-plots"]
+            "--json", str(js), "--no-plots", "--api", api]
     assert slo.main(argv) == 0
     doc = json.loads(js.read_text())
     ds = doc["config"]["dataset"]
-    assert ds["name"] == "sharegpt" and ds["conversations_read"] > 1000 and ds["samples"] > 0
+    assert ds["name"] == "sharegpt" and ds["conversations_read"] > 1000 and ds["samples"] > 0 and ds["api"] == api
     assert ds["mean_prompt"] > 4 and 4 <= ds["mean_output"] <= 16
     wl = doc["config"]["workload"]
     assert wl["prompt_len"]["max"] < 1024 and wl["output_len"]["max"] <= 16
