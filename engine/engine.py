@@ -252,16 +252,13 @@ class LLMEngine:
         its whole list before its first step (one by one, the worker may start on the first prompt alone). Every
         prompt is validated first: a bad one raises ValueError and enqueues none."""
         reqs = [self.inputs.process(p, params, slo, None, None) for p in prompts]
-        for r in reqs:
-            self.scheduler.prepare(r)
         streams = [RequestStream(r.request_id) for r in reqs]
         self._enqueue(list(zip(reqs, streams)))
         return streams
 
     def submit(self, req: Request, stream: OutputSink) -> None:
         """Enqueue a request that `InputProcessor.process` has already validated; the worker thread puts its
-        items into `stream`. The scheduler `prepare`s it here, on the caller's thread."""
-        self.scheduler.prepare(req)
+        items into `stream`."""
         self._enqueue((req, stream))
 
     def _enqueue(self, item: tuple[Request, OutputSink] | list[tuple[Request, OutputSink]]) -> None:

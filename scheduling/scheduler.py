@@ -10,6 +10,7 @@ so a prefill round no longer stalls every decode for a whole extra step.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from scheduling.tpot_guard import (ItlCorrection, StepModelError, VBSGate, affor
                                    hold_prefill, next_token_slack_ms, passes_gate, select_by_credit,
                                    trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
+
+log = logging.getLogger(__name__)
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
 TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE
@@ -117,17 +120,10 @@ class Scheduler:
             if self.flags.measured_margin else None
 
     # --- queue membership ---
-    def prepare(self, req: Request) -> None:
-        """What queueing `req` needs of the request alone, computed before it is submitted: its length prediction.
-        It reads only the request and what the scheduler fixed at its start (the length predictor), and writes only
-        the request, so any thread may run it: the engine runs it on the caller's thread, off the step loop."""
+    def add(self, req: Request) -> str | None:
+        """Queue a new request; returns a rejection reason instead when the queue is full."""
         if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint:
             self._predict_length(req)
-
-    def add(self, req: Request) -> str | None:
-        """Queue a new request (`prepare`d here if it was not); returns a rejection reason instead when the queue
-        is full."""
-        self.prepare(req)
         if self.shedder is not None:
             self.shedder.arrived(self._work(req, pace=self._pace()), req.arrival_s)
         if self.reserve is not None:
@@ -149,8 +145,16 @@ class Scheduler:
         """The length predictor's expectations for `req`, from its question (a chat request's last user message) or
         else its prompt: with a planning quantile, that quantile everywhere; else the predicted distribution's mean
         (and its mean above the tokens out, as the reply runs: length_outlook), and for the VBS gate the policy's
-        gate quantile (a bound the reply seldom outruns; 0: the mean)."""
-        p = self.lengths.probs(req.question_ids or req.prompt_token_ids)
+        gate quantile (a bound the reply seldom outruns; 0: the mean). It never raises: a prediction is advice, and
+        a request the predictor fails on plans for its cap (logged), its neighbours and the engine unharmed. It runs
+        on the worker between steps (its cost bounded: length_predictor.READ_MAX): on another thread of the engine's
+        process it would hold the GIL in the middle of steps."""
+        try:
+            p = self.lengths.probs(req.question_ids or req.prompt_token_ids)
+        except Exception:  # noqa: BLE001 - one request's odd prompt must not end the worker's loop
+            log.warning("length prediction failed for request %s; it plans for max_tokens", req.request_id,
+                        exc_info=True)
+            return
         q, scale = self.config.length_predictor_quantile, self.lengths.scale
         if q is not None:
             req.predicted_len = length_quantile(p, q, scale)

@@ -237,17 +237,26 @@ def test_the_predictor_sets_predicted_len_at_admission_only_when_on_and_unhinted
     assert SchedulerConfig(policy="fcfs", length_predictor=True).flags().length_predictor is True
 
 
-def test_the_engine_predicts_a_length_on_the_callers_thread_before_the_step_loop_sees_it():
-    """Scheduler.prepare reads only the request and the predictor, so the engine runs it where the request is
-    submitted; the worker's `add` then finds the prediction made and does not make it again."""
+def test_a_prediction_that_fails_leaves_the_request_planning_for_its_cap():
+    """The prediction never raises (on the worker a raise would end the engine's loop): a request the predictor fails
+    on is queued with no prediction, and the next request is predicted as usual."""
     s = _sched("kairos", length_predictor=True)
-    r = _req("a")
-    s.prepare(r)
-    first = r.length_outlook
-    assert r.predicted_len is not None and first is not None
-    r.length_outlook = marker = (1.0,) * len(first)
-    s.add(r)
-    assert r.length_outlook is marker and r in s.waiting  # queued with the prediction it came with
+    good = s.lengths
+
+    class Broken:
+        scale = 1.0
+
+        def probs(self, ids):
+            raise IndexError("odd prompt")
+
+    s.lengths = Broken()
+    bad = _req("bad")
+    assert s.add(bad) is None and bad in s.waiting
+    assert bad.predicted_len is None and bad.length_outlook is None and bad.expected_output_len == 900
+    s.lengths = good
+    ok = _req("ok")
+    s.add(ok)
+    assert ok.predicted_len is not None
 
 
 def test_outlook_is_the_mean_above_the_tokens_out_and_grows_as_a_reply_outlives_it():
