@@ -3,6 +3,7 @@ changes one: queue state, KV blocks, tokens, timestamps. The engine keeps its ow
 detokenizer, sampler RNG) in its own tables, keyed by request id."""
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ MAX_OUTPUT_LEN_HINT = 1_000_000
 
 
 OUTLOOK_RATIO = 1.15  # the grid of a predicted length outlook: entry i is E[len | len > OUTLOOK_RATIO ** i]
+_OUTLOOK_GRID = tuple(OUTLOOK_RATIO ** i for i in range(200))  # past any reply length
 
 
 def outlook_at(outlook: tuple[float, ...], num_output_tokens: int) -> float:
@@ -23,9 +25,7 @@ def outlook_at(outlook: tuple[float, ...], num_output_tokens: int) -> float:
     k = num_output_tokens
     if k < 1:
         return outlook[0]
-    i = min(int(math.log(k) / math.log(OUTLOOK_RATIO)), len(outlook) - 1)
-    while i > 0 and OUTLOOK_RATIO ** i >= k:  # rounding at the grid's points
-        i -= 1
+    i = min(max(0, bisect.bisect_left(_OUTLOOK_GRID, k) - 1), len(outlook) - 1)  # the last grid length below k
     return max(outlook[i], k + 1.0)
 
 

@@ -59,8 +59,17 @@ class _Linear:
         self.w = np.asarray(w, float)
         self.scale = np.ones(len(self.w)) if scale is None else np.asarray(scale, float)
 
+    @property
+    def w(self) -> np.ndarray:
+        return self._w
+
+    @w.setter
+    def w(self, w: np.ndarray) -> None:
+        self._w = np.asarray(w, float)
+        self.coef = tuple(float(v) for v in self._w)  # the weights as floats: a scheduler predicts every step
+
     def predict(self, x: Sequence[float]) -> float:
-        return float(self.w @ np.asarray(x, float))
+        return sum(c * v for c, v in zip(self.coef, x))
 
     def fit(self, x: np.ndarray, y: np.ndarray) -> None:
         self.scale = np.maximum(np.abs(x).max(axis=0), 1.0)
@@ -110,12 +119,15 @@ class LatencyModel:
 
     def prefill_ms(self, n: float) -> float:
         """Time of a prefill step over ``n`` prompt tokens."""
-        raw = self.c0 if n <= self.theta else self._prefill.predict(_prefill_x(n))
-        return max(MIN_MS, raw)
+        if n <= self.theta:
+            return max(MIN_MS, self.c0)
+        alpha, beta = self._prefill.coef
+        return max(MIN_MS, alpha * n + beta)
 
     def itl_ms(self, batch: float, ctx_len: float) -> float:
         """Time of a decode step over ``batch`` sequences of mean context length ``ctx_len``."""
-        return max(MIN_MS, self._decode.predict(_decode_x(batch, ctx_len)))
+        a, b, c, d = self._decode.coef  # _decode_x's terms, in plain floats (called many times a step)
+        return max(MIN_MS, a * batch * ctx_len + b * batch + c * ctx_len + d)
 
     def fit_prefill(self, samples: Sequence[tuple[float, float]], *, find_knee: bool = False) -> LatencyModel:
         """Least squares on ``(n, ms)``: ``c0`` = mean over ``n <= theta``, linear part over the rest. With

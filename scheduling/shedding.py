@@ -79,7 +79,7 @@ class PaceCost:
     def token_ms(self, tpot_ms: float, length: float) -> float:
         """Machine ms per token of a batch paced at `tpot_ms` (+inf: the largest batch) at mean context `length`."""
         bucket = max(1, int(length) // self.len_step + 1)
-        key = (round(tpot_ms, 3) if math.isfinite(tpot_ms) else math.inf, bucket)
+        key = (tpot_ms, bucket)  # a request's TPOT is one float throughout (its SLO's): no rounding needed to hit
         if (got := self._memo.get(key)) is not None:
             return got
         ctx = float(bucket * self.len_step)
