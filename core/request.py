@@ -118,6 +118,8 @@ class Request:
     # while it has no token: when it was last admitted and the prefill time the TTFT guard predicted for it then
     # (ms; ttft_guard.MeasuredMargin measures the difference to its first token)
     ttft_estimate: tuple[float, float] | None = None
+    # expected_output_len's last answer and what it was computed from: (tokens, predicted_len, length_outlook, length)
+    _expected: tuple[int, int | None, tuple[float, ...] | None, int] | None = field(default=None, repr=False)
     # timestamps (time.monotonic seconds)
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -170,14 +172,22 @@ class Request:
     def expected_output_len(self) -> int:
         """The reply length the scheduler plans for: the client's hint, else the predicted length (with an outlook,
         the predicted distribution's mean above what the reply has output so far; without, at least one more
-        token than that), else max_tokens; never above max_tokens."""
+        token than that), else max_tokens; never above max_tokens. Kept until its inputs change (the scheduler
+        reads it many times a step: ordering, shedding, the gate, catch-up)."""
+        n, memo = len(self.token_ids), self._expected
+        if memo is not None and memo[0] == n and memo[1] == self.predicted_len and memo[2] is self.length_outlook:
+            return memo[3]
         cap = self.params.max_tokens
         hint = self.slo.output_len_hint
         if hint:
-            return min(hint, cap)
-        if self.predicted_len is not None:
-            k = self.num_output_tokens
+            out = min(hint, cap)
+        elif self.predicted_len is not None:
+            k = n - len(self.prompt_token_ids)
             if self.length_outlook is not None and k > 0:
-                return min(int(outlook_at(self.length_outlook, k)), cap)
-            return min(max(self.predicted_len, k + 1), cap)
-        return cap
+                out = min(int(outlook_at(self.length_outlook, k)), cap)
+            else:
+                out = min(max(self.predicted_len, k + 1), cap)
+        else:
+            out = cap
+        self._expected = (n, self.predicted_len, self.length_outlook, out)
+        return out

@@ -259,6 +259,21 @@ def test_a_prediction_that_fails_leaves_the_request_planning_for_its_cap():
     assert ok.predicted_len is not None
 
 
+def test_the_expected_length_follows_each_of_its_inputs():
+    """expected_output_len is kept between steps, and recomputed when a token comes, a prediction is set, or the
+    outlook is replaced."""
+    r = _req("a", n=10, max_tokens=900)
+    assert r.expected_output_len == 900
+    r.predicted_len = 40
+    assert r.expected_output_len == 40
+    r.token_ids += [5] * 45  # past the prediction, no outlook: one more token than out
+    assert r.expected_output_len == 46
+    r.length_outlook = tuple(100.0 + i for i in range(60))
+    assert r.expected_output_len == int(LP.outlook_at(r.length_outlook, 45))
+    r.token_ids.append(5)
+    assert r.expected_output_len == int(LP.outlook_at(r.length_outlook, 46))
+
+
 def test_outlook_is_the_mean_above_the_tokens_out_and_grows_as_a_reply_outlives_it():
     K = len(LP.EDGES) + 1
     p = np.zeros(K)
