@@ -68,9 +68,6 @@ class _Linear:
         self._w = np.asarray(w, float)
         self.coef = tuple(float(v) for v in self._w)  # the weights as floats: a scheduler predicts every step
 
-    def predict(self, x: Sequence[float]) -> float:
-        return sum(c * v for c, v in zip(self.coef, x))
-
     def fit(self, x: np.ndarray, y: np.ndarray) -> None:
         self.scale = np.maximum(np.abs(x).max(axis=0), 1.0)
         self.w = _nnls(x / self.scale, y) / self.scale

@@ -646,8 +646,8 @@ class Scheduler:
             rows = plan.requests if reqs is None else reqs
             pace = min((r.tpot_slo_ms for r in rows), default=math.inf)
             self.shedder.step(now, sum(self._work(r, 1, pace) for r in rows), wall_ms)
-        if self.predictor is None:
-            return
+        if self.predictor is None or (self.correction is None and (plan.prefill or not plan.decode)):
+            return  # nothing to compare the step with: no correction, and not a decode-only step
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
         if plan.decode and not plan.prefill:
             self.model_error.observe(len(plan.decode), wall_ms, pred)
