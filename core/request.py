@@ -126,10 +126,14 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finished_s: float | None = None
     finish_reason: FinishReason | None = None
+    # the TPOT SLO in ms, +inf for best effort: `slo.tpot_ms` as the scheduler reads it, many times a step (the SLO
+    # is frozen and a request's own from construction, so it is kept as a plain value)
+    tpot_slo_ms: float = field(init=False, default=math.inf)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.tpot_slo_ms = math.inf if self.slo.tpot_ms is None else self.slo.tpot_ms
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -155,10 +159,6 @@ class Request:
     def deadline_s(self) -> float:
         """Absolute TTFT deadline (arrival + TTFT SLO); +inf for best effort."""
         return math.inf if self.slo.ttft_ms is None else self.arrival_s + self.slo.ttft_ms / 1000.0
-
-    @property
-    def tpot_slo_ms(self) -> float:
-        return math.inf if self.slo.tpot_ms is None else self.slo.tpot_ms
 
     @property
     def gate_output_len(self) -> int:

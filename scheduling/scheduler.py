@@ -15,7 +15,6 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 from core.kv import BlockManager
@@ -440,6 +439,19 @@ class Scheduler:
             return self.pace_cost.work(n, r.tpot_slo_ms, pace, self._mid_len(r))
         return 0.0 if math.isinf(r.tpot_slo_ms) else n / r.tpot_slo_ms
 
+    def _step_work(self, rows: list[Request]) -> float:
+        """The work a step did: one token of each of `rows` at the step's pace, their strictest TPOT (the sum of
+        `_work(r, 1, pace)`). No row's TPOT is below that pace, so none sets a faster one: a paced row's token costs
+        what a token at the pace costs (PaceCost.token_ms at its mid-reply context), or 1 / its TPOT without
+        pace_work; a row without a TPOT SLO nothing."""
+        paced = [r for r in rows if r.tpot_slo_ms != math.inf]
+        if not paced:
+            return 0.0
+        if self.pace_cost is None:
+            return sum(1.0 / r.tpot_slo_ms for r in paced)
+        pace, token_ms = min(r.tpot_slo_ms for r in paced), self.pace_cost.token_ms
+        return sum(token_ms(pace, self._mid_len(r)) for r in paced)
+
     def _gate_scale(self, factor: float) -> float:
         """The gate's scale of the model for a measured step factor: the static margin already covers up to k of
         inflation, so only what it does not; a factor under 1 (steps faster than the model) scales it down."""
@@ -488,8 +500,10 @@ class Scheduler:
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
-            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), partial(self._afford, now=now),
-                                     pace=lambda r: r.tpot_slo_ms)
+            def afford(r: Request, extra_steps: int) -> float:
+                return affordable_step_ms(r.first_token_s, len(r.token_ids) - len(r.prompt_token_ids),
+                                          r.expected_output_len, r.tpot_slo_ms, now, extra_steps)
+            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), afford, pace=lambda r: r.tpot_slo_ms)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
                 for r in batch:  # sat this step out: a request that paid credit for it gets it back
@@ -497,8 +511,12 @@ class Scheduler:
                         r.credit += 1.0
             batch = kept
         out: list[Request] = []
+        block_size = self.blocks.block_size
         for r in batch:
             if r.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            if len(r.block_table) * block_size >= len(r.token_ids):  # its blocks hold the step's token already
+                out.append(r)
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
                 victim = self._victim(exclude=out + plan.prefill)
@@ -510,11 +528,6 @@ class Scheduler:
                 out.append(r)
         return out
 
-    @staticmethod
-    def _afford(r: Request, extra_steps: int, now: float) -> float:
-        return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms, now,
-                                  extra_steps)
-
     def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
         """The predicted time of this step with n of `batch` decoding (`_decode_model`, plus the step's prefill)."""
         decode = self._decode_model(batch, now)
@@ -525,7 +538,7 @@ class Scheduler:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
         measured step factor (`ItlCorrection`, of n rows' bucket with correction_by_rows; 1 without it)."""
         scale = self.last_correction if self.correction is not None else 1.0
-        mean_len = sum(r.num_tokens for r in reqs) / len(reqs)
+        mean_len = sum(len(r.token_ids) for r in reqs) / len(reqs)
         if self.correction is not None and self.config.correction_by_rows:
             corr = self.correction
             return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(now, n)
@@ -643,9 +656,7 @@ class Scheduler:
         """Feedback after a step: `wall_ms` is the whole step as its requests saw it (kairos's ITL correction;
         the work per second work shedding measures); `reqs`: the rows that sampled (`plan.requests` as planned)."""
         if self.shedder is not None and self.shedder.saturated_now(now):  # the step's work is summed only if it counts
-            rows = plan.requests if reqs is None else reqs
-            pace = min((r.tpot_slo_ms for r in rows), default=math.inf)
-            self.shedder.step(now, sum(self._work(r, 1, pace) for r in rows), wall_ms)
+            self.shedder.step(now, self._step_work(plan.requests if reqs is None else reqs), wall_ms)
         if self.predictor is None or (self.correction is None and (plan.prefill or not plan.decode)):
             return  # nothing to compare the step with: no correction, and not a decode-only step
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0

@@ -299,3 +299,18 @@ def test_kairos_sheds_a_request_that_would_set_a_faster_pace_and_admits_one_that
         plan = s.schedule(10.0)
         assert (plan.rejected == [(strict, RejectReason.SHED)]) is shed
         assert loose in plan.prefill and (strict in plan.prefill) is not shed
+
+
+@pytest.mark.parametrize("pace_work", [True, False])
+def test_a_steps_work_is_one_token_of_each_paced_row_at_the_steps_pace(pace_work):
+    """What on_step_done reports to the shedder: one token of each row at the strictest TPOT among them (each row's
+    own `_work(r, 1, pace)`); a row without a TPOT weighs nothing, and a step of such rows did no work."""
+    s = _sched("kairos", blocks=256, work_shedding=True, pace_work=pace_work)
+    rows = [_req(0, 50, tpot=20.0), _req(1, 400, tpot=40.0), _req(2, 8, tpot=40.0),
+            Request("be", [1] * 5, SamplingParams(max_tokens=30))]
+    for r in rows:
+        r.token_ids += [7] * 3  # mid-reply
+    assert s._step_work(rows) == pytest.approx(sum(s._work(r, 1, 20.0) for r in rows))
+    if not pace_work:
+        assert s._step_work(rows) == pytest.approx(1 / 20.0 + 2 / 40.0)
+    assert s._step_work(rows[3:]) == 0.0
