@@ -12,8 +12,10 @@ seeds, and a GPU-shaped truth model (`--truth`, a LatencyModel JSON profiled on 
 scheduler does at batch sizes in the hundreds.
 
 What it leaves out: the engine's host work beyond `--host-ms` per step, HTTP, overlap scheduling (a step's tokens
-count when the step ends), KV pressure (blocks are ample), and EOS (replies end at their reference length). It
-ranks mechanisms; real runs (bench.slo) measure them.
+count when the step ends), KV pressure (blocks are ample), EOS (replies end at their reference length), and the
+scheduler's own time: each policy's line reports it (host microseconds per step, its calls timed on this machine)
+but the virtual clock does not charge it, so the decisions stay deterministic. It ranks mechanisms; real runs
+(bench.slo) measure them.
 
     python -m bench.sim --tiers bench/out/RUN/tiers-profile.json --policies kairos,scorpio,kairos+lengths=exact \\
         --loads 1.5 --seeds 0-9
@@ -62,11 +64,15 @@ class Machine:
 
 def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Machine, planner: LatencyModel, *,
              max_model_len: int = 2048, block_size: int = 16, drain_s: float = 30.0,
-             tokenizer_fingerprint: str | None = None) -> list[D.Record]:
-    """Offer `items` (arrival order) to a fresh Scheduler on a virtual clock; one Record per item."""
+             tokenizer_fingerprint: str | None = None, clock: dict[str, float] | None = None) -> list[D.Record]:
+    """Offer `items` (arrival order) to a fresh Scheduler on a virtual clock; one Record per item. With `clock`,
+    the host time the scheduler's own calls took is added to its "s" (seconds) and the steps run to "steps": what
+    it costs per step on this host, which the virtual clock does not charge."""
     blocks = config.max_num_seqs * (max_model_len // block_size + 2) + 64
     sched = Scheduler(config, blocks, block_size, max_model_len, predictor=planner,
                       tokenizer_fingerprint=tokenizer_fingerprint)
+    if clock is not None:
+        sched = _Timed(sched, clock)
     rng = random.Random(machine.seed)
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     recs: dict[str, D.Record] = {}
@@ -128,6 +134,33 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
             close(req, FinishReason.ABORT, t)
             rec.finish_reason = "timeout"
     return [recs[f"sim-{i}"] for i in range(len(items))]
+
+
+class _Timed:
+    """A Scheduler whose calls from the loop are timed on the host (perf_counter) into `clock`."""
+
+    _CALLS = ("add", "schedule", "launched", "resolved", "on_step_done", "finish")
+
+    def __init__(self, sched: Scheduler, clock: dict[str, float]) -> None:
+        self._sched, self._clock = sched, clock
+        clock.setdefault("s", 0.0)
+        clock.setdefault("steps", 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._sched, name)
+        if name not in self._CALLS:
+            return attr
+        clock = self._clock
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                clock["s"] += time.perf_counter() - t
+                if name == "on_step_done":
+                    clock["steps"] += 1
+        return timed
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -196,12 +229,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "prefill_max_tokens": args.prefill_max_tokens,
                                   **arm_sched(length_arm(label, args.lengths)), **overrides(args.sched), **extra})
 
-    def run(label: str, rate: float, seed: int, n: int) -> list[D.Record]:
+    def run(label: str, rate: float, seed: int, n: int, clock: dict[str, float] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
         machine = Machine(truth, args.factor, args.jitter, args.host_ms, seed)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
-                        tokenizer_fingerprint=fp)
+                        tokenizer_fingerprint=fp, clock=clock)
 
     t0 = time.perf_counter()
     if args.lambda_star is not None:
@@ -224,8 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         by: dict[str, list[float]] = {}
         for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
             per_seed, tiers_served, tpot_missed, reasons = [], {}, [], {}
+            clock: dict[str, float] = {}
             for seed in seeds:
-                recs = run(label, rate, seed, args.num_requests)
+                recs = run(label, rate, seed, args.num_requests, clock)
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
                 tpot_missed.append(s["tpot_violations"] / max(1, s["n"] - s["rejected"]))
@@ -238,11 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "adherence", math.nan))
             by[label] = per_seed
             tiers_txt = " ".join(f"{name[:4]} {100 * statistics.fmean(v):.0f}%" for name, v in tiers_served.items())
+            sched_us = 1e6 * clock["s"] / max(1.0, clock["steps"])
             print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
                   f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}  TPOT missed by "
-                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted", flush=True)
+                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; scheduler {sched_us:.0f} us/step "
+                  f"on this host", flush=True)
             out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
-                                  "tpot_missed": tpot_missed, "rejected_by_tier": reasons})
+                                  "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
+                                  "scheduler_us_per_step": sched_us})
         first = next(iter(by))
         for label, g in by.items():
             if label != first and statistics.fmean(g) > 0:

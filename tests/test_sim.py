@@ -59,7 +59,21 @@ def test_the_command_line_compares_policies_on_paired_seeds(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert [p["policy"] for p in doc["points"]] == ["scorpio", "fcfs"]
     assert all(len(p["goodput_rps"]) == 2 for p in doc["points"])
-    assert "scorpio / fcfs" in capsys.readouterr().out
+    assert all(p["scheduler_us_per_step"] > 0 for p in doc["points"])  # the host time its calls took, per step
+    text = capsys.readouterr().out
+    assert "scorpio / fcfs" in text and "us/step on this host" in text
+
+
+def test_timing_the_scheduler_leaves_its_decisions_unchanged():
+    items = _items(rate=30.0, n=80, seed=3)
+    cfg = SchedulerConfig(policy="kairos", max_num_seqs=16)
+    plain = sim.simulate(cfg, items, sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0), MODEL)
+    clock: dict[str, float] = {}
+    timed = sim.simulate(cfg, items, sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0), MODEL,
+                         clock=clock)
+    assert [(r.finish_reason, r.n_out, r.ttft_s) for r in plain] == [(r.finish_reason, r.n_out, r.ttft_s)
+                                                                      for r in timed]
+    assert clock["steps"] > 0 and clock["s"] > 0
 
 
 @pytest.mark.parametrize("text, seeds", [("0-3", [0, 1, 2, 3]), ("0,2,5-6", [0, 2, 5, 6])])

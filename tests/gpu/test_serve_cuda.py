@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, dict | str]:
@@ -47,7 +42,7 @@ def _call(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[in
 def test_completion_over_http_without_temperature(device, ckpts, tmp_path):
     pytest.importorskip("ray", reason="Ray is not importable (on a GPU host: unpack .dev/site312.tar.xz)")
     pytest.importorskip("ray.serve")
-    port = _free_port()
+    port = free_port()
     args = {"model": ckpts["llama"], "device": device, "dtype": "float32", "num_gpus": 0,
             "num_kv_blocks": 256, "max_num_seqs": 8, "served_model_name": "tiny-llama"}
     if device == "cpu":

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from deployments import haproxy_ingress as H
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = Path(sys.executable).with_name("serve")
@@ -100,12 +101,6 @@ def test_what_the_haproxy_launcher_starts_dies_with_the_process_that_started_it(
 
 
 # --- the app in a subprocess ------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
@@ -224,7 +219,9 @@ def _kill(procs: list) -> None:
 
 def _scenario(tmp_path: Path) -> None:
     """Start, check the listeners, SIGTERM, check nothing is left and the ports are free, start again on them."""
-    ports = {"http": _free_port(), "stats": _free_port(), "metrics": _free_port(), "fallback": _free_port()}
+    ports: dict[str, int] = {}
+    for name in ("http", "stats", "metrics", "fallback"):
+        ports[name] = free_port(exclude=set(ports.values()))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", H.HTTP_HOST_ENV, H.STATS_HOST_ENV)}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "disabled"),
                KAIROS_HTTP_PORT=str(ports["http"]), RAY_SERVE_HAPROXY_STATS_PORT=str(ports["stats"]),
