@@ -18,6 +18,16 @@ OUTLOOK_RATIO = 1.15  # the grid of a predicted length outlook: entry i is E[len
 _OUTLOOK_GRID = tuple(OUTLOOK_RATIO ** i for i in range(200))  # past any reply length
 
 
+def outlook_entry(outlook: tuple[float, ...], num_output_tokens: int) -> tuple[float, float]:
+    """For a reply k >= 1 tokens long: its outlook's entry of the largest grid length below k, and the longest reply
+    that entry holds for (+inf past the outlook's last entry)."""
+    j = bisect.bisect_left(_OUTLOOK_GRID, num_output_tokens)  # grid[j - 1] < k <= grid[j]
+    i = max(0, j - 1)
+    if i >= len(outlook) - 1 or j >= len(_OUTLOOK_GRID):
+        return outlook[-1], math.inf
+    return outlook[i], float(math.floor(_OUTLOOK_GRID[j]))
+
+
 def outlook_at(outlook: tuple[float, ...], num_output_tokens: int) -> float:
     """The expected length of a reply `num_output_tokens` long by now, from its predicted outlook (scheduling.
     length_predictor.LengthPredictor.outlook): the entry of the largest grid length below it, at least one more
@@ -25,8 +35,7 @@ def outlook_at(outlook: tuple[float, ...], num_output_tokens: int) -> float:
     k = num_output_tokens
     if k < 1:
         return outlook[0]
-    i = min(max(0, bisect.bisect_left(_OUTLOOK_GRID, k) - 1), len(outlook) - 1)  # the last grid length below k
-    return max(outlook[i], k + 1.0)
+    return max(outlook_entry(outlook, k)[0], k + 1.0)
 
 
 class Status(enum.Enum):
@@ -118,8 +127,10 @@ class Request:
     # while it has no token: when it was last admitted and the prefill time the TTFT guard predicted for it then
     # (ms; ttft_guard.MeasuredMargin measures the difference to its first token)
     ttft_estimate: tuple[float, float] | None = None
-    # expected_output_len's last answer and what it was computed from: (tokens, predicted_len, length_outlook, length)
-    _expected: tuple[int, int | None, tuple[float, ...] | None, int] | None = field(default=None, repr=False)
+    # expected_output_len's last answer and what it was computed from: (tokens, predicted_len, length_outlook, length,
+    # and with an outlook its entry and the most tokens it holds for: `outlook_entry`)
+    _expected: tuple[int, int | None, tuple[float, ...] | None, int, float, float] | None = field(default=None,
+                                                                                                   repr=False)
     # timestamps (time.monotonic seconds)
     admitted_s: float | None = None
     first_token_s: float | None = None
@@ -175,19 +186,27 @@ class Request:
         token than that), else max_tokens; never above max_tokens. Kept until its inputs change (the scheduler
         reads it many times a step: ordering, shedding, the gate, catch-up)."""
         n, memo = len(self.token_ids), self._expected
-        if memo is not None and memo[0] == n and memo[1] == self.predicted_len and memo[2] is self.length_outlook:
-            return memo[3]
+        if memo is not None and memo[1] == self.predicted_len and memo[2] is self.length_outlook:
+            if memo[0] == n:
+                return memo[3]
+            k = n - len(self.prompt_token_ids)
+            if memo[0] < n and k <= memo[5]:  # more tokens, the same outlook entry (a reply's tokens only grow)
+                out = min(int(max(memo[4], k + 1.0)), self.params.max_tokens)
+                self._expected = (n, memo[1], memo[2], out, memo[4], memo[5])
+                return out
         cap = self.params.max_tokens
         hint = self.slo.output_len_hint
+        entry, upto = 0.0, -math.inf  # the outlook entry in use, and the most tokens out it holds for
         if hint:
             out = min(hint, cap)
         elif self.predicted_len is not None:
             k = n - len(self.prompt_token_ids)
             if self.length_outlook is not None and k > 0:
-                out = min(int(outlook_at(self.length_outlook, k)), cap)
+                entry, upto = outlook_entry(self.length_outlook, k)
+                out = min(int(max(entry, k + 1.0)), cap)  # outlook_at
             else:
                 out = min(max(self.predicted_len, k + 1), cap)
         else:
             out = cap
-        self._expected = (n, self.predicted_len, self.length_outlook, out)
+        self._expected = (n, self.predicted_len, self.length_outlook, out, entry, upto)
         return out

@@ -274,6 +274,24 @@ def test_the_expected_length_follows_each_of_its_inputs():
     assert r.expected_output_len == int(LP.outlook_at(r.length_outlook, 46))
 
 
+@pytest.mark.parametrize("cap", [3000, 700])
+def test_the_expected_length_token_by_token_is_the_outlook_at_each_length(cap):
+    """Between two grid lengths a reply keeps its outlook entry (the kept answer is carried forward a token at a
+    time): token by token the expected length is `outlook_at` at every length, past the prediction and the cap."""
+    K = len(LP.EDGES) + 1
+    p = np.zeros(K)
+    p[2], p[8] = 0.5, 0.5
+    r = _req("t", n=10, max_tokens=cap)
+    r.length_outlook = LP.conditional_means(p)
+    r.predicted_len = int(r.length_outlook[0])
+    assert r.expected_output_len == min(r.predicted_len, cap)
+    for k in range(1, 2600):
+        r.token_ids.append(5)
+        assert r.expected_output_len == min(int(LP.outlook_at(r.length_outlook, k)), cap), k
+    r.length_outlook = LP.conditional_means(p[::-1].copy())  # a new outlook: read afresh
+    assert r.expected_output_len == min(int(LP.outlook_at(r.length_outlook, 2599)), cap)
+
+
 def test_outlook_is_the_mean_above_the_tokens_out_and_grows_as_a_reply_outlives_it():
     K = len(LP.EDGES) + 1
     p = np.zeros(K)
