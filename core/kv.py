@@ -32,6 +32,10 @@ class BlockManager:
         """Blocks `seq` still needs so that `num_tokens` tokens fit."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
+    def holds(self, seq: HasBlocks, num_tokens: int) -> bool:
+        """Whether `seq`'s blocks already have slots for `num_tokens` tokens (it needs no more)."""
+        return len(seq.block_table) * self.block_size >= num_tokens
+
     def can_fit(self, seq: HasBlocks, num_tokens: int) -> bool:
         return self.extra_blocks_for(seq, num_tokens) <= len(self._free)
 

@@ -501,8 +501,8 @@ class Scheduler:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
             def afford(r: Request, extra_steps: int) -> float:
-                return affordable_step_ms(r.first_token_s, len(r.token_ids) - len(r.prompt_token_ids),
-                                          r.expected_output_len, r.tpot_slo_ms, now, extra_steps)
+                return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
+                                          now, extra_steps)
             kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), afford, pace=lambda r: r.tpot_slo_ms)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
@@ -511,11 +511,10 @@ class Scheduler:
                         r.credit += 1.0
             batch = kept
         out: list[Request] = []
-        block_size = self.blocks.block_size
         for r in batch:
             if r.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            if len(r.block_table) * block_size >= len(r.token_ids):  # its blocks hold the step's token already
+            if self.blocks.holds(r, r.num_tokens):  # its blocks hold the step's token already
                 out.append(r)
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
@@ -538,7 +537,7 @@ class Scheduler:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
         measured step factor (`ItlCorrection`, of n rows' bucket with correction_by_rows; 1 without it)."""
         scale = self.last_correction if self.correction is not None else 1.0
-        mean_len = sum(len(r.token_ids) for r in reqs) / len(reqs)
+        mean_len = sum(r.num_tokens for r in reqs) / len(reqs)
         if self.correction is not None and self.config.correction_by_rows:
             corr = self.correction
             return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(now, n)

@@ -32,9 +32,7 @@ def min_tpot(reqs: Iterable[T]) -> float:
 
 def vbs(running: Sequence[T], t_min_ms: float, best_effort_trp: float) -> float:
     """Virtual batch size: sum of TRPs, i.e. the expected number of requests per decode step."""
-    if math.isinf(t_min_ms):  # nothing paced: every request counts 1, best effort its TRP (`trp`, inlined)
-        return sum(best_effort_trp if math.isinf(r.tpot_slo_ms) else 1.0 for r in running)
-    return sum(best_effort_trp if (t := r.tpot_slo_ms) == math.inf else t_min_ms / t for r in running)
+    return sum(trp(r.tpot_slo_ms, t_min_ms, best_effort_trp) for r in running)
 
 
 def select_by_credit(running: Sequence[T], t_min_ms: float, best_effort_trp: float,
@@ -56,7 +54,7 @@ def select_by_credit(running: Sequence[T], t_min_ms: float, best_effort_trp: flo
         if tpot == t_min_ms:
             out.append(req)
             continue
-        req.credit += best_effort_trp if tpot == math.inf else t_min_ms / tpot  # its TRP (`trp`; t_min finite)
+        req.credit += trp(tpot, t_min_ms, best_effort_trp)
         if req.credit >= 1.0 - CREDIT_EPS:
             req.credit -= 1.0
             out.append(req)

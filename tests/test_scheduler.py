@@ -484,3 +484,16 @@ def test_a_request_that_can_wait_leaves_room_for_one_that_cannot(reserve):
     s.add(urgent)
     p = s.schedule(2.02)
     assert p.prefill == [urgent]  # the room it was kept (the patient one now fails the gate)
+
+
+def test_block_manager_holds_a_sequence_whose_blocks_have_its_slots_and_grows_one_that_needs_more():
+    from core.kv import BlockManager
+
+    bm = BlockManager(num_blocks=4, block_size=16)
+    r = _req(0, 16)
+    assert not bm.holds(r, 16) and bm.can_fit(r, 16)
+    bm.ensure(r, 16)
+    assert bm.holds(r, 16) and bm.extra_blocks_for(r, 16) == 0  # a full block: nothing more for these tokens
+    assert not bm.holds(r, 17) and bm.extra_blocks_for(r, 17) == 1
+    bm.ensure(r, 17)
+    assert bm.holds(r, 32) and bm.num_free == 2
