@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -27,7 +28,7 @@ from deployments.pacing import StreamPacing
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
-from scheduling.ttft_guard import idle_slo_floor
+from scheduling.ttft_guard import idle_slo_floor, margin_at
 
 log = logging.getLogger("ray.serve")
 
@@ -47,14 +48,16 @@ class RejectionView:
 
 def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_tokens: int, model: Any,
                     sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
-                    decode_left: list[int], ttft_margin_ms: float | None = None) -> RejectionView:
+                    decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None
+                    ) -> RejectionView:
     """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
     scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
     one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
     this one, plus, where the running batch has to thin out (TPOT gate, work shedding), the decode steps until
     the in-flight request nearest its end finishes (`decode_left`: their expected remaining tokens; a step takes
     `step_ms`, the engine's measured decode step, else the model's). Rounded up to whole seconds, 1 to 60.
-    `ttft_margin_ms`: the TTFT guard's margin now (measured: `Scheduler.ttft_margin_ms`; default the configured)."""
+    `ttft_margin_ms`: the TTFT guard's margin now, or a function of the request's predicted prefill that gives it
+    (measured: `Scheduler.ttft_margin_ms`; default the configured)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)
@@ -62,9 +65,11 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     p = req.params.max_tokens if req.params.max_tokens is not None else max(1, max_model_len - n)
     hint = req.slo.output_len_hint
     mid_len = n + (min(hint, p) if hint else p) / 2.0
+    margin = sched.ttft_margin_ms if ttft_margin_ms is None else ttft_margin_ms
+    if callable(margin):
+        margin = margin(model.prefill_ms(min(n, max_model_len)))
     best_ttft, best_tpot = idle_slo_floor(model.prefill_ms, model.itl_ms, min(n, max_model_len), mid_len,
-                                          sched.ttft_margin_ms if ttft_margin_ms is None else ttft_margin_ms,
-                                          flags.vbs_margin, sched.vbs_slack)
+                                          margin, flags.vbs_margin, sched.vbs_slack)
     slo = req.slo
     if reason in (RejectReason.TTFT_UNATTAINABLE, RejectReason.TPOT_UNATTAINABLE) and (
             (flags.ttft_reject and slo.ttft_ms is not None and slo.ttft_ms < best_ttft)
@@ -268,7 +273,9 @@ class LLMReplica:
             st = self.engine.stats()
             return judge_rejection(reason, req, out.num_prompt_tokens, self.engine.latency_model, self._sched,
                                    self.engine.max_model_len, st.waiting_tokens, st.step_ms,
-                                   list(self._decode_left.values()), st.ttft_margin_ms)
+                                   list(self._decode_left.values()),
+                                   lambda p: margin_at(st.ttft_margins, p, st.ttft_margin_ms
+                                                       if st.ttft_margin_ms is not None else self._sched.ttft_margin_ms))
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

@@ -39,7 +39,9 @@ class EngineStats:
     itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
     step_ms: float | None = None  # EWMA of the wall time of steps that decoded: the ITL of a request paced every step
     step_batch: float | None = None  # EWMA of those steps' decode batch sizes
-    ttft_margin_ms: float | None = None  # the TTFT guard's margin now (measured where the policy measures it)
+    ttft_margin_ms: float | None = None  # the TTFT guard's margin now for a typical request (measured where the
+    # policy measures it), and by predicted prefill (ttft_guard.margin_at reads them; empty: ttft_margin_ms for all)
+    ttft_margins: tuple[tuple[float, float], ...] = ()
     shed_threshold: float | None = None  # work shedding: fresh requests of more work (tokens / TPOT ms) are shed
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -63,6 +65,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
         step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
+        ttft_margins=s.margin.table() if s.margin is not None else (),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
         decode_over_model=s.model_error.snapshot())
 

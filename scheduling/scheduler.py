@@ -193,9 +193,10 @@ class Scheduler:
         return req.first_token_s is not None and n > 0 and math.isfinite(req.tpot_slo_ms) \
             and (now - req.first_token_s) * 1000.0 > req.tpot_slo_ms * n
 
-    def ttft_margin_ms(self) -> float:
-        """The TTFT guard's margin now: measured (`MeasuredMargin`) or the configured one."""
-        return self.margin.margin_ms() if self.margin is not None else self.config.ttft_margin_ms
+    def ttft_margin_ms(self, prefill_ms: float | None = None) -> float:
+        """The TTFT guard's margin now, for a request whose predicted prefill is `prefill_ms` (None: a typical one):
+        measured (`MeasuredMargin`) or the configured one."""
+        return self.margin.margin_ms(prefill_ms) if self.margin is not None else self.config.ttft_margin_ms
 
     def set_predictor(self, predictor: LatencyModel | None) -> None:
         """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
@@ -228,7 +229,7 @@ class Scheduler:
             order_waiting(self.waiting, "ldf")
         if f.ttft_reject and self.predictor is not None and self.waiting:
             fresh = [r for r in self.waiting if r.first_token_s is None]
-            for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.ttft_margin_ms(),
+            for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.ttft_margin_ms,
                                             self._cost):
                 self.waiting.remove(r)
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
@@ -399,8 +400,8 @@ class Scheduler:
         if self.predictor is None:
             return True
         if reason is TTFT_UNATTAINABLE:
-            return (r.deadline_s - r.arrival_s) * 1000.0 >= self.predictor.prefill_ms(self._cost(r)) \
-                + self.ttft_margin_ms()
+            alone_ms = self.predictor.prefill_ms(self._cost(r))
+            return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms)
         if reason is TPOT_UNATTAINABLE:
             alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r))
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
@@ -426,8 +427,8 @@ class Scheduler:
         limit, decode_ms = stall
         k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
         step_ms = (self.predictor.prefill_ms(round_tokens + self._cost(r)) + decode_ms) * k
-        return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, self.predictor.prefill_ms(self._cost(r)),
-                            self.ttft_margin_ms())
+        alone_ms = self.predictor.prefill_ms(self._cost(r))
+        return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms))
 
     def _work(self, r: Request, tokens: int | None = None, pace: float = math.inf) -> float:
         """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects) joining a batch paced
@@ -634,7 +635,7 @@ class Scheduler:
                 req.first_token_s = now
                 if self.margin is not None and req.ttft_estimate is not None:
                     admitted_s, predicted_ms = req.ttft_estimate
-                    self.margin.observe((now - admitted_s) * 1000.0 - predicted_ms)
+                    self.margin.observe((now - admitted_s) * 1000.0 - predicted_ms, predicted_ms)
             p = req.params
             reason = None
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:

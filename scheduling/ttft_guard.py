@@ -1,6 +1,7 @@
 """TTFT Guard (SCORPIO's ``rej``): find waiting requests whose TTFT SLO can no longer be met."""
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -13,7 +14,7 @@ def find_ttft_unattainable(
     waiting: Sequence[T],
     now_s: float,
     prefill_ms: Callable[[int], float],
-    margin_ms: float,
+    margin_ms: float | Callable[[float], float],
     cost: Callable[[T], int],
     base_ms: float = 0.0,
 ) -> list[T]:
@@ -23,17 +24,21 @@ def find_ttft_unattainable(
     SLO and ``(r.deadline_s - now_s) * 1000 < base_ms + prefill_ms(cum) + margin_ms``, in which case
     its tokens are taken back out of ``cum`` (it will not be served ahead of the rest). Requests
     without a TTFT SLO are never returned but their tokens count. ``base_ms`` is delay already
-    known to come first (e.g. the rest of the current step).
+    known to come first (e.g. the rest of the current step). ``margin_ms``: a number, or the margin for a
+    predicted prefill (`MeasuredMargin.margin_ms`), given ``prefill_ms(cum)``.
     """
     out: list[T] = []
     cum = 0
+    margin = margin_ms if callable(margin_ms) else None
     for req in waiting:
         c = cost(req)
         cum += c
         deadline = req.deadline_s
-        if math.isfinite(deadline) and (deadline - now_s) * 1000.0 < base_ms + prefill_ms(cum) + margin_ms:
-            out.append(req)
-            cum -= c
+        if math.isfinite(deadline):
+            p = prefill_ms(cum)
+            if (deadline - now_s) * 1000.0 < base_ms + p + (margin(p) if margin is not None else margin_ms):
+                out.append(req)
+                cum -= c
     return out
 
 
@@ -56,6 +61,25 @@ def idle_slo_floor(
     return best_ttft, best_tpot
 
 
+MarginTable = tuple[tuple[float, float], ...]  # (bound ms, margin ms) rows, bounds ascending: `MeasuredMargin.table`
+
+
+def _bucket(prefill_ms: float) -> int:
+    """The least k >= 0 with 2 ** k ms >= `prefill_ms`."""
+    return 0 if prefill_ms <= 1.0 else math.ceil(math.log2(prefill_ms))
+
+
+def margin_at(table: MarginTable, prefill_ms: float, default_ms: float) -> float:
+    """The margin `table` gives a request whose predicted prefill is `prefill_ms`: the first row whose bound is at
+    least that, else the last row; `default_ms` for an empty table (too few admissions measured)."""
+    if not table:
+        return default_ms
+    for bound, margin in table:
+        if prefill_ms <= bound:
+            return margin
+    return table[-1][1]
+
+
 class MeasuredMargin:
     """kairos's TTFT margin, measured on the replica's own admissions instead of SCORPIO's fixed 50 ms.
 
@@ -65,26 +89,62 @@ class MeasuredMargin:
     sampling and the model's own error. A fixed margin is the wrong size on both machines: a CPU step is a few ms,
     so 50 ms turned away interactive requests that could still have waited most of their SLO; a GPU step with
     hundreds of decodes is tens of ms, more than a fixed margin may hold. Each request admitted fresh records its
-    error, ``(first token - admission) - predicted prefill`` of its round up to it (`observe`); the margin is the
-    ``quantile`` of the last ``window`` errors (`margin_ms`), and the configured margin until ``min_samples`` are in.
+    error, ``(first token - admission) - predicted prefill`` of its round up to it, with that prediction
+    (`observe`); the margin is the ``quantile`` of the errors of the last ``window`` admissions, and the configured
+    margin until ``min_samples`` are in.
+
+    The model's error grows with the prefill: a prompt far longer than the profiled ones is extrapolated to, and
+    its attention grows with its square. So a request's margin is measured on admissions of about its size or
+    smaller (`margin_ms(prefill_ms)`): those whose predicted prefill was at most twice the power of two (in ms) at
+    or above its own, and at least ``min_samples`` of them, the smallest predicted first. One long prompt whose
+    prefill took seconds more than predicted raises the margin of prompts as long, and no longer that of every
+    short request for the next ``window`` admissions (which then all missed a TTFT SLO of a few seconds).
     """
 
     def __init__(self, default_ms: float, quantile: float = 0.99, window: int = 256, min_samples: int = 32) -> None:
         if default_ms < 0 or not 0 < quantile <= 1 or not 1 <= min_samples <= window:
             raise ValueError("need default_ms >= 0, 0 < quantile <= 1 and 1 <= min_samples <= window")
         self.default_ms, self.quantile, self.min_samples = default_ms, quantile, min_samples
-        self._errs: deque[float] = deque(maxlen=window)
-        self._cached: float | None = None
+        self._obs: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted prefill ms, error ms)
+        self._table: MarginTable | None = None
+        self._typical = 0.0  # the median predicted prefill of the window (with the table)
 
-    def observe(self, err_ms: float) -> None:
-        """One request's admission-to-first-token time less the prefill the guard predicted for it (ms)."""
-        self._errs.append(max(float(err_ms), 0.0))
-        self._cached = None
+    def observe(self, err_ms: float, predicted_ms: float = 0.0) -> None:
+        """One request's admission-to-first-token time less the prefill the guard predicted for it, `predicted_ms`."""
+        self._obs.append((max(float(predicted_ms), 0.0), max(float(err_ms), 0.0)))
+        self._table = None
 
-    def margin_ms(self) -> float:
-        if len(self._errs) < self.min_samples:
+    def table(self) -> MarginTable:
+        """The margins by predicted prefill (`margin_at` reads them): a row per power of two from the smallest
+        prediction's to the largest's, each the ``quantile`` of the errors `margin_ms` describes. Empty while fewer
+        than ``min_samples`` admissions are measured."""
+        if self._table is None:
+            self._table = self._build()
+        return self._table
+
+    def _build(self) -> MarginTable:
+        n = len(self._obs)
+        if n < self.min_samples:
+            return ()
+        obs = sorted(self._obs)  # by predicted prefill
+        self._typical = obs[n // 2][0]
+        errs: list[float] = []
+        rows: list[tuple[float, float]] = []
+        i, k, top = 0, _bucket(obs[0][0]), _bucket(obs[-1][0])
+        while True:
+            limit = 2.0 ** (k + 1)  # twice the row's bound
+            while i < n and (obs[i][0] <= limit or i < self.min_samples):
+                bisect.insort(errs, obs[i][1])
+                i += 1
+            rows.append((2.0 ** k, errs[min(len(errs) - 1, math.ceil(self.quantile * len(errs)) - 1)]))
+            if k >= top:
+                return tuple(rows)
+            k += 1
+
+    def margin_ms(self, prefill_ms: float | None = None) -> float:
+        """The margin for a request whose predicted prefill (its round's, up to it) is `prefill_ms`; None: for a
+        typical one (the median prediction measured), as a replica reports it."""
+        table = self.table()
+        if not table:
             return self.default_ms
-        if self._cached is None:
-            errs = sorted(self._errs)
-            self._cached = errs[min(len(errs) - 1, math.ceil(self.quantile * len(errs)) - 1)]
-        return self._cached
+        return margin_at(table, self._typical if prefill_ms is None else prefill_ms, self.default_ms)

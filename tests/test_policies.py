@@ -11,7 +11,7 @@ from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
 from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, hold_prefill, min_tpot,
                                    next_token_slack_ms, select_by_credit, trim_for_catch_up, trp, vbs)
-from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
+from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable, margin_at
 
 
 def _req(rid: str, *, prompt: int = 10, ttft: float | None = None, tpot: float | None = None,
@@ -354,3 +354,23 @@ def test_measured_margin_is_the_configured_one_until_measured_then_a_high_quanti
     assert m.margin_ms() == 0.0
     with pytest.raises(ValueError):
         MeasuredMargin(50.0, min_samples=0)
+
+
+def test_a_long_prompts_error_raises_the_margin_of_prompts_as_long_not_of_short_ones() -> None:
+    """The margin for a predicted prefill P is measured on the admissions predicted at most twice the power of two at
+    or above P (at least min_samples of them): one long prompt whose prefill took 16 s more than predicted (the
+    model extrapolated to it) leaves the margin of short requests as they measured it."""
+    m = MeasuredMargin(50.0, quantile=0.99, window=64, min_samples=8)
+    for i in range(40):
+        m.observe(10.0 + i % 5, predicted_ms=5.0 + i % 3)  # short prompts: errors 10..14 ms, predicted 5..7 ms
+    assert m.margin_ms(6.0) == m.margin_ms() == 14.0
+    m.observe(16_000.0, predicted_ms=4_000.0)
+    assert m.margin_ms(6.0) == 14.0 and m.margin_ms(20.0) == 14.0 and m.margin_ms() == 14.0
+    assert m.margin_ms(3_000.0) == m.margin_ms(50_000.0) == 16_000.0  # prompts as long get its error
+    assert m.table()[0] == (8.0, 14.0) and m.table()[-1] == (4096.0, 16_000.0)
+    assert margin_at(m.table(), 1.0, 50.0) == 14.0 and margin_at((), 1.0, 50.0) == 50.0
+    # below the smallest prediction measured: the min_samples smallest predicted
+    m2 = MeasuredMargin(50.0, quantile=1.0, window=64, min_samples=4)
+    for pred, err in [(100.0, 1.0), (100.0, 2.0), (100.0, 3.0), (200.0, 9.0), (3000.0, 500.0)]:
+        m2.observe(err, pred)
+    assert m2.margin_ms(0.5) == 9.0 and m2.margin_ms(300.0) == 9.0 and m2.margin_ms(2500.0) == 500.0

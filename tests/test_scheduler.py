@@ -458,6 +458,38 @@ def test_kairos_measures_its_ttft_margin_on_its_own_admissions(policy):
         assert s.ttft_margin_ms() == 50.0 and plan.rejected == [(late, "ttft_unattainable")]
 
 
+def test_one_long_prompt_the_model_underestimated_does_not_turn_away_short_requests():
+    """kairos: after short admissions whose first tokens came 2 ms past their predicted prefill, one long prompt's
+    came 16 s late (the model extrapolated to it). A short request with a 100 ms TTFT SLO is still admitted at
+    once; a prompt as long as that one, with a 10 s SLO, is turned away by what that one measured."""
+    from core.request import FinishReason
+    s = Scheduler(SchedulerConfig(policy="kairos"), 4096, 4, max_model_len=10_000,
+                  predictor=LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0)))
+    t = 0.0
+
+    def admit(r, took_s):
+        nonlocal t
+        s.add(r)
+        plan = s.schedule(t)
+        assert plan.prefill == [r] and not plan.rejected
+        t += took_s
+        s.postprocess(plan, [3] * len(plan.requests), t)
+        s.finish(r, FinishReason.STOP, t)
+
+    for i in range(40):
+        admit(_req(i, 100, ttft=1_000.0, arrival=t), (2.0 + 2.0) / 1000.0)  # predicted 2 ms, took 4
+    admit(_req(50, 8000, ttft=60_000.0, arrival=t), (81.0 + 16_000.0) / 1000.0)  # predicted 81 ms
+    short = _req(51, 100, ttft=100.0, arrival=t)
+    s.add(short)
+    plan = s.schedule(t)
+    assert plan.prefill == [short] and not plan.rejected and s.ttft_margin_ms(2.0) == pytest.approx(2.0)
+    _run(s, plan)
+    s.finish(short, FinishReason.STOP, t)
+    long = _req(52, 8000, ttft=10_000.0, arrival=t)
+    s.add(long)
+    assert s.schedule(t).rejected == [(long, "ttft_unattainable")]
+
+
 @pytest.mark.parametrize("reserve", [True, False])
 def test_a_request_that_can_wait_leaves_room_for_one_that_cannot(reserve):
     """kairos (impatient_reserve): with replies finishing every ~250 ms and arrivals whose TTFT SLO (100 ms) is shorter

@@ -15,6 +15,7 @@ from deployments import protocol as P
 from deployments.args import AppArgs, load_api_keys
 from deployments.router import rank, view
 from engine.config import EngineConfig
+from scheduling.ttft_guard import margin_at
 
 
 def test_app_args_map_flat_knobs_into_nested_configs() -> None:
@@ -831,7 +832,7 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
 
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
                     step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos",
-                    ttft_margin_ms: float | None = None):
+                    ttft_margin_ms=None):
     from deployments.replica import judge_rejection
     from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel
@@ -853,6 +854,14 @@ def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is(
     # the margin the engine's guard measured (kairos: Scheduler.ttft_margin_ms) instead of the configured 50 ms
     v = _rejection_view("ttft_unattainable", SLO(ttft_ms=150.0), ttft_margin_ms=5.0)
     assert v.reason == "ttft_unattainable" and v.retry_after_s is not None and v.best_ttft_ms == pytest.approx(115.0)
+    # measured by predicted prefill (ttft_guard.margin_at over the engine's table): this request's, 110 ms, gets 5
+    table = ((128.0, 5.0), (8192.0, 16_000.0))  # a long prompt measured 16 s late raised the long ones' only
+    v = _rejection_view("ttft_unattainable", SLO(ttft_ms=150.0),
+                        ttft_margin_ms=lambda p: margin_at(table, p, 50.0))
+    assert v.reason == "ttft_unattainable" and v.best_ttft_ms == pytest.approx(115.0)
+    v = _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0), prompt_tokens=1000,
+                        ttft_margin_ms=lambda p: margin_at(table, p, 50.0))
+    assert v.reason == "slo_unattainable" and v.best_ttft_ms == pytest.approx(1010.0 + 16_000.0)
     assert _rejection_view("tpot_unattainable", SLO(tpot_ms=22.0)).reason == "slo_unattainable"
     # a busy rejection of a request whose other SLO no idle replica meets: retrying cannot help either
     assert _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0, tpot_ms=1.0)).reason == "slo_unattainable"
