@@ -43,11 +43,21 @@ class ContextLengthExceeded(ValueError):
                          f"tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room in the context window for a generated token (raised where it is tokenized)."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                         f"{prompt_tokens} input tokens (the prompt and at least 1 generated token must fit). Please "
+                         f"reduce the length of the input.")
+
+
 class ErrorKind(enum.StrEnum):
     """What failed, for a final item with finish_reason `error`: the HTTP status follows from it."""
 
     INVALID_REQUEST = "invalid_request"  # 400: the replica refused the input (prompt too long, bad ids, ...)
     CONTEXT_LENGTH = "context_length"  # 400: max_tokens beyond the context the prompt leaves (`ContextLengthExceeded`)
+    PROMPT_TOO_LONG = "prompt_too_long"  # 400: a prompt that fills the context window (`PromptTooLong`)
     UNAVAILABLE = "unavailable"  # 503: the engine is dead or shutting down
     ENGINE = "engine"  # 500: the model step or sampling failed
 

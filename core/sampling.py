@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
+MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,11 +18,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits before sampling (greedy too); a
+    # mapping is accepted and kept as sorted pairs
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
 
     def validate(self) -> "SamplingParams":
         """The one set of limits, wherever a request enters (HTTP or in-process)."""
@@ -45,6 +51,13 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if len(self.stop) > 16:
             raise ValueError("at most 16 stop strings are supported")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         return self
 
     @property

@@ -125,6 +125,8 @@ def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: in
     if item.error_kind is ErrorKind.CONTEXT_LENGTH:
         return APIError(400, item.error or "max_tokens is too large", headers=headers, param="max_tokens",
                         code="context_length_exceeded")
+    if item.error_kind is ErrorKind.PROMPT_TOO_LONG:
+        return APIError(400, item.error or "the prompt is too long", headers=headers, code="context_length_exceeded")
     if item.error_kind is ErrorKind.INVALID_REQUEST:
         return APIError(400, item.error or "invalid request", headers=headers)
     if item.error_kind is ErrorKind.UNAVAILABLE:

@@ -98,12 +98,17 @@ def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float 
     return ", ".join(parts)
 
 
-def _validation_message(e: ValidationError) -> str:
-    parts = []
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """A schema error as OpenAI words one: each failing field and why (pydantic's "Value error, " prefix dropped),
+    and the first failing field as `param` (None where the body as a whole failed)."""
+    parts, param = [], None
     for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("function-after",)) or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("function-after", "function-before")]
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        if param is None and loc:
+            param = loc[0]
+    return "; ".join(parts), param
 
 
 class Readiness:
@@ -306,7 +311,8 @@ class OpenAIFrontend:
         try:
             body = schema.model_validate(raw)
         except ValidationError as e:
-            raise APIError(400, _validation_message(e)) from None
+            message, param = _validation_message(e)
+            raise APIError(400, message, param=param) from None
         if body.model is not None and body.model not in self._served_names():  # absent: the served model
             raise model_not_found(body.model, self._served_names())
         slo = self._slo(request, body)
@@ -351,15 +357,16 @@ class OpenAIFrontend:
                    "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
         if req.avoid_replicas:
             headers["x-kairos-rerouted"] = str(len(req.avoid_replicas))
+        model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
         if first.finished:
             failure = item_failure(first, headers, self.retry_after_s)
             if failure is not None:
                 raise failure
         if body.stream:
-            return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage),
+            return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model),
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        return await self._collect(gen, first, kind, rid, headers)
+        return await self._collect(gen, first, kind, rid, headers, model)
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
         """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
@@ -388,7 +395,7 @@ class OpenAIFrontend:
             raise protocol_failure(rid, e) from None
 
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                       headers: dict[str, str]) -> JSONResponse:
+                       headers: dict[str, str], model: str) -> JSONResponse:
         parts, item = [first.text], first
         try:
             while not item.finished:
@@ -407,13 +414,13 @@ class OpenAIFrontend:
         if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
         build = P.completion_response if kind == "completion" else P.chat_response
-        out = build(rid, self.served_model_name, "".join(parts), item.finish_reason, item.num_prompt_tokens,
+        out = build(rid, model, "".join(parts), item.finish_reason, item.num_prompt_tokens,
                     item.num_output_tokens)
         return JSONResponse(out, headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                   include_usage: bool) -> AsyncIterator[bytes]:
-        created, model, item = int(time.time()), self.served_model_name, first
+                   include_usage: bool, model: str) -> AsyncIterator[bytes]:
+        created, item = int(time.time()), first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         done = False
         try:

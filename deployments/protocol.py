@@ -2,8 +2,10 @@
 
 Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
-Unknown fields are ignored (clients send `user`, `logit_bias`, ...); fields we cannot honour with their
-non-default value (n > 1, best_of > 1, echo, logprobs, penalties, suffix, tools) are rejected explicitly.
+Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
+cannot honour are rejected explicitly when given a value other than their default: n > 1, best_of > 1, echo,
+logprobs / top_logprobs, the presence / frequency / repetition penalties, suffix, tools / tool_choice / functions,
+a response_format other than text, and vLLM's guided decoding (`UNSUPPORTED`). `logit_bias` is honoured.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.messages import RequestMetrics
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
+from core.sampling import MAX_LOGIT_BIAS
 
 
 def _documented(schema: dict[str, Any]) -> Any:
@@ -41,10 +44,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (1, 1.0), "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "top_logprobs": (0,),
+    "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "prediction": (),
+}
+
+
 class _Common(BaseModel):
     """Sampling knobs, vLLM extensions and Kairos SLO fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, ok in UNSUPPORTED.items():
+                v = data.get(name)
+                if v is not None and not any(v == o and type(v) is type(o) for o in ok):
+                    raise ValueError(f"{name} is not supported by this server (got {json.dumps(v)[:80]})")
+            if data.get("stream_options") is not None and not data.get("stream"):
+                raise ValueError("stream_options is only allowed with stream: true")
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
@@ -63,6 +87,10 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=1024, json_schema_extra=_opt(
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 1024}))
+    # OpenAI: token id (as a string) -> bias in [-100, 100], added to its logit before sampling
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_opt(
+        {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}))
     # Kairos: SLOs in the body (the x-slo-* headers win when both are given)
     slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
@@ -72,8 +100,20 @@ class _Common(BaseModel):
     @classmethod
     def _n(cls, v: int | None) -> int:
         if v not in (None, 1):
-            raise ValueError("n > 1 is not supported (one choice per request)")
+            raise ValueError(f"n must be 1 (one choice per request), got {v}")
         return 1
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}")
+        if v and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -105,6 +145,7 @@ class _Common(BaseModel):
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
         )
         kw["max_tokens"] = max_tokens
         return kw

@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, RejectReason, RequestOutput,
-                           RoutingStats, ServedBy)
+from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, PromptTooLong, RejectReason,
+                           RequestOutput, RoutingStats, ServedBy)
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
@@ -197,6 +197,9 @@ class LLMReplica:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:
             yield self._refused(req, t_in, ErrorKind.CONTEXT_LENGTH, str(e))
+            return
+        except PromptTooLong as e:
+            yield self._refused(req, t_in, ErrorKind.PROMPT_TOO_LONG, str(e))
             return
         except (ValueError, TypeError, UnicodeError) as e:  # TypeError: the tokenizer refusing odd text
             yield self._refused(req, t_in, ErrorKind.INVALID_REQUEST, str(e))

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from core.messages import ChatTurn, ContextLengthExceeded
+from core.messages import ChatTurn, ContextLengthExceeded, PromptTooLong
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 
@@ -77,12 +77,13 @@ class InputProcessor:
         params = (params or SamplingParams()).validate()
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
+        if any(t >= self.vocab_limit for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_limit}")
         slo = (slo or SLO()).validate()
         ids = self.tokenize(self.render_chat(messages) if messages is not None else prompt)
         limit = self.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context window is {limit} tokens "
-                             f"(prompt + at least 1 generated token must fit)")
+            raise PromptTooLong(len(ids), limit)
         if len(ids) + 1 > self.kv_capacity_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the KV cache capacity of "
                              f"{self.kv_capacity_tokens} tokens")

@@ -163,6 +163,13 @@ class Sampler:
                 cols.extend(ban)
         if rows:
             logits[_to(rows, dev), _to(cols, dev)] = float("-inf")
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:  # logit_bias: one accumulating write for the whole batch, before every path (greedy too)
+            rows = [i for i, bias in biased for t, _ in bias if t < width]
+            cols = [t for _, bias in biased for t, _ in bias if t < width]
+            vals = [b for _, bias in biased for t, b in bias if t < width]
+            if rows:
+                logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed)

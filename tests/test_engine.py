@@ -243,7 +243,7 @@ def llama_engine(tiny_checkpoints):
 @pytest.mark.parametrize("prompt, params, match", [
     ("", SamplingParams(), "empty"),
     ([], SamplingParams(), "non-empty"),
-    ([1] * 600, SamplingParams(), "context window is 512"),
+    ([1] * 600, SamplingParams(), "maximum context length is 512 tokens"),
     ("hi", SamplingParams(max_tokens=0), "max_tokens"),
     ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
     ("hi", SamplingParams(temperature=-0.1), "temperature"),

@@ -39,6 +39,23 @@ def test_min_tokens_mask_lifts_once_reached():
     assert s.sample(logits, [r]) == [EOS]
 
 
+def test_logit_bias_moves_its_rows_tokens_greedy_and_sampled(draw):
+    """OpenAI's logit_bias is added to the logits of its request's row only, before every path: -100 bans the
+    favourite, +100 makes a token the greedy choice and, sampled, the only one drawn in practice."""
+    s = Sampler(vocab_limit=10, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.zeros(4, 10)
+    logits[:, 4] = 5.0
+    logits[:, 2] = 4.0
+    reqs = [_req("plain"), _req("ban", logit_bias={4: -100.0}), _req("force", logit_bias=((8, 100.0),)),
+            Request("drawn", [1, 2, 3], SamplingParams(temperature=1.0, seed=7, logit_bias={3: 100.0, 4: -100}))]
+    assert s.sample(logits, reqs) == [4, 2, 8, 3]
+    assert reqs[1].params.logit_bias == ((4, -100.0),)  # a mapping is kept as sorted pairs
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={1: 101.0}).validate()
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={-1: 1.0}).validate()
+
+
 def _sampled(rid: str, **params) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(**params))
 

@@ -52,6 +52,27 @@ def test_completion_token_ids_seed_and_stop_extensions(client: httpx.Client) -> 
     assert one.status_code == 200, one.text
 
 
+def test_logit_bias_forces_and_bans_tokens_and_the_model_is_named_as_asked(client: httpx.Client) -> None:
+    from transformers import AutoTokenizer
+
+    from bench.driver import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    forced = client.post("/v1/completions", json={**body, "logit_bias": {"42": 100}})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["choices"][0]["text"] == tok.decode([42, 42, 42])
+    plain = client.post("/v1/completions", json={**body, "max_tokens": 1}).json()["choices"][0]["text"]
+    first = tok.encode(plain, add_special_tokens=False)[0]
+    banned = client.post("/v1/completions", json={**body, "max_tokens": 1, "logit_bias": {str(first): -100}})
+    assert banned.json()["choices"][0]["text"] != plain
+    r = client.post("/v1/completions", json={**body, "logit_bias": {"99999999": 1}})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    for card in client.get("/v1/models").json()["data"]:  # every served name answers as itself, as vLLM does
+        r = client.post("/v1/completions", json={**body, "model": card["id"], "max_tokens": 1})
+        assert r.json()["model"] == card["id"]
+
+
 def test_completion_stream(client: httpx.Client) -> None:
     req = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True, "ignore_eos": True,
            "stream_options": {"include_usage": True}}

@@ -77,10 +77,10 @@ def test_bad_slo_headers(client: httpx.Client, header: str, value: str) -> None:
 def test_prompt_over_context_window(client: httpx.Client) -> None:
     limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
     err = assert_error(client.post(CMPL, json={"prompt": [5] * (limit + 10), "max_tokens": 2}), 400)
-    assert str(limit) in err["message"]
+    assert str(limit) in err["message"] and err["code"] == "context_length_exceeded"
     err = assert_error(client.post(CHAT, json={"messages": [{"role": "user", "content": "word " * (limit + 10)}]}),
                        400)
-    assert str(limit) in err["message"]
+    assert str(limit) in err["message"] and err["code"] == "context_length_exceeded"
 
 
 def test_body_too_large(client: httpx.Client) -> None:

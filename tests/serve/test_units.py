@@ -481,7 +481,7 @@ def _sse_chunks(items: list) -> list:
 
     async def collect() -> list[bytes]:
         gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "completion",
-                                         "cmpl-1", False)
+                                         "cmpl-1", False, "m")
         return [c async for c in gen]
 
     return [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
@@ -528,7 +528,7 @@ def test_malformed_stream_items_fail_loudly() -> None:
     me = SimpleNamespace(served_model_name="m", retry_after_s=1)
     with pytest.raises(APIError) as err:
         asyncio.run(Ingress.func_or_class._collect(me, _Gen([ok, {"text": "b", "finished": True}]), ok,
-                                                   "completion", "r", {}))
+                                                   "completion", "r", {}, "m"))
     assert err.value.status == 500 and err.value.code == "protocol_error"
     # the ingress, streaming: an error event, never a chunk that ends the choice normally
     chunks = _sse_chunks([ok, {"text": "b", "finished": True, "finish_reason": "stop"}])
@@ -999,3 +999,43 @@ ray_kairos_vbs{deployment="LLMServer",model="m"} 3.0
 """
     assert decode_over_model(text) == {2: (4, pytest.approx(5.2)), 16: (15, pytest.approx(18.0))}
     assert decode_over_model("") == {}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}), ("response_format", {"type": "bogus"}), ("repetition_penalty", 1.2),
+    ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("guided_json", {"type": "object"}),
+    ("top_logprobs", 3), ("guided_choice", ["a", "b"])])
+def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
+    """OpenAI / vLLM apply these or answer 400; silently ignoring them would return an output the client did not
+    ask for. Their defaults (or an explicit null) pass."""
+    for schema, base in ((P.CompletionRequest, {"prompt": "x"}), (P.ChatCompletionRequest,
+                                                                   {"messages": [{"role": "user", "content": "x"}]})):
+        with pytest.raises(ValidationError, match=f"{field} is not supported"):
+            schema.model_validate({**base, field: value})
+        schema.model_validate({**base, field: None})
+    for field_, default in (("response_format", {"type": "text"}), ("repetition_penalty", 1.0),
+                            ("tool_choice", "none"), ("top_logprobs", 0), ("parallel_tool_calls", False)):
+        P.CompletionRequest.model_validate({"prompt": "x", field_: default})
+
+
+def test_logit_bias_reaches_the_sampling_params_and_bad_maps_are_refused() -> None:
+    body = P.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}})
+    assert SamplingParams(**body.sampling_kwargs(4)).validate().logit_bias == ((3, 2.5), (7, -100.0))
+    for bad in ({"a": 1}, {"-1": 1}, {"5": 101}, {"5": "x"}):
+        with pytest.raises(ValidationError):
+            P.CompletionRequest.model_validate({"prompt": "x", "logit_bias": bad})
+    with pytest.raises(ValidationError, match="only allowed with stream: true"):
+        P.CompletionRequest.model_validate({"prompt": "x", "stream_options": {"include_usage": True}})
+    P.CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+
+
+def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> None:
+    from deployments.ingress import _validation_message
+
+    with pytest.raises(ValidationError) as e:
+        P.CompletionRequest.model_validate({"prompt": "x", "n": 0})
+    assert _validation_message(e.value) == ("n: n must be 1 (one choice per request), got 0", "n")
+    with pytest.raises(ValidationError) as e:
+        P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    message, param = _validation_message(e.value)
+    assert message.startswith("response_format is not supported") and param is None
