@@ -40,7 +40,7 @@ _SLO_MS = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SLO_MS}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
     include_usage: bool = False
 
 
@@ -56,7 +56,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 class _Common(BaseModel):
     """Sampling knobs, vLLM extensions and Kairos SLO fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
 
     @model_validator(mode="before")
     @classmethod
@@ -188,13 +188,13 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

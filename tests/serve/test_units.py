@@ -1039,3 +1039,14 @@ def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> N
         P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
     message, param = _validation_message(e.value)
     assert message.startswith("response_format is not supported") and param is None
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", True), ("max_tokens", "3"), ("max_tokens", 3.0),
+                                         ("stream", "yes"), ("ignore_eos", 1), ("slo_ttft_ms", "2000"),
+                                         ("slo_tpot_ms", True), ("temperature", "0.5")])
+def test_values_of_the_wrong_type_are_refused_not_coerced(field, value) -> None:
+    """As OpenAI: "3" is not 3 and true is not 1 (pydantic's lax mode had made a 1-token reply of max_tokens: true);
+    an integer where a number is asked for is a number."""
+    with pytest.raises(ValidationError):
+        P.CompletionRequest.model_validate({"prompt": "x", field: value})
+    assert P.CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "slo_ttft_ms": 2000}).temperature == 0
