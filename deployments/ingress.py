@@ -498,7 +498,7 @@ def openai_api() -> FastAPI:
     api.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     api.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     api.add_exception_handler(Exception, _unexpected)
-    api.add_api_route("/health", OpenAIFrontend.health, methods=["GET"])
+    api.add_api_route("/health", OpenAIFrontend.health, methods=["GET", "HEAD"])  # HEAD: load balancers probe so
     api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
     api.add_api_route("/metrics", OpenAIFrontend.prometheus_metrics, methods=["GET"],
                       response_class=PlainTextResponse)
