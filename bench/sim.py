@@ -54,8 +54,9 @@ class Machine:
     host_ms: float = 0.15
     seed: int = 0
 
-    def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random) -> float:
-        ms = self.truth.prefill_ms(prefill_tokens) if prefill_tokens else 0.0
+    def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random,
+                prefill_sq: float | None = None) -> float:
+        ms = self.truth.prefill_ms(prefill_tokens, prefill_sq) if prefill_tokens else 0.0
         if decode_rows:
             ms += self.truth.itl_ms(float(decode_rows), mean_len)
         mult = math.exp(rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0
@@ -121,7 +122,8 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
                 t += 0.005
             continue
         rows = plan.requests
-        ms = machine.step_ms(plan.num_prefill_tokens, len(plan.decode), plan.decode_mean_len, rng)
+        ms = machine.step_ms(plan.num_prefill_tokens, len(plan.decode), plan.decode_mean_len, rng,
+                             plan.num_prefill_sq)
         index = sched.launched(plan, rows)
         t += ms / 1000.0
         for req, _tok, reason in sched.resolved(rows, index, [7] * len(rows), t):

@@ -11,7 +11,7 @@
   "hidden" and "predicted" send max_tokens as a cap and no hint, and end each reply at its reference length through
   a benchmark-only stop (`WorkItem.stop_after`) no policy reads; "predicted" differs only in the scheduler.
 
-No engine import (the predictor is duck-typed: anything with prefill_ms(n) and itl_ms(B, L)).
+No engine import (the predictor is duck-typed: anything with prefill_ms(n, q) and itl_ms(B, L)).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ FIRST_TOKEN_ID = 3  # skip the special tokens (<|endoftext|>, <|im_start|>, <|im
 
 
 class Predictor(Protocol):
-    def prefill_ms(self, n: float) -> float: ...
+    def prefill_ms(self, n: float, q: float | None = None) -> float: ...
 
     def itl_ms(self, batch: float, ctx_len: float) -> float: ...
 
@@ -179,7 +179,8 @@ def slo_scale(predictor: Predictor, budget_tokens: int, spec: WorkloadSpec | Non
     spec = spec or WorkloadSpec()
     mp, mo = spec.mean_lengths()
     l_bar = mp + mo / 2.0
-    p_budget = float(predictor.prefill_ms(budget_tokens))
+    # a full round of the workload's prompts: budget_tokens, each prompt's attention over its own mean length
+    p_budget = float(predictor.prefill_ms(budget_tokens, budget_tokens * min(mp, budget_tokens)))
     u = 2.0 * p_budget
     d1, d4, d12 = (float(predictor.itl_ms(b, l_bar)) for b in (1, 4, 12))
     strict = headroom * float(predictor.itl_ms(strict_batch, l_bar))

@@ -48,8 +48,8 @@ class RejectionView:
 
 def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_tokens: int, model: Any,
                     sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
-                    decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None
-                    ) -> RejectionView:
+                    decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None,
+                    waiting_sq: float = 0.0) -> RejectionView:
     """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
     scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
     one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
@@ -57,7 +57,8 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     the in-flight request nearest its end finishes (`decode_left`: their expected remaining tokens; a step takes
     `step_ms`, the engine's measured decode step, else the model's). Rounded up to whole seconds, 1 to 60.
     `ttft_margin_ms`: the TTFT guard's margin now, or a function of the request's predicted prefill that gives it
-    (measured: `Scheduler.ttft_margin_ms`; default the configured)."""
+    (measured: `Scheduler.ttft_margin_ms`; default the configured). `waiting_sq`: the waiting prompts' attention
+    work in token pairs (`Scheduler.waiting_sq`)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)
@@ -75,7 +76,8 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
             (flags.ttft_reject and slo.ttft_ms is not None and slo.ttft_ms < best_ttft)
             or (flags.vbs_gate and slo.tpot_ms is not None and slo.tpot_ms <= best_tpot)):
         return RejectionView(RejectReason.SLO_UNATTAINABLE, None, best_ttft, best_tpot)
-    wait_ms = model.prefill_ms(waiting_tokens + min(n, max_model_len))
+    own = min(n, max_model_len)
+    wait_ms = model.prefill_ms(waiting_tokens + own, waiting_sq + float(own) * own)
     if reason in (RejectReason.TPOT_UNATTAINABLE, RejectReason.SHED) and decode_left:
         step = step_ms if step_ms else model.itl_ms(float(len(decode_left)), mid_len)
         wait_ms += max(0, min(decode_left)) * step
@@ -278,7 +280,8 @@ class LLMReplica:
                                    self.engine.max_model_len, st.waiting_tokens, st.step_ms,
                                    list(self._decode_left.values()),
                                    lambda p: margin_at(st.ttft_margins, p, st.ttft_margin_ms
-                                                       if st.ttft_margin_ms is not None else self._sched.ttft_margin_ms))
+                                                       if st.ttft_margin_ms is not None else self._sched.ttft_margin_ms),
+                                   st.waiting_sq)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

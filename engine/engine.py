@@ -502,7 +502,7 @@ class LLMEngine:
             self._step_batch = b if first else 0.9 * self._step_batch + 0.1 * b
         if self._observers:
             event = StepEvent(now, len(plan.prefill), plan.num_prefill_tokens, len(plan.decode),
-                              plan.decode_mean_len, f.forward_ms, step_ms)
+                              plan.decode_mean_len, f.forward_ms, step_ms, plan.num_prefill_sq)
             for fn in self._observers:
                 fn(event)
         self._publish(len(plan.prefill), len(plan.decode))

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger("kairos.profiling")
-PROFILE_VERSION = 4  # 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee
+PROFILE_VERSION = 5  # 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee; 5: attention term
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 # A GPU replica runs hundreds of requests at contexts in the thousands: its probes reach `max_num_seqs` and the

@@ -18,6 +18,7 @@ class StepEvent:
     decode_mean_len: float  # mean context of the decodes (0.0 without decodes)
     forward_ms: float  # prepare + forward (its launch, where the device runs it asynchronously: CUDA)
     wall_ms: float  # the whole step: schedule, forward, sample, postprocess
+    num_prefill_sq: float | None = None  # the prefill's attention work in token pairs (None: one prompt's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class EngineStats:
     steps: int
     rejected: dict[str, int] = field(default_factory=dict)
     waiting_tokens: int = 0  # prompt tokens queued for prefill
+    waiting_sq: float = 0.0  # and their attention work in token pairs (predictor.prefill_sq, summed)
     predictor_mape: float | None = None
     itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
     step_ms: float | None = None  # EWMA of the wall time of steps that decoded: the ITL of a request paced every step
@@ -61,7 +63,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used,
         vbs=s.last_vbs, strictest_tpot_ms=None if tmin == float("inf") else tmin,
         last_prefill_batch=last[0], last_decode_batch=last[1], steps=steps,
-        waiting_tokens=s.waiting_tokens(), rejected=dict(rejected),
+        waiting_tokens=s.waiting_tokens(), waiting_sq=s.waiting_sq(), rejected=dict(rejected),
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
         step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
@@ -75,4 +77,5 @@ def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_t
     """TTFT a new request would see now: prefill of what is queued (as last published) plus its own."""
     if model is None:
         return 0.0
-    return model.prefill_ms(stats.waiting_tokens + min(num_prompt_tokens, max_model_len))
+    n = min(num_prompt_tokens, max_model_len)
+    return model.prefill_ms(stats.waiting_tokens + n, stats.waiting_sq + float(n) * n)

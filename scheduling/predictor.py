@@ -1,4 +1,12 @@
-"""Step-time model: ``Prefill(n)`` (piecewise linear) and ``ITL(B, L) = a·B·L + b·B + c·L + d``.
+"""Step-time model: ``Prefill(n, q) = alpha·n + beta + gamma·q`` (``c0`` for a step of at most ``theta`` tokens) and
+``ITL(B, L) = a·B·L + b·B + c·L + d``.
+
+``q`` is the step's attention work in token pairs: the sum over its prompts of ``end² - start²`` (a prompt computed
+from position ``start`` to ``end`` attends each new token to all before it), ``n²`` for one fresh prompt of ``n``
+tokens, the default. A prompt's attention grows with its square: a model linear in a step's tokens, fitted on single
+prompts, under-predicted a prompt four times its longest profiled one by a factor of about 2.5, and over-predicted a
+round of short prompts (the default model on a CPU: eight prompts of 256 tokens take about half the time of one
+of 2048). Callers that sum several prompts' tokens pass their ``q`` (`prefill_sq`).
 
 Fitted by non-negative least squares on profiled steps (``profile``) and saved as JSON. A fitted model is
 not changed afterwards (``scaled`` returns a copy). Pure numpy; the engine supplies the timings.
@@ -77,7 +85,20 @@ class _Linear:
 
 
 def _prefill_x(n: float) -> list[float]:
-    return [float(n), 1.0]
+    return [float(n), 1.0, float(n) * float(n)]
+
+
+def prefill_sq(start: int, end: int) -> float:
+    """The attention work (token pairs, `LatencyModel.prefill_ms`'s ``q``) of computing a prompt from ``start`` to
+    ``end``."""
+    return float(end) * end - float(start) * start
+
+
+def _prefill_w(w: Sequence[float], pad: float = 0.0) -> list[float]:
+    """Prefill weights (or their scales) as (alpha, beta, gamma): a fit without the attention term (an older file,
+    or two given) has gamma 0."""
+    w = [float(v) for v in w]
+    return w + [pad] * (3 - len(w))
 
 
 def _decode_x(batch: float, ctx_len: float) -> list[float]:
@@ -89,7 +110,7 @@ class LatencyModel:
 
     def __init__(
         self,
-        prefill_coef: Sequence[float] = (0.0, 0.0),
+        prefill_coef: Sequence[float] = (0.0, 0.0, 0.0),
         decode_coef: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
         *,
         c0: float = 0.0,
@@ -99,14 +120,14 @@ class LatencyModel:
         self.c0 = float(c0)
         self.theta = float(theta)
         self.meta: dict[str, Any] = dict(meta or {})
-        self._prefill = _Linear(prefill_coef)
+        self._prefill = _Linear(_prefill_w(prefill_coef))
         self._decode = _Linear(decode_coef)
 
     @property
-    def prefill_coef(self) -> tuple[float, float]:
-        """(alpha, beta) of ``alpha·n + beta``."""
-        alpha, beta = self._prefill.w.tolist()
-        return alpha, beta
+    def prefill_coef(self) -> tuple[float, float, float]:
+        """(alpha, beta, gamma) of ``alpha·n + beta + gamma·q``."""
+        alpha, beta, gamma = self._prefill.w.tolist()
+        return alpha, beta, gamma
 
     @property
     def decode_coef(self) -> tuple[float, float, float, float]:
@@ -114,12 +135,13 @@ class LatencyModel:
         a, b, c, d = self._decode.w.tolist()
         return a, b, c, d
 
-    def prefill_ms(self, n: float) -> float:
-        """Time of a prefill step over ``n`` prompt tokens."""
+    def prefill_ms(self, n: float, q: float | None = None) -> float:
+        """Time of a prefill step over ``n`` prompt tokens whose attention work is ``q`` token pairs (`prefill_sq`
+        summed over its prompts; default ``n²``: one fresh prompt)."""
         if n <= self.theta:
             return max(MIN_MS, self.c0)
-        alpha, beta = self._prefill.coef
-        return max(MIN_MS, alpha * n + beta)
+        alpha, beta, gamma = self._prefill.coef
+        return max(MIN_MS, alpha * n + beta + gamma * (n * n if q is None else q))
 
     def itl_ms(self, batch: float, ctx_len: float) -> float:
         """Time of a decode step over ``batch`` sequences of mean context length ``ctx_len``."""
@@ -127,13 +149,14 @@ class LatencyModel:
         return max(MIN_MS, a * batch * ctx_len + b * batch + c * ctx_len + d)
 
     def fit_prefill(self, samples: Sequence[tuple[float, float]], *, find_knee: bool = False) -> LatencyModel:
-        """Least squares on ``(n, ms)``: ``c0`` = mean over ``n <= theta``, linear part over the rest. With
-        ``find_knee`` theta is chosen among the sampled sizes (or none) for the least squared error: on a GPU a small
-        prefill costs about the same as a launch-bound step whatever its size, and only larger ones grow with n."""
+        """Least squares on ``(n, ms)``, one fresh prompt of n tokens each: ``c0`` = mean over ``n <= theta``,
+        ``alpha·n + beta + gamma·n²`` over the rest. With ``find_knee`` theta is chosen among the sampled sizes (or
+        none; three sizes at least above it) for the least squared error: on a GPU a small prefill costs about the
+        same as a launch-bound step whatever its size, and only larger ones grow with n."""
         if find_knee:
             sizes = sorted({n for n, _ in samples})
             best = None
-            for theta in [-5.0, *sizes[:-2]]:
+            for theta in [-5.0, *sizes[:-3]]:
                 trial = LatencyModel(c0=self.c0, theta=theta).fit_prefill(samples)
                 err = sum((trial.prefill_ms(n) - ms) ** 2 for n, ms in samples)
                 if best is None or err < best[0] - 1e-12:
@@ -190,7 +213,7 @@ class LatencyModel:
         if d.get("format") != _FORMAT:
             raise ValueError(f"unsupported latency-model format {d.get('format')!r}")
         model = cls(c0=d["c0"], theta=d["theta"], meta=d["meta"])
-        model._prefill = _Linear(d["prefill"]["w"], d["prefill"]["scale"])
+        model._prefill = _Linear(_prefill_w(d["prefill"]["w"]), _prefill_w(d["prefill"]["scale"], 1.0))
         model._decode = _Linear(d["decode"]["w"], d["decode"]["scale"])
         return model
 

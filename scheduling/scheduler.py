@@ -24,7 +24,7 @@ from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.length_predictor import conditional_means, for_served_model
 from scheduling.length_predictor import quantile as length_quantile
-from scheduling.predictor import LatencyModel
+from scheduling.predictor import LatencyModel, prefill_sq
 from scheduling.queues import order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
@@ -52,6 +52,7 @@ class StepPlan:
     # chunk of a longer prompt (chunked prefill), which samples no token
     prefill_ends: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0  # fixed when planned: the prompt tokens this step computes
+    num_prefill_sq: float = 0.0  # and their attention work in token pairs (predictor.prefill_sq, summed)
     decode_mean_len: float = 0.0  # mean context of the decodes, fixed when planned
 
     @property
@@ -61,6 +62,10 @@ class StepPlan:
     def num_prefill_tokens_now(self) -> int:
         """The prompt tokens the planned prefills compute this step (before the step runs)."""
         return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.prefill_ends))
+
+    def prefill_sq_now(self) -> float:
+        """Their attention work in token pairs (before the step runs): `LatencyModel.prefill_ms`'s q."""
+        return sum(prefill_sq(r.num_computed_tokens, end) for r, end in zip(self.prefill, self.prefill_ends))
 
     @property
     def requests(self) -> list[Request]:
@@ -220,6 +225,10 @@ class Scheduler:
     def _cost(self, req: Request) -> int:
         return min(req.num_tokens - req.num_computed_tokens, self.max_model_len)
 
+    def _cost_sq(self, req: Request) -> float:
+        """The attention work (token pairs) of its `_cost` tokens, from where its prompt's computation stands."""
+        return prefill_sq(req.num_computed_tokens, req.num_computed_tokens + self._cost(req))
+
     # --- the step decision ---
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
@@ -230,7 +239,7 @@ class Scheduler:
         if f.ttft_reject and self.predictor is not None and self.waiting:
             fresh = [r for r in self.waiting if r.first_token_s is None]
             for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.ttft_margin_ms,
-                                            self._cost):
+                                            self._cost, cost_sq=self._cost_sq):
                 self.waiting.remove(r)
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
         if f.queue_order == "ldf" and not f.sort_before_reject:
@@ -263,6 +272,7 @@ class Scheduler:
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
             plan.decode = self._select_decode(plan, now)
         plan.num_prefill_tokens = plan.num_prefill_tokens_now()
+        plan.num_prefill_sq = plan.prefill_sq_now()
         if plan.decode:
             plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
         return plan
@@ -309,7 +319,7 @@ class Scheduler:
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
         shed_above = self._shed_threshold(now)
         stall = self._stall_room(now) if f.prefill_hold else None  # (ms to a reply's next token, decode ms)
-        round_tokens = 0
+        round_tokens, round_sq = 0, 0.0
         # (patience ms, (tpot, length) of a typical impatient arrival): room a patient request leaves (reserve.py)
         impatient = None
         if self.reserve is not None and gate is not None \
@@ -319,7 +329,7 @@ class Scheduler:
         pace = self._pace()  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
-            nonlocal kv_full, round_tokens, pace
+            nonlocal kv_full, round_tokens, round_sq, pace
             if kv_full:
                 return Verdict.STOP
             if r.first_token_s is None and sheds(self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace,
@@ -346,15 +356,16 @@ class Scheduler:
             if impatient is not None and r.first_token_s is None \
                     and (r.deadline_s - now) * 1000.0 > impatient[0] and not gate.leaves_room(r, *impatient[1]):
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
-            if stall is not None and r.first_token_s is None and self._hold(r, stall, round_tokens, now):
+            if stall is not None and r.first_token_s is None and self._hold(r, stall, round_tokens, round_sq, now):
                 return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)
             round_tokens += self._cost(r)
+            round_sq += self._cost_sq(r)
             if self.margin is not None and r.first_token_s is None and self.predictor is not None:
-                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens))
+                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq))
             pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
                 gate.admit(r)
@@ -400,7 +411,7 @@ class Scheduler:
         if self.predictor is None:
             return True
         if reason is TTFT_UNATTAINABLE:
-            alone_ms = self.predictor.prefill_ms(self._cost(r))
+            alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))
             return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms)
         if reason is TPOT_UNATTAINABLE:
             alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r))
@@ -419,15 +430,17 @@ class Scheduler:
                      >= decode_ms), default=math.inf)
         return None if math.isinf(limit) else (limit, decode_ms)
 
-    def _hold(self, r: Request, stall: tuple[float, float], round_tokens: int, now: float) -> bool:
-        """Prefill hold for fresh `r`, `round_tokens` prompt tokens already admitted this round."""
+    def _hold(self, r: Request, stall: tuple[float, float], round_tokens: int, round_sq: float, now: float) -> bool:
+        """Prefill hold for fresh `r`, `round_tokens` prompt tokens (`round_sq` token pairs) already admitted this
+        round."""
         deadline = r.deadline_s
         if math.isinf(deadline):
             return False  # best effort: no deadline to wait against, so it is never held
         limit, decode_ms = stall
         k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
-        step_ms = (self.predictor.prefill_ms(round_tokens + self._cost(r)) + decode_ms) * k
-        alone_ms = self.predictor.prefill_ms(self._cost(r))
+        cost, sq = self._cost(r), self._cost_sq(r)
+        step_ms = (self.predictor.prefill_ms(round_tokens + cost, round_sq + sq) + decode_ms) * k
+        alone_ms = self.predictor.prefill_ms(cost, sq)
         return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms))
 
     def _work(self, r: Request, tokens: int | None = None, pace: float = math.inf) -> float:
@@ -531,7 +544,8 @@ class Scheduler:
     def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
         """The predicted time of this step with n of `batch` decoding (`_decode_model`, plus the step's prefill)."""
         decode = self._decode_model(batch, now)
-        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
+        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) \
+            if plan.prefill else 0.0
         return lambda n: prefill_ms + decode(n)
 
     def _decode_model(self, reqs: list[Request], now: float) -> Callable[[int], float]:
@@ -563,7 +577,8 @@ class Scheduler:
         limit = self.config.vbs_slack * t_min
         # fill: what the gate plans a step at T_min to take; none for a while after a paced reply missed its TPOT
         fill_limit = limit / f.vbs_margin if f.fill_steps and now >= self._fill_off_until else 0.0
-        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now()) if plan.prefill else 0.0
+        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) \
+            if plan.prefill else 0.0
 
         def due(r: Request, batch: int) -> bool:
             step_ms = decode(batch + 1)
@@ -667,3 +682,6 @@ class Scheduler:
 
     def waiting_tokens(self) -> int:
         return sum(self._cost(r) for r in self.waiting)
+
+    def waiting_sq(self) -> float:
+        return sum(self._cost_sq(r) for r in self.waiting)

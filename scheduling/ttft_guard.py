@@ -17,6 +17,7 @@ def find_ttft_unattainable(
     margin_ms: float | Callable[[float], float],
     cost: Callable[[T], int],
     base_ms: float = 0.0,
+    cost_sq: Callable[[T], float] | None = None,
 ) -> list[T]:
     """Return the requests (in queue order) that would miss their TTFT deadline.
 
@@ -25,20 +26,24 @@ def find_ttft_unattainable(
     its tokens are taken back out of ``cum`` (it will not be served ahead of the rest). Requests
     without a TTFT SLO are never returned but their tokens count. ``base_ms`` is delay already
     known to come first (e.g. the rest of the current step). ``margin_ms``: a number, or the margin for a
-    predicted prefill (`MeasuredMargin.margin_ms`), given ``prefill_ms(cum)``.
+    predicted prefill (`MeasuredMargin.margin_ms`), given ``prefill_ms(cum)``. With ``cost_sq`` (a request's
+    attention work in token pairs, `predictor.prefill_sq`) the prefill is ``prefill_ms(cum, cum_sq)``.
     """
     out: list[T] = []
-    cum = 0
+    cum, cum_sq = 0, 0.0
     margin = margin_ms if callable(margin_ms) else None
     for req in waiting:
         c = cost(req)
+        q = cost_sq(req) if cost_sq is not None else 0.0
         cum += c
+        cum_sq += q
         deadline = req.deadline_s
         if math.isfinite(deadline):
-            p = prefill_ms(cum)
+            p = prefill_ms(cum, cum_sq) if cost_sq is not None else prefill_ms(cum)
             if (deadline - now_s) * 1000.0 < base_ms + p + (margin(p) if margin is not None else margin_ms):
                 out.append(req)
                 cum -= c
+                cum_sq -= q
     return out
 
 

@@ -87,3 +87,19 @@ def test_report_and_metrics_helpers(tmp_path):
     p = report.write_json(tmp_path / "sub" / "x.json", {"a": float("nan"), "b": (1, 2)})
     assert json.loads(p.read_text()) == {"a": None, "b": [1, 2]}
     assert isinstance(report.loadavg(), str) and report.cpu_model()
+
+
+def test_prefill_model_measures_shapes_beside_both_fits(tmp_path, monkeypatch):
+    """`python -m bench.prefill_model` on kairos-tiny: single prompts past the fitted range and rounds of short
+    prompts, each beside the model with the attention term and the linear one, fitted on the same steps."""
+    from bench.prefill_model import main
+
+    monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
+    assert main(["--model", "kairos-tiny", "--dtype", "float32", "--max-model-len", "512", "--long", "500",
+                 "--round", "256", "--profile-max", "128", "--reps", "1", "--summary", "prefill-tiny"]) == 0
+    s = json.loads((tmp_path / "summaries" / "prefill-tiny.json").read_text())
+    shapes = {r["prompts"]: r for r in s["figures"]["shapes"]}
+    assert set(shapes) == {"1 x 128", "1 x 500", "4 x 64", "8 x 32", "16 x 16"}
+    assert shapes["1 x 128"]["fitted_on"] and not shapes["1 x 500"]["fitted_on"]
+    assert all(r["measured_ms"] > 0 and r["model_ms"] > 0 and r["linear_ms"] > 0 for r in shapes.values())
+    assert s["figures"]["coef_with_attention"][2] >= 0 and "worst error" in s["headline"]

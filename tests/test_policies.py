@@ -374,3 +374,18 @@ def test_a_long_prompts_error_raises_the_margin_of_prompts_as_long_not_of_short_
     for pred, err in [(100.0, 1.0), (100.0, 2.0), (100.0, 3.0), (200.0, 9.0), (3000.0, 500.0)]:
         m2.observe(err, pred)
     assert m2.margin_ms(0.5) == 9.0 and m2.margin_ms(300.0) == 9.0 and m2.margin_ms(2500.0) == 500.0
+
+
+def test_the_ttft_guard_sums_each_prompts_attention_not_the_queues() -> None:
+    """With an attention term (gamma per token pair), eight queued prompts of 200 tokens cost 1600 tokens and
+    8 x 200² pairs: 1 + 16 + 32 = 49 ms, which a 100 ms SLO at the queue's end still meets; read as one 1600-token
+    prompt (1600² pairs: 273 ms) the last would be turned away."""
+    from types import SimpleNamespace
+
+    from scheduling.predictor import LatencyModel, prefill_sq
+
+    model = LatencyModel(prefill_coef=(0.01, 1.0, 1e-4))
+    queue = [SimpleNamespace(deadline_s=0.1, n=200) for _ in range(8)]
+    cost = lambda r: r.n  # noqa: E731
+    assert find_ttft_unattainable(queue, 0.0, model.prefill_ms, 0.0, cost, cost_sq=lambda r: prefill_sq(0, r.n)) == []
+    assert find_ttft_unattainable(queue, 0.0, model.prefill_ms, 0.0, cost) == queue[4:]

@@ -8,7 +8,7 @@ import pytest
 from scheduling.predictor import MIN_MS, LatencyModel, mape, profile, r2
 
 DECODE = (0.002, 0.5, 0.01, 3.0)  # a, b, c, d
-PREFILL = (0.03, 4.0)  # alpha, beta
+PREFILL = (0.03, 4.0, 2e-5)  # alpha, beta, gamma (the attention term: token pairs)
 BATCHES = (1, 2, 4, 8, 16, 32)
 CTX = (64, 128, 256, 512)
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
@@ -20,7 +20,7 @@ def _itl(coef, b, n) -> float:
 
 
 def _pf(coef, n) -> float:
-    return coef[0] * n + coef[1]
+    return coef[0] * n + coef[1] + coef[2] * n * n
 
 
 def _fitted() -> LatencyModel:
@@ -40,9 +40,27 @@ def test_exact_recovery_of_linear_model() -> None:
     assert score["r2"] == pytest.approx(1.0) and score["mape"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_round_of_prompts_costs_its_tokens_and_the_sum_of_their_squares() -> None:
+    """Attention grows with each prompt's square, not the round's: four prompts of 256 tokens cost 1024 tokens and
+    4 x 256² token pairs; a chunk from 512 to 1024 costs 1024² - 512². An older file (two prefill weights) reads
+    as gamma 0."""
+    from scheduling.predictor import prefill_sq
+
+    model = _fitted()
+    four = model.prefill_ms(1024, 4 * prefill_sq(0, 256))
+    assert four == pytest.approx(0.03 * 1024 + 4.0 + 2e-5 * 4 * 256 ** 2)
+    assert four < model.prefill_ms(1024) == pytest.approx(_pf(PREFILL, 1024))
+    assert model.prefill_ms(512, prefill_sq(512, 1024)) == pytest.approx(0.03 * 512 + 4.0 + 2e-5 * (1024 ** 2 - 512 ** 2))
+    import json
+    d = json.loads(model.to_json())
+    d["prefill"] = {"w": [0.03, 4.0], "scale": [512.0, 1.0]}
+    old = LatencyModel.from_json(json.dumps(d))
+    assert old.prefill_coef == (0.03, 4.0, 0.0) and old.prefill_ms(100) == pytest.approx(7.0)
+
+
 def test_piecewise_prefill_and_clamp() -> None:
     model = LatencyModel(theta=32)
-    model.fit_prefill([(8, 5.0), (16, 7.0), (64, _pf(PREFILL, 64)), (512, _pf(PREFILL, 512))])
+    model.fit_prefill([(8, 5.0), (16, 7.0), (64, _pf(PREFILL, 64)), (256, _pf(PREFILL, 256)), (512, _pf(PREFILL, 512))])
     assert model.prefill_ms(10) == 6.0  # c0 = mean of the samples at n <= theta
     assert model.prefill_ms(100) == pytest.approx(_pf(PREFILL, 100))
     negative = LatencyModel(prefill_coef=(-1.0, 0.0), decode_coef=(0.0, 0.0, 0.0, -5.0))

@@ -1,0 +1,95 @@
+"""How well the latency model predicts prefill steps beyond what it was fitted on: single prompts longer than the
+profiled ones, and rounds of several short prompts.
+
+The engine profiles single prompts up to twice its prefill budget (`engine.profiling`). A prompt's attention grows
+with its square, so the model carries an attention term over the step's token pairs (`LatencyModel.prefill_ms`'s q).
+This measures, on the real engine (median of `--reps` steps each):
+
+- single prompts from 128 tokens to `--long` (past the profiled range);
+- rounds of equal prompts filling `--round` tokens (e.g. 8 x 256);
+
+and prints each beside the model fitted with the attention term and one fitted without it (alpha·n + beta, the model
+before that term), both on the same single-prompt steps measured at the profile's sizes. Prediction / measured
+per shape; the summary keeps them.
+
+    python -m bench.prefill_model --model kairos-default --long 8000 --summary prefill-model-default
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any, Sequence
+
+from bench.report import command_line, print_table, run_info, write_summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefill_model", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="kairos-default")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--long", type=int, default=8000, help="the longest single prompt measured")
+    ap.add_argument("--round", type=int, default=2048, help="tokens of a round of several prompts")
+    ap.add_argument("--profile-max", type=int, default=2048, help="the longest single prompt fitted on (the "
+                    "engine's profile: twice the prefill budget, 1024 by default)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
+    args = ap.parse_args(argv)
+
+    from bench.driver import resolve_model_path
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.profiling import Prober
+    from scheduling.predictor import LatencyModel, prefill_sq
+
+    eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
+                                 max_model_len=args.max_model_len))
+    probe = Prober(eng)
+
+    def timed(prompts: list[int]) -> float:
+        probe.prefill_ms([probe._ids(n) for n in prompts])  # warm-up of this shape
+        return statistics.median(probe.prefill_ms([probe._ids(n) for n in prompts]) for _ in range(args.reps))
+
+    limit = eng.max_model_len - 1
+    fit_sizes = [n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= min(args.profile_max, limit)]
+    samples = [(float(n), timed([n])) for n in fit_sizes]
+    with_sq = LatencyModel().fit_prefill(samples)
+    linear = LatencyModel()
+    linear._prefill.fit(*_linear_xy(samples))
+    shapes: list[list[int]] = [[n] for n in (128, 512, 2048, 4096, args.long) if n <= limit]
+    shapes += [[args.round // k] * k for k in (4, 8, 16) if args.round // k >= 1]
+    rows, out = [], []
+    for prompts in shapes:
+        n, q = sum(prompts), sum(prefill_sq(0, p) for p in prompts)
+        ms = next((m for s, m in samples if len(prompts) == 1 and s == prompts[0]), None) or timed(prompts)
+        a, b = with_sq.prefill_ms(n, q), linear.prefill_ms(n)
+        label = f"{len(prompts)} x {prompts[0]}" if len(prompts) > 1 else f"1 x {n}"
+        out.append({"prompts": label, "tokens": n, "measured_ms": round(ms, 1), "model_ms": round(a, 1),
+                    "linear_ms": round(b, 1), "fitted_on": len(prompts) == 1 and n in fit_sizes})
+        rows.append([label, n, f"{ms:.1f}", f"{a:.1f} ({a / ms:.2f}x)", f"{b:.1f} ({b / ms:.2f}x)",
+                     "yes" if out[-1]["fitted_on"] else ""])
+    print_table(["prompts", "tokens", "measured ms", "model (with attention)", "linear model", "fitted on"], rows)
+    if args.summary:
+        worst = {k: max(abs(r[k] / r["measured_ms"] - 1.0) for r in out if not r["fitted_on"])
+                 for k in ("model_ms", "linear_ms")}
+        head = (f"prefill steps the profile did not fit ({args.model}, single prompts to {args.long} tokens, rounds "
+                f"of {args.round}): worst error {100 * worst['model_ms']:.0f}% with the attention term, "
+                f"{100 * worst['linear_ms']:.0f}% without")
+        figures: dict[str, Any] = {"run": run_info("bench.prefill_model", argv), "shapes": out,
+                                   "coef_with_attention": list(with_sq.prefill_coef),
+                                   "coef_linear": list(linear.prefill_coef[:2]), "worst_error": worst}
+        print(f"summary -> {write_summary(args.summary, command_line('bench.prefill_model', argv), head, figures)}")
+    return 0
+
+
+def _linear_xy(samples: list[tuple[float, float]]) -> tuple[Any, Any]:
+    """The samples as `_Linear.fit`'s inputs for alpha·n + beta (no attention term)."""
+    import numpy as np
+
+    return np.array([[n, 1.0, 0.0] for n, _ in samples]), np.array([ms for _, ms in samples])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
