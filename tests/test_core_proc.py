@@ -112,7 +112,7 @@ def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client, in_proce
 def test_bad_input_is_a_value_error_in_the_caller(client):
     with pytest.raises(ValueError, match="must not be empty"):
         client.generate(GenerateRequest(request_id="bad", prompt="", params=SamplingParams(max_tokens=2)))
-    with pytest.raises(ValueError, match="context window"):
+    with pytest.raises(ValueError, match="maximum context length"):
         client.generate(GenerateRequest(request_id="long", prompt=[1] * (client.max_model_len + 5),
                                         params=SamplingParams(max_tokens=2)))
     toks, last = _tokens(client.generate(_greedy(1, 3)))  # and it keeps serving
