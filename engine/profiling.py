@@ -168,12 +168,15 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
         corners = {fits[0], fits[-1], *[(B, min(L for b, L in fits if b == B)) for B in {b for b, _ in fits}]}
         rest = [c for c in fits if c not in corners]
         grid = sorted(corners) + sorted(rng.sample(rest, min(len(rest), max(0, GPU_GRID_SAMPLES - len(corners)))))
-        sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, budget, 2 * budget)
-                        if n <= min(limit, capacity, max(budget, 16) * 2)})
+        sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, budget,
+                                    min(2 * budget, limit)) if n <= min(limit, capacity, max(budget, 16) * 2)})
     else:
         ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)
         batches = tuple(B for B in BATCH_SIZES if B * (max(ctx_lens) + block) <= capacity) or (1,)
-        sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, 2 * budget) if n <= min(limit, capacity)})
+        # up to twice the budget, or the longest prompt the window takes where that is less (the fit's longest size
+        # decides how well it extrapolates, `LatencyModel.fit_prefill`)
+        sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, min(2 * budget, limit))
+                        if n <= min(limit, capacity)})
     big = grid[-1] if grid else (batches[-1], ctx_lens[-1])
     for _ in range(2):  # warm up: page in the weights, size the workspace
         probe.prefill(sizes[-1])

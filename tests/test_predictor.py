@@ -58,9 +58,21 @@ def test_a_round_of_prompts_costs_its_tokens_and_the_sum_of_their_squares() -> N
     assert old.prefill_coef == (0.03, 4.0, 0.0) and old.prefill_ms(100) == pytest.approx(7.0)
 
 
+def test_the_attention_term_is_kept_only_where_it_predicts_the_longest_profiled_prompt_better() -> None:
+    """Fitted without the longest size and judged on it: steps that grow with the square keep the term; steps on a
+    line with a few ms of noise at the short sizes (a busy box) do not bend with the noise, which had over-predicted
+    a prompt twice the longest profiled one by a factor of two."""
+    sizes = (16, 32, 64, 128, 256, 512)
+    bent = LatencyModel().fit_prefill([(n, _pf(PREFILL, n)) for n in sizes])
+    assert bent.prefill_coef == pytest.approx(PREFILL, rel=1e-6)
+    noise = {16: 0.0, 32: 1.5, 64: 0.0, 128: 4.0, 256: -2.0, 512: 0.0}  # ms
+    line = LatencyModel().fit_prefill([(n, 0.06 * n + 1.0 + noise[n]) for n in sizes])
+    assert line.prefill_coef[2] == 0.0 and line.prefill_ms(1023) == pytest.approx(0.06 * 1023 + 1.0, rel=0.05)
+
+
 def test_piecewise_prefill_and_clamp() -> None:
     model = LatencyModel(theta=32)
-    model.fit_prefill([(8, 5.0), (16, 7.0), (64, _pf(PREFILL, 64)), (256, _pf(PREFILL, 256)), (512, _pf(PREFILL, 512))])
+    model.fit_prefill([(8, 5.0), (16, 7.0), *[(n, _pf(PREFILL, n)) for n in (64, 128, 256, 512)]])
     assert model.prefill_ms(10) == 6.0  # c0 = mean of the samples at n <= theta
     assert model.prefill_ms(100) == pytest.approx(_pf(PREFILL, 100))
     negative = LatencyModel(prefill_coef=(-1.0, 0.0), decode_coef=(0.0, 0.0, 0.0, -5.0))
