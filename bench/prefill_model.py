@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.profiling import Prober
-    from scheduling.predictor import LatencyModel, prefill_sq
+    from scheduling.predictor import LatencyModel, _fit_prefill_line, prefill_sq
 
     eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len))
@@ -55,9 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit = eng.max_model_len - 1
     fit_sizes = [n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= min(args.profile_max, limit)]
     samples = [(float(n), timed([n])) for n in fit_sizes]
-    with_sq = LatencyModel().fit_prefill(samples)
-    linear = LatencyModel()
-    linear._prefill.fit(*_linear_xy(samples))
+    # the two forms fitted on the same steps (the engine's own fit keeps the attention term only where it predicts
+    # the longest profiled size better: `LatencyModel.fit_prefill`)
+    with_sq, linear = LatencyModel(), LatencyModel()
+    with_sq._prefill = _fit_prefill_line(samples, attention=True)
+    linear._prefill = _fit_prefill_line(samples, attention=False)
     shapes: list[list[int]] = [[n] for n in (128, 512, 2048, 4096, args.long) if n <= limit]
     shapes += [[args.round // k] * k for k in (4, 8, 16) if args.round // k >= 1]
     rows, out = [], []
@@ -82,13 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "coef_linear": list(linear.prefill_coef[:2]), "worst_error": worst}
         print(f"summary -> {write_summary(args.summary, command_line('bench.prefill_model', argv), head, figures)}")
     return 0
-
-
-def _linear_xy(samples: list[tuple[float, float]]) -> tuple[Any, Any]:
-    """The samples as `_Linear.fit`'s inputs for alpha·n + beta (no attention term)."""
-    import numpy as np
-
-    return np.array([[n, 1.0, 0.0] for n, _ in samples]), np.array([ms for _, ms in samples])
 
 
 if __name__ == "__main__":

@@ -38,24 +38,32 @@ class ContextLengthExceeded(ValueError):
     the message is vLLM's)."""
 
     def __init__(self, max_tokens: int, max_model_len: int, prompt_tokens: int) -> None:
+        self.args_ = (max_tokens, max_model_len, prompt_tokens)
         super().__init__(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
                          f"context length is {max_model_len} tokens and your request has {prompt_tokens} input "
                          f"tokens ({max_tokens} > {max_model_len} - {prompt_tokens}).")
+
+    def __reduce__(self) -> tuple:
+        return type(self), self.args_
 
 
 class PromptTooLong(ValueError):
     """A prompt that leaves no room in the context window for a generated token (raised where it is tokenized)."""
 
     def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        self.args_ = (prompt_tokens, max_model_len)
         super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
                          f"{prompt_tokens} input tokens (the prompt and at least 1 generated token must fit). Please "
                          f"reduce the length of the input.")
+
+    def __reduce__(self) -> tuple:
+        return type(self), self.args_
 
 
 class ErrorKind(enum.StrEnum):
     """What failed, for a final item with finish_reason `error`: the HTTP status follows from it."""
 
-    INVALID_REQUEST = "invalid_request"  # 400: the replica refused the input (prompt too long, bad ids, ...)
+    INVALID_REQUEST = "invalid_request"  # 400: the replica refused the input (bad ids, over the KV cache, ...)
     CONTEXT_LENGTH = "context_length"  # 400: max_tokens beyond the context the prompt leaves (`ContextLengthExceeded`)
     PROMPT_TOO_LONG = "prompt_too_long"  # 400: a prompt that fills the context window (`PromptTooLong`)
     UNAVAILABLE = "unavailable"  # 503: the engine is dead or shutting down
@@ -197,6 +205,9 @@ class RoutingStats:
     predicted_ttft_ms: float | None  # for a ~median prompt, queue included; None before the model is fitted
     predicted_queue_ms: float | None  # for a 1-token prompt: the queue ahead
     median_prompt_tokens: int
+    # ms per token pair of a prompt's attention (the latency model's gamma, `LatencyModel.prefill_ms`): the router's
+    # TTFT for a prompt of another length grows with its square beyond the line through the two points above
+    prefill_sq_ms: float
     itl_ms: float | None  # EWMA of the decode step time (what a request decoding every step sees); paced
     # requests' gaps are longer by design, so they say nothing about room for a stricter TPOT
     step_batch: float | None  # EWMA of the decode batch sizes behind `itl_ms` (None with it)

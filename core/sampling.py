@@ -27,7 +27,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
-        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
+        pairs = tuple((k, v) for k, v in bias)
+        try:
+            pairs = tuple(sorted(pairs))
+        except TypeError:  # keys of mixed types: `validate` says what is wrong
+            pass
+        object.__setattr__(self, "logit_bias", pairs)
 
     def validate(self) -> "SamplingParams":
         """The one set of limits, wherever a request enters (HTTP or in-process)."""

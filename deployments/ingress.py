@@ -308,6 +308,8 @@ class OpenAIFrontend:
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
         schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
+        if (name := P.unsupported_field(raw)) is not None:
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         try:
             body = schema.model_validate(raw)
         except ValidationError as e:

@@ -49,8 +49,20 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1, 1.0), "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "top_logprobs": (0,),
-    "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "prediction": (),
+    "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "min_p": (0, 0.0), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (), "skip_special_tokens": (True,),
 }
+
+
+def unsupported_field(data: Any) -> str | None:
+    """The first field of a request body (a dict) that `UNSUPPORTED` refuses with the value given, else None."""
+    if isinstance(data, dict):
+        for name, ok in UNSUPPORTED.items():
+            v = data.get(name)
+            if v is not None and not any(v == o and type(v) is type(o) for o in ok):
+                return name
+    return None
 
 
 class _Common(BaseModel):
@@ -62,10 +74,8 @@ class _Common(BaseModel):
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, ok in UNSUPPORTED.items():
-                v = data.get(name)
-                if v is not None and not any(v == o and type(v) is type(o) for o in ok):
-                    raise ValueError(f"{name} is not supported by this server (got {json.dumps(v)[:80]})")
+            if (name := unsupported_field(data)) is not None:
+                raise ValueError(f"{name} is not supported by this server (got {json.dumps(data[name])[:80]})")
             if data.get("stream_options") is not None and not data.get("stream"):
                 raise ValueError("stream_options is only allowed with stream: true")
         return data
@@ -107,7 +117,7 @@ class _Common(BaseModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}")

@@ -301,8 +301,14 @@ class LLMReplica:
             num_waiting=st.num_waiting, num_running=st.num_running, inflight=self.inflight, vbs=st.vbs,
             strictest_tpot_ms=st.strictest_tpot_ms, kv_blocks_free=st.kv_blocks_free,
             kv_blocks_total=st.kv_blocks_total, predicted_ttft_ms=median_ms, predicted_queue_ms=queue_ms,
-            median_prompt_tokens=median, itl_ms=st.step_ms, step_batch=st.step_batch, alive=st.alive,
+            median_prompt_tokens=median, prefill_sq_ms=self._prefill_sq_ms(), itl_ms=st.step_ms,
+            step_batch=st.step_batch, alive=st.alive,
             ts=time.time()).to_dict()
+
+    def _prefill_sq_ms(self) -> float:
+        """The latency model's ms per token pair of attention (0 without a model, or one fitted as a line)."""
+        model = self.engine.latency_model
+        return float(model.prefill_coef[2]) if model is not None else 0.0
 
     def inject_fault(self, count: int = 1, replica: str | None = None) -> str:
         """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this

@@ -76,10 +76,13 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
     q_ms, m_ms = st.predicted_queue_ms, st.predicted_ttft_ms
     pred = None
     if q_ms is not None and m_ms is not None:
-        median = max(st.median_prompt_tokens, 1)
-        per_tok = max(0.0, (m_ms - q_ms) / max(median - 1, 1))
+        # q_ms and m_ms are the model at 1 and `median` prompt tokens, the queue included: alpha·n + gamma·n² above
+        # the 1-token point, with gamma reported (a prompt's attention) and alpha the line left between the two
+        median, gamma = max(st.median_prompt_tokens, 1), max(st.prefill_sq_ms, 0.0)
+        per_tok = max(0.0, (m_ms - q_ms - gamma * (median * median - 1)) / max(median - 1, 1))
         prefill_ms = max(m_ms - q_ms, 0.0)  # one ~median request's prefill, for each unreported arrival
-        pred = q_ms + per_tok * max(prompt_tokens - 1, 0) + extra * prefill_ms
+        n = max(prompt_tokens, 1)
+        pred = q_ms + per_tok * (n - 1) + gamma * (n * n - 1) + extra * prefill_ms
     running = float(st.num_running) + extra
     vbs = max(st.vbs, running)
     # the step time belongs to the batches it was measured on: scale it to the batch now plus the arrivals not

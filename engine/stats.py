@@ -18,7 +18,7 @@ class StepEvent:
     decode_mean_len: float  # mean context of the decodes (0.0 without decodes)
     forward_ms: float  # prepare + forward (its launch, where the device runs it asynchronously: CUDA)
     wall_ms: float  # the whole step: schedule, forward, sample, postprocess
-    num_prefill_sq: float | None = None  # the prefill's attention work in token pairs (None: one prompt's)
+    num_prefill_sq: float | None = None  # the prefill's attention work in token pairs (None: not given)
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,7 +98,8 @@ class SchedulerConfig(BaseModel):
                                   "measured_margin, the margin until enough admissions are measured")
     measured_margin: bool | None = Field(None, description="the TTFT guard's margin is a high quantile of the "
                                          "measured (first token - admission) - predicted prefill of the requests "
-                                         "admitted lately (ttft_guard.MeasuredMargin; kairos)")
+                                         "admitted lately, of about the request's predicted prefill or less "
+                                         "(ttft_guard.MeasuredMargin; kairos)")
     ttft_margin_quantile: float = Field(0.99, gt=0, le=1, description="measured_margin: the quantile of those errors")
     sort_before_reject: bool | None = None
     # SCORPIO TPOT guard

@@ -13,7 +13,7 @@ T = TypeVar("T")
 def find_ttft_unattainable(
     waiting: Sequence[T],
     now_s: float,
-    prefill_ms: Callable[[int], float],
+    prefill_ms: Callable[..., float],
     margin_ms: float | Callable[[float], float],
     cost: Callable[[T], int],
     base_ms: float = 0.0,
@@ -103,7 +103,9 @@ class MeasuredMargin:
     smaller (`margin_ms(prefill_ms)`): those whose predicted prefill was at most twice the power of two (in ms) at
     or above its own, and at least ``min_samples`` of them, the smallest predicted first. One long prompt whose
     prefill took seconds more than predicted raises the margin of prompts as long, and no longer that of every
-    short request for the next ``window`` admissions (which then all missed a TTFT SLO of a few seconds).
+    short request for the next ``window`` admissions (which then all missed a TTFT SLO of a few seconds). With just
+    ``min_samples`` admissions measured every row pools them all, and a row of fewer than 1 / (1 - quantile) errors
+    takes its largest: the first admissions after start-up count fully until more come.
     """
 
     def __init__(self, default_ms: float, quantile: float = 0.99, window: int = 256, min_samples: int = 32) -> None:

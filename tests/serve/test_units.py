@@ -141,8 +141,10 @@ def _replica(name: str, stats: dict) -> SimpleNamespace:
     return SimpleNamespace(replica_id=name, routing_stats=stats)
 
 
-def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None = 10.0, kv: int = 100) -> dict:
+def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None = 10.0, kv: int = 100,
+           sq_ms: float = 0.0) -> dict:
     return RoutingStats(predicted_queue_ms=queue_ms, predicted_ttft_ms=median_ms, median_prompt_tokens=64,
+                        prefill_sq_ms=sq_ms,
                         num_waiting=0, num_running=load, inflight=load, vbs=load, itl_ms=itl,
                         step_batch=None if itl is None else max(load, 1), strictest_tpot_ms=None,
                         kv_blocks_free=kv, kv_blocks_total=kv, alive=True, ts=0.0).to_dict()
@@ -161,6 +163,17 @@ def test_router_prefers_attainable_slo_with_most_slack() -> None:
     assert _rank([busy, idle], {}) == ["idle", "busy"]
     # nothing attainable: fall back to least loaded
     assert _rank([busy, idle], {"ttft_ms": 1}) == ["idle", "busy"]
+
+
+def test_router_predicts_a_long_prompts_ttft_with_its_attention() -> None:
+    """The replica reports its model at 1 and 64 prompt tokens and gamma (ms per token pair): a prompt of 8000 tokens
+    costs its line and gamma x (8000² - 1), not the line alone."""
+    gamma = 2.5e-4
+    q, m = 10.0, 10.0 + 0.5 * 63 + gamma * (64 * 64 - 1)  # alpha 0.5 ms a token
+    v = view(_stats(q, m, sq_ms=gamma), 0, 8000)
+    assert v.pred_ttft_ms == pytest.approx(q + 0.5 * 7999 + gamma * (8000 ** 2 - 1))
+    assert view(_stats(q, m, sq_ms=gamma), 0, 64).pred_ttft_ms == pytest.approx(m)
+    assert view(_stats(20, 70), 0, 127).pred_ttft_ms == pytest.approx(20 + 50 / 63 * 126)  # no gamma: the line
 
 
 def test_router_counts_its_own_inflight_between_reports() -> None:
@@ -1050,3 +1063,22 @@ def test_values_of_the_wrong_type_are_refused_not_coerced(field, value) -> None:
     with pytest.raises(ValidationError):
         P.CompletionRequest.model_validate({"prompt": "x", field: value})
     assert P.CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "slo_ttft_ms": 2000}).temperature == 0
+
+
+def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
+    """The ingress refuses an unsupported field naming it (`P.unsupported_field`, `param` of its 400); a 10-digit
+    logit_bias key is no token id; the replica's refusals cross a process boundary intact."""
+    import pickle
+
+    from core.messages import ContextLengthExceeded, PromptTooLong
+
+    assert P.unsupported_field({"prompt": "x", "min_p": 0.1}) == "min_p"
+    assert P.unsupported_field({"prompt": "x", "min_p": 0.0, "skip_special_tokens": True, "prediction": {}}) is None
+    with pytest.raises(ValidationError):
+        P.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1234567890": 1}})
+    for e in (PromptTooLong(9000, 8192), ContextLengthExceeded(100, 8192, 8150)):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)
+    assert SamplingParams(logit_bias={1: 1.0, "2": 1.0}).logit_bias  # mixed keys: kept for validate to refuse
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={1: 1.0, "2": 1.0}).validate()
