@@ -2,7 +2,8 @@
 # The HTTP hop on a GPU host (issue 55's "adds <= 2 ms p50 TTFT and <= 0.5 ms p50 ITL over in-process"):
 # `python -m bench.overhead` on a random-weight Llama built on the device, the in-process engine and a fresh
 # `serve run deployments:app` (defaults) in turn, on the GPU, ROUNDS rounds; its summary goes to
-# $OUT/overhead-http-gpu.json.
+# $OUT/overhead-http-gpu.json; then bench.prefill_model on the same model (the prefill model against measured
+# steps), its summary to $OUT/prefill-model-SHAPE-DEVICE.json.
 #
 # Run HERE first: bench/device/bundle.sh (Ray Serve and pydantic for CPython 3.12 in .dev/site312.tar.xz). Then
 # THERE, best on the host slo_gpu.sh just ran on (it reuses the 8B model that one built under /tmp):
@@ -41,6 +42,11 @@ EOF
   | tee "$OUT/overhead_gpu.log"
 rc=${PIPESTATUS[0]}
 cp bench/summaries/overhead-http-gpu.json "$OUT/" 2>/dev/null
+# the prefill model against measured steps on this host: single prompts to the window, rounds of short prompts, with
+# the attention term and without (`bench.prefill_model`; its summary to $OUT, to commit here)
+"$PY" -m bench.prefill_model --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --max-model-len 4096 --long 4095 \
+  --round 2048 --profile-max 2048 --reps "${PREFILL_REPS:-3}" --summary "$OUT/prefill-model-$SHAPE-$DEVICE.json" 2>&1 \
+  | tee -a "$OUT/overhead_gpu.log"
 [ "${DRY_RUN:-0}" = 1 ] && rm -f bench/summaries/overhead-http-gpu.json  # a dry run's figures are not kept
 echo "overhead_gpu exit $rc ($SHAPE, $DEVICE), $(( $(date +%s) - T0 )) s in all"
 exit "$rc"
