@@ -4,9 +4,9 @@
 ``q`` is the step's attention work in token pairs: the sum over its prompts of ``end² - start²`` (a prompt computed
 from position ``start`` to ``end`` attends each new token to all before it), ``n²`` for one fresh prompt of ``n``
 tokens, the default. A prompt's attention grows with its square: a model linear in a step's tokens, fitted on single
-prompts, under-predicted a prompt four times its longest profiled one by a factor of about 2.5, and over-predicted a
-round of short prompts (the default model on a CPU: eight prompts of 256 tokens take about half the time of one
-of 2048). Callers that sum several prompts' tokens pass their ``q`` (`prefill_sq`).
+prompts, under-predicts prompts longer than the profiled ones and over-predicts a round of short prompts, which
+costs far less than one prompt of their total (`bench.prefill_model` measures both). Callers that sum several
+prompts' tokens pass their ``q`` (`prefill_sq`).
 
 Fitted by non-negative least squares on profiled steps (``profile``) and saved as JSON. A fitted model is
 not changed afterwards (``scaled`` returns a copy). Pure numpy; the engine supplies the timings.
@@ -112,8 +112,8 @@ def _fit_prefill_line(samples: Sequence[tuple[float, float]], attention: bool = 
 def _attention_extrapolates(samples: Sequence[tuple[float, float]]) -> bool:
     """Whether the attention term predicts past the profiled prompts better than a line: both are fitted without the
     longest size and judged on it. On a few short sizes the square of n is mostly the noise of a busy box, and a
-    fit that bends with it over-predicted a prompt twice the longest profiled one by a factor of two; where the
-    steps do grow with the square (a long prompt on a small model's CPU kernels), the bent fit wins by far."""
+    fit that bends with it over-predicts the prompts past them; where the steps do grow with the square (a long
+    prompt on a small model's CPU kernels), the bent fit wins by far."""
     sizes = sorted({n for n, _ in samples})
     if len(sizes) < 4:
         return False
