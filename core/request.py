@@ -86,10 +86,10 @@ class SLO:
 
     @property
     def tier(self) -> str:
-        """A coarse label for metrics: which SLOs the request carries."""
-        if self.ttft_ms is None and self.tpot_ms is None:
-            return "best_effort"
-        return f"ttft{'' if self.ttft_ms is None else int(self.ttft_ms)}_tpot{'' if self.tpot_ms is None else int(self.tpot_ms)}"
+        """A label for metrics: the SLOs the request carries, e.g. `ttft500_tpot50`, `ttft80_tpot1.5`, `tpot20` (an SLO
+        it does not carry is left out), or `best_effort`."""
+        parts = [f"{name}{v:g}" for name, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms)) if v is not None]
+        return "_".join(parts) or "best_effort"
 
 
 @dataclass(slots=True, eq=False)

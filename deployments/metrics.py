@@ -108,6 +108,13 @@ class ReplicaMetrics:
     def on_rejected(self, tier: str, reason: str) -> None:
         self.rejected.inc(tags={"tier": tier, "reason": reason or "unknown"})
 
+    def on_aborted(self, tier: str, tokens_out: int) -> None:
+        """A request whose caller went away before it finished (reason `abort`, as vLLM counts it): admitted requests
+        are then finished ones (by reason) plus the running and queued."""
+        self.finished.inc(tags={"tier": tier, "reason": "abort"})
+        if tokens_out > 0:
+            self.tokens_out.inc(tokens_out, tags={"tier": tier})
+
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
         for _ in range(n):
             self.itl.observe(seconds, tags={"tier": tier})

@@ -219,6 +219,7 @@ class LLMReplica:
         hint, cap = req.slo.output_len_hint, req.params.max_tokens or self.engine.max_model_len
         left[rid] = min(hint, cap) if hint else cap
         finished, first, last_t = False, True, time.monotonic()
+        admitted, streamed = False, 0  # for the metrics of a request its caller abandons
         try:
             while True:
                 if not first and self.pacing.holds:
@@ -244,13 +245,16 @@ class LLMReplica:
                         out = dataclasses.replace(out, reject_reason=view.reason)
                         self.metrics.on_rejected(tier, view.reason)
                     else:
+                        admitted = True
                         self.metrics.on_admitted(tier)
                     out = dataclasses.replace(out, served_by=served)
                     if out.token_ids and rid in left:
                         left[rid] -= len(out.token_ids)
+                    streamed += len(out.token_ids)
                 elif out.token_ids:
                     n = len(out.token_ids)
                     left[rid] -= n
+                    streamed += n
                     self.metrics.on_itl(tier, (now - last_t) / n, n)
                 last_t = now
                 if out.finished:
@@ -269,6 +273,8 @@ class LLMReplica:
                 self.inflight -= 1
                 left.pop(rid, None)
                 self.aborted += 1
+                if admitted:
+                    self.metrics.on_aborted(tier, streamed)
                 self.engine.abort(rid)
                 log.info("request %s aborted (caller cancelled)", rid)
 

@@ -439,6 +439,44 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
     assert len(batched) < len(every) / 2
 
 
+def test_a_stream_its_caller_abandons_is_counted_finished_as_abort_with_its_tokens() -> None:
+    """admitted = finished (by reason) + running + queued: a caller that goes away after three tokens leaves an
+    `abort` finish and its three tokens in the metrics, and its request aborted in the engine."""
+    import asyncio
+
+    import engine.engine  # noqa: F401
+    from deployments.pacing import StreamPacing
+    from deployments.replica import LLMServer
+    from engine.stream import RequestStream
+
+    st = RequestStream("r1")
+    for i in range(3):  # queued before the first read: they come out merged, as one item of three tokens
+        st.put(RequestOutput("r1", text=f"t{i}", token_ids=[i], num_output_tokens=i + 1))
+    calls: list[tuple] = []
+    noop = lambda *a, **k: None  # noqa: E731
+    me = SimpleNamespace(
+        pacing=StreamPacing(0.0), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+        _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st,
+                                                                 abort=lambda rid: calls.append(("abort", rid))),
+        metrics=SimpleNamespace(on_admitted=lambda t: calls.append(("admitted", t)), on_itl=noop, on_finished=noop,
+                                on_rejected=noop, on_aborted=lambda t, n: calls.append(("aborted", t, n))))
+
+    async def three() -> None:
+        gen = LLMServer.func_or_class.generate(me, GenerateRequest("r1", prompt=(1, 2), slo=SLO(tpot_ms=1.5)))
+        assert (await gen.__anext__()).token_ids == [0, 1, 2]
+        await gen.aclose()
+
+    asyncio.run(three())
+    assert calls == [("admitted", "tpot1.5"), ("aborted", "tpot1.5", 3), ("abort", "r1")]
+    assert me.inflight == 0 and me.aborted == 1
+
+
+def test_an_slo_tier_label_keeps_fractions_and_leaves_out_what_is_not_set() -> None:
+    assert SLO(ttft_ms=80.0, tpot_ms=1.5).tier == "ttft80_tpot1.5" and SLO(ttft_ms=80.0, tpot_ms=1.0).tier == "ttft80_tpot1"
+    assert SLO(ttft_ms=500.0).tier == "ttft500" and SLO(tpot_ms=20.0).tier == "tpot20"
+    assert SLO().tier == "best_effort"
+
+
 def test_stream_pacing_holds_only_past_the_chunk_budget() -> None:
     from deployments.pacing import StreamPacing
 
