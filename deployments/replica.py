@@ -273,10 +273,10 @@ class LLMReplica:
                 self.inflight -= 1
                 left.pop(rid, None)
                 self.aborted += 1
+                self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
+                log.info("request %s aborted (caller cancelled)", rid)
                 if admitted:
                     self.metrics.on_aborted(tier, streamed)
-                self.engine.abort(rid)
-                log.info("request %s aborted (caller cancelled)", rid)
 
     def _judge(self, req: GenerateRequest, out: RequestOutput) -> RejectionView:
         reason = out.reject_reason or RejectReason.OVERLOADED

@@ -467,7 +467,7 @@ def test_a_stream_its_caller_abandons_is_counted_finished_as_abort_with_its_toke
         await gen.aclose()
 
     asyncio.run(three())
-    assert calls == [("admitted", "tpot1.5"), ("aborted", "tpot1.5", 3), ("abort", "r1")]
+    assert calls == [("admitted", "tpot1.5"), ("abort", "r1"), ("aborted", "tpot1.5", 3)]
     assert me.inflight == 0 and me.aborted == 1
 
 
