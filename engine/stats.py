@@ -58,12 +58,13 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
     tmin = min((r.tpot_slo_ms for r in s.running), default=float("inf"))
+    waiting_tokens, waiting_sq = s.waiting_load()
     return EngineStats(
         alive=alive, num_waiting=len(s.waiting), num_running=len(s.running),
         kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used,
         vbs=s.last_vbs, strictest_tpot_ms=None if tmin == float("inf") else tmin,
         last_prefill_batch=last[0], last_decode_batch=last[1], steps=steps,
-        waiting_tokens=s.waiting_tokens(), waiting_sq=s.waiting_sq(), rejected=dict(rejected),
+        waiting_tokens=waiting_tokens, waiting_sq=waiting_sq, rejected=dict(rejected),
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
         step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),

@@ -544,9 +544,12 @@ class Scheduler:
     def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
         """The predicted time of this step with n of `batch` decoding (`_decode_model`, plus the step's prefill)."""
         decode = self._decode_model(batch, now)
-        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) \
-            if plan.prefill else 0.0
+        prefill_ms = self._plan_prefill_ms(plan)
         return lambda n: prefill_ms + decode(n)
+
+    def _plan_prefill_ms(self, plan: StepPlan) -> float:
+        """The predicted prefill of this step as planned so far (0 without one)."""
+        return self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) if plan.prefill else 0.0
 
     def _decode_model(self, reqs: list[Request], now: float) -> Callable[[int], float]:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
@@ -577,8 +580,7 @@ class Scheduler:
         limit = self.config.vbs_slack * t_min
         # fill: what the gate plans a step at T_min to take; none for a while after a paced reply missed its TPOT
         fill_limit = limit / f.vbs_margin if f.fill_steps and now >= self._fill_off_until else 0.0
-        prefill_ms = self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) \
-            if plan.prefill else 0.0
+        prefill_ms = self._plan_prefill_ms(plan)
 
         def due(r: Request, batch: int) -> bool:
             step_ms = decode(batch + 1)
@@ -680,8 +682,11 @@ class Scheduler:
         if self.correction is not None:
             self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0)
 
-    def waiting_tokens(self) -> int:
-        return sum(self._cost(r) for r in self.waiting)
-
-    def waiting_sq(self) -> float:
-        return sum(self._cost_sq(r) for r in self.waiting)
+    def waiting_load(self) -> tuple[int, float]:
+        """The prompt tokens queued for prefill and their attention work in token pairs, in one pass."""
+        tokens, sq = 0, 0.0
+        for r in self.waiting:
+            c = self._cost(r)
+            tokens += c
+            sq += prefill_sq(r.num_computed_tokens, r.num_computed_tokens + c)
+        return tokens, sq
