@@ -303,7 +303,7 @@ class OpenAIFrontend:
             raise APIError(400, str(e), code="invalid_slo") from None
         return SLO(ttft_ms=ttft, tpot_ms=tpot, output_len_hint=olen)
 
-    def _build(self, request: Request, raw: Any, kind: str) -> tuple[P._Common, GenerateRequest]:
+    def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, GenerateRequest]:
         """Validate once, here at the edge: the typed request the replica gets needs no further checks."""
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
@@ -322,7 +322,6 @@ class OpenAIFrontend:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens())).validate()
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         if isinstance(body, P.CompletionRequest):
             prompt = body.prompt
             hint = len(prompt) if isinstance(prompt, list) else len(prompt) // 4
@@ -335,10 +334,17 @@ class OpenAIFrontend:
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        try:
+            return await self._generate(request, kind, rid, t_in)
+        except APIError as e:  # every answer names its request, a refusal at parse time too (as vLLM's X-Request-Id)
+            e.headers = {**(e.headers or {}), "x-kairos-request-id": rid}
+            raise
+
+    async def _generate(self, request: Request, kind: str, rid: str, t_in: float) -> Any:
         self._auth(request)
-        body, req = self._build(request, await self._read_json(request), kind)
+        body, req = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
-        rid = req.request_id
         if self.log_prompts:
             log.info("%s %s", rid, req.prompt if req.messages is None else req.messages)
         gen, first = await self._first_item(req)

@@ -821,6 +821,8 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
                                                              "more_body": False}
         sent = await call("POST", "/v1/chat/completions", b"{not json")
         assert sent[0]["status"] == 400 and b"invalid_json" in sent[1]["body"]
+        rid = dict(sent[0]["headers"]).get(b"x-kairos-request-id", b"")  # a parse-time refusal names its request too
+        assert rid.startswith(b"chatcmpl-")
         sent = await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
         assert sent[0]["status"] == 200 and json.loads(sent[1]["body"])["choices"][0]["text"] == "Hi!"
         for method, path, kind in (("GET", "/health", "http"), ("GET", "/v1/completions", "http"),
