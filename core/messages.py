@@ -211,6 +211,10 @@ class RoutingStats:
     itl_ms: float | None  # EWMA of the decode step time (what a request decoding every step sees); paced
     # requests' gaps are longer by design, so they say nothing about room for a stricter TPOT
     step_batch: float | None  # EWMA of the decode batch sizes behind `itl_ms` (None with it)
+    # the replica's VBS gate as a line (Scheduler.gate_line): a request joining passes where
+    # gate_base_ms + gate_row_ms * VBS' < T_min'; None where the replica has no gate or no latency model
+    gate_base_ms: float | None
+    gate_row_ms: float | None
     alive: bool
     ts: float
 

@@ -5,7 +5,8 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
 (`pending_request.args[0]`) and, per replica, combines
   * the replica's `record_routing_stats()` (every `request_routing_stats_period_s`, 1 s by default):
     predicted TTFT for a ~median prompt and for a 1-token prompt (queue-ahead), VBS, strictest running TPOT
-    SLO, decode step time (and the batch it was measured on), free KV blocks;
+    SLO, decode step time (and the batch it was measured on), its VBS gate as a line in the batch (where it
+    has one: a TPOT SLO looks attainable where the replica's own gate would admit the request), free KV blocks;
   * this router's own in-flight requests per replica (`on_request_routed` / `on_request_completed`, and the
     calls it chose a replica for that are not routed yet, so that requests arriving together spread), fresh
     between reports: requests routed since the last report add their predicted prefill time and their share of
@@ -48,9 +49,26 @@ class ReplicaView:
 
     load: float  # requests running + waiting (max of the stats report and our in-flight count)
     pred_ttft_ms: float | None  # for this request's prompt length, None when the replica reported no model
-    itl_ms: float | None  # projected inter-token latency with this request added
+    itl_ms: float | None  # projected inter-token latency with this request added (the measured step, scaled)
     strictest_tpot_ms: float | None
     kv_free: float
+    # the replica's VBS gate as a line (RoutingStats.gate_base_ms / gate_row_ms), None where it reported none; and
+    # the batch it would judge: its virtual size (running, waiting and routed since the report) under `pace_ms`
+    gate: tuple[float, float] | None = None
+    vbs: float = 0.0
+    pace_ms: float | None = None
+
+    def itl_with(self, tpot_ms: float | None, t_min_ms: float) -> float | None:
+        """The inter-token latency to hold against `t_min_ms` (the stricter of this request's TPOT SLO and the
+        batch's) with this request added: the replica's gate line at the batch's virtual size under `t_min_ms` where
+        it reports one (each request counted at its TPOT's share of steps, t_min / TPOT; the ones not yet in a
+        report, or not paced, at 1), else the measured step scaled to the batch (`itl_ms`)."""
+        if self.gate is None:
+            return self.itl_ms
+        base, row = self.gate
+        batch = self.vbs * (t_min_ms / self.pace_ms) if self.pace_ms else self.vbs
+        batch += t_min_ms / tpot_ms if tpot_ms else 1.0
+        return base + row * batch
 
 
 def generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
@@ -89,8 +107,10 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
     # yet in a report plus this request (scaling by (vbs + 1) / vbs made every unreported arrival *raise* the slack)
     proj_itl = None if st.itl_ms is None else st.itl_ms * (vbs + 1.0) / max(st.step_batch or 1.0, 1.0)
     strictest = min((t for t in (st.strictest_tpot_ms, inflight_tpot_ms) if t is not None), default=None)
+    gate = None if st.gate_base_ms is None or st.gate_row_ms is None else (st.gate_base_ms, st.gate_row_ms)
     return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
-                       strictest_tpot_ms=strictest, kv_free=float(st.kv_blocks_free))
+                       strictest_tpot_ms=strictest, kv_free=float(st.kv_blocks_free), gate=gate,
+                       vbs=st.vbs + st.num_waiting + extra, pace_ms=st.strictest_tpot_ms)
 
 
 def slack(v: ReplicaView, slo: SLO) -> float | None:
@@ -102,9 +122,11 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
             return None
         slacks.append((ttft - v.pred_ttft_ms) / ttft)
     limits = [x for x in (tpot, v.strictest_tpot_ms) if x is not None]
-    if limits and v.itl_ms is not None:  # adding this request must keep every running TPOT SLO
+    if limits:  # adding this request must keep every running TPOT SLO
         tightest = min(limits)
-        slacks.append((tightest - v.itl_ms) / tightest)
+        itl = v.itl_with(tpot, tightest)
+        if itl is not None:
+            slacks.append((tightest - itl) / tightest)
     if not slacks:
         return math.inf  # no SLO (or nothing to check it against): every replica is fine
     s = min(slacks)

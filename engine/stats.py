@@ -1,6 +1,7 @@
 """What the engine publishes: a stats snapshot (any thread reads it) and a `StepEvent` per model step."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from scheduling.predictor import LatencyModel
@@ -50,6 +51,7 @@ class EngineStats:
     # the latency model's error as served, since start: per decode-rows bucket (a power of two, rows in (k/2, k]) the
     # decode-only steps run and the sum of their wall time / the model's ITL (Scheduler.model_error)
     decode_over_model: dict[int, tuple[int, float]] = field(default_factory=dict)
+    gate_line: tuple[float, float] | None = None  # the VBS gate's (base, row) ms: Scheduler.gate_line
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
@@ -70,7 +72,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
         ttft_margins=s.margin.table() if s.margin is not None else (),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
-        decode_over_model=s.model_error.snapshot())
+        decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()))
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

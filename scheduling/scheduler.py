@@ -40,6 +40,7 @@ TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
 TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE
 OVERLOADED = RejectReason.OVERLOADED
 SHED = RejectReason.SHED
+GATE_LINE_REFRESH_S = 0.05  # Scheduler.gate_line's answer is reused this long
 
 
 @dataclass(slots=True)
@@ -109,6 +110,7 @@ class Scheduler:
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
+        self._gate_line: tuple[float, tuple[float, float]] | None = None  # (when, line): gate_line's last answer
         self.model_error = StepModelError()  # the model against the served decode-only steps, by rows (stats)
         self._fill_off_until = -math.inf  # fill_steps: suspended until then (a paced reply ended over its TPOT)
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
@@ -206,6 +208,7 @@ class Scheduler:
     def set_predictor(self, predictor: LatencyModel | None) -> None:
         """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
         self.predictor = predictor
+        self._gate_line = None
         self._set_pace_cost()
 
     def _set_pace_cost(self) -> None:
@@ -465,6 +468,24 @@ class Scheduler:
             return sum(1.0 / r.tpot_slo_ms for r in paced)
         pace, token_ms = min(r.tpot_slo_ms for r in paced), self.pace_cost.token_ms
         return sum(token_ms(pace, self._mid_len(r)) for r in paced)
+
+    def gate_line(self, now: float) -> tuple[float, float] | None:
+        """The VBS gate as a line in the batch, for a router: a request joining this replica passes where
+        `base + row * VBS' < T_min'` (VBS' the batch's virtual size with it, under the stricter of its TPOT and the
+        batch's T_min'), the gate's margin, slack and step correction folded in, at the running batch's mean
+        mid-reply context (an idle replica: zero context). None without a gate or a latency model. Computed at most
+        every GATE_LINE_REFRESH_S (the stats snapshot asks every step; a router reads it every second or so)."""
+        if not self.flags.vbs_gate or self.predictor is None:
+            return None
+        if self._gate_line is not None and now - self._gate_line[0] < GATE_LINE_REFRESH_S:
+            return self._gate_line[1]
+        length = sum(self._mid_len(r) for r in self.running) / len(self.running) if self.running else 0.0
+        k = self.flags.vbs_margin / self.config.vbs_slack
+        if self.correction is not None:
+            k *= self._gate_scale(self.correction.factor(now))
+        one, two = self.predictor.itl_ms(1.0, length), self.predictor.itl_ms(2.0, length)
+        self._gate_line = (now, (k * (2.0 * one - two), k * (two - one)))
+        return self._gate_line[1]
 
     def _gate_scale(self, factor: float) -> float:
         """The gate's scale of the model for a measured step factor: the static margin already covers up to k of

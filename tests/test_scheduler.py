@@ -529,3 +529,23 @@ def test_block_manager_holds_a_sequence_whose_blocks_have_its_slots_and_grows_on
     assert not bm.holds(r, 17) and bm.extra_blocks_for(r, 17) == 1
     bm.ensure(r, 17)
     assert bm.holds(r, 32) and bm.num_free == 2
+
+
+def test_the_gate_line_a_router_reads_is_the_vbs_gates_own_test():
+    """Scheduler.gate_line (reported to the router): a request of TPOT T joining passes the VBS gate exactly where
+    base + row x VBS' < T_min', VBS' counting each request at T_min' / its TPOT."""
+    from scheduling.tpot_guard import VBSGate
+
+    s = _sched("kairos")
+    a = _req(0, 5, tpot=10.0)
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    base, row = s.gate_line(0.0)
+    verdicts = []
+    for tpot in (6.0, 6.2, 6.5, 8.0, 12.0, 40.0):
+        gate = VBSGate(s.running, s.predictor.itl_ms, margin=s.flags.vbs_margin, slack=s.config.vbs_slack)
+        t_min = min(10.0, tpot)
+        verdicts.append(gate.check(_req(1, 5, tpot=tpot)))
+        assert verdicts[-1] == (base + row * (t_min / 10.0 + t_min / tpot) < t_min)
+    assert verdicts == [False, True, True, True, True, True]
+    assert _sched("fcfs").gate_line(0.0) is None  # no gate: nothing to report

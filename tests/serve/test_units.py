@@ -142,11 +142,12 @@ def _replica(name: str, stats: dict) -> SimpleNamespace:
 
 
 def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None = 10.0, kv: int = 100,
-           sq_ms: float = 0.0) -> dict:
+           sq_ms: float = 0.0, gate: tuple[float, float] | None = None) -> dict:
     return RoutingStats(predicted_queue_ms=queue_ms, predicted_ttft_ms=median_ms, median_prompt_tokens=64,
                         prefill_sq_ms=sq_ms,
                         num_waiting=0, num_running=load, inflight=load, vbs=load, itl_ms=itl,
                         step_batch=None if itl is None else max(load, 1), strictest_tpot_ms=None,
+                        gate_base_ms=gate[0] if gate else None, gate_row_ms=gate[1] if gate else None,
                         kv_blocks_free=kv, kv_blocks_total=kv, alive=True, ts=0.0).to_dict()
 
 
@@ -277,6 +278,46 @@ def test_router_spreads_requests_chosen_before_serve_reports_them_routed() -> No
     router._chosen["http-9"] = (*router._chosen["http-9"][:2], time.monotonic() - CHOSEN_TTL_S - 1.0)
     choose(pending("http-10"))
     assert "http-9" not in router._chosen and router._inflight["a"].get(20.0) is None
+
+
+def test_router_holds_a_tpot_slo_against_the_replicas_own_gate() -> None:
+    """A replica reports its VBS gate as a line (base + row x VBS' < T_min'): the router calls a TPOT SLO attainable
+    where that gate would admit the request, with the requests it sent since the report in the batch, and counts each
+    request at its TPOT's share of the steps, as the gate does."""
+    from deployments.router import slack
+
+    line = _stats(10, 20, itl=3.0, gate=(1.0, 0.2))  # measured 3 ms steps (at batch 1) long ago; idle now
+    assert [slack(view(line, n, 64), SLO(tpot_ms=1.5)) is not None for n in range(4)] == [True, True, False, False]
+    loose = {**_stats(10, 20, load=4, itl=3.0, gate=(1.0, 0.2)), "strictest_tpot_ms": 10.0}
+    # four requests at TPOT 10 decode every fifth step under a TPOT 2 pace: the batch is 0.8 + 1, not 5
+    assert view(loose, 4, 64).itl_with(2.0, 2.0) == pytest.approx(1.0 + 0.2 * 1.8)
+    assert slack(view(loose, 4, 64), SLO(tpot_ms=2.0)) is not None
+    # a request of TPOT 20 joining them counts half a step at their pace, and must keep it
+    assert view(loose, 4, 64).itl_with(20.0, 10.0) == pytest.approx(1.0 + 0.2 * 4.5)
+    assert view(_stats(10, 20, itl=3.0), 0, 64).itl_with(1.5, 1.5) == pytest.approx(3.0)  # no line: the step
+
+
+def test_a_burst_of_strict_requests_goes_where_the_gates_admit_it() -> None:
+    """A burst inside one routing-stats period: every request is chosen before any report counts it. Replica "a"'s
+    gate admits two requests at TPOT 1.5 ms, "b"'s four; the router sends each its share, and the first past both
+    to the least loaded. (Projected from the steps both measured alike, the burst split 3:3, and "a" turned one
+    away.)"""
+    import asyncio
+
+    from deployments.router import SLORouter
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+    a = _replica("a", _stats(10, 20, itl=3.0, gate=(1.0, 0.2)))
+    b = _replica("b", _stats(10, 20, itl=3.0, gate=(1.0, 0.11), kv=99))
+
+    def pending(call_id: str):
+        req = GenerateRequest(f"cmpl-{call_id}", prompt="x", slo=SLO(tpot_ms=1.5))
+        return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call_id),
+                               args=(req,), kwargs={})
+
+    chosen = [asyncio.run(router.choose_replicas([a, b], pending(f"http-{i}")))[0][0].replica_id for i in range(7)]
+    assert sorted(chosen[:6]) == ["a", "a", "b", "b", "b", "b"] and chosen[6] == "a"
 
 
 def test_router_drops_calls_a_report_proves_finished() -> None:
