@@ -302,15 +302,40 @@ def stop_on_sigterm() -> bool:
 
 def hook_serve_run() -> bool:
     """In the `serve run` CLI, before Ray starts: Serve's HTTP options from the environment where the CLI passes
-    none (an import path; a config file passes its own), and SIGTERM handled once Serve is started (Ray's driver
-    installs its own handlers while it starts)."""
+    none (an import path; a config file passes its own), SIGTERM handled once Serve is started (Ray's driver
+    installs its own handlers while it starts), and an app that fails to deploy (a model that does not load, say)
+    ends the CLI with exit status 1: Ray's CLI prints the error, shuts Serve down and exits 0, which a process
+    manager or a script reads as success."""
     if not in_serve_run() or not _before_ray():
         return False
+    from ray import serve
     from ray.serve._private import api
 
     start = api.serve_start
     if getattr(start, "kairos_hook", False):
         return True
+    run = serve.run
+
+    def serve_run(*args, **kwargs):
+        first = not serve_run.called  # the CLI's deployment (`--reload` redeploys on its own terms after it)
+        serve_run.called = True
+        try:
+            return run(*args, **kwargs)
+        except Exception:  # KeyboardInterrupt (Ctrl-C, SIGTERM) is not one: the CLI stops Serve, exit 0
+            if not first:
+                raise
+            import sys
+            import traceback
+
+            traceback.print_exc()
+            print("serve run: the application failed to deploy; shutting Serve down (exit status 1)", file=sys.stderr)
+            try:
+                serve.shutdown()
+            finally:
+                sys.exit(1)
+
+    serve_run.called = False  # type: ignore[attr-defined]
+    serve.run = serve_run
 
     def serve_start(*args, **kwargs):
         if kwargs.get("http_options") == {}:  # what `serve run <import path>` passes

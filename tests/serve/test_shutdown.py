@@ -75,6 +75,37 @@ def test_serve_run_http_address_is_loopback_unless_opted_in(monkeypatch) -> None
         H.http_options()
 
 
+def test_serve_run_exits_1_when_the_app_fails_to_deploy() -> None:
+    """Ray's CLI catches a failed deployment (`serve.run` raising: a model that does not load), shuts Serve down and
+    exits 0; under the hook it exits 1. A redeploy after the first (`--reload`) raises as before. In a fresh
+    interpreter posing as the CLI, with Serve's run and shutdown stubbed (no Ray started)."""
+    code = """
+import sys
+sys.argv = ["serve", "run", "deployments:app"]
+from ray import serve
+calls = []
+def failing_run(*a, **k):
+    raise RuntimeError("Deploying application default failed")
+serve.run, serve.shutdown = failing_run, lambda: calls.append("shutdown")
+from deployments import haproxy_ingress as H
+assert H.hook_serve_run()
+try:
+    serve.run(None)
+except SystemExit as e:
+    assert e.code == 1 and calls == ["shutdown"], (e.code, calls)
+else:
+    raise AssertionError("no SystemExit")
+try:
+    serve.run(None)
+except RuntimeError:
+    print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert "failed to deploy" in out.stderr
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_what_the_haproxy_launcher_starts_dies_with_the_process_that_started_it() -> None:
     """The launcher Serve spawns HAProxy through, with `sleep` in HAProxy's place: SIGKILL its parent (as when Ray
