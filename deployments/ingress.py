@@ -431,9 +431,14 @@ class OpenAIFrontend:
         created, item = int(time.time()), first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         done = False
+
+        def chunk(body: dict) -> bytes:  # with include_usage every chunk but the usage one says "usage": null (OpenAI)
+            if include_usage:
+                body["usage"] = None
+            return P.sse(body)
         try:
             if kind == "chat":
-                yield P.sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+                yield chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
             while True:
                 fin = item.finish_reason
                 if fin is FinishReason.ERROR:
@@ -441,10 +446,10 @@ class OpenAIFrontend:
                 elif item.text or item.token_ids or item.finished:  # a token with no text yet (a partial
                     # UTF-8 character) still gets its chunk, as in vLLM: clients time tokens by chunk arrival
                     if kind == "completion":
-                        yield P.sse(P.completion_chunk(rid, model, created, item.text, fin))
+                        yield chunk(P.completion_chunk(rid, model, created, item.text, fin))
                     else:
                         delta = {"content": item.text} if item.text else {}
-                        yield P.sse(P.chat_chunk(rid, model, created, delta, fin))
+                        yield chunk(P.chat_chunk(rid, model, created, delta, fin))
                 if item.finished:
                     done = True
                     break

@@ -87,6 +87,7 @@ def test_completion_stream(client: httpx.Client) -> None:
     assert len(text_chunks) >= 2
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert all("usage" in c and c["usage"] is None for c in text_chunks)  # OpenAI: null on all but the usage chunk
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 32
     em = chunks[-1]["kairos_metrics"]  # extension: the engine's own TTFT/TPOT for this request
     assert em["ttft_ms"] > 0 and em["tpot_ms"] > 0 and em["e2e_ms"] >= em["ttft_ms"]
