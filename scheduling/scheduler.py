@@ -111,6 +111,7 @@ class Scheduler:
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
         self._gate_line: tuple[float, tuple[float, float]] | None = None  # (when, line): gate_line's last answer
+        self._line_len = 0.0  # and the mean mid-reply context it was drawn at
         self.model_error = StepModelError()  # the model against the served decode-only steps, by rows (stats)
         self._fill_off_until = -math.inf  # fill_steps: suspended until then (a paced reply ended over its TPOT)
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
@@ -473,13 +474,15 @@ class Scheduler:
         """The VBS gate as a line in the batch, for a router: a request joining this replica passes where
         `base + row * VBS' < T_min'` (VBS' the batch's virtual size with it, under the stricter of its TPOT and the
         batch's T_min'), the gate's margin, slack and step correction folded in, at the running batch's mean
-        mid-reply context (an idle replica: zero context). None without a gate or a latency model. Computed at most
-        every GATE_LINE_REFRESH_S (the stats snapshot asks every step; a router reads it every second or so)."""
+        mid-reply context (an idle replica: the one its batch last had). None without a gate or a latency model.
+        At most once every GATE_LINE_REFRESH_S (the stats snapshot asks every step; a router, every second or so)."""
         if not self.flags.vbs_gate or self.predictor is None:
             return None
         if self._gate_line is not None and now - self._gate_line[0] < GATE_LINE_REFRESH_S:
             return self._gate_line[1]
-        length = sum(self._mid_len(r) for r in self.running) / len(self.running) if self.running else 0.0
+        if self.running:  # an idle replica: the context its batch last had (none yet: zero)
+            self._line_len = sum(self._mid_len(r) for r in self.running) / len(self.running)
+        length = self._line_len
         k = self.flags.vbs_margin / self.config.vbs_slack
         if self.correction is not None:
             k *= self._gate_scale(self.correction.factor(now))
