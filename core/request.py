@@ -124,9 +124,10 @@ class Request:
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the
     # reply's length from the scheduler (bench.slo --lengths hidden|predicted)
     bench_stop_after: int | None = None
-    # while it has no token: when it was last admitted and the prefill time the TTFT guard predicted for it then
-    # (ms; ttft_guard.MeasuredMargin measures the difference to its first token)
-    ttft_estimate: tuple[float, float] | None = None
+    # while it has no token: when it was last admitted, the prefill time the TTFT guard predicted for it then (ms;
+    # ttft_guard.MeasuredMargin measures the difference to its first token), and whether it was admitted alone (first
+    # of its round, nothing running)
+    ttft_estimate: tuple[float, float, bool] | None = None
     # expected_output_len's last answer and what it was computed from: (tokens, predicted_len, length_outlook, length,
     # and with an outlook its entry and the most tokens it holds for: `outlook_entry`)
     _expected: tuple[int, int | None, tuple[float, ...] | None, int, float, float] | None = field(default=None,

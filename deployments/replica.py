@@ -28,7 +28,7 @@ from deployments.pacing import StreamPacing
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
-from scheduling.ttft_guard import idle_slo_floor, margin_at
+from scheduling.ttft_guard import idle_margin_at, idle_slo_floor
 
 log = logging.getLogger("ray.serve")
 
@@ -56,8 +56,8 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     this one, plus, where the running batch has to thin out (TPOT gate, work shedding), the decode steps until
     the in-flight request nearest its end finishes (`decode_left`: their expected remaining tokens; a step takes
     `step_ms`, the engine's measured decode step, else the model's). Rounded up to whole seconds, 1 to 60.
-    `ttft_margin_ms`: the TTFT guard's margin now, or a function of the request's predicted prefill that gives it
-    (measured: `Scheduler.ttft_margin_ms`; default the configured). `waiting_sq`: the waiting prompts' attention
+    `ttft_margin_ms`: the TTFT guard's margin on an idle replica, or a function of the request's predicted prefill
+    that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting prompts' attention
     work in token pairs (`Scheduler.waiting_sq`)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
@@ -285,8 +285,8 @@ class LLMReplica:
             return judge_rejection(reason, req, out.num_prompt_tokens, self.engine.latency_model, self._sched,
                                    self.engine.max_model_len, st.waiting_tokens, st.step_ms,
                                    list(self._decode_left.values()),
-                                   lambda p: margin_at(st.ttft_margins, p, st.ttft_margin_ms
-                                                       if st.ttft_margin_ms is not None else self._sched.ttft_margin_ms),
+                                   lambda p: idle_margin_at(st.ttft_idle_margins, st.ttft_margins, p,
+                                                            self._sched.ttft_margin_ms),
                                    st.waiting_sq)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")

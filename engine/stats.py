@@ -45,6 +45,7 @@ class EngineStats:
     ttft_margin_ms: float | None = None  # the TTFT guard's margin now for a typical request (measured where the
     # policy measures it), and by predicted prefill (ttft_guard.margin_at reads them; empty: ttft_margin_ms for all)
     ttft_margins: tuple[tuple[float, float], ...] = ()
+    ttft_idle_margins: tuple[tuple[float, float], ...] = ()  # of the admissions made alone (ttft_guard.idle_margin_at)
     shed_threshold: float | None = None  # work shedding: fresh requests of more work (tokens / TPOT ms) are shed
     # accumulated wall time per phase (seconds): schedule, prepare+forward, sample, postprocess
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -71,6 +72,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         itl_correction=s.last_correction, phase_s=dict(phase_s), step_ms=step[0],
         step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
         ttft_margins=s.margin.table() if s.margin is not None else (),
+        ttft_idle_margins=s.margin.table(idle=True) if s.margin is not None else (),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
         decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()))
 

@@ -101,6 +101,8 @@ class SchedulerConfig(BaseModel):
                                          "admitted lately, of about the request's predicted prefill or less "
                                          "(ttft_guard.MeasuredMargin; kairos)")
     ttft_margin_quantile: float = Field(0.99, gt=0, le=1, description="measured_margin: the quantile of those errors")
+    ttft_margin_window_s: float = Field(60.0, gt=0, description="measured_margin: errors older than this (s) no "
+                                        "longer count (a burst's errors do not outlive it on an idle replica)")
     sort_before_reject: bool | None = None
     # SCORPIO TPOT guard
     credit_batching: bool | None = None

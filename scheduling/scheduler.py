@@ -123,7 +123,8 @@ class Scheduler:
         self.pace_cost: PaceCost | None = None  # work in machine time (pace_work), over the latency model
         self._set_pace_cost()
         self.reserve = ImpatientReserve(config.impatient_window_s) if self.flags.impatient_reserve else None
-        self.margin = MeasuredMargin(config.ttft_margin_ms, config.ttft_margin_quantile) \
+        self.margin = MeasuredMargin(config.ttft_margin_ms, config.ttft_margin_quantile,
+                                     window_s=config.ttft_margin_window_s) \
             if self.flags.measured_margin else None
 
     # --- queue membership ---
@@ -201,10 +202,13 @@ class Scheduler:
         return req.first_token_s is not None and n > 0 and math.isfinite(req.tpot_slo_ms) \
             and (now - req.first_token_s) * 1000.0 > req.tpot_slo_ms * n
 
-    def ttft_margin_ms(self, prefill_ms: float | None = None) -> float:
+    def ttft_margin_ms(self, prefill_ms: float | None = None, idle: bool | None = None) -> float:
         """The TTFT guard's margin now, for a request whose predicted prefill is `prefill_ms` (None: a typical one):
-        measured (`MeasuredMargin`) or the configured one."""
-        return self.margin.margin_ms(prefill_ms) if self.margin is not None else self.config.ttft_margin_ms
+        measured (`MeasuredMargin`; with nothing running, or `idle`, an idle replica's: `ttft_guard.idle_margin_at`)
+        or the configured one."""
+        if self.margin is None:
+            return self.config.ttft_margin_ms
+        return self.margin.margin_ms(prefill_ms, idle=not self.running if idle is None else idle)
 
     def set_predictor(self, predictor: LatencyModel | None) -> None:
         """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
@@ -238,6 +242,8 @@ class Scheduler:
         plan = StepPlan()
         f = self.flags
         busy = bool(self.running)
+        if self.margin is not None:
+            self.margin.expire(now)
         if f.queue_order == "ldf" and f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         if f.ttft_reject and self.predictor is not None and self.waiting:
@@ -369,7 +375,8 @@ class Scheduler:
             round_tokens += self._cost(r)
             round_sq += self._cost_sq(r)
             if self.margin is not None and r.first_token_s is None and self.predictor is not None:
-                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq))
+                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq),
+                                   not self.running and round_tokens == self._cost(r))
             pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
                 gate.admit(r)
@@ -416,7 +423,7 @@ class Scheduler:
             return True
         if reason is TTFT_UNATTAINABLE:
             alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))
-            return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms)
+            return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms, idle=True)
         if reason is TPOT_UNATTAINABLE:
             alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r))
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
@@ -675,8 +682,8 @@ class Scheduler:
             if req.first_token_s is None:
                 req.first_token_s = now
                 if self.margin is not None and req.ttft_estimate is not None:
-                    admitted_s, predicted_ms = req.ttft_estimate
-                    self.margin.observe((now - admitted_s) * 1000.0 - predicted_ms, predicted_ms)
+                    admitted_s, predicted_ms, alone = req.ttft_estimate
+                    self.margin.observe((now - admitted_s) * 1000.0 - predicted_ms, predicted_ms, now, alone)
             p = req.params
             reason = None
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:

@@ -66,6 +66,18 @@ def idle_slo_floor(
     return best_ttft, best_tpot
 
 
+def idle_margin_at(idle_table: "MarginTable", table: "MarginTable", prefill_ms: float, default_ms: float) -> float:
+    """The TTFT guard's margin on a replica with nothing running, for a request of predicted prefill `prefill_ms`:
+    from the admissions made alone (`MeasuredMargin.table(idle=True)`) where enough are measured, else the margin
+    of all of them but at most the configured one (`default_ms`): what a margin measured under load covers, the
+    queue of prefills, the decodes riding in a request's step and the step in flight ahead of it, is not there,
+    and a burst's errors would otherwise refuse an idle replica's requests, as `slo_unattainable` too (the idle
+    floor, `idle_slo_floor`, is drawn with this margin)."""
+    if idle_table:
+        return margin_at(idle_table, prefill_ms, default_ms)
+    return min(margin_at(table, prefill_ms, default_ms), default_ms)
+
+
 MarginTable = tuple[tuple[float, float], ...]  # (bound ms, margin ms) rows, bounds ascending: `MeasuredMargin.table`
 
 
@@ -106,35 +118,53 @@ class MeasuredMargin:
     short request for the next ``window`` admissions (which then all missed a TTFT SLO of a few seconds). With just
     ``min_samples`` admissions measured every row pools them all, and a row of fewer than 1 / (1 - quantile) errors
     takes its largest: the first admissions after start-up count fully until more come.
+
+    Errors also age out: those older than ``window_s`` (`expire`) no longer count. Under a burst the errors are the
+    burst's (a queue of prefills, decodes riding in every step, on a CPU the HTTP work on the same cores); on the
+    idle replica after it they would have turned away, for the next ``window`` admissions, requests an idle replica
+    serves well within their SLO, and as `slo_unattainable` (the idle floor reads the same margin).
     """
 
-    def __init__(self, default_ms: float, quantile: float = 0.99, window: int = 256, min_samples: int = 32) -> None:
-        if default_ms < 0 or not 0 < quantile <= 1 or not 1 <= min_samples <= window:
-            raise ValueError("need default_ms >= 0, 0 < quantile <= 1 and 1 <= min_samples <= window")
-        self.default_ms, self.quantile, self.min_samples = default_ms, quantile, min_samples
+    def __init__(self, default_ms: float, quantile: float = 0.99, window: int = 256, min_samples: int = 32,
+                 window_s: float = math.inf) -> None:
+        if default_ms < 0 or not 0 < quantile <= 1 or not 1 <= min_samples <= window or not window_s > 0:
+            raise ValueError("need default_ms >= 0, 0 < quantile <= 1, 1 <= min_samples <= window and window_s > 0")
+        self.default_ms, self.quantile, self.min_samples, self.window_s = default_ms, quantile, min_samples, window_s
         self._obs: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted prefill ms, error ms)
-        self._table: MarginTable | None = None
+        self._at: deque[tuple[float, bool]] = deque(maxlen=window)  # when each was observed, and if alone
+        self._tables: dict[bool, MarginTable] = {}  # built on demand (idle: the admissions made alone)
         self._typical = 0.0  # the median predicted prefill of the window (with the table)
 
-    def observe(self, err_ms: float, predicted_ms: float = 0.0) -> None:
-        """One request's admission-to-first-token time less the prefill the guard predicted for it, `predicted_ms`."""
+    def observe(self, err_ms: float, predicted_ms: float = 0.0, now_s: float = 0.0, alone: bool = False) -> None:
+        """One request's admission-to-first-token time less the prefill the guard predicted for it, `predicted_ms`,
+        observed at `now_s`; `alone`: it was admitted first in its round with nothing running."""
         self._obs.append((max(float(predicted_ms), 0.0), max(float(err_ms), 0.0)))
-        self._table = None
+        self._at.append((now_s, alone))
+        self._tables.clear()
 
-    def table(self) -> MarginTable:
+    def expire(self, now_s: float) -> None:
+        """Forget the errors observed more than ``window_s`` before `now_s`."""
+        while self._at and now_s - self._at[0][0] > self.window_s:
+            self._at.popleft()
+            self._obs.popleft()
+            self._tables.clear()
+
+    def table(self, idle: bool = False) -> MarginTable:
         """The margins by predicted prefill (`margin_at` reads them): a row per power of two from the smallest
         prediction's to the largest's, each the ``quantile`` of the errors `margin_ms` describes. Empty while fewer
-        than ``min_samples`` admissions are measured."""
-        if self._table is None:
-            self._table = self._build()
-        return self._table
+        than ``min_samples`` admissions are measured. `idle`: of the admissions made alone only."""
+        got = self._tables.get(idle)
+        if got is None:
+            got = self._tables[idle] = self._build(idle)
+        return got
 
-    def _build(self) -> MarginTable:
-        n = len(self._obs)
+    def _build(self, idle: bool) -> MarginTable:
+        obs = sorted(o for o, (_, alone) in zip(self._obs, self._at) if alone or not idle)  # by predicted prefill
+        n = len(obs)
         if n < self.min_samples:
             return ()
-        obs = sorted(self._obs)  # by predicted prefill
-        self._typical = obs[n // 2][0]
+        if not idle:
+            self._typical = obs[n // 2][0]
         errs: list[float] = []
         rows: list[tuple[float, float]] = []
         i, k, top = 0, _bucket(obs[0][0]), _bucket(obs[-1][0])
@@ -148,10 +178,11 @@ class MeasuredMargin:
                 return tuple(rows)
             k += 1
 
-    def margin_ms(self, prefill_ms: float | None = None) -> float:
+    def margin_ms(self, prefill_ms: float | None = None, idle: bool = False) -> float:
         """The margin for a request whose predicted prefill (its round's, up to it) is `prefill_ms`; None: for a
-        typical one (the median prediction measured), as a replica reports it."""
+        typical one (the median prediction measured), as a replica reports it. `idle`: on a replica with nothing
+        running (`idle_margin_at`)."""
         table = self.table()
-        if not table:
-            return self.default_ms
-        return margin_at(table, self._typical if prefill_ms is None else prefill_ms, self.default_ms)
+        p = self._typical if prefill_ms is None else prefill_ms
+        return idle_margin_at(self.table(idle=True), table, p, self.default_ms) if idle \
+            else margin_at(table, p, self.default_ms)

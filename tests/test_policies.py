@@ -11,7 +11,7 @@ from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
 from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, hold_prefill, min_tpot,
                                    next_token_slack_ms, select_by_credit, trim_for_catch_up, trp, vbs)
-from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable, margin_at
+from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable, idle_margin_at, margin_at
 
 
 def _req(rid: str, *, prompt: int = 10, ttft: float | None = None, tpot: float | None = None,
@@ -354,6 +354,22 @@ def test_measured_margin_is_the_configured_one_until_measured_then_a_high_quanti
     assert m.margin_ms() == 0.0
     with pytest.raises(ValueError):
         MeasuredMargin(50.0, min_samples=0)
+
+
+def test_measured_errors_age_out_and_an_idle_replica_uses_the_admissions_made_alone() -> None:
+    m = MeasuredMargin(50.0, quantile=1.0, window=64, min_samples=4, window_s=60.0)
+    for i in range(6):
+        m.observe(400.0, predicted_ms=10.0, now_s=float(i))  # admitted in a busy round: 400 ms late
+    assert m.margin_ms(10.0) == 400.0
+    assert m.margin_ms(10.0, idle=True) == 50.0  # none admitted alone: the busy margin, at most the configured
+    for i in range(4):
+        m.observe(3.0, predicted_ms=10.0, now_s=10.0 + i, alone=True)
+    assert m.margin_ms(10.0, idle=True) == 3.0 and m.margin_ms(10.0) == 400.0
+    m.expire(62.0)  # the first two are over a minute old: 4 busy ones and the 4 made alone are left
+    assert m.margin_ms(10.0) == 400.0 and m.table(idle=True)
+    m.expire(80.0)  # all over a minute old: the configured margin again
+    assert m.margin_ms(10.0) == 50.0 and m.margin_ms(10.0, idle=True) == 50.0
+    assert idle_margin_at((), ((64.0, 5.0),), 10.0, 50.0) == 5.0  # a measured margin under the configured is kept
 
 
 def test_a_long_prompts_error_raises_the_margin_of_prompts_as_long_not_of_short_ones() -> None:

@@ -549,3 +549,33 @@ def test_the_gate_line_a_router_reads_is_the_vbs_gates_own_test():
         assert verdicts[-1] == (base + row * (t_min / 10.0 + t_min / tpot) < t_min)
     assert verdicts == [False, True, True, True, True, True]
     assert _sched("fcfs").gate_line(0.0) is None  # no gate: nothing to report
+
+
+def test_a_bursts_margin_does_not_turn_away_requests_on_the_idle_replica_after_it():
+    """kairos: 40 requests admitted in rounds of 8 had their first tokens 500 ms past their predicted prefill (a
+    burst: a queue of prefills, on a CPU the HTTP work on the same cores). On the replica idle afterwards, a short
+    request with a 100 ms TTFT SLO is admitted: the margin of admissions made under load does not apply where nothing
+    runs (an idle replica's margin is of the admissions made alone, or at most the configured one). A busy replica
+    still uses it, until its errors are older than ttft_margin_window_s."""
+    from core.request import FinishReason
+    s = Scheduler(SchedulerConfig(policy="kairos"), 4096, 4, max_model_len=2048,
+                  predictor=LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0)))
+    t = 0.0
+    for k in range(5):
+        burst = [_req(8 * k + i, 100, ttft=5_000.0, arrival=t) for i in range(8)]
+        for r in burst:
+            s.add(r)
+        plan = s.schedule(t)
+        assert plan.prefill == burst
+        t += 0.5 + 0.009  # the round's 8 x 100 tokens predicted at 9 ms; its first tokens came 500 ms later
+        s.postprocess(plan, [3] * len(plan.requests), t)
+        for r in burst:
+            s.finish(r, FinishReason.STOP, t)
+    assert s.ttft_margin_ms(2.0, idle=False) > 400.0 and s.ttft_margin_ms(2.0, idle=True) <= 50.0
+    short = _req(99, 100, ttft=100.0, arrival=t)
+    s.add(short)
+    plan = s.schedule(t)
+    assert plan.prefill == [short] and not plan.rejected
+    s.finish(short, FinishReason.STOP, t)
+    s.schedule(t + s.config.ttft_margin_window_s + 1.0)  # a minute later the burst's errors are gone
+    assert s.ttft_margin_ms(2.0, idle=False) == s.config.ttft_margin_ms
