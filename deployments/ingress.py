@@ -345,6 +345,11 @@ class OpenAIFrontend:
         self._auth(request)
         body, req = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
+        return await until_disconnected(request.receive, self._respond(body, req, kind, rid, t_in, t_call))
+
+    async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
+                       t_call: float) -> Any:
+        """The response to a parsed request: a whole completion, or the stream once its first item is in."""
         if self.log_prompts:
             log.info("%s %s", rid, req.prompt if req.messages is None else req.messages)
         gen, first = await self._first_item(req)
@@ -465,6 +470,32 @@ class OpenAIFrontend:
         finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine
             if not done:
                 gen.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected. The request's body is read already, so the server's next message is
+    the disconnect; where another comes instead (a server that repeats the body), it never returns."""
+    if (await receive())["type"] != "http.disconnect":
+        await asyncio.Event().wait()
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
+    """`work` (a request's generation up to its response: a whole completion, or a stream's first item) unless the
+    client disconnects first: then it is cancelled, which cancels its stream and so aborts the request in its engine
+    and frees its KV blocks, and so is this call (the client is gone: nothing is sent). A stream's later chunks find
+    a disconnect where they are sent (`_serve_generation`)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went away, or this call was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise asyncio.CancelledError("client disconnected")
+    return task.result()
 
 
 GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

@@ -836,10 +836,15 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
     assert app.docs_url == "/docs"
 
     async def call(method: str, path: str, body: bytes = b"", scope_type: str = "http",
-                   fail_at: int | None = None) -> list[dict]:
+                   fail_at: int | None = None, gone_after_s: float | None = None) -> list[dict]:
         sent: list[dict] = []
+        received = []
 
         async def receive() -> dict:
+            received.append(1)
+            if gone_after_s is not None and len(received) > 1:  # after the body: the client hangs up
+                await asyncio.sleep(gone_after_s)
+                return {"type": "http.disconnect"}
             return {"type": "http.request", "body": body, "more_body": False}
 
         async def send(msg: dict) -> None:
@@ -887,6 +892,13 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
                        fail_at=1)
         await asyncio.sleep(0.01)
         assert 7 in closed and not hold.is_set() and failed.traceback
+        # a client that hangs up while its whole completion is being generated (no stream to fail on): the request is
+        # cancelled, its engine stream closed, and nothing is sent
+        with pytest.raises(asyncio.CancelledError):
+            await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 5}).encode(),
+                       gone_after_s=0.05)
+        await asyncio.sleep(0.01)
+        assert 5 in closed and not hold.is_set()
 
     asyncio.run(run())
 
