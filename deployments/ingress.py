@@ -225,6 +225,15 @@ class OpenAIFrontend:
                  for name in self._served_names()]
         return P.ModelList(data=cards).model_dump()
 
+    async def model(self, request: Request, model_id: str) -> dict[str, Any]:
+        """`GET /v1/models/{model}`: one served name's card (OpenAI's retrieve model), else 404 model_not_found."""
+        self._auth(request)
+        if model_id not in self._served_names():
+            raise model_not_found(model_id, self._served_names())
+        info = self._ready_info()
+        return P.ModelCard(id=model_id, max_model_len=info["max_model_len"] if info else None,
+                           root=self.served_model_name).model_dump()
+
     async def prometheus_metrics(self) -> Any:
         """Prometheus text: the `ray_kairos_*` and `ray_serve_*` series of this node's Ray metrics agent (where
         vLLM users look: /metrics on the serving port). Unauthenticated, as vLLM's."""
@@ -526,12 +535,22 @@ class GenerationFastPath:
         self.api.add_exception_handler(exc, handler)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        if scope["method"] == "POST":
             kind = GENERATION_ROUTES.get(route_path(scope))
             if kind is not None:
                 await self.frontend._serve_generation(scope, receive, send, kind)
                 return
-        await self.api(scope, receive, send)
+        rid = f"req-{uuid.uuid4().hex}".encode()
+
+        async def named(message: dict) -> None:  # every response names its request (a generation's: its own id)
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-kairos-request-id", rid)]}
+            await send(message)
+
+        await self.api(scope, receive, named)
 
 
 def openai_api() -> FastAPI:
@@ -544,6 +563,7 @@ def openai_api() -> FastAPI:
     api.add_exception_handler(Exception, _unexpected)
     api.add_api_route("/health", OpenAIFrontend.health, methods=["GET", "HEAD"])  # HEAD: load balancers probe so
     api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
+    api.add_api_route("/v1/models/{model_id:path}", OpenAIFrontend.model, methods=["GET"])  # ids may hold a slash
     api.add_api_route("/metrics", OpenAIFrontend.prometheus_metrics, methods=["GET"],
                       response_class=PlainTextResponse)
     for path, fn, schema in (("/v1/completions", OpenAIFrontend.completions, P.CompletionRequest),

@@ -51,7 +51,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "top_logprobs": (0,),
     "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "min_p": (0, 0.0), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
-    "truncate_prompt_tokens": (), "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "logprobs": (False,), "tools": ([],),
 }
 
 

@@ -26,6 +26,11 @@ def test_health_and_models(client: httpx.Client) -> None:
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] > 0
+    one = client.get(f"/v1/models/{MODEL}")  # OpenAI's retrieve model
+    assert one.status_code == 200 and one.json() == models["data"][0]
+    missing = client.get("/v1/models/no/such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert missing.headers["x-kairos-request-id"].startswith("req-")  # every answer names its request
 
 
 def test_completion(client: httpx.Client) -> None:

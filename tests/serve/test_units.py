@@ -831,6 +831,8 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
 
         async def __call__(self, scope, receive, send) -> None:
             to_fastapi.append((scope["type"], scope.get("path", "")))
+            if scope["type"] == "http":
+                await send({"type": "http.response.start", "status": 404, "headers": []})
 
     app = GenerationFastPath(front, Api())  # type: ignore[arg-type]
     assert app.docs_url == "/docs"
@@ -874,7 +876,9 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
         for method, path, kind in (("GET", "/health", "http"), ("GET", "/v1/completions", "http"),
                                    ("POST", "/v1/completions/", "http"), ("POST", "/v1/models", "http"),
                                    ("", "", "lifespan")):
-            await call(method, path, scope_type=kind)
+            sent = await call(method, path, scope_type=kind)
+            if kind == "http":  # FastAPI's answers name their request too
+                assert dict(sent[0]["headers"])[b"x-kairos-request-id"].startswith(b"req-")
         assert to_fastapi == [("http", "/health"), ("http", "/v1/completions"), ("http", "/v1/completions/"),
                               ("http", "/v1/models"), ("lifespan", "")]
         task = asyncio.create_task(call("POST", "/v1/completions",
@@ -1167,6 +1171,10 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
 
     assert P.unsupported_field({"prompt": "x", "min_p": 0.1}) == "min_p"
     assert P.unsupported_field({"prompt": "x", "min_p": 0.0, "skip_special_tokens": True, "prediction": {}}) is None
+    for field, value in (("echo", True), ("logprobs", 1), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):
+        assert P.unsupported_field({"prompt": "x", field: value}) == field  # each 400 names its own field
+    assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "logprobs": False,
+                                "tools": []}) is None
     with pytest.raises(ValidationError):
         P.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1234567890": 1}})
     for e in (PromptTooLong(9000, 8192), ContextLengthExceeded(100, 8192, 8150)):
