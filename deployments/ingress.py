@@ -39,6 +39,7 @@ from deployments.errors import (APIError, error_response, item_failure, model_no
                                 protocol_failure, replica_failure, unsupported_media_type)
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
+from deployments.refusals import note_refusal
 
 log = logging.getLogger("ray.serve")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
@@ -362,6 +363,7 @@ class OpenAIFrontend:
         if self.log_prompts:
             log.info("%s %s", rid, req.prompt if req.messages is None else req.messages)
         gen, first = await self._first_item(req)
+        _note_refusal(first, req)
         for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
             sb = first.served_by
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica) \
@@ -374,6 +376,7 @@ class OpenAIFrontend:
             slo = req.slo if ttft is None else dataclasses.replace(req.slo, ttft_ms=ttft - spent_ms)
             req = dataclasses.replace(req, slo=slo, avoid_replicas=(*req.avoid_replicas, sb.replica))
             gen, first = await self._first_item(req)
+            _note_refusal(first, req)
         sb = first.served_by
         headers = {"x-kairos-request-id": rid, "x-kairos-replica": sb.replica if sb else "",
                    "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
@@ -479,6 +482,14 @@ class OpenAIFrontend:
         finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine
             if not done:
                 gen.cancel()
+
+
+def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
+    """Tell this process's SLO routers (refusals.note_refusal) that a replica turned `req` away for its load."""
+    sb = first.served_by
+    if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
+            and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
+        note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
 
 
 async def _disconnect(receive: Receive) -> None:

@@ -15,7 +15,8 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
     `CHOSEN_TTL_S`.
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
-by the ingress when it reroutes) come last. Each replica is its own rank, so Ray falls through to the next one
+by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a request
+as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). Each replica is its own rank, so Ray falls through to the next one
 when the best is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
 Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed (git
 history): ranking by slack already sends most strict requests to one replica, and affinity only cost the
@@ -35,12 +36,26 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from core.messages import GenerateRequest, ProtocolError, RoutingStats
 from core.request import SLO
+from deployments import refusals
 
 log = logging.getLogger("ray.serve")
 # a call chosen this long ago and never routed was cancelled (a live one is chosen again at least every
 # RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S, 0.5 s, until a replica accepts it): stop counting it
 CHOSEN_TTL_S = 5.0
 REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may not be in it yet (transit, clocks)
+REFUSED_TTL_S = 2.0  # a replica that turned a request away is passed over for as strict ones at most this long
+
+
+def refused_for(slo: SLO, refused: tuple[SLO, str]) -> bool:
+    """Whether a request of `slo` would likely be turned away too where one of `refused` (its SLO, the reason) was:
+    a TPOT refusal for a TPOT SLO as strict or stricter, a TTFT refusal for a TTFT SLO as tight or tighter; a shed or
+    a full queue for any request with an SLO."""
+    old, reason = refused
+    if reason == "tpot_unattainable":
+        return slo.tpot_ms is not None and old.tpot_ms is not None and slo.tpot_ms <= old.tpot_ms
+    if reason == "ttft_unattainable":
+        return slo.ttft_ms is not None and old.ttft_ms is not None and slo.ttft_ms <= old.ttft_ms
+    return slo.ttft_ms is not None or slo.tpot_ms is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +187,9 @@ class SLORouter(RequestRouter):
         # request chosen meanwhile would see the same in-flight counts and go to the same replica. So the choice
         # counts at once where it will most likely land, and moves in `on_request_routed` if it landed elsewhere.
         self._chosen: dict[str, tuple[ReplicaID, float | None, float]] = {}
+        # replica unique id -> (wall time, SLO, reason) of the last refusal the ingress saw from it (refusals.py)
+        self._refused: dict[str, tuple[float, SLO, str]] = {}
+        refusals.subscribe(self._refused)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -191,10 +209,30 @@ class SLORouter(RequestRouter):
             tpots = self._inflight.get(r.replica_id) or Counter()
             views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
                                        min((t for t in tpots if t is not None), default=None))
-        ranked = rank(candidate_replicas, views, req.slo, req.avoid_replicas)
+        avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo)
+        ranked = rank(candidate_replicas, views, req.slo, avoid)
         self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
         self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
         return [[r] for r in ranked]
+
+    def _refusing(self, candidates: list[RunningReplica], slo: SLO) -> tuple[str, ...]:
+        """The candidates that turned away a request as strict as `slo` since their last report
+        (`refusals.note_refusal`)."""
+        if not self._refused:
+            return ()
+        now, out = time.time(), []
+        for r in candidates:
+            uid = r.replica_id.unique_id
+            got = self._refused.get(uid)
+            if got is None:
+                continue
+            at, old, reason = got
+            report_ts = (r.routing_stats or {}).get("ts", 0.0)
+            if now - at > REFUSED_TTL_S or report_ts > at + REPORT_LAG_S:  # a report shows the replica since
+                del self._refused[uid]
+            elif refused_for(slo, (old, reason)):
+                out.append(uid)
+        return tuple(out)
 
     def _count(self, replica_id: ReplicaID, tpot: float | None, n: int) -> None:
         """Add n (+1 or -1) calls of TPOT SLO `tpot` to a replica's in-flight count; a count never goes below 0."""

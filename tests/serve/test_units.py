@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from types import SimpleNamespace
 
@@ -318,6 +319,44 @@ def test_a_burst_of_strict_requests_goes_where_the_gates_admit_it() -> None:
 
     chosen = [asyncio.run(router.choose_replicas([a, b], pending(f"http-{i}")))[0][0].replica_id for i in range(7)]
     assert sorted(chosen[:6]) == ["a", "a", "b", "b", "b", "b"] and chosen[6] == "a"
+
+
+def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_ones_until_it_reports() -> None:
+    import asyncio
+
+    from deployments.refusals import note_refusal
+    from deployments.router import SLORouter
+
+    @dataclasses.dataclass(frozen=True)
+    class Rid:
+        unique_id: str
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+    a = SimpleNamespace(replica_id=Rid("a"), routing_stats=_stats(10, 20, gate=(1.0, 0.1)))
+    b = SimpleNamespace(replica_id=Rid("b"), routing_stats=_stats(10, 20, gate=(1.0, 0.1), kv=99))  # "a" wins ties
+
+    def first(tpot: float | None, ttft: float | None = None) -> str:
+        req = GenerateRequest("cmpl-x", prompt="x", slo=SLO(tpot_ms=tpot, ttft_ms=ttft))
+        p = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=f"c{random.random()}"),
+                            args=(req,), kwargs={})
+        return asyncio.run(router.choose_replicas([a, b], p))[0][0].replica_id.unique_id
+
+    def forget_choices() -> None:  # each choice counts as in flight: start every check from empty replicas
+        router._inflight.clear()
+        router._chosen.clear()
+
+    assert first(20.0) == "a"
+    forget_choices()
+    note_refusal("a", SLO(tpot_ms=20.0), "tpot_unattainable")  # what the ingress does on a 429 from "a"
+    assert first(20.0) == "b" and first(15.0) == "b"  # as strict or stricter: elsewhere
+    forget_choices()
+    assert first(50.0) == "a"  # looser: "a" may still have room
+    forget_choices()
+    assert first(None, 500.0) == "a"  # another SLO
+    forget_choices()
+    a.routing_stats = {**a.routing_stats, "ts": time.time() + 5.0}  # a newer report shows "a" as it is now
+    assert first(20.0) == "a" and not router._refused
 
 
 def test_router_drops_calls_a_report_proves_finished() -> None:
