@@ -494,8 +494,13 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
 
 async def _disconnect(receive: Receive) -> None:
     """Return once the client has disconnected. The request's body is read already, so the server's next message is
-    the disconnect; where another comes instead (a server that repeats the body), it never returns."""
-    if (await receive())["type"] != "http.disconnect":
+    the disconnect; where another comes instead (a server that repeats the body), or the server cannot be asked
+    again, it never returns: no watch is better than a request cancelled for nothing."""
+    try:
+        message = await receive()
+    except Exception:  # noqa: BLE001
+        message = {}
+    if message.get("type") != "http.disconnect":
         await asyncio.Event().wait()
 
 

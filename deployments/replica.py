@@ -57,8 +57,8 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     the in-flight request nearest its end finishes (`decode_left`: their expected remaining tokens; a step takes
     `step_ms`, the engine's measured decode step, else the model's). Rounded up to whole seconds, 1 to 60.
     `ttft_margin_ms`: the TTFT guard's margin on an idle replica, or a function of the request's predicted prefill
-    that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting prompts' attention
-    work in token pairs (`Scheduler.waiting_sq`)."""
+    that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting
+    prompts' attention work in token pairs (`Scheduler.waiting_sq`)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)

@@ -15,9 +15,10 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
     `CHOSEN_TTL_S`.
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
-by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a request
-as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). Each replica is its own rank, so Ray falls through to the next one
-when the best is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at random.
+by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
+request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). Each replica is its
+own rank, so Ray falls through to the next one when the best is at `max_ongoing_requests`. Other methods
+(`stats`, ...) are spread uniformly at random.
 Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed (git
 history): ranking by slack already sends most strict requests to one replica, and affinity only cost the
 interactive tier its TTFT.
