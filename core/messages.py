@@ -211,12 +211,15 @@ class RoutingStats:
     itl_ms: float | None  # EWMA of the decode step time (what a request decoding every step sees); paced
     # requests' gaps are longer by design, so they say nothing about room for a stricter TPOT
     step_batch: float | None  # EWMA of the decode batch sizes behind `itl_ms` (None with it)
-    # the replica's VBS gate as a line (Scheduler.gate_line): a request joining passes where
-    # gate_base_ms + gate_row_ms * VBS' < T_min'; None where the replica has no gate or no latency model
-    gate_base_ms: float | None
-    gate_row_ms: float | None
     alive: bool
     ts: float
+    # the replica's VBS gate as a line (Scheduler.gate_line): a request joining passes where
+    # gate_base_ms + gate_row_ms * VBS' < T_min'; None where the replica has no gate or no latency model. VBS' is
+    # T_min' x (tpot_inv_sum + 1 / its TPOT) + best_effort_share (+ what is queued), as the gate counts it
+    gate_base_ms: float | None = None
+    gate_row_ms: float | None = None
+    tpot_inv_sum: float = 0.0  # sum of 1 / TPOT SLO (ms) over the running requests that have one
+    best_effort_share: float = 0.0  # the running best-effort requests' share of the batch (best_effort_trp each)
 
     @property
     def queue_len(self) -> int:
@@ -229,8 +232,11 @@ class RoutingStats:
     def from_dict(cls, d: Any) -> "RoutingStats":
         if not isinstance(d, dict):
             raise ProtocolError(f"routing stats must be a dict, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != names:
-            raise ProtocolError(f"routing stats keys differ: missing {sorted(names - set(d))}, "
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        # a field with a default may be missing: a replica of the version before it was added (a rolling upgrade)
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}
+        if not required <= set(d) <= names:
+            raise ProtocolError(f"routing stats keys differ: missing {sorted(required - set(d))}, "
                                 f"unknown {sorted(set(d) - names)}")
         return cls(**d)

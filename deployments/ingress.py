@@ -194,18 +194,23 @@ class OpenAIFrontend:
             response = await _api_error(request, e)
         except Exception as e:  # noqa: BLE001 - as FastAPI's handler for Exception: logged, a 500
             response = await _unexpected(request, e)
+            response.headers["x-kairos-request-id"] = getattr(e, "kairos_request_id", None) or f"req-{uuid.uuid4().hex}"
         if not isinstance(response, StreamingResponse):
             await response(scope, receive, send)
             return
         body = response.body_iterator
+        started = False
         try:
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": response.raw_headers})
+            started = True
             async for chunk in body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:  # also where sending failed: closing the stream aborts its request in the engine
             await body.aclose()  # type: ignore[attr-defined]
+            if not started:  # its generator never ran: closing it ran no `finally`
+                _drop(response)
 
     def _ready_info(self) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -350,6 +355,9 @@ class OpenAIFrontend:
         except APIError as e:  # every answer names its request, a refusal at parse time too (as vLLM's X-Request-Id)
             e.headers = {**(e.headers or {}), "x-kairos-request-id": rid}
             raise
+        except Exception as e:  # a 500 names it too (_serve_generation)
+            e.kairos_request_id = rid  # type: ignore[attr-defined]
+            raise
 
     async def _generate(self, request: Request, kind: str, rid: str, t_in: float) -> Any:
         self._auth(request)
@@ -388,9 +396,13 @@ class OpenAIFrontend:
             if failure is not None:
                 raise failure
         if body.stream:
-            return StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model),
-                                     media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model),
+                                         media_type="text/event-stream",
+                                         headers={**headers, "Cache-Control": "no-cache"})
+            # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
+            # drops it unsent calls this (`_drop`)
+            response.kairos_cancel = gen.cancel  # type: ignore[attr-defined]
+            return response
         return await self._collect(gen, first, kind, rid, headers, model)
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
@@ -492,6 +504,13 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
         note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
 
 
+def _drop(response: Any) -> None:
+    """A response that will not be sent: cancel the stream it holds (`kairos_cancel`), if any."""
+    cancel = getattr(response, "kairos_cancel", None)
+    if cancel is not None:
+        cancel()
+
+
 async def _disconnect(receive: Receive) -> None:
     """Return once the client has disconnected. The request's body is read already, so the server's next message is
     the disconnect; where another comes instead (a server that repeats the body), or the server cannot be asked
@@ -507,12 +526,16 @@ async def _disconnect(receive: Receive) -> None:
 async def until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
     """`work` (a request's generation up to its response: a whole completion, or a stream's first item) unless the
     client disconnects first: then it is cancelled, which cancels its stream and so aborts the request in its engine
-    and frees its KV blocks, and so is this call (the client is gone: nothing is sent). A stream's later chunks find
-    a disconnect where they are sent (`_serve_generation`)."""
+    and frees its KV blocks, and so is this call (the client is gone: nothing is sent). A stream's later chunks go
+    out in `_serve_generation`, whose task Serve cancels when the client goes away."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(receive))
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this call was cancelled: a response made meanwhile is never sent
+        if task.done() and not task.cancelled() and task.exception() is None:
+            _drop(task.result())
+        raise
     finally:
         watch.cancel()
         if not task.done():  # the client went away, or this call was cancelled

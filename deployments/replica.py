@@ -308,9 +308,10 @@ class LLMReplica:
             strictest_tpot_ms=st.strictest_tpot_ms, kv_blocks_free=st.kv_blocks_free,
             kv_blocks_total=st.kv_blocks_total, predicted_ttft_ms=median_ms, predicted_queue_ms=queue_ms,
             median_prompt_tokens=median, prefill_sq_ms=self._prefill_sq_ms(), itl_ms=st.step_ms,
-            step_batch=st.step_batch, gate_base_ms=st.gate_line[0] if st.gate_line else None,
-            gate_row_ms=st.gate_line[1] if st.gate_line else None, alive=st.alive,
-            ts=time.time()).to_dict()
+            step_batch=st.step_batch, alive=st.alive, ts=time.time(),
+            gate_base_ms=st.gate_line[0] if st.gate_line else None,
+            gate_row_ms=st.gate_line[1] if st.gate_line else None, tpot_inv_sum=st.tpot_inv_sum,
+            best_effort_share=st.num_best_effort * self._sched.best_effort_trp).to_dict()
 
     def _prefill_sq_ms(self) -> float:
         """The latency model's ms per token pair of attention (0 without a model, or one fitted as a line)."""

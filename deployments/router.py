@@ -69,21 +69,24 @@ class ReplicaView:
     strictest_tpot_ms: float | None
     kv_free: float
     # the replica's VBS gate as a line (RoutingStats.gate_base_ms / gate_row_ms), None where it reported none; and
-    # the batch it would judge: its virtual size (running, waiting and routed since the report) under `pace_ms`
+    # the batch it would judge: the running requests' sum of 1 / TPOT and best-effort share as reported, and the
+    # requests not in its batch yet (waiting there, or routed here since the report), counted 1 each
     gate: tuple[float, float] | None = None
-    vbs: float = 0.0
-    pace_ms: float | None = None
+    tpot_inv_sum: float = 0.0
+    best_effort_share: float = 0.0
+    queued: float = 0.0
 
     def itl_with(self, tpot_ms: float | None, t_min_ms: float) -> float | None:
         """The inter-token latency to hold against `t_min_ms` (the stricter of this request's TPOT SLO and the
-        batch's) with this request added: the replica's gate line at the batch's virtual size under `t_min_ms` where
-        it reports one (each request counted at its TPOT's share of steps, t_min / TPOT; the ones not yet in a
-        report, or not paced, at 1), else the measured step scaled to the batch (`itl_ms`)."""
+        batch's) with this request added: where the replica reports its gate line, that line at the batch's virtual
+        size as the gate counts it (a paced request at t_min / its TPOT, a best-effort one at the replica's share),
+        the queued requests and a request without a TPOT SLO at 1; else the measured step scaled to the batch
+        (`itl_ms`)."""
         if self.gate is None:
             return self.itl_ms
         base, row = self.gate
-        batch = self.vbs * (t_min_ms / self.pace_ms) if self.pace_ms else self.vbs
-        batch += t_min_ms / tpot_ms if tpot_ms else 1.0
+        batch = t_min_ms * (self.tpot_inv_sum + (1.0 / tpot_ms if tpot_ms else 0.0)) + self.best_effort_share \
+            + self.queued + (0.0 if tpot_ms else 1.0)
         return base + row * batch
 
 
@@ -126,7 +129,8 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
     gate = None if st.gate_base_ms is None or st.gate_row_ms is None else (st.gate_base_ms, st.gate_row_ms)
     return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
                        strictest_tpot_ms=strictest, kv_free=float(st.kv_blocks_free), gate=gate,
-                       vbs=st.vbs + st.num_waiting + extra, pace_ms=st.strictest_tpot_ms)
+                       tpot_inv_sum=st.tpot_inv_sum, best_effort_share=st.best_effort_share,
+                       queued=st.num_waiting + extra)
 
 
 def slack(v: ReplicaView, slo: SLO) -> float | None:
@@ -230,7 +234,8 @@ class SLORouter(RequestRouter):
             at, old, reason = got
             report_ts = (r.routing_stats or {}).get("ts", 0.0)
             if now - at > REFUSED_TTL_S or report_ts > at + REPORT_LAG_S:  # a report shows the replica since
-                del self._refused[uid]
+                if self._refused.get(uid) is got:  # not a refusal noted meanwhile (the ingress's thread)
+                    self._refused.pop(uid, None)
             elif refused_for(slo, (old, reason)):
                 out.append(uid)
         return tuple(out)

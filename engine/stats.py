@@ -1,6 +1,7 @@
 """What the engine publishes: a stats snapshot (any thread reads it) and a `StepEvent` per model step."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class EngineStats:
     # decode-only steps run and the sum of their wall time / the model's ITL (Scheduler.model_error)
     decode_over_model: dict[int, tuple[int, float]] = field(default_factory=dict)
     gate_line: tuple[float, float] | None = None  # the VBS gate's (base, row) ms: Scheduler.gate_line
+    tpot_inv_sum: float = 0.0  # sum of 1 / TPOT SLO (ms) over the running requests that have one
+    num_best_effort: int = 0  # running requests without a TPOT SLO
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
@@ -60,7 +63,16 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
              step: tuple[float | None, float | None]) -> EngineStats:
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
-    tmin = min((r.tpot_slo_ms for r in s.running), default=float("inf"))
+    tmin, inv_sum, n_be = math.inf, 0.0, 0
+    for r in s.running:
+        t = r.tpot_slo_ms
+        if t == math.inf:
+            n_be += 1
+        else:
+            inv_sum += 1.0 / t
+            tmin = min(tmin, t)
+    if s.margin is not None:  # an idle engine does not step: its published tables forget old errors here too
+        s.margin.expire(time.monotonic())
     waiting_tokens, waiting_sq = s.waiting_load()
     return EngineStats(
         alive=alive, num_waiting=len(s.waiting), num_running=len(s.running),
@@ -74,7 +86,8 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         ttft_margins=s.margin.table() if s.margin is not None else (),
         ttft_idle_margins=s.margin.table(idle=True) if s.margin is not None else (),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
-        decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()))
+        decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()),
+        tpot_inv_sum=inv_sum, num_best_effort=n_be)
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

@@ -392,6 +392,10 @@ class Scheduler:
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
             max_tokens=budget, policy=f.admission,
             lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
+        if len(selected) > 1:  # not alone after all: its first token waits for the whole round (MeasuredMargin)
+            for r in selected:
+                if r.ttft_estimate is not None and r.ttft_estimate[2]:
+                    r.ttft_estimate = (r.ttft_estimate[0], r.ttft_estimate[1], False)
         for r in selected:
             r.status = Status.RUNNING
             if r.admitted_s is None:

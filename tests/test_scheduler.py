@@ -579,3 +579,29 @@ def test_a_bursts_margin_does_not_turn_away_requests_on_the_idle_replica_after_i
     s.finish(short, FinishReason.STOP, t)
     s.schedule(t + s.config.ttft_margin_window_s + 1.0)  # a minute later the burst's errors are gone
     assert s.ttft_margin_ms(2.0, idle=False) == s.config.ttft_margin_ms
+
+
+def test_only_a_round_of_one_counts_as_admitted_alone():
+    """The first request of a round of 8 on an idle replica waits for the whole round's prefill: its error is the
+    burst's, and must not enter the idle replica's margin (measured on 40 requests admitted one at a time)."""
+    from core.request import FinishReason
+    s = Scheduler(SchedulerConfig(policy="kairos"), 4096, 4, max_model_len=2048,
+                  predictor=LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0)))
+    t = 0.0
+    for i in range(40):
+        r = _req(i, 100, ttft=5_000.0, arrival=t)
+        s.add(r)
+        plan = s.schedule(t)
+        t += 0.004  # predicted 2 ms, took 4
+        s.postprocess(plan, [3] * len(plan.requests), t)
+        s.finish(r, FinishReason.STOP, t)
+    burst = [_req(100 + i, 100, ttft=5_000.0, arrival=t) for i in range(8)]
+    for r in burst:
+        s.add(r)
+    plan = s.schedule(t)
+    assert plan.prefill == burst and not any(r.ttft_estimate[2] for r in burst)
+    t += 0.509
+    s.postprocess(plan, [3] * len(plan.requests), t)
+    for r in burst:
+        s.finish(r, FinishReason.STOP, t)
+    assert s.ttft_margin_ms(2.0, idle=True) == pytest.approx(2.0)

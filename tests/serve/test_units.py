@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from core.messages import ChatTurn, GenerateRequest, RequestOutput, RoutingStats
+from core.messages import ChatTurn, GenerateRequest, ProtocolError, RequestOutput, RoutingStats
 from core.request import SLO
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -143,12 +143,14 @@ def _replica(name: str, stats: dict) -> SimpleNamespace:
 
 
 def _stats(queue_ms: float, median_ms: float, load: int = 0, itl: float | None = 10.0, kv: int = 100,
-           sq_ms: float = 0.0, gate: tuple[float, float] | None = None) -> dict:
+           sq_ms: float = 0.0, gate: tuple[float, float] | None = None, inv_sum: float = 0.0,
+           be_share: float = 0.0) -> dict:
     return RoutingStats(predicted_queue_ms=queue_ms, predicted_ttft_ms=median_ms, median_prompt_tokens=64,
                         prefill_sq_ms=sq_ms,
                         num_waiting=0, num_running=load, inflight=load, vbs=load, itl_ms=itl,
                         step_batch=None if itl is None else max(load, 1), strictest_tpot_ms=None,
                         gate_base_ms=gate[0] if gate else None, gate_row_ms=gate[1] if gate else None,
+                        tpot_inv_sum=inv_sum, best_effort_share=be_share,
                         kv_blocks_free=kv, kv_blocks_total=kv, alive=True, ts=0.0).to_dict()
 
 
@@ -289,13 +291,26 @@ def test_router_holds_a_tpot_slo_against_the_replicas_own_gate() -> None:
 
     line = _stats(10, 20, itl=3.0, gate=(1.0, 0.2))  # measured 3 ms steps (at batch 1) long ago; idle now
     assert [slack(view(line, n, 64), SLO(tpot_ms=1.5)) is not None for n in range(4)] == [True, True, False, False]
-    loose = {**_stats(10, 20, load=4, itl=3.0, gate=(1.0, 0.2)), "strictest_tpot_ms": 10.0}
+    loose = {**_stats(10, 20, load=4, itl=3.0, gate=(1.0, 0.2), inv_sum=4 / 10.0), "strictest_tpot_ms": 10.0}
     # four requests at TPOT 10 decode every fifth step under a TPOT 2 pace: the batch is 0.8 + 1, not 5
     assert view(loose, 4, 64).itl_with(2.0, 2.0) == pytest.approx(1.0 + 0.2 * 1.8)
     assert slack(view(loose, 4, 64), SLO(tpot_ms=2.0)) is not None
     # a request of TPOT 20 joining them counts half a step at their pace, and must keep it
     assert view(loose, 4, 64).itl_with(20.0, 10.0) == pytest.approx(1.0 + 0.2 * 4.5)
     assert view(_stats(10, 20, itl=3.0), 0, 64).itl_with(1.5, 1.5) == pytest.approx(3.0)  # no line: the step
+    # one request at TPOT 100 and 8 best-effort ones (half a step each) running; a TPOT 25 request: the gate counts
+    # 25 x (1/100 + 1/25) + 8 x 0.5 = 5.25, so 10 + 3 x 5.25 = 25.75 ms, over 25: not attainable (the best-effort
+    # share is not rescaled to the stricter pace); and each of this router's calls since the report counts 1
+    mixed = {**_stats(10, 20, load=9, itl=3.0, gate=(10.0, 3.0), inv_sum=0.01, be_share=4.0),
+             "strictest_tpot_ms": 100.0}
+    assert view(mixed, 9, 64).itl_with(25.0, 25.0) == pytest.approx(25.75)
+    assert slack(view(mixed, 9, 64), SLO(tpot_ms=25.0)) is None
+    assert view(mixed, 14, 64).itl_with(25.0, 25.0) == pytest.approx(25.75 + 3.0 * 5)
+    assert RoutingStats.from_dict({k: v for k, v in mixed.items() if k not in ("gate_base_ms", "tpot_inv_sum")})
+    with pytest.raises(ProtocolError):  # a key the router needs is still required; an unknown one refused
+        RoutingStats.from_dict({k: v for k, v in mixed.items() if k != "ts"})
+    with pytest.raises(ProtocolError):
+        RoutingStats.from_dict({**mixed, "zzz": 1})
 
 
 def test_a_burst_of_strict_requests_goes_where_the_gates_admit_it() -> None:
@@ -935,6 +950,11 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
                        fail_at=1)
         await asyncio.sleep(0.01)
         assert 7 in closed and not hold.is_set() and failed.traceback
+        with pytest.raises(OSError):  # the response's start already failed: its SSE generator never ran
+            await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 6, "stream": True}).encode(),
+                       fail_at=0)
+        await asyncio.sleep(0.01)
+        assert 6 in closed and not hold.is_set()
         # a client that hangs up while its whole completion is being generated (no stream to fail on): the request is
         # cancelled, its engine stream closed, and nothing is sent
         with pytest.raises(asyncio.CancelledError):
