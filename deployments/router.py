@@ -35,7 +35,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from core.messages import GenerateRequest, ProtocolError, RoutingStats
+from core.messages import GenerateRequest, ProtocolError, RejectReason, RoutingStats
 from core.request import SLO
 from deployments import refusals
 
@@ -47,14 +47,13 @@ REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may n
 REFUSED_TTL_S = 2.0  # a replica that turned a request away is passed over for as strict ones at most this long
 
 
-def refused_for(slo: SLO, refused: tuple[SLO, str]) -> bool:
-    """Whether a request of `slo` would likely be turned away too where one of `refused` (its SLO, the reason) was:
-    a TPOT refusal for a TPOT SLO as strict or stricter, a TTFT refusal for a TTFT SLO as tight or tighter; a shed or
-    a full queue for any request with an SLO."""
-    old, reason = refused
-    if reason == "tpot_unattainable":
+def refused_for(slo: SLO, old: SLO, reason: str) -> bool:
+    """Whether a request of `slo` would likely be turned away too where one of SLO `old` was, for `reason` (a
+    RejectReason value): a TPOT refusal for a TPOT SLO as strict or stricter, a TTFT refusal for a TTFT SLO as
+    tight or tighter; a shed or a full queue for any request with an SLO."""
+    if reason == RejectReason.TPOT_UNATTAINABLE:
         return slo.tpot_ms is not None and old.tpot_ms is not None and slo.tpot_ms <= old.tpot_ms
-    if reason == "ttft_unattainable":
+    if reason == RejectReason.TTFT_UNATTAINABLE:
         return slo.ttft_ms is not None and old.ttft_ms is not None and slo.ttft_ms <= old.ttft_ms
     return slo.ttft_ms is not None or slo.tpot_ms is not None
 
@@ -236,7 +235,7 @@ class SLORouter(RequestRouter):
             if now - at > REFUSED_TTL_S or report_ts > at + REPORT_LAG_S:  # a report shows the replica since
                 if self._refused.get(uid) is got:  # not a refusal noted meanwhile (the ingress's thread)
                     self._refused.pop(uid, None)
-            elif refused_for(slo, (old, reason)):
+            elif refused_for(slo, old, reason):
                 out.append(uid)
         return tuple(out)
 

@@ -375,8 +375,7 @@ class Scheduler:
             round_tokens += self._cost(r)
             round_sq += self._cost_sq(r)
             if self.margin is not None and r.first_token_s is None and self.predictor is not None:
-                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq),
-                                   not self.running and round_tokens == self._cost(r))
+                r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq), False)
             pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
                 gate.admit(r)
@@ -392,10 +391,8 @@ class Scheduler:
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
             max_tokens=budget, policy=f.admission,
             lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
-        if len(selected) > 1:  # not alone after all: its first token waits for the whole round (MeasuredMargin)
-            for r in selected:
-                if r.ttft_estimate is not None and r.ttft_estimate[2]:
-                    r.ttft_estimate = (r.ttft_estimate[0], r.ttft_estimate[1], False)
+        if len(selected) == 1 and not self.running and (est := selected[0].ttft_estimate) is not None:
+            selected[0].ttft_estimate = (est[0], est[1], True)  # admitted alone (MeasuredMargin's idle table)
         for r in selected:
             r.status = Status.RUNNING
             if r.admitted_s is None:

@@ -130,22 +130,20 @@ class MeasuredMargin:
         if default_ms < 0 or not 0 < quantile <= 1 or not 1 <= min_samples <= window or not window_s > 0:
             raise ValueError("need default_ms >= 0, 0 < quantile <= 1, 1 <= min_samples <= window and window_s > 0")
         self.default_ms, self.quantile, self.min_samples, self.window_s = default_ms, quantile, min_samples, window_s
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted prefill ms, error ms)
-        self._at: deque[tuple[float, bool]] = deque(maxlen=window)  # when each was observed, and if alone
+        # (predicted prefill ms, error ms, when observed, admitted alone), oldest first
+        self._obs: deque[tuple[float, float, float, bool]] = deque(maxlen=window)
         self._tables: dict[bool, MarginTable] = {}  # built on demand (idle: the admissions made alone)
         self._typical = 0.0  # the median predicted prefill of the window (with the table)
 
     def observe(self, err_ms: float, predicted_ms: float = 0.0, now_s: float = 0.0, alone: bool = False) -> None:
         """One request's admission-to-first-token time less the prefill the guard predicted for it, `predicted_ms`,
         observed at `now_s`; `alone`: it was admitted first in its round with nothing running."""
-        self._obs.append((max(float(predicted_ms), 0.0), max(float(err_ms), 0.0)))
-        self._at.append((now_s, alone))
+        self._obs.append((max(float(predicted_ms), 0.0), max(float(err_ms), 0.0), now_s, alone))
         self._tables.clear()
 
     def expire(self, now_s: float) -> None:
         """Forget the errors observed more than ``window_s`` before `now_s`."""
-        while self._at and now_s - self._at[0][0] > self.window_s:
-            self._at.popleft()
+        while self._obs and now_s - self._obs[0][2] > self.window_s:
             self._obs.popleft()
             self._tables.clear()
 
@@ -159,7 +157,7 @@ class MeasuredMargin:
         return got
 
     def _build(self, idle: bool) -> MarginTable:
-        obs = sorted(o for o, (_, alone) in zip(self._obs, self._at) if alone or not idle)  # by predicted prefill
+        obs = sorted((p, e) for p, e, _, alone in self._obs if alone or not idle)  # by predicted prefill
         n = len(obs)
         if n < self.min_samples:
             return ()
