@@ -27,7 +27,7 @@ class RejectReason(enum.StrEnum):
     rejection that an idle replica would have made too (by its latency model) as `SLO_UNATTAINABLE`."""
 
     TTFT_UNATTAINABLE = "ttft_unattainable"  # busy: the queue ahead puts its TTFT SLO out of reach now (429)
-    TPOT_UNATTAINABLE = "tpot_unattainable"  # busy: the running batch leaves no room for its TPOT SLO now (429)
+    TPOT_UNATTAINABLE = "tpot_unattainable"  # busy: no room for its TPOT SLO now (429)
     OVERLOADED = "overloaded"  # busy: the replica's waiting queue is full (429)
     SHED = "shed"  # overload: a request asking for more work than the replica's shedding threshold (429)
     SLO_UNATTAINABLE = "slo_unattainable"  # not even an idle replica could meet it: retrying cannot help (400)

@@ -78,7 +78,8 @@ _REJECT_HINTS = {  # what a client can do about a rejection, after its reason
                              "tokens at their TPOT SLO, first; a smaller max_tokens may be admitted)",
     RejectReason.TTFT_UNATTAINABLE.value: " (the queue ahead puts the TTFT SLO out of reach now; retry after "
                                           "Retry-After seconds)",
-    RejectReason.TPOT_UNATTAINABLE.value: " (the running batch leaves no room for the TPOT SLO now; retry after "
+    RejectReason.TPOT_UNATTAINABLE.value: " (the replica cannot keep the TPOT SLO now: its running batch, or its "
+                                          "steps as long as measured lately, leave no room; retry after "
                                           "Retry-After seconds)",
     RejectReason.OVERLOADED.value: " (the replica's queue is full; retry after Retry-After seconds)",
 }

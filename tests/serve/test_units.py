@@ -977,7 +977,7 @@ def test_a_shed_request_gets_429_with_retry_after_and_what_to_do():
     assert e.headers["Retry-After"] == "3" and e.headers["x-kairos-reject-reason"] == "shed"
     other = dataclasses.replace(first, reject_reason="tpot_unattainable")
     assert item_failure(other, {}, 1).message.startswith("request rejected by SLO admission control: "
-                                                         "tpot_unattainable (the running batch leaves no room")
+                                                         "tpot_unattainable (the replica cannot keep the TPOT SLO now")
 
 
 def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
