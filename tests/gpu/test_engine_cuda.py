@@ -160,6 +160,29 @@ def test_greedy_request_beside_sampled_ones_equals_its_solo_run(device, llama_en
     assert max(e.num_decode for e in events) >= 2  # the greedy request shared decode steps with sampled ones
 
 
+def test_logit_bias_and_min_tokens_act_on_their_own_rows(device, llama_engine):
+    """OpenAI's logit_bias and vLLM's min_tokens on the device's sampler, in one batch with a plain greedy request:
+    +100 makes a token every greedy and every sampled (top-p, the Triton draw) choice, -100 bans a greedy run's own
+    first token, a stop token id below min_tokens is never drawn; the plain request equals its solo run."""
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    plain_p, force_p, draw_p, ban_p, stop_p = random_prompts([12, 30, 7, 45, 20], eng.bundle.vocab_limit, seed=23)
+    plain = run_all([eng.add_request(plain_p, greedy(16))])[0]
+    first = run_all([eng.add_request(ban_p, greedy(1))])[0][0]
+    favourite = run_all([eng.add_request(stop_p, greedy(1))])[0][0]
+    outs = run_all(_submit_together(eng, [plain_p, force_p, draw_p, ban_p], [
+        greedy(16),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0}),
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True, logit_bias={43: 100.0}),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logit_bias={first: -100.0})]))
+    assert outs[0] == plain
+    assert outs[1] == [42] * 16 and outs[2] == [43] * 16
+    assert outs[3] != [first]
+    toks, last = collect(eng.add_request(stop_p, SamplingParams(max_tokens=6, temperature=0.0, min_tokens=4,
+                                                                stop_token_ids=[favourite])))
+    assert favourite not in toks[:4] and last.finished
+
 def test_a_stream_ends_with_usage_counts(device, llama_engine):
     toks, last = collect(llama_engine.add_request([5, 6, 7, 8], greedy(6)))
     assert len(toks) == 6 and last.num_output_tokens == 6 and last.num_prompt_tokens == 4
