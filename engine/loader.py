@@ -8,6 +8,7 @@ caller's business: `attn_implementation` is passed through to `from_pretrained` 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 
 from engine.backends import default_dtype
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")
 
@@ -128,6 +131,23 @@ def _model_max_len(config: Any) -> int | None:
     return None
 
 
+def sliding_window(config: Any) -> int | None:
+    """The attention window of a model whose layers (some or all) attend only to their last W positions (Mistral's
+    `sliding_window`; Qwen2/3 with `use_sliding_window`, from `max_window_layers` on), None where every layer
+    attends to the whole context. Kairos's attention is full attention, which equals sliding-window attention
+    exactly while the context holds at most W tokens: `load_model` caps the context window there, as vLLM does
+    where its attention backend has no sliding window."""
+    w = getattr(config, "sliding_window", None)
+    if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return w if "sliding_attention" in types else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return w
+
+
 def _ids(v: Any) -> list[int]:
     if v is None:
         return []
@@ -191,6 +211,7 @@ def load_model(
         )
 
     model_max = _model_max_len(config)
+    window = sliding_window(config)
     if max_model_len is not None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
@@ -198,9 +219,20 @@ def load_model(
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's maximum context of {model_max} positions"
             )
+        if window is not None and max_model_len > window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds model {model!r}'s sliding attention window of {window} "
+                "tokens: Kairos attends to the whole context, which equals the model's attention only up to its "
+                f"window; pass max_model_len <= {window}"
+            )
         limit = max_model_len
     elif model_max is not None:
         limit = model_max
+        if window is not None and window < limit:
+            log.warning("model %r attends within a sliding window of %d tokens; Kairos attends to the whole "
+                        "context, so its context window is capped at %d (of %d positions)", model, window, window,
+                        limit)
+            limit = window
     else:
         raise ValueError(f"model {model!r} does not declare its context length; pass max_model_len")
 

@@ -197,6 +197,41 @@ def test_max_model_len_and_dtype_options(tiny_checkpoints):
         load_model(path, max_model_len=513)
 
 
+def _with_config(src: str, dst, **changes) -> str:
+    """A copy of checkpoint `src` at `dst` with `changes` written into its config.json (the weights unchanged)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_equals_it(tiny_checkpoints, tmp_path):
+    """Kairos attends to the whole context: a model whose layers attend within a window of W tokens is served up to W
+    tokens (where the two agree exactly), and a larger max_model_len is refused by name; a window the config turns
+    off (Qwen2's use_sliding_window false), or one at least the model's positions, changes nothing."""
+    from engine.loader import sliding_window
+
+    mistral = _with_config(tiny_checkpoints["llama"], tmp_path / "mistral", model_type="mistral",
+                           architectures=["MistralForCausalLM"], sliding_window=64)
+    b = load_model(mistral, device="cpu")
+    assert sliding_window(b.config) == 64 and b.max_model_len == 64
+    assert load_model(mistral, device="cpu", max_model_len=48).max_model_len == 48
+    with pytest.raises(ValueError, match="exceeds model .*sliding attention window of 64 tokens"):
+        load_model(mistral, max_model_len=65)
+    wide = _with_config(tiny_checkpoints["llama"], tmp_path / "wide", model_type="mistral",
+                        architectures=["MistralForCausalLM"], sliding_window=4096)
+    assert load_model(wide, device="cpu").max_model_len == 512
+    off = _with_config(tiny_checkpoints["qwen2"], tmp_path / "off", use_sliding_window=False, sliding_window=64)
+    assert sliding_window(load_model(off, device="cpu").config) is None
+    on = _with_config(tiny_checkpoints["qwen2"], tmp_path / "on", use_sliding_window=True, sliding_window=64,
+                      max_window_layers=1, layer_types=None)  # a checkpoint saved before layer_types
+    assert load_model(on, device="cpu").max_model_len == 64
+
+
 def test_separate_tokenizer_path(tiny_checkpoints):
     b = load_model(tiny_checkpoints["llama"], tokenizer=tiny_checkpoints["gpt2"])
     assert b.tokenizer.name_or_path.endswith("gpt2")
