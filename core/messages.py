@@ -85,15 +85,50 @@ class ChatTurn:
     content: str
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
+@dataclass(frozen=True, slots=True)
+class PromptOptions:
+    """How a prompt becomes token ids, as vLLM's request fields say:
+    - `add_special_tokens`: the tokenizer's special tokens around the text (a BOS, ...); None: the default of the
+      prompt's kind, True for a text prompt (as HF's `tokenizer(text)` and vLLM's completions) and False for a chat
+      prompt, whose template writes its own;
+    - chat only: `add_generation_prompt` (open the assistant's turn), `continue_final_message` (the last message,
+      the assistant's, is left open for the reply to continue; not with `add_generation_prompt`), and
+      `chat_template_kwargs`, more variables for the template (e.g. Qwen3's `enable_thinking`)."""
+
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> "PromptOptions":
+        """ValueError (a client's 400) for options that contradict each other."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        bad = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)} (a request field of its own, or "
+                             "the server's)")
+        return self
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """One generation call. Exactly one of `prompt` (text or token ids) and `messages` (chat) is set."""
+    """One generation call. Exactly one of `prompt` (text or token ids) and `messages` (chat) is set; `options` say
+    how it is tokenized."""
 
     request_id: str
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[ChatTurn, ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     slo: SLO = field(default_factory=SLO)
+    options: PromptOptions = field(default_factory=PromptOptions)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
     avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
 

@@ -30,7 +30,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import ChatTurn, GenerateRequest, ProtocolError, RejectReason, RequestOutput, check_output
+from core.messages import (ChatTurn, GenerateRequest, PromptOptions, ProtocolError, RejectReason, RequestOutput,
+                           check_output)
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -340,11 +341,13 @@ class OpenAIFrontend:
         if isinstance(body, P.CompletionRequest):
             prompt = body.prompt
             hint = len(prompt) if isinstance(prompt, list) else len(prompt) // 4
-            req = GenerateRequest(rid, prompt=prompt, params=params, slo=slo, prompt_len_hint=max(1, hint))
+            req = GenerateRequest(rid, prompt=prompt, params=params, slo=slo, prompt_len_hint=max(1, hint),
+                                  options=PromptOptions(add_special_tokens=body.add_special_tokens))
         else:
             turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
             hint = sum(len(t.content) for t in turns) // 4
-            req = GenerateRequest(rid, messages=turns, params=params, slo=slo, prompt_len_hint=max(1, hint))
+            req = GenerateRequest(rid, messages=turns, params=params, slo=slo, prompt_len_hint=max(1, hint),
+                                  options=body.prompt_options())
         return body, req
 
     async def _handle(self, request: Request, kind: str) -> Any:

@@ -5,7 +5,8 @@ schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an 
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: n > 1, best_of > 1, echo,
 logprobs / top_logprobs, the presence / frequency / repetition penalties, suffix, tools / tool_choice / functions,
-a response_format other than text, and vLLM's guided decoding (`UNSUPPORTED`). `logit_bias` is honoured.
+a response_format other than text, vLLM's guided decoding and a request's own chat template (`UNSUPPORTED`).
+`logit_bias` is honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.messages import RequestMetrics
+from core.messages import PromptOptions, RequestMetrics
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 from core.sampling import MAX_LOGIT_BIAS
@@ -53,6 +54,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "echo": (False,), "suffix": ("",), "best_of": (1,),
     "logprobs": (False,), "tools": ([],),
+    # a chat template sent with the request (vLLM runs one only with --trust-request-chat-template), RAG documents
+    "chat_template": (), "documents": (),
 }
 
 
@@ -175,6 +178,7 @@ class CompletionRequest(_Common):
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
     logprobs: int | None = Field(None, json_schema_extra=_documented({"type": "null"}))
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
@@ -221,6 +225,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     logprobs: bool | None = Field(None, json_schema_extra=_opt({"type": "boolean", "const": False}))
     tools: list[Any] | None = Field(None, json_schema_extra=_opt({"type": "array", "maxItems": 0}))
+    # vLLM's: how the conversation becomes the prompt (core.messages.PromptOptions)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes its own
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -228,7 +237,14 @@ class ChatCompletionRequest(_Common):
             raise ValueError("logprobs and tools are not supported")
         if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
             raise ValueError("max_completion_tokens must be a positive integer")
+        self.prompt_options().check()
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
+                             self.chat_template_kwargs)
 
     def default_max_tokens(self) -> int | None:
         """None means "the rest of the context window" (OpenAI's chat default)."""

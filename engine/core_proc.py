@@ -329,7 +329,7 @@ class EngineCoreClient:
         """Validate and tokenize here (ValueError on bad input), then hand the request to the child."""
         self._check_alive()
         req = self.inputs.process(request.prompt, request.params, request.slo, request.request_id,
-                                  request.messages)
+                                  request.messages, request.options)
         stream = RequestStream(req.request_id)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up

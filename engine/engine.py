@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from core.messages import ChatTurn, ErrorKind, GenerateRequest, RejectReason, RequestOutput
+from core.messages import ChatTurn, ErrorKind, GenerateRequest, PromptOptions, RejectReason, RequestOutput
 from core.request import SLO, FinishReason, Request, Status
 from core.sampling import SamplingParams
 from core.kv import BlockManager
@@ -239,9 +239,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ public API (any thread)
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,
-                    request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None) -> RequestStream:
-        """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s."""
-        req = self.inputs.process(prompt, params, slo, request_id, messages)
+                    request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None,
+                    options: PromptOptions | None = None) -> RequestStream:
+        """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s.
+        `options`: how the prompt is tokenized (`PromptOptions`; default a text prompt's special tokens, a chat's
+        template with the assistant's turn opened)."""
+        req = self.inputs.process(prompt, params, slo, request_id, messages, options)
         stream = RequestStream(req.request_id)
         self.submit(req, stream)
         return stream
@@ -270,7 +273,7 @@ class LLMEngine:
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
         return self.add_request(request.prompt, request.params, request.slo, request.request_id,
-                                messages=request.messages)
+                                messages=request.messages, options=request.options)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)

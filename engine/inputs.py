@@ -1,6 +1,7 @@
 """Turns what a caller sends (text, token ids or chat turns) into a validated `Request`: the only place a
 prompt is tokenized. Chat uses the tokenizer's own template; models without one get `Role: content` lines
-followed by `Assistant:`."""
+followed by `Assistant:`. A text prompt gets the tokenizer's special tokens (a BOS) unless told otherwise, a chat
+prompt only where asked (its template writes them): `PromptOptions`."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,34 +10,46 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from core.messages import ChatTurn, ContextLengthExceeded, PromptTooLong
+from core.messages import ChatTurn, ContextLengthExceeded, PromptOptions, PromptTooLong
 from core.request import SLO, Request
 from core.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
 
 
-def prompt_encoder(tokenizer) -> Callable[[str], list[int]]:
-    """text -> ids, as `tokenizer.encode(text, add_special_tokens=False)`. A fast tokenizer's Rust backend is
+def prompt_encoder(tokenizer, add_special_tokens: bool = False) -> Callable[[str], list[int]]:
+    """text -> ids, as `tokenizer.encode(text, add_special_tokens=...)`. A fast tokenizer's Rust backend is
     called directly: the same ids without the Python wrapper, which was most of add_request's own cost."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is None:
-        return lambda text: tokenizer.encode(text, add_special_tokens=False)
-    return lambda text: backend.encode(text, add_special_tokens=False).ids
+        return lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return lambda text: backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
-def render_plain_chat(messages: Sequence[ChatTurn]) -> str:
-    """The fallback chat format: one `Role: content` line per message, then `Assistant:`."""
-    return "\n".join([f"{m.role.capitalize()}: {m.content}" for m in messages] + ["Assistant:"])
+def render_plain_chat(messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:
+    """The fallback chat format: one `Role: content` line per message, then `Assistant:` (with
+    add_generation_prompt; with continue_final_message the last message's line is the end, left open)."""
+    lines = [f"{m.role.capitalize()}: {m.content}" for m in messages]
+    return "\n".join(lines + (["Assistant:"] if options.add_generation_prompt else []))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatTurn]) -> str:
-    """A conversation as the prompt a chat request becomes: the tokenizer's chat template with the assistant's turn
-    opened, else `render_plain_chat`."""
-    if getattr(tokenizer, "chat_template", None):
-        turns = [{"role": m.role, "content": m.content} for m in messages]
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    return render_plain_chat(messages)
+def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:
+    """A conversation as the prompt a chat request becomes: the tokenizer's chat template (with the assistant's turn
+    opened, or its last message continued, as `options` say, and their template variables), else
+    `render_plain_chat`. ValueError where the template refuses the conversation (its roles, a last message that is
+    not the assistant's to continue, ...)."""
+    options.check()
+    if options.continue_final_message and (not messages or messages[-1].role != "assistant"):
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+    if not getattr(tokenizer, "chat_template", None):
+        return render_plain_chat(messages, options)
+    turns = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(
+            turns, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **(options.chat_template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a bad variable)
+        raise ValueError(f"the chat template cannot render these messages: {e}") from None
 
 
 class InputProcessor:
@@ -46,21 +59,23 @@ class InputProcessor:
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way)."""
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
+        self.encode_special = prompt_encoder(tokenizer, add_special_tokens=True)
         self.vocab_limit = vocab_limit
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.reject_max_tokens_over_context = reject_max_tokens_over_context
 
-    def render_chat(self, messages: Sequence[ChatTurn]) -> str:
-        return render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:
+        return render_chat(self.tokenizer, messages, options)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens unless told not to), or token ids checked."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             try:
-                ids = self.encode(prompt)
+                ids = (self.encode_special if add_special_tokens else self.encode)(prompt)
             except (TypeError, UnicodeError) as e:  # e.g. lone surrogates
                 raise ValueError(f"prompt is not valid text: {e}") from None
             return ids or [self.eos_token_ids[0]]
@@ -72,15 +87,21 @@ class InputProcessor:
         return list(prompt)
 
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
-                request_id: str | None, messages: Sequence[ChatTurn] | None = None) -> Request:
+                request_id: str | None, messages: Sequence[ChatTurn] | None = None,
+                options: PromptOptions | None = None) -> Request:
         """Validate and tokenize; ValueError with a client-facing message on bad input."""
+        options = options or PromptOptions()
         params = (params or SamplingParams()).validate()
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
         if any(t >= self.vocab_limit for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_limit}")
         slo = (slo or SLO()).validate()
-        ids = self.tokenize(self.render_chat(messages) if messages is not None else prompt)
+        special = options.add_special_tokens
+        if messages is not None:
+            ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=bool(special))
+        else:
+            ids = self.tokenize(prompt, add_special_tokens=special is not False)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise PromptTooLong(len(ids), limit)

@@ -32,14 +32,16 @@ class OutputProcessor:
     def on_token(self, req: Request, tok: int, reason: FinishReason | None,
                  num_output_tokens: int | None = None) -> FinishReason | None:
         """Detokenize `tok`, the request's `num_output_tokens`-th output token (default: its last), and check the
-        stop strings. Emits the delta unless the request ends now; returns the request's finish reason (a stop
-        string makes it STOP), or None while it goes on."""
+        stop strings (past min_tokens, as vLLM: on a token after the first min_tokens, a stop string that ends in
+        its text). Emits the delta unless the request ends now; returns the request's finish reason (a stop string
+        makes it STOP), or None while it goes on."""
         live = self._live[req.request_id]
         p = req.params
+        n = num_output_tokens or req.num_output_tokens
         delta = live.detok.step(tok)
         if delta:
             live.text += delta
-            if p.stop:
+            if p.stop and n > p.min_tokens:
                 hit = _find_stop(live.text, p.stop, len(live.text) - len(delta))
                 if hit is not None:
                     live.text = live.text[:hit]
@@ -52,7 +54,7 @@ class OutputProcessor:
         live.emitted_chars = upto
         live.stream.put(RequestOutput(req.request_id, text=text, token_ids=[tok],
                                       num_prompt_tokens=req.num_prompt_tokens,
-                                      num_output_tokens=num_output_tokens or req.num_output_tokens))
+                                      num_output_tokens=n))
         return None
 
     def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,

@@ -224,6 +224,17 @@ def test_stop_strings_and_eos(tiny_checkpoints):
         outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, stop=[stop])))
         text = "".join(o.text for o in outs)
         assert outs[-1].finish_reason == "stop" and stop not in text and full.startswith(text)
+        # past min_tokens only (as vLLM): a stop string in the text of the first min_tokens tokens does not end it,
+        # one that ends in a later token's text does
+        toks = [t for o in eng.add_request([3, 4, 5], p) for t in o.token_ids]
+        early = eng.bundle.tokenizer.decode(toks[:1])
+        assert early and early in full[:len(early)]
+        outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                              min_tokens=8, stop=[early])))
+        text = "".join(o.text for o in outs)
+        assert text.startswith(early) and sum(len(o.token_ids) for o in outs) >= 8
+        later = full.find(early, len(eng.bundle.tokenizer.decode(toks[:8])) - len(early) + 1)  # ends after them
+        assert (outs[-1].finish_reason, text) == (("stop", full[:later]) if later >= 0 else ("length", full))
         eos = eng.bundle.eos_token_ids[0]
         outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=5, stop_token_ids=[], temperature=0.0)))
         assert outs[-1].finish_reason in ("stop", "length")

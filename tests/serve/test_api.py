@@ -109,6 +109,27 @@ def test_chat(client: httpx.Client) -> None:
     assert body["usage"]["completion_tokens"] == 5
 
 
+
+def test_chat_template_options_change_the_prompt(client: httpx.Client) -> None:
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs reach the template: the prompt
+    the reply counts is the template's without the assistant's opening, or with its last message left open; a
+    request's own chat_template is refused by name."""
+    msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi"}]
+
+    def prompt_tokens(**extra) -> int:
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    opened = prompt_tokens()
+    closed = prompt_tokens(add_generation_prompt=False)
+    continued = prompt_tokens(add_generation_prompt=False, continue_final_message=True)
+    assert opened > closed > continued  # the assistant's opening, then the last message's end, left out
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == opened  # a variable it does not read
+    for extra, param in (({"continue_final_message": True}, None), ({"chat_template": "{{ 1 }}"}, "chat_template")):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
 def test_chat_stream_and_content_parts(client: httpx.Client) -> None:
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " a story"}]}]
     with client.stream("POST", "/v1/chat/completions",

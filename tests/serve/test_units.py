@@ -1234,6 +1234,8 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
         assert P.unsupported_field({"prompt": "x", field: value}) == field  # each 400 names its own field
     assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "logprobs": False,
                                 "tools": []}) is None
+    assert P.unsupported_field({"messages": [], "chat_template": "{{ x }}"}) == "chat_template"  # as vLLM's default
+    assert P.unsupported_field({"messages": [], "documents": [{"text": "d"}]}) == "documents"
     with pytest.raises(ValidationError):
         P.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1234567890": 1}})
     for e in (PromptTooLong(9000, 8192), ContextLengthExceeded(100, 8192, 8150)):
@@ -1242,3 +1244,26 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
     assert SamplingParams(logit_bias={1: 1.0, "2": 1.0}).logit_bias  # mixed keys: kept for validate to refuse
     with pytest.raises(ValueError, match="logit_bias keys"):
         SamplingParams(logit_bias={1: 1.0, "2": 1.0}).validate()
+
+
+def test_prompt_options_reach_the_typed_request_and_contradictions_are_400() -> None:
+    """vLLM's tokenization fields: a completion's add_special_tokens (default true), a chat's add_special_tokens
+    (default false), add_generation_prompt, continue_final_message and chat_template_kwargs, carried to the replica
+    as `PromptOptions`; contradictory ones are refused at the edge."""
+    from core.messages import PromptOptions
+
+    assert P.CompletionRequest.model_validate({"prompt": "x"}).add_special_tokens is True
+    chat = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert chat.prompt_options() == PromptOptions(False, True, False, None)
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    cont = P.ChatCompletionRequest.model_validate({"messages": msgs, "add_generation_prompt": False,
+                                                   "continue_final_message": True,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    assert cont.prompt_options() == PromptOptions(False, False, True, {"enable_thinking": False})
+    for bad, match in (({"messages": msgs, "continue_final_message": True}, "cannot both be true"),
+                       ({"messages": msgs[:1], "add_generation_prompt": False, "continue_final_message": True},
+                        "last message to be the assistant's"),
+                       ({"messages": msgs, "chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+                       ({"messages": msgs, "add_generation_prompt": "no"}, "valid boolean")):
+        with pytest.raises(ValidationError, match=match):
+            P.ChatCompletionRequest.model_validate(bad)

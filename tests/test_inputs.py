@@ -1,0 +1,78 @@
+"""How a prompt becomes token ids (`engine.inputs`, `core.messages.PromptOptions`): a text prompt gets the
+tokenizer's special tokens unless told otherwise, a chat prompt its template's; the chat template's generation
+prompt, a continued last message and template variables, as vLLM's request fields say."""
+import pytest
+from tokenizers.processors import TemplateProcessing
+
+from core.messages import ChatTurn, PromptOptions
+from engine.default_model import IM_END, IM_START
+from engine.inputs import InputProcessor
+from engine.testing import TINY_VOCAB, build_tokenizer
+
+TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{% if not (continue_final_message and loop.last) %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}"
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool turn first') }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer():
+    """The tiny tokenizer with a BOS its encode adds (as Llama's `<s> $A`)."""
+    tok = build_tokenizer(TINY_VOCAB)
+    bos = tok.convert_tokens_to_ids(IM_START)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{IM_START} $A", special_tokens=[(IM_START, bos)])
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _inputs(tok) -> InputProcessor:
+    return InputProcessor(tok, len(tok), [0], max_model_len=4096, kv_capacity_tokens=1 << 20)
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_unless_told_not_to(bos_tokenizer):
+    tok, inputs = bos_tokenizer, _inputs(bos_tokenizer)
+    bos = tok.convert_tokens_to_ids(IM_START)
+    plain = tok.encode("Hello world", add_special_tokens=False)
+    assert inputs.process("Hello world", None, None, None).prompt_token_ids == [bos, *plain]  # as HF's tokenizer()
+    assert inputs.process("Hello world", None, None, None, options=PromptOptions(add_special_tokens=False)
+                          ).prompt_token_ids == plain
+    assert inputs.process([5, 6], None, None, None).prompt_token_ids == [5, 6]  # token ids: as given
+
+
+def test_chat_options_shape_the_prompt(bos_tokenizer):
+    tok, inputs = bos_tokenizer, _inputs(bos_tokenizer)
+    turns = [ChatTurn("user", "Hi"), ChatTurn("assistant", "Well,")]
+
+    def text(options: PromptOptions, messages=turns) -> str:
+        req = inputs.process(None, None, None, None, messages, options)
+        return tok.decode(req.prompt_token_ids)
+
+    opened = text(PromptOptions())
+    assert opened.endswith(f"Well,{IM_END}\n{IM_START}assistant\n") and not opened.startswith(IM_START * 2)
+    assert text(PromptOptions(add_special_tokens=True)).startswith(IM_START * 2)  # asked: the BOS too
+    assert text(PromptOptions(add_generation_prompt=False)).endswith(f"Well,{IM_END}\n")
+    assert text(PromptOptions(add_generation_prompt=False, continue_final_message=True)).endswith("assistant\nWell,")
+    assert text(PromptOptions(chat_template_kwargs={"enable_thinking": False})).endswith("<think></think>")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        text(PromptOptions(continue_final_message=True))
+    with pytest.raises(ValueError, match="last message to be the assistant's"):
+        text(PromptOptions(add_generation_prompt=False, continue_final_message=True), turns[:1])
+    with pytest.raises(ValueError, match="may not set add_generation_prompt, tokenize"):
+        text(PromptOptions(chat_template_kwargs={"tokenize": True, "add_generation_prompt": False}))
+    with pytest.raises(ValueError, match="chat template cannot render these messages: no tool turn first"):
+        text(PromptOptions(), [ChatTurn("tool", "x")])
+
+
+def test_without_a_template_the_plain_format_follows_the_options():
+    tok = build_tokenizer(TINY_VOCAB)
+    tok.chat_template = None
+    inputs = _inputs(tok)
+    turns = [ChatTurn("user", "Hi"), ChatTurn("assistant", "Well,")]
+
+    def text(options: PromptOptions) -> str:
+        return tok.decode(inputs.process(None, None, None, None, turns, options).prompt_token_ids)
+
+    assert text(PromptOptions()) == "User: Hi\nAssistant: Well,\nAssistant:"
+    assert text(PromptOptions(add_generation_prompt=False, continue_final_message=True)) == "User: Hi\nAssistant: Well,"
