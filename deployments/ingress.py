@@ -173,6 +173,10 @@ class OpenAIFrontend:
     def _open(self, req: GenerateRequest) -> GenerateStream:
         raise NotImplementedError
 
+    def _own_call(self) -> None:
+        """Called in the task of each prompt of a batch, before its request starts: whatever a call made from that
+        task needs to be a call of its own (nothing here)."""
+
     def __serve_build_asgi_app__(self) -> "GenerationFastPath":
         """Serve calls this once the replica is built, after `serve.ingress` bound the FastAPI routes to it, and runs
         the ASGI app it returns: the generation routes' fast path in front of that FastAPI app."""
@@ -319,8 +323,9 @@ class OpenAIFrontend:
             raise APIError(400, str(e), code="invalid_slo") from None
         return SLO(ttft_ms=ttft, tpot_ms=tpot, output_len_hint=olen)
 
-    def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, GenerateRequest]:
-        """Validate once, here at the edge: the typed request the replica gets needs no further checks."""
+    def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, list[GenerateRequest]]:
+        """Validate once, here at the edge: the typed requests the replicas get need no further checks (one, or a
+        batched completion's, one per prompt: `rid-i`)."""
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
         schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
@@ -339,16 +344,17 @@ class OpenAIFrontend:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         if isinstance(body, P.CompletionRequest):
-            prompt = body.prompt
-            hint = len(prompt) if isinstance(prompt, list) else len(prompt) // 4
-            req = GenerateRequest(rid, prompt=prompt, params=params, slo=slo, prompt_len_hint=max(1, hint),
-                                  options=PromptOptions(add_special_tokens=body.add_special_tokens))
-        else:
-            turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
-            hint = sum(len(t.content) for t in turns) // 4
-            req = GenerateRequest(rid, messages=turns, params=params, slo=slo, prompt_len_hint=max(1, hint),
-                                  options=body.prompt_options())
-        return body, req
+            prompts = body.prompts()
+            options = PromptOptions(add_special_tokens=body.add_special_tokens)
+            reqs = [GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, params=params,
+                                    slo=slo, options=options,
+                                    prompt_len_hint=max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4))
+                    for i, prompt in enumerate(prompts)]
+            return body, reqs
+        turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
+        hint = sum(len(t.content) for t in turns) // 4
+        return body, [GenerateRequest(rid, messages=turns, params=params, slo=slo, prompt_len_hint=max(1, hint),
+                                      options=body.prompt_options())]
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
@@ -364,15 +370,19 @@ class OpenAIFrontend:
 
     async def _generate(self, request: Request, kind: str, rid: str, t_in: float) -> Any:
         self._auth(request)
-        body, req = self._build(request, await self._read_json(request), kind, rid)
+        body, reqs = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
-        return await until_disconnected(request.receive, self._respond(body, req, kind, rid, t_in, t_call))
-
-    async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
-                       t_call: float) -> Any:
-        """The response to a parsed request: a whole completion, or the stream once its first item is in."""
         if self.log_prompts:
-            log.info("%s %s", rid, req.prompt if req.messages is None else req.messages)
+            for req in reqs:
+                log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
+        work = self._respond(body, reqs[0], kind, rid, t_in, t_call) if len(reqs) == 1 \
+            else self._respond_batch(body, reqs, rid, t_in, t_call)
+        return await until_disconnected(request.receive, work)
+
+    async def _start(self, req: GenerateRequest, t_call: float
+                     ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
+        """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
+        (`reroutes` times at most, with what is left of its TTFT SLO). Returns the request as last sent."""
         gen, first = await self._first_item(req)
         _note_refusal(first, req)
         for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
@@ -388,11 +398,22 @@ class OpenAIFrontend:
             req = dataclasses.replace(req, slo=slo, avoid_replicas=(*req.avoid_replicas, sb.replica))
             gen, first = await self._first_item(req)
             _note_refusal(first, req)
+        return req, gen, first
+
+    @staticmethod
+    def _headers(rid: str, req: GenerateRequest, first: RequestOutput, t_in: float, t_call: float) -> dict[str, str]:
         sb = first.served_by
         headers = {"x-kairos-request-id": rid, "x-kairos-replica": sb.replica if sb else "",
                    "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
         if req.avoid_replicas:
             headers["x-kairos-rerouted"] = str(len(req.avoid_replicas))
+        return headers
+
+    async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
+                       t_call: float) -> Any:
+        """The response to a parsed request: a whole completion, or the stream once its first item is in."""
+        req, gen, first = await self._start(req, t_call)
+        headers = self._headers(rid, req, first, t_in, t_call)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
         if first.finished:
             failure = item_failure(first, headers, self.retry_after_s)
@@ -434,8 +455,97 @@ class OpenAIFrontend:
             gen.cancel()
             raise protocol_failure(rid, e) from None
 
-    async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                       headers: dict[str, str], model: str) -> JSONResponse:
+    async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float,
+                             t_call: float) -> Any:
+        """A completion of several prompts (vLLM's batched `prompt`): a request per prompt, each routed, admitted or
+        turned away on its own; the response has a choice per prompt (`index`, in the prompts' order) and their
+        usage summed, or streams every prompt's chunks as they come, each naming its choice. One that fails before
+        the response starts fails it, with its status (the others are cancelled); the headers are the first
+        prompt's."""
+        async def start(req: GenerateRequest) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
+            self._own_call()  # in this prompt's own task
+            return await self._start(req, t_call)
+
+        started = await _all_or_none([start(r) for r in reqs], close=lambda s: s[1].cancel())
+        try:
+            headers = self._headers(rid, started[0][0], started[0][2], t_in, t_call)
+            for _, _, first in started:
+                if first.finished and (failure := item_failure(first, headers, self.retry_after_s)) is not None:
+                    raise failure
+        except BaseException:
+            for _, gen, _ in started:
+                gen.cancel()
+            raise
+        model = body.model or self.served_model_name
+        gens = [gen for _, gen, _ in started]
+        if body.stream:
+            response = StreamingResponse(self._sse_batch(started, rid, body.include_usage, model),
+                                         media_type="text/event-stream",
+                                         headers={**headers, "Cache-Control": "no-cache"})
+            response.kairos_cancel = lambda: [gen.cancel() for gen in gens]  # type: ignore[attr-defined]
+            return response
+        try:
+            done = await _all_or_none([self._rest(gen, first, rid, headers) for _, gen, first in started])
+        except BaseException:  # one failed, or the client left: nothing more is generated for the others
+            for gen in gens:
+                gen.cancel()
+            raise
+        return JSONResponse(P.batch_completion_response(rid, model, [
+            (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens) for text, item in done]),
+            headers=headers)
+
+    async def _sse_batch(self, started: list[tuple[GenerateRequest, GenerateStream, RequestOutput]], rid: str,
+                         include_usage: bool, model: str) -> AsyncIterator[bytes]:
+        """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice;
+        then the summed usage (with include_usage) and [DONE]."""
+        created = int(time.time())
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, gen: GenerateStream, item: RequestOutput) -> None:
+            try:
+                while True:
+                    queue.put_nowait((i, item, None))
+                    if item.finished:
+                        return
+                    item = check_output(await gen.__anext__())
+            except (Exception, StopAsyncIteration) as e:  # noqa: BLE001 - the stream reports it
+                queue.put_nowait((i, None, e))
+
+        def chunk(body: dict) -> bytes:  # with include_usage every chunk but the usage one says "usage": null
+            if include_usage:
+                body["usage"] = None
+            return P.sse(body)
+
+        tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (_, gen, first) in enumerate(started)]
+        left, pt, ct, done = len(tasks), 0, 0, False
+        try:
+            while left:
+                i, item, err = await queue.get()
+                if item is None:
+                    log.warning("stream %s-%d failed: %r", rid, i, err)
+                    yield P.sse(P.error_body(f"generation failed: {type(err).__name__}", "server_error"))
+                    break
+                fin = item.finish_reason
+                if fin is FinishReason.ERROR:
+                    yield P.sse(P.error_body(f"generation failed: {item.error}", "server_error"))
+                elif item.text or item.token_ids or item.finished:
+                    yield chunk(P.completion_chunk(rid, model, created, item.text, fin, index=i))
+                if item.finished:
+                    left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens
+            done = not left
+            if done and include_usage:
+                yield P.sse(P.usage_chunk(rid, model, created, "text_completion", pt, ct))
+            yield P.SSE_DONE
+        finally:  # also on client disconnect: abort what is still generating
+            for task in tasks:
+                task.cancel()
+            if not done:
+                for _, gen, _ in started:
+                    gen.cancel()
+
+    async def _rest(self, gen: Any, first: RequestOutput, rid: str,
+                    headers: dict[str, str]) -> tuple[str, RequestOutput]:
+        """A non-streaming request's text after its first item, and its last item; an APIError where it failed."""
         parts, item = [first.text], first
         try:
             while not item.finished:
@@ -453,10 +563,14 @@ class OpenAIFrontend:
             raise
         if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
+        return "".join(parts), item
+
+    async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
+                       headers: dict[str, str], model: str) -> JSONResponse:
+        text, item = await self._rest(gen, first, rid, headers)
         build = P.completion_response if kind == "completion" else P.chat_response
-        out = build(rid, model, "".join(parts), item.finish_reason, item.num_prompt_tokens,
-                    item.num_output_tokens)
-        return JSONResponse(out, headers=headers)
+        return JSONResponse(build(rid, model, text, item.finish_reason, item.num_prompt_tokens,
+                                  item.num_output_tokens), headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str) -> AsyncIterator[bytes]:
@@ -505,6 +619,28 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
         note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
+
+
+async def _all_or_none(works: list[Awaitable[Any]], close: Callable[[Any], None] | None = None) -> list[Any]:
+    """Every one of `works`' results, in order, run together. Where one raises, or this call is cancelled, the
+    others are cancelled, `close` is called on each result already made (a started stream: cancel it), and the
+    first exception is raised."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if close is not None:
+            for t in tasks:
+                if not t.cancelled() and t.exception() is None:
+                    close(t.result())
+        raise
 
 
 def _drop(response: Any) -> None:
@@ -628,6 +764,16 @@ class IngressFrontend(OpenAIFrontend):
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return self.llm.generate.remote(req)
+
+    def _own_call(self) -> None:
+        """A handle call takes its internal request id from the HTTP request's Serve context, and Serve's router
+        matches its pending calls by that id: a batch's concurrent calls, all under one id, were never all
+        assigned. Each prompt's task gets an id of its own (the context variable is the task's copy)."""
+        from ray.serve._private.utils import generate_request_id
+        from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+        ctx = _get_serve_request_context()
+        _serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=generate_request_id()))
 
     def _ready_info(self) -> dict[str, Any] | None:
         return self._readiness.info  # an LLM replica has answered: the app can serve

@@ -169,11 +169,16 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a batch: a choice each)
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra=_documented({"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1}]}))
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}))
     echo: bool = Field(False, json_schema_extra=_documented({"type": "boolean", "const": False}))
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
@@ -188,15 +193,24 @@ class CompletionRequest(_Common):
         if isinstance(p, list):
             if not p:
                 raise ValueError("prompt must not be empty")
-            if isinstance(p[0], list) or (isinstance(p[0], str) and len(p) > 1):
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            if isinstance(p[0], str):
+            if len(p) > MAX_BATCH_PROMPTS and not isinstance(p[0], int):
+                raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
+            if isinstance(p[0], str) and len(p) == 1:
                 self.prompt = p[0]
-            elif any(t < 0 for t in p):  # type: ignore[operator]
+        for one in self.prompts():
+            if not one:
+                raise ValueError("prompt must not be empty")
+            if isinstance(one, list) and any(t < 0 for t in one):
                 raise ValueError("prompt token ids must be non-negative")
-        if self.prompt == "":
-            raise ValueError("prompt must not be empty")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one (text or token ids), or a batch's (vLLM's list of texts or of token id
+        lists), each answered by a choice of its own."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     def default_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
@@ -283,9 +297,16 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | i
 
 
 def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:
+    return batch_completion_response(rid, model, [(text, finish, pt, ct)])
+
+
+def batch_completion_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int]]) -> dict:
+    """A completion of one or more prompts: a choice per prompt, (text, finish reason, prompt tokens, completion
+    tokens) each, in order; the usage is their sum (as vLLM's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(pt, ct)}
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                        for i, (text, finish, _, _) in enumerate(choices)],
+            "usage": usage(sum(c[2] for c in choices), sum(c[3] for c in choices))}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:
@@ -295,9 +316,9 @@ def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, 
             "usage": usage(pt, ct)}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:

@@ -58,6 +58,36 @@ def test_completion_token_ids_seed_and_stop_extensions(client: httpx.Client) -> 
     assert one.status_code == 200, one.text
 
 
+def test_a_batch_of_prompts_gets_a_choice_each_streamed_or_not(client: httpx.Client) -> None:
+    """vLLM's batched `prompt` (texts, or token id lists): a choice per prompt, in order, each the text its prompt
+    gets alone, and the usage summed; streamed, every chunk names its choice. One bad prompt fails the request."""
+    base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    for prompts in (["Hello, Kairos", "The sky is", "Once"], [[5, 6, 7], [8, 9]]):
+        alone = [client.post("/v1/completions", json={**base, "prompt": p}).json() for p in prompts]
+        r = client.post("/v1/completions", json={**base, "prompt": prompts})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == list(range(len(prompts)))
+        assert [c["text"] for c in body["choices"]] == [a["choices"][0]["text"] for a in alone]
+        assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+        assert body["usage"]["completion_tokens"] == 5 * len(prompts)
+        with client.stream("POST", "/v1/completions", json={**base, "prompt": prompts, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as s:
+            events = sse_events(s)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts = [""] * len(prompts)
+        for c in chunks[:-1]:
+            for choice in c["choices"]:
+                texts[choice["index"]] += choice["text"]
+        assert texts == [a["choices"][0]["text"] for a in alone]
+        assert chunks[-1]["usage"] == body["usage"] and chunks[-1]["choices"] == []
+    bad = client.post("/v1/completions", json={**base, "prompt": [[5, 6], [10 ** 9]]})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+    empty = client.post("/v1/completions", json={**base, "prompt": [[5, 6], []]})
+    assert empty.status_code == 400, empty.text
+
+
 def test_logit_bias_forces_and_bans_tokens_and_the_model_is_named_as_asked(client: httpx.Client) -> None:
     from transformers import AutoTokenizer
 

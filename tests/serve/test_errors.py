@@ -48,7 +48,7 @@ BAD_BODIES = [
     ("min_gt_max", CMPL, {**OK_CMPL, "min_tokens": 5}, 400),
     ("negative_token_id", CMPL, {"prompt": [1, -2], "max_tokens": 2}, 400),
     ("token_id_out_of_vocab", CMPL, {"prompt": [10**9], "max_tokens": 2}, 400),
-    ("batched_prompt", CMPL, {"prompt": ["a", "b"], "max_tokens": 2}, 400),
+    ("batched_prompts_over_the_cap", CMPL, {"prompt": ["a"] * 257, "max_tokens": 2}, 400),
     ("seed_out_of_range", CMPL, {**OK_CMPL, "seed": 2**70}, 400),
     ("body_slo_negative", CMPL, {**OK_CMPL, "slo_ttft_ms": -1}, 400),
     ("stream_bad_input", CMPL, {**OK_CMPL, "stream": True, "max_tokens": 0}, 400),

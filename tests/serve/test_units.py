@@ -1,6 +1,7 @@
 """Fast checks without Ray running: args mapping, protocol parsing, router ranking, auth, health check."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import time
@@ -134,8 +135,11 @@ def test_completion_prompt_forms() -> None:
     assert P.CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
     kw = P.CompletionRequest.model_validate({"prompt": "a", "stop": "x", "top_k": 3}).sampling_kwargs(5)
     assert kw["stop"] == ["x"] and kw["top_k"] == 3 and kw["max_tokens"] == 5
-    with pytest.raises(ValidationError):
-        P.CompletionRequest.model_validate({"prompt": [[1], [2]]})
+    assert P.CompletionRequest.model_validate({"prompt": [[1], [2]]}).prompts() == [[1], [2]]  # a batch
+    assert P.CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    for bad in ([[1], []], [[1], [-1]], ["a", ""], ["a"] * (P.MAX_BATCH_PROMPTS + 1), [[1], "a"]):
+        with pytest.raises(ValidationError):
+            P.CompletionRequest.model_validate({"prompt": bad})
 
 
 def _replica(name: str, stats: dict) -> SimpleNamespace:
@@ -672,6 +676,7 @@ def test_malformed_stream_items_fail_loudly() -> None:
         check_output(tampered)
     # the ingress, non-streaming: a dict in the stream is a 500 protocol error, not a completion
     me = SimpleNamespace(served_model_name="m", retry_after_s=1)
+    me._rest = lambda *a: Ingress.func_or_class._rest(me, *a)
     with pytest.raises(APIError) as err:
         asyncio.run(Ingress.func_or_class._collect(me, _Gen([ok, {"text": "b", "finished": True}]), ok,
                                                    "completion", "r", {}, "m"))
@@ -1267,3 +1272,33 @@ def test_prompt_options_reach_the_typed_request_and_contradictions_are_400() -> 
                        ({"messages": msgs, "add_generation_prompt": "no"}, "valid boolean")):
         with pytest.raises(ValidationError, match=match):
             P.ChatCompletionRequest.model_validate(bad)
+
+
+def test_all_or_none_cancels_the_rest_and_closes_what_started() -> None:
+    """A batched completion starts a request per prompt together (`ingress._all_or_none`): their results in order,
+    or, where one fails or the caller is cancelled, the others cancelled and those already made closed."""
+    from deployments.ingress import _all_or_none
+
+    async def ok(v: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        return v
+
+    async def boom(delay: float) -> int:
+        await asyncio.sleep(delay)
+        raise ValueError("boom")
+
+    async def scenario() -> None:
+        assert await _all_or_none([ok(1, 0.02), ok(2, 0.0), ok(3, 0.01)]) == [1, 2, 3]
+        closed: list[int] = []
+        with pytest.raises(ValueError, match="boom"):
+            await _all_or_none([ok(1, 0.0), boom(0.01), ok(3, 5.0)], close=closed.append)
+        assert closed == [1]  # the third was cancelled, not waited for
+        closed.clear()
+        task = asyncio.ensure_future(_all_or_none([ok(1, 0.0), ok(2, 5.0)], close=closed.append))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert closed == [1]
+
+    asyncio.run(asyncio.wait_for(scenario(), 2.0))
