@@ -89,7 +89,7 @@ class ChatTurn:
 RESERVED_TEMPLATE_KWARGS = frozenset((
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"))
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +98,10 @@ class PromptOptions:
     - `add_special_tokens`: the tokenizer's special tokens around the text (a BOS, ...); None: the default of the
       prompt's kind, True for a text prompt (as HF's `tokenizer(text)` and vLLM's completions) and False for a chat
       prompt, whose template writes its own;
-    - chat only: `add_generation_prompt` (open the assistant's turn), `continue_final_message` (the last message,
-      the assistant's, is left open for the reply to continue; not with `add_generation_prompt`), and
-      `chat_template_kwargs`, more variables for the template (e.g. Qwen3's `enable_thinking`)."""
+    - chat only: `add_generation_prompt` (open the assistant's turn), `continue_final_message` (the last message
+      is left open for the reply to continue; not with `add_generation_prompt`), and `chat_template_kwargs`, more
+      variables for the template (e.g. Qwen3's `enable_thinking`; not apply_chat_template's own arguments).
+    Not hashable where `chat_template_kwargs` is set (a dict)."""
 
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True

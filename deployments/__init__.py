@@ -58,6 +58,8 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
         "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
+        # a batched completion's prompts in flight at once: what the replicas that serve it run at once
+        "batch_concurrency": a.max_num_seqs * (1 if a.direct else a.num_replicas),
     }
     engine_config = a.engine_config().model_dump(mode="json")
     log_config = {"enable_access_log": a.access_log}

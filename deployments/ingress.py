@@ -164,6 +164,7 @@ class OpenAIFrontend:
         self.retry_after_s: int = settings.get("retry_after_s", 1)
         self.log_prompts: bool = settings.get("log_prompts", False)
         self.reroutes: int = settings.get("reroutes", 0)
+        self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -347,8 +348,8 @@ class OpenAIFrontend:
             prompts = body.prompts()
             options = PromptOptions(add_special_tokens=body.add_special_tokens)
             reqs = [GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, params=params,
-                                    slo=slo, options=options,
-                                    prompt_len_hint=max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4))
+                                    slo=slo, options=options, prompt_len_hint=max(1, len(prompt) if isinstance(
+                                        prompt, list) else len(prompt) // 4))
                     for i, prompt in enumerate(prompts)]
             return body, reqs
         turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
@@ -459,71 +460,103 @@ class OpenAIFrontend:
                              t_call: float) -> Any:
         """A completion of several prompts (vLLM's batched `prompt`): a request per prompt, each routed, admitted or
         turned away on its own; the response has a choice per prompt (`index`, in the prompts' order) and their
-        usage summed, or streams every prompt's chunks as they come, each naming its choice. One that fails before
-        the response starts fails it, with its status (the others are cancelled); the headers are the first
-        prompt's."""
-        async def start(req: GenerateRequest) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
-            self._own_call()  # in this prompt's own task
-            return await self._start(req, t_call)
-
-        started = await _all_or_none([start(r) for r in reqs], close=lambda s: s[1].cancel())
-        try:
-            headers = self._headers(rid, started[0][0], started[0][2], t_in, t_call)
-            for _, _, first in started:
-                if first.finished and (failure := item_failure(first, headers, self.retry_after_s)) is not None:
-                    raise failure
-        except BaseException:
-            for _, gen, _ in started:
-                gen.cancel()
-            raise
+        usage summed, or streams every prompt's chunks as they come, each naming its choice. At most
+        `batch_concurrency` prompts are in flight at once (what the replicas run at once): the rest wait here, not
+        in a replica's queue, which would turn a large batch away as full. One that fails fails the response with
+        its status (the others are cancelled); streamed, one that fails after the stream has started (a prompt of
+        a later wave) ends it with an error event. The headers are the first prompt's."""
         model = body.model or self.served_model_name
-        gens = [gen for _, gen, _ in started]
-        if body.stream:
-            response = StreamingResponse(self._sse_batch(started, rid, body.include_usage, model),
-                                         media_type="text/event-stream",
-                                         headers={**headers, "Cache-Control": "no-cache"})
-            response.kairos_cancel = lambda: [gen.cancel() for gen in gens]  # type: ignore[attr-defined]
-            return response
-        try:
-            done = await _all_or_none([self._rest(gen, first, rid, headers) for _, gen, first in started])
-        except BaseException:  # one failed, or the client left: nothing more is generated for the others
-            for gen in gens:
-                gen.cancel()
-            raise
-        return JSONResponse(P.batch_completion_response(rid, model, [
-            (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens) for text, item in done]),
-            headers=headers)
+        slots = asyncio.Semaphore(self.batch_concurrency)
 
-    async def _sse_batch(self, started: list[tuple[GenerateRequest, GenerateStream, RequestOutput]], rid: str,
-                         include_usage: bool, model: str) -> AsyncIterator[bytes]:
-        """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice;
-        then the summed usage (with include_usage) and [DONE]."""
-        created = int(time.time())
-        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, gen: GenerateStream, item: RequestOutput) -> None:
+        async def start(i: int, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput, dict[str, str]]:
+            """Prompt i's request started, holding a slot (released by whoever ends it); its refusal, an APIError."""
+            await slots.acquire()
             try:
-                while True:
-                    queue.put_nowait((i, item, None))
-                    if item.finished:
-                        return
-                    item = check_output(await gen.__anext__())
+                self._own_call()  # in this prompt's own task
+                req, gen, first = await self._start(req, t_call)
+            except BaseException:
+                slots.release()
+                raise
+            headers = self._headers(rid, req, first, t_in, t_call)
+            if first.finished and (failure := item_failure(first, headers, self.retry_after_s)) is not None:
+                gen.cancel()
+                slots.release()
+                failure.message = f"prompt {i}: {failure.message}"
+                raise failure
+            return gen, first, headers
+
+        if not body.stream:
+            async def whole(i: int, req: GenerateRequest) -> tuple[dict[str, str], tuple[str, RequestOutput]]:
+                gen, first, headers = await start(i, req)
+                try:
+                    return headers, await self._rest(gen, first, req.request_id, headers)
+                finally:
+                    slots.release()
+
+            done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
+            return JSONResponse(P.batch_completion_response(rid, model, [
+                (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens)
+                for _, (text, item) in done]), headers=done[0][0])
+        wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
+
+        def close(s: tuple[GenerateStream, RequestOutput, dict[str, str]]) -> None:
+            s[0].cancel()
+            slots.release()
+
+        started = await _all_or_none([start(i, r) for i, r in enumerate(reqs[:wave])], close=close)
+        response = StreamingResponse(
+            self._sse_batch(started, reqs[wave:], start, rid, body.include_usage, model, slots),
+            media_type="text/event-stream", headers={**started[0][2], "Cache-Control": "no-cache"})
+        response.kairos_cancel = lambda: [s[0].cancel() for s in started]  # type: ignore[attr-defined]
+        return response
+
+    async def _sse_batch(self, started: list[tuple[GenerateStream, RequestOutput, dict[str, str]]],
+                         later: list[GenerateRequest], start: Callable[..., Awaitable[Any]], rid: str,
+                         include_usage: bool, model: str, slots: asyncio.Semaphore) -> AsyncIterator[bytes]:
+        """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice (the
+        `started` prompts', then the `later` ones' as slots free up); then the summed usage (with include_usage)
+        and [DONE]. A prompt that fails ends the stream with an error event, and the others are cancelled."""
+        created = int(time.time())
+        n = len(started) + len(later)
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(maxsize=n)
+
+        async def pump(i: int, gen: GenerateStream | None, item: RequestOutput | None) -> None:
+            """Prompt i's items into the queue (a later prompt is started here first); it owns its stream and its
+            slot: cancelled (or failed), it cancels the stream."""
+            finished = False
+            try:
+                if gen is None:
+                    gen, item, _ = await start(i, later[i - len(started)])
+                try:
+                    while True:
+                        await queue.put((i, item, None))
+                        if item.finished:  # type: ignore[union-attr]
+                            finished = True
+                            return
+                        item = check_output(await gen.__anext__())
+                finally:
+                    if not finished:
+                        gen.cancel()
+                    slots.release()
             except (Exception, StopAsyncIteration) as e:  # noqa: BLE001 - the stream reports it
-                queue.put_nowait((i, None, e))
+                await queue.put((i, None, e))
 
         def chunk(body: dict) -> bytes:  # with include_usage every chunk but the usage one says "usage": null
             if include_usage:
                 body["usage"] = None
             return P.sse(body)
 
-        tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (_, gen, first) in enumerate(started)]
-        left, pt, ct, done = len(tasks), 0, 0, False
+        tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in enumerate(started)]
+        tasks += [asyncio.ensure_future(pump(len(started) + j, None, None)) for j in range(len(later))]
+        left, pt, ct = n, 0, 0
         try:
             while left:
                 i, item, err = await queue.get()
                 if item is None:
                     log.warning("stream %s-%d failed: %r", rid, i, err)
-                    yield P.sse(P.error_body(f"generation failed: {type(err).__name__}", "server_error"))
+                    message = err.message if isinstance(err, APIError) else f"generation failed: {type(err).__name__}"
+                    yield P.sse(P.error_body(message, "server_error" if not isinstance(err, APIError) else err.type,
+                                             getattr(err, "code", None)))
                     break
                 fin = item.finish_reason
                 if fin is FinishReason.ERROR:
@@ -532,16 +565,12 @@ class OpenAIFrontend:
                     yield chunk(P.completion_chunk(rid, model, created, item.text, fin, index=i))
                 if item.finished:
                     left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens
-            done = not left
-            if done and include_usage:
+            if not left and include_usage:
                 yield P.sse(P.usage_chunk(rid, model, created, "text_completion", pt, ct))
             yield P.SSE_DONE
-        finally:  # also on client disconnect: abort what is still generating
+        finally:  # also on client disconnect: each pump cancelled cancels its stream
             for task in tasks:
                 task.cancel()
-            if not done:
-                for _, gen, _ in started:
-                    gen.cancel()
 
     async def _rest(self, gen: Any, first: RequestOutput, rid: str,
                     headers: dict[str, str]) -> tuple[str, RequestOutput]:
@@ -635,11 +664,9 @@ async def _all_or_none(works: list[Awaitable[Any]], close: Callable[[Any], None]
     except BaseException:
         for t in tasks:
             t.cancel()
+            if close is not None:  # as each ends, even where this call is cancelled again while it waits below
+                t.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None else close(t.result()))
         await asyncio.gather(*tasks, return_exceptions=True)
-        if close is not None:
-            for t in tasks:
-                if not t.cancelled() and t.exception() is None:
-                    close(t.result())
         raise
 
 
@@ -767,8 +794,10 @@ class IngressFrontend(OpenAIFrontend):
 
     def _own_call(self) -> None:
         """A handle call takes its internal request id from the HTTP request's Serve context, and Serve's router
-        matches its pending calls by that id: a batch's concurrent calls, all under one id, were never all
-        assigned. Each prompt's task gets an id of its own (the context variable is the task's copy)."""
+        (and `SLORouter`'s bookkeeping) match pending calls by that id: a batch's concurrent calls, all under one
+        id, were never all assigned. Each prompt's task gets an id of its own (the context variable is the task's
+        copy; Ray's private API, pinned with Ray). Serve then no longer cancels these calls with the HTTP request:
+        the batch cancels them itself (`_respond_batch`)."""
         from ray.serve._private.utils import generate_request_id
         from ray.serve.context import _get_serve_request_context, _serve_request_context
 

@@ -84,8 +84,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: {"model": ErrorResponse, "headers": {**REJECTION_HEADERS, **RETRY_AFTER},
           "description": "busy: retry after Retry-After seconds. x-kairos-reject-reason: `ttft_unattainable` (the "
                          "queue ahead puts the TTFT SLO out of reach now), `tpot_unattainable` (the running batch, "
-                         "or steps as long as measured lately, leave no room for the TPOT SLO now), `shed` (overload: the requests with the most work "
-                         "go first), `overloaded` (the replica's queue, or Serve's, is full)"},
+                         "or steps as long as measured lately, leave no room for the TPOT SLO now), `shed` (overload: "
+                         "the requests with the most work go first), `overloaded` (the replica's queue, or Serve's, "
+                         "is full)"},
     500: {"model": ErrorResponse, "description": "generation failed in the engine"},
     503: {"model": ErrorResponse, "description": "no LLM replica available; see Retry-After"},
 }

@@ -252,8 +252,6 @@ class ChatCompletionRequest(_Common):
         if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
             raise ValueError("max_completion_tokens must be a positive integer")
         self.prompt_options().check()
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
     def prompt_options(self) -> PromptOptions:

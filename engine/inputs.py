@@ -36,11 +36,9 @@ def render_plain_chat(messages: Sequence[ChatTurn], options: PromptOptions = Pro
 def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:
     """A conversation as the prompt a chat request becomes: the tokenizer's chat template (with the assistant's turn
     opened, or its last message continued, as `options` say, and their template variables), else
-    `render_plain_chat`. ValueError where the template refuses the conversation (its roles, a last message that is
-    not the assistant's to continue, ...)."""
+    `render_plain_chat`. ValueError where the template refuses the conversation (its roles, a last message it cannot
+    continue, ...)."""
     options.check()
-    if options.continue_final_message and (not messages or messages[-1].role != "assistant"):
-        raise ValueError("continue_final_message needs the last message to be the assistant's")
     if not getattr(tokenizer, "chat_template", None):
         return render_plain_chat(messages, options)
     turns = [{"role": m.role, "content": m.content} for m in messages]

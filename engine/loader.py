@@ -135,8 +135,8 @@ def sliding_window(config: Any) -> int | None:
     """The attention window of a model whose layers (some or all) attend only to their last W positions (Mistral's
     `sliding_window`; Qwen2/3 with `use_sliding_window`, from `max_window_layers` on), None where every layer
     attends to the whole context. Kairos's attention is full attention, which equals sliding-window attention
-    exactly while the context holds at most W tokens: `load_model` caps the context window there, as vLLM does
-    where its attention backend has no sliding window."""
+    exactly while the context holds at most W tokens: `load_model` caps the context window there (as vLLM's
+    `--disable-sliding-window` does)."""
     w = getattr(config, "sliding_window", None)
     if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
         return None
@@ -181,7 +181,8 @@ def load_model(
     """Load `model` (kairos-default / kairos-random-42m / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
 
     Raises ValueError (never a bare OSError) for unknown paths/ids, unsupported model families,
-    non-fast tokenizers, bad dtype/device strings, or a `max_model_len` beyond the model's positions.
+    non-fast tokenizers, bad dtype/device strings, or a `max_model_len` beyond the model's positions or its sliding
+    attention window (`sliding_window`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

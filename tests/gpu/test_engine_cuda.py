@@ -183,6 +183,7 @@ def test_logit_bias_and_min_tokens_act_on_their_own_rows(device, llama_engine):
                                                                 stop_token_ids=[favourite])))
     assert favourite not in toks[:4] and last.finished
 
+
 def test_a_stream_ends_with_usage_counts(device, llama_engine):
     toks, last = collect(llama_engine.add_request([5, 6, 7, 8], greedy(6)))
     assert len(toks) == 6 and last.num_output_tokens == 6 and last.num_prompt_tokens == 4

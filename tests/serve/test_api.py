@@ -82,6 +82,14 @@ def test_a_batch_of_prompts_gets_a_choice_each_streamed_or_not(client: httpx.Cli
                 texts[choice["index"]] += choice["text"]
         assert texts == [a["choices"][0]["text"] for a in alone]
         assert chunks[-1]["usage"] == body["usage"] and chunks[-1]["choices"] == []
+    # more prompts than the replicas run at once (2 x max_num_seqs 16): they go in waves, none turned away as full
+    many = [[5 + i % 50, 6] for i in range(40)]
+    r = client.post("/v1/completions", json={**base, "max_tokens": 2, "prompt": many})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 40, r.text
+    with client.stream("POST", "/v1/completions", json={**base, "max_tokens": 2, "prompt": many, "stream": True}) as s:
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    assert sorted({c["index"] for e in events[:-1] for c in json.loads(e)["choices"]}) == list(range(40))
     bad = client.post("/v1/completions", json={**base, "prompt": [[5, 6], [10 ** 9]]})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
     empty = client.post("/v1/completions", json={**base, "prompt": [[5, 6], []]})

@@ -1266,8 +1266,6 @@ def test_prompt_options_reach_the_typed_request_and_contradictions_are_400() -> 
                                                    "chat_template_kwargs": {"enable_thinking": False}})
     assert cont.prompt_options() == PromptOptions(False, False, True, {"enable_thinking": False})
     for bad, match in (({"messages": msgs, "continue_final_message": True}, "cannot both be true"),
-                       ({"messages": msgs[:1], "add_generation_prompt": False, "continue_final_message": True},
-                        "last message to be the assistant's"),
                        ({"messages": msgs, "chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
                        ({"messages": msgs, "add_generation_prompt": "no"}, "valid boolean")):
         with pytest.raises(ValidationError, match=match):
@@ -1302,3 +1300,11 @@ def test_all_or_none_cancels_the_rest_and_closes_what_started() -> None:
         assert closed == [1]
 
     asyncio.run(asyncio.wait_for(scenario(), 2.0))
+
+
+def test_serve_request_context_still_has_the_internal_request_id_a_batch_replaces() -> None:
+    """A batched completion's prompts each get an internal request id of their own (`IngressFrontend._own_call`,
+    Ray's private request context): the field it replaces must still exist."""
+    from ray.serve.context import _RequestContext
+
+    assert dataclasses.replace(_RequestContext(), _internal_request_id="x")._internal_request_id == "x"
