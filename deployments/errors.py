@@ -29,6 +29,18 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(P.error_body(message, type_, code, param), status_code=status, headers=headers)
 
 
+# the request fields an engine-side or sampling refusal may name first (`param_named`)
+NAMED_PARAMS = frozenset(("prompt", "messages", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logit_bias",
+                          "seed", "temperature", "top_p", "top_k"))
+
+
+def param_named(message: str | None) -> str | None:
+    """The request field a refusal's message starts with (`NAMED_PARAMS`: "prompt token ids must be ...",
+    "min_tokens must be ..."), OpenAI's `param` of the 400; None where it names none."""
+    first = (message or "").split(" ", 1)[0].strip(":,")
+    return first if first in NAMED_PARAMS else None
+
+
 def model_not_found(model: str, served: list[str]) -> APIError:
     """404 for a `model` this deployment does not serve, as OpenAI answers (vLLM: the same status and message)."""
     return APIError(404, f"The model `{model}` does not exist. This server serves: {', '.join(served)}",
@@ -129,7 +141,7 @@ def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: in
     if item.error_kind is ErrorKind.PROMPT_TOO_LONG:
         return APIError(400, item.error or "the prompt is too long", headers=headers, code="context_length_exceeded")
     if item.error_kind is ErrorKind.INVALID_REQUEST:
-        return APIError(400, item.error or "invalid request", headers=headers)
+        return APIError(400, item.error or "invalid request", headers=headers, param=param_named(item.error))
     if item.error_kind is ErrorKind.UNAVAILABLE:
         return replica_died(item.error or "engine unavailable", retry_after_s, headers)
     return APIError(500, f"generation failed: {item.error}", "server_error", headers={**headers, **retry})

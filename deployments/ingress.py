@@ -36,7 +36,7 @@ from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from deployments.errors import (APIError, error_response, item_failure, model_not_found, overloaded,
+from deployments.errors import (APIError, error_response, item_failure, model_not_found, overloaded, param_named,
                                 protocol_failure, replica_failure, unsupported_media_type)
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
@@ -343,7 +343,7 @@ class OpenAIFrontend:
         try:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens())).validate()
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=param_named(str(e))) from None
         if isinstance(body, P.CompletionRequest):
             prompts = body.prompts()
             options = PromptOptions(add_special_tokens=body.add_special_tokens)

@@ -251,8 +251,20 @@ class ChatCompletionRequest(_Common):
             raise ValueError("logprobs and tools are not supported")
         if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
             raise ValueError("max_completion_tokens must be a positive integer")
-        self.prompt_options().check()
         return self
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v: bool, info: Any) -> bool:
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        PromptOptions(add_generation_prompt=False, chat_template_kwargs=v).check()  # its reserved names: a 400
+        return v
 
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,

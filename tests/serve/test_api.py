@@ -92,6 +92,7 @@ def test_a_batch_of_prompts_gets_a_choice_each_streamed_or_not(client: httpx.Cli
     assert sorted({c["index"] for e in events[:-1] for c in json.loads(e)["choices"]}) == list(range(40))
     bad = client.post("/v1/completions", json={**base, "prompt": [[5, 6], [10 ** 9]]})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+    assert bad.json()["error"]["param"] == "prompt" and bad.json()["error"]["message"].startswith("prompt 1: ")
     empty = client.post("/v1/completions", json={**base, "prompt": [[5, 6], []]})
     assert empty.status_code == 400, empty.text
 
@@ -164,7 +165,9 @@ def test_chat_template_options_change_the_prompt(client: httpx.Client) -> None:
     continued = prompt_tokens(add_generation_prompt=False, continue_final_message=True)
     assert opened > closed > continued  # the assistant's opening, then the last message's end, left out
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == opened  # a variable it does not read
-    for extra, param in (({"continue_final_message": True}, None), ({"chat_template": "{{ 1 }}"}, "chat_template")):
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                         ({"chat_template": "{{ 1 }}"}, "chat_template")):
         r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

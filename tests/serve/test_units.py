@@ -1308,3 +1308,13 @@ def test_serve_request_context_still_has_the_internal_request_id_a_batch_replace
     from ray.serve.context import _RequestContext
 
     assert dataclasses.replace(_RequestContext(), _internal_request_id="x")._internal_request_id == "x"
+
+
+def test_a_refusal_names_the_field_its_message_starts_with() -> None:
+    """OpenAI's `param` for refusals made past the schema (sampling values, the engine's input checks)."""
+    from deployments.errors import param_named
+
+    assert param_named("min_tokens must be in [0, max_tokens], got 9") == "min_tokens"
+    assert param_named("prompt token ids must be integers in [0, 512)") == "prompt"
+    assert param_named("the chat template cannot render these messages") is None
+    assert param_named(None) is None
