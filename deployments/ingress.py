@@ -293,11 +293,14 @@ class OpenAIFrontend:
         cl = request.headers.get("content-length")
         too_big = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         if cl is not None and cl.isdigit() and int(cl) > self.max_body_bytes:
+            await _drain(request.stream())
             raise too_big
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream()
+        async for chunk in chunks:
             body += chunk
             if len(body) > self.max_body_bytes:
+                await _drain(chunks)
                 raise too_big
         try:
             obj = json.loads(body)
@@ -648,6 +651,23 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
         note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
+
+
+DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 (`_drain`)
+
+
+async def _drain(chunks: AsyncIterator[bytes], limit: int = DRAIN_LIMIT_BYTES) -> None:
+    """Read and drop the rest of a body refused as too large, up to `limit` bytes: a server that answers before the
+    body is in closes a connection with unread data, which the kernel resets, and the client (through HAProxy too)
+    may get a reset instead of the 413 sent before it."""
+    seen = 0
+    try:
+        async for chunk in chunks:
+            seen += len(chunk)
+            if seen > limit:
+                return
+    except Exception:  # noqa: BLE001 - the client went away meanwhile: nothing to answer
+        return
 
 
 async def _all_or_none(works: list[Awaitable[Any]], close: Callable[[Any], None] | None = None) -> list[Any]:
