@@ -467,7 +467,8 @@ class OpenAIFrontend:
         `batch_concurrency` prompts are in flight at once (what the replicas run at once): the rest wait here, not
         in a replica's queue, which would turn a large batch away as full. One that fails fails the response with
         its status (the others are cancelled); streamed, one that fails after the stream has started (a prompt of
-        a later wave) ends it with an error event. The headers are the first prompt's."""
+        a later wave) ends it with an error event. The headers are the first prompt's, `x-kairos-replica` naming
+        every replica that served the batch (streamed: its first wave)."""
         model = body.model or self.served_model_name
         slots = asyncio.Semaphore(self.batch_concurrency)
 
@@ -499,7 +500,7 @@ class OpenAIFrontend:
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
             return JSONResponse(P.batch_completion_response(rid, model, [
                 (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens)
-                for _, (text, item) in done]), headers=done[0][0])
+                for _, (text, item) in done]), headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
         def close(s: tuple[GenerateStream, RequestOutput, dict[str, str]]) -> None:
@@ -509,7 +510,8 @@ class OpenAIFrontend:
         started = await _all_or_none([start(i, r) for i, r in enumerate(reqs[:wave])], close=close)
         response = StreamingResponse(
             self._sse_batch(started, reqs[wave:], start, rid, body.include_usage, model, slots),
-            media_type="text/event-stream", headers={**started[0][2], "Cache-Control": "no-cache"})
+            media_type="text/event-stream",
+            headers={**_batch_headers([h for _, _, h in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for s in started]  # type: ignore[attr-defined]
         return response
 
@@ -651,6 +653,12 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
         note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
+
+
+def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:
+    """A batch's response headers: its first prompt's, with `x-kairos-replica` the replicas of all, in order."""
+    replicas = dict.fromkeys(h["x-kairos-replica"] for h in each if h.get("x-kairos-replica"))
+    return {**each[0], "x-kairos-replica": ",".join(replicas)}
 
 
 DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 (`_drain`)

@@ -86,6 +86,8 @@ def test_a_batch_of_prompts_gets_a_choice_each_streamed_or_not(client: httpx.Cli
     many = [[5 + i % 50, 6] for i in range(40)]
     r = client.post("/v1/completions", json={**base, "max_tokens": 2, "prompt": many})
     assert r.status_code == 200 and len(r.json()["choices"]) == 40, r.text
+    replicas = r.headers["x-kairos-replica"].split(",")  # every replica that served one of its prompts
+    assert 1 <= len(replicas) == len(set(replicas)) <= 2 and all(replicas), replicas
     with client.stream("POST", "/v1/completions", json={**base, "max_tokens": 2, "prompt": many, "stream": True}) as s:
         events = sse_events(s)
     assert events[-1] == "[DONE]"
