@@ -92,6 +92,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset((
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"))
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """ValueError (a client's 400) where chat_template_kwargs would set one of apply_chat_template's own arguments."""
+    bad = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)} (a request field of its own, or the "
+                         "server's)")
+
+
 @dataclass(frozen=True, slots=True)
 class PromptOptions:
     """How a prompt becomes token ids, as vLLM's request fields say:
@@ -112,10 +120,7 @@ class PromptOptions:
         """ValueError (a client's 400) for options that contradict each other."""
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        bad = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
-        if bad:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)} (a request field of its own, or "
-                             "the server's)")
+        check_template_kwargs(self.chat_template_kwargs)
         return self
 
 

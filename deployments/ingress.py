@@ -30,8 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (ChatTurn, GenerateRequest, PromptOptions, ProtocolError, RejectReason, RequestOutput,
-                           check_output)
+from core.messages import ChatTurn, GenerateRequest, ProtocolError, RejectReason, RequestOutput, check_output
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -349,16 +348,12 @@ class OpenAIFrontend:
             raise APIError(400, str(e), param=param_named(str(e))) from None
         if isinstance(body, P.CompletionRequest):
             prompts = body.prompts()
-            options = PromptOptions(add_special_tokens=body.add_special_tokens)
-            reqs = [GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, params=params,
-                                    slo=slo, options=options, prompt_len_hint=max(1, len(prompt) if isinstance(
-                                        prompt, list) else len(prompt) // 4))
-                    for i, prompt in enumerate(prompts)]
-            return body, reqs
+            return body, [GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, params=params,
+                                          slo=slo, options=body.prompt_options(), prompt_len_hint=_len_hint(prompt))
+                          for i, prompt in enumerate(prompts)]
         turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
-        hint = sum(len(t.content) for t in turns) // 4
-        return body, [GenerateRequest(rid, messages=turns, params=params, slo=slo, prompt_len_hint=max(1, hint),
-                                      options=body.prompt_options())]
+        return body, [GenerateRequest(rid, messages=turns, params=params, slo=slo, options=body.prompt_options(),
+                                      prompt_len_hint=_len_hint("".join(t.content for t in turns)))]
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
@@ -546,11 +541,6 @@ class OpenAIFrontend:
             except (Exception, StopAsyncIteration) as e:  # noqa: BLE001 - the stream reports it
                 await queue.put((i, None, e))
 
-        def chunk(body: dict) -> bytes:  # with include_usage every chunk but the usage one says "usage": null
-            if include_usage:
-                body["usage"] = None
-            return P.sse(body)
-
         tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in enumerate(started)]
         tasks += [asyncio.ensure_future(pump(len(started) + j, None, None)) for j in range(len(later))]
         left, pt, ct = n, 0, 0
@@ -563,11 +553,8 @@ class OpenAIFrontend:
                     yield P.sse(P.error_body(message, "server_error" if not isinstance(err, APIError) else err.type,
                                              getattr(err, "code", None)))
                     break
-                fin = item.finish_reason
-                if fin is FinishReason.ERROR:
-                    yield P.sse(P.error_body(f"generation failed: {item.error}", "server_error"))
-                elif item.text or item.token_ids or item.finished:
-                    yield chunk(P.completion_chunk(rid, model, created, item.text, fin, index=i))
+                if (out := _sse_item(item, "completion", rid, model, created, include_usage, i)) is not None:
+                    yield out
                 if item.finished:
                     left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens
             if not left and include_usage:
@@ -611,25 +598,13 @@ class OpenAIFrontend:
         created, item = int(time.time()), first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         done = False
-
-        def chunk(body: dict) -> bytes:  # with include_usage every chunk but the usage one says "usage": null (OpenAI)
-            if include_usage:
-                body["usage"] = None
-            return P.sse(body)
         try:
             if kind == "chat":
-                yield chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+                yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None),
+                             include_usage)
             while True:
-                fin = item.finish_reason
-                if fin is FinishReason.ERROR:
-                    yield P.sse(P.error_body(f"generation failed: {item.error}", "server_error"))
-                elif item.text or item.token_ids or item.finished:  # a token with no text yet (a partial
-                    # UTF-8 character) still gets its chunk, as in vLLM: clients time tokens by chunk arrival
-                    if kind == "completion":
-                        yield chunk(P.completion_chunk(rid, model, created, item.text, fin))
-                    else:
-                        delta = {"content": item.text} if item.text else {}
-                        yield chunk(P.chat_chunk(rid, model, created, delta, fin))
+                if (out := _sse_item(item, kind, rid, model, created, include_usage)) is not None:
+                    yield out
                 if item.finished:
                     done = True
                     break
@@ -647,12 +622,39 @@ class OpenAIFrontend:
                 gen.cancel()
 
 
+def _len_hint(prompt: str | list[int]) -> int:
+    """A prompt's length in tokens as a router guesses it before the replica counts: its ids, or 4 characters each."""
+    return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
+
+
 def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
     """Tell this process's SLO routers (refusals.note_refusal) that a replica turned `req` away for its load."""
     sb = first.served_by
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
         note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
+
+
+def _chunk(body: dict, include_usage: bool) -> bytes:
+    """An SSE chunk; with include_usage every chunk but the usage one says "usage": null (OpenAI)."""
+    if include_usage:
+        body["usage"] = None
+    return P.sse(body)
+
+
+def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
+              index: int = 0) -> bytes | None:
+    """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
+    for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
+    in vLLM: clients time tokens by chunk arrival."""
+    fin = item.finish_reason
+    if fin is FinishReason.ERROR:
+        return P.sse(P.error_body(f"generation failed: {item.error}", "server_error"))
+    if not (item.text or item.token_ids or item.finished):
+        return None
+    if kind == "completion":
+        return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index), include_usage)
+    return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin), include_usage)
 
 
 def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:

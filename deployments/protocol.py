@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.messages import PromptOptions, RequestMetrics
+from core.messages import PromptOptions, RequestMetrics, check_template_kwargs
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 from core.sampling import MAX_LOGIT_BIAS
@@ -185,6 +185,9 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, json_schema_extra=_documented({"type": "null"}))
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(add_special_tokens=self.add_special_tokens)
+
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
         if self.echo or self.suffix or (self.best_of or 1) > 1 or self.logprobs is not None:
@@ -255,15 +258,15 @@ class ChatCompletionRequest(_Common):
 
     @field_validator("continue_final_message")
     @classmethod
-    def _continue(cls, v: bool, info: Any) -> bool:
-        if v and info.data.get("add_generation_prompt", True):
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    def _continue(cls, v: bool, info: Any) -> bool:  # a 400 naming the field (PromptOptions.check's own test)
+        PromptOptions(add_generation_prompt=info.data.get("add_generation_prompt", True),
+                      continue_final_message=v).check()
         return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        PromptOptions(add_generation_prompt=False, chat_template_kwargs=v).check()  # its reserved names: a 400
+        check_template_kwargs(v)
         return v
 
     def prompt_options(self) -> PromptOptions:
