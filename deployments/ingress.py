@@ -10,6 +10,7 @@ HTTP from the LLM replica itself.
 # NB: no `from __future__ import annotations`: FastAPI must see real annotations (Request) on Serve methods.
 
 import asyncio
+import collections
 import dataclasses
 import hmac
 import json
@@ -460,37 +461,83 @@ class OpenAIFrontend:
         turned away on its own; the response has a choice per prompt (`index`, in the prompts' order) and their
         usage summed, or streams every prompt's chunks as they come, each naming its choice. At most
         `batch_concurrency` prompts are in flight at once (what the replicas run at once): the rest wait here, not
-        in a replica's queue, which would turn a large batch away as full. One that fails fails the response with
-        its status (the others are cancelled); streamed, one that fails after the stream has started (a prompt of
-        a later wave) ends it with an error event. The headers are the first prompt's, `x-kairos-replica` naming
-        every replica that served the batch (streamed: its first wave)."""
+        in a replica's queue, which would turn a large batch away as full. A prompt turned away for the load (a 429)
+        while others of its batch run waits here for one of them to end and is sent again, with what is left of its
+        TTFT SLO: a batch under a TPOT SLO the replicas can keep for some of its prompts at once, not all, runs as
+        many at a time as they take. Turned away while none runs, after some were served, it waits the refusal's
+        Retry-After and is sent again (`BATCH_PAUSES` times at most). One that fails otherwise fails the response with its status (the others are
+        cancelled); streamed, one that fails after the stream has started (a prompt of a later wave) ends it with an
+        error event. The headers are the first prompt's, `x-kairos-replica` naming every replica that served the
+        batch (streamed: its first wave)."""
         model = body.model or self.served_model_name
-        slots = asyncio.Semaphore(self.batch_concurrency)
+        batch = _BatchFlight(self.batch_concurrency)
 
-        async def start(i: int, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput, dict[str, str]]:
-            """Prompt i's request started, holding a slot (released by whoever ends it); its refusal, an APIError."""
-            await slots.acquire()
+        async def start(i: int, req: GenerateRequest, wait: bool = True
+                        ) -> tuple[GenerateStream, RequestOutput, dict[str, str]] | None:
+            """Prompt i's request started, holding a slot (released by whoever ends it, `batch.end`); its refusal, an
+            APIError. Turned away for the load while another prompt of the batch runs or starts: with `wait`, sent
+            again once one of them ends (its turn in line); without, None (its slot released: the caller starts it
+            later)."""
+            await batch.slots.acquire()
+            sent, t0, tries, pauses = req, t_call, 0, 0
             try:
-                self._own_call()  # in this prompt's own task
-                req, gen, first = await self._start(req, t_call)
+                while True:
+                    self._own_call()  # in this prompt's own task
+                    seen = batch.sending()
+                    try:
+                        sent, gen, first = await self._start(sent, t0)
+                    except APIError as e:
+                        batch.answered(False, tries > 0)
+                        if e.status != 429:
+                            raise
+                        gen, first, failure = None, None, e  # the replicas' queues are full (Serve's back pressure)
+                    except BaseException:
+                        batch.answered(False, tries > 0)
+                        raise
+                    else:
+                        headers = self._headers(rid, sent, first, t_in, t0)
+                        failure = item_failure(first, headers, self.retry_after_s) if first.finished else None
+                        batch.answered(failure is None, tries > 0)
+                    if failure is None:
+                        return gen, first, headers
+                    if gen is not None:
+                        gen.cancel()
+                    if failure.status == 429:
+                        ttft = req.slo.ttft_ms
+                        left_s = None if ttft is None else ttft / 1000.0 - (time.perf_counter() - t_call)
+                        if batch.may_make_room(seen):
+                            if not wait:
+                                batch.slots.release()
+                                return None
+                            again = (left_s is None or left_s > 0) and await batch.wait_turn(seen, tries > 0, left_s)
+                        else:  # none of the batch runs: where some were served, the replicas turn it away for their
+                            # steps measured lately or others' load; it waits the refusal's Retry-After, a few times
+                            pause_s = min(float((failure.headers or {}).get("Retry-After", 1)), BATCH_PAUSE_MAX_S)
+                            again = wait and batch.ended > 0 and pauses < BATCH_PAUSES \
+                                and (left_s is None or left_s > pause_s)
+                            if again:
+                                pauses += 1
+                                await asyncio.sleep(pause_s)
+                        if again:
+                            t0, tries = time.perf_counter(), tries + 1
+                            spent_ms = (t0 - t_call) * 1000.0
+                            if ttft is None or spent_ms < ttft:  # sent again with what is left of its TTFT SLO
+                                sent = req if ttft is None else dataclasses.replace(
+                                    req, slo=dataclasses.replace(req.slo, ttft_ms=ttft - spent_ms))
+                                continue
+                    failure.message = f"prompt {i}: {failure.message}"
+                    raise failure
             except BaseException:
-                slots.release()
+                batch.slots.release()
                 raise
-            headers = self._headers(rid, req, first, t_in, t_call)
-            if first.finished and (failure := item_failure(first, headers, self.retry_after_s)) is not None:
-                gen.cancel()
-                slots.release()
-                failure.message = f"prompt {i}: {failure.message}"
-                raise failure
-            return gen, first, headers
 
         if not body.stream:
             async def whole(i: int, req: GenerateRequest) -> tuple[dict[str, str], tuple[str, RequestOutput]]:
-                gen, first, headers = await start(i, req)
+                gen, first, headers = await start(i, req)  # type: ignore[misc]
                 try:
                     return headers, await self._rest(gen, first, req.request_id, headers)
                 finally:
-                    slots.release()
+                    batch.end()
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
             return JSONResponse(P.batch_completion_response(rid, model, [
@@ -498,35 +545,40 @@ class OpenAIFrontend:
                 for _, (text, item) in done]), headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
-        def close(s: tuple[GenerateStream, RequestOutput, dict[str, str]]) -> None:
-            s[0].cancel()
-            slots.release()
+        def close(s: tuple[GenerateStream, RequestOutput, dict[str, str]] | None) -> None:
+            if s is not None:
+                s[0].cancel()
+                batch.end()
 
-        started = await _all_or_none([start(i, r) for i, r in enumerate(reqs[:wave])], close=close)
+        first_wave = await _all_or_none([start(i, r, wait=False) for i, r in enumerate(reqs[:wave])], close=close)
+        started = [(i, s) for i, s in enumerate(first_wave) if s is not None]
+        later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
-            self._sse_batch(started, reqs[wave:], start, rid, body.include_usage, model, slots),
+            self._sse_batch(started, later, start, rid, body.include_usage, model, batch),
             media_type="text/event-stream",
-            headers={**_batch_headers([h for _, _, h in started]), "Cache-Control": "no-cache"})
-        response.kairos_cancel = lambda: [s[0].cancel() for s in started]  # type: ignore[attr-defined]
+            headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
+        response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
         return response
 
-    async def _sse_batch(self, started: list[tuple[GenerateStream, RequestOutput, dict[str, str]]],
-                         later: list[GenerateRequest], start: Callable[..., Awaitable[Any]], rid: str,
-                         include_usage: bool, model: str, slots: asyncio.Semaphore) -> AsyncIterator[bytes]:
+    async def _sse_batch(self, started: list[tuple[int, tuple[GenerateStream, RequestOutput, dict[str, str]]]],
+                         later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
+                         include_usage: bool, model: str, batch: "_BatchFlight") -> AsyncIterator[bytes]:
         """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice (the
-        `started` prompts', then the `later` ones' as slots free up); then the summed usage (with include_usage)
-        and [DONE]. A prompt that fails ends the stream with an error event, and the others are cancelled."""
+        `started` prompts', then the `later` ones' as slots free up), (index, started stream) and (index, request);
+        then the summed usage (with include_usage) and [DONE]. A prompt that fails ends the stream with an error
+        event, and the others are cancelled."""
         created = int(time.time())
         n = len(started) + len(later)
         queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(maxsize=n)
 
-        async def pump(i: int, gen: GenerateStream | None, item: RequestOutput | None) -> None:
-            """Prompt i's items into the queue (a later prompt is started here first); it owns its stream and its
-            slot: cancelled (or failed), it cancels the stream."""
+        async def pump(i: int, gen: GenerateStream | None, item: RequestOutput | None,
+                       req: GenerateRequest | None = None) -> None:
+            """Prompt i's items into the queue (a later prompt, `req`, is started here first); it owns its stream and
+            its slot: cancelled (or failed), it cancels the stream."""
             finished = False
             try:
                 if gen is None:
-                    gen, item, _ = await start(i, later[i - len(started)])
+                    gen, item, _ = await start(i, req)
                 try:
                     while True:
                         await queue.put((i, item, None))
@@ -537,12 +589,12 @@ class OpenAIFrontend:
                 finally:
                     if not finished:
                         gen.cancel()
-                    slots.release()
+                    batch.end()
             except (Exception, StopAsyncIteration) as e:  # noqa: BLE001 - the stream reports it
                 await queue.put((i, None, e))
 
-        tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in enumerate(started)]
-        tasks += [asyncio.ensure_future(pump(len(started) + j, None, None)) for j in range(len(later))]
+        tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in started]
+        tasks += [asyncio.ensure_future(pump(i, None, None, req)) for i, req in later]
         left, pt, ct = n, 0, 0
         try:
             while left:
@@ -663,6 +715,9 @@ def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:
     return {**each[0], "x-kairos-replica": ",".join(replicas)}
 
 
+# a batch's prompt turned away while none of its batch runs (but some were served): how often it waits the refusal's
+# Retry-After (at most BATCH_PAUSE_MAX_S) and is sent again (`_respond_batch`)
+BATCH_PAUSES, BATCH_PAUSE_MAX_S = 3, 10.0
 DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 (`_drain`)
 
 
@@ -678,6 +733,73 @@ async def _drain(chunks: AsyncIterator[bytes], limit: int = DRAIN_LIMIT_BYTES) -
                 return
     except Exception:  # noqa: BLE001 - the client went away meanwhile: nothing to answer
         return
+
+
+class _BatchFlight:
+    """A batched completion's prompts in flight: at most `limit` at once (`slots`), and how many are starting (sent,
+    no first item yet, or called to be sent again), running (admitted, not yet ended) and have ended. A prompt
+    turned away for the load waits in line (`wait_turn`); each prompt that ends calls the first in line to be sent
+    again, and each one sent again that gets in, the next: as many go as the replicas take, without every waiting
+    prompt sent again at each end. One event loop owns it: no locks."""
+
+    def __init__(self, limit: int) -> None:
+        self.slots = asyncio.Semaphore(limit)
+        self.starting = self.running = self.ended = 0
+        self._line: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def sending(self) -> int:
+        """A prompt is sent: returns `ended` as it is now, for `may_make_room` and `wait_turn`."""
+        self.starting += 1
+        return self.ended
+
+    def answered(self, admitted: bool, again: bool) -> None:
+        """The prompt last sent got its answer (`again`: a prompt sent again): admitted, it runs, and, sent again,
+        the next in line goes too (there may be room for it as well)."""
+        self.starting -= 1
+        if admitted:
+            self.running += 1
+            if again:
+                self._call_next()
+
+    def end(self) -> None:
+        """A running prompt ended (finished, failed or cancelled): its slot is free, and the first in line goes."""
+        self.running -= 1
+        self.ended += 1
+        self.slots.release()
+        self._call_next()
+
+    def may_make_room(self, seen: int) -> bool:
+        """Whether a prompt turned away (sent when `ended` was `seen`) may get in later: another prompt of the batch
+        ended since, runs or starts."""
+        return self.ended != seen or self.running > 0 or self.starting > 0
+
+    async def wait_turn(self, seen: int, front: bool, timeout_s: float | None) -> bool:
+        """Wait until a prompt turned away for the load should be sent again: at once where a prompt ended since it
+        was sent (`seen`), else at its turn in line (`front` for one turned away again). False where `timeout_s`
+        passed first (it left the line)."""
+        if self.ended != seen:
+            return True
+        turn = asyncio.get_running_loop().create_future()
+        (self._line.appendleft if front else self._line.append)(turn)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), timeout_s)
+        except asyncio.TimeoutError:
+            turn.cancel()
+            if turn.cancelled():
+                return False
+        except BaseException:
+            turn.cancel()
+            raise
+        self.starting -= 1  # its call (counted as starting by `_call_next`) is answered by the send
+        return True
+
+    def _call_next(self) -> None:
+        while self._line:
+            turn = self._line.popleft()
+            if not turn.done():  # not left meanwhile
+                self.starting += 1  # counted until it is sent (`wait_turn`), so the batch is not left for idle
+                turn.set_result(None)
+                return
 
 
 async def _all_or_none(works: list[Awaitable[Any]], close: Callable[[Any], None] | None = None) -> list[Any]:

@@ -1302,6 +1302,106 @@ def test_all_or_none_cancels_the_rest_and_closes_what_started() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 2.0))
 
 
+def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch under a TPOT SLO that a replica keeps for only some of its prompts at once: a prompt turned away for
+    the load (429 tpot_unattainable) while others of the batch run waits for one of them to end and is sent again,
+    streamed or not; the batch fails only where none of its prompts got in, or its TTFT SLO ran out waiting."""
+    import json
+
+    from deployments import ingress
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+
+    seats = {"free": 2, "most": 0, "held": 2, "blip": 0}  # the fake replica keeps the SLO for `free` requests at once
+    sent_slos: list[tuple[float | None, float | None]] = []
+
+    async def generate(req: GenerateRequest):
+        sent_slos.append((req.slo.ttft_ms, req.slo.tpot_ms))
+        if seats["free"] == 0 or seats["blip"] == 1:  # blip 1: the first request after one ended is turned away
+            seats["blip"] = 2 if seats["blip"] else 0  # (and armed again for the next end)
+            yield RequestOutput(req.request_id, finished=True, finish_reason="rejected",
+                                reject_reason="tpot_unattainable")
+            return
+            yield RequestOutput(req.request_id, finished=True, finish_reason="rejected",
+                                reject_reason="tpot_unattainable")
+            return
+        seats["free"] -= 1
+        seats["most"] = max(seats["most"], seats["held"] - seats["free"])
+        try:
+            yield RequestOutput(req.request_id, text=req.prompt[:1], token_ids=[1])
+            await asyncio.sleep(0.02)
+        finally:  # ended (or cancelled): its seat is free before its last item goes out, as in a replica
+            seats["free"] += 1
+            seats["blip"] //= 2
+        yield RequestOutput(req.request_id, text="!", token_ids=[2], finished=True, finish_reason="length",
+                            num_prompt_tokens=1, num_output_tokens=2)
+
+    class Front(OpenAIFrontend):
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 1 << 16})
+
+    class Api:
+        docs_url = None
+
+    app = GenerationFastPath(front, Api())  # type: ignore[arg-type]
+
+    async def post(body: dict, ttft_ms: int | None = None) -> tuple[int, bytes]:
+        sent: list[dict] = []
+        raw = json.dumps(body).encode()
+
+        async def receive() -> dict:
+            if raw:
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await asyncio.sleep(3600)
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        headers = [(b"content-type", b"application/json"), (b"x-slo-tpot-ms", b"20")]
+        if ttft_ms is not None:
+            headers.append((b"x-slo-ttft-ms", str(ttft_ms).encode()))
+        await app({"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "headers": headers,
+                   "query_string": b""}, receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    prompts = ["a", "b", "c", "d", "e", "f", "g"]
+
+    async def scenario() -> None:
+        status, body = await post({"prompt": prompts, "max_tokens": 2})
+        assert status == 200, body
+        assert [c["text"] for c in json.loads(body)["choices"]] == [p + "!" for p in prompts]
+        assert seats["most"] == 2 and seats["free"] == 2
+        # those waiting go in line: an end sends one again (and one that gets in, the next), not all of them
+        assert len(sent_slos) <= 3 * len(prompts), len(sent_slos)
+        status, body = await post({"prompt": prompts, "max_tokens": 2, "stream": True})
+        assert status == 200
+        events = [json.loads(e[6:]) for e in body.decode().split("\n\n") if e and e != "data: [DONE]"]
+        texts = {i: "" for i in range(len(prompts))}
+        for e in events:
+            texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+        assert list(texts.values()) == [p + "!" for p in prompts] and body.endswith(b"data: [DONE]\n\n")
+        sent_slos.clear()
+        status, body = await post({"prompt": prompts, "max_tokens": 2}, ttft_ms=30)
+        assert status == 429 and b"tpot_unattainable" in body and b"prompt " in body  # its TTFT ran out waiting
+        resent = [ttft for ttft, _ in sent_slos if ttft is not None and ttft < 30]
+        assert resent, sent_slos  # sent again with what was left of its TTFT SLO
+        # turned away when none of the batch runs (a replica's steps measured slow lately), after some were served:
+        # it waits the refusal's Retry-After (here shortened) and is sent again
+        seats.update(free=1, held=1, blip=2)
+        monkeypatch.setattr(ingress, "BATCH_PAUSE_MAX_S", 0.01)
+        status, body = await post({"prompt": prompts[:3], "max_tokens": 2})
+        assert status == 200, body
+        seats.update(free=0, held=0, blip=0)
+        for stream in (False, True):  # no prompt got in: the batch is turned away, at once
+            status, body = await post({"prompt": prompts[:3], "max_tokens": 2, "stream": stream})
+            assert status == 429 and b"prompt " in body and b"tpot_unattainable" in body
+
+    asyncio.run(asyncio.wait_for(scenario(), 10.0))
+
+
 def test_serve_request_context_still_has_the_internal_request_id_a_batch_replaces() -> None:
     """A batched completion's prompts each get an internal request id of their own (`IngressFrontend._own_call`,
     Ray's private request context): the field it replaces must still exist."""
