@@ -1,8 +1,15 @@
 """Kairos serving metrics via `ray.serve.metrics` (exported as `ray_kairos_*` by each node's metrics agent).
 
 Serve adds the `deployment`, `replica` and `application` tags itself. Per-request series are tagged by SLO tier
-(`core.request.SLO.tier`, e.g. `best_effort`, `ttft500_tpot50`); engine gauges are refreshed periodically
-from `LLMEngine.stats()` by the replica; histograms and counters are updated when a request finishes.
+(`core.request.SLO.tier`, e.g. `best_effort`, `ttft500_tpot50`): the first `MAX_TIER_LABELS` tiers a replica sees
+keep their name, later ones are `other` (clients choose SLO values: the series they make must stay bounded). Engine
+gauges are refreshed periodically from `LLMEngine.stats()` by the replica; token counters move as tokens are
+streamed (prompt tokens with a request's first token), histograms and the other counters when a request ends.
+
+Every request a replica's engine takes ends counted once: rejected (`requests_rejected`), abandoned while it
+waited for its first token (`requests_abandoned`: its caller went away), or admitted (`requests_admitted`, with its
+first token); every admitted request is finished (`requests_finished`, by reason, `abort` for a caller that went
+away) or still running.
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ log = logging.getLogger("ray.serve")
 _LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60]
 _E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+MAX_TIER_LABELS = 16  # distinct `tier` label values per replica; the rest are "other"
+OTHER_TIER = "other"
 
 
 class ReplicaMetrics:
@@ -46,11 +55,17 @@ class ReplicaMetrics:
         self.tpot = hist("tpot_s", "time per output token after the first, per request, seconds", _LAT_S)
         self.itl = hist("itl_s", "inter-token latency as observed by the replica, seconds", _LAT_S)
         self.e2e = hist("e2e_s", "request latency, arrival to last token, seconds", _E2E_S)
-        self.tokens_in = ctr("prompt_tokens", "prompt tokens of finished requests", ("tier",))
-        self.tokens_out = ctr("generation_tokens", "generated tokens", ("tier",))
-        self.admitted = ctr("requests_admitted", "requests accepted by the engine", ("tier",))
-        self.finished = ctr("requests_finished", "finished requests by finish reason", ("tier", "reason"))
-        self.rejected = ctr("requests_rejected", "requests rejected at admission, by reason", ("tier", "reason"))
+        self.tokens_in = ctr("prompt_tokens", "prompt tokens of admitted requests (counted at the first token)",
+                             ("tier",))
+        self.tokens_out = ctr("generation_tokens", "generated tokens (counted as they are streamed)", ("tier",))
+        self.admitted = ctr("requests_admitted", "requests admitted by the engine (counted at the first token)",
+                            ("tier",))
+        self.finished = ctr("requests_finished", "admitted requests that ended, by finish reason",
+                            ("tier", "reason"))
+        self.rejected = ctr("requests_rejected", "requests rejected at admission (429, and 400 slo_unattainable), by "
+                            "reason", ("tier", "reason"))
+        self.abandoned = ctr("requests_abandoned", "requests whose caller went away before their first token",
+                             ("tier",))
         self.slo_met = ctr("slo_met", "finished requests that met all their SLOs", ("tier",))
         self.slo_missed = ctr("slo_missed", "finished requests that missed an SLO, by which", ("tier", "slo"))
         self.queue_len = gauge("queue_len", "requests waiting in the engine")
@@ -74,6 +89,18 @@ class ReplicaMetrics:
         self.decode_over_model = ctr("decode_step_over_model_sum", "sum over decode-only steps of wall time / the "
                                      "latency model's ITL, by decode rows (a mean of 1: the model holds)", ("rows",))
         self._decode_seen: dict[int, tuple[int, float]] = {}
+        self._tiers: set[str] = set()
+
+    def tier_label(self, slo: SLO) -> str:
+        """The `tier` label of a request with `slo`: its tier while this replica has seen fewer than
+        `MAX_TIER_LABELS`, else `other`."""
+        tier = slo.tier
+        if tier in self._tiers:
+            return tier
+        if len(self._tiers) < MAX_TIER_LABELS:
+            self._tiers.add(tier)
+            return tier
+        return OTHER_TIER
 
     def update_engine(self, st: Any, inflight: int) -> None:
         """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works)."""
@@ -102,31 +129,40 @@ class ReplicaMetrics:
             self._decode_seen[rows] = (n, total)
         self.inflight.set(inflight)
 
-    def on_admitted(self, tier: str) -> None:
-        self.admitted.inc(tags={"tier": tier})
+    def on_admitted(self, tier: str, prompt_tokens: int) -> None:
+        """A request's first token: it is admitted, and its prompt is in."""
+        t = {"tier": tier}
+        self.admitted.inc(tags=t)
+        if prompt_tokens > 0:  # Counter.inc(0) raises ValueError
+            self.tokens_in.inc(prompt_tokens, tags=t)
+
+    def on_tokens(self, tier: str, n: int) -> None:
+        """`n` tokens streamed."""
+        if n > 0:
+            self.tokens_out.inc(n, tags={"tier": tier})
+
+    def on_abandoned(self, tier: str) -> None:
+        """A request whose caller went away before its first token (it waited in the queue, or for its prefill)."""
+        self.abandoned.inc(tags={"tier": tier})
 
     def on_rejected(self, tier: str, reason: str) -> None:
         self.rejected.inc(tags={"tier": tier, "reason": reason or "unknown"})
 
-    def on_aborted(self, tier: str, tokens_out: int) -> None:
-        """A request whose caller went away before it finished (reason `abort`, as vLLM counts it): admitted requests
-        are then finished ones (by reason) plus the running and queued."""
+    def on_aborted(self, tier: str) -> None:
+        """An admitted request whose caller went away before it finished (reason `abort`, as vLLM counts it)."""
         self.finished.inc(tags={"tier": tier, "reason": "abort"})
-        if tokens_out > 0:
-            self.tokens_out.inc(tokens_out, tags={"tier": tier})
 
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
         for _ in range(n):
             self.itl.observe(seconds, tags={"tier": tier})
 
-    def on_finished(self, tier: str, slo: SLO, final: RequestOutput) -> None:
-        """Per-request histograms from the final stream item."""
+    def on_finished(self, tier: str, slo: SLO, final: RequestOutput, streamed: int) -> None:
+        """An admitted request's end: per-request histograms from its final stream item; `streamed`: its tokens
+        counted already (`on_tokens`)."""
         t = {"tier": tier}
         reason = final.finish_reason or "unknown"
         self.finished.inc(tags={"tier": tier, "reason": reason})
-        for ctr, n in ((self.tokens_in, final.num_prompt_tokens), (self.tokens_out, final.num_output_tokens)):
-            if n > 0:  # Counter.inc(0) raises ValueError (e.g. a request that failed before its first token)
-                ctr.inc(n, tags=t)
+        self.on_tokens(tier, final.num_output_tokens - streamed)  # tokens the stream never carried (none, or a stop)
         m = final.metrics
         ttft, tpot, e2e = (m.ttft_s, m.tpot_s, m.e2e_s) if m is not None else (None, None, None)
         for hist, v in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e)):

@@ -209,7 +209,7 @@ class LLMReplica:
         except EngineDeadError as e:
             yield self._refused(req, t_in, ErrorKind.UNAVAILABLE, f"engine unavailable: {e}")
             return
-        tier = req.slo.tier
+        tier = self.metrics.tier_label(req.slo)
         if self.log_prompts:
             log.info("request %s prompt=%r messages=%r", rid, req.prompt, req.messages)
         else:
@@ -246,15 +246,17 @@ class LLMReplica:
                         self.metrics.on_rejected(tier, view.reason)
                     else:
                         admitted = True
-                        self.metrics.on_admitted(tier)
+                        self.metrics.on_admitted(tier, out.num_prompt_tokens)
                     out = dataclasses.replace(out, served_by=served)
                     if out.token_ids and rid in left:
                         left[rid] -= len(out.token_ids)
                     streamed += len(out.token_ids)
+                    self.metrics.on_tokens(tier, len(out.token_ids))
                 elif out.token_ids:
                     n = len(out.token_ids)
                     left[rid] -= n
                     streamed += n
+                    self.metrics.on_tokens(tier, n)
                     self.metrics.on_itl(tier, (now - last_t) / n, n)
                 last_t = now
                 if out.finished:
@@ -264,7 +266,7 @@ class LLMReplica:
                     self.inflight -= 1
                     left.pop(rid, None)
                     if out.finish_reason is not FinishReason.REJECTED:
-                        self.metrics.on_finished(tier, req.slo, out)
+                        self.metrics.on_finished(tier, req.slo, out, streamed)
                     yield out
                     return
                 yield out
@@ -276,7 +278,9 @@ class LLMReplica:
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
                 if admitted:
-                    self.metrics.on_aborted(tier, streamed)
+                    self.metrics.on_aborted(tier)
+                else:
+                    self.metrics.on_abandoned(tier)
 
     def _judge(self, req: GenerateRequest, out: RequestOutput) -> RejectionView:
         reason = out.reject_reason or RejectReason.OVERLOADED

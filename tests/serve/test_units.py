@@ -520,7 +520,8 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
             pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st, abort=noop,
                                                     stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
-            metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop))
+            metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop, on_tokens=noop,
+                                    tier_label=lambda slo: slo.tier))
 
         async def collect() -> list[RequestOutput]:
             threading.Thread(target=produce, daemon=True).start()
@@ -538,9 +539,11 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
     assert len(batched) < len(every) / 2
 
 
-def test_a_stream_its_caller_abandons_is_counted_finished_as_abort_with_its_tokens() -> None:
-    """admitted = finished (by reason) + running + queued: a caller that goes away after three tokens leaves an
-    `abort` finish and its three tokens in the metrics, and its request aborted in the engine."""
+def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_tokens() -> None:
+    """A caller that goes away after three tokens leaves an `abort` finish of an admitted request (its prompt and
+    three tokens counted as they came), and its request aborted in the engine; one that goes away before the first
+    token leaves an abandoned request, never admitted. A finished request's tokens are counted as they stream, and
+    those its stream never carried at its end."""
     import asyncio
 
     import engine.engine  # noqa: F401
@@ -548,26 +551,64 @@ def test_a_stream_its_caller_abandons_is_counted_finished_as_abort_with_its_toke
     from deployments.replica import LLMServer
     from engine.stream import RequestStream
 
-    st = RequestStream("r1")
-    for i in range(3):  # queued before the first read: they come out merged, as one item of three tokens
-        st.put(RequestOutput("r1", text=f"t{i}", token_ids=[i], num_output_tokens=i + 1))
     calls: list[tuple] = []
     noop = lambda *a, **k: None  # noqa: E731
-    me = SimpleNamespace(
-        pacing=StreamPacing(0.0), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
-        _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st,
-                                                                 abort=lambda rid: calls.append(("abort", rid))),
-        metrics=SimpleNamespace(on_admitted=lambda t: calls.append(("admitted", t)), on_itl=noop, on_finished=noop,
-                                on_rejected=noop, on_aborted=lambda t, n: calls.append(("aborted", t, n))))
 
-    async def three() -> None:
+    def replica(st: RequestStream) -> SimpleNamespace:
+        return SimpleNamespace(
+            pacing=StreamPacing(0.0), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st,
+                                                                     abort=lambda rid: calls.append(("abort", rid))),
+            metrics=SimpleNamespace(
+                tier_label=lambda slo: slo.tier, on_admitted=lambda t, n: calls.append(("admitted", t, n)),
+                on_tokens=lambda t, n: calls.append(("tokens", t, n)), on_itl=noop, on_rejected=noop,
+                on_finished=lambda t, slo, out, n: calls.append(("finished", t, out.num_output_tokens, n)),
+                on_aborted=lambda t: calls.append(("aborted", t)), on_abandoned=lambda t: calls.append(("gone", t))))
+
+    async def three(st: RequestStream, me: SimpleNamespace, items: int) -> None:
         gen = LLMServer.func_or_class.generate(me, GenerateRequest("r1", prompt=(1, 2), slo=SLO(tpot_ms=1.5)))
-        assert (await gen.__anext__()).token_ids == [0, 1, 2]
+        for _ in range(items):
+            await gen.__anext__()
         await gen.aclose()
 
-    asyncio.run(three())
-    assert calls == [("admitted", "tpot1.5"), ("abort", "r1"), ("aborted", "tpot1.5", 3)]
+    st = RequestStream("r1")
+    for i in range(3):  # queued before the first read: they come out merged, as one item of three tokens
+        st.put(RequestOutput("r1", text=f"t{i}", token_ids=[i], num_prompt_tokens=2, num_output_tokens=i + 1))
+    me = replica(st)
+    asyncio.run(three(st, me, 1))
+    assert calls == [("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 3), ("abort", "r1"), ("aborted", "tpot1.5")]
     assert me.inflight == 0 and me.aborted == 1
+    calls.clear()
+    me = replica(RequestStream("r1"))
+
+    async def gone_before_the_first_token() -> None:
+        task = asyncio.ensure_future(three(RequestStream("r1"), me, 1))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(gone_before_the_first_token())
+    assert calls == [("abort", "r1"), ("gone", "tpot1.5")] and me.inflight == 0
+    calls.clear()
+    st = RequestStream("r1")
+    st.put(RequestOutput("r1", text="a", token_ids=[5], num_prompt_tokens=2, num_output_tokens=1))
+    st.put(RequestOutput("r1", text="", token_ids=[], num_prompt_tokens=2, num_output_tokens=2, finished=True,
+                         finish_reason="stop"))  # the stop token: counted, never streamed
+    asyncio.run(three(st, replica(st), 1))
+    assert calls == [("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 1), ("finished", "tpot1.5", 2, 1)]
+
+
+def test_replica_metrics_bound_the_tier_labels_clients_make() -> None:
+    """A tier label is the request's SLOs: clients choose them, so a replica names at most MAX_TIER_LABELS tiers
+    and counts the rest as `other`."""
+    from deployments import metrics as Mx
+
+    m = object.__new__(Mx.ReplicaMetrics)
+    m._tiers = set()
+    names = [m.tier_label(SLO(ttft_ms=10_000.0 + i)) for i in range(Mx.MAX_TIER_LABELS + 5)]
+    assert names[:Mx.MAX_TIER_LABELS] == [f"ttft{10_000 + i}" for i in range(Mx.MAX_TIER_LABELS)]
+    assert set(names[Mx.MAX_TIER_LABELS:]) == {Mx.OTHER_TIER}
+    assert m.tier_label(SLO(ttft_ms=10_000.0)) == "ttft10000"  # a tier it named keeps its name
 
 
 def test_an_slo_tier_label_keeps_fractions_and_leaves_out_what_is_not_set() -> None:
