@@ -26,6 +26,7 @@ log = logging.getLogger("ray.serve")
 _LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60]
 _E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 MAX_TIER_LABELS = 16  # distinct `tier` label values per replica; the rest are "other"
 OTHER_TIER = "other"
 
@@ -55,6 +56,10 @@ class ReplicaMetrics:
         self.tpot = hist("tpot_s", "time per output token after the first, per request, seconds", _LAT_S)
         self.itl = hist("itl_s", "inter-token latency as observed by the replica, seconds", _LAT_S)
         self.e2e = hist("e2e_s", "request latency, arrival to last token, seconds", _E2E_S)
+        self.queue_time = hist("queue_time_s", "time in the queue, arrival to admission (its first prefill), seconds",
+                               _LAT_S)
+        self.prompt_len = hist("request_prompt_tokens", "prompt tokens per finished request", _TOKENS)
+        self.output_len = hist("request_generation_tokens", "generated tokens per finished request", _TOKENS)
         self.tokens_in = ctr("prompt_tokens", "prompt tokens of admitted requests (counted at the first token)",
                              ("tier",))
         self.tokens_out = ctr("generation_tokens", "generated tokens (counted as they are streamed)", ("tier",))
@@ -75,6 +80,8 @@ class ReplicaMetrics:
         self.vbs = gauge("vbs", "virtual batch size (SCORPIO)")
         self.kv_used = gauge("kv_blocks_used", "paged-KV blocks in use")
         self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
+        self.kv_usage = gauge("kv_cache_usage", "paged-KV blocks in use, a fraction of all (0 to 1)")
+        self.preemptions = ctr("preemptions", "requests preempted (KV freed, prefilled again later)")
         self.itl_correction = gauge("itl_correction", "kairos: measured / predicted step time (1 = the profile holds)")
         self.shed_threshold = gauge("shed_threshold", "kairos work shedding: fresh requests of more work "
                                     "(output tokens / TPOT SLO ms) than this are shed under overload (0: none)")
@@ -89,6 +96,7 @@ class ReplicaMetrics:
         self.decode_over_model = ctr("decode_step_over_model_sum", "sum over decode-only steps of wall time / the "
                                      "latency model's ITL, by decode rows (a mean of 1: the model holds)", ("rows",))
         self._decode_seen: dict[int, tuple[int, float]] = {}
+        self._preempted_seen = 0
         self._tiers: set[str] = set()
 
     def tier_label(self, slo: SLO) -> str:
@@ -113,6 +121,14 @@ class ReplicaMetrics:
         self.itl_correction.set(float(g("itl_correction", 1.0)))
         self.kv_used.set(g("kv_blocks_used"))
         self.kv_free.set(g("kv_blocks_free"))
+        used, total = g("kv_blocks_used"), g("kv_blocks_total")
+        self.kv_usage.set(used / total if total else 0.0)
+        preempted, seen = g("preemptions"), self._preempted_seen
+        if preempted < seen:  # a new engine (counting from 0 again)
+            seen = 0
+        if preempted > seen:
+            self.preemptions.inc(preempted - seen)
+        self._preempted_seen = preempted
         self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))
@@ -165,9 +181,13 @@ class ReplicaMetrics:
         self.on_tokens(tier, final.num_output_tokens - streamed)  # tokens the stream never carried (none, or a stop)
         m = final.metrics
         ttft, tpot, e2e = (m.ttft_s, m.tpot_s, m.e2e_s) if m is not None else (None, None, None)
-        for hist, v in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e)):
+        queued = None if m is None or m.admitted_s is None else max(m.admitted_s - m.arrival_s, 0.0)
+        for hist, v in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e), (self.queue_time, queued)):
             if v is not None:
                 hist.observe(v, tags=t)
+        if reason in ("stop", "length"):
+            self.prompt_len.observe(final.num_prompt_tokens, tags=t)
+            self.output_len.observe(final.num_output_tokens, tags=t)
         if reason not in ("stop", "length") or (slo.ttft_ms is None and slo.tpot_ms is None):
             return
         missed = []

@@ -56,6 +56,7 @@ class EngineStats:
     gate_line: tuple[float, float] | None = None  # the VBS gate's (base, row) ms: Scheduler.gate_line
     tpot_inv_sum: float = 0.0  # sum of 1 / TPOT SLO (ms) over the running requests that have one
     num_best_effort: int = 0  # running requests without a TPOT SLO
+    preemptions: int = 0  # requests preempted (their KV freed, to be prefilled again) since start
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
@@ -87,7 +88,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         ttft_idle_margins=s.margin.table(idle=True) if s.margin is not None else (),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
         decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()),
-        tpot_inv_sum=inv_sum, num_best_effort=n_be)
+        tpot_inv_sum=inv_sum, num_best_effort=n_be, preemptions=s.num_preemptions)
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

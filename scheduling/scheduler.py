@@ -106,6 +106,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._round = 0
+        self.num_preemptions = 0  # since start (metrics)
         self.last_vbs = 0.0
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
                            if self.flags.itl_correction else None)
@@ -634,6 +635,7 @@ class Scheduler:
         self.blocks.free(r)
         r.num_computed_tokens = 0
         r.num_preemptions += 1
+        self.num_preemptions += 1
         r.credit = 0.0
         r.status = Status.WAITING
         self.waiting.appendleft(r)

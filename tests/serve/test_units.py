@@ -1198,6 +1198,13 @@ def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(mon
     assert got == [("kairos_decode_step_over_model_sum", pytest.approx(2.5), "1"), ("kairos_decode_steps", 2, "1")]
     assert refresh({1: (1, 0.9)}) == [("kairos_decode_step_over_model_sum", 0.9, "1"), ("kairos_decode_steps", 1, "1")]
 
+    def preempted(n: int) -> list[float]:  # the engine's cumulative count becomes the counter's increments
+        incs.clear()
+        m.update_engine(SimpleNamespace(preemptions=n, kv_blocks_used=3, kv_blocks_total=4), 0)
+        return [v for name, v, _ in incs if name == "kairos_preemptions"]
+    assert preempted(0) == [] and preempted(3) == [3] and preempted(3) == [] and preempted(5) == [2]
+    assert preempted(1) == [1] and preempted(2) == [1]  # a new engine counts from 0 again
+
 
 def test_bench_reads_the_model_error_by_rows_from_prometheus_text():
     from bench.driver import decode_over_model
