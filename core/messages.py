@@ -137,6 +137,9 @@ class GenerateRequest:
     options: PromptOptions = field(default_factory=PromptOptions)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
     avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
+    # ms of its TTFT SLO spent before this send (an ingress's earlier sends, turned away): the engine's TTFT deadline
+    # is that much nearer (`engine_slo`); its metrics labels and the test of an SLO no idle replica meets keep `slo`
+    waited_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -146,6 +149,14 @@ class GenerateRequest:
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "avoid_replicas", tuple(self.avoid_replicas))
+
+    @property
+    def engine_slo(self) -> SLO:
+        """The SLO the engine schedules by: the client's, its TTFT less what was spent before this send."""
+        ttft = self.slo.ttft_ms
+        if ttft is None or not self.waited_ms > 0:
+            return self.slo
+        return dataclasses.replace(self.slo, ttft_ms=max(ttft - self.waited_ms, 1e-3))
 
 
 @dataclass(frozen=True, slots=True)

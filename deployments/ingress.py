@@ -383,6 +383,7 @@ class OpenAIFrontend:
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
         (`reroutes` times at most, with what is left of its TTFT SLO). Returns the request as last sent."""
+        waited_ms = req.waited_ms
         gen, first = await self._first_item(req)
         _note_refusal(first, req)
         for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
@@ -390,12 +391,11 @@ class OpenAIFrontend:
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica) \
                     or first.reject_reason is RejectReason.SLO_UNATTAINABLE:  # no replica could: not rerouted
                 break
-            spent_ms = (time.perf_counter() - t_call) * 1000.0
+            spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
             ttft = req.slo.ttft_ms
             if ttft is not None and spent_ms >= ttft:
                 break
-            slo = req.slo if ttft is None else dataclasses.replace(req.slo, ttft_ms=ttft - spent_ms)
-            req = dataclasses.replace(req, slo=slo, avoid_replicas=(*req.avoid_replicas, sb.replica))
+            req = dataclasses.replace(req, waited_ms=spent_ms, avoid_replicas=(*req.avoid_replicas, sb.replica))
             gen, first = await self._first_item(req)
             _note_refusal(first, req)
         return req, gen, first
@@ -465,10 +465,10 @@ class OpenAIFrontend:
         while others of its batch run waits here for one of them to end and is sent again, with what is left of its
         TTFT SLO: a batch under a TPOT SLO the replicas can keep for some of its prompts at once, not all, runs as
         many at a time as they take. Turned away while none runs, after some were served, it waits the refusal's
-        Retry-After and is sent again (`BATCH_PAUSES` times at most). One that fails otherwise fails the response with its status (the others are
-        cancelled); streamed, one that fails after the stream has started (a prompt of a later wave) ends it with an
-        error event. The headers are the first prompt's, `x-kairos-replica` naming every replica that served the
-        batch (streamed: its first wave)."""
+        Retry-After and is sent again (`BATCH_PAUSES` times at most). One that fails otherwise fails the response
+        with its status (the others are cancelled); streamed, one that fails after the stream has started (a prompt
+        of a later wave) ends it with an error event. The headers are the first prompt's, `x-kairos-replica` naming
+        every replica that served the batch (streamed: its first wave)."""
         model = body.model or self.served_model_name
         batch = _BatchFlight(self.batch_concurrency)
 
@@ -522,8 +522,7 @@ class OpenAIFrontend:
                             t0, tries = time.perf_counter(), tries + 1
                             spent_ms = (t0 - t_call) * 1000.0
                             if ttft is None or spent_ms < ttft:  # sent again with what is left of its TTFT SLO
-                                sent = req if ttft is None else dataclasses.replace(
-                                    req, slo=dataclasses.replace(req.slo, ttft_ms=ttft - spent_ms))
+                                sent = dataclasses.replace(req, waited_ms=spent_ms)
                                 continue
                     failure.message = f"prompt {i}: {failure.message}"
                     raise failure

@@ -266,7 +266,7 @@ class LLMReplica:
                     self.inflight -= 1
                     left.pop(rid, None)
                     if out.finish_reason is not FinishReason.REJECTED:
-                        self.metrics.on_finished(tier, req.slo, out, streamed)
+                        self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
                     return
                 yield out

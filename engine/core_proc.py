@@ -328,7 +328,7 @@ class EngineCoreClient:
     def generate(self, request: GenerateRequest) -> RequestStream:
         """Validate and tokenize here (ValueError on bad input), then hand the request to the child."""
         self._check_alive()
-        req = self.inputs.process(request.prompt, request.params, request.slo, request.request_id,
+        req = self.inputs.process(request.prompt, request.params, request.engine_slo, request.request_id,
                                   request.messages, request.options)
         stream = RequestStream(req.request_id)
         with self._lock:

@@ -272,7 +272,7 @@ class LLMEngine:
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
-        return self.add_request(request.prompt, request.params, request.slo, request.request_id,
+        return self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
                                 messages=request.messages, options=request.options)
 
     def abort(self, request_id: str) -> None:

@@ -61,6 +61,20 @@ def test_metrics_exported(base_url: str) -> None:
     assert 'reason="slo_unattainable"' in text and 'deployment="LLMServer"' in text
 
 
+def _aborted_since(llm_handle, before: int, timeout_s: float = 15.0) -> tuple[int, bool, dict]:
+    """(requests the replicas aborted since `before`, whether they are idle with every KV block free, their stats),
+    once one was aborted and they are idle, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = replica_stats(llm_handle)
+        idle = all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+                   for s in stats.values())
+        aborted = sum(s["aborted"] for s in stats.values()) - before
+        if (idle and aborted >= 1) or time.monotonic() > deadline:
+            return aborted, idle, stats
+        time.sleep(0.2)
+
+
 def test_client_disconnect_frees_kv(base_url: str, llm_handle) -> None:
     before = sum(s["aborted"] for s in replica_stats(llm_handle).values())
     req = {"prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -74,15 +88,7 @@ def test_client_disconnect_frees_kv(base_url: str, llm_handle) -> None:
                 if got >= 3:
                     break
         # leaving both context managers closes the connection mid-stream
-    deadline = time.monotonic() + 15
-    while True:
-        stats = replica_stats(llm_handle)
-        idle = all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
-                   for s in stats.values())
-        aborted = sum(s["aborted"] for s in stats.values()) - before
-        if (idle and aborted >= 1) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    aborted, idle, stats = _aborted_since(llm_handle, before)
     assert aborted == 1, stats
     assert idle, stats
 
@@ -109,13 +115,5 @@ def test_a_client_gone_before_a_response_whose_body_came_after_its_headers_is_ab
         time.sleep(0.05)
         s.sendall(body)
         time.sleep(0.3)
-    deadline = time.monotonic() + 15
-    while True:
-        stats = replica_stats(llm_handle)
-        idle = all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
-                   for s in stats.values())
-        aborted = sum(s["aborted"] for s in stats.values()) - before
-        if (idle and aborted >= 1) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    aborted, idle, stats = _aborted_since(llm_handle, before)
     assert aborted == 1 and idle, stats

@@ -611,6 +611,22 @@ def test_replica_metrics_bound_the_tier_labels_clients_make() -> None:
     assert m.tier_label(SLO(ttft_ms=10_000.0)) == "ttft10000"  # a tier it named keeps its name
 
 
+def test_a_request_sent_again_keeps_its_clients_slo_and_the_engine_gets_what_is_left() -> None:
+    """An ingress that sends a request again (rerouted, or a batch's prompt after waiting) says how much of its TTFT
+    SLO it spent (`waited_ms`): the engine schedules by the rest; labels and the unattainable test keep the client's
+    SLO (a prompt that waited is turned away for the load, 429, not as an SLO no idle replica meets, 400)."""
+    from deployments.replica import judge_rejection
+    from core.messages import RejectReason
+    from scheduling.config import SchedulerConfig
+
+    req = GenerateRequest("r", prompt="x", slo=SLO(ttft_ms=3000.0, tpot_ms=20.0), waited_ms=2990.0)
+    assert req.engine_slo == SLO(ttft_ms=pytest.approx(10.0), tpot_ms=20.0) and req.slo.tier == "ttft3000_tpot20"
+    assert GenerateRequest("r", prompt="x", slo=SLO(tpot_ms=20.0), waited_ms=5.0).engine_slo == SLO(tpot_ms=20.0)
+    model = SimpleNamespace(prefill_ms=lambda n, sq=0.0: 40.0, itl_ms=lambda b, length: 5.0)
+    view = judge_rejection(RejectReason.TTFT_UNATTAINABLE, req, 8, model, SchedulerConfig(), 512, 0, None, [])
+    assert view.reason == RejectReason.TTFT_UNATTAINABLE  # its 3000 ms were attainable: the wait lost them
+
+
 def test_an_slo_tier_label_keeps_fractions_and_leaves_out_what_is_not_set() -> None:
     assert SLO(ttft_ms=80.0, tpot_ms=1.5).tier == "ttft80_tpot1.5" and SLO(ttft_ms=80.0, tpot_ms=1.0).tier == "ttft80_tpot1"
     assert SLO(ttft_ms=500.0).tier == "ttft500" and SLO(tpot_ms=20.0).tier == "tpot20"
@@ -1361,10 +1377,10 @@ def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypa
     from deployments.ingress import GenerationFastPath, OpenAIFrontend
 
     seats = {"free": 2, "most": 0, "held": 2, "blip": 0}  # the fake replica keeps the SLO for `free` requests at once
-    sent_slos: list[tuple[float | None, float | None]] = []
+    sent_slos: list[tuple[float | None, float | None]] = []  # (the engine's TTFT SLO, the client's) of each send
 
     async def generate(req: GenerateRequest):
-        sent_slos.append((req.slo.ttft_ms, req.slo.tpot_ms))
+        sent_slos.append((req.engine_slo.ttft_ms, req.slo.ttft_ms))
         if seats["free"] == 0 or seats["blip"] == 1:  # blip 1: the first request after one ended is turned away
             seats["blip"] = 2 if seats["blip"] else 0  # (and armed again for the next end)
             yield RequestOutput(req.request_id, finished=True, finish_reason="rejected",
@@ -1435,7 +1451,8 @@ def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypa
         status, body = await post({"prompt": prompts, "max_tokens": 2}, ttft_ms=30)
         assert status == 429 and b"tpot_unattainable" in body and b"prompt " in body  # its TTFT ran out waiting
         resent = [ttft for ttft, _ in sent_slos if ttft is not None and ttft < 30]
-        assert resent, sent_slos  # sent again with what was left of its TTFT SLO
+        assert resent, sent_slos  # sent again with what was left of its TTFT SLO for the engine...
+        assert {client for _, client in sent_slos} == {30}  # ...and the client's own for its labels
         # turned away when none of the batch runs (a replica's steps measured slow lately), after some were served:
         # it waits the refusal's Retry-After (here shortened) and is sent again
         seats.update(free=1, held=1, blip=2)
