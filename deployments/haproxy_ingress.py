@@ -24,9 +24,9 @@ background processes, on the cores the engine's steps run on, and at 0.5 s it ta
 summary `http-overhead-amx-emr-loop-reader`). Serve then reacts to a replica's state change up to 0.4 s later, which nothing in serving an LLM notices.
 
 `guard_haproxy` (with the flags) has Serve start HAProxy through a launcher that ties HAProxy's life to the actor that
-started it and binds its stats and Prometheus listeners to 127.0.0.1; `hook_serve_run` gives `serve run
-deployments:app` its HTTP address (`KAIROS_HTTP_HOST`, `KAIROS_HTTP_PORT`; 127.0.0.1:8000) and a SIGTERM that shuts
-Serve down as Ctrl-C does. Their sections below say why.
+started it, binds its stats and Prometheus listeners to 127.0.0.1 and drops the request splice (so that a client that
+goes away is noticed); `hook_serve_run` gives `serve run deployments:app` its HTTP address (`KAIROS_HTTP_HOST`,
+`KAIROS_HTTP_PORT`; 127.0.0.1:8000) and a SIGTERM that shuts Serve down as Ctrl-C does. Their sections below say why.
 """
 from __future__ import annotations
 
