@@ -479,10 +479,13 @@ class OpenAIFrontend:
             again once one of them ends (its turn in line); without, None (its slot released: the caller starts it
             later)."""
             await batch.slots.acquire()
-            sent, t0, tries, pauses = req, t_call, 0, 0
+            tries, pauses = 0, 0
             try:
                 while True:
                     self._own_call()  # in this prompt's own task
+                    # its TTFT SLO counts from the batch's arrival: less what it waited here (for a slot, in line)
+                    t0 = time.perf_counter()
+                    sent = dataclasses.replace(req, waited_ms=(t0 - t_call) * 1000.0)
                     seen = batch.sending()
                     try:
                         sent, gen, first = await self._start(sent, t0)
@@ -518,12 +521,9 @@ class OpenAIFrontend:
                             if again:
                                 pauses += 1
                                 await asyncio.sleep(pause_s)
-                        if again:
-                            t0, tries = time.perf_counter(), tries + 1
-                            spent_ms = (t0 - t_call) * 1000.0
-                            if ttft is None or spent_ms < ttft:  # sent again with what is left of its TTFT SLO
-                                sent = dataclasses.replace(req, waited_ms=spent_ms)
-                                continue
+                        if again and (ttft is None or (time.perf_counter() - t_call) * 1000.0 < ttft):
+                            tries += 1
+                            continue  # sent again with what is left of its TTFT SLO
                     failure.message = f"prompt {i}: {failure.message}"
                     raise failure
             except BaseException:
