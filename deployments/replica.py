@@ -248,16 +248,14 @@ class LLMReplica:
                         admitted = True
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)
                     out = dataclasses.replace(out, served_by=served)
-                    if out.token_ids and rid in left:
-                        left[rid] -= len(out.token_ids)
-                    streamed += len(out.token_ids)
-                    self.metrics.on_tokens(tier, len(out.token_ids))
                 elif out.token_ids:
+                    self.metrics.on_itl(tier, (now - last_t) / len(out.token_ids), len(out.token_ids))
+                if out.token_ids:
                     n = len(out.token_ids)
-                    left[rid] -= n
+                    if rid in left:
+                        left[rid] -= n
                     streamed += n
                     self.metrics.on_tokens(tier, n)
-                    self.metrics.on_itl(tier, (now - last_t) / n, n)
                 last_t = now
                 if out.finished:
                     # counted out before the last item goes: a caller that stops at it may never resume (or

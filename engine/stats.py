@@ -78,7 +78,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
     return EngineStats(
         alive=alive, num_waiting=len(s.waiting), num_running=len(s.running),
         kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free, kv_blocks_used=bm.num_used,
-        vbs=s.last_vbs if s.running else 0.0, strictest_tpot_ms=None if tmin == float("inf") else tmin,
+        vbs=s.last_vbs, strictest_tpot_ms=None if tmin == float("inf") else tmin,
         last_prefill_batch=last[0], last_decode_batch=last[1], steps=steps,
         waiting_tokens=waiting_tokens, waiting_sq=waiting_sq, rejected=dict(rejected),
         predictor_mape=predictor_mape if s.predictor is not None else None,

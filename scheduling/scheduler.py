@@ -179,6 +179,8 @@ class Scheduler:
             return False
         if req.status is Status.RUNNING:
             self.running.remove(req)
+            if not self.running:  # idle: no step will set it again until a request runs
+                self.last_vbs = 0.0
             if self.reserve is not None:
                 self.reserve.finished(now)
         else:

@@ -605,3 +605,19 @@ def test_only_a_round_of_one_counts_as_admitted_alone():
     for r in burst:
         s.finish(r, FinishReason.STOP, t)
     assert s.ttft_margin_ms(2.0, idle=True) == pytest.approx(2.0)
+
+
+def test_the_virtual_batch_size_is_zero_once_the_last_request_ends():
+    """An idle engine does not step: the VBS its stats (and the SLO router) read must not keep the last batch's."""
+    s = _sched("scorpio")
+    a, b = _req(0, 5, tpot=20.0), _req(1, 5, tpot=40.0)
+    for r in (a, b):
+        s.add(r)
+    for _ in range(3):
+        p = s.schedule(0.0)
+        _run(s, p)
+    assert s.last_vbs > 0
+    s.finish(a, FinishReason.STOP, 0.1)
+    assert s.last_vbs > 0  # b still runs
+    s.finish(b, FinishReason.STOP, 0.1)
+    assert s.last_vbs == 0.0
