@@ -52,11 +52,13 @@ class ModelBundle:
 
 
 def resolve_device(s: str | torch.device = "auto") -> torch.device:
-    """"auto" -> cuda if available else cpu; otherwise a torch device string ("cpu", "cuda", "cuda:1")."""
+    """"auto" -> cuda if available else cpu; otherwise a torch device string ("cpu", "cuda", "cuda:1"). A CUDA device
+    always comes back with its index ("cuda" is the current device, cuda:0 unless set): torch.cuda.set_device and the
+    memory queries refuse an unindexed one."""
     if isinstance(s, torch.device):
         dev = s
     elif s is None or str(s).strip().lower() == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         try:
             dev = torch.device(str(s).strip().lower())
@@ -67,6 +69,8 @@ def resolve_device(s: str | torch.device = "auto") -> torch.device:
             raise ValueError(f"device {s!r} requested but CUDA is not available")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {s!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
         raise ValueError(f"unsupported device {s!r}: expected auto, cpu, cuda or cuda:N")
     return dev

@@ -332,3 +332,16 @@ def test_cache_dtype_auto_is_bf16_for_bf16_models_where_the_kernels_read_it(monk
     monkeypatch.setattr(cpu_backend, "cpu_has_native_half", lambda: True)
     assert choose_cache_dtype("auto", bf16, off) is bf16
     assert choose_cache_dtype("auto", bf16, TorchBackend(cpu)) is torch.float32  # the reference: fp32 on any CPU
+
+def test_a_cuda_device_comes_back_with_its_index(monkeypatch):
+    """torch.cuda.set_device and the memory queries refuse an unindexed "cuda" (the engine's worker sets its
+    thread's device from the model's): "cuda" and "auto" name the current device by its index."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        resolve_device("cuda:2")

@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict-batch", type=float, default=32, help="bench.slo --strict-batch (T_strict at this batch)")
     ap.add_argument("--loose-batch", type=float, default=128, help="bench.slo --loose-batch")
     ap.add_argument("--policies", default="scorpio,kairos", help="after fcfs, one server each")
+    ap.add_argument("--no-fcfs", action="store_true", help="skip fcfs (a resumed run: needs --lambda-star, and "
+                    "--keep-profile to keep the tiers of the run it resumes)")
+    ap.add_argument("--keep-profile", action="store_true", help="reuse OUT/replica-profile.json if there")
     ap.add_argument("--loads", default="1,1.5")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--num-requests", type=int, default=160)
@@ -200,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = args.summary_out or args.out / "slo-gpu.json"
     loads = [float(x) for x in args.loads.split(",") if x]
     profile = args.out / "replica-profile.json"
-    profile.unlink(missing_ok=True)
+    if not args.keep_profile:
+        profile.unlink(missing_ok=True)
+    if args.no_fcfs and args.lambda_star is None:
+        ap.error("--no-fcfs needs --lambda-star")
     doc: dict[str, Any] = {"benchmark": "slo_gpu", "shape": args.shape, "dtype": args.dtype, "device": args.device,
                            "run": run_info("bench/device/slo_gpu.py", argv), "rows": [], "phases": {}}
     try:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} {args.serve}")
     arm_recs: list[dict] = []
-    runs = [("fcfs", "")] + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
+    runs = ([] if args.no_fcfs else [("fcfs", "")]) + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
     lam = args.lambda_star
     for policy, extra in runs:
         if clock.left() < 90:

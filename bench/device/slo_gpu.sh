@@ -16,6 +16,8 @@
 #   the whole run, model build and server starts included; the summary is rewritten after each policy, so a cut-off
 #   run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that
 #   batch, L) of the replica's own fit),
+#   POLICIES (scorpio,kairos: after fcfs), RESUME=1 (a second call on the same warm host, with LAMBDA and POLICIES:
+#   no fcfs, the first call's model and replica profile, so the same tiers),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
 # Ray's agent exports what replicas report this often (default 10 s): bench.slo reads each server's decode step /
@@ -43,7 +45,12 @@ pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())
 fi
 [ -n "${LAMBDA:-}" ] && args+=(--lambda-star "$LAMBDA")
 [ -n "${LAMBDA_DEF:-}" ] && args+=(--lambda-def "$LAMBDA_DEF")
-rm -rf /tmp/slo_gpu  # a host can come back with an earlier lease's /tmp
+[ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
+if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: same model, profile (tiers) and LAMBDA
+  args+=(--no-fcfs --keep-profile)
+else
+  rm -rf /tmp/slo_gpu  # a host can come back with an earlier lease's /tmp
+fi
 "$PY" bench/device/slo_gpu.py "${args[@]}" --out /tmp/slo_gpu --summary-out "$OUT/slo-gpu.json" 2>&1 | tee "$OUT/slo_gpu.log"
 echo "slo_gpu exit ${PIPESTATUS[0]}, $(( $(date +%s) - T0 )) s in all"
 tar --exclude='*.png' --exclude='*.safetensors' -czf "$OUT/slo_gpu-out.tgz" -C /tmp slo_gpu 2>/dev/null
