@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import http.client
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.ports import free_port
 from bench.workload import WorkItem
 
 COMPLETED = ("stop", "length")
@@ -74,14 +76,8 @@ def ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # also another protocol on that port (BadStatusLine)
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

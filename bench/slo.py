@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
       "--lambda-adherence of its requests within SLO (where the tiers keep batches far below the most a replica "
       "holds, as on a GPU, the capacity is a deep overload for every SLO)")
     a("--lambda-adherence", type=float, default=0.9, help="--lambda-def adherence: FCFS's adherence at lambda*")
+    a("--lambda-guess", choices=("b4", "seats"), default="b4", help="the search's first rate: b4, 40%% of what one "
+      "request's prefill and its share of B=4 decode steps allow (a CPU replica's batches); seats, the rate at which "
+      "FCFS's steady batch is --strict-batch requests (Little's law over the profile's ITL at that batch: a GPU "
+      "replica's batches are in the hundreds, where b4's guess starts a probe of minutes)")
     a("--lambda-refine", type=int, default=2, help="--lambda-def adherence: bisections once the rate is bracketed")
     a("--probe-requests", type=int, default=None, help="requests per lambda* probe (240; quick 200)")
     a("--drain", type=float, default=None, help="seconds after the last arrival before unfinished requests are "
@@ -406,8 +410,11 @@ def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *
     return lo, probes
 
 
-def capacity_guess(predictor: Any, scale: W.SLOScale) -> float:
-    """A rough start (rps): 40% of what one request's prefill plus its share of B=4 decode steps allows."""
+def capacity_guess(predictor: Any, scale: W.SLOScale, seats: float | None = None) -> float:
+    """A rough start (rps): 40% of what one request's prefill plus its share of B=4 decode steps allows; with `seats`,
+    the rate at which a steady batch holds `seats` requests, each decoding its mean output at ITL(seats)."""
+    if seats:
+        return max(0.02, seats * 1000.0 / max(scale.mean_output * predictor.itl_ms(seats, scale.l_bar), 1e-3))
     per_req_ms = predictor.prefill_ms(scale.mean_prompt) + scale.mean_output * predictor.itl_ms(4, scale.l_bar) / 4
     return max(0.02, 0.4 * 1000.0 / max(per_req_ms, 1e-3))
 
@@ -725,13 +732,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   flush=True)
             return None if math.isnan(got) else got
 
-        search: dict[str, Any] = {"definition": args.lambda_def, "policy": label}
+        search: dict[str, Any] = {"definition": args.lambda_def, "policy": label, "guess": args.lambda_guess}
+        guess = capacity_guess(predictor, scale, args.strict_batch if args.lambda_guess == "seats" else None)
         if args.lambda_def == "adherence":
-            lam, probes = find_adherent_rate(measure_adherence, capacity_guess(predictor, scale),
+            lam, probes = find_adherent_rate(measure_adherence, guess,
                                              target=args.lambda_adherence, refine=args.lambda_refine)
             search["adherence"] = args.lambda_adherence
         else:
-            lam, probes = find_capacity(measure_cap, 2.5 * capacity_guess(predictor, scale))
+            lam, probes = find_capacity(measure_cap, guess * (2.5 if args.lambda_guess == "b4" else 1.0))
         search.update(probes=probes, seconds=time.perf_counter() - t0)
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
 

@@ -104,8 +104,12 @@ class EngineCores:
 
 
 def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | None, engine_process: bool,
-                   omp_num_threads: str | None) -> EngineCores:
+                   omp_num_threads: str | None, gpu: bool = False) -> EngineCores:
     """How the engine of a replica uses `cpus` cores, shared with `share_cores_with` replicas' engines.
+
+    An engine on a GPU (`gpu`) runs one torch thread unless `num_threads` says otherwise, as vLLM's GPU workers do:
+    its host work is launching kernels and small tensors, and more threads only take cores from Serve's proxy and
+    the replicas' event loops. In its own process it goes before that Python (nice 0).
 
     With `num_cpus=0` (`share_cores_with` = the replicas on the node) Ray sets OMP_NUM_THREADS=1, so Kairos splits
     the node's cores between the replicas itself. Where each engine gets 4 cores or more and runs in its own
@@ -116,6 +120,8 @@ def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | N
     own thread goes before that Python, its workers staying at Ray's nice 15 (HTTP then adds less over the
     in-process engine than with one thread; OpenMP threads at nice 0 starved the HTTP proxy). With `num_cpus>0`
     Ray's split stands."""
+    if gpu:
+        return EngineCores(num_threads or 1, engine_process, False)
     threads = num_threads
     if threads is None and share_cores_with:
         spare = 1 if engine_process and cpus // share_cores_with >= 4 else 0
@@ -126,6 +132,22 @@ def engine_threads(cpus: int, num_threads: int | None, share_cores_with: int | N
     spares_a_core = used * share_cores_with < cpus
     team = not spares_a_core and used > 1
     return EngineCores(threads, spares_a_core or team, team)
+
+
+def _on_gpu(device: str) -> bool:
+    """Whether an engine of `device` runs on a GPU: cuda[:N], or auto in a replica that Ray gave a GPU (this process
+    does not initialise CUDA: its engine does, in its own process)."""
+    d = str(device).strip().lower()
+    if d.startswith("cuda"):
+        return True
+    if d != "auto":
+        return False
+    try:
+        import ray  # noqa: PLC0415
+
+        return ray.is_initialized() and bool(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside Ray: the engine decides
+        return False
 
 
 def _usable_cpus() -> int:
@@ -146,7 +168,7 @@ class LLMReplica:
                        loop_priority: str = "engine") -> None:
         cfg = EngineConfig.model_validate(engine_config)
         cores = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
-                               os.environ.get("OMP_NUM_THREADS"))
+                               os.environ.get("OMP_NUM_THREADS"), gpu=_on_gpu(cfg.device))
         cfg = cfg.model_copy(update={"num_threads": cores.threads})
         try:
             ctx = serve.get_replica_context()

@@ -89,9 +89,10 @@ def test_report_and_metrics_helpers(tmp_path):
     assert isinstance(report.loadavg(), str) and report.cpu_model()
 
 
-def test_prefill_model_measures_shapes_beside_both_fits(tmp_path, monkeypatch):
+def test_prefill_model_measures_shapes_beside_the_fits(tmp_path, monkeypatch):
     """`python -m bench.prefill_model` on kairos-tiny: single prompts past the fitted range and rounds of short
-    prompts, each beside the model with the attention term and the linear one, fitted on the same steps."""
+    prompts, each beside the model with the attention term, the linear one and the engine's own fit, fitted on the
+    same steps."""
     from bench.prefill_model import main
 
     monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
@@ -101,5 +102,7 @@ def test_prefill_model_measures_shapes_beside_both_fits(tmp_path, monkeypatch):
     shapes = {r["prompts"]: r for r in s["figures"]["shapes"]}
     assert set(shapes) == {"1 x 128", "1 x 500", "4 x 64", "8 x 32", "16 x 16"}
     assert shapes["1 x 128"]["fitted_on"] and not shapes["1 x 500"]["fitted_on"]
-    assert all(r["measured_ms"] > 0 and r["model_ms"] > 0 and r["linear_ms"] > 0 for r in shapes.values())
+    assert all(r["measured_ms"] > 0 and r["model_ms"] > 0 and r["linear_ms"] > 0 and r["engine_fit_ms"] > 0
+               for r in shapes.values())
+    assert set(s["figures"]["engine_fit"]) == {"theta", "c0", "coef"} and "engine's fit" in s["headline"]
     assert s["figures"]["coef_with_attention"][2] >= 0 and "worst error" in s["headline"]

@@ -255,6 +255,23 @@ def test_the_reference_protocols_lambda_star_is_the_highest_rate_fcfs_keeps_its_
     assert lam == 2.0
 
 
+def test_the_seats_guess_starts_where_fcfs_holds_the_strict_batch():
+    """--lambda-guess seats: Little's law at --strict-batch seats (a GPU replica's batches are in the hundreds,
+    where the B=4 guess would start the search far below its capacity)."""
+    from types import SimpleNamespace
+
+    from bench.slo import capacity_guess
+    from scheduling.predictor import LatencyModel
+
+    gpu = LatencyModel(prefill_coef=(0.025, 2.0, 0.0), decode_coef=(0.0, 0.03, 0.0, 5.0))  # ITL(32) = 5.96 ms
+    scale = SimpleNamespace(mean_prompt=132.0, mean_output=500.0, l_bar=380.0)
+    seats = capacity_guess(gpu, scale, seats=32)
+    assert seats == pytest.approx(32 / (500 * 5.96e-3))  # 32 requests decoding 500 tokens each at 5.96 ms
+    b4 = capacity_guess(gpu, scale)
+    assert b4 == pytest.approx(0.4 * 1000 / (0.025 * 132 + 2.0 + 500 * 5.12 / 4))  # unchanged without seats
+    assert seats > 10 * b4
+
+
 def test_completion_rate_and_capacity_search():
     from bench.slo import completion_rate, find_capacity
 

@@ -9,8 +9,9 @@
    protocol's: the highest rate at which FCFS keeps 90% adherence; --lambda-def), then runs fcfs at every load and
    seed.
 3. One fresh server per policy (scorpio, kairos; `length_predictor=true`, `predictor_path=P`, so the same fit, no
-   new profile) at the same lambda* and tiers: the predicted arm (`--lengths predicted`) at every load and seed;
-   kairos also with `--lengths exact` at the highest load (the bound).
+   new profile) at the same lambda* and tiers: the predicted arm (`--lengths predicted`) at every seed, at every
+   load for --all-loads (fcfs, kairos) and at the highest for the others; kairos also with `--lengths exact` at the
+   highest load (the bound).
 4. One summary JSON (--summary-out): every point's goodput, adherence, per-tier adherence, TPOT met among the
    admitted, the shortest-first oracle (bench.bound) over the predicted arm, and the issue's acceptance checks.
    It is rewritten after every phase, so a run cut off by its time limit keeps what it measured.
@@ -173,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-max-tokens", type=int, default=2048)
     ap.add_argument("--strict-batch", type=float, default=32, help="bench.slo --strict-batch (T_strict at this batch)")
     ap.add_argument("--loose-batch", type=float, default=128, help="bench.slo --loose-batch")
-    ap.add_argument("--policies", default="scorpio,kairos", help="after fcfs, one server each")
-    ap.add_argument("--no-fcfs", action="store_true", help="skip fcfs (a resumed run: needs --lambda-star, and "
-                    "--keep-profile to keep the tiers of the run it resumes)")
-    ap.add_argument("--keep-profile", action="store_true", help="reuse OUT/replica-profile.json if there")
+    ap.add_argument("--policies", default="kairos,scorpio", help="after fcfs, one server each, in this order")
+    ap.add_argument("--resume", action="store_true", help="go on with the run in --out that a time limit cut off (a "
+                    "second call on the same host): its model, replica profile (so its tiers), lambda* and finished "
+                    "arms are kept; what it had not finished runs")
     ap.add_argument("--loads", default="1,1.5")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--num-requests", type=int, default=160)
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                     "FCFS keeps 90%% adherence; capacity, FCFS's completion rate under overload, which on a GPU is "
                     "far past what the TPOT tiers let any policy serve (and which probes of a few hundred requests "
                     "read low: they do not fill a batch of max_num_seqs long replies)")
+    ap.add_argument("--all-loads", default="fcfs,kairos", help="policies run at every load; the others at the "
+                    "highest only (the acceptance compares scorpio at the highest load only)")
+    ap.add_argument("--lambda-guess", choices=("b4", "seats"), default="seats", help="bench.slo --lambda-guess")
     ap.add_argument("--exact", default="kairos", help="policies also run with --lengths exact at the highest load")
     ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (the bundle's .dev/sharegpt-sub.json)")
     ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run's time limit, start-up included")
@@ -203,12 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = args.summary_out or args.out / "slo-gpu.json"
     loads = [float(x) for x in args.loads.split(",") if x]
     profile = args.out / "replica-profile.json"
-    if not args.keep_profile:
-        profile.unlink(missing_ok=True)
-    if args.no_fcfs and args.lambda_star is None:
-        ap.error("--no-fcfs needs --lambda-star")
+    kept = args.out / "slo-gpu.json"  # the run's own copy of its summary, which --resume goes on from
     doc: dict[str, Any] = {"benchmark": "slo_gpu", "shape": args.shape, "dtype": args.dtype, "device": args.device,
                            "run": run_info("bench/device/slo_gpu.py", argv), "rows": [], "phases": {}}
+    if args.resume and kept.is_file() and profile.is_file():
+        before = json.loads(kept.read_text())
+        doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
+                                           "decode_over_model_by_rows") if k in before})
+        doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
+        log(f"resuming: {len(doc['rows'])} rows, lambda* {doc.get('lambda_star_rps')}")
+    else:
+        if args.resume:
+            log(f"nothing to resume in {args.out}: a fresh run")
+        profile.unlink(missing_ok=True)
     try:
         import torch
 
@@ -219,17 +230,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         doc["wall_s"] = time.monotonic() - clock.t0
-        summary_path.write_text(json.dumps(doc, indent=1, default=str))
+        for path in {summary_path, kept}:
+            path.write_text(json.dumps(doc, indent=1, default=str))
 
     build_model(args.shape, args.model_dir, args.dtype, args.device, args.window)
     doc["phases"]["built_s"] = time.monotonic() - clock.t0
     common = (f"model={args.model_dir} dtype={args.dtype} device={args.device} max_num_seqs={args.max_num_seqs} "
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} {args.serve}")
-    arm_recs: list[dict] = []
-    runs = ([] if args.no_fcfs else [("fcfs", "")]) + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
-    lam = args.lambda_star
+    runs = [("fcfs", "")] + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
+    done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
+    arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
+    lam = args.lambda_star if args.lambda_star is not None else doc.get("lambda_star_rps")
     for policy, extra in runs:
+        exact = policy in args.exact.split(",")
+        need_pred, need_exact = (policy, "predicted") not in done, exact and (policy, "exact") not in done
+        if not (need_pred or need_exact):
+            continue
         if clock.left() < 90:
             log(f"out of time before {policy}")
             break
@@ -240,15 +257,16 @@ def main(argv: list[str] | None = None) -> int:
             if not profile.is_file():
                 log("the replica left no profile at predictor_path; the tiers cannot follow it")
                 return 2
-            fixed = ["--predictor-json", str(profile), "--loads", args.loads, "--seeds", args.seeds,
+            point_loads = args.loads if policy in args.all_loads.split(",") else str(max(loads))
+            fixed = ["--predictor-json", str(profile), "--loads", point_loads, "--seeds", args.seeds,
                      "--num-requests", str(args.num_requests), "--label", policy]
             fixed += ["--lambda-star", str(lam)] if lam is not None else [
-                "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def, "--lambda-refine", "1"]
+                "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def, "--lambda-refine", "1",
+                "--lambda-guess", args.lambda_guess]
             out = args.out / f"{policy}-predicted"
-            exact = policy in args.exact.split(",")
             # the server's latency model by decode rows: read once per server, after its last run
             res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"]
-                          + (["--no-server-steps"] if exact else []))
+                          + (["--no-server-steps"] if need_exact else [])) if need_pred else None
             steps = res.get("server_decode_over_model_by_rows") if res is not None else None
             if res is not None:
                 if lam is None:
@@ -259,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 recs = records(out)
                 arm_recs += recs
                 doc["rows"] += [point_row(policy, "predicted", r, recs) for r in res["results"]]
-            if exact and lam is not None:
+            if need_exact and lam is not None:
                 out = args.out / f"{policy}-exact"
                 res = run_slo(target, out, args, clock, ["--predictor-json", str(profile), "--loads", str(max(loads)),
                                                          "--seeds", args.seeds, "--num-requests",

@@ -1,7 +1,8 @@
 #!/bin/bash
 # SCORPIO's experiment on one GPU replica over Ray Serve (issue 55): an 8B-shaped bf16 Llama with random weights
-# built on the device (no download), lambda* over HTTP (the highest rate at which FCFS keeps 90% adherence), then
-# fcfs, scorpio and kairos at LOADS x lambda*, SEEDS, ShareGPT prompts with their reference reply lengths hidden
+# built on the device (no download), lambda* over HTTP (the highest rate at which FCFS keeps 90% adherence, its
+# search starting where FCFS's batch holds STRICT_BATCH requests), then fcfs and kairos at LOADS x lambda* and
+# scorpio at the highest load, SEEDS, ShareGPT prompts with their reference reply lengths hidden
 # from the scheduler (the predicted arm: every policy's length predictor on) and kairos with exact lengths as the
 # bound; each server's decode step / latency model by decode rows (its /metrics). One summary JSON under $OUT.
 #
@@ -10,14 +11,15 @@
 #   bash bench/device/slo_gpu.sh
 # The CPU dry run HERE (kairos-tiny's shape, float32, one engine thread, a few minutes; the local venv's Ray):
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
-# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (160),
-#   PROBE_REQUESTS (160), LAMBDA (skip the lambda* search), LAMBDA_DEF (adherence: the highest rate at which FCFS
+# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (120),
+#   PROBE_REQUESTS (120), LAMBDA (skip the lambda* search), LAMBDA_DEF (adherence: the highest rate at which FCFS
 #   keeps 90% adherence, the reference protocol's; capacity: FCFS's completion rate under overload), LIMIT_S (540:
 #   the whole run, model build and server starts included; the summary is rewritten after each policy, so a cut-off
 #   run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that
 #   batch, L) of the replica's own fit),
-#   POLICIES (scorpio,kairos: after fcfs), RESUME=1 (a second call on the same warm host, with LAMBDA and POLICIES:
-#   no fcfs, the first call's model and replica profile, so the same tiers),
+#   POLICIES (kairos,scorpio: after fcfs, in this order), RESUME=1 (a second call on the same warm host, after a
+#   first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the rest
+#   runs, and the summary has both),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
 # Ray's agent exports what replicas report this often (default 10 s): bench.slo reads each server's decode step /
@@ -39,15 +41,15 @@ else
   "$PY" -c "import ray, pydantic, torch; from ray import serve; print('ray', ray.__version__, 'pydantic',
 pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 4
   args=(--shape "${SHAPE:-llama-8b}" --dtype bfloat16 --device cuda --serve "${SERVE:-}" --loads "${LOADS:-1,1.5}"
-        --seeds "${SEEDS:-0,1}" --num-requests "${NUM_REQUESTS:-160}" --probe-requests "${PROBE_REQUESTS:-160}"
+        --seeds "${SEEDS:-0,1}" --num-requests "${NUM_REQUESTS:-120}" --probe-requests "${PROBE_REQUESTS:-120}"
         --strict-batch "${STRICT_BATCH:-32}" --loose-batch "${LOOSE_BATCH:-128}" --limit-s "${LIMIT_S:-540}"
         --dataset-path .dev/sharegpt-sub.json)
 fi
 [ -n "${LAMBDA:-}" ] && args+=(--lambda-star "$LAMBDA")
 [ -n "${LAMBDA_DEF:-}" ] && args+=(--lambda-def "$LAMBDA_DEF")
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
-if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: same model, profile (tiers) and LAMBDA
-  args+=(--no-fcfs --keep-profile)
+if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: what the first did not finish
+  args+=(--resume)
 else
   rm -rf /tmp/slo_gpu  # a host can come back with an earlier lease's /tmp
 fi

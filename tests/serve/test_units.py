@@ -91,6 +91,10 @@ def test_engine_threads_spare_a_core_only_for_big_engines_and_team_up_otherwise(
     # num_cpus>0: Ray splits the cores (its OMP_NUM_THREADS stands) and the replicas' count is not known here
     assert engine_threads(4, None, None, True, "1") == EngineCores(None, False, False)
     assert engine_threads(2, 1, None, True, None) == EngineCores(1, False, False)
+    # on a GPU: one thread (it feeds the GPU), ahead of Serve's Python in its own process; num_threads still wins
+    assert engine_threads(16, None, 1, True, "1", gpu=True) == EngineCores(1, True, False)
+    assert engine_threads(16, None, None, False, None, gpu=True) == EngineCores(1, False, False)
+    assert engine_threads(16, 4, 1, True, "1", gpu=True) == EngineCores(4, True, False)
 
 
 def test_api_keys(tmp_path, monkeypatch) -> None:
