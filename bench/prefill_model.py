@@ -12,7 +12,8 @@ and prints each beside the model fitted with the attention term and one fitted w
 before that term), and the engine's own fit (`LatencyModel.fit_prefill` as the profile calls it: the knee below
 which a GPU step costs the same whatever its size, and the attention term only where it extrapolates better), all on
 the same single-prompt steps measured at the profile's sizes. Prediction / measured per shape; the summary keeps
-them.
+them. Then hybrid steps (a prompt prefilled while 32 or 128 replies decode, context 512) beside the prefill and the
+decode each alone: the scheduler predicts a hybrid step as their sum.
 
     python -m bench.prefill_model --model kairos-default --long 8000 --summary prefill-model-default
 """
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile-max", type=int, default=2048, help="the longest single prompt fitted on (the "
                     "engine's profile: twice the prefill budget, 1024 by default)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="the engine's (the hybrid steps decode up to 128)")
     ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
     args = ap.parse_args(argv)
 
@@ -44,10 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.profiling import Prober
+    from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel, _fit_prefill_line, prefill_sq
 
     eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
-                                 max_model_len=args.max_model_len))
+                                 max_model_len=args.max_model_len,
+                                 scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs)))
     probe = Prober(eng)
 
     def timed(prompts: list[int]) -> float:
@@ -78,6 +82,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{c:.1f} ({c / ms:.2f}x)", "yes" if out[-1]["fitted_on"] else ""])
     print_table(["prompts", "tokens", "measured ms", "model (with attention)", "linear model", "engine's fit",
                  "fitted on"], rows)
+    # hybrid steps (a prefill and the running replies' decodes in one forward): the scheduler predicts one as the
+    # prefill's time plus the decode's; on a GPU the decode alone replays a CUDA graph and the hybrid step runs eager
+    seqs = eng.config.scheduler.max_num_seqs
+    ctx = min(512, limit // 2)
+    mixed, mrows = [], []
+    for n in (128, 512, 2048):
+        for b in (32, 128):
+            if n > limit or b > seqs or eng.cache.num_blocks * eng.cache.block_size < n + 2 * b * ctx:
+                continue
+            lens = probe.lengths(b, ctx)
+            ids = probe._ids(n)
+
+            def med(fn) -> float:
+                fn()
+                return statistics.median(fn() for _ in range(args.reps))
+            both = med(lambda: probe.mixed_ms([ids], lens))
+            pre, dec = med(lambda: probe.prefill_ms([ids])), med(lambda: probe.decode_ms(lens))
+            mixed.append({"prompt": n, "decode_rows": b, "ctx": ctx, "hybrid_ms": round(both, 2),
+                          "prefill_ms": round(pre, 2), "decode_ms": round(dec, 2),
+                          "hybrid_over_sum": round(both / (pre + dec), 3)})
+            mrows.append([n, b, f"{both:.1f}", f"{pre:.1f}", f"{dec:.1f}", f"{both / (pre + dec):.2f}"])
+    if mrows:
+        print_table(["prompt", "decode rows", "hybrid ms", "prefill alone", "decode alone",
+                     "hybrid / (prefill + decode)"], mrows)
     if args.summary:
         worst = {k: max(abs(r[k] / r["measured_ms"] - 1.0) for r in out if not r["fitted_on"])
                  for k in ("model_ms", "linear_ms", "engine_fit_ms")}
@@ -88,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "coef_with_attention": list(with_sq.prefill_coef),
                                    "coef_linear": list(linear.prefill_coef[:2]),
                                    "engine_fit": {"theta": own.theta, "c0": own.c0, "coef": list(own.prefill_coef)},
+                                   "hybrid_steps": mixed,
                                    "worst_error": worst}
         print(f"summary -> {write_summary(args.summary, command_line('bench.prefill_model', argv), head, figures)}")
     return 0

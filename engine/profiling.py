@@ -133,6 +133,14 @@ class Prober:
         reqs, _ = self._requests([self._ids(n) for n in lens], 1)
         return self._timed([], reqs)
 
+    def mixed_ms(self, prompts: list[list[int]], lens: list[int]) -> float:
+        """One step that prefills these prompts and decodes contexts of these lengths together (a hybrid step)."""
+        prefill, _ = self._requests(prompts, 0)
+        decode, _ = self._requests([self._ids(n) for n in lens], 1)
+        for i, r in enumerate(decode):
+            r.request_id = f"probe-decode-{i}"
+        return self._timed(prefill, decode)
+
     def prepare_ms(self, lens: list[int]) -> float:
         """Only the runner's input preparation of such a decode step (ms)."""
         reqs, _ = self._requests([self._ids(n) for n in lens], 1)

@@ -105,4 +105,7 @@ def test_prefill_model_measures_shapes_beside_the_fits(tmp_path, monkeypatch):
     assert all(r["measured_ms"] > 0 and r["model_ms"] > 0 and r["linear_ms"] > 0 and r["engine_fit_ms"] > 0
                for r in shapes.values())
     assert set(s["figures"]["engine_fit"]) == {"theta", "c0", "coef"} and "engine's fit" in s["headline"]
+    hybrid = s["figures"]["hybrid_steps"]  # a prompt prefilled beside 32 and 128 decodes, and each part alone
+    assert {(h["prompt"], h["decode_rows"]) for h in hybrid} == {(128, 32), (128, 128)}
+    assert all(h["hybrid_ms"] > 0 and h["prefill_ms"] > 0 and h["decode_ms"] > 0 for h in hybrid)
     assert s["figures"]["coef_with_attention"][2] >= 0 and "worst error" in s["headline"]
