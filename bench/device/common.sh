@@ -6,7 +6,8 @@ T0=$(date +%s)  # the script's start, for its "s in all"
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 unpack_site() {
-  mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site || exit 3
+  # once per host: the scripts of one lease (bench/device/lease.sh) share it
+  [ -f /tmp/site/ray/__init__.py ] || { mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site; } || exit 3
   # the bundle has no dashboard web build; without even an empty one the dashboard fails to start, and Ray waits
   # for it at every server's start
   mkdir -p /tmp/site/ray/dashboard/client/build/static
