@@ -29,7 +29,6 @@ import math
 import os
 import queue
 import shlex
-import socket
 import subprocess
 import sys
 import threading

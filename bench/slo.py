@@ -413,7 +413,7 @@ def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *
 def capacity_guess(predictor: Any, scale: W.SLOScale, seats: float | None = None) -> float:
     """A rough start (rps): 40% of what one request's prefill plus its share of B=4 decode steps allows; with `seats`,
     the rate at which a steady batch holds `seats` requests, each decoding its mean output at ITL(seats)."""
-    if seats:
+    if seats is not None:
         return max(0.02, seats * 1000.0 / max(scale.mean_output * predictor.itl_ms(seats, scale.l_bar), 1e-3))
     per_req_ms = predictor.prefill_ms(scale.mean_prompt) + scale.mean_output * predictor.itl_ms(4, scale.l_bar) / 4
     return max(0.02, 0.4 * 1000.0 / max(per_req_ms, 1e-3))

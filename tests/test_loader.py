@@ -333,6 +333,7 @@ def test_cache_dtype_auto_is_bf16_for_bf16_models_where_the_kernels_read_it(monk
     assert choose_cache_dtype("auto", bf16, off) is bf16
     assert choose_cache_dtype("auto", bf16, TorchBackend(cpu)) is torch.float32  # the reference: fp32 on any CPU
 
+
 def test_a_cuda_device_comes_back_with_its_index(monkeypatch):
     """torch.cuda.set_device and the memory queries refuse an unindexed "cuda" (the engine's worker sets its
     thread's device from the model's): "cuda" and "auto" name the current device by its index."""

@@ -210,8 +210,20 @@ def main(argv: list[str] | None = None) -> int:
     kept = args.out / "slo-gpu.json"  # the run's own copy of its summary, which --resume goes on from
     doc: dict[str, Any] = {"benchmark": "slo_gpu", "shape": args.shape, "dtype": args.dtype, "device": args.device,
                            "run": run_info("bench/device/slo_gpu.py", argv), "rows": [], "phases": {}}
+    same = {"shape": args.shape, "dtype": args.dtype, "device": args.device, "loads": args.loads, "seeds": args.seeds,
+            "num_requests": args.num_requests, "strict_batch": args.strict_batch, "loose_batch": args.loose_batch,
+            "max_num_seqs": args.max_num_seqs, "prefill_max_tokens": args.prefill_max_tokens, "serve": args.serve}
+    doc["setup"] = same  # what a resumed run must share with the one it goes on from
+    before = None
     if args.resume and kept.is_file() and profile.is_file():
-        before = json.loads(kept.read_text())
+        try:
+            before = json.loads(kept.read_text())
+        except ValueError:
+            log(f"{kept} is unreadable: a fresh run")
+        if before is not None and before.get("setup") != same:
+            log(f"{kept} is another run's (setup {before.get('setup')}): a fresh run")
+            before = None
+    if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
                                            "decode_over_model_by_rows") if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
@@ -220,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             log(f"nothing to resume in {args.out}: a fresh run")
         profile.unlink(missing_ok=True)
+    if args.lambda_star is not None:  # a given rate is the run's lambda* (a resumed run reads it from here)
+        doc["lambda_star_rps"], doc["lambda_star_search"] = args.lambda_star, {"given": True}
     try:
         import torch
 
@@ -228,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - the name is cosmetic
         pass
 
-    def save() -> None:
+    def save() -> None:  # whole files only: a call cut off mid-write leaves the last one
         doc["wall_s"] = time.monotonic() - clock.t0
         for path in {summary_path, kept}:
-            path.write_text(json.dumps(doc, indent=1, default=str))
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=1, default=str))
+            os.replace(tmp, path)
 
     build_model(args.shape, args.model_dir, args.dtype, args.device, args.window)
     doc["phases"]["built_s"] = time.monotonic() - clock.t0
@@ -242,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
     lam = args.lambda_star if args.lambda_star is not None else doc.get("lambda_star_rps")
+    if lam is None and ("fcfs", "predicted") in done:  # fcfs ran at lambda* multiples: its rate says lambda*
+        lam = next(r["rate_rps"] / r["load"] for r in doc["rows"] if r["policy"] == "fcfs")
     for policy, extra in runs:
         exact = policy in args.exact.split(",")
         need_pred, need_exact = (policy, "predicted") not in done, exact and (policy, "exact") not in done
