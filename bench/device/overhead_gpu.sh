@@ -36,7 +36,11 @@ from slo_gpu import build_model  # noqa: E402 (the same model slo_gpu.sh serves,
 shape, out, dtype, device = sys.argv[1:]
 build_model(shape, Path(out), dtype, device, 4096)
 EOF
-"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --serve "" \
+# the in-process engine with the threads a GPU replica's engine runs (one: deployments.replica.engine_threads), so
+# that the two differ by the HTTP hop only
+threads=()
+[ "$DEVICE" = cuda ] && threads=(--num-threads 1)
+"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --serve "" "${threads[@]}" \
   --num-requests "${NUM_REQUESTS:-60}" --submit-interval-ms "${INTERVAL_MS:-150}" \
   --max-new-tokens "${MAX_NEW_TOKENS:-32}" --rounds "${ROUNDS:-2}" --summary overhead-http-gpu 2>&1 \
   | tee "$OUT/overhead_gpu.log"
