@@ -374,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="the engine's device on both sides (e.g. cuda; default: each "
                    "side's own default, the CPU)")
     p.add_argument("--dtype", default=None, help="the engine's dtype on both sides (default: auto)")
+    p.add_argument("--num-threads", type=int, default=None, help="the in-process engine's torch threads (default: "
+                   "all cores; a server sizes its own, e.g. one for a GPU engine)")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--submit-interval-ms", type=float, default=150.0)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -397,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return _with_engine(_with_model(s, args.model), engine)
 
     in_process = [a for k, v in engine.items() for a in (f"--{k}", v)]
+    if args.num_threads:
+        in_process += ["--num-threads", str(args.num_threads)]
 
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -209,3 +209,19 @@ def test_the_comparison_runs_every_server_on_its_engine_knobs_unless_the_server_
     assert _with_engine("engine_process=false dtype=float16", engine) == \
         "engine_process=false dtype=float16 device=cuda"
     assert _with_engine("policy=fcfs", {}) == "policy=fcfs"
+
+
+def test_num_threads_sizes_the_in_process_engine_only(monkeypatch, capsys):
+    """--num-threads reaches the in-process run (a GPU replica's engine runs one thread; the comparison's
+    in-process engine then does too); the server sizes its own engine."""
+    import bench.overhead as O
+
+    calls: list[list[str]] = []
+    fig = {"ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0, "itl_p50_ms": 1.0, "throughput_completion_tok_s": 1.0, "failed": 0}
+    monkeypatch.setattr(O, "_load", lambda argv, out: calls.append(argv) or dict(fig))
+    monkeypatch.setattr(O, "_served", lambda serve_args, argv, out, log: calls.append(["SERVED", serve_args, *argv])
+                        or dict(fig))
+    assert O.main(["--model", "m", "--serve", "", "--device", "cuda", "--num-threads", "1"]) == 0
+    inproc, http = calls
+    assert inproc[inproc.index("--num-threads") + 1] == "1" and inproc[inproc.index("--device") + 1] == "cuda"
+    assert http[:2] == ["SERVED", "model=m device=cuda"] and "--num-threads" not in http
