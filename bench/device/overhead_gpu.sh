@@ -37,10 +37,8 @@ shape, out, dtype, device = sys.argv[1:]
 build_model(shape, Path(out), dtype, device, 4096)
 EOF
 # the in-process engine with the threads a GPU replica's engine runs (one: deployments.replica.engine_threads), so
-# that the two differ by the HTTP hop only
-threads=()
-[ "$DEVICE" = cuda ] && threads=(--num-threads 1)
-"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --serve "" "${threads[@]}" \
+# that the two differ by the HTTP hop only (the dry run passes it too: the same command line as on the device)
+"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --serve "" --num-threads 1 \
   --num-requests "${NUM_REQUESTS:-60}" --submit-interval-ms "${INTERVAL_MS:-150}" \
   --max-new-tokens "${MAX_NEW_TOKENS:-32}" --rounds "${ROUNDS:-2}" --summary overhead-http-gpu 2>&1 \
   | tee "$OUT/overhead_gpu.log"
