@@ -54,9 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs)))
     probe = Prober(eng)
 
+    def med(step) -> float:
+        """The median of `--reps` runs of `step` (ms), after one to warm this shape up."""
+        step()
+        return statistics.median(step() for _ in range(args.reps))
+
     def timed(prompts: list[int]) -> float:
-        probe.prefill_ms([probe._ids(n) for n in prompts])  # warm-up of this shape
-        return statistics.median(probe.prefill_ms([probe._ids(n) for n in prompts]) for _ in range(args.reps))
+        return med(lambda: probe.prefill_ms([probe._ids(n) for n in prompts]))
 
     limit = eng.max_model_len - 1
     fit_sizes = [n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= min(args.profile_max, limit)]
@@ -86,26 +90,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # prefill's time plus the decode's; on a GPU the decode alone replays a CUDA graph and the hybrid step runs eager
     seqs = eng.config.scheduler.max_num_seqs
     ctx = min(512, limit // 2)
-    mixed, mrows = [], []
-    for n in (128, 512, 2048):
-        for b in (32, 128):
-            if n > limit or b > seqs or eng.cache.num_blocks * eng.cache.block_size < n + 2 * b * ctx:
-                continue
-            lens = probe.lengths(b, ctx)
-            ids = probe._ids(n)
-
-            def med(fn) -> float:
-                fn()
-                return statistics.median(fn() for _ in range(args.reps))
-            both = med(lambda: probe.mixed_ms([ids], lens))
-            pre, dec = med(lambda: probe.prefill_ms([ids])), med(lambda: probe.decode_ms(lens))
-            mixed.append({"prompt": n, "decode_rows": b, "ctx": ctx, "hybrid_ms": round(both, 2),
-                          "prefill_ms": round(pre, 2), "decode_ms": round(dec, 2),
-                          "hybrid_over_sum": round(both / (pre + dec), 3)})
-            mrows.append([n, b, f"{both:.1f}", f"{pre:.1f}", f"{dec:.1f}", f"{both / (pre + dec):.2f}"])
-    if mrows:
+    mixed = []
+    for n, b in [(n, b) for n in (128, 512, 2048) for b in (32, 128)
+                 if n <= limit and b <= seqs and eng.cache.num_blocks * eng.cache.block_size >= n + 2 * b * ctx]:
+        lens, ids = probe.lengths(b, ctx), probe._ids(n)
+        both, pre = med(lambda: probe.mixed_ms([ids], lens)), med(lambda: probe.prefill_ms([ids]))
+        dec = med(lambda: probe.decode_ms(lens))
+        mixed.append({"prompt": n, "decode_rows": b, "ctx": ctx, "hybrid_ms": round(both, 2),
+                      "prefill_ms": round(pre, 2), "decode_ms": round(dec, 2),
+                      "hybrid_over_sum": round(both / (pre + dec), 3)})
+    if mixed:
         print_table(["prompt", "decode rows", "hybrid ms", "prefill alone", "decode alone",
-                     "hybrid / (prefill + decode)"], mrows)
+                     "hybrid / (prefill + decode)"],
+                    [[m["prompt"], m["decode_rows"], f"{m['hybrid_ms']:.1f}", f"{m['prefill_ms']:.1f}",
+                      f"{m['decode_ms']:.1f}", f"{m['hybrid_over_sum']:.2f}"] for m in mixed])
     if args.summary:
         worst = {k: max(abs(r[k] / r["measured_ms"] - 1.0) for r in out if not r["fitted_on"])
                  for k in ("model_ms", "linear_ms", "engine_fit_ms")}

@@ -257,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("fcfs", "")] + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
-    lam = args.lambda_star if args.lambda_star is not None else doc.get("lambda_star_rps")
-    if lam is None and ("fcfs", "predicted") in done:  # fcfs ran at lambda* multiples: its rate says lambda*
-        lam = next(r["rate_rps"] / r["load"] for r in doc["rows"] if r["policy"] == "fcfs")
+    lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
     for policy, extra in runs:
         exact = policy in args.exact.split(",")
         need_pred, need_exact = (policy, "predicted") not in done, exact and (policy, "exact") not in done
