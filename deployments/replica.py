@@ -49,7 +49,7 @@ class RejectionView:
 def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_tokens: int, model: Any,
                     sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
                     decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None,
-                    waiting_sq: float = 0.0) -> RejectionView:
+                    waiting_sq: float = 0.0, gate_scale: float = 1.0) -> RejectionView:
     """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
     scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
     one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
@@ -58,7 +58,8 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     `step_ms`, the engine's measured decode step, else the model's). Rounded up to whole seconds, 1 to 60.
     `ttft_margin_ms`: the TTFT guard's margin on an idle replica, or a function of the request's predicted prefill
     that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting
-    prompts' attention work in token pairs (`Scheduler.waiting_sq`)."""
+    prompts' attention work in token pairs (`Scheduler.waiting_sq`). `gate_scale`: the VBS gate's scale of the model
+    on an idle replica (`Scheduler.idle_gate_scale`: the decode steps it measured)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)
@@ -70,7 +71,7 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     if callable(margin):
         margin = margin(model.prefill_ms(min(n, max_model_len)))
     best_ttft, best_tpot = idle_slo_floor(model.prefill_ms, model.itl_ms, min(n, max_model_len), mid_len,
-                                          margin, flags.vbs_margin, sched.vbs_slack)
+                                          margin, flags.vbs_margin, sched.vbs_slack, gate_scale)
     slo = req.slo
     if reason in (RejectReason.TTFT_UNATTAINABLE, RejectReason.TPOT_UNATTAINABLE) and (
             (flags.ttft_reject and slo.ttft_ms is not None and slo.ttft_ms < best_ttft)
@@ -311,7 +312,7 @@ class LLMReplica:
                                    list(self._decode_left.values()),
                                    lambda p: idle_margin_at(st.ttft_idle_margins, st.ttft_margins, p,
                                                             self._sched.ttft_margin_ms),
-                                   st.waiting_sq)
+                                   st.waiting_sq, st.idle_gate_scale)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

@@ -429,7 +429,7 @@ class Scheduler:
             alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))
             return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms, idle=True)
         if reason is TPOT_UNATTAINABLE:
-            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r))
+            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r)) * self.idle_gate_scale()
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
@@ -500,6 +500,12 @@ class Scheduler:
         one, two = self.predictor.itl_ms(1.0, length), self.predictor.itl_ms(2.0, length)
         self._gate_line = (now, (k * (2.0 * one - two), k * (two - one)))
         return self._gate_line[1]
+
+    def idle_gate_scale(self) -> float:
+        """The gate's scale of the model on an idle replica: what the decode-only steps measured
+        (`ItlCorrection.idle_factor`; 1 without the correction). The idle SLO floor (`ttft_guard.idle_slo_floor`)
+        is drawn with it, so that the best TPOT a replica advertises is one its gate admits when idle."""
+        return self._gate_scale(self.correction.idle_factor()) if self.correction is not None else 1.0
 
     def _gate_scale(self, factor: float) -> float:
         """The gate's scale of the model for a measured step factor: the static margin already covers up to k of
@@ -716,7 +722,8 @@ class Scheduler:
         if plan.decode and not plan.prefill:
             self.model_error.observe(len(plan.decode), wall_ms, pred)
         if self.correction is not None:
-            self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0)
+            self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0,
+                                    decode_only=bool(plan.decode) and not plan.prefill)
 
     def waiting_load(self) -> tuple[int, float]:
         """The prompt tokens queued for prefill and their attention work in token pairs, in one pass."""

@@ -281,9 +281,13 @@ class ItlCorrection:
         sum(step wall ms) / sum(predicted ITL of the steps that decoded)
 
     clamped to ``[lo, hi]``. A prefill-only step adds its time and predicts nothing: it is pure stall for
-    the running requests. With less than ``min_pred_ms`` of predictions in the window (idle engine, cold
-    start) the factor is 1, so the offline fit is never replaced, only scaled within bounds. This is the
-    robust replacement for four-coefficient RLS, which drifted on steps where B and B*L are collinear.
+    the running requests. With less than ``min_pred_ms`` of predictions in the window (an idle engine) the
+    factor is the decode-only steps' (``idle_factor``: their wall time over their predictions, as the window
+    last had ``min_pred_ms`` of them; 1 before any), so that an idle replica's gate holds what the machine
+    measured instead of returning to the profile, which the next steps would overrun, and admitting what it
+    refused a moment earlier. Stalls are left out of that factor: on an idle replica a request decodes alone.
+    The offline fit is never replaced, only scaled within bounds. This is the robust replacement for
+    four-coefficient RLS, which drifted on steps where B and B*L are collinear.
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
@@ -295,6 +299,8 @@ class ItlCorrection:
         self._pred = 0.0
         self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
         self._rows: dict[int, list[float]] = {}  # rows bucket -> [wall ms, predicted ms] of its steps
+        self._pure = [0.0, 0.0]  # [wall ms, predicted ms] of the decode-only steps
+        self._held = 1.0  # their factor when the window last held min_pred_ms of them
         self._last_s: float | None = None
 
     def _decay_to(self, now_s: float) -> None:
@@ -305,6 +311,8 @@ class ItlCorrection:
             self._actual *= k
             self._pred *= k
             self._decode_actual *= k
+            self._pure[0] *= k
+            self._pure[1] *= k
             for sums in self._rows.values():
                 sums[0] *= k
                 sums[1] *= k
@@ -315,9 +323,10 @@ class ItlCorrection:
         """The rows bucket of a decode batch: the least power of two >= rows."""
         return 1 << max(0, int(rows) - 1).bit_length()
 
-    def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float, rows: int = 0) -> None:
-        """One finished step: its wall time, the model's ITL for its decode batch (0 if none) and that batch's
-        rows."""
+    def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float, rows: int = 0,
+                decode_only: bool = False) -> None:
+        """One finished step: its wall time, the model's ITL for its decode batch (0 if none), that batch's rows,
+        and whether it only decoded (no prompt tokens computed: the steps `idle_factor` measures)."""
         self._decay_to(now_s)
         self._actual += max(step_ms, 0.0)
         self._pred += max(predicted_decode_ms, 0.0)
@@ -326,6 +335,16 @@ class ItlCorrection:
             sums = self._rows.setdefault(self.bucket(rows), [0.0, 0.0])
             sums[0] += max(step_ms, 0.0)
             sums[1] += predicted_decode_ms
+        if decode_only and predicted_decode_ms > 0:
+            self._pure[0] += max(step_ms, 0.0)
+            self._pure[1] += predicted_decode_ms
+            if self._pure[1] >= self.min_pred_ms:
+                self._held = self._pure[0] / self._pure[1]
+
+    def idle_factor(self) -> float:
+        """The factor of an idle engine: the decode-only steps' wall time over their predictions, as the window
+        last held `min_pred_ms` of them (1 before any), clamped to [lo, hi]."""
+        return min(self.hi, max(self.lo, self._held))
 
     def factor(self, now_s: float, rows: int | None = None) -> float:
         """The factor over all steps; with `rows`, over the steps of that many rows' bucket (times the share the
@@ -333,7 +352,7 @@ class ItlCorrection:
         all steps while that bucket has too few predictions."""
         self._decay_to(now_s)
         if self._pred < self.min_pred_ms:
-            return 1.0
+            return self.idle_factor()
         f = self._actual / self._pred
         if rows is not None and (sums := self._rows.get(self.bucket(rows))) is not None \
                 and sums[1] >= self.min_pred_ms and self._decode_actual > 0:

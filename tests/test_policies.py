@@ -261,9 +261,34 @@ def test_itl_correction_is_bounded_windowed_and_neutral_when_idle():
     for k in range(50):
         c2.observe(1 + k * 0.01, 1.0, 10.0)
     assert c2.factor(1.5) == pytest.approx(0.8, abs=0.05)  # and below
-    assert c2.factor(60.0) == 1.0  # a long idle gap forgets everything
+    assert c2.factor(60.0) == 1.0  # a long idle gap forgets the window (no decode-only step: the profile)
     with pytest.raises(ValueError):
         ItlCorrection(lo=1.2)
+
+
+def test_itl_correction_holds_the_decode_steps_factor_while_idle():
+    """An idle engine's factor is what its decode-only steps measured, not the profile's 1: the gate then refuses
+    after an idle gap what it refused a moment before (and what the machine's steps would miss). Prefill stalls,
+    which a request decoding alone on an idle replica does not meet, are left out of it."""
+    from scheduling.tpot_guard import ItlCorrection
+
+    c = ItlCorrection(tau_ms=100.0, lo=0.8, hi=2.5, min_pred_ms=10.0)
+    assert c.idle_factor() == 1.0 and c.factor(0.0) == 1.0  # nothing measured yet: the profile
+    for k in range(10):  # decode-only steps at 1.4x the model, each followed by a prefill-only stall
+        c.observe(k * 0.02, 14.0, 10.0, decode_only=True)
+        c.observe(k * 0.02 + 0.01, 6.0, 0.0)
+    assert c.factor(0.2) == pytest.approx((14.0 + 6.0) / 10.0, rel=0.05)  # busy: the stalls count
+    assert c.idle_factor() == pytest.approx(1.4)
+    assert c.factor(60.0) == pytest.approx(1.4)  # a long idle gap keeps the decode steps' factor
+    for k in range(10):  # hybrid steps (prefill and decode in one) do not move it
+        c.observe(61 + k * 0.01, 30.0, 10.0)
+    assert c.idle_factor() == pytest.approx(1.4)
+    for k in range(30):  # later decode-only steps replace it
+        c.observe(70 + k * 0.01, 9.0, 10.0, decode_only=True)
+    assert c.factor(120.0) == pytest.approx(0.9, abs=0.01)
+    for k in range(30):
+        c.observe(121 + k * 0.01, 90.0, 10.0, decode_only=True)
+    assert c.factor(200.0) == 2.5  # bounded
 
 
 def test_itl_correction_by_rows_keeps_a_factor_per_batch_size_bucket():

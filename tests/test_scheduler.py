@@ -123,6 +123,27 @@ def test_kairos_gate_scales_the_model_by_the_measured_step_time():
     assert s.last_correction == 2.5  # measured 3x, capped at correction_max
 
 
+def test_kairos_gate_keeps_the_measured_step_time_after_an_idle_gap():
+    """After the batch has drained and the replica idled, kairos's gate still scales the model by what its decode
+    steps measured: a TPOT it refused while they ran is refused alone too, and the idle scale it advertises
+    (`idle_gate_scale`, the best TPOT's) says so. Scorpio's static gate has no scale."""
+    s = _sched("kairos")
+    a = _req(0, 4)
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    for k in range(40):  # decode-only steps at 2x the predicted ITL(1) = 5.5 ms
+        p = s.schedule(0.011 * k)
+        _run(s, p)
+        s.on_step_done(p, 11.0, 0.011 * (k + 1))
+    s.finish(a, FinishReason.ABORT, 0.5)
+    assert s.idle_gate_scale() == pytest.approx(2.0 / 1.05, rel=0.02)  # max(k, f) / k over the margin k
+    r = _req(9, 4, tpot=8.0)  # alone: 1.05 * 5.5 < 0.99 * 8 by the profile, not at 2x
+    s.add(r)
+    p = s.schedule(60.0)  # a minute idle
+    assert r not in p.prefill and (r, "tpot_unattainable") in p.rejected
+    assert _sched("scorpio").idle_gate_scale() == 1.0
+
+
 def test_plan_keeps_its_prefill_token_count_after_the_step():
     """Step feedback (online refit, bench calibration) reads the count after the step has run."""
     s = _sched("fcfs")

@@ -1067,7 +1067,7 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
 
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
                     step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos",
-                    ttft_margin_ms=None):
+                    ttft_margin_ms=None, gate_scale: float = 1.0):
     from deployments.replica import judge_rejection
     from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel
@@ -1076,7 +1076,7 @@ def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens:
     model = LatencyModel(prefill_coef=(1.0, 10.0), decode_coef=(0.01, 20.0, 0.0, 0.0), theta=0.0)
     req = GenerateRequest("r", prompt=(1,), params=SamplingParams(max_tokens=max_tokens), slo=slo)
     return judge_rejection(reason, req, prompt_tokens, model, SchedulerConfig(policy=policy), 1024,
-                           waiting_tokens, step_ms, list(decode_left), ttft_margin_ms)
+                           waiting_tokens, step_ms, list(decode_left), ttft_margin_ms, gate_scale=gate_scale)
 
 
 def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is():
@@ -1098,6 +1098,10 @@ def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is(
                         ttft_margin_ms=lambda p: margin_at(table, p, 50.0))
     assert v.reason == "slo_unattainable" and v.best_ttft_ms == pytest.approx(1010.0 + 16_000.0)
     assert _rejection_view("tpot_unattainable", SLO(tpot_ms=22.0)).reason == "slo_unattainable"
+    # the decode steps the replica measured at 1.5x the profile (the gate's idle scale): a 30 ms TPOT is out of reach
+    v = _rejection_view("tpot_unattainable", SLO(tpot_ms=30.0), gate_scale=1.5)
+    assert v.reason == "slo_unattainable" and v.best_tpot_ms == pytest.approx((20.0 + 0.01 * 125) * 1.5 * 1.05 / 0.99)
+    assert _rejection_view("tpot_unattainable", SLO(tpot_ms=30.0)).reason == "tpot_unattainable"
     # a busy rejection of a request whose other SLO no idle replica meets: retrying cannot help either
     assert _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0, tpot_ms=1.0)).reason == "slo_unattainable"
     # ...unless the policy does not enforce that SLO (no VBS gate: the TPOT is not checked at all)
