@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len,
                                  scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs)))
+    if eng.bundle.device.type == "cuda":  # the probes run on this thread: its kernels, graphs and events go there
+        import torch
+        torch.cuda.set_device(eng.bundle.device)
     probe = Prober(eng)
 
     def med(step) -> float:

@@ -96,6 +96,7 @@ class KairosDecoder:
                     m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         self.table_rope = (getattr(self.rotary, "rope_type", None) or "default") in _TABLE_ROPE
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, hd]
+        self.tables_captured = False  # CUDA graphs read the tables where they are: they may no longer move
         if self.table_rope:
             self.grow_tables(max_positions)
         # a step whose every token the backend can run in one call (the CPU kernels' decode_layers)
@@ -116,6 +117,9 @@ class KairosDecoder:
         """input_ids, positions: [T]; logits [len(logit_rows), vocab] for those rows of the packed step."""
         if self.table_rope:
             if meta.max_position >= self.rope_tables[0].shape[0]:  # probes may run past max_model_len
+                if self.tables_captured:  # new tables would leave the graphs reading freed memory
+                    raise ValueError(f"position {meta.max_position} is past the {self.rope_tables[0].shape[0]} "
+                                     "positions of the RoPE tables the decode graphs were captured over")
                 self.grow_tables(2 * meta.max_position)
         H, KV, hd, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         T = input_ids.shape[0]

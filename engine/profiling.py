@@ -171,7 +171,8 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     if engine.bundle.device.type == "cuda":
         batches = tuple(B for B in GPU_BATCH_SIZES if B <= sc.max_num_seqs)
         ctx_lens = tuple(L for L in GPU_CTX_LENS if L <= limit) or (min(limit, 32),)
-        fits = [(B, L) for B in batches for L in ctx_lens if B * (2 * L + block) <= capacity]
+        fits = [(B, L) for B in batches for L in ctx_lens if B * (2 * L + block) <= capacity] \
+            or [(1, max(1, min(ctx_lens[0], (capacity - block) // 2)))]  # a cache too small for the grid
         rng = random.Random(0)
         corners = {fits[0], fits[-1], *[(B, min(L for b, L in fits if b == B)) for B in {b for b, _ in fits}]}
         rest = [c for c in fits if c not in corners]
@@ -185,6 +186,7 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
         # decides how well it extrapolates, `LatencyModel.fit_prefill`)
         sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, budget, min(2 * budget, limit))
                         if n <= min(limit, capacity)})
+    sizes = sizes or [max(1, min(limit, capacity))]  # a window or a cache under 16 tokens
     big = grid[-1] if grid else (batches[-1], ctx_lens[-1])
     for _ in range(2):  # warm up: page in the weights, size the workspace
         probe.prefill(sizes[-1])

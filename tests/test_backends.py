@@ -144,3 +144,44 @@ def test_shutdown_frees_the_engine_and_a_second_engine_gets_the_same_cache(tiny_
         assert [i for i in s][-1].error is None
     finally:
         second.shutdown()
+
+
+def test_rope_tables_do_not_move_once_graphs_were_captured_over_them(tiny_checkpoints):
+    """CUDA graphs read the decoder's RoPE tables where they were at capture: a step past their end then fails with a
+    clear error instead of growing new tables under the graphs (which would read freed memory)."""
+    from types import SimpleNamespace
+
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", backend="torch"))
+    try:
+        dec = eng.runner.decoder
+        assert dec.table_rope
+        tables, n = dec.rope_tables, dec.rope_tables[0].shape[0]
+        dec.tables_captured = True
+        ids = torch.zeros(1, dtype=torch.long)
+        with pytest.raises(ValueError, match=f"position {n} is past the {n} positions of the RoPE tables"):
+            dec(ids, ids, ids, SimpleNamespace(max_position=n))
+        assert dec.rope_tables is tables
+    finally:
+        eng.shutdown()
+
+
+def test_cuda_backend_compiles_its_kernel_variants_at_start(tiny_checkpoints):
+    """The CUDA backend's start-up launch of each Triton kernel variant a step can need (every decode split count,
+    both prefill configurations, a top-p draw), here through the interpreter over the engine's own cache: it runs
+    without touching what the cache holds, and the engine still gives the CPU backend's greedy tokens after it."""
+    if not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want, _ = _run(tiny_checkpoints["llama"], PROMPTS, params, dtype="float32", backend="cpu")
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", backend="cuda"))
+    try:
+        k0 = eng.cache.k.clone()
+        report = eng.run_idle(lambda e: e.backend.compile_kernels(e.max_model_len))
+        ops = eng.backend.ops
+        counts = ops.split_counts(eng.cache.num_kv_heads, eng.max_model_len, ops.num_sms_of(eng.cache.k.device))
+        assert report["kernel_variants"] == len(counts) + 3
+        assert torch.equal(eng.cache.k, k0)
+        streams = eng.add_requests(PROMPTS, params)
+        assert [[t for item in s for t in (item.token_ids or [])] for s in streams] == want
+    finally:
+        eng.shutdown()

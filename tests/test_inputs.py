@@ -76,3 +76,15 @@ def test_without_a_template_the_plain_format_follows_the_options():
 
     assert text(PromptOptions()) == "User: Hi\nAssistant: Well,\nAssistant:"
     assert text(PromptOptions(add_generation_prompt=False, continue_final_message=True)) == "User: Hi\nAssistant: Well,"
+
+
+def test_a_text_prompt_with_a_token_past_the_embedding_rows_is_a_clear_error(bos_tokenizer):
+    """A tokenizer with tokens the checkpoint has no embedding rows for (vocab_limit below len(tokenizer)): a text
+    prompt that uses one is refused as a token-id prompt would be, before any step reads past the rows."""
+    tok = bos_tokenizer
+    top = max(tok.encode("Hello world", add_special_tokens=False))
+    rows_short = InputProcessor(tok, top, [0], max_model_len=4096, kv_capacity_tokens=1 << 20)
+    with pytest.raises(ValueError, match=f"token id {top}, beyond the model's {top} embedding rows"):
+        rows_short.process("Hello world", None, None, None)
+    rows_enough = InputProcessor(tok, top + 1, [0], max_model_len=4096, kv_capacity_tokens=1 << 20)
+    assert max(rows_enough.process("Hello world", None, None, None).prompt_token_ids) == top

@@ -100,11 +100,27 @@ def test_decode_all_padded_batch():
 def test_choose_num_splits():
     assert ta.choose_num_splits(64, 8, 4096, 132) == 1  # programs alone fill the GPU
     assert ta.choose_num_splits(1, 8, 4096, 132) == 16  # context-capped: 4096 / 256
-    assert ta.choose_num_splits(1, 8, 100_000, 132) == 33  # two programs per SM
+    assert ta.choose_num_splits(1, 8, 100_000, 132) == 32  # two programs per SM (33), as a power of two
     assert ta.choose_num_splits(1, 1, 10**7, 1000) == ta.MAX_NUM_SPLITS
     assert ta.choose_num_splits(4, 8, 128, 132) == 1  # short contexts are not split
+    assert ta.split_counts(8, 100_000, 132) == [1, 2, 4, 8, 16, 32]
+    assert ta.split_counts(8, 4096, 132) == [1, 2, 4, 8, 16]
+    assert all(ta.choose_num_splits(b, 8, ctx, 132) in ta.split_counts(8, 8192, 132)
+               for b in range(1, 40) for ctx in range(16, 8193, 112))
     assert ta.decode_workspace_numel(4, 32, 128, 1) == 0
     assert ta.decode_workspace_numel(4, 32, 128, 8) == 4 * 32 * 8 * 130
+
+
+def test_compile_variants_launches_every_split_count_and_both_prefill_configs_without_touching_the_cache():
+    """A start-up warm-up on a padded row: every split count the window allows, the prefill kernel at a short and
+    a long query; the cache's blocks are only read (the scratch block), its contents unchanged."""
+    torch.manual_seed(0)
+    k = torch.randn(5, 16, 2, 64, dtype=torch.bfloat16)  # 4 blocks and a scratch block of 16 tokens
+    v = torch.randn_like(k)
+    k0, v0 = k.clone(), v.clone()
+    n = ta.compile_variants(k, v, num_heads=8, max_context_len=4096, scratch_block=4)
+    assert n == len(ta.split_counts(2, 4096, 132)) + 2  # 1..16 splits, and the prefill's two configurations
+    assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

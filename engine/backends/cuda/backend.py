@@ -19,6 +19,7 @@ CUDA.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -204,12 +205,45 @@ class CudaBackend(TorchBackend):
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     # ---------------------------------------------------------------- graphs
+    def bind(self, spec, model_dtype: torch.dtype, num_heads: int) -> None:
+        super().bind(spec, model_dtype, num_heads)
+        self.num_heads = num_heads
+
+    def compile_kernels(self, max_model_len: int = 0) -> dict:
+        """Launch every Triton kernel variant a step of this model can need once over the attached cache
+        (`triton_attention.compile_variants`, and a top-p draw), so that none compiles while requests run. A failure
+        is logged, not raised: it only leaves a variant to compile on first use."""
+        t0 = time.perf_counter()
+        cache = self.cache
+        window = max_model_len or cache.num_blocks * cache.block_size
+        scratch = cache.num_blocks if cache.scratch_blocks else 0
+        try:
+            launches = self.ops.compile_variants(cache.k[0], cache.v[0], self.num_heads, window, scratch)
+            from engine.backends.cuda import sampling
+            probs = torch.ones(1, 8, dtype=torch.float32, device=self.device)
+            sampling.top_p_draw(probs, torch.full((1,), 0.5, device=self.device),
+                                torch.zeros(1, sampling.ROUNDS, device=self.device), probs.sum(1))
+        except Exception:  # noqa: BLE001 - a warm-up: the kernels still compile when first used
+            log.warning("compiling the Triton kernels at start failed; they compile on first use", exc_info=True)
+            return {"kernel_variants": 0}
+        return {"kernel_variants": launches + 1, "compile_s": round(time.perf_counter() - t0, 2)}
+
     def capture(self, runner, max_num_seqs: int = 0, max_model_len: int = 0) -> dict:
-        if self.device.type != "cuda" or self.ops is None or runner.decoder is None or not max_num_seqs:
+        """At start, over the serving cache: compile every Triton kernel variant a step can need (`compile_variants`,
+        and the top-p draw), then capture the decode graphs, where the decoder can be captured."""
+        if self.device.type != "cuda" or self.ops is None:
             return {"graphs": 0}
+        report = self.compile_kernels(max_model_len)
+        if runner.decoder is None or not max_num_seqs:
+            return {"graphs": 0, **report}
+        if not runner.decoder.table_rope:  # RoPE computed from positions each step: HF's dynamic kinds sync with the
+            log.warning("decode graphs off: this model's RoPE (%s) is computed each step",  # host, which a capture
+                        getattr(runner.decoder.rotary, "rope_type", None))  # refuses
+            return {"graphs": 0, **report}
         from engine.backends.cuda.graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, runner.decoder, self.cache, max_num_seqs, max_model_len)
-        return self.graphs.capture()
+        runner.decoder.tables_captured = True
+        return {**self.graphs.capture(), **report}
 
     def execute(self, runner, step: StepBatch) -> torch.Tensor:
         g = self.graphs

@@ -46,7 +46,7 @@ def _round(x, dtype: tl.constexpr, FIX_BF16: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: one kernel for every count
 def _rms_norm_kernel(x_ptr, d_ptr, s_ptr, w_ptr, y_ptr, M, N, stride_x, stride_d, stride_s, stride_y, eps,
                      ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
                      FIX_BF16: tl.constexpr):
@@ -179,7 +179,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _silu_mul_kernel(gu_ptr, out_ptr, M, N, stride_gu, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIX_BF16: tl.constexpr):
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -220,7 +220,7 @@ def silu_mul(gu: torch.Tensor, n: int, *, out: torch.Tensor | None = None) -> to
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                        R, stride_t, stride_cos, stride_sin, stride_cb, stride_co, stride_ch,
                        stride_vb, stride_vo, stride_vh,

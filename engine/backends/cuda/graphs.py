@@ -23,6 +23,19 @@ from engine.backends.cuda.backend import CudaAttnMetadata
 log = logging.getLogger("kairos.cuda")
 
 
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the warm-up runs before each capture, kept for the process: cuBLAS holds a
+    workspace per (handle, stream) that emptying the cache does not free, so a new stream per engine start would
+    leave one behind each time."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _STREAMS:
+        _STREAMS[i] = torch.cuda.Stream(device)
+    return _STREAMS[i]
+
+
 def ladder(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
     sizes += list(range(16, max_batch + 1, 16))
@@ -79,7 +92,7 @@ class DecodeGraphs:
     def capture(self) -> dict:
         t0 = time.perf_counter()
         sizes = ladder(self.max_batch)
-        stream = torch.cuda.Stream(self.device)
+        stream = _side_stream(self.device)
         for b in reversed(sizes):
             meta = self._meta(b)
             args = (self.ids[:b], self.pos[:b], self.rows[:b], meta)

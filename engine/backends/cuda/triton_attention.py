@@ -83,7 +83,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 
     One split when the (sequence, KV head) programs alone fill the GPU (at least one per SM): then splitting only adds
     partial writes and a second kernel. Otherwise enough splits for about two programs per SM, but no more than
-    the longest possible context cut into MIN_TOKENS_PER_SPLIT-token pieces, and at most MAX_NUM_SPLITS.
+    the longest possible context cut into MIN_TOKENS_PER_SPLIT-token pieces, and at most MAX_NUM_SPLITS; rounded
+    down to a power of two, since each count is a kernel of its own: a handful of them, all compiled at start
+    (`compile_variants`), never one in the middle of serving.
 
     ``max_context_len`` must come from shapes or configuration (``block_tables.shape[1] * block_size``, or the
     model's window) rather than from context_lens, so that a captured CUDA graph keeps its grid. Sequences shorter
@@ -93,7 +95,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
         return 1
     splits = triton.cdiv(2 * num_sms, programs)
     splits = min(splits, triton.cdiv(max(1, max_context_len), MIN_TOKENS_PER_SPLIT), MAX_NUM_SPLITS)
-    return max(1, splits)
+    return 1 << (max(1, splits).bit_length() - 1)
+
+
+def split_counts(num_kv_heads: int, max_context_len: int, num_sms: int = 132) -> list[int]:
+    """Every split count :func:`choose_num_splits` can give for this model and window (any batch size)."""
+    top = choose_num_splits(1, num_kv_heads, max_context_len, num_sms)
+    return [1 << i for i in range(top.bit_length())]
 
 
 def decode_workspace_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
@@ -133,7 +141,7 @@ def _scores_and_values(q, k_base, v_base, bt_row, tok, n_mask, d_mask, offs_d, s
     return s, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the step's widest block table: one kernel for every width
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qk_scale,  # softmax scale * log2(e)
@@ -357,7 +365,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
     qk_scale,
@@ -481,3 +489,32 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         **meta,
     )
     return out
+
+
+def compile_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_context_len: int,
+                     scratch_block: int = 0) -> int:
+    """Launch each kernel variant a step of this model can need once, on a padded row, so that Triton compiles
+    them all at start and not in the middle of serving, where a first compile stalls every running request: the
+    decode kernels at every split count `split_counts` gives (an eager decode's count follows its step's widest
+    context), and the prefill kernel at its short- and long-query configurations. The decodes attend to nothing
+    (context length 0); the prefills read the scratch block and write a throwaway output. Returns the launches."""
+    _, block_size, kvh, hd = k_cache.shape
+    dev, dt = k_cache.device, k_cache.dtype
+    table = torch.full((1, 1), scratch_block, dtype=torch.int32, device=dev)
+    n = 0
+    q = torch.zeros(1, num_heads, hd, dtype=dt, device=dev)
+    out = torch.empty_like(q)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    for s in split_counts(kvh, max_context_len, num_sms_of(dev)):
+        paged_decode_attention(q, k_cache, v_cache, table, zero, 1.0, out, num_splits=s)
+        n += 1
+    group = num_heads // kvh
+    for t in sorted({1, -(-128 // group)}):  # both sides of _prefill_config's line (queries x group = 128)
+        qp = torch.zeros(t, num_heads, hd, dtype=dt, device=dev)
+        starts = torch.tensor([0, t], dtype=torch.int32, device=dev)
+        lens = torch.tensor([t], dtype=torch.int32, device=dev)
+        tables = torch.full((1, -(-t // block_size)), scratch_block, dtype=torch.int32, device=dev)
+        paged_prefill_attention(qp, k_cache, v_cache, tables, starts, lens, 1.0, torch.empty_like(qp),
+                                max_query_len=t)
+        n += 1
+    return n
