@@ -109,6 +109,7 @@ class CudaBackend(TorchBackend):
             self.fused = fused
         self.fused_rope_write = self.fused is not None
         self.graphs = None  # `graphs.DecodeGraphs` once captured
+        self.num_heads = 0  # the model's query heads (`bind`)
         self.scratch_blocks = 1 if device.type == "cuda" else 0  # a graph's padding rows write here
 
     def identity(self) -> dict:
