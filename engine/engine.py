@@ -181,10 +181,14 @@ class LLMEngine:
 
     def _warmup_peak(self, spec: KVCacheSpec, decoder) -> int:
         """Bytes the largest step's activations take beyond the weights, measured as vLLM and nano-vllm do: one
-        step with a full prefill token budget and `max_num_seqs` decodes, over a cache just big enough for it (CUDA:
-        the cache is sized after this, from what is left)."""
+        step with the longest prefill a step can run and `max_num_seqs` decodes, over a cache just big enough for it
+        (CUDA: the cache is sized after this, from what is left). The longest prefill: the token budget with chunked
+        prefill, else a prompt of the whole window (admitted alone, in one step); and the latency profile's longest
+        probe, twice the budget (`profiling.load_or_profile`)."""
         sc = self.config.scheduler
-        budget = min(sc.prefill_max_tokens or self.max_model_len, self.max_model_len - 1)
+        limit = self.max_model_len - 1
+        budget = sc.prefill_max_tokens or self.max_model_len
+        budget = min(max(budget if sc.chunked_prefill else limit, 2 * (sc.prefill_max_tokens or 1024)), limit)
         seqs = sc.max_num_seqs
         bs = spec.block_size
         dev = self.bundle.device
