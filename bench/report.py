@@ -353,7 +353,7 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("SLO goodput at 1.5× FCFS capacity (ShareGPT, kairos-tiny, 3 seeds)", "slo-sharegpt-1.5x-3seeds-amx-emr",
      _slo_goodput),
     ("The same, reply lengths hidden (max_tokens a cap), both with the length predictor",
-     "slo-sharegpt-1.5x-3seeds-predictor-acc15-zen4", _slo_goodput),
+     "slo-sharegpt-1.5x-3seeds-predictor-acc16-zen4", _slo_goodput),
     ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
     ("The same on an H200 (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h200-llama8b", _http_added),
     ("SLO router against power-of-two, 2 replicas (ShareGPT)", "route-2replicas-16core-device-f", _routers),
