@@ -315,11 +315,11 @@ class Scheduler:
             if self.correction is not None:
                 # the static margin already covers up to k of inflation; scale only by what it does not. Steps
                 # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
-                self.last_correction = self.correction.factor(now)
+                self.last_correction = self._gate_factor(now)
                 scale = self._gate_scale(self.last_correction)
                 if self.pace_cost is not None:
                     self.pace_cost.set_scale(scale)
-                corr, by_rows = self.correction, self.config.correction_by_rows
+                corr, by_rows = self.correction, self.config.correction_by_rows and bool(self.running)
 
                 def itl(b: float, length: float) -> float:
                     return model(b, length) * (self._gate_scale(corr.factor(now, math.ceil(b))) if by_rows else scale)
@@ -496,10 +496,17 @@ class Scheduler:
         length = self._line_len
         k = self.flags.vbs_margin / self.config.vbs_slack
         if self.correction is not None:
-            k *= self._gate_scale(self.correction.factor(now))
+            k *= self._gate_scale(self._gate_factor(now))
         one, two = self.predictor.itl_ms(1.0, length), self.predictor.itl_ms(2.0, length)
         self._gate_line = (now, (k * (2.0 * one - two), k * (two - one)))
         return self._gate_line[1]
+
+    def _gate_factor(self, now: float) -> float:
+        """The measured step factor the gate scales its model by: over the recent steps, prefill stalls included,
+        while requests run; on a replica with none running, the decode-only steps' (`ItlCorrection.idle_factor`),
+        since what it admits now decodes without the stalls the last requests' prefills made (the factor the best
+        TPOT it advertises is drawn with)."""
+        return self.correction.factor(now) if self.running else self.correction.idle_factor()
 
     def idle_gate_scale(self) -> float:
         """The gate's scale of the model on an idle replica: what the decode-only steps measured

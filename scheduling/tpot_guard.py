@@ -282,25 +282,28 @@ class ItlCorrection:
 
     clamped to ``[lo, hi]``. A prefill-only step adds its time and predicts nothing: it is pure stall for
     the running requests. With less than ``min_pred_ms`` of predictions in the window (an idle engine) the
-    factor is the decode-only steps' (``idle_factor``: their wall time over their predictions, as the window
-    last had ``min_pred_ms`` of them; 1 before any), so that an idle replica's gate holds what the machine
+    factor is the decode-only steps' (``idle_factor``), so that an idle replica's gate holds what the machine
     measured instead of returning to the profile, which the next steps would overrun, and admitting what it
-    refused a moment earlier. Stalls are left out of that factor: on an idle replica a request decodes alone.
-    The offline fit is never replaced, only scaled within bounds. This is the robust replacement for
-    four-coefficient RLS, which drifted on steps where B and B*L are collinear.
+    refused a moment earlier. That factor leaves stalls out (on an idle replica a request decodes alone) and
+    averages over the last ``idle_horizon_ms`` of predicted decode time, however long ago: a replica's best
+    TPOT, drawn with it, holds still across idle gaps and a few short requests. The offline fit is never
+    replaced, only scaled within bounds. This is the robust replacement for four-coefficient RLS, which
+    drifted on steps where B and B*L are collinear.
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
-                 min_pred_ms: float = 100.0) -> None:
-        if not (0 < lo <= 1 <= hi) or tau_ms <= 0:
-            raise ValueError("need tau_ms > 0 and 0 < lo <= 1 <= hi")
+                 min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0) -> None:
+        if not (0 < lo <= 1 <= hi) or tau_ms <= 0 or idle_horizon_ms <= 0:
+            raise ValueError("need tau_ms > 0, idle_horizon_ms > 0 and 0 < lo <= 1 <= hi")
         self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
+        self.idle_horizon_ms = idle_horizon_ms
         self._actual = 0.0
         self._pred = 0.0
         self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
         self._rows: dict[int, list[float]] = {}  # rows bucket -> [wall ms, predicted ms] of its steps
-        self._pure = [0.0, 0.0]  # [wall ms, predicted ms] of the decode-only steps
-        self._held = 1.0  # their factor when the window last held min_pred_ms of them
+        # [wall ms, predicted ms] of the decode-only steps, each step's weight decaying with the predicted decode
+        # time after it (idle_horizon_ms), not with wall time
+        self._pure = [0.0, 0.0]
         self._last_s: float | None = None
 
     def _decay_to(self, now_s: float) -> None:
@@ -311,8 +314,6 @@ class ItlCorrection:
             self._actual *= k
             self._pred *= k
             self._decode_actual *= k
-            self._pure[0] *= k
-            self._pure[1] *= k
             for sums in self._rows.values():
                 sums[0] *= k
                 sums[1] *= k
@@ -336,15 +337,16 @@ class ItlCorrection:
             sums[0] += max(step_ms, 0.0)
             sums[1] += predicted_decode_ms
         if decode_only and predicted_decode_ms > 0:
-            self._pure[0] += max(step_ms, 0.0)
-            self._pure[1] += predicted_decode_ms
-            if self._pure[1] >= self.min_pred_ms:
-                self._held = self._pure[0] / self._pure[1]
+            k = math.exp(-predicted_decode_ms / self.idle_horizon_ms)
+            self._pure[0] = self._pure[0] * k + max(step_ms, 0.0)
+            self._pure[1] = self._pure[1] * k + predicted_decode_ms
 
     def idle_factor(self) -> float:
-        """The factor of an idle engine: the decode-only steps' wall time over their predictions, as the window
-        last held `min_pred_ms` of them (1 before any), clamped to [lo, hi]."""
-        return min(self.hi, max(self.lo, self._held))
+        """The factor of an idle engine: the decode-only steps' wall time over their predictions over the last
+        `idle_horizon_ms` of predicted decode time (1 before `min_pred_ms` of it), clamped to [lo, hi]."""
+        if self._pure[1] < self.min_pred_ms:
+            return 1.0
+        return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
 
     def factor(self, now_s: float, rows: int | None = None) -> float:
         """The factor over all steps; with `rows`, over the steps of that many rows' bucket (times the share the

@@ -269,10 +269,11 @@ def test_itl_correction_is_bounded_windowed_and_neutral_when_idle():
 def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     """An idle engine's factor is what its decode-only steps measured, not the profile's 1: the gate then refuses
     after an idle gap what it refused a moment before (and what the machine's steps would miss). Prefill stalls,
-    which a request decoding alone on an idle replica does not meet, are left out of it."""
+    which a request decoding alone on an idle replica does not meet, are left out of it, and it averages over the
+    last idle_horizon_ms of decoding, so a short request moves it little."""
     from scheduling.tpot_guard import ItlCorrection
 
-    c = ItlCorrection(tau_ms=100.0, lo=0.8, hi=2.5, min_pred_ms=10.0)
+    c = ItlCorrection(tau_ms=100.0, lo=0.8, hi=2.5, min_pred_ms=10.0, idle_horizon_ms=100.0)
     assert c.idle_factor() == 1.0 and c.factor(0.0) == 1.0  # nothing measured yet: the profile
     for k in range(10):  # decode-only steps at 1.4x the model, each followed by a prefill-only stall
         c.observe(k * 0.02, 14.0, 10.0, decode_only=True)
@@ -283,10 +284,12 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     for k in range(10):  # hybrid steps (prefill and decode in one) do not move it
         c.observe(61 + k * 0.01, 30.0, 10.0)
     assert c.idle_factor() == pytest.approx(1.4)
-    for k in range(30):  # later decode-only steps replace it
-        c.observe(70 + k * 0.01, 9.0, 10.0, decode_only=True)
+    c.observe(70.0, 9.0, 10.0, decode_only=True)  # one step of another speed: a tenth of the horizon
+    assert 1.3 < c.factor(80.0) < 1.4
+    for k in range(100):  # many: they replace it
+        c.observe(81 + k * 0.01, 9.0, 10.0, decode_only=True)
     assert c.factor(120.0) == pytest.approx(0.9, abs=0.01)
-    for k in range(30):
+    for k in range(100):
         c.observe(121 + k * 0.01, 90.0, 10.0, decode_only=True)
     assert c.factor(200.0) == 2.5  # bounded
 

@@ -144,6 +144,33 @@ def test_kairos_gate_keeps_the_measured_step_time_after_an_idle_gap():
     assert _sched("scorpio").idle_gate_scale() == 1.0
 
 
+def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_last_stalls():
+    """Right after the last request ended, the step window still holds the stalls its neighbours' prefills made;
+    a request admitted now decodes alone, without them. So a replica with nothing running gates with the
+    decode-only steps' factor (the one its advertised best TPOT is drawn with), while a busy one keeps the window's."""
+    def measured(s, keep_running: bool):
+        a = _req(0, 4)
+        s.add(a)
+        _run(s, s.schedule(0.0))
+        for k in range(40):  # decode-only steps at 1.2x the predicted ITL(1) = 5.5 ms, each after a 20 ms stall
+            p = s.schedule(0.03 * k)
+            _run(s, p)
+            s.on_step_done(p, 6.6, 0.03 * k + 0.01)
+            s.correction.observe(0.03 * k + 0.03, 20.0, 0.0)  # a prefill-only step of other requests
+        if not keep_running:
+            s.finish(a, FinishReason.STOP, 1.2)
+        return 1.2
+
+    for keep_running, admitted in ((False, True), (True, False)):
+        s = _sched("kairos")
+        t = measured(s, keep_running)
+        r = _req(9, 4, tpot=9.0)  # alone at 1.2x: 6.6 ms < 0.99 * 9; at the window's factor (> 2): far over
+        s.add(r)
+        p = s.schedule(t)
+        assert (r in p.prefill) is admitted, keep_running
+    assert s.idle_gate_scale() == pytest.approx(1.2 / 1.05, rel=0.02)
+
+
 def test_plan_keeps_its_prefill_token_count_after_the_step():
     """Step feedback (online refit, bench calibration) reads the count after the step has run."""
     s = _sched("fcfs")
