@@ -79,7 +79,7 @@ class InputProcessor:
             # a tokenizer with tokens the checkpoint has no rows for: on CUDA, an embedding read past its rows
             # would end the device context, and with it every request's
             if ids and max(ids) >= self.vocab_limit:
-                raise ValueError(f"the prompt has token id {max(ids)}, beyond the model's {self.vocab_limit} "
+                raise ValueError(f"prompt has token id {max(ids)}, beyond the model's {self.vocab_limit} "
                                  "embedding rows (the tokenizer has tokens the checkpoint lacks)")
             return ids or [self.eos_token_ids[0]]
         if not isinstance(prompt, (list, tuple)) or not prompt:

@@ -84,7 +84,8 @@ def test_a_text_prompt_with_a_token_past_the_embedding_rows_is_a_clear_error(bos
     tok = bos_tokenizer
     top = max(tok.encode("Hello world", add_special_tokens=False))
     rows_short = InputProcessor(tok, top, [0], max_model_len=4096, kv_capacity_tokens=1 << 20)
-    with pytest.raises(ValueError, match=f"token id {top}, beyond the model's {top} embedding rows"):
+    with pytest.raises(ValueError, match=f"token id {top}, beyond the model's {top} embedding rows") as e:
         rows_short.process("Hello world", None, None, None)
+    assert str(e.value).startswith("prompt ")  # the 400's `param` (deployments.errors.param_named)
     rows_enough = InputProcessor(tok, top + 1, [0], max_model_len=4096, kv_capacity_tokens=1 << 20)
     assert max(rows_enough.process("Hello world", None, None, None).prompt_token_ids) == top
