@@ -319,10 +319,16 @@ class Scheduler:
                 scale = self._gate_scale(self.last_correction)
                 if self.pace_cost is not None:
                     self.pace_cost.set_scale(scale)
-                corr, by_rows = self.correction, self.config.correction_by_rows and bool(self.running)
+                corr, by_rows = self.correction, self.config.correction_by_rows
+                # an empty replica: what decodes alone gets the decode-only factor; a burst joining it, the window's
+                # (its own prefills will stall it as the last ones did)
+                alone = None if self.running else scale
+                busy = self._gate_scale(corr.factor(now))
 
                 def itl(b: float, length: float) -> float:
-                    return model(b, length) * (self._gate_scale(corr.factor(now, math.ceil(b))) if by_rows else scale)
+                    if alone is not None and b <= 1.0:
+                        return model(b, length) * alone
+                    return model(b, length) * (self._gate_scale(corr.factor(now, math.ceil(b))) if by_rows else busy)
             gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len)
@@ -504,8 +510,8 @@ class Scheduler:
     def _gate_factor(self, now: float) -> float:
         """The measured step factor the gate scales its model by: over the recent steps, prefill stalls included,
         while requests run; on a replica with none running, the decode-only steps' (`ItlCorrection.idle_factor`),
-        since what it admits now decodes without the stalls the last requests' prefills made (the factor the best
-        TPOT it advertises is drawn with)."""
+        since a request admitted now alone decodes without the stalls the last requests' prefills made (the factor
+        the best TPOT it advertises is drawn with; a burst admitted together is gated with the window's, `_admit`)."""
         return self.correction.factor(now) if self.running else self.correction.idle_factor()
 
     def idle_gate_scale(self) -> float:

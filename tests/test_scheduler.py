@@ -169,6 +169,15 @@ def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_la
         p = s.schedule(t)
         assert (r in p.prefill) is admitted, keep_running
     assert s.idle_gate_scale() == pytest.approx(1.2 / 1.05, rel=0.02)
+    # a burst into the empty replica: the first decodes alone (the decode steps' factor), the second would share
+    # steps with its prefill (the window's factor, stalls included): refused
+    s = _sched("kairos")
+    t = measured(s, False)
+    r1, r2 = _req(8, 4, tpot=9.0), _req(9, 4, tpot=9.0)
+    s.add(r1)
+    s.add(r2)
+    p = s.schedule(t)
+    assert r1 in p.prefill and r2 not in p.prefill
 
 
 def test_plan_keeps_its_prefill_token_count_after_the_step():

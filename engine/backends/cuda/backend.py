@@ -110,6 +110,7 @@ class CudaBackend(TorchBackend):
         self.fused_rope_write = self.fused is not None
         self.graphs = None  # `graphs.DecodeGraphs` once captured
         self.num_heads = 0  # the model's query heads (`bind`)
+        self.draw_width = 0  # the sampler's probability rows (`sampler`: its vocab_limit)
         self.scratch_blocks = 1 if device.type == "cuda" else 0  # a graph's padding rows write here
 
     def identity(self) -> dict:
@@ -137,6 +138,7 @@ class CudaBackend(TorchBackend):
             return super().sampler(vocab_limit, eos_token_ids)
         from engine.backends.cuda import sampling
         from engine.sampler import Sampler
+        self.draw_width = vocab_limit
         return Sampler(vocab_limit, eos_token_ids, self.device, top_p_draw=sampling.top_p_draw,
                        rounds=sampling.ROUNDS)
 
@@ -220,14 +222,16 @@ class CudaBackend(TorchBackend):
         scratch = cache.num_blocks if cache.scratch_blocks else 0
         try:
             launches = self.ops.compile_variants(cache.k[0], cache.v[0], self.num_heads, window, scratch)
-            from engine.backends.cuda import sampling
-            probs = torch.ones(1, 8, dtype=torch.float32, device=self.device)
-            sampling.top_p_draw(probs, torch.full((1,), 0.5, device=self.device),
-                                torch.zeros(1, sampling.ROUNDS, device=self.device), probs.sum(1))
+            if self.draw_width:  # the sampler's rows as it hands them to the draw: [n, vocab_limit], contiguous
+                from engine.backends.cuda import sampling
+                probs = torch.full((1, self.draw_width), 1.0 / self.draw_width, device=self.device)
+                sampling.top_p_draw(probs, torch.full((1,), 0.5, device=self.device),
+                                    torch.zeros(1, sampling.ROUNDS, device=self.device), probs.sum(1))
+                launches += 1
         except Exception:  # noqa: BLE001 - a warm-up: the kernels still compile when first used
             log.warning("compiling the Triton kernels at start failed; they compile on first use", exc_info=True)
             return {"kernel_variants": 0}
-        return {"kernel_variants": launches + 1, "compile_s": round(time.perf_counter() - t0, 2)}
+        return {"kernel_variants": launches, "compile_s": round(time.perf_counter() - t0, 2)}
 
     def capture(self, runner, max_num_seqs: int = 0, max_model_len: int = 0) -> dict:
         """At start, over the serving cache: compile every Triton kernel variant a step can need (`compile_variants`,

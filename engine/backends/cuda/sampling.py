@@ -28,7 +28,7 @@ ROUNDS = 32  # uniform numbers per row and step: a row's draw depends only on it
 _INTERPRETED = type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
-@triton.jit(do_not_specialize=["V", "stride_p", "stride_u"])  # compiled once at start, whatever the widths
+@triton.jit  # V and the strides are the model's: one kernel, compiled at start (CudaBackend.compile_kernels)
 def _top_p_kernel(p_ptr, total_ptr, top_p_ptr, u_ptr, out_ptr, V, stride_p, stride_u,
                   ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
