@@ -29,7 +29,7 @@ from scheduling.queues import order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
-from scheduling.tpot_guard import (ItlCorrection, StepModelError, VBSGate, affordable_step_ms, behind_pace,
+from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VBSGate, affordable_step_ms, behind_pace,
                                    hold_prefill, next_token_slack_ms, passes_gate, select_by_credit,
                                    trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
@@ -509,13 +509,14 @@ class Scheduler:
 
     def _gate_factor(self, now: float) -> float:
         """The measured step factor the gate scales its model by: over the recent steps, prefill stalls included,
-        while requests run; on a replica with none running, the decode-only steps' (`ItlCorrection.idle_factor`),
+        while requests run; on a replica with none running, that of the steps a request decoding alone runs
+        (`ItlCorrection.idle_factor`),
         since a request admitted now alone decodes without the stalls the last requests' prefills made (the factor
         the best TPOT it advertises is drawn with; a burst admitted together is gated with the window's, `_admit`)."""
         return self.correction.factor(now) if self.running else self.correction.idle_factor()
 
     def idle_gate_scale(self) -> float:
-        """The gate's scale of the model on an idle replica: what the decode-only steps measured
+        """The gate's scale of the model on an idle replica: what the steps of a request decoding alone measured
         (`ItlCorrection.idle_factor`; 1 without the correction). The idle SLO floor (`ttft_guard.idle_slo_floor`)
         is drawn with it, so that the best TPOT a replica advertises is one its gate admits when idle."""
         return self._gate_scale(self.correction.idle_factor()) if self.correction is not None else 1.0
@@ -736,7 +737,7 @@ class Scheduler:
             self.model_error.observe(len(plan.decode), wall_ms, pred)
         if self.correction is not None:
             self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0,
-                                    decode_only=bool(plan.decode) and not plan.prefill)
+                                    alone=0 < len(plan.decode) <= ALONE_ROWS and not plan.prefill)
 
     def waiting_load(self) -> tuple[int, float]:
         """The prompt tokens queued for prefill and their attention work in token pairs, in one pass."""

@@ -271,6 +271,9 @@ class VBSGate:
         self._add(candidate.tpot_slo_ms, candidate.num_tokens)
 
 
+ALONE_ROWS = 2  # the decode rows of a step that `ItlCorrection.idle_factor` counts as a request decoding alone
+
+
 class ItlCorrection:
     """Bounded multiplicative correction of the offline ITL model, learned from the steps actually run.
 
@@ -282,11 +285,12 @@ class ItlCorrection:
 
     clamped to ``[lo, hi]``. A prefill-only step adds its time and predicts nothing: it is pure stall for
     the running requests. With less than ``min_pred_ms`` of predictions in the window (an idle engine) the
-    factor is the decode-only steps' (``idle_factor``), so that an idle replica's gate holds what the machine
-    measured instead of returning to the profile, which the next steps would overrun, and admitting what it
-    refused a moment earlier. That factor leaves stalls out (on an idle replica a request decodes alone) and
-    averages over the last ``idle_horizon_ms`` of predicted decode time, however long ago: a replica's best
-    TPOT, drawn with it, holds still across idle gaps and a few short requests. The offline fit is never
+    factor is that of the steps a request decoding alone runs (``idle_factor``: decode only, at most ALONE_ROWS
+    rows), so that an idle replica's gate holds what the machine measured instead of returning to the profile,
+    which the next steps would overrun, and admitting what it refused a moment earlier. That factor leaves out
+    stalls and big batches (where the model errs otherwise), and averages over the last ``idle_horizon_ms`` of
+    predicted decode time, however long ago: a replica's best TPOT, drawn with it, holds still across idle gaps,
+    short requests and bursts. The offline fit is never
     replaced, only scaled within bounds. This is the robust replacement for four-coefficient RLS, which
     drifted on steps where B and B*L are collinear.
     """
@@ -325,9 +329,10 @@ class ItlCorrection:
         return 1 << max(0, int(rows) - 1).bit_length()
 
     def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float, rows: int = 0,
-                decode_only: bool = False) -> None:
-        """One finished step: its wall time, the model's ITL for its decode batch (0 if none), that batch's rows,
-        and whether it only decoded (no prompt tokens computed: the steps `idle_factor` measures)."""
+                alone: bool = False) -> None:
+        """One finished step: its wall time, the model's ITL for its decode batch (0 if none), that batch's rows
+        (the by-rows buckets'), and whether it is a step a request decoding alone runs (decode only, at most
+        ALONE_ROWS rows: the steps `idle_factor` measures)."""
         self._decay_to(now_s)
         self._actual += max(step_ms, 0.0)
         self._pred += max(predicted_decode_ms, 0.0)
@@ -336,14 +341,15 @@ class ItlCorrection:
             sums = self._rows.setdefault(self.bucket(rows), [0.0, 0.0])
             sums[0] += max(step_ms, 0.0)
             sums[1] += predicted_decode_ms
-        if decode_only and predicted_decode_ms > 0:
+        if alone and predicted_decode_ms > 0:
             k = math.exp(-predicted_decode_ms / self.idle_horizon_ms)
             self._pure[0] = self._pure[0] * k + max(step_ms, 0.0)
             self._pure[1] = self._pure[1] * k + predicted_decode_ms
 
     def idle_factor(self) -> float:
-        """The factor of an idle engine: the decode-only steps' wall time over their predictions over the last
-        `idle_horizon_ms` of predicted decode time (1 before `min_pred_ms` of it), clamped to [lo, hi]."""
+        """The factor of an idle engine: the wall time over the predictions of the steps a request decoding alone
+        runs, over the last `idle_horizon_ms` of their predicted time (1 before `min_pred_ms` of it), clamped to
+        [lo, hi]."""
         if self._pure[1] < self.min_pred_ms:
             return 1.0
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))

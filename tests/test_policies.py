@@ -276,7 +276,7 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     c = ItlCorrection(tau_ms=100.0, lo=0.8, hi=2.5, min_pred_ms=10.0, idle_horizon_ms=100.0)
     assert c.idle_factor() == 1.0 and c.factor(0.0) == 1.0  # nothing measured yet: the profile
     for k in range(10):  # decode-only steps at 1.4x the model, each followed by a prefill-only stall
-        c.observe(k * 0.02, 14.0, 10.0, decode_only=True)
+        c.observe(k * 0.02, 14.0, 10.0, alone=True)
         c.observe(k * 0.02 + 0.01, 6.0, 0.0)
     assert c.factor(0.2) == pytest.approx((14.0 + 6.0) / 10.0, rel=0.05)  # busy: the stalls count
     assert c.idle_factor() == pytest.approx(1.4)
@@ -284,13 +284,13 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     for k in range(10):  # hybrid steps (prefill and decode in one) do not move it
         c.observe(61 + k * 0.01, 30.0, 10.0)
     assert c.idle_factor() == pytest.approx(1.4)
-    c.observe(70.0, 9.0, 10.0, decode_only=True)  # one step of another speed: a tenth of the horizon
+    c.observe(70.0, 9.0, 10.0, alone=True)  # one step of another speed: a tenth of the horizon
     assert 1.3 < c.factor(80.0) < 1.4
     for k in range(100):  # many: they replace it
-        c.observe(81 + k * 0.01, 9.0, 10.0, decode_only=True)
+        c.observe(81 + k * 0.01, 9.0, 10.0, alone=True)
     assert c.factor(120.0) == pytest.approx(0.9, abs=0.01)
     for k in range(100):
-        c.observe(121 + k * 0.01, 90.0, 10.0, decode_only=True)
+        c.observe(121 + k * 0.01, 90.0, 10.0, alone=True)
     assert c.factor(200.0) == 2.5  # bounded
 
 

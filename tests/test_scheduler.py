@@ -180,6 +180,33 @@ def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_la
     assert r1 in p.prefill and r2 not in p.prefill
 
 
+def test_kairos_idle_scale_comes_from_steps_decoding_alone_not_from_big_batches():
+    """The best TPOT a replica advertises is for one request decoding alone: a burst's big decode batches, where the
+    model errs otherwise, leave the idle scale as it was; the steps of the last request, alone, set it."""
+    s = _sched("kairos")
+    reqs = [_req(i, 4) for i in range(6)]
+    for r in reqs:
+        s.add(r)
+    _run(s, s.schedule(0.0))
+    t = 0.0
+    for k in range(20):  # several rows decoding at 3x the model
+        p = s.schedule(t)
+        assert len(p.decode) > 2
+        _run(s, p)
+        t += 0.03
+        s.on_step_done(p, 3.0 * s.predictor.itl_ms(6, p.decode_mean_len), t)
+    assert s.idle_gate_scale() == 1.0  # nothing measured alone yet: the profile
+    for r in reqs[1:]:
+        s.finish(r, FinishReason.STOP, t)
+    for k in range(20):  # the last one alone at 1.2x
+        p = s.schedule(t)
+        assert len(p.decode) == 1
+        _run(s, p)
+        t += 0.01
+        s.on_step_done(p, 1.2 * s.predictor.itl_ms(1, p.decode_mean_len), t)
+    assert s.idle_gate_scale() == pytest.approx(1.2 / 1.05, rel=0.01)
+
+
 def test_plan_keeps_its_prefill_token_count_after_the_step():
     """Step feedback (online refit, bench calibration) reads the count after the step has run."""
     s = _sched("fcfs")
