@@ -117,6 +117,9 @@ class SchedulerConfig(BaseModel):
     hybrid_steps: bool | None = Field(None, description="decode running requests in the same forward as prefills")
     itl_correction: bool | None = Field(None, description="scale the gate's ITL by measured/predicted step time")
     correction_tau_ms: float = Field(2000.0, gt=0, description="window of the ITL correction (wall ms)")
+    correction_idle_prior_ms: float = Field(1000.0, gt=0, description="the ITL correction of an idle replica (the "
+                                            "steps of a request decoding alone) starts at the profile's 1, weighing "
+                                            "as this much predicted decode time of them")
     correction_by_rows: bool = Field(False, description="the ITL correction measured per decode-rows bucket (powers "
                                      "of two) and applied to steps of that many rows, where the model errs "
                                      "differently by batch size; the factor over all steps while a bucket has few. "

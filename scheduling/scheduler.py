@@ -108,7 +108,8 @@ class Scheduler:
         self._round = 0
         self.num_preemptions = 0  # since start (metrics)
         self.last_vbs = 0.0
-        self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max)
+        self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max,
+                                         idle_prior_ms=config.correction_idle_prior_ms)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
         self._gate_line: tuple[float, tuple[float, float]] | None = None  # (when, line): gate_line's last answer

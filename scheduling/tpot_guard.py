@@ -296,18 +296,19 @@ class ItlCorrection:
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
-                 min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0) -> None:
-        if not (0 < lo <= 1 <= hi) or tau_ms <= 0 or idle_horizon_ms <= 0:
-            raise ValueError("need tau_ms > 0, idle_horizon_ms > 0 and 0 < lo <= 1 <= hi")
+                 min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0, idle_prior_ms: float = 1000.0) -> None:
+        if not (0 < lo <= 1 <= hi) or tau_ms <= 0 or idle_horizon_ms <= 0 or idle_prior_ms <= 0:
+            raise ValueError("need tau_ms, idle_horizon_ms, idle_prior_ms > 0 and 0 < lo <= 1 <= hi")
         self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
         self.idle_horizon_ms = idle_horizon_ms
         self._actual = 0.0
         self._pred = 0.0
         self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
         self._rows: dict[int, list[float]] = {}  # rows bucket -> [wall ms, predicted ms] of its steps
-        # [wall ms, predicted ms] of the decode-only steps, each step's weight decaying with the predicted decode
-        # time after it (idle_horizon_ms), not with wall time
-        self._pure = [0.0, 0.0]
+        # [wall ms, predicted ms] of the steps decoding alone, each step's weight decaying with the predicted
+        # decode time after it (idle_horizon_ms), not with wall time; seeded with idle_prior_ms of the profile's own
+        # (factor 1), so that the first steps move the factor (and the best TPOT drawn with it) by degrees
+        self._pure = [idle_prior_ms, idle_prior_ms]
         self._last_s: float | None = None
 
     def _decay_to(self, now_s: float) -> None:
@@ -348,10 +349,8 @@ class ItlCorrection:
 
     def idle_factor(self) -> float:
         """The factor of an idle engine: the wall time over the predictions of the steps a request decoding alone
-        runs, over the last `idle_horizon_ms` of their predicted time (1 before `min_pred_ms` of it), clamped to
-        [lo, hi]."""
-        if self._pure[1] < self.min_pred_ms:
-            return 1.0
+        runs, over the last `idle_horizon_ms` of their predicted time, the profile's factor 1 weighing as
+        `idle_prior_ms` of them at first; clamped to [lo, hi]."""
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
 
     def factor(self, now_s: float, rows: int | None = None) -> float:

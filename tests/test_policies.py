@@ -273,7 +273,7 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     last idle_horizon_ms of decoding, so a short request moves it little."""
     from scheduling.tpot_guard import ItlCorrection
 
-    c = ItlCorrection(tau_ms=100.0, lo=0.8, hi=2.5, min_pred_ms=10.0, idle_horizon_ms=100.0)
+    c = ItlCorrection(tau_ms=100.0, lo=0.8, hi=2.5, min_pred_ms=10.0, idle_horizon_ms=100.0, idle_prior_ms=1e-6)
     assert c.idle_factor() == 1.0 and c.factor(0.0) == 1.0  # nothing measured yet: the profile
     for k in range(10):  # decode-only steps at 1.4x the model, each followed by a prefill-only stall
         c.observe(k * 0.02, 14.0, 10.0, alone=True)
@@ -292,6 +292,15 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     for k in range(100):
         c.observe(121 + k * 0.01, 90.0, 10.0, alone=True)
     assert c.factor(200.0) == 2.5  # bounded
+    # by default the profile's 1 weighs as 1000 ms of steps at first: 100 ms of them at 1.4x move it by degrees
+    d = ItlCorrection()
+    for k in range(10):
+        d.observe(k * 0.01, 14.0, 10.0, alone=True)
+    assert d.idle_factor() == pytest.approx((1000 * math.exp(-100 / 5000) + 140) / (1000 * math.exp(-100 / 5000) + 100),
+                                            rel=0.01)
+    for k in range(2000):  # and far more replace it
+        d.observe(1 + k * 0.01, 14.0, 10.0, alone=True)
+    assert d.idle_factor() == pytest.approx(1.4, rel=0.01)
 
 
 def test_itl_correction_by_rows_keeps_a_factor_per_batch_size_bucket():

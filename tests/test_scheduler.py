@@ -127,7 +127,7 @@ def test_kairos_gate_keeps_the_measured_step_time_after_an_idle_gap():
     """After the batch has drained and the replica idled, kairos's gate still scales the model by what its decode
     steps measured: a TPOT it refused while they ran is refused alone too, and the idle scale it advertises
     (`idle_gate_scale`, the best TPOT's) says so. Scorpio's static gate has no scale."""
-    s = _sched("kairos")
+    s = _sched("kairos", correction_idle_prior_ms=1e-6)
     a = _req(0, 4)
     s.add(a)
     _run(s, s.schedule(0.0))
@@ -162,7 +162,7 @@ def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_la
         return 1.2
 
     for keep_running, admitted in ((False, True), (True, False)):
-        s = _sched("kairos")
+        s = _sched("kairos", correction_idle_prior_ms=1e-6)
         t = measured(s, keep_running)
         r = _req(9, 4, tpot=9.0)  # alone at 1.2x: 6.6 ms < 0.99 * 9; at the window's factor (> 2): far over
         s.add(r)
@@ -171,7 +171,7 @@ def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_la
     assert s.idle_gate_scale() == pytest.approx(1.2 / 1.05, rel=0.02)
     # a burst into the empty replica: the first decodes alone (the decode steps' factor), the second would share
     # steps with its prefill (the window's factor, stalls included): refused
-    s = _sched("kairos")
+    s = _sched("kairos", correction_idle_prior_ms=1e-6)
     t = measured(s, False)
     r1, r2 = _req(8, 4, tpot=9.0), _req(9, 4, tpot=9.0)
     s.add(r1)
@@ -183,7 +183,7 @@ def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_la
 def test_kairos_idle_scale_comes_from_steps_decoding_alone_not_from_big_batches():
     """The best TPOT a replica advertises is for one request decoding alone: a burst's big decode batches, where the
     model errs otherwise, leave the idle scale as it was; the steps of the last request, alone, set it."""
-    s = _sched("kairos")
+    s = _sched("kairos", correction_idle_prior_ms=1e-6)
     reqs = [_req(i, 4) for i in range(6)]
     for r in reqs:
         s.add(r)
