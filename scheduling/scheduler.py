@@ -29,8 +29,8 @@ from scheduling.queues import order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
-from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VBSGate, affordable_step_ms, behind_pace,
-                                   hold_prefill, next_token_slack_ms, passes_gate, select_by_credit,
+from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VBSGate, affordable_step_ms,
+                                   behind_pace, hold_prefill, next_token_slack_ms, passes_gate, select_by_credit,
                                    trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
@@ -321,8 +321,8 @@ class Scheduler:
                 if self.pace_cost is not None:
                     self.pace_cost.set_scale(scale)
                 corr, by_rows = self.correction, self.config.correction_by_rows
-                # an empty replica: what decodes alone gets the decode-only factor; a burst joining it, the window's
-                # (its own prefills will stall it as the last ones did)
+                # an empty replica: a request that will decode alone gets the idle factor; a burst joining it, the
+                # window's (its own prefills will stall it as the last ones did)
                 alone = None if self.running else scale
                 busy = self._gate_scale(corr.factor(now))
 
@@ -511,9 +511,9 @@ class Scheduler:
     def _gate_factor(self, now: float) -> float:
         """The measured step factor the gate scales its model by: over the recent steps, prefill stalls included,
         while requests run; on a replica with none running, that of the steps a request decoding alone runs
-        (`ItlCorrection.idle_factor`),
-        since a request admitted now alone decodes without the stalls the last requests' prefills made (the factor
-        the best TPOT it advertises is drawn with; a burst admitted together is gated with the window's, `_admit`)."""
+        (`ItlCorrection.idle_factor`), since a request admitted now alone decodes without the stalls the last
+        requests' prefills made (the factor the best TPOT it advertises is drawn with; a burst admitted together is
+        gated with the window's, `_admit`)."""
         return self.correction.factor(now) if self.running else self.correction.idle_factor()
 
     def idle_gate_scale(self) -> float:

@@ -288,11 +288,11 @@ class ItlCorrection:
     factor is that of the steps a request decoding alone runs (``idle_factor``: decode only, at most ALONE_ROWS
     rows), so that an idle replica's gate holds what the machine measured instead of returning to the profile,
     which the next steps would overrun, and admitting what it refused a moment earlier. That factor leaves out
-    stalls and big batches (where the model errs otherwise), and averages over the last ``idle_horizon_ms`` of
-    predicted decode time, however long ago: a replica's best TPOT, drawn with it, holds still across idle gaps,
-    short requests and bursts. The offline fit is never
-    replaced, only scaled within bounds. This is the robust replacement for four-coefficient RLS, which
-    drifted on steps where B and B*L are collinear.
+    stalls and big batches (where the model errs otherwise) and averages over the last ``idle_horizon_ms`` of
+    their predicted time, however long ago, starting from the profile's 1 (worth ``idle_prior_ms`` of them): a
+    replica's best TPOT, drawn with it, holds still across idle gaps, short requests and bursts, and moves by
+    degrees. The offline fit is never replaced, only scaled within bounds. This is the robust replacement for
+    four-coefficient RLS, which drifted on steps where B and B*L are collinear.
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
