@@ -35,7 +35,7 @@ from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, con
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
-from engine.profiling import load_or_profile, refit
+from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
 from engine.sampler import SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
@@ -187,8 +187,8 @@ class LLMEngine:
         probe, twice the budget (`profiling.load_or_profile`)."""
         sc = self.config.scheduler
         limit = self.max_model_len - 1
-        budget = sc.prefill_max_tokens or self.max_model_len
-        budget = min(max(budget if sc.chunked_prefill else limit, 2 * (sc.prefill_max_tokens or 1024)), limit)
+        one_step = sc.prefill_max_tokens if sc.chunked_prefill and sc.prefill_max_tokens else limit
+        budget = min(max(one_step, 2 * (sc.prefill_max_tokens or PROFILE_BUDGET)), limit)
         seqs = sc.max_num_seqs
         bs = spec.block_size
         dev = self.bundle.device

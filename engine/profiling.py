@@ -71,6 +71,9 @@ def _default_path(meta: dict) -> Path:
     return root / f"latency-{key}.json"
 
 
+PROFILE_BUDGET = 1024  # the prefill budget the profile probes up to twice of, where none is configured
+
+
 class Prober:
     """Times real steps (forward + sampling) of throwaway requests on the real cache. Only on an idle engine:
     before its worker starts, or inside `LLMEngine.run_idle`. With nothing in flight every cache block is
@@ -166,7 +169,7 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     capacity = engine.cache.num_blocks * engine.cache.block_size
     block = engine.cache.block_size  # mixed lengths round up to a block each
     sc = engine.config.scheduler
-    budget = sc.prefill_max_tokens or 1024
+    budget = sc.prefill_max_tokens or PROFILE_BUDGET
     grid = None
     if engine.bundle.device.type == "cuda":
         batches = tuple(B for B in GPU_BATCH_SIZES if B <= sc.max_num_seqs)

@@ -324,7 +324,7 @@ class Scheduler:
                 # an empty replica: a request that will decode alone gets the idle factor; a burst joining it, the
                 # window's (its own prefills will stall it as the last ones did)
                 alone = None if self.running else scale
-                busy = self._gate_scale(corr.factor(now))
+                busy = scale if self.running else self._gate_scale(corr.factor(now))
 
                 def itl(b: float, length: float) -> float:
                     if alone is not None and b <= 1.0:
