@@ -13,7 +13,8 @@ before that term), and the engine's own fit (`LatencyModel.fit_prefill` as the p
 which a GPU step costs the same whatever its size, and the attention term only where it extrapolates better), all on
 the same single-prompt steps measured at the profile's sizes. Prediction / measured per shape; the summary keeps
 them. Then hybrid steps (a prompt prefilled while 32 or 128 replies decode, context 512) beside the prefill and the
-decode each alone: the scheduler predicts a hybrid step as their sum.
+decode each alone: the scheduler predicts a hybrid step as their sum. On CUDA, steps with prefill rows that replay the
+mixed graphs (`mixed_graph_tokens`) beside the same steps run eagerly.
 
     python -m bench.prefill_model --model kairos-default --long 8000 --summary prefill-model-default
 """
@@ -107,6 +108,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "hybrid / (prefill + decode)"],
                     [[m["prompt"], m["decode_rows"], f"{m['hybrid_ms']:.1f}", f"{m['prefill_ms']:.1f}",
                       f"{m['decode_ms']:.1f}", f"{m['hybrid_over_sum']:.2f}"] for m in mixed])
+    # steps with prefill rows replayed from the mixed CUDA graphs (`engine.backends.cuda.graphs.MixedGraphs`)
+    # beside the same steps run eagerly (the graphs set aside for the second measurement)
+    graphs = getattr(eng.backend, "mixed", None)
+    replayed = []
+    for n, b in [(16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (128, 32), (128, 128), (256, 128)]:
+        if graphs is None or n + b > graphs.max_tokens or b > seqs:
+            continue
+        lens, ids = probe.lengths(b, ctx), probe._ids(n)
+        run = (lambda: probe.mixed_ms([ids], lens)) if b else (lambda: probe.prefill_ms([ids]))
+        with_graph = med(run)
+        eng.backend.mixed = None
+        try:
+            eager = med(run)
+        finally:
+            eng.backend.mixed = graphs
+        replayed.append({"prompt": n, "decode_rows": b, "ctx": ctx if b else 0, "graph_ms": round(with_graph, 2),
+                         "eager_ms": round(eager, 2), "eager_over_graph": round(eager / with_graph, 3)})
+    if replayed:
+        print_table(["prompt", "decode rows", "mixed graph ms", "eager ms", "eager / graph"],
+                    [[m["prompt"], m["decode_rows"], f"{m['graph_ms']:.1f}", f"{m['eager_ms']:.1f}",
+                      f"{m['eager_over_graph']:.2f}"] for m in replayed])
     if args.summary:
         worst = {k: max(abs(r[k] / r["measured_ms"] - 1.0) for r in out if not r["fitted_on"])
                  for k in ("model_ms", "linear_ms", "engine_fit_ms")}
@@ -117,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "coef_with_attention": list(with_sq.prefill_coef),
                                    "coef_linear": list(linear.prefill_coef[:2]),
                                    "engine_fit": {"theta": own.theta, "c0": own.c0, "coef": list(own.prefill_coef)},
-                                   "hybrid_steps": mixed,
+                                   "hybrid_steps": mixed, "mixed_graphs": replayed,
                                    "worst_error": worst}
         print(f"summary -> {write_summary(args.summary, command_line('bench.prefill_model', argv), head, figures)}")
     return 0

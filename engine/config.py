@@ -49,6 +49,11 @@ class EngineConfig(BaseModel):
                             "write, paged decode attention, sampling and packed GEMMs (built at first use with the "
                             "system's C++ compiler); CUDA: Triton paged attention and CUDA graphs. auto: where they "
                             "run, else torch ops; on: refuse to start without them; off: torch ops")
+    mixed_graph_tokens: int = Field(
+        512, ge=0, le=2048, description="CUDA: steps with prefill rows (prompts, chunks, and the decodes riding with "
+                                        "them) of up to this many tokens replay CUDA graphs captured at start (token "
+                                        "counts 16, 32, ... up to it), instead of an eager forward whose per-op host "
+                                        "work costs more than the GPU's; 0: they run eagerly")
     max_tokens_over_context: Literal["clamp", "reject"] = Field(
         "clamp", description="a max_tokens beyond the context left: clamp (the reply ends at the window, as an "
                              "in-process engine does) or reject (ValueError; the OpenAI server's 400, as vLLM's)")

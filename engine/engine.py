@@ -148,7 +148,8 @@ class LLMEngine:
         backend.attach(self.cache)
         self.runner = ModelRunner(b.model, self.cache, backend, decoder)
         self.overlap = config.overlap == "on" or (config.overlap == "auto" and b.device.type == "cuda")
-        self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len)
+        self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len,
+                                            config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject")

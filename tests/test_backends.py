@@ -82,6 +82,47 @@ def test_cuda_backend_chunked_prefill_over_the_paged_prefill_kernel(tiny_checkpo
     assert got == want
 
 
+def test_cuda_mixed_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
+    """Steps with prefill rows through the mixed graphs' buffers and metadata (`MixedGraphs`, run eagerly here: the
+    capture needs a GPU): prompt chunks over their cached prefix and the decodes riding with them, every row through
+    the paged prefill kernel at the padded size's fixed grid, the sampled rows first. Chunks of 16 tokens and a
+    64-token ladder (16, 32, 64): steps of every size, padded, and longer ones eager; the CPU backend's tokens."""
+    if not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    from engine.backends.cuda.graphs import MixedGraphs, mixed_ladder
+
+    assert mixed_ladder(0) == [] and mixed_ladder(64) == [16, 32, 64] and mixed_ladder(100) == [16, 32, 64, 100]
+    sched = SchedulerConfig(chunked_prefill=True, prefill_max_tokens=40, hybrid_steps=True, max_num_seqs=6)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(5, 45)), list(range(9, 30)), list(range(3, 6)), list(range(2, 80)), list(range(7, 20)),
+               list(range(5, 45))]
+    want, _ = _run(tiny_checkpoints["llama"], prompts, params, dtype="float32", backend="cpu", scheduler=sched)
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", block_size=4, dtype="float32",
+                                 backend="cuda", scheduler=sched))
+    try:
+        be = eng.backend
+        be.mixed = MixedGraphs(be, eng.runner.decoder, eng.cache, 64, sched.max_num_seqs, eng.max_model_len)
+        sizes, real = [], be.mixed.run
+
+        def run(step, prev=None):
+            sizes.append((step.num_tokens(), len(step.decode)))
+            return real(step, prev)
+        be.mixed.run = run
+        got = []
+        for s in eng.add_requests(prompts, params):
+            toks = []
+            for item in s:
+                assert item.error is None, item.error
+                toks.extend(item.token_ids or [])
+            got.append(toks)
+    finally:
+        eng.shutdown()
+    assert got == want
+    assert sizes and all(n <= 64 for n, _ in sizes)
+    assert any(d for _, d in sizes), sizes  # decodes rode with a prefill
+    assert any(n not in (16, 32, 64) for n, _ in sizes)  # padded
+
+
 @pytest.mark.parametrize("backend", ["torch", "cuda"])
 def test_mixed_greedy_and_sampled_batch_and_seeds_independent_of_the_batch(tiny_checkpoints, backend):
     """The API's default temperature 1.0 batched with greedy requests: the greedy ones keep their solo tokens, and a

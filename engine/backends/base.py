@@ -50,6 +50,10 @@ class StepBatch:
            prev_tokens: torch.Tensor | None = None) -> "StepBatch":
         return cls(prefill, decode, ends if ends is not None else [r.num_tokens for r in prefill], prev_tokens)
 
+    def num_tokens(self) -> int:
+        """The tokens the step computes: each prefill's chunk, one per decode."""
+        return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.ends)) + len(self.decode)
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`; to a GPU through pinned memory with a non-blocking copy (torch's blocking copy from
@@ -210,9 +214,11 @@ class Backend:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- running steps
-    def capture(self, runner: "ModelRunner", max_num_seqs: int = 0, max_model_len: int = 0) -> dict:
+    def capture(self, runner: "ModelRunner", max_num_seqs: int = 0, max_model_len: int = 0,
+                mixed_tokens: int = 0) -> dict:
         """Capture what the backend replays (CUDA graphs: decode steps up to `max_num_seqs` requests over contexts up
-        to `max_model_len`) once the model and cache are ready; returns a report."""
+        to `max_model_len`, and steps with prefill rows up to `mixed_tokens` tokens) once the model and cache are
+        ready; returns a report."""
         return {}
 
     def execute(self, runner: "ModelRunner", step: StepBatch) -> torch.Tensor:

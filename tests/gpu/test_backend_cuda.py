@@ -43,6 +43,32 @@ def test_graph_replays_equal_the_torch_reference(device, ckpts):
         eng.shutdown()
 
 
+def test_mixed_graph_replays_equal_the_torch_reference(device, ckpts):
+    """Steps with prefill rows (16-token chunks, and the decodes riding with them) replay the mixed graphs of up to
+    64 tokens, padded to 16 / 32 / 64, longer steps eager: the torch reference backend's tokens."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    sched = dict(chunked_prefill=True, prefill_max_tokens=40, hybrid_steps=True, max_num_seqs=8)
+    prompts = [*PROMPTS, list(range(4, 90))]
+    ref = make_engine(ckpts["llama"], device, backend="torch", **sched)
+    try:
+        want = _tokens(ref, prompts)
+    finally:
+        ref.shutdown()
+    eng = make_engine(ckpts["llama"], device, mixed_graph_tokens=64, **sched)
+    try:
+        assert eng.graph_report.get("mixed_graphs") == 3 and "mixed_error" not in eng.graph_report, eng.graph_report
+        mixed = eng.backend.mixed
+        runs = []
+        real = mixed.run
+        mixed.run = lambda step, prev=None: runs.append((step.num_tokens(), len(step.decode))) or real(step, prev)
+        got = _tokens(eng, prompts)
+        assert runs and all(n <= 64 for n, _ in runs) and any(d for _, d in runs), runs
+        assert got == want
+    finally:
+        eng.shutdown()
+
+
 def test_bf16_graphs_with_fused_ops_agree_with_the_reference(device, ckpts):
     """bf16 through the fused Triton ops and the graphs: the first greedy tokens agree with the torch reference
     backend in bf16 (near ties may differ later)."""

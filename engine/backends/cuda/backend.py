@@ -9,6 +9,9 @@ steps replayed from CUDA graphs (`graphs.py`).
 - Decode-only steps of our own decoder replay a CUDA graph captured at start for a ladder of batch sizes up to
   `max_num_seqs`, over persistent input buffers filled from pinned host memory (`graphs.DecodeGraphs`); the padding
   rows of a graph's batch write their K/V into a scratch block of the cache and attend to nothing.
+- Steps with prefill rows of up to `mixed_graph_tokens` tokens (prompts, chunks, and the decodes riding with them)
+  replay a graph of a token ladder (`graphs.MixedGraphs`), every row through `paged_prefill_attention`: an eager
+  forward of a few hundred tokens costs more host time (an op and a launch per layer) than the GPU spends on it.
 - Sampling runs on the device (`engine.sampler`; top-p rows through `sampling.py`, with no host sync), one copy of
   the step's tokens to the host.
 
@@ -109,13 +112,19 @@ class CudaBackend(TorchBackend):
             self.fused = fused
         self.fused_rope_write = self.fused is not None
         self.graphs = None  # `graphs.DecodeGraphs` once captured
+        self.mixed = None  # `graphs.MixedGraphs` once captured (steps with prefill rows)
+        self.mixed_tokens = 0  # the most tokens of a step with prefill rows that replays a graph (`capture`)
         self.num_heads = 0  # the model's query heads (`bind`)
         self.draw_width = 0  # the sampler's probability rows (`sampler`: its vocab_limit)
-        self.scratch_blocks = 1 if device.type == "cuda" else 0  # a graph's padding rows write here
+        self.scratch_blocks = 1  # a graph's padding rows write here (on a CPU device too: the graphs' buffers run
+        # eagerly there, under TRITON_INTERPRET=1, in the tests)
 
     def identity(self) -> dict:
-        return {"backend": self.name, "triton": self.ops is not None, "fused": self.fused is not None,
-                "graphs": self.device.type == "cuda" and self.ops is not None and self.kernels_setting != "off"}
+        graphs = self.device.type == "cuda" and self.ops is not None and self.kernels_setting != "off"
+        out = {"backend": self.name, "triton": self.ops is not None, "fused": self.fused is not None, "graphs": graphs}
+        if graphs and self.mixed_tokens:
+            out["mixed_graph_tokens"] = self.mixed_tokens
+        return out
 
     # ---------------------------------------------------------------- the model's ops
     def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]) -> TorchMatmuls:
@@ -233,9 +242,10 @@ class CudaBackend(TorchBackend):
             return {"kernel_variants": 0}
         return {"kernel_variants": launches, "compile_s": round(time.perf_counter() - t0, 2)}
 
-    def capture(self, runner, max_num_seqs: int = 0, max_model_len: int = 0) -> dict:
+    def capture(self, runner, max_num_seqs: int = 0, max_model_len: int = 0, mixed_tokens: int = 0) -> dict:
         """At start, over the serving cache: compile every Triton kernel variant a step can need (`compile_variants`,
-        and the top-p draw), then capture the decode graphs, where the decoder can be captured."""
+        and the top-p draw), then capture the decode graphs, where the decoder can be captured, and the mixed graphs
+        (steps with prefill rows of up to `mixed_tokens` tokens; 0: none)."""
         if self.device.type != "cuda" or self.ops is None:
             return {"graphs": 0}
         report = self.compile_kernels(max_model_len)
@@ -245,15 +255,29 @@ class CudaBackend(TorchBackend):
             log.warning("decode graphs off: this model's RoPE (%s) is computed each step",  # host, which a capture
                         getattr(runner.decoder.rotary, "rope_type", None))  # refuses
             return {"graphs": 0, **report}
-        from engine.backends.cuda.graphs import DecodeGraphs
+        from engine.backends.cuda.graphs import DecodeGraphs, MixedGraphs
         self.graphs = DecodeGraphs(self, runner.decoder, self.cache, max_num_seqs, max_model_len)
         runner.decoder.tables_captured = True
-        return {**self.graphs.capture(), **report}
+        report = {**self.graphs.capture(), **report}
+        if mixed_tokens > 0:
+            self.mixed_tokens = mixed_tokens
+            self.mixed = MixedGraphs(self, runner.decoder, self.cache, mixed_tokens, max_num_seqs, max_model_len)
+            try:
+                report.update(self.mixed.capture(self.graphs.pool))
+            except Exception as e:  # noqa: BLE001 - those steps run eagerly, as without the graphs
+                log.warning("mixed graphs not captured; steps with prefill rows run eagerly", exc_info=True)
+                self.mixed.release()
+                self.mixed, self.mixed_tokens = None, 0
+                report.update(mixed_graphs=0, mixed_error=f"{type(e).__name__}: {e}")
+        return report
 
     def execute(self, runner, step: StepBatch) -> torch.Tensor:
         g = self.graphs
-        if g is not None and not step.prefill and 0 < len(step.decode) <= g.max_batch:
-            return g.replay(step.decode, step.prev_tokens)
+        if not step.prefill:
+            if g is not None and 0 < len(step.decode) <= g.max_batch:
+                return g.replay(step.decode, step.prev_tokens)
+        elif self.mixed is not None and self.mixed.fits(step.num_tokens(), len(step.prefill) + len(step.decode)):
+            return self.mixed.run(step, step.prev_tokens)
         return runner.forward(self.prepare(step), step.prev_tokens)
 
     def release(self) -> None:
@@ -262,4 +286,7 @@ class CudaBackend(TorchBackend):
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.mixed is not None:
+            self.mixed.release()
+            self.mixed = None
         super().release()

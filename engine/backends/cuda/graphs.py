@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps of our decoder (`engine.decoder.KairosDecoder`).
+"""CUDA graphs for steps of our decoder (`engine.decoder.KairosDecoder`): decode-only steps (`DecodeGraphs`), and
+steps with prefill rows up to a token count (`MixedGraphs`).
 
 At start, one graph is captured per batch size of a ladder up to `max_num_seqs` (1, 2, 4, 8, then every 16, as
 nano-vllm does), largest first, all sharing one memory pool. Each graph reads persistent input buffers: token ids,
@@ -17,7 +18,7 @@ import time
 import torch
 
 from core.request import Request
-from engine.backends.base import resolve_placeholders
+from engine.backends.base import pack, resolve_placeholders
 from engine.backends.cuda.backend import CudaAttnMetadata
 
 log = logging.getLogger("kairos.cuda")
@@ -168,3 +169,163 @@ class DecodeGraphs:
         self._copied = [None, None]
         self._workspaces.clear()
         self.pool = None
+
+
+MIXED_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token counts the mixed graphs are captured at
+
+
+def mixed_ladder(max_tokens: int) -> list[int]:
+    """The token counts of the mixed graphs: those of `MIXED_SIZES` below `max_tokens`, then `max_tokens` (none for
+    0)."""
+    if max_tokens <= 0:
+        return []
+    return [t for t in MIXED_SIZES if t < max_tokens] + [max_tokens]
+
+
+class MixedGraphs:
+    """CUDA graphs for steps with prefill rows (prompts, prefill chunks, and the decodes riding with them), up to
+    `max_tokens` tokens, where an eager forward costs more host time (a Python op and a launch per layer and op)
+    than the GPU spends on its tokens.
+
+    One graph per token count of `mixed_ladder`, captured at start after the decode graphs and into their memory
+    pool. A step of n tokens replays the smallest graph of at least n. Every row attends through the paged prefill
+    kernel (`triton_attention.paged_prefill_attention`): each prompt chunk is a sequence of its new tokens over its
+    cache, each decode a sequence of one token, all of them written to the cache first (the fused RoPE + cache
+    write). The kernel's grid is fixed by the graph's size: t tokens and up to min(t, `max_seqs`) sequences, each
+    sequence at least one token; the unused sequences have no query tokens and their programs exit at once, and the
+    padding rows (token 0, position 0, the scratch slot) write into the scratch block and belong to no sequence.
+    The logits are computed for min(t, `max_seqs`) rows, the step's sampled rows first.
+
+    With `capture` off (`run` without graphs) the same buffers and metadata run eagerly: how the CPU checks this
+    path under TRITON_INTERPRET=1."""
+
+    def __init__(self, backend, decoder, cache, max_tokens: int, max_seqs: int, max_model_len: int) -> None:
+        if not cache.scratch_blocks:
+            raise ValueError("mixed graphs need a scratch block in the cache for their padding rows")
+        self.backend, self.decoder, self.cache = backend, decoder, cache
+        self.device = backend.device
+        self.sizes = mixed_ladder(max_tokens)
+        self.max_tokens = self.sizes[-1] if self.sizes else 0
+        self.max_seqs = max(1, max_seqs)
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // cache.block_size)
+        dev, T, S, W = self.device, max(1, self.max_tokens), self.seqs_of(max(1, self.max_tokens)), self.width
+        self.ids = torch.zeros(T, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(T, dtype=torch.long, device=dev)
+        self.slots = torch.full((T,), cache.scratch_slot, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(S, dtype=torch.long, device=dev)  # the sampled rows, then row 0 as padding
+        self.starts = torch.zeros(S + 1, dtype=torch.int32, device=dev)  # each sequence's first row
+        self.lens = torch.zeros(S, dtype=torch.int32, device=dev)  # each sequence's tokens in the cache
+        self.tables = torch.zeros(S, W, dtype=torch.int32, device=dev)
+        pin = self.device.type == "cuda"
+        # pinned host staging, two sets used in turn (as `DecodeGraphs`): one long row per token-sized buffer, one
+        # int32 row of starts and lengths, and the block tables
+        self.h_tok = torch.zeros(2, 3, T, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
+        self.h_rows = torch.zeros(2, S, dtype=torch.long, pin_memory=pin)
+        self.h_seq = torch.zeros(2, 2 * S + 1, dtype=torch.int32, pin_memory=pin)  # starts [S + 1], lens [S]
+        self.h_tables = torch.zeros(2, S, W, dtype=torch.int32, pin_memory=pin)
+        self._set = 0
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._metas: dict[int, CudaAttnMetadata] = {}
+
+    def seqs_of(self, t: int) -> int:
+        """Sequences a graph of t tokens holds: each has at least one token."""
+        return min(t, self.max_seqs)
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens and num_seqs <= self.seqs_of(self.max_tokens)
+
+    def _meta(self, t: int) -> CudaAttnMetadata:
+        if t not in self._metas:
+            s = self.seqs_of(t)
+            self._metas[t] = CudaAttnMetadata(
+                self.backend, self.cache, self.slots[:t], self.max_model_len - 1, workspace=self.backend.workspace,
+                paged_start=0, paged_end=t, paged_tables=self.tables[:s], paged_query_start=self.starts[:s + 1],
+                paged_seq_lens=self.lens[:s], paged_max_query=t)
+        return self._metas[t]
+
+    def _forward(self, t: int) -> torch.Tensor:
+        return self.decoder(self.ids[:t], self.pos[:t], self.rows[:self.seqs_of(t)], self._meta(t))
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> dict:
+        t0 = time.perf_counter()
+        stream = _side_stream(self.device)
+        for t in reversed(self.sizes):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # compile this size's kernels, let the allocator settle
+                self._forward(t)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(t)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[t] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        report = {"mixed_graphs": len(self.sizes), "mixed_max_tokens": self.max_tokens,
+                  "mixed_capture_s": round(time.perf_counter() - t0, 2)}
+        log.info("captured mixed graphs: %s", report)
+        return report
+
+    def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the step's sampled rows (`prefill + decode` order): the step laid into the buffers of the
+        smallest size that holds it, then that size's graph replayed (run eagerly where none was captured). The
+        caller checked `fits`."""
+        bs = self.cache.block_size
+        p = pack(step, bs)
+        n = len(p.tokens)
+        t = next(s for s in self.sizes if s >= n)
+        s_cap = self.seqs_of(t)
+        k = self._set
+        self._set ^= 1
+        if self._copied[k] is not None:  # this set is free once its copies (two steps ago) are done
+            self._copied[k].synchronize()
+        h_tok, h_rows, h_seq, h_tables = self.h_tok[k], self.h_rows[k], self.h_seq[k], self.h_tables[k]
+        pad = t - n
+        h_tok[0, :t] = torch.tensor(p.tokens + [0] * pad, dtype=torch.long)
+        h_tok[1, :t] = torch.tensor(p.positions + [0] * pad, dtype=torch.long)
+        h_tok[2, :t] = torch.tensor(p.slots + [self.cache.scratch_slot] * pad, dtype=torch.long)
+        rows = p.rows
+        h_rows[:s_cap] = torch.tensor(rows + [0] * (s_cap - len(rows)), dtype=torch.long)
+        starts: list[int] = []
+        lens: list[int] = []
+        tables = h_tables.numpy()
+        seqs = [(q_start, end, step.prefill[i].block_table) for i, q_start, _, end in p.spans]
+        seqs += [(p.decode_start + j, r.num_tokens, r.block_table) for j, r in enumerate(step.decode)]
+        for i, (q_start, end, table) in enumerate(seqs):
+            nb = -(-end // bs)
+            tables[i, :nb] = table[:nb]
+            starts.append(q_start)
+            lens.append(end)
+        m = len(seqs)
+        starts += [n] * (s_cap + 1 - m)
+        lens += [0] * (s_cap - m)
+        h_seq[:s_cap + 1] = torch.tensor(starts, dtype=torch.int32)
+        h_seq[s_cap + 1:2 * s_cap + 1] = torch.tensor(lens, dtype=torch.int32)
+        nb = not self.device.type == "cpu"
+        self.ids[:t].copy_(h_tok[0, :t], non_blocking=nb)
+        self.pos[:t].copy_(h_tok[1, :t], non_blocking=nb)
+        self.slots[:t].copy_(h_tok[2, :t], non_blocking=nb)
+        self.rows[:s_cap].copy_(h_rows[:s_cap], non_blocking=nb)
+        self.starts[:s_cap + 1].copy_(h_seq[:s_cap + 1], non_blocking=nb)
+        self.lens[:s_cap].copy_(h_seq[s_cap + 1:2 * s_cap + 1], non_blocking=nb)
+        if m:
+            self.tables[:m].copy_(h_tables[:m], non_blocking=nb)  # whole rows: one contiguous copy
+        if prev_tokens is not None:  # overlap scheduling: the last step's tokens, still on the device
+            self.ids[:t].copy_(resolve_placeholders(self.ids[:t], prev_tokens))
+        if self.device.type == "cuda":
+            self._copied[k] = torch.cuda.Event()
+            self._copied[k].record()
+        if t in self.graphs:
+            graph, out = self.graphs[t]
+            graph.replay()
+        else:
+            out = self._forward(t)
+        return out[:len(rows)]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self._metas.clear()
+        self._copied = [None, None]
