@@ -98,6 +98,12 @@ _REJECT_HINTS = {  # what a client can do about a rejection, after its reason
 BEST_TTFT_HEADER, BEST_TPOT_HEADER = "x-kairos-slo-best-ttft-ms", "x-kairos-slo-best-tpot-ms"
 
 
+# The SLOs offered with a 400 slo_unattainable sit this far above the idle floor the rejection was judged against: the
+# floor follows what the replica measures (the gate's idle ITL correction, the TTFT margin), so it moves a little
+# from one request to the next, and an SLO taken from the offer should still be accepted after it has.
+OFFER_HEADROOM = 1.1
+
+
 def _ms_up(v: float) -> str:
     """A bound in ms for a header or message, rounded up to 0.1 ms (the TPOT bound is strict: one step above)."""
     return f"{math.floor(v * 10.0 + 1.0) / 10.0:.1f}"
@@ -105,11 +111,13 @@ def _ms_up(v: float) -> str:
 
 def unattainable(item: RequestOutput, headers: dict[str, str]) -> APIError:
     """400 `slo_unattainable`: an SLO stricter than an idle replica could meet for this request, by the latency
-    model. Not retryable; the message and the `x-kairos-slo-best-*` headers give what the deployment can offer."""
+    model. Not retryable; the message and the `x-kairos-slo-best-*` headers give what the deployment offers (the
+    idle floor with `OFFER_HEADROOM`)."""
     sb = item.served_by
     best = {}
     if sb is not None and sb.best_ttft_ms is not None and sb.best_tpot_ms is not None:
-        best = {BEST_TTFT_HEADER: _ms_up(sb.best_ttft_ms), BEST_TPOT_HEADER: _ms_up(sb.best_tpot_ms)}
+        best = {BEST_TTFT_HEADER: _ms_up(sb.best_ttft_ms * OFFER_HEADROOM),
+                BEST_TPOT_HEADER: _ms_up(sb.best_tpot_ms * OFFER_HEADROOM)}
     offer = (f"; the best this deployment offers for this request is a TTFT SLO of {best[BEST_TTFT_HEADER]} ms and "
              f"a TPOT SLO of {best[BEST_TPOT_HEADER]} ms (x-kairos-slo-best-ttft-ms / -tpot-ms)") if best else ""
     return APIError(400, "SLO unattainable: no replica of this deployment can meet the requested x-slo-ttft-ms / "

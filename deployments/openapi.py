@@ -58,10 +58,12 @@ class ErrorResponse(BaseModel):
 REJECTION_HEADERS = {  # the headers of an SLO rejection (400 slo_unattainable, or 429)
     "x-kairos-reject-reason": {"description": "why the SLO admission control turned the request away (see the 400 and "
                                               "429 responses)", "schema": {"type": "string"}},
-    "x-kairos-slo-best-ttft-ms": {"description": "with slo_unattainable: the strictest x-slo-ttft-ms an idle replica "
-                                                 "accepts for this request", "schema": {"type": "number"}},
-    "x-kairos-slo-best-tpot-ms": {"description": "with slo_unattainable: the strictest x-slo-tpot-ms an idle replica "
-                                                 "accepts for this request", "schema": {"type": "number"}},
+    "x-kairos-slo-best-ttft-ms": {"description": "with slo_unattainable: the x-slo-ttft-ms this deployment offers "
+                                                 "for this request (what an idle replica accepts, with 10% headroom "
+                                                 "for its measured steps)", "schema": {"type": "number"}},
+    "x-kairos-slo-best-tpot-ms": {"description": "with slo_unattainable: the x-slo-tpot-ms this deployment offers "
+                                                 "for this request (what an idle replica accepts, with 10% headroom "
+                                                 "for its measured steps)", "schema": {"type": "number"}},
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying (429: predicted from the replica's "
                                               "queue, 1 to 60)", "schema": {"type": "integer"}}}

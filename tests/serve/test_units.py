@@ -1132,8 +1132,9 @@ def test_rejections_answer_400_unattainable_or_429_busy_with_their_headers():
     e = item_failure(unattainable, {"x-kairos-request-id": "r"}, 1)
     assert (e.status, e.type, e.code) == (400, "invalid_request_error", "slo_unattainable")
     assert e.headers["x-kairos-reject-reason"] == "slo_unattainable" and "Retry-After" not in e.headers
-    assert e.headers["x-kairos-slo-best-ttft-ms"] == "160.1" and e.headers["x-kairos-slo-best-tpot-ms"] == "22.4"
-    assert "160.1 ms" in e.message and "22.4 ms" in e.message and e.headers["x-kairos-request-id"] == "r"
+    # the offer: the idle floor with 10% headroom (it moves with what the replica measures), rounded up
+    assert e.headers["x-kairos-slo-best-ttft-ms"] == "176.1" and e.headers["x-kairos-slo-best-tpot-ms"] == "24.6"
+    assert "176.1 ms" in e.message and "24.6 ms" in e.message and e.headers["x-kairos-request-id"] == "r"
     busy = dataclasses.replace(unattainable, reject_reason="ttft_unattainable",
                                served_by=ServedBy("rep", 1.0, 4, 160.0, 22.3))
     e = item_failure(busy, {}, 1)
