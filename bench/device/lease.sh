@@ -3,7 +3,8 @@
 # start), in two calls of this script, the second at once on the warm host (it goes back after 30 s idle):
 #   here first: bash bench/device/bundle.sh
 #   call 1: run(carry=[".dev"], timeout_s=590, command="bash bench/device/lease.sh 1")
-#           slo_gpu.sh (the SLO experiment) within LIMIT_S (default 550 s)
+#           the graphs' check (tests/gpu's graph tests, up to 150 s: without the mixed graphs if they fail), then
+#           slo_gpu.sh (the SLO experiment) within what is left of 550 s
 #   call 2: run(carry=[".dev"], timeout_s=LEFT - 20, command="BUDGET_S=<LEFT - 40> KAIROS_COMMIT=<sha> bash
 #           bench/device/lease.sh 2"), LEFT the device time the lease has left
 #           slo_gpu.sh RESUME=1 (only what call 1 did not finish: all the time there is if that is much, else all
@@ -15,7 +16,25 @@ T0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-240} - ($(date +%s) - T0) )); }
 case "${1:-}" in
   1)
-    LIMIT_S=${LIMIT_S:-550} bash bench/device/slo_gpu.sh ;;
+    # first the CUDA graphs of steps with prefill rows (MixedGraphs, on by default) against the torch reference, and
+    # the decode graphs beside them: if they fail, the SLO experiment serves without them (mixed_graph_tokens=0)
+    # rather than on a broken path (MIXED_CHECK=0 skips this)
+    if [ "${MIXED_CHECK:-1}" = 1 ]; then
+      t0=$T0
+      . bench/device/common.sh  # (it sets T0: the lease's is kept)
+      T0=$t0
+      unpack_site
+      mkdir -p "${OUT:-/tmp}"
+      timeout -s INT -k 10 "${MIXED_CHECK_S:-150}" python3 -m pytest -q -x -p no:cacheprovider \
+        tests/gpu/test_backend_cuda.py -k "mixed_graph or graph_replays" > "${OUT:-/tmp}/mixed-check.log" 2>&1
+      rc=$?
+      tail -4 "${OUT:-/tmp}/mixed-check.log"
+      if [ "$rc" -ne 0 ]; then
+        export SERVE="mixed_graph_tokens=0 ${SERVE:-}"
+        echo "lease.sh: the graphs' check failed (exit $rc): the SLO experiment runs with SERVE='$SERVE'"
+      fi
+    fi
+    LIMIT_S=${LIMIT_S:-$(( 550 - ($(date +%s) - T0) ))} bash bench/device/slo_gpu.sh ;;
   2)
     l=$(left)
     RESUME=1 LIMIT_S=${SLO_S:-$(( l >= 320 ? l - 160 : l - 10 ))} bash bench/device/slo_gpu.sh
