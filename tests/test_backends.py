@@ -84,14 +84,15 @@ def test_cuda_backend_chunked_prefill_over_the_paged_prefill_kernel(tiny_checkpo
 
 def test_cuda_mixed_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
     """Steps with prefill rows through the mixed graphs' buffers and metadata (`MixedGraphs`, run eagerly here: the
-    capture needs a GPU): prompt chunks over their cached prefix and the decodes riding with them, every row through
-    the paged prefill kernel at the padded size's fixed grid, the sampled rows first. Chunks of 16 tokens and a
-    64-token ladder (16, 32, 64): steps of every size, padded, and longer ones eager; the CPU backend's tokens."""
+    capture needs a GPU): the decodes riding with prompt chunks first, through the decode kernel over the size's
+    fixed entries, the chunks (over their cached prefix) through the prefill kernel after, the sampled rows first.
+    Chunks of up to 40 tokens and a 64-token ladder (16, 32, 64): steps of every size, padded, and longer ones eager;
+    the CPU backend's tokens."""
     if not _triton_interpreted():
         pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
     from engine.backends.cuda.graphs import MixedGraphs, mixed_ladder
 
-    assert mixed_ladder(0) == [] and mixed_ladder(64) == [16, 32, 64] and mixed_ladder(100) == [16, 32, 64, 100]
+    assert mixed_ladder(0) == [] and mixed_ladder(64) == [16, 32, 64] and mixed_ladder(100) == [16, 32, 64, 96, 100]
     sched = SchedulerConfig(chunked_prefill=True, prefill_max_tokens=40, hybrid_steps=True, max_num_seqs=6)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [list(range(5, 45)), list(range(9, 30)), list(range(3, 6)), list(range(2, 80)), list(range(7, 20)),

@@ -10,8 +10,9 @@ steps replayed from CUDA graphs (`graphs.py`).
   `max_num_seqs`, over persistent input buffers filled from pinned host memory (`graphs.DecodeGraphs`); the padding
   rows of a graph's batch write their K/V into a scratch block of the cache and attend to nothing.
 - Steps with prefill rows of up to `mixed_graph_tokens` tokens (prompts, chunks, and the decodes riding with them)
-  replay a graph of a token ladder (`graphs.MixedGraphs`), every row through `paged_prefill_attention`: an eager
-  forward of a few hundred tokens costs more host time (an op and a launch per layer) than the GPU spends on it.
+  replay a graph of a token ladder (`graphs.MixedGraphs`: the decodes through the decode kernel, the chunks through
+  `paged_prefill_attention`, both at grids fixed by the graph's size): an eager forward of a few hundred tokens
+  costs more host time (an op and a launch per layer) than the GPU spends on it.
 - Sampling runs on the device (`engine.sampler`; top-p rows through `sampling.py`, with no host sync), one copy of
   the step's tokens to the host.
 
@@ -204,16 +205,18 @@ class CudaBackend(TorchBackend):
         q = query if query.dtype == cache.dtype else query.to(cache.dtype)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.attend_prefills(layer, q, key, value, meta, scaling, out)
-        if meta.paged_end > meta.paged_start:
-            rows = slice(meta.paged_start, meta.paged_end)
-            self.ops.paged_prefill_attention(q[rows], kc, vc, meta.paged_tables, meta.paged_query_start,
-                                             meta.paged_seq_lens, scale, out[rows],
-                                             max_query_len=meta.paged_max_query)
+        # the decodes before the paged prefills: a mixed graph's decode entries past its step's decodes (context 0)
+        # write zeros into rows the prefill kernel then writes (`graphs.MixedGraphs`)
         if meta.decode_tables is not None:
             n = meta.decode_tables.shape[0]
             rows = slice(meta.decode_start, meta.decode_start + n)
             self.ops.paged_decode_attention(q[rows], kc, vc, meta.decode_tables, meta.decode_lens, scale, out[rows],
                                             num_splits=meta.num_splits, workspace=meta.workspace_splits)
+        if meta.paged_end > meta.paged_start:
+            rows = slice(meta.paged_start, meta.paged_end)
+            self.ops.paged_prefill_attention(q[rows], kc, vc, meta.paged_tables, meta.paged_query_start,
+                                             meta.paged_seq_lens, scale, out[rows],
+                                             max_query_len=meta.paged_max_query)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     # ---------------------------------------------------------------- graphs
@@ -276,7 +279,7 @@ class CudaBackend(TorchBackend):
         if not step.prefill:
             if g is not None and 0 < len(step.decode) <= g.max_batch:
                 return g.replay(step.decode, step.prev_tokens)
-        elif self.mixed is not None and self.mixed.fits(step.num_tokens(), len(step.prefill) + len(step.decode)):
+        elif self.mixed is not None and self.mixed.fits(step.num_tokens(), len(step.prefill), len(step.decode)):
             return self.mixed.run(step, step.prev_tokens)
         return runner.forward(self.prepare(step), step.prev_tokens)
 

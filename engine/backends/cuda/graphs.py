@@ -18,7 +18,7 @@ import time
 import torch
 
 from core.request import Request
-from engine.backends.base import pack, resolve_placeholders
+from engine.backends.base import resolve_placeholders
 from engine.backends.cuda.backend import CudaAttnMetadata
 
 log = logging.getLogger("kairos.cuda")
@@ -171,7 +171,9 @@ class DecodeGraphs:
         self.pool = None
 
 
-MIXED_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # token counts the mixed graphs are captured at
+# token counts the mixed graphs are captured at (steps of 64 above 256: a step pads by under a quarter)
+MIXED_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+MIXED_MAX_PROMPTS = 32  # prompts (and chunks) a mixed step may hold; a step with more runs eagerly
 
 
 def mixed_ladder(max_tokens: int) -> list[int]:
@@ -188,16 +190,17 @@ class MixedGraphs:
     than the GPU spends on its tokens.
 
     One graph per token count of `mixed_ladder`, captured at start after the decode graphs and into their memory
-    pool. A step of n tokens replays the smallest graph of at least n. Every row attends through the paged prefill
-    kernel (`triton_attention.paged_prefill_attention`): each prompt chunk is a sequence of its new tokens over its
-    cache, each decode a sequence of one token, all of them written to the cache first (the fused RoPE + cache
-    write). The kernel's grid is fixed by the graph's size: t tokens and up to min(t, `max_seqs`) sequences, each
-    sequence at least one token; the unused sequences have no query tokens and their programs exit at once, and the
-    padding rows (token 0, position 0, the scratch slot) write into the scratch block and belong to no sequence.
-    The logits are computed for min(t, `max_seqs`) rows, the step's sampled rows first.
+    pool; a step of n tokens replays the smallest graph of at least n. A graph of t tokens lays out the step as:
+    rows [0, B) its B decodes, then its prompt chunks, then padding rows (token 0, position 0, the scratch slot, in
+    no sequence). Everything is written to the cache first (the fused RoPE + cache write), then attention runs
+    over the cache in two fixed-grid calls: the decode kernel over `seqs_of(t)` entries at rows [0, seqs_of(t)) (its
+    split count fixed at capture; the entries past B have context 0 and write zeros into their rows), then the
+    paged prefill kernel over up to `prompts_of(t)` chunks (the unused ones have no query tokens; their programs
+    exit at once), which writes the chunks' rows after. The logits are computed for `seqs_of(t)` rows, the step's
+    sampled rows first (in `prefill + decode` order).
 
-    With `capture` off (`run` without graphs) the same buffers and metadata run eagerly: how the CPU checks this
-    path under TRITON_INTERPRET=1."""
+    Without a captured graph (`run` before `capture`, or on a CPU device) the same buffers and metadata run eagerly:
+    how the CPU checks this path under TRITON_INTERPRET=1."""
 
     def __init__(self, backend, decoder, cache, max_tokens: int, max_seqs: int, max_model_len: int) -> None:
         if not cache.scratch_blocks:
@@ -209,40 +212,56 @@ class MixedGraphs:
         self.max_seqs = max(1, max_seqs)
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // cache.block_size)
-        dev, T, S, W = self.device, max(1, self.max_tokens), self.seqs_of(max(1, self.max_tokens)), self.width
+        T = max(1, self.max_tokens)
+        dev, S, P, W = self.device, self.seqs_of(T), self.prompts_of(T), self.width
         self.ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.pos = torch.zeros(T, dtype=torch.long, device=dev)
         self.slots = torch.full((T,), cache.scratch_slot, dtype=torch.long, device=dev)
         self.rows = torch.zeros(S, dtype=torch.long, device=dev)  # the sampled rows, then row 0 as padding
-        self.starts = torch.zeros(S + 1, dtype=torch.int32, device=dev)  # each sequence's first row
-        self.lens = torch.zeros(S, dtype=torch.int32, device=dev)  # each sequence's tokens in the cache
-        self.tables = torch.zeros(S, W, dtype=torch.int32, device=dev)
+        self.d_lens = torch.zeros(S, dtype=torch.int32, device=dev)  # each decode's context (0: no decode)
+        self.d_tables = torch.zeros(S, W, dtype=torch.int32, device=dev)
+        self.starts = torch.zeros(P + 1, dtype=torch.int32, device=dev)  # each chunk's first row, then the end
+        self.lens = torch.zeros(P, dtype=torch.int32, device=dev)  # each chunk's sequence's tokens in the cache
+        self.tables = torch.zeros(P, W, dtype=torch.int32, device=dev)
         pin = self.device.type == "cuda"
-        # pinned host staging, two sets used in turn (as `DecodeGraphs`): one long row per token-sized buffer, one
-        # int32 row of starts and lengths, and the block tables
+        # pinned host staging, two sets used in turn (as `DecodeGraphs`)
         self.h_tok = torch.zeros(2, 3, T, dtype=torch.long, pin_memory=pin)  # ids, positions, slots
         self.h_rows = torch.zeros(2, S, dtype=torch.long, pin_memory=pin)
-        self.h_seq = torch.zeros(2, 2 * S + 1, dtype=torch.int32, pin_memory=pin)  # starts [S + 1], lens [S]
-        self.h_tables = torch.zeros(2, S, W, dtype=torch.int32, pin_memory=pin)
+        self.h_int = torch.zeros(2, S + 2 * P + 1, dtype=torch.int32, pin_memory=pin)  # d_lens, starts, lens
+        self.h_dtables = torch.zeros(2, S, W, dtype=torch.int32, pin_memory=pin)
+        self.h_tables = torch.zeros(2, P, W, dtype=torch.int32, pin_memory=pin)
         self._set = 0
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._metas: dict[int, CudaAttnMetadata] = {}
+        self._workspaces: list[torch.Tensor] = []
 
     def seqs_of(self, t: int) -> int:
-        """Sequences a graph of t tokens holds: each has at least one token."""
+        """Requests a graph of t tokens holds (each has at least one token); also its decode entries."""
         return min(t, self.max_seqs)
 
-    def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        return 0 < num_tokens <= self.max_tokens and num_seqs <= self.seqs_of(self.max_tokens)
+    def prompts_of(self, t: int) -> int:
+        """Prompt chunks a graph of t tokens holds."""
+        return min(self.seqs_of(t), MIXED_MAX_PROMPTS)
+
+    def fits(self, num_tokens: int, num_prompts: int, num_decodes: int) -> bool:
+        return (0 < num_tokens <= self.max_tokens and num_prompts <= self.prompts_of(self.max_tokens)
+                and num_prompts + num_decodes <= self.seqs_of(self.max_tokens))
 
     def _meta(self, t: int) -> CudaAttnMetadata:
         if t not in self._metas:
-            s = self.seqs_of(t)
+            s, p = self.seqs_of(t), self.prompts_of(t)
+            ops, cache = self.backend.ops, self.cache
+            heads, hd = self.decoder.num_heads, cache.head_dim
+            splits = ops.choose_num_splits(s, cache.num_kv_heads, self.width * cache.block_size,
+                                           ops.num_sms_of(self.device))
+            ws = ops.alloc_decode_workspace(s, heads, hd, splits, self.device)
+            self._workspaces.append(ws)
             self._metas[t] = CudaAttnMetadata(
-                self.backend, self.cache, self.slots[:t], self.max_model_len - 1, workspace=self.backend.workspace,
-                paged_start=0, paged_end=t, paged_tables=self.tables[:s], paged_query_start=self.starts[:s + 1],
-                paged_seq_lens=self.lens[:s], paged_max_query=t)
+                self.backend, cache, self.slots[:t], self.max_model_len - 1, workspace=self.backend.workspace,
+                decode_start=0, decode_tables=self.d_tables[:s], decode_lens=self.d_lens[:s], num_splits=splits,
+                workspace_splits=ws, paged_start=0, paged_end=t, paged_tables=self.tables[:p],
+                paged_query_start=self.starts[:p + 1], paged_seq_lens=self.lens[:p], paged_max_query=t)
         return self._metas[t]
 
     def _forward(self, t: int) -> torch.Tensor:
@@ -274,45 +293,65 @@ class MixedGraphs:
         smallest size that holds it, then that size's graph replayed (run eagerly where none was captured). The
         caller checked `fits`."""
         bs = self.cache.block_size
-        p = pack(step, bs)
-        n = len(p.tokens)
+        decode, prefill = step.decode, step.prefill
+        B = len(decode)
+        n = step.num_tokens()
         t = next(s for s in self.sizes if s >= n)
-        s_cap = self.seqs_of(t)
+        s_cap, p_cap = self.seqs_of(t), self.prompts_of(t)
         k = self._set
         self._set ^= 1
         if self._copied[k] is not None:  # this set is free once its copies (two steps ago) are done
             self._copied[k].synchronize()
-        h_tok, h_rows, h_seq, h_tables = self.h_tok[k], self.h_rows[k], self.h_seq[k], self.h_tables[k]
-        pad = t - n
-        h_tok[0, :t] = torch.tensor(p.tokens + [0] * pad, dtype=torch.long)
-        h_tok[1, :t] = torch.tensor(p.positions + [0] * pad, dtype=torch.long)
-        h_tok[2, :t] = torch.tensor(p.slots + [self.cache.scratch_slot] * pad, dtype=torch.long)
-        rows = p.rows
-        h_rows[:s_cap] = torch.tensor(rows + [0] * (s_cap - len(rows)), dtype=torch.long)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        d_tables, tables = self.h_dtables[k].numpy(), self.h_tables[k].numpy()
+        d_lens: list[int] = []
+        for i, r in enumerate(decode):  # rows [0, B)
+            q = r.num_tokens - 1
+            table = r.block_table
+            ids.append(r.token_ids[-1])
+            pos.append(q)
+            slots.append(table[q // bs] * bs + q % bs)
+            nb = q // bs + 1
+            d_tables[i, :nb] = table[:nb]
+            d_lens.append(r.num_tokens)
         starts: list[int] = []
         lens: list[int] = []
-        tables = h_tables.numpy()
-        seqs = [(q_start, end, step.prefill[i].block_table) for i, q_start, _, end in p.spans]
-        seqs += [(p.decode_start + j, r.num_tokens, r.block_table) for j, r in enumerate(step.decode)]
-        for i, (q_start, end, table) in enumerate(seqs):
+        sampled: list[int] = []
+        for j, (r, end) in enumerate(zip(prefill, step.ends)):  # then each chunk's rows
+            start, table = r.num_computed_tokens, r.block_table
+            starts.append(len(ids))
+            ids.extend(r.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend([table[q // bs] * bs + q % bs for q in range(start, end)])
             nb = -(-end // bs)
-            tables[i, :nb] = table[:nb]
-            starts.append(q_start)
+            tables[j, :nb] = table[:nb]
             lens.append(end)
-        m = len(seqs)
-        starts += [n] * (s_cap + 1 - m)
-        lens += [0] * (s_cap - m)
-        h_seq[:s_cap + 1] = torch.tensor(starts, dtype=torch.int32)
-        h_seq[s_cap + 1:2 * s_cap + 1] = torch.tensor(lens, dtype=torch.int32)
-        nb = not self.device.type == "cpu"
-        self.ids[:t].copy_(h_tok[0, :t], non_blocking=nb)
-        self.pos[:t].copy_(h_tok[1, :t], non_blocking=nb)
-        self.slots[:t].copy_(h_tok[2, :t], non_blocking=nb)
-        self.rows[:s_cap].copy_(h_rows[:s_cap], non_blocking=nb)
-        self.starts[:s_cap + 1].copy_(h_seq[:s_cap + 1], non_blocking=nb)
-        self.lens[:s_cap].copy_(h_seq[s_cap + 1:2 * s_cap + 1], non_blocking=nb)
-        if m:
-            self.tables[:m].copy_(h_tables[:m], non_blocking=nb)  # whole rows: one contiguous copy
+            if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
+                sampled.append(len(ids) - 1)
+        sampled.extend(range(B))
+        pad = t - n
+        h_tok, h_int = self.h_tok[k], self.h_int[k]
+        h_tok[0, :t] = torch.tensor(ids + [0] * pad, dtype=torch.long)
+        h_tok[1, :t] = torch.tensor(pos + [0] * pad, dtype=torch.long)
+        h_tok[2, :t] = torch.tensor(slots + [self.cache.scratch_slot] * pad, dtype=torch.long)
+        self.h_rows[k, :s_cap] = torch.tensor(sampled + [0] * (s_cap - len(sampled)), dtype=torch.long)
+        P = len(prefill)
+        h_int[:s_cap + 2 * p_cap + 1] = torch.tensor(
+            d_lens + [0] * (s_cap - B) + starts + [n] * (p_cap + 1 - P) + lens + [0] * (p_cap - P), dtype=torch.int32)
+        nbk = self.device.type != "cpu"
+        self.ids[:t].copy_(h_tok[0, :t], non_blocking=nbk)
+        self.pos[:t].copy_(h_tok[1, :t], non_blocking=nbk)
+        self.slots[:t].copy_(h_tok[2, :t], non_blocking=nbk)
+        self.rows[:s_cap].copy_(self.h_rows[k, :s_cap], non_blocking=nbk)
+        self.d_lens[:s_cap].copy_(h_int[:s_cap], non_blocking=nbk)
+        self.starts[:p_cap + 1].copy_(h_int[s_cap:s_cap + p_cap + 1], non_blocking=nbk)
+        self.lens[:p_cap].copy_(h_int[s_cap + p_cap + 1:s_cap + 2 * p_cap + 1], non_blocking=nbk)
+        if B:
+            self.d_tables[:B].copy_(self.h_dtables[k, :B], non_blocking=nbk)  # whole rows: one contiguous copy
+        if P:
+            self.tables[:P].copy_(self.h_tables[k, :P], non_blocking=nbk)
         if prev_tokens is not None:  # overlap scheduling: the last step's tokens, still on the device
             self.ids[:t].copy_(resolve_placeholders(self.ids[:t], prev_tokens))
         if self.device.type == "cuda":
@@ -323,9 +362,10 @@ class MixedGraphs:
             graph.replay()
         else:
             out = self._forward(t)
-        return out[:len(rows)]
+        return out[:len(sampled)]
 
     def release(self) -> None:
         self.graphs.clear()
         self._metas.clear()
+        self._workspaces.clear()
         self._copied = [None, None]
