@@ -174,6 +174,7 @@ class DecodeGraphs:
 # token counts the mixed graphs are captured at (steps of 64 above 256: a step pads by under a quarter)
 MIXED_SIZES = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 MIXED_MAX_PROMPTS = 32  # prompts (and chunks) a mixed step may hold; a step with more runs eagerly
+MIXED_SPLIT_SEQS = 16  # the decode kernel's split count in a mixed graph: that of a batch of this many decodes
 
 
 def mixed_ladder(max_tokens: int) -> list[int]:
@@ -193,11 +194,11 @@ class MixedGraphs:
     pool; a step of n tokens replays the smallest graph of at least n. A graph of t tokens lays out the step as:
     rows [0, B) its B decodes, then its prompt chunks, then padding rows (token 0, position 0, the scratch slot, in
     no sequence). Everything is written to the cache first (the fused RoPE + cache write), then attention runs
-    over the cache in two fixed-grid calls: the decode kernel over `seqs_of(t)` entries at rows [0, seqs_of(t)) (its
-    split count fixed at capture; the entries past B have context 0 and write zeros into their rows), then the
-    paged prefill kernel over up to `prompts_of(t)` chunks (the unused ones have no query tokens; their programs
-    exit at once), which writes the chunks' rows after. The logits are computed for `seqs_of(t)` rows, the step's
-    sampled rows first (in `prefill + decode` order).
+    over the cache in two fixed-grid calls: the decode kernel over `seqs_of(t)` entries at rows [0, seqs_of(t))
+    (its split count fixed at capture, `MIXED_SPLIT_SEQS`; the entries past B have context 0 and write zeros into
+    their rows), then the paged prefill kernel over up to `prompts_of(t)` chunks (the unused ones have no query
+    tokens; their programs exit at once), which writes the chunks' rows after. The logits are computed for
+    `seqs_of(t)` rows, the step's sampled rows first (in `prefill + decode` order).
 
     Without a captured graph (`run` before `capture`, or on a CPU device) the same buffers and metadata run eagerly:
     how the CPU checks this path under TRITON_INTERPRET=1."""
@@ -253,8 +254,10 @@ class MixedGraphs:
             s, p = self.seqs_of(t), self.prompts_of(t)
             ops, cache = self.backend.ops, self.cache
             heads, hd = self.decoder.num_heads, cache.head_dim
-            splits = ops.choose_num_splits(s, cache.num_kv_heads, self.width * cache.block_size,
-                                           ops.num_sms_of(self.device))
+            # split-K as for a batch of at most MIXED_SPLIT_SEQS decodes: the step's decodes may be few (a burst's
+            # first steps) where the size holds hundreds, and each long context would run in one program a head
+            splits = ops.choose_num_splits(min(s, MIXED_SPLIT_SEQS), cache.num_kv_heads,
+                                           self.width * cache.block_size, ops.num_sms_of(self.device))
             ws = ops.alloc_decode_workspace(s, heads, hd, splits, self.device)
             self._workspaces.append(ws)
             self._metas[t] = CudaAttnMetadata(
