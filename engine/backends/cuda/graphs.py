@@ -235,7 +235,7 @@ class MixedGraphs:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._metas: dict[int, CudaAttnMetadata] = {}
-        self._workspaces: list[torch.Tensor] = []
+        self._workspace: torch.Tensor | None = None
 
     def seqs_of(self, t: int) -> int:
         """Requests a graph of t tokens holds (each has at least one token); also its decode entries."""
@@ -258,8 +258,11 @@ class MixedGraphs:
             # first steps) where the size holds hundreds, and each long context would run in one program a head
             splits = ops.choose_num_splits(min(s, MIXED_SPLIT_SEQS), cache.num_kv_heads,
                                            self.width * cache.block_size, ops.num_sms_of(self.device))
-            ws = ops.alloc_decode_workspace(s, heads, hd, splits, self.device)
-            self._workspaces.append(ws)
+            # one split-K workspace for every size (they never run at once): the first size met (the largest, in
+            # `capture`) allocates it
+            if self._workspace is None or self._workspace.numel() < ops.decode_workspace_numel(s, heads, hd, splits):
+                self._workspace = ops.alloc_decode_workspace(s, heads, hd, splits, self.device)
+            ws = self._workspace
             self._metas[t] = CudaAttnMetadata(
                 self.backend, cache, self.slots[:t], self.max_model_len - 1, workspace=self.backend.workspace,
                 decode_start=0, decode_tables=self.d_tables[:s], decode_lens=self.d_lens[:s], num_splits=splits,
@@ -370,5 +373,5 @@ class MixedGraphs:
     def release(self) -> None:
         self.graphs.clear()
         self._metas.clear()
-        self._workspaces.clear()
+        self._workspace = None
         self._copied = [None, None]
