@@ -69,6 +69,37 @@ def test_mixed_graph_replays_equal_the_torch_reference(device, ckpts):
         eng.shutdown()
 
 
+def test_mixed_graphs_at_serving_sizes_and_their_eager_fallback(device, ckpts):
+    """The default ladder (to 512 tokens) with 64 requests a step: sizes whose entries differ (min(t, 64) decodes,
+    up to 32 prompts), a first round of 40 prompts (over 32: eager), then rounds and hybrid steps that replay; the
+    torch reference backend's tokens."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    sched = dict(chunked_prefill=True, prefill_max_tokens=512, hybrid_steps=True, max_num_seqs=64)
+    prompts = [list(range(3, 3 + 4 + (7 * i) % 9)) for i in range(40)] + [list(range(5, 300))]  # 4-12, then 295
+    ref = make_engine(ckpts["llama"], device, backend="torch", **sched)
+    try:
+        want = _tokens(ref, prompts, max_tokens=6)
+    finally:
+        ref.shutdown()
+    eng = make_engine(ckpts["llama"], device, **sched)
+    try:
+        assert eng.graph_report.get("mixed_max_tokens") == 512 and "mixed_error" not in eng.graph_report
+        mixed = eng.backend.mixed
+        runs = []
+        real = mixed.run
+        mixed.run = lambda step, prev=None: runs.append((len(step.prefill), len(step.decode))) or real(step, prev)
+        eager = []
+        prepare = eng.backend.prepare
+        eng.backend.prepare = lambda step: eager.append(len(step.prefill)) or prepare(step)
+        got = _tokens(eng, prompts, max_tokens=6)
+        assert runs and all(p <= 32 for p, _ in runs) and any(d for _, d in runs), runs
+        assert any(p > 32 for p in eager), eager  # the first round: 40 prompts
+        assert got == want
+    finally:
+        eng.shutdown()
+
+
 def test_bf16_graphs_with_fused_ops_agree_with_the_reference(device, ckpts):
     """bf16 through the fused Triton ops and the graphs: the first greedy tokens agree with the torch reference
     backend in bf16 (near ties may differ later)."""

@@ -264,12 +264,13 @@ class CudaBackend(TorchBackend):
         report = {**self.graphs.capture(), **report}
         if mixed_tokens > 0:
             self.mixed_tokens = mixed_tokens
-            self.mixed = MixedGraphs(self, runner.decoder, self.cache, mixed_tokens, max_num_seqs, max_model_len)
             try:
+                self.mixed = MixedGraphs(self, runner.decoder, self.cache, mixed_tokens, max_num_seqs, max_model_len)
                 report.update(self.mixed.capture(self.graphs.pool))
             except Exception as e:  # noqa: BLE001 - those steps run eagerly, as without the graphs
                 log.warning("mixed graphs not captured; steps with prefill rows run eagerly", exc_info=True)
-                self.mixed.release()
+                if self.mixed is not None:
+                    self.mixed.release()
                 self.mixed, self.mixed_tokens = None, 0
                 report.update(mixed_graphs=0, mixed_error=f"{type(e).__name__}: {e}")
         return report
