@@ -112,9 +112,10 @@ class KairosDecoder:
         return cos[0], sin[0]  # [T, hd]
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None,
                  meta: AttnMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; logits [len(logit_rows), vocab] for those rows of the packed step."""
+        """input_ids, positions: [T]; logits [len(logit_rows), vocab] for those rows of the packed step (with
+        `logit_rows` None: every row's last hidden state [T, hidden], for `head` to take the rows from)."""
         if self.table_rope:
             if meta.max_position >= self.rope_tables[0].shape[0]:  # probes may run past max_model_len
                 if self.tables_captured:  # new tables would leave the graphs reading freed memory
@@ -134,7 +135,7 @@ class KairosDecoder:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
         if self.whole_step and backend.whole_step(self, h, positions, meta):
-            return linear(norm(h[logit_rows], self.norm, eps), self.lm_head)
+            return h if logit_rows is None else self.head(h[logit_rows])
         fuse_norm = hasattr(mm, "residual_norm")  # each residual add fused with the RMSNorm after it
         layers = self.layers
         x = norm(h, layers[0].ln_in, eps)
@@ -163,8 +164,11 @@ class KairosDecoder:
                     h, x = mm.mlp_norm(x, L.mlp, L.down_w, h, layers[i + 1].ln_in, eps)
                 else:
                     h = mm.mlp(x, L.mlp, L.down_w, h)
-        h = norm(h.index_select(0, logit_rows), self.norm, eps)
-        return linear(h, self.lm_head)
+        return h if logit_rows is None else self.head(h.index_select(0, logit_rows))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of these rows' last hidden states: the final norm, then the LM head."""
+        return self.mm.linear(self.backend.rms_norm(h, self.norm, self.eps), self.lm_head)
 
 
 def build_decoder(model_impl: str, bundle, backend: Backend, upcast: bool = False) -> KairosDecoder | None:

@@ -197,8 +197,9 @@ class MixedGraphs:
     over the cache in two fixed-grid calls: the decode kernel over `seqs_of(t)` entries at rows [0, seqs_of(t))
     (its split count fixed at capture, `MIXED_SPLIT_SEQS`; the entries past B have context 0 and write zeros into
     their rows), then the paged prefill kernel over up to `prompts_of(t)` chunks (the unused ones have no query
-    tokens; their programs exit at once), which writes the chunks' rows after. The logits are computed for
-    `seqs_of(t)` rows, the step's sampled rows first (in `prefill + decode` order).
+    tokens; their programs exit at once), which writes the chunks' rows after. The graph ends at the last hidden
+    states of its t rows; the final norm and the LM head run after the replay on the step's sampled rows only (in
+    `prefill + decode` order).
 
     Without a captured graph (`run` before `capture`, or on a CPU device) the same buffers and metadata run eagerly:
     how the CPU checks this path under TRITON_INTERPRET=1."""
@@ -218,7 +219,7 @@ class MixedGraphs:
         self.ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.pos = torch.zeros(T, dtype=torch.long, device=dev)
         self.slots = torch.full((T,), cache.scratch_slot, dtype=torch.long, device=dev)
-        self.rows = torch.zeros(S, dtype=torch.long, device=dev)  # the sampled rows, then row 0 as padding
+        self.rows = torch.zeros(S, dtype=torch.long, device=dev)  # the sampled rows (read after the replay)
         self.d_lens = torch.zeros(S, dtype=torch.int32, device=dev)  # each decode's context (0: no decode)
         self.d_tables = torch.zeros(S, W, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(P + 1, dtype=torch.int32, device=dev)  # each chunk's first row, then the end
@@ -271,7 +272,8 @@ class MixedGraphs:
         return self._metas[t]
 
     def _forward(self, t: int) -> torch.Tensor:
-        return self.decoder(self.ids[:t], self.pos[:t], self.rows[:self.seqs_of(t)], self._meta(t))
+        """The step's last hidden states [t, hidden] (the LM head runs after, on the sampled rows only)."""
+        return self.decoder(self.ids[:t], self.pos[:t], None, self._meta(t))
 
     @torch.inference_mode()
     def capture(self, pool=None) -> dict:
@@ -342,7 +344,7 @@ class MixedGraphs:
         h_tok[0, :t] = torch.tensor(ids + [0] * pad, dtype=torch.long)
         h_tok[1, :t] = torch.tensor(pos + [0] * pad, dtype=torch.long)
         h_tok[2, :t] = torch.tensor(slots + [self.cache.scratch_slot] * pad, dtype=torch.long)
-        self.h_rows[k, :s_cap] = torch.tensor(sampled + [0] * (s_cap - len(sampled)), dtype=torch.long)
+        self.h_rows[k, :len(sampled)] = torch.tensor(sampled, dtype=torch.long)
         P = len(prefill)
         h_int[:s_cap + 2 * p_cap + 1] = torch.tensor(
             d_lens + [0] * (s_cap - B) + starts + [n] * (p_cap + 1 - P) + lens + [0] * (p_cap - P), dtype=torch.int32)
@@ -350,7 +352,7 @@ class MixedGraphs:
         self.ids[:t].copy_(h_tok[0, :t], non_blocking=nbk)
         self.pos[:t].copy_(h_tok[1, :t], non_blocking=nbk)
         self.slots[:t].copy_(h_tok[2, :t], non_blocking=nbk)
-        self.rows[:s_cap].copy_(self.h_rows[k, :s_cap], non_blocking=nbk)
+        self.rows[:len(sampled)].copy_(self.h_rows[k, :len(sampled)], non_blocking=nbk)
         self.d_lens[:s_cap].copy_(h_int[:s_cap], non_blocking=nbk)
         self.starts[:p_cap + 1].copy_(h_int[s_cap:s_cap + p_cap + 1], non_blocking=nbk)
         self.lens[:p_cap].copy_(h_int[s_cap + p_cap + 1:s_cap + 2 * p_cap + 1], non_blocking=nbk)
@@ -364,11 +366,11 @@ class MixedGraphs:
             self._copied[k] = torch.cuda.Event()
             self._copied[k].record()
         if t in self.graphs:
-            graph, out = self.graphs[t]
+            graph, hidden = self.graphs[t]
             graph.replay()
         else:
-            out = self._forward(t)
-        return out[:len(sampled)]
+            hidden = self._forward(t)
+        return self.decoder.head(hidden.index_select(0, self.rows[:len(sampled)]))
 
     def release(self) -> None:
         self.graphs.clear()
