@@ -19,6 +19,7 @@ case "${1:-}" in
     # first the CUDA graphs of steps with prefill rows (MixedGraphs, on by default) against the torch reference, and
     # the decode graphs beside them: if they fail, the SLO experiment serves without them (mixed_graph_tokens=0)
     # rather than on a broken path (MIXED_CHECK=0 skips this)
+    rm -f /tmp/kairos-lease-serve  # (a host may come back with an earlier lease's /tmp)
     if [ "${MIXED_CHECK:-1}" = 1 ]; then
       t0=$T0
       . bench/device/common.sh  # (it sets T0: the lease's is kept)
@@ -29,13 +30,15 @@ case "${1:-}" in
         tests/gpu/test_backend_cuda.py -k "mixed_graph or graph_replays" > "${OUT:-/tmp}/mixed-check.log" 2>&1
       rc=$?
       tail -4 "${OUT:-/tmp}/mixed-check.log"
-      if [ "$rc" -ne 0 ]; then
-        export SERVE="mixed_graph_tokens=0 ${SERVE:-}"
-        echo "lease.sh: the graphs' check failed (exit $rc): the SLO experiment runs with SERVE='$SERVE'"
+      if [ "$rc" -ne 0 ]; then  # kept for call 2, whose resumed run must have the same server arguments
+        echo "mixed_graph_tokens=0" > /tmp/kairos-lease-serve
+        echo "lease.sh: the graphs' check failed (exit $rc): the SLO experiment serves with mixed_graph_tokens=0"
       fi
     fi
+    [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"
     LIMIT_S=${LIMIT_S:-$(( 550 - ($(date +%s) - T0) ))} bash bench/device/slo_gpu.sh ;;
   2)
+    [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"  # call 1's decision
     l=$(left)
     RESUME=1 LIMIT_S=${SLO_S:-$(( l >= 320 ? l - 160 : l - 10 ))} bash bench/device/slo_gpu.sh
     [ -f /tmp/site/ray/__init__.py ] && export PYTHONPATH=/tmp/site:$PWD  # unpacked once (gpu_check.sh looks)
