@@ -296,6 +296,7 @@ class MixedGraphs:
         log.info("captured mixed graphs: %s", report)
         return report
 
+    @torch.inference_mode()
     def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the step's sampled rows (`prefill + decode` order): the step laid into the buffers of the
         smallest size that holds it, then that size's graph replayed (run eagerly where none was captured). The
