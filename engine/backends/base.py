@@ -99,7 +99,7 @@ class PreparedStep:
 class Packed:
     """The step's tokens packed into one sequence, as Python lists (a backend turns them into tensors).
     `spans[j]` = (i, q_start, start, end): prefill `step.prefill[i]` computes positions [start, end) at rows
-    [q_start, q_start + end - start); the decodes follow from `decode_start`, in the order `pack` was given."""
+    [q_start, q_start + end - start); the decodes take rows from `decode_start` on, in the order `pack` was given."""
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
@@ -109,34 +109,45 @@ class Packed:
 
 
 def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = None,
-         decode_order: list[int] | None = None) -> Packed:
+         decode_order: list[int] | None = None, decodes_first: bool = False) -> Packed:
     """Pack the step's tokens: the prefills in `prefill_order`, then the decodes in `decode_order` (default: as
-    given). The logit rows keep request order whatever the packing order."""
+    given; `decodes_first`: the decodes, then the prefills). The logit rows keep request order whatever the packing
+    order."""
     p = Packed()
     bs = block_size
     tokens, positions, slots = p.tokens, p.positions, p.slots
     last: list[int | None] = [None] * len(step.prefill)
-    for i in (prefill_order if prefill_order is not None else range(len(step.prefill))):
-        r, end = step.prefill[i], step.ends[i]
-        start = r.num_computed_tokens
-        q_start = len(tokens)
-        table = r.block_table
-        tokens.extend(r.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend([table[q // bs] * bs + q % bs for q in range(start, end)])
-        if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
-            last[i] = len(tokens) - 1
-        p.spans.append((i, q_start, start, end))
-    p.decode_start = len(tokens)
-    order = decode_order if decode_order is not None else list(range(len(step.decode)))
     rank = [0] * len(step.decode)
-    for pos, i in enumerate(order):
-        r = step.decode[i]
-        rank[i] = pos
-        q = r.num_tokens - 1
-        tokens.append(r.token_ids[-1])
-        positions.append(q)
-        slots.append(r.block_table[q // bs] * bs + q % bs)
+
+    def prefills() -> None:
+        for i in (prefill_order if prefill_order is not None else range(len(step.prefill))):
+            r, end = step.prefill[i], step.ends[i]
+            start = r.num_computed_tokens
+            q_start = len(tokens)
+            table = r.block_table
+            tokens.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend([table[q // bs] * bs + q % bs for q in range(start, end)])
+            if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
+                last[i] = len(tokens) - 1
+            p.spans.append((i, q_start, start, end))
+
+    def decodes() -> None:
+        p.decode_start = len(tokens)
+        for pos, i in enumerate(decode_order if decode_order is not None else range(len(step.decode))):
+            r = step.decode[i]
+            rank[i] = pos
+            q = r.num_tokens - 1
+            tokens.append(r.token_ids[-1])
+            positions.append(q)
+            slots.append(r.block_table[q // bs] * bs + q % bs)
+
+    if decodes_first:
+        decodes()
+        prefills()
+    else:
+        prefills()
+        decodes()
     p.rows = [x for x in last if x is not None]
     p.rows.extend(p.decode_start + rank[i] for i in range(len(step.decode)))
     return p

@@ -18,7 +18,7 @@ import time
 import torch
 
 from core.request import Request
-from engine.backends.base import resolve_placeholders
+from engine.backends.base import pack, resolve_placeholders
 from engine.backends.cuda.backend import CudaAttnMetadata
 
 log = logging.getLogger("kairos.cuda")
@@ -303,52 +303,31 @@ class MixedGraphs:
         caller checked `fits`."""
         bs = self.cache.block_size
         decode, prefill = step.decode, step.prefill
-        B = len(decode)
-        n = step.num_tokens()
+        p = pack(step, bs, decodes_first=True)  # rows [0, B) the decodes, then each chunk's rows
+        B, P, n, sampled = len(decode), len(prefill), len(p.tokens), p.rows
         t = next(s for s in self.sizes if s >= n)
         s_cap, p_cap = self.seqs_of(t), self.prompts_of(t)
         k = self._set
         self._set ^= 1
         if self._copied[k] is not None:  # this set is free once its copies (two steps ago) are done
             self._copied[k].synchronize()
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
         d_tables, tables = self.h_dtables[k].numpy(), self.h_tables[k].numpy()
-        d_lens: list[int] = []
-        for i, r in enumerate(decode):  # rows [0, B)
-            q = r.num_tokens - 1
-            table = r.block_table
-            ids.append(r.token_ids[-1])
-            pos.append(q)
-            slots.append(table[q // bs] * bs + q % bs)
-            nb = q // bs + 1
-            d_tables[i, :nb] = table[:nb]
-            d_lens.append(r.num_tokens)
-        starts: list[int] = []
-        lens: list[int] = []
-        sampled: list[int] = []
-        for j, (r, end) in enumerate(zip(prefill, step.ends)):  # then each chunk's rows
-            start, table = r.num_computed_tokens, r.block_table
-            starts.append(len(ids))
-            ids.extend(r.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend([table[q // bs] * bs + q % bs for q in range(start, end)])
+        for i, r in enumerate(decode):
+            nb = -(-r.num_tokens // bs)
+            d_tables[i, :nb] = r.block_table[:nb]
+        for j, (i, _, _, end) in enumerate(p.spans):
             nb = -(-end // bs)
-            tables[j, :nb] = table[:nb]
-            lens.append(end)
-            if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
-                sampled.append(len(ids) - 1)
-        sampled.extend(range(B))
+            tables[j, :nb] = prefill[i].block_table[:nb]
         pad = t - n
         h_tok, h_int = self.h_tok[k], self.h_int[k]
-        h_tok[0, :t] = torch.tensor(ids + [0] * pad, dtype=torch.long)
-        h_tok[1, :t] = torch.tensor(pos + [0] * pad, dtype=torch.long)
-        h_tok[2, :t] = torch.tensor(slots + [self.cache.scratch_slot] * pad, dtype=torch.long)
+        h_tok[0, :t] = torch.tensor(p.tokens + [0] * pad, dtype=torch.long)
+        h_tok[1, :t] = torch.tensor(p.positions + [0] * pad, dtype=torch.long)
+        h_tok[2, :t] = torch.tensor(p.slots + [self.cache.scratch_slot] * pad, dtype=torch.long)
         self.h_rows[k, :len(sampled)] = torch.tensor(sampled, dtype=torch.long)
-        P = len(prefill)
         h_int[:s_cap + 2 * p_cap + 1] = torch.tensor(
-            d_lens + [0] * (s_cap - B) + starts + [n] * (p_cap + 1 - P) + lens + [0] * (p_cap - P), dtype=torch.int32)
+            [r.num_tokens for r in decode] + [0] * (s_cap - B)  # decode contexts
+            + [q_start for _, q_start, _, _ in p.spans] + [n] * (p_cap + 1 - P)  # chunk starts, then the end
+            + [end for *_, end in p.spans] + [0] * (p_cap - P), dtype=torch.int32)  # chunk sequence lengths
         nbk = self.device.type != "cpu"
         self.ids[:t].copy_(h_tok[0, :t], non_blocking=nbk)
         self.pos[:t].copy_(h_tok[1, :t], non_blocking=nbk)
