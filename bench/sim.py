@@ -197,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--lambda-star", type=float, default=None, help="skip the lambda* search")
     a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="as bench.slo's")
     a("--probe-requests", type=int, default=240, help="requests per lambda* probe")
+    a("--lambda-guess", choices=("b4", "seats"), default="b4", help="as bench.slo's (slo_gpu.sh: seats): the "
+      "search's first rate; from b4's the adherence search's doublings may not reach a GPU replica's lambda*")
+    a("--lambda-adherence", type=float, default=0.9, help="as bench.slo's")
+    a("--lambda-refine", type=int, default=2, help="as bench.slo's (slo_gpu.sh: 1)")
     a("--max-num-seqs", type=int, default=32)
     a("--strict-batch", type=float, default=4, help="as bench.slo's (slo_gpu.sh: 32)")
     a("--loose-batch", type=float, default=12, help="as bench.slo's (slo_gpu.sh: 128)")
@@ -239,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         tokenizer_fingerprint=fp, clock=clock)
 
     t0 = time.perf_counter()
+    probes: list[dict] = []
     if args.lambda_star is not None:
         lam = args.lambda_star
     else:
@@ -248,12 +253,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             recs = run("fcfs", rate, seeds[0], args.probe_requests)
             return M.summarize(recs, warmup_frac=args.warmup_frac, tiers=names)["adherence"]
 
-        guess = capacity_guess(planner, scale)
-        lam = find_adherent_rate(adherence, guess)[0] if args.lambda_def == "adherence" else \
-            find_capacity(lambda r: completion_rate(run("fcfs", r, seeds[0], args.probe_requests)), 2.5 * guess)[0]
+        guess = capacity_guess(planner, scale, args.strict_batch if args.lambda_guess == "seats" else None)
+        if args.lambda_def == "adherence":
+            lam, probes = find_adherent_rate(adherence, guess, target=args.lambda_adherence,
+                                             refine=args.lambda_refine)
+        else:
+            lam, probes = find_capacity(lambda r: completion_rate(run("fcfs", r, seeds[0], args.probe_requests)),
+                                        guess * (2.5 if args.lambda_guess == "b4" else 1.0))
+        print("bench.sim: lambda* search " + "; ".join(
+            f"{p['rate_rps']:.3f} rps -> {p[key]:.3f}" if p.get(key) is not None else p.get("note", str(p))
+            for p in probes for key in [next((k for k in ("adherence", "completion_rps") if k in p), "")]),
+            flush=True)
     print(f"bench.sim: lambda* {lam:.3f} rps; tiers " + ", ".join(
         f"{t.name} {t.ttft_ms:.0f}/{t.tpot_ms:.2f}" for t in scale.tiers), flush=True)
-    out: dict[str, Any] = {"lambda_star_rps": lam, "args": vars(args), "points": [], "ratios": []}
+    out: dict[str, Any] = {"lambda_star_rps": lam, "lambda_search": probes, "args": vars(args), "points": [],
+                           "ratios": []}
     for load in [float(x) for x in args.loads.split(",")]:
         rate = lam * load
         by: dict[str, list[float]] = {}

@@ -7,6 +7,7 @@ import pytest
 
 from bench import metrics as M
 from bench import sim
+from bench import slo
 from bench import workload as W
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
@@ -62,6 +63,25 @@ def test_the_command_line_compares_policies_on_paired_seeds(tmp_path, capsys):
     assert all(p["scheduler_us_per_step"] > 0 for p in doc["points"])  # the host time its calls took, per step
     text = capsys.readouterr().out
     assert "scorpio / fcfs" in text and "us/step on this host" in text
+
+
+def test_the_lambda_search_starts_where_the_device_run_does_and_records_its_probes(tmp_path, capsys):
+    tiers = tmp_path / "tiers.json"
+    MODEL.save(tiers)
+    out = tmp_path / "sim.json"
+    args = ["--tiers", str(tiers), "--dataset", "synthetic", "--policies", "fcfs", "--seeds", "0",
+            "--num-requests", "40", "--probe-requests", "40", "--lambda-def", "adherence", "--lambda-refine", "1",
+            "--strict-batch", "8", "--json", str(out)]
+    assert sim.main(args + ["--lambda-guess", "seats"]) == 0
+    doc = json.loads(out.read_text())
+    probes = [p for p in doc["lambda_search"] if "rate_rps" in p]
+    base = W.WorkloadSpec(max_model_len=2048)
+    seats = slo.capacity_guess(MODEL, W.slo_scale(MODEL, 512, base, strict_batch=8), 8)
+    assert probes[0]["rate_rps"] == pytest.approx(seats)  # bench.slo --lambda-guess seats: slo_gpu.sh's start
+    assert all(0.0 <= p["adherence"] <= 1.0 for p in probes)
+    adherent = [p["rate_rps"] for p in probes if p["adherence"] >= 0.9]
+    assert doc["lambda_star_rps"] == pytest.approx(max(adherent) if adherent else min(p["rate_rps"] for p in probes))
+    assert "lambda* search" in capsys.readouterr().out
 
 
 def test_timing_the_scheduler_leaves_its_decisions_unchanged():
