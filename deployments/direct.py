@@ -69,6 +69,9 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
     def _ready_info(self) -> dict[str, Any] | None:
         return self._info
 
+    def _unavailable(self) -> str | None:
+        return None if self.engine.is_alive() else "the replica's LLM engine exited"
+
     async def __del__(self) -> None:
         """Stop the engine, then let what follows `LLMReplica` in the deployed class's MRO (Serve's ASGI
         wrapper, which shuts the app's lifespan down) do its part."""

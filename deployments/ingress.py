@@ -221,12 +221,21 @@ class OpenAIFrontend:
     def _ready_info(self) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def _unavailable(self) -> str | None:
+        """Why this frontend cannot serve now although it was ready (its engine died; Serve will replace the
+        replica), else None."""
+        return None
+
     # ------------------------------------------------------------------ routes (registered by `openai_api`)
     async def health(self) -> Any:
-        """200 once an engine can serve, 503 `starting` before: what a load balancer's readiness probe needs.
-        Answered from the replica's own state: it never waits on an engine."""
+        """200 once an engine can serve, 503 `starting` before and `unavailable` once it cannot (its engine died,
+        until Serve replaces the replica): what a load balancer's readiness probe needs. Answered from the
+        replica's own state: it never waits on an engine."""
         if self._ready_info() is None:
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "1"})
+        if (why := self._unavailable()) is not None:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503,
+                                headers={"Retry-After": "1"})
         return {"status": "ok"}
 
     async def models(self, request: Request) -> dict[str, Any]:

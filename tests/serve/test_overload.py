@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from bench.metrics import percentile
+from deployments import haproxy_ingress as H
 from tests.serve.conftest import BASE_URL, TEST_ARGS, wait_idle, wait_ready
 
 OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
@@ -191,3 +192,79 @@ def test_open_loop_3x_capacity_sheds_load_and_stays_healthy(ovl_app: dict) -> No
     # the frontend left open once held them until the garbage collector ran: 4 still counted here, on an idle engine)
     (st,) = wait_idle(handle, want=1, timeout_s=10).values()
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["inflight"] == 0, st
+
+
+def _haproxy_stat() -> list[list[str]]:
+    """`show stat` of the newest running HAProxy, from its admin socket (beside the config file it was given)."""
+    import socket
+    from pathlib import Path
+
+    procs = []
+    for d in Path("/proc").iterdir():
+        try:
+            args = (d / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError):
+            continue
+        if d.name.isdigit() and os.path.basename(args[0]) == "haproxy" and "-f" in args[:-1]:
+            procs.append((int(d.name), args))
+    if not procs:
+        return []
+    _, args = max(procs)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(os.path.join(os.path.dirname(args[args.index("-f") + 1]), "admin.sock"))
+        s.sendall(b"show stat\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return [line.split(",") for line in data.decode().splitlines()]
+
+
+def _wait_haproxy_sends_to_a_replica(backend: str, timeout_s: float = 60.0) -> None:
+    """Until HAProxy has a replica of `backend` UP: before that (a replica just started, or HAProxy not yet told of
+    it) it sends the app's requests to its backup, Serve's Python proxy, whose errors are Ray's own."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            rows = _haproxy_stat()
+        except OSError:
+            rows = []
+        if any(r[0] == backend and r[1].startswith("SERVE_REPLICA") and r[17] == "UP" for r in rows if len(r) > 17):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"HAProxy has no replica of {backend} UP after {timeout_s} s")
+
+
+def test_a_replica_that_dies_under_a_request_answers_it_in_openai_json(ovl_app: dict) -> None:
+    """The direct topology: HTTP goes from Serve's HAProxy straight to the replica, so when the replica dies under a
+    request HAProxy answers it itself. Ray's template makes that a text/plain 500; Kairos's launcher makes it the
+    503 `replica_failed` with Retry-After the routed topology answers (`haproxy_ingress.with_openai_errors`)."""
+    import ray
+
+    url = ovl_app["url"]
+    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
+    (replica,) = [n for n in names if n.startswith("SERVE_REPLICA::") and f"::{OVL_APP}#LLMServer#" in n]
+    got: dict = {}
+
+    def in_flight() -> None:
+        try:
+            r = httpx.post(url + CMPL, json={"prompt": "in flight when the replica dies", "max_tokens": 900,
+                                             "ignore_eos": True}, timeout=60)
+            got.update(status=r.status_code, headers=r.headers, body=r.text)
+        except httpx.HTTPError as e:
+            got.update(error=repr(e))
+
+    _wait_haproxy_sends_to_a_replica(f"http-{OVL_APP}")
+    t = threading.Thread(target=in_flight)
+    t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until the replica runs it
+        if ovl_app["handle"].stats.remote().result(timeout_s=10)["num_running"] == 1:
+            break
+        time.sleep(0.05)
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=False)
+    t.join(timeout=60)
+    assert got.get("status") == 503, got
+    assert got["headers"]["content-type"] == "application/json" and got["headers"]["retry-after"] == "1", got
+    err = json.loads(got["body"])["error"]
+    assert (err["type"], err["code"]) == ("server_error", "replica_failed") and "retry" in err["message"], err
+    assert err["message"] in (H.HAPROXY_ERRORS[502][3], H.HAPROXY_ERRORS[503][3]), err  # HAProxy's answer

@@ -62,6 +62,36 @@ def test_the_launcher_drops_the_request_splice_and_nothing_else() -> None:
     assert out == cfg.replace("    option splice-request\n", "") and H.without_request_splice(out) == out
 
 
+def test_haproxys_own_errors_are_answered_in_openai_json(tmp_path: Path) -> None:
+    """Ray's template sends every 502/503/504 HAProxy makes as a text/plain 500: the launcher points them at JSON
+    errors, a retryable 503 `replica_failed` for a replica that died or is not up, a 504 for its server timeout."""
+    import json
+
+    cfg = ("defaults\n    mode http\n    errorfile 502 /x/500.http\n    errorfile 503 /x/500.http\n"
+           "    errorfile 504 /x/500.http\n    balance leastconn\nbackend b\n    errorfile 404 /x/404.http\n")
+    out = H.with_openai_errors(cfg, str(tmp_path))
+    assert out.count(str(tmp_path)) == 3 and "500.http" not in out and "    errorfile 404 /x/404.http\n" in out
+    assert f"    errorfile 502 {tmp_path}/kairos-502.http\n" in out and H.with_openai_errors(out, str(tmp_path)) == out
+    H.write_error_files(str(tmp_path))
+    for status, want, retry, code in ((502, 503, "1", "replica_failed"), (503, 503, "1", "replica_failed"),
+                                      (504, 504, None, "gateway_timeout")):
+        head, body = (tmp_path / f"kairos-{status}.http").read_bytes().split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines)
+        assert status_line.startswith(f"HTTP/1.1 {want} ") and headers["Content-Type"] == "application/json"
+        assert int(headers["Content-Length"]) == len(body) and headers.get("Retry-After") == retry, headers
+        err = json.loads(body)["error"]
+        assert (err["type"], err["code"], err["param"]) == ("server_error", code, None) and err["message"], err
+
+
+def test_each_request_gets_a_server_connection_of_its_own() -> None:
+    """Over a reused server connection HAProxy closes the client's connection unanswered when the replica dies."""
+    cfg = "backend a\n    http-reuse always\n    server r 127.0.0.1:1 check\nbackend b\n\thttp-reuse safe\n"
+    out = H.without_connection_reuse(cfg)
+    assert out == cfg.replace("http-reuse always", "http-reuse never").replace("http-reuse safe", "http-reuse never")
+    assert H.without_connection_reuse(out) == out
+
+
 def test_ray_template_binds_the_admin_listeners_where_the_launcher_looks() -> None:
     """If Ray's template moves these binds, the launcher would silently leave them on all interfaces."""
     templates = pytest.importorskip("ray.serve._private.haproxy_templates")
@@ -69,6 +99,9 @@ def test_ray_template_binds_the_admin_listeners_where_the_launcher_looks() -> No
     assert "frontend prometheus\n    bind :{{ config.metrics_port }}" in t
     assert "listen stats\n  bind *:{{ config.stats_port }}" in t
     assert "\n    option splice-request\n" in t  # where it moved or went, `without_request_splice` needs a look
+    assert "\n    http-reuse always\n" in t  # the launcher sets it to never (`without_connection_reuse`)
+    for status in H.HAPROXY_ERRORS:  # where these go, `with_openai_errors` needs a look
+        assert f"\n    errorfile {status} {{{{ config.error_file_path }}}}\n" in t
 
 
 def test_serve_run_http_address_is_loopback_unless_opted_in(monkeypatch) -> None:

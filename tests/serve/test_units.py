@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import time
 from types import SimpleNamespace
@@ -840,6 +841,31 @@ def test_direct_replica_caps_its_engine_share_and_queue_and_aborts_closed_stream
         assert isinstance(b, LocalStream)
 
     asyncio.run(run())
+
+
+def test_a_direct_replica_whose_engine_died_fails_its_readiness_probe() -> None:
+    """/health is a load balancer's readiness probe: 503 `starting` before the engine is up, 200 while it serves,
+    503 `unavailable` once the engine died (until Serve's own health check has the replica replaced)."""
+    import asyncio
+
+    from deployments.direct import DirectFrontend
+
+    class Direct(DirectFrontend):
+        def __del__(self) -> None:
+            pass
+
+    me = object.__new__(Direct)
+    alive = [True]
+    me.engine = type("E", (), {"is_alive": lambda _s: alive[0]})()
+    me._info = None
+    r = asyncio.run(me.health())
+    assert (r.status_code, json.loads(r.body)) == (503, {"status": "starting"})
+    me._info = {"model": "m", "max_model_len": 8}
+    assert asyncio.run(me.health()) == {"status": "ok"}
+    alive[0] = False
+    r = asyncio.run(me.health())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert json.loads(r.body) == {"status": "unavailable", "reason": "the replica's LLM engine exited"}
 
 
 def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
