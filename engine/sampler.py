@@ -108,6 +108,19 @@ DrawRows = Callable[[torch.Tensor, list[int], list[float], list[int], list[float
 TopPDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def generator_seed(seed: int) -> int:
+    """The seed a request's generator gets for its `seed` (a signed 64-bit integer, as vLLM's API takes): itself
+    in [0, 2**32), else a mix of all 64 bits into that range. Torch's CPU generator keys its stream on the seed's low
+    32 bits only, so -1 and 2**63 - 1, or s and s + 2**32, drew the same tokens; mixed, different seeds collide only
+    as any two do in 2**32 streams. Seeds a client is likely to choose keep the streams they always had."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    x = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finalizer over the seed's two's complement
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
 class Sampler:
     def __init__(self, vocab_limit: int, eos_token_ids: list[int], device: torch.device,
                  argmax: Callable[[torch.Tensor], list[int]] | None = None, draw: DrawRows | None = None,
@@ -132,7 +145,7 @@ class Sampler:
         gen = self._generators.get(req.request_id)
         if gen is None or gen.device != device:
             gen = torch.Generator(device=device)
-            gen.manual_seed(req.params.seed)
+            gen.manual_seed(generator_seed(req.params.seed))
             self._generators[req.request_id] = gen
         return gen
 

@@ -132,6 +132,23 @@ def test_seeded_rows_repeat_and_a_bad_row_fails_alone(draw):
     assert all(isinstance(o[2], RuntimeError) for o in first)  # the NaN row fails, the others do not
 
 
+def test_seeds_that_share_their_low_32_bits_draw_different_tokens(draw):
+    """Torch's CPU generator keys on a seed's low 32 bits: -1 and 2**63 - 1 (or s and s + 2**32) drew alike."""
+    from engine.sampler import generator_seed
+
+    s = Sampler(vocab_limit=1000, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.zeros(1, 1000)
+
+    def tokens(rid: str, seed: int) -> list:
+        s.release(rid)
+        return [s.sample(logits.clone(), [_sampled(rid, temperature=1.0, seed=seed)])[0] for _ in range(8)]
+    for a, b in ((-1, 2**63 - 1), (-5, 2**63 - 5), (-(2**63), 0), (7, 2**32 + 7)):
+        assert tokens("a", a) != tokens("b", b), (a, b)
+    assert tokens("c", -1) == tokens("d", -1)  # still a seed: the same one draws the same
+    assert [generator_seed(x) for x in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]  # the usual seeds keep their streams
+    assert all(0 <= generator_seed(x) < 2**32 for x in (-1, -(2**63), 2**32, 2**63 - 1))
+
+
 def test_nucleus_of_a_flat_row_is_the_sorted_prefix():
     """`_nucleus` (a row whose nucleus is too wide for the top-k candidates) keeps what a full sort would."""
     from engine.sampler import _nucleus
