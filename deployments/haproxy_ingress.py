@@ -250,20 +250,22 @@ def with_openai_errors(config: str, folder: str) -> str:
     return "".join(out)
 
 
-# Ray's template has HAProxy reuse idle server connections across clients (`http-reuse always`). When a replica dies
-# under a request sent over such a reused connection, HAProxy does not answer it: it closes the client's connection
-# without a response (the request log line never comes), as it does when a server closed an idle connection just
-# as a request went out, so that the client may retry. A client of an OpenAI API then sees "server disconnected"
-# instead of the 503 above. Each request gets a connection of its own instead (`http-reuse never`): a connect on
-# the node's network, negligible beside a generation; a replica that dies under it then makes HAProxy's 502 (the
-# 503 `replica_failed` above).
+# Ray's template keeps HAProxy's server connections open and reuses them (`http-reuse always`, keep-alive). When a
+# replica dies under a request sent over a connection that already carried one (another client's, or this client's
+# previous request), HAProxy does not answer it: it closes the client's connection without a response (the request
+# log line never comes), as it does when a server closed an idle connection just as a request went out, so that the
+# client may retry. A client of an OpenAI API then sees "server disconnected" instead of the 503 above. In each
+# backend that reuses connections, each request gets a server connection of its own instead (`http-reuse never`,
+# `option http-server-close`; clients keep theirs alive): a connect on the node's network, negligible beside a
+# generation; a replica that dies under it then makes HAProxy's 502 (the 503 `replica_failed` above).
 def without_connection_reuse(config: str) -> str:
-    """`config` with its `http-reuse` lines set to `never` (see the comment above)."""
+    """`config` with each `http-reuse` line made `http-reuse never` and `option http-server-close` (see above)."""
     out = []
     for line in config.splitlines(keepends=True):
         parts = line.split()
         if len(parts) == 2 and parts[0] == "http-reuse" and parts[1] != "never":
-            line = line[:len(line) - len(line.lstrip())] + "http-reuse never" + line[len(line.rstrip()):]
+            indent, end = line[:len(line) - len(line.lstrip())], line[len(line.rstrip()):] or "\n"
+            line = f"{indent}http-reuse never{end}{indent}option http-server-close{end}"
         out.append(line)
     return "".join(out)
 

@@ -236,19 +236,24 @@ def _wait_haproxy_sends_to_a_replica(backend: str, timeout_s: float = 60.0) -> N
 
 def test_a_replica_that_dies_under_a_request_answers_it_in_openai_json(ovl_app: dict) -> None:
     """The direct topology: HTTP goes from Serve's HAProxy straight to the replica, so when the replica dies under a
-    request HAProxy answers it itself. Ray's template makes that a text/plain 500; Kairos's launcher makes it the
-    503 `replica_failed` with Retry-After the routed topology answers (`haproxy_ingress.with_openai_errors`)."""
+    request HAProxy answers it itself. Ray's template makes that a text/plain 500, or no answer at all where the
+    server connection had carried a request before; Kairos's launcher makes it the 503 `replica_failed` with
+    Retry-After the routed topology answers (`haproxy_ingress.with_openai_errors`, `without_connection_reuse`)."""
     import ray
 
     url = ovl_app["url"]
     names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
     (replica,) = [n for n in names if n.startswith("SERVE_REPLICA::") and f"::{OVL_APP}#LLMServer#" in n]
     got: dict = {}
+    first_done = threading.Event()
 
-    def in_flight() -> None:
+    def in_flight() -> None:  # a client that keeps its connection: this is its second request on it
         try:
-            r = httpx.post(url + CMPL, json={"prompt": "in flight when the replica dies", "max_tokens": 900,
-                                             "ignore_eos": True}, timeout=60)
+            with httpx.Client(base_url=url, timeout=60) as c:
+                got["first"] = c.post(CMPL, json={"prompt": "first", "max_tokens": 2}).status_code
+                first_done.set()
+                r = c.post(CMPL, json={"prompt": "in flight when the replica dies", "max_tokens": 900,
+                                       "ignore_eos": True})
             got.update(status=r.status_code, headers=r.headers, body=r.text)
         except httpx.HTTPError as e:
             got.update(error=repr(e))
@@ -256,6 +261,7 @@ def test_a_replica_that_dies_under_a_request_answers_it_in_openai_json(ovl_app: 
     _wait_haproxy_sends_to_a_replica(f"http-{OVL_APP}")
     t = threading.Thread(target=in_flight)
     t.start()
+    assert first_done.wait(30) and got["first"] == 200, got
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # until the replica runs it
         if ovl_app["handle"].stats.remote().result(timeout_s=10)["num_running"] == 1:

@@ -88,7 +88,8 @@ def test_each_request_gets_a_server_connection_of_its_own() -> None:
     """Over a reused server connection HAProxy closes the client's connection unanswered when the replica dies."""
     cfg = "backend a\n    http-reuse always\n    server r 127.0.0.1:1 check\nbackend b\n\thttp-reuse safe\n"
     out = H.without_connection_reuse(cfg)
-    assert out == cfg.replace("http-reuse always", "http-reuse never").replace("http-reuse safe", "http-reuse never")
+    assert out == ("backend a\n    http-reuse never\n    option http-server-close\n    server r 127.0.0.1:1 check\n"
+                   "backend b\n\thttp-reuse never\n\toption http-server-close\n")
     assert H.without_connection_reuse(out) == out
 
 
