@@ -258,6 +258,10 @@ def with_openai_errors(config: str, folder: str) -> str:
 # backend that reuses connections, each request gets a server connection of its own instead (`http-reuse never`,
 # `option http-server-close`; clients keep theirs alive): a connect on the node's network, negligible beside a
 # generation; a replica that dies under it then makes HAProxy's 502 (the 503 `replica_failed` above).
+# `KAIROS_HAPROXY_REUSE=1` keeps Ray's reuse (a connect saved per request, at that cost).
+REUSE_ENV = "KAIROS_HAPROXY_REUSE"
+
+
 def without_connection_reuse(config: str) -> str:
     """`config` with each `http-reuse` line made `http-reuse never` and `option http-server-close` (see above)."""
     out = []
@@ -295,7 +299,8 @@ def _rewrite_config(argv: list[str], host: str | None) -> None:
         with open(path) as f:
             text = f.read()
         new = without_request_splice(text if host is None else admin_binds_on(text, host))
-        new = without_connection_reuse(new)
+        if os.environ.get(REUSE_ENV, "").strip() != "1":
+            new = without_connection_reuse(new)
         errors = with_openai_errors(new, folder)
         if errors != new:
             try:

@@ -93,6 +93,22 @@ def test_each_request_gets_a_server_connection_of_its_own() -> None:
     assert H.without_connection_reuse(out) == out
 
 
+@pytest.mark.parametrize("reuse", ["", "1"])
+def test_the_launcher_rewrites_the_config_it_is_given(tmp_path: Path, monkeypatch, reuse: str) -> None:
+    """`exec_haproxy`'s rewrite of `-f PATH`: error files beside it, no request splice, a server connection per
+    request unless KAIROS_HAPROXY_REUSE=1, admin listeners on the host."""
+    monkeypatch.setenv(H.REUSE_ENV, reuse)
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(HAPROXY_CFG + "defaults\n    option splice-request\n    errorfile 502 /x/500.http\n"
+                   "backend b\n    http-reuse always\n")
+    H._rewrite_config(["-db", "-f", str(cfg), "-sf", "1"], "127.0.0.1")
+    out = cfg.read_text()
+    assert "splice-request" not in out and f"errorfile 502 {tmp_path}/kairos-502.http" in out
+    assert all((tmp_path / f"kairos-{status}.http").is_file() for status in H.HAPROXY_ERRORS)
+    assert ("http-reuse always" in out) == (reuse == "1") and ("http-server-close" in out) == (reuse != "1")
+    assert "bind 127.0.0.1:8404" in out
+
+
 def test_ray_template_binds_the_admin_listeners_where_the_launcher_looks() -> None:
     """If Ray's template moves these binds, the launcher would silently leave them on all interfaces."""
     templates = pytest.importorskip("ray.serve._private.haproxy_templates")
