@@ -258,16 +258,22 @@ def with_openai_errors(config: str, folder: str) -> str:
 # backend that reuses connections, each request gets a server connection of its own instead (`http-reuse never`,
 # `option http-server-close`; clients keep theirs alive): a connect on the node's network, negligible beside a
 # generation; a replica that dies under it then makes HAProxy's 502 (the 503 `replica_failed` above).
-# `KAIROS_HAPROXY_REUSE=1` keeps Ray's reuse (a connect saved per request, at that cost).
+# `KAIROS_HAPROXY_REUSE=1` (in the environment Ray's node starts with) keeps Ray's reuse: a connect saved per
+# request, at that cost.
 REUSE_ENV = "KAIROS_HAPROXY_REUSE"
 
 
 def without_connection_reuse(config: str) -> str:
-    """`config` with each `http-reuse` line made `http-reuse never` and `option http-server-close` (see above)."""
-    out = []
+    """`config` with each `http-reuse` line of an app's HTTP backend (`backend http-NAME`; not the gRPC ones, nor
+    those behind an ingress request router, whose streams Ray's template keeps on reused connections) made
+    `http-reuse never` and `option http-server-close` (see above)."""
+    out, section = [], ""
     for line in config.splitlines(keepends=True):
+        if line[:1].strip():  # a section header starts in the first column
+            section = " ".join(line.split())
         parts = line.split()
-        if len(parts) == 2 and parts[0] == "http-reuse" and parts[1] != "never":
+        if len(parts) == 2 and parts[0] == "http-reuse" and parts[1] != "never" \
+                and section.startswith("backend http-") and not section.endswith("-via-ingress-request-router"):
             indent, end = line[:len(line) - len(line.lstrip())], line[len(line.rstrip()):] or "\n"
             line = f"{indent}http-reuse never{end}{indent}option http-server-close{end}"
         out.append(line)

@@ -194,8 +194,9 @@ def test_open_loop_3x_capacity_sheds_load_and_stays_healthy(ovl_app: dict) -> No
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["inflight"] == 0, st
 
 
-def _haproxy_stat() -> list[list[str]]:
-    """`show stat` of the newest running HAProxy, from its admin socket (beside the config file it was given)."""
+def _haproxy_stat(node_id: str) -> list[list[str]]:
+    """`show stat` of the newest running HAProxy of this Ray node (Serve keeps its config and admin socket in a
+    folder named by the node id), from its admin socket."""
     import socket
     from pathlib import Path
 
@@ -205,7 +206,8 @@ def _haproxy_stat() -> list[list[str]]:
             args = (d / "cmdline").read_bytes().decode().split("\0")
         except (OSError, ValueError):
             continue
-        if d.name.isdigit() and os.path.basename(args[0]) == "haproxy" and "-f" in args[:-1]:
+        if d.name.isdigit() and os.path.basename(args[0]) == "haproxy" and "-f" in args[:-1] \
+                and f"/{node_id}/" in args[args.index("-f") + 1]:
             procs.append((int(d.name), args))
     if not procs:
         return []
@@ -222,10 +224,13 @@ def _haproxy_stat() -> list[list[str]]:
 def _wait_haproxy_sends_to_a_replica(backend: str, timeout_s: float = 60.0) -> None:
     """Until HAProxy has a replica of `backend` UP: before that (a replica just started, or HAProxy not yet told of
     it) it sends the app's requests to its backup, Serve's Python proxy, whose errors are Ray's own."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            rows = _haproxy_stat()
+            rows = _haproxy_stat(node_id)
         except OSError:
             rows = []
         if any(r[0] == backend and r[1].startswith("SERVE_REPLICA") and r[17] == "UP" for r in rows if len(r) > 17):
@@ -267,6 +272,8 @@ def test_a_replica_that_dies_under_a_request_answers_it_in_openai_json(ovl_app: 
         if ovl_app["handle"].stats.remote().result(timeout_s=10)["num_running"] == 1:
             break
         time.sleep(0.05)
+    else:
+        pytest.fail(f"the request did not start running: {got}")
     ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=False)
     t.join(timeout=60)
     assert got.get("status") == 503, got

