@@ -87,11 +87,13 @@ def test_haproxys_own_errors_are_answered_in_openai_json(tmp_path: Path) -> None
 def test_each_request_gets_a_server_connection_of_its_own() -> None:
     """Over a reused server connection HAProxy closes the client's connection unanswered when the replica dies."""
     cfg = ("backend http-a\n    http-reuse always\n    server r 127.0.0.1:1 check\nbackend http-b\n\thttp-reuse safe\n"
-           "backend http-a-via-ingress-request-router\n    http-reuse always\nbackend grpc-a\n    http-reuse always\n")
+           "backend http-a-via-ingress-request-router\n    http-reuse always\n"
+           "backend grpc-a\n    http-reuse always\n")
     out = H.without_connection_reuse(cfg)
     assert out == ("backend http-a\n    http-reuse never\n    option http-server-close\n    server r 127.0.0.1:1 "
                    "check\nbackend http-b\n\thttp-reuse never\n\toption http-server-close\n"
-                   "backend http-a-via-ingress-request-router\n    http-reuse always\nbackend grpc-a\n    http-reuse always\n")
+                   "backend http-a-via-ingress-request-router\n    http-reuse always\n"
+                   "backend grpc-a\n    http-reuse always\n")
     assert H.without_connection_reuse(out) == out
 
 
