@@ -280,4 +280,6 @@ def test_a_replica_that_dies_under_a_request_answers_it_in_openai_json(ovl_app: 
     assert got["headers"]["content-type"] == "application/json" and got["headers"]["retry-after"] == "1", got
     err = json.loads(got["body"])["error"]
     assert (err["type"], err["code"]) == ("server_error", "replica_failed") and "retry" in err["message"], err
-    assert err["message"] in (H.HAPROXY_ERRORS[502][3], H.HAPROXY_ERRORS[503][3]), err  # HAProxy's answer
+    # mostly HAProxy's answer; where the replica saw its engine process go first, the replica's own (a race)
+    assert err["message"] in (H.HAPROXY_ERRORS[502][3], H.HAPROXY_ERRORS[503][3]) \
+        or err["message"].startswith("generation failed: the LLM replica serving this request died"), err
