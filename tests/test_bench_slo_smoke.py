@@ -130,7 +130,9 @@ def test_engine_point_open_loop_and_timeouts():
     assert run.timeouts == 3
     assert all(M.is_good(r) for r in recs[::2]) and not any(M.is_good(r) for r in recs[1::2])
     arrivals = [r.arrival_s - recs[0].arrival_s for r in recs]
-    np.testing.assert_allclose(arrivals, [0.05 * k for k in range(6)], atol=0.03)  # open-loop schedule kept
+    # open-loop schedule kept: a closed loop would send each after the one before gave up (0.3 s); a busy 2-core
+    # box (CI) ran one 33 ms late
+    np.testing.assert_allclose(arrivals, [0.05 * k for k in range(6)], atol=0.1)
     assert all(r.finished_s >= recs[-1].arrival_s + 0.29 for r in recs[1::2])  # misses end at the give-up
     assert run.engine["steps"] == 9 and run.engine["sched_ms_per_step"] == pytest.approx(1.0 / 3)
     tap = run.engine["tap"]  # the step observer saw the 3 decode-only steps, and is gone again
