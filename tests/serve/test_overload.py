@@ -43,7 +43,9 @@ def ovl_app(serve_app: dict):
     try:
         yield {"url": BASE_URL + OVL_PREFIX, "handle": serve.get_deployment_handle("LLMServer", app_name=OVL_APP)}
     finally:
-        serve.delete(OVL_APP, _blocking=False)  # its replicas drain while the next tests run
+        # blocking: the last test killed its replica, and the replacement Serve starts (loading and profiling its
+        # model) would otherwise take the cores of the next tests
+        serve.delete(OVL_APP)
 
 
 def _body(i: int, stream: bool) -> dict:
