@@ -35,8 +35,8 @@ from typing import Any, Sequence
 from bench import driver as D
 from bench import metrics as M
 from bench import workload as W
-from bench.slo import (arm_sched, capacity_guess, completion_rate, find_adherent_rate, find_capacity, length_arm,
-                       overrides, policy_spec)
+from bench.slo import (arm_sched, completion_rate, length_arm, overrides, policy_spec, probe_text,
+                       search_lambda)
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
@@ -253,17 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             recs = run("fcfs", rate, seeds[0], args.probe_requests)
             return M.summarize(recs, warmup_frac=args.warmup_frac, tiers=names)["adherence"]
 
-        guess = capacity_guess(planner, scale, args.strict_batch if args.lambda_guess == "seats" else None)
-        if args.lambda_def == "adherence":
-            lam, probes = find_adherent_rate(adherence, guess, target=args.lambda_adherence,
-                                             refine=args.lambda_refine)
-        else:
-            lam, probes = find_capacity(lambda r: completion_rate(run("fcfs", r, seeds[0], args.probe_requests)),
-                                        guess * (2.5 if args.lambda_guess == "b4" else 1.0))
-        print("bench.sim: lambda* search " + "; ".join(
-            f"{p['rate_rps']:.3f} rps -> {p[key]:.3f}" if p.get(key) is not None else p.get("note", str(p))
-            for p in probes for key in [next((k for k in ("adherence", "completion_rps") if k in p), "")]),
-            flush=True)
+        lam, probes = search_lambda(args, planner, scale, adherence,
+                                    lambda r: completion_rate(run("fcfs", r, seeds[0], args.probe_requests)))
+        print("bench.sim: lambda* search " + "; ".join(probe_text(p) for p in probes), flush=True)
     print(f"bench.sim: lambda* {lam:.3f} rps; tiers " + ", ".join(
         f"{t.name} {t.ttft_ms:.0f}/{t.tpot_ms:.2f}" for t in scale.tiers), flush=True)
     out: dict[str, Any] = {"lambda_star_rps": lam, "lambda_search": probes, "args": vars(args), "points": [],

@@ -410,6 +410,26 @@ def find_adherent_rate(measure: Callable[[float], float | None], guess: float, *
     return lo, probes
 
 
+def search_lambda(args: Any, predictor: Any, scale: W.SLOScale, adherence: Callable[[float], float | None],
+                  completion: Callable[[float], float | None]) -> tuple[float, list[dict]]:
+    """lambda* and the search's probes, as `args` (--lambda-def, --lambda-guess, --lambda-adherence,
+    --lambda-refine, --strict-batch) ask: FCFS's `adherence(rate)` or `completion(rate)` (completed rps) measured
+    from the first rate the guess gives. bench.slo over a server and bench.sim over its virtual clock both search
+    here."""
+    guess = capacity_guess(predictor, scale, args.strict_batch if args.lambda_guess == "seats" else None)
+    if args.lambda_def == "adherence":
+        return find_adherent_rate(adherence, guess, target=args.lambda_adherence, refine=args.lambda_refine)
+    return find_capacity(completion, guess * (2.5 if args.lambda_guess == "b4" else 1.0))
+
+
+def probe_text(probe: dict) -> str:
+    """One probe of `search_lambda`, for a log line."""
+    for key in ("adherence", "completion_rps"):
+        if probe.get(key) is not None:
+            return f"{probe['rate_rps']:.3f} rps -> {key} {probe[key]:.3f}"
+    return probe.get("note", str(probe))
+
+
 def capacity_guess(predictor: Any, scale: W.SLOScale, seats: float | None = None) -> float:
     """A rough start (rps): 40% of what one request's prefill plus its share of B=4 decode steps allows; with `seats`,
     the rate at which a steady batch holds `seats` requests, each decoding its mean output at ITL(seats)."""
@@ -733,13 +753,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return None if math.isnan(got) else got
 
         search: dict[str, Any] = {"definition": args.lambda_def, "policy": label, "guess": args.lambda_guess}
-        guess = capacity_guess(predictor, scale, args.strict_batch if args.lambda_guess == "seats" else None)
+        lam, probes = search_lambda(args, predictor, scale, measure_adherence, measure_cap)
         if args.lambda_def == "adherence":
-            lam, probes = find_adherent_rate(measure_adherence, guess,
-                                             target=args.lambda_adherence, refine=args.lambda_refine)
             search["adherence"] = args.lambda_adherence
-        else:
-            lam, probes = find_capacity(measure_cap, guess * (2.5 if args.lambda_guess == "b4" else 1.0))
         search.update(probes=probes, seconds=time.perf_counter() - t0)
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
 
