@@ -238,14 +238,19 @@ def error_file(folder: str, haproxy_status: int) -> str:
     return os.path.join(folder, f"kairos-{haproxy_status}.http")
 
 
+def _relined(line: str, *directives: str) -> str:
+    """`directives` in place of the config line `line`, each a line with its indentation."""
+    indent, end = line[:len(line) - len(line.lstrip())], line[len(line.rstrip()):] or "\n"
+    return "".join(f"{indent}{d}{end}" for d in directives)
+
+
 def with_openai_errors(config: str, folder: str) -> str:
     """`config` with its `errorfile 502|503|504 PATH` lines pointing at Kairos's files in `folder` (`error_file`)."""
     out = []
     for line in config.splitlines(keepends=True):
         parts = line.split()
         if len(parts) == 3 and parts[0] == "errorfile" and parts[1].isdigit() and int(parts[1]) in HAPROXY_ERRORS:
-            indent = line[:len(line) - len(line.lstrip())]
-            line = f"{indent}errorfile {parts[1]} {error_file(folder, int(parts[1]))}" + line[len(line.rstrip()):]
+            line = _relined(line, f"errorfile {parts[1]} {error_file(folder, int(parts[1]))}")
         out.append(line)
     return "".join(out)
 
@@ -274,8 +279,7 @@ def without_connection_reuse(config: str) -> str:
         parts = line.split()
         if len(parts) == 2 and parts[0] == "http-reuse" and parts[1] != "never" \
                 and section.startswith("backend http-") and not section.endswith("-via-ingress-request-router"):
-            indent, end = line[:len(line) - len(line.lstrip())], line[len(line.rstrip()):] or "\n"
-            line = f"{indent}http-reuse never{end}{indent}option http-server-close{end}"
+            line = _relined(line, "http-reuse never", "option http-server-close")
         out.append(line)
     return "".join(out)
 
