@@ -301,6 +301,9 @@ def test_killed_replica_fails_inflight_cleanly_and_is_replaced(rel_app: dict) ->
         while not all(started) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(started), "streams did not start"
+        # the plain requests too are in the replica (on a busy box one sent late reached only the replacement: a 200)
+        while handle.stats.remote().result(timeout_s=10)["inflight"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
         t_kill = time.monotonic()
         ray.kill(ray.get_actor(actors["LLMServer"][0], namespace="serve"), no_restart=False)
         stream_res = [f.result(timeout=90) for f in streams]
