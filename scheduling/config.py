@@ -34,6 +34,7 @@ class PolicyFlags:
     impatient_reserve: bool = False
     pace_work: bool = False
     fill_steps: bool = False
+    pace_slack: bool = False
     length_predictor: bool = False
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
     # distribution (0: against the expected length, as everything else plans)
@@ -61,11 +62,14 @@ PRESETS: dict[str, PolicyFlags] = {
     # takes at its pace, and what a faster pace costs the batch (pace_work: shedding.PaceCost). Credits skip a
     # request only to keep a step within the gate's plan (fill_steps): where the step hardly grows with the batch,
     # paced replies would otherwise hold their seats for twice their TPOT (a GPU replica, whose seats then bind);
-    # filling pauses after a paced reply misses its TPOT (steps at the plan leave a strict reply no room for stalls)
+    # filling pauses after a paced reply misses its TPOT (steps at the plan leave a strict reply no room for stalls).
+    # A reply ahead of its pace (filled steps bank time) counts, in its credits and in the gate, at the TPOT it still
+    # needs (pace_slack), so a fresh request gets the room while the banked time lasts
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
-                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True),
+                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True,
+                          pace_slack=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -136,6 +140,11 @@ class SchedulerConfig(BaseModel):
                                     "what the VBS gate plans a step at the strictest TPOT to take (work-conserving "
                                     "decode where the step hardly grows with the batch, as on a GPU); paused for "
                                     "fill_pause_s after a paced reply ends over its TPOT SLO")
+    pace_slack: bool | None = Field(None, description="with credit batching and the VBS gate: a running reply "
+                                    "ahead of its pace counts at the TPOT it still needs (its banked time spread "
+                                    "over the tokens it is expected to have left; tpot_guard.paced_tpot_ms) instead "
+                                    "of its SLO's, in its credits and in the gate, so that the room it leaves goes "
+                                    "to a fresh request (kairos)")
     fill_pause_s: float = Field(10.0, ge=0, description="fill_steps pauses this long after a paced reply ends "
                                 "over its TPOT SLO: filled steps leave a strict reply no room for a stall")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "

@@ -30,8 +30,8 @@ from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VBSGate, affordable_step_ms,
-                                   behind_pace, hold_prefill, next_token_slack_ms, passes_gate, select_by_credit,
-                                   trim_for_catch_up, vbs)
+                                   behind_pace, hold_prefill, next_token_slack_ms, paced_tpot_ms, passes_gate,
+                                   select_by_credit, trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,8 @@ class Scheduler:
                     return model(b, length) * (self._gate_scale(corr.factor(now, math.ceil(b))) if by_rows else busy)
             gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
-                           monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len)
+                           monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len,
+                           running_tpot=self._pace_of(now))
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
@@ -410,6 +411,14 @@ class Scheduler:
             r.credit = 0.0
             self.running.append(r)
         return selected
+
+    def _pace_of(self, now: float) -> Callable[[Request], float] | None:
+        """pace_slack: the TPOT a running request counts at in the VBS gate and in its credits (`paced_tpot_ms`,
+        over its expected length); None without it (its SLO's)."""
+        if not self.flags.pace_slack:
+            return None
+        return lambda r: paced_tpot_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
+                                       now)
 
     @staticmethod
     def _mid_len(r: Request) -> float:
@@ -566,7 +575,8 @@ class Scheduler:
         t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
         self.last_vbs = vbs(self.running, t_min, be)
         if self.flags.credit_batching:
-            batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now))
+            batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now),
+                                     self._pace_of(now))
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:

@@ -36,7 +36,8 @@ def vbs(running: Sequence[T], t_min_ms: float, best_effort_trp: float) -> float:
 
 
 def select_by_credit(running: Sequence[T], t_min_ms: float, best_effort_trp: float,
-                     due: Callable[[T, int], bool] | None = None) -> list[T]:
+                     due: Callable[[T, int], bool] | None = None,
+                     pace_of: Callable[[T], float] | None = None) -> list[T]:
     """Pick the requests that decode this step (SCORPIO's ``credit``), in ``running`` order.
 
     Requests with ``tpot == t_min`` always decode and never touch their credit; the others add
@@ -44,6 +45,8 @@ def select_by_credit(running: Sequence[T], t_min_ms: float, best_effort_trp: flo
     ``tpot_r / t_min`` steps. Mutates ``r.credit``. With no finite TPOT everyone decodes.
     ``due`` (kairos's pace guard): afterwards, each request the credit skipped decodes anyway where
     ``due(r, n)`` says so (n: the step's batch so far), and pays for it, down to a credit of -1.
+    ``pace_of`` (kairos's pace slack): the TPOT a request's TRP is taken at instead of its SLO's
+    (`paced_tpot_ms`: slower for a reply ahead of its pace).
     """
     if math.isinf(t_min_ms):
         return list(running)
@@ -54,7 +57,7 @@ def select_by_credit(running: Sequence[T], t_min_ms: float, best_effort_trp: flo
         if tpot == t_min_ms:
             out.append(req)
             continue
-        req.credit += trp(tpot, t_min_ms, best_effort_trp)
+        req.credit += trp(tpot if pace_of is None else pace_of(req), t_min_ms, best_effort_trp)
         if req.credit >= 1.0 - CREDIT_EPS:
             req.credit -= 1.0
             out.append(req)
@@ -96,6 +99,17 @@ def affordable_step_ms(first_token_s: float | None, num_output_tokens: int, expe
     n = max(expected_output_len, num_output_tokens + 1)
     budget_ms = (first_token_s - now_s) * 1000.0 + (n - 1) * tpot_ms
     return budget_ms / (n - num_output_tokens + extra_steps)
+
+
+def paced_tpot_ms(first_token_s: float | None, num_output_tokens: int, expected_output_len: int, tpot_ms: float,
+                  now_s: float) -> float:
+    """The TPOT a paced reply needs from now on: the longest per-token time its remaining tokens can take, all
+    alike, for the mean TPOT of all its tokens to stay within ``tpot_ms`` (`affordable_step_ms`), and never less
+    than ``tpot_ms``. A reply ahead of its pace (its tokens came faster than its SLO: fill steps, a light batch)
+    has banked time, and needs a token less often than its SLO says until it is spent; a reply behind it counts
+    at its SLO (catch-up and the pace guard make up for it). ``tpot_ms`` without a first token or a TPOT SLO."""
+    return max(tpot_ms, affordable_step_ms(first_token_s, num_output_tokens, expected_output_len, tpot_ms, now_s)) \
+        if first_token_s is not None and num_output_tokens >= 1 and math.isfinite(tpot_ms) else tpot_ms
 
 
 def next_token_slack_ms(first_token_s: float | None, num_output_tokens: int, tpot_ms: float, now_s: float) -> float:
@@ -170,6 +184,10 @@ class VBSGate:
     set is fixed per gate) with TPOT <= T fail without evaluation, looser ones are still tried;
     without it (SCORPIO) the gate is ``stopped`` and every later check fails, which the caller maps
     to ``Verdict.STOP``. The skip assumes comparable lengths, as SCORPIO's shortcut does.
+
+    ``running_tpot`` (kairos's pace slack): the TPOT each running request counts at, in VBS and in
+    T_min, instead of its SLO's (`paced_tpot_ms`): a reply ahead of its pace takes a smaller share of
+    the steps until its banked time is spent, and the room it leaves goes to a fresh request.
     """
 
     def __init__(
@@ -181,6 +199,7 @@ class VBSGate:
         best_effort_trp: float = 0.5,
         monotone_skip: bool = True,
         output_len_estimate: Callable[[T], float] | None = None,
+        running_tpot: Callable[[T], float] | None = None,
     ) -> None:
         self._itl = predictor_itl
         self._margin = margin
@@ -198,7 +217,7 @@ class VBSGate:
         self._fail_tpot = -math.inf
         self._stopped = False
         for req in running:
-            self._add(req.tpot_slo_ms, req.num_tokens)
+            self._add(req.tpot_slo_ms if running_tpot is None else running_tpot(req), req.num_tokens)
         self._n_running = self._n_seqs
 
     @property

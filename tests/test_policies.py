@@ -10,7 +10,8 @@ from core.request import SLO, Request
 from core.sampling import SamplingParams
 from scheduling.queues import order_waiting
 from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, hold_prefill, min_tpot,
-                                   next_token_slack_ms, select_by_credit, trim_for_catch_up, trp, vbs)
+                                   next_token_slack_ms, paced_tpot_ms, select_by_credit, trim_for_catch_up, trp,
+                                   vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable, idle_margin_at, margin_at
 
 
@@ -142,6 +143,41 @@ def test_credit_due_requests_decode_and_pay_down_to_minus_one() -> None:
     behind.clear()  # back on pace: its credit decides again, from -1
     assert [_ids(select_by_credit(reqs, 30, 0.5, due)) for _ in range(4)] == \
         [["strict"], ["strict"], ["strict"], ["strict", "loose"]]
+
+
+def test_paced_tpot_spreads_a_replys_banked_time_over_the_tokens_it_has_left() -> None:
+    # 11 tokens expected at 10 ms, the first at t=0: 5 out at t=20 ms, 20 ms ahead of its pace
+    # (the 6th is due by 50 ms): 100 - 20 = 80 ms left for 6 tokens
+    assert paced_tpot_ms(0.0, 5, 11, 10.0, 0.020) == pytest.approx(80.0 / 6)
+    assert paced_tpot_ms(0.0, 5, 11, 10.0, 0.050) == pytest.approx(10.0)  # on its pace
+    assert paced_tpot_ms(0.0, 5, 11, 10.0, 0.070) == 10.0  # behind it: its SLO, not less
+    assert paced_tpot_ms(None, 0, 11, 10.0, 0.0) == 10.0  # no first token: no banked time
+    assert math.isinf(paced_tpot_ms(0.0, 5, 11, math.inf, 0.02))  # best effort
+
+
+def test_credit_at_a_paced_tpot_decodes_a_reply_ahead_of_its_pace_less_often() -> None:
+    reqs = [_req("strict", tpot=30), _req("ahead", tpot=60), _req("on_pace", tpot=60)]
+    pace = {"strict": 30.0, "ahead": 120.0, "on_pace": 60.0}
+    steps = [_ids(select_by_credit(reqs, 30, 0.5, pace_of=lambda r: pace[r.request_id])) for _ in range(4)]
+    assert steps == [["strict"], ["strict", "on_pace"], ["strict"], ["strict", "ahead", "on_pace"]]
+
+
+def test_vbs_gate_counts_a_running_reply_at_its_paced_tpot() -> None:
+    # running: T 32 and T 64 (100 tokens each); candidate: T 64. With SLO TPOTs VBS' = 1 + 0.5 + 0.5 = 2; with the
+    # T 64 reply ahead of its pace (needs a token every 128 ms) VBS' = 1 + 0.25 + 0.5 = 1.75.
+    seen: list[float] = []
+
+    def itl(batch: float, ctx: float) -> float:
+        seen.append(batch)
+        return 16.0 * batch
+
+    running = [_req("strict", tpot=32, prompt=100), _req("loose", tpot=64, prompt=100)]
+    cand = _req("cand", tpot=64, prompt=100, out_hint=2)
+    assert not VBSGate(running, itl, margin=1.0, slack=1.0).check(cand)  # 32 ms is not < 32
+    assert seen[-1] == 2.0
+    paced = {"strict": 32.0, "loose": 128.0}
+    assert VBSGate(running, itl, margin=1.0, slack=1.0, running_tpot=lambda r: paced[r.request_id]).check(cand)
+    assert seen[-1] == 1.75
 
 
 # --- VBS gate ---

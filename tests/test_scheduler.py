@@ -289,6 +289,33 @@ def test_pace_guard_adds_no_decode_that_would_push_the_step_past_t_min():
     assert _pace_case("kairos", strict_tpot=6.05, loose_credit=-0.9, vbs_margin=1.0) == ["r0"]  # fill_steps too
 
 
+def _banked_case(**kw) -> bool:
+    """A strict reply (TPOT 6.2 ms) and two loose ones (20 ms), 40 tokens expected each, have had 30 tokens since
+    t=0 by t=50 ms: the loose ones are far ahead of their pace. Whether a fresh loose request is admitted then. The
+    step is 5 + 0.5 B ms; kairos's gate admits while 1.05 x step < 0.99 x 6.2 ms, i.e. B < 1.69. At their SLO's
+    TPOT the batch with it is at 1 + 3 x 0.31 = 1.93; at the TPOT the loose ones still need (73 ms for their 10
+    tokens left), 1 + 2 x 0.085 + 0.31 = 1.48."""
+    s = _sched("kairos", **kw)
+    run = [Request(f"r{i}", [1] * 4, SamplingParams(max_tokens=100), SLO(tpot_ms=t, output_len_hint=40))
+           for i, t in enumerate((6.2, 20.0, 20.0))]
+    for r in run:
+        s.add(r)
+    assert len(s.schedule(0.0).prefill) == 3
+    for r in run:
+        r.first_token_s = 0.0
+        r.token_ids.extend([3] * 30)
+        r.num_computed_tokens = r.num_tokens - 1  # the last token is the next step's input
+    fresh = Request("fresh", [1] * 4, SamplingParams(max_tokens=100), SLO(tpot_ms=20.0, output_len_hint=40),
+                    arrival_s=0.05)
+    s.add(fresh)
+    return fresh in s.schedule(0.05).prefill
+
+
+def test_kairos_gives_a_fresh_request_the_room_replies_ahead_of_their_pace_leave():
+    assert _banked_case()
+    assert not _banked_case(pace_slack=False)
+
+
 def _step(s, plan):
     """Pretend the step ran through the scheduler's own bookkeeping (chunks advance, rows get one token)."""
     s.postprocess(plan, [3] * len(plan.requests), 0.0)
