@@ -42,6 +42,7 @@ from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
 ROUTER_PATH = "deployments.router:SLORouter"
+FAILOVERS = 2  # the other replicas a request is sent to where the one it landed on failed before its first item
 POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
@@ -58,6 +59,8 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
         "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
+        # a request whose replica failed before its first token goes to another one (routed: the ingress's handle)
+        "failovers": 0 if a.direct else FAILOVERS,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.max_num_seqs * (1 if a.direct else a.num_replicas),
     }

@@ -31,7 +31,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import ChatTurn, GenerateRequest, ProtocolError, RejectReason, RequestOutput, check_output
+from core.messages import (ChatTurn, ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput,
+                           check_output)
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -118,11 +119,14 @@ class Readiness:
     has loaded its model (12 s for the default model on a 2-core CPU), and a load balancer that sent traffic on the
     Ingress's first 200 would hold every request that long. `watch` calls `probe` (an LLM replica's `model_info`)
     until one call returns, each call bounded by `timeout_s` and retried `retry_s` later; after that `info` holds
-    its answer and `ready` stays true (a replica that dies later is Serve's to replace, and requests meanwhile get
-    503s of their own)."""
+    its answer and `ready` stays true. `monitor` then asks again every `period_s`: while no LLM replica can serve
+    (no answer within `timeout_s`, or the one that answers has a dead engine; `failures` times in a row), `down`
+    says why (the Ingress's /health is then 503 `unavailable`: Serve is replacing the replicas, and requests meanwhile
+    wait for one or get 503s of their own)."""
 
     def __init__(self) -> None:
         self.info: dict[str, Any] | None = None
+        self.down: str | None = None  # why no LLM replica can serve now (`monitor`), None while one can
 
     @property
     def ready(self) -> bool:
@@ -138,6 +142,23 @@ class Readiness:
             except Exception as e:  # noqa: BLE001 - a replica still starting, or one that died: ask again
                 log.info("ingress: no LLM replica ready yet (%s); asking again in %.0f s", type(e).__name__, retry_s)
                 await asyncio.sleep(retry_s)
+
+    async def monitor(self, probe: Callable[[], Awaitable[dict[str, Any]]], period_s: float = 2.0,
+                      timeout_s: float = 2.0, failures: int = 2) -> None:
+        failed = 0
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                info = await asyncio.wait_for(probe(), timeout_s)
+                why = None if info.get("alive", True) else "the LLM replicas' engines exited"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - no replica to answer (all dead, being replaced), or a hung one
+                why = f"no LLM replica answered ({type(e).__name__})"
+            failed = 0 if why is None else failed + 1
+            if (why if failed >= failures else None) != self.down:
+                log.warning("ingress: %s", why or "an LLM replica can serve again")
+            self.down = why if failed >= failures else None
 
 
 class GenerateStream(Protocol):
@@ -164,6 +185,8 @@ class OpenAIFrontend:
         self.retry_after_s: int = settings.get("retry_after_s", 1)
         self.log_prompts: bool = settings.get("log_prompts", False)
         self.reroutes: int = settings.get("reroutes", 0)
+        # a request whose replica failed before its first item is sent again, to another replica, this many times
+        self.failovers: int = settings.get("failovers", 0)
         self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
@@ -393,7 +416,7 @@ class OpenAIFrontend:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
         (`reroutes` times at most, with what is left of its TTFT SLO). Returns the request as last sent."""
         waited_ms = req.waited_ms
-        gen, first = await self._first_item(req)
+        req, gen, first = await self._first_item_anywhere(req, waited_ms, t_call)
         _note_refusal(first, req)
         for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
             sb = first.served_by
@@ -405,9 +428,37 @@ class OpenAIFrontend:
             if ttft is not None and spent_ms >= ttft:
                 break
             req = dataclasses.replace(req, waited_ms=spent_ms, avoid_replicas=(*req.avoid_replicas, sb.replica))
-            gen, first = await self._first_item(req)
+            req, gen, first = await self._first_item_anywhere(req, waited_ms, t_call)
             _note_refusal(first, req)
         return req, gen, first
+
+    async def _first_item_anywhere(self, req: GenerateRequest, waited_ms: float, t_call: float
+                                   ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
+        """`_first_item`, and where the replica it landed on failed before it (the replica's engine had died, or the
+        replica did: nothing went out to the client yet), again on another replica, `failovers` times at most and
+        while its TTFT SLO lasts. Serve routes to a failed replica until its health checks fail, seconds; a load
+        balancer's client expects the request to be served by a replica that works meanwhile. Returns the request as
+        last sent (the failed replicas in its `avoid_replicas`)."""
+        for attempt in range(self.failovers + 1):
+            last = attempt == self.failovers
+            try:
+                gen, first = await self._first_item(req)
+            except APIError as e:
+                if last or e.code != "replica_failed" or _late(req, waited_ms, t_call):
+                    raise
+                log.warning("request %s: its replica failed before its first token (%s); sent to another one",
+                            req.request_id, e.message)
+                continue  # Serve's router drops a dead actor; an engine that died is found by its own report
+            if last or not _engine_lost(first) or _late(req, waited_ms, t_call):
+                return req, gen, first
+            gen.cancel()
+            sb = first.served_by
+            log.warning("request %s: the engine of replica %s had died; sent to another one", req.request_id,
+                        sb.replica if sb else "?")
+            spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
+            avoid = (*req.avoid_replicas, sb.replica) if sb is not None and sb.replica else req.avoid_replicas
+            req = dataclasses.replace(req, waited_ms=spent_ms, avoid_replicas=avoid)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     @staticmethod
     def _headers(rid: str, req: GenerateRequest, first: RequestOutput, t_in: float, t_call: float) -> dict[str, str]:
@@ -609,9 +660,12 @@ class OpenAIFrontend:
                 i, item, err = await queue.get()
                 if item is None:
                     log.warning("stream %s-%d failed: %r", rid, i, err)
-                    message = err.message if isinstance(err, APIError) else f"generation failed: {type(err).__name__}"
-                    yield P.sse(P.error_body(message, "server_error" if not isinstance(err, APIError) else err.type,
-                                             getattr(err, "code", None)))
+                    yield _exception_event(err, "" if isinstance(err, APIError) and err.message.startswith("prompt ")
+                                           else f"prompt {i}: ")
+                    break
+                if item.finish_reason is FinishReason.ERROR:  # as a prompt failing before the stream: ends it
+                    log.warning("stream %s-%d failed: %s", rid, i, item.error)
+                    yield _error_event(item, f"prompt {i}: ")
                     break
                 if (out := _sse_item(item, "completion", rid, model, created, include_usage, i)) is not None:
                     yield out
@@ -669,13 +723,13 @@ class OpenAIFrontend:
                     done = True
                     break
                 item = check_output(await gen.__anext__())
-            if include_usage:
+            if include_usage and item.finish_reason is not FinishReason.ERROR:  # a failed stream ends at its error
                 yield P.sse(P.usage_chunk(rid, model, created, obj, item.num_prompt_tokens,
                                           item.num_output_tokens, P.engine_metrics(item.metrics)))
             yield P.SSE_DONE
         except (Exception, StopAsyncIteration) as e:  # replica died mid-stream or broke the contract: tell the
             log.warning("stream %s failed: %r", rid, e)  # client with an error event, end cleanly
-            yield P.sse(P.error_body(f"generation failed: {type(e).__name__}", "server_error"))
+            yield _exception_event(e)
             yield P.SSE_DONE
         finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine
             if not done:
@@ -685,6 +739,17 @@ class OpenAIFrontend:
 def _len_hint(prompt: str | list[int]) -> int:
     """A prompt's length in tokens as a router guesses it before the replica counts: its ids, or 4 characters each."""
     return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
+
+
+def _engine_lost(item: RequestOutput) -> bool:
+    """Whether a stream's item says its replica's engine is gone (the request never ran there)."""
+    return item.finish_reason is FinishReason.ERROR and item.error_kind is ErrorKind.UNAVAILABLE
+
+
+def _late(req: GenerateRequest, waited_ms: float, t_call: float) -> bool:
+    """Whether `req`'s TTFT SLO has run out: `waited_ms` before `t_call`, and the time since."""
+    ttft = req.slo.ttft_ms
+    return ttft is not None and waited_ms + (time.perf_counter() - t_call) * 1000.0 >= ttft
 
 
 def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
@@ -709,12 +774,32 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     in vLLM: clients time tokens by chunk arrival."""
     fin = item.finish_reason
     if fin is FinishReason.ERROR:
-        return P.sse(P.error_body(f"generation failed: {item.error}", "server_error"))
+        return _error_event(item)
     if not (item.text or item.token_ids or item.finished):
         return None
     if kind == "completion":
         return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index), include_usage)
     return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin), include_usage)
+
+
+def _error_event(item: RequestOutput, prefix: str = "") -> bytes:
+    """The SSE error event of a stream that failed at `item` (a finish reason ERROR): the message, type and code a
+    request failing so before its response would get (`item_failure`: `replica_failed` where the engine died)."""
+    failure = item_failure(item, {}, 1)
+    if failure is None:  # not a failure after all: a generic one rather than none
+        return P.sse(P.error_body(f"{prefix}generation failed: {item.error}", "server_error"))
+    return P.sse(P.error_body(prefix + failure.message, failure.type, failure.code, failure.param))
+
+
+def _exception_event(e: BaseException, prefix: str = "") -> bytes:
+    """The SSE error event of a stream that failed with `e` (its replica died, or broke the stream's contract)."""
+    if isinstance(e, APIError):
+        failure = e
+    elif isinstance(e, (RayActorError, ActorUnavailableError, RayTaskError)):
+        failure = replica_failure(e, 1)
+    else:
+        failure = APIError(500, f"generation failed: {type(e).__name__}", "server_error", "replica_error")
+    return P.sse(P.error_body(prefix + failure.message, failure.type, failure.code, failure.param))
 
 
 def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:
@@ -946,8 +1031,11 @@ class IngressFrontend(OpenAIFrontend):
         self._init_frontend(settings)
         self.llm = llm.options(stream=True)
         self._readiness = Readiness()
-        self._ready_task = asyncio.get_running_loop().create_task(
-            self._readiness.watch(lambda: llm.model_info.remote()))
+
+        async def readiness() -> None:
+            await self._readiness.watch(lambda: llm.model_info.remote())
+            await self._readiness.monitor(lambda: llm.model_info.remote())
+        self._ready_task = asyncio.get_running_loop().create_task(readiness())
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return self.llm.generate.remote(req)
@@ -966,6 +1054,9 @@ class IngressFrontend(OpenAIFrontend):
 
     def _ready_info(self) -> dict[str, Any] | None:
         return self._readiness.info  # an LLM replica has answered: the app can serve
+
+    def _unavailable(self) -> str | None:
+        return self._readiness.down  # no LLM replica can serve now
 
 
 Ingress = serve.deployment(serve.ingress(openai_api())(IngressFrontend), name="Ingress",

@@ -333,7 +333,7 @@ class LLMReplica:
             strictest_tpot_ms=st.strictest_tpot_ms, kv_blocks_free=st.kv_blocks_free,
             kv_blocks_total=st.kv_blocks_total, predicted_ttft_ms=median_ms, predicted_queue_ms=queue_ms,
             median_prompt_tokens=median, prefill_sq_ms=self._prefill_sq_ms(), itl_ms=st.step_ms,
-            step_batch=st.step_batch, alive=st.alive, ts=time.time(),
+            step_batch=st.step_batch, alive=st.alive and self.engine.is_alive(), ts=time.time(),
             gate_base_ms=st.gate_line[0] if st.gate_line else None,
             gate_row_ms=st.gate_line[1] if st.gate_line else None, tpot_inv_sum=st.tpot_inv_sum,
             best_effort_share=st.num_best_effort * self._sched.best_effort_trp).to_dict()
@@ -366,7 +366,7 @@ class LLMReplica:
                 "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}
 
     def model_info(self) -> dict[str, Any]:
-        return {"model": self.model_name, "max_model_len": self.engine.max_model_len}
+        return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive()}
 
     async def _metrics_loop(self, period_s: float) -> None:
         while not self._closed:

@@ -74,6 +74,7 @@ class ReplicaView:
     tpot_inv_sum: float = 0.0
     best_effort_share: float = 0.0
     queued: float = 0.0
+    alive: bool = True  # False once the replica reports its engine dead (until Serve replaces the replica)
 
     def itl_with(self, tpot_ms: float | None, t_min_ms: float) -> float | None:
         """The inter-token latency to hold against `t_min_ms` (the stricter of this request's TPOT SLO and the
@@ -129,7 +130,7 @@ def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
     return ReplicaView(load=max(float(st.queue_len), reported) + extra, pred_ttft_ms=pred, itl_ms=proj_itl,
                        strictest_tpot_ms=strictest, kv_free=float(st.kv_blocks_free), gate=gate,
                        tpot_inv_sum=st.tpot_inv_sum, best_effort_share=st.best_effort_share,
-                       queued=st.num_waiting + extra)
+                       queued=st.num_waiting + extra, alive=st.alive)
 
 
 def slack(v: ReplicaView, slo: SLO) -> float | None:
@@ -155,7 +156,12 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
 def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO,
          avoid: tuple[str, ...] = ()) -> list[RunningReplica]:
     """Replicas best first (see the module docstring); the ones in `avoid` (by unique id: they turned this request
-    away already) last, in the same order among themselves."""
+    away already) last, in the same order among themselves, and after them the ones whose engine is dead (their
+    report says so: Serve routes to them until their health checks fail, and they fail every request at once, which
+    makes them look the least loaded)."""
+    dead = [r for r in candidates if not views[r.replica_id].alive]
+    if dead:
+        return rank([r for r in candidates if views[r.replica_id].alive], views, slo, avoid) + dead
     if avoid:
         ranked = rank(candidates, views, slo)
         return [r for r in ranked if r.replica_id.unique_id not in avoid] + \
@@ -200,8 +206,9 @@ class SLORouter(RequestRouter):
         if not candidate_replicas:
             return []
         req = generate_request(pending_request)
-        if req is None:
-            return [[r] for r in random.sample(candidate_replicas, len(candidate_replicas))]
+        if req is None:  # other methods: uniformly at random, the replicas whose engine is dead last
+            shuffled = random.sample(candidate_replicas, len(candidate_replicas))
+            return [[r] for r in sorted(shuffled, key=lambda r: not (r.routing_stats or {}).get("alive", True))]
         call_id = pending_request.metadata.internal_request_id  # type: ignore[union-attr]
         self._unchoose(call_id)  # a retry (the replica ranked first was full): choose afresh
         now = time.monotonic()

@@ -178,6 +178,16 @@ def test_router_prefers_attainable_slo_with_most_slack() -> None:
     assert _rank([busy, idle], {"ttft_ms": 1}) == ["idle", "busy"]
 
 
+def test_router_sends_nothing_to_a_replica_whose_engine_died_while_another_can_serve() -> None:
+    """A replica whose engine died fails every request at once and reports no load: until Serve's health checks
+    replace it, it would look the least loaded. Its report says it is dead: it comes last, for every SLO."""
+    dead = _replica("dead", {**_stats(1, 2), "alive": False})
+    busy = _replica("busy", _stats(400, 450, load=8))
+    for slo in ({}, {"ttft_ms": 300}, {"ttft_ms": 1}, {"tpot_ms": 50}):
+        assert _rank([dead, busy], slo) == ["busy", "dead"], slo
+    assert _rank([dead], {}) == ["dead"]  # the only one: still tried (the request gets its 503)
+
+
 def test_router_predicts_a_long_prompts_ttft_with_its_attention() -> None:
     """The replica reports its model at 1 and 64 prompt tokens and gamma (ms per token pair): a prompt of 8000 tokens
     costs its line and gamma x (8000² - 1), not the line alone."""
@@ -782,6 +792,156 @@ def test_readiness_waits_for_the_first_replica_answer_and_retries_failures() -> 
         assert r.ready and r.info == {"max_model_len": 77} and len(calls) == 3
 
     asyncio.run(run())
+
+
+def test_readiness_monitor_says_when_no_llm_replica_can_serve() -> None:
+    """Once ready, the Ingress asks an LLM replica every period: two failed asks in a row (no answer, or a dead
+    engine) make /health 503 `unavailable`; one answer from a live engine makes it 200 again."""
+    from deployments.ingress import Readiness
+
+    answers = ["ok", "timeout", "ok", "dead", "dead", "timeout", "ok"]
+    downs: list[str | None] = []
+    r = Readiness()
+
+    async def probe() -> dict:
+        downs.append(r.down)  # what /health said before this ask
+        what = answers.pop(0) if answers else "ok"
+        if what == "timeout":
+            await asyncio.sleep(10)
+        return {"max_model_len": 7, "alive": what == "ok"}
+
+    async def run() -> None:
+        task = asyncio.create_task(r.monitor(probe, period_s=0.001, timeout_s=0.05))
+        while len(downs) < 8:
+            await asyncio.sleep(0.005)
+        task.cancel()
+
+    asyncio.run(run())
+    # after: ok, a timeout, ok again, a dead engine (one failure: still up)
+    assert downs[:5] == [None] * 5
+    assert downs[5] == "the LLM replicas' engines exited"  # a second dead engine in a row
+    assert downs[6].startswith("no LLM replica answered (TimeoutError")  # a third failure: the latest reason
+    assert downs[7] is None  # an answer from a live engine
+
+
+def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
+    """Serve routes to a replica whose engine died until its health checks fail; the ingress sends a request that
+    failed there before its first item to another one (`failovers`), the failed replica in its avoid list; a
+    request failed so anywhere else, or past its TTFT SLO, gets the 503 `replica_failed`. Streamed, an engine that
+    dies mid-reply ends the stream with that error (its code too) and no usage chunk."""
+    from core.messages import ErrorKind, ServedBy
+    from core.request import FinishReason
+    from deployments.direct import LocalStream
+    from deployments.errors import item_failure
+    from deployments.ingress import OpenAIFrontend
+
+    sent: list[tuple[str, ...]] = []
+
+    async def generate(req: GenerateRequest):
+        sent.append(req.avoid_replicas)
+        if "A" not in req.avoid_replicas:  # lands on A, whose engine is dead
+            yield RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR,
+                                error="engine unavailable: gone", error_kind=ErrorKind.UNAVAILABLE,
+                                served_by=ServedBy("A", 0.1))
+            return
+        yield RequestOutput(req.request_id, text="Hi", token_ids=[1], served_by=ServedBy("B", 0.1))
+        yield RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR, error="engine failure: x",
+                            error_kind=ErrorKind.UNAVAILABLE)  # then B's engine dies too
+
+    class Front(OpenAIFrontend):
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    def front(failovers: int) -> Front:
+        f = object.__new__(Front)
+        f._init_frontend({"model_name": "m", "max_body_bytes": 4096, "failovers": failovers})
+        return f
+
+    def request(ttft_ms: float | None = None) -> GenerateRequest:
+        return GenerateRequest("r1", "x", params=SamplingParams(max_tokens=4), slo=SLO(ttft_ms=ttft_ms))
+
+    async def run() -> None:
+        req, gen, first = await front(2)._start(request(), time.perf_counter())
+        assert req.avoid_replicas == ("A",) and first.served_by.replica == "B" and sent == [(), ("A",)]
+        events = [e async for e in front(2)._sse(gen, first, "completion", "r1", True, "m")]
+        body = json.loads(events[1][6:])
+        assert json.loads(events[0][6:])["choices"][0]["text"] == "Hi"
+        assert body["error"]["code"] == "replica_failed" and body["error"]["type"] == "server_error"
+        assert events[2:] == [P.SSE_DONE]  # no usage chunk after the error
+        sent.clear()
+        _, _, first = await front(0)._start(request(), time.perf_counter())  # no failover (topology=direct)
+        assert item_failure(first, {}, 1).code == "replica_failed" and sent == [()]
+        sent.clear()
+        _, _, first = await front(2)._start(request(ttft_ms=5.0), time.perf_counter() - 1.0)  # its TTFT SLO ran out
+        assert first.error_kind is ErrorKind.UNAVAILABLE and sent == [()]
+
+    asyncio.run(run())
+
+
+def test_a_streamed_batch_ends_at_a_prompt_whose_engine_died() -> None:
+    """A batch's prompt whose engine dies mid-reply ends the batch's stream with its error event (naming the prompt,
+    with the code a 503 would have) and cancels the others: no usage chunk, no choice left without its end."""
+    from core.messages import ErrorKind
+    from core.request import FinishReason
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+
+    cancelled: list[str] = []
+
+    async def generate(req: GenerateRequest):
+        ended = False
+        try:
+            yield RequestOutput(req.request_id, text=req.prompt, token_ids=[1])
+            if req.prompt == "b":
+                ended = True
+                yield RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR,
+                                    error="engine failure: x", error_kind=ErrorKind.UNAVAILABLE)
+                return
+            await asyncio.sleep(10)
+            ended = True
+            yield RequestOutput(req.request_id, text="!", token_ids=[2], finished=True, finish_reason="length",
+                                num_prompt_tokens=1, num_output_tokens=2)
+        finally:
+            if not ended:  # closed or cancelled before its end
+                cancelled.append(req.prompt)
+
+    class Front(OpenAIFrontend):
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+
+    class Api:
+        docs_url = None
+
+    app = GenerationFastPath(front, Api())  # type: ignore[arg-type]
+
+    async def run() -> bytes:
+        sent: list[dict] = []
+        raw = json.dumps({"prompt": ["a", "b", "c"], "max_tokens": 4, "stream": True,
+                          "stream_options": {"include_usage": True}}).encode()
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await asyncio.wait_for(app({"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+                                    "headers": [(b"content-type", b"application/json")], "query_string": b""},
+                                   receive, send), 5)
+        await asyncio.sleep(0.05)
+        assert sent[0]["status"] == 200
+        return b"".join(m.get("body", b"") for m in sent[1:])
+
+    body = asyncio.run(run())
+    events = [e[6:] for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["message"].startswith("prompt 1: ") and error["code"] == "replica_failed"
+    assert all("usage" not in json.loads(e) or json.loads(e)["usage"] is None for e in events[:-2])
+    assert sorted(cancelled) == ["a", "c"]
 
 
 def test_direct_replica_caps_its_engine_share_and_queue_and_aborts_closed_streams() -> None:
