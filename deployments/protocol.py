@@ -11,6 +11,7 @@ a response_format other than text, vLLM's guided decoding and a request's own ch
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Literal
 
@@ -110,6 +111,13 @@ class _Common(BaseModel):
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
 
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _finite(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{info.field_name} must be a finite number, got {v!r}")
+        return v
+
     @field_validator("n")
     @classmethod
     def _n(cls, v: int | None) -> int:
@@ -200,12 +208,19 @@ class CompletionRequest(_Common):
                 raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
             if isinstance(p[0], str) and len(p) == 1:
                 self.prompt = p[0]
-        for one in self.prompts():
-            if not one:
-                raise ValueError("prompt must not be empty")
-            if isinstance(one, list) and any(t < 0 for t in one):
-                raise ValueError("prompt token ids must be non-negative")
         return self
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, p: Any) -> Any:
+        batch = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+        for i, one in enumerate(batch):
+            which = f"prompt {i}" if len(batch) > 1 else "prompt"
+            if not one:
+                raise ValueError(f"{which} must not be empty")
+            if isinstance(one, list) and any(t < 0 for t in one):
+                raise ValueError(f"{which}: token ids must be non-negative")
+        return p
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one (text or token ids), or a batch's (vLLM's list of texts or of token id
@@ -230,6 +245,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":  # OpenAI: only an assistant's turn may have none
+            raise ValueError(f"a {self.role} message needs a content")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -285,10 +306,13 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+SERVED_SINCE = int(time.time())
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=lambda: SERVED_SINCE)  # when this process started serving (as vLLM)
     owned_by: str = "kairos"
     root: str | None = None  # the served model this name stands for (vLLM's field)
     max_model_len: int | None = None
@@ -366,10 +390,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def parse_slo_header(name: str, raw: str | None, integer: bool = False) -> float | int | None:
+    """An SLO header's value: a number as JSON writes one (Python's float() also takes "1_000" and "+5"),
+    validated as the body's."""
     if raw is None:
         return None
+    text = raw.strip()
     try:
-        v: float = float(raw.strip())
+        if "_" in text or text.startswith("+"):
+            raise ValueError
+        v: float = float(text)
     except ValueError:
         raise ValueError(f"header {name} must be a number, got {raw!r}") from None
     return check_slo_value(f"header {name}", v, integer)

@@ -1474,6 +1474,34 @@ def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> N
     assert message.startswith("response_format is not supported") and param is None
 
 
+def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
+    """QA pass 11: NaN is no temperature (not "less than 100"); a batch's bad prompt is named, with `param`; an SLO
+    header is a number as JSON writes one ("1_000" and "+5" are Python's, not a client's); a user or system turn
+    needs a content (an assistant's may have none, as OpenAI); /v1/models' `created` holds still."""
+    from deployments.ingress import _validation_message
+
+    def message(body: dict) -> tuple[str, str | None]:
+        with pytest.raises(ValidationError) as e:
+            P.CompletionRequest.model_validate(body)
+        return _validation_message(e.value)
+
+    assert message({"prompt": "x", "temperature": float("nan")}) == \
+        ("temperature: temperature must be a finite number, got nan", "temperature")
+    assert message({"prompt": [[1, 2], [-1]]}) == ("prompt: prompt 1: token ids must be non-negative", "prompt")
+    assert message({"prompt": ["a", ""]}) == ("prompt: prompt 1 must not be empty", "prompt")
+    for raw in ("1_000", "+5", "0x10", "five"):
+        with pytest.raises(ValueError, match="must be a number"):
+            P.parse_slo_header("x-slo-ttft-ms", raw)
+    with pytest.raises(ValueError, match="positive finite"):
+        P.parse_slo_header("x-slo-ttft-ms", "-5")
+    assert P.parse_slo_header("x-slo-ttft-ms", " 1.5e3 ") == 1500.0
+    for turn in ({"role": "user"}, {"role": "user", "content": None}, {"role": "system", "content": None}):
+        with pytest.raises(ValidationError, match="needs a content"):
+            P.ChatCompletionRequest.model_validate({"messages": [turn]})
+    P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]})
+    assert P.ModelCard(id="a").created == P.ModelCard(id="b").created == P.SERVED_SINCE
+
+
 @pytest.mark.parametrize("field,value", [("max_tokens", True), ("max_tokens", "3"), ("max_tokens", 3.0),
                                          ("stream", "yes"), ("ignore_eos", 1), ("slo_ttft_ms", "2000"),
                                          ("slo_tpot_ms", True), ("temperature", "0.5")])
