@@ -270,7 +270,7 @@ class RoutingStats:
     # T_min' x (tpot_inv_sum + 1 / its TPOT) + best_effort_share (+ what is queued), as the gate counts it
     gate_base_ms: float | None = None
     gate_row_ms: float | None = None
-    tpot_inv_sum: float = 0.0  # sum of 1 / TPOT SLO (ms) over the running requests that have one
+    tpot_inv_sum: float = 0.0  # sum of 1 / TPOT (ms) over the running requests with a TPOT SLO, as the gate counts
     best_effort_share: float = 0.0  # the running best-effort requests' share of the batch (best_effort_trp each)
 
     @property

@@ -55,7 +55,7 @@ class EngineStats:
     # decode-only steps run and the sum of their wall time / the model's ITL (Scheduler.model_error)
     decode_over_model: dict[int, tuple[int, float]] = field(default_factory=dict)
     gate_line: tuple[float, float] | None = None  # the VBS gate's (base, row) ms: Scheduler.gate_line
-    tpot_inv_sum: float = 0.0  # sum of 1 / TPOT SLO (ms) over the running requests that have one
+    tpot_inv_sum: float = 0.0  # sum of 1 / TPOT (ms) over the running requests with a TPOT SLO, as the gate counts
     num_best_effort: int = 0  # running requests without a TPOT SLO
     preemptions: int = 0  # requests preempted (their KV freed, to be prefilled again) since start
 
@@ -66,12 +66,13 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
     tmin, inv_sum, n_be = math.inf, 0.0, 0
+    now = time.monotonic()
     for r in s.running:
         t = r.tpot_slo_ms
         if t == math.inf:
             n_be += 1
         else:
-            inv_sum += 1.0 / t
+            inv_sum += 1.0 / s.gate_tpot_ms(r, now)  # as the gate counts it (a reply ahead of its pace: less)
             tmin = min(tmin, t)
     if s.margin is not None:  # an idle engine does not step: its published tables forget old errors here too
         s.margin.expire(time.monotonic())

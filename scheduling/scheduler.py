@@ -420,6 +420,12 @@ class Scheduler:
         return lambda r: paced_tpot_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
                                        now)
 
+    def gate_tpot_ms(self, r: Request, now: float) -> float:
+        """The TPOT running request `r` counts at in the VBS gate now (its SLO's, or with pace_slack its paced one):
+        what a router's copy of the gate sums (EngineStats.tpot_inv_sum)."""
+        pace = self._pace_of(now)
+        return r.tpot_slo_ms if pace is None else pace(r)
+
     @staticmethod
     def _mid_len(r: Request) -> float:
         """The context length the gate sees for `r` over its reply: its prompt and half the output it plans for."""

@@ -316,6 +316,27 @@ def test_kairos_gives_a_fresh_request_the_room_replies_ahead_of_their_pace_leave
     assert not _banked_case(pace_slack=False)
 
 
+def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_replica_does():
+    """EngineStats.tpot_inv_sum (the router's copy of the VBS gate) sums 1 / the TPOT the gate counts each running
+    reply at: a loose reply far ahead of its pace counts less than its SLO says, with pace_slack."""
+    import time
+
+    from engine.stats import snapshot
+
+    def inv_sum(**kw) -> float:
+        s = _sched("kairos", **kw)
+        r = Request("r0", [1] * 4, SamplingParams(max_tokens=100), SLO(tpot_ms=20.0, output_len_hint=40))
+        s.add(r)
+        s.schedule(0.0)
+        r.first_token_s = time.monotonic() - 0.05  # 30 tokens in 50 ms: 730 ms left for its last 10
+        r.token_ids.extend([3] * 30)
+        return snapshot(s, alive=True, steps=0, rejected={}, phase_s={}, predictor_mape=None, last=(0, 0),
+                        step=(None, None)).tpot_inv_sum
+
+    assert inv_sum(pace_slack=False) == pytest.approx(1 / 20.0)
+    assert inv_sum() == pytest.approx(1 / 73.0, rel=0.01)
+
+
 def _step(s, plan):
     """Pretend the step ran through the scheduler's own bookkeeping (chunks advance, rows get one token)."""
     s.postprocess(plan, [3] * len(plan.requests), 0.0)
