@@ -145,6 +145,9 @@ class SchedulerConfig(BaseModel):
                                     "over the tokens it is expected to have left; tpot_guard.paced_tpot_ms) instead "
                                     "of its SLO's, in its credits and in the gate, so that the room it leaves goes "
                                     "to a fresh request (kairos)")
+    pace_slack_share: float = Field(0.5, ge=0, le=1, description="pace_slack: the share of a reply's banked time the "
+                                    "gate and its credits may spend (the TPOT it counts at: its SLO's + this x (paced "
+                                    "- SLO's)); the rest stays as a buffer for steps longer than planned")
     fill_pause_s: float = Field(10.0, ge=0, description="fill_steps pauses this long after a paced reply ends "
                                 "over its TPOT SLO: filled steps leave a strict reply no room for a stall")
     tier_floor_share: float = Field(0.3, ge=0, le=1, description="a TPOT tier admitted in less than this share "

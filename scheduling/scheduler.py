@@ -413,12 +413,18 @@ class Scheduler:
         return selected
 
     def _pace_of(self, now: float) -> Callable[[Request], float] | None:
-        """pace_slack: the TPOT a running request counts at in the VBS gate and in its credits (`paced_tpot_ms`,
-        over its expected length); None without it (its SLO's)."""
+        """pace_slack: the TPOT a running request counts at in the VBS gate and in its credits: its SLO's, plus
+        `pace_slack_share` of what `paced_tpot_ms` (over its expected length) adds; None without it (its SLO's)."""
         if not self.flags.pace_slack:
             return None
-        return lambda r: paced_tpot_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
-                                       now)
+        share = self.config.pace_slack_share
+
+        def pace(r: Request) -> float:
+            t = r.tpot_slo_ms
+            if math.isinf(t):  # best effort: no pace
+                return t
+            return t + share * (paced_tpot_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, t, now) - t)
+        return pace
 
     def gate_tpot_ms(self, r: Request, now: float) -> float:
         """The TPOT running request `r` counts at in the VBS gate now (its SLO's, or with pace_slack its paced one):

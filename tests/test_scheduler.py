@@ -294,7 +294,7 @@ def _banked_case(**kw) -> bool:
     t=0 by t=50 ms: the loose ones are far ahead of their pace. Whether a fresh loose request is admitted then. The
     step is 5 + 0.5 B ms; kairos's gate admits while 1.05 x step < 0.99 x 6.2 ms, i.e. B < 1.69. At their SLO's
     TPOT the batch with it is at 1 + 3 x 0.31 = 1.93; at the TPOT the loose ones still need (73 ms for their 10
-    tokens left), 1 + 2 x 0.085 + 0.31 = 1.48."""
+    tokens left), half of that bank spent (pace_slack_share 0.5: 46.5 ms), 1 + 2 x 0.133 + 0.31 = 1.58."""
     s = _sched("kairos", **kw)
     run = [Request(f"r{i}", [1] * 4, SamplingParams(max_tokens=100), SLO(tpot_ms=t, output_len_hint=40))
            for i, t in enumerate((6.2, 20.0, 20.0))]
@@ -334,7 +334,8 @@ def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_repl
                         step=(None, None)).tpot_inv_sum
 
     assert inv_sum(pace_slack=False) == pytest.approx(1 / 20.0)
-    assert inv_sum() == pytest.approx(1 / 73.0, rel=0.01)
+    assert inv_sum(pace_slack_share=1.0) == pytest.approx(1 / 73.0, rel=0.01)
+    assert inv_sum() == pytest.approx(1 / (20.0 + 0.5 * 53.0), rel=0.01)  # half the bank kept
 
 
 def _step(s, plan):
