@@ -63,13 +63,12 @@ PRESETS: dict[str, PolicyFlags] = {
     # request only to keep a step within the gate's plan (fill_steps): where the step hardly grows with the batch,
     # paced replies would otherwise hold their seats for twice their TPOT (a GPU replica, whose seats then bind);
     # filling pauses after a paced reply misses its TPOT (steps at the plan leave a strict reply no room for stalls).
-    # A reply ahead of its pace (filled steps bank time) counts, in its credits and in the gate, at the TPOT it still
-    # needs (pace_slack), so a fresh request gets the room while the banked time lasts
+    # pace_slack (a reply ahead of its pace counted at the TPOT it still needs) is opt-in: the simulator gains with
+    # it, but a paired run on the CPU box lost goodput and missed more TPOTs (bench/README)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
-                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True,
-                          pace_slack=True),
+                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -144,7 +143,8 @@ class SchedulerConfig(BaseModel):
                                     "ahead of its pace counts at the TPOT it still needs (its banked time spread "
                                     "over the tokens it is expected to have left; tpot_guard.paced_tpot_ms) instead "
                                     "of its SLO's, in its credits and in the gate, so that the room it leaves goes "
-                                    "to a fresh request (kairos)")
+                                    "to a fresh request. Opt-in: more goodput in bench.sim, less and more TPOT misses "
+                                    "in a paired bench.slo run on a 2-core CPU, where steps drift")
     pace_slack_share: float = Field(0.5, ge=0, le=1, description="pace_slack: the share of a reply's banked time the "
                                     "gate and its credits may spend (the TPOT it counts at: its SLO's + this x (paced "
                                     "- SLO's)); the rest stays as a buffer for steps longer than planned")

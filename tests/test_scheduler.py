@@ -311,14 +311,14 @@ def _banked_case(**kw) -> bool:
     return fresh in s.schedule(0.05).prefill
 
 
-def test_kairos_gives_a_fresh_request_the_room_replies_ahead_of_their_pace_leave():
-    assert _banked_case()
-    assert not _banked_case(pace_slack=False)
+def test_pace_slack_gives_a_fresh_request_the_room_replies_ahead_of_their_pace_leave():
+    assert _banked_case(pace_slack=True)
+    assert not _banked_case()  # opt-in: kairos counts every reply at its SLO's TPOT, as SCORPIO
 
 
 def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_replica_does():
     """EngineStats.tpot_inv_sum (the router's copy of the VBS gate) sums 1 / the TPOT the gate counts each running
-    reply at: a loose reply far ahead of its pace counts less than its SLO says, with pace_slack."""
+    reply at: with pace_slack, a loose reply far ahead of its pace counts less than its SLO says."""
     import time
 
     from engine.stats import snapshot
@@ -333,9 +333,9 @@ def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_repl
         return snapshot(s, alive=True, steps=0, rejected={}, phase_s={}, predictor_mape=None, last=(0, 0),
                         step=(None, None)).tpot_inv_sum
 
-    assert inv_sum(pace_slack=False) == pytest.approx(1 / 20.0)
-    assert inv_sum(pace_slack_share=1.0) == pytest.approx(1 / 73.0, rel=0.01)
-    assert inv_sum() == pytest.approx(1 / (20.0 + 0.5 * 53.0), rel=0.01)  # half the bank kept
+    assert inv_sum() == pytest.approx(1 / 20.0)
+    assert inv_sum(pace_slack=True, pace_slack_share=1.0) == pytest.approx(1 / 73.0, rel=0.01)
+    assert inv_sum(pace_slack=True) == pytest.approx(1 / (20.0 + 0.5 * 53.0), rel=0.01)  # half the bank kept
 
 
 def _step(s, plan):
