@@ -140,6 +140,9 @@ class GenerateRequest:
     # ms of its TTFT SLO spent before this send (an ingress's earlier sends, turned away): the engine's TTFT deadline
     # is that much nearer (`engine_slo`); its metrics labels and the test of an SLO no idle replica meets keep `slo`
     waited_ms: float = 0.0
+    # the Ray actor id of the caller (an Ingress replica), None in-process: a replica aborts the request once that
+    # actor is dead (nothing else cancels a replica's generator when its caller dies)
+    caller: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -1030,6 +1030,9 @@ class IngressFrontend(OpenAIFrontend):
     async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
         self._init_frontend(settings)
         self.llm = llm.options(stream=True)
+        import ray
+
+        self._actor_id: str | None = ray.get_runtime_context().get_actor_id()  # the LLM replicas watch it (caller)
         self._readiness = Readiness()
 
         async def readiness() -> None:
@@ -1038,7 +1041,7 @@ class IngressFrontend(OpenAIFrontend):
         self._ready_task = asyncio.get_running_loop().create_task(readiness())
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
-        return self.llm.generate.remote(req)
+        return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id))
 
     def _own_call(self) -> None:
         """A handle call takes its internal request id from the HTTP request's Serve context, and Serve's router

@@ -33,6 +33,7 @@ from scheduling.ttft_guard import idle_margin_at, idle_slo_floor
 log = logging.getLogger("ray.serve")
 
 MAX_RETRY_AFTER_S = 60  # the `openai` client waits out a Retry-After of up to 60 s, and no longer
+CALLER_CHECK_S = 1.0  # how often a replica asks whether the callers of its requests are alive (`_callers_loop`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -207,6 +208,8 @@ class LLMReplica:
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
+        self._callers: dict[str, set[str]] = {}  # caller actor id (an Ingress replica) -> its requests in flight here
+        self._callers_task = asyncio.get_running_loop().create_task(self._callers_loop(CALLER_CHECK_S))
         log.info("LLMServer %s ready: model=%s max_model_len=%d engine_process=%s %s", self.replica_id,
                  self.model_name, self.engine.max_model_len, engine_process, cores)
 
@@ -238,6 +241,8 @@ class LLMReplica:
         else:
             log.debug("request %s: slo=%s", rid, req.slo)
         self.inflight += 1
+        if req.caller is not None:
+            self._callers.setdefault(req.caller, set()).add(rid)
         left = self._decode_left
         hint, cap = req.slo.output_len_hint, req.params.max_tokens or self.engine.max_model_len
         left[rid] = min(hint, cap) if hint else cap
@@ -286,6 +291,7 @@ class LLMReplica:
                     finished = True
                     self.inflight -= 1
                     left.pop(rid, None)
+                    self._forget_caller(req)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
@@ -295,6 +301,7 @@ class LLMReplica:
             if not finished:
                 self.inflight -= 1
                 left.pop(rid, None)
+                self._forget_caller(req)
                 self.aborted += 1
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
@@ -368,6 +375,31 @@ class LLMReplica:
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive()}
 
+    def _forget_caller(self, req: GenerateRequest) -> None:
+        if req.caller is not None and (rids := self._callers.get(req.caller)) is not None:
+            rids.discard(req.request_id)
+            if not rids:
+                del self._callers[req.caller]
+
+    async def _callers_loop(self, period_s: float) -> None:
+        """Every `period_s`, abort in the engine the requests whose caller (an Ingress replica) Ray reports dead: when
+        a caller dies nothing cancels its calls' generators here, and they would generate to the end for no one, their
+        KV held. Only a DEAD state counts; a failed lookup waits for the next round."""
+        while not self._closed:
+            await asyncio.sleep(period_s)
+            for caller in list(self._callers):
+                try:
+                    state = await asyncio.to_thread(_actor_state, caller)
+                except Exception:  # noqa: BLE001 - the GCS busy or unreachable: ask again next round
+                    continue
+                if state != "DEAD":
+                    continue
+                rids = self._callers.pop(caller, set())
+                for rid in rids:
+                    self.engine.abort(rid)
+                self.aborted += len(rids)
+                log.warning("aborted %d request(s) whose caller %s died", len(rids), caller)
+
     async def _metrics_loop(self, period_s: float) -> None:
         while not self._closed:
             try:
@@ -378,12 +410,20 @@ class LLMReplica:
 
     def __del__(self) -> None:
         self._closed = True
-        task = getattr(self, "_metrics_task", None)
-        if task is not None:
-            task.cancel()
+        for name in ("_metrics_task", "_callers_task"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown(timeout=5.0)
+
+
+def _actor_state(actor_id: str) -> str | None:
+    """Ray's state of an actor (ALIVE, RESTARTING, DEAD, ...), from the GCS; None if it has no record."""
+    import ray._private.state as ray_state  # Ray's own table (private; pinned with Ray, as the router's context)
+
+    return ray_state.actors(actor_id).get("State")
 
 
 LLMServer = serve.deployment(

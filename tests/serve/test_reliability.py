@@ -263,6 +263,47 @@ def test_injected_fault_before_first_token_is_500_json(rel_app: dict) -> None:
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["inflight"] == 0, st
 
 
+# ------------------------------------------------------------------------------------------------ ingress kill
+def test_requests_of_a_killed_ingress_are_aborted_in_their_replica(rel_app: dict) -> None:
+    """Nothing cancels an LLM replica's generator when the Ingress replica that called it dies: the replica asks Ray
+    about its requests' callers every second (`LLMReplica._callers_loop`) and aborts those of a dead one, so their KV
+    is freed instead of held to the end of replies no one reads. Serve replaces the Ingress; the app serves again."""
+    import ray
+
+    url, auth, handle = rel_app["url"], rel_app["auth"], rel_app["handle"]
+    actors = serve_actors(REL_APP)
+    aborted = handle.stats.remote().result(timeout_s=10)["aborted"]
+    req = {"prompt": "in flight when the ingress dies", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    started = [False, False]
+
+    def stream_one(i: int) -> None:
+        try:
+            with httpx.Client(base_url=url, headers=auth, timeout=httpx.Timeout(60, read=30)) as c:
+                with c.stream("POST", CMPL, json=req) as r:
+                    for line in r.iter_lines():
+                        started[i] = started[i] or line.startswith("data: ")
+        except httpx.HTTPError:
+            pass  # cut off with its ingress
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(stream_one, i) for i in range(2)]
+        deadline = time.monotonic() + 30
+        while not all(started) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(started), "streams did not start"
+        ray.kill(ray.get_actor(actors["Ingress"][0], namespace="serve"), no_restart=False)
+        for f in futures:
+            f.result(timeout=60)
+    st = wait_idle(handle, want=1, timeout_s=30)
+    (st,) = st.values()
+    assert st["inflight"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"], st
+    assert st["aborted"] == aborted + 2, (aborted, st)  # aborted, not generated to their end
+    wait_ready(url)  # the replacement Ingress serves
+    with httpx.Client(base_url=url, headers=auth, timeout=30) as c:
+        r = c.post(CMPL, json={"prompt": "after the ingress", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
 # ------------------------------------------------------------------------------------------------ replica kill
 def test_killed_replica_fails_inflight_cleanly_and_is_replaced(rel_app: dict) -> None:
     import ray
