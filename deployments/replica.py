@@ -291,7 +291,8 @@ class LLMReplica:
                     finished = True
                     self.inflight -= 1
                     left.pop(rid, None)
-                    self._forget_caller(req)
+                    if req.caller is not None:
+                        _forget_caller(self._callers, req)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
@@ -301,7 +302,8 @@ class LLMReplica:
             if not finished:
                 self.inflight -= 1
                 left.pop(rid, None)
-                self._forget_caller(req)
+                if req.caller is not None:
+                    _forget_caller(self._callers, req)
                 self.aborted += 1
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
@@ -375,12 +377,6 @@ class LLMReplica:
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive()}
 
-    def _forget_caller(self, req: GenerateRequest) -> None:
-        if req.caller is not None and (rids := self._callers.get(req.caller)) is not None:
-            rids.discard(req.request_id)
-            if not rids:
-                del self._callers[req.caller]
-
     async def _callers_loop(self, period_s: float) -> None:
         """Every `period_s`, abort in the engine the requests whose caller (an Ingress replica) Ray reports dead: when
         a caller dies nothing cancels its calls' generators here, and they would generate to the end for no one, their
@@ -417,6 +413,14 @@ class LLMReplica:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown(timeout=5.0)
+
+
+def _forget_caller(callers: dict[str, set[str]], req: GenerateRequest) -> None:
+    """`req` ended: its caller no longer has it in flight here (`LLMReplica._callers`)."""
+    if (rids := callers.get(req.caller or "")) is not None:
+        rids.discard(req.request_id)
+        if not rids:
+            del callers[req.caller or ""]
 
 
 def _actor_state(actor_id: str) -> str | None:
