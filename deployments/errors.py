@@ -17,6 +17,8 @@ log = logging.getLogger("ray.serve")
 
 
 class APIError(Exception):
+    actor_died = False  # set where the replica serving the request died before its first item (`_first_item`)
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
                  headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)

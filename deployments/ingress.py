@@ -119,10 +119,13 @@ class Readiness:
     has loaded its model (12 s for the default model on a 2-core CPU), and a load balancer that sent traffic on the
     Ingress's first 200 would hold every request that long. `watch` calls `probe` (an LLM replica's `model_info`)
     until one call returns, each call bounded by `timeout_s` and retried `retry_s` later; after that `info` holds
-    its answer and `ready` stays true. `monitor` then asks again every `period_s`: while no LLM replica can serve
-    (no answer within `timeout_s`, or the one that answers has a dead engine; `failures` times in a row), `down`
-    says why (the Ingress's /health is then 503 `unavailable`: Serve is replacing the replicas, and requests meanwhile
-    wait for one or get 503s of their own)."""
+    its answer and `ready` stays true. `monitor` then asks again every `period_s` whether an LLM replica can serve:
+    `running` (Serve's controller: how many LLM replicas run) says none, or the replica that answers `probe` has a
+    dead engine (the router asks a live one first), `failures` times in a row. `down` then says why (the Ingress's
+    /health is 503 `unavailable`: Serve is replacing the replicas, and requests meanwhile wait for one or get 503s of
+    their own). A probe that times out or meets back pressure proves nothing: it waits behind generate calls on busy
+    replicas (Serve's `max_ongoing_requests` counts every method), and an overloaded app must not look dead to a
+    load balancer."""
 
     def __init__(self) -> None:
         self.info: dict[str, Any] | None = None
@@ -143,18 +146,29 @@ class Readiness:
                 log.info("ingress: no LLM replica ready yet (%s); asking again in %.0f s", type(e).__name__, retry_s)
                 await asyncio.sleep(retry_s)
 
-    async def monitor(self, probe: Callable[[], Awaitable[dict[str, Any]]], period_s: float = 2.0,
+    async def monitor(self, probe: Callable[[], Awaitable[dict[str, Any]]],
+                      running: Callable[[], Awaitable[int | None]] | None = None, period_s: float = 2.0,
                       timeout_s: float = 2.0, failures: int = 2) -> None:
         failed = 0
         while True:
             await asyncio.sleep(period_s)
+            why = None
             try:
-                info = await asyncio.wait_for(probe(), timeout_s)
-                why = None if info.get("alive", True) else "the LLM replicas' engines exited"
+                n = await asyncio.wait_for(running(), timeout_s) if running is not None else None
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # noqa: BLE001 - no replica to answer (all dead, being replaced), or a hung one
-                why = f"no LLM replica answered ({type(e).__name__})"
+            except Exception:  # noqa: BLE001 - the controller busy: no news
+                n = None
+            if n == 0:
+                why = "no LLM replica is running"
+            else:
+                try:
+                    info = await asyncio.wait_for(probe(), timeout_s)
+                    why = None if info.get("alive", True) else "the LLM replicas' engines exited"
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - busy replicas, or one being replaced: no news
+                    continue
             failed = 0 if why is None else failed + 1
             if (why if failed >= failures else None) != self.down:
                 log.warning("ingress: %s", why or "an LLM replica can serve again")
@@ -444,11 +458,13 @@ class OpenAIFrontend:
             try:
                 gen, first = await self._first_item(req)
             except APIError as e:
-                if last or e.code != "replica_failed" or _late(req, waited_ms, t_call):
+                if last or not e.actor_died or _late(req, waited_ms, t_call):
                     raise
-                log.warning("request %s: its replica failed before its first token (%s); sent to another one",
+                log.warning("request %s: its replica died before its first token (%s); sent to another one",
                             req.request_id, e.message)
-                continue  # Serve's router drops a dead actor; an engine that died is found by its own report
+                # Serve's router drops a dead actor (an unreachable one may still run the call: not sent again)
+                req = dataclasses.replace(req, waited_ms=waited_ms + (time.perf_counter() - t_call) * 1000.0)
+                continue
             if last or not _engine_lost(first) or _late(req, waited_ms, t_call):
                 return req, gen, first
             gen.cancel()
@@ -505,7 +521,9 @@ class OpenAIFrontend:
         except (RayActorError, ActorUnavailableError, RayTaskError) as e:
             gen.cancel()
             log.warning("request %s failed in its replica: %r", rid, e)
-            raise replica_failure(e, self.retry_after_s) from None
+            failure = replica_failure(e, self.retry_after_s)
+            failure.actor_died = isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError)
+            raise failure from None
         except BaseException:
             gen.cancel()
             raise
@@ -739,6 +757,13 @@ class OpenAIFrontend:
 def _len_hint(prompt: str | list[int]) -> int:
     """A prompt's length in tokens as a router guesses it before the replica counts: its ids, or 4 characters each."""
     return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
+
+
+def running_replicas(app: str, deployment: str) -> int | None:
+    """How many replicas of `deployment` in `app` Serve's controller counts as RUNNING (None if it does not know)."""
+    status = serve.status().applications.get(app)
+    d = status.deployments.get(deployment) if status is not None else None
+    return None if d is None else int(d.replica_states.get("RUNNING", 0))
 
 
 def _engine_lost(item: RequestOutput) -> bool:
@@ -1037,7 +1062,9 @@ class IngressFrontend(OpenAIFrontend):
 
         async def readiness() -> None:
             await self._readiness.watch(lambda: llm.model_info.remote())
-            await self._readiness.monitor(lambda: llm.model_info.remote())
+            await self._readiness.monitor(
+                lambda: llm.model_info.remote(),
+                lambda: asyncio.to_thread(running_replicas, llm.app_name, llm.deployment_name))
         self._ready_task = asyncio.get_running_loop().create_task(readiness())
 
     def _open(self, req: GenerateRequest) -> GenerateStream:

@@ -372,10 +372,15 @@ def test_killed_replica_fails_inflight_cleanly_and_is_replaced(rel_app: dict) ->
           f"{[json.loads(r['body'])['error']['message'] for r in plain_res]}")
 
     # new requests succeed once Serve has replaced the replica; the ingress survives
-    t0, new_replica, tries = time.monotonic(), None, 0
+    t0, new_replica, tries, health = time.monotonic(), None, 0, []
     with httpx.Client(base_url=url, headers=auth, timeout=15) as c:
         while time.monotonic() - t0 < 90:
             tries += 1
+            try:  # what a load balancer's probe sees meanwhile (printed: how soon is a matter of timing)
+                h = c.get("/health", timeout=5)
+                health.append(f"{h.status_code} {h.json().get('reason', '')}".strip())
+            except (httpx.HTTPError, ValueError) as e:
+                health.append(type(e).__name__)
             try:
                 r = c.post(CMPL, json={"prompt": "after the restart", "max_tokens": 4, "ignore_eos": True})
             except httpx.HTTPError:
@@ -388,7 +393,8 @@ def test_killed_replica_fails_inflight_cleanly_and_is_replaced(rel_app: dict) ->
             assert r.status_code in (500, 502, 503, 504), r.text  # while no replica is up: a clean error
             assert r.json()["error"]["message"]
             time.sleep(0.25)
-    print(f"[kill] replacement served after {time.monotonic() - t0:.1f}s ({tries} tries)")
+    print(f"[kill] replacement served after {time.monotonic() - t0:.1f}s ({tries} tries); /health meanwhile: "
+          f"{sorted(set(health))}")
     assert new_replica is not None, "no replacement replica within 90 s"
     assert new_replica != old_replica
     after = serve_actors(REL_APP)

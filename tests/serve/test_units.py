@@ -795,33 +795,41 @@ def test_readiness_waits_for_the_first_replica_answer_and_retries_failures() -> 
 
 
 def test_readiness_monitor_says_when_no_llm_replica_can_serve() -> None:
-    """Once ready, the Ingress asks an LLM replica every period: two failed asks in a row (no answer, or a dead
-    engine) make /health 503 `unavailable`; one answer from a live engine makes it 200 again."""
+    """Once ready, the Ingress asks every period: two answers in a row that no LLM replica can serve (Serve's
+    controller counts none running, or the replica that answers has a dead engine) make /health 503 `unavailable`;
+    one that can serves makes it 200 again. A probe that times out (busy replicas, whose queue it waits in) is no
+    news either way: an overloaded app must not look dead."""
     from deployments.ingress import Readiness
 
-    answers = ["ok", "timeout", "ok", "dead", "dead", "timeout", "ok"]
+    # (LLM replicas running, what the probe gets)
+    answers = [(2, "ok"), (0, "-"), (2, "ok"), (1, "dead"), (1, "dead"), (0, "-"), (2, "timeout"), (2, "timeout"),
+               (2, "ok")]
     downs: list[str | None] = []
     r = Readiness()
+    rounds, now = iter(answers), {"p": "ok"}
+
+    async def running() -> int:
+        downs.append(r.down)  # what /health said before this round
+        n, now["p"] = next(rounds, (2, "ok"))
+        return n
 
     async def probe() -> dict:
-        downs.append(r.down)  # what /health said before this ask
-        what = answers.pop(0) if answers else "ok"
-        if what == "timeout":
+        if now["p"] == "timeout":
             await asyncio.sleep(10)
-        return {"max_model_len": 7, "alive": what == "ok"}
+        return {"max_model_len": 7, "alive": now["p"] == "ok"}
 
     async def run() -> None:
-        task = asyncio.create_task(r.monitor(probe, period_s=0.001, timeout_s=0.05))
-        while len(downs) < 8:
+        task = asyncio.create_task(r.monitor(probe, running, period_s=0.001, timeout_s=0.05))
+        while len(downs) <= len(answers):
             await asyncio.sleep(0.005)
         task.cancel()
 
     asyncio.run(run())
-    # after: ok, a timeout, ok again, a dead engine (one failure: still up)
-    assert downs[:5] == [None] * 5
+    assert downs[:5] == [None] * 5  # ok; none running once; ok; a dead engine once
     assert downs[5] == "the LLM replicas' engines exited"  # a second dead engine in a row
-    assert downs[6].startswith("no LLM replica answered (TimeoutError")  # a third failure: the latest reason
-    assert downs[7] is None  # an answer from a live engine
+    assert downs[6] == "no LLM replica is running"  # a third: the latest reason
+    assert downs[7:9] == ["no LLM replica is running"] * 2  # timeouts: no news, it stays as it was
+    assert downs[9] is None  # a live engine answers
 
 
 def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
@@ -829,16 +837,24 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
     failed there before its first item to another one (`failovers`), the failed replica in its avoid list; a
     request failed so anywhere else, or past its TTFT SLO, gets the 503 `replica_failed`. Streamed, an engine that
     dies mid-reply ends the stream with that error (its code too) and no usage chunk."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
     from core.messages import ErrorKind, ServedBy
     from core.request import FinishReason
     from deployments.direct import LocalStream
-    from deployments.errors import item_failure
+    from deployments.errors import APIError, item_failure
     from deployments.ingress import OpenAIFrontend
 
     sent: list[tuple[str, ...]] = []
+    calls: list[float] = []  # waited_ms of each call
+    died: list[BaseException] = []  # the next call's replica actor dies with this
 
     async def generate(req: GenerateRequest):
         sent.append(req.avoid_replicas)
+        calls.append(req.waited_ms)
+        if died:
+            await asyncio.sleep(0.05)
+            raise died.pop()
         if "A" not in req.avoid_replicas:  # lands on A, whose engine is dead
             yield RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR,
                                 error="engine unavailable: gone", error_kind=ErrorKind.UNAVAILABLE,
@@ -874,6 +890,19 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
         sent.clear()
         _, _, first = await front(2)._start(request(ttft_ms=5.0), time.perf_counter() - 1.0)  # its TTFT SLO ran out
         assert first.error_kind is ErrorKind.UNAVAILABLE and sent == [()]
+        # the replica actor itself died before the first item: sent again, the time lost off its TTFT SLO; one that
+        # is only unreachable may still run it, so it is not sent again (a 503)
+        for error, resent in ((ActorDiedError(), True), (ActorUnavailableError("gone", None), False)):
+            calls.clear()
+            died[:] = [error]
+            if resent:
+                req, _, first = await front(2)._start(request(ttft_ms=5000.0), time.perf_counter())
+                # died, then A (a dead engine: sent on), then B; each send with the time spent before it
+                assert first.served_by.replica == "B" and len(calls) == 3 and calls[1] >= 50.0, calls
+            else:
+                with pytest.raises(APIError) as e:
+                    await front(2)._start(request(ttft_ms=5000.0), time.perf_counter())
+                assert e.value.code == "replica_failed" and len(calls) == 1
 
     asyncio.run(run())
 
