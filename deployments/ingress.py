@@ -437,12 +437,9 @@ class OpenAIFrontend:
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica) \
                     or first.reject_reason is RejectReason.SLO_UNATTAINABLE:  # no replica could: not rerouted
                 break
-            spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
-            ttft = req.slo.ttft_ms
-            if ttft is not None and spent_ms >= ttft:
+            if (again := _resent(req, waited_ms, t_call, sb.replica)) is None:
                 break
-            req = dataclasses.replace(req, waited_ms=spent_ms, avoid_replicas=(*req.avoid_replicas, sb.replica))
-            req, gen, first = await self._first_item_anywhere(req, waited_ms, t_call)
+            req, gen, first = await self._first_item_anywhere(again, waited_ms, t_call)
             _note_refusal(first, req)
         return req, gen, first
 
@@ -454,26 +451,24 @@ class OpenAIFrontend:
         balancer's client expects the request to be served by a replica that works meanwhile. Returns the request as
         last sent (the failed replicas in its `avoid_replicas`)."""
         for attempt in range(self.failovers + 1):
-            last = attempt == self.failovers
+            more = attempt < self.failovers
             try:
                 gen, first = await self._first_item(req)
             except APIError as e:
-                if last or not e.actor_died or _late(req, waited_ms, t_call):
+                # Serve's router drops a dead actor (an unreachable one may still run the call: not sent again)
+                if (again := _resent(req, waited_ms, t_call) if more and e.actor_died else None) is None:
                     raise
                 log.warning("request %s: its replica died before its first token (%s); sent to another one",
                             req.request_id, e.message)
-                # Serve's router drops a dead actor (an unreachable one may still run the call: not sent again)
-                req = dataclasses.replace(req, waited_ms=waited_ms + (time.perf_counter() - t_call) * 1000.0)
+                req = again
                 continue
-            if last or not _engine_lost(first) or _late(req, waited_ms, t_call):
+            sb = first.served_by
+            lost = sb.replica if sb is not None else None
+            if (again := _resent(req, waited_ms, t_call, lost) if more and _engine_lost(first) else None) is None:
                 return req, gen, first
             gen.cancel()
-            sb = first.served_by
-            log.warning("request %s: the engine of replica %s had died; sent to another one", req.request_id,
-                        sb.replica if sb else "?")
-            spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
-            avoid = (*req.avoid_replicas, sb.replica) if sb is not None and sb.replica else req.avoid_replicas
-            req = dataclasses.replace(req, waited_ms=spent_ms, avoid_replicas=avoid)
+            log.warning("request %s: the engine of replica %s had died; sent to another one", req.request_id, lost)
+            req = again
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     @staticmethod
@@ -771,10 +766,14 @@ def _engine_lost(item: RequestOutput) -> bool:
     return item.finish_reason is FinishReason.ERROR and item.error_kind is ErrorKind.UNAVAILABLE
 
 
-def _late(req: GenerateRequest, waited_ms: float, t_call: float) -> bool:
-    """Whether `req`'s TTFT SLO has run out: `waited_ms` before `t_call`, and the time since."""
-    ttft = req.slo.ttft_ms
-    return ttft is not None and waited_ms + (time.perf_counter() - t_call) * 1000.0 >= ttft
+def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | None = None) -> GenerateRequest | None:
+    """`req` to send again: the time it spent (`waited_ms` before `t_call`, and since) taken off its TTFT SLO, and
+    replica `avoid` (one that turned it away or failed) added to those it avoids; None once its TTFT SLO ran out."""
+    spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
+    if req.slo.ttft_ms is not None and spent_ms >= req.slo.ttft_ms:
+        return None
+    return dataclasses.replace(req, waited_ms=spent_ms,
+                               avoid_replicas=(*req.avoid_replicas, avoid) if avoid else req.avoid_replicas)
 
 
 def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
@@ -811,9 +810,8 @@ def _error_event(item: RequestOutput, prefix: str = "") -> bytes:
     """The SSE error event of a stream that failed at `item` (a finish reason ERROR): the message, type and code a
     request failing so before its response would get (`item_failure`: `replica_failed` where the engine died)."""
     failure = item_failure(item, {}, 1)
-    if failure is None:  # not a failure after all: a generic one rather than none
-        return P.sse(P.error_body(f"{prefix}generation failed: {item.error}", "server_error"))
-    return P.sse(P.error_body(prefix + failure.message, failure.type, failure.code, failure.param))
+    assert failure is not None  # an ERROR item always maps to a failure
+    return _failure_event(failure, prefix)
 
 
 def _exception_event(e: BaseException, prefix: str = "") -> bytes:
@@ -824,6 +822,10 @@ def _exception_event(e: BaseException, prefix: str = "") -> bytes:
         failure = replica_failure(e, 1)
     else:
         failure = APIError(500, f"generation failed: {type(e).__name__}", "server_error", "replica_error")
+    return _failure_event(failure, prefix)
+
+
+def _failure_event(failure: APIError, prefix: str) -> bytes:
     return P.sse(P.error_body(prefix + failure.message, failure.type, failure.code, failure.param))
 
 

@@ -213,7 +213,7 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, p: Any) -> Any:
-        batch = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+        batch = _prompt_list(p)
         for i, one in enumerate(batch):
             which = f"prompt {i}" if len(batch) > 1 else "prompt"
             if not one:
@@ -225,13 +225,17 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one (text or token ids), or a batch's (vLLM's list of texts or of token id
         lists), each answered by a choice of its own."""
-        p = self.prompt
-        if isinstance(p, str) or not p or isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return _prompt_list(self.prompt)
 
     def default_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+
+def _prompt_list(p: Any) -> list[str | list[int]]:
+    """A completion's `prompt` as its prompts: one (text or token ids), or a batch's list."""
+    if isinstance(p, str) or not p or isinstance(p[0], int):
+        return [p]
+    return list(p)
 
 
 class TextPart(BaseModel):
@@ -390,8 +394,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def parse_slo_header(name: str, raw: str | None, integer: bool = False) -> float | int | None:
-    """An SLO header's value: a number as JSON writes one (Python's float() also takes "1_000" and "+5"),
-    validated as the body's."""
+    """An SLO header's value: a number, validated as the body's (not the "1_000" and "+5" Python's float() also
+    takes)."""
     if raw is None:
         return None
     text = raw.strip()

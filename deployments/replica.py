@@ -292,7 +292,7 @@ class LLMReplica:
                     self.inflight -= 1
                     left.pop(rid, None)
                     if req.caller is not None:
-                        _forget_caller(self._callers, req)
+                        _forget_caller(self._callers, req.caller, rid)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
@@ -303,7 +303,7 @@ class LLMReplica:
                 self.inflight -= 1
                 left.pop(rid, None)
                 if req.caller is not None:
-                    _forget_caller(self._callers, req)
+                    _forget_caller(self._callers, req.caller, rid)
                 self.aborted += 1
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
@@ -415,12 +415,12 @@ class LLMReplica:
             eng.shutdown(timeout=5.0)
 
 
-def _forget_caller(callers: dict[str, set[str]], req: GenerateRequest) -> None:
-    """`req` ended: its caller no longer has it in flight here (`LLMReplica._callers`)."""
-    if (rids := callers.get(req.caller or "")) is not None:
-        rids.discard(req.request_id)
+def _forget_caller(callers: dict[str, set[str]], caller: str, rid: str) -> None:
+    """Request `rid` ended: `caller` no longer has it in flight here (`LLMReplica._callers`)."""
+    if (rids := callers.get(caller)) is not None:
+        rids.discard(rid)
         if not rids:
-            del callers[req.caller or ""]
+            del callers[caller]
 
 
 def _actor_state(actor_id: str) -> str | None:

@@ -67,15 +67,16 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
     bm = s.blocks
     tmin, inv_sum, n_be = math.inf, 0.0, 0
     now = time.monotonic()
+    pace = s.pace_of(now)  # as the gate counts a running reply (with pace_slack, one ahead of its pace: less)
     for r in s.running:
         t = r.tpot_slo_ms
         if t == math.inf:
             n_be += 1
         else:
-            inv_sum += 1.0 / s.gate_tpot_ms(r, now)  # as the gate counts it (a reply ahead of its pace: less)
+            inv_sum += 1.0 / (t if pace is None else pace(r))
             tmin = min(tmin, t)
     if s.margin is not None:  # an idle engine does not step: its published tables forget old errors here too
-        s.margin.expire(time.monotonic())
+        s.margin.expire(now)
     waiting_tokens, waiting_sq = s.waiting_load()
     return EngineStats(
         alive=alive, num_waiting=len(s.waiting), num_running=len(s.running),

@@ -333,7 +333,7 @@ class Scheduler:
             gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len,
-                           running_tpot=self._pace_of(now))
+                           running_tpot=self.pace_of(now))
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
@@ -412,9 +412,10 @@ class Scheduler:
             self.running.append(r)
         return selected
 
-    def _pace_of(self, now: float) -> Callable[[Request], float] | None:
+    def pace_of(self, now: float) -> Callable[[Request], float] | None:
         """pace_slack: the TPOT a running request counts at in the VBS gate and in its credits: its SLO's, plus
-        `pace_slack_share` of what `paced_tpot_ms` (over its expected length) adds; None without it (its SLO's)."""
+        `pace_slack_share` of what `paced_tpot_ms` (over its expected length) adds; None without it (its SLO's). A
+        router's copy of the gate sums the same (EngineStats.tpot_inv_sum)."""
         if not self.flags.pace_slack:
             return None
         share = self.config.pace_slack_share
@@ -425,12 +426,6 @@ class Scheduler:
                 return t
             return t + share * (paced_tpot_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, t, now) - t)
         return pace
-
-    def gate_tpot_ms(self, r: Request, now: float) -> float:
-        """The TPOT running request `r` counts at in the VBS gate now (its SLO's, or with pace_slack its paced one):
-        what a router's copy of the gate sums (EngineStats.tpot_inv_sum)."""
-        pace = self._pace_of(now)
-        return r.tpot_slo_ms if pace is None else pace(r)
 
     @staticmethod
     def _mid_len(r: Request) -> float:
@@ -588,7 +583,7 @@ class Scheduler:
         self.last_vbs = vbs(self.running, t_min, be)
         if self.flags.credit_batching:
             batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now),
-                                     self._pace_of(now))
+                                     self.pace_of(now))
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
