@@ -338,6 +338,17 @@ def _http_added(f: dict[str, Any]) -> str:
     return f"TTFT {ttft:+.1f} ms, ITL {itl:+.1f} ms (p50)"
 
 
+def _slo_gpu(f: dict[str, Any]) -> str:
+    rows = [r for r in f.get("rows") or [] if r["lengths"] == "predicted"]
+    if not rows:
+        return "no SLO point measured"
+    hi, lo = max(r["load"] for r in rows), min(r["load"] for r in rows)
+    cell = f"{hi:g}× λ*: " + ", ".join(f"{r['policy']} {r['goodput_rps']:.2f} req/s ({100 * r['adherence']:.0f}% met)"
+                                       for r in rows if r["load"] == hi)
+    low = [r for r in rows if r["load"] == lo and r["policy"] == "kairos"]
+    return cell + (f"; {lo:g}×: kairos {100 * low[0]['adherence']:.0f}% met" if lo != hi and low else "")
+
+
 def _routers(f: dict[str, Any]) -> str:
     at = min(r["load"] for r in f["rows"])
     return ", ".join(f"{r['router']} {r['goodput_rps']:.2f} req/s ({100 * r['adherence']:.1f}% met)"
@@ -355,16 +366,27 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("The same, reply lengths hidden (max_tokens a cap), both with the length predictor",
      "slo-sharegpt-1.5x-3seeds-predictor-acc16-zen4", _slo_goodput),
     ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
-    ("The same on an H200 (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h200-llama8b", _http_added),
+    ("The same on a GPU (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h*-llama8b*", _http_added),
+    ("SLO goodput on one GPU replica over Ray Serve (8B shape, ShareGPT, lengths predicted, seeds 0 and 1)",
+     "slo-gpu-h*-llama8b*", _slo_gpu),
     ("SLO router against power-of-two, 2 replicas (ShareGPT)", "route-2replicas-16core-device-f", _routers),
 )
+
+
+def newest(name: str, root: str | os.PathLike[str] | None = None) -> str | None:
+    """The summary a HEADLINES name means: itself, or for a glob pattern (a device's summaries, named per run) the
+    newest that matches (by date, then name); None if there is none."""
+    if "*" not in name:
+        return name if (Path(root or SUMMARIES) / f"{name}.json").exists() else None
+    docs = [(_load(p.stem, root).get("date") or "", p.stem) for p in Path(root or SUMMARIES).glob(f"{name}.json")]
+    return max(docs)[1] if docs else None
 
 
 def headline_table(root: str | os.PathLike[str] | None = None) -> str:
     """The README's table of headline figures, from the summaries named in HEADLINES."""
     rows = []
-    for what, name, cell in HEADLINES:
-        if not (Path(root or SUMMARIES) / f"{name}.json").exists():
+    for what, pattern, cell in HEADLINES:
+        if (name := newest(pattern, root)) is None:
             continue
         d = _load(name, root)
         rows.append([what, cell(d["figures"]), where(d), (d.get("date") or "")[:10],
@@ -385,6 +407,12 @@ def update_block(path: str | os.PathLike[str], table: str, begin: str = _BEGIN, 
     return new != text
 
 
+def update_headlines(readme: str | os.PathLike[str] | None = None, root: str | os.PathLike[str] | None = None
+                     ) -> bool:
+    """Replace the headline table of the top-level README; True when the file changed."""
+    return update_block(readme or TOP_README, headline_table(root), *_HEADLINE)
+
+
 def update_readme(readme: str | os.PathLike[str] | None = None, root: str | os.PathLike[str] | None = None) -> bool:
     """Replace the table between the summaries markers of bench/README.md; True when the file changed."""
     return update_block(readme or README, summaries_table(root))
@@ -402,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write:
         print("updated" if update_readme() else "unchanged", README)
     if args.readme:
-        print("updated" if update_block(TOP_README, headline_table(), *_HEADLINE) else "unchanged", TOP_README)
+        print("updated" if update_headlines() else "unchanged", TOP_README)
     if not (args.write or args.readme):
         print(summaries_table())
     return 0

@@ -413,4 +413,4 @@ def test_slo_gpu_checks_from_its_rows():
     assert acc["kairos_over_scorpio_min_seed"] == pytest.approx(1.1)
     assert acc["checks"] == {"scorpio_2x_fcfs": True, "kairos_1.15x_scorpio_each_seed": False, "kairos_tpot_99": True,
                              "kairos_every_tier_25": True, "kairos_90pct_oracle": False,
-                             "kairos_low_load_adherence_95": True}
+                             "kairos_low_load_adherence_95": True, "kairos_low_load_goodput_ge_fcfs": True}

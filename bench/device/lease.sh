@@ -11,6 +11,8 @@
 #           but 160 s), then overhead_gpu.sh (ROUNDS=1: the HTTP hop, the prefill model and hybrid steps), then
 #           tests/gpu (gpu_check.sh BENCH=0), each in what BUDGET_S leaves
 # Everything lands in $OUT: slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json, gpu-check.json and logs.
+# Then here (after give_back): python bench/device/ingest.py <call 1's files_at> <call 2's files_at> keeps them as
+# summaries and the replica profile, regenerates the READMEs' tables and prints what the issue's note wants.
 set -u
 T0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-240} - ($(date +%s) - T0) )); }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,7 @@ def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict
               "kairos_90pct_oracle": ("kairos_over_oracle_own_tokens", 0.9),
               "kairos_low_load_adherence_95": ("kairos_adherence_low_load", 0.95)}
     out["checks"] = {name: (None if out.get(key) is None else out[key] >= th) for name, (key, th) in checks.items()}
+    out["checks"]["kairos_low_load_goodput_ge_fcfs"] = out.get("kairos_goodput_ge_fcfs_low_load")
     if f and s:  # FCFS may serve nothing within SLO: compare the goodputs, not their ratio
         out["checks"]["scorpio_2x_fcfs"] = s["goodput_rps"] >= 2.0 * f["goodput_rps"] and s["goodput_rps"] > 0
     return out
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = args.out / "slo-gpu.json"  # the run's own copy of its summary, which --resume goes on from
     doc: dict[str, Any] = {"benchmark": "slo_gpu", "shape": args.shape, "dtype": args.dtype, "device": args.device,
                            "run": run_info("bench/device/slo_gpu.py", argv), "rows": [], "phases": {}}
+    doc["run"]["command"] = shlex.join(["python", "bench/device/slo_gpu.py", *(sys.argv[1:] if argv is None else argv)])
     same = {"shape": args.shape, "dtype": args.dtype, "device": args.device, "loads": args.loads, "seeds": args.seeds,
             "num_requests": args.num_requests, "strict_batch": args.strict_batch, "loose_batch": args.loose_batch,
             "max_num_seqs": args.max_num_seqs, "prefill_max_tokens": args.prefill_max_tokens, "serve": args.serve}

@@ -1,0 +1,219 @@
+"""After a lease: the device's results into bench/summaries, bench/sim_models and the READMEs, in one command.
+
+    python bench/device/ingest.py DIR [DIR ...] [--tag h200] [--commit SHA] [--no-readme]
+
+Each DIR is the folder of one `run` call's files (the device tool's `files_at`), in the order of the calls: where two
+hold the same file, the later one's is taken (call 2's resumed slo-gpu.json holds call 1's rows as well). It keeps
+
+- slo-gpu.json as the summary `slo-gpu-TAG-SHAPE` (its headline: lambda*, every policy's goodput at the highest
+  load, kairos's adherence at the lowest, and the acceptance checks that failed), the whole run's document as its
+  figures;
+- overhead-http-gpu.json as `http-overhead-TAG-SHAPE`, with the issue's two HTTP checks beside its figures;
+- prefill-model-*.json as `prefill-model-SHAPE-TAG`;
+- gpu-check.json (tests/gpu's results) as `gpu-check-TAG`;
+- the replica profile in slo_gpu-out.tgz as bench/sim_models/TAG-SHAPE-measured-DATE.json (bench.sim's --tiers);
+
+then regenerates bench/README.md's table and README.md's headlines (`bench.report`), and prints what the issue's
+note wants: the SLO rows as a table, the acceptance checks, the HTTP hop, tests/gpu's counts and failures, and the
+mixed graphs' check (mixed-check.log). TAG is the GPU's model ("NVIDIA H200" -> h200) unless given; a summary's
+commit is the one the device recorded, else --commit. SHAPE drops its dash (llama-8b -> llama8b), as the names of
+the first lease's summaries do.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import report  # noqa: E402
+
+HTTP_TTFT_MAX_MS, HTTP_ITL_MAX_MS = 2.0, 0.5  # the issue's bounds on what the HTTP hop adds (p50)
+
+
+def latest(dirs: list[Path], pattern: str) -> Path | None:
+    """The file matching `pattern` in the last of `dirs` that has one."""
+    for d in reversed(dirs):
+        hits = sorted(d.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def gpu_tag(name: str | None) -> str | None:
+    """"NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100"; None when there is no GPU model in it."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name or "")
+    return m.group(1).lower() if m else None
+
+
+def _machine(run: dict[str, Any], gpu: str | None) -> dict[str, Any]:
+    m = {"cpu": run.get("cpu"), "cores": run.get("cpu_count"), "cpu_flags": run.get("cpu_flags") or [],
+         "torch": run.get("torch")}
+    return {**m, "gpu": gpu} if gpu else m
+
+
+def _doc(name: str, command: str, commit: str, date: str, machine: dict[str, Any], headline: str,
+         figures: dict[str, Any]) -> dict[str, Any]:
+    """A summary as `bench.report.write_summary` writes it, with the device's own date, commit and machine."""
+    return {"name": name, "command": command, "commit": commit, "date": date, "machine": machine,
+            "headline": headline, "figures": figures}
+
+
+def slo_headline(doc: dict[str, Any]) -> str:
+    rows, acc = doc.get("rows") or [], doc.get("acceptance") or {}
+    lam = doc.get("lambda_star_rps")
+    parts = [f"{doc.get('shape')} {doc.get('dtype')} over Ray Serve, lambda* "
+             + (f"{lam:.2f} rps" if lam else "not found")]
+    if rows:
+        hi, lo = max(r["load"] for r in rows), min(r["load"] for r in rows)
+        arm = {"predicted": ""}
+        parts.append(f"{hi:g}x: " + ", ".join(f"{r['policy']}{arm.get(r['lengths'], ' ' + r['lengths'])}"
+                                              f" {r['goodput_rps']:.2f}" for r in rows if r["load"] == hi) + " rps")
+        k1 = [r for r in rows if r["load"] == lo and r["policy"] == "kairos" and r["lengths"] == "predicted"]
+        if lo != hi and k1:
+            parts.append(f"{lo:g}x kairos adherence {100 * k1[0]['adherence']:.1f}%")
+    checks = acc.get("checks") or {}
+    if checks:
+        failed = [k for k, v in checks.items() if v is False]
+        parts.append(f"checks {sum(v is True for v in checks.values())}/{len(checks)}"
+                     + (f" (not met: {', '.join(failed)})" if failed else ""))
+    return "; ".join(parts)
+
+
+def slo_table(doc: dict[str, Any]) -> str:
+    rows = [[r["policy"], r["lengths"], f"{r['load']:g}x", f"{r['rate_rps']:.2f}", f"{r['goodput_rps']:.2f}",
+             f"{100 * r['adherence']:.1f}%", " / ".join(f"{100 * v:.0f}" for v in r["per_tier_adherence"].values()),
+             "-" if r.get("tpot_met_admitted") is None else f"{r['tpot_met_admitted']:.3f}",
+             " ".join(f"{x['seed']}:{x['goodput_rps']:.2f}" for x in r["per_seed"])]
+            for r in doc.get("rows") or []]
+    tiers = "/".join(next(iter(doc.get("rows") or []), {}).get("per_tier_adherence", {}) or ["tiers"])
+    return report.format_table(["policy", "lengths", "load", "rate rps", "goodput rps", "adherence", tiers + " %",
+                                "TPOT met (admitted)", "goodput by seed"], rows, align="lllrrrlrl")
+
+
+def http_checks(figures: dict[str, Any]) -> dict[str, Any]:
+    ttft, itl = figures["added_ttft_itl_ms"]["http[defaults]"]["in_process"]
+    return {"added_ttft_p50_ms": ttft, "added_itl_p50_ms": itl,
+            "checks": {f"http_ttft_le_{HTTP_TTFT_MAX_MS:g}ms": ttft <= HTTP_TTFT_MAX_MS,
+                       f"http_itl_le_{HTTP_ITL_MAX_MS:g}ms": itl <= HTTP_ITL_MAX_MS}}
+
+
+def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
+           summaries: Path | None = None, sim_models: Path | None = None) -> tuple[list[Path], list[str]]:
+    """Write what `dirs` hold as summaries (under `summaries`, default bench/summaries) and the replica profile
+    (under `sim_models`); return the paths written and the lines for the note."""
+    summaries = Path(summaries or report.SUMMARIES)
+    sim_models = Path(sim_models or REPO / "bench" / "sim_models")
+    written: list[Path] = []
+    note: list[str] = []
+    gc_path = latest(dirs, "gpu-check.json")
+    gc = json.loads(gc_path.read_text()) if gc_path else None
+    slo_path = latest(dirs, "slo-gpu.json")
+    slo = json.loads(slo_path.read_text()) if slo_path else None
+    gpu = (slo or {}).get("gpu") or ((gc or {}).get("device") or {}).get("name")
+    tag = tag or gpu_tag(gpu) or "gpu"
+
+    def fill(d: dict[str, Any], name: str) -> dict[str, Any]:
+        d = dict(d, name=name)
+        if not d.get("commit") and commit:
+            d["commit"] = commit
+        return d
+
+    def keep(d: dict[str, Any]) -> None:
+        # an earlier lease's summary of the same name stays: this run's gets its date (one run ingested again
+        # replaces its own)
+        path = summaries / f"{d['name']}.json"
+        if path.exists() and json.loads(path.read_text()).get("date") != d.get("date"):
+            d = dict(d, name=f"{d['name']}-{(d.get('date') or '')[:10].replace('-', '') or 'undated'}")
+            path = summaries / f"{d['name']}.json"
+        written.append(report.write_json(path, d))
+
+    if slo is not None:
+        run = slo.get("run") or {}
+        shape = str(slo.get("shape", "model")).replace("-", "")
+        keep(_doc(f"slo-gpu-{tag}-{shape}", run.get("command", "bash bench/device/slo_gpu.sh"),
+                  run.get("commit") or commit or "", run.get("date", ""), _machine(run, gpu), slo_headline(slo), slo))
+        note += [f"SLO experiment ({slo_path}): {slo_headline(slo)}", "", slo_table(slo), "",
+                 f"acceptance: {json.dumps((slo.get('acceptance') or {}).get('checks'))}"]
+        tgz = latest(dirs, "slo_gpu-out.tgz")
+        if tgz is not None:
+            with tarfile.open(tgz) as tf:
+                member = next((m for m in tf.getmembers() if m.name.endswith("replica-profile.json")), None)
+                if member is not None:
+                    data = tf.extractfile(member).read()  # type: ignore[union-attr]
+                    json.loads(data)  # a profile that does not parse is not kept
+                    day = (run.get("date") or "")[:10].replace("-", "") or "undated"
+                    path = sim_models / f"{tag}-{shape}-measured-{day}.json"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(data)
+                    written.append(path)
+                    note.append(f"replica profile -> {path} (bench.sim --tiers)")
+    ov_path = latest(dirs, "overhead-http-gpu.json")
+    if ov_path is not None:
+        ov = json.loads(ov_path.read_text())
+        shape = "llama8b" if "llama-8b" in ov.get("command", "") else str((slo or {}).get("shape", "model")).replace(
+            "-", "")
+        ov = fill(ov, f"http-overhead-{tag}-{shape}")
+        try:
+            ov["figures"]["issue_checks"] = http_checks(ov["figures"])
+        except (KeyError, TypeError, ValueError):
+            pass
+        keep(ov)
+        note.append(f"HTTP hop ({ov_path}): {ov.get('headline')}; {ov['figures'].get('issue_checks')}")
+    pf_path = latest(dirs, "prefill-model-*.json")
+    if pf_path is not None:
+        pf = json.loads(pf_path.read_text())
+        shape = pf_path.stem.removeprefix("prefill-model-").rsplit("-", 1)[0].replace("-", "")
+        pf = fill(pf, f"prefill-model-{shape}-{tag}")
+        keep(pf)
+        note.append(f"prefill model ({pf_path}): {pf.get('headline')}")
+    if gc is not None:
+        t = gc.get("tests") or {}
+        failed = [r for r in t.get("results") or [] if r.get("outcome") in ("failed", "error")]
+        head = (f"tests/gpu on {(gc.get('device') or {}).get('name')}: {t.get('counts')}"
+                + (" (interrupted)" if t.get("interrupted") else "")
+                + (f"; failed: {', '.join(r['test'] for r in failed)}" if failed else ""))
+        dev = {"gpu": (gc.get("device") or {}).get("name"), **(gc.get("versions") or {})}
+        keep(_doc(f"gpu-check-{tag}", gc.get("command", "bash bench/device/gpu_check.sh"),
+                  gc.get("commit") or commit or "", gc.get("date", ""), dev, head, gc))
+        note.append(head)
+        note += [f"  {r['outcome']} {r['test']}: {(r.get('message') or '')[:200]}" for r in failed]
+    mixed = latest(dirs, "mixed-check.log")
+    if mixed is not None:
+        note.append("mixed graphs' check (mixed-check.log, last lines):")
+        note += ["  " + line for line in mixed.read_text(errors="replace").splitlines()[-4:]]
+    return written, note
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", type=Path, help="the files of each run call, in the order of the calls")
+    ap.add_argument("--tag", default=None, help="the host's name in the summaries' names (default: the GPU model)")
+    ap.add_argument("--commit", default=None, help="the commit the device ran, where a file does not say")
+    ap.add_argument("--no-readme", action="store_true", help="leave bench/README.md and README.md as they are")
+    args = ap.parse_args(argv)
+    missing = [d for d in args.dirs if not d.is_dir()]
+    if missing:
+        ap.error(f"not a folder: {', '.join(map(str, missing))}")
+    written, note = ingest(args.dirs, args.tag, args.commit)
+    for p in written:
+        print(f"wrote {p}")
+    if not written:
+        print("nothing to ingest: no slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json or gpu-check.json")
+        return 1
+    if not args.no_readme:
+        print(f"bench/README.md {'updated' if report.update_readme() else 'unchanged'}; "
+              f"README.md {'updated' if report.update_headlines() else 'unchanged'}")
+    print("\n".join(["", "for the note:", *note]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
