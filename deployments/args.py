@@ -42,6 +42,12 @@ class ServeArgs(BaseModel):
         "handle, picked by `router`; direct: the LLM replicas serve HTTP themselves (HAProxy balances them; no "
         "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more")
     router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default")
+    llm_transport: Literal["grpc", "ray"] = Field(
+        "grpc", description="routed topology: how the Ingress streams a request's tokens from its LLM replica. grpc: "
+        "Serve's inter-deployment gRPC (each stream an HTTP/2 stream; a caller that stops reading stalls only its "
+        "own streams); ray: Ray actor calls, whose streaming generators end by waiting on the replica's event loop "
+        "until the caller has acknowledged every item, so that one Ingress replica that hangs (a pause, a network "
+        "partition) stalls every LLM replica it has streams on")
     routing_stats_period_s: float = Field(1.0, gt=0)
     reroute_rejected: int = Field(0, ge=0, le=16, description="router=slo with several replicas: a request a "
                                   "replica turns away for its SLOs or its load (429) is sent on to another replica "

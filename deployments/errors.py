@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from grpc.aio import AioRpcError
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from core.messages import ErrorKind, ProtocolError, RejectReason, RequestOutput
@@ -71,10 +72,19 @@ def replica_died(detail: str, retry_after_s: int, headers: dict[str, str] | None
                     "server_error", "replica_failed", {**(headers or {}), "Retry-After": str(retry_after_s)})
 
 
+# What a handle call to an LLM replica raises when the replica fails under it: through Ray, its actor died, is
+# unreachable or raised; through gRPC (`llm_transport`), a stream that broke otherwise than UNAVAILABLE (which Serve
+# turns into ActorUnavailableError)
+REPLICA_ERRORS = (RayActorError, ActorUnavailableError, RayTaskError, AioRpcError)
+
+
 def replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str] | None = None) -> APIError:
-    """A request lost to its LLM replica: the actor died / is unreachable (503, retry) or raised (500)."""
+    """A request lost to its LLM replica: the actor died / is unreachable, or its stream broke (503, retry), or it
+    raised (500)."""
     if isinstance(e, (RayActorError, ActorUnavailableError)):
         return replica_died(type(e).__name__, retry_after_s, headers)
+    if isinstance(e, AioRpcError):
+        return replica_died(f"gRPC {e.code().name}", retry_after_s, headers)
     cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
     return APIError(500, f"generation failed: replica error {type(cause or e).__name__}", "server_error",
                     "replica_error", headers)

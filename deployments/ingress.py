@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,8 +37,8 @@ from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from deployments.errors import (APIError, error_response, item_failure, model_not_found, overloaded, param_named,
-                                protocol_failure, replica_failure, unsupported_media_type)
+from deployments.errors import (REPLICA_ERRORS, APIError, error_response, item_failure, model_not_found, overloaded,
+                                param_named, protocol_failure, replica_failure, unsupported_media_type)
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
@@ -201,6 +201,9 @@ class OpenAIFrontend:
         self.reroutes: int = settings.get("reroutes", 0)
         # a request whose replica failed before its first item is sent again, to another replica, this many times
         self.failovers: int = settings.get("failovers", 0)
+        # over gRPC a stream to a replica that is gone is UNAVAILABLE (Ray: ActorDiedError); its server has cancelled
+        # the call with the connection, so the request no longer runs there
+        self.grpc: bool = settings.get("llm_transport", "ray") == "grpc"
         self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
@@ -513,11 +516,12 @@ class OpenAIFrontend:
             gen.cancel()
             raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
                            {"Retry-After": str(self.retry_after_s)}) from None
-        except (RayActorError, ActorUnavailableError, RayTaskError) as e:
+        except REPLICA_ERRORS as e:
             gen.cancel()
             log.warning("request %s failed in its replica: %r", rid, e)
             failure = replica_failure(e, self.retry_after_s)
-            failure.actor_died = isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError)
+            failure.actor_died = isinstance(e, ActorUnavailableError) if self.grpc else \
+                isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError)
             raise failure from None
         except BaseException:
             gen.cancel()
@@ -702,7 +706,7 @@ class OpenAIFrontend:
         except ProtocolError as e:
             gen.cancel()
             raise protocol_failure(rid, e) from None
-        except (RayActorError, ActorUnavailableError, RayTaskError, StopAsyncIteration) as e:  # replica failed
+        except (*REPLICA_ERRORS, StopAsyncIteration) as e:  # replica failed
             gen.cancel()
             log.warning("request %s failed in its replica: %r", rid, e)
             raise replica_failure(e, self.retry_after_s, headers) from None
@@ -818,7 +822,7 @@ def _exception_event(e: BaseException, prefix: str = "") -> bytes:
     """The SSE error event of a stream that failed with `e` (its replica died, or broke the stream's contract)."""
     if isinstance(e, APIError):
         failure = e
-    elif isinstance(e, (RayActorError, ActorUnavailableError, RayTaskError)):
+    elif isinstance(e, REPLICA_ERRORS):
         failure = replica_failure(e, 1)
     else:
         failure = APIError(500, f"generation failed: {type(e).__name__}", "server_error", "replica_error")
@@ -1056,7 +1060,7 @@ class IngressFrontend(OpenAIFrontend):
 
     async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
         self._init_frontend(settings)
-        self.llm = llm.options(stream=True)
+        self.llm = llm.options(stream=True, _by_reference=not self.grpc)  # (the private option selects the transport)
         import ray
 
         self._actor_id: str | None = ray.get_runtime_context().get_actor_id()  # the LLM replicas watch it (caller)

@@ -89,8 +89,13 @@ def test_api_key_auth(rel_app: dict) -> None:
                 assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
                 assert r.headers["www-authenticate"] == "Bearer"
         # auth comes before reading the body: an unauthenticated 10 MB upload is never parsed
-        r = c.post(CMPL, content=b"x" * (10 << 20), headers={"content-type": "application/json"})
-        assert r.status_code == 401
+        # (the 401 may go out before the upload ends, and the server close the connection on the rest: a client
+        # then sees the connection closed instead of the answer)
+        try:
+            r = c.post(CMPL, content=b"x" * (10 << 20), headers={"content-type": "application/json"})
+            assert r.status_code == 401
+        except (httpx.RemoteProtocolError, httpx.WriteError):
+            pass
         for key in KEYS:  # every key in the file works
             r = c.post(CMPL, json=body, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
@@ -261,6 +266,53 @@ def test_injected_fault_before_first_token_is_500_json(rel_app: dict) -> None:
         assert c.get("/health").status_code == 200
     (st,) = wait_idle(handle, want=1, timeout_s=10).values()
     assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["inflight"] == 0, st
+
+
+# ------------------------------------------------------------------------------------------------ hung ingress
+def test_a_hung_ingress_stalls_only_its_own_streams(rel_app: dict) -> None:
+    """An Ingress replica that stops (a pause, a network partition: alive, not reading) must not stall the LLM
+    replica it streams from. Over Ray actor calls (`llm_transport=ray`) a stream that ends waits on the replica's
+    event loop until its caller acknowledges every item, so the replica answered nothing else while the caller was
+    stopped; over gRPC (the default) only that caller's own streams wait."""
+    import os
+    import signal
+
+    import ray
+    from ray._private import state as ray_state
+
+    url, auth, handle = rel_app["url"], rel_app["auth"], rel_app["handle"]
+    (ingress,) = serve_actors(REL_APP)["Ingress"]
+    actor_id = ray.get_actor(ingress, namespace="serve")._actor_id.hex()
+    pid = int(ray_state.actors(actor_id)["Pid"])
+    handle.stats.remote().result(timeout_s=10)
+    req = {"prompt": "ends while its ingress is stopped", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    started, lines = [False], []
+
+    def stream() -> None:
+        with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
+            with c.stream("POST", CMPL, json=req) as r:
+                for line in r.iter_lines():
+                    started[0] = started[0] or line.startswith("data: ")
+                    lines.append(line)
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(stream)
+        deadline = time.monotonic() + 30
+        while not started[0] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert started[0], "the stream did not start"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.0)  # the reply ends in the replica meanwhile (24 tokens)
+            t0 = time.monotonic()
+            stats = handle.stats.remote().result(timeout_s=8)  # another caller (this process) is served
+            answered_s = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        done.result(timeout=60)
+    assert answered_s < 8 and stats["inflight"] == 0, (answered_s, stats)
+    chunks = sse_data(lines)  # the stopped caller's stream ends whole
+    assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length", chunks[-2:]
 
 
 # ------------------------------------------------------------------------------------------------ ingress kill

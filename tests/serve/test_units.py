@@ -868,9 +868,10 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
 
-    def front(failovers: int) -> Front:
+    def front(failovers: int, transport: str = "ray") -> Front:
         f = object.__new__(Front)
-        f._init_frontend({"model_name": "m", "max_body_bytes": 4096, "failovers": failovers})
+        f._init_frontend({"model_name": "m", "max_body_bytes": 4096, "failovers": failovers,
+                          "llm_transport": transport})
         return f
 
     def request(ttft_ms: float | None = None) -> GenerateRequest:
@@ -891,12 +892,15 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
         _, _, first = await front(2)._start(request(ttft_ms=5.0), time.perf_counter() - 1.0)  # its TTFT SLO ran out
         assert first.error_kind is ErrorKind.UNAVAILABLE and sent == [()]
         # the replica actor itself died before the first item: sent again, the time lost off its TTFT SLO; one that
-        # is only unreachable may still run it, so it is not sent again (a 503)
-        for error, resent in ((ActorDiedError(), True), (ActorUnavailableError("gone", None), False)):
+        # is only unreachable through Ray may still run it, so it is not sent again (a 503). Over gRPC a replica
+        # that is gone is UNAVAILABLE, its call cancelled with the connection: sent again
+        for error, transport, resent in ((ActorDiedError(), "ray", True), (ActorUnavailableError("gone", None), "ray",
+                                                                           False),
+                                         (ActorUnavailableError("gone", None), "grpc", True)):
             calls.clear()
             died[:] = [error]
             if resent:
-                req, _, first = await front(2)._start(request(ttft_ms=5000.0), time.perf_counter())
+                req, _, first = await front(2, transport)._start(request(ttft_ms=5000.0), time.perf_counter())
                 # died, then A (a dead engine: sent on), then B; each send with the time spent before it
                 assert first.served_by.replica == "B" and len(calls) == 3 and calls[1] >= 50.0, calls
             else:
@@ -1735,3 +1739,18 @@ def test_a_refusal_names_the_field_its_message_starts_with() -> None:
     assert param_named("prompt token ids must be integers in [0, 512)") == "prompt"
     assert param_named("the chat template cannot render these messages") is None
     assert param_named(None) is None
+
+
+def test_a_broken_grpc_stream_to_a_replica_is_a_503_to_retry() -> None:
+    """`llm_transport=grpc`: a replica's stream that breaks (any gRPC status Serve does not turn into
+    ActorUnavailableError) answers as a replica that died, a 503 `replica_failed` with Retry-After, streamed or not."""
+    import grpc
+
+    from deployments.errors import replica_failure
+    from deployments.ingress import _exception_event
+
+    e = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "stream reset")
+    failure = replica_failure(e, 2)
+    assert (failure.status, failure.code, failure.headers["Retry-After"]) == (503, "replica_failed", "2")
+    assert "gRPC INTERNAL" in failure.message
+    assert json.loads(_exception_event(e)[6:])["error"]["code"] == "replica_failed"
