@@ -84,6 +84,10 @@ def replica_failure(e: BaseException, retry_after_s: int, headers: dict[str, str
     if isinstance(e, (RayActorError, ActorUnavailableError)):
         return replica_died(type(e).__name__, retry_after_s, headers)
     if isinstance(e, AioRpcError):
+        if "larger than max" in (e.debug_error_string() or "") + (e.details() or ""):  # retrying will not help
+            return APIError(413, f"request too large for the LLM replicas' gRPC transport ({e.details()}): raise "
+                            "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH in their environment, or serve with "
+                            "llm_transport=ray", "invalid_request_error", "body_too_large", headers)
         return replica_died(f"gRPC {e.code().name}", retry_after_s, headers)
     cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
     return APIError(500, f"generation failed: replica error {type(cause or e).__name__}", "server_error",

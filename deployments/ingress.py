@@ -513,23 +513,23 @@ class OpenAIFrontend:
         except BackPressureError as e:
             raise overloaded(max(self.retry_after_s, int(getattr(e, "retry_after_s", None) or 0))) from None
         except (DeploymentUnavailableError, RayServeException, StopAsyncIteration) as e:
-            gen.cancel()
+            _cancel_quietly(gen)
             raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
                            {"Retry-After": str(self.retry_after_s)}) from None
         except REPLICA_ERRORS as e:
-            gen.cancel()
+            _cancel_quietly(gen)
             log.warning("request %s failed in its replica: %r", rid, e)
             failure = replica_failure(e, self.retry_after_s)
             failure.actor_died = isinstance(e, ActorUnavailableError) if self.grpc else \
                 isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError)
             raise failure from None
         except BaseException:
-            gen.cancel()
+            _cancel_quietly(gen)
             raise
         try:
             return gen, check_output(first)
         except ProtocolError as e:
-            gen.cancel()
+            _cancel_quietly(gen)
             raise protocol_failure(rid, e) from None
 
     async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float,
@@ -751,6 +751,16 @@ class OpenAIFrontend:
         finally:  # also on client disconnect (CancelledError / GeneratorExit): abort in the engine
             if not done:
                 gen.cancel()
+
+
+def _cancel_quietly(gen: GenerateStream) -> None:
+    """Cancel a stream that failed before its first item. Serve's cancel raises the call's own failure again where
+    the call never reached a replica (e.g. a gRPC message over the replica's limit), and the request has failed
+    with it already."""
+    try:
+        gen.cancel()
+    except Exception as e:  # noqa: BLE001 - nothing runs to cancel
+        log.debug("cancel of a failed call: %r", e)
 
 
 def _len_hint(prompt: str | list[int]) -> int:

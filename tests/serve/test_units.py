@@ -1743,14 +1743,49 @@ def test_a_refusal_names_the_field_its_message_starts_with() -> None:
 
 def test_a_broken_grpc_stream_to_a_replica_is_a_503_to_retry() -> None:
     """`llm_transport=grpc`: a replica's stream that breaks (any gRPC status Serve does not turn into
-    ActorUnavailableError) answers as a replica that died, a 503 `replica_failed` with Retry-After, streamed or not."""
+    ActorUnavailableError) answers as a replica that died, a 503 `replica_failed` with Retry-After, streamed or not;
+    a request over the replicas' message limit is a 413."""
     import grpc
 
-    from deployments.errors import replica_failure
-    from deployments.ingress import _exception_event
+    from deployments.errors import APIError, replica_failure
+    from deployments.ingress import OpenAIFrontend, _exception_event
 
     e = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "stream reset")
     failure = replica_failure(e, 2)
     assert (failure.status, failure.code, failure.headers["Retry-After"]) == (503, "replica_failed", "2")
     assert "gRPC INTERNAL" in failure.message
     assert json.loads(_exception_event(e)[6:])["error"]["code"] == "replica_failed"
+    # a request over the replicas' message limit: retrying will not help, a 413 that says what to raise. Serve's
+    # cancel of such a call (it never reached a replica) raises the failure again: the client still gets the 413
+    big = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               "Received message larger than max (5000925 vs. 4194304)")
+
+    class Failed:
+        def __anext__(self):
+            raise big
+
+        def cancel(self):
+            raise big
+
+    class Front(OpenAIFrontend):
+        def _open(self, req: GenerateRequest) -> Failed:
+            return Failed()
+
+    f = object.__new__(Front)
+    f._init_frontend({"model_name": "m", "max_body_bytes": 4096, "failovers": 2, "llm_transport": "grpc"})
+    with pytest.raises(APIError) as err:
+        asyncio.run(f._start(GenerateRequest("r1", "x", params=SamplingParams(max_tokens=4)), time.perf_counter()))
+    assert (err.value.status, err.value.code) == (413, "body_too_large")
+    assert "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH" in err.value.message
+
+
+def test_llm_replicas_take_the_largest_body_the_api_lets_in_over_grpc() -> None:
+    """Over gRPC a request reaches its LLM replica as one message, which Serve's replica limits to 4 MB: an app that
+    lets in larger bodies (`max_body_bytes`) raises its replicas' limit; the default app is left as Serve makes it."""
+    from deployments import GRPC_MAX_ENV, llm_actor_options
+
+    opts = {"num_cpus": 0, "num_gpus": 1}
+    assert llm_actor_options(AppArgs.model_validate({}), opts) == opts
+    big = llm_actor_options(AppArgs.model_validate({"max_body_bytes": 16 << 20}), opts)
+    assert int(big["runtime_env"]["env_vars"][GRPC_MAX_ENV]) >= 32 << 20 and big["num_gpus"] == 1
+    assert llm_actor_options(AppArgs.model_validate({"max_body_bytes": 16 << 20, "llm_transport": "ray"}), opts) == opts
