@@ -42,20 +42,21 @@ from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
 ROUTER_PATH = "deployments.router:SLORouter"
+POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 FAILOVERS = 2  # the other replicas a request is sent to where the one it landed on failed before its first item
-# The LLM replicas' gRPC server (llm_transport=grpc) takes requests up to this many bytes; Serve's default
-GRPC_MAX_ENV, GRPC_MAX_DEFAULT = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 4 << 20
+GRPC_MAX_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"  # the LLM replicas' gRPC limit on a request (bytes)
 
 
 def llm_actor_options(a: ServeArgs, actor_opts: dict[str, Any]) -> dict[str, Any]:
     """The LLM replicas' actor options (routed topology). Over gRPC a request reaches its replica as one message: an
     app whose `max_body_bytes` lets in bodies that may not fit Serve's default limit raises the replicas' (a request
     pickles to about its body's size, its prompt's token ids at most doubling it)."""
+    from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH as serve_max
+
     need = 2 * a.max_body_bytes + (1 << 20)
-    if a.llm_transport != "grpc" or need <= GRPC_MAX_DEFAULT:
+    if a.llm_transport != "grpc" or need <= serve_max:
         return actor_opts
     return {**actor_opts, "runtime_env": {"env_vars": {GRPC_MAX_ENV: str(need)}}}
-POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]

@@ -18,7 +18,9 @@ log = logging.getLogger("ray.serve")
 
 
 class APIError(Exception):
-    actor_died = False  # set where the replica serving the request died before its first item (`_first_item`)
+    # set where the request failed before its first item and no longer runs on that replica (`_first_item`): its
+    # actor died, or over gRPC its stream's connection is gone; it may be sent to another replica
+    resendable = False
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
                  headers: dict[str, str] | None = None, param: str | None = None) -> None:

@@ -201,8 +201,7 @@ class OpenAIFrontend:
         self.reroutes: int = settings.get("reroutes", 0)
         # a request whose replica failed before its first item is sent again, to another replica, this many times
         self.failovers: int = settings.get("failovers", 0)
-        # over gRPC a stream to a replica that is gone is UNAVAILABLE (Ray: ActorDiedError); its server has cancelled
-        # the call with the connection, so the request no longer runs there
+        # the LLM replicas' streams come over gRPC (`llm_transport`; else Ray actor calls)
         self.grpc: bool = settings.get("llm_transport", "ray") == "grpc"
         self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
         self._names: list[str] = served_names(self.served_model_name, None)
@@ -459,7 +458,7 @@ class OpenAIFrontend:
                 gen, first = await self._first_item(req)
             except APIError as e:
                 # Serve's router drops a dead actor (an unreachable one may still run the call: not sent again)
-                if (again := _resent(req, waited_ms, t_call) if more and e.actor_died else None) is None:
+                if (again := _resent(req, waited_ms, t_call) if more and e.resendable else None) is None:
                     raise
                 log.warning("request %s: its replica died before its first token (%s); sent to another one",
                             req.request_id, e.message)
@@ -520,8 +519,9 @@ class OpenAIFrontend:
             _cancel_quietly(gen)
             log.warning("request %s failed in its replica: %r", rid, e)
             failure = replica_failure(e, self.retry_after_s)
-            failure.actor_died = isinstance(e, ActorUnavailableError) if self.grpc else \
-                isinstance(e, RayActorError) and not isinstance(e, ActorUnavailableError)
+            # an unreachable actor may still run it through Ray; over gRPC its call was cancelled with the connection
+            unreachable = isinstance(e, ActorUnavailableError)
+            failure.resendable = isinstance(e, RayActorError) and (self.grpc or not unreachable)
             raise failure from None
         except BaseException:
             _cancel_quietly(gen)

@@ -124,7 +124,7 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     _summary(call2, "overhead-http-gpu", "HTTP adds", {"added_ttft_itl_ms": {"http[defaults]": {"in_process":
                                                                                              [1.5, 0.7]}}})
     doc = json.loads((call2 / "overhead-http-gpu.json").read_text())
-    (call2 / "overhead-http-gpu.json").write_text(json.dumps(dict(doc, commit="", command="x --model llama-8b")))
+    (call2 / "overhead-http-gpu.json").write_text(json.dumps(dict(doc, commit="", command="x --model /tmp/kairos-llama-8b-bfloat16")))
     _summary(call2, "prefill-model-llama-8b-cuda", "prefill", {})
     (call2 / "gpu-check.json").write_text(json.dumps({
         "name": "gpu-check", "command": "bash bench/device/gpu_check.sh", "commit": "", "date": "2026-12-01T10:09:00",

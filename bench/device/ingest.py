@@ -158,8 +158,9 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
     ov_path = latest(dirs, "overhead-http-gpu.json")
     if ov_path is not None:
         ov = json.loads(ov_path.read_text())
-        shape = "llama8b" if "llama-8b" in ov.get("command", "") else str((slo or {}).get("shape", "model")).replace(
-            "-", "")
+        # its command names the model slo_gpu.sh built: /tmp/kairos-SHAPE-DTYPE
+        m = re.search(r"kairos-([a-z0-9-]+?)-(?:bfloat16|float16|float32)", ov.get("command", ""))
+        shape = (m.group(1) if m else str((slo or {}).get("shape", "model"))).replace("-", "")
         ov = fill(ov, f"http-overhead-{tag}-{shape}")
         try:
             ov["figures"]["issue_checks"] = http_checks(ov["figures"])

@@ -896,7 +896,8 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
         # that is gone is UNAVAILABLE, its call cancelled with the connection: sent again
         for error, transport, resent in ((ActorDiedError(), "ray", True), (ActorUnavailableError("gone", None), "ray",
                                                                            False),
-                                         (ActorUnavailableError("gone", None), "grpc", True)):
+                                         (ActorUnavailableError("gone", None), "grpc", True),
+                                         (ActorDiedError(), "grpc", True)):
             calls.clear()
             died[:] = [error]
             if resent:
