@@ -1070,7 +1070,11 @@ class IngressFrontend(OpenAIFrontend):
 
     async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
         self._init_frontend(settings)
-        self.llm = llm.options(stream=True, _by_reference=not self.grpc)  # (the private option selects the transport)
+        # every call to the LLM replicas over the same transport (the private option selects it): Serve sends even a
+        # unary call as a streaming one that first says whether the replica took it, and over Ray its end waits on
+        # the replica's event loop for this caller
+        llm = llm.options(_by_reference=not self.grpc)
+        self.llm = llm.options(stream=True)
         import ray
 
         self._actor_id: str | None = ray.get_runtime_context().get_actor_id()  # the LLM replicas watch it (caller)
