@@ -352,17 +352,21 @@ class LLMReplica:
         model = self.engine.latency_model
         return float(model.prefill_coef[2]) if model is not None else 0.0
 
-    def inject_fault(self, count: int = 1, replica: str | None = None) -> str:
+    def inject_fault(self, count: int = 1, replica: str | None = None, hang_s: float = 0.0) -> str:
         """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this
-        replica's engine raise. With `replica`, only that replica arms the fault (handle calls land on a random
-        replica: call until the returned id matches). Returns this replica's id."""
+        replica's engine raise; with `hang_s`, its next step blocks that long instead (a hung device call). With
+        `replica`, only that replica arms the fault (handle calls land on a random replica: call until the
+        returned id matches). Returns this replica's id."""
         if replica is None or replica == self.replica_id:
-            self.engine.inject_fault(int(count))
+            if hang_s > 0:
+                self.engine.inject_fault(hang_s=float(hang_s))
+            else:
+                self.engine.inject_fault(int(count))
         return self.replica_id
 
     def check_health(self) -> None:
-        if not self.engine.is_alive():
-            raise RuntimeError(f"LLM engine worker of replica {self.replica_id} is dead")
+        if (why := self.engine.dead_reason()) is not None:
+            raise RuntimeError(f"LLM engine worker of replica {self.replica_id} is dead: {why}")
 
     def stats(self) -> dict[str, Any]:
         """For tests and debugging: `handle.stats.remote()` (routed to any replica)."""

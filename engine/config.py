@@ -62,5 +62,12 @@ class EngineConfig(BaseModel):
                             "sampled tokens feed N+1 on the device; the host learns them one step later, so a reply "
                             "that ends at N costs one discarded row in N+1). auto: on for CUDA, off on the CPU "
                             "(where the host is the device, nothing overlaps)")
+    step_timeout_s: float | None = Field(
+        None, ge=0, description="a turn of the engine's worker (a model step) that runs longer than this means the "
+                                "device or the worker hung: the engine fails its requests as unavailable (503; the "
+                                "Ingress resends those with no token yet to another replica), logs where the "
+                                "worker is stuck and reports itself dead, so that Serve's health check replaces "
+                                "the replica. None: the larger of 60 s and 10x the latency model's largest step; "
+                                "0: never")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

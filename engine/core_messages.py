@@ -48,6 +48,7 @@ class Abort:
 class InjectFault:
     count: int
     fatal: bool = False
+    hang_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from typing import Any
 from core.messages import ErrorKind, GenerateRequest, RequestOutput
 from core.request import FinishReason
 from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
 from engine.stream import RequestStream
@@ -164,6 +164,13 @@ def _hang_up(conn: Link) -> None:
         pass
 
 
+def _exit_hung(conn: Link) -> None:
+    """The engine's watchdog found its worker hung (`LLMEngine.on_hung`; it has logged where): end the link, so
+    that the client fails every open stream and refuses more, and the process, whose worker may never return."""
+    _hang_up(conn)
+    os._exit(HUNG_EXIT_CODE)
+
+
 def _exit_with_parent(parent: int) -> None:
     """The child outlives no parent, even one killed while the model loads: poll who the parent is."""
     while True:
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.engine import LLMEngine  # noqa: PLC0415 - torch: only the child runs tensors
 
         config = EngineConfig.model_validate(conn.recv())
-        engine = LLMEngine(config, on_outputs=batch.flush)
+        engine = LLMEngine(config, on_outputs=batch.flush, on_hung=lambda why: _exit_hung(conn))
         inputs = engine.inputs
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
@@ -211,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             elif isinstance(msg, Abort):
                 engine.abort(msg.request_id)
             elif isinstance(msg, InjectFault):
-                engine.inject_fault(msg.count, fatal=msg.fatal)
+                engine.inject_fault(msg.count, fatal=msg.fatal, hang_s=msg.hang_s)
             elif isinstance(msg, Shutdown):
                 break
     finally:
@@ -360,9 +367,9 @@ class EngineCoreClient:
         except OSError:
             pass  # the process is gone: its streams were already failed
 
-    def inject_fault(self, count: int = 1, *, fatal: bool = False) -> None:
+    def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:
         """Test hook, as `LLMEngine.inject_fault`."""
-        self._send(InjectFault(count, fatal))
+        self._send(InjectFault(count, fatal, hang_s))
 
     def stats(self) -> EngineStats:
         """The child's last published snapshot."""
@@ -373,6 +380,13 @@ class EngineCoreClient:
 
     def is_alive(self) -> bool:
         return self._dead is None and self._proc.poll() is None and self._stats.alive
+
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve (None while it can)."""
+        if self.is_alive():
+            return None
+        return self._dead or (f"engine process exited (code {self._proc.poll()})" if self._proc.poll() is not None
+                              else "its worker died")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         try:
@@ -451,10 +465,17 @@ class EngineCoreClient:
     def _gone(self) -> None:
         """The link is over: mark the engine dead and fail every open stream as unavailable."""
         code = self._proc.poll()
+        if code is None:  # a child that ends itself closes the link as it exits: its status comes a moment later
+            try:
+                code = self._proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                pass
         with self._lock:
             if self._dead is not None:
                 return
-            self._dead = f"engine process exited (code {code})" if code is not None else "engine process link closed"
+            self._dead = ("engine process link closed" if code is None else
+                          "engine process exited: its worker hung (step_timeout_s)" if code == HUNG_EXIT_CODE else
+                          f"engine process exited (code {code})")
             self._stats = dataclasses.replace(self._stats, alive=False)
             orphans, self._streams = self._streams, {}
         for rid, stream in orphans.items():

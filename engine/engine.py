@@ -9,11 +9,15 @@ Observers (`add_step_observer`) get a `StepEvent` after every model step, on the
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
+import math
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,7 +31,7 @@ from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
@@ -44,6 +48,8 @@ from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger("kairos.engine")
+STEP_TIMEOUT_FLOOR_S = 60.0  # step_timeout_s=None: at least this (vLLM's engine iteration timeout)...
+STEP_TIMEOUT_FACTOR = 10.0  # ...and this many times the latency model's largest step
 T = TypeVar("T")
 
 
@@ -59,6 +65,7 @@ class _InjectedFault(RuntimeError):
 class _InjectFault:
     count: int
     fatal: bool = False
+    hang_s: float = 0.0  # the next step first blocks this long (a device call that does not return)
 
 
 @dataclass(slots=True)
@@ -75,6 +82,7 @@ class _InFlight:
 @dataclass(slots=True)
 class _IdleJob:
     fn: Callable[["LLMEngine"], Any]
+    timeout_s: float = math.inf  # its caller's wait: the watchdog gives the job that much more than a step
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -82,13 +90,18 @@ class _IdleJob:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, on_outputs: Callable[[], None] | None = None,
-                 **overrides) -> None:
+                 on_hung: Callable[[str], None] | None = None, **overrides) -> None:
         """Load the model and start the worker; raises what loading raised (ValueError for bad settings).
         `on_outputs`, if given, runs on the worker thread after each turn of its loop (a step, or a drained
         inbox while idle): the hook that ships a turn's stream items out of the process at once
-        (`engine.core_proc`)."""
+        (`engine.core_proc`). `on_hung(why)`, if given, runs on the watchdog thread once the worker has hung
+        (`step_timeout_s`) and the engine counts as dead, instead of failing every open stream here."""
         self.config = (config or EngineConfig()).model_copy(update=overrides)
         self._emit = on_outputs or (lambda: None)
+        self._on_hung = on_hung
+        self.step_timeout_s = 0.0  # the watchdog's limit on one turn of the worker (`_setup`; 0: no watchdog)
+        self._turn = (time.monotonic(), math.inf)  # (start, allowance) of the worker's current turn
+        self._hang_s = 0.0  # inject_fault(hang_s=...)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}  # worker-owned
@@ -113,6 +126,8 @@ class LLMEngine:
         if self._setup_error is not None:
             self._thread.join()
             raise self._setup_error
+        if self.step_timeout_s > 0:
+            threading.Thread(target=self._watch, name="kairos-engine-watchdog", daemon=True).start()
 
     def _setup(self) -> None:
         """On the worker thread, like every tensor op of the engine: libgomp keeps one thread pool per thread
@@ -158,6 +173,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
                                    self.max_model_len, b.eos_token_ids, predictor,
                                    tokenizer_fingerprint(b.tokenizer_path or b.path), b.tokenizer)
+        self.step_timeout_s = step_timeout_s(config, predictor, self.max_model_len)
         self._stats = self._snapshot(0, 0)
         # The model, its tokenizer and the libraries leave hundreds of thousands of objects that live as long as the
         # engine, and a full collection walks them all: a stall of every request in flight. Like a Ray Serve replica
@@ -274,6 +290,8 @@ class LLMEngine:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         self._inbox.put(item)
         self._wakeup.set()
+        if isinstance(self._dead, EngineHungError) and self._on_hung is None:  # the watchdog emptied the inbox
+            self._fail_inbox(f"engine failure: {self._dead}")  # before this put: nothing would read it
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
@@ -304,6 +322,12 @@ class LLMEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve (None while it can)."""
+        if self.is_alive():
+            return None
+        return str(self._dead) if self._dead is not None else "its worker exited"
+
     def add_step_observer(self, fn: Callable[[StepEvent], None]) -> Callable[[], None]:
         """Call `fn(event)` on the worker thread after every model step (keep it cheap); returns the unsubscribe."""
         self.run_idle(lambda e: e._observers.append(fn), require_idle=False)
@@ -313,7 +337,9 @@ class LLMEngine:
         """Run `fn(engine)` on the worker thread between steps and return its result (or raise its error).
         With `require_idle` (the default) it runs only while no request is in flight, else RuntimeError: the
         hook for profiling and benchmarks that time steps on the real cache."""
-        job = _IdleJob(fn if not require_idle else _when_idle(fn))
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        job = _IdleJob(fn if not require_idle else _when_idle(fn), timeout_s=timeout)
         self._inbox.put(job)
         self._wakeup.set()
         if not job.done.wait(timeout):
@@ -330,10 +356,12 @@ class LLMEngine:
         unscaled fit replaces the cached profile."""
         return self.run_idle(lambda e: refit(e, time_budget_s, scale), timeout)
 
-    def inject_fault(self, count: int = 1, *, fatal: bool = False) -> None:
+    def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:
         """Test hook: the next `count` model steps raise (their requests fail, the engine goes on); with `fatal`,
-        the next step breaks the worker's loop itself (every request fails, the engine is dead)."""
-        self._inbox.put(_InjectFault(count, fatal))
+        the next step breaks the worker's loop itself (every request fails, the engine is dead); with `hang_s`,
+        the next step first blocks that long, as a device call that does not return (past `step_timeout_s` the
+        watchdog declares the engine hung)."""
+        self._inbox.put(_InjectFault(count, fatal, hang_s))
         self._wakeup.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -350,8 +378,10 @@ class LLMEngine:
                         step=(self._step_ms, self._step_batch))
 
     def _run(self) -> None:
+        limit = self.step_timeout_s or math.inf
         try:
             while not self._stop:
+                self._turn = (time.monotonic(), limit)  # the watchdog's clock: this turn must end within `limit`
                 self._drain_inbox()
                 if not self.scheduler.has_work():
                     if self._inflight is not None:  # its requests all ended (aborted): nothing waits for it
@@ -382,7 +412,9 @@ class LLMEngine:
             except queue.Empty:
                 return
             if isinstance(item, _InjectFault):
-                if item.fatal:
+                if item.hang_s > 0:
+                    self._hang_s = item.hang_s
+                elif item.fatal:
                     self._fatal_fault = True
                 else:
                     self._fault_steps += item.count
@@ -415,6 +447,7 @@ class LLMEngine:
             self._settle()  # a job sees the engine between steps, every launched step resolved
             if self._stop:
                 raise RuntimeError("engine shut down")
+            self._turn = (time.monotonic(), job.timeout_s + (self.step_timeout_s or math.inf))
             job.result = job.fn(self)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             job.error = e
@@ -439,6 +472,9 @@ class LLMEngine:
                 self._wakeup.clear()
             return
         reqs = plan.requests  # those that sample a token (a prefill chunk does not)
+        if self._hang_s > 0:
+            hang, self._hang_s = self._hang_s, 0.0
+            time.sleep(hang)
         if self._fatal_fault:
             raise RuntimeError("injected fatal fault")
         try:
@@ -571,6 +607,74 @@ class LLMEngine:
         self._drain_inbox()
         for req in list(self._requests.values()):
             self._finish(req, FinishReason.ABORT, error="engine shut down")
+
+    # ------------------------------------------------------------------ watchdog thread
+    def _watch(self) -> None:
+        """Declare the engine hung (`_hung`) once one turn of the worker has run past its allowance: a model step
+        past `step_timeout_s` (a device call that never returns, a deadlock), an idle job past its caller's
+        timeout as well. Nothing else would end its requests: the worker thread is alive, so the engine would
+        look healthy while every stream waits forever."""
+        period = min(1.0, self.step_timeout_s / 4)
+        while not self._stop and self._dead is None and self._thread.is_alive():
+            time.sleep(period)
+            started, allowed = self._turn
+            stuck = time.monotonic() - started
+            if stuck > allowed and not self._stop and self._dead is None:
+                self._hung(stuck)
+                return
+
+    def _hung(self, stuck_s: float) -> None:
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        where = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(unknown)"
+        why = f"engine worker hung: one step has run {stuck_s:.0f} s, past step_timeout_s={self.step_timeout_s:g}"
+        log.error("%s. Its requests fail as unavailable and the engine counts as dead (a Serve replica's health "
+                  "check then fails, and Serve replaces it). The worker is at:\n%s", why, where)
+        self._dead = EngineHungError(why)
+        self._stop = True
+        with self._stats_lock:
+            self._stats = dataclasses.replace(self._stats, alive=False)
+        if self._on_hung is not None:
+            self._on_hung(why)
+        else:
+            self._fail_open(f"engine failure: {why}")
+
+    def _fail_open(self, error: str) -> None:
+        """End every request's stream as unavailable: those the worker admitted and those still in its inbox. On the
+        watchdog thread, the worker stuck: the streams are the worker's, but stuck it puts nothing until it returns,
+        then finds the engine stopped, and a stream that has ended drops what is put after."""
+        for rid, stream in self.outputs.open_streams():
+            stream.put(_unavailable(rid, error))
+        self._fail_inbox(error)
+
+    def _fail_inbox(self, error: str) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _IdleJob):
+                item.error = EngineDeadError(error)
+                item.done.set()
+            elif isinstance(item, (tuple, list)):
+                for req, stream in item if isinstance(item, list) else [item]:
+                    stream.put(_unavailable(req.request_id, error))
+
+
+def _unavailable(rid: str, error: str) -> RequestOutput:
+    return RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=error,
+                         error_kind=ErrorKind.UNAVAILABLE)
+
+
+def step_timeout_s(config: EngineConfig, model: LatencyModel | None, max_model_len: int) -> float:
+    """The watchdog's limit on one model step: `config.step_timeout_s` where set (0: none), else the larger of
+    STEP_TIMEOUT_FLOOR_S and STEP_TIMEOUT_FACTOR times the latency model's largest step (a whole window's prompt
+    in one prefill, beside a full decode batch at the window's context)."""
+    if config.step_timeout_s is not None:
+        return config.step_timeout_s
+    if model is None:
+        return STEP_TIMEOUT_FLOOR_S
+    largest_ms = model.prefill_ms(max_model_len) + model.itl_ms(config.scheduler.max_num_seqs, max_model_len)
+    return max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * largest_ms / 1000.0)
 
 
 def _when_idle(fn: Callable[[LLMEngine], T]) -> Callable[[LLMEngine], T]:

@@ -29,6 +29,10 @@ class OutputProcessor:
     def add(self, req: Request, stream: OutputSink) -> None:
         self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer))
 
+    def open_streams(self) -> list[tuple[str, OutputSink]]:
+        """(request id, stream) of every request not finished yet (the engine's watchdog fails them)."""
+        return [(rid, live.stream) for rid, live in list(self._live.items())]
+
     def on_token(self, req: Request, tok: int, reason: FinishReason | None,
                  num_output_tokens: int | None = None) -> FinishReason | None:
         """Detokenize `tok`, the request's `num_output_tokens`-th output token (default: its last), and check the

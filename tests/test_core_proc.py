@@ -38,7 +38,7 @@ def _text(stream):
     return "".join(o.text for o in stream)
 
 
-ENGINES = ("shared", "killed", "fatal", "shut_down", "unloadable")
+ENGINES = ("shared", "killed", "fatal", "hung", "shut_down", "unloadable")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,7 @@ def engines(tiny_checkpoints, tmp_path_factory):
     with ThreadPoolExecutor(min(len(ENGINES), os.cpu_count() or 1)) as pool:  # more would only queue for cores
         futures: dict[str, Future] = {
             name: pool.submit(EngineCoreClient, EngineConfig(model="/nonexistent/model-dir") if name == "unloadable"
+                              else cfg.model_copy(update={"step_timeout_s": 1.5}) if name == "hung"
                               else cfg) for name in ENGINES}
         try:
             yield futures, parent
@@ -176,6 +177,27 @@ def test_a_dead_engine_worker_ends_the_process_and_the_client_refuses_new_reques
             time.sleep(0.05)
         assert not c.is_alive() and not c.stats().alive
         with pytest.raises(EngineDeadError):
+            c.generate(_greedy(4, 2))
+    finally:
+        c.shutdown()
+
+
+def test_a_hung_engine_process_exits_and_its_client_fails_the_streams_as_unavailable(engines):
+    """The child's watchdog (step_timeout_s) ends a process whose worker is stuck in a step: the client fails
+    what was open as unavailable, says why, and refuses new requests."""
+    c = engines[0]["hung"].result()
+    try:
+        stream = c.generate(_greedy(3, 2000))
+        stream.get(timeout=30)
+        c.inject_fault(hang_s=30.0)
+        t0 = time.monotonic()
+        _, last = _tokens(stream)
+        assert time.monotonic() - t0 < 15.0  # the watchdog, not the step's end
+        assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.UNAVAILABLE
+        assert "hung" in last.error
+        assert c._proc.wait(10) == 75  # HUNG_EXIT_CODE
+        assert not c.is_alive() and "hung" in c.dead_reason()
+        with pytest.raises(EngineDeadError, match="hung"):
             c.generate(_greedy(4, 2))
     finally:
         c.shutdown()

@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.errors import EngineDeadError
+from core.messages import ErrorKind
 from core.sampling import SamplingParams
 from core.request import SLO
 from scheduling.config import SchedulerConfig
@@ -285,6 +287,44 @@ def test_fault_in_a_step_ends_streams_with_error_and_engine_recovers(tiny_checkp
         assert outs[-1].finish_reason == "length"
     finally:
         eng.shutdown()
+
+
+def test_a_hung_step_fails_every_request_as_unavailable_and_the_engine_counts_dead(tiny_checkpoints):
+    """A step stuck in a device call never returns an error: past step_timeout_s the watchdog ends every open
+    stream (a running request, one still waiting) as unavailable, which the Ingress resends elsewhere, and the
+    engine reports itself dead (a Serve replica's health check fails) and refuses new requests."""
+    eng = _engine(tiny_checkpoints["llama"], step_timeout_s=1.5)
+    try:
+        assert eng.step_timeout_s == 1.5
+        running = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))
+        running.get(timeout=30)
+        eng.inject_fault(hang_s=5.0)
+        waiting = eng.add_request([4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0))
+        t0 = time.monotonic()
+        last = list(running)[-1]
+        ends = list(waiting)
+        assert time.monotonic() - t0 < 4.5  # the watchdog, not the step's return, ended them
+        for out in (last, ends[-1]):
+            assert out.finish_reason == "error" and out.error_kind is ErrorKind.UNAVAILABLE
+            assert "hung" in out.error and "step_timeout_s=1.5" in out.error
+        assert not eng.is_alive() and not eng.stats().alive and "hung" in eng.dead_reason()
+        with pytest.raises(EngineDeadError, match="hung"):
+            eng.add_request([1, 2], SamplingParams(max_tokens=2))
+    finally:
+        eng.shutdown(timeout=15)
+
+
+def test_the_step_timeout_defaults_to_the_latency_models_largest_step_with_a_floor():
+    from engine.engine import STEP_TIMEOUT_FLOOR_S, step_timeout_s
+    from scheduling.predictor import LatencyModel
+
+    cfg = EngineConfig()
+    assert step_timeout_s(cfg, None, 2048) == STEP_TIMEOUT_FLOOR_S
+    assert step_timeout_s(cfg.model_copy(update={"step_timeout_s": 0.0}), None, 2048) == 0.0  # off
+    fast = LatencyModel(prefill_coef=(0.01, 5.0, 0.0), decode_coef=(0.0, 0.0, 0.0, 10.0))
+    assert step_timeout_s(cfg, fast, 2048) == STEP_TIMEOUT_FLOOR_S
+    slow = LatencyModel(prefill_coef=(5.0, 0.0, 0.0), decode_coef=(0.0, 0.0, 0.0, 1000.0))  # a 10 s prefill of 2048
+    assert step_timeout_s(cfg, slow, 2048) == pytest.approx(10 * (5.0 * 2048 + 1000.0) / 1000.0)
 
 
 def test_decode_groups_split_by_length_and_pad_little():

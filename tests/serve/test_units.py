@@ -435,9 +435,9 @@ def test_check_health_raises_when_engine_dead() -> None:
     from deployments.replica import LLMServer
 
     check = LLMServer.func_or_class.check_health
-    check(SimpleNamespace(replica_id="r", engine=SimpleNamespace(is_alive=lambda: True)))
-    with pytest.raises(RuntimeError, match="dead"):
-        check(SimpleNamespace(replica_id="r", engine=SimpleNamespace(is_alive=lambda: False)))
+    check(SimpleNamespace(replica_id="r", engine=SimpleNamespace(dead_reason=lambda: None)))
+    with pytest.raises(RuntimeError, match="dead: engine worker hung"):  # Serve's log says why
+        check(SimpleNamespace(replica_id="r", engine=SimpleNamespace(dead_reason=lambda: "engine worker hung")))
 
 
 def test_plain_chat_format() -> None:
