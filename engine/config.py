@@ -67,7 +67,7 @@ class EngineConfig(BaseModel):
                                 "device or the worker hung: the engine fails its requests as unavailable (503; the "
                                 "Ingress resends those with no token yet to another replica), logs where the "
                                 "worker is stuck and reports itself dead, so that Serve's health check replaces "
-                                "the replica. None: the larger of 60 s and 10x the latency model's largest step; "
-                                "0: never")
+                                "the replica. None: the larger of 120 s and 10x the latency model's largest step "
+                                "(or of the step at hand); 0: never")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

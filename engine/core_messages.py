@@ -35,6 +35,13 @@ class SetupFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Died:
+    """The child's last message before it hangs up: why its engine stopped (its worker died, or hung)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Add:
     request: Request
 

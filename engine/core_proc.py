@@ -45,7 +45,7 @@ from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
 from engine.stream import RequestStream
-from engine.core_messages import Abort, Add, CoreInfo, InjectFault, Outputs, SetupFailed, Shutdown
+from engine.core_messages import Abort, Add, CoreInfo, Died, InjectFault, Outputs, SetupFailed, Shutdown
 
 log = logging.getLogger("kairos.engine")
 STATS_PERIOD_S = 0.05  # stats ride on every Outputs message; alone, at most this often
@@ -72,6 +72,20 @@ class Link:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self.sock.sendall(self.HEADER.pack(len(data)) + data)
+
+    def try_send(self, msg: Any, timeout: float = 1.0) -> None:
+        """`send` that never blocks for long: it gives up on a sender stuck holding the link (a reader that stopped
+        reading) after `timeout`, and sends only what the socket takes at once (a cut message is dropped by the
+        reader, at the EOF that follows)."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._send_lock.acquire(timeout=timeout):
+            return
+        try:
+            self.sock.send(self.HEADER.pack(len(data)) + data, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        finally:
+            self._send_lock.release()
 
     def _complete(self) -> bool:
         return len(self._buf) >= 8 and len(self._buf) >= 8 + self.HEADER.unpack_from(self._buf)[0]
@@ -152,6 +166,7 @@ class _Batch:
         except (OSError, TypeError, ValueError):  # the client is gone (or the socket closed at exit)
             pass
         if not stats.alive:  # the worker died: end the link, so the client fails what is open and refuses more
+            self.conn.try_send(Died(f"its worker died: {self.engine.dead_reason()}"))
             _hang_up(self.conn)
 
 
@@ -164,9 +179,11 @@ def _hang_up(conn: Link) -> None:
         pass
 
 
-def _exit_hung(conn: Link) -> None:
-    """The engine's watchdog found its worker hung (`LLMEngine.on_hung`; it has logged where): end the link, so
-    that the client fails every open stream and refuses more, and the process, whose worker may never return."""
+def _exit_hung(conn: Link, why: str) -> None:
+    """The engine's watchdog found its worker hung (`LLMEngine.on_hung`; it has logged where): say why and end the
+    link, so that the client fails every open stream and refuses more, then the process, whose worker may never
+    return."""
+    conn.try_send(Died(why))
     _hang_up(conn)
     os._exit(HUNG_EXIT_CODE)
 
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.engine import LLMEngine  # noqa: PLC0415 - torch: only the child runs tensors
 
         config = EngineConfig.model_validate(conn.recv())
-        engine = LLMEngine(config, on_outputs=batch.flush, on_hung=lambda why: _exit_hung(conn))
+        engine = LLMEngine(config, on_outputs=batch.flush, on_hung=lambda why: _exit_hung(conn, why))
         inputs = engine.inputs
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
@@ -282,6 +299,7 @@ class EngineCoreClient:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead (callers' threads add, the reader removes)
         self._dead: str | None = None
+        self._death: str | None = None  # why the child said it stopped (`Died`), before it hung up
         try:
             self._send(self.config.model_dump(mode="json"))
             info = self._wait_ready(startup_timeout_s)
@@ -412,7 +430,10 @@ class EngineCoreClient:
         self._proc.kill()
         self._proc.wait()
 
-    def _deliver(self, msg: Outputs) -> None:
+    def _deliver(self, msg: Outputs | Died) -> None:
+        if isinstance(msg, Died):  # the child hangs up next (`_gone`)
+            self._death = msg.reason
+            return
         if msg.stats is not None:
             self._stats = msg.stats
         for item in msg.items:
@@ -465,15 +486,11 @@ class EngineCoreClient:
     def _gone(self) -> None:
         """The link is over: mark the engine dead and fail every open stream as unavailable."""
         code = self._proc.poll()
-        if code is None:  # a child that ends itself closes the link as it exits: its status comes a moment later
-            try:
-                code = self._proc.wait(0.5)
-            except subprocess.TimeoutExpired:
-                pass
         with self._lock:
             if self._dead is not None:
                 return
-            self._dead = ("engine process link closed" if code is None else
+            self._dead = (f"engine process stopped: {self._death}" if self._death is not None else
+                          "engine process link closed" if code is None else
                           "engine process exited: its worker hung (step_timeout_s)" if code == HUNG_EXIT_CODE else
                           f"engine process exited (code {code})")
             self._stats = dataclasses.replace(self._stats, alive=False)

@@ -48,8 +48,8 @@ from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger("kairos.engine")
-STEP_TIMEOUT_FLOOR_S = 60.0  # step_timeout_s=None: at least this (vLLM's engine iteration timeout)...
-STEP_TIMEOUT_FACTOR = 10.0  # ...and this many times the latency model's largest step
+STEP_TIMEOUT_FLOOR_S = 120.0  # step_timeout_s=None: at least this...
+STEP_TIMEOUT_FACTOR = 10.0  # ...and this many times the latency model's largest step (and each step's own)
 T = TypeVar("T")
 
 
@@ -100,6 +100,7 @@ class LLMEngine:
         self._emit = on_outputs or (lambda: None)
         self._on_hung = on_hung
         self.step_timeout_s = 0.0  # the watchdog's limit on one turn of the worker (`_setup`; 0: no watchdog)
+        self._auto_timeout = self.config.step_timeout_s is None  # a step predicted longer gets FACTOR x its own
         self._turn = (time.monotonic(), math.inf)  # (start, allowance) of the worker's current turn
         self._hang_s = 0.0  # inject_fault(hang_s=...)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -339,9 +340,11 @@ class LLMEngine:
         hook for profiling and benchmarks that time steps on the real cache."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
-        job = _IdleJob(fn if not require_idle else _when_idle(fn), timeout_s=timeout)
+        job = _IdleJob(fn if not require_idle else _when_idle(fn), timeout_s=math.inf if timeout is None else timeout)
         self._inbox.put(job)
         self._wakeup.set()
+        if isinstance(self._dead, EngineHungError) and self._on_hung is None:  # as in `_enqueue`
+            self._fail_inbox(f"engine failure: {self._dead}")
         if not job.done.wait(timeout):
             raise TimeoutError(f"the engine did not run the job within {timeout} s")
         if job.error is not None:
@@ -452,6 +455,7 @@ class LLMEngine:
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             job.error = e
         job.done.set()
+        self._turn = (time.monotonic(), self.step_timeout_s or math.inf)  # the rest of the turn: a step's limit
 
     def _step(self) -> None:
         """Schedule and launch a step; resolve the step launched before it (overlap scheduling: this one stays in
@@ -472,6 +476,8 @@ class LLMEngine:
                 self._wakeup.clear()
             return
         reqs = plan.requests  # those that sample a token (a prefill chunk does not)
+        if self._auto_timeout and self.step_timeout_s > 0:
+            self._allow(plan)
         if self._hang_s > 0:
             hang, self._hang_s = self._hang_s, 0.0
             time.sleep(hang)
@@ -507,6 +513,19 @@ class LLMEngine:
             self._inflight = launched
         else:
             self._resolve(launched)
+
+    def _allow(self, plan: StepPlan) -> None:
+        """The automatic step_timeout_s covers a step of the whole window; a step predicted longer still (a prefill
+        of many whole prompts: no token budget) gets STEP_TIMEOUT_FACTOR times its own prediction."""
+        lm = self.scheduler.predictor
+        if lm is None:
+            return
+        ms = lm.prefill_ms(plan.num_prefill_tokens, plan.num_prefill_sq) if plan.num_prefill_tokens else 0.0
+        if plan.decode:
+            ms += lm.itl_ms(len(plan.decode), plan.decode_mean_len)
+        started, limit = self._turn
+        if STEP_TIMEOUT_FACTOR * ms / 1000.0 > limit:
+            self._turn = (started, STEP_TIMEOUT_FACTOR * ms / 1000.0)
 
     def _settle(self) -> None:
         """Resolve the step in flight, if any."""
@@ -643,7 +662,7 @@ class LLMEngine:
         watchdog thread, the worker stuck: the streams are the worker's, but stuck it puts nothing until it returns,
         then finds the engine stopped, and a stream that has ended drops what is put after."""
         for rid, stream in self.outputs.open_streams():
-            stream.put(_unavailable(rid, error))
+            _put_quietly(stream, _unavailable(rid, error))
         self._fail_inbox(error)
 
     def _fail_inbox(self, error: str) -> None:
@@ -657,7 +676,15 @@ class LLMEngine:
                 item.done.set()
             elif isinstance(item, (tuple, list)):
                 for req, stream in item if isinstance(item, list) else [item]:
-                    stream.put(_unavailable(req.request_id, error))
+                    _put_quietly(stream, _unavailable(req.request_id, error))
+
+
+def _put_quietly(stream: OutputSink, item: RequestOutput) -> None:
+    """Put a request's last item from the watchdog: a reader gone (its loop closed) must not cost the others theirs."""
+    try:
+        stream.put(item)
+    except Exception:  # noqa: BLE001
+        log.debug("could not end the stream of %s", item.request_id, exc_info=True)
 
 
 def _unavailable(rid: str, error: str) -> RequestOutput:
