@@ -24,6 +24,7 @@ class CoreInfo:
     kv_capacity_tokens: int
     latency_model: LatencyModel | None
     stats: EngineStats
+    step_timeout_s: float = 0.0  # the engine's watchdog limit (0: none): also how long the child may be silent
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,12 @@ class SetupFailed:
 
     bad_input: bool
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Sent by a thread of the child every `core_proc.HEARTBEAT_S` (a child stuck holding its interpreter, or
+    stopped, sends none)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,10 +45,11 @@ from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
 from engine.stream import RequestStream
-from engine.core_messages import Abort, Add, CoreInfo, Died, InjectFault, Outputs, SetupFailed, Shutdown
+from engine.core_messages import Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, SetupFailed, Shutdown
 
 log = logging.getLogger("kairos.engine")
 STATS_PERIOD_S = 0.05  # stats ride on every Outputs message; alone, at most this often
+HEARTBEAT_S = 1.0  # the child's heartbeat (a thread of its own): the client kills a child silent past its limit
 
 
 # ---------------------------------------------------------------------- the socket
@@ -72,6 +73,16 @@ class Link:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self.sock.sendall(self.HEADER.pack(len(data)) + data)
+
+    def send_unless_busy(self, msg: Any, timeout: float) -> None:
+        """`send`, unless another sender has held the link for `timeout` (a reader that stopped reading)."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._send_lock.acquire(timeout=timeout):
+            return
+        try:
+            self.sock.sendall(self.HEADER.pack(len(data)) + data)
+        finally:
+            self._send_lock.release()
 
     def try_send(self, msg: Any, timeout: float = 1.0) -> None:
         """`send` that never blocks for long: it gives up on a sender stuck holding the link (a reader that stopped
@@ -188,6 +199,19 @@ def _exit_hung(conn: Link, why: str) -> None:
     os._exit(HUNG_EXIT_CODE)
 
 
+def _heartbeat(conn: Link) -> None:
+    """Tell the client, every HEARTBEAT_S, that this process still runs Python (`EngineCoreClient._watch`): the
+    engine's own watchdog is a thread of this process too, and a process stopped, or stuck in a call that holds
+    the interpreter, runs neither."""
+    beat = Heartbeat()
+    while True:
+        time.sleep(HEARTBEAT_S)
+        try:
+            conn.send_unless_busy(beat, HEARTBEAT_S)
+        except OSError:  # the link is over: the main thread ends the process
+            return
+
+
 def _exit_with_parent(parent: int) -> None:
     """The child outlives no parent, even one killed while the model loads: poll who the parent is."""
     while True:
@@ -215,12 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         inputs = engine.inputs
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
-                        inputs.kv_capacity_tokens, engine.latency_model, engine.stats())
+                        inputs.kv_capacity_tokens, engine.latency_model, engine.stats(), engine.step_timeout_s)
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
     conn.send(info)
     batch.engine = engine
+    if engine.step_timeout_s > 0:
+        threading.Thread(target=_heartbeat, args=(conn,), name="kairos-core-heartbeat", daemon=True).start()
     try:
         while True:
             try:
@@ -320,6 +346,7 @@ class EngineCoreClient:
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject")
         self._loop = reader_loop
+        self._heard = time.monotonic()  # when the child last sent anything (`_deliver`)
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread
         self._read_lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -328,6 +355,9 @@ class EngineCoreClient:
             self._reader.start()
         else:
             reader_loop.call_soon_threadsafe(reader_loop.add_reader, self._conn.fileno(), self._on_readable)
+        if info.step_timeout_s > 0:
+            threading.Thread(target=self._watch, args=(max(info.step_timeout_s, 4 * HEARTBEAT_S),),
+                             name="kairos-core-watch", daemon=True).start()
 
     @property
     def pid(self) -> int:
@@ -430,7 +460,10 @@ class EngineCoreClient:
         self._proc.kill()
         self._proc.wait()
 
-    def _deliver(self, msg: Outputs | Died) -> None:
+    def _deliver(self, msg: Outputs | Died | Heartbeat) -> None:
+        self._heard = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            return
         if isinstance(msg, Died):  # the child hangs up next (`_gone`)
             self._death = msg.reason
             return
@@ -482,6 +515,19 @@ class EngineCoreClient:
             loop.remove_reader(self._conn.fileno())
         else:
             loop.call_soon_threadsafe(loop.remove_reader, self._conn.fileno())
+
+    def _watch(self, limit_s: float) -> None:
+        """Kill a child that has sent nothing, not even its heartbeat, for `limit_s` (its engine's step timeout):
+        stopped, or stuck in a call that holds its interpreter, where its own watchdog cannot run. Its link then
+        closes, and `_gone` fails what is open."""
+        while self._dead is None and self._proc.poll() is None:
+            time.sleep(min(1.0, limit_s / 4))
+            silent = time.monotonic() - self._heard
+            if silent > limit_s and self._dead is None and self._proc.poll() is None:
+                self._death = f"its process sent nothing for {silent:.0f} s (stopped, or stuck holding its interpreter)"
+                log.error("engine process %d: %s; killing it", self._proc.pid, self._death)
+                self._proc.kill()
+                return
 
     def _gone(self) -> None:
         """The link is over: mark the engine dead and fail every open stream as unavailable."""

@@ -38,7 +38,7 @@ def _text(stream):
     return "".join(o.text for o in stream)
 
 
-ENGINES = ("shared", "killed", "fatal", "hung", "shut_down", "unloadable")
+ENGINES = ("shared", "killed", "fatal", "hung", "stopped", "shut_down", "unloadable")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def engines(tiny_checkpoints, tmp_path_factory):
     with ThreadPoolExecutor(min(len(ENGINES), os.cpu_count() or 1)) as pool:  # more would only queue for cores
         futures: dict[str, Future] = {
             name: pool.submit(EngineCoreClient, EngineConfig(model="/nonexistent/model-dir") if name == "unloadable"
-                              else cfg.model_copy(update={"step_timeout_s": 5.0}) if name == "hung"
+                              else cfg.model_copy(update={"step_timeout_s": 5.0}) if name in ("hung", "stopped")
                               else cfg) for name in ENGINES}
         try:
             yield futures, parent
@@ -187,9 +187,8 @@ def test_a_hung_engine_process_exits_and_its_client_fails_the_streams_as_unavail
     what was open as unavailable, says why, and refuses new requests."""
     c = engines[0]["hung"].result()
     try:
+        c.inject_fault(hang_s=120.0)  # the next step hangs: this request's first
         stream = c.generate(_greedy(3, 2000))
-        stream.get(timeout=30)
-        c.inject_fault(hang_s=120.0)
         t0 = time.monotonic()
         _, last = _tokens(stream)
         assert time.monotonic() - t0 < 60.0  # the watchdog, not the step's end
@@ -198,6 +197,26 @@ def test_a_hung_engine_process_exits_and_its_client_fails_the_streams_as_unavail
         assert c._proc.wait(10) == 75  # HUNG_EXIT_CODE
         assert not c.is_alive() and "hung" in c.dead_reason()
         with pytest.raises(EngineDeadError, match="hung"):
+            c.generate(_greedy(4, 2))
+    finally:
+        c.shutdown()
+
+
+def test_a_stopped_engine_process_is_killed_and_its_streams_fail_as_unavailable(engines):
+    """A child that runs no Python (stopped here; or stuck in a call that holds its interpreter, where its own
+    watchdog cannot run) misses its heartbeats: past step_timeout_s the client kills it and fails its streams."""
+    c = engines[0]["stopped"].result()
+    try:
+        os.kill(c._proc.pid, signal.SIGSTOP)
+        stream = c.generate(_greedy(3, 2000))
+        t0 = time.monotonic()
+        _, last = _tokens(stream)
+        assert time.monotonic() - t0 < 60.0
+        assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.UNAVAILABLE
+        assert "sent nothing" in last.error
+        assert c._proc.wait(10) == -signal.SIGKILL
+        assert not c.is_alive()
+        with pytest.raises(EngineDeadError, match="sent nothing"):
             c.generate(_greedy(4, 2))
     finally:
         c.shutdown()

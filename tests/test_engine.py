@@ -291,16 +291,16 @@ def test_fault_in_a_step_ends_streams_with_error_and_engine_recovers(tiny_checkp
 
 def test_a_hung_step_fails_every_request_as_unavailable_and_the_engine_counts_dead(tiny_checkpoints):
     """A step stuck in a device call never returns an error: past step_timeout_s the watchdog ends every open
-    stream (a running request, one still waiting) as unavailable, which the Ingress resends elsewhere, and the
+    stream (the request in the step, one sent after) as unavailable, which the Ingress resends elsewhere, and the
     engine reports itself dead (a Serve replica's health check fails) and refuses new requests."""
     eng = _engine(tiny_checkpoints["llama"], step_timeout_s=3.0)
     try:
         assert eng.step_timeout_s == 3.0
-        running = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))
-        running.get(timeout=30)
-        eng.inject_fault(hang_s=30.0)
-        waiting = eng.add_request([4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0))
+        eng.inject_fault(hang_s=30.0)  # the next step hangs: the first one of `running`
+        running = eng.add_request([1, 2, 3], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
         t0 = time.monotonic()
+        time.sleep(0.5)  # its step has begun (and hangs)
+        waiting = eng.add_request([4, 5, 6], SamplingParams(max_tokens=4, temperature=0.0))
         last = list(running)[-1]
         ends = list(waiting)
         assert time.monotonic() - t0 < 20.0  # the watchdog, not the step's return, ended them
