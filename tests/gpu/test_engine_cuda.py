@@ -1,7 +1,7 @@
 """The engine on the GPU, through its public API: greedy token-exact with HF `generate` (fp32) on the four tiny
 families; sampled requests (the API's default temperature 1.0, and temperature / top-k / top-p / seed),
 seeded reproducibility alone and in a batch, a greedy request beside sampled ones; mixed context lengths in one
-batch; chunked prefill; a preempted request resumed. Skipped without CUDA (conftest.py)."""
+batch; chunked prefill; a preempted request resumed; a hung step. Skipped without CUDA (conftest.py)."""
 from __future__ import annotations
 
 import sys
@@ -215,3 +215,31 @@ def test_overlap_scheduling_gives_the_replies_of_a_synchronous_engine(device, ck
     got = [(toks, last.finish_reason) for toks, last in replies["on"]]
     assert got == [(toks, last.finish_reason) for toks, last in replies["off"]]
     assert [len(t) for t, _ in got][0] == 7 and all(last.error is None for _, last in replies["on"])
+
+
+def test_a_hung_step_fails_its_requests_and_the_worker_that_wakes_later_frees_the_device(device, ckpts):
+    """The engine's watchdog on the GPU: a step hung past step_timeout_s ends every stream as unavailable and the
+    engine counts as dead; the worker that returns from the hang later finds the engine stopped and releases its
+    graphs and cache (the next engine starts on a clean device)."""
+    from core.messages import ErrorKind
+    from core.sampling import SamplingParams
+
+    eng = make_engine(ckpts["llama"], device, step_timeout_s=2.0)
+    try:
+        eng.inject_fault(hang_s=6.0)  # the next step: the first of these requests
+        prompts = random_prompts([5, 40, 12], eng.bundle.vocab_limit, seed=31)
+        streams = _submit_together(eng, prompts, [SamplingParams(max_tokens=50, temperature=0.0)] * 3)
+        ends = [collect(s)[1] for s in streams]
+        assert all(e.finish_reason == "error" and e.error_kind is ErrorKind.UNAVAILABLE for e in ends)
+        assert not eng.is_alive() and "hung" in eng.dead_reason()
+    finally:
+        eng.shutdown(timeout=30)  # waits for the worker to wake from the hang and release the device
+    assert not eng._thread.is_alive()
+    free_device_memory()
+    eng = make_engine(ckpts["llama"], device)
+    try:
+        toks, last = collect(eng.add_request([1, 2, 3], greedy(5)))
+        assert len(toks) == 5 and last.error is None
+    finally:
+        eng.shutdown()
+    free_device_memory()
