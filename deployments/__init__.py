@@ -42,7 +42,7 @@ from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
 ROUTER_PATH = "deployments.router:SLORouter"
-POW2_ROUTER_PATH = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+POW2_ROUTER_PATH = "deployments.router:Pow2Router"  # Serve's power of two choices, passing over failed replicas
 FAILOVERS = 2  # the other replicas a request is sent to where the one it landed on failed before its first item
 GRPC_MAX_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"  # the LLM replicas' gRPC limit on a request (bytes)
 

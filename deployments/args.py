@@ -41,7 +41,9 @@ class ServeArgs(BaseModel):
         "auto", description="routed: an Ingress deployment sends each request to an LLM replica through a Serve "
         "handle, picked by `router`; direct: the LLM replicas serve HTTP themselves (HAProxy balances them; no "
         "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more")
-    router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default")
+    router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default, "
+                                           "power of two choices (passing over replicas that failed the request "
+                                           "or whose engine is dead)")
     llm_transport: Literal["grpc", "ray"] = Field(
         "grpc", description="routed topology: how the Ingress streams a request's tokens from its LLM replica. grpc: "
         "Serve's inter-deployment gRPC (each stream an HTTP/2 stream; a caller that stops reading stalls only its "

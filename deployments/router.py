@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from core.messages import GenerateRequest, ProtocolError, RejectReason, RoutingStats
@@ -312,3 +313,28 @@ class SLORouter(RequestRouter):
         self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}
         self._reconciled.pop(replica_id, None)
         self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}
+
+
+class Pow2Router(PowerOfTwoChoicesRequestRouter):
+    """Serve's power of two choices (`router=pow2`), except that a `generate` call passes over the replicas it
+    must avoid (`GenerateRequest.avoid_replicas`: they failed it or turned it away) and those whose engine reported
+    itself dead, as `SLORouter` does. A replica whose engine died answers at once, so by queue length it looks the
+    least loaded: a request resent away from it went straight back."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        req = generate_request(pending_request)
+        avoid = set(req.avoid_replicas) if req is not None else set()
+
+        def passed_over(r: RunningReplica) -> bool:
+            return r.replica_id.unique_id in avoid or not (r.routing_stats or {}).get("alive", True)
+
+        chosen = [r for group in ranks for r in group]
+        if not any(map(passed_over, chosen)):
+            return ranks
+        good = [r for r in chosen if not passed_over(r)]
+        if not good:  # both picks passed over: two of the others, if any
+            others = [r for r in candidate_replicas if not passed_over(r)]
+            good = random.sample(others, min(2, len(others)))
+        return [g for g in (good, [r for r in chosen if passed_over(r)]) if g]

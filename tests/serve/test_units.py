@@ -243,6 +243,43 @@ def test_router_puts_the_replicas_that_turned_the_request_away_last() -> None:
     assert [r.replica_id.unique_id for r in rank([a, b, c], views, SLO(ttft_ms=1000), ("a",))] == ["b", "c", "a"]
 
 
+def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dead(monkeypatch) -> None:
+    """A replica whose engine died answers at once, so power of two choices finds it the least loaded: a request
+    resent away from it went straight back (twice, then a 503). Serve's picks are kept otherwise."""
+    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+    from deployments.router import Pow2Router
+
+    def rep(name, alive=True):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), routing_stats={"alive": alive})
+
+    a, b, c, dead = rep("a"), rep("b"), rep("c"), rep("d", alive=False)
+    picks: list = []
+
+    async def serve_picks(self, candidates, pending=None):
+        return [list(picks)]
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serve_picks)
+    router = object.__new__(Pow2Router)  # no Ray: Serve's own pick is stubbed
+
+    def choose(avoid=(), method="generate", candidates=(a, b, c, dead)):
+        req = GenerateRequest("cmpl-1", prompt="x", avoid_replicas=tuple(avoid))
+        pending = SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=(req,), kwargs={})
+        ranks = asyncio.run(router.choose_replicas(list(candidates), pending))
+        return [[r.replica_id.unique_id for r in group] for group in ranks]
+
+    picks[:] = [a, b]
+    assert choose() == [["a", "b"]]  # nothing to pass over: Serve's pick as it is
+    assert choose(avoid=["a"]) == [["b"], ["a"]]  # the replica that failed it: last
+    picks[:] = [dead, a]
+    assert choose() == [["a"], ["d"]]
+    random.seed(3)
+    picks[:] = [dead, b]
+    got = choose(avoid=["b"])  # both picks passed over: two of the others first
+    assert sorted(got[0]) == ["a", "c"] and sorted(got[1]) == ["b", "d"]
+    assert choose(avoid=["b"], method="stats") == [["b"], ["d"]]  # other methods: a dead engine last (as SLORouter)
+
+
 def test_router_bookkeeping_survives_a_reroute_under_the_same_request_id() -> None:
     from deployments.router import SLORouter
 
