@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -408,12 +408,16 @@ class LLMEngine:
             self._drain_after_stop()
             self._emit()
 
-    def _drain_inbox(self) -> None:
+    def _inbox_items(self) -> Iterator[Any]:
+        """Take what is in the inbox now, item by item."""
         while True:
             try:
-                item = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for item in self._inbox_items():
             if isinstance(item, _InjectFault):
                 if item.hang_s > 0:
                     self._hang_s = item.hang_s
@@ -666,11 +670,7 @@ class LLMEngine:
         self._fail_inbox(error)
 
     def _fail_inbox(self, error: str) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for item in self._inbox_items():
             if isinstance(item, _IdleJob):
                 item.error = EngineDeadError(error)
                 item.done.set()
