@@ -225,6 +225,11 @@ class RequestOutput:
         object.__setattr__(self, "error_kind", _enum(ErrorKind, kind, "error_kind"))
         self.check()
 
+    @classmethod
+    def failed(cls, request_id: str, error: str, kind: ErrorKind) -> "RequestOutput":
+        """The final item of a request that failed (finish_reason `error`) for `kind` of reason."""
+        return cls(request_id, finished=True, finish_reason=FinishReason.ERROR, error=error, error_kind=kind)
+
     def check(self) -> "RequestOutput":
         """Raise ProtocolError unless the item is consistent (also for items that arrived pickled)."""
         if self.finished != (self.finish_reason is not None):

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from core.messages import ErrorKind, GenerateRequest, RequestOutput
-from core.request import FinishReason
 from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig
 from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
@@ -74,27 +73,21 @@ class Link:
         with self._send_lock:
             self.sock.sendall(self.HEADER.pack(len(data)) + data)
 
-    def send_unless_busy(self, msg: Any, timeout: float) -> None:
-        """`send`, unless another sender has held the link for `timeout` (a reader that stopped reading)."""
+    def offer(self, msg: Any, timeout: float = 1.0, *, last: bool = False) -> None:
+        """`send`, unless another sender has held the link for `timeout` (stuck: a reader that stopped reading).
+        The `last` message before a hang-up is sent only as far as the socket takes it at once, never blocking (a
+        cut message is dropped by the reader, at the EOF that follows)."""
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         if not self._send_lock.acquire(timeout=timeout):
             return
         try:
-            self.sock.sendall(self.HEADER.pack(len(data)) + data)
-        finally:
-            self._send_lock.release()
-
-    def try_send(self, msg: Any, timeout: float = 1.0) -> None:
-        """`send` that never blocks for long: it gives up on a sender stuck holding the link (a reader that stopped
-        reading) after `timeout`, and sends only what the socket takes at once (a cut message is dropped by the
-        reader, at the EOF that follows)."""
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        if not self._send_lock.acquire(timeout=timeout):
-            return
-        try:
-            self.sock.send(self.HEADER.pack(len(data)) + data, socket.MSG_DONTWAIT)
+            if last:
+                self.sock.send(self.HEADER.pack(len(data)) + data, socket.MSG_DONTWAIT)
+            else:
+                self.sock.sendall(self.HEADER.pack(len(data)) + data)
         except OSError:
-            pass
+            if not last:
+                raise
         finally:
             self._send_lock.release()
 
@@ -177,7 +170,7 @@ class _Batch:
         except (OSError, TypeError, ValueError):  # the client is gone (or the socket closed at exit)
             pass
         if not stats.alive:  # the worker died: end the link, so the client fails what is open and refuses more
-            self.conn.try_send(Died(f"its worker died: {self.engine.dead_reason()}"))
+            self.conn.offer(Died(f"its worker died: {self.engine.dead_reason()}"), last=True)
             _hang_up(self.conn)
 
 
@@ -194,7 +187,7 @@ def _exit_hung(conn: Link, why: str) -> None:
     """The engine's watchdog found its worker hung (`LLMEngine.on_hung`; it has logged where): say why and end the
     link, so that the client fails every open stream and refuses more, then the process, whose worker may never
     return."""
-    conn.try_send(Died(why))
+    conn.offer(Died(why), last=True)
     _hang_up(conn)
     os._exit(HUNG_EXIT_CODE)
 
@@ -207,7 +200,7 @@ def _heartbeat(conn: Link) -> None:
     while True:
         time.sleep(HEARTBEAT_S)
         try:
-            conn.send_unless_busy(beat, HEARTBEAT_S)
+            conn.offer(beat, HEARTBEAT_S)
         except OSError:  # the link is over: the main thread ends the process
             return
 
@@ -284,10 +277,6 @@ def unnice() -> int:
     except OSError:
         pass
     return 0
-
-
-def _error(rid: str, message: str, kind: ErrorKind) -> RequestOutput:
-    return RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=message, error_kind=kind)
 
 
 # ---------------------------------------------------------------------- the client
@@ -389,8 +378,8 @@ class EngineCoreClient:
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:
-                stream.put(_error(req.request_id, f"duplicate request id {req.request_id!r}",
-                                  ErrorKind.INVALID_REQUEST))
+                stream.put(RequestOutput.failed(req.request_id, f"duplicate request id {req.request_id!r}",
+                                                ErrorKind.INVALID_REQUEST))
                 return stream
             self._streams[req.request_id] = stream
         try:
@@ -433,8 +422,8 @@ class EngineCoreClient:
         """Why the engine cannot serve (None while it can)."""
         if self.is_alive():
             return None
-        return self._dead or (f"engine process exited (code {self._proc.poll()})" if self._proc.poll() is not None
-                              else "its worker died")
+        code = self._proc.poll()
+        return self._dead or (f"engine process exited (code {code})" if code is not None else "its worker died")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         try:
@@ -542,7 +531,7 @@ class EngineCoreClient:
             self._stats = dataclasses.replace(self._stats, alive=False)
             orphans, self._streams = self._streams, {}
         for rid, stream in orphans.items():
-            stream.put(_error(rid, f"engine failure: {self._dead}", ErrorKind.UNAVAILABLE))
+            stream.put(RequestOutput.failed(rid, f"engine failure: {self._dead}", ErrorKind.UNAVAILABLE))
 
 
 if __name__ == "__main__":

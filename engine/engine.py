@@ -100,7 +100,6 @@ class LLMEngine:
         self._emit = on_outputs or (lambda: None)
         self._on_hung = on_hung
         self.step_timeout_s = 0.0  # the watchdog's limit on one turn of the worker (`_setup`; 0: no watchdog)
-        self._auto_timeout = self.config.step_timeout_s is None  # a step predicted longer gets FACTOR x its own
         self._turn = (time.monotonic(), math.inf)  # (start, allowance) of the worker's current turn
         self._hang_s = 0.0  # inject_fault(hang_s=...)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -289,6 +288,10 @@ class LLMEngine:
     def _enqueue(self, item: tuple[Request, OutputSink] | list[tuple[Request, OutputSink]]) -> None:
         if self._dead is not None or self._stop:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        self._post(item)
+
+    def _post(self, item: Any) -> None:
+        """Put `item` in the worker's inbox and wake the worker."""
         self._inbox.put(item)
         self._wakeup.set()
         if isinstance(self._dead, EngineHungError) and self._on_hung is None:  # the watchdog emptied the inbox
@@ -300,8 +303,7 @@ class LLMEngine:
                                 messages=request.messages, options=request.options)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(request_id)
-        self._wakeup.set()
+        self._post(request_id)
 
     def stats(self) -> EngineStats:
         with self._stats_lock:
@@ -341,10 +343,7 @@ class LLMEngine:
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         job = _IdleJob(fn if not require_idle else _when_idle(fn), timeout_s=math.inf if timeout is None else timeout)
-        self._inbox.put(job)
-        self._wakeup.set()
-        if isinstance(self._dead, EngineHungError) and self._on_hung is None:  # as in `_enqueue`
-            self._fail_inbox(f"engine failure: {self._dead}")
+        self._post(job)
         if not job.done.wait(timeout):
             raise TimeoutError(f"the engine did not run the job within {timeout} s")
         if job.error is not None:
@@ -364,8 +363,7 @@ class LLMEngine:
         the next step breaks the worker's loop itself (every request fails, the engine is dead); with `hang_s`,
         the next step first blocks that long, as a device call that does not return (past `step_timeout_s` the
         watchdog declares the engine hung)."""
-        self._inbox.put(_InjectFault(count, fatal, hang_s))
-        self._wakeup.set()
+        self._post(_InjectFault(count, fatal, hang_s))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -439,9 +437,8 @@ class LLMEngine:
 
     def _admit(self, req: Request, stream: OutputSink) -> None:
         if req.request_id in self._requests:
-            stream.put(RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ERROR,
-                                     error=f"duplicate request id {req.request_id!r}",
-                                     error_kind=ErrorKind.INVALID_REQUEST))
+            stream.put(RequestOutput.failed(req.request_id, f"duplicate request id {req.request_id!r}",
+                                            ErrorKind.INVALID_REQUEST))
             return
         self._requests[req.request_id] = req
         self.outputs.add(req, stream)
@@ -480,7 +477,8 @@ class LLMEngine:
                 self._wakeup.clear()
             return
         reqs = plan.requests  # those that sample a token (a prefill chunk does not)
-        if self._auto_timeout and self.step_timeout_s > 0:
+        # only a prefill of more than a window outruns the largest step the automatic limit was sized for
+        if plan.num_prefill_tokens > self.max_model_len and self.config.step_timeout_s is None:
             self._allow(plan)
         if self._hang_s > 0:
             hang, self._hang_s = self._hang_s, 0.0
@@ -666,7 +664,7 @@ class LLMEngine:
         watchdog thread, the worker stuck: the streams are the worker's, but stuck it puts nothing until it returns,
         then finds the engine stopped, and a stream that has ended drops what is put after."""
         for rid, stream in self.outputs.open_streams():
-            _put_quietly(stream, _unavailable(rid, error))
+            _put_quietly(stream, RequestOutput.failed(rid, error, ErrorKind.UNAVAILABLE))
         self._fail_inbox(error)
 
     def _fail_inbox(self, error: str) -> None:
@@ -676,7 +674,7 @@ class LLMEngine:
                 item.done.set()
             elif isinstance(item, (tuple, list)):
                 for req, stream in item if isinstance(item, list) else [item]:
-                    _put_quietly(stream, _unavailable(req.request_id, error))
+                    _put_quietly(stream, RequestOutput.failed(req.request_id, error, ErrorKind.UNAVAILABLE))
 
 
 def _put_quietly(stream: OutputSink, item: RequestOutput) -> None:
@@ -685,11 +683,6 @@ def _put_quietly(stream: OutputSink, item: RequestOutput) -> None:
         stream.put(item)
     except Exception:  # noqa: BLE001
         log.debug("could not end the stream of %s", item.request_id, exc_info=True)
-
-
-def _unavailable(rid: str, error: str) -> RequestOutput:
-    return RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=error,
-                         error_kind=ErrorKind.UNAVAILABLE)
 
 
 def step_timeout_s(config: EngineConfig, model: LatencyModel | None, max_model_len: int) -> float:
