@@ -1,6 +1,7 @@
 """Kairos on Ray Serve.
 
-    serve run deployments:app                                   # the trained default model, 1 replica
+    serve run deployments:app                                   # the trained default model, one replica per GPU
+                                                                # (one on the CPU where there is none)
     serve run deployments:app model=/path/to/hf dtype=float32 num_replicas=2 num_gpus=1 policy=scorpio
     serve build deployments:default_app -o serve_config.yaml    # `serve build` needs a built application
 
@@ -62,7 +63,7 @@ def llm_actor_options(a: ServeArgs, actor_opts: dict[str, Any]) -> dict[str, Any
 def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     """Ingress -> LLMServer x num_replicas, wired with the SLO-aware router (`topology=routed`), or LLM replicas
     that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
-    a: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
+    a: ServeArgs = (args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})).resolved()
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct)

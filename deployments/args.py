@@ -8,6 +8,7 @@ constraints copied from those classes, so new engine/scheduler knobs become reac
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from typing import Any, Literal
 
@@ -28,8 +29,11 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # replicas and resources
-    num_replicas: int = Field(1, ge=1, le=1024, description="LLM replicas (one engine each)")
-    num_gpus: float = Field(0, ge=0, description="GPUs per LLM replica (0 on CPU, 1 = one replica per GPU)")
+    num_replicas: int | None = Field(None, ge=1, le=1024, description="LLM replicas (one engine each); default: "
+                                     "one per GPU (each `num_gpus` of them) where the replicas take GPUs, else 1")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs per LLM replica (0: on CPU; 1: a GPU each; a "
+                                   "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`) "
+                                   "and `device` is auto or cuda, else 0")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
     max_ongoing_requests: int = Field(256, ge=1, description="per-LLM-replica cap enforced by the caller's router")
     max_queued_requests: int = Field(1024, ge=-1, description="requests queued in the ingress's handle beyond "
@@ -112,22 +116,39 @@ class ServeArgs(BaseModel):
         self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
         return self
 
+    def resolved(self) -> "ServeArgs":
+        """These arguments with `num_gpus` and `num_replicas` decided: where not given, one replica per GPU on the
+        GPUs there are (`gpus_for_app`) when the engine may take one (`device` auto or cuda), else one replica on
+        the CPU. The app is built from this, once (`build_app`), so that every replica gets the same numbers."""
+        if self.num_gpus is not None and self.num_replicas is not None:
+            return self
+        gpus = gpus_for_app()
+        device = str(getattr(self, "device", "auto"))
+        num_gpus = self.num_gpus
+        if num_gpus is None:
+            num_gpus = 1.0 if gpus >= 1 and device in ("auto", "cuda") else 0.0
+        num_replicas = self.num_replicas
+        if num_replicas is None:
+            num_replicas = max(1, min(1024, int(gpus // num_gpus))) if 0 < num_gpus and gpus >= num_gpus else 1
+        return self.model_copy(update={"num_gpus": num_gpus, "num_replicas": num_replicas})
+
     @property
     def direct(self) -> bool:
         """Whether the LLM replicas serve HTTP themselves (`topology`)."""
         if self.topology == "auto":
-            return self.num_replicas == 1 and self.ingress_num_replicas == 1
+            return self.resolved().num_replicas == 1 and self.ingress_num_replicas == 1
         return self.topology == "direct"
 
     def engine_config(self) -> EngineConfig:
         """The nested engine config; only explicitly given knobs are passed, so the configs' defaults apply."""
         given = self.model_fields_set
         eng = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in given}
-        if self.num_gpus == 0 and eng.get("device", "auto") == "auto":
+        num_gpus = self.resolved().num_gpus or 0.0
+        if num_gpus == 0 and eng.get("device", "auto") == "auto":
             eng["device"] = "cpu"  # Ray leaves a GPU-less actor's CUDA visible: auto would take a GPU it was not given
-        elif 0 < self.num_gpus < 1 and "gpu_memory_utilization" not in given:
+        elif 0 < num_gpus < 1 and "gpu_memory_utilization" not in given:
             # replicas sharing a GPU: each takes its fraction of what one replica per GPU would
-            eng["gpu_memory_utilization"] = EngineConfig.model_fields["gpu_memory_utilization"].default * self.num_gpus
+            eng["gpu_memory_utilization"] = EngineConfig.model_fields["gpu_memory_utilization"].default * num_gpus
         sched = {k: getattr(self, k) for k in _SCHED_FIELDS if k in given}
         eng.setdefault("max_tokens_over_context", "reject")  # an OpenAI server answers 400, as vLLM's does
         return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
@@ -138,6 +159,50 @@ class ServeArgs(BaseModel):
             return self.served_model_name
         model = str(getattr(self, "model", "kairos"))
         return os.path.basename(model.rstrip("/")) or model
+
+def gpus_for_app() -> float:
+    """The GPUs the app's replicas may take: the Ray cluster's where this process is connected to one (`serve
+    deploy` builds the app in a task on the cluster), else those Ray finds on this machine, as a local cluster that
+    `serve run` starts gets them (NVIDIA's, within CUDA_VISIBLE_DEVICES). 0 where none, where it cannot tell, or
+    where the installed torch is a CPU build (`make serve` installs one unless a CUDA torch is there first)."""
+    if not _torch_has_cuda():
+        return 0.0
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return float(ray.cluster_resources().get("GPU", 0.0))
+    except Exception:  # noqa: BLE001 - no cluster to ask: look at this machine
+        pass
+    return float(_local_gpus())
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_has_cuda() -> bool:
+    """Whether the installed torch is a build that can run on a GPU, read from its version (a CPU wheel's ends in
+    +cpu) without importing it: the process that builds the app does not otherwise need torch."""
+    from importlib import metadata
+
+    try:
+        return "+cpu" not in metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _local_gpus() -> int:
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        if manager is None:
+            return 0
+        n = manager.get_current_node_num_accelerators()
+        visible = manager.get_current_process_visible_accelerator_ids()
+        return min(n, len(visible)) if visible is not None else n
+    except Exception:  # noqa: BLE001 - no driver, or Ray's (pinned) private API moved: no GPU to plan for
+        return 0
+
 
 def load_api_keys(env_name: str | None, key_file: str | None) -> list[str]:
     """Keys are read where they are used (the ingress replica), so they never enter the Serve config."""

@@ -211,9 +211,10 @@ def without_request_splice(config: str) -> str:
 # the launcher points those `errorfile` lines at files of its own (`with_openai_errors`), the JSON and `Retry-After`
 # the routed topology's Ingress answers for a replica that died (`deployments.errors.replica_died`).
 HAPROXY_ERRORS = {
-    502: (503, "Service Unavailable", "replica_failed", "no LLM replica answered this request: the one serving it "
-          "died or went away before its response (Serve replaces it); retry"),
-    503: (503, "Service Unavailable", "replica_failed", "no LLM replica is up to serve this request (Serve is "
+    502: (503, "Service Unavailable", "replica_failed", "no replica answered this request: the one serving it "
+          "(the LLM replica, or with topology=routed its Ingress) died or went away before its response (Serve "
+          "replaces it); retry"),
+    503: (503, "Service Unavailable", "replica_failed", "no replica is up to serve this request (Serve is "
           "starting or replacing it); retry"),
     504: (504, "Gateway Timeout", "gateway_timeout", "the LLM replica did not answer within HAProxy's server "
           "timeout (RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S)"),

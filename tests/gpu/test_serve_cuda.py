@@ -1,6 +1,6 @@
 """One request over HTTP through Ray Serve with the engine on the GPU, as a user deploys it: `serve run` in a
-subprocess, `deployments:app` with `device=cuda` (the tiny Llama, fp32), and a completion without `temperature`
-(the API's default 1.0, a sampled request) answered 200 with its tokens.
+subprocess, `deployments:app` with `device=cuda` (the tiny Llama, fp32; a replica per GPU, the default), and a
+completion without `temperature` (the API's default 1.0, a sampled request) answered 200 with its tokens.
 
 The app runs from a Serve config file (`import_path: deployments:app`, the same arguments as `key=value`) only to
 give it a free HTTP port and its own local Ray (`--address local`): other Ray clusters on a shared box are left
@@ -43,12 +43,11 @@ def test_completion_over_http_without_temperature(device, ckpts, tmp_path):
     pytest.importorskip("ray", reason="Ray is not importable (on a GPU host: unpack .dev/site312.tar.xz)")
     pytest.importorskip("ray.serve")
     port = free_port()
-    args = {"model": ckpts["llama"], "device": device, "dtype": "float32", "num_gpus": 0,
+    args = {"model": ckpts["llama"], "device": device, "dtype": "float32",
             "num_kv_blocks": 256, "max_num_seqs": 8, "served_model_name": "tiny-llama"}
     if device == "cpu":
-        args["num_threads"] = 1
-    # num_gpus=0: Ray leaves the GPU visible to a replica it gave none (deployments/args.py), and needs no GPU
-    # detection of its own; device=cuda puts the engine on it
+        args.update(num_threads=1, num_gpus=0)
+    # on CUDA num_gpus and num_replicas are left to their defaults, as a user does: a replica per GPU Ray finds
     config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
               "applications": [{"name": "kairos-gpu-test", "route_prefix": "/", "import_path": "deployments:app",
                                 "args": args}]}

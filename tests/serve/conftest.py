@@ -67,7 +67,8 @@ def serve_app() -> Iterator[dict]:
     from deployments import build_app
 
     t0 = time.monotonic()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # num_gpus=0: on a GPU host too the apps take no GPU (their replicas default to one per GPU Ray has)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
              object_store_memory=200 * 1024**2,
              _system_config={"metrics_report_interval_ms": 1000})  # metrics visible within ~1 s (default 10 s)
     t1 = time.monotonic()

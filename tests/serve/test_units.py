@@ -536,6 +536,55 @@ def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> 
         serve_builds(deployments.app, {"num_replicas": 0})
 
 
+def test_replicas_default_to_one_per_gpu_that_ray_can_give(monkeypatch) -> None:
+    """`serve run deployments:app` on a GPU box serves on its GPUs, one replica each (routed through the SLO
+    router where there are several), as vLLM takes the GPU by default; on a box without one, a replica on the CPU.
+    Given numbers, and a device other than auto or cuda, stand."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as serve_builds
+
+    import deployments
+    from deployments import args as A
+
+    monkeypatch.setattr(A, "gpus_for_app", lambda: 4.0)
+    a = AppArgs().resolved()
+    assert (a.num_gpus, a.num_replicas, a.direct) == (1.0, 4, False)
+    assert AppArgs().engine_config().device == "auto"  # the replica's own GPU
+    top = serve_builds(deployments.app, {})._bound_deployment
+    llm = top.init_args[0]._bound_deployment
+    assert top.name == "Ingress" and llm.num_replicas == 4 and llm.ray_actor_options["num_gpus"] == 1.0
+    assert AppArgs.model_validate({"num_gpus": 0.5}).resolved().num_replicas == 8
+    assert AppArgs.model_validate({"num_gpus": 2}).resolved().num_replicas == 2
+    assert AppArgs.model_validate({"num_gpus": 8}).resolved().num_replicas == 1  # a node that big, or it waits
+    assert (AppArgs.model_validate({"num_replicas": 2}).resolved().num_gpus) == 1.0
+    assert AppArgs.model_validate({"device": "cuda"}).resolved().num_gpus == 1.0
+    for given in ({"device": "cpu"}, {"device": "cuda:1"}, {"num_gpus": 0}):  # the user places the engine
+        r = AppArgs.model_validate(given).resolved()
+        assert (r.num_gpus, r.num_replicas, r.direct) == (0.0, 1, True)
+    assert AppArgs.model_validate({"num_gpus": 0}).engine_config().device == "cpu"
+    monkeypatch.setattr(A, "gpus_for_app", lambda: 0.0)
+    r = AppArgs().resolved()
+    assert (r.num_gpus, r.num_replicas, r.direct) == (0.0, 1, True) and AppArgs().engine_config().device == "cpu"
+    assert AppArgs.model_validate({"num_replicas": 3}).resolved().num_gpus == 0.0
+
+
+def test_the_gpus_for_an_app_are_the_clusters_once_connected(monkeypatch) -> None:
+    import ray
+
+    from deployments import args as A
+
+    monkeypatch.setattr(A, "_torch_has_cuda", lambda: True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 8.0})
+    assert A.gpus_for_app() == 8.0
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert A.gpus_for_app() == 0.0
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(A, "_local_gpus", lambda: 2)
+    assert A.gpus_for_app() == 2.0
+    monkeypatch.setattr(A, "_torch_has_cuda", lambda: False)  # a CPU build of torch cannot use them
+    assert A.gpus_for_app() == 0.0
+
+
 def test_cluster_yaml_is_valid() -> None:
     from pathlib import Path
 
@@ -1149,6 +1198,7 @@ def test_user_code_runs_on_the_http_loop_unless_the_user_says_otherwise(monkeypa
     monkeypatch.delenv(H.USER_CODE_ENV)
     import ray
 
+    monkeypatch.setattr(A, "_torch_has_cuda", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # too late: replicas may already run with Ray's default
     assert H.prefer_user_code_on_main_loop() is False and H.USER_CODE_ENV not in H.os.environ
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -1163,6 +1213,7 @@ def test_serve_control_loop_is_slowed_to_half_a_second_unless_the_user_says_othe
     monkeypatch.delenv(H.CONTROL_LOOP_ENV)
     import ray
 
+    monkeypatch.setattr(A, "_torch_has_cuda", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # too late: the controller may already run
     assert H.prefer_quiet_control_loop() is False and H.CONTROL_LOOP_ENV not in H.os.environ
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
