@@ -249,6 +249,11 @@ def test_unknown_path_is_a_clear_value_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot load model"):
         load_model(str(tmp_path / "empty"))
+    # a config transformers' class cannot build (here Falcon's, whose head_dim is derived) is a ValueError too
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "falcon", "head_dim": 64}')
+    with pytest.raises(ValueError, match="cannot load model .*bad"):
+        load_model(str(tmp_path / "bad"))
 
 
 def test_unsupported_family_lists_supported(tmp_path):
