@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_local_model
 from scheduling.config import SchedulerConfig
 
 _ENGINE_FIELDS = tuple(n for n in EngineConfig.model_fields if n != "scheduler")
@@ -114,6 +114,7 @@ class ServeArgs(BaseModel):
     @model_validator(mode="after")
     def _validate_nested(self) -> "ServeArgs":
         self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
+        check_local_model(str(getattr(self, "model", "")))  # a checkpoint here the engine cannot run: at once
         return self
 
     def resolved(self) -> "ServeArgs":

@@ -1,7 +1,7 @@
 """Engine configuration (validated). The scheduler's knobs live in `scheduling.config`."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,33 @@ TEAM_ENV = "KAIROS_CPU_TEAM"
 TEAM_NICE_ENV = "KAIROS_CPU_TEAM_NICE"
 
 DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / kairos-tiny: random weights
+SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type
+
+
+def check_family(model: str, family: Any) -> None:
+    """ValueError unless `family` (a checkpoint's model_type) is one the engine runs."""
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"cannot load model {model!r}: unsupported model family {family!r}; "
+                         f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+def check_local_model(model: str) -> None:
+    """Where `model` is a directory here with a readable config.json, `check_family` on it: where an app is built
+    (`deployments.args`), so that `serve run` refuses a checkpoint its replicas would fail to load at once instead
+    of after Serve's retries. Anything else (a built-in name, a hub id, a path only the cluster's nodes have) is
+    left to the loader."""
+    import json
+    import os
+
+    if not model:
+        return
+    path = os.path.join(os.path.expanduser(model), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            family = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    check_family(model, family)
 
 
 class EngineConfig(BaseModel):

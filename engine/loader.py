@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from engine.backends import default_dtype
+from engine.config import SUPPORTED_FAMILIES, check_family
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -209,11 +209,7 @@ def load_model(
         where = "" if is_local else "not a local directory or embedded model, and as a hub id: "
         raise ValueError(f"cannot load model {model!r}: {where}{_short(e)}") from None
     family = getattr(config, "model_type", None)
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"cannot load model {model!r}: unsupported model family {family!r}; "
-            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
-        )
+    check_family(model, family)
 
     model_max = _model_max_len(config)
     window = sliding_window(config)

@@ -585,6 +585,23 @@ def test_the_gpus_for_an_app_are_the_clusters_once_connected(monkeypatch) -> Non
     assert A.gpus_for_app() == 0.0
 
 
+def test_a_local_checkpoint_of_a_family_the_engine_cannot_run_is_refused_when_the_app_is_built(tmp_path) -> None:
+    """`serve run deployments:app model=DIR` with a Gemma checkpoint fails at once with the loader's message, not
+    after Serve has tried to start its replicas three times; a path this machine does not have is left to them."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as serve_builds
+
+    import deployments
+
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text('{"model_type": "gemma2"}')
+    with pytest.raises(ValidationError, match=r"unsupported model family 'gemma2'; supported: gpt2, llama"):
+        serve_builds(deployments.app, {"model": str(tmp_path / "gemma")})
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    for fine in (tmp_path / "llama", tmp_path / "elsewhere", "org/some-model", "kairos-tiny"):
+        assert AppArgs.model_validate({"model": str(fine)}).model == str(fine)
+
+
 def test_cluster_yaml_is_valid() -> None:
     from pathlib import Path
 
