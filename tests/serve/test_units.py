@@ -1215,7 +1215,6 @@ def test_user_code_runs_on_the_http_loop_unless_the_user_says_otherwise(monkeypa
     monkeypatch.delenv(H.USER_CODE_ENV)
     import ray
 
-    monkeypatch.setattr(A, "_torch_has_cuda", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # too late: replicas may already run with Ray's default
     assert H.prefer_user_code_on_main_loop() is False and H.USER_CODE_ENV not in H.os.environ
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -1230,7 +1229,6 @@ def test_serve_control_loop_is_slowed_to_half_a_second_unless_the_user_says_othe
     monkeypatch.delenv(H.CONTROL_LOOP_ENV)
     import ray
 
-    monkeypatch.setattr(A, "_torch_has_cuda", lambda: True)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # too late: the controller may already run
     assert H.prefer_quiet_control_loop() is False and H.CONTROL_LOOP_ENV not in H.os.environ
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
