@@ -159,6 +159,19 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def engine_logs_to_serve() -> None:
+    """An engine in the replica's own process logs (`kairos.*`: its start-up summary, profile, failed steps) where
+    the replica does, through Serve's handlers (its log file and the console); one in a process of its own writes
+    them to the stderr it shares with the replica (`engine.core_proc`)."""
+    kairos, serve_log = logging.getLogger("kairos"), logging.getLogger("ray.serve")
+    if kairos.handlers or not serve_log.handlers:
+        return
+    for handler in serve_log.handlers:
+        kairos.addHandler(handler)
+    kairos.setLevel(logging.INFO)
+    kairos.propagate = False
+
+
 class LLMReplica:
     """One engine and what Serve asks of it: `generate` streams, the control plane (`check_health`,
     `record_routing_stats`, `stats`, `model_info`, `inject_fault`) and the replica's metrics. `LLMServer` below
@@ -195,6 +208,7 @@ class LLMReplica:
         else:
             from engine.engine import LLMEngine  # noqa: PLC0415 - heavy (torch); LLM replicas only
 
+            engine_logs_to_serve()
             self.engine = await asyncio.to_thread(LLMEngine, cfg)
         self._engine_pid = getattr(self.engine, "pid", os.getpid())
         self._sched = cfg.scheduler

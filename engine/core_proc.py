@@ -213,8 +213,22 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
+def _log_to_stderr(label: str | None) -> None:
+    """The engine's log records (`kairos.*`: its start-up summary, the profile, graphs, failed steps) on this
+    process's stderr, which it shares with its replica: a Serve replica's log file, and `serve run`'s console."""
+    root = logging.getLogger("kairos")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s {label or 'kairos engine'} -- %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
+    _log_to_stderr(args[args.index("--label") + 1] if "--label" in args[:-1] else None)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="kairos-parent-watch",
                      daemon=True).start()
     fd = int(args[0])

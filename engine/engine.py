@@ -135,6 +135,7 @@ class LLMEngine:
         by futex instead of spinning, which slowed every step when the model was loaded (and so a pool started)
         on the caller's thread."""
         config = self.config
+        t0 = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -153,6 +154,7 @@ class LLMEngine:
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
+        t_load = time.perf_counter()
         blocks = configured_blocks(config, spec)
         if blocks is None and b.device.type == "cuda":  # what is left after the largest step's activations
             blocks = cuda_cache_blocks(config, spec, b.device, self._warmup_peak(spec, decoder))
@@ -163,18 +165,31 @@ class LLMEngine:
         backend.attach(self.cache)
         self.runner = ModelRunner(b.model, self.cache, backend, decoder)
         self.overlap = config.overlap == "on" or (config.overlap == "auto" and b.device.type == "cuda")
+        t_cache = time.perf_counter()
         self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len,
                                             config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject")
         self.outputs = OutputProcessor(b.tokenizer)
+        t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
                                    self.max_model_len, b.eos_token_ids, predictor,
                                    tokenizer_fingerprint(b.tokenizer_path or b.path), b.tokenizer)
         self.step_timeout_s = step_timeout_s(config, predictor, self.max_model_len)
         self._stats = self._snapshot(0, 0)
+        t_end = time.perf_counter()
+        tokens = self.cache.num_blocks * self.cache.block_size
+        log.info("engine ready in %.1f s (model %.1f s, KV cache %.1f s, graphs %.1f s, latency profile %.1f s%s): "
+                 "%s on %s in %s (%s backend); KV cache %d blocks of %d = %d tokens, %.1fx a full %d-token context; "
+                 "policy %s, max_num_seqs %d, prefill_max_tokens %s, step_timeout_s %g",
+                 t_end - t0, t_load - t0, t_cache - t_load, t_graphs - t_cache, t_end - t_graphs,
+                 ", cached" if (self.profile_report or {}).get("cached") else "", self.model_name, b.device,
+                 str(b.dtype).removeprefix("torch."), type(backend).__name__.removesuffix("Backend").lower(),
+                 self.cache.num_blocks, self.cache.block_size, tokens, tokens / self.max_model_len, self.max_model_len,
+                 config.scheduler.policy, config.scheduler.max_num_seqs, config.scheduler.prefill_max_tokens,
+                 self.step_timeout_s)
         # The model, its tokenizer and the libraries leave hundreds of thousands of objects that live as long as the
         # engine, and a full collection walks them all: a stall of every request in flight. Like a Ray Serve replica
         # after its start-up, the engine moves them out of the collector's reach (the permanent generation) until

@@ -20,7 +20,7 @@ from engine.backends import default_dtype
 from engine.config import SUPPORTED_FAMILIES, check_family
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kairos.loader")
 
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -34,7 +34,7 @@ from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VB
                                    select_by_credit, trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kairos.scheduler")
 
 TTFT_UNATTAINABLE = RejectReason.TTFT_UNATTAINABLE
 TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE

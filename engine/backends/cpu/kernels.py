@@ -37,7 +37,7 @@ import torch
 
 from engine.config import TEAM_ENV, TEAM_NICE_ENV
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kairos.cpu")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off"]
