@@ -24,6 +24,7 @@ Prometheus listeners to 127.0.0.1 (`KAIROS_HAPROXY_STATS_HOST` opens them). Unde
 `KAIROS_HTTP_HOST` (default 127.0.0.1) : `KAIROS_HTTP_PORT` (default 8000), and SIGTERM shuts down as Ctrl-C does.
 """
 # NB: no `from __future__ import annotations` here: Serve inspects build_app's annotation as a class.
+import logging
 from typing import Any
 
 from deployments.haproxy_ingress import hook_serve_run, prefer_haproxy_ingress, prefer_quiet_control_loop, \
@@ -36,12 +37,13 @@ hook_serve_run()  # `serve run`: HTTP host/port from KAIROS_HTTP_HOST/PORT, SIGT
 
 from ray.serve import Application  # noqa: E402
 
-from deployments.args import AppArgs, ServeArgs  # noqa: E402
+from deployments.args import AppArgs, ServeArgs, gpus_for_app  # noqa: E402
 from deployments.direct import DirectLLMServer  # noqa: E402
 from deployments.ingress import Ingress  # noqa: E402
 from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
+log = logging.getLogger("ray.serve")
 ROUTER_PATH = "deployments.router:SLORouter"
 POW2_ROUTER_PATH = "deployments.router:Pow2Router"  # Serve's power of two choices, passing over failed replicas
 FAILOVERS = 2  # the other replicas a request is sent to where the one it landed on failed before its first item
@@ -63,7 +65,12 @@ def llm_actor_options(a: ServeArgs, actor_opts: dict[str, Any]) -> dict[str, Any
 def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     """Ingress -> LLMServer x num_replicas, wired with the SLO-aware router (`topology=routed`), or LLM replicas
     that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
-    a: ServeArgs = (args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})).resolved()
+    given: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
+    a = given.resolved()
+    if a.num_gpus and (given.num_gpus is None or given.num_replicas is None):
+        log.info("kairos: %d LLM replica(s) of %g GPU each, on the %g GPU(s) Ray has%s (num_gpus / num_replicas "
+                 "choose otherwise)", a.num_replicas, a.num_gpus, gpus_for_app(),
+                 ", each serving HTTP itself" if a.direct else ", routed by SLO slack")
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct)
@@ -114,6 +121,14 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
 
 
 app = build_app  # `serve run deployments:app [key=value ...]`
-default_app: Application = build_app(AppArgs())  # `serve build deployments:default_app`
+
+
+def __getattr__(name: str) -> Any:
+    """`default_app` (`serve build deployments:default_app`), built when first asked for, not by every process that
+    imports the package (each replica does)."""
+    if name == "default_app":
+        built = globals()["default_app"] = build_app(AppArgs())
+        return built
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["AppArgs", "app", "build_app", "default_app"]

@@ -529,7 +529,8 @@ def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> 
             assert d._deployment_config.logging_config["enable_access_log"] is ("access_log" in args)
         assert engine_config["model"] == args.get("model", "kairos-default")
         assert engine_config["dtype"] == args.get("dtype", "auto")
-    assert isinstance(deployments.default_app, Application)
+    assert isinstance(deployments.default_app, Application)  # built when asked for (a module __getattr__)
+    assert deployments.default_app is deployments.default_app
     with pytest.raises(ValueError, match="Arguments can only be passed"):
         serve_builds(deployments.default_app, {"model": "x"})
     with pytest.raises(ValidationError):
