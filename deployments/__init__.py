@@ -84,9 +84,10 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "failovers": 0 if a.direct else FAILOVERS,
         "llm_transport": a.llm_transport,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
-        "batch_concurrency": a.max_num_seqs * (1 if a.direct else a.num_replicas),
+        "batch_concurrency": a.replica_max_num_seqs() * (1 if a.direct else a.num_replicas),
     }
-    engine_config = a.engine_config().model_dump(mode="json")
+    # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
+    engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
     log_config = {"enable_access_log": a.access_log}
     if a.direct:
         return DirectLLMServer.options(

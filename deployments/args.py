@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.config import EngineConfig, check_local_model
+from engine.config import EngineConfig, check_local_model, for_device
 from scheduling.config import SchedulerConfig
 
 _ENGINE_FIELDS = tuple(n for n in EngineConfig.model_fields if n != "scheduler")
@@ -153,6 +153,14 @@ class ServeArgs(BaseModel):
         sched = {k: getattr(self, k) for k in _SCHED_FIELDS if k in given}
         eng.setdefault("max_tokens_over_context", "reject")  # an OpenAI server answers 400, as vLLM's does
         return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
+
+    def replica_max_num_seqs(self) -> int:
+        """The running requests each LLM replica's engine will take: `max_num_seqs`, or where not given its
+        default on the device the replicas get (a GPU's where they take GPUs or `device` is cuda)."""
+        cfg = self.engine_config()
+        device = str(getattr(self, "device", "auto"))
+        on_gpu = device.startswith("cuda") or (device == "auto" and (self.resolved().num_gpus or 0) > 0)
+        return for_device(cfg, "cuda" if on_gpu else "cpu").scheduler.max_num_seqs
 
     @property
     def model_name(self) -> str:

@@ -18,6 +18,9 @@ TEAM_ENV = "KAIROS_CPU_TEAM"
 TEAM_NICE_ENV = "KAIROS_CPU_TEAM_NICE"
 
 DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / kairos-tiny: random weights
+# A GPU replica's scheduler defaults, for the knobs its config leaves unset (`for_device`): a GPU step runs
+# batches in the hundreds for about the time of a few, as vLLM's defaults (256 running requests) assume
+GPU_SCHEDULER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 256, "max_waiting": 512, "prefill_max_tokens": 2048}
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type
 
 
@@ -98,3 +101,16 @@ class EngineConfig(BaseModel):
                                 "(or of the step at hand); 0: never")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+
+def for_device(config: "EngineConfig", device_type: str) -> "EngineConfig":
+    """`config` with the scheduler defaults of an engine on `device_type` where its knobs were not given: on CUDA
+    `GPU_SCHEDULER_DEFAULTS`, on a CPU the configs' own. The engine applies it once it knows its device; a config
+    keeps which knobs were given across processes by being sent without its defaults (`exclude_unset`)."""
+    sched = config.scheduler
+    if device_type != "cuda":
+        return config
+    update = {k: v for k, v in GPU_SCHEDULER_DEFAULTS.items() if k not in sched.model_fields_set}
+    if not update:
+        return config
+    return config.model_copy(update={"scheduler": sched.model_copy(update=update)})

@@ -330,7 +330,7 @@ class EngineCoreClient:
         self._dead: str | None = None
         self._death: str | None = None  # why the child said it stopped (`Died`), before it hung up
         try:
-            self._send(self.config.model_dump(mode="json"))
+            self._send(self.config.model_dump(mode="json", exclude_unset=True))  # the engine fills in its device's
             info = self._wait_ready(startup_timeout_s)
             from transformers import AutoTokenizer  # noqa: PLC0415
 

@@ -30,7 +30,7 @@ from core.sampling import SamplingParams
 from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
-from engine.config import EngineConfig
+from engine.config import EngineConfig, for_device
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
 from engine.inputs import InputProcessor, Prompt
@@ -145,6 +145,7 @@ class LLMEngine:
             max_model_len=config.max_model_len, backend=config.backend)
         if b.device.type == "cuda":  # this thread's current device: kernels, graphs and events go to the model's GPU
             torch.cuda.set_device(b.device)
+        self.config = config = for_device(config, b.device.type)  # a GPU's scheduler defaults where not given
         self.backend = backend = backends.create(config.backend, b.device, config.kernels)
         self.upcast_linears = backend.adapt_model(b.model, config.cpu_upcast_matmul)
         self.tokenizer = b.tokenizer

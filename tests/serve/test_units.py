@@ -527,8 +527,11 @@ def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> 
             deployed = [top, llm]
         for d in deployed:  # Serve's access log: off unless asked
             assert d._deployment_config.logging_config["enable_access_log"] is ("access_log" in args)
-        assert engine_config["model"] == args.get("model", "kairos-default")
-        assert engine_config["dtype"] == args.get("dtype", "auto")
+        # the knobs given, and device=cpu (no GPU given); the rest the engine fills in for its device
+        assert engine_config == {"device": "cpu", "max_tokens_over_context": "reject", "scheduler": {},
+                                 **{k: v for k, v in args.items() if k in ("model", "dtype")}}
+        cfg = EngineConfig.model_validate(engine_config)
+        assert cfg.model == args.get("model", "kairos-default") and cfg.dtype == args.get("dtype", "auto")
     assert isinstance(deployments.default_app, Application)  # built when asked for (a module __getattr__)
     assert deployments.default_app is deployments.default_app
     with pytest.raises(ValueError, match="Arguments can only be passed"):
@@ -566,6 +569,27 @@ def test_replicas_default_to_one_per_gpu_that_ray_can_give(monkeypatch) -> None:
     r = AppArgs().resolved()
     assert (r.num_gpus, r.num_replicas, r.direct) == (0.0, 1, True) and AppArgs().engine_config().device == "cpu"
     assert AppArgs.model_validate({"num_replicas": 3}).resolved().num_gpus == 0.0
+
+
+def test_a_gpu_engine_takes_the_gpu_scheduler_defaults_for_the_knobs_not_given(monkeypatch) -> None:
+    """vLLM's batch sizes on a GPU (256 running requests): the engine fills in what was not given once it knows its
+    device, and a config sent to a replica or an engine process keeps which knobs were given."""
+    from engine.config import GPU_SCHEDULER_DEFAULTS, for_device
+    from scheduling.config import SchedulerConfig
+
+    from deployments import args as A
+
+    gpu = for_device(EngineConfig(), "cuda").scheduler
+    assert {k: getattr(gpu, k) for k in GPU_SCHEDULER_DEFAULTS} == GPU_SCHEDULER_DEFAULTS
+    assert for_device(EngineConfig(), "cpu") == EngineConfig()
+    sent = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8)).model_dump(mode="json", exclude_unset=True)
+    got = for_device(EngineConfig.model_validate(sent), "cuda").scheduler
+    assert (got.max_num_seqs, got.max_waiting, got.prefill_max_tokens) == (8, 512, 2048)
+    monkeypatch.setattr(A, "gpus_for_app", lambda: 2.0)
+    assert AppArgs().replica_max_num_seqs() == 256  # a batched completion's prompts in flight per replica
+    assert AppArgs.model_validate({"max_num_seqs": 32}).replica_max_num_seqs() == 32
+    assert AppArgs.model_validate({"num_gpus": 0}).replica_max_num_seqs() == 64
+    assert AppArgs.model_validate({"num_gpus": 0, "device": "cuda"}).replica_max_num_seqs() == 256
 
 
 def test_the_gpus_for_an_app_are_the_clusters_once_connected(monkeypatch) -> None:
