@@ -1,6 +1,6 @@
 """Routing across replicas over HTTP, back to back: the served replicas' FCFS capacity, then kairos under each router.
 
-    python -m bench.route [--serve "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"]
+    python -m bench.route [--serve "model=kairos-tiny dtype=float32 num_replicas=2 num_gpus=0 num_threads=1"]
                           [--routers slo,pow2] [--loads 1,1.5] [--seeds 0,1,2] [--num-requests 242]
                           [--lambda-star RPS] [--predictor-json TIERS] [--dataset-path SHAREGPT_JSON]
                           [--out DIR] [--summary NAME]
@@ -28,7 +28,7 @@ from bench.driver import served
 from bench.report import command_line, write_summary
 
 MODULE = "bench.route"
-DEFAULT_SERVE = "model=kairos-tiny dtype=float32 num_replicas=2 num_threads=1"
+DEFAULT_SERVE = "model=kairos-tiny dtype=float32 num_replicas=2 num_gpus=0 num_threads=1"
 
 
 def _slo(target: str, out: Path, log: Path, extra: list[str]) -> dict:

@@ -7,7 +7,7 @@
 
 `app` is the application builder (`build_app`): Serve validates its `key=value` arguments against `AppArgs`
 (see deployments/args.py for every knob), and calls it with none for a plain `serve run deployments:app`.
-`default_app` is the application built with the defaults.
+`default_app` is the application built with the defaults on the CPU (one replica, no GPU).
 
 Two topologies (`topology=`): *routed*, an Ingress deployment that sends each request to one of the LLM replicas
 through a Serve handle, picked by the SLO-aware router; and *direct*, LLM replicas that serve HTTP themselves,
@@ -67,10 +67,14 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
     given: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
     a = given.resolved()
-    if a.num_gpus and (given.num_gpus is None or given.num_replicas is None):
-        log.info("kairos: %d LLM replica(s) of %g GPU each, on the %g GPU(s) Ray has%s (num_gpus / num_replicas "
-                 "choose otherwise)", a.num_replicas, a.num_gpus, gpus_for_app(),
-                 ", each serving HTTP itself" if a.direct else ", routed by SLO slack")
+    if given.num_gpus is None and (gpus := gpus_for_app()) > 0:
+        if a.num_gpus:
+            log.info("kairos: %d LLM replica(s) of %g GPU each, on the %g GPU(s) Ray has%s (num_gpus / num_replicas "
+                     "choose otherwise)", a.num_replicas, a.num_gpus, gpus,
+                     ", each serving HTTP itself" if a.direct else ", routed by SLO slack")
+        else:
+            log.info("kairos: %d LLM replica(s) on the CPU: Ray has %g GPU(s), fewer than num_replicas or device "
+                     "says so (num_gpus=%g would share them)", a.num_replicas, gpus, gpus / a.num_replicas)
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct)
@@ -84,7 +88,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "failovers": 0 if a.direct else FAILOVERS,
         "llm_transport": a.llm_transport,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
-        "batch_concurrency": a.replica_max_num_seqs() * (1 if a.direct else a.num_replicas),
+        "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
     }
     # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
     engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
@@ -126,9 +130,11 @@ app = build_app  # `serve run deployments:app [key=value ...]`
 
 def __getattr__(name: str) -> Any:
     """`default_app` (`serve build deployments:default_app`), built when first asked for, not by every process that
-    imports the package (each replica does)."""
+    imports the package (each replica does). It is one replica on the CPU wherever it is built: the file `serve build`
+    writes must describe the app that the cluster builds again from the same name (edit it for GPUs, as
+    serve_config.yaml is)."""
     if name == "default_app":
-        built = globals()["default_app"] = build_app(AppArgs())
+        built = globals()["default_app"] = build_app(AppArgs(num_gpus=0, num_replicas=1))
         return built
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import os
 from typing import Any, Literal
 
@@ -35,7 +36,9 @@ class ServeArgs(BaseModel):
                                    "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`) "
                                    "and `device` is auto or cuda, else 0")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
-    max_ongoing_requests: int = Field(256, ge=1, description="per-LLM-replica cap enforced by the caller's router")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="per-LLM-replica cap enforced by the caller's "
+                                             "router; default: what its engine holds, max_num_seqs + max_waiting, "
+                                             "and at least 256")
     max_queued_requests: int = Field(1024, ge=-1, description="requests queued in the ingress's handle beyond "
                                      "the replicas' caps before answering 429 (-1: unbounded)")
     ingress_max_ongoing_requests: int = Field(1_000_000, ge=1, description="per-ingress-replica cap (keep high)")
@@ -118,33 +121,47 @@ class ServeArgs(BaseModel):
         return self
 
     def resolved(self) -> "ServeArgs":
-        """These arguments with `num_gpus` and `num_replicas` decided: where not given, one replica per GPU on the
-        GPUs there are (`gpus_for_app`) when the engine may take one (`device` auto or cuda), else one replica on
-        the CPU. The app is built from this, once (`build_app`), so that every replica gets the same numbers."""
-        if self.num_gpus is not None and self.num_replicas is not None:
+        """These arguments with what was left to the machine decided (`placement`), and `max_ongoing_requests`,
+        where not given, what a replica's engine holds (running and waiting) and at least 256. The app is built
+        from this, once (`build_app`), so that every replica gets the same numbers."""
+        if self.num_gpus is not None and self.num_replicas is not None and self.max_ongoing_requests is not None:
             return self
+        num_gpus, num_replicas = self.placement()
+        a = self.model_copy(update={"num_gpus": num_gpus, "num_replicas": num_replicas})
+        if a.max_ongoing_requests is None:
+            sched = a.replica_scheduler()
+            a = a.model_copy(update={"max_ongoing_requests": max(256, sched.max_num_seqs + sched.max_waiting)})
+        return a
+
+    def placement(self) -> tuple[float, int]:
+        """(num_gpus, num_replicas), each as given or else: one replica per GPU of those there are
+        (`gpus_for_app`) where the engine may take one (`device` auto or cuda), and where `num_replicas` is given,
+        a GPU each if there are that many; otherwise one replica, on the CPU."""
+        if self.num_gpus is not None and self.num_replicas is not None:
+            return self.num_gpus, self.num_replicas
         gpus = gpus_for_app()
         device = str(getattr(self, "device", "auto"))
         num_gpus = self.num_gpus
         if num_gpus is None:
-            num_gpus = 1.0 if gpus >= 1 and device in ("auto", "cuda") else 0.0
+            enough = gpus >= 1 and (self.num_replicas is None or self.num_replicas <= gpus)
+            num_gpus = 1.0 if enough and device in ("auto", "cuda") else 0.0
         num_replicas = self.num_replicas
-        if num_replicas is None:
-            num_replicas = max(1, min(1024, int(gpus // num_gpus))) if 0 < num_gpus and gpus >= num_gpus else 1
-        return self.model_copy(update={"num_gpus": num_gpus, "num_replicas": num_replicas})
+        if num_replicas is None:  # (the epsilon: 1.0 / 0.1 is 9.999...)
+            num_replicas = max(1, min(1024, math.floor(gpus / num_gpus + 1e-9))) if 0 < num_gpus <= gpus else 1
+        return num_gpus, num_replicas
 
     @property
     def direct(self) -> bool:
         """Whether the LLM replicas serve HTTP themselves (`topology`)."""
         if self.topology == "auto":
-            return self.resolved().num_replicas == 1 and self.ingress_num_replicas == 1
+            return self.placement()[1] == 1 and self.ingress_num_replicas == 1
         return self.topology == "direct"
 
     def engine_config(self) -> EngineConfig:
         """The nested engine config; only explicitly given knobs are passed, so the configs' defaults apply."""
         given = self.model_fields_set
         eng = {k: getattr(self, k) for k in _ENGINE_FIELDS if k in given}
-        num_gpus = self.resolved().num_gpus or 0.0
+        num_gpus = self.placement()[0]
         if num_gpus == 0 and eng.get("device", "auto") == "auto":
             eng["device"] = "cpu"  # Ray leaves a GPU-less actor's CUDA visible: auto would take a GPU it was not given
         elif 0 < num_gpus < 1 and "gpu_memory_utilization" not in given:
@@ -154,13 +171,12 @@ class ServeArgs(BaseModel):
         eng.setdefault("max_tokens_over_context", "reject")  # an OpenAI server answers 400, as vLLM's does
         return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
 
-    def replica_max_num_seqs(self) -> int:
-        """The running requests each LLM replica's engine will take: `max_num_seqs`, or where not given its
-        default on the device the replicas get (a GPU's where they take GPUs or `device` is cuda)."""
-        cfg = self.engine_config()
+    def replica_scheduler(self) -> SchedulerConfig:
+        """The scheduler config each LLM replica's engine will run: the knobs given, and the defaults of the device
+        the replicas get (a GPU's where they take GPUs or `device` is cuda; `engine.config.for_device`)."""
         device = str(getattr(self, "device", "auto"))
-        on_gpu = device.startswith("cuda") or (device == "auto" and (self.resolved().num_gpus or 0) > 0)
-        return for_device(cfg, "cuda" if on_gpu else "cpu").scheduler.max_num_seqs
+        on_gpu = device.startswith("cuda") or (device == "auto" and self.placement()[0] > 0)
+        return for_device(self.engine_config(), "cuda" if on_gpu else "cpu").scheduler
 
     @property
     def model_name(self) -> str:
@@ -172,10 +188,9 @@ class ServeArgs(BaseModel):
 def gpus_for_app() -> float:
     """The GPUs the app's replicas may take: the Ray cluster's where this process is connected to one (`serve
     deploy` builds the app in a task on the cluster), else those Ray finds on this machine, as a local cluster that
-    `serve run` starts gets them (NVIDIA's, within CUDA_VISIBLE_DEVICES). 0 where none, where it cannot tell, or
-    where the installed torch is a CPU build (`make serve` installs one unless a CUDA torch is there first)."""
-    if not _torch_has_cuda():
-        return 0.0
+    `serve run` starts gets them (NVIDIA's, within CUDA_VISIBLE_DEVICES; none where the installed torch is a CPU
+    build, which `make serve` installs unless a CUDA torch is there first). `serve run --address` to another
+    cluster builds the app before it connects: this machine's are counted then. 0 where it cannot tell."""
     try:
         import ray
 
@@ -183,7 +198,7 @@ def gpus_for_app() -> float:
             return float(ray.cluster_resources().get("GPU", 0.0))
     except Exception:  # noqa: BLE001 - no cluster to ask: look at this machine
         pass
-    return float(_local_gpus())
+    return float(_local_gpus()) if _torch_has_cuda() else 0.0
 
 
 @functools.lru_cache(maxsize=1)

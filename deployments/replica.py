@@ -159,16 +159,23 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+class _ToServe(logging.Handler):
+    """Hands each record to Serve's logger, whose handlers (they change with the deployment's logging config) write
+    it: the replica's log file and the console."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.handle(record)
+
+
 def engine_logs_to_serve() -> None:
     """An engine in the replica's own process logs (`kairos.*`: its start-up summary, profile, failed steps) where
-    the replica does, through Serve's handlers (its log file and the console); one in a process of its own writes
-    them to the stderr it shares with the replica (`engine.core_proc`)."""
-    kairos, serve_log = logging.getLogger("kairos"), logging.getLogger("ray.serve")
-    if kairos.handlers or not serve_log.handlers:
+    the replica does, through Serve's logger at its level; one in a process of its own writes them to the stderr it
+    shares with the replica (`engine.core_proc`)."""
+    kairos = logging.getLogger("kairos")
+    if kairos.handlers:
         return
-    for handler in serve_log.handlers:
-        kairos.addHandler(handler)
-    kairos.setLevel(logging.INFO)
+    kairos.addHandler(_ToServe())
+    kairos.setLevel(log.getEffectiveLevel())
     kairos.propagate = False
 
 

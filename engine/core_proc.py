@@ -220,7 +220,8 @@ def _log_to_stderr(label: str | None) -> None:
     if root.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s {label or 'kairos engine'} -- %(message)s"))
+    name = (label or "kairos engine").replace("%", "%%")
+    handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s {name} -- %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     root.propagate = False

@@ -62,7 +62,10 @@ def _meta(engine: "LLMEngine") -> dict:
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
             **engine.backend.identity(),  # e.g. the CPU kernels' build (their source, flags, CPU), graph use
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            # the GPU grid reaches max_num_seqs and twice the prefill budget: a fit probed for other ones is not reused
+            **({"max_num_seqs": c.scheduler.max_num_seqs, "prefill_max_tokens": c.scheduler.prefill_max_tokens}
+               if b.device.type == "cuda" else {})}
 
 
 def _default_path(meta: dict) -> Path:

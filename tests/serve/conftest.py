@@ -59,6 +59,15 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         items[i] = it
 
 
+@pytest.fixture(autouse=True)
+def _no_gpus_here(monkeypatch) -> None:
+    """The apps these tests build take no GPU on a GPU host either: their replicas default to one per GPU there is
+    (`deployments.args.gpus_for_app`), and on this machine, before Ray is up, that is the machine's."""
+    from deployments import args
+
+    monkeypatch.setattr(args, "_local_gpus", lambda: 0)
+
+
 @pytest.fixture(scope="package")
 def serve_app() -> Iterator[dict]:
     ray = pytest.importorskip("ray")

@@ -559,6 +559,9 @@ def test_replicas_default_to_one_per_gpu_that_ray_can_give(monkeypatch) -> None:
     assert AppArgs.model_validate({"num_gpus": 0.5}).resolved().num_replicas == 8
     assert AppArgs.model_validate({"num_gpus": 2}).resolved().num_replicas == 2
     assert AppArgs.model_validate({"num_gpus": 8}).resolved().num_replicas == 1  # a node that big, or it waits
+    assert AppArgs.model_validate({"num_gpus": 0.1}).resolved().num_replicas == 40  # not 39 (4.0 / 0.1 = 39.99...)
+    # more replicas asked for than there are GPUs: on the CPU, as before (num_gpus says how to share them)
+    assert AppArgs.model_validate({"num_replicas": 8}).resolved().num_gpus == 0.0
     assert (AppArgs.model_validate({"num_replicas": 2}).resolved().num_gpus) == 1.0
     assert AppArgs.model_validate({"device": "cuda"}).resolved().num_gpus == 1.0
     for given in ({"device": "cpu"}, {"device": "cuda:1"}, {"num_gpus": 0}):  # the user places the engine
@@ -586,10 +589,14 @@ def test_a_gpu_engine_takes_the_gpu_scheduler_defaults_for_the_knobs_not_given(m
     got = for_device(EngineConfig.model_validate(sent), "cuda").scheduler
     assert (got.max_num_seqs, got.max_waiting, got.prefill_max_tokens) == (8, 512, 2048)
     monkeypatch.setattr(A, "gpus_for_app", lambda: 2.0)
-    assert AppArgs().replica_max_num_seqs() == 256  # a batched completion's prompts in flight per replica
-    assert AppArgs.model_validate({"max_num_seqs": 32}).replica_max_num_seqs() == 32
-    assert AppArgs.model_validate({"num_gpus": 0}).replica_max_num_seqs() == 64
-    assert AppArgs.model_validate({"num_gpus": 0, "device": "cuda"}).replica_max_num_seqs() == 256
+    assert AppArgs().replica_scheduler().max_num_seqs == 256  # a batched completion's prompts in flight per replica
+    assert AppArgs.model_validate({"max_num_seqs": 32}).replica_scheduler().max_num_seqs == 32
+    assert AppArgs.model_validate({"num_gpus": 0}).replica_scheduler().max_num_seqs == 64
+    assert AppArgs.model_validate({"num_gpus": 0, "device": "cuda"}).replica_scheduler().max_num_seqs == 256
+    # the router's cap on a replica holds what its engine does, running and waiting (256 at least, as before)
+    assert AppArgs().resolved().max_ongoing_requests == 256 + 512
+    assert AppArgs.model_validate({"num_gpus": 0}).resolved().max_ongoing_requests == 256
+    assert AppArgs.model_validate({"max_ongoing_requests": 100}).resolved().max_ongoing_requests == 100
 
 
 def test_the_gpus_for_an_app_are_the_clusters_once_connected(monkeypatch) -> None:
