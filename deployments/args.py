@@ -185,6 +185,7 @@ class ServeArgs(BaseModel):
         model = str(getattr(self, "model", "kairos"))
         return os.path.basename(model.rstrip("/")) or model
 
+
 def gpus_for_app() -> float:
     """The GPUs the app's replicas may take: the Ray cluster's where this process is connected to one (`serve
     deploy` builds the app in a task on the cluster), else those Ray finds on this machine, as a local cluster that
