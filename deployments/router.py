@@ -16,9 +16,11 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
-request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). Each replica is its
+request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). After all of them
+come the replicas whose engine reported itself dead and those that stopped reporting (`silent`: a stopped process or
+a partition, which Serve replaces only after its health check has timed out three times). Each replica is its
 own rank, so Ray falls through to the next one when the best is at `max_ongoing_requests`. Other methods
-(`stats`, ...) are spread uniformly at random.
+(`stats`, ...) are spread uniformly at random, dead and silent replicas last.
 Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed (git
 history): ranking by slack already sends most strict requests to one replica, and affinity only cost the
 interactive tier its TTFT.
@@ -30,7 +32,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -46,6 +48,26 @@ log = logging.getLogger("ray.serve")
 CHOSEN_TTL_S = 5.0
 REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may not be in it yet (transit, clocks)
 REFUSED_TTL_S = 2.0  # a replica that turned a request away is passed over for as strict ones at most this long
+# a replica whose last report is this much older than the freshest one of the others has stopped answering (a stopped
+# process, a network partition: Serve's health check replaces it only after three timeouts, about 90 s)
+SILENT_S = 15.0
+
+
+def silent(candidates: list[RunningReplica]) -> list[ReplicaID]:
+    """The ids of the candidates whose last routing-stats report is `SILENT_S` older than the freshest: the
+    controller asks every replica each period and keeps a replica's last answer while it gets none. Measured
+    against the other replicas' reports, not this process's clock, which another node's need not agree with."""
+    stamps = [(r.replica_id, (r.routing_stats or {}).get("ts")) for r in candidates]
+    known = [(rid, float(t)) for rid, t in stamps if isinstance(t, (int, float)) and t > 0]
+    if len(known) < 2:
+        return []
+    newest = max(t for _, t in known)
+    return [rid for rid, t in known if newest - t > SILENT_S]
+
+
+def answering(r: RunningReplica, quiet: list[ReplicaID]) -> bool:
+    """Whether `r` can serve, as far as the router knows: its engine is not reported dead, and it still reports."""
+    return r.replica_id not in quiet and (r.routing_stats or {}).get("alive", True)
 
 
 def refused_for(slo: SLO, old: SLO, reason: str) -> bool:
@@ -207,9 +229,10 @@ class SLORouter(RequestRouter):
         if not candidate_replicas:
             return []
         req = generate_request(pending_request)
-        if req is None:  # other methods: uniformly at random, the replicas whose engine is dead last
+        quiet = silent(candidate_replicas)
+        if req is None:  # other methods: uniformly at random, the replicas whose engine is dead or silent last
             shuffled = random.sample(candidate_replicas, len(candidate_replicas))
-            return [[r] for r in sorted(shuffled, key=lambda r: not (r.routing_stats or {}).get("alive", True))]
+            return [[r] for r in sorted(shuffled, key=lambda r: not answering(r, quiet))]
         call_id = pending_request.metadata.internal_request_id  # type: ignore[union-attr]
         self._unchoose(call_id)  # a retry (the replica ranked first was full): choose afresh
         now = time.monotonic()
@@ -221,6 +244,8 @@ class SLORouter(RequestRouter):
             tpots = self._inflight.get(r.replica_id) or Counter()
             views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
                                        min((t for t in tpots if t is not None), default=None))
+            if r.replica_id in quiet:  # ranked with the dead: last
+                views[r.replica_id] = replace(views[r.replica_id], alive=False)
         avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo)
         ranked = rank(candidate_replicas, views, req.slo, avoid)
         self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
@@ -317,8 +342,8 @@ class SLORouter(RequestRouter):
 
 class Pow2Router(PowerOfTwoChoicesRequestRouter):
     """Serve's power of two choices (`router=pow2`), except that a `generate` call passes over the replicas it
-    must avoid (`GenerateRequest.avoid_replicas`: they failed it or turned it away) and those whose engine reported
-    itself dead, as `SLORouter` does. A replica whose engine died answers at once, so by queue length it looks the
+    must avoid (`GenerateRequest.avoid_replicas`: they failed it or turned it away), those whose engine reported
+    itself dead and those that stopped reporting (`silent`), as `SLORouter` does. A replica whose engine died answers at once, so by queue length it looks the
     least loaded: a request resent away from it went straight back."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -327,8 +352,10 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         req = generate_request(pending_request)
         avoid = set(req.avoid_replicas) if req is not None else set()
 
+        quiet = silent(candidate_replicas)
+
         def passed_over(r: RunningReplica) -> bool:
-            return r.replica_id.unique_id in avoid or not (r.routing_stats or {}).get("alive", True)
+            return r.replica_id.unique_id in avoid or not answering(r, quiet)
 
         chosen = [r for group in ranks for r in group]
         if not any(map(passed_over, chosen)):

@@ -280,6 +280,50 @@ def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dea
     assert choose(avoid=["b"], method="stats") == [["b"], ["d"]]  # other methods: a dead engine last (as SLORouter)
 
 
+def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) -> None:
+    """A replica whose process stopped (or that a partition cut off) keeps its last routing stats in Serve's
+    controller until the health check replaces it, about 90 s: both routers rank it with the dead once its report is
+    SILENT_S older than the others', judged against their reports rather than this process's clock."""
+    from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+
+    from deployments.router import SILENT_S, Pow2Router, SLORouter, silent
+
+    from collections import namedtuple
+
+    rid = namedtuple("rid", "unique_id")  # hashable, as Serve's ReplicaID
+
+    def rep(name, ts):
+        return SimpleNamespace(replica_id=rid(name), routing_stats=RoutingStats(
+            num_waiting=0, num_running=0, inflight=0, vbs=0.0, strictest_tpot_ms=None, kv_blocks_free=100,
+            kv_blocks_total=100, predicted_ttft_ms=10.0, predicted_queue_ms=1.0, median_prompt_tokens=64,
+            prefill_sq_ms=0.0, itl_ms=5.0, step_batch=1.0, alive=True, ts=ts).to_dict())
+
+    now = 1_000_000.0  # another node's clock: only the gaps between reports count
+    fresh, also, stuck = rep("fresh", now), rep("also", now - 1.0), rep("stuck", now - SILENT_S - 5)
+    assert silent([fresh, also, stuck]) == [rid("stuck")]
+    assert silent([stuck]) == [] and silent([fresh, rep("new", 0.0)]) == []  # alone, or not reported yet
+    router = object.__new__(SLORouter)
+    router.initialize_state()
+
+    def choose(r, method="generate"):
+        req = GenerateRequest(f"cmpl-{random.random()}", prompt="x", slo=SLO(ttft_ms=1000.0))
+        pending = SimpleNamespace(metadata=SimpleNamespace(call_method=method, internal_request_id=req.request_id),
+                                  args=(req,), kwargs={})
+        return [g[0].replica_id.unique_id for g in asyncio.run(r.choose_replicas([stuck, fresh, also], pending))]
+
+    for _ in range(5):  # the least loaded of all, and never first
+        got = choose(router)
+        assert got[-1] == "stuck" and sorted(got[:2]) == ["also", "fresh"]
+        assert choose(router, "stats")[-1] == "stuck"
+
+    async def serve_picks(self, candidates, pending=None):
+        return [[stuck, fresh]]
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serve_picks)
+    pow2 = object.__new__(Pow2Router)
+    assert choose(pow2) == ["fresh", "stuck"]
+
+
 def test_router_bookkeeping_survives_a_reroute_under_the_same_request_id() -> None:
     from deployments.router import SLORouter
 
