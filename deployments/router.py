@@ -343,8 +343,9 @@ class SLORouter(RequestRouter):
 class Pow2Router(PowerOfTwoChoicesRequestRouter):
     """Serve's power of two choices (`router=pow2`), except that a `generate` call passes over the replicas it
     must avoid (`GenerateRequest.avoid_replicas`: they failed it or turned it away), those whose engine reported
-    itself dead and those that stopped reporting (`silent`), as `SLORouter` does. A replica whose engine died answers at once, so by queue length it looks the
-    least loaded: a request resent away from it went straight back."""
+    itself dead and those that stopped reporting (`silent`), as `SLORouter` does. A replica whose engine died
+    answers at once, so by queue length it looks the least loaded: a request resent away from it went straight
+    back."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
