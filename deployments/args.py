@@ -173,10 +173,10 @@ class ServeArgs(BaseModel):
 
     def replica_scheduler(self) -> SchedulerConfig:
         """The scheduler config each LLM replica's engine will run: the knobs given, and the defaults of the device
-        the replicas get (a GPU's where they take GPUs or `device` is cuda; `engine.config.for_device`)."""
-        device = str(getattr(self, "device", "auto"))
-        on_gpu = device.startswith("cuda") or (device == "auto" and self.placement()[0] > 0)
-        return for_device(self.engine_config(), "cuda" if on_gpu else "cpu").scheduler
+        the replicas get (`engine.config.for_device`): the engine config says cpu for a replica given no GPU, and
+        auto or cuda for one that will run on a GPU."""
+        cfg = self.engine_config()
+        return for_device(cfg, "cpu" if cfg.device == "cpu" else "cuda").scheduler
 
     @property
     def model_name(self) -> str:

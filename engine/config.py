@@ -1,6 +1,8 @@
 """Engine configuration (validated). The scheduler's knobs live in `scheduling.config`."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,9 +38,6 @@ def check_local_model(model: str) -> None:
     (`deployments.args`), so that `serve run` refuses a checkpoint its replicas would fail to load at once instead
     of after Serve's retries. Anything else (a built-in name, a hub id, a path only the cluster's nodes have) is
     left to the loader."""
-    import json
-    import os
-
     if not model:
         return
     path = os.path.join(os.path.expanduser(model), "config.json")
