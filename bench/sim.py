@@ -19,6 +19,12 @@ but the virtual clock does not charge it, so the decisions stay deterministic. I
 
     python -m bench.sim --tiers bench/out/RUN/tiers-profile.json --policies kairos,scorpio,kairos+lengths=exact \\
         --loads 1.5 --seeds 0-9
+
+A label's `+noise=SIGMA` (simulator only) replaces the shipped length predictor by a synthetic one of known quality:
+each request's reference length times a lognormal error of spread SIGMA, given to the scheduler as a calibrated
+distribution over the predictor's buckets (`noisy_outlook`). Each line reports the Spearman correlation of the
+lengths the scheduler planned with at arrival and the replies' reference lengths, so a sweep of SIGMA shows how
+good a predictor must rank for a goodput.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from bench import driver as D
 from bench import metrics as M
 from bench import workload as W
@@ -40,6 +48,7 @@ from bench.slo import (arm_sched, completion_rate, length_arm, overrides, policy
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
 from scheduling.config import SchedulerConfig
+from scheduling.length_predictor import EDGES, LEN_HI, LEN_LO, conditional_means, spearman
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler
 
@@ -63,18 +72,36 @@ class Machine:
         return ms * self.factor * mult + self.host_ms
 
 
+def noisy_outlook(true_len: int, sigma: float, rng: random.Random) -> tuple[float, ...]:
+    """A synthetic length prediction of known quality (the `noise=SIGMA` arm): an estimate log L + SIGMA z, and
+    as its distribution the lognormal of that median and spread SIGMA over the predictor's buckets (so it is
+    calibrated), read as the shipped predictor's are (conditional means: E[len], then E[len | len > t])."""
+    mu = math.log(max(1, true_len)) + sigma * rng.gauss(0.0, 1.0)
+    cuts = [LEN_LO, *EDGES, LEN_HI]
+    cdf = [0.0 if i == 0 else 1.0 if i == len(cuts) - 1 else
+           0.5 * (1.0 + math.erf((math.log(c) - mu) / (max(sigma, 1e-6) * math.sqrt(2.0))))
+           for i, c in enumerate(cuts)]
+    p = [max(b - a, 0.0) for a, b in zip(cdf, cdf[1:])]
+    tot = sum(p)
+    return conditional_means(np.asarray([x / tot for x in p]))
+
+
 def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Machine, planner: LatencyModel, *,
              max_model_len: int = 2048, block_size: int = 16, drain_s: float = 30.0,
-             tokenizer_fingerprint: str | None = None, clock: dict[str, float] | None = None) -> list[D.Record]:
+             tokenizer_fingerprint: str | None = None, clock: dict[str, float] | None = None,
+             noise: float | None = None, lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
     """Offer `items` (arrival order) to a fresh Scheduler on a virtual clock; one Record per item. With `clock`,
     the host time the scheduler's own calls took is added to its "s" (seconds) and the steps run to "steps": what
-    it costs per step on this host, which the virtual clock does not charge."""
+    it costs per step on this host, which the virtual clock does not charge. With `noise` each request's length
+    prediction is synthetic (`noisy_outlook`) instead of the shipped predictor's. With `lengths`, each request's
+    (expected length at arrival, reference length) is appended to it."""
     blocks = config.max_num_seqs * (max_model_len // block_size + 2) + 64
     sched = Scheduler(config, blocks, block_size, max_model_len, predictor=planner,
                       tokenizer_fingerprint=tokenizer_fingerprint)
     if clock is not None:
         sched = _Timed(sched, clock)
     rng = random.Random(machine.seed)
+    noise_rng = random.Random(machine.seed + 7919)
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     recs: dict[str, D.Record] = {}
     reqs: dict[str, Request] = {}
@@ -102,10 +129,15 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
             req = Request(rid, list(w.prompt_ids), SamplingParams(max_tokens=w.max_tokens, ignore_eos=True).validate(),
                           slo, arrival_s=w.arrival_s)
             req.bench_stop_after = w.stop_after
+            if noise is not None and w.stop_after is not None:
+                req.length_outlook = noisy_outlook(w.stop_after, noise, noise_rng)
+                req.predicted_len = max(1, int(round(req.length_outlook[0])))
             recs[rid] = D.Record(w.tier, w.ttft_ms, w.tpot_ms, w.arrival_s, prompt_len=len(w.prompt_ids),
                                  max_tokens=w.max_tokens, output_len=w.output_len, index=i, sent_s=w.arrival_s)
             reqs[rid] = req
             reason = sched.add(req)
+            if lengths is not None:
+                lengths.append((float(req.expected_output_len), w.output_len))
             if reason is not None:
                 recs[rid].rejected, recs[rid].reject_reason = True, str(reason.value)
                 close(req, FinishReason.REJECTED, t)
@@ -229,18 +261,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fp = tokenizer_fingerprint(resolve_model_path("kairos-tiny"))
 
+    def noise_of(label: str) -> tuple[str, float | None]:
+        """A label's sim-only `+noise=SIGMA` (synthetic predictions, `noisy_outlook`), and the label without it."""
+        parts = label.split("+")
+        sigma = overrides(parts[1:]).get("noise")
+        return "+".join(p for p in parts if not p.startswith("noise=")), None if sigma is None else float(sigma)
+
     def config(label: str) -> SchedulerConfig:
-        policy, extra = policy_spec(label)
+        policy, extra = policy_spec(noise_of(label)[0])
         return SchedulerConfig(**{"policy": policy, "max_num_seqs": args.max_num_seqs,
                                   "prefill_max_tokens": args.prefill_max_tokens,
                                   **arm_sched(length_arm(label, args.lengths)), **overrides(args.sched), **extra})
 
-    def run(label: str, rate: float, seed: int, n: int, clock: dict[str, float] | None = None) -> list[D.Record]:
+    def run(label: str, rate: float, seed: int, n: int, clock: dict[str, float] | None = None,
+            lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
         machine = Machine(truth, args.factor, args.jitter, args.host_ms, seed)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
-                        tokenizer_fingerprint=fp, clock=clock)
+                        tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
 
     t0 = time.perf_counter()
     probes: list[dict] = []
@@ -266,8 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
             per_seed, tiers_served, tpot_missed, reasons = [], {}, [], {}
             clock: dict[str, float] = {}
+            lengths: list[tuple[float, int]] = []
             for seed in seeds:
-                recs = run(label, rate, seed, args.num_requests, clock)
+                recs = run(label, rate, seed, args.num_requests, clock, lengths)
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
                 tpot_missed.append(s["tpot_violations"] / max(1, s["n"] - s["rejected"]))
@@ -281,12 +321,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             by[label] = per_seed
             tiers_txt = " ".join(f"{name[:4]} {100 * statistics.fmean(v):.0f}%" for name, v in tiers_served.items())
             sched_us = 1e6 * clock["s"] / max(1.0, clock["steps"])
+            # how well the lengths the scheduler planned with at arrival rank the replies' (NaN where all alike)
+            rank = spearman(*zip(*lengths)) if len(lengths) > 1 else math.nan
             print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
                   f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}  TPOT missed by "
-                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; scheduler {sched_us:.0f} us/step "
-                  f"on this host", flush=True)
+                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; lengths' Spearman {rank:.3f}; "
+                  f"scheduler {sched_us:.0f} us/step on this host", flush=True)
             out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
                                   "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
+                                  "length_spearman": None if math.isnan(rank) else rank,
                                   "scheduler_us_per_step": sched_us})
         first = next(iter(by))
         for label, g in by.items():

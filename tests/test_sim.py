@@ -99,3 +99,28 @@ def test_timing_the_scheduler_leaves_its_decisions_unchanged():
 @pytest.mark.parametrize("text, seeds", [("0-3", [0, 1, 2, 3]), ("0,2,5-6", [0, 2, 5, 6])])
 def test_seed_ranges(text, seeds):
     assert sim.parse_seeds(text) == seeds
+
+
+def test_a_synthetic_prediction_is_the_true_length_give_or_take_its_noise():
+    import random
+
+    from scheduling.length_predictor import bucket_of
+
+    rng = random.Random(0)
+    for true_len in (20, 100, 400, 1500):  # nearly no noise: within the length's bucket (the predictor's resolution)
+        assert bucket_of(sim.noisy_outlook(true_len, 0.05, rng)[0]) == bucket_of(true_len)
+    wide = [sim.noisy_outlook(100, 1.5, rng)[0] for _ in range(200)]
+    assert min(wide) < 60 and max(wide) > 200  # much noise: the estimates scatter
+
+
+def test_the_noise_arm_plans_with_synthetic_lengths_and_reports_how_they_rank(tmp_path, capsys):
+    tiers = tmp_path / "tiers.json"
+    MODEL.save(tiers)
+    out = tmp_path / "sim.json"
+    assert sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies",
+                     "kairos+noise=0.05,kairos+noise=2,kairos+lengths=hidden", "--seeds", "0", "--num-requests", "60",
+                     "--lambda-star", "20", "--json", str(out)]) == 0
+    rank = {p["policy"]: p["length_spearman"] for p in json.loads(out.read_text())["points"]}
+    assert rank["kairos+noise=0.05"] > 0.95 > rank["kairos+noise=2"]
+    assert rank["kairos+lengths=hidden"] is None  # every request planned for its cap: no ranking
+    assert "lengths' Spearman" in capsys.readouterr().out
