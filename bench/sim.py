@@ -265,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         """A label's sim-only `+noise=SIGMA` (synthetic predictions, `noisy_outlook`), and the label without it."""
         parts = label.split("+")
         sigma = overrides(parts[1:]).get("noise")
+        if sigma is not None and (isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or sigma < 0
+                                  or length_arm(label, args.lengths) != "predicted"):
+            raise SystemExit(f"{label}: noise takes a spread >= 0, in the predicted arm (its lengths are hidden "
+                             "from the scheduler; the synthetic prediction stands in for the predictor's)")
         return "+".join(p for p in parts if not p.startswith("noise=")), None if sigma is None else float(sigma)
 
     def config(label: str) -> SchedulerConfig:

@@ -124,3 +124,12 @@ def test_the_noise_arm_plans_with_synthetic_lengths_and_reports_how_they_rank(tm
     assert rank["kairos+noise=0.05"] > 0.95 > rank["kairos+noise=2"]
     assert rank["kairos+lengths=hidden"] is None  # every request planned for its cap: no ranking
     assert "lengths' Spearman" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("label", ["kairos+noise=-1", "kairos+noise=x", "kairos+noise=0.5+lengths=exact"])
+def test_a_noise_arm_needs_a_spread_and_hidden_lengths(tmp_path, label):
+    tiers = tmp_path / "tiers.json"
+    MODEL.save(tiers)
+    with pytest.raises(SystemExit, match="noise takes"):
+        sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies", label, "--seeds", "0",
+                  "--num-requests", "20", "--lambda-star", "20"])
