@@ -21,8 +21,9 @@ but the virtual clock does not charge it, so the decisions stay deterministic. I
         --loads 1.5 --seeds 0-9
 
 A label's `+noise=SIGMA` (simulator only) replaces the shipped length predictor by a synthetic one of known quality:
-each request's reference length times a lognormal error of spread SIGMA, given to the scheduler as a calibrated
-distribution over the predictor's buckets (`noisy_outlook`). Each line reports the Spearman correlation of the
+it sees each request's reference length times a lognormal error of spread SIGMA and gives the scheduler what a
+calibrated predictor would: the posterior of the length given that, under the run's own spread of lengths, over
+the predictor's buckets (`noisy_outlook`). Each line reports the Spearman correlation of the
 lengths the scheduler planned with at arrival and the replies' reference lengths, so a sweep of SIGMA shows how
 good a predictor must rank for a goodput.
 """
@@ -72,14 +73,23 @@ class Machine:
         return ms * self.factor * mult + self.host_ms
 
 
-def noisy_outlook(true_len: int, sigma: float, rng: random.Random) -> tuple[float, ...]:
-    """A synthetic length prediction of known quality (the `noise=SIGMA` arm): an estimate log L + SIGMA z, and
-    as its distribution the lognormal of that median and spread SIGMA over the predictor's buckets (so it is
-    calibrated), read as the shipped predictor's are (conditional means: E[len], then E[len | len > t])."""
-    mu = math.log(max(1, true_len)) + sigma * rng.gauss(0.0, 1.0)
+def noisy_outlook(true_len: int, sigma: float, rng: random.Random, prior: tuple[float, float] | None = None
+                  ) -> tuple[float, ...]:
+    """A synthetic length prediction of known quality (the `noise=SIGMA` arm), read as the shipped predictor's are
+    (conditional means: E[len], then E[len | len > t]). It observes m = log L + SIGMA z. Without `prior`, its
+    distribution is the lognormal of median e^m and spread SIGMA. With `prior` (mean, sd of log lengths over the
+    requests) it is the posterior of log L given m, as a calibrated predictor's would be: normal, of mean
+    (m tau^2 + mu0 SIGMA^2) / (tau^2 + SIGMA^2) and variance SIGMA^2 tau^2 / (tau^2 + SIGMA^2). Either way over the
+    predictor's buckets."""
+    m = math.log(max(1, true_len)) + sigma * rng.gauss(0.0, 1.0)
+    mu, sd = m, sigma
+    if prior is not None and sigma > 0:
+        mu0, tau = prior
+        w = tau * tau / (tau * tau + sigma * sigma)
+        mu, sd = w * m + (1.0 - w) * mu0, math.sqrt(w) * sigma
     cuts = [LEN_LO, *EDGES, LEN_HI]
     cdf = [0.0 if i == 0 else 1.0 if i == len(cuts) - 1 else
-           0.5 * (1.0 + math.erf((math.log(c) - mu) / (max(sigma, 1e-6) * math.sqrt(2.0))))
+           0.5 * (1.0 + math.erf((math.log(c) - mu) / (max(sd, 1e-6) * math.sqrt(2.0))))
            for i, c in enumerate(cuts)]
     p = [max(b - a, 0.0) for a, b in zip(cdf, cdf[1:])]
     tot = sum(p)
@@ -102,6 +112,8 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
         sched = _Timed(sched, clock)
     rng = random.Random(machine.seed)
     noise_rng = random.Random(machine.seed + 7919)
+    logs = [math.log(max(1, w.output_len)) for w in items]
+    prior = (statistics.fmean(logs), statistics.pstdev(logs)) if len(logs) > 1 else None
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     recs: dict[str, D.Record] = {}
     reqs: dict[str, Request] = {}
@@ -130,7 +142,7 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
                           slo, arrival_s=w.arrival_s)
             req.bench_stop_after = w.stop_after
             if noise is not None and w.stop_after is not None:
-                req.length_outlook = noisy_outlook(w.stop_after, noise, noise_rng)
+                req.length_outlook = noisy_outlook(w.stop_after, noise, noise_rng, prior)
                 req.predicted_len = max(1, int(round(req.length_outlook[0])))
             recs[rid] = D.Record(w.tier, w.ttft_ms, w.tpot_ms, w.arrival_s, prompt_len=len(w.prompt_ids),
                                  max_tokens=w.max_tokens, output_len=w.output_len, index=i, sent_s=w.arrival_s)

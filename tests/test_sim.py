@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -111,6 +112,15 @@ def test_a_synthetic_prediction_is_the_true_length_give_or_take_its_noise():
         assert bucket_of(sim.noisy_outlook(true_len, 0.05, rng)[0]) == bucket_of(true_len)
     wide = [sim.noisy_outlook(100, 1.5, rng)[0] for _ in range(200)]
     assert min(wide) < 60 and max(wide) > 200  # much noise: the estimates scatter
+    # with the lengths' spread as a prior, noisy estimates are shrunk toward their typical length, as a calibrated
+    # predictor's would be: the expected lengths scatter less than the noise alone would make them (same draws)
+    import statistics
+
+    lens = [int(math.exp(random.Random(k).gauss(math.log(200.0), 1.0))) + 4 for k in range(200)]
+    prior = (statistics.fmean(math.log(n) for n in lens), statistics.pstdev(math.log(n) for n in lens))
+    shrunk = [math.log(sim.noisy_outlook(n, 1.0, random.Random(k), prior)[0]) for k, n in enumerate(lens)]
+    raw = [math.log(sim.noisy_outlook(n, 1.0, random.Random(k))[0]) for k, n in enumerate(lens)]
+    assert statistics.pstdev(shrunk) < 0.85 * statistics.pstdev(raw)
 
 
 def test_the_noise_arm_plans_with_synthetic_lengths_and_reports_how_they_rank(tmp_path, capsys):
