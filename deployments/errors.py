@@ -117,9 +117,11 @@ BEST_TTFT_HEADER, BEST_TPOT_HEADER = "x-kairos-slo-best-ttft-ms", "x-kairos-slo-
 
 
 # The SLOs offered with a 400 slo_unattainable sit this far above the idle floor the rejection was judged against: the
-# floor follows what the replica measures (the gate's idle ITL correction, the TTFT margin), so it moves a little
-# from one request to the next, and an SLO taken from the offer should still be accepted after it has.
-OFFER_HEADROOM = 1.1
+# floor follows what the replica measures (the gate's idle ITL correction, the TTFT margin), so it moves from one
+# request to the next, and an SLO taken from the offer should still be accepted after it has. A burst on a busy host
+# slows the steps of its last requests, which decode alone, and so raises the idle correction: a burst at the offer
+# was refused as unattainable in CI with a tenth of headroom.
+OFFER_HEADROOM = 1.25
 
 
 def _ms_up(v: float) -> str:

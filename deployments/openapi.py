@@ -59,10 +59,10 @@ REJECTION_HEADERS = {  # the headers of an SLO rejection (400 slo_unattainable, 
     "x-kairos-reject-reason": {"description": "why the SLO admission control turned the request away (see the 400 and "
                                               "429 responses)", "schema": {"type": "string"}},
     "x-kairos-slo-best-ttft-ms": {"description": "with slo_unattainable: the x-slo-ttft-ms this deployment offers "
-                                                 "for this request (what an idle replica accepts, with 10% headroom "
+                                                 "for this request (what an idle replica accepts, with 25% headroom "
                                                  "for its measured steps)", "schema": {"type": "number"}},
     "x-kairos-slo-best-tpot-ms": {"description": "with slo_unattainable: the x-slo-tpot-ms this deployment offers "
-                                                 "for this request (what an idle replica accepts, with 10% headroom "
+                                                 "for this request (what an idle replica accepts, with 25% headroom "
                                                  "for its measured steps)", "schema": {"type": "number"}},
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying (429: predicted from the replica's "

@@ -1531,9 +1531,9 @@ def test_rejections_answer_400_unattainable_or_429_busy_with_their_headers():
     e = item_failure(unattainable, {"x-kairos-request-id": "r"}, 1)
     assert (e.status, e.type, e.code) == (400, "invalid_request_error", "slo_unattainable")
     assert e.headers["x-kairos-reject-reason"] == "slo_unattainable" and "Retry-After" not in e.headers
-    # the offer: the idle floor with 10% headroom (it moves with what the replica measures), rounded up
-    assert e.headers["x-kairos-slo-best-ttft-ms"] == "176.1" and e.headers["x-kairos-slo-best-tpot-ms"] == "24.6"
-    assert "176.1 ms" in e.message and "24.6 ms" in e.message and e.headers["x-kairos-request-id"] == "r"
+    # the offer: the idle floor with 25% headroom (it moves with what the replica measures), rounded up
+    assert e.headers["x-kairos-slo-best-ttft-ms"] == "200.1" and e.headers["x-kairos-slo-best-tpot-ms"] == "27.9"
+    assert "200.1 ms" in e.message and "27.9 ms" in e.message and e.headers["x-kairos-request-id"] == "r"
     busy = dataclasses.replace(unattainable, reject_reason="ttft_unattainable",
                                served_by=ServedBy("rep", 1.0, 4, 160.0, 22.3))
     e = item_failure(busy, {}, 1)
