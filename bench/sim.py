@@ -112,8 +112,10 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
         sched = _Timed(sched, clock)
     rng = random.Random(machine.seed)
     noise_rng = random.Random(machine.seed + 7919)
-    logs = [math.log(max(1, w.output_len)) for w in items]
-    prior = (statistics.fmean(logs), statistics.pstdev(logs)) if len(logs) > 1 else None
+    prior = None  # the noise arm's: the spread of the run's log lengths
+    if noise is not None and len(items) > 1:
+        logs = [math.log(max(1, w.output_len)) for w in items]
+        prior = (statistics.fmean(logs), statistics.pstdev(logs))
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     recs: dict[str, D.Record] = {}
     reqs: dict[str, Request] = {}
