@@ -293,12 +293,12 @@ assert not fz.INTERPRETED and not sm._INTERPRETED, "unset TRITON_INTERPRET"
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def build(fn, meta, ptrs, warps):
+def build(fn, meta, ptrs, warps, **options):
     sig = {n: "constexpr" if n in meta else ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names}
     # pointers, strides and sizes divisible by 16, as Triton's launcher specializes them for the 8B shape
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n][0] in "*i"}
     k = triton.compile(ASTSource(fn, sig, constexprs=meta, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
+                       options={"num_warps": warps, **options})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -306,7 +306,8 @@ def build(fn, meta, ptrs, warps):
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", res)
     row = {"kernel": fn.__name__, **{k: str(v) for k, v in meta.items() if k.startswith(("BLOCK", "ADD", "ONE"))},
            "v4": len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4", k.asm["ptx"])),
-           "scalar16": len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.b16", k.asm["ptx"]))}
+           "scalar16": len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.b16", k.asm["ptx"])),
+           "fma": len(re.findall(r"\bfma\.", k.asm["ptx"]))}
     if m:
         row.update(regs=int(m[1]), stack=int(m[2]), local=int(m[3]))
     print(json.dumps(row), flush=True)
@@ -321,7 +322,7 @@ build(fz._silu_mul_kernel, dict(BLOCK_M=1, BLOCK_N=1024, FIX_BF16=False), {"gu_p
 build(fz._rope_write_kernel, dict(NUM_HEADS=32, NUM_KV=8, HEAD_DIM=128, HALF=64, BLOCK_SIZE=16, RND=tl.bfloat16,
                                   BLOCK_R=1024 // 64, BLOCK_HALF=64, FIX_BF16=False),
       {"qkv_ptr": bf, "cos_ptr": bf, "sin_ptr": bf, "pos_ptr": "*i64", "slot_ptr": "*i64", "k_cache_ptr": bf,
-       "v_cache_ptr": bf}, 4)
+       "v_cache_ptr": bf}, 4, **fz.ROPE_COMPILE)
 # the sampler's top-p draw (engine/backends/cuda/sampling.py) over fp32 rows of the 128k vocabulary
 build(sm._top_p_kernel, dict(ROUNDS=sm.ROUNDS, BLOCK=2048), {"p_ptr": "*fp32", "total_ptr": "*fp32",
       "top_p_ptr": "*fp32", "u_ptr": "*fp32", "out_ptr": "*i64"}, 8)
@@ -332,7 +333,7 @@ def test_kernels_compile_for_hopper_vectorised_without_spills():
     """The interpreter accepts code the GPU compiler may not: Triton's compiler and ptxas build the 8B shape's
     kernels for sm_90 here (no GPU), in a process without TRITON_INTERPRET, and the sampler's top-p draw
     (sampling.py). Each must compile without register spills and move its rows with 16-byte loads and stores (no
-    2-byte accesses)."""
+    2-byte accesses). RoPE compiles without fused multiply-adds (its roundings are torch's)."""
     import json
     import subprocess
     from pathlib import Path
@@ -349,3 +350,5 @@ def test_kernels_compile_for_hopper_vectorised_without_spills():
     for row in rows:
         assert row.get("local", 0) == 0 and row.get("stack", 0) == 0, row
         assert row["v4"] > 0 and row["scalar16"] == 0, row
+    # RoPE rounds each product and the sum as torch does: no fused multiply-add may skip a rounding
+    assert [row["fma"] for row in rows if row["kernel"] == "_rope_write_kernel"] == [0], rows

@@ -220,6 +220,12 @@ def silu_mul(gu: torch.Tensor, n: int, *, out: torch.Tensor | None = None) -> to
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# No FMA contraction in RoPE: LLVM narrows each rounded product to a bf16 op and would fuse one of them into the sum
+# (fma.rn.bf16), skipping the product's rounding that torch's path makes (a last-bit difference in some
+# of the elements).
+ROPE_COMPILE = {"enable_fp_fusion": False}
+
+
 @triton.jit(do_not_specialize=["R"])
 def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                        R, stride_t, stride_cos, stride_sin, stride_cb, stride_co, stride_ch,
@@ -333,4 +339,4 @@ def rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.
         R, qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=hd, HALF=half, BLOCK_SIZE=k_cache.shape[1], RND=rnd,
-        BLOCK_R=block_r, BLOCK_HALF=block_half, FIX_BF16=INTERPRETED, num_warps=warps)
+        BLOCK_R=block_r, BLOCK_HALF=block_half, FIX_BF16=INTERPRETED, num_warps=warps, **ROPE_COMPILE)
