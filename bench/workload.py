@@ -240,14 +240,16 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
             ids = list(sample.prompt_ids)
             if spec.corpus.chat:
                 chat = {"text": sample.text, "chat": True}
-        out = int(output_lens[i])
+        # every arm's reply ends where the hidden arms' does: at its reference length or the cap they send as
+        # max_tokens, whichever comes first (the exact arm the same replies, their lengths known)
+        cap = length_cap(spec, len(ids))
+        out = min(int(output_lens[i]), cap)
         t = tiers[int(tier_idx[i])]
         if spec.lengths == "exact":
             items.append(WorkItem(float(arrivals[i]), ids, out, t.name, t.ttft_ms, t.tpot_ms, out, **chat))
         elif spec.lengths in ("hidden", "predicted"):
-            cap = length_cap(spec, len(ids))
             items.append(WorkItem(float(arrivals[i]), ids, cap, t.name, t.ttft_ms, t.tpot_ms, None,
-                                  stop_after=min(out, cap), **chat))
+                                  stop_after=out, **chat))
         else:
             raise ValueError(f"unknown lengths arm {spec.lengths!r} (hidden | predicted | exact)")
     return items

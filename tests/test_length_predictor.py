@@ -380,13 +380,18 @@ def test_length_arms_offer_the_same_requests_and_hide_only_the_length():
     exact = W.generate(spec, TIERS)
     hidden = W.generate(replace(spec, lengths="hidden"), TIERS)
     capped = W.generate(replace(spec, lengths="predicted", length_cap=64), TIERS)
-    for e, h, c in zip(exact, hidden, capped):
+    capped_exact = W.generate(replace(spec, length_cap=64), TIERS)
+    for e, h, c, ce in zip(exact, hidden, capped, capped_exact):
         assert (e.arrival_s, e.prompt_ids, e.tier) == (h.arrival_s, h.prompt_ids, h.tier)
         assert e.stop_after is None and e.output_len == e.max_tokens == e.output_len_hint
         assert h.output_len_hint is None and h.max_tokens == 800 - 1 - len(h.prompt_ids)
         assert h.stop_after == h.output_len == e.max_tokens
         assert c.max_tokens == min(64, 800 - 1 - len(c.prompt_ids)) and c.stop_after == min(e.max_tokens, c.max_tokens)
+        # the cap the hidden arms send ends the reply in every arm: the exact arm serves the same replies
+        assert ce.max_tokens == ce.output_len_hint == c.output_len and ce.stop_after is None
     assert W.describe(hidden)["output_len"] == W.describe(exact)["output_len"]
+    assert W.describe(capped)["output_len"] == W.describe(capped_exact)["output_len"]
+    assert any(e.output_len > 64 for e in exact)  # (the cap cut some replies)
     with pytest.raises(ValueError):
         W.generate(replace(spec, lengths="oracle"), TIERS)
 
