@@ -115,6 +115,19 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def http_front(proc: Path = Path("/proc")) -> str:
+    """The HTTP front of the `serve run` this host runs: "haproxy" where an HAProxy process runs (Serve's HAProxy
+    ingress, Kairos's default, deployments/haproxy_ingress.py), else "serve-proxy" (Serve's Python proxy actor, its
+    fallback where no haproxy binary could be found). One server per host, as the benchmarks start them."""
+    for comm in proc.glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == "haproxy":
+                return "haproxy"
+        except OSError:  # the process ended meanwhile
+            continue
+    return "serve-proxy"
+
+
 # --------------------------------------------------------------------------- the record
 
 

