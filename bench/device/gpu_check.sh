@@ -170,13 +170,18 @@ try:
     bench.update(summary=env["SUMMARY"] + ".json", headline=b["headline"], command=b["command"], figures=b["figures"])
 except (OSError, ValueError, KeyError):
     bench.setdefault("headline", None)
+try:  # the host's CPU, as every summary records it (bench.report.run_info's cpu, cpu_count, cpu_flags)
+    from bench.report import cpu_flags, cpu_model
+    host = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags()}
+except Exception:  # noqa: BLE001 - the summary is written regardless
+    host = {}
 t = {k: int(env[k]) for k in ("T0", "T_UNPACK", "T_TESTS", "T_BENCH")}
 knobs = " ".join(f"{k}={env[k]}" for k in ("TOTAL_S", "TEST_LIMIT_S", "TESTS", "BENCH", "SHAPE", "BENCH_ARGS",
                                             "KAIROS_GPU_TESTS_ON_CPU") if env.get(k))
 summary = {
     "name": "gpu-check", "command": f"{knobs + ' ' if knobs else ''}bash bench/device/gpu_check.sh",
     "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "device": dict(device, driver=driver), "versions": versions,
+    "device": dict(device, driver=driver), "versions": versions, "host": host,
     "tests": {"rc": int(env["TEST_RC"]) if env.get("TEST_RC") else None, "source": source, "counts": counts,
               "interrupted": interrupted, "results": tests},
     "bench": bench,
