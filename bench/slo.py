@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lengths", choices=W.LENGTH_ARMS, default="hidden", help="reply lengths: hidden from the scheduler (default; "
       "max_tokens a cap, a benchmark-only stop), predicted (hidden, the length predictor on), exact (max_tokens = "
       "the length, and the hint)")
-    a("--length-cap", type=int, default=None, help="max_tokens of the hidden/predicted arms (default: the rest of "
-      f"the context window, at most {W.DEFAULT_LENGTH_CAP})")
+    a("--length-cap", type=int, default=None, help="max_tokens of the hidden/predicted arms, where every arm's reply "
+      f"ends at the latest (default: the rest of the context window, at most {W.DEFAULT_LENGTH_CAP})")
     a("--strict-batch", type=float, default=4, help="T_strict = headroom x ITL(this batch, L) (protocol: 4 -> d4)")
     a("--loose-batch", type=float, default=12, help="T_loose = headroom x ITL(this batch, L) (protocol: 12)")
     a("--tpot-headroom", type=float, default=W.GATE_HEADROOM,

@@ -256,7 +256,8 @@ def generate(spec: WorkloadSpec, tiers: Sequence[Tier]) -> list[WorkItem]:
 
 
 def length_cap(spec: WorkloadSpec, prompt_len: int) -> int:
-    """max_tokens of a hidden-length request: `spec.length_cap`, else 1024, within the context window's rest."""
+    """max_tokens of a hidden-length request, where every arm's reply ends at the latest: `spec.length_cap`, else
+    1024, within the context window's rest."""
     cap = spec.length_cap or DEFAULT_LENGTH_CAP
     if spec.max_model_len is not None:
         cap = min(cap, spec.max_model_len - 1 - prompt_len)

@@ -183,7 +183,7 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         head = (f"tests/gpu on {(gc.get('device') or {}).get('name')}: {t.get('counts')}"
                 + (" (interrupted)" if t.get("interrupted") else "")
                 + (f"; failed: {', '.join(r['test'] for r in failed)}" if failed else ""))
-        dev = _machine(gc.get("host") or {}, (gc.get("device") or {}).get("name")) | {**(gc.get("versions") or {})}
+        dev = _machine(gc.get("host") or {}, (gc.get("device") or {}).get("name")) | (gc.get("versions") or {})
         keep(_doc(f"gpu-check-{tag}", gc.get("command", "bash bench/device/gpu_check.sh"),
                   gc.get("commit") or commit or "", gc.get("date", ""), dev, head, gc))
         note.append(head)
