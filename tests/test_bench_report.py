@@ -115,7 +115,7 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
         d.mkdir()
     slo = _slo_gpu_doc()
     (call1 / "slo-gpu.json").write_text(json.dumps(dict(slo, rows=slo["rows"][:2])))  # cut off: call 2 resumed it
-    (call2 / "slo-gpu.json").write_text(json.dumps(slo))
+    (call2 / "slo-gpu.json").write_text(json.dumps(dict(slo, http_front={"fcfs": "haproxy", "kairos": "serve-proxy"})))
     with tarfile.open(call1 / "slo_gpu-out.tgz", "w:gz") as tf:
         data = json.dumps({"format": 2, "meta": {}}).encode()
         info = tarfile.TarInfo("slo_gpu/replica-profile.json")
@@ -129,6 +129,7 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     (call2 / "gpu-check.json").write_text(json.dumps({
         "name": "gpu-check", "command": "bash bench/device/gpu_check.sh", "commit": "", "date": "2026-12-01T10:09:00",
         "device": {"name": "NVIDIA H200"}, "versions": {"torch": "2.11"},
+        "host": {"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 16, "cpu_flags": ["avx2", "amx_tile"]},
         "tests": {"counts": {"passed": 3, "failed": 1}, "results": [
             {"test": "tests/gpu/x.py::test_a", "outcome": "failed", "message": "boom"}]}}))
     (call1 / "mixed-check.log").write_text("...\n4 passed in 90s\n")
@@ -145,6 +146,10 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     assert http["figures"]["issue_checks"]["checks"] == {"http_ttft_le_2ms": True, "http_itl_le_0.5ms": False}
     assert any("failed tests/gpu/x.py::test_a: boom" in line for line in note)
     assert any("4 passed in 90s" in line for line in note)
+    # the HTTP front each server ran behind: a run behind Serve's Python proxy is flagged
+    assert any("WARNING" in line and "Python proxy" in line for line in note)
+    assert report.where(json.loads((sums / "gpu-check-h200.json").read_text())) == \
+        "Intel(R) Xeon(R) Processor, 16 cores, AMX; GPU NVIDIA H200"
     cell = report._slo_gpu(s["figures"])
     assert cell.startswith("1.5× λ*: fcfs 2.00 req/s (20% met), kairos 6.50") and cell.endswith("1×: kairos 96% met")
     # an earlier lease's summary of the same name stays; ingesting the same files again replaces this run's own

