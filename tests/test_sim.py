@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 
 import pytest
 
@@ -11,6 +13,7 @@ from bench import sim
 from bench import slo
 from bench import workload as W
 from scheduling.config import SchedulerConfig
+from scheduling.length_predictor import bucket_of
 from scheduling.predictor import LatencyModel
 
 MODEL = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))  # prefill 1+0.01n, itl 5+0.5B
@@ -103,10 +106,6 @@ def test_seed_ranges(text, seeds):
 
 
 def test_a_synthetic_prediction_is_the_true_length_give_or_take_its_noise():
-    import random
-
-    from scheduling.length_predictor import bucket_of
-
     rng = random.Random(0)
     for true_len in (20, 100, 400, 1500):  # nearly no noise: within the length's bucket (the predictor's resolution)
         assert bucket_of(sim.noisy_outlook(true_len, 0.05, rng)[0]) == bucket_of(true_len)
@@ -114,8 +113,6 @@ def test_a_synthetic_prediction_is_the_true_length_give_or_take_its_noise():
     assert min(wide) < 60 and max(wide) > 200  # much noise: the estimates scatter
     # with the lengths' spread as a prior, noisy estimates are shrunk toward their typical length, as a calibrated
     # predictor's would be: the expected lengths scatter less than the noise alone would make them (same draws)
-    import statistics
-
     lens = [int(math.exp(random.Random(k).gauss(math.log(200.0), 1.0))) + 4 for k in range(200)]
     prior = (statistics.fmean(math.log(n) for n in lens), statistics.pstdev(math.log(n) for n in lens))
     shrunk = [math.log(sim.noisy_outlook(n, 1.0, random.Random(k), prior)[0]) for k, n in enumerate(lens)]

