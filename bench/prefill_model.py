@@ -13,8 +13,11 @@ before that term), and the engine's own fit (`LatencyModel.fit_prefill` as the p
 which a GPU step costs the same whatever its size, and the attention term only where it extrapolates better), all on
 the same single-prompt steps measured at the profile's sizes. Prediction / measured per shape; the summary keeps
 them. Then hybrid steps (a prompt prefilled while 32 or 128 replies decode, context 512) beside the prefill and the
-decode each alone: the scheduler predicts a hybrid step as their sum. On CUDA, steps with prefill rows that replay the
-mixed graphs (`mixed_graph_tokens`) beside the same steps run eagerly.
+decode each alone: the scheduler predicts a hybrid step as their sum. Beside that sum, the step as one forward of
+n + b tokens would cost: a prefill of n + b tokens plus what the decode rows add over a one-row decode (their
+attention and per-row work, the weights read once), to tell which form a fit of hybrid steps should take
+(`--hybrid-prompts`, `--hybrid-rows`: the grid). On CUDA, steps with prefill rows that replay the mixed graphs
+(`mixed_graph_tokens`) beside the same steps run eagerly.
 
     python -m bench.prefill_model --model kairos-default --long 8000 --summary prefill-model-default
 """
@@ -40,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "engine's profile: twice the prefill budget, 1024 by default)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=128, help="the engine's (the hybrid steps decode up to 128)")
+    ap.add_argument("--hybrid-prompts", default="128,512,2048", help="prompt tokens of the hybrid steps (comma list)")
+    ap.add_argument("--hybrid-rows", default="32,128", help="decode rows of the hybrid steps (comma list)")
     ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
     args = ap.parse_args(argv)
 
@@ -95,19 +100,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     seqs = eng.config.scheduler.max_num_seqs
     ctx = min(512, limit // 2)
     mixed = []
-    for n, b in [(n, b) for n in (128, 512, 2048) for b in (32, 128)
-                 if n <= limit and b <= seqs and eng.cache.num_blocks * eng.cache.block_size >= n + 2 * b * ctx]:
+    ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
+    one_row = med(lambda: probe.decode_ms(probe.lengths(1, ctx)))  # a one-row decode: the weights read once
+    for n, b in [(n, b) for n in ints(args.hybrid_prompts) for b in ints(args.hybrid_rows)
+                 if n + b <= limit and b <= seqs and eng.cache.num_blocks * eng.cache.block_size >= n + 2 * b * ctx]:
         lens, ids = probe.lengths(b, ctx), probe._ids(n)
         both, pre = med(lambda: probe.mixed_ms([ids], lens)), med(lambda: probe.prefill_ms([ids]))
         dec = med(lambda: probe.decode_ms(lens))
+        merged = med(lambda: probe.prefill_ms([probe._ids(n + b)])) + max(dec - one_row, 0.0)
         mixed.append({"prompt": n, "decode_rows": b, "ctx": ctx, "hybrid_ms": round(both, 2),
-                      "prefill_ms": round(pre, 2), "decode_ms": round(dec, 2),
-                      "hybrid_over_sum": round(both / (pre + dec), 3)})
+                      "prefill_ms": round(pre, 2), "decode_ms": round(dec, 2), "decode_one_row_ms": round(one_row, 2),
+                      "merged_ms": round(merged, 2), "hybrid_over_sum": round(both / (pre + dec), 3),
+                      "hybrid_over_merged": round(both / merged, 3)})
     if mixed:
         print_table(["prompt", "decode rows", "hybrid ms", "prefill alone", "decode alone",
-                     "hybrid / (prefill + decode)"],
+                     "hybrid / (prefill + decode)", "one forward of n + b", "hybrid / that"],
                     [[m["prompt"], m["decode_rows"], f"{m['hybrid_ms']:.1f}", f"{m['prefill_ms']:.1f}",
-                      f"{m['decode_ms']:.1f}", f"{m['hybrid_over_sum']:.2f}"] for m in mixed])
+                      f"{m['decode_ms']:.1f}", f"{m['hybrid_over_sum']:.2f}", f"{m['merged_ms']:.1f}",
+                      f"{m['hybrid_over_merged']:.2f}"] for m in mixed])
     # steps with prefill rows replayed from the mixed CUDA graphs (`engine.backends.cuda.graphs.MixedGraphs`)
     # beside the same steps run eagerly (the graphs set aside for the second measurement)
     graphs = getattr(eng.backend, "mixed", None)

@@ -97,7 +97,8 @@ def test_prefill_model_measures_shapes_beside_the_fits(tmp_path, monkeypatch):
 
     monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
     assert main(["--model", "kairos-tiny", "--dtype", "float32", "--max-model-len", "512", "--long", "500",
-                 "--round", "256", "--profile-max", "128", "--reps", "1", "--summary", "prefill-tiny"]) == 0
+                 "--round", "256", "--profile-max", "128", "--reps", "1", "--hybrid-prompts", "32,128",
+                 "--hybrid-rows", "8,32,128", "--summary", "prefill-tiny"]) == 0
     s = json.loads((tmp_path / "summaries" / "prefill-tiny.json").read_text())
     shapes = {r["prompts"]: r for r in s["figures"]["shapes"]}
     assert set(shapes) == {"1 x 128", "1 x 500", "4 x 64", "8 x 32", "16 x 16"}
@@ -105,7 +106,9 @@ def test_prefill_model_measures_shapes_beside_the_fits(tmp_path, monkeypatch):
     assert all(r["measured_ms"] > 0 and r["model_ms"] > 0 and r["linear_ms"] > 0 and r["engine_fit_ms"] > 0
                for r in shapes.values())
     assert set(s["figures"]["engine_fit"]) == {"theta", "c0", "coef"} and "engine's fit" in s["headline"]
-    hybrid = s["figures"]["hybrid_steps"]  # a prompt prefilled beside 32 and 128 decodes, and each part alone
-    assert {(h["prompt"], h["decode_rows"]) for h in hybrid} == {(128, 32), (128, 128)}
-    assert all(h["hybrid_ms"] > 0 and h["prefill_ms"] > 0 and h["decode_ms"] > 0 for h in hybrid)
+    hybrid = s["figures"]["hybrid_steps"]  # a prompt prefilled beside decodes, each part alone, and as one forward
+    assert {(h["prompt"], h["decode_rows"]) for h in hybrid} == {(p, b) for p in (32, 128) for b in (8, 32, 128)}
+    assert all(h["hybrid_ms"] > 0 and h["prefill_ms"] > 0 and h["decode_ms"] > 0 and h["merged_ms"] > 0
+               and abs(h["hybrid_over_merged"] - h["hybrid_ms"] / h["merged_ms"]) < 0.01 * h["hybrid_over_merged"]
+               for h in hybrid)
     assert s["figures"]["coef_with_attention"][2] >= 0 and "worst error" in s["headline"]

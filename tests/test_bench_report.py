@@ -125,7 +125,9 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
                                                                                              [1.5, 0.7]}}})
     doc = json.loads((call2 / "overhead-http-gpu.json").read_text())
     (call2 / "overhead-http-gpu.json").write_text(json.dumps(dict(doc, commit="", command="x --model /tmp/kairos-llama-8b-bfloat16")))
-    _summary(call2, "prefill-model-llama-8b-cuda", "prefill", {})
+    _summary(call2, "prefill-model-llama-8b-cuda", "prefill", {"hybrid_steps": [
+        {"prompt": 128, "decode_rows": 32, "hybrid_over_sum": 0.68, "hybrid_over_merged": 1.02},
+        {"prompt": 512, "decode_rows": 128, "hybrid_over_sum": 1.03, "hybrid_over_merged": 1.1}]})
     (call2 / "gpu-check.json").write_text(json.dumps({
         "name": "gpu-check", "command": "bash bench/device/gpu_check.sh", "commit": "", "date": "2026-12-01T10:09:00",
         "device": {"name": "NVIDIA H200"}, "versions": {"torch": "2.11"},
@@ -146,6 +148,7 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     assert http["figures"]["issue_checks"]["checks"] == {"http_ttft_le_2ms": True, "http_itl_le_0.5ms": False}
     assert any("failed tests/gpu/x.py::test_a: boom" in line for line in note)
     assert any("4 passed in 90s" in line for line in note)
+    assert any("2 hybrid steps at 0.68-1.03 of prefill + decode, 1.02-1.10 of one forward" in line for line in note)
     # the HTTP front each server ran behind: a run behind Serve's Python proxy is flagged
     assert any("WARNING" in line and "Python proxy" in line for line in note)
     assert report.where(json.loads((sums / "gpu-check-h200.json").read_text())) == \

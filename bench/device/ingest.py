@@ -38,6 +38,21 @@ from bench import report  # noqa: E402
 HTTP_TTFT_MAX_MS, HTTP_ITL_MAX_MS = 2.0, 0.5  # the issue's bounds on what the HTTP hop adds (p50)
 
 
+
+def hybrid_line(figures: dict) -> str:
+    """The hybrid steps of a prefill-model summary in one clause: how far the measured step is from the sum the
+    scheduler predicts, and from one forward of the prompt and the rows together (where measured)."""
+    rows = figures.get("hybrid_steps") or []
+
+    def span(key: str) -> str:
+        xs = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return f"{min(xs):.2f}-{max(xs):.2f}" if xs else ""
+    if not rows:
+        return ""
+    out = f"; {len(rows)} hybrid steps at {span('hybrid_over_sum')} of prefill + decode"
+    merged = span("hybrid_over_merged")
+    return out + (f", {merged} of one forward of prompt + rows" if merged else "")
+
 def latest(dirs: list[Path], pattern: str) -> Path | None:
     """The file matching `pattern` in the last of `dirs` that has one."""
     for d in reversed(dirs):
@@ -180,7 +195,7 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         shape = pf_path.stem.removeprefix("prefill-model-").rsplit("-", 1)[0].replace("-", "")
         pf = fill(pf, f"prefill-model-{shape}-{tag}")
         keep(pf)
-        note.append(f"prefill model ({pf_path}): {pf.get('headline')}")
+        note.append(f"prefill model ({pf_path}): {pf.get('headline')}" + hybrid_line(pf.get("figures") or {}))
     if gc is not None:
         t = gc.get("tests") or {}
         failed = [r for r in t.get("results") or [] if r.get("outcome") in ("failed", "error")]

@@ -47,7 +47,8 @@ cp bench/summaries/overhead-http-gpu.json "$OUT/" 2>/dev/null
 # the prefill model against measured steps on this host: single prompts to the window, rounds of short prompts, with
 # the attention term and without (`bench.prefill_model`; its summary to $OUT, to commit here)
 "$PY" -m bench.prefill_model --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --max-model-len 4096 --long 4095 \
-  --round 2048 --profile-max 2048 --reps "${PREFILL_REPS:-3}" --summary "$OUT/prefill-model-$SHAPE-$DEVICE.json" 2>&1 \
+  --round 2048 --profile-max 2048 --reps "${PREFILL_REPS:-3}" --hybrid-prompts 32,128,512,2048 \
+  --hybrid-rows 8,32,64,128 --summary "$OUT/prefill-model-$SHAPE-$DEVICE.json" 2>&1 \
   | tee -a "$OUT/overhead_gpu.log"
 [ "${DRY_RUN:-0}" = 1 ] && rm -f bench/summaries/overhead-http-gpu.json  # a dry run's figures are not kept
 echo "overhead_gpu exit $rc ($SHAPE, $DEVICE), $(( $(date +%s) - T0 )) s in all"
