@@ -35,6 +35,7 @@ class PolicyFlags:
     pace_work: bool = False
     fill_steps: bool = False
     pace_slack: bool = False
+    urgent_first: bool = False
     length_predictor: bool = False
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
     # distribution (0: against the expected length, as everything else plans)
@@ -64,11 +65,17 @@ PRESETS: dict[str, PolicyFlags] = {
     # paced replies would otherwise hold their seats for twice their TPOT (a GPU replica, whose seats then bind);
     # filling pauses after a paced reply misses its TPOT (steps at the plan leave a strict reply no room for stalls).
     # pace_slack (a reply ahead of its pace counted at the TPOT it still needs) is opt-in: the simulator gains with
-    # it, but a paired run on the CPU box lost goodput and missed more TPOTs (bench/README)
+    # it, but a paired run on the CPU box lost goodput and missed more TPOTs (bench/README).
+    # With length information its waiting queue also minds TTFT deadlines: a request with seconds of TTFT slack leaves
+    # room for one whose TTFT SLO is shorter than the time between finished replies (impatient_reserve), and when
+    # room opens, the waiting requests whose deadline comes before the next room take it first (urgent_first).
+    # Without it (no predictor) both stay off, as short_first: there they cost the patient tiers more than the
+    # impatient one gained (bench/README)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
-                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True),
+                          work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True,
+                          impatient_reserve=True, urgent_first=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -171,9 +178,12 @@ class SchedulerConfig(BaseModel):
     impatient_reserve: bool | None = Field(None, description="a fresh request whose TTFT deadline is further away "
                                            "than the measured time between finished replies is admitted only if the "
                                            "VBS gate would still pass a typical request whose TTFT SLO is shorter "
-                                           "than that; else it waits (scheduling/reserve.py). Opt-in: on ShareGPT "
-                                           "it served the tightest TTFT tier more, the others less, at the same "
-                                           "goodput")
+                                           "than that; else it waits (scheduling/reserve.py). kairos's with length "
+                                           "information (its short_first queue holds the waiting ones)")
+    urgent_first: bool | None = Field(None, description="with short_first: the waiting fresh requests whose TTFT "
+                                      "deadline comes before the next room is expected (the measured time between "
+                                      "finished replies: reserve.py) are offered room before the others, least work "
+                                      "first among them (queues.order_least_work); kairos's with length information")
     impatient_window_s: float = Field(10.0, gt=0, description="window of the finishes and arrivals it measures (s)")
     pace_work: bool | None = Field(None, description="work shedding and least-work order weigh a request by the "
                                    "machine time it takes (shedding.PaceCost): its tokens at the pace it decodes "

@@ -2,6 +2,7 @@
 first (kairos's `short_first`)."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import Literal, TypeVar
@@ -27,11 +28,13 @@ def order_waiting(waiting: deque[T], order: QueueOrder) -> None:
     waiting.extend(ordered)
 
 
-def order_least_work(waiting: deque[T], work: Callable[[T], float]) -> None:
+def order_least_work(waiting: deque[T], work: Callable[[T], float], urgent_before: float = -math.inf) -> None:
     """Reorder ``waiting`` in place: requests already started (preempted mid-reply) first, in their order; then the
     fresh ones by ``work(r)``, least first, ties by ``(deadline_s, arrival_s)``. With goodput counted in requests,
-    the least work per request is the most requests a replica's decode rate completes (kairos's `short_first`)."""
+    the least work per request is the most requests a replica's decode rate completes (kairos's `short_first`).
+    Fresh requests whose TTFT deadline falls before ``urgent_before`` (those that cannot wait for the next room:
+    reserve.py) go before the other fresh ones, least work first among them."""
     ordered = sorted(waiting, key=lambda r: (0,) if r.first_token_s is not None  # a stable sort keeps their order
-                     else (1, work(r), r.deadline_s, r.arrival_s))
+                     else (1 if r.deadline_s < urgent_before else 2, work(r), r.deadline_s, r.arrival_s))
     waiting.clear()
     waiting.extend(ordered)

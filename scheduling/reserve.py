@@ -1,5 +1,5 @@
-"""Room for the impatient (opt-in, `impatient_reserve`): a request that can wait for room leaves some for one that
-cannot.
+"""Room for the impatient (`impatient_reserve`, kairos's with length information): a request that can wait for room
+leaves some for one that cannot.
 
 Why. Heterogeneous TTFT SLOs differ by an order of magnitude or more (SCORPIO's tiers: u, 6u, 30u). Under
 overload the batch is full most of the time and room appears one finished reply at a time. A request whose TTFT
@@ -16,6 +16,9 @@ is a typical one of them (the median TPOT SLO, the mean context length mid-reply
 fresh request only if the VBS gate would still pass that typical impatient request after it (`VBSGate.leaves_room`);
 otherwise it waits in the queue (short_first orders it by work there). Without impatient arrivals, or where
 requests finish faster than any TTFT SLO runs out (a GPU replica with a large batch), nothing is reserved.
+
+The same measure orders the waiting queue (`urgent_first`): when room opens, the requests whose TTFT deadline comes
+before the next room is expected take it before those that can wait for a later one.
 
 Pure bookkeeping over floats; the scheduler calls `arrived`, `finished`, `patience_ms` and `room`.
 """

@@ -101,8 +101,8 @@ class Scheduler:
             self.lengths = for_served_model(config.length_predictor_path, tokenizer_fingerprint, tokenizer,
                                             explicit=bool(config.length_predictor))
         if self.lengths is None:  # a policy ranks requests by their work only with length information (PRESETS)
-            self.flags = replace(self.flags, **{k: False for k in ("short_first", "work_shedding")
-                                                if getattr(config, k) is None})
+            self.flags = replace(self.flags, **{k: False for k in ("short_first", "work_shedding", "impatient_reserve",
+                                                                   "urgent_first") if getattr(config, k) is None})
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._round = 0
@@ -124,7 +124,10 @@ class Scheduler:
         self.last_shed_threshold = math.inf
         self.pace_cost: PaceCost | None = None  # work in machine time (pace_work), over the latency model
         self._set_pace_cost()
-        self.reserve = ImpatientReserve(config.impatient_window_s) if self.flags.impatient_reserve else None
+        # the time between finished replies, and the impatient arrivals (impatient_reserve; urgent_first measures the
+        # former only)
+        self.reserve = ImpatientReserve(config.impatient_window_s) \
+            if self.flags.impatient_reserve or self.flags.urgent_first else None
         self.margin = MeasuredMargin(config.ttft_margin_ms, config.ttft_margin_quantile,
                                      window_s=config.ttft_margin_window_s) \
             if self.flags.measured_margin else None
@@ -260,8 +263,10 @@ class Scheduler:
             order_waiting(self.waiting, "ldf")
         if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
             pace = self._pace()
+            patience = self.reserve.patience_ms(now) if f.urgent_first and self.reserve is not None else None
             order_least_work(self.waiting,
-                             lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace))
+                             lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
+                             -math.inf if patience is None else now + patience / 1000.0)
         budget = self.config.prefill_max_tokens
         if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
             for r in self.running:
@@ -343,7 +348,7 @@ class Scheduler:
         round_tokens, round_sq = 0, 0.0
         # (patience ms, (tpot, length) of a typical impatient arrival): room a patient request leaves (reserve.py)
         impatient = None
-        if self.reserve is not None and gate is not None \
+        if f.impatient_reserve and self.reserve is not None and gate is not None \
                 and (patience := self.reserve.patience_ms(now)) is not None \
                 and (room_for := self.reserve.room(now, patience)) is not None:
             impatient = (patience, room_for)

@@ -565,6 +565,9 @@ def test_order_least_work_puts_started_replies_first_then_the_least_work():
     q = deque([heavy, tie_late, light, started, tie_early])
     order_least_work(q, lambda r: r.expected_output_len)
     assert list(q) == [started, tie_early, light, tie_late, heavy]
+    # those whose TTFT deadline falls before the next room (heavy's, 100 ms) go before the fresh ones that can wait
+    order_least_work(q, lambda r: r.expected_output_len, urgent_before=0.5)
+    assert list(q) == [started, heavy, tie_early, light, tie_late]
 
 
 @pytest.mark.parametrize("policy", ["kairos", "scorpio"])
@@ -649,6 +652,34 @@ def test_a_request_that_can_wait_leaves_room_for_one_that_cannot(reserve):
     s.add(urgent)
     p = s.schedule(2.02)
     assert p.prefill == [urgent]  # the room it was kept (the patient one now fails the gate)
+
+
+@pytest.mark.parametrize("urgent_first", [True, False])
+def test_room_goes_first_to_the_request_that_cannot_wait_for_the_next(urgent_first):
+    """kairos (short_first, urgent_first): replies finish every ~250 ms. Room for one request opens; a short reply
+    that can wait seconds and a longer one whose TTFT SLO (100 ms) runs out before the next room both wait. Least
+    work first gives the room to the short one and loses the other; urgent_first gives it to the one that cannot
+    wait, and the short one takes the next room."""
+    s = _sched("kairos", prefill_hold=False, vbs_margin=1.1, impatient_reserve=False, urgent_first=urgent_first,
+               work_shedding=False, length_predictor=False, short_first=True)
+    for k in range(8):  # finishes every 250 ms
+        w = _reply(f"w{k}", 4, 50, ttft=100.0, arrival=0.25 * k)
+        s.add(w)
+        assert s.schedule(0.25 * k).prefill == [w]
+        s.finish(w, "length", 0.25 * k + 0.01)
+    full = [_reply(f"a{i}", 4, 50, arrival=2.0) for i in range(7)]
+    for r in full:
+        s.add(r)
+    _run(s, s.schedule(2.0))
+    assert len(s.running) == 7  # the gate fits no eighth
+    patient, urgent = _reply("patient", 4, 10, ttft=5000.0, arrival=2.01), _reply("urgent", 4, 40, ttft=100.0,
+                                                                                   arrival=2.01)
+    s.add(patient)
+    s.add(urgent)
+    assert s.schedule(2.01).prefill == [] and set(s.waiting) == {patient, urgent}  # both wait for room
+    s.finish(full[0], "length", 2.02)
+    p = s.schedule(2.02)
+    assert p.prefill == ([urgent] if urgent_first else [patient])
 
 
 def test_block_manager_holds_a_sequence_whose_blocks_have_its_slots_and_grows_one_that_needs_more():
