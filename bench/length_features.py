@@ -19,8 +19,8 @@ split's Spearman, and scored on the held-out benchmark prompts (`length_predicto
 
     python -m bench.length_features [--model kairos-default] [--summary length-features-sharegpt]
 
-The model is SmolLM2-135M-Instruct (kairos-default) by default, the served default model. Training uses torch:
-about a minute per design on two cores; the probe's forwards take longer (`--probe-rows`).
+The model is SmolLM2-135M-Instruct (kairos-default) by default, the served default model. Training uses torch; the
+probe's forwards take most of a run's time (it prints how long they took).
 """
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ from bench.report import command_line, run_info, write_json, write_summary
 from bench.workload import WorkItem
 
 MODULE = "bench.overhead"
-FRONTS: dict[str, str] = {}  # a server's arguments -> the HTTP front that served them (driver.http_front)
 FIELDS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "throughput_completion_tok_s")
 PCTS = (50, 95, 99)
 BLOCK_HEADER = "=== streaming benchmark ==="
@@ -316,10 +315,11 @@ def _figures(doc: dict) -> dict:
     return figures
 
 
-def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path) -> dict:
-    """`run` against a fresh `serve run deployments:app` with `serve_args`."""
+def _served(serve_args: str, bench_argv: list[str], out: Path, log: Path, fronts: dict[str, str]) -> dict:
+    """`run` against a fresh `serve run deployments:app` with `serve_args`; the HTTP front that served it goes into
+    `fronts` (`driver.http_front`), under those arguments."""
     with served(serve_args, log) as target:
-        FRONTS[serve_args] = http_front()
+        fronts[serve_args] = http_front()
         return _load(bench_argv + ["--target", target], out)
 
 
@@ -406,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         in_process += ["--num-threads", str(args.num_threads)]
 
     rounds: list[dict[str, dict]] = []
+    fronts: dict[str, str] = {}  # a server's arguments -> the HTTP front that served them
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         for r in range(args.rounds):  # each round runs every configuration once, so drift hits them alike
@@ -415,11 +416,13 @@ def main(argv: list[str] | None = None) -> int:
             for i, s in enumerate(servers):
                 figures[f"http[{s or 'defaults'}]"] = _served(serve_args(s),
                                                               load(args.num_requests, args.submit_interval_ms),
-                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log")
+                                                              t / f"http{r}-{i}.json", t / f"serve{r}-{i}.log",
+                                                              fronts)
             if args.saturate:
                 for i, s in enumerate(servers):
                     figures[f"burst http[{s or 'defaults'}]"] = _served(serve_args(s), load(150, 10.0),
-                                                                        t / f"sat{r}-{i}.json", t / f"sat{r}-{i}.log")
+                                                                        t / f"sat{r}-{i}.json", t / f"sat{r}-{i}.log",
+                                                                        fronts)
             rounds.append(figures)
             if args.rounds > 1:
                 print(f"round {r + 1} of {args.rounds}:")
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         ttft, itl = added[first]["in_process"]
         headline = (f"HTTP ({servers[0] or 'defaults'}) adds TTFT {ttft:+.1f} ms, ITL {itl:+.1f} ms p50 over the "
                     f"in-process engine" + (f" (median of {args.rounds} rounds)" if args.rounds > 1 else ""))
-        doc = figures | {"added_ttft_itl_ms": added, "http_front": {s or "defaults": FRONTS.get(serve_args(s))
+        doc = figures | {"added_ttft_itl_ms": added, "http_front": {s or "defaults": fronts.get(serve_args(s))
                                                                       for s in servers}} \
             | ({"rounds": rounds} if args.rounds > 1 else {})
         path = write_summary(args.summary, command_line(MODULE, argv), headline, doc)

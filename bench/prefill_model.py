@@ -101,9 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = min(512, limit // 2)
     mixed = []
     ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
-    one_row = med(lambda: probe.decode_ms(probe.lengths(1, ctx)))  # a one-row decode: the weights read once
-    for n, b in [(n, b) for n in ints(args.hybrid_prompts) for b in ints(args.hybrid_rows)
-                 if n + b <= limit and b <= seqs and eng.cache.num_blocks * eng.cache.block_size >= n + 2 * b * ctx]:
+    points = [(n, b) for n in ints(args.hybrid_prompts) for b in ints(args.hybrid_rows)
+              if n + b <= limit and b <= seqs and eng.cache.num_blocks * eng.cache.block_size >= n + 2 * b * ctx]
+    one_row = med(lambda: probe.decode_ms(probe.lengths(1, ctx))) if points else 0.0  # the weights read once
+    for n, b in points:
         lens, ids = probe.lengths(b, ctx), probe._ids(n)
         both, pre = med(lambda: probe.mixed_ms([ids], lens)), med(lambda: probe.prefill_ms([ids]))
         dec = med(lambda: probe.decode_ms(lens))

@@ -219,8 +219,8 @@ def test_num_threads_sizes_the_in_process_engine_only(monkeypatch, capsys):
     calls: list[list[str]] = []
     fig = {"ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0, "itl_p50_ms": 1.0, "throughput_completion_tok_s": 1.0, "failed": 0}
     monkeypatch.setattr(O, "_load", lambda argv, out: calls.append(argv) or dict(fig))
-    monkeypatch.setattr(O, "_served", lambda serve_args, argv, out, log: calls.append(["SERVED", serve_args, *argv])
-                        or dict(fig))
+    monkeypatch.setattr(O, "_served", lambda serve_args, argv, out, log, fronts:
+                        calls.append(["SERVED", serve_args, *argv]) or dict(fig))
     assert O.main(["--model", "m", "--serve", "", "--device", "cuda", "--num-threads", "1"]) == 0
     inproc, http = calls
     assert inproc[inproc.index("--num-threads") + 1] == "1" and inproc[inproc.index("--device") + 1] == "cuda"

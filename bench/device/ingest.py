@@ -38,7 +38,6 @@ from bench import report  # noqa: E402
 HTTP_TTFT_MAX_MS, HTTP_ITL_MAX_MS = 2.0, 0.5  # the issue's bounds on what the HTTP hop adds (p50)
 
 
-
 def hybrid_line(figures: dict) -> str:
     """The hybrid steps of a prefill-model summary in one clause: how far the measured step is from the sum the
     scheduler predicts, and from one forward of the prompt and the rows together (where measured)."""
@@ -52,6 +51,7 @@ def hybrid_line(figures: dict) -> str:
     out = f"; {len(rows)} hybrid steps at {span('hybrid_over_sum')} of prefill + decode"
     merged = span("hybrid_over_merged")
     return out + (f", {merged} of one forward of prompt + rows" if merged else "")
+
 
 def latest(dirs: list[Path], pattern: str) -> Path | None:
     """The file matching `pattern` in the last of `dirs` that has one."""
