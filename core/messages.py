@@ -137,8 +137,9 @@ class GenerateRequest:
     options: PromptOptions = field(default_factory=PromptOptions)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
     avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
-    # ms of its TTFT SLO spent before this send (an ingress's earlier sends, turned away): the engine's TTFT deadline
-    # is that much nearer (`engine_slo`); its metrics labels and the test of an SLO no idle replica meets keep `slo`
+    # ms of its TTFT SLO spent before this send (in the ingress since the request reached it: reading, parsing,
+    # routing, earlier sends turned away): the engine's TTFT deadline is that much nearer (`engine_slo`); its metrics
+    # labels and the test of an SLO no idle replica meets keep `slo`
     waited_ms: float = 0.0
     # the Ray actor id of the caller (an Ingress replica), None in-process: a replica aborts the request once that
     # actor is dead (nothing else cancels a replica's generator when its caller dies)

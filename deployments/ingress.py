@@ -424,15 +424,19 @@ class OpenAIFrontend:
             for req in reqs:
                 log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
         work = self._respond(body, reqs[0], kind, rid, t_in, t_call) if len(reqs) == 1 \
-            else self._respond_batch(body, reqs, rid, t_in, t_call)
+            else self._respond_batch(body, reqs, rid, t_in)
         return await until_disconnected(request.receive, work)
 
     async def _start(self, req: GenerateRequest, t_call: float
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
-        (`reroutes` times at most, with what is left of its TTFT SLO). Returns the request as last sent."""
+        (`reroutes` times at most, with what is left of its TTFT SLO). Its TTFT SLO counts from `t_call` (the
+        request's arrival here: `_respond`), less `req.waited_ms` spent before it, so that every send, the first
+        too, tells the engine what is left (the time this Ingress took to read, parse and route it included).
+        Returns the request as last sent."""
         waited_ms = req.waited_ms
-        req, gen, first = await self._first_item_anywhere(req, waited_ms, t_call)
+        first_send = dataclasses.replace(req, waited_ms=waited_ms + (time.perf_counter() - t_call) * 1000.0)
+        req, gen, first = await self._first_item_anywhere(first_send, waited_ms, t_call)
         _note_refusal(first, req)
         for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
             sb = first.served_by
@@ -484,8 +488,10 @@ class OpenAIFrontend:
 
     async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
                        t_call: float) -> Any:
-        """The response to a parsed request: a whole completion, or the stream once its first item is in."""
-        req, gen, first = await self._start(req, t_call)
+        """The response to a parsed request: a whole completion, or the stream once its first item is in. Its TTFT
+        SLO counts from `t_in`, when the request reached this server (vLLM's arrival time), not from the end of its
+        parsing."""
+        req, gen, first = await self._start(req, t_in)
         headers = self._headers(rid, req, first, t_in, t_call)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
         if first.finished:
@@ -532,8 +538,8 @@ class OpenAIFrontend:
             _cancel_quietly(gen)
             raise protocol_failure(rid, e) from None
 
-    async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float,
-                             t_call: float) -> Any:
+    async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float
+                             ) -> Any:
         """A completion of several prompts (vLLM's batched `prompt`): a request per prompt, each routed, admitted or
         turned away on its own; the response has a choice per prompt (`index`, in the prompts' order) and their
         usage summed, or streams every prompt's chunks as they come, each naming its choice. At most
@@ -560,9 +566,10 @@ class OpenAIFrontend:
             try:
                 while True:
                     self._own_call()  # in this prompt's own task
-                    # its TTFT SLO counts from the batch's arrival: less what it waited here (for a slot, in line)
+                    # its TTFT SLO counts from the batch's arrival: less what it waited here (reading and parsing
+                    # the batch, for a slot, in line)
                     t0 = time.perf_counter()
-                    sent = dataclasses.replace(req, waited_ms=(t0 - t_call) * 1000.0)
+                    sent = dataclasses.replace(req, waited_ms=(t0 - t_in) * 1000.0)
                     seen = batch.sending()
                     try:
                         sent, gen, first = await self._start(sent, t0)
@@ -584,7 +591,7 @@ class OpenAIFrontend:
                         gen.cancel()
                     if failure.status == 429:
                         ttft = req.slo.ttft_ms
-                        left_s = None if ttft is None else ttft / 1000.0 - (time.perf_counter() - t_call)
+                        left_s = None if ttft is None else ttft / 1000.0 - (time.perf_counter() - t_in)
                         if batch.may_make_room(seen):
                             if not wait:
                                 batch.slots.release()
@@ -598,7 +605,7 @@ class OpenAIFrontend:
                             if again:
                                 pauses += 1
                                 await asyncio.sleep(pause_s)
-                        if again and (ttft is None or (time.perf_counter() - t_call) * 1000.0 < ttft):
+                        if again and (ttft is None or (time.perf_counter() - t_in) * 1000.0 < ttft):
                             tries += 1
                             continue  # sent again with what is left of its TTFT SLO
                     failure.message = f"prompt {i}: {failure.message}"

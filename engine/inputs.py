@@ -92,7 +92,9 @@ class InputProcessor:
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
                 options: PromptOptions | None = None) -> Request:
-        """Validate and tokenize; ValueError with a client-facing message on bad input."""
+        """Validate and tokenize; ValueError with a client-facing message on bad input. The request arrives when
+        this is called: its TTFT SLO counts the time its prompt takes to render and tokenize (a long one's, ms)."""
+        arrival_s = time.monotonic()
         options = options or PromptOptions()
         params = (params or SamplingParams()).validate()
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
@@ -118,7 +120,7 @@ class InputProcessor:
             rest = max(1, limit - len(ids))
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        req = Request(rid, ids, params, slo, arrival_s=time.monotonic())
+        req = Request(rid, ids, params, slo, arrival_s=arrival_s)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

@@ -89,3 +89,25 @@ def test_a_text_prompt_with_a_token_past_the_embedding_rows_is_a_clear_error(bos
     assert str(e.value).startswith("prompt ")  # the 400's `param` (deployments.errors.param_named)
     rows_enough = InputProcessor(tok, top + 1, [0], max_model_len=4096, kv_capacity_tokens=1 << 20)
     assert max(rows_enough.process("Hello world", None, None, None).prompt_token_ids) == top
+
+
+def test_a_request_arrives_before_its_prompt_is_rendered_and_tokenized(bos_tokenizer):
+    """The TTFT SLO counts from when the request reached the engine's front, not from the end of its tokenization
+    (vLLM's arrival time): a chat template and a long prompt take milliseconds the client waits for too."""
+    import time
+
+    from core.request import SLO
+
+    inputs = _inputs(bos_tokenizer)
+    encode = inputs.encode_special
+
+    def slow(text: str) -> list[int]:
+        time.sleep(0.05)
+        return encode(text)
+
+    inputs.encode_special = slow
+    t0 = time.monotonic()
+    req = inputs.process("Hello world", None, SLO(ttft_ms=200.0), None)
+    assert time.monotonic() - t0 >= 0.05
+    assert req.arrival_s - t0 < 0.02  # taken before the tokenizer ran
+    assert req.deadline_s == pytest.approx(req.arrival_s + 0.2)

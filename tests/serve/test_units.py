@@ -1091,6 +1091,46 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
     asyncio.run(run())
 
 
+def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
+    """The engine gets what is left of a request's TTFT SLO: the time the Ingress spent on it before the send
+    (reading and parsing its body, routing) is off the SLO on the first send too, as vLLM's arrival time is when its
+    server got the request; a batch's prompts likewise, from the batch's arrival."""
+    from core.request import FinishReason
+    from deployments.direct import LocalStream
+    from deployments.ingress import OpenAIFrontend
+
+    sent: list[GenerateRequest] = []
+
+    async def generate(req: GenerateRequest):
+        sent.append(req)
+        yield RequestOutput(req.request_id, text="Hi", token_ids=[1], finished=True,
+                            finish_reason=FinishReason.LENGTH, num_prompt_tokens=1, num_output_tokens=1)
+
+    class Front(OpenAIFrontend):
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    f = object.__new__(Front)
+    f._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+    slo = SLO(ttft_ms=1000.0, tpot_ms=50.0)
+    one = GenerateRequest("r1", "x", params=SamplingParams(max_tokens=1), slo=slo)
+    body = P.CompletionRequest(model="m", prompt="x", max_tokens=1)
+
+    async def run() -> None:
+        t_in = time.perf_counter() - 0.3  # the request reached the server 300 ms ago; parsed just now
+        await f._respond(body, one, "completion", "r1", t_in, time.perf_counter())
+        assert 300.0 <= sent[-1].waited_ms < 1000.0
+        assert sent[-1].engine_slo.ttft_ms == pytest.approx(1000.0 - sent[-1].waited_ms)
+        assert sent[-1].slo == slo  # its labels and the idle-floor test keep the client's
+        sent.clear()
+        batch = [dataclasses.replace(one, request_id=f"r-{i}") for i in range(2)]
+        await f._respond_batch(P.CompletionRequest(model="m", prompt=["x", "y"], max_tokens=1), batch, "r",
+                               time.perf_counter() - 0.3)
+        assert len(sent) == 2 and all(300.0 <= r.waited_ms < 1000.0 for r in sent)
+
+    asyncio.run(run())
+
+
 def test_a_streamed_batch_ends_at_a_prompt_whose_engine_died() -> None:
     """A batch's prompt whose engine dies mid-reply ends the batch's stream with its error event (naming the prompt,
     with the code a 503 would have) and cancels the others: no usage chunk, no choice left without its end."""
