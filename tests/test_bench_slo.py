@@ -405,6 +405,10 @@ def test_slo_gpu_checks_from_its_rows():
             g.point_row("kairos", "predicted", res(1.0, 9.0, 0.96, [(0, 9.0)]), []),
             g.point_row("kairos", "exact", res(1.5, 6.0, 0.7, [(0, 6.0)]), [])]
     assert rows[2]["tpot_met_admitted"] == pytest.approx(0.99) and rows[2]["admitted_with_tpot"] == 100
+    hops = {"replica": {"n": 9, "min": 1.0, "mean": 3.0, "p50": 2.0, "p90": 5.0, "p99": 9.0, "max": 9.5}}
+    assert g.point_row("kairos", "predicted", {**res(1.5, 5.0, 0.6, []), "http_hops_ms": hops}, [])[
+        "http_hops_ms"] == {"replica": {"p50": 2.0, "p90": 5.0, "p99": 9.0, "max": 9.5}}  # where the TTFT went
+    assert rows[0]["http_hops_ms"] == {}
     oracle = [{"load_multiple": 1.5, "policies": {"kairos": {"good": 50, "oracle_own_tokens": 60}}}]
     acc = g.acceptance(rows, oracle, [1.0, 1.5])
     assert acc["kairos_over_scorpio_goodput"] == pytest.approx(1.25)

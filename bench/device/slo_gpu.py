@@ -118,8 +118,12 @@ def point_row(policy: str, arm: str, res: dict, recs: list[dict]) -> dict:
             "rejection_rate": res["rejection_rate"], "ttft_violations": res["ttft_violations"],
             "tpot_violations": res["tpot_violations"], "admitted_with_tpot": len(admitted),
             "tpot_met_admitted": met / len(admitted) if admitted else None,
-            "ttft_p99_ms": res.get("ttft_p99_ms"), "tpot_p99_ms": res.get("tpot_p99_ms"),
-            "token_throughput": res.get("token_throughput")}
+            "ttft_p50_ms": res.get("ttft_p50_ms"), "ttft_p99_ms": res.get("ttft_p99_ms"),
+            "tpot_p99_ms": res.get("tpot_p99_ms"), "token_throughput": res.get("token_throughput"),
+            # where the time to first token went, hop by hop (Server-Timing and the engine's own TTFT): the client's
+            # TTFT beside the engine's tells what the HTTP path adds under this load
+            "http_hops_ms": {hop: {k: d[k] for k in ("p50", "p90", "p99", "max") if k in d}
+                             for hop, d in (res.get("http_hops_ms") or {}).items()}}
 
 
 def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict[str, Any]:
