@@ -17,7 +17,9 @@ requests in its engine, up to `max_queued_requests` more waiting for a slot, and
 # NB: no `from __future__ import annotations`: FastAPI must see real annotations on the inherited routes.
 
 import asyncio
+import dataclasses
 import inspect
+import time
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -95,8 +97,11 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
             raise overloaded(self.retry_after_s)
         self._calls += 1
         last = None
+        t_queued = time.perf_counter()
         try:
             async with self._slots:
+                # the wait for a slot is off its TTFT SLO, as the time before it (GenerateRequest.waited_ms)
+                req = dataclasses.replace(req, waited_ms=req.waited_ms + (time.perf_counter() - t_queued) * 1000.0)
                 inner = self.generate(req)
                 try:
                     async for out in inner:

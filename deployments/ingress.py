@@ -430,10 +430,10 @@ class OpenAIFrontend:
     async def _start(self, req: GenerateRequest, t_call: float
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
-        (`reroutes` times at most, with what is left of its TTFT SLO). Its TTFT SLO counts from `t_call` (the
-        request's arrival here: `_respond`), less `req.waited_ms` spent before it, so that every send, the first
-        too, tells the engine what is left (the time this Ingress took to read, parse and route it included).
-        Returns the request as last sent."""
+        (`reroutes` times at most, with what is left of its TTFT SLO). `req.waited_ms` is the time of its TTFT SLO
+        spent up to `t_call` (`_respond`: none, up to the request's arrival here; a batch's prompt: its wait so far),
+        and every send, the first too, tells the engine what is left at the send (what this Ingress took to read and
+        parse it counted). Returns the request as last sent."""
         waited_ms = req.waited_ms
         first_send = dataclasses.replace(req, waited_ms=waited_ms + (time.perf_counter() - t_call) * 1000.0)
         req, gen, first = await self._first_item_anywhere(first_send, waited_ms, t_call)
@@ -798,11 +798,13 @@ def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | 
 
 
 def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
-    """Tell this process's SLO routers (refusals.note_refusal) that a replica turned `req` away for its load."""
+    """Tell this process's SLO routers (refusals.note_refusal) that a replica turned `req` away for its load: at
+    the SLO the replica judged (`engine_slo`: a TTFT SLO spent before the send, here or on an earlier replica, says
+    nothing of the load of this one about requests with more of theirs left)."""
     sb = first.served_by
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
-        note_refusal(sb.replica, req.slo, (first.reject_reason or RejectReason.OVERLOADED).value)
+        note_refusal(sb.replica, req.engine_slo, (first.reject_reason or RejectReason.OVERLOADED).value)
 
 
 def _chunk(body: dict, include_usage: bool) -> bytes:

@@ -115,7 +115,11 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
         d.mkdir()
     slo = _slo_gpu_doc()
     (call1 / "slo-gpu.json").write_text(json.dumps(dict(slo, rows=slo["rows"][:2])))  # cut off: call 2 resumed it
-    (call2 / "slo-gpu.json").write_text(json.dumps(dict(slo, http_front={"fcfs": "haproxy", "kairos": "serve-proxy"})))
+    hops = {"client_proxy": {"p50": 1.0, "p99": 9.0}, "replica": {"p50": 12.0, "p99": 80.0},
+            "engine_ttft": {"p50": 10.0, "p99": 30.0}}  # where the TTFT went (a row from before them has none)
+    rows = [dict(slo["rows"][0], ttft_p50_ms=20.0, ttft_p99_ms=None, http_hops_ms=hops), *slo["rows"][1:]]
+    (call2 / "slo-gpu.json").write_text(json.dumps(dict(slo, rows=rows,
+                                                        http_front={"fcfs": "haproxy", "kairos": "serve-proxy"})))
     with tarfile.open(call1 / "slo_gpu-out.tgz", "w:gz") as tf:
         data = json.dumps({"format": 2, "meta": {}}).encode()
         info = tarfile.TarInfo("slo_gpu/replica-profile.json")
@@ -148,6 +152,8 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     assert http["figures"]["issue_checks"]["checks"] == {"http_ttft_le_2ms": True, "http_itl_le_0.5ms": False}
     assert any("failed tests/gpu/x.py::test_a: boom" in line for line in note)
     assert any("4 passed in 90s" in line for line in note)
+    table = next(line for line in note if line.startswith("time to first token by hop")).splitlines()
+    assert len(table) == 4 and "20.0 / - |" in table[3] and "1.0 / 9.0" in table[3] and "12.0 / 80.0" in table[3]
     assert any("2 hybrid steps at 0.68-1.03 of prefill + decode, 1.02-1.10 of one forward" in line for line in note)
     # the HTTP front each server ran behind: a run behind Serve's Python proxy is flagged
     assert any("WARNING" in line and "Python proxy" in line for line in note)

@@ -116,12 +116,14 @@ def slo_table(doc: dict[str, Any]) -> str:
 def ttft_hops_table(doc: dict[str, Any]) -> str:
     """Where each row's time to first token went: the client's TTFT beside the engine's own (p50 / p99 ms) and the
     hops between (bench.driver.HOPS); empty where no row recorded them (a summary from before they travelled)."""
-    hops = ("client_proxy", "parse", "route", "replica", "engine_ttft")
+    hops = ("client_proxy", "parse", "route", "replica", "body", "engine_ttft")
+
+    def ms(x: Any) -> str:
+        return f"{x:.1f}" if isinstance(x, (int, float)) else "-"
 
     def cell(d: dict[str, Any] | None) -> str:
-        return "-" if not d else f"{d.get('p50', float('nan')):.1f} / {d.get('p99', float('nan')):.1f}"
-    rows = [[r["policy"], r["lengths"], f"{r['load']:g}x",
-             "-" if r.get("ttft_p50_ms") is None else f"{r['ttft_p50_ms']:.1f} / {r.get('ttft_p99_ms') or 0:.1f}",
+        return "-" if not d else f"{ms(d.get('p50'))} / {ms(d.get('p99'))}"
+    rows = [[r["policy"], r["lengths"], f"{r['load']:g}x", f"{ms(r.get('ttft_p50_ms'))} / {ms(r.get('ttft_p99_ms'))}",
              *(cell(r["http_hops_ms"].get(h)) for h in hops)]
             for r in doc.get("rows") or [] if r.get("http_hops_ms")]
     if not rows:

@@ -1099,10 +1099,16 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
     from deployments.direct import LocalStream
     from deployments.ingress import OpenAIFrontend
 
+    from ray.exceptions import ActorDiedError
+
     sent: list[GenerateRequest] = []
+    died: list[BaseException] = []  # the next send's replica actor dies with this
 
     async def generate(req: GenerateRequest):
         sent.append(req)
+        if died:
+            await asyncio.sleep(0.05)
+            raise died.pop()
         yield RequestOutput(req.request_id, text="Hi", token_ids=[1], finished=True,
                             finish_reason=FinishReason.LENGTH, num_prompt_tokens=1, num_output_tokens=1)
 
@@ -1111,22 +1117,69 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
             return LocalStream(generate(req))
 
     f = object.__new__(Front)
-    f._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+    f._init_frontend({"model_name": "m", "max_body_bytes": 4096, "failovers": 1})
     slo = SLO(ttft_ms=1000.0, tpot_ms=50.0)
     one = GenerateRequest("r1", "x", params=SamplingParams(max_tokens=1), slo=slo)
     body = P.CompletionRequest(model="m", prompt="x", max_tokens=1)
 
     async def run() -> None:
-        t_in = time.perf_counter() - 0.3  # the request reached the server 300 ms ago; parsed just now
+        t0 = time.perf_counter()
+        t_in = t0 - 0.3  # the request reached the server 300 ms ago; parsed just now
         await f._respond(body, one, "completion", "r1", t_in, time.perf_counter())
-        assert 300.0 <= sent[-1].waited_ms < 1000.0
+        spent_ms = (time.perf_counter() - t_in) * 1000.0
+        assert 300.0 <= sent[-1].waited_ms <= spent_ms  # counted once, from t_in
         assert sent[-1].engine_slo.ttft_ms == pytest.approx(1000.0 - sent[-1].waited_ms)
         assert sent[-1].slo == slo  # its labels and the idle-floor test keep the client's
         sent.clear()
+        # the replica actor died under the first send: the second carries all the time since t_in, once
+        died.append(ActorDiedError())
+        t_in = time.perf_counter() - 0.3
+        await f._respond(body, one, "completion", "r1", t_in, time.perf_counter())
+        spent_ms = (time.perf_counter() - t_in) * 1000.0
+        assert len(sent) == 2 and 300.0 <= sent[0].waited_ms < 350.0 <= sent[1].waited_ms <= spent_ms
+        sent.clear()
         batch = [dataclasses.replace(one, request_id=f"r-{i}") for i in range(2)]
-        await f._respond_batch(P.CompletionRequest(model="m", prompt=["x", "y"], max_tokens=1), batch, "r",
-                               time.perf_counter() - 0.3)
-        assert len(sent) == 2 and all(300.0 <= r.waited_ms < 1000.0 for r in sent)
+        t_in = time.perf_counter() - 0.3
+        await f._respond_batch(P.CompletionRequest(model="m", prompt=["x", "y"], max_tokens=1), batch, "r", t_in)
+        spent_ms = (time.perf_counter() - t_in) * 1000.0
+        assert len(sent) == 2 and all(300.0 <= r.waited_ms <= spent_ms for r in sent)
+        # spent before it was sent: the engine gets almost nothing left (and turns it away by its TTFT guard)
+        t_in = time.perf_counter() - 1.5
+        await f._respond(body, one, "completion", "r1", t_in, time.perf_counter())
+        assert sent[-1].waited_ms >= 1500.0 and sent[-1].engine_slo.ttft_ms == pytest.approx(1e-3)
+
+    asyncio.run(run())
+
+
+def test_a_direct_replicas_wait_for_a_slot_is_off_the_ttft_slo() -> None:
+    """A replica serving HTTP itself (topology=direct) holds a request that finds every generation slot taken; the
+    engine gets its TTFT SLO less that wait too (GenerateRequest.waited_ms), once."""
+    from core.request import FinishReason
+    from deployments.direct import DirectFrontend
+
+    sent: list[GenerateRequest] = []
+
+    class Direct(DirectFrontend):
+        async def generate(self, req: GenerateRequest):  # type: ignore[override]
+            sent.append(req)
+            await asyncio.sleep(0.1)
+            yield RequestOutput(req.request_id, text="Hi", token_ids=[1], finished=True,
+                                finish_reason=FinishReason.LENGTH, num_prompt_tokens=1, num_output_tokens=1)
+
+    d = object.__new__(Direct)
+    d._cap, d._calls, d.retry_after_s = None, 0, 1
+
+    async def drain(req: GenerateRequest) -> None:
+        async for _ in d._bounded(req):
+            pass
+
+    async def run() -> None:
+        d._slots = asyncio.Semaphore(1)
+        reqs = [GenerateRequest(f"r{i}", "x", slo=SLO(ttft_ms=1000.0), waited_ms=5.0) for i in range(2)]
+        await asyncio.gather(*(drain(r) for r in reqs))
+        assert [r.waited_ms for r in sent][0] == pytest.approx(5.0, abs=5.0)  # a free slot: no wait added
+        assert 5.0 + 90.0 <= sent[1].waited_ms < 5.0 + 400.0  # the first one's 100 ms on top of its 5
+        assert sent[1].engine_slo.ttft_ms == pytest.approx(1000.0 - sent[1].waited_ms)
 
     asyncio.run(run())
 
@@ -1854,9 +1907,11 @@ def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypa
 
     seats = {"free": 2, "most": 0, "held": 2, "blip": 0}  # the fake replica keeps the SLO for `free` requests at once
     sent_slos: list[tuple[float | None, float | None]] = []  # (the engine's TTFT SLO, the client's) of each send
+    by_prompt: dict[str, list[float | None]] = {}  # the engine's TTFT SLO of each send, by prompt
 
     async def generate(req: GenerateRequest):
         sent_slos.append((req.engine_slo.ttft_ms, req.slo.ttft_ms))
+        by_prompt.setdefault(req.request_id, []).append(req.engine_slo.ttft_ms)
         if seats["free"] == 0 or seats["blip"] == 1:  # blip 1: the first request after one ended is turned away
             seats["blip"] = 2 if seats["blip"] else 0  # (and armed again for the next end)
             yield RequestOutput(req.request_id, finished=True, finish_reason="rejected",
@@ -1924,10 +1979,12 @@ def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypa
             texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
         assert list(texts.values()) == [p + "!" for p in prompts] and body.endswith(b"data: [DONE]\n\n")
         sent_slos.clear()
+        by_prompt.clear()
         status, body = await post({"prompt": prompts, "max_tokens": 2}, ttft_ms=30)
         assert status == 429 and b"tpot_unattainable" in body and b"prompt " in body  # its TTFT ran out waiting
-        resent = [ttft for ttft, _ in sent_slos if ttft is not None and ttft < 30]
-        assert resent, sent_slos  # sent again with what was left of its TTFT SLO for the engine...
+        resent = [ttfts for ttfts in by_prompt.values() if len(ttfts) > 1]
+        # sent again with what was left of its TTFT SLO for the engine...
+        assert resent and all(t[-1] < t[0] < 30 for t in resent), by_prompt
         assert {client for _, client in sent_slos} == {30}  # ...and the client's own for its labels
         # turned away when none of the batch runs (a replica's steps measured slow lately), after some were served:
         # it waits the refusal's Retry-After (here shortened) and is sent again
