@@ -310,7 +310,7 @@ def _figures(doc: dict) -> dict:
     figures = {k: round(float(doc[k]), 2) for k in FIELDS} | {"failed": doc["failed_requests"]}
     hops = doc.get("hops_p50_ms") or {}
     if "replica" in hops:  # HTTP: the time to first token outside the replica's handler, and inside it
-        figures["outside_p50_ms"] = round(hops.get("client_proxy", 0.0) + hops.get("body", 0.0), 2)
+        figures["outside_p50_ms"] = round(sum(hops.get(h, 0.0) for h in ("client_proxy", "proxy", "body")), 2)
         figures["replica_p50_ms"] = round(hops["replica"], 2)
     return figures
 

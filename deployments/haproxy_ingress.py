@@ -25,7 +25,8 @@ summary `http-overhead-amx-emr-loop-reader`). Serve then reacts to a replica's s
 
 `guard_haproxy` (with the flags) has Serve start HAProxy through a launcher that ties HAProxy's life to the actor that
 started it, binds its stats and Prometheus listeners to 127.0.0.1, drops the request splice (so that a client that
-goes away is noticed) and answers HAProxy's own errors in OpenAI's JSON (a replica that died under a request: 503);
+goes away is noticed), stamps each request with when HAProxy read it (its wait for the Ingress comes off its TTFT SLO)
+and answers HAProxy's own errors in OpenAI's JSON (a replica that died under a request: 503);
 `hook_serve_run` gives `serve run deployments:app` its HTTP address (`KAIROS_HTTP_HOST`, `KAIROS_HTTP_PORT`;
 127.0.0.1:8000) and a SIGTERM that shuts Serve down as Ctrl-C does. Their sections below say why.
 """
@@ -294,10 +295,31 @@ def write_error_files(folder: str) -> None:
         os.replace(tmp, path)
 
 
+# HAProxy stamps each request with when it read it, and on which host (`with_received_stamp`): the Ingress takes the
+# time between off the request's TTFT SLO (`ingress.proxy_wait_ms`). That is the wait for an Ingress whose event loop
+# is busy (streaming other replies), which no clock of the Ingress's sees; HAProxy replaces a client's own header of
+# that name. The host says whether the two clocks are one: across nodes the stamp is ignored.
+RECEIVED_HEADER = "x-kairos-received"
+RECEIVED_RULE = f"http-request set-header {RECEIVED_HEADER} t=%[date(0,us)],h=%H"
+
+
+def with_received_stamp(config: str) -> str:
+    """`config` with `RECEIVED_RULE` first in its `frontend http_frontend` section (once)."""
+    if RECEIVED_RULE in config:
+        return config
+    out = []
+    for line in config.splitlines(keepends=True):
+        out.append(line)
+        if line.split() == ["frontend", "http_frontend"]:
+            out.append(f"    {RECEIVED_RULE}\n")
+    return "".join(out)
+
+
 def _rewrite_config(argv: list[str], host: str | None) -> None:
     """Rewrite the config HAProxy is about to read (`-f PATH`), under the lock Serve writes it under: without the
-    request splice or server connection reuse, its own errors answered in OpenAI's shape (files beside it), and its
-    admin listeners on `host` (None: left where they are)."""
+    request splice or server connection reuse, its own errors answered in OpenAI's shape (files beside it), each
+    request stamped with when HAProxy read it (`with_received_stamp`), and its admin listeners on `host` (None: left
+    where they are)."""
     import fcntl
 
     try:
@@ -309,7 +331,7 @@ def _rewrite_config(argv: list[str], host: str | None) -> None:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(path) as f:
             text = f.read()
-        new = without_request_splice(text if host is None else admin_binds_on(text, host))
+        new = with_received_stamp(without_request_splice(text if host is None else admin_binds_on(text, host)))
         if os.environ.get(REUSE_ENV, "").strip() != "1":
             new = without_connection_reuse(new)
         errors = with_openai_errors(new, folder)

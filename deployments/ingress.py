@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import re
+import socket
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
@@ -37,6 +38,7 @@ from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
+from deployments.haproxy_ingress import RECEIVED_HEADER
 from deployments.errors import (REPLICA_ERRORS, APIError, error_response, item_failure, model_not_found, overloaded,
                                 param_named, protocol_failure, replica_failure, unsupported_media_type)
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
@@ -88,12 +90,34 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
 
-def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None) -> str:
-    """W3C Server-Timing for the way to the first output: `parse` (read, validate), `route` (the handle call:
-    routing plus transport both ways, i.e. the rest), `replica` (tokenize, queue, prefill in the replica).
-    Each is measured on one clock (ingress or replica), so they hold across machines."""
+PROXY_WAIT_MAX_MS = 600_000.0  # a stamp older than this is a clock's error, not a wait
+
+
+def proxy_wait_ms(stamp: str | None, now_us: float | None = None, host: str | None = None) -> float:
+    """The ms between HAProxy reading a request and now, from the stamp it set (`haproxy_ingress.RECEIVED_HEADER`:
+    `t=<epoch us>,h=<its host>`); 0 where there is none, it is malformed, or HAProxy ran on another host (another
+    clock) or in the future."""
+    if not stamp:
+        return 0.0
+    try:
+        fields = dict(part.split("=", 1) for part in stamp.split(","))
+        t_us = float(fields["t"])
+    except (KeyError, ValueError):
+        return 0.0
+    if fields.get("h") != (host if host is not None else socket.gethostname()):
+        return 0.0
+    wait = ((time.time() * 1e6 if now_us is None else now_us) - t_us) / 1000.0
+    return wait if 0.0 < wait <= PROXY_WAIT_MAX_MS else 0.0
+
+
+def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None, proxy_ms: float = 0.0) -> str:
+    """W3C Server-Timing for the way to the first output: `proxy` (where HAProxy stamped the request on this host:
+    its wait between HAProxy and this handler), `parse` (read, validate), `route` (the handle call: routing plus
+    transport both ways, i.e. the rest), `replica` (tokenize, queue, prefill in the replica). Each is measured on one
+    clock (the host's, the ingress's or the replica's), so they hold across machines."""
     wait = (t_first - t_call) * 1000.0
-    parts = [f"parse;dur={(t_call - t_in) * 1000.0:.1f}"]
+    parts = [f"proxy;dur={proxy_ms:.1f}"] if proxy_ms > 0 else []
+    parts.append(f"parse;dur={(t_call - t_in) * 1000.0:.1f}")
     if replica_ms is not None:
         parts += [f"route;dur={max(0.0, wait - replica_ms):.1f}", f"replica;dur={replica_ms:.1f}"]
     else:
@@ -420,18 +444,23 @@ class OpenAIFrontend:
         self._auth(request)
         body, reqs = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
+        # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
+        if (proxy_ms := proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0) > 0:
+            reqs = [dataclasses.replace(r, waited_ms=r.waited_ms + proxy_ms) for r in reqs]
         if self.log_prompts:
             for req in reqs:
                 log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
-        work = self._respond(body, reqs[0], kind, rid, t_in, t_call) if len(reqs) == 1 \
-            else self._respond_batch(body, reqs, rid, t_in)
+        proxy_ms = max(proxy_ms, 0.0)
+        work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms) if len(reqs) == 1 \
+            else self._respond_batch(body, reqs, rid, t_in, proxy_ms)
         return await until_disconnected(request.receive, work)
 
     async def _start(self, req: GenerateRequest, t_call: float
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
         (`reroutes` times at most, with what is left of its TTFT SLO). `req.waited_ms` is the time of its TTFT SLO
-        spent up to `t_call` (`_respond`: none, up to the request's arrival here; a batch's prompt: its wait so far),
+        spent up to `t_call` (`_respond`: its wait between HAProxy and this Ingress, up to its arrival here; a batch's
+        prompt: all its wait so far),
         and every send, the first too, tells the engine what is left at the send (what this Ingress took to read and
         parse it counted). Returns the request as last sent."""
         waited_ms = req.waited_ms
@@ -478,21 +507,23 @@ class OpenAIFrontend:
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     @staticmethod
-    def _headers(rid: str, req: GenerateRequest, first: RequestOutput, t_in: float, t_call: float) -> dict[str, str]:
+    def _headers(rid: str, req: GenerateRequest, first: RequestOutput, t_in: float, t_call: float,
+                 proxy_ms: float = 0.0) -> dict[str, str]:
         sb = first.served_by
         headers = {"x-kairos-request-id": rid, "x-kairos-replica": sb.replica if sb else "",
-                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None)}
+                   "Server-Timing": server_timing(t_in, t_call, time.perf_counter(), sb.replica_ms if sb else None,
+                                                  proxy_ms)}
         if req.avoid_replicas:
             headers["x-kairos-rerouted"] = str(len(req.avoid_replicas))
         return headers
 
     async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
-                       t_call: float) -> Any:
+                       t_call: float, proxy_ms: float = 0.0) -> Any:
         """The response to a parsed request: a whole completion, or the stream once its first item is in. Its TTFT
         SLO counts from `t_in`, when the request reached this server (vLLM's arrival time), not from the end of its
         parsing."""
         req, gen, first = await self._start(req, t_in)
-        headers = self._headers(rid, req, first, t_in, t_call)
+        headers = self._headers(rid, req, first, t_in, t_call, proxy_ms)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
         if first.finished:
             failure = item_failure(first, headers, self.retry_after_s)
@@ -538,8 +569,8 @@ class OpenAIFrontend:
             _cancel_quietly(gen)
             raise protocol_failure(rid, e) from None
 
-    async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float
-                             ) -> Any:
+    async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float,
+                             proxy_ms: float = 0.0) -> Any:
         """A completion of several prompts (vLLM's batched `prompt`): a request per prompt, each routed, admitted or
         turned away on its own; the response has a choice per prompt (`index`, in the prompts' order) and their
         usage summed, or streams every prompt's chunks as they come, each naming its choice. At most
@@ -569,7 +600,7 @@ class OpenAIFrontend:
                     # its TTFT SLO counts from the batch's arrival: less what it waited here (reading and parsing
                     # the batch, for a slot, in line)
                     t0 = time.perf_counter()
-                    sent = dataclasses.replace(req, waited_ms=(t0 - t_in) * 1000.0)
+                    sent = dataclasses.replace(req, waited_ms=req.waited_ms + (t0 - t_in) * 1000.0)
                     seen = batch.sending()
                     try:
                         sent, gen, first = await self._start(sent, t0)
@@ -582,7 +613,7 @@ class OpenAIFrontend:
                         batch.answered(False, tries > 0)
                         raise
                     else:
-                        headers = self._headers(rid, sent, first, t_in, t0)
+                        headers = self._headers(rid, sent, first, t_in, t0, proxy_ms)
                         failure = item_failure(first, headers, self.retry_after_s) if first.finished else None
                         batch.answered(failure is None, tries > 0)
                     if failure is None:
@@ -591,7 +622,8 @@ class OpenAIFrontend:
                         gen.cancel()
                     if failure.status == 429:
                         ttft = req.slo.ttft_ms
-                        left_s = None if ttft is None else ttft / 1000.0 - (time.perf_counter() - t_in)
+                        left_s = None if ttft is None else \
+                            (ttft - req.waited_ms) / 1000.0 - (time.perf_counter() - t_in)
                         if batch.may_make_room(seen):
                             if not wait:
                                 batch.slots.release()
@@ -605,7 +637,7 @@ class OpenAIFrontend:
                             if again:
                                 pauses += 1
                                 await asyncio.sleep(pause_s)
-                        if again and (ttft is None or (time.perf_counter() - t_in) * 1000.0 < ttft):
+                        if again and (ttft is None or req.waited_ms + (time.perf_counter() - t_in) * 1000.0 < ttft):
                             tries += 1
                             continue  # sent again with what is left of its TTFT SLO
                     failure.message = f"prompt {i}: {failure.message}"

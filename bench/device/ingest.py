@@ -116,7 +116,7 @@ def slo_table(doc: dict[str, Any]) -> str:
 def ttft_hops_table(doc: dict[str, Any]) -> str:
     """Where each row's time to first token went: the client's TTFT beside the engine's own (p50 / p99 ms) and the
     hops between (bench.driver.HOPS); empty where no row recorded them (a summary from before they travelled)."""
-    hops = ("client_proxy", "parse", "route", "replica", "body", "engine_ttft")
+    hops = ("client_proxy", "proxy", "parse", "route", "replica", "body", "engine_ttft")
 
     def ms(x: Any) -> str:
         return f"{x:.1f}" if isinstance(x, (int, float)) else "-"

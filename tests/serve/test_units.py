@@ -1151,6 +1151,26 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
     asyncio.run(run())
 
 
+def test_the_wait_between_haproxy_and_the_ingress_is_off_the_ttft_slo() -> None:
+    """HAProxy stamps a request with when it read it and on which host (`haproxy_ingress.RECEIVED_RULE`): on the
+    Ingress's host the time since then is off the request's TTFT SLO, and its Server-Timing shows it (`proxy`);
+    another host's clock, a stamp from the future or a malformed one count nothing. (tests/serve/test_api.py sees the
+    stamp arrive through HAProxy.)"""
+    import socket
+
+    from deployments.ingress import proxy_wait_ms, server_timing
+
+    host = socket.gethostname()
+    assert proxy_wait_ms(f"t=1000000,h={host}", now_us=1_250_000) == pytest.approx(250.0)
+    assert proxy_wait_ms("t=1000000,h=elsewhere", now_us=1_250_000) == 0.0  # another clock
+    assert proxy_wait_ms(f"t=2000000,h={host}", now_us=1_250_000) == 0.0  # the future
+    for bad in (None, "", "t=x,h=a", "h=a", "garbage", "t=1,h"):
+        assert proxy_wait_ms(bad, now_us=1_250_000, host="a") == 0.0, bad
+    timing = server_timing(10.0, 10.002, 10.05, 40.0, proxy_ms=3.0)  # the wait shows where the time went
+    assert timing.startswith("proxy;dur=3.0, parse;dur=2.0")
+    assert not server_timing(10.0, 10.002, 10.05, 40.0).startswith("proxy")  # no stamp: no entry
+
+
 def test_a_direct_replicas_wait_for_a_slot_is_off_the_ttft_slo() -> None:
     """A replica serving HTTP itself (topology=direct) holds a request that finds every generation slot taken; the
     engine gets its TTFT SLO less that wait too (GenerateRequest.waited_ms), once."""
