@@ -124,6 +124,9 @@ class PromptOptions:
         return self
 
 
+MAX_SEND_WAIT_MS = 600_000.0  # a send older than this is a clock's error, not a wait
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One generation call. Exactly one of `prompt` (text or token ids) and `messages` (chat) is set; `options` say
@@ -137,13 +140,16 @@ class GenerateRequest:
     options: PromptOptions = field(default_factory=PromptOptions)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
     avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
-    # ms of its TTFT SLO spent before this send (in the ingress since the request reached it: reading, parsing,
-    # routing, earlier sends turned away): the engine's TTFT deadline is that much nearer (`engine_slo`); its metrics
-    # labels and the test of an SLO no idle replica meets keep `slo`
+    # ms of its TTFT SLO spent before this send (since HAProxy read it: its wait for the Ingress, reading, parsing,
+    # earlier sends turned away; and at the replica its way there, `arrived`): the engine's TTFT deadline is that much
+    # nearer (`engine_slo`); its metrics labels and the test of an SLO no idle replica meets keep `slo`
     waited_ms: float = 0.0
     # the Ray actor id of the caller (an Ingress replica), None in-process: a replica aborts the request once that
     # actor is dead (nothing else cancels a replica's generator when its caller dies)
     caller: str | None = None
+    # (host, epoch s) where and when an Ingress sent it to an LLM replica: the replica counts the time since as spent
+    # too (`arrived`: routing, Serve's queue, transport), where the two share a host's clock
+    sent_at: tuple[str, float] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -153,6 +159,16 @@ class GenerateRequest:
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "avoid_replicas", tuple(self.avoid_replicas))
+
+    def arrived(self, host: str, now_s: float) -> "GenerateRequest":
+        """This request as a replica on `host` got it at `now_s` (epoch s): the time since it was sent (`sent_at`)
+        added to `waited_ms` where it was sent from the same host (one clock; another host's is not this one), and
+        `sent_at` cleared, so that it counts once."""
+        if self.sent_at is None:
+            return self
+        spent_ms = (now_s - self.sent_at[1]) * 1000.0
+        counted = self.sent_at[0] == host and 0.0 < spent_ms <= MAX_SEND_WAIT_MS
+        return dataclasses.replace(self, waited_ms=self.waited_ms + (spent_ms if counted else 0.0), sent_at=None)
 
     @property
     def engine_slo(self) -> SLO:

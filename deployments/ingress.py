@@ -91,6 +91,7 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
 
 
 PROXY_WAIT_MAX_MS = 600_000.0  # a stamp older than this is a clock's error, not a wait
+HOST = socket.gethostname()  # whose clock a stamp or a send's time is on (`proxy_wait_ms`, GenerateRequest.sent_at)
 
 
 def proxy_wait_ms(stamp: str | None, now_us: float | None = None, host: str | None = None) -> float:
@@ -104,7 +105,7 @@ def proxy_wait_ms(stamp: str | None, now_us: float | None = None, host: str | No
         t_us = float(fields["t"])
     except (KeyError, ValueError):
         return 0.0
-    if fields.get("h") != (host if host is not None else socket.gethostname()):
+    if fields.get("h") != (host if host is not None else HOST):
         return 0.0
     wait = ((time.time() * 1e6 if now_us is None else now_us) - t_us) / 1000.0
     return wait if 0.0 < wait <= PROXY_WAIT_MAX_MS else 0.0
@@ -1129,7 +1130,8 @@ class IngressFrontend(OpenAIFrontend):
         self._ready_task = asyncio.get_running_loop().create_task(readiness())
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
-        return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id))
+        return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id,
+                                                            sent_at=(HOST, time.time())))
 
     def _own_call(self) -> None:
         """A handle call takes its internal request id from the HTTP request's Serve context, and Serve's router

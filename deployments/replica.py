@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import socket
 import statistics
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
 from scheduling.ttft_guard import idle_margin_at, idle_slo_floor
 
+HOST = socket.gethostname()  # the clock a request's send time is on where it was sent from this host
 log = logging.getLogger("ray.serve")
 
 MAX_RETRY_AFTER_S = 60  # the `openai` client waits out a Retry-After of up to 60 s, and no longer
@@ -242,6 +244,7 @@ class LLMReplica:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         rid = req.request_id
         t_in = time.monotonic()
+        req = req.arrived(HOST, time.time())  # its way here (routing, Serve's queue) is off its TTFT SLO too
         try:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:

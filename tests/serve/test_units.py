@@ -1171,6 +1171,32 @@ def test_the_wait_between_haproxy_and_the_ingress_is_off_the_ttft_slo() -> None:
     assert not server_timing(10.0, 10.002, 10.05, 40.0).startswith("proxy")  # no stamp: no entry
 
 
+def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo() -> None:
+    """The routed Ingress stamps each send with its host and time (`GenerateRequest.sent_at`); the LLM replica, on
+    the same host, counts the time since as spent (routing, Serve's queue, transport: `arrived`), once; on another
+    host (another clock), or from the future, nothing."""
+    import socket
+
+    from deployments.ingress import HOST, IngressFrontend
+
+    req = GenerateRequest("r", prompt="x", slo=SLO(ttft_ms=1000.0), waited_ms=5.0, sent_at=("a", 100.0))
+    got = req.arrived("a", 100.25)
+    assert got.waited_ms == pytest.approx(255.0) and got.sent_at is None and got.arrived("a", 200.0) == got
+    assert got.engine_slo.ttft_ms == pytest.approx(745.0)
+    assert req.arrived("b", 100.25).waited_ms == 5.0  # another host's clock
+    assert req.arrived("a", 99.0).waited_ms == 5.0  # the future
+    assert GenerateRequest("r", prompt="x").arrived("a", 1.0) == GenerateRequest("r", prompt="x")  # in-process
+
+    opened: list[GenerateRequest] = []
+    f = object.__new__(IngressFrontend)
+    f._actor_id = "ingress-1"
+    f.llm = SimpleNamespace(generate=SimpleNamespace(remote=opened.append))
+    t0 = time.time()
+    f._open(req)
+    assert HOST == socket.gethostname() and opened[0].caller == "ingress-1"
+    assert opened[0].sent_at[0] == HOST and t0 <= opened[0].sent_at[1] <= time.time()
+
+
 def test_a_direct_replicas_wait_for_a_slot_is_off_the_ttft_slo() -> None:
     """A replica serving HTTP itself (topology=direct) holds a request that finds every generation slot taken; the
     engine gets its TTFT SLO less that wait too (GenerateRequest.waited_ms), once."""
@@ -1356,12 +1382,13 @@ def test_a_direct_replica_whose_engine_died_fails_its_readiness_probe() -> None:
 
 def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
     """The frontend stops reading at a finished item and does not close the stream: the replica's in-flight count
-    (routing stats, pacing, metrics) must not wait for that generator to be collected."""
+    (routing stats, pacing, metrics) must not wait for that generator to be collected. (And a request an Ingress on
+    this host sent reaches the engine with its way here off its TTFT SLO.)"""
     import asyncio
     from collections import deque
 
     from deployments.pacing import StreamPacing
-    from deployments.replica import LLMReplica
+    from deployments.replica import HOST, LLMReplica
 
     class Stream:
         def __init__(self, items: list[RequestOutput]) -> None:
@@ -1377,7 +1404,8 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
     async def run() -> None:
         me = object.__new__(LLMReplica)
         aborted: list[str] = []
-        me.engine = type("E", (), {"generate": lambda _s, req: Stream([
+        seen: list[GenerateRequest] = []  # what the engine got
+        me.engine = type("E", (), {"generate": lambda _s, req: seen.append(req) or Stream([
             RequestOutput(req.request_id, text="a", token_ids=[1], num_prompt_tokens=1),
             RequestOutput(req.request_id, text="b", token_ids=[2], finished=True, finish_reason="length")]),
             "abort": lambda _s, rid: aborted.append(rid), "shutdown": lambda _s, timeout=None: None})()
@@ -1392,6 +1420,11 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         assert me.inflight == 0 and aborted == ["gone"] and me.aborted == 1
         await done.aclose()
         assert me.inflight == 0 and aborted == ["gone"]
+        # sent by an Ingress on this host 200 ms ago: the engine gets its TTFT SLO less that way here
+        sent = me.generate(GenerateRequest("sent", prompt=(1,), slo=SLO(ttft_ms=1000.0),
+                                           sent_at=(HOST, time.time() - 0.2)))
+        assert [(await sent.__anext__()).finished for _ in range(2)] == [False, True]
+        assert 200.0 <= seen[-1].waited_ms < 1000.0 and seen[-1].sent_at is None
 
     asyncio.run(run())
 
