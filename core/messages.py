@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core.request import SLO, FinishReason
@@ -124,7 +126,20 @@ class PromptOptions:
         return self
 
 
-MAX_SEND_WAIT_MS = 600_000.0  # a send older than this is a clock's error, not a wait
+MAX_SEND_WAIT_MS = 60_000.0  # a stamp older than this is a clock's error (a step of the wall clock), not a wait
+
+
+@functools.cache
+def clock_id() -> str | None:
+    """Whose clocks this process reads: the kernel's boot id, the same in every process and container on this
+    kernel (whose monotonic and wall clocks they share) and different on another machine, even one of the same
+    name. A stamp of time is compared with this process's clock only where it carries this id (`GenerateRequest.
+    arrived`, `ingress.proxy_wait_ms`); clients cannot read it, so they cannot forge one. None where the kernel has
+    none (not Linux): then no stamp counts."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +162,9 @@ class GenerateRequest:
     # the Ray actor id of the caller (an Ingress replica), None in-process: a replica aborts the request once that
     # actor is dead (nothing else cancels a replica's generator when its caller dies)
     caller: str | None = None
-    # (host, epoch s) where and when an Ingress sent it to an LLM replica: the replica counts the time since as spent
-    # too (`arrived`: routing, Serve's queue, transport), where the two share a host's clock
-    sent_at: tuple[str, float] | None = None
+    # (clock_id(), time.monotonic()) where and when an Ingress sent it to an LLM replica: the replica counts the time
+    # since as spent too (`arrived`: routing, Serve's queue, transport), where the two share a clock
+    sent_at: tuple[str | None, float] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -160,14 +175,14 @@ class GenerateRequest:
             object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "avoid_replicas", tuple(self.avoid_replicas))
 
-    def arrived(self, host: str, now_s: float) -> "GenerateRequest":
-        """This request as a replica on `host` got it at `now_s` (epoch s): the time since it was sent (`sent_at`)
-        added to `waited_ms` where it was sent from the same host (one clock; another host's is not this one), and
-        `sent_at` cleared, so that it counts once."""
+    def arrived(self, clock: str | None, now_s: float) -> "GenerateRequest":
+        """This request as a replica got it at `now_s` on the monotonic clock of `clock` (`clock_id()`): the time
+        since it was sent (`sent_at`) added to `waited_ms` where it was sent on the same clock (another machine's is
+        not this one), and `sent_at` cleared, so that it counts once."""
         if self.sent_at is None:
             return self
         spent_ms = (now_s - self.sent_at[1]) * 1000.0
-        counted = self.sent_at[0] == host and 0.0 < spent_ms <= MAX_SEND_WAIT_MS
+        counted = clock is not None and self.sent_at[0] == clock and 0.0 < spent_ms <= MAX_SEND_WAIT_MS
         return dataclasses.replace(self, waited_ms=self.waited_ms + (spent_ms if counted else 0.0), sent_at=None)
 
     @property

@@ -295,23 +295,39 @@ def write_error_files(folder: str) -> None:
         os.replace(tmp, path)
 
 
-# HAProxy stamps each request with when it read it, and on which host (`with_received_stamp`): the Ingress takes the
-# time between off the request's TTFT SLO (`ingress.proxy_wait_ms`). That is the wait for an Ingress whose event loop
-# is busy (streaming other replies), which no clock of the Ingress's sees; HAProxy replaces a client's own header of
-# that name. The host says whether the two clocks are one: across nodes the stamp is ignored.
+# HAProxy stamps each request with when it read it, on which machine's clock (`with_received_stamp`): the Ingress
+# takes the time between off the request's TTFT SLO (`ingress.proxy_wait_ms`). That is the wait for an Ingress whose
+# event loop is busy (streaming other replies), which no clock of the Ingress's sees. HAProxy replaces a client's own
+# header of that name; without HAProxy in front a client's header counts only if it names the kernel's boot id,
+# which clients cannot read (`core.messages.clock_id`), so a client cannot move its own deadline.
 RECEIVED_HEADER = "x-kairos-received"
-RECEIVED_RULE = f"http-request set-header {RECEIVED_HEADER} t=%[date(0,us)],h=%H"
 
 
-def with_received_stamp(config: str) -> str:
-    """`config` with `RECEIVED_RULE` first in its `frontend http_frontend` section (once)."""
-    if RECEIVED_RULE in config:
+def launcher_clock_id() -> str | None:
+    """`core.messages.clock_id` (the kernel's boot id), read here: the launcher runs as a script, without the
+    package on its path."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def received_rule(clock: str) -> str:
+    """The HAProxy rule that stamps a request: its wall-clock time in µs and `clock`, HAProxy's machine's id."""
+    return f"http-request set-header {RECEIVED_HEADER} t=%[date(0,us)],h={clock}"
+
+
+def with_received_stamp(config: str, clock: str | None) -> str:
+    """`config` with `received_rule(clock)` first in its `frontend http_frontend` section (once; a config that has a
+    stamp already is left as it is); as it is without a clock id."""
+    if clock is None or f"set-header {RECEIVED_HEADER} " in config:
         return config
     out = []
     for line in config.splitlines(keepends=True):
         out.append(line)
         if line.split() == ["frontend", "http_frontend"]:
-            out.append(f"    {RECEIVED_RULE}\n")
+            out.append(f"    {received_rule(clock)}\n")
     return "".join(out)
 
 
@@ -331,7 +347,8 @@ def _rewrite_config(argv: list[str], host: str | None) -> None:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(path) as f:
             text = f.read()
-        new = with_received_stamp(without_request_splice(text if host is None else admin_binds_on(text, host)))
+        new = with_received_stamp(without_request_splice(text if host is None else admin_binds_on(text, host)),
+                                  launcher_clock_id())
         if os.environ.get(REUSE_ENV, "").strip() != "1":
             new = without_connection_reuse(new)
         errors = with_openai_errors(new, folder)

@@ -16,7 +16,6 @@ import hmac
 import json
 import logging
 import re
-import socket
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
@@ -32,8 +31,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (ChatTurn, ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput,
-                           check_output)
+from core.messages import (MAX_SEND_WAIT_MS, ChatTurn, ErrorKind, GenerateRequest, ProtocolError, RejectReason,
+                           RequestOutput, check_output, clock_id)
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -90,14 +89,10 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
 
-PROXY_WAIT_MAX_MS = 600_000.0  # a stamp older than this is a clock's error, not a wait
-HOST = socket.gethostname()  # whose clock a stamp or a send's time is on (`proxy_wait_ms`, GenerateRequest.sent_at)
-
-
-def proxy_wait_ms(stamp: str | None, now_us: float | None = None, host: str | None = None) -> float:
-    """The ms between HAProxy reading a request and now, from the stamp it set (`haproxy_ingress.RECEIVED_HEADER`:
-    `t=<epoch us>,h=<its host>`); 0 where there is none, it is malformed, or HAProxy ran on another host (another
-    clock) or in the future."""
+def proxy_wait_ms(stamp: str | None, now_us: float | None = None, clock: str | None = None) -> float:
+    """The ms between HAProxy reading a request and now, from the stamp it set (`haproxy_ingress.received_rule`:
+    `t=<epoch us>,h=<its machine's clock id>`); 0 where there is none, it is malformed, or it is of another clock
+    (`clock`, default this machine's: `clock_id()`), of the future or older than MAX_SEND_WAIT_MS."""
     if not stamp:
         return 0.0
     try:
@@ -105,10 +100,11 @@ def proxy_wait_ms(stamp: str | None, now_us: float | None = None, host: str | No
         t_us = float(fields["t"])
     except (KeyError, ValueError):
         return 0.0
-    if fields.get("h") != (host if host is not None else HOST):
+    mine = clock if clock is not None else clock_id()
+    if mine is None or fields.get("h") != mine:
         return 0.0
     wait = ((time.time() * 1e6 if now_us is None else now_us) - t_us) / 1000.0
-    return wait if 0.0 < wait <= PROXY_WAIT_MAX_MS else 0.0
+    return wait if 0.0 < wait <= MAX_SEND_WAIT_MS else 0.0
 
 
 def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None, proxy_ms: float = 0.0) -> str:
@@ -521,8 +517,8 @@ class OpenAIFrontend:
     async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
                        t_call: float, proxy_ms: float = 0.0) -> Any:
         """The response to a parsed request: a whole completion, or the stream once its first item is in. Its TTFT
-        SLO counts from `t_in`, when the request reached this server (vLLM's arrival time), not from the end of its
-        parsing."""
+        SLO counts from when the request reached this server (vLLM's arrival time): HAProxy's stamp, else `t_in`
+        (`req.waited_ms` holds what it spent before `t_in`), not from the end of its parsing."""
         req, gen, first = await self._start(req, t_in)
         headers = self._headers(rid, req, first, t_in, t_call, proxy_ms)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
@@ -832,8 +828,9 @@ def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | 
 
 def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
     """Tell this process's SLO routers (refusals.note_refusal) that a replica turned `req` away for its load: at
-    the SLO the replica judged (`engine_slo`: a TTFT SLO spent before the send, here or on an earlier replica, says
-    nothing of the load of this one about requests with more of theirs left)."""
+    the SLO it was sent with (`engine_slo`: a TTFT SLO spent before the send, here or on an earlier replica, says
+    nothing of the load of this one about requests with more of theirs left; the replica judged it less its way
+    there too, `GenerateRequest.arrived`, which this side does not know)."""
     sb = first.served_by
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
@@ -1131,7 +1128,7 @@ class IngressFrontend(OpenAIFrontend):
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id,
-                                                            sent_at=(HOST, time.time())))
+                                                            sent_at=(clock_id(), time.monotonic())))
 
     def _own_call(self) -> None:
         """A handle call takes its internal request id from the HTTP request's Serve context, and Serve's router

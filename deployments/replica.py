@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import statistics
 import time
 from collections import deque
@@ -22,7 +21,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, PromptTooLong, RejectReason,
-                           RequestOutput, RoutingStats, ServedBy)
+                           RequestOutput, RoutingStats, ServedBy, clock_id)
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
@@ -31,7 +30,6 @@ from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
 from scheduling.ttft_guard import idle_margin_at, idle_slo_floor
 
-HOST = socket.gethostname()  # the clock a request's send time is on where it was sent from this host
 log = logging.getLogger("ray.serve")
 
 MAX_RETRY_AFTER_S = 60  # the `openai` client waits out a Retry-After of up to 60 s, and no longer
@@ -244,7 +242,7 @@ class LLMReplica:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         rid = req.request_id
         t_in = time.monotonic()
-        req = req.arrived(HOST, time.time())  # its way here (routing, Serve's queue) is off its TTFT SLO too
+        req = req.arrived(clock_id(), time.monotonic())  # its way here (routing, Serve's queue) is spent too
         try:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:

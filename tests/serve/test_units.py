@@ -1152,32 +1152,32 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
 
 
 def test_the_wait_between_haproxy_and_the_ingress_is_off_the_ttft_slo() -> None:
-    """HAProxy stamps a request with when it read it and on which host (`haproxy_ingress.RECEIVED_RULE`): on the
-    Ingress's host the time since then is off the request's TTFT SLO, and its Server-Timing shows it (`proxy`);
-    another host's clock, a stamp from the future or a malformed one count nothing. (tests/serve/test_api.py sees the
-    stamp arrive through HAProxy.)"""
-    import socket
-
+    """HAProxy stamps a request with when it read it and on which machine's clock (`haproxy_ingress.received_rule`):
+    on the Ingress's clock the time since then is off the request's TTFT SLO, and its Server-Timing shows it
+    (`proxy`); another clock (another machine, whatever its name), a stamp from the future or too old (a step of the
+    wall clock) or a malformed one count nothing. (tests/serve/test_api.py sees the stamp arrive through HAProxy.)"""
+    from core.messages import clock_id
     from deployments.ingress import proxy_wait_ms, server_timing
 
-    host = socket.gethostname()
-    assert proxy_wait_ms(f"t=1000000,h={host}", now_us=1_250_000) == pytest.approx(250.0)
-    assert proxy_wait_ms("t=1000000,h=elsewhere", now_us=1_250_000) == 0.0  # another clock
-    assert proxy_wait_ms(f"t=2000000,h={host}", now_us=1_250_000) == 0.0  # the future
+    assert proxy_wait_ms("t=1000000,h=a", now_us=1_250_000, clock="a") == pytest.approx(250.0)
+    assert proxy_wait_ms("t=1000000,h=elsewhere", now_us=1_250_000, clock="a") == 0.0  # another clock
+    assert proxy_wait_ms("t=2000000,h=a", now_us=1_250_000, clock="a") == 0.0  # the future
+    assert proxy_wait_ms("t=1000000,h=a", now_us=1_000_000 + 61e6, clock="a") == 0.0  # a clock's step, not a wait
     for bad in (None, "", "t=x,h=a", "h=a", "garbage", "t=1,h"):
-        assert proxy_wait_ms(bad, now_us=1_250_000, host="a") == 0.0, bad
+        assert proxy_wait_ms(bad, now_us=1_250_000, clock="a") == 0.0, bad
+    if clock_id() is not None:  # this machine's own: its boot id (a client cannot read it to forge a stamp)
+        assert proxy_wait_ms(f"t={(time.time() - 0.1) * 1e6:.0f},h={clock_id()}") >= 100.0
     timing = server_timing(10.0, 10.002, 10.05, 40.0, proxy_ms=3.0)  # the wait shows where the time went
     assert timing.startswith("proxy;dur=3.0, parse;dur=2.0")
     assert not server_timing(10.0, 10.002, 10.05, 40.0).startswith("proxy")  # no stamp: no entry
 
 
 def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo() -> None:
-    """The routed Ingress stamps each send with its host and time (`GenerateRequest.sent_at`); the LLM replica, on
-    the same host, counts the time since as spent (routing, Serve's queue, transport: `arrived`), once; on another
-    host (another clock), or from the future, nothing."""
-    import socket
-
-    from deployments.ingress import HOST, IngressFrontend
+    """The routed Ingress stamps each send with its clock and monotonic time (`GenerateRequest.sent_at`); the LLM
+    replica, on the same clock, counts the time since as spent (routing, Serve's queue, transport: `arrived`), once;
+    on another clock (another machine), or from the future, nothing."""
+    from core.messages import clock_id
+    from deployments.ingress import IngressFrontend
 
     req = GenerateRequest("r", prompt="x", slo=SLO(ttft_ms=1000.0), waited_ms=5.0, sent_at=("a", 100.0))
     got = req.arrived("a", 100.25)
@@ -1186,15 +1186,16 @@ def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo() -> Non
     assert req.arrived("b", 100.25).waited_ms == 5.0  # another host's clock
     assert req.arrived("a", 99.0).waited_ms == 5.0  # the future
     assert GenerateRequest("r", prompt="x").arrived("a", 1.0) == GenerateRequest("r", prompt="x")  # in-process
+    assert dataclasses.replace(req, sent_at=(None, 100.0)).arrived(None, 100.25).waited_ms == 5.0  # no clock id
 
     opened: list[GenerateRequest] = []
     f = object.__new__(IngressFrontend)
     f._actor_id = "ingress-1"
     f.llm = SimpleNamespace(generate=SimpleNamespace(remote=opened.append))
-    t0 = time.time()
+    t0 = time.monotonic()
     f._open(req)
-    assert HOST == socket.gethostname() and opened[0].caller == "ingress-1"
-    assert opened[0].sent_at[0] == HOST and t0 <= opened[0].sent_at[1] <= time.time()
+    assert opened[0].caller == "ingress-1"
+    assert opened[0].sent_at[0] == clock_id() and t0 <= opened[0].sent_at[1] <= time.monotonic()
 
 
 def test_a_direct_replicas_wait_for_a_slot_is_off_the_ttft_slo() -> None:
@@ -1388,7 +1389,8 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
     from collections import deque
 
     from deployments.pacing import StreamPacing
-    from deployments.replica import HOST, LLMReplica
+    from core.messages import clock_id
+    from deployments.replica import LLMReplica
 
     class Stream:
         def __init__(self, items: list[RequestOutput]) -> None:
@@ -1422,9 +1424,9 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         assert me.inflight == 0 and aborted == ["gone"]
         # sent by an Ingress on this host 200 ms ago: the engine gets its TTFT SLO less that way here
         sent = me.generate(GenerateRequest("sent", prompt=(1,), slo=SLO(ttft_ms=1000.0),
-                                           sent_at=(HOST, time.time() - 0.2)))
+                                           sent_at=(clock_id(), time.monotonic() - 0.2)))
         assert [(await sent.__anext__()).finished for _ in range(2)] == [False, True]
-        assert 200.0 <= seen[-1].waited_ms < 1000.0 and seen[-1].sent_at is None
+        assert (200.0 <= seen[-1].waited_ms < 1000.0 or clock_id() is None) and seen[-1].sent_at is None
 
     asyncio.run(run())
 
