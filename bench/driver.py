@@ -397,7 +397,7 @@ SSE_DONE = "[DONE]"
 HOPS = ("client_proxy", "proxy", "parse", "route", "replica", "body", "engine_ttft", "engine_tpot")
 HOP_NOTES = {
     "client_proxy": "request sent -> response headers, minus the server's own time: client, HTTP proxy, the way back",
-    "proxy": "HAProxy read it -> the ingress's handler: its wait for the ingress (HAProxy's stamp, on its host only)",
+    "proxy": "HAProxy read it -> the ingress's handler: its wait for the ingress (HAProxy's stamp, one machine only)",
     "parse": "ingress: read and validate the body",
     "route": "ingress -> replica handle call: routing and transport, both ways",
     "replica": "replica: tokenize, engine queue, prefill, first output",

@@ -37,9 +37,9 @@ from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import load_api_keys
-from deployments.haproxy_ingress import RECEIVED_HEADER
 from deployments.errors import (REPLICA_ERRORS, APIError, error_response, item_failure, model_not_found, overloaded,
                                 param_named, protocol_failure, replica_failure, unsupported_media_type)
+from deployments.haproxy_ingress import RECEIVED_HEADER
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
@@ -108,10 +108,10 @@ def proxy_wait_ms(stamp: str | None, now_us: float | None = None, clock: str | N
 
 
 def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None, proxy_ms: float = 0.0) -> str:
-    """W3C Server-Timing for the way to the first output: `proxy` (where HAProxy stamped the request on this host:
-    its wait between HAProxy and this handler), `parse` (read, validate), `route` (the handle call: routing plus
+    """W3C Server-Timing for the way to the first output: `proxy` (where HAProxy stamped the request on this
+    machine's clock: its wait between HAProxy and this handler), `parse` (read, validate), `route` (the handle call: routing plus
     transport both ways, i.e. the rest), `replica` (tokenize, queue, prefill in the replica). Each is measured on one
-    clock (the host's, the ingress's or the replica's), so they hold across machines."""
+    clock (the machine's, the ingress's or the replica's), so they hold across machines."""
     wait = (t_first - t_call) * 1000.0
     parts = [f"proxy;dur={proxy_ms:.1f}"] if proxy_ms > 0 else []
     parts.append(f"parse;dur={(t_call - t_in) * 1000.0:.1f}")
@@ -457,9 +457,8 @@ class OpenAIFrontend:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
         (`reroutes` times at most, with what is left of its TTFT SLO). `req.waited_ms` is the time of its TTFT SLO
         spent up to `t_call` (`_respond`: its wait between HAProxy and this Ingress, up to its arrival here; a batch's
-        prompt: all its wait so far),
-        and every send, the first too, tells the engine what is left at the send (what this Ingress took to read and
-        parse it counted). Returns the request as last sent."""
+        prompt: all its wait so far), and every send, the first too, tells the engine what is left at the send (what
+        this Ingress took to read and parse it counted). Returns the request as last sent."""
         waited_ms = req.waited_ms
         first_send = dataclasses.replace(req, waited_ms=waited_ms + (time.perf_counter() - t_call) * 1000.0)
         req, gen, first = await self._first_item_anywhere(first_send, waited_ms, t_call)
