@@ -27,6 +27,7 @@ import argparse
 import statistics
 from typing import Any, Sequence
 
+from bench.engine import _ints
 from bench.report import command_line, print_table, run_info, write_summary
 
 
@@ -43,8 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "engine's profile: twice the prefill budget, 1024 by default)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=128, help="the engine's (the hybrid steps decode up to 128)")
-    ap.add_argument("--hybrid-prompts", default="128,512,2048", help="prompt tokens of the hybrid steps (comma list)")
-    ap.add_argument("--hybrid-rows", default="32,128", help="decode rows of the hybrid steps (comma list)")
+    ap.add_argument("--hybrid-prompts", type=_ints, default="128,512,2048",
+                    help="prompt tokens of the hybrid steps (comma list)")
+    ap.add_argument("--hybrid-rows", type=_ints, default="32,128", help="decode rows of the hybrid steps (comma list)")
     ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
     args = ap.parse_args(argv)
 
@@ -100,8 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seqs = eng.config.scheduler.max_num_seqs
     ctx = min(512, limit // 2)
     mixed = []
-    ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
-    points = [(n, b) for n in ints(args.hybrid_prompts) for b in ints(args.hybrid_rows)
+    points = [(n, b) for n in args.hybrid_prompts for b in args.hybrid_rows
               if n + b <= limit and b <= seqs and eng.cache.num_blocks * eng.cache.block_size >= n + 2 * b * ctx]
     one_row = med(lambda: probe.decode_ms(probe.lengths(1, ctx))) if points else 0.0  # the weights read once
     for n, b in points:

@@ -142,6 +142,14 @@ def clock_id() -> str | None:
         return None
 
 
+def waited_since_ms(stamp_clock: str | None, stamp_s: float, now_s: float) -> float:
+    """The ms from a stamp of time (`stamp_s`, read on the clocks of `stamp_clock`) to `now_s` on this machine's
+    clock: 0 unless the stamp is of this machine's clocks (`clock_id`) and between 0 and MAX_SEND_WAIT_MS old."""
+    wait = (now_s - stamp_s) * 1000.0
+    mine = clock_id()
+    return wait if mine is not None and stamp_clock == mine and 0.0 < wait <= MAX_SEND_WAIT_MS else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One generation call. Exactly one of `prompt` (text or token ids) and `messages` (chat) is set; `options` say
@@ -175,15 +183,14 @@ class GenerateRequest:
             object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "avoid_replicas", tuple(self.avoid_replicas))
 
-    def arrived(self, clock: str | None, now_s: float) -> "GenerateRequest":
-        """This request as a replica got it at `now_s` on the monotonic clock of `clock` (`clock_id()`): the time
-        since it was sent (`sent_at`) added to `waited_ms` where it was sent on the same clock (another machine's is
-        not this one), and `sent_at` cleared, so that it counts once."""
+    def arrived(self, now_s: float) -> "GenerateRequest":
+        """This request as a replica got it at `now_s` (its monotonic clock): the time since it was sent (`sent_at`)
+        added to `waited_ms` where it was sent on this machine's clocks (`waited_since_ms`), and `sent_at` cleared,
+        so that it counts once."""
         if self.sent_at is None:
             return self
-        spent_ms = (now_s - self.sent_at[1]) * 1000.0
-        counted = clock is not None and self.sent_at[0] == clock and 0.0 < spent_ms <= MAX_SEND_WAIT_MS
-        return dataclasses.replace(self, waited_ms=self.waited_ms + (spent_ms if counted else 0.0), sent_at=None)
+        spent_ms = waited_since_ms(self.sent_at[0], self.sent_at[1], now_s)
+        return dataclasses.replace(self, waited_ms=self.waited_ms + spent_ms, sent_at=None)
 
     @property
     def engine_slo(self) -> SLO:

@@ -31,8 +31,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (MAX_SEND_WAIT_MS, ChatTurn, ErrorKind, GenerateRequest, ProtocolError, RejectReason,
-                           RequestOutput, check_output, clock_id)
+from core.messages import (ChatTurn, ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput,
+                           check_output, clock_id, waited_since_ms)
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -89,22 +89,18 @@ async def _unexpected(_: Request, e: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(e).__name__}", "server_error")
 
 
-def proxy_wait_ms(stamp: str | None, now_us: float | None = None, clock: str | None = None) -> float:
-    """The ms between HAProxy reading a request and now, from the stamp it set (`haproxy_ingress.received_rule`:
-    `t=<epoch us>,h=<its machine's clock id>`); 0 where there is none, it is malformed, or it is of another clock
-    (`clock`, default this machine's: `clock_id()`), of the future or older than MAX_SEND_WAIT_MS."""
+def proxy_wait_ms(stamp: str | None, now_s: float | None = None) -> float:
+    """The ms between HAProxy reading a request and now (`now_s`, epoch; default the wall clock's), from the stamp
+    it set (`haproxy_ingress.received_rule`: `t=<epoch us>,h=<its machine's clock id>`); 0 where there is none, it
+    is malformed, or `waited_since_ms` does not count it (another machine's clock, the future, too old)."""
     if not stamp:
         return 0.0
     try:
         fields = dict(part.split("=", 1) for part in stamp.split(","))
-        t_us = float(fields["t"])
+        t_s = float(fields["t"]) / 1e6
     except (KeyError, ValueError):
         return 0.0
-    mine = clock if clock is not None else clock_id()
-    if mine is None or fields.get("h") != mine:
-        return 0.0
-    wait = ((time.time() * 1e6 if now_us is None else now_us) - t_us) / 1000.0
-    return wait if 0.0 < wait <= MAX_SEND_WAIT_MS else 0.0
+    return waited_since_ms(fields.get("h"), t_s, time.time() if now_s is None else now_s)
 
 
 def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float | None, proxy_ms: float = 0.0) -> str:
@@ -442,12 +438,12 @@ class OpenAIFrontend:
         body, reqs = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
-        if (proxy_ms := proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0) > 0:
+        proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)
+        if proxy_ms > 0:
             reqs = [dataclasses.replace(r, waited_ms=r.waited_ms + proxy_ms) for r in reqs]
         if self.log_prompts:
             for req in reqs:
                 log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
-        proxy_ms = max(proxy_ms, 0.0)
         work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms) if len(reqs) == 1 \
             else self._respond_batch(body, reqs, rid, t_in, proxy_ms)
         return await until_disconnected(request.receive, work)

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, PromptTooLong, RejectReason,
-                           RequestOutput, RoutingStats, ServedBy, clock_id)
+                           RequestOutput, RoutingStats, ServedBy)
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
@@ -242,7 +242,7 @@ class LLMReplica:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         rid = req.request_id
         t_in = time.monotonic()
-        req = req.arrived(clock_id(), time.monotonic())  # its way here (routing, Serve's queue) is spent too
+        req = req.arrived(t_in)  # its way here (routing, Serve's queue) is spent too
         try:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:

@@ -261,12 +261,13 @@ class Scheduler:
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
         if f.queue_order == "ldf" and not f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
+        # the measured time between finished replies, once a step (urgent_first's order, impatient_reserve's room)
+        patience = self.reserve.patience_ms(now) if self.reserve is not None else None
         if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
             pace = self._pace()
-            patience = self.reserve.patience_ms(now) if f.urgent_first and self.reserve is not None else None
             order_least_work(self.waiting,
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
-                             -math.inf if patience is None else now + patience / 1000.0)
+                             now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf)
         budget = self.config.prefill_max_tokens
         if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
             for r in self.running:
@@ -277,7 +278,7 @@ class Scheduler:
                     if budget is not None:
                         budget -= end - r.num_computed_tokens
         if budget is None or budget > 0:
-            admitted = self._admit(now, plan, budget)
+            admitted = self._admit(now, plan, budget, patience)
             plan.prefill += admitted
             plan.prefill_ends += [self._chunk_end(r, budget) for r in admitted] if self.config.chunked_prefill \
                 else [r.num_tokens for r in admitted]
@@ -307,8 +308,9 @@ class Scheduler:
         admitted this round: its `_cost` is capped at the round's budget, so the round's chunks fit it in order)."""
         return r.num_tokens if budget is None else min(r.num_tokens, r.num_computed_tokens + budget)
 
-    def _admit(self, now: float, plan: StepPlan, budget: int | None) -> list[Request]:
-        """This round's admissions under `budget` prompt tokens (None: no budget)."""
+    def _admit(self, now: float, plan: StepPlan, budget: int | None, patience: float | None = None) -> list[Request]:
+        """This round's admissions under `budget` prompt tokens (None: no budget); `patience`: the reserve's
+        measured time between finished replies now (ms; None: none measured)."""
         cap = self.config.max_num_seqs - len(self.running)
         if cap <= 0 or not self.waiting:
             return []
@@ -348,8 +350,7 @@ class Scheduler:
         round_tokens, round_sq = 0, 0.0
         # (patience ms, (tpot, length) of a typical impatient arrival): room a patient request leaves (reserve.py)
         impatient = None
-        if f.impatient_reserve and self.reserve is not None and gate is not None \
-                and (patience := self.reserve.patience_ms(now)) is not None \
+        if f.impatient_reserve and self.reserve is not None and gate is not None and patience is not None \
                 and (room_for := self.reserve.room(now, patience)) is not None:
             impatient = (patience, room_for)
         pace = self._pace()  # the batch's, for work shedding

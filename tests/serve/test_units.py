@@ -1151,42 +1151,49 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
     asyncio.run(run())
 
 
-def test_the_wait_between_haproxy_and_the_ingress_is_off_the_ttft_slo() -> None:
+def test_the_wait_between_haproxy_and_the_ingress_is_off_the_ttft_slo(monkeypatch) -> None:
     """HAProxy stamps a request with when it read it and on which machine's clock (`haproxy_ingress.received_rule`):
     on the Ingress's clock the time since then is off the request's TTFT SLO, and its Server-Timing shows it
     (`proxy`); another clock (another machine, whatever its name), a stamp from the future or too old (a step of the
     wall clock) or a malformed one count nothing. (tests/serve/test_api.py sees the stamp arrive through HAProxy.)"""
-    from core.messages import clock_id
+    from core import messages
     from deployments.ingress import proxy_wait_ms, server_timing
 
-    assert proxy_wait_ms("t=1000000,h=a", now_us=1_250_000, clock="a") == pytest.approx(250.0)
-    assert proxy_wait_ms("t=1000000,h=elsewhere", now_us=1_250_000, clock="a") == 0.0  # another clock
-    assert proxy_wait_ms("t=2000000,h=a", now_us=1_250_000, clock="a") == 0.0  # the future
-    assert proxy_wait_ms("t=1000000,h=a", now_us=1_000_000 + 61e6, clock="a") == 0.0  # a clock's step, not a wait
+    if messages.clock_id() is not None:  # this machine's own: its boot id (a client cannot read it to forge a stamp)
+        assert proxy_wait_ms(f"t={(time.time() - 0.1) * 1e6:.0f},h={messages.clock_id()}") >= 100.0
+    monkeypatch.setattr(messages, "clock_id", lambda: "a")
+    assert proxy_wait_ms("t=1000000,h=a", now_s=1.25) == pytest.approx(250.0)
+    assert proxy_wait_ms("t=1000000,h=elsewhere", now_s=1.25) == 0.0  # another clock
+    assert proxy_wait_ms("t=2000000,h=a", now_s=1.25) == 0.0  # the future
+    assert proxy_wait_ms("t=1000000,h=a", now_s=1.0 + 61.0) == 0.0  # a clock's step, not a wait
     for bad in (None, "", "t=x,h=a", "h=a", "garbage", "t=1,h"):
-        assert proxy_wait_ms(bad, now_us=1_250_000, clock="a") == 0.0, bad
-    if clock_id() is not None:  # this machine's own: its boot id (a client cannot read it to forge a stamp)
-        assert proxy_wait_ms(f"t={(time.time() - 0.1) * 1e6:.0f},h={clock_id()}") >= 100.0
+        assert proxy_wait_ms(bad, now_s=1.25) == 0.0, bad
+    monkeypatch.setattr(messages, "clock_id", lambda: None)  # no clock id (not Linux): no stamp counts
+    assert proxy_wait_ms("t=1000000,h=a", now_s=1.25) == 0.0
     timing = server_timing(10.0, 10.002, 10.05, 40.0, proxy_ms=3.0)  # the wait shows where the time went
     assert timing.startswith("proxy;dur=3.0, parse;dur=2.0")
     assert not server_timing(10.0, 10.002, 10.05, 40.0).startswith("proxy")  # no stamp: no entry
 
 
-def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo() -> None:
+def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo(monkeypatch) -> None:
     """The routed Ingress stamps each send with its clock and monotonic time (`GenerateRequest.sent_at`); the LLM
     replica, on the same clock, counts the time since as spent (routing, Serve's queue, transport: `arrived`), once;
     on another clock (another machine), or from the future, nothing."""
-    from core.messages import clock_id
+    from core import messages
     from deployments.ingress import IngressFrontend
 
+    clock = messages.clock_id()
+    monkeypatch.setattr(messages, "clock_id", lambda: "a")
     req = GenerateRequest("r", prompt="x", slo=SLO(ttft_ms=1000.0), waited_ms=5.0, sent_at=("a", 100.0))
-    got = req.arrived("a", 100.25)
-    assert got.waited_ms == pytest.approx(255.0) and got.sent_at is None and got.arrived("a", 200.0) == got
+    got = req.arrived(100.25)
+    assert got.waited_ms == pytest.approx(255.0) and got.sent_at is None and got.arrived(200.0) == got
     assert got.engine_slo.ttft_ms == pytest.approx(745.0)
-    assert req.arrived("b", 100.25).waited_ms == 5.0  # another host's clock
-    assert req.arrived("a", 99.0).waited_ms == 5.0  # the future
-    assert GenerateRequest("r", prompt="x").arrived("a", 1.0) == GenerateRequest("r", prompt="x")  # in-process
-    assert dataclasses.replace(req, sent_at=(None, 100.0)).arrived(None, 100.25).waited_ms == 5.0  # no clock id
+    assert dataclasses.replace(req, sent_at=("b", 100.0)).arrived(100.25).waited_ms == 5.0  # another clock
+    assert req.arrived(99.0).waited_ms == 5.0  # the future
+    assert GenerateRequest("r", prompt="x").arrived(1.0) == GenerateRequest("r", prompt="x")  # in-process
+    monkeypatch.setattr(messages, "clock_id", lambda: None)  # no clock id: nothing counts
+    assert req.arrived(100.25).waited_ms == 5.0
+    monkeypatch.setattr(messages, "clock_id", lambda: clock)
 
     opened: list[GenerateRequest] = []
     f = object.__new__(IngressFrontend)
@@ -1195,7 +1202,7 @@ def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo() -> Non
     t0 = time.monotonic()
     f._open(req)
     assert opened[0].caller == "ingress-1"
-    assert opened[0].sent_at[0] == clock_id() and t0 <= opened[0].sent_at[1] <= time.monotonic()
+    assert opened[0].sent_at[0] == clock and t0 <= opened[0].sent_at[1] <= time.monotonic()
 
 
 def test_a_direct_replicas_wait_for_a_slot_is_off_the_ttft_slo() -> None:
