@@ -6,7 +6,8 @@ GPU is not always at hand. This replays the same workload (`bench.workload.gener
 arrivals, the length arms) through `scheduling.scheduler.Scheduler`, the object the engine drives, with no model:
 each step takes what a *truth* latency model says of it (prefill tokens and decode rows at their mean context),
 times `factor` (the machine slower than the model the scheduler plans with, as the bench's "decode step / model"
-reports) and a lognormal jitter, plus a fixed host time per step. The scheduler sees only its own latency model
+reports), a lognormal jitter and, with `--drift`, the box's speed wandering over time (`Drift`; bench.drift
+measures it), plus a fixed host time per step. The scheduler sees only its own latency model
 and what it measures, as in the engine. Everything else is deterministic, so paired comparisons need far fewer
 seeds, and a GPU-shaped truth model (`--truth`, a LatencyModel JSON profiled on that GPU) shows what the
 scheduler does at batch sizes in the hundreds.
@@ -64,13 +65,43 @@ class Machine:
     host_ms: float = 0.15
     seed: int = 0
 
+    drift: float = 0.0  # sigma of the log of the box's speed as it wanders (Drift); 0: a steady box
+    drift_s: float = 1.0  # how long the wander takes to forget itself (s)
+
     def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random,
-                prefill_sq: float | None = None) -> float:
+                prefill_sq: float | None = None, speed: float = 1.0) -> float:
+        """A step's time; `speed`: the drift's multiplier now (`Drift.at`)."""
         ms = self.truth.prefill_ms(prefill_tokens, prefill_sq) if prefill_tokens else 0.0
         if decode_rows:
             ms += self.truth.itl_ms(float(decode_rows), mean_len)
         mult = math.exp(rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0
-        return ms * self.factor * mult + self.host_ms
+        return ms * self.factor * mult * speed + self.host_ms
+
+
+class Drift:
+    """A box's speed wandering over time, as a CPU shared with its neighbours does: step times x e^x, x an
+    Ornstein-Uhlenbeck process of stationary spread `sigma` that forgets itself over `tau_s` seconds (steps a
+    moment apart are slow or fast together, where `jitter` scatters each step on its own). Its own random stream, so
+    a run without drift draws what it drew before."""
+
+    def __init__(self, sigma: float, tau_s: float, seed: int) -> None:
+        if sigma < 0 or tau_s <= 0:
+            raise ValueError("drift takes a spread >= 0 and a time > 0")
+        self.sigma, self.tau_s = sigma, tau_s
+        self.rng = random.Random(seed + 104729)
+        self.x, self.t = 0.0, None
+
+    def at(self, now: float) -> float:
+        """The multiplier of a step starting at `now` (s, not decreasing)."""
+        if self.sigma == 0:
+            return 1.0
+        if self.t is None:
+            self.x = self.rng.gauss(0.0, self.sigma)
+        else:
+            a = math.exp(-max(now - self.t, 0.0) / self.tau_s)
+            self.x = self.x * a + self.sigma * math.sqrt(1.0 - a * a) * self.rng.gauss(0.0, 1.0)
+        self.t = now
+        return math.exp(self.x)
 
 
 def noisy_outlook(true_len: int, sigma: float, rng: random.Random, prior: tuple[float, float] | None = None
@@ -111,6 +142,7 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
     if clock is not None:
         sched = _Timed(sched, clock)
     rng = random.Random(machine.seed)
+    drift = Drift(machine.drift, machine.drift_s, machine.seed)
     noise_rng = random.Random(machine.seed + 7919)
     prior = None  # the noise arm's: the spread of the run's log lengths
     if noise is not None and len(items) > 1:
@@ -169,7 +201,7 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
             continue
         rows = plan.requests
         ms = machine.step_ms(plan.num_prefill_tokens, len(plan.decode), plan.decode_mean_len, rng,
-                             plan.num_prefill_sq)
+                             plan.num_prefill_sq, drift.at(t))
         index = sched.launched(plan, rows)
         t += ms / 1000.0
         for req, _tok, reason in sched.resolved(rows, index, [7] * len(rows), t):
@@ -230,7 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       "and the tiers' base")
     a("--truth", default=None, help="the machine's LatencyModel JSON (default: --tiers)")
     a("--factor", type=float, default=1.25, help="machine / model step time")
-    a("--jitter", type=float, default=0.1)
+    a("--jitter", type=float, default=0.1, help="sigma of each step's own lognormal scatter")
+    a("--drift", type=float, default=0.0, help="sigma of the log of the box's speed as it wanders over time (Drift; "
+      "0: steady)")
+    a("--drift-s", type=float, default=1.0, help="the drift's time constant (s)")
     a("--host-ms", type=float, default=0.15)
     a("--policies", default="fcfs,scorpio,kairos")
     a("--loads", default="1.5")
@@ -295,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
-        machine = Machine(truth, args.factor, args.jitter, args.host_ms, seed)
+        machine = Machine(truth, args.factor, args.jitter, args.host_ms, seed, args.drift, args.drift_s)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
                         tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
 

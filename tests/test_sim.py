@@ -140,3 +140,27 @@ def test_a_noise_arm_needs_a_spread_and_hidden_lengths(tmp_path, label):
     with pytest.raises(SystemExit, match="noise takes"):
         sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies", label, "--seeds", "0",
                   "--num-requests", "20", "--lambda-star", "20"])
+
+
+def test_a_drifting_box_is_slow_or_fast_for_a_while_and_no_drift_changes_nothing():
+    d = sim.Drift(0.2, 1.0, seed=3)
+    steady = sim.Drift(0.0, 1.0, seed=3)
+    assert [steady.at(t) for t in (0.0, 0.5, 9.0)] == [1.0, 1.0, 1.0]
+    near = [math.log(d.at(i * 0.001)) for i in range(4000)]  # steps 1 ms apart: about the same speed
+    assert max(abs(a - b) for a, b in zip(near, near[1:])) < 0.05
+    assert 0.1 < statistics.pstdev(near) < 0.3  # over 4 s it wanders about its spread
+    far = sim.Drift(0.2, 1.0, seed=3)
+    apart = [math.log(far.at(i * 50.0)) for i in range(2000)]  # 50 time constants apart: independent
+    assert abs(statistics.correlation(apart[:-1], apart[1:])) < 0.1
+    assert statistics.pstdev(apart) == pytest.approx(0.2, rel=0.1)
+    with pytest.raises(ValueError):
+        sim.Drift(-0.1, 1.0, seed=0)
+    items = _items(rate=2.0)
+    machine = sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0)
+    plain = sim.simulate(SchedulerConfig(policy="kairos"), items, machine, MODEL)
+    zero = sim.simulate(SchedulerConfig(policy="kairos"), items,
+                        sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0, drift=0.0), MODEL)
+    drifting = sim.simulate(SchedulerConfig(policy="kairos"), items,
+                            sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0, drift=0.3), MODEL)
+    assert [r.token_times for r in zero] == [r.token_times for r in plain]
+    assert [r.token_times for r in drifting] != [r.token_times for r in plain]
