@@ -473,6 +473,9 @@ def summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int,
             "sched_ms_per_step": sched / steps * 1000.0 if steps else None,
             "sched_pct": sched / busy * 100.0 if busy > 0 and steps else None,
             "step_ms": busy / steps * 1000.0 if steps else None, "steps": steps,
+            # where a step's time goes (schedule, forward, sample, postprocess), ms a step
+            "phase_ms_per_step": {k: sum(e["phase_s"].get(k, 0.0) for e in eng) / steps * 1000.0
+                                  for k in sorted({k for e in eng for k in e["phase_s"]})} if steps else None,
             **(step_figures([e["tap"] for e in eng if "tap" in e]) if eng else {}),
             "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
             "submit_lag_p99_ms": M.percentile(lags, 99) if lags else None,

@@ -175,6 +175,10 @@ def test_smoke_run_writes_json_pngs_and_summary(tmp_path, monkeypatch):
         assert 0.0 <= r["adherence"] <= 1.0 and r["goodput_rps"] >= 0.0
         assert set(r["per_tier"]) <= set(W.TIER_NAMES)
         assert r["steps"] >= 0 and (r["steps"] == 0 or r["sched_ms_per_step"] > 0)
+        if r["steps"]:  # where a step's time goes: the phases sum to the step
+            ph = r["phase_ms_per_step"]
+            assert {"schedule", "forward"} <= set(ph) and ph["schedule"] == pytest.approx(r["sched_ms_per_step"])
+            assert sum(ph.values()) == pytest.approx(r["step_ms"])
         assert r["good"] + r["rejected"] <= r["n"]
     recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     assert len(recs) == 24 and {"ttft_ms", "tpot_ms", "good", "output_len", "warmup"} <= set(recs[0])
