@@ -17,7 +17,9 @@ decode each alone: the scheduler predicts a hybrid step as their sum. Beside tha
 n + b tokens would cost: a prefill of n + b tokens plus what the decode rows add over a one-row decode (their
 attention and per-row work, the weights read once), to tell which form a fit of hybrid steps should take
 (`--hybrid-prompts`, `--hybrid-rows`: the grid). On CUDA, steps with prefill rows that replay the mixed graphs
-(`mixed_graph_tokens`) beside the same steps run eagerly.
+(`mixed_graph_tokens`) beside the same steps run eagerly. With `--skew-rows`, decode batches of one mean context
+three ways (every row alike, the profile's spread, a quarter of the rows long and the rest short): the latency model
+sees only a batch's mean context, and a scheduler that serves long replies beside many short ones runs skewed batches.
 
     python -m bench.prefill_model --model kairos-default --long 8000 --summary prefill-model-default
 """
@@ -47,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hybrid-prompts", type=_ints, default="128,512,2048",
                     help="prompt tokens of the hybrid steps (comma list)")
     ap.add_argument("--hybrid-rows", type=_ints, default="32,128", help="decode rows of the hybrid steps (comma list)")
+    ap.add_argument("--skew-rows", type=_ints, default=[], help="decode batches of these rows (multiples of 4), "
+                    "each at --skew-context mean context three ways: every row alike, the profile's spread, and a "
+                    "quarter of the rows at 3x the mean with the rest at a third of it (comma list; default none)")
+    ap.add_argument("--skew-context", type=int, default=300, help="the skewed decode batches' mean context")
     ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
     args = ap.parse_args(argv)
 
@@ -141,6 +147,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table(["prompt", "decode rows", "mixed graph ms", "eager ms", "eager / graph"],
                     [[m["prompt"], m["decode_rows"], f"{m['graph_ms']:.1f}", f"{m['eager_ms']:.1f}",
                       f"{m['eager_over_graph']:.2f}"] for m in replayed])
+    # decode batches of one mean context, skewed or not: the latency model sees a batch's mean context only
+    skew = []
+    m = args.skew_context
+    for b in args.skew_rows:
+        if b % 4 or 4 * m >= limit or b > seqs or eng.cache.num_blocks * eng.cache.block_size < 2 * b * m + b:
+            continue
+        even, spread = [m] * b, probe.lengths(b, m)
+        short = m // 3  # three rows in four; the fourth makes the mean exactly m (about 3m)
+        skewed = [short] * (3 * b // 4) + [4 * m - 3 * short] * (b // 4)
+        # the three in turn, rep after rep: a box's speed wanders over seconds (bench.drift), and timed one shape's
+        # reps after another's, that wander would read as a difference between them
+        forms = {"even": even, "profile_spread": spread, "skewed": skewed}
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for lens in forms.values():
+            probe.decode_ms(lens)  # warm each shape up
+        for _ in range(args.reps):
+            for name, lens in forms.items():
+                times[name].append(probe.decode_ms(lens))
+        got = {name: statistics.median(v) for name, v in times.items()}
+        skew.append({"rows": b, "mean_context": m, "skewed_lengths": sorted(set(skewed)),
+                     **{f"{k}_ms": round(v, 3) for k, v in got.items()},
+                     "skewed_over_even": round(got["skewed"] / got["even"], 3)})
+    if skew:
+        print_table(["rows", "mean context", "alike ms", "profile's spread ms", "skewed ms", "skewed / alike"],
+                    [[k["rows"], k["mean_context"], f"{k['even_ms']:.3f}", f"{k['profile_spread_ms']:.3f}",
+                      f"{k['skewed_ms']:.3f}", f"{k['skewed_over_even']:.2f}"] for k in skew])
     if args.summary:
         worst = {k: max(abs(r[k] / r["measured_ms"] - 1.0) for r in out if not r["fitted_on"])
                  for k in ("model_ms", "linear_ms", "engine_fit_ms")}
@@ -151,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "coef_with_attention": list(with_sq.prefill_coef),
                                    "coef_linear": list(linear.prefill_coef[:2]),
                                    "engine_fit": {"theta": own.theta, "c0": own.c0, "coef": list(own.prefill_coef)},
-                                   "hybrid_steps": mixed, "mixed_graphs": replayed,
+                                   "hybrid_steps": mixed, "mixed_graphs": replayed, "decode_skew": skew,
                                    "worst_error": worst}
         print(f"summary -> {write_summary(args.summary, command_line('bench.prefill_model', argv), head, figures)}")
     return 0

@@ -98,7 +98,8 @@ def test_prefill_model_measures_shapes_beside_the_fits(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "SUMMARIES", tmp_path / "summaries")
     assert main(["--model", "kairos-tiny", "--dtype", "float32", "--max-model-len", "512", "--long", "500",
                  "--round", "256", "--profile-max", "128", "--reps", "1", "--hybrid-prompts", "32,128",
-                 "--hybrid-rows", "8,32,128", "--summary", "prefill-tiny"]) == 0
+                 "--hybrid-rows", "8,32,128", "--skew-rows", "8,6", "--skew-context", "90",
+                 "--summary", "prefill-tiny"]) == 0
     s = json.loads((tmp_path / "summaries" / "prefill-tiny.json").read_text())
     shapes = {r["prompts"]: r for r in s["figures"]["shapes"]}
     assert set(shapes) == {"1 x 128", "1 x 500", "4 x 64", "8 x 32", "16 x 16"}
@@ -112,3 +113,6 @@ def test_prefill_model_measures_shapes_beside_the_fits(tmp_path, monkeypatch):
                and abs(h["hybrid_over_merged"] - h["hybrid_ms"] / h["merged_ms"]) < 0.01 * h["hybrid_over_merged"]
                for h in hybrid)
     assert s["figures"]["coef_with_attention"][2] >= 0 and "worst error" in s["headline"]
+    skew = s["figures"]["decode_skew"]  # one mean context, alike and skewed (6 rows: not a multiple of 4, left out)
+    assert [(k["rows"], k["mean_context"], k["skewed_lengths"]) for k in skew] == [(8, 90, [30, 270])]
+    assert skew[0]["even_ms"] > 0 and skew[0]["profile_spread_ms"] > 0 and skew[0]["skewed_ms"] > 0
