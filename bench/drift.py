@@ -7,8 +7,9 @@ This measures both on the real engine, nothing else running:
 
 - the log of each step over the run's median; its spread is the whole scatter;
 - the medians of `--window`-second windows: a window holds hundreds of steps, so each step's own scatter averages
-  out of them and they follow the drift, averaged over the window. Their lag-1 correlation and spread give the
-  drift's time constant and sigma, read as an Ornstein-Uhlenbeck process's window averages (`ou_from_windows`);
+  out of them and they follow the drift, averaged over the window. Their lag-1 correlation and spread, less what
+  the steps' own scatter still adds to them, give the drift's time constant and sigma, read as an
+  Ornstein-Uhlenbeck process's window averages (`ou_from_windows`);
 - the jitter: what the whole scatter has beyond the drift, sqrt(total^2 - sigma^2);
 - the same spread and correlation over windows 4x and 16x as long: a box whose wander has slower parts than one
   time constant keeps more correlation there than that time constant gives.
@@ -28,41 +29,70 @@ from bench.report import command_line, write_summary
 
 
 def window_stats(t: np.ndarray, ms: np.ndarray, window_s: float) -> dict[str, float]:
-    """Spread (sd of the log) of the medians of `window_s`-second windows of steps started at `t` (s) taking `ms`,
-    and the lag-1 correlation of those medians (windows of fewer than 5 steps left out)."""
+    """The medians of the log step times (over the run's median) in consecutive `window_s`-second windows of steps
+    started at `t` (s) taking `ms`, whole windows only: their spread, their lag-1 correlation (over neighbouring
+    windows of 5 steps or more), how many there are and the mean steps in one."""
     lg = np.log(ms / np.median(ms))
     bins = np.floor(t / window_s).astype(int)
-    meds = np.array([np.median(lg[bins == b]) for b in np.unique(bins) if (bins == b).sum() >= 5])
-    rho = float(np.corrcoef(meds[:-1], meds[1:])[0, 1]) if len(meds) > 2 else math.nan
-    return {"window_s": window_s, "windows": int(len(meds)), "sigma": float(meds.std()), "rho": rho}
+    whole = int(t.max() // window_s) if len(t) else 0  # the last window is cut short: left out
+    meds, counts = np.full(whole, np.nan), np.zeros(whole)
+    for b in range(whole):
+        x = lg[bins == b]
+        counts[b] = len(x)
+        if len(x) >= 5:
+            meds[b] = np.median(x)
+    ok = np.isfinite(meds)
+    pairs = ok[:-1] & ok[1:]
+    rho = float(np.corrcoef(meds[:-1][pairs], meds[1:][pairs])[0, 1]) if pairs.sum() > 2 else math.nan
+    return {"window_s": window_s, "windows": int(ok.sum()), "sigma": float(meds[ok].std()) if ok.any() else math.nan,
+            "rho": rho, "steps_per_window": float(counts[ok].mean()) if ok.any() else 0.0}
 
 
 def ou_from_windows(sd: float, rho: float, window_s: float) -> tuple[float, float]:
     """(sigma, time constant s) of an Ornstein-Uhlenbeck process whose averages over consecutive windows of
     `window_s` seconds have spread `sd` and lag-1 correlation `rho`. With x = window / tau, such averages have
     variance sigma^2 * 2 (x - 1 + e^-x) / x^2 and lag-1 covariance sigma^2 * (1 - e^-x)^2 / x^2, so rho falls from
-    1 to 0 as x grows: x is found by bisection. (nan, nan) where rho is not in (0, 1)."""
+    1 to 0 as x grows: x is found by bisection. (nan, nan) where rho is not in (0, 1), or where it is so small that
+    the time constant would be under a twentieth of a window (too short for such windows to tell)."""
     if not 0.0 < rho < 1.0:
         return math.nan, math.nan
 
-    def corr(x: float) -> float:
-        return (1.0 - math.exp(-x)) ** 2 / (2.0 * (x - 1.0 + math.exp(-x)))
+    def var(x: float) -> float:  # the window average's variance over sigma^2, x - 1 + e^-x kept exact for small x
+        return 2.0 * (x + math.expm1(-x)) / (x * x)
 
-    lo, hi = 1e-6, 1e3
+    def corr(x: float) -> float:
+        return math.expm1(-x) ** 2 / (x * x) / var(x)
+
+    lo, hi = 1e-6, 20.0
+    if corr(hi) >= rho:
+        return math.nan, math.nan
     for _ in range(100):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if corr(mid) > rho else (lo, mid)
     x = math.sqrt(lo * hi)
-    return sd / math.sqrt(2.0 * (x - 1.0 + math.exp(-x)) / (x * x)), window_s / x
+    return sd / math.sqrt(var(x)), window_s / x
 
 
 def fit(t: np.ndarray, ms: np.ndarray, window_s: float) -> dict[str, Any]:
-    """The drift's sigma and time constant, and the jitter beyond it, from steps started at `t` taking `ms`."""
+    """The drift's sigma and time constant, and the jitter beyond it, from steps started at `t` (s) taking `ms`.
+
+    A window's median carries some of the steps' own scatter: about pi/2 x (their spread)^2 / (steps in it) of
+    variance, uncorrelated from window to window. That is taken off the medians' variance (the whole scatter stands
+    in for the jitter's, an upper bound) and so out of their correlation too, before they are read as the drift's
+    window averages. A correlation under two standard errors (2 / sqrt(windows)) is no drift this method can tell:
+    0, with no time constant."""
+    if len(ms) == 0:
+        raise ValueError("no steps were timed")
     total = float(np.log(ms / np.median(ms)).std())
     scales = [window_stats(t, ms, window_s * k) for k in (1, 4, 16)]
-    sigma, tau = ou_from_windows(scales[0]["sigma"], scales[0]["rho"], window_s)
-    if math.isnan(sigma):  # no correlation from window to window: no drift this method can tell
-        sigma = 0.0
+    w = scales[0]
+    sigma, tau = 0.0, math.nan
+    noise = math.pi / 2.0 * total ** 2 / w["steps_per_window"] if w["steps_per_window"] else math.inf
+    sd2 = w["sigma"] ** 2 - noise if w["windows"] > 2 else -1.0
+    if sd2 > 0 and w["rho"] > 2.0 / math.sqrt(w["windows"]):
+        s, x = ou_from_windows(math.sqrt(sd2), min(w["rho"] * w["sigma"] ** 2 / sd2, 0.999999), window_s)
+        if not math.isnan(s):
+            sigma, tau = s, x
     return {"steps": int(len(ms)), "median_ms": float(np.median(ms)), "total_sigma": total,
             "drift": sigma, "drift_s": tau, "jitter": math.sqrt(max(total ** 2 - sigma ** 2, 0.0)),
             "windows": scales}
@@ -102,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         eng.run_idle(probe, timeout=args.seconds + 120.0)
     finally:
         eng.shutdown()
+    if not steps:
+        raise SystemExit("bench.drift: no step was timed (--seconds too short?)")
     t = np.array([a for a, _ in steps])
     f = fit(t - t[0], np.array([b for _, b in steps]), args.window)
     print(f"{f['steps']} steps of {args.batch} rows at context {args.context}: median {f['median_ms']:.3f} ms, "

@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skew-context", type=int, default=300, help="the skewed decode batches' mean context")
     ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
     args = ap.parse_args(argv)
+    if args.skew_rows and args.skew_context < 3:
+        ap.error("--skew-context must be 3 or more (the short rows are a third of it)")
 
     from bench.driver import resolve_model_path
     from engine.config import EngineConfig
@@ -151,7 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     skew = []
     m = args.skew_context
     for b in args.skew_rows:
-        if b % 4 or 4 * m >= limit or b > seqs or eng.cache.num_blocks * eng.cache.block_size < 2 * b * m + b:
+        if b % 4 or 4 * m >= limit or b > seqs \
+                or eng.cache.num_blocks * eng.cache.block_size < 2 * b * (m + 1 + eng.cache.block_size):
+            print(f"decode skew: {b} rows at context {m} left out (rows a multiple of 4, the long rows within the "
+                  "window, the rows within max_num_seqs, and the cache must hold two such batches)")
             continue
         even, spread = [m] * b, probe.lengths(b, m)
         short = m // 3  # three rows in four; the fourth makes the mean exactly m (about 3m)

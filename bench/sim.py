@@ -57,7 +57,8 @@ from scheduling.scheduler import Scheduler
 
 @dataclass(frozen=True)
 class Machine:
-    """The simulated machine: step ms = (truth prefill + truth decode) x factor x jitter + host_ms."""
+    """The simulated machine: step ms = (truth prefill + truth decode) x factor x jitter x drift + host_ms (jitter and
+    drift lognormal of median 1: a drift of spread s makes the mean step e^(s^2 / 2) as long)."""
 
     truth: LatencyModel
     factor: float = 1.25
@@ -85,8 +86,8 @@ class Drift:
     a run without drift draws what it drew before."""
 
     def __init__(self, sigma: float, tau_s: float, seed: int) -> None:
-        if sigma < 0 or tau_s <= 0:
-            raise ValueError("drift takes a spread >= 0 and a time > 0")
+        if not (sigma >= 0 and (sigma == 0 or tau_s > 0)):  # nan fails too
+            raise ValueError("drift takes a spread >= 0 and, with a spread, a time > 0")
         self.sigma, self.tau_s = sigma, tau_s
         self.rng = random.Random(seed + 104729)
         self.x, self.t = 0.0, None
@@ -292,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--json", default=None, help="write the results here")
     a("--summary", default=None, help="bench/summaries/NAME.json: the command, the figures and a headline")
     args = ap.parse_args(argv)
+    if not (args.drift >= 0 and args.drift_s > 0):
+        ap.error("--drift takes a spread >= 0 and --drift-s a time > 0")
     planner = LatencyModel.load(args.tiers)
     truth = LatencyModel.load(args.truth) if args.truth else planner
     corpus = None

@@ -153,8 +153,10 @@ def test_a_drifting_box_is_slow_or_fast_for_a_while_and_no_drift_changes_nothing
     apart = [math.log(far.at(i * 50.0)) for i in range(2000)]  # 50 time constants apart: independent
     assert abs(statistics.correlation(apart[:-1], apart[1:])) < 0.1
     assert statistics.pstdev(apart) == pytest.approx(0.2, rel=0.1)
-    with pytest.raises(ValueError):
-        sim.Drift(-0.1, 1.0, seed=0)
+    for bad in ((-0.1, 1.0), (math.nan, 1.0), (0.1, 0.0)):
+        with pytest.raises(ValueError):
+            sim.Drift(*bad, seed=0)
+    assert sim.Drift(0.0, 0.0, seed=0).at(1.0) == 1.0  # no drift needs no time
     items = _items(rate=2.0)
     machine = sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0)
     plain = sim.simulate(SchedulerConfig(policy="kairos"), items, machine, MODEL)
