@@ -293,8 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--json", default=None, help="write the results here")
     a("--summary", default=None, help="bench/summaries/NAME.json: the command, the figures and a headline")
     args = ap.parse_args(argv)
-    if not (args.drift >= 0 and args.drift_s > 0):
-        ap.error("--drift takes a spread >= 0 and --drift-s a time > 0")
+    try:  # the drift's own rule on its arguments
+        Drift(args.drift, args.drift_s, 0)
+    except ValueError as e:
+        ap.error(f"--drift/--drift-s: {e}")
     planner = LatencyModel.load(args.tiers)
     truth = LatencyModel.load(args.truth) if args.truth else planner
     corpus = None
