@@ -37,6 +37,10 @@ class PolicyFlags:
     pace_slack: bool = False
     urgent_first: bool = False
     length_predictor: bool = False
+    # the mean context the VBS gate predicts a candidate's steps at: "batch", SCORPIO's (the batch's mean now plus
+    # half the candidate's reply), or "horizon" (each reply in the batch grows by half of what it has left or of the
+    # candidate's reply, whichever is less: VBSGate's remaining_of)
+    gate_context: Literal["batch", "horizon"] = "batch"
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
     # distribution (0: against the expected length, as everything else plans)
     length_gate_quantile: float = 0.0
@@ -70,12 +74,14 @@ PRESETS: dict[str, PolicyFlags] = {
     # room for one whose TTFT SLO is shorter than the time between finished replies (impatient_reserve), and when
     # room opens, the waiting requests whose deadline comes before the next room take it first (urgent_first).
     # Without it (no predictor) both stay off, as short_first: there they cost the patient tiers more than the
-    # impatient one gained (bench/README)
+    # impatient one gained (bench/README). Its gate predicts a candidate's steps at the context the batch has over
+    # that reply (gate_context "horizon": a running reply grows only until it ends), where SCORPIO's grows every
+    # running reply by half the candidate's, which over-states long candidates' steps most (bench/README)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
                           work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True,
-                          impatient_reserve=True, urgent_first=True),
+                          impatient_reserve=True, urgent_first=True, gate_context="horizon"),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -212,6 +218,11 @@ class SchedulerConfig(BaseModel):
     length_predictor_quantile: float | None = Field(None, gt=0, lt=1, description="plan everywhere for this "
                                                     "quantile of the predicted length distribution instead of its "
                                                     "mean (and its mean above the tokens out so far)")
+    gate_context: Literal["batch", "horizon"] | None = Field(None, description="the mean context the VBS gate "
+                                                             "predicts a candidate's steps at: batch (SCORPIO's: "
+                                                             "every running reply grows by half the candidate's "
+                                                             "reply) or horizon (each by half of what it has left or "
+                                                             "of the candidate's reply, whichever is less; kairos's)")
     length_gate_quantile: float | None = Field(None, ge=0, lt=1, description="with the length predictor: the VBS "
                                                "gate admits a fresh request against this quantile of its predicted "
                                                "length distribution (a conservative bound: a reply longer than "

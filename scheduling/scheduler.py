@@ -340,7 +340,8 @@ class Scheduler:
             gate = VBSGate(self.running, itl, margin=self.flags.vbs_margin,
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len,
-                           running_tpot=self.pace_of(now))
+                           running_tpot=self.pace_of(now),
+                           remaining_of=self._output_left if f.gate_context == "horizon" else None)
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
@@ -437,6 +438,11 @@ class Scheduler:
     def _mid_len(r: Request) -> float:
         """The context length the gate sees for `r` over its reply: its prompt and half the output it plans for."""
         return r.num_tokens + r.gate_output_len / 2.0
+
+    @staticmethod
+    def _output_left(r: Request) -> float:
+        """The output a running reply is expected to have left (the gate's plan for it)."""
+        return max(0, r.gate_output_len - r.num_output_tokens)
 
     def _wait_for_room(self, r: Request, gate: VBSGate) -> bool:
         """short_first: whether a fresh request the VBS gate turns away waits in the queue for room instead of being

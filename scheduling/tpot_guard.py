@@ -5,6 +5,8 @@ Requests are duck-typed: ``tpot_slo_ms`` (+inf for best effort), ``credit`` (mut
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
@@ -188,6 +190,13 @@ class VBSGate:
     ``running_tpot`` (kairos's pace slack): the TPOT each running request counts at, in VBS and in
     T_min, instead of its SLO's (`paced_tpot_ms`): a reply ahead of its pace takes a smaller share of
     the steps until its banked time is spent, and the room it leaves goes to a fresh request.
+
+    ``remaining_of`` (kairos's ``gate_context="horizon"``): the output each running request (and each
+    one admitted this round) is expected to have left. Over the candidate's ``O_r`` steps a reply with
+    ``m`` tokens left grows by ``min(m, O_r)`` (it ends, or the candidate does), so by half that on
+    average: ``L = (sum of num_tokens + sum of min(m, O_r) / 2 + O_r / 2) / n``. SCORPIO's form grows
+    every reply by ``O_r / 2``, which over-states the context of a long candidate's steps where the
+    batch's replies end first.
     """
 
     def __init__(
@@ -200,8 +209,12 @@ class VBSGate:
         monotone_skip: bool = True,
         output_len_estimate: Callable[[T], float] | None = None,
         running_tpot: Callable[[T], float] | None = None,
+        remaining_of: Callable[[T], float] | None = None,
     ) -> None:
         self._itl = predictor_itl
+        self._rem_of = remaining_of
+        self._rems: list[float] = []  # with remaining_of: the batch's replies' outputs left, ascending
+        self._rem_cum: list[float] = [0.0]  # their prefix sums
         self._margin = margin
         self._slack = slack
         self._be_trp = best_effort_trp
@@ -218,6 +231,9 @@ class VBSGate:
         self._stopped = False
         for req in running:
             self._add(req.tpot_slo_ms if running_tpot is None else running_tpot(req), req.num_tokens)
+        if remaining_of is not None:
+            self._rems = sorted(max(0.0, float(remaining_of(r))) for r in running)
+            self._rem_cum = [0.0, *itertools.accumulate(self._rems)]
         self._n_running = self._n_seqs
 
     @property
@@ -243,16 +259,27 @@ class VBSGate:
         """ITL(VBS', L) at the midpoint of the candidate's decode (before the margin)."""
         return self._predict([(candidate.tpot_slo_ms, candidate.num_tokens)], self._out_len(candidate))
 
+    def _growth(self, horizon: float) -> float:
+        """With `remaining_of`: how much the batch's contexts grow on average over `horizon` more steps, summed over
+        its replies: each grows by the output it has left or the horizon, whichever is less, so half that on
+        average (a reply that ends within the horizon stops growing; SCORPIO's form grows every reply by the whole
+        horizon)."""
+        k = bisect.bisect_left(self._rems, horizon)
+        return (self._rem_cum[k] + horizon * (len(self._rems) - k)) / 2.0
+
     def _predict(self, extra: Sequence[tuple[float, float]], out_len: float) -> float:
-        """ITL(VBS', L) with `extra` (tpot, tokens) sequences added to the batch."""
+        """ITL(VBS', L) with `extra` (tpot, tokens) sequences added to the batch, over the `out_len` steps of the
+        candidate's reply (the first of `extra`; the others' contexts are already the mean over their replies)."""
         tpots = [t for t, _ in extra]
         t_min = min(self._t_min, *tpots)
         inv_sum = self._inv_sum + sum(1.0 / t for t in tpots if not math.isinf(t))
         n_be = self._n_best_effort + sum(math.isinf(t) for t in tpots)
         n = self._n_seqs + len(extra)
         vbs_new = float(n) if math.isinf(t_min) else t_min * inv_sum + self._be_trp * n_be
-        l_in = (self._tokens + sum(k for _, k in extra)) / n
-        return self._itl(vbs_new, l_in + out_len / 2.0)
+        tokens = self._tokens + sum(k for _, k in extra)
+        if self._rem_of is None:  # SCORPIO's: every context grows by half the candidate's reply
+            return self._itl(vbs_new, tokens / n + out_len / 2.0)
+        return self._itl(vbs_new, (tokens + self._growth(out_len) + out_len / 2.0) / n)
 
     def leaves_room(self, candidate: T, tpot_ms: float, length: float) -> bool:
         """Whether, with `candidate` admitted, one more request of TPOT `tpot_ms` and mean context `length`
@@ -288,6 +315,9 @@ class VBSGate:
     def admit(self, candidate: T) -> None:
         """Record ``candidate`` as admitted this round: later checks include its TRP and tokens."""
         self._add(candidate.tpot_slo_ms, candidate.num_tokens)
+        if self._rem_of is not None:
+            bisect.insort(self._rems, max(0.0, float(self._rem_of(candidate))))
+            self._rem_cum = [0.0, *itertools.accumulate(self._rems)]
 
 
 ALONE_ROWS = 2  # the decode rows of a step that `ItlCorrection.idle_factor` counts as a request decoding alone

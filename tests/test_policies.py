@@ -8,6 +8,7 @@ import pytest
 
 from core.request import SLO, Request
 from core.sampling import SamplingParams
+from scheduling.config import SchedulerConfig
 from scheduling.queues import order_waiting
 from scheduling.tpot_guard import (VBSGate, affordable_step_ms, behind_pace, hold_prefill, min_tpot,
                                    next_token_slack_ms, paced_tpot_ms, select_by_credit, trim_for_catch_up, trp,
@@ -224,6 +225,44 @@ def test_vbs_gate_counts_round_admissions_and_tmin() -> None:
     assert gate.check(_req("d", tpot=50, prompt=400, out_hint=40))
     # T_min stays 25: VBS' = 0.5 + 1 + 0.5 + 0.5; L = (600 + 400) / 4 + 20 (we divide by all 4 sequences).
     assert seen[-1] == (2.5, 270.0)
+
+
+def test_vbs_gate_horizon_grows_each_reply_until_it_ends() -> None:
+    """remaining_of (kairos's gate_context="horizon"): over the candidate's reply of O tokens, a running reply with m
+    tokens left grows by min(m, O) / 2 on average; SCORPIO's form grows every reply by O / 2."""
+    seen: list[float] = []
+
+    def itl(batch: float, ctx: float) -> float:
+        seen.append(ctx)
+        return 1.0
+
+    running = [_req("short", tpot=50, prompt=100), _req("long", tpot=50, prompt=300)]
+    left = {"short": 10.0, "long": 400.0, "c": 200.0, "d": 20.0}
+    gate = VBSGate(running, itl, remaining_of=lambda r: left[r.request_id],
+                   output_len_estimate=lambda r: left[r.request_id])
+    cand = _req("c", tpot=50, prompt=200)
+    assert gate.check(cand)
+    # (100 + 300 + 200 + min(10, 200) / 2 + min(400, 200) / 2 + 200 / 2) / 3
+    assert seen[-1] == (600 + 5 + 100 + 100) / 3
+    gate.admit(cand)
+    assert gate.check(_req("d", tpot=50, prompt=100))
+    # the admitted candidate's 200 left counts as the others': every reply grows by at most d's 20
+    assert seen[-1] == pytest.approx((700 + (10 + 20 + 20) / 2 + 20 / 2) / 4)
+    # SCORPIO's (no remaining_of): every context plus half the candidate's reply
+    seen.clear()
+    assert VBSGate(running, itl, output_len_estimate=lambda r: left[r.request_id]).check(cand)
+    assert seen[-1] == 600 / 3 + 100
+    # where every reply outlasts the candidate, the two agree
+    seen.clear()
+    both = [VBSGate(running, itl, output_len_estimate=lambda r: 8.0, **kw).check(_req("e", tpot=50, prompt=200))
+            for kw in ({}, {"remaining_of": lambda r: left[r.request_id]})]
+    assert all(both) and seen[0] == pytest.approx(seen[1])
+
+
+def test_kairos_gate_plans_over_the_horizon_scorpio_as_published() -> None:
+    assert SchedulerConfig(policy="kairos").flags().gate_context == "horizon"
+    assert SchedulerConfig(policy="scorpio").flags().gate_context == "batch"
+    assert SchedulerConfig(policy="kairos", gate_context="batch").flags().gate_context == "batch"
 
 
 def test_vbs_gate_output_len_estimate_overrides_hint() -> None:
