@@ -74,14 +74,15 @@ PRESETS: dict[str, PolicyFlags] = {
     # room for one whose TTFT SLO is shorter than the time between finished replies (impatient_reserve), and when
     # room opens, the waiting requests whose deadline comes before the next room take it first (urgent_first).
     # Without it (no predictor) both stay off, as short_first: there they cost the patient tiers more than the
-    # impatient one gained (bench/README). Its gate predicts a candidate's steps at the context the batch has over
-    # that reply (gate_context "horizon": a running reply grows only until it ends), where SCORPIO's grows every
-    # running reply by half the candidate's, which over-states long candidates' steps most (bench/README)
+    # impatient one gained (bench/README). Its gate predicts a candidate's steps at SCORPIO's context (every running
+    # reply grows by half the candidate's). gate_context "horizon" (a running reply grows only until it ends) is
+    # opt-in: nearer the contexts the steps then have, and more goodput in the simulator, but a paired bench.slo run
+    # on the 2-core CPU lost goodput with it in every length arm (bench/README)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
                           work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True,
-                          impatient_reserve=True, urgent_first=True, gate_context="horizon"),
+                          impatient_reserve=True, urgent_first=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -222,7 +223,8 @@ class SchedulerConfig(BaseModel):
                                                              "predicts a candidate's steps at: batch (SCORPIO's: "
                                                              "every running reply grows by half the candidate's "
                                                              "reply) or horizon (each by half of what it has left or "
-                                                             "of the candidate's reply, whichever is less; kairos's)")
+                                                             "of the candidate's reply, whichever is less; opt-in, "
+                                                             "bench/README)")
     length_gate_quantile: float | None = Field(None, ge=0, lt=1, description="with the length predictor: the VBS "
                                                "gate admits a fresh request against this quantile of its predicted "
                                                "length distribution (a conservative bound: a reply longer than "

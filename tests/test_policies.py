@@ -259,10 +259,10 @@ def test_vbs_gate_horizon_grows_each_reply_until_it_ends() -> None:
     assert all(both) and seen[0] == pytest.approx(seen[1])
 
 
-def test_kairos_gate_plans_over_the_horizon_scorpio_as_published() -> None:
-    assert SchedulerConfig(policy="kairos").flags().gate_context == "horizon"
+def test_the_gate_plans_over_the_horizon_where_a_config_asks() -> None:
+    assert SchedulerConfig(policy="kairos").flags().gate_context == "batch"
     assert SchedulerConfig(policy="scorpio").flags().gate_context == "batch"
-    assert SchedulerConfig(policy="kairos", gate_context="batch").flags().gate_context == "batch"
+    assert SchedulerConfig(policy="kairos", gate_context="horizon").flags().gate_context == "horizon"
 
 
 def test_vbs_gate_output_len_estimate_overrides_hint() -> None:

@@ -99,6 +99,25 @@ def test_vbs_gate_rejects_a_tpot_it_cannot_meet_even_alone():
     assert s.schedule(0.0).rejected == [(r, "tpot_unattainable")]
 
 
+def test_gate_context_horizon_counts_a_reply_about_to_end_as_ending():
+    """gate_context="horizon": a running reply with one token left does not grow over a long candidate's reply, so
+    the candidate's steps are predicted at a shorter context than SCORPIO's form predicts (every reply grows by half
+    the candidate's), and a TPOT between the two is admitted only with it."""
+    for context, admitted in (("batch", False), ("horizon", True)):
+        model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.01, 5.0))  # itl 5 + 0.5B + 0.01L
+        s = Scheduler(SchedulerConfig(policy="scorpio", gate_context=context), 64, 4, max_model_len=256,
+                      predictor=model)
+        a = Request("a", [1] * 4, SamplingParams(max_tokens=2))  # best effort: one token left once prefilled
+        s.add(a)
+        _run(s, s.schedule(0.0))
+        c = Request("c", [1] * 4, SamplingParams(max_tokens=200), SLO(tpot_ms=8.6))
+        s.add(c)
+        # VBS 1.5; L = 4.5 + 100 (batch) or (9 + 0.5 + 100) / 2 (horizon): 1.3 x ITL = 8.83 or 8.19 against 8.51
+        p = s.schedule(0.0)
+        assert (c in p.prefill) is admitted, context
+        assert ((c, "tpot_unattainable") in p.rejected) is (not admitted), context
+
+
 def test_kairos_gate_scales_the_model_by_the_measured_step_time():
     """Steps measured at 3x the model: kairos's gate (factor capped by what the 1.3 margin already covers)
     rejects a TPOT that scorpio's static gate still admits."""
