@@ -76,8 +76,8 @@ PRESETS: dict[str, PolicyFlags] = {
     # Without it (no predictor) both stay off, as short_first: there they cost the patient tiers more than the
     # impatient one gained (bench/README). Its gate predicts a candidate's steps at SCORPIO's context (every running
     # reply grows by half the candidate's). gate_context "horizon" (a running reply grows only until it ends) is
-    # opt-in: nearer the contexts the steps then have, and more goodput in the simulator, but a paired bench.slo run
-    # on the 2-core CPU lost goodput with it in every length arm (bench/README)
+    # opt-in: nearer the contexts the steps then have, and as much goodput or more in the simulator except with exact
+    # lengths, but a paired bench.slo run on the 2-core CPU lost goodput with it in every length arm (bench/README)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,

@@ -442,7 +442,7 @@ class Scheduler:
     @staticmethod
     def _output_left(r: Request) -> float:
         """The output a running reply is expected to have left (the gate's plan for it)."""
-        return max(0, r.gate_output_len - r.num_output_tokens)
+        return float(r.gate_output_len - r.num_output_tokens)
 
     def _wait_for_room(self, r: Request, gate: VBSGate) -> bool:
         """short_first: whether a fresh request the VBS gate turns away waits in the queue for room instead of being

@@ -196,7 +196,8 @@ class VBSGate:
     ``m`` tokens left grows by ``min(m, O_r)`` (it ends, or the candidate does), so by half that on
     average: ``L = (sum of num_tokens + sum of min(m, O_r) / 2 + O_r / 2) / n``. SCORPIO's form grows
     every reply by ``O_r / 2``, which over-states the context of a long candidate's steps where the
-    batch's replies end first.
+    batch's replies end first. ``leaves_room``'s hypothetical request comes with its context over its
+    whole reply already, so the horizon does not grow it (SCORPIO's form adds ``O_r / 2`` to it too).
     """
 
     def __init__(
@@ -214,7 +215,7 @@ class VBSGate:
         self._itl = predictor_itl
         self._rem_of = remaining_of
         self._rems: list[float] = []  # with remaining_of: the batch's replies' outputs left, ascending
-        self._rem_cum: list[float] = [0.0]  # their prefix sums
+        self._rem_cum: list[float] | None = [0.0]  # their prefix sums (None: to be summed again)
         self._margin = margin
         self._slack = slack
         self._be_trp = best_effort_trp
@@ -231,9 +232,8 @@ class VBSGate:
         self._stopped = False
         for req in running:
             self._add(req.tpot_slo_ms if running_tpot is None else running_tpot(req), req.num_tokens)
-        if remaining_of is not None:
-            self._rems = sorted(max(0.0, float(remaining_of(r))) for r in running)
-            self._rem_cum = [0.0, *itertools.accumulate(self._rems)]
+            if remaining_of is not None:
+                self._add_remaining(req)
         self._n_running = self._n_seqs
 
     @property
@@ -264,6 +264,8 @@ class VBSGate:
         its replies: each grows by the output it has left or the horizon, whichever is less, so half that on
         average (a reply that ends within the horizon stops growing; SCORPIO's form grows every reply by the whole
         horizon)."""
+        if self._rem_cum is None:
+            self._rem_cum = [0.0, *itertools.accumulate(self._rems)]
         k = bisect.bisect_left(self._rems, horizon)
         return (self._rem_cum[k] + horizon * (len(self._rems) - k)) / 2.0
 
@@ -316,8 +318,12 @@ class VBSGate:
         """Record ``candidate`` as admitted this round: later checks include its TRP and tokens."""
         self._add(candidate.tpot_slo_ms, candidate.num_tokens)
         if self._rem_of is not None:
-            bisect.insort(self._rems, max(0.0, float(self._rem_of(candidate))))
-            self._rem_cum = [0.0, *itertools.accumulate(self._rems)]
+            self._add_remaining(candidate)
+
+    def _add_remaining(self, req: T) -> None:
+        """With `remaining_of`: `req`'s output left joins the batch's (sorted, with their prefix sums)."""
+        bisect.insort(self._rems, max(0.0, float(self._rem_of(req))))
+        self._rem_cum = None
 
 
 ALONE_ROWS = 2  # the decode rows of a step that `ItlCorrection.idle_factor` counts as a request decoding alone

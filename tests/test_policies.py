@@ -257,6 +257,20 @@ def test_vbs_gate_horizon_grows_each_reply_until_it_ends() -> None:
     both = [VBSGate(running, itl, output_len_estimate=lambda r: 8.0, **kw).check(_req("e", tpot=50, prompt=200))
             for kw in ({}, {"remaining_of": lambda r: left[r.request_id]})]
     assert all(both) and seen[0] == pytest.approx(seen[1])
+    # a reply with exactly the candidate's reply left grows by all of it, as a longer one does
+    seen.clear()
+    tie = {"short": 8.0, "long": 8.0, "e": 8.0}
+    assert VBSGate(running, itl, remaining_of=lambda r: tie[r.request_id],
+                   output_len_estimate=lambda r: tie[r.request_id]).check(_req("e", tpot=50, prompt=200))
+    assert seen[-1] == pytest.approx((600 + 8 + 8 / 2) / 3)
+    # leaves_room's hypothetical request comes with its context over its reply: the horizon does not grow it
+    seen.clear()
+    gate = VBSGate(running, itl, remaining_of=lambda r: left[r.request_id],
+                   output_len_estimate=lambda r: left[r.request_id])
+    assert gate.leaves_room(cand, 50.0, 150.0)
+    assert seen[-1] == pytest.approx((600 + 150 + 5 + 100 + 100) / 4)
+    with pytest.raises(ValueError):
+        SchedulerConfig(gate_context="mean")
 
 
 def test_the_gate_plans_over_the_horizon_where_a_config_asks() -> None:

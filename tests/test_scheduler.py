@@ -100,9 +100,9 @@ def test_vbs_gate_rejects_a_tpot_it_cannot_meet_even_alone():
 
 
 def test_gate_context_horizon_counts_a_reply_about_to_end_as_ending():
-    """gate_context="horizon": a running reply with one token left does not grow over a long candidate's reply, so
-    the candidate's steps are predicted at a shorter context than SCORPIO's form predicts (every reply grows by half
-    the candidate's), and a TPOT between the two is admitted only with it."""
+    """gate_context="horizon": a running reply with one token left grows by at most that over a long candidate's
+    reply, so the candidate's steps are predicted at a shorter context than SCORPIO's form predicts (every reply grows
+    by half the candidate's), and a TPOT between the two is admitted only with it."""
     for context, admitted in (("batch", False), ("horizon", True)):
         model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.01, 5.0))  # itl 5 + 0.5B + 0.01L
         s = Scheduler(SchedulerConfig(policy="scorpio", gate_context=context), 64, 4, max_model_len=256,
