@@ -191,7 +191,7 @@ class VBSGate:
     T_min, instead of its SLO's (`paced_tpot_ms`): a reply ahead of its pace takes a smaller share of
     the steps until its banked time is spent, and the room it leaves goes to a fresh request.
 
-    ``remaining_of`` (kairos's ``gate_context="horizon"``): the output each running request (and each
+    ``remaining_of`` (``gate_context="horizon"``, opt-in): the output each running request (and each
     one admitted this round) is expected to have left. Over the candidate's ``O_r`` steps a reply with
     ``m`` tokens left grows by ``min(m, O_r)`` (it ends, or the candidate does), so by half that on
     average: ``L = (sum of num_tokens + sum of min(m, O_r) / 2 + O_r / 2) / n``. SCORPIO's form grows
