@@ -37,9 +37,7 @@ class PolicyFlags:
     pace_slack: bool = False
     urgent_first: bool = False
     length_predictor: bool = False
-    # the mean context the VBS gate predicts a candidate's steps at: "batch", SCORPIO's (the batch's mean now plus
-    # half the candidate's reply), or "horizon" (each reply in the batch grows by half of what it has left or of the
-    # candidate's reply, whichever is less: VBSGate's remaining_of)
+    # the mean context the VBS gate predicts a candidate's steps at (SchedulerConfig.gate_context)
     gate_context: Literal["batch", "horizon"] = "batch"
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
     # distribution (0: against the expected length, as everything else plans)

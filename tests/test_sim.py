@@ -157,12 +157,15 @@ def test_a_drifting_box_is_slow_or_fast_for_a_while_and_no_drift_changes_nothing
         with pytest.raises(ValueError):
             sim.Drift(*bad, seed=0)
     assert sim.Drift(0.0, 0.0, seed=0).at(1.0) == 1.0  # no drift needs no time
-    items = _items(rate=2.0)
+    # the drift only scales each step: the jitter draws a step makes are those it makes without one
     machine = sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0)
+    plain_rng, drift_rng, wander = random.Random(5), random.Random(5), sim.Drift(0.3, 1.0, seed=0)
+    for k in range(50):
+        speed = wander.at(0.01 * k)
+        plain = machine.step_ms(0, 4, 100.0, plain_rng) - 0.1
+        assert machine.step_ms(0, 4, 100.0, drift_rng, speed=speed) - 0.1 == pytest.approx(plain * speed)
+    items = _items(rate=2.0)
     plain = sim.simulate(SchedulerConfig(policy="kairos"), items, machine, MODEL)
-    zero = sim.simulate(SchedulerConfig(policy="kairos"), items,
-                        sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0, drift=0.0), MODEL)
     drifting = sim.simulate(SchedulerConfig(policy="kairos"), items,
                             sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0, drift=0.3), MODEL)
-    assert [r.token_times for r in zero] == [r.token_times for r in plain]
     assert [r.token_times for r in drifting] != [r.token_times for r in plain]
