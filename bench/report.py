@@ -349,6 +349,22 @@ def _slo_gpu(f: dict[str, Any]) -> str:
     return cell + (f"; {lo:g}×: kairos {100 * low[0]['adherence']:.0f}% met" if lo != hi and low else "")
 
 
+def _pooled(f: dict[str, Any]) -> str:
+    """bench.pool's figures: per compared arm, the mean of the runs' ratios, its 90% interval, and the runs that met
+    the target."""
+    cells = []
+    for label, v in f["vs"].items():
+        if not v.get("runs"):
+            continue
+        cell = f"/ {label} {v['mean']:.2f}×"
+        if v.get("ci90"):
+            cell += f" ({v['ci90'][0]:.2f}–{v['ci90'][1]:.2f})"
+        if v.get("target") is not None:
+            cell += f", {v['runs_meeting']}/{v['runs']} runs ≥ {v['target']:g}×"
+        cells.append(cell)
+    return f"{f['arm']} " + "; ".join(cells)
+
+
 def _routers(f: dict[str, Any]) -> str:
     at = min(r["load"] for r in f["rows"])
     return ", ".join(f"{r['router']} {r['goodput_rps']:.2f} req/s ({100 * r['adherence']:.1f}% met)"
@@ -365,6 +381,8 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
      _slo_goodput),
     ("The same, reply lengths hidden (max_tokens a cap), both with the length predictor",
      "slo-sharegpt-1.5x-3seeds-predictor-acc16-zen4", _slo_goodput),
+    ("Issue 55's CPU ratios over repeated runs of that protocol (mean of the runs, 90% interval)",
+     "slo-sharegpt-1.5x-pooled-*", _pooled),
     ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
     ("The same on a GPU (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h*-llama8b*", _http_added),
     ("SLO goodput on one GPU replica over Ray Serve (8B shape, ShareGPT, lengths predicted, seeds 0 and 1)",

@@ -167,3 +167,18 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     written, _ = ingest.ingest([call2], summaries=sums, sim_models=models)
     assert "slo-gpu-h200-llama8b-20261201.json" in {p.name for p in written}
     assert ingest.ingest([call2], summaries=sums, sim_models=models)[0] == written
+
+
+def test_the_pooled_row_reads_bench_pools_figures() -> None:
+    from bench import pool
+
+    def run(name: str, k: float) -> tuple[str, dict]:
+        seeds = lambda g: [{"seed": 0, "goodput_rps": g, "wall_s": 10.0}]  # noqa: E731
+        return name, {"name": name, "figures": {"policies": {"kairos": {"per_seed": seeds(k)},
+                                                             "scorpio": {"per_seed": seeds(5.0)},
+                                                             "fcfs": {"per_seed": []}}}}
+    figs = pool.pool([run("a", 6.0), run("b", 5.0)], "kairos", ["scorpio", "fcfs"], [1.1, None])
+    cell = report._pooled(json.loads(json.dumps(figs)))  # as a summary keeps it
+    assert cell.startswith("kairos / scorpio 1.10× (")
+    assert cell.endswith(", 1/2 runs ≥ 1.1×")
+    assert "fcfs" not in cell  # no run compared with it

@@ -1,0 +1,194 @@
+"""Several runs of one bench.slo protocol read as one sample: the ratios an acceptance list asks for, run by run and
+pooled, with how far they spread.
+
+Why. On a 2-core box one run of 3 seeds moves each goodput ratio by about a tenth from run to run (the box's speed
+drifts, λ\\* is searched again, each engine re-times its model, a replica's choices snowball), so one run says little
+about whether a ratio clears a target a few points away. Runs of the same protocol at the same default path, read
+together, say how often it does and where its mean lies.
+
+    python -m bench.pool bench/summaries/slo-sharegpt-1.5x-3seeds-484req-acc29-zen4.json ... \\
+        --vs scorpio,kairos+lengths=hidden,kairos+lengths=exact --targets 1.1,1.3,0.9 --summary NAME
+
+Each input is a bench.slo summary (`--summary`): its per-seed goodputs per policy label. For each label of `--vs` it
+prints every run's ratio as the acceptance reads it (the mean goodput of `--arm` over the run's seeds, over the
+label's), their mean, standard deviation and a 90% interval of that mean (Student's t over the runs: the seeds of a
+run share its λ\\*, tiers and box, so the run is the unit), how many runs clear the target, and the pooled ratio of
+means over every (run, seed). `--restates OVERRIDE` reads a label that carries `+OVERRIDE` as the label without it:
+an override that restated the default of the code the pooled runs share (say `gate_context=batch`), so that such an
+arm counts as the default arm (in a run that has both, the bare label ran something else and is left out). Only the runs' own figures are read; nothing is measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.report import command_line, format_table, write_summary
+
+# two-sided 90% Student's t quantiles (0.95) by degrees of freedom; beyond the table the normal's
+_T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+        12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}
+
+
+def t95(df: int) -> float:
+    """The 0.95 quantile of Student's t with `df` degrees of freedom (the next smaller tabled df above 30: 1.645)."""
+    if df < 1:
+        raise ValueError("need at least one degree of freedom")
+    if df > 30:
+        return 1.645
+    return _T95[max(k for k in _T95 if k <= df)]
+
+
+def strip_override(label: str, restates: Sequence[str]) -> str:
+    """`label` without each `+OVERRIDE` component of `restates` (the components of a label are '+'-separated)."""
+    parts = label.split("+")
+    return "+".join([parts[0]] + [p for p in parts[1:] if p not in restates])
+
+
+def per_seed(summary: dict[str, Any], restates: Sequence[str] = ()) -> dict[str, dict[int, tuple[float, float]]]:
+    """{label: {seed: (good requests, wall s)}} of a bench.slo summary (a seed's goodput is their quotient); a label that restates a default under `restates` is
+    read as the label without it, and where the run has that bare label too, the restating arm is the one read (the
+    bare label ran something else there: the run compared the two)."""
+    out: dict[str, dict[int, tuple[float, float]]] = {}
+    restating: set[str] = set()
+    for label, fig in (summary.get("figures", {}).get("policies") or {}).items():
+        key = strip_override(label, restates)
+        if key != label:
+            if key in restating:
+                raise ValueError(f"{summary.get('name')}: two arms read as {key!r}")
+            restating.add(key)
+        elif key in restating:
+            continue
+        out[key] = {int(s["seed"]): (float(s["goodput_rps"]) * float(s["wall_s"]), float(s["wall_s"]))
+                    for s in fig.get("per_seed") or []}
+    return out
+
+
+def goodput(seeds: dict[int, tuple[float, float]], which: Sequence[int] | None = None) -> float | None:
+    """Good requests over wall time, pooled over `which` seeds (default: all), as bench.slo pools a point's seeds."""
+    got = [seeds[k] for k in (seeds if which is None else which)]
+    wall = sum(w for _, w in got)
+    return sum(g for g, _ in got) / wall if wall > 0 else None
+
+
+def run_ratio(arm: dict[int, tuple[float, float]], other: dict[int, tuple[float, float]]
+              ) -> tuple[float, list[int]] | None:
+    """The acceptance's ratio for one run: `arm`'s goodput over `other`'s, each pooled over the seeds both ran (bench.slo
+    pools a point's seeds: good requests over wall time); with those seeds. None without a common seed or where
+    `other` served nothing."""
+    seeds = sorted(set(arm) & set(other))
+    a, b = goodput(arm, seeds), goodput(other, seeds)
+    if not seeds or a is None or not b:
+        return None
+    return a / b, seeds
+
+
+def pool(summaries: Sequence[tuple[str, dict[str, Any]]], arm: str, vs: Sequence[str],
+         targets: Sequence[float | None], restates: Sequence[str] = ()) -> dict[str, Any]:
+    """The figures `main` prints and keeps: per label of `vs`, each run's ratio and their statistics."""
+    runs = [(name, s, per_seed(s, restates)) for name, s in summaries]
+    out: dict[str, Any] = {"arm": arm, "runs": [], "vs": {}}
+    for name, s, seeds in runs:
+        f = s.get("figures", {})
+        out["runs"].append({"summary": name, "commit": s.get("commit"), "date": s.get("date"),
+                            "lambda_star_rps": f.get("lambda_star_rps"),
+                            "seeds": sorted(seeds.get(arm, {})),
+                            "arm_goodput_rps": goodput(seeds[arm]) if seeds.get(arm) else None})
+    for label, target in zip(vs, targets):
+        rows, pooled_a, pooled_b, seed_ratios = [], [], [], []
+        for name, _, seeds in runs:
+            a, b = seeds.get(arm), seeds.get(label)
+            got = run_ratio(a, b) if a and b else None
+            if got is None:
+                continue
+            ratio, common = got
+            rows.append({"summary": name, "ratio": ratio, "seeds": common})
+            pooled_a += [a[k] for k in common]
+            pooled_b += [b[k] for k in common]
+            seed_ratios += [(a[k][0] / a[k][1]) / (b[k][0] / b[k][1]) for k in common if b[k][0] > 0 and a[k][1] > 0]
+        ratios = [r["ratio"] for r in rows]
+        fig: dict[str, Any] = {"target": target, "per_run": rows, "runs": len(rows)}
+        if ratios:
+            mean = statistics.fmean(ratios)
+            sd = statistics.stdev(ratios) if len(ratios) > 1 else None
+            half = t95(len(ratios) - 1) * sd / math.sqrt(len(ratios)) if sd is not None else None
+            fig.update(mean=mean, sd=sd, ci90=[mean - half, mean + half] if half is not None else None,
+                       min=min(ratios), max=max(ratios), pooled=_pooled(pooled_a, pooled_b),
+                       seed_ratio_sd=statistics.stdev(seed_ratios) if len(seed_ratios) > 1 else None)
+            if target is not None:
+                fig["runs_meeting"] = sum(r >= target for r in ratios)
+        out["vs"][label] = fig
+    return out
+
+
+def _pooled(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float | None:
+    """Goodput over every (run, seed) of `a` over that of `b` (good requests over wall time, each)."""
+    ga = goodput(dict(enumerate(a)))
+    gb = goodput(dict(enumerate(b)))
+    return ga / gb if ga is not None and gb else None
+
+
+def _targets(text: str | None, n: int) -> list[float | None]:
+    if not text:
+        return [None] * n
+    vals = [float(t) if t.strip() else None for t in text.split(",")]
+    if len(vals) != n:
+        raise SystemExit(f"--targets has {len(vals)} values for {n} labels of --vs")
+    return vals
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.pool", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("summaries", nargs="+", help="bench.slo summary JSONs (runs of one protocol)")
+    ap.add_argument("--arm", default="kairos", help="the label whose goodput is over the others'")
+    ap.add_argument("--vs", default="scorpio,kairos+lengths=hidden,kairos+lengths=exact",
+                    help="comma-separated labels to compare with")
+    ap.add_argument("--targets", default=None, help="comma-separated target ratios, one per --vs label (or empty)")
+    ap.add_argument("--restates", action="append", default=[], metavar="OVERRIDE",
+                    help="a label's +OVERRIDE only restated its commit's default: read it as the label without it")
+    ap.add_argument("--summary", default=None, help="keep the figures as bench/summaries/NAME.json")
+    args = ap.parse_args(argv)
+    vs = [v for v in args.vs.split(",") if v]
+    targets = _targets(args.targets, len(vs))
+    docs = []
+    for p in args.summaries:
+        try:
+            docs.append((Path(p).stem, json.loads(Path(p).read_text(encoding="utf-8"))))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"cannot read {p}: {e}") from None
+    try:
+        figs = pool(docs, args.arm, vs, targets, args.restates)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    rows = [[r["summary"], r["commit"], r["lambda_star_rps"], r["arm_goodput_rps"]] for r in figs["runs"]]
+    print(format_table(["run", "commit", "lambda* rps", f"{args.arm} rps"], rows, digits=2))
+    print()
+    heads = ["vs", "runs", "per run", "mean", "sd", "90% interval", "pooled", "target", "runs meeting"]
+    rows = []
+    for label, f in figs["vs"].items():
+        if not f["runs"]:
+            rows.append([label, 0, "", "", "", "", "", f["target"], ""])
+            continue
+        ci = f["ci90"]
+        rows.append([label, f["runs"], " ".join(f"{r['ratio']:.2f}" for r in f["per_run"]), f"{f['mean']:.3f}",
+                     "" if f["sd"] is None else f"{f['sd']:.3f}",
+                     "" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}", f"{f['pooled']:.3f}",
+                     "" if f["target"] is None else f["target"],
+                     "" if f["target"] is None else f"{f['runs_meeting']}/{f['runs']}"])
+    print(format_table(heads, rows, digits=3))
+    if args.summary:
+        parts = [f"{label} {f['mean']:.2f}x (90% {f['ci90'][0]:.2f}-{f['ci90'][1]:.2f})" if f.get("ci90")
+                 else f"{label} -" for label, f in figs["vs"].items()]
+        headline = f"{args.arm} over, mean of {len(figs['runs'])} runs: " + ", ".join(parts)
+        path = write_summary(args.summary, command_line("bench.pool", argv), headline, figs)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
