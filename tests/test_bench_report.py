@@ -182,3 +182,4 @@ def test_the_pooled_row_reads_bench_pools_figures() -> None:
     assert cell.startswith("kairos / scorpio 1.10× (")
     assert cell.endswith(", 1/2 runs ≥ 1.1×")
     assert "fcfs" not in cell  # no run compared with it
+    assert report._pooled({"arm": "kairos", "vs": {"scorpio": {"runs": 0}}}) == "no run compared"
