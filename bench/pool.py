@@ -3,8 +3,8 @@ pooled, with how far they spread.
 
 Why. On a 2-core box a run of 3 seeds moves each goodput ratio from run to run (the box's speed drifts, λ\\* is
 searched again, each engine re-times its model, a replica's choices snowball), so one run says little about whether
-a ratio clears a target a few points away. Runs of the same protocol at the same default path, read
-together, say how often it does and where its mean lies.
+a ratio clears a target a few points away. Runs of the same protocol at the same default path, read together, say
+how often it does and where its mean lies.
 
     python -m bench.pool bench/summaries/slo-sharegpt-1.5x-3seeds-484req-acc29-zen4.json ... \\
         --vs scorpio,kairos+lengths=hidden,kairos+lengths=exact --targets 1.1,1.3,0.9 --summary NAME
