@@ -28,7 +28,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from bench.report import command_line, format_table, write_summary
 
@@ -74,11 +74,17 @@ def per_seed(summary: dict[str, Any], restates: Sequence[str] = ()) -> dict[str,
     return out
 
 
-def goodput(seeds: dict[int, tuple[float, float]], which: Sequence[int] | None = None) -> float | None:
-    """Good requests over wall time, pooled over `which` seeds (default: all), as bench.slo pools a point's seeds."""
-    got = [seeds[k] for k in (seeds if which is None else which)]
+def goodput(seeds: Iterable[tuple[float, float]]) -> float | None:
+    """Good requests over wall time of (good, wall) seeds pooled, as bench.slo pools a point's seeds."""
+    got = list(seeds)
     wall = sum(w for _, w in got)
     return sum(g for g, _ in got) / wall if wall > 0 else None
+
+
+def ratio(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float | None:
+    """Pooled goodput of seeds `a` over that of seeds `b`; None where `b` served nothing."""
+    ga, gb = goodput(a), goodput(b)
+    return ga / gb if ga is not None and gb else None
 
 
 def run_ratio(arm: dict[int, tuple[float, float]], other: dict[int, tuple[float, float]]
@@ -87,10 +93,8 @@ def run_ratio(arm: dict[int, tuple[float, float]], other: dict[int, tuple[float,
     (bench.slo pools a point's seeds: good requests over wall time); with those seeds. None without a common seed or
     where `other` served nothing."""
     seeds = sorted(set(arm) & set(other))
-    a, b = goodput(arm, seeds), goodput(other, seeds)
-    if not seeds or a is None or not b:
-        return None
-    return a / b, seeds
+    got = ratio([arm[k] for k in seeds], [other[k] for k in seeds])
+    return None if got is None else (got, seeds)
 
 
 def pool(summaries: Sequence[tuple[str, dict[str, Any]]], arm: str, vs: Sequence[str],
@@ -108,7 +112,7 @@ def pool(summaries: Sequence[tuple[str, dict[str, Any]]], arm: str, vs: Sequence
         out["runs"].append({"summary": name, "commit": s.get("commit"), "date": s.get("date"),
                             "lambda_star_rps": f.get("lambda_star_rps"),
                             "seeds": sorted(seeds.get(arm, {})),
-                            "arm_goodput_rps": goodput(seeds[arm]) if seeds.get(arm) else None})
+                            "arm_goodput_rps": goodput(seeds.get(arm, {}).values())})
     for label, target in zip(vs, targets):
         rows, skipped, pooled_a, pooled_b = [], [], [], []
         for name, _, seeds in runs:
@@ -119,8 +123,8 @@ def pool(summaries: Sequence[tuple[str, dict[str, Any]]], arm: str, vs: Sequence
             if got is None:
                 skipped.append(name)
                 continue
-            ratio, common = got
-            rows.append({"summary": name, "ratio": ratio, "seeds": common})
+            run, common = got
+            rows.append({"summary": name, "ratio": run, "seeds": common})
             pooled_a += [a[k] for k in common]
             pooled_b += [b[k] for k in common]
         ratios = [r["ratio"] for r in rows]
@@ -130,18 +134,11 @@ def pool(summaries: Sequence[tuple[str, dict[str, Any]]], arm: str, vs: Sequence
             sd = statistics.stdev(ratios) if len(ratios) > 1 else None
             half = t95(len(ratios) - 1) * sd / math.sqrt(len(ratios)) if sd is not None else None
             fig.update(mean=mean, sd=sd, ci90=[mean - half, mean + half] if half is not None else None,
-                       min=min(ratios), max=max(ratios), pooled=pooled_ratio(pooled_a, pooled_b))
+                       min=min(ratios), max=max(ratios), pooled=ratio(pooled_a, pooled_b))
             if target is not None:
                 fig["runs_meeting"] = sum(r >= target for r in ratios)
         out["vs"][label] = fig
     return out
-
-
-def pooled_ratio(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float | None:
-    """Goodput over every (run, seed) of `a` over that of `b` (good requests over wall time, each)."""
-    ga = goodput(dict(enumerate(a)))
-    gb = goodput(dict(enumerate(b)))
-    return ga / gb if ga is not None and gb else None
 
 
 def _targets(text: str | None, n: int) -> list[float | None]:
