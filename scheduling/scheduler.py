@@ -347,17 +347,17 @@ class Scheduler:
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
         shed_above = self._shed_threshold(now)
-        stall = self._stall_room(now) if f.prefill_hold else None  # (ms to a reply's next token, decode ms)
         round_tokens, round_sq = 0, 0.0
-        # (patience ms, (tpot, length) of a typical impatient arrival): room a patient request leaves (reserve.py)
-        impatient = None
-        if f.impatient_reserve and self.reserve is not None and gate is not None and patience is not None \
-                and (room_for := self.reserve.room(now, patience)) is not None:
-            impatient = (patience, room_for)
+        # Read only once a candidate passes the gate (most rounds admit none): the running batch, the model and the
+        # reserve do not change within the round. stall: (ms to a reply's next token, decode ms); impatient:
+        # (patience ms, (tpot, length) of a typical impatient arrival), the room a patient request leaves (reserve.py)
+        stall: tuple[float, float] | None | bool = f.prefill_hold  # True: not read yet
+        impatient: tuple[float, tuple[float, float]] | None | bool = \
+            f.impatient_reserve and self.reserve is not None and gate is not None and patience is not None
         pace = self._pace()  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
-            nonlocal kv_full, round_tokens, round_sq, pace
+            nonlocal kv_full, round_tokens, round_sq, pace, stall, impatient
             if kv_full:
                 return Verdict.STOP
             if r.first_token_s is None and sheds(self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace,
@@ -381,10 +381,14 @@ class Scheduler:
             if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
                     and not gate.leaves_room(r, *room):
                 return Verdict.KEEP  # would take the starved tier's room: waits
-            if impatient is not None and r.first_token_s is None \
+            if impatient is True:
+                impatient = None if (room_for := self.reserve.room(now, patience)) is None else (patience, room_for)
+            if impatient and r.first_token_s is None \
                     and (r.deadline_s - now) * 1000.0 > impatient[0] and not gate.leaves_room(r, *impatient[1]):
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
-            if stall is not None and r.first_token_s is None and self._hold(r, stall, round_tokens, round_sq, now):
+            if stall is True:
+                stall = self._stall_room(now)
+            if stall and r.first_token_s is None and self._hold(r, stall, round_tokens, round_sq, now):
                 return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
@@ -513,8 +517,7 @@ class Scheduler:
             return 0.0
         if self.pace_cost is None:
             return sum(1.0 / r.tpot_slo_ms for r in paced)
-        pace, token_ms = min(r.tpot_slo_ms for r in paced), self.pace_cost.token_ms
-        return sum(token_ms(pace, self._mid_len(r)) for r in paced)
+        return self.pace_cost.tokens_ms(min(r.tpot_slo_ms for r in paced), [self._mid_len(r) for r in paced])
 
     def gate_line(self, now: float) -> tuple[float, float] | None:
         """The VBS gate as a line in the batch, for a router: a request joining this replica passes where
@@ -584,9 +587,11 @@ class Scheduler:
 
     def _select_decode(self, plan: StepPlan, now: float) -> list[Request]:
         be = self.config.best_effort_trp
-        fresh = set(plan.prefill)
-        decoding = [r for r in self.running if r not in fresh and not self._mid_prefill(r)] \
-            if fresh or self.config.chunked_prefill else self.running
+        if plan.prefill or self.config.chunked_prefill:
+            fresh = set(plan.prefill)
+            decoding = [r for r in self.running if r not in fresh and not self._mid_prefill(r)]
+        else:
+            decoding = self.running
         if any(r.token_ids[-1] < 0 for r in decoding):
             # overlap scheduling: a request whose last token is on its way and ends it by length has nothing more
             # to compute (it ends when that token is resolved)

@@ -103,6 +103,14 @@ class PaceCost:
         self._memo[key] = cost
         return cost
 
+    def tokens_ms(self, tpot_ms: float, lengths: list[float]) -> float:
+        """The sum of `token_ms(tpot_ms, length)` over `lengths`, in their order (a step's rows: one lookup each)."""
+        memo, step, total = self._memo, self.len_step, 0.0
+        for length in lengths:
+            got = memo.get((tpot_ms, max(1, int(length) // step + 1)))
+            total += got if got is not None else self.token_ms(tpot_ms, length)
+        return total
+
     def work(self, tokens: float, tpot_ms: float, pace_ms: float, length: float) -> float:
         """Machine ms for `tokens` more tokens of a request of TPOT `tpot_ms` joining a batch paced at `pace_ms`
         (+inf: none): its own tokens at the pace it decodes at, plus, if it would set a faster pace, what the

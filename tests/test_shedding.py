@@ -314,3 +314,13 @@ def test_a_steps_work_is_one_token_of_each_paced_row_at_the_steps_pace(pace_work
     if not pace_work:
         assert s._step_work(rows) == pytest.approx(1 / 20.0 + 2 / 40.0)
     assert s._step_work(rows[3:]) == 0.0
+
+
+def test_pace_cost_of_a_step_s_rows_is_the_sum_of_their_token_costs() -> None:
+    """`tokens_ms` (the work a step did, one lookup a row) sums what `token_ms` gives each row, lengths not yet
+    solved included."""
+    pc = PaceCost(_linear, margin=1.05, slack=0.99, max_batch=64)
+    lengths = [10.0, 700.5, 64.0, 63.9, 2000.0, 700.5]
+    expected = sum(PaceCost(_linear, margin=1.05, slack=0.99, max_batch=64).token_ms(20.0, x) for x in lengths)
+    assert pc.tokens_ms(20.0, lengths) == pytest.approx(expected, rel=1e-12)
+    assert pc.tokens_ms(20.0, []) == 0.0
