@@ -244,6 +244,29 @@ class _Timed:
         return timed
 
 
+def host_ms_of(text: str) -> dict[str | None, float]:
+    """`--host-ms`: a number (every label's), or comma-separated LABEL=MS (a label may hold '=': the last one
+    splits) with at most one bare number for the other labels (0.15 without one). None keys the default."""
+    out: dict[str | None, float] = {None: 0.15}
+    seen_default = False
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        label, eq, value = part.rpartition("=")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: want MS or LABEL=MS") from None
+        if not ms >= 0 or math.isinf(ms):
+            raise argparse.ArgumentTypeError(f"{part!r}: host ms must be finite and >= 0")
+        if not eq:
+            if seen_default:
+                raise argparse.ArgumentTypeError(f"{text!r}: one bare number at most (the other labels' host ms)")
+            seen_default = True
+        out[label.strip() if eq else None] = ms
+    return out
+
+
 def parse_seeds(text: str) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
@@ -267,7 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--drift", type=float, default=0.0, help="sigma of the log of the box's speed as it wanders over time (Drift; "
       "0: steady)")
     a("--drift-s", type=float, default=1.0, help="the drift's time constant (s)")
-    a("--host-ms", type=float, default=0.15)
+    a("--host-ms", type=host_ms_of, default=host_ms_of("0.15"), metavar="MS|LABEL=MS,...",
+      help="host time added to every step (ms): one for all, or per policy label, e.g. 'kairos=0.27,scorpio=0.12,"
+      "0.15' (a label's own, else the bare number, else 0.15): a replay of a bench.slo run takes each policy's "
+      "measured schedule + postprocess ms a step (its summary's phase_ms_per_step), which the probe fit leaves out")
     a("--policies", default="fcfs,scorpio,kairos")
     a("--loads", default="1.5")
     a("--seeds", default="0-9")
@@ -335,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
-        machine = Machine(truth, args.factor, args.jitter, args.host_ms, seed, args.drift, args.drift_s)
+        host = args.host_ms.get(label, args.host_ms[None])
+        machine = Machine(truth, args.factor, args.jitter, host, seed, args.drift, args.drift_s)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
                         tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
 
@@ -355,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench.sim: lambda* search " + "; ".join(probe_text(p) for p in probes), flush=True)
     print(f"bench.sim: lambda* {lam:.3f} rps; tiers " + ", ".join(
         f"{t.name} {t.ttft_ms:.0f}/{t.tpot_ms:.2f}" for t in scale.tiers), flush=True)
-    out: dict[str, Any] = {"lambda_star_rps": lam, "lambda_search": probes, "args": vars(args), "points": [],
+    out: dict[str, Any] = {"lambda_star_rps": lam, "lambda_search": probes, "args": {
+        **vars(args), "host_ms": {k or "*": v for k, v in args.host_ms.items()}}, "points": [],
                            "ratios": []}
     for load in [float(x) for x in args.loads.split(",")]:
         rate = lam * load
@@ -388,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
                                   "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
                                   "length_spearman": None if math.isnan(rank) else rank,
-                                  "scheduler_us_per_step": sched_us})
+                                  "scheduler_us_per_step": sched_us,
+                                  "host_ms": args.host_ms.get(label, args.host_ms[None])})
         first = next(iter(by))
         for label, g in by.items():
             if label != first and statistics.fmean(g) > 0:

@@ -894,12 +894,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         headline = (f"{acc.get('load_multiple', 0):g}x lambda* = {lam * acc.get('load_multiple', 0):.3g} rps "
                     f"({args.model}, {args.dataset}): " + ", ".join(
                         f"{r['policy']} {r['goodput_rps']:.2f} rps / {100 * r['adherence']:.0f}%" for r in at))
+        # with each policy's step time and where it went (the host's share a replay needs: bench.sim --host-ms)
         keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms", "lengths", "per_seed",
-                "reject_reasons", "tpot_violations", "ttft_violations")
+                "reject_reasons", "tpot_violations", "ttft_violations", "step_ms", "phase_ms_per_step",
+                "decode_wall_over_model_p50")
         figures = {
             "lambda_star_rps": lam, "load_multiple": acc.get("load_multiple"), "model": args.model,
             "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds, "lengths": args.lengths,
-            "policies": {r["policy"]: {k: r.get(k) for k in keys} for r in at}, "acceptance": acc}
+            "policies": {r["policy"]: {k: r.get(k) for k in keys} for r in at}, "acceptance": acc,
+            "calibration": calib}
         if profiles:  # each run's refreshed fit against the tiers' (the box's speed at that run's start)
             figures["fit_over_tiers_per_run"] = {f"{x['policy']}@{x['seed']}": round(x["d12_over_tiers"], 3)
                                                  for x in profiles if x.get("d12_over_tiers") is not None}

@@ -1,6 +1,7 @@
 """bench.sim: bench.slo's workload through the real Scheduler on a virtual clock."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -67,6 +68,29 @@ def test_the_command_line_compares_policies_on_paired_seeds(tmp_path, capsys):
     assert all(p["scheduler_us_per_step"] > 0 for p in doc["points"])  # the host time its calls took, per step
     text = capsys.readouterr().out
     assert "scorpio / fcfs" in text and "us/step on this host" in text
+
+
+def test_host_time_is_given_per_policy_label_for_a_replay_of_a_run(tmp_path):
+    """--host-ms LABEL=MS (a label may hold '='; the last one splits) with a bare number for the other labels: each
+    label's steps take its own host time, which slows what it serves; a label run twice with the same host time
+    serves the same."""
+    assert sim.host_ms_of("0.2") == {None: 0.2}
+    assert sim.host_ms_of("kairos+lengths=hidden=0.3, fcfs=0") == {None: 0.15, "kairos+lengths=hidden": 0.3,
+                                                                   "fcfs": 0.0}
+    for bad in ("fcfs=x", "0.1,0.2", "fcfs=-1", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            sim.host_ms_of(bad)
+    tiers = tmp_path / "tiers.json"
+    MODEL.save(tiers)
+    out = tmp_path / "sim.json"
+    assert sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies", "fcfs,fcfs+max_waiting=128",
+                     "--seeds", "0", "--num-requests", "60", "--lambda-star", "20", "--host-ms",
+                     "fcfs+max_waiting=128=40,0.1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [p["host_ms"] for p in doc["points"]] == [0.1, 40.0]
+    assert doc["args"]["host_ms"] == {"*": 0.1, "fcfs+max_waiting=128": 40.0}
+    slow, fast = doc["points"][1]["goodput_rps"][0], doc["points"][0]["goodput_rps"][0]
+    assert slow < fast
 
 
 def test_the_lambda_search_starts_where_the_device_run_does_and_records_its_probes(tmp_path, capsys):
