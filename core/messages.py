@@ -256,6 +256,9 @@ class RequestOutput:
     served_by: ServedBy | None = None
 
     def __post_init__(self) -> None:
+        if not self.finished and self.finish_reason is None and self.reject_reason is None \
+                and self.error_kind is None:
+            return  # a token's delta (the item a step makes per request): nothing to convert, and it holds `check`
         object.__setattr__(self, "finish_reason", _enum(FinishReason, self.finish_reason, "finish_reason"))
         object.__setattr__(self, "reject_reason", _enum(RejectReason, self.reject_reason, "reject_reason"))
         kind = self.error_kind
