@@ -12,7 +12,8 @@
 2. lambda*, FCFS's capacity: FCFS runs open-loop at a rising rate (x2) until its completion rate over the middle
    of its completions falls below 85% of the offered rate twice in a row; --lambda-star skips the search.
    --lambda-def adherence: the reference protocol's, the highest rate at which FCFS keeps 90% adherence.
-3. Loads, then seeds, then policies: each seed's workload runs under every policy back to back. Requests unfinished
+3. Loads, then seeds, then policies: each seed's workload runs under every policy back to back, the policies' order
+   rotated by one from seed to seed (none always first or last in a block). Requests unfinished
    `--drain` s after the last arrival are aborted (misses).
 4. Writes results.json, records.jsonl (one line per request), tiers-profile.json (--predictor-json it to rerun on
    the same tiers) and PNGs into --out (default bench/out/slo/<timestamp>); prints a table per load and the checks
@@ -807,8 +808,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         point_policies = [p for p in order if p in policies]
         runs: dict[str, list[tuple[int, Any]]] = {p: [] for p in point_policies}
         fits: dict[str, list[dict[str, Any]]] = {p: [] for p in point_policies}
-        for seed in plan.seeds:
-            for policy in point_policies:
+        for i, seed in enumerate(plan.seeds):
+            # the order rotates from seed to seed, so that no policy always runs first (right after the workload of a
+            # new seed is built, or after the calibration) or always last in a seed's block
+            k = i % len(point_policies)
+            for policy in point_policies[k:] + point_policies[:k]:
                 e = None if http else live.get(policy) or live.setdefault(policy, engines.start(policy))
                 if refresh:  # the model as of now, calibrated to served steps
                     fits[policy].append(fresh_fit(e, calib, d_ref, scale.d12_ms))
