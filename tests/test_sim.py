@@ -72,8 +72,7 @@ def test_the_command_line_compares_policies_on_paired_seeds(tmp_path, capsys):
 
 def test_host_time_is_given_per_policy_label_for_a_replay_of_a_run(tmp_path):
     """--host-ms LABEL=MS (a label may hold '='; the last one splits) with a bare number for the other labels: each
-    label's steps take its own host time, which slows what it serves; a label run twice with the same host time
-    serves the same."""
+    label's steps take its own host time (a slower host serves less), and the run's JSON records each one's."""
     assert sim.host_ms_of("0.2") == {None: 0.2}
     assert sim.host_ms_of("kairos+lengths=hidden=0.3, fcfs=0") == {None: 0.15, "kairos+lengths=hidden": 0.3,
                                                                    "fcfs": 0.0}
