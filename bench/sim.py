@@ -357,12 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "prefill_max_tokens": args.prefill_max_tokens,
                                   **arm_sched(length_arm(label, args.lengths)), **overrides(args.sched), **extra})
 
+    def host_of(label: str) -> float:
+        """The host ms a step of `label` takes (`--host-ms`: its own, else the other labels')."""
+        return args.host_ms.get(label, args.host_ms[None])
+
     def run(label: str, rate: float, seed: int, n: int, clock: dict[str, float] | None = None,
             lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
-        host = args.host_ms.get(label, args.host_ms[None])
-        machine = Machine(truth, args.factor, args.jitter, host, seed, args.drift, args.drift_s)
+        machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
                         tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
 
@@ -417,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
                                   "length_spearman": None if math.isnan(rank) else rank,
                                   "scheduler_us_per_step": sched_us,
-                                  "host_ms": args.host_ms.get(label, args.host_ms[None])})
+                                  "host_ms": host_of(label)})
         first = next(iter(by))
         for label, g in by.items():
             if label != first and statistics.fmean(g) > 0:

@@ -44,7 +44,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate
-from typing import Callable
+from typing import Callable, Sequence
 
 
 PACE_TOLERANCE = 0.95  # a TPOT under this share of the batch's pace sets a faster one (tiers differ by far more)
@@ -78,10 +78,20 @@ class PaceCost:
 
     def token_ms(self, tpot_ms: float, length: float) -> float:
         """Machine ms per token of a batch paced at `tpot_ms` (+inf: the largest batch) at mean context `length`."""
-        bucket = max(1, int(length) // self.len_step + 1)
-        key = (tpot_ms, bucket)  # a request's TPOT is one float throughout (its SLO's): no rounding needed to hit
-        if (got := self._memo.get(key)) is not None:
-            return got
+        return self.tokens_ms(tpot_ms, (length,))
+
+    def tokens_ms(self, tpot_ms: float, lengths: Sequence[float]) -> float:
+        """The sum of `token_ms(tpot_ms, length)` over `lengths`, in their order (a step's rows: one lookup each)."""
+        memo, step, total = self._memo, self.len_step, 0.0
+        for length in lengths:
+            bucket = max(1, int(length) // step + 1)
+            # a request's TPOT is one float throughout (its SLO's): no rounding needed to hit
+            got = memo.get((tpot_ms, bucket))
+            total += got if got is not None else self._solve(tpot_ms, bucket)
+        return total
+
+    def _solve(self, tpot_ms: float, bucket: int) -> float:
+        """token_ms at a length bucket not in the memo: solved, then kept."""
         ctx = float(bucket * self.len_step)
 
         def step(b: int) -> float:
@@ -100,16 +110,8 @@ class PaceCost:
         cost = max(step(lo), 1e-9) / lo
         if len(self._memo) >= 4096:  # clients' TPOTs are arbitrary floats: keep the memo bounded
             self._memo.clear()
-        self._memo[key] = cost
+        self._memo[(tpot_ms, bucket)] = cost
         return cost
-
-    def tokens_ms(self, tpot_ms: float, lengths: list[float]) -> float:
-        """The sum of `token_ms(tpot_ms, length)` over `lengths`, in their order (a step's rows: one lookup each)."""
-        memo, step, total = self._memo, self.len_step, 0.0
-        for length in lengths:
-            got = memo.get((tpot_ms, max(1, int(length) // step + 1)))
-            total += got if got is not None else self.token_ms(tpot_ms, length)
-        return total
 
     def work(self, tokens: float, tpot_ms: float, pace_ms: float, length: float) -> float:
         """Machine ms for `tokens` more tokens of a request of TPOT `tpot_ms` joining a batch paced at `pace_ms`

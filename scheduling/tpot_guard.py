@@ -257,20 +257,7 @@ class VBSGate:
 
     def predicted_tpot_ms(self, candidate: T) -> float:
         """ITL(VBS', L) at the midpoint of the candidate's decode (before the margin)."""
-        out_len = self._out_len(candidate)
-        if self._rem_of is not None:
-            return self._predict([(candidate.tpot_slo_ms, candidate.num_tokens)], out_len)
-        # `_predict` of one sequence, SCORPIO's context: the same sums, without its lists (a check a candidate)
-        tpot = candidate.tpot_slo_ms
-        t_min = min(self._t_min, tpot)
-        n = self._n_seqs + 1
-        if math.isinf(t_min):
-            vbs_new = float(n)
-        elif math.isinf(tpot):
-            vbs_new = t_min * self._inv_sum + self._be_trp * (self._n_best_effort + 1)
-        else:
-            vbs_new = t_min * (self._inv_sum + 1.0 / tpot) + self._be_trp * self._n_best_effort
-        return self._itl(vbs_new, (self._tokens + candidate.num_tokens) / n + out_len / 2.0)
+        return self._predict([(candidate.tpot_slo_ms, candidate.num_tokens)], self._out_len(candidate))
 
     def _growth(self, horizon: float) -> float:
         """With `remaining_of`: how much the batch's contexts grow on average over `horizon` more steps, summed over

@@ -227,21 +227,6 @@ def test_vbs_gate_counts_round_admissions_and_tmin() -> None:
     assert seen[-1] == (2.5, 270.0)
 
 
-@pytest.mark.parametrize("running_tpots", [(50.0, None), (None, None), (), (20.0, 80.0, None)])
-@pytest.mark.parametrize("cand_tpot", [25.0, 60.0, None])
-def test_vbs_gate_one_candidate_predicts_what_the_general_sum_does(running_tpots, cand_tpot) -> None:
-    """`predicted_tpot_ms` of one candidate (the gate's check) takes the same VBS' and context as `_predict` with the
-    candidate as its one extra sequence: paced and best-effort candidates, batches with and without a TPOT."""
-    def itl(batch: float, ctx: float) -> float:
-        return batch * 1000.0 + ctx
-
-    running = [_req(f"r{i}", tpot=t, prompt=50 + 70 * i) for i, t in enumerate(running_tpots)]
-    gate = VBSGate(running, itl, best_effort_trp=0.4)
-    gate.admit(_req("a", tpot=40.0, prompt=33))
-    cand = _req("c", tpot=cand_tpot, prompt=120, out_hint=30)
-    assert gate.predicted_tpot_ms(cand) == gate._predict([(cand.tpot_slo_ms, cand.num_tokens)], 30)
-
-
 def test_vbs_gate_horizon_grows_each_reply_until_it_ends() -> None:
     """remaining_of (kairos's gate_context="horizon"): over the candidate's reply of O tokens, a running reply with m
     tokens left grows by min(m, O) / 2 on average; SCORPIO's form grows every reply by O / 2."""
