@@ -50,6 +50,9 @@ from scheduling.scheduler import Scheduler, StepPlan
 log = logging.getLogger("kairos.engine")
 STEP_TIMEOUT_FLOOR_S = 120.0  # step_timeout_s=None: at least this...
 STEP_TIMEOUT_FACTOR = 10.0  # ...and this many times the latency model's largest step (and each step's own)
+# while steps run, the stats snapshot is taken again whenever the requests change (one arrives, is admitted,
+# preempted or ends) and otherwise at least this often (its step figures: the step EWMA, the phases, the count)
+PUBLISH_EVERY_S = 0.02
 T = TypeVar("T")
 
 
@@ -111,6 +114,8 @@ class LLMEngine:
         self._fault_steps = 0
         self._fatal_fault = False
         self._steps = 0
+        self._churn = 0  # requests added or ended so far (a published snapshot is stale once it moves)
+        self._published: tuple[tuple[int, int, int], float] = ((-1, -1, -1), -math.inf)  # (requests, when)
         self._rejected: dict[str, int] = {}
         self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
@@ -457,6 +462,7 @@ class LLMEngine:
                                             ErrorKind.INVALID_REQUEST))
             return
         self._requests[req.request_id] = req
+        self._churn += 1
         self.outputs.add(req, stream)
         reason = self.scheduler.add(req)
         if reason is not None:
@@ -586,7 +592,7 @@ class LLMEngine:
                               plan.decode_mean_len, f.forward_ms, step_ms, plan.num_prefill_sq)
             for fn in self._observers:
                 fn(event)
-        self._publish(len(plan.prefill), len(plan.decode))
+        self._publish_step(len(plan.prefill), len(plan.decode), now)
 
     def _isolate(self, plan, reqs: list[Request], err: Exception) -> list[int | Exception] | None:
         """A step failed: run each of its requests alone so that one bad request fails alone, not its neighbours.
@@ -631,9 +637,20 @@ class LLMEngine:
         if not self.scheduler.finish(req, reason, time.monotonic()):
             return
         self._requests.pop(req.request_id, None)
+        self._churn += 1
         self.sampler.release(req.request_id)
         self.outputs.finish(req, reject_reason=reject_reason, error=error, error_kind=ErrorKind.ENGINE,
                             last_token=last_token)
+
+    def _publish_step(self, last_prefill: int, last_decode: int, now: float) -> None:
+        """After a step: publish unless the last snapshot holds the same requests and is under PUBLISH_EVERY_S old
+        (taking one costs as much as a few rows' output, every step)."""
+        sched = self.scheduler
+        key = (self._churn, len(sched.running), len(sched.waiting))
+        if key == self._published[0] and now - self._published[1] < PUBLISH_EVERY_S:
+            return
+        self._published = (key, now)
+        self._publish(last_prefill, last_decode)
 
     def _publish(self, last_prefill: int, last_decode: int) -> None:
         snap = self._snapshot(last_prefill, last_decode)

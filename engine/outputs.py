@@ -15,6 +15,8 @@ from engine.stream import OutputSink
 
 @dataclass(slots=True)
 class _Live:
+    """A request's output side. With stop strings `text` is the whole reply so far (a stop string is looked for in
+    it) and `emitted_chars` how much of it has gone out; without, `text` is only what has not gone out yet."""
     stream: OutputSink
     detok: IncrementalDetokenizer
     text: str = ""
@@ -43,6 +45,13 @@ class OutputProcessor:
         p = req.params
         n = num_output_tokens or req.num_output_tokens
         delta = live.detok.step(tok)
+        if not p.stop:  # nothing held back: the delta goes out as it is (`text`: what has not gone out yet)
+            if reason is not None:
+                live.text += delta
+                return reason
+            live.stream.put(RequestOutput(req.request_id, text=delta, token_ids=[tok],
+                                          num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=n))
+            return None
         if delta:
             live.text += delta
             if p.stop and n > p.min_tokens:

@@ -164,27 +164,40 @@ class Sampler:
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
         dev = logits.device
-        # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in vLLM): one
-        # masked write for the whole batch, in place
-        rows: list[int] = []
-        cols: list[int] = []
-        width = logits.shape[-1]
+        # one pass over the rows: those below min_tokens, with a logit_bias, that sample (not greedy)
+        banned: list[int] = []
+        biased: list[tuple[int, tuple[tuple[int, float], ...]]] = []
+        sampled: list[int] = []
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
-                ban = {t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < width}
+            p = r.params
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                banned.append(i)
+            if p.logit_bias:
+                biased.append((i, p.logit_bias))
+            if not p.greedy:
+                sampled.append(i)
+        width = logits.shape[-1]
+        if banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
+            # vLLM): one masked write for the whole batch, in place
+            rows: list[int] = []
+            cols: list[int] = []
+            for i in banned:
+                ban = {t for t in (*self.eos_token_ids, *reqs[i].params.stop_token_ids) if 0 <= t < width}
                 rows.extend([i] * len(ban))
                 cols.extend(ban)
-        if rows:
-            logits[_to(rows, dev), _to(cols, dev)] = float("-inf")
-        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+            if rows:
+                logits[_to(rows, dev), _to(cols, dev)] = float("-inf")
         if biased:  # logit_bias: one accumulating write for the whole batch, before every path (greedy too)
             rows = [i for i, bias in biased for t, _ in bias if t < width]
             cols = [t for _, bias in biased for t, _ in bias if t < width]
             vals = [b for _, bias in biased for t, b in bias if t < width]
             if rows:
                 logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         failed: dict[int, Exception] = {}
+        if not sampled:  # a greedy batch draws no numbers
+            if self.argmax is not None:
+                return SampledTokens(self.argmax(logits), failed)
+            return SampledTokens.on_device(_first_max(logits), failed)
         u = self._uniforms(reqs, sampled, dev, failed)
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]

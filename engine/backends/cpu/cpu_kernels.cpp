@@ -913,6 +913,8 @@ void decode_attn(const T* q, int64_t q_stride, const T* kc, const T* vc, const i
 }
 
 // The index of each row's first maximum, as torch's max(dim).indices (a NaN counts as the maximum).
+constexpr int64_t kArgmaxBlock = 64;
+
 template <typename T>
 void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64_t* out, int nthreads) {
     parallel_rows(n, n * width >= 262144 ? nthreads : 1, [&](int64_t i) {
@@ -925,11 +927,24 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t n, int64_t width, int64
             m = v > m ? v : m;
             nan |= v != v;
         }
+        // the first index holding it: a NaN's by a scan; the maximum's by a vector count per block of kArgmaxBlock,
+        // then a scan of the first block that holds it
         int64_t at = 0;
-        for (int64_t j = 0; j < width; ++j) {
-            const float v = Num<T>::ld(r[j]);
-            if (nan ? v != v : v == m) {
-                at = j;
+        if (nan) {
+            while (at < width && !(Num<T>::ld(r[at]) != Num<T>::ld(r[at])))
+                ++at;
+        } else {
+            for (int64_t j0 = 0; j0 < width; j0 += kArgmaxBlock) {
+                const int64_t end = std::min(width, j0 + kArgmaxBlock);
+                int hit = 0;
+#pragma omp simd reduction(+ : hit)
+                for (int64_t j = j0; j < end; ++j)
+                    hit += Num<T>::ld(r[j]) == m;
+                if (!hit)
+                    continue;
+                at = j0;
+                while (Num<T>::ld(r[at]) != m)
+                    ++at;
                 break;
             }
         }
