@@ -57,8 +57,11 @@ from scheduling.scheduler import Scheduler
 
 @dataclass(frozen=True)
 class Machine:
-    """The simulated machine: step ms = (truth prefill + truth decode) x factor x jitter x drift + host_ms (jitter and
-    drift lognormal of median 1: a drift of spread s makes the mean step e^(s^2 / 2) as long)."""
+    """The simulated machine: step ms = (truth prefill + truth decode - hybrid saving) x factor x jitter x drift +
+    host_ms (jitter and drift lognormal of median 1: a drift of spread s makes the mean step e^(s^2 / 2) as long). A
+    hybrid step (a prefill and decodes in one forward) saves `hybrid_saving_ms` against its two parts alone, at most
+    the smaller part: on a GPU both parts pay a launch-bound floor (the weights read once), which one forward pays once;
+    the scheduler still plans a hybrid step as the sum."""
 
     truth: LatencyModel
     factor: float = 1.25
@@ -68,13 +71,15 @@ class Machine:
 
     drift: float = 0.0  # sigma of the log of the box's speed as it wanders (Drift); 0: a steady box
     drift_s: float = 1.0  # how long the wander takes to forget itself (s)
+    hybrid_saving_ms: float = 0.0  # what a hybrid step saves against its prefill and decode alone (0: their sum)
 
     def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random,
                 prefill_sq: float | None = None, speed: float = 1.0) -> float:
         """A step's time; `speed`: the drift's multiplier now (`Drift.at`)."""
         ms = self.truth.prefill_ms(prefill_tokens, prefill_sq) if prefill_tokens else 0.0
         if decode_rows:
-            ms += self.truth.itl_ms(float(decode_rows), mean_len)
+            decode = self.truth.itl_ms(float(decode_rows), mean_len)
+            ms += decode - (min(self.hybrid_saving_ms, ms, decode) if ms else 0.0)
         mult = math.exp(rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0
         return ms * self.factor * mult * speed + self.host_ms
 
@@ -290,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--drift", type=float, default=0.0, help="sigma of the log of the box's speed as it wanders over time (Drift; "
       "0: steady)")
     a("--drift-s", type=float, default=1.0, help="the drift's time constant (s)")
+    a("--hybrid-saving-ms", type=float, default=0.0, help="the machine's: what a step that prefills and decodes "
+      "together saves against the two alone (ms, at most the smaller; 0: their sum, as the scheduler plans). "
+      "bench.prefill_model's hybrid steps measure it (its summaries' hybrid_steps)")
     a("--host-ms", type=host_ms_of, default=host_ms_of("0.15"), metavar="MS|LABEL=MS,...",
       help="host time added to every step (ms): one for all, or per policy label, e.g. 'kairos=0.27,scorpio=0.12,"
       "0.15' (a label's own, else the bare number, else 0.15): a replay of a bench.slo run takes each policy's "
@@ -365,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
-        machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s)
+        machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,
+                          args.hybrid_saving_ms)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
                         tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
 

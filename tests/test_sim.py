@@ -192,3 +192,14 @@ def test_a_drifting_box_is_slow_or_fast_for_a_while_and_no_drift_changes_nothing
     drifting = sim.simulate(SchedulerConfig(policy="kairos"), items,
                             sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0, drift=0.3), MODEL)
     assert [r.token_times for r in drifting] != [r.token_times for r in plain]
+
+
+def test_a_hybrid_step_saves_at_most_its_smaller_part():
+    m = sim.Machine(MODEL, factor=1.0, jitter=0.0, host_ms=0.0, seed=0, hybrid_saving_ms=1e9)
+    rng = random.Random(0)
+    prefill, decode = MODEL.prefill_ms(64), MODEL.itl_ms(4.0, 100.0)
+    assert m.step_ms(64, 4, 100.0, rng) == pytest.approx(max(prefill, decode))
+    assert m.step_ms(64, 0, 0.0, rng) == pytest.approx(prefill)  # a step of one kind saves nothing
+    assert m.step_ms(0, 4, 100.0, rng) == pytest.approx(decode)
+    plain = sim.Machine(MODEL, factor=1.0, jitter=0.0, host_ms=0.0, seed=0)
+    assert plain.step_ms(64, 4, 100.0, rng) == pytest.approx(prefill + decode)
