@@ -139,6 +139,36 @@ def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
         eng.shutdown()
 
 
+def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
+    """The worker publishes its stats after a step that changed its requests (one admitted, one ended), and otherwise
+    often enough that the step count moves while a reply decodes."""
+    eng = _engine(tiny_checkpoints["llama"])
+
+    def until(cond, timeout=10.0):
+        deadline = time.time() + timeout
+        while not cond(eng.stats()) and time.time() < deadline:
+            time.sleep(0.002)
+        return eng.stats()
+
+    try:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        a = eng.add_request([5] * 40, params, request_id="a")
+        assert not a.get(timeout=30).finished
+        assert until(lambda st: st.num_running == 1).num_running == 1
+        b = eng.add_request([6] * 40, params, request_id="b")
+        assert not b.get(timeout=30).finished
+        assert until(lambda st: st.num_running == 2).num_running == 2
+        steps = eng.stats().steps
+        assert until(lambda st: st.steps > steps).steps > steps  # the time-based refresh, the requests unchanged
+        eng.abort("a")
+        assert until(lambda st: st.num_running == 1).num_running == 1
+        eng.abort("b")
+        st = until(lambda st: st.num_running == 0 and st.kv_blocks_used == 0)
+        assert st.num_running == 0 and st.kv_blocks_used == 0
+    finally:
+        eng.shutdown()
+
+
 def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:
