@@ -115,7 +115,7 @@ class LLMEngine:
         self._fatal_fault = False
         self._steps = 0
         self._churn = 0  # requests added or ended so far (a published snapshot is stale once it moves)
-        self._published: tuple[tuple[int, int, int], float] = ((-1, -1, -1), -math.inf)  # (requests, when)
+        self._published: tuple[tuple[int, int], float] = ((-1, -1), -math.inf)  # (requests, when)
         self._rejected: dict[str, int] = {}
         self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
@@ -645,8 +645,7 @@ class LLMEngine:
     def _publish_step(self, last_prefill: int, last_decode: int, now: float) -> None:
         """After a step: publish unless the last snapshot holds the same requests and is under PUBLISH_EVERY_S old
         (taking one costs as much as a few rows' output, every step)."""
-        sched = self.scheduler
-        key = (self._churn, len(sched.running), len(sched.waiting))
+        key = (self._churn, len(self.scheduler.running))  # an admission or a preemption moves the running count
         if key == self._published[0] and now - self._published[1] < PUBLISH_EVERY_S:
             return
         self._published = (key, now)

@@ -46,28 +46,26 @@ class OutputProcessor:
         n = num_output_tokens or req.num_output_tokens
         delta = live.detok.step(tok)
         if not p.stop:  # nothing held back: the delta goes out as it is (`text`: what has not gone out yet)
+            text = delta
             if reason is not None:
                 live.text += delta
                 return reason
-            live.stream.put(RequestOutput(req.request_id, text=delta, token_ids=[tok],
-                                          num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=n))
-            return None
-        if delta:
-            live.text += delta
-            if p.stop and n > p.min_tokens:
-                hit = _find_stop(live.text, p.stop, len(live.text) - len(delta))
-                if hit is not None:
-                    live.text = live.text[:hit]
-                    reason = FinishReason.STOP
-        if reason is not None:
-            return reason
-        hold = max(map(len, p.stop)) - 1 if p.stop else 0  # a stop string may still be completing
-        upto = max(live.emitted_chars, len(live.text) - hold)
-        text = live.text[live.emitted_chars:upto]
-        live.emitted_chars = upto
+        else:
+            if delta:
+                live.text += delta
+                if n > p.min_tokens:
+                    hit = _find_stop(live.text, p.stop, len(live.text) - len(delta))
+                    if hit is not None:
+                        live.text = live.text[:hit]
+                        reason = FinishReason.STOP
+            if reason is not None:
+                return reason
+            hold = max(map(len, p.stop)) - 1  # a stop string may still be completing
+            upto = max(live.emitted_chars, len(live.text) - hold)
+            text = live.text[live.emitted_chars:upto]
+            live.emitted_chars = upto
         live.stream.put(RequestOutput(req.request_id, text=text, token_ids=[tok],
-                                      num_prompt_tokens=req.num_prompt_tokens,
-                                      num_output_tokens=n))
+                                      num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=n))
         return None
 
     def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,
