@@ -31,7 +31,7 @@ from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VBSGate, affordable_step_ms,
                                    behind_pace, hold_prefill, next_token_slack_ms, paced_tpot_ms, passes_gate,
-                                   select_by_credit, trim_for_catch_up, vbs)
+                                   select_by_credit, trim_for_catch_up)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
 log = logging.getLogger("kairos.scheduler")
@@ -263,7 +263,8 @@ class Scheduler:
             order_waiting(self.waiting, "ldf")
         # the measured time between finished replies, once a step (urgent_first's order, impatient_reserve's room)
         patience = self.reserve.patience_ms(now) if self.reserve is not None else None
-        if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
+        if f.short_first and len(self.waiting) > 1:  # the TTFT guard walked the queue by deadline; room goes to the
+            # least work
             pace = self._pace()
             order_least_work(self.waiting,
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
@@ -360,8 +361,9 @@ class Scheduler:
             nonlocal kv_full, round_tokens, round_sq, pace, stall, impatient
             if kv_full:
                 return Verdict.STOP
-            if r.first_token_s is None and sheds(self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace,
-                                                 self.config.shed_pace_factor):
+            # no threshold (+inf) sheds nothing: the request's work is not needed then
+            if r.first_token_s is None and shed_above != math.inf and sheds(
+                    self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace, self.config.shed_pace_factor):
                 plan.rejected.append((r, SHED))
                 return Verdict.DROP
             if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:
@@ -512,12 +514,17 @@ class Scheduler:
         `_work(r, 1, pace)`). No row's TPOT is below that pace, so none sets a faster one: a paced row's token costs
         what a token at the pace costs (PaceCost.token_ms at its mid-reply context), or 1 / its TPOT without
         pace_work; a row without a TPOT SLO nothing."""
-        paced = [r for r in rows if r.tpot_slo_ms != math.inf]
-        if not paced:
-            return 0.0
+        inf = math.inf
         if self.pace_cost is None:
-            return sum(1.0 / r.tpot_slo_ms for r in paced)
-        return self.pace_cost.tokens_ms(min(r.tpot_slo_ms for r in paced), [self._mid_len(r) for r in paced])
+            return sum((1.0 / t for t in (r.tpot_slo_ms for r in rows) if t != inf), 0.0)
+        pace, lengths, mid_len = inf, [], self._mid_len
+        for r in rows:  # one pass: the pace and each paced row's mid-reply context
+            t = r.tpot_slo_ms
+            if t != inf:
+                if t < pace:
+                    pace = t
+                lengths.append(mid_len(r))
+        return self.pace_cost.tokens_ms(pace, lengths) if lengths else 0.0
 
     def gate_line(self, now: float) -> tuple[float, float] | None:
         """The VBS gate as a line in the batch, for a router: a request joining this replica passes where
@@ -596,17 +603,27 @@ class Scheduler:
             # overlap scheduling: a request whose last token is on its way and ends it by length has nothing more
             # to compute (it ends when that token is resolved)
             decoding = [r for r in decoding if r.token_ids[-1] >= 0 or not self._length_reached(r, r.num_tokens)]
-        t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
-        self.last_vbs = vbs(self.running, t_min, be)
+        # T_min, and the stats' VBS in the same pass (as VBSGate sums it): T_min x sum(1 / T) + best_effort_trp x n_be
+        inf = math.inf
+        t_min, inv_sum, n_be = inf, 0.0, 0
+        for r in self.running:
+            t = r.tpot_slo_ms
+            if t == inf:
+                n_be += 1
+            else:
+                inv_sum += 1.0 / t
+                if t < t_min:
+                    t_min = t
+        self.last_vbs = be * n_be + (t_min * inv_sum if inv_sum else 0.0)
         if self.flags.credit_batching:
             batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now),
                                      self.pace_of(now))
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
-            def afford(r: Request, extra_steps: int) -> float:
-                return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
-                                          now, extra_steps)
+            def afford(r: Request, extra_steps: int, f: Callable[..., float] = affordable_step_ms) -> float:
+                return f(r.first_token_s, len(r.token_ids) - len(r.prompt_token_ids), r.expected_output_len,
+                         r.tpot_slo_ms, now, extra_steps)
             kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), afford, pace=lambda r: r.tpot_slo_ms)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
@@ -615,10 +632,11 @@ class Scheduler:
                         r.credit += 1.0
             batch = kept
         out: list[Request] = []
+        holds, running = self.blocks.holds, Status.RUNNING
         for r in batch:
-            if r.status is not Status.RUNNING:  # preempted earlier in this loop
+            if r.status is not running:  # preempted earlier in this loop
                 continue
-            if self.blocks.holds(r, r.num_tokens):  # its blocks hold the step's token already
+            if holds(r, len(r.token_ids)):  # its blocks hold the step's token (num_tokens) already
                 out.append(r)
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
@@ -645,7 +663,7 @@ class Scheduler:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
         measured step factor (`ItlCorrection`, of n rows' bucket with correction_by_rows; 1 without it)."""
         scale = self.last_correction if self.correction is not None else 1.0
-        mean_len = sum(r.num_tokens for r in reqs) / len(reqs)
+        mean_len = sum(len(r.token_ids) for r in reqs) / len(reqs)  # their num_tokens
         if self.correction is not None and self.config.correction_by_rows:
             corr = self.correction
             return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(now, n)
@@ -717,12 +735,14 @@ class Scheduler:
             if end < req.num_tokens:  # a chunk: its KV is in the cache now, no token yet
                 req.num_computed_tokens = end
         index: list[int] = []
+        finished = Status.FINISHED
         for row, req in enumerate(reqs):
-            if req.status is Status.FINISHED:
+            if req.status is finished:
                 index.append(-1)
                 continue
-            req.num_computed_tokens = req.num_tokens
-            index.append(req.num_tokens)
+            n = len(req.token_ids)  # num_tokens
+            req.num_computed_tokens = n
+            index.append(n)
             req.token_ids.append(-(row + 1))
         return index
 
@@ -731,8 +751,9 @@ class Scheduler:
         """The sampled tokens of a `launched` step are known: each fills its placeholder. A request that ended
         meanwhile (overlap scheduling: it ended on the step before, or was aborted) is skipped."""
         out: list[tuple[Request, int | Exception, FinishReason | None]] = []
+        eos, margin, finished, length_reached = self.eos_token_ids, self.margin, Status.FINISHED, self._length_reached
         for req, i, tok in zip(reqs, index, tokens):
-            if req.status is Status.FINISHED:
+            if req.status is finished:
                 continue
             if isinstance(tok, Exception):
                 out.append((req, tok, FinishReason.ERROR))
@@ -741,14 +762,14 @@ class Scheduler:
             req.token_times.append(now)
             if req.first_token_s is None:
                 req.first_token_s = now
-                if self.margin is not None and req.ttft_estimate is not None:
+                if margin is not None and req.ttft_estimate is not None:
                     admitted_s, predicted_ms, alone = req.ttft_estimate
-                    self.margin.observe((now - admitted_s) * 1000.0 - predicted_ms, predicted_ms, now, alone)
+                    margin.observe((now - admitted_s) * 1000.0 - predicted_ms, predicted_ms, now, alone)
             p = req.params
             reason = None
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = FinishReason.STOP
-            elif self._length_reached(req, i + 1):
+            elif length_reached(req, i + 1):
                 reason = FinishReason.LENGTH
             out.append((req, tok, reason))
         return out

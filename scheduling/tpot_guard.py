@@ -257,7 +257,7 @@ class VBSGate:
 
     def predicted_tpot_ms(self, candidate: T) -> float:
         """ITL(VBS', L) at the midpoint of the candidate's decode (before the margin)."""
-        return self._predict([(candidate.tpot_slo_ms, candidate.num_tokens)], self._out_len(candidate))
+        return self._predict(((candidate.tpot_slo_ms, candidate.num_tokens),), self._out_len(candidate))
 
     def _growth(self, horizon: float) -> float:
         """With `remaining_of`: how much the batch's contexts grow on average over `horizon` more steps, summed over
@@ -272,13 +272,19 @@ class VBSGate:
     def _predict(self, extra: Sequence[tuple[float, float]], out_len: float) -> float:
         """ITL(VBS', L) with `extra` (tpot, tokens) sequences added to the batch, over the `out_len` steps of the
         candidate's reply (the first of `extra`; the others' contexts are already the mean over their replies)."""
-        tpots = [t for t, _ in extra]
-        t_min = min(self._t_min, *tpots)
-        inv_sum = self._inv_sum + sum(1.0 / t for t in tpots if not math.isinf(t))
-        n_be = self._n_best_effort + sum(math.isinf(t) for t in tpots)
+        t_min, add_inv, add_be, add_tokens = self._t_min, 0.0, 0, 0
+        for t, k in extra:  # one pass (the gate's per-candidate test)
+            if math.isinf(t):
+                add_be += 1
+            else:
+                add_inv += 1.0 / t
+                if t < t_min:
+                    t_min = t
+            add_tokens += k
         n = self._n_seqs + len(extra)
-        vbs_new = float(n) if math.isinf(t_min) else t_min * inv_sum + self._be_trp * n_be
-        tokens = self._tokens + sum(k for _, k in extra)
+        vbs_new = float(n) if math.isinf(t_min) else t_min * (self._inv_sum + add_inv) \
+            + self._be_trp * (self._n_best_effort + add_be)
+        tokens = self._tokens + add_tokens
         if self._rem_of is None:  # SCORPIO's: every context grows by half the candidate's reply
             return self._itl(vbs_new, tokens / n + out_len / 2.0)
         return self._itl(vbs_new, (tokens + self._growth(out_len) + out_len / 2.0) / n)
