@@ -23,6 +23,8 @@ def order_waiting(waiting: deque[T], order: QueueOrder) -> None:
         return
     if order != "ldf":
         raise ValueError("order must be fifo|ldf")
+    if len(waiting) < 2:
+        return
     ordered = sorted(waiting, key=lambda r: (r.deadline_s, r.arrival_s))
     waiting.clear()
     waiting.extend(ordered)
