@@ -10,7 +10,9 @@ reports), a lognormal jitter and, with `--drift`, the box's speed wandering over
 measures it), plus a fixed host time per step. The scheduler sees only its own latency model
 and what it measures, as in the engine. Everything else is deterministic, so paired comparisons need far fewer
 seeds, and a GPU-shaped truth model (`--truth`, a LatencyModel JSON profiled on that GPU) shows what the
-scheduler does at batch sizes in the hundreds.
+scheduler does at batch sizes in the hundreds. The scheduler gets the defaults of the device the `--tiers` model was
+fitted on (its meta's device; a GPU's `engine.config.GPU_SCHEDULER_DEFAULTS`) wherever the run leaves a knob unset,
+as the engine applies them.
 
 What it leaves out: the engine's host work beyond `--host-ms` per step, HTTP, overlap scheduling (a step's tokens
 count when the step ends), KV pressure (blocks are ample), EOS (replies end at their reference length), and the
@@ -49,6 +51,7 @@ from bench.slo import (arm_sched, completion_rate, length_arm, overrides, policy
                        search_lambda)
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
+from engine.config import EngineConfig, for_device
 from scheduling.config import SchedulerConfig
 from scheduling.length_predictor import EDGES, LEN_HI, LEN_LO, conditional_means, spearman
 from scheduling.predictor import LatencyModel
@@ -359,11 +362,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "from the scheduler; the synthetic prediction stands in for the predictor's)")
         return "+".join(p for p in parts if not p.startswith("noise=")), None if sigma is None else float(sigma)
 
+    # the scheduler defaults of the device the --tiers model was fitted on, where the run leaves a knob unset, as the
+    # engine applies them (engine.config.for_device: a GPU replica's)
+    device_type = str(planner.meta.get("device", "cpu")).split(":")[0]
+
     def config(label: str) -> SchedulerConfig:
         policy, extra = policy_spec(noise_of(label)[0])
-        return SchedulerConfig(**{"policy": policy, "max_num_seqs": args.max_num_seqs,
-                                  "prefill_max_tokens": args.prefill_max_tokens,
-                                  **arm_sched(length_arm(label, args.lengths)), **overrides(args.sched), **extra})
+        cfg = SchedulerConfig(**{"policy": policy, "max_num_seqs": args.max_num_seqs,
+                                 "prefill_max_tokens": args.prefill_max_tokens,
+                                 **arm_sched(length_arm(label, args.lengths)), **overrides(args.sched), **extra})
+        return for_device(EngineConfig(scheduler=cfg), device_type).scheduler
 
     def host_of(label: str) -> float:
         """The host ms a step of `label` takes (`--host-ms`: its own, else the other labels')."""

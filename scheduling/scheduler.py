@@ -791,7 +791,7 @@ class Scheduler:
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
         if plan.decode and not plan.prefill:
             self.model_error.observe(len(plan.decode), wall_ms, pred)
-        if self.correction is not None:
+        if self.correction is not None and (self.config.correction_stalls or not plan.prefill):
             self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0,
                                     alone=0 < len(plan.decode) <= ALONE_ROWS and not plan.prefill)
 

@@ -353,7 +353,9 @@ class ItlCorrection:
     their predicted time, however long ago, starting from the profile's 1 (worth ``idle_prior_ms`` of them): a
     replica's best TPOT, drawn with it, holds still across idle gaps, short requests and bursts, and moves by
     degrees. The offline fit is never replaced, only scaled within bounds. This is the robust replacement for
-    four-coefficient RLS, which drifted on steps where B and B*L are collinear.
+    four-coefficient RLS, which drifted on steps where B and B*L are collinear. With `correction_stalls` off (a
+    GPU replica's default) the scheduler feeds it the decode-only steps alone: the factor is then the model's error,
+    and the stalls are left to catch-up and the pace guard.
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,

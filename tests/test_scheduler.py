@@ -163,6 +163,41 @@ def test_kairos_gate_keeps_the_measured_step_time_after_an_idle_gap():
     assert _sched("scorpio").idle_gate_scale() == 1.0
 
 
+def test_correction_without_stalls_leaves_the_prefill_steps_out_a_gpu_replicas_default():
+    """correction_stalls=False (a GPU replica's default, `for_device`): kairos's ITL correction measures the
+    decode-only steps alone, so the time the steps that carried a prefill took does not scale its gate; with the
+    CPU's default (True) it does, as stalls of the running replies."""
+    from engine.config import EngineConfig, for_device
+
+    assert for_device(EngineConfig(), "cuda").scheduler.correction_stalls is False
+    assert for_device(EngineConfig(), "cpu").scheduler.correction_stalls is True
+    for stalls, admitted in ((True, False), (False, True)):
+        s = _sched("kairos", correction_stalls=stalls, impatient_reserve=False)
+        a = _req(0, 4)  # best effort, keeps a decode running
+        s.add(a)
+        _run(s, s.schedule(0.0))
+        t = 0.0
+        for k in range(40):
+            p = s.schedule(t)  # a decode-only step, at the model's ITL(1) = 5.5 ms
+            assert p.decode == [a] and not p.prefill
+            _run(s, p)
+            t += 0.0055
+            s.on_step_done(p, 5.5, t)
+            b = _req(100 + k, 4)  # a prompt riding in a hybrid step that takes 20 ms
+            s.add(b)
+            p = s.schedule(t)
+            assert p.prefill == [b] and p.decode == [a]
+            _run(s, p)
+            t += 0.02
+            s.on_step_done(p, 20.0, t)
+            s.finish(b, FinishReason.STOP, t)
+        r = _req(9, 4, tpot=9.0)  # ITL(2) = 6 ms: 1.05 * 6 < 0.99 * 9 unless the stalls scale the model
+        s.add(r)
+        p = s.schedule(t)
+        assert (r in p.prefill) is admitted, stalls
+        assert s.last_correction == (pytest.approx(1.0) if not stalls else pytest.approx(25.5 / 11.0, rel=0.05))
+
+
 def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_last_stalls():
     """Right after the last request ended, the step window still holds the stalls its neighbours' prefills made;
     a request admitted now decodes alone, without them. So a replica with nothing running gates with the
