@@ -203,3 +203,21 @@ def test_a_hybrid_step_saves_at_most_its_smaller_part():
     assert m.step_ms(0, 4, 100.0, rng) == pytest.approx(decode)
     plain = sim.Machine(MODEL, factor=1.0, jitter=0.0, host_ms=0.0, seed=0)
     assert plain.step_ms(64, 4, 100.0, rng) == pytest.approx(prefill + decode)
+
+
+def test_a_gpu_fitted_model_runs_the_scheduler_with_a_gpu_replicas_defaults(tmp_path):
+    """The scheduler gets the defaults of the device the --tiers model was fitted on where the run leaves a knob
+    unset, as the engine applies them (engine.config.for_device): on a GPU's, kairos's ITL correction leaves the
+    prefill steps out (correction_stalls=false); on a CPU's it counts them."""
+    def goodputs(device: str) -> dict[str, list[float]]:
+        model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), meta={"device": device})
+        tiers, out = tmp_path / f"tiers-{device}.json", tmp_path / f"sim-{device}.json"
+        model.save(tiers)
+        assert sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies",
+                         "kairos,kairos+correction_stalls=false,kairos+correction_stalls=true", "--seeds", "0-1",
+                         "--num-requests", "80", "--lambda-star", "25", "--loads", "1.5", "--json", str(out)]) == 0
+        return {p["policy"]: p["goodput_rps"] for p in json.loads(out.read_text())["points"]}
+
+    gpu, cpu = goodputs("cuda:0"), goodputs("cpu")
+    assert gpu["kairos"] == gpu["kairos+correction_stalls=false"] != gpu["kairos+correction_stalls=true"]
+    assert cpu["kairos"] == cpu["kairos+correction_stalls=true"] != cpu["kairos+correction_stalls=false"]
