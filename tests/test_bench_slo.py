@@ -380,6 +380,25 @@ def test_rerouted_requests_are_counted_with_what_became_of_them():
     assert M.summarize(recs, warmup_frac=0)["rerouted"] == M.rerouted(recs)
 
 
+def test_slo_gpu_starts_a_labels_server_with_its_knobs():
+    """bench/device/slo_gpu.py: a policy label's server runs its policy with the length predictor on and the label's
+    knobs as app arguments, each of which the app accepts."""
+    import importlib.util
+    from pathlib import Path
+
+    from deployments.args import AppArgs
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    assert g.arm_server_args("scorpio") == "policy=scorpio length_predictor=true"
+    got = g.arm_server_args("kairos+credit_batching=false+correction_stalls=true")
+    assert got == "policy=kairos length_predictor=true credit_batching=false correction_stalls=true"
+    cfg = AppArgs.model_validate(dict(t.split("=", 1) for t in got.split())).engine_config().scheduler
+    assert (cfg.policy, cfg.length_predictor, cfg.credit_batching, cfg.correction_stalls) == ("kairos", True, False, True)
+
+
 def test_slo_gpu_checks_from_its_rows():
     """bench/device/slo_gpu.py: the issue's acceptance checks from the rows of its bench.slo runs."""
     import importlib.util

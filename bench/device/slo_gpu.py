@@ -126,6 +126,13 @@ def point_row(policy: str, arm: str, res: dict, recs: list[dict]) -> dict:
                              for hop, d in (res.get("http_hops_ms") or {}).items()}}
 
 
+def arm_server_args(label: str) -> str:
+    """The app arguments of a policy label's server (after fcfs): its policy, the length predictor on (the predicted
+    arm's), and the label's knobs (kairos+credit_batching=false: credit_batching=false). Its rows keep the label."""
+    name, *knobs = label.split("+")
+    return " ".join([f"policy={name}", "length_predictor=true", *knobs])
+
+
 def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict[str, Any]:
     """The issue's checks, where the rows allow them (None: not measured)."""
     by = {(r["policy"], r["lengths"], r["load"]): r for r in rows}
@@ -180,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-max-tokens", type=int, default=2048)
     ap.add_argument("--strict-batch", type=float, default=32, help="bench.slo --strict-batch (T_strict at this batch)")
     ap.add_argument("--loose-batch", type=float, default=128, help="bench.slo --loose-batch")
-    ap.add_argument("--policies", default="kairos,scorpio", help="after fcfs, one server each, in this order")
+    ap.add_argument("--policies", default="kairos,scorpio", help="after fcfs, one server each, in this order; a "
+                    "label's knobs are its server's arguments (kairos+credit_batching=false)")
     ap.add_argument("--resume", action="store_true", help="go on with the run in --out that a time limit cut off (a "
                     "second call on the same host): its model, replica profile (so its tiers), lambda* and finished "
                     "arms are kept; what it had not finished runs")
@@ -261,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     common = (f"model={args.model_dir} dtype={args.dtype} device={args.device} max_num_seqs={args.max_num_seqs} "
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} {args.serve}")
-    runs = [("fcfs", "")] + [(p, "length_predictor=true") for p in args.policies.split(",") if p]
+    runs = [("fcfs", "policy=fcfs")] + [(p, arm_server_args(p)) for p in args.policies.split(",") if p]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
@@ -274,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"out of time before {policy}")
             break
         t0 = time.monotonic()
-        with served(f"{common} policy={policy} {extra}", args.out / f"serve-{policy}.log",
+        with served(f"{common} {extra}", args.out / f"serve-{policy}.log",
                     start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu") as target:
             doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
             doc.setdefault("http_front", {})[policy] = http_front()

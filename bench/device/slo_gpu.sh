@@ -17,7 +17,8 @@
 #   the whole run, model build and server starts included; the summary is rewritten after each policy, so a cut-off
 #   run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that
 #   batch, L) of the replica's own fit),
-#   POLICIES (kairos,scorpio: after fcfs, in this order), RESUME=1 (a second call on the same warm host, after a
+#   POLICIES (kairos,scorpio: after fcfs, in this order; a label's knobs, as in kairos+credit_batching=false, are
+#   its server's app arguments), RESUME=1 (a second call on the same warm host, after a
 #   first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the rest
 #   runs, and the summary has both),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
