@@ -21,9 +21,9 @@ TEAM_NICE_ENV = "KAIROS_CPU_TEAM_NICE"
 
 DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / kairos-tiny: random weights
 # A GPU replica's scheduler defaults, for the knobs its config leaves unset (`for_device`): a GPU step runs
-# batches in the hundreds for about the time of a few, as vLLM's defaults (256 running requests) assume; and a
-# prefill riding in a step costs the running replies a stall that does not grow with their batch, so kairos's ITL
-# correction measures the decode steps alone (`correction_stalls`; bench/README has the simulator's figures)
+# batches in the hundreds for about the time of a few, as vLLM's defaults (256 running requests) assume; and kairos's
+# ITL correction measures the decode steps alone (`correction_stalls`): scaled by the prefills' stalls too, its gate
+# turned away requests that catch-up keeps within their TPOT there (bench/README has the simulator's figures)
 GPU_SCHEDULER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 256, "max_waiting": 512, "prefill_max_tokens": 2048,
                                           "correction_stalls": False}
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type

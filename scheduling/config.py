@@ -143,8 +143,9 @@ class SchedulerConfig(BaseModel):
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
     correction_stalls: bool = Field(True, description="the ITL correction counts the prefill time of every step (a "
                                     "prefill-only step, a hybrid step's prefill) as decode stall, as a paced reply "
-                                    "lives it; false (opt-in): it measures the decode-only steps alone against the "
-                                    "model, and catch-up and the pace guard are left to absorb the stalls")
+                                    "lives it; false (a GPU replica's default, engine.config.GPU_SCHEDULER_DEFAULTS): "
+                                    "it measures the decode-only steps alone against the model, and catch-up and the "
+                                    "pace guard are left to absorb the stalls")
     tier_floor: bool | None = Field(None, description="keep every TPOT tier that is feasible on an idle replica "
                                     "above a share of its admission decisions (scheduling/tier_floor.py)")
     pace_guard: bool | None = Field(None, description="decode a paced request its credit would skip when skipping "
