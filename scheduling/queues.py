@@ -36,6 +36,8 @@ def order_least_work(waiting: deque[T], work: Callable[[T], float], urgent_befor
     the least work per request is the most requests a replica's decode rate completes (kairos's `short_first`).
     Fresh requests whose TTFT deadline falls before ``urgent_before`` (those that cannot wait for the next room:
     reserve.py) go before the other fresh ones, least work first among them."""
+    if len(waiting) < 2:
+        return
     ordered = sorted(waiting, key=lambda r: (0,) if r.first_token_s is not None  # a stable sort keeps their order
                      else (1 if r.deadline_s < urgent_before else 2, work(r), r.deadline_s, r.arrival_s))
     waiting.clear()

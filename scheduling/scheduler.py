@@ -31,7 +31,7 @@ from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
 from scheduling.tpot_guard import (ALONE_ROWS, ItlCorrection, StepModelError, VBSGate, affordable_step_ms,
                                    behind_pace, hold_prefill, next_token_slack_ms, paced_tpot_ms, passes_gate,
-                                   select_by_credit, trim_for_catch_up)
+                                   select_by_credit, trim_for_catch_up, vbs)
 from scheduling.ttft_guard import MeasuredMargin, find_ttft_unattainable
 
 log = logging.getLogger("kairos.scheduler")
@@ -263,8 +263,7 @@ class Scheduler:
             order_waiting(self.waiting, "ldf")
         # the measured time between finished replies, once a step (urgent_first's order, impatient_reserve's room)
         patience = self.reserve.patience_ms(now) if self.reserve is not None else None
-        if f.short_first and len(self.waiting) > 1:  # the TTFT guard walked the queue by deadline; room goes to the
-            # least work
+        if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
             pace = self._pace()
             order_least_work(self.waiting,
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
@@ -516,7 +515,7 @@ class Scheduler:
         pace_work; a row without a TPOT SLO nothing."""
         inf = math.inf
         if self.pace_cost is None:
-            return sum((1.0 / t for t in (r.tpot_slo_ms for r in rows) if t != inf), 0.0)
+            return sum((1.0 / r.tpot_slo_ms for r in rows if r.tpot_slo_ms != inf), 0.0)
         pace, lengths, mid_len = inf, [], self._mid_len
         for r in rows:  # one pass: the pace and each paced row's mid-reply context
             t = r.tpot_slo_ms
@@ -603,27 +602,17 @@ class Scheduler:
             # overlap scheduling: a request whose last token is on its way and ends it by length has nothing more
             # to compute (it ends when that token is resolved)
             decoding = [r for r in decoding if r.token_ids[-1] >= 0 or not self._length_reached(r, r.num_tokens)]
-        # T_min, and the stats' VBS in the same pass (as VBSGate sums it): T_min x sum(1 / T) + best_effort_trp x n_be
-        inf = math.inf
-        t_min, inv_sum, n_be = inf, 0.0, 0
-        for r in self.running:
-            t = r.tpot_slo_ms
-            if t == inf:
-                n_be += 1
-            else:
-                inv_sum += 1.0 / t
-                if t < t_min:
-                    t_min = t
-        self.last_vbs = be * n_be + (t_min * inv_sum if inv_sum else 0.0)
+        t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
+        self.last_vbs = vbs(self.running, t_min, be)
         if self.flags.credit_batching:
             batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now),
                                      self.pace_of(now))
         else:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
-            def afford(r: Request, extra_steps: int, f: Callable[..., float] = affordable_step_ms) -> float:
-                return f(r.first_token_s, len(r.token_ids) - len(r.prompt_token_ids), r.expected_output_len,
-                         r.tpot_slo_ms, now, extra_steps)
+            def afford(r: Request, extra_steps: int) -> float:
+                return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
+                                          now, extra_steps)
             kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), afford, pace=lambda r: r.tpot_slo_ms)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
