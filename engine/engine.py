@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import queue
 import sys
 import threading
@@ -40,7 +41,8 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
-from engine.sampler import SampledTokens
+from engine.host_stream import HostStream, Pending
+from engine.sampler import Draws, SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.length_predictor import tokenizer_fingerprint
@@ -77,9 +79,13 @@ class _InFlight:
     plan: StepPlan
     reqs: list[Request]  # the rows that sample (`plan.requests` when it was launched)
     index: list[int]  # where each row's placeholder sits in its token_ids (`Scheduler.launched`)
-    tokens: SampledTokens | None  # None: no row samples (prefill chunks only)
+    tokens: SampledTokens | Pending | None  # None: no row samples (prefill chunks only); Pending: on the host stream
     t0: float  # when its scheduling started (perf_counter)
     forward_ms: float  # its forward's launch (the whole forward where the device is the host)
+    # on the host stream: the step's forward requests as it was launched, (num_computed_tokens, num_tokens) each, and
+    # its draw's plan: what re-running it request by request needs once the requests have moved on
+    as_launched: list[tuple[int, int]] | None = None
+    draws: Draws | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +95,14 @@ class _IdleJob:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class LLMEngine:
@@ -170,7 +184,12 @@ class LLMEngine:
         self.cache = KVCache.of(spec, blocks, b.device, backend.scratch_blocks)
         backend.attach(self.cache)
         self.runner = ModelRunner(b.model, self.cache, backend, decoder)
-        self.overlap = config.overlap == "on" or (config.overlap == "auto" and b.device.type == "cuda")
+        # where the device is the host, a thread of its own runs the steps (`engine.host_stream`): by default where
+        # the engine's torch threads leave a core for the worker's host work
+        host = b.device.type != "cuda"
+        spare = torch.get_num_threads() < usable_cores()
+        self.overlap = config.overlap == "on" or (config.overlap == "auto" and (not host or spare))
+        self._stream = HostStream(torch.get_num_threads()) if self.overlap and host else None
         t_cache = time.perf_counter()
         self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len,
                                             config.mixed_graph_tokens)
@@ -264,6 +283,9 @@ class LLMEngine:
     def _release(self) -> None:
         """The engine stopped: free what it holds on the device (weights, KV cache, the backend's buffers and graphs)
         so that another engine in this process can have it."""
+        stream = getattr(self, "_stream", None)
+        if stream is not None:  # its step in flight writes the cache: it ends first
+            stream.close()
         backend = getattr(self, "backend", None)
         if backend is None:
             return
@@ -511,6 +533,9 @@ class LLMEngine:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise _InjectedFault("injected fault")
+            if self.overlap and self._stream is not None:
+                self._launch_on_host(plan, reqs, prev, t0, t1)
+                return
             prev_tokens = prev.tokens.device_tokens(self.bundle.device) \
                 if prev is not None and prev.tokens is not None else None
             logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends, prev_tokens)
@@ -538,6 +563,52 @@ class LLMEngine:
         else:
             self._resolve(launched)
 
+    def _launch_on_host(self, plan: StepPlan, reqs: list[Request], prev: _InFlight | None, t0: float,
+                        t1: float) -> None:
+        """Overlap scheduling on the host stream: prepare the step's inputs and plan its draw here (they read the
+        requests), wait for the step before to land (its tokens are this one's inputs; a step that failed is re-run
+        request by request first), launch this one, and hand the step before's tokens out while it runs. Raises
+        what preparing raised, before anything is launched (the caller re-runs the step request by request)."""
+        sched = self.scheduler
+        prepared = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_ends)
+        t2 = time.perf_counter()
+        draws = self.sampler.plan(reqs) if reqs else None
+        as_launched = [(r.num_computed_tokens, len(r.token_ids)) for r in plan.forward]
+        t3 = time.perf_counter()
+        self._phase["forward"] += t2 - t1  # preparing the inputs
+        self._phase["sample"] += t3 - t2
+        if prev is not None:
+            self._landed(prev)
+        prev_tokens = prev.tokens if prev is not None else None
+        runner, sampler, device = self.runner, self.sampler, self.bundle.device
+
+        def step() -> SampledTokens | None:
+            ids = prev_tokens.device_tokens(device) if prev_tokens is not None else None
+            logits = runner.forward(prepared, ids)
+            return sampler.draw(logits, draws) if draws is not None else None
+        launched = _InFlight(plan, reqs, [], self._stream.launch(step), t0, 0.0, as_launched, draws)
+        launched.index = sched.launched(plan, reqs)
+        if prev is not None:
+            self._resolve(prev)
+        self._inflight = launched
+
+    def _landed(self, f: _InFlight) -> None:
+        """Wait for a step launched on the host stream to run (time spent waiting for the device); if it raised,
+        re-run it request by request, each request as it was when the step was launched."""
+        if not isinstance(f.tokens, Pending):
+            return
+        t0 = time.perf_counter()
+        try:
+            f.tokens, f.forward_ms = f.tokens.result()
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
+            f.tokens = None
+            isolated = self._isolate(f.plan, f.reqs, e, f)
+            if isolated is not None:
+                f.tokens = SampledTokens.of(isolated)
+            elif f.reqs:  # every request of the step failed (`_isolate` ended them)
+                f.tokens = SampledTokens.of([0] * len(f.reqs))
+        self._phase["forward"] += time.perf_counter() - t0
+
     def _allow(self, plan: StepPlan) -> None:
         """The automatic step_timeout_s covers a step of the whole window; a step predicted longer still (a prefill
         of many whole prompts: no token budget) gets STEP_TIMEOUT_FACTOR times its own prediction."""
@@ -561,6 +632,7 @@ class LLMEngine:
         """A launched step's tokens reach the host (waiting for the device): the scheduler's bookkeeping, then the
         streams, the step's feedback and the published stats."""
         sched, plan = self.scheduler, f.plan
+        self._landed(f)
         t0 = time.perf_counter()
         tokens = f.tokens.result() if f.tokens is not None else []
         t1 = time.perf_counter()
@@ -594,10 +666,13 @@ class LLMEngine:
                 fn(event)
         self._publish_step(len(plan.prefill), len(plan.decode), now)
 
-    def _isolate(self, plan, reqs: list[Request], err: Exception) -> list[int | Exception] | None:
+    def _isolate(self, plan, reqs: list[Request], err: Exception, launched: _InFlight | None = None
+                 ) -> list[int | Exception] | None:
         """A step failed: run each of its requests alone so that one bad request fails alone, not its neighbours.
         Returns the tokens of `reqs` (a `_StepFailed` for those that fail again; chunks that fail are finished
-        here), or None when the whole step failed as it was (a step of one request, or an injected fault)."""
+        here), or None when the whole step failed as it was (a step of one request, or an injected fault).
+        `launched`: the step ran on the host stream and its requests have moved on since (a placeholder each, the
+        next step planned): each is re-run as it was launched and draws with the numbers planned for it."""
         forward = plan.forward
         if len(forward) == 1 or isinstance(err, _InjectedFault):
             log.exception("model step failed; failing %d requests", len(forward), exc_info=err)
@@ -608,15 +683,13 @@ class LLMEngine:
         sampled = {id(r): i for i, r in enumerate(reqs)}
         tokens: list[int | Exception] = [0] * len(reqs)
         ends = dict(zip(map(id, plan.prefill), plan.prefill_ends))
-        for req in forward:
+        as_launched = launched.as_launched if launched is not None else None
+        for k, req in enumerate(forward):
             if req.status is Status.FINISHED:  # ended with the step before (overlap scheduling)
                 continue
             try:
-                if id(req) in ends:
-                    logits = self.runner.execute([req], [], [ends[id(req)]])
-                else:
-                    logits = self.runner.execute([], [req])
-                tok = self.sampler.sample(logits, [req])[0] if id(req) in sampled else None
+                tok = self._run_alone(req, ends.get(id(req)), sampled.get(id(req)),
+                                      as_launched[k] if as_launched is not None else None, launched)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.warning("request %s failed its step: %r", req.request_id, e)
                 fail = _StepFailed(str(e))
@@ -627,6 +700,27 @@ class LLMEngine:
             if id(req) in sampled:
                 tokens[sampled[id(req)]] = tok
         return tokens
+
+    def _run_alone(self, req: Request, end: int | None, row: int | None, as_launched: tuple[int, int] | None,
+                   launched: _InFlight | None) -> int | None:
+        """One request's part of a failed step, alone: its prefill up to `end` or its decode, and its token if it
+        samples (its `row` among the step's). `as_launched`: (num_computed_tokens, num_tokens) when the step was
+        launched on the host stream; the request is run as it was then, and draws with the numbers planned for it."""
+        saved = (req.token_ids, req.num_computed_tokens)
+        if as_launched is not None:
+            computed, n = as_launched
+            if req.num_computed_tokens < (end if end is not None else n):  # its blocks went since
+                raise RuntimeError("preempted while its step was in flight")
+            req.token_ids, req.num_computed_tokens = req.token_ids[:n], computed
+        try:
+            logits = self.runner.execute([req], [], [end]) if end is not None else self.runner.execute([], [req])
+            if row is None:
+                return None
+            if launched is not None and launched.draws is not None:
+                return self.sampler.draw(logits, launched.draws.row(row)).result()[0]
+            return self.sampler.sample(logits, [req])[0]
+        finally:
+            req.token_ids, req.num_computed_tokens = saved
 
     def _reject(self, req: Request, reason: RejectReason) -> None:
         self._rejected[reason.value] = self._rejected.get(reason.value, 0) + 1

@@ -13,6 +13,7 @@ The sampler reads requests and never changes them; the seeded RNGs are its own, 
 (`release` drops one when its request ends)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -121,6 +122,27 @@ def generator_seed(seed: int) -> int:
     return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
+@dataclass(slots=True)
+class Draws:
+    """A step's sampling as planned when it was launched (`Sampler.plan`): its rows' requests (only their frozen
+    `params` are read later), the rows below min_tokens with the ids they may not draw, those with a logit_bias, the
+    rows that sample and their uniform numbers [n, rounds], and the rows whose generator failed."""
+    reqs: list[Request]
+    banned: list[tuple[int, tuple[int, ...]]]
+    biased: list[tuple[int, tuple[tuple[int, float], ...]]]
+    sampled: list[int]
+    u: torch.Tensor | None
+    failed: dict[int, Exception]
+
+    def row(self, i: int) -> "Draws":
+        """Row `i`'s draw alone (a step re-run request by request draws each row with the numbers planned for it)."""
+        j = self.sampled.index(i) if i in self.sampled else -1
+        return Draws([self.reqs[i]], [(0, ids) for k, ids in self.banned if k == i],
+                     [(0, b) for k, b in self.biased if k == i], [0] if j >= 0 else [],
+                     self.u[j:j + 1] if j >= 0 and self.u is not None else None,
+                     {0: self.failed[i]} if i in self.failed else {})
+
+
 class Sampler:
     def __init__(self, vocab_limit: int, eos_token_ids: list[int], device: torch.device,
                  argmax: Callable[[torch.Tensor], list[int]] | None = None, draw: DrawRows | None = None,
@@ -134,7 +156,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.argmax = argmax
-        self.draw = draw
+        self.draw_rows = draw
         self.top_p_draw = top_p_draw
         self.rounds = rounds if top_p_draw is not None else 1
         self._generators: dict[str, torch.Generator] = {}
@@ -161,50 +183,65 @@ class Sampler:
     def sample_async(self, logits: torch.Tensor, reqs: list[Request]) -> "SampledTokens":
         """`sample` without waiting for the device: the tokens stay on the logits' device (where the next step can
         read them) and are on their way to the host; `result()` waits for them."""
-        if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
-            logits = logits[:, : self.vocab_limit]
-        dev = logits.device
+        return self.draw(logits, self.plan(reqs, logits.device))
+
+    def plan(self, reqs: list[Request], device: torch.device | None = None) -> "Draws":
+        """What a step's draw reads of its requests' state, taken now (each row's uniform numbers come from its
+        generator here): a step drawn later on another thread (`draw`) draws what it would have drawn now, whatever
+        the requests have become since. Only `params` (frozen) is read later."""
+        dev = device if device is not None else self.device
         # one pass over the rows: those below min_tokens, with a logit_bias, that sample (not greedy)
-        banned: list[int] = []
+        banned: list[tuple[int, tuple[int, ...]]] = []
         biased: list[tuple[int, tuple[tuple[int, float], ...]]] = []
         sampled: list[int] = []
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                banned.append(i)
+                banned.append((i, (*self.eos_token_ids, *p.stop_token_ids)))
             if p.logit_bias:
                 biased.append((i, p.logit_bias))
             if not p.greedy:
                 sampled.append(i)
-        width = logits.shape[-1]
-        if banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
-            # vLLM): one masked write for the whole batch, in place
-            rows: list[int] = []
-            cols: list[int] = []
-            for i in banned:
-                ban = {t for t in (*self.eos_token_ids, *reqs[i].params.stop_token_ids) if 0 <= t < width}
-                rows.extend([i] * len(ban))
-                cols.extend(ban)
-            if rows:
-                logits[_to(rows, dev), _to(cols, dev)] = float("-inf")
-        if biased:  # logit_bias: one accumulating write for the whole batch, before every path (greedy too)
-            rows = [i for i, bias in biased for t, _ in bias if t < width]
-            cols = [t for _, bias in biased for t, _ in bias if t < width]
-            vals = [b for _, bias in biased for t, b in bias if t < width]
-            if rows:
-                logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
         failed: dict[int, Exception] = {}
-        if not sampled:  # a greedy batch draws no numbers
-            if self.argmax is not None:
-                return SampledTokens(self.argmax(logits), failed)
-            return SampledTokens.on_device(_first_max(logits), failed)
-        u = self._uniforms(reqs, sampled, dev, failed)
+        u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
+        return Draws(list(reqs), banned, biased, sampled, u, failed)
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
+        """The step's tokens from its logits (the sampler's to change) and its `plan`."""
+        if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
+            logits = logits[:, : self.vocab_limit]
+        dev = logits.device
+        reqs, sampled, u, width = d.reqs, d.sampled, d.u, logits.shape[-1]
+        if d.banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
+            # vLLM): one masked write for the whole batch, in place
+            rows: list[int] = []
+            cols: list[int] = []
+            for i, ids in d.banned:
+                ban = {t for t in ids if 0 <= t < width}
+                rows.extend([i] * len(ban))
+                cols.extend(ban)
+            if rows:
+                logits[_to(rows, dev), _to(cols, dev)] = float("-inf")
+        if d.biased:  # logit_bias: one accumulating write for the whole batch, before every path (greedy too)
+            rows = [i for i, bias in d.biased for t, _ in bias if t < width]
+            cols = [t for _, bias in d.biased for t, _ in bias if t < width]
+            vals = [b for _, bias in d.biased for t, b in bias if t < width]
+            if rows:
+                logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
+        failed = dict(d.failed)
+        if not sampled and not failed:  # a greedy batch draws no numbers
+            if self.argmax is not None:
+                return SampledTokens(self.argmax(logits), failed)
+            return SampledTokens.on_device(_first_max(logits), failed)
+        if u is not None and u.device != dev:
+            u = u.to(dev)
         greedy = len(sampled) + len(failed) < len(reqs)
-        if self.argmax is not None or self.draw is not None:
+        if self.argmax is not None or self.draw_rows is not None:
             return SampledTokens(self._host_paths(logits, reqs, sampled, u, greedy), failed)
         return SampledTokens.on_device(self._device_paths(logits, reqs, sampled, u, greedy), failed)
 
@@ -233,8 +270,8 @@ class Sampler:
         if sampled:
             sreqs = [reqs[i] for i in sampled]
             drawn = None
-            if self.draw is not None:
-                drawn = self.draw(logits, sampled, [r.params.temperature for r in sreqs],
+            if self.draw_rows is not None:
+                drawn = self.draw_rows(logits, sampled, [r.params.temperature for r in sreqs],
                                   [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u[:, 0])
             if drawn is None:
                 drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()

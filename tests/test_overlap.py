@@ -1,8 +1,8 @@
 """Overlap scheduling (`EngineConfig.overlap`): step N+1 is planned and launched before the host reads step N's
-tokens, which reach N+1's inputs as placeholders resolved on the device. On the CPU nothing overlaps in time, but the
-bookkeeping is the same as on a GPU: every reply must be token for token, and end for end, what the engine gives
-without it (data-dependent stops, length limits, preemption, chunked prefill, seeded sampling, aborts, a request
-whose forward fails)."""
+tokens, which reach N+1's inputs as placeholders resolved on the device. On the CPU the steps run on the host stream
+(`engine.host_stream`), a thread of their own, with the same bookkeeping as on a GPU: every reply must be token for
+token, and end for end, what the engine gives without it (data-dependent stops, length limits, preemption, chunked
+prefill, seeded sampling, aborts, a request whose forward fails)."""
 import pytest
 import torch
 
@@ -116,6 +116,65 @@ def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_forward_that_fails_on_the_host_stream_fails_its_request_alone(tiny_checkpoints, backend):
+    """On the CPU a step runs on the host stream: a forward that raises there (its inputs were prepared) is found
+    when the step lands, after the next step was planned over its placeholders. Its requests are re-run one by one
+    as they were launched, each drawing the numbers planned for it: only the bad request fails, and the others'
+    replies, greedy and seeded, are those of an engine without overlap."""
+    path = tiny_checkpoints["llama"]
+    good = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)]
+    want = _serve(path, PROMPTS[:2], good, "off", backend=backend)
+    eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="on",
+                                 backend=backend))
+    try:
+        assert eng._stream is not None
+        forward = eng.runner.forward
+        failed = []
+
+        def breaks_past_60(step, prev=None):  # only "bad" reaches position 60, at its 6th token
+            if int(step.positions.max()) >= 60:
+                failed.append(step.positions.numel())
+                raise RuntimeError("this request's position breaks the kernel")
+            return forward(step, prev)
+        eng.runner.forward = breaks_past_60
+        streams = [eng.add_request(p, q, request_id=rid) for p, q, rid in
+                   zip([*PROMPTS[:2], list(range(3, 59))], [*good, SamplingParams(max_tokens=20, temperature=0.0,
+                                                                                   ignore_eos=True)],
+                       ["a", "b", "bad"])]
+        got = {}
+        for s in streams:
+            toks, last = [], None
+            for item in s:
+                toks.extend(item.token_ids or [])
+                last = item
+            got[s.request_id] = (toks, last)
+        assert failed and max(failed) > 1  # a step of several requests failed on the stream
+        assert got["a"][0] == want[0][0] and got["b"][0] == want[1][0]
+        assert got["a"][1].error is None and got["b"][1].error is None
+        assert got["bad"][1].error and "model step failed" in got["bad"][1].error and len(got["bad"][0]) == 5
+        assert eng.scheduler.blocks.num_used == 0 and not eng.scheduler.running
+    finally:
+        eng.shutdown()
+
+
+def test_a_cpu_engine_overlaps_by_default_where_its_threads_leave_a_core(tiny_checkpoints):
+    """`overlap="auto"` on the CPU: the host stream where the engine's torch threads leave a core for the worker's
+    host work, none where they take every core."""
+    from engine.engine import usable_cores
+    cores = usable_cores()
+    for threads in sorted({1, cores}):
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32",
+                                     num_threads=threads))
+        try:
+            assert eng.overlap is (threads < cores) and (eng._stream is not None) is (threads < cores)
+            out = list(eng.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+            assert sum(len(o.token_ids or []) for o in out) == 4 and out[-1].finish_reason is FinishReason.LENGTH
+        finally:
+            eng.shutdown()
+
+
 def test_the_cuda_backends_inputs_read_placeholders_on_the_device(tiny_checkpoints):
     """The CUDA backend's packed inputs (Triton kernels interpreted on the CPU) with overlap: the same tokens."""
     if not _triton_interpreted():
@@ -173,18 +232,18 @@ def test_a_not_finite_row_never_feeds_a_negative_id_to_the_next_step(tiny_checkp
         assert eng.runner.decoder is not None
         seen: list[int] = []
         eng.runner.decoder = _Spy(eng.runner.decoder, seen)
-        sample_async = eng.sampler.sample_async
+        draw = eng.sampler.draw
         count = {"n": 0}
 
-        def poisoned(logits, reqs):  # the "nan" request's second sampled row holds a NaN
-            for i, r in enumerate(reqs):
+        def poisoned(logits, draws):  # the "nan" request's second sampled row holds a NaN
+            for i, r in enumerate(draws.reqs):
                 if r.request_id == "nan":
                     count["n"] += 1
                     if count["n"] == 2:
                         with torch.inference_mode():
                             logits[i, 3] = float("nan")
-            return sample_async(logits, reqs)
-        eng.sampler.sample_async = poisoned
+            return draw(logits, draws)
+        eng.sampler.draw = poisoned
         greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         a = eng.add_request(list(range(7, 30)), greedy, request_id="a")
         bad = eng.add_request(list(range(11, 40)), SamplingParams(max_tokens=8, temperature=1.0, seed=1,

@@ -21,6 +21,7 @@ and CUDA backends extend it. Picture one step:
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -32,6 +33,19 @@ if TYPE_CHECKING:
     from engine.kv_cache import KVCache, KVCacheSpec
     from engine.model_runner import ModelRunner
     from engine.sampler import Sampler
+
+
+_host_step = threading.local()  # `started`: the Event of the step the thread runs on the host stream, if any
+
+
+def long_call_starts() -> None:
+    """A backend is about to make a long call that releases the GIL (a whole step's layers in one kernel call). Where
+    the step runs on the engine's host stream (`engine.host_stream`), the worker that launched it waits for this
+    before its own host work: it then runs that work while the call runs, instead of taking the GIL from the step at
+    each of its short calls."""
+    ev = getattr(_host_step, "started", None)
+    if ev is not None:
+        ev.set()
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, pack
+from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, long_call_starts, pack
 from engine.backends.cpu import kernels as ck
 from engine.backends.cpu.kernels import CpuKernels, DecoderShape
 from engine.backends.cpu.matmul import cpu_has_avx2_fma, cpu_has_native_half, install, upcast_linear
@@ -144,6 +144,7 @@ class CpuBackend(TorchBackend):
         if self._scratch.numel() < need or self._scratch.dtype != decoder.dtype:
             self._scratch = torch.empty(need, dtype=decoder.dtype)
         cos, sin = decoder.rope_tables
+        long_call_starts()
         self.kernels.decode_layers(table[1], shape, h, cos, sin, positions, meta.slot_mapping, p.tables, p.lens,
                                    cache.block_size, self._scratch)
         return True
