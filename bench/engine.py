@@ -10,10 +10,11 @@ run prints: the device-to-device copy bandwidth; for each batch at the prompt le
 spread evenly (`spread`), the served step (the median wall time of the engine's decode-only steps of the whole
 batch, from its step observer), tok/s and the ratio to the bound (weight bytes + the step's KV bytes) / bandwidth,
 beside that step's forward + sampling alone (`Prober.decode_ms`); at one batch, the served step sampling at
-temperature 1.0 / top-p 0.9 beside greedy, back to back (`sampling`); where the engine overlaps scheduling (CUDA),
-the served step without it beside with it (`overlap`); prefill tok/s and TFLOP/s (against the bf16 dense peak where
-known); HF `generate` ms/step on the same model; start-up. `--time-limit-s` skips what is left once the
-run has taken that long; a section that fails is reported in `skipped` and the run goes on.
+temperature 1.0 / top-p 0.9 beside greedy, back to back (`sampling`); where the engine overlaps scheduling (CUDA;
+the CPU with `--overlap on`), the served step without it beside with it (`overlap`); prefill tok/s
+and TFLOP/s (against the bf16 dense peak where known); HF `generate` ms/step on the same model; start-up.
+`--time-limit-s` skips what is left once the run has taken that long; a section that fails is reported in `skipped`
+and the run goes on.
 """
 from __future__ import annotations
 

@@ -92,9 +92,9 @@ class EngineConfig(BaseModel):
     overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="overlap scheduling: plan and launch step N+1 while the device still runs step N (its "
                             "sampled tokens feed N+1 on the device; the host learns them one step later, so a reply "
-                            "that ends at N costs one discarded row in N+1). On the CPU the steps run on a thread "
-                            "of their own while the worker does the host work (`engine.host_stream`). auto: on for "
-                            "CUDA, and on the CPU where the engine's torch threads (num_threads) leave a core free")
+                            "that ends at N costs one discarded row in N+1). auto: on for CUDA, off on the CPU. "
+                            "on, on the CPU: the steps run on a thread of their own while the worker does the host "
+                            "work (`engine.host_stream`); best with num_threads=1 and another core")
     step_timeout_s: float | None = Field(
         None, ge=0, description="a turn of the engine's worker (a model step) that runs longer than this means the "
                                 "device or the worker hung: the engine fails its requests as unavailable (503; the "

@@ -13,7 +13,6 @@ import dataclasses
 import gc
 import logging
 import math
-import os
 import queue
 import sys
 import threading
@@ -38,6 +37,7 @@ from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
                              host_cache_blocks)
 from engine.loader import load_model
+from engine.backends.base import PreparedStep
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
@@ -95,14 +95,6 @@ class _IdleJob:
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class LLMEngine:
@@ -184,11 +176,9 @@ class LLMEngine:
         self.cache = KVCache.of(spec, blocks, b.device, backend.scratch_blocks)
         backend.attach(self.cache)
         self.runner = ModelRunner(b.model, self.cache, backend, decoder)
-        # where the device is the host, a thread of its own runs the steps (`engine.host_stream`): by default where
-        # the engine's torch threads leave a core for the worker's host work
+        # where the device is the host, a thread of its own runs the steps (`engine.host_stream`; only when asked)
         host = b.device.type != "cuda"
-        spare = torch.get_num_threads() < usable_cores()
-        self.overlap = config.overlap == "on" or (config.overlap == "auto" and (not host or spare))
+        self.overlap = config.overlap == "on" or (config.overlap == "auto" and not host)
         self._stream = HostStream(torch.get_num_threads()) if self.overlap and host else None
         t_cache = time.perf_counter()
         self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len,
@@ -533,14 +523,18 @@ class LLMEngine:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise _InjectedFault("injected fault")
-            if self.overlap and self._stream is not None:
-                self._launch_on_host(plan, reqs, prev, t0, t1)
-                return
-            prev_tokens = prev.tokens.device_tokens(self.bundle.device) \
-                if prev is not None and prev.tokens is not None else None
-            logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends, prev_tokens)
-            t2 = time.perf_counter()
-            tokens = self.sampler.sample_async(logits, reqs) if reqs else None
+            if self.overlap and self._stream is not None:  # what reads the requests here; the launch is below
+                staged = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_ends), \
+                    self.sampler.plan(reqs) if reqs else None
+                t2 = time.perf_counter()
+                tokens = None
+            else:
+                staged = None
+                prev_tokens = prev.tokens.device_tokens(self.bundle.device) \
+                    if prev is not None and prev.tokens is not None else None
+                logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends, prev_tokens)
+                t2 = time.perf_counter()
+                tokens = self.sampler.sample_async(logits, reqs) if reqs else None
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
             t2 = time.perf_counter()
             if prev is not None:  # the step before first: its tokens are this one's inputs
@@ -551,6 +545,10 @@ class LLMEngine:
                 # failed end before the next step is planned (else that step fails and is isolated again)
                 self._resolve(_InFlight(plan, reqs, sched.launched(plan, reqs), SampledTokens.of(isolated), t0,
                                         (t2 - t1) * 1000.0))
+            return
+        if staged is not None:
+            self._phase["forward"] += t2 - t1  # preparing the inputs (and planning the draw)
+            self._launch_on_host(plan, reqs, prev, *staged, t0)
             return
         t3 = time.perf_counter()
         self._phase["forward"] += t2 - t1
@@ -563,20 +561,12 @@ class LLMEngine:
         else:
             self._resolve(launched)
 
-    def _launch_on_host(self, plan: StepPlan, reqs: list[Request], prev: _InFlight | None, t0: float,
-                        t1: float) -> None:
-        """Overlap scheduling on the host stream: prepare the step's inputs and plan its draw here (they read the
-        requests), wait for the step before to land (its tokens are this one's inputs; a step that failed is re-run
-        request by request first), launch this one, and hand the step before's tokens out while it runs. Raises
-        what preparing raised, before anything is launched (the caller re-runs the step request by request)."""
-        sched = self.scheduler
-        prepared = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_ends)
-        t2 = time.perf_counter()
-        draws = self.sampler.plan(reqs) if reqs else None
+    def _launch_on_host(self, plan: StepPlan, reqs: list[Request], prev: _InFlight | None, prepared: PreparedStep,
+                        draws: Draws | None, t0: float) -> None:
+        """Overlap scheduling on the host stream, the step's inputs prepared and its draw planned (they read the
+        requests): wait for the step before to land (its tokens are this one's inputs; a step that failed is re-run
+        request by request first), launch this one, and hand the step before's tokens out while it runs."""
         as_launched = [(r.num_computed_tokens, len(r.token_ids)) for r in plan.forward]
-        t3 = time.perf_counter()
-        self._phase["forward"] += t2 - t1  # preparing the inputs
-        self._phase["sample"] += t3 - t2
         if prev is not None:
             self._landed(prev)
         prev_tokens = prev.tokens if prev is not None else None
@@ -587,7 +577,7 @@ class LLMEngine:
             logits = runner.forward(prepared, ids)
             return sampler.draw(logits, draws) if draws is not None else None
         launched = _InFlight(plan, reqs, [], self._stream.launch(step), t0, 0.0, as_launched, draws)
-        launched.index = sched.launched(plan, reqs)
+        launched.index = self.scheduler.launched(plan, reqs)
         if prev is not None:
             self._resolve(prev)
         self._inflight = launched

@@ -159,16 +159,13 @@ def test_a_forward_that_fails_on_the_host_stream_fails_its_request_alone(tiny_ch
         eng.shutdown()
 
 
-def test_a_cpu_engine_overlaps_by_default_where_its_threads_leave_a_core(tiny_checkpoints):
-    """`overlap="auto"` on the CPU: the host stream where the engine's torch threads leave a core for the worker's
-    host work, none where they take every core."""
-    from engine.engine import usable_cores
-    cores = usable_cores()
-    for threads in sorted({1, cores}):
-        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32",
-                                     num_threads=threads))
+def test_a_cpu_engine_runs_its_steps_on_the_host_stream_only_when_asked(tiny_checkpoints):
+    """`overlap="auto"` on the CPU: no overlap (the SLO protocol's engine); `on`: the host stream."""
+    for overlap, stream in (("auto", False), ("on", True)):
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", dtype="float32", num_threads=1,
+                                     overlap=overlap))
         try:
-            assert eng.overlap is (threads < cores) and (eng._stream is not None) is (threads < cores)
+            assert eng.overlap is stream and (eng._stream is not None) is stream
             out = list(eng.add_request(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
             assert sum(len(o.token_ids or []) for o in out) == 4 and out[-1].finish_reason is FinishReason.LENGTH
         finally:
