@@ -46,6 +46,18 @@ def _serve(path, prompts, params, overlap, **cfg):
         eng.shutdown()
 
 
+def _replies(streams):
+    """Per request id: (its tokens, its last stream item)."""
+    got = {}
+    for s in streams:
+        toks, last = [], None
+        for item in s:
+            toks.extend(item.token_ids or [])
+            last = item
+        got[s.request_id] = (toks, last)
+    return got
+
+
 def _both(path, prompts, params, **cfg):
     """Both engines' replies, without the item counts (how items merge depends on the consumer's pace)."""
     off = _serve(path, prompts, params, "off", **cfg)
@@ -101,13 +113,7 @@ def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):
         streams = [eng.add_request(PROMPTS[i], params, request_id=rid)
                    for i, rid in zip([0, 1, 2, 3], ["a", "bad", "c", "gone"])]
         eng.abort("gone")
-        got = {}
-        for s in streams:
-            toks, last = [], None
-            for item in s:
-                toks.extend(item.token_ids or [])
-                last = item
-            got[s.request_id] = (toks, last)
+        got = _replies(streams)
         assert got["a"][0] == want[0][0] and got["c"][0] == want[1][0]
         assert got["bad"][1].error and "model step failed" in got["bad"][1].error
         assert got["gone"][1].finish_reason is FinishReason.ABORT
@@ -143,13 +149,7 @@ def test_a_forward_that_fails_on_the_host_stream_fails_its_request_alone(tiny_ch
                    zip([*PROMPTS[:2], list(range(3, 59))], [*good, SamplingParams(max_tokens=20, temperature=0.0,
                                                                                    ignore_eos=True)],
                        ["a", "b", "bad"])]
-        got = {}
-        for s in streams:
-            toks, last = [], None
-            for item in s:
-                toks.extend(item.token_ids or [])
-                last = item
-            got[s.request_id] = (toks, last)
+        got = _replies(streams)
         assert failed and max(failed) > 1  # a step of several requests failed on the stream
         assert got["a"][0] == want[0][0] and got["b"][0] == want[1][0]
         assert got["a"][1].error is None and got["b"][1].error is None
