@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="scheduler override for every policy (repeatable), e.g. --sched vbs_margin=1.2 (ablations)")
     a("--kv-gb", type=float, default=0.25, help="KV cache per engine (GiB; all engines stay alive)")
     a("--engine-threads", type=int, default=1, help="torch threads of the engine (protocol: 1)")
+    a("--overlap", choices=("auto", "on", "off"), default="auto", help="the engines' overlap scheduling "
+      "(EngineConfig.overlap; protocol: auto, off on the CPU; on: each step on a thread of its own)")
     a("--reprofile", action="store_true", help="fit a fresh latency profile now (saved in --out), not the cached one")
     a("--refresh-profile", action=argparse.BooleanOptionalAction, default=None,
       help="re-time each engine's model before every (policy, seed) run (x the calibration); the tiers stay. "
@@ -235,7 +237,7 @@ class Engines:
         arm = arm_sched(length_arm(label, a.lengths))
         t0 = time.perf_counter()
         eng = LLMEngine(EngineConfig(
-            model=a.model, dtype=a.dtype, device="cpu", num_threads=a.engine_threads,
+            model=a.model, dtype=a.dtype, device="cpu", num_threads=a.engine_threads, overlap=a.overlap,
             kv_cache_memory_gb=a.kv_gb,
             scheduler=SchedulerConfig(**{"policy": policy, "max_num_seqs": a.max_num_seqs, "prefill_max_tokens":
                                          a.prefill_max_tokens, "predictor_path": self.predictor_path,
@@ -863,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "slo", "lambda_star_rps": lam, "lambda_star_search": search,
         "config": {
             "mode": "http" if http else "engine", "target": args.target, "model": args.model, "dtype": args.dtype,
-            "engine_threads": args.engine_threads, "max_num_seqs": args.max_num_seqs,
+            "engine_threads": args.engine_threads, "overlap": args.overlap, "max_num_seqs": args.max_num_seqs,
             "sched_overrides": overrides(args.sched), "kv_gb": args.kv_gb,
             "prefill_max_tokens": args.prefill_max_tokens,
             "policies": policies, "loads": plan.loads, "seeds": plan.seeds, "num_requests_per_point": n_req,

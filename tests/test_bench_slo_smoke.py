@@ -196,9 +196,11 @@ def test_smoke_capacity_search(tmp_path):
 
     js = tmp_path / "r.json"
     argv = ["--quick", *SMALL, *SHORT, "--policies", "fcfs", "--loads", "1", "--num-requests", "12",
-            "--probe-requests", "24", "--out", str(tmp_path / "out"), "--json", str(js), "--no-plots"]
+            "--probe-requests", "24", "--out", str(tmp_path / "out"), "--json", str(js), "--no-plots",
+            "--overlap", "on"]  # (the engines run their steps on the host stream)
     assert slo.main(argv) == 0
     doc = json.loads(js.read_text())
+    assert doc["config"]["overlap"] == "on"
     search = doc["lambda_star_search"]
     assert search["definition"] == "capacity" and search["probes"]
     assert doc["lambda_star_rps"] > 0 and doc["results"][0]["rate_rps"] == pytest.approx(doc["lambda_star_rps"])
