@@ -1,4 +1,4 @@
-"""Overlap scheduling where the device is the host (a CPU engine with a core to spare): each step's forward and draw
+"""Overlap scheduling where the device is the host (a CPU engine with `overlap=on`): each step's forward and draw
 run on a thread of their own, one step at a time in launch order, as a GPU's stream runs a step's kernels. The
 engine's worker plans and prepares step N+1, and hands step N-1's tokens to their streams, while step N computes
 (`EngineConfig.overlap`).

@@ -272,7 +272,7 @@ class Sampler:
             drawn = None
             if self.draw_rows is not None:
                 drawn = self.draw_rows(logits, sampled, [r.params.temperature for r in sreqs],
-                                  [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u[:, 0])
+                                       [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u[:, 0])
             if drawn is None:
                 drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()
             for i, t in zip(sampled, drawn):
