@@ -576,8 +576,8 @@ class LLMEngine:
             ids = prev_tokens.device_tokens(device) if prev_tokens is not None else None
             logits = runner.forward(prepared, ids)
             return sampler.draw(logits, draws) if draws is not None else None
-        launched = _InFlight(plan, reqs, [], self._stream.launch(step), t0, 0.0, as_launched, draws)
-        launched.index = self.scheduler.launched(plan, reqs)
+        pending = self._stream.launch(step)  # (before the placeholders: the step starts its kernel the sooner)
+        launched = _InFlight(plan, reqs, self.scheduler.launched(plan, reqs), pending, t0, 0.0, as_launched, draws)
         if prev is not None:
             self._resolve(prev)
         self._inflight = launched

@@ -60,11 +60,11 @@ class HostStream:
 
 
 def _run(fn: Callable[[], SampledTokens | None], started: threading.Event) -> tuple[SampledTokens | None, float]:
-    base._host_step.started = started
+    base.await_long_call(started)
     t0 = time.perf_counter()
     try:
         out = fn()
     finally:
-        base._host_step.started = None
+        base.await_long_call(None)
         started.set()
     return out, (time.perf_counter() - t0) * 1000.0

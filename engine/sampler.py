@@ -208,7 +208,7 @@ class Sampler:
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
-        return Draws(list(reqs), banned, biased, sampled, u, failed)
+        return Draws(reqs, banned, biased, sampled, u, failed)
 
     @torch.inference_mode()
     def draw(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":

@@ -38,6 +38,12 @@ if TYPE_CHECKING:
 _host_step = threading.local()  # `started`: the Event of the step the thread runs on the host stream, if any
 
 
+def await_long_call(started: threading.Event | None) -> None:
+    """The host stream's thread (`engine.host_stream`): `long_call_starts` on this thread sets `started` (None: no
+    step of the stream runs here)."""
+    _host_step.started = started
+
+
 def long_call_starts() -> None:
     """A backend is about to make a long call that releases the GIL (a whole step's layers in one kernel call). Where
     the step runs on the engine's host stream (`engine.host_stream`), the worker that launched it waits for this
