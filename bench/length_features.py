@@ -11,6 +11,8 @@ split's Spearman, and scored on the held-out benchmark prompts (`length_predicto
   standardized, through a linear layer: word meanings learned from far more text than ShareGPT's;
 - `embed`: those embeddings alone;
 - `ngrams+rank`: the n-grams with a pairwise ranking loss on the expected log length added to the log loss;
+- `ngrams+mlp`: the n-grams, plus a hidden layer of `MLP_WIDTH` ReLU units over the same hashed features: whether
+  the linear model misses interactions between words (a prompt that asks to "write" a "list" of "ten" things);
 - `probe@sub`: a probe on the model's last hidden state of the prompt as a chat request (its template, the
   question's first and last `--probe-tokens` / 2 tokens): the final position's state and the mean over positions,
   standardized, through a linear layer. A forward per prompt is costly on a CPU, so the probe designs train on the
@@ -31,7 +33,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-DESIGNS = ("ngrams", "ngrams+embed", "embed", "ngrams+rank", "ngrams@sub", "probe@sub", "ngrams+probe@sub")
+DESIGNS = ("ngrams", "ngrams+embed", "embed", "ngrams+rank", "ngrams+mlp", "ngrams@sub", "probe@sub",
+           "ngrams+probe@sub")
+MLP_WIDTH = 64
 
 
 def pooled_embeddings(texts: Sequence[str], model: str) -> np.ndarray:
@@ -110,8 +114,14 @@ def fit_and_score(design: str, rows: Any, feats: list, dense: np.ndarray | None,
     torch.nn.init.zeros_(bag.weight)
     bias = torch.nn.Parameter(torch.log(torch.bincount(y[fit], minlength=K).float() + 1.0))
     head = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(dense.shape[1], K)) if embed else None
+    mlp = "mlp" in design  # a hidden layer over the hashed features, beside the linear path
+    hidden = torch.nn.EmbeddingBag(L.DIM, MLP_WIDTH, mode="sum") if mlp else None
+    if hidden is not None:
+        torch.nn.init.normal_(hidden.weight, std=0.02)
+    top = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(MLP_WIDTH, K)) if mlp else None
     D = torch.from_numpy(dense).float() if embed else None
     params = [bias] + ([bag.weight] if ngrams else []) + (list(head.parameters()) if embed else [])
+    params += [hidden.weight, *top.parameters()] if mlp else []
     opt = torch.optim.Adam(params, lr=cfg.lr)
 
     def logits(idx: np.ndarray, train: bool) -> Any:
@@ -121,6 +131,9 @@ def fit_and_score(design: str, rows: Any, feats: list, dense: np.ndarray | None,
             if train:
                 bw = bw * (torch.rand(bw.shape) >= cfg.dropout).float() / (1.0 - cfg.dropout)
             z = z + bag(bi, bo, per_sample_weights=bw)
+            if mlp:
+                top.train(train)
+                z = z + top(hidden(bi, bo, per_sample_weights=bw))
         if embed:
             head.train(train)
             z = z + head(D[idx])
@@ -138,6 +151,8 @@ def fit_and_score(design: str, rows: Any, feats: list, dense: np.ndarray | None,
             loss = (torch.nn.functional.cross_entropy(z, y[b], reduction="none") * w[b]).sum() / w[b].sum()
             if ngrams:
                 loss = loss + cfg.l2 * (bag.weight * bag.weight).sum()
+            if mlp:
+                loss = loss + cfg.l2 * (hidden.weight * hidden.weight).sum()
             if "rank" in design:  # pairwise logistic loss: a longer reply should get the larger expected log length
                 s = torch.softmax(z, 1) @ mids
                 sign = torch.sign(log_len[b][:, None] - log_len[b][None, :])

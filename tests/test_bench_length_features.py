@@ -23,7 +23,7 @@ def test_every_design_learns_what_its_features_say() -> None:
     dense = np.stack([[1.0 if x[0] == 7 else -1.0, 0.0] for x in rows.ids]).astype(np.float32)
     idx = np.arange(len(rows.ids))
     fit, val, held = idx[:2000], idx[2000:2200], idx[2200:]
-    for design in ("ngrams", "probe", "ngrams+probe", "ngrams+rank"):
+    for design in ("ngrams", "probe", "ngrams+probe", "ngrams+rank", "ngrams+mlp"):
         epochs = 40 if design == "probe" else 4  # a dense layer alone learns at Adam's small steps from a random start
         r = fit_and_score(design, rows, feats, dense, fit, val, held, epochs=epochs, rank_weight=1.0)
         assert r["design"] == design and 1 <= r["epoch"] <= epochs and len(r["history"]) == epochs
