@@ -30,18 +30,18 @@ from core.sampling import SamplingParams
 from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
+from engine.backends.base import PreparedStep
 from engine.config import EngineConfig, for_device
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
+from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
                              host_cache_blocks)
 from engine.loader import load_model
-from engine.backends.base import PreparedStep
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
-from engine.host_stream import HostStream, Pending
 from engine.sampler import Draws, SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
@@ -523,7 +523,7 @@ class LLMEngine:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
                 raise _InjectedFault("injected fault")
-            if self.overlap and self._stream is not None:  # what reads the requests here; the launch is below
+            if self._stream is not None:  # what reads the requests here; the launch is below
                 staged = self.runner.prepare(plan.prefill, plan.decode, plan.prefill_ends), \
                     self.sampler.plan(reqs) if reqs else None
                 t2 = time.perf_counter()
