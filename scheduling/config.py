@@ -141,11 +141,15 @@ class SchedulerConfig(BaseModel):
                                      "Opt-in: on the 2-core CPU, whose few-row steps run slower than its fit, one "
                                      "paired run gave fewer TPOT misses at about the same goodput")
     correction_max: float = Field(2.5, ge=1, description="upper bound of the ITL correction factor")
-    correction_stalls: bool = Field(True, description="the ITL correction counts the prefill time of every step (a "
-                                    "prefill-only step, a hybrid step's prefill) as decode stall, as a paced reply "
-                                    "lives it; false (a GPU replica's default, engine.config.GPU_SCHEDULER_DEFAULTS): "
-                                    "it measures the decode-only steps alone against the model, and catch-up and the "
-                                    "pace guard are left to absorb the stalls")
+    correction_stall_share: float = Field(1.0, ge=0, le=1, description="the share of the prefill stalls measured "
+                                          "over the ITL correction's window that the VBS gate's factor counts: the "
+                                          "factor runs from the model's error on the decode-only steps (0: the stalls "
+                                          "are left to catch-up and the pace guard) to every step's wall time over "
+                                          "the decode the steps predicted (1: the pace a reply decoded every step "
+                                          "lives). A GPU replica's default is 0.5 (engine.config."
+                                          "GPU_SCHEDULER_DEFAULTS; bench/README). A step's own plan (pace guard, "
+                                          "fill, catch-up) scales the model by its decode-only error and adds the "
+                                          "step's prefill itself")
     tier_floor: bool | None = Field(None, description="keep every TPOT tier that is feasible on an idle replica "
                                     "above a share of its admission decisions (scheduling/tier_floor.py)")
     pace_guard: bool | None = Field(None, description="decode a paced request its credit would skip when skipping "

@@ -112,6 +112,7 @@ class Scheduler:
                                          idle_prior_ms=config.correction_idle_prior_ms)
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
+        self.last_step_correction = 1.0
         self._gate_line: tuple[float, tuple[float, float]] | None = None  # (when, line): gate_line's last answer
         self._line_len = 0.0  # and the mean mid-reply context it was drawn at
         self.model_error = StepModelError()  # the model against the served decode-only steps, by rows (stats)
@@ -324,6 +325,7 @@ class Scheduler:
                 # the static margin already covers up to k of inflation; scale only by what it does not. Steps
                 # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
                 self.last_correction = self._gate_factor(now)
+                self.last_step_correction = self.correction.step_factor(now)
                 scale = self._gate_scale(self.last_correction)
                 if self.pace_cost is not None:
                     self.pace_cost.set_scale(scale)
@@ -331,7 +333,7 @@ class Scheduler:
                 # an empty replica: a request that will decode alone gets the idle factor; a burst joining it, the
                 # window's (its own prefills will stall it as the last ones did)
                 alone = None if self.running else scale
-                busy = scale if self.running else self._gate_scale(corr.factor(now))
+                busy = scale if self.running else self._gate_scale(self._window_factor(now))
 
                 def itl(b: float, length: float) -> float:
                     if alone is not None and b <= 1.0:
@@ -546,12 +548,21 @@ class Scheduler:
         return self._gate_line[1]
 
     def _gate_factor(self, now: float) -> float:
-        """The measured step factor the gate scales its model by: over the recent steps, prefill stalls included,
-        while requests run; on a replica with none running, that of the steps a request decoding alone runs
+        """The measured step factor the gate scales its model by: the window's (`_window_factor`) while requests
+        run; on a replica with none running, that of the steps a request decoding alone runs
         (`ItlCorrection.idle_factor`), since a request admitted now alone decodes without the stalls the last
         requests' prefills made (the factor the best TPOT it advertises is drawn with; a burst admitted together is
         gated with the window's, `_admit`)."""
-        return self.correction.factor(now) if self.running else self.correction.idle_factor()
+        return self._window_factor(now) if self.running else self.correction.idle_factor()
+
+    def _window_factor(self, now: float) -> float:
+        """The factor over the recent steps with `correction_stall_share` of their prefill stalls: from the model's
+        error on the decode-only steps (none) to every step's wall time over the decode predicted (all)."""
+        share, corr = self.config.correction_stall_share, self.correction
+        if share >= 1.0:
+            return corr.factor(now)
+        plain = corr.step_factor(now)
+        return plain if share <= 0.0 else plain + share * (corr.factor(now) - plain)
 
     def idle_gate_scale(self) -> float:
         """The gate's scale of the model on an idle replica: what the steps of a request decoding alone measured
@@ -649,9 +660,10 @@ class Scheduler:
         return self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) if plan.prefill else 0.0
 
     def _decode_model(self, reqs: list[Request], now: float) -> Callable[[int], float]:
-        """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the
-        measured step factor (`ItlCorrection`, of n rows' bucket with correction_by_rows; 1 without it)."""
-        scale = self.last_correction if self.correction is not None else 1.0
+        """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the model's
+        measured error on the decode-only steps (`ItlCorrection.step_factor`; a step's prefill is the caller's to
+        add), or by n rows' bucket's factor with correction_by_rows; 1 without the correction."""
+        scale = self.last_step_correction if self.correction is not None else 1.0
         mean_len = sum(len(r.token_ids) for r in reqs) / len(reqs)  # their num_tokens
         if self.correction is not None and self.config.correction_by_rows:
             corr = self.correction
@@ -780,9 +792,10 @@ class Scheduler:
         pred = self.predictor.itl_ms(len(plan.decode), plan.decode_mean_len) if plan.decode else 0.0
         if plan.decode and not plan.prefill:
             self.model_error.observe(len(plan.decode), wall_ms, pred)
-        if self.correction is not None and (self.config.correction_stalls or not plan.prefill):
+        if self.correction is not None:
             self.correction.observe(now, wall_ms, pred, len(plan.decode) if self.config.correction_by_rows else 0,
-                                    alone=0 < len(plan.decode) <= ALONE_ROWS and not plan.prefill)
+                                    alone=0 < len(plan.decode) <= ALONE_ROWS and not plan.prefill,
+                                    prefill=bool(plan.prefill))
 
     def waiting_load(self) -> tuple[int, float]:
         """The prompt tokens queued for prefill and their attention work in token pairs, in one pass."""

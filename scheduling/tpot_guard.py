@@ -353,9 +353,9 @@ class ItlCorrection:
     their predicted time, however long ago, starting from the profile's 1 (worth ``idle_prior_ms`` of them): a
     replica's best TPOT, drawn with it, holds still across idle gaps, short requests and bursts, and moves by
     degrees. The offline fit is never replaced, only scaled within bounds. This is the robust replacement for
-    four-coefficient RLS, which drifted on steps where B and B*L are collinear. With `correction_stalls` off (a
-    GPU replica's default) the scheduler feeds it the decode-only steps alone: the factor is then the model's error,
-    and the stalls are left to catch-up and the pace guard.
+    four-coefficient RLS, which drifted on steps where B and B*L are collinear. Beside it, ``step_factor`` is the
+    model's error on the decode-only steps of the window alone (no stall in them): what one step's plan scales the
+    model by, and the gate's factor where it counts only a share of the stalls (`correction_stall_share`).
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
@@ -367,6 +367,7 @@ class ItlCorrection:
         self._actual = 0.0
         self._pred = 0.0
         self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
+        self._plain = [0.0, 0.0]  # [wall ms, predicted ms] of the decode-only steps (no prefill in them)
         self._rows: dict[int, list[float]] = {}  # rows bucket -> [wall ms, predicted ms] of its steps
         # [wall ms, predicted ms] of the steps decoding alone, each step's weight decaying with the predicted
         # decode time after it (idle_horizon_ms), not with wall time; seeded with idle_prior_ms of the profile's own
@@ -382,6 +383,8 @@ class ItlCorrection:
             self._actual *= k
             self._pred *= k
             self._decode_actual *= k
+            self._plain[0] *= k
+            self._plain[1] *= k
             for sums in self._rows.values():
                 sums[0] *= k
                 sums[1] *= k
@@ -393,10 +396,11 @@ class ItlCorrection:
         return 1 << max(0, int(rows) - 1).bit_length()
 
     def observe(self, now_s: float, step_ms: float, predicted_decode_ms: float, rows: int = 0,
-                alone: bool = False) -> None:
+                alone: bool = False, prefill: bool = False) -> None:
         """One finished step: its wall time, the model's ITL for its decode batch (0 if none), that batch's rows
-        (the by-rows buckets'), and whether it is a step a request decoding alone runs (decode only, at most
-        ALONE_ROWS rows: the steps `idle_factor` measures)."""
+        (the by-rows buckets'), whether it is a step a request decoding alone runs (decode only, at most
+        ALONE_ROWS rows: the steps `idle_factor` measures), and whether it carried a prefill (else it is one of
+        the decode-only steps `step_factor` measures)."""
         self._decay_to(now_s)
         self._actual += max(step_ms, 0.0)
         self._pred += max(predicted_decode_ms, 0.0)
@@ -405,6 +409,9 @@ class ItlCorrection:
             sums = self._rows.setdefault(self.bucket(rows), [0.0, 0.0])
             sums[0] += max(step_ms, 0.0)
             sums[1] += predicted_decode_ms
+        if not prefill and predicted_decode_ms > 0:
+            self._plain[0] += max(step_ms, 0.0)
+            self._plain[1] += predicted_decode_ms
         if alone and predicted_decode_ms > 0:
             k = math.exp(-predicted_decode_ms / self.idle_horizon_ms)
             self._pure[0] = self._pure[0] * k + max(step_ms, 0.0)
@@ -415,6 +422,14 @@ class ItlCorrection:
         runs, over the last `idle_horizon_ms` of their predicted time, the profile's factor 1 weighing as
         `idle_prior_ms` of them at first; clamped to [lo, hi]."""
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
+
+    def step_factor(self, now_s: float) -> float:
+        """The model's error on the decode-only steps of the window (no stall in them); the idle factor while they
+        hold too few predictions."""
+        self._decay_to(now_s)
+        if self._plain[1] < self.min_pred_ms:
+            return self.idle_factor()
+        return min(self.hi, max(self.lo, self._plain[0] / self._plain[1]))
 
     def factor(self, now_s: float, rows: int | None = None) -> float:
         """The factor over all steps; with `rows`, over the steps of that many rows' bucket (times the share the

@@ -393,11 +393,11 @@ def test_slo_gpu_starts_a_labels_server_with_its_knobs():
     g = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(g)
     assert g.arm_server_args("scorpio") == "policy=scorpio length_predictor=true"
-    got = g.arm_server_args("kairos+credit_batching=false+correction_stalls=true")
-    assert got == "policy=kairos length_predictor=true credit_batching=false correction_stalls=true"
+    got = g.arm_server_args("kairos+credit_batching=false+correction_stall_share=1")
+    assert got == "policy=kairos length_predictor=true credit_batching=false correction_stall_share=1"
     cfg = AppArgs.model_validate(dict(t.split("=", 1) for t in got.split())).engine_config().scheduler
     assert (cfg.policy, cfg.length_predictor) == ("kairos", True)
-    assert (cfg.credit_batching, cfg.correction_stalls) == (False, True)
+    assert (cfg.credit_batching, cfg.correction_stall_share) == (False, 1.0)
 
 
 def test_slo_gpu_checks_from_its_rows():

@@ -392,6 +392,25 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     assert d.idle_factor() == pytest.approx(1.4, rel=0.01)
 
 
+def test_itl_correction_step_factor_is_the_models_error_on_the_decode_only_steps():
+    """`step_factor` leaves out every step that carried a prefill (prefill-only and hybrid alike), which `factor`
+    counts as stall; with too few decode-only steps in the window it is the idle factor, as `factor` is."""
+    from scheduling.tpot_guard import ItlCorrection
+
+    c = ItlCorrection(tau_ms=1000.0, min_pred_ms=50.0, idle_prior_ms=1e-6)
+    assert c.step_factor(0.0) == 1.0  # nothing measured: the profile
+    for k in range(20):  # decode-only steps at 1.2x the model, hybrid steps of 30 ms, prefill-only stalls of 5 ms
+        c.observe(k * 0.03, 12.0, 10.0, alone=True)
+        c.observe(k * 0.03 + 0.01, 30.0, 10.0, prefill=True)
+        c.observe(k * 0.03 + 0.02, 5.0, 0.0, prefill=True)
+    assert c.step_factor(0.6) == pytest.approx(1.2)
+    assert c.factor(0.6) == pytest.approx((12.0 + 30.0 + 5.0) / 20.0, rel=0.02)
+    d = ItlCorrection(tau_ms=1000.0, min_pred_ms=50.0, idle_prior_ms=1e-6)
+    for k in range(20):  # a decode-only step alone at 1.4x, then only steps with a prefill
+        d.observe(k * 0.02, 14.0, 10.0, alone=True) if k == 0 else d.observe(k * 0.02, 30.0, 10.0, prefill=True)
+    assert d.step_factor(0.4) == pytest.approx(d.idle_factor()) == pytest.approx(1.4)
+
+
 def test_itl_correction_by_rows_keeps_a_factor_per_batch_size_bucket():
     from scheduling.tpot_guard import ItlCorrection
 

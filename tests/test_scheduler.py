@@ -163,16 +163,18 @@ def test_kairos_gate_keeps_the_measured_step_time_after_an_idle_gap():
     assert _sched("scorpio").idle_gate_scale() == 1.0
 
 
-def test_correction_without_stalls_leaves_the_prefill_steps_out_a_gpu_replicas_default():
-    """correction_stalls=False (a GPU replica's default, `for_device`): kairos's ITL correction measures the
-    decode-only steps alone, so the time the steps that carried a prefill took does not scale its gate; with the
-    CPU's default (True) it does, as stalls of the running replies."""
+def test_the_gate_counts_its_share_of_the_measured_stalls_a_step_plans_with_the_decode_only_error():
+    """correction_stall_share: kairos's VBS gate scales the model by its error on the decode-only steps plus that
+    share of what the steps that carried a prefill added (a CPU replica's 1: all of it; a GPU replica's 0.5,
+    `for_device`; 0: none), while a step's own plan (pace guard, fill, catch-up) scales it by the decode-only error
+    alone, whatever the share."""
     from engine.config import EngineConfig, for_device
 
-    assert for_device(EngineConfig(), "cuda").scheduler.correction_stalls is False
-    assert for_device(EngineConfig(), "cpu").scheduler.correction_stalls is True
-    for stalls, admitted in ((True, False), (False, True)):
-        s = _sched("kairos", correction_stalls=stalls, impatient_reserve=False)
+    assert for_device(EngineConfig(), "cuda").scheduler.correction_stall_share == 0.5
+    assert for_device(EngineConfig(), "cpu").scheduler.correction_stall_share == 1.0
+    every = 25.5 / 11.0  # (5.5 + 20) ms a pair of steps over the 2 x 5.5 ms of decode the model predicts for them
+    for share, admitted in ((1.0, False), (0.5, False), (0.0, True)):
+        s = _sched("kairos", correction_stall_share=share, impatient_reserve=False)
         a = _req(0, 4)  # best effort, keeps a decode running
         s.add(a)
         _run(s, s.schedule(0.0))
@@ -191,11 +193,12 @@ def test_correction_without_stalls_leaves_the_prefill_steps_out_a_gpu_replicas_d
             t += 0.02
             s.on_step_done(p, 20.0, t)
             s.finish(b, FinishReason.STOP, t)
-        r = _req(9, 4, tpot=9.0)  # ITL(2) = 6 ms: 1.05 * 6 < 0.99 * 9 unless the stalls scale the model
+        r = _req(9, 4, tpot=9.0)  # ITL(2) = 6 ms: 1.05 * 6 < 0.99 * 9 unless the stalls scale the model by > 1.41
         s.add(r)
         p = s.schedule(t)
-        assert (r in p.prefill) is admitted, stalls
-        assert s.last_correction == (pytest.approx(1.0) if not stalls else pytest.approx(25.5 / 11.0, rel=0.05))
+        assert (r in p.prefill) is admitted, share
+        assert s.last_correction == pytest.approx(1.0 + share * (every - 1.0), rel=0.05)
+        assert s.last_step_correction == pytest.approx(1.0)
 
 
 def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_last_stalls():

@@ -207,17 +207,17 @@ def test_a_hybrid_step_saves_at_most_its_smaller_part():
 
 def test_a_gpu_fitted_model_runs_the_scheduler_with_a_gpu_replicas_defaults(tmp_path):
     """The scheduler gets the defaults of the device the --tiers model was fitted on where the run leaves a knob
-    unset, as the engine applies them (engine.config.for_device): on a GPU's, kairos's ITL correction leaves the
-    prefill steps out (correction_stalls=false); on a CPU's it counts them."""
+    unset, as the engine applies them (engine.config.for_device): on a GPU's, kairos's gate counts half the prefill
+    stalls its ITL correction measures (correction_stall_share=0.5); on a CPU's all of them."""
     def goodputs(device: str) -> dict[str, list[float]]:
         model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), meta={"device": device})
         tiers, out = tmp_path / f"tiers-{device}.json", tmp_path / f"sim-{device}.json"
         model.save(tiers)
         assert sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies",
-                         "kairos,kairos+correction_stalls=false,kairos+correction_stalls=true", "--seeds", "0-1",
+                         "kairos,kairos+correction_stall_share=0.5,kairos+correction_stall_share=1", "--seeds", "0-1",
                          "--num-requests", "80", "--lambda-star", "25", "--loads", "1.5", "--json", str(out)]) == 0
         return {p["policy"]: p["goodput_rps"] for p in json.loads(out.read_text())["points"]}
 
     gpu, cpu = goodputs("cuda:0"), goodputs("cpu")
-    assert gpu["kairos"] == gpu["kairos+correction_stalls=false"] != gpu["kairos+correction_stalls=true"]
-    assert cpu["kairos"] == cpu["kairos+correction_stalls=true"] != cpu["kairos+correction_stalls=false"]
+    assert gpu["kairos"] == gpu["kairos+correction_stall_share=0.5"] != gpu["kairos+correction_stall_share=1"]
+    assert cpu["kairos"] == cpu["kairos+correction_stall_share=1"] != cpu["kairos+correction_stall_share=0.5"]
