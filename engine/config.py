@@ -22,11 +22,12 @@ TEAM_NICE_ENV = "KAIROS_CPU_TEAM_NICE"
 DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / kairos-tiny: random weights
 # A GPU replica's scheduler defaults, for the knobs its config leaves unset (`for_device`): a GPU step runs
 # batches in the hundreds for about the time of a few, as vLLM's defaults (256 running requests) assume; and kairos's
-# VBS gate counts half the prefill stalls its ITL correction measures (`correction_stall_share`): all of them turned
-# away requests that catch-up keeps within their TPOT there; none, under sustained overload, admitted more than the
-# steps could pace (bench/README has the simulator's figures)
+# VBS gate counts a share of the prefill stalls its ITL correction measures (`correction_stall_share`), starting at
+# half and following the paced replies that miss their TPOT (`stall_share_target`): all of them turned away requests
+# that catch-up keeps within their TPOT there; none, under sustained overload, admitted more than the steps could
+# pace (bench/README has the simulator's figures)
 GPU_SCHEDULER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 256, "max_waiting": 512, "prefill_max_tokens": 2048,
-                                          "correction_stall_share": 0.5}
+                                          "correction_stall_share": 0.5, "stall_share_target": 0.01}
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type
 
 

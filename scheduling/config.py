@@ -150,6 +150,15 @@ class SchedulerConfig(BaseModel):
                                           "GPU_SCHEDULER_DEFAULTS; bench/README). A step's own plan (pace guard, "
                                           "fill, catch-up) scales the model by its decode-only error and adds the "
                                           "step's prefill itself")
+    stall_share_target: float | None = Field(None, gt=0, lt=1, description="the stall share rises while the paced "
+                                             "replies miss their TPOT: each that ends over its TPOT SLO raises it by "
+                                             "stall_share_step x (1 - this), each within lowers it by "
+                                             "stall_share_step x this, between correction_stall_share and 1, so that "
+                                             "no more than about this share of them miss. A GPU replica's default is "
+                                             "0.01 (engine.config.GPU_SCHEDULER_DEFAULTS; bench/README); None: the "
+                                             "share stays as set")
+    stall_share_step: float = Field(0.05, gt=0, le=1, description="stall_share_target: how far one reply moves "
+                                    "the share")
     tier_floor: bool | None = Field(None, description="keep every TPOT tier that is feasible on an idle replica "
                                     "above a share of its admission decisions (scheduling/tier_floor.py)")
     pace_guard: bool | None = Field(None, description="decode a paced request its credit would skip when skipping "

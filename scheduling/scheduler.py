@@ -113,6 +113,9 @@ class Scheduler:
                            if self.flags.itl_correction else None)
         self.last_correction = 1.0
         self.last_step_correction = 1.0
+        # the share of the measured prefill stalls the gate counts (`_window_factor`); with stall_share_target it
+        # follows the paced replies that end over their TPOT (`finish`)
+        self.stall_share = config.correction_stall_share
         self._gate_line: tuple[float, tuple[float, float]] | None = None  # (when, line): gate_line's last answer
         self._line_len = 0.0  # and the mean mid-reply context it was drawn at
         self.model_error = StepModelError()  # the model against the served decode-only steps, by rows (stats)
@@ -199,8 +202,14 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_s = now
-        if self.flags.fill_steps and reason in (FinishReason.STOP, FinishReason.LENGTH) and self._missed_tpot(req, now):
-            self._fill_off_until = now + self.config.fill_pause_s
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and math.isfinite(req.tpot_slo_ms):
+            missed = self._missed_tpot(req, now)
+            if self.flags.fill_steps and missed:
+                self._fill_off_until = now + self.config.fill_pause_s
+            target = self.config.stall_share_target
+            if target is not None and self.correction is not None and req.num_output_tokens > 1:
+                self.stall_share = min(1.0, max(self.config.correction_stall_share, self.stall_share
+                                                + self.config.stall_share_step * ((1.0 if missed else 0.0) - target)))
         return True
 
     @staticmethod
@@ -556,9 +565,9 @@ class Scheduler:
         return self._window_factor(now) if self.running else self.correction.idle_factor()
 
     def _window_factor(self, now: float) -> float:
-        """The factor over the recent steps with `correction_stall_share` of their prefill stalls: from the model's
-        error on the decode-only steps (none) to every step's wall time over the decode predicted (all)."""
-        share, corr = self.config.correction_stall_share, self.correction
+        """The factor over the recent steps with `stall_share` of their prefill stalls: from the model's error on
+        the decode-only steps (none) to every step's wall time over the decode predicted (all)."""
+        share, corr = self.stall_share, self.correction
         if share >= 1.0:
             return corr.factor(now)
         plain = corr.step_factor(now)

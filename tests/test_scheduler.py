@@ -201,6 +201,42 @@ def test_the_gate_counts_its_share_of_the_measured_stalls_a_step_plans_with_the_
         assert s.last_step_correction == pytest.approx(1.0)
 
 
+def test_the_stall_share_follows_the_paced_replies_that_end_over_their_tpot():
+    """stall_share_target (a GPU replica's 0.01, `for_device`; none on a CPU): each paced reply that ends over its
+    TPOT SLO raises the share of the stalls the gate counts by step x (1 - target), each within lowers it by
+    step x target, between correction_stall_share and 1; a reply without a TPOT SLO, or one cut short (an abort),
+    moves nothing."""
+    from engine.config import EngineConfig, for_device
+
+    assert for_device(EngineConfig(), "cuda").scheduler.stall_share_target == 0.01
+    assert for_device(EngineConfig(), "cpu").scheduler.stall_share_target is None
+
+    def ended(s, i, tpot, ms_per_token, reason=FinishReason.LENGTH):
+        r = _req(i, 4, tpot=tpot)
+        s.add(r)
+        r.first_token_s = 1.0
+        r.token_ids.extend([3] * 8)  # 8 tokens out: 7 intervals after the first
+        s.finish(r, reason, 1.0 + 7 * ms_per_token / 1000.0)
+
+    s = _sched("kairos", correction_stall_share=0.5, stall_share_target=0.1, stall_share_step=0.1)
+    ended(s, 0, 10.0, 12.0)  # over its TPOT
+    assert s.stall_share == pytest.approx(0.5 + 0.1 * 0.9)
+    ended(s, 1, 10.0, 8.0)  # within
+    assert s.stall_share == pytest.approx(0.59 - 0.1 * 0.1)
+    ended(s, 2, None, 50.0)  # best effort
+    ended(s, 3, 10.0, 50.0, FinishReason.ABORT)
+    assert s.stall_share == pytest.approx(0.58)
+    for i in range(20):
+        ended(s, 10 + i, 10.0, 50.0)
+    assert s.stall_share == 1.0  # bounded
+    for i in range(120):
+        ended(s, 40 + i, 10.0, 8.0)
+    assert s.stall_share == 0.5  # and not below the share set
+    fixed = _sched("kairos", correction_stall_share=0.5)
+    ended(fixed, 0, 10.0, 12.0)
+    assert fixed.stall_share == 0.5
+
+
 def test_kairos_gate_on_an_empty_replica_uses_the_decode_steps_factor_not_the_last_stalls():
     """Right after the last request ended, the step window still holds the stalls its neighbours' prefills made;
     a request admitted now decodes alone, without them. So a replica with nothing running gates with the
