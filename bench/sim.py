@@ -225,6 +225,19 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
     return [recs[f"sim-{i}"] for i in range(len(items))]
 
 
+def scaled_replies(items: Sequence[W.WorkItem], factor: float, max_model_len: int) -> list[W.WorkItem]:
+    """`items` with every reply `factor` times its reference length, at least one token: within its cap where the
+    length is hidden (`stop_after`), within the window where it is the forced max_tokens (and its hint with it)."""
+    out = []
+    for w in items:
+        if w.stop_after is not None:
+            out.append(replace(w, stop_after=max(1, min(w.max_tokens, round(w.stop_after * factor)))))
+        else:
+            n = max(1, min(max_model_len - len(w.prompt_ids) - 1, round(w.max_tokens * factor)))
+            out.append(replace(w, max_tokens=n, output_len_hint=n if w.output_len_hint is not None else None))
+    return out
+
+
 class _Timed:
     """A Scheduler whose calls from the loop are timed on the host (perf_counter) into `clock`."""
 
@@ -313,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       "lognormal lengths, random ids)")
     a("--pool", type=int, default=W.SHAREGPT_POOL, help="as bench.slo's")
     a("--lengths", choices=W.LENGTH_ARMS, default="predicted")
+    a("--reply-scale", type=float, default=1.0, help="every reply this many times its reference length (within its "
+      "cap and the window): a served model that answers longer or shorter than ShareGPT's references, which the "
+      "length predictor learned (length_calibration)")
     a("--lambda-star", type=float, default=None, help="skip the lambda* search")
     a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="as bench.slo's")
     a("--probe-requests", type=int, default=240, help="requests per lambda* probe")
@@ -381,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
+        if args.reply_scale != 1.0:
+            items = scaled_replies(items, args.reply_scale, args.max_model_len)
         machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,
                           args.hybrid_saving_ms)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,

@@ -25,9 +25,12 @@ DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / k
 # VBS gate counts a share of the prefill stalls its ITL correction measures (`correction_stall_share`), starting at
 # half and following the paced replies that miss their TPOT (`stall_share_target`): all of them turned away requests
 # that catch-up keeps within their TPOT there; none, under sustained overload, admitted more than the steps could
-# pace (bench/README has the simulator's figures)
+# pace. Its length predictions keep ShareGPT's scale (`length_calibration` off): scaled down to a model that answered
+# shorter, the gate planned shorter contexts and admitted more than the steps paced (bench/README has the
+# simulator's figures)
 GPU_SCHEDULER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 256, "max_waiting": 512, "prefill_max_tokens": 2048,
-                                          "correction_stall_share": 0.5, "stall_share_target": 0.01}
+                                          "correction_stall_share": 0.5, "stall_share_target": 0.01,
+                                          "length_calibration": False}
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type
 
 

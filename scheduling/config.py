@@ -37,6 +37,8 @@ class PolicyFlags:
     pace_slack: bool = False
     urgent_first: bool = False
     length_predictor: bool = False
+    # with the length predictor: its lengths scaled by the served replies' over its own (LengthCalibration)
+    length_calibration: bool = False
     # the mean context the VBS gate predicts a candidate's steps at (SchedulerConfig.gate_context)
     gate_context: Literal["batch", "horizon"] = "batch"
     # with the length predictor: the VBS gate admits against this quantile of a fresh request's predicted length
@@ -75,12 +77,15 @@ PRESETS: dict[str, PolicyFlags] = {
     # impatient one gained (bench/README). Its gate predicts a candidate's steps at SCORPIO's context (every running
     # reply grows by half the candidate's). gate_context "horizon" (a running reply grows only until it ends) is
     # opt-in: nearer the contexts the steps then have, and as much goodput or more in the simulator except with exact
-    # lengths, but a paired bench.slo run on the 2-core CPU lost goodput with it in every length arm (bench/README)
+    # lengths, but a paired bench.slo run on the 2-core CPU lost goodput with it in every length arm (bench/README).
+    # Its predictions take the scale of the replies it served (length_calibration): the predictor learned ShareGPT's
+    # reference replies, and a served model answers longer or shorter than they did (off on a GPU replica:
+    # engine.config.GPU_SCHEDULER_DEFAULTS)
     "kairos": PolicyFlags(queue_order="ldf", ttft_reject=True, sort_before_reject=True, credit_batching=True,
                           vbs_gate=True, monotone_skip=True, hybrid_steps=True, itl_correction=True, pace_guard=True,
                           catch_up=True, prefill_hold=True, vbs_margin=1.05, length_predictor=True, short_first=True,
                           work_shedding=True, measured_margin=True, pace_work=True, fill_steps=True,
-                          impatient_reserve=True, urgent_first=True),
+                          impatient_reserve=True, urgent_first=True, length_calibration=True),
 }
 _OVERRIDES = {f: f for f in PolicyFlags.__slots__} | {"admission": "prefill_admission_policy",
                                                       "force_fifo_every": "prefill_force_fifo_every"}
@@ -241,6 +246,12 @@ class SchedulerConfig(BaseModel):
                                                              "reply) or horizon (each by half of what it has left or "
                                                              "of the candidate's reply, whichever is less; opt-in, "
                                                              "bench/README)")
+    length_calibration: bool | None = Field(None, description="with the length predictor: scale its lengths by "
+                                            "the served replies' over what it expected of them "
+                                            "(length_predictor.LengthCalibration; kairos's): a served model that "
+                                            "answers shorter or longer than ShareGPT's references did")
+    length_calibration_half_life: float = Field(200.0, gt=0, description="length_calibration: the replies over "
+                                                "which a reply's weight halves")
     length_gate_quantile: float | None = Field(None, ge=0, lt=1, description="with the length predictor: the VBS "
                                                "gate admits a fresh request against this quantile of its predicted "
                                                "length distribution (a conservative bound: a reply longer than "

@@ -330,6 +330,36 @@ _TABLES: dict[tuple[int, str], WordTable] = {}
 WORDS_PATH = DEFAULT_PATH.with_name("length_predictor_words.npz")  # the words-only predictor: any served tokenizer
 
 
+class LengthCalibration:
+    """The served replies' lengths over what the predictor expected of them: the scale a replica's predictions take
+    (`Scheduler._predict_length`). The predictor learned ShareGPT's reference replies; a served model that answers
+    at half their length (or twice) keeps their ranking but not their size, and the VBS gate, work estimates and
+    shedding plan with sizes. The scale is the ratio of the decayed sums of the replies' lengths and of the
+    uncalibrated expectations they were admitted with, each capped where the reply was (a reply ended by its cap
+    says only that it was at least that long: counted at the cap on both sides, it pulls the ratio towards 1), with
+    `prior` replies at 1 before the first (decayed as they are), within [lo, hi]. `half_life`: in replies."""
+
+    def __init__(self, half_life: float = 200.0, prior: float = 20.0, lo: float = 0.25, hi: float = 4.0) -> None:
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._prior, self.lo, self.hi = prior, lo, hi
+        self._actual = self._expected = self._n = 0.0
+        self.scale = 1.0
+        self.observed = 0  # replies seen (stats)
+
+    def observe(self, expected: float, actual: float, cap: float) -> None:
+        """A reply ended with `actual` tokens out of at most `cap`, expected (uncalibrated) at `expected`."""
+        if not (expected > 0 and cap >= 1 and math.isfinite(expected)):
+            return
+        d = self._decay
+        self._actual = self._actual * d + min(actual, cap)
+        self._expected = self._expected * d + min(expected, cap)
+        self._n = self._n * d + 1.0
+        self._prior *= d
+        self.observed += 1
+        m = self._prior * self._expected / self._n  # the prior replies, at the mean expectation seen
+        self.scale = min(self.hi, max(self.lo, (self._actual + m) / (self._expected + m)))
+
+
 def _table_of(tokenizer: Any) -> WordTable:
     """`WordTable.of_tokenizer`, once per vocabulary (every engine of a benchmark binds the same tokenizer)."""
     k = (len(tokenizer), str(getattr(tokenizer, "name_or_path", id(tokenizer))))

@@ -22,7 +22,7 @@ from core.messages import RejectReason
 from core.request import FinishReason, Request, Status
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
-from scheduling.length_predictor import conditional_means, for_served_model
+from scheduling.length_predictor import LengthCalibration, conditional_means, for_served_model
 from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import LatencyModel, prefill_sq
 from scheduling.queues import order_least_work, order_waiting
@@ -100,6 +100,9 @@ class Scheduler:
         if self.flags.length_predictor:
             self.lengths = for_served_model(config.length_predictor_path, tokenizer_fingerprint, tokenizer,
                                             explicit=bool(config.length_predictor))
+        # the served replies' lengths over the predictor's (length_calibration), by which its lengths are scaled
+        self.length_cal = LengthCalibration(config.length_calibration_half_life) \
+            if self.lengths is not None and self.flags.length_calibration else None
         if self.lengths is None:  # a policy ranks requests by their work only with length information (PRESETS)
             self.flags = replace(self.flags, **{k: False for k in ("short_first", "work_shedding", "impatient_reserve",
                                                                    "urgent_first") if getattr(config, k) is None})
@@ -173,13 +176,17 @@ class Scheduler:
                         exc_info=True)
             return
         q, scale = self.config.length_predictor_quantile, self.lengths.scale
+        cal = self.length_cal.scale if self.length_cal is not None else 1.0
         if q is not None:
-            req.predicted_len = length_quantile(p, q, scale)
+            req.predicted_len = length_quantile(p, q, scale * cal)
+            if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
+                req.length_base = conditional_means(p, scale)[0]
             return
-        req.length_outlook = conditional_means(p, scale)
+        req.length_outlook = conditional_means(p, scale * cal)
+        req.length_base = req.length_outlook[0] / cal
         req.predicted_len = max(1, int(round(req.length_outlook[0])))
         if self.flags.length_gate_quantile > 0:
-            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale))
+            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""
@@ -202,6 +209,10 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_s = now
+        if self.length_cal is not None and req.length_base is not None \
+                and reason in (FinishReason.STOP, FinishReason.LENGTH):  # a reply that ran to its end
+            self.length_cal.observe(req.length_base, req.num_output_tokens,
+                                    min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens))
         if reason in (FinishReason.STOP, FinishReason.LENGTH) and math.isfinite(req.tpot_slo_ms):
             missed = self._missed_tpot(req, now)
             if self.flags.fill_steps and missed:

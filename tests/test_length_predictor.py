@@ -555,3 +555,62 @@ def test_the_served_model_gets_a_predictor_in_its_own_tokens():
     s.add(r)
     p = words.bind(smol).probs(r.prompt_token_ids)
     assert r.length_outlook == LP.conditional_means(p, bound.scale) and r.predicted_len == round(r.length_outlook[0])
+
+
+def test_length_calibration_learns_the_served_replies_scale_and_counts_a_capped_reply_at_its_cap():
+    """LengthCalibration: the decayed ratio of the replies' lengths to what was expected of them, a prior of replies
+    at 1 mixed in, within its bounds; a reply ended by its cap counts at the cap on both sides."""
+    cal = LP.LengthCalibration(half_life=50.0, prior=10.0, lo=0.25, hi=4.0)
+    assert cal.scale == 1.0
+    cal.observe(200.0, 100.0, 1000)
+    assert 0.9 < cal.scale < 1.0  # one reply at half: the prior keeps the scale near 1
+    for _ in range(300):
+        cal.observe(200.0, 100.0, 1000)
+    assert cal.scale == pytest.approx(0.5, abs=0.02)
+    for _ in range(300):  # the replies change: it follows them
+        cal.observe(100.0, 300.0, 1000)
+    assert cal.scale == pytest.approx(3.0, abs=0.1)
+    capped = LP.LengthCalibration(prior=0.0)
+    for _ in range(50):
+        capped.observe(2000.0, 512.0, 512)  # expected 2000 but capped at 512: says nothing about the scale
+    assert capped.scale == pytest.approx(1.0)
+    for _ in range(50):
+        capped.observe(float("nan"), 5.0, 512)
+        capped.observe(0.0, 5.0, 512)
+    assert capped.scale == pytest.approx(1.0) and capped.observed == 50
+    low = LP.LengthCalibration(prior=0.0)
+    for _ in range(10):
+        low.observe(400.0, 1.0, 1000)
+    assert low.scale == 0.25  # bounded
+
+
+def test_kairos_scales_its_predictions_by_the_replies_it_served_and_scorpio_does_not():
+    """length_calibration (kairos's on a CPU replica, off on a GPU's: `for_device`): each reply that ran to its end
+    (stop or length, not an abort) is compared with the uncalibrated expectation it was admitted with, and later
+    requests are predicted at the learned scale; the reply's cap bounds what it says."""
+    from engine.config import EngineConfig, for_device
+
+    assert for_device(EngineConfig(), "cuda").scheduler.flags().length_calibration is False
+    assert for_device(EngineConfig(), "cpu").scheduler.flags().length_calibration is True
+    k, s = _sched("kairos", length_predictor=True), _sched("scorpio", length_predictor=True)
+    assert k.length_cal is not None and s.length_cal is None
+    assert _sched("kairos", length_predictor=True, length_calibration=False).length_cal is None
+    first = _req("first")
+    k.add(first)
+    base = first.length_outlook[0]
+    assert first.length_base == pytest.approx(base)
+    for i in range(400):  # every reply ends at a quarter of what was expected of it
+        r = _req(f"r{i}", max_tokens=1000)
+        k.add(r)
+        r.token_ids.extend([7] * max(1, round(r.length_base / 4)))
+        k.finish(r, FinishReason.STOP if i % 2 else FinishReason.LENGTH, 1.0)
+    gone = _req("gone")
+    k.add(gone)
+    gone.token_ids.extend([7] * 900)
+    k.finish(gone, FinishReason.ABORT, 1.0)  # cut short: says nothing
+    assert k.length_cal.scale == pytest.approx(0.25, abs=0.03) and k.length_cal.observed == 400
+    later = _req("later")
+    k.add(later)
+    assert later.length_outlook[0] == pytest.approx(base * k.length_cal.scale, rel=0.01)
+    assert later.length_base == pytest.approx(base, rel=0.01)
+    assert later.predicted_len == round(later.length_outlook[0])

@@ -221,3 +221,19 @@ def test_a_gpu_fitted_model_runs_the_scheduler_with_a_gpu_replicas_defaults(tmp_
     gpu, cpu = goodputs("cuda:0"), goodputs("cpu")
     assert gpu["kairos"] == gpu["kairos+correction_stall_share=0.5"] != gpu["kairos+correction_stall_share=1"]
     assert cpu["kairos"] == cpu["kairos+correction_stall_share=1"] != cpu["kairos+correction_stall_share=0.5"]
+
+
+def test_reply_scale_stretches_each_reply_within_its_cap_and_the_window():
+    """--reply-scale: a hidden reply's stop moves within its cap; a forced one's max_tokens (and its hint) within the
+    window; never below one token."""
+    from bench import workload as W
+
+    hidden = W.WorkItem(0.0, [5] * 10, 300, "relaxed", 3000.0, 50.0, None, stop_after=200)
+    forced = W.WorkItem(0.0, [5] * 10, 200, "relaxed", 3000.0, 50.0, 200)
+    short = W.WorkItem(0.0, [5] * 10, 300, "relaxed", 3000.0, 50.0, None, stop_after=1)
+    a, b, c = sim.scaled_replies([hidden, forced, short], 2.0, 256)
+    assert a.stop_after == 300 and a.max_tokens == 300  # its cap
+    assert b.max_tokens == 256 - 10 - 1 and b.output_len_hint == b.max_tokens  # the window
+    assert c.stop_after == 2
+    a, b, c = sim.scaled_replies([hidden, forced, short], 0.25, 256)
+    assert (a.stop_after, b.max_tokens, b.output_len_hint, c.stop_after) == (50, 50, 50, 1)
