@@ -83,6 +83,8 @@ class ReplicaMetrics:
         self.kv_usage = gauge("kv_cache_usage", "paged-KV blocks in use, a fraction of all (0 to 1)")
         self.preemptions = ctr("preemptions", "requests preempted (KV freed, prefilled again later)")
         self.itl_correction = gauge("itl_correction", "kairos: measured / predicted step time (1 = the profile holds)")
+        self.length_scale = gauge("length_scale", "kairos: the served replies' lengths over what the length "
+                                  "predictor expected of them, by which its predictions are scaled (1: as trained)")
         self.shed_threshold = gauge("shed_threshold", "kairos work shedding: fresh requests of more work "
                                     "(output tokens / TPOT SLO ms) than this are shed under overload (0: none)")
         self.predictor_mape = gauge("predictor_mape", "TTFT/ITL predictor mean absolute percentage error")
@@ -119,6 +121,7 @@ class ReplicaMetrics:
         self.prefill_batch.set(g("last_prefill_batch"))
         self.vbs.set(float(g("vbs", 0.0) or 0.0))
         self.itl_correction.set(float(g("itl_correction", 1.0)))
+        self.length_scale.set(float(g("length_scale", 1.0)))
         self.kv_used.set(g("kv_blocks_used"))
         self.kv_free.set(g("kv_blocks_free"))
         used, total = g("kv_blocks_used"), g("kv_blocks_total")

@@ -48,7 +48,7 @@ def test_metrics_exported(base_url: str) -> None:
     want = {"ray_kairos_ttft_s_bucket", "ray_kairos_tpot_s_bucket", "ray_kairos_itl_s_bucket", "ray_kairos_e2e_s_bucket",
             "ray_kairos_generation_tokens_total", "ray_kairos_prompt_tokens_total", "ray_kairos_kv_blocks_free",
             "ray_kairos_kv_blocks_used", "ray_kairos_queue_len", "ray_kairos_num_running", "ray_kairos_vbs",
-            "ray_kairos_itl_correction",
+            "ray_kairos_itl_correction", "ray_kairos_length_scale",
             "ray_kairos_requests_rejected_total", "ray_kairos_requests_admitted_total"}
     deadline, names = time.monotonic() + 20, set()
     while time.monotonic() < deadline:
