@@ -165,10 +165,12 @@ class Scheduler:
         """The length predictor's expectations for `req`, from its question (a chat request's last user message) or
         else its prompt: with a planning quantile, that quantile everywhere; else the predicted distribution's mean
         (and its mean above the tokens out, as the reply runs: length_outlook), and for the VBS gate the policy's
-        gate quantile (a bound the reply seldom outruns; 0: the mean). It never raises: a prediction is advice, and
-        a request the predictor fails on plans for its cap (logged), its neighbours and the engine unharmed. It runs
-        on the worker between steps (its cost bounded: length_predictor.READ_MAX): on another thread of the engine's
-        process it would hold the GIL in the middle of steps."""
+        gate quantile (a bound the reply seldom outruns; 0: the mean), every length at the scale of the replies served
+        so far where length_calibration is on (the uncalibrated mean kept to compare the reply with: `finish`). It
+        never raises: a prediction is advice, and a request the predictor fails on plans for its cap (logged), its
+        neighbours and the engine unharmed. It runs on the worker between steps (its cost bounded:
+        length_predictor.READ_MAX): on another thread of the engine's process it would hold the GIL in the middle of
+        steps."""
         try:
             p = self.lengths.probs(req.question_ids or req.prompt_token_ids)
         except Exception:  # noqa: BLE001 - one request's odd prompt must not end the worker's loop
