@@ -211,11 +211,12 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_s = now
-        if self.length_cal is not None and req.length_base is not None \
-                and reason in (FinishReason.STOP, FinishReason.LENGTH):  # a reply that ran to its end
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH):  # cut short: it says nothing of its length or pace
+            return True
+        if self.length_cal is not None and req.length_base is not None:
             self.length_cal.observe(req.length_base, req.num_output_tokens,
                                     min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens))
-        if reason in (FinishReason.STOP, FinishReason.LENGTH) and math.isfinite(req.tpot_slo_ms):
+        if math.isfinite(req.tpot_slo_ms):
             missed = self._missed_tpot(req, now)
             if self.flags.fill_steps and missed:
                 self._fill_off_until = now + self.config.fill_pause_s
