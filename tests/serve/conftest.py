@@ -1,14 +1,18 @@
-"""ONE Ray + Serve app for all serving tests (package-scoped: it stops after the last of them) (cold start is the expensive part on 2 cores).
+"""ONE Ray + Serve instance for all serving tests (package-scoped: it stops after the last of them) (cold start is
+the expensive part on 2 cores), with one session app and the side apps of the modules that need their own.
 
-kairos-tiny in float32, 2 LLM replicas (so routing is observable), a small KV cache, 1 torch thread per
-replica, a 64 KiB body cap. Tests talk real HTTP to 127.0.0.1:8000 and use a handle for replica stats.
+The session app: kairos-tiny in float32, 2 LLM replicas (so routing is observable), a small KV cache, 1 torch thread
+per replica, a 64 KiB body cap. Tests talk real HTTP to 127.0.0.1:8000 and use a handle for replica stats. A side app
+(`SideApp`) is deployed with it, at once, and deleted by its module.
 """
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,13 +72,47 @@ def _no_gpus_here(monkeypatch) -> None:
     monkeypatch.setattr(args, "_local_gpus", lambda: 0)
 
 
+@dataclass(frozen=True)
+class SideApp:
+    """A second application on the session's Serve instance, for one module's tests: the module names it SIDE_APP
+    and takes its URL from `side_app`. Every collected module's side app is deployed with the session app, in one
+    `serve.run_many`: their replicas start together, on the cores one app's start leaves idle (most of it is
+    processes that start and wait), instead of one module's setup after another's. Each stays up, idle, until its
+    module's tests end; the module deletes it then."""
+    name: str
+    prefix: str
+    build: Callable[[Path], Any]  # a scratch directory of its own -> the serve Application
+
+    @property
+    def url(self) -> str:
+        return BASE_URL + self.prefix
+
+
+def _side_apps(items) -> list[SideApp]:
+    """The side apps of the modules whose collected tests use the session app, once each, in test order."""
+    apps: dict[str, SideApp] = {}
+    for it in items:
+        app = getattr(getattr(it, "module", None), "SIDE_APP", None)
+        if isinstance(app, SideApp) and "serve_app" in getattr(it, "fixturenames", ()):
+            apps.setdefault(app.name, app)
+    return list(apps.values())
+
+
+def side_app(serve_app: dict, app: SideApp) -> str:
+    """`app`'s URL, once it answers /health (deployed with the session app, `_side_apps`)."""
+    assert app.name in serve_app["side_apps"], f"{app.name} was not deployed with the session app"
+    wait_ready(app.url)
+    return app.url
+
+
 @pytest.fixture(scope="package")
-def serve_app() -> Iterator[dict]:
+def serve_app(request, tmp_path_factory) -> Iterator[dict]:
     ray = pytest.importorskip("ray")
     from ray import serve
 
     from deployments import build_app
 
+    side = _side_apps(request.session.items)
     t0 = time.monotonic()
     # num_gpus=0: on a GPU host too the apps take no GPU (their replicas default to one per GPU Ray has)
     ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
@@ -82,12 +120,16 @@ def serve_app() -> Iterator[dict]:
              _system_config={"metrics_report_interval_ms": 1000})  # metrics visible within ~1 s (default 10 s)
     t1 = time.monotonic()
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    serve.run(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/", blocking=False)
-    wait_ready(BASE_URL)
+    serve.run_many([serve.RunTarget(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/")]
+                   + [serve.RunTarget(a.build(tmp_path_factory.mktemp(a.name)), name=a.name, route_prefix=a.prefix)
+                      for a in side])
+    for url in [BASE_URL] + [a.url for a in side]:
+        wait_ready(url)
     t2 = time.monotonic()
-    print(f"\n[serve fixture] ray.init {t1 - t0:.1f}s, deploy-to-ready {t2 - t1:.1f}s")
+    print(f"\n[serve fixture] ray.init {t1 - t0:.1f}s, deploy-to-ready {t2 - t1:.1f}s "
+          f"(apps: {', '.join([APP_NAME] + [a.name for a in side])})")
     try:
-        yield {"base_url": BASE_URL, "app_name": APP_NAME, "startup_s": t2 - t0}
+        yield {"base_url": BASE_URL, "app_name": APP_NAME, "startup_s": t2 - t0, "side_apps": [a.name for a in side]}
     finally:
         # Stopping the Ray node this fixture started stops every process of the apps in it at once (HAProxy dies with
         # its manager, `guard_haproxy`; an engine process with its replica); `serve.shutdown()` first waited out each

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.conftest import BASE_URL, wait_ready
+from tests.serve.conftest import SideApp, side_app
 
-PREFIX = "/default"
+
+def _default_app(_: object):
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as serve_builds
+
+    import deployments
+
+    return serve_builds(deployments.app, {})
+
+
+SIDE_APP = SideApp("kairos-default-app", "/default", _default_app)
 
 
 @pytest.fixture(scope="module")
 def default_url(serve_app: dict):
     from ray import serve
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as serve_builds
 
-    import deployments
-
-    serve.run(serve_builds(deployments.app, {}), name="kairos-default-app", route_prefix=PREFIX, blocking=False)
-    wait_ready(BASE_URL + PREFIX)
     try:
-        yield BASE_URL + PREFIX
+        yield side_app(serve_app, SIDE_APP)
     finally:
-        serve.delete("kairos-default-app", _blocking=False)  # its replicas drain while the next tests run
+        serve.delete(SIDE_APP.name, _blocking=False)  # its replicas drain while the next tests run
 
 
 def test_openai_client_chat_answers_paris(default_url: str) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from bench.metrics import percentile
 from deployments import haproxy_ingress as H
-from tests.serve.conftest import BASE_URL, TEST_ARGS, wait_idle, wait_ready
+from tests.serve.conftest import TEST_ARGS, SideApp, side_app, wait_idle
 
 OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
 MAX_NUM_SEQS, MAX_WAITING = 4, 4
@@ -32,16 +32,22 @@ MAX_TOKENS = 64
 CMPL = "/v1/completions"
 
 
+def _ovl_app(_: object):
+    from deployments import build_app
+
+    return build_app(OVL_ARGS)
+
+
+SIDE_APP = SideApp(OVL_APP, OVL_PREFIX, _ovl_app)
+
+
 @pytest.fixture(scope="module")
 def ovl_app(serve_app: dict):
     from ray import serve
 
-    from deployments import build_app
-
-    serve.run(build_app(OVL_ARGS), name=OVL_APP, route_prefix=OVL_PREFIX, blocking=False)
-    wait_ready(BASE_URL + OVL_PREFIX)
     try:
-        yield {"url": BASE_URL + OVL_PREFIX, "handle": serve.get_deployment_handle("LLMServer", app_name=OVL_APP)}
+        yield {"url": side_app(serve_app, SIDE_APP),
+               "handle": serve.get_deployment_handle("LLMServer", app_name=OVL_APP)}
     finally:
         # blocking: the last test killed its replica, and the replacement Serve starts (loading and profiling its
         # model) would otherwise take the cores of the next tests

@@ -3,7 +3,8 @@ LLM replica, API-key auth, prompts kept out of logs, trust_remote_code refusal.
 
 Most tests use the session app (2 replicas). Auth, prompt-logging control, the pre-token fault and the replica
 kill use a second application on the same Ray/Serve instance (`kairos-rel` at /rel: 1 LLM replica, API keys
-from a file, log_prompts on), deleted at the end of this module. The replica kill runs last.
+from a file, log_prompts on), a side app deployed with the session app and deleted at the end of this module.
+The replica kill runs last.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.conftest import BASE_URL, TEST_ARGS, replica_stats, wait_idle, wait_ready
+from tests.serve.conftest import TEST_ARGS, SideApp, replica_stats, side_app, wait_idle
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 REL_APP, REL_PREFIX = "kairos-rel", "/rel"
@@ -51,22 +52,24 @@ def serve_actors(app: str) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------------------------ second app
-@pytest.fixture(scope="module")
-def rel_app(serve_app: dict, tmp_path_factory):
-    from ray import serve
-
+def _rel_app(tmp: Path):
     from deployments import build_app
 
-    key_file = tmp_path_factory.mktemp("keys") / "api_keys"
+    key_file = tmp / "api_keys"
     key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
-    args = {**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file), "log_prompts": True,
-            "health_check_period_s": 1.0, "health_check_timeout_s": 10.0}
-    t0 = time.monotonic()
-    serve.run(build_app(args), name=REL_APP, route_prefix=REL_PREFIX, blocking=False)
-    wait_ready(BASE_URL + REL_PREFIX)
-    print(f"\n[rel app] deploy-to-ready {time.monotonic() - t0:.1f}s")
+    return build_app({**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file),
+                      "log_prompts": True, "health_check_period_s": 1.0, "health_check_timeout_s": 10.0})
+
+
+SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
+
+
+@pytest.fixture(scope="module")
+def rel_app(serve_app: dict):
+    from ray import serve
+
     try:
-        yield {"url": BASE_URL + REL_PREFIX, "auth": {"Authorization": f"Bearer {KEYS[0]}"},
+        yield {"url": side_app(serve_app, SIDE_APP), "auth": {"Authorization": f"Bearer {KEYS[0]}"},
                "handle": serve.get_deployment_handle("LLMServer", app_name=REL_APP)}
     finally:
         serve.delete(REL_APP, _blocking=False)  # its replicas drain while the next tests run
