@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.timing import graph_seconds
 from tests.paged_attention_reference import triton_device_or_skip
 
 ON_CUDA, DEV = triton_device_or_skip("fused kernels")
@@ -172,24 +173,7 @@ def test_fused_ops_cuda_graph_capture_and_replay_with_new_inputs():
 
 def _time_graph(fn, reps: int = 50) -> float:
     """Seconds per call of `fn`, captured 20 times in one graph (no launch overhead, as in a decode graph)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (reps * 20)
+    return graph_seconds([fn] * 20, reps)
 
 
 def main() -> None:

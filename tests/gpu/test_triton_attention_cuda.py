@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from tests.gpu.timing import graph_seconds
 from tests.paged_attention_reference import (
     TOL, assert_close, make_paged, run_decode_case, run_prefill_case, triton_device_or_skip)
 
@@ -166,26 +167,8 @@ def test_decode_long_context_bf16_matches_reference_at_8b_batch():
 
 def _time_graph(fns, reps: int = 10) -> float:
     """Seconds per call, from a CUDA graph of the calls `fns` (one per layer, so that the KV read comes from HBM,
-    not from L2) replayed `reps` times: no launch overhead, as in the engine's captured decode."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (reps * len(fns))
+    not from L2): no launch overhead, as in the engine's captured decode."""
+    return graph_seconds(fns, reps)
 
 
 def _layers(per_layer_bytes: int) -> int:

@@ -141,6 +141,21 @@ def _scores_and_values(q, k_base, v_base, bt_row, tok, n_mask, d_mask, offs_d, s
     return s, v
 
 
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold one tile's scaled, masked scores `s` (finite in every row's max) and values `v` into a row's running
+    max `m_i`, denominator `l_i` and output `acc` (log2 domain): the updated (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # the step's widest block table: one kernel for every width
 def _decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -202,16 +217,8 @@ def _decode_stage1_kernel(
         s, v = _scores_and_values(q, k_base, v_base, bt_row, tok, n_mask, d_mask, offs_d, stride_kb, stride_kt,
                                   stride_vb, stride_vt, BLOCK_SIZE, DOT_F32, DOT_PREC)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        # Every tile in [tile_lo, tile_hi) holds at least one token < ctx, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # Every tile in [tile_lo, tile_hi) holds at least one token < ctx, so each row's max is finite.
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32, DOT_PREC)
 
     if NUM_SPLITS == 1:
         # Direct output; a context of 0 gives l_i == 0 and zeros.
@@ -308,6 +315,14 @@ def _decode_meta(num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     return stage1, stage2
 
 
+def _strides(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             block_tables: torch.Tensor) -> tuple[int, ...]:
+    """The strides the decode and prefill kernels take, in their order: q's and out's token and head strides, each
+    cache's block, slot and head strides, the block table's row stride."""
+    return (q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, *, num_splits: int | None = None,
@@ -342,11 +357,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_stage1_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        *_strides(q, out, k_cache, v_cache, block_tables),
         H,
         **meta1,
     )
@@ -430,15 +441,7 @@ def _prefill_kernel(
                                   stride_vb, stride_vt, BLOCK_SIZE, DOT_F32, DOT_PREC)
         # Token 0 is visible to every row (padding rows included), so each row's max is finite from the first tile.
         s = tl.where(tok[None, :] < limit[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_F32, DOT_PREC)
 
     o = acc / l_i[:, None]
     tl.store(out_ptr + tok_q[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -481,11 +484,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        *_strides(q, out, k_cache, v_cache, block_tables),
         **meta,
     )
     return out
