@@ -388,12 +388,15 @@ def test_decode_groups_split_by_length_and_pad_little():
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "default"])
 def test_prompt_encoder_matches_hf_encode(tiny_checkpoints, family):
-    """add_request tokenizes through the fast tokenizer's backend directly: the same ids as HF's encode."""
-    from engine.inputs import prompt_encoder
-    from engine.loader import load_model
+    """add_request tokenizes through the fast tokenizer's backend directly: the same ids as HF's encode. (The
+    tokenizer as `load_model` loads it, without the model's weights.)"""
+    from transformers import AutoTokenizer
 
-    path = "kairos-default" if family == "default" else tiny_checkpoints[family]
-    tok = load_model(path, dtype="float32", device="cpu").tokenizer
+    from engine.default_model import ensure_default_model
+    from engine.inputs import prompt_encoder
+
+    path = str(ensure_default_model("kairos-default")) if family == "default" else tiny_checkpoints[family]
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     enc = prompt_encoder(tok)
     eos = tok.eos_token or ""
     for text in ["Hello", " leading space", "two  spaces\nnew line\ttab", "ünïcödé — 漢字 🙂", f"a{eos}b",
