@@ -76,9 +76,8 @@ def _no_gpus_here(monkeypatch) -> None:
 class SideApp:
     """A second application on the session's Serve instance, for one module's tests: the module names it SIDE_APP
     and takes its URL from `side_app`. Every collected module's side app is deployed with the session app, in one
-    `serve.run_many`: their replicas start together, on the cores one app's start leaves idle (most of it is
-    processes that start and wait), instead of one module's setup after another's. Each stays up, idle, until its
-    module's tests end; the module deletes it then."""
+    `serve.run_many`: their replicas start together, in the gaps of one another's starts, instead of in one
+    module's setup after another's. Each stays up, idle, until its module's tests end; the module deletes it then."""
     name: str
     prefix: str
     build: Callable[[Path], Any]  # a scratch directory of its own -> the serve Application
