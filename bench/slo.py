@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--predictor-json", default=None, help="latency-model JSON (e.g. an earlier run's tiers-profile.json) for the "
       "SLO tiers and, in engine mode, the schedulers: the same tiers as that run")
     # HTTP
-    a("--target", default=None, help="URL of a running Kairos server (POST /v1/completions)")
+    a("--target", default=None, help="URL of a running Kairos server (POST /v1/completions); for --lengths hidden "
+      "or predicted, one started with ignore_eos_length=false (the client forces lengths with ignore_eos and ends "
+      "those replies itself)")
     a("--no-server-steps", action="store_true", help="--target: do not read the server's decode step / latency "
       "model by decode rows from its /metrics after the run (a few seconds: Ray's agent exports what replicas "
       "report every few seconds)")
@@ -216,8 +218,10 @@ def length_arm(label: str, default: str) -> str:
 def arm_sched(arm: str) -> dict[str, Any]:
     """What an arm sets in every policy's scheduler: its length predictor and the benchmark-only stop. The predictor
     is off in the hidden arm and on in the others (in the exact arm each request's hint wins over it, so a policy
-    runs there as it does with length information, every length exact)."""
-    return {"length_predictor": arm != "hidden", "bench_stop": True}
+    runs there as it does with length information, every length exact). Every arm forces its replies' lengths with
+    ignore_eos, and the hidden and predicted arms end them before max_tokens: ignore_eos_length is off, so that
+    max_tokens stays a cap there."""
+    return {"length_predictor": arm != "hidden", "bench_stop": True, "ignore_eos_length": False}
 
 
 class Engines:

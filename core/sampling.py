@@ -66,5 +66,13 @@ class SamplingParams:
         return self
 
     @property
+    def runs_to_cap(self) -> bool:
+        """Nothing but max_tokens ends the reply: ignore_eos with no stop strings or stop ids, or min_tokens up to
+        max_tokens (EOS and stop ids are not drawn before min_tokens, nor do stop strings end a reply there). It
+        will be max_tokens long, unless its client leaves first."""
+        return (self.ignore_eos and not self.stop and not self.stop_token_ids) \
+            or (self.max_tokens is not None and self.min_tokens >= self.max_tokens)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1

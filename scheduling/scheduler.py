@@ -142,7 +142,9 @@ class Scheduler:
     # --- queue membership ---
     def add(self, req: Request) -> str | None:
         """Queue a new request; returns a rejection reason instead when the queue is full."""
-        if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint:
+        # a reply that only its cap ends is as long as its cap (ignore_eos_length): nothing to predict
+        if self.lengths is not None and req.predicted_len is None and not req.slo.output_len_hint \
+                and not (self.config.ignore_eos_length and req.params.runs_to_cap):
             self._predict_length(req)
         if self.shedder is not None:
             self.shedder.arrived(self._work(req, pace=self._pace()), req.arrival_s)

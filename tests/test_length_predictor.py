@@ -237,6 +237,35 @@ def test_the_predictor_sets_predicted_len_at_admission_only_when_on_and_unhinted
     assert SchedulerConfig(policy="fcfs", length_predictor=True).flags().length_predictor is True
 
 
+def test_a_reply_only_its_cap_ends_is_planned_for_its_cap_not_predicted():
+    """ignore_eos with no stop strings or stop ids, or min_tokens = max_tokens: the reply is max_tokens long, which the
+    scheduler plans for instead of a prediction (ignore_eos_length, on by default); a stop string or stop id may end
+    an ignore_eos reply sooner, so those are predicted, and so is every request where the knob is off (a benchmark
+    that ends forced replies itself)."""
+    def req(rid, **params):
+        return Request(rid, list(range(3, 13)), SamplingParams(max_tokens=700, **params), SLO(tpot_ms=50.0))
+
+    s = _sched(length_predictor=True)
+    assert s.config.ignore_eos_length and s.lengths is not None
+    forced, stopped, by_id, plain = (req("f", ignore_eos=True), req("s", ignore_eos=True, stop=["\n\n"]),
+                                     req("i", ignore_eos=True, stop_token_ids=[5]), req("p"))
+    floor, short_floor = req("m", min_tokens=700, stop=["\n\n"]), req("n", min_tokens=699)
+    for r in (forced, stopped, by_id, plain, floor, short_floor):
+        s.add(r)
+    for r in (forced, floor):
+        assert r.params.runs_to_cap and r.predicted_len is None and r.length_outlook is None
+        assert r.expected_output_len == r.gate_output_len == 700
+    forced.token_ids += [7] * 300
+    assert forced.expected_output_len == 700
+    m = LP.load_cached(None)
+    for r in (stopped, by_id, plain, short_floor):
+        assert not r.params.runs_to_cap and r.predicted_len == round(m.outlook(r.prompt_token_ids)[0])
+    off = _sched(length_predictor=True, ignore_eos_length=False)
+    again = req("g", ignore_eos=True)
+    off.add(again)
+    assert again.predicted_len == round(m.outlook(again.prompt_token_ids)[0])
+
+
 def test_a_prediction_that_fails_leaves_the_request_planning_for_its_cap():
     """The prediction never raises (on the worker a raise would end the engine's loop): a request the predictor fails
     on is queued with no prediction, and the next request is predicted as usual."""
@@ -403,7 +432,7 @@ def test_policy_labels_carry_their_length_arm():
     assert length_arm("kairos+lengths=exact", "hidden") == "exact" and length_arm("kairos", "predicted") == "predicted"
     with pytest.raises(SystemExit):
         length_arm("kairos+lengths=oracle", "hidden")
-    assert arm_sched("predicted") == {"length_predictor": True, "bench_stop": True}
+    assert arm_sched("predicted") == {"length_predictor": True, "bench_stop": True, "ignore_eos_length": False}
     assert arm_sched("hidden")["length_predictor"] is False and arm_sched("exact")["length_predictor"] is True
 
 

@@ -266,9 +266,11 @@ def main(argv: list[str] | None = None) -> int:
 
     build_model(args.shape, args.model_dir, args.dtype, args.device, args.window)
     doc["phases"]["built_s"] = time.monotonic() - clock.t0
+    # the client forces every reply's length with ignore_eos and ends a predicted arm's replies itself, before
+    # max_tokens: ignore_eos_length=false keeps max_tokens a cap for the servers' schedulers (bench.slo.arm_sched)
     common = (f"model={args.model_dir} dtype={args.dtype} device={args.device} max_num_seqs={args.max_num_seqs} "
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
-              f"predictor_path={profile.resolve()} {args.serve}")
+              f"predictor_path={profile.resolve()} ignore_eos_length=false {args.serve}")
     runs = [("fcfs", "policy=fcfs")] + [(p, arm_server_args(p)) for p in args.policies.split(",") if p]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
