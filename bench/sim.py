@@ -329,6 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--reply-scale", type=float, default=1.0, help="every reply this many times its reference length (within its "
       "cap and the window): a served model that answers longer or shorter than ShareGPT's references, which the "
       "length predictor learned (length_calibration)")
+    a("--no-hints", action="store_true", help="the exact arm's requests send no output-length hint: their forced "
+      "max_tokens and ignore_eos alone say their lengths (as `vllm bench serve --ignore-eos` sends them), which a "
+      "policy reads with ignore_eos_length")
     a("--lambda-star", type=float, default=None, help="skip the lambda* search")
     a("--lambda-def", choices=("capacity", "adherence"), default="capacity", help="as bench.slo's")
     a("--probe-requests", type=int, default=240, help="requests per lambda* probe")
@@ -399,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
         if args.reply_scale != 1.0:
             items = scaled_replies(items, args.reply_scale, args.max_model_len)
+        if args.no_hints:
+            items = [replace(w, output_len_hint=None) for w in items]
         machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,
                           args.hybrid_saving_ms)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,

@@ -219,9 +219,9 @@ def arm_sched(arm: str) -> dict[str, Any]:
     """What an arm sets in every policy's scheduler: its length predictor and the benchmark-only stop. The predictor
     is off in the hidden arm and on in the others (in the exact arm each request's hint wins over it, so a policy
     runs there as it does with length information, every length exact). Every arm forces its replies' lengths with
-    ignore_eos, and the hidden and predicted arms end them before max_tokens: ignore_eos_length is off, so that
-    max_tokens stays a cap there."""
-    return {"length_predictor": arm != "hidden", "bench_stop": True, "ignore_eos_length": False}
+    ignore_eos, and the hidden and predicted arms end them before max_tokens: ignore_eos_length is off there, so that
+    max_tokens stays a cap (in the exact arm max_tokens is the length, as ignore_eos_length reads it)."""
+    return {"length_predictor": arm != "hidden", "bench_stop": True, "ignore_eos_length": arm == "exact"}
 
 
 class Engines:

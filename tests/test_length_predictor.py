@@ -434,6 +434,7 @@ def test_policy_labels_carry_their_length_arm():
         length_arm("kairos+lengths=oracle", "hidden")
     assert arm_sched("predicted") == {"length_predictor": True, "bench_stop": True, "ignore_eos_length": False}
     assert arm_sched("hidden")["length_predictor"] is False and arm_sched("exact")["length_predictor"] is True
+    assert arm_sched("hidden")["ignore_eos_length"] is False and arm_sched("exact")["ignore_eos_length"] is True
 
 
 def test_http_client_stops_a_hidden_length_reply_itself():
