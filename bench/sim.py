@@ -325,6 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--dataset", choices=("sharegpt", "synthetic"), default="sharegpt", help="as bench.slo's (synthetic: "
       "lognormal lengths, random ids)")
     a("--pool", type=int, default=W.SHAREGPT_POOL, help="as bench.slo's")
+    a("--prompt-median", type=float, default=100, help="synthetic: prompt tokens, lognormal median")
+    a("--prompt-cap", type=int, default=512, help="synthetic: prompt tokens, cap")
+    a("--output-median", type=float, default=60, help="synthetic: output tokens, lognormal median")
+    a("--output-cap", type=int, default=256, help="synthetic: output tokens, cap")
     a("--lengths", choices=W.LENGTH_ARMS, default="predicted")
     a("--reply-scale", type=float, default=1.0, help="every reply this many times its reference length (within its "
       "cap and the window): a served model that answers longer or shorter than ShareGPT's references, which the "
@@ -361,7 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         corpus = sharegpt_corpus(build_parser().parse_args(["--dataset", "sharegpt"]),
                                  max(args.num_requests, args.probe_requests, args.pool), args.max_model_len)
-    base = W.WorkloadSpec(max_model_len=args.max_model_len, corpus=corpus, lengths=args.lengths)  # Poisson, equal mix
+    sigma = W.WorkloadSpec().prompt.sigma
+    base = W.WorkloadSpec(max_model_len=args.max_model_len, corpus=corpus, lengths=args.lengths,  # Poisson, equal mix
+                          prompt=W.LengthDist(args.prompt_median, sigma, args.prompt_cap, 4),
+                          output=W.LengthDist(args.output_median, sigma, args.output_cap, 2))
     scale = W.slo_scale(planner, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
                         loose_batch=args.loose_batch)
     seeds = parse_seeds(args.seeds)
