@@ -27,6 +27,12 @@ TOP_P_CANDIDATES = (64, 1024)
 NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits held a NaN or +inf fails alone
 
 
+def _top_ks(reqs: list[Request], width: int) -> list[int]:
+    """Each request's top-k over `width` logits: 0 (off) where it keeps them all (0, -1, or width and more: a
+    client's k may be any integer, the kernels take an int64 below the width)."""
+    return [k if (k := r.params.top_k) and 0 < k < width else 0 for r in reqs]
+
+
 def _to(values: list, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host list as a tensor on `dev` (`to_device`: no wait for the step in flight on a GPU)."""
     return to_device(torch.tensor(values, dtype=dtype), dev)
@@ -272,7 +278,7 @@ class Sampler:
             drawn = None
             if self.draw_rows is not None:
                 drawn = self.draw_rows(logits, sampled, [r.params.temperature for r in sreqs],
-                                       [r.params.top_k or 0 for r in sreqs], [r.params.top_p for r in sreqs], u[:, 0])
+                                       _top_ks(sreqs, logits.shape[-1]), [r.params.top_p for r in sreqs], u[:, 0])
             if drawn is None:
                 drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()
             for i, t in zip(sampled, drawn):
@@ -303,7 +309,7 @@ class Sampler:
         x = (logits if len(rows) == logits.shape[0] else logits[_to(rows, dev)]).float()
         x.div_(_to([r.params.temperature for r in reqs], dev).unsqueeze(-1))
         width = x.shape[-1]
-        ks = [r.params.top_k if r.params.top_k and 0 < r.params.top_k < width else 0 for r in reqs]
+        ks = _top_ks(reqs, width)
         kmax = max(ks)
         if kmax:
             kt = _to(ks, dev)

@@ -116,6 +116,16 @@ def test_top_p_keeps_the_smallest_nucleus_and_top_k_the_k_best(draw):
     assert int((counts > 0).sum()) in (170, 171)
 
 
+def test_a_top_k_of_the_width_or_beyond_keeps_every_token(draw):
+    """A client's top_k may be any integer (OpenAI-style clients send what they like; vLLM takes it): one at or past
+    the vocabulary, however large, filters nothing, on every path, seeded draws the same as with top_k off."""
+    s = Sampler(vocab_limit=50, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    wide = [_sampled(f"k{i}", temperature=1.0, seed=11, top_k=k) for i, k in enumerate((50, 10**6, 2**70))]
+    off = [_sampled(f"o{i}", temperature=1.0, seed=11) for i in range(3)]
+    assert s.sample(logits, wide) == s.sample(logits, off)
+
+
 def test_seeded_rows_repeat_and_a_bad_row_fails_alone(draw):
     s = Sampler(vocab_limit=50, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
