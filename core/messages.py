@@ -248,6 +248,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     reject_reason: RejectReason | None = None  # with finish_reason `rejected`
+    # with finish_reason `rejected`: the reply length the scheduler planned the request's admission for (its hint,
+    # its max_tokens, or a predicted length), which the replica's idle floor for the request plans for too
+    planned_output_len: int | None = None
     error: str | None = None  # a message, with finish_reason `error` (or `abort` when the engine stopped)
     error_kind: ErrorKind | None = None  # with finish_reason `error`
     num_prompt_tokens: int = 0

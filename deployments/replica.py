@@ -50,7 +50,8 @@ class RejectionView:
 def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_tokens: int, model: Any,
                     sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
                     decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None,
-                    waiting_sq: float = 0.0, gate_scale: float = 1.0) -> RejectionView:
+                    waiting_sq: float = 0.0, gate_scale: float = 1.0,
+                    planned_len: int | None = None) -> RejectionView:
     """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
     scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
     one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
@@ -60,14 +61,16 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     `ttft_margin_ms`: the TTFT guard's margin on an idle replica, or a function of the request's predicted prefill
     that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting
     prompts' attention work in token pairs (`Scheduler.waiting_sq`). `gate_scale`: the VBS gate's scale of the model
-    on an idle replica (`Scheduler.idle_gate_scale`: the decode steps it measured)."""
+    on an idle replica (`Scheduler.idle_gate_scale`: the decode steps it measured). `planned_len`: the reply length
+    the scheduler planned the request for (`RequestOutput.planned_output_len`: a predicted one where its length
+    predictor ran), else its hint, else max_tokens."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)
     flags = sched.flags()
     p = req.params.max_tokens if req.params.max_tokens is not None else max(1, max_model_len - n)
     hint = req.slo.output_len_hint
-    mid_len = n + (min(hint, p) if hint else p) / 2.0
+    mid_len = n + (planned_len if planned_len else min(hint, p) if hint else p) / 2.0
     margin = sched.ttft_margin_ms if ttft_margin_ms is None else ttft_margin_ms
     if callable(margin):
         margin = margin(model.prefill_ms(min(n, max_model_len)))
@@ -343,7 +346,7 @@ class LLMReplica:
                                    list(self._decode_left.values()),
                                    lambda p: idle_margin_at(st.ttft_idle_margins, st.ttft_margins, p,
                                                             self._sched.ttft_margin_ms),
-                                   st.waiting_sq, st.idle_gate_scale)
+                                   st.waiting_sq, st.idle_gate_scale, out.planned_output_len)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

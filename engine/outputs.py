@@ -79,6 +79,7 @@ class OutputProcessor:
         live.stream.put(RequestOutput(
             req.request_id, text=text, token_ids=[] if last_token is None else [last_token], finished=True,
             finish_reason=reason, reject_reason=reject_reason, error=error,
+            planned_output_len=req.gate_output_len if reject_reason is not None else None,
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,

@@ -86,6 +86,13 @@ def test_strict_requests_meet_tpot_and_loose_ones_yield(engine):
 def test_unattainable_ttft_is_rejected_with_reason(engine):
     out = list(engine.add_request([5] * 64, SamplingParams(max_tokens=4), SLO(ttft_ms=0.001)))
     assert len(out) == 1 and out[0].finish_reason == "rejected" and out[0].reject_reason == "ttft_unattainable"
+    # a rejection says the reply length its admission was planned for (the replica's idle floor plans for it too):
+    # kairos's predicted length (capped by max_tokens), max_tokens where nothing else ends the reply (ignore_eos) or
+    # without a predictor (scorpio)
+    kairos = engine.scheduler.lengths is not None
+    planned = [list(engine.add_request([5] * 64, SamplingParams(max_tokens=900, ignore_eos=eos),
+                                       SLO(ttft_ms=0.001)))[-1].planned_output_len for eos in (False, True)]
+    assert planned[1] == 900 and (1 <= planned[0] < 900 if kairos else planned[0] == 900), planned
     ok = list(engine.add_request([5] * 64, SamplingParams(max_tokens=4, temperature=0.0), SLO(ttft_ms=60_000)))
     assert ok[-1].finish_reason in ("stop", "length")
 

@@ -1621,7 +1621,7 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
 
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
                     step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos",
-                    ttft_margin_ms=None, gate_scale: float = 1.0):
+                    ttft_margin_ms=None, gate_scale: float = 1.0, planned_len: int | None = None):
     from deployments.replica import judge_rejection
     from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel
@@ -1630,7 +1630,8 @@ def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens:
     model = LatencyModel(prefill_coef=(1.0, 10.0), decode_coef=(0.01, 20.0, 0.0, 0.0), theta=0.0)
     req = GenerateRequest("r", prompt=(1,), params=SamplingParams(max_tokens=max_tokens), slo=slo)
     return judge_rejection(reason, req, prompt_tokens, model, SchedulerConfig(policy=policy), 1024,
-                           waiting_tokens, step_ms, list(decode_left), ttft_margin_ms, gate_scale=gate_scale)
+                           waiting_tokens, step_ms, list(decode_left), ttft_margin_ms, gate_scale=gate_scale,
+                           planned_len=planned_len)
 
 
 def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is():
@@ -1663,6 +1664,21 @@ def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is(
         == "ttft_unattainable"
     # shedding and a full queue are load, whatever the SLO
     assert _rejection_view("shed", SLO(tpot_ms=1.0)).reason == "shed"
+
+
+def test_the_idle_floor_plans_for_the_reply_length_the_scheduler_planned_for():
+    """A request rejected by its TPOT on a busy replica is unattainable only if an idle replica would turn it away too,
+    at the reply length the scheduler's gate planned it for (`RequestOutput.planned_output_len`: a predicted length
+    where the cap is the window): a chat request with no max_tokens and a short predicted reply is a 429 to retry,
+    not a 400, and its floor is offered at that length."""
+    cap_floor = (20.0 + 0.01 * (100 + 900 / 2)) * 1.05 / 0.99  # the cap, 900 tokens: 26.6 ms
+    v = _rejection_view("tpot_unattainable", SLO(tpot_ms=25.0), max_tokens=900)
+    assert v.reason == "slo_unattainable" and v.best_tpot_ms == pytest.approx(cap_floor)
+    v = _rejection_view("tpot_unattainable", SLO(tpot_ms=25.0), max_tokens=900, planned_len=60)
+    assert v.reason == "tpot_unattainable" and v.best_tpot_ms == pytest.approx((20.0 + 0.01 * 130) * 1.05 / 0.99)
+    for planned in (None, 0):  # none sent (an older engine): the hint, else max_tokens, as before
+        assert _rejection_view("tpot_unattainable", SLO(tpot_ms=25.0), max_tokens=900,
+                               planned_len=planned).reason == "slo_unattainable"
 
 
 def test_a_busy_rejection_gets_a_retry_after_computed_from_the_queue():
