@@ -51,7 +51,7 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
                     sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
                     decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None,
                     waiting_sq: float = 0.0, gate_scale: float = 1.0,
-                    planned_len: int | None = None) -> RejectionView:
+                    planned_len: int | None = None, nearest_end: int | None = None) -> RejectionView:
     """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
     scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
     one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
@@ -63,7 +63,9 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     prompts' attention work in token pairs (`Scheduler.waiting_sq`). `gate_scale`: the VBS gate's scale of the model
     on an idle replica (`Scheduler.idle_gate_scale`: the decode steps it measured). `planned_len`: the reply length
     the scheduler planned the request for (`RequestOutput.planned_output_len`: a predicted one where its length
-    predictor ran), else its hint, else max_tokens."""
+    predictor ran), else its hint, else max_tokens. `nearest_end`: the engine's own count of the tokens until the
+    running request nearest its end finishes (`EngineStats.nearest_end`: expected lengths as its scheduler plans for
+    them, kairos's predicted ones), which wins over `decode_left`'s (hints and max_tokens)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)
@@ -83,9 +85,9 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
         return RejectionView(RejectReason.SLO_UNATTAINABLE, None, best_ttft, best_tpot)
     own = min(n, max_model_len)
     wait_ms = model.prefill_ms(waiting_tokens + own, waiting_sq + float(own) * own)
-    if reason in (RejectReason.TPOT_UNATTAINABLE, RejectReason.SHED) and decode_left:
-        step = step_ms if step_ms else model.itl_ms(float(len(decode_left)), mid_len)
-        wait_ms += max(0, min(decode_left)) * step
+    if reason in (RejectReason.TPOT_UNATTAINABLE, RejectReason.SHED) and (decode_left or nearest_end is not None):
+        step = step_ms if step_ms else model.itl_ms(float(max(1, len(decode_left))), mid_len)
+        wait_ms += max(0, nearest_end if nearest_end is not None else min(decode_left)) * step
     retry = min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait_ms / 1000.0)))
     return RejectionView(reason, retry, best_ttft, best_tpot)
 
@@ -346,7 +348,7 @@ class LLMReplica:
                                    list(self._decode_left.values()),
                                    lambda p: idle_margin_at(st.ttft_idle_margins, st.ttft_margins, p,
                                                             self._sched.ttft_margin_ms),
-                                   st.waiting_sq, st.idle_gate_scale, out.planned_output_len)
+                                   st.waiting_sq, st.idle_gate_scale, out.planned_output_len, st.nearest_end)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

@@ -59,6 +59,9 @@ class EngineStats:
     tpot_inv_sum: float = 0.0  # sum of 1 / TPOT (ms) over the running requests with a TPOT SLO, as the gate counts
     num_best_effort: int = 0  # running requests without a TPOT SLO
     preemptions: int = 0  # requests preempted (their KV freed, to be prefilled again) since start
+    # the output tokens the running request nearest its end is still expected to make (its expected length, as the
+    # scheduler plans for it, less its tokens out); None with none running
+    nearest_end: int | None = None
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
@@ -69,7 +72,11 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
     tmin, inv_sum, n_be = math.inf, 0.0, 0
     now = time.monotonic()
     pace = s.pace_of(now)  # as the gate counts a running reply (with pace_slack, one ahead of its pace: less)
+    nearest = None
     for r in s.running:
+        left = r.expected_output_len - r.num_output_tokens
+        if nearest is None or left < nearest:
+            nearest = left
         t = r.tpot_slo_ms
         if t == math.inf:
             n_be += 1
@@ -93,7 +100,8 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         ttft_idle_margins=s.margin.table(idle=True) if s.margin is not None else (),
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
         decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()),
-        tpot_inv_sum=inv_sum, num_best_effort=n_be, preemptions=s.num_preemptions)
+        tpot_inv_sum=inv_sum, num_best_effort=n_be, preemptions=s.num_preemptions,
+        nearest_end=None if nearest is None else max(0, nearest))
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

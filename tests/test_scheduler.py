@@ -431,6 +431,27 @@ def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_repl
     assert inv_sum(pace_slack=True) == pytest.approx(1 / (20.0 + 0.5 * 53.0), rel=0.01)  # half the bank kept
 
 
+def test_the_stats_say_how_many_tokens_the_running_request_nearest_its_end_has_left():
+    """EngineStats.nearest_end (a busy rejection's Retry-After): the least expected length less tokens out over the
+    running requests, as the scheduler plans them (a hint, else max_tokens here); None with none running."""
+    from engine.stats import snapshot
+
+    def nearest(s):
+        return snapshot(s, alive=True, steps=0, rejected={}, phase_s={}, predictor_mape=None, last=(0, 0),
+                        step=(None, None)).nearest_end
+
+    s = _sched("scorpio")
+    assert nearest(s) is None
+    a = Request("a", [1] * 4, SamplingParams(max_tokens=100), SLO(tpot_ms=50.0, output_len_hint=40))
+    b = Request("b", [1] * 4, SamplingParams(max_tokens=60), SLO(tpot_ms=50.0))
+    for r in (a, b):
+        s.add(r)
+    s.schedule(0.0)
+    a.token_ids.extend([3] * 30)
+    b.token_ids.extend([3] * 5)
+    assert nearest(s) == 10  # a: 40 hinted, 30 out; b: 60, 5 out
+
+
 def _step(s, plan):
     """Pretend the step ran through the scheduler's own bookkeeping (chunks advance, rows get one token)."""
     s.postprocess(plan, [3] * len(plan.requests), 0.0)

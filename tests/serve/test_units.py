@@ -1621,7 +1621,8 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
 
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
                     step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos",
-                    ttft_margin_ms=None, gate_scale: float = 1.0, planned_len: int | None = None):
+                    ttft_margin_ms=None, gate_scale: float = 1.0, planned_len: int | None = None,
+                    nearest_end: int | None = None):
     from deployments.replica import judge_rejection
     from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel
@@ -1631,7 +1632,7 @@ def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens:
     req = GenerateRequest("r", prompt=(1,), params=SamplingParams(max_tokens=max_tokens), slo=slo)
     return judge_rejection(reason, req, prompt_tokens, model, SchedulerConfig(policy=policy), 1024,
                            waiting_tokens, step_ms, list(decode_left), ttft_margin_ms, gate_scale=gate_scale,
-                           planned_len=planned_len)
+                           planned_len=planned_len, nearest_end=nearest_end)
 
 
 def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is():
@@ -1689,6 +1690,11 @@ def test_a_busy_rejection_gets_a_retry_after_computed_from_the_queue():
     v = _rejection_view("tpot_unattainable", SLO(tpot_ms=60.0), step_ms=25.0, decode_left=(300, 80, 900))
     assert (v.reason, v.retry_after_s) == ("tpot_unattainable", 3)  # 0.11 s + 80 x 25 ms = 2.11 s
     assert _rejection_view("tpot_unattainable", SLO(tpot_ms=60.0)).retry_after_s == 1  # at least 1
+    # the engine's own count of the nearest end (expected lengths as its scheduler plans them: a predicted reply of
+    # a request whose max_tokens is the window) wins over the replica's from hints and max_tokens: 0.11 s + 8 x 25 ms
+    v = _rejection_view("tpot_unattainable", SLO(tpot_ms=60.0), step_ms=25.0, decode_left=(8000, 7000), nearest_end=8)
+    assert v.retry_after_s == 1
+    assert _rejection_view("shed", SLO(tpot_ms=60.0), step_ms=25.0, nearest_end=200).retry_after_s == 6
     assert _rejection_view("overloaded", SLO(), waiting_tokens=10**6).retry_after_s == 60  # at most 60
 
 
