@@ -236,9 +236,8 @@ class SchedulerConfig(BaseModel):
     ignore_eos_length: bool = Field(True, description="with the length predictor: a request that nothing but "
                                     "max_tokens ends (ignore_eos with no stop strings or stop_token_ids, or "
                                     "min_tokens = max_tokens) is planned for exactly max_tokens, its length, "
-                                    "instead of a prediction. Off for a "
-                                    "benchmark that forces its replies' lengths with ignore_eos and ends them "
-                                    "itself (bench.slo's hidden and predicted arms)")
+                                    "instead of a prediction. Off for a benchmark that forces its replies' lengths "
+                                    "with ignore_eos and ends them itself (bench.slo's hidden and predicted arms)")
     length_predictor_path: str | None = Field(None, description="the predictor's .npz (default: the one shipped in "
                                               "the package, trained on ShareGPT in kairos-tiny's tokens, and on "
                                               "another model the shipped words-only one, bound to its tokenizer; a "
