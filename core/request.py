@@ -38,6 +38,15 @@ def outlook_at(outlook: tuple[float, ...], num_output_tokens: int) -> float:
     return max(outlook_entry(outlook, k)[0], k + 1.0)
 
 
+def outlook_from(outlook: tuple[float, ...], min_tokens: int) -> tuple[float, ...]:
+    """The outlook of a reply that will be at least `min_tokens` long (its request's min_tokens): the entries for
+    fewer tokens out take that length's (`outlook_at`), the others stay."""
+    if min_tokens < 1:
+        return outlook
+    at = outlook_at(outlook, min_tokens)
+    return tuple(at if g < min_tokens else e for g, e in zip(_OUTLOOK_GRID, outlook))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -19,7 +19,7 @@ from typing import Any
 
 from core.kv import BlockManager
 from core.messages import RejectReason
-from core.request import FinishReason, Request, Status
+from core.request import FinishReason, Request, Status, outlook_from
 from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.length_predictor import LengthCalibration, conditional_means, for_served_model
@@ -168,7 +168,8 @@ class Scheduler:
         else its prompt: with a planning quantile, that quantile everywhere; else the predicted distribution's mean
         (and its mean above the tokens out, as the reply runs: length_outlook), and for the VBS gate the policy's
         gate quantile (a bound the reply seldom outruns; 0: the mean), every length at the scale of the replies served
-        so far where length_calibration is on (the uncalibrated mean kept to compare the reply with: `finish`). It
+        so far where length_calibration is on (the uncalibrated mean kept to compare the reply with: `finish`); a
+        request's min_tokens takes the distribution above it (`outlook_from`). It
         never raises: a prediction is advice, and a request the predictor fails on plans for its cap (logged), its
         neighbours and the engine unharmed. It runs on the worker between steps (its cost bounded:
         length_predictor.READ_MAX): on another thread of the engine's process it would hold the GIL in the middle of
@@ -181,12 +182,13 @@ class Scheduler:
             return
         q, scale = self.config.length_predictor_quantile, self.lengths.scale
         cal = self.length_cal.scale if self.length_cal is not None else 1.0
+        floor = req.params.min_tokens  # a reply at least this long: the distribution above it
         if q is not None:
-            req.predicted_len = length_quantile(p, q, scale * cal)
+            req.predicted_len = max(length_quantile(p, q, scale * cal), floor)
             if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
-                req.length_base = conditional_means(p, scale)[0]
+                req.length_base = outlook_from(conditional_means(p, scale), floor)[0]
             return
-        req.length_outlook = conditional_means(p, scale * cal)
+        req.length_outlook = outlook_from(conditional_means(p, scale * cal), floor)
         req.length_base = req.length_outlook[0] / cal
         req.predicted_len = max(1, int(round(req.length_outlook[0])))
         if self.flags.length_gate_quantile > 0:

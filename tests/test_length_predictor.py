@@ -258,12 +258,42 @@ def test_a_reply_only_its_cap_ends_is_planned_for_its_cap_not_predicted():
     forced.token_ids += [7] * 300
     assert forced.expected_output_len == 700
     m = LP.load_cached(None)
-    for r in (stopped, by_id, plain, short_floor):
+    for r in (stopped, by_id, plain):
         assert not r.params.runs_to_cap and r.predicted_len == round(m.outlook(r.prompt_token_ids)[0])
+    assert not short_floor.params.runs_to_cap  # predicted, above its min_tokens
+    assert short_floor.predicted_len == round(LP.outlook_at(m.outlook(short_floor.prompt_token_ids), 699))
     off = _sched(length_predictor=True, ignore_eos_length=False)
     again = req("g", ignore_eos=True)
     off.add(again)
     assert again.predicted_len == round(m.outlook(again.prompt_token_ids)[0])
+
+
+def test_a_reply_of_at_least_min_tokens_is_planned_for_the_distribution_above_them():
+    """min_tokens under max_tokens (EOS may end the reply after them): the expected length is the predicted mean
+    above min_tokens, from admission until the reply outgrows them; after that, as without them."""
+    from core.request import outlook_at, outlook_from
+
+    s = _sched(length_predictor=True)
+    plain = Request("p", list(range(3, 13)), SamplingParams(max_tokens=900), SLO(tpot_ms=50.0))
+    floored = Request("f", list(range(3, 13)), SamplingParams(max_tokens=900, min_tokens=500), SLO(tpot_ms=50.0))
+    for r in (plain, floored):
+        s.add(r)
+    base = LP.load_cached(None).outlook(plain.prompt_token_ids)
+    assert plain.length_outlook == base and plain.predicted_len < 500
+    assert floored.length_outlook == outlook_from(base, 500)
+    assert floored.predicted_len == round(outlook_at(base, 500)) > 500
+    assert floored.expected_output_len == floored.predicted_len
+    for k in (10, 200, 499):
+        floored.token_ids = floored.prompt_token_ids + [7] * k
+        assert floored.expected_output_len == int(outlook_at(base, 500))
+    floored.token_ids = floored.prompt_token_ids + [7] * 600
+    plain.token_ids = plain.prompt_token_ids + [7] * 600
+    assert floored.expected_output_len == plain.expected_output_len == min(900, int(outlook_at(base, 600)))
+    assert outlook_from(base, 0) is base
+    q = _sched(length_predictor=True, length_predictor_quantile=0.5)
+    low = Request("q", list(range(3, 13)), SamplingParams(max_tokens=900, min_tokens=700), SLO(tpot_ms=50.0))
+    q.add(low)
+    assert low.predicted_len >= 700
 
 
 def test_a_prediction_that_fails_leaves_the_request_planning_for_its_cap():
