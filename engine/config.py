@@ -30,7 +30,7 @@ DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / k
 # simulator's figures)
 GPU_SCHEDULER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 256, "max_waiting": 512, "prefill_max_tokens": 2048,
                                           "correction_stall_share": 0.5, "stall_share_target": 0.01,
-                                          "length_calibration": False}
+                                          "length_calibration": False, "prefill_hold_replies": 3}
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type
 
 

@@ -199,6 +199,13 @@ class SchedulerConfig(BaseModel):
     prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "
                                       "would end after a running reply's next token is due and its TTFT deadline "
                                       "leaves room to wait (tpot_guard.hold_prefill)")
+    prefill_hold_replies: int = Field(0, ge=0, description="with prefill_hold: a fresh prompt whose TTFT deadline "
+                                      "leaves no room to wait is held anyway when the step it would make would "
+                                      "bring at least this many running paced replies' next tokens late (more "
+                                      "replies put behind their TPOT than the one prompt served; it then waits "
+                                      "for room, and the TTFT guard rejects it once its deadline is out of reach); "
+                                      "0: its deadline always wins (on a GPU replica 3: "
+                                      "engine.config.GPU_SCHEDULER_DEFAULTS)")
     short_first: bool | None = Field(None, description="opt-in: a fresh request the VBS gate turns away waits "
                                      "(while its TTFT SLO allows) instead of being rejected, and the waiting queue "
                                      "is offered room least work first: expected output tokens left / TPOT SLO "

@@ -516,7 +516,8 @@ class Scheduler:
 
     def _hold(self, r: Request, stall: tuple[float, float], round_tokens: int, round_sq: float, now: float) -> bool:
         """Prefill hold for fresh `r`, `round_tokens` prompt tokens (`round_sq` token pairs) already admitted this
-        round."""
+        round: `hold_prefill`, and where its deadline leaves no room to wait, still held if its step would make at
+        least `prefill_hold_replies` running replies late (`_late_replies`)."""
         deadline = r.deadline_s
         if math.isinf(deadline):
             return False  # best effort: no deadline to wait against, so it is never held
@@ -525,7 +526,20 @@ class Scheduler:
         cost, sq = self._cost(r), self._cost_sq(r)
         step_ms = (self.predictor.prefill_ms(round_tokens + cost, round_sq + sq) + decode_ms) * k
         alone_ms = self.predictor.prefill_ms(cost, sq)
-        return hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms))
+        if hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms)):
+            return True
+        n = self.config.prefill_hold_replies  # its deadline leaves no room: held only if it costs that many replies
+        return n > 0 and step_ms > limit and self._late_replies(step_ms, decode_ms, now) >= n
+
+    def _late_replies(self, step_ms: float, decode_ms: float, now: float) -> int:
+        """How many running paced replies a step of `step_ms` would bring their next token late (their
+        `next_token_slack_ms` under it), of those `_stall_room` counts (not behind by more than a decode step)."""
+        late = 0
+        for x in self.running:
+            slack = next_token_slack_ms(x.first_token_s, x.num_output_tokens, x.tpot_slo_ms, now)
+            if decode_ms <= slack < step_ms:
+                late += 1
+        return late
 
     def _work(self, r: Request, tokens: int | None = None, pace: float = math.inf) -> float:
         """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects) joining a batch paced

@@ -573,6 +573,37 @@ def test_prefill_hold_admits_a_long_prompt_whose_deadline_draws_near():
     assert s.schedule(0.030).prefill == [late]
 
 
+@pytest.mark.parametrize("replies,knob,held", [(3, 3, True), (2, 3, False), (3, 0, False), (3, 4, False)])
+def test_a_prompt_whose_deadline_draws_near_is_held_anyway_when_its_step_would_make_enough_replies_late(
+        replies, knob, held):
+    """prefill_hold_replies: a prompt whose TTFT deadline leaves no room to wait is still held when its step would
+    bring at least that many running paced replies' next tokens late: more replies behind their TPOT than the one
+    prompt it serves (0: its deadline always wins, as on a CPU replica by default)."""
+    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
+    s = Scheduler(SchedulerConfig(policy="kairos", vbs_margin=1.1, prefill_hold_replies=knob), 256, 4,
+                  max_model_len=256, predictor=model)
+    running = [Request(f"r{i}", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0)) for i in range(replies)]
+    for r in running:
+        s.add(r)
+    _run(s, s.schedule(0.0))
+    for r in running:  # 5 tokens out, the first at 0: the 6th is due at 40 ms, 10 ms after the step below starts
+        r.token_ids.extend([3] * 4)
+        r.num_computed_tokens = r.num_tokens - 1
+        r.first_token_s = 0.0
+    late = _req(9, 200, tpot=50.0, ttft=90.0, arrival=0.03)  # its step: (21 + decode) x 1.1 ms, past 10 ms
+    s.add(late)
+    plan = s.schedule(0.030)
+    assert (plan.prefill == []) == held and (late in s.waiting) == held
+    assert plan.decode == running
+
+
+def test_a_gpu_replica_holds_such_a_prompt_for_three_late_replies():
+    from engine.config import EngineConfig, for_device
+
+    assert for_device(EngineConfig(), "cuda").scheduler.prefill_hold_replies == 3
+    assert for_device(EngineConfig(), "cpu").scheduler.prefill_hold_replies == 0
+
+
 def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
     s, a = _pressed_reply()
     long = _req(1, 200, tpot=50.0, ttft=1000.0, arrival=0.03)
