@@ -434,7 +434,13 @@ class OpenAIFrontend:
             raise
 
     async def _generate(self, request: Request, kind: str, rid: str, t_in: float) -> Any:
-        self._auth(request)
+        try:
+            self._auth(request)
+        except APIError:
+            # refused before its body is read: the body is read and dropped, never parsed (`_drain`, as for a 413),
+            # so that the client gets its 401 instead of a reset or an upload left hanging
+            await _drain(request.stream())
+            raise
         body, reqs = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
@@ -886,13 +892,14 @@ def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:
 # a batch's prompt turned away while none of its batch runs (but some were served): how often it waits the refusal's
 # Retry-After (at most BATCH_PAUSE_MAX_S) and is sent again (`_respond_batch`)
 BATCH_PAUSES, BATCH_PAUSE_MAX_S = 3, 10.0
-DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 (`_drain`)
+DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 or 401 (`_drain`)
 
 
 async def _drain(chunks: AsyncIterator[bytes], limit: int = DRAIN_LIMIT_BYTES) -> None:
-    """Read and drop the rest of a body refused as too large, up to `limit` bytes: a server that answers before the
-    body is in closes a connection with unread data, which the kernel resets, and the client (through HAProxy too)
-    may get a reset instead of the 413 sent before it."""
+    """Read and drop the rest of a body refused before it was read (too large: 413; no valid API key: 401), up to
+    `limit` bytes: a server that answers before the body is in closes a connection with unread data, which the
+    kernel resets, and the client (through HAProxy too) may get a reset instead of the answer sent before it, or
+    its upload may stall."""
     seen = 0
     try:
         async for chunk in chunks:
