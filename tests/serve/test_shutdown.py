@@ -1,7 +1,7 @@
 """`serve run deployments:app` as a process manager runs it: started in a subprocess, stopped with SIGTERM, started
 again on the same port. Stopping leaves no process of it (Serve's HAProxy included) and frees its ports; while it
 runs, every listener of Kairos and its Serve config binds loopback (Ray's own gRPC, agent and metrics servers bind
-the node's interfaces and Ray 2.60 offers no loopback setting for them; see README "Keeping it private").
+the node's interfaces and Ray 2.60 offers no loopback setting for them; see README "Security").
 
 The app runs the small test model on free ports (`KAIROS_HTTP_PORT`, Ray's `RAY_SERVE_HAPROXY_*_PORT`), so it can run
 beside the session app of the other serving tests."""
