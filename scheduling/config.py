@@ -192,8 +192,8 @@ class SchedulerConfig(BaseModel):
         "both", description="reserve: keep VBS room for a starved tier; hold: drain the batch for its request")
     work_shedding: bool | None = Field(None, description="under overload, shed the fresh requests with the most "
                                        "work (expected output tokens / TPOT SLO) first, so that what the replica "
-                                       "can decode goes to as many requests as fit (scheduling/shedding.py; off "
-                                       "by default in every policy)")
+                                       "can decode goes to as many requests as fit (scheduling/shedding.py; on in "
+                                       "the kairos preset, off in the others)")
     catch_up: bool | None = Field(None, description="leave out of a step the requests ahead of their pace when "
                                   "a request behind its TPOT needs a shorter step (tpot_guard.trim_for_catch_up)")
     prefill_hold: bool | None = Field(None, description="keep a fresh prompt waiting while the step it would make "
