@@ -10,8 +10,8 @@
    lambda* (FCFS's completion rate under overload over HTTP, all replicas together) and fixes the SLO tiers
    (`--predictor-json`, else a profile of one engine on this machine), saved as DIR/fcfs/tiers-profile.json.
 2. For each arm R (a router, optionally with app arguments of its own: `slo+reroute_rejected=1`): a fresh `serve run
-   deployments:app SERVE policy=kairos router=R` (`router=slo reroute_rejected=1`), then `bench.slo --target` at
-   every load x seed on those tiers and that lambda*.
+   deployments:app SERVE policy=kairos ignore_eos_length=false router=R` (`router=slo reroute_rejected=1`), then
+   `bench.slo --target` at every load x seed on those tiers and that lambda*.
 Prints goodput, adherence, per-tier adherence and counts, rejections by reason, TPOT misses and how the requests,
 output tokens and tiers split over the replicas (`x-kairos-replica`), per router and load. Each server is fresh and
 stopped before the next. Never run beside another benchmark.
@@ -131,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"lambda_star_rps": lam, "serve": args.serve, "seeds": args.seeds, "rows": rows}
     for router in [r.strip() for r in args.routers.split(",") if r.strip()]:
         arm_args = " ".join(["router=" + router.split("+")[0], *router.split("+")[1:]])
-        with served(f"{args.serve} policy=kairos {arm_args}", out / f"serve-{router}.log") as target:
+        # bench.slo forces its replies' lengths with ignore_eos behind a cap, which a server reads as "the reply is
+        # max_tokens long" unless told otherwise (ignore_eos_length; bench/README "Goodput under heterogeneous SLOs")
+        with served(f"{args.serve} policy=kairos ignore_eos_length=false {arm_args}",
+                    out / f"serve-{router}.log") as target:
             _slo(target, out / router, out / f"{router}.log",
                  common + ["--lambda-star", f"{lam}", "--loads", args.loads, "--seeds", args.seeds,
                            "--num-requests", str(args.num_requests), "--policies", "kairos",

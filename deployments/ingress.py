@@ -438,8 +438,14 @@ class OpenAIFrontend:
             self._auth(request)
         except APIError:
             # refused before its body is read: the body is read and dropped, never parsed (`_drain`, as for a 413),
-            # so that the client gets its 401 instead of a reset or an upload left hanging
-            await _drain(request.stream())
+            # so that the client gets its 401 instead of a reset or an upload left hanging; for at most
+            # REFUSED_DRAIN_S (a slow upload does not hold the handler), and not at all for a client that waits for
+            # `100 Continue` before it sends the body (reading it would invite the upload the 401 spares it)
+            if request.headers.get("expect", "").strip().lower() != "100-continue":
+                try:
+                    await asyncio.wait_for(_drain(request.stream()), REFUSED_DRAIN_S)
+                except asyncio.TimeoutError:
+                    pass
             raise
         body, reqs = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
@@ -893,6 +899,7 @@ def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:
 # Retry-After (at most BATCH_PAUSE_MAX_S) and is sent again (`_respond_batch`)
 BATCH_PAUSES, BATCH_PAUSE_MAX_S = 3, 10.0
 DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 or 401 (`_drain`)
+REFUSED_DRAIN_S = 10.0  # and the longest a 401 waits for it
 
 
 async def _drain(chunks: AsyncIterator[bytes], limit: int = DRAIN_LIMIT_BYTES) -> None:

@@ -116,8 +116,10 @@ class InputProcessor:
         if self.reject_max_tokens_over_context and params.max_tokens is not None \
                 and len(ids) + params.max_tokens > limit:  # a 400 naming the limit, as vLLM
             raise ContextLengthExceeded(params.max_tokens, limit, len(ids))
-        if params.max_tokens is None:  # OpenAI's chat default: the rest of the context window
-            rest = max(1, limit - len(ids))
+        rest = max(1, limit - len(ids))
+        if params.max_tokens is None or params.max_tokens > rest:
+            # None: OpenAI's chat default, the rest of the context window. Beyond it (max_tokens_over_context=clamp):
+            # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         req = Request(rid, ids, params, slo, arrival_s=arrival_s)

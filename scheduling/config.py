@@ -203,7 +203,8 @@ class SchedulerConfig(BaseModel):
                                       "leaves no room to wait is held anyway when the step it would make would "
                                       "bring at least this many running paced replies' next tokens late (more "
                                       "replies put behind their TPOT than the one prompt served; it then waits "
-                                      "for room, and the TTFT guard rejects it once its deadline is out of reach); "
+                                      "for room, and the TTFT guard rejects it once its deadline is out of reach; "
+                                      "only with ttft_reject, which bounds that wait); "
                                       "0: its deadline always wins (on a GPU replica 3: "
                                       "engine.config.GPU_SCHEDULER_DEFAULTS)")
     short_first: bool | None = Field(None, description="opt-in: a fresh request the VBS gate turns away waits "

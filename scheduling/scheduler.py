@@ -186,7 +186,8 @@ class Scheduler:
         if q is not None:
             req.predicted_len = max(length_quantile(p, q, scale * cal), floor)
             if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
-                req.length_base = outlook_from(conditional_means(p, scale), floor)[0]
+                # (above min_tokens in the calibrated scale, as the mean path's: the floor is in served tokens)
+                req.length_base = outlook_from(conditional_means(p, scale * cal), floor)[0] / cal
             return
         req.length_outlook = outlook_from(conditional_means(p, scale * cal), floor)
         req.length_base = req.length_outlook[0] / cal
@@ -217,7 +218,9 @@ class Scheduler:
         req.finished_s = now
         if reason not in (FinishReason.STOP, FinishReason.LENGTH):  # cut short: it says nothing of its length or pace
             return True
-        if self.length_cal is not None and req.length_base is not None:
+        # a reply that ended as soon as min_tokens let it says only that it would have been shorter: not a length
+        if self.length_cal is not None and req.length_base is not None \
+                and not 0 < req.num_output_tokens <= req.params.min_tokens:
             self.length_cal.observe(req.length_base, req.num_output_tokens,
                                     min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens))
         if math.isfinite(req.tpot_slo_ms):
@@ -377,6 +380,8 @@ class Scheduler:
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
         shed_above = self._shed_threshold(now)
         round_tokens, round_sq = 0, 0.0
+        chunked = self.config.chunked_prefill and budget is not None
+        step_tokens, step_sq = 0, 0.0  # what this round's prefill computes in the step (chunked: the first chunks)
         # Read only once a candidate passes the gate (most rounds admit none): the running batch, the model and the
         # reserve do not change within the round. stall: (ms to a reply's next token, decode ms); impatient:
         # (patience ms, (tpot, length) of a typical impatient arrival), the room a patient request leaves (reserve.py)
@@ -386,7 +391,7 @@ class Scheduler:
         pace = self._pace()  # the batch's, for work shedding
 
         def accept(r: Request) -> Verdict:
-            nonlocal kv_full, round_tokens, round_sq, pace, stall, impatient
+            nonlocal kv_full, round_tokens, round_sq, step_tokens, step_sq, pace, stall, impatient
             if kv_full:
                 return Verdict.STOP
             # no threshold (+inf) sheds nothing: the request's work is not needed then
@@ -418,7 +423,9 @@ class Scheduler:
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
             if stall is True:
                 stall = self._stall_room(now)
-            if stall and r.first_token_s is None and self._hold(r, stall, round_tokens, round_sq, now):
+            chunk = min(self._cost(r), budget) if chunked else self._cost(r)
+            chunk_sq = prefill_sq(r.num_computed_tokens, r.num_computed_tokens + chunk)
+            if stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq, now):
                 return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
@@ -426,6 +433,8 @@ class Scheduler:
             self.blocks.ensure(r, r.num_tokens)
             round_tokens += self._cost(r)
             round_sq += self._cost_sq(r)
+            step_tokens += chunk
+            step_sq += chunk_sq
             if self.margin is not None and r.first_token_s is None and self.predictor is not None:
                 r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq), False)
             pace = min(pace, r.tpot_slo_ms)
@@ -438,7 +447,7 @@ class Scheduler:
         def capped(r: Request) -> int:  # chunked prefill: a prompt longer than the budget takes all of it
             return min(self._cost(r), budget)
 
-        cost = capped if self.config.chunked_prefill and budget is not None else self._cost
+        cost = capped if chunked else self._cost
         selected = take_for_prefill(
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
             max_tokens=budget, policy=f.admission,
@@ -514,22 +523,25 @@ class Scheduler:
                      >= decode_ms), default=math.inf)
         return None if math.isinf(limit) else (limit, decode_ms)
 
-    def _hold(self, r: Request, stall: tuple[float, float], round_tokens: int, round_sq: float, now: float) -> bool:
-        """Prefill hold for fresh `r`, `round_tokens` prompt tokens (`round_sq` token pairs) already admitted this
-        round: `hold_prefill`, and where its deadline leaves no room to wait, still held if its step would make at
-        least `prefill_hold_replies` running replies late (`_late_replies`)."""
+    def _hold(self, r: Request, stall: tuple[float, float], step_tokens: int, step_sq: float, chunk: int,
+              chunk_sq: float, now: float) -> bool:
+        """Prefill hold for fresh `r`, whose prefill computes `chunk` prompt tokens (`chunk_sq` token pairs) in the
+        step, beside the `step_tokens` (`step_sq`) of this round's admissions so far (chunked prefill: their first
+        chunks; else their prompts): `hold_prefill`, and where its deadline leaves no room to wait, still held if the
+        step would make at least `prefill_hold_replies` running replies late (`_late_replies`), as long as the TTFT
+        guard bounds the wait (it turns the request away once its deadline is out of reach)."""
         deadline = r.deadline_s
         if math.isinf(deadline):
             return False  # best effort: no deadline to wait against, so it is never held
         limit, decode_ms = stall
         k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
-        cost, sq = self._cost(r), self._cost_sq(r)
-        step_ms = (self.predictor.prefill_ms(round_tokens + cost, round_sq + sq) + decode_ms) * k
-        alone_ms = self.predictor.prefill_ms(cost, sq)
+        step_ms = (self.predictor.prefill_ms(step_tokens + chunk, step_sq + chunk_sq) + decode_ms) * k
+        alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))  # its first token: the whole prompt
         if hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms)):
             return True
         n = self.config.prefill_hold_replies  # its deadline leaves no room: held only if it costs that many replies
-        return n > 0 and step_ms > limit and self._late_replies(step_ms, decode_ms, now) >= n
+        return n > 0 and self.flags.ttft_reject and step_ms > limit \
+            and self._late_replies(step_ms, decode_ms, now) >= n
 
     def _late_replies(self, step_ms: float, decode_ms: float, now: float) -> int:
         """How many running paced replies a step of `step_ms` would bring their next token late (their

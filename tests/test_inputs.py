@@ -111,3 +111,21 @@ def test_a_request_arrives_before_its_prompt_is_rendered_and_tokenized(bos_token
     assert time.monotonic() - t0 >= 0.05
     assert req.arrival_s - t0 < 0.02  # taken before the tokenizer ran
     assert req.deadline_s == pytest.approx(req.arrival_s + 0.2)
+
+
+def test_a_max_tokens_beyond_the_window_is_clamped_to_what_the_window_leaves(bos_tokenizer):
+    """max_tokens_over_context=clamp (an in-process engine's default): the reply ends at the window, so the request
+    carries that cap, and the scheduler, which plans a reply forced to its cap (ignore_eos) for max_tokens, plans
+    for the tokens it can get; min_tokens is clamped alike. Within the window max_tokens stays as given."""
+    from core.sampling import SamplingParams
+
+    tok = bos_tokenizer
+    inputs = InputProcessor(tok, len(tok), [0], max_model_len=64, kv_capacity_tokens=1 << 20)
+    prompt = [5] * 40
+    req = inputs.process(prompt, SamplingParams(max_tokens=1000, min_tokens=500, ignore_eos=True), None, None)
+    assert (req.params.max_tokens, req.params.min_tokens) == (24, 24)
+    assert req.params.runs_to_cap
+    req = inputs.process(prompt, SamplingParams(max_tokens=10, min_tokens=3), None, None)
+    assert (req.params.max_tokens, req.params.min_tokens) == (10, 3)
+    req = inputs.process(prompt, SamplingParams(max_tokens=None), None, None)
+    assert req.params.max_tokens == 24  # chat's default: the rest of the window

@@ -573,14 +573,19 @@ def test_prefill_hold_admits_a_long_prompt_whose_deadline_draws_near():
     assert s.schedule(0.030).prefill == [late]
 
 
-@pytest.mark.parametrize("replies,knob,held", [(3, 3, True), (2, 3, False), (3, 0, False), (3, 4, False)])
+@pytest.mark.parametrize("replies,knob,kw,held", [
+    (3, 3, {}, True), (2, 3, {}, False), (3, 0, {}, False), (3, 4, {}, False),
+    # without the TTFT guard nothing would bound the wait: its deadline wins
+    (3, 3, {"ttft_reject": False}, False),
+    # chunked prefill: the step computes a 15-token chunk, (2.5 + 6.5) x 1.1 = 9.9 ms, within the replies' 10 ms
+    (3, 3, {"chunked_prefill": True, "prefill_max_tokens": 15}, False)])
 def test_a_prompt_whose_deadline_draws_near_is_held_anyway_when_its_step_would_make_enough_replies_late(
-        replies, knob, held):
+        replies, knob, kw, held):
     """prefill_hold_replies: a prompt whose TTFT deadline leaves no room to wait is still held when its step would
     bring at least that many running paced replies' next tokens late: more replies behind their TPOT than the one
     prompt it serves (0: its deadline always wins, as on a CPU replica by default)."""
     model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
-    s = Scheduler(SchedulerConfig(policy="kairos", vbs_margin=1.1, prefill_hold_replies=knob), 256, 4,
+    s = Scheduler(SchedulerConfig(policy="kairos", vbs_margin=1.1, prefill_hold_replies=knob, **kw), 256, 4,
                   max_model_len=256, predictor=model)
     running = [Request(f"r{i}", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0)) for i in range(replies)]
     for r in running:
@@ -595,6 +600,8 @@ def test_a_prompt_whose_deadline_draws_near_is_held_anyway_when_its_step_would_m
     plan = s.schedule(0.030)
     assert (plan.prefill == []) == held and (late in s.waiting) == held
     assert plan.decode == running
+    if kw.get("chunked_prefill"):
+        assert plan.prefill_ends == [15]  # its first chunk
 
 
 def test_a_gpu_replica_holds_such_a_prompt_for_three_late_replies():
