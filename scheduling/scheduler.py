@@ -10,6 +10,7 @@ so a prefill round no longer stalls every decode for a whole extra step.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
@@ -383,9 +384,10 @@ class Scheduler:
         chunked = self.config.chunked_prefill and budget is not None
         step_tokens, step_sq = 0, 0.0  # what this round's prefill computes in the step (chunked: the first chunks)
         # Read only once a candidate passes the gate (most rounds admit none): the running batch, the model and the
-        # reserve do not change within the round. stall: (ms to a reply's next token, decode ms); impatient:
+        # reserve do not change within the round. stall: (ms to a reply's next token, decode ms, every such slack
+        # in order); impatient:
         # (patience ms, (tpot, length) of a typical impatient arrival), the room a patient request leaves (reserve.py)
-        stall: tuple[float, float] | None | bool = f.prefill_hold  # True: not read yet
+        stall: tuple[float, float, list[float]] | None | bool = f.prefill_hold  # True: not read yet
         impatient: tuple[float, tuple[float, float]] | None | bool = \
             f.impatient_reserve and self.reserve is not None and gate is not None and patience is not None
         pace = self._pace()  # the batch's, for work shedding
@@ -511,47 +513,43 @@ class Scheduler:
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
-    def _stall_room(self, now: float) -> tuple[float, float] | None:
+    def _stall_room(self, now: float) -> tuple[float, float, list[float]] | None:
         """Prefill hold: how long a step may take before a running reply's next token is due (the least
-        `next_token_slack_ms`) and the decode step predicted now; None when no reply sets a limit. A reply
-        already late for it by more than a decode step is behind its pace whatever the step, and sets none."""
+        `next_token_slack_ms`), the decode step predicted now, and every such slack (in ascending order where
+        `prefill_hold_replies` counts them: sorted once a round); None when no reply sets a limit. A reply already
+        late for it by more than a decode step is behind its pace whatever the step, and sets none."""
         if self.predictor is None or not self.running:
             return None
         decode_ms = self._decode_model(self.running, now)(len(self.running))
-        limit = min((x for r in self.running
-                     if (x := next_token_slack_ms(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now))
-                     >= decode_ms), default=math.inf)
-        return None if math.isinf(limit) else (limit, decode_ms)
+        slacks = [x for r in self.running
+                  if (x := next_token_slack_ms(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now)) >= decode_ms]
+        limit = min(slacks, default=math.inf)
+        if math.isinf(limit):
+            return None
+        if self.config.prefill_hold_replies > 0:
+            slacks.sort()
+        return limit, decode_ms, slacks
 
-    def _hold(self, r: Request, stall: tuple[float, float], step_tokens: int, step_sq: float, chunk: int,
+    def _hold(self, r: Request, stall: tuple[float, float, list[float]], step_tokens: int, step_sq: float, chunk: int,
               chunk_sq: float, now: float) -> bool:
         """Prefill hold for fresh `r`, whose prefill computes `chunk` prompt tokens (`chunk_sq` token pairs) in the
         step, beside the `step_tokens` (`step_sq`) of this round's admissions so far (chunked prefill: their first
         chunks; else their prompts): `hold_prefill`, and where its deadline leaves no room to wait, still held if the
-        step would make at least `prefill_hold_replies` running replies late (`_late_replies`), as long as the TTFT
-        guard bounds the wait (it turns the request away once its deadline is out of reach)."""
+        step would make at least `prefill_hold_replies` running replies late (their slack under it), as long as the
+        TTFT guard bounds the wait (it turns the request away once its deadline is out of reach)."""
         deadline = r.deadline_s
         if math.isinf(deadline):
             return False  # best effort: no deadline to wait against, so it is never held
-        limit, decode_ms = stall
+        limit, decode_ms, slacks = stall
         k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
         step_ms = (self.predictor.prefill_ms(step_tokens + chunk, step_sq + chunk_sq) + decode_ms) * k
         alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))  # its first token: the whole prompt
         if hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms)):
             return True
         n = self.config.prefill_hold_replies  # its deadline leaves no room: held only if it costs that many replies
-        return n > 0 and self.flags.ttft_reject and step_ms > limit \
-            and self._late_replies(step_ms, decode_ms, now) >= n
-
-    def _late_replies(self, step_ms: float, decode_ms: float, now: float) -> int:
-        """How many running paced replies a step of `step_ms` would bring their next token late (their
-        `next_token_slack_ms` under it), of those `_stall_room` counts (not behind by more than a decode step)."""
-        late = 0
-        for x in self.running:
-            slack = next_token_slack_ms(x.first_token_s, x.num_output_tokens, x.tpot_slo_ms, now)
-            if decode_ms <= slack < step_ms:
-                late += 1
-        return late
+        # the running paced replies the step would bring their next token late: of those `_stall_room` counts, the
+        # ones whose slack is under the step
+        return n > 0 and self.flags.ttft_reject and step_ms > limit and bisect.bisect_left(slacks, step_ms) >= n
 
     def _work(self, r: Request, tokens: int | None = None, pace: float = math.inf) -> float:
         """Work shedding's measure of `tokens` output tokens of `r` (default: all it expects) joining a batch paced
