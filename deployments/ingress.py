@@ -438,14 +438,8 @@ class OpenAIFrontend:
             self._auth(request)
         except APIError:
             # refused before its body is read: the body is read and dropped, never parsed (`_drain`, as for a 413),
-            # so that the client gets its 401 instead of a reset or an upload left hanging; for at most
-            # REFUSED_DRAIN_S (a slow upload does not hold the handler), and not at all for a client that waits for
-            # `100 Continue` before it sends the body (reading it would invite the upload the 401 spares it)
-            if request.headers.get("expect", "").strip().lower() != "100-continue":
-                try:
-                    await asyncio.wait_for(_drain(request.stream()), REFUSED_DRAIN_S)
-                except asyncio.TimeoutError:
-                    pass
+            # so that the client gets its 401 instead of a reset or an upload left hanging
+            await _drain(request.stream())
             raise
         body, reqs = self._build(request, await self._read_json(request), kind, rid)
         t_call = time.perf_counter()
@@ -899,21 +893,25 @@ def _batch_headers(each: list[dict[str, str]]) -> dict[str, str]:
 # Retry-After (at most BATCH_PAUSE_MAX_S) and is sent again (`_respond_batch`)
 BATCH_PAUSES, BATCH_PAUSE_MAX_S = 3, 10.0
 DRAIN_LIMIT_BYTES = 64 << 20  # the most of a refused body read and dropped before the 413 or 401 (`_drain`)
-REFUSED_DRAIN_S = 10.0  # and the longest a 401 waits for it
+DRAIN_TIMEOUT_S = 10.0  # and the longest the answer waits for it (a slow upload does not hold the handler)
 
 
-async def _drain(chunks: AsyncIterator[bytes], limit: int = DRAIN_LIMIT_BYTES) -> None:
+async def _drain(chunks: AsyncIterator[bytes], limit: int = DRAIN_LIMIT_BYTES,
+                 timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Read and drop the rest of a body refused before it was read (too large: 413; no valid API key: 401), up to
-    `limit` bytes: a server that answers before the body is in closes a connection with unread data, which the
-    kernel resets, and the client (through HAProxy too) may get a reset instead of the answer sent before it, or
-    its upload may stall."""
-    seen = 0
-    try:
+    `limit` bytes and for at most `timeout_s`: a server that answers before the body is in closes a connection with
+    unread data, which the kernel resets, and the client (through HAProxy too) may get a reset instead of the answer
+    sent before it, or its upload may stall."""
+    async def read() -> None:
+        seen = 0
         async for chunk in chunks:
             seen += len(chunk)
             if seen > limit:
                 return
-    except Exception:  # noqa: BLE001 - the client went away meanwhile: nothing to answer
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except Exception:  # noqa: BLE001 - the client went away meanwhile, or is too slow: nothing more to read
         return
 
 

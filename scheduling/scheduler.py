@@ -219,9 +219,11 @@ class Scheduler:
         req.finished_s = now
         if reason not in (FinishReason.STOP, FinishReason.LENGTH):  # cut short: it says nothing of its length or pace
             return True
-        # a reply that ended as soon as min_tokens let it says only that it would have been shorter: not a length
+        # a reply that ended as soon as min_tokens let it (at min_tokens, or on the EOS or stop right after them) says
+        # only that it would have been shorter: not a length
+        floor = req.params.min_tokens
         if self.length_cal is not None and req.length_base is not None \
-                and not 0 < req.num_output_tokens <= req.params.min_tokens:
+                and not (floor > 0 and req.num_output_tokens <= floor + (reason is FinishReason.STOP)):
             self.length_cal.observe(req.length_base, req.num_output_tokens,
                                     min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens))
         if math.isfinite(req.tpot_slo_ms):

@@ -670,7 +670,7 @@ def test_kairos_scales_its_predictions_by_the_replies_it_served_and_scorpio_does
     k.finish(gone, FinishReason.ABORT, 1.0)  # cut short: says nothing
     floored = Request("floored", list(range(3, 13)), SamplingParams(max_tokens=1000, min_tokens=600))
     k.add(floored)
-    floored.token_ids.extend([7] * 600)
+    floored.token_ids.extend([7] * 601)  # 600 and the EOS the sampler allowed first
     k.finish(floored, FinishReason.STOP, 1.0)  # ended as soon as min_tokens let it: says only "shorter"
     assert k.length_cal.scale == pytest.approx(0.25, abs=0.03) and k.length_cal.observed == 400
     later = _req("later")

@@ -96,10 +96,6 @@ def test_api_key_auth(rel_app: dict) -> None:
         # hanging, and a client timed out on its write)
         r = c.post(CMPL, content=b"x" * (10 << 20), headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        # a client that waits for `100 Continue` before its body (curl's large uploads) is not asked for it: the
-        # 401 comes at once
-        r = c.post(CMPL, json=body, headers={"expect": "100-continue"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         for key in KEYS:  # every key in the file works
             r = c.post(CMPL, json=body, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
