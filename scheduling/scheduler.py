@@ -427,16 +427,18 @@ class Scheduler:
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
             if stall is True:
                 stall = self._stall_room(now)
-            chunk = min(self._cost(r), budget) if chunked else self._cost(r)
-            chunk_sq = prefill_sq(r.num_computed_tokens, r.num_computed_tokens + chunk)
+            c, q = self._cost(r), self._cost_sq(r)
+            chunk, chunk_sq = c, q  # what its prefill computes in this step (chunked: its first chunk)
+            if chunked and c > budget:
+                chunk, chunk_sq = budget, prefill_sq(r.num_computed_tokens, r.num_computed_tokens + budget)
             if stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq, now):
                 return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)
-            round_tokens += self._cost(r)
-            round_sq += self._cost_sq(r)
+            round_tokens += c
+            round_sq += q
             step_tokens += chunk
             step_sq += chunk_sq
             if self.margin is not None and r.first_token_s is None and self.predictor is not None:
