@@ -127,6 +127,10 @@ class Scheduler:
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
+        # a running prompt is partly computed (without chunked_prefill: a best-effort one in chunks, `_stall_end`), and
+        # the chunk ends of this round's admissions that stop short of their prompt (by id)
+        self._partial = False
+        self._first_chunks: dict[int, int] = {}
         self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
                         if self.flags.work_shedding else None)
         self.last_shed_threshold = math.inf
@@ -303,19 +307,17 @@ class Scheduler:
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
                              now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf)
         budget = self.config.prefill_max_tokens
-        if self.config.chunked_prefill:  # prompts in progress go first, then new admissions in what is left
-            for r in self.running:
-                if self._mid_prefill(r) and (budget is None or budget > 0):
-                    end = self._chunk_end(r, budget)
-                    plan.prefill.append(r)
-                    plan.prefill_ends.append(end)
-                    if budget is not None:
-                        budget -= end - r.num_computed_tokens
+        if self.config.chunked_prefill or self._partial:  # prompts in progress go first, then new admissions
+            budget = self._continue_prefills(plan, budget, now)
         if budget is None or budget > 0:
             admitted = self._admit(now, plan, budget, patience)
             plan.prefill += admitted
-            plan.prefill_ends += [self._chunk_end(r, budget) for r in admitted] if self.config.chunked_prefill \
-                else [r.num_tokens for r in admitted]
+            ends, chunked = self._first_chunks, self.config.chunked_prefill
+            plan.prefill_ends += [ends.get(id(r)) or (self._chunk_end(r, budget) if chunked else r.num_tokens)
+                                  for r in admitted]
+            if ends:
+                self._partial = True
+                ends.clear()
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
@@ -330,6 +332,54 @@ class Scheduler:
         if plan.decode:
             plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
         return plan
+
+    def _continue_prefills(self, plan: StepPlan, budget: int | None, now: float) -> int | None:
+        """The running requests whose prompt is only partly computed go first in the step, each its next chunk within
+        `budget` (chunked prefill), a best-effort one's also within the step its paced replies can take (prefill_hold:
+        `_stall_end`). Returns the budget left; `_partial`: whether a prompt is still in progress after this step."""
+        self._partial = False
+        stall: tuple[float, float, list[float]] | None | bool = self.flags.prefill_hold  # True: not read yet
+        for r in self.running:
+            if not self._mid_prefill(r):
+                continue
+            if budget is not None and budget <= 0:
+                self._partial = True
+                continue
+            end = self._chunk_end(r, budget)
+            if stall and math.isinf(r.deadline_s):
+                if stall is True:
+                    stall = self._stall_room(now)
+                if stall:
+                    end = self._stall_end(r, stall, plan.num_prefill_tokens_now(), plan.prefill_sq_now(), end)
+            plan.prefill.append(r)
+            plan.prefill_ends.append(end)
+            self._partial |= r.num_tokens - end > 1
+            if budget is not None:
+                budget -= end - r.num_computed_tokens
+        return budget
+
+    def _stall_end(self, r: Request, stall: tuple[float, float, list[float]], step_tokens: int, step_sq: float,
+                   end: int) -> int:
+        """prefill_hold for a best-effort prompt, which has no deadline to wait against: where its computation stops
+        this step (at most `end`) so that the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the
+        decodes) ends before a running paced reply's next token is due, as `_hold` predicts it; the rest of the prompt
+        goes in later steps, each within what the replies' pace then leaves. At least a block of tokens on, so that it
+        always progresses."""
+        limit, decode_ms, _ = stall
+        k, start, prefill_ms = self.flags.vbs_margin, r.num_computed_tokens, self.predictor.prefill_ms
+
+        def fits(e: int) -> bool:
+            return (prefill_ms(step_tokens + e - start, step_sq + prefill_sq(start, e)) + decode_ms) * k <= limit
+
+        if fits(end):
+            return end
+        lo, hi = min(end, start + self.blocks.block_size), end
+        if not fits(lo):
+            return lo
+        while hi - lo > 1:  # the step grows with the chunk: the longest that fits
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     @staticmethod
     def _mid_prefill(r: Request) -> bool:
@@ -384,7 +434,8 @@ class Scheduler:
         shed_above = self._shed_threshold(now)
         round_tokens, round_sq = 0, 0.0
         chunked = self.config.chunked_prefill and budget is not None
-        step_tokens, step_sq = 0, 0.0  # what this round's prefill computes in the step (chunked: the first chunks)
+        # what the step's prefill computes: prompts in progress, then this round's (chunked: their first chunks)
+        step_tokens, step_sq = plan.num_prefill_tokens_now(), plan.prefill_sq_now()
         # Read only once a candidate passes the gate (most rounds admit none): the running batch, the model and the
         # reserve do not change within the round. stall: (ms to a reply's next token, decode ms, every such slack
         # in order); impatient:
@@ -431,17 +482,26 @@ class Scheduler:
             chunk, chunk_sq = c, q  # what its prefill computes in this step (chunked: its first chunk)
             if chunked and c > budget:
                 chunk, chunk_sq = budget, prefill_sq(r.num_computed_tokens, r.num_computed_tokens + budget)
-            if stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq, now):
-                return Verdict.KEEP
+            cut = None  # where a best-effort prompt's computation stops this step, short of `chunk`
+            if stall and r.first_token_s is None:
+                if math.isinf(r.deadline_s):  # best effort: never held, its prompt in chunks the step can take
+                    start = r.num_computed_tokens
+                    if (end := self._stall_end(r, stall, step_tokens, step_sq, start + chunk)) < start + chunk:
+                        cut, chunk, chunk_sq = end, end - start, prefill_sq(start, end)
+                elif self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq, now):
+                    return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)
+            if cut is not None:
+                self._first_chunks[id(r)] = cut
             round_tokens += c
             round_sq += q
             step_tokens += chunk
             step_sq += chunk_sq
-            if self.margin is not None and r.first_token_s is None and self.predictor is not None:
+            if self.margin is not None and r.first_token_s is None and self.predictor is not None \
+                    and id(r) not in self._first_chunks:  # (a prompt in chunks: its first token is steps away)
                 r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq), False)
             pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
@@ -659,7 +719,7 @@ class Scheduler:
 
     def _select_decode(self, plan: StepPlan, now: float) -> list[Request]:
         be = self.config.best_effort_trp
-        if plan.prefill or self.config.chunked_prefill:
+        if plan.prefill or self.config.chunked_prefill or self._partial:
             fresh = set(plan.prefill)
             decoding = [r for r in self.running if r not in fresh and not self._mid_prefill(r)]
         else:

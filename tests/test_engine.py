@@ -125,6 +125,40 @@ def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):
         eng.shutdown()
 
 
+def test_best_effort_prompts_in_chunks_beside_paced_replies_stay_exact(tiny_checkpoints, monkeypatch):
+    """kairos over a step model that prices a prompt token at a second: best-effort prompts (no SLO) arriving while paced
+    replies decode are computed in the chunks the replies' slack allows, never decoded mid-prompt, and give the same
+    tokens as HF; the paced replies decode through them."""
+    from engine import engine as engine_mod
+
+    model = LatencyModel(prefill_coef=(1000.0, 1.0), decode_coef=(0.0, 0.5, 0.0, 2.0))
+    monkeypatch.setattr(engine_mod, "load_or_profile", lambda eng, *a, **k: (model, {}))
+    path = tiny_checkpoints["llama"]
+    eng = _engine(path, policy="kairos")
+    steps: list[tuple[int, int]] = []
+    eng.add_step_observer(lambda ev: steps.append((ev.num_prefill_tokens, ev.num_decode)))
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit, seed=3)
+        paced, lone = [prompts[2], prompts[3]], [prompts[8], prompts[9]]  # 7 and 16 tokens; 250 and 300
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        streams = [eng.add_request(ids, greedy, SLO(tpot_ms=2000.0)) for ids in paced]
+        outs = [list(st.get(timeout=30).token_ids) for st in streams]
+        short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        streams += [eng.add_request(ids, short) for ids in lone]
+        outs += [[], []]
+        for i, st in enumerate(streams):
+            for o in st:
+                outs[i].extend(o.token_ids)
+        assert outs == _hf_greedy(path, paced + lone, [40, 40, 8, 8])
+        chunks = [n for n, d in steps if 0 < n < len(lone[0]) and d > 0]
+        assert chunks, [x for x in steps if x[0]]  # a step computed part of a prompt while the replies decoded
+        time.sleep(0.05)
+        st = eng.stats()
+        assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
+    finally:
+        eng.shutdown()
+
+
 def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     # 120 blocks x 4 = 480 token slots: far less than the ~1300 the batch needs at once

@@ -611,6 +611,49 @@ def test_a_gpu_replica_holds_such_a_prompt_for_three_late_replies():
     assert for_device(EngineConfig(), "cpu").scheduler.prefill_hold_replies == 0
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_best_effort_prompt_goes_in_chunks_that_its_paced_replies_can_take(hold):
+    """prefill_hold: a prompt with no TTFT deadline has none to wait against, so it is never held; where its whole
+    prefill would make a paced reply late, it is computed in chunks that each step's slack allows (at least a
+    block), decoding nothing until its last, and whole once no reply sets a limit."""
+    s, a = _pressed_reply(prefill_hold=hold)
+    long = _req(1, 200, arrival=0.03)  # best effort; the whole prompt: (21 + 5.5) x 1.1 ms, past the 10 ms left
+    s.add(long)
+    p = s.schedule(0.030)
+    assert p.prefill == [long] and p.decode == [a]
+    if not hold:
+        assert p.prefill_ends == [200] and p.requests == [long, a]
+        return
+    # (1 + 0.1 x 25 + 5.5) x 1.1 = 9.9 ms fits the reply's 10 ms, 26 tokens would not
+    assert p.prefill_ends == [25] and p.requests == [a] and p.num_prefill_tokens == 25
+    _step(s, p)
+    assert long.num_computed_tokens == 25 and long.first_token_s is None and a.num_output_tokens == 6
+    # at 40 ms the reply's 7th token is due in 8 ms: not even a block fits beside its 6 ms decode; a block goes anyway
+    p = s.schedule(0.040)
+    assert p.prefill == [long] and p.prefill_ends == [29] and p.decode == [a] and p.requests == [a]
+    _step(s, p)
+    s.finish(a, FinishReason.STOP, 0.045)
+    p = s.schedule(0.045)  # no paced reply: the rest of the prompt, and its first token
+    assert p.prefill == [long] and p.prefill_ends == [200] and p.decode == [] and p.requests == [long]
+
+
+def test_a_prompt_in_chunks_is_never_decoded_and_waits_its_turn_for_the_budget():
+    """Without chunked_prefill, best-effort prompts in chunks still go first in the step's prompt budget, in the
+    order they were admitted, and one the budget leaves no room for is neither computed nor decoded that step."""
+    s, a = _pressed_reply()
+    one, two = _req(1, 200, arrival=0.03), _req(2, 200, arrival=0.03)
+    for r in (one, two):
+        s.add(r)
+    p = s.schedule(0.030)  # one: 25 tokens, as alone; two beside it: (1 + 0.1 x 29 + 5.5) x 1.1 > 10 ms, a block
+    assert p.prefill == [one, two] and p.prefill_ends == [25, 4] and p.decode == [a]
+    _step(s, p)
+    s.config.prefill_max_tokens = 4
+    p = s.schedule(0.040)
+    assert p.prefill == [one] and p.prefill_ends == [29] and p.decode == [a] and p.requests == [a]
+    _step(s, p)
+    assert two.num_computed_tokens == 4 and two.num_output_tokens == 0
+
+
 def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
     s, a = _pressed_reply()
     long = _req(1, 200, tpot=50.0, ttft=1000.0, arrival=0.03)
