@@ -252,6 +252,7 @@ class RequestOutput:
     # its max_tokens, or a predicted length), which the replica's idle floor for the request plans for too
     planned_output_len: int | None = None
     error: str | None = None  # a message, with finish_reason `error` (or `abort` when the engine stopped)
+    stop_reason: str | int | None = None  # with finish_reason `stop`: the stop string or stop token id (None: EOS)
     error_kind: ErrorKind | None = None  # with finish_reason `error`
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

@@ -55,7 +55,7 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         if len(self.stop) > 16:
-            raise ValueError("at most 16 stop strings are supported")
+            raise ValueError(f"stop may hold at most 16 strings, got {len(self.stop)}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in self.logit_bias:

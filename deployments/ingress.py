@@ -18,7 +18,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -118,16 +118,18 @@ def server_timing(t_in: float, t_call: float, t_first: float, replica_ms: float 
     return ", ".join(parts)
 
 
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    """A schema error as OpenAI words one: each failing field and why (pydantic's "Value error, " prefix dropped),
-    and the first failing field as `param` (None where the body as a whole failed)."""
+def _validation_message(e: ValidationError, fields: Collection[str] = ()) -> tuple[str, str | None]:
+    """A schema error as OpenAI words one: each failing field and why (pydantic's "Value error, " prefix dropped;
+    the field named once where its validator's message names it already), and the first failing field as `param`:
+    where the body as a whole failed, the field of `fields` its message starts with (None if none)."""
     parts, param = [], None
     for err in e.errors()[:5]:
         loc = [str(x) for x in err.get("loc", ()) if x not in ("function-after", "function-before")]
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
-        if param is None and loc:
-            param = loc[0]
+        first = msg.split(" ", 1)[0].strip(":,")  # the word a message naming its field starts with
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc and first != loc[0] else msg)
+        if param is None:
+            param = loc[0] if loc else (first if first in fields else None)
     return "; ".join(parts), param
 
 
@@ -380,17 +382,26 @@ class OpenAIFrontend:
                            code="invalid_json") from None
 
     def _slo(self, request: Request, body: P._Common) -> SLO:
+        """The request's SLO: each from its header where sent (headers win), else the body's field. Every value
+        sent is checked, a body field a header overrides too, and a header sent twice must say the same both times;
+        a bad one is a 400 `invalid_slo` naming it (`param`)."""
         h = request.headers
-        try:
-            ttft = P.parse_slo_header("x-slo-ttft-ms", h.get("x-slo-ttft-ms"))
-            tpot = P.parse_slo_header("x-slo-tpot-ms", h.get("x-slo-tpot-ms"))
-            olen = P.parse_slo_header("x-slo-output-len", h.get("x-slo-output-len"), integer=True)
-            ttft = ttft if ttft is not None else P.check_slo_value("slo_ttft_ms", body.slo_ttft_ms)
-            tpot = tpot if tpot is not None else P.check_slo_value("slo_tpot_ms", body.slo_tpot_ms)
-            olen = olen if olen is not None else P.check_slo_value("output_len_hint", body.output_len_hint, True)
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_slo") from None
-        return SLO(ttft_ms=ttft, tpot_ms=tpot, output_len_hint=olen)
+        got = []
+        for header, field, integer in (("x-slo-ttft-ms", "slo_ttft_ms", False), ("x-slo-tpot-ms", "slo_tpot_ms", False),
+                                       ("x-slo-output-len", "output_len_hint", True)):
+            try:
+                sent = h.getlist(header)
+                if len(set(sent)) > 1:
+                    raise ValueError(f"header {header} is given {len(sent)} times with different values")
+                value = P.parse_slo_header(header, sent[0] if sent else None, integer)
+            except ValueError as e:
+                raise APIError(400, str(e), code="invalid_slo", param=header) from None
+            try:
+                in_body = P.check_slo_value(field, getattr(body, field), integer)
+            except ValueError as e:
+                raise APIError(400, str(e), code="invalid_slo", param=field) from None
+            got.append(value if value is not None else in_body)
+        return SLO(ttft_ms=got[0], tpot_ms=got[1], output_len_hint=got[2])
 
     def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, list[GenerateRequest]]:
         """Validate once, here at the edge: the typed requests the replicas get need no further checks (one, or a
@@ -403,7 +414,7 @@ class OpenAIFrontend:
         try:
             body = schema.model_validate(raw)
         except ValidationError as e:
-            message, param = _validation_message(e)
+            message, param = _validation_message(e, schema.model_fields)
             raise APIError(400, message, param=param) from None
         if body.model is not None and body.model not in self._served_names():  # absent: the served model
             raise model_not_found(body.model, self._served_names())
@@ -528,7 +539,8 @@ class OpenAIFrontend:
             if failure is not None:
                 raise failure
         if body.stream:
-            response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model),
+            response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
+                                                   body.continuous_usage),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
             # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
@@ -654,7 +666,7 @@ class OpenAIFrontend:
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
             return JSONResponse(P.batch_completion_response(rid, model, [
-                (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens)
+                (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason)
                 for _, (text, item) in done]), headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
@@ -667,7 +679,7 @@ class OpenAIFrontend:
         started = [(i, s) for i, s in enumerate(first_wave) if s is not None]
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
-            self._sse_batch(started, later, start, rid, body.include_usage, model, batch),
+            self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -675,10 +687,11 @@ class OpenAIFrontend:
 
     async def _sse_batch(self, started: list[tuple[int, tuple[GenerateStream, RequestOutput, dict[str, str]]]],
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
-                         include_usage: bool, model: str, batch: "_BatchFlight") -> AsyncIterator[bytes]:
+                         include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False
+                         ) -> AsyncIterator[bytes]:
         """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice (the
         `started` prompts', then the `later` ones' as slots free up), (index, started stream) and (index, request);
-        then the summed usage (with include_usage) and [DONE]. A prompt that fails ends the stream with an error
+        then the summed usage (with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. A prompt that fails ends the stream with an error
         event, and the others are cancelled."""
         created = int(time.time())
         n = len(started) + len(later)
@@ -721,7 +734,8 @@ class OpenAIFrontend:
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
                     yield _error_event(item, f"prompt {i}: ")
                     break
-                if (out := _sse_item(item, "completion", rid, model, created, include_usage, i)) is not None:
+                if (out := _sse_item(item, "completion", rid, model, created, include_usage, i, continuous)) \
+                        is not None:
                     yield out
                 if item.finished:
                     left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens
@@ -759,19 +773,21 @@ class OpenAIFrontend:
         text, item = await self._rest(gen, first, rid, headers)
         build = P.completion_response if kind == "completion" else P.chat_response
         return JSONResponse(build(rid, model, text, item.finish_reason, item.num_prompt_tokens,
-                                  item.num_output_tokens), headers=headers)
+                                  item.num_output_tokens, item.stop_reason), headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                   include_usage: bool, model: str) -> AsyncIterator[bytes]:
+                   include_usage: bool, model: str, continuous: bool = False) -> AsyncIterator[bytes]:
+        """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
+        include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]."""
         created, item = int(time.time()), first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         done = False
         try:
             if kind == "chat":
                 yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None),
-                             include_usage)
+                             include_usage, P.usage(first.num_prompt_tokens, 0) if continuous else None)
             while True:
-                if (out := _sse_item(item, kind, rid, model, created, include_usage)) is not None:
+                if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous)) is not None:
                     yield out
                 if item.finished:
                     done = True
@@ -838,15 +854,16 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
         note_refusal(sb.replica, req.engine_slo, (first.reject_reason or RejectReason.OVERLOADED).value)
 
 
-def _chunk(body: dict, include_usage: bool) -> bytes:
-    """An SSE chunk; with include_usage every chunk but the usage one says "usage": null (OpenAI)."""
+def _chunk(body: dict, include_usage: bool, usage: dict | None = None) -> bytes:
+    """An SSE chunk; with include_usage every chunk but the usage one says "usage": null (OpenAI), or with vLLM's
+    continuous_usage_stats the `usage` so far."""
     if include_usage:
-        body["usage"] = None
+        body["usage"] = usage
     return P.sse(body)
 
 
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
-              index: int = 0) -> bytes | None:
+              index: int = 0, continuous: bool = False) -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
     in vLLM: clients time tokens by chunk arrival."""
@@ -855,9 +872,12 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
         return _error_event(item)
     if not (item.text or item.token_ids or item.finished):
         return None
+    usage = P.usage(item.num_prompt_tokens, item.num_output_tokens) if continuous else None
     if kind == "completion":
-        return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index), include_usage)
-    return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin), include_usage)
+        return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason),
+                      include_usage, usage)
+    return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin,
+                               item.stop_reason), include_usage, usage)
 
 
 def _error_event(item: RequestOutput, prefix: str = "") -> bytes:

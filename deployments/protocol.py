@@ -44,6 +44,7 @@ _SLO_MS = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SLO_MS}
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
@@ -176,6 +177,12 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """stream_options.continuous_usage_stats (vLLM's): with include_usage, every chunk's usage is the tokens so far
+        (not null)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a batch: a choice each)
 
@@ -205,7 +212,7 @@ class CompletionRequest(_Common):
             if not p:
                 raise ValueError("prompt must not be empty")
             if len(p) > MAX_BATCH_PROMPTS and not isinstance(p[0], int):
-                raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
+                raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
             if isinstance(p[0], str) and len(p) == 1:
                 self.prompt = p[0]
         return self
@@ -337,34 +344,46 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | i
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:
-    return batch_completion_response(rid, model, [(text, finish, pt, ct)])
+# A choice's `stop_reason` (vLLM's extension): the stop string or stop token id that ended it, None otherwise (EOS,
+# length, or not ended yet).
+StopReason = str | int | None
 
 
-def batch_completion_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int]]) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
+                        stop_reason: StopReason = None) -> dict:
+    return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason)])
+
+
+def batch_completion_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int, StopReason]]
+                              ) -> dict:
     """A completion of one or more prompts: a choice per prompt, (text, finish reason, prompt tokens, completion
-    tokens) each, in order; the usage is their sum (as vLLM's)."""
+    tokens, stop reason) each, in order; the usage is their sum (as vLLM's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                        for i, (text, finish, _, _) in enumerate(choices)],
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+                        for i, (text, finish, _, _, stop) in enumerate(choices)],
             "usage": usage(sum(c[2] for c in choices), sum(c[3] for c in choices))}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
+                  stop_reason: StopReason = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+                         "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}],
             "usage": usage(pt, ct)}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0,
+                     stop_reason: StopReason = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+                         "stop_reason": stop_reason}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
+               stop_reason: StopReason = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                         "stop_reason": stop_reason}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int,

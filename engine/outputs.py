@@ -21,6 +21,7 @@ class _Live:
     detok: IncrementalDetokenizer
     text: str = ""
     emitted_chars: int = 0
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the reply (vLLM's)
 
 
 class OutputProcessor:
@@ -45,6 +46,8 @@ class OutputProcessor:
         p = req.params
         n = num_output_tokens or req.num_output_tokens
         delta = live.detok.step(tok)
+        if reason is FinishReason.STOP and tok in p.stop_token_ids:
+            live.stop_reason = tok
         if not p.stop:  # nothing held back: the delta goes out as it is (`text`: what has not gone out yet)
             text = delta
             if reason is not None:
@@ -56,7 +59,8 @@ class OutputProcessor:
                 if n > p.min_tokens:
                     hit = _find_stop(live.text, p.stop, len(live.text) - len(delta))
                     if hit is not None:
-                        live.text = live.text[:hit]
+                        live.text = live.text[:hit[0]]
+                        live.stop_reason = hit[1]
                         reason = FinishReason.STOP
             if reason is not None:
                 return reason
@@ -79,6 +83,7 @@ class OutputProcessor:
         live.stream.put(RequestOutput(
             req.request_id, text=text, token_ids=[] if last_token is None else [last_token], finished=True,
             finish_reason=reason, reject_reason=reject_reason, error=error,
+            stop_reason=live.stop_reason if reason is FinishReason.STOP else None,
             planned_output_len=req.gate_output_len if reject_reason is not None else None,
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
@@ -86,11 +91,11 @@ class OutputProcessor:
                                    req.token_times)))
 
 
-def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> int | None:
-    """Earliest index of a stop string that ends inside the newly added text."""
+def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:
+    """Earliest index of a stop string that ends inside the newly added text, and that string."""
     best = None
     for s in stops:
         i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
     return best

@@ -290,6 +290,13 @@ def test_stop_strings_and_eos(tiny_checkpoints):
         outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, stop=[stop])))
         text = "".join(o.text for o in outs)
         assert outs[-1].finish_reason == "stop" and stop not in text and full.startswith(text)
+        assert outs[-1].stop_reason == stop  # the string that ended it (vLLM's stop_reason)
+        toks = [t for o in eng.add_request([3, 4, 5], p) for t in o.token_ids]
+        outs = list(eng.add_request([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                              stop_token_ids=[toks[2]])))
+        assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", toks[2])  # a stop token: its id
+        assert [t for o in outs for t in o.token_ids] == toks[:toks.index(toks[2]) + 1]
+        assert list(eng.add_request([3, 4, 5], p))[-1].stop_reason is None  # by length: none
         # past min_tokens only (as vLLM): a stop string in the text of the first min_tokens tokens does not end it,
         # one that ends in a later token's text does
         toks = [t for o in eng.add_request([3, 4, 5], p) for t in o.token_ids]

@@ -61,6 +61,17 @@ def test_completion_token_ids_seed_and_stop_extensions(client: httpx.Client) -> 
     assert a["choices"][0]["text"] == b["choices"][0]["text"]  # same seed -> same sample
     one = client.post("/v1/completions", json={"prompt": ["just one string"], "max_tokens": 2})
     assert one.status_code == 200, one.text
+    assert a["choices"][0]["stop_reason"] is None  # vLLM's: none where the reply ran to its length
+    text = client.post("/v1/completions", json={**body, "stop": None}).json()["choices"][0]["text"]
+    assert len(text) > 2, text  # seeded: the same on every box
+    # vLLM's stop_reason: the stop string that ended the reply, streamed or not
+    stop = text[1:3]
+    c = client.post("/v1/completions", json={**body, "min_tokens": 0, "stop": [stop, "zzz"]}).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop) and stop not in c["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "min_tokens": 0, "stop": [stop], "stream": True}) \
+            as s:
+        last = [json.loads(e) for e in sse_events(s)[:-1]][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
 
 
 def test_a_batch_of_prompts_gets_a_choice_each_streamed_or_not(client: httpx.Client) -> None:
@@ -190,6 +201,16 @@ def test_chat_stream_and_content_parts(client: httpx.Client) -> None:
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "usage" not in chunks[-1]  # only with stream_options.include_usage
+    # vLLM's continuous_usage_stats: every chunk carries the tokens so far, then the usage chunk as always
+    with client.stream("POST", "/v1/chat/completions",
+                       json={"messages": msgs, "max_completion_tokens": 6, "stream": True, "ignore_eos": True,
+                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    usages = [c["usage"] for c in chunks]
+    assert chunks[-1]["choices"] == [] and usages[-1]["completion_tokens"] == 6
+    assert all(u is not None and u["prompt_tokens"] == usages[-1]["prompt_tokens"] for u in usages)
+    assert usages[0]["completion_tokens"] == 0 and usages[-2]["completion_tokens"] == 6
+    assert [u["completion_tokens"] for u in usages] == sorted(u["completion_tokens"] for u in usages)
 
 
 def test_openai_client(base_url: str) -> None:

@@ -71,7 +71,29 @@ def test_bad_body(client: httpx.Client, path: str, body, status: int) -> None:
 ])
 def test_bad_slo_headers(client: httpx.Client, header: str, value: str) -> None:
     err = assert_error(client.post(CMPL, json=OK_CMPL, headers={header: value}), 400)
-    assert err["code"] == "invalid_slo" and header in err["message"]
+    assert err["code"] == "invalid_slo" and header in err["message"] and err["param"] == header
+
+
+def test_every_slo_value_sent_is_checked_where_a_header_wins(client: httpx.Client) -> None:
+    """Headers win over the body's SLO fields, but a bad body field is a 400 all the same, and so is a header sent
+    twice with two values (which one would win is not the client's to guess); each names what is wrong."""
+    err = assert_error(client.post(CMPL, json={**OK_CMPL, "slo_ttft_ms": -1}, headers={"x-slo-ttft-ms": "2000"}), 400)
+    assert (err["code"], err["param"]) == ("invalid_slo", "slo_ttft_ms")
+    r = client.post(CMPL, json=OK_CMPL, headers=[("x-slo-ttft-ms", "2000"), ("x-slo-ttft-ms", "1")])
+    err = assert_error(r, 400)
+    assert (err["code"], err["param"]) == ("invalid_slo", "x-slo-ttft-ms")
+    r = client.post(CMPL, json=OK_CMPL, headers=[("x-slo-ttft-ms", "2000"), ("x-slo-ttft-ms", "2000")])
+    assert r.status_code == 200, r.text  # the same value twice (a proxy that copied it) says one thing
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({**OK_CMPL, "stop": [f"s{i}" for i in range(17)]}, "stop", "stop may hold at most 16"),
+    ({"prompt": ["x"] * 257, "max_tokens": 1}, "prompt", "prompt: a batch holds at most 256 prompts"),
+    ({**OK_CMPL, "stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed"),
+    ({"prompt": [5, -1], "max_tokens": 1}, "prompt", "prompt: token ids must be non-negative")])
+def test_a_refusal_names_the_field_at_fault(client: httpx.Client, body, param: str, says: str) -> None:
+    err = assert_error(client.post(CMPL, json=body), 400)
+    assert err["param"] == param and err["message"].startswith(says), err
 
 
 def test_prompt_over_context_window(client: httpx.Client) -> None:

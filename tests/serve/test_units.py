@@ -1857,7 +1857,7 @@ def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> N
 
     with pytest.raises(ValidationError) as e:
         P.CompletionRequest.model_validate({"prompt": "x", "n": 0})
-    assert _validation_message(e.value) == ("n: n must be 1 (one choice per request), got 0", "n")
+    assert _validation_message(e.value) == ("n must be 1 (one choice per request), got 0", "n")
     with pytest.raises(ValidationError) as e:
         P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
     message, param = _validation_message(e.value)
@@ -1876,9 +1876,9 @@ def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
         return _validation_message(e.value)
 
     assert message({"prompt": "x", "temperature": float("nan")}) == \
-        ("temperature: temperature must be a finite number, got nan", "temperature")
-    assert message({"prompt": [[1, 2], [-1]]}) == ("prompt: prompt 1: token ids must be non-negative", "prompt")
-    assert message({"prompt": ["a", ""]}) == ("prompt: prompt 1 must not be empty", "prompt")
+        ("temperature must be a finite number, got nan", "temperature")  # the field named once
+    assert message({"prompt": [[1, 2], [-1]]}) == ("prompt 1: token ids must be non-negative", "prompt")
+    assert message({"prompt": ["a", ""]}) == ("prompt 1 must not be empty", "prompt")
     for raw in ("1_000", "+5", "0x10", "five"):
         with pytest.raises(ValueError, match="must be a number"):
             P.parse_slo_header("x-slo-ttft-ms", raw)
