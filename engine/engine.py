@@ -519,6 +519,7 @@ class LLMEngine:
             time.sleep(hang)
         if self._fatal_fault:
             raise RuntimeError("injected fatal fault")
+        draws: Draws | None = None
         try:
             if self._fault_steps > 0:
                 self._fault_steps -= 1
@@ -534,13 +535,16 @@ class LLMEngine:
                     if prev is not None and prev.tokens is not None else None
                 logits = self.runner.execute(plan.prefill, plan.decode, plan.prefill_ends, prev_tokens)
                 t2 = time.perf_counter()
-                tokens = self.sampler.sample_async(logits, reqs) if reqs else None
+                # planned, then drawn: a draw that fails is re-drawn per request with the numbers planned here (a
+                # seeded request's generator gives them once)
+                draws = self.sampler.plan(reqs, logits.device) if reqs else None
+                tokens = self.sampler.draw(logits, draws) if draws is not None else None
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
             t2 = time.perf_counter()
             if prev is not None:  # the step before first: its tokens are this one's inputs
                 self._resolve(prev)
                 prev = None
-            isolated = self._isolate(plan, reqs, e)
+            isolated = self._isolate(plan, reqs, e, draws=draws)
             if isolated is not None:  # its tokens are on the host already: resolved now, so that the requests that
                 # failed end before the next step is planned (else that step fails and is isolated again)
                 self._resolve(_InFlight(plan, reqs, sched.launched(plan, reqs), SampledTokens.of(isolated), t0,
@@ -656,13 +660,14 @@ class LLMEngine:
                 fn(event)
         self._publish_step(len(plan.prefill), len(plan.decode), now)
 
-    def _isolate(self, plan, reqs: list[Request], err: Exception, launched: _InFlight | None = None
-                 ) -> list[int | Exception] | None:
+    def _isolate(self, plan, reqs: list[Request], err: Exception, launched: _InFlight | None = None,
+                 draws: Draws | None = None) -> list[int | Exception] | None:
         """A step failed: run each of its requests alone so that one bad request fails alone, not its neighbours.
         Returns the tokens of `reqs` (a `_StepFailed` for those that fail again; chunks that fail are finished
         here), or None when the whole step failed as it was (a step of one request, or an injected fault).
         `launched`: the step ran on the host stream and its requests have moved on since (a placeholder each, the
-        next step planned): each is re-run as it was launched and draws with the numbers planned for it."""
+        next step planned): each is re-run as it was launched and draws with the numbers planned for it, as does each
+        of a step whose `draws` were planned before it failed."""
         forward = plan.forward
         if len(forward) == 1 or isinstance(err, _InjectedFault):
             log.exception("model step failed; failing %d requests", len(forward), exc_info=err)
@@ -674,12 +679,14 @@ class LLMEngine:
         tokens: list[int | Exception] = [0] * len(reqs)
         ends = dict(zip(map(id, plan.prefill), plan.prefill_ends))
         as_launched = launched.as_launched if launched is not None else None
+        if launched is not None:
+            draws = launched.draws
         for k, req in enumerate(forward):
             if req.status is Status.FINISHED:  # ended with the step before (overlap scheduling)
                 continue
             try:
                 tok = self._run_alone(req, ends.get(id(req)), sampled.get(id(req)),
-                                      as_launched[k] if as_launched is not None else None, launched)
+                                      as_launched[k] if as_launched is not None else None, draws)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.warning("request %s failed its step: %r", req.request_id, e)
                 fail = _StepFailed(str(e))
@@ -692,10 +699,11 @@ class LLMEngine:
         return tokens
 
     def _run_alone(self, req: Request, end: int | None, row: int | None, as_launched: tuple[int, int] | None,
-                   launched: _InFlight | None) -> int | None:
+                   draws: Draws | None) -> int | None:
         """One request's part of a failed step, alone: its prefill up to `end` or its decode, and its token if it
-        samples (its `row` among the step's). `as_launched`: (num_computed_tokens, num_tokens) when the step was
-        launched on the host stream; the request is run as it was then, and draws with the numbers planned for it."""
+        samples (its `row` among the step's), with the numbers the step's `draws` planned for it where it planned
+        them. `as_launched`: (num_computed_tokens, num_tokens) when the step was launched on the host stream; the
+        request is run as it was then."""
         saved = (req.token_ids, req.num_computed_tokens)
         if as_launched is not None:
             computed, n = as_launched
@@ -706,8 +714,8 @@ class LLMEngine:
             logits = self.runner.execute([req], [], [end]) if end is not None else self.runner.execute([], [req])
             if row is None:
                 return None
-            if launched is not None and launched.draws is not None:
-                return self.sampler.draw(logits, launched.draws.row(row)).result()[0]
+            if draws is not None:
+                return self.sampler.draw(logits, draws.row(row)).result()[0]
             return self.sampler.sample(logits, [req])[0]
         finally:
             req.token_ids, req.num_computed_tokens = saved

@@ -238,6 +238,8 @@ class Sampler:
             cols = [t for _, bias in d.biased for t, _ in bias if t < width]
             vals = [b for _, bias in d.biased for t, b in bias if t < width]
             if rows:
+                if logits.dtype != torch.float32:  # bf16 logits (a GPU's): a bias under their step would vanish
+                    logits = logits.float()
                 logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
         failed = dict(d.failed)
         if not sampled and not failed:  # a greedy batch draws no numbers

@@ -159,6 +159,32 @@ def test_a_forward_that_fails_on_the_host_stream_fails_its_request_alone(tiny_ch
         eng.shutdown()
 
 
+def test_a_draw_that_fails_is_redrawn_with_the_numbers_planned_for_it(tiny_checkpoints):
+    """Without overlap (a GPU's path: the step's draw is planned, then drawn on the device) a draw that raises for the
+    whole batch is redone request by request with the numbers its plan took: a seeded reply is the one it would
+    have been (its generator gives its numbers once), and no request fails."""
+    path = tiny_checkpoints["llama"]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)]
+    want = _serve(path, PROMPTS[:2], params, "off")
+    eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="off"))
+    try:
+        draw, failed = eng.sampler.draw, []
+
+        def fails_once(logits, d):
+            if len(d.reqs) > 1 and not failed:
+                failed.append(len(d.reqs))
+                raise RuntimeError("the batch's draw failed")
+            return draw(logits, d)
+        eng.sampler.draw = fails_once
+        got = _replies([eng.add_request(p, q, request_id=rid) for p, q, rid in zip(PROMPTS[:2], params, "ab")])
+        assert failed == [2]
+        assert got["a"][0] == want[0][0] and got["b"][0] == want[1][0]
+        assert got["a"][1].error is None and got["b"][1].error is None
+    finally:
+        eng.shutdown()
+
+
 def test_a_cpu_engine_runs_its_steps_on_the_host_stream_only_when_asked(tiny_checkpoints):
     """`overlap="auto"` on the CPU: no overlap (the SLO protocol's engine); `on`: the host stream."""
     for overlap, stream in (("auto", False), ("on", True)):

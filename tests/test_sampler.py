@@ -56,6 +56,15 @@ def test_logit_bias_moves_its_rows_tokens_greedy_and_sampled(draw):
         SamplingParams(logit_bias={-1: 1.0}).validate()
 
 
+def test_a_small_logit_bias_counts_on_bf16_logits():
+    """bf16 logits (a GPU's) near 20 are 0.125 apart: a bias of 0.05 added in their dtype would round away; it is
+    added in float32, so it breaks the tie it is meant to break (and the other rows keep their choice)."""
+    s = Sampler(vocab_limit=10, eos_token_ids=[EOS], device=torch.device("cpu"))
+    logits = torch.zeros(2, 10, dtype=torch.bfloat16)
+    logits[:, 1] = logits[:, 2] = 20.0
+    assert s.sample(logits.clone(), [_req("plain"), _req("nudged", logit_bias={2: 0.05})]) == [1, 2]
+
+
 def _sampled(rid: str, **params) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(**params))
 
