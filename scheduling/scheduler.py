@@ -335,8 +335,9 @@ class Scheduler:
 
     def _continue_prefills(self, plan: StepPlan, budget: int | None, now: float) -> int | None:
         """The running requests whose prompt is only partly computed go first in the step, each its next chunk within
-        `budget` (chunked prefill), a best-effort one's also within the step its paced replies can take (prefill_hold:
-        `_stall_end`). Returns the budget left; `_partial`: whether a prompt is still in progress after this step."""
+        `budget` (chunked prefill, or a best-effort prompt admitted beside running replies), a best-effort one's also
+        within the step its paced replies can take (prefill_hold: `_stall_end`). Returns the budget left; `_partial`:
+        whether a prompt is still in progress after this step."""
         self._partial = False
         stall: tuple[float, float, list[float]] | None | bool = self.flags.prefill_hold  # True: not read yet
         for r in self.running:
@@ -483,13 +484,20 @@ class Scheduler:
             if chunked and c > budget:
                 chunk, chunk_sq = budget, prefill_sq(r.num_computed_tokens, r.num_computed_tokens + budget)
             cut = None  # where a best-effort prompt's computation stops this step, short of `chunk`
-            if stall and r.first_token_s is None:
-                if math.isinf(r.deadline_s):  # best effort: never held, its prompt in chunks the step can take
-                    start = r.num_computed_tokens
-                    if (end := self._stall_end(r, stall, step_tokens, step_sq, start + chunk)) < start + chunk:
-                        cut, chunk, chunk_sq = end, end - start, prefill_sq(start, end)
-                elif self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq, now):
-                    return Verdict.KEEP
+            if f.prefill_hold and r.first_token_s is None and math.isinf(r.deadline_s):
+                # best effort: never held; beside running replies its prompt goes in chunks of at most the budget,
+                # each within the step paced replies can take
+                start = r.num_computed_tokens
+                end = start + chunk
+                if self.running and self.config.prefill_max_tokens:
+                    end = min(end, start + self.config.prefill_max_tokens)
+                if stall:
+                    end = self._stall_end(r, stall, step_tokens, step_sq, end)
+                if end < start + chunk:
+                    cut, chunk, chunk_sq = end, end - start, prefill_sq(start, end)
+            elif stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq,
+                                                                  now):
+                return Verdict.KEEP
             if not self.blocks.can_fit(r, r.num_tokens + 1):
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP

@@ -637,6 +637,25 @@ def test_a_best_effort_prompt_goes_in_chunks_that_its_paced_replies_can_take(hol
     assert p.prefill == [long] and p.prefill_ends == [200] and p.decode == [] and p.requests == [long]
 
 
+@pytest.mark.parametrize("policy,ends", [("kairos", [64, 128, 150]), ("fcfs", [150])])
+def test_a_best_effort_prompt_beside_running_replies_goes_in_chunks_of_the_budget(policy, ends):
+    """With no paced reply to mind, a long best-effort prompt admitted while others decode still takes at most the
+    prompt budget a step (kairos), so that the replies' streams go on beside it; alone it is prefilled whole."""
+    s = _sched(policy, prefill_max_tokens=64)
+    a = _req(0, 5)
+    s.add(a)
+    _step(s, s.schedule(0.0))
+    long = _req(1, 150)
+    s.add(long)
+    got = []
+    for _ in ends:
+        p = s.schedule(0.0)
+        assert p.prefill == [long] and (a in p.decode) == (policy == "kairos")
+        got += p.prefill_ends
+        _step(s, p)
+    assert got == ends and long.num_output_tokens == 1
+
+
 def test_a_prompt_in_chunks_is_never_decoded_and_waits_its_turn_for_the_budget():
     """Without chunked_prefill, best-effort prompts in chunks still go first in the step's prompt budget, in the
     order they were admitted, and one the budget leaves no room for is neither computed nor decoded that step."""
