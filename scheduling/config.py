@@ -201,7 +201,7 @@ class SchedulerConfig(BaseModel):
                                       "leaves room to wait (tpot_guard.hold_prefill); a best-effort prompt (no "
                                       "deadline to wait against) admitted beside running replies is instead "
                                       "computed in chunks of at most prefill_max_tokens, each within such a step, "
-                                      "at least a block a step (Scheduler._stall_end)")
+                                      "at least a block a step (Scheduler._best_effort_end)")
     prefill_hold_replies: int = Field(0, ge=0, description="with prefill_hold: a fresh prompt whose TTFT deadline "
                                       "leaves no room to wait is held anyway when the step it would make would "
                                       "bring at least this many running paced replies' next tokens late (more "

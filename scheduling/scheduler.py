@@ -127,8 +127,8 @@ class Scheduler:
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
-        # a running prompt is partly computed (without chunked_prefill: a best-effort one in chunks, `_stall_end`), and
-        # the chunk ends of this round's admissions that stop short of their prompt (by id)
+        # a running prompt is partly computed (without chunked_prefill: a best-effort one in chunks,
+        # `_best_effort_end`), and the chunk ends of this round's admissions that stop short of their prompt (by id)
         self._partial = False
         self._first_chunks: dict[int, int] = {}
         self.shedder = (WorkShedder(config.shed_target, config.shed_window_s)
@@ -336,7 +336,7 @@ class Scheduler:
     def _continue_prefills(self, plan: StepPlan, budget: int | None, now: float) -> int | None:
         """The running requests whose prompt is only partly computed go first in the step, each its next chunk within
         `budget` (chunked prefill, or a best-effort prompt admitted beside running replies), a best-effort one's also
-        within the step its paced replies can take (prefill_hold: `_stall_end`). Returns the budget left; `_partial`:
+        within the step its paced replies can take (prefill_hold: `_best_effort_end`). Returns the budget left; `_partial`:
         whether a prompt is still in progress after this step."""
         self._partial = False
         stall: tuple[float, float, list[float]] | None | bool = self.flags.prefill_hold  # True: not read yet
@@ -347,11 +347,11 @@ class Scheduler:
                 self._partial = True
                 continue
             end = self._chunk_end(r, budget)
-            if stall and math.isinf(r.deadline_s):
+            if stall is not False and math.isinf(r.deadline_s):
                 if stall is True:
                     stall = self._stall_room(now)
-                if stall:
-                    end = self._stall_end(r, stall, plan.num_prefill_tokens_now(), plan.prefill_sq_now(), end)
+                end = self._best_effort_end(r, stall, plan.num_prefill_tokens_now(), plan.prefill_sq_now(), end,
+                                            len(self.running) > 1)
             plan.prefill.append(r)
             plan.prefill_ends.append(end)
             self._partial |= r.num_tokens - end > 1
@@ -359,18 +359,29 @@ class Scheduler:
                 budget -= end - r.num_computed_tokens
         return budget
 
-    def _stall_end(self, r: Request, stall: tuple[float, float, list[float]], step_tokens: int, step_sq: float,
-                   end: int) -> int:
+    def _best_effort_end(self, r: Request, stall: tuple[float, float, list[float]] | None, step_tokens: int,
+                         step_sq: float, end: int, beside: bool) -> int:
         """prefill_hold for a best-effort prompt, which has no deadline to wait against: where its computation stops
-        this step (at most `end`) so that the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the
-        decodes) ends before a running paced reply's next token is due, as `_hold` predicts it; the rest of the prompt
-        goes in later steps, each within what the replies' pace then leaves. At least a block of tokens on, so that it
-        always progresses."""
-        limit, decode_ms, _ = stall
-        k, start, prefill_ms = self.flags.vbs_margin, r.num_computed_tokens, self.predictor.prefill_ms
+        this step (at most `end`). `beside` running replies, its chunk is at most prefill_max_tokens and takes no
+        longer than a fresh prompt of that many tokens (deep in a long prompt a token attends to all before it); with
+        paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the decodes) also
+        ends before the first one's next token is due, as `_hold` predicts it. The rest goes in later steps, at least
+        a block a step, so that it always progresses."""
+        start, budget, model = r.num_computed_tokens, self.config.prefill_max_tokens, self.predictor
+        tests: list[Callable[[int], bool]] = []
+        if beside and budget:
+            end = min(end, start + budget)
+            if model is not None:
+                cap = model.prefill_ms(budget, prefill_sq(0, budget))
+                tests.append(lambda e: model.prefill_ms(e - start, prefill_sq(start, e)) <= cap)
+        if stall and model is not None:
+            limit, decode_ms, _ = stall
+            k = self.flags.vbs_margin
+            tests.append(lambda e: (model.prefill_ms(step_tokens + e - start, step_sq + prefill_sq(start, e))
+                                    + decode_ms) * k <= limit)
 
         def fits(e: int) -> bool:
-            return (prefill_ms(step_tokens + e - start, step_sq + prefill_sq(start, e)) + decode_ms) * k <= limit
+            return all(t(e) for t in tests)
 
         if fits(end):
             return end
@@ -488,11 +499,7 @@ class Scheduler:
                 # best effort: never held; beside running replies its prompt goes in chunks of at most the budget,
                 # each within the step paced replies can take
                 start = r.num_computed_tokens
-                end = start + chunk
-                if self.running and self.config.prefill_max_tokens:
-                    end = min(end, start + self.config.prefill_max_tokens)
-                if stall:
-                    end = self._stall_end(r, stall, step_tokens, step_sq, end)
+                end = self._best_effort_end(r, stall or None, step_tokens, step_sq, start + chunk, bool(self.running))
                 if end < start + chunk:
                     cut, chunk, chunk_sq = end, end - start, prefill_sq(start, end)
             elif stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq,

@@ -656,6 +656,30 @@ def test_a_best_effort_prompt_beside_running_replies_goes_in_chunks_of_the_budge
     assert got == ends and long.num_output_tokens == 1
 
 
+def test_a_best_effort_chunk_deep_in_a_long_prompt_takes_no_longer_than_a_fresh_prompt_of_the_budget():
+    """Beside running replies a chunk's time, not only its tokens, is capped: deep in a long prompt each token attends
+    to all before it, so the later chunks are shorter, each predicted at most as long as a fresh prompt of
+    prefill_max_tokens."""
+    model = LatencyModel(prefill_coef=(0.01, 1.0, 1e-4), decode_coef=(0.0, 0.5, 0.0, 5.0))  # + 1e-4 ms a token pair
+    s = Scheduler(SchedulerConfig(policy="kairos", prefill_max_tokens=64), 256, 4, max_model_len=512, predictor=model)
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=400))  # a reply without SLOs, decoding throughout
+    s.add(a)
+    _step(s, s.schedule(0.0))
+    long = _req(1, 400)
+    s.add(long)
+    cap = model.prefill_ms(64, 64 * 64)
+    ends = []
+    while long.num_output_tokens == 0:
+        p = s.schedule(0.0)
+        assert p.prefill == [long] and p.decode == [a]
+        start, end = long.num_computed_tokens, p.prefill_ends[0]
+        assert end - start <= 64 and model.prefill_ms(end - start, end * end - start * start) <= cap
+        ends.append(end)
+        _step(s, p)
+    chunks = [e - b for b, e in zip([0] + ends, ends)]
+    assert ends[-1] == 400 and chunks[0] == 64 and max(chunks[-3:]) < 20  # the later chunks far shorter
+
+
 def test_a_prompt_in_chunks_is_never_decoded_and_waits_its_turn_for_the_budget():
     """Without chunked_prefill, best-effort prompts in chunks still go first in the step's prompt budget, in the
     order they were admitted, and one the budget leaves no room for is neither computed nor decoded that step."""
