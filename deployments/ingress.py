@@ -390,10 +390,10 @@ class OpenAIFrontend:
         for header, field, integer in (("x-slo-ttft-ms", "slo_ttft_ms", False), ("x-slo-tpot-ms", "slo_tpot_ms", False),
                                        ("x-slo-output-len", "output_len_hint", True)):
             try:
-                sent = h.getlist(header)
-                if len(set(sent)) > 1:
-                    raise ValueError(f"header {header} is given {len(sent)} times with different values")
-                value = P.parse_slo_header(header, sent[0] if sent else None, integer)
+                values = {P.parse_slo_header(header, v, integer) for v in h.getlist(header)} or {None}
+                if len(values) > 1:
+                    raise ValueError(f"header {header} is given {len(h.getlist(header))} times with different values")
+                value = values.pop()
             except ValueError as e:
                 raise APIError(400, str(e), code="invalid_slo", param=header) from None
             try:

@@ -186,7 +186,7 @@ class LLMEngine:
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject")
-        self.outputs = OutputProcessor(b.tokenizer)
+        self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
         self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,

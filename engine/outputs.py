@@ -22,11 +22,13 @@ class _Live:
     text: str = ""
     emitted_chars: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the reply (vLLM's)
+    by_token: bool = False  # the EOS or a stop token id ended it: nothing of its text, nor a flush, goes out
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids)
         self._live: dict[str, _Live] = {}
 
     def add(self, req: Request, stream: OutputSink) -> None:
@@ -41,13 +43,18 @@ class OutputProcessor:
         """Detokenize `tok`, the request's `num_output_tokens`-th output token (default: its last), and check the
         stop strings (past min_tokens, as vLLM: on a token after the first min_tokens, a stop string that ends in
         its text). Emits the delta unless the request ends now; returns the request's finish reason (a stop string
-        makes it STOP), or None while it goes on."""
+        makes it STOP), or None while it goes on. A token that ends the request as a stop (the EOS, a stop token id)
+        adds nothing to the text, as in vLLM without include_stop_str_in_output (nor do the bytes of a character it
+        would have completed); `stop_reason` is then its id, except for the EOS (None, as vLLM's)."""
         live = self._live[req.request_id]
         p = req.params
+        if reason is FinishReason.STOP:
+            live.by_token = True
+            if tok in p.stop_token_ids and not (tok in self.eos and not p.ignore_eos):
+                live.stop_reason = tok
+            return reason
         n = num_output_tokens or req.num_output_tokens
         delta = live.detok.step(tok)
-        if reason is FinishReason.STOP and tok in p.stop_token_ids:
-            live.stop_reason = tok
         if not p.stop:  # nothing held back: the delta goes out as it is (`text`: what has not gone out yet)
             text = delta
             if reason is not None:
@@ -77,7 +84,7 @@ class OutputProcessor:
         """Send the final item of a request the scheduler has just ended (`req.finish_reason` is set)."""
         live = self._live.pop(req.request_id)
         reason = req.finish_reason
-        if reason is not FinishReason.STOP or not req.params.stop:
+        if reason is not FinishReason.STOP or not (req.params.stop or live.by_token):
             live.text += live.detok.flush()
         text = live.text[live.emitted_chars:]
         live.stream.put(RequestOutput(

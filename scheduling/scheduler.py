@@ -307,8 +307,10 @@ class Scheduler:
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
                              now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf)
         budget = self.config.prefill_max_tokens
-        if self.config.chunked_prefill or self._partial:  # prompts in progress go first, then new admissions
-            budget = self._continue_prefills(plan, budget, now)
+        partial = self.config.chunked_prefill or self._partial
+        self._partial = False
+        if partial:  # prompts in progress go first (a best-effort one's chunk after this round's admissions)
+            budget = self._continue_prefills(plan, budget, now, best_effort=False)
         if budget is None or budget > 0:
             admitted = self._admit(now, plan, budget, patience)
             plan.prefill += admitted
@@ -318,6 +320,8 @@ class Scheduler:
             if ends:
                 self._partial = True
                 ends.clear()
+        if partial and self._be_chunks and not self.config.chunked_prefill:
+            self._continue_prefills(plan, budget, now, best_effort=True)
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
@@ -333,25 +337,38 @@ class Scheduler:
             plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
         return plan
 
-    def _continue_prefills(self, plan: StepPlan, budget: int | None, now: float) -> int | None:
-        """The running requests whose prompt is only partly computed go first in the step, each its next chunk within
-        `budget` (chunked prefill, or a best-effort prompt admitted beside running replies), a best-effort one's also
-        within the step its paced replies can take (prefill_hold: `_best_effort_end`). Returns the budget left; `_partial`:
-        whether a prompt is still in progress after this step."""
-        self._partial = False
-        stall: tuple[float, float, list[float]] | None | bool = self.flags.prefill_hold  # True: not read yet
+    @property
+    def _be_chunks(self) -> bool:
+        """Whether a best-effort prompt goes in chunks beside running replies (prefill_hold; only where they decode
+        beside a prefill, hybrid_steps: else each chunk's step would stall them all)."""
+        return self.flags.prefill_hold and self.flags.hybrid_steps
+
+    def _continue_prefills(self, plan: StepPlan, budget: int | None, now: float, best_effort: bool) -> int | None:
+        """The running requests whose prompt is only partly computed, each its next chunk within `budget` (chunked
+        prefill, or a best-effort prompt admitted beside running replies): those with a deadline (every one where
+        best-effort prompts do not go in chunks of their own, `_be_chunks`) before this round's admissions, the
+        best-effort ones (`best_effort`) after them, each at least a block on (none starves) and within the step
+        paced replies can take (`_best_effort_end`). Returns the budget left; sets `_partial` where a prompt is still
+        in progress after this step."""
+        be_chunks = self._be_chunks
+        be_last = be_chunks and not self.config.chunked_prefill  # (chunked prefill: all in progress go first)
+        stall: tuple[float, float, list[float]] | None | bool = be_chunks  # True: not read yet
+        planned = {id(r) for r in plan.prefill} if best_effort else ()  # this round's admissions have their chunk
         for r in self.running:
-            if not self._mid_prefill(r):
+            if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
-            if budget is not None and budget <= 0:
+            if best_effort:
+                end = self._chunk_end(r, None if budget is None else max(budget, self.blocks.block_size))
+            elif budget is not None and budget <= 0:
                 self._partial = True
                 continue
-            end = self._chunk_end(r, budget)
-            if stall is not False and math.isinf(r.deadline_s):
+            else:
+                end = self._chunk_end(r, budget)
+            if be_chunks and math.isinf(r.deadline_s):
                 if stall is True:
                     stall = self._stall_room(now)
-                end = self._best_effort_end(r, stall, plan.num_prefill_tokens_now(), plan.prefill_sq_now(), end,
-                                            len(self.running) > 1)
+                end = self._best_effort_end(r, stall or None, plan.num_prefill_tokens_now(), plan.prefill_sq_now(),
+                                            end, len(self.running) > 1)
             plan.prefill.append(r)
             plan.prefill_ends.append(end)
             self._partial |= r.num_tokens - end > 1
@@ -446,8 +463,10 @@ class Scheduler:
         shed_above = self._shed_threshold(now)
         round_tokens, round_sq = 0, 0.0
         chunked = self.config.chunked_prefill and budget is not None
+        be_chunks = self._be_chunks
         # what the step's prefill computes: prompts in progress, then this round's (chunked: their first chunks)
         step_tokens, step_sq = plan.num_prefill_tokens_now(), plan.prefill_sq_now()
+        step0 = step_tokens
         # Read only once a candidate passes the gate (most rounds admit none): the running batch, the model and the
         # reserve do not change within the round. stall: (ms to a reply's next token, decode ms, every such slack
         # in order); impatient:
@@ -495,11 +514,14 @@ class Scheduler:
             if chunked and c > budget:
                 chunk, chunk_sq = budget, prefill_sq(r.num_computed_tokens, r.num_computed_tokens + budget)
             cut = None  # where a best-effort prompt's computation stops this step, short of `chunk`
-            if f.prefill_hold and r.first_token_s is None and math.isinf(r.deadline_s):
-                # best effort: never held; beside running replies its prompt goes in chunks of at most the budget,
-                # each within the step paced replies can take
+            if be_chunks and r.first_token_s is None and math.isinf(r.deadline_s):
+                # best effort: never held; beside running replies its prompt goes in chunks within what is left of
+                # the budget (at least a block), each within the step paced replies can take
                 start = r.num_computed_tokens
-                end = self._best_effort_end(r, stall or None, step_tokens, step_sq, start + chunk, bool(self.running))
+                end = start + chunk
+                if budget is not None and self.running:
+                    end = min(end, start + max(budget - (step_tokens - step0), self.blocks.block_size))
+                end = self._best_effort_end(r, stall or None, step_tokens, step_sq, end, bool(self.running))
                 if end < start + chunk:
                     cut, chunk, chunk_sq = end, end - start, prefill_sq(start, end)
             elif stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq,
@@ -511,8 +533,8 @@ class Scheduler:
             self.blocks.ensure(r, r.num_tokens)
             if cut is not None:
                 self._first_chunks[id(r)] = cut
-            round_tokens += c
-            round_sq += q
+            round_tokens += c if cut is None else chunk  # (in chunks: only its first is in this step)
+            round_sq += q if cut is None else chunk_sq
             step_tokens += chunk
             step_sq += chunk_sq
             if self.margin is not None and r.first_token_s is None and self.predictor is not None \

@@ -680,9 +680,10 @@ def test_a_best_effort_chunk_deep_in_a_long_prompt_takes_no_longer_than_a_fresh_
     assert ends[-1] == 400 and chunks[0] == 64 and max(chunks[-3:]) < 20  # the later chunks far shorter
 
 
-def test_a_prompt_in_chunks_is_never_decoded_and_waits_its_turn_for_the_budget():
-    """Without chunked_prefill, best-effort prompts in chunks still go first in the step's prompt budget, in the
-    order they were admitted, and one the budget leaves no room for is neither computed nor decoded that step."""
+def test_best_effort_prompts_in_chunks_go_after_the_rounds_admissions_and_none_starves():
+    """Without chunked_prefill, best-effort prompts in chunks take their step's chunk after this round's admissions,
+    so a prompt with a deadline is judged (and admitted) as if they were not there, in what is left of the budget;
+    each still moves at least a block a step, and none is decoded while its prompt is partly computed."""
     s, a = _pressed_reply()
     one, two = _req(1, 200, arrival=0.03), _req(2, 200, arrival=0.03)
     for r in (one, two):
@@ -691,10 +692,13 @@ def test_a_prompt_in_chunks_is_never_decoded_and_waits_its_turn_for_the_budget()
     assert p.prefill == [one, two] and p.prefill_ends == [25, 4] and p.decode == [a]
     _step(s, p)
     s.config.prefill_max_tokens = 4
-    p = s.schedule(0.040)
-    assert p.prefill == [one] and p.prefill_ends == [29] and p.decode == [a] and p.requests == [a]
+    slo = _req(3, 20, tpot=50.0, ttft=1000.0, arrival=0.031)  # (1 + 0.1 x 20 + 6) x 1.1 = 9.9 ms: it fits alone
+    s.add(slo)
+    p = s.schedule(0.031)
+    assert p.prefill == [slo, one, two] and p.prefill_ends == [20, 29, 8] and p.decode == [a]
+    assert p.requests == [slo, a]
     _step(s, p)
-    assert two.num_computed_tokens == 4 and two.num_output_tokens == 0
+    assert (one.num_computed_tokens, two.num_computed_tokens) == (29, 8) and one.num_output_tokens == 0
 
 
 def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
