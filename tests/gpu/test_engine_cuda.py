@@ -82,6 +82,26 @@ def test_chunked_prefill_equals_unchunked(device, ckpts, llama_engine):
     assert chunked == unchunked
 
 
+def test_best_effort_prompts_in_chunks_beside_a_running_reply_equal_unchunked(device, ckpts, llama_engine):
+    """kairos computes a best-effort prompt that arrives while a reply decodes in chunks of at most its prompt budget
+    (decode and prefill rows in the same steps, the mixed graphs on CUDA): the same tokens as each prompt alone."""
+    prompts = random_prompts([12, 400, 150], llama_engine.bundle.vocab_limit, seed=29)
+    alone = [run_all([llama_engine.add_request(p, greedy(20))])[0] for p in prompts]
+    eng = make_engine(ckpts["llama"], device, policy="kairos", prefill_max_tokens=32)
+    try:
+        events, _ = _observe(eng)
+        first = eng.add_request(prompts[0], greedy(20))
+        head = first.get(timeout=120)  # the reply is decoding before the long prompts arrive
+        rest = [eng.add_request(p, greedy(20)) for p in prompts[1:]]
+        toks, last = collect(first)
+        outs = [list(head.token_ids) + toks] + run_all(rest)
+        eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
+    finally:
+        eng.shutdown()
+    assert last.finish_reason == "length" and outs == alone
+    assert any(0 < e.num_prefill_tokens <= 32 and e.num_decode for e in events)  # a chunk beside the decode
+
+
 def test_preempted_requests_resume_token_exact(device, ckpts, llama_engine):
     """40 blocks of 16 = 640 cache slots; 8 prompts of 48 tokens fit, their 64 new tokens each (896 slots in
     all) do not: the scheduler preempts, then recomputes the preempted requests (more prompt tokens prefilled
