@@ -71,9 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = asyncio.run(measure(args.target, args.prompt_tokens, args.stream_tokens, args.delay_s))
     print(json.dumps(res, indent=1))
     if args.summary:
-        head = "; ".join(f"{c}: the stream's longest gap {r['max_gap_ms'] / 1e3:.2f} s, mean {r['mean_gap_ms']:.0f} ms a "
-                         f"chunk, the {args.prompt_tokens}-token prompt {r['long_ms'] / 1e3:.1f} s"
-                         for c, r in res.items())
+        head = "; ".join(f"{c}: the stream's longest gap {r['max_gap_ms'] / 1e3:.2f} s, mean "
+                         f"{r['mean_gap_ms']:.0f} ms a chunk, the {args.prompt_tokens}-token prompt "
+                         f"{r['long_ms'] / 1e3:.1f} s" for c, r in res.items())
         write_summary(args.summary, command_line(MODULE, argv), head, {"cases": res, "args": vars(args)},
                       commit=args.server_commit)
     return 0

@@ -691,8 +691,8 @@ class OpenAIFrontend:
                          ) -> AsyncIterator[bytes]:
         """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice (the
         `started` prompts', then the `later` ones' as slots free up), (index, started stream) and (index, request);
-        then the summed usage (with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. A prompt that fails ends the stream with an error
-        event, and the others are cancelled."""
+        then the summed usage (with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. A
+        prompt that fails ends the stream with an error event, and the others are cancelled."""
         created = int(time.time())
         n = len(started) + len(later)
         queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(maxsize=n)

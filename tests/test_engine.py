@@ -128,9 +128,9 @@ def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):
 
 
 def test_best_effort_prompts_in_chunks_beside_paced_replies_stay_exact(tiny_checkpoints, monkeypatch):
-    """kairos over a step model that prices a prompt token at a second: best-effort prompts (no SLO) arriving while paced
-    replies decode are computed in the chunks the replies' slack allows, never decoded mid-prompt, and give the same
-    tokens as HF; the paced replies decode through them."""
+    """kairos over a step model that prices a prompt token at a second: best-effort prompts (no SLO) arriving while
+    paced replies decode are computed in the chunks the replies' slack allows, never decoded mid-prompt, and give
+    the same tokens as HF; the paced replies decode through them."""
     from engine import engine as engine_mod
 
     model = LatencyModel(prefill_coef=(1000.0, 1.0), decode_coef=(0.0, 0.5, 0.0, 2.0))
