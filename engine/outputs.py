@@ -22,7 +22,6 @@ class _Live:
     text: str = ""
     emitted_chars: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the reply (vLLM's)
-    by_token: bool = False  # the EOS or a stop token id ended it: nothing of its text, nor a flush, goes out
 
 
 class OutputProcessor:
@@ -49,7 +48,6 @@ class OutputProcessor:
         live = self._live[req.request_id]
         p = req.params
         if reason is FinishReason.STOP:
-            live.by_token = True
             if tok in p.stop_token_ids and not (tok in self.eos and not p.ignore_eos):
                 live.stop_reason = tok
             return reason
@@ -84,7 +82,7 @@ class OutputProcessor:
         """Send the final item of a request the scheduler has just ended (`req.finish_reason` is set)."""
         live = self._live.pop(req.request_id)
         reason = req.finish_reason
-        if reason is not FinishReason.STOP or not (req.params.stop or live.by_token):
+        if reason is not FinishReason.STOP:  # a stop (a string, or a token: `on_token`) leaves a partial out
             live.text += live.detok.flush()
         text = live.text[live.emitted_chars:]
         live.stream.put(RequestOutput(

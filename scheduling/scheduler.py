@@ -379,18 +379,17 @@ class Scheduler:
     def _best_effort_end(self, r: Request, stall: tuple[float, float, list[float]] | None, step_tokens: int,
                          step_sq: float, end: int, beside: bool) -> int:
         """prefill_hold for a best-effort prompt, which has no deadline to wait against: where its computation stops
-        this step (at most `end`). `beside` running replies, its chunk is at most prefill_max_tokens and takes no
-        longer than a fresh prompt of that many tokens (deep in a long prompt a token attends to all before it); with
+        this step (at most `end`, which the caller keeps within the step's prompt budget). `beside` running replies,
+        its chunk takes no longer than a fresh prompt of prefill_max_tokens (deep in a long prompt a token attends
+        to all before it); with
         paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the decodes) also
         ends before the first one's next token is due, as `_hold` predicts it. The rest goes in later steps, at least
         a block a step, so that it always progresses."""
         start, budget, model = r.num_computed_tokens, self.config.prefill_max_tokens, self.predictor
         tests: list[Callable[[int], bool]] = []
-        if beside and budget:
-            end = min(end, start + budget)
-            if model is not None:
-                cap = model.prefill_ms(budget, prefill_sq(0, budget))
-                tests.append(lambda e: model.prefill_ms(e - start, prefill_sq(start, e)) <= cap)
+        if beside and budget and model is not None:
+            cap = model.prefill_ms(budget, prefill_sq(0, budget))
+            tests.append(lambda e: model.prefill_ms(e - start, prefill_sq(start, e)) <= cap)
         if stall and model is not None:
             limit, decode_ms, _ = stall
             k = self.flags.vbs_margin
