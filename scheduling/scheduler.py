@@ -320,8 +320,10 @@ class Scheduler:
             if ends:
                 self._partial = True
                 ends.clear()
-        if partial and self._be_chunks and not self.config.chunked_prefill:
-            self._continue_prefills(plan, budget, now, best_effort=True)
+        if partial and self._be_chunks and not self.config.chunked_prefill:  # in what the admissions left of it
+            left = self.config.prefill_max_tokens
+            self._continue_prefills(plan, None if left is None else left - plan.num_prefill_tokens_now(), now,
+                                    best_effort=True)
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
@@ -347,8 +349,9 @@ class Scheduler:
         """The running requests whose prompt is only partly computed, each its next chunk within `budget` (chunked
         prefill, or a best-effort prompt admitted beside running replies): those with a deadline (every one where
         best-effort prompts do not go in chunks of their own, `_be_chunks`) before this round's admissions, the
-        best-effort ones (`best_effort`) after them, each at least a block on (none starves) and within the step
-        paced replies can take (`_best_effort_end`). Returns the budget left; sets `_partial` where a prompt is still
+        best-effort ones (`best_effort`) after them in what the admissions left of the budget, each at least a block
+        on (none starves) and within the step paced replies can take (`_best_effort_end`), the rest of one left running
+        alone whole (as one admitted alone). Returns the budget left; sets `_partial` where a prompt is still
         in progress after this step."""
         be_chunks = self._be_chunks
         be_last = be_chunks and not self.config.chunked_prefill  # (chunked prefill: all in progress go first)
@@ -357,8 +360,9 @@ class Scheduler:
         for r in self.running:
             if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
-            if best_effort:
-                end = self._chunk_end(r, None if budget is None else max(budget, self.blocks.block_size))
+            if best_effort:  # alone (nothing decoding beside it, none admitted this round) the rest goes whole
+                alone = len(self.running) == 1
+                end = self._chunk_end(r, None if budget is None or alone else max(budget, self.blocks.block_size))
             elif budget is not None and budget <= 0:
                 self._partial = True
                 continue

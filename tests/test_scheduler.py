@@ -701,6 +701,48 @@ def test_best_effort_prompts_in_chunks_go_after_the_rounds_admissions_and_none_s
     assert (one.num_computed_tokens, two.num_computed_tokens) == (29, 8) and one.num_output_tokens == 0
 
 
+def test_a_best_effort_chunk_takes_only_what_the_rounds_admissions_left_of_the_budget():
+    """A best-effort prompt in progress computes its next chunk in what this round's admissions left of
+    prefill_max_tokens (at least a block), not in a whole budget beside them: the step stays within the budget the
+    admitted prompt's TTFT was predicted with."""
+    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
+    s = Scheduler(SchedulerConfig(policy="kairos", prefill_max_tokens=64), 256, 4, max_model_len=512, predictor=model)
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=400))  # a reply without SLOs, decoding throughout
+    s.add(a)
+    _step(s, s.schedule(0.0))
+    long = _req(1, 400)
+    s.add(long)
+    p = s.schedule(0.0)
+    assert p.prefill == [long] and p.prefill_ends == [64]
+    _step(s, p)
+    slo = _req(2, 60, tpot=50.0, ttft=10_000.0)
+    s.add(slo)
+    p = s.schedule(0.0)
+    assert p.prefill == [slo, long] and p.prefill_ends == [60, 68] and p.num_prefill_tokens == 64
+    _step(s, p)
+    big = _req(3, 64, tpot=50.0, ttft=10_000.0)  # the whole budget: the prompt in progress still moves a block
+    s.add(big)
+    p = s.schedule(0.0)
+    assert p.prefill == [big, long] and p.prefill_ends == [64, 72]
+
+
+def test_a_best_effort_prompt_left_running_alone_finishes_whole():
+    """Once the replies beside a best-effort prompt in progress have ended, the rest of it is prefilled in one step,
+    as a prompt admitted alone is."""
+    s = _sched("kairos", blocks=128, prefill_max_tokens=64)
+    a = _req(0, 5)
+    s.add(a)
+    _step(s, s.schedule(0.0))
+    long = _req(1, 200)
+    s.add(long)
+    p = s.schedule(0.0)
+    assert p.prefill_ends == [64] and p.decode == [a]
+    _step(s, p)
+    s.finish(a, FinishReason.STOP, 0.0)
+    p = s.schedule(0.0)
+    assert p.prefill == [long] and p.prefill_ends == [200] and p.requests == [long]
+
+
 def test_prefill_hold_lets_a_reply_past_saving_set_no_limit():
     s, a = _pressed_reply()
     long = _req(1, 200, tpot=50.0, ttft=1000.0, arrival=0.03)
