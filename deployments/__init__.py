@@ -86,6 +86,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
         # a request whose replica failed before its first token goes to another one (routed: the ingress's handle)
         "failovers": 0 if a.direct else FAILOVERS,
+        "unready_wait_s": a.unready_wait_s,
         "llm_transport": a.llm_transport,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),

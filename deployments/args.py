@@ -73,6 +73,9 @@ class ServeArgs(BaseModel):
     api_keys_env: str | None = Field(None, description="env var holding comma-separated API keys (Bearer auth)")
     api_key_file: str | None = Field(None, description="file with one API key per line (Bearer auth)")
     retry_after_s: int = Field(1, ge=1, description="minimum Retry-After on 429/503")
+    unready_wait_s: float = Field(30.0, ge=0, description="routed topology: how long a request waits at the Ingress "
+                                  "while no LLM replica can serve (none has loaded its model yet, or Serve is "
+                                  "replacing them) before it gets a 503 `unavailable` with Retry-After")
     stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="stream batching: after the first token, "
                                       "send at most one chunk per request per interval, merging the tokens "
                                       "generated meanwhile; the final tokens go out as soon as the request ends. "

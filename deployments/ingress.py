@@ -45,6 +45,7 @@ from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
 
 log = logging.getLogger("ray.serve")
+UNREADY_POLL_S = 0.05  # how often a request waiting for an LLM replica looks again (`_until_ready`)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -220,6 +221,8 @@ class OpenAIFrontend:
         self.reroutes: int = settings.get("reroutes", 0)
         # a request whose replica failed before its first item is sent again, to another replica, this many times
         self.failovers: int = settings.get("failovers", 0)
+        # a request that finds no LLM replica able to serve waits this long for one, then gets a 503 (`_until_ready`)
+        self.unready_wait_s: float = settings.get("unready_wait_s", 30.0)
         # the LLM replicas' streams come over gRPC (`llm_transport`; else Ray actor calls)
         self.grpc: bool = settings.get("llm_transport", "ray") == "grpc"
         self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
@@ -283,6 +286,10 @@ class OpenAIFrontend:
         """Why this frontend cannot serve now although it was ready (its engine died; Serve will replace the
         replica), else None."""
         return None
+
+    async def _until_ready(self) -> None:
+        """Before a parsed request is sent: wait while nothing could serve it (the routed Ingress, `IngressFrontend`;
+        a replica serving HTTP itself is ready from its first request)."""
 
     # ------------------------------------------------------------------ routes (registered by `openai_api`)
     async def health(self) -> Any:
@@ -453,6 +460,7 @@ class OpenAIFrontend:
             await _drain(request.stream())
             raise
         body, reqs = self._build(request, await self._read_json(request), kind, rid)
+        await self._until_ready()
         t_call = time.perf_counter()
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)
@@ -1174,6 +1182,21 @@ class IngressFrontend(OpenAIFrontend):
 
     def _unavailable(self) -> str | None:
         return self._readiness.down  # no LLM replica can serve now
+
+    async def _until_ready(self) -> None:
+        """While no LLM replica can serve (none has loaded its model yet, or `Readiness.monitor` says none can now),
+        a request waits for one at most `unready_wait_s`, then gets a 503 `unavailable` with Retry-After: Serve's
+        handle would hold it with no limit (an LLM replica that cannot be placed never comes up). The wait counts
+        against its TTFT SLO, whose time runs from its arrival."""
+        deadline = None
+        while self._readiness.info is None or self._readiness.down is not None:
+            now = time.monotonic()
+            deadline = now + self.unready_wait_s if deadline is None else deadline
+            if now >= deadline:
+                why = self._readiness.down or "no LLM replica is ready yet"
+                raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
+                               {"Retry-After": str(self.retry_after_s)})
+            await asyncio.sleep(UNREADY_POLL_S)
 
 
 Ingress = serve.deployment(serve.ingress(openai_api())(IngressFrontend), name="Ingress",

@@ -264,8 +264,9 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        """The message's text: a list of text parts joined by newlines, as vLLM renders them."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content)
         return self.content or ""
 
 

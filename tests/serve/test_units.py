@@ -1011,6 +1011,39 @@ def test_readiness_monitor_says_when_no_llm_replica_can_serve() -> None:
     assert downs[9] is None  # a live engine answers
 
 
+def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> None:
+    """Routed: a request that finds no LLM replica able to serve (none has loaded yet, or none can now) waits for one
+    at most `unready_wait_s`, then gets a 503 `unavailable` with Retry-After; one that comes up meanwhile serves it."""
+    from deployments.errors import APIError
+    from deployments.ingress import IngressFrontend, Readiness
+
+    front = object.__new__(IngressFrontend)
+    front._readiness, front.unready_wait_s, front.retry_after_s = Readiness(), 0.1, 3
+
+    async def refused() -> APIError:
+        t0 = time.monotonic()
+        with pytest.raises(APIError) as e:
+            await front._until_ready()
+        assert time.monotonic() - t0 >= 0.1
+        return e.value
+
+    e = asyncio.run(refused())  # never came up (an LLM replica Serve cannot place)
+    assert (e.status, e.code, e.headers["Retry-After"]) == (503, "unavailable", "3") and "ready yet" in e.message
+
+    async def comes_up() -> None:
+        async def ready_soon() -> None:
+            await asyncio.sleep(0.03)
+            front._readiness.info = {"max_model_len": 7}
+        task = asyncio.create_task(ready_soon())
+        await asyncio.wait_for(front._until_ready(), 1.0)
+        await task
+    asyncio.run(comes_up())
+    asyncio.run(asyncio.wait_for(front._until_ready(), 1.0))  # ready: no wait
+    front._readiness.down = "no LLM replica is running"
+    e = asyncio.run(refused())
+    assert e.status == 503 and "no LLM replica is running" in e.message
+
+
 def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
     """Serve routes to a replica whose engine died until its health checks fail; the ingress sends a request that
     failed there before its first item to another one (`failovers`), the failed replica in its avoid list; a
@@ -1889,6 +1922,9 @@ def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
         with pytest.raises(ValidationError, match="needs a content"):
             P.ChatCompletionRequest.model_validate({"messages": [turn]})
     P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]})
+    parts = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}]})
+    assert parts.messages[0].text() == "What is\n2+2?"  # text parts joined by newlines, as vLLM renders them
     assert P.ModelCard(id="a").created == P.ModelCard(id="b").created == P.SERVED_SINCE
 
 
