@@ -426,8 +426,9 @@ class OpenAIFrontend:
         if body.model is not None and body.model not in self._served_names():  # absent: the served model
             raise model_not_found(body.model, self._served_names())
         slo = self._slo(request, body)
+        defaults = (self._ready_info() or {}).get("sampling_defaults")  # the model's (its generation_config)
         try:
-            params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens())).validate()
+            params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens(), defaults)).validate()
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=param_named(str(e))) from None
         if isinstance(body, P.CompletionRequest):
@@ -459,8 +460,9 @@ class OpenAIFrontend:
             # so that the client gets its 401 instead of a reset or an upload left hanging
             await _drain(request.stream())
             raise
-        body, reqs = self._build(request, await self._read_json(request), kind, rid)
-        await self._until_ready()
+        raw = await self._read_json(request)
+        await self._until_ready()  # (routed: the model's sampling defaults come with the first replica's answer)
+        body, reqs = self._build(request, raw, kind, rid)
         t_call = time.perf_counter()
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)

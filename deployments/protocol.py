@@ -159,13 +159,16 @@ class _Common(BaseModel):
             raise ValueError(f"max_tokens must be a positive integer, got {v}")
         return v
 
-    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
-        """Keyword arguments for `core.sampling.SamplingParams` (max_tokens None: fill the context window)."""
+    def sampling_kwargs(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Keyword arguments for `core.sampling.SamplingParams` (max_tokens None: fill the context window); a
+        temperature, top_p or top_k the request leaves out is the model's (`defaults`: what its generation_config
+        recommends, as vLLM applies it), else temperature 1, top_p 1 and no top_k."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        d = defaults or {}
         kw: dict[str, Any] = dict(
-            temperature=1.0 if self.temperature is None else self.temperature,  # tiny ones: greedy (engine)
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,  # tiny: greedy
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},

@@ -406,7 +406,8 @@ class LLMReplica:
                 "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}
 
     def model_info(self) -> dict[str, Any]:
-        return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive()}
+        return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive(),
+                "sampling_defaults": dict(self.engine.sampling_defaults)}
 
     async def _callers_loop(self, period_s: float) -> None:
         """Every `period_s`, abort in the engine the requests whose caller (an Ingress replica) Ray reports dead: when

@@ -25,6 +25,7 @@ class CoreInfo:
     latency_model: LatencyModel | None
     stats: EngineStats
     step_timeout_s: float = 0.0  # the engine's watchdog limit (0: none): also how long the child may be silent
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # LLMEngine.sampling_defaults
 
 
 @dataclass(frozen=True, slots=True)

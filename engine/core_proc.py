@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = engine.inputs
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
-                        inputs.kv_capacity_tokens, engine.latency_model, engine.stats(), engine.step_timeout_s)
+                        inputs.kv_capacity_tokens, engine.latency_model, engine.stats(), engine.step_timeout_s,
+                        engine.sampling_defaults)
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
@@ -345,6 +346,7 @@ class EngineCoreClient:
             raise
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
+        self.sampling_defaults = info.sampling_defaults
         self.latency_model = info.latency_model
         self._stats: EngineStats = info.stats
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,

@@ -162,6 +162,8 @@ class LLMEngine:
         self.tokenizer = b.tokenizer
         self.max_model_len = b.max_model_len
         self.model_name = b.name
+        # what a request that leaves them out samples with (the OpenAI server applies them: model_info)
+        self.sampling_defaults = dict(b.sampling_defaults) if config.generation_config == "auto" else {}
         spec = cache_spec(config, b, backend)
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0)

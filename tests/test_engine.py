@@ -585,3 +585,21 @@ def test_paged_prefill_limit_by_dtype_and_instruction_set():
     assert paged_prefill_max(Kernels("avx512_bf16"), torch.bfloat16) == PAGED_PREFILL_MAX_AVX512_BF16 == 4096
     for isa, dtype in (("amx", torch.bfloat16), (None, torch.bfloat16), ("avx512_bf16", torch.float32)):
         assert paged_prefill_max(Kernels(isa), dtype) == PAGED_PREFILL_MAX == 256
+
+
+@pytest.mark.parametrize("mode", ["auto", "vllm"])
+def test_the_engine_offers_the_models_sampling_defaults_unless_told_not_to(tiny_checkpoints, tmp_path, mode):
+    """generation_config=auto (vLLM's default): the engine offers what the model's generation_config recommends, which
+    the OpenAI server applies to requests that leave those knobs out; vllm: none (the server's own defaults)."""
+    import json
+    import shutil
+
+    path = tmp_path / "sampling"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    cfg = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**cfg, "temperature": 0.6, "top_p": 0.9}))
+    eng = _engine(str(path), generation_config=mode)
+    try:
+        assert eng.sampling_defaults == ({"temperature": 0.6, "top_p": 0.9} if mode == "auto" else {})
+    finally:
+        eng.shutdown()

@@ -127,6 +127,32 @@ def test_bearer_auth() -> None:
         assert e.value.status == 401
 
 
+def test_a_request_leaving_sampling_knobs_out_takes_the_models_defaults() -> None:
+    """The model's sampling defaults (its generation_config, in the engine's `model_info`) fill the knobs a request
+    leaves out; what it sends wins; before any engine has answered there are none to take."""
+    from fastapi import Request
+
+    from deployments.ingress import OpenAIFrontend
+
+    class Front(OpenAIFrontend):
+        info: dict | None = {"model": "m", "max_model_len": 64, "sampling_defaults": {"temperature": 0.6, "top_k": 20}}
+
+        def _ready_info(self) -> dict | None:
+            return self.info
+
+    f = object.__new__(Front)
+    f._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+    http = Request({"type": "http", "headers": []})
+    msgs = [{"role": "user", "content": "hi"}]
+    _, (req,) = f._build(http, {"messages": msgs}, "chat", "r1")
+    assert (req.params.temperature, req.params.top_p, req.params.top_k) == (0.6, 1.0, 20)
+    _, (req,) = f._build(http, {"messages": msgs, "temperature": 0.0, "top_k": 0}, "chat", "r2")
+    assert (req.params.temperature, req.params.top_k) == (0.0, 0)
+    f.info = None
+    _, (req,) = f._build(http, {"prompt": "hi"}, "completion", "r3")
+    assert (req.params.temperature, req.params.top_k) == (1.0, 0)
+
+
 def test_protocol_slo_values() -> None:
     assert P.parse_slo_header("x", " 250 ") == 250.0
     assert P.parse_slo_header("x", "64", integer=True) == 64
@@ -1077,6 +1103,9 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
                             error_kind=ErrorKind.UNAVAILABLE)  # then B's engine dies too
 
     class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:  # no engine has said what it serves
+            return None
+
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
 
@@ -1146,6 +1175,9 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
                             finish_reason=FinishReason.LENGTH, num_prompt_tokens=1, num_output_tokens=1)
 
     class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:  # no engine has said what it serves
+            return None
+
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
 
@@ -1299,6 +1331,9 @@ def test_a_streamed_batch_ends_at_a_prompt_whose_engine_died() -> None:
                 cancelled.append(req.prompt)
 
     class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:  # no engine has said what it serves
+            return None
+
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
 
@@ -1526,6 +1561,9 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
             closed.append(req.params.max_tokens)
 
     class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:  # no engine has said what it serves
+            return None
+
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
 
@@ -1922,6 +1960,11 @@ def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
         with pytest.raises(ValidationError, match="needs a content"):
             P.ChatCompletionRequest.model_validate({"messages": [turn]})
     P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]})
+    # a sampling knob the request leaves out is the model's (its generation_config's), else the server's default
+    chat = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "top_p": 0.5})
+    model = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert {k: chat.sampling_kwargs(8, model)[k] for k in model} == {"temperature": 0.6, "top_p": 0.5, "top_k": 20}
+    assert {k: chat.sampling_kwargs(8)[k] for k in model} == {"temperature": 1.0, "top_p": 0.5, "top_k": 0}
     parts = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}]})
     assert parts.messages[0].text() == "What is\n2+2?"  # text parts joined by newlines, as vLLM renders them
@@ -2052,6 +2095,9 @@ def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypa
                             num_prompt_tokens=1, num_output_tokens=2)
 
     class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:  # no engine has said what it serves
+            return None
+
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
 
@@ -2165,6 +2211,9 @@ def test_a_broken_grpc_stream_to_a_replica_is_a_503_to_retry() -> None:
             raise big
 
     class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:  # no engine has said what it serves
+            return None
+
         def _open(self, req: GenerateRequest) -> Failed:
             return Failed()
 
