@@ -45,6 +45,7 @@ from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
 
 log = logging.getLogger("ray.serve")
+SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
 UNREADY_POLL_S = 0.05  # how often a request waiting for an LLM replica looks again (`_until_ready`)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
@@ -302,6 +303,10 @@ class OpenAIFrontend:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503,
                                 headers={"Retry-After": "1"})
         return {"status": "ok"}
+
+    async def version(self) -> dict[str, str]:
+        """`GET /version` (vLLM's): the server's version."""
+        return {"version": SERVER_VERSION}
 
     async def models(self, request: Request) -> dict[str, Any]:
         self._auth(request)
@@ -1123,12 +1128,14 @@ class GenerationFastPath:
 def openai_api() -> FastAPI:
     """A FastAPI app whose routes are `OpenAIFrontend`'s methods; each deployment class gets its own
     (`serve.ingress` rewrites the app's routes for the class it decorates)."""
-    api = FastAPI(title="Kairos", version="0.1.0", description="SLO-aware OpenAI-compatible LLM server")
+    api = FastAPI(title="Kairos", version=SERVER_VERSION, description="SLO-aware OpenAI-compatible LLM server")
     api.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     api.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     api.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     api.add_exception_handler(Exception, _unexpected)
     api.add_api_route("/health", OpenAIFrontend.health, methods=["GET", "HEAD"])  # HEAD: load balancers probe so
+    api.add_api_route("/ping", OpenAIFrontend.health, methods=["GET", "POST"])  # vLLM's (SageMaker's probe)
+    api.add_api_route("/version", OpenAIFrontend.version, methods=["GET"])
     api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
     api.add_api_route("/v1/models/{model_id:path}", OpenAIFrontend.model, methods=["GET"])  # ids may hold a slash
     api.add_api_route("/metrics", OpenAIFrontend.prometheus_metrics, methods=["GET"],

@@ -24,6 +24,8 @@ def client(base_url: str):
 def test_health_and_models(client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.head("/health").status_code == 200
+    assert client.get("/ping").json() == client.post("/ping").json() == {"status": "ok"}  # vLLM's routes
+    assert client.get("/version").json() == {"version": "0.1.0"}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] > 0

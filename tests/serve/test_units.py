@@ -2235,3 +2235,13 @@ def test_llm_replicas_take_the_largest_body_the_api_lets_in_over_grpc() -> None:
     big = llm_actor_options(AppArgs.model_validate({"max_body_bytes": 16 << 20}), opts)
     assert int(big["runtime_env"]["env_vars"][GRPC_MAX_ENV]) >= 32 << 20 and big["num_gpus"] == 1
     assert llm_actor_options(AppArgs.model_validate({"max_body_bytes": 16 << 20, "llm_transport": "ray"}), opts) == opts
+
+
+def test_the_server_version_is_the_packages() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from deployments.ingress import SERVER_VERSION
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert SERVER_VERSION == project["version"]
