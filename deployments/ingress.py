@@ -466,8 +466,11 @@ class OpenAIFrontend:
             await _drain(request.stream())
             raise
         raw = await self._read_json(request)
-        await self._until_ready()  # (routed: the model's sampling defaults come with the first replica's answer)
-        body, reqs = self._build(request, raw, kind, rid)
+        known = self._ready_info() is not None
+        body, reqs = self._build(request, raw, kind, rid)  # a bad request is a 400 at once, ready or not
+        await self._until_ready()
+        if not known:  # built before an engine said the model's sampling defaults (routed, at start): again with them
+            body, reqs = self._build(request, raw, kind, rid)
         t_call = time.perf_counter()
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)

@@ -153,6 +153,57 @@ def test_a_request_leaving_sampling_knobs_out_takes_the_models_defaults() -> Non
     assert (req.params.temperature, req.params.top_k) == (1.0, 0)
 
 
+def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanwhile() -> None:
+    """Routed, at start: a request that came before an LLM replica said the model's sampling defaults is validated at
+    once, waits for one (`_until_ready`), and is sent with those defaults."""
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+
+    sent: list[GenerateRequest] = []
+
+    async def generate(req: GenerateRequest):
+        sent.append(req)
+        yield RequestOutput(req.request_id, text="!", token_ids=[2], finished=True, finish_reason="length",
+                            num_prompt_tokens=1, num_output_tokens=1)
+
+    class Front(OpenAIFrontend):
+        info: dict | None = None
+
+        def _ready_info(self) -> dict | None:
+            return self.info
+
+        async def _until_ready(self) -> None:  # an LLM replica answers meanwhile
+            self.info = {"model": "m", "max_model_len": 64, "sampling_defaults": {"temperature": 0.6}}
+
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+
+    class Api:
+        docs_url = None
+
+    async def run(body: dict) -> list[dict]:
+        out: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(msg: dict) -> None:
+            out.append(msg)
+
+        await asyncio.wait_for(GenerationFastPath(front, Api())(  # type: ignore[arg-type]
+            {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}, receive, send), 5)
+        return out
+
+    bad = asyncio.run(run({"prompt": "hi", "max_tokens": 0}))  # refused before any wait
+    assert bad[0]["status"] == 400 and front.info is None and not sent
+    ok = asyncio.run(run({"prompt": "hi", "max_tokens": 1}))
+    assert ok[0]["status"] == 200 and sent[0].params.temperature == 0.6
+
+
 def test_protocol_slo_values() -> None:
     assert P.parse_slo_header("x", " 250 ") == 250.0
     assert P.parse_slo_header("x", "64", integer=True) == 64
