@@ -84,6 +84,9 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
             if inspect.isawaitable(res):
                 await res
 
+    async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
+        return getattr(self, method)(*args)  # this replica's own engine (`LLMReplica`)
+
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return LocalStream(self._bounded(req))
 

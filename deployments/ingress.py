@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health;
+vLLM's /ping, /version, /tokenize and /detokenize.
 
 `OpenAIFrontend` reads every request with a byte cap (413), parses (400) and validates it (400), then starts it
 and awaits its first item *before* any status is sent, so SLO rejections, bad prompts and backpressure become
@@ -23,7 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
@@ -31,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (ChatTurn, ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput,
+from core.messages import (ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput,
                            check_output, clock_id, waited_since_ms)
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
@@ -338,6 +339,34 @@ class OpenAIFrontend:
                            "server_error", "metrics_unavailable", {"Retry-After": "1"}) from None
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """`POST /tokenize` (vLLM's): the token ids a completion (`prompt`) or a chat completion (`messages`, its
+        template rendered) would take, their count and the window; `return_token_strs` adds each token's text."""
+        self._auth(request)
+        raw = await self._read_json(request)
+        chat = isinstance(raw, dict) and "messages" in raw
+        body = self._validated(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, raw)
+        await self._until_ready()
+        got = await self._replica_call("prompt_tokens", None if chat else body.prompt, body.turns() if chat else None,
+                                       body.prompt_options(), body.return_token_strs)
+        if "error" in got:
+            raise APIError(400, got["error"], param="messages" if chat else "prompt")
+        return got
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """`POST /detokenize` (vLLM's): the text of `tokens`."""
+        self._auth(request)
+        body = self._validated(P.DetokenizeRequest, await self._read_json(request))
+        await self._until_ready()
+        got = await self._replica_call("token_text", body.tokens)
+        if "error" in got:
+            raise APIError(400, got["error"], param="tokens")
+        return got
+
+    async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
+        """A unary call to an LLM replica's `LLMReplica` method (the routed Ingress's handle, or this replica)."""
+        raise NotImplementedError
+
     async def completions(self, request: Request) -> Any:
         return await self._handle(request, "completion")
 
@@ -415,14 +444,11 @@ class OpenAIFrontend:
             got.append(value if value is not None else in_body)
         return SLO(ttft_ms=got[0], tpot_ms=got[1], output_len_hint=got[2])
 
-    def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, list[GenerateRequest]]:
-        """Validate once, here at the edge: the typed requests the replicas get need no further checks (one, or a
-        batched completion's, one per prompt: `rid-i`)."""
+    def _validated(self, schema: type[BaseModel], raw: Any) -> Any:
+        """`raw` (a parsed JSON body) as a request of `schema`, for a model this server serves; else a 400 (a 404 for
+        another model) naming the field."""
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
-        schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
-        if (name := P.unsupported_field(raw)) is not None:
-            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         try:
             body = schema.model_validate(raw)
         except ValidationError as e:
@@ -430,6 +456,15 @@ class OpenAIFrontend:
             raise APIError(400, message, param=param) from None
         if body.model is not None and body.model not in self._served_names():  # absent: the served model
             raise model_not_found(body.model, self._served_names())
+        return body
+
+    def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, list[GenerateRequest]]:
+        """Validate once, here at the edge: the typed requests the replicas get need no further checks (one, or a
+        batched completion's, one per prompt: `rid-i`)."""
+        schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
+        if isinstance(raw, dict) and (name := P.unsupported_field(raw)) is not None:
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        body = self._validated(schema, raw)
         slo = self._slo(request, body)
         defaults = (self._ready_info() or {}).get("sampling_defaults")  # the model's (its generation_config)
         try:
@@ -441,7 +476,7 @@ class OpenAIFrontend:
             return body, [GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, params=params,
                                           slo=slo, options=body.prompt_options(), prompt_len_hint=_len_hint(prompt))
                           for i, prompt in enumerate(prompts)]
-        turns = tuple(ChatTurn(m.role, m.text()) for m in body.messages)
+        turns = body.turns()
         return body, [GenerateRequest(rid, messages=turns, params=params, slo=slo, options=body.prompt_options(),
                                       prompt_len_hint=_len_hint("".join(t.content for t in turns)))]
 
@@ -1139,6 +1174,8 @@ def openai_api() -> FastAPI:
     api.add_api_route("/health", OpenAIFrontend.health, methods=["GET", "HEAD"])  # HEAD: load balancers probe so
     api.add_api_route("/ping", OpenAIFrontend.health, methods=["GET", "POST"])  # vLLM's (SageMaker's probe)
     api.add_api_route("/version", OpenAIFrontend.version, methods=["GET"])
+    api.add_api_route("/tokenize", OpenAIFrontend.tokenize, methods=["POST"])
+    api.add_api_route("/detokenize", OpenAIFrontend.detokenize, methods=["POST"])
     api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
     api.add_api_route("/v1/models/{model_id:path}", OpenAIFrontend.model, methods=["GET"])  # ids may hold a slash
     api.add_api_route("/metrics", OpenAIFrontend.prometheus_metrics, methods=["GET"],
@@ -1161,6 +1198,7 @@ class IngressFrontend(OpenAIFrontend):
         # the replica's event loop for this caller
         llm = llm.options(_by_reference=not self.grpc)
         self.llm = llm.options(stream=True)
+        self._unary = llm  # the replicas' other methods (`_replica_call`)
         import ray
 
         self._actor_id: str | None = ray.get_runtime_context().get_actor_id()  # the LLM replicas watch it (caller)
@@ -1172,6 +1210,16 @@ class IngressFrontend(OpenAIFrontend):
                 lambda: llm.model_info.remote(),
                 lambda: asyncio.to_thread(running_replicas, llm.app_name, llm.deployment_name))
         self._ready_task = asyncio.get_running_loop().create_task(readiness())
+
+    async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
+        try:
+            return await getattr(self._unary, method).remote(*args)
+        except BackPressureError as e:
+            raise overloaded(max(self.retry_after_s, int(getattr(e, "retry_after_s", None) or 0))) from None
+        except Exception as e:  # noqa: BLE001 - no replica could answer: the client may retry
+            log.warning("%s on an LLM replica failed: %r", method, e)
+            raise APIError(503, f"no LLM replica available: {type(e).__name__}", "server_error", "unavailable",
+                           {"Retry-After": str(self.retry_after_s)}) from None
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id,

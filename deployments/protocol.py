@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.messages import PromptOptions, RequestMetrics, check_template_kwargs
+from core.messages import ChatTurn, PromptOptions, RequestMetrics, check_template_kwargs
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 from core.sampling import MAX_LOGIT_BIAS
@@ -273,24 +273,15 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
+class _ChatPrompt(BaseModel):
+    """A chat's messages, and vLLM's fields for how they become the prompt (core.messages.PromptOptions)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
-    logprobs: bool | None = Field(None, json_schema_extra=_opt({"type": "boolean", "const": False}))
-    tools: list[Any] | None = Field(None, json_schema_extra=_opt({"type": "array", "maxItems": 0}))
-    # vLLM's: how the conversation becomes the prompt (core.messages.PromptOptions)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template writes its own
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
-        if self.logprobs or self.tools:
-            raise ValueError("logprobs and tools are not supported")
-        if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
-            raise ValueError("max_completion_tokens must be a positive integer")
-        return self
 
     @field_validator("continue_final_message")
     @classmethod
@@ -309,9 +300,53 @@ class ChatCompletionRequest(_Common):
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
                              self.chat_template_kwargs)
 
+    def turns(self) -> tuple[ChatTurn, ...]:
+        return tuple(ChatTurn(m.role, m.text()) for m in self.messages)
+
+
+class ChatCompletionRequest(_Common, _ChatPrompt):
+    max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
+    logprobs: bool | None = Field(None, json_schema_extra=_opt({"type": "boolean", "const": False}))
+    tools: list[Any] | None = Field(None, json_schema_extra=_opt({"type": "array", "maxItems": 0}))
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.logprobs or self.tools:
+            raise ValueError("logprobs and tools are not supported")
+        if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
+            raise ValueError("max_completion_tokens must be a positive integer")
+        return self
+
     def default_max_tokens(self) -> int | None:
         """None means "the rest of the context window" (OpenAI's chat default)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# vLLM's /tokenize and /detokenize
+class TokenizeCompletionRequest(BaseModel):
+    """A text prompt's token ids, as a completion would take them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str = Field(..., min_length=1)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(add_special_tokens=self.add_special_tokens)
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """A chat's token ids, as a chat completion would take them (its template rendered)."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int] = Field(..., max_length=1 << 20)
 
 
 # ---------------------------------------------------------------- responses

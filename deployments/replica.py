@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, PromptTooLong, RejectReason,
-                           RequestOutput, RoutingStats, ServedBy)
+from core.messages import (ChatTurn, ContextLengthExceeded, ErrorKind, GenerateRequest, PromptOptions, PromptTooLong,
+                           RejectReason, RequestOutput, RoutingStats, ServedBy)
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
@@ -404,6 +404,25 @@ class LLMReplica:
                 "pid": os.getpid(), "engine_pid": self._engine_pid,
                 # this replica's memory, its engine process included
                 "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}
+
+    def prompt_tokens(self, prompt: str | None, messages: tuple[ChatTurn, ...] | None, options: PromptOptions,
+                      token_strs: bool = False) -> dict[str, Any]:
+        """vLLM's /tokenize on this replica's model: the token ids a generation would take (`count`, `tokens`,
+        `max_model_len`, and with `token_strs` each token's text), or `error` for a prompt the engine refuses."""
+        inputs = self.engine.inputs
+        try:
+            ids = inputs.prompt_ids(prompt, messages, options.check())
+        except (ValueError, TypeError, UnicodeError) as e:
+            return {"error": str(e)[:500]}
+        strs = inputs.tokenizer.convert_ids_to_tokens(ids) if token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def token_text(self, tokens: list[int]) -> dict[str, Any]:
+        """vLLM's /detokenize on this replica's model: the text of `tokens` (`prompt`), or `error`."""
+        try:
+            return {"prompt": self.engine.inputs.detokenize(tokens)}
+        except ValueError as e:
+            return {"error": str(e)[:500]}
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive(),

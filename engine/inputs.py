@@ -89,6 +89,24 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return list(prompt)
 
+    def prompt_ids(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None = None,
+                   options: PromptOptions | None = None) -> list[int]:
+        """The token ids a generation would take for this prompt or chat (`process`'s), for vLLM's /tokenize;
+        ValueError on bad input."""
+        options = options or PromptOptions()
+        special = options.add_special_tokens
+        if messages is not None:
+            return self.tokenize(self.render_chat(messages, options), add_special_tokens=bool(special))
+        return self.tokenize(prompt, add_special_tokens=special is not False)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens kept, as vLLM's /detokenize); ValueError for ids outside the
+        vocabulary."""
+        vocab = self.vocab_limit
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"tokens must be integers in [0, {vocab})")
+        return self.tokenizer.decode(list(ids))
+
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
                 options: PromptOptions | None = None) -> Request:
@@ -102,11 +120,7 @@ class InputProcessor:
         if any(t >= self.vocab_limit for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_limit}")
         slo = (slo or SLO()).validate()
-        special = options.add_special_tokens
-        if messages is not None:
-            ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=bool(special))
-        else:
-            ids = self.tokenize(prompt, add_special_tokens=special is not False)
+        ids = self.prompt_ids(prompt, messages, options)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise PromptTooLong(len(ids), limit)

@@ -129,3 +129,18 @@ def test_a_max_tokens_beyond_the_window_is_clamped_to_what_the_window_leaves(bos
     assert (req.params.max_tokens, req.params.min_tokens) == (10, 3)
     req = inputs.process(prompt, SamplingParams(max_tokens=None), None, None)
     assert req.params.max_tokens == 24  # chat's default: the rest of the window
+
+
+def test_prompt_ids_are_what_a_generation_takes_and_detokenize_reads_them_back(bos_tokenizer):
+    """vLLM's /tokenize and /detokenize: the ids of a text prompt or a chat are those `process` gives a request, and
+    their text comes back whole (special tokens kept); ids outside the vocabulary are a clear error."""
+    tok, inputs = bos_tokenizer, _inputs(bos_tokenizer)
+    turns = [ChatTurn("user", "Hi there")]
+    for prompt, messages, options in (("Hello world", None, PromptOptions()), ("Hello", None,
+                                      PromptOptions(add_special_tokens=False)), (None, turns, PromptOptions())):
+        ids = inputs.prompt_ids(prompt, messages, options)
+        assert ids == inputs.process(prompt, None, None, None, messages, options).prompt_token_ids
+    ids = inputs.prompt_ids(None, turns, PromptOptions())
+    assert inputs.detokenize(ids) == f"{IM_START}user\nHi there{IM_END}\n{IM_START}assistant\n"
+    with pytest.raises(ValueError, match="tokens must be integers in"):
+        inputs.detokenize([1, len(tok)])

@@ -191,6 +191,33 @@ def test_chat_template_options_change_the_prompt(client: httpx.Client) -> None:
         r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
+def test_tokenize_and_detokenize_as_vllm(client: httpx.Client) -> None:
+    """vLLM's /tokenize: the ids a completion or a chat completion takes (their count is its usage's prompt_tokens),
+    the window, each token's text when asked; /detokenize reads ids back. Bad input is a 400 naming the field."""
+    def usage(path: str, **body) -> int:
+        r = client.post(path, json={**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello, Kairos", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["count"] == len(got["tokens"]) == len(got["token_strs"]) == usage("/v1/completions",
+                                                                                  prompt="Hello, Kairos")
+    assert got["max_model_len"] == client.get("/v1/models").json()["data"][0]["max_model_len"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = client.post("/tokenize", json={"messages": msgs}).json()
+    assert chat["count"] == usage("/v1/chat/completions", messages=msgs) and chat["token_strs"] is None
+    back = client.post("/detokenize", json={"tokens": chat["tokens"]})
+    assert back.status_code == 200 and "Be brief." in back.json()["prompt"] and "Hi" in back.json()["prompt"]
+    for path, body, param in (("/tokenize", {"prompt": ""}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": []}, "messages"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert client.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+
+
 def test_chat_stream_and_content_parts(client: httpx.Client) -> None:
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " a story"}]}]
     with client.stream("POST", "/v1/chat/completions",
