@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health;
 vLLM's /ping, /version, /tokenize and /detokenize.
 
-`OpenAIFrontend` reads every request with a byte cap (413), parses (400) and validates it (400), then starts it
-and awaits its first item *before* any status is sent, so SLO rejections, bad prompts and backpressure become
+`OpenAIFrontend` reads every request with a byte cap (413), parses (400) and validates it (400), waits (bounded:
+503) where no engine can serve it yet, then starts it and awaits its first item *before* any status is sent, so SLO rejections, bad prompts and backpressure become
 proper 4xx/5xx answers and a 200 stream never turns into a 429. A client that disconnects cancels the stream,
 which aborts the request in the engine (see replica.py). Where a request goes is the subclass's part: `Ingress`
 (the routed topology) sends it to an `LLMServer` replica through a streaming handle; `deployments.direct` serves
@@ -47,7 +47,6 @@ from deployments.refusals import note_refusal
 
 log = logging.getLogger("ray.serve")
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
-UNREADY_POLL_S = 0.05  # how often a request waiting for an LLM replica looks again (`_until_ready`)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -150,8 +149,35 @@ class Readiness:
     load balancer."""
 
     def __init__(self) -> None:
-        self.info: dict[str, Any] | None = None
-        self.down: str | None = None  # why no LLM replica can serve now (`monitor`), None while one can
+        self._info: dict[str, Any] | None = None
+        self._down: str | None = None
+        self.serving = asyncio.Event()  # set while an LLM replica can serve: ready and not down
+
+    @property
+    def info(self) -> dict[str, Any] | None:
+        """The model's info (`model_info`) once an LLM replica has answered, the latest answer since."""
+        return self._info
+
+    @info.setter
+    def info(self, info: dict[str, Any] | None) -> None:
+        self._info = info
+        self._sync()
+
+    @property
+    def down(self) -> str | None:
+        """Why no LLM replica can serve now (`monitor`), None while one can."""
+        return self._down
+
+    @down.setter
+    def down(self, why: str | None) -> None:
+        self._down = why
+        self._sync()
+
+    def _sync(self) -> None:
+        if self._info is not None and self._down is None:
+            self.serving.set()
+        else:
+            self.serving.clear()
 
     @property
     def ready(self) -> bool:
@@ -187,6 +213,8 @@ class Readiness:
                 try:
                     info = await asyncio.wait_for(probe(), timeout_s)
                     why = None if info.get("alive", True) else "the LLM replicas' engines exited"
+                    if why is None:
+                        self.info = info  # the latest (a redeployed LLM deployment may serve otherwise)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # noqa: BLE001 - busy replicas, or one being replaced: no news
@@ -209,8 +237,9 @@ class GenerateStream(Protocol):
 class OpenAIFrontend:
     """The OpenAI HTTP surface (routes, auth, validation, SSE, error mapping), apart from where requests go.
 
-    A subclass says that with `_open(req)` (start a request's stream) and `_ready_info()` (the model's info once an
-    engine can serve, None before). `Ingress` sends requests to LLM replicas through a Serve handle;
+    A subclass says that with `_open(req)` (start a request's stream), `_ready_info()` (the model's info once an
+    engine can serve, None before), `_unavailable()`, `_until_ready()` (wait, bounded, for an engine that can serve)
+    and `_replica_call` (an LLM replica's other methods: /tokenize). `Ingress` sends requests to LLM replicas through a Serve handle;
     `deployments.direct.DirectLLMServer` is an LLM replica that serves HTTP itself. `openai_api()` builds the
     FastAPI app whose routes are this class's methods; `serve.ingress` binds them to the replica's instance, and
     the replica serves that app behind `GenerationFastPath`, which takes the two generation routes itself."""
@@ -345,8 +374,7 @@ class OpenAIFrontend:
         self._auth(request)
         raw = await self._read_json(request)
         chat = isinstance(raw, dict) and "messages" in raw
-        body = self._validated(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, raw)
-        await self._until_ready()
+        body = await self._validated_when_ready(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, raw)
         got = await self._replica_call("prompt_tokens", None if chat else body.prompt, body.turns() if chat else None,
                                        body.prompt_options(), body.return_token_strs)
         if "error" in got:
@@ -356,12 +384,19 @@ class OpenAIFrontend:
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """`POST /detokenize` (vLLM's): the text of `tokens`."""
         self._auth(request)
-        body = self._validated(P.DetokenizeRequest, await self._read_json(request))
-        await self._until_ready()
+        body = await self._validated_when_ready(P.DetokenizeRequest, await self._read_json(request))
         got = await self._replica_call("token_text", body.tokens)
         if "error" in got:
             raise APIError(400, got["error"], param="tokens")
         return got
+
+    async def _validated_when_ready(self, schema: type[BaseModel], raw: Any) -> Any:
+        """`_validated` at once (a bad body is a 400 whether an engine is ready or not), and once one can serve
+        (`_until_ready`) with the model it names checked against the one it loaded."""
+        known = self._ready_info() is not None
+        body = self._validated(schema, raw, known)
+        await self._until_ready()
+        return body if known else self._validated(schema, raw)
 
     async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
         """A unary call to an LLM replica's `LLMReplica` method (the routed Ingress's handle, or this replica)."""
@@ -444,9 +479,9 @@ class OpenAIFrontend:
             got.append(value if value is not None else in_body)
         return SLO(ttft_ms=got[0], tpot_ms=got[1], output_len_hint=got[2])
 
-    def _validated(self, schema: type[BaseModel], raw: Any) -> Any:
-        """`raw` (a parsed JSON body) as a request of `schema`, for a model this server serves; else a 400 (a 404 for
-        another model) naming the field."""
+    def _validated(self, schema: type[BaseModel], raw: Any, check_model: bool = True) -> Any:
+        """`raw` (a parsed JSON body) as a request of `schema`, for a model this server serves (`check_model`: once
+        an engine has said which it loaded); else a 400 (a 404 for another model) naming the field."""
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
         try:
@@ -454,17 +489,18 @@ class OpenAIFrontend:
         except ValidationError as e:
             message, param = _validation_message(e, schema.model_fields)
             raise APIError(400, message, param=param) from None
-        if body.model is not None and body.model not in self._served_names():  # absent: the served model
+        if check_model and body.model is not None and body.model not in self._served_names():  # absent: served
             raise model_not_found(body.model, self._served_names())
         return body
 
-    def _build(self, request: Request, raw: Any, kind: str, rid: str) -> tuple[P._Common, list[GenerateRequest]]:
+    def _build(self, request: Request, raw: Any, kind: str, rid: str, check_model: bool = True
+               ) -> tuple[P._Common, list[GenerateRequest]]:
         """Validate once, here at the edge: the typed requests the replicas get need no further checks (one, or a
-        batched completion's, one per prompt: `rid-i`)."""
+        batched completion's, one per prompt: `rid-i`). `check_model`: see `_validated`."""
         schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
         if isinstance(raw, dict) and (name := P.unsupported_field(raw)) is not None:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-        body = self._validated(schema, raw)
+        body = self._validated(schema, raw, check_model)
         slo = self._slo(request, body)
         defaults = (self._ready_info() or {}).get("sampling_defaults")  # the model's (its generation_config)
         try:
@@ -502,11 +538,12 @@ class OpenAIFrontend:
             raise
         raw = await self._read_json(request)
         known = self._ready_info() is not None
-        body, reqs = self._build(request, raw, kind, rid)  # a bad request is a 400 at once, ready or not
-        await self._until_ready()
-        if not known:  # built before an engine said the model's sampling defaults (routed, at start): again with them
-            body, reqs = self._build(request, raw, kind, rid)
+        body, reqs = self._build(request, raw, kind, rid, known)  # a bad request is a 400 at once, ready or not
         t_call = time.perf_counter()
+        if not known or self._unavailable() is not None:  # (a client that gives up meanwhile ends its wait)
+            await until_disconnected(request.receive, self._until_ready())
+            if not known:  # built before an engine said the model and its sampling defaults (routed, at start)
+                body, reqs = self._build(request, raw, kind, rid)
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)
         if proxy_ms > 0:
@@ -1248,15 +1285,15 @@ class IngressFrontend(OpenAIFrontend):
         a request waits for one at most `unready_wait_s`, then gets a 503 `unavailable` with Retry-After: Serve's
         handle would hold it with no limit (an LLM replica that cannot be placed never comes up). The wait counts
         against its TTFT SLO, whose time runs from its arrival."""
-        deadline = None
-        while self._readiness.info is None or self._readiness.down is not None:
-            now = time.monotonic()
-            deadline = now + self.unready_wait_s if deadline is None else deadline
-            if now >= deadline:
-                why = self._readiness.down or "no LLM replica is ready yet"
-                raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
-                               {"Retry-After": str(self.retry_after_s)})
-            await asyncio.sleep(UNREADY_POLL_S)
+        r = self._readiness
+        if r.serving.is_set():
+            return
+        try:
+            await asyncio.wait_for(r.serving.wait(), self.unready_wait_s)
+        except TimeoutError:
+            why = r.down or "no LLM replica is ready yet"
+            raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
+                           {"Retry-After": str(self.retry_after_s)}) from None
 
 
 Ingress = serve.deployment(serve.ingress(openai_api())(IngressFrontend), name="Ingress",

@@ -38,7 +38,7 @@ from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
                              host_cache_blocks)
-from engine.loader import load_model
+from engine.loader import load_model, sampling_defaults
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
@@ -163,7 +163,14 @@ class LLMEngine:
         self.max_model_len = b.max_model_len
         self.model_name = b.name
         # what a request that leaves them out samples with (the OpenAI server applies them: model_info)
-        self.sampling_defaults = dict(b.sampling_defaults) if config.generation_config == "auto" else {}
+        self.sampling_defaults: dict[str, float | int] = {}
+        if config.generation_config == "auto":
+            self.sampling_defaults, skipped = sampling_defaults(b.generation_sampling)
+            if self.sampling_defaults:
+                log.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
+            if skipped:
+                log.warning("the model's generation config sets %s, which this engine does not apply",
+                            ", ".join(f"{k}={v!r}" for k, v in skipped.items()))
         spec = cache_spec(config, b, backend)
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0)

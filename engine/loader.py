@@ -47,8 +47,8 @@ class ModelBundle:
     eos_token_ids: list[int] = field(default_factory=list)
     vocab_limit: int = 0  # = len(tokenizer) (capped at the embedding rows): ids >= this are never sampled
     tokenizer_path: str = ""  # where the tokenizer was loaded from (resolved like `path`)
-    # the sampling defaults its generation_config sets (`sampling_defaults`): temperature, top_p, top_k
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # the sampling knobs its generation_config sets, as it sets them (`sampling_defaults` reads them)
+    generation_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- device / dtype
@@ -272,7 +272,11 @@ def load_model(
 
     out_emb = lm.get_output_embeddings()
     rows = int(out_emb.weight.shape[0]) if out_emb is not None else int(config.vocab_size)
-    defaults = sampling_defaults(gen_cfg, model)
+    try:
+        given = gen_cfg.to_diff_dict() if gen_cfg is not None else {}
+    except Exception:  # noqa: BLE001 - an odd generation config: no sampling defaults, as without one
+        log.warning("model %s: its generation config could not be read; no sampling defaults", model)
+        given = {}
     return ModelBundle(
         model=lm,
         tokenizer=tok,
@@ -285,7 +289,7 @@ def load_model(
         eos_token_ids=eos,
         vocab_limit=min(len(tok), rows),
         tokenizer_path=tok_path,
-        sampling_defaults=defaults,
+        generation_sampling={k: given[k] for k in (*SAMPLING_DEFAULT_KEYS, *_UNAPPLIED) if k in given},
     )
 
 
@@ -294,32 +298,23 @@ SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k")  # what a generation_c
 _UNAPPLIED = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-def sampling_defaults(gen_cfg: Any, model: str = "") -> dict[str, float | int]:
-    """The sampling defaults a checkpoint's generation_config.json recommends, as vLLM's `--generation-config auto`
-    applies them to a request that leaves them out: the temperature, top_p and top_k it sets (those it leaves at
-    transformers' defaults are not set). A repetition penalty or min_p it sets, which the engine has no sampler
-    for, is logged and left out."""
-    if gen_cfg is None:
-        return {}
-    try:
-        given = gen_cfg.to_diff_dict()
-    except Exception:  # noqa: BLE001 - an odd generation config: no defaults, as without one
-        log.warning("model %s: its generation config could not be read; no sampling defaults taken", model)
-        return {}
-    out: dict[str, float | int] = {}
+def sampling_defaults(given: dict[str, Any]) -> tuple[dict[str, float | int], dict[str, Any]]:
+    """What a checkpoint's generation_config sets (`ModelBundle.generation_sampling`) as the defaults of requests
+    that leave them out, as vLLM's `--generation-config auto` takes them: the temperature, top_p and top_k it sets
+    (those it leaves unset are not), each valid as a request's would be; and what it sets that is not taken (a
+    repetition penalty or min_p, which the engine has no sampler for, or an invalid value), for the log."""
     valid = {"temperature": lambda v: 0.0 <= v <= 100.0, "top_p": lambda v: 0.0 < v <= 1.0,
              "top_k": lambda v: v >= -1 and v == int(v)}  # as a request's (deployments/protocol.py)
+    taken: dict[str, float | int] = {}
+    skipped: dict[str, Any] = {}
     for key in SAMPLING_DEFAULT_KEYS:
         v = given.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and valid[key](v):
-            out[key] = int(v) if key == "top_k" else float(v)
+            taken[key] = int(v) if key == "top_k" else float(v)
         elif v is not None:
-            log.warning("model %s: its generation config's %s=%r is not a valid default; not taken", model, key, v)
-    skipped = {k: given[k] for k, neutral in _UNAPPLIED.items() if given.get(k) not in (None, neutral)}
-    if skipped:
-        log.warning("model %s: its generation config recommends %s, which this engine does not apply", model,
-                    ", ".join(f"{k}={v}" for k, v in skipped.items()))
-    return out
+            skipped[key] = v
+    skipped.update({k: given[k] for k, neutral in _UNAPPLIED.items() if given.get(k) not in (None, neutral)})
+    return taken, skipped
 
 
 __all__ = ["ModelBundle", "SUPPORTED_FAMILIES", "load_model", "resolve_device", "resolve_dtype"]

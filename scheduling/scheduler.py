@@ -360,8 +360,8 @@ class Scheduler:
         for r in self.running:
             if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
-            if best_effort:  # alone (nothing decoding beside it, none admitted this round) the rest goes whole
-                alone = len(self.running) == 1
+            if best_effort:  # alone (nothing beside it, none admitted this round, none waiting) the rest goes whole
+                alone = len(self.running) == 1 and not self.waiting
                 end = self._chunk_end(r, None if budget is None or alone else max(budget, self.blocks.block_size))
             elif budget is not None and budget <= 0:
                 self._partial = True

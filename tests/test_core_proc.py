@@ -108,6 +108,7 @@ def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client, in_proce
     assert all(g[1].finish_reason is FinishReason.LENGTH for g in got)
     assert [_text(client.generate(r)) for r in reqs] == [w[1] for w in in_process]
     assert client.model_name == tiny_checkpoints["llama"] and client.max_model_len > 0
+    assert client.sampling_defaults == {}  # said by the child (CoreInfo): this checkpoint recommends none
 
 
 def test_bad_input_is_a_value_error_in_the_caller(client):

@@ -353,22 +353,22 @@ def test_a_cuda_device_comes_back_with_its_index(monkeypatch):
         resolve_device("cuda:2")
 
 
-def test_the_models_generation_config_gives_its_sampling_defaults(tiny_checkpoints, tmp_path, caplog):
-    """What a checkpoint's generation_config.json recommends for temperature, top_p and top_k becomes the defaults of
+def test_the_models_generation_config_gives_its_sampling_defaults(tiny_checkpoints, tmp_path):
+    """What a checkpoint's generation_config.json sets for temperature, top_p and top_k becomes the defaults of
     requests that leave them out (vLLM's --generation-config auto); a repetition penalty, which the engine does not
-    apply, is logged and left out, and an invalid value is not taken. A checkpoint recommending none has none."""
+    apply, and an invalid value are set aside for the log. A checkpoint that sets none has none."""
     import shutil
 
-    assert load_model(tiny_checkpoints["llama"], device="cpu").sampling_defaults == {}
+    from engine.loader import sampling_defaults
+
+    assert load_model(tiny_checkpoints["llama"], device="cpu").generation_sampling == {}
     path = tmp_path / "sampling"
     shutil.copytree(tiny_checkpoints["llama"], path)
     cfg = json.loads((path / "generation_config.json").read_text())
     cfg.update(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
     (path / "generation_config.json").write_text(json.dumps(cfg))
-    with caplog.at_level("WARNING", logger="kairos.loader"):
-        b = load_model(str(path), device="cpu")
-    assert b.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
-    assert "repetition_penalty=1.05" in caplog.text
-    cfg.update(top_p=0.0, temperature=0.7, repetition_penalty=1.0)
-    (path / "generation_config.json").write_text(json.dumps(cfg))
-    assert load_model(str(path), device="cpu").sampling_defaults == {"temperature": 0.7, "top_k": 20}
+    given = load_model(str(path), device="cpu").generation_sampling
+    assert given == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+    assert sampling_defaults(given) == ({"temperature": 0.6, "top_p": 0.9, "top_k": 20}, {"repetition_penalty": 1.05})
+    assert sampling_defaults({"top_p": 0.0, "temperature": 0.7, "repetition_penalty": 1.0, "min_p": 0.1}) == (
+        {"temperature": 0.7}, {"top_p": 0.0, "min_p": 0.1})

@@ -155,7 +155,8 @@ def test_a_request_leaving_sampling_knobs_out_takes_the_models_defaults() -> Non
 
 def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanwhile() -> None:
     """Routed, at start: a request that came before an LLM replica said the model's sampling defaults is validated at
-    once, waits for one (`_until_ready`), and is sent with those defaults."""
+    once, waits for one (`_until_ready`), and is sent with those defaults; the model it names is checked against the
+    one that replica loaded."""
     from deployments.direct import LocalStream
     from deployments.ingress import GenerationFastPath, OpenAIFrontend
 
@@ -173,7 +174,7 @@ def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanw
             return self.info
 
         async def _until_ready(self) -> None:  # an LLM replica answers meanwhile
-            self.info = {"model": "m", "max_model_len": 64, "sampling_defaults": {"temperature": 0.6}}
+            self.info = {"model": "/models/m", "max_model_len": 64, "sampling_defaults": {"temperature": 0.6}}
 
         def _open(self, req: GenerateRequest) -> LocalStream:
             return LocalStream(generate(req))
@@ -200,8 +201,9 @@ def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanw
 
     bad = asyncio.run(run({"prompt": "hi", "max_tokens": 0}))  # refused before any wait
     assert bad[0]["status"] == 400 and front.info is None and not sent
-    ok = asyncio.run(run({"prompt": "hi", "max_tokens": 1}))
+    ok = asyncio.run(run({"prompt": "hi", "max_tokens": 1, "model": "/models/m"}))  # the model it loads: not a 404
     assert ok[0]["status"] == 200 and sent[0].params.temperature == 0.6
+    assert asyncio.run(run({"prompt": "hi", "max_tokens": 1, "model": "other"}))[0]["status"] == 404
 
 
 def test_protocol_slo_values() -> None:
@@ -1104,21 +1106,24 @@ def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> 
         assert time.monotonic() - t0 >= 0.1
         return e.value
 
-    e = asyncio.run(refused())  # never came up (an LLM replica Serve cannot place)
-    assert (e.status, e.code, e.headers["Retry-After"]) == (503, "unavailable", "3") and "ready yet" in e.message
+    async def run() -> None:
+        e = await refused()  # never came up (an LLM replica Serve cannot place)
+        assert (e.status, e.code, e.headers["Retry-After"]) == (503, "unavailable", "3") and "ready yet" in e.message
 
-    async def comes_up() -> None:
         async def ready_soon() -> None:
             await asyncio.sleep(0.03)
             front._readiness.info = {"max_model_len": 7}
         task = asyncio.create_task(ready_soon())
-        await asyncio.wait_for(front._until_ready(), 1.0)
+        await asyncio.wait_for(front._until_ready(), 1.0)  # comes up meanwhile
         await task
-    asyncio.run(comes_up())
-    asyncio.run(asyncio.wait_for(front._until_ready(), 1.0))  # ready: no wait
-    front._readiness.down = "no LLM replica is running"
-    e = asyncio.run(refused())
-    assert e.status == 503 and "no LLM replica is running" in e.message
+        await asyncio.wait_for(front._until_ready(), 1.0)  # ready: no wait
+        front._readiness.down = "no LLM replica is running"
+        e = await refused()
+        assert e.status == 503 and "no LLM replica is running" in e.message
+        front._readiness.down = None
+        await asyncio.wait_for(front._until_ready(), 1.0)
+
+    asyncio.run(run())
 
 
 def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
