@@ -656,17 +656,29 @@ def test_a_best_effort_prompt_beside_running_replies_goes_in_chunks_of_the_budge
     assert got == ends and long.num_output_tokens == 1
 
 
+def _long_prompt_beside_a_reply(model: LatencyModel) -> tuple[Scheduler, Request, Request]:
+    """kairos (prefill_max_tokens 64) over `model`, a reply without SLOs decoding throughout, and a best-effort prompt
+    of 400 tokens just added."""
+    s = Scheduler(SchedulerConfig(policy="kairos", prefill_max_tokens=64), 256, 4, max_model_len=512, predictor=model)
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=400))
+    return s, a, _prompt_beside(s, a, 400)
+
+
+def _prompt_beside(s: Scheduler, reply: Request, n: int) -> Request:
+    """`reply` admitted and through its first step, then a best-effort prompt of `n` tokens added (returned)."""
+    s.add(reply)
+    _step(s, s.schedule(0.0))
+    long = _req(1, n)
+    s.add(long)
+    return long
+
+
 def test_a_best_effort_chunk_deep_in_a_long_prompt_takes_no_longer_than_a_fresh_prompt_of_the_budget():
     """Beside running replies a chunk's time, not only its tokens, is capped: deep in a long prompt each token attends
     to all before it, so the later chunks are shorter, each predicted at most as long as a fresh prompt of
     prefill_max_tokens."""
     model = LatencyModel(prefill_coef=(0.01, 1.0, 1e-4), decode_coef=(0.0, 0.5, 0.0, 5.0))  # + 1e-4 ms a token pair
-    s = Scheduler(SchedulerConfig(policy="kairos", prefill_max_tokens=64), 256, 4, max_model_len=512, predictor=model)
-    a = Request("a", [1] * 5, SamplingParams(max_tokens=400))  # a reply without SLOs, decoding throughout
-    s.add(a)
-    _step(s, s.schedule(0.0))
-    long = _req(1, 400)
-    s.add(long)
+    s, a, long = _long_prompt_beside_a_reply(model)
     cap = model.prefill_ms(64, 64 * 64)
     ends = []
     while long.num_output_tokens == 0:
@@ -705,13 +717,7 @@ def test_a_best_effort_chunk_takes_only_what_the_rounds_admissions_left_of_the_b
     """A best-effort prompt in progress computes its next chunk in what this round's admissions left of
     prefill_max_tokens (at least a block), not in a whole budget beside them: the step stays within the budget the
     admitted prompt's TTFT was predicted with."""
-    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
-    s = Scheduler(SchedulerConfig(policy="kairos", prefill_max_tokens=64), 256, 4, max_model_len=512, predictor=model)
-    a = Request("a", [1] * 5, SamplingParams(max_tokens=400))  # a reply without SLOs, decoding throughout
-    s.add(a)
-    _step(s, s.schedule(0.0))
-    long = _req(1, 400)
-    s.add(long)
+    s, _, long = _long_prompt_beside_a_reply(LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0)))
     p = s.schedule(0.0)
     assert p.prefill == [long] and p.prefill_ends == [64]
     _step(s, p)
@@ -729,12 +735,8 @@ def test_a_best_effort_chunk_takes_only_what_the_rounds_admissions_left_of_the_b
 def test_a_best_effort_prompt_left_running_alone_finishes_whole():
     """Once the replies beside a best-effort prompt in progress have ended, the rest of it is prefilled in one step,
     as a prompt admitted alone is."""
-    s = _sched("kairos", blocks=128, prefill_max_tokens=64)
-    a = _req(0, 5)
-    s.add(a)
-    _step(s, s.schedule(0.0))
-    long = _req(1, 200)
-    s.add(long)
+    s, a = _sched("kairos", blocks=128, prefill_max_tokens=64), _req(0, 5)
+    long = _prompt_beside(s, a, 200)
     p = s.schedule(0.0)
     assert p.prefill_ends == [64] and p.decode == [a]
     _step(s, p)

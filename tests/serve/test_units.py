@@ -7,6 +7,7 @@ import json
 import random
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -153,12 +154,29 @@ def test_a_request_leaving_sampling_knobs_out_takes_the_models_defaults() -> Non
     assert (req.params.temperature, req.params.top_k) == (1.0, 0)
 
 
+def _local_fast_path(front_cls: type, generate: Any) -> tuple[Any, Any]:
+    """A bare instance of frontend `front_cls` whose requests stream `generate(req)` here (no replica), and the
+    generation fast path serving it."""
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath
+
+    class Front(front_cls):
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    class Api:
+        docs_url = None
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+    return front, GenerationFastPath(front, Api())  # type: ignore[arg-type]
+
+
 def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanwhile() -> None:
     """Routed, at start: a request that came before an LLM replica said the model's sampling defaults is validated at
     once, waits for one (`_until_ready`), and is sent with those defaults; the model it names is checked against the
     one that replica loaded."""
-    from deployments.direct import LocalStream
-    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+    from deployments.ingress import OpenAIFrontend
 
     sent: list[GenerateRequest] = []
 
@@ -176,14 +194,7 @@ def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanw
         async def _until_ready(self) -> None:  # an LLM replica answers meanwhile
             self.info = {"model": "/models/m", "max_model_len": 64, "sampling_defaults": {"temperature": 0.6}}
 
-        def _open(self, req: GenerateRequest) -> LocalStream:
-            return LocalStream(generate(req))
-
-    front = object.__new__(Front)
-    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
-
-    class Api:
-        docs_url = None
+    front, app = _local_fast_path(Front, generate)
 
     async def run(body: dict) -> list[dict]:
         out: list[dict] = []
@@ -194,7 +205,7 @@ def test_a_request_sent_before_any_engine_answered_takes_the_defaults_said_meanw
         async def send(msg: dict) -> None:
             out.append(msg)
 
-        await asyncio.wait_for(GenerationFastPath(front, Api())(  # type: ignore[arg-type]
+        await asyncio.wait_for(app(
             {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "query_string": b"",
              "headers": [(b"content-type", b"application/json")]}, receive, send), 5)
         return out
@@ -1364,8 +1375,7 @@ def test_a_streamed_batch_ends_at_a_prompt_whose_engine_died() -> None:
     with the code a 503 would have) and cancels the others: no usage chunk, no choice left without its end."""
     from core.messages import ErrorKind
     from core.request import FinishReason
-    from deployments.direct import LocalStream
-    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+    from deployments.ingress import OpenAIFrontend
 
     cancelled: list[str] = []
 
@@ -1390,16 +1400,7 @@ def test_a_streamed_batch_ends_at_a_prompt_whose_engine_died() -> None:
         def _ready_info(self) -> None:  # no engine has said what it serves
             return None
 
-        def _open(self, req: GenerateRequest) -> LocalStream:
-            return LocalStream(generate(req))
-
-    front = object.__new__(Front)
-    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
-
-    class Api:
-        docs_url = None
-
-    app = GenerationFastPath(front, Api())  # type: ignore[arg-type]
+    _, app = _local_fast_path(Front, generate)
 
     async def run() -> bytes:
         sent: list[dict] = []
