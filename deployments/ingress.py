@@ -2,11 +2,11 @@
 vLLM's /ping, /version, /tokenize and /detokenize.
 
 `OpenAIFrontend` reads every request with a byte cap (413), parses (400) and validates it (400), waits (bounded:
-503) where no engine can serve it yet, then starts it and awaits its first item *before* any status is sent, so SLO rejections, bad prompts and backpressure become
-proper 4xx/5xx answers and a 200 stream never turns into a 429. A client that disconnects cancels the stream,
-which aborts the request in the engine (see replica.py). Where a request goes is the subclass's part: `Ingress`
-(the routed topology) sends it to an `LLMServer` replica through a streaming handle; `deployments.direct` serves
-HTTP from the LLM replica itself.
+503) where no engine can serve it yet, then starts it and awaits its first item *before* any status is sent, so SLO
+rejections, bad prompts and backpressure become proper 4xx/5xx answers and a 200 stream never turns into a 429. A
+client that disconnects cancels the stream, which aborts the request in the engine (see replica.py). Where a request
+goes is the subclass's part: `Ingress` (the routed topology) sends it to an `LLMServer` replica through a streaming
+handle; `deployments.direct` serves HTTP from the LLM replica itself.
 """
 # NB: no `from __future__ import annotations`: FastAPI must see real annotations (Request) on Serve methods.
 
@@ -238,11 +238,12 @@ class OpenAIFrontend:
     """The OpenAI HTTP surface (routes, auth, validation, SSE, error mapping), apart from where requests go.
 
     A subclass says that with `_open(req)` (start a request's stream), `_ready_info()` (the model's info once an
-    engine can serve, None before), `_unavailable()`, `_until_ready()` (wait, bounded, for an engine that can serve)
-    and `_replica_call` (an LLM replica's other methods: /tokenize). `Ingress` sends requests to LLM replicas through a Serve handle;
-    `deployments.direct.DirectLLMServer` is an LLM replica that serves HTTP itself. `openai_api()` builds the
-    FastAPI app whose routes are this class's methods; `serve.ingress` binds them to the replica's instance, and
-    the replica serves that app behind `GenerationFastPath`, which takes the two generation routes itself."""
+    engine can serve, None before), `_unavailable()`, `_until_ready()` (wait, bounded, for an engine that can
+    serve) and `_replica_call` (an LLM replica's other methods: /tokenize). `Ingress` sends requests to LLM
+    replicas through a Serve handle; `deployments.direct.DirectLLMServer` is an LLM replica that serves HTTP
+    itself. `openai_api()` builds the FastAPI app whose routes are this class's methods; `serve.ingress` binds
+    them to the replica's instance, and the replica serves that app behind `GenerationFastPath`, which takes the
+    two generation routes itself."""
 
     def _init_frontend(self, settings: dict[str, Any]) -> None:
         self.served_model_name: str = settings["model_name"]
