@@ -375,7 +375,8 @@ class OpenAIFrontend:
         self._auth(request)
         raw = await self._read_json(request)
         chat = isinstance(raw, dict) and "messages" in raw
-        body = await self._validated_when_ready(P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest, raw)
+        schema = P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest
+        body, _ = await self._parsed_when_ready(request, lambda known: self._validated(schema, raw, known))
         got = await self._replica_call("prompt_tokens", None if chat else body.prompt, body.turns() if chat else None,
                                        body.prompt_options(), body.return_token_strs)
         if "error" in got:
@@ -385,19 +386,26 @@ class OpenAIFrontend:
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """`POST /detokenize` (vLLM's): the text of `tokens`."""
         self._auth(request)
-        body = await self._validated_when_ready(P.DetokenizeRequest, await self._read_json(request))
+        raw = await self._read_json(request)
+        body, _ = await self._parsed_when_ready(request, lambda known: self._validated(P.DetokenizeRequest, raw, known))
         got = await self._replica_call("token_text", body.tokens)
         if "error" in got:
             raise APIError(400, got["error"], param="tokens")
         return got
 
-    async def _validated_when_ready(self, schema: type[BaseModel], raw: Any) -> Any:
-        """`_validated` at once (a bad body is a 400 whether an engine is ready or not), and once one can serve
-        (`_until_ready`) with the model it names checked against the one it loaded."""
+    async def _parsed_when_ready(self, request: Request, parse: Callable[[bool], Any]) -> tuple[Any, float]:
+        """`parse(check_model)` of a request's body at once (a bad body is a 400 whether an engine is ready or not),
+        then, where none can serve it yet, a wait for one (`_until_ready`; a client that leaves ends it), and the
+        body parsed again once one has said its model and sampling defaults. Returns the parse and when the first
+        ended (the end of Server-Timing's `parse`)."""
         known = self._ready_info() is not None
-        body = self._validated(schema, raw, known)
-        await self._until_ready()
-        return body if known else self._validated(schema, raw)
+        got = parse(known)
+        t_parsed = time.perf_counter()
+        if not known or self._unavailable() is not None:
+            await until_disconnected(request.receive, self._until_ready())
+            if not known:
+                got = parse(True)
+        return got, t_parsed
 
     async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
         """A unary call to an LLM replica's `LLMReplica` method (the routed Ingress's handle, or this replica)."""
@@ -538,13 +546,8 @@ class OpenAIFrontend:
             await _drain(request.stream())
             raise
         raw = await self._read_json(request)
-        known = self._ready_info() is not None
-        body, reqs = self._build(request, raw, kind, rid, known)  # a bad request is a 400 at once, ready or not
-        t_call = time.perf_counter()
-        if not known or self._unavailable() is not None:  # (a client that gives up meanwhile ends its wait)
-            await until_disconnected(request.receive, self._until_ready())
-            if not known:  # built before an engine said the model and its sampling defaults (routed, at start)
-                body, reqs = self._build(request, raw, kind, rid)
+        (body, reqs), t_call = await self._parsed_when_ready(
+            request, lambda known: self._build(request, raw, kind, rid, known))
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)
         if proxy_ms > 0:

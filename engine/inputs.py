@@ -84,10 +84,14 @@ class InputProcessor:
             return ids or [self.eos_token_ids[0]]
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        vocab = self.vocab_limit
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        self._check_ids(prompt, "prompt token ids")
         return list(prompt)
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        """ValueError unless every one of `ids` is a token id of the model's vocabulary."""
+        vocab = self.vocab_limit
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{what} must be integers in [0, {vocab})")
 
     def prompt_ids(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None = None,
                    options: PromptOptions | None = None) -> list[int]:
@@ -102,9 +106,7 @@ class InputProcessor:
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize); ValueError for ids outside the
         vocabulary."""
-        vocab = self.vocab_limit
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"tokens must be integers in [0, {vocab})")
+        self._check_ids(ids, "tokens")
         return self.tokenizer.decode(list(ids))
 
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from core.sampling import SamplingParams
 from engine.backends import default_dtype
 from engine.config import SUPPORTED_FAMILIES, check_family
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
@@ -301,17 +302,22 @@ _UNAPPLIED = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, 
 def sampling_defaults(given: dict[str, Any]) -> tuple[dict[str, float | int], dict[str, Any]]:
     """What a checkpoint's generation_config sets (`ModelBundle.generation_sampling`) as the defaults of requests
     that leave them out, as vLLM's `--generation-config auto` takes them: the temperature, top_p and top_k it sets
-    (those it leaves unset are not), each valid as a request's would be; and what it sets that is not taken (a
+    (those it leaves unset are not), each one `SamplingParams.validate` takes; and what it sets that is not taken (a
     repetition penalty or min_p, which the engine has no sampler for, or an invalid value), for the log."""
-    valid = {"temperature": lambda v: 0.0 <= v <= 100.0, "top_p": lambda v: 0.0 < v <= 1.0,
-             "top_k": lambda v: v >= -1 and v == int(v)}  # as a request's (deployments/protocol.py)
     taken: dict[str, float | int] = {}
     skipped: dict[str, Any] = {}
     for key in SAMPLING_DEFAULT_KEYS:
         v = given.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and valid[key](v):
-            taken[key] = int(v) if key == "top_k" else float(v)
-        elif v is not None:
+        if v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        value = (int(v) if key == "top_k" else float(v)) if number else None
+        try:
+            if value is None or value != v:  # (a top_k of 2.5)
+                raise ValueError
+            SamplingParams(**{key: value}).validate()
+            taken[key] = value
+        except ValueError:
             skipped[key] = v
     skipped.update({k: given[k] for k, neutral in _UNAPPLIED.items() if given.get(k) not in (None, neutral)})
     return taken, skipped

@@ -357,11 +357,12 @@ class Scheduler:
         be_last = be_chunks and not self.config.chunked_prefill  # (chunked prefill: all in progress go first)
         stall: tuple[float, float, list[float]] | None | bool = be_chunks  # True: not read yet
         planned = {id(r) for r in plan.prefill} if best_effort else ()  # this round's admissions have their chunk
+        # a best-effort prompt alone (nothing beside it, none admitted this round, none waiting): the rest goes whole
+        alone = len(self.running) == 1 and not self.waiting
         for r in self.running:
             if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
-            if best_effort:  # alone (nothing beside it, none admitted this round, none waiting) the rest goes whole
-                alone = len(self.running) == 1 and not self.waiting
+            if best_effort:
                 end = self._chunk_end(r, None if budget is None or alone else max(budget, self.blocks.block_size))
             elif budget is not None and budget <= 0:
                 self._partial = True
@@ -385,8 +386,7 @@ class Scheduler:
         """prefill_hold for a best-effort prompt, which has no deadline to wait against: where its computation stops
         this step (at most `end`, which the caller keeps within the step's prompt budget). `beside` running replies,
         its chunk takes no longer than a fresh prompt of prefill_max_tokens (deep in a long prompt a token attends
-        to all before it); with
-        paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the decodes) also
+        to all before it); with paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the decodes) also
         ends before the first one's next token is due, as `_hold` predicts it. The rest goes in later steps, at least
         a block a step, so that it always progresses."""
         start, budget, model = r.num_computed_tokens, self.config.prefill_max_tokens, self.predictor
