@@ -271,6 +271,8 @@ class StepTap:
         self.engine = engine
         self.total_ms = self.prefill_only_ms = 0.0
         self.decode_ratios: list[float] = []
+        self.decode_forward_ratios: list[float] = []  # each decode-only step's prepare + forward / model
+        self.decode_host_ms: list[float] = []  # and its wall time outside them (schedule, sample, postprocess)
         self.decode_rows: list[int] = []  # each decode ratio's rows
         self.prefill_ratios: list[float] = []
         self._unsubscribe = engine.add_step_observer(self)
@@ -289,29 +291,39 @@ class StepTap:
             if pred > 0:
                 self.decode_ratios.append(ev.wall_ms / pred)
                 self.decode_rows.append(ev.num_decode)
+                self.decode_forward_ratios.append(ev.forward_ms / pred)
+                self.decode_host_ms.append(max(0.0, ev.wall_ms - ev.forward_ms))
 
     def close(self) -> dict[str, Any]:
         """Unsubscribe; the raw sums (pool a point's with `step_figures`, a calibration's with `factors`)."""
         self._unsubscribe()
         return {"total_ms": self.total_ms, "prefill_only_ms": self.prefill_only_ms,
                 "decode_ratios": self.decode_ratios, "decode_rows": self.decode_rows,
+                "decode_forward_ratios": self.decode_forward_ratios, "decode_host_ms": self.decode_host_ms,
                 "prefill_ratios": self.prefill_ratios}
 
 
 def step_figures(taps: list[dict[str, Any]]) -> dict[str, Any]:
     """A point's step figures, pooled over its seeds (None where nothing was measured): the prefill-only share of
-    engine time, the median decode step / model, and that median by decode rows (key k: rows in (k/2, k]; where
-    the model errs by batch size, as the strict tier's few rows against the loose tiers' many)."""
+    engine time, the median decode step / model, and by decode rows (key k: rows in (k/2, k]; where the model errs
+    by batch size, as the strict tier's few rows against the loose tiers' many) the medians of the decode step /
+    model, of its prepare + forward / model (where the device runs asynchronously, a CUDA step, the launch only)
+    and of the rest of its wall time in ms (schedule, sample, postprocess): at equal rows, what a policy's own host
+    work costs a step beside the forward."""
     total = sum(t["total_ms"] for t in taps)
     ratios = [x for t in taps for x in t["decode_ratios"]]
-    by_rows: dict[int, list[float]] = {}
-    for t in taps:
-        for x, n in zip(t["decode_ratios"], t.get("decode_rows", ())):
-            by_rows.setdefault(ItlCorrection.bucket(n), []).append(x)
+
+    def by_rows(key: str, digits: int) -> dict[str, float]:
+        groups: dict[int, list[float]] = {}
+        for t in taps:
+            for x, n in zip(t.get(key, ()), t.get("decode_rows", ())):
+                groups.setdefault(ItlCorrection.bucket(n), []).append(x)
+        return {str(k): round(M.percentile(v, 50), digits) for k, v in sorted(groups.items())}
     return {"prefill_only_pct": 100.0 * sum(t["prefill_only_ms"] for t in taps) / total if total > 0 else None,
             "decode_wall_over_model_p50": M.percentile(ratios, 50) if ratios else None,
-            "decode_wall_over_model_by_rows": {str(k): round(M.percentile(v, 50), 3)
-                                               for k, v in sorted(by_rows.items())}}
+            "decode_wall_over_model_by_rows": by_rows("decode_ratios", 3),
+            "decode_forward_over_model_by_rows": by_rows("decode_forward_ratios", 3),
+            "decode_host_ms_by_rows": by_rows("decode_host_ms", 3)}
 
 
 def factors(taps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -907,7 +919,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # with each policy's step time and where it went (the host's share a replay needs: bench.sim --host-ms)
         keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms", "lengths", "per_seed",
                 "reject_reasons", "tpot_violations", "ttft_violations", "step_ms", "phase_ms_per_step",
-                "decode_wall_over_model_p50")
+                "decode_wall_over_model_p50", "decode_wall_over_model_by_rows", "decode_forward_over_model_by_rows",
+                "decode_host_ms_by_rows")
         figures = {
             "lambda_star_rps": lam, "load_multiple": acc.get("load_multiple"), "model": args.model,
             "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds, "lengths": args.lengths,

@@ -111,6 +111,12 @@ class EngineConfig(BaseModel):
                                 "worker is stuck and reports itself dead, so that Serve's health check replaces "
                                 "the replica. None: the larger of 120 s and 10x the latency model's largest step "
                                 "(or of the step at hand); 0: never")
+    gc_threshold: int = Field(
+        50_000, ge=0, description="while the engine runs, the collector's first threshold (allocations less "
+                                  "deallocations between young collections) is at least this, process-wide as the "
+                                  "start-up freeze is, until the last engine's worker exits: each step allocates "
+                                  "thousands of short-lived objects, and Python's 700 runs the collector several "
+                                  "times a step; 0: leave Python's")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

@@ -56,6 +56,29 @@ STEP_TIMEOUT_FACTOR = 10.0  # ...and this many times the latency model's largest
 # preempted or ends) and otherwise at least this often (its step figures: the step EWMA, the phases, the count)
 PUBLISH_EVERY_S = 0.02
 T = TypeVar("T")
+# the collector's thresholds are the process's: the first running engine raises the young one, the last to exit
+# puts back what it found
+_gc_lock = threading.Lock()
+_gc_users = 0
+_gc_saved: tuple[int, ...] = ()
+
+
+def _raise_gc_threshold(threshold: int) -> bool:
+    global _gc_users, _gc_saved
+    with _gc_lock:
+        if _gc_users == 0:
+            _gc_saved = gc.get_threshold()
+            gc.set_threshold(max(threshold, _gc_saved[0]), *_gc_saved[1:])
+        _gc_users += 1
+    return True
+
+
+def _restore_gc_threshold() -> None:
+    global _gc_users
+    with _gc_lock:
+        _gc_users -= 1
+        if _gc_users == 0:
+            gc.set_threshold(*_gc_saved)
 
 
 class _StepFailed(RuntimeError):
@@ -131,6 +154,7 @@ class LLMEngine:
         self._stats_lock = threading.Lock()
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
+        self._gc_raised = False
         self._thread = threading.Thread(target=self._main, name="kairos-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -217,9 +241,12 @@ class LLMEngine:
         # The model, its tokenizer and the libraries leave hundreds of thousands of objects that live as long as the
         # engine, and a full collection walks them all: a stall of every request in flight. Like a Ray Serve replica
         # after its start-up, the engine moves them out of the collector's reach (the permanent generation) until
-        # its worker exits.
+        # its worker exits. Each step then allocates thousands of short-lived objects: a higher first threshold runs
+        # the young collection less often, on the same objects.
         gc.collect()
         gc.freeze()
+        if self.config.gc_threshold:
+            self._gc_raised = _raise_gc_threshold(self.config.gc_threshold)
 
     def _main(self) -> None:
         try:
@@ -233,6 +260,8 @@ class LLMEngine:
             self._run()
         finally:
             gc.unfreeze()  # what the engine held may be garbage now (its cycles too)
+            if self._gc_raised:
+                _restore_gc_threshold()
             self._release()
 
     def _warmup_peak(self, spec: KVCacheSpec, decoder) -> int:

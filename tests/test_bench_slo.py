@@ -343,15 +343,18 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     tap = StepTap(eng)
     assert subscribed == [tap]
     for n_pre, n_dec, wall in ((1, 0, 30.0), (0, 2, 5.0), (0, 2, 4.0), (1, 1, 11.0)):  # a hybrid: total only
-        subscribed[0](StepEvent(0.0, n_pre, 10 * n_pre, n_dec, 10.0 if n_dec else 0.0, wall, wall))
+        subscribed[0](StepEvent(0.0, n_pre, 10 * n_pre, n_dec, 10.0 if n_dec else 0.0, wall - 1.0, wall))  # 1 ms host
     raw = tap.close()
     assert subscribed == []  # unsubscribed
     figs = step_figures([raw, {"total_ms": 0.0, "prefill_only_ms": 0.0, "decode_ratios": []}])
     assert figs["prefill_only_pct"] == pytest.approx(60.0)  # 30 of 50 ms
     assert figs["decode_wall_over_model_p50"] == pytest.approx((1.25 + 1.0) / 2)  # 5/4 and 4/4
     assert figs["decode_wall_over_model_by_rows"] == {"2": pytest.approx(1.125)}  # both had 2 rows
+    assert figs["decode_forward_over_model_by_rows"] == {"2": pytest.approx(0.875)}  # 4/4 and 3/4
+    assert figs["decode_host_ms_by_rows"] == {"2": pytest.approx(1.0)}
     assert step_figures([]) == {"prefill_only_pct": None, "decode_wall_over_model_p50": None,
-                                "decode_wall_over_model_by_rows": {}}
+                                "decode_wall_over_model_by_rows": {}, "decode_forward_over_model_by_rows": {},
+                                "decode_host_ms_by_rows": {}}
     rows = step_figures([{"total_ms": 1.0, "prefill_only_ms": 0.0, "decode_ratios": [1.0, 2.0, 3.0, 0.5],
                           "decode_rows": [1, 3, 4, 5]}])["decode_wall_over_model_by_rows"]
     assert rows == {"1": 1.0, "4": 2.5, "8": 0.5}  # rows in (k/2, k]

@@ -229,6 +229,25 @@ def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
         eng.shutdown()
 
 
+def test_running_engines_raise_the_young_collection_threshold_and_the_last_to_exit_restores_it(tiny_checkpoints):
+    import gc
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        a = _engine(tiny_checkpoints["llama"], gc_threshold=40_000)
+        assert gc.get_threshold() == (40_000, 10, 10)
+        b = _engine(tiny_checkpoints["llama"], gc_threshold=40_000)
+        a.shutdown()
+        assert gc.get_threshold() == (40_000, 10, 10)  # b still runs
+        b.shutdown()
+        assert gc.get_threshold() == (700, 10, 10)
+        c = _engine(tiny_checkpoints["llama"], gc_threshold=0)
+        assert gc.get_threshold() == (700, 10, 10)
+        c.shutdown()
+    finally:
+        gc.set_threshold(*saved)
+
+
 def test_add_requests_reach_the_first_step_together_and_a_bad_prompt_enqueues_none(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"], policy="kairos")
     events = []
