@@ -61,13 +61,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.driver import resolve_model_path
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.profiling import Prober
     from scheduling.config import SchedulerConfig
-    from scheduling.predictor import LatencyModel, _fit_prefill_line, prefill_sq
 
     eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len,
                                  scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs)))
+    try:
+        return _measure(eng, args, argv)
+    finally:
+        eng.shutdown()
+
+
+def _measure(eng, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """The measurements of `main` on its engine."""
+    from engine.profiling import Prober
+    from scheduling.predictor import LatencyModel, _fit_prefill_line, prefill_sq
     if eng.bundle.device.type == "cuda":  # the probes run on this thread: its kernels, graphs and events go there
         import torch
         torch.cuda.set_device(eng.bundle.device)

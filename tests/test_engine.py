@@ -231,6 +231,9 @@ def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
 
 def test_running_engines_raise_the_young_collection_threshold_and_the_last_to_exit_restores_it(tiny_checkpoints):
     import gc
+
+    import engine.engine as engine_module
+    assert engine_module._gc_users == 0, "an engine of an earlier test still runs (one not shut down)"
     saved = gc.get_threshold()
     gc.set_threshold(700, 10, 10)
     try:
