@@ -73,9 +73,11 @@ def test_rope_write_is_bit_exact_with_the_torch_ops_and_fills_the_slots(kernels,
 
 
 # one block, partial, full, odd, long; then enough requests that a task is a run of several (decode_attn asks for the
-# next request's rows while one computes), of lengths that differ from one to the next
+# next request's rows while one computes), of lengths that differ from one to the next; then one context longer than
+# all the others together (its KV heads are tasks of their own beside runs of the short ones)
 LENS = {"few": [1, 7, 16, 17, 100, 250], "runs": [5, 250, 1, 33, 64, 17, 100, 2, 96, 96, 31, 200, 16, 9, 128, 3, 70,
-                                                   250, 1, 48, 65, 7]}
+                                                   250, 1, 48, 65, 7],
+        "skewed": [3, 1000, 5, 9, 30, 2, 17, 40, 1, 64]}
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
@@ -99,6 +101,26 @@ def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, h
         ref = F.scaled_dot_product_attention(q[i].float().view(heads, 1, head_dim), k, v, scale=scale,
                                              enable_gqa=True).view(heads, head_dim)
         torch.testing.assert_close(got[i].float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_of_a_request_is_the_same_bits_whatever_its_batch(kernels, dtype):
+    """How a batch is shared out among threads (runs of requests, one long context split into its KV heads, one
+    request alone) changes no bit of any request's output."""
+    g = torch.Generator().manual_seed(7)
+    blocks, kv_heads, heads, head_dim = 160, 2, 8, 64
+    kc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([2000, 3, 40, 17, 9, 300, 1, 64, 5, 120, 33, 2], dtype=torch.int32)
+    width = -(-int(lens.max()) // BS)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in lens]).to(torch.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    batch = _on_thread(lambda: kernels.decode_attn(q, kc, vc, tables, lens, 0.125))
+    for picked in ([0], [5], [0, 1, 2, 3, 4], [11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]):
+        at = torch.tensor(picked)
+        some = _on_thread(lambda: kernels.decode_attn(q[at].contiguous(), kc, vc, tables[at].contiguous(),
+                                                      lens[at].contiguous(), 0.125))
+        assert torch.equal(some, batch[at]), picked
 
 
 def _kept_weights(x: torch.Tensor, temp: float, top_k: int, top_p: float) -> torch.Tensor:
