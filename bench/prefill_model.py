@@ -72,10 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         eng.shutdown()
 
 
-def _measure(eng, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def _measure(eng: Any, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """The measurements of `main` on its engine."""
     from engine.profiling import Prober
     from scheduling.predictor import LatencyModel, _fit_prefill_line, prefill_sq
+
     if eng.bundle.device.type == "cuda":  # the probes run on this thread: its kernels, graphs and events go there
         import torch
         torch.cuda.set_device(eng.bundle.device)
