@@ -74,7 +74,7 @@ def test_rope_write_is_bit_exact_with_the_torch_ops_and_fills_the_slots(kernels,
 
 # one block, partial, full, odd, long; then enough requests that a task is a run of several (decode_attn asks for the
 # next request's rows while one computes), of lengths that differ from one to the next; then one context longer than
-# all the others together (its KV heads are tasks of their own beside runs of the short ones)
+# all the others together (the run that holds it takes most of the step)
 LENS = {"few": [1, 7, 16, 17, 100, 250], "runs": [5, 250, 1, 33, 64, 17, 100, 2, 96, 96, 31, 200, 16, 9, 128, 3, 70,
                                                    250, 1, 48, 65, 7],
         "skewed": [3, 1000, 5, 9, 30, 2, 17, 40, 1, 64]}
@@ -105,8 +105,8 @@ def test_decode_attention_reads_the_paged_cache_like_sdpa(kernels, dtype, tol, h
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_of_a_request_is_the_same_bits_whatever_its_batch(kernels, dtype):
-    """How a batch is shared out among threads (runs of requests, one long context split into its KV heads, one
-    request alone) changes no bit of any request's output."""
+    """How a batch is shared out among threads (runs of whole requests; a (request, KV head) a task where there are
+    too few requests to share out, one request alone among them) changes no bit of any request's output."""
     g = torch.Generator().manual_seed(7)
     blocks, kv_heads, heads, head_dim = 160, 2, 8, 64
     kc = torch.randn(blocks, BS, kv_heads, head_dim, generator=g).to(dtype)
