@@ -71,5 +71,5 @@ class ImpatientReserve:
         imp = [(tpot, mid) for _, ttft, tpot, mid in self._arrivals if ttft < patience]
         if not imp:
             return None
-        tpots = sorted(t for t, _ in imp)
-        return tpots[(len(tpots) - 1) // 2], sum(m for _, m in imp) / len(imp)
+        tpots = sorted([t for t, _ in imp])
+        return tpots[(len(tpots) - 1) // 2], sum([m for _, m in imp]) / len(imp)

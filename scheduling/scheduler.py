@@ -81,6 +81,10 @@ class StepPlan:
         return self.prefill + self.decode
 
 
+def _tpot_of(r: Request) -> float:
+    return r.tpot_slo_ms
+
+
 class Scheduler:
     """Owns the waiting and running requests, their KV blocks (its own `BlockManager`) and every change to a
     `Request`: admission, preemption, the step's bookkeeping (`postprocess`) and finishing (`finish`)."""
@@ -270,13 +274,13 @@ class Scheduler:
 
     def _pace(self) -> float:
         """The running batch's pace: its strictest TPOT SLO (+inf: none)."""
-        return min((r.tpot_slo_ms for r in self.running), default=math.inf)
+        return min([r.tpot_slo_ms for r in self.running], default=math.inf)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _cost(self, req: Request) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, self.max_model_len)
+        return min(len(req.token_ids) - req.num_computed_tokens, self.max_model_len)
 
     def _cost_sq(self, req: Request) -> float:
         """The attention work (token pairs) of its `_cost` tokens, from where its prompt's computation stands."""
@@ -336,7 +340,7 @@ class Scheduler:
         plan.num_prefill_tokens = plan.num_prefill_tokens_now()
         plan.num_prefill_sq = plan.prefill_sq_now()
         if plan.decode:
-            plan.decode_mean_len = sum(r.num_tokens for r in plan.decode) / len(plan.decode)
+            plan.decode_mean_len = sum([len(r.token_ids) for r in plan.decode]) / len(plan.decode)
         return plan
 
     @property
@@ -586,7 +590,7 @@ class Scheduler:
     @staticmethod
     def _mid_len(r: Request) -> float:
         """The context length the gate sees for `r` over its reply: its prompt and half the output it plans for."""
-        return r.num_tokens + r.gate_output_len / 2.0
+        return len(r.token_ids) + r.gate_output_len / 2.0  # (num_tokens: read once a row a step, in steps' loops)
 
     @staticmethod
     def _output_left(r: Request) -> float:
@@ -673,13 +677,13 @@ class Scheduler:
         inf = math.inf
         if self.pace_cost is None:
             return sum((1.0 / r.tpot_slo_ms for r in rows if r.tpot_slo_ms != inf), 0.0)
-        pace, lengths, mid_len = inf, [], self._mid_len
-        for r in rows:  # one pass: the pace and each paced row's mid-reply context
+        pace, lengths = inf, []
+        for r in rows:  # one pass: the pace and each paced row's mid-reply context (`_mid_len`, inlined)
             t = r.tpot_slo_ms
             if t != inf:
                 if t < pace:
                     pace = t
-                lengths.append(mid_len(r))
+                lengths.append(len(r.token_ids) + r.gate_output_len / 2.0)
         return self.pace_cost.tokens_ms(pace, lengths) if lengths else 0.0
 
     def gate_line(self, now: float) -> tuple[float, float] | None:
@@ -764,11 +768,11 @@ class Scheduler:
             decoding = [r for r in self.running if r not in fresh and not self._mid_prefill(r)]
         else:
             decoding = self.running
-        if any(r.token_ids[-1] < 0 for r in decoding):
+        if any([r.token_ids[-1] < 0 for r in decoding]):
             # overlap scheduling: a request whose last token is on its way and ends it by length has nothing more
             # to compute (it ends when that token is resolved)
             decoding = [r for r in decoding if r.token_ids[-1] >= 0 or not self._length_reached(r, r.num_tokens)]
-        t_min = min((r.tpot_slo_ms for r in self.running), default=math.inf)
+        t_min = min([r.tpot_slo_ms for r in self.running], default=math.inf)
         self.last_vbs = vbs(self.running, t_min, be)
         if self.flags.credit_batching:
             batch = select_by_credit(decoding, t_min, be, self._pace_guard(plan, decoding, t_min, now),
@@ -777,9 +781,9 @@ class Scheduler:
             batch = list(decoding)
         if self.flags.catch_up and self.predictor is not None and len(batch) > 1:
             def afford(r: Request, extra_steps: int) -> float:
-                return affordable_step_ms(r.first_token_s, r.num_output_tokens, r.expected_output_len, r.tpot_slo_ms,
-                                          now, extra_steps)
-            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), afford, pace=lambda r: r.tpot_slo_ms)
+                return affordable_step_ms(r.first_token_s, len(r.token_ids) - len(r.prompt_token_ids),
+                                          r.expected_output_len, r.tpot_slo_ms, now, extra_steps)
+            kept = trim_for_catch_up(batch, self._step_ms_for(plan, batch, now), afford, pace=_tpot_of)
             if len(kept) < len(batch) and self.flags.credit_batching:
                 stays = {id(r) for r in kept}
                 for r in batch:  # sat this step out: a request that paid credit for it gets it back
@@ -787,11 +791,11 @@ class Scheduler:
                         r.credit += 1.0
             batch = kept
         out: list[Request] = []
-        holds, running = self.blocks.holds, Status.RUNNING
+        block_size, running = self.blocks.block_size, Status.RUNNING
         for r in batch:
             if r.status is not running:  # preempted earlier in this loop
                 continue
-            if holds(r, len(r.token_ids)):  # its blocks hold the step's token (num_tokens) already
+            if len(r.block_table) * block_size >= len(r.token_ids):  # its blocks hold the step's token (`holds`)
                 out.append(r)
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
@@ -819,7 +823,7 @@ class Scheduler:
         measured error on the decode-only steps (`ItlCorrection.step_factor`; a step's prefill is the caller's to
         add), or by n rows' bucket's factor with correction_by_rows; 1 without the correction."""
         scale = self.last_step_correction if self.correction is not None else 1.0
-        mean_len = sum(len(r.token_ids) for r in reqs) / len(reqs)  # their num_tokens
+        mean_len = sum([len(r.token_ids) for r in reqs]) / len(reqs)  # their num_tokens
         if self.correction is not None and self.config.correction_by_rows:
             corr = self.correction
             return lambda n: self.predictor.itl_ms(n, mean_len) * corr.factor(now, n)
@@ -933,7 +937,7 @@ class Scheduler:
     def _length_reached(self, req: Request, num_tokens: int) -> bool:
         """Whether `req` ends by its length once it holds `num_tokens` tokens: max_tokens, the context window, or
         (benchmark only: see Request) its reference reply length."""
-        n_out = num_tokens - req.num_prompt_tokens
+        n_out = num_tokens - len(req.prompt_token_ids)
         return n_out >= req.params.max_tokens or num_tokens >= self.max_model_len or (
             self.config.bench_stop and req.bench_stop_after is not None and n_out >= req.bench_stop_after)
 

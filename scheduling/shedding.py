@@ -200,7 +200,7 @@ class WorkShedder:
             start = max(start, self._arrivals[0][0])
         span = max(now_s - start, 1.0)
         budget = self.target * cap * span  # the work the window's arrivals may offer
-        works = sorted(w for _, w in self._arrivals)
+        works = sorted([w for _, w in self._arrivals])
         cum = list(accumulate(works))
         if cum[-1] <= budget:
             return math.inf

@@ -34,7 +34,12 @@ def min_tpot(reqs: Iterable[T]) -> float:
 
 def vbs(running: Sequence[T], t_min_ms: float, best_effort_trp: float) -> float:
     """Virtual batch size: sum of TRPs, i.e. the expected number of requests per decode step."""
-    return sum(trp(r.tpot_slo_ms, t_min_ms, best_effort_trp) for r in running)
+    paced = math.isfinite(t_min_ms)
+    total = 0.0
+    for r in running:  # trp, inlined (a pass over the batch every step)
+        t = r.tpot_slo_ms
+        total += best_effort_trp if t == math.inf else t_min_ms / t if paced else 1.0
+    return total
 
 
 def select_by_credit(running: Sequence[T], t_min_ms: float, best_effort_trp: float,
@@ -153,7 +158,7 @@ def trim_for_catch_up(batch: Sequence[T], step_ms: Callable[[int], float], affor
         return b
     now = [afford(r, 0) for r in b]
     floor = step_ms(1)  # a request that cannot afford even a step of its own is past saving: not worth a skip
-    limit = min((a for a in now if a >= floor), default=math.inf)
+    limit = min([a for a in now if a >= floor], default=math.inf)
     if step_ms(len(b)) <= limit:
         return b
     later = [afford(r, 1) for r in b]
