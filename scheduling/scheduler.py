@@ -590,7 +590,7 @@ class Scheduler:
     @staticmethod
     def _mid_len(r: Request) -> float:
         """The context length the gate sees for `r` over its reply: its prompt and half the output it plans for."""
-        return len(r.token_ids) + r.gate_output_len / 2.0  # (num_tokens: read once a row a step, in steps' loops)
+        return len(r.token_ids) + r.gate_output_len / 2.0
 
     @staticmethod
     def _output_left(r: Request) -> float:
