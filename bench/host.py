@@ -7,16 +7,20 @@
 Per step of R greedy rows (temperature 0, no stop strings: what bench.slo sends) over logits as wide as the model's
 (`--model`, kairos-tiny by default; its vocabulary is what is sampled from): `sample` is `Sampler.sample_async` and
 its result with the CPU kernels' host paths; `output` is `OutputProcessor.on_token` for each row (incremental
-detokenization and the stream item) into a sink that drops it. Each figure is the median of `--reps` timings of
-`--steps` steps, the two checkouts taking turns, in one process: the box's speed moves by tens of percent within a
-minute, so only figures taken side by side compare. `--against DIR` loads DIR's engine/sampler.py, engine/outputs.py
-and CPU kernel source (built into the kernel cache like this checkout's); the requests, tokenizer and the rest are this
-checkout's.
+detokenization and the stream item) into a sink that drops it; where the engine runs in a process of its own (a
+replica's default), `engine` is its side of that: `on_token` into its batch (`engine.core_proc._Batch`) and the loop
+turn's `Outputs` message pickled, and `client` the other side: the message read back and delivered into each
+request's `RequestStream` (`EngineCoreClient._deliver`); the socket is left out. Each figure is the median of
+`--reps` timings of `--steps` steps, the two checkouts taking turns, in one process: the box's speed moves by tens of
+percent within a minute, so only figures taken side by side compare. `--against DIR` loads DIR's engine/sampler.py,
+engine/outputs.py, engine/core_messages.py, engine/core_proc.py and CPU kernel source (built into the kernel cache
+like this checkout's); the requests, tokenizer and the rest are this checkout's.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import pickle
 import statistics
 import sys
 import time
@@ -25,6 +29,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from bench.report import print_table, run_info, write_summary
+from core.messages import RequestOutput
 
 MODULE = "bench.host"
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,14 +39,29 @@ class _Drop:
     def put(self, item: Any) -> None:
         pass
 
+    def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
+                  num_output_tokens: int) -> None:  # the item made, as a `RequestStream` makes it
+        RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
+                      num_output_tokens=num_output_tokens)
 
-def _module(name: str, path: Path) -> ModuleType:
+
+def _module(name: str, path: Path, imports: dict[str, ModuleType] | None = None) -> ModuleType:
+    """Load `path` as module `name`; `imports`: modules its imports of those names get instead of this checkout's."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    saved = {k: sys.modules.get(k) for k in imports or {}}
+    sys.modules.update(imports or {})
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        for k, was in saved.items():
+            if was is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = was
     return mod
 
 
@@ -53,12 +73,15 @@ class Code:
 
         self.label = label
         if root == ROOT:
-            from engine import outputs, sampler
-            self.sampler, self.outputs, self.kernels = sampler, outputs, K.load()
+            from engine import core_proc, outputs, sampler
+            self.sampler, self.outputs, self.core_proc, self.kernels = sampler, outputs, core_proc, K.load()
         else:
             tag = f"{label}_{abs(hash(str(root)))}"
             self.sampler = _module(f"_host_sampler_{tag}", root / "engine" / "sampler.py")
             self.outputs = _module(f"_host_outputs_{tag}", root / "engine" / "outputs.py")
+            messages = _module(f"_host_core_messages_{tag}", root / "engine" / "core_messages.py")
+            self.core_proc = _module(f"_host_core_proc_{tag}", root / "engine" / "core_proc.py",
+                                     {"engine.core_messages": messages})
             self.kernels = K.load_source(root / "engine" / "backends" / "cpu" / "cpu_kernels.cpp")
 
 
@@ -100,6 +123,74 @@ def output_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -
         for r in reqs:
             r.token_ids.append(tok)
             proc.on_token(r, tok, None)
+    return step
+
+
+class _Wire:
+    """The engine process's end of its socket as `_Batch.flush` uses it: each message pickled, the bytes kept."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _engine_side(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> tuple[Callable[[], None], _Wire]:
+    """`output_step`'s tokens through the engine process's path: into its batch, flushed (pickled) as the worker's
+    loop turn ends; the wire keeps only the last message's bytes."""
+    import random
+    from types import SimpleNamespace
+
+    reqs = _requests(rows)
+    wire = _Wire()
+    batch = code.core_proc._Batch(wire)
+    batch.engine = SimpleNamespace(stats=lambda stats=SimpleNamespace(alive=True): stats)
+    proc = code.outputs.OutputProcessor(tokenizer)
+    for r in reqs:
+        proc.add(r, batch)
+    rng = random.Random(0)
+    ids = [rng.randrange(100, vocab) for _ in range(steps)]
+    at = [0]
+
+    def step() -> None:
+        tok = ids[at[0] % len(ids)]
+        at[0] += 1
+        for r in reqs:
+            r.token_ids.append(tok)
+            proc.on_token(r, tok, None)
+        batch.flush()
+        del wire.sent[:-1]
+    return step, wire
+
+
+def engine_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> Callable[[], None]:
+    return _engine_side(code, rows, tokenizer, vocab, steps)[0]
+
+
+def client_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> Callable[[], None]:
+    """The client's side of `engine_step`'s messages (made once, beforehand): each read back and delivered into its
+    requests' `RequestStream`s (`EngineCoreClient._deliver`), which are emptied each step, as a reader keeping up
+    would."""
+    import threading
+
+    from engine.stream import RequestStream
+
+    make, wire = _engine_side(code, rows, tokenizer, vocab, steps)
+    msgs = []
+    for _ in range(steps):
+        make()
+        msgs.append(wire.sent[-1])
+    streams = {f"host-{i}": RequestStream(f"host-{i}") for i in range(rows)}
+    client = object.__new__(code.core_proc.EngineCoreClient)  # the reader's side only: no process
+    client._lock, client._streams, client._heard, client._stats = threading.Lock(), dict(streams), 0.0, None
+    at = [0]
+
+    def step() -> None:
+        client._deliver(pickle.loads(msgs[at[0] % len(msgs)]))
+        at[0] += 1
+        for st in streams.values():
+            st._items.clear()
     return step
 
 
@@ -147,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for code in codes:
             cases.append(("sample", n, code.label, sample_step(code, n, width, vocab)))
             cases.append(("output", n, code.label, output_step(code, n, tokenizer, vocab, args.steps)))
+            cases.append(("engine", n, code.label, engine_step(code, n, tokenizer, vocab, args.steps)))
+            cases.append(("client", n, code.label, client_step(code, n, tokenizer, vocab, args.steps)))
     times: dict[tuple[str, int, str], list[float]] = {(w, n, c): [] for w, n, c, _ in cases}
     for _ in range(args.reps):  # the checkouts take turns within each rep
         for what, n, label, fn in cases:
@@ -155,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     table, figures = [], []
     for n in rows:
-        for what in ("sample", "output"):
+        for what in ("sample", "output", "engine", "client"):
             this = med[(what, n, "this")]
             row: dict[str, Any] = {"rows": n, "part": what, "this_us": round(this, 1)}
             if args.against:

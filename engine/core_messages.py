@@ -71,9 +71,31 @@ class Shutdown:
     pass
 
 
+@dataclass(slots=True)
+class TokenDeltas:
+    """A loop turn's token items (`OutputSink.put_token`: a request's next token and the text it adds) as columns,
+    one item at the same index of each list, in the order they were put. A running request makes one a step, so a
+    GPU replica makes hundreds a step: as columns they cost a list append each to collect and next to nothing to
+    pickle, where a `RequestOutput` each cost more to build and pickle than to detokenize. The client makes each
+    its stream's `RequestOutput`."""
+
+    request_ids: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
 @dataclass(frozen=True, slots=True)
 class Outputs:
-    """One loop turn of the child's engine: its stream items, in order, and its latest stats."""
+    """One loop turn of the child's engine: its token items, then its other stream items (each request's last, and
+    failures) in order, and its latest stats. A request's tokens all come before its last item: it makes none
+    after it, and a request id is used again only once the client has had that item (the client refuses a
+    duplicate of an open one)."""
 
     items: list[RequestOutput] = field(default_factory=list)
     stats: EngineStats | None = None
+    tokens: TokenDeltas | None = None

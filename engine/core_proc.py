@@ -8,11 +8,12 @@ the per-request Python on its own side:
 - the client validates and tokenizes (`InputProcessor`, the same one the engine uses in-process), so a bad
   request fails at once in the caller, and sends the child a ready `Request`;
 - the child's worker thread detokenizes and batches every stream item of a loop turn into one `Outputs`
-  message, with the engine's stats snapshot;
+  message (its token items as columns, `TokenDeltas`), with the engine's stats snapshot;
 - one reader on each side turns the socket into calls: the child's main thread calls `LLMEngine.submit` /
-  `abort`; the client's side calls `RequestStream.put`, from a reader thread of its own, or, in a process that
-  serves on an asyncio loop (a Serve replica), from that loop (`reader_loop`): as vLLM v1's API server reads its
-  engine core's outputs in its event loop, no thread wakes up and hands each step's items over to the loop.
+  `abort`; the client's side calls `RequestStream.put_token` / `put`, from a reader thread of its own, or, in a
+  process that serves on an asyncio loop (a Serve replica), from that loop (`reader_loop`): as vLLM v1's API
+  server reads its engine core's outputs in its event loop, no thread wakes up and hands each step's items over
+  to the loop.
 
 The client has the surface the Serve replica uses (`generate`, `abort`, `stats`, `predict_ttft_ms`, `is_alive`,
 `inject_fault`, `shutdown`). The child exits when the client says so, when its socket closes, when its parent
@@ -44,7 +45,8 @@ from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
 from engine.stream import RequestStream
-from engine.core_messages import Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, SetupFailed, Shutdown
+from engine.core_messages import (Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, SetupFailed, Shutdown,
+                                  TokenDeltas)
 
 log = logging.getLogger("kairos.engine")
 STATS_PERIOD_S = 0.05  # stats ride on every Outputs message; alone, at most this often
@@ -145,6 +147,7 @@ class _Batch:
     def __init__(self, conn: Link) -> None:
         self.conn = conn
         self.items: list[RequestOutput] = []
+        self.tokens = TokenDeltas()
         self.engine: Any = None
         self._stats_at = 0.0
         self._last_stats: EngineStats | None = None
@@ -152,17 +155,28 @@ class _Batch:
     def put(self, item: RequestOutput) -> None:
         self.items.append(item)
 
+    def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
+                  num_output_tokens: int) -> None:
+        t = self.tokens
+        t.request_ids.append(request_id)
+        t.texts.append(text)
+        t.token_ids.append(token_id)
+        t.num_prompt_tokens.append(num_prompt_tokens)
+        t.num_output_tokens.append(num_output_tokens)
+
     def flush(self) -> None:
         if self.engine is None:  # the engine's setup has not returned yet
             return
         now = time.monotonic()
         stats = self.engine.stats()
-        fresh = stats != self._last_stats and (self.items or now - self._stats_at >= STATS_PERIOD_S
-                                               or not stats.alive)
-        if not self.items and not fresh:
+        some = bool(self.items) or bool(self.tokens.request_ids)
+        fresh = stats != self._last_stats and (some or now - self._stats_at >= STATS_PERIOD_S or not stats.alive)
+        if not some and not fresh:
             return
-        msg = Outputs(self.items, stats if fresh else None)
+        msg = Outputs(self.items, stats if fresh else None, self.tokens if self.tokens.request_ids else None)
         self.items = []
+        if msg.tokens is not None:
+            self.tokens = TokenDeltas()
         if fresh:
             self._last_stats, self._stats_at = stats, now
         try:
@@ -475,6 +489,13 @@ class EngineCoreClient:
             return
         if msg.stats is not None:
             self._stats = msg.stats
+        if (t := msg.tokens) is not None:  # before the items: a request's last item comes after its tokens
+            with self._lock:
+                streams = [self._streams.get(rid) for rid in t.request_ids]
+            for stream, rid, text, tok, n_in, n_out in zip(streams, t.request_ids, t.texts, t.token_ids,
+                                                           t.num_prompt_tokens, t.num_output_tokens):
+                if stream is not None:
+                    stream.put_token(rid, text, tok, n_in, n_out)
         for item in msg.items:
             with self._lock:
                 stream = self._streams.pop(item.request_id, None) if item.finished else \

@@ -73,8 +73,7 @@ class OutputProcessor:
             upto = max(live.emitted_chars, len(live.text) - hold)
             text = live.text[live.emitted_chars:upto]
             live.emitted_chars = upto
-        live.stream.put(RequestOutput(req.request_id, text=text, token_ids=[tok],
-                                      num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=n))
+        live.stream.put_token(req.request_id, text, tok, len(req.prompt_token_ids), n)
         return None
 
     def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,

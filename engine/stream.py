@@ -20,15 +20,22 @@ class OutputSink(Protocol):
 
     def put(self, item: RequestOutput) -> None: ...
 
+    def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
+                  num_output_tokens: int) -> None:
+        """Put a request's token item: `RequestOutput(request_id, text, [token_id], num_prompt_tokens=...,
+        num_output_tokens=...)`, which a sink may keep in a cheaper form (the engine process's batch)."""
+        ...
+
 
 class RequestStream:
-    __slots__ = ("request_id", "_items", "_lock", "_cond", "_waiter", "_close_waiter", "_closed")
+    __slots__ = ("request_id", "_items", "_lock", "_cond", "_blocked", "_waiter", "_close_waiter", "_closed")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._items: deque[RequestOutput] = deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        self._blocked = 0  # threads waiting in `get` (notified only then: a put is made for every token)
         # (loop, future, the loop's thread) of an awaiting reader
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
         self._close_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future, int] | None = None
@@ -45,7 +52,8 @@ class RequestStream:
                 self._closed = True
                 closer, self._close_waiter = self._close_waiter, None
             waiter, self._waiter = self._waiter, None
-            self._cond.notify_all()
+            if self._blocked:
+                self._cond.notify_all()
         for w in (waiter, closer):
             if w is not None:
                 loop, fut, thread = w
@@ -53,6 +61,11 @@ class RequestStream:
                     _wake(fut)
                 else:
                     loop.call_soon_threadsafe(_wake, fut)
+
+    def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
+                  num_output_tokens: int) -> None:
+        self.put(RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
+                               num_output_tokens=num_output_tokens))
 
     @property
     def closed(self) -> bool:
@@ -70,8 +83,12 @@ class RequestStream:
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._items), timeout):
-                raise TimeoutError(f"no output for {self.request_id} within {timeout}s")
+            self._blocked += 1
+            try:
+                if not self._cond.wait_for(lambda: bool(self._items), timeout):
+                    raise TimeoutError(f"no output for {self.request_id} within {timeout}s")
+            finally:
+                self._blocked -= 1
             return self._pop_merged()
 
     async def aget(self) -> RequestOutput:

@@ -111,6 +111,18 @@ def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client, in_proce
     assert client.sampling_defaults == {}  # said by the child (CoreInfo): this checkpoint recommends none
 
 
+def test_each_item_counts_the_tokens_so_far_and_the_prompt(client):
+    """The child ships a turn's token items as columns (`TokenDeltas`), the client makes them its streams' items:
+    each says the reply's tokens so far and the prompt's, as in-process, and the last comes after every token."""
+    req = _greedy(3, 12)
+    prompt_len = client.inputs.process(req.prompt, req.params, None, req.request_id).num_prompt_tokens
+    seen = 0
+    for out in client.generate(req):
+        seen += len(out.token_ids)
+        assert (out.num_output_tokens, out.num_prompt_tokens) == (seen, prompt_len)
+    assert out.finished and seen == 12
+
+
 def test_bad_input_is_a_value_error_in_the_caller(client):
     with pytest.raises(ValueError, match="must not be empty"):
         client.generate(GenerateRequest(request_id="bad", prompt="", params=SamplingParams(max_tokens=2)))
