@@ -9,12 +9,12 @@ Per step of R greedy rows (temperature 0, no stop strings: what bench.slo sends)
 its result with the CPU kernels' host paths; `output` is `OutputProcessor.on_token` for each row (incremental
 detokenization and the stream item) into a sink that drops it; where the engine runs in a process of its own (a
 replica's default), `engine` is its side of that: `on_token` into its batch (`engine.core_proc._Batch`) and the loop
-turn's `Outputs` message pickled, and `client` the other side: the message read back and delivered into each
-request's `RequestStream` (`EngineCoreClient._deliver`); the socket is left out. Each figure is the median of
-`--reps` timings of `--steps` steps, the two checkouts taking turns, in one process: the box's speed moves by tens of
-percent within a minute, so only figures taken side by side compare. `--against DIR` loads DIR's engine/sampler.py,
-engine/outputs.py, engine/core_messages.py, engine/core_proc.py and CPU kernel source (built into the kernel cache
-like this checkout's); the requests, tokenizer and the rest are this checkout's.
+turn's `Outputs` message pickled, and `client` the other side: the message read back, delivered into each request's
+`RequestStream` (`EngineCoreClient._deliver`) and read from it; the socket is left out. Each figure is the median
+of `--reps` timings of `--steps` steps, the two checkouts taking turns, in one process: the box's speed moves by
+tens of percent within a minute, so only figures taken side by side compare. `--against DIR` loads DIR's
+engine/sampler.py, engine/outputs.py, engine/stream.py, engine/core_messages.py, engine/core_proc.py and CPU kernel
+source (built into the kernel cache like this checkout's); the requests, tokenizer and the rest are this checkout's.
 """
 from __future__ import annotations
 
@@ -73,15 +73,18 @@ class Code:
 
         self.label = label
         if root == ROOT:
-            from engine import core_proc, outputs, sampler
-            self.sampler, self.outputs, self.core_proc, self.kernels = sampler, outputs, core_proc, K.load()
+            from engine import core_proc, outputs, sampler, stream
+            self.sampler, self.outputs, self.core_proc, self.stream = sampler, outputs, core_proc, stream
+            self.kernels = K.load()
         else:
             tag = f"{label}_{abs(hash(str(root)))}"
             self.sampler = _module(f"_host_sampler_{tag}", root / "engine" / "sampler.py")
-            self.outputs = _module(f"_host_outputs_{tag}", root / "engine" / "outputs.py")
+            self.stream = _module(f"_host_stream_{tag}", root / "engine" / "stream.py")
+            self.outputs = _module(f"_host_outputs_{tag}", root / "engine" / "outputs.py",
+                                   {"engine.stream": self.stream})
             messages = _module(f"_host_core_messages_{tag}", root / "engine" / "core_messages.py")
             self.core_proc = _module(f"_host_core_proc_{tag}", root / "engine" / "core_proc.py",
-                                     {"engine.core_messages": messages})
+                                     {"engine.core_messages": messages, "engine.stream": self.stream})
             self.kernels = K.load_source(root / "engine" / "backends" / "cpu" / "cpu_kernels.cpp")
 
 
@@ -169,19 +172,16 @@ def engine_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -
 
 
 def client_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> Callable[[], None]:
-    """The client's side of `engine_step`'s messages (made once, beforehand): each read back and delivered into its
-    requests' `RequestStream`s (`EngineCoreClient._deliver`), which are emptied each step, as a reader keeping up
-    would."""
+    """The client's side of `engine_step`'s messages (made once, beforehand): each read back, delivered into its
+    requests' `RequestStream`s (`EngineCoreClient._deliver`) and read from each (`get`), as by a reader keeping up."""
     import threading
-
-    from engine.stream import RequestStream
 
     make, wire = _engine_side(code, rows, tokenizer, vocab, steps)
     msgs = []
     for _ in range(steps):
         make()
         msgs.append(wire.sent[-1])
-    streams = {f"host-{i}": RequestStream(f"host-{i}") for i in range(rows)}
+    streams = {f"host-{i}": code.stream.RequestStream(f"host-{i}") for i in range(rows)}
     client = object.__new__(code.core_proc.EngineCoreClient)  # the reader's side only: no process
     client._lock, client._streams, client._heard, client._stats = threading.Lock(), dict(streams), 0.0, None
     at = [0]
@@ -190,7 +190,7 @@ def client_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -
         client._deliver(pickle.loads(msgs[at[0] % len(msgs)]))
         at[0] += 1
         for st in streams.values():
-            st._items.clear()
+            st.get(0)
     return step
 
 

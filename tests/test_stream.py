@@ -1,0 +1,68 @@
+"""engine.stream.RequestStream: token items (`put_token`) read as the RequestOutputs they stand for, one at a time or
+merged when the reader is behind, in order with the last item, from a thread or an event loop."""
+import asyncio
+import threading
+
+import pytest
+
+from core.messages import RequestOutput
+from core.request import FinishReason
+from engine.stream import RequestStream
+
+
+def test_a_reader_keeping_up_gets_each_token_as_its_item():
+    st = RequestStream("r")
+    for i, text in enumerate(["He", "llo"]):
+        st.put_token("r", text, 10 + i, 4, i + 1)
+        out = st.get(timeout=1)
+        assert out == RequestOutput("r", text, [10 + i], num_prompt_tokens=4, num_output_tokens=i + 1)
+    st.put(RequestOutput("r", "", [], finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=4,
+                         num_output_tokens=2))
+    last = st.get(timeout=1)
+    assert last.finished and last.finish_reason is FinishReason.LENGTH and st.closed
+
+
+def test_a_reader_behind_gets_what_came_as_one_item_and_the_end_with_it():
+    st = RequestStream("r")
+    st.put_token("r", "a", 1, 3, 1)
+    st.put_token("r", "b", 2, 3, 2)
+    out = st.get(timeout=1)  # tokens only: one item with the last one's counts
+    assert (out.text, out.token_ids, out.num_output_tokens, out.finished) == ("ab", [1, 2], 2, False)
+    st.put_token("r", "c", 3, 3, 3)
+    st.put(RequestOutput("r", "d", [4], num_prompt_tokens=3, num_output_tokens=4))  # an item put whole
+    st.put_token("r", "e", 5, 3, 5)
+    st.put(RequestOutput("r", "!", [], finished=True, finish_reason=FinishReason.STOP, stop_reason="x",
+                         num_prompt_tokens=3, num_output_tokens=5))
+    st.put_token("r", "late", 6, 3, 6)  # after the end: dropped
+    out = st.get(timeout=1)
+    assert (out.text, out.token_ids, out.num_output_tokens) == ("cde!", [3, 4, 5], 5)
+    assert out.finished and out.finish_reason is FinishReason.STOP and out.stop_reason == "x"
+    with pytest.raises(TimeoutError):  # nothing after the end
+        st.get(timeout=0.05)
+
+
+def test_an_awaiting_reader_wakes_on_a_token_put_from_another_thread():
+    st = RequestStream("r")
+
+    async def read():
+        return [o async for o in st]
+
+    def produce():
+        for i in range(20):
+            st.put_token("r", str(i % 10), i, 2, i + 1)
+        st.put(RequestOutput("r", "", [], finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=2,
+                             num_output_tokens=20))
+
+    async def main():
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0)
+        t = threading.Thread(target=produce)
+        t.start()
+        outs = await asyncio.wait_for(task, 10)
+        t.join()
+        return outs
+
+    outs = asyncio.run(main())
+    assert [t for o in outs for t in o.token_ids] == list(range(20))
+    assert "".join(o.text for o in outs) == "0123456789" * 2 and outs[-1].finished
+    assert all(o.num_output_tokens == sum(len(p.token_ids) for p in outs[:k + 1]) for k, o in enumerate(outs))
