@@ -109,13 +109,15 @@ def sample_step(code: Code, rows: int, width: int, vocab: int) -> Callable[[], N
     return step
 
 
-def output_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> Callable[[], None]:
+def _on_tokens(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int, sink: Any) -> Callable[[], None]:
+    """A step of `OutputProcessor.on_token` for each of `rows` requests (one random token id each, the same for all)
+    into `sink`."""
     import random
 
     reqs = _requests(rows)
     proc = code.outputs.OutputProcessor(tokenizer)
     for r in reqs:
-        proc.add(r, _Drop())
+        proc.add(r, sink)
     rng = random.Random(0)
     ids = [rng.randrange(100, vocab) for _ in range(steps)]
     at = [0]
@@ -127,6 +129,10 @@ def output_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -
             r.token_ids.append(tok)
             proc.on_token(r, tok, None)
     return step
+
+
+def output_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> Callable[[], None]:
+    return _on_tokens(code, rows, tokenizer, vocab, steps, _Drop())
 
 
 class _Wire:
@@ -142,26 +148,15 @@ class _Wire:
 def _engine_side(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -> tuple[Callable[[], None], _Wire]:
     """`output_step`'s tokens through the engine process's path: into its batch, flushed (pickled) as the worker's
     loop turn ends; the wire keeps only the last message's bytes."""
-    import random
     from types import SimpleNamespace
 
-    reqs = _requests(rows)
     wire = _Wire()
     batch = code.core_proc._Batch(wire)
     batch.engine = SimpleNamespace(stats=lambda stats=SimpleNamespace(alive=True): stats)
-    proc = code.outputs.OutputProcessor(tokenizer)
-    for r in reqs:
-        proc.add(r, batch)
-    rng = random.Random(0)
-    ids = [rng.randrange(100, vocab) for _ in range(steps)]
-    at = [0]
+    tokens = _on_tokens(code, rows, tokenizer, vocab, steps, batch)
 
     def step() -> None:
-        tok = ids[at[0] % len(ids)]
-        at[0] += 1
-        for r in reqs:
-            r.token_ids.append(tok)
-            proc.on_token(r, tok, None)
+        tokens()
         batch.flush()
         del wire.sent[:-1]
     return step, wire
