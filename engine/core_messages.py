@@ -85,9 +85,6 @@ class TokenDeltas:
     num_prompt_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
 
 @dataclass(frozen=True, slots=True)
 class Outputs:
