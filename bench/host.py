@@ -10,11 +10,15 @@ its result with the CPU kernels' host paths; `output` is `OutputProcessor.on_tok
 detokenization and the stream item) into a sink that drops it; where the engine runs in a process of its own (a
 replica's default), `engine` is its side of that: `on_token` into its batch (`engine.core_proc._Batch`) and the loop
 turn's `Outputs` message pickled, and `client` the other side: the message read back, delivered into each request's
-`RequestStream` (`EngineCoreClient._deliver`) and read from it; the socket is left out. Each figure is the median
+`RequestStream` (`EngineCoreClient._deliver`) and read from it with `get(0)` (a reader keeping up, so no thread
+waits: `aget` and a blocked `get` are left out); the socket is left out, and so is the engine's stats, which the
+batch reads once (its first message) and which never change. Each figure is the median
 of `--reps` timings of `--steps` steps, the two checkouts taking turns, in one process: the box's speed moves by
 tens of percent within a minute, so only figures taken side by side compare. `--against DIR` loads DIR's
 engine/sampler.py, engine/outputs.py, engine/stream.py, engine/core_messages.py, engine/core_proc.py and CPU kernel
 source (built into the kernel cache like this checkout's); the requests, tokenizer and the rest are this checkout's.
+A checkout whose engine process has no `core_messages.py` (older than its token columns) gets no `engine` and
+`client` rows.
 """
 from __future__ import annotations
 
@@ -82,9 +86,13 @@ class Code:
             self.stream = _module(f"_host_stream_{tag}", root / "engine" / "stream.py")
             self.outputs = _module(f"_host_outputs_{tag}", root / "engine" / "outputs.py",
                                    {"engine.stream": self.stream})
-            messages = _module(f"_host_core_messages_{tag}", root / "engine" / "core_messages.py")
-            self.core_proc = _module(f"_host_core_proc_{tag}", root / "engine" / "core_proc.py",
-                                     {"engine.core_messages": messages, "engine.stream": self.stream})
+            self.core_proc = None  # None: the checkout's engine process is not timed
+            if (root / "engine" / "core_messages.py").exists():
+                messages = _module(f"_host_core_messages_{tag}", root / "engine" / "core_messages.py")
+                self.core_proc = _module(f"_host_core_proc_{tag}", root / "engine" / "core_proc.py",
+                                         {"engine.core_messages": messages, "engine.stream": self.stream})
+            else:
+                print(f"{root}: no engine/core_messages.py, so no engine or client rows for it", file=sys.stderr)
             self.kernels = K.load_source(root / "engine" / "backends" / "cpu" / "cpu_kernels.cpp")
 
 
@@ -233,8 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for code in codes:
             cases.append(("sample", n, code.label, sample_step(code, n, width, vocab)))
             cases.append(("output", n, code.label, output_step(code, n, tokenizer, vocab, args.steps)))
-            cases.append(("engine", n, code.label, engine_step(code, n, tokenizer, vocab, args.steps)))
-            cases.append(("client", n, code.label, client_step(code, n, tokenizer, vocab, args.steps)))
+            if code.core_proc is not None:
+                cases.append(("engine", n, code.label, engine_step(code, n, tokenizer, vocab, args.steps)))
+                cases.append(("client", n, code.label, client_step(code, n, tokenizer, vocab, args.steps)))
     times: dict[tuple[str, int, str], list[float]] = {(w, n, c): [] for w, n, c, _ in cases}
     for _ in range(args.reps):  # the checkouts take turns within each rep
         for what, n, label, fn in cases:
@@ -246,19 +255,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for what in ("sample", "output", "engine", "client"):
             this = med[(what, n, "this")]
             row: dict[str, Any] = {"rows": n, "part": what, "this_us": round(this, 1)}
-            if args.against:
-                other = med[(what, n, "against")]
+            other = med.get((what, n, "against"))
+            if other is not None:
                 row |= {"against_us": round(other, 1), "this_over_against": round(this / other, 3)}
             figures.append(row)
-            table.append([n, what, f"{this:.1f}"] + ([f"{row['against_us']:.1f}", f"{row['this_over_against']:.2f}"]
-                                                      if args.against else []))
+            table.append([n, what, f"{this:.1f}"] + ([f"{other:.1f}", f"{this / other:.2f}"] if other is not None
+                                                      else ["-", "-"] if args.against else []))
     head = ["rows", "part", "this us/step"] + (["against us/step", "this / against"] if args.against else [])
     print_table(head, table, title=f"host work per step outside the model ({args.model}, vocabulary {vocab}, "
                                    f"logits width {width}; median of {args.reps} x {args.steps} steps)")
     if args.summary:
         info = run_info(MODULE, argv)
         parts = [f"{f['rows']} rows {f['part']} {f['this_us']:.0f} us" +
-                 (f" ({f['this_over_against']:.2f}x)" if args.against else "") for f in figures]
+                 (f" ({f['this_over_against']:.2f}x)" if "this_over_against" in f else "") for f in figures]
         write_summary(args.summary, info["command"], "host work per step: " + ", ".join(parts),
                       {"run": info, "model": args.model, "vocab": vocab, "width": width, "against": args.against,
                        "against_commit": _commit(Path(args.against)) if args.against else None,
