@@ -1,7 +1,7 @@
 """Paged-KV bookkeeping: which cache blocks each request owns. Pure Python, no tensors; owned by the scheduler."""
 from __future__ import annotations
 
-from collections import deque
+from heapq import heappop, heappush
 from typing import Protocol
 
 
@@ -10,12 +10,17 @@ class HasBlocks(Protocol):
 
 
 class BlockManager:
+    """The free blocks and each request's. A request gets the lowest-numbered free blocks: the running requests' KV
+    then stays in the low end of the cache, however many have come and gone, so a decode step reads a compact region
+    (on a CPU, whose caches and TLB hold part of it) rather than blocks strewn over the whole cache, as handing out
+    blocks in the order they were freed does once requests have cycled through it (`bench/kv_layout.py`)."""
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a min-heap (ascending: already one)
 
     @property
     def num_free(self) -> int:
@@ -44,10 +49,13 @@ class BlockManager:
         need = self.extra_blocks_for(seq, num_tokens)
         if need > len(self._free):
             raise RuntimeError(f"KV accounting bug: need {need} blocks, {len(self._free)} free")
+        free, table = self._free, seq.block_table
         for _ in range(need):
-            seq.block_table.append(self._free.popleft())
+            table.append(heappop(free))
 
     def free(self, seq: HasBlocks) -> None:
         if seq.block_table:
-            self._free.extend(seq.block_table)
+            free = self._free
+            for b in seq.block_table:
+                heappush(free, b)
             seq.block_table = []

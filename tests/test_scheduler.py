@@ -981,6 +981,28 @@ def test_block_manager_holds_a_sequence_whose_blocks_have_its_slots_and_grows_on
     assert bm.holds(r, 32) and bm.num_free == 2
 
 
+def test_block_manager_hands_out_the_lowest_free_blocks_so_the_running_kv_stays_compact():
+    from core.kv import BlockManager
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b, c = _req(0, 8), _req(1, 8), _req(2, 4)
+    for r in (a, b):
+        bm.ensure(r, 8)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    bm.free(a)
+    bm.ensure(c, 4)
+    assert c.block_table == [0]  # the freed low blocks again, not the never-used high ones
+    bm.ensure(b, 12)
+    bm.ensure(c, 8)
+    assert b.block_table == [2, 3, 1] and c.block_table == [0, 4] and bm.num_free == 3
+    for r in (b, c):
+        bm.free(r)
+    assert bm.num_free == 8
+    d = _req(3, 32)
+    bm.ensure(d, 32)
+    assert d.block_table == list(range(8)) and bm.num_free == 0
+
+
 def test_the_gate_line_a_router_reads_is_the_vbs_gates_own_test():
     """Scheduler.gate_line (reported to the router): a request of TPOT T joining passes the VBS gate exactly where
     base + row x VBS' < T_min', VBS' counting each request at T_min' / its TPOT."""
