@@ -92,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="kairos-tiny")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--rows", default="8,16", help="running requests (comma list)")
     ap.add_argument("--ctx", default="300,600", help="the churn's length scale (comma list; see above)")
     ap.add_argument("--arrivals", type=int, default=3000, help="requests that come and go before the timing")
@@ -109,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), device="cpu", dtype=args.dtype))
+    extra = {} if args.block_size is None else {"block_size": args.block_size}
+    eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), device="cpu", dtype=args.dtype, **extra))
     try:
         nb, bs = eng.cache.num_blocks, eng.cache.block_size
         gen = torch.Generator().manual_seed(args.seed)
