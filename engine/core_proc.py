@@ -141,8 +141,8 @@ class Link:
 # ---------------------------------------------------------------------- the child
 class _Batch:
     """The child's output side: token items go into columns (`TokenDeltas`), every other item into a list; the
-    worker thread ships both at the end of each loop turn (`flush`, the engine's `on_outputs` hook). Only the worker thread touches it: once
-    the worker has died the main thread does not use it, it ends the process (`main`)."""
+    worker thread ships both at the end of each loop turn (`flush`, the engine's `on_outputs` hook). Only the worker
+    thread touches it: once the worker has died the main thread does not use it, it ends the process (`main`)."""
 
     def __init__(self, conn: Link) -> None:
         self.conn = conn
