@@ -30,25 +30,18 @@ LAYOUTS = ("lowest", "freed", "compact")
 
 
 class FreedOrderBlocks(BlockManager):
-    """Blocks handed out in the order they were freed (a FIFO free list)."""
+    """Blocks handed out in the order they were freed: the free list a FIFO queue instead of the heap."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
-        self._queue: deque[int] = deque(range(num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._queue)
-
-    def can_fit(self, seq: Any, num_tokens: int) -> bool:
-        return self.extra_blocks_for(seq, num_tokens) <= len(self._queue)
+        self._free = deque(self._free)  # type: ignore[assignment]
 
     def ensure(self, seq: Any, num_tokens: int) -> None:
         for _ in range(self.extra_blocks_for(seq, num_tokens)):
-            seq.block_table.append(self._queue.popleft())
+            seq.block_table.append(self._free.popleft())  # type: ignore[attr-defined]
 
     def free(self, seq: Any) -> None:
-        self._queue.extend(seq.block_table)
+        self._free.extend(seq.block_table)
         seq.block_table = []
 
 
