@@ -17,7 +17,8 @@ split's Spearman, and scored on the held-out benchmark prompts (`length_predicto
   question's first and last `--probe-tokens` / 2 tokens): the final position's state and the mean over positions,
   standardized, through a linear layer. A forward per prompt is costly on a CPU, so the probe designs train on the
   first `--probe-rows` first turns of the training split only (`@sub`), beside `ngrams@sub`, the n-grams on the same
-  rows, and `ngrams+probe@sub`.
+  rows, and `ngrams+probe@sub`. `probe` and `ngrams+probe` (run only when named) read every row of the split, later
+  turns too, as the n-grams do: a forward for each of ~40,000 prompts.
 
     python -m bench.length_features [--model kairos-default] [--summary length-features-sharegpt]
 
@@ -35,6 +36,7 @@ import numpy as np
 
 DESIGNS = ("ngrams", "ngrams+embed", "embed", "ngrams+rank", "ngrams+mlp", "ngrams@sub", "probe@sub",
            "ngrams+probe@sub")
+FULL_PROBES = ("probe", "ngrams+probe")  # on every row: a forward per row, so only when named in --designs
 MLP_WIDTH = 64
 
 
@@ -204,7 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe, probe_ms = None, None
     if any("probe" in d for d in designs):
         t1 = time.perf_counter()
+        full = any(d in FULL_PROBES for d in designs)
         union = np.concatenate(sub)
+        if full:  # every row, in order of the tokens the probe reads (batches of alike lengths pad less)
+            union = np.unique(np.concatenate((fit, val, held)))
+            union = union[np.argsort([min(len(rows.ids[i]), args.probe_tokens) for i in union], kind="stable")]
         got = probe_states([texts[i] for i in union], args.model, args.probe_tokens)
         probe = np.zeros((len(rows.ids), got.shape[1]), np.float32)
         probe[union] = got
