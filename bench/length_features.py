@@ -207,9 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any("probe" in d for d in designs):
         t1 = time.perf_counter()
         full = any(d in FULL_PROBES for d in designs)
-        union = np.concatenate(sub)
-        if full:  # every row, in order of the tokens the probe reads (batches of alike lengths pad less)
-            union = np.unique(np.concatenate((fit, val, held)))
+        union = np.concatenate((fit, val, held) if full else sub)
+        if full:  # in order of prompt length, about the tokens the probe reads (batches of alike lengths pad less)
             union = union[np.argsort([min(len(rows.ids[i]), args.probe_tokens) for i in union], kind="stable")]
         got = probe_states([texts[i] for i in union], args.model, args.probe_tokens)
         probe = np.zeros((len(rows.ids), got.shape[1]), np.float32)
