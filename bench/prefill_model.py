@@ -45,7 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile-max", type=int, default=2048, help="the longest single prompt fitted on (the "
                     "engine's profile: twice the prefill budget, 1024 by default)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-num-seqs", type=int, default=128, help="the engine's (the hybrid steps decode up to 128)")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="the engine's: above the hybrid steps' decode rows plus their prompt (on CUDA a step of more "
+                         "sequences than this cannot replay a mixed graph and runs eagerly)")
     ap.add_argument("--hybrid-prompts", type=_ints, default="128,512,2048",
                     help="prompt tokens of the hybrid steps (comma list)")
     ap.add_argument("--hybrid-rows", type=_ints, default="32,128", help="decode rows of the hybrid steps (comma list)")

@@ -9,7 +9,8 @@
 #           bench/device/lease.sh 2"), LEFT the device time the lease has left
 #           slo_gpu.sh RESUME=1 (only what call 1 did not finish: all the time there is if that is much, else all
 #           but 160 s), then overhead_gpu.sh (ROUNDS=1: the HTTP hop, the prefill model and hybrid steps), then
-#           tests/gpu (gpu_check.sh BENCH=0), each in what BUDGET_S leaves
+#           tests/gpu (gpu_check.sh BENCH=0), each in what BUDGET_S leaves (OVERHEAD=0 skips overhead_gpu.sh:
+#           tests/gpu gets its time)
 # Everything lands in $OUT: slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json, gpu-check.json and logs.
 # Then here (after give_back): python bench/device/ingest.py <call 1's files_at> <call 2's files_at> keeps them as
 # summaries and the replica profile, regenerates the READMEs' tables and prints what the issue's note wants.
@@ -49,7 +50,9 @@ case "${1:-}" in
     RESUME=1 LIMIT_S=${SLO_S:-$(( l >= 320 ? l - 160 : l - 10 ))} bash bench/device/slo_gpu.sh
     [ -f /tmp/site/ray/__init__.py ] && export PYTHONPATH=/tmp/site:$PWD  # unpacked once (gpu_check.sh looks)
     l=$(left)
-    if [ "$l" -gt 100 ]; then
+    if [ "${OVERHEAD:-1}" = 0 ]; then
+      echo "lease.sh: OVERHEAD=0: no overhead_gpu.sh"
+    elif [ "$l" -gt 100 ]; then
       ROUNDS=${ROUNDS:-1} PREFILL_REPS=${PREFILL_REPS:-2} timeout $(( l > 170 ? 160 : l - 10 )) \
         bash bench/device/overhead_gpu.sh
     else
