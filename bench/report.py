@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 import tempfile
@@ -346,7 +347,9 @@ def _slo_gpu(f: dict[str, Any]) -> str:
     cell = f"{hi:g}× λ*: " + ", ".join(f"{r['policy']} {r['goodput_rps']:.2f} req/s ({100 * r['adherence']:.0f}% met)"
                                        for r in rows if r["load"] == hi)
     low = [r for r in rows if r["load"] == lo and r["policy"] == "kairos"]
-    return cell + (f"; {lo:g}×: kairos {100 * low[0]['adherence']:.0f}% met" if lo != hi and low else "")
+    cell += f"; {lo:g}×: kairos {100 * low[0]['adherence']:.0f}% met" if lo != hi and low else ""
+    n = re.search(r"--num-requests (\d+)", (f.get("run") or {}).get("command") or "")
+    return cell + (f" ({n.group(1)} requests a point)" if n else "")
 
 
 def _pooled(f: dict[str, Any]) -> str:
@@ -387,6 +390,7 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("The same on a GPU (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h*-llama8b*", _http_added),
     ("SLO goodput on one GPU replica over Ray Serve (8B shape, ShareGPT, lengths predicted, seeds 0 and 1)",
      "slo-gpu-h*-llama8b*", _slo_gpu),
+    ("The same, an earlier lease's shorter points", "slo-gpu-h200-llama8b-20261204", _slo_gpu),
     ("SLO router against power-of-two, 2 replicas (ShareGPT)", "route-2replicas-16core-device-f", _routers),
 )
 
