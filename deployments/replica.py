@@ -61,11 +61,12 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     `ttft_margin_ms`: the TTFT guard's margin on an idle replica, or a function of the request's predicted prefill
     that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting
     prompts' attention work in token pairs (`Scheduler.waiting_sq`). `gate_scale`: the VBS gate's scale of the model
-    on an idle replica (`Scheduler.idle_gate_scale`: the decode steps it measured). `planned_len`: the reply length
-    the scheduler planned the request for (`RequestOutput.planned_output_len`: a predicted one where its length
-    predictor ran), else its hint, else max_tokens. `nearest_end`: the engine's own count of the tokens until the
-    running request nearest its end finishes (`EngineStats.nearest_end`: expected lengths as its scheduler plans for
-    them, kairos's predicted ones), which wins over `decode_left`'s (hints and max_tokens)."""
+    on an idle replica (`Scheduler.offer_gate_scale`: the least the decode steps it measured gave lately).
+    `planned_len`: the reply length the scheduler planned the request for (`RequestOutput.planned_output_len`: a
+    predicted one where its length predictor ran), else its hint, else max_tokens. `nearest_end`: the engine's own
+    count of the tokens until the running request nearest its end finishes (`EngineStats.nearest_end`: expected
+    lengths as its scheduler plans for them, kairos's predicted ones), which wins over `decode_left`'s (hints and
+    max_tokens)."""
     n = max(num_prompt_tokens, 1)
     if model is None:
         return RejectionView(reason, 1, None, None)
@@ -348,7 +349,7 @@ class LLMReplica:
                                    list(self._decode_left.values()),
                                    lambda p: idle_margin_at(st.ttft_idle_margins, st.ttft_margins, p,
                                                             self._sched.ttft_margin_ms),
-                                   st.waiting_sq, st.idle_gate_scale, out.planned_output_len, st.nearest_end)
+                                   st.waiting_sq, st.offer_gate_scale, out.planned_output_len, st.nearest_end)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

@@ -331,7 +331,7 @@ class Scheduler:
         if self.floor is not None:
             for r, _ in plan.rejected:
                 self.floor.rejected(r.tpot_slo_ms, now)
-        if self.shedder is not None and busy and any(self._for_capacity(r, reason) for r, reason in plan.rejected):
+        if self.shedder is not None and busy and any(self._for_capacity(r, reason, now) for r, reason in plan.rejected):
             self.shedder.saturated(now)
         if not self.running:
             self.last_vbs = 0.0
@@ -604,7 +604,7 @@ class Scheduler:
         return math.isfinite(r.deadline_s) and bool(self.running or gate.admitted) \
             and gate.feasible_alone(r.tpot_slo_ms, self._mid_len(r))
 
-    def _for_capacity(self, r: Request, reason: RejectReason) -> bool:
+    def _for_capacity(self, r: Request, reason: RejectReason, now: float) -> bool:
         """Whether a rejection says the replica is full (work shedding measures its capacity only then): not one
         of its own sheds, and not a request that would have been turned away by an idle replica too (a prompt
         whose prefill alone overruns its TTFT SLO, a TPOT below a one-request step), which arrive whatever the
@@ -617,7 +617,7 @@ class Scheduler:
             alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))
             return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms, idle=True)
         if reason is TPOT_UNATTAINABLE:
-            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r)) * self.idle_gate_scale()
+            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r)) * self.offer_gate_scale(now)
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
@@ -728,6 +728,12 @@ class Scheduler:
         (`ItlCorrection.idle_factor`; 1 without the correction). The idle SLO floor (`ttft_guard.idle_slo_floor`)
         is drawn with it, so that the best TPOT a replica advertises is one its gate admits when idle."""
         return self._gate_scale(self.correction.idle_factor()) if self.correction is not None else 1.0
+
+    def offer_gate_scale(self, now: float) -> float:
+        """The gate's idle scale the replica's SLO floor is drawn with, for the SLOs it offers and those it judges
+        unattainable: the least `idle_gate_scale` of the last while (`ItlCorrection.offer_factor`), so that an SLO
+        it offered is not judged unattainable moments later because a burst slowed the steps it measures."""
+        return self._gate_scale(self.correction.offer_factor(now)) if self.correction is not None else 1.0
 
     def _gate_scale(self, factor: float) -> float:
         """The gate's scale of the model for a measured step factor: the static margin already covers up to k of

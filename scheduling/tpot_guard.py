@@ -6,6 +6,7 @@ Requests are duck-typed: ``tpot_slo_ms`` (+inf for best effort), ``credit`` (mut
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -364,11 +365,18 @@ class ItlCorrection:
     """
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
-                 min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0, idle_prior_ms: float = 1000.0) -> None:
-        if not (0 < lo <= 1 <= hi) or tau_ms <= 0 or idle_horizon_ms <= 0 or idle_prior_ms <= 0:
-            raise ValueError("need tau_ms, idle_horizon_ms, idle_prior_ms > 0 and 0 < lo <= 1 <= hi")
+                 min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0, idle_prior_ms: float = 1000.0,
+                 offer_memory_s: float = 60.0) -> None:
+        if not (0 < lo <= 1 <= hi) or tau_ms <= 0 or idle_horizon_ms <= 0 or idle_prior_ms <= 0 \
+                or offer_memory_s < 0:
+            raise ValueError("need tau_ms, idle_horizon_ms, idle_prior_ms > 0, offer_memory_s >= 0 and "
+                             "0 < lo <= 1 <= hi")
         self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
         self.idle_horizon_ms = idle_horizon_ms
+        self.offer_memory_s = offer_memory_s
+        # (time, idle factor) after each step that moved it, the factors rising from front to back: the front is the
+        # least of the last offer_memory_s (a later, lower factor makes every earlier, higher one irrelevant)
+        self._lows: collections.deque[tuple[float, float]] = collections.deque()
         self._actual = 0.0
         self._pred = 0.0
         self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
@@ -421,12 +429,26 @@ class ItlCorrection:
             k = math.exp(-predicted_decode_ms / self.idle_horizon_ms)
             self._pure[0] = self._pure[0] * k + max(step_ms, 0.0)
             self._pure[1] = self._pure[1] * k + predicted_decode_ms
+            f, lows = self.idle_factor(), self._lows
+            while lows and lows[-1][1] >= f:
+                lows.pop()
+            lows.append((now_s, f))
 
     def idle_factor(self) -> float:
         """The factor of an idle engine: the wall time over the predictions of the steps a request decoding alone
         runs, over the last `idle_horizon_ms` of their predicted time, the profile's factor 1 weighing as
         `idle_prior_ms` of them at first; clamped to [lo, hi]."""
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
+
+    def offer_factor(self, now_s: float) -> float:
+        """The least `idle_factor` of the last `offer_memory_s` (the current one included): what a replica's offered
+        SLOs and its judgement of an SLO as unattainable are drawn with. A burst on a loaded host slows the steps of
+        its last requests, which decode alone, and raises the idle factor for a while; an SLO the replica offered
+        before that must not be judged unattainable after it (a retry helps once the host is quiet again)."""
+        lows, cut = self._lows, now_s - self.offer_memory_s
+        while lows and lows[0][0] < cut:
+            lows.popleft()
+        return min(lows[0][1], self.idle_factor()) if lows else self.idle_factor()
 
     def step_factor(self, now_s: float) -> float:
         """The model's error on the decode-only steps of the window (no stall in them); the idle factor while they

@@ -392,6 +392,30 @@ def test_itl_correction_holds_the_decode_steps_factor_while_idle():
     assert d.idle_factor() == pytest.approx(1.4, rel=0.01)
 
 
+def test_itl_correction_offer_factor_is_the_least_idle_factor_of_its_memory():
+    """The SLO floor's factor: a burst that slows the steps of requests decoding alone raises the idle factor, but
+    not the offer factor while the lower one it measured before is within `offer_memory_s`; after that it follows
+    the idle factor, down at once."""
+    from scheduling.tpot_guard import ItlCorrection
+
+    c = ItlCorrection(idle_horizon_ms=100.0, idle_prior_ms=1e-6, offer_memory_s=60.0)
+    assert c.offer_factor(0.0) == c.idle_factor() == 1.0  # nothing measured: the profile
+    for k in range(60):  # steps decoding alone at 1.2x the model
+        c.observe(k * 0.01, 12.0, 10.0, alone=True)
+    assert c.offer_factor(1.0) == pytest.approx(1.2)
+    for k in range(60):  # a burst on a loaded host: the same steps at 2x
+        c.observe(10 + k * 0.01, 20.0, 10.0, alone=True)
+    assert c.idle_factor() == pytest.approx(2.0, rel=0.01)
+    assert c.offer_factor(11.0) == pytest.approx(1.2)  # the floor offered before the burst still holds
+    assert 1.2 < c.offer_factor(61.0) < 1.4  # the slower steps' since: the burst's first, which moved it little
+    assert c.offer_factor(70.7) == pytest.approx(2.0, rel=0.01)  # all forgotten: what the steps measure now
+    for k in range(60):  # quiet again: down at once
+        c.observe(71 + k * 0.01, 11.0, 10.0, alone=True)
+    assert c.offer_factor(72.0) == pytest.approx(1.1, rel=0.01)
+    with pytest.raises(ValueError):
+        ItlCorrection(offer_memory_s=-1.0)
+
+
 def test_itl_correction_step_factor_is_the_models_error_on_the_decode_only_steps():
     """`step_factor` leaves out every step that carried a prefill (prefill-only and hybrid alike), which `factor`
     counts as stall; with too few decode-only steps in the window it is the idle factor, as `factor` is."""
