@@ -309,6 +309,38 @@ def unnice() -> int:
     return 0
 
 
+class _TokenizerPreload:
+    """The client's tokenizer, loaded on a thread of its own while the child starts: from the directory the
+    child's loader will take it from, where that exists already (`loader.ready_tokenizer_dir`); nothing
+    otherwise, and nothing is built or downloaded here. `result` waits for it and hands it over only if the child
+    loaded its tokenizer from that same directory."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._tok: Any = None
+        self._path: str | None = None
+        self._thread = threading.Thread(target=self._load, args=(config,), name="kairos-tokenizer-preload",
+                                         daemon=True)
+        self._thread.start()
+
+    def _load(self, config: EngineConfig) -> None:
+        try:
+            from engine.loader import ready_tokenizer_dir  # noqa: PLC0415
+
+            path = ready_tokenizer_dir(config.model, config.tokenizer)
+            from transformers import AutoTokenizer  # noqa: PLC0415 - the import is most of the wait
+
+            if path is not None:
+                self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code,
+                                                          local_files_only=True)
+                self._path = path
+        except Exception:  # noqa: BLE001 - a guess: the client loads the tokenizer itself then
+            self._tok = None
+
+    def result(self, tokenizer_path: str) -> Any:
+        self._thread.join()
+        return self._tok if self._tok is not None and self._path == tokenizer_path else None
+
+
 # ---------------------------------------------------------------------- the client
 class EngineCoreClient:
     """An `LLMEngine` in a child process, driven from this one. Construction starts the child and waits until
@@ -340,6 +372,8 @@ class EngineCoreClient:
         argv += (["--favoured"] if favoured else []) + (["--label", label] if label else [])
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
+        # the tokenizer this process needs, loaded while the child starts (transformers' import alone takes seconds)
+        preload = _TokenizerPreload(self.config)
         self._conn = Link(ours)
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead (callers' threads add, the reader removes)
@@ -348,12 +382,14 @@ class EngineCoreClient:
         try:
             self._send(self.config.model_dump(mode="json", exclude_unset=True))  # the engine fills in its device's
             info = self._wait_ready(startup_timeout_s)
-            from transformers import AutoTokenizer  # noqa: PLC0415
+            tok = preload.result(info.tokenizer_path)
+            if tok is None:  # not preloaded (a hub id, a model built by the child), or from elsewhere
+                from transformers import AutoTokenizer  # noqa: PLC0415
 
-            kw: dict[str, Any] = {"trust_remote_code": info.trust_remote_code}
-            if os.environ.get("HF_HUB_OFFLINE") == "1":
-                kw["local_files_only"] = True
-            tok = AutoTokenizer.from_pretrained(info.tokenizer_path, **kw)
+                kw: dict[str, Any] = {"trust_remote_code": info.trust_remote_code}
+                if os.environ.get("HF_HUB_OFFLINE") == "1":
+                    kw["local_files_only"] = True
+                tok = AutoTokenizer.from_pretrained(info.tokenizer_path, **kw)
         except BaseException:
             self._kill()
             self._conn.close()

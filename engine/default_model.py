@@ -183,7 +183,8 @@ _BUILD_LOCK = threading.Lock()
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def _is_complete(path: Path) -> bool:
+def is_complete(path: Path) -> bool:
+    """Whether `path` holds a whole embedded model (every file `ensure_default_model` publishes)."""
     return path.is_dir() and all((path / f).is_file() for f in _REQUIRED_FILES)
 
 
@@ -268,12 +269,12 @@ def ensure_default_model(name: str = TRAINED_DEFAULT, cache_dir: str | os.PathLi
     a loser of the race discards its copy and uses the winner's (identical) directory.
     """
     target = model_dir(name, cache_dir)
-    if _is_complete(target):
+    if is_complete(target):
         return target
     # The lock serialises builds within this process (they share torch's global RNG state);
     # across processes the atomic os.replace below decides the winner.
     with _BUILD_LOCK:
-        if _is_complete(target):
+        if is_complete(target):
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.exists():  # incomplete leftover (e.g. copied by hand): rebuild it
@@ -284,7 +285,7 @@ def ensure_default_model(name: str = TRAINED_DEFAULT, cache_dir: str | os.PathLi
             try:
                 os.replace(tmp, target)
             except OSError:
-                if not _is_complete(target):  # not a lost race: a real error
+                if not is_complete(target):  # not a lost race: a real error
                     raise
         finally:
             if tmp.exists():

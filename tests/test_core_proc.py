@@ -354,3 +354,27 @@ def test_shutdown_of_a_client_reading_on_an_event_loop_ends_what_is_in_flight(ti
     c, last = asyncio.run(main())
     assert last.finished and last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
     assert c._proc.poll() is not None and not c.is_alive()
+
+
+def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_checkpoints, tmp_path):
+    """While the child starts, the client loads the tokenizer from where the child's loader will (a directory
+    that exists already: nothing is built or downloaded for it), and keeps it only if the child's came from there."""
+    from transformers import AutoTokenizer
+
+    from engine.core_proc import _TokenizerPreload
+    from engine.default_model import is_complete, model_dir
+    from engine.loader import ready_tokenizer_dir
+
+    path = tiny_checkpoints["llama"]
+    here = os.path.abspath(path)
+    assert ready_tokenizer_dir(path) == here
+    assert ready_tokenizer_dir("some-org/some-model") is None  # a hub id: the client loads it once the child has
+    assert ready_tokenizer_dir(str(tmp_path / "missing")) is None
+    assert ready_tokenizer_dir("some-org/some-model", tokenizer=path) == here  # a tokenizer of its own wins
+    tiny = model_dir("kairos-tiny")
+    assert ready_tokenizer_dir("kairos-tiny") == (str(tiny) if is_complete(tiny) else None)
+    tok = _TokenizerPreload(_config(path)).result(here)
+    assert tok is not None and tok("hello number 3").input_ids == AutoTokenizer.from_pretrained(path)(
+        "hello number 3").input_ids
+    assert _TokenizerPreload(_config(path)).result(str(tmp_path)) is None  # the child's came from elsewhere
+    assert _TokenizerPreload(_config("some-org/some-model")).result("some-org/some-model") is None
