@@ -167,6 +167,20 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     written, _ = ingest.ingest([call2], summaries=sums, sim_models=models)
     assert "slo-gpu-h200-llama8b-20261201.json" in {p.name for p in written}
     assert ingest.ingest([call2], summaries=sums, sim_models=models)[0] == written
+    # another lease that day keeps both: its summary and its replica profile get the time as well
+    call3 = tmp_path / "call3"
+    call3.mkdir()
+    (call3 / "slo-gpu.json").write_text(json.dumps(dict(slo, run=dict(slo["run"], date="2026-12-01T15:30:00+00:00"))))
+    with tarfile.open(call3 / "slo_gpu-out.tgz", "w:gz") as tf:
+        data = json.dumps({"format": 2, "meta": {"lease": 3}}).encode()
+        info = tarfile.TarInfo("slo_gpu/replica-profile.json")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    names = {p.name for p in ingest.ingest([call3], summaries=sums, sim_models=models)[0]}
+    assert names == {"slo-gpu-h200-llama8b-20261201-1530.json", "h200-llama8b-measured-20261201-1530.json"}
+    assert json.loads((sums / "slo-gpu-h200-llama8b-20261201-1530.json").read_text())["name"] == \
+        "slo-gpu-h200-llama8b-20261201-1530"
+    assert json.loads((models / "h200-llama8b-measured-20261201.json").read_text())["meta"] == {}  # the first's
 
 
 def test_the_pooled_row_reads_bench_pools_figures() -> None:

@@ -160,13 +160,20 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
             d["commit"] = commit
         return d
 
+    def stamps(date: str) -> list[str]:
+        """Suffixes for a name an earlier lease took: its day, then its day and time (two leases in a day)."""
+        day = date[:10].replace("-", "") or "undated"
+        return ["", f"-{day}", f"-{day}-{date[11:16].replace(':', '') or '0000'}"]
+
     def keep(d: dict[str, Any]) -> None:
-        # an earlier lease's summary of the same name stays: this run's gets its date (one run ingested again
-        # replaces its own)
-        path = summaries / f"{d['name']}.json"
-        if path.exists() and json.loads(path.read_text()).get("date") != d.get("date"):
-            d = dict(d, name=f"{d['name']}-{(d.get('date') or '')[:10].replace('-', '') or 'undated'}")
-            path = summaries / f"{d['name']}.json"
+        # an earlier lease's summary of the same name stays: this run's gets its date, or its date and time (one
+        # run ingested again replaces its own)
+        date = d.get("date") or ""
+        for suffix in stamps(date):
+            path = summaries / f"{d['name']}{suffix}.json"
+            if not path.exists() or json.loads(path.read_text()).get("date") == date:
+                break
+        d = dict(d, name=path.stem)
         written.append(report.write_json(path, d))
 
     if slo is not None:
@@ -187,8 +194,10 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
                 if member is not None:
                     data = tf.extractfile(member).read()  # type: ignore[union-attr]
                     json.loads(data)  # a profile that does not parse is not kept
-                    day = (run.get("date") or "")[:10].replace("-", "") or "undated"
-                    path = sim_models / f"{tag}-{shape}-measured-{day}.json"
+                    for suffix in stamps(run.get("date") or "")[1:]:  # another lease's of the same day stays
+                        path = sim_models / f"{tag}-{shape}-measured{suffix}.json"
+                        if not path.exists() or path.read_bytes() == data:
+                            break
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_bytes(data)
                     written.append(path)

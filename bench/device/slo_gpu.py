@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-loads", default="fcfs,kairos", help="policies run at every load; the others at the "
                     "highest only (the acceptance compares scorpio at the highest load only)")
     ap.add_argument("--lambda-guess", choices=("b4", "seats"), default="seats", help="bench.slo --lambda-guess")
+    ap.add_argument("--lambda-refine", type=int, default=3,
+                    help="bench.slo --lambda-refine: probes between the last adherent rate and the first that is not "
+                         "(each halves the bracket; with one alone lambda* can land far under FCFS's 90%% rate: "
+                         "bench/README.md)")
     ap.add_argument("--exact", default="kairos", help="policies also run with --lengths exact at the highest load")
     ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (the bundle's .dev/sharegpt-sub.json)")
     ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run's time limit, start-up included")
@@ -295,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             fixed = ["--predictor-json", str(profile), "--loads", point_loads, "--seeds", args.seeds,
                      "--num-requests", str(args.num_requests), "--label", policy]
             fixed += ["--lambda-star", str(lam)] if lam is not None else [
-                "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def, "--lambda-refine", "1",
-                "--lambda-guess", args.lambda_guess]
+                "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
+                "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess]
             out = args.out / f"{policy}-predicted"
             # the server's latency model by decode rows: read once per server, after its last run
             res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"]

@@ -12,11 +12,12 @@
 # The CPU dry run HERE (kairos-tiny's shape, float32, one engine thread, a few minutes; the local venv's Ray):
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
 # Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (120),
-#   PROBE_REQUESTS (NUM_REQUESTS: lambda*'s probes as long as the points, whose queues build as long), LAMBDA (skip the lambda* search), LAMBDA_DEF (adherence: the highest rate at which FCFS
-#   keeps 90% adherence, the reference protocol's; capacity: FCFS's completion rate under overload), LIMIT_S (540:
-#   the whole run, model build and server starts included; the summary is rewritten after each policy, so a cut-off
-#   run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128: the TPOT tiers are headroom x ITL(that
-#   batch, L) of the replica's own fit),
+#   PROBE_REQUESTS (NUM_REQUESTS: lambda*'s probes as long as the points, whose queues build as long), LAMBDA
+#   (skip the lambda* search), LAMBDA_DEF (adherence: the highest rate at which FCFS keeps 90% adherence, the
+#   reference protocol's; capacity: FCFS's completion rate under overload), LAMBDA_REFINE (3: probes that halve
+#   the bracket around lambda*), LIMIT_S (540: the whole run, model build and server starts included; the summary
+#   is rewritten after each policy, so a cut-off run keeps what it measured), STRICT_BATCH / LOOSE_BATCH (32 / 128:
+#   the TPOT tiers are headroom x ITL(that batch, L) of the replica's own fit),
 #   POLICIES (kairos,scorpio: after fcfs, in this order; a label's knobs, as in kairos+credit_batching=false, are
 #   its server's app arguments), RESUME=1 (a second call on the same warm host, after a
 #   first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the rest
@@ -48,6 +49,7 @@ pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())
 fi
 [ -n "${LAMBDA:-}" ] && args+=(--lambda-star "$LAMBDA")
 [ -n "${LAMBDA_DEF:-}" ] && args+=(--lambda-def "$LAMBDA_DEF")
+[ -n "${LAMBDA_REFINE:-}" ] && args+=(--lambda-refine "$LAMBDA_REFINE")
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
 if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: what the first did not finish
   args+=(--resume)
