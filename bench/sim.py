@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--lambda-guess", choices=("b4", "seats"), default="b4", help="as bench.slo's (slo_gpu.sh: seats): the "
       "search's first rate; from b4's the adherence search's doublings may not reach a GPU replica's lambda*")
     a("--lambda-adherence", type=float, default=0.9, help="as bench.slo's")
-    a("--lambda-refine", type=int, default=2, help="as bench.slo's (slo_gpu.sh: 1)")
+    a("--lambda-refine", type=int, default=2, help="as bench.slo's (slo_gpu.sh: 3)")
     a("--max-num-seqs", type=int, default=32)
     a("--strict-batch", type=float, default=4, help="as bench.slo's (slo_gpu.sh: 32)")
     a("--loose-batch", type=float, default=12, help="as bench.slo's (slo_gpu.sh: 128)")
