@@ -48,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256,
                     help="the engine's: above the hybrid steps' decode rows plus their prompt (on CUDA a step of more "
                          "sequences than this cannot replay a mixed graph and runs eagerly)")
+    ap.add_argument("--mixed-graph-tokens", type=int, default=None,
+                    help="the engine's mixed_graph_tokens (CUDA: steps with prefill rows of up to this many tokens "
+                         "replay a graph; default the engine's): the mixed-graph table measures graph against eager "
+                         "up to it")
     ap.add_argument("--hybrid-prompts", type=_ints, default="128,512,2048",
                     help="prompt tokens of the hybrid steps (comma list)")
     ap.add_argument("--hybrid-rows", type=_ints, default="32,128", help="decode rows of the hybrid steps (comma list)")
@@ -65,9 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.engine import LLMEngine
     from scheduling.config import SchedulerConfig
 
+    graphs = {} if args.mixed_graph_tokens is None else {"mixed_graph_tokens": args.mixed_graph_tokens}
     eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
                                  max_model_len=args.max_model_len,
-                                 scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs)))
+                                 scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), **graphs))
     try:
         return _measure(eng, args, argv)
     finally:
@@ -143,7 +148,8 @@ def _measure(eng: Any, args: argparse.Namespace, argv: Sequence[str] | None) -> 
     # beside the same steps run eagerly (the graphs set aside for the second measurement)
     graphs = getattr(eng.backend, "mixed", None)
     replayed = []
-    for n, b in [(16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (128, 32), (128, 128), (256, 128)]:
+    for n, b in [(16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (768, 0), (1024, 0), (2048, 0), (128, 32),
+                 (128, 128), (256, 128), (512, 128), (896, 128), (1792, 192)]:
         if graphs is None or n + b > graphs.max_tokens or b > seqs:
             continue
         lens, ids = probe.lengths(b, ctx), probe._ids(n)

@@ -10,7 +10,9 @@
 #   run(carry=[".dev"], timeout_s=300, command="bash bench/device/overhead_gpu.sh")
 # The CPU dry run HERE (kairos-tiny's shape, float32): DRY_RUN=1 bash bench/device/overhead_gpu.sh
 # Knobs (environment): SHAPE (llama-8b if slo_gpu.sh built it on this host, else llama-1b), ROUNDS (2),
-#   NUM_REQUESTS (60), INTERVAL_MS (150), MAX_NEW_TOKENS (32), OUT (where results go; the device tool sets it).
+#   NUM_REQUESTS (60), INTERVAL_MS (150), MAX_NEW_TOKENS (32), PREFILL_REPS (3), MIXED_GRAPH_TOKENS (the prefill
+#   model's engine's mixed_graph_tokens: its mixed-graph table measures graph against eager up to it; default the
+#   engine's), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
 OUT=${OUT:-bench/out/overhead_gpu_out}
 mkdir -p "$OUT"
@@ -48,7 +50,8 @@ cp bench/summaries/overhead-http-gpu.json "$OUT/" 2>/dev/null
 # the attention term and without (`bench.prefill_model`; its summary to $OUT, to commit here)
 "$PY" -m bench.prefill_model --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --max-model-len 4096 --long 4095 \
   --round 2048 --profile-max 2048 --reps "${PREFILL_REPS:-3}" --hybrid-prompts 32,128,512,2048 \
-  --hybrid-rows 8,32,64,128 --summary "$OUT/prefill-model-$SHAPE-$DEVICE.json" 2>&1 \
+  --hybrid-rows 8,32,64,128 ${MIXED_GRAPH_TOKENS:+--mixed-graph-tokens "$MIXED_GRAPH_TOKENS"} \
+  --summary "$OUT/prefill-model-$SHAPE-$DEVICE.json" 2>&1 \
   | tee -a "$OUT/overhead_gpu.log"
 [ "${DRY_RUN:-0}" = 1 ] && rm -f bench/summaries/overhead-http-gpu.json  # a dry run's figures are not kept
 echo "overhead_gpu exit $rc ($SHAPE, $DEVICE), $(( $(date +%s) - T0 )) s in all"
