@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -84,8 +85,9 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
     """`serve run deployments:app` with `serve_args` (key=value app arguments, and NAME=VALUE upper-case environment
     variables of that server) on a free port (KAIROS_HTTP_PORT), up and warmed with one completion; yields its URL.
     Run as the `serve` console script (a pip --target install has none), so SIGTERM stops it as Ctrl-C does, with
-    the Ray instance it started. `ray_stop`: then `ray stop --force` for stragglers (a host of its own only: on a
-    shared box it ends everyone's Ray)."""
+    the Ray instance it started. `ray_stop` (a host of its own only: on a shared box it ends everyone's Ray): kill it
+    instead, then `ray stop --force` and Serve's HTTP front, and wait for its engine processes to exit: a graceful
+    stop drains replicas that hold nothing, then stops Ray, and takes several times as long."""
     tokens = shlex.split(serve_args)
     is_env = [("=" in t and t.split("=", 1)[0].isupper()) for t in tokens]
     port = free_port()
@@ -101,18 +103,45 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
         while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`serve run deployments:app {serve_args}` did not come up; see {log}")
-            time.sleep(2)
+            time.sleep(0.5)
         yield target
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
+        if ray_stop:  # a host of its own: nothing to drain, so no graceful shutdown to wait for
             proc.kill()
             proc.wait(10)
-        if ray_stop:
             subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for pid in _processes(("haproxy",)):  # Serve's HTTP front, which Ray's stop may leave behind
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            # the next server's engine sizes its KV cache by the device's free memory: wait for this one's engine
+            # processes to be gone (each exits within a second of its replica)
+            gone = time.monotonic() + 30.0
+            while (left := _processes(("engine.core_proc",))) and time.monotonic() < gone:
+                time.sleep(0.25)
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        else:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _processes(needles: tuple[str, ...], proc: Path = Path("/proc")) -> list[int]:
+    """Pids of this host's processes whose command line holds one of `needles`."""
+    out = []
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if any(n in text for n in needles) and int(cmdline.parent.name) != os.getpid():
+            out.append(int(cmdline.parent.name))
+    return out
 
 
 def http_front(proc: Path = Path("/proc")) -> str:
