@@ -11,7 +11,7 @@
 #   bash bench/device/slo_gpu.sh
 # The CPU dry run HERE (kairos-tiny's shape, float32, one engine thread, a few minutes; the local venv's Ray):
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
-# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (120),
+# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (240),
 #   PROBE_REQUESTS (NUM_REQUESTS: lambda*'s probes as long as the points, whose queues build as long), LAMBDA
 #   (skip the lambda* search), LAMBDA_DEF (adherence: the highest rate at which FCFS keeps 90% adherence, the
 #   reference protocol's; capacity: FCFS's completion rate under overload), LAMBDA_REFINE (3: probes that halve
@@ -43,7 +43,8 @@ else
   "$PY" -c "import ray, pydantic, torch; from ray import serve; print('ray', ray.__version__, 'pydantic',
 pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 4
   args=(--shape "${SHAPE:-llama-8b}" --dtype bfloat16 --device cuda --serve "${SERVE:-}" --loads "${LOADS:-1,1.5}"
-        --seeds "${SEEDS:-0,1}" --num-requests "${NUM_REQUESTS:-120}" --probe-requests "${PROBE_REQUESTS:-${NUM_REQUESTS:-120}}"
+        --seeds "${SEEDS:-0,1}" --num-requests "${NUM_REQUESTS:-240}"
+        --probe-requests "${PROBE_REQUESTS:-${NUM_REQUESTS:-240}}"
         --strict-batch "${STRICT_BATCH:-32}" --loose-batch "${LOOSE_BATCH:-128}" --limit-s "${LIMIT_S:-540}"
         --dataset-path .dev/sharegpt-sub.json)
 fi
