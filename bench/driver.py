@@ -131,15 +131,16 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
                 proc.wait(10)
 
 
-def _processes(needles: tuple[str, ...], proc: Path = Path("/proc")) -> list[int]:
-    """Pids of this host's processes whose command line holds one of `needles`."""
+def _processes(names: tuple[str, ...], proc: Path = Path("/proc")) -> list[int]:
+    """Pids of this host's processes that run one of `names`: its program's file name, or an argument of its
+    (`python -m engine.core_proc`'s module), whole."""
     out = []
     for cmdline in proc.glob("[0-9]*/cmdline"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
         except OSError:  # ended meanwhile
             continue
-        if any(n in text for n in needles) and int(cmdline.parent.name) != os.getpid():
+        if argv and ({os.path.basename(argv[0]), *argv[1:]} & set(names)) and int(cmdline.parent.name) != os.getpid():
             out.append(int(cmdline.parent.name))
     return out
 

@@ -372,14 +372,15 @@ class EngineCoreClient:
         argv += (["--favoured"] if favoured else []) + (["--label", label] if label else [])
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
-        # the tokenizer this process needs, loaded while the child starts (transformers' import alone takes seconds)
-        preload = _TokenizerPreload(self.config)
         self._conn = Link(ours)
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead (callers' threads add, the reader removes)
         self._dead: str | None = None
         self._death: str | None = None  # why the child said it stopped (`Died`), before it hung up
         try:
+            # the tokenizer this process needs, loaded while the child starts (transformers' import alone takes
+            # seconds)
+            preload = _TokenizerPreload(self.config)
             self._send(self.config.model_dump(mode="json", exclude_unset=True))  # the engine fills in its device's
             info = self._wait_ready(startup_timeout_s)
             tok = preload.result(info.tokenizer_path)

@@ -708,11 +708,11 @@ class Scheduler:
 
     def _gate_factor(self, now: float) -> float:
         """The measured step factor the gate scales its model by: the window's (`_window_factor`) while requests
-        run; on a replica with none running, that of the steps a request decoding alone runs
-        (`ItlCorrection.idle_factor`), since a request admitted now alone decodes without the stalls the last
-        requests' prefills made (the factor the best TPOT it advertises is drawn with; a burst admitted together is
-        gated with the window's, `_admit`)."""
-        return self._window_factor(now) if self.running else self.correction.idle_factor()
+        run; on a replica with none running, that of the steps a request decoding alone runs, the least of the last
+        few seconds (`ItlCorrection.offer_factor`), since a request admitted now alone decodes without the stalls the
+        last requests' prefills made (the factor the best TPOT it advertises is drawn with, so that the replica
+        admits what it offered; a burst admitted together is gated with the window's, `_admit`)."""
+        return self._window_factor(now) if self.running else self.correction.offer_factor(now)
 
     def _window_factor(self, now: float) -> float:
         """The factor over the recent steps with `stall_share` of their prefill stalls: from the model's error on
@@ -724,15 +724,16 @@ class Scheduler:
         return plain if share <= 0.0 else plain + share * (corr.factor(now) - plain)
 
     def idle_gate_scale(self) -> float:
-        """The gate's scale of the model on an idle replica: what the steps of a request decoding alone measured
-        (`ItlCorrection.idle_factor`; 1 without the correction). The idle SLO floor (`ttft_guard.idle_slo_floor`)
-        is drawn with it, so that the best TPOT a replica advertises is one its gate admits when idle."""
+        """The gate's scale of the model for what the steps of a request decoding alone measured lately
+        (`ItlCorrection.idle_factor`; 1 without the correction). An idle replica's gate and its SLO floor take the
+        least of it over a few seconds (`offer_gate_scale`)."""
         return self._gate_scale(self.correction.idle_factor()) if self.correction is not None else 1.0
 
     def offer_gate_scale(self, now: float) -> float:
-        """The gate's idle scale the replica's SLO floor is drawn with, for the SLOs it offers and those it judges
-        unattainable: the least `idle_gate_scale` of the last while (`ItlCorrection.offer_factor`), so that an SLO
-        it offered is not judged unattainable moments later because a burst slowed the steps it measures."""
+        """The gate's scale on an idle replica, which its SLO floor is drawn with (the SLOs it offers, and those it
+        judges unattainable): the least `idle_gate_scale` of the last few seconds (`ItlCorrection.offer_factor`), so
+        that an SLO it offered is admitted and not judged unattainable moments later because a burst slowed the
+        steps it measures."""
         return self._gate_scale(self.correction.offer_factor(now)) if self.correction is not None else 1.0
 
     def _gate_scale(self, factor: float) -> float:

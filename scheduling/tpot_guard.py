@@ -366,7 +366,7 @@ class ItlCorrection:
 
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
                  min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0, idle_prior_ms: float = 1000.0,
-                 offer_memory_s: float = 60.0) -> None:
+                 offer_memory_s: float = 10.0) -> None:
         if not (0 < lo <= 1 <= hi) or tau_ms <= 0 or idle_horizon_ms <= 0 or idle_prior_ms <= 0 \
                 or offer_memory_s < 0:
             raise ValueError("need tau_ms, idle_horizon_ms, idle_prior_ms > 0, offer_memory_s >= 0 and "
@@ -433,6 +433,7 @@ class ItlCorrection:
             while lows and lows[-1][1] >= f:
                 lows.pop()
             lows.append((now_s, f))
+            self._forget_lows(now_s)
 
     def idle_factor(self) -> float:
         """The factor of an idle engine: the wall time over the predictions of the steps a request decoding alone
@@ -440,14 +441,21 @@ class ItlCorrection:
         `idle_prior_ms` of them at first; clamped to [lo, hi]."""
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
 
-    def offer_factor(self, now_s: float) -> float:
-        """The least `idle_factor` of the last `offer_memory_s` (the current one included): what a replica's offered
-        SLOs and its judgement of an SLO as unattainable are drawn with. A burst on a loaded host slows the steps of
-        its last requests, which decode alone, and raises the idle factor for a while; an SLO the replica offered
-        before that must not be judged unattainable after it (a retry helps once the host is quiet again)."""
+    def _forget_lows(self, now_s: float) -> None:
+        """Drop the factors no longer in effect within the last `offer_memory_s`: the front stays while the next one
+        came after the window's start (the front still held then)."""
         lows, cut = self._lows, now_s - self.offer_memory_s
-        while lows and lows[0][0] < cut:
+        while len(lows) > 1 and lows[1][0] <= cut:
             lows.popleft()
+
+    def offer_factor(self, now_s: float) -> float:
+        """The least `idle_factor` in effect over the last `offer_memory_s`: what an idle replica's gate, the SLOs it
+        offers and its judgement of an SLO as unattainable are drawn with. A burst on a loaded host slows the steps
+        of its last requests, which decode alone, and raises the idle factor; an SLO the replica offered just before
+        must still be admitted when it is idle, and not be judged unattainable. A rise the machine keeps shows once
+        the memory has passed; a fall, at once."""
+        self._forget_lows(now_s)
+        lows = self._lows
         return min(lows[0][1], self.idle_factor()) if lows else self.idle_factor()
 
     def step_factor(self, now_s: float) -> float:

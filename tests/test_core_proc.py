@@ -363,11 +363,11 @@ def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_che
 
     from engine.core_proc import _TokenizerPreload
     from engine.default_model import is_complete, model_dir
-    from engine.loader import ready_tokenizer_dir
+    from engine.loader import load_model, ready_tokenizer_dir
 
     path = tiny_checkpoints["llama"]
     here = os.path.abspath(path)
-    assert ready_tokenizer_dir(path) == here
+    assert ready_tokenizer_dir(path) == here == load_model(path, dtype="float32", device="cpu").tokenizer_path
     assert ready_tokenizer_dir("some-org/some-model") is None  # a hub id: the client loads it once the child has
     assert ready_tokenizer_dir(str(tmp_path / "missing")) is None
     assert ready_tokenizer_dir("some-org/some-model", tokenizer=path) == here  # a tokenizer of its own wins

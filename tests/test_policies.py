@@ -399,6 +399,7 @@ def test_itl_correction_offer_factor_is_the_least_idle_factor_of_its_memory():
     from scheduling.tpot_guard import ItlCorrection
 
     c = ItlCorrection(idle_horizon_ms=100.0, idle_prior_ms=1e-6, offer_memory_s=60.0)
+    assert ItlCorrection().offer_memory_s == 10.0
     assert c.offer_factor(0.0) == c.idle_factor() == 1.0  # nothing measured: the profile
     for k in range(60):  # steps decoding alone at 1.2x the model
         c.observe(k * 0.01, 12.0, 10.0, alone=True)
@@ -407,8 +408,10 @@ def test_itl_correction_offer_factor_is_the_least_idle_factor_of_its_memory():
         c.observe(10 + k * 0.01, 20.0, 10.0, alone=True)
     assert c.idle_factor() == pytest.approx(2.0, rel=0.01)
     assert c.offer_factor(11.0) == pytest.approx(1.2)  # the floor offered before the burst still holds
-    assert 1.2 < c.offer_factor(61.0) < 1.4  # the slower steps' since: the burst's first, which moved it little
+    assert c.offer_factor(61.0) == pytest.approx(1.2)  # 1.2 still held at the window's start, until the burst
+    assert 1.2 < c.offer_factor(70.0) < 1.4  # then the burst's first step's, which moved it little
     assert c.offer_factor(70.7) == pytest.approx(2.0, rel=0.01)  # all forgotten: what the steps measure now
+    assert len(c._lows) == 1  # what no window can need is dropped
     for k in range(60):  # quiet again: down at once
         c.observe(71 + k * 0.01, 11.0, 10.0, alone=True)
     assert c.offer_factor(72.0) == pytest.approx(1.1, rel=0.01)

@@ -163,6 +163,30 @@ def test_kairos_gate_keeps_the_measured_step_time_after_an_idle_gap():
     assert _sched("scorpio").idle_gate_scale() == 1.0
 
 
+def test_an_idle_replica_admits_what_it_offered_just_before_a_burst_slowed_its_steps():
+    """kairos's idle gate and the SLO floor it offers take the least idle factor of the last few seconds
+    (`offer_gate_scale`): the last requests of a burst decoding alone on a loaded host, their steps at 2x, do not
+    make the idle replica refuse a TPOT it offered just before them (a retry would find it refused again: nothing
+    decodes alone to bring the factor back). A speed the machine keeps shows after that memory (the test above)."""
+    s = _sched("kairos", correction_idle_prior_ms=1e-6)
+    a = _req(0, 4)
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    t = 0.0
+    for step_ms in [5.5] * 40 + [11.0] * 60:  # alone at the model's ITL(1), then the burst's tail at 2x
+        p = s.schedule(t)
+        _run(s, p)
+        t += step_ms / 1000.0
+        s.on_step_done(p, step_ms, t)
+    s.finish(a, FinishReason.ABORT, t)
+    assert 1.05 * 5.5 * s.idle_gate_scale() > 0.99 * 8.0  # what the steps measure now refuses a TPOT of 8 ms
+    assert s.offer_gate_scale(t + 1.0) == pytest.approx(1.0, rel=0.02)  # what they measured before the burst
+    r = _req(9, 4, tpot=8.0)  # alone: 1.05 * 5.5 < 0.99 * 8 at the measured 1x, not at 2x
+    s.add(r)
+    p = s.schedule(t + 1.0)
+    assert r in p.prefill
+
+
 def test_the_gate_counts_its_share_of_the_measured_stalls_a_step_plans_with_the_decode_only_error():
     """correction_stall_share: kairos's VBS gate scales the model by its error on the decode-only steps plus that
     share of what the steps that carried a prefill added (a CPU replica's 1: all of it; a GPU replica's 0.5,

@@ -161,9 +161,12 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         return d
 
     def stamps(date: str) -> list[str]:
-        """Suffixes for a name an earlier lease took: its day, then its day and time (two leases in a day)."""
+        """Suffixes for a name an earlier lease took: its day, then its day and time (two leases in a day), then
+        seconds as well, then a count (the last taken only where every earlier one is another run's)."""
         day = date[:10].replace("-", "") or "undated"
-        return ["", f"-{day}", f"-{day}-{date[11:16].replace(':', '') or '0000'}"]
+        hhmmss = date[11:19].replace(":", "") or "000000"
+        return ["", f"-{day}", f"-{day}-{hhmmss[:4]}", f"-{day}-{hhmmss}",
+                *(f"-{day}-{hhmmss}-{k}" for k in range(2, 100))]
 
     def keep(d: dict[str, Any]) -> None:
         # an earlier lease's summary of the same name stays: this run's gets its date, or its date and time (one
