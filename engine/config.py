@@ -31,6 +31,11 @@ DEFAULT_MODEL = "kairos-default"  # SmolLM2-135M-Instruct; kairos-random-42m / k
 GPU_SCHEDULER_DEFAULTS: dict[str, Any] = {"max_num_seqs": 256, "max_waiting": 512, "prefill_max_tokens": 2048,
                                           "correction_stall_share": 0.5, "stall_share_target": 0.01,
                                           "length_calibration": False, "prefill_hold_replies": 3}
+# And a policy's own, on top: kairos's VBS gate plans with the ITL its correction measured and no static margin
+# (`vbs_margin` 1.0): a GPU's decode steps vary little around what the correction follows, and a reply's TPOT averages
+# hundreds of them; with the CPU's 1.05 the simulator replaying an H200 lease left goodput unserved at no TPOT gained
+# (bench/README). SCORPIO keeps its published margin.
+GPU_POLICY_DEFAULTS: dict[str, dict[str, Any]] = {"kairos": {"vbs_margin": 1.0}}
 SUPPORTED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "qwen2", "mistral", "qwen3")  # config.json's model_type
 
 
@@ -123,12 +128,14 @@ class EngineConfig(BaseModel):
 
 def for_device(config: "EngineConfig", device_type: str) -> "EngineConfig":
     """`config` with the scheduler defaults of an engine on `device_type` where its knobs were not given: on CUDA
-    `GPU_SCHEDULER_DEFAULTS`, on a CPU the configs' own. The engine applies it once it knows its device; a config
-    keeps which knobs were given across processes by being sent without its defaults (`exclude_unset`)."""
+    `GPU_SCHEDULER_DEFAULTS` and its policy's `GPU_POLICY_DEFAULTS`, on a CPU the configs' own. The engine applies
+    it once it knows its device; a config keeps which knobs were given across processes by being sent without its
+    defaults (`exclude_unset`)."""
     sched = config.scheduler
     if device_type != "cuda":
         return config
-    update = {k: v for k, v in GPU_SCHEDULER_DEFAULTS.items() if k not in sched.model_fields_set}
+    defaults = GPU_SCHEDULER_DEFAULTS | GPU_POLICY_DEFAULTS.get(sched.policy, {})
+    update = {k: v for k, v in defaults.items() if k not in sched.model_fields_set}
     if not update:
         return config
     return config.model_copy(update={"scheduler": sched.model_copy(update=update)})

@@ -719,6 +719,13 @@ def test_a_gpu_engine_takes_the_gpu_scheduler_defaults_for_the_knobs_not_given(m
     gpu = for_device(EngineConfig(), "cuda").scheduler
     assert {k: getattr(gpu, k) for k in GPU_SCHEDULER_DEFAULTS} == GPU_SCHEDULER_DEFAULTS
     assert for_device(EngineConfig(), "cpu") == EngineConfig()
+    # a policy's own on top: kairos's gate without a static margin; SCORPIO's published 1.3 stays, as a margin given
+    assert gpu.vbs_margin == 1.0 and gpu.flags().vbs_margin == 1.0
+    assert EngineConfig().scheduler.flags().vbs_margin == 1.05
+    scorpio = for_device(EngineConfig(scheduler=SchedulerConfig(policy="scorpio")), "cuda").scheduler
+    assert scorpio.vbs_margin is None and scorpio.flags().vbs_margin == 1.3
+    given = for_device(EngineConfig(scheduler=SchedulerConfig(vbs_margin=1.1)), "cuda").scheduler
+    assert given.flags().vbs_margin == 1.1
     sent = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8)).model_dump(mode="json", exclude_unset=True)
     got = for_device(EngineConfig.model_validate(sent), "cuda").scheduler
     assert (got.max_num_seqs, got.max_waiting, got.prefill_max_tokens) == (8, 512, 2048)
