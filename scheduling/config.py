@@ -128,7 +128,8 @@ class SchedulerConfig(BaseModel):
     credit_batching: bool | None = None
     vbs_gate: bool | None = None
     vbs_margin: float | None = Field(None, gt=0, description="k in ITL(VBS, L) * k < slack * T_min (default: "
-                                     "the policy's, 1.3 as SCORPIO published, 1.05 for kairos)")
+                                     "the policy's, 1.3 as SCORPIO published, 1.05 for kairos; on a GPU "
+                                     "kairos's is 1.0: engine.config.GPU_POLICY_DEFAULTS)")
     vbs_slack: float = Field(0.99, gt=0, le=1)
     tpot_on_fail: Literal["reject", "hold"] = "reject"
     monotone_skip: bool | None = None
