@@ -13,7 +13,6 @@ import json
 import math
 import os
 import platform
-import re
 import shlex
 import sys
 import tempfile
@@ -348,8 +347,8 @@ def _slo_gpu(f: dict[str, Any]) -> str:
                                        for r in rows if r["load"] == hi)
     low = [r for r in rows if r["load"] == lo and r["policy"] == "kairos"]
     cell += f"; {lo:g}×: kairos {100 * low[0]['adherence']:.0f}% met" if lo != hi and low else ""
-    n = re.search(r"--num-requests (\d+)", (f.get("run") or {}).get("command") or "")
-    return cell + (f" ({n.group(1)} requests a point)" if n else "")
+    n = (f.get("setup") or {}).get("num_requests")
+    return cell + (f" ({n} requests a point)" if n else "")
 
 
 def _pooled(f: dict[str, Any]) -> str:

@@ -455,8 +455,7 @@ class ItlCorrection:
         must still be admitted when it is idle, and not be judged unattainable. A rise the machine keeps shows once
         the memory has passed; a fall, at once."""
         self._forget_lows(now_s)
-        lows = self._lows
-        return min(lows[0][1], self.idle_factor()) if lows else self.idle_factor()
+        return self._lows[0][1] if self._lows else self.idle_factor()
 
     def step_factor(self, now_s: float) -> float:
         """The model's error on the decode-only steps of the window (no stall in them); the idle factor while they

@@ -161,6 +161,7 @@ def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
         "Intel(R) Xeon(R) Processor, 16 cores, AMX; GPU NVIDIA H200"
     cell = report._slo_gpu(s["figures"])
     assert cell.startswith("1.5× λ*: fcfs 2.00 req/s (20% met), kairos 6.50") and cell.endswith("1×: kairos 96% met")
+    assert report._slo_gpu(dict(s["figures"], setup={"num_requests": 240})).endswith("96% met (240 requests a point)")
     # an earlier lease's summary of the same name stays; ingesting the same files again replaces this run's own
     doc = json.loads((sums / "slo-gpu-h200-llama8b.json").read_text())
     (sums / "slo-gpu-h200-llama8b.json").write_text(json.dumps(dict(doc, date="2026-11-30T00:00:00+00:00")))
