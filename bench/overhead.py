@@ -312,6 +312,7 @@ def _figures(doc: dict) -> dict:
     if "replica" in hops:  # HTTP: the time to first token outside the replica's handler, and inside it
         figures["outside_p50_ms"] = round(sum(hops.get(h, 0.0) for h in ("client_proxy", "proxy", "body")), 2)
         figures["replica_p50_ms"] = round(hops["replica"], 2)
+        figures["hops_p50_ms"] = {h: round(v, 2) for h, v in hops.items()}  # each hop's own (bench.driver.HOP_NOTES)
     return figures
 
 
@@ -327,6 +328,8 @@ def _median_of(key: str, values: list) -> Any:
     """One figure over rounds: failures summed, the rest a median."""
     if key == "failed":
         return sum(values)
+    if isinstance(values[0], dict):  # per hop: each one's median over the rounds that have it
+        return {k: round(statistics.median([v[k] for v in values if k in v]), 2) for k in values[0]}
     return round(statistics.median(values), 2)
 
 
@@ -363,6 +366,7 @@ def _print(figures: dict[str, dict], added: dict[str, dict[str, tuple[float, flo
         if "replica_p50_ms" in f:
             print(f"{'':<4}TTFT p50 split: {f['outside_p50_ms']:.1f} ms outside the replica's handler (client, proxy, "
                   f"HTTP server, both ways), {f['replica_p50_ms']:.1f} in it (tokenize, engine queue, prefill)")
+            print(f"{'':<4}by hop (p50 ms): " + ", ".join(f"{h} {v:.2f}" for h, v in f.get("hops_p50_ms", {}).items()))
 
 
 def main(argv: list[str] | None = None) -> int:

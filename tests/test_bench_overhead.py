@@ -193,12 +193,15 @@ def test_http_runs_split_their_ttft_at_the_replicas_handler() -> None:
     hops = {"client_proxy": 1.25, "parse": 0.2, "route": 0.1, "replica": 17.0, "body": 0.5}
     f = _figures(doc | {"hops_p50_ms": hops})
     assert (f["outside_p50_ms"], f["replica_p50_ms"]) == (1.75, 17.0)
+    assert f["hops_p50_ms"] == hops  # each hop kept: where a host's added TTFT went
 
 
 def test_figures_over_rounds_are_medians_and_failures_add_up() -> None:
     from bench.overhead import _median_of
 
     assert _median_of("failed", [1, 0, 2]) == 3 and _median_of("ttft_p50_ms", [3.0, 1.0, 2.0]) == 2.0
+    assert _median_of("hops_p50_ms", [{"proxy": 1.0, "body": 0.2}, {"proxy": 3.0}, {"proxy": 2.0, "body": 0.4}]) \
+        == {"proxy": 2.0, "body": 0.3}
 
 
 def test_the_comparison_runs_every_server_on_its_engine_knobs_unless_the_server_sets_its_own():
