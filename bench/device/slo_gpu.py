@@ -185,23 +185,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", default="", help="more app arguments of every server (e.g. num_threads=1)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--prefill-max-tokens", type=int, default=2048)
-    ap.add_argument("--strict-batch", type=float, default=32, help="bench.slo --strict-batch (T_strict at this batch)")
-    ap.add_argument("--loose-batch", type=float, default=128, help="bench.slo --loose-batch")
-    ap.add_argument("--policies", default="kairos,scorpio", help="after fcfs, one server each, in this order; a "
+    ap.add_argument("--strict-batch", type=float, default=256, help="bench.slo --strict-batch (T_strict at this "
+                    "batch: by default the seats, so that a full batch meets every tier, as in SCORPIO's evaluation)")
+    ap.add_argument("--loose-batch", type=float, default=512, help="bench.slo --loose-batch")
+    ap.add_argument("--policies", default="scorpio,kairos", help="after fcfs, one server each, in this order; a "
                     "label's knobs are its server's arguments (kairos+credit_batching=false)")
     ap.add_argument("--resume", action="store_true", help="go on with the run in --out that a time limit cut off (a "
                     "second call on the same host): its model, replica profile (so its tiers), lambda* and finished "
                     "arms are kept; what it had not finished runs")
     ap.add_argument("--loads", default="1,1.5")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--num-requests", type=int, default=160)
-    ap.add_argument("--probe-requests", type=int, default=160)
+    ap.add_argument("--num-requests", type=int, default=1000, help="a point's requests: past lambda*, FCFS's queue "
+                    "builds only in a point longer than its seats admit at once")
+    ap.add_argument("--probe-requests", type=int, default=1000)
     ap.add_argument("--lambda-star", type=float, default=None, help="skip the lambda* search")
-    ap.add_argument("--lambda-def", choices=("adherence", "capacity"), default="adherence",
-                    help="bench.slo --lambda-def: adherence (default), the reference protocol's highest rate at which "
-                    "FCFS keeps 90%% adherence; capacity, FCFS's completion rate under overload, which on a GPU is "
-                    "far past what the TPOT tiers let any policy serve (and which probes of a few hundred requests "
-                    "read low: they do not fill a batch of max_num_seqs long replies)")
+    ap.add_argument("--lambda-def", choices=("adherence", "capacity"), default="capacity",
+                    help="bench.slo --lambda-def: capacity (default), FCFS's completion rate under overload (probes "
+                    "of a few hundred requests read it low: they do not fill a batch of max_num_seqs long replies); "
+                    "adherence, the reference protocol's highest rate at which FCFS keeps 90%% adherence, which "
+                    "with tiers tighter than a full batch's step is bound by the strict tier, not the throughput")
     ap.add_argument("--all-loads", default="fcfs,kairos", help="policies run at every load; the others at the "
                     "highest only (the acceptance compares scorpio at the highest load only)")
     ap.add_argument("--lambda-guess", choices=("b4", "seats"), default="seats", help="bench.slo --lambda-guess")
