@@ -6,10 +6,10 @@
 # from the scheduler (the predicted arm: every policy's length predictor on) and kairos with exact lengths as the
 # bound; each server's decode step / latency model by decode rows (its /metrics). One summary JSON under $OUT.
 #
-# The protocol is the regime SCORPIO's claims are about (bench/README.md, "SLO serving on a GPU replica"): TPOT tiers
-# a full batch meets (T_strict = the gate's headroom x ITL at the 256 seats, T_loose at twice that: about the
-# paper's 30 and 50 ms beside an 8B model's step), so FCFS's lambda* is its throughput, not its strict tier, and
-# points of 1,000 requests, four times the seats, so that past lambda* FCFS's queue builds as a served load's does.
+# The protocol is the regime SCORPIO's claims are about (bench/README.md, "The regime SCORPIO's claims are about"):
+# TPOT tiers a full batch meets (T_strict = the gate's headroom x ITL at the seats, max_num_seqs, T_loose at twice
+# that: in about the ratio of the paper's strict and loose TPOT types), so FCFS's lambda* is its throughput, not its
+# strict tier, and points four times the seats, so that past lambda* FCFS's queue builds as a served load's does.
 # It takes about 12 minutes of device time: call 1 of lease.sh, and call 2 resumes it. The first three leases ran
 # STRICT_BATCH=32 LOOSE_BATCH=128 NUM_REQUESTS=240 LAMBDA_DEF=adherence (tiers a batch of 32 meets, 240-request
 # points that 256 seats admit at once: FCFS never queues, and SCORPIO's gate holds its batch to 32).
@@ -27,9 +27,9 @@
 #   included; the summary is rewritten after each policy, so a cut-off run keeps what it measured), STRICT_BATCH /
 #   LOOSE_BATCH (256 / 512: the TPOT tiers are headroom x ITL(that batch, L) of the replica's own fit),
 #   POLICIES (scorpio,kairos: after fcfs, in this order, kairos's exact arm last; a label's knobs, as in
-#   kairos+credit_batching=false, are its server's app arguments), RESUME=1 (a second call on the same warm host, after a
-#   first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the rest
-#   runs, and the summary has both),
+#   kairos+credit_batching=false, are its server's app arguments), RESUME=1 (a second call on the same warm host,
+#   after a first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the
+#   rest runs, and the summary has both),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
 # Ray's agent exports what replicas report this often (default 10 s): bench.slo reads each server's decode step /
