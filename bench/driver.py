@@ -604,12 +604,14 @@ async def _send(client: Any, base: str, rec: Record, w: WorkItem, model: str) ->
 async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = "", drain_s: float = math.inf,
                          timeout_s: float | None = None, api_key: str | None = None,
                          max_inflight: int | None = None, on_done: Callable[[Record], None] | None = None,
-                         bar: Any = None) -> Run:
+                         bar: Any = None, start_s: float | None = None,
+                         indices: Sequence[int] | None = None) -> Run:
     """Offer `items` (any iterable, e.g. a generator bounded by a duration) open-loop over HTTP.
 
     A request still running `drain_s` after the last arrival is cancelled ("timeout"); one that takes longer
     than `timeout_s` ends as an error "client_timeout". With `max_inflight`, an arrival that finds that many
-    requests in flight is not sent (its record: error "client_backlog").
+    requests in flight is not sent (its record: error "client_backlog"). `start_s`: the monotonic time of arrival 0
+    (default: now); `indices`: each item's index in the offered list (default: its position here).
 
     The client is aiohttp's, as in vLLM's `bench serve`: httpx's async client read a higher TTFT over HTTP, run pair
     by run pair, its own work on the cores the server shares on one box.
@@ -634,13 +636,13 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
     async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None, connect=30.0)) as client:
         inflight: set[asyncio.Task] = set()
-        t0 = time.monotonic() + 0.05
+        t0 = time.monotonic() + 0.05 if start_s is None else start_s
         for i, w in enumerate(items):
             delay = t0 + w.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             lags.append(max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0)
-            rec = new_record(i, w, time.monotonic())
+            rec = new_record(i if indices is None else indices[i], w, time.monotonic())
             records.append(rec)
             if max_inflight is not None and len(inflight) >= max_inflight:
                 rec.finish_reason, rec.error, rec.finished_s = "error", "client_backlog", rec.arrival_s
@@ -666,15 +668,84 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
     return Run(records, t0, submit_end, lags, {}, timeouts)
 
 
-def run_http(url: str, items: Sequence[WorkItem], *, progress: bool = False, desc: str = "", **kw: Any) -> Run:
-    """`run_http_async` from synchronous code."""
+def run_http(url: str, items: Sequence[WorkItem], *, progress: bool = False, desc: str = "", procs: int = 1,
+             **kw: Any) -> Run:
+    """`run_http_async` from synchronous code. `procs` > 1: the items dealt round-robin to that many client processes
+    (`_run_http_sharded`), each with its own event loop, on one clock: a single Python client reading every streamed
+    chunk of a GPU replica's hundreds of replies (tens of thousands a second) falls behind them, and its late reads
+    would count as the server's TTFT and TPOT. Not with `on_done` or `max_inflight`, which count across all
+    requests."""
     freeze_heap()
+    if procs > 1 and len(items) >= 2 * procs and kw.get("on_done") is None and kw.get("max_inflight") is None:
+        return _run_http_sharded(url, items, procs, progress=progress, desc=desc, **kw)
     bar = progress_bar(len(items), desc, progress)
     try:
         return asyncio.run(run_http_async(url, items, bar=bar, **kw))
     finally:
         if bar is not None:
             bar.close()
+
+
+def _http_shard(conn: Any, url: str, items: list[WorkItem], indices: list[int], kw: dict[str, Any]) -> None:
+    """A client process of `_run_http_sharded`: says it is ready, takes arrival 0's monotonic time, offers its items,
+    sends back its `Run` (or the error that ended it, as text)."""
+    try:
+        import aiohttp  # noqa: F401 (before "ready": its import is not the first arrival's delay)
+
+        conn.send("ready")
+        start_s = conn.recv()
+        conn.send(asyncio.run(run_http_async(url, items, start_s=start_s, indices=indices, **kw)))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send(f"{type(e).__name__}: {e}")
+    finally:
+        conn.close()
+
+
+def _run_http_sharded(url: str, items: Sequence[WorkItem], procs: int, *, progress: bool = False, desc: str = "",
+                      **kw: Any) -> Run:
+    """`run_http` over `procs` processes (spawned: the caller may hold threads a fork would copy mid-lock). Each
+    offers every `procs`-th item at its own arrival time on the shared monotonic clock (CLOCK_MONOTONIC is one
+    clock for every process of a machine), from an arrival 0 set once all are ready; their records merge in item
+    order. A request still running `drain_s` after its process's last arrival is cancelled."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    shards = [list(range(k, len(items), procs)) for k in range(procs)]
+    pipes, workers = [], []
+    for idx in shards:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_http_shard, args=(child, url, [items[i] for i in idx], idx, kw), daemon=True)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        workers.append(p)
+    bar = progress_bar(len(items), desc, progress)
+    try:
+        for conn in pipes:
+            if (msg := conn.recv()) != "ready":
+                raise RuntimeError(f"an HTTP client process failed to start: {msg}")
+        start_s = time.monotonic() + 0.05
+        for conn in pipes:
+            conn.send(start_s)
+        runs = []
+        for conn in pipes:
+            got = conn.recv()
+            if not isinstance(got, Run):
+                raise RuntimeError(f"an HTTP client process failed: {got}")
+            runs.append(got)
+            if bar is not None:
+                bar.update(len(got.records))
+    finally:
+        if bar is not None:
+            bar.close()
+        for p in workers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    records = sorted((r for run in runs for r in run.records), key=lambda r: r.index)
+    lags = [lag for _, lag in sorted((i, lag) for idx, run in zip(shards, runs)
+                                     for i, lag in zip(idx, run.submit_lag_ms))]
+    return Run(records, start_s, max(run.submit_end_s for run in runs), lags, {}, sum(run.timeouts for run in runs))
 
 
 def decode_over_model(text: str) -> dict[int, tuple[int, float]]:

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
       "report every few seconds)")
     a("--client-nice", type=int, default=19, help="HTTP mode: lower this process's CPU priority by N (Ray Serve's "
       "workers run at nice 15; the load generator must not outrank them). 0: leave it")
+    a("--client-procs", type=int, default=None, help="HTTP mode: client processes, the requests dealt round-robin "
+      "(bench.driver.run_http): one Python client falls behind the chunks of a GPU replica's hundreds of streams. "
+      "Default: a quarter of the cores, 1 to 4 (1 on a small box, where the server needs them)")
     a("--label", default="server", help="policy label for the results in HTTP mode")
     # output
     a("--out", default=None, help="output directory (default bench/out/slo/<timestamp>)")
@@ -357,6 +360,13 @@ def fresh_fit(eng: Any, calib: dict[str, Any] | None, d_ref: Callable[[Any], tup
 
 
 # --------------------------------------------------------------------------- lambda*
+
+def client_procs(given: int | None, cores: int | None = None) -> int:
+    """HTTP mode's client processes: `given`, else a quarter of the machine's cores, from 1 to 4."""
+    if given is not None:
+        return max(1, given)
+    return max(1, min(4, (cores or os.cpu_count() or 1) // 4))
+
 
 def completion_rate(records: Sequence[D.Record], trim: float = 0.2) -> float | None:
     """Completions per second over the middle of a run (first and last `trim` of completions dropped): under
@@ -745,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run_items(items: list[W.WorkItem], desc: str, tag: str, engine: Any = None) -> D.Run:
         kw = {"drain_s": drain_for(items, args.drain), "progress": progress, "desc": desc}
         if http:
-            return D.run_http(args.target, items, model=model_name, **kw)
+            return D.run_http(args.target, items, model=model_name, procs=client_procs(args.client_procs), **kw)
         return engine_point(engine or eng, items, tag=tag, **kw)
 
     # ---- lambda*

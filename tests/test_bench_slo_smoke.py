@@ -57,6 +57,40 @@ def test_http_point_against_a_mock_server():
     assert summary["replica"]["p50"] == 7.5 and summary["replica"]["n"] == 1 and "parse" in summary
 
 
+def test_http_client_in_several_processes_keeps_every_request_in_order_on_one_clock():
+    """run_http(procs=2): the items dealt to two client processes, their records merged in item order, each sent at
+    its arrival time after one arrival 0 (the processes share the monotonic clock), the same results as one."""
+    from aiohttp import web
+
+    from bench.driver import run_http
+    from bench.slo import client_procs
+    from tests.stub_http import stub_server
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["max_tokens"] == 3:
+            return web.json_response({}, status=429, headers={"x-kairos-reject-reason": "shed"})
+        chunks = [f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'
+                  for _ in range(body["max_tokens"] - 1)]
+        chunks += [f'data: {json.dumps({"choices": [{"text": "y", "finish_reason": "length"}]})}\n\n',
+                   "data: [DONE]\n\n"]
+        return web.Response(body="".join(chunks).encode(), headers={"content-type": "text/event-stream"})
+
+    items = [W.WorkItem(0.02 * i, [5, 6, 7], 3 + i % 4, "relaxed", 3000.0, 50.0, None) for i in range(9)]
+    with stub_server(handler) as url:
+        one = run_http(url, items, model="m", drain_s=5.0)
+        two = run_http(url, items, model="m", drain_s=5.0, procs=2)
+    assert [r.index for r in two.records] == list(range(9)) and len(two.submit_lag_ms) == 9
+    for a, b in zip(one.records, two.records):
+        assert (a.rejected, a.reject_reason, a.finish_reason, len(a.token_times)) == \
+            (b.rejected, b.reject_reason, b.finish_reason, len(b.token_times))
+    assert [r.rejected for r in two.records] == [i % 4 == 0 for i in range(9)]
+    # each sent at its own arrival on the shared clock: arrival times keep the offered spacing
+    offsets = [r.arrival_s - two.started_s - w.arrival_s for r, w in zip(two.records, items)]
+    assert all(0.0 <= o < 0.5 for o in offsets), offsets
+    assert (client_procs(None, 2), client_procs(None, 16), client_procs(None, 64), client_procs(3)) == (1, 4, 4, 3)
+
+
 def test_server_timing_round_trip():
     from bench.driver import parse_server_timing
     from deployments.ingress import server_timing

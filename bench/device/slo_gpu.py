@@ -83,7 +83,8 @@ def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extr
            "--no-progress", "--no-plots", "--model", str(args.model_dir), "--prefill-max-tokens",
            str(args.prefill_max_tokens), "--strict-batch", str(args.strict_batch), "--loose-batch",
            str(args.loose_batch), "--out", str(out), *(["--dataset-path", args.dataset_path] if args.dataset_path
-                                                      else []), *extra]
+                                                      else []),
+           *(["--client-procs", str(args.client_procs)] if args.client_procs is not None else []), *extra]
     left = clock.left() - 20.0
     if left < 30.0:
         log(f"out of time before {out.name}")
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                          "bench/README.md)")
     ap.add_argument("--exact", default="kairos", help="policies also run with --lengths exact at the highest load")
     ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON (the bundle's .dev/sharegpt-sub.json)")
+    ap.add_argument("--client-procs", type=int, default=None, help="bench.slo --client-procs (default: its own, a "
+                    "quarter of the cores, 1 to 4)")
     ap.add_argument("--limit-s", type=float, default=540.0, help="the whole run's time limit, start-up included")
     ap.add_argument("--out", type=Path, default=Path("bench/out/slo_gpu"))
     ap.add_argument("--summary-out", type=Path, default=None, help="the summary JSON (default OUT/slo-gpu.json)")

@@ -30,6 +30,7 @@
 #   kairos+credit_batching=false, are its server's app arguments), RESUME=1 (a second call on the same warm host,
 #   after a first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the
 #   rest runs, and the summary has both),
+#   CLIENT_PROCS (bench.slo's HTTP client processes; default a quarter of the cores, 1 to 4),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
 # Ray's agent exports what replicas report this often (default 10 s): bench.slo reads each server's decode step /
@@ -61,6 +62,7 @@ fi
 [ -n "${LAMBDA_DEF:-}" ] && args+=(--lambda-def "$LAMBDA_DEF")
 [ -n "${LAMBDA_REFINE:-}" ] && args+=(--lambda-refine "$LAMBDA_REFINE")
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
+[ -n "${CLIENT_PROCS:-}" ] && args+=(--client-procs "$CLIENT_PROCS")
 if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: what the first did not finish
   args+=(--resume)
 else
