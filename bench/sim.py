@@ -225,6 +225,16 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
     return [recs[f"sim-{i}"] for i in range(len(items))]
 
 
+def over_oracle(measured: Sequence[D.Record]) -> float:
+    """The good requests of a run's measured arrivals over the shortest-first oracle's with the same decoded tokens
+    (`bench.bound`'s "own tokens", the GPU experiment's "≥ 90% of the oracle"); NaN where the oracle has none."""
+    from bench.bound import shortest_first
+
+    decoded = sum(r.n_out or 0 for r in measured if not r.rejected)
+    best = shortest_first([r.output_len or r.max_tokens for r in measured], decoded)
+    return sum(M.is_good(r) for r in measured) / best if best else math.nan
+
+
 def scaled_replies(items: Sequence[W.WorkItem], factor: float, max_model_len: int) -> list[W.WorkItem]:
     """`items` with every reply `factor` times its reference length, at least one token: within its cap where the
     length is hidden (`stop_after`), within the window where it is the forced max_tokens (and its hint with it)."""
@@ -439,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = lam * load
         by: dict[str, list[float]] = {}
         for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            per_seed, tiers_served, tpot_missed, reasons = [], {}, [], {}
+            per_seed, tiers_served, tpot_missed, reasons, oracle = [], {}, [], {}, []
             clock: dict[str, float] = {}
             lengths: list[tuple[float, int]] = []
             for seed in seeds:
@@ -447,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
                 tpot_missed.append(s["tpot_violations"] / max(1, s["n"] - s["rejected"]))
+                oracle.append(over_oracle(M.drop_warmup(recs, args.warmup_frac)))
                 for r in M.drop_warmup(recs, args.warmup_frac):
                     if r.rejected:
                         by_why = reasons.setdefault(r.tier, {})
@@ -461,10 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             rank = spearman(*zip(*lengths)) if len(lengths) > 1 else math.nan
             print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
                   f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}  TPOT missed by "
-                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; lengths' Spearman {rank:.3f}; "
-                  f"scheduler {sched_us:.0f} us/step on this host", flush=True)
+                  f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; oracle {sum(oracle) / len(oracle):.2f}; "
+                  f"lengths' Spearman {rank:.3f}; scheduler {sched_us:.0f} us/step on this host", flush=True)
             out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
                                   "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
+                                  "over_oracle_own_tokens": oracle,
                                   "length_spearman": None if math.isnan(rank) else rank,
                                   "scheduler_us_per_step": sched_us,
                                   "host_ms": host_of(label)})

@@ -237,3 +237,23 @@ def test_reply_scale_stretches_each_reply_within_its_cap_and_the_window():
     assert c.stop_after == 2
     a, b, c = sim.scaled_replies([hidden, forced, short], 0.25, 256)
     assert (a.stop_after, b.max_tokens, b.output_len_hint, c.stop_after) == (50, 50, 50, 1)
+
+
+def test_over_oracle_counts_good_requests_against_shortest_first_with_the_same_tokens():
+    """The GPU experiment's oracle check in the simulator: good requests over how many a shortest-first chooser
+    completes with the decoded tokens of the admitted (bench.bound's "own tokens")."""
+    from bench import driver as D
+
+    def rec(out_len: int, good: bool, rejected: bool = False) -> D.Record:
+        r = D.Record("relaxed", 1000.0, 100.0, 0.0, output_len=out_len, max_tokens=out_len)
+        if rejected:
+            r.rejected, r.finish_reason = True, "rejected"
+        else:
+            r.finish_reason, r.ttft_s = "length", 0.01 if good else 5.0
+            r.token_times, r.n_out = [0.01 + 0.001 * i for i in range(out_len)], out_len
+        return r
+
+    # decoded 10 + 30 = 40 tokens; shortest first, 40 tokens complete the 5, 10 and 20 long replies: 3
+    recs = [rec(10, True), rec(30, False), rec(5, False, rejected=True), rec(20, False, rejected=True)]
+    assert sim.over_oracle(recs) == pytest.approx(1 / 3)
+    assert math.isnan(sim.over_oracle([rec(5, False, rejected=True)]))
