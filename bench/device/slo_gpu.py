@@ -5,9 +5,9 @@
    saves it once under --model-dir.
 2. `serve run deployments:app model=DIR device=... policy=fcfs predictor_path=P`: the replica profiles itself at
    start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
-   SLO from that fit (as bench.slo does in-process on the CPU), finds lambda* over HTTP (by default the reference
-   protocol's: the highest rate at which FCFS keeps 90% adherence; --lambda-def), then runs fcfs at every load and
-   seed.
+   SLO from that fit (as bench.slo does in-process on the CPU; by default at the seats and twice that,
+   --strict-batch / --loose-batch), finds lambda* over HTTP (by default FCFS's capacity, its completion rate under
+   overload; --lambda-def), then runs fcfs at every load and seed.
 3. One fresh server per policy (scorpio, kairos; `length_predictor=true`, `predictor_path=P`, so the same fit, no
    new profile) at the same lambda* and tiers: the predicted arm (`--lengths predicted`) at every seed, at every
    load for --all-loads (fcfs, kairos) and at the highest for the others; kairos also with `--lengths exact` at the
