@@ -403,6 +403,24 @@ def test_slo_gpu_starts_a_labels_server_with_its_knobs():
     assert (cfg.credit_batching, cfg.correction_stall_share) == (False, 1.0)
 
 
+def test_slo_gpu_leaves_a_server_that_would_not_fit_to_a_resumed_call():
+    """bench/device/slo_gpu.py: a server's expected time is the longest start so far plus its points at the time per
+    point of the last server that ran (fcfs's with its probes); nothing before any ran."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    assert g.expected_s({"built_s": 27.0}, 4) is None
+    fcfs = {"built_s": 27.0, "fcfs_start_s": 40.0, "fcfs_s": 300.0, "fcfs_points": 4}
+    assert g.expected_s(fcfs, 2) == 40.0 + 2 * 65.0 + 20.0
+    both = fcfs | {"scorpio_start_s": 45.0, "scorpio_s": 105.0, "scorpio_points": 2}
+    assert g.expected_s(both, 4) == 45.0 + 4 * 30.0 + 20.0
+    assert g.expected_s(both | {"kairos_start_s": 50.0, "kairos_s": 50.0, "kairos_points": 0}, 4) == 50.0 + 120.0 + 20.0
+
+
 def test_slo_gpu_checks_from_its_rows():
     """bench/device/slo_gpu.py: the issue's acceptance checks from the rows of its bench.slo runs."""
     import importlib.util

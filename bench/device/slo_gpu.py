@@ -102,6 +102,21 @@ def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extr
     return json.loads((out / "results.json").read_text())
 
 
+def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0) -> float | None:
+    """How long a server of `points` points will take, from the phases of the servers that ran before it (this
+    call's or a resumed one's): the longest start, and the time per point of the last that ran any (fcfs's includes
+    its lambda* probes: an over-estimate); None before any ran."""
+    starts = [v for k, v in phases.items() if k.endswith("_start_s")]
+    per_point = None
+    for k, n in phases.items():  # in the order they ran: the last one's rate stands
+        name = k.removesuffix("_points")
+        if k.endswith("_points") and n > 0 and f"{name}_s" in phases and f"{name}_start_s" in phases:
+            per_point = (phases[f"{name}_s"] - phases[f"{name}_start_s"]) / n
+    if per_point is None or not starts:
+        return None
+    return max(starts) + points * per_point + margin_s
+
+
 def records(out: Path) -> list[dict]:
     p = out / "records.jsonl"
     return [json.loads(line) for line in p.open() if line.strip()] if p.is_file() else []
@@ -292,7 +307,16 @@ def main(argv: list[str] | None = None) -> int:
         if clock.left() < 90:
             log(f"out of time before {policy}")
             break
+        # a run cut off keeps nothing: a server whose predicted arm would not fit is left whole to a resumed call
+        # (its exact arm, after it, may be cut: the bound, in no check)
+        n_seeds = len([x for x in args.seeds.split(",") if x])
+        points = n_seeds * (len(loads) if policy in args.all_loads.split(",") else 1) if need_pred else n_seeds
+        need = expected_s(doc["phases"], points)
+        if need is not None and clock.left() < need:
+            log(f"{clock.left():.0f} s left, {policy} wants about {need:.0f} s: left for a resumed call")
+            break
         t0 = time.monotonic()
+        rows_before = len(doc["rows"])
         with served(f"{common} {extra}", args.out / f"serve-{policy}.log",
                     start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu") as target:
             doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
@@ -332,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             if steps:  # decode step / model by decode rows over all this server's steps (lambda* probes too)
                 doc.setdefault("decode_over_model_by_rows", {})[policy] = steps
         doc["phases"][f"{policy}_s"] = time.monotonic() - t0
+        doc["phases"][f"{policy}_points"] = len(doc["rows"]) - rows_before
         if lam is None:
             log("no lambda*: FCFS's capacity search failed; stopping")
             break
