@@ -7,8 +7,9 @@
 #           slo_gpu.sh (the SLO experiment) within what is left of 550 s
 #   call 2: run(carry=[".dev"], timeout_s=LEFT - 20, command="BUDGET_S=<LEFT - 40> KAIROS_COMMIT=<sha> bash
 #           bench/device/lease.sh 2"), LEFT the device time the lease has left
-#           slo_gpu.sh RESUME=1 (only what call 1 did not finish: all the time there is if that is much, else all
-#           but 160 s), then overhead_gpu.sh (ROUNDS=1: the HTTP hop, the prefill model and hybrid steps), then
+#           slo_gpu.sh RESUME=1 (only what call 1 did not finish, with all the time there is: the experiment comes
+#           first, and a server that would not fit is left out whole), then overhead_gpu.sh (ROUNDS=1: the HTTP
+#           hop, the prefill model and hybrid steps), then
 #           tests/gpu (gpu_check.sh BENCH=0), each in what BUDGET_S leaves (OVERHEAD=0 skips overhead_gpu.sh:
 #           tests/gpu gets its time)
 # Everything lands in $OUT: slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json, gpu-check.json and logs.
@@ -47,7 +48,7 @@ case "${1:-}" in
   2)
     [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"  # call 1's decision
     l=$(left)
-    RESUME=1 LIMIT_S=${SLO_S:-$(( l >= 320 ? l - 160 : l - 10 ))} bash bench/device/slo_gpu.sh
+    RESUME=1 LIMIT_S=${SLO_S:-$(( l - 10 ))} bash bench/device/slo_gpu.sh
     [ -f /tmp/site/ray/__init__.py ] && export PYTHONPATH=/tmp/site:$PWD  # unpacked once (gpu_check.sh looks)
     l=$(left)
     if [ "${OVERHEAD:-1}" = 0 ]; then
