@@ -149,13 +149,7 @@ def http_front(proc: Path = Path("/proc")) -> str:
     """The HTTP front of the `serve run` this host runs: "haproxy" where an HAProxy process runs (Serve's HAProxy
     ingress, Kairos's default, deployments/haproxy_ingress.py), else "serve-proxy" (Serve's Python proxy actor, its
     fallback where no haproxy binary could be found). One server per host, as the benchmarks start them."""
-    for comm in proc.glob("[0-9]*/comm"):
-        try:
-            if comm.read_text().strip() == "haproxy":
-                return "haproxy"
-        except OSError:  # the process ended meanwhile
-            continue
-    return "serve-proxy"
+    return "haproxy" if _processes(("haproxy",), proc) else "serve-proxy"
 
 
 # --------------------------------------------------------------------------- the record

