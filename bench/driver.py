@@ -80,22 +80,51 @@ def ok(url: str, body: dict | None = None, timeout: float = 5.0) -> bool:
         return False
 
 
+SERVE_CLI = [sys.executable, "-c", "import sys; sys.argv[0] = 'serve'; from ray.serve.scripts import cli; cli()"]
+# `serve run CONFIG`: the package first, as `serve run deployments:app` imports it, so that its choices for the Ray
+# instance the CLI starts (HAProxy, Serve's loop) are in the environment before Ray is, and its `serve run` hook
+# (SIGTERM stops Serve as Ctrl-C does) is in place
+SERVE_CLI_CONFIG = [sys.executable, "-c", "import sys; sys.argv[0] = 'serve'; import deployments; "
+                    "from ray.serve.scripts import cli; cli()"]
+_CONFIGS: dict[str, tuple[Path, dict[str, Any]]] = {}  # a server `served` started from a config: its file, config
+
+
+def app_config(app_args: list[str], port: int, user_config: dict[str, Any]) -> dict[str, Any]:
+    """The Serve config of `serve run deployments:app ARGS` (key=value each; Serve validates them as the app's
+    arguments, strings and all) on 127.0.0.1:`port`, its LLM deployment's `user_config` (scheduler knobs the
+    replicas take in place: `LLMReplica.reconfigure`) given."""
+    args = dict(t.split("=", 1) for t in app_args)
+    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": [{"name": "default", "route_prefix": "/", "import_path": "deployments:app",
+                              "args": args, "deployments": [{"name": "LLMServer", "user_config": user_config}]}]}
+
+
 @contextlib.contextmanager
-def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_stop: bool = False) -> Iterator[str]:
+def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_stop: bool = False,
+           user_config: dict[str, Any] | None = None) -> Iterator[str]:
     """`serve run deployments:app` with `serve_args` (key=value app arguments, and NAME=VALUE upper-case environment
     variables of that server) on a free port (KAIROS_HTTP_PORT), up and warmed with one completion; yields its URL.
     Run as the `serve` console script (a pip --target install has none), so SIGTERM stops it as Ctrl-C does, with
     the Ray instance it started. `ray_stop` (a host of its own only: on a shared box it ends everyone's Ray): kill it
     instead, then `ray stop --force` and Serve's HTTP front, and wait for its engine processes to exit: a graceful
-    stop drains replicas that hold nothing, then stops Ray, and takes several times as long."""
+    stop drains replicas that hold nothing, then stops Ray, and takes several times as long. With `user_config`
+    the app is deployed from a config file (`app_config`, beside `log`) whose LLM deployment carries it, so that
+    `reconfigure_served` can change the scheduler of the running replicas."""
     tokens = shlex.split(serve_args)
     is_env = [("=" in t and t.split("=", 1)[0].isupper()) for t in tokens]
     port = free_port()
     env = dict(os.environ, KAIROS_HTTP_PORT=str(port), HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled") \
         | dict(t.split("=", 1) for t, e in zip(tokens, is_env) if e)
-    cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'serve'; from ray.serve.scripts import cli; cli()",
-           "run", "deployments:app", *(t for t, e in zip(tokens, is_env) if not e)]
+    app_args = [t for t, e in zip(tokens, is_env) if not e]
     target = f"http://127.0.0.1:{port}"
+    if user_config is None:
+        cmd = [*SERVE_CLI, "run", "deployments:app", *app_args]
+    else:
+        config = app_config(app_args, port, user_config)
+        path = log.with_suffix(".serve.json")  # JSON is YAML: `serve run` reads it
+        path.write_text(json.dumps(config, indent=1))
+        _CONFIGS[target] = (path, config)
+        cmd = [*SERVE_CLI_CONFIG, "run", str(path)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
@@ -129,6 +158,59 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        _CONFIGS.pop(target, None)
+
+
+def served_policy(url: str, api_key: str | None = None) -> str | None:
+    """The scheduling policy a Kairos server's replica runs, as its /metrics says (`kairos_scheduler_policy`); None
+    while it says none (a server that reports no such series, or not yet)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10.0, headers=headers).text
+    except Exception:  # noqa: BLE001 - not yet: the caller asks again
+        return None
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name == "ray_kairos_scheduler_policy" and "}" in rest:
+            labels, _, value = rest.rpartition("}")
+            policy = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",") if kv.startswith("policy=")),
+                          None)
+            with contextlib.suppress(ValueError, IndexError):
+                if policy and float(value.split()[0]) == 1.0:
+                    return policy
+    return None
+
+
+def reconfigure_served(target: str, user_config: dict[str, Any], log: Path, *, timeout_s: float = 120.0) -> bool:
+    """Give the LLM replicas of a server `served` started with a `user_config` a new one, in place (`serve run
+    --address auto --non-blocking` of its config with that `user_config`: Serve calls each replica's `reconfigure`,
+    no model load), and wait until its /metrics says the engine runs the new config's policy (the engine switches
+    once idle). False if the redeploy failed or the switch was not seen within `timeout_s`."""
+    if target not in _CONFIGS:  # started from its app arguments: its user_config is not Serve's to change
+        return False
+    path, config = _CONFIGS[target]
+    config = json.loads(json.dumps(config))
+    config["applications"][0]["deployments"][0]["user_config"] = user_config
+    path.write_text(json.dumps(config, indent=1))
+    _CONFIGS[target] = (path, config)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+    deadline = time.monotonic() + timeout_s
+    with open(log, "a") as f:
+        try:
+            rc = subprocess.run([*SERVE_CLI, "run", "--address", "auto", "--non-blocking", str(path)], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return False
+    if rc != 0:
+        return False
+    want = str(user_config.get("policy") or config["applications"][0]["args"].get("policy", "kairos"))
+    while time.monotonic() < deadline:
+        if served_policy(target) == want:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _processes(names: tuple[str, ...], proc: Path = Path("/proc")) -> list[int]:

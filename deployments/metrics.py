@@ -89,6 +89,10 @@ class ReplicaMetrics:
                                     "(output tokens / TPOT SLO ms) than this are shed under overload (0: none)")
         self.predictor_mape = gauge("predictor_mape", "TTFT/ITL predictor mean absolute percentage error")
         self.inflight = gauge("replica_inflight", "requests inside this replica's generate()")
+        self.policy = Gauge("kairos_scheduler_policy", description="1 for the scheduling policy the engine runs, 0 for "
+                            "one it ran before (user_config changes it in place)", tag_keys=("model", "policy"))
+        self.policy.set_default_tags(dict(model_tags))  # Serve mutates the dict
+        self._policies: set[str] = set()  # the policies it ran (a handful at most)
         self.decode_hist = Histogram("kairos_decode_batch", description="sampled decode batch sizes",
                                      boundaries=_BATCH, tag_keys=("model",))
         self.decode_hist.set_default_tags(dict(model_tags))  # Serve mutates the dict
@@ -147,6 +151,10 @@ class ReplicaMetrics:
                 self.decode_over_model.inc(max(total - t0, 0.0), tags=tags)
             self._decode_seen[rows] = (n, total)
         self.inflight.set(inflight)
+        if policy := g("policy", ""):  # every time, as the other gauges (a value set before the exporter is up is lost)
+            self._policies.add(policy)
+            for p in self._policies:
+                self.policy.set(1.0 if p == policy else 0.0, tags={"policy": p})
 
     def on_admitted(self, tier: str, prompt_tokens: int) -> None:
         """A request's first token: it is admitted, and its prompt is in."""

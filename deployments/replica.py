@@ -187,7 +187,7 @@ def engine_logs_to_serve() -> None:
 
 class LLMReplica:
     """One engine and what Serve asks of it: `generate` streams, the control plane (`check_health`,
-    `record_routing_stats`, `stats`, `model_info`, `inject_fault`) and the replica's metrics. `LLMServer` below
+    `record_routing_stats`, `stats`, `model_info`, `reconfigure`, `inject_fault`) and the replica's metrics. `LLMServer` below
     deploys it behind the Ingress; `deployments.direct.DirectLLMServer` adds the HTTP surface to it."""
 
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
@@ -225,6 +225,7 @@ class LLMReplica:
             self.engine = await asyncio.to_thread(LLMEngine, cfg)
         self._engine_pid = getattr(self.engine, "pid", os.getpid())
         self._sched = cfg.scheduler
+        self._user_config: dict[str, Any] = {}  # the scheduler knobs `reconfigure` last applied
         self._decode_left: dict[str, int] = {}  # in-flight request -> output tokens it is still expected to make
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
@@ -380,6 +381,28 @@ class LLMReplica:
         model = self.engine.latency_model
         return float(model.prefill_coef[2]) if model is not None else 0.0
 
+    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """Serve's `user_config` of the LLM deployment: scheduler knobs by the names the app's arguments give them
+        (`{"policy": "scorpio"}`, `{"policy": "kairos", "vbs_margin": 1.1}`), over the knobs the replica started
+        with. `serve deploy` of a config whose only change is this `user_config` calls it on every running replica
+        in place: no model load, no new replica. The engine switches once it holds no request; its
+        `kairos_scheduler_policy` gauge says when (`LLMEngine.reconfigure`). An unknown knob, a bad value, or one
+        fixed at start (max_num_seqs, prefill_max_tokens, chunked_prefill, predictor_path) is logged as an error and
+        changes nothing: the replica keeps serving as it was (Serve would replace a replica whose `reconfigure`
+        raised, and its replacement would fail the same way: a typo would leave the deployment no replica)."""
+        knobs = {} if user_config is None else dict(user_config) if isinstance(user_config, dict) else user_config
+        if knobs == self._user_config:
+            return
+        try:
+            self._sched = self.engine.reconfigure(knobs)
+        except ValueError as e:
+            log.error("LLMServer %s: user_config %r not applied, the scheduler runs as before: %s", self.replica_id,
+                      user_config, e)
+            return
+        self._user_config = knobs
+        log.info("LLMServer %s: scheduler knobs %s (policy %s), applied once its engine is idle", self.replica_id,
+                 knobs, self._sched.policy)
+
     def inject_fault(self, count: int = 1, replica: str | None = None, hang_s: float = 0.0) -> str:
         """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this
         replica's engine raise; with `hang_s`, its next step blocks that long instead (a hung device call). With
@@ -402,6 +425,7 @@ class LLMReplica:
         return {"replica": self.replica_id, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": st.kv_blocks_total,
                 "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected),
+                "policy": st.policy,
                 "pid": os.getpid(), "engine_pid": self._engine_pid,
                 # this replica's memory, its engine process included
                 "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}

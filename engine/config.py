@@ -139,3 +139,28 @@ def for_device(config: "EngineConfig", device_type: str) -> "EngineConfig":
     if not update:
         return config
     return config.model_copy(update={"scheduler": sched.model_copy(update=update)})
+
+
+# The scheduler knobs a running engine keeps whatever `reconfigured` is asked: they sized its KV cache and CUDA
+# graphs (the warm-up step's activations: max_num_seqs decodes beside the longest prefill a step can run) or chose
+# its latency profile. A new deployment changes them.
+FIXED_SCHEDULER_KNOBS: tuple[str, ...] = ("max_num_seqs", "prefill_max_tokens", "chunked_prefill", "predictor_path")
+
+
+def reconfigured(given: SchedulerConfig, running: SchedulerConfig, overrides: dict[str, Any],
+                 device_type: str) -> SchedulerConfig:
+    """The scheduler config of a running engine that is asked for `overrides` (SchedulerConfig knobs by name, e.g.
+    {"policy": "scorpio"}): the knobs it was started with (`given`, before any device default) with `overrides` on
+    top, and then its device's defaults where neither set a knob (`for_device`: a GPU's follow the new policy).
+    `overrides` replace whatever an earlier call asked, as a Serve deployment's `user_config` does. ValueError for an
+    unknown knob, a bad value, or a change of one of `FIXED_SCHEDULER_KNOBS` (from `running`, the config it runs)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"scheduler knobs must be a mapping of name to value, got {type(overrides).__name__}")
+    cfg = SchedulerConfig.model_validate({**given.model_dump(exclude_unset=True), **overrides})
+    engine = for_device(EngineConfig(scheduler=cfg), device_type).scheduler
+    fixed = [k for k in FIXED_SCHEDULER_KNOBS if getattr(engine, k) != getattr(running, k)]
+    if fixed:
+        raise ValueError(", ".join(f"{k} ({getattr(running, k)!r} -> {getattr(engine, k)!r})" for k in fixed)
+                         + " cannot change while the engine runs: it sized the KV cache and CUDA graphs or chose the "
+                         "latency profile at start; deploy the change as an application argument (a new replica)")
+    return engine

@@ -4,6 +4,7 @@ one socket. Their own module, so that both sides name them the same (the child r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from core.messages import RequestOutput
 from core.request import Request
@@ -26,6 +27,7 @@ class CoreInfo:
     stats: EngineStats
     step_timeout_s: float = 0.0  # the engine's watchdog limit (0: none): also how long the child may be silent
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # LLMEngine.sampling_defaults
+    device_type: str = "cpu"  # the engine's device (cpu, cuda): its scheduler defaults (`engine.config.for_device`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,12 @@ class InjectFault:
     count: int
     fatal: bool = False
     hang_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """`LLMEngine.reconfigure`'s scheduler knobs, checked by the client before it sends them."""
+    scheduler: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ the per-request Python on its own side:
   to the loop.
 
 The client has the surface the Serve replica uses (`generate`, `abort`, `stats`, `predict_ttft_ms`, `is_alive`,
-`inject_fault`, `shutdown`). The child exits when the client says so, when its socket closes, when its parent
+`reconfigure`, `inject_fault`, `shutdown`). The child exits when the client says so, when its socket closes, when its parent
 is gone (polled every second, so also while the model loads), and when its engine's worker dies (it hangs up
 first; the client then fails every open stream with an engine error and refuses new requests).
 
@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from core.messages import ErrorKind, GenerateRequest, RequestOutput
-from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig
+from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig, for_device, reconfigured
 from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
+from scheduling.config import SchedulerConfig
 from engine.stream import RequestStream
-from engine.core_messages import (Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, SetupFailed, Shutdown,
-                                  TokenDeltas)
+from engine.core_messages import (Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, Reconfigure,
+                                  SetupFailed, Shutdown, TokenDeltas)
 
 log = logging.getLogger("kairos.engine")
 STATS_PERIOD_S = 0.05  # stats ride on every Outputs message; alone, at most this often
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
                         inputs.kv_capacity_tokens, engine.latency_model, engine.stats(), engine.step_timeout_s,
-                        engine.sampling_defaults)
+                        engine.sampling_defaults, engine.bundle.device.type)
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
@@ -285,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                 engine.abort(msg.request_id)
             elif isinstance(msg, InjectFault):
                 engine.inject_fault(msg.count, fatal=msg.fatal, hang_s=msg.hang_s)
+            elif isinstance(msg, Reconfigure):
+                try:
+                    engine.reconfigure(msg.scheduler)
+                except (ValueError, EngineDeadError) as e:  # the client checked the knobs: a dead engine's stats say
+                    log.warning("reconfigure %s: %s", msg.scheduler, e)
             elif isinstance(msg, Shutdown):
                 break
     finally:
@@ -400,6 +406,8 @@ class EngineCoreClient:
         self.sampling_defaults = info.sampling_defaults
         self.latency_model = info.latency_model
         self._stats: EngineStats = info.stats
+        self._device_type = info.device_type
+        self._scheduler = for_device(self.config, info.device_type).scheduler  # its knobs fixed at start
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject")
         self._loop = reader_loop
@@ -471,6 +479,17 @@ class EngineCoreClient:
             self._send(Abort(request_id))
         except OSError:
             pass  # the process is gone: its streams were already failed
+
+    def reconfigure(self, scheduler: dict[str, Any]) -> SchedulerConfig:
+        """As `LLMEngine.reconfigure`: the knobs are checked here (ValueError), then sent; the child's stats say
+        when the new policy runs (`EngineStats.policy`)."""
+        self._check_alive()
+        config = reconfigured(self.config.scheduler, self._scheduler, scheduler, self._device_type)
+        try:
+            self._send(Reconfigure(dict(scheduler)))
+        except OSError as e:
+            raise EngineDeadError(f"engine process unreachable: {e}") from None
+        return config
 
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:
         """Test hook, as `LLMEngine.inject_fault`."""

@@ -31,7 +31,7 @@ from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
 from engine.backends.base import PreparedStep
-from engine.config import EngineConfig, for_device
+from engine.config import EngineConfig, for_device, reconfigured
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
 from engine.host_stream import HostStream, Pending
@@ -46,6 +46,7 @@ from engine.sampler import Draws, SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.length_predictor import tokenizer_fingerprint
+from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler, StepPlan
 
@@ -150,6 +151,7 @@ class LLMEngine:
         self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
         self._step_batch: float | None = None  # EWMA of their decode batch sizes
         self._inflight: _InFlight | None = None  # overlap scheduling: the launched step not yet resolved
+        self._next_scheduler: SchedulerConfig | None = None  # `reconfigure`'s, until the worker is idle
         self._last_resolved = 0.0  # perf_counter when the last step's tokens were resolved
         self._stats_lock = threading.Lock()
         self._ready = threading.Event()
@@ -180,6 +182,7 @@ class LLMEngine:
             max_model_len=config.max_model_len, backend=config.backend)
         if b.device.type == "cuda":  # this thread's current device: kernels, graphs and events go to the model's GPU
             torch.cuda.set_device(b.device)
+        self._given_scheduler = config.scheduler  # its knobs as given, which `reconfigure` starts from
         self.config = config = for_device(config, b.device.type)  # a GPU's scheduler defaults where not given
         self.backend = backend = backends.create(config.backend, b.device, config.kernels)
         self.upcast_linears = backend.adapt_model(b.model, config.cpu_upcast_matmul)
@@ -222,9 +225,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
-        self.scheduler = Scheduler(config.scheduler, self.cache.num_blocks, self.cache.block_size,
-                                   self.max_model_len, b.eos_token_ids, predictor,
-                                   tokenizer_fingerprint(b.tokenizer_path or b.path), b.tokenizer)
+        self.scheduler = self._new_scheduler(config.scheduler, predictor)
         self.step_timeout_s = step_timeout_s(config, predictor, self.max_model_len)
         self._stats = self._snapshot(0, 0)
         t_end = time.perf_counter()
@@ -429,6 +430,20 @@ class LLMEngine:
         unscaled fit replaces the cached profile."""
         return self.run_idle(lambda e: refit(e, time_budget_s, scale), timeout)
 
+    def reconfigure(self, scheduler: dict[str, Any]) -> SchedulerConfig:
+        """Change the running engine's scheduler knobs (its policy and the policy's mechanisms, margins, the length
+        predictor) without loading anything again: `scheduler` is SchedulerConfig knobs by name over the ones the
+        engine started with, replacing what an earlier call asked (`engine.config.reconfigured`; a Serve
+        deployment's `user_config` reaches it this way). The change takes effect once the engine holds no request:
+        the requests in flight finish under the scheduler that admitted them, and those that arrive meanwhile join
+        it (under a load that never lets the engine drain, the change waits). Returns the config that will run;
+        ValueError for an unknown knob, a bad value, or one fixed at start (`FIXED_SCHEDULER_KNOBS`)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        config = reconfigured(self._given_scheduler, self.config.scheduler, scheduler, self.bundle.device.type)
+        self._post(config)
+        return config
+
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:
         """Test hook: the next `count` model steps raise (their requests fail, the engine goes on); with `fatal`,
         the next step breaks the worker's loop itself (every request fails, the engine is dead); with `hang_s`,
@@ -459,6 +474,8 @@ class LLMEngine:
                     if self._inflight is not None:  # its requests all ended (aborted): nothing waits for it
                         self._settle()
                         continue
+                    if self._next_scheduler is not None and not self._requests:
+                        self._swap_scheduler()
                     self._publish(0, 0)
                     self._emit()
                     self._wakeup.wait(0.5)
@@ -496,6 +513,8 @@ class LLMEngine:
                     self._fault_steps += item.count
             elif isinstance(item, _IdleJob):
                 self._run_job(item)
+            elif isinstance(item, SchedulerConfig):  # reconfigure: the next one while idle
+                self._next_scheduler = item
             elif isinstance(item, tuple):
                 self._admit(*item)
             elif isinstance(item, list):  # add_requests: one batch
@@ -517,6 +536,26 @@ class LLMEngine:
         reason = self.scheduler.add(req)
         if reason is not None:
             self._reject(req, reason)
+
+    def _new_scheduler(self, config: SchedulerConfig, predictor: LatencyModel | None) -> Scheduler:
+        b = self.bundle
+        return Scheduler(config, self.cache.num_blocks, self.cache.block_size, self.max_model_len, b.eos_token_ids,
+                         predictor, tokenizer_fingerprint(b.tokenizer_path or b.path), b.tokenizer)
+
+    def _swap_scheduler(self) -> None:
+        """`reconfigure`'s change, on the worker while it holds no request: a new scheduler of the asked config over
+        the same KV cache (every block free) and latency model. What the engine counts since its start (preemptions,
+        the latency model's error on the served steps) carries over; what a policy measures for itself (its ITL
+        correction, TTFT margins, length calibration) starts again."""
+        config, self._next_scheduler = self._next_scheduler, None
+        old = self.scheduler
+        new = self._new_scheduler(config, old.predictor)
+        new.num_preemptions, new.model_error = old.num_preemptions, old.model_error
+        self.scheduler = new
+        self.config = self.config.model_copy(update={"scheduler": config})
+        self._churn += 1  # the published snapshot is stale
+        log.info("scheduler reconfigured: policy %s (was %s); knobs %s", config.policy, old.config.policy,
+                 config.model_dump(exclude_unset=True))
 
     def _run_job(self, job: _IdleJob) -> None:
         try:

@@ -64,6 +64,7 @@ class EngineStats:
     # the output tokens the running request nearest its end is still expected to make (its expected length, as the
     # scheduler plans for it, less its tokens out); None with none running
     nearest_end: int | None = None
+    policy: str = ""  # the scheduling policy running (`LLMEngine.reconfigure` changes it)
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
@@ -103,7 +104,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
         decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()),
         tpot_inv_sum=inv_sum, num_best_effort=n_be, preemptions=s.num_preemptions,
-        nearest_end=None if nearest is None else max(0, nearest))
+        nearest_end=None if nearest is None else max(0, nearest), policy=s.config.policy)
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,

@@ -403,6 +403,69 @@ def test_slo_gpu_starts_a_labels_server_with_its_knobs():
     assert (cfg.credit_batching, cfg.correction_stall_share) == (False, 1.0)
 
 
+def test_slo_gpu_gives_the_running_server_the_next_policy_in_place():
+    """bench/device/slo_gpu.py: a label of scheduler knobs only goes to the running server as its LLM deployment's
+    user_config (one the engine fixed at start, or an engine knob, gets a server of its own); the knobs validate
+    as the replica's `reconfigure` takes them; each policy's decode steps are its own on the shared server."""
+    import importlib.util
+    from pathlib import Path
+
+    from bench.driver import app_config
+    from engine.config import EngineConfig, for_device, reconfigured
+    from scheduling.config import SchedulerConfig
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    assert g.arm_knobs("fcfs") == {"policy": "fcfs"}
+    knobs = g.arm_knobs("kairos+credit_batching=false")
+    assert knobs == {"policy": "kairos", "length_predictor": "true", "credit_batching": "false"} and g.in_place(knobs)
+    assert not g.in_place({"policy": "kairos", "num_threads": "1"})  # an engine knob
+    assert not g.in_place({"policy": "kairos", "max_num_seqs": "128"})  # fixed at start
+    given = SchedulerConfig(policy="fcfs", max_num_seqs=256, prefill_max_tokens=2048)
+    cfg = reconfigured(given, for_device(EngineConfig(scheduler=given), "cuda").scheduler, knobs, "cuda")
+    assert (cfg.policy, cfg.length_predictor, cfg.credit_batching, cfg.vbs_margin) == ("kairos", True, False, 1.0)
+    doc = app_config(["model=/m", "max_num_seqs=256"], 8123, {"policy": "fcfs"})
+    app = doc["applications"][0]
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert app["args"] == {"model": "/m", "max_num_seqs": "256"} and app["import_path"] == "deployments:app"
+    assert app["deployments"] == [{"name": "LLMServer", "user_config": {"policy": "fcfs"}}]
+    before = {"1": {"steps": 10, "mean": 1.0}}
+    now = {"1": {"steps": 30, "mean": 1.5}, "2": {"steps": 5, "mean": 2.0}}
+    assert g.steps_between(now, before) == {"1": {"steps": 20, "mean": 1.75}, "2": {"steps": 5, "mean": 2.0}}
+    assert g.steps_between(now, None) == now
+
+
+def test_a_replica_takes_its_user_config_as_scheduler_knobs_and_keeps_serving_on_a_bad_one():
+    """`LLMReplica.reconfigure` (Serve's user_config): the knobs go to its engine once per change; a bad one is
+    logged and changes nothing, where raising would have Serve replace the replica with one that fails the same."""
+    from types import SimpleNamespace
+
+    from deployments.replica import LLMReplica
+    from scheduling.config import SchedulerConfig
+
+    asked = []
+
+    def reconfigure(knobs):
+        asked.append(knobs)
+        if "max_num_seqs" in knobs:
+            raise ValueError("max_num_seqs cannot change")
+        return SchedulerConfig(**knobs)
+
+    start = SchedulerConfig()
+    rep = SimpleNamespace(engine=SimpleNamespace(reconfigure=reconfigure), _user_config={}, _sched=start,
+                          replica_id="r")
+    LLMReplica.reconfigure(rep, None)  # none given: nothing to change
+    LLMReplica.reconfigure(rep, {"policy": "edf"})
+    LLMReplica.reconfigure(rep, {"policy": "edf"})  # the same again: nothing
+    assert asked == [{"policy": "edf"}] and rep._sched.policy == "edf" and rep._user_config == {"policy": "edf"}
+    LLMReplica.reconfigure(rep, {"max_num_seqs": 3})
+    assert rep._sched.policy == "edf" and rep._user_config == {"policy": "edf"}
+    LLMReplica.reconfigure(rep, {})  # back to the start's knobs
+    assert asked[-1] == {} and rep._user_config == {}
+
+
 def test_slo_gpu_leaves_a_server_that_would_not_fit_to_a_resumed_call():
     """bench/device/slo_gpu.py: a server's expected time is the longest start so far plus its points at the time per
     point of the last server that ran (fcfs's with its probes); nothing before any ran."""

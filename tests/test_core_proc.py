@@ -378,3 +378,24 @@ def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_che
         "hello number 3").input_ids
     assert _TokenizerPreload(_config(path)).result(str(tmp_path)) is None  # the child's came from elsewhere
     assert _TokenizerPreload(_config("some-org/some-model")).result("some-org/some-model") is None
+
+
+def test_reconfigure_is_checked_in_the_caller_and_swaps_the_childs_scheduler(client):
+    """`EngineCoreClient.reconfigure`: a bad knob is a ValueError here, sent nowhere; a good one reaches the child,
+    whose stats say once its scheduler runs the new policy; the tokens are the same under either."""
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        client.reconfigure({"max_num_seqs": 3})
+    want = _tokens(client.generate(_greedy(0, 9)))[0]
+    assert client.reconfigure({"policy": "edf"}).policy == "edf"
+    try:
+        deadline = time.monotonic() + 10
+        while client.stats().policy != "edf" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats().policy == "edf"
+        assert _tokens(client.generate(_greedy(0, 9)))[0] == want
+    finally:
+        client.reconfigure({})
+        deadline = time.monotonic() + 10
+        while client.stats().policy != "fcfs" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert client.stats().policy == "fcfs"

@@ -625,3 +625,60 @@ def test_the_engine_offers_the_models_sampling_defaults_unless_told_not_to(tiny_
         assert eng.sampling_defaults == ({"temperature": 0.6, "top_p": 0.9} if mode == "auto" else {})
     finally:
         eng.shutdown()
+
+
+def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_counts(tiny_checkpoints):
+    """`LLMEngine.reconfigure`: a request in flight finishes under the scheduler that admitted it, with the same
+    tokens; the new policy runs once the engine holds no request, over the same KV cache, and what the engine counts
+    since its start (preemptions, the latency model's error on its steps) carries over. A knob fixed at start, an
+    unknown knob or a bad value is a ValueError that changes nothing."""
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        alone = [t for o in eng.add_request([5] * 30, params) for t in o.token_ids]
+        errors = eng.scheduler.model_error
+        busy = eng.add_request([5] * 30, params)
+        first = busy.get(timeout=30)
+        cfg = eng.reconfigure({"policy": "scorpio", "vbs_margin": 1.2})
+        assert (cfg.policy, cfg.vbs_margin, cfg.prefill_max_tokens) == ("scorpio", 1.2, 256)  # over what it started with
+        time.sleep(0.05)
+        assert eng.stats().num_running == 1  # (the test needs the request still running here)
+        assert eng.stats().policy == "fcfs" and eng.scheduler.config.policy == "fcfs"  # busy: not yet
+        rest = [t for o in busy for t in o.token_ids]
+        assert first.token_ids + rest == alone  # the request in flight is served as before
+        deadline = time.time() + 5
+        while eng.stats().policy != "scorpio" and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.stats().policy == "scorpio" and eng.scheduler.flags.vbs_gate and eng.scheduler.model_error is errors
+        assert eng.stats().kv_blocks_free == eng.stats().kv_blocks_total
+        assert [t for o in eng.add_request([5] * 30, params) for t in o.token_ids] == alone
+        # the knobs asked replace those asked before: back to the start's policy, with its own margin
+        assert eng.reconfigure({}).policy == "fcfs"
+        for bad, match in (({"max_num_seqs": 8}, "max_num_seqs .* cannot change"), ({"polcy": "edf"}, "polcy"),
+                           ({"policy": "lifo"}, "policy"), ({"vbs_margin": -1}, "vbs_margin"), (["edf"], "mapping")):
+            with pytest.raises(ValueError, match=match):
+                eng.reconfigure(bad)
+        deadline = time.time() + 5
+        while eng.stats().policy != "fcfs" and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.stats().policy == "fcfs" and eng.scheduler.config.vbs_margin is None
+    finally:
+        eng.shutdown()
+
+
+def test_reconfigured_follows_the_devices_defaults_for_the_new_policy():
+    """`engine.config.reconfigured`: a GPU's scheduler defaults apply where neither the start nor the change set a
+    knob, by the new policy (kairos's VBS margin 1.0 there); the knobs given at start stay unless changed."""
+    from engine.config import for_device, reconfigured
+
+    given = SchedulerConfig(policy="fcfs", max_waiting=100)
+    running = for_device(EngineConfig(scheduler=given), "cuda").scheduler
+    cfg = reconfigured(given, running, {"policy": "kairos", "length_predictor": "true"}, "cuda")
+    assert (cfg.policy, cfg.length_predictor, cfg.vbs_margin, cfg.max_num_seqs, cfg.max_waiting) == \
+        ("kairos", True, 1.0, 256, 100)
+    assert reconfigured(given, running, {"policy": "scorpio"}, "cuda").vbs_margin is None  # its preset's 1.3
+    on_cpu = for_device(EngineConfig(scheduler=given), "cpu").scheduler
+    assert reconfigured(given, on_cpu, {"policy": "kairos"}, "cpu").vbs_margin is None  # the CPU: the preset's
+    with pytest.raises(ValueError, match="prefill_max_tokens"):
+        reconfigured(given, running, {"prefill_max_tokens": 512}, "cuda")
+    assert reconfigured(given, running, {"prefill_max_tokens": 2048}, "cuda").prefill_max_tokens == 2048  # as it is

@@ -3,13 +3,16 @@
 1. Builds a random-weight Llama of `--shape` (llama-8b: Llama-3.1-8B's config; no download) in bf16 on the device,
    with kairos-tiny's tokenizer (the length predictor's tokens; ShareGPT's reply lengths are counted in them), and
    saves it once under --model-dir.
-2. `serve run deployments:app model=DIR device=... policy=fcfs predictor_path=P`: the replica profiles itself at
-   start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
+2. `serve run` of the app `deployments:app model=DIR device=... predictor_path=P` from a Serve config whose LLM
+   deployment's user_config is {policy: fcfs}: the replica profiles itself at start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
    SLO from that fit (as bench.slo does in-process on the CPU; by default at the seats and twice that,
    --strict-batch / --loose-batch), finds lambda* over HTTP (by default FCFS's capacity, its completion rate under
    overload; --lambda-def), then runs fcfs at every load and seed.
-3. One fresh server per policy (scorpio, kairos; `length_predictor=true`, `predictor_path=P`, so the same fit, no
-   new profile) at the same lambda* and tiers: the predicted arm (`--lengths predicted`) at every seed, at every
+3. The same server for each policy after it (scorpio, kairos; with `length_predictor=true`): the config deployed
+   again with only its user_config changed, which Serve hands to the running replica (`LLMReplica.reconfigure`: the
+   engine's scheduler swapped once it is idle, over the same model, KV cache, CUDA graphs and fit), so no server
+   starts or stops between policies (--no-one-server: a fresh server per policy, as the first leases ran), at the
+   same lambda* and tiers: the predicted arm (`--lengths predicted`) at every seed, at every
    load for --all-loads (fcfs, kairos) and at the highest for the others; kairos also with `--lengths exact` at the
    highest load (the bound).
 4. One summary JSON (--summary-out): every point's goodput, adherence, per-tier adherence, TPOT met among the
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -142,11 +146,41 @@ def point_row(policy: str, arm: str, res: dict, recs: list[dict]) -> dict:
                              for hop, d in (res.get("http_hops_ms") or {}).items()}}
 
 
-def arm_server_args(label: str) -> str:
-    """The app arguments of a policy label's server (after fcfs): its policy, the length predictor on (the predicted
-    arm's), and the label's knobs (kairos+credit_batching=false: credit_batching=false). Its rows keep the label."""
+def arm_knobs(label: str) -> dict[str, str]:
+    """The scheduler knobs of a policy label's server: its policy; after fcfs the length predictor on (the predicted
+    arm's) and the label's knobs (kairos+credit_batching=false: credit_batching=false). Its rows keep the label."""
     name, *knobs = label.split("+")
-    return " ".join([f"policy={name}", "length_predictor=true", *knobs])
+    if name == "fcfs" and not knobs:
+        return {"policy": "fcfs"}
+    return {"policy": name, "length_predictor": "true", **dict(k.split("=", 1) for k in knobs)}
+
+
+def arm_server_args(label: str) -> str:
+    """`arm_knobs` as app arguments."""
+    return " ".join(f"{k}={v}" for k, v in arm_knobs(label).items())
+
+
+def in_place(knobs: dict[str, str]) -> bool:
+    """Whether a running server takes these knobs in place (its LLM deployment's user_config: scheduler knobs only;
+    `LLMReplica.reconfigure`), instead of a server of its own."""
+    from engine.config import FIXED_SCHEDULER_KNOBS
+    from scheduling.config import SchedulerConfig
+
+    return all(k in SchedulerConfig.model_fields and k not in FIXED_SCHEDULER_KNOBS for k in knobs)
+
+
+def steps_between(now: dict | None, before: dict | None) -> dict | None:
+    """A server's decode step / model by decode rows ({rows: {"steps", "mean"}}, since its start) over the steps
+    between two readings: one policy's, on a server that ran others before it."""
+    if not now or not before:
+        return now
+    out = {}
+    for rows, d in now.items():
+        b = before.get(rows, {"steps": 0, "mean": 0.0})
+        n = d["steps"] - b["steps"]
+        if n > 0:
+            out[rows] = {"steps": n, "mean": round((d["steps"] * d["mean"] - b["steps"] * b["mean"]) / n, 4)}
+    return out or None
 
 
 def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict[str, Any]:
@@ -204,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict-batch", type=float, default=256, help="bench.slo --strict-batch (T_strict at this "
                     "batch: by default the seats, so that a full batch meets every tier, as in SCORPIO's evaluation)")
     ap.add_argument("--loose-batch", type=float, default=512, help="bench.slo --loose-batch")
+    ap.add_argument("--one-server", action=argparse.BooleanOptionalAction, default=True, help="one server for "
+                    "every policy: the next policy's scheduler knobs go to the running replica in place (its LLM "
+                    "deployment's user_config), with no model load or Ray start between policies; --no-one-server: "
+                    "a fresh server per policy")
     ap.add_argument("--policies", default="scorpio,kairos", help="after fcfs, one server each, in this order; a "
                     "label's knobs are its server's arguments (kairos+credit_batching=false)")
     ap.add_argument("--resume", action="store_true", help="go on with the run in --out that a time limit cut off (a "
@@ -237,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clock = Clock(args.limit_s)
     from bench.bound import bounds
-    from bench.driver import http_front, served
+    from bench.driver import http_front, reconfigure_served, served
     from bench.report import run_info
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             before = None
     if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
-                                           "decode_over_model_by_rows") if k in before})
+                                           "decode_over_model_by_rows", "servers", "http_front") if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
         log(f"resuming: {len(doc['rows'])} rows, lambda* {doc.get('lambda_star_rps')}")
     else:
@@ -295,30 +333,49 @@ def main(argv: list[str] | None = None) -> int:
     common = (f"model={args.model_dir} dtype={args.dtype} device={args.device} max_num_seqs={args.max_num_seqs} "
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} ignore_eos_length=false {args.serve}")
-    runs = [("fcfs", "policy=fcfs")] + [(p, arm_server_args(p)) for p in args.policies.split(",") if p]
+    runs = [("fcfs", arm_knobs("fcfs"))] + [(p, arm_knobs(p)) for p in args.policies.split(",") if p]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
-    for policy, extra in runs:
-        exact = policy in args.exact.split(",")
-        need_pred, need_exact = (policy, "predicted") not in done, exact and (policy, "exact") not in done
-        if not (need_pred or need_exact):
-            continue
-        if clock.left() < 90:
-            log(f"out of time before {policy}")
-            break
-        # a run cut off keeps nothing: a server whose predicted arm would not fit is left whole to a resumed call
-        # (its exact arm, after it, may be cut: the bound, in no check)
-        n_seeds = len([x for x in args.seeds.split(",") if x])
-        points = n_seeds * (len(loads) if policy in args.all_loads.split(",") else 1) if need_pred else n_seeds
-        need = expected_s(doc["phases"], points)
-        if need is not None and clock.left() < need:
-            log(f"{clock.left():.0f} s left, {policy} wants about {need:.0f} s: left for a resumed call")
-            break
-        t0 = time.monotonic()
-        rows_before = len(doc["rows"])
-        with served(f"{common} {extra}", args.out / f"serve-{policy}.log",
-                    start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu") as target:
+    servers = contextlib.ExitStack()  # the server that is up: the next policy takes it in place where it can
+    target, steps_before = None, None
+    try:
+        for policy, knobs in runs:
+            exact = policy in args.exact.split(",")
+            need_pred, need_exact = (policy, "predicted") not in done, exact and (policy, "exact") not in done
+            if not (need_pred or need_exact):
+                continue
+            if clock.left() < 90:
+                log(f"out of time before {policy}")
+                break
+            # a run cut off keeps nothing: a server whose predicted arm would not fit is left whole to a resumed call
+            # (its exact arm, after it, may be cut: the bound, in no check)
+            n_seeds = len([x for x in args.seeds.split(",") if x])
+            points = n_seeds * (len(loads) if policy in args.all_loads.split(",") else 1) if need_pred else n_seeds
+            need = expected_s(doc["phases"], points)
+            if need is not None and clock.left() < need:
+                log(f"{clock.left():.0f} s left, {policy} wants about {need:.0f} s: left for a resumed call")
+                break
+            t0 = time.monotonic()
+            rows_before = len(doc["rows"])
+            # the server up takes this policy in place (its replica's scheduler swapped once idle; no model load, no
+            # new Ray), else a server of its own: --one-server, and knobs a replica takes in place
+            if target is not None and not (args.one_server and in_place(knobs) and reconfigure_served(
+                    target, knobs, args.out / "serve.log", timeout_s=min(120.0, max(30.0, clock.left() - 60)))):
+                if args.one_server and in_place(knobs):
+                    log(f"the server did not take {policy}'s knobs in place: a server of its own")
+                servers.close()
+                target, steps_before = None, None
+            if target is None:
+                user_config = knobs if args.one_server and in_place(knobs) else None
+                extra = "" if user_config is not None else " ".join(f"{k}={v}" for k, v in knobs.items())
+                # (a cut-off start raises: the run ends with what it has)
+                target = servers.enter_context(served(
+                    f"{common} {extra}", args.out / f"serve-{policy}.log", user_config=user_config,
+                    start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
+                doc.setdefault("servers", {})[policy] = "started"
+            else:
+                doc.setdefault("servers", {})[policy] = "in place"
             doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
             doc.setdefault("http_front", {})[policy] = http_front()
             if not profile.is_file():
@@ -331,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
                 "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess]
             out = args.out / f"{policy}-predicted"
-            # the server's latency model by decode rows: read once per server, after its last run
+            # the server's latency model by decode rows: read after this policy's last run
             res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"]
                           + (["--no-server-steps"] if need_exact else [])) if need_pred else None
             steps = res.get("server_decode_over_model_by_rows") if res is not None else None
@@ -353,16 +410,19 @@ def main(argv: list[str] | None = None) -> int:
                 if res is not None:
                     doc["rows"] += [point_row(policy, "exact", r, records(out)) for r in res["results"]]
                     steps = res.get("server_decode_over_model_by_rows")
-            if steps:  # decode step / model by decode rows over all this server's steps (lambda* probes too)
-                doc.setdefault("decode_over_model_by_rows", {})[policy] = steps
-        doc["phases"][f"{policy}_s"] = time.monotonic() - t0
-        doc["phases"][f"{policy}_points"] = len(doc["rows"]) - rows_before
-        if lam is None:
-            log("no lambda*: FCFS's capacity search failed; stopping")
-            break
-        doc["oracle"] = bounds(arm_recs)
-        doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
-        save()
+            if steps:  # decode step / model by decode rows over this policy's steps (lambda* probes too)
+                doc.setdefault("decode_over_model_by_rows", {})[policy] = steps_between(steps, steps_before)
+                steps_before = steps
+            doc["phases"][f"{policy}_s"] = time.monotonic() - t0
+            doc["phases"][f"{policy}_points"] = len(doc["rows"]) - rows_before
+            if lam is None:
+                log("no lambda*: FCFS's capacity search failed; stopping")
+                break
+            doc["oracle"] = bounds(arm_recs)
+            doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
+            save()
+    finally:
+        servers.close()
     doc["oracle"] = bounds(arm_recs)
     doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
     save()

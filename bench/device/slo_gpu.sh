@@ -10,7 +10,10 @@
 # TPOT tiers a full batch meets (T_strict = the gate's headroom x ITL at the seats, max_num_seqs, T_loose at twice
 # that: in about the ratio of the paper's strict and loose TPOT types), so FCFS's lambda* is its throughput, not its
 # strict tier, and points four times the seats, so that past lambda* FCFS's queue builds as a served load's does.
-# It takes about 12 minutes of device time: call 1 of lease.sh, and call 2 resumes it. The first three leases ran
+# One server runs every policy: the next policy's scheduler knobs go to the running replica as its LLM deployment's
+# user_config (a redeploy with only that changed; the engine swaps its scheduler once idle), so no server starts or
+# stops between policies (ONE_SERVER=0: a fresh server each, as the first three leases ran). Call 1 of lease.sh runs
+# it, and call 2 resumes what call 1's time did not hold. The first three leases ran
 # STRICT_BATCH=32 LOOSE_BATCH=128 NUM_REQUESTS=240 LAMBDA_DEF=adherence (tiers a batch of 32 meets, 240-request
 # points that 256 seats admit at once: FCFS never queues, and SCORPIO's gate holds its batch to 32).
 #
@@ -30,7 +33,7 @@
 #   kairos+credit_batching=false, are its server's app arguments), RESUME=1 (a second call on the same warm host,
 #   after a first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the
 #   rest runs, and the summary has both),
-#   CLIENT_PROCS (bench.slo's HTTP client processes; default a quarter of the cores, 1 to 4),
+#   CLIENT_PROCS (bench.slo's HTTP client processes; default a quarter of the cores, 1 to 4), ONE_SERVER (1),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
 . bench/device/common.sh
 # Ray's agent exports what replicas report this often (default 10 s): bench.slo reads each server's decode step /
@@ -63,6 +66,7 @@ fi
 [ -n "${LAMBDA_REFINE:-}" ] && args+=(--lambda-refine "$LAMBDA_REFINE")
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
 [ -n "${CLIENT_PROCS:-}" ] && args+=(--client-procs "$CLIENT_PROCS")
+[ "${ONE_SERVER:-1}" = 0 ] && args+=(--no-one-server)
 if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: what the first did not finish
   args+=(--resume)
 else

@@ -289,7 +289,7 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
                        headers={"x-slo-ttft-ms": "0.001"}).status_code == 400
     want = {"ray_kairos_ttft_s_bucket", "ray_kairos_generation_tokens_total", "ray_kairos_kv_blocks_free",
             "ray_kairos_requests_rejected_total", "ray_kairos_decode_steps_total",
-            "ray_kairos_decode_step_over_model_sum_total"}
+            "ray_kairos_decode_step_over_model_sum_total", "ray_kairos_scheduler_policy"}
     deadline, names, text = time.monotonic() + 30, set(), ""
     while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
         r = client.get("/metrics")

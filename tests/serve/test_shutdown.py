@@ -1,5 +1,5 @@
 """`serve run deployments:app` as a process manager runs it: started in a subprocess, stopped with SIGTERM, started
-again on the same port. Stopping leaves no process of it (Serve's HAProxy included) and frees its ports; while it
+again on the same port (from a Serve config, whose LLM deployment's user_config a second deploy changes in place). Stopping leaves no process of it (Serve's HAProxy included) and frees its ports; while it
 runs, every listener of Kairos and its Serve config binds loopback (Ray's own gRPC, agent and metrics servers bind
 the node's interfaces and Ray 2.60 offers no loopback setting for them; see README "Security").
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -242,13 +243,61 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def _start(env: dict, log: Path) -> subprocess.Popen:
+def _start(env: dict, log: Path, config: Path | None = None) -> subprocess.Popen:
+    """`serve run deployments:app APP_ARGS`, or with `config` `serve run CONFIG` (the package imported first, as the
+    benchmarks run it: `bench.driver.SERVE_CLI_CONFIG`)."""
+    from bench.driver import SERVE_CLI_CONFIG
+
+    cmd = [*SERVE_CLI_CONFIG, "run", str(config)] if config else [str(SERVE), "run", "deployments:app", *APP_ARGS]
     out = open(log, "ab")
     try:
-        return subprocess.Popen([str(SERVE), "run", "deployments:app", *APP_ARGS], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         out.close()
+
+
+def _policies(url: str) -> set[tuple[str, str]]:
+    """(replica, policy) of each replica's `kairos_scheduler_policy` series at 1 on /metrics."""
+    import httpx
+
+    out = set()
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("ray_kairos_scheduler_policy{") and line.rstrip().endswith(" 1.0"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+            out.add((labels["replica"].strip('"'), labels["policy"].strip('"')))
+    return out
+
+
+def _wait_policies(url: str, want: str, log: Path, timeout_s: float = 60.0) -> set[tuple[str, str]]:
+    deadline = time.monotonic() + timeout_s
+    while not ((got := _policies(url)) and {p for _, p in got} == {want}):
+        assert time.monotonic() < deadline, f"policy {want} not reported ({got}):\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+    return got
+
+
+def _reconfigured_in_place(url: str, config: Path, user_config: dict, env: dict, log: Path) -> None:
+    """The app deployed again from `config` with only its LLM deployment's user_config changed (a second `serve run
+    --address auto --non-blocking`, as `serve deploy` would through the dashboard): the same replica runs the new
+    policy, no new replica started (`LLMReplica.reconfigure`), and answers."""
+    import json
+
+    from bench.driver import SERVE_CLI
+
+    before = _wait_policies(url, "fcfs", log)
+    doc = json.loads(config.read_text())
+    doc["applications"][0]["deployments"][0]["user_config"] = user_config
+    config.write_text(json.dumps(doc))
+    with open(log, "ab") as out:
+        rc = subprocess.run([*SERVE_CLI, "run", "--address", "auto", "--non-blocking", str(config)], cwd=ROOT, env=env,
+                            stdout=out, stderr=subprocess.STDOUT, timeout=120).returncode
+    assert rc == 0, log.read_text()[-3000:]
+    after = _wait_policies(url, user_config["policy"], log)
+    assert {r for r, _ in after} == {r for r, _ in before}, (before, after)
+    import httpx
+
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def _wait_answering(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.0) -> None:
@@ -348,7 +397,8 @@ def _kill(procs: list) -> None:
 
 
 def _scenario(tmp_path: Path) -> None:
-    """Start, check the listeners, SIGTERM, check nothing is left and the ports are free, start again on them."""
+    """Start, check the listeners, SIGTERM, check nothing is left and the ports are free, start again on them (from
+    a Serve config, whose user_config then changes the running replica's policy in place), SIGTERM again."""
     ports: dict[str, int] = {}
     for name in ("http", "stats", "metrics", "fallback"):
         ports[name] = free_port(exclude=set(ports.values()))
@@ -357,7 +407,8 @@ def _scenario(tmp_path: Path) -> None:
                KAIROS_HTTP_PORT=str(ports["http"]), RAY_SERVE_HAPROXY_STATS_PORT=str(ports["stats"]),
                RAY_SERVE_HAPROXY_METRICS_PORT=str(ports["metrics"]),
                RAY_SERVE_FALLBACK_PROXY_HTTP_PORT=str(ports["fallback"]),
-               RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0")  # no balancer but Serve's own to wait for
+               RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0",  # no balancer but Serve's own to wait for
+               RAY_metrics_report_interval_ms="1000")  # the policy gauge on /metrics soon after it moves
     url = f"http://127.0.0.1:{ports['http']}"
     log = tmp_path / "serve.log"
     procs: list = []
@@ -377,8 +428,15 @@ def _scenario(tmp_path: Path) -> None:
         _stop(proc, procs, log)
         assert all(_port_free(p) for p in ports.values()), ports
 
-        proc = _start(env, log)  # the same ports, right away
+        # the same ports, right away: from a Serve config whose LLM deployment has a user_config, which a second
+        # deploy then changes in place
+        from bench.driver import app_config
+
+        config = tmp_path / "serve.json"
+        config.write_text(json.dumps(app_config(APP_ARGS, ports["http"], {"policy": "fcfs"})))
+        proc = _start(env, log, config)
         _wait_answering(proc, url, log)
+        _reconfigured_in_place(url, config, {"policy": "scorpio"}, env, log)
         procs = _tree(proc)
         _stop(proc, procs, log)
     finally:

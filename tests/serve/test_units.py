@@ -1942,6 +1942,35 @@ def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(mon
     assert preempted(1) == [1] and preempted(2) == [1]  # a new engine counts from 0 again
 
 
+def test_replica_metrics_mark_the_policy_the_engine_runs(monkeypatch):
+    """`kairos_scheduler_policy`: 1 for the policy in the engine's stats, 0 for each it ran before (user_config
+    changes it in place), every refresh."""
+    from types import SimpleNamespace
+
+    from deployments import metrics as Mx
+
+    sets: dict[str, float] = {}
+
+    class G:
+        def __init__(self, name, description="", tag_keys=()):
+            self.name = name
+
+        def set_default_tags(self, tags):
+            pass
+
+        def set(self, value, tags=None):
+            if self.name == "kairos_scheduler_policy":
+                sets[tags["policy"]] = value
+
+    monkeypatch.setattr(Mx, "Gauge", G)
+    m = Mx.ReplicaMetrics("m")
+    m.update_engine(SimpleNamespace(policy="fcfs"), 0)
+    assert sets == {"fcfs": 1.0}
+    m.update_engine(SimpleNamespace(policy="scorpio"), 0)
+    m.update_engine(SimpleNamespace(), 0)  # a stats object without the field: nothing moves
+    assert sets == {"fcfs": 0.0, "scorpio": 1.0}
+
+
 def test_bench_reads_the_model_error_by_rows_from_prometheus_text():
     from bench.driver import decode_over_model
 
