@@ -67,6 +67,9 @@ class EngineConfig(BaseModel):
 
     model: str = Field(DEFAULT_MODEL, description="local HF dir, hub id, or kairos-default / kairos-random-42m / kairos-tiny")
     tokenizer: str | None = None
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="auto: the checkpoint's weights; dummy: random weights of its config.json, no weight file "
+                            "read (vLLM's --load-format dummy): for measuring speed, its replies mean nothing")
     dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     trust_remote_code: bool = False

@@ -190,6 +190,14 @@ def _has_remote_code(path: str) -> bool:
         return False
 
 
+def _dummy_model(auto: Any, config: Any, dev: torch.device, load_kw: dict[str, Any]) -> Any:
+    """The model of `config` with random weights, created on `dev` (no host copy of a large model), seeded."""
+    kw = {k: v for k, v in load_kw.items() if k in ("dtype", "attn_implementation", "trust_remote_code")}
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.device(dev):
+        torch.manual_seed(0)
+        return auto.from_config(config, **kw)
+
+
 def load_model(
     model: str,
     *,
@@ -200,8 +208,11 @@ def load_model(
     attn_implementation: str | None = None,
     max_model_len: int | None = None,
     backend: str = "auto",
+    load_format: str = "auto",
 ) -> ModelBundle:
     """Load `model` (kairos-default / kairos-random-42m / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
+    With `load_format="dummy"` (vLLM's) the weights are not read: the model of its config is built on the device with
+    random weights (seed 0, the architecture's own initialisation), for measuring speed; its outputs mean nothing.
 
     Raises ValueError (never a bare OSError) for unknown paths/ids, unsupported model families,
     non-fast tokenizers, bad dtype/device strings, or a `max_model_len` beyond the model's positions or its sliding
@@ -270,9 +281,14 @@ def load_model(
     load_kw = dict(hub_kw, config=config, dtype=torch_dtype)
     if attn_implementation is not None:
         load_kw["attn_implementation"] = attn_implementation
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     try:
-        with quiet_progress_bars():
-            lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)
+        if load_format == "dummy":
+            lm = _dummy_model(AutoModelForCausalLM, config, dev, load_kw)
+        else:
+            with quiet_progress_bars():
+                lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
     lm = lm.to(device=dev, dtype=torch_dtype)

@@ -682,3 +682,37 @@ def test_reconfigured_follows_the_devices_defaults_for_the_new_policy():
     with pytest.raises(ValueError, match="prefill_max_tokens"):
         reconfigured(given, running, {"prefill_max_tokens": 512}, "cuda")
     assert reconfigured(given, running, {"prefill_max_tokens": 2048}, "cuda").prefill_max_tokens == 2048  # as it is
+
+
+def test_dummy_load_format_serves_random_weights_from_a_config_alone(tiny_checkpoints, tmp_path):
+    """`load_format=dummy` (vLLM's): a folder without weight files serves the model of its config.json, with the
+    architecture's own initialisation at seed 0: HF's greedy tokens on those weights; without it the folder is a
+    clear error."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    src = Path(tiny_checkpoints["llama"])
+    for f in src.iterdir():
+        if f.suffix not in (".safetensors", ".bin"):
+            shutil.copy2(f, tmp_path / f.name)
+    with pytest.raises(ValueError, match="cannot load model"):
+        LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu"))
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
+                                 block_size=4))
+    try:
+        prompts = _prompts(eng.bundle.config.vocab_size)[:3]
+        got = [[t for o in eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                for t in o.token_ids] for p in prompts]
+    finally:
+        eng.shutdown()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    assert got == want

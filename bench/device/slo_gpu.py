@@ -1,8 +1,8 @@
 """SCORPIO's experiment on one GPU replica, end to end over Ray Serve (bench/device/slo_gpu.sh runs it; see there).
 
-1. Builds a random-weight Llama of `--shape` (llama-8b: Llama-3.1-8B's config; no download) in bf16 on the device,
-   with kairos-tiny's tokenizer (the length predictor's tokens; ShareGPT's reply lengths are counted in them), and
-   saves it once under --model-dir.
+1. Writes the config of a Llama of `--shape` (llama-8b: Llama-3.1-8B's config; no download) under --model-dir, with
+   kairos-tiny's tokenizer (the length predictor's tokens; ShareGPT's reply lengths are counted in them); the
+   servers build its random bf16 weights on the device (`load_format=dummy`), none written or read.
 2. `serve run` of the app `deployments:app model=DIR device=... predictor_path=P` from a Serve config whose LLM
    deployment's user_config is {policy: fcfs}: the replica profiles itself at start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
    SLO from that fit (as bench.slo does in-process on the CPU; by default at the seats and twice that,
@@ -43,9 +43,11 @@ def log(msg: str) -> None:
     print(f"[slo_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def build_model(shape: str, out: Path, dtype: str, device: str, window: int) -> Path:
-    """A random Llama of `shape` (bench.engine's shapes) with kairos-tiny's tokenizer, saved once per shape/dtype."""
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+def build_model(shape: str, out: Path, dtype: str, device: str, window: int, *, weights: bool = True) -> Path:
+    """A random Llama of `shape` (bench.engine's shapes) with kairos-tiny's tokenizer, saved once per shape/dtype.
+    Without `weights`, its config.json and tokenizer alone, for an engine with `load_format=dummy`, which builds the
+    same random weights on its device (the same seed and initialisation) instead of reading gigabytes of them."""
+    if (out / "config.json").is_file() and (not weights or any(out.glob("*.safetensors"))):
         return out
     import torch
     from transformers import AutoTokenizer
@@ -59,17 +61,21 @@ def build_model(shape: str, out: Path, dtype: str, device: str, window: int) -> 
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(cfg, k, src_cfg.get(k, 0))
     t0 = time.perf_counter()
-    model = build_shape_model(cfg, torch.device(device), getattr(torch, dtype))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size="5GB")
-    del model
+    if weights:
+        model = build_shape_model(cfg, torch.device(device), getattr(torch, dtype))
+        model.save_pretrained(tmp, max_shard_size="5GB")
+        del model
+    else:
+        cfg.save_pretrained(tmp)
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
             shutil.copy2(src / f, tmp / f)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    log(f"built {shape} ({dtype}, on {device}) in {time.perf_counter() - t0:.0f} s -> {out}")
+    log(f"built {shape} ({dtype}, on {device}{'' if weights else ', its config alone'}) in "
+        f"{time.perf_counter() - t0:.0f} s -> {out}")
     return out
 
 
@@ -326,11 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(doc, indent=1, default=str))
             os.replace(tmp, path)
 
-    build_model(args.shape, args.model_dir, args.dtype, args.device, args.window)
+    build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=False)
     doc["phases"]["built_s"] = time.monotonic() - clock.t0
     # the client forces every reply's length with ignore_eos and ends a predicted arm's replies itself, before
     # max_tokens: ignore_eos_length=false keeps max_tokens a cap for the servers' schedulers (bench.slo.arm_sched)
-    common = (f"model={args.model_dir} dtype={args.dtype} device={args.device} max_num_seqs={args.max_num_seqs} "
+    common = (f"model={args.model_dir} load_format=dummy dtype={args.dtype} device={args.device} "
+              f"max_num_seqs={args.max_num_seqs} "
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} ignore_eos_length=false {args.serve}")
     runs = [("fcfs", arm_knobs("fcfs"))] + [(p, arm_knobs(p)) for p in args.policies.split(",") if p]
