@@ -453,12 +453,70 @@ def stop_on_sigterm() -> bool:
     return True
 
 
+def _exit_if_deploy_fails(names: list[str], period_s: float = 1.0) -> None:
+    """Until the apps `names` are RUNNING: one that Serve reports DEPLOY_FAILED (its build failed, or its replicas
+    failed to start as many times as Serve retries) shuts Serve and this driver's Ray down and ends the process with
+    exit status 1."""
+    import time
+
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    while True:
+        time.sleep(period_s)
+        try:
+            apps = serve.status().applications
+        except Exception:  # noqa: BLE001 - the controller busy: ask again
+            continue
+        failed = [(n, apps[n].message) for n in names
+                  if n in apps and apps[n].status == ApplicationStatus.DEPLOY_FAILED]
+        if failed:
+            for name, message in failed:
+                print(f"serve run: application {name!r} failed to deploy:\n{message}", file=sys.stderr)
+            print("serve run: shutting Serve down (exit status 1)", file=sys.stderr, flush=True)
+            try:
+                serve.shutdown()
+                import ray
+
+                ray.shutdown()
+            finally:
+                os._exit(1)
+        if all(n in apps and apps[n].status == ApplicationStatus.RUNNING for n in names):
+            return
+
+
+def watch_config_deploy(client) -> bool:
+    """`serve run CONFIG` submits the config and waits forever, whether its apps come up or fail: the first deploy
+    through `client` (the CLI's) starts `_exit_if_deploy_fails` on its apps, so that a config whose app cannot deploy
+    ends the CLI with exit status 1, as an import path does under `hook_serve_run`."""
+    import threading
+
+    deploy = getattr(client, "deploy_apps", None)
+    if deploy is None or getattr(deploy, "kairos_hook", False):
+        return False
+
+    def deploy_apps(config, *args, **kwargs):
+        out = deploy(config, *args, **kwargs)
+        if not deploy_apps.watching:
+            deploy_apps.watching = True
+            names = [app.name for app in getattr(config, "applications", [])]
+            threading.Thread(target=_exit_if_deploy_fails, args=(names,), name="kairos-deploy-watch",
+                             daemon=True).start()
+        return out
+
+    deploy_apps.watching = False  # type: ignore[attr-defined]
+    deploy_apps.kairos_hook = True  # type: ignore[attr-defined]
+    client.deploy_apps = deploy_apps
+    return True
+
+
 def hook_serve_run() -> bool:
     """In the `serve run` CLI, before Ray starts: Serve's HTTP options from the environment where the CLI passes
     none (an import path; a config file passes its own), SIGTERM handled once Serve is started (Ray's driver
     installs its own handlers while it starts), and an app that fails to deploy (a model that does not load, say)
     ends the CLI with exit status 1: Ray's CLI prints the error, shuts Serve down and exits 0, which a process
-    manager or a script reads as success."""
+    manager or a script reads as success; from a config file, which Ray's CLI submits and then waits on forever
+    whatever becomes of it, likewise (`watch_config_deploy`)."""
     if not in_serve_run() or not _before_ray():
         return False
     from ray import serve
@@ -495,6 +553,7 @@ def hook_serve_run() -> bool:
             kwargs["http_options"] = http_options()
         client = start(*args, **kwargs)
         stop_on_sigterm()
+        watch_config_deploy(client)
         return client
 
     serve_start.kairos_hook = True  # type: ignore[attr-defined]

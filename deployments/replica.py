@@ -187,8 +187,9 @@ def engine_logs_to_serve() -> None:
 
 class LLMReplica:
     """One engine and what Serve asks of it: `generate` streams, the control plane (`check_health`,
-    `record_routing_stats`, `stats`, `model_info`, `reconfigure`, `inject_fault`) and the replica's metrics. `LLMServer` below
-    deploys it behind the Ingress; `deployments.direct.DirectLLMServer` adds the HTTP surface to it."""
+    `record_routing_stats`, `stats`, `model_info`, `reconfigure`, `inject_fault`) and the replica's metrics.
+    `LLMServer` below deploys it behind the Ingress; `deployments.direct.DirectLLMServer` adds the HTTP surface to
+    it."""
 
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,

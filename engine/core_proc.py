@@ -16,8 +16,8 @@ the per-request Python on its own side:
   to the loop.
 
 The client has the surface the Serve replica uses (`generate`, `abort`, `stats`, `predict_ttft_ms`, `is_alive`,
-`reconfigure`, `inject_fault`, `shutdown`). The child exits when the client says so, when its socket closes, when its parent
-is gone (polled every second, so also while the model loads), and when its engine's worker dies (it hangs up
+`reconfigure`, `inject_fault`, `shutdown`). The child exits when the client says so, when its socket closes, when its
+parent is gone (polled every second, so also while the model loads), and when its engine's worker dies (it hangs up
 first; the client then fails every open stream with an engine error and refuses new requests).
 
     python -m engine.core_proc FD [--favoured] [--label TEXT]     # started by EngineCoreClient only

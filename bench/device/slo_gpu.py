@@ -4,10 +4,11 @@
    kairos-tiny's tokenizer (the length predictor's tokens; ShareGPT's reply lengths are counted in them); the
    servers build its random bf16 weights on the device (`load_format=dummy`), none written or read.
 2. `serve run` of the app `deployments:app model=DIR device=... predictor_path=P` from a Serve config whose LLM
-   deployment's user_config is {policy: fcfs}: the replica profiles itself at start and keeps the fit in P. `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT
-   SLO from that fit (as bench.slo does in-process on the CPU; by default at the seats and twice that,
-   --strict-batch / --loose-batch), finds lambda* over HTTP (by default FCFS's capacity, its completion rate under
-   overload; --lambda-def), then runs fcfs at every load and seed.
+   deployment's user_config is {policy: fcfs}: the replica profiles itself at start and keeps the fit in P.
+   `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT SLO from that fit (as bench.slo
+   does in-process on the CPU; by default at the seats and twice that, --strict-batch / --loose-batch), finds lambda*
+   over HTTP (by default FCFS's capacity, its completion rate under overload; --lambda-def), then runs fcfs at every
+   load and seed.
 3. The same server for each policy after it (scorpio, kairos; with `length_predictor=true`): the config deployed
    again with only its user_config changed, which Serve hands to the running replica (`LLMReplica.reconfigure`: the
    engine's scheduler swapped once it is idle, over the same model, KV cache, CUDA graphs and fit), so no server

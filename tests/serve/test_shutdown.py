@@ -1,7 +1,8 @@
 """`serve run deployments:app` as a process manager runs it: started in a subprocess, stopped with SIGTERM, started
-again on the same port (from a Serve config, whose LLM deployment's user_config a second deploy changes in place). Stopping leaves no process of it (Serve's HAProxy included) and frees its ports; while it
-runs, every listener of Kairos and its Serve config binds loopback (Ray's own gRPC, agent and metrics servers bind
-the node's interfaces and Ray 2.60 offers no loopback setting for them; see README "Security").
+again on the same port (from a Serve config, whose LLM deployment's user_config a second deploy changes in place).
+Stopping leaves no process of it (Serve's HAProxy included) and frees its ports; while it runs, every listener of
+Kairos and its Serve config binds loopback (Ray's own gRPC, agent and metrics servers bind the node's interfaces and
+Ray 2.60 offers no loopback setting for them; see README "Security").
 
 The app runs the small test model on free ports (`KAIROS_HTTP_PORT`, Ray's `RAY_SERVE_HAPROXY_*_PORT`), so it can run
 beside the session app of the other serving tests."""
@@ -204,6 +205,49 @@ except RuntimeError:
                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
     assert "failed to deploy" in out.stderr
+
+
+def test_serve_run_of_a_config_exits_1_when_its_app_fails_to_deploy() -> None:
+    """Ray's CLI submits a config and then waits forever, whether its apps come up or not: under the hook the first
+    deploy's apps are watched until they run, and one that Serve reports DEPLOY_FAILED shuts Serve and Ray down and
+    ends the process with exit status 1. In a fresh interpreter, with Serve's status, shutdown and the exit
+    stubbed."""
+    code = """
+import os, sys, threading
+from types import SimpleNamespace
+import ray
+from ray import serve
+from ray.serve.schema import ApplicationStatus as S
+from deployments import haproxy_ingress as H
+calls = []
+def app(status):
+    return {"kairos": SimpleNamespace(status=status, message="failed to start 3 times")}
+for states, want in (([{}, app(S.DEPLOYING), app(S.DEPLOY_FAILED)], ["deploy", "serve", "ray", 1]),
+                     ([app(S.DEPLOYING), app(S.RUNNING), app(S.DEPLOY_FAILED)], ["deploy"])):
+    calls.clear()
+    it = iter(states)
+    serve.status = lambda: SimpleNamespace(applications=next(it))
+    serve.shutdown, ray.shutdown = lambda: calls.append("serve"), lambda: calls.append("ray")
+    def _exit(code):
+        calls.append(code)
+        raise SystemExit(code)  # (ends the watcher's thread here)
+    os._exit = _exit
+    client = SimpleNamespace(deploy_apps=lambda config, _blocking=True: calls.append("deploy"))
+    assert H.watch_config_deploy(client) and not H.watch_config_deploy(client)  # once per client
+    client.deploy_apps(SimpleNamespace(applications=[SimpleNamespace(name="kairos")]), _blocking=False)
+    client.deploy_apps(SimpleNamespace(applications=[SimpleNamespace(name="kairos")]), _blocking=False)
+    assert calls[:2] == ["deploy", "deploy"], calls
+    del calls[0]
+    for t in threading.enumerate():
+        if t.name == "kairos-deploy-watch":
+            t.join(30)
+    assert calls == want, (calls, want)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert "application 'kairos' failed to deploy" in out.stderr and "failed to start 3 times" in out.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
