@@ -5,6 +5,7 @@ batch; chunked prefill; a preempted request resumed; a hung step. Skipped withou
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +264,37 @@ def test_a_hung_step_fails_its_requests_and_the_worker_that_wakes_later_frees_th
     finally:
         eng.shutdown()
     free_device_memory()
+
+
+def test_dummy_weights_on_the_device_and_a_policy_changed_in_place(device, ckpts, tmp_path):
+    """`load_format=dummy` builds the config's random weights on the GPU (none read) and serves them, the same
+    tokens twice (seeded); `reconfigure` swaps in scorpio once idle, with the device's defaults for its policy
+    (kairos's VBS margin 1.0 on a GPU, scorpio's published 1.3), and the replies stay the same."""
+    import shutil
+    import time
+
+    from core.sampling import SamplingParams
+
+    for f in Path(ckpts["llama"]).iterdir():
+        if f.suffix not in (".safetensors", ".bin"):
+            shutil.copy2(f, tmp_path / f.name)
+    prompts = random_prompts([7, 33], 200, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        eng = make_engine(str(tmp_path), device, load_format="dummy", policy="kairos")
+        try:
+            assert all(p.device.type == device for p in eng.bundle.model.parameters())
+            assert eng.scheduler.flags.vbs_margin == (1.0 if device == "cuda" else 1.05)
+            outs.append([collect(eng.add_request(p, params))[0] for p in prompts])
+            eng.reconfigure({"policy": "scorpio"})
+            deadline = time.monotonic() + 10
+            while eng.stats().policy != "scorpio" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert eng.stats().policy == "scorpio" and eng.scheduler.flags.vbs_margin == 1.3
+            assert [collect(eng.add_request(p, params))[0] for p in prompts] == outs[-1]
+        finally:
+            eng.shutdown()
+            del eng
+            free_device_memory()
+    assert outs[0] == outs[1]
