@@ -44,10 +44,10 @@ from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig, for_device, rec
 from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
-from scheduling.config import SchedulerConfig
 from engine.stream import RequestStream
 from engine.core_messages import (Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, Reconfigure,
                                   SetupFailed, Shutdown, TokenDeltas)
+from scheduling.config import SchedulerConfig
 
 log = logging.getLogger("kairos.engine")
 STATS_PERIOD_S = 0.05  # stats ride on every Outputs message; alone, at most this often

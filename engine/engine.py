@@ -45,8 +45,8 @@ from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
 from engine.sampler import Draws, SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
-from scheduling.length_predictor import tokenizer_fingerprint
 from scheduling.config import SchedulerConfig
+from scheduling.length_predictor import tokenizer_fingerprint
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler, StepPlan
 
@@ -549,7 +549,12 @@ class LLMEngine:
         correction, TTFT margins, length calibration) starts again."""
         config, self._next_scheduler = self._next_scheduler, None
         old = self.scheduler
-        new = self._new_scheduler(config, old.predictor)
+        try:
+            new = self._new_scheduler(config, old.predictor)
+        except Exception:  # noqa: BLE001 - e.g. a length predictor file that does not load: serve on as before
+            log.exception("scheduler not reconfigured (policy %s stays): %s", old.config.policy,
+                          config.model_dump(exclude_unset=True))
+            return
         new.num_preemptions, new.model_error = old.num_preemptions, old.model_error
         self.scheduler = new
         self.config = self.config.model_copy(update={"scheduler": config})

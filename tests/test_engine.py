@@ -716,3 +716,20 @@ def test_dummy_load_format_serves_random_weights_from_a_config_alone(tiny_checkp
                                max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
     assert got == want
+
+
+def test_a_reconfigure_whose_scheduler_cannot_be_built_leaves_the_engine_serving_as_before(tiny_checkpoints, tmp_path):
+    """A change that validates but fails when the worker builds its scheduler (here a length predictor file that is
+    not one) is logged; the engine keeps its scheduler and serves."""
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        bad = tmp_path / "lengths.npz"
+        bad.write_bytes(b"not an npz")
+        eng.reconfigure({"policy": "kairos", "length_predictor": True, "length_predictor_path": str(bad)})
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert list(eng.add_request([1, 2, 3], params))[-1].finish_reason == "length"
+        time.sleep(0.2)
+        assert eng.is_alive() and eng.stats().policy == "fcfs"
+        assert list(eng.add_request([1, 2, 3], params))[-1].finish_reason == "length"
+    finally:
+        eng.shutdown()
