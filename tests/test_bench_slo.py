@@ -477,6 +477,8 @@ def test_slo_gpu_leaves_a_server_that_would_not_fit_to_a_resumed_call():
     g = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(g)
     assert g.expected_s({"built_s": 27.0}, 4) is None
+    assert g.expected_s({"fcfs_start_s": 40.0, "fcfs_s": 300.0, "fcfs_points": 4}, 2, start_s=5.0) == \
+        5.0 + 2 * 65.0 + 20.0  # taken in place: its own short start, not a fresh server's
     fcfs = {"built_s": 27.0, "fcfs_start_s": 40.0, "fcfs_s": 300.0, "fcfs_points": 4}
     assert g.expected_s(fcfs, 2) == 40.0 + 2 * 65.0 + 20.0
     both = fcfs | {"scorpio_start_s": 45.0, "scorpio_s": 105.0, "scorpio_points": 2}

@@ -113,11 +113,13 @@ def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extr
     return json.loads((out / "results.json").read_text())
 
 
-def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0) -> float | None:
-    """How long a server of `points` points will take, from the phases of the servers that ran before it (this
-    call's or a resumed one's): the longest start, and the time per point of the last that ran any (fcfs's includes
-    its lambda* probes: an over-estimate); None before any ran."""
-    starts = [v for k, v in phases.items() if k.endswith("_start_s")]
+def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0,
+               start_s: float | None = None) -> float | None:
+    """How long a policy of `points` points (a seed at a load each) will take, from the phases of the policies that
+    ran before it (this call's or a resumed one's): its start (`start_s`: the server up takes it in place; else the
+    longest start so far), and the time per point of the last that ran any (fcfs's includes its lambda* probes: an
+    over-estimate); None before any ran."""
+    starts = [start_s] if start_s is not None else [v for k, v in phases.items() if k.endswith("_start_s")]
     per_point = None
     for k, n in phases.items():  # in the order they ran: the last one's rate stands
         name = k.removesuffix("_points")
@@ -360,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             # (its exact arm, after it, may be cut: the bound, in no check)
             n_seeds = len([x for x in args.seeds.split(",") if x])
             points = n_seeds * (len(loads) if policy in args.all_loads.split(",") else 1) if need_pred else n_seeds
-            need = expected_s(doc["phases"], points)
+            # (the server up takes it in place in seconds: the longest of those so far, or a fresh start's)
+            taken = target is not None and args.one_server and in_place(knobs)
+            moved = [v for k, v in doc["phases"].items() if k.endswith("_start_s") and doc.get("servers", {}).get(
+                k.removesuffix("_start_s")) == "in place"]
+            need = expected_s(doc["phases"], points, start_s=max(moved, default=10.0) if taken else None)
             if need is not None and clock.left() < need:
                 log(f"{clock.left():.0f} s left, {policy} wants about {need:.0f} s: left for a resumed call")
                 break
@@ -422,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
                 doc.setdefault("decode_over_model_by_rows", {})[policy] = steps_between(steps, steps_before)
                 steps_before = steps
             doc["phases"][f"{policy}_s"] = time.monotonic() - t0
-            doc["phases"][f"{policy}_points"] = len(doc["rows"]) - rows_before
+            # (its points: a seed at a load each, as `expected_s` counts them; a row holds its load's seeds)
+            doc["phases"][f"{policy}_points"] = sum(max(1, len(r.get("per_seed") or []))
+                                                    for r in doc["rows"][rows_before:])
             if lam is None:
                 log("no lambda*: FCFS's capacity search failed; stopping")
                 break
