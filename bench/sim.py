@@ -136,6 +136,14 @@ def noisy_outlook(true_len: int, sigma: float, rng: random.Random, prior: tuple[
     return conditional_means(np.asarray([x / tot for x in p]))
 
 
+def run_span_s(recs: Sequence[D.Record]) -> float:
+    """A run's length on the virtual clock: its first arrival to its last request's end (the point's share of a
+    device's time, its clients' and server's overheads aside)."""
+    if not recs:
+        return 0.0
+    return max(r.finished_s if r.finished_s is not None else r.arrival_s for r in recs) - min(r.arrival_s for r in recs)
+
+
 def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Machine, planner: LatencyModel, *,
              max_model_len: int = 2048, block_size: int = 16, drain_s: float = 30.0,
              tokenizer_fingerprint: str | None = None, clock: dict[str, float] | None = None,
@@ -432,14 +440,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         lam = args.lambda_star
     else:
         names = [t.name for t in scale.tiers]
+        spans: list[float] = []
+
+        def probe(rate: float) -> list[D.Record]:
+            recs = run("fcfs", rate, seeds[0], args.probe_requests)
+            spans.append(run_span_s(recs))
+            return recs
 
         def adherence(rate: float) -> float:
-            recs = run("fcfs", rate, seeds[0], args.probe_requests)
-            return M.summarize(recs, warmup_frac=args.warmup_frac, tiers=names)["adherence"]
+            return M.summarize(probe(rate), warmup_frac=args.warmup_frac, tiers=names)["adherence"]
 
-        lam, probes = search_lambda(args, planner, scale, adherence,
-                                    lambda r: completion_rate(run("fcfs", r, seeds[0], args.probe_requests)))
-        print("bench.sim: lambda* search " + "; ".join(probe_text(p) for p in probes), flush=True)
+        lam, probes = search_lambda(args, planner, scale, adherence, lambda r: completion_rate(probe(r)))
+        print("bench.sim: lambda* search " + "; ".join(probe_text(p) for p in probes)
+              + f"; {len(spans)} probes, " + " + ".join(f"{x:.1f}" for x in spans) + " s", flush=True)
     print(f"bench.sim: lambda* {lam:.3f} rps; tiers " + ", ".join(
         f"{t.name} {t.ttft_ms:.0f}/{t.tpot_ms:.2f}" for t in scale.tiers), flush=True)
     out: dict[str, Any] = {"lambda_star_rps": lam, "lambda_search": probes, "args": {
@@ -449,11 +462,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rate = lam * load
         by: dict[str, list[float]] = {}
         for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            per_seed, tiers_served, tpot_missed, reasons, oracle = [], {}, [], {}, []
+            per_seed, tiers_served, tpot_missed, reasons, oracle, spans = [], {}, [], {}, [], []
             clock: dict[str, float] = {}
             lengths: list[tuple[float, int]] = []
             for seed in seeds:
                 recs = run(label, rate, seed, args.num_requests, clock, lengths)
+                spans.append(run_span_s(recs))
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
                 tpot_missed.append(s["tpot_violations"] / max(1, s["n"] - s["rejected"]))
@@ -474,12 +488,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
                   f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}  TPOT missed by "
                   f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; oracle {sum(oracle) / len(oracle):.2f}; "
-                  f"lengths' Spearman {rank:.3f}; scheduler {sched_us:.0f} us/step on this host", flush=True)
+                  f"lengths' Spearman {rank:.3f}; scheduler {sched_us:.0f} us/step on this host; "
+                  f"{statistics.fmean(spans):.1f} s a run", flush=True)
             out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
                                   "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
                                   "over_oracle_own_tokens": oracle,
                                   "length_spearman": None if math.isnan(rank) else rank,
-                                  "scheduler_us_per_step": sched_us,
+                                  "scheduler_us_per_step": sched_us, "run_s": spans,
                                   "host_ms": host_of(label)})
         first = next(iter(by))
         for label, g in by.items():

@@ -257,3 +257,15 @@ def test_over_oracle_counts_good_requests_against_shortest_first_with_the_same_t
     recs = [rec(10, True), rec(30, False), rec(5, False, rejected=True), rec(20, False, rejected=True)]
     assert sim.over_oracle(recs) == pytest.approx(1 / 3)
     assert math.isnan(sim.over_oracle([rec(5, False, rejected=True)]))
+
+
+def test_a_runs_length_is_its_first_arrival_to_its_last_end():
+    """`bench.sim.run_span_s`: what a point takes on the virtual clock (a rejected request ends where it ends, one
+    with no end at its arrival); none: 0."""
+    from bench.driver import Record
+    from bench.sim import run_span_s
+
+    recs = [Record("t", 1.0, 1.0, arrival_s=2.0, finished_s=9.5), Record("t", 1.0, 1.0, arrival_s=3.0,
+                                                                            rejected=True, finished_s=3.1),
+            Record("t", 1.0, 1.0, arrival_s=11.0)]
+    assert run_span_s(recs) == 9.0 and run_span_s([]) == 0.0
