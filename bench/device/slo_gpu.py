@@ -383,10 +383,25 @@ def main(argv: list[str] | None = None) -> int:
             if target is None:
                 user_config = knobs if args.one_server and in_place(knobs) else None
                 extra = "" if user_config is not None else " ".join(f"{k}={v}" for k, v in knobs.items())
-                # (a cut-off start raises: the run ends with what it has)
-                target = servers.enter_context(served(
-                    f"{common} {extra}", args.out / f"serve-{policy}.log", user_config=user_config,
-                    start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
+                log_path = args.out / f"serve-{policy}.log"
+                try:  # (a cut-off start raises: the run ends with what it has)
+                    target = servers.enter_context(served(
+                        f"{common} {extra}", log_path, user_config=user_config,
+                        start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
+                except RuntimeError as e:
+                    if user_config is None and "load_format=dummy" not in common or clock.left() < 120:
+                        raise
+                    # a lease is not spent on a new path that fails: once more as the first leases served, from
+                    # the app's arguments over weights written to disk, a server per policy
+                    log(f"{policy}'s server did not come up ({e}): again from app arguments, with the weights on "
+                        "disk, a server per policy")
+                    log_path.rename(log_path.with_suffix(".failed.log"))
+                    build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=True)
+                    common, args.one_server = common.replace(" load_format=dummy", ""), False
+                    doc["fallback"] = str(e)
+                    target = servers.enter_context(served(
+                        f"{common} {' '.join(f'{k}={v}' for k, v in knobs.items())}", log_path,
+                        start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
                 doc.setdefault("servers", {})[policy] = "started"
             else:
                 doc.setdefault("servers", {})[policy] = "in place"
