@@ -190,7 +190,9 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
                  # where the device time went: each policy's server (started, or taken over in place) and phases
                  f"servers: {slo.get('servers') or 'one per policy'}; phases (s): "
                  f"{ {k: round(v, 1) for k, v in (slo.get('phases') or {}).items()} }; this call's wall "
-                 f"{slo.get('wall_s', 0):.0f} s, the resumed call's {(slo.get('resumed') or {}).get('wall_s')}"]
+                 f"{slo.get('wall_s', 0):.0f} s, the resumed call's {(slo.get('resumed') or {}).get('wall_s')}"
+                 + (f"; FALLBACK to a server per policy from app arguments: {slo['fallback']}" if slo.get("fallback")
+                    else "")]
         if "serve-proxy" in (slo.get("http_front") or {}).values():
             note.append("  WARNING: a server ran behind Serve's Python proxy, not HAProxy (no haproxy on the host): "
                         "its TTFTs carry that proxy's milliseconds")
