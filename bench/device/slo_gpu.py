@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             before = None
     if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
-                                           "decode_over_model_by_rows", "servers", "http_front") if k in before})
+                                           "decode_over_model_by_rows", "servers", "http_front", "fallback")
+                    if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
         log(f"resuming: {len(doc['rows'])} rows, lambda* {doc.get('lambda_star_rps')}")
     else:
@@ -343,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
               f"max_num_seqs={args.max_num_seqs} "
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} ignore_eos_length=false {args.serve}")
+    if doc.get("fallback"):  # the call resumed fell back to app arguments and weights on disk: so does this one
+        build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=True)
+        common, args.one_server = common.replace(" load_format=dummy", ""), False
     runs = [("fcfs", arm_knobs("fcfs"))] + [(p, arm_knobs(p)) for p in args.policies.split(",") if p]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
