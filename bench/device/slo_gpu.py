@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                     # the app's arguments over weights written to disk, a server per policy
                     log(f"{policy}'s server did not come up ({e}): again from app arguments, with the weights on "
                         "disk, a server per policy")
-                    log_path.rename(log_path.with_suffix(".failed.log"))
+                    if log_path.exists():
+                        log_path.rename(log_path.with_suffix(".failed.log"))
                     build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=True)
                     common, args.one_server = common.replace(" load_format=dummy", ""), False
                     doc["fallback"] = str(e)
