@@ -187,7 +187,7 @@ def reconfigure_served(target: str, user_config: dict[str, Any], log: Path, *, t
     """Give the LLM replicas of a server `served` started with a `user_config` a new one, in place (`serve run
     --address auto --non-blocking` of its config with that `user_config`: Serve calls each replica's `reconfigure`,
     no model load), and wait until its /metrics says the engine runs the new config's policy (the engine switches
-    once idle). False if the redeploy failed or the switch was not seen within `timeout_s`."""
+    once drained). False if the redeploy failed or the switch was not seen within `timeout_s`."""
     if target not in _CONFIGS:  # started from its app arguments: its user_config is not Serve's to change
         return False
     path, config = _CONFIGS[target]

@@ -384,13 +384,14 @@ class LLMReplica:
 
     def reconfigure(self, user_config: dict[str, Any] | None) -> None:
         """Serve's `user_config` of the LLM deployment: scheduler knobs by the names the app's arguments give them
-        (`{"policy": "scorpio"}`, `{"policy": "kairos", "vbs_margin": 1.1}`), over the knobs the replica started
-        with. `serve deploy` of a config whose only change is this `user_config` calls it on every running replica
-        in place: no model load, no new replica. The engine switches once it holds no request; its
-        `kairos_scheduler_policy` gauge says when (`LLMEngine.reconfigure`). An unknown knob, a bad value, or one
-        fixed at start (max_num_seqs, prefill_max_tokens, chunked_prefill, predictor_path) is logged as an error and
-        changes nothing: the replica keeps serving as it was (Serve would replace a replica whose `reconfigure`
-        raised, and its replacement would fail the same way: a typo would leave the deployment no replica)."""
+        (`{"policy": "scorpio"}`, `{"policy": "kairos", "vbs_margin": 1.1}`), over the knobs the replica started with.
+        `serve deploy` of a config whose only change is this `user_config` calls it on every running replica in place:
+        no model load, no new replica. The engine switches once the requests it holds have finished (those that arrive
+        meanwhile wait for the new scheduler); its `kairos_scheduler_policy` gauge says when (`LLMEngine.reconfigure`).
+        An unknown knob, a bad value, or one fixed at start (max_num_seqs, prefill_max_tokens, chunked_prefill,
+        predictor_path) is logged as an error and changes nothing: the replica keeps serving as it was (Serve would
+        replace a replica whose `reconfigure` raised, and its replacement would fail the same way: a typo would leave
+        the deployment no replica)."""
         knobs = {} if user_config is None else dict(user_config) if isinstance(user_config, dict) else user_config
         if knobs == self._user_config:
             return
@@ -401,8 +402,8 @@ class LLMReplica:
                       user_config, e)
             return
         self._user_config = knobs
-        log.info("LLMServer %s: scheduler knobs %s (policy %s), applied once its engine is idle", self.replica_id,
-                 knobs, self._sched.policy)
+        log.info("LLMServer %s: scheduler knobs %s (policy %s), applied once its requests in flight end",
+                 self.replica_id, knobs, self._sched.policy)
 
     def inject_fault(self, count: int = 1, replica: str | None = None, hang_s: float = 0.0) -> str:
         """Test hook (deployment handle only, never routed over HTTP): the next `count` model steps of this

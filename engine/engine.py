@@ -151,7 +151,8 @@ class LLMEngine:
         self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
         self._step_batch: float | None = None  # EWMA of their decode batch sizes
         self._inflight: _InFlight | None = None  # overlap scheduling: the launched step not yet resolved
-        self._next_scheduler: SchedulerConfig | None = None  # `reconfigure`'s, until the worker is idle
+        self._next_scheduler: SchedulerConfig | None = None  # `reconfigure`'s, until the scheduler has drained
+        self._parked: list[Request] = []  # requests that arrived meanwhile: the next scheduler takes them
         self._last_resolved = 0.0  # perf_counter when the last step's tokens were resolved
         self._stats_lock = threading.Lock()
         self._ready = threading.Event()
@@ -434,9 +435,10 @@ class LLMEngine:
         """Change the running engine's scheduler knobs (its policy and the policy's mechanisms, margins, the length
         predictor) without loading anything again: `scheduler` is SchedulerConfig knobs by name over the ones the
         engine started with, replacing what an earlier call asked (`engine.config.reconfigured`; a Serve
-        deployment's `user_config` reaches it this way). The change takes effect once the engine holds no request:
-        the requests in flight finish under the scheduler that admitted them, and those that arrive meanwhile join
-        it (under a load that never lets the engine drain, the change waits). Returns the config that will run;
+        deployment's `user_config` reaches it this way). The change takes effect once the requests the scheduler
+        holds (running and waiting) have finished under it; those that arrive meanwhile wait for the new one, which
+        takes them in their order (a switch under load costs them the old scheduler's drain: at most about its
+        longest reply). Returns the config that will run;
         ValueError for an unknown knob, a bad value, or one fixed at start (`FIXED_SCHEDULER_KNOBS`)."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
@@ -460,9 +462,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ worker thread
     def _snapshot(self, last_prefill: int, last_decode: int) -> EngineStats:
         mape = (self.profile_report or {}).get("mape_holdout")
-        return snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
+        snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
                         phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
                         step=(self._step_ms, self._step_batch))
+        if self._parked:  # waiting for a scheduler change: they count as waiting
+            snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + len(self._parked))
+        return snap
 
     def _run(self) -> None:
         limit = self.step_timeout_s or math.inf
@@ -474,8 +479,10 @@ class LLMEngine:
                     if self._inflight is not None:  # its requests all ended (aborted): nothing waits for it
                         self._settle()
                         continue
-                    if self._next_scheduler is not None and not self._requests:
+                    if self._next_scheduler is not None:
                         self._swap_scheduler()
+                        if self.scheduler.has_work():  # the requests that waited for it
+                            continue
                     self._publish(0, 0)
                     self._emit()
                     self._wakeup.wait(0.5)
@@ -533,6 +540,9 @@ class LLMEngine:
         self._requests[req.request_id] = req
         self._churn += 1
         self.outputs.add(req, stream)
+        if self._next_scheduler is not None:  # a scheduler change waits for the requests the scheduler holds
+            self._parked.append(req)
+            return
         reason = self.scheduler.add(req)
         if reason is not None:
             self._reject(req, reason)
@@ -543,24 +553,37 @@ class LLMEngine:
                          predictor, tokenizer_fingerprint(b.tokenizer_path or b.path), b.tokenizer)
 
     def _swap_scheduler(self) -> None:
-        """`reconfigure`'s change, on the worker while it holds no request: a new scheduler of the asked config over
-        the same KV cache (every block free) and latency model. What the engine counts since its start (preemptions,
-        the latency model's error on the served steps) carries over; what a policy measures for itself (its ITL
+        """`reconfigure`'s change, on the worker once the scheduler holds no request: a new scheduler of the asked
+        config over the same KV cache (every block free) and latency model, which then takes the requests that
+        arrived meanwhile (`_parked`), in their order. What the engine counts since its start (preemptions, the
+        latency model's error on the served steps) carries over; what a policy measures for itself (its ITL
         correction, TTFT margins, length calibration) starts again."""
         config, self._next_scheduler = self._next_scheduler, None
+        parked, self._parked = [r for r in self._parked if r.status is not Status.FINISHED], []
         old = self.scheduler
         try:
             new = self._new_scheduler(config, old.predictor)
         except Exception:  # noqa: BLE001 - e.g. a length predictor file that does not load: serve on as before
             log.exception("scheduler not reconfigured (policy %s stays): %s", old.config.policy,
                           config.model_dump(exclude_unset=True))
+            new = None
+        if new is None:
+            self._take(parked)
             return
         new.num_preemptions, new.model_error = old.num_preemptions, old.model_error
         self.scheduler = new
         self.config = self.config.model_copy(update={"scheduler": config})
         self._churn += 1  # the published snapshot is stale
+        self._take(parked)
         log.info("scheduler reconfigured: policy %s (was %s); knobs %s", config.policy, old.config.policy,
                  config.model_dump(exclude_unset=True))
+
+    def _take(self, reqs: list[Request]) -> None:
+        """The scheduler takes requests the engine has admitted already (`_admit`'s part after its bookkeeping)."""
+        for req in reqs:
+            reason = self.scheduler.add(req)
+            if reason is not None:
+                self._reject(req, reason)
 
     def _run_job(self, job: _IdleJob) -> None:
         try:

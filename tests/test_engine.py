@@ -629,9 +629,10 @@ def test_the_engine_offers_the_models_sampling_defaults_unless_told_not_to(tiny_
 
 def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_counts(tiny_checkpoints):
     """`LLMEngine.reconfigure`: a request in flight finishes under the scheduler that admitted it, with the same
-    tokens; the new policy runs once the engine holds no request, over the same KV cache, and what the engine counts
-    since its start (preemptions, the latency model's error on its steps) carries over. A knob fixed at start, an
-    unknown knob or a bad value is a ValueError that changes nothing."""
+    tokens; one that arrives meanwhile waits for the new scheduler (counted as waiting), which runs once the old one
+    has drained, over the same KV cache, and serves it with the same tokens; what the engine counts since its start
+    (preemptions, the latency model's error on its steps) carries over. A knob fixed at start, an unknown knob or a
+    bad value is a ValueError that changes nothing."""
     eng = _engine(tiny_checkpoints["llama"])
     try:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -640,12 +641,15 @@ def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_cou
         busy = eng.add_request([5] * 30, params)
         first = busy.get(timeout=30)
         cfg = eng.reconfigure({"policy": "scorpio", "vbs_margin": 1.2})
-        assert (cfg.policy, cfg.vbs_margin, cfg.prefill_max_tokens) == ("scorpio", 1.2, 256)  # over what it started with
+        assert (cfg.policy, cfg.vbs_margin, cfg.prefill_max_tokens) == ("scorpio", 1.2, 256)  # over its start's
+        late = eng.add_request([5] * 30, params)
         time.sleep(0.05)
-        assert eng.stats().num_running == 1  # (the test needs the request still running here)
-        assert eng.stats().policy == "fcfs" and eng.scheduler.config.policy == "fcfs"  # busy: not yet
+        st = eng.stats()
+        assert (st.num_running, st.num_waiting) == (1, 1)  # (the test needs the first still running here)
+        assert st.policy == "fcfs" and eng.scheduler.config.policy == "fcfs"  # busy: not yet
         rest = [t for o in busy for t in o.token_ids]
         assert first.token_ids + rest == alone  # the request in flight is served as before
+        assert [t for o in late for t in o.token_ids] == alone  # and the late one, by the new scheduler
         deadline = time.time() + 5
         while eng.stats().policy != "scorpio" and time.time() < deadline:
             time.sleep(0.01)

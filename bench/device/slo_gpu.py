@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             t0 = time.monotonic()
             rows_before = len(doc["rows"])
-            # the server up takes this policy in place (its replica's scheduler swapped once idle; no model load, no
+            # the server up takes this policy in place (its replica's scheduler swapped once drained; no model load, no
             # new Ray), else a server of its own: --one-server, and knobs a replica takes in place
             if target is not None and not (args.one_server and in_place(knobs) and reconfigure_served(
                     target, knobs, args.out / "serve.log", timeout_s=min(120.0, max(30.0, clock.left() - 60)))):

@@ -11,7 +11,7 @@
 # that: in about the ratio of the paper's strict and loose TPOT types), so FCFS's lambda* is its throughput, not its
 # strict tier, and points four times the seats, so that past lambda* FCFS's queue builds as a served load's does.
 # One server runs every policy: the next policy's scheduler knobs go to the running replica as its LLM deployment's
-# user_config (a redeploy with only that changed; the engine swaps its scheduler once idle), so no server starts or
+# user_config (a redeploy with only that changed; the engine swaps its scheduler once drained), so no server starts or
 # stops between policies (ONE_SERVER=0: a fresh server each, as the first three leases ran). Call 1 of lease.sh runs
 # it, and call 2 resumes what call 1's time did not hold. The first three leases ran
 # STRICT_BATCH=32 LOOSE_BATCH=128 NUM_REQUESTS=240 LAMBDA_DEF=adherence (tiers a batch of 32 meets, 240-request
