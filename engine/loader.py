@@ -286,6 +286,13 @@ def load_model(
     try:
         if load_format == "dummy":
             lm = _dummy_model(AutoModelForCausalLM, config, dev, load_kw)
+            try:  # the checkpoint's generation config, as from_pretrained reads it (its EOS ids, sampling defaults)
+                from transformers import GenerationConfig
+
+                lm.generation_config = GenerationConfig.from_pretrained(
+                    path, **{k: v for k, v in hub_kw.items() if k != "trust_remote_code"})
+            except (OSError, ValueError):  # none there: the config's own
+                pass
         else:
             with quiet_progress_bars():
                 lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)

@@ -705,6 +705,8 @@ def test_dummy_load_format_serves_random_weights_from_a_config_alone(tiny_checkp
     eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
                                  block_size=4))
     try:
+        assert eng.bundle.model.generation_config.to_diff_dict() == \
+            AutoModelForCausalLM.from_pretrained(src).generation_config.to_diff_dict()  # the checkpoint's, read
         prompts = _prompts(eng.bundle.config.vocab_size)[:3]
         got = [[t for o in eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
                 for t in o.token_ids] for p in prompts]
