@@ -171,16 +171,7 @@ def served_policy(url: str, api_key: str | None = None) -> str | None:
         text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10.0, headers=headers).text
     except Exception:  # noqa: BLE001 - not yet: the caller asks again
         return None
-    for line in text.splitlines():
-        name, _, rest = line.partition("{")
-        if name == "ray_kairos_scheduler_policy" and "}" in rest:
-            labels, _, value = rest.rpartition("}")
-            policy = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",") if kv.startswith("policy=")),
-                          None)
-            with contextlib.suppress(ValueError, IndexError):
-                if policy and float(value.split()[0]) == 1.0:
-                    return policy
-    return None
+    return next((policy for _, policy in sorted(running_policies(text))), None)
 
 
 def reconfigure_served(target: str, user_config: dict[str, Any], log: Path, *, timeout_s: float = 120.0) -> bool:
@@ -824,24 +815,43 @@ def _run_http_sharded(url: str, items: Sequence[WorkItem], procs: int, *, progre
     return Run(records, start_s, max(run.submit_end_s for run in runs), lags, {}, sum(run.timeouts for run in runs))
 
 
+def prometheus_series(text: str, names: Iterable[str]) -> Iterator[tuple[str, dict[str, str], float]]:
+    """The samples of the series `names` in Prometheus text: (name, labels, value) each (labels without quotes)."""
+    wanted = set(names)
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in wanted or "}" not in rest:
+            continue
+        body, _, value = rest.rpartition("}")
+        labels = dict(kv.split("=", 1) for kv in body.split(",") if "=" in kv)
+        try:
+            v = float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+        yield name, {k: x.strip('"') for k, x in labels.items()}, v
+
+
 def decode_over_model(text: str) -> dict[int, tuple[int, float]]:
     """From Prometheus text (a Kairos server's /metrics): per decode-rows bucket, the decode-only steps and the sum of
     their wall / model ratios (`ray_kairos_decode_steps_total`, `ray_kairos_decode_step_over_model_sum_total`),
     summed over replicas."""
     out: dict[int, list[float]] = {}
     names = {"ray_kairos_decode_steps_total": 0, "ray_kairos_decode_step_over_model_sum_total": 1}
-    for line in text.splitlines():
-        name, _, rest = line.partition("{")
-        if name not in names or "}" not in rest:
-            continue
-        labels, _, value = rest.rpartition("}")
-        rows = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",") if kv.startswith("rows=")), None)
+    for name, labels, v in prometheus_series(text, names):
         try:
-            k, v = int(rows or ""), float(value.split()[0])
-        except (ValueError, IndexError):
+            k = int(labels.get("rows", ""))
+        except ValueError:
             continue
         out.setdefault(k, [0.0, 0.0])[names[name]] += v
     return {k: (int(n), total) for k, (n, total) in sorted(out.items()) if n > 0}
+
+
+def running_policies(text: str) -> set[tuple[str, str]]:
+    """From Prometheus text (a Kairos server's /metrics): (replica, policy) of each replica's scheduling policy that
+    runs (`ray_kairos_scheduler_policy` at 1)."""
+    return {(labels.get("replica", ""), labels["policy"])
+            for _, labels, v in prometheus_series(text, ("ray_kairos_scheduler_policy",))
+            if v == 1.0 and "policy" in labels}
 
 
 def server_decode_over_model(url: str, *, settle_s: float = 2.0, limit_s: float = 12.0,

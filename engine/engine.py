@@ -543,9 +543,7 @@ class LLMEngine:
         if self._next_scheduler is not None:  # a scheduler change waits for the requests the scheduler holds
             self._parked.append(req)
             return
-        reason = self.scheduler.add(req)
-        if reason is not None:
-            self._reject(req, reason)
+        self._take((req,))
 
     def _new_scheduler(self, config: SchedulerConfig, predictor: LatencyModel | None) -> Scheduler:
         b = self.bundle
@@ -578,7 +576,7 @@ class LLMEngine:
         log.info("scheduler reconfigured: policy %s (was %s); knobs %s", config.policy, old.config.policy,
                  config.model_dump(exclude_unset=True))
 
-    def _take(self, reqs: list[Request]) -> None:
+    def _take(self, reqs: Sequence[Request]) -> None:
         """The scheduler takes requests the engine has admitted already (`_admit`'s part after its bookkeeping)."""
         for req in reqs:
             reason = self.scheduler.add(req)

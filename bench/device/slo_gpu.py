@@ -164,9 +164,22 @@ def arm_knobs(label: str) -> dict[str, str]:
     return {"policy": name, "length_predictor": "true", **dict(k.split("=", 1) for k in knobs)}
 
 
+def app_args(knobs: dict[str, str]) -> str:
+    """Knobs as `serve run deployments:app` arguments."""
+    return " ".join(f"{k}={v}" for k, v in knobs.items())
+
+
 def arm_server_args(label: str) -> str:
     """`arm_knobs` as app arguments."""
-    return " ".join(f"{k}={v}" for k, v in arm_knobs(label).items())
+    return app_args(arm_knobs(label))
+
+
+def from_disk(args: argparse.Namespace, common: str) -> str:
+    """The first leases' way to serve, for a run whose dummy-weight servers from a Serve config did not come up: the
+    weights written to disk, a server per policy from its app arguments (`common` without load_format=dummy)."""
+    build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=True)
+    args.one_server = False
+    return common.replace(" load_format=dummy", "")
 
 
 def in_place(knobs: dict[str, str]) -> bool:
@@ -345,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
               f"max_waiting={2 * args.max_num_seqs} prefill_max_tokens={args.prefill_max_tokens} "
               f"predictor_path={profile.resolve()} ignore_eos_length=false {args.serve}")
     if doc.get("fallback"):  # the call resumed fell back to app arguments and weights on disk: so does this one
-        build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=True)
-        common, args.one_server = common.replace(" load_format=dummy", ""), False
+        common = from_disk(args, common)
     runs = [("fcfs", arm_knobs("fcfs"))] + [(p, arm_knobs(p)) for p in args.policies.split(",") if p]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 target, steps_before = None, None
             if target is None:
                 user_config = knobs if args.one_server and in_place(knobs) else None
-                extra = "" if user_config is not None else " ".join(f"{k}={v}" for k, v in knobs.items())
+                extra = "" if user_config is not None else app_args(knobs)
                 log_path = args.out / f"serve-{policy}.log"
                 try:  # (a cut-off start raises: the run ends with what it has)
                     target = servers.enter_context(served(
@@ -401,11 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                         "disk, a server per policy")
                     if log_path.exists():
                         log_path.rename(log_path.with_suffix(".failed.log"))
-                    build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=True)
-                    common, args.one_server = common.replace(" load_format=dummy", ""), False
-                    doc["fallback"] = str(e)
+                    common, doc["fallback"] = from_disk(args, common), str(e)
                     target = servers.enter_context(served(
-                        f"{common} {' '.join(f'{k}={v}' for k, v in knobs.items())}", log_path,
+                        f"{common} {app_args(knobs)}", log_path,
                         start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
                 doc.setdefault("servers", {})[policy] = "started"
             else:

@@ -304,12 +304,9 @@ def _policies(url: str) -> set[tuple[str, str]]:
     """(replica, policy) of each replica's `kairos_scheduler_policy` series at 1 on /metrics."""
     import httpx
 
-    out = set()
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("ray_kairos_scheduler_policy{") and line.rstrip().endswith(" 1.0"):
-            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
-            out.add((labels["replica"].strip('"'), labels["policy"].strip('"')))
-    return out
+    from bench.driver import running_policies
+
+    return running_policies(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def _wait_policies(url: str, want: str, log: Path, timeout_s: float = 60.0) -> set[tuple[str, str]]:

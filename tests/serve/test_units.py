@@ -1988,6 +1988,18 @@ ray_kairos_vbs{deployment="LLMServer",model="m"} 3.0
     assert decode_over_model("") == {}
 
 
+def test_bench_reads_the_policy_each_replica_runs_from_prometheus_text():
+    from bench.driver import running_policies
+
+    text = """# TYPE ray_kairos_scheduler_policy gauge
+ray_kairos_scheduler_policy{deployment="LLMServer",model="m",policy="fcfs",replica="a"} 0.0
+ray_kairos_scheduler_policy{deployment="LLMServer",model="m",policy="scorpio",replica="a"} 1.0
+ray_kairos_scheduler_policy{deployment="LLMServer",model="m",policy="fcfs",replica="b"} 1.0
+ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
+"""
+    assert running_policies(text) == {("a", "scorpio"), ("b", "fcfs")} and running_policies("") == set()
+
+
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("response_format", {"type": "bogus"}), ("repetition_penalty", 1.2),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("guided_json", {"type": "object"}),
