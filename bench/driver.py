@@ -252,7 +252,7 @@ class Record:
     error: str | None = None  # what went wrong, with finish_reason error
     prompt_tokens: int = 0
     deliveries: int = 0  # stream items (in-process) or chunks (HTTP) that carried tokens
-    merged_deliveries: int = 0  # in-process items that carried more than one token
+    merged_deliveries: int = 0  # items (in-process) or chunks (HTTP, by their usage so far) of more than one token
     replica: str | None = None  # HTTP: the LLM replica that answered (`x-kairos-replica`)
     rerouted: int = 0  # HTTP: replicas that turned it away before that one (`x-kairos-rerouted`)
 
@@ -535,8 +535,10 @@ def request_body(w: WorkItem, model: str) -> tuple[str, dict[str, Any], dict[str
         del body["model"]
     if w.seed is not None:
         body["seed"] = w.seed
-    if w.stream:
-        body["stream_options"] = {"include_usage": True}
+    if w.stream:  # vLLM's continuous_usage_stats: each chunk says the tokens so far, so that the benchmark-only
+        # stop counts tokens, not chunks (a replica behind its client merges tokens into one chunk)
+        body["stream_options"] = {"include_usage": True, **({"continuous_usage_stats": True}
+                                                            if w.stop_after is not None else {})}
     if w.chat:
         body["messages"] = [{"role": "user", "content": w.prompt}]
         path = "/v1/chat/completions"
@@ -587,15 +589,24 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
             msg = err.get("message", err) if isinstance(err, dict) else err
             rec.finish_reason, rec.error = "error", f"stream_error: {msg}"
             continue
+        # the tokens this chunk carried: by the usage so far where the server sends it (continuous_usage_stats),
+        # else one a chunk (text may be '' mid-character)
+        so_far = (obj.get("usage") or {}).get("completion_tokens") if obj.get("choices") else None
         for c in obj.get("choices") or []:
             if "text" in c or (c.get("delta") or {}).get("content") is not None:
-                rec.token_times.append(now)  # one chunk per delivery of >= 1 token (text may be '' mid-character)
+                k = 1 if so_far is None else int(so_far) - len(rec.token_times)
+                if k <= 0:  # (a chunk with no new token: the finish reason alone)
+                    continue
+                rec.token_times.extend([now] * k)
                 rec.deliveries += 1
+                rec.merged_deliveries += k > 1
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.arrival_s
                     if "headers" in rec.hops:
                         rec.hops["body"] = rec.ttft_s * 1000.0 - rec.hops["headers"]
-                if w.stop_after is not None and rec.deliveries >= w.stop_after:  # the benchmark-only stop
+                if w.stop_after is not None and len(rec.token_times) >= w.stop_after:  # the benchmark-only stop
+                    # (a merged chunk past it: the reply's stop_after-th token came with it)
+                    del rec.token_times[w.stop_after:]
                     rec.finish_reason, rec.n_out = "length", w.stop_after
                     return
             if c.get("finish_reason") and rec.finish_reason != "error":

@@ -2,6 +2,7 @@
 benchmark's length arms (hidden / predicted / exact) with their benchmark-only stop."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from dataclasses import replace
@@ -495,6 +496,45 @@ def test_http_client_stops_a_hidden_length_reply_itself():
     rec = run.records[0]
     assert rec.finish_reason == "length" and rec.n_out == 4 and rec.output_len == 4 and rec.max_tokens == 50
     assert seen[0][0] == 50 and "x-slo-output-len" not in {k.lower() for k in seen[0][1]}
+
+
+def test_http_client_counts_the_tokens_of_merged_chunks_toward_the_stop():
+    """A replica behind its client merges tokens into one chunk: the client asks for vLLM's continuous usage and
+    counts tokens by it, so the reply ends at its `stop_after`-th token (not chunk), and its TPOT spans that many."""
+    from aiohttp import web
+
+    from bench.driver import run_http
+    from bench.metrics import tpot_s
+    from tests.stub_http import stub_server
+
+    seen = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body.get("stream_options"))
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        sent = 0
+        try:
+            for k in (1, 3, 3, 3, 3, 3):  # the first token alone, then chunks of three
+                sent += k
+                chunk = {"choices": [{"text": "x" * k, "finish_reason": None}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": sent, "total_tokens": 3 + sent}}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(0.05)
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return resp
+
+    item = W.WorkItem(0.0, [5, 6, 7], 50, "relaxed", 3000.0, 500.0, None, stop_after=8)
+    with stub_server(handler) as url:
+        run = run_http(url, [item], model="m", drain_s=5.0)
+    rec = run.records[0]
+    assert seen[0] == {"include_usage": True, "continuous_usage_stats": True}
+    assert rec.finish_reason == "length" and rec.n_out == 8 and len(rec.token_times) == 8
+    assert rec.deliveries == 4 and rec.merged_deliveries == 3  # (1), (3), (3), (3: the 8th token in it)
+    # three chunks after the first token, 50 ms apart, over its 7 later tokens
+    assert 0.15 / 7 <= tpot_s(rec) < 0.15 / 7 * 2
 
 
 def test_bound_reads_the_reply_length_not_the_cap(tmp_path):
