@@ -347,7 +347,7 @@ def _slo_gpu(f: dict[str, Any]) -> str:
                                        for r in rows if r["load"] == hi)
     low = [r for r in rows if r["load"] == lo and r["policy"] == "kairos"]
     cell += f"; {lo:g}×: kairos {100 * low[0]['adherence']:.0f}% met" if lo != hi and low else ""
-    n = (f.get("setup") or {}).get("num_requests")
+    n = f.get("num_requests") or (f.get("setup") or {}).get("num_requests")  # sized to the lease, else as asked
     return cell + (f" ({n} requests a point)" if n else "")
 
 

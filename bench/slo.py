@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target", default=None, help="URL of a running Kairos server (POST /v1/completions); for --lengths hidden "
       "or predicted, one started with ignore_eos_length=false (the client forces lengths with ignore_eos and ends "
       "those replies itself)")
+    a("--probe-only", action="store_true", help="stop once lambda* is found: results.json holds it, its search and "
+      "the tiers, no points (a caller that sizes its points to the time left once it knows lambda*)")
     a("--no-server-steps", action="store_true", help="--target: do not read the server's decode step / latency "
       "model by decode rows from its /metrics after the run (a few seconds: Ray's agent exports what replicas "
       "report every few seconds)")
@@ -790,6 +792,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             search["adherence"] = args.lambda_adherence
         search.update(probes=probes, seconds=time.perf_counter() - t0)
     print(f"lambda* = {lam:.3f} rps{' (given)' if search.get('given') else ''}", flush=True)
+    if args.probe_only:
+        write_json(out_dir / "results.json", {
+            "benchmark": "slo", "probe_only": True, "lambda_star_rps": lam, "lambda_star_search": search,
+            "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers}, "results": [],
+            "config": {"mode": "http" if http else "engine", "target": args.target, "model": args.model,
+                       "dataset": dataset, "lengths": args.lengths, "probe_requests": args.probe_requests},
+            "run": {**info, "wall_s": time.perf_counter() - t_start}})
+        if eng is not None:
+            eng.shutdown()
+        return 0
 
     # ---- size the sweep to the budget
     rates = [m * lam for m in plan.loads]

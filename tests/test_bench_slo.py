@@ -484,6 +484,29 @@ def test_slo_gpu_leaves_a_server_that_would_not_fit_to_a_resumed_call():
     both = fcfs | {"scorpio_start_s": 45.0, "scorpio_s": 105.0, "scorpio_points": 2}
     assert g.expected_s(both, 4) == 45.0 + 4 * 30.0 + 20.0
     assert g.expected_s(both | {"kairos_start_s": 50.0, "kairos_s": 50.0, "kairos_points": 0}, 4) == 50.0 + 120.0 + 20.0
+    # fcfs's lambda* search is a phase of its own, not its points' time
+    assert g.expected_s(fcfs | {"fcfs_probe_s": 100.0}, 2) == 40.0 + 2 * 40.0 + 20.0
+
+
+def test_slo_gpu_sizes_its_points_to_the_time_left():
+    """bench/device/slo_gpu.py: once lambda* is known, a point's requests are such that every point left fits the
+    time: arrivals of N / (load x lambda*) each, plus each point's and each policy's overheads; within the floor and
+    the cap."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    loads = [1.0, 1.0, 2.0, 2.0]  # two seeds at two loads
+    kw = dict(cap=1000, floor=100, point_overhead_s=10.0, policy_overhead_s=20.0, margin_s=20.0)
+    # 100 s: 20 margin, 20 for the run, 40 for the points: 20 s of arrivals at 2/20 + 2/40 s a request
+    n = g.size_points(100.0, 20.0, loads, 1, **kw)
+    assert n == 133
+    assert sum(n / (m * 20.0) + 10.0 for m in loads) + 20.0 + 20.0 <= 100.0
+    assert g.size_points(10_000.0, 20.0, loads, 1, **kw) == 1000  # the cap
+    assert g.size_points(50.0, 20.0, loads, 1, **kw) == 100  # the floor: the rest to a resumed call
 
 
 def test_slo_gpu_checks_from_its_rows():

@@ -117,17 +117,31 @@ def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0,
                start_s: float | None = None) -> float | None:
     """How long a policy of `points` points (a seed at a load each) will take, from the phases of the policies that
     ran before it (this call's or a resumed one's): its start (`start_s`: the server up takes it in place; else the
-    longest start so far), and the time per point of the last that ran any (fcfs's includes its lambda* probes: an
-    over-estimate); None before any ran."""
+    longest start so far), and the time per point of the last that ran any (less its lambda* probes); None before
+    any ran."""
     starts = [start_s] if start_s is not None else [v for k, v in phases.items() if k.endswith("_start_s")]
     per_point = None
     for k, n in phases.items():  # in the order they ran: the last one's rate stands
         name = k.removesuffix("_points")
         if k.endswith("_points") and n > 0 and f"{name}_s" in phases and f"{name}_start_s" in phases:
-            per_point = (phases[f"{name}_s"] - phases[f"{name}_start_s"]) / n
+            per_point = (phases[f"{name}_s"] - phases[f"{name}_start_s"] - phases.get(f"{name}_probe_s", 0.0)) / n
     if per_point is None or not starts:
         return None
     return max(starts) + points * per_point + margin_s
+
+
+def size_points(left_s: float, lam: float, point_loads: list[float], policies: int, *, cap: int, floor: int,
+                point_overhead_s: float, policy_overhead_s: float, margin_s: float = 20.0) -> int:
+    """Requests per point such that the points at `point_loads` (x lambda*, one entry a seed at a load) of `policies`
+    bench.slo runs take `left_s`: a point's arrivals last N / (load x lambda*), then its drain and the client's start
+    (`point_overhead_s`); a run starts bench.slo (tokenizer, ShareGPT) and, past the first, swaps the replica's policy
+    (`policy_overhead_s`). Within [floor, cap]: under the floor a point holds too few requests for FCFS's queue to
+    build past lambda* (what does not fit is left to a resumed call)."""
+    per_request = sum(1.0 / (m * lam) for m in point_loads if m > 0 and lam > 0)
+    spare = left_s - margin_s - policies * policy_overhead_s - len(point_loads) * point_overhead_s
+    if per_request <= 0:
+        return cap
+    return max(floor, min(cap, int(spare / per_request)))
 
 
 def records(out: Path) -> list[dict]:
@@ -273,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--num-requests", type=int, default=1000, help="a point's requests: past lambda*, FCFS's queue "
                     "builds only in a point longer than its seats admit at once")
+    ap.add_argument("--min-requests", type=int, default=300, help="once lambda* is known, a point's requests are "
+                    "sized so that every point left fits --limit-s, from --num-requests down to this")
+    ap.add_argument("--point-overhead-s", type=float, default=15.0, help="the sizing's time per point besides its "
+                    "arrivals: the drain after the last one, the client's start")
+    ap.add_argument("--policy-overhead-s", type=float, default=25.0, help="the sizing's time per policy: a bench.slo "
+                    "start (tokenizer, ShareGPT), the replica's policy swapped in place")
     ap.add_argument("--probe-requests", type=int, default=1000)
     ap.add_argument("--lambda-star", type=float, default=None, help="skip the lambda* search")
     ap.add_argument("--lambda-def", choices=("adherence", "capacity"), default="capacity",
@@ -324,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             before = None
     if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
-                                           "decode_over_model_by_rows", "servers", "http_front", "fallback")
+                                           "num_requests", "decode_over_model_by_rows", "servers", "http_front",
+                                           "fallback")
                     if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
         log(f"resuming: {len(doc['rows'])} rows, lambda* {doc.get('lambda_star_rps')}")
@@ -360,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if doc.get("fallback"):  # the call resumed fell back to app arguments and weights on disk: so does this one
         common = from_disk(args, common)
     runs = [("fcfs", arm_knobs("fcfs"))] + [(p, arm_knobs(p)) for p in args.policies.split(",") if p]
+    seed_list = [x for x in args.seeds.split(",") if x]
     done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
     arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
@@ -376,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             # a run cut off keeps nothing: a server whose predicted arm would not fit is left whole to a resumed call
             # (its exact arm, after it, may be cut: the bound, in no check)
-            n_seeds = len([x for x in args.seeds.split(",") if x])
+            n_seeds = len(seed_list)
             points = n_seeds * (len(loads) if policy in args.all_loads.split(",") else 1) if need_pred else n_seeds
             # (the server up takes it in place in seconds: the longest of those so far, or a fresh start's)
             taken = target is not None and args.one_server and in_place(knobs)
@@ -426,30 +448,52 @@ def main(argv: list[str] | None = None) -> int:
                 log("the replica left no profile at predictor_path; the tiers cannot follow it")
                 return 2
             point_loads = args.loads if policy in args.all_loads.split(",") else str(max(loads))
+            if lam is None:  # FCFS's lambda* search, a run of its own: the points are then sized to the time left
+                tp = time.monotonic()
+                res = run_slo(target, args.out / f"{policy}-probe", args, clock, [
+                    "--predictor-json", str(profile), "--loads", point_loads, "--seeds", args.seeds,
+                    "--num-requests", str(args.num_requests), "--label", policy, "--lengths", "predicted",
+                    "--probe-only", "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
+                    "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess])
+                doc["phases"][f"{policy}_probe_s"] = time.monotonic() - tp
+                if res is None:
+                    log("no lambda*: FCFS's capacity search failed; stopping")
+                    break
+                lam = float(res["lambda_star_rps"])
+                doc["lambda_star_rps"], doc["lambda_star_search"] = lam, res.get("lambda_star_search")
+                doc["tiers"] = res.get("tiers")
+                log(f"lambda* = {lam:.3f} req/s ({doc['phases'][f'{policy}_probe_s']:.0f} s); tiers {doc['tiers']}")
+                save()
+            if "num_requests" not in doc:  # once, for every policy's points (a resumed call keeps it)
+                todo = [(p, k) for p, k in runs if (p, "predicted") not in done]
+                point_loads_all = [m for p, _ in todo for m in (loads if p in args.all_loads.split(",")
+                                                                 else [max(loads)]) for _ in seed_list]
+                exact_todo = [p for p, _ in runs if p in args.exact.split(",") and (p, "exact") not in done]
+                point_loads_all += [max(loads) for _ in exact_todo for _ in seed_list]
+                doc["num_requests"] = size_points(
+                    clock.left(), lam, point_loads_all, len(todo) + len(exact_todo),
+                    cap=args.num_requests, floor=min(args.min_requests, args.num_requests),
+                    point_overhead_s=args.point_overhead_s, policy_overhead_s=args.policy_overhead_s)
+                log(f"{doc['num_requests']} requests a point: {len(point_loads_all)} points in the "
+                    f"{clock.left():.0f} s left (--num-requests {args.num_requests}, --min-requests "
+                    f"{args.min_requests})")
+            n_req = int(doc["num_requests"])
             fixed = ["--predictor-json", str(profile), "--loads", point_loads, "--seeds", args.seeds,
-                     "--num-requests", str(args.num_requests), "--label", policy]
-            fixed += ["--lambda-star", str(lam)] if lam is not None else [
-                "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
-                "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess]
+                     "--num-requests", str(n_req), "--label", policy, "--lambda-star", str(lam)]
             out = args.out / f"{policy}-predicted"
             # the server's latency model by decode rows: read after this policy's last run
             res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"]
                           + (["--no-server-steps"] if need_exact else [])) if need_pred else None
             steps = res.get("server_decode_over_model_by_rows") if res is not None else None
             if res is not None:
-                if lam is None:
-                    lam = float(res["lambda_star_rps"])
-                    doc["lambda_star_rps"], doc["lambda_star_search"] = lam, res.get("lambda_star_search")
-                    doc["tiers"] = res.get("tiers")
-                    log(f"lambda* = {lam:.3f} req/s; tiers {doc['tiers']}")
                 recs = records(out)
                 arm_recs += recs
                 doc["rows"] += [point_row(policy, "predicted", r, recs) for r in res["results"]]
             if need_exact and lam is not None:
                 out = args.out / f"{policy}-exact"
                 res = run_slo(target, out, args, clock, ["--predictor-json", str(profile), "--loads", str(max(loads)),
-                                                         "--seeds", args.seeds, "--num-requests",
-                                                         str(args.num_requests), "--label", policy,
+                                                         "--seeds", args.seeds, "--num-requests", str(n_req),
+                                                         "--label", policy,
                                                          "--lambda-star", str(lam), "--lengths", "exact"])
                 if res is not None:
                     doc["rows"] += [point_row(policy, "exact", r, records(out)) for r in res["results"]]
@@ -461,9 +505,6 @@ def main(argv: list[str] | None = None) -> int:
             # (its points: a seed at a load each, as `expected_s` counts them; a row holds its load's seeds)
             doc["phases"][f"{policy}_points"] = sum(max(1, len(r.get("per_seed") or []))
                                                     for r in doc["rows"][rows_before:])
-            if lam is None:
-                log("no lambda*: FCFS's capacity search failed; stopping")
-                break
             doc["oracle"] = bounds(arm_recs)
             doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
             save()

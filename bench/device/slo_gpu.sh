@@ -22,7 +22,9 @@
 #   bash bench/device/slo_gpu.sh
 # The CPU dry run HERE (kairos-tiny's shape, float32, one engine thread, a few minutes; the local venv's Ray):
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
-# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (1000),
+# Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (1000: a
+#   point's requests at most; once lambda* is known they are sized so that every point fits LIMIT_S, down to
+#   MIN_REQUESTS, 300),
 #   PROBE_REQUESTS (NUM_REQUESTS: lambda*'s probes as long as the points, whose queues build as long), LAMBDA
 #   (skip the lambda* search), LAMBDA_DEF (capacity: FCFS's completion rate under overload; adherence: the highest
 #   rate at which FCFS keeps 90% adherence, the reference protocol's CPU one), LAMBDA_REFINE (3, adherence only:
@@ -64,6 +66,7 @@ pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())
         --dataset-path .dev/sharegpt-sub.json)
 fi
 [ -n "${LAMBDA:-}" ] && args+=(--lambda-star "$LAMBDA")
+[ -n "${MIN_REQUESTS:-}" ] && args+=(--min-requests "$MIN_REQUESTS")
 [ -n "${LAMBDA_DEF:-}" ] && args+=(--lambda-def "$LAMBDA_DEF")
 [ -n "${LAMBDA_REFINE:-}" ] && args+=(--lambda-refine "$LAMBDA_REFINE")
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
