@@ -396,11 +396,13 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
 
 def newest(name: str, root: str | os.PathLike[str] | None = None) -> str | None:
     """The summary a HEADLINES name means: itself, or for a glob pattern (a device's summaries, named per run) the
-    newest that matches (by date, then name); None if there is none."""
+    newest that matches (by date, then name) and has no `caveat` (a flawed run kept for its record) unless all
+    have; None if there is none."""
     if "*" not in name:
         return name if (Path(root or SUMMARIES) / f"{name}.json").exists() else None
-    docs = [(_load(p.stem, root).get("date") or "", p.stem) for p in Path(root or SUMMARIES).glob(f"{name}.json")]
-    return max(docs)[1] if docs else None
+    docs = [(not _load(p.stem, root).get("caveat"), _load(p.stem, root).get("date") or "", p.stem)
+            for p in Path(root or SUMMARIES).glob(f"{name}.json")]  # a run with a caveat only where no other is
+    return max(docs)[2] if docs else None
 
 
 def headline_table(root: str | os.PathLike[str] | None = None) -> str:
