@@ -500,13 +500,31 @@ def test_slo_gpu_sizes_its_points_to_the_time_left():
     g = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(g)
     loads = [1.0, 1.0, 2.0, 2.0]  # two seeds at two loads
-    kw = dict(cap=1000, floor=100, point_overhead_s=10.0, policy_overhead_s=20.0, margin_s=20.0)
+    kw = dict(cap=1000, floor=100, point_overhead_s=10.0, run_overhead_s=20.0, margin_s=20.0)
     # 100 s: 20 margin, 20 for the run, 40 for the points: 20 s of arrivals at 2/20 + 2/40 s a request
     n = g.size_points(100.0, 20.0, loads, 1, **kw)
     assert n == 133
     assert sum(n / (m * 20.0) + 10.0 for m in loads) + 20.0 + 20.0 <= 100.0
     assert g.size_points(10_000.0, 20.0, loads, 1, **kw) == 1000  # the cap
     assert g.size_points(50.0, 20.0, loads, 1, **kw) == 100  # the floor: the rest to a resumed call
+
+
+def test_slo_gpu_runs_every_policy_at_the_highest_load_first():
+    """bench/device/slo_gpu.py: the arms in the order they run: the issue's main checks (every policy at the highest
+    load) first, then the lower loads of the policies run there (the last at a load first at the next: one policy
+    swap fewer), the exact arms last."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    plan = g.arm_plan(["fcfs", "scorpio", "kairos"], [1.0, 1.5], ["fcfs", "kairos"], ["kairos"])
+    assert plan == [("fcfs", "predicted", 1.5), ("scorpio", "predicted", 1.5), ("kairos", "predicted", 1.5),
+                    ("kairos", "predicted", 1.0), ("fcfs", "predicted", 1.0), ("kairos", "exact", 1.5)]
+    assert [g.arm_key(*a) for a in plan[-2:]] == ["fcfs@1x", "kairos-exact@1.5x"]
+    assert g.arm_plan(["fcfs"], [1.5], ["fcfs"], []) == [("fcfs", "predicted", 1.5)]
 
 
 def test_slo_gpu_checks_from_its_rows():

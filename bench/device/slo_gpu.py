@@ -5,17 +5,18 @@
    servers build its random bf16 weights on the device (`load_format=dummy`), none written or read.
 2. `serve run` of the app `deployments:app model=DIR device=... predictor_path=P` from a Serve config whose LLM
    deployment's user_config is {policy: fcfs}: the replica profiles itself at start and keeps the fit in P.
-   `bench.slo --target --predictor-json P` derives the three TPOT tiers and the TTFT SLO from that fit (as bench.slo
-   does in-process on the CPU; by default at the seats and twice that, --strict-batch / --loose-batch), finds lambda*
-   over HTTP (by default FCFS's capacity, its completion rate under overload; --lambda-def), then runs fcfs at every
-   load and seed.
-3. The same server for each policy after it (scorpio, kairos; with `length_predictor=true`): the config deployed
-   again with only its user_config changed, which Serve hands to the running replica (`LLMReplica.reconfigure`: the
-   engine's scheduler swapped once it is idle, over the same model, KV cache, CUDA graphs and fit), so no server
-   starts or stops between policies (--no-one-server: a fresh server per policy, as the first leases ran), at the
-   same lambda* and tiers: the predicted arm (`--lengths predicted`) at every seed, at every
-   load for --all-loads (fcfs, kairos) and at the highest for the others; kairos also with `--lengths exact` at the
-   highest load (the bound).
+   `bench.slo --target --predictor-json P --probe-only` derives the three TPOT tiers and the TTFT SLO from that fit
+   (as bench.slo does in-process on the CPU; by default at the seats and twice that, --strict-batch /
+   --loose-batch) and finds lambda* over HTTP (by default FCFS's capacity, its completion rate under overload;
+   --lambda-def). The points' requests are then sized to the time left (`size_points`, --num-requests down to
+   --min-requests).
+3. The arms (`arm_plan`), each a bench.slo run over the seeds at lambda* and those tiers: every policy (fcfs,
+   scorpio, kairos; after fcfs with `length_predictor=true`) at the highest load first, then the lower loads of
+   --all-loads (kairos, fcfs), then kairos with `--lengths exact` at the highest load (the bound); the predicted arm
+   (`--lengths predicted`) otherwise. One server runs them all: a policy's knobs go to the running replica as its
+   LLM deployment's user_config (the config deployed again with only that changed; `LLMReplica.reconfigure` swaps
+   the engine's scheduler once it is idle, over the same model, KV cache, CUDA graphs and fit), so no server starts
+   or stops between arms (--no-one-server: a fresh server per policy, as the first leases ran).
 4. One summary JSON (--summary-out): every point's goodput, adherence, per-tier adherence, TPOT met among the
    admitted, the shortest-first oracle (bench.bound) over the predicted arm, and the issue's acceptance checks.
    It is rewritten after every phase, so a run cut off by its time limit keeps what it measured.
@@ -115,10 +116,10 @@ def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extr
 
 def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0,
                start_s: float | None = None) -> float | None:
-    """How long a policy of `points` points (a seed at a load each) will take, from the phases of the policies that
-    ran before it (this call's or a resumed one's): its start (`start_s`: the server up takes it in place; else the
-    longest start so far), and the time per point of the last that ran any (less its lambda* probes); None before
-    any ran."""
+    """How long an arm of `points` points (a seed each) will take, from the phases of the arms that ran before it
+    (this call's or a resumed one's): its start (`start_s`: the server up runs it as it is, or takes it in place;
+    else the longest start so far), and the time per point of the last that ran any (less its lambda* probes); None
+    before any ran."""
     starts = [start_s] if start_s is not None else [v for k, v in phases.items() if k.endswith("_start_s")]
     per_point = None
     for k, n in phases.items():  # in the order they ran: the last one's rate stands
@@ -130,15 +131,15 @@ def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0,
     return max(starts) + points * per_point + margin_s
 
 
-def size_points(left_s: float, lam: float, point_loads: list[float], policies: int, *, cap: int, floor: int,
-                point_overhead_s: float, policy_overhead_s: float, margin_s: float = 20.0) -> int:
-    """Requests per point such that the points at `point_loads` (x lambda*, one entry a seed at a load) of `policies`
+def size_points(left_s: float, lam: float, point_loads: list[float], runs: int, *, cap: int, floor: int,
+                point_overhead_s: float, run_overhead_s: float, margin_s: float = 20.0) -> int:
+    """Requests per point such that the points at `point_loads` (x lambda*, one entry a seed at a load) of `runs`
     bench.slo runs take `left_s`: a point's arrivals last N / (load x lambda*), then its drain and the client's start
-    (`point_overhead_s`); a run starts bench.slo (tokenizer, ShareGPT) and, past the first, swaps the replica's policy
-    (`policy_overhead_s`). Within [floor, cap]: under the floor a point holds too few requests for FCFS's queue to
+    (`point_overhead_s`); a run starts bench.slo (tokenizer, ShareGPT) and may swap the replica's policy
+    (`run_overhead_s`). Within [floor, cap]: under the floor a point holds too few requests for FCFS's queue to
     build past lambda* (what does not fit is left to a resumed call)."""
     per_request = sum(1.0 / (m * lam) for m in point_loads if m > 0 and lam > 0)
-    spare = left_s - margin_s - policies * policy_overhead_s - len(point_loads) * point_overhead_s
+    spare = left_s - margin_s - runs * run_overhead_s - len(point_loads) * point_overhead_s
     if per_request <= 0:
         return cap
     return max(floor, min(cap, int(spare / per_request)))
@@ -176,6 +177,30 @@ def arm_knobs(label: str) -> dict[str, str]:
     if name == "fcfs" and not knobs:
         return {"policy": "fcfs"}
     return {"policy": name, "length_predictor": "true", **dict(k.split("=", 1) for k in knobs)}
+
+
+def arm_plan(labels: list[str], loads: list[float], all_loads: list[str], exact: list[str]
+             ) -> list[tuple[str, str, float]]:
+    """The run's arms (label, lengths, load), each one bench.slo run over the seeds, in the order they run: every
+    label at the highest load first (the issue's main checks), then the lower loads for `all_loads` (highest
+    first, the last label at a load first at the next, one swap fewer), then the exact arms of `exact` (the bound)."""
+    hi = max(loads)
+    plan = [(label, "predicted", hi) for label in labels]
+    at = list(labels)
+    for load in sorted(set(loads), reverse=True)[1:]:
+        at = [x for x in reversed(at) if x in all_loads]
+        plan += [(label, "predicted", load) for label in at]
+    return plan + [(label, "exact", hi) for label in labels if label in exact]
+
+
+def arm_key(label: str, lengths: str, load: float) -> str:
+    """An arm's name in the summary's phases and servers: kairos@1.5x, kairos-exact@1.5x."""
+    return f"{label}{'' if lengths == 'predicted' else '-' + lengths}@{load:g}x"
+
+
+def arm_dir(label: str, lengths: str, load: float) -> str:
+    """An arm's bench.slo --out folder (under --out)."""
+    return f"{label}-{lengths}-{load:g}x"
 
 
 def app_args(knobs: dict[str, str]) -> str:
@@ -287,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--num-requests", type=int, default=1000, help="a point's requests: past lambda*, FCFS's queue "
                     "builds only in a point longer than its seats admit at once")
-    ap.add_argument("--min-requests", type=int, default=300, help="once lambda* is known, a point's requests are "
-                    "sized so that every point left fits --limit-s, from --num-requests down to this")
+    ap.add_argument("--min-requests", type=int, default=800, help="once lambda* is known, a point's requests are "
+                    "sized so that every point left fits --limit-s, from --num-requests down to this (past lambda*, "
+                    "FCFS's queue builds only in points of a few times the seats: on the H200's profile bench.sim "
+                    "puts scorpio under fcfs at 300 requests a point and past 2x at 800)")
     ap.add_argument("--point-overhead-s", type=float, default=15.0, help="the sizing's time per point besides its "
                     "arrivals: the drain after the last one, the client's start")
-    ap.add_argument("--policy-overhead-s", type=float, default=25.0, help="the sizing's time per policy: a bench.slo "
-                    "start (tokenizer, ShareGPT), the replica's policy swapped in place")
+    ap.add_argument("--run-overhead-s", type=float, default=20.0, help="the sizing's time per bench.slo run (an arm: "
+                    "a policy at a load): its start (tokenizer, ShareGPT), the replica's policy swapped in place")
     ap.add_argument("--probe-requests", type=int, default=1000)
     ap.add_argument("--lambda-star", type=float, default=None, help="skip the lambda* search")
     ap.add_argument("--lambda-def", choices=("adherence", "capacity"), default="capacity",
@@ -380,48 +407,47 @@ def main(argv: list[str] | None = None) -> int:
               f"predictor_path={profile.resolve()} ignore_eos_length=false {args.serve}")
     if doc.get("fallback"):  # the call resumed fell back to app arguments and weights on disk: so does this one
         common = from_disk(args, common)
-    runs = [("fcfs", arm_knobs("fcfs"))] + [(p, arm_knobs(p)) for p in args.policies.split(",") if p]
     seed_list = [x for x in args.seeds.split(",") if x]
-    done = {(r["policy"], r["lengths"]) for r in doc["rows"]}
-    arm_recs = [x for p, _ in runs if (p, "predicted") in done for x in records(args.out / f"{p}-predicted")]
+    plan = arm_plan(["fcfs"] + [p for p in args.policies.split(",") if p], loads,
+                    [p for p in args.all_loads.split(",") if p], [p for p in args.exact.split(",") if p])
+    done = {(r["policy"], r["lengths"], r["load"]) for r in doc["rows"]}
+    arm_recs = [x for label, lengths, load in plan if lengths == "predicted" and (label, lengths, load) in done
+                for x in records(args.out / arm_dir(label, lengths, load))]
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
-    servers = contextlib.ExitStack()  # the server that is up: the next policy takes it in place where it can
-    target, steps_before = None, None
+    servers = contextlib.ExitStack()  # the server that is up: the next arm takes it in place where it can
+    target, steps_before, running = None, None, None  # (running: the label whose knobs the server has)
     try:
-        for policy, knobs in runs:
-            exact = policy in args.exact.split(",")
-            need_pred, need_exact = (policy, "predicted") not in done, exact and (policy, "exact") not in done
-            if not (need_pred or need_exact):
+        for label, lengths, load in plan:
+            if (label, lengths, load) in done:
                 continue
+            arm, knobs = arm_key(label, lengths, load), arm_knobs(label)
             if clock.left() < 90:
-                log(f"out of time before {policy}")
+                log(f"out of time before {arm}")
                 break
-            # a run cut off keeps nothing: a server whose predicted arm would not fit is left whole to a resumed call
-            # (its exact arm, after it, may be cut: the bound, in no check)
-            n_seeds = len(seed_list)
-            points = n_seeds * (len(loads) if policy in args.all_loads.split(",") else 1) if need_pred else n_seeds
-            # (the server up takes it in place in seconds: the longest of those so far, or a fresh start's)
-            taken = target is not None and args.one_server and in_place(knobs)
+            # a run cut off keeps nothing: an arm that would not fit is left whole to a resumed call
+            taken = target is not None and (running == label or args.one_server and in_place(knobs))
             moved = [v for k, v in doc["phases"].items() if k.endswith("_start_s") and doc.get("servers", {}).get(
                 k.removesuffix("_start_s")) == "in place"]
-            need = expected_s(doc["phases"], points, start_s=max(moved, default=10.0) if taken else None)
+            start = 0.0 if taken and running == label else max(moved, default=10.0) if taken else None
+            need = expected_s(doc["phases"], len(seed_list), start_s=start)
             if need is not None and clock.left() < need:
-                log(f"{clock.left():.0f} s left, {policy} wants about {need:.0f} s: left for a resumed call")
+                log(f"{clock.left():.0f} s left, {arm} wants about {need:.0f} s: left for a resumed call")
                 break
             t0 = time.monotonic()
             rows_before = len(doc["rows"])
-            # the server up takes this policy in place (its replica's scheduler swapped once drained; no model load, no
-            # new Ray), else a server of its own: --one-server, and knobs a replica takes in place
-            if target is not None and not (args.one_server and in_place(knobs) and reconfigure_served(
-                    target, knobs, args.out / "serve.log", timeout_s=min(120.0, max(30.0, clock.left() - 60)))):
+            # the server up runs this arm: as it is (the same label), or with the label's knobs in place (its
+            # replica's scheduler swapped once drained; no model load, no new Ray); else a server of its own
+            if target is not None and running != label and not (
+                    args.one_server and in_place(knobs) and reconfigure_served(
+                        target, knobs, args.out / "serve.log", timeout_s=min(120.0, max(30.0, clock.left() - 60)))):
                 if args.one_server and in_place(knobs):
-                    log(f"the server did not take {policy}'s knobs in place: a server of its own")
+                    log(f"the server did not take {label}'s knobs in place: a server of its own")
                 servers.close()
-                target, steps_before = None, None
+                target, steps_before, running = None, None, None
             if target is None:
                 user_config = knobs if args.one_server and in_place(knobs) else None
                 extra = "" if user_config is not None else app_args(knobs)
-                log_path = args.out / f"serve-{policy}.log"
+                log_path = args.out / f"serve-{label}.log"
                 try:  # (a cut-off start raises: the run ends with what it has)
                     target = servers.enter_context(served(
                         f"{common} {extra}", log_path, user_config=user_config,
@@ -431,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                         raise
                     # a lease is not spent on a new path that fails: once more as the first leases served, from
                     # the app's arguments over weights written to disk, a server per policy
-                    log(f"{policy}'s server did not come up ({e}): again from app arguments, with the weights on "
+                    log(f"{label}'s server did not come up ({e}): again from app arguments, with the weights on "
                         "disk, a server per policy")
                     if log_path.exists():
                         log_path.rename(log_path.with_suffix(".failed.log"))
@@ -439,72 +465,57 @@ def main(argv: list[str] | None = None) -> int:
                     target = servers.enter_context(served(
                         f"{common} {app_args(knobs)}", log_path,
                         start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
-                doc.setdefault("servers", {})[policy] = "started"
+                doc.setdefault("servers", {})[arm] = "started"
             else:
-                doc.setdefault("servers", {})[policy] = "in place"
-            doc["phases"][f"{policy}_start_s"] = time.monotonic() - t0
-            doc.setdefault("http_front", {})[policy] = http_front()
+                doc.setdefault("servers", {})[arm] = "in place" if running != label else "as it was"
+            running = label
+            doc["phases"][f"{arm}_start_s"] = time.monotonic() - t0
+            doc.setdefault("http_front", {})[label] = http_front()
             if not profile.is_file():
                 log("the replica left no profile at predictor_path; the tiers cannot follow it")
                 return 2
-            point_loads = args.loads if policy in args.all_loads.split(",") else str(max(loads))
             if lam is None:  # FCFS's lambda* search, a run of its own: the points are then sized to the time left
                 tp = time.monotonic()
-                res = run_slo(target, args.out / f"{policy}-probe", args, clock, [
-                    "--predictor-json", str(profile), "--loads", point_loads, "--seeds", args.seeds,
-                    "--num-requests", str(args.num_requests), "--label", policy, "--lengths", "predicted",
+                res = run_slo(target, args.out / "fcfs-probe", args, clock, [
+                    "--predictor-json", str(profile), "--loads", str(load), "--seeds", args.seeds,
+                    "--num-requests", str(args.num_requests), "--label", "fcfs", "--lengths", "predicted",
                     "--probe-only", "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
                     "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess])
-                doc["phases"][f"{policy}_probe_s"] = time.monotonic() - tp
+                doc["phases"][f"{arm}_probe_s"] = time.monotonic() - tp
                 if res is None:
                     log("no lambda*: FCFS's capacity search failed; stopping")
                     break
                 lam = float(res["lambda_star_rps"])
                 doc["lambda_star_rps"], doc["lambda_star_search"] = lam, res.get("lambda_star_search")
                 doc["tiers"] = res.get("tiers")
-                log(f"lambda* = {lam:.3f} req/s ({doc['phases'][f'{policy}_probe_s']:.0f} s); tiers {doc['tiers']}")
+                log(f"lambda* = {lam:.3f} req/s ({doc['phases'][f'{arm}_probe_s']:.0f} s); tiers {doc['tiers']}")
                 save()
-            if "num_requests" not in doc:  # once, for every policy's points (a resumed call keeps it)
-                todo = [(p, k) for p, k in runs if (p, "predicted") not in done]
-                point_loads_all = [m for p, _ in todo for m in (loads if p in args.all_loads.split(",")
-                                                                 else [max(loads)]) for _ in seed_list]
-                exact_todo = [p for p, _ in runs if p in args.exact.split(",") and (p, "exact") not in done]
-                point_loads_all += [max(loads) for _ in exact_todo for _ in seed_list]
+            if "num_requests" not in doc:  # once, for every arm's points (a resumed call keeps it)
+                todo = [x for x in plan if x not in done]
                 doc["num_requests"] = size_points(
-                    clock.left(), lam, point_loads_all, len(todo) + len(exact_todo),
+                    clock.left(), lam, [x[2] for x in todo for _ in seed_list], len(todo),
                     cap=args.num_requests, floor=min(args.min_requests, args.num_requests),
-                    point_overhead_s=args.point_overhead_s, policy_overhead_s=args.policy_overhead_s)
-                log(f"{doc['num_requests']} requests a point: {len(point_loads_all)} points in the "
+                    point_overhead_s=args.point_overhead_s, run_overhead_s=args.run_overhead_s)
+                log(f"{doc['num_requests']} requests a point: {len(todo) * len(seed_list)} points in the "
                     f"{clock.left():.0f} s left (--num-requests {args.num_requests}, --min-requests "
                     f"{args.min_requests})")
-            n_req = int(doc["num_requests"])
-            fixed = ["--predictor-json", str(profile), "--loads", point_loads, "--seeds", args.seeds,
-                     "--num-requests", str(n_req), "--label", policy, "--lambda-star", str(lam)]
-            out = args.out / f"{policy}-predicted"
-            # the server's latency model by decode rows: read after this policy's last run
-            res = run_slo(target, out, args, clock, fixed + ["--lengths", "predicted"]
-                          + (["--no-server-steps"] if need_exact else [])) if need_pred else None
-            steps = res.get("server_decode_over_model_by_rows") if res is not None else None
+            out = args.out / arm_dir(label, lengths, load)
+            res = run_slo(target, out, args, clock, [
+                "--predictor-json", str(profile), "--loads", f"{load:g}", "--seeds", args.seeds, "--num-requests",
+                str(doc["num_requests"]), "--label", label, "--lambda-star", str(lam), "--lengths", lengths])
             if res is not None:
                 recs = records(out)
-                arm_recs += recs
-                doc["rows"] += [point_row(policy, "predicted", r, recs) for r in res["results"]]
-            if need_exact and lam is not None:
-                out = args.out / f"{policy}-exact"
-                res = run_slo(target, out, args, clock, ["--predictor-json", str(profile), "--loads", str(max(loads)),
-                                                         "--seeds", args.seeds, "--num-requests", str(n_req),
-                                                         "--label", policy,
-                                                         "--lambda-star", str(lam), "--lengths", "exact"])
-                if res is not None:
-                    doc["rows"] += [point_row(policy, "exact", r, records(out)) for r in res["results"]]
-                    steps = res.get("server_decode_over_model_by_rows")
-            if steps:  # decode step / model by decode rows over this policy's steps (lambda* probes too)
-                doc.setdefault("decode_over_model_by_rows", {})[policy] = steps_between(steps, steps_before)
-                steps_before = steps
-            doc["phases"][f"{policy}_s"] = time.monotonic() - t0
-            # (its points: a seed at a load each, as `expected_s` counts them; a row holds its load's seeds)
-            doc["phases"][f"{policy}_points"] = sum(max(1, len(r.get("per_seed") or []))
-                                                    for r in doc["rows"][rows_before:])
+                if lengths == "predicted":
+                    arm_recs += recs
+                doc["rows"] += [point_row(label, lengths, r, recs) for r in res["results"]]
+                steps = res.get("server_decode_over_model_by_rows")
+                if steps:  # decode step / model by decode rows over this arm's steps (lambda* probes too)
+                    doc.setdefault("decode_over_model_by_rows", {})[arm] = steps_between(steps, steps_before)
+                    steps_before = steps
+            doc["phases"][f"{arm}_s"] = time.monotonic() - t0
+            # (its points: a seed each, as `expected_s` counts them; a row holds its load's seeds)
+            doc["phases"][f"{arm}_points"] = sum(max(1, len(r.get("per_seed") or []))
+                                                 for r in doc["rows"][rows_before:])
             doc["oracle"] = bounds(arm_recs)
             doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
             save()

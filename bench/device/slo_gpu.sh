@@ -1,15 +1,18 @@
 #!/bin/bash
 # SCORPIO's experiment on one GPU replica over Ray Serve (issue 55): an 8B-shaped bf16 Llama with random weights
 # built on the device (no download), lambda* over HTTP (FCFS's capacity: its completion rate under overload, its
-# search starting where FCFS's batch holds STRICT_BATCH requests), then fcfs and kairos at LOADS x lambda* and
-# scorpio at the highest load, SEEDS, ShareGPT prompts with their reference reply lengths hidden
-# from the scheduler (the predicted arm: every policy's length predictor on) and kairos with exact lengths as the
-# bound; each server's decode step / latency model by decode rows (its /metrics). One summary JSON under $OUT.
+# search starting where FCFS's batch holds STRICT_BATCH requests), then fcfs, scorpio and kairos at the highest of
+# LOADS x lambda*, kairos and fcfs at the lower ones, SEEDS, ShareGPT prompts with their reference reply lengths
+# hidden from the scheduler (the predicted arm: every policy's length predictor on), and last kairos with exact
+# lengths as the bound; each arm's decode step / latency model by decode rows (the server's /metrics). One summary
+# JSON under $OUT.
 #
 # The protocol is the regime SCORPIO's claims are about (bench/README.md, "The regime SCORPIO's claims are about"):
 # TPOT tiers a full batch meets (T_strict = the gate's headroom x ITL at the seats, max_num_seqs, T_loose at twice
 # that: in about the ratio of the paper's strict and loose TPOT types), so FCFS's lambda* is its throughput, not its
-# strict tier, and points four times the seats, so that past lambda* FCFS's queue builds as a served load's does.
+# strict tier, and points of a few times the seats, so that past lambda* FCFS's queue builds as a served load's does
+# (sized to the time left once lambda* is known, NUM_REQUESTS down to MIN_REQUESTS; the fourth lease's first call
+# spent all its time on fcfs's 1,000-request points and probes).
 # One server runs every policy: the next policy's scheduler knobs go to the running replica as its LLM deployment's
 # user_config (a redeploy with only that changed; the engine swaps its scheduler once drained), so no server starts or
 # stops between policies (ONE_SERVER=0: a fresh server each, as the first three leases ran). Call 1 of lease.sh runs
@@ -24,14 +27,14 @@
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
 # Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (1000: a
 #   point's requests at most; once lambda* is known they are sized so that every point fits LIMIT_S, down to
-#   MIN_REQUESTS, 300),
+#   MIN_REQUESTS, 800: what does not fit then is left to a resumed call),
 #   PROBE_REQUESTS (NUM_REQUESTS: lambda*'s probes as long as the points, whose queues build as long), LAMBDA
 #   (skip the lambda* search), LAMBDA_DEF (capacity: FCFS's completion rate under overload; adherence: the highest
 #   rate at which FCFS keeps 90% adherence, the reference protocol's CPU one), LAMBDA_REFINE (3, adherence only:
 #   probes that halve the bracket around lambda*), LIMIT_S (540: the whole run, model build and server starts
 #   included; the summary is rewritten after each policy, so a cut-off run keeps what it measured), STRICT_BATCH /
 #   LOOSE_BATCH (256 / 512: the TPOT tiers are headroom x ITL(that batch, L) of the replica's own fit),
-#   POLICIES (scorpio,kairos: after fcfs, in this order, kairos's exact arm last; a label's knobs, as in
+#   POLICIES (scorpio,kairos: after fcfs at each load, in this order, kairos's exact arm last; a label's knobs, as in
 #   kairos+credit_batching=false, are its server's app arguments), RESUME=1 (a second call on the same warm host,
 #   after a first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the
 #   rest runs, and the summary has both),
