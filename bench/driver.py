@@ -99,9 +99,45 @@ def app_config(app_args: list[str], port: int, user_config: dict[str, Any]) -> d
                               "args": args, "deployments": [{"name": "LLMServer", "user_config": user_config}]}]}
 
 
+def stop_host(proc: subprocess.Popen | None = None) -> None:
+    """End a host's Kairos server the fast way (a host of its own only: it ends everyone's Ray there): kill its `serve
+    run` (`proc`, where this process started it), then `ray stop --force` and Serve's HTTP front, and wait for its
+    engine processes to exit (the next server's engine sizes its KV cache by the device's free memory)."""
+    if proc is not None:
+        proc.kill()
+        proc.wait(10)
+    else:  # one another process started: its `serve run`, found by the CLI code it runs
+        for pid in _processes((SERVE_CLI[2], SERVE_CLI_CONFIG[2])):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for pid in _processes(("haproxy",)):  # Serve's HTTP front, which Ray's stop may leave behind
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    gone = time.monotonic() + 30.0  # (each engine process exits within a second of its replica)
+    while (left := _processes(("engine.core_proc",))) and time.monotonic() < gone:
+        time.sleep(0.25)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def adopt_served(target: str, config: Path, timeout_s: float = 10.0) -> bool:
+    """Take over a server that an earlier process started from the Serve config `config` and left running (`served`'s
+    `keep`): True when it answers at `target`, and `reconfigure_served` can then change its scheduler."""
+    if not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 1}, timeout=timeout_s):
+        return False
+    try:
+        _CONFIGS[target] = (config, json.loads(config.read_text()))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_stop: bool = False,
-           user_config: dict[str, Any] | None = None) -> Iterator[str]:
+           user_config: dict[str, Any] | None = None, keep: Callable[[], bool] | None = None) -> Iterator[str]:
     """`serve run deployments:app` with `serve_args` (key=value app arguments, and NAME=VALUE upper-case environment
     variables of that server) on a free port (KAIROS_HTTP_PORT), up and warmed with one completion; yields its URL.
     Run as the `serve` console script (a pip --target install has none), so SIGTERM stops it as Ctrl-C does, with
@@ -109,7 +145,9 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
     instead, then `ray stop --force` and Serve's HTTP front, and wait for its engine processes to exit: a graceful
     stop drains replicas that hold nothing, then stops Ray, and takes several times as long. With `user_config`
     the app is deployed from a config file (`app_config`, beside `log`) whose LLM deployment carries it, so that
-    `reconfigure_served` can change the scheduler of the running replicas."""
+    `reconfigure_served` can change the scheduler of the running replicas. With `keep`, the server runs in a session
+    of its own and is left running at the end where `keep()` says so (a later process takes it over with
+    `adopt_served` and ends it with `stop_host`; a host's tool ends only the processes of the caller's session)."""
     tokens = shlex.split(serve_args)
     is_env = [("=" in t and t.split("=", 1)[0].isupper()) for t in tokens]
     port = free_port()
@@ -126,7 +164,7 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
         _CONFIGS[target] = (path, config)
         cmd = [*SERVE_CLI_CONFIG, "run", str(path)]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=keep is not None)
     try:
         deadline = time.monotonic() + start_timeout_s
         while not ok(f"{target}/v1/completions", {"prompt": "warm", "max_tokens": 4}, timeout=30):
@@ -135,22 +173,10 @@ def served(serve_args: str, log: Path, *, start_timeout_s: float = 600.0, ray_st
             time.sleep(0.5)
         yield target
     finally:
-        if ray_stop:  # a host of its own: nothing to drain, so no graceful shutdown to wait for
-            proc.kill()
-            proc.wait(10)
-            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for pid in _processes(("haproxy",)):  # Serve's HTTP front, which Ray's stop may leave behind
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            # the next server's engine sizes its KV cache by the device's free memory: wait for this one's engine
-            # processes to be gone (each exits within a second of its replica)
-            gone = time.monotonic() + 30.0
-            while (left := _processes(("engine.core_proc",))) and time.monotonic() < gone:
-                time.sleep(0.25)
-            for pid in left:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+        if keep is not None and proc.poll() is None and keep():
+            pass  # left running for a later process (`adopt_served`)
+        elif ray_stop:  # a host of its own: nothing to drain, so no graceful shutdown to wait for
+            stop_host(proc)
         else:
             proc.terminate()
             try:

@@ -261,3 +261,33 @@ def test_a_served_hosts_leftovers_are_found_by_command_line(tmp_path):
     assert _processes(("engine.core_proc",), tmp_path) == [12]
     assert sorted(_processes(("engine.core_proc", "haproxy"), tmp_path)) == [12, 40]
     assert _processes(("gcs_server",), tmp_path) == []
+    # a `serve run` another process left (`stop_host`): by the CLI code it runs, a whole argument
+    from bench.driver import SERVE_CLI, SERVE_CLI_CONFIG
+
+    (tmp_path / "50").mkdir()
+    (tmp_path / "50" / "cmdline").write_bytes("\0".join(["python", *SERVE_CLI_CONFIG[1:], "run", "c.json"]).encode())
+    assert _processes((SERVE_CLI[2], SERVE_CLI_CONFIG[2]), tmp_path) == [50]
+
+
+def test_a_server_left_running_is_taken_over_where_it_answers(tmp_path):
+    """`adopt_served`: a server an earlier process left running (`served(keep=...)`) is taken over where it answers a
+    completion, with the Serve config it was started from, so that `reconfigure_served` can change its scheduler;
+    one that does not answer, or whose config is gone, is not."""
+    import json
+
+    from aiohttp import web
+
+    from bench import driver as D
+    from tests.stub_http import stub_server
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}]})
+
+    config = tmp_path / "serve-fcfs.serve.json"
+    config.write_text(json.dumps({"applications": [{"name": "default"}]}))
+    with stub_server(handler) as url:
+        assert not D.adopt_served(url, tmp_path / "gone.serve.json")
+        assert D.adopt_served(url, config)
+        assert D._CONFIGS[url] == (config, {"applications": [{"name": "default"}]})
+        D._CONFIGS.pop(url)
+    assert not D.adopt_served(url, config, timeout_s=2.0)  # nothing answers there now

@@ -5,8 +5,9 @@
 #   call 1: run(carry=[".dev"], timeout_s=600, command="bash bench/device/lease.sh 1")
 #           the graphs' check (tests/gpu's graph tests, up to 180 s: without the mixed graphs if they fail), then
 #           slo_gpu.sh (the SLO experiment) within what is left of 585 s (a call's most is 600 s; the summary is
-#           rewritten after each policy, so even a call cut off keeps what it finished; what it did not finish,
-#           call 2 resumes on a server of its own)
+#           rewritten after each arm, so even a call cut off keeps what it finished; what it did not finish,
+#           call 2 resumes, on the server call 1 leaves running for it (KEEP_SERVER=1: in a process session of its
+#           own, which the device's tool leaves running between calls), else on a server of its own)
 #   call 2: run(carry=[".dev"], timeout_s=LEFT - 20, command="BUDGET_S=<LEFT - 40> KAIROS_COMMIT=<sha> bash
 #           bench/device/lease.sh 2"), LEFT the device time the lease has left
 #           slo_gpu.sh RESUME=1 (only what call 1 did not finish, with all the time there is: the experiment comes
@@ -46,7 +47,7 @@ case "${1:-}" in
       fi
     fi
     [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"
-    LIMIT_S=${LIMIT_S:-$(( 585 - ($(date +%s) - T0) ))} bash bench/device/slo_gpu.sh ;;
+    KEEP_SERVER=${KEEP_SERVER:-1} LIMIT_S=${LIMIT_S:-$(( 585 - ($(date +%s) - T0) ))} bash bench/device/slo_gpu.sh ;;
   2)
     [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"  # call 1's decision
     l=$(left)

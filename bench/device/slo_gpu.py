@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict-batch", type=float, default=256, help="bench.slo --strict-batch (T_strict at this "
                     "batch: by default the seats, so that a full batch meets every tier, as in SCORPIO's evaluation)")
     ap.add_argument("--loose-batch", type=float, default=512, help="bench.slo --loose-batch")
+    ap.add_argument("--keep-server", action="store_true", help="leave the server running (in a process session of "
+                    "its own) where arms are left for a resumed call, which then takes it over: no second start "
+                    "(a host's tool ends only what runs in the caller's session)")
     ap.add_argument("--one-server", action=argparse.BooleanOptionalAction, default=True, help="one server for "
                     "every policy: the next policy's scheduler knobs go to the running replica in place (its LLM "
                     "deployment's user_config), with no model load or Ray start between policies; --no-one-server: "
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clock = Clock(args.limit_s)
     from bench.bound import bounds
-    from bench.driver import http_front, reconfigure_served, served
+    from bench.driver import adopt_served, http_front, reconfigure_served, served, stop_host
     from bench.report import run_info
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
                                            "num_requests", "decode_over_model_by_rows", "servers", "http_front",
-                                           "fallback")
+                                           "fallback", "kept_server", "server_config")
                     if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
         log(f"resuming: {len(doc['rows'])} rows, lambda* {doc.get('lambda_star_rps')}")
@@ -416,6 +419,28 @@ def main(argv: list[str] | None = None) -> int:
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
     servers = contextlib.ExitStack()  # the server that is up: the next arm takes it in place where it can
     target, steps_before, running = None, None, None  # (running: the label whose knobs the server has)
+    ending = False  # the call's last close of `servers` (not a server replaced mid-run)
+
+    def keep() -> bool:  # at the end of this call: the server up stays for a resumed call, arms being left
+        left = [x for x in plan if x not in {(r["policy"], r["lengths"], r["load"]) for r in doc["rows"]}]
+        if not (ending and args.keep_server and left and target is not None and running is not None
+                and doc.get("server_config")):
+            return False
+        doc["kept_server"] = {"target": target, "running": running, "steps": steps_before,
+                              "config": doc["server_config"]}
+        log(f"the server at {target} ({running}) is left running for a resumed call")
+        return True
+
+    left_up = doc.pop("kept_server", None) if before is not None else None
+    if left_up and args.one_server and not doc.get("fallback"):  # a server the resumed call left running
+        if adopt_served(left_up["target"], Path(left_up["config"])):
+            target, running, steps_before = left_up["target"], left_up["running"], left_up.get("steps")
+            servers.callback(lambda: None if keep() else stop_host())
+            log(f"took over the server the resumed call left at {target} ({running})")
+        else:
+            log(f"the server the resumed call left at {left_up['target']} does not answer: a fresh one")
+    if before is not None and target is None and args.device != "cpu":
+        stop_host()  # what an earlier call may have left on the host (a server cut off, or one that does not answer)
     try:
         for label, lengths, load in plan:
             if (label, lengths, load) in done:
@@ -451,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:  # (a cut-off start raises: the run ends with what it has)
                     target = servers.enter_context(served(
                         f"{common} {extra}", log_path, user_config=user_config,
-                        start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
+                        start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu",
+                        keep=keep if user_config is not None and args.keep_server else None))
                 except RuntimeError as e:
                     if user_config is None and "load_format=dummy" not in common or clock.left() < 120:
                         raise
@@ -466,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{common} {app_args(knobs)}", log_path,
                         start_timeout_s=max(60.0, clock.left() - 60), ray_stop=args.device != "cpu"))
                 doc.setdefault("servers", {})[arm] = "started"
+                doc["server_config"] = str(log_path.with_suffix(".serve.json")) if user_config is not None else None
             else:
                 doc.setdefault("servers", {})[arm] = "in place" if running != label else "as it was"
             running = label
@@ -520,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
             save()
     finally:
+        ending = True
         servers.close()
     doc["oracle"] = bounds(arm_recs)
     doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)

@@ -39,6 +39,8 @@
 #   after a first that LIMIT_S cut off: its model, replica profile (so its tiers), lambda* and finished arms stay; the
 #   rest runs, and the summary has both),
 #   CLIENT_PROCS (bench.slo's HTTP client processes; default a quarter of the cores, 1 to 4), ONE_SERVER (1),
+#   KEEP_SERVER (0; 1: a run that leaves arms undone leaves its server running, in a process session of its own, and
+#   the RESUME=1 call takes it over instead of starting one: lease.sh's call 1),
 #   ALL_LOADS (fcfs,kairos: the policies run at every load, the others at the highest only; fcfs,scorpio,kairos
 #   runs scorpio at 1x too),
 #   SERVE (more app arguments of every server), OUT (where results go; the device tool sets it).
@@ -75,6 +77,7 @@ fi
 [ -n "${POLICIES:-}" ] && args+=(--policies "$POLICIES")
 [ -n "${CLIENT_PROCS:-}" ] && args+=(--client-procs "$CLIENT_PROCS")
 [ "${ONE_SERVER:-1}" = 0 ] && args+=(--no-one-server)
+[ "${KEEP_SERVER:-0}" = 1 ] && args+=(--keep-server)
 [ -n "${ALL_LOADS:-}" ] && args+=(--all-loads "$ALL_LOADS")
 if [ "${RESUME:-0}" = 1 ]; then  # a second call on the same warm host: what the first did not finish
   args+=(--resume)
