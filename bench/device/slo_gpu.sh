@@ -28,7 +28,8 @@
 # Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (1000: a
 #   point's requests at most; once lambda* is known they are sized so that every point fits LIMIT_S, down to
 #   MIN_REQUESTS, 800: what does not fit then is left to a resumed call),
-#   PROBE_REQUESTS (NUM_REQUESTS: lambda*'s probes as long as the points, whose queues build as long), LAMBDA
+#   PROBE_REQUESTS (800: lambda*'s probes as long as the shortest points, whose queues build as long; on the fourth
+#   lease's replica profile bench.sim reads lambda* within 2% of 1,000-request probes', in 13 s less), LAMBDA
 #   (skip the lambda* search), LAMBDA_DEF (capacity: FCFS's completion rate under overload; adherence: the highest
 #   rate at which FCFS keeps 90% adherence, the reference protocol's CPU one), LAMBDA_REFINE (3, adherence only:
 #   probes that halve the bracket around lambda*), LIMIT_S (540: the whole run, model build and server starts
@@ -66,7 +67,7 @@ else
 pydantic.VERSION, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 4
   args=(--shape "${SHAPE:-llama-8b}" --dtype bfloat16 --device cuda --serve "${SERVE:-}" --loads "${LOADS:-1,1.5}"
         --seeds "${SEEDS:-0,1}" --num-requests "${NUM_REQUESTS:-1000}"
-        --probe-requests "${PROBE_REQUESTS:-${NUM_REQUESTS:-1000}}"
+        --probe-requests "${PROBE_REQUESTS:-800}"
         --strict-batch "${STRICT_BATCH:-256}" --loose-batch "${LOOSE_BATCH:-512}" --limit-s "${LIMIT_S:-540}"
         --dataset-path .dev/sharegpt-sub.json)
 fi
