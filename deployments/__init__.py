@@ -77,7 +77,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
                      "says so (num_gpus=%g would share them)", a.num_replicas, gpus, gpus / a.num_replicas)
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
-                                 a.ingress_num_replicas, routed=not a.direct)
+                                 a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
                     a.engine_process, a.loop_priority)
     settings = {

@@ -86,8 +86,13 @@ class ServeArgs(BaseModel):
                                        "replicas behind it). While one chunk per decoding stream per engine step stays "
                                        "within it every token goes out at once; past it each stream merges its "
                                        "tokens into fewer chunks (mean TPOT unchanged), so the Ingress and proxy "
-                                       "do not fall behind the engines (deployments/pacing.py). 0: no budget; "
-                                       "the direct topology has no Ingress and no budget")
+                                       "do not fall behind the engines (deployments/pacing.py). 0: no budget")
+    direct_max_chunks_s: float = Field(5000.0, ge=0, description="stream pacing, direct topology: the chunks a second "
+                                       "each LLM replica writes to the HTTP proxy for all its streams. Its own event "
+                                       "loop writes them and takes each new request; on a GPU's hundreds of streams a "
+                                       "chunk per token falls behind, and new requests wait there for their handler "
+                                       "(the TTFT hop `proxy`). Past it each stream merges its tokens into fewer "
+                                       "chunks (mean TPOT unchanged; first and last tokens at once). 0: no budget")
     engine_process: bool = Field(True, description="run each replica's engine in its own child process (as vLLM "
                                  "v1's engine core): the replica's event loop and Ray's threads then never hold "
                                  "the GIL the engine's steps need (false: the engine runs as a thread of the "

@@ -30,13 +30,16 @@ class StreamPacing:
 
     @classmethod
     def of_app(cls, stream_interval_ms: float, stream_max_chunks_s: float, num_replicas: int,
-               ingress_num_replicas: int = 1, routed: bool = True) -> "StreamPacing":
-        """The app's budget (chunks a second through each Ingress replica) split over the LLM replicas that share
-        it. In the direct topology there is no Ingress: each replica writes its streams to the proxy itself, a
-        hop without Ray where a budget, binding under a burst, gained no tokens a second and only held tokens
-        back, so no budget applies."""
-        per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else 0.0
-        return cls(max(0.0, stream_interval_ms) / 1000.0, per)
+               ingress_num_replicas: int = 1, routed: bool = True,
+               direct_max_chunks_s: float = 0.0) -> "StreamPacing":
+        """Routed: the app's budget (chunks a second through each Ingress replica) split over the LLM replicas that
+        share it. Direct: there is no Ingress, each replica writes its streams to the proxy itself, a hop without
+        Ray, and its own budget (`direct_max_chunks_s`) is set far above a CPU replica's tokens a second (where a
+        budget, binding under a burst, gained no tokens a second and only held tokens back) but under a GPU
+        replica's hundreds of streams (where a chunk per token left new requests waiting for the replica's event
+        loop for up to seconds)."""
+        per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else direct_max_chunks_s
+        return cls(max(0.0, stream_interval_ms) / 1000.0, max(0.0, per))
 
     @property
     def holds(self) -> bool:

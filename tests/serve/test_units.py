@@ -946,6 +946,13 @@ def test_stream_pacing_holds_only_past_the_chunk_budget() -> None:
     assert StreamPacing(0.001).holds and p.holds
     with pytest.raises(ValueError):
         StreamPacing(-1.0)
+    # routed: the Ingress's budget shared by the LLM replicas behind it; direct: each replica's own
+    assert StreamPacing.of_app(0.0, 2000.0, 4, 2).max_chunks_per_s == pytest.approx(1000.0)
+    direct = StreamPacing.of_app(0.0, 2000.0, 1, routed=False, direct_max_chunks_s=5000.0)
+    assert direct.max_chunks_per_s == 5000.0
+    # a GPU replica's 256 decoding streams on 13 ms steps (about 20,000 chunks a second) hold about 51 ms each;
+    # a CPU replica's 16 streams on 5 ms steps (3,200 a second) are never held
+    assert direct.hold_s(256, 13.0) == pytest.approx(256 / 5000.0) and direct.hold_s(16, 5.0) == 0.0
 
 
 def test_stream_pacing_splits_the_app_budget_over_the_replicas_behind_an_ingress() -> None:
