@@ -486,6 +486,9 @@ def test_slo_gpu_leaves_a_server_that_would_not_fit_to_a_resumed_call():
     assert g.expected_s(both | {"kairos_start_s": 50.0, "kairos_s": 50.0, "kairos_points": 0}, 4) == 50.0 + 120.0 + 20.0
     # fcfs's lambda* search is a phase of its own, not its points' time
     assert g.expected_s(fcfs | {"fcfs_probe_s": 100.0}, 2) == 40.0 + 2 * 40.0 + 20.0
+    # an arm at a lower load: the last arm's time per point less its arrivals, plus this one's
+    hi = {"kairos@1.5x_start_s": 5.0, "kairos@1.5x_s": 85.0, "kairos@1.5x_points": 2, "kairos@1.5x_arrivals_s": 20.0}
+    assert g.expected_s(hi, 2, start_s=0.0, arrivals_s=30.0) == 0.0 + 2 * (40.0 - 20.0 + 30.0) + 20.0
 
 
 def test_slo_gpu_sizes_its_points_to_the_time_left():

@@ -115,20 +115,22 @@ def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extr
 
 
 def expected_s(phases: dict[str, float], points: int, margin_s: float = 20.0,
-               start_s: float | None = None) -> float | None:
-    """How long an arm of `points` points (a seed each) will take, from the phases of the arms that ran before it
-    (this call's or a resumed one's): its start (`start_s`: the server up runs it as it is, or takes it in place;
-    else the longest start so far), and the time per point of the last that ran any (less its lambda* probes); None
+               start_s: float | None = None, arrivals_s: float = 0.0) -> float | None:
+    """How long an arm of `points` points (a seed each, its arrivals lasting `arrivals_s`) will take, from the phases
+    of the arms that ran before it (this call's or a resumed one's): its start (`start_s`: the server up runs it as
+    it is, or takes it in place; else the longest start so far), and the time per point of the last that ran any,
+    less its lambda* probes and its own arrivals (`ARM_arrivals_s`: a point at a lower load lasts longer); None
     before any ran."""
     starts = [start_s] if start_s is not None else [v for k, v in phases.items() if k.endswith("_start_s")]
     per_point = None
     for k, n in phases.items():  # in the order they ran: the last one's rate stands
         name = k.removesuffix("_points")
         if k.endswith("_points") and n > 0 and f"{name}_s" in phases and f"{name}_start_s" in phases:
-            per_point = (phases[f"{name}_s"] - phases[f"{name}_start_s"] - phases.get(f"{name}_probe_s", 0.0)) / n
+            per_point = ((phases[f"{name}_s"] - phases[f"{name}_start_s"] - phases.get(f"{name}_probe_s", 0.0)) / n
+                         - phases.get(f"{name}_arrivals_s", 0.0))
     if per_point is None or not starts:
         return None
-    return max(starts) + points * per_point + margin_s
+    return max(starts) + points * (per_point + arrivals_s) + margin_s
 
 
 def size_points(left_s: float, lam: float, point_loads: list[float], runs: int, *, cap: int, floor: int,
@@ -454,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             moved = [v for k, v in doc["phases"].items() if k.endswith("_start_s") and doc.get("servers", {}).get(
                 k.removesuffix("_start_s")) == "in place"]
             start = 0.0 if taken and running == label else max(moved, default=10.0) if taken else None
-            need = expected_s(doc["phases"], len(seed_list), start_s=start)
+            arrivals = doc["num_requests"] / (load * lam) if lam and doc.get("num_requests") else 0.0
+            need = expected_s(doc["phases"], len(seed_list), start_s=start, arrivals_s=arrivals)
             if need is not None and clock.left() < need:
                 log(f"{clock.left():.0f} s left, {arm} wants about {need:.0f} s: left for a resumed call")
                 break
@@ -541,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps_before = steps
             doc["phases"][f"{arm}_s"] = time.monotonic() - t0
             # (its points: a seed each, as `expected_s` counts them; a row holds its load's seeds)
+            doc["phases"][f"{arm}_arrivals_s"] = doc["num_requests"] / (load * lam)  # a point's, at its load
             doc["phases"][f"{arm}_points"] = sum(max(1, len(r.get("per_seed") or []))
                                                  for r in doc["rows"][rows_before:])
             doc["oracle"] = bounds(arm_recs)
