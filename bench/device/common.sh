@@ -5,6 +5,19 @@ set -u
 T0=$(date +%s)  # the script's start, for its "s in all"
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+prewarm_libs() {
+  # a fresh host reads torch's and CUDA's shared libraries (gigabytes) from disk the first time a process loads them:
+  # the replica's engine process, on the way to its first step. Read them into the page cache in the background
+  # meanwhile (the model's build, Ray's start), found without importing torch.
+  local dirs
+  dirs=$(python3 -c "import importlib.util as u
+for m in ('torch', 'nvidia', 'triton'):
+    s = u.find_spec(m)
+    print(' '.join(s.submodule_search_locations or []) if s else '')" 2>/dev/null)
+  [ -n "${dirs//[[:space:]]/}" ] && { find $dirs -name '*.so*' -type f -print0 | xargs -0 -r -P 4 cat; } >/dev/null 2>&1 &
+  return 0
+}
+
 unpack_site() {
   # once per host: the scripts of one lease (bench/device/lease.sh) share it
   [ -f /tmp/site/ray/__init__.py ] || { mkdir -p /tmp/site && tar -xJf .dev/site312.tar.xz -C /tmp/site; } || exit 3

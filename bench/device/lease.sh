@@ -27,10 +27,11 @@ case "${1:-}" in
     # the decode graphs beside them: if they fail, the SLO experiment serves without them (mixed_graph_tokens=0)
     # rather than on a broken path (MIXED_CHECK=0 skips this)
     rm -f /tmp/kairos-lease-serve  # (a host may come back with an earlier lease's /tmp)
+    t0=$T0
+    . bench/device/common.sh  # (it sets T0: the lease's is kept)
+    T0=$t0
+    prewarm_libs  # torch's and CUDA's libraries into the page cache while the model builds and Ray starts
     if [ "${MIXED_CHECK:-1}" = 1 ]; then
-      t0=$T0
-      . bench/device/common.sh  # (it sets T0: the lease's is kept)
-      T0=$t0
       unpack_site
       mkdir -p "${OUT:-/tmp}"
       timeout -s INT -k 10 "${MIXED_CHECK_S:-180}" python3 -m pytest -q -x -p no:cacheprovider \
