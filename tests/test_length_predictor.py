@@ -468,69 +468,65 @@ def test_policy_labels_carry_their_length_arm():
     assert arm_sched("hidden")["ignore_eos_length"] is False and arm_sched("exact")["ignore_eos_length"] is True
 
 
-def test_http_client_stops_a_hidden_length_reply_itself():
-    """Over HTTP the benchmark-only stop is the client's: it closes the stream after `stop_after` token chunks and
-    counts the reply complete; the server never sees the length (no hint header, max_tokens the cap)."""
+def _sse_stub(chunks, seen: list, delay_s: float = 0.0):
+    """An aiohttp handler that records each request (its JSON body and headers in `seen`) and streams `chunks(body)`
+    as SSE events, `delay_s` apart, until the client hangs up."""
     from aiohttp import web
-
-    from bench.driver import run_http
-    from tests.stub_http import stub_server
-
-    seen = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        seen.append((body["max_tokens"], dict(request.headers)))
+        seen.append((body, dict(request.headers)))
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         try:
-            for _ in range(body["max_tokens"]):
-                await resp.write(f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'.encode())
+            for chunk in chunks(body):
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if delay_s:
+                    await asyncio.sleep(delay_s)
         except (ConnectionResetError, RuntimeError):
             pass
         return resp
 
+    return handler
+
+
+def test_http_client_stops_a_hidden_length_reply_itself():
+    """Over HTTP the benchmark-only stop is the client's: it closes the stream after `stop_after` tokens and counts
+    the reply complete; the server never sees the length (no hint header, max_tokens the cap)."""
+    from bench.driver import run_http
+    from tests.stub_http import stub_server
+
+    seen: list = []
+    one_a_chunk = _sse_stub(lambda body: ({"choices": [{"text": "x", "finish_reason": None}]}
+                                          for _ in range(body["max_tokens"])), seen)
     item = W.WorkItem(0.0, [5, 6, 7], 50, "relaxed", 3000.0, 500.0, None, stop_after=4)
-    with stub_server(handler) as url:
+    with stub_server(one_a_chunk) as url:
         run = run_http(url, [item], model="m", drain_s=5.0)
     rec = run.records[0]
     assert rec.finish_reason == "length" and rec.n_out == 4 and rec.output_len == 4 and rec.max_tokens == 50
-    assert seen[0][0] == 50 and "x-slo-output-len" not in {k.lower() for k in seen[0][1]}
+    assert seen[0][0]["max_tokens"] == 50 and "x-slo-output-len" not in {k.lower() for k in seen[0][1]}
 
 
 def test_http_client_counts_the_tokens_of_merged_chunks_toward_the_stop():
     """A replica behind its client merges tokens into one chunk: the client asks for vLLM's continuous usage and
     counts tokens by it, so the reply ends at its `stop_after`-th token (not chunk), and its TPOT spans that many."""
-    from aiohttp import web
-
     from bench.driver import run_http
     from bench.metrics import tpot_s
     from tests.stub_http import stub_server
 
-    seen = []
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen.append(body.get("stream_options"))
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
+    def merged(body):  # the first token alone, then chunks of three, each with the usage so far
         sent = 0
-        try:
-            for k in (1, 3, 3, 3, 3, 3):  # the first token alone, then chunks of three
-                sent += k
-                chunk = {"choices": [{"text": "x" * k, "finish_reason": None}],
-                         "usage": {"prompt_tokens": 3, "completion_tokens": sent, "total_tokens": 3 + sent}}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                await asyncio.sleep(0.05)
-        except (ConnectionResetError, RuntimeError):
-            pass
-        return resp
+        for k in (1, 3, 3, 3, 3, 3):
+            sent += k
+            yield {"choices": [{"text": "x" * k, "finish_reason": None}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": sent, "total_tokens": 3 + sent}}
 
+    seen: list = []
     item = W.WorkItem(0.0, [5, 6, 7], 50, "relaxed", 3000.0, 500.0, None, stop_after=8)
-    with stub_server(handler) as url:
+    with stub_server(_sse_stub(merged, seen, delay_s=0.05)) as url:
         run = run_http(url, [item], model="m", drain_s=5.0)
     rec = run.records[0]
-    assert seen[0] == {"include_usage": True, "continuous_usage_stats": True}
+    assert seen[0][0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert rec.finish_reason == "length" and rec.n_out == 8 and len(rec.token_times) == 8
     assert rec.deliveries == 4 and rec.merged_deliveries == 3  # (1), (3), (3), (3: the 8th token in it)
     # three chunks after the first token, 50 ms apart, over its 7 later tokens
