@@ -54,6 +54,8 @@ case "${1:-}" in
     l=$(left)
     RESUME=1 LIMIT_S=${SLO_S:-$(( l - 10 ))} bash bench/device/slo_gpu.sh
     [ -f /tmp/site/ray/__init__.py ] && export PYTHONPATH=/tmp/site:$PWD  # unpacked once (gpu_check.sh looks)
+    # the device free for what follows, whatever the resumed run left (call 1's server, where it never took it over)
+    python3 -c "from bench.driver import stop_host; stop_host()" 2>/dev/null
     l=$(left)
     if [ "${OVERHEAD:-1}" = 0 ]; then
       echo "lease.sh: OVERHEAD=0: no overhead_gpu.sh"
