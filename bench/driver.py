@@ -619,13 +619,11 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
         # else one a chunk (text may be '' mid-character)
         so_far = (obj.get("usage") or {}).get("completion_tokens") if obj.get("choices") else None
         for c in obj.get("choices") or []:
-            if "text" in c or (c.get("delta") or {}).get("content") is not None:
-                k = 1 if so_far is None else int(so_far) - len(rec.token_times)
-                if k <= 0:  # (a chunk with no new token: the finish reason alone)
-                    continue
-                rec.token_times.extend([now] * k)
+            new = 1 if so_far is None else int(so_far) - len(rec.token_times)  # (0: the finish reason alone)
+            if new > 0 and ("text" in c or (c.get("delta") or {}).get("content") is not None):
+                rec.token_times.extend([now] * new)
                 rec.deliveries += 1
-                rec.merged_deliveries += k > 1
+                rec.merged_deliveries += new > 1
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.arrival_s
                     if "headers" in rec.hops:
