@@ -34,7 +34,7 @@ class StreamPacing:
                direct_max_chunks_s: float = 0.0) -> "StreamPacing":
         """Routed: the app's budget (chunks a second through each Ingress replica) split over the LLM replicas that
         share it. Direct: there is no Ingress, each replica writes its streams to the proxy itself, a hop without
-        Ray, and its own budget (`direct_max_chunks_s`) is set far above a CPU replica's tokens a second (where a
+        Ray, and its own budget (`direct_max_chunks_s`) is set above a CPU replica's tokens a second (where a
         budget, binding under a burst, gained no tokens a second and only held tokens back) but under a GPU
         replica's hundreds of streams (where a chunk per token left new requests waiting for the replica's event
         loop for up to seconds)."""
