@@ -400,8 +400,8 @@ def newest(name: str, root: str | os.PathLike[str] | None = None) -> str | None:
     have; None if there is none."""
     if "*" not in name:
         return name if (Path(root or SUMMARIES) / f"{name}.json").exists() else None
-    docs = [(not _load(p.stem, root).get("caveat"), _load(p.stem, root).get("date") or "", p.stem)
-            for p in Path(root or SUMMARIES).glob(f"{name}.json")]  # a run with a caveat only where no other is
+    docs = [(not d.get("caveat"), d.get("date") or "", p.stem)  # a run with a caveat only where no other is
+            for p in Path(root or SUMMARIES).glob(f"{name}.json") for d in [_load(p.stem, root)]]
     return max(docs)[2] if docs else None
 
 

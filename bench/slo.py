@@ -743,6 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale = W.slo_scale(predictor, args.prefill_max_tokens, base, strict_batch=args.strict_batch,
                         loose_batch=args.loose_batch, headroom=args.tpot_headroom)
     tiers = [t.name for t in scale.tiers]
+    tier_slos = {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers}  # the summary's
     pred_info["slo_scale"] = scale.to_dict()
     predictor.save(out_dir / "tiers-profile.json")  # --predictor-json this to rerun on the same tiers
     print("SLO tiers (ms): " + ", ".join(f"{t.name} TTFT {t.ttft_ms:.0f} / TPOT {t.tpot_ms:.1f}" for t in scale.tiers)
@@ -795,7 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.probe_only:
         write_json(out_dir / "results.json", {
             "benchmark": "slo", "probe_only": True, "lambda_star_rps": lam, "lambda_star_search": search,
-            "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers}, "results": [],
+            "tiers": tier_slos, "results": [],
             "config": {"mode": "http" if http else "engine", "target": args.target, "model": args.model,
                        "dataset": dataset, "lengths": args.lengths, "probe_requests": args.probe_requests},
             "run": {**info, "wall_s": time.perf_counter() - t_start}})
@@ -918,7 +919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workload": W.describe(workload(n_req, lam, plan.seeds[0])),
         },
         "predictor": pred_info, "calibration": calib, "profiles_per_run": profiles,
-        "tiers": {t.name: {"ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms} for t in scale.tiers},
+        "tiers": tier_slos,
         "results": results, "acceptance": acc, "run": {**info, "wall_s": wall},
         # HTTP: the server's own figure (its /metrics), cumulative over the server's life (lambda* probes too)
         **({"server_decode_over_model_by_rows": server_steps} if server_steps else {}),

@@ -195,6 +195,11 @@ def arm_plan(labels: list[str], loads: list[float], all_loads: list[str], exact:
     return plan + [(label, "exact", hi) for label in labels if label in exact]
 
 
+def arms_done(rows: list[dict]) -> set[tuple[str, str, float]]:
+    """The arms (label, lengths, load) that `rows` measured."""
+    return {(r["policy"], r["lengths"], r["load"]) for r in rows}
+
+
 def arm_key(label: str, lengths: str, load: float) -> str:
     """An arm's name in the summary's phases and servers: kairos@1.5x, kairos-exact@1.5x."""
     return f"{label}{'' if lengths == 'predicted' else '-' + lengths}@{load:g}x"
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     seed_list = [x for x in args.seeds.split(",") if x]
     plan = arm_plan(["fcfs"] + [p for p in args.policies.split(",") if p], loads,
                     [p for p in args.all_loads.split(",") if p], [p for p in args.exact.split(",") if p])
-    done = {(r["policy"], r["lengths"], r["load"]) for r in doc["rows"]}
+    done = arms_done(doc["rows"])
     arm_recs = [x for label, lengths, load in plan if lengths == "predicted" and (label, lengths, load) in done
                 for x in records(args.out / arm_dir(label, lengths, load))]
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
@@ -424,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ending = False  # the call's last close of `servers` (not a server replaced mid-run)
 
     def keep() -> bool:  # at the end of this call: the server up stays for a resumed call, arms being left
-        left = [x for x in plan if x not in {(r["policy"], r["lengths"], r["load"]) for r in doc["rows"]}]
+        left = set(plan) - arms_done(doc["rows"])
         if not (ending and args.keep_server and left and target is not None and running is not None
                 and doc.get("server_config")):
             return False
@@ -508,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 tp = time.monotonic()
                 res = run_slo(target, args.out / "fcfs-probe", args, clock, [
                     "--predictor-json", str(profile), "--loads", str(load), "--seeds", args.seeds,
+                    # (--num-requests as the points': the ShareGPT pool, so the tiers, are the same in every run)
                     "--num-requests", str(args.num_requests), "--label", "fcfs", "--lengths", "predicted",
                     "--probe-only", "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
                     "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess])
