@@ -3,8 +3,11 @@
 Serve adds the `deployment`, `replica` and `application` tags itself. Per-request series are tagged by SLO tier
 (`core.request.SLO.tier`, e.g. `best_effort`, `ttft500_tpot50`): the first `MAX_TIER_LABELS` tiers a replica sees
 keep their name, later ones are `other` (clients choose SLO values: the series they make must stay bounded). Engine
-gauges are refreshed periodically from `LLMEngine.stats()` by the replica; token counters move as tokens are
-streamed (prompt tokens with a request's first token), histograms and the other counters when a request ends.
+gauges are refreshed periodically from `LLMEngine.stats()` by the replica; generated tokens are counted as they are
+streamed and handed to their counter when their request ends and on each refresh (a GPU replica streams tens of
+thousands a second, and a counter call per chunk was a large part of its event loop's work per chunk), prompt tokens
+with a request's first token, histograms and the other counters when a request ends; inter-token latencies are
+observed per token as they stream, through `_TierRecorder`.
 
 Every request a replica's engine takes ends counted once: rejected (`requests_rejected`), abandoned while it
 waited for its first token (`requests_abandoned`: its caller went away), or admitted (`requests_admitted`, with its
@@ -29,6 +32,36 @@ _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 _TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 MAX_TIER_LABELS = 16  # distinct `tier` label values per replica; the rest are "other"
 OTHER_TIER = "other"
+
+
+class _TierRecorder:
+    """`metric`'s observations by `tier` label, on its recording path with each tier's final tags built once. A
+    Serve metric's own `observe` / `inc` merges and checks its tags and reads Serve's request context on every call,
+    what a per-token series pays per token on the replica's event loop; the tags it would send are the same for every
+    call of a tier (the metric's default tags, Serve's replica tags, the tier). Falls back to the public call where
+    the metric has no such path (a metric Ray discards, another Ray)."""
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._tags: dict[str, dict[str, str]] = {}
+        self._record = None
+        if not getattr(metric, "_discard_metric", True) and getattr(metric, "_metric", None) is not None \
+                and hasattr(metric, "_get_final_tags"):
+            self._record = metric._metric.record
+
+    def record(self, value: float, tier: str, n: int = 1) -> None:
+        """`n` observations of `value` (a histogram) for `tier`."""
+        if self._record is None:
+            for _ in range(n):
+                self.metric.observe(value, tags={"tier": tier})
+            return
+        tags = self._tags.get(tier)
+        if tags is None:
+            tags = self.metric._get_final_tags({"tier": tier})
+            self.metric._validate_tags(tags)
+            tags = self._tags[tier] = dict(tags)
+        for _ in range(n):
+            self._record(value, tags=tags)
 
 
 class ReplicaMetrics:
@@ -62,7 +95,8 @@ class ReplicaMetrics:
         self.output_len = hist("request_generation_tokens", "generated tokens per finished request", _TOKENS)
         self.tokens_in = ctr("prompt_tokens", "prompt tokens of admitted requests (counted at the first token)",
                              ("tier",))
-        self.tokens_out = ctr("generation_tokens", "generated tokens (counted as they are streamed)", ("tier",))
+        self.tokens_out = ctr("generation_tokens", "generated tokens (counted as they stream, added at each "
+                             "request's end and each metrics refresh)", ("tier",))
         self.admitted = ctr("requests_admitted", "requests admitted by the engine (counted at the first token)",
                             ("tier",))
         self.finished = ctr("requests_finished", "admitted requests that ended, by finish reason",
@@ -104,6 +138,8 @@ class ReplicaMetrics:
         self._decode_seen: dict[int, tuple[int, float]] = {}
         self._preempted_seen = 0
         self._tiers: set[str] = set()
+        self._itl = _TierRecorder(self.itl)
+        self._tokens_pending: dict[str, int] = {}  # generated tokens streamed, not yet on `tokens_out`, by tier
 
     def tier_label(self, slo: SLO) -> str:
         """The `tier` label of a request with `slo`: its tier while this replica has seen fewer than
@@ -117,7 +153,9 @@ class ReplicaMetrics:
         return OTHER_TIER
 
     def update_engine(self, st: Any, inflight: int) -> None:
-        """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works)."""
+        """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works), and hand the
+        tokens streamed since the last refresh to their counter."""
+        self.flush_tokens()
         g = lambda name, default=0: getattr(st, name, default)  # noqa: E731
         self.queue_len.set(g("num_waiting"))
         self.running.set(g("num_running"))
@@ -164,9 +202,16 @@ class ReplicaMetrics:
             self.tokens_in.inc(prompt_tokens, tags=t)
 
     def on_tokens(self, tier: str, n: int) -> None:
-        """`n` tokens streamed."""
+        """`n` tokens streamed: counted on `tokens_out` at the next `flush_tokens`."""
         if n > 0:
-            self.tokens_out.inc(n, tags={"tier": tier})
+            self._tokens_pending[tier] = self._tokens_pending.get(tier, 0) + n
+
+    def flush_tokens(self, tier: str | None = None) -> None:
+        """The tokens streamed and not yet counted (of `tier`; None: every tier's) onto `tokens_out`."""
+        for t in (self._tokens_pending.copy() if tier is None else (tier,)):
+            n = self._tokens_pending.pop(t, 0)
+            if n > 0:  # Counter.inc(0) raises ValueError
+                self.tokens_out.inc(n, tags={"tier": t})
 
     def on_abandoned(self, tier: str) -> None:
         """A request whose caller went away before its first token (it waited in the queue, or for its prefill)."""
@@ -178,10 +223,11 @@ class ReplicaMetrics:
     def on_aborted(self, tier: str) -> None:
         """An admitted request whose caller went away before it finished (reason `abort`, as vLLM counts it)."""
         self.finished.inc(tags={"tier": tier, "reason": "abort"})
+        self.flush_tokens(tier)
 
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
-        for _ in range(n):
-            self.itl.observe(seconds, tags={"tier": tier})
+        """`n` tokens that came `seconds` apart each (a chunk of `n` tokens, `n` x `seconds` after the last)."""
+        self._itl.record(seconds, tier, n)
 
     def on_finished(self, tier: str, slo: SLO, final: RequestOutput, streamed: int) -> None:
         """An admitted request's end: per-request histograms from its final stream item; `streamed`: its tokens
@@ -190,6 +236,7 @@ class ReplicaMetrics:
         reason = final.finish_reason or "unknown"
         self.finished.inc(tags={"tier": tier, "reason": reason})
         self.on_tokens(tier, final.num_output_tokens - streamed)  # tokens the stream never carried (none, or a stop)
+        self.flush_tokens(tier)
         m = final.metrics
         ttft, tpot, e2e = (m.ttft_s, m.tpot_s, m.e2e_s) if m is not None else (None, None, None)
         queued = None if m is None or m.admitted_s is None else max(m.admitted_s - m.arrival_s, 0.0)

@@ -2357,3 +2357,108 @@ def test_the_server_version_is_the_packages() -> None:
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     assert SERVER_VERSION == project["version"]
+
+
+def test_replica_metrics_count_streamed_tokens_when_their_request_ends_and_on_each_refresh(monkeypatch):
+    """Generated tokens are counted per chunk in the replica and handed to their counter in one call per tier: at a
+    request's end (its tier's) and on each refresh of the gauges (every tier's); none is lost or counted twice."""
+    from types import SimpleNamespace
+
+    from deployments import metrics as Mx
+
+    incs: list[tuple[int, str]] = []
+
+    class Ctr:
+        def __init__(self, name, description="", tag_keys=()):
+            self.name = name
+
+        def set_default_tags(self, tags):
+            pass
+
+        def inc(self, value=1.0, tags=None):
+            assert value > 0  # Ray's Counter.inc(0) raises
+            if self.name == "kairos_generation_tokens":
+                incs.append((value, tags["tier"]))
+
+    monkeypatch.setattr(Mx, "Counter", Ctr)
+    m = Mx.ReplicaMetrics("m")
+    for _ in range(5):
+        m.on_tokens("a", 2)
+    m.on_tokens("b", 3)
+    m.on_tokens("b", 0)
+    assert incs == []  # nothing per chunk
+    final = RequestOutput("r", "", [], num_prompt_tokens=4, num_output_tokens=11, finished=True, finish_reason="stop")
+    m.on_finished("a", SLO(), final, streamed=10)  # its stop token, never streamed, counted with the rest
+    assert incs == [(11, "a")]
+    m.update_engine(SimpleNamespace(), 0)
+    assert incs == [(11, "a"), (3, "b")]
+    m.on_tokens("b", 4)
+    m.on_aborted("b")
+    m.update_engine(SimpleNamespace(), 0)
+    assert incs == [(11, "a"), (3, "b"), (4, "b")]
+
+
+def test_the_itl_recorder_sends_what_the_metrics_own_call_would_send():
+    """`_TierRecorder` records a tier's observations with the tags the metric's own `observe` would build (its
+    default tags and the tier), built once per tier, once per token; a metric without that path (discarded, another
+    Ray) gets its own `observe`."""
+    from deployments.metrics import _TierRecorder
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def record(self, value, tags=None):
+            self.calls.append((value, tags))
+
+    class Hist:
+        _discard_metric = False
+
+        def __init__(self):
+            self._metric, self._default_tags, self.observed = Recording(), {"model": "m", "replica": "x"}, []
+
+        def _get_final_tags(self, tags):
+            return {**self._default_tags, **tags}
+
+        def _validate_tags(self, tags):
+            assert set(tags) == {"model", "replica", "tier"}
+
+        def observe(self, value, tags=None):
+            self.observed.append((value, tags))
+
+    h = Hist()
+    r = _TierRecorder(h)
+    r.record(0.02, "a", 3)
+    r.record(0.5, "b")
+    want = {"model": "m", "replica": "x"}
+    assert h._metric.calls == [(0.02, {**want, "tier": "a"})] * 3 + [(0.5, {**want, "tier": "b"})]
+    assert h.observed == []
+    h2 = Hist()
+    h2._discard_metric = True
+    _TierRecorder(h2).record(0.1, "a", 2)
+    assert h2.observed == [(0.1, {"tier": "a"})] * 2 and h2._metric.calls == []
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streams_text_chunks_are_the_bytes_of_its_chunk_dicts(kind, include_usage):
+    """`TextChunks` (a stream's chunk JSON around the text built once) gives the bytes the chunk's dict gives, for
+    any text, and leaves every other item (a finish, an error, a chat item with no text) to the dict path."""
+    from deployments.ingress import TextChunks, _sse_item
+
+    rid, model = 'cmpl-"1"', 'a\\model\u00e9'
+    fast = TextChunks(kind, rid, model, 1700000000, include_usage)
+    assert fast.usable
+    items = [RequestOutput("r", t, [5]) for t in ("hi", "", 'q"uo\\te\n\t', "h\u00e9llo \u2603 \U0001F600",
+                                                  "\x00kairos-text\x00", "data: [DONE]\n\n")]
+    items += [RequestOutput("r", "end", [6], finished=True, finish_reason="stop", stop_reason="x"),
+              RequestOutput("r", "", [], finished=True, finish_reason="error", error="boom")]
+    for it in items:
+        want = _sse_item(it, kind, rid, model, 1700000000, include_usage)
+        assert _sse_item(it, kind, rid, model, 1700000000, include_usage, fast=fast) == want
+        assert want is None or want.startswith(b"data: ") and want.endswith(b"\n\n")
+    odd = TextChunks(kind, rid, "\x00kairos-text\x00", 1, include_usage)  # the mark in the model's name
+    assert not odd.usable
+    it = RequestOutput("r", "x", [5])
+    assert _sse_item(it, kind, rid, "\x00kairos-text\x00", 1, include_usage, fast=odd) == \
+        _sse_item(it, kind, rid, "\x00kairos-text\x00", 1, include_usage)
