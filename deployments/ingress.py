@@ -816,6 +816,7 @@ class OpenAIFrontend:
         tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in started]
         tasks += [asyncio.ensure_future(pump(i, None, None, req)) for i, req in later]
         left, pt, ct = n, 0, 0
+        fasts: dict[int, TextChunks] = {}  # each prompt's choice's text chunks
         try:
             while left:
                 i, item, err = await queue.get()
@@ -828,8 +829,11 @@ class OpenAIFrontend:
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
                     yield _error_event(item, f"prompt {i}: ")
                     break
-                if (out := _sse_item(item, "completion", rid, model, created, include_usage, i, continuous)) \
-                        is not None:
+                fast = None if continuous else fasts.get(i)
+                if fast is None and not continuous:
+                    fast = fasts[i] = TextChunks("completion", rid, model, created, include_usage, i)
+                if (out := _sse_item(item, "completion", rid, model, created, include_usage, i, continuous,
+                                     fast)) is not None:
                     yield out
                 if item.finished:
                     left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens

@@ -2457,6 +2457,10 @@ def test_a_streams_text_chunks_are_the_bytes_of_its_chunk_dicts(kind, include_us
         want = _sse_item(it, kind, rid, model, 1700000000, include_usage)
         assert _sse_item(it, kind, rid, model, 1700000000, include_usage, fast=fast) == want
         assert want is None or want.startswith(b"data: ") and want.endswith(b"\n\n")
+    if kind == "completion":  # a batched completion's choice i
+        it, third = RequestOutput("r", "x", [5]), TextChunks(kind, rid, model, 1, include_usage, 3)
+        assert _sse_item(it, kind, rid, model, 1, include_usage, 3, fast=third) == \
+            _sse_item(it, kind, rid, model, 1, include_usage, 3)
     odd = TextChunks(kind, rid, "\x00kairos-text\x00", 1, include_usage)  # the mark in the model's name
     assert not odd.usable
     it = RequestOutput("r", "x", [5])
