@@ -889,12 +889,55 @@ def running_policies(text: str) -> set[tuple[str, str]]:
             if v == 1.0 and "policy" in labels}
 
 
-def server_decode_over_model(url: str, *, settle_s: float = 2.0, limit_s: float = 12.0,
-                             api_key: str | None = None) -> dict[str, Any] | None:
-    """What a Kairos server's /metrics says of its latency model against its decode-only steps so far, by decode
-    rows: {rows: {"steps", "mean"}} (mean wall / model). Ray's agent exports what replicas report every few seconds,
-    so this scrapes until two scrapes `settle_s` apart agree (at most `limit_s`). None where the server exports no
-    such series (another server, or its metrics agent out of reach)."""
+LOOP_LAG = "ray_kairos_event_loop_lag_s"
+
+
+def loop_lag(text: str) -> dict[str, float]:
+    """From Prometheus text (a Kairos server's /metrics): the replicas' event-loop lag histogram
+    (`ray_kairos_event_loop_lag_s`), summed over replicas: {"count", "sum" (s), "le": {bound: cumulative count}}; an
+    empty dict where there is none."""
+    le: dict[float, float] = {}
+    out: dict[str, Any] = {}
+    for name, labels, v in prometheus_series(text, (f"{LOOP_LAG}_bucket", f"{LOOP_LAG}_count", f"{LOOP_LAG}_sum")):
+        if name.endswith("_bucket"):
+            try:
+                bound = float(labels.get("le", ""))
+            except ValueError:
+                continue
+            le[bound] = le.get(bound, 0.0) + v
+        else:
+            key = name.rsplit("_", 1)[1]
+            out[key] = out.get(key, 0.0) + v
+    if not out.get("count"):
+        return {}
+    return {**out, "le": {str(b): c for b, c in sorted(le.items())}}
+
+
+def lag_between(now: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The event-loop lag over the wake-ups between two `loop_lag` readings (before None: since the server's start):
+    wake-ups, mean and an upper bound of each quantile (the bucket it falls in; inf past the last), ms."""
+    if not now:
+        return None
+    before = before or {}
+    n = now.get("count", 0.0) - before.get("count", 0.0)
+    if n <= 0:
+        return None
+    was = before.get("le", {})
+    cum = [(float(b), c - was.get(b, 0.0)) for b, c in now.get("le", {}).items()]
+    cum.sort()
+
+    def upper(q: float) -> float:
+        return next((1000.0 * b for b, c in cum if c >= q * n), math.inf)
+    return {"wakeups": int(n), "mean_ms": round(1000.0 * (now.get("sum", 0.0) - before.get("sum", 0.0)) / n, 2),
+            "p50_le_ms": upper(0.5), "p90_le_ms": upper(0.9), "p99_le_ms": upper(0.99),
+            "over_100ms": int(n - next((c for b, c in cum if b >= 0.1), n))}
+
+
+def server_metrics(url: str, parse: Callable[[str], Any], *, settle_s: float = 2.0, limit_s: float = 12.0,
+                   api_key: str | None = None) -> Any:
+    """`parse` of a server's /metrics once it has settled: Ray's agent exports what replicas report every few
+    seconds, so this scrapes until two scrapes `settle_s` apart parse alike (at most `limit_s`). None where a scrape
+    fails."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -902,13 +945,21 @@ def server_decode_over_model(url: str, *, settle_s: float = 2.0, limit_s: float 
     while True:
         try:
             r = httpx.get(f"{url.rstrip('/')}/metrics", timeout=10.0, headers=headers)
-            got = decode_over_model(r.text) if r.status_code == 200 else None
+            got = parse(r.text) if r.status_code == 200 else None
         except Exception:  # noqa: BLE001 - a figure for the report, never a failed run
             got = None
         if got is not None and got == last or time.monotonic() + settle_s > deadline:
-            break
+            return got
         last = got
         time.sleep(settle_s)
+
+
+def server_decode_over_model(url: str, *, settle_s: float = 2.0, limit_s: float = 12.0,
+                             api_key: str | None = None) -> dict[str, Any] | None:
+    """What a Kairos server's /metrics says of its latency model against its decode-only steps so far, by decode
+    rows: {rows: {"steps", "mean"}} (mean wall / model), once settled (`server_metrics`). None where the server
+    exports no such series (another server, or its metrics agent out of reach)."""
+    got = server_metrics(url, decode_over_model, settle_s=settle_s, limit_s=limit_s, api_key=api_key)
     if not got:
         return None
     return {str(k): {"steps": n, "mean": round(total / n, 4)} for k, (n, total) in got.items()}

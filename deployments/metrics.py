@@ -29,6 +29,7 @@ log = logging.getLogger("ray.serve")
 _LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60]
 _E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+LOOP_LAG_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 _TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 MAX_TIER_LABELS = 16  # distinct `tier` label values per replica; the rest are "other"
 OTHER_TIER = "other"
@@ -136,6 +137,11 @@ class ReplicaMetrics:
         self.decode_over_model = ctr("decode_step_over_model_sum", "sum over decode-only steps of wall time / the "
                                      "latency model's ITL, by decode rows (a mean of 1: the model holds)", ("rows",))
         self._decode_seen: dict[int, tuple[int, float]] = {}
+        self.loop_lag = Histogram("kairos_event_loop_lag_s", description="how late the replica's periodic metrics "
+                                  "task woke on the event loop that streams its chunks and takes its requests, "
+                                  "seconds (a loop falling behind its streams: deployments/pacing.py)",
+                                  boundaries=LOOP_LAG_S, tag_keys=("model",))
+        self.loop_lag.set_default_tags(dict(model_tags))  # Serve mutates the dict
         self._preempted_seen = 0
         self._tiers: set[str] = set()
         self._itl = _TierRecorder(self.itl)
@@ -193,6 +199,10 @@ class ReplicaMetrics:
             self._policies.add(policy)
             for p in self._policies:
                 self.policy.set(1.0 if p == policy else 0.0, tags={"policy": p})
+
+    def on_loop_lag(self, seconds: float) -> None:
+        """A periodic task on the replica's event loop woke `seconds` after it was due."""
+        self.loop_lag.observe(seconds)
 
     def on_admitted(self, tier: str, prompt_tokens: int) -> None:
         """A request's first token: it is admitted, and its prompt is in."""

@@ -475,12 +475,16 @@ class LLMReplica:
                 log.warning("aborted %d request(s) whose caller %s died", len(rids), caller)
 
     async def _metrics_loop(self, period_s: float) -> None:
+        """Every `period_s`: the engine's gauges, and how late this wake-up came (`kairos_event_loop_lag_s`: the
+        event loop that streams every chunk and takes every request of this replica, behind by that much)."""
         while not self._closed:
             try:
                 self.metrics.update_engine(self.engine.stats(), self.inflight)
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 log.exception("metrics update failed")
+            due = time.monotonic() + period_s
             await asyncio.sleep(period_s)
+            self.metrics.on_loop_lag(max(time.monotonic() - due, 0.0))
 
     def __del__(self) -> None:
         self._closed = True

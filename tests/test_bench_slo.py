@@ -568,3 +568,23 @@ def test_slo_gpu_checks_from_its_rows():
     assert acc["checks"] == {"scorpio_2x_fcfs": True, "kairos_1.15x_scorpio_each_seed": False, "kairos_tpot_99": True,
                              "kairos_every_tier_25": True, "kairos_90pct_oracle": False,
                              "kairos_low_load_adherence_95": True, "kairos_low_load_goodput_ge_fcfs": True}
+
+
+def test_the_replicas_event_loop_lag_is_read_from_prometheus_text_and_taken_between_two_readings():
+    from bench.driver import lag_between, loop_lag
+
+    def text(counts, n, total):
+        lines = [f'ray_kairos_event_loop_lag_s_bucket{{le="{b}",model="m",replica="{r}"}} {c}'
+                 for r in ("a", "b") for b, c in counts.items()]
+        lines += [f'ray_kairos_event_loop_lag_s_count{{model="m",replica="{r}"}} {n}' for r in ("a", "b")]
+        lines += [f'ray_kairos_event_loop_lag_s_sum{{model="m",replica="{r}"}} {total}' for r in ("a", "b")]
+        return "\n".join(lines + ['ray_kairos_vbs{model="m"} 3.0'])
+
+    before = loop_lag(text({"0.001": 10, "0.1": 10, "+Inf": 10}, 10, 0.005))
+    assert before == {"count": 20.0, "sum": 0.01, "le": {"0.001": 20.0, "0.1": 20.0, "inf": 20.0}}
+    now = loop_lag(text({"0.001": 15, "0.1": 55, "+Inf": 60}, 60, 2.005))
+    got = lag_between(now, before)  # 100 wake-ups: 10 within 1 ms, 80 within 100 ms, 10 past it
+    assert got == {"wakeups": 100, "mean_ms": 40.0, "p50_le_ms": 100.0, "p90_le_ms": 100.0, "p99_le_ms": float("inf"),
+                   "over_100ms": 10}
+    assert lag_between(now, None)["wakeups"] == 120 and lag_between(now, now) is None
+    assert loop_lag('ray_kairos_vbs{model="m"} 3.0') == {} and lag_between({}, before) is None

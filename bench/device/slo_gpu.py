@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clock = Clock(args.limit_s)
     from bench.bound import bounds
-    from bench.driver import adopt_served, http_front, reconfigure_served, served, stop_host
+    from bench.driver import (adopt_served, http_front, lag_between, loop_lag, reconfigure_served, served,
+                              server_metrics, stop_host)
     from bench.report import run_info
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -381,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             before = None
     if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
-                                           "num_requests", "decode_over_model_by_rows", "servers", "http_front",
-                                           "fallback", "kept_server", "server_config")
+                                           "num_requests", "decode_over_model_by_rows", "event_loop_lag", "servers",
+                                           "http_front", "fallback", "kept_server", "server_config")
                     if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
         log(f"resuming: {len(doc['rows'])} rows, lambda* {doc.get('lambda_star_rps')}")
@@ -426,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     lam = doc.get("lambda_star_rps")  # given, or kept by the run resumed (fcfs's search records it)
     servers = contextlib.ExitStack()  # the server that is up: the next arm takes it in place where it can
     target, steps_before, running = None, None, None  # (running: the label whose knobs the server has)
+    lag_before: dict | None = None  # the server's event-loop lag histogram at the end of its last run
+
+    def lag_since(name: str) -> None:
+        """The replica's event-loop lag over run `name` (an arm, or the lambda* probes): one scrape, just after
+        bench.slo's own settled one; a server without the series records nothing."""
+        nonlocal lag_before
+        now = server_metrics(target, loop_lag, limit_s=0.0) if target is not None else None
+        if now:
+            doc.setdefault("event_loop_lag", {})[name] = lag_between(now, lag_before)
+            lag_before = now
     ending = False  # the call's last close of `servers` (not a server replaced mid-run)
 
     def keep() -> bool:  # at the end of this call: the server up stays for a resumed call, arms being left
@@ -433,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (ending and args.keep_server and left and target is not None and running is not None
                 and doc.get("server_config")):
             return False
-        doc["kept_server"] = {"target": target, "running": running, "steps": steps_before,
+        doc["kept_server"] = {"target": target, "running": running, "steps": steps_before, "lag": lag_before,
                               "config": doc["server_config"]}
         log(f"the server at {target} ({running}) is left running for a resumed call")
         return True
@@ -442,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     if left_up and args.one_server and not doc.get("fallback"):  # a server the resumed call left running
         if adopt_served(left_up["target"], Path(left_up["config"])):
             target, running, steps_before = left_up["target"], left_up["running"], left_up.get("steps")
+            lag_before = left_up.get("lag")
             servers.callback(lambda: None if keep() else stop_host())
             log(f"took over the server the resumed call left at {target} ({running})")
         else:
@@ -476,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.one_server and in_place(knobs):
                     log(f"the server did not take {label}'s knobs in place: a server of its own")
                 servers.close()
-                target, steps_before, running = None, None, None
+                target, steps_before, running, lag_before = None, None, None, None
             if target is None:
                 user_config = knobs if args.one_server and in_place(knobs) else None
                 extra = "" if user_config is not None else app_args(knobs)
@@ -518,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--probe-only", "--probe-requests", str(args.probe_requests), "--lambda-def", args.lambda_def,
                     "--lambda-refine", str(args.lambda_refine), "--lambda-guess", args.lambda_guess])
                 doc["phases"][f"{arm}_probe_s"] = time.monotonic() - tp
+                lag_since("fcfs-probe")
                 if res is None:
                     log("no lambda*: FCFS's capacity search failed; stopping")
                     break
@@ -548,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                 if steps:  # decode step / model by decode rows over this arm's steps (lambda* probes too)
                     doc.setdefault("decode_over_model_by_rows", {})[arm] = steps_between(steps, steps_before)
                     steps_before = steps
+                lag_since(arm)
             doc["phases"][f"{arm}_s"] = time.monotonic() - t0
             # (its points: a seed each, as `expected_s` counts them; a row holds its load's seeds)
             doc["phases"][f"{arm}_arrivals_s"] = doc["num_requests"] / (load * lam)  # a point's, at its load

@@ -289,7 +289,8 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
                        headers={"x-slo-ttft-ms": "0.001"}).status_code == 400
     want = {"ray_kairos_ttft_s_bucket", "ray_kairos_generation_tokens_total", "ray_kairos_kv_blocks_free",
             "ray_kairos_requests_rejected_total", "ray_kairos_decode_steps_total",
-            "ray_kairos_decode_step_over_model_sum_total", "ray_kairos_scheduler_policy"}
+            "ray_kairos_decode_step_over_model_sum_total", "ray_kairos_scheduler_policy",
+            "ray_kairos_event_loop_lag_s_bucket"}
     deadline, names, text = time.monotonic() + 30, set(), ""
     while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
         r = client.get("/metrics")
@@ -308,3 +309,8 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
 
     by_rows = server_decode_over_model(str(client.base_url), settle_s=0.5, limit_s=5.0)
     assert by_rows and all(v["steps"] >= 1 and v["mean"] > 0 for v in by_rows.values()), by_rows
+    # the replica's event loop, as slo_gpu reads it between runs
+    from bench.driver import lag_between, loop_lag, server_metrics
+
+    lag = lag_between(server_metrics(str(client.base_url), loop_lag, limit_s=0.0), None)
+    assert lag and lag["wakeups"] >= 1 and lag["mean_ms"] >= 0 and lag["p99_le_ms"] > 0, lag
