@@ -322,10 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--num-requests", type=int, default=1000, help="a point's requests: past lambda*, FCFS's queue "
                     "builds only in a point longer than its seats admit at once")
-    ap.add_argument("--min-requests", type=int, default=800, help="once lambda* is known, a point's requests are "
+    ap.add_argument("--min-requests", type=int, default=1000, help="once lambda* is known, a point's requests are "
                     "sized so that every point left fits --limit-s, from --num-requests down to this (past lambda*, "
-                    "FCFS's queue builds only in points of a few times the seats: on the H200's profile bench.sim "
-                    "puts scorpio under fcfs at 300 requests a point and past 2x at 800)")
+                    "FCFS's queue builds only in points of a few times the seats, and on the fourth lease's H200 "
+                    "profile bench.sim puts scorpio past 2x fcfs only from 1,000 requests a point: bench/README, "
+                    "\"The fourth lease\")")
     ap.add_argument("--point-overhead-s", type=float, default=15.0, help="the sizing's time per point besides its "
                     "arrivals: the drain after the last one, the client's start")
     ap.add_argument("--run-overhead-s", type=float, default=20.0, help="the sizing's time per bench.slo run (an arm: "

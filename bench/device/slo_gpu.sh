@@ -27,7 +27,7 @@
 #   DRY_RUN=1 bash bench/device/slo_gpu.sh
 # Knobs (environment): SHAPE (llama-8b | llama-1b | tiny), LOADS (1,1.5), SEEDS (0,1), NUM_REQUESTS (1000: a
 #   point's requests at most; once lambda* is known they are sized so that every point fits LIMIT_S, down to
-#   MIN_REQUESTS, 800: what does not fit then is left to a resumed call),
+#   MIN_REQUESTS, 1000: what does not fit then is left to a resumed call),
 #   PROBE_REQUESTS (800: lambda*'s probes as long as the shortest points, whose queues build as long; on the fourth
 #   lease's replica profile bench.sim reads lambda* within 2% of 1,000-request probes', in 13 s less), LAMBDA
 #   (skip the lambda* search), LAMBDA_DEF (capacity: FCFS's completion rate under overload; adherence: the highest
