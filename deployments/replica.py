@@ -477,14 +477,17 @@ class LLMReplica:
     async def _metrics_loop(self, period_s: float) -> None:
         """Every `period_s`: the engine's gauges, and how late this wake-up came (`kairos_event_loop_lag_s`: the
         event loop that streams every chunk and takes every request of this replica, behind by that much)."""
+        lag = None
         while not self._closed:
             try:
+                if lag is not None:
+                    self.metrics.on_loop_lag(lag)
                 self.metrics.update_engine(self.engine.stats(), self.inflight)
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 log.exception("metrics update failed")
             due = time.monotonic() + period_s
             await asyncio.sleep(period_s)
-            self.metrics.on_loop_lag(max(time.monotonic() - due, 0.0))
+            lag = max(time.monotonic() - due, 0.0)
 
     def __del__(self) -> None:
         self._closed = True
