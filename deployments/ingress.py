@@ -964,9 +964,9 @@ def _chunk(body: dict, include_usage: bool, usage: dict | None = None) -> bytes:
 
 class TextChunks:
     """A stream's chunks that carry text and nothing else (neither a finish reason nor the usage so far: all but
-    the last of a stream; a chat chunk only with some text), as bytes: the chunk `_sse_item` would build, with only the text encoded per chunk. Every
-    other field is the stream's own, so the chunk's JSON around the text is built once, at the stream's start
-    (a GPU replica streams tens of thousands of chunks a second from one event loop)."""
+    the last of a stream; a chat chunk only with some text), as bytes: the chunk `_sse_item` would build, with only
+    the text encoded per chunk. Every other field is the stream's own, so the chunk's JSON around the text is built
+    once, at the stream's start (a GPU replica streams tens of thousands of chunks a second from one event loop)."""
 
     _MARK = "\x00kairos-text\x00"
 
