@@ -1907,15 +1907,8 @@ ray_serve_num_http_requests_total{route="/"} 7.0
     assert filter_exposition("ray_node_mem 1\n") == ""
 
 
-def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(monkeypatch):
-    """The engine publishes cumulative (steps, sum of wall / model) per decode-rows bucket; the replica's counters
-    take what is new since its last refresh, and start again with a new engine (its sums reset)."""
-    from types import SimpleNamespace
-
-    from deployments import metrics as Mx
-
-    incs: list[tuple[str, float, dict]] = []
-
+def recording_counter(incs: list) -> type:
+    """A stand-in for Serve's Counter that appends (name, value, tags) of each `inc` to `incs` (Ray's refuses 0)."""
     class Ctr:
         def __init__(self, name, description="", tag_keys=()):
             self.name = name
@@ -1924,9 +1917,25 @@ def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(mon
             pass
 
         def inc(self, value=1.0, tags=None):
+            assert value > 0
             incs.append((self.name, value, dict(tags or {})))
+    return Ctr
 
-    monkeypatch.setattr(Mx, "Counter", Ctr)
+
+def generated(calls: list) -> list[tuple[float, str]]:
+    """The generated-token counter's increments among recorded counter calls: (value, tier) each."""
+    return [(v, t["tier"]) for n, v, t in calls if n == "kairos_generation_tokens"]
+
+
+def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(monkeypatch):
+    """The engine publishes cumulative (steps, sum of wall / model) per decode-rows bucket; the replica's counters
+    take what is new since its last refresh, and start again with a new engine (its sums reset)."""
+    from types import SimpleNamespace
+
+    from deployments import metrics as Mx
+
+    incs: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(Mx, "Counter", recording_counter(incs))
     m = Mx.ReplicaMetrics("m")
 
     def refresh(sums):
@@ -2366,36 +2375,23 @@ def test_replica_metrics_count_streamed_tokens_when_their_request_ends_and_on_ea
 
     from deployments import metrics as Mx
 
-    incs: list[tuple[int, str]] = []
-
-    class Ctr:
-        def __init__(self, name, description="", tag_keys=()):
-            self.name = name
-
-        def set_default_tags(self, tags):
-            pass
-
-        def inc(self, value=1.0, tags=None):
-            assert value > 0  # Ray's Counter.inc(0) raises
-            if self.name == "kairos_generation_tokens":
-                incs.append((value, tags["tier"]))
-
-    monkeypatch.setattr(Mx, "Counter", Ctr)
+    calls: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(Mx, "Counter", recording_counter(calls))
     m = Mx.ReplicaMetrics("m")
     for _ in range(5):
         m.on_tokens("a", 2)
     m.on_tokens("b", 3)
     m.on_tokens("b", 0)
-    assert incs == []  # nothing per chunk
+    assert generated(calls) == []  # nothing per chunk
     final = RequestOutput("r", "", [], num_prompt_tokens=4, num_output_tokens=11, finished=True, finish_reason="stop")
     m.on_finished("a", SLO(), final, streamed=10)  # its stop token, never streamed, counted with the rest
-    assert incs == [(11, "a")]
+    assert generated(calls) == [(11, "a")]
     m.update_engine(SimpleNamespace(), 0)
-    assert incs == [(11, "a"), (3, "b")]
+    assert generated(calls) == [(11, "a"), (3, "b")]
     m.on_tokens("b", 4)
     m.on_aborted("b")
     m.update_engine(SimpleNamespace(), 0)
-    assert incs == [(11, "a"), (3, "b"), (4, "b")]
+    assert generated(calls) == [(11, "a"), (3, "b"), (4, "b")]
 
 
 def test_the_itl_recorder_sends_what_the_metrics_own_call_would_send():
