@@ -915,7 +915,7 @@ def loop_lag(text: str) -> dict[str, float]:
 
 def lag_between(now: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any] | None:
     """The event-loop lag over the wake-ups between two `loop_lag` readings (before None: since the server's start):
-    wake-ups, mean and an upper bound of each quantile (the bucket it falls in; inf past the last), ms."""
+    wake-ups, mean and an upper bound of each quantile (the bucket it falls in; None past the last bound), ms."""
     if not now:
         return None
     before = before or {}
@@ -926,8 +926,9 @@ def lag_between(now: dict[str, Any] | None, before: dict[str, Any] | None) -> di
     cum = [(float(b), c - was.get(b, 0.0)) for b, c in now.get("le", {}).items()]
     cum.sort()
 
-    def upper(q: float) -> float:
-        return next((1000.0 * b for b, c in cum if c >= q * n), math.inf)
+    def upper(q: float) -> float | None:
+        b = next((b for b, c in cum if c >= q * n), math.inf)
+        return 1000.0 * b if math.isfinite(b) else None
     return {"wakeups": int(n), "mean_ms": round(1000.0 * (now.get("sum", 0.0) - before.get("sum", 0.0)) / n, 2),
             "p50_le_ms": upper(0.5), "p90_le_ms": upper(0.9), "p99_le_ms": upper(0.99),
             "over_100ms": int(n - next((c for b, c in cum if b >= 0.1), n))}
