@@ -324,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--tiers", required=True, help="a LatencyModel JSON (bench.slo's tiers-profile.json): the scheduler's model "
       "and the tiers' base")
     a("--truth", default=None, help="the machine's LatencyModel JSON (default: --tiers)")
-    a("--factor", type=float, default=1.25, help="machine / model step time")
+    a("--factor", type=float, default=None, help="machine / model step time (default 1.25, a 2-core CPU box's; a "
+      "GPU replica's profile held closer to 1: a lease's bench.slo prints its decode step / model by rows)")
     a("--jitter", type=float, default=0.1, help="sigma of each step's own lognormal scatter")
     a("--drift", type=float, default=0.0, help="sigma of the log of the box's speed as it wanders over time (Drift; "
       "0: steady)")
@@ -377,6 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--drift/--drift-s: {e}")
     planner = LatencyModel.load(args.tiers)
     truth = LatencyModel.load(args.truth) if args.truth else planner
+    if args.factor is None:
+        args.factor = 1.25
+        if str(truth.meta.get("device", "cpu")).startswith("cuda"):
+            print("bench.sim: --factor 1.25 (a CPU box's) on a GPU replica's profile; its leases measured their steps "
+                  "nearer their model (bench/README, \"The fourth lease\"): pass --factor", flush=True)
     corpus = None
     if args.dataset == "sharegpt":
         from bench.slo import build_parser, sharegpt_corpus
