@@ -2434,6 +2434,15 @@ def test_the_itl_recorder_sends_what_the_metrics_own_call_would_send():
     _TierRecorder(h2).record(0.1, "a", 2)
     assert h2.observed == [(0.1, {"tier": "a"})] * 2 and h2._metric.calls == []
 
+    def refuses(value, tags=None):  # another Ray's recording path: the public call from then on
+        raise TypeError("record() got an unexpected keyword argument 'tags'")
+    h3 = Hist()
+    h3._metric.record = refuses
+    r3 = _TierRecorder(h3)
+    r3.record(0.1, "a", 2)
+    r3.record(0.2, "b")
+    assert h3.observed == [(0.1, {"tier": "a"})] * 2 + [(0.2, {"tier": "b"})]
+
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("include_usage", [False, True])
