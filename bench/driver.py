@@ -892,7 +892,7 @@ def running_policies(text: str) -> set[tuple[str, str]]:
 LOOP_LAG = "ray_kairos_event_loop_lag_s"
 
 
-def loop_lag(text: str) -> dict[str, float]:
+def loop_lag(text: str) -> dict[str, Any]:
     """From Prometheus text (a Kairos server's /metrics): the replicas' event-loop lag histogram
     (`ray_kairos_event_loop_lag_s`), summed over replicas: {"count", "sum" (s), "le": {bound: cumulative count}}; an
     empty dict where there is none."""

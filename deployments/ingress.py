@@ -829,11 +829,10 @@ class OpenAIFrontend:
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
                     yield _error_event(item, f"prompt {i}: ")
                     break
-                fast = None if continuous else fasts.get(i)
-                if fast is None and not continuous:
-                    fast = fasts[i] = TextChunks("completion", rid, model, created, include_usage, i)
+                if not continuous and i not in fasts:
+                    fasts[i] = TextChunks("completion", rid, model, created, include_usage, i)
                 if (out := _sse_item(item, "completion", rid, model, created, include_usage, i, continuous,
-                                     fast)) is not None:
+                                     fasts.get(i))) is not None:
                     yield out
                 if item.finished:
                     left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens

@@ -29,7 +29,7 @@ log = logging.getLogger("ray.serve")
 _LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60]
 _E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-LOOP_LAG_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
+_LOOP_LAG_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 _TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 MAX_TIER_LABELS = 16  # distinct `tier` label values per replica; the rest are "other"
 OTHER_TIER = "other"
@@ -145,7 +145,7 @@ class ReplicaMetrics:
         self.loop_lag = Histogram("kairos_event_loop_lag_s", description="how late the replica's periodic metrics "
                                   "task woke on the event loop that streams its chunks and takes its requests, "
                                   "seconds (a loop falling behind its streams: deployments/pacing.py)",
-                                  boundaries=LOOP_LAG_S, tag_keys=("model",))
+                                  boundaries=_LOOP_LAG_S, tag_keys=("model",))
         self.loop_lag.set_default_tags(dict(model_tags))  # Serve mutates the dict
         self._preempted_seen = 0
         self._tiers: set[str] = set()
