@@ -281,6 +281,7 @@ class Record:
     merged_deliveries: int = 0  # items (in-process) or chunks (HTTP, by their usage so far) of more than one token
     replica: str | None = None  # HTTP: the LLM replica that answered (`x-kairos-replica`)
     rerouted: int = 0  # HTTP: replicas that turned it away before that one (`x-kairos-rerouted`)
+    predicted_len: int | None = None  # the reply length the server's length predictor expected at its arrival
 
     @property
     def completed(self) -> bool:
@@ -389,6 +390,8 @@ def _take(rec: Record, out: Any, t: float, client_times: bool) -> bool:
     rec.reject_reason = str(out.reject_reason) if out.reject_reason is not None else None
     rec.error = out.error
     m = out.metrics
+    if m is not None:
+        rec.predicted_len = m.predicted_output_len
     if m is not None and not client_times:  # the engine's clock is the same monotonic clock
         rec.arrival_s, rec.token_times, rec.finished_s = m.arrival_s, list(m.token_times), m.finished_s
         rec.ttft_s = m.ttft_s
@@ -642,6 +645,8 @@ async def _read_sse(resp: Any, rec: Record, w: WorkItem) -> None:
             for k in ("ttft", "tpot"):
                 if em.get(f"{k}_ms") is not None:
                     rec.hops[f"engine_{k}"] = float(em[f"{k}_ms"])
+            if em.get("predicted_output_tokens") is not None:
+                rec.predicted_len = int(em["predicted_output_tokens"])
     if not done and rec.finish_reason != "error":
         rec.finish_reason, rec.error = "error", "stream_without_done"
 

@@ -190,3 +190,18 @@ def pool(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
         out[f"{key}_mean"] = m
         out[f"{key}_std"] = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) if xs else math.nan
     return out
+
+
+def predicted_length_rank(records: Iterable[Record]) -> dict[str, Any] | None:
+    """How the lengths the server's length predictor expected at arrival (`Record.predicted_len`, from the engine's
+    final item or the usage's `kairos_metrics`) rank the replies' lengths (`output_len`: where each reply ends):
+    Spearman's correlation over the records that have both, and their count; None under 3 of them (no predictor
+    ran: hidden or exact lengths, another server; or over HTTP, replies the client ended itself at their hidden
+    length, whose final usage chunk never comes)."""
+    pairs = [(r.predicted_len, r.output_len) for r in records if r.predicted_len is not None and r.output_len > 0]
+    if len(pairs) < 3:
+        return None
+    from scheduling.length_predictor import spearman
+
+    rho = spearman(*zip(*pairs))
+    return {"n": len(pairs), "spearman": None if math.isnan(rho) else rho}

@@ -510,6 +510,8 @@ def summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int,
             **(step_figures([e["tap"] for e in eng if "tap" in e]) if eng else {}),
             "engine_busy_pct": busy / wall * 100.0 if wall > 0 and eng else None,
             "submit_lag_p99_ms": M.percentile(lags, 99) if lags else None,
+            # the server's length predictions against where the replies ended (the predictor's live ranking)
+            "predicted_length_rank": M.predicted_length_rank(pooled),
             "per_seed": per_seed, **M.pool(per_seed), **({"http_hops_ms": hops} if hops else {})}
 
 
@@ -943,7 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys = ("goodput_rps", "adherence", "rejection_rate", "ttft_p99_ms", "tpot_p99_ms", "lengths", "per_seed",
                 "reject_reasons", "tpot_violations", "ttft_violations", "step_ms", "phase_ms_per_step",
                 "decode_wall_over_model_p50", "decode_wall_over_model_by_rows", "decode_forward_over_model_by_rows",
-                "decode_host_ms_by_rows")
+                "decode_host_ms_by_rows", "predicted_length_rank")
         figures = {
             "lambda_star_rps": lam, "load_multiple": acc.get("load_multiple"), "model": args.model,
             "dataset": args.dataset, "num_requests_per_point": n_req, "seeds": plan.seeds, "lengths": args.lengths,

@@ -30,6 +30,8 @@ _LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.
 _E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 _LOOP_LAG_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
+# a reply's tokens over the length predicted for it: powers of two either way of exact, finer near it
+_LENGTH_RATIO = [0.0625, 0.125, 0.25, 0.5, 0.71, 1.0, 1.41, 2.0, 4.0, 8.0, 16.0]
 _TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 MAX_TIER_LABELS = 16  # distinct `tier` label values per replica; the rest are "other"
 OTHER_TIER = "other"
@@ -99,6 +101,9 @@ class ReplicaMetrics:
                                _LAT_S)
         self.prompt_len = hist("request_prompt_tokens", "prompt tokens per finished request", _TOKENS)
         self.output_len = hist("request_generation_tokens", "generated tokens per finished request", _TOKENS)
+        self.length_ratio = hist("length_prediction_ratio", "kairos: a reply that ended on its own (EOS or a stop), "
+                                 "its generated tokens over the length the length predictor expected at its arrival "
+                                 "(1: exact; the spread is the predictor's error on this traffic)", _LENGTH_RATIO)
         self.tokens_in = ctr("prompt_tokens", "prompt tokens of admitted requests (counted at the first token)",
                              ("tier",))
         self.tokens_out = ctr("generation_tokens", "generated tokens (counted as they stream, added at each "
@@ -261,6 +266,9 @@ class ReplicaMetrics:
         if reason in ("stop", "length"):
             self.prompt_len.observe(final.num_prompt_tokens, tags=t)
             self.output_len.observe(final.num_output_tokens, tags=t)
+        predicted = m.predicted_output_len if m is not None else None
+        if reason == "stop" and predicted:  # (a reply its cap ended says only that it would have run longer)
+            self.length_ratio.observe(final.num_output_tokens / predicted, tags=t)
         if reason not in ("stop", "length") or (slo.ttft_ms is None and slo.tpot_ms is None):
             return
         missed = []

@@ -435,11 +435,14 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int,
 
 
 def engine_metrics(m: RequestMetrics | None) -> dict | None:
-    """TTFT / TPOT / end-to-end as the engine measured them (ms), from the final item's metrics."""
+    """TTFT / TPOT / end-to-end as the engine measured them (ms), from the final item's metrics, and the reply
+    length its length predictor expected (`predicted_output_tokens`, where it predicted one)."""
     if m is None:
         return None
     ms = {"ttft": m.ttft_s, "tpot": m.tpot_s, "e2e": m.e2e_s}
-    out = {f"{k}_ms": round(v * 1000.0, 3) for k, v in ms.items() if v is not None}
+    out: dict = {f"{k}_ms": round(v * 1000.0, 3) for k, v in ms.items() if v is not None}
+    if m.predicted_output_len is not None:
+        out["predicted_output_tokens"] = m.predicted_output_len
     return out or None
 
 

@@ -92,7 +92,7 @@ class OutputProcessor:
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
-                                   req.token_times)))
+                                   req.token_times, req.predicted_len)))
 
 
 def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:

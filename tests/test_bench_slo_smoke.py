@@ -16,7 +16,8 @@ from bench import workload as W
 
 
 def test_http_point_against_a_mock_server():
-    """The HTTP client: SSE parsing, 429 = rejection, usage tokens, headers carry the SLOs."""
+    """The HTTP client: SSE parsing, 429 = rejection, usage tokens, headers carry the SLOs, the engine's own view
+    (`kairos_metrics`: its TTFT and TPOT, the length its predictor expected)."""
     from aiohttp import web
 
     from bench.driver import run_http
@@ -34,7 +35,8 @@ def test_http_point_against_a_mock_server():
         chunks = [f'data: {json.dumps({"choices": [{"text": "x", "finish_reason": None}]})}\n\n'
                   for _ in range(n - 1)]
         chunks.append(f'data: {json.dumps({"choices": [{"text": "y", "finish_reason": "length"}]})}\n\n')
-        usage = {"choices": [], "usage": {"completion_tokens": n}, "kairos_metrics": {"ttft_ms": 9.0, "tpot_ms": 4.5}}
+        usage = {"choices": [], "usage": {"completion_tokens": n}, "kairos_metrics": {"ttft_ms": 9.0, "tpot_ms": 4.5,
+                                                                           "predicted_output_tokens": 7}}
         chunks += [f"data: {json.dumps(usage)}\n\n", "data: [DONE]\n\n"]
         return web.Response(body="".join(chunks).encode(),
                             headers={"content-type": "text/event-stream",
@@ -52,9 +54,24 @@ def test_http_point_against_a_mock_server():
     h = r1.hops
     assert (h["parse"], h["route"], h["replica"]) == (0.5, 2.0, 7.5)
     assert (h["engine_ttft"], h["engine_tpot"]) == (9.0, 4.5)  # the engine's own view, from the usage chunk
+    assert r1.predicted_len == 7 and r0.predicted_len is None
     assert h["client_proxy"] == pytest.approx(h["headers"] - 10.0) and h["body"] >= 0.0
     summary = hop_summary(run.records)
     assert summary["replica"]["p50"] == 7.5 and summary["replica"]["n"] == 1 and "parse" in summary
+
+
+def test_the_live_rank_of_the_servers_length_predictions():
+    """`predicted_length_rank`: Spearman of the predicted lengths against where the replies ended, over the records
+    that have a prediction; None where fewer than 3 do (no predictor ran)."""
+    from bench.driver import Record
+
+    def rec(predicted, out):
+        return Record("t", 100.0, 10.0, 0.0, predicted_len=predicted, output_len=out)
+
+    ranked = M.predicted_length_rank([rec(10, 5), rec(20, 50), rec(40, 80), rec(None, 1), rec(30, 60)])
+    assert ranked == {"n": 4, "spearman": pytest.approx(1.0)}
+    assert M.predicted_length_rank([rec(10, 80), rec(20, 50), rec(40, 5)])["spearman"] == pytest.approx(-1.0)
+    assert M.predicted_length_rank([rec(None, 5)] * 5 + [rec(3, 4)] * 2) is None
 
 
 def test_http_client_in_several_processes_keeps_every_request_in_order_on_one_clock():

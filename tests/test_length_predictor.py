@@ -419,6 +419,30 @@ def test_the_vbs_gate_plans_for_the_prediction_instead_of_the_cap():
         assert (p.rejected == [(r, TPOT_UNATTAINABLE)]) is not admitted
 
 
+def test_a_finished_request_carries_the_length_predicted_at_its_arrival():
+    """The engine's final item says what the length predictor expected of the request at its arrival (the replica's
+    `kairos_length_prediction_ratio` and the usage's `kairos_metrics` read it); nothing where a hint gave the
+    length."""
+    from engine.config import EngineConfig
+    from engine.default_model import ensure_default_model
+    from engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(ensure_default_model("kairos-tiny")), dtype="float32", device="cpu",
+                                 scheduler=SchedulerConfig(policy="kairos")))
+    try:
+        prompt = list(range(40, 90))
+        finals = []
+        for slo in (SLO(ttft_ms=60_000, tpot_ms=1_000), SLO(ttft_ms=60_000, tpot_ms=1_000, output_len_hint=6)):
+            stream = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0), slo)
+            while not (out := stream.get(timeout=60)).finished:
+                pass
+            finals.append(out)
+        expected = round(LP.load_cached(None).outlook(prompt)[0])
+        assert [f.metrics.predicted_output_len for f in finals] == [expected, None]
+    finally:
+        eng.shutdown()
+
+
 def test_bench_stop_ends_a_reply_only_where_the_engine_was_started_for_the_benchmark():
     for bench_stop, ends_at in ((True, 3), (False, 8)):
         s = _sched("fcfs", bench_stop=bench_stop)
@@ -529,8 +553,10 @@ def test_http_client_counts_the_tokens_of_merged_chunks_toward_the_stop():
     assert seen[0][0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert rec.finish_reason == "length" and rec.n_out == 8 and len(rec.token_times) == 8
     assert rec.deliveries == 4 and rec.merged_deliveries == 3  # (1), (3), (3), (3: the 8th token in it)
-    # three chunks after the first token, 50 ms apart, over its 7 later tokens
-    assert 0.15 / 7 <= tpot_s(rec) < 0.15 / 7 * 2
+    # its 8 tokens came in 4 chunks (each merged token at its chunk's time), and its TPOT spans its 7 later tokens,
+    # the three chunks 50 ms apart
+    assert len(set(rec.token_times)) == 4 and rec.token_times == sorted(rec.token_times)
+    assert tpot_s(rec) == pytest.approx((rec.token_times[-1] - rec.token_times[0]) / 7) and tpot_s(rec) >= 0.15 / 7
 
 
 def test_bound_reads_the_reply_length_not_the_cap(tmp_path):

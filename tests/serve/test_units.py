@@ -2394,6 +2394,42 @@ def test_replica_metrics_count_streamed_tokens_when_their_request_ends_and_on_ea
     assert generated(calls) == [(11, "a"), (3, "b"), (4, "b")]
 
 
+def test_a_reply_that_ended_on_its_own_is_observed_over_its_predicted_length(monkeypatch):
+    """`kairos_length_prediction_ratio`: a reply that ended on its own (finish reason stop) with a length predicted at
+    its arrival observes its tokens over that length; one its cap ended (length), or with no prediction, does not.
+    The usage's `kairos_metrics` carry the predicted length where there is one."""
+    from core.messages import RequestMetrics
+    from deployments import metrics as Mx
+
+    seen: list[tuple[str, float, dict]] = []
+
+    class Hist:
+        def __init__(self, name, description="", boundaries=(), tag_keys=()):
+            self.name = name
+
+        def set_default_tags(self, tags):
+            pass
+
+        def observe(self, value, tags=None):
+            seen.append((self.name, value, dict(tags or {})))
+
+    monkeypatch.setattr(Mx, "Histogram", Hist)
+    monkeypatch.setattr(Mx, "Counter", recording_counter([]))
+    m = Mx.ReplicaMetrics("m")
+
+    def final(reason: str, n: int, predicted: int | None) -> RequestOutput:
+        return RequestOutput("r", "", [], finished=True, finish_reason=reason, num_prompt_tokens=3,
+                             num_output_tokens=n, metrics=RequestMetrics(0.0, 0.0, 0.1, 0.5, [0.1, 0.2], predicted))
+
+    m.on_finished("a", SLO(), final("stop", 30, 10), streamed=30)
+    m.on_finished("a", SLO(), final("length", 30, 10), streamed=30)
+    m.on_finished("b", SLO(), final("stop", 30, None), streamed=30)
+    m.on_finished("b", SLO(), final("stop", 5, 20), streamed=5)
+    assert [(v, t["tier"]) for n, v, t in seen if n == "kairos_length_prediction_ratio"] == [(3.0, "a"), (0.25, "b")]
+    assert P.engine_metrics(final("stop", 30, 10).metrics)["predicted_output_tokens"] == 10
+    assert "predicted_output_tokens" not in P.engine_metrics(final("stop", 30, None).metrics)
+
+
 def test_the_itl_recorder_sends_what_the_metrics_own_call_would_send():
     """`_TierRecorder` records a tier's observations with the tags the metric's own `observe` would build (its
     default tags and the tier), built once per tier, once per token; a metric without that path (discarded, another
