@@ -208,9 +208,9 @@ class RequestMetrics:
     first_token_s: float | None
     finished_s: float | None
     token_times: list[float] = field(default_factory=list)
-    # the reply length the scheduler's length predictor expected at the request's arrival (in served tokens, at the
-    # calibration of that time); None where it predicted none (no predictor, an output-length hint, a reply only its
-    # cap ends)
+    # the reply length the scheduler's length predictor expected at the request's arrival, within its max_tokens (in
+    # served tokens, at the calibration of that time: what it planned with then); None where it predicted none (no
+    # predictor, an output-length hint, a reply only its cap ends)
     predicted_output_len: int | None = None
 
     @property

@@ -92,7 +92,13 @@ class OutputProcessor:
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
-                                   req.token_times, req.predicted_len)))
+                                   req.token_times, _planned_len(req))))
+
+
+def _planned_len(req: Request) -> int | None:
+    """The reply length the scheduler planned for at the request's arrival from its length predictor's prediction:
+    that prediction within max_tokens (None where it predicted none)."""
+    return None if req.predicted_len is None else min(req.predicted_len, req.params.max_tokens)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:

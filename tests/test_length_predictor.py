@@ -420,9 +420,9 @@ def test_the_vbs_gate_plans_for_the_prediction_instead_of_the_cap():
 
 
 def test_a_finished_request_carries_the_length_predicted_at_its_arrival():
-    """The engine's final item says what the length predictor expected of the request at its arrival (the replica's
-    `kairos_length_prediction_ratio` and the usage's `kairos_metrics` read it); nothing where a hint gave the
-    length."""
+    """The engine's final item says what the scheduler planned the reply's length at from its length predictor at
+    the request's arrival: the prediction within max_tokens (the replica's `kairos_length_prediction_ratio` and the
+    usage's `kairos_metrics` read it); nothing where a hint gave the length."""
     from engine.config import EngineConfig
     from engine.default_model import ensure_default_model
     from engine.engine import LLMEngine
@@ -431,14 +431,18 @@ def test_a_finished_request_carries_the_length_predicted_at_its_arrival():
                                  scheduler=SchedulerConfig(policy="kairos")))
     try:
         prompt = list(range(40, 90))
+        predicted = round(LP.load_cached(None).outlook(prompt)[0])
+        assert 6 < predicted < 900
         finals = []
-        for slo in (SLO(ttft_ms=60_000, tpot_ms=1_000), SLO(ttft_ms=60_000, tpot_ms=1_000, output_len_hint=6)):
-            stream = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0), slo)
-            while not (out := stream.get(timeout=60)).finished:
-                pass
+        for cap, hint in ((900, None), (6, None), (900, 5)):
+            stream = eng.add_request(prompt, SamplingParams(max_tokens=cap, temperature=0.0),
+                                     SLO(ttft_ms=60_000, tpot_ms=1_000, output_len_hint=hint))
+            out = stream.get(timeout=60)
+            eng.abort(stream.request_id)  # (its final item says it as one that ran to its end does)
+            while not out.finished:
+                out = stream.get(timeout=60)
             finals.append(out)
-        expected = round(LP.load_cached(None).outlook(prompt)[0])
-        assert [f.metrics.predicted_output_len for f in finals] == [expected, None]
+        assert [f.metrics.predicted_output_len for f in finals] == [predicted, 6, None]
     finally:
         eng.shutdown()
 
