@@ -113,14 +113,14 @@ class Drift:
         return math.exp(self.x)
 
 
-def noisy_outlook(true_len: int, sigma: float, rng: random.Random, prior: tuple[float, float] | None = None
-                  ) -> tuple[float, ...]:
+def noisy_outlook(true_len: int, sigma: float, rng: random.Random, prior: tuple[float, float] | None = None,
+                  cap: float | None = None) -> tuple[float, ...]:
     """A synthetic length prediction of known quality (the `noise=SIGMA` arm), read as the shipped predictor's are
     (conditional means: E[len], then E[len | len > t]). It observes m = log L + SIGMA z. Without `prior`, its
     distribution is the lognormal of median e^m and spread SIGMA. With `prior` (mean, sd of log lengths over the
     requests) it is the posterior of log L given m, as a calibrated predictor's would be: normal, of mean
     (m tau^2 + mu0 SIGMA^2) / (tau^2 + SIGMA^2) and variance SIGMA^2 tau^2 / (tau^2 + SIGMA^2). Either way over the
-    predictor's buckets."""
+    predictor's buckets, and within `cap` (the request's max_tokens), as the scheduler reads the shipped one's."""
     m = math.log(max(1, true_len)) + sigma * rng.gauss(0.0, 1.0)
     mu, sd = m, sigma
     if prior is not None and sigma > 0:
@@ -133,7 +133,7 @@ def noisy_outlook(true_len: int, sigma: float, rng: random.Random, prior: tuple[
            for i, c in enumerate(cuts)]
     p = [max(b - a, 0.0) for a, b in zip(cdf, cdf[1:])]
     tot = sum(p)
-    return conditional_means(np.asarray([x / tot for x in p]))
+    return conditional_means(np.asarray([x / tot for x in p]), cap=cap)
 
 
 def run_span_s(recs: Sequence[D.Record]) -> float:
@@ -193,7 +193,8 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
                           slo, arrival_s=w.arrival_s)
             req.bench_stop_after = w.stop_after
             if noise is not None and w.stop_after is not None:
-                req.length_outlook = noisy_outlook(w.stop_after, noise, noise_rng, prior)
+                req.length_outlook = noisy_outlook(w.stop_after, noise, noise_rng, prior,
+                                                   min(w.max_tokens, max_model_len - len(w.prompt_ids)))
                 req.predicted_len = max(1, int(round(req.length_outlook[0])))
             recs[rid] = D.Record(w.tier, w.ttft_ms, w.tpot_ms, w.arrival_s, prompt_len=len(w.prompt_ids),
                                  max_tokens=w.max_tokens, output_len=w.output_len, index=i, sent_s=w.arrival_s)

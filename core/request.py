@@ -123,13 +123,14 @@ class Request:
     # the reply length the scheduler's length predictor expects (scheduling/length_predictor.py; set at add)
     predicted_len: int | None = None
     # with it, the length expected once the reply has output some tokens (`outlook_at`: the predicted distribution's
-    # mean above them); None: predicted_len throughout, and once outlived, one more token
+    # mean above them, of the reply its max_tokens may cut); None: predicted_len throughout, and once outlived, one
+    # more token
     length_outlook: tuple[float, ...] | None = None
     # the reply length the VBS gate admits a fresh request against where it is not the expected one: a conservative
     # quantile of the predicted distribution (SchedulerConfig.length_gate_quantile; set at add)
     gate_len: int | None = None
-    # the predicted mean before the served replies' calibration (scheduling.length_predictor.LengthCalibration,
-    # which compares the reply with it when it ends; set at add)
+    # the predicted mean (within max_tokens) before the served replies' calibration (scheduling.length_predictor.
+    # LengthCalibration, which compares the reply with it when it ends; set at add, with calibration on)
     length_base: float | None = None
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in

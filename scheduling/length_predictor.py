@@ -227,18 +227,28 @@ def quantile(p: np.ndarray, q: float, scale: float = 1.0) -> int:
     return max(1, int(round(scale * math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo))))))
 
 
-def conditional_means(p: np.ndarray, scale: float = 1.0) -> tuple[float, ...]:
+def conditional_means(p: np.ndarray, scale: float = 1.0, cap: float | None = None) -> tuple[float, ...]:
     """E[len | len > t] for every t of OUTLOOK_GRID, bucket probabilities `p`, each bucket log-uniform over
     [lo, hi): the part of a bucket above t has mass p * ln(hi / t') / ln(hi / lo) and mean (hi - t') / ln(hi / t'),
     t' = max(t, lo). Past the last bucket's end: t + 1. With `scale` (served tokens per training token) the lengths
-    are the served tokenizer's: E[s len | s len > t] = s E[len | len > t / s]."""
+    are the served tokenizer's: E[s len | s len > t] = s E[len | len > t / s].
+
+    With `cap` (a request's max_tokens, in served tokens) the reply ends there at the latest, so each entry is
+    E[min(len, cap) | len > t]: a bucket's part above t contributes (u - t') + c ln(hi / u), u = c clipped to
+    [t', hi], over ln(hi / t') (c the cap in training tokens). That is what a reply the cap may cut runs on average,
+    less than min(E[len], cap) wherever the distribution reaches past the cap. Entries at or past the cap keep t + 1."""
     grid = OUTLOOK_GRID / scale
     t = np.maximum(grid[:, None], _LO[None, :])  # (grid, buckets)
     above = t < _HI[None, :]
     t = np.where(above, t, _HI[None, :] * 0.999)
     logs = np.log(_HI[None, :] / t)
     mass = np.where(above, p[None, :] * logs / np.log(_HI / _LO)[None, :], 0.0)
-    mean = (_HI[None, :] - t) / logs
+    if cap is None or cap / scale >= _HI[-1]:
+        mean = (_HI[None, :] - t) / logs
+    else:
+        c = max(float(cap), 1.0) / scale
+        u = np.clip(c, t, _HI[None, :])
+        mean = ((u - t) + c * np.log(_HI[None, :] / u)) / logs
     tot = mass.sum(axis=1)
     out = np.where(tot > 1e-12, (mass * mean).sum(axis=1) / np.maximum(tot, 1e-300), grid + 1.0) * scale
     return tuple(float(x) for x in np.maximum(out, OUTLOOK_GRID + 1.0))
@@ -287,13 +297,14 @@ class LengthPredictor:
             return max(1, int(round(self.scale * math.exp(float(p @ _LOG_MIDS)))))
         return quantile(p, q, self.scale)
 
-    def outlook(self, ids: Sequence[int]) -> tuple[float, ...]:
+    def outlook(self, ids: Sequence[int], cap: float | None = None) -> tuple[float, ...]:
         """The expected reply length given that it is longer than each of `OUTLOOK_GRID`'s lengths: entry i is
         E[len | len > OUTLOOK_GRID[i]] under the predicted bucket distribution, each bucket's lengths spread
         log-uniformly over it. Entry 0 is the distribution's mean (every reply is longer than the grid's first
         point). A reply that outlives its expected length is then expected to run on by what the distribution
-        still leaves above its length, not to end with its next token (`Request.expected_output_len`)."""
-        return conditional_means(self.probs(ids), self.scale)
+        still leaves above its length, not to end with its next token (`Request.expected_output_len`). `cap`: the
+        request's max_tokens, where the reply ends at the latest (`conditional_means`)."""
+        return conditional_means(self.probs(ids), self.scale, cap)
 
     def quantized(self) -> "LengthPredictor":
         """The predictor as `save` stores it: W in int8 steps of its bucket column's largest magnitude / 127."""

@@ -175,7 +175,9 @@ class Scheduler:
     def _predict_length(self, req: Request) -> None:
         """The length predictor's expectations for `req`, from its question (a chat request's last user message) or
         else its prompt: with a planning quantile, that quantile everywhere; else the predicted distribution's mean
-        (and its mean above the tokens out, as the reply runs: length_outlook), and for the VBS gate the policy's
+        (and its mean above the tokens out, as the reply runs: length_outlook), each of the reply as its max_tokens
+        (or the window) may cut it: E[min(length, cap)], not min(E[length], cap), which plans for the cap wherever the
+        distribution reaches past it (`conditional_means`); and for the VBS gate the policy's
         gate quantile (a bound the reply seldom outruns; 0: the mean), every length at the scale of the replies served
         so far where length_calibration is on (the uncalibrated mean kept to compare the reply with: `finish`); a
         request's min_tokens takes the distribution above it (`outlook_from`). It
@@ -192,17 +194,18 @@ class Scheduler:
         q, scale = self.config.length_predictor_quantile, self.lengths.scale
         cal = self.length_cal.scale if self.length_cal is not None else 1.0
         floor = req.params.min_tokens  # a reply at least this long: the distribution above it
+        # ...and at most this long (its max_tokens, the window's rest): every expectation is of min(length, cap)
+        cap = min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens)
         if q is not None:
             req.predicted_len = max(length_quantile(p, q, scale * cal), floor)
-            if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
-                # (above min_tokens in the calibrated scale, as the mean path's: the floor is in served tokens)
-                req.length_base = outlook_from(conditional_means(p, scale * cal), floor)[0] / cal
-            return
-        req.length_outlook = outlook_from(conditional_means(p, scale * cal), floor)
-        req.length_base = req.length_outlook[0] / cal
-        req.predicted_len = max(1, int(round(req.length_outlook[0])))
-        if self.flags.length_gate_quantile > 0:
-            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
+        else:
+            req.length_outlook = outlook_from(conditional_means(p, scale * cal, cap), floor)
+            req.predicted_len = max(1, int(round(req.length_outlook[0])))
+            if self.flags.length_gate_quantile > 0:
+                req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
+        if self.length_cal is not None:  # what the reply's length is compared with: the uncalibrated expectation
+            req.length_base = req.length_outlook[0] if cal == 1.0 and q is None \
+                else outlook_from(conditional_means(p, scale, cap), floor)[0]
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""

@@ -219,6 +219,11 @@ def test_expected_length_is_the_hint_else_the_prediction_capped_else_max_tokens(
     assert r.expected_output_len == 4
 
 
+def _outlook(m, r, window=1024):
+    """The outlook the scheduler plans `r` with: the predictor's, of min(length, its cap) (max_tokens, the window)."""
+    return m.outlook(r.prompt_token_ids, min(r.params.max_tokens, window - len(r.prompt_token_ids)))
+
+
 def _sched(policy="scorpio", **kw):
     model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.0, 0.01, 5.0))  # itl = 5 + 0.01 L
     return Scheduler(SchedulerConfig(policy=policy, **kw), 512, 4, max_model_len=1024, predictor=model)
@@ -231,8 +236,8 @@ def test_the_predictor_sets_predicted_len_at_admission_only_when_on_and_unhinted
     off.add(b)
     on.add(c)
     m = LP.load_cached(None)
-    assert a.predicted_len == round(m.outlook(a.prompt_token_ids)[0]) and b.predicted_len is None
-    assert a.length_outlook == m.outlook(a.prompt_token_ids) and a.gate_len is None  # scorpio: the mean throughout
+    assert a.predicted_len == round(_outlook(m, a)[0]) and b.predicted_len is None
+    assert a.length_outlook == _outlook(m, a) and a.gate_len is None  # scorpio: the mean throughout
     assert c.predicted_len is None and c.expected_output_len == 50
     assert SchedulerConfig(policy="fcfs").flags().length_predictor is False
     assert SchedulerConfig(policy="fcfs", length_predictor=True).flags().length_predictor is True
@@ -260,13 +265,13 @@ def test_a_reply_only_its_cap_ends_is_planned_for_its_cap_not_predicted():
     assert forced.expected_output_len == 700
     m = LP.load_cached(None)
     for r in (stopped, by_id, plain):
-        assert not r.params.runs_to_cap and r.predicted_len == round(m.outlook(r.prompt_token_ids)[0])
+        assert not r.params.runs_to_cap and r.predicted_len == round(_outlook(m, r)[0])
     assert not short_floor.params.runs_to_cap  # predicted, above its min_tokens
-    assert short_floor.predicted_len == round(LP.outlook_at(m.outlook(short_floor.prompt_token_ids), 699))
+    assert short_floor.predicted_len == round(LP.outlook_at(_outlook(m, short_floor), 699))
     off = _sched(length_predictor=True, ignore_eos_length=False)
     again = req("g", ignore_eos=True)
     off.add(again)
-    assert again.predicted_len == round(m.outlook(again.prompt_token_ids)[0])
+    assert again.predicted_len == round(_outlook(m, again)[0])
 
 
 def test_a_reply_of_at_least_min_tokens_is_planned_for_the_distribution_above_them():
@@ -279,7 +284,7 @@ def test_a_reply_of_at_least_min_tokens_is_planned_for_the_distribution_above_th
     floored = Request("f", list(range(3, 13)), SamplingParams(max_tokens=900, min_tokens=500), SLO(tpot_ms=50.0))
     for r in (plain, floored):
         s.add(r)
-    base = LP.load_cached(None).outlook(plain.prompt_token_ids)
+    base = _outlook(LP.load_cached(None), plain)
     assert plain.length_outlook == base and plain.predicted_len < 500
     assert floored.length_outlook == outlook_from(base, 500)
     assert floored.predicted_len == round(outlook_at(base, 500)) > 500
@@ -366,6 +371,30 @@ def test_outlook_is_the_mean_above_the_tokens_out_and_grows_as_a_reply_outlives_
     assert LP.quantile(p, 0.25) < 64 < 512 <= LP.quantile(p, 0.75)
 
 
+def test_outlook_within_a_cap_is_the_mean_of_the_reply_the_cap_may_cut():
+    """With a cap (max_tokens) every entry is E[min(length, cap) | length > t], each bucket log-uniform: at most
+    min(E[length | length > t], cap), less wherever the distribution reaches past the cap; a cap beyond every bucket
+    changes nothing. Checked against the same mixture sampled."""
+    K = len(LP.EDGES) + 1
+    p = np.zeros(K)
+    p[2], p[8] = 0.5, 0.5  # 32..64 or 512..768
+    rng = np.random.default_rng(0)
+    lo, hi = np.array((LP.LEN_LO, *LP.EDGES), float), np.array((*LP.EDGES, LP.LEN_HI), float)
+    k = rng.choice(K, size=400_000, p=p)
+    x = np.exp(np.log(lo[k]) + rng.random(k.size) * np.log(hi[k] / lo[k]))
+    free = LP.conditional_means(p)
+    assert LP.conditional_means(p, cap=5000) == free
+    for scale, cap in ((1.0, 600), (1.0, 40), (2.0, 600)):
+        o = LP.conditional_means(p, scale, cap)
+        for i in (0, 20, 35, 45):
+            t = LP.OUTLOOK_GRID[i]
+            if t >= cap:
+                continue
+            sampled = np.minimum(scale * x[scale * x > t], cap).mean()
+            assert o[i] == pytest.approx(sampled, rel=0.01), (scale, cap, i)
+            assert o[i] <= min(LP.conditional_means(p, scale)[i], cap) + 1e-9
+    assert LP.conditional_means(p, cap=600)[0] < 0.5 * (64 - 32) / math.log(2) + 0.5 * 600  # the long half cut
+
 def test_expected_length_follows_the_outlook_and_the_gate_plans_for_its_own_length():
     r = _req("o", max_tokens=600, predicted=100)
     r.length_outlook = tuple([100.0] * 10 + [400.0] * (len(LP.OUTLOOK_GRID) - 10))
@@ -431,7 +460,7 @@ def test_a_finished_request_carries_the_length_predicted_at_its_arrival():
                                  scheduler=SchedulerConfig(policy="kairos")))
     try:
         prompt = list(range(40, 90))
-        predicted = round(LP.load_cached(None).outlook(prompt)[0])
+        predicted = round(LP.load_cached(None).outlook(prompt, 900)[0])  # E[min(length, max_tokens)]
         assert 6 < predicted < 900
         finals = []
         for cap, hint in ((900, None), (6, None), (900, 5)):
@@ -623,8 +652,8 @@ def test_a_chat_request_is_predicted_from_its_last_user_message_not_the_template
     s.add(chat)
     s.add(plain)
     m = LP.load_cached(None)
-    assert chat.length_outlook == plain.length_outlook == m.outlook(plain.prompt_token_ids)
-    assert m.outlook(chat.prompt_token_ids) != chat.length_outlook  # the template would have shifted it
+    assert chat.length_outlook == plain.length_outlook == m.outlook(plain.prompt_token_ids, 500)
+    assert m.outlook(chat.prompt_token_ids, 500) != chat.length_outlook  # the template would have shifted it
 
 
 # --------------------------------------------------------------------------- a predictor for any served tokenizer
@@ -680,7 +709,7 @@ def test_the_served_model_gets_a_predictor_in_its_own_tokens():
                 SamplingParams(max_tokens=900), SLO())
     s.add(r)
     p = words.bind(smol).probs(r.prompt_token_ids)
-    assert r.length_outlook == LP.conditional_means(p, bound.scale) and r.predicted_len == round(r.length_outlook[0])
+    assert r.length_outlook == LP.conditional_means(p, bound.scale, 900) and r.predicted_len == round(r.length_outlook[0])
 
 
 def test_length_calibration_learns_the_served_replies_scale_and_counts_a_capped_reply_at_its_cap():
@@ -741,6 +770,9 @@ def test_kairos_scales_its_predictions_by_the_replies_it_served_and_scorpio_does
     assert k.length_cal.scale == pytest.approx(0.25, abs=0.03) and k.length_cal.observed == 400
     later = _req("later")
     k.add(later)
-    assert later.length_outlook[0] == pytest.approx(base * k.length_cal.scale, rel=0.01)
+    # the calibrated distribution, within the cap: E[min(scale * length, cap)], not the scale times the capped base
+    p = LP.load_cached(None).probs(later.prompt_token_ids)
+    assert later.length_outlook == LP.conditional_means(p, k.lengths.scale * k.length_cal.scale, 900)
+    assert later.length_outlook[0] == pytest.approx(base * k.length_cal.scale, rel=0.1)
     assert later.length_base == pytest.approx(base, rel=0.01)
     assert later.predicted_len == round(later.length_outlook[0])
