@@ -104,12 +104,12 @@ class ReplicaMetrics:
         self.length_ratio = hist("length_prediction_ratio", "kairos: a reply that ended on its own (EOS or a stop), "
                                  "its generated tokens over the length the length predictor expected at its arrival "
                                  "(1: exact; the spread is the predictor's error on this traffic)", _LENGTH_RATIO)
-        self.tokens_in = ctr("prompt_tokens", "prompt tokens of admitted requests (counted at the first token)",
-                             ("tier",))
+        self.tokens_in = ctr("prompt_tokens", "prompt tokens of admitted requests (counted at the first token, "
+                             "added at its request's end and each metrics refresh)", ("tier",))
         self.tokens_out = ctr("generation_tokens", "generated tokens (counted as they stream, added at each "
                              "request's end and each metrics refresh)", ("tier",))
-        self.admitted = ctr("requests_admitted", "requests admitted by the engine (counted at the first token)",
-                            ("tier",))
+        self.admitted = ctr("requests_admitted", "requests admitted by the engine (counted at the first token, "
+                            "added at its request's end and each metrics refresh)", ("tier",))
         self.finished = ctr("requests_finished", "admitted requests that ended, by finish reason",
                             ("tier", "reason"))
         self.rejected = ctr("requests_rejected", "requests rejected at admission (429, and 400 slo_unattainable), by "
@@ -155,7 +155,12 @@ class ReplicaMetrics:
         self._preempted_seen = 0
         self._tiers: set[str] = set()
         self._itl = _TierRecorder(self.itl)
-        self._tokens_pending: dict[str, int] = {}  # generated tokens streamed, not yet on `tokens_out`, by tier
+        # counts not yet on their counters, by tier, flushed at each metrics refresh and at a request's end
+        # (`flush_counts`): generated tokens streamed (`tokens_out`), and requests admitted with their prompt tokens
+        # (`admitted`, `tokens_in`): a counter's inc goes through Ray's tag checks, off the way of every chunk and of
+        # every first token
+        self._tokens_pending: dict[str, int] = {}
+        self._admitted_pending: dict[str, list[int]] = {}  # tier -> [requests, prompt tokens]
 
     def tier_label(self, slo: SLO) -> str:
         """The `tier` label of a request with `slo`: its tier while this replica has seen fewer than
@@ -170,8 +175,8 @@ class ReplicaMetrics:
 
     def update_engine(self, st: Any, inflight: int) -> None:
         """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works), and hand the
-        tokens streamed since the last refresh to their counter."""
-        self.flush_tokens()
+        counts since the last refresh to their counters."""
+        self.flush_counts()
         g = lambda name, default=0: getattr(st, name, default)  # noqa: E731
         self.queue_len.set(g("num_waiting"))
         self.running.set(g("num_running"))
@@ -215,22 +220,31 @@ class ReplicaMetrics:
         self.loop_lag.observe(seconds)
 
     def on_admitted(self, tier: str, prompt_tokens: int) -> None:
-        """A request's first token: it is admitted, and its prompt is in."""
-        t = {"tier": tier}
-        self.admitted.inc(tags=t)
-        if prompt_tokens > 0:  # Counter.inc(0) raises ValueError
-            self.tokens_in.inc(prompt_tokens, tags=t)
+        """A request's first token: it is admitted, and its prompt is in (counted at the next `flush_counts`)."""
+        got = self._admitted_pending.get(tier)
+        if got is None:
+            self._admitted_pending[tier] = [1, max(prompt_tokens, 0)]
+        else:
+            got[0] += 1
+            got[1] += max(prompt_tokens, 0)
 
     def on_tokens(self, tier: str, n: int) -> None:
-        """`n` tokens streamed: counted on `tokens_out` at the next `flush_tokens`."""
+        """`n` tokens streamed: counted on `tokens_out` at the next `flush_counts`."""
         if n > 0:
             self._tokens_pending[tier] = self._tokens_pending.get(tier, 0) + n
 
-    def flush_tokens(self, tier: str | None = None) -> None:
-        """The tokens streamed and not yet counted (of `tier`; None: every tier's) onto `tokens_out`."""
+    def flush_counts(self, tier: str | None = None) -> None:
+        """The admissions and tokens not yet counted (of `tier`; None: every tier's) onto their counters."""
+        for t in (self._admitted_pending.copy() if tier is None else (tier,)):
+            got = self._admitted_pending.pop(t, None)
+            if got is not None:
+                tags = {"tier": t}
+                self.admitted.inc(got[0], tags=tags)
+                if got[1] > 0:  # Counter.inc(0) raises ValueError
+                    self.tokens_in.inc(got[1], tags=tags)
         for t in (self._tokens_pending.copy() if tier is None else (tier,)):
             n = self._tokens_pending.pop(t, 0)
-            if n > 0:  # Counter.inc(0) raises ValueError
+            if n > 0:
                 self.tokens_out.inc(n, tags={"tier": t})
 
     def on_abandoned(self, tier: str) -> None:
@@ -243,7 +257,7 @@ class ReplicaMetrics:
     def on_aborted(self, tier: str) -> None:
         """An admitted request whose caller went away before it finished (reason `abort`, as vLLM counts it)."""
         self.finished.inc(tags={"tier": tier, "reason": "abort"})
-        self.flush_tokens(tier)
+        self.flush_counts(tier)
 
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
         """`n` tokens that came `seconds` apart each (a chunk of `n` tokens, `n` x `seconds` after the last)."""
@@ -256,7 +270,7 @@ class ReplicaMetrics:
         reason = final.finish_reason or "unknown"
         self.finished.inc(tags={"tier": tier, "reason": reason})
         self.on_tokens(tier, final.num_output_tokens - streamed)  # tokens the stream never carried (none, or a stop)
-        self.flush_tokens(tier)
+        self.flush_counts(tier)
         m = final.metrics
         ttft, tpot, e2e = (m.ttft_s, m.tpot_s, m.e2e_s) if m is not None else (None, None, None)
         queued = None if m is None or m.admitted_s is None else max(m.admitted_s - m.arrival_s, 0.0)

@@ -2394,6 +2394,32 @@ def test_replica_metrics_count_streamed_tokens_when_their_request_ends_and_on_ea
     assert generated(calls) == [(11, "a"), (3, "b"), (4, "b")]
 
 
+def test_replica_metrics_count_admissions_off_the_first_tokens_way_at_its_end_or_the_refresh(monkeypatch):
+    """A request's admission (its first token) and its prompt tokens are counted without a counter call on the way
+    of that token: summed per tier and handed to `requests_admitted` and `prompt_tokens` at its request's end (its
+    tier's) or the next refresh (every tier's), one call per tier and counter; none lost or counted twice."""
+    from types import SimpleNamespace
+
+    from deployments import metrics as Mx
+
+    calls: list[tuple[str, float, dict]] = []
+    monkeypatch.setattr(Mx, "Counter", recording_counter(calls))
+    m = Mx.ReplicaMetrics("m")
+
+    def counted(name: str) -> list[tuple[float, str]]:
+        return [(v, t["tier"]) for n, v, t in calls if n == name]
+    m.on_admitted("a", 10)
+    m.on_admitted("a", 5)
+    m.on_admitted("b", 0)  # an empty prompt's count (Ray's Counter refuses an increment of 0)
+    assert counted("kairos_requests_admitted") == [] and counted("kairos_prompt_tokens") == []
+    final = RequestOutput("r", "", [], num_prompt_tokens=10, num_output_tokens=1, finished=True, finish_reason="stop")
+    m.on_finished("a", SLO(), final, streamed=1)
+    assert counted("kairos_requests_admitted") == [(2, "a")] and counted("kairos_prompt_tokens") == [(15, "a")]
+    m.update_engine(SimpleNamespace(), 0)
+    assert counted("kairos_requests_admitted") == [(2, "a"), (1, "b")] and counted("kairos_prompt_tokens") == [(15, "a")]
+    m.update_engine(SimpleNamespace(), 0)
+    assert len(counted("kairos_requests_admitted")) == 2  # nothing twice
+
 def test_a_reply_that_ended_on_its_own_is_observed_over_its_predicted_length(monkeypatch):
     """`kairos_length_prediction_ratio`: a reply that ended on its own (finish reason stop) with a length predicted at
     its arrival observes its tokens over that length; one its cap ended (length), or with no prediction, does not.
