@@ -1170,23 +1170,35 @@ async def until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
     """`work` (a request's generation up to its response: a whole completion, or a stream's first item) unless the
     client disconnects first: then it is cancelled, which cancels its stream and so aborts the request in its engine
     and frees its KV blocks, and so is this call (the client is gone: nothing is sent). A stream's later chunks go
-    out in `_serve_generation`, whose task Serve cancels when the client goes away."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(receive))
+    out in `_serve_generation`, whose task Serve cancels when the client goes away.
+
+    `work` runs in this task, at once: its way to the engine (tokenizing, the send to the engine process) waits for
+    no turn of the event loop, where a task of its own would start only after every callback ready before it (under
+    load, the chunks of every stream). The watch for the disconnect is the task beside it, and cancels this one."""
+    me = asyncio.current_task()
+    if me is None:  # not in a task (never under ASGI): nothing to cancel on a disconnect
+        return await work
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnect(receive)
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this call was cancelled: a response made meanwhile is never sent
-        if task.done() and not task.cancelled() and task.exception() is None:
-            _drop(task.result())
+        result = await work
+    except asyncio.CancelledError:
+        if gone:
+            raise asyncio.CancelledError("client disconnected") from None
         raise
     finally:
-        watch.cancel()
-        if not task.done():  # the client went away, or this call was cancelled
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
+        watcher.cancel()
+    if gone:  # the work went on through the cancellation: its response is never sent
+        _drop(result)
         raise asyncio.CancelledError("client disconnected")
-    return task.result()
+    return result
 
 
 GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}

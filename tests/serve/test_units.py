@@ -1728,6 +1728,54 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
     asyncio.run(run())
 
 
+def test_until_disconnected_runs_the_work_at_once_and_cancels_it_when_the_client_goes() -> None:
+    """The work (a request's way to its first item) starts in the caller's task before any callback that was ready
+    before the call (no turn of the event loop on its way to the engine); its result comes back while the client
+    stays; a client that hangs up cancels it (its `finally` runs: the stream closes) and the call raises
+    CancelledError; a call cancelled from outside cancels the work too."""
+    from deployments.ingress import until_disconnected
+
+    async def run() -> None:
+        order: list[str] = []
+        hang_up = asyncio.Event()
+
+        async def receive() -> dict:
+            await hang_up.wait()
+            return {"type": "http.disconnect"}
+
+        async def work(tag: str, wait: float) -> str:
+            order.append(f"{tag} started")
+            try:
+                await asyncio.sleep(wait)
+                return tag
+            finally:
+                order.append(f"{tag} closed")
+
+        asyncio.get_running_loop().call_soon(order.append, "ready callback")
+        assert await until_disconnected(receive, work("a", 0.01)) == "a"
+        assert order[:2] == ["a started", "ready callback"]
+
+        order.clear()
+        call = asyncio.ensure_future(until_disconnected(receive, work("b", 10.0)))
+        await asyncio.sleep(0.01)
+        hang_up.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert order == ["b started", "b closed"]
+
+        order.clear()
+        hang_up.clear()
+        call = asyncio.ensure_future(until_disconnected(receive, work("c", 10.0)))
+        await asyncio.sleep(0.01)
+        call.cancel()  # Serve's own disconnect handling, or a shutdown
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert order == ["c started", "c closed"]
+        assert len(asyncio.all_tasks()) == 1  # no watch left behind
+
+    asyncio.run(run())
+
+
 def test_a_shed_request_gets_429_with_retry_after_and_what_to_do():
     from core.messages import ServedBy
     from core.request import FinishReason
