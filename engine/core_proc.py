@@ -548,10 +548,19 @@ class EngineCoreClient:
         if (t := msg.tokens) is not None:  # before the items: a request's last item comes after its tokens
             with self._lock:
                 streams = [self._streams.get(rid) for rid in t.request_ids]
-            for stream, rid, text, tok, n_in, n_out in zip(streams, t.request_ids, t.texts, t.token_ids,
-                                                           t.num_prompt_tokens, t.num_output_tokens):
+            # first tokens first: the readers they wake go ahead of the other streams' in the event loop's queue (a
+            # request's time to first token waits for no stream's chunk); a request's later tokens still follow
+            # its first
+            n_outs = t.num_output_tokens
+            order = [i for i, n in enumerate(n_outs) if n == 1]
+            if order and len(order) < len(n_outs):
+                order += [i for i, n in enumerate(n_outs) if n != 1]
+            else:
+                order = range(len(n_outs))
+            for i in order:
+                stream = streams[i]
                 if stream is not None:
-                    stream.put_token(rid, text, tok, n_in, n_out)
+                    stream.put_token(t.request_ids[i], t.texts[i], t.token_ids[i], t.num_prompt_tokens[i], n_outs[i])
         for item in msg.items:
             with self._lock:
                 stream = self._streams.pop(item.request_id, None) if item.finished else \

@@ -399,3 +399,32 @@ def test_reconfigure_is_checked_in_the_caller_and_swaps_the_childs_scheduler(cli
         while client.stats().policy != "fcfs" and time.monotonic() < deadline:
             time.sleep(0.05)
     assert client.stats().policy == "fcfs"
+
+
+def test_a_turns_first_tokens_are_delivered_before_the_other_streams_tokens():
+    """The client hands a turn's first tokens (a reply's token 1) to their streams before the rest, so that the
+    readers they wake go first in the event loop's queue; a request's later tokens still come after its first, and
+    each stream gets its own tokens in order."""
+    import threading
+
+    from engine.core_messages import Outputs, TokenDeltas
+
+    got: list[tuple[str, int]] = []
+
+    class Stream:
+        def put_token(self, rid, text, tok, n_in, n_out):
+            got.append((rid, n_out))
+
+        def put(self, item):
+            got.append((item.request_id, -1))
+
+    client = object.__new__(EngineCoreClient)
+    client._lock = threading.Lock()
+    client._streams = {rid: Stream() for rid in ("a", "b", "c", "d")}
+    client._stats = None
+    t = TokenDeltas(["a", "b", "c", "b", "d"], ["x"] * 5, [7] * 5, [3] * 5, [5, 1, 9, 2, 1])
+    client._deliver(Outputs(tokens=t))
+    assert got == [("b", 1), ("d", 1), ("a", 5), ("c", 9), ("b", 2)]
+    got.clear()
+    client._deliver(Outputs(tokens=TokenDeltas(["a", "c"], ["x"] * 2, [7] * 2, [3] * 2, [6, 10])))
+    assert got == [("a", 6), ("c", 10)]  # none first: in the turn's order
