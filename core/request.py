@@ -129,8 +129,8 @@ class Request:
     # the reply length the VBS gate admits a fresh request against where it is not the expected one: a conservative
     # quantile of the predicted distribution (SchedulerConfig.length_gate_quantile; set at add)
     gate_len: int | None = None
-    # the predicted mean (within max_tokens) before the served replies' calibration (scheduling.length_predictor.
-    # LengthCalibration, which compares the reply with it when it ends; set at add, with calibration on)
+    # the predicted mean (within max_tokens) over the served replies' calibration scale (scheduling.length_predictor.
+    # LengthCalibration, which compares the reply with it when it ends; set at add)
     length_base: float | None = None
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in

@@ -179,7 +179,7 @@ class Scheduler:
         (or the window) may cut it: E[min(length, cap)], not min(E[length], cap), which plans for the cap wherever the
         distribution reaches past it (`conditional_means`); and for the VBS gate the policy's
         gate quantile (a bound the reply seldom outruns; 0: the mean), every length at the scale of the replies served
-        so far where length_calibration is on (the uncalibrated mean kept to compare the reply with: `finish`); a
+        so far where length_calibration is on (that mean over the scale kept to compare the reply with: `finish`); a
         request's min_tokens takes the distribution above it (`outlook_from`). It
         never raises: a prediction is advice, and a request the predictor fails on plans for its cap (logged), its
         neighbours and the engine unharmed. It runs on the worker between steps (its cost bounded:
@@ -198,14 +198,18 @@ class Scheduler:
         cap = min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens)
         if q is not None:
             req.predicted_len = max(length_quantile(p, q, scale * cal), floor)
-        else:
-            req.length_outlook = outlook_from(conditional_means(p, scale * cal, cap), floor)
-            req.predicted_len = max(1, int(round(req.length_outlook[0])))
-            if self.flags.length_gate_quantile > 0:
-                req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
-        if self.length_cal is not None:  # what the reply's length is compared with: the uncalibrated expectation
-            req.length_base = req.length_outlook[0] if cal == 1.0 and q is None \
-                else outlook_from(conditional_means(p, scale, cap), floor)[0]
+            if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
+                # (above min_tokens and within the cap in the calibrated scale, as the mean path's: both are in
+                # served tokens)
+                req.length_base = outlook_from(conditional_means(p, scale * cal, cap), floor)[0] / cal
+            return
+        req.length_outlook = outlook_from(conditional_means(p, scale * cal, cap), floor)
+        # the calibrated expectation over the scale: at the scale the replies bear out, the replies' lengths over
+        # these is that scale (a capped one's included, as the reply the cap may cut is what the expectation is of)
+        req.length_base = req.length_outlook[0] / cal
+        req.predicted_len = max(1, int(round(req.length_outlook[0])))
+        if self.flags.length_gate_quantile > 0:
+            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""
