@@ -552,11 +552,8 @@ class EngineCoreClient:
             # request's time to first token waits for no stream's chunk); a request's later tokens still follow
             # its first
             n_outs = t.num_output_tokens
-            order = [i for i, n in enumerate(n_outs) if n == 1]
-            if order and len(order) < len(n_outs):
-                order += [i for i, n in enumerate(n_outs) if n != 1]
-            else:
-                order = range(len(n_outs))
+            firsts = [i for i, n in enumerate(n_outs) if n == 1]
+            order = firsts + [i for i, n in enumerate(n_outs) if n != 1] if firsts else range(len(n_outs))
             for i in order:
                 stream = streams[i]
                 if stream is not None:

@@ -194,8 +194,7 @@ class Scheduler:
         q, scale = self.config.length_predictor_quantile, self.lengths.scale
         cal = self.length_cal.scale if self.length_cal is not None else 1.0
         floor = req.params.min_tokens  # a reply at least this long: the distribution above it
-        # ...and at most this long (its max_tokens, the window's rest): every expectation is of min(length, cap)
-        cap = min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        cap = self._reply_cap(req)  # ...and at most this long: every expectation is of min(length, cap)
         if q is not None:
             req.predicted_len = max(length_quantile(p, q, scale * cal), floor)
             if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
@@ -210,6 +209,10 @@ class Scheduler:
         req.predicted_len = max(1, int(round(req.length_outlook[0])))
         if self.flags.length_gate_quantile > 0:
             req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
+
+    def _reply_cap(self, req: Request) -> int:
+        """The most tokens `req`'s reply can have: its max_tokens, within the window's rest."""
+        return min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens)
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> bool:
         """End a request (any reason): leave the queues, free its KV blocks. False if it had already ended."""
@@ -239,8 +242,7 @@ class Scheduler:
         floor = req.params.min_tokens
         if self.length_cal is not None and req.length_base is not None \
                 and not (floor > 0 and req.num_output_tokens <= floor + (reason is FinishReason.STOP)):
-            self.length_cal.observe(req.length_base, req.num_output_tokens,
-                                    min(req.params.max_tokens, self.max_model_len - req.num_prompt_tokens))
+            self.length_cal.observe(req.length_base, req.num_output_tokens, self._reply_cap(req))
         if math.isfinite(req.tpot_slo_ms):
             missed = self._missed_tpot(req, now)
             if self.flags.fill_steps and missed:
