@@ -21,6 +21,7 @@ split's Spearman, and scored on the held-out benchmark prompts (`length_predicto
   turns too, as the n-grams do: a forward for each of ~40,000 prompts.
 
     python -m bench.length_features [--model kairos-default] [--summary length-features-sharegpt]
+    python -m bench.length_features --agreement [--summary length-agreement-sharegpt]   # `reply_agreement`
 
 The model is SmolLM2-135M-Instruct (kairos-default) by default, the served default model. Training uses torch; the
 probe's forwards take most of a run's time (it prints how long they took).
@@ -94,6 +95,62 @@ def probe_states(texts: Sequence[str], model: str, tokens: int, batch: int = 16)
             out.append(torch.cat([h[:, -1], mean], 1).float().numpy())
     X = np.concatenate(out)
     return (X - X.mean(0)) / (X.std(0) + 1e-6)
+
+
+def reply_agreement(tokenizer: Any, seed: int = 0, boot: int = 1000) -> dict[str, Any]:
+    """How well one reply's length ranks another's to the same prompt: the noise any prompt-only predictor meets.
+
+    ShareGPT holds some prompts more than once (a popular question, a prompt pasted again) with replies that differ.
+    Over the (human turn, reply) pairs that pass bench.workload's filters (as the predictor's rows), grouped by the
+    prompt's text, a prompt with two or more distinct replies gives two of them at random (`seed`): the Spearman
+    correlation of their lengths over such prompts is how well a predictor that drew a reply from the very
+    distribution the prompt's replies come from would rank (a "sample" of the truth). The shipped predictor's
+    Spearman against the same first replies is beside it (these prompts are mostly in its training split, so that
+    figure is optimistic, but for the held-out benchmark prompts among them). Each with a bootstrap 95% interval
+    over prompts; for first turns, every turn (a later turn such as "continue" has its context in the chat, not in
+    its text), and the held-out ones."""
+    from bench import workload as W
+    from scheduling import length_predictor as L
+
+    by_prompt: dict[str, dict[str, bool]] = {}  # prompt text -> {distinct reply text: a first turn}
+    for r in W.read_conversations():
+        c = r.get("conversations") or []
+        for t in range(len(c) - 1):
+            if c[t].get("from") == "human" and c[t + 1].get("from") == "gpt":
+                replies = by_prompt.setdefault((c[t].get("value") or "").strip(), {})
+                replies[(c[t + 1].get("value") or "").strip()] = replies.get(
+                    (c[t + 1].get("value") or "").strip(), False) or t == 0
+    rng = np.random.default_rng(seed)
+    picked = []  # (prompt, reply a, reply b, a first turn)
+    for prompt, replies in by_prompt.items():
+        if len(replies) >= 2 and prompt:
+            a, b = rng.choice(len(replies), 2, replace=False)
+            texts = list(replies)
+            picked.append((prompt, texts[a], texts[b], any(replies.values())))
+    enc = tokenizer([p[0] for p in picked], add_special_tokens=False)["input_ids"]
+    la = [len(x) for x in tokenizer([p[1] for p in picked], add_special_tokens=False)["input_ids"]]
+    lb = [len(x) for x in tokenizer([p[2] for p in picked], add_special_tokens=False)["input_ids"]]
+    keep = [i for i, ids in enumerate(enc)
+            if W.SHAREGPT_MIN <= len(ids) <= W.SHAREGPT_MAX_PROMPT and min(la[i], lb[i]) >= W.SHAREGPT_MIN
+            and len(ids) + max(la[i], lb[i]) <= W.SHAREGPT_MAX_TOTAL]
+    model = L.load_cached()  # the shipped one counts in kairos-tiny's tokens (--tokenizer's default)
+    pred = {i: float(model.outlook(enc[i])[0]) for i in keep}
+
+    def interval(x: np.ndarray, y: np.ndarray) -> list[float]:
+        got = [L.spearman(x[j], y[j]) for j in (rng.integers(0, len(x), len(x)) for _ in range(boot))]
+        return [round(float(np.nanpercentile(got, q)), 3) for q in (2.5, 97.5)]
+
+    rows_ = L.sharegpt_rows(tokenizer)
+    held = {tuple(x) for x, h in zip(rows_.ids, rows_.held) if h}  # the benchmark's prompts: never trained on
+    out: dict[str, Any] = {}
+    for name, rows in (("first_turns", [i for i in keep if picked[i][3]]), ("all_turns", keep),
+                       ("heldout", [i for i in keep if tuple(enc[i]) in held])):
+        a, b = np.asarray([la[i] for i in rows], float), np.asarray([lb[i] for i in rows], float)
+        p = np.asarray([pred[i] for i in rows])
+        out[name] = {"prompts": len(rows),
+                     "other_reply_spearman": round(L.spearman(b, a), 4), "other_reply_ci95": interval(b, a),
+                     "shipped_predictor_spearman": round(L.spearman(p, a), 4), "shipped_predictor_ci95": interval(p, a)}
+    return out
 
 
 def fit_and_score(design: str, rows: Any, feats: list, dense: np.ndarray | None, fit: np.ndarray, val: np.ndarray,
@@ -181,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe-rows", type=int, default=1500, help="@sub designs: training first turns (and as many "
                     "held-out, half as many validation ones)")
     ap.add_argument("--probe-tokens", type=int, default=64, help="the probe reads this many of the question's tokens")
+    ap.add_argument("--agreement", action="store_true", help="only `reply_agreement`: how well another reply to the "
+                    "same prompt ranks a reply's length, beside the shipped predictor on those prompts")
     ap.add_argument("--summary", default=None, help="bench/summaries/NAME.json")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -190,6 +249,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer))
+    if args.agreement:
+        got = reply_agreement(tok)
+        for name, g in got.items():
+            print(f"  {name:<11} {g['prompts']:>4} prompts with two distinct replies: another reply's Spearman "
+                  f"{g['other_reply_spearman']:.3f} {g['other_reply_ci95']}, the shipped predictor's "
+                  f"{g['shipped_predictor_spearman']:.3f} {g['shipped_predictor_ci95']}", flush=True)
+        if args.summary:
+            from bench.report import command_line, write_summary
+
+            head = "ShareGPT prompts with two distinct replies, Spearman of one reply's length against: " + "; ".join(
+                f"{n} ({g['prompts']}) another reply {g['other_reply_spearman']:.3f}, the shipped predictor "
+                f"{g['shipped_predictor_spearman']:.3f}" for n, g in got.items())
+            print(f"summary -> {write_summary(args.summary, command_line('bench.length_features', argv), head, {**got, 'tokenizer': args.tokenizer})}")
+        return 0
     rows = L.sharegpt_rows(tok)
     groups = sorted({g for g, h in zip(rows.group, rows.held) if not h})
     val_groups = set(np.random.default_rng(0).choice(groups, int(len(groups) * 0.25), replace=False).tolist())

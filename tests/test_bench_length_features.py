@@ -32,3 +32,34 @@ def test_every_design_learns_what_its_features_say(monkeypatch) -> None:
         r = fit_and_score(design, rows, feats, dense, fit, val, held, epochs=epochs, rank_weight=1.0)
         assert r["design"] == design and 1 <= r["epoch"] <= epochs and len(r["history"]) == epochs
         assert r["heldout_spearman"] > 0.5, r  # a two-valued ranking of these lengths tops out near 0.87
+
+
+class _WordTokenizer:
+    """Each word one id (its length), as a tokenizer call returns them."""
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[10 + len(w) for w in t.split()] for t in texts]}
+
+
+def test_reply_agreement_pairs_distinct_replies_to_one_prompt(monkeypatch) -> None:
+    from bench import workload as W
+
+    rng = np.random.default_rng(1)
+    records = []
+    for i in range(60):  # each prompt asked twice, replies of about the same length (a length the prompt sets)
+        n = int(rng.integers(5, 400))
+        for k in range(2):
+            reply = " ".join(["w"] * (n + k))  # distinct texts, one word apart
+            records.append({"id": f"r{i}-{k}", "conversations": [
+                {"from": "human", "value": f"question {i} asks for {n} words please"}, {"from": "gpt", "value": reply}]})
+        # the same conversation pasted again: a duplicate reply, not a second one
+        records.append({"id": f"r{i}-dup", "conversations": records[-1]["conversations"]})
+    records.append({"id": "once", "conversations": [{"from": "human", "value": "asked only once here ok"},
+                                                    {"from": "gpt", "value": "an answer of some words"}]})
+    monkeypatch.setattr(W, "read_conversations", lambda path=None: tuple(records))
+    got = LF.reply_agreement(_WordTokenizer(), boot=20)
+    assert got["first_turns"]["prompts"] == got["all_turns"]["prompts"] == 60  # the one-reply prompt is not paired
+    assert got["first_turns"]["other_reply_spearman"] > 0.99
+    lo, hi = got["first_turns"]["other_reply_ci95"]
+    assert 0.9 < lo <= hi <= 1.0
+    assert -1.0 <= got["all_turns"]["shipped_predictor_spearman"] <= 1.0
