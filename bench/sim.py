@@ -61,8 +61,8 @@ from scheduling.scheduler import Scheduler
 @dataclass(frozen=True)
 class Machine:
     """The simulated machine: step ms = (truth prefill + truth decode - hybrid saving) x factor x jitter x drift +
-    host_ms (jitter and drift lognormal of median 1: a drift of spread s makes the mean step e^(s^2 / 2) as long). A
-    hybrid step (a prefill and decodes in one forward) saves `hybrid_saving_ms` against its two parts alone, at most
+    host_ms + host_row_ms x decode rows (jitter and drift lognormal of median 1: a drift of spread s makes the mean
+    step e^(s^2 / 2) as long). A hybrid step (a prefill and decodes in one forward) saves `hybrid_saving_ms` against its two parts alone, at most
     the smaller part: on a GPU both parts pay a launch-bound floor (the weights read once), which one forward pays once;
     the scheduler still plans a hybrid step as the sum."""
 
@@ -75,6 +75,7 @@ class Machine:
     drift: float = 0.0  # sigma of the log of the box's speed as it wanders (Drift); 0: a steady box
     drift_s: float = 1.0  # how long the wander takes to forget itself (s)
     hybrid_saving_ms: float = 0.0  # what a hybrid step saves against its prefill and decode alone (0: their sum)
+    host_row_ms: float = 0.0  # host time per decode row on top of host_ms (sampling, detokenizing, streaming a token)
 
     def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random,
                 prefill_sq: float | None = None, speed: float = 1.0) -> float:
@@ -84,7 +85,7 @@ class Machine:
             decode = self.truth.itl_ms(float(decode_rows), mean_len)
             ms += decode - (min(self.hybrid_saving_ms, ms, decode) if ms else 0.0)
         mult = math.exp(rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0
-        return ms * self.factor * mult * speed + self.host_ms
+        return ms * self.factor * mult * speed + self.host_ms + self.host_row_ms * decode_rows
 
 
 class Drift:
@@ -338,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       help="host time added to every step (ms): one for all, or per policy label, e.g. 'kairos=0.27,scorpio=0.12,"
       "0.15' (a label's own, else the bare number, else 0.15): a replay of a bench.slo run takes each policy's "
       "measured schedule + postprocess ms a step (its summary's phase_ms_per_step), which the probe fit leaves out")
+    a("--host-row-ms", type=float, default=0.0, help="host time per decode row on top of --host-ms (ms): a bench.slo "
+      "run's decode_host_ms_by_rows grows by about this a row (its policies alike), its fixed part being the "
+      "policy's own (--host-ms LABEL=MS)")
     a("--policies", default="fcfs,scorpio,kairos")
     a("--loads", default="1.5")
     a("--seeds", default="0-9")
@@ -437,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.no_hints:
             items = [replace(w, output_len_hint=None) for w in items]
         machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,
-                          args.hybrid_saving_ms)
+                          args.hybrid_saving_ms, args.host_row_ms)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
                         tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
 

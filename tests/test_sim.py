@@ -205,6 +205,13 @@ def test_a_hybrid_step_saves_at_most_its_smaller_part():
     assert plain.step_ms(64, 4, 100.0, rng) == pytest.approx(prefill + decode)
 
 
+def test_host_time_per_step_and_per_decode_row():
+    m = sim.Machine(MODEL, factor=1.0, jitter=0.0, host_ms=0.2, seed=0, host_row_ms=0.01)
+    rng = random.Random(0)
+    assert m.step_ms(0, 16, 100.0, rng) == pytest.approx(MODEL.itl_ms(16.0, 100.0) + 0.2 + 16 * 0.01)
+    assert m.step_ms(64, 0, 0.0, rng) == pytest.approx(MODEL.prefill_ms(64) + 0.2)  # a prefill alone: no row
+
+
 def test_a_gpu_fitted_model_runs_the_scheduler_with_a_gpu_replicas_defaults(tmp_path):
     """The scheduler gets the defaults of the device the --tiers model was fitted on where the run leaves a knob
     unset, as the engine applies them (engine.config.for_device): on a GPU's, kairos's gate counts half the prefill
