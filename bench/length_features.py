@@ -261,7 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             head = "ShareGPT prompts with two distinct replies, Spearman of one reply's length against: " + "; ".join(
                 f"{n} ({g['prompts']}) another reply {g['other_reply_spearman']:.3f}, the shipped predictor "
                 f"{g['shipped_predictor_spearman']:.3f}" for n, g in got.items())
-            print(f"summary -> {write_summary(args.summary, command_line('bench.length_features', argv), head, {**got, 'tokenizer': args.tokenizer})}")
+            figures = {**got, "tokenizer": args.tokenizer}
+            cmd = command_line("bench.length_features", argv)
+            print(f"summary -> {write_summary(args.summary, cmd, head, figures)}")
         return 0
     rows = L.sharegpt_rows(tok)
     groups = sorted({g for g, h in zip(rows.group, rows.held) if not h})

@@ -62,9 +62,9 @@ from scheduling.scheduler import Scheduler
 class Machine:
     """The simulated machine: step ms = (truth prefill + truth decode - hybrid saving) x factor x jitter x drift +
     host_ms + host_row_ms x decode rows (jitter and drift lognormal of median 1: a drift of spread s makes the mean
-    step e^(s^2 / 2) as long). A hybrid step (a prefill and decodes in one forward) saves `hybrid_saving_ms` against its two parts alone, at most
-    the smaller part: on a GPU both parts pay a launch-bound floor (the weights read once), which one forward pays once;
-    the scheduler still plans a hybrid step as the sum."""
+    step e^(s^2 / 2) as long). A hybrid step (a prefill and decodes in one forward) saves `hybrid_saving_ms` against
+    its two parts alone, at most the smaller part: on a GPU both parts pay a launch-bound floor (the weights read
+    once), which one forward pays once; the scheduler still plans a hybrid step as the sum."""
 
     truth: LatencyModel
     factor: float = 1.25
@@ -308,6 +308,21 @@ def host_ms_of(text: str) -> dict[str | None, float]:
     return out
 
 
+HOST_PHASES = ("schedule", "sample", "postprocess")  # a bench.slo run's host phases a step, beside its forward
+
+
+def host_ms_from(path: str) -> dict[str, float]:
+    """`--host-from`: each policy label's host ms a step in a bench.slo run (its results.json): the schedule, sample
+    and postprocess phases of its `phase_ms_per_step` (the first point of each label; the forward is the step
+    model's). A label without phases (an HTTP run's) is left out."""
+    out: dict[str, float] = {}
+    for r in json.loads(Path(path).read_text(encoding="utf-8")).get("results") or []:
+        phases = r.get("phase_ms_per_step") or {}
+        if r.get("policy") and r["policy"] not in out and all(k in phases for k in HOST_PHASES):
+            out[r["policy"]] = sum(phases[k] for k in HOST_PHASES)
+    return out
+
+
 def parse_seeds(text: str) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
@@ -339,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       help="host time added to every step (ms): one for all, or per policy label, e.g. 'kairos=0.27,scorpio=0.12,"
       "0.15' (a label's own, else the bare number, else 0.15): a replay of a bench.slo run takes each policy's "
       "measured schedule + postprocess ms a step (its summary's phase_ms_per_step), which the probe fit leaves out")
+    a("--host-from", default=None, metavar="RESULTS.json", help="each label's host ms a step from a bench.slo "
+      "run's results.json (its schedule + sample + postprocess phases), where --host-ms names no ms of its own")
     a("--host-row-ms", type=float, default=0.0, help="host time per decode row on top of --host-ms (ms): a bench.slo "
       "run's decode_host_ms_by_rows grows by about this a row (its policies alike), its fixed part being the "
       "policy's own (--host-ms LABEL=MS)")
@@ -377,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--json", default=None, help="write the results here")
     a("--summary", default=None, help="bench/summaries/NAME.json: the command, the figures and a headline")
     args = ap.parse_args(argv)
+    if args.host_from:
+        for label, ms in host_ms_from(args.host_from).items():
+            args.host_ms.setdefault(label, ms)  # a label --host-ms names keeps its own
     try:  # the drift's own rule on its arguments
         Drift(args.drift, args.drift_s, 0)
     except ValueError as e:

@@ -50,8 +50,8 @@ def test_reply_agreement_pairs_distinct_replies_to_one_prompt(monkeypatch) -> No
         n = int(rng.integers(5, 400))
         for k in range(2):
             reply = " ".join(["w"] * (n + k))  # distinct texts, one word apart
-            records.append({"id": f"r{i}-{k}", "conversations": [
-                {"from": "human", "value": f"question {i} asks for {n} words please"}, {"from": "gpt", "value": reply}]})
+            question = {"from": "human", "value": f"question {i} asks for {n} words please"}
+            records.append({"id": f"r{i}-{k}", "conversations": [question, {"from": "gpt", "value": reply}]})
         # the same conversation pasted again: a duplicate reply, not a second one
         records.append({"id": f"r{i}-dup", "conversations": records[-1]["conversations"]})
     records.append({"id": "once", "conversations": [{"from": "human", "value": "asked only once here ok"},

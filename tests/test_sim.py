@@ -276,3 +276,15 @@ def test_a_runs_length_is_its_first_arrival_to_its_last_end():
                                                                             rejected=True, finished_s=3.1),
             Record("t", 1.0, 1.0, arrival_s=11.0)]
     assert run_span_s(recs) == 9.0 and run_span_s([]) == 0.0
+
+
+def test_host_from_reads_each_policys_host_phases(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"results": [
+        {"policy": "kairos", "phase_ms_per_step": {"forward": 2, "schedule": 0.1, "sample": 0.05, "postprocess": 0.1}},
+        {"policy": "kairos", "phase_ms_per_step": {"forward": 2, "schedule": 9, "sample": 9, "postprocess": 9}},
+        {"policy": "scorpio", "phase_ms_per_step": {"schedule": 0.02, "sample": 0.04, "postprocess": 0.06}},
+        {"policy": "fcfs"},  # an HTTP run's point: no phases
+    ]}))
+    got = sim.host_ms_from(str(results))
+    assert got == pytest.approx({"kairos": 0.25, "scorpio": 0.12})  # each label's first point
