@@ -312,11 +312,14 @@ HOST_PHASES = ("schedule", "sample", "postprocess")  # a bench.slo run's host ph
 
 
 def host_ms_from(path: str) -> dict[str, float]:
-    """`--host-from`: each policy label's host ms a step in a bench.slo run (its results.json): the schedule, sample
-    and postprocess phases of its `phase_ms_per_step` (the first point of each label; the forward is the step
-    model's). A label without phases (an HTTP run's) is left out."""
+    """`--host-from`: each policy label's host ms a step in a bench.slo run (its results.json, or its summary in
+    bench/summaries): the schedule, sample and postprocess phases of its `phase_ms_per_step` (the first point of each
+    label; the forward is the step model's). A label without phases (an HTTP run's) is left out."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    rows = doc.get("results") or [{"policy": label, **point} for label, point in
+                                   ((doc.get("figures") or {}).get("policies") or {}).items()]
     out: dict[str, float] = {}
-    for r in json.loads(Path(path).read_text(encoding="utf-8")).get("results") or []:
+    for r in rows:
         phases = r.get("phase_ms_per_step") or {}
         if r.get("policy") and r["policy"] not in out and all(k in phases for k in HOST_PHASES):
             out[r["policy"]] = sum(phases[k] for k in HOST_PHASES)
@@ -354,8 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       help="host time added to every step (ms): one for all, or per policy label, e.g. 'kairos=0.27,scorpio=0.12,"
       "0.15' (a label's own, else the bare number, else 0.15): a replay of a bench.slo run takes each policy's "
       "measured schedule + postprocess ms a step (its summary's phase_ms_per_step), which the probe fit leaves out")
-    a("--host-from", default=None, metavar="RESULTS.json", help="each label's host ms a step from a bench.slo "
-      "run's results.json (its schedule + sample + postprocess phases), where --host-ms names no ms of its own")
+    a("--host-from", default=None, metavar="JSON", help="each label's host ms a step from a bench.slo run's "
+      "results.json or summary (its schedule + sample + postprocess phases), where --host-ms names no ms of its own")
     a("--host-row-ms", type=float, default=0.0, help="host time per decode row on top of --host-ms (ms): a bench.slo "
       "run's decode_host_ms_by_rows grows by about this a row (its policies alike), its fixed part being the "
       "policy's own (--host-ms LABEL=MS)")

@@ -288,3 +288,7 @@ def test_host_from_reads_each_policys_host_phases(tmp_path):
     ]}))
     got = sim.host_ms_from(str(results))
     assert got == pytest.approx({"kairos": 0.25, "scorpio": 0.12})  # each label's first point
+    summary = tmp_path / "summary.json"  # bench.slo's summary: the figures by policy
+    summary.write_text(json.dumps({"figures": {"policies": {
+        "kairos": {"phase_ms_per_step": {"schedule": 0.1, "sample": 0.05, "postprocess": 0.1}}, "fcfs": {}}}}))
+    assert sim.host_ms_from(str(summary)) == pytest.approx({"kairos": 0.25})
