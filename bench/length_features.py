@@ -118,8 +118,8 @@ def reply_agreement(tokenizer: Any, seed: int = 0, boot: int = 1000) -> dict[str
         for t in range(len(c) - 1):
             if c[t].get("from") == "human" and c[t + 1].get("from") == "gpt":
                 replies = by_prompt.setdefault((c[t].get("value") or "").strip(), {})
-                replies[(c[t + 1].get("value") or "").strip()] = replies.get(
-                    (c[t + 1].get("value") or "").strip(), False) or t == 0
+                reply = (c[t + 1].get("value") or "").strip()
+                replies[reply] = replies.get(reply, False) or t == 0
     rng = np.random.default_rng(seed)
     picked = []  # (prompt, reply a, reply b, a first turn)
     for prompt, replies in by_prompt.items():

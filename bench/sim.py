@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a("--host-ms", type=host_ms_of, default=host_ms_of("0.15"), metavar="MS|LABEL=MS,...",
       help="host time added to every step (ms): one for all, or per policy label, e.g. 'kairos=0.27,scorpio=0.12,"
       "0.15' (a label's own, else the bare number, else 0.15): a replay of a bench.slo run takes each policy's "
-      "measured schedule + postprocess ms a step (its summary's phase_ms_per_step), which the probe fit leaves out")
+      "measured host ms a step (--host-from reads them), which the probe fit leaves out")
     a("--host-from", default=None, metavar="JSON", help="each label's host ms a step from a bench.slo run's "
       "results.json or summary (its schedule + sample + postprocess phases), where --host-ms names no ms of its own")
     a("--host-row-ms", type=float, default=0.0, help="host time per decode row on top of --host-ms (ms): a bench.slo "
