@@ -148,12 +148,14 @@ def run_span_s(recs: Sequence[D.Record]) -> float:
 def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Machine, planner: LatencyModel, *,
              max_model_len: int = 2048, block_size: int = 16, drain_s: float = 30.0,
              tokenizer_fingerprint: str | None = None, clock: dict[str, float] | None = None,
-             noise: float | None = None, lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
+             noise: float | None = None, lengths: list[tuple[float, int]] | None = None,
+             seats_full: set[int] | None = None) -> list[D.Record]:
     """Offer `items` (arrival order) to a fresh Scheduler on a virtual clock; one Record per item. With `clock`,
     the host time the scheduler's own calls took is added to its "s" (seconds) and the steps run to "steps": what
     it costs per step on this host, which the virtual clock does not charge. With `noise` each request's length
     prediction is synthetic (`noisy_outlook`) instead of the shipped predictor's. With `lengths`, each request's
-    (expected length at arrival, reference length) is appended to it."""
+    (expected length at arrival, reference length) is appended to it. With `seats_full`, the index of each request the
+    scheduler turned away while every seat (max_num_seqs) was taken is added to it."""
     blocks = config.max_num_seqs * (max_model_len // block_size + 2) + 64
     sched = Scheduler(config, blocks, block_size, max_model_len, predictor=planner,
                       tokenizer_fingerprint=tokenizer_fingerprint)
@@ -207,8 +209,11 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
                 recs[rid].rejected, recs[rid].reject_reason = True, str(reason.value)
                 close(req, FinishReason.REJECTED, t)
         plan = sched.schedule(t)
+        full = seats_full is not None and plan.rejected and len(sched.running) >= config.max_num_seqs
         for req, reason in plan.rejected:
             recs[req.request_id].rejected, recs[req.request_id].reject_reason = True, str(reason.value)
+            if full:
+                seats_full.add(recs[req.request_id].index)
             close(req, FinishReason.REJECTED, t)
         if plan.empty:
             if k < len(order):
@@ -456,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.host_ms.get(label, args.host_ms[None])
 
     def run(label: str, rate: float, seed: int, n: int, clock: dict[str, float] | None = None,
-            lengths: list[tuple[float, int]] | None = None) -> list[D.Record]:
+            lengths: list[tuple[float, int]] | None = None, seats_full: set[int] | None = None) -> list[D.Record]:
         items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
                                    lengths=length_arm(label, args.lengths)), scale.tiers)
         if args.reply_scale != 1.0:
@@ -466,7 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,
                           args.hybrid_saving_ms, args.host_row_ms)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
-                        tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths)
+                        tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths,
+                        seats_full=seats_full)
 
     t0 = time.perf_counter()
     probes: list[dict] = []
@@ -497,10 +503,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         by: dict[str, list[float]] = {}
         for label in [p.strip() for p in args.policies.split(",") if p.strip()]:
             per_seed, tiers_served, tpot_missed, reasons, oracle, spans = [], {}, [], {}, [], []
+            full_by_tier: dict[str, int] = {}  # the measured rejections made while every seat was taken
             clock: dict[str, float] = {}
             lengths: list[tuple[float, int]] = []
             for seed in seeds:
-                recs = run(label, rate, seed, args.num_requests, clock, lengths)
+                full: set[int] = set()
+                recs = run(label, rate, seed, args.num_requests, clock, lengths, full)
                 spans.append(run_span_s(recs))
                 s = M.summarize(recs, warmup_frac=args.warmup_frac, tiers=[t.name for t in scale.tiers])
                 per_seed.append(s["goodput_rps"])
@@ -511,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if r.rejected:
                         by_why = reasons.setdefault(r.tier, {})
                         by_why[r.reject_reason] = by_why.get(r.reject_reason, 0) + 1
+                        if r.index in full:
+                            full_by_tier[r.tier] = full_by_tier.get(r.tier, 0) + 1
                 for t in scale.tiers:
                     tiers_served.setdefault(t.name, []).append(s["per_tier"].get(t.name, {}).get(
                         "adherence", math.nan))
@@ -519,13 +529,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             sched_us = 1e6 * clock["s"] / max(1.0, clock["steps"])
             # how well the lengths the scheduler planned with at arrival rank the replies' (NaN where all alike)
             rank = spearman(*zip(*lengths)) if len(lengths) > 1 else math.nan
+            turned = sum(sum(v.values()) for v in reasons.values())
             print(f"  {label:40s} {load:g}x: goodput {statistics.fmean(per_seed):.3f} rps "
                   f"(seeds {' '.join(f'{g:.2f}' for g in per_seed)})  {tiers_txt}  TPOT missed by "
                   f"{100 * statistics.fmean(tpot_missed):.1f}% of admitted; oracle {sum(oracle) / len(oracle):.2f}; "
                   f"lengths' Spearman {rank:.3f}; scheduler {sched_us:.0f} us/step on this host; "
-                  f"{statistics.fmean(spans):.1f} s a run", flush=True)
+                  f"{statistics.fmean(spans):.1f} s a run; {sum(full_by_tier.values())} of {turned} turned away "
+                  f"with every seat taken", flush=True)
             out["points"].append({"policy": label, "load": load, "goodput_rps": per_seed, "tiers": tiers_served,
                                   "tpot_missed": tpot_missed, "rejected_by_tier": reasons,
+                                  "rejected_seats_full_by_tier": full_by_tier,
                                   "over_oracle_own_tokens": oracle,
                                   "length_spearman": None if math.isnan(rank) else rank,
                                   "scheduler_us_per_step": sched_us, "run_s": spans,

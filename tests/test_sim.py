@@ -49,6 +49,18 @@ def test_the_same_workload_and_seed_replay_the_same_run():
     assert any(r.rejected for r in a)  # overloaded: kairos turns requests away
 
 
+def test_rejections_made_with_every_seat_taken_are_told_apart():
+    items = _items(rate=40.0)
+    machine = lambda: sim.Machine(MODEL, factor=1.0, jitter=0.1, host_ms=0.1, seed=0)  # noqa: E731
+    few: set[int] = set()
+    recs = sim.simulate(SchedulerConfig(policy="kairos", max_num_seqs=2), items, machine(), MODEL, seats_full=few)
+    rejected = {r.index for r in recs if r.rejected}
+    assert few and few <= rejected  # two seats under overload: requests turned away while both are taken
+    ample: set[int] = set()
+    recs = sim.simulate(SchedulerConfig(policy="kairos", max_num_seqs=512), items, machine(), MODEL, seats_full=ample)
+    assert any(r.rejected for r in recs) and not ample  # turned away by the SLOs alone, never with seats taken
+
+
 def test_hidden_lengths_end_at_the_benchmark_stop_which_only_the_run_reads():
     items = _items(rate=0.5, lengths="hidden")
     assert all(w.stop_after is not None and w.max_tokens > w.stop_after for w in items)
