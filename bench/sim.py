@@ -207,6 +207,8 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
                 lengths.append((float(req.expected_output_len), w.output_len))
             if reason is not None:
                 recs[rid].rejected, recs[rid].reject_reason = True, str(reason.value)
+                if seats_full is not None and len(sched.running) >= config.max_num_seqs:
+                    seats_full.add(i)
                 close(req, FinishReason.REJECTED, t)
         plan = sched.schedule(t)
         full = seats_full is not None and plan.rejected and len(sched.running) >= config.max_num_seqs
