@@ -894,6 +894,14 @@ def running_policies(text: str) -> set[tuple[str, str]]:
             if v == 1.0 and "policy" in labels}
 
 
+def rejected_seats_full(text: str) -> float | None:
+    """From Prometheus text (a Kairos server's /metrics): the requests its replicas turned away while every seat was
+    taken (`ray_kairos_requests_rejected_seats_full_total`), summed over replicas; None where no replica exports it
+    (none has counted one yet, or another server)."""
+    got = [v for _, _, v in prometheus_series(text, ("ray_kairos_requests_rejected_seats_full_total",))]
+    return sum(got) if got else None
+
+
 LOOP_LAG = "ray_kairos_event_loop_lag_s"
 
 

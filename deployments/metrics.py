@@ -127,6 +127,9 @@ class ReplicaMetrics:
         self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
         self.kv_usage = gauge("kv_cache_usage", "paged-KV blocks in use, a fraction of all (0 to 1)")
         self.preemptions = ctr("preemptions", "requests preempted (KV freed, prefilled again later)")
+        self.rejected_seats_full = ctr("requests_rejected_seats_full", "of the requests rejected, those turned away "
+                                       "while every seat (max_num_seqs) was taken: many say the seats, not the "
+                                       "policy, bound the batch")
         self.itl_correction = gauge("itl_correction", "kairos: measured / predicted step time (1 = the profile holds)")
         self.length_scale = gauge("length_scale", "kairos: the served replies' lengths over what the length "
                                   "predictor expected of them, by which its predictions are scaled (1: as trained)")
@@ -153,6 +156,7 @@ class ReplicaMetrics:
                                   boundaries=_LOOP_LAG_S, tag_keys=("model",))
         self.loop_lag.set_default_tags(dict(model_tags))  # Serve mutates the dict
         self._preempted_seen = 0
+        self._seats_full_seen = 0
         self._tiers: set[str] = set()
         self._itl = _TierRecorder(self.itl)
         # counts not yet on their counters, by tier, flushed at each metrics refresh and at a request's end
@@ -195,6 +199,12 @@ class ReplicaMetrics:
         if preempted > seen:
             self.preemptions.inc(preempted - seen)
         self._preempted_seen = preempted
+        full, seen = g("rejected_seats_full"), self._seats_full_seen
+        if full < seen:  # a new engine
+            seen = 0
+        if full > seen:
+            self.rejected_seats_full.inc(full - seen)
+        self._seats_full_seen = full
         self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))

@@ -209,6 +209,31 @@ def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
         eng.shutdown()
 
 
+def test_rejections_made_with_every_seat_taken_are_counted_apart(tiny_checkpoints):
+    """A request the full queue turns away while every seat runs counts in `rejected_seats_full` as well as under
+    its reason."""
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", block_size=4,
+                                 scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=1, max_waiting=1,
+                                                           prefill_max_tokens=256)))
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    try:
+        a = eng.add_request([5] * 40, params, request_id="a")
+        assert not a.get(timeout=30).finished  # the one seat is taken
+        b = eng.add_request([6] * 40, params, request_id="b")  # waits: the queue holds one
+        turned = [eng.add_request([7] * 40, params, request_id=x) for x in ("c", "d")]
+        for s in turned:
+            last = s.get(timeout=30)
+            assert last.finished and last.finish_reason == "rejected"
+        deadline = time.time() + 10
+        while eng.stats().rejected_seats_full < 2 and time.time() < deadline:
+            time.sleep(0.005)
+        st = eng.stats()
+        assert st.rejected == {"overloaded": 2} and st.rejected_seats_full == 2 and st.num_waiting == 1
+        eng.abort("b")
+    finally:
+        eng.shutdown()
+
+
 def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:

