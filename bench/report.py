@@ -382,7 +382,7 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("SLO goodput at 1.5× FCFS capacity, reply lengths known (ShareGPT, kairos-tiny, 3 seeds)",
      "slo-sharegpt-1.5x-3seeds-484req-exact-zen4", _slo_goodput),
     ("The same, reply lengths hidden (max_tokens a cap), both with the length predictor",
-     "slo-sharegpt-1.5x-3seeds-484req-acc66-zen4", _slo_goodput),
+     "slo-sharegpt-1.5x-3seeds-484req-acc67-zen4", _slo_goodput),
     ("Issue 55's CPU ratios over repeated runs of that protocol (mean of the runs, 90% interval)",
      "slo-sharegpt-1.5x-pooled-*", _pooled),
     ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
