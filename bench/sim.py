@@ -202,16 +202,18 @@ def simulate(config: SchedulerConfig, items: Sequence[W.WorkItem], machine: Mach
             recs[rid] = D.Record(w.tier, w.ttft_ms, w.tpot_ms, w.arrival_s, prompt_len=len(w.prompt_ids),
                                  max_tokens=w.max_tokens, output_len=w.output_len, index=i, sent_s=w.arrival_s)
             reqs[rid] = req
+            seats_before = sched.num_rejected_seats_full
             reason = sched.add(req)
             if lengths is not None:
                 lengths.append((float(req.expected_output_len), w.output_len))
             if reason is not None:
                 recs[rid].rejected, recs[rid].reject_reason = True, str(reason.value)
-                if seats_full is not None and len(sched.running) >= config.max_num_seqs:
+                if seats_full is not None and sched.num_rejected_seats_full > seats_before:
                     seats_full.add(i)
                 close(req, FinishReason.REJECTED, t)
+        seats_before = sched.num_rejected_seats_full
         plan = sched.schedule(t)
-        full = seats_full is not None and plan.rejected and len(sched.running) >= config.max_num_seqs
+        full = seats_full is not None and sched.num_rejected_seats_full > seats_before  # (the scheduler's count)
         for req, reason in plan.rejected:
             recs[req.request_id].rejected, recs[req.request_id].reject_reason = True, str(reason.value)
             if full:

@@ -147,7 +147,6 @@ class LLMEngine:
         self._churn = 0  # requests added or ended so far (a published snapshot is stale once it moves)
         self._published: tuple[tuple[int, int], float] = ((-1, -1), -math.inf)  # (requests, when)
         self._rejected: dict[str, int] = {}
-        self._rejected_seats_full = 0  # of those, the ones turned away while every seat (max_num_seqs) was taken
         self._phase = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self._step_ms: float | None = None  # EWMA of the wall time of steps that decoded (the ITL of every step)
         self._step_batch: float | None = None  # EWMA of their decode batch sizes
@@ -465,7 +464,7 @@ class LLMEngine:
         mape = (self.profile_report or {}).get("mape_holdout")
         snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
                         phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
-                        step=(self._step_ms, self._step_batch), rejected_seats_full=self._rejected_seats_full)
+                        step=(self._step_ms, self._step_batch))
         if self._parked:  # waiting for a scheduler change: they count as waiting
             snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + len(self._parked))
         return snap
@@ -570,6 +569,7 @@ class LLMEngine:
             self._take(parked)
             return
         new.num_preemptions, new.model_error = old.num_preemptions, old.model_error
+        new.num_rejected_seats_full = old.num_rejected_seats_full
         self.scheduler = new
         self.config = self.config.model_copy(update={"scheduler": config})
         self._churn += 1  # the published snapshot is stale
@@ -582,8 +582,6 @@ class LLMEngine:
         for req in reqs:
             reason = self.scheduler.add(req)
             if reason is not None:
-                if len(self.scheduler.running) >= self.scheduler.config.max_num_seqs:
-                    self._rejected_seats_full += 1
                 self._reject(req, reason)
 
     def _run_job(self, job: _IdleJob) -> None:
@@ -604,8 +602,6 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler
         plan = sched.schedule(time.monotonic())
-        if plan.rejected and len(sched.running) >= sched.config.max_num_seqs:
-            self._rejected_seats_full += len(plan.rejected)
         for req, reason in plan.rejected:
             self._reject(req, reason)
         t1 = time.perf_counter()

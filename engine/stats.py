@@ -73,7 +73,7 @@ class EngineStats:
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
              predictor_mape: float | None, last: tuple[int, int],
-             step: tuple[float | None, float | None], rejected_seats_full: int = 0) -> EngineStats:
+             step: tuple[float | None, float | None]) -> EngineStats:
     """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
     bm = s.blocks
     tmin, inv_sum, n_be = math.inf, 0.0, 0
@@ -99,7 +99,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         vbs=s.last_vbs, strictest_tpot_ms=None if tmin == float("inf") else tmin,
         last_prefill_batch=last[0], last_decode_batch=last[1], steps=steps,
         waiting_tokens=waiting_tokens, waiting_sq=waiting_sq, rejected=dict(rejected),
-        rejected_seats_full=rejected_seats_full,
+        rejected_seats_full=s.num_rejected_seats_full,
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, length_scale=s.length_cal.scale if s.length_cal is not None else 1.0,
         offer_gate_scale=s.offer_gate_scale(now), phase_s=dict(phase_s),

@@ -115,6 +115,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._round = 0
         self.num_preemptions = 0  # since start (metrics)
+        # the requests turned away while every seat (max_num_seqs) was taken, since start (metrics: many, and the seats
+        # rather than the policy's own limits bound the batch)
+        self.num_rejected_seats_full = 0
         self.last_vbs = 0.0
         self.correction = (ItlCorrection(tau_ms=config.correction_tau_ms, hi=config.correction_max,
                                          idle_prior_ms=config.correction_idle_prior_ms)
@@ -165,6 +168,8 @@ class Scheduler:
                 self.floor.rejected(req.tpot_slo_ms, req.arrival_s)
             if self.shedder is not None:
                 self.shedder.saturated(req.arrival_s)
+            if self.seats_taken():
+                self.num_rejected_seats_full += 1
             return OVERLOADED
         req.status = Status.WAITING
         self.waiting.append(req)
@@ -285,6 +290,10 @@ class Scheduler:
         """The running batch's pace: its strictest TPOT SLO (+inf: none)."""
         return min([r.tpot_slo_ms for r in self.running], default=math.inf)
 
+    def seats_taken(self) -> bool:
+        """Whether every seat (max_num_seqs) runs a request."""
+        return len(self.running) >= self.config.max_num_seqs
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -342,6 +351,8 @@ class Scheduler:
                 self.floor.rejected(r.tpot_slo_ms, now)
         if self.shedder is not None and busy and any(self._for_capacity(r, reason, now) for r, reason in plan.rejected):
             self.shedder.saturated(now)
+        if plan.rejected and self.seats_taken():
+            self.num_rejected_seats_full += len(plan.rejected)
         if not self.running:
             self.last_vbs = 0.0
         if len(self.running) > len(plan.prefill) and (f.hybrid_steps or not plan.prefill):
