@@ -178,7 +178,7 @@ def _measure(eng: Any, args: argparse.Namespace, argv: Sequence[str] | None) -> 
         even, spread = [m] * b, probe.lengths(b, m)
         short = m // 3  # three rows in four; the fourth makes the mean exactly m (about 3m)
         skewed = [short] * (3 * b // 4) + [4 * m - 3 * short] * (b // 4)
-        # the three in turn, rep after rep: a box's speed wanders over seconds (bench.drift), and timed one shape's
+        # the three in turn, rep after rep: a box's speed wanders over seconds, and timed one shape's
         # reps after another's, that wander would read as a difference between them
         forms = {"even": even, "profile_spread": spread, "skewed": skewed}
         times: dict[str, list[float]] = {name: [] for name in forms}

@@ -301,7 +301,7 @@ def _load(name: str, root: str | os.PathLike[str] | None = None) -> dict[str, An
     return json.loads((Path(root or SUMMARIES) / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def summaries_table(root: str | os.PathLike[str] | None = None, per_group: int = 5) -> str:
+def summaries_table(root: str | os.PathLike[str] | None = None, per_group: int = 3) -> str:
     """The table of bench/README.md: summaries grouped by the first word of their name (`peer`, `slo`, `http`, ...),
     the newest `per_group` of each (by date, then name), then one row counting the group's older ones (every
     summary stays in bench/summaries, and git keeps what was pruned; the command is in each JSON)."""
@@ -389,7 +389,6 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("The same on a GPU (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h*-llama8b*", _http_added),
     ("SLO goodput on one GPU replica over Ray Serve (8B shape, ShareGPT, lengths predicted, seeds 0 and 1)",
      "slo-gpu-h*-llama8b*", _slo_gpu),
-    ("The same, an earlier lease's shorter points", "slo-gpu-h200-llama8b-20261204", _slo_gpu),
     ("SLO router against power-of-two, 2 replicas (ShareGPT)", "route-2replicas-16core-device-f", _routers),
 )
 

@@ -1,18 +1,18 @@
 """bench.slo's experiment replayed on a virtual clock: the real Scheduler, a latency model for the machine.
 
-Why. A policy's goodput on a 2-core box moves by ±10% from run to run (the box's speed drifts, the run is
-short, a replica's choices snowball), so a mechanism worth a few percent cannot be told from noise there, and a
-GPU is not always at hand. This replays the same workload (`bench.workload.generate`: ShareGPT prompts, tiers,
-arrivals, the length arms) through `scheduling.scheduler.Scheduler`, the object the engine drives, with no model:
-each step takes what a *truth* latency model says of it (prefill tokens and decode rows at their mean context),
-times `factor` (the machine slower than the model the scheduler plans with, as the bench's "decode step / model"
-reports), a lognormal jitter and, with `--drift`, the box's speed wandering over time (`Drift`; bench.drift
-measures it), plus a fixed host time per step. The scheduler sees only its own latency model
-and what it measures, as in the engine. Everything else is deterministic, so paired comparisons need far fewer
-seeds, and a GPU-shaped truth model (`--truth`, a LatencyModel JSON profiled on that GPU) shows what the
-scheduler does at batch sizes in the hundreds. The scheduler gets the defaults of the device the `--tiers` model was
-fitted on (its meta's device; a GPU's `engine.config.GPU_SCHEDULER_DEFAULTS`) wherever the run leaves a knob unset,
-as the engine applies them.
+Why. A policy's goodput on a 2-core box moves by ±10% from run to run (the box's speed drifts, the run is short, a
+replica's choices snowball), so a mechanism worth a few percent cannot be told from noise there, and a GPU is not
+always at hand. This replays the same workload (`bench.workload.generate`: ShareGPT prompts, tiers, arrivals, the
+length arms) through `scheduling.scheduler.Scheduler`, the object the engine drives, with no model: each step takes
+what a *truth* latency model says of it (prefill tokens and decode rows at their mean context), times `factor` (the
+machine slower than the model the scheduler plans with, as the bench's "decode step / model" reports), a lognormal
+jitter and, with `--drift`, the box's speed wandering over time (`Drift`; the summary `drift-kairos-tiny-zen4` holds
+a 2-core box's), plus a fixed host time per step. The scheduler sees only its own latency model and what it
+measures, as in the engine. Everything else is deterministic, so paired comparisons need far fewer seeds, and a
+GPU-shaped truth model (`--truth`, a LatencyModel JSON profiled on that GPU) shows what the scheduler does at batch
+sizes in the hundreds. The scheduler gets the defaults of the device the `--tiers` model was fitted on (its meta's
+device; a GPU's `engine.config.GPU_SCHEDULER_DEFAULTS`) wherever the run leaves a knob unset, as the engine applies
+them.
 
 What it leaves out: the engine's host work beyond `--host-ms` per step, HTTP, overlap scheduling (a step's tokens
 count when the step ends), KV pressure (blocks are ample), EOS (replies end at their reference length), and the
@@ -419,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.factor = 1.25
         if str(truth.meta.get("device", "cpu")).startswith("cuda"):
             print("bench.sim: --factor 1.25 (a CPU box's) on a GPU replica's profile; its leases measured their steps "
-                  "nearer their model (bench/README, \"The fourth lease\"): pass --factor", flush=True)
+                  "nearer their model (bench/README, \"SLO serving on a GPU replica\"): pass --factor", flush=True)
     corpus = None
     if args.dataset == "sharegpt":
         from bench.slo import build_parser, sharegpt_corpus

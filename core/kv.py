@@ -13,7 +13,7 @@ class BlockManager:
     """The free blocks and each request's. A request gets the lowest-numbered free blocks: the running requests' KV
     then stays in the low end of the cache, however many have come and gone, so a decode step reads a compact region
     (on a CPU, whose caches and TLB hold part of it) rather than blocks strewn over the whole cache, as handing out
-    blocks in the order they were freed does once requests have cycled through it (`bench/kv_layout.py`)."""
+    blocks in the order they were freed does once requests have cycled through it."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sized so that every point left fits --limit-s, from --num-requests down to this (past lambda*, "
                     "FCFS's queue builds only in points of a few times the seats, and on the fourth lease's H200 "
                     "profile bench.sim puts scorpio past 2x fcfs only from 1,000 requests a point: bench/README, "
-                    "\"The fourth lease\")")
+                    "\"SLO serving on a GPU replica\")")
     ap.add_argument("--point-overhead-s", type=float, default=15.0, help="the sizing's time per point besides its "
                     "arrivals: the drain after the last one, the client's start")
     ap.add_argument("--run-overhead-s", type=float, default=20.0, help="the sizing's time per bench.slo run (an arm: "

@@ -7,7 +7,7 @@
 # lengths as the bound; each arm's decode step / latency model by decode rows (the server's /metrics). One summary
 # JSON under $OUT.
 #
-# The protocol is the regime SCORPIO's claims are about (bench/README.md, "The regime SCORPIO's claims are about"):
+# The protocol is the regime SCORPIO's claims are about (bench/README.md, "SLO serving on a GPU replica"):
 # TPOT tiers a full batch meets (T_strict = the gate's headroom x ITL at the seats, max_num_seqs, T_loose at twice
 # that: in about the ratio of the paper's strict and loose TPOT types), so FCFS's lambda* is its throughput, not its
 # strict tier, and points of a few times the seats, so that past lambda* FCFS's queue builds as a served load's does
