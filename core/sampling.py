@@ -41,8 +41,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {mt!r}")
         if self.temperature is None or not (self.temperature >= 0.0):  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.top_p is None or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p is None or not (0.0 <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if self.top_k is None or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -75,4 +75,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1 or self.top_p == 0.0  # top_p 0: the top token

@@ -148,9 +148,11 @@ def unattainable(item: RequestOutput, headers: dict[str, str]) -> APIError:
                     {**headers, **best, "x-kairos-reject-reason": RejectReason.SLO_UNATTAINABLE.value})
 
 
-def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: int) -> APIError | None:
+def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: int,
+                 fields: tuple[str, str] = ("prompt", "max_tokens")) -> APIError | None:
     """The error response for a stream that ended at this item without success, None if it succeeded: its first item
-    (before any response went out), or, for a non-streaming request, whichever item ended it."""
+    (before any response went out), or, for a non-streaming request, whichever item ended it. `fields`: the request's
+    prompt field and reply cap field (`fields_at_fault`), named as the `param` of a context-length error."""
     reason, retry = item.finish_reason, {"Retry-After": str(retry_after_s)}
     if reason is FinishReason.REJECTED:
         why = item.reject_reason
@@ -166,10 +168,11 @@ def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: in
     if reason is not FinishReason.ERROR:
         return None
     if item.error_kind is ErrorKind.CONTEXT_LENGTH:
-        return APIError(400, item.error or "max_tokens is too large", headers=headers, param="max_tokens",
+        return APIError(400, item.error or "max_tokens is too large", headers=headers, param=fields[1],
                         code="context_length_exceeded")
     if item.error_kind is ErrorKind.PROMPT_TOO_LONG:
-        return APIError(400, item.error or "the prompt is too long", headers=headers, code="context_length_exceeded")
+        return APIError(400, item.error or "the prompt is too long", headers=headers, param=fields[0],
+                        code="context_length_exceeded")
     if item.error_kind is ErrorKind.INVALID_REQUEST:
         return APIError(400, item.error or "invalid request", headers=headers, param=param_named(item.error))
     if item.error_kind is ErrorKind.UNAVAILABLE:

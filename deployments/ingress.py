@@ -82,8 +82,8 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 
 
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(e.status_code, str(e.detail), type_, headers=getattr(e, "headers", None))
+    # an unknown route or method is a request error, as OpenAI types its "Invalid URL" 404
+    return error_response(e.status_code, str(e.detail), "invalid_request_error", headers=getattr(e, "headers", None))
 
 
 async def _unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -629,7 +629,7 @@ class OpenAIFrontend:
         headers = self._headers(rid, req, first, t_in, t_call, proxy_ms)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
         if first.finished:
-            failure = item_failure(first, headers, self.retry_after_s)
+            failure = item_failure(first, headers, self.retry_after_s, body.fields_at_fault())
             if failure is not None:
                 raise failure
         if body.stream:
@@ -718,7 +718,8 @@ class OpenAIFrontend:
                         raise
                     else:
                         headers = self._headers(rid, sent, first, t_in, t0, proxy_ms)
-                        failure = item_failure(first, headers, self.retry_after_s) if first.finished else None
+                        failure = item_failure(first, headers, self.retry_after_s, body.fields_at_fault()) \
+                            if first.finished else None
                         batch.answered(failure is None, tries > 0)
                     if failure is None:
                         return gen, first, headers

@@ -43,8 +43,8 @@ _SLO_MS = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SLO_MS}
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+    include_usage: bool | None = False  # null: false (vLLM's Optional[bool])
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
@@ -89,7 +89,7 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: the most likely token alone (greedy), as OpenAI takes it
     n: int | None = Field(1, json_schema_extra=_opt({"type": "integer", "const": 1}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -197,7 +197,7 @@ class CompletionRequest(_Common):
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
          "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}))
-    echo: bool = Field(False, json_schema_extra=_documented({"type": "boolean", "const": False}))
+    echo: bool | None = Field(False, json_schema_extra=_opt({"type": "boolean", "const": False}))
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
     logprobs: int | None = Field(None, json_schema_extra=_documented({"type": "null"}))
@@ -205,6 +205,10 @@ class CompletionRequest(_Common):
 
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(add_special_tokens=self.add_special_tokens)
+
+    def fields_at_fault(self) -> tuple[str, str]:
+        """(the prompt's field, the reply cap's field) for an error's `param`."""
+        return "prompt", "max_tokens"
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
@@ -320,6 +324,10 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     def default_max_tokens(self) -> int | None:
         """None means "the rest of the context window" (OpenAI's chat default)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def fields_at_fault(self) -> tuple[str, str]:
+        """(the prompt's field, the reply cap's field as sent) for an error's `param`."""
+        return "messages", "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 # vLLM's /tokenize and /detokenize

@@ -133,6 +133,10 @@ class InputProcessor:
                 and len(ids) + params.max_tokens > limit:  # a 400 naming the limit, as vLLM
             raise ContextLengthExceeded(params.max_tokens, limit, len(ids))
         rest = max(1, limit - len(ids))
+        if params.max_tokens is None and params.min_tokens > rest:  # as vLLM, whose cap is then the context left
+            raise ValueError(f"min_tokens must be at most the context left for the reply, {rest} tokens (this "
+                             f"model's maximum context length is {limit} tokens and the prompt has {len(ids)}), "
+                             f"got {params.min_tokens}")
         if params.max_tokens is None or params.max_tokens > rest:
             # None: OpenAI's chat default, the rest of the context window. Beyond it (max_tokens_over_context=clamp):
             # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet

@@ -43,7 +43,7 @@ BAD_BODIES = [
     ("n_2", CMPL, {**OK_CMPL, "n": 2}, 400),
     ("n_2_chat", CHAT, {**OK_CHAT, "n": 2}, 400),
     ("temperature_negative", CMPL, {**OK_CMPL, "temperature": -1}, 400),
-    ("top_p_zero", CMPL, {**OK_CMPL, "top_p": 0}, 400),
+    ("top_p_over_one", CMPL, {**OK_CMPL, "top_p": 1.5}, 400),
     ("stop_not_str", CMPL, {**OK_CMPL, "stop": [1]}, 400),
     ("min_gt_max", CMPL, {**OK_CMPL, "min_tokens": 5}, 400),
     ("negative_token_id", CMPL, {"prompt": [1, -2], "max_tokens": 2}, 400),
@@ -99,10 +99,34 @@ def test_a_refusal_names_the_field_at_fault(client: httpx.Client, body, param: s
 def test_prompt_over_context_window(client: httpx.Client) -> None:
     limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
     err = assert_error(client.post(CMPL, json={"prompt": [5] * (limit + 10), "max_tokens": 2}), 400)
-    assert str(limit) in err["message"] and err["code"] == "context_length_exceeded"
+    assert str(limit) in err["message"] and (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
     err = assert_error(client.post(CHAT, json={"messages": [{"role": "user", "content": "word " * (limit + 10)}]}),
                        400)
-    assert str(limit) in err["message"] and err["code"] == "context_length_exceeded"
+    assert str(limit) in err["message"] and (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+
+
+def test_a_chat_min_tokens_beyond_the_context_left_is_a_400_without_max_tokens(client: httpx.Client) -> None:
+    """With no max_tokens a chat's cap is the context left (OpenAI's default): a min_tokens past it cannot be kept
+    (vLLM: 400), not served to the window's end."""
+    limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    for n in (limit, 2 ** 70):
+        err = assert_error(client.post(CHAT, json={"messages": OK_CHAT["messages"], "min_tokens": n}), 400)
+        assert err["param"] == "min_tokens" and f"maximum context length is {limit}" in err["message"], err
+
+
+def test_nulls_and_zeros_openai_takes(client: httpx.Client) -> None:
+    """Fields a client sends as null where OpenAI's and vLLM's schemas allow it, and top_p 0 (OpenAI's range is
+    [0, 1]: the most likely token alone, so greedy whatever the temperature and seed)."""
+    r = client.post(CMPL, json={**OK_CMPL, "echo": None})
+    assert r.status_code == 200, r.text
+    r = client.post(CMPL, json={**OK_CMPL, "stream": True, "stream_options": {"include_usage": None,
+                                                                             "continuous_usage_stats": None}})
+    assert r.status_code == 200 and '"usage"' not in r.text and r.text.rstrip().endswith("data: [DONE]"), r.text
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "ignore_eos": True}
+    greedy = client.post(CMPL, json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    for seed in (1, 2):
+        r = client.post(CMPL, json={**body, "temperature": 1.5, "top_p": 0, "seed": seed})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, r.text
 
 
 def test_body_too_large(client: httpx.Client) -> None:
@@ -120,8 +144,8 @@ def test_body_too_large(client: httpx.Client) -> None:
 
 
 def test_unknown_route_and_method(client: httpx.Client) -> None:
-    assert_error(client.post("/v1/embeddings", json={}), 404)
-    assert_error(client.get(CMPL), 405)
+    for r, status in ((client.post("/v1/embeddings", json={}), 404), (client.get(CMPL), 405)):
+        assert assert_error(r, status)["type"] == "invalid_request_error"  # OpenAI's type for an invalid URL
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -196,6 +220,7 @@ def test_max_tokens_beyond_the_context_left_is_a_400_naming_the_limit(client: ht
     for key in ("max_tokens", "max_completion_tokens"):
         err = assert_error(client.post(CHAT, json={"messages": OK_CHAT["messages"], key: limit, "stream": True}), 400)
         assert f"is too large: {limit}." in err["message"] and f"maximum context length is {limit}" in err["message"]
+        assert err["param"] == key, err  # the field the client sent
     r = client.post(CMPL, json={"prompt": [5] * (limit - 8), "max_tokens": 8, "ignore_eos": True})  # exactly fits
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
 
