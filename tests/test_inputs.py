@@ -132,7 +132,7 @@ def test_a_max_tokens_beyond_the_window_is_clamped_to_what_the_window_leaves(bos
     req = inputs.process(prompt, SamplingParams(max_tokens=None, min_tokens=24), None, None)
     assert (req.params.max_tokens, req.params.min_tokens) == (24, 24)
     with pytest.raises(ValueError, match=r"^min_tokens must be at most the context left for the reply, 24 tokens"):
-        inputs.process(prompt, SamplingParams(max_tokens=None, min_tokens=25), None, None)  # no cap to clamp: vLLM's 400
+        inputs.process(prompt, SamplingParams(max_tokens=None, min_tokens=25), None, None)  # vLLM's 400
 
 
 def test_prompt_ids_are_what_a_generation_takes_and_detokenize_reads_them_back(bos_tokenizer):
