@@ -387,7 +387,7 @@ def llama_engine(tiny_checkpoints):
     ("hi", SamplingParams(max_tokens=0), "max_tokens"),
     ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
     ("hi", SamplingParams(temperature=-0.1), "temperature"),
-    ("hi", SamplingParams(top_p=0.0), "top_p"),
+    ("hi", SamplingParams(top_p=-0.1), "top_p"),
     ("hi", SamplingParams(top_p=1.5), "top_p"),
     ([10**9], SamplingParams(), "token ids"),
 ])

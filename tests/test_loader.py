@@ -370,5 +370,5 @@ def test_the_models_generation_config_gives_its_sampling_defaults(tiny_checkpoin
     given = load_model(str(path), device="cpu").generation_sampling
     assert given == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
     assert sampling_defaults(given) == ({"temperature": 0.6, "top_p": 0.9, "top_k": 20}, {"repetition_penalty": 1.05})
-    assert sampling_defaults({"top_p": 0.0, "temperature": 0.7, "repetition_penalty": 1.0, "min_p": 0.1}) == (
-        {"temperature": 0.7}, {"top_p": 0.0, "min_p": 0.1})
+    assert sampling_defaults({"top_p": 1.5, "temperature": 0.7, "repetition_penalty": 1.0, "min_p": 0.1}) == (
+        {"temperature": 0.7}, {"top_p": 1.5, "min_p": 0.1})
