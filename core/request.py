@@ -195,7 +195,8 @@ class Request:
 
     @property
     def expected_output_len(self) -> int:
-        """The reply length the scheduler plans for: the client's hint, else the predicted length (with an outlook,
+        """The reply length the scheduler plans for: the client's hint (at least min_tokens and one more token than
+        out so far; max_tokens where only that ends the reply), else the predicted length (with an outlook,
         the predicted distribution's mean above what the reply has output so far; without, at least one more
         token than that), else max_tokens; never above max_tokens. Kept until its inputs change (the scheduler
         reads it many times a step: ordering, shedding, the gate, catch-up)."""
@@ -211,8 +212,9 @@ class Request:
         cap = self.params.max_tokens
         hint = self.slo.output_len_hint
         entry, upto = 0.0, -math.inf  # the outlook entry in use, and the most tokens out it holds for
-        if hint:
-            out = min(hint, cap)
+        if hint:  # (a reply that only its cap ends is that long whatever the hint; none ends before min_tokens)
+            k = n - len(self.prompt_token_ids)
+            out = cap if self.params.runs_to_cap else min(max(hint, self.params.min_tokens, k + 1), cap)
         elif self.predicted_len is not None:
             k = n - len(self.prompt_token_ids)
             if self.length_outlook is not None and k > 0:

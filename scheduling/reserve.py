@@ -12,7 +12,8 @@ What. The replica measures how often a running request finishes (`patience_ms`: 
 over `window_s`): a request is *impatient* while its TTFT SLO is shorter than that, *patient* while its TTFT
 deadline is further away than that (a patient request whose deadline draws near becomes impatient, so it is never
 kept waiting past its SLO by this). Over the same window the reserve remembers the impatient arrivals; `room`
-is a typical one of them (the median TPOT SLO, the mean context length mid-reply). The scheduler admits a patient
+is a typical one of those an idle replica could serve (the median TPOT SLO, the mean context length mid-reply):
+one whose TPOT SLO fails the gate even alone is rejected whatever room is kept. The scheduler admits a patient
 fresh request only if the VBS gate would still pass that typical impatient request after it (`VBSGate.leaves_room`);
 otherwise it waits in the queue (short_first orders it by work there). Without impatient arrivals, or where
 requests finish faster than any TTFT SLO runs out (a GPU replica with a large batch), nothing is reserved.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Callable
 
 
 class ImpatientReserve:
@@ -61,14 +63,18 @@ class ImpatientReserve:
         span_s = now_s - max(self._finished[0], now_s - self.window_s)
         return 1000.0 * max(span_s, 1e-6) / len(self._finished)
 
-    def room(self, now_s: float, patience: float | None = None) -> tuple[float, float] | None:
+    def room(self, now_s: float, patience: float | None = None,
+             feasible: Callable[[float, float], bool] | None = None) -> tuple[float, float] | None:
         """(TPOT SLO ms, mid-reply context) of a typical impatient arrival of the window, None if none (or no
-        measure of patience yet). `patience`: `patience_ms(now_s)` where the caller has it already."""
+        measure of patience yet). `patience`: `patience_ms(now_s)` where the caller has it already. `feasible(tpot,
+        mid)`: whether such a request could be served at all (on an idle replica); those that cannot are rejected
+        whatever room is kept, so they are not the typical arrival room is kept for."""
         if patience is None:
             patience = self.patience_ms(now_s)
         if patience is None:
             return None
-        imp = [(tpot, mid) for _, ttft, tpot, mid in self._arrivals if ttft < patience]
+        imp = [(tpot, mid) for _, ttft, tpot, mid in self._arrivals
+               if ttft < patience and (feasible is None or feasible(tpot, mid))]
         if not imp:
             return None
         tpots = sorted([t for t, _ in imp])

@@ -502,9 +502,12 @@ class Scheduler:
         impatient: tuple[float, tuple[float, float]] | None | bool = \
             f.impatient_reserve and self.reserve is not None and gate is not None and patience is not None
         pace = self._pace()  # the batch's, for work shedding
+        # hybrid steps: the blocks the running replies' decodes take in this same step are not free for a prompt
+        # (else the decode preempts an older reply for the newcomer's sake); read once a candidate gets that far
+        decode_blocks: int | None = None if f.hybrid_steps else 0
 
         def accept(r: Request) -> Verdict:
-            nonlocal kv_full, round_tokens, round_sq, step_tokens, step_sq, pace, stall, impatient
+            nonlocal kv_full, round_tokens, round_sq, step_tokens, step_sq, pace, stall, impatient, decode_blocks
             if kv_full:
                 return Verdict.STOP
             # no threshold (+inf) sheds nothing: the request's work is not needed then
@@ -530,7 +533,8 @@ class Scheduler:
                     and not gate.leaves_room(r, *room):
                 return Verdict.KEEP  # would take the starved tier's room: waits
             if impatient is True:
-                impatient = None if (room_for := self.reserve.room(now, patience)) is None else (patience, room_for)
+                room_for = self.reserve.room(now, patience, feasible=gate.feasible_alone)
+                impatient = None if room_for is None else (patience, room_for)
             if impatient and r.first_token_s is None \
                     and (r.deadline_s - now) * 1000.0 > impatient[0] and not gate.leaves_room(r, *impatient[1]):
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
@@ -554,7 +558,10 @@ class Scheduler:
             elif stall and r.first_token_s is None and self._hold(r, stall, step_tokens, step_sq, chunk, chunk_sq,
                                                                   now):
                 return Verdict.KEEP
-            if not self.blocks.can_fit(r, r.num_tokens + 1):
+            if decode_blocks is None:
+                decode_blocks = sum([self.blocks.extra_blocks_for(q, q.num_tokens) for q in self.running
+                                     if not self._mid_prefill(q)])
+            if self.blocks.extra_blocks_for(r, r.num_tokens + 1) + decode_blocks > self.blocks.num_free:
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
             self.blocks.ensure(r, r.num_tokens)

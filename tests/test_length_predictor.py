@@ -219,6 +219,16 @@ def test_expected_length_is_the_hint_else_the_prediction_capped_else_max_tokens(
     assert r.expected_output_len == 4
 
 
+def test_a_hint_is_at_least_min_tokens_and_the_tokens_out_and_a_reply_only_its_cap_ends_is_that_long():
+    r = Request("h", [1] * 4, SamplingParams(max_tokens=100, min_tokens=30), SLO(tpot_ms=50, output_len_hint=10))
+    assert r.expected_output_len == 30
+    r.token_ids += [7] * 40  # outlived the hint: at least one more token
+    assert r.expected_output_len == 41 and r.gate_output_len == 41
+    capped = Request("c", [1] * 4, SamplingParams(max_tokens=2000, ignore_eos=True),
+                     SLO(tpot_ms=50, output_len_hint=10))
+    assert capped.params.runs_to_cap and capped.expected_output_len == capped.gate_output_len == 2000
+
+
 def _outlook(m, r, window=1024):
     """The outlook the scheduler plans `r` with: the predictor's, of min(length, its cap) (max_tokens, the window)."""
     return m.outlook(r.prompt_token_ids, min(r.params.max_tokens, window - len(r.prompt_token_ids)))

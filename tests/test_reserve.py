@@ -39,3 +39,18 @@ def test_no_room_without_impatient_arrivals_or_where_replies_finish_faster_than_
     assert r.room(1.0) is None
     with pytest.raises(ValueError):
         ImpatientReserve(window_s=0.0)
+
+
+def test_room_is_not_kept_for_arrivals_no_replica_state_could_serve():
+    """Arrivals whose TPOT SLO fails the gate even on an idle replica are rejected whatever room is kept: the typical
+    arrival is taken among the others, and none is kept for where all of them are such."""
+    r = ImpatientReserve(window_s=10.0, min_finished=2)
+    for t in (0.0, 0.25, 0.5, 0.75):
+        r.finished(t)
+    r.arrived(0.1, ttft_ms=80.0, tpot_ms=1.0, mid_len=100.0)
+    r.arrived(0.2, ttft_ms=80.0, tpot_ms=1.0, mid_len=100.0)
+    r.arrived(0.3, ttft_ms=80.0, tpot_ms=40.0, mid_len=200.0)
+    feasible = lambda tpot, mid: tpot >= 10.0  # noqa: E731
+    assert r.room(1.0) == (1.0, pytest.approx(400.0 / 3))
+    assert r.room(1.0, feasible=feasible) == (40.0, pytest.approx(200.0))
+    assert r.room(1.0, feasible=lambda tpot, mid: False) is None

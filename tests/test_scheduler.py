@@ -69,6 +69,23 @@ def test_kv_exhaustion_makes_admission_wait_then_preempts_on_decode():
     assert b.num_computed_tokens == 0  # recomputed from its prompt and the tokens it already produced
 
 
+def test_hybrid_steps_admit_no_prompt_into_the_blocks_running_decodes_take_in_the_same_step():
+    """kairos decodes the running replies in the prefill's step: a fresh prompt fits only in what their decodes leave,
+    else that decode preempts the older reply for the newcomer. It waits instead, and runs once blocks free up."""
+    s = _sched("kairos", blocks=6, prefill_hold=False)  # 24 token slots
+    a = Request("A", [1] * 8, SamplingParams(max_tokens=16), arrival_s=0.0)
+    s.add(a)
+    p = s.schedule(0.0)
+    _run(s, p)  # A: 9 tokens in 2 blocks, its next decode takes a third
+    f = Request("F", [1] * 15, SamplingParams(max_tokens=4), arrival_s=0.02)  # needs 4 blocks: all that are free
+    s.add(f)
+    p = s.schedule(0.02)
+    assert p.prefill == [] and p.decode == [a] and not p.preempted and list(s.waiting) == [f]
+    s.finish(a, FinishReason.STOP, 0.03)
+    p = s.schedule(0.03)
+    assert p.prefill == [f] and not p.preempted
+
+
 def test_waiting_queue_is_bounded():
     s = _sched("fcfs", max_waiting=2)
     assert s.add(_req(0, 4)) is None and s.add(_req(1, 4)) is None
@@ -962,6 +979,26 @@ def test_a_request_that_can_wait_leaves_room_for_one_that_cannot(reserve):
     s.add(urgent)
     p = s.schedule(2.02)
     assert p.prefill == [urgent]  # the room it was kept (the patient one now fails the gate)
+
+
+def test_no_room_is_kept_for_impatient_arrivals_that_fail_the_gate_even_alone():
+    """kairos (impatient_reserve): impatient arrivals whose TPOT SLO (1 ms) is below one request's ITL alone are
+    rejected; room kept for them would keep a patient request waiting on an idle replica until its deadline."""
+    s = _sched("kairos", prefill_hold=False, vbs_margin=1.1, impatient_reserve=True)
+    for k in range(8):  # a finish every 250 ms (patient arrivals)
+        w = _reply(f"w{k}", 4, 50, ttft=10_000.0, arrival=0.25 * k)
+        s.add(w)
+        assert s.schedule(0.25 * k).prefill == [w]
+        s.finish(w, "length", 0.25 * k + 0.01)
+    for k in range(3):
+        bad = _reply(f"bad{k}", 4, 50, tpot=1.0, ttft=100.0, arrival=2.0)
+        s.add(bad)
+        p = s.schedule(2.0)
+        assert p.rejected == [(bad, "tpot_unattainable")]
+        s.finish(bad, "rejected", 2.0)
+    patient = _reply("patient", 4, 50, ttft=5000.0, arrival=2.01)
+    s.add(patient)
+    assert s.schedule(2.01).prefill == [patient]
 
 
 @pytest.mark.parametrize("urgent_first", [True, False])
