@@ -87,6 +87,8 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         # a request whose replica failed before its first token goes to another one (routed: the ingress's handle)
         "failovers": 0 if a.direct else FAILOVERS,
         "unready_wait_s": a.unready_wait_s,
+        "cors": {"origins": [o.strip() for o in a.allowed_origins.split(",") if o.strip()],
+                 "credentials": a.allow_credentials},
         "llm_transport": a.llm_transport,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),

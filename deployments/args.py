@@ -73,6 +73,11 @@ class ServeArgs(BaseModel):
     api_keys_env: str | None = Field(None, description="env var holding comma-separated API keys (Bearer auth)")
     api_key_file: str | None = Field(None, description="file with one API key per line (Bearer auth)")
     retry_after_s: int = Field(1, ge=1, description="minimum Retry-After on 429/503")
+    allowed_origins: str = Field("*", description="CORS: comma-separated origins a browser page may call the API "
+                                 "from, any method and header ('*', vLLM's default: any origin); empty: no CORS "
+                                 "headers, browsers then refuse cross-origin calls")
+    allow_credentials: bool = Field(False, description="CORS: browsers may send cookies and Authorization with "
+                                    "cross-origin calls (vLLM's --allow-credentials)")
     unready_wait_s: float = Field(30.0, ge=0, description="routed topology: how long a request waits at the Ingress "
                                   "while no LLM replica can serve (none has loaded its model yet, or Serve is "
                                   "replacing them) before it gets a 503 `unavailable` with Retry-After")

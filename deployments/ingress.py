@@ -263,6 +263,7 @@ class OpenAIFrontend:
         self._scraper = AgentScraper()
         keys = load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         self._keys = [k.encode() for k in keys]
+        self._cors: dict[str, Any] = settings.get("cors") or {}
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         raise NotImplementedError
@@ -274,7 +275,8 @@ class OpenAIFrontend:
     def __serve_build_asgi_app__(self) -> "GenerationFastPath":
         """Serve calls this once the replica is built, after `serve.ingress` bound the FastAPI routes to it, and runs
         the ASGI app it returns: the generation routes' fast path in front of that FastAPI app."""
-        return GenerationFastPath(self, self.app)  # type: ignore[attr-defined] - `app`: Serve's ASGI wrapper
+        return GenerationFastPath(self, self.app,  # type: ignore[attr-defined] - `app`: Serve's ASGI wrapper
+                                  self._cors.get("origins", ()), self._cors.get("credentials", False))
 
     @property
     def docs_path(self) -> str | None:
@@ -1219,11 +1221,22 @@ class GenerationFastPath:
     paths and methods) to the FastAPI app, whose routes stay the API's reference (OpenAPI schema, docs).
 
     FastAPI's routing, middleware and `StreamingResponse` were a sizeable share of a replica's CPU for one-token
-    requests, spent while the engine steps on the same cores; without them HTTP adds less TTFT."""
+    requests, spent while the engine steps on the same cores; without them HTTP adds less TTFT.
 
-    def __init__(self, frontend: OpenAIFrontend, api: FastAPI) -> None:
+    CORS (`allowed_origins`, as vLLM's): in front of both, so a browser's preflight is answered before any auth and
+    every response to an allowed origin says so; a request without an Origin header passes straight through."""
+
+    def __init__(self, frontend: OpenAIFrontend, api: FastAPI, allowed_origins: Collection[str] = (),
+                 allow_credentials: bool = False) -> None:
         self.frontend, self.api = frontend, api
         self.docs_url = api.docs_url
+        self._app: Callable[[Scope, Receive, Send], Awaitable[None]] = self._route
+        if allowed_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            self._app = CORSMiddleware(self._route, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                       allow_headers=["*"], allow_credentials=allow_credentials,
+                                       expose_headers=["x-kairos-request-id", "retry-after"])
 
     def add_exception_handler(self, exc: Any, handler: Callable) -> None:
         """Serve registers its handlers (e.g. for BackPressureError) on the app it runs: they belong to FastAPI's."""
@@ -1233,6 +1246,9 @@ class GenerationFastPath:
         if scope["type"] != "http":
             await self.api(scope, receive, send)
             return
+        await self._app(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "POST":
             kind = GENERATION_ROUTES.get(route_path(scope))
             if kind is not None:

@@ -36,6 +36,24 @@ def test_health_and_models(client: httpx.Client) -> None:
     assert missing.headers["x-kairos-request-id"].startswith("req-")  # every answer names its request
 
 
+def test_cors_lets_any_origin_call_by_default(client: httpx.Client) -> None:
+    """As vLLM's defaults: a browser's preflight from any origin is answered, and each response to a request with an
+    Origin (a generation's, streamed or not, and FastAPI's routes) says that origin may read it."""
+    origin = {"Origin": "https://chat.example"}
+    pre = client.options("/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST",
+                                        "Access-Control-Request-Headers": "content-type,authorization,x-slo-ttft-ms"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "x-slo-ttft-ms" in pre.headers["access-control-allow-headers"].lower()
+    body = {"model": MODEL, "prompt": "cors", "max_tokens": 2}
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**body, "stream": stream}, headers=origin)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.text
+        assert "x-kairos-request-id" in r.headers["access-control-expose-headers"]
+    assert client.get("/v1/models", headers=origin).headers["access-control-allow-origin"] == "*"
+    plain = client.post("/v1/completions", json=body)  # no Origin: not a browser's call
+    assert "access-control-allow-origin" not in plain.headers
+
+
 def test_completion(client: httpx.Client) -> None:
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello, Kairos", "max_tokens": 6,
                                              "temperature": 0, "ignore_eos": True})

@@ -58,10 +58,12 @@ def _rel_app(tmp: Path):
     key_file = tmp / "api_keys"
     key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
     return build_app({**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file),
-                      "log_prompts": True, "health_check_period_s": 1.0, "health_check_timeout_s": 10.0})
+                      "allowed_origins": ORIGIN, "log_prompts": True, "health_check_period_s": 1.0,
+                      "health_check_timeout_s": 10.0})
 
 
 SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
+ORIGIN = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,22 @@ def test_api_key_auth(rel_app: dict) -> None:
             r = c.post(CMPL, json=body, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
         assert c.get("/v1/models", headers={"authorization": f"bearer {KEYS[1]}"}).status_code == 200
+
+
+def test_cors_preflight_comes_before_auth_and_only_allowed_origins_may_read(rel_app: dict) -> None:
+    """A browser's preflight carries no credentials: it is answered before auth (for `allowed_origins` only); a
+    response is readable by an allowed origin and by no other."""
+    with httpx.Client(base_url=rel_app["url"], timeout=60) as c:
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        pre = c.options(CMPL, headers={"Origin": ORIGIN, **ask})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+        assert c.options(CMPL, headers={"Origin": "https://other.example", **ask}).status_code == 400
+        body = {"prompt": "cors", "max_tokens": 2}
+        r = c.post(CMPL, json=body, headers={**rel_app["auth"], "Origin": ORIGIN})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+        r = c.post(CMPL, json=body, headers={**rel_app["auth"], "Origin": "https://other.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert c.post(CMPL, json=body, headers={"Origin": ORIGIN}).status_code == 401
 
 
 def _log_files() -> list[Path]:
