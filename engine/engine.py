@@ -141,6 +141,7 @@ class LLMEngine:
         self._observers: list[Callable[[StepEvent], None]] = []
         self._stop = False
         self._dead: BaseException | None = None
+        self._closed = False  # the worker has ended and read its inbox for the last time (`_run`'s end)
         self._fault_steps = 0
         self._fatal_fault = False
         self._steps = 0
@@ -369,6 +370,8 @@ class LLMEngine:
         self._wakeup.set()
         if isinstance(self._dead, EngineHungError) and self._on_hung is None:  # the watchdog emptied the inbox
             self._fail_inbox(f"engine failure: {self._dead}")  # before this put: nothing would read it
+        elif self._closed:  # the worker read its inbox for the last time before this put (`_enqueue` checked
+            self._fail_inbox(self._gone_why())  # before it stopped): nothing will read it
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
@@ -465,8 +468,9 @@ class LLMEngine:
         snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
                         phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
                         step=(self._step_ms, self._step_batch))
-        if self._parked:  # waiting for a scheduler change: they count as waiting
-            snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + len(self._parked))
+        if self._parked:  # waiting for a scheduler change: they count as waiting (those not aborted meanwhile)
+            parked = sum([r.status is not Status.FINISHED for r in self._parked])
+            snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + parked)
         return snap
 
     def _run(self) -> None:
@@ -500,6 +504,13 @@ class LLMEngine:
             self._inflight = None  # (its device work finishes before `_release` frees memory: `Backend.release`)
             self._drain_after_stop()
             self._emit()
+            # a request posted after that drain (its `_enqueue` ran before the stop) is failed by its poster once
+            # this is set, or here if it came before: either way its stream ends
+            self._closed = True
+            self._fail_inbox(self._gone_why())
+
+    def _gone_why(self) -> str:
+        return "engine shut down" if self._dead is None else f"engine failure: {self._dead!r}"
 
     def _inbox_items(self) -> Iterator[Any]:
         """Take what is in the inbox now, item by item."""

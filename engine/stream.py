@@ -59,8 +59,11 @@ class RequestStream:
                 loop, fut, thread = w
                 if thread == threading.get_ident():  # put on the reader's own loop (the engine client's reader_loop)
                     _wake(fut)
-                else:
+                    continue
+                try:
                     loop.call_soon_threadsafe(_wake, fut)
+                except RuntimeError:  # its loop has closed (a reader that gave up): nobody waits there any more
+                    pass
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
                   num_output_tokens: int) -> None:
@@ -99,7 +102,12 @@ class RequestStream:
                 loop = asyncio.get_running_loop()
                 fut = loop.create_future()
                 self._waiter = (loop, fut, threading.get_ident())
-            await fut
+            try:
+                await fut
+            finally:  # (cancelled: a later put need not wake a reader that is gone)
+                with self._lock:
+                    if self._waiter is not None and self._waiter[1] is fut:
+                        self._waiter = None
 
     async def wait_closed(self, timeout: float) -> bool:
         """Wait until the final item has been put or `timeout` seconds pass; True if closed. Only the final

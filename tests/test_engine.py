@@ -1,5 +1,6 @@
 """Engine behaviour on real (tiny, random) HF checkpoints: exact greedy equality, KV hygiene, abort, errors."""
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from engine.engine import LLMEngine
 from engine.errors import EngineDeadError
 from core.messages import ErrorKind
 from core.sampling import SamplingParams
-from core.request import SLO
+from core.request import SLO, FinishReason
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 
@@ -695,6 +696,26 @@ def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_cou
         eng.shutdown()
 
 
+def test_a_request_aborted_while_it_waits_for_a_new_scheduler_no_longer_counts_as_waiting(tiny_checkpoints):
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        eng.add_step_observer(lambda ev: time.sleep(0.005))  # the running request stays a while (its 200 steps)
+        busy = eng.add_request([5] * 10, SamplingParams(max_tokens=200, ignore_eos=True))
+        busy.get(timeout=30)
+        eng.reconfigure({"policy": "edf"})
+        waiting = [eng.add_request([6] * 10, SamplingParams(max_tokens=5)) for _ in range(3)]
+        time.sleep(0.1)
+        assert eng.stats().num_waiting == 3
+        for s in waiting:
+            eng.abort(s.request_id)
+            assert [o for o in s][-1].finish_reason is FinishReason.ABORT
+        time.sleep(0.1)
+        st = eng.stats()
+        assert (st.num_waiting, st.num_running, st.policy) == (0, 1, "fcfs")  # (busy still runs)
+    finally:
+        eng.shutdown()
+
+
 def test_reconfigured_follows_the_devices_defaults_for_the_new_policy():
     """`engine.config.reconfigured`: a GPU's scheduler defaults apply where neither the start nor the change set a
     knob, by the new policy (kairos's VBS margin 1.0 there); the knobs given at start stay unless changed."""
@@ -764,3 +785,30 @@ def test_a_reconfigure_whose_scheduler_cannot_be_built_leaves_the_engine_serving
         assert list(eng.add_request([1, 2, 3], params))[-1].finish_reason == "length"
     finally:
         eng.shutdown()
+
+
+def test_a_request_posted_as_the_engine_stops_ends_instead_of_waiting_forever(tiny_checkpoints):
+    """`add_request` checks the engine runs, then posts: a shutdown that drains the inbox between the two left the
+    request's stream with no end. Its stream now ends as unavailable, whichever of the two comes first."""
+    eng = _engine(tiny_checkpoints["llama"])
+    real = eng._inbox
+
+    class SlowPost:  # the caller's thread descheduled between the check and the put
+        def put(self, item):
+            if isinstance(item, tuple):
+                time.sleep(0.3)
+            real.put(item)
+
+        def get_nowait(self):
+            return real.get_nowait()
+
+    eng._inbox = SlowPost()
+    box = {}
+    poster = threading.Thread(target=lambda: box.setdefault("s", eng.add_request([1, 2, 3], SamplingParams())))
+    poster.start()
+    time.sleep(0.05)
+    eng.shutdown()
+    poster.join()
+    out = box["s"].get(timeout=10)
+    assert out.finished and out.finish_reason is FinishReason.ERROR and out.error == "engine shut down"
+    assert out.error_kind is ErrorKind.UNAVAILABLE

@@ -66,3 +66,24 @@ def test_an_awaiting_reader_wakes_on_a_token_put_from_another_thread():
     assert [t for o in outs for t in o.token_ids] == list(range(20))
     assert "".join(o.text for o in outs) == "0123456789" * 2 and outs[-1].finished
     assert all(o.num_output_tokens == sum(len(p.token_ids) for p in outs[:k + 1]) for k, o in enumerate(outs))
+
+
+def test_a_reader_that_gave_up_and_closed_its_loop_does_not_fail_the_producer():
+    """A reader cancelled mid-await (a client's timeout) leaves no waiter; one whose loop closed before the producer
+    woke it (the race) is skipped: the producer's put, on the engine's thread for every request, never raises."""
+    st = RequestStream("r")
+
+    async def give_up() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(st.aget(), timeout=0.01)
+
+    asyncio.run(give_up())
+    assert st._waiter is None
+    loop = asyncio.new_event_loop()
+    fut = loop.create_future()
+    loop.close()
+    st._waiter = (loop, fut, -1)  # registered on a loop that closed before the put (another thread's)
+    st.put_token("r", "a", 1, 3, 1)
+    st.put(RequestOutput("r", "", [], finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=3,
+                         num_output_tokens=1))
+    assert st.get(timeout=1).finished
