@@ -3,7 +3,8 @@ drawn with its uniform numbers (one, or a device top-p draw's `rounds`) from its
 that device) or the sampler's.
 
 One implementation for every device: every op runs where the logits are, in whole-batch tensor ops, and the step's
-tokens come back to the host in one copy (a row whose logits are not finite comes back as -1 and fails alone). Top-p
+tokens come back to the host in one copy (a sampled row whose logits are not finite comes back as -1 and fails
+alone; a greedy row's argmax counts a NaN as the maximum, as the CPU kernels do). Top-p
 rows: a backend may hand in a device draw with no host sync (`top_p_draw`: the CUDA backend's Triton kernel); else a
 few syncs per step decide whether a flat row needs the exact nucleus search, none per row. A seeded row's draw
 depends only on its own generator, whatever else is in the batch. A backend may hand in faster host paths
