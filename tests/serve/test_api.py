@@ -40,8 +40,9 @@ def test_cors_lets_any_origin_call_by_default(client: httpx.Client) -> None:
     """As vLLM's defaults: a browser's preflight from any origin is answered, and each response to a request with an
     Origin (a generation's, streamed or not, and FastAPI's routes) says that origin may read it."""
     origin = {"Origin": "https://chat.example"}
-    pre = client.options("/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST",
-                                        "Access-Control-Request-Headers": "content-type,authorization,x-slo-ttft-ms"})
+    ask = {"Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "content-type,authorization,x-slo-ttft-ms"}
+    pre = client.options("/v1/completions", headers={**origin, **ask})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
     assert "x-slo-ttft-ms" in pre.headers["access-control-allow-headers"].lower()
     body = {"model": MODEL, "prompt": "cors", "max_tokens": 2}
