@@ -19,6 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.messages import GenerateRequest
+from core.request import FinishReason
+from core.sampling import SamplingParams
 from tests.serve.conftest import TEST_ARGS, SideApp, replica_stats, side_app, wait_idle
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -245,22 +248,15 @@ def test_injected_fault_mid_stream_ends_with_error_event(base_url: str, llm_hand
         assert "injected fault" in errors[0]["message"]
         assert not any('"finish_reason":"length"' in e for e in events), "the stream was not interrupted"
         assert elapsed < 30
-        # the replica keeps serving: hit it again. Concurrent requests, because the router sends each to the least
-        # loaded replica and breaks ties between idle ones by predicted TTFT, which need not favour this one
-        def again(_: int) -> str:
-            with httpx.Client(base_url=base_url, timeout=60) as c2:
-                r2 = c2.post(CMPL, json={"prompt": "after the fault", "max_tokens": 16, "ignore_eos": True})
-            assert r2.status_code == 200, r2.text
-            assert r2.json()["usage"]["completion_tokens"] == 16
-            return r2.headers["x-kairos-replica"]
-
-        served: set[str] = set()
-        with ThreadPoolExecutor(6) as pool:
-            for _ in range(5):
-                served.update(pool.map(again, range(6)))
-                if replica in served:
-                    break
-        assert replica in served
+        # the replica keeps serving: a request the router must send there (it passes over the replicas a request
+        # avoids), its tokens and the replica that served it read from the handle's stream
+        (other,) = [r for r in replica_stats(llm_handle, want=2) if r != replica]
+        again = GenerateRequest(f"after-fault-{uuid.uuid4().hex[:8]}", prompt="after the fault",
+                                params=SamplingParams(max_tokens=16, ignore_eos=True), avoid_replicas=(other,))
+        outs = list(llm_handle.options(stream=True).generate.remote(again))
+        assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH, outs[-1]
+        assert sum(len(o.token_ids) for o in outs) == 16
+        assert [o.served_by.replica for o in outs if o.served_by] == [replica]
     assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in wait_idle(llm_handle, 2).values())
 
 
