@@ -1,10 +1,16 @@
 """Sampling parameters (plain, frozen data): the per-request knobs of an OpenAI/vLLM request."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
+
+
+def _number(v: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +27,13 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs added to those tokens' logits before sampling (greedy too); a
     # mapping is accepted and kept as sorted pairs
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # OpenAI's: a token's logit loses presence_penalty once if it is in the reply so far, frequency_penalty x its count
+    # there; vLLM's (and HF's): a logit of a token in the prompt or the reply is divided by repetition_penalty where
+    # positive, multiplied by it where not. Greedy rows too
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # vLLM's: only tokens at least min_p x the likeliest one's probability (after temperature)
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -56,6 +69,15 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if len(self.stop) > 16:
             raise ValueError(f"stop may hold at most 16 strings, got {len(self.stop)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _number(rp) or not rp > 0.0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in self.logit_bias:
@@ -72,6 +94,11 @@ class SamplingParams:
         will be max_tokens long, unless its client leaves first."""
         return (self.ignore_eos and not self.stop and not self.stop_token_ids) \
             or (self.max_tokens is not None and self.min_tokens >= self.max_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty changes this request's logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

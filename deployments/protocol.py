@@ -4,9 +4,10 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: n > 1, best_of > 1, echo,
-logprobs / top_logprobs, the presence / frequency / repetition penalties, suffix, tools / tool_choice / functions,
-a response_format other than text, vLLM's guided decoding and a request's own chat template (`UNSUPPORTED`).
-`logit_bias` is honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
+logprobs / top_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
+decoding and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
+penalties and min_p are honoured, and so are vLLM's fields for how a prompt is tokenized
+(`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ class StreamOptions(BaseModel):
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1, 1.0), "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "top_logprobs": (0,),
-    "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "min_p": (0, 0.0), "use_beam_search": (False,),
+    "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "echo": (False,), "suffix": ("",), "best_of": (1,),
     "logprobs": (False,), "tools": ([],),
@@ -95,9 +96,11 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine's range (SamplingParams.validate)
-    presence_penalty: float | None = Field(None, json_schema_extra=_opt({"type": "number", "const": 0}))
-    frequency_penalty: float | None = Field(None, json_schema_extra=_opt({"type": "number", "const": 0}))
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # vLLM extensions
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
@@ -112,7 +115,8 @@ class _Common(BaseModel):
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
 
-    @field_validator("temperature", "top_p", mode="before")
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                     mode="before")
     @classmethod
     def _finite(cls, v: Any, info: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
@@ -138,13 +142,6 @@ class _Common(BaseModel):
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("presence/frequency penalties are not supported")
-        return v
-
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
@@ -161,14 +158,18 @@ class _Common(BaseModel):
 
     def sampling_kwargs(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """Keyword arguments for `core.sampling.SamplingParams` (max_tokens None: fill the context window); a
-        temperature, top_p or top_k the request leaves out is the model's (`defaults`: what its generation_config
-        recommends, as vLLM applies it), else temperature 1, top_p 1 and no top_k."""
+        temperature, top_p, top_k, min_p or repetition_penalty the request leaves out is the model's (`defaults`:
+        what its generation_config recommends, as vLLM applies it), else none of them (temperature 1, top_p 1)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         d = defaults or {}
         kw: dict[str, Any] = dict(
             temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,  # tiny: greedy
             top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
             top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
+            repetition_penalty=d.get("repetition_penalty", 1.0) if self.repetition_penalty is None
+            else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},

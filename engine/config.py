@@ -74,9 +74,9 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     trust_remote_code: bool = False
     generation_config: Literal["auto", "vllm"] = Field(
-        "auto", description="vLLM's --generation-config: auto: a request that leaves temperature, top_p or top_k out "
-        "takes the value the model's generation_config.json recommends; vllm: the server's own defaults "
-        "(temperature 1, top_p 1, no top_k)")
+        "auto", description="vLLM's --generation-config: auto: a request that leaves temperature, top_p, top_k, min_p "
+        "or repetition_penalty out takes the value the model's generation_config.json recommends; vllm: the server's "
+        "own defaults (temperature 1, top_p 1, none of the others)")
     num_threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
     max_model_len: int | None = Field(None, gt=0, description="context window (default: the model's)")
     # paged KV cache

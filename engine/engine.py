@@ -198,7 +198,7 @@ class LLMEngine:
             if self.sampling_defaults:
                 log.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
             if skipped:
-                log.warning("the model's generation config sets %s, which this engine does not apply",
+                log.warning("the model's generation config sets %s, not a valid sampling value: not applied",
                             ", ".join(f"{k}={v!r}" for k, v in skipped.items()))
         spec = cache_spec(config, b, backend)
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
@@ -652,7 +652,8 @@ class LLMEngine:
                 t2 = time.perf_counter()
                 # planned, then drawn: a draw that fails is re-drawn per request with the numbers planned here (a
                 # seeded request's generator gives them once)
-                draws = self.sampler.plan(reqs, logits.device) if reqs else None
+                draws = self.sampler.plan(reqs, logits.device, prev.tokens if prev is not None else None) \
+                    if reqs else None
                 tokens = self.sampler.draw(logits, draws) if draws is not None else None
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
             t2 = time.perf_counter()
@@ -689,6 +690,8 @@ class LLMEngine:
         if prev is not None:
             self._landed(prev)
         prev_tokens = prev.tokens if prev is not None else None
+        if draws is not None:  # its penalized rows' last tokens may be the step before's
+            draws.prev = prev_tokens
         runner, sampler, device = self.runner, self.sampler, self.bundle.device
 
         def step() -> SampledTokens | None:

@@ -328,20 +328,19 @@ def load_model(
         eos_token_ids=eos,
         vocab_limit=min(len(tok), rows),
         tokenizer_path=tok_path,
-        generation_sampling={k: given[k] for k in (*SAMPLING_DEFAULT_KEYS, *_UNAPPLIED) if k in given},
+        generation_sampling={k: given[k] for k in SAMPLING_DEFAULT_KEYS if k in given},
     )
 
 
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k")  # what a generation_config may set that requests take
-# what it may set that the engine does not apply (a request sending them is refused: deployments/protocol.py)
-_UNAPPLIED = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# what a generation_config may set that requests take (vLLM's `--generation-config auto` takes max_new_tokens too)
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_defaults(given: dict[str, Any]) -> tuple[dict[str, float | int], dict[str, Any]]:
     """What a checkpoint's generation_config sets (`ModelBundle.generation_sampling`) as the defaults of requests
-    that leave them out, as vLLM's `--generation-config auto` takes them: the temperature, top_p and top_k it sets
-    (those it leaves unset are not), each one `SamplingParams.validate` takes; and what it sets that is not taken (a
-    repetition penalty or min_p, which the engine has no sampler for, or an invalid value), for the log."""
+    that leave them out, as vLLM's `--generation-config auto` takes them: the temperature, top_p, top_k, min_p and
+    repetition_penalty it sets (those it leaves unset are not), each one `SamplingParams.validate` takes; and what it
+    sets that is not taken (an invalid value), for the log."""
     taken: dict[str, float | int] = {}
     skipped: dict[str, Any] = {}
     for key in SAMPLING_DEFAULT_KEYS:
@@ -357,7 +356,6 @@ def sampling_defaults(given: dict[str, Any]) -> tuple[dict[str, float | int], di
             taken[key] = value
         except ValueError:
             skipped[key] = v
-    skipped.update({k: given[k] for k, neutral in _UNAPPLIED.items() if given.get(k) not in (None, neutral)})
     return taken, skipped
 
 

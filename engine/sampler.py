@@ -1,6 +1,7 @@
-"""Batched sampling on the logits' device: greedy rows in one argmax; temperature / top-k / top-p rows together, each
-drawn with its uniform numbers (one, or a device top-p draw's `rounds`) from its request's own seeded generator (on
-that device) or the sampler's.
+"""Batched sampling on the logits' device: min_tokens' bans, logit_bias and the presence / frequency / repetition
+penalties on the logits of their rows; greedy rows in one argmax; temperature / top-k / min_p / top-p rows together,
+each drawn with its uniform numbers (one, or a device top-p draw's `rounds`) from its request's own seeded generator
+(on that device) or the sampler's.
 
 One implementation for every device: every op runs where the logits are, in whole-batch tensor ops, and the step's
 tokens come back to the host in one copy (a sampled row whose logits are not finite comes back as -1 and fails
@@ -10,11 +11,11 @@ few syncs per step decide whether a flat row needs the exact nucleus search, non
 depends only on its own generator, whatever else is in the batch. A backend may hand in faster host paths
 (`argmax`, `draw`: the CPU kernels').
 
-The sampler reads requests and never changes them; the seeded RNGs are its own, keyed by request id
-(`release` drops one when its request ends)."""
+The sampler reads requests and never changes them; the seeded RNGs and the penalized requests' token counts
+(`PenaltyCounts`) are its own, keyed by request id (`release` drops them when its request ends)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -140,6 +141,9 @@ class Draws:
     sampled: list[int]
     u: torch.Tensor | None
     failed: dict[int, Exception]
+    penalized: list["PenaltyRow"] = field(default_factory=list)
+    # the tokens of the step before (overlap scheduling), where a penalized row's last token is still a placeholder
+    prev: "SampledTokens | None" = None
 
     def row(self, i: int) -> "Draws":
         """Row `i`'s draw alone (a step re-run request by request draws each row with the numbers planned for it)."""
@@ -147,7 +151,147 @@ class Draws:
         return Draws([self.reqs[i]], [(0, ids) for k, ids in self.banned if k == i],
                      [(0, b) for k, b in self.biased if k == i], [0] if j >= 0 else [],
                      self.u[j:j + 1] if j >= 0 and self.u is not None else None,
-                     {0: self.failed[i]} if i in self.failed else {})
+                     {0: self.failed[i]} if i in self.failed else {},
+                     [replace(pr, row=0) for pr in self.penalized if pr.row == i], self.prev)
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyRow:
+    """A penalized row of a step as planned (`Sampler.plan`): its request's slot in the sampler's token counts and
+    the slot's lease (the request it was given to), the reply's tokens the plan saw from output position `start` on
+    (those the counts may lack), the prompt's ids where the slot may not hold them yet, and the placeholder of a
+    token still on its way (overlap scheduling: its row among the step before's tokens), if any."""
+    row: int
+    slot: int
+    lease: int
+    start: int
+    tokens: tuple[int, ...]
+    prompt: tuple[int, ...] | None
+    pending_row: int | None
+
+
+class PenaltyCounts:
+    """Each penalized request's token counts, for OpenAI's presence and frequency penalties and vLLM's (and HF's)
+    repetition penalty: in a slot of two [slots, vocab] tensors on the logits' device, its reply's counts and its
+    prompt's tokens (a mask), kept across steps so that a step sends the device only the tokens new since.
+
+    Planned on the engine thread (`plan_row`: which slot, what the slot may lack), applied by the step's draw,
+    which may run on another thread but in the order the steps were planned (`apply`). Whatever a plan read may be
+    stale: a draw adds only the tokens its slot lacks (by position) and resets a slot whose lease (the request it
+    was given to) is not the plan's, so a draw that never ran (a step that failed) loses nothing and a step drawn
+    again (request by request) counts nothing twice."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self._slot: dict[str, tuple[int, int]] = {}  # request id -> (slot, lease): the engine thread's
+        self._free: list[int] = []
+        self._size = 0  # slots handed out so far
+        self._leases = 0
+        # the draws' state (written by draws only): per slot, (lease, reply tokens counted)
+        self._held: dict[int, tuple[int, int]] = {}
+        self.counts: torch.Tensor | None = None  # [slots, vocab] float32: the reply's tokens
+        self.prompt: torch.Tensor | None = None  # [slots, vocab] bool: the prompt's tokens
+
+    def plan_row(self, row: int, req: Request) -> PenaltyRow:
+        """Row `row` of a step, request `req` penalized: its slot (given now if it had none) and what to count."""
+        got = self._slot.get(req.request_id)
+        if got is None:
+            self._leases += 1
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot, self._size = self._size, self._size + 1
+            got = self._slot[req.request_id] = (slot, self._leases)
+        slot, lease = got
+        held = self._held.get(slot)
+        fresh = held is None or held[0] != lease
+        start = 0 if fresh else held[1]
+        out = req.token_ids[len(req.prompt_token_ids):]
+        pending = None
+        end = len(out)
+        if end and out[-1] < 0:  # its last token is the step before's, still on the device: -(its row + 1)
+            pending, end = -out[-1] - 1, end - 1
+        tokens = tuple(out[start:end]) if start < end else ()
+        prompt = tuple(req.prompt_token_ids) if fresh else None
+        return PenaltyRow(row, slot, lease, start, tokens, prompt, pending)
+
+    def release(self, request_id: str) -> None:
+        got = self._slot.pop(request_id, None)
+        if got is not None:
+            self._free.append(got[0])
+
+    def _reserve(self, slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors, with at least `slots` slots on `dev` (grown by doubling, their contents kept)."""
+        counts, prompt = self.counts, self.prompt
+        if counts is None or counts.device != dev:
+            counts = torch.zeros(0, self.vocab, dtype=torch.float32, device=dev)
+            prompt = torch.zeros(0, self.vocab, dtype=torch.bool, device=dev)
+            self._held.clear()
+        if counts.shape[0] < slots:
+            n = max(slots, 2 * counts.shape[0], 8)
+            grown = torch.zeros(n, self.vocab, dtype=torch.float32, device=dev)
+            grown_prompt = torch.zeros(n, self.vocab, dtype=torch.bool, device=dev)
+            grown[: counts.shape[0]] = counts
+            grown_prompt[: prompt.shape[0]] = prompt
+            counts, prompt = grown, grown_prompt
+        self.counts, self.prompt = counts, prompt
+        return counts, prompt
+
+    def apply(self, logits: torch.Tensor, reqs: list[Request], rows: list[PenaltyRow],
+              prev: "SampledTokens | None") -> None:
+        """Penalize `rows` of `logits` (float32, [R, width], in place), vLLM's way: a logit of a token in the prompt
+        or the reply so far is divided by the repetition penalty where positive, multiplied by it where not; then
+        each token's logit loses frequency_penalty x its count in the reply, and presence_penalty once if it is
+        there at all. Tokens at or past the logits' width count for nothing."""
+        dev, width = logits.device, min(logits.shape[-1], self.vocab)
+        counts, prompt = self._reserve(max(pr.slot for pr in rows) + 1, dev)
+        reset: list[int] = []
+        p_rows: list[int] = []
+        p_cols: list[int] = []
+        c_rows: list[int] = []
+        c_cols: list[int] = []
+        for pr in rows:
+            held = self._held.get(pr.slot)
+            counted = held[1] if held is not None and held[0] == pr.lease else None
+            if counted is None:  # the slot is this request's from now on: its prompt, and no reply yet
+                reset.append(pr.slot)
+                ids = {t for t in pr.prompt or () if 0 <= t < self.vocab}
+                p_rows.extend([pr.slot] * len(ids))
+                p_cols.extend(ids)
+                counted = 0
+            new = [t for t in pr.tokens[max(0, counted - pr.start):] if 0 <= t < self.vocab]
+            c_rows.extend([pr.slot] * len(new))
+            c_cols.extend(new)
+            self._held[pr.slot] = (pr.lease, max(counted, pr.start + len(pr.tokens)))
+        if reset:
+            at = _to(reset, dev)
+            counts.index_fill_(0, at, 0.0)
+            prompt.index_fill_(0, at, False)
+        if p_rows:
+            prompt[_to(p_rows, dev), _to(p_cols, dev)] = True
+        if c_rows:
+            counts.index_put_((_to(c_rows, dev), _to(c_cols, dev)), torch.ones(len(c_rows), device=dev),
+                              accumulate=True)
+        slots = _to([pr.slot for pr in rows], dev)
+        c = counts.index_select(0, slots)[:, :width]
+        waiting = [(j, pr.pending_row) for j, pr in enumerate(rows) if pr.pending_row is not None]
+        if waiting:  # a last token still on its way: from the step before's tokens on the device, or the host's
+            if prev is not None:
+                toks = prev.device_tokens(dev).index_select(0, _to([r for _, r in waiting], dev))
+            else:
+                toks = _to([reqs[rows[j].row].token_ids[-1] for j, _ in waiting], dev, torch.long)
+            ok = (toks >= 0) & (toks < width)
+            c.index_put_((_to([j for j, _ in waiting], dev), toks.clamp(0, width - 1)), ok.float(), accumulate=True)
+        in_reply = c > 0
+        seen = in_reply | prompt.index_select(0, slots)[:, :width]
+        params = [reqs[pr.row].params for pr in rows]
+        at = _to([pr.row for pr in rows], dev)
+        x = logits.index_select(0, at)[:, :width]
+        rep = _to([p.repetition_penalty for p in params], dev, torch.float32).unsqueeze(-1)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x -= _to([p.frequency_penalty for p in params], dev, torch.float32).unsqueeze(-1) * c
+        x -= _to([p.presence_penalty for p in params], dev, torch.float32).unsqueeze(-1) * in_reply
+        logits[at, :width] = x
 
 
 class Sampler:
@@ -167,6 +311,7 @@ class Sampler:
         self.top_p_draw = top_p_draw
         self.rounds = rounds if top_p_draw is not None else 1
         self._generators: dict[str, torch.Generator] = {}
+        self._penalties = PenaltyCounts(vocab_limit)
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator | None:
         if req.params.seed is None:
@@ -180,6 +325,7 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._penalties.release(request_id)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
         """One token per request; a request whose own sampling fails gets its exception instead. The logits are
@@ -192,14 +338,17 @@ class Sampler:
         read them) and are on their way to the host; `result()` waits for them."""
         return self.draw(logits, self.plan(reqs, logits.device))
 
-    def plan(self, reqs: list[Request], device: torch.device | None = None) -> "Draws":
+    def plan(self, reqs: list[Request], device: torch.device | None = None,
+             prev: "SampledTokens | None" = None) -> "Draws":
         """What a step's draw reads of its requests' state, taken now (each row's uniform numbers come from its
         generator here): a step drawn later on another thread (`draw`) draws what it would have drawn now, whatever
-        the requests have become since. Only `params` (frozen) is read later."""
+        the requests have become since. Only `params` (frozen) is read later. `prev`: the step before's tokens, where
+        they may not have reached the requests yet (overlap scheduling; also settable on the plan until its draw)."""
         dev = device if device is not None else self.device
-        # one pass over the rows: those below min_tokens, with a logit_bias, that sample (not greedy)
+        # one pass over the rows: those below min_tokens, with a logit_bias, penalized, that sample (not greedy)
         banned: list[tuple[int, tuple[int, ...]]] = []
         biased: list[tuple[int, tuple[tuple[int, float], ...]]] = []
+        penalized: list[PenaltyRow] = []
         sampled: list[int] = []
         for i, r in enumerate(reqs):
             p = r.params
@@ -207,6 +356,8 @@ class Sampler:
                 banned.append((i, (*self.eos_token_ids, *p.stop_token_ids)))
             if p.logit_bias:
                 biased.append((i, p.logit_bias))
+            if p.penalized:
+                penalized.append(self._penalties.plan_row(i, r))
             if not p.greedy:
                 sampled.append(i)
         failed: dict[int, Exception] = {}
@@ -215,7 +366,7 @@ class Sampler:
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
-        return Draws(reqs, banned, biased, sampled, u, failed)
+        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev)
 
     @torch.inference_mode()
     def draw(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
@@ -242,6 +393,10 @@ class Sampler:
                 if logits.dtype != torch.float32:  # bf16 logits (a GPU's): a bias under their step would vanish
                     logits = logits.float()
                 logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
+        if d.penalized:  # presence, frequency and repetition penalties, after the bias (vLLM's order), greedy too
+            if logits.dtype != torch.float32:
+                logits = logits.float()
+            self._penalties.apply(logits, d.reqs, d.penalized, d.prev)
         failed = dict(d.failed)
         if not sampled and not failed:  # a greedy batch draws no numbers
             if self.argmax is not None:
@@ -279,7 +434,7 @@ class Sampler:
         if sampled:
             sreqs = [reqs[i] for i in sampled]
             drawn = None
-            if self.draw_rows is not None:
+            if self.draw_rows is not None and not any(r.params.min_p > 0.0 for r in sreqs):  # (no min_p there)
                 drawn = self.draw_rows(logits, sampled, [r.params.temperature for r in sreqs],
                                        _top_ks(sreqs, logits.shape[-1]), [r.params.top_p for r in sreqs], u[:, 0])
             if drawn is None:
@@ -318,6 +473,11 @@ class Sampler:
             kt = _to(ks, dev)
             kth = torch.topk(x, kmax, dim=-1).values.gather(-1, (kt - 1).clamp_(min=0).unsqueeze(-1))
             x.masked_fill_((x < kth) & (kt > 0).unsqueeze(-1), float("-inf"))
+        min_ps = [r.params.min_p for r in reqs]
+        if any(m > 0.0 for m in min_ps):  # min_p: a token at least min_p x the likeliest one's probability, i.e. a
+            # logit at least the largest + log(min_p) (after temperature; top-k keeps the largest, so in any order)
+            floor = torch.log(_to(min_ps, dev, torch.float32)).unsqueeze(-1)  # log(0) = -inf: no floor
+            x.masked_fill_(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
         probs = torch.softmax(x, dim=-1)
         total = probs.sum(dim=-1)  # NaN where a row's logits held one: that row fails alone
         ok = torch.isfinite(total) & (total > 0)

@@ -26,7 +26,7 @@ def _engine(path, policy="fcfs", **kw):
                                   scheduler=SchedulerConfig(policy=policy, prefill_max_tokens=256), **kw))
 
 
-def _hf_greedy(path, prompt_ids, n):
+def _hf_greedy(path, prompt_ids, n, **generate):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     model.generation_config.eos_token_id = None  # run to length, like ignore_eos
     model.generation_config.pad_token_id = 0
@@ -34,7 +34,7 @@ def _hf_greedy(path, prompt_ids, n):
     with torch.inference_mode():
         for ids, k in zip(prompt_ids, n):
             gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=k, min_new_tokens=k, do_sample=False)
+                                 max_new_tokens=k, min_new_tokens=k, do_sample=False, **generate)
             out.append(gen[0, len(ids):].tolist())
     return out
 
@@ -101,6 +101,27 @@ def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
         assert all(total > 0 for _, total in st.decode_over_model.values())
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_with_a_repetition_penalty_equals_hf_generate(tiny_checkpoints, family):
+    """vLLM's repetition penalty is HF's (a logit of a token in the prompt or the reply divided by it where
+    positive, multiplied where not): greedy replies in one batch, beside an unpenalized one, are HF's token for
+    token, and the penalty changes them."""
+    path = tiny_checkpoints[family]
+    eng = _engine(path)
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)[:5]
+        n = [20] * len(prompts)
+        pens = [1.6, 1.0, 0.7, 1.6, 2.5]  # below 1: a repetition is favoured
+        streams = [eng.add_request(p, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True,
+                                                     repetition_penalty=rp)) for p, k, rp in zip(prompts, n, pens)]
+        outs = [[t for o in s for t in o.token_ids] for s in streams]
+    finally:
+        eng.shutdown()
+    for i, rp in enumerate(pens):
+        assert outs[i] == _hf_greedy(path, [prompts[i]], [n[i]], repetition_penalty=rp)[0], (i, rp)
+    assert outs != _hf_greedy(path, prompts, n)
 
 
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),

@@ -354,9 +354,9 @@ def test_a_cuda_device_comes_back_with_its_index(monkeypatch):
 
 
 def test_the_models_generation_config_gives_its_sampling_defaults(tiny_checkpoints, tmp_path):
-    """What a checkpoint's generation_config.json sets for temperature, top_p and top_k becomes the defaults of
-    requests that leave them out (vLLM's --generation-config auto); a repetition penalty, which the engine does not
-    apply, and an invalid value are set aside for the log. A checkpoint that sets none has none."""
+    """What a checkpoint's generation_config.json sets for temperature, top_p, top_k, min_p and the repetition
+    penalty becomes the defaults of requests that leave them out (vLLM's --generation-config auto); an invalid value
+    is set aside for the log. A checkpoint that sets none has none."""
     import shutil
 
     from engine.loader import sampling_defaults
@@ -369,6 +369,7 @@ def test_the_models_generation_config_gives_its_sampling_defaults(tiny_checkpoin
     (path / "generation_config.json").write_text(json.dumps(cfg))
     given = load_model(str(path), device="cpu").generation_sampling
     assert given == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
-    assert sampling_defaults(given) == ({"temperature": 0.6, "top_p": 0.9, "top_k": 20}, {"repetition_penalty": 1.05})
-    assert sampling_defaults({"top_p": 1.5, "temperature": 0.7, "repetition_penalty": 1.0, "min_p": 0.1}) == (
-        {"temperature": 0.7}, {"top_p": 1.5, "min_p": 0.1})
+    assert sampling_defaults(given) == (
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}, {})
+    assert sampling_defaults({"top_p": 1.5, "temperature": 0.7, "repetition_penalty": 0.0, "min_p": 0.1}) == (
+        {"temperature": 0.7, "min_p": 0.1}, {"top_p": 1.5, "repetition_penalty": 0.0})

@@ -20,9 +20,13 @@ PROMPTS = [list(range(3, 5)), list(range(7, 30)), list(range(11, 70)), list(rang
 PREEMPTED: list[bool] = []  # per preemption: whether a token of the request was still on its way
 
 
-def _serve(path, prompts, params, overlap, **cfg):
-    """Per request: (tokens, finish reason, error, the num_output_tokens its stream items reported)."""
+def _serve(path, prompts, params, overlap, device_path=False, **cfg):
+    """Per request: (tokens, finish reason, error, the num_output_tokens its stream items reported). `device_path`:
+    overlap as on a GPU (the step launched and drawn on the engine's thread, the step before in flight) instead of
+    the host stream."""
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap=overlap, **cfg))
+    if device_path:
+        eng._stream = None  # (no request yet: the worker has not stepped)
     try:
         assert eng.overlap is (overlap == "on")
         preempt = eng.scheduler._preempt
@@ -98,6 +102,26 @@ def test_preemption_chunked_prefill_and_seeded_sampling_are_exact(tiny_checkpoin
     assert on == off
     assert PREEMPTED  # the cache is too small for every reply at once
     assert all(err is None for _, _, err in on)
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_penalized_replies_are_exact_with_a_step_in_flight(tiny_checkpoints, device_path):
+    """A penalized row's last token is still on its way when the next step is planned: counted from the step
+    before's tokens, the replies are those of an engine without overlap, and the penalties change them."""
+    path = tiny_checkpoints["llama"]
+    plain = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, repetition_penalty=1.8),
+              SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, presence_penalty=1.5,
+                             frequency_penalty=0.7),
+              SamplingParams(max_tokens=14, temperature=0.9, seed=4, ignore_eos=True, repetition_penalty=1.3,
+                             min_p=0.05),
+              plain, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, frequency_penalty=-1.0)]
+    off = _serve(path, PROMPTS, params, "off")
+    on = _serve(path, PROMPTS, params, "on", device_path=device_path)
+    assert [x[:3] for x in on] == [x[:3] for x in off]
+    assert all(err is None for _, _, err, _ in on)
+    unpenalized = _serve(path, PROMPTS, plain, "off")
+    assert [off[i][0] != unpenalized[i][0] for i in (0, 1, 4)] == [True, True, True]
 
 
 def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):

@@ -180,3 +180,112 @@ def test_nucleus_of_a_flat_row_is_the_sorted_prefix():
         ref = torch.zeros(5000, dtype=torch.bool)
         ref[idx[(cum - vals.double()) < top_p]] = True
         assert torch.equal(_nucleus(p, top_p), ref), top_p
+
+
+def _penalized_ref(logits: torch.Tensor, prompt: list[int], reply: list[int], p: SamplingParams) -> torch.Tensor:
+    """vLLM's penalties, one token at a time: repetition over the prompt and the reply, then frequency and presence
+    over the reply."""
+    x = logits.clone()
+    for t in (set(prompt) | set(reply)) & set(range(len(x))):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(reply):
+        x[t] -= p.frequency_penalty * reply.count(t) + p.presence_penalty
+    return x
+
+
+def test_penalties_are_vllms_on_their_rows_only_and_count_each_token_once():
+    """Presence, frequency and repetition penalties change exactly the logits vLLM's formula does, for their rows
+    only (greedy ones too; tokens past the vocabulary count for nothing); the counts a request's slot keeps across
+    steps hold each reply token once, whether a plan was drawn twice (a step re-drawn request by request), planned
+    again before the last draw, or never drawn (a step that failed); a released slot starts clean for its next
+    request."""
+    from engine.sampler import PenaltyCounts
+
+    g = torch.Generator().manual_seed(3)
+    s = Sampler(vocab_limit=12, eos_token_ids=[EOS], device=torch.device("cpu"))
+    pen = SamplingParams(temperature=0.0, max_tokens=50, repetition_penalty=1.7, presence_penalty=0.6,
+                         frequency_penalty=-0.4)
+    a = Request("a", [1, 2, 2, 13], pen)  # 13: past the vocabulary
+    b = Request("b", [3, 4], SamplingParams(temperature=0.0, max_tokens=50))  # no penalty
+    c = Request("c", [7], SamplingParams(temperature=1.0, seed=1, max_tokens=50, presence_penalty=2.0))
+    for step in range(6):
+        logits = torch.randn(3, 14, generator=g)
+        want = logits.clone()[:, :12]
+        for i, r in ((0, a), (2, c)):
+            want[i] = _penalized_ref(logits[i, :12], r.prompt_token_ids, r.token_ids[r.num_prompt_tokens:], r.params)
+        d = s.plan([a, b, c])
+        if step == 2:
+            s.plan([a, b, c])  # planned again before it is drawn: nothing counted twice
+        if step == 3:
+            continue  # never drawn: the next step's draw counts what this one would have
+        got = logits.clone()[:, :12]
+        s._penalties.apply(got, d.reqs, d.penalized, None)
+        assert torch.allclose(got, want), (step, got, want)
+        again = logits.clone()[:, :12]
+        s._penalties.apply(again, d.reqs, d.penalized, None)  # drawn again: the same logits
+        assert torch.allclose(again, want)
+        for r in (a, b, c):
+            r.token_ids.append(int(torch.randint(0, 12, (1,), generator=g)) if step % 2 else 2)
+    # greedy on the penalized logits: a negative frequency penalty draws the reply's most frequent token back
+    want = _penalized_ref(torch.zeros(12), a.prompt_token_ids, a.token_ids[a.num_prompt_tokens:], pen)
+    assert s.sample(torch.zeros(1, 12), [a]) == [int(want.argmax())] == [2]
+    s.release("a")
+    fresh = Request("d", [5], pen)
+    logits = torch.randn(1, 12, generator=g)
+    got = logits.clone()
+    d = s.plan([fresh])
+    assert d.penalized[0].slot == 0  # a's slot, reused
+    s._penalties.apply(got, d.reqs, d.penalized, None)
+    assert torch.allclose(got[0], _penalized_ref(logits[0], [5], [], pen))
+    assert isinstance(s._penalties, PenaltyCounts)
+
+
+def test_a_penalized_rows_token_still_on_its_way_counts_from_the_step_befores_tokens():
+    """Overlap scheduling: a reply's last token is a placeholder (-(its row + 1) in the step before) when the next
+    step is planned; the draw counts it from that step's tokens, and the next plan, which sees it, not again."""
+    from engine.sampler import SampledTokens
+
+    s = Sampler(vocab_limit=10, eos_token_ids=[EOS], device=torch.device("cpu"))
+    p = SamplingParams(temperature=0.0, max_tokens=50, frequency_penalty=1.0)
+    r = Request("r", [1], p)
+    r.token_ids += [4, -2]  # its second reply token is row 1 of the step in flight
+    prev = SampledTokens([8, 6, 9])
+    d = s.plan([r], prev=prev)
+    assert d.penalized[0].pending_row == 1 and d.penalized[0].tokens == (4,)
+    got = torch.zeros(1, 10)
+    s._penalties.apply(got, d.reqs, d.penalized, d.prev)
+    assert got[0].tolist() == [0, 0, 0, 0, -1, 0, -1, 0, 0, 0]
+    r.token_ids[-1] = 6  # resolved
+    d = s.plan([r])
+    got = torch.zeros(1, 10)
+    s._penalties.apply(got, d.reqs, d.penalized, d.prev)
+    assert got[0].tolist() == [0, 0, 0, 0, -1, 0, -1, 0, 0, 0]
+    assert d.row(0).penalized == d.penalized
+
+
+def test_min_p_keeps_the_tokens_near_the_likeliest(draw):
+    """min_p (vLLM's): only tokens with at least min_p x the likeliest one's probability are drawn, after the
+    temperature; 0 keeps them all. The CPU kernel, which has no min_p, leaves those rows to torch's ops."""
+    torch.manual_seed(2)
+    s = Sampler(vocab_limit=6, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.04, 0.01]]))
+    n = 4000
+    counts = _counts(s, logits, _sampled("m", temperature=1.0, min_p=0.3), n)
+    assert counts[3:].sum() == 0 and counts[:3].sum() == n  # 0.1 < 0.3 x 0.4
+    want = torch.tensor([0.4, 0.3, 0.15]) / 0.85 * n
+    assert torch.all((counts[:3] - want).abs() <= 5 * want.sqrt() + 1), (counts, want)
+    counts = _counts(s, logits, _sampled("h", temperature=2.0, min_p=0.35), n)  # flatter: 0.1 kept, 0.04 not
+    assert counts[4:].sum() == 0 and counts[3] > 0
+    assert _counts(s, logits, _sampled("z", temperature=1.0, min_p=0.0), n)[5] >= 0
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(presence_penalty=True), "presence_penalty")])
+def test_penalties_and_min_p_out_of_range_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad).validate()
+    assert not SamplingParams(repetition_penalty=1.0, min_p=0.5).penalized
+    assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=3.0).validate().penalized

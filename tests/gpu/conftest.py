@@ -93,8 +93,8 @@ def hf_model(path: str, device: str, dtype: str = "float32"):
     return m.to(device).eval().requires_grad_(False)
 
 
-def hf_greedy(model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[list[int]]:
-    """HF `generate`, greedy, one prompt at a time, run to length (EOS ignored)."""
+def hf_greedy(model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], **generate) -> list[list[int]]:
+    """HF `generate`, greedy, one prompt at a time, run to length (EOS ignored); `generate`: more of its knobs."""
     import torch
 
     model.generation_config.eos_token_id = None
@@ -105,7 +105,7 @@ def hf_greedy(model, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
         for ids, k in zip(prompts, max_tokens):
             x = torch.tensor([list(ids)], device=dev)
             gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
-                                 do_sample=False)
+                                 do_sample=False, **generate)
             out.append(gen[0, len(ids):].tolist())
     return out
 

@@ -1,7 +1,7 @@
 """The engine on the GPU, through its public API: greedy token-exact with HF `generate` (fp32) on the four tiny
 families; sampled requests (the API's default temperature 1.0, and temperature / top-k / top-p / seed),
-seeded reproducibility alone and in a batch, a greedy request beside sampled ones; mixed context lengths in one
-batch; chunked prefill; a preempted request resumed; a hung step. Skipped without CUDA (conftest.py)."""
+seeded reproducibility alone and in a batch, a greedy request beside sampled ones; penalties; mixed context
+lengths in one batch; chunked prefill; a preempted request resumed; a hung step. Skipped without CUDA (conftest.py)."""
 from __future__ import annotations
 
 import sys
@@ -66,6 +66,25 @@ def test_mixed_lengths_in_one_batch_equal_each_alone(device, llama_engine):
     assert max(e.num_decode for e in events) == len(prompts)  # all of them decoded in one step
     alone = [run_all([eng.add_request(p, greedy(24))])[0] for p in prompts]
     assert together == alone
+
+
+def test_penalized_greedy_replies_equal_each_alone_and_hf(device, ckpts, llama_engine):
+    """Presence, frequency and repetition penalties on the GPU (their counts on the device, a reply's last token
+    read from the step in flight): in one batch the replies are each one's alone, and the repetition penalty's is
+    HF's token for token."""
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    prompts = random_prompts([5, 40, 120], eng.bundle.vocab_limit, seed=11)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **kw) for kw in (
+        dict(repetition_penalty=1.6), dict(presence_penalty=1.5, frequency_penalty=0.5),
+        dict(repetition_penalty=0.8, frequency_penalty=-0.5))]
+    together = run_all(_submit_together(eng, prompts, params))
+    alone = [run_all([eng.add_request(p, sp)])[0] for p, sp in zip(prompts, params)]
+    assert together == alone
+    ref = hf_greedy(hf_model(ckpts["llama"], device), prompts[:1], [24], repetition_penalty=1.6)
+    free_device_memory()
+    assert together[0] == ref[0]
 
 
 def test_chunked_prefill_equals_unchunked(device, ckpts, llama_engine):

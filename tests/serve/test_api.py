@@ -157,6 +157,45 @@ def test_logit_bias_forces_and_bans_tokens_and_the_model_is_named_as_asked(clien
         assert r.json()["model"] == card["id"]
 
 
+def test_penalties_and_min_p_are_honoured_and_bad_values_named(client: httpx.Client) -> None:
+    """vLLM's sampling extras: a greedy reply under a repetition penalty (and a min_p, which greedy ignores) is HF
+    generate's with that penalty; OpenAI's presence and frequency penalties are taken on both endpoints; a value out
+    of range is a 400 naming its field."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.driver import resolve_model_path
+
+    path = resolve_model_path(MODEL)
+    tok = AutoTokenizer.from_pretrained(path)
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/completions", json={**body, "repetition_penalty": 1.5, "min_p": 0.1})
+    assert r.status_code == 200, r.text
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    beyond = list(range(len(tok), model.get_output_embeddings().weight.shape[0]))  # rows no token decodes to
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([[1, 2, 3, 4]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                              max_new_tokens=12, min_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                              pad_token_id=0, suppress_tokens=beyond)
+        plain = model.generate(torch.tensor([[1, 2, 3, 4]]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                               max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                               suppress_tokens=beyond)
+    assert want[0, 4:].tolist() != plain[0, 4:].tolist()
+    assert r.json()["choices"][0]["text"] == tok.decode(want[0, 4:].tolist())
+    for path_, extra in (("/v1/completions", {"prompt": "Hello"}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+        r = client.post(path_, json={**extra, "max_tokens": 8, "presence_penalty": 1.5, "frequency_penalty": -0.5,
+                                     "min_p": 0.2})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("min_p", 1.2), ("repetition_penalty", "high")):
+        r = client.post("/v1/completions", json={**body, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field, r.json()
+
+
 def test_completion_stream(client: httpx.Client) -> None:
     req = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True, "ignore_eos": True,
            "stream_options": {"include_usage": True}}

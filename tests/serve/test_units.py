@@ -2083,7 +2083,7 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("response_format", {"type": "bogus"}), ("repetition_penalty", 1.2),
+    ("response_format", {"type": "json_object"}), ("response_format", {"type": "bogus"}), ("length_penalty", 1.2),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("guided_json", {"type": "object"}),
     ("top_logprobs", 3), ("guided_choice", ["a", "b"])])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
@@ -2094,7 +2094,7 @@ def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field
         with pytest.raises(ValidationError, match=f"{field} is not supported"):
             schema.model_validate({**base, field: value})
         schema.model_validate({**base, field: None})
-    for field_, default in (("response_format", {"type": "text"}), ("repetition_penalty", 1.0),
+    for field_, default in (("response_format", {"type": "text"}), ("length_penalty", 1.0),
                             ("tool_choice", "none"), ("top_logprobs", 0), ("parallel_tool_calls", False)):
         P.CompletionRequest.model_validate({"prompt": "x", field_: default})
 
@@ -2152,6 +2152,13 @@ def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
     model = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
     assert {k: chat.sampling_kwargs(8, model)[k] for k in model} == {"temperature": 0.6, "top_p": 0.5, "top_k": 20}
     assert {k: chat.sampling_kwargs(8)[k] for k in model} == {"temperature": 1.0, "top_p": 0.5, "top_k": 0}
+    model = {"repetition_penalty": 1.05, "min_p": 0.1}  # vLLM takes these from a generation_config too
+    assert {k: chat.sampling_kwargs(8, model)[k] for k in model} == model
+    pen = P.CompletionRequest.model_validate({"prompt": "a", "repetition_penalty": 1.2, "min_p": 0,
+                                              "presence_penalty": 1, "frequency_penalty": -0.5})
+    got = SamplingParams(**pen.sampling_kwargs(8, model)).validate()
+    assert (got.repetition_penalty, got.min_p, got.presence_penalty, got.frequency_penalty) == (1.2, 0.0, 1.0, -0.5)
+    assert SamplingParams(**chat.sampling_kwargs(8)).validate().penalized is False
     parts = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}]})
     assert parts.messages[0].text() == "What is\n2+2?"  # text parts joined by newlines, as vLLM renders them
@@ -2176,8 +2183,9 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
 
     from core.messages import ContextLengthExceeded, PromptTooLong
 
-    assert P.unsupported_field({"prompt": "x", "min_p": 0.1}) == "min_p"
-    assert P.unsupported_field({"prompt": "x", "min_p": 0.0, "skip_special_tokens": True, "prediction": {}}) is None
+    assert P.unsupported_field({"prompt": "x", "top_logprobs": 2}) == "top_logprobs"
+    assert P.unsupported_field({"prompt": "x", "top_logprobs": 0, "skip_special_tokens": True,
+                                "prediction": {}}) is None
     for field, value in (("echo", True), ("logprobs", 1), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):
         assert P.unsupported_field({"prompt": "x", field: value}) == field  # each 400 names its own field
     assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "logprobs": False,
