@@ -290,7 +290,10 @@ class LLMEngine:
         self.backend.attach(cache)
         runner = ModelRunner(self.bundle.model, cache, self.backend, decoder)
         blocks = BlockManager(n, bs)
-        params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
+        # every row sampled, penalized and under min_p: the peak holds the sampler's largest step too (its token
+        # counts for `seqs` penalized requests are made here, and freed with the rest)
+        params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                                frequency_penalty=0.1)
         prompt = Request("warmup-prefill", [0] * budget, params)
         decodes = [Request(f"warmup-decode-{i}", [0, 0], params) for i in range(seqs)]
         for r in (prompt, *decodes):
@@ -302,6 +305,7 @@ class LLMEngine:
         for r in (prompt, *decodes):
             self.sampler.release(r.request_id)
         torch.cuda.synchronize(dev)
+        self.sampler.drop_state()
         peak = max(0, torch.cuda.max_memory_allocated(dev) - base)
         del logits, runner, cache
         self.backend.attach(None)
@@ -321,6 +325,9 @@ class LLMEngine:
         if backend is None:
             return
         backend.release()
+        sampler = getattr(self, "sampler", None)
+        if sampler is not None:
+            sampler.drop_state()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.model = runner.decoder = runner.cache = None

@@ -206,12 +206,12 @@ class PenaltyCounts:
         held = self._held.get(slot)
         fresh = held is None or held[0] != lease
         start = 0 if fresh else held[1]
-        out = req.token_ids[len(req.prompt_token_ids):]
+        ids, n0 = req.token_ids, len(req.prompt_token_ids)
         pending = None
-        end = len(out)
-        if end and out[-1] < 0:  # its last token is the step before's, still on the device: -(its row + 1)
-            pending, end = -out[-1] - 1, end - 1
-        tokens = tuple(out[start:end]) if start < end else ()
+        end = len(ids) - n0  # reply tokens
+        if end > 0 and ids[-1] < 0:  # its last token is the step before's, still on the device: -(its row + 1)
+            pending, end = -ids[-1] - 1, end - 1
+        tokens = tuple(ids[n0 + start:n0 + end]) if start < end else ()  # only what the slot may lack
         prompt = tuple(req.prompt_token_ids) if fresh else None
         return PenaltyRow(row, slot, lease, start, tokens, prompt, pending)
 
@@ -219,6 +219,11 @@ class PenaltyCounts:
         got = self._slot.pop(request_id, None)
         if got is not None:
             self._free.append(got[0])
+
+    def drop(self) -> None:
+        """Free the tensors (no request holds a slot: after the warm-up, at shutdown); the next draw makes them anew."""
+        self.counts = self.prompt = None
+        self._held.clear()
 
     def _reserve(self, slots: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The tensors, with at least `slots` slots on `dev` (grown by doubling, their contents kept)."""
@@ -250,9 +255,10 @@ class PenaltyCounts:
         p_cols: list[int] = []
         c_rows: list[int] = []
         c_cols: list[int] = []
+        held: dict[int, tuple[int, int]] = {}  # what the slots hold once the writes below are done
         for pr in rows:
-            held = self._held.get(pr.slot)
-            counted = held[1] if held is not None and held[0] == pr.lease else None
+            was = held.get(pr.slot) or self._held.get(pr.slot)
+            counted = was[1] if was is not None and was[0] == pr.lease else None
             if counted is None:  # the slot is this request's from now on: its prompt, and no reply yet
                 reset.append(pr.slot)
                 ids = {t for t in pr.prompt or () if 0 <= t < self.vocab}
@@ -262,7 +268,7 @@ class PenaltyCounts:
             new = [t for t in pr.tokens[max(0, counted - pr.start):] if 0 <= t < self.vocab]
             c_rows.extend([pr.slot] * len(new))
             c_cols.extend(new)
-            self._held[pr.slot] = (pr.lease, max(counted, pr.start + len(pr.tokens)))
+            held[pr.slot] = (pr.lease, max(counted, pr.start + len(pr.tokens)))
         if reset:
             at = _to(reset, dev)
             counts.index_fill_(0, at, 0.0)
@@ -272,6 +278,7 @@ class PenaltyCounts:
         if c_rows:
             counts.index_put_((_to(c_rows, dev), _to(c_cols, dev)), torch.ones(len(c_rows), device=dev),
                               accumulate=True)
+        self._held.update(held)  # (after the writes: a draw that failed in them counts its tokens when drawn again)
         slots = _to([pr.slot for pr in rows], dev)
         c = counts.index_select(0, slots)[:, :width]
         waiting = [(j, pr.pending_row) for j, pr in enumerate(rows) if pr.pending_row is not None]
@@ -326,6 +333,11 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._penalties.release(request_id)
+
+    def drop_state(self) -> None:
+        """Free what the sampler keeps on the device for penalized requests (none running: after the warm-up, at
+        shutdown)."""
+        self._penalties.drop()
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
         """One token per request; a request whose own sampling fails gets its exception instead. The logits are
