@@ -66,7 +66,7 @@ class Plan:
     prefill: tuple[tuple[int, int], ...] = ((8, 1024),)
     prefill_reps: int = 3
     hf_batches: tuple[int, ...] = (1, 16, 64)
-    sampling_batch: int = 128  # greedy beside temperature 1.0 / top-p 0.9 (0: none)
+    sampling_batch: int = 128  # greedy beside temperature 1.0 / top-p 0.9, and beside penalized greedy (0: none)
     overlap_batches: tuple[int, ...] = (1, 64)  # with and without overlap scheduling, where the engine has it
     max_model_len: int = 8192  # a built shape's context window
     prefill_max_tokens: int = 32768
@@ -309,7 +309,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         path = resolve_model_path(args.model or DEFAULT_MODEL)
         cfg = AutoConfig.from_pretrained(path)
 
-    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "overlap": []}
+    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "penalties": [],
+                           "overlap": []}
     bmax = max(plan.batches + plan.spread_batches + plan.overlap_batches + (plan.sampling_batch,))
     try:
         sched = SchedulerConfig(policy="fcfs", max_num_seqs=bmax, max_waiting=2 * bmax, prefill_max_batch_size=bmax,
@@ -402,6 +403,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             side_by_side("sampling", plan.sampling_batch, "top_p",
                          lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
 
+        def penalties() -> None:  # greedy beside greedy under repetition and frequency penalties
+            knobs = {"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.1}
+            side_by_side("penalties", plan.sampling_batch, "penalized",
+                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
+
         def overlap() -> None:
             def without(prompts, tag):
                 eng.run_idle(lambda e: setattr(e, "overlap", False))
@@ -420,6 +426,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             guarded("prefill", prefill)
         if plan.sampling_batch and time_left("sampling"):
             guarded("sampling", sampling)
+        if plan.sampling_batch and time_left("penalties"):
+            guarded("penalties", penalties)
         if eng.overlap and plan.overlap_batches:
             guarded("overlap", overlap)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
@@ -484,7 +492,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                             "bytes) / the copy bandwidth measured in this run",
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
-        "sampling": res["sampling"], "overlap": res["overlap"], "skipped": skipped, "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
+        "sampling": res["sampling"], "penalties": res["penalties"], "overlap": res["overlap"], "skipped": skipped, "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
 
 

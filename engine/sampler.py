@@ -289,16 +289,26 @@ class PenaltyCounts:
                 toks = _to([reqs[rows[j].row].token_ids[-1] for j, _ in waiting], dev, torch.long)
             ok = (toks >= 0) & (toks < width)
             c.index_put_((_to([j for j, _ in waiting], dev), toks.clamp(0, width - 1)), ok.float(), accumulate=True)
-        in_reply = c > 0
-        seen = in_reply | prompt.index_select(0, slots)[:, :width]
         params = [reqs[pr.row].params for pr in rows]
-        at = _to([pr.row for pr in rows], dev)
-        x = logits.index_select(0, at)[:, :width]
-        rep = _to([p.repetition_penalty for p in params], dev, torch.float32).unsqueeze(-1)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x -= _to([p.frequency_penalty for p in params], dev, torch.float32).unsqueeze(-1) * c
-        x -= _to([p.presence_penalty for p in params], dev, torch.float32).unsqueeze(-1) * in_reply
-        logits[at, :width] = x
+        reps = [p.repetition_penalty for p in params]
+        freqs = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        whole = len(rows) == logits.shape[0] and all(pr.row == j for j, pr in enumerate(rows))
+        at = None if whole else _to([pr.row for pr in rows], dev)
+        x = logits[:, :width] if whole else logits.index_select(0, at)[:, :width]
+        # each penalty only where some row has it (a batch's requests mostly use one kind, or the model's default)
+        if any(r != 1.0 for r in reps):
+            seen = (c > 0) | prompt.index_select(0, slots)[:, :width]
+            rep = _to(reps, dev, torch.float32).unsqueeze(-1)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        if any(f != 0.0 for f in freqs):
+            x = x.sub_(c * _to(freqs, dev, torch.float32).unsqueeze(-1))
+        if any(q != 0.0 for q in pres):
+            x = x.sub_(c.clamp(max=1.0).mul_(_to(pres, dev, torch.float32).unsqueeze(-1)))  # (counts: whole numbers)
+        if at is not None:
+            logits[at, :width] = x
+        elif x.data_ptr() != logits.data_ptr():
+            logits[:, :width] = x
 
 
 class Sampler:
