@@ -492,7 +492,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                             "bytes) / the copy bandwidth measured in this run",
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
-        "sampling": res["sampling"], "penalties": res["penalties"], "overlap": res["overlap"], "skipped": skipped, "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
+        "sampling": res["sampling"], "penalties": res["penalties"], "overlap": res["overlap"], "skipped": skipped,
+        "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
 
 
