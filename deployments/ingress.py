@@ -518,14 +518,19 @@ class OpenAIFrontend:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens(), defaults)).validate()
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=param_named(str(e))) from None
+        n = body.n or 1
+        each = [params] + [child_params(params, j) for j in range(1, n)]  # a prompt's n choices
         if isinstance(body, P.CompletionRequest):
             prompts = body.prompts()
-            return body, [GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", prompt=prompt, params=params,
-                                          slo=slo, options=body.prompt_options(), prompt_len_hint=_len_hint(prompt))
-                          for i, prompt in enumerate(prompts)]
+            one = len(prompts) * n == 1
+            return body, [GenerateRequest(rid if one else f"{rid}-{i * n + j}", prompt=prompt, params=sp, slo=slo,
+                                          options=body.prompt_options(), prompt_len_hint=_len_hint(prompt))
+                          for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
-        return body, [GenerateRequest(rid, messages=turns, params=params, slo=slo, options=body.prompt_options(),
-                                      prompt_len_hint=_len_hint("".join(t.content for t in turns)))]
+        hint = _len_hint("".join(t.content for t in turns))
+        return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
+                                      options=body.prompt_options(), prompt_len_hint=hint)
+                      for j, sp in enumerate(each)]
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
@@ -558,7 +563,7 @@ class OpenAIFrontend:
             for req in reqs:
                 log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
         work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms) if len(reqs) == 1 \
-            else self._respond_batch(body, reqs, rid, t_in, proxy_ms)
+            else self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms)
         return await until_disconnected(request.receive, work)
 
     async def _start(self, req: GenerateRequest, t_call: float
@@ -675,11 +680,12 @@ class OpenAIFrontend:
             _cancel_quietly(gen)
             raise protocol_failure(rid, e) from None
 
-    async def _respond_batch(self, body: P.CompletionRequest, reqs: list[GenerateRequest], rid: str, t_in: float,
+    async def _respond_batch(self, body: P._Common, reqs: list[GenerateRequest], kind: str, rid: str, t_in: float,
                              proxy_ms: float = 0.0) -> Any:
-        """A completion of several prompts (vLLM's batched `prompt`): a request per prompt, each routed, admitted or
-        turned away on its own; the response has a choice per prompt (`index`, in the prompts' order) and their
-        usage summed, or streams every prompt's chunks as they come, each naming its choice. At most
+        """A response of several choices: a completion of several prompts (vLLM's batched `prompt`), `n` choices of
+        each prompt, or `n` choices of a chat. A request per choice, each routed, admitted or turned away on its own;
+        the response has every choice (`index`: prompt i's j-th at i x n + j) and their usage summed (each prompt
+        counted once), or streams every choice's chunks as they come, each naming its choice. At most
         `batch_concurrency` prompts are in flight at once (what the replicas run at once): the rest wait here, not
         in a replica's queue, which would turn a large batch away as full. A prompt turned away for the load (a 429)
         while others of its batch run waits here for one of them to end and is sent again, with what is left of its
@@ -691,6 +697,8 @@ class OpenAIFrontend:
         every replica that served the batch (streamed: its first wave)."""
         model = body.model or self.served_model_name
         batch = _BatchFlight(self.batch_concurrency)
+        n = body.n or 1
+        label = "prompt" if n == 1 else "choice"  # what a failure's message names
 
         async def start(i: int, req: GenerateRequest, wait: bool = True
                         ) -> tuple[GenerateStream, RequestOutput, dict[str, str]] | None:
@@ -747,7 +755,7 @@ class OpenAIFrontend:
                         if again and (ttft is None or req.waited_ms + (time.perf_counter() - t_in) * 1000.0 < ttft):
                             tries += 1
                             continue  # sent again with what is left of its TTFT SLO
-                    failure.message = f"prompt {i}: {failure.message}"
+                    failure.message = f"{label} {i}: {failure.message}"
                     raise failure
             except BaseException:
                 batch.slots.release()
@@ -762,9 +770,11 @@ class OpenAIFrontend:
                     batch.end()
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
-            return JSONResponse(P.batch_completion_response(rid, model, [
-                (text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason)
-                for _, (text, item) in done]), headers=_batch_headers([h for h, _ in done]))
+            choices = [(text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason)
+                       for _, (text, item) in done]
+            whole_body = P.batch_completion_response(rid, model, choices, n) if kind == "completion" \
+                else P.batch_chat_response(rid, model, choices)
+            return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
         def close(s: tuple[GenerateStream, RequestOutput, dict[str, str]] | None) -> None:
@@ -776,7 +786,8 @@ class OpenAIFrontend:
         started = [(i, s) for i, s in enumerate(first_wave) if s is not None]
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
-            self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage),
+            self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
+                            kind, n),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -784,15 +795,18 @@ class OpenAIFrontend:
 
     async def _sse_batch(self, started: list[tuple[int, tuple[GenerateStream, RequestOutput, dict[str, str]]]],
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
-                         include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False
-                         ) -> AsyncIterator[bytes]:
-        """A batched completion's SSE stream: every prompt's chunks as its items arrive, each naming its choice (the
-        `started` prompts', then the `later` ones' as slots free up), (index, started stream) and (index, request);
-        then the summed usage (with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. A
-        prompt that fails ends the stream with an error event, and the others are cancelled."""
+                         include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
+                         kind: str = "completion", n: int = 1) -> AsyncIterator[bytes]:
+        """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
+        `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
+        (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
+        choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. A choice
+        that fails ends the stream with an error event, and the others are cancelled."""
         created = int(time.time())
-        n = len(started) + len(later)
-        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(maxsize=n)
+        total = len(started) + len(later)
+        label = "prompt" if n == 1 else "choice"
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(maxsize=total)
 
         async def pump(i: int, gen: GenerateStream | None, item: RequestOutput | None,
                        req: GenerateRequest | None = None) -> None:
@@ -818,29 +832,34 @@ class OpenAIFrontend:
 
         tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in started]
         tasks += [asyncio.ensure_future(pump(i, None, None, req)) for i, req in later]
-        left, pt, ct = n, 0, 0
-        fasts: dict[int, TextChunks] = {}  # each prompt's choice's text chunks
+        left, pt, ct = total, 0, 0
+        fasts: dict[int, TextChunks | None] = {}  # each choice's text chunks (None with `continuous`)
         try:
             while left:
                 i, item, err = await queue.get()
                 if item is None:
                     log.warning("stream %s-%d failed: %r", rid, i, err)
-                    yield _exception_event(err, "" if isinstance(err, APIError) and err.message.startswith("prompt ")
-                                           else f"prompt {i}: ")
+                    yield _exception_event(err, "" if isinstance(err, APIError)
+                                           and err.message.startswith(f"{label} ") else f"{label} {i}: ")
                     break
-                if item.finish_reason is FinishReason.ERROR:  # as a prompt failing before the stream: ends it
+                if item.finish_reason is FinishReason.ERROR:  # as a choice failing before the stream: ends it
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
-                    yield _error_event(item, f"prompt {i}: ")
+                    yield _error_event(item, f"{label} {i}: ")
                     break
-                if not continuous and i not in fasts:
-                    fasts[i] = TextChunks("completion", rid, model, created, include_usage, i)
-                if (out := _sse_item(item, "completion", rid, model, created, include_usage, i, continuous,
-                                     fasts.get(i))) is not None:
+                if i not in fasts:  # the choice's first item
+                    fasts[i] = None if continuous else TextChunks(kind, rid, model, created, include_usage, i)
+                    if kind == "chat":
+                        yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                                  index=i),
+                                     include_usage, P.usage(item.num_prompt_tokens, 0) if continuous else None)
+                if (out := _sse_item(item, kind, rid, model, created, include_usage, i, continuous,
+                                     fasts[i])) is not None:
                     yield out
                 if item.finished:
-                    left, pt, ct = left - 1, pt + item.num_prompt_tokens, ct + item.num_output_tokens
+                    left, ct = left - 1, ct + item.num_output_tokens
+                    pt += item.num_prompt_tokens if i % n == 0 else 0
             if not left and include_usage:
-                yield P.sse(P.usage_chunk(rid, model, created, "text_completion", pt, ct))
+                yield P.sse(P.usage_chunk(rid, model, created, obj, pt, ct))
             yield P.SSE_DONE
         finally:  # also on client disconnect: each pump cancelled cancels its stream
             for task in tasks:
@@ -918,6 +937,14 @@ def _cancel_quietly(gen: GenerateStream) -> None:
         log.debug("cancel of a failed call: %r", e)
 
 
+def child_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The sampling of a request's j-th choice (`n`): its own seed, seed + j (as vLLM's, kept a signed 64-bit
+    integer), where the request has one; the same params otherwise (each choice draws from its own numbers)."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
+
+
 def _len_hint(prompt: str | list[int]) -> int:
     """A prompt's length in tokens as a router guesses it before the replica counts: its ids, or 4 characters each."""
     return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
@@ -976,7 +1003,7 @@ class TextChunks:
         if kind == "completion":
             body = P.completion_chunk(rid, model, created, self._MARK, None, index)
         else:
-            body = P.chat_chunk(rid, model, created, {"content": self._MARK}, None)
+            body = P.chat_chunk(rid, model, created, {"content": self._MARK}, None, index=index)
         whole = _chunk(body, include_usage)
         mark = json.dumps(self._MARK).encode()
         self.usable = whole.count(mark) == 1  # (a model name or id holding the mark itself: the dict path)
@@ -1005,7 +1032,7 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
         return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason),
                       include_usage, usage)
     return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin,
-                               item.stop_reason), include_usage, usage)
+                               item.stop_reason, index), include_usage, usage)
 
 
 def _error_event(item: RequestOutput, prefix: str = "") -> bytes:

@@ -3,7 +3,7 @@
 Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
-cannot honour are rejected explicitly when given a value other than their default: n > 1, best_of > 1, echo,
+cannot honour are rejected explicitly when given a value other than their default: best_of > 1, echo,
 logprobs / top_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
 decoding and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
 penalties and min_p are honoured, and so are vLLM's fields for how a prompt is tokenized
@@ -39,6 +39,7 @@ def _opt(schema: dict[str, Any]) -> Any:
 
 
 _POS_INT = {"type": "integer", "minimum": 1}
+MAX_CHOICES = 256  # choices in one response: a completion's prompts x n (each a request of its own)
 _SLO_MS = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SLO_MS}
 
 
@@ -91,7 +92,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: the most likely token alone (greedy), as OpenAI takes it
-    n: int | None = Field(1, json_schema_extra=_opt({"type": "integer", "const": 1}))
+    n: int | None = Field(1, json_schema_extra=_opt({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -126,9 +127,11 @@ class _Common(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int | None) -> int:
-        if v not in (None, 1):
-            raise ValueError(f"n must be 1 (one choice per request), got {v}")
-        return 1
+        if v is None:
+            return 1
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {v}")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -188,7 +191,7 @@ class _Common(BaseModel):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a batch: a choice each)
+MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a batch: n choices each)
 
 
 class CompletionRequest(_Common):
@@ -221,8 +224,10 @@ class CompletionRequest(_Common):
                 raise ValueError("prompt must not be empty")
             if len(p) > MAX_BATCH_PROMPTS and not isinstance(p[0], int):
                 raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
-            if isinstance(p[0], str) and len(p) == 1:
-                self.prompt = p[0]
+        if (k := len(self.prompts())) * (self.n or 1) > MAX_CHOICES:
+            raise ValueError(f"n: {k} prompts x n = {self.n} would make more than {MAX_CHOICES} choices")
+        if isinstance(p, list) and isinstance(p[0], str) and len(p) == 1:
+            self.prompt = p[0]
         return self
 
     @field_validator("prompt")
@@ -402,22 +407,30 @@ def completion_response(rid: str, model: str, text: str, finish: str | None, pt:
     return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason)])
 
 
-def batch_completion_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int, StopReason]]
-                              ) -> dict:
-    """A completion of one or more prompts: a choice per prompt, (text, finish reason, prompt tokens, completion
-    tokens, stop reason) each, in order; the usage is their sum (as vLLM's)."""
+def batch_completion_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int, StopReason]],
+                              n: int = 1) -> dict:
+    """A completion of one or more prompts: n choices per prompt, (text, finish reason, prompt tokens, completion
+    tokens, stop reason) each, in order (prompt i's j-th at index i x n + j); the usage is their sum, each prompt's
+    tokens counted once (as vLLM's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
                         for i, (text, finish, _, _, stop) in enumerate(choices)],
-            "usage": usage(sum(c[2] for c in choices), sum(c[3] for c in choices))}
+            "usage": usage(sum(c[2] for c in choices[::n]), sum(c[3] for c in choices))}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
                   stop_reason: StopReason = None) -> dict:
+    return batch_chat_response(rid, model, [(text, finish, pt, ct, stop_reason)])
+
+
+def batch_chat_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int, StopReason]]) -> dict:
+    """A chat completion's n choices, (text, finish reason, prompt tokens, completion tokens, stop reason) each, in
+    order; the usage counts the prompt once (as vLLM's)."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}],
-            "usage": usage(pt, ct)}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish, "stop_reason": stop}
+                        for i, (text, finish, _, _, stop) in enumerate(choices)],
+            "usage": usage(choices[0][2], sum(c[3] for c in choices))}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0,
@@ -428,9 +441,9 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: str 
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
-               stop_reason: StopReason = None) -> dict:
+               stop_reason: StopReason = None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
                          "stop_reason": stop_reason}]}
 
 

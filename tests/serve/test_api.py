@@ -136,6 +136,54 @@ def test_a_batch_of_prompts_gets_a_choice_each_streamed_or_not(client: httpx.Cli
     assert empty.status_code == 400, empty.text
 
 
+def test_n_choices_of_a_completion_and_a_chat_streamed_or_not(client: httpx.Client) -> None:
+    """OpenAI's `n`: n choices of each prompt (a batch's prompt i's j-th at index i x n + j), of a chat too; with a
+    seed, choice j samples as a request of seed + j alone (vLLM's), so the choices differ and repeat; greedy ones
+    are alike; the usage counts each prompt once; streamed, every chunk names its choice, and a chat's choices each
+    open with their role."""
+    base = {"max_tokens": 6, "ignore_eos": True, "temperature": 1.0, "seed": 11}
+    r = client.post("/v1/completions", json={**base, "prompt": "Once upon a time", "n": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    alone = [client.post("/v1/completions", json={**base, "prompt": "Once upon a time", "seed": 11 + j}).json()
+             for j in range(3)]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in body["choices"]}) > 1
+    assert body["usage"] == {"prompt_tokens": alone[0]["usage"]["prompt_tokens"], "completion_tokens": 18,
+                             "total_tokens": alone[0]["usage"]["prompt_tokens"] + 18}
+    greedy = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    batch = client.post("/v1/completions", json={**greedy, "prompt": [[5, 6, 7], [8, 9]], "n": 2}).json()
+    texts = [c["text"] for c in batch["choices"]]
+    assert texts[0] == texts[1] and texts[2] == texts[3] and batch["usage"]["prompt_tokens"] == 5
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+            "seed": 3, "n": 2}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["message"]["role"] == "assistant" and c["finish_reason"] == "length" for c in body["choices"])
+    alone = client.post("/v1/chat/completions", json={**chat, "n": 1, "seed": 4}).json()
+    assert body["choices"][1]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert body["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 10
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as s:
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    texts, roles = ["", ""], [[], []]
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        if "role" in choice["delta"]:
+            roles[choice["index"]].append(len(texts[choice["index"]]))
+        texts[choice["index"]] += choice["delta"].get("content", "")
+    assert roles == [[0], [0]]  # each choice's first chunk says its role, once
+    assert texts == [ch["message"]["content"] for ch in body["choices"]]
+    assert chunks[-1]["usage"] == body["usage"] and chunks[-1]["choices"] == []
+
+
 def test_logit_bias_forces_and_bans_tokens_and_the_model_is_named_as_asked(client: httpx.Client) -> None:
     from transformers import AutoTokenizer
 

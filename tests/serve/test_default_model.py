@@ -1,5 +1,6 @@
 """The trained default model over HTTP, deployed exactly as `serve run deployments:app` does (no arguments):
-the official `openai` client gets "Paris" back for the capital of France, and chat ends with `stop`."""
+the official `openai` client gets "Paris" back for the capital of France, and chat ends with `stop`; it asks for `n`
+choices under penalties."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +50,12 @@ def test_openai_client_chat_answers_paris(default_url: str) -> None:
     assert text == choice.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    # n choices and the penalties, as the client sends them (vLLM's own in extra_body)
+    two = client.chat.completions.create(
+        model="kairos-default", temperature=0.8, seed=1, n=2, max_completion_tokens=8, presence_penalty=0.5,
+        frequency_penalty=0.3, extra_body={"repetition_penalty": 1.1, "min_p": 0.05},
+        messages=[{"role": "user", "content": "Name a colour."}])
+    assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices)
 
 
 async def _dropped_stream(ac, i: int) -> int:

@@ -1286,7 +1286,8 @@ def test_the_ttft_slo_counts_from_when_the_request_reached_the_server() -> None:
         sent.clear()
         batch = [dataclasses.replace(one, request_id=f"r-{i}") for i in range(2)]
         t_in = time.perf_counter() - 0.3
-        await f._respond_batch(P.CompletionRequest(model="m", prompt=["x", "y"], max_tokens=1), batch, "r", t_in)
+        await f._respond_batch(P.CompletionRequest(model="m", prompt=["x", "y"], max_tokens=1), batch, "completion",
+                               "r", t_in)
         spent_ms = (time.perf_counter() - t_in) * 1000.0
         assert len(sent) == 2 and all(300.0 <= r.waited_ms <= spent_ms for r in sent)
         # spent before it was sent: the engine gets almost nothing left (and turns it away by its TTFT guard)
@@ -2110,12 +2111,27 @@ def test_logit_bias_reaches_the_sampling_params_and_bad_maps_are_refused() -> No
     P.CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
 
 
+def test_a_choice_of_n_samples_with_its_own_seed_kept_in_range() -> None:
+    """Choice j of `n` samples with seed + j (vLLM's), wrapped within the signed 64-bit range the engine takes; a
+    request without a seed gives its choices its own params."""
+    from deployments.ingress import child_params
+
+    plain = SamplingParams(temperature=0.7)
+    assert child_params(plain, 3) is plain
+    assert child_params(SamplingParams(seed=5), 2).seed == 7
+    assert child_params(SamplingParams(seed=2**63 - 1), 1).validate().seed == -(2**63)
+    body = P.CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 128})
+    assert body.n == 128 and P.CompletionRequest.model_validate({"prompt": "a", "n": None}).n == 1
+    with pytest.raises(ValidationError, match="2 prompts x n = 129"):
+        P.CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 129})
+
+
 def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> None:
     from deployments.ingress import _validation_message
 
     with pytest.raises(ValidationError) as e:
         P.CompletionRequest.model_validate({"prompt": "x", "n": 0})
-    assert _validation_message(e.value) == ("n must be 1 (one choice per request), got 0", "n")
+    assert _validation_message(e.value) == ("n must be in [1, 256], got 0", "n")
     with pytest.raises(ValidationError) as e:
         P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
     message, param = _validation_message(e.value)
