@@ -190,6 +190,8 @@ class PenaltyCounts:
         # the draws' state (written by draws only): per slot, (lease, reply tokens counted)
         self._held: dict[int, tuple[int, int]] = {}
         self.counts: torch.Tensor | None = None  # [slots, vocab] float32: the reply's tokens
+        # the penalties on the tokens seen alone (`_apply_sparse`), or on whole rows; None: alone on a CPU
+        self.sparse: bool | None = None
         self.prompt: torch.Tensor | None = None  # [slots, vocab] bool: the prompt's tokens
 
     def plan_row(self, row: int, req: Request) -> PenaltyRow:
@@ -293,6 +295,9 @@ class PenaltyCounts:
         reps = [p.repetition_penalty for p in params]
         freqs = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
+        if self.sparse if self.sparse is not None else dev.type == "cpu":
+            self._apply_sparse(logits, rows, c, prompt, slots, width, reps, freqs, pres)
+            return
         whole = len(rows) == logits.shape[0] and all(pr.row == j for j, pr in enumerate(rows))
         at = None if whole else _to([pr.row for pr in rows], dev)
         x = logits[:, :width] if whole else logits.index_select(0, at)[:, :width]
@@ -309,6 +314,29 @@ class PenaltyCounts:
             logits[at, :width] = x
         elif x.data_ptr() != logits.data_ptr():
             logits[:, :width] = x
+
+    @staticmethod
+    def _apply_sparse(logits: torch.Tensor, rows: list[PenaltyRow], c: torch.Tensor, prompt: torch.Tensor,
+                      slots: torch.Tensor, width: int, reps: list[float], freqs: list[float], pres: list[float]
+                      ) -> None:
+        """`apply`'s penalties on the logits of the tokens seen alone (those in a reply, and with a repetition
+        penalty in a prompt): a few hundred of a row's tens of thousands, found with one `nonzero`, which a CPU
+        can afford (on a GPU it would wait for the device)."""
+        dev = logits.device
+        seen = c > 0
+        if any(r != 1.0 for r in reps):
+            seen |= prompt.index_select(0, slots)[:, :width]
+        j, tok = seen.nonzero(as_tuple=True)
+        if not len(j):
+            return
+        at = _to([pr.row for pr in rows], dev).index_select(0, j)
+        v = logits[at, tok]
+        n = c[j, tok]
+        rep = _to(reps, dev, torch.float32).index_select(0, j)
+        v = torch.where(v > 0, v / rep, v * rep)  # (a penalty of 1: the same logit)
+        v -= _to(freqs, dev, torch.float32).index_select(0, j) * n
+        v -= _to(pres, dev, torch.float32).index_select(0, j) * (n > 0)
+        logits[at, tok] = v
 
 
 class Sampler:

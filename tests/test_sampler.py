@@ -193,16 +193,18 @@ def _penalized_ref(logits: torch.Tensor, prompt: list[int], reply: list[int], p:
     return x
 
 
-def test_penalties_are_vllms_on_their_rows_only_and_count_each_token_once():
+@pytest.mark.parametrize("sparse", [True, False])
+def test_penalties_are_vllms_on_their_rows_only_and_count_each_token_once(sparse):
     """Presence, frequency and repetition penalties change exactly the logits vLLM's formula does, for their rows
     only (greedy ones too; tokens past the vocabulary count for nothing); the counts a request's slot keeps across
     steps hold each reply token once, whether a plan was drawn twice (a step re-drawn request by request), planned
     again before the last draw, or never drawn (a step that failed); a released slot starts clean for its next
-    request."""
+    request. On the seen tokens alone (a CPU's way) and on whole rows (a GPU's)."""
     from engine.sampler import PenaltyCounts
 
     g = torch.Generator().manual_seed(3)
     s = Sampler(vocab_limit=12, eos_token_ids=[EOS], device=torch.device("cpu"))
+    s._penalties.sparse = sparse
     pen = SamplingParams(temperature=0.0, max_tokens=50, repetition_penalty=1.7, presence_penalty=0.6,
                          frequency_penalty=-0.4)
     a = Request("a", [1, 2, 2, 13], pen)  # 13: past the vocabulary
@@ -240,12 +242,14 @@ def test_penalties_are_vllms_on_their_rows_only_and_count_each_token_once():
     assert isinstance(s._penalties, PenaltyCounts)
 
 
-def test_a_penalized_rows_token_still_on_its_way_counts_from_the_step_befores_tokens():
+@pytest.mark.parametrize("sparse", [True, False])
+def test_a_penalized_rows_token_still_on_its_way_counts_from_the_step_befores_tokens(sparse):
     """Overlap scheduling: a reply's last token is a placeholder (-(its row + 1) in the step before) when the next
     step is planned; the draw counts it from that step's tokens, and the next plan, which sees it, not again."""
     from engine.sampler import SampledTokens
 
     s = Sampler(vocab_limit=10, eos_token_ids=[EOS], device=torch.device("cpu"))
+    s._penalties.sparse = sparse
     p = SamplingParams(temperature=0.0, max_tokens=50, frequency_penalty=1.0)
     r = Request("r", [1], p)
     r.token_ids += [4, -2]  # its second reply token is row 1 of the step in flight
