@@ -698,7 +698,6 @@ class OpenAIFrontend:
         model = body.model or self.served_model_name
         batch = _BatchFlight(self.batch_concurrency)
         n = body.n or 1
-        label = "prompt" if n == 1 else "choice"  # what a failure's message names
 
         async def start(i: int, req: GenerateRequest, wait: bool = True
                         ) -> tuple[GenerateStream, RequestOutput, dict[str, str]] | None:
@@ -755,7 +754,7 @@ class OpenAIFrontend:
                         if again and (ttft is None or req.waited_ms + (time.perf_counter() - t_in) * 1000.0 < ttft):
                             tries += 1
                             continue  # sent again with what is left of its TTFT SLO
-                    failure.message = f"{label} {i}: {failure.message}"
+                    failure.message = f"{_choice_name(kind, n, i)}: {failure.message}"
                     raise failure
             except BaseException:
                 batch.slots.release()
@@ -804,7 +803,6 @@ class OpenAIFrontend:
         that fails ends the stream with an error event, and the others are cancelled."""
         created = int(time.time())
         total = len(started) + len(later)
-        label = "prompt" if n == 1 else "choice"
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue(maxsize=total)
 
@@ -840,11 +838,12 @@ class OpenAIFrontend:
                 if item is None:
                     log.warning("stream %s-%d failed: %r", rid, i, err)
                     yield _exception_event(err, "" if isinstance(err, APIError)
-                                           and err.message.startswith(f"{label} ") else f"{label} {i}: ")
+                                           and err.message.startswith(("prompt ", "choice ")) else
+                                           f"{_choice_name(kind, n, i)}: ")
                     break
                 if item.finish_reason is FinishReason.ERROR:  # as a choice failing before the stream: ends it
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
-                    yield _error_event(item, f"{label} {i}: ")
+                    yield _error_event(item, f"{_choice_name(kind, n, i)}: ")
                     break
                 if i not in fasts:  # the choice's first item
                     fasts[i] = None if continuous else TextChunks(kind, rid, model, created, include_usage, i)
@@ -935,6 +934,14 @@ def _cancel_quietly(gen: GenerateStream) -> None:
         gen.cancel()
     except Exception as e:  # noqa: BLE001 - nothing runs to cancel
         log.debug("cancel of a failed call: %r", e)
+
+
+def _choice_name(kind: str, n: int, k: int) -> str:
+    """What a failure's message names for the k-th request of a response of several: a batched completion's prompt
+    (and its choice, with `n`), or a chat's choice."""
+    if kind != "completion":
+        return f"choice {k}"
+    return f"prompt {k}" if n == 1 else f"prompt {k // n}, choice {k % n}"
 
 
 def child_params(params: SamplingParams, j: int) -> SamplingParams:

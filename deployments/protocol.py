@@ -224,8 +224,10 @@ class CompletionRequest(_Common):
                 raise ValueError("prompt must not be empty")
             if len(p) > MAX_BATCH_PROMPTS and not isinstance(p[0], int):
                 raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
-        if (k := len(self.prompts())) * (self.n or 1) > MAX_CHOICES:
-            raise ValueError(f"n: {k} prompts x n = {self.n} would make more than {MAX_CHOICES} choices")
+        if (k := len(self.prompts())) * (n := self.n or 1) > MAX_CHOICES:
+            raise ValueError(f"n: {k} prompts x n={n} make {k * n} choices, more than {MAX_CHOICES}")
+        if self.best_of is not None and self.best_of < n:
+            raise ValueError(f"best_of must be at least n, got {self.best_of} < {n}")
         if isinstance(p, list) and isinstance(p[0], str) and len(p) == 1:
             self.prompt = p[0]
         return self

@@ -373,7 +373,7 @@ def test_openai_client(base_url: str) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert any(ch.choices and ch.choices[0].finish_reason == "length" for ch in chunks)
 
-    two = oa.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+    two = oa.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2, extra_body={"ignore_eos": True})
     assert [ch.index for ch in two.choices] == [0, 1] and two.usage.completion_tokens == 8
     with pytest.raises(openai.BadRequestError):
         oa.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=1)

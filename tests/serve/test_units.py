@@ -2122,8 +2122,14 @@ def test_a_choice_of_n_samples_with_its_own_seed_kept_in_range() -> None:
     assert child_params(SamplingParams(seed=2**63 - 1), 1).validate().seed == -(2**63)
     body = P.CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 128})
     assert body.n == 128 and P.CompletionRequest.model_validate({"prompt": "a", "n": None}).n == 1
-    with pytest.raises(ValidationError, match="2 prompts x n = 129"):
+    with pytest.raises(ValidationError, match="2 prompts x n=129 make 258 choices"):
         P.CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 129})
+    with pytest.raises(ValidationError, match="best_of must be at least n"):
+        P.CompletionRequest.model_validate({"prompt": "a", "n": 3, "best_of": 1})
+    from deployments.ingress import _choice_name
+
+    assert [_choice_name("completion", 1, 3), _choice_name("completion", 2, 3), _choice_name("chat", 2, 1)] == [
+        "prompt 3", "prompt 1, choice 1", "choice 1"]
 
 
 def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> None:
