@@ -528,6 +528,8 @@ def headline(r: dict[str, Any]) -> str:
                                             for p in r["prefill"]))
     for d in r.get("sampling", []):
         parts.append(f"top-p 0.9 at B={d['batch']} {d['ratio']:.3f}x greedy's step")
+    for d in r.get("penalties", []):
+        parts.append(f"penalties at B={d['batch']} {d['ratio']:.3f}x")
     if r.get("overlap"):
         parts.append("without overlap " + ", ".join(f"B={d['batch']} {d['ratio']:.2f}x" for d in r["overlap"]))
     return "; ".join(parts)
