@@ -190,9 +190,9 @@ class PenaltyCounts:
         # the draws' state (written by draws only): per slot, (lease, reply tokens counted)
         self._held: dict[int, tuple[int, int]] = {}
         self.counts: torch.Tensor | None = None  # [slots, vocab] float32: the reply's tokens
+        self.prompt: torch.Tensor | None = None  # [slots, vocab] bool: the prompt's tokens
         # the penalties on the tokens seen alone (`_apply_sparse`), or on whole rows; None: alone on a CPU
         self.sparse: bool | None = None
-        self.prompt: torch.Tensor | None = None  # [slots, vocab] bool: the prompt's tokens
 
     def plan_row(self, row: int, req: Request) -> PenaltyRow:
         """Row `row` of a step, request `req` penalized: its slot (given now if it had none) and what to count."""
