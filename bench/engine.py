@@ -538,7 +538,8 @@ def headline(r: dict[str, Any]) -> str:
 def write_run_summary(target: str, r: dict[str, Any]):
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
-                                 "decode", "spread", "prefill", "hf", "skipped", "versions", "total_s")}
+                                 "decode", "spread", "prefill", "hf", "sampling", "penalties", "overlap", "skipped",
+                                 "versions", "total_s")}
     return write_summary(target, r["command"], headline(r), figures, commit=r["commit"])
 
 
