@@ -8,7 +8,7 @@ GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by th
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 
 
-def _number(v: object) -> bool:
+def finite_number(v: object) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -71,12 +71,12 @@ class SamplingParams:
             raise ValueError(f"stop may hold at most 16 strings, got {len(self.stop)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _number(v) or not -2.0 <= v <= 2.0:
+            if not finite_number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
         rp = self.repetition_penalty
-        if not _number(rp) or not rp > 0.0:
+        if not finite_number(rp) or not rp > 0.0:
             raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
-        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")

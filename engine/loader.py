@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from core.sampling import SamplingParams
+from core.sampling import SamplingParams, finite_number
 from engine.backends import default_dtype
 from engine.config import SUPPORTED_FAMILIES, check_family
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, is_complete, model_dir, quiet_progress_bars
@@ -347,7 +346,7 @@ def sampling_defaults(given: dict[str, Any]) -> tuple[dict[str, float | int], di
         v = given.get(key)
         if v is None:
             continue
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        number = finite_number(v)
         value = (int(v) if key == "top_k" else float(v)) if number else None
         try:
             if value is None or value != v:  # (a top_k of 2.5)

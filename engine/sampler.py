@@ -295,7 +295,7 @@ class PenaltyCounts:
         reps = [p.repetition_penalty for p in params]
         freqs = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
-        if self.sparse if self.sparse is not None else dev.type == "cpu":
+        if (dev.type == "cpu" if self.sparse is None else self.sparse):
             self._apply_sparse(logits, rows, c, prompt, slots, width, reps, freqs, pres)
             return
         whole = len(rows) == logits.shape[0] and all(pr.row == j for j, pr in enumerate(rows))

@@ -280,7 +280,7 @@ def test_min_p_keeps_the_tokens_near_the_likeliest(draw):
     assert torch.all((counts[:3] - want).abs() <= 5 * want.sqrt() + 1), (counts, want)
     counts = _counts(s, logits, _sampled("h", temperature=2.0, min_p=0.35), n)  # flatter: 0.1 kept, 0.04 not
     assert counts[4:].sum() == 0 and counts[3] > 0
-    assert _counts(s, logits, _sampled("z", temperature=1.0, min_p=0.0), n)[5] >= 0
+    assert (_counts(s, logits, _sampled("z", temperature=1.0, min_p=0.0), n) > 0).all()  # 0: every token stays
 
 
 @pytest.mark.parametrize("bad,match", [
