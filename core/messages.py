@@ -243,6 +243,19 @@ class ServedBy:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An output token's log-probability under the model (its raw logits: vLLM's default `raw_logprobs`), with the
+    token as text (`decode([id])`, vLLM's), its rank among the vocabulary (1: the likeliest), and the `top` most likely
+    tokens (id, text, log-probability), likeliest first, as many as its request asked for (`SamplingParams.
+    logprobs`). A logprob may be -inf (a token the model rules out)."""
+
+    token: str
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One stream item. `text`/`token_ids` are the delta since the previous item; the last has finished=True."""
 
@@ -262,6 +275,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None  # set on the final item
     served_by: ServedBy | None = None
+    # with `SamplingParams.logprobs`: one per token of `token_ids`, in order (the last token of a reply that a stop
+    # token ended too, whose text is left out); None otherwise
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if not self.finished and self.finish_reason is None and self.reject_reason is None \
@@ -291,6 +307,9 @@ class RequestOutput:
             raise ProtocolError(f"item of {self.request_id!r}: a rejection needs a reject_reason, and only a rejection")
         if self.finish_reason is FinishReason.ERROR and not isinstance(self.error_kind, ErrorKind):
             raise ProtocolError(f"item of {self.request_id!r}: an error needs an error_kind")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ProtocolError(f"item of {self.request_id!r}: {len(self.logprobs)} logprobs for "
+                                f"{len(self.token_ids)} tokens")
         return self
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
+MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of per token (vLLM's max_logprobs)
 
 
 def finite_number(v: object) -> bool:
@@ -34,6 +35,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # vLLM's: only tokens at least min_p x the likeliest one's probability (after temperature)
+    # vLLM's: each output token comes with its log-probability under the model (its raw logits: before temperature,
+    # penalties or any other change, vLLM's default `raw_logprobs`), its rank, and this many most likely tokens'
+    # (0: the chosen token's alone); None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -78,6 +83,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
         if not finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in self.logit_bias:

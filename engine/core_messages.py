@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.messages import RequestOutput
+from core.messages import RequestOutput, TokenLogprob
 from core.request import Request
 from engine.stats import EngineStats
 from scheduling.predictor import LatencyModel
@@ -92,6 +92,7 @@ class TokenDeltas:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by index, the items that carry them
 
 
 @dataclass(frozen=True, slots=True)

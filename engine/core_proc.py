@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core.messages import ErrorKind, GenerateRequest, RequestOutput
+from core.messages import ErrorKind, GenerateRequest, RequestOutput, TokenLogprob
 from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig, for_device, reconfigured
 from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
@@ -157,8 +157,10 @@ class _Batch:
         self.items.append(item)
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int) -> None:
+                  num_output_tokens: int, logprobs: TokenLogprob | None = None) -> None:
         t = self.tokens
+        if logprobs is not None:
+            t.logprobs[len(t.request_ids)] = logprobs
         t.request_ids.append(request_id)
         t.texts.append(text)
         t.token_ids.append(token_id)
@@ -554,10 +556,12 @@ class EngineCoreClient:
             n_outs = t.num_output_tokens
             firsts = [i for i, n in enumerate(n_outs) if n == 1]
             order = firsts + [i for i, n in enumerate(n_outs) if n != 1] if firsts else range(len(n_outs))
+            lps = t.logprobs
             for i in order:
                 stream = streams[i]
                 if stream is not None:
-                    stream.put_token(t.request_ids[i], t.texts[i], t.token_ids[i], t.num_prompt_tokens[i], n_outs[i])
+                    stream.put_token(t.request_ids[i], t.texts[i], t.token_ids[i], t.num_prompt_tokens[i], n_outs[i],
+                                     lps.get(i) if lps else None)
         for item in msg.items:
             with self._lock:
                 stream = self._streams.pop(item.request_id, None) if item.finished else \

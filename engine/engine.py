@@ -26,7 +26,7 @@ import torch
 
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, PromptOptions, RejectReason, RequestOutput
 from core.request import SLO, FinishReason, Request, Status
-from core.sampling import SamplingParams
+from core.sampling import MAX_LOGPROBS, SamplingParams
 from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
@@ -42,7 +42,7 @@ from engine.loader import load_model, sampling_defaults
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
-from engine.sampler import Draws, SampledTokens
+from engine.sampler import Draws, RowLogprobs, SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.config import SchedulerConfig
@@ -290,10 +290,10 @@ class LLMEngine:
         self.backend.attach(cache)
         runner = ModelRunner(self.bundle.model, cache, self.backend, decoder)
         blocks = BlockManager(n, bs)
-        # every row sampled, penalized and under min_p: the peak holds the sampler's largest step too (its token
-        # counts for `seqs` penalized requests are made here, and freed with the rest)
+        # every row sampled, penalized, under min_p and with logprobs: the peak holds the sampler's largest step too
+        # (its token counts for `seqs` penalized requests are made here, and freed with the rest)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                                frequency_penalty=0.1)
+                                frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
         prompt = Request("warmup-prefill", [0] * budget, params)
         decodes = [Request(f"warmup-decode-{i}", [0, 0], params) for i in range(seqs)]
         for r in (prompt, *decodes):
@@ -670,8 +670,7 @@ class LLMEngine:
             isolated = self._isolate(plan, reqs, e, draws=draws)
             if isolated is not None:  # its tokens are on the host already: resolved now, so that the requests that
                 # failed end before the next step is planned (else that step fails and is isolated again)
-                self._resolve(_InFlight(plan, reqs, sched.launched(plan, reqs), SampledTokens.of(isolated), t0,
-                                        (t2 - t1) * 1000.0))
+                self._resolve(_InFlight(plan, reqs, sched.launched(plan, reqs), isolated, t0, (t2 - t1) * 1000.0))
             return
         if staged is not None:
             self._phase["forward"] += t2 - t1  # preparing the inputs (and planning the draw)
@@ -723,7 +722,7 @@ class LLMEngine:
             f.tokens = None
             isolated = self._isolate(f.plan, f.reqs, e, f)
             if isolated is not None:
-                f.tokens = SampledTokens.of(isolated)
+                f.tokens = isolated
             elif f.reqs:  # every request of the step failed (`_isolate` ended them)
                 f.tokens = SampledTokens.of([0] * len(f.reqs))
         self._phase["forward"] += time.perf_counter() - t0
@@ -754,17 +753,20 @@ class LLMEngine:
         self._landed(f)
         t0 = time.perf_counter()
         tokens = f.tokens.result() if f.tokens is not None else []
+        logprobs = f.tokens.logprobs() if f.tokens is not None else {}
         t1 = time.perf_counter()
         self._phase["forward"] += t1 - t0  # waiting for the device
         where = {id(r): i for r, i in zip(f.reqs, f.index)}
+        row = {id(r): k for k, r in enumerate(f.reqs)} if logprobs else {}
         for req, tok, reason in sched.resolved(f.reqs, f.index, tokens, time.monotonic()):
             if isinstance(tok, Exception):
                 what = "model step failed" if isinstance(tok, _StepFailed) else "sampling failed"
                 self._finish(req, FinishReason.ERROR, error=f"{what}: {tok.__cause__ or tok!r}")
                 continue
-            reason = self.outputs.on_token(req, tok, reason, where[id(req)] + 1 - req.num_prompt_tokens)
+            lp = logprobs.get(row[id(req)]) if logprobs else None
+            reason = self.outputs.on_token(req, tok, reason, where[id(req)] + 1 - req.num_prompt_tokens, lp)
             if reason is not None:
-                self._finish(req, reason, last_token=tok)
+                self._finish(req, reason, last_token=tok, last_logprobs=lp)
         self._steps += 1
         t2 = time.perf_counter()
         self._phase["postprocess"] += t2 - t1
@@ -786,10 +788,11 @@ class LLMEngine:
         self._publish_step(len(plan.prefill), len(plan.decode), now)
 
     def _isolate(self, plan, reqs: list[Request], err: Exception, launched: _InFlight | None = None,
-                 draws: Draws | None = None) -> list[int | Exception] | None:
+                 draws: Draws | None = None) -> SampledTokens | None:
         """A step failed: run each of its requests alone so that one bad request fails alone, not its neighbours.
         Returns the tokens of `reqs` (a `_StepFailed` for those that fail again; chunks that fail are finished
-        here), or None when the whole step failed as it was (a step of one request, or an injected fault).
+        here) with their log-probabilities, or None when the whole step failed as it was (a step of one request, or
+        an injected fault).
         `launched`: the step ran on the host stream and its requests have moved on since (a placeholder each, the
         next step planned): each is re-run as it was launched and draws with the numbers planned for it, as does each
         of a step whose `draws` were planned before it failed."""
@@ -802,6 +805,7 @@ class LLMEngine:
         log.warning("model step of %d requests failed (%r): running them one by one", len(forward), err)
         sampled = {id(r): i for i, r in enumerate(reqs)}
         tokens: list[int | Exception] = [0] * len(reqs)
+        logprobs: dict[int, RowLogprobs] = {}
         ends = dict(zip(map(id, plan.prefill), plan.prefill_ends))
         as_launched = launched.as_launched if launched is not None else None
         if launched is not None:
@@ -810,8 +814,11 @@ class LLMEngine:
             if req.status is Status.FINISHED:  # ended with the step before (overlap scheduling)
                 continue
             try:
-                tok = self._run_alone(req, ends.get(id(req)), sampled.get(id(req)),
-                                      as_launched[k] if as_launched is not None else None, draws)
+                alone = self._run_alone(req, ends.get(id(req)), sampled.get(id(req)),
+                                        as_launched[k] if as_launched is not None else None, draws)
+                tok = alone.result()[0] if alone is not None else None
+                if alone is not None and (lp := alone.logprobs().get(0)) is not None:
+                    logprobs[sampled[id(req)]] = lp
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.warning("request %s failed its step: %r", req.request_id, e)
                 fail = _StepFailed(str(e))
@@ -821,14 +828,14 @@ class LLMEngine:
                     self._finish(req, FinishReason.ERROR, error=f"model step failed: {e!r}")
             if id(req) in sampled:
                 tokens[sampled[id(req)]] = tok
-        return tokens
+        return SampledTokens.of(tokens, logprobs)
 
     def _run_alone(self, req: Request, end: int | None, row: int | None, as_launched: tuple[int, int] | None,
-                   draws: Draws | None) -> int | None:
-        """One request's part of a failed step, alone: its prefill up to `end` or its decode, and its token if it
-        samples (its `row` among the step's), with the numbers the step's `draws` planned for it where it planned
-        them. `as_launched`: (num_computed_tokens, num_tokens) when the step was launched on the host stream; the
-        request is run as it was then."""
+                   draws: Draws | None) -> SampledTokens | None:
+        """One request's part of a failed step, alone: its prefill up to `end` or its decode, and its draw (its token,
+        with its log-probabilities where it asks for them) if it samples (its `row` among the step's), with the
+        numbers the step's `draws` planned for it where it planned them. `as_launched`: (num_computed_tokens,
+        num_tokens) when the step was launched on the host stream; the request is run as it was then."""
         saved = (req.token_ids, req.num_computed_tokens)
         if as_launched is not None:
             computed, n = as_launched
@@ -840,8 +847,8 @@ class LLMEngine:
             if row is None:
                 return None
             if draws is not None:
-                return self.sampler.draw(logits, draws.row(row)).result()[0]
-            return self.sampler.sample(logits, [req])[0]
+                return self.sampler.draw(logits, draws.row(row))
+            return self.sampler.sample_async(logits, [req])
         finally:
             req.token_ids, req.num_computed_tokens = saved
 
@@ -850,14 +857,15 @@ class LLMEngine:
         self._finish(req, FinishReason.REJECTED, reject_reason=reason)
 
     def _finish(self, req: Request, reason: FinishReason, *, reject_reason: RejectReason | None = None,
-                error: str | None = None, last_token: int | None = None) -> None:
+                error: str | None = None, last_token: int | None = None,
+                last_logprobs: RowLogprobs | None = None) -> None:
         if not self.scheduler.finish(req, reason, time.monotonic()):
             return
         self._requests.pop(req.request_id, None)
         self._churn += 1
         self.sampler.release(req.request_id)
         self.outputs.finish(req, reject_reason=reject_reason, error=error, error_kind=ErrorKind.ENGINE,
-                            last_token=last_token)
+                            last_token=last_token, last_logprobs=last_logprobs)
 
     def _publish_step(self, last_prefill: int, last_decode: int, now: float) -> None:
         """After a step: publish unless the last snapshot holds the same requests and is under PUBLISH_EVERY_S old

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.messages import ErrorKind, RejectReason, RequestMetrics, RequestOutput
+from core.messages import ErrorKind, RejectReason, RequestMetrics, RequestOutput, TokenLogprob
 from core.request import FinishReason, Request
 from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import RowLogprobs
 from engine.stream import OutputSink
 
 
@@ -29,6 +30,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self._live: dict[str, _Live] = {}
+        self._texts: dict[int, str] = {}  # token id -> its text alone (`token_text`), as logprobs name tokens
 
     def add(self, req: Request, stream: OutputSink) -> None:
         self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer))
@@ -38,13 +40,15 @@ class OutputProcessor:
         return [(rid, live.stream) for rid, live in list(self._live.items())]
 
     def on_token(self, req: Request, tok: int, reason: FinishReason | None,
-                 num_output_tokens: int | None = None) -> FinishReason | None:
+                 num_output_tokens: int | None = None, logprobs: RowLogprobs | None = None) -> FinishReason | None:
         """Detokenize `tok`, the request's `num_output_tokens`-th output token (default: its last), and check the
         stop strings (past min_tokens, as vLLM: on a token after the first min_tokens, a stop string that ends in
         its text). Emits the delta unless the request ends now; returns the request's finish reason (a stop string
         makes it STOP), or None while it goes on. A token that ends the request as a stop (the EOS, a stop token id)
         adds nothing to the text, as in vLLM without include_stop_str_in_output (nor do the bytes of a character it
-        would have completed); `stop_reason` is then its id, except for the EOS (None, as vLLM's)."""
+        would have completed); `stop_reason` is then its id, except for the EOS (None, as vLLM's). `logprobs`: the
+        token's, where its request asks for them (a token that ends the request has them in the final item:
+        `finish`'s `last_logprobs`)."""
         live = self._live[req.request_id]
         p = req.params
         if reason is FinishReason.STOP:
@@ -73,17 +77,45 @@ class OutputProcessor:
             upto = max(live.emitted_chars, len(live.text) - hold)
             text = live.text[live.emitted_chars:upto]
             live.emitted_chars = upto
-        live.stream.put_token(req.request_id, text, tok, len(req.prompt_token_ids), n)
+        lp = self.token_logprob(tok, logprobs) if logprobs is not None else None
+        live.stream.put_token(req.request_id, text, tok, len(req.prompt_token_ids), n, lp)
         return None
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text alone, as vLLM's logprobs name it (`decode([id])`, special tokens kept), with the leading
+        spaces a SentencePiece decode strips from a piece that starts with its word marker put back."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) or ""
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece.startswith("\u2581"):
+                marks = len(piece) - len(piece.lstrip("\u2581"))
+                missing = marks - (len(text) - len(text.lstrip(" ")))
+                if missing > 0:
+                    text = " " * missing + text
+            self._texts[token_id] = text
+        return text
+
+    def token_logprob(self, tok: int, lp: RowLogprobs) -> TokenLogprob:
+        """Token `tok`'s log-probabilities as its stream carries them (`RowLogprobs`, the sampler's), its tokens as
+        text."""
+        value, rank, top = lp
+        text = self.token_text
+        return TokenLogprob(text(tok), value, rank, tuple((t, text(t), v) for t, v in top))
+
     def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,
-               error_kind: ErrorKind | None = None, last_token: int | None = None) -> None:
-        """Send the final item of a request the scheduler has just ended (`req.finish_reason` is set)."""
+               error_kind: ErrorKind | None = None, last_token: int | None = None,
+               last_logprobs: RowLogprobs | None = None) -> None:
+        """Send the final item of a request the scheduler has just ended (`req.finish_reason` is set), with the token
+        that ended it (`last_token`) and its log-probabilities where its request asks for them."""
         live = self._live.pop(req.request_id)
         reason = req.finish_reason
         if reason is not FinishReason.STOP:  # a stop (a string, or a token: `on_token`) leaves a partial out
             live.text += live.detok.flush()
         text = live.text[live.emitted_chars:]
+        logprobs = None  # (a token without them, which no draw makes, leaves them out of the item)
+        if req.params.logprobs is not None and (last_token is None) == (last_logprobs is None):
+            logprobs = [] if last_logprobs is None else [self.token_logprob(last_token, last_logprobs)]
         live.stream.put(RequestOutput(
             req.request_id, text=text, token_ids=[] if last_token is None else [last_token], finished=True,
             finish_reason=reason, reject_reason=reject_reason, error=error,
@@ -92,7 +124,7 @@ class OutputProcessor:
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
-                                   req.token_times, _planned_len(req))))
+                                   req.token_times, _planned_len(req)), logprobs=logprobs))
 
 
 def _planned_len(req: Request) -> int | None:

@@ -144,6 +144,7 @@ class Draws:
     penalized: list["PenaltyRow"] = field(default_factory=list)
     # the tokens of the step before (overlap scheduling), where a penalized row's last token is still a placeholder
     prev: "SampledTokens | None" = None
+    logprobs: list[tuple[int, int]] = field(default_factory=list)  # (row, its top count) of the rows with logprobs
 
     def row(self, i: int) -> "Draws":
         """Row `i`'s draw alone (a step re-run request by request draws each row with the numbers planned for it)."""
@@ -152,7 +153,8 @@ class Draws:
                      [(0, b) for k, b in self.biased if k == i], [0] if j >= 0 else [],
                      self.u[j:j + 1] if j >= 0 and self.u is not None else None,
                      {0: self.failed[i]} if i in self.failed else {},
-                     [replace(pr, row=0) for pr in self.penalized if pr.row == i], self.prev)
+                     [replace(pr, row=0) for pr in self.penalized if pr.row == i], self.prev,
+                     [(0, k) for r, k in self.logprobs if r == i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,6 +402,7 @@ class Sampler:
         biased: list[tuple[int, tuple[tuple[int, float], ...]]] = []
         penalized: list[PenaltyRow] = []
         sampled: list[int] = []
+        logprobs: list[tuple[int, int]] = []
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
@@ -410,19 +413,30 @@ class Sampler:
                 penalized.append(self._penalties.plan_row(i, r))
             if not p.greedy:
                 sampled.append(i)
+            if p.logprobs is not None:
+                logprobs.append((i, p.logprobs))
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
-        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev)
+        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs)
 
     @torch.inference_mode()
     def draw(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
         """The step's tokens from its logits (the sampler's to change) and its `plan`."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
+        dev = logits.device
+        reqs, sampled, u, width = d.reqs, d.sampled, d.u, logits.shape[-1]
+        # the rows' log-probabilities as the model gave them (vLLM's raw_logprobs), before any change below
+        raw = _log_softmax_rows(logits, [i for i, _ in d.logprobs]) if d.logprobs else None
+        tokens = self._tokens(logits, d)
+        return tokens if raw is None else tokens.with_logprobs(raw, d.logprobs)
+
+    def _tokens(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
+        """`draw`'s tokens, without their log-probabilities."""
         dev = logits.device
         reqs, sampled, u, width = d.reqs, d.sampled, d.u, logits.shape[-1]
         if d.banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
@@ -552,12 +566,24 @@ class Sampler:
         return self.top_p_draw(probs, top_p, u, torch.where(ok, total, float(probs.shape[-1])))
 
 
+def _log_softmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The log-probabilities of `rows` of the logits, in float32 (a new tensor: the draw changes the logits next)."""
+    x = logits if len(rows) == logits.shape[0] else logits[_to(rows, logits.device)]
+    return torch.log_softmax(x.float(), dim=-1)
+
+
+# a row's log-probabilities as drawn: (the drawn token's, its rank (1: the likeliest), the most likely tokens' as
+# (id, log-probability) pairs, likeliest first)
+RowLogprobs = tuple[float, int, tuple[tuple[int, float], ...]]
+
+
 class SampledTokens:
     """A step's sampled tokens: on the device where they were drawn (`device_tokens`: the next step's inputs read them
     there) and, once `result()` has waited for its copy, on the host. -1 marks a row whose probabilities were not
-    finite; `failed` holds the rows whose own sampling raised."""
+    finite; `failed` holds the rows whose own sampling raised. Rows that asked for them carry their log-probabilities
+    (`with_logprobs`, `logprobs()`), copied with the tokens."""
 
-    __slots__ = ("_host", "_device", "_ready", "_failed")
+    __slots__ = ("_host", "_device", "_ready", "_failed", "_lp")
 
     def __init__(self, host: list[int] | torch.Tensor, failed: dict[int, Exception] | None = None,
                  device: torch.Tensor | None = None, ready: "torch.cuda.Event | None" = None) -> None:
@@ -565,12 +591,55 @@ class SampledTokens:
         self._device = device
         self._ready = ready
         self._failed = failed or {}
+        # rows' log-probabilities: as tensors until read ((row, top count) pairs, values [m, 1 + k], ids [m, 1 + k]:
+        # the drawn token's and its rank first), then as `RowLogprobs` by row
+        self._lp: tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor] | dict[int, RowLogprobs] | None = None
 
     @classmethod
-    def of(cls, tokens: list[int | Exception]) -> "SampledTokens":
-        """Tokens already on the host (an exception for a row that failed)."""
+    def of(cls, tokens: list[int | Exception], logprobs: dict[int, RowLogprobs] | None = None) -> "SampledTokens":
+        """Tokens already on the host (an exception for a row that failed), and the log-probabilities of rows that
+        have them."""
         failed = {i: t for i, t in enumerate(tokens) if isinstance(t, Exception)}
-        return cls([0 if isinstance(t, Exception) else t for t in tokens], failed)
+        out = cls([0 if isinstance(t, Exception) else t for t in tokens], failed)
+        out._lp = logprobs or None
+        return out
+
+    def with_logprobs(self, raw: torch.Tensor, rows: list[tuple[int, int]]) -> "SampledTokens":
+        """These tokens with the log-probabilities of `rows` ((row, top count) pairs): `raw` [len(rows), V] holds
+        their log-softmax, on the device the tokens were drawn on. The drawn token's log-probability and rank and
+        the top ones are picked there and copied to the host with the tokens (CUDA: one wait for both)."""
+        dev = raw.device
+        picked = self.device_tokens(dev)
+        if len(rows) != picked.shape[0]:
+            picked = picked[_to([i for i, _ in rows], dev, torch.long)]
+        chosen = raw.gather(-1, picked.clamp(min=0).unsqueeze(-1))  # (a failed row's -1: dropped with the row)
+        rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
+        k = min(max(k for _, k in rows), raw.shape[-1])
+        vals, ids = chosen, rank
+        if k:
+            top = torch.topk(raw, k, dim=-1)
+            vals, ids = torch.cat((chosen, top.values), dim=-1), torch.cat((rank, top.indices), dim=-1)
+        if dev.type == "cuda":
+            vals_h = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            ids_h = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            vals_h.copy_(vals, non_blocking=True)
+            ids_h.copy_(ids, non_blocking=True)
+            vals, ids = vals_h, ids_h
+            self._ready = torch.cuda.Event()  # after the tokens' copy too: one wait for all
+            self._ready.record()
+        self._lp = (rows, vals, ids)
+        return self
+
+    def logprobs(self) -> dict[int, RowLogprobs]:
+        """The log-probabilities of the rows that have them, by row (waits for the device)."""
+        if isinstance(self._lp, tuple):
+            if self._ready is not None:
+                self._ready.synchronize()
+                self._ready = None
+            rows, vals, ids = self._lp
+            self._lp = {i: (v[0], int(r[0]), tuple(zip(r[1:k + 1], v[1:k + 1])))
+                        for (i, k), v, r in zip(rows, vals.tolist(), ids.tolist())}
+        return self._lp or {}
 
     @classmethod
     def on_device(cls, tokens: torch.Tensor, failed: dict[int, Exception]) -> "SampledTokens":

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from typing import Protocol
 
-from core.messages import RequestOutput
+from core.messages import RequestOutput, TokenLogprob
 
 
 class OutputSink(Protocol):
@@ -21,9 +21,10 @@ class OutputSink(Protocol):
     def put(self, item: RequestOutput) -> None: ...
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int) -> None:
+                  num_output_tokens: int, logprobs: TokenLogprob | None = None) -> None:
         """Put a request's token item: `RequestOutput(request_id, text, [token_id], num_prompt_tokens=...,
-        num_output_tokens=...)`, which a sink may keep in a cheaper form (the engine process's batch)."""
+        num_output_tokens=..., logprobs=[logprobs] if any)`, which a sink may keep in a cheaper form (the engine
+        process's batch)."""
         ...
 
 
@@ -66,9 +67,9 @@ class RequestStream:
                     pass
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int) -> None:
+                  num_output_tokens: int, logprobs: TokenLogprob | None = None) -> None:
         self.put(RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
-                               num_output_tokens=num_output_tokens))
+                               num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs]))
 
     @property
     def closed(self) -> bool:
@@ -81,8 +82,10 @@ class RequestStream:
             parts.append(self._items.popleft())
         if len(parts) == 1:
             return parts[0]
+        logprobs = [x for p in parts for x in p.logprobs or ()] \
+            if any(p.logprobs is not None for p in parts) else None
         return dataclasses.replace(parts[-1], text="".join(p.text for p in parts),
-                                   token_ids=[t for p in parts for t in p.token_ids])
+                                   token_ids=[t for p in parts for t in p.token_ids], logprobs=logprobs)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         with self._cond:

@@ -124,6 +124,70 @@ def test_greedy_with_a_repetition_penalty_equals_hf_generate(tiny_checkpoints, f
     assert outs != _hf_greedy(path, prompts, n)
 
 
+def _check_logprobs(model, tok, prompt, out, lps, k, tol=2e-4):
+    """Each reply token's logprobs are the model's own (its raw logits, teacher-forced on the reply): the token's
+    log-probability and rank (within `tol` of a tie), its text alone, and a top `k` that holds the k likeliest."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert len(lps) == len(out)
+    for j, (t, lp) in enumerate(zip(out, lps)):
+        row, v = ref[j], ref[j, t].item()
+        assert lp.logprob == pytest.approx(v, abs=tol), j
+        assert int((row > v + tol).sum()) + 1 <= lp.rank <= int((row > v - tol).sum()) + 1, j
+        assert lp.token == tok.decode([t])
+        assert len(lp.top) == k and [x for _, _, x in lp.top] == sorted((x for _, _, x in lp.top), reverse=True)
+        if k:
+            kth = row.topk(k).values[-1].item()
+            assert len({i for i, _, _ in lp.top}) == k
+            for i, text, x in lp.top:
+                assert x == pytest.approx(row[i].item(), abs=tol) and x >= kth - tol and text == tok.decode([i])
+
+
+@pytest.mark.parametrize("family,impl", [("llama", "auto"), ("llama", "hf"), ("gpt2", "auto")])
+def test_logprobs_are_the_models_own_whatever_the_sampling(tiny_checkpoints, family, impl):
+    """A request's logprobs come with every reply token, in the stream's items beside their tokens, the model's raw
+    distribution (vLLM's raw_logprobs): greedy, sampled, penalized (the penalty changes the tokens, not the
+    logprobs) and ended by a stop token (the last item carries the stop token's); a request without asks none."""
+    from transformers import AutoTokenizer
+
+    path = tiny_checkpoints[family]
+    eng = _engine(path, model_impl=impl)
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)[:4]
+        ask = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5),
+               SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True, logprobs=0),
+               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.8, logprobs=20),
+               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
+        items = [list(eng.add_request(p, sp)) for p, sp in zip(prompts, ask)]
+        # greedy to a stop token: the first reply's first token that it had not drawn before ends it
+        greedy = [t for o in items[0] for t in o.token_ids]
+        end = next((j for j in range(1, len(greedy)) if greedy[j] not in greedy[:j]), 0)
+        stop_at = greedy[end]
+        stop = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2, stop_token_ids=[stop_at])
+        items.append(list(eng.add_request(prompts[0], stop)))
+        ask.append(stop)
+        prompts.append(prompts[0])
+    finally:
+        eng.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    for i, (prompt, sp, its) in enumerate(zip(prompts, ask, items)):
+        out = [t for o in its for t in o.token_ids]
+        if sp.logprobs is None:
+            assert all(o.logprobs is None for o in its) and len(out) == 12
+            continue
+        assert all(o.logprobs is not None and len(o.logprobs) == len(o.token_ids) for o in its), i
+        lps = [x for o in its for x in o.logprobs]
+        _check_logprobs(model, tok, prompt, out, lps, sp.logprobs)
+        if sp.temperature == 0.0 and not sp.repetition_penalty != 1.0:
+            assert all(x.rank == 1 for x in lps) and all(x.logprob == x.top[0][2] for x in lps if x.top)
+    assert [t for o in items[2] for t in o.token_ids] != [t for o in items[3] for t in o.token_ids]  # penalized
+    last = items[-1]
+    assert last[-1].finish_reason == "stop" and last[-1].token_ids == [stop_at] and len(last[-1].logprobs) == 1
+    assert [t for o in last for t in o.token_ids] == greedy[:end + 1]
+
+
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),
                                                   ("qwen2", "hf", "auto"), ("gpt2", "auto", "off")])
 def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):

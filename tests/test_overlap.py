@@ -3,6 +3,8 @@ tokens, which reach N+1's inputs as placeholders resolved on the device. On the 
 (`engine.host_stream`), a thread of their own, with the same bookkeeping as on a GPU: every reply must be token for
 token, and end for end, what the engine gives without it (data-dependent stops, length limits, preemption, chunked
 prefill, seeded sampling, aborts, a request whose forward fails)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,10 +22,11 @@ PROMPTS = [list(range(3, 5)), list(range(7, 30)), list(range(11, 70)), list(rang
 PREEMPTED: list[bool] = []  # per preemption: whether a token of the request was still on its way
 
 
-def _serve(path, prompts, params, overlap, device_path=False, **cfg):
+def _serve(path, prompts, params, overlap, device_path=False, logprobs=None, **cfg):
     """Per request: (tokens, finish reason, error, the num_output_tokens its stream items reported). `device_path`:
     overlap as on a GPU (the step launched and drawn on the engine's thread, the step before in flight) instead of
-    the host stream."""
+    the host stream. `logprobs`: a list that gets each request's logprobs, one (logprob, rank, top ids) per token
+    (None where its items had none)."""
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap=overlap, **cfg))
     if device_path:
         eng._stream = None  # (no request yet: the worker has not stepped)
@@ -39,26 +42,38 @@ def _serve(path, prompts, params, overlap, device_path=False, **cfg):
         streams = [eng.add_request(p, q) for p, q in zip(prompts, params)]
         out = []
         for s in streams:
-            toks, counts, last = [], [], None
+            toks, counts, last, lps = [], [], None, []
             for item in s:  # (a consumer that falls behind gets items merged: counts may skip)
                 toks.extend(item.token_ids or [])
                 counts.append(item.num_output_tokens)
                 last = item
+                if item.logprobs is None:
+                    assert not item.token_ids or lps is None or not lps
+                    lps = None
+                else:
+                    assert lps is not None and len(item.logprobs) == len(item.token_ids)
+                    lps.extend((x.logprob, x.rank, [i for i, _, _ in x.top]) for x in item.logprobs)
             out.append((toks, last.finish_reason, last.error, counts))
+            if logprobs is not None:
+                logprobs.append(lps)
         return out
     finally:
         eng.shutdown()
 
 
-def _replies(streams):
-    """Per request id: (its tokens, its last stream item)."""
+def _replies(streams, logprobs=None):
+    """Per request id: (its tokens, its last stream item). `logprobs`: a dict that gets each request's logprobs, as
+    `_serve` lists them."""
     got = {}
     for s in streams:
-        toks, last = [], None
+        toks, last, lps = [], None, []
         for item in s:
             toks.extend(item.token_ids or [])
             last = item
+            lps.extend((x.logprob, x.rank, [i for i, _, _ in x.top]) for x in item.logprobs or ())
         got[s.request_id] = (toks, last)
+        if logprobs is not None:
+            logprobs[s.request_id] = lps
     return got
 
 
@@ -115,11 +130,17 @@ def test_penalized_replies_are_exact_with_a_step_in_flight(tiny_checkpoints, dev
                              frequency_penalty=0.7),
               SamplingParams(max_tokens=14, temperature=0.9, seed=4, ignore_eos=True, repetition_penalty=1.3,
                              min_p=0.05),
-              plain, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, frequency_penalty=-1.0)]
-    off = _serve(path, PROMPTS, params, "off")
-    on = _serve(path, PROMPTS, params, "on", device_path=device_path)
+              plain, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, frequency_penalty=-1.0,
+                                    logprobs=4)]
+    params[2] = dataclasses.replace(params[2], logprobs=0)
+    lp_off, lp_on = [], []
+    off = _serve(path, PROMPTS, params, "off", logprobs=lp_off)
+    on = _serve(path, PROMPTS, params, "on", device_path=device_path, logprobs=lp_on)
     assert [x[:3] for x in on] == [x[:3] for x in off]
     assert all(err is None for _, _, err, _ in on)
+    # the logprobs too, every token's (the step in flight's own, drawn beside a placeholder)
+    assert [x is None for x in lp_on] == [True, True, False, True, False] and lp_on == lp_off
+    assert all(len(lp_on[i]) == len(on[i][0]) for i in (2, 4)) and all(len(t) == 4 for _, _, t in lp_on[4])
     unpenalized = _serve(path, PROMPTS, plain, "off")
     assert [off[i][0] != unpenalized[i][0] for i in (0, 1, 4)] == [True, True, True]
 
@@ -154,8 +175,9 @@ def test_a_forward_that_fails_on_the_host_stream_fails_its_request_alone(tiny_ch
     replies, greedy and seeded, are those of an engine without overlap."""
     path = tiny_checkpoints["llama"]
     good = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-            SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)]
-    want = _serve(path, PROMPTS[:2], good, "off", backend=backend)
+            SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, logprobs=3)]
+    lps = []
+    want = _serve(path, PROMPTS[:2], good, "off", backend=backend, logprobs=lps)
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="on",
                                  backend=backend))
     try:
@@ -173,10 +195,12 @@ def test_a_forward_that_fails_on_the_host_stream_fails_its_request_alone(tiny_ch
                    zip([*PROMPTS[:2], list(range(3, 59))], [*good, SamplingParams(max_tokens=20, temperature=0.0,
                                                                                    ignore_eos=True)],
                        ["a", "b", "bad"])]
-        got = _replies(streams)
+        seen = {}
+        got = _replies(streams, seen)
         assert failed and max(failed) > 1  # a step of several requests failed on the stream
         assert got["a"][0] == want[0][0] and got["b"][0] == want[1][0]
         assert got["a"][1].error is None and got["b"][1].error is None
+        assert seen["b"] == lps[1] and len(lps[1]) == 8  # the re-run's draw has them too
         assert got["bad"][1].error and "model step failed" in got["bad"][1].error and len(got["bad"][0]) == 5
         assert eng.scheduler.blocks.num_used == 0 and not eng.scheduler.running
     finally:
@@ -188,9 +212,10 @@ def test_a_draw_that_fails_is_redrawn_with_the_numbers_planned_for_it(tiny_check
     whole batch is redone request by request with the numbers its plan took: a seeded reply is the one it would
     have been (its generator gives its numbers once), and no request fails."""
     path = tiny_checkpoints["llama"]
-    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)]
-    want = _serve(path, PROMPTS[:2], params, "off")
+    lps = []
+    want = _serve(path, PROMPTS[:2], params, "off", logprobs=lps)
     eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="off"))
     try:
         draw, failed = eng.sampler.draw, []
@@ -201,9 +226,12 @@ def test_a_draw_that_fails_is_redrawn_with_the_numbers_planned_for_it(tiny_check
                 raise RuntimeError("the batch's draw failed")
             return draw(logits, d)
         eng.sampler.draw = fails_once
-        got = _replies([eng.add_request(p, q, request_id=rid) for p, q, rid in zip(PROMPTS[:2], params, "ab")])
+        streams = [eng.add_request(p, q, request_id=rid) for p, q, rid in zip(PROMPTS[:2], params, "ab")]
+        seen = {}
+        got = _replies(streams, seen)
         assert failed == [2]
         assert got["a"][0] == want[0][0] and got["b"][0] == want[1][0]
+        assert seen["a"] == lps[0] and len(lps[0]) == 8 and lps[1] is None
         assert got["a"][1].error is None and got["b"][1].error is None
     finally:
         eng.shutdown()

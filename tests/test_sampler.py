@@ -293,3 +293,50 @@ def test_penalties_and_min_p_out_of_range_are_refused(bad, match):
         SamplingParams(**bad).validate()
     assert not SamplingParams(repetition_penalty=1.0, min_p=0.5).penalized
     assert SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=3.0).validate().penalized
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_logprobs_are_the_raw_distributions_of_their_rows_only(path):
+    """Rows that ask for logprobs get, for the token drawn, its log-probability under the logits as given (before
+    min_tokens' bans, logit_bias, penalties or temperature), its rank, and the k likeliest tokens; other rows get
+    none. On both paths: torch's ops on the logits' device (a GPU's), and the CPU kernels' host calls."""
+    from engine.backends.cpu import kernels as cpu_kernels
+
+    kw = {}
+    if path == "kernels":
+        try:
+            k = cpu_kernels.load()
+        except cpu_kernels.KernelsUnavailable as e:
+            pytest.skip(str(e))
+        kw = dict(argmax=k.argmax_rows, draw=k.sample_rows)
+    s = Sampler(vocab_limit=40, eos_token_ids=[EOS], device=torch.device("cpu"), **kw)
+    logits = torch.randn(5, 48, generator=torch.Generator().manual_seed(5))
+    logits[:, 9] = 4.0  # every row's favourite...
+    logits[:, 44] = 50.0  # ...past the tokenizer's vocabulary: never drawn, never counted
+    reqs = [_req("greedy", logprobs=3),
+            _req("biased", logprobs=0, logit_bias={9: -100.0}),  # draws another token: rank > 1
+            _sampled("sampled", temperature=1.5, seed=3, logprobs=40),  # the whole vocabulary
+            _req("none"),
+            _req("penalized", logprobs=2, repetition_penalty=3.0, min_tokens=1, max_tokens=4)]
+    ref = torch.log_softmax(logits[:, :40].float(), dim=-1)
+    plan = s.plan(reqs)
+    out = s.draw(logits.clone(), plan)
+    toks, lps = out.result(), out.logprobs()
+    assert sorted(lps) == [0, 1, 2, 4] and toks[0] == 9 and toks[1] != 9
+    for i, k in ((0, 3), (1, 0), (2, 40), (4, 2)):
+        v, rank, top = lps[i]
+        assert v == pytest.approx(ref[i, toks[i]].item(), abs=1e-6)
+        assert rank == int((ref[i] > ref[i, toks[i]]).sum()) + 1
+        want = torch.topk(ref[i], k)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [x for _, x in top] == pytest.approx(want.values.tolist(), abs=1e-6)
+    assert lps[0][1] == 1 and lps[1][1] > 1
+    alone = s.draw(logits[2:3].clone(), plan.row(2))  # a row drawn again alone (its step failed): the same
+    assert alone.result() == [toks[2]] and alone.logprobs() == {0: lps[2]}
+
+
+def test_logprobs_out_of_range_are_refused():
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad).validate()
+    assert SamplingParams(logprobs=20).validate().logprobs == 20
