@@ -32,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput,
+from core.messages import (ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput, TokenLogprob,
                            check_output, clock_id, waited_since_ms)
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
@@ -641,14 +641,14 @@ class OpenAIFrontend:
                 raise failure
         if body.stream:
             response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
-                                                   body.continuous_usage),
+                                                   body.continuous_usage, body.top_count()),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
             # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
             # drops it unsent calls this (`_drop`)
             response.kairos_cancel = gen.cancel  # type: ignore[attr-defined]
             return response
-        return await self._collect(gen, first, kind, rid, headers, model)
+        return await self._collect(gen, first, kind, rid, headers, model, body.top_count())
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
         """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
@@ -698,6 +698,7 @@ class OpenAIFrontend:
         model = body.model or self.served_model_name
         batch = _BatchFlight(self.batch_concurrency)
         n = body.n or 1
+        top = body.top_count()
 
         async def start(i: int, req: GenerateRequest, wait: bool = True
                         ) -> tuple[GenerateStream, RequestOutput, dict[str, str]] | None:
@@ -761,7 +762,8 @@ class OpenAIFrontend:
                 raise
 
         if not body.stream:
-            async def whole(i: int, req: GenerateRequest) -> tuple[dict[str, str], tuple[str, RequestOutput]]:
+            async def whole(i: int, req: GenerateRequest
+                            ) -> tuple[dict[str, str], tuple[str, RequestOutput, list[TokenLogprob] | None]]:
                 gen, first, headers = await start(i, req)  # type: ignore[misc]
                 try:
                     return headers, await self._rest(gen, first, req.request_id, headers)
@@ -769,8 +771,8 @@ class OpenAIFrontend:
                     batch.end()
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
-            choices = [(text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason)
-                       for _, (text, item) in done]
+            choices = [(text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason,
+                        _shown_logprobs(kind, top, lps, text)) for _, (text, item, lps) in done]
             whole_body = P.batch_completion_response(rid, model, choices, n) if kind == "completion" \
                 else P.batch_chat_response(rid, model, choices)
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
@@ -786,7 +788,7 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n),
+                            kind, n, top),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -795,12 +797,13 @@ class OpenAIFrontend:
     async def _sse_batch(self, started: list[tuple[int, tuple[GenerateStream, RequestOutput, dict[str, str]]]],
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
                          include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
-                         kind: str = "completion", n: int = 1) -> AsyncIterator[bytes]:
+                         kind: str = "completion", n: int = 1, top: int | None = None) -> AsyncIterator[bytes]:
         """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
         `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
         (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
-        choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. A choice
-        that fails ends the stream with an error event, and the others are cancelled."""
+        choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. `top`: each
+        chunk has its tokens' logprobs, with this many likeliest tokens each. A choice that fails ends the stream
+        with an error event, and the others are cancelled."""
         created = int(time.time())
         total = len(started) + len(later)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -831,7 +834,8 @@ class OpenAIFrontend:
         tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in started]
         tasks += [asyncio.ensure_future(pump(i, None, None, req)) for i, req in later]
         left, pt, ct = total, 0, 0
-        fasts: dict[int, TextChunks | None] = {}  # each choice's text chunks (None with `continuous`)
+        fasts: dict[int, TextChunks | None] = {}  # each choice's text chunks (None with `continuous` or logprobs)
+        shown: dict[int, P.Logprobs] = {}  # each choice's logprobs (with `top`)
         try:
             while left:
                 i, item, err = await queue.get()
@@ -846,13 +850,16 @@ class OpenAIFrontend:
                     yield _error_event(item, f"{_choice_name(kind, n, i)}: ")
                     break
                 if i not in fasts:  # the choice's first item
-                    fasts[i] = None if continuous else TextChunks(kind, rid, model, created, include_usage, i)
+                    fasts[i] = None if continuous or top is not None else \
+                        TextChunks(kind, rid, model, created, include_usage, i)
+                    if top is not None:
+                        shown[i] = P.Logprobs(kind, top)
                     if kind == "chat":
                         yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                                   index=i),
                                      include_usage, P.usage(item.num_prompt_tokens, 0) if continuous else None)
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, i, continuous,
-                                     fasts[i])) is not None:
+                                     fasts[i], shown.get(i))) is not None:
                     yield out
                 if item.finished:
                     left, ct = left - 1, ct + item.num_output_tokens
@@ -864,14 +871,20 @@ class OpenAIFrontend:
             for task in tasks:
                 task.cancel()
 
-    async def _rest(self, gen: Any, first: RequestOutput, rid: str,
-                    headers: dict[str, str]) -> tuple[str, RequestOutput]:
-        """A non-streaming request's text after its first item, and its last item; an APIError where it failed."""
+    async def _rest(self, gen: Any, first: RequestOutput, rid: str, headers: dict[str, str]
+                    ) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
+        """A non-streaming request's text from its first item on, its last item, and its tokens' logprobs (None where
+        its items carry none); an APIError where it failed."""
         parts, item = [first.text], first
+        lps = None if first.logprobs is None else list(first.logprobs)
         try:
             while not item.finished:
                 item = check_output(await gen.__anext__())
                 parts.append(item.text)
+                if item.logprobs is not None:
+                    if lps is None:
+                        lps = []
+                    lps.extend(item.logprobs)
         except ProtocolError as e:
             gen.cancel()
             raise protocol_failure(rid, e) from None
@@ -884,29 +897,33 @@ class OpenAIFrontend:
             raise
         if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
-        return "".join(parts), item
+        return "".join(parts), item, lps
 
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                       headers: dict[str, str], model: str) -> JSONResponse:
-        text, item = await self._rest(gen, first, rid, headers)
+                       headers: dict[str, str], model: str, top: int | None = None) -> JSONResponse:
+        text, item, lps = await self._rest(gen, first, rid, headers)
         build = P.completion_response if kind == "completion" else P.chat_response
         return JSONResponse(build(rid, model, text, item.finish_reason, item.num_prompt_tokens,
-                                  item.num_output_tokens, item.stop_reason), headers=headers)
+                                  item.num_output_tokens, item.stop_reason, _shown_logprobs(kind, top, lps, text)),
+                            headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                   include_usage: bool, model: str, continuous: bool = False) -> AsyncIterator[bytes]:
+                   include_usage: bool, model: str, continuous: bool = False,
+                   top: int | None = None) -> AsyncIterator[bytes]:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
-        include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]."""
+        include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
+        tokens' logprobs, with this many likeliest tokens each."""
         created, item = int(time.time()), first
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        fast = None if continuous else TextChunks(kind, rid, model, created, include_usage)
+        fast = None if continuous or top is not None else TextChunks(kind, rid, model, created, include_usage)
+        shown = P.Logprobs(kind, top) if top is not None else None
         done = False
         try:
             if kind == "chat":
                 yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None),
                              include_usage, P.usage(first.num_prompt_tokens, 0) if continuous else None)
             while True:
-                if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast)) \
+                if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast, shown)) \
                         is not None:
                     yield out
                 if item.finished:
@@ -1022,11 +1039,13 @@ class TextChunks:
 
 
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
-              index: int = 0, continuous: bool = False, fast: TextChunks | None = None) -> bytes | None:
+              index: int = 0, continuous: bool = False, fast: TextChunks | None = None,
+              shown: P.Logprobs | None = None) -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
-    in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous`), which
-    builds an unfinished item's chunk with text."""
+    in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous` or
+    logprobs), which builds an unfinished item's chunk with text. `shown`: the choice's logprobs so far, where its
+    request asks for them: the chunk has its tokens'."""
     fin = item.finish_reason
     if fin is FinishReason.ERROR:
         return _error_event(item)
@@ -1035,11 +1054,19 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     if fast is not None and fin is None and (item.text or fast.empty_ok) and fast.usable:
         return fast.chunk(item.text)
     usage = P.usage(item.num_prompt_tokens, item.num_output_tokens) if continuous else None
+    lp = shown.render(item.logprobs, item.text) if shown is not None and item.logprobs else None
+    if shown is not None and not item.logprobs:
+        shown.offset += len(item.text)
     if kind == "completion":
-        return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason),
+        return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason, lp),
                       include_usage, usage)
     return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin,
-                               item.stop_reason, index), include_usage, usage)
+                               item.stop_reason, index, lp), include_usage, usage)
+
+
+def _shown_logprobs(kind: str, top: int | None, lps: list[TokenLogprob] | None, text: str) -> dict | None:
+    """A whole choice's logprobs as its response shows them (`P.Logprobs`), where its request asked for them."""
+    return None if top is None or lps is None else P.Logprobs(kind, top).render(lps, text)
 
 
 def _error_event(item: RequestOutput, prefix: str = "") -> bytes:

@@ -3,11 +3,11 @@
 Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
-cannot honour are rejected explicitly when given a value other than their default: best_of > 1, echo,
-logprobs / top_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
+cannot honour are rejected explicitly when given a value other than their default: best_of > 1, echo, vLLM's
+prompt_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
 decoding and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
-penalties and min_p are honoured, and so are vLLM's fields for how a prompt is tokenized
-(`core.messages.PromptOptions`).
+penalties, min_p and logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`) are
+honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.messages import ChatTurn, PromptOptions, RequestMetrics, check_template_kwargs
+from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob, check_template_kwargs
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
-from core.sampling import MAX_LOGIT_BIAS
+from core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 def _documented(schema: dict[str, Any]) -> Any:
@@ -53,11 +53,11 @@ class StreamOptions(BaseModel):
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "top_logprobs": (0,),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "logprobs": (False,), "tools": ([],),
+    "tools": ([],),
     # a chat template sent with the request (vLLM runs one only with --trust-request-chat-template), RAG documents
     "chat_template": (), "documents": (),
 }
@@ -176,9 +176,15 @@ class _Common(BaseModel):
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+            logprobs=self.top_count(),
         )
         kw["max_tokens"] = max_tokens
         return kw
+
+    def top_count(self) -> int | None:
+        """How many likeliest tokens each reply token's logprobs list (`SamplingParams.logprobs`): None for no
+        logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -204,8 +210,20 @@ class CompletionRequest(_Common):
     echo: bool | None = Field(False, json_schema_extra=_opt({"type": "boolean", "const": False}))
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
-    logprobs: int | None = Field(None, json_schema_extra=_documented({"type": "null"}))
+    # each reply token's log-probability and its `logprobs` likeliest tokens' (and the chosen one's)
+    logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
+                                                               "maximum": MAX_LOGPROBS}))
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        return v
+
+    def top_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(add_special_tokens=self.add_special_tokens)
@@ -216,8 +234,8 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
-        if self.echo or self.suffix or (self.best_of or 1) > 1 or self.logprobs is not None:
-            raise ValueError("echo, suffix, best_of > 1 and logprobs are not supported")
+        if self.echo or self.suffix or (self.best_of or 1) > 1:
+            raise ValueError("echo, suffix and best_of > 1 are not supported")
         p = self.prompt
         if isinstance(p, list):
             if not p:
@@ -318,16 +336,31 @@ class _ChatPrompt(BaseModel):
 
 class ChatCompletionRequest(_Common, _ChatPrompt):
     max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
-    logprobs: bool | None = Field(None, json_schema_extra=_opt({"type": "boolean", "const": False}))
+    # each reply token's log-probability, and its `top_logprobs` likeliest tokens' (with logprobs only)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
+                                                                   "maximum": MAX_LOGPROBS}))
     tools: list[Any] | None = Field(None, json_schema_extra=_opt({"type": "array", "maxItems": 0}))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
-        if self.logprobs or self.tools:
-            raise ValueError("logprobs and tools are not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
         if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
             raise ValueError("max_completion_tokens must be a positive integer")
         return self
+
+    def top_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def default_max_tokens(self) -> int | None:
         """None means "the rest of the context window" (OpenAI's chat default)."""
@@ -402,50 +435,93 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | i
 # A choice's `stop_reason` (vLLM's extension): the stop string or stop token id that ended it, None otherwise (EOS,
 # length, or not ended yet).
 StopReason = str | int | None
+# a choice of a whole response: (text, finish reason, prompt tokens, completion tokens, stop reason, its logprobs as
+# the response shows them (`Logprobs`), or None)
+Choice = tuple[str, str | None, int, int, StopReason, dict | None]
+
+# a logprob below it (-inf: a token the model rules out) is shown as it (vLLM's: JSON has no infinity)
+LOGPROB_FLOOR = -9999.0
+
+
+def _shown(v: float) -> float:
+    return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN too)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+class Logprobs:
+    """A choice's logprobs in OpenAI's shapes, built from its items' `TokenLogprob`s as they come (a stream's chunks,
+    or a whole reply's at once): a completion's {text_offset, token_logprobs, tokens, top_logprobs}, each token's
+    top a map of text to logprob holding the chosen token and the `top` likeliest ("up to logprobs + 1", as OpenAI
+    and vLLM); a chat's {content: [{token, logprob, bytes, top_logprobs}]}, top_logprobs the `top` likeliest. A
+    completion's text offsets count from the start of the choice's text: within an item by its tokens' texts, from
+    one item to the next by the text that went out (vLLM's)."""
+
+    __slots__ = ("kind", "top", "offset")
+
+    def __init__(self, kind: str, top: int) -> None:
+        self.kind, self.top = kind, top
+        self.offset = 0
+
+    def render(self, lps: list[TokenLogprob], text: str) -> dict:
+        """The logprobs of an item's tokens (`lps`), the item carrying `text`."""
+        k = self.top
+        if self.kind == "completion":
+            offsets, at = [], self.offset
+            for x in lps:
+                offsets.append(at)
+                at += len(x.token)
+            self.offset += len(text)
+            return {"text_offset": offsets, "token_logprobs": [_shown(x.logprob) for x in lps],
+                    "tokens": [x.token for x in lps],
+                    "top_logprobs": [{x.token: _shown(x.logprob), **{t: _shown(v) for _, t, v in x.top[:k]}}
+                                     for x in lps]}
+        return {"content": [{"token": x.token, "logprob": _shown(x.logprob), "bytes": _bytes(x.token),
+                             "top_logprobs": [{"token": t, "logprob": _shown(v), "bytes": _bytes(t)}
+                                              for _, t, v in x.top[:k]]} for x in lps]}
 
 
 def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
-                        stop_reason: StopReason = None) -> dict:
-    return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason)])
+                        stop_reason: StopReason = None, logprobs: dict | None = None) -> dict:
+    return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs)])
 
 
-def batch_completion_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int, StopReason]],
-                              n: int = 1) -> dict:
-    """A completion of one or more prompts: n choices per prompt, (text, finish reason, prompt tokens, completion
-    tokens, stop reason) each, in order (prompt i's j-th at index i x n + j); the usage is their sum, each prompt's
-    tokens counted once (as vLLM's)."""
+def batch_completion_response(rid: str, model: str, choices: list[Choice], n: int = 1) -> dict:
+    """A completion of one or more prompts: n choices per prompt (`Choice`s), in order (prompt i's j-th at index
+    i x n + j); the usage is their sum, each prompt's tokens counted once (as vLLM's)."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
-                        for i, (text, finish, _, _, stop) in enumerate(choices)],
+            "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+                        for i, (text, finish, _, _, stop, lp) in enumerate(choices)],
             "usage": usage(sum(c[2] for c in choices[::n]), sum(c[3] for c in choices))}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
-                  stop_reason: StopReason = None) -> dict:
-    return batch_chat_response(rid, model, [(text, finish, pt, ct, stop_reason)])
+                  stop_reason: StopReason = None, logprobs: dict | None = None) -> dict:
+    return batch_chat_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs)])
 
 
-def batch_chat_response(rid: str, model: str, choices: list[tuple[str, str | None, int, int, StopReason]]) -> dict:
-    """A chat completion's n choices, (text, finish reason, prompt tokens, completion tokens, stop reason) each, in
-    order; the usage counts the prompt once (as vLLM's)."""
+def batch_chat_response(rid: str, model: str, choices: list[Choice]) -> dict:
+    """A chat completion's n choices (`Choice`s), in order; the usage counts the prompt once (as vLLM's)."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                          "finish_reason": finish, "stop_reason": stop}
-                        for i, (text, finish, _, _, stop) in enumerate(choices)],
+                        for i, (text, finish, _, _, stop, lp) in enumerate(choices)],
             "usage": usage(choices[0][2], sum(c[3] for c in choices))}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0,
-                     stop_reason: StopReason = None) -> dict:
+                     stop_reason: StopReason = None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                          "stop_reason": stop_reason}]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
-               stop_reason: StopReason = None, index: int = 0) -> dict:
+               stop_reason: StopReason = None, index: int = 0, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                          "stop_reason": stop_reason}]}
 
 

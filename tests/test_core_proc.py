@@ -1,5 +1,6 @@
 """The engine in its own process (`engine.core_proc`): the same tokens as the in-process engine, errors raised in
 the caller, KV freed on abort, and a child that dies or fails to start reported, never hung on."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -121,6 +122,20 @@ def test_each_item_counts_the_tokens_so_far_and_the_prompt(client):
         seen += len(out.token_ids)
         assert (out.num_output_tokens, out.num_prompt_tokens) == (seen, prompt_len)
     assert out.finished and seen == 12
+
+
+def test_logprobs_cross_the_process_beside_their_tokens(client, in_process):
+    """A request's logprobs ride the child's token columns (`TokenDeltas.logprobs`) and its last item: every item's
+    are its tokens', the token's text its own; a request beside it without logprobs gets none."""
+    with_lp = dataclasses.replace(_greedy(1, 10), request_id="lp", params=SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3))
+    streams = [client.generate(with_lp), client.generate(_greedy(3, 10))]
+    outs = [list(s) for s in streams]
+    assert [t for o in outs[0] for t in o.token_ids] == in_process[1][0][:10]
+    assert all(o.logprobs is not None and len(o.logprobs) == len(o.token_ids) for o in outs[0])
+    lps = [x for o in outs[0] for x in o.logprobs]
+    assert len(lps) == 10 and all(x.rank == 1 and len(x.top) == 3 and x.top[0][2] == x.logprob for x in lps)
+    assert all(o.logprobs is None for o in outs[1])
 
 
 def test_bad_input_is_a_value_error_in_the_caller(client):

@@ -244,6 +244,76 @@ def test_penalties_and_min_p_are_honoured_and_bad_values_named(client: httpx.Cli
         assert r.json()["error"]["param"] == field, r.json()
 
 
+def test_logprobs_are_the_models_own_streamed_or_not(client: httpx.Client) -> None:
+    """logprobs as OpenAI and vLLM show them: a completion's tokens, token_logprobs (the model's own, its raw
+    distribution over the tokens it can say), top_logprobs (the chosen token and the `logprobs` likeliest) and
+    text_offset; a chat's content entries with their bytes and `top_logprobs` likeliest; streamed, each chunk has
+    its tokens', and together they are the whole reply's; every choice of `n` has its own; bad values are 400s
+    naming their field."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.driver import resolve_model_path
+
+    path = resolve_model_path(MODEL)
+    tok = AutoTokenizer.from_pretrained(path)
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = [1, 2, 3, 4]
+        for _ in range(8):  # greedy over the tokens the tokenizer has (the sampler never draws past them)
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1, :len(tok)].argmax()))
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, 3:-1, :len(tok)].float(), dim=-1)
+    out = ids[4:]
+    assert lp["tokens"] == [tok.decode([t]) for t in out]
+    assert lp["token_logprobs"] == pytest.approx([ref[j, t].item() for j, t in enumerate(out)], abs=1e-3)
+    assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:j]) for j in range(8)]
+    for j, top in enumerate(lp["top_logprobs"]):
+        want = ref[j].topk(3)
+        assert lp["tokens"][j] in top and len(top) <= 4
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(want.values.tolist(), abs=1e-3)
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(e) for e in sse_events(s)[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
+    assert [v for x in streamed for v in x["token_logprobs"]] == lp["token_logprobs"]
+    assert [o for x in streamed for o in x["text_offset"]] == lp["text_offset"]
+    # a chat: content entries, streamed or not
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6
+    for x in content:
+        assert x["bytes"] == list(x["token"].encode()) and len(x["top_logprobs"]) == 2
+        assert x["top_logprobs"][0]["logprob"] >= x["top_logprobs"][1]["logprob"]
+        assert x["logprob"] == pytest.approx(x["top_logprobs"][0]["logprob"])  # greedy: the likeliest
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+        chunks = [json.loads(e) for e in sse_events(s)[:-1]]
+    assert [x for c in chunks if c["choices"][0]["logprobs"] for x in c["choices"][0]["logprobs"]["content"]] \
+        == content
+    alone = client.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": None}).json()
+    assert alone["choices"][0]["logprobs"] is None
+    # n choices each with their own
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 1.0, "seed": 5,
+                                             "ignore_eos": True, "logprobs": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert len(c["logprobs"]["tokens"]) == 4 and all(len(t) == 1 for t in c["logprobs"]["top_logprobs"])
+    for path_, extra, field, value in (
+            ("/v1/completions", {"prompt": "x"}, "logprobs", 21),
+            ("/v1/completions", {"prompt": "x"}, "logprobs", True),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "top_logprobs", 2),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+             "top_logprobs", 21)):
+        r = client.post(path_, json={**extra, "max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+
+
 def test_completion_stream(client: httpx.Client) -> None:
     req = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True, "ignore_eos": True,
            "stream_options": {"include_usage": True}}
@@ -375,8 +445,13 @@ def test_openai_client(base_url: str) -> None:
 
     two = oa.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2, extra_body={"ignore_eos": True})
     assert [ch.index for ch in two.choices] == [0, 1] and two.usage.completion_tokens == 8
+    lp = oa.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
+    assert len(lp.choices[0].logprobs.tokens) == 4 and len(lp.choices[0].logprobs.top_logprobs[0]) in (2, 3)
+    lp = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                    logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert len(lp.choices[0].logprobs.content) == 3 and len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
     with pytest.raises(openai.BadRequestError):
-        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=1)
+        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, echo=True)
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
     assert e.value.code == "model_not_found"
