@@ -310,6 +310,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         cfg = AutoConfig.from_pretrained(path)
 
     res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "penalties": [],
+                           "logprobs": [],
                            "overlap": []}
     bmax = max(plan.batches + plan.spread_batches + plan.overlap_batches + (plan.sampling_batch,))
     try:
@@ -408,6 +409,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             side_by_side("penalties", plan.sampling_batch, "penalized",
                          lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
 
+        def logprobs() -> None:  # greedy beside greedy with each token's logprob and its 5 likeliest (a vLLM default)
+            knobs = {"temperature": 0.0, "logprobs": 5}
+            side_by_side("logprobs", plan.sampling_batch, "logprobs",
+                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
+
         def overlap() -> None:
             def without(prompts, tag):
                 eng.run_idle(lambda e: setattr(e, "overlap", False))
@@ -428,6 +434,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             guarded("sampling", sampling)
         if plan.sampling_batch and time_left("penalties"):
             guarded("penalties", penalties)
+        if plan.sampling_batch and time_left("logprobs"):
+            guarded("logprobs", logprobs)
         if eng.overlap and plan.overlap_batches:
             guarded("overlap", overlap)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
@@ -492,7 +500,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                             "bytes) / the copy bandwidth measured in this run",
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
-        "sampling": res["sampling"], "penalties": res["penalties"], "overlap": res["overlap"], "skipped": skipped,
+        "sampling": res["sampling"], "penalties": res["penalties"], "logprobs": res["logprobs"],
+        "overlap": res["overlap"], "skipped": skipped,
         "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
 
@@ -530,6 +539,8 @@ def headline(r: dict[str, Any]) -> str:
         parts.append(f"top-p 0.9 at B={d['batch']} {d['ratio']:.3f}x greedy's step")
     for d in r.get("penalties", []):
         parts.append(f"penalties at B={d['batch']} {d['ratio']:.3f}x")
+    for d in r.get("logprobs", []):
+        parts.append(f"logprobs 5 at B={d['batch']} {d['ratio']:.3f}x")
     if r.get("overlap"):
         parts.append("without overlap " + ", ".join(f"B={d['batch']} {d['ratio']:.2f}x" for d in r["overlap"]))
     return "; ".join(parts)
@@ -538,7 +549,8 @@ def headline(r: dict[str, Any]) -> str:
 def write_run_summary(target: str, r: dict[str, Any]):
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
-                                 "decode", "spread", "prefill", "hf", "sampling", "penalties", "overlap", "skipped",
+                                 "decode", "spread", "prefill", "hf", "sampling", "penalties", "logprobs", "overlap",
+                                 "skipped",
                                  "versions", "total_s")}
     return write_summary(target, r["command"], headline(r), figures, commit=r["commit"])
 

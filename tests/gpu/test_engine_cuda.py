@@ -1,6 +1,6 @@
 """The engine on the GPU, through its public API: greedy token-exact with HF `generate` (fp32) on the four tiny
 families; sampled requests (the API's default temperature 1.0, and temperature / top-k / top-p / seed),
-seeded reproducibility alone and in a batch, a greedy request beside sampled ones; penalties; mixed context
+seeded reproducibility alone and in a batch, a greedy request beside sampled ones; penalties; logprobs; mixed context
 lengths in one batch; chunked prefill; a preempted request resumed; a hung step. Skipped without CUDA (conftest.py)."""
 from __future__ import annotations
 
@@ -85,6 +85,48 @@ def test_penalized_greedy_replies_equal_each_alone_and_hf(device, ckpts, llama_e
     ref = hf_greedy(hf_model(ckpts["llama"], device), prompts[:1], [24], repetition_penalty=1.6)
     free_device_memory()
     assert together[0] == ref[0]
+
+
+def test_logprobs_on_the_device_are_the_models_own_in_a_batch_and_alone(device, ckpts, llama_engine):
+    """Logprobs picked on the device and copied with the tokens (one wait): greedy, sampled and penalized rows in one
+    batch with a row that asks none; each row's are its own alone, and the model's (HF's fp32 forward on the reply,
+    within float noise: the engine's kernels differ from HF's)."""
+    import torch
+
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    prompts = random_prompts([5, 40, 120, 9], eng.bundle.vocab_limit, seed=13)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=2, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, logprobs=20),
+              greedy(16)]
+
+    def run(streams):
+        out = []
+        for s in streams:
+            items = list(s)
+            toks = [t for o in items for t in o.token_ids]
+            lps = None if items[-1].logprobs is None else [x for o in items for x in o.logprobs]
+            out.append((toks, lps))
+        return out
+    together = run(_submit_together(eng, prompts, params))
+    alone = [run([eng.add_request(p, sp)])[0] for p, sp in zip(prompts, params)]
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert together[3][1] is None
+    model = hf_model(ckpts["llama"], device)
+    for (toks, lps), (_, lone), p, sp in zip(together, alone, prompts, params):
+        if sp.logprobs is None:
+            continue
+        assert len(lps) == len(toks) == 16 and all(len(x.top) == sp.logprobs for x in lps)
+        assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in lone], abs=1e-3)
+        with torch.inference_mode():
+            logits = model(torch.tensor([p + toks], device=device)).logits[0, len(p) - 1:-1]
+        ref = torch.log_softmax(logits[:, :eng.bundle.vocab_limit].float(), dim=-1)
+        want = ref.gather(-1, torch.tensor(toks, device=device).unsqueeze(-1)).squeeze(-1).tolist()
+        assert [x.logprob for x in lps] == pytest.approx(want, abs=5e-3)
+    del model
+    free_device_memory()
 
 
 def test_chunked_prefill_equals_unchunked(device, ckpts, llama_engine):
