@@ -584,6 +584,12 @@ def print_report(r: dict[str, Any]) -> None:
     for d in r["sampling"]:
         print(f"sampling B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, temperature 1.0 + top-p 0.9 "
               f"{d['top_p_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
+    for d in r.get("penalties", []):
+        print(f"penalties B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, repetition 1.1 + frequency 0.1 "
+              f"{d['penalized_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
+    for d in r.get("logprobs", []):
+        print(f"logprobs B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, with logprobs 5 "
+              f"{d['logprobs_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
     for d in r["overlap"]:
         print(f"overlap scheduling B={d['batch']}: {d['ms_step']:.2f} ms/step, without it {d['no_overlap_ms_step']:.2f} "
               f"ms/step ({d['ratio']:.2f}x)")
