@@ -509,7 +509,7 @@ class OpenAIFrontend:
         """Validate once, here at the edge: the typed requests the replicas get need no further checks (one, or a
         batched completion's, one per prompt: `rid-i`). `check_model`: see `_validated`."""
         schema = P.CompletionRequest if kind == "completion" else P.ChatCompletionRequest
-        if isinstance(raw, dict) and (name := P.unsupported_field(raw)) is not None:
+        if isinstance(raw, dict) and (name := P.unsupported_field(raw, schema.HONOURED)) is not None:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         body = self._validated(schema, raw, check_model)
         slo = self._slo(request, body)
@@ -562,9 +562,26 @@ class OpenAIFrontend:
         if self.log_prompts:
             for req in reqs:
                 log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
-        work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms) if len(reqs) == 1 \
-            else self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms)
+        echo = await until_disconnected(request.receive, self._echoed(body)) \
+            if isinstance(body, P.CompletionRequest) and body.echo else None
+        work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms, echo[0] if echo else None) \
+            if len(reqs) == 1 else self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms, echo)
         return await until_disconnected(request.receive, work)
+
+    async def _echoed(self, body: P.CompletionRequest) -> list[str]:
+        """A completion's prompts as text, to go before their choices' (`echo`): a text prompt as sent, token ids
+        as the model's tokenizer decodes them (vLLM's)."""
+        out = []
+        for i, prompt in enumerate(body.prompts()):
+            if isinstance(prompt, str):
+                out.append(prompt)
+                continue
+            got = await self._replica_call("token_text", prompt)
+            if "error" in got:
+                raise APIError(400, f"prompt {i}: {got['error']}" if len(body.prompts()) > 1 else got["error"],
+                               param="prompt")
+            out.append(got["prompt"])
+        return out
 
     async def _start(self, req: GenerateRequest, t_call: float
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
@@ -628,10 +645,11 @@ class OpenAIFrontend:
         return headers
 
     async def _respond(self, body: P._Common, req: GenerateRequest, kind: str, rid: str, t_in: float,
-                       t_call: float, proxy_ms: float = 0.0) -> Any:
+                       t_call: float, proxy_ms: float = 0.0, echo: str | None = None) -> Any:
         """The response to a parsed request: a whole completion, or the stream once its first item is in. Its TTFT
         SLO counts from when the request reached this server (vLLM's arrival time): HAProxy's stamp, else `t_in`
-        (`req.waited_ms` holds what it spent before `t_in`), not from the end of its parsing."""
+        (`req.waited_ms` holds what it spent before `t_in`), not from the end of its parsing. `echo`: text that goes
+        before the reply's (a completion's prompt)."""
         req, gen, first = await self._start(req, t_in)
         headers = self._headers(rid, req, first, t_in, t_call, proxy_ms)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
@@ -641,14 +659,14 @@ class OpenAIFrontend:
                 raise failure
         if body.stream:
             response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
-                                                   body.continuous_usage, body.top_count()),
+                                                   body.continuous_usage, body.top_count(), echo),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
             # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
             # drops it unsent calls this (`_drop`)
             response.kairos_cancel = gen.cancel  # type: ignore[attr-defined]
             return response
-        return await self._collect(gen, first, kind, rid, headers, model, body.top_count())
+        return await self._collect(gen, first, kind, rid, headers, model, body.top_count(), echo)
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
         """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
@@ -681,7 +699,7 @@ class OpenAIFrontend:
             raise protocol_failure(rid, e) from None
 
     async def _respond_batch(self, body: P._Common, reqs: list[GenerateRequest], kind: str, rid: str, t_in: float,
-                             proxy_ms: float = 0.0) -> Any:
+                             proxy_ms: float = 0.0, echo: list[str] | None = None) -> Any:
         """A response of several choices: a completion of several prompts (vLLM's batched `prompt`), `n` choices of
         each prompt, or `n` choices of a chat. A request per choice, each routed, admitted or turned away on its own;
         the response has every choice (`index`: prompt i's j-th at i x n + j) and their usage summed (each prompt
@@ -694,7 +712,8 @@ class OpenAIFrontend:
         Retry-After and is sent again (`BATCH_PAUSES` times at most). One that fails otherwise fails the response
         with its status (the others are cancelled); streamed, one that fails after the stream has started (a prompt
         of a later wave) ends it with an error event. The headers are the first prompt's, `x-kairos-replica` naming
-        every replica that served the batch (streamed: its first wave)."""
+        every replica that served the batch (streamed: its first wave). `echo`: each prompt's text, to go before its
+        choices' (a completion's `echo`)."""
         model = body.model or self.served_model_name
         batch = _BatchFlight(self.batch_concurrency)
         n = body.n or 1
@@ -771,8 +790,9 @@ class OpenAIFrontend:
                     batch.end()
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
-            choices = [(text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason,
-                        _shown_logprobs(kind, top, lps, text)) for _, (text, item, lps) in done]
+            choices = [((echo[i // n] if echo else "") + text, item.finish_reason, item.num_prompt_tokens,
+                        item.num_output_tokens, item.stop_reason, _shown_logprobs(kind, top, lps, text))
+                       for i, (_, (text, item, lps)) in enumerate(done)]
             whole_body = P.batch_completion_response(rid, model, choices, n) if kind == "completion" \
                 else P.batch_chat_response(rid, model, choices)
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
@@ -788,7 +808,7 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n, top),
+                            kind, n, top, echo),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -797,13 +817,15 @@ class OpenAIFrontend:
     async def _sse_batch(self, started: list[tuple[int, tuple[GenerateStream, RequestOutput, dict[str, str]]]],
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
                          include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
-                         kind: str = "completion", n: int = 1, top: int | None = None) -> AsyncIterator[bytes]:
+                         kind: str = "completion", n: int = 1, top: int | None = None,
+                         echo: list[str] | None = None) -> AsyncIterator[bytes]:
         """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
         `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
         (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
         choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. `top`: each
-        chunk has its tokens' logprobs, with this many likeliest tokens each. A choice that fails ends the stream
-        with an error event, and the others are cancelled."""
+        chunk has its tokens' logprobs, with this many likeliest tokens each. `echo`: each prompt's text, which its
+        choices' first chunks open with. A choice that fails ends the stream with an error event, and the others are
+        cancelled."""
         created = int(time.time())
         total = len(started) + len(later)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -854,6 +876,8 @@ class OpenAIFrontend:
                         TextChunks(kind, rid, model, created, include_usage, i)
                     if top is not None:
                         shown[i] = P.Logprobs(kind, top)
+                    if echo:
+                        item = dataclasses.replace(item, text=echo[i // n] + item.text)
                     if kind == "chat":
                         yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                                   index=i),
@@ -899,21 +923,23 @@ class OpenAIFrontend:
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
         return "".join(parts), item, lps
 
-    async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str,
-                       headers: dict[str, str], model: str, top: int | None = None) -> JSONResponse:
+    async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str, headers: dict[str, str],
+                       model: str, top: int | None = None, echo: str | None = None) -> JSONResponse:
         text, item, lps = await self._rest(gen, first, rid, headers)
         build = P.completion_response if kind == "completion" else P.chat_response
-        return JSONResponse(build(rid, model, text, item.finish_reason, item.num_prompt_tokens,
+        return JSONResponse(build(rid, model, (echo or "") + text, item.finish_reason, item.num_prompt_tokens,
                                   item.num_output_tokens, item.stop_reason, _shown_logprobs(kind, top, lps, text)),
                             headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
-                   top: int | None = None) -> AsyncIterator[bytes]:
+                   top: int | None = None, echo: str | None = None) -> AsyncIterator[bytes]:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
-        tokens' logprobs, with this many likeliest tokens each."""
+        tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with."""
         created, item = int(time.time()), first
+        if echo:
+            item = dataclasses.replace(first, text=echo + first.text)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         fast = None if continuous or top is not None else TextChunks(kind, rid, model, created, include_usage)
         shown = P.Logprobs(kind, top) if top is not None else None

@@ -3,18 +3,19 @@
 Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
-cannot honour are rejected explicitly when given a value other than their default: best_of > 1, echo, vLLM's
-prompt_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
+cannot honour are rejected explicitly when given a value other than their default: best_of > 1, a chat's echo,
+vLLM's prompt_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
 decoding and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
-penalties, min_p and logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`) are
-honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
+penalties, min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`) and a
+completion's `echo` are honoured, and so are vLLM's fields for how a prompt is tokenized
+(`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -63,10 +64,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def unsupported_field(data: Any) -> str | None:
-    """The first field of a request body (a dict) that `UNSUPPORTED` refuses with the value given, else None."""
+def unsupported_field(data: Any, honoured: frozenset[str] = frozenset()) -> str | None:
+    """The first field of a request body (a dict) that `UNSUPPORTED` refuses with the value given, else None;
+    `honoured`: fields of `UNSUPPORTED` that the endpoint takes (a completion's `echo`)."""
     if isinstance(data, dict):
         for name, ok in UNSUPPORTED.items():
+            if name in honoured:
+                continue
             v = data.get(name)
             if v is not None and not any(v == o and type(v) is type(o) for o in ok):
                 return name
@@ -77,12 +81,13 @@ class _Common(BaseModel):
     """Sampling knobs, vLLM extensions and Kairos SLO fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
+    HONOURED: ClassVar[frozenset[str]] = frozenset()  # fields of `UNSUPPORTED` this endpoint takes
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            if (name := unsupported_field(data)) is not None:
+            if (name := unsupported_field(data, cls.HONOURED)) is not None:
                 raise ValueError(f"{name} is not supported by this server (got {json.dumps(data[name])[:80]})")
             if data.get("stream_options") is not None and not data.get("stream"):
                 raise ValueError("stream_options is only allowed with stream: true")
@@ -201,13 +206,14 @@ MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a batch: n choices
 
 
 class CompletionRequest(_Common):
+    HONOURED: ClassVar[frozenset[str]] = frozenset({"echo"})
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra=_documented({"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
          "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}))
-    echo: bool | None = Field(False, json_schema_extra=_opt({"type": "boolean", "const": False}))
+    echo: bool | None = False  # the prompt's text before each choice's (not with logprobs: no prompt logprobs here)
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
     # each reply token's log-probability and its `logprobs` likeliest tokens' (and the chosen one's)
@@ -234,8 +240,10 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
-        if self.echo or self.suffix or (self.best_of or 1) > 1:
-            raise ValueError("echo, suffix and best_of > 1 are not supported")
+        if self.suffix or (self.best_of or 1) > 1:
+            raise ValueError("suffix and best_of > 1 are not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
         p = self.prompt
         if isinstance(p, list):
             if not p:

@@ -314,6 +314,44 @@ def test_logprobs_are_the_models_own_streamed_or_not(client: httpx.Client) -> No
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
 
 
+def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client: httpx.Client) -> None:
+    """A completion's `echo`: each choice's text opens with its prompt's (a text prompt as sent, token ids as the
+    tokenizer decodes them), streamed in its first chunk; the usage is as without it; with logprobs (which would
+    need the prompt's) or on a chat it is a 400 naming it."""
+    base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json={**base, "prompt": "Once upon a time"}).json()
+    r = client.post("/v1/completions", json={**base, "prompt": "Once upon a time", "echo": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "Once upon a time" + plain["choices"][0]["text"]
+    assert r.json()["usage"] == plain["usage"]
+    ids = client.post("/tokenize", json={"prompt": "Once upon a time", "add_special_tokens": False}).json()["tokens"]
+    text = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    both = client.post("/v1/completions", json={**base, "prompt": [ids, ids[:2]], "n": 2, "echo": True})
+    assert both.status_code == 200, both.text
+    texts = [c["text"] for c in both.json()["choices"]]
+    short = client.post("/detokenize", json={"tokens": ids[:2]}).json()["prompt"]
+    assert texts[0] == texts[1] and texts[0].startswith(text) and texts[2].startswith(short)
+    alone = client.post("/v1/completions", json={**base, "prompt": ids}).json()["choices"][0]["text"]
+    assert texts[0] == text + alone
+    with client.stream("POST", "/v1/completions", json={**base, "prompt": "Once upon a time", "echo": True,
+                                                        "stream": True}) as s:
+        chunks = [json.loads(e) for e in sse_events(s)[:-1]]
+    assert chunks[0]["choices"][0]["text"].startswith("Once upon a time")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == r.json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**base, "prompt": ["a b", "c d"], "echo": True,
+                                                        "stream": True}) as s:
+        chunks = [json.loads(e) for e in sse_events(s)[:-1]]
+    got = ["", ""]
+    for c in chunks:
+        got[c["choices"][0]["index"]] += c["choices"][0]["text"]
+    assert got[0].startswith("a b") and got[1].startswith("c d")
+    r = client.post("/v1/completions", json={**base, "prompt": "x", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    r = client.post("/v1/chat/completions", json={**base, "messages": [{"role": "user", "content": "x"}],
+                                                  "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
 def test_completion_stream(client: httpx.Client) -> None:
     req = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True, "ignore_eos": True,
            "stream_options": {"include_usage": True}}
@@ -450,8 +488,10 @@ def test_openai_client(base_url: str) -> None:
     lp = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                     logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     assert len(lp.choices[0].logprobs.content) == 3 and len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
+    echoed = oa.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, echo=True)
+    assert echoed.choices[0].text.startswith("The sky is")
     with pytest.raises(openai.BadRequestError):
-        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, echo=True)
+        oa.completions.create(model=MODEL, prompt="x", max_tokens=4, suffix="!")
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
     assert e.value.code == "model_not_found"
