@@ -44,9 +44,10 @@ class _Drop:
         pass
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int, logprobs: Any = None) -> None:  # the item made, as a `RequestStream` does
-        RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
-                      num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs])
+                  num_output_tokens: int, logprobs: Any = None, prompt_logprobs: Any = None) -> None:
+        RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,  # as a `RequestStream` does
+                      num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs],
+                      prompt_logprobs=prompt_logprobs)
 
 
 def _module(name: str, path: Path, imports: dict[str, ModuleType] | None = None) -> ModuleType:

@@ -278,6 +278,9 @@ class RequestOutput:
     # with `SamplingParams.logprobs`: one per token of `token_ids`, in order (the last token of a reply that a stop
     # token ended too, whose text is left out); None otherwise
     logprobs: list[TokenLogprob] | None = None
+    # with `SamplingParams.prompt_logprobs`, on the item of the reply's first token: one per prompt token, None for
+    # the first (nothing before it to predict it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.finished and self.finish_reason is None and self.reject_reason is None \

@@ -39,6 +39,9 @@ class SamplingParams:
     # penalties or any other change, vLLM's default `raw_logprobs`), its rank, and this many most likely tokens'
     # (0: the chosen token's alone); None: none
     logprobs: int | None = None
+    # vLLM's: each prompt token's (the second on) log-probability under the model given the tokens before it, its
+    # rank and this many most likely tokens' (0: its own alone), in the request's first item; None: none
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -83,9 +86,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
         if not finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        lp = self.logprobs
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in self.logit_bias:

@@ -157,10 +157,13 @@ class _Batch:
         self.items.append(item)
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int, logprobs: TokenLogprob | None = None) -> None:
+                  num_output_tokens: int, logprobs: TokenLogprob | None = None,
+                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         t = self.tokens
         if logprobs is not None:
             t.logprobs[len(t.request_ids)] = logprobs
+        if prompt_logprobs is not None:
+            t.prompt_logprobs[len(t.request_ids)] = prompt_logprobs
         t.request_ids.append(request_id)
         t.texts.append(text)
         t.token_ids.append(token_id)
@@ -556,12 +559,12 @@ class EngineCoreClient:
             n_outs = t.num_output_tokens
             firsts = [i for i, n in enumerate(n_outs) if n == 1]
             order = firsts + [i for i, n in enumerate(n_outs) if n != 1] if firsts else range(len(n_outs))
-            lps = t.logprobs
+            lps, prompts = t.logprobs, t.prompt_logprobs
             for i in order:
                 stream = streams[i]
                 if stream is not None:
                     stream.put_token(t.request_ids[i], t.texts[i], t.token_ids[i], t.num_prompt_tokens[i], n_outs[i],
-                                     lps.get(i) if lps else None)
+                                     lps.get(i) if lps else None, prompts.get(i) if prompts else None)
         for item in msg.items:
             with self._lock:
                 stream = self._streams.pop(item.request_id, None) if item.finished else \

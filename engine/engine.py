@@ -30,7 +30,7 @@ from core.sampling import MAX_LOGPROBS, SamplingParams
 from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
-from engine.backends.base import PreparedStep
+from engine.backends.base import PreparedStep, prompt_spans
 from engine.config import EngineConfig, for_device, reconfigured
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
@@ -42,7 +42,7 @@ from engine.loader import load_model, sampling_defaults
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
-from engine.sampler import Draws, RowLogprobs, SampledTokens
+from engine.sampler import Draws, PromptSpan, RowLogprobs, Sampler, SampledTokens
 from engine.stats import EngineStats, StepEvent, predict_ttft_ms, snapshot
 from engine.stream import OutputSink, RequestStream
 from scheduling.config import SchedulerConfig
@@ -661,7 +661,8 @@ class LLMEngine:
                 # seeded request's generator gives them once)
                 draws = self.sampler.plan(reqs, logits.device, prev.tokens if prev is not None else None) \
                     if reqs else None
-                tokens = self.sampler.draw(logits, draws) if draws is not None else None
+                spans = _prompt_rows(plan.prefill, plan.prefill_ends)
+                tokens = _draw_step(self.sampler, logits, draws, spans, len(reqs))
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
             t2 = time.perf_counter()
             if prev is not None:  # the step before first: its tokens are this one's inputs
@@ -693,6 +694,7 @@ class LLMEngine:
         requests): wait for the step before to land (its tokens are this one's inputs; a step that failed is re-run
         request by request first), launch this one, and hand the step before's tokens out while it runs."""
         as_launched = [(r.num_computed_tokens, len(r.token_ids)) for r in plan.forward]
+        spans = _prompt_rows(plan.prefill, plan.prefill_ends)
         if prev is not None:
             self._landed(prev)
         prev_tokens = prev.tokens if prev is not None else None
@@ -702,8 +704,7 @@ class LLMEngine:
 
         def step() -> SampledTokens | None:
             ids = prev_tokens.device_tokens(device) if prev_tokens is not None else None
-            logits = runner.forward(prepared, ids)
-            return sampler.draw(logits, draws) if draws is not None else None
+            return _draw_step(sampler, runner.forward(prepared, ids), draws, spans, len(reqs))
         pending = self._stream.launch(step)  # (before the placeholders: the step starts its kernel the sooner)
         launched = _InFlight(plan, reqs, self.scheduler.launched(plan, reqs), pending, t0, 0.0, as_launched, draws)
         if prev is not None:
@@ -754,6 +755,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = f.tokens.result() if f.tokens is not None else []
         logprobs = f.tokens.logprobs() if f.tokens is not None else {}
+        if f.tokens is not None and f.tokens.prompt:  # before the tokens: a reply's first item carries them
+            for req in plan.prefill:
+                if (got := f.tokens.prompt.get(req.request_id)) is not None:
+                    self.outputs.add_prompt_logprobs(req, *got)
         t1 = time.perf_counter()
         self._phase["forward"] += t1 - t0  # waiting for the device
         where = {id(r): i for r, i in zip(f.reqs, f.index)}
@@ -806,6 +811,7 @@ class LLMEngine:
         sampled = {id(r): i for i, r in enumerate(reqs)}
         tokens: list[int | Exception] = [0] * len(reqs)
         logprobs: dict[int, RowLogprobs] = {}
+        prompt: dict[str, tuple[int, list[RowLogprobs]]] = {}
         ends = dict(zip(map(id, plan.prefill), plan.prefill_ends))
         as_launched = launched.as_launched if launched is not None else None
         if launched is not None:
@@ -816,9 +822,11 @@ class LLMEngine:
             try:
                 alone = self._run_alone(req, ends.get(id(req)), sampled.get(id(req)),
                                         as_launched[k] if as_launched is not None else None, draws)
-                tok = alone.result()[0] if alone is not None else None
+                tok = alone.result()[0] if alone is not None and id(req) in sampled else None
                 if alone is not None and (lp := alone.logprobs().get(0)) is not None:
                     logprobs[sampled[id(req)]] = lp
+                if alone is not None and alone.prompt:
+                    prompt.update(alone.prompt)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.warning("request %s failed its step: %r", req.request_id, e)
                 fail = _StepFailed(str(e))
@@ -828,7 +836,9 @@ class LLMEngine:
                     self._finish(req, FinishReason.ERROR, error=f"model step failed: {e!r}")
             if id(req) in sampled:
                 tokens[sampled[id(req)]] = tok
-        return SampledTokens.of(tokens, logprobs)
+        out = SampledTokens.of(tokens, logprobs)
+        out.prompt = prompt or None
+        return out
 
     def _run_alone(self, req: Request, end: int | None, row: int | None, as_launched: tuple[int, int] | None,
                    draws: Draws | None) -> SampledTokens | None:
@@ -844,11 +854,12 @@ class LLMEngine:
             req.token_ids, req.num_computed_tokens = req.token_ids[:n], computed
         try:
             logits = self.runner.execute([req], [], [end]) if end is not None else self.runner.execute([], [req])
-            if row is None:
-                return None
-            if draws is not None:
-                return self.sampler.draw(logits, draws.row(row))
-            return self.sampler.sample_async(logits, [req])
+            spans = _prompt_rows([req], [end]) if end is not None else []
+            if row is not None and draws is not None:
+                return _draw_step(self.sampler, logits, draws.row(row), spans, 1)
+            if row is not None:
+                return _draw_step(self.sampler, logits, self.sampler.plan([req], logits.device), spans, 1)
+            return _draw_step(self.sampler, logits, None, spans, 0)
         finally:
             req.token_ids, req.num_computed_tokens = saved
 
@@ -932,6 +943,27 @@ class LLMEngine:
             elif isinstance(item, (tuple, list)):
                 for req, stream in item if isinstance(item, list) else [item]:
                     _put_quietly(stream, RequestOutput.failed(req.request_id, error, ErrorKind.UNAVAILABLE))
+
+
+def _prompt_rows(prefill: list[Request], ends: list[int]) -> list[PromptSpan]:
+    """The step's prompt rows (`prompt_spans`) as the sampler takes them, read now (the step may draw later)."""
+    return [(r.request_id, start, r.token_ids[start + 1:start + 1 + count], r.params.prompt_logprobs or 0)
+            for i, start, count in prompt_spans(prefill, ends) for r in (prefill[i],)]
+
+
+def _draw_step(sampler: Sampler, logits: torch.Tensor, draws: Draws | None, spans: list[PromptSpan],
+               sampled: int) -> SampledTokens | None:
+    """A step's draw from its logits: the `sampled` rows' tokens, and where the step has prompt rows after them
+    (`spans`), their prompt logprobs with the tokens (`SampledTokens.prompt`). None where it has neither."""
+    prompt = None
+    if spans:
+        prompt = sampler.prompt_logprobs(logits[sampled:], spans)
+        logits = logits[:sampled]
+    tokens = sampler.draw(logits, draws) if draws is not None else None
+    if prompt:
+        tokens = tokens if tokens is not None else SampledTokens.of([])
+        tokens.prompt = prompt
+    return tokens
 
 
 def _put_quietly(stream: OutputSink, item: RequestOutput) -> None:

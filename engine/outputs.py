@@ -23,6 +23,8 @@ class _Live:
     text: str = ""
     emitted_chars: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the reply (vLLM's)
+    prompt: list[TokenLogprob | None] | None = None  # prompt logprobs so far (`add_prompt_logprobs`), until sent
+    prompt_sent: bool = False  # the reply's first item has gone, with the prompt logprobs where asked
 
 
 class OutputProcessor:
@@ -78,8 +80,31 @@ class OutputProcessor:
             text = live.text[live.emitted_chars:upto]
             live.emitted_chars = upto
         lp = self.token_logprob(tok, logprobs) if logprobs is not None else None
-        live.stream.put_token(req.request_id, text, tok, len(req.prompt_token_ids), n, lp)
+        live.stream.put_token(req.request_id, text, tok, len(req.prompt_token_ids), n, lp, self._prompt_out(req, live))
         return None
+
+    def add_prompt_logprobs(self, req: Request, start: int, rows: list[RowLogprobs]) -> None:
+        """A step's prompt logprobs of `req` (`Sampler.prompt_logprobs`): those of its prompt tokens start + 1 on,
+        kept until its first item (`_prompt_out`)."""
+        live = self._live.get(req.request_id)
+        if live is None or live.prompt_sent:
+            return
+        if live.prompt is None:
+            live.prompt = [None] * req.num_prompt_tokens
+        ids = req.prompt_token_ids
+        for j, row in enumerate(rows, start + 1):
+            live.prompt[j] = self.token_logprob(ids[j], row)
+
+    @staticmethod
+    def _prompt_out(req: Request, live: _Live) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs a request's item carries: on its first item that carries a token, where it asks for
+        them (None for its first token, which nothing before it predicts)."""
+        if req.params.prompt_logprobs is None or live.prompt_sent:
+            return None
+        live.prompt_sent = True
+        out = live.prompt if live.prompt is not None else [None] * req.num_prompt_tokens
+        live.prompt = None
+        return out
 
     def token_text(self, token_id: int) -> str:
         """A token's text alone, as vLLM's logprobs name it (`decode([id])`, special tokens kept), with the leading
@@ -124,7 +149,8 @@ class OutputProcessor:
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
-                                   req.token_times, _planned_len(req)), logprobs=logprobs))
+                                   req.token_times, _planned_len(req)), logprobs=logprobs,
+            prompt_logprobs=self._prompt_out(req, live) if last_token is not None else None))
 
 
 def _planned_len(req: Request) -> int | None:

@@ -27,6 +27,7 @@ from engine.backends.base import to_device
 # row (`_nucleus_keys`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
 TOP_P_CANDIDATES = (64, 1024)
 NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits held a NaN or +inf fails alone
+PROMPT_ROWS = 512  # prompt logprobs' rows a pass takes (its float32 copy and log-softmax of the vocabulary each)
 
 
 def _top_ks(reqs: list[Request], width: int) -> list[int]:
@@ -115,6 +116,12 @@ DrawRows = Callable[[torch.Tensor, list[int], list[float], list[int], list[float
 # (probs [n, V], top_p [n], uniforms [n, rounds], row sums [n]) -> a token per row from its nucleus, on the device
 # with no host sync: the CUDA backend's `sampling.top_p_draw`
 TopPDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# a row's log-probabilities: (its token's (the drawn one, or the prompt's next), the token's rank (1: the likeliest),
+# the most likely tokens' as (id, log-probability) pairs, likeliest first)
+RowLogprobs = tuple[float, int, tuple[tuple[int, float], ...]]
+# a request's prompt rows in a step (`engine.backends.base.prompt_spans`), as read when the step was planned: (its
+# id, its first position, the prompt tokens those positions predict (positions + 1), its top count)
+PromptSpan = tuple[str, int, list[int], int]
 
 
 def generator_seed(seed: int) -> int:
@@ -424,6 +431,40 @@ class Sampler:
         return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs)
 
     @torch.inference_mode()
+    def prompt_logprobs(self, logits: torch.Tensor, spans: list["PromptSpan"]
+                        ) -> dict[str, tuple[int, list[RowLogprobs]]]:
+        """Prompt logprobs (`SamplingParams.prompt_logprobs`) from a step's prompt rows: `logits` [sum of the
+        spans' lengths, V], each span's rows in turn (`PromptSpan`). By request id: (the span's first position, one
+        `RowLogprobs` per position: the next prompt token's log-probability, its rank and the span's top k). On the
+        host (a wait for the device: only steps with such rows pay it), `PROMPT_ROWS` rows at a time."""
+        if logits.shape[-1] > self.vocab_limit:
+            logits = logits[:, : self.vocab_limit]
+        width = logits.shape[-1]
+        targets = [t for _, _, tokens, _ in spans for t in tokens]
+        k = min(max((k for *_, k in spans), default=0), width)
+        vals: list[list[float]] = []
+        ids: list[list[int]] = []
+        for a in range(0, len(targets), PROMPT_ROWS):
+            raw = torch.log_softmax(logits[a:a + PROMPT_ROWS].float(), dim=-1)
+            t = _to(targets[a:a + PROMPT_ROWS], raw.device, torch.long)
+            chosen = raw.gather(-1, t.clamp(max=width - 1).unsqueeze(-1))
+            chosen.masked_fill_((t >= width).unsqueeze(-1), float("-inf"))  # an id past the tokenizer's: never said
+            rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
+            v, i = chosen, rank
+            if k:
+                top = torch.topk(raw, k, dim=-1)
+                v, i = torch.cat((chosen, top.values), dim=-1), torch.cat((rank, top.indices), dim=-1)
+            vals.extend(v.tolist())
+            ids.extend(i.tolist())
+        out: dict[str, tuple[int, list[RowLogprobs]]] = {}
+        j = 0
+        for rid, start, tokens, kk in spans:
+            out[rid] = (start, [(vals[n][0], int(ids[n][0]), tuple(zip(ids[n][1:kk + 1], vals[n][1:kk + 1])))
+                                for n in range(j, j + len(tokens))])
+            j += len(tokens)
+        return out
+
+    @torch.inference_mode()
     def draw(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
         """The step's tokens from its logits (the sampler's to change) and its `plan`."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
@@ -572,18 +613,13 @@ def _log_softmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.log_softmax(x.float(), dim=-1)
 
 
-# a row's log-probabilities as drawn: (the drawn token's, its rank (1: the likeliest), the most likely tokens' as
-# (id, log-probability) pairs, likeliest first)
-RowLogprobs = tuple[float, int, tuple[tuple[int, float], ...]]
-
-
 class SampledTokens:
     """A step's sampled tokens: on the device where they were drawn (`device_tokens`: the next step's inputs read them
     there) and, once `result()` has waited for its copy, on the host. -1 marks a row whose probabilities were not
     finite; `failed` holds the rows whose own sampling raised. Rows that asked for them carry their log-probabilities
     (`with_logprobs`, `logprobs()`), copied with the tokens."""
 
-    __slots__ = ("_host", "_device", "_ready", "_failed", "_lp")
+    __slots__ = ("_host", "_device", "_ready", "_failed", "_lp", "prompt")
 
     def __init__(self, host: list[int] | torch.Tensor, failed: dict[int, Exception] | None = None,
                  device: torch.Tensor | None = None, ready: "torch.cuda.Event | None" = None) -> None:
@@ -594,6 +630,8 @@ class SampledTokens:
         # rows' log-probabilities: as tensors until read ((row, top count) pairs, values [m, 1 + k], ids [m, 1 + k]:
         # the drawn token's and its rank first), then as `RowLogprobs` by row
         self._lp: tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor] | dict[int, RowLogprobs] | None = None
+        # the step's prompt logprobs by request id (`Sampler.prompt_logprobs`), where it computed some
+        self.prompt: dict[str, tuple[int, list[RowLogprobs]]] | None = None
 
     @classmethod
     def of(cls, tokens: list[int | Exception], logprobs: dict[int, RowLogprobs] | None = None) -> "SampledTokens":

@@ -21,10 +21,11 @@ class OutputSink(Protocol):
     def put(self, item: RequestOutput) -> None: ...
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int, logprobs: TokenLogprob | None = None) -> None:
+                  num_output_tokens: int, logprobs: TokenLogprob | None = None,
+                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         """Put a request's token item: `RequestOutput(request_id, text, [token_id], num_prompt_tokens=...,
-        num_output_tokens=..., logprobs=[logprobs] if any)`, which a sink may keep in a cheaper form (the engine
-        process's batch)."""
+        num_output_tokens=..., logprobs=[logprobs] if any, prompt_logprobs=...)`, which a sink may keep in a cheaper
+        form (the engine process's batch)."""
         ...
 
 
@@ -67,9 +68,11 @@ class RequestStream:
                     pass
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
-                  num_output_tokens: int, logprobs: TokenLogprob | None = None) -> None:
+                  num_output_tokens: int, logprobs: TokenLogprob | None = None,
+                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         self.put(RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
-                               num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs]))
+                               num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs],
+                               prompt_logprobs=prompt_logprobs))
 
     @property
     def closed(self) -> bool:
@@ -84,8 +87,10 @@ class RequestStream:
             return parts[0]
         logprobs = [x for p in parts for x in p.logprobs or ()] \
             if any(p.logprobs is not None for p in parts) else None
+        prompt = next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None)
         return dataclasses.replace(parts[-1], text="".join(p.text for p in parts),
-                                   token_ids=[t for p in parts for t in p.token_ids], logprobs=logprobs)
+                                   token_ids=[t for p in parts for t in p.token_ids], logprobs=logprobs,
+                                   prompt_logprobs=prompt)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         with self._cond:

@@ -427,7 +427,7 @@ def test_a_turns_first_tokens_are_delivered_before_the_other_streams_tokens():
     got: list[tuple[str, int]] = []
 
     class Stream:
-        def put_token(self, rid, text, tok, n_in, n_out, logprobs=None):
+        def put_token(self, rid, text, tok, n_in, n_out, logprobs=None, prompt_logprobs=None):
             got.append((rid, n_out))
 
         def put(self, item):

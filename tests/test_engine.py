@@ -1,4 +1,5 @@
 """Engine behaviour on real (tiny, random) HF checkpoints: exact greedy equality, KV hygiene, abort, errors."""
+import dataclasses
 import random
 import threading
 import time
@@ -186,6 +187,51 @@ def test_logprobs_are_the_models_own_whatever_the_sampling(tiny_checkpoints, fam
     last = items[-1]
     assert last[-1].finish_reason == "stop" and last[-1].token_ids == [stop_at] and len(last[-1].logprobs) == 1
     assert [t for o in last for t in o.token_ids] == greedy[:end + 1]
+
+
+@pytest.mark.parametrize("family,impl,chunk,overlap", [("llama", "auto", False, "off"), ("llama", "hf", False, "off"),
+                                                        ("llama", "auto", True, "off"), ("llama", "auto", True, "on"),
+                                                        ("gpt2", "auto", True, "on")])
+def test_prompt_logprobs_are_the_models_own_in_chunks_and_whole(tiny_checkpoints, family, impl, chunk, overlap):
+    """vLLM's prompt_logprobs: a request's first item carries one per prompt token (None for the first), the model's
+    own given the tokens before (prompt rows computed after the step's sampled ones, chunk by chunk where a prompt
+    is prefilled in chunks, with overlap scheduling too); the reply is as without them; a reply of one token carries
+    them in its last item; a one-token prompt gets [None]; a request beside them without gets none."""
+    from transformers import AutoTokenizer
+
+    path = tiny_checkpoints[family]
+    sched = dict(prefill_max_tokens=32, chunked_prefill=True) if chunk else dict(prefill_max_tokens=256)
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, model_impl=impl,
+                                 overlap=overlap, scheduler=SchedulerConfig(policy="fcfs", **sched)))
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)
+        prompts = [prompts[5], prompts[2], [7], prompts[6], prompts[3]]  # 64, 7, 1, 100 and 16 tokens
+        ask = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3),
+               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=1),
+               SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2),
+               SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True, prompt_logprobs=20),
+               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
+        items = [list(s) for s in [eng.add_request(p, sp) for p, sp in zip(prompts, ask)]]
+        plain = [[t for o in list(eng.add_request(p, dataclasses.replace(sp, prompt_logprobs=None))) for t in o.token_ids]
+                 for p, sp in zip(prompts, ask)]
+    finally:
+        eng.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    for i, (prompt, sp, its) in enumerate(zip(prompts, ask, items)):
+        assert [t for o in its for t in o.token_ids] == plain[i], i  # the reply is unchanged
+        carried = [o for o in its if o.prompt_logprobs is not None]
+        if sp.prompt_logprobs is None:
+            assert not carried
+            continue
+        (first,) = carried
+        assert first is next(o for o in its if o.token_ids)  # the item of the first token (the last, for one)
+        got = first.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None, i
+        if len(prompt) > 1:
+            _check_logprobs(model, tok, prompt[:1], prompt[1:], got[1:], sp.prompt_logprobs)
+    assert items[1][-1].finished and items[1][-1].prompt_logprobs is not None and len(items[1][-1].logprobs) == 1
+    assert items[2][0].prompt_logprobs == [None]
 
 
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),

@@ -64,15 +64,31 @@ class StepBatch:
     decode: list[Request]
     ends: list[int]
     prev_tokens: torch.Tensor | None = None
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)  # `prompt_spans`
 
     @classmethod
     def of(cls, prefill: list[Request], decode: list[Request], ends: list[int] | None = None,
            prev_tokens: torch.Tensor | None = None) -> "StepBatch":
-        return cls(prefill, decode, ends if ends is not None else [r.num_tokens for r in prefill], prev_tokens)
+        ends = ends if ends is not None else [r.num_tokens for r in prefill]
+        return cls(prefill, decode, ends, prev_tokens, prompt_spans(prefill, ends))
 
     def num_tokens(self) -> int:
         """The tokens the step computes: each prefill's chunk, one per decode."""
         return sum(end - r.num_computed_tokens for r, end in zip(self.prefill, self.ends)) + len(self.decode)
+
+
+def prompt_spans(prefill: list[Request], ends: list[int]) -> list[tuple[int, int, int]]:
+    """(prefill index, first position, count) of the prompt positions whose logits a step returns after its sampled
+    rows, in prefill order: those its prefills compute for requests that ask for prompt logprobs (`SamplingParams.
+    prompt_logprobs`) and have no reply yet (a request preempted after its first token has had them). The logits at
+    position q are prompt token q + 1's, so a prompt's last position is not among them (it samples)."""
+    out = []
+    for i, (r, end) in enumerate(zip(prefill, ends)):
+        if r.params.prompt_logprobs is not None and not r.num_output_tokens:
+            start, stop = r.num_computed_tokens, min(end, r.num_prompt_tokens - 1)
+            if stop > start:
+                out.append((i, start, stop - start))
+    return out
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -170,6 +186,10 @@ def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = Non
         decodes()
     p.rows = [x for x in last if x is not None]
     p.rows.extend(p.decode_start + rank[i] for i in range(len(step.decode)))
+    if step.prompt_spans:  # then the prompt positions that give prompt logprobs (`prompt_spans`), in prefill order
+        q_of = {i: q_start for i, q_start, _, _ in p.spans}
+        for i, _, count in step.prompt_spans:
+            p.rows.extend(range(q_of[i], q_of[i] + count))
     return p
 
 

@@ -280,7 +280,8 @@ class CudaBackend(TorchBackend):
         if not step.prefill:
             if g is not None and 0 < len(step.decode) <= g.max_batch:
                 return g.replay(step.decode, step.prev_tokens)
-        elif self.mixed is not None and self.mixed.fits(step.num_tokens(), len(step.prefill), len(step.decode)):
+        elif self.mixed is not None and not step.prompt_spans \
+                and self.mixed.fits(step.num_tokens(), len(step.prefill), len(step.decode)):  # (its rows: sampled)
             return self.mixed.run(step, step.prev_tokens)
         return runner.forward(self.prepare(step), step.prev_tokens)
 
