@@ -244,13 +244,15 @@ class ServedBy:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """An output token's log-probability under the model (its raw logits: vLLM's default `raw_logprobs`), with the
-    token as text (`decode([id])`, vLLM's), its rank among the vocabulary (1: the likeliest), and the `top` most likely
-    tokens (id, text, log-probability), likeliest first, as many as its request asked for (`SamplingParams.
-    logprobs`). A logprob may be -inf (a token the model rules out)."""
+    """A token's log-probability under the model (its raw logits: vLLM's default `raw_logprobs`), with the token's id
+    and text (`decode([id])`, vLLM's), its rank among the vocabulary (1: the likeliest), and the `top` most likely
+    tokens (id, text, log-probability), likeliest first, as many as its request asked for (`SamplingParams.logprobs`
+    or `prompt_logprobs`). A logprob may be -inf (a token the model rules out); it is None, with rank 0, for a
+    prompt's first token, which nothing predicts."""
 
+    id: int
     token: str
-    logprob: float
+    logprob: float | None
     rank: int
     top: tuple[tuple[int, str, float], ...] = ()
 
@@ -278,9 +280,9 @@ class RequestOutput:
     # with `SamplingParams.logprobs`: one per token of `token_ids`, in order (the last token of a reply that a stop
     # token ended too, whose text is left out); None otherwise
     logprobs: list[TokenLogprob] | None = None
-    # with `SamplingParams.prompt_logprobs`, on the item of the reply's first token: one per prompt token, None for
-    # the first (nothing before it to predict it)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with `SamplingParams.prompt_logprobs`, on the item of the reply's first token: one per prompt token (the first's
+    # logprob None: nothing predicts it)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if not self.finished and self.finish_reason is None and self.reject_reason is None \

@@ -93,7 +93,7 @@ class TokenDeltas:
     num_prompt_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by index, the items that carry them
-    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)  # by index, likewise
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # by index, likewise
 
 
 @dataclass(frozen=True, slots=True)

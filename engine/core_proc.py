@@ -158,7 +158,7 @@ class _Batch:
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
                   num_output_tokens: int, logprobs: TokenLogprob | None = None,
-                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                  prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         t = self.tokens
         if logprobs is not None:
             t.logprobs[len(t.request_ids)] = logprobs

@@ -23,7 +23,7 @@ class _Live:
     text: str = ""
     emitted_chars: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the reply (vLLM's)
-    prompt: list[TokenLogprob | None] | None = None  # prompt logprobs so far (`add_prompt_logprobs`), until sent
+    prompt: list[TokenLogprob] | None = None  # prompt logprobs so far (`add_prompt_logprobs`), until sent
     prompt_sent: bool = False  # the reply's first item has gone, with the prompt logprobs where asked
 
 
@@ -90,19 +90,22 @@ class OutputProcessor:
         if live is None or live.prompt_sent:
             return
         if live.prompt is None:
-            live.prompt = [None] * req.num_prompt_tokens
+            live.prompt = self._unpredicted(req.prompt_token_ids)
         ids = req.prompt_token_ids
         for j, row in enumerate(rows, start + 1):
             live.prompt[j] = self.token_logprob(ids[j], row)
 
-    @staticmethod
-    def _prompt_out(req: Request, live: _Live) -> list[TokenLogprob | None] | None:
+    def _unpredicted(self, ids: list[int]) -> list[TokenLogprob]:
+        """A prompt's tokens before their logprobs are in: each with a logprob of None (the first keeps it)."""
+        return [TokenLogprob(t, self.token_text(t), None, 0) for t in ids]
+
+    def _prompt_out(self, req: Request, live: _Live) -> list[TokenLogprob] | None:
         """The prompt logprobs a request's item carries: on its first item that carries a token, where it asks for
-        them (None for its first token, which nothing before it predicts)."""
+        them."""
         if req.params.prompt_logprobs is None or live.prompt_sent:
             return None
         live.prompt_sent = True
-        out = live.prompt if live.prompt is not None else [None] * req.num_prompt_tokens
+        out = live.prompt if live.prompt is not None else self._unpredicted(req.prompt_token_ids)
         live.prompt = None
         return out
 
@@ -126,7 +129,7 @@ class OutputProcessor:
         text."""
         value, rank, top = lp
         text = self.token_text
-        return TokenLogprob(text(tok), value, rank, tuple((t, text(t), v) for t, v in top))
+        return TokenLogprob(tok, text(tok), value, rank, tuple((t, text(t), v) for t, v in top))
 
     def finish(self, req: Request, *, reject_reason: RejectReason | None = None, error: str | None = None,
                error_kind: ErrorKind | None = None, last_token: int | None = None,

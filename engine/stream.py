@@ -22,7 +22,7 @@ class OutputSink(Protocol):
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
                   num_output_tokens: int, logprobs: TokenLogprob | None = None,
-                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                  prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         """Put a request's token item: `RequestOutput(request_id, text, [token_id], num_prompt_tokens=...,
         num_output_tokens=..., logprobs=[logprobs] if any, prompt_logprobs=...)`, which a sink may keep in a cheaper
         form (the engine process's batch)."""
@@ -69,7 +69,7 @@ class RequestStream:
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
                   num_output_tokens: int, logprobs: TokenLogprob | None = None,
-                  prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                  prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         self.put(RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
                                num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs],
                                prompt_logprobs=prompt_logprobs))

@@ -136,7 +136,7 @@ def _check_logprobs(model, tok, prompt, out, lps, k, tol=2e-4):
         row, v = ref[j], ref[j, t].item()
         assert lp.logprob == pytest.approx(v, abs=tol), j
         assert int((row > v + tol).sum()) + 1 <= lp.rank <= int((row > v - tol).sum()) + 1, j
-        assert lp.token == tok.decode([t])
+        assert lp.token == tok.decode([t]) and lp.id == t
         assert len(lp.top) == k and [x for _, _, x in lp.top] == sorted((x for _, _, x in lp.top), reverse=True)
         if k:
             kth = row.topk(k).values[-1].item()
@@ -196,7 +196,8 @@ def test_prompt_logprobs_are_the_models_own_in_chunks_and_whole(tiny_checkpoints
     """vLLM's prompt_logprobs: a request's first item carries one per prompt token (None for the first), the model's
     own given the tokens before (prompt rows computed after the step's sampled ones, chunk by chunk where a prompt
     is prefilled in chunks, with overlap scheduling too); the reply is as without them; a reply of one token carries
-    them in its last item; a one-token prompt gets [None]; a request beside them without gets none."""
+    them in its last item; a one-token prompt gets its token with no logprob; a request beside them without gets
+    none."""
     from transformers import AutoTokenizer
 
     path = tiny_checkpoints[family]
@@ -212,7 +213,7 @@ def test_prompt_logprobs_are_the_models_own_in_chunks_and_whole(tiny_checkpoints
                SamplingParams(max_tokens=4, temperature=0.8, seed=1, ignore_eos=True, prompt_logprobs=20),
                SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
         items = [list(s) for s in [eng.add_request(p, sp) for p, sp in zip(prompts, ask)]]
-        plain = [[t for o in list(eng.add_request(p, dataclasses.replace(sp, prompt_logprobs=None))) for t in o.token_ids]
+        plain = [[t for o in eng.add_request(p, dataclasses.replace(sp, prompt_logprobs=None)) for t in o.token_ids]
                  for p, sp in zip(prompts, ask)]
     finally:
         eng.shutdown()
@@ -227,11 +228,12 @@ def test_prompt_logprobs_are_the_models_own_in_chunks_and_whole(tiny_checkpoints
         (first,) = carried
         assert first is next(o for o in its if o.token_ids)  # the item of the first token (the last, for one)
         got = first.prompt_logprobs
-        assert len(got) == len(prompt) and got[0] is None, i
+        assert len(got) == len(prompt) and [x.id for x in got] == prompt, i
+        assert (got[0].logprob, got[0].rank, got[0].top, got[0].token) == (None, 0, (), tok.decode([prompt[0]]))
         if len(prompt) > 1:
             _check_logprobs(model, tok, prompt[:1], prompt[1:], got[1:], sp.prompt_logprobs)
     assert items[1][-1].finished and items[1][-1].prompt_logprobs is not None and len(items[1][-1].logprobs) == 1
-    assert items[2][0].prompt_logprobs == [None]
+    assert [(x.id, x.logprob) for x in items[2][0].prompt_logprobs] == [(7, None)]
 
 
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),
