@@ -340,3 +340,27 @@ def test_logprobs_out_of_range_are_refused():
         with pytest.raises(ValueError, match="logprobs"):
             SamplingParams(logprobs=bad).validate()
     assert SamplingParams(logprobs=20).validate().logprobs == 20
+
+
+def test_prompt_logprobs_of_spans_in_passes(monkeypatch):
+    """`Sampler.prompt_logprobs` over a step's prompt rows, span by span and a few rows a pass: each row's next prompt
+    token's raw log-probability, rank and its span's top k; a token past the tokenizer's vocabulary is -inf."""
+    import engine.sampler as S
+
+    monkeypatch.setattr(S, "PROMPT_ROWS", 3)  # passes that cut through the spans
+    s = Sampler(vocab_limit=30, eos_token_ids=[EOS], device=torch.device("cpu"))
+    logits = torch.randn(7, 32, generator=torch.Generator().manual_seed(9))
+    spans = [("a", 0, [4, 8, 15, 16], 2), ("b", 5, [23, 31, 0], 0)]  # 31: past the vocabulary
+    got = s.prompt_logprobs(logits, spans)
+    ref = torch.log_softmax(logits[:, :30], dim=-1)
+    targets = [4, 8, 15, 16, 23, 31, 0]
+    rows = got["a"][1] + got["b"][1]
+    assert (got["a"][0], got["b"][0]) == (0, 5) and len(rows) == 7
+    for j, (t, (v, rank, top)) in enumerate(zip(targets, rows)):
+        if t >= 30:
+            assert v == float("-inf") and rank == 31  # below every token it can say
+            continue
+        assert v == pytest.approx(ref[j, t].item(), abs=1e-6)
+        assert rank == int((ref[j] > ref[j, t]).sum()) + 1
+        k = 2 if j < 4 else 0
+        assert [i for i, _ in top] == torch.topk(ref[j], k).indices.tolist()
