@@ -19,7 +19,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, NamedTuple, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -666,7 +666,7 @@ class OpenAIFrontend:
             # drops it unsent calls this (`_drop`)
             response.kairos_cancel = gen.cancel  # type: ignore[attr-defined]
             return response
-        return await self._collect(gen, first, kind, rid, headers, model, body.top_count(), echo)
+        return await self._collect(gen, first, kind, rid, headers, model, body, echo)
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
         """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
@@ -781,8 +781,7 @@ class OpenAIFrontend:
                 raise
 
         if not body.stream:
-            async def whole(i: int, req: GenerateRequest
-                            ) -> tuple[dict[str, str], tuple[str, RequestOutput, list[TokenLogprob] | None]]:
+            async def whole(i: int, req: GenerateRequest) -> tuple[dict[str, str], _Whole]:
                 gen, first, headers = await start(i, req)  # type: ignore[misc]
                 try:
                     return headers, await self._rest(gen, first, req.request_id, headers)
@@ -790,9 +789,7 @@ class OpenAIFrontend:
                     batch.end()
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
-            choices = [((echo[i // n] if echo else "") + text, item.finish_reason, item.num_prompt_tokens,
-                        item.num_output_tokens, item.stop_reason, _shown_logprobs(kind, top, lps, text))
-                       for i, (_, (text, item, lps)) in enumerate(done)]
+            choices = [_choice(kind, body, w, echo[i // n] if echo else None) for i, (_, w) in enumerate(done)]
             whole_body = P.batch_completion_response(rid, model, choices, n) if kind == "completion" \
                 else P.batch_chat_response(rid, model, choices)
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
@@ -871,6 +868,7 @@ class OpenAIFrontend:
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
                     yield _error_event(item, f"{_choice_name(kind, n, i)}: ")
                     break
+                lead = None  # an echoed prompt's logprobs, before its choice's first tokens'
                 if i not in fasts:  # the choice's first item
                     fasts[i] = None if continuous or top is not None else \
                         TextChunks(kind, rid, model, created, include_usage, i)
@@ -878,12 +876,13 @@ class OpenAIFrontend:
                         shown[i] = P.Logprobs(kind, top)
                     if echo:
                         item = dataclasses.replace(item, text=echo[i // n] + item.text)
+                        lead = item.prompt_logprobs if top is not None else None
                     if kind == "chat":
                         yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
                                                   index=i),
                                      include_usage, P.usage(item.num_prompt_tokens, 0) if continuous else None)
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, i, continuous,
-                                     fasts[i], shown.get(i))) is not None:
+                                     fasts[i], shown.get(i), lead)) is not None:
                     yield out
                 if item.finished:
                     left, ct = left - 1, ct + item.num_output_tokens
@@ -895,12 +894,11 @@ class OpenAIFrontend:
             for task in tasks:
                 task.cancel()
 
-    async def _rest(self, gen: Any, first: RequestOutput, rid: str, headers: dict[str, str]
-                    ) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
-        """A non-streaming request's text from its first item on, its last item, and its tokens' logprobs (None where
-        its items carry none); an APIError where it failed."""
+    async def _rest(self, gen: Any, first: RequestOutput, rid: str, headers: dict[str, str]) -> "_Whole":
+        """A non-streaming request's reply from its first item on (`_Whole`); an APIError where it failed."""
         parts, item = [first.text], first
         lps = None if first.logprobs is None else list(first.logprobs)
+        prompt = first.prompt_logprobs
         try:
             while not item.finished:
                 item = check_output(await gen.__anext__())
@@ -909,6 +907,8 @@ class OpenAIFrontend:
                     if lps is None:
                         lps = []
                     lps.extend(item.logprobs)
+                if item.prompt_logprobs is not None:
+                    prompt = item.prompt_logprobs
         except ProtocolError as e:
             gen.cancel()
             raise protocol_failure(rid, e) from None
@@ -921,15 +921,14 @@ class OpenAIFrontend:
             raise
         if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
-        return "".join(parts), item, lps
+        return _Whole("".join(parts), item, lps, prompt)
 
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str, headers: dict[str, str],
-                       model: str, top: int | None = None, echo: str | None = None) -> JSONResponse:
-        text, item, lps = await self._rest(gen, first, rid, headers)
-        build = P.completion_response if kind == "completion" else P.chat_response
-        return JSONResponse(build(rid, model, (echo or "") + text, item.finish_reason, item.num_prompt_tokens,
-                                  item.num_output_tokens, item.stop_reason, _shown_logprobs(kind, top, lps, text)),
-                            headers=headers)
+                       model: str, body: P._Common | None = None, echo: str | None = None) -> JSONResponse:
+        """A non-streaming request's response: its reply, with what `body` asks (logprobs), after `echo`."""
+        choice = _choice(kind, body, await self._rest(gen, first, rid, headers), echo)
+        build = P.batch_completion_response if kind == "completion" else P.batch_chat_response
+        return JSONResponse(build(rid, model, [choice]), headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
@@ -937,9 +936,10 @@ class OpenAIFrontend:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
         tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with."""
-        created, item = int(time.time()), first
+        created, item, lead = int(time.time()), first, None
         if echo:
             item = dataclasses.replace(first, text=echo + first.text)
+            lead = first.prompt_logprobs if top is not None else None  # the echoed prompt's, before the reply's
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         fast = None if continuous or top is not None else TextChunks(kind, rid, model, created, include_usage)
         shown = P.Logprobs(kind, top) if top is not None else None
@@ -949,9 +949,10 @@ class OpenAIFrontend:
                 yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None),
                              include_usage, P.usage(first.num_prompt_tokens, 0) if continuous else None)
             while True:
-                if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast, shown)) \
-                        is not None:
+                if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast, shown,
+                                     lead)) is not None:
                     yield out
+                lead = None
                 if item.finished:
                     done = True
                     break
@@ -1066,12 +1067,12 @@ class TextChunks:
 
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
               index: int = 0, continuous: bool = False, fast: TextChunks | None = None,
-              shown: P.Logprobs | None = None) -> bytes | None:
+              shown: P.Logprobs | None = None, lead: list[TokenLogprob] | None = None) -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
     in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous` or
     logprobs), which builds an unfinished item's chunk with text. `shown`: the choice's logprobs so far, where its
-    request asks for them: the chunk has its tokens'."""
+    request asks for them: the chunk has its tokens', after `lead`'s (an echoed prompt's tokens, in its text)."""
     fin = item.finish_reason
     if fin is FinishReason.ERROR:
         return _error_event(item)
@@ -1080,8 +1081,9 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     if fast is not None and fin is None and (item.text or fast.empty_ok) and fast.usable:
         return fast.chunk(item.text)
     usage = P.usage(item.num_prompt_tokens, item.num_output_tokens) if continuous else None
-    lp = shown.render(item.logprobs, item.text) if shown is not None and item.logprobs else None
-    if shown is not None and not item.logprobs:
+    lps = (lead or []) + (item.logprobs or [])
+    lp = shown.render(lps, item.text) if shown is not None and lps else None
+    if shown is not None and not lps:
         shown.offset += len(item.text)
     if kind == "completion":
         return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason, lp),
@@ -1090,9 +1092,27 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
                                item.stop_reason, index, lp), include_usage, usage)
 
 
-def _shown_logprobs(kind: str, top: int | None, lps: list[TokenLogprob] | None, text: str) -> dict | None:
-    """A whole choice's logprobs as its response shows them (`P.Logprobs`), where its request asked for them."""
-    return None if top is None or lps is None else P.Logprobs(kind, top).render(lps, text)
+class _Whole(NamedTuple):
+    """A reply read to its end: its text, its last item, its tokens' logprobs (None where its items carry none) and
+    its prompt's (`RequestOutput.prompt_logprobs`, where asked)."""
+    text: str
+    last: RequestOutput
+    logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob] | None
+
+
+def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P.Choice:
+    """A whole reply as a response's choice (`P.Choice`): its text after `echo`; its logprobs where `body` asks for
+    them (with `echo`, the prompt's tokens' first); vLLM's `prompt_logprobs` where it asks for those."""
+    top = body.top_count() if body is not None else None
+    text, lps = (echo or "") + w.text, w.logprobs
+    if echo is not None and top is not None and w.prompt_logprobs is not None:
+        lps = w.prompt_logprobs + (lps or [])
+    shown = None if top is None or lps is None else P.Logprobs(kind, top).render(lps, text)
+    asked = body.prompt_logprobs if body is not None else None
+    prompt = None if asked is None or w.prompt_logprobs is None else P.shown_prompt_logprobs(w.prompt_logprobs, asked)
+    item = w.last
+    return text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason, shown, prompt
 
 
 def _error_event(item: RequestOutput, prefix: str = "") -> bytes:

@@ -4,11 +4,11 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: best_of > 1, a chat's echo,
-vLLM's prompt_logprobs, suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided
-decoding and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
-penalties, min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`) and a
-completion's `echo` are honoured, and so are vLLM's fields for how a prompt is tokenized
-(`core.messages.PromptOptions`).
+suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided decoding and a request's
+own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
+completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
+`shown_prompt_logprobs`) and a completion's `echo` are honoured, and so are vLLM's fields for how a prompt is
+tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class StreamOptions(BaseModel):
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
-    "prompt_logprobs": (0,), "parallel_tool_calls": (True, False), "use_beam_search": (False,),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "parallel_tool_calls": (True, False),
+    "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
     "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "echo": (False,), "suffix": ("",), "best_of": (1,),
     "tools": ([],),
@@ -120,6 +120,18 @@ class _Common(BaseModel):
     slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
+    # vLLM's: each prompt token's logprob and its `prompt_logprobs` likeliest tokens' (not streamed)
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
+                                                                      "maximum": MAX_LOGPROBS}))
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return v
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                      mode="before")
@@ -181,7 +193,7 @@ class _Common(BaseModel):
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
-            logprobs=self.top_count(),
+            logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),
         )
         kw["max_tokens"] = max_tokens
         return kw
@@ -190,6 +202,11 @@ class _Common(BaseModel):
         """How many likeliest tokens each reply token's logprobs list (`SamplingParams.logprobs`): None for no
         logprobs."""
         return None
+
+    def prompt_count(self) -> int | None:
+        """How many likeliest tokens each prompt token's logprobs list (`SamplingParams.prompt_logprobs`): None for
+        no prompt logprobs."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -213,7 +230,7 @@ class CompletionRequest(_Common):
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
          "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}))
-    echo: bool | None = False  # the prompt's text before each choice's (not with logprobs: no prompt logprobs here)
+    echo: bool | None = False  # the prompt's text before each choice's (with logprobs: its tokens' before the reply's)
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
     # each reply token's log-probability and its `logprobs` likeliest tokens' (and the chosen one's)
@@ -231,6 +248,13 @@ class CompletionRequest(_Common):
     def top_count(self) -> int | None:
         return self.logprobs
 
+    def prompt_count(self) -> int | None:
+        """vLLM's `prompt_logprobs`; with `echo` and logprobs, at least `logprobs` (the echoed prompt's tokens are
+        listed with them)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(add_special_tokens=self.add_special_tokens)
 
@@ -242,8 +266,6 @@ class CompletionRequest(_Common):
     def _check(self) -> "CompletionRequest":
         if self.suffix or (self.best_of or 1) > 1:
             raise ValueError("suffix and best_of > 1 are not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
         p = self.prompt
         if isinstance(p, list):
             if not p:
@@ -444,8 +466,9 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | i
 # length, or not ended yet).
 StopReason = str | int | None
 # a choice of a whole response: (text, finish reason, prompt tokens, completion tokens, stop reason, its logprobs as
-# the response shows them (`Logprobs`), or None)
-Choice = tuple[str, str | None, int, int, StopReason, dict | None]
+# the response shows them (`Logprobs`) or None, its prompt's logprobs as vLLM shows them (`shown_prompt_logprobs`)
+# or None)
+Choice = tuple[str, str | None, int, int, StopReason, dict | None, list | None]
 
 # a logprob below it (-inf: a token the model rules out) is shown as it (vLLM's: JSON has no infinity)
 LOGPROB_FLOOR = -9999.0
@@ -474,7 +497,8 @@ class Logprobs:
         self.offset = 0
 
     def render(self, lps: list[TokenLogprob], text: str) -> dict:
-        """The logprobs of an item's tokens (`lps`), the item carrying `text`."""
+        """The logprobs of an item's tokens (`lps`; an echoed prompt's first, whose first token has no logprob: null
+        there), the item carrying `text`."""
         k = self.top
         if self.kind == "completion":
             offsets, at = [], self.offset
@@ -482,41 +506,71 @@ class Logprobs:
                 offsets.append(at)
                 at += len(x.token)
             self.offset += len(text)
-            return {"text_offset": offsets, "token_logprobs": [_shown(x.logprob) for x in lps],
+            return {"text_offset": offsets,
+                    "token_logprobs": [None if x.logprob is None else _shown(x.logprob) for x in lps],
                     "tokens": [x.token for x in lps],
-                    "top_logprobs": [{x.token: _shown(x.logprob), **{t: _shown(v) for _, t, v in x.top[:k]}}
+                    "top_logprobs": [None if x.logprob is None else
+                                     {x.token: _shown(x.logprob), **{t: _shown(v) for _, t, v in x.top[:k]}}
                                      for x in lps]}
         return {"content": [{"token": x.token, "logprob": _shown(x.logprob), "bytes": _bytes(x.token),
                              "top_logprobs": [{"token": t, "logprob": _shown(v), "bytes": _bytes(t)}
                                               for _, t, v in x.top[:k]]} for x in lps]}
 
 
+def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None]:
+    """Prompt logprobs as vLLM shows them (its `prompt_logprobs`): per prompt token, None for the first, else a map
+    of token id (a string, in JSON) to {logprob, rank, decoded_token}, the prompt's token first, then the `top`
+    likeliest."""
+    out: list[dict | None] = []
+    for x in lps:
+        if x.logprob is None:
+            out.append(None)
+            continue
+        d = {str(x.id): {"logprob": _shown(x.logprob), "rank": x.rank, "decoded_token": x.token}}
+        for rank, (t, text, v) in enumerate(x.top[:top], 1):
+            d.setdefault(str(t), {"logprob": _shown(v), "rank": rank, "decoded_token": text})
+        out.append(d)
+    return out
+
+
 def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
-                        stop_reason: StopReason = None, logprobs: dict | None = None) -> dict:
-    return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs)])
+                        stop_reason: StopReason = None, logprobs: dict | None = None,
+                        prompt_logprobs: list | None = None) -> dict:
+    return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs, prompt_logprobs)])
+
+
+def _with_prompt_logprobs(d: dict, shown: list | None) -> dict:
+    if shown is not None:
+        d["prompt_logprobs"] = shown
+    return d
 
 
 def batch_completion_response(rid: str, model: str, choices: list[Choice], n: int = 1) -> dict:
     """A completion of one or more prompts: n choices per prompt (`Choice`s), in order (prompt i's j-th at index
-    i x n + j); the usage is their sum, each prompt's tokens counted once (as vLLM's)."""
+    i x n + j); the usage is their sum, each prompt's tokens counted once (as vLLM's). A choice has vLLM's
+    `prompt_logprobs` where its request asked for them."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
-                        for i, (text, finish, _, _, stop, lp) in enumerate(choices)],
+            "choices": [_with_prompt_logprobs({"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
+                                               "stop_reason": stop}, plp)
+                        for i, (text, finish, _, _, stop, lp, plp) in enumerate(choices)],
             "usage": usage(sum(c[2] for c in choices[::n]), sum(c[3] for c in choices))}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
-                  stop_reason: StopReason = None, logprobs: dict | None = None) -> dict:
-    return batch_chat_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs)])
+                  stop_reason: StopReason = None, logprobs: dict | None = None,
+                  prompt_logprobs: list | None = None) -> dict:
+    return batch_chat_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs, prompt_logprobs)])
 
 
 def batch_chat_response(rid: str, model: str, choices: list[Choice]) -> dict:
-    """A chat completion's n choices (`Choice`s), in order; the usage counts the prompt once (as vLLM's)."""
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                         "finish_reason": finish, "stop_reason": stop}
-                        for i, (text, finish, _, _, stop, lp) in enumerate(choices)],
-            "usage": usage(choices[0][2], sum(c[3] for c in choices))}
+    """A chat completion's n choices (`Choice`s), in order; the usage counts the prompt once (as vLLM's); vLLM's
+    `prompt_logprobs` (of the prompt the choices share) where the request asked for them."""
+    return _with_prompt_logprobs(
+        {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+         "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": finish, "stop_reason": stop}
+                     for i, (text, finish, _, _, stop, lp, _) in enumerate(choices)],
+         "usage": usage(choices[0][2], sum(c[3] for c in choices))}, choices[0][6])
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0,

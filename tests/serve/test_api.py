@@ -316,8 +316,8 @@ def test_logprobs_are_the_models_own_streamed_or_not(client: httpx.Client) -> No
 
 def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client: httpx.Client) -> None:
     """A completion's `echo`: each choice's text opens with its prompt's (a text prompt as sent, token ids as the
-    tokenizer decodes them), streamed in its first chunk; the usage is as without it; with logprobs (which would
-    need the prompt's) or on a chat it is a 400 naming it."""
+    tokenizer decodes them), streamed in its first chunk; the usage is as without it; on a chat it is a 400 naming
+    it."""
     base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
     plain = client.post("/v1/completions", json={**base, "prompt": "Once upon a time"}).json()
     r = client.post("/v1/completions", json={**base, "prompt": "Once upon a time", "echo": True})
@@ -345,11 +345,68 @@ def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client: httpx.C
     for c in chunks:
         got[c["choices"][0]["index"]] += c["choices"][0]["text"]
     assert got[0].startswith("a b") and got[1].startswith("c d")
-    r = client.post("/v1/completions", json={**base, "prompt": "x", "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
     r = client.post("/v1/chat/completions", json={**base, "messages": [{"role": "user", "content": "x"}],
                                                   "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_are_the_models_own(client: httpx.Client) -> None:
+    """lm-eval-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1): the prompt's tokens'
+    logprobs (the first null: nothing predicts it) then the reply's, the model's own given the tokens before; streamed,
+    the echoed prompt's come in the first chunk; vLLM's prompt_logprobs on a completion (per choice) and a chat (the
+    response's), and a 400 with a stream."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.driver import resolve_model_path
+
+    path = resolve_model_path(MODEL)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = [11, 42, 7, 300, 5, 19]
+    body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    out = lp["tokens"][6:]
+    assert len(lp["tokens"]) == 7 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        first = int(model(torch.tensor([ids])).logits[0, -1, :len(tok)].argmax())
+        ref = torch.log_softmax(model(torch.tensor([ids + [first]])).logits[0, :, :len(tok)].float(), dim=-1)
+    assert lp["tokens"] == [tok.decode([t]) for t in ids + [first]] and out == [tok.decode([first])]
+    want = [ref[j - 1, t].item() for j, t in enumerate(ids + [first]) if j]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
+    assert all(lp["tokens"][j] in lp["top_logprobs"][j] for j in range(1, 7))
+    assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:j]) for j in range(7)]
+    echoed = client.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert choice["text"] == echoed + tok.decode([first]) and "prompt_logprobs" not in choice
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as st:
+        chunks = [json.loads(e) for e in sse_events(st)[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert streamed[0]["tokens"][:6] == lp["tokens"][:6]
+    assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
+    assert [v for x in streamed for v in x["token_logprobs"]] == lp["token_logprobs"]
+    # vLLM's prompt_logprobs: per prompt token a map of token id to {logprob, rank, decoded_token}
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2, "n": 2,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        plp = c["prompt_logprobs"]
+        assert len(plp) == 6 and plp[0] is None and c["logprobs"] is None
+        for j in range(1, 6):
+            entry = plp[j][str(ids[j])]
+            assert entry["logprob"] == pytest.approx(ref[j - 1, ids[j]].item(), abs=1e-3)
+            assert entry["decoded_token"] == tok.decode([ids[j]]) and 2 <= len(plp[j]) <= 3
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert len(r.json()["prompt_logprobs"]) == n_prompt and r.json()["prompt_logprobs"][0] is None
+    assert all(len(d) == 1 for d in r.json()["prompt_logprobs"][1:])
+    for path_, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat)):
+        r = client.post(path_, json={**extra, "max_tokens": 2, "prompt_logprobs": 1, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
 def test_completion_stream(client: httpx.Client) -> None:

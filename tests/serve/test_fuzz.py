@@ -5,7 +5,7 @@ positive and negative generation modes; bounded by KAIROS_FUZZ_EXAMPLES, default
 
 Unknown-field policy (documented in deployments/protocol.py): unknown request fields are *ignored* (200), as
 OpenAI clients send fields such as `user` or `metadata`; fields we cannot honour with a non-default value are
-rejected with 400 (echo, prompt_logprobs, response_format, ...).
+rejected with 400 (a chat's echo, best_of > 1, response_format, ...).
 """
 from __future__ import annotations
 

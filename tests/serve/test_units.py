@@ -2086,7 +2086,7 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
 @pytest.mark.parametrize("field,value", [
     ("response_format", {"type": "json_object"}), ("response_format", {"type": "bogus"}), ("length_penalty", 1.2),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("guided_json", {"type": "object"}),
-    ("prompt_logprobs", 3), ("guided_choice", ["a", "b"])])
+    ("use_beam_search", True), ("guided_choice", ["a", "b"])])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
     """OpenAI / vLLM apply these or answer 400; silently ignoring them would return an output the client did not
     ask for. Their defaults (or an explicit null) pass."""
@@ -2096,7 +2096,7 @@ def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field
             schema.model_validate({**base, field: value})
         schema.model_validate({**base, field: None})
     for field_, default in (("response_format", {"type": "text"}), ("length_penalty", 1.0),
-                            ("tool_choice", "none"), ("prompt_logprobs", 0), ("parallel_tool_calls", False)):
+                            ("tool_choice", "none"), ("use_beam_search", False), ("parallel_tool_calls", False)):
         P.CompletionRequest.model_validate({"prompt": "x", field_: default})
 
 
@@ -2205,7 +2205,7 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
 
     from core.messages import ContextLengthExceeded, PromptTooLong
 
-    assert P.unsupported_field({"prompt": "x", "prompt_logprobs": 2}) == "prompt_logprobs"
+    assert P.unsupported_field({"prompt": "x", "use_beam_search": True}) == "use_beam_search"
     assert P.unsupported_field({"prompt": "x", "prompt_logprobs": 0, "skip_special_tokens": True,
                                 "prediction": {}, "logprobs": 3, "top_logprobs": 2}) is None  # logprobs: honoured
     for field, value in (("echo", True), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):
