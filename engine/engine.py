@@ -39,7 +39,7 @@ from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
                              host_cache_blocks)
 from engine.loader import load_model, sampling_defaults
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PromptLogits
 from engine.outputs import OutputProcessor
 from engine.profiling import PROFILE_BUDGET, load_or_profile, refit
 from engine.sampler import Draws, PromptSpan, RowLogprobs, Sampler, SampledTokens
@@ -662,7 +662,7 @@ class LLMEngine:
                 draws = self.sampler.plan(reqs, logits.device, prev.tokens if prev is not None else None) \
                     if reqs else None
                 spans = _prompt_rows(plan.prefill, plan.prefill_ends)
-                tokens = _draw_step(self.sampler, logits, draws, spans, len(reqs))
+                tokens = _draw_step(self.sampler, logits, draws, spans)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the engine keeps serving
             t2 = time.perf_counter()
             if prev is not None:  # the step before first: its tokens are this one's inputs
@@ -704,7 +704,7 @@ class LLMEngine:
 
         def step() -> SampledTokens | None:
             ids = prev_tokens.device_tokens(device) if prev_tokens is not None else None
-            return _draw_step(sampler, runner.forward(prepared, ids), draws, spans, len(reqs))
+            return _draw_step(sampler, runner.forward(prepared, ids), draws, spans)
         pending = self._stream.launch(step)  # (before the placeholders: the step starts its kernel the sooner)
         launched = _InFlight(plan, reqs, self.scheduler.launched(plan, reqs), pending, t0, 0.0, as_launched, draws)
         if prev is not None:
@@ -856,10 +856,10 @@ class LLMEngine:
             logits = self.runner.execute([req], [], [end]) if end is not None else self.runner.execute([], [req])
             spans = _prompt_rows([req], [end]) if end is not None else []
             if row is not None and draws is not None:
-                return _draw_step(self.sampler, logits, draws.row(row), spans, 1)
+                return _draw_step(self.sampler, logits, draws.row(row), spans)
             if row is not None:
-                return _draw_step(self.sampler, logits, self.sampler.plan([req], logits.device), spans, 1)
-            return _draw_step(self.sampler, logits, None, spans, 0)
+                return _draw_step(self.sampler, logits, self.sampler.plan([req], logits.device), spans)
+            return _draw_step(self.sampler, logits, None, spans)
         finally:
             req.token_ids, req.num_computed_tokens = saved
 
@@ -951,14 +951,14 @@ def _prompt_rows(prefill: list[Request], ends: list[int]) -> list[PromptSpan]:
             for i, start, count in prompt_spans(prefill, ends) for r in (prefill[i],)]
 
 
-def _draw_step(sampler: Sampler, logits: torch.Tensor, draws: Draws | None, spans: list[PromptSpan],
-               sampled: int) -> SampledTokens | None:
-    """A step's draw from its logits: the `sampled` rows' tokens, and where the step has prompt rows after them
-    (`spans`), their prompt logprobs with the tokens (`SampledTokens.prompt`). None where it has neither."""
+def _draw_step(sampler: Sampler, logits: torch.Tensor | PromptLogits, draws: Draws | None,
+               spans: list[PromptSpan]) -> SampledTokens | None:
+    """A step's draw from its output: its sampled rows' tokens, and where it has prompt rows (`PromptLogits`, of
+    `spans`), their prompt logprobs with the tokens (`SampledTokens.prompt`). None where it has neither."""
     prompt = None
-    if spans:
-        prompt = sampler.prompt_logprobs(logits[sampled:], spans)
-        logits = logits[:sampled]
+    if isinstance(logits, PromptLogits):
+        prompt = sampler.prompt_logprobs(logits.rows, spans)
+        logits = logits.sampled
     tokens = sampler.draw(logits, draws) if draws is not None else None
     if prompt:
         tokens = tokens if tokens is not None else SampledTokens.of([])

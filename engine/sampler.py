@@ -27,7 +27,7 @@ from engine.backends.base import to_device
 # row (`_nucleus_keys`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
 TOP_P_CANDIDATES = (64, 1024)
 NOT_FINITE = "sampling: the probabilities are not finite"  # a row whose logits held a NaN or +inf fails alone
-PROMPT_ROWS = 512  # prompt logprobs' rows a pass takes (its float32 copy and log-softmax of the vocabulary each)
+PROMPT_ROWS = 256  # prompt logprobs' rows a pass takes (their logits, float32 copy and log-softmax each)
 
 
 def _top_ks(reqs: list[Request], width: int) -> list[int]:
@@ -431,21 +431,22 @@ class Sampler:
         return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, logits: torch.Tensor, spans: list["PromptSpan"]
+    def prompt_logprobs(self, rows: Callable[[int, int], torch.Tensor], spans: list["PromptSpan"]
                         ) -> dict[str, tuple[int, list[RowLogprobs]]]:
-        """Prompt logprobs (`SamplingParams.prompt_logprobs`) from a step's prompt rows: `logits` [sum of the
-        spans' lengths, V], each span's rows in turn (`PromptSpan`). By request id: (the span's first position, one
-        `RowLogprobs` per position: the next prompt token's log-probability, its rank and the span's top k). On the
-        host (a wait for the device: only steps with such rows pay it), `PROMPT_ROWS` rows at a time."""
-        if logits.shape[-1] > self.vocab_limit:
-            logits = logits[:, : self.vocab_limit]
-        width = logits.shape[-1]
+        """Prompt logprobs (`SamplingParams.prompt_logprobs`) from a step's prompt rows: `rows(a, b)` the logits of
+        rows [a, b) of them, each span's rows in turn (`PromptSpan`), made `PROMPT_ROWS` at a time. By request id:
+        (the span's first position, one `RowLogprobs` per position: the next prompt token's log-probability, its
+        rank and the span's top k). On the host (a wait for the device: only steps with such rows pay it)."""
         targets = [t for _, _, tokens, _ in spans for t in tokens]
-        k = min(max((k for *_, k in spans), default=0), width)
         vals: list[list[float]] = []
         ids: list[list[int]] = []
         for a in range(0, len(targets), PROMPT_ROWS):
-            raw = torch.log_softmax(logits[a:a + PROMPT_ROWS].float(), dim=-1)
+            logits = rows(a, min(a + PROMPT_ROWS, len(targets)))
+            if logits.shape[-1] > self.vocab_limit:
+                logits = logits[:, : self.vocab_limit]
+            width = logits.shape[-1]
+            k = min(max((k for *_, k in spans), default=0), width)
+            raw = torch.log_softmax(logits.float(), dim=-1)
             t = _to(targets[a:a + PROMPT_ROWS], raw.device, torch.long)
             chosen = raw.gather(-1, t.clamp(max=width - 1).unsqueeze(-1))
             chosen.masked_fill_((t >= width).unsqueeze(-1), float("-inf"))  # an id past the tokenizer's: never said

@@ -351,7 +351,7 @@ def test_prompt_logprobs_of_spans_in_passes(monkeypatch):
     s = Sampler(vocab_limit=30, eos_token_ids=[EOS], device=torch.device("cpu"))
     logits = torch.randn(7, 32, generator=torch.Generator().manual_seed(9))
     spans = [("a", 0, [4, 8, 15, 16], 2), ("b", 5, [23, 31, 0], 0)]  # 31: past the vocabulary
-    got = s.prompt_logprobs(logits, spans)
+    got = s.prompt_logprobs(lambda a, b: logits[a:b], spans)
     ref = torch.log_softmax(logits[:, :30], dim=-1)
     targets = [4, 8, 15, 16, 23, 31, 0]
     rows = got["a"][1] + got["b"][1]

@@ -124,11 +124,13 @@ class AttnMetadata:
 @dataclass(slots=True)
 class PreparedStep:
     """The model's inputs for one packed step: tokens [T], their positions [T], the rows [R] whose logits are
-    sampled (in `prefill + decode` request order), and the backend's attention metadata."""
+    sampled (in `prefill + decode` request order) and then the last `prompt_rows` of them, rows whose logits give
+    prompt logprobs (`prompt_spans`), and the backend's attention metadata."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     logit_rows: torch.Tensor
     meta: AttnMetadata
+    prompt_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -142,6 +144,7 @@ class Packed:
     rows: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     decode_start: int = 0
+    prompt_rows: int = 0  # the last of `rows` that give prompt logprobs (`prompt_spans`)
 
 
 def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = None,
@@ -190,6 +193,7 @@ def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = Non
         q_of = {i: q_start for i, q_start, _, _ in p.spans}
         for i, _, count in step.prompt_spans:
             p.rows.extend(range(q_of[i], q_of[i] + count))
+            p.prompt_rows += count
     return p
 
 

@@ -154,7 +154,7 @@ class TorchBackend(Backend):
         dev = self.device
         return PreparedStep(torch.tensor(p.tokens, dtype=torch.long, device=dev),
                             torch.tensor(p.positions, dtype=torch.long, device=dev),
-                            torch.tensor(p.rows, dtype=torch.long, device=dev), meta)
+                            torch.tensor(p.rows, dtype=torch.long, device=dev), meta, p.prompt_rows)
 
     def sdpa_prefills(self, step: StepBatch, spans) -> list[tuple[int, int, int, torch.Tensor | None]]:
         """The SDPA entries of these prefill spans: fresh prompts attend over their own K/V, a prefix gathers."""

@@ -90,7 +90,7 @@ def test_penalized_greedy_replies_equal_each_alone_and_hf(device, ckpts, llama_e
 def test_logprobs_on_the_device_are_the_models_own_in_a_batch_and_alone(device, ckpts, llama_engine):
     """Logprobs picked on the device and copied with the tokens (one wait): greedy, sampled and penalized rows in one
     batch with a row that asks none; each row's are its own alone, and the model's (HF's fp32 forward on the reply,
-    within float noise: the engine's kernels differ from HF's)."""
+    within float noise: the engine's kernels differ from HF's); a prompt's logprobs too."""
     import torch
 
     from core.sampling import SamplingParams
@@ -99,7 +99,8 @@ def test_logprobs_on_the_device_are_the_models_own_in_a_batch_and_alone(device, 
     prompts = random_prompts([5, 40, 120, 9], eng.bundle.vocab_limit, seed=13)
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5),
               SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=2, ignore_eos=True, logprobs=0),
-              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, logprobs=20),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, logprobs=20,
+                             prompt_logprobs=3),
               greedy(16)]
 
     def run(streams):
@@ -108,14 +109,22 @@ def test_logprobs_on_the_device_are_the_models_own_in_a_batch_and_alone(device, 
             items = list(s)
             toks = [t for o in items for t in o.token_ids]
             lps = None if items[-1].logprobs is None else [x for o in items for x in o.logprobs]
-            out.append((toks, lps))
+            prompt = [o.prompt_logprobs for o in items if o.prompt_logprobs is not None]
+            out.append((toks, lps, prompt))
         return out
     together = run(_submit_together(eng, prompts, params))
     alone = [run([eng.add_request(p, sp)])[0] for p, sp in zip(prompts, params)]
-    assert [t for t, _ in together] == [t for t, _ in alone]
-    assert together[3][1] is None
+    assert [t for t, *_ in together] == [t for t, *_ in alone]
+    assert together[3][1] is None and [len(x[2]) for x in together] == [0, 0, 1, 0]
     model = hf_model(ckpts["llama"], device)
-    for (toks, lps), (_, lone), p, sp in zip(together, alone, prompts, params):
+    with torch.inference_mode():  # the prompt's logprobs (a prefill with prompt rows: eager, not a mixed graph)
+        logits = model(torch.tensor([prompts[2]], device=device)).logits[0, :-1]
+    ref = torch.log_softmax(logits[:, :eng.bundle.vocab_limit].float(), dim=-1)
+    (plp,) = together[2][2]
+    assert len(plp) == 120 and plp[0].logprob is None and all(len(x.top) == 3 for x in plp[1:])
+    want = ref.gather(-1, torch.tensor(prompts[2][1:], device=device).unsqueeze(-1)).squeeze(-1).tolist()
+    assert [x.logprob for x in plp[1:]] == pytest.approx(want, abs=5e-3)
+    for (toks, lps, _), (_, lone, _), p, sp in zip(together, alone, prompts, params):
         if sp.logprobs is None:
             continue
         assert len(lps) == len(toks) == 16 and all(len(x.top) == sp.logprobs for x in lps)

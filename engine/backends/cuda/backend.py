@@ -190,7 +190,7 @@ class CudaBackend(TorchBackend):
                 decode_lens=self._to_device(torch.tensor([r.num_tokens for r in step.decode], dtype=torch.int32)))
         meta = CudaAttnMetadata(self, self.cache, self._long(p.slots), max(p.positions, default=0),
                                 workspace=self.workspace, **fields)
-        return PreparedStep(self._long(p.tokens), self._long(p.positions), self._long(p.rows), meta)
+        return PreparedStep(self._long(p.tokens), self._long(p.positions), self._long(p.rows), meta, p.prompt_rows)
 
     # ---------------------------------------------------------------- attention
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttnMetadata,
