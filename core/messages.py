@@ -117,11 +117,16 @@ class PromptOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: only the prompt's last k tokens are kept (-1: as many as the context window takes with a reply token)
+    truncate_prompt_tokens: int | None = None
 
     def check(self) -> "PromptOptions":
-        """ValueError (a client's 400) for options that contradict each other."""
+        """ValueError (a client's 400) for options that contradict each other or are out of range."""
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
         check_template_kwargs(self.chat_template_kwargs)
         return self
 

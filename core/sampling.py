@@ -42,11 +42,16 @@ class SamplingParams:
     # vLLM's: each prompt token's (the second on) log-probability under the model given the tokens before it, its
     # rank and this many most likely tokens' (0: its own alone), in the request's first item; None: none
     prompt_logprobs: int | None = None
+    # vLLM's: only these tokens may be drawn (greedy rows too); empty: any
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    skip_special_tokens: bool = True  # vLLM's: special tokens (a template's markers) are left out of the text
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends the reply stays in its text
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         pairs = tuple((k, v) for k, v in bias)
         try:
@@ -90,6 +95,8 @@ class SamplingParams:
             lp = getattr(self, name)
             if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be non-negative token ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in self.logit_bias:

@@ -56,8 +56,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "parallel_tool_calls": (True, False),
     "use_beam_search": (False,),
-    "length_penalty": (1, 1.0), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
-    "truncate_prompt_tokens": (), "skip_special_tokens": (True,), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",), "best_of": (1,),
     "tools": ([],),
     # a chat template sent with the request (vLLM runs one only with --trust-request-chat-template), RAG documents
     "chat_template": (), "documents": (),
@@ -120,6 +119,14 @@ class _Common(BaseModel):
     slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
+    # vLLM's: only these tokens may be drawn; special tokens kept in the text; a stop string kept in it; the prompt's
+    # last k tokens only (-1: as many as the context window takes)
+    allowed_token_ids: list[int] | None = Field(None, max_length=1 << 17, json_schema_extra=_opt(
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 1 << 17}))
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, json_schema_extra=_opt(
+        {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "const": -1}]}))
     # vLLM's: each prompt token's logprob and its `prompt_logprobs` likeliest tokens' (not streamed)
     prompt_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
                                                                       "maximum": MAX_LOGPROBS}))
@@ -162,11 +169,18 @@ class _Common(BaseModel):
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         return v
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+    def _token_ids(cls, v: list[int] | None, info: Any) -> list[int] | None:
         if v and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise ValueError(f"{info.field_name} must be non-negative token ids")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and not (v >= 1 or v == -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {v}")
         return v
 
     @field_validator("max_tokens")
@@ -194,6 +208,8 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),
+            allowed_token_ids=list(self.allowed_token_ids or []), skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         kw["max_tokens"] = max_tokens
         return kw
@@ -256,7 +272,8 @@ class CompletionRequest(_Common):
         return self.prompt_logprobs
 
     def prompt_options(self) -> PromptOptions:
-        return PromptOptions(add_special_tokens=self.add_special_tokens)
+        return PromptOptions(add_special_tokens=self.add_special_tokens,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def fields_at_fault(self) -> tuple[str, str]:
         """(the prompt's field, the reply cap's field) for an error's `param`."""
@@ -358,7 +375,7 @@ class _ChatPrompt(BaseModel):
 
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
-                             self.chat_template_kwargs)
+                             self.chat_template_kwargs, getattr(self, "truncate_prompt_tokens", None))
 
     def turns(self) -> tuple[ChatTurn, ...]:
         return tuple(ChatTurn(m.role, m.text()) for m in self.messages)

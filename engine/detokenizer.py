@@ -5,12 +5,13 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_hf", "_tok", "_stream", "_pending")
+    __slots__ = ("_hf", "_tok", "_stream", "_pending", "_skip")
 
-    def __init__(self, hf_tokenizer) -> None:
+    def __init__(self, hf_tokenizer, skip_special_tokens: bool = True) -> None:
         self._hf = hf_tokenizer
         self._tok = hf_tokenizer.backend_tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens  # special tokens (a chat template's markers) left out of the text
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._pending: list[int] = []  # ids whose bytes do not yet form a complete character
 
     def step(self, token_id: int) -> str:
@@ -26,6 +27,6 @@ class IncrementalDetokenizer:
         """At the end of a request: render a dangling partial character the way a one-shot decode does."""
         if not self._pending:
             return ""
-        text = self._hf.decode(self._pending, skip_special_tokens=True)
+        text = self._hf.decode(self._pending, skip_special_tokens=self._skip)
         self._pending.clear()
         return text

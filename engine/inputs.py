@@ -96,12 +96,19 @@ class InputProcessor:
     def prompt_ids(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None = None,
                    options: PromptOptions | None = None) -> list[int]:
         """The token ids a generation would take for this prompt or chat (`process`'s), for vLLM's /tokenize;
-        ValueError on bad input."""
-        options = options or PromptOptions()
+        ValueError on bad input. With `truncate_prompt_tokens`, its last k (-1: as many as the context window takes
+        with a token of reply)."""
+        options = (options or PromptOptions()).check()
         special = options.add_special_tokens
         if messages is not None:
-            return self.tokenize(self.render_chat(messages, options), add_special_tokens=bool(special))
-        return self.tokenize(prompt, add_special_tokens=special is not False)
+            ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=bool(special))
+        else:
+            ids = self.tokenize(prompt, add_special_tokens=special is not False)
+        k = options.truncate_prompt_tokens
+        if k is not None:
+            keep = self.max_model_len - 1 if k == -1 else k
+            ids = ids[-keep:] if len(ids) > keep else ids
+        return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize); ValueError for ids outside the
@@ -121,6 +128,8 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
         if any(t >= self.vocab_limit for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.vocab_limit}")
+        if any(t >= self.vocab_limit for t in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be below the vocabulary size {self.vocab_limit}")
         slo = (slo or SLO()).validate()
         ids = self.prompt_ids(prompt, messages, options)
         limit = self.max_model_len

@@ -35,7 +35,8 @@ class OutputProcessor:
         self._texts: dict[int, str] = {}  # token id -> its text alone (`token_text`), as logprobs name tokens
 
     def add(self, req: Request, stream: OutputSink) -> None:
-        self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer))
+        self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer,
+                                                                          req.params.skip_special_tokens))
 
     def open_streams(self) -> list[tuple[str, OutputSink]]:
         """(request id, stream) of every request not finished yet (the engine's watchdog fails them)."""
@@ -69,13 +70,14 @@ class OutputProcessor:
                 live.text += delta
                 if n > p.min_tokens:
                     hit = _find_stop(live.text, p.stop, len(live.text) - len(delta))
-                    if hit is not None:
-                        live.text = live.text[:hit[0]]
+                    if hit is not None:  # (vLLM's include_stop_str_in_output: the stop string stays)
+                        live.text = live.text[:hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)]
                         live.stop_reason = hit[1]
                         reason = FinishReason.STOP
             if reason is not None:
                 return reason
-            hold = max(map(len, p.stop)) - 1  # a stop string may still be completing
+            # a stop string may still be completing (one that stays in the text holds nothing back)
+            hold = 0 if p.include_stop_str_in_output else max(map(len, p.stop)) - 1
             upto = max(live.emitted_chars, len(live.text) - hold)
             text = live.text[live.emitted_chars:upto]
             live.emitted_chars = upto

@@ -1,5 +1,5 @@
-"""Batched sampling on the logits' device: min_tokens' bans, logit_bias and the presence / frequency / repetition
-penalties on the logits of their rows; greedy rows in one argmax; temperature / top-k / min_p / top-p rows together,
+"""Batched sampling on the logits' device: min_tokens' bans, logit_bias, allowed_token_ids and the presence /
+frequency / repetition penalties on the logits of their rows; greedy rows in one argmax; temperature / top-k / min_p / top-p rows together,
 each drawn with its uniform numbers (one, or a device top-p draw's `rounds`) from its request's own seeded generator
 (on that device) or the sampler's.
 
@@ -152,6 +152,7 @@ class Draws:
     # the tokens of the step before (overlap scheduling), where a penalized row's last token is still a placeholder
     prev: "SampledTokens | None" = None
     logprobs: list[tuple[int, int]] = field(default_factory=list)  # (row, its top count) of the rows with logprobs
+    allowed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # rows with allowed_token_ids, theirs
 
     def row(self, i: int) -> "Draws":
         """Row `i`'s draw alone (a step re-run request by request draws each row with the numbers planned for it)."""
@@ -161,7 +162,7 @@ class Draws:
                      self.u[j:j + 1] if j >= 0 and self.u is not None else None,
                      {0: self.failed[i]} if i in self.failed else {},
                      [replace(pr, row=0) for pr in self.penalized if pr.row == i], self.prev,
-                     [(0, k) for r, k in self.logprobs if r == i])
+                     [(0, k) for r, k in self.logprobs if r == i], [(0, a) for r, a in self.allowed if r == i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +411,7 @@ class Sampler:
         penalized: list[PenaltyRow] = []
         sampled: list[int] = []
         logprobs: list[tuple[int, int]] = []
+        allowed: list[tuple[int, tuple[int, ...]]] = []
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
@@ -422,13 +424,15 @@ class Sampler:
                 sampled.append(i)
             if p.logprobs is not None:
                 logprobs.append((i, p.logprobs))
+            if p.allowed_token_ids:
+                allowed.append((i, p.allowed_token_ids))
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
-        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs)
+        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs, allowed)
 
     @torch.inference_mode()
     def prompt_logprobs(self, rows: Callable[[int, int], torch.Tensor], spans: list["PromptSpan"]
@@ -499,6 +503,12 @@ class Sampler:
                 if logits.dtype != torch.float32:  # bf16 logits (a GPU's): a bias under their step would vanish
                     logits = logits.float()
                 logits.index_put_((_to(rows, dev), _to(cols, dev)), _to(vals, dev, logits.dtype), accumulate=True)
+        if d.allowed:  # allowed_token_ids: every other token of the row out, before every path (greedy too)
+            keep = torch.zeros(len(d.allowed), width, dtype=torch.bool)
+            for j, (_, ids) in enumerate(d.allowed):
+                keep[j, [t for t in ids if t < width]] = True
+            rows_t = _to([i for i, _ in d.allowed], dev)
+            logits[rows_t] = logits[rows_t].masked_fill(~to_device(keep, dev), float("-inf"))
         if d.penalized:  # presence, frequency and repetition penalties, after the bias (vLLM's order), greedy too
             if logits.dtype != torch.float32:
                 logits = logits.float()

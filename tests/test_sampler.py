@@ -364,3 +364,22 @@ def test_prompt_logprobs_of_spans_in_passes(monkeypatch):
         assert rank == int((ref[j] > ref[j, t]).sum()) + 1
         k = 2 if j < 4 else 0
         assert [i for i, _ in top] == torch.topk(ref[j], k).indices.tolist()
+
+
+def test_allowed_token_ids_keep_their_rows_to_those_tokens(draw):
+    """vLLM's allowed_token_ids: a row draws only among its own (greedy: the likeliest of them); other rows and ids
+    past the width are untouched."""
+    s = Sampler(vocab_limit=20, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.zeros(3, 20)
+    logits[:, 9] = 8.0
+    logits[:, 3] = 1.0
+    reqs = [_req("greedy", allowed_token_ids=(3, 4)), _req("plain"),
+            Request("drawn", [1, 2, 3], SamplingParams(temperature=1.0, seed=2, allowed_token_ids=(6, 7, 99)))]
+    seen = set()
+    for _ in range(30):
+        toks = s.sample(logits.clone(), reqs)
+        assert toks[:2] == [3, 9]
+        seen.add(toks[2])
+    assert seen == {6, 7}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=(-1,)).validate()

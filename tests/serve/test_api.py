@@ -409,6 +409,54 @@ def test_echo_with_logprobs_and_prompt_logprobs_are_the_models_own(client: httpx
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
+def test_vllms_output_knobs_allowed_ids_special_tokens_stop_strings_and_truncation(client: httpx.Client) -> None:
+    """vLLM's allowed_token_ids (only those drawn, greedy or sampled), skip_special_tokens false (a special token's
+    text kept), include_stop_str_in_output (the stop string kept, streamed too) and truncate_prompt_tokens (the
+    prompt's last k tokens: the reply of those alone); bad values are 400s naming their field."""
+    from transformers import AutoTokenizer
+
+    from bench.driver import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
+    base = {"prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True}
+    for temperature in (0, 1.0):
+        r = client.post("/v1/completions", json={**base, "temperature": temperature, "seed": 3,
+                                                 "allowed_token_ids": [42, 300], "logprobs": 0})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert set(lp["tokens"]) <= {tok.decode([42]), tok.decode([300])} and len(lp["tokens"]) == 8
+    special = tok.all_special_ids[0]
+    forced = {**base, "max_tokens": 3, "temperature": 0, "logit_bias": {str(special): 100}}
+    shown = client.post("/v1/completions", json={**forced, "skip_special_tokens": False}).json()
+    hidden = client.post("/v1/completions", json=forced).json()
+    assert shown["choices"][0]["text"] == tok.decode([special]) * 3 and hidden["choices"][0]["text"] == ""
+    reply = client.post("/v1/completions", json={**base, "max_tokens": 12, "temperature": 0}).json()
+    text = reply["choices"][0]["text"]
+    stop = text[3:6]
+    assert stop.strip(), text
+    kept = client.post("/v1/completions", json={**base, "max_tokens": 12, "temperature": 0, "stop": [stop],
+                                                "include_stop_str_in_output": True}).json()["choices"][0]
+    cut = client.post("/v1/completions", json={**base, "max_tokens": 12, "temperature": 0, "stop": [stop]}).json()
+    assert kept["text"] == text[:text.index(stop) + len(stop)] and kept["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    with client.stream("POST", "/v1/completions", json={**base, "max_tokens": 12, "temperature": 0, "stop": [stop],
+                                                        "include_stop_str_in_output": True, "stream": True}) as st:
+        chunks = [json.loads(e) for e in sse_events(st)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == kept["text"]
+    long = {"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/completions", json={**long, "truncate_prompt_tokens": 3}).json()
+    assert r["usage"]["prompt_tokens"] == 3
+    assert r["choices"][0]["text"] == client.post("/v1/completions", json={**long, "prompt": [10, 11, 12]}).json()[
+        "choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2, "truncate_prompt_tokens": 4}
+    assert client.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 4
+    for field, value in (("allowed_token_ids", [-1]), ("allowed_token_ids", [10**8]), ("truncate_prompt_tokens", 0),
+                         ("skip_special_tokens", "no"), ("include_stop_str_in_output", 1)):
+        r = client.post("/v1/completions", json={**base, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field or field in r.json()["error"]["message"], r.json()
+
+
 def test_completion_stream(client: httpx.Client) -> None:
     req = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True, "ignore_eos": True,
            "stream_options": {"include_usage": True}}
