@@ -518,8 +518,10 @@ class OpenAIFrontend:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens(), defaults)).validate()
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=param_named(str(e))) from None
-        n = body.n or 1
-        each = [params] + [child_params(params, j) for j in range(1, n)]  # a prompt's n choices
+        n = _made(body)
+        if n > (body.n or 1) and params.logprobs is None:  # best_of: the choices' logprobs rank them
+            params = dataclasses.replace(params, logprobs=0)
+        each = [params] + [child_params(params, j) for j in range(1, n)]  # a prompt's n choices (best_of)
         if isinstance(body, P.CompletionRequest):
             prompts = body.prompts()
             one = len(prompts) * n == 1
@@ -716,8 +718,7 @@ class OpenAIFrontend:
         choices' (a completion's `echo`)."""
         model = body.model or self.served_model_name
         batch = _BatchFlight(self.batch_concurrency)
-        n = body.n or 1
-        top = body.top_count()
+        n = _made(body)  # each prompt's choices (a completion's best_of; `body.n` of them returned)
 
         async def start(i: int, req: GenerateRequest, wait: bool = True
                         ) -> tuple[GenerateStream, RequestOutput, dict[str, str]] | None:
@@ -790,8 +791,11 @@ class OpenAIFrontend:
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
             choices = [_choice(kind, body, w, echo[i // n] if echo else None) for i, (_, w) in enumerate(done)]
-            whole_body = P.batch_completion_response(rid, model, choices, n) if kind == "completion" \
-                else P.batch_chat_response(rid, model, choices)
+            made = sum(c[3] for c in choices)  # every choice's tokens count, those not returned too (OpenAI's)
+            if n > (body.n or 1):
+                choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
+            whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
+                if kind == "completion" else P.batch_chat_response(rid, model, choices)
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
@@ -805,7 +809,7 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n, top, echo),
+                            kind, n, body.top_count(), echo),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -1099,6 +1103,24 @@ class _Whole(NamedTuple):
     last: RequestOutput
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob] | None
+
+
+def _made(body: P._Common) -> int:
+    """The choices made of each prompt: a completion's best_of (`P.CompletionRequest.made`), else n."""
+    return body.made() if isinstance(body, P.CompletionRequest) else body.n or 1
+
+
+def _best_of(choices: list[P.Choice], wholes: list[_Whole], made: int, n: int) -> list[P.Choice]:
+    """Of each prompt's `made` choices (in order), the `n` whose tokens have the highest mean logprob, best first
+    (OpenAI's best_of)."""
+    def score(w: _Whole) -> float:
+        lps = [x.logprob for x in w.logprobs or () if x.logprob is not None]
+        return sum(lps) / len(lps) if lps else float("-inf")
+    out: list[P.Choice] = []
+    for g in range(0, len(choices), made):
+        ranked = sorted(range(g, g + made), key=lambda i: score(wholes[i]), reverse=True)
+        out.extend(choices[i] for i in ranked[:n])
+    return out
 
 
 def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P.Choice:

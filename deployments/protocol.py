@@ -3,12 +3,12 @@
 Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
-cannot honour are rejected explicitly when given a value other than their default: best_of > 1, a chat's echo,
-suffix, tools / tool_choice / functions, a response_format other than text, vLLM's guided decoding and a request's
-own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
-completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
-`shown_prompt_logprobs`) and a completion's `echo` are honoured, and so are vLLM's fields for how a prompt is
-tokenized (`core.messages.PromptOptions`).
+cannot honour are rejected explicitly when given a value other than their default: a chat's echo or best_of, suffix,
+tools / tool_choice / functions, a response_format other than text, vLLM's guided decoding and beam search, and a
+request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p,
+logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
+`shown_prompt_logprobs`), a completion's `echo` and `best_of`, and vLLM's other sampling and output fields are
+honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -55,9 +55,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "parallel_tool_calls": (True, False),
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "tools": ([],),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "tools": ([],),
     # a chat template sent with the request (vLLM runs one only with --trust-request-chat-template), RAG documents
     "chat_template": (), "documents": (),
 }
@@ -239,7 +238,7 @@ MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a batch: n choices
 
 
 class CompletionRequest(_Common):
-    HONOURED: ClassVar[frozenset[str]] = frozenset({"echo"})
+    HONOURED: ClassVar[frozenset[str]] = frozenset({"echo", "best_of"})
     prompt: str | list[int] | list[str] | list[list[int]] = Field(json_schema_extra=_documented({"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
@@ -248,7 +247,9 @@ class CompletionRequest(_Common):
          "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}))
     echo: bool | None = False  # the prompt's text before each choice's (with logprobs: its tokens' before the reply's)
     suffix: str | None = Field(None, json_schema_extra=_opt({"type": "string", "maxLength": 0}))
-    best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "const": 1}))
+    # OpenAI's: best_of choices of each prompt made, the n with the highest logprob per token returned (not streamed)
+    best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 1,
+                                                              "maximum": MAX_CHOICES}))
     # each reply token's log-probability and its `logprobs` likeliest tokens' (and the chosen one's)
     logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
                                                                "maximum": MAX_LOGPROBS}))
@@ -263,6 +264,10 @@ class CompletionRequest(_Common):
 
     def top_count(self) -> int | None:
         return self.logprobs
+
+    def made(self) -> int:
+        """The choices made of each prompt: best_of, else n (`n` of them returned)."""
+        return max(self.best_of or 1, self.n or 1)
 
     def prompt_count(self) -> int | None:
         """vLLM's `prompt_logprobs`; with `echo` and logprobs, at least `logprobs` (the echoed prompt's tokens are
@@ -281,18 +286,22 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
-        if self.suffix or (self.best_of or 1) > 1:
-            raise ValueError("suffix and best_of > 1 are not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
         p = self.prompt
         if isinstance(p, list):
             if not p:
                 raise ValueError("prompt must not be empty")
             if len(p) > MAX_BATCH_PROMPTS and not isinstance(p[0], int):
                 raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(p)}")
-        if (k := len(self.prompts())) * (n := self.n or 1) > MAX_CHOICES:
-            raise ValueError(f"n: {k} prompts x n={n} make {k * n} choices, more than {MAX_CHOICES}")
+        n = self.n or 1
         if self.best_of is not None and self.best_of < n:
             raise ValueError(f"best_of must be at least n, got {self.best_of} < {n}")
+        if (k := len(self.prompts())) * (m := self.made()) > MAX_CHOICES:
+            name = "n" if m == n else "best_of"
+            raise ValueError(f"{name}: {k} prompts x {name}={m} make {k * m} choices, more than {MAX_CHOICES}")
+        if m > n and self.stream:
+            raise ValueError("best_of above n cannot be streamed (the best are known once all have ended)")
         if isinstance(p, list) and isinstance(p[0], str) and len(p) == 1:
             self.prompt = p[0]
         return self
@@ -562,15 +571,18 @@ def _with_prompt_logprobs(d: dict, shown: list | None) -> dict:
     return d
 
 
-def batch_completion_response(rid: str, model: str, choices: list[Choice], n: int = 1) -> dict:
+def batch_completion_response(rid: str, model: str, choices: list[Choice], n: int = 1,
+                              completion_tokens: int | None = None) -> dict:
     """A completion of one or more prompts: n choices per prompt (`Choice`s), in order (prompt i's j-th at index
-    i x n + j); the usage is their sum, each prompt's tokens counted once (as vLLM's). A choice has vLLM's
-    `prompt_logprobs` where its request asked for them."""
+    i x n + j); the usage is their sum, each prompt's tokens counted once (as vLLM's), or `completion_tokens` (with
+    best_of: the choices not returned too). A choice has vLLM's `prompt_logprobs` where its request asked for
+    them."""
+    ct = sum(c[3] for c in choices) if completion_tokens is None else completion_tokens
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [_with_prompt_logprobs({"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
                                                "stop_reason": stop}, plp)
                         for i, (text, finish, _, _, stop, lp, plp) in enumerate(choices)],
-            "usage": usage(sum(c[2] for c in choices[::n]), sum(c[3] for c in choices))}
+            "usage": usage(sum(c[2] for c in choices[::n]), ct)}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,

@@ -184,6 +184,31 @@ def test_n_choices_of_a_completion_and_a_chat_streamed_or_not(client: httpx.Clie
     assert chunks[-1]["usage"] == body["usage"] and chunks[-1]["choices"] == []
 
 
+def test_best_of_returns_the_choices_with_the_highest_logprob_per_token(client: httpx.Client) -> None:
+    """OpenAI's best_of: best_of choices of each prompt are made (choice j with seed + j), and the n whose tokens
+    have the highest mean logprob come back, best first; the usage counts every choice made; logprobs only where
+    asked; streamed, or on a chat, a 400 naming it."""
+    base = {"prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True, "temperature": 1.0, "seed": 21}
+    made = [client.post("/v1/completions", json={**base, "seed": 21 + j, "logprobs": 0}).json()["choices"][0]
+            for j in range(4)]
+    score = {c["text"]: sum(c["logprobs"]["token_logprobs"]) / 6 for c in made}
+    ranked = sorted(score, key=score.get, reverse=True)
+    r = client.post("/v1/completions", json={**base, "best_of": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["text"] for c in body["choices"]] == ranked[:1] and body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 24
+    two = client.post("/v1/completions", json={**base, "prompt": [base["prompt"]] * 2, "best_of": 4, "n": 2,
+                                               "logprobs": 1}).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in two["choices"]] == ranked[:2] * 2 and two["usage"]["completion_tokens"] == 48
+    assert all(len(c["logprobs"]["tokens"]) == 6 for c in two["choices"])
+    r = client.post("/v1/completions", json={**base, "best_of": 2, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "best_of": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+
 def test_logit_bias_forces_and_bans_tokens_and_the_model_is_named_as_asked(client: httpx.Client) -> None:
     from transformers import AutoTokenizer
 
@@ -597,6 +622,8 @@ def test_openai_client(base_url: str) -> None:
     assert echoed.choices[0].text.startswith("The sky is")
     with pytest.raises(openai.BadRequestError):
         oa.completions.create(model=MODEL, prompt="x", max_tokens=4, suffix="!")
+    best = oa.completions.create(model=MODEL, prompt="x", max_tokens=4, best_of=3, extra_body={"ignore_eos": True})
+    assert len(best.choices) == 1 and best.usage.completion_tokens == 12
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
     assert e.value.code == "model_not_found"

@@ -5,7 +5,7 @@ positive and negative generation modes; bounded by KAIROS_FUZZ_EXAMPLES, default
 
 Unknown-field policy (documented in deployments/protocol.py): unknown request fields are *ignored* (200), as
 OpenAI clients send fields such as `user` or `metadata`; fields we cannot honour with a non-default value are
-rejected with 400 (a chat's echo, best_of > 1, response_format, ...).
+rejected with 400 (a chat's echo or best_of, response_format, ...).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.serve.test_errors import BAD_BODIES, CHAT, CMPL, OK_CHAT, OK_CMPL, as
 TEN_MB = 10 * 1024 * 1024
 FUZZ_EXAMPLES = int(os.environ.get("KAIROS_FUZZ_EXAMPLES", "50"))
 FUZZ_MAX_TOKENS = 16  # generated bodies may ask for 10**9 tokens: cap the work, not the validation
-FUZZ_MAX_CHOICES = 4  # ... and for 256 choices (`n`)
+FUZZ_MAX_CHOICES = 4  # ... and for 256 choices (`n`, `best_of`)
 
 
 @pytest.fixture(scope="module")
@@ -281,9 +281,10 @@ def _bounded(body: Any, path: str) -> Any:
             body[k] = FUZZ_MAX_TOKENS
     if path == CHAT and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = FUZZ_MAX_TOKENS  # the chat default fills the context window
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > FUZZ_MAX_CHOICES:
-        body["n"] = FUZZ_MAX_CHOICES  # each choice is a request of its own
+    for k in ("n", "best_of"):
+        v = body.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > FUZZ_MAX_CHOICES:
+            body[k] = FUZZ_MAX_CHOICES  # each choice is a request of its own
     if isinstance(body.get("model"), str):
         body["model"] = "kairos-tiny"  # a random name is a 404 (test_errors covers it): reach the engine
     return body

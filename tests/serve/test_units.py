@@ -2208,7 +2208,7 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
     assert P.unsupported_field({"prompt": "x", "use_beam_search": True}) == "use_beam_search"
     assert P.unsupported_field({"prompt": "x", "prompt_logprobs": 0, "skip_special_tokens": True,
                                 "prediction": {}, "logprobs": 3, "top_logprobs": 2}) is None  # logprobs: honoured
-    for field, value in (("echo", True), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):  # (a chat's)
         assert P.unsupported_field({"prompt": "x", field: value}) == field  # each 400 names its own field
     assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "tools": []}) is None
     assert P.unsupported_field({"messages": [], "chat_template": "{{ x }}"}) == "chat_template"  # as vLLM's default
