@@ -46,6 +46,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True  # vLLM's: special tokens (a template's markers) are left out of the text
     include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends the reply stays in its text
+    # OpenAI's response_format json_object: the reply is a JSON object (each token one that keeps it one; a stop token
+    # only once it has ended: `engine.json_mode`)
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop

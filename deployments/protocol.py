@@ -4,11 +4,12 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: a chat's echo or best_of, suffix,
-tools / tool_choice / functions, a response_format other than text, vLLM's guided decoding and beam search, and a
-request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p,
-logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
-`shown_prompt_logprobs`), a completion's `echo` and `best_of`, and vLLM's other sampling and output fields are
-honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
+tools / tool_choice / functions, a response_format other than text or json_object, vLLM's guided decoding and beam
+search, and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
+penalties, min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's
+`prompt_logprobs`, `shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode, and vLLM's other
+sampling and output fields are honoured, and so are vLLM's fields for how a prompt is tokenized
+(`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class StreamOptions(BaseModel):
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"}, {"type": "json_object"}), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "parallel_tool_calls": (True, False),
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",),
@@ -118,6 +119,10 @@ class _Common(BaseModel):
     slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
+    # OpenAI's: {"type": "json_object"} makes the reply a JSON object (`core.json_grammar`); text: as without it
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra=_opt(
+        {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"],
+         "additionalProperties": False}))
     # vLLM's: only these tokens may be drawn; special tokens kept in the text; a stop string kept in it; the prompt's
     # last k tokens only (-1: as many as the context window takes)
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 17, json_schema_extra=_opt(
@@ -209,6 +214,7 @@ class _Common(BaseModel):
             logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),
             allowed_token_ids=list(self.allowed_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            json_object=(self.response_format or {}).get("type") == "json_object",
         )
         kw["max_tokens"] = max_tokens
         return kw

@@ -4,6 +4,32 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 
+class TokenTexts:
+    """Each token's text alone, as vLLM's logprobs name it (`decode([id])`; with `skip_special_tokens` a special
+    token's is ""), with the leading spaces a SentencePiece decode strips from a piece that starts with its word
+    marker put back; cached by id. Called with an id."""
+
+    __slots__ = ("_hf", "_skip", "_texts")
+
+    def __init__(self, hf_tokenizer, skip_special_tokens: bool = False) -> None:
+        self._hf = hf_tokenizer
+        self._skip = skip_special_tokens
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._hf.decode([token_id], skip_special_tokens=self._skip) or ""
+            piece = self._hf.convert_ids_to_tokens(token_id)
+            if text and isinstance(piece, str) and piece.startswith("\u2581"):
+                marks = len(piece) - len(piece.lstrip("\u2581"))
+                missing = marks - (len(text) - len(text.lstrip(" ")))
+                if missing > 0:
+                    text = " " * missing + text
+            self._texts[token_id] = text
+        return text
+
+
 class IncrementalDetokenizer:
     __slots__ = ("_hf", "_tok", "_stream", "_pending", "_skip")
 

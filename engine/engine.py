@@ -34,6 +34,7 @@ from engine.backends.base import PreparedStep, prompt_spans
 from engine.config import EngineConfig, for_device, reconfigured
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
+from engine.detokenizer import TokenTexts
 from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
@@ -204,6 +205,7 @@ class LLMEngine:
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
+        self.sampler.token_text = TokenTexts(b.tokenizer, skip_special_tokens=True)  # what JSON mode checks
         t_load = time.perf_counter()
         blocks = configured_blocks(config, spec)
         if blocks is None and b.device.type == "cuda":  # what is left after the largest step's activations

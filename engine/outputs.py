@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from core.messages import ErrorKind, RejectReason, RequestMetrics, RequestOutput, TokenLogprob
 from core.request import FinishReason, Request
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.sampler import RowLogprobs
 from engine.stream import OutputSink
 
@@ -32,7 +32,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self._live: dict[str, _Live] = {}
-        self._texts: dict[int, str] = {}  # token id -> its text alone (`token_text`), as logprobs name tokens
+        self.token_text = TokenTexts(tokenizer)  # a token's text alone, as logprobs name tokens
 
     def add(self, req: Request, stream: OutputSink) -> None:
         self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer,
@@ -110,21 +110,6 @@ class OutputProcessor:
         out = live.prompt if live.prompt is not None else self._unpredicted(req.prompt_token_ids)
         live.prompt = None
         return out
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text alone, as vLLM's logprobs name it (`decode([id])`, special tokens kept), with the leading
-        spaces a SentencePiece decode strips from a piece that starts with its word marker put back."""
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) or ""
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str) and piece.startswith("\u2581"):
-                marks = len(piece) - len(piece.lstrip("\u2581"))
-                missing = marks - (len(text) - len(text.lstrip(" ")))
-                if missing > 0:
-                    text = " " * missing + text
-            self._texts[token_id] = text
-        return text
 
     def token_logprob(self, tok: int, lp: RowLogprobs) -> TokenLogprob:
         """Token `tok`'s log-probabilities as its stream carries them (`RowLogprobs`, the sampler's), its tokens as

@@ -22,6 +22,7 @@ import torch
 
 from core.request import Request
 from engine.backends.base import to_device
+from engine.json_mode import JsonStates, choose
 
 # top-p looks for the kept tokens among each row's most likely ones, this many first, then more, then in the whole
 # row (`_nucleus_keys`): `topk` of a few candidates costs a small part of a sort of the whole vocabulary
@@ -153,6 +154,8 @@ class Draws:
     prev: "SampledTokens | None" = None
     logprobs: list[tuple[int, int]] = field(default_factory=list)  # (row, its top count) of the rows with logprobs
     allowed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # rows with allowed_token_ids, theirs
+    # JSON-mode rows and their reply's tokens when planned (the last may be a placeholder: `prev` has it)
+    json: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def row(self, i: int) -> "Draws":
         """Row `i`'s draw alone (a step re-run request by request draws each row with the numbers planned for it)."""
@@ -162,7 +165,8 @@ class Draws:
                      self.u[j:j + 1] if j >= 0 and self.u is not None else None,
                      {0: self.failed[i]} if i in self.failed else {},
                      [replace(pr, row=0) for pr in self.penalized if pr.row == i], self.prev,
-                     [(0, k) for r, k in self.logprobs if r == i], [(0, a) for r, a in self.allowed if r == i])
+                     [(0, k) for r, k in self.logprobs if r == i], [(0, a) for r, a in self.allowed if r == i],
+                     [(0, reply) for r, reply in self.json if r == i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +371,9 @@ class Sampler:
         self.rounds = rounds if top_p_draw is not None else 1
         self._generators: dict[str, torch.Generator] = {}
         self._penalties = PenaltyCounts(vocab_limit)
+        self._json = JsonStates()
+        # a token's text alone, special tokens as "" (the engine's `TokenTexts`): what JSON mode checks
+        self.token_text: Callable[[int], str] | None = None
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator | None:
         if req.params.seed is None:
@@ -381,11 +388,13 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._penalties.release(request_id)
+        self._json.release(request_id)
 
     def drop_state(self) -> None:
         """Free what the sampler keeps on the device for penalized requests (none running: after the warm-up, at
         shutdown)."""
         self._penalties.drop()
+        self._json.drop()
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | Exception]:
         """One token per request; a request whose own sampling fails gets its exception instead. The logits are
@@ -412,6 +421,7 @@ class Sampler:
         sampled: list[int] = []
         logprobs: list[tuple[int, int]] = []
         allowed: list[tuple[int, tuple[int, ...]]] = []
+        json_rows: list[tuple[int, list[int]]] = []
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
@@ -426,13 +436,15 @@ class Sampler:
                 logprobs.append((i, p.logprobs))
             if p.allowed_token_ids:
                 allowed.append((i, p.allowed_token_ids))
+            if p.json_object:
+                json_rows.append((i, r.token_ids[r.num_prompt_tokens:]))
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
-        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs, allowed)
+        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs, allowed, json_rows)
 
     @torch.inference_mode()
     def prompt_logprobs(self, rows: Callable[[int, int], torch.Tensor], spans: list["PromptSpan"]
@@ -474,16 +486,22 @@ class Sampler:
         """The step's tokens from its logits (the sampler's to change) and its `plan`."""
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
-        dev = logits.device
-        reqs, sampled, u, width = d.reqs, d.sampled, d.u, logits.shape[-1]
         # the rows' log-probabilities as the model gave them (vLLM's raw_logprobs), before any change below
         raw = _log_softmax_rows(logits, [i for i, _ in d.logprobs]) if d.logprobs else None
-        tokens = self._tokens(logits, d)
+        logits = self._processed(logits, d)
+        # the JSON rows' logits as processed (the draw below may change them in place: temperature, top-k)
+        json_logits = logits[_to([i for i, _ in d.json], logits.device)].clone() \
+            if d.json and self.token_text is not None else None
+        tokens = self._pick(logits, d)
+        if json_logits is not None:
+            tokens = self._json_rows(json_logits, d, tokens)
         return tokens if raw is None else tokens.with_logprobs(raw, d.logprobs)
 
-    def _tokens(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
-        """`draw`'s tokens, without their log-probabilities."""
+    def _processed(self, logits: torch.Tensor, d: "Draws") -> torch.Tensor:
+        """The logits after min_tokens' bans, logit_bias, allowed_token_ids and the penalties (in place where their
+        dtype allows; float32 where a bias or a penalty needs it)."""
         dev = logits.device
+        width = logits.shape[-1]
         reqs, sampled, u, width = d.reqs, d.sampled, d.u, logits.shape[-1]
         if d.banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
             # vLLM): one masked write for the whole batch, in place
@@ -513,6 +531,12 @@ class Sampler:
             if logits.dtype != torch.float32:
                 logits = logits.float()
             self._penalties.apply(logits, d.reqs, d.penalized, d.prev)
+        return logits
+
+    def _pick(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
+        """Each row's token from its processed logits: greedy rows' maximum, sampled rows' draw."""
+        dev = logits.device
+        reqs, sampled, u = d.reqs, d.sampled, d.u
         failed = dict(d.failed)
         if not sampled and not failed:  # a greedy batch draws no numbers
             if self.argmax is not None:
@@ -524,6 +548,36 @@ class Sampler:
         if self.argmax is not None or self.draw_rows is not None:
             return SampledTokens(self._host_paths(logits, reqs, sampled, u, greedy), failed)
         return SampledTokens.on_device(self._device_paths(logits, reqs, sampled, u, greedy), failed)
+
+    def _json_rows(self, logits: torch.Tensor, d: "Draws", tokens: "SampledTokens") -> "SampledTokens":
+        """The JSON-mode rows' tokens in place of those drawn without the constraint (`engine.json_mode`), on the
+        host, from their processed logits (`logits`, one row each in `d.json`'s order): each row's reply so far (its
+        placeholder read from the step before's tokens) brings its automaton up to date, and its token is one that
+        fits, by the row's own distribution (greedy, or its planned number)."""
+        toks = tokens.result()
+        prev = d.prev.result() if d.prev is not None and any(t < 0 for _, reply in d.json for t in reply) else None
+        drawn = {i: j for j, i in enumerate(d.sampled)}
+        eos = frozenset(self.eos_token_ids)
+        for k, (i, reply) in enumerate(d.json):
+            if isinstance(toks[i], Exception):
+                continue
+            if any(t < 0 for t in reply):
+                if prev is None:
+                    continue
+                reply = [prev[-t - 1] if t < 0 else t for t in reply]
+                if any(isinstance(t, Exception) for t in reply):
+                    continue
+            r = d.reqs[i]
+            p = r.params
+            st = self._json.state(r.request_id, reply, self.token_text)
+            if st is None:  # a token that did not fit went before (none did): no constraint left to keep
+                continue
+            u = float(d.u[drawn[i], 0]) if i in drawn and d.u is not None else None
+            stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
+            t = choose(logits[k], p, u, st, stops, self.token_text)
+            if t is not None:
+                toks[i] = t
+        return SampledTokens.of(toks)
 
     def _uniforms(self, reqs: list[Request], rows: list[int], dev: torch.device,
                   failed: dict[int, Exception]) -> torch.Tensor:

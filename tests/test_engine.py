@@ -236,6 +236,47 @@ def test_prompt_logprobs_are_the_models_own_in_chunks_and_whole(tiny_checkpoints
     assert [(x.id, x.logprob) for x in items[2][0].prompt_logprobs] == [(7, None)]
 
 
+@pytest.mark.parametrize("overlap,device_path", [("off", False), ("on", False), ("on", True)])
+def test_json_mode_replies_are_json_objects_or_their_prefixes(tiny_checkpoints, overlap, device_path):
+    """OpenAI's json_object: every reply, greedy or sampled, with penalties or logit_bias, is a prefix of a JSON object
+    its whole way (a tiny random model writes one only where its tokens leave it little choice), and one that ends
+    by a stop token is a whole JSON object; the placeholders of overlap scheduling (host stream, or the device path)
+    are read from the step before; a request beside them without JSON mode is as alone."""
+    import json
+
+    from core.json_grammar import START, advance
+    from transformers import AutoTokenizer
+
+    path = tiny_checkpoints["llama"]
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = {c: tok.convert_tokens_to_ids(c) for c in ["{", "}", '"', "a", ":", "1", ","]}
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, overlap=overlap,
+                                 scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256)))
+    if device_path:
+        eng._stream = None  # (no request yet: the worker has not stepped)
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)[:6]
+        js = dict(max_tokens=40, json_object=True)
+        ask = [SamplingParams(temperature=0.0, **js),
+               SamplingParams(temperature=1.0, seed=5, **js),
+               SamplingParams(temperature=0.8, top_p=0.9, seed=6, frequency_penalty=0.5, **js),
+               SamplingParams(temperature=0.0, allowed_token_ids=(ids["{"], ids["}"], tok.eos_token_id), **js),
+               SamplingParams(temperature=1.0, seed=7, logit_bias={t: 6.0 for t in ids.values()}, **js),
+               SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts, ask)]
+        alone = [t for o in eng.add_request(prompts[5], ask[5]) for t in o.token_ids]
+    finally:
+        eng.shutdown()
+    texts = ["".join(o.text for o in r) for r in replies]
+    for i, (text, r) in enumerate(zip(texts[:5], replies)):
+        assert advance(START, text) is not None, (i, text)
+        assert r[-1].finish_reason in ("stop", "length"), r[-1]
+        if r[-1].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), (i, text)
+    assert texts[3] == "{}" and replies[3][-1].finish_reason == "stop"  # "{", then "}": the EOS fits only then
+    assert [t for o in replies[5] for t in o.token_ids] == alone
+
+
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),
                                                   ("qwen2", "hf", "auto"), ("gpt2", "auto", "off")])
 def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):

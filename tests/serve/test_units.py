@@ -2084,7 +2084,7 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("response_format", {"type": "bogus"}), ("length_penalty", 1.2),
+    ("response_format", {"type": "json_schema"}), ("response_format", {"type": "bogus"}), ("length_penalty", 1.2),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("guided_json", {"type": "object"}),
     ("use_beam_search", True), ("guided_choice", ["a", "b"])])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
@@ -2139,7 +2139,7 @@ def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> N
         P.CompletionRequest.model_validate({"prompt": "x", "n": 0})
     assert _validation_message(e.value) == ("n must be in [1, 256], got 0", "n")
     with pytest.raises(ValidationError) as e:
-        P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+        P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_schema"}})
     message, param = _validation_message(e.value)
     assert message.startswith("response_format is not supported") and param is None
 

@@ -1,0 +1,104 @@
+"""JSON mode in the sampler (`SamplingParams.json_object`, OpenAI's `response_format: {"type": "json_object"}`): a
+row's token is one whose text keeps the reply a prefix of a JSON object (`core.json_grammar`), and a stop token (the
+EOS, a stop token id) only once the object has ended.
+
+The row's own distribution decides among the tokens that fit: greedy, the likeliest that fits; sampled, a draw among
+those that fit of its most likely `CANDIDATES` (after temperature, top-k, min_p and top-p; the rest renormalized),
+or, where none of them fits, among all tokens that fit. Tokens are checked on the host, likeliest first, so a step
+pays for a few checks where the model already writes JSON and for a scan of the vocabulary where it does not. A row
+where no token fits (a stop token banned by min_tokens once the object has ended) keeps the token drawn without the
+constraint.
+
+`JsonStates` is the sampler's: each JSON request's automaton state after the reply tokens it has seen, so that a
+step feeds only the tokens new since."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from core.json_grammar import START, State, advance, complete
+from core.sampling import SamplingParams
+
+CANDIDATES = 256  # a sampled row's most likely tokens looked at first
+GREEDY_CANDIDATES = 64  # a greedy row's
+
+
+class JsonStates:
+    """Per JSON request: (reply tokens fed, the automaton's state after them)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[int, State]] = {}
+
+    def state(self, request_id: str, reply: list[int], text: Callable[[int], str]) -> State | None:
+        """The state after `reply` (the reply's tokens, none a placeholder), feeding only what is new since the
+        last call (from the start where the reply is shorter: a step re-run); None where the reply is no JSON
+        prefix (a token drawn without the constraint, where none fitted)."""
+        n, st = self._at.get(request_id, (0, START))
+        if n > len(reply):
+            n, st = 0, START
+        for t in reply[n:]:
+            st = advance(st, text(t)) if st is not None else None
+        self._at[request_id] = (len(reply), st)
+        return st
+
+    def release(self, request_id: str) -> None:
+        self._at.pop(request_id, None)
+
+    def drop(self) -> None:
+        self._at.clear()
+
+
+def _row_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """A sampled row's probabilities [V] as the sampler draws them: temperature, top-k, min_p, then top-p (float32)."""
+    y = x.float() / p.temperature
+    width = y.shape[-1]
+    if p.top_k and 0 < p.top_k < width:
+        y = y.masked_fill(y < torch.topk(y, p.top_k).values[-1], float("-inf"))
+    if p.min_p > 0.0:
+        y = y.masked_fill(y < y.max() + math.log(p.min_p), float("-inf"))
+    probs = torch.softmax(y, dim=-1)
+    if p.top_p < 1.0:
+        vals, idx = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(vals, dim=-1) - vals) > p.top_p  # past the smallest prefix that reaches top_p
+        probs = probs.index_put((idx[drop],), torch.zeros((), dtype=probs.dtype, device=probs.device))
+    return probs
+
+
+def choose(x: torch.Tensor, p: SamplingParams, u: float | None, st: State, stops: frozenset[int],
+           text: Callable[[int], str]) -> int | None:
+    """A token for one JSON row from its logits `x` [V] (after bans, logit_bias and penalties): greedy (`u` None) the
+    likeliest that fits; else the draw `u` in [0, 1) among those that fit. None where no token fits."""
+    done = complete(st)
+
+    def fits(t: int) -> bool:
+        return done if t in stops else advance(st, text(t)) is not None
+
+    if u is None:
+        vals, idx = torch.topk(x, min(GREEDY_CANDIDATES, x.shape[-1]))
+        for v, t in zip(vals.tolist(), idx.tolist()):
+            if v == float("-inf"):
+                return None
+            if fits(t):
+                return t
+        order = torch.argsort(x, descending=True).tolist()
+        finite = int(torch.isfinite(x).sum())
+        return next((t for t in order[len(idx):finite] if fits(t)), None)
+    probs = _row_probs(x, p)
+    vals, idx = torch.topk(probs, min(CANDIDATES, probs.shape[-1]))
+    cands = [(t, v) for v, t in zip(vals.tolist(), idx.tolist()) if v > 0.0 and fits(t)]
+    if not cands:  # none of its likeliest fit: every token that does, by the row's distribution before truncation
+        whole = torch.softmax(x.float() / p.temperature, dim=-1)
+        nz = torch.nonzero(whole > 0).flatten().tolist()
+        w = whole.tolist()
+        cands = [(t, w[t]) for t in nz if fits(t)]
+    if not cands:
+        return None
+    total = sum(v for _, v in cands)
+    at, acc = u * total, 0.0
+    for t, v in cands:
+        acc += v
+        if acc > at:
+            return t
+    return cands[-1][0]
