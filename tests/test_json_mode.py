@@ -1,0 +1,116 @@
+"""JSON mode's parts: the character-level JSON automaton (`core.json_grammar`) against Python's json, and the choice
+of a fitting token (`engine.json_mode.choose`) on hand-made logits."""
+import json
+import random
+
+import pytest
+import torch
+
+from core.json_grammar import MAX_WHITESPACE, START, advance, complete
+from core.sampling import SamplingParams
+from engine.json_mode import JsonStates, choose
+
+
+def _value(rng: random.Random, depth: int):
+    r = rng.random()
+    if depth > 3 or r < 0.3:
+        return rng.choice([rng.randint(-10**6, 10**6), rng.uniform(-1e9, 1e9), 1e-7, True, False, None,
+                           "plain", 'q"uo\\te', "tab\there", "\u00e9\u4e2d\U0001f600", ""])
+    if r < 0.65:
+        return {f"k{i}": _value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+    return [_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+
+
+def test_every_json_object_is_accepted_whole_and_every_prefix_continues():
+    rng = random.Random(0)
+    for _ in range(400):
+        obj = {f"k{i}": _value(rng, 1) for i in range(rng.randint(0, 4))}
+        for indent in (None, 2):
+            text = json.dumps(obj, indent=indent, ensure_ascii=rng.random() < 0.5)
+            st = START
+            for j, ch in enumerate(text):
+                st = advance(st, ch)
+                assert st is not None, (text, j)
+                assert complete(st) == (j == len(text) - 1), (text, j)
+
+
+@pytest.mark.parametrize("text", [
+    "[]", '"s"', "1", '{"a" 1}', '{"a": 01}', '{"a": tru}', '{"a": "\n"}', '{a: 1}', '{"a": 1,}', '{"a": -}',
+    '{"a": 1.}', '{"a": .5}', '{"a": 1}}', '{"a": [1 2]}', '{"a": "\\x"}', '{"a": "\\u12g4"}', "{,}", '{"a":1e}'])
+def test_what_no_json_object_starts_with_is_refused(text):
+    st = advance(START, text)
+    assert st is None or not complete(st)
+    if st is not None:  # a prefix the automaton takes: Python's json refuses it whole too
+        with pytest.raises(ValueError):
+            obj = json.loads(text)
+            assert isinstance(obj, dict)
+
+
+def test_random_texts_the_automaton_completes_are_json_objects():
+    rng = random.Random(1)
+    chars = '{}[]":,0123456789-.eE+tfalsenur \\ab'
+    completed = 0
+    for _ in range(100000):
+        text = "".join(rng.choice(chars) for _ in range(rng.randint(1, 10)))
+        st = advance(START, text)
+        if st is not None and complete(st):
+            assert isinstance(json.loads(text), dict), text
+            completed += 1
+    assert completed > 0
+
+
+def test_whitespace_outside_strings_is_capped_and_an_empty_text_never_fits():
+    assert advance(START, " " * MAX_WHITESPACE + "{}") is not None
+    assert advance(START, " " * (MAX_WHITESPACE + 1)) is None
+    assert advance(advance(START, '{"a": "'), " " * 500) is not None  # inside a string: any length
+    assert advance(START, "") is None
+
+
+TEXTS = {0: "", 1: "{", 2: "}", 3: '"', 4: "a", 5: ":", 6: "1", 7: "]", 8: " ", 9: "x\n"}  # 0: the EOS
+
+
+def _text(t: int) -> str:
+    return TEXTS[t]
+
+
+def test_greedy_takes_the_likeliest_token_that_fits_and_a_stop_only_once_the_object_ended():
+    x = torch.tensor([5.0, 1.0, 0.5, 0.0, 4.0, 0.0, 3.0, 6.0, -1.0, 7.0])
+    p = SamplingParams(temperature=0.0)
+    stops = frozenset({0})
+    assert choose(x, p, None, START, stops, _text) == 1  # "x\n", "]", the EOS and "a" do not fit before "{"
+    opened = advance(START, "{")
+    assert choose(x, p, None, opened, stops, _text) == 2  # "}" (0.5) before a key's quote (0.0) and " " (-1)
+    done = advance(START, "{}")
+    assert choose(x, p, None, done, stops, _text) == 0  # the EOS, now
+    x[0] = float("-inf")  # the EOS banned (min_tokens): only whitespace fits
+    assert choose(x, p, None, done, stops, _text) == 8
+    assert choose(torch.full((10,), float("-inf")), p, None, done, stops, _text) is None
+
+
+def test_a_draw_keeps_the_rows_distribution_over_the_tokens_that_fit():
+    x = torch.log(torch.tensor([0.05, 0.05, 0.05, 0.3, 0.2, 0.05, 0.05, 0.05, 0.1, 0.1]))
+    p = SamplingParams(temperature=1.0)
+    opened = advance(START, "{")  # fit: '"' (0.3), "}" (0.05), " " (0.1)
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for _ in range(4000):
+        t = choose(x, p, float(torch.rand(1, generator=g)), opened, frozenset({0}), _text)
+        counts[t] = counts.get(t, 0) + 1
+    assert set(counts) == {2, 3, 8}
+    for t, want in ((3, 0.3 / 0.45), (2, 0.05 / 0.45), (8, 0.1 / 0.45)):
+        assert abs(counts[t] / 4000 - want) < 0.03, counts
+
+
+def test_states_feed_only_the_new_tokens_and_start_over_for_a_shorter_reply():
+    seen = []
+
+    def text(t: int) -> str:
+        seen.append(t)
+        return TEXTS[t]
+    js = JsonStates()
+    assert js.state("r", [1, 3, 4], text) == advance(START, '{"a')
+    assert js.state("r", [1, 3, 4, 3], text) == advance(START, '{"a"') and seen == [1, 3, 4, 3]
+    assert js.state("r", [1, 3], text) == advance(START, '{"')  # a step re-run: from the start
+    assert js.state("bad", [4], text) is None  # a token that did not fit: no state
+    js.release("r")
+    assert js.state("r", [1], text) == advance(START, "{")
