@@ -310,7 +310,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         cfg = AutoConfig.from_pretrained(path)
 
     res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "penalties": [],
-                           "logprobs": [],
+                           "logprobs": [], "json": [],
                            "overlap": []}
     bmax = max(plan.batches + plan.spread_batches + plan.overlap_batches + (plan.sampling_batch,))
     try:
@@ -414,6 +414,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             side_by_side("logprobs", plan.sampling_batch, "logprobs",
                          lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
 
+        def json_mode() -> None:  # greedy beside greedy in JSON mode (each row's token checked on the host)
+            knobs = {"temperature": 0.0, "json_object": True}
+            side_by_side("json", plan.sampling_batch, "json",
+                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
+
         def overlap() -> None:
             def without(prompts, tag):
                 eng.run_idle(lambda e: setattr(e, "overlap", False))
@@ -436,6 +441,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             guarded("penalties", penalties)
         if plan.sampling_batch and time_left("logprobs"):
             guarded("logprobs", logprobs)
+        if plan.sampling_batch and time_left("json"):
+            guarded("json", json_mode)
         if eng.overlap and plan.overlap_batches:
             guarded("overlap", overlap)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
@@ -501,6 +508,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
         "sampling": res["sampling"], "penalties": res["penalties"], "logprobs": res["logprobs"],
+        "json": res["json"],
         "overlap": res["overlap"], "skipped": skipped,
         "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
@@ -541,6 +549,8 @@ def headline(r: dict[str, Any]) -> str:
         parts.append(f"penalties at B={d['batch']} {d['ratio']:.3f}x")
     for d in r.get("logprobs", []):
         parts.append(f"logprobs 5 at B={d['batch']} {d['ratio']:.3f}x")
+    for d in r.get("json", []):
+        parts.append(f"JSON mode at B={d['batch']} {d['ratio']:.3f}x")
     if r.get("overlap"):
         parts.append("without overlap " + ", ".join(f"B={d['batch']} {d['ratio']:.2f}x" for d in r["overlap"]))
     return "; ".join(parts)
@@ -549,8 +559,8 @@ def headline(r: dict[str, Any]) -> str:
 def write_run_summary(target: str, r: dict[str, Any]):
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
-                                 "decode", "spread", "prefill", "hf", "sampling", "penalties", "logprobs", "overlap",
-                                 "skipped",
+                                 "decode", "spread", "prefill", "hf", "sampling", "penalties", "logprobs", "json",
+                                 "overlap", "skipped",
                                  "versions", "total_s")}
     return write_summary(target, r["command"], headline(r), figures, commit=r["commit"])
 
@@ -590,6 +600,9 @@ def print_report(r: dict[str, Any]) -> None:
     for d in r.get("logprobs", []):
         print(f"logprobs B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, with logprobs 5 "
               f"{d['logprobs_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
+    for d in r.get("json", []):
+        print(f"JSON mode B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, in JSON mode {d['json_ms_step']:.2f} "
+              f"ms/step ({d['ratio']:.3f}x)")
     for d in r["overlap"]:
         print(f"overlap scheduling B={d['batch']}: {d['ms_step']:.2f} ms/step, without it {d['no_overlap_ms_step']:.2f} "
               f"ms/step ({d['ratio']:.2f}x)")

@@ -33,6 +33,8 @@ def _check_ladders(doc: dict, contexts: dict[str, dict[int, list[int]]]) -> None
     assert d["batch"] == 4 and all(_num(d[k]) and d[k] > 0 for k in ("ms_step", "penalized_ms_step", "ratio"))
     [d] = doc["logprobs"]  # greedy beside greedy with logprobs
     assert d["batch"] == 4 and all(_num(d[k]) and d[k] > 0 for k in ("ms_step", "logprobs_ms_step", "ratio"))
+    [d] = doc["json"]  # greedy beside greedy in JSON mode
+    assert d["batch"] == 4 and all(_num(d[k]) and d[k] > 0 for k in ("ms_step", "json_ms_step", "ratio"))
 
 
 def test_a_checkpoint(tmp_path, monkeypatch):
