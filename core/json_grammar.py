@@ -1,17 +1,30 @@
-"""JSON as a reply grows: a character-level pushdown automaton over immutable states, for JSON mode
-(`response_format: {"type": "json_object"}`). `advance(state, text)` is the state after `text`, or None where `text`
-cannot continue a JSON object; `complete(state)` says whether the object has ended (the reply may stop there).
+"""JSON as a reply grows: a character-level pushdown automaton over immutable states, for JSON mode (OpenAI's
+`response_format` `json_object`, or `json_schema` with a schema: `compile_schema`). `advance(state, text)` is the
+state after `text`, or None where `text` cannot continue a value the mode allows; `complete(state)` says whether the
+value has ended (the reply may stop there).
 
-A state is a tuple (stack, mode, sub, whitespace run): `stack` the open containers ("o" object, "a" array, "k" a
-string that is an object's key), `mode` what may come next, `sub` the mode's progress (a literal's rest, a \\u
-escape's hex digits left, a number's part). Whitespace outside strings is capped at `MAX_WHITESPACE` characters in a
-row, so that a reply cannot pad forever; inside strings control characters are refused, as JSON refuses them."""
+A state is a tuple (stack, mode, sub, whitespace run): `stack` the open containers, each a frame (`("o", schema,
+keys seen, its last key)` an object, `("a", schema)` an array, `("k", text)` an object's key being read), `mode`
+what may come next, `sub` the mode's own (the schema of the value to come, a literal's rest, a \\u escape's hex
+digits left, a number's part, an enum's candidates and what of them is written). A schema of None allows any
+value. Whitespace outside strings is capped at `MAX_WHITESPACE` characters in a row, so that a reply cannot pad
+forever; inside strings control characters are refused, as JSON refuses them.
+
+Schemas: `type` (one or a list), `properties`, `required`, `additionalProperties` (false, or left out beside
+`properties` as vLLM's xgrammar takes it: no other key; true or a schema: other keys, their values of it), `items`,
+`enum`, `const`, `anyOf` / `oneOf` (a value takes the first alternative its first character fits), and `$ref` to
+`#/$defs/...` or `#/definitions/...`; `title`, `description`, `default`, `examples`, `format` and the like are read
+and not enforced; any other keyword (`pattern`, `minLength`, ...) is refused by `compile_schema`, so that no reply
+breaks a rule it was asked to keep."""
 from __future__ import annotations
+
+import json
+from typing import Any
 
 MAX_WHITESPACE = 64
 
 # modes
-TOP, VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, DONE = range(13)
+VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE = range(13)
 _WS = frozenset(" \t\n\r")
 _DIGITS = frozenset("0123456789")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -22,38 +35,209 @@ _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 _MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
 _NUMBER_ENDS = frozenset((_ZERO, _INT, _FRAC, _EXP))
 
-State = tuple[tuple[str, ...], int, object, int]
-START: State = ((), TOP, None, 0)
+# keywords a schema may hold: those enforced, and those read as notes (not enforced)
+ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+                      "oneOf", "$ref", "$defs", "definitions"))
+NOTES = frozenset(("title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "strict",
+                   "readOnly", "writeOnly", "deprecated"))
+TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
+
+Schema = dict[str, Any] | None
+State = tuple[tuple[tuple, ...], int, Any, int]
+OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any object
 
 
-def _after_value(stack: tuple[str, ...]) -> State:
+def start(schema: Schema = OBJECT) -> State:
+    """The state before a reply: a value of `schema` to come (default: any JSON object, json_object's)."""
+    return ((), VALUE, schema, 0)
+
+
+START = start()
+
+
+def compile_schema(text: str) -> dict[str, Any]:
+    """A JSON schema (its text) made ready for `start`: its local `$ref`s replaced by what they name. ValueError
+    (a client's 400, naming it) for a schema that is not an object, a keyword not in `ENFORCED` or `NOTES`, a type
+    not in `TYPES`, or a `$ref` that names nothing here."""
+    try:
+        root = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"json_schema is not JSON: {e}") from None
+    if not isinstance(root, dict):
+        raise ValueError("json_schema must be a JSON object")
+
+    def ref(name: str, hops: int = 0) -> dict[str, Any]:
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if isinstance(name, str) and name.startswith(prefix):
+                got = (root.get(prefix[2:-1]) or {}).get(name[len(prefix):])
+                if isinstance(got, dict):
+                    return ref(got["$ref"], hops + 1) if "$ref" in got and hops < 32 else got
+        raise ValueError(f"json_schema: $ref {name!r} names no schema under #/$defs or #/definitions")
+
+    seen: set[int] = set()
+
+    def walk(node: Any, where: str) -> None:
+        if not isinstance(node, dict):
+            raise ValueError(f"json_schema: {where} must be a schema (an object), got {json.dumps(node)[:40]}")
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        bad = sorted(set(node) - ENFORCED - NOTES)
+        if bad:
+            raise ValueError(f"json_schema: {where} uses {', '.join(bad)}, which this server does not enforce")
+        types = node.get("type")
+        for t in [types] if isinstance(types, str) else (types or []):
+            if t not in TYPES:
+                raise ValueError(f"json_schema: {where} has an unknown type {t!r}")
+        if "$ref" in node:
+            target = ref(node["$ref"])
+            walk(target, node["$ref"])
+        for key, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{where}.properties.{key}")
+        for name in ("items", "additionalProperties"):
+            if isinstance(node.get(name), dict):
+                walk(node[name], f"{where}.{name}")
+        for name in ("anyOf", "oneOf"):
+            for k, alt in enumerate(node.get(name) or []):
+                walk(alt, f"{where}.{name}[{k}]")
+        for name in ("$defs", "definitions"):
+            for key, sub in (node.get(name) or {}).items():
+                walk(sub, f"#/{name}/{key}")
+        if "enum" in node and not isinstance(node["enum"], list):
+            raise ValueError(f"json_schema: {where}.enum must be a list")
+
+    walk(root, "the schema")
+
+    if "$ref" in root:
+        root = {**ref(root["$ref"]), **{k: v for k, v in root.items() if k in ("$defs", "definitions")}}
+    # every {"$ref": ...} becomes the schema it names (shared: a recursive schema's cycles kept), each container once
+    todo: list[Any] = [root]
+    visited: set[int] = set()
+    while todo:
+        node = todo.pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        entries = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+        for key, sub in entries:
+            if key in ("enum", "const", "default", "examples"):  # values, not schemas
+                continue
+            if isinstance(sub, dict) and "$ref" in sub:
+                node[key] = sub = ref(sub["$ref"])
+            if isinstance(sub, (dict, list)):
+                todo.append(sub)
+    return root
+
+
+def _types(node: dict[str, Any]) -> frozenset[str] | None:
+    """The types a schema allows (None: any), `integer` within `number`."""
+    t = node.get("type")
+    if t is None:
+        if "properties" in node or "additionalProperties" in node or "required" in node:
+            return frozenset(("object",))
+        if "items" in node:
+            return frozenset(("array",))
+        return None
+    return frozenset([t] if isinstance(t, str) else t)
+
+
+def _value(stack: tuple, ch: str, node: Schema) -> State | None:
+    """A value of schema `node` starting with `ch`."""
+    if node is not None:
+        alts = node.get("anyOf") or node.get("oneOf")
+        if alts:
+            for alt in alts:
+                got = _value(stack, ch, alt)
+                if got is not None:
+                    return got
+            return None
+        if "const" in node or "enum" in node:
+            values = [node["const"]] if "const" in node else node["enum"]
+            texts = tuple(json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in values)
+            return step((stack, CHOICE, (texts, ""), 0), ch)
+        types = _types(node)
+    else:
+        types = None
+
+    def allows(t: str) -> bool:
+        return types is None or t in types
+
+    if ch == "{" and allows("object"):
+        return (stack + (("o", node, frozenset(), None),), KEY_OR_END, None, 0)
+    if ch == "[" and allows("array"):
+        return (stack + (("a", node),), VALUE_OR_END, None, 0)
+    if ch == '"' and allows("string"):
+        return (stack, STRING, None, 0)
+    if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
+        integer = types is not None and "number" not in types
+        part = _MINUS if ch == "-" else (_ZERO if ch == "0" else _INT)
+        return (stack, NUMBER, (part, integer), 0)
+    if (ch in "tf" and allows("boolean")) or (ch == "n" and allows("null")):
+        return (stack, LITERAL, _LITERALS[ch], 0)
+    return None
+
+
+def _after_value(stack: tuple) -> State:
     return (stack, AFTER if stack else DONE, None, 0)
 
 
-def _value(stack: tuple[str, ...], ch: str) -> State | None:
-    """A value starting with `ch`."""
-    if ch == "{":
-        return (stack + ("o",), KEY_OR_END, None, 0)
-    if ch == "[":
-        return (stack + ("a",), VALUE_OR_END, None, 0)
+def _object(frame: tuple) -> tuple[dict, bool, frozenset[str]]:
+    """An object frame's properties, whether it is closed (no keys but its properties: `additionalProperties` false,
+    or left out where it has properties, as vLLM's xgrammar takes a schema by default), its required keys."""
+    node = frame[1]
+    if node is None:
+        return {}, False, frozenset()
+    props = node.get("properties") or {}
+    extra = node.get("additionalProperties", not props)
+    return props, extra is False, frozenset(node.get("required") or ())
+
+
+def _may_add_key(frame: tuple) -> bool:
+    props, closed, _ = _object(frame)
+    return not closed or any(k not in frame[2] for k in props)
+
+
+def _may_close(frame: tuple) -> bool:
+    return _object(frame)[2] <= frame[2]
+
+
+def _value_schema(frame: tuple) -> Schema:
+    """The schema of the value of an object frame's last key."""
+    node, key = frame[1], frame[3]
+    if node is None:
+        return None
+    props = node.get("properties") or {}
+    if key in props:
+        return props[key]
+    extra = node.get("additionalProperties")
+    return extra if isinstance(extra, dict) else None
+
+
+def _key_char(stack: tuple, ch: str) -> State | None:
+    """A character of an object's key (`stack` ends with its ("k", text) frame)."""
+    (_, text), obj = stack[-1], stack[-2]
+    props, closed, _ = _object(obj)
     if ch == '"':
-        return (stack, STRING, None, 0)
-    if ch == "-":
-        return (stack, NUMBER, _MINUS, 0)
-    if ch in _DIGITS:
-        return (stack, NUMBER, _ZERO if ch == "0" else _INT, 0)
-    if ch in _LITERALS:
-        return (stack, LITERAL, _LITERALS[ch], 0)
-    return None
+        if text in obj[2] or (closed and text not in props):  # (a key twice, or one the object does not take)
+            return None
+        return (stack[:-2] + (("o", obj[1], obj[2] | {text}, text),), COLON, None, 0)
+    if ch == "\\":
+        return None if closed else (stack, ESCAPE, None, 0)
+    if ch < " ":
+        return None
+    text += ch
+    if closed and not any(k.startswith(text) and k not in obj[2] for k in props):
+        return None
+    return (stack[:-1] + (("k", text),), STRING, None, 0)
 
 
 def step(state: State, ch: str) -> State | None:
     """The state after one more character, or None where it cannot come next."""
     stack, mode, sub, ws = state
     if mode == STRING:
+        if stack and stack[-1][0] == "k":
+            return _key_char(stack, ch)
         if ch == '"':
-            if stack and stack[-1] == "k":
-                return (stack[:-1], COLON, None, 0)
             return _after_value(stack)
         if ch == "\\":
             return (stack, ESCAPE, None, 0)
@@ -70,49 +254,66 @@ def step(state: State, ch: str) -> State | None:
         if ch != sub[0]:
             return None
         return _after_value(stack) if len(sub) == 1 else (stack, LITERAL, sub[1:], 0)
+    if mode == CHOICE:
+        texts, written = sub
+        more = written + ch
+        if more in texts and not any(t != more and t.startswith(more) for t in texts):
+            return _after_value(stack)  # no other candidate goes on from here: the value has ended
+        if any(t.startswith(more) for t in texts):
+            return (stack, CHOICE, (texts, more), 0)
+        return step(_after_value(stack), ch) if written in texts else None  # it ended: this is what follows it
     if mode == NUMBER:
-        nxt = _number(sub, ch)
+        part, integer = sub
+        nxt = _number(part, ch, integer)
         if nxt is not None:
-            return (stack, NUMBER, nxt, 0)
-        if sub not in _NUMBER_ENDS:
+            return (stack, NUMBER, (nxt, integer), 0)
+        if part not in _NUMBER_ENDS:
             return None
         return step(_after_value(stack), ch)  # the number ended: this character is what follows it
     if ch in _WS:
         return (stack, mode, sub, ws + 1) if ws < MAX_WHITESPACE else None
-    if mode == TOP:
-        return (("o",), KEY_OR_END, None, 0) if ch == "{" else None
     if mode == VALUE:
-        return _value(stack, ch)
+        return _value(stack, ch, sub)
     if mode == VALUE_OR_END:
         if ch == "]":
             return _after_value(stack[:-1])
-        return _value(stack, ch)
+        node = stack[-1][1]
+        return _value(stack, ch, node.get("items") if node is not None else None)
     if mode in (KEY_OR_END, KEY):
-        if ch == '"':
-            return (stack + ("k",), STRING, None, 0)
-        if ch == "}" and mode == KEY_OR_END:
+        frame = stack[-1]
+        if ch == '"' and _may_add_key(frame):
+            return (stack + (("k", ""),), STRING, None, 0)
+        if ch == "}" and mode == KEY_OR_END and _may_close(frame):
             return _after_value(stack[:-1])
         return None
     if mode == COLON:
-        return (stack, VALUE, None, 0) if ch == ":" else None
+        return (stack, VALUE, _value_schema(stack[-1]), 0) if ch == ":" else None
     if mode == AFTER:
-        top = stack[-1]
+        frame = stack[-1]
+        if frame[0] == "o":
+            if ch == "," and _may_add_key(frame):
+                return (stack, KEY, None, 0)
+            if ch == "}" and _may_close(frame):
+                return _after_value(stack[:-1])
+            return None
         if ch == ",":
-            return (stack, KEY if top == "o" else VALUE, None, 0)
-        if ch == ("}" if top == "o" else "]"):
-            return _after_value(stack[:-1])
-        return None
+            node = frame[1]
+            return (stack, VALUE, node.get("items") if node is not None else None, 0)
+        return _after_value(stack[:-1]) if ch == "]" else None
     return None  # DONE: only whitespace
 
 
-def _number(part: int, ch: str) -> int | None:
-    """A number's next part after `ch`, or None where `ch` does not continue it."""
+def _number(part: int, ch: str, integer: bool) -> int | None:
+    """A number's next part after `ch`, or None where `ch` does not continue it (an integer's: no fraction or
+    exponent)."""
     digit = ch in _DIGITS
     if part == _MINUS:
         return (_ZERO if ch == "0" else _INT) if digit else None
     if part in (_ZERO, _INT, _FRAC):
         if digit and part != _ZERO:
             return part
+        if integer:
+            return None
         if ch == "." and part != _FRAC:
             return _DOT
         if ch in "eE":
@@ -140,5 +341,5 @@ def advance(state: State, text: str) -> State | None:
 
 
 def complete(state: State) -> bool:
-    """Whether the JSON object has ended (only whitespace may follow)."""
+    """Whether the value has ended (only whitespace may follow)."""
     return state[1] == DONE

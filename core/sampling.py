@@ -49,6 +49,9 @@ class SamplingParams:
     # OpenAI's response_format json_object: the reply is a JSON object (each token one that keeps it one; a stop token
     # only once it has ended: `engine.json_mode`)
     json_object: bool = False
+    # OpenAI's response_format json_schema (vLLM's guided_json): the reply is a JSON value of this schema (its JSON
+    # text; `core.json_grammar.compile_schema` says what a schema may hold)
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -98,6 +101,9 @@ class SamplingParams:
             lp = getattr(self, name)
             if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        if self.json_schema is not None:
+            from core.json_grammar import compile_schema  # (a ValueError naming what it refuses)
+            compile_schema(self.json_schema)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
             raise ValueError("allowed_token_ids must be non-negative token ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -121,6 +127,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a presence, frequency or repetition penalty changes this request's logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def json_mode(self) -> bool:
+        """Whether the reply must be JSON: an object (`json_object`) or a value of a schema (`json_schema`)."""
+        return self.json_object or self.json_schema is not None
 
     @property
     def greedy(self) -> bool:

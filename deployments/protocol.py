@@ -4,12 +4,12 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: a chat's echo or best_of, suffix,
-tools / tool_choice / functions, a response_format other than text or json_object, vLLM's guided decoding and beam
-search, and a request's own chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition
-penalties, min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's
-`prompt_logprobs`, `shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode, and vLLM's other
-sampling and output fields are honoured, and so are vLLM's fields for how a prompt is tokenized
-(`core.messages.PromptOptions`).
+tools / tool_choice / functions, vLLM's guided decoding but guided_json, beam search, and a request's own chat
+template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
+completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
+`shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode (`response_format` json_object or
+json_schema, vLLM's guided_json: `core.json_grammar`), and vLLM's other sampling and output fields are honoured, and
+so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from core.json_grammar import compile_schema
 from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob, check_template_kwargs
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
@@ -53,8 +54,7 @@ class StreamOptions(BaseModel):
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"}, {"type": "json_object"}), "tool_choice": ("none", "auto"),
-    "functions": ([],), "function_call": ("none", "auto"), "guided_json": (), "guided_regex": (),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "parallel_tool_calls": (True, False),
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
@@ -119,10 +119,17 @@ class _Common(BaseModel):
     slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
-    # OpenAI's: {"type": "json_object"} makes the reply a JSON object (`core.json_grammar`); text: as without it
-    response_format: dict[str, Any] | None = Field(None, json_schema_extra=_opt(
+    # OpenAI's: {"type": "json_object"} makes the reply a JSON object, {"type": "json_schema", "json_schema":
+    # {"schema": ...}} a JSON value of that schema (`core.json_grammar`); text: as without it. vLLM's guided_json: a
+    # schema, as json_schema's
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra=_opt({"anyOf": [
         {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"],
-         "additionalProperties": False}))
+         "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                             "strict": {"type": ["boolean", "null"]}}, "required": ["schema"]}},
+         "required": ["type", "json_schema"]}]}))
+    guided_json: dict[str, Any] | str | None = None
     # vLLM's: only these tokens may be drawn; special tokens kept in the text; a stop string kept in it; the prompt's
     # last k tokens only (-1: as many as the context window takes)
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 17, json_schema_extra=_opt(
@@ -180,6 +187,42 @@ class _Common(BaseModel):
             raise ValueError(f"{info.field_name} must be non-negative token ids")
         return v
 
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind in ("text", "json_object") and set(v) == {"type"}:
+            return v
+        if kind != "json_schema":
+            raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                             f'"json_schema", "json_schema": {{"schema": ...}}}}, got {json.dumps(v)[:80]}')
+        spec = v.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format: a json_schema needs its schema, an object, at json_schema.schema")
+        compile_schema(json.dumps(schema))  # (a ValueError naming what it refuses)
+        return v
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_json(cls, v: dict[str, Any] | str | None, info: Any) -> dict[str, Any] | str | None:
+        if v is not None:
+            if (info.data.get("response_format") or {}).get("type", "text") != "text":
+                raise ValueError("guided_json and a response_format of JSON cannot both be given")
+            compile_schema(v if isinstance(v, str) else json.dumps(v))
+        return v
+
+    def json_schema(self) -> str | None:
+        """The schema the reply must be a value of (its JSON text), where one is given."""
+        if self.guided_json is not None:
+            return self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+        rf = self.response_format or {}
+        if rf.get("type") != "json_schema":
+            return None
+        return json.dumps(rf["json_schema"].get("schema", rf["json_schema"].get("schema_")))
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate(cls, v: int | None) -> int | None:
@@ -214,7 +257,7 @@ class _Common(BaseModel):
             logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),
             allowed_token_ids=list(self.allowed_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            json_object=(self.response_format or {}).get("type") == "json_object",
+            json_object=(self.response_format or {}).get("type") == "json_object", json_schema=self.json_schema(),
         )
         kw["max_tokens"] = max_tokens
         return kw

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from core.json_grammar import START, State, advance, complete
+from core.json_grammar import START, State, advance, compile_schema, complete, start
 from core.sampling import SamplingParams
 
 CANDIDATES = 256  # a sampled row's most likely tokens looked at first
@@ -26,18 +26,32 @@ GREEDY_CANDIDATES = 64  # a greedy row's
 
 
 class JsonStates:
-    """Per JSON request: (reply tokens fed, the automaton's state after them)."""
+    """Per JSON request: (reply tokens fed, the automaton's state after them); and the schemas compiled lately."""
 
     def __init__(self) -> None:
         self._at: dict[str, tuple[int, State]] = {}
+        self._schemas: dict[str, dict] = {}  # schema text -> compiled (`compile_schema`), a few (n choices share one)
 
-    def state(self, request_id: str, reply: list[int], text: Callable[[int], str]) -> State | None:
+    def origin(self, params: SamplingParams) -> State:
+        """The state before a reply: any object (json_object), or a value of its schema."""
+        text = params.json_schema
+        if text is None:
+            return START
+        node = self._schemas.get(text)
+        if node is None:
+            if len(self._schemas) >= 64:
+                self._schemas.clear()
+            node = self._schemas[text] = compile_schema(text)
+        return start(node)
+
+    def state(self, request_id: str, params: SamplingParams, reply: list[int], text: Callable[[int], str]
+              ) -> State | None:
         """The state after `reply` (the reply's tokens, none a placeholder), feeding only what is new since the
         last call (from the start where the reply is shorter: a step re-run); None where the reply is no JSON
         prefix (a token drawn without the constraint, where none fitted)."""
-        n, st = self._at.get(request_id, (0, START))
-        if n > len(reply):
-            n, st = 0, START
+        n, st = self._at.get(request_id, (0, None))
+        if st is None and n == 0 or n > len(reply):
+            n, st = 0, self.origin(params)
         for t in reply[n:]:
             st = advance(st, text(t)) if st is not None else None
         self._at[request_id] = (len(reply), st)

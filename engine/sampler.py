@@ -436,7 +436,7 @@ class Sampler:
                 logprobs.append((i, p.logprobs))
             if p.allowed_token_ids:
                 allowed.append((i, p.allowed_token_ids))
-            if p.json_object:
+            if p.json_mode:
                 json_rows.append((i, r.token_ids[r.num_prompt_tokens:]))
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
@@ -569,7 +569,7 @@ class Sampler:
                     continue
             r = d.reqs[i]
             p = r.params
-            st = self._json.state(r.request_id, reply, self.token_text)
+            st = self._json.state(r.request_id, p, reply, self.token_text)
             if st is None:  # a token that did not fit went before (none did): no constraint left to keep
                 continue
             u = float(d.u[drawn[i], 0]) if i in drawn and d.u is not None else None

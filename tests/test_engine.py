@@ -277,6 +277,28 @@ def test_json_mode_replies_are_json_objects_or_their_prefixes(tiny_checkpoints, 
     assert [t for o in replies[5] for t in o.token_ids] == alone
 
 
+def test_a_json_schema_reply_is_a_value_of_its_schema(tiny_checkpoints):
+    """json_schema: a schema whose values are few (an enum, a boolean, a null) leaves a tiny random model no way but
+    to write one: each reply, greedy or sampled, ends by its EOS as a value of the schema."""
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"},
+                                               "c": {"type": "null"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)[:3]
+        ask = [SamplingParams(max_tokens=600, temperature=t, seed=s, json_schema=json.dumps(schema))
+               for t, s in ((0.0, None), (1.0, 3), (1.5, 4))]
+        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts, ask)]
+    finally:
+        eng.shutdown()
+    for r in replies:
+        obj = json.loads("".join(o.text for o in r))
+        assert r[-1].finish_reason == "stop" and obj["a"] in ("x", "yy") and isinstance(obj["b"], bool), obj
+        assert set(obj) <= {"a", "b", "c"} and obj.get("c") is None
+
+
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),
                                                   ("qwen2", "hf", "auto"), ("gpt2", "auto", "off")])
 def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):

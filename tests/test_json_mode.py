@@ -101,6 +101,9 @@ def test_a_draw_keeps_the_rows_distribution_over_the_tokens_that_fit():
         assert abs(counts[t] / 4000 - want) < 0.03, counts
 
 
+JS = SamplingParams(json_object=True)
+
+
 def test_states_feed_only_the_new_tokens_and_start_over_for_a_shorter_reply():
     seen = []
 
@@ -108,9 +111,72 @@ def test_states_feed_only_the_new_tokens_and_start_over_for_a_shorter_reply():
         seen.append(t)
         return TEXTS[t]
     js = JsonStates()
-    assert js.state("r", [1, 3, 4], text) == advance(START, '{"a')
-    assert js.state("r", [1, 3, 4, 3], text) == advance(START, '{"a"') and seen == [1, 3, 4, 3]
-    assert js.state("r", [1, 3], text) == advance(START, '{"')  # a step re-run: from the start
-    assert js.state("bad", [4], text) is None  # a token that did not fit: no state
+    assert js.state("r", JS, [1, 3, 4], text) == advance(START, '{"a')
+    assert js.state("r", JS, [1, 3, 4, 3], text) == advance(START, '{"a"') and seen == [1, 3, 4, 3]
+    assert js.state("r", JS, [1, 3], text) == advance(START, '{"')  # a step re-run: from the start
+    assert js.state("bad", JS, [4], text) is None  # a token that did not fit: no state
     js.release("r")
-    assert js.state("r", [1], text) == advance(START, "{")
+    assert js.state("r", JS, [1], text) == advance(START, "{")
+
+
+def _schema_state(schema: dict):
+    from core.json_grammar import compile_schema, start
+    return start(compile_schema(json.dumps(schema)))
+
+
+def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal, Optional
+
+    class Addr(pydantic.BaseModel):
+        city: str
+        zip: int
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+        tags: list[str]
+        kind: Literal["a", "bb"]
+        addr: Optional[Addr] = None
+        score: float
+
+    class Tree(pydantic.BaseModel):
+        v: int
+        kids: list["Tree"] = []
+
+    st = _schema_state(Person.model_json_schema())  # $defs, $ref, anyOf (Optional), enum (Literal)
+    for obj in (Person(name="x", age=3, tags=["a"], kind="bb", addr=Addr(city="c", zip=9), score=1.5),
+                Person(name="", age=-2, tags=[], kind="a", score=2)):
+        for indent in (None, 2):
+            done = advance(st, obj.model_dump_json(indent=indent))
+            assert done is not None and complete(done)
+    for bad in ('{"name": 1', '{"age": 1.5', '{"kind": "c"', '{"kind": "b"}', '{"nam": ', '{"name": "x"}',
+                '{"tags": [1]', '{"addr": {"city": "c"}}', '{"name": "x", "name"', "[]"):
+        assert advance(st, bad) is None, bad  # a wrong type, enum value or key, a required key missing, a repeat
+    tree = _schema_state(Tree.model_json_schema())  # a recursive $ref
+    done = advance(tree, Tree(v=1, kids=[Tree(v=2, kids=[Tree(v=3)])]).model_dump_json())
+    assert done is not None and complete(done)
+    free = _schema_state({"type": "object", "additionalProperties": True, "properties": {"a": {"type": "null"}}})
+    assert complete(advance(free, '{"zz": [1, {"q": true}], "a": null}'))
+    assert advance(free, '{"a": 1') is None
+    typed = _schema_state({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert complete(advance(typed, '{"x": 1, "y": -20}')) and advance(typed, '{"x": 1.5') is None
+    const = _schema_state({"type": "object", "properties": {"v": {"const": 10}, "w": {"enum": [1, 12, "1"]}}})
+    assert complete(advance(const, '{"v": 10, "w": 12}')) and complete(advance(const, '{"w": 1}'))
+    assert advance(const, '{"v": 1}') is None and advance(const, '{"w": 2') is None
+    either = _schema_state({"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]})
+    assert complete(advance(either, '["a", "b"]')) and advance(either, '[1') is None
+    assert not complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number ends where ws follows
+
+
+@pytest.mark.parametrize("schema,match", [
+    ([], "must be a JSON object"), ({"type": "string", "pattern": "a+"}, "pattern"),
+    ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"type": "strin"}, "unknown type"),
+    ({"properties": {"a": {"minLength": 2}}}, "minLength"), ({"properties": {"a": 3}}, "must be a schema")])
+def test_a_schema_with_what_is_not_enforced_is_refused(schema, match):
+    from core.json_grammar import compile_schema
+
+    with pytest.raises(ValueError, match=match):
+        compile_schema(json.dumps(schema))
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(json_schema=json.dumps(schema)).validate()

@@ -2084,9 +2084,8 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_schema"}), ("response_format", {"type": "bogus"}), ("length_penalty", 1.2),
-    ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("guided_json", {"type": "object"}),
-    ("use_beam_search", True), ("guided_choice", ["a", "b"])])
+    ("length_penalty", 1.2), ("tool_choice", "required"), ("functions", [{"name": "f"}]),
+    ("guided_regex", "a+"), ("use_beam_search", True), ("guided_choice", ["a", "b"])])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
     """OpenAI / vLLM apply these or answer 400; silently ignoring them would return an output the client did not
     ask for. Their defaults (or an explicit null) pass."""
@@ -2139,9 +2138,13 @@ def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> N
         P.CompletionRequest.model_validate({"prompt": "x", "n": 0})
     assert _validation_message(e.value) == ("n must be in [1, 256], got 0", "n")
     with pytest.raises(ValidationError) as e:
-        P.CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_schema"}})
+        P.CompletionRequest.model_validate({"prompt": "x", "tool_choice": "required"})
     message, param = _validation_message(e.value)
-    assert message.startswith("response_format is not supported") and param is None
+    assert message.startswith("tool_choice is not supported") and param is None
+    for bad in ({"type": "json_schema"}, {"type": "bogus"}, {"type": "text", "x": 1}):  # JSON mode's: named
+        with pytest.raises(ValidationError) as e:
+            P.CompletionRequest.model_validate({"prompt": "x", "response_format": bad})
+        assert _validation_message(e.value)[1] == "response_format"
 
 
 def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
