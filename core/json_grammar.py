@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-MAX_WHITESPACE = 64
+MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
 # modes
 VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE = range(13)

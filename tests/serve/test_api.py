@@ -670,6 +670,16 @@ def test_openai_client(base_url: str) -> None:
         oa.completions.create(model=MODEL, prompt="x", max_tokens=4, suffix="!")
     best = oa.completions.create(model=MODEL, prompt="x", max_tokens=4, best_of=3, extra_body={"ignore_eos": True})
     assert len(best.choices) == 1 and best.usage.completion_tokens == 12
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):  # the client's structured outputs: its strict json_schema of the model
+        answer: Literal["yes", "no"]
+        sure: bool
+    parsed = oa.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "ok?"}], max_tokens=600,
+                                       response_format=Verdict)
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
     assert e.value.code == "model_not_found"
