@@ -26,11 +26,18 @@ GREEDY_CANDIDATES = 64  # a greedy row's
 
 
 class JsonStates:
-    """Per JSON request: (reply tokens fed, the automaton's state after them); and the schemas compiled lately."""
+    """Per JSON request: (reply tokens fed, the automaton's state after them); and the schemas compiled lately.
+    A request's state is kept from its first plan (`hold`, on the engine's thread) to its `release`: a draw that
+    lands after the release (overlap scheduling on the host stream: a step in flight when its request ended) keeps
+    nothing."""
 
     def __init__(self) -> None:
         self._at: dict[str, tuple[int, State]] = {}
+        self._live: set[str] = set()
         self._schemas: dict[str, dict] = {}  # schema text -> compiled (`compile_schema`), a few (n choices share one)
+
+    def hold(self, request_id: str) -> None:
+        self._live.add(request_id)
 
     def origin(self, params: SamplingParams) -> State:
         """The state before a reply: any object (json_object), or a value of its schema."""
@@ -54,13 +61,16 @@ class JsonStates:
             n, st = 0, self.origin(params)
         for t in reply[n:]:
             st = advance(st, text(t)) if st is not None else None
-        self._at[request_id] = (len(reply), st)
+        if request_id in self._live:
+            self._at[request_id] = (len(reply), st)
         return st
 
     def release(self, request_id: str) -> None:
+        self._live.discard(request_id)
         self._at.pop(request_id, None)
 
     def drop(self) -> None:
+        self._live.clear()
         self._at.clear()
 
 

@@ -438,6 +438,7 @@ class Sampler:
                 allowed.append((i, p.allowed_token_ids))
             if p.json_mode:
                 json_rows.append((i, r.token_ids[r.num_prompt_tokens:]))
+                self._json.hold(r.request_id)
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
         if failed:  # a row whose own generator failed is left out; the others go on
