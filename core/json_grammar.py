@@ -56,9 +56,12 @@ START = start()
 
 
 def compile_schema(text: str) -> dict[str, Any]:
-    """A JSON schema (its text) made ready for `start`: its local `$ref`s replaced by what they name. ValueError
-    (a client's 400, naming it) for a schema that is not an object, a keyword not in `ENFORCED` or `NOTES`, a type
-    not in `TYPES`, or a `$ref` that names nothing here."""
+    """A JSON schema (its text) made ready for `start`: checked, and its local `$ref`s replaced by the schemas they
+    name (shared: a recursive schema keeps its cycles). ValueError only (a client's 400, naming what it refuses):
+    for a schema that is no object, a keyword not in `ENFORCED` or `NOTES`, a keyword's value of the wrong shape, a
+    type not in `TYPES`, a `$ref` that names nothing here, an alternative that is itself (`anyOf` through `$ref`s
+    back to it: no value could start), or what no value can meet (an empty `enum`, a required key a closed object
+    does not have)."""
     try:
         root = json.loads(text)
     except ValueError as e:
@@ -66,66 +69,89 @@ def compile_schema(text: str) -> dict[str, Any]:
     if not isinstance(root, dict):
         raise ValueError("json_schema must be a JSON object")
 
-    def ref(name: str, hops: int = 0) -> dict[str, Any]:
-        for prefix in ("#/$defs/", "#/definitions/"):
-            if isinstance(name, str) and name.startswith(prefix):
-                got = (root.get(prefix[2:-1]) or {}).get(name[len(prefix):])
-                if isinstance(got, dict):
-                    return ref(got["$ref"], hops + 1) if "$ref" in got and hops < 32 else got
-        raise ValueError(f"json_schema: $ref {name!r} names no schema under #/$defs or #/definitions")
+    def fail(where: str, what: str) -> ValueError:
+        return ValueError(f"json_schema: {where} {what}")
 
-    seen: set[int] = set()
+    defs: dict[str, Any] = {}
+    for name in ("$defs", "definitions"):
+        got = root.get(name)
+        if got is not None and not isinstance(got, dict):
+            raise fail(f"#/{name}", "must be an object of schemas")
+        for key, sub in (got or {}).items():
+            defs[f"#/{name}/{key}"] = sub
 
-    def walk(node: Any, where: str) -> None:
+    def ref(name: Any) -> dict[str, Any]:
+        for _ in range(32):  # a $ref to a $ref: followed
+            got = defs.get(name) if isinstance(name, str) else None
+            if not isinstance(got, dict):
+                raise fail(f"$ref {name!r}", "names no schema under #/$defs or #/definitions")
+            if "$ref" not in got:
+                return got
+            name = got["$ref"]
+        raise fail(f"$ref {name!r}", "refers to itself")
+
+    checked: set[int] = set()
+
+    def check(node: Any, where: str) -> dict[str, Any]:
+        """`node` checked, its sub-schemas replaced by what they resolve to; the schema it stands for."""
         if not isinstance(node, dict):
-            raise ValueError(f"json_schema: {where} must be a schema (an object), got {json.dumps(node)[:40]}")
-        if id(node) in seen:
-            return
-        seen.add(id(node))
+            raise fail(where, f"must be a schema (an object), got {json.dumps(node)[:40]}")
+        if "$ref" in node:
+            node = ref(node["$ref"])
+        if id(node) in checked:
+            return node
+        checked.add(id(node))
         bad = sorted(set(node) - ENFORCED - NOTES)
         if bad:
-            raise ValueError(f"json_schema: {where} uses {', '.join(bad)}, which this server does not enforce")
-        types = node.get("type")
-        for t in [types] if isinstance(types, str) else (types or []):
-            if t not in TYPES:
-                raise ValueError(f"json_schema: {where} has an unknown type {t!r}")
-        if "$ref" in node:
-            target = ref(node["$ref"])
-            walk(target, node["$ref"])
-        for key, sub in (node.get("properties") or {}).items():
-            walk(sub, f"{where}.properties.{key}")
-        for name in ("items", "additionalProperties"):
-            if isinstance(node.get(name), dict):
-                walk(node[name], f"{where}.{name}")
+            raise fail(where, f"uses {', '.join(bad)}, which this server does not enforce")
+        t = node.get("type")
+        types = [t] if isinstance(t, str) else t
+        if t is not None and (not isinstance(types, list) or not types
+                              or any(not isinstance(x, str) or x not in TYPES for x in types)):
+            raise fail(where, f"has a type that is none of {', '.join(sorted(TYPES))}: {json.dumps(t)[:40]}")
+        props = node.get("properties")
+        if props is not None:
+            if not isinstance(props, dict):
+                raise fail(f"{where}.properties", "must be an object of schemas")
+            for key in list(props):
+                props[key] = check(props[key], f"{where}.properties.{key}")
+        required = node.get("required")
+        if required is not None and (not isinstance(required, list) or any(not isinstance(k, str) for k in required)):
+            raise fail(f"{where}.required", "must be a list of key names")
+        extra = node.get("additionalProperties", not props)
+        if extra is False and any(k not in (props or {}) for k in required or ()):
+            raise fail(f"{where}.required", "names a key its object may not have (not in its properties)")
+        if isinstance(extra, dict):
+            node["additionalProperties"] = check(extra, f"{where}.additionalProperties")
+        elif not isinstance(extra, bool):
+            raise fail(f"{where}.additionalProperties", "must be true, false or a schema")
+        if "items" in node:
+            node["items"] = check(node["items"], f"{where}.items")
         for name in ("anyOf", "oneOf"):
-            for k, alt in enumerate(node.get(name) or []):
-                walk(alt, f"{where}.{name}[{k}]")
-        for name in ("$defs", "definitions"):
-            for key, sub in (node.get(name) or {}).items():
-                walk(sub, f"#/{name}/{key}")
-        if "enum" in node and not isinstance(node["enum"], list):
-            raise ValueError(f"json_schema: {where}.enum must be a list")
+            if name in node:
+                alts = node[name]
+                if not isinstance(alts, list) or not alts:
+                    raise fail(f"{where}.{name}", "must be a list of schemas")
+                node[name] = [check(alt, f"{where}.{name}[{k}]") for k, alt in enumerate(alts)]
+        if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
+            raise fail(f"{where}.enum", "must be a list of values")
+        return node
 
-    walk(root, "the schema")
+    for name, sub in defs.items():
+        check(sub, name)
+    root = check(root, "the schema")
 
-    if "$ref" in root:
-        root = {**ref(root["$ref"]), **{k: v for k, v in root.items() if k in ("$defs", "definitions")}}
-    # every {"$ref": ...} becomes the schema it names (shared: a recursive schema's cycles kept), each container once
-    todo: list[Any] = [root]
-    visited: set[int] = set()
-    while todo:
-        node = todo.pop()
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        entries = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
-        for key, sub in entries:
-            if key in ("enum", "const", "default", "examples"):  # values, not schemas
-                continue
-            if isinstance(sub, dict) and "$ref" in sub:
-                node[key] = sub = ref(sub["$ref"])
-            if isinstance(sub, (dict, list)):
-                todo.append(sub)
+    def alternatives(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return (node.get("anyOf") or []) + (node.get("oneOf") or [])
+    for node in [root, *(ref(n) for n in defs)]:  # an alternative that leads back to itself: no value starts
+        path, todo = [], [(node, 0)]
+        while todo:
+            cur, depth = todo.pop()
+            del path[depth:]
+            if any(cur is p for p in path):
+                raise fail("the schema", "has an anyOf or oneOf whose alternatives lead back to it")
+            path.append(cur)
+            todo.extend((alt, depth + 1) for alt in alternatives(cur))
     return root
 
 
@@ -145,7 +171,7 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
     """A value of schema `node` starting with `ch`."""
     if node is not None:
         alts = node.get("anyOf") or node.get("oneOf")
-        if alts:
+        if alts:  # (`compile_schema` refuses alternatives that lead back to themselves)
             for alt in alts:
                 got = _value(stack, ch, alt)
                 if got is not None:
@@ -341,5 +367,11 @@ def advance(state: State, text: str) -> State | None:
 
 
 def complete(state: State) -> bool:
-    """Whether the value has ended (only whitespace may follow)."""
-    return state[1] == DONE
+    """Whether the value has ended (only whitespace may follow): also a number, or an enum's value that another
+    could go on from, at the top, where a reply may end (as a stop token ends it)."""
+    stack, mode, sub = state[0], state[1], state[2]
+    if mode == DONE:
+        return True
+    if stack:
+        return False
+    return (mode == NUMBER and sub[0] in _NUMBER_ENDS) or (mode == CHOICE and sub[1] in sub[0])

@@ -941,7 +941,7 @@ class OpenAIFrontend:
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
         tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with."""
         created, item, lead = int(time.time()), first, None
-        if echo:
+        if echo is not None:
             item = dataclasses.replace(first, text=echo + first.text)
             lead = first.prompt_logprobs if top is not None else None  # the echoed prompt's, before the reply's
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"

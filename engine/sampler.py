@@ -490,8 +490,8 @@ class Sampler:
         # the rows' log-probabilities as the model gave them (vLLM's raw_logprobs), before any change below
         raw = _log_softmax_rows(logits, [i for i, _ in d.logprobs]) if d.logprobs else None
         logits = self._processed(logits, d)
-        # the JSON rows' logits as processed (the draw below may change them in place: temperature, top-k)
-        json_logits = logits[_to([i for i, _ in d.json], logits.device)].clone() \
+        # the JSON rows' logits as processed, a copy (the draw below may change them in place: temperature, top-k)
+        json_logits = logits[_to([i for i, _ in d.json], logits.device)] \
             if d.json and self.token_text is not None else None
         tokens = self._pick(logits, d)
         if json_logits is not None:

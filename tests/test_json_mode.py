@@ -165,16 +165,29 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     const = _schema_state({"type": "object", "properties": {"v": {"const": 10}, "w": {"enum": [1, 12, "1"]}}})
     assert complete(advance(const, '{"v": 10, "w": 12}')) and complete(advance(const, '{"w": 1}'))
     assert advance(const, '{"v": 1}') is None and advance(const, '{"w": 2') is None
+    named = _schema_state({"$defs": {"E": {"type": "boolean"}}, "properties": {"enum": {"$ref": "#/$defs/E"}},
+                           "required": ["enum"]})  # a key named as a keyword, its schema a $ref
+    assert complete(advance(named, '{"enum": true}')) and advance(named, '{"enum": 1') is None
     either = _schema_state({"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]})
     assert complete(advance(either, '["a", "b"]')) and advance(either, '[1') is None
-    assert not complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number ends where ws follows
+    assert complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number at the top may end anywhere
+    const_top = _schema_state({"enum": [1, 12]})
+    assert complete(advance(const_top, "1")) and complete(advance(const_top, "12"))
 
 
 @pytest.mark.parametrize("schema,match", [
     ([], "must be a JSON object"), ({"type": "string", "pattern": "a+"}, "pattern"),
-    ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"type": "strin"}, "unknown type"),
-    ({"properties": {"a": {"minLength": 2}}}, "minLength"), ({"properties": {"a": 3}}, "must be a schema")])
-def test_a_schema_with_what_is_not_enforced_is_refused(schema, match):
+    ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"type": "strin"}, "type that is none of"),
+    ({"type": 5}, "type that is none of"), ({"type": []}, "type that is none of"),
+    ({"properties": {"a": {"minLength": 2}}}, "minLength"), ({"properties": {"a": 3}}, "must be a schema"),
+    ({"properties": [1]}, "properties must be"), ({"items": [{"type": "string"}]}, "items must be a schema"),
+    ({"items": False}, "items must be a schema"), ({"required": 5}, "required must be"), ({"enum": []}, "enum must"),
+    ({"$defs": [1]}, "must be an object of schemas"), ({"anyOf": []}, "anyOf must be"),
+    ({"properties": {"a": {}}, "required": ["b"]}, "may not have"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}, "$ref": "#/$defs/a"}, "lead back"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "refers to itself"),
+    ({"additionalProperties": 3}, "true, false or a schema")])
+def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema, match):
     from core.json_grammar import compile_schema
 
     with pytest.raises(ValueError, match=match):
