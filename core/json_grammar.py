@@ -66,6 +66,8 @@ def compile_schema(text: str) -> dict[str, Any]:
         root = json.loads(text)
     except ValueError as e:
         raise ValueError(f"json_schema is not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("json_schema: the schema is nested too deeply") from None
     if not isinstance(root, dict):
         raise ValueError("json_schema must be a JSON object")
 
@@ -137,9 +139,12 @@ def compile_schema(text: str) -> dict[str, Any]:
             raise fail(f"{where}.enum", "must be a list of values")
         return node
 
-    for name, sub in defs.items():
-        check(sub, name)
-    root = check(root, "the schema")
+    try:
+        for name, sub in defs.items():
+            check(sub, name)
+        root = check(root, "the schema")
+    except RecursionError:
+        raise fail("the schema", "is nested too deeply") from None
 
     def alternatives(node: dict[str, Any]) -> list[dict[str, Any]]:
         return (node.get("anyOf") or []) + (node.get("oneOf") or [])

@@ -202,7 +202,7 @@ class _Common(BaseModel):
         schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ValueError("response_format: a json_schema needs its schema, an object, at json_schema.schema")
-        compile_schema(json.dumps(schema))  # (a ValueError naming what it refuses)
+        compile_schema(_schema_text(schema))  # (a ValueError naming what it refuses)
         return v
 
     @field_validator("guided_json")
@@ -211,17 +211,17 @@ class _Common(BaseModel):
         if v is not None:
             if (info.data.get("response_format") or {}).get("type", "text") != "text":
                 raise ValueError("guided_json and a response_format of JSON cannot both be given")
-            compile_schema(v if isinstance(v, str) else json.dumps(v))
+            compile_schema(v if isinstance(v, str) else _schema_text(v))
         return v
 
     def json_schema(self) -> str | None:
         """The schema the reply must be a value of (its JSON text), where one is given."""
         if self.guided_json is not None:
-            return self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            return self.guided_json if isinstance(self.guided_json, str) else _schema_text(self.guided_json)
         rf = self.response_format or {}
         if rf.get("type") != "json_schema":
             return None
-        return json.dumps(rf["json_schema"].get("schema", rf["json_schema"].get("schema_")))
+        return _schema_text(rf["json_schema"].get("schema", rf["json_schema"].get("schema_")))
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -374,6 +374,14 @@ class CompletionRequest(_Common):
 
     def default_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema's text; ValueError (a 400) for one nested too deeply to write."""
+    try:
+        return json.dumps(schema)
+    except RecursionError:
+        raise ValueError("json_schema: the schema is nested too deeply") from None
 
 
 def _prompt_list(p: Any) -> list[str | list[int]]:
