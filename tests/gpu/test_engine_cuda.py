@@ -1,7 +1,8 @@
 """The engine on the GPU, through its public API: greedy token-exact with HF `generate` (fp32) on the four tiny
 families; sampled requests (the API's default temperature 1.0, and temperature / top-k / top-p / seed),
-seeded reproducibility alone and in a batch, a greedy request beside sampled ones; penalties; logprobs; mixed context
-lengths in one batch; chunked prefill; a preempted request resumed; a hung step. Skipped without CUDA (conftest.py)."""
+seeded reproducibility alone and in a batch, a greedy request beside sampled ones; penalties; logprobs; JSON mode;
+mixed context lengths in one batch; chunked prefill; a preempted request resumed; a hung step. Skipped without CUDA
+(conftest.py)."""
 from __future__ import annotations
 
 import sys
@@ -136,6 +137,30 @@ def test_logprobs_on_the_device_are_the_models_own_in_a_batch_and_alone(device, 
         assert [x.logprob for x in lps] == pytest.approx(want, abs=5e-3)
     del model
     free_device_memory()
+
+
+def test_json_mode_on_the_device_beside_plain_replies(device, ckpts, llama_engine):
+    """JSON mode's rows are drawn on the host from the device's logits (the step before's tokens read there too,
+    under overlap scheduling): each reply is a JSON object's prefix, one forced to "{}" ends by its EOS, and the
+    plain replies beside them are as alone."""
+    import json
+
+    from core.json_grammar import START, advance
+    from core.sampling import SamplingParams
+
+    eng = llama_engine
+    tok = eng.outputs.tokenizer
+    braces = (tok.convert_tokens_to_ids("{"), tok.convert_tokens_to_ids("}"), tok.eos_token_id)
+    prompts = random_prompts([5, 40, 120], eng.bundle.vocab_limit, seed=17)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, json_object=True),
+              SamplingParams(max_tokens=24, temperature=0.0, json_object=True, allowed_token_ids=braces),
+              greedy(24)]
+    streams = _submit_together(eng, prompts, params)
+    items = [list(s) for s in streams]
+    texts = ["".join(o.text for o in its) for its in items]
+    assert advance(START, texts[0]) is not None, texts[0]
+    assert json.loads(texts[1]) == {} and items[1][-1].finish_reason == "stop"
+    assert [t for o in items[2] for t in o.token_ids] == run_all([eng.add_request(prompts[2], greedy(24))])[0]
 
 
 def test_chunked_prefill_equals_unchunked(device, ckpts, llama_engine):
