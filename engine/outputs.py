@@ -49,7 +49,7 @@ class OutputProcessor:
         its text). Emits the delta unless the request ends now; returns the request's finish reason (a stop string
         makes it STOP), or None while it goes on. A token that ends the request as a stop (the EOS, a stop token id)
         adds nothing to the text, as in vLLM without include_stop_str_in_output (nor do the bytes of a character it
-        would have completed); `stop_reason` is then its id, except for the EOS (None, as vLLM's). `logprobs`: the
+        would have completed; with it, its text is the reply's last); `stop_reason` is then its id, except for the EOS (None, as vLLM's). `logprobs`: the
         token's, where its request asks for them (a token that ends the request has them in the final item:
         `finish`'s `last_logprobs`)."""
         live = self._live[req.request_id]
@@ -57,6 +57,8 @@ class OutputProcessor:
         if reason is FinishReason.STOP:
             if tok in p.stop_token_ids and not (tok in self.eos and not p.ignore_eos):
                 live.stop_reason = tok
+            if p.include_stop_str_in_output:  # vLLM's: the stop token's text stays too (the EOS's, special: none)
+                live.text += live.detok.step(tok)
             return reason
         n = num_output_tokens or req.num_output_tokens
         delta = live.detok.step(tok)

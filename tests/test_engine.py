@@ -569,6 +569,35 @@ def test_stop_strings_and_eos(tiny_checkpoints):
         eng.shutdown()
 
 
+def test_include_stop_str_in_output_keeps_a_stop_strings_and_a_stop_tokens_text(tiny_checkpoints):
+    """vLLM's include_stop_str_in_output: the stop string that ends a reply stays in its text, and so does the text
+    of a stop token id that ends it (without it both are left out)."""
+    from transformers import AutoTokenizer
+
+    path = tiny_checkpoints["llama"]
+    tok = AutoTokenizer.from_pretrained(path)
+    eng = _engine(path)
+    def plain(ids):  # whole characters only: what the streamed text and a one-shot decode agree on
+        return all("\ufffd" not in tok.decode([t]) for t in ids)
+    try:
+        base = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for prompt in _prompts(eng.bundle.vocab_limit):
+            ids = [t for o in eng.add_request(prompt, SamplingParams(**base)) for t in o.token_ids]
+            end = next((j for j in range(2, 16) if ids[j] not in ids[:j] and tok.decode([ids[j]]).strip()
+                        and plain(ids[:j + 1])), None)
+            if end is not None:
+                break
+        assert end is not None
+
+        def text(**kw):
+            return "".join(o.text for o in eng.add_request(prompt, SamplingParams(**base, **kw)))
+        kept = text(stop_token_ids=[ids[end]], include_stop_str_in_output=True)
+        cut = text(stop_token_ids=[ids[end]])
+    finally:
+        eng.shutdown()
+    assert kept == tok.decode(ids[:end + 1]) and cut == tok.decode(ids[:end])
+
+
 @pytest.fixture(scope="module")
 def llama_engine(tiny_checkpoints):
     """One engine for every bad input below: each must leave it serving the next."""
