@@ -124,6 +124,54 @@ def test_cuda_mixed_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
     assert any(n not in (16, 32, 64) for n, _ in sizes)  # padded
 
 
+def test_steps_with_prompt_rows_run_eagerly_on_the_cuda_backend_and_give_the_cpu_backends_logprobs(tiny_checkpoints):
+    """A step whose prefills give prompt logprobs returns more rows than it samples: on the CUDA backend it runs
+    eagerly, never through the mixed graphs (whose rows are the sampled ones), and its prompt logprobs and tokens are
+    the CPU backend's; steps without such rows still take the mixed graphs."""
+    if not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    from engine.backends.cuda.graphs import MixedGraphs
+
+    sched = SchedulerConfig(chunked_prefill=True, prefill_max_tokens=40, hybrid_steps=True, max_num_seqs=6)
+    prompts = [list(range(5, 45)), list(range(9, 30)), list(range(2, 80)), list(range(7, 20))]
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+              for k in (2, None, 0, None)]
+
+    def serve(backend):
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", block_size=4, dtype="float32",
+                                     backend=backend, scheduler=sched))
+        spans = []
+        try:
+            if backend == "cuda":
+                be = eng.backend
+                be.mixed = MixedGraphs(be, eng.runner.decoder, eng.cache, 64, sched.max_num_seqs, eng.max_model_len)
+                real = be.mixed.run
+
+                def run(step, prev=None):
+                    spans.append(step.prompt_spans)
+                    return real(step, prev)
+                be.mixed.run = run
+            out = []
+            for st in [eng.add_request(p, q) for p, q in zip(prompts, params)]:
+                items = list(st)
+                assert all(item.error is None for item in items)
+                prompt = next((o.prompt_logprobs for o in items if o.prompt_logprobs is not None), None)
+                out.append(([t for o in items for t in o.token_ids],
+                            None if prompt is None else [(x.id, x.logprob, x.rank) for x in prompt]))
+            return out, spans
+        finally:
+            eng.shutdown()
+    want, _ = serve("cpu")
+    got, spans = serve("cuda")
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [p is None for _, p in got] == [False, True, False, True]
+    for (_, g), (_, w) in zip(got, want):
+        if g is not None:
+            assert [i for i, _, _ in g] == [i for i, _, _ in w]
+            assert [v for _, v, _ in g[1:]] == pytest.approx([v for _, v, _ in w[1:]], abs=1e-4)
+    assert spans and not any(spans)  # the mixed graphs ran, never a step with prompt rows
+
+
 @pytest.mark.parametrize("backend", ["torch", "cuda"])
 def test_mixed_greedy_and_sampled_batch_and_seeds_independent_of_the_batch(tiny_checkpoints, backend):
     """The API's default temperature 1.0 batched with greedy requests: the greedy ones keep their solo tokens, and a
