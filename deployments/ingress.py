@@ -573,17 +573,17 @@ class OpenAIFrontend:
     async def _echoed(self, body: P.CompletionRequest) -> list[str]:
         """A completion's prompts as text, to go before their choices' (`echo`): a text prompt as sent, token ids
         as the model's tokenizer decodes them (vLLM's)."""
-        out = []
-        for i, prompt in enumerate(body.prompts()):
+        prompts = body.prompts()
+
+        async def text(i: int, prompt: str | list[int]) -> str:
             if isinstance(prompt, str):
-                out.append(prompt)
-                continue
+                return prompt
             got = await self._replica_call("token_text", prompt)
             if "error" in got:
-                raise APIError(400, f"prompt {i}: {got['error']}" if len(body.prompts()) > 1 else got["error"],
+                raise APIError(400, f"prompt {i}: {got['error']}" if len(prompts) > 1 else got["error"],
                                param="prompt")
-            out.append(got["prompt"])
-        return out
+            return got["prompt"]
+        return list(await asyncio.gather(*(text(i, p) for i, p in enumerate(prompts))))
 
     async def _start(self, req: GenerateRequest, t_call: float
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
