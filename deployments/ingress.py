@@ -578,6 +578,7 @@ class OpenAIFrontend:
         async def text(i: int, prompt: str | list[int]) -> str:
             if isinstance(prompt, str):
                 return prompt
+            self._own_call()  # in this prompt's own task: its call's own id (concurrent calls under one hang)
             got = await self._replica_call("token_text", prompt)
             if "error" in got:
                 raise APIError(400, f"prompt {i}: {got['error']}" if len(prompts) > 1 else got["error"],
