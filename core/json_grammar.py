@@ -4,14 +4,15 @@ state after `text`, or None where `text` cannot continue a value the mode allows
 value has ended (the reply may stop there).
 
 A state is a tuple (stack, mode, sub, whitespace run): `stack` the open containers, each a frame (`("o", schema,
-keys seen, its last key)` an object, `("a", schema)` an array, `("k", text)` an object's key being read), `mode`
-what may come next, `sub` the mode's own (the schema of the value to come, a literal's rest, a \\u escape's hex
-digits left, a number's part, an enum's candidates and what of them is written). A schema of None allows any
-value. Whitespace outside strings is capped at `MAX_WHITESPACE` characters in a row, so that a reply cannot pad
-forever; inside strings control characters are refused, as JSON refuses them.
+keys seen, its last key)` an object, `("a", schema, items begun)` an array, `("k", text)` an object's key being
+read), `mode` what may come next, `sub` the mode's own (the schema of the value to come, a literal's rest, a \\u
+escape's hex digits left, a number's part, an enum's candidates and what of them is written). A schema of None
+allows any value. Whitespace outside strings is capped at `MAX_WHITESPACE` characters in a row, so that a reply
+cannot pad forever; inside strings control characters are refused, as JSON refuses them.
 
 Schemas: `type` (one or a list), `properties`, `required`, `additionalProperties` (false, or left out beside
-`properties` as vLLM's xgrammar takes it: no other key; true or a schema: other keys, their values of it), `items`,
+`properties` as vLLM's xgrammar takes it: no other key; true or a schema: other keys, their values of it), `items`
+(`minItems`, `maxItems`),
 `enum`, `const`, `anyOf` / `oneOf` (a value takes the first alternative its first character fits), and `$ref` to
 `#/$defs/...` or `#/definitions/...`; `title`, `description`, `default`, `examples`, `format` and the like are read
 and not enforced; any other keyword (`pattern`, `minLength`, ...) is refused by `compile_schema`, so that no reply
@@ -36,8 +37,8 @@ _MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
 _NUMBER_ENDS = frozenset((_ZERO, _INT, _FRAC, _EXP))
 
 # keywords a schema may hold: those enforced, and those read as notes (not enforced)
-ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "oneOf", "$ref", "$defs", "definitions"))
+ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+                      "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"))
 NOTES = frozenset(("title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "strict",
                    "readOnly", "writeOnly", "deprecated"))
 TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
@@ -137,6 +138,11 @@ def compile_schema(text: str) -> dict[str, Any]:
                 node[name] = [check(alt, f"{where}.{name}[{k}]") for k, alt in enumerate(alts)]
         if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
             raise fail(f"{where}.enum", "must be a list of values")
+        for name in ("minItems", "maxItems"):
+            if name in node and (isinstance(node[name], bool) or not isinstance(node[name], int) or node[name] < 0):
+                raise fail(f"{where}.{name}", "must be a non-negative integer")
+        if node.get("minItems", 0) > node.get("maxItems", node.get("minItems", 0)):
+            raise fail(f"{where}.minItems", "is above maxItems")
         return node
 
     try:
@@ -196,7 +202,7 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
     if ch == "{" and allows("object"):
         return (stack + (("o", node, frozenset(), None),), KEY_OR_END, None, 0)
     if ch == "[" and allows("array"):
-        return (stack + (("a", node),), VALUE_OR_END, None, 0)
+        return (stack + (("a", node, 0),), VALUE_OR_END, None, 0)
     if ch == '"' and allows("string"):
         return (stack, STRING, None, 0)
     if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
@@ -230,6 +236,16 @@ def _may_add_key(frame: tuple) -> bool:
 
 def _may_close(frame: tuple) -> bool:
     return _object(frame)[2] <= frame[2]
+
+
+def _items_ok(node: Schema, count: int) -> bool:
+    """Whether an array of `count` items may close (`minItems`)."""
+    return node is None or count >= node.get("minItems", 0)
+
+
+def _room(node: Schema, count: int) -> bool:
+    """Whether an array of `count` items may take one more (`maxItems`)."""
+    return node is None or "maxItems" not in node or count < node["maxItems"]
 
 
 def _value_schema(frame: tuple) -> Schema:
@@ -306,10 +322,12 @@ def step(state: State, ch: str) -> State | None:
     if mode == VALUE:
         return _value(stack, ch, sub)
     if mode == VALUE_OR_END:
-        if ch == "]":
-            return _after_value(stack[:-1])
         node = stack[-1][1]
-        return _value(stack, ch, node.get("items") if node is not None else None)
+        if ch == "]":
+            return _after_value(stack[:-1]) if _items_ok(node, 0) else None
+        if not _room(node, 0):
+            return None
+        return _value(stack[:-1] + (("a", node, 1),), ch, node.get("items") if node is not None else None)
     if mode in (KEY_OR_END, KEY):
         frame = stack[-1]
         if ch == '"' and _may_add_key(frame):
@@ -327,10 +345,10 @@ def step(state: State, ch: str) -> State | None:
             if ch == "}" and _may_close(frame):
                 return _after_value(stack[:-1])
             return None
-        if ch == ",":
-            node = frame[1]
-            return (stack, VALUE, node.get("items") if node is not None else None, 0)
-        return _after_value(stack[:-1]) if ch == "]" else None
+        node, count = frame[1], frame[2]
+        if ch == "," and _room(node, count):
+            return (stack[:-1] + (("a", node, count + 1),), VALUE, node.get("items") if node is not None else None, 0)
+        return _after_value(stack[:-1]) if ch == "]" and _items_ok(node, count) else None
     return None  # DONE: only whitespace
 
 

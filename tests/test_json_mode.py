@@ -168,6 +168,9 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     named = _schema_state({"$defs": {"E": {"type": "boolean"}}, "properties": {"enum": {"$ref": "#/$defs/E"}},
                            "required": ["enum"]})  # a key named as a keyword, its schema a $ref
     assert complete(advance(named, '{"enum": true}')) and advance(named, '{"enum": 1') is None
+    sized = _schema_state({"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "integer"}})
+    assert advance(sized, "[]") is None and advance(sized, "[1, 2,") is None
+    assert complete(advance(sized, "[1]")) and complete(advance(sized, "[1, 2]"))
     either = _schema_state({"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]})
     assert complete(advance(either, '["a", "b"]')) and advance(either, '[1') is None
     assert complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number at the top may end anywhere
@@ -186,7 +189,8 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     ({"properties": {"a": {}}, "required": ["b"]}, "may not have"),
     ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}, "$ref": "#/$defs/a"}, "lead back"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "refers to itself"),
-    ({"additionalProperties": 3}, "true, false or a schema")])
+    ({"additionalProperties": 3}, "true, false or a schema"), ({"minItems": -1}, "non-negative"),
+    ({"minItems": 3, "maxItems": 2}, "above maxItems")])
 def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema, match):
     from core.json_grammar import compile_schema
 
