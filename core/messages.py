@@ -83,8 +83,13 @@ def _enum(cls: type[enum.Enum], v: Any, name: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
+    """One message of a chat: its role and text; an assistant's tool calls (OpenAI's `tool_calls`, as JSON text) and
+    a tool's reply's call id (`tool_call_id`), for the chat template."""
+
     role: str
     content: str
+    tool_calls: str | None = None
+    tool_call_id: str | None = None
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not set
@@ -119,6 +124,7 @@ class PromptOptions:
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: only the prompt's last k tokens are kept (-1: as many as the context window takes with a reply token)
     truncate_prompt_tokens: int | None = None
+    tools: str | None = None  # chat only: OpenAI's `tools` (their JSON text), which the chat template shows the model
 
     def check(self) -> "PromptOptions":
         """ValueError (a client's 400) for options that contradict each other or are out of range."""

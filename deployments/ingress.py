@@ -796,7 +796,7 @@ class OpenAIFrontend:
             if n > (body.n or 1):
                 choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
-                if kind == "completion" else P.batch_chat_response(rid, model, choices)
+                if kind == "completion" else _tool_calls(body, P.batch_chat_response(rid, model, choices))
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
@@ -932,8 +932,9 @@ class OpenAIFrontend:
                        model: str, body: P._Common | None = None, echo: str | None = None) -> JSONResponse:
         """A non-streaming request's response: its reply, with what `body` asks (logprobs), after `echo`."""
         choice = _choice(kind, body, await self._rest(gen, first, rid, headers), echo)
-        build = P.batch_completion_response if kind == "completion" else P.batch_chat_response
-        return JSONResponse(build(rid, model, [choice]), headers=headers)
+        if kind == "completion":
+            return JSONResponse(P.batch_completion_response(rid, model, [choice]), headers=headers)
+        return JSONResponse(_tool_calls(body, P.batch_chat_response(rid, model, [choice])), headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
@@ -1104,6 +1105,13 @@ class _Whole(NamedTuple):
     last: RequestOutput
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob] | None
+
+
+def _tool_calls(body: P._Common | None, resp: dict) -> dict:
+    """A chat response with its replies as tool calls where the request's tool_choice names or requires a tool."""
+    if not isinstance(body, P.ChatCompletionRequest):
+        return resp
+    return P.with_tool_calls(resp, body.called_tools(), isinstance(body.tool_choice, dict))
 
 
 def _made(body: P._Common) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -398,10 +399,16 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
+    # no coercion: "3" is not 3, true is not 1 (as OpenAI); the schema says what `_content` checks: only an assistant's
+    # turn may have no content
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
+        {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}, "required": ["content"]}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's (OpenAI's shape), for the chat template
+    tool_call_id: str | None = None  # a tool's reply: the call it answers
 
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":
@@ -440,20 +447,43 @@ class _ChatPrompt(BaseModel):
         return v
 
     def prompt_options(self) -> PromptOptions:
+        tools = getattr(self, "tools", None)
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
-                             self.chat_template_kwargs, getattr(self, "truncate_prompt_tokens", None))
+                             self.chat_template_kwargs, getattr(self, "truncate_prompt_tokens", None),
+                             json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else None)
 
     def turns(self) -> tuple[ChatTurn, ...]:
-        return tuple(ChatTurn(m.role, m.text()) for m in self.messages)
+        return tuple(ChatTurn(m.role, m.text(), json.dumps(m.tool_calls) if m.tool_calls else None,
+                              m.tool_call_id) for m in self.messages)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatCompletionRequest(_Common, _ChatPrompt):
+    HONOURED: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
     max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     # each reply token's log-probability, and its `top_logprobs` likeliest tokens' (with logprobs only)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
                                                                    "maximum": MAX_LOGPROBS}))
-    tools: list[Any] | None = Field(None, json_schema_extra=_opt({"type": "array", "maxItems": 0}))
+    # OpenAI's tools, shown to the model by its chat template; with tool_choice a tool's name or "required" the reply
+    # is that tool's call (its arguments a value of its parameters' schema: JSON mode) or a list of calls, returned
+    # as `tool_calls`. "auto" (the default with tools) would need a parser of the model's own tool-call format: a 400
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -466,11 +496,61 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
             raise ValueError("max_completion_tokens must be a positive integer")
+        choice = self.tool_choice
+        if choice is None:  # OpenAI's default: "auto" where there are tools
+            choice = "auto" if self.tools else "none"
+        if choice == "auto" and not self.tools:
+            return self
+        if choice not in ("none", "auto", "required") and not (
+                isinstance(choice, dict) and choice.get("type") == "function"
+                and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                             '{"name": ...}}')
+        if choice == "none":
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice names a tool, or requires one, but the request has no tools")
+        if choice == "auto":
+            raise ValueError('tool_choice "auto" (the default with tools) needs a parser of this model\'s own '
+                             'tool-call format, which this server does not have: name a tool or ask for "required"')
+        if isinstance(choice, dict) and choice["function"]["name"] not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names a tool the request does not have: {choice['function']['name']!r}")
+        if self.stream:
+            raise ValueError("tool_choice naming or requiring a tool cannot be streamed here")
+        if self.guided_json is not None or (self.response_format or {}).get("type", "text") != "text":
+            raise ValueError("tool_choice naming or requiring a tool and a JSON response_format cannot both be given")
+        try:
+            compile_schema(self.json_schema() or "{}")
+        except ValueError as e:
+            raise ValueError(f"tool_choice: a tool's parameters: {e}") from None
         return self
+
+    def called_tools(self) -> list[FunctionDef] | None:
+        """The tools the reply calls (tool_choice a tool's name: that one; "required": any of them), else None."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto"):
+            return None
+        if choice == "required":
+            return [t.function for t in self.tools]
+        return [t.function for t in self.tools if t.function.name == choice["function"]["name"]]
+
+    def json_schema(self) -> str | None:
+        """The schema the reply keeps to: a named tool's parameters, or (required) a list of calls, each a tool's
+        name and parameters; else `_Common.json_schema`'s."""
+        tools = self.called_tools()
+        if tools is None:
+            return super().json_schema()
+        if isinstance(self.tool_choice, dict):
+            return _schema_text(tools[0].parameters or {"type": "object"})
+        calls = [{"type": "object", "properties": {"name": {"const": t.name},
+                                                   "parameters": t.parameters or {"type": "object"}},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return _schema_text(array)
 
     def top_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -614,6 +694,29 @@ def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None
             d.setdefault(str(t), {"logprob": _shown(v), "rank": rank, "decoded_token": text})
         out.append(d)
     return out
+
+
+def with_tool_calls(resp: dict, tools: list[FunctionDef] | None, named: bool) -> dict:
+    """A chat response whose replies are tool calls (`ChatCompletionRequest.called_tools`): each choice's JSON text
+    becomes its message's `tool_calls` (a named tool's call with that text as its arguments, or, required, each
+    call of the list; content null, finish reason `tool_calls` for a list). A reply its cap cut (no JSON) stays
+    text."""
+    if not tools:
+        return resp
+    for c in resp["choices"]:
+        text = c["message"]["content"]
+        try:
+            value = json.loads(text)
+            calls = [(tools[0].name, text.strip())] if named else \
+                [(x["name"], json.dumps(x["parameters"], ensure_ascii=False)) for x in value]
+        except (ValueError, TypeError, KeyError):  # (the schema makes it a list of calls once whole)
+            continue
+        if not named:
+            c["finish_reason"] = "tool_calls"
+        c["message"] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in calls]}
+    return resp
 
 
 def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,

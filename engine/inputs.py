@@ -5,6 +5,7 @@ prompt only where asked (its template writes them): `PromptOptions`."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -41,13 +42,33 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOpt
     options.check()
     if not getattr(tokenizer, "chat_template", None):
         return render_plain_chat(messages, options)
-    turns = [{"role": m.role, "content": m.content} for m in messages]
+    turns = [_turn(m) for m in messages]
+    tools = json.loads(options.tools) if options.tools else None
     try:
         return tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            turns, tools=tools, tokenize=False, add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **(options.chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a bad variable)
         raise ValueError(f"the chat template cannot render these messages: {e}") from None
+
+
+def _turn(m: ChatTurn) -> dict[str, Any]:
+    """A message as a chat template reads it: an assistant's tool calls with their arguments as objects (templates
+    write them out as JSON: vLLM parses the OpenAI arguments' JSON text likewise), a tool reply's call id."""
+    turn: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = json.loads(m.tool_calls)
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass  # (not JSON: the template gets the text)
+        turn["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
 
 
 class InputProcessor:

@@ -528,6 +528,51 @@ def test_json_mode_replies_are_json_objects(client: httpx.Client) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
 
 
+def test_tool_choice_naming_or_requiring_a_tool_returns_tool_calls(client: httpx.Client) -> None:
+    """OpenAI's tools: shown to the model by its chat template; tool_choice naming a tool makes the reply that tool's
+    call (its arguments a value of its parameters' schema), "required" a list of calls of the tools (finish reason
+    tool_calls); "none" a text reply; "auto" (the default with tools) a 400, as vLLM's without a tool-call parser;
+    a conversation with an assistant's tool calls and a tool's reply is taken."""
+    import json as json_
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"]}}}
+    chat = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 400, "temperature": 0,
+            "tools": [weather, clock]}
+    r = client.post("/v1/chat/completions", json={**chat, "tool_choice": {"type": "function",
+                                                                         "function": {"name": "get_weather"}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] is None and call["type"] == "function" and call["id"]
+    args = json_.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and args["city"] in ("Paris", "Oslo") and args["unit"] in "CF"
+    r = client.post("/v1/chat/completions", json={**chat, "tool_choice": "required", "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+    assert choice["message"]["tool_calls"][0]["function"]["name"] in ("get_weather", "get_time")
+    r = client.post("/v1/chat/completions", json={**chat, "max_tokens": 4, "tool_choice": "none"})
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"], r.text
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+    r = client.post("/v1/chat/completions", json={**chat, "messages": history, "max_tokens": 4, "tool_choice": "none"})
+    assert r.status_code in (200, 400), r.text  # (400: a template that cannot show a tool's turn says so)
+    for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                  {"tool_choice": "required", "stream": True}, {"tool_choice": "maybe"}):
+        r = client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (extra, r.text)
+    r = client.post("/v1/completions", json={"prompt": "x", "tools": [weather]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 def test_completion_stream(client: httpx.Client) -> None:
     req = {"prompt": "Once upon a time", "max_tokens": 32, "stream": True, "ignore_eos": True,
            "stream_options": {"include_usage": True}}
