@@ -148,3 +148,31 @@ def test_prompt_ids_are_what_a_generation_takes_and_detokenize_reads_them_back(b
     assert inputs.detokenize(ids) == f"{IM_START}user\nHi there{IM_END}\n{IM_START}assistant\n"
     with pytest.raises(ValueError, match="tokens must be integers in"):
         inputs.detokenize([1, len(tok)])
+
+
+def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
+    """OpenAI's tools (`PromptOptions.tools`) go to the template as `tools`; an assistant's tool calls with their
+    arguments as objects (JSON text parsed, as vLLM does for templates that write them out), a tool reply's call
+    id; truncate_prompt_tokens keeps the prompt's last tokens."""
+    import json
+
+    from engine.inputs import render_chat
+
+    tok = build_tokenizer(TINY_VOCAB)
+    tok.chat_template = (
+        "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% if m.tool_calls %}={{ m.tool_calls[0].function.arguments.city }}{% endif %}"
+        "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}|{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather"}},
+             {"type": "function", "function": {"name": "t2"}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    turns = [ChatTurn("user", "hi"), ChatTurn("assistant", "", json.dumps(calls)), ChatTurn("tool", "21", None, "c1")]
+    text = render_chat(tok, turns, PromptOptions(add_generation_prompt=False, tools=json.dumps(tools)))
+    assert text == "get_weather;t2;user:hi|assistant:=Oslo|tool:21[c1]|"
+    assert render_chat(tok, turns[:1], PromptOptions(add_generation_prompt=False)) == "user:hi|"
+    inputs = _inputs(tok)
+    whole = inputs.prompt_ids("one two three four five")
+    assert inputs.prompt_ids("one two three four five", options=PromptOptions(truncate_prompt_tokens=2)) == whole[-2:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        inputs.prompt_ids("x", options=PromptOptions(truncate_prompt_tokens=0))
