@@ -4,12 +4,13 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: a chat's echo or best_of, suffix,
-tools / tool_choice / functions, vLLM's guided decoding but guided_json, beam search, and a request's own chat
-template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
+a completion's tools, the legacy functions, vLLM's guided decoding but guided_json, beam search, and a request's own
+chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
 completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
 `shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode (`response_format` json_object or
-json_schema, vLLM's guided_json: `core.json_grammar`), and vLLM's other sampling and output fields are honoured, and
-so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
+json_schema, vLLM's guided_json: `core.json_grammar`), a chat's tools with a tool_choice that names or requires one
+(`ChatCompletionRequest._check`, `with_tool_calls`), and vLLM's other sampling and output fields are honoured, and so
+are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 

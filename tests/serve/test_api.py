@@ -725,6 +725,12 @@ def test_openai_client(base_url: str) -> None:
     parsed = oa.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "ok?"}], max_tokens=600,
                                        response_format=Verdict)
     assert isinstance(parsed.choices[0].message.parsed, Verdict)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"]}}}
+    called = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=400,
+                                        tools=[tool], tool_choice={"type": "function", "function": {"name": "pick"}})
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["side"] in ("left", "right")
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
     assert e.value.code == "model_not_found"
