@@ -1,5 +1,6 @@
 """Batched sampling on the logits' device: min_tokens' bans, logit_bias, allowed_token_ids and the presence /
-frequency / repetition penalties on the logits of their rows; greedy rows in one argmax; temperature / top-k / min_p / top-p rows together,
+frequency / repetition penalties on the logits of their rows; greedy rows in one argmax; temperature / top-k / min_p /
+top-p rows together,
 each drawn with its uniform numbers (one, or a device top-p draw's `rounds`) from its request's own seeded generator
 (on that device) or the sampler's.
 
@@ -455,23 +456,15 @@ class Sampler:
         (the span's first position, one `RowLogprobs` per position: the next prompt token's log-probability, its
         rank and the span's top k). On the host (a wait for the device: only steps with such rows pay it)."""
         targets = [t for _, _, tokens, _ in spans for t in tokens]
+        k = max(k for *_, k in spans)
         vals: list[list[float]] = []
         ids: list[list[int]] = []
         for a in range(0, len(targets), PROMPT_ROWS):
             logits = rows(a, min(a + PROMPT_ROWS, len(targets)))
             if logits.shape[-1] > self.vocab_limit:
                 logits = logits[:, : self.vocab_limit]
-            width = logits.shape[-1]
-            k = min(max((k for *_, k in spans), default=0), width)
             raw = torch.log_softmax(logits.float(), dim=-1)
-            t = _to(targets[a:a + PROMPT_ROWS], raw.device, torch.long)
-            chosen = raw.gather(-1, t.clamp(max=width - 1).unsqueeze(-1))
-            chosen.masked_fill_((t >= width).unsqueeze(-1), float("-inf"))  # an id past the tokenizer's: never said
-            rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
-            v, i = chosen, rank
-            if k:
-                top = torch.topk(raw, k, dim=-1)
-                v, i = torch.cat((chosen, top.values), dim=-1), torch.cat((rank, top.indices), dim=-1)
+            v, i = _logprob_columns(raw, _to(targets[a:a + PROMPT_ROWS], raw.device, torch.long), k)
             vals.extend(v.tolist())
             ids.extend(i.tolist())
         out: dict[str, tuple[int, list[RowLogprobs]]] = {}
@@ -673,6 +666,21 @@ class Sampler:
         return self.top_p_draw(probs, top_p, u, torch.where(ok, total, float(probs.shape[-1])))
 
 
+def _logprob_columns(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of log-probabilities `raw` [n, V], each row's `tokens` entry and the k largest: values [n, 1 + k] (the
+    token's first) and ids [n, 1 + k] (the token's rank first, 1 the likeliest; then the k ids). A token at or past
+    V (an id the tokenizer does not have) is -inf, ranked below all."""
+    width = raw.shape[-1]
+    chosen = raw.gather(-1, tokens.clamp(max=width - 1).unsqueeze(-1))
+    chosen.masked_fill_((tokens >= width).unsqueeze(-1), float("-inf"))
+    rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
+    k = min(k, width)
+    if not k:
+        return chosen, rank
+    top = torch.topk(raw, k, dim=-1)
+    return torch.cat((chosen, top.values), dim=-1), torch.cat((rank, top.indices), dim=-1)
+
+
 def _log_softmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """The log-probabilities of `rows` of the logits, in float32 (a new tensor: the draw changes the logits next)."""
     x = logits if len(rows) == logits.shape[0] else logits[_to(rows, logits.device)]
@@ -716,13 +724,8 @@ class SampledTokens:
         picked = self.device_tokens(dev)
         if len(rows) != picked.shape[0]:
             picked = picked[_to([i for i, _ in rows], dev, torch.long)]
-        chosen = raw.gather(-1, picked.clamp(min=0).unsqueeze(-1))  # (a failed row's -1: dropped with the row)
-        rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
-        k = min(max(k for _, k in rows), raw.shape[-1])
-        vals, ids = chosen, rank
-        if k:
-            top = torch.topk(raw, k, dim=-1)
-            vals, ids = torch.cat((chosen, top.values), dim=-1), torch.cat((rank, top.indices), dim=-1)
+        # (a failed row's -1 reads token 0: the row is dropped)
+        vals, ids = _logprob_columns(raw, picked.clamp(min=0), max(k for _, k in rows))
         if dev.type == "cuda":
             vals_h = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
             ids_h = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
