@@ -857,11 +857,9 @@ class LLMEngine:
         try:
             logits = self.runner.execute([req], [], [end]) if end is not None else self.runner.execute([], [req])
             spans = _prompt_rows([req], [end]) if end is not None else []
-            if row is not None and draws is not None:
-                return _draw_step(self.sampler, logits, draws.row(row), spans)
-            if row is not None:
-                return _draw_step(self.sampler, logits, self.sampler.plan([req], logits.device), spans)
-            return _draw_step(self.sampler, logits, None, spans)
+            alone = None if row is None else draws.row(row) if draws is not None else \
+                self.sampler.plan([req], logits.device)
+            return _draw_step(self.sampler, logits, alone, spans)
         finally:
             req.token_ids, req.num_computed_tokens = saved
 

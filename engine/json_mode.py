@@ -1,6 +1,6 @@
-"""JSON mode in the sampler (`SamplingParams.json_object`, OpenAI's `response_format: {"type": "json_object"}`): a
-row's token is one whose text keeps the reply a prefix of a JSON object (`core.json_grammar`), and a stop token (the
-EOS, a stop token id) only once the object has ended.
+"""JSON mode in the sampler (`SamplingParams.json_mode`: OpenAI's `response_format` json_object or json_schema): a
+row's token is one whose text keeps the reply a prefix of a JSON object, or of a value of its schema
+(`core.json_grammar`), and a stop token (the EOS, a stop token id) only once the value has ended.
 
 The row's own distribution decides among the tokens that fit: greedy, the likeliest that fits; sampled, a draw among
 those that fit of its most likely `CANDIDATES` (after temperature, top-k, min_p and top-p; the rest renormalized),
