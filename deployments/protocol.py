@@ -147,8 +147,7 @@ class _Common(BaseModel):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs(cls, v: int | None, info: Any) -> int | None:
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        _top_range(info.field_name, v)
         if v is not None and info.data.get("stream"):
             raise ValueError("prompt_logprobs are not available when stream is true")
         return v
@@ -200,8 +199,7 @@ class _Common(BaseModel):
         if kind != "json_schema":
             raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                              f'"json_schema", "json_schema": {{"schema": ...}}}}, got {json.dumps(v)[:80]}')
-        spec = v.get("json_schema")
-        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        schema = _format_schema(v)
         if not isinstance(schema, dict):
             raise ValueError("response_format: a json_schema needs its schema, an object, at json_schema.schema")
         compile_schema(_schema_text(schema))  # (a ValueError naming what it refuses)
@@ -223,7 +221,7 @@ class _Common(BaseModel):
         rf = self.response_format or {}
         if rf.get("type") != "json_schema":
             return None
-        return _schema_text(rf["json_schema"].get("schema", rf["json_schema"].get("schema_")))
+        return _schema_text(_format_schema(rf))
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -308,10 +306,8 @@ class CompletionRequest(_Common):
 
     @field_validator("logprobs")
     @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
-        return v
+    def _logprobs(cls, v: int | None, info: Any) -> int | None:
+        return _top_range(info.field_name, v)
 
     def top_count(self) -> int | None:
         return self.logprobs
@@ -376,6 +372,19 @@ class CompletionRequest(_Common):
 
     def default_max_tokens(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+
+def _top_range(name: str, v: int | None) -> int | None:
+    """A count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): ValueError outside [0, MAX_LOGPROBS]."""
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+    return v
+
+
+def _format_schema(response_format: dict[str, Any]) -> Any:
+    """A json_schema response_format's schema (at json_schema.schema, or pydantic's alias schema_), None if none."""
+    spec = response_format.get("json_schema")
+    return spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
 
 
 def _schema_text(schema: Any) -> str:
@@ -489,8 +498,7 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v: int | None, info: Any) -> int | None:
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        _top_range(info.field_name, v)
         if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
