@@ -181,7 +181,7 @@ def test_logprobs_are_the_models_own_whatever_the_sampling(tiny_checkpoints, fam
         assert all(o.logprobs is not None and len(o.logprobs) == len(o.token_ids) for o in its), i
         lps = [x for o in its for x in o.logprobs]
         _check_logprobs(model, tok, prompt, out, lps, sp.logprobs)
-        if sp.temperature == 0.0 and not sp.repetition_penalty != 1.0:
+        if sp.temperature == 0.0 and sp.repetition_penalty == 1.0:
             assert all(x.rank == 1 for x in lps) and all(x.logprob == x.top[0][2] for x in lps if x.top)
     assert [t for o in items[2] for t in o.token_ids] != [t for o in items[3] for t in o.token_ids]  # penalized
     last = items[-1]
