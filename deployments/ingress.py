@@ -13,6 +13,7 @@ handle; `deployments.direct` serves HTTP from the LLM replica itself.
 import asyncio
 import collections
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -44,6 +45,7 @@ from deployments.haproxy_ingress import RECEIVED_HEADER
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
+from deployments.tool_calls import KEEPS_SPECIAL_TOKENS, ToolCallReader
 
 log = logging.getLogger("ray.serve")
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
@@ -258,6 +260,9 @@ class OpenAIFrontend:
         # the LLM replicas' streams come over gRPC (`llm_transport`; else Ray actor calls)
         self.grpc: bool = settings.get("llm_transport", "ray") == "grpc"
         self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
+        # how a reply's own tool calls are read (tool_choice auto): a format, "auto" (the model's chat template's,
+        # which its replica says), or "none"
+        self.tool_call_parser: str = settings.get("tool_call_parser", "auto")
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -428,6 +433,20 @@ class OpenAIFrontend:
                 self._names_final = True
         return self._names
 
+    def _tool_parser(self) -> str | None:
+        """The tool-call format replies are read in with tool_choice "auto" (`tool_calls.PARSERS`), or None."""
+        if self.tool_call_parser != "auto":
+            return None if self.tool_call_parser == "none" else self.tool_call_parser
+        return (self._ready_info() or {}).get("tool_call_parser")
+
+    def _tool_readers(self, body: P._Common | None) -> Callable[[], ToolCallReader | None] | None:
+        """A new reader of a choice's tool calls per call (`P.ChatCompletionRequest.tool_reader`), where `body`
+        asks that its replies be read for them; else None."""
+        if not isinstance(body, P.ChatCompletionRequest):
+            return None
+        parser = self._tool_parser()
+        return None if body.tool_reader(parser) is None else functools.partial(body.tool_reader, parser)
+
     def _auth(self, request: Request) -> None:
         if not self._keys:
             return
@@ -518,6 +537,15 @@ class OpenAIFrontend:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens(), defaults)).validate()
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=param_named(str(e))) from None
+        if isinstance(body, P.ChatCompletionRequest) and body.auto_tools() and check_model:
+            parser = self._tool_parser()
+            if parser is None:
+                raise APIError(400, 'tool_choice "auto" (the default with tools) reads the model\'s own tool calls '
+                               "from its reply, but this model's chat template shows no format this server reads "
+                               "(the app's tool_call_parser names one): name a tool, or ask for \"required\" or "
+                               '"none"', param="tool_choice")
+            if parser in KEEPS_SPECIAL_TOKENS and "skip_special_tokens" not in body.model_fields_set:
+                params = dataclasses.replace(params, skip_special_tokens=False)  # its marks may be special tokens
         n = _made(body)
         if n > (body.n or 1) and params.logprobs is None:  # best_of: the choices' logprobs rank them
             params = dataclasses.replace(params, logprobs=0)
@@ -662,7 +690,8 @@ class OpenAIFrontend:
                 raise failure
         if body.stream:
             response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
-                                                   body.continuous_usage, body.top_count(), echo),
+                                                   body.continuous_usage, body.top_count(), echo,
+                                                   self._tool_readers(body)),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
             # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
@@ -796,7 +825,8 @@ class OpenAIFrontend:
             if n > (body.n or 1):
                 choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
-                if kind == "completion" else _tool_calls(body, P.batch_chat_response(rid, model, choices))
+                if kind == "completion" else P.with_tool_calls(P.batch_chat_response(rid, model, choices),
+                                                               self._tool_readers(body) or _no_reader)
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
@@ -810,7 +840,7 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n, body.top_count(), echo),
+                            kind, n, body.top_count(), echo, self._tool_readers(body)),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -820,14 +850,16 @@ class OpenAIFrontend:
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
                          include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
                          kind: str = "completion", n: int = 1, top: int | None = None,
-                         echo: list[str] | None = None) -> AsyncIterator[bytes]:
+                         echo: list[str] | None = None,
+                         tools: Callable[[], ToolCallReader | None] | None = None) -> AsyncIterator[bytes]:
         """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
         `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
         (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
         choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. `top`: each
         chunk has its tokens' logprobs, with this many likeliest tokens each. `echo`: each prompt's text, which its
-        choices' first chunks open with. A choice that fails ends the stream with an error event, and the others are
-        cancelled."""
+        choices' first chunks open with. `tools`: each choice's reader of its reply's tool calls (a chat's), which
+        its chunks carry instead of that text. A choice that fails ends the stream with an error event, and the
+        others are cancelled."""
         created = int(time.time())
         total = len(started) + len(later)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -860,6 +892,7 @@ class OpenAIFrontend:
         left, pt, ct = total, 0, 0
         fasts: dict[int, TextChunks | None] = {}  # each choice's text chunks (None with `continuous` or logprobs)
         shown: dict[int, P.Logprobs] = {}  # each choice's logprobs (with `top`)
+        readers: dict[int, ToolCallReader | None] = {}  # each choice's reader of its tool calls (with `tools`)
         try:
             while left:
                 i, item, err = await queue.get()
@@ -875,7 +908,8 @@ class OpenAIFrontend:
                     break
                 lead = None  # an echoed prompt's logprobs, before its choice's first tokens'
                 if i not in fasts:  # the choice's first item
-                    fasts[i] = None if continuous or top is not None else \
+                    readers[i] = tools() if tools is not None else None
+                    fasts[i] = None if continuous or top is not None or readers[i] is not None else \
                         TextChunks(kind, rid, model, created, include_usage, i)
                     if top is not None:
                         shown[i] = P.Logprobs(kind, top)
@@ -887,7 +921,7 @@ class OpenAIFrontend:
                                                   index=i),
                                      include_usage, P.usage(item.num_prompt_tokens, 0) if continuous else None)
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, i, continuous,
-                                     fasts[i], shown.get(i), lead)) is not None:
+                                     fasts[i], shown.get(i), lead, readers[i])) is not None:
                     yield out
                 if item.finished:
                     left, ct = left - 1, ct + item.num_output_tokens
@@ -934,20 +968,25 @@ class OpenAIFrontend:
         choice = _choice(kind, body, await self._rest(gen, first, rid, headers), echo)
         if kind == "completion":
             return JSONResponse(P.batch_completion_response(rid, model, [choice]), headers=headers)
-        return JSONResponse(_tool_calls(body, P.batch_chat_response(rid, model, [choice])), headers=headers)
+        return JSONResponse(P.with_tool_calls(P.batch_chat_response(rid, model, [choice]),
+                                              self._tool_readers(body) or _no_reader), headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
-                   top: int | None = None, echo: str | None = None) -> AsyncIterator[bytes]:
+                   top: int | None = None, echo: str | None = None,
+                   tools: Callable[[], ToolCallReader | None] | None = None) -> AsyncIterator[bytes]:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
-        tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with."""
+        tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with. `tools`:
+        the reader of a chat reply's tool calls, which its chunks carry instead of that text."""
         created, item, lead = int(time.time()), first, None
         if echo is not None:
             item = dataclasses.replace(first, text=echo + first.text)
             lead = first.prompt_logprobs if top is not None else None  # the echoed prompt's, before the reply's
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        fast = None if continuous or top is not None else TextChunks(kind, rid, model, created, include_usage)
+        reader = tools() if tools is not None else None
+        fast = None if continuous or top is not None or reader is not None else \
+            TextChunks(kind, rid, model, created, include_usage)
         shown = P.Logprobs(kind, top) if top is not None else None
         done = False
         try:
@@ -956,7 +995,7 @@ class OpenAIFrontend:
                              include_usage, P.usage(first.num_prompt_tokens, 0) if continuous else None)
             while True:
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast, shown,
-                                     lead)) is not None:
+                                     lead, reader)) is not None:
                     yield out
                 lead = None
                 if item.finished:
@@ -1073,7 +1112,8 @@ class TextChunks:
 
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
               index: int = 0, continuous: bool = False, fast: TextChunks | None = None,
-              shown: P.Logprobs | None = None, lead: list[TokenLogprob] | None = None) -> bytes | None:
+              shown: P.Logprobs | None = None, lead: list[TokenLogprob] | None = None,
+              tools: ToolCallReader | None = None) -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
     in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous` or
@@ -1094,8 +1134,15 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     if kind == "completion":
         return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason, lp),
                       include_usage, usage)
-    return _chunk(P.chat_chunk(rid, model, created, {"content": item.text} if item.text else {}, fin,
-                               item.stop_reason, index, lp), include_usage, usage)
+    delta = {"content": item.text} if item.text else {}
+    if tools is not None:  # the reply's text as content and tool calls
+        read = tools.feed(item.text)
+        if item.finished:
+            read.add(tools.end())
+            if tools.calls and tools.as_calls and fin in (FinishReason.STOP, FinishReason.LENGTH):
+                fin = "tool_calls"  # type: ignore[assignment]
+        delta = read.delta()
+    return _chunk(P.chat_chunk(rid, model, created, delta, fin, item.stop_reason, index, lp), include_usage, usage)
 
 
 class _Whole(NamedTuple):
@@ -1107,11 +1154,9 @@ class _Whole(NamedTuple):
     prompt_logprobs: list[TokenLogprob] | None
 
 
-def _tool_calls(body: P._Common | None, resp: dict) -> dict:
-    """A chat response with its replies as tool calls where the request's tool_choice names or requires a tool."""
-    if not isinstance(body, P.ChatCompletionRequest):
-        return resp
-    return P.with_tool_calls(resp, body.called_tools(), isinstance(body.tool_choice, dict))
+def _no_reader() -> None:
+    """No reply is read for tool calls (`P.with_tool_calls`)."""
+    return None
 
 
 def _made(body: P._Common) -> int:

@@ -8,16 +8,16 @@ a completion's tools, the legacy functions, vLLM's guided decoding but guided_js
 chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
 completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
 `shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode (`response_format` json_object or
-json_schema, vLLM's guided_json: `core.json_grammar`), a chat's tools with a tool_choice that names or requires one
-(`ChatCompletionRequest._check`, `with_tool_calls`), and vLLM's other sampling and output fields are honoured, and so
-are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
+json_schema, vLLM's guided_json: `core.json_grammar`), a chat's tools and the calls its reply makes
+(`ChatCompletionRequest.tool_reader`, `deployments.tool_calls`), and vLLM's other sampling and output fields are
+honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,6 +27,7 @@ from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob,
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 from core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from deployments.tool_calls import NamedToolReader, RequiredToolReader, ToolCallReader, model_format_reader
 
 
 def _documented(schema: dict[str, Any]) -> Any:
@@ -490,7 +491,8 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
                                                                    "maximum": MAX_LOGPROBS}))
     # OpenAI's tools, shown to the model by its chat template; with tool_choice a tool's name or "required" the reply
     # is that tool's call (its arguments a value of its parameters' schema: JSON mode) or a list of calls, returned
-    # as `tool_calls`. "auto" (the default with tools) would need a parser of the model's own tool-call format: a 400
+    # as `tool_calls`; with "auto" (the default with tools) the model's own calls are read from its reply, in the
+    # format the app's `tool_call_parser` names (`deployments.tool_calls`)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
@@ -517,17 +519,12 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
                 and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
             raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                              '{"name": ...}}')
-        if choice == "none":
+        if choice in ("none", "auto"):  # "auto": the model's own format, where the server reads one (the ingress)
             return self
         if not self.tools:
             raise ValueError("tool_choice names a tool, or requires one, but the request has no tools")
-        if choice == "auto":
-            raise ValueError('tool_choice "auto" (the default with tools) needs a parser of this model\'s own '
-                             'tool-call format, which this server does not have: name a tool or ask for "required"')
         if isinstance(choice, dict) and choice["function"]["name"] not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names a tool the request does not have: {choice['function']['name']!r}")
-        if self.stream:
-            raise ValueError("tool_choice naming or requiring a tool cannot be streamed here")
         if self.guided_json is not None or (self.response_format or {}).get("type", "text") != "text":
             raise ValueError("tool_choice naming or requiring a tool and a JSON response_format cannot both be given")
         try:
@@ -535,6 +532,20 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         except ValueError as e:
             raise ValueError(f"tool_choice: a tool's parameters: {e}") from None
         return self
+
+    def auto_tools(self) -> bool:
+        """Whether the model chooses whether to call a tool (tool_choice "auto", OpenAI's default where there are
+        tools): its reply is read in its own tool-call format (`tool_reader`)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def tool_reader(self, parser: str | None) -> ToolCallReader | None:
+        """A reader of the reply's tool calls (`deployments.tool_calls`): a named tool's arguments, "required"'s
+        list of calls, or with "auto" the model's own format (`parser`, which the ingress checked there is); None
+        where the reply is text."""
+        tools = self.called_tools()
+        if tools is not None:
+            return NamedToolReader(tools[0].name) if isinstance(self.tool_choice, dict) else RequiredToolReader()
+        return model_format_reader(parser) if self.auto_tools() and parser else None
 
     def called_tools(self) -> list[FunctionDef] | None:
         """The tools the reply calls (tool_choice a tool's name: that one; "required": any of them), else None."""
@@ -705,26 +716,20 @@ def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None
     return out
 
 
-def with_tool_calls(resp: dict, tools: list[FunctionDef] | None, named: bool) -> dict:
-    """A chat response whose replies are tool calls (`ChatCompletionRequest.called_tools`): each choice's JSON text
-    becomes its message's `tool_calls` (a named tool's call with that text as its arguments, or, required, each
-    call of the list; content null, finish reason `tool_calls` for a list). A reply its cap cut (no JSON) stays
-    text."""
-    if not tools:
-        return resp
+def with_tool_calls(resp: dict, reader: Callable[[], ToolCallReader | None]) -> dict:
+    """A chat response whose replies are read for tool calls (`reader()`: a reader per choice, or None: text): a
+    choice with calls gets its message's `tool_calls` (content: the text beside them, or null), and finish reason
+    `tool_calls` unless a named tool was called (OpenAI's); a reply with none (or its cap cut them) stays text."""
     for c in resp["choices"]:
-        text = c["message"]["content"]
-        try:
-            value = json.loads(text)
-            calls = [(tools[0].name, text.strip())] if named else \
-                [(x["name"], json.dumps(x["parameters"], ensure_ascii=False)) for x in value]
-        except (ValueError, TypeError, KeyError):  # (the schema makes it a list of calls once whole)
+        r = reader()
+        if r is None:
+            return resp
+        content, calls = r.whole(c["message"]["content"])
+        if not calls:
             continue
-        if not named:
+        if r.as_calls:
             c["finish_reason"] = "tool_calls"
-        c["message"] = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": n, "arguments": a}}
-            for n, a in calls]}
+        c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
     return resp
 
 

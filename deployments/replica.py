@@ -25,6 +25,7 @@ from core.messages import (ChatTurn, ContextLengthExceeded, ErrorKind, GenerateR
 from core.request import FinishReason
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
+from deployments.tool_calls import detect
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
@@ -453,7 +454,9 @@ class LLMReplica:
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive(),
-                "sampling_defaults": dict(self.engine.sampling_defaults)}
+                "sampling_defaults": dict(self.engine.sampling_defaults),
+                # the tool-call format its chat template shows (`tool_calls.detect`): tool_call_parser=auto's
+                "tool_call_parser": detect(getattr(self.engine.inputs.tokenizer, "chat_template", None))}
 
     async def _callers_loop(self, period_s: float) -> None:
         """Every `period_s`, abort in the engine the requests whose caller (an Ingress replica) Ray reports dead: when

@@ -29,7 +29,8 @@ BASE_URL = "http://127.0.0.1:8000"
 MAX_BODY = 64 * 1024
 TEST_ARGS = dict(model="kairos-tiny", dtype="float32", num_replicas=2, num_kv_blocks=128, block_size=16,
                  num_threads=1, max_num_seqs=16, max_body_bytes=MAX_BODY, served_model_name="kairos-tiny",
-                 routing_stats_period_s=1.0, metrics_interval_s=0.5, health_check_period_s=2.0, reroute_rejected=1)
+                 routing_stats_period_s=1.0, metrics_interval_s=0.5, health_check_period_s=2.0, reroute_rejected=1,
+                 tool_call_parser="hermes")  # (kairos-tiny's template shows no format: as vLLM's --tool-call-parser)
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:

@@ -531,9 +531,12 @@ def test_json_mode_replies_are_json_objects(client: httpx.Client) -> None:
 def test_tool_choice_naming_or_requiring_a_tool_returns_tool_calls(client: httpx.Client) -> None:
     """OpenAI's tools: shown to the model by its chat template; tool_choice naming a tool makes the reply that tool's
     call (its arguments a value of its parameters' schema), "required" a list of calls of the tools (finish reason
-    tool_calls); "none" a text reply; "auto" (the default with tools) a 400, as vLLM's without a tool-call parser;
+    tool_calls), streamed as `tool_calls` deltas that add up to the same calls; "none" a text reply; "auto" (the
+    default with tools) the reply read in the app's tool-call format (this app's: hermes), streamed as it is whole;
     a conversation with an assistant's tool calls and a tool's reply is taken."""
     import json as json_
+
+    from deployments.tool_calls import merge_calls
 
     weather = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
                                                 "parameters": {"type": "object", "properties": {
@@ -543,19 +546,46 @@ def test_tool_choice_naming_or_requiring_a_tool_returns_tool_calls(client: httpx
         "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"]}}}
     chat = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 400, "temperature": 0,
             "tools": [weather, clock]}
-    r = client.post("/v1/chat/completions", json={**chat, "tool_choice": {"type": "function",
-                                                                         "function": {"name": "get_weather"}}})
+
+    def streamed(body: dict) -> tuple[str, list[dict], str]:
+        """A streamed reply's content, its calls (their deltas merged) and its finish reason."""
+        r = client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        chunks = [json_.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        calls = merge_calls([e for d in deltas for e in d.get("tool_calls", [])])
+        return "".join(d.get("content") or "" for d in deltas), calls, chunks[-1]["choices"][0]["finish_reason"]
+
+    named = {**chat, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = client.post("/v1/chat/completions", json=named)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     (call,) = choice["message"]["tool_calls"]
     assert choice["message"]["content"] is None and call["type"] == "function" and call["id"]
     args = json_.loads(call["function"]["arguments"])
     assert call["function"]["name"] == "get_weather" and args["city"] in ("Paris", "Oslo") and args["unit"] in "CF"
-    r = client.post("/v1/chat/completions", json={**chat, "tool_choice": "required", "parallel_tool_calls": False})
+    content, calls, finish = streamed(named)
+    assert content == "" and finish == choice["finish_reason"] == "stop"
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json_.loads(calls[0]["function"]["arguments"]) == args
+    required = {**chat, "tool_choice": "required", "parallel_tool_calls": False}
+    r = client.post("/v1/chat/completions", json=required)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
     assert choice["message"]["tool_calls"][0]["function"]["name"] in ("get_weather", "get_time")
+    content, calls, finish = streamed(required)
+    assert (content, finish) == ("", "tool_calls")
+    assert [c["function"] for c in calls] == [c["function"] for c in choice["message"]["tool_calls"]]
+    for auto in ({}, {"tool_choice": "auto"}):  # the model's own calls, if any, in hermes's format
+        r = client.post("/v1/chat/completions", json={**chat, **auto, "max_tokens": 12})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        content, calls, finish = streamed({**chat, **auto, "max_tokens": 12})
+        assert (content or None, [c["function"] for c in calls], finish) == (
+            message["content"], [c["function"] for c in message.get("tool_calls", [])],
+            r.json()["choices"][0]["finish_reason"])
     r = client.post("/v1/chat/completions", json={**chat, "max_tokens": 4, "tool_choice": "none"})
     assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"], r.text
     history = [{"role": "user", "content": "Weather in Paris?"},
@@ -565,8 +595,8 @@ def test_tool_choice_naming_or_requiring_a_tool_returns_tool_calls(client: httpx
                {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
     r = client.post("/v1/chat/completions", json={**chat, "messages": history, "max_tokens": 4, "tool_choice": "none"})
     assert r.status_code in (200, 400), r.text  # (400: a template that cannot show a tool's turn says so)
-    for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                  {"tool_choice": "required", "stream": True}, {"tool_choice": "maybe"}):
+    for extra in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, {"tool_choice": "maybe"},
+                  {"tool_choice": "required", "response_format": {"type": "json_object"}}):
         r = client.post("/v1/chat/completions", json={**chat, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (extra, r.text)
     r = client.post("/v1/completions", json={"prompt": "x", "tools": [weather]})
@@ -731,6 +761,12 @@ def test_openai_client(base_url: str) -> None:
                                         tools=[tool], tool_choice={"type": "function", "function": {"name": "pick"}})
     (call,) = called.choices[0].message.tool_calls
     assert call.function.name == "pick" and json.loads(call.function.arguments)["side"] in ("left", "right")
+    with oa.chat.completions.stream(model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=400,
+                                    tools=[tool], tool_choice="required", parallel_tool_calls=False) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and call.function.name == "pick"
+    assert json.loads(call.function.arguments)["side"] in ("left", "right")
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
     assert e.value.code == "model_not_found"

@@ -285,8 +285,6 @@ def _bounded(body: Any, path: str) -> Any:
         v = body.get(k)
         if isinstance(v, int) and not isinstance(v, bool) and v > FUZZ_MAX_CHOICES:
             body[k] = FUZZ_MAX_CHOICES  # each choice is a request of its own
-    if body.get("tools") and "tool_choice" not in body:
-        body["tool_choice"] = "none"  # OpenAI's default with tools, "auto", is a 400 here (test_api covers it)
     if isinstance(body.get("model"), str):
         body["model"] = "kairos-tiny"  # a random name is a 404 (test_errors covers it): reach the engine
     return body

@@ -62,7 +62,7 @@ def _rel_app(tmp: Path):
     key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
     return build_app({**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file),
                       "allowed_origins": ORIGIN, "log_prompts": True, "health_check_period_s": 1.0,
-                      "health_check_timeout_s": 10.0})
+                      "health_check_timeout_s": 10.0, "tool_call_parser": "auto"})
 
 
 SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
@@ -105,6 +105,24 @@ def test_api_key_auth(rel_app: dict) -> None:
             r = c.post(CMPL, json=body, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
         assert c.get("/v1/models", headers={"authorization": f"bearer {KEYS[1]}"}).status_code == 200
+
+
+def test_tool_choice_auto_is_a_400_where_no_tool_call_format_is_known(rel_app: dict) -> None:
+    """This app reads replies in the tool-call format its model's chat template shows (tool_call_parser=auto), and
+    kairos-tiny's shows none: a request that leaves the choice to the model (tool_choice auto, OpenAI's default with
+    tools) is a 400 naming tool_choice, as vLLM's without --enable-auto-tool-choice; a named tool, "required" and
+    "none" are served."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"]}}}
+    chat = {"messages": [{"role": "user", "content": "pick"}], "max_tokens": 40, "tools": [tool]}
+    with httpx.Client(base_url=rel_app["url"], timeout=60, headers=rel_app["auth"]) as c:
+        for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": "auto", "stream": True}):
+            r = c.post(CHAT, json={**chat, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+            assert "tool_call_parser" in r.json()["error"]["message"]
+        for choice in ("none", "required", {"type": "function", "function": {"name": "pick"}}):
+            r = c.post(CHAT, json={**chat, "tool_choice": choice})
+            assert r.status_code == 200, (choice, r.text)
 
 
 def test_cors_preflight_comes_before_auth_and_only_allowed_origins_may_read(rel_app: dict) -> None:

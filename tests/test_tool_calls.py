@@ -1,0 +1,114 @@
+"""Tool calls read out of a chat reply (`deployments.tool_calls`): every model format, whole and streamed in pieces
+of every size (the same calls and content however the text is cut), and the format a chat template shows."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.tool_calls import (PARSERS, NamedToolReader, RequiredToolReader, ToolDelta, detect, merge_calls,
+                                    model_format_reader)
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}'
+
+# (format, reply, content, [(name, arguments)])
+CASES = [
+    ("hermes", f"<tool_call>\n{WEATHER}\n</tool_call>", None, [("get_weather", {"city": "Zürich", "unit": "C"})]),
+    ("hermes", f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
+     '{"name": "get_time", "arguments": {}}\n</tool_call>\n', "Let me look.\n",
+     [("get_weather", {"city": "Zürich", "unit": "C"}), ("get_time", {})]),
+    ("hermes", f"<tool_call>{WEATHER}", None, [("get_weather", {"city": "Zürich", "unit": "C"})]),  # cut at its end
+    ("hermes", "No call: 2 < 3 and <tool", "No call: 2 < 3 and <tool", []),
+    ("hermes", '<tool_call>{"name": oops}</tool_call> then text', '<tool_call>{"name": oops}</tool_call> then text',
+     []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"q": "é"}}; {"name": "g", "parameters": {}}', None,
+     [("f", {"q": "é"}), ("g", {})]),
+    ("llama3_json", '\n {"name": "f", "parameters": {"q": 1}}', None, [("f", {"q": 1})]),
+    ("llama3_json", "Hello {there}", "Hello {there}", []),
+    ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("llama3_json", '{"name": "f", "parameters": {"q"', '{"name": "f", "parameters": {"q"', []),
+    ("mistral", 'Sure[TOOL_CALLS][{"name": "f", "arguments": {"a": 2}}, {"name": "g", "arguments": {}}]', "Sure",
+     [("f", {"a": 2}), ("g", {})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 2}[TOOL_CALLS]g{"b": [3]}', None, [("f", {"a": 2}), ("g", {"b": [3]})]),
+    ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+    ("mistral", "plain [TOOL", "plain [TOOL", []),
+]
+
+
+def _streamed(reader, text: str, step: int) -> ToolDelta:
+    out = ToolDelta()
+    for k in range(0, len(text), step):
+        out.add(reader.feed(text[k:k + step]))
+    return out.add(reader.end())
+
+
+def _named(calls: list[dict]) -> list[tuple[str, object]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("fmt,reply,content,calls", CASES)
+def test_a_reply_reads_as_the_same_content_and_calls_whole_and_in_every_cut(fmt, reply, content, calls) -> None:
+    got_content, got_calls = model_format_reader(fmt).whole(reply)
+    assert got_content == content and _named(got_calls) == calls
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
+    assert len({c["id"] for c in got_calls}) == len(got_calls)
+    for step in range(1, len(reply) + 1):
+        d = _streamed(model_format_reader(fmt), reply, step)
+        assert (d.content if d.content.strip() or not d.calls else None) == content, step
+        assert [c["index"] for c in d.calls if "id" in c] == list(range(len(calls)))  # each call once, in order
+        assert _named(merge_calls(d.calls)) == calls, step
+
+
+def test_hermes_streams_text_at_once_and_holds_only_what_could_open_a_call() -> None:
+    """Text before a call is streamed as it comes; only a tail that could be `<tool_call>`'s start waits."""
+    r = model_format_reader("hermes")
+    assert r.feed("Hello <").content == "Hello "
+    assert r.feed("b>").content == "<b>"
+    assert r.feed(" <tool_").content == " "
+    d = r.feed('call>{"name": "f", "arguments": {}}</tool_call>')
+    assert d.content == "" and d.calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    assert r.feed("\n\n").content == ""  # whitespace after a call is dropped ...
+    assert r.feed(" more").content == "\n\n more"  # ... unless text follows
+    assert r.end().content == ""
+
+
+def test_a_named_tool_streams_its_arguments_and_required_reads_a_list() -> None:
+    r = NamedToolReader("pick")
+    first, second = r.feed('{"a"'), r.feed(": 1}")
+    assert first.calls[0]["function"] == {"name": "pick", "arguments": '{"a"'} and first.calls[0]["id"]
+    assert second.calls == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    assert NamedToolReader("pick").whole('{"a": 1') == ('{"a": 1', [])  # cut by its cap: text
+    assert not NamedToolReader("pick").as_calls
+    content, calls = RequiredToolReader().whole('[{"name": "f", "parameters": {"x": 1}}, {"name": "g", '
+                                                '"parameters": {}}]')
+    assert content is None and _named(calls) == [("f", {"x": 1}), ("g", {})]
+    assert RequiredToolReader().whole('[{"name": "f", "parameters"') == ('[{"name": "f", "parameters"', [])
+    assert RequiredToolReader().whole("[]") == ("[]", [])
+
+
+# excerpts of real chat templates: the marks each writes a call with
+QWEN = ("{%- if tools %}{{- '<|im_start|>system\\n' }}# Tools\\n<tools>{%- for tool in tools %}{{- tool | tojson }}"
+        "{%- endfor %}</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags{%- endif %}")
+LLAMA31 = ('{{- "<|start_header_id|>user<|end_header_id|>\\n\\n" -}}{{- "Given the following functions, please '
+           'respond with a JSON for a function call with its proper arguments that best answers the given prompt.'
+           '\\n\\n" }}{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument '
+           'name and its value}.\' }}{%- if builtin_tools is defined %}{{- "<|python_tag|>" }}{%- endif %}')
+MISTRAL = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- for tool in message.tool_calls %}"
+CHATML = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+
+
+def test_the_format_is_the_one_the_chat_template_shows() -> None:
+    assert detect(QWEN) == "hermes" and detect(LLAMA31) == "llama3_json" and detect(MISTRAL) == "mistral"
+    assert detect(CHATML) is None and detect(None) is None
+    assert detect({"default": CHATML, "tool_use": QWEN}) == "hermes"  # a tokenizer's named templates
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+
+
+def test_the_app_argument_names_the_formats_there_are() -> None:
+    from typing import get_args
+
+    from deployments.args import ServeArgs
+
+    assert set(get_args(ServeArgs.model_fields["tool_call_parser"].annotation)) == {"auto", "none", *PARSERS}
