@@ -5,21 +5,27 @@ value has ended (the reply may stop there).
 
 A state is a tuple (stack, mode, sub, whitespace run): `stack` the open containers, each a frame (`("o", schema,
 keys seen, its last key)` an object, `("a", schema, items begun)` an array, `("k", text)` an object's key being
-read), `mode` what may come next, `sub` the mode's own (the schema of the value to come, a literal's rest, a \\u
-escape's hex digits left, a number's part, an enum's candidates and what of them is written). A schema of None
+read), `mode` what may come next, `sub` the mode's own (the schema of the value to come, a literal's rest, a
+string's length and its bounds, a \\u escape's hex digits left, a number's part (and its text where the schema
+bounds it), an enum's candidates and what of them is written). A schema of None
 allows any value. Whitespace outside strings is capped at `MAX_WHITESPACE` characters in a row, so that a reply
 cannot pad forever; inside strings control characters are refused, as JSON refuses them.
 
 Schemas: `type` (one or a list), `properties`, `required`, `additionalProperties` (false, or left out beside
 `properties` as vLLM's xgrammar takes it: no other key; true or a schema: other keys, their values of it), `items`
-(`minItems`, `maxItems`),
-`enum`, `const`, `anyOf` / `oneOf` (a value takes the first alternative its first character fits), and `$ref` to
-`#/$defs/...` or `#/definitions/...`; `title`, `description`, `default`, `examples`, `format` and the like are read
-and not enforced; any other keyword (`pattern`, `minLength`, ...) is refused by `compile_schema`, so that no reply
-breaks a rule it was asked to keep."""
+and `prefixItems` (a tuple's items; `items` false: no more), `minItems`, `maxItems`, a string's `minLength` and
+`maxLength` (in characters, an escape one), a number's `minimum`, `maximum`, `exclusiveMinimum` and
+`exclusiveMaximum` (a bounded number is written without an exponent), `enum`, `const`, `anyOf` / `oneOf` (a value
+takes the first alternative its first character fits), and `$ref` to `#/$defs/...` or `#/definitions/...`;
+`title`, `description`, `default`, `examples`, `format` and the like are read and not enforced; any other keyword
+(`pattern`, `multipleOf`, ...) is refused by `compile_schema`, so that no reply breaks a rule it was asked to
+keep."""
 from __future__ import annotations
 
 import json
+import math
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
@@ -37,8 +43,11 @@ _MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
 _NUMBER_ENDS = frozenset((_ZERO, _INT, _FRAC, _EXP))
 
 # keywords a schema may hold: those enforced, and those read as notes (not enforced)
-ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                      "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"))
+ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+                      "maxItems", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+                      "exclusiveMaximum", "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"))
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 NOTES = frozenset(("title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "strict",
                    "readOnly", "writeOnly", "deprecated"))
 TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
@@ -128,8 +137,13 @@ def compile_schema(text: str) -> dict[str, Any]:
             node["additionalProperties"] = check(extra, f"{where}.additionalProperties")
         elif not isinstance(extra, bool):
             raise fail(f"{where}.additionalProperties", "must be true, false or a schema")
-        if "items" in node:
+        if "items" in node and not isinstance(node["items"], bool):
             node["items"] = check(node["items"], f"{where}.items")
+        if "prefixItems" in node:
+            pre = node["prefixItems"]
+            if not isinstance(pre, list):
+                raise fail(f"{where}.prefixItems", "must be a list of schemas")
+            node["prefixItems"] = [check(x, f"{where}.prefixItems[{k}]") for k, x in enumerate(pre)]
         for name in ("anyOf", "oneOf"):
             if name in node:
                 alts = node[name]
@@ -138,11 +152,18 @@ def compile_schema(text: str) -> dict[str, Any]:
                 node[name] = [check(alt, f"{where}.{name}[{k}]") for k, alt in enumerate(alts)]
         if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
             raise fail(f"{where}.enum", "must be a list of values")
-        for name in ("minItems", "maxItems"):
+        for name in _COUNTS:
             if name in node and (isinstance(node[name], bool) or not isinstance(node[name], int) or node[name] < 0):
                 raise fail(f"{where}.{name}", "must be a non-negative integer")
-        if node.get("minItems", 0) > node.get("maxItems", node.get("minItems", 0)):
-            raise fail(f"{where}.minItems", "is above maxItems")
+        for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
+            if node.get(lo, 0) > node.get(hi, node.get(lo, 0)):
+                raise fail(f"{where}.{lo}", f"is above {hi}")
+        for name in _BOUNDS:
+            v = node.get(name)
+            if name in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise fail(f"{where}.{name}", "must be a number")
+        if any(name in node for name in _BOUNDS) and not _bounded_exists(node):
+            raise fail(where, "has bounds no number meets")
         return node
 
     try:
@@ -172,7 +193,7 @@ def _types(node: dict[str, Any]) -> frozenset[str] | None:
     if t is None:
         if "properties" in node or "additionalProperties" in node or "required" in node:
             return frozenset(("object",))
-        if "items" in node:
+        if "items" in node or "prefixItems" in node:
             return frozenset(("array",))
         return None
     return frozenset([t] if isinstance(t, str) else t)
@@ -204,11 +225,17 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
     if ch == "[" and allows("array"):
         return (stack + (("a", node, 0),), VALUE_OR_END, None, 0)
     if ch == '"' and allows("string"):
-        return (stack, STRING, None, 0)
+        limits = None
+        if node is not None and ("minLength" in node or "maxLength" in node):
+            limits = (0, node.get("minLength", 0), node.get("maxLength"))
+        return (stack, STRING, limits, 0)
     if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
         integer = types is not None and "number" not in types
         part = _MINUS if ch == "-" else (_ZERO if ch == "0" else _INT)
-        return (stack, NUMBER, (part, integer), 0)
+        bounds = _bounds(node, integer) if node is not None else None
+        if bounds is not None and not _reachable(ch, integer, bounds):
+            return None
+        return (stack, NUMBER, (part, integer, ch, bounds), 0)
     if (ch in "tf" and allows("boolean")) or (ch == "n" and allows("null")):
         return (stack, LITERAL, _LITERALS[ch], 0)
     return None
@@ -244,8 +271,116 @@ def _items_ok(node: Schema, count: int) -> bool:
 
 
 def _room(node: Schema, count: int) -> bool:
-    """Whether an array of `count` items may take one more (`maxItems`)."""
-    return node is None or "maxItems" not in node or count < node["maxItems"]
+    """Whether an array of `count` items may take one more (`maxItems`; `items` false: no more than its
+    `prefixItems`)."""
+    if node is None:
+        return True
+    if node.get("items") is False and count >= len(node.get("prefixItems") or ()):
+        return False
+    return "maxItems" not in node or count < node["maxItems"]
+
+
+def _item(node: Schema, index: int) -> Schema:
+    """The schema of an array's item `index` (its `prefixItems`', else its `items`'; None: any value)."""
+    if node is None:
+        return None
+    pre = node.get("prefixItems") or ()
+    if index < len(pre):
+        return pre[index]
+    items = node.get("items")
+    return items if isinstance(items, dict) else None
+
+
+def _one_more(limits: tuple | None) -> tuple | None:
+    """A bounded string's length after one more character (an escape counts one)."""
+    return None if limits is None else (limits[0] + 1, limits[1], limits[2])
+
+
+# a number's bounds: (lowest, whether it is allowed, highest, whether it is allowed), None where unbounded
+Bounds = tuple[Fraction | None, bool, Fraction | None, bool]
+
+
+def _bounds(node: dict[str, Any], integer: bool) -> Bounds | None:
+    """A number schema's bounds (`minimum`, `exclusiveMinimum`, ...), the tighter of each side's two; for an
+    integer, as the lowest and highest integer allowed. None where it has none."""
+    if not any(name in node for name in _BOUNDS):
+        return None
+    lo, lo_in, hi, hi_in = None, True, None, True
+    for name, inclusive in (("minimum", True), ("exclusiveMinimum", False)):
+        if name in node:
+            v = Fraction(Decimal(repr(node[name])))
+            if lo is None or v > lo or (v == lo and not inclusive):
+                lo, lo_in = v, inclusive
+    for name, inclusive in (("maximum", True), ("exclusiveMaximum", False)):
+        if name in node:
+            v = Fraction(Decimal(repr(node[name])))
+            if hi is None or v < hi or (v == hi and not inclusive):
+                hi, hi_in = v, inclusive
+    if integer:
+        if lo is not None:
+            lo = Fraction(math.floor(lo) + 1 if not lo_in and lo.denominator == 1 else math.ceil(lo))
+        if hi is not None:
+            hi = Fraction(math.ceil(hi) - 1 if not hi_in and hi.denominator == 1 else math.floor(hi))
+        lo_in = hi_in = True
+    return lo, lo_in, hi, hi_in
+
+
+def _bounded_exists(node: dict[str, Any]) -> bool:
+    """Whether some number (an integer, where the schema allows only those) meets the schema's bounds."""
+    types = _types(node)
+    integer = types is not None and "number" not in types
+    lo, lo_in, hi, hi_in = _bounds(node, integer)  # type: ignore[misc]
+    return lo is None or hi is None or lo < hi or (lo == hi and lo_in and hi_in)
+
+
+def _meets(a: Fraction | None, a_in: bool, b: Fraction | None, b_in: bool, bounds: Bounds) -> bool:
+    """Whether the interval from `a` to `b` (None: unbounded; `_in`: the end belongs to it) meets `bounds`."""
+    lo, lo_in, hi, hi_in = bounds
+    if a is None or (lo is not None and lo > a):
+        a, a_in = lo, lo_in
+    elif lo is not None and lo == a:
+        a_in = a_in and lo_in
+    if b is None or (hi is not None and hi < b):
+        b, b_in = hi, hi_in
+    elif hi is not None and hi == b:
+        b_in = b_in and hi_in
+    return a is None or b is None or a < b or (a == b and a_in and b_in)
+
+
+def _reachable(text: str, integer: bool, bounds: Bounds) -> bool:
+    """Whether a number written as `text` so far (no exponent) can still end within `bounds`: its values are those
+    of each integer part it may grow to (with any fraction, for a number), or, once its fraction has begun, those
+    its further digits may add."""
+    neg = text.startswith("-")
+    whole, dot, frac = (text[1:] if neg else text).partition(".")
+
+    def meets(a: Fraction, a_in: bool, b: Fraction | None, b_in: bool) -> bool:  # a span of the value's magnitude
+        return _meets(None if b is None else -b, b_in, -a, a_in, bounds) if neg else _meets(a, a_in, b, b_in, bounds)
+
+    if not whole:  # "-" alone: any magnitude
+        return meets(Fraction(0), True, None, False)
+    if dot:
+        low = Fraction(int(whole + frac), 10 ** len(frac))
+        return meets(low, True, low + Fraction(1, 10 ** len(frac)), False)
+    if whole == "0":
+        return meets(Fraction(0), True, Fraction(0) if integer else Fraction(1), integer)
+    d, far = int(whole), max((abs(x) for x in (bounds[0], bounds[2]) if x is not None), default=Fraction(0))
+    scale = 1
+    while True:  # d, then d followed by one digit, two, ...: [d x 10^k, (d + 1) x 10^k)
+        if meets(Fraction(d * scale), True, Fraction((d + 1) * scale - (1 if integer else 0)), integer):
+            return True
+        if d * scale > far:  # (the spans after lie further out still)
+            return False
+        scale *= 10
+
+
+def _within(text: str, bounds: Bounds | None) -> bool:
+    """Whether the number written as `text` is within `bounds` (None: none)."""
+    if bounds is None:
+        return True
+    v = Fraction(Decimal(text))
+    lo, lo_in, hi, hi_in = bounds
+    return (lo is None or v > lo or (v == lo and lo_in)) and (hi is None or v < hi or (v == hi and hi_in))
 
 
 def _value_schema(frame: tuple) -> Schema:
@@ -285,18 +420,21 @@ def step(state: State, ch: str) -> State | None:
         if stack and stack[-1][0] == "k":
             return _key_char(stack, ch)
         if ch == '"':
-            return _after_value(stack)
+            return _after_value(stack) if sub is None or sub[0] >= sub[1] else None  # (minLength)
+        if ch < " " or sub is not None and sub[2] is not None and sub[0] >= sub[2]:  # (maxLength)
+            return None  # (a control character must be escaped)
         if ch == "\\":
-            return (stack, ESCAPE, None, 0)
-        return state if ch >= " " else None  # (a control character must be escaped)
+            return (stack, ESCAPE, sub, 0)
+        return state if sub is None else (stack, STRING, (sub[0] + 1, sub[1], sub[2]), 0)
     if mode == ESCAPE:
         if ch == "u":
-            return (stack, UNICODE, 4, 0)
-        return (stack, STRING, None, 0) if ch in _ESCAPES else None
+            return (stack, UNICODE, (4, sub), 0)
+        return (stack, STRING, _one_more(sub), 0) if ch in _ESCAPES else None
     if mode == UNICODE:
         if ch not in _HEX:
             return None
-        return (stack, STRING, None, 0) if sub == 1 else (stack, UNICODE, sub - 1, 0)
+        left, limits = sub
+        return (stack, STRING, _one_more(limits), 0) if left == 1 else (stack, UNICODE, (left - 1, limits), 0)
     if mode == LITERAL:
         if ch != sub[0]:
             return None
@@ -310,11 +448,14 @@ def step(state: State, ch: str) -> State | None:
             return (stack, CHOICE, (texts, more), 0)
         return step(_after_value(stack), ch) if written in texts else None  # it ended: this is what follows it
     if mode == NUMBER:
-        part, integer = sub
-        nxt = _number(part, ch, integer)
+        part, integer, text, bounds = sub
+        nxt = _number(part, ch, integer or bounds is not None and ch in "eE")
         if nxt is not None:
-            return (stack, NUMBER, (nxt, integer), 0)
-        if part not in _NUMBER_ENDS:
+            if bounds is None:
+                return (stack, NUMBER, (nxt, integer, text, None), 0)
+            text += ch
+            return (stack, NUMBER, (nxt, integer, text, bounds), 0) if _reachable(text, integer, bounds) else None
+        if part not in _NUMBER_ENDS or not _within(text, bounds):
             return None
         return step(_after_value(stack), ch)  # the number ended: this character is what follows it
     if ch in _WS:
@@ -327,7 +468,7 @@ def step(state: State, ch: str) -> State | None:
             return _after_value(stack[:-1]) if _items_ok(node, 0) else None
         if not _room(node, 0):
             return None
-        return _value(stack[:-1] + (("a", node, 1),), ch, node.get("items") if node is not None else None)
+        return _value(stack[:-1] + (("a", node, 1),), ch, _item(node, 0))
     if mode in (KEY_OR_END, KEY):
         frame = stack[-1]
         if ch == '"' and _may_add_key(frame):
@@ -347,7 +488,7 @@ def step(state: State, ch: str) -> State | None:
             return None
         node, count = frame[1], frame[2]
         if ch == "," and _room(node, count):
-            return (stack[:-1] + (("a", node, count + 1),), VALUE, node.get("items") if node is not None else None, 0)
+            return (stack[:-1] + (("a", node, count + 1),), VALUE, _item(node, count), 0)
         return _after_value(stack[:-1]) if ch == "]" and _items_ok(node, count) else None
     return None  # DONE: only whitespace
 
@@ -397,4 +538,5 @@ def complete(state: State) -> bool:
         return True
     if stack:
         return False
-    return (mode == NUMBER and sub[0] in _NUMBER_ENDS) or (mode == CHOICE and sub[1] in sub[0])
+    return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \
+        (mode == CHOICE and sub[1] in sub[0])

@@ -178,19 +178,66 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     assert complete(advance(const_top, "1")) and complete(advance(const_top, "12"))
 
 
+def test_string_lengths_tuples_and_number_bounds_are_kept():
+    """pydantic's constrained fields: a string's min_length / max_length (an escape one character), a tuple's items
+    (prefixItems), a number's ge / gt / le / lt: what keeps them is taken, what breaks them refused as soon as no
+    value could meet them, and a bounded number ends only within its bounds."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Item(pydantic.BaseModel):
+        code: str = pydantic.Field(min_length=2, max_length=3)
+        qty: int = pydantic.Field(ge=1, le=120)
+        share: float = pydantic.Field(gt=0, lt=1)
+        pair: tuple[int, str]
+
+    st = _schema_state(Item.model_json_schema())
+    ok = Item(code="ab", qty=120, share=0.25, pair=(3, "x"))
+    assert complete(advance(st, ok.model_dump_json())) and complete(advance(st, ok.model_dump_json(indent=2)))
+    assert complete(advance(st, '{"code": "\\n\\u00e9c", "qty": 1, "share": 0.999, "pair": [-4, ""]}'))
+    for bad in ('{"code": "a"', '{"code": "abcd', '{"code": "ab\\n\\t', '{"code": "ab", "qty": 0',
+                '{"code": "ab", "qty": 121', '{"code": "ab", "qty": 1200', '{"code": "ab", "qty": -',
+                '{"code": "ab", "qty": 12.', '{"code": "ab", "qty": 1, "share": 1',
+                '{"code": "ab", "qty": 1, "share": 0,',
+                '{"code": "ab", "qty": 1, "share": 0.0,', '{"code": "ab", "qty": 1, "share": -0.1',
+                '{"code": "ab", "qty": 1, "share": 5e-1', '{"code": "ab", "qty": 1, "share": 0.5, "pair": ["',
+                '{"code": "ab", "qty": 1, "share": 0.5, "pair": [1, "a", ',
+                '{"code": "ab", "qty": 1, "share": 0.5, "pair": [1]'):
+        assert advance(st, bad) is None, bad
+    for lo, hi, integer in ((-15, 7, True), (3, 3, True), (-2.5, 0.75, False), (10, None, True), (None, -3, False)):
+        schema = {"type": "integer" if integer else "number"}
+        if lo is not None:
+            schema["minimum"] = lo
+        if hi is not None:
+            schema["exclusiveMaximum" if not integer else "maximum"] = hi
+        top = _schema_state(schema)
+        for v in [x / 4 for x in range(-100, 101)] + [x for x in range(-200, 201)]:
+            text = str(v) if not integer else str(int(v))
+            if integer and v != int(v):
+                continue
+            inside = (lo is None or v >= lo) and (hi is None or (v <= hi if integer else v < hi))
+            got = advance(top, text)
+            assert (got is not None and complete(got)) == inside, (schema, text)
+            if inside:  # every prefix of a value within its bounds goes on
+                assert all(advance(top, text[:k]) is not None for k in range(1, len(text) + 1)), (schema, text)
+
+
 @pytest.mark.parametrize("schema,match", [
     ([], "must be a JSON object"), ({"type": "string", "pattern": "a+"}, "pattern"),
     ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"type": "strin"}, "type that is none of"),
     ({"type": 5}, "type that is none of"), ({"type": []}, "type that is none of"),
-    ({"properties": {"a": {"minLength": 2}}}, "minLength"), ({"properties": {"a": 3}}, "must be a schema"),
+    ({"properties": {"a": {"multipleOf": 2}}}, "multipleOf"), ({"properties": {"a": 3}}, "must be a schema"),
     ({"properties": [1]}, "properties must be"), ({"items": [{"type": "string"}]}, "items must be a schema"),
-    ({"items": False}, "items must be a schema"), ({"required": 5}, "required must be"), ({"enum": []}, "enum must"),
+    ({"prefixItems": {}}, "prefixItems must be"), ({"required": 5}, "required must be"), ({"enum": []}, "enum must"),
     ({"$defs": [1]}, "must be an object of schemas"), ({"anyOf": []}, "anyOf must be"),
     ({"properties": {"a": {}}, "required": ["b"]}, "may not have"),
     ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}, "$ref": "#/$defs/a"}, "lead back"),
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "refers to itself"),
     ({"additionalProperties": 3}, "true, false or a schema"), ({"minItems": -1}, "non-negative"),
-    ({"minItems": 3, "maxItems": 2}, "above maxItems")])
+    ({"minItems": 3, "maxItems": 2}, "above maxItems"), ({"minLength": 1.5}, "non-negative"),
+    ({"minLength": 3, "maxLength": 2}, "above maxLength"), ({"minimum": "1"}, "must be a number"),
+    ({"maximum": True}, "must be a number"), ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, "no number meets"),
+    ({"exclusiveMinimum": 1, "maximum": 1}, "no number meets"),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no number meets")])
 def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema, match):
     from core.json_grammar import compile_schema
 

@@ -747,11 +747,13 @@ def test_openai_client(base_url: str) -> None:
     assert len(best.choices) == 1 and best.usage.completion_tokens == 12
     from typing import Literal
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
     class Verdict(BaseModel):  # the client's structured outputs: its strict json_schema of the model
         answer: Literal["yes", "no"]
         sure: bool
+        score: int = Field(ge=-3, le=12)  # constrained fields: kept, not refused
+        why: str = Field(min_length=1, max_length=8)
     parsed = oa.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "ok?"}], max_tokens=600,
                                        response_format=Verdict)
     assert isinstance(parsed.choices[0].message.parsed, Verdict)
