@@ -6,20 +6,21 @@ value has ended (the reply may stop there).
 A state is a tuple (stack, mode, sub, whitespace run): `stack` the open containers, each a frame (`("o", schema,
 keys seen, its last key)` an object, `("a", schema, items begun)` an array, `("k", text)` an object's key being
 read), `mode` what may come next, `sub` the mode's own (the schema of the value to come, a literal's rest, a
-string's length and its bounds, a \\u escape's hex digits left, a number's part (and its text where the schema
-bounds it), an enum's candidates and what of them is written). A schema of None
-allows any value. Whitespace outside strings is capped at `MAX_WHITESPACE` characters in a row, so that a reply
-cannot pad forever; inside strings control characters are refused, as JSON refuses them.
+constrained string's length, bounds and pattern state, a \\u escape's hex digits left and read, a number's part
+(and its text where the schema bounds it), an enum's candidates and what of them is written, a regex and its
+state). A schema of None allows any value. Whitespace outside strings is capped at `MAX_WHITESPACE` characters in
+a row, so that a reply cannot pad forever; inside strings control characters are refused, as JSON refuses them.
 
 Schemas: `type` (one or a list), `properties`, `required`, `additionalProperties` (false, or left out beside
 `properties` as vLLM's xgrammar takes it: no other key; true or a schema: other keys, their values of it), `items`
 and `prefixItems` (a tuple's items; `items` false: no more), `minItems`, `maxItems`, a string's `minLength` and
-`maxLength` (in characters, an escape one), a number's `minimum`, `maximum`, `exclusiveMinimum` and
+`maxLength` (in characters, an escape one) and `pattern` (`core.regex_grammar`: found anywhere in the string's
+text, as JSON Schema's, unless anchored), a number's `minimum`, `maximum`, `exclusiveMinimum` and
 `exclusiveMaximum` (a bounded number is written without an exponent), `enum`, `const`, `anyOf` / `oneOf` (a value
 takes the first alternative its first character fits), and `$ref` to `#/$defs/...` or `#/definitions/...`;
 `title`, `description`, `default`, `examples`, `format` and the like are read and not enforced; any other keyword
-(`pattern`, `multipleOf`, ...) is refused by `compile_schema`, so that no reply breaks a rule it was asked to
-keep."""
+(`multipleOf`, `uniqueItems`, ...) is refused by `compile_schema`, so that no reply breaks a rule it was asked to
+keep. A reply held to a regular expression alone (`start_pattern`) is a state of mode `PATTERN`."""
 from __future__ import annotations
 
 import json
@@ -28,14 +29,17 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+from core.regex_grammar import Regex, compile_regex
+
 MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
 # modes
-VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE = range(13)
+VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN = \
+    range(14)
 _WS = frozenset(" \t\n\r")
 _DIGITS = frozenset("0123456789")
 _HEX = frozenset("0123456789abcdefABCDEF")
-_ESCAPES = frozenset('"\\/bfnrt')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 # a number's parts: after "-", after a leading 0, in the integer, after ".", in the fraction, after "e", after its
 # sign, in the exponent; those a number may end in
@@ -44,7 +48,7 @@ _NUMBER_ENDS = frozenset((_ZERO, _INT, _FRAC, _EXP))
 
 # keywords a schema may hold: those enforced, and those read as notes (not enforced)
 ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
-                      "maxItems", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+                      "maxItems", "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
                       "exclusiveMaximum", "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"))
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -60,6 +64,11 @@ OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any object
 def start(schema: Schema = OBJECT) -> State:
     """The state before a reply: a value of `schema` to come (default: any JSON object, json_object's)."""
     return ((), VALUE, schema, 0)
+
+
+def start_pattern(rx: Regex) -> State:
+    """The state before a reply that must match `rx` whole (vLLM's guided_regex and guided_choice): no JSON."""
+    return ((), PATTERN, (rx, rx.start), 0)
 
 
 START = start()
@@ -158,6 +167,13 @@ def compile_schema(text: str) -> dict[str, Any]:
         for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
             if node.get(lo, 0) > node.get(hi, node.get(lo, 0)):
                 raise fail(f"{where}.{lo}", f"is above {hi}")
+        if "pattern" in node and not isinstance(node["pattern"], Regex):
+            if not isinstance(node["pattern"], str):
+                raise fail(f"{where}.pattern", "must be a regular expression (a string)")
+            try:
+                node["pattern"] = compile_regex(node["pattern"], search=True)  # (JSON Schema's: found anywhere)
+            except ValueError as e:
+                raise fail(f"{where}.pattern", str(e)) from None
         for name in _BOUNDS:
             v = node.get(name)
             if name in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
@@ -226,8 +242,9 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
         return (stack + (("a", node, 0),), VALUE_OR_END, None, 0)
     if ch == '"' and allows("string"):
         limits = None
-        if node is not None and ("minLength" in node or "maxLength" in node):
-            limits = (0, node.get("minLength", 0), node.get("maxLength"))
+        if node is not None and ("minLength" in node or "maxLength" in node or "pattern" in node):
+            rx = node.get("pattern")
+            limits = (0, node.get("minLength", 0), node.get("maxLength"), rx, rx.start if rx is not None else None)
         return (stack, STRING, limits, 0)
     if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
         integer = types is not None and "number" not in types
@@ -291,9 +308,17 @@ def _item(node: Schema, index: int) -> Schema:
     return items if isinstance(items, dict) else None
 
 
-def _one_more(limits: tuple | None) -> tuple | None:
-    """A bounded string's length after one more character (an escape counts one)."""
-    return None if limits is None else (limits[0] + 1, limits[1], limits[2])
+def _one_more(limits: tuple | None, ch: str) -> tuple | None:
+    """A constrained string's (length, minLength, maxLength, pattern, the pattern's state) after one more character
+    `ch` (an escape's: it counts one), or None where the pattern cannot take it (or it is unconstrained)."""
+    if limits is None:
+        return None
+    count, lo, hi, rx, at = limits
+    if rx is not None:
+        at = rx.step(at, ch)
+        if at is None:
+            return None
+    return count + 1, lo, hi, rx, at
 
 
 # a number's bounds: (lowest, whether it is allowed, highest, whether it is allowed), None where unbounded
@@ -416,25 +441,39 @@ def _key_char(stack: tuple, ch: str) -> State | None:
 def step(state: State, ch: str) -> State | None:
     """The state after one more character, or None where it cannot come next."""
     stack, mode, sub, ws = state
+    if mode == PATTERN:
+        rx, at = sub
+        nxt = rx.step(at, ch)
+        return None if nxt is None else (stack, PATTERN, (rx, nxt), 0)
     if mode == STRING:
         if stack and stack[-1][0] == "k":
             return _key_char(stack, ch)
-        if ch == '"':
-            return _after_value(stack) if sub is None or sub[0] >= sub[1] else None  # (minLength)
+        if ch == '"':  # (minLength, pattern)
+            return _after_value(stack) if sub is None or sub[0] >= sub[1] and (
+                sub[3] is None or sub[3].accepts(sub[4])) else None
         if ch < " " or sub is not None and sub[2] is not None and sub[0] >= sub[2]:  # (maxLength)
             return None  # (a control character must be escaped)
         if ch == "\\":
             return (stack, ESCAPE, sub, 0)
-        return state if sub is None else (stack, STRING, (sub[0] + 1, sub[1], sub[2]), 0)
+        if sub is None:
+            return state
+        more = _one_more(sub, ch)
+        return None if more is None else (stack, STRING, more, 0)
     if mode == ESCAPE:
         if ch == "u":
-            return (stack, UNICODE, (4, sub), 0)
-        return (stack, STRING, _one_more(sub), 0) if ch in _ESCAPES else None
+            return (stack, UNICODE, (4, sub, ""), 0)
+        if ch not in _ESCAPES:
+            return None
+        more = _one_more(sub, _ESCAPES[ch])
+        return None if more is None and sub is not None else (stack, STRING, more, 0)
     if mode == UNICODE:
         if ch not in _HEX:
             return None
-        left, limits = sub
-        return (stack, STRING, _one_more(limits), 0) if left == 1 else (stack, UNICODE, (left - 1, limits), 0)
+        left, limits, digits = sub
+        if left > 1:
+            return (stack, UNICODE, (left - 1, limits, digits + ch), 0)
+        more = _one_more(limits, chr(int(digits + ch, 16)))
+        return None if more is None and limits is not None else (stack, STRING, more, 0)
     if mode == LITERAL:
         if ch != sub[0]:
             return None
@@ -536,6 +575,8 @@ def complete(state: State) -> bool:
     stack, mode, sub = state[0], state[1], state[2]
     if mode == DONE:
         return True
+    if mode == PATTERN:
+        return sub[0].accepts(sub[1])
     if stack:
         return False
     return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \

@@ -52,6 +52,9 @@ class SamplingParams:
     # OpenAI's response_format json_schema (vLLM's guided_json): the reply is a JSON value of this schema (its JSON
     # text; `core.json_grammar.compile_schema` says what a schema may hold)
     json_schema: str | None = None
+    # vLLM's guided_regex (and guided_choice, as `core.regex_grammar.choice_pattern` writes its texts): the whole
+    # reply matches this regular expression (`core.regex_grammar` says what one may hold)
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -101,9 +104,14 @@ class SamplingParams:
             lp = getattr(self, name)
             if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        if self.json_object + (self.json_schema is not None) + (self.regex is not None) > 1:
+            raise ValueError("a reply may be held to one of json_object, json_schema and regex, not several")
         if self.json_schema is not None:
             from core.json_grammar import compile_schema  # (a ValueError naming what it refuses)
             compile_schema(self.json_schema)
+        if self.regex is not None:
+            from core.regex_grammar import compile_regex
+            compile_regex(self.regex)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
             raise ValueError("allowed_token_ids must be non-negative token ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -129,9 +137,10 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
-    def json_mode(self) -> bool:
-        """Whether the reply must be JSON: an object (`json_object`) or a value of a schema (`json_schema`)."""
-        return self.json_object or self.json_schema is not None
+    def guided(self) -> bool:
+        """Whether each token must keep the reply within a grammar (`engine.json_mode`): a JSON object
+        (`json_object`), a value of a schema (`json_schema`) or a match of a regular expression (`regex`)."""
+        return self.json_object or self.json_schema is not None or self.regex is not None
 
     @property
     def greedy(self) -> bool:

@@ -4,13 +4,14 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: a chat's echo or best_of, suffix,
-a completion's tools, the legacy functions, vLLM's guided decoding but guided_json, beam search, and a request's own
-chat template (`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
+a completion's tools, the legacy functions, vLLM's guided_grammar, beam search, and a request's own chat template
+(`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
 completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
 `shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode (`response_format` json_object or
-json_schema, vLLM's guided_json: `core.json_grammar`), a chat's tools and the calls its reply makes
-(`ChatCompletionRequest.tool_reader`, `deployments.tool_calls`), and vLLM's other sampling and output fields are
-honoured, and so are vLLM's fields for how a prompt is tokenized (`core.messages.PromptOptions`).
+json_schema, vLLM's guided_json: `core.json_grammar`; guided_regex and guided_choice: `core.regex_grammar`; vLLM's
+structured_outputs), a chat's tools and the calls its reply makes (`ChatCompletionRequest.tool_reader`,
+`deployments.tool_calls`), and vLLM's other sampling and output fields are honoured, and so are vLLM's fields for
+how a prompt is tokenized (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.json_grammar import compile_schema
+from core.regex_grammar import choice_pattern, compile_regex
 from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob, check_template_kwargs
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
@@ -57,13 +59,19 @@ class StreamOptions(BaseModel):
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "parallel_tool_calls": (True, False),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "guided_grammar": (),
+    "parallel_tool_calls": (True, False),
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
     # a chat template sent with the request (vLLM runs one only with --trust-request-chat-template), RAG documents
     "chat_template": (), "documents": (),
 }
+
+
+# vLLM's structured_outputs: the grammars this server keeps (and what each takes), and options it takes and ignores
+STRUCTURED_KINDS = {"json": "a JSON schema", "regex": "a regular expression (a string)",
+                    "choice": "a list of texts", "json_object": "true"}
+STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properties", "whitespace_pattern"))
 
 
 def unsupported_field(data: Any, honoured: frozenset[str] = frozenset()) -> str | None:
@@ -123,8 +131,10 @@ class _Common(BaseModel):
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     output_len_hint: int | None = Field(None, json_schema_extra=_opt({**_POS_INT, "maximum": MAX_OUTPUT_LEN_HINT}))
     # OpenAI's: {"type": "json_object"} makes the reply a JSON object, {"type": "json_schema", "json_schema":
-    # {"schema": ...}} a JSON value of that schema (`core.json_grammar`); text: as without it. vLLM's guided_json: a
-    # schema, as json_schema's
+    # {"schema": ...}} a JSON value of that schema (`core.json_grammar`); text: as without it. vLLM's guided
+    # decoding: guided_json a schema, as json_schema's; guided_regex a regular expression the whole reply matches
+    # (`core.regex_grammar`); guided_choice a list of texts the reply is one of; structured_outputs (vLLM's newer
+    # form) one of json, regex, choice or json_object. At most one of these (`guide`)
     response_format: dict[str, Any] | None = Field(None, json_schema_extra=_opt({"anyOf": [
         {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"],
          "additionalProperties": False},
@@ -133,6 +143,9 @@ class _Common(BaseModel):
                                              "strict": {"type": ["boolean", "null"]}}, "required": ["schema"]}},
          "required": ["type", "json_schema"]}]}))
     guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    structured_outputs: dict[str, Any] | None = None
     # vLLM's: only these tokens may be drawn; special tokens kept in the text; a stop string kept in it; the prompt's
     # last k tokens only (-1: as many as the context window takes)
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 17, json_schema_extra=_opt(
@@ -206,23 +219,70 @@ class _Common(BaseModel):
         compile_schema(_schema_text(schema))  # (a ValueError naming what it refuses)
         return v
 
-    @field_validator("guided_json")
+    @field_validator("structured_outputs")
     @classmethod
-    def _guided_json(cls, v: dict[str, Any] | str | None, info: Any) -> dict[str, Any] | str | None:
-        if v is not None:
-            if (info.data.get("response_format") or {}).get("type", "text") != "text":
-                raise ValueError("guided_json and a response_format of JSON cannot both be given")
-            compile_schema(v if isinstance(v, str) else _schema_text(v))
+    def _structured_outputs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        given = {k for k, x in v.items() if x not in (None, False) and k not in STRUCTURED_OPTIONS}
+        if len(given) != 1 or not given <= set(STRUCTURED_KINDS):
+            raise ValueError(f"structured_outputs must hold one of {', '.join(STRUCTURED_KINDS)} (grammar and "
+                             f"structural_tag are not supported here), got {json.dumps(v)[:80]}")
+        (kind,) = given
+        if kind == "json_object" and v[kind] is not True or kind == "regex" and not isinstance(v[kind], str) \
+                or kind == "json" and not isinstance(v[kind], (dict, str)) or kind == "choice" and (
+                    not isinstance(v[kind], list) or not v[kind] or any(not isinstance(c, str) for c in v[kind])):
+            raise ValueError(f"structured_outputs.{kind} must be {STRUCTURED_KINDS[kind]}")
         return v
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> "_Common":
+        """At most one grammar for the reply, and one this server can keep: checked (compiled) here."""
+        given = [name for name, on in (
+            ("response_format", (self.response_format or {}).get("type", "text") != "text"),
+            ("guided_json", self.guided_json is not None), ("guided_regex", self.guided_regex is not None),
+            ("guided_choice", self.guided_choice is not None),
+            ("structured_outputs", self.structured_outputs is not None)) if on]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: a reply may be held to one format; {given[0]} gives one already")
+        if self.guided_json is not None:
+            try:
+                compile_schema(self.json_schema() or "{}")
+            except ValueError as e:
+                raise ValueError(f"guided_json: {e}") from None
+        if (regex := self.regex()) is not None:
+            try:
+                compile_regex(regex)
+            except ValueError as e:
+                raise ValueError(f"{given[0]}: {e}") from None
+        elif self.structured_outputs and "json" in self.structured_outputs:
+            compile_schema(self.json_schema() or "{}")
+        return self
 
     def json_schema(self) -> str | None:
         """The schema the reply must be a value of (its JSON text), where one is given."""
-        if self.guided_json is not None:
-            return self.guided_json if isinstance(self.guided_json, str) else _schema_text(self.guided_json)
+        so = (self.structured_outputs or {}).get("json")
+        guided = self.guided_json if self.guided_json is not None else so
+        if guided is not None:
+            return guided if isinstance(guided, str) else _schema_text(guided)
         rf = self.response_format or {}
         if rf.get("type") != "json_schema":
             return None
         return _schema_text(_format_schema(rf))
+
+    def json_object(self) -> bool:
+        """Whether the reply must be a JSON object (any)."""
+        return (self.response_format or {}).get("type") == "json_object" \
+            or (self.structured_outputs or {}).get("json_object") is True
+
+    def regex(self) -> str | None:
+        """The regular expression the whole reply must match (vLLM's guided_regex; guided_choice's texts as one),
+        where one is given."""
+        so = self.structured_outputs or {}
+        if self.guided_regex is not None or so.get("regex") is not None:
+            return self.guided_regex if self.guided_regex is not None else so["regex"]
+        choices = self.guided_choice if self.guided_choice is not None else so.get("choice")
+        return None if choices is None else choice_pattern(choices)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -258,7 +318,7 @@ class _Common(BaseModel):
             logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),
             allowed_token_ids=list(self.allowed_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            json_object=(self.response_format or {}).get("type") == "json_object", json_schema=self.json_schema(),
+            json_object=self.json_object(), json_schema=self.json_schema(), regex=self.regex(),
         )
         kw["max_tokens"] = max_tokens
         return kw
@@ -525,8 +585,10 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
             raise ValueError("tool_choice names a tool, or requires one, but the request has no tools")
         if isinstance(choice, dict) and choice["function"]["name"] not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names a tool the request does not have: {choice['function']['name']!r}")
-        if self.guided_json is not None or (self.response_format or {}).get("type", "text") != "text":
-            raise ValueError("tool_choice naming or requiring a tool and a JSON response_format cannot both be given")
+        if self.guided_json is not None or (self.response_format or {}).get("type", "text") != "text" \
+                or self.guided_regex is not None or self.guided_choice is not None or self.structured_outputs:
+            raise ValueError("tool_choice naming or requiring a tool and a response_format or guided format "
+                             "cannot both be given")
         try:
             compile_schema(self.json_schema() or "{}")
         except ValueError as e:

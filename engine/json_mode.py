@@ -1,6 +1,7 @@
-"""JSON mode in the sampler (`SamplingParams.json_mode`: OpenAI's `response_format` json_object or json_schema): a
-row's token is one whose text keeps the reply a prefix of a JSON object, or of a value of its schema
-(`core.json_grammar`), and a stop token (the EOS, a stop token id) only once the value has ended.
+"""Guided decoding in the sampler (`SamplingParams.guided`: OpenAI's `response_format` json_object or json_schema,
+vLLM's guided_regex and guided_choice): a row's token is one whose text keeps the reply a prefix of a JSON object, of
+a value of its schema (`core.json_grammar`), or of a match of its regex (`core.regex_grammar`), and a stop token
+(the EOS, a stop token id) only once the value has ended (the regex matches).
 
 The row's own distribution decides among the tokens that fit: greedy, the likeliest that fits; sampled, a draw among
 those that fit of its most likely `CANDIDATES` (after temperature, top-k, min_p and top-p; the rest renormalized),
@@ -14,11 +15,12 @@ step feeds only the tokens new since."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from core.json_grammar import START, State, advance, compile_schema, complete, start
+from core.json_grammar import START, State, advance, compile_schema, complete, start, start_pattern
+from core.regex_grammar import compile_regex
 from core.sampling import SamplingParams
 
 CANDIDATES = 256  # a sampled row's most likely tokens looked at first
@@ -34,22 +36,30 @@ class JsonStates:
     def __init__(self) -> None:
         self._at: dict[str, tuple[int, State]] = {}
         self._live: set[str] = set()
-        self._schemas: dict[str, dict] = {}  # schema text -> compiled (`compile_schema`), a few (n choices share one)
+        self._schemas: dict[tuple, Any] = {}  # (compiler, text) -> compiled, a few (n choices share one)
 
     def hold(self, request_id: str) -> None:
         self._live.add(request_id)
 
     def origin(self, params: SamplingParams) -> State:
-        """The state before a reply: any object (json_object), or a value of its schema."""
-        text = params.json_schema
-        if text is None:
+        """The state before a reply: any object (json_object), a value of its schema, or a match of its regex."""
+        if params.regex is not None:
+            rx = self._compiled(params.regex, compile_regex)
+            return start_pattern(rx)
+        if params.json_schema is None:
             return START
-        node = self._schemas.get(text)
-        if node is None:
+        return start(self._compiled(params.json_schema, compile_schema))
+
+    def _compiled(self, text: str, make: Callable[[str], Any]) -> Any:
+        """A schema's or regex's compiled form, made once for the requests that share it (n choices, a client's
+        repeated format)."""
+        key = (make, text)
+        got = self._schemas.get(key)
+        if got is None:
             if len(self._schemas) >= 64:
                 self._schemas.clear()
-            node = self._schemas[text] = compile_schema(text)
-        return start(node)
+            got = self._schemas[key] = make(text)
+        return got
 
     def state(self, request_id: str, params: SamplingParams, reply: list[int], text: Callable[[int], str]
               ) -> State | None:

@@ -437,7 +437,7 @@ class Sampler:
                 logprobs.append((i, p.logprobs))
             if p.allowed_token_ids:
                 allowed.append((i, p.allowed_token_ids))
-            if p.json_mode:
+            if p.guided:
                 json_rows.append((i, r.token_ids[r.num_prompt_tokens:]))
                 self._json.hold(r.request_id)
         failed: dict[int, Exception] = {}

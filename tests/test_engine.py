@@ -299,6 +299,33 @@ def test_a_json_schema_reply_is_a_value_of_its_schema(tiny_checkpoints):
         assert set(obj) <= {"a", "b", "c"} and obj.get("c") is None
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap):
+    """vLLM's guided_regex and guided_choice (a regex of its texts): each reply, greedy or sampled, penalized or
+    not, matches whole and ends by its EOS once nothing more could match; with overlap scheduling too."""
+    import re
+
+    from core.regex_grammar import choice_pattern
+
+    pattern, choices = r"(ab|[0-9]{2,4})-[a-z]+\.", ["red", "green", "blue sky"]
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", block_size=4,
+                                 overlap=overlap, scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256)))
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit)[:4]
+        ask = [SamplingParams(max_tokens=60, temperature=0.0, regex=pattern),
+               SamplingParams(max_tokens=60, temperature=1.0, seed=8, frequency_penalty=0.4, regex=pattern),
+               SamplingParams(max_tokens=60, temperature=0.0, regex=choice_pattern(choices)),
+               SamplingParams(max_tokens=60, temperature=1.2, seed=9, regex=choice_pattern(choices))]
+        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts, ask)]
+    finally:
+        eng.shutdown()
+    texts = ["".join(o.text for o in r) for r in replies]
+    for text, r in zip(texts[:2], replies):
+        assert re.fullmatch(pattern, text) and r[-1].finish_reason == "stop", (text, r[-1])
+    for text, r in zip(texts[2:], replies[2:]):
+        assert text in choices and r[-1].finish_reason == "stop", (text, r[-1])
+
+
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),
                                                   ("qwen2", "hf", "auto"), ("gpt2", "auto", "off")])
 def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):

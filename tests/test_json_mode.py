@@ -203,6 +203,12 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
                 '{"code": "ab", "qty": 1, "share": 0.5, "pair": [1, "a", ',
                 '{"code": "ab", "qty": 1, "share": 0.5, "pair": [1]'):
         assert advance(st, bad) is None, bad
+    coded = _schema_state({"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}-\\d+$"},
+                                                          "note": {"type": "string", "pattern": "ok"}}})
+    assert complete(advance(coded, '{"sku": "AB-12", "note": "is ok?"}'))  # (unanchored: found anywhere)
+    assert complete(advance(coded, '{"sku": "\\u0041B-1", "note": "o\\u006b"}'))  # escapes are their characters
+    for bad in ('{"sku": "ab', '{"sku": "AB1', '{"sku": "AB-"', '{"sku": "AB-1x', '{"note": "no"}', '{"note": "\\n'):
+        assert advance(coded, bad) is None or not complete(advance(coded, bad + "}")), bad
     for lo, hi, integer in ((-15, 7, True), (3, 3, True), (-2.5, 0.75, False), (10, None, True), (None, -3, False)):
         schema = {"type": "integer" if integer else "number"}
         if lo is not None:
@@ -222,7 +228,9 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
 
 
 @pytest.mark.parametrize("schema,match", [
-    ([], "must be a JSON object"), ({"type": "string", "pattern": "a+"}, "pattern"),
+    ([], "must be a JSON object"), ({"type": "string", "pattern": "(?=a)"}, "pattern"), ({"uniqueItems": True},
+                                                                                       "uniqueItems"),
+    ({"pattern": 3}, "pattern must be"), ({"pattern": "a$b"}, "matches no text"),
     ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"type": "strin"}, "type that is none of"),
     ({"type": 5}, "type that is none of"), ({"type": []}, "type that is none of"),
     ({"properties": {"a": {"multipleOf": 2}}}, "multipleOf"), ({"properties": {"a": 3}}, "must be a schema"),

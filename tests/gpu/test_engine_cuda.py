@@ -141,9 +141,10 @@ def test_logprobs_on_the_device_are_the_models_own_in_a_batch_and_alone(device, 
 
 def test_json_mode_on_the_device_beside_plain_replies(device, ckpts, llama_engine):
     """JSON mode's rows are drawn on the host from the device's logits (the step before's tokens read there too,
-    under overlap scheduling): each reply is a JSON object's prefix, one forced to "{}" ends by its EOS, and the
-    plain replies beside them are as alone."""
+    under overlap scheduling): each reply is a JSON object's prefix, one forced to "{}" ends by its EOS, a guided
+    regex's reply matches it, and the plain replies beside them are as alone."""
     import json
+    import re
 
     from core.json_grammar import START, advance
     from core.sampling import SamplingParams
@@ -151,16 +152,17 @@ def test_json_mode_on_the_device_beside_plain_replies(device, ckpts, llama_engin
     eng = llama_engine
     tok = eng.outputs.tokenizer
     braces = (tok.convert_tokens_to_ids("{"), tok.convert_tokens_to_ids("}"), tok.eos_token_id)
-    prompts = random_prompts([5, 40, 120], eng.bundle.vocab_limit, seed=17)
+    prompts = random_prompts([5, 40, 120, 17], eng.bundle.vocab_limit, seed=17)
     params = [SamplingParams(max_tokens=24, temperature=0.0, json_object=True),
               SamplingParams(max_tokens=24, temperature=0.0, json_object=True, allowed_token_ids=braces),
-              greedy(24)]
+              greedy(24), SamplingParams(max_tokens=24, temperature=1.0, seed=4, regex=r"[0-9]{2}-(ab|cd)")]
     streams = _submit_together(eng, prompts, params)
     items = [list(s) for s in streams]
     texts = ["".join(o.text for o in its) for its in items]
     assert advance(START, texts[0]) is not None, texts[0]
     assert json.loads(texts[1]) == {} and items[1][-1].finish_reason == "stop"
     assert [t for o in items[2] for t in o.token_ids] == run_all([eng.add_request(prompts[2], greedy(24))])[0]
+    assert re.fullmatch(r"[0-9]{2}-(ab|cd)", texts[3]) and items[3][-1].finish_reason == "stop", texts[3]
 
 
 def test_chunked_prefill_equals_unchunked(device, ckpts, llama_engine):

@@ -521,11 +521,46 @@ def test_json_mode_replies_are_json_objects(client: httpx.Client) -> None:
         obj = json_.loads(r.json()["choices"][0]["message"]["content"])
         assert obj["answer"] in ("yes", "no") and isinstance(obj["sure"], bool) and set(obj) == {"answer", "sure"}
     for bad in ({"type": "json_schema", "json_schema": {}}, {"type": "json_schema", "json_schema": {"schema": {
-            "type": "string", "pattern": "a+"}}}, {"type": "xml"}):
+            "type": "string", "pattern": "(?=a)"}}}, {"type": "xml"}):
         r = client.post("/v1/completions", json={**cmpl, "response_format": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     r = client.post("/v1/completions", json={**cmpl, "response_format": fmt, "guided_json": schema})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+
+
+def test_guided_regex_and_choice_replies_match(client: httpx.Client) -> None:
+    """vLLM's guided_regex (the whole reply matches it), guided_choice (the reply is one of the texts) and their
+    structured_outputs forms, streamed as whole, sampled or greedy: the reply ends, by the EOS, once it matches and
+    nothing more could; a regex this server cannot keep, or two formats at once, is a 400 naming the field."""
+    import json as json_
+    import re
+
+    cmpl = {"prompt": "Code:", "max_tokens": 40, "temperature": 1.0, "seed": 3}
+    for seed in range(3):
+        for body in ({"guided_regex": r"[A-Z]{2}-\d{3}"}, {"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}}):
+            r = client.post("/v1/completions", json={**cmpl, **body, "seed": seed})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert re.fullmatch(r"[A-Z]{2}-\d{3}", choice["text"]) and choice["finish_reason"] == "stop", choice
+    choices = ["yes", "no", "maybe later"]
+    chat = {"messages": [{"role": "user", "content": "Well?"}], "max_tokens": 40, "temperature": 0}
+    for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        r = client.post("/v1/chat/completions", json={**chat, **body})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in choices, r.text
+        with client.stream("POST", "/v1/chat/completions", json={**chat, **body, "stream": True}) as st:
+            chunks = [json_.loads(e) for e in sse_events(st)[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+            r.json()["choices"][0]["message"]["content"]
+    r = client.post("/v1/completions", json={**cmpl, "structured_outputs": {"json": {"enum": [1, 22]}}})
+    assert r.status_code == 200 and json_.loads(r.json()["choices"][0]["text"]) in (1, 22), r.text
+    for bad, param in (({"guided_regex": "(?<=a)b"}, "guided_regex"), ({"guided_regex": r"\1"}, "guided_regex"),
+                       ({"guided_choice": []}, "guided_choice"), ({"guided_choice": [1]}, "guided_choice"),
+                       ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+                       ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+                       ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+                       ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs")):
+        r = client.post("/v1/completions", json={**cmpl, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
 
 
 def test_tool_choice_naming_or_requiring_a_tool_returns_tool_calls(client: httpx.Client) -> None:

@@ -1,0 +1,421 @@
+"""Regular expressions as a reply grows, for guided decoding (vLLM's `guided_regex` and `guided_choice`, a JSON
+schema's `pattern`): a character-level automaton (Thompson's construction; a state is the set of the NFA's positions,
+and the steps taken are cached, a DFA built as it is used). `Regex.step(states, ch)` is the set after one more
+character, or None where no match can go on; `Regex.accepts(states)` whether the text so far matches.
+
+The syntax is Python's `re` (and JSON Schema's ECMA 262, where they agree): literals and escapes (`\\n`, `\\t`,
+`\\xhh`, `\\uhhhh`, an escaped punctuation mark), `.` (any character but a newline), classes (`[a-z_]`, `[^...]`,
+`\\d`, `\\w`, `\\s` and their negations, inside classes too), groups (`(...)`, `(?:...)`, `(?P<name>...)`,
+`(?<name>...)`), `|`, the quantifiers `*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}` (lazy forms too: the same language),
+and `^` / `$` (the text's start and end); `\\d`, `\\w` and `\\s` are ASCII's, as JSON Schema's (ECMA 262) are.
+What a reply cannot be checked against as it grows (backreferences, lookarounds, word boundaries, inline flags) is
+refused with a ValueError naming it, as is a pattern no text matches or whose automaton would exceed `MAX_NODES`
+positions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_NODES = 20_000  # an automaton's positions (a {m,n} repeats its group's)
+MAX_REPEAT = 1_000  # the largest count a {m,n} may name
+MAX_DEPTH = 100  # groups within groups
+_CACHE = 50_000  # steps kept per automaton
+_TOP = 0x10FFFF
+
+Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint code point ranges
+
+
+def _norm(ranges: list[tuple[int, int]]) -> Ranges:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def _complement(ranges: Ranges) -> Ranges:
+    out, at = [], 0
+    for lo, hi in ranges:
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= _TOP:
+        out.append((at, _TOP))
+    return tuple(out)
+
+
+def _has(ranges: Ranges, c: int) -> bool:
+    for lo, hi in ranges:
+        if c < lo:
+            return False
+        if c <= hi:
+            return True
+    return False
+
+
+DIGIT: Ranges = ((48, 57),)
+WORD: Ranges = _norm([(48, 57), (65, 90), (95, 95), (97, 122)])
+SPACE: Ranges = _norm([(9, 13), (32, 32)])
+DOT: Ranges = _complement(((10, 10),))
+ANY: Ranges = ((0, _TOP),)
+_CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE, "D": _complement(DIGIT), "W": _complement(WORD),
+            "S": _complement(SPACE)}
+_CONTROLS = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+
+# positions: what each does
+_CHAR, _SPLIT, _JUMP, _BEGIN, _END, _MATCH = range(6)
+
+
+@dataclass(slots=True)
+class _Node:
+    kind: int
+    ranges: Ranges = ()
+    out: int = -1
+    alt: int = -1
+
+
+class _Parser:
+    """A pattern's text into the automaton's positions (`nodes`), fragments of (start, [dangling ends])."""
+
+    def __init__(self, pattern: str) -> None:
+        self.p, self.i = pattern, 0
+        self.nodes: list[_Node] = []
+        self.depth = 0  # groups open
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"regex {self.p[:60]!r}: {what} (at {self.i})")
+
+    def new(self, kind: int, ranges: Ranges = ()) -> int:
+        if len(self.nodes) >= MAX_NODES:
+            raise self.fail(f"makes an automaton of more than {MAX_NODES} positions")
+        self.nodes.append(_Node(kind, ranges))
+        return len(self.nodes) - 1
+
+    def patch(self, ends: list[tuple[int, str]], to: int) -> None:
+        for n, field in ends:
+            setattr(self.nodes[n], field, to)
+
+    def peek(self) -> str | None:
+        return self.p[self.i] if self.i < len(self.p) else None
+
+    # grammar: alt := seq ('|' seq)*; seq := rep*; rep := atom quantifier*
+    def alt(self) -> tuple[int, list]:
+        frag = self.seq()
+        while self.peek() == "|":
+            self.i += 1
+            other = self.seq()
+            s = self.new(_SPLIT)
+            self.nodes[s].out, self.nodes[s].alt = frag[0], other[0]
+            frag = (s, frag[1] + other[1])
+        return frag
+
+    def seq(self) -> tuple[int, list]:
+        frag = None
+        while self.peek() is not None and self.peek() not in "|)":
+            nxt = self.rep()
+            if frag is None:
+                frag = nxt
+            else:
+                self.patch(frag[1], nxt[0])
+                frag = (frag[0], nxt[1])
+        if frag is None:  # an empty alternative: a jump that matches nothing
+            j = self.new(_JUMP)
+            return j, [(j, "out")]
+        return frag
+
+    def rep(self) -> tuple[int, list]:
+        at = self.i
+        atom = self.atom()
+        ch = self.peek()
+        if ch is None or ch not in "*+?{":
+            return atom
+        if ch == "{":
+            counts = self.counts()
+            if counts is None:
+                return atom  # a literal "{" follows
+            lo, hi = counts
+        else:
+            self.i += 1
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[ch]
+        if self.peek() == "?":
+            self.i += 1  # lazy: the same language
+        elif self.peek() == "+":
+            raise self.fail("uses a possessive quantifier")
+        if self.peek() is not None and (self.peek() in "*+?" or self.peek() == "{" and self.counts(False)):
+            raise self.fail("repeats a repeat (multiple repeat)")
+        return self.repeat(atom, at, lo, hi)
+
+    def counts(self, take: bool = True) -> tuple[int, int | None] | None:
+        """A {m}, {m,}, {,n} or {m,n} at the cursor (taken, with `take`), else None (a literal "{")."""
+        j = self.p.find("}", self.i)
+        if j < 0:
+            return None
+        lo_s, comma, hi_s = self.p[self.i + 1:j].partition(",")
+        if not (lo_s.isdigit() or (comma and not lo_s and hi_s.isdigit())) or (hi_s and not hi_s.isdigit()):
+            return None
+        lo = int(lo_s) if lo_s else 0
+        hi = (int(hi_s) if hi_s else None) if comma else lo
+        if max(lo, hi or 0) > MAX_REPEAT:
+            raise self.fail(f"repeats more than {MAX_REPEAT} times")
+        if hi is not None and hi < lo:
+            raise self.fail("has a {m,n} with n below m")
+        if take:
+            self.i = j + 1
+        return lo, hi
+
+    def repeat(self, first: tuple[int, list], at: int, lo: int, hi: int | None) -> tuple[int, list]:
+        """`first` (the atom parsed from `at`) `lo` to `hi` times (None: no limit): each copy the atom parsed
+        again; the mandatory copies in a row, then a loop, or the optional ones each skippable."""
+        end = self.i
+        copies = [first]
+        for _ in range(lo + (1 if hi is None else hi - lo) - 1):
+            self.i = at
+            copies.append(self.atom())
+        self.i = end
+        parts = copies[:lo]
+        if hi is None:
+            body = copies[lo]
+            s = self.new(_SPLIT)
+            self.nodes[s].out = body[0]
+            self.patch(body[1], s)
+            parts.append((s, [(s, "alt")]))
+        else:
+            for body in copies[lo:hi]:
+                s = self.new(_SPLIT)
+                self.nodes[s].out = body[0]
+                parts.append((s, body[1] + [(s, "alt")]))
+        if not parts:  # {0}: the empty text
+            return self.single(_JUMP)
+        out = parts[0]
+        for nxt in parts[1:]:
+            self.patch(out[1], nxt[0])
+            out = (out[0], nxt[1])
+        return out
+
+    def atom(self) -> tuple[int, list]:
+        ch = self.p[self.i]
+        self.i += 1
+        if ch == "(":
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise self.fail(f"nests groups more than {MAX_DEPTH} deep")
+            if self.p.startswith("?:", self.i):
+                self.i += 2
+            elif self.p.startswith(("?P<", "?<"), self.i) and not self.p.startswith(("?<=", "?<!"), self.i):
+                close = self.p.find(">", self.i)
+                if close < 0:
+                    raise self.fail("has a group name that does not end")
+                self.i = close + 1
+            elif self.peek() == "?":
+                raise self.fail("uses a lookaround, a flag or a group kind a reply cannot be checked against as "
+                                "it grows")
+            frag = self.alt()
+            if self.peek() != ")":
+                raise self.fail("has a group that does not close")
+            self.i += 1
+            self.depth -= 1
+            return frag
+        if ch == ")":
+            raise self.fail("closes a group it did not open")
+        if ch in "*+?":
+            raise self.fail(f"has nothing for {ch} to repeat")
+        if ch == "^":
+            return self.single(_BEGIN)
+        if ch == "$":
+            return self.single(_END)
+        if ch == ".":
+            return self.single(_CHAR, DOT)
+        if ch == "[":
+            return self.single(_CHAR, self.klass())
+        if ch == "\\":
+            return self.single(_CHAR, self.escape(False))
+        return self.single(_CHAR, ((ord(ch), ord(ch)),))
+
+    def single(self, kind: int, ranges: Ranges = ()) -> tuple[int, list]:
+        n = self.new(kind, ranges)
+        return n, [(n, "out")]
+
+    def escape(self, in_class: bool) -> Ranges:
+        if self.i >= len(self.p):
+            raise self.fail("ends with a lone backslash")
+        ch = self.p[self.i]
+        self.i += 1
+        if ch in _CLASSES:
+            return _CLASSES[ch]
+        if ch in _CONTROLS:
+            c = ord(_CONTROLS[ch])
+            return ((c, c),)
+        if ch == "b" and in_class:
+            return ((8, 8),)
+        if ch in "xuU":
+            width = {"x": 2, "u": 4, "U": 8}[ch]
+            digits = self.p[self.i:self.i + width]
+            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits) \
+                    or int(digits, 16) > _TOP:
+                raise self.fail(f"has a \\{ch} escape without its {width} hex digits")
+            self.i += width
+            c = int(digits, 16)
+            return ((c, c),)
+        if ch.isalnum():
+            raise self.fail(f"uses \\{ch} (a backreference, boundary or escape a reply cannot be checked against as "
+                            "it grows)")
+        return ((ord(ch), ord(ch)),)
+
+    def klass(self) -> Ranges:
+        neg = self.peek() == "^"
+        if neg:
+            self.i += 1
+        ranges: list[tuple[int, int]] = []
+        first = True
+        while True:
+            if self.i >= len(self.p):
+                raise self.fail("has a class [...] that does not close")
+            if self.p[self.i] == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            if self.p.startswith("\\", self.i) and self.p[self.i + 1:self.i + 2] in _CLASSES:
+                ranges.extend(_CLASSES[self.p[self.i + 1]])
+                self.i += 2
+                continue
+            lo = self.class_char()
+            if self.p.startswith("-", self.i) and self.p[self.i + 1:self.i + 2] not in ("]", ""):
+                self.i += 1
+                if self.p.startswith("\\", self.i) and self.p[self.i + 1:self.i + 2] in _CLASSES:
+                    raise self.fail("has a class range that ends in a class")
+                hi = self.class_char()
+                if hi < lo:
+                    raise self.fail("has a class range that runs backwards")
+                ranges.append((lo, hi))
+            else:
+                ranges.append((lo, lo))
+        got = _norm(ranges)
+        return _complement(got) if neg else got
+
+    def class_char(self) -> int:
+        """One character of a class, its code point."""
+        ch = self.p[self.i]
+        self.i += 1
+        return ord(ch) if ch != "\\" else self.escape(True)[0][0]
+
+
+class Regex:
+    """A compiled pattern: its positions, and the steps taken so far (cached)."""
+
+    def __init__(self, pattern: str, search: bool = False) -> None:
+        """`search`: the pattern may match anywhere in the text (JSON Schema's `pattern`), not the whole of it
+        (vLLM's guided_regex)."""
+        self.pattern = pattern
+        p = _Parser(pattern)
+        frag = p.alt()
+        if p.i < len(pattern):
+            raise p.fail("closes a group it did not open")
+        start, ends = frag
+        if search:  # any text before and after it: [\s\S]* on each side
+            pre, skip = p.new(_SPLIT), p.new(_CHAR, ANY)
+            p.nodes[pre].out, p.nodes[pre].alt, p.nodes[skip].out = start, skip, pre
+            post, tail = p.new(_SPLIT), p.new(_CHAR, ANY)
+            p.nodes[tail].out, p.nodes[post].alt = post, tail
+            p.patch(ends, post)
+            start, ends = pre, [(post, "out")]
+        p.patch(ends, p.new(_MATCH))
+        self.nodes = p.nodes
+        self._steps: dict[tuple[frozenset[int], int], frozenset[int] | None] = {}
+        self._live = self._coreachable()
+        self.start = self._closure([start], True)
+
+    def _coreachable(self) -> frozenset[int]:
+        """The positions (ended ones offset by the node count) from which a match can still be reached: a state keeps
+        only these, so that a text no match can go on from is refused at once."""
+        n = len(self.nodes)
+        back: dict[int, list[int]] = {}
+        for s, node in enumerate(self.nodes):
+            for tag in (0, n):
+                if node.kind in (_SPLIT, _JUMP):
+                    nxt = [node.out + tag] + ([node.alt + tag] if node.kind == _SPLIT else [])
+                elif node.kind == _END:
+                    nxt = [node.out + n]
+                elif node.kind == _CHAR and not tag:
+                    nxt = [node.out]
+                else:  # a match; `^`, passed only in the start's closure; a character after the end
+                    nxt = []
+                for t in nxt:
+                    back.setdefault(t, []).append(s + tag)
+        todo = [k for k in (s + tag for s, node in enumerate(self.nodes) if node.kind == _MATCH for tag in (0, n))]
+        seen = set(todo)
+        while todo:
+            for k in back.get(todo.pop(), ()):
+                if k not in seen:
+                    seen.add(k)
+                    todo.append(k)
+        return frozenset(seen)
+
+    def __repr__(self) -> str:
+        return f"Regex({self.pattern!r})"
+
+    def _closure(self, todo: list[int], at_start: bool, ended: bool = False) -> frozenset[int]:
+        """The positions reached from `todo` without a character: through splits, `^` only at the text's start;
+        through `$`, positions marked ended (offset by the node count), which take no more characters."""
+        n = len(self.nodes)
+        seen: set[int] = set()
+        stack = [(t, ended) for t in todo]
+        while stack:
+            s, done = stack.pop()
+            key = s + n if done else s
+            if key in seen or s < 0:
+                continue
+            seen.add(key)
+            node = self.nodes[s]
+            if node.kind in (_SPLIT, _JUMP):
+                stack.append((node.out, done))
+                if node.kind == _SPLIT:
+                    stack.append((node.alt, done))
+            elif node.kind == _BEGIN:
+                if at_start:
+                    stack.append((node.out, done))
+            elif node.kind == _END:
+                stack.append((node.out, True))
+        return frozenset(seen & self._live)
+
+    def step(self, states: frozenset[int], ch: str) -> frozenset[int] | None:
+        """The positions after `ch`, or None where no match goes on."""
+        key = (states, ord(ch))
+        got = self._steps.get(key, ...)
+        if got is not ...:
+            return got  # type: ignore[return-value]
+        n, c = len(self.nodes), ord(ch)
+        nxt = [self.nodes[s].out for s in states if s < n and self.nodes[s].kind == _CHAR
+               and _has(self.nodes[s].ranges, c)]
+        res = self._closure(nxt, False) if nxt else None
+        if res is not None and not res:
+            res = None
+        if len(self._steps) >= _CACHE:
+            self._steps.clear()
+        self._steps[key] = res
+        return res
+
+    def accepts(self, states: frozenset[int]) -> bool:
+        n = len(self.nodes)
+        return any(self.nodes[s % n].kind == _MATCH for s in states)
+
+    def matches_some(self) -> bool:
+        """Whether some text matches (the start keeps a position a match can be reached from)."""
+        return bool(self.start)
+
+
+def compile_regex(pattern: str, search: bool = False) -> Regex:
+    """`Regex(pattern, search)`; a ValueError (a client's 400) naming what it refuses, or for a pattern nothing
+    matches."""
+    if not isinstance(pattern, str):
+        raise ValueError("a regex must be a string")
+    rx = Regex(pattern, search)
+    if not rx.matches_some():
+        raise ValueError(f"regex {pattern[:60]!r}: matches no text")
+    return rx
+
+
+def choice_pattern(choices: list[str]) -> str:
+    """A pattern that matches exactly one of `choices` (vLLM's guided_choice)."""
+    return "|".join("".join(c if c.isalnum() or c == " " else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF
+                            else f"\\U{ord(c):08x}" for c in choice) for choice in choices)

@@ -1,0 +1,74 @@
+"""The regex automaton of guided decoding (`core.regex_grammar`): the texts it matches whole are those Python's `re`
+matches (ASCII classes), every prefix of a match goes on, a search pattern (JSON Schema's) is found anywhere, and
+what cannot be checked as a reply grows is refused."""
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+
+from core.regex_grammar import choice_pattern, compile_regex
+
+PATTERNS = [r"\d+", r"[a-c]{2,3}x?", r"(ab|a)*b", r"^\w+@\w+\.(com|org)$", r"(?:yes|no)", r"a{0}", r"a{,2}b",
+            r"[^\d\s]+", r"-?\d+(\.\d+)?", r"[\w.-]+", r"x|", r"(a|b){3}", r"\u00e9+", r"[a\-z]+", r"a{2,}",
+            r"(?P<n>ab)+c", r"[]a]+", r"a.b", r"[\\]+", r"\.\*", r"a{1,3}?b", r"(a*)*b", r"((a|)+)+c", r"[^]]",
+            r"\x41\t", r"a{", r"(a$|b)c", r"[\s\S]{2}"]
+ALPHABET = "abcxyz019.-@ \né]\\*A\t{"
+
+
+def _run(rx, text: str):
+    st = rx.start
+    for ch in text:
+        st = rx.step(st, ch)
+        if st is None:
+            return None
+    return st
+
+
+def _texts(seed: int) -> set[str]:
+    rng = random.Random(seed)
+    texts = {"".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 7))) for _ in range(1500)}
+    return texts | {"".join(t) for n in range(5) for t in itertools.product("abc0@.x", repeat=n)}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_matches_whole_what_python_matches_and_every_prefix_of_a_match_goes_on(pattern: str) -> None:
+    rx, ref = compile_regex(pattern), re.compile(pattern, re.ASCII)
+    for text in _texts(len(pattern)):
+        st = _run(rx, text)
+        want = ref.fullmatch(text) is not None
+        assert (st is not None and rx.accepts(st)) == want, text
+        if want:
+            assert all(_run(rx, text[:k]) is not None for k in range(len(text))), text
+        if st is not None:  # a text it goes on from is a prefix of some match: no dead ends
+            assert rx.accepts(st) or any(rx.step(st, ch) is not None for ch in ALPHABET + "abcdefghij0123456789_-")
+
+
+def test_a_search_pattern_is_found_anywhere_unless_anchored() -> None:
+    for pattern, texts in ((r"\d{3}", ["a123b", "12", "9999", "x", ""]), (r"^ab", ["abz", "zab", "ab"]),
+                           (r"ab$", ["zab", "abz", "ab"]), (r"^$", ["", "a"])):
+        rx = compile_regex(pattern, search=True)
+        for text in texts:
+            st = _run(rx, text)
+            assert (st is not None and rx.accepts(st)) == (re.search(pattern, text) is not None), (pattern, text)
+
+
+def test_a_choice_is_matched_only_by_one_of_its_texts_whole() -> None:
+    rx = compile_regex(choice_pattern(["yes", "no, really!", "a|b", "日本", "(x)*"]))
+    for text in ("yes", "no, really!", "a|b", "日本", "(x)*"):
+        assert rx.accepts(_run(rx, text)), text
+    for text in ("a", "ye", "yess", "b", "x", "(x)"):
+        st = _run(rx, text)
+        assert st is None or not rx.accepts(st), text
+
+
+@pytest.mark.parametrize("pattern,match", [
+    (r"(a", "does not close"), (r"a)", "did not open"), (r"\1", "backreference"), (r"(?=a)", "lookaround"),
+    (r"(?i)a", "flag"), (r"a**", "multiple repeat"), (r"\b", "boundary"), (r"[z-a]", "backwards"),
+    (r"a{5,2}", "below"), (r"a{2000}", "more than"), (r"[a", "does not close"), (r"a$b", "matches no text"),
+    (r"*a", "nothing"), ("(" * 300, "deep"), ("(a{1000}){1000}", "positions")])
+def test_what_a_reply_cannot_be_checked_against_is_refused(pattern: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        compile_regex(pattern)
