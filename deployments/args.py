@@ -84,6 +84,11 @@ class ServeArgs(BaseModel):
         "--tool-call-parser names it (hermes: <tool_call> JSON, Qwen2.5/Qwen3; llama3_json: a JSON object, "
         "Llama 3.x; mistral: [TOOL_CALLS]); auto: the one its chat template shows; none (or a template that shows "
         "none): such requests get a 400")
+    reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
+        "none", description="how a reasoning model's thinking (<think> ... </think>) is read out of a chat reply and "
+        "given as `reasoning_content`, as vLLM's --reasoning-parser: deepseek_r1: from the reply's start (its "
+        "template opens <think> in the prompt: DeepSeek-R1, QwQ); qwen3: where the reply opens with <think> "
+        "(Qwen3); none: the thinking stays in the content")
     unready_wait_s: float = Field(30.0, ge=0, description="routed topology: how long a request waits at the Ingress "
                                   "while no LLM replica can serve (none has loaded its model yet, or Serve is "
                                   "replacing them) before it gets a 503 `unavailable` with Retry-After")

@@ -45,7 +45,8 @@ from deployments.haproxy_ingress import RECEIVED_HEADER
 from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
-from deployments.tool_calls import KEEPS_SPECIAL_TOKENS, ToolCallReader
+from deployments.reasoning import ReplyReader
+from deployments.tool_calls import KEEPS_SPECIAL_TOKENS
 
 log = logging.getLogger("ray.serve")
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
@@ -263,6 +264,8 @@ class OpenAIFrontend:
         # how a reply's own tool calls are read (tool_choice auto): a format, "auto" (the model's chat template's,
         # which its replica says), or "none"
         self.tool_call_parser: str = settings.get("tool_call_parser", "auto")
+        # how a reasoning model's thinking is read out of a chat reply (`deployments.reasoning`), or "none"
+        self.reasoning_parser: str = settings.get("reasoning_parser", "none")
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -439,13 +442,14 @@ class OpenAIFrontend:
             return None if self.tool_call_parser == "none" else self.tool_call_parser
         return (self._ready_info() or {}).get("tool_call_parser")
 
-    def _tool_readers(self, body: P._Common | None) -> Callable[[], ToolCallReader | None] | None:
-        """A new reader of a choice's tool calls per call (`P.ChatCompletionRequest.tool_reader`), where `body`
-        asks that its replies be read for them; else None."""
+    def _reply_readers(self, body: P._Common | None) -> Callable[[], ReplyReader | None] | None:
+        """A new reader of a choice's reply per call (`P.ChatCompletionRequest.reply_reader`: its reasoning and
+        tool calls), where `body`'s replies are read for them; else None."""
         if not isinstance(body, P.ChatCompletionRequest):
             return None
-        parser = self._tool_parser()
-        return None if body.tool_reader(parser) is None else functools.partial(body.tool_reader, parser)
+        made = functools.partial(body.reply_reader, self._tool_parser(),
+                                 None if self.reasoning_parser == "none" else self.reasoning_parser)
+        return None if made() is None else made
 
     def _auth(self, request: Request) -> None:
         if not self._keys:
@@ -691,7 +695,7 @@ class OpenAIFrontend:
         if body.stream:
             response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
                                                    body.continuous_usage, body.top_count(), echo,
-                                                   self._tool_readers(body)),
+                                                   self._reply_readers(body)),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
             # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
@@ -825,8 +829,8 @@ class OpenAIFrontend:
             if n > (body.n or 1):
                 choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
-                if kind == "completion" else P.with_tool_calls(P.batch_chat_response(rid, model, choices),
-                                                               self._tool_readers(body) or _no_reader)
+                if kind == "completion" else P.read_replies(P.batch_chat_response(rid, model, choices),
+                                                               self._reply_readers(body) or _no_reader)
             return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
@@ -840,7 +844,7 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n, body.top_count(), echo, self._tool_readers(body)),
+                            kind, n, body.top_count(), echo, self._reply_readers(body)),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -851,15 +855,15 @@ class OpenAIFrontend:
                          include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
                          kind: str = "completion", n: int = 1, top: int | None = None,
                          echo: list[str] | None = None,
-                         tools: Callable[[], ToolCallReader | None] | None = None) -> AsyncIterator[bytes]:
+                         tools: Callable[[], ReplyReader | None] | None = None) -> AsyncIterator[bytes]:
         """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
         `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
         (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
         choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. `top`: each
         chunk has its tokens' logprobs, with this many likeliest tokens each. `echo`: each prompt's text, which its
-        choices' first chunks open with. `tools`: each choice's reader of its reply's tool calls (a chat's), which
-        its chunks carry instead of that text. A choice that fails ends the stream with an error event, and the
-        others are cancelled."""
+        choices' first chunks open with. `tools`: each choice's reader of its reply (a chat's reasoning and tool
+        calls, `ReplyReader`), whose reading its chunks carry instead of that text. A choice that fails ends the
+        stream with an error event, and the others are cancelled."""
         created = int(time.time())
         total = len(started) + len(later)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -892,7 +896,7 @@ class OpenAIFrontend:
         left, pt, ct = total, 0, 0
         fasts: dict[int, TextChunks | None] = {}  # each choice's text chunks (None with `continuous` or logprobs)
         shown: dict[int, P.Logprobs] = {}  # each choice's logprobs (with `top`)
-        readers: dict[int, ToolCallReader | None] = {}  # each choice's reader of its tool calls (with `tools`)
+        readers: dict[int, ReplyReader | None] = {}  # each choice's reader of its reply (with `tools`)
         try:
             while left:
                 i, item, err = await queue.get()
@@ -968,17 +972,18 @@ class OpenAIFrontend:
         choice = _choice(kind, body, await self._rest(gen, first, rid, headers), echo)
         if kind == "completion":
             return JSONResponse(P.batch_completion_response(rid, model, [choice]), headers=headers)
-        return JSONResponse(P.with_tool_calls(P.batch_chat_response(rid, model, [choice]),
-                                              self._tool_readers(body) or _no_reader), headers=headers)
+        return JSONResponse(P.read_replies(P.batch_chat_response(rid, model, [choice]),
+                                              self._reply_readers(body) or _no_reader), headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
                    top: int | None = None, echo: str | None = None,
-                   tools: Callable[[], ToolCallReader | None] | None = None) -> AsyncIterator[bytes]:
+                   tools: Callable[[], ReplyReader | None] | None = None) -> AsyncIterator[bytes]:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
         tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with. `tools`:
-        the reader of a chat reply's tool calls, which its chunks carry instead of that text."""
+        the reader of a chat reply (its reasoning and tool calls), whose reading its chunks carry instead of that
+        text."""
         created, item, lead = int(time.time()), first, None
         if echo is not None:
             item = dataclasses.replace(first, text=echo + first.text)
@@ -1113,7 +1118,7 @@ class TextChunks:
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
               index: int = 0, continuous: bool = False, fast: TextChunks | None = None,
               shown: P.Logprobs | None = None, lead: list[TokenLogprob] | None = None,
-              tools: ToolCallReader | None = None) -> bytes | None:
+              tools: ReplyReader | None = None) -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
     in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous` or
@@ -1135,7 +1140,7 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
         return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason, lp),
                       include_usage, usage)
     delta = {"content": item.text} if item.text else {}
-    if tools is not None:  # the reply's text as content and tool calls
+    if tools is not None:  # the reply's text as reasoning, content and tool calls
         read = tools.feed(item.text)
         if item.finished:
             read.add(tools.end())
@@ -1155,7 +1160,7 @@ class _Whole(NamedTuple):
 
 
 def _no_reader() -> None:
-    """No reply is read for tool calls (`P.with_tool_calls`)."""
+    """No reply is read (`P.read_replies`)."""
     return None
 
 

@@ -9,9 +9,10 @@ a completion's tools, the legacy functions, vLLM's guided_grammar, beam search, 
 completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
 `shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode (`response_format` json_object or
 json_schema, vLLM's guided_json: `core.json_grammar`; guided_regex and guided_choice: `core.regex_grammar`; vLLM's
-structured_outputs), a chat's tools and the calls its reply makes (`ChatCompletionRequest.tool_reader`,
-`deployments.tool_calls`), and vLLM's other sampling and output fields are honoured, and so are vLLM's fields for
-how a prompt is tokenized (`core.messages.PromptOptions`).
+structured_outputs), a chat's tools and the calls its reply makes, and a reasoning model's thinking
+(`ChatCompletionRequest.reply_reader`: `deployments.tool_calls`, `deployments.reasoning`), and vLLM's other sampling
+and output fields are honoured, and so are vLLM's fields for how a prompt is tokenized
+(`core.messages.PromptOptions`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob,
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 from core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from deployments.reasoning import ReplyReader, reasoning_reader
 from deployments.tool_calls import NamedToolReader, RequiredToolReader, ToolCallReader, model_format_reader
 
 
@@ -556,6 +558,9 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
+    # vLLM's: a reasoning model's thinking is given as `reasoning_content` (where the app reads it:
+    # `deployments.reasoning`); false: left out
+    include_reasoning: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -599,6 +604,15 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         """Whether the model chooses whether to call a tool (tool_choice "auto", OpenAI's default where there are
         tools): its reply is read in its own tool-call format (`tool_reader`)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def reply_reader(self, tool_parser: str | None, reasoning_parser: str | None) -> ReplyReader | None:
+        """A reader of the reply (`deployments.reasoning.ReplyReader`): its reasoning, where the app reads it
+        (`reasoning_parser`) and the reply is not held to a format (whose grammar holds from its first token), and
+        its tool calls (`tool_reader`); None where it is read for neither."""
+        tools = self.tool_reader(tool_parser)
+        guided = self.json_object() or self.json_schema() is not None or self.regex() is not None
+        reasoning = reasoning_reader(reasoning_parser) if reasoning_parser and not guided else None
+        return None if tools is None and reasoning is None else ReplyReader(reasoning, tools, self.include_reasoning)
 
     def tool_reader(self, parser: str | None) -> ToolCallReader | None:
         """A reader of the reply's tool calls (`deployments.tool_calls`): a named tool's arguments, "required"'s
@@ -778,20 +792,24 @@ def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None
     return out
 
 
-def with_tool_calls(resp: dict, reader: Callable[[], ToolCallReader | None]) -> dict:
-    """A chat response whose replies are read for tool calls (`reader()`: a reader per choice, or None: text): a
-    choice with calls gets its message's `tool_calls` (content: the text beside them, or null), and finish reason
-    `tool_calls` unless a named tool was called (OpenAI's); a reply with none (or its cap cut them) stays text."""
+def read_replies(resp: dict, reader: Callable[[], ReplyReader | None]) -> dict:
+    """A chat response whose replies are read (`reader()`: a `ChatCompletionRequest.reply_reader` per choice, or
+    None: text): a reasoning model's thinking as the message's `reasoning_content`; tool calls as its `tool_calls`
+    (content: the text beside them, or null), finish reason `tool_calls` unless a named tool was called (OpenAI's);
+    a reply with no calls (or whose cap cut them) keeps its text."""
     for c in resp["choices"]:
         r = reader()
         if r is None:
             return resp
-        content, calls = r.whole(c["message"]["content"])
-        if not calls:
-            continue
-        if r.as_calls:
-            c["finish_reason"] = "tool_calls"
-        c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+        reasoning, content, calls = r.whole(c["message"]["content"])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if r.reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+            if r.as_calls:
+                c["finish_reason"] = "tool_calls"
+        c["message"] = message
     return resp
 
 

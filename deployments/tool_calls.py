@@ -1,7 +1,7 @@
 """A chat reply's tool calls, read out of its text as it streams, as OpenAI's `tool_calls` (vLLM's tool-call parsers).
 
 A `ToolCallReader` takes a reply's text piece by piece (`feed`, then `end`) and says, per piece, the text that is
-the message's content and the tool calls it has read (`ToolDelta`: OpenAI's streamed `tool_calls` entries, each
+the message's content and the tool calls it has read (`ReplyDelta`: OpenAI's streamed `tool_calls` entries, each
 naming its call's `index`); `whole` reads a whole reply. Readers:
 - the formats models write their own calls in, for tool_choice "auto" (`PARSERS`, vLLM's `--tool-call-parser`
   names), picked by the app's `tool_call_parser` or, by default, from the model's chat template (`detect`):
@@ -49,20 +49,25 @@ def call_id() -> str:
 
 
 @dataclass(slots=True)
-class ToolDelta:
-    """What a piece of a reply's text says: the content's text, and OpenAI's streamed `tool_calls` entries."""
+class ReplyDelta:
+    """What a piece of a reply's text says: the content's text, OpenAI's streamed `tool_calls` entries, and the
+    reasoning's text (`deployments.reasoning`)."""
 
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str = ""
 
-    def add(self, other: "ToolDelta") -> "ToolDelta":
+    def add(self, other: "ReplyDelta") -> "ReplyDelta":
         self.content += other.content
         self.calls.extend(other.calls)
+        self.reasoning += other.reasoning
         return self
 
     def delta(self) -> dict[str, Any]:
-        """As a chat chunk's `delta`."""
+        """As a chat chunk's `delta` (vLLM's `reasoning_content` for the reasoning)."""
         out: dict[str, Any] = {}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
         if self.content:
             out["content"] = self.content
         if self.calls:
@@ -93,10 +98,10 @@ class ToolCallReader:
         self.calls = 0
         self._ws = ""  # whitespace after a call, held until text that is not says whether it is content
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ReplyDelta:
         raise NotImplementedError
 
-    def end(self) -> ToolDelta:
+    def end(self) -> ReplyDelta:
         raise NotImplementedError
 
     def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -122,9 +127,9 @@ class ToolCallReader:
         self._ws = ""
         return text
 
-    def _calls(self, found: list[Call] | None) -> ToolDelta | None:
+    def _calls(self, found: list[Call] | None) -> ReplyDelta | None:
         """The calls found, as entries (numbered on from those read before), or None where none parsed."""
-        return ToolDelta(calls=[self._call(*c) for c in found]) if found else None
+        return ReplyDelta(calls=[self._call(*c) for c in found]) if found else None
 
 
 Call = tuple[str, Any]  # a call's name and arguments
@@ -180,9 +185,9 @@ class _MarkedReader(ToolCallReader):
         self._buf = ""
         self._inside = False
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ReplyDelta:
         self._buf += text
-        out = ToolDelta()
+        out = ReplyDelta()
         while True:
             if not self._inside:
                 i = self._buf.find(self.START)
@@ -199,8 +204,8 @@ class _MarkedReader(ToolCallReader):
                     return out
                 out.add(got)
 
-    def end(self) -> ToolDelta:
-        out = ToolDelta()
+    def end(self) -> ReplyDelta:
+        out = ReplyDelta()
         if self._inside:
             got = self._close(self._buf, True)
             if got is not None:
@@ -211,7 +216,7 @@ class _MarkedReader(ToolCallReader):
         self._ws = ""
         return out
 
-    def _close(self, buf: str, last: bool) -> ToolDelta | None:
+    def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         """The calls read from `buf` (the text after a mark) once one is whole (`last`: the reply has ended), the
         reader's state moved past them; None while it is not."""
         raise NotImplementedError
@@ -220,7 +225,7 @@ class _MarkedReader(ToolCallReader):
 class HermesReader(_MarkedReader):
     START, END = "<tool_call>", "</tool_call>"
 
-    def _close(self, buf: str, last: bool) -> ToolDelta | None:
+    def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         j = buf.find(self.END)
         if j < 0 and not last:
             return None
@@ -228,7 +233,7 @@ class HermesReader(_MarkedReader):
         self._inside, self._buf = False, rest
         call = as_call(_json(body))
         if call is None:  # not a call: its text stays content
-            return ToolDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
+            return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
         return self._calls([call])
 
 
@@ -239,7 +244,7 @@ class MistralReader(_MarkedReader):
     START = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 
-    def _close(self, buf: str, last: bool) -> ToolDelta | None:
+    def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         if not last:
             return None
         self._inside, found = False, []
@@ -274,25 +279,25 @@ class Llama3JsonReader(ToolCallReader):
         self._buf = ""
         self._mode: str | None = None  # "text" or "calls", once the reply's start says
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ReplyDelta:
         if self._mode == "text":
-            return ToolDelta(content=text)
+            return ReplyDelta(content=text)
         self._buf += text
         if self._mode is None:
             head = self._buf.lstrip()
             if not head or (self.TAG.startswith(head) and head != self.TAG):
-                return ToolDelta()
+                return ReplyDelta()
             if head.startswith((self.TAG, "{")):
                 self._mode = "calls"
             else:
                 self._mode, out, self._buf = "text", self._buf, ""
-                return ToolDelta(content=out)
-        return ToolDelta()
+                return ReplyDelta(content=out)
+        return ReplyDelta()
 
-    def end(self) -> ToolDelta:
+    def end(self) -> ReplyDelta:
         buf, self._buf = self._buf, ""
         if self._mode != "calls":
-            return ToolDelta(content=buf)
+            return ReplyDelta(content=buf)
         body = buf.lstrip()
         body = body[len(self.TAG):] if body.startswith(self.TAG) else body
         decoder, found, i = json.JSONDecoder(), [], 0
@@ -308,7 +313,7 @@ class Llama3JsonReader(ToolCallReader):
                 break
             call = as_call(value)
             found = None if call is None else found + [call]
-        return self._calls(found) or ToolDelta(content=buf)
+        return self._calls(found) or ReplyDelta(content=buf)
 
 
 class NamedToolReader(ToolCallReader):
@@ -321,15 +326,15 @@ class NamedToolReader(ToolCallReader):
         super().__init__()
         self.name = name
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ReplyDelta:
         if not text:
-            return ToolDelta()
+            return ReplyDelta()
         if self.calls:
-            return ToolDelta(calls=[{"index": 0, "function": {"arguments": text}}])
-        return ToolDelta(calls=[self._call(self.name, text)])
+            return ReplyDelta(calls=[{"index": 0, "function": {"arguments": text}}])
+        return ReplyDelta(calls=[self._call(self.name, text)])
 
-    def end(self) -> ToolDelta:
-        return ToolDelta()
+    def end(self) -> ReplyDelta:
+        return ReplyDelta()
 
     def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         try:
@@ -347,13 +352,13 @@ class RequiredToolReader(ToolCallReader):
         super().__init__()
         self._buf = ""
 
-    def feed(self, text: str) -> ToolDelta:
+    def feed(self, text: str) -> ReplyDelta:
         self._buf += text
-        return ToolDelta()
+        return ReplyDelta()
 
-    def end(self) -> ToolDelta:
+    def end(self) -> ReplyDelta:
         buf, self._buf = self._buf, ""
-        return self._calls(as_calls(_json(buf), ("parameters",))) or ToolDelta(content=buf)
+        return self._calls(as_calls(_json(buf), ("parameters",))) or ReplyDelta(content=buf)
 
 
 _FORMATS: dict[str, type[ToolCallReader]] = {"hermes": HermesReader, "llama3_json": Llama3JsonReader,

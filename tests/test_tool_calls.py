@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deployments.tool_calls import (PARSERS, NamedToolReader, RequiredToolReader, ToolDelta, detect, merge_calls,
+from deployments.tool_calls import (PARSERS, NamedToolReader, RequiredToolReader, ReplyDelta, detect, merge_calls,
                                     model_format_reader)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}'
@@ -36,8 +36,8 @@ CASES = [
 ]
 
 
-def _streamed(reader, text: str, step: int) -> ToolDelta:
-    out = ToolDelta()
+def _streamed(reader, text: str, step: int) -> ReplyDelta:
+    out = ReplyDelta()
     for k in range(0, len(text), step):
         out.add(reader.feed(text[k:k + step]))
     return out.add(reader.end())

@@ -62,7 +62,7 @@ def _rel_app(tmp: Path):
     key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
     return build_app({**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file),
                       "allowed_origins": ORIGIN, "log_prompts": True, "health_check_period_s": 1.0,
-                      "health_check_timeout_s": 10.0, "tool_call_parser": "auto"})
+                      "health_check_timeout_s": 10.0, "tool_call_parser": "auto", "reasoning_parser": "deepseek_r1"})
 
 
 SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
@@ -123,6 +123,34 @@ def test_tool_choice_auto_is_a_400_where_no_tool_call_format_is_known(rel_app: d
         for choice in ("none", "required", {"type": "function", "function": {"name": "pick"}}):
             r = c.post(CHAT, json={**chat, "tool_choice": choice})
             assert r.status_code == 200, (choice, r.text)
+
+
+def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> None:
+    """This app reads chat replies as DeepSeek-R1's (reasoning_parser=deepseek_r1: thinking from the reply's start
+    to a </think> that kairos-tiny never writes): the reply is all `reasoning_content` (content null), streamed as
+    whole; vLLM's include_reasoning false leaves it out; a reply held to a format (JSON mode) is content, and a
+    completion is never read."""
+    import json
+
+    chat = {"messages": [{"role": "user", "content": "Think"}], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=rel_app["url"], timeout=60, headers=rel_app["auth"]) as c:
+        r = c.post(CHAT, json=chat)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"], message
+        text = c.post(CMPL, json={"prompt": "x", "max_tokens": 3}).json()["choices"][0]["text"]
+        assert isinstance(text, str)
+        r = c.post(CHAT, json={**chat, "stream": True})
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+        assert not "".join(d.get("content") or "" for d in deltas)
+        hidden = c.post(CHAT, json={**chat, "include_reasoning": False}).json()["choices"][0]["message"]
+        assert hidden["content"] is None and not hidden.get("reasoning_content"), hidden
+        shaped = c.post(CHAT, json={**chat, "ignore_eos": False, "max_tokens": 60,
+                                    "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
+        assert shaped["content"].lstrip().startswith("{") and not shaped.get("reasoning_content"), shaped
 
 
 def test_cors_preflight_comes_before_auth_and_only_allowed_origins_may_read(rel_app: dict) -> None:

@@ -1003,40 +1003,46 @@ def test_sse_sends_a_chunk_for_every_token_delivery_even_without_text() -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_chat_stream_carries_the_tool_calls_its_reply_makes() -> None:
-    """With a reader of the reply's tool calls (tool_choice auto, in the model's format), a chat stream's chunks carry
-    the text before a call as content and each call, once read, as a `tool_calls` delta; the last chunk's finish
-    reason is `tool_calls`. Read whole, the same reply gives the same message."""
+def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() -> None:
+    """With a reader of the reply (a reasoning model's thinking; tool_choice auto, in the model's format), a chat
+    stream's chunks carry the thinking as `reasoning_content`, the text before a call as content and each call,
+    once read, as a `tool_calls` delta; the last chunk's finish reason is `tool_calls`. Read whole, the same reply
+    gives the same message."""
     import asyncio
     import json
 
     from deployments import protocol as P
     from deployments.ingress import Ingress
+    from deployments.reasoning import ReplyReader, reasoning_reader
     from deployments.tool_calls import merge_calls, model_format_reader
 
-    pieces = ["Checking", ". <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n</tool_call>',
-              "\n"]
+    def reader() -> ReplyReader:  # (a reasoning model's: its thinking first)
+        return ReplyReader(reasoning_reader("qwen3"), model_format_reader("hermes"))
+
+    pieces = ["<think>\nRain", "?</th", "ink>\n\nChecking", ". <tool", '_call>\n{"name": "get_weather", ',
+              '"arguments": {"city": "Oslo"}}\n</tool_call>', "\n"]
     items = [RequestOutput("c", text=t, token_ids=[i]) for i, t in enumerate(pieces)]
     items[-1] = RequestOutput("c", text=pieces[-1], token_ids=[9], finished=True, finish_reason="stop",
                               num_prompt_tokens=3, num_output_tokens=len(pieces))
 
     async def collect() -> list[bytes]:
         gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "chat",
-                                         "chatcmpl-1", False, "m", tools=lambda: model_format_reader("hermes"))
+                                         "chatcmpl-1", False, "m", tools=reader)
         return [c async for c in gen]
 
     chunks = [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
-    assert "".join(d.get("content", "") for d in deltas) == "Checking. "
+    assert "".join(d.get("content", "") for d in deltas[1:]) == "Checking. "
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nRain?"
     calls = [e for d in deltas for e in d.get("tool_calls", [])]
     assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["id"] and calls[0]["type"] == "function"
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
-    whole = P.with_tool_calls(P.chat_response("chatcmpl-1", "m", "".join(pieces), "stop", 3, 5),
-                              lambda: model_format_reader("hermes"))
+    whole = P.read_replies(P.chat_response("chatcmpl-1", "m", "".join(pieces), "stop", 3, 5), reader)
     message = whole["choices"][0]["message"]
     assert whole["choices"][0]["finish_reason"] == "tool_calls" and message["content"] == "Checking. "
+    assert message["reasoning_content"] == "\nRain?"
     assert [c["function"] for c in message["tool_calls"]] == [c["function"] for c in merge_calls(calls)]
 
 

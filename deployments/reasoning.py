@@ -1,0 +1,118 @@
+"""A reasoning model's thinking, read out of a chat reply as it streams (vLLM's `--reasoning-parser`), and a reply's
+whole reading (`ReplyReader`: its reasoning, its content, its tool calls).
+
+A reasoning model writes its thinking between `<think>` and `</think>`, then its answer; a chat response gives the
+thinking as the message's (or a streamed delta's) `reasoning_content` and the answer as its `content`, as vLLM's.
+The app's `reasoning_parser` says where the thinking starts (`PARSERS`):
+- `deepseek_r1`: at the reply's start (its chat template opens `<think>` in the prompt; one the model writes again is
+  dropped) up to `</think>`: a reply that never closes it is all reasoning (DeepSeek-R1, QwQ, Qwen3's thinking-only
+  releases);
+- `qwen3`: only where the reply opens with `<think>` (Qwen3, whose thinking may be switched off): a reply that does
+  not is all content.
+A request held to a format (JSON mode, a guided regex, a named or required tool) is not read for reasoning: its
+format holds from its first token.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from deployments.tool_calls import ReplyDelta, ToolCallReader, _held, merge_calls
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+class ReasoningReader:
+    """Splits one reply's text, piece by piece (`feed`, then `end`), into (reasoning, content)."""
+
+    def __init__(self, opened: bool) -> None:
+        """`opened`: the thinking begins at the reply's start (deepseek_r1), else only at a `<think>` it opens
+        with (qwen3)."""
+        self._buf = ""
+        self._mode = "lead" if opened else "start"  # lead: thinking, a `<think>` may still come first
+        self._ws = True  # content yet to begin: its leading whitespace (after `</think>`) is dropped
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        reasoning = content = ""
+        while True:
+            buf = self._buf
+            if self._mode in ("start", "lead"):
+                head = buf.lstrip()
+                if not head or (START.startswith(head) and head != START):
+                    return reasoning, content  # (could still open with `<think>`)
+                if head.startswith(START):
+                    self._buf, self._mode = head[len(START):], "think"
+                elif self._mode == "lead":
+                    self._mode = "think"
+                else:
+                    self._mode = "content"
+            elif self._mode == "think":
+                i = buf.find(END)
+                if i < 0:
+                    cut = len(buf) - _held(buf, END)
+                    reasoning += buf[:cut]
+                    self._buf = buf[cut:]
+                    return reasoning, content
+                reasoning += buf[:i]
+                self._buf, self._mode = buf[i + len(END):], "content"
+            else:
+                self._buf = ""
+                if self._ws:
+                    buf = buf.lstrip()
+                    self._ws = not buf
+                return reasoning, content + buf
+
+    def end(self) -> tuple[str, str]:
+        buf, self._buf = self._buf, ""
+        if self._mode == "think":
+            return buf, ""
+        if self._mode == "lead":  # whitespace alone, or a `<think>` cut short: thinking that never began
+            return "", ""
+        return "", buf.lstrip() if self._ws else buf
+
+
+def reasoning_reader(parser: str) -> ReasoningReader:
+    return ReasoningReader(opened=parser == "deepseek_r1")
+
+
+class ReplyReader:
+    """A chat reply's reading, piece by piece: its reasoning (`reasoning`, where the app reads it), then in what is
+    left its tool calls (`tools`, where the request asks that they be read), else its content."""
+
+    def __init__(self, reasoning: ReasoningReader | None, tools: ToolCallReader | None, show: bool = True) -> None:
+        """`show`: the reasoning is given (vLLM's include_reasoning), else dropped."""
+        self.reasoning, self.tools, self.show = reasoning, tools, show
+
+    @property
+    def calls(self) -> int:
+        return self.tools.calls if self.tools is not None else 0
+
+    @property
+    def as_calls(self) -> bool:
+        return self.tools is not None and self.tools.as_calls
+
+    def feed(self, text: str) -> ReplyDelta:
+        return self._read(*(self.reasoning.feed(text) if self.reasoning is not None else ("", text)), False)
+
+    def end(self) -> ReplyDelta:
+        return self._read(*(self.reasoning.end() if self.reasoning is not None else ("", "")), True)
+
+    def _read(self, reasoning: str, content: str, last: bool) -> ReplyDelta:
+        if self.tools is None:
+            out = ReplyDelta(content=content)
+        else:
+            out = self.tools.feed(content)
+            if last:
+                out.add(self.tools.end())
+        out.reasoning = reasoning if self.show else ""
+        return out
+
+    def whole(self, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+        """A whole reply's reasoning (None where it is not read for any, or has none), content (None where only
+        whitespace is left beside its reasoning or calls) and calls (each whole)."""
+        if self.tools is not None and self.reasoning is None:
+            content, calls = self.tools.whole(text)
+            return None, content, calls
+        d = self.feed(text).add(self.end())
+        return d.reasoning or None, d.content if d.content.strip() else None, merge_calls(d.calls)
