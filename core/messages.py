@@ -115,7 +115,8 @@ class PromptOptions:
       prompt, whose template writes its own;
     - chat only: `add_generation_prompt` (open the assistant's turn), `continue_final_message` (the last message
       is left open for the reply to continue; not with `add_generation_prompt`), and `chat_template_kwargs`, more
-      variables for the template (e.g. Qwen3's `enable_thinking`; not apply_chat_template's own arguments).
+      variables for the template (e.g. Qwen3's `enable_thinking`; not apply_chat_template's own arguments), and
+      `chat_template`, a template of the request's own (where the app trusts requests with one).
     Not hashable where `chat_template_kwargs` is set (a dict)."""
 
     add_special_tokens: bool | None = None
@@ -125,6 +126,7 @@ class PromptOptions:
     # vLLM's: only the prompt's last k tokens are kept (-1: as many as the context window takes with a reply token)
     truncate_prompt_tokens: int | None = None
     tools: str | None = None  # chat only: OpenAI's `tools` (their JSON text), which the chat template shows the model
+    chat_template: str | None = None  # chat only: a request's own template (vLLM's), in place of the tokenizer's
 
     def check(self) -> "PromptOptions":
         """ValueError (a client's 400) for options that contradict each other or are out of range."""

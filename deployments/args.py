@@ -84,6 +84,9 @@ class ServeArgs(BaseModel):
         "--tool-call-parser names it (hermes: <tool_call> JSON, Qwen2.5/Qwen3; llama3_json: a JSON object, "
         "Llama 3.x; mistral: [TOOL_CALLS]); auto: the one its chat template shows; none (or a template that shows "
         "none): such requests get a 400")
+    trust_request_chat_template: bool = Field(
+        False, description="a chat request's own `chat_template` is rendered (in transformers' sandbox) in place of "
+        "the model's, as vLLM's --trust-request-chat-template; off: such a request gets a 400")
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
         "none", description="how a reasoning model's thinking (<think> ... </think>) is read out of a chat reply and "
         "given as `reasoning_content`, as vLLM's --reasoning-parser: deepseek_r1: from the reply's start (its "

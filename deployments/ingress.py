@@ -266,6 +266,7 @@ class OpenAIFrontend:
         self.tool_call_parser: str = settings.get("tool_call_parser", "auto")
         # how a reasoning model's thinking is read out of a chat reply (`deployments.reasoning`), or "none"
         self.reasoning_parser: str = settings.get("reasoning_parser", "none")
+        self.trust_request_chat_template: bool = settings.get("trust_request_chat_template", False)
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -525,6 +526,10 @@ class OpenAIFrontend:
             raise APIError(400, message, param=param) from None
         if check_model and body.model is not None and body.model not in self._served_names():  # absent: served
             raise model_not_found(body.model, self._served_names())
+        if getattr(body, "chat_template", None) is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template: this server renders chats with its model's own template (the app's "
+                           "trust_request_chat_template lets a request bring its own)", param="chat_template",
+                           code="unsupported_parameter")
         return body
 
     def _build(self, request: Request, raw: Any, kind: str, rid: str, check_model: bool = True
@@ -596,8 +601,11 @@ class OpenAIFrontend:
         if self.log_prompts:
             for req in reqs:
                 log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
-        echo = await until_disconnected(request.receive, self._echoed(body)) \
-            if isinstance(body, P.CompletionRequest) and body.echo else None
+        if isinstance(body, P.ChatCompletionRequest):
+            echo = body.echoed()
+        else:
+            echo = await until_disconnected(request.receive, self._echoed(body)) \
+                if isinstance(body, P.CompletionRequest) and body.echo else None
         work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms, echo[0] if echo else None) \
             if len(reqs) == 1 else self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms, echo)
         return await until_disconnected(request.receive, work)
@@ -694,7 +702,7 @@ class OpenAIFrontend:
                 raise failure
         if body.stream:
             response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
-                                                   body.continuous_usage, body.top_count(), echo,
+                                                   body.continuous_usage, body.logprobs_shape(), echo,
                                                    self._reply_readers(body)),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
@@ -844,7 +852,7 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n, body.top_count(), echo, self._reply_readers(body)),
+                            kind, n, body.logprobs_shape(), echo, self._reply_readers(body)),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -853,14 +861,14 @@ class OpenAIFrontend:
     async def _sse_batch(self, started: list[tuple[int, tuple[GenerateStream, RequestOutput, dict[str, str]]]],
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
                          include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
-                         kind: str = "completion", n: int = 1, top: int | None = None,
+                         kind: str = "completion", n: int = 1, top: P.LogprobShape | None = None,
                          echo: list[str] | None = None,
                          tools: Callable[[], ReplyReader | None] | None = None) -> AsyncIterator[bytes]:
         """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
         `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
         (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
         choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. `top`: each
-        chunk has its tokens' logprobs, with this many likeliest tokens each. `echo`: each prompt's text, which its
+        chunk has its tokens' logprobs, shown so (`P.LogprobShape`). `echo`: each prompt's text, which its
         choices' first chunks open with. `tools`: each choice's reader of its reply (a chat's reasoning and tool
         calls, `ReplyReader`), whose reading its chunks carry instead of that text. A choice that fails ends the
         stream with an error event, and the others are cancelled."""
@@ -977,11 +985,11 @@ class OpenAIFrontend:
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
-                   top: int | None = None, echo: str | None = None,
+                   top: P.LogprobShape | None = None, echo: str | None = None,
                    tools: Callable[[], ReplyReader | None] | None = None) -> AsyncIterator[bytes]:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
-        tokens' logprobs, with this many likeliest tokens each. `echo`: text the first chunk opens with. `tools`:
+        tokens' logprobs, shown so (`P.LogprobShape`). `echo`: text the first chunk opens with. `tools`:
         the reader of a chat reply (its reasoning and tool calls), whose reading its chunks carry instead of that
         text."""
         created, item, lead = int(time.time()), first, None
@@ -1185,7 +1193,7 @@ def _best_of(choices: list[P.Choice], wholes: list[_Whole], made: int, n: int) -
 def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P.Choice:
     """A whole reply as a response's choice (`P.Choice`): its text after `echo`; its logprobs where `body` asks for
     them (with `echo`, the prompt's tokens' first); vLLM's `prompt_logprobs` where it asks for those."""
-    top = body.top_count() if body is not None else None
+    top = body.logprobs_shape() if body is not None else None
     text, lps = (echo or "") + w.text, w.logprobs
     if echo is not None and top is not None and w.prompt_logprobs is not None:
         lps = w.prompt_logprobs + (lps or [])

@@ -3,11 +3,12 @@
 Validation policy: every invalid request is answered 400 `invalid_request_error` (as OpenAI does), including
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
-cannot honour are rejected explicitly when given a value other than their default: a chat's echo or best_of, suffix,
-a completion's tools, the legacy functions, vLLM's guided_grammar, beam search, and a request's own chat template
-(`UNSUPPORTED`). `logit_bias`, the presence / frequency / repetition penalties, min_p, logprobs (a
-completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`; vLLM's `prompt_logprobs`,
-`shown_prompt_logprobs`), a completion's `echo` and `best_of`, JSON mode (`response_format` json_object or
+cannot honour are rejected explicitly when given a value other than their default: a chat's best_of, suffix, a
+completion's tools, the legacy functions, vLLM's guided_grammar and beam search (`UNSUPPORTED`); a request's own chat
+template only where the app trusts requests with one. `logit_bias`, the presence / frequency / repetition penalties,
+min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`, vLLM's
+return_tokens_as_token_ids; vLLM's `prompt_logprobs`, `shown_prompt_logprobs`), `echo` (a completion's prompt, a
+chat's last assistant message) and a completion's `best_of`, JSON mode (`response_format` json_object or
 json_schema, vLLM's guided_json: `core.json_grammar`; guided_regex and guided_choice: `core.regex_grammar`; vLLM's
 structured_outputs), a chat's tools and the calls its reply makes, and a reasoning model's thinking
 (`ChatCompletionRequest.reply_reader`: `deployments.tool_calls`, `deployments.reasoning`), and vLLM's other sampling
@@ -20,7 +21,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -65,8 +66,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True, False),
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
-    # a chat template sent with the request (vLLM runs one only with --trust-request-chat-template), RAG documents
-    "chat_template": (), "documents": (),
+    # RAG documents
+    "documents": (),
 }
 
 
@@ -153,6 +154,8 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 17, json_schema_extra=_opt(
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 1 << 17}))
     skip_special_tokens: bool = True
+    # vLLM's: logprobs name each token "token_id:N", not by its text (for tokens whose text alone is not theirs)
+    return_tokens_as_token_ids: bool = False
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, json_schema_extra=_opt(
         {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "const": -1}]}))
@@ -330,6 +333,11 @@ class _Common(BaseModel):
         logprobs."""
         return None
 
+    def logprobs_shape(self) -> "LogprobShape | None":
+        """How the reply's logprobs are shown (`Logprobs`), where it asks for them."""
+        top = self.top_count()
+        return None if top is None else LogprobShape(top, self.return_tokens_as_token_ids)
+
     def prompt_count(self) -> int | None:
         """How many likeliest tokens each prompt token's logprobs list (`SamplingParams.prompt_logprobs`): None for
         no prompt logprobs."""
@@ -505,6 +513,8 @@ class _ChatPrompt(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template writes its own
     chat_template_kwargs: dict[str, Any] | None = None
+    # a template of the request's own (vLLM's): run only where the app trusts requests with one (the ingress checks)
+    chat_template: str | None = Field(None, max_length=1 << 16)
 
     @field_validator("continue_final_message")
     @classmethod
@@ -523,7 +533,8 @@ class _ChatPrompt(BaseModel):
         tools = getattr(self, "tools", None)
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
                              self.chat_template_kwargs, getattr(self, "truncate_prompt_tokens", None),
-                             json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else None)
+                             json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else None,
+                             self.chat_template)
 
     def turns(self) -> tuple[ChatTurn, ...]:
         return tuple(ChatTurn(m.role, m.text(), json.dumps(m.tool_calls) if m.tool_calls else None,
@@ -545,7 +556,7 @@ class Tool(BaseModel):
 
 
 class ChatCompletionRequest(_Common, _ChatPrompt):
-    HONOURED: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+    HONOURED: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice", "echo"})
     max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     # each reply token's log-probability, and its `top_logprobs` likeliest tokens' (with logprobs only)
     logprobs: bool | None = False
@@ -561,6 +572,9 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     # vLLM's: a reasoning model's thinking is given as `reasoning_content` (where the app reads it:
     # `deployments.reasoning`); false: left out
     include_reasoning: bool = True
+    # vLLM's: the reply continues the conversation's last message, an assistant's (continue_final_message), whose
+    # text goes first in each choice's content
+    echo: bool = False
 
     @field_validator("top_logprobs")
     @classmethod
@@ -599,6 +613,12 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         except ValueError as e:
             raise ValueError(f"tool_choice: a tool's parameters: {e}") from None
         return self
+
+    def echoed(self) -> list[str] | None:
+        """The text each choice's content opens with (`echo`: the last message's, where it is the assistant's, as
+        vLLM's), else None."""
+        last = self.messages[-1]
+        return [last.text()] if self.echo and last.role == "assistant" else None
 
     def auto_tools(self) -> bool:
         """Whether the model chooses whether to call a tool (tool_choice "auto", OpenAI's default where there are
@@ -741,6 +761,13 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
+class LogprobShape(NamedTuple):
+    """How a reply's logprobs are shown: `top` likeliest tokens each; `as_ids`: tokens named "token_id:N" (vLLM's
+    return_tokens_as_token_ids), not by their text."""
+    top: int
+    as_ids: bool = False
+
+
 class Logprobs:
     """A choice's logprobs in OpenAI's shapes, built from its items' `TokenLogprob`s as they come (a stream's chunks,
     or a whole reply's at once): a completion's {text_offset, token_logprobs, tokens, top_logprobs}, each token's
@@ -749,11 +776,14 @@ class Logprobs:
     completion's text offsets count from the start of the choice's text: within an item by its tokens' texts, from
     one item to the next by the text that went out (vLLM's)."""
 
-    __slots__ = ("kind", "top", "offset")
+    __slots__ = ("kind", "top", "as_ids", "offset")
 
-    def __init__(self, kind: str, top: int) -> None:
-        self.kind, self.top = kind, top
+    def __init__(self, kind: str, shape: LogprobShape) -> None:
+        self.kind, (self.top, self.as_ids) = kind, shape
         self.offset = 0
+
+    def _name(self, token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if self.as_ids else text
 
     def render(self, lps: list[TokenLogprob], text: str) -> dict:
         """The logprobs of an item's tokens (`lps`; an echoed prompt's first, whose first token has no logprob: null
@@ -767,13 +797,15 @@ class Logprobs:
             self.offset += len(text)
             return {"text_offset": offsets,
                     "token_logprobs": [None if x.logprob is None else _shown(x.logprob) for x in lps],
-                    "tokens": [x.token for x in lps],
+                    "tokens": [self._name(x.id, x.token) for x in lps],
                     "top_logprobs": [None if x.logprob is None else
-                                     {x.token: _shown(x.logprob), **{t: _shown(v) for _, t, v in x.top[:k]}}
+                                     {self._name(x.id, x.token): _shown(x.logprob),
+                                      **{self._name(i, t): _shown(v) for i, t, v in x.top[:k]}}
                                      for x in lps]}
-        return {"content": [{"token": x.token, "logprob": _shown(x.logprob), "bytes": _bytes(x.token),
-                             "top_logprobs": [{"token": t, "logprob": _shown(v), "bytes": _bytes(t)}
-                                              for _, t, v in x.top[:k]]} for x in lps]}
+        name = self._name
+        return {"content": [{"token": name(x.id, x.token), "logprob": _shown(x.logprob), "bytes": _bytes(x.token),
+                             "top_logprobs": [{"token": name(i, t), "logprob": _shown(v), "bytes": _bytes(t)}
+                                              for i, t, v in x.top[:k]]} for x in lps]}
 
 
 def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None]:

@@ -35,19 +35,21 @@ def render_plain_chat(messages: Sequence[ChatTurn], options: PromptOptions = Pro
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:
-    """A conversation as the prompt a chat request becomes: the tokenizer's chat template (with the assistant's turn
-    opened, or its last message continued, as `options` say, and their template variables), else
+    """A conversation as the prompt a chat request becomes: the request's own chat template or the tokenizer's (with
+    the assistant's turn opened, or its last message continued, as `options` say, and their template variables),
+    else
     `render_plain_chat`. ValueError where the template refuses the conversation (its roles, a last message it cannot
     continue, ...)."""
     options.check()
-    if not getattr(tokenizer, "chat_template", None):
+    if not options.chat_template and not getattr(tokenizer, "chat_template", None):
         return render_plain_chat(messages, options)
     turns = [_turn(m) for m in messages]
     tools = json.loads(options.tools) if options.tools else None
+    own = {"chat_template": options.chat_template} if options.chat_template else {}
     try:
         return tokenizer.apply_chat_template(
             turns, tools=tools, tokenize=False, add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **(options.chat_template_kwargs or {}))
+            continue_final_message=options.continue_final_message, **own, **(options.chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a bad variable)
         raise ValueError(f"the chat template cannot render these messages: {e}") from None
 

@@ -320,7 +320,7 @@ class PenaltyCounts:
         if any(r != 1.0 for r in reps):
             seen = (c > 0) | prompt.index_select(0, slots)[:, :width]
             rep = _to(reps, dev, torch.float32).unsqueeze(-1)
-            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+            x = torch.where(seen, torch.where(x > 0, (x / rep).clamp_(max=_FINITE), x * rep), x)
         if any(f != 0.0 for f in freqs):
             x = x.sub_(c * _to(freqs, dev, torch.float32).unsqueeze(-1))
         if any(q != 0.0 for q in pres):
@@ -348,10 +348,15 @@ class PenaltyCounts:
         v = logits[at, tok]
         n = c[j, tok]
         rep = _to(reps, dev, torch.float32).index_select(0, j)
-        v = torch.where(v > 0, v / rep, v * rep)  # (a penalty of 1: the same logit)
+        v = torch.where(v > 0, (v / rep).clamp_(max=_FINITE), v * rep)  # (a penalty of 1: the same logit)
         v -= _to(freqs, dev, torch.float32).index_select(0, j) * n
         v -= _to(pres, dev, torch.float32).index_select(0, j) * (n > 0)
         logits[at, tok] = v
+
+
+# the largest logit a penalty leaves: a positive logit divided by a penalty near 0 stays finite (an infinite one would
+# make the row's probabilities NaN), the likeliest there is
+_FINITE = torch.finfo(torch.float32).max
 
 
 class Sampler:

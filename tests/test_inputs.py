@@ -171,6 +171,12 @@ def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
     text = render_chat(tok, turns, PromptOptions(add_generation_prompt=False, tools=json.dumps(tools)))
     assert text == "get_weather;t2;user:hi|assistant:=Oslo|tool:21[c1]|"
     assert render_chat(tok, turns[:1], PromptOptions(add_generation_prompt=False)) == "user:hi|"
+    own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert render_chat(tok, turns[:1], PromptOptions(chat_template=own)) == "<user>hi>"  # a request's own template
+    tok.chat_template = None  # (also where the tokenizer has none)
+    assert render_chat(tok, turns[:1], PromptOptions(chat_template=own)) == "<user>hi>"
+    with pytest.raises(ValueError, match="cannot render"):  # transformers' sandbox refuses what it must
+        render_chat(tok, turns[:1], PromptOptions(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"))
     inputs = _inputs(tok)
     whole = inputs.prompt_ids("one two three four five")
     assert inputs.prompt_ids("one two three four five", options=PromptOptions(truncate_prompt_tokens=2)) == whole[-2:]

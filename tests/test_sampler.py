@@ -243,6 +243,22 @@ def test_penalties_are_vllms_on_their_rows_only_and_count_each_token_once(sparse
 
 
 @pytest.mark.parametrize("sparse", [True, False])
+def test_a_repetition_penalty_near_zero_leaves_finite_logits_and_a_draw(sparse):
+    """A repetition penalty of the smallest positive float divides a seen token's positive logit past float32's
+    range: it stays the largest finite logit (found by a fuzzer: its infinity made the row's probabilities NaN and
+    failed the whole step), so the row draws that token, greedy or sampled."""
+    s = Sampler(vocab_limit=8, eos_token_ids=[EOS], device=torch.device("cpu"))
+    s._penalties.sparse = sparse
+    for temperature in (0.0, 1.0):
+        r = Request("r", [3, 5], SamplingParams(temperature=temperature, seed=1, max_tokens=4,
+                                                repetition_penalty=5e-324))
+        logits = torch.full((1, 8), -1.0)
+        logits[0, 3] = 2.0
+        assert s.sample(logits, [r]) == [3]
+        s.release("r")
+
+
+@pytest.mark.parametrize("sparse", [True, False])
 def test_a_penalized_rows_token_still_on_its_way_counts_from_the_step_befores_tokens(sparse):
     """Overlap scheduling: a reply's last token is a placeholder (-(its row + 1) in the step before) when the next
     step is planned; the draw counts it from that step's tokens, and the next plan, which sees it, not again."""

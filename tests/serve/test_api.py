@@ -341,8 +341,8 @@ def test_logprobs_are_the_models_own_streamed_or_not(client: httpx.Client) -> No
 
 def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client: httpx.Client) -> None:
     """A completion's `echo`: each choice's text opens with its prompt's (a text prompt as sent, token ids as the
-    tokenizer decodes them), streamed in its first chunk; the usage is as without it; on a chat it is a 400 naming
-    it."""
+    tokenizer decodes them), streamed in its first chunk; the usage is as without it; a chat whose last message is
+    the user's has nothing to echo."""
     base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
     plain = client.post("/v1/completions", json={**base, "prompt": "Once upon a time"}).json()
     r = client.post("/v1/completions", json={**base, "prompt": "Once upon a time", "echo": True})
@@ -372,7 +372,7 @@ def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client: httpx.C
     assert got[0].startswith("a b") and got[1].startswith("c d")
     r = client.post("/v1/chat/completions", json={**base, "messages": [{"role": "user", "content": "x"}],
                                                   "echo": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    assert r.status_code == 200, r.text  # a chat's echo (vLLM's): its last message where the assistant's, else none
 
 
 def test_echo_with_logprobs_and_prompt_logprobs_are_the_models_own(client: httpx.Client) -> None:
@@ -690,6 +690,39 @@ def test_chat_template_options_change_the_prompt(client: httpx.Client) -> None:
                          ({"chat_template": "{{ 1 }}"}, "chat_template")):
         r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 1 }}"})  # (not trusted by this app)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    # vLLM's echo for a chat: the assistant's last message, which the reply continues, opens each choice's content
+    cont = {"messages": msgs, "max_tokens": 4, "add_generation_prompt": False, "continue_final_message": True,
+            "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/chat/completions", json=cont).json()["choices"][0]["message"]["content"]
+    for n in (1, 2):
+        r = client.post("/v1/chat/completions", json={**cont, "echo": True, "n": n})
+        assert [c["message"]["content"] for c in r.json()["choices"]] == ["Hi" + plain] * n, r.text
+    with client.stream("POST", "/v1/chat/completions", json={**cont, "echo": True, "stream": True}) as st:
+        import json as json_
+        chunks = [json_.loads(e) for e in sse_events(st)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hi" + plain
+    r = client.post("/v1/chat/completions", json={**cont, "messages": msgs[:1], "echo": True,
+                                                  "add_generation_prompt": True, "continue_final_message": False})
+    assert r.status_code == 200, r.text  # the last message is the user's: nothing to echo
+
+
+def test_logprobs_name_tokens_by_id_where_asked(client: httpx.Client) -> None:
+    """vLLM's return_tokens_as_token_ids: every token in the logprobs (chosen and top) is "token_id:N", the same
+    tokens and values as by text, streamed or whole."""
+    cmpl = {"prompt": "The sky", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    by_text = client.post("/v1/completions", json=cmpl).json()["choices"][0]["logprobs"]
+    by_id = client.post("/v1/completions", json={**cmpl, "return_tokens_as_token_ids": True}).json()
+    lp = by_id["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") and t[9:].isdigit() for t in lp["tokens"]), lp
+    assert lp["token_logprobs"] == by_text["token_logprobs"]
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp["top_logprobs"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert all(x["token"].startswith("token_id:") and all(t["token"].startswith("token_id:")
+                                                        for t in x["top_logprobs"]) for x in content), content
 
 def test_tokenize_and_detokenize_as_vllm(client: httpx.Client) -> None:
     """vLLM's /tokenize: the ids a completion or a chat completion takes (their count is its usage's prompt_tokens),

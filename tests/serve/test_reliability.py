@@ -62,7 +62,8 @@ def _rel_app(tmp: Path):
     key_file.write_text(f"# Kairos test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
     return build_app({**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file),
                       "allowed_origins": ORIGIN, "log_prompts": True, "health_check_period_s": 1.0,
-                      "health_check_timeout_s": 10.0, "tool_call_parser": "auto", "reasoning_parser": "deepseek_r1"})
+                      "health_check_timeout_s": 10.0, "tool_call_parser": "auto", "reasoning_parser": "deepseek_r1",
+                      "trust_request_chat_template": True})
 
 
 SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
@@ -151,6 +152,22 @@ def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> 
         shaped = c.post(CHAT, json={**chat, "ignore_eos": False, "max_tokens": 60,
                                     "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
         assert shaped["content"].lstrip().startswith("{") and not shaped.get("reasoning_content"), shaped
+
+
+def test_a_trusted_request_chat_template_renders_the_prompt(rel_app: dict) -> None:
+    """This app trusts a request's own chat_template (vLLM's --trust-request-chat-template): the prompt is that
+    template's (its token count, as /tokenize says), and one the sandbox refuses is a 400."""
+    msgs = [{"role": "user", "content": "a b c d e f"}]
+    own = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with httpx.Client(base_url=rel_app["url"], timeout=60, headers=rel_app["auth"]) as c:
+        r = c.post(CHAT, json={"messages": msgs, "max_tokens": 1, "chat_template": own})
+        assert r.status_code == 200, r.text
+        plain = c.post("/tokenize", json={"prompt": "a b c d e f", "add_special_tokens": False}).json()["count"]
+        assert r.json()["usage"]["prompt_tokens"] == plain
+        assert c.post("/tokenize", json={"messages": msgs, "chat_template": own}).json()["count"] == plain
+        r = c.post(CHAT, json={"messages": msgs, "max_tokens": 1,
+                               "chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+        assert r.status_code == 400 and "cannot render" in r.json()["error"]["message"], r.text
 
 
 def test_cors_preflight_comes_before_auth_and_only_allowed_origins_may_read(rel_app: dict) -> None:
