@@ -38,6 +38,7 @@ from core.messages import (ErrorKind, GenerateRequest, ProtocolError, RejectReas
 from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
+from deployments import responses as R
 from deployments.args import load_api_keys
 from deployments.errors import (REPLICA_ERRORS, APIError, error_response, item_failure, model_not_found, overloaded,
                                 param_named, protocol_failure, replica_failure, unsupported_media_type)
@@ -428,6 +429,11 @@ class OpenAIFrontend:
     async def chat_completions(self, request: Request) -> Any:
         return await self._handle(request, "chat")
 
+    async def responses(self, request: Request) -> Any:
+        """OpenAI's Responses API (`deployments.responses`): the chat completion it amounts to, answered as a
+        response."""
+        return await self._handle(request, "responses")
+
     # ------------------------------------------------------------------ request handling
     def _served_names(self) -> list[str]:
         if not self._names_final:
@@ -573,7 +579,7 @@ class OpenAIFrontend:
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        rid = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind] + uuid.uuid4().hex
         try:
             return await self._generate(request, kind, rid, t_in)
         except APIError as e:  # every answer names its request, a refusal at parse time too (as vLLM's X-Request-Id)
@@ -592,6 +598,13 @@ class OpenAIFrontend:
             await _drain(request.stream())
             raise
         raw = await self._read_json(request)
+        echoed = None  # a Responses API request's fields its response repeats (it runs as the chat it amounts to)
+        if kind == "responses":
+            try:
+                raw, echoed = R.chat_request(raw)
+            except R.ResponsesError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            kind = "chat"
         (body, reqs), t_call = await self._parsed_when_ready(
             request, lambda known: self._build(request, raw, kind, rid, known))
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
@@ -608,7 +621,8 @@ class OpenAIFrontend:
                 if isinstance(body, P.CompletionRequest) and body.echo else None
         work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms, echo[0] if echo else None) \
             if len(reqs) == 1 else self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms, echo)
-        return await until_disconnected(request.receive, work)
+        got = await until_disconnected(request.receive, work)
+        return got if echoed is None else _as_response(got, rid, echoed)
 
     async def _echoed(self, body: P.CompletionRequest) -> list[str]:
         """A completion's prompts as text, to go before their choices' (`echo`): a text prompt as sent, token ids
@@ -1167,6 +1181,25 @@ class _Whole(NamedTuple):
     prompt_logprobs: list[TokenLogprob] | None
 
 
+def _as_response(got: Any, rid: str, echoed: dict[str, Any]) -> Any:
+    """A chat's answer (a whole response, or its SSE stream) as the Responses API's (`deployments.responses`)."""
+    if isinstance(got, StreamingResponse):
+        events, inner = R.ResponseEvents(rid, "", echoed), got.body_iterator
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in inner:
+                    for event in events.feed(chunk):
+                        yield event
+            finally:  # (closed: the chat stream is closed, which aborts its request)
+                await inner.aclose()  # type: ignore[attr-defined]
+        got.body_iterator = stream()
+        return got
+    headers = {k: v for k, v in got.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(R.from_chat(rid, json.loads(got.body), echoed), status_code=got.status_code,
+                        headers=headers)
+
+
 def _no_reader() -> None:
     """No reply is read (`P.read_replies`)."""
     return None
@@ -1400,7 +1433,7 @@ async def until_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
     return result
 
 
-GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
 
 
 def route_path(scope: Scope) -> str:
@@ -1412,8 +1445,8 @@ def route_path(scope: Scope) -> str:
 
 
 class GenerationFastPath:
-    """The ASGI app a frontend replica runs. `POST /v1/completions` and `/v1/chat/completions` go straight to the
-    frontend (`OpenAIFrontend._serve_generation`); everything else (health, models, the docs, lifespan, unknown
+    """The ASGI app a frontend replica runs. `POST /v1/completions`, `/v1/chat/completions` and `/v1/responses` go
+    straight to the frontend (`OpenAIFrontend._serve_generation`); everything else (health, models, the docs, lifespan, unknown
     paths and methods) to the FastAPI app, whose routes stay the API's reference (OpenAPI schema, docs).
 
     FastAPI's routing, middleware and `StreamingResponse` were a sizeable share of a replica's CPU for one-token
@@ -1481,6 +1514,7 @@ def openai_api() -> FastAPI:
                              ("/v1/chat/completions", OpenAIFrontend.chat_completions, P.ChatCompletionRequest)):
         api.add_api_route(path, fn, methods=["POST"], openapi_extra=openapi_operation(schema),
                           responses=ERROR_RESPONSES)
+    api.add_api_route("/v1/responses", OpenAIFrontend.responses, methods=["POST"], responses=ERROR_RESPONSES)
     return api
 
 

@@ -775,6 +775,50 @@ def test_chat_stream_and_content_parts(client: httpx.Client) -> None:
     assert [u["completion_tokens"] for u in usages] == sorted(u["completion_tokens"] for u in usages)
 
 
+def test_the_responses_api_answers_as_the_chat_it_amounts_to(base_url: str) -> None:
+    """OpenAI's Responses API, through the openai client: a response's text is the chat's reply to the same turn
+    (greedy), its cap makes it incomplete; streamed, the client's event reader gets the same response; a required
+    tool's call is a function_call item; text.format holds the reply to a schema; a conversation with an earlier
+    call and its output is taken; what this server does not keep (previous_response_id) is a 400 naming it, and an
+    SLO it cannot meet the same 400 as a chat's."""
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    knobs = {"model": MODEL, "max_output_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    r = oa.responses.create(input="Hello there", **knobs)
+    chat = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+                                      max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert r.output_text == chat.choices[0].message.content and r.id.startswith("resp_")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 6 and r.usage.input_tokens == chat.usage.prompt_tokens
+    with oa.responses.stream(input="Hello there", **knobs) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert final.output_text == r.output_text and final.usage.output_tokens == 6
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert final.status == "incomplete"
+    assert "response.output_text.delta" in kinds
+    tool = {"type": "function", "name": "pick", "parameters": {
+        "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"]}}
+    called = oa.responses.create(model=MODEL, input="pick", max_output_tokens=400, tools=[tool],
+                                 tool_choice="required", parallel_tool_calls=False)
+    (call,) = [o for o in called.output if o.type == "function_call"]
+    assert call.name == "pick" and json.loads(call.arguments)["side"] in ("left", "right") and call.call_id
+    shaped = oa.responses.create(model=MODEL, input="ok?", max_output_tokens=300, text={"format": {
+        "type": "json_schema", "name": "v", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                       "required": ["ok"], "additionalProperties": False}}})
+    assert isinstance(json.loads(shaped.output_text)["ok"], bool)
+    turn = [{"role": "user", "content": "pick"}, {"type": "function_call", "call_id": call.call_id, "name": "pick",
+                                                  "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "done"}]
+    assert oa.responses.create(input=turn, tools=[tool], tool_choice="none", **knobs).usage.output_tokens == 6
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.responses.create(input="x", previous_response_id="resp_0", **knobs)
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.responses.create(input="x", extra_headers={"x-slo-ttft-ms": "0.001"}, **knobs)
+    assert e.value.code == "slo_unattainable"
+
+
 def test_openai_client(base_url: str) -> None:
     openai = pytest.importorskip("openai")
     oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -1,0 +1,367 @@
+"""OpenAI's Responses API (`POST /v1/responses`, as vLLM serves it) over the chat path: a request is read as the chat
+completion it amounts to (`chat_request`), and the chat's answer is written back as a response (`response_object`)
+or, streamed, as the Responses API's typed events (`ResponseEvents`).
+
+What a request may hold: `input` (a text, or a list of items: messages, whose content is a text or a list of text
+parts; an earlier turn's `function_call`s and their `function_call_output`s; `reasoning` items, dropped),
+`instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`, function `tools`,
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object or json_schema), and the chat's own extras
+(SLO fields, vLLM's sampling fields). Nothing is stored: `previous_response_id` and `background` are a 400, and
+`store` is read as false. A response's output is its reasoning (a `reasoning` item, where the app reads it), its
+text (a `message` item) and its tool calls (`function_call` items); a reply its cap cut is `incomplete`
+(`max_output_tokens`).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+# the request's own fields, read here; the rest goes to the chat request as it is (SLOs, vLLM's sampling fields)
+_OWN = frozenset(("input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "store", "reasoning",
+                  "truncation", "include", "metadata", "user", "previous_response_id", "background", "prompt",
+                  "service_tier", "top_logprobs", "prompt_cache_key", "safety_identifier", "messages",
+                  "max_tokens", "max_completion_tokens", "response_format", "n", "stream_options"))
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+class ResponsesError(ValueError):
+    """A request the Responses API cannot take here: its message names the field (`param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def chat_request(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Responses request (its parsed JSON body) as the chat completion request it amounts to, and what the
+    response repeats of it (`echoed`); ResponsesError for what is not one this server takes."""
+    if not isinstance(raw, dict):
+        raise ResponsesError("input", "the request body must be a JSON object")
+    for name in ("previous_response_id", "background", "conversation", "prompt"):
+        if raw.get(name) not in (None, False):
+            raise ResponsesError(name, "this server keeps no responses, conversations or prompts: send the whole "
+                                 "conversation as `input`")
+    messages: list[dict[str, Any]] = []
+    if raw.get("instructions") is not None:
+        if not isinstance(raw["instructions"], str):
+            raise ResponsesError("instructions", "must be a string")
+        messages.append({"role": "system", "content": raw["instructions"]})
+    given = raw.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    elif isinstance(given, list) and given:
+        messages.extend(_messages(given))
+    else:
+        raise ResponsesError("input", "must be a text or a non-empty list of input items")
+    chat: dict[str, Any] = {k: v for k, v in raw.items() if k not in _OWN}
+    chat["messages"] = messages
+    if raw.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = raw["max_output_tokens"]
+    tools = raw.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise ResponsesError("tools", "must be a list of function tools")
+        chat["tools"] = [_tool(i, t) for i, t in enumerate(tools)]
+    choice = raw.get("tool_choice")
+    if choice is not None:
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        elif not isinstance(choice, str):
+            raise ResponsesError("tool_choice", 'must be "auto", "none", "required" or {"type": "function", '
+                                 '"name": ...}')
+        chat["tool_choice"] = choice
+    fmt = (raw.get("text") or {}).get("format") if isinstance(raw.get("text"), dict) else None
+    if raw.get("text") is not None and not isinstance(raw["text"], dict):
+        raise ResponsesError("text", 'must be an object, e.g. {"format": {"type": "json_object"}}')
+    if fmt is not None:
+        chat["response_format"] = _format(fmt)
+    if chat.get("stream"):
+        chat["stream_options"] = {"include_usage": True}  # (the usage goes into the last event's response)
+    echoed = {"instructions": raw.get("instructions"), "max_output_tokens": raw.get("max_output_tokens"),
+              "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "tools": tools or [],
+              "tool_choice": raw.get("tool_choice", "auto"), "metadata": raw.get("metadata") or {},
+              "parallel_tool_calls": raw.get("parallel_tool_calls", True), "user": raw.get("user"),
+              "text": {"format": fmt or {"type": "text"}}, "reasoning": raw.get("reasoning")}
+    return chat, echoed
+
+
+def _messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Input items as chat messages: a function call joins the assistant message before it (one message per run of
+    calls), its output is a tool message."""
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ResponsesError(where, "must be an input item (an object)")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ResponsesError(where, f"a message's role must be user, assistant, system or developer, got "
+                                     f"{json.dumps(role)[:40]}")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise ResponsesError(where, "a function_call needs its name and arguments (a JSON text)")
+            call = {"id": str(item.get("call_id") or item.get("id") or f"call_{uuid.uuid4().hex}"),
+                    "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or output is None:
+                raise ResponsesError(where, "a function_call_output needs its call_id and output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking: not shown to the model again (as chat templates drop it)
+        else:
+            raise ResponsesError(where, f"input items of type {json.dumps(kind)[:40]} are not supported here (only "
+                                 "message, function_call, function_call_output and reasoning)")
+    if not out:
+        raise ResponsesError("input", "holds no message")
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a text, or its text parts joined (images and files are refused)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ResponsesError(where, "must be a text or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ResponsesError(f"{where}[{j}]", f"only text parts are supported here, got {json.dumps(kind)[:40]}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise ResponsesError(f"tools[{i}]", f"only function tools are supported here, got {json.dumps(kind)[:40]}")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _format(fmt: Any) -> dict[str, Any]:
+    """`text.format` as the chat's response_format."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise ResponsesError("text.format", 'must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                         '"json_schema", "name": ..., "schema": {...}}')
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or _new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or _new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
+              item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or _new_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def response_object(rid: str, model: str, echoed: dict[str, Any], output: list[dict[str, Any]], status: str,
+                    usage: dict[str, Any] | None, created: int | None = None) -> dict[str, Any]:
+    """A Response (OpenAI's object), `status` completed, incomplete (its cap: `max_output_tokens`), in_progress or
+    failed."""
+    u = usage or {}
+    return {"id": rid, "object": "response", "created_at": created or int(time.time()), "status": status,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": model, "output": output, "previous_response_id": None, "store": False, "truncation": "disabled",
+            **echoed,
+            "usage": None if usage is None else {
+                "input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
+                "total_tokens": u.get("total_tokens", 0), "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def from_chat(rid: str, chat: dict[str, Any], echoed: dict[str, Any]) -> dict[str, Any]:
+    """A whole chat completion (one choice) as a Response."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append(reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        output.append(message_item(message["content"]))
+    for call in message.get("tool_calls") or ():
+        output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    return response_object(rid, chat.get("model", ""), echoed, output, status, chat.get("usage"), chat.get("created"))
+
+
+class ResponseEvents:
+    """A chat completion's SSE chunks (one choice) as the Responses API's stream: `response.created` and
+    `response.in_progress`; per output item `response.output_item.added`, its deltas (`response.output_text.delta`
+    in a content part, `response.reasoning_text.delta`, `response.function_call_arguments.delta`) and their
+    `.done`s, `response.output_item.done`; then `response.completed` with the whole response (whose status says
+    where its cap cut it: incomplete; vLLM's way, and the one the openai client's stream reader ends on). A failed
+    chat stream ends with an `error` event and `response.failed`."""
+
+    def __init__(self, rid: str, model: str, echoed: dict[str, Any]) -> None:
+        self.rid, self.model, self.echoed = rid, model, echoed
+        self.created = int(time.time())
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # the items done
+        self.open: dict[str, Any] | None = None  # the item being written: its kind, item and text so far
+        self.calls: dict[int, dict[str, Any]] = {}  # the chat's call index -> its item (open ones)
+        self.status = "completed"
+        self.usage: dict[str, Any] | None = None
+        self.started = False
+        self.ended = False
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    def _response(self, status: str) -> dict[str, Any]:
+        return response_object(self.rid, self.model, self.echoed, list(self.output), status, self.usage,
+                               self.created)
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The events a chat SSE chunk (one or more `data:` lines) makes."""
+        out: list[bytes] = []
+        for line in chunk.decode().split("\n"):
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                out.extend(self._finish())
+                continue
+            out.extend(self._chunk(json.loads(data)))
+        return out
+
+    def _start(self, c: dict[str, Any] | None = None) -> list[bytes]:
+        self.started = True
+        self.model = (c or {}).get("model") or self.model
+        r = self._response("in_progress")
+        return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+
+    def _chunk(self, c: dict[str, Any]) -> list[bytes]:
+        out = [] if self.started else self._start(c)
+        if "error" in c:
+            out.extend(self._close())
+            err = c["error"]
+            self.ended = True
+            out.append(self._event("error", code=err.get("code"), message=err.get("message"), param=err.get("param")))
+            out.append(self._event("response.failed", response={**self._response("failed"), "error": {
+                "code": err.get("code") or "server_error", "message": err.get("message")}}))
+            return out
+        if c.get("usage") is not None:
+            self.usage = c["usage"]
+        for choice in c.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out.extend(self._text("reasoning", delta["reasoning_content"]))
+            if delta.get("content"):
+                out.extend(self._text("message", delta["content"]))
+            for entry in delta.get("tool_calls") or ():
+                out.extend(self._call(entry))
+            if choice.get("finish_reason") is not None:
+                out.extend(self._close())
+                if choice["finish_reason"] == "length":
+                    self.status = "incomplete"
+        return out
+
+    def _text(self, kind: str, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open is None or self.open["kind"] != kind:
+            out.extend(self._close())
+            index = len(self.output)
+            item = message_item("", "in_progress") if kind == "message" else reasoning_item("")
+            if kind == "reasoning":
+                item["status"] = "in_progress"
+            self.open = {"kind": kind, "item": item, "text": "", "index": index}
+            out.append(self._event("response.output_item.added", output_index=index, item=item))
+            if kind == "message":
+                out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        o = self.open
+        o["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        out.append(self._event(name, item_id=o["item"]["id"], output_index=o["index"], content_index=0, delta=text,
+                               **extra))
+        return out
+
+    def _call(self, entry: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        index = entry.get("index", 0)
+        fn = entry.get("function") or {}
+        if index not in self.calls:
+            if self.open is not None and self.open["kind"] != "call":
+                out.extend(self._close())
+            item = call_item(entry.get("id") or _new_id("call"), fn.get("name", ""), "", "in_progress")
+            self.calls[index] = {"item": item, "index": len(self.output) + len(self.calls)}
+            out.append(self._event("response.output_item.added", output_index=self.calls[index]["index"],
+                                   item=dict(item)))
+        call = self.calls[index]
+        if fn.get("arguments"):
+            call["item"]["arguments"] += fn["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", item_id=call["item"]["id"],
+                                   output_index=call["index"], delta=fn["arguments"]))
+        self.open = {"kind": "call"}
+        return out
+
+    def _close(self) -> list[bytes]:
+        """The open item's (or calls') `.done` events; it joins the output."""
+        out: list[bytes] = []
+        o, self.open = self.open, None
+        if o is None:
+            return out
+        if o["kind"] == "call":
+            for call in sorted(self.calls.values(), key=lambda c: c["index"]):
+                item = {**call["item"], "status": "completed"}
+                out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=call["index"], arguments=item["arguments"]))
+                out.append(self._event("response.output_item.done", output_index=call["index"], item=item))
+                self.output.append(item)
+            self.calls.clear()
+            return out
+        item_id, index, text = o["item"]["id"], o["index"], o["text"]
+        if o["kind"] == "message":
+            item = message_item(text, item_id=item_id)
+            part = item["content"][0]
+            out.append(self._event("response.output_text.done", item_id=item_id, output_index=index,
+                                   content_index=0, text=text, logprobs=[]))
+            out.append(self._event("response.content_part.done", item_id=item_id, output_index=index,
+                                   content_index=0, part=part))
+        else:
+            item = reasoning_item(text, item_id=item_id)
+            out.append(self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                                   content_index=0, text=text))
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+        return out
+
+    def _finish(self) -> list[bytes]:
+        if self.ended:
+            return []
+        out = ([] if self.started else self._start()) + self._close()
+        self.ended = True
+        out.append(self._event("response.completed", response=self._response(self.status)))  # (incomplete: in it)
+        return out

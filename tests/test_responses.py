@@ -1,0 +1,121 @@
+"""OpenAI's Responses API over the chat path (`deployments.responses`): a request read as its chat completion, the
+chat's answer written back as a response, and a chat stream as the Responses API's events."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.responses import ResponseEvents, ResponsesError, chat_request, from_chat
+
+
+def test_a_request_reads_as_the_chat_it_amounts_to() -> None:
+    chat, echoed = chat_request({
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 30, "temperature": 0.5, "stream": True,
+        "input": [{"role": "developer", "content": "Use tools."},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+                  {"type": "reasoning", "id": "rs_1", "summary": []},
+                  {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                  {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "21C"}],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "get_weather"}, "slo_ttft_ms": 500, "store": True,
+        "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21C"}]
+    assert chat["max_completion_tokens"] == 30 and chat["temperature"] == 0.5 and chat["slo_ttft_ms"] == 500
+    assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather",
+                                                               "parameters": {"type": "object"}}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "w",
+                                                                              "schema": {"type": "object"}}}
+    assert chat["stream_options"] == {"include_usage": True} and "store" not in chat and "input" not in chat
+    assert echoed["instructions"] == "Be brief." and echoed["max_output_tokens"] == 30
+    assert chat_request({"input": "hi"})[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("raw,param", [
+    ({"input": []}, "input"), ({}, "input"), ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "background": True}, "background"), ({"input": [{"role": "robot", "content": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0]"), ({"input": "x", "tools": [{"type": "web_search"}]},
+                                                             "tools[0]"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"), ({"input": "x", "tool_choice": 3},
+                                                                            "tool_choice"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]")])
+def test_what_is_not_a_request_here_is_refused_naming_its_field(raw, param) -> None:
+    with pytest.raises(ResponsesError) as e:
+        chat_request(raw)
+    assert e.value.param == param and str(e.value).startswith(param)
+
+
+def _chat(content=None, reasoning=None, calls=(), finish="stop") -> dict:
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, (n, a) in enumerate(calls)]
+    return {"id": "resp_1", "object": "chat.completion", "created": 5, "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+
+
+def test_a_chats_answer_is_a_response_with_its_items() -> None:
+    r = from_chat("resp_1", _chat("Hello", reasoning="think", calls=[("f", "{}")]), {"tools": []})
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message", "function_call"]
+    assert r["output"][1]["content"][0] == {"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}
+    assert r["output"][2]["call_id"] == "c0" and r["output"][2]["name"] == "f"
+    assert r["status"] == "completed" and r["usage"]["input_tokens"] == 3 and r["usage"]["output_tokens"] == 4
+    cut = from_chat("resp_1", _chat("Hel", finish="length"), {})
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def _sse(*chunks: dict | str) -> list[bytes]:
+    return [f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode() for c in chunks]
+
+
+def _chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"id": "resp_1", "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_a_chat_stream_is_the_responses_events_and_ends_with_the_whole_response() -> None:
+    ev = ResponseEvents("resp_1", "", {"tools": []})
+    chunks = _sse(_chunk({"role": "assistant", "content": ""}), _chunk({"reasoning_content": "hm"}),
+                  _chunk({"content": "He"}), _chunk({"content": "llo"}),
+                  _chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a"'}}]}),
+                  _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, "tool_calls"),
+                  {"id": "resp_1", "model": "m", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5,
+                                                                          "total_tokens": 7}}, "[DONE]")
+    events = [json.loads(e.decode().split("data: ", 1)[1]) for c in chunks for e in ev.feed(c)]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = events[-1]["response"]
+    assert [o["type"] for o in done["output"]] == ["reasoning", "message", "function_call"]
+    assert done["output"][1]["content"][0]["text"] == "Hello" and done["output"][2]["arguments"] == '{"a": 1}'
+    assert done["usage"]["output_tokens"] == 5 and done["model"] == "m"
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    cut = ResponseEvents("resp_2", "m", {})
+    tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(_chunk({"content": "x"}, "length"), "[DONE]")
+            for e in cut.feed(c)]
+    assert tail[-1]["type"] == "response.completed" and tail[-1]["response"]["status"] == "incomplete"
+    failed = ResponseEvents("resp_3", "m", {})
+    tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(
+        _chunk({"content": "x"}), {"error": {"message": "boom", "type": "server_error", "code": "replica_error"}},
+        "[DONE]") for e in failed.feed(c)]
+    assert [e["type"] for e in tail][-2:] == ["error", "response.failed"] and tail[-2]["message"] == "boom"
