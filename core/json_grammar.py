@@ -23,6 +23,7 @@ takes the first alternative its first character fits), and `$ref` to `#/$defs/..
 keep. A reply held to a regular expression alone (`start_pattern`) is a state of mode `PATTERN`."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from decimal import Decimal
@@ -74,9 +75,11 @@ def start_pattern(rx: Regex) -> State:
 START = start()
 
 
+@functools.lru_cache(maxsize=64)
 def compile_schema(text: str) -> dict[str, Any]:
-    """A JSON schema (its text) made ready for `start`: checked, and its local `$ref`s replaced by the schemas they
-    name (shared: a recursive schema keeps its cycles). ValueError only (a client's 400, naming what it refuses):
+    """A JSON schema (its text) made ready for `start` (once per text, the last few kept: shared, never to be
+    changed): checked, and its local `$ref`s replaced by the schemas they name (shared: a recursive schema keeps its
+    cycles). ValueError only (a client's 400, naming what it refuses):
     for a schema that is no object, a keyword not in `ENFORCED` or `NOTES`, a keyword's value of the wrong shape, a
     type not in `TYPES`, a `$ref` that names nothing here, an alternative that is itself (`anyOf` through `$ref`s
     back to it: no value could start), or what no value can meet (an empty `enum`, a required key a closed object
@@ -176,10 +179,18 @@ def compile_schema(text: str) -> dict[str, Any]:
                 raise fail(f"{where}.pattern", str(e)) from None
         for name in _BOUNDS:
             v = node.get(name)
-            if name in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            if name in node and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                 or isinstance(v, float) and not math.isfinite(v)):
                 raise fail(f"{where}.{name}", "must be a number")
         if any(name in node for name in _BOUNDS) and not _bounded_exists(node):
             raise fail(where, "has bounds no number meets")
+        rx = node.get("pattern")
+        if rx is not None:
+            fewest, most = rx.lengths(rx.start)
+            if fewest > node.get("maxLength", fewest) or most < node.get("minLength", 0):
+                raise fail(where, "has a pattern no string of its minLength and maxLength matches")
+        if node.get("items") is False and node.get("minItems", 0) > len(node.get("prefixItems") or ()):
+            raise fail(where, "has a minItems its prefixItems cannot reach (items: false)")
         return node
 
     try:
@@ -244,7 +255,8 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
         limits = None
         if node is not None and ("minLength" in node or "maxLength" in node or "pattern" in node):
             rx = node.get("pattern")
-            limits = (0, node.get("minLength", 0), node.get("maxLength"), rx, rx.start if rx is not None else None)
+            limits = (0, node.get("minLength", 0), node.get("maxLength"), rx, rx.start if rx is not None else None,
+                      None)
         return (stack, STRING, limits, 0)
     if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
         integer = types is not None and "number" not in types
@@ -309,16 +321,48 @@ def _item(node: Schema, index: int) -> Schema:
 
 
 def _one_more(limits: tuple | None, ch: str) -> tuple | None:
-    """A constrained string's (length, minLength, maxLength, pattern, the pattern's state) after one more character
-    `ch` (an escape's: it counts one), or None where the pattern cannot take it (or it is unconstrained)."""
+    """A constrained string's (length, minLength, maxLength, pattern, the pattern's state, a high surrogate waiting
+    for its pair) after one more character `ch` (an escape's: it counts one; an escaped surrogate pair one), or None
+    where no string of its schema goes on from there (or it is unconstrained)."""
     if limits is None:
         return None
-    count, lo, hi, rx, at = limits
+    waiting = limits[5]
+    if waiting is not None:
+        if "\udc00" <= ch <= "\udfff":  # the pair's low half: one character
+            ch = chr(0x10000 + ((ord(waiting) - 0xD800) << 10) + (ord(ch) - 0xDC00))
+        else:
+            limits = _take(limits, waiting)
+            if limits is None:
+                return None
+    elif "\ud800" <= ch <= "\udbff":
+        return limits[:5] + (ch,)
+    return _take(limits, ch)
+
+
+def _take(limits: tuple, ch: str) -> tuple | None:
+    """`_one_more` for a whole character: the length past maxLength, a pattern that cannot take `ch`, or a pattern
+    whose matches from here are all too short or too long for the string's bounds, is None."""
+    count, lo, hi, rx, at, _ = limits
+    count += 1
+    if hi is not None and count > hi:
+        return None
     if rx is not None:
         at = rx.step(at, ch)
         if at is None:
             return None
-    return count + 1, lo, hi, rx, at
+        fewest, most = rx.lengths(at)
+        if (hi is not None and count + fewest > hi) or count + most < lo:
+            return None
+    return count, lo, hi, rx, at, None
+
+
+def _string_may_end(limits: tuple) -> bool:
+    """Whether a constrained string may end here (a surrogate that waited alone taken first)."""
+    if limits[5] is not None:
+        limits = _take(limits, limits[5])  # type: ignore[assignment]
+        if limits is None:
+            return False
+    return limits[0] >= limits[1] and (limits[3] is None or limits[3].accepts(limits[4]))
 
 
 # a number's bounds: (lowest, whether it is allowed, highest, whether it is allowed), None where unbounded
@@ -353,6 +397,8 @@ def _bounds(node: dict[str, Any], integer: bool) -> Bounds | None:
 def _bounded_exists(node: dict[str, Any]) -> bool:
     """Whether some number (an integer, where the schema allows only those) meets the schema's bounds."""
     types = _types(node)
+    if types is not None and not types & {"number", "integer"}:
+        return True  # (bounds of a number, on a schema whose values are none: not read)
     integer = types is not None and "number" not in types
     lo, lo_in, hi, hi_in = _bounds(node, integer)  # type: ignore[misc]
     return lo is None or hi is None or lo < hi or (lo == hi and lo_in and hi_in)
@@ -449,8 +495,7 @@ def step(state: State, ch: str) -> State | None:
         if stack and stack[-1][0] == "k":
             return _key_char(stack, ch)
         if ch == '"':  # (minLength, pattern)
-            return _after_value(stack) if sub is None or sub[0] >= sub[1] and (
-                sub[3] is None or sub[3].accepts(sub[4])) else None
+            return _after_value(stack) if sub is None or _string_may_end(sub) else None
         if ch < " " or sub is not None and sub[2] is not None and sub[0] >= sub[2]:  # (maxLength)
             return None  # (a control character must be escaped)
         if ch == "\\":

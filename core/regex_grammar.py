@@ -13,12 +13,14 @@ refused with a ValueError naming it, as is a pattern no text matches or whose au
 positions."""
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass
 
-MAX_NODES = 20_000  # an automaton's positions (a {m,n} repeats its group's)
+MAX_NODES = 5_000  # an automaton's positions (a {m,n} repeats its group's): what one step may cost
 MAX_REPEAT = 1_000  # the largest count a {m,n} may name
 MAX_DEPTH = 100  # groups within groups
-_CACHE = 50_000  # steps kept per automaton
+_CACHE_POSITIONS = 2_000_000  # the positions the steps kept hold in all (each state once), per automaton
 _TOP = 0x10FFFF
 
 Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint code point ranges
@@ -61,7 +63,13 @@ DOT: Ranges = _complement(((10, 10),))
 ANY: Ranges = ((0, _TOP),)
 _CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE, "D": _complement(DIGIT), "W": _complement(WORD),
             "S": _complement(SPACE)}
-_CONTROLS = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+_CONTROLS = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+_ASCII_DIGITS = frozenset("0123456789")
+_INF = float("inf")
+
+
+def _number(text: str) -> bool:
+    return bool(text) and all(c in _ASCII_DIGITS for c in text)
 
 # positions: what each does
 _CHAR, _SPLIT, _JUMP, _BEGIN, _END, _MATCH = range(6)
@@ -152,8 +160,8 @@ class _Parser:
         if j < 0:
             return None
         lo_s, comma, hi_s = self.p[self.i + 1:j].partition(",")
-        if not (lo_s.isdigit() or (comma and not lo_s and hi_s.isdigit())) or (hi_s and not hi_s.isdigit()):
-            return None
+        if not (_number(lo_s) or comma and not lo_s) or (hi_s and not _number(hi_s)):
+            return None  # ({,} is {0,}, as Python's)
         lo = int(lo_s) if lo_s else 0
         hi = (int(hi_s) if hi_s else None) if comma else lo
         if max(lo, hi or 0) > MAX_REPEAT:
@@ -246,6 +254,13 @@ class _Parser:
         if ch in _CONTROLS:
             c = ord(_CONTROLS[ch])
             return ((c, c),)
+        if ch == "0":  # an octal escape: \0 and up to two more octal digits (Python's)
+            digits = "0"
+            while len(digits) < 3 and self.p[self.i:self.i + 1] in tuple("01234567"):
+                digits += self.p[self.i]
+                self.i += 1
+            c = int(digits, 8)
+            return ((c, c),)
         if ch == "b" and in_class:
             return ((8, 8),)
         if ch in "xuU":
@@ -322,7 +337,10 @@ class Regex:
         p.patch(ends, p.new(_MATCH))
         self.nodes = p.nodes
         self._steps: dict[tuple[frozenset[int], int], frozenset[int] | None] = {}
+        self._states: dict[frozenset[int], frozenset[int]] = {}  # each state the steps hold, once
+        self._held = 0  # the positions those states hold
         self._live = self._coreachable()
+        self._dmin, self._dmax = self._distances()
         self.start = self._closure([start], True)
 
     def _coreachable(self) -> frozenset[int]:
@@ -350,6 +368,97 @@ class Regex:
                     seen.add(k)
                     todo.append(k)
         return frozenset(seen)
+
+    def _edges(self) -> list[tuple[int, int, int]]:
+        """(from, to, characters: 0 or 1) between live positions (ended ones offset by the node count)."""
+        n, out = len(self.nodes), []
+        for s, node in enumerate(self.nodes):
+            for tag in (0, n):
+                if node.kind in (_SPLIT, _JUMP):
+                    nxt = [(node.out + tag, 0)] + ([(node.alt + tag, 0)] if node.kind == _SPLIT else [])
+                elif node.kind == _END:
+                    nxt = [(node.out + n, 0)]
+                elif node.kind == _CHAR and not tag:
+                    nxt = [(node.out, 1)]
+                else:
+                    nxt = []
+                out.extend((s + tag, t, w) for t, w in nxt if s + tag in self._live and t in self._live)
+        return out
+
+    def _distances(self) -> tuple[dict[int, int], dict[int, float]]:
+        """Per live position, the fewest and the most characters a match may still take from it (inf: a loop that
+        takes characters can be run round)."""
+        n, edges = len(self.nodes), self._edges()
+        fwd: dict[int, list[tuple[int, int]]] = {}
+        back: dict[int, list[tuple[int, int]]] = {}
+        for a, b, w in edges:
+            fwd.setdefault(a, []).append((b, w))
+            back.setdefault(b, []).append((a, w))
+        ends = [k for k in self._live if self.nodes[k % n].kind == _MATCH]
+        dmin = {k: 0 for k in ends}
+        todo = collections.deque(ends)
+        while todo:  # 0-1 breadth first, backwards from the matches
+            b = todo.popleft()
+            for a, w in back.get(b, ()):
+                d = dmin[b] + w
+                if d < dmin.get(a, _INF):
+                    dmin[a] = d
+                    (todo.append if w else todo.appendleft)(a)
+        # the most: strongly connected parts (Tarjan's, without recursion); a part with a character inside it loops
+        index: dict[int, int] = {}
+        low: dict[int, int] = {}
+        part: dict[int, int] = {}
+        stack: list[int] = []
+        on: set[int] = set()
+        parts: list[list[int]] = []
+        for root in self._live:
+            if root in index:
+                continue
+            work = [(root, 0)]
+            while work:
+                v, i = work.pop()
+                if i == 0:
+                    index[v] = low[v] = len(index)
+                    stack.append(v)
+                    on.add(v)
+                nxt = fwd.get(v, [])
+                if i < len(nxt):
+                    work.append((v, i + 1))
+                    w = nxt[i][0]
+                    if w not in index:
+                        work.append((w, 0))
+                    elif w in on:
+                        low[v] = min(low[v], index[w])
+                    continue
+                for w, _ in nxt:
+                    if w in on:
+                        low[v] = min(low[v], low[w])
+                if low[v] == index[v]:
+                    members = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        part[w] = len(parts)
+                        members.append(w)
+                        if w == v:
+                            break
+                    parts.append(members)
+        loops = [any(w and part[b] == k for a in members for b, w in fwd.get(a, ())) for k, members in
+                 enumerate(parts)]
+        best: list[float] = [0.0] * len(parts)  # Tarjan's order: a part's successors come before it
+        for k, members in enumerate(parts):
+            if loops[k]:
+                best[k] = _INF
+                continue
+            for a in members:
+                for b, w in fwd.get(a, ()):
+                    if part[b] != k:
+                        best[k] = max(best[k], best[part[b]] + w)
+        return dmin, {k: best[part[k]] for k in self._live}
+
+    def lengths(self, states: frozenset[int]) -> tuple[float, float]:
+        """The fewest and the most characters a match may still take from `states`."""
+        return min(self._dmin[k] for k in states), max(self._dmax[k] for k in states)
 
     def __repr__(self) -> str:
         return f"Regex({self.pattern!r})"
@@ -390,8 +499,17 @@ class Regex:
         res = self._closure(nxt, False) if nxt else None
         if res is not None and not res:
             res = None
-        if len(self._steps) >= _CACHE:
-            self._steps.clear()
+        if res is not None:
+            held = self._states.get(res)
+            if held is None:
+                if self._held + len(res) > _CACHE_POSITIONS:  # a memory's worth kept: start over
+                    self._steps.clear()
+                    self._states.clear()
+                    self._held = 0
+                self._states[res] = res
+                self._held += len(res)
+            else:
+                res = held
         self._steps[key] = res
         return res
 
@@ -404,9 +522,10 @@ class Regex:
         return bool(self.start)
 
 
+@functools.lru_cache(maxsize=64)
 def compile_regex(pattern: str, search: bool = False) -> Regex:
-    """`Regex(pattern, search)`; a ValueError (a client's 400) naming what it refuses, or for a pattern nothing
-    matches."""
+    """`Regex(pattern, search)`, compiled once for the requests that send it (the last few patterns kept); a
+    ValueError (a client's 400) naming what it refuses, or for a pattern nothing matches."""
     if not isinstance(pattern, str):
         raise ValueError("a regex must be a string")
     rx = Regex(pattern, search)

@@ -1228,7 +1228,7 @@ def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P
     them (with `echo`, the prompt's tokens' first); vLLM's `prompt_logprobs` where it asks for those."""
     top = body.logprobs_shape() if body is not None else None
     text, lps = (echo or "") + w.text, w.logprobs
-    if echo is not None and top is not None and w.prompt_logprobs is not None:
+    if kind == "completion" and echo is not None and top is not None and w.prompt_logprobs is not None:
         lps = w.prompt_logprobs + (lps or [])
     shown = None if top is None or lps is None else P.Logprobs(kind, top).render(lps, text)
     asked = body.prompt_logprobs if body is not None else None

@@ -30,7 +30,7 @@ class ReasoningReader:
         with (qwen3)."""
         self._buf = ""
         self._mode = "lead" if opened else "start"  # lead: thinking, a `<think>` may still come first
-        self._ws = True  # content yet to begin: its leading whitespace (after `</think>`) is dropped
+        self._ws = False  # after `</think>`, until content begins: its leading whitespace is dropped
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -55,7 +55,7 @@ class ReasoningReader:
                     self._buf = buf[cut:]
                     return reasoning, content
                 reasoning += buf[:i]
-                self._buf, self._mode = buf[i + len(END):], "content"
+                self._buf, self._mode, self._ws = buf[i + len(END):], "content", True
             else:
                 self._buf = ""
                 if self._ws:
@@ -67,8 +67,8 @@ class ReasoningReader:
         buf, self._buf = self._buf, ""
         if self._mode == "think":
             return buf, ""
-        if self._mode == "lead":  # whitespace alone, or a `<think>` cut short: thinking that never began
-            return "", ""
+        if self._mode == "lead":  # whitespace, or a `<think>` cut short: thinking (from the reply's start)
+            return (buf, "") if buf.strip() else ("", "")
         return "", buf.lstrip() if self._ws else buf
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from core.request import Request
+from core.sampling import GREEDY_BELOW
 from engine.backends.base import to_device
 from engine.json_mode import JsonStates, choose
 
@@ -355,8 +356,8 @@ class PenaltyCounts:
 
 
 # the largest logit a penalty leaves: a positive logit divided by a penalty near 0 stays finite (an infinite one would
-# make the row's probabilities NaN), the likeliest there is
-_FINITE = torch.finfo(torch.float32).max
+# make the row's probabilities NaN) once divided by the smallest temperature drawn too, the likeliest there is
+_FINITE = torch.finfo(torch.float32).max * GREEDY_BELOW / 2
 
 
 class Sampler:

@@ -182,6 +182,8 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
     """pydantic's constrained fields: a string's min_length / max_length (an escape one character), a tuple's items
     (prefixItems), a number's ge / gt / le / lt: what keeps them is taken, what breaks them refused as soon as no
     value could meet them, and a bounded number ends only within its bounds."""
+    from core.json_grammar import compile_schema
+
     pydantic = pytest.importorskip("pydantic")
 
     class Item(pydantic.BaseModel):
@@ -209,6 +211,15 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
     assert complete(advance(coded, '{"sku": "\\u0041B-1", "note": "o\\u006b"}'))  # escapes are their characters
     for bad in ('{"sku": "ab', '{"sku": "AB1', '{"sku": "AB-"', '{"sku": "AB-1x', '{"note": "no"}', '{"note": "\\n'):
         assert advance(coded, bad) is None or not complete(advance(coded, bad + "}")), bad
+    short = _schema_state({"type": "string", "pattern": "abc", "maxLength": 5})  # a match must still fit
+    assert complete(advance(short, '"xxabc"')) and advance(short, '"xxx') is None and advance(short, '"xxxxx') is None
+    either = _schema_state({"type": "string", "pattern": "^(a|bbb)$", "minLength": 2})
+    assert advance(either, '"a') is None and complete(advance(either, '"bbb"'))
+    emoji = _schema_state({"type": "string", "pattern": "^[^\\U0001F600]*$", "maxLength": 1})
+    assert advance(emoji, '"\\ud83d\\ude00"') is None  # an escaped surrogate pair is its one character
+    assert complete(advance(emoji, '"\\ud83d\\ude01"')) and advance(emoji, '"\\ud83d\\ude01a') is None
+    assert compile_schema(json.dumps({"type": "string", "minimum": 0.5, "maximum": 0.7}))  # (a number's bounds)
+    assert compile_schema(json.dumps({"type": "integer", "minimum": 10**400}))
     for lo, hi, integer in ((-15, 7, True), (3, 3, True), (-2.5, 0.75, False), (10, None, True), (None, -3, False)):
         schema = {"type": "integer" if integer else "number"}
         if lo is not None:
@@ -244,7 +255,10 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
     ({"minItems": 3, "maxItems": 2}, "above maxItems"), ({"minLength": 1.5}, "non-negative"),
     ({"minLength": 3, "maxLength": 2}, "above maxLength"), ({"minimum": "1"}, "must be a number"),
     ({"maximum": True}, "must be a number"), ({"type": "integer", "minimum": 1.2, "maximum": 1.8}, "no number meets"),
-    ({"exclusiveMinimum": 1, "maximum": 1}, "no number meets"),
+    ({"exclusiveMinimum": 1, "maximum": 1}, "no number meets"), ({"type": "integer", "minimum": 10**400,
+                                                                  "maximum": 10**399}, "no number meets"),
+    ({"minimum": float("inf")}, "must be a number"), ({"pattern": "^a{5}$", "maxLength": 3}, "no string"),
+    ({"prefixItems": [{}], "items": False, "minItems": 2}, "cannot reach"),
     ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no number meets")])
 def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema, match):
     from core.json_grammar import compile_schema

@@ -14,6 +14,8 @@ CASES = [
     ("qwen3", "  <think>cut short", "cut short", None),
     ("qwen3", "<thin", None, "<thin"),
     ("qwen3", "<think></think>", None, None),
+    ("qwen3", "    def f():\n        pass", None, "    def f():\n        pass"),  # (no thinking: the text as it is)
+    ("deepseek_r1", "<th", "<th", None),
     ("deepseek_r1", "Hmm, 2+2.\n</think>\n\n4", "Hmm, 2+2.\n", "4"),
     ("deepseek_r1", "<think>Hmm.</think>4", "Hmm.", "4"),
     ("deepseek_r1", "never closed </thi", "never closed </thi", None),

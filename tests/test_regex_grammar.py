@@ -14,7 +14,7 @@ from core.regex_grammar import choice_pattern, compile_regex
 PATTERNS = [r"\d+", r"[a-c]{2,3}x?", r"(ab|a)*b", r"^\w+@\w+\.(com|org)$", r"(?:yes|no)", r"a{0}", r"a{,2}b",
             r"[^\d\s]+", r"-?\d+(\.\d+)?", r"[\w.-]+", r"x|", r"(a|b){3}", r"\u00e9+", r"[a\-z]+", r"a{2,}",
             r"(?P<n>ab)+c", r"[]a]+", r"a.b", r"[\\]+", r"\.\*", r"a{1,3}?b", r"(a*)*b", r"((a|)+)+c", r"[^]]",
-            r"\x41\t", r"a{", r"(a$|b)c", r"[\s\S]{2}"]
+            r"\x41\t", r"a{", r"(a$|b)c", r"[\s\S]{2}", r"\012+", r"[\0-\011]", r"\08", r"a{,}b", r"a{٣}"]
 ALPHABET = "abcxyz019.-@ \né]\\*A\t{"
 
 
@@ -43,7 +43,21 @@ def test_a_pattern_matches_whole_what_python_matches_and_every_prefix_of_a_match
         if want:
             assert all(_run(rx, text[:k]) is not None for k in range(len(text))), text
         if st is not None:  # a text it goes on from is a prefix of some match: no dead ends
-            assert rx.accepts(st) or any(rx.step(st, ch) is not None for ch in ALPHABET + "abcdefghij0123456789_-")
+            assert rx.accepts(st) or any(rx.step(st, ch) is not None for ch in ALPHABET + "abcdefghij0123456789_-\0\n")
+
+
+def test_the_lengths_a_match_may_still_take_are_known() -> None:
+    """`lengths`: the fewest and the most characters a match may still take (inf where it may loop), from the start
+    and after some text: what a JSON string's minLength and maxLength are checked against."""
+    cases = {r"abc": (3, 3), r"^(a|bbb)$": (1, 3), r"a*b{2,3}": (2, float("inf")), r"(a*)*b": (1, float("inf")),
+             r"x{0,4}": (0, 4), r"": (0, 0)}
+    for pattern, want in cases.items():
+        rx = compile_regex(pattern)
+        assert rx.lengths(rx.start) == want, pattern
+    rx = compile_regex(r"^(a|bbb)$")
+    assert rx.lengths(_run(rx, "b")) == (2, 2) and rx.lengths(_run(rx, "a")) == (0, 0)
+    rx = compile_regex("abc", search=True)
+    assert rx.lengths(rx.start) == (3, float("inf"))
 
 
 def test_a_search_pattern_is_found_anywhere_unless_anchored() -> None:
@@ -68,7 +82,7 @@ def test_a_choice_is_matched_only_by_one_of_its_texts_whole() -> None:
     (r"(a", "does not close"), (r"a)", "did not open"), (r"\1", "backreference"), (r"(?=a)", "lookaround"),
     (r"(?i)a", "flag"), (r"a**", "multiple repeat"), (r"\b", "boundary"), (r"[z-a]", "backwards"),
     (r"a{5,2}", "below"), (r"a{2000}", "more than"), (r"[a", "does not close"), (r"a$b", "matches no text"),
-    (r"*a", "nothing"), ("(" * 300, "deep"), ("(a{1000}){1000}", "positions")])
+    (r"*a", "nothing"), ("(" * 300, "deep"), ("(a{1000}){1000}", "positions"), ("(?:.{0,9}){0,999}", "positions")])
 def test_what_a_reply_cannot_be_checked_against_is_refused(pattern: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         compile_regex(pattern)

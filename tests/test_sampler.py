@@ -249,7 +249,7 @@ def test_a_repetition_penalty_near_zero_leaves_finite_logits_and_a_draw(sparse):
     failed the whole step), so the row draws that token, greedy or sampled."""
     s = Sampler(vocab_limit=8, eos_token_ids=[EOS], device=torch.device("cpu"))
     s._penalties.sparse = sparse
-    for temperature in (0.0, 1.0):
+    for temperature in (0.0, 1.0, 0.7, 2e-5):
         r = Request("r", [3, 5], SamplingParams(temperature=temperature, seed=1, max_tokens=4,
                                                 repetition_penalty=5e-324))
         logits = torch.full((1, 8), -1.0)

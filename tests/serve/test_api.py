@@ -699,6 +699,9 @@ def test_chat_template_options_change_the_prompt(client: httpx.Client) -> None:
     for n in (1, 2):
         r = client.post("/v1/chat/completions", json={**cont, "echo": True, "n": n})
         assert [c["message"]["content"] for c in r.json()["choices"]] == ["Hi" + plain] * n, r.text
+    r = client.post("/v1/chat/completions", json={**cont, "echo": True, "logprobs": True, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text  # the reply's logprobs alone (the prompt's are vLLM's prompt_logprobs)
+    assert len(r.json()["choices"][0]["logprobs"]["content"]) == 4 and r.json()["prompt_logprobs"][0] is None
     with client.stream("POST", "/v1/chat/completions", json={**cont, "echo": True, "stream": True}) as st:
         import json as json_
         chunks = [json_.loads(e) for e in sse_events(st)[:-1]]
