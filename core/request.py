@@ -132,6 +132,9 @@ class Request:
     # the predicted mean (within max_tokens) over the served replies' calibration scale (scheduling.length_predictor.
     # LengthCalibration, which compares the reply with it when it ends; set at add)
     length_base: float | None = None
+    # vLLM's bad_words as token ids (`SamplingParams.bad_words`, tokenized by the input processor): each sequence's
+    # last token may not be drawn where the reply ends with the rest of it
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
+MAX_BAD_WORDS = 256  # words in one request's bad_words
 MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of per token (vLLM's max_logprobs)
 
 
@@ -44,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # vLLM's: only these tokens may be drawn (greedy rows too); empty: any
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's: words the reply may not write (each tokenized as at the text's start and after a space: the engine's
+    # input processor, `Request.bad_words_ids`); a word's last token is banned where the reply holds the rest
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True  # vLLM's: special tokens (a template's markers) are left out of the text
     include_stop_str_in_output: bool = False  # vLLM's: a stop string that ends the reply stays in its text
     # OpenAI's response_format json_object: the reply is a JSON object (each token one that keeps it one; a stop token
@@ -61,6 +65,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids or ()))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         pairs = tuple((k, v) for k, v in bias)
         try:
@@ -114,6 +119,9 @@ class SamplingParams:
             compile_regex(self.regex)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
             raise ValueError("allowed_token_ids must be non-negative token ids")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip()
+                                                      for w in self.bad_words):
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORDS} words, none empty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         for t, b in self.logit_bias:

@@ -30,7 +30,7 @@ from core.regex_grammar import choice_pattern, compile_regex
 from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob, check_template_kwargs
 
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
-from core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from core.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from deployments.reasoning import ReplyReader, reasoning_reader
 from deployments.tool_calls import NamedToolReader, RequiredToolReader, ToolCallReader, model_format_reader
 
@@ -64,7 +64,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "guided_grammar": (),
     "parallel_tool_calls": (True, False),
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "echo": (False,), "suffix": ("",),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
     # RAG documents
     "documents": (),
@@ -154,6 +154,8 @@ class _Common(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, max_length=1 << 17, json_schema_extra=_opt(
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 1 << 17}))
     skip_special_tokens: bool = True
+    # vLLM's: words the reply may not write (`SamplingParams.bad_words`)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     # vLLM's: logprobs name each token "token_id:N", not by its text (for tokens whose text alone is not theirs)
     return_tokens_as_token_ids: bool = False
     include_stop_str_in_output: bool = False
@@ -322,6 +324,7 @@ class _Common(BaseModel):
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),
             allowed_token_ids=list(self.allowed_token_ids or []), skip_special_tokens=self.skip_special_tokens,
+            bad_words=list(self.bad_words or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             json_object=self.json_object(), json_schema=self.json_schema(), regex=self.regex(),
         )

@@ -139,6 +139,17 @@ class InputProcessor:
         self._check_ids(ids, "tokens")
         return self.tokenizer.decode(list(ids))
 
+    def bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token ids: each word as at the text's start, and after a space where that makes
+        tokens of their own (as many, a different first one), so that a word is banned at the start and
+        mid-text."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.encode(word.lstrip()))
+            spaced = tuple(self.encode(" " + word.lstrip()))
+            out.extend(ids for ids in {bare: None, spaced: None} if ids and all(t < self.vocab_limit for t in ids))
+        return tuple(out)
+
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
                 options: PromptOptions | None = None) -> Request:
@@ -174,7 +185,7 @@ class InputProcessor:
             # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        req = Request(rid, ids, params, slo, arrival_s=arrival_s)
+        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=self.bad_words_ids(params.bad_words))
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

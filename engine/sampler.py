@@ -158,6 +158,8 @@ class Draws:
     allowed: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # rows with allowed_token_ids, theirs
     # JSON-mode rows and their reply's tokens when planned (the last may be a placeholder: `prev` has it)
     json: list[tuple[int, list[int]]] = field(default_factory=list)
+    # rows with bad words: theirs (`Request.bad_words_ids`) and the reply's last tokens when planned (placeholders too)
+    bad: list[tuple[int, tuple[tuple[int, ...], ...], list[int]]] = field(default_factory=list)
 
     def row(self, i: int) -> "Draws":
         """Row `i`'s draw alone (a step re-run request by request draws each row with the numbers planned for it)."""
@@ -168,7 +170,7 @@ class Draws:
                      {0: self.failed[i]} if i in self.failed else {},
                      [replace(pr, row=0) for pr in self.penalized if pr.row == i], self.prev,
                      [(0, k) for r, k in self.logprobs if r == i], [(0, a) for r, a in self.allowed if r == i],
-                     [(0, reply) for r, reply in self.json if r == i])
+                     [(0, reply) for r, reply in self.json if r == i], [(0, w, t) for r, w, t in self.bad if r == i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +357,21 @@ class PenaltyCounts:
         logits[at, tok] = v
 
 
+def _bad_words_bans(d: "Draws") -> list[tuple[int, tuple[int, ...]]]:
+    """Each bad-words row's banned tokens: a one-token word's always, a longer word's last where the reply ends
+    with the rest of it (a last token still on its way read from the step before's tokens, as JSON rows read it)."""
+    prev = d.prev.result() if d.prev is not None and any(t < 0 for _, _, tail in d.bad for t in tail) else None
+    out = []
+    for i, words, tail in d.bad:
+        if any(t < 0 for t in tail):
+            tail = [prev[-t - 1] if t < 0 and prev is not None else t for t in tail]
+        ban = tuple(w[-1] for w in words if len(w) == 1 or (len(tail) >= len(w) - 1
+                                                               and tuple(tail[len(tail) - len(w) + 1:]) == w[:-1]))
+        if ban:
+            out.append((i, ban))
+    return out
+
+
 # the largest logit a penalty leaves: a positive logit divided by a penalty near 0 stays finite (an infinite one would
 # make the row's probabilities NaN) once divided by the smallest temperature drawn too, the likeliest there is
 _FINITE = torch.finfo(torch.float32).max * GREEDY_BELOW / 2
@@ -429,6 +446,7 @@ class Sampler:
         logprobs: list[tuple[int, int]] = []
         allowed: list[tuple[int, tuple[int, ...]]] = []
         json_rows: list[tuple[int, list[int]]] = []
+        bad: list[tuple[int, tuple[tuple[int, ...], ...], list[int]]] = []
         for i, r in enumerate(reqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens:
@@ -446,13 +464,17 @@ class Sampler:
             if p.guided:
                 json_rows.append((i, r.token_ids[r.num_prompt_tokens:]))
                 self._json.hold(r.request_id)
+            if r.bad_words_ids:
+                k = max(len(w) for w in r.bad_words_ids) - 1
+                bad.append((i, r.bad_words_ids, r.token_ids[max(r.num_prompt_tokens, len(r.token_ids) - k):]
+                            if k else []))
         failed: dict[int, Exception] = {}
         u = self._uniforms(reqs, sampled, dev, failed) if sampled else None
         if failed:  # a row whose own generator failed is left out; the others go on
             keep = [j for j, i in enumerate(sampled) if i not in failed]
             sampled = [sampled[j] for j in keep]
             u = u[_to(keep, dev, torch.long)]
-        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs, allowed, json_rows)
+        return Draws(reqs, banned, biased, sampled, u, failed, penalized, prev, logprobs, allowed, json_rows, bad)
 
     @torch.inference_mode()
     def prompt_logprobs(self, rows: Callable[[int, int], torch.Tensor], spans: list["PromptSpan"]
@@ -503,11 +525,12 @@ class Sampler:
         dev = logits.device
         width = logits.shape[-1]
         reqs, sampled, u, width = d.reqs, d.sampled, d.u, logits.shape[-1]
-        if d.banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
-            # vLLM): one masked write for the whole batch, in place
+        banned = d.banned + _bad_words_bans(d) if d.bad else d.banned
+        if banned:  # below min_tokens, EOS and the stop token ids cannot be drawn (EOS even with ignore_eos, as in
+            # vLLM), nor a bad word's last token: one masked write for the whole batch, in place
             rows: list[int] = []
             cols: list[int] = []
-            for i, ids in d.banned:
+            for i, ids in banned:
                 ban = {t for t in ids if 0 <= t < width}
                 rows.extend([i] * len(ban))
                 cols.extend(ban)

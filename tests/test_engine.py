@@ -300,6 +300,30 @@ def test_a_json_schema_reply_is_a_value_of_its_schema(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
+def test_bad_words_keep_their_words_out_of_the_reply(tiny_checkpoints, overlap):
+    """vLLM's bad_words: a word the greedy reply writes (its first tokens' text) is never written when banned, as at
+    the text's start or after a space (each its token ids), with overlap scheduling too; the reply changes there."""
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", block_size=4,
+                                 overlap=overlap, scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256)))
+    try:
+        prompt = _prompts(eng.bundle.vocab_limit)[1]
+        knobs = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+        plain = [t for o in eng.add_request(prompt, SamplingParams(**knobs)) for t in o.token_ids]
+        def found(ids: tuple[tuple[int, ...], ...], reply: list[int]) -> bool:
+            return any(tuple(reply[i:i + len(w)]) == w for w in ids for i in range(len(reply) - len(w) + 1))
+
+        # a word of the reply whose token ids, as the input processor makes them, are the reply's own there
+        words = [w for k in range(len(plain)) for n in (1, 2) if (w := eng.inputs.tokenizer.decode(plain[k:k + n])
+                                                                  .strip())]
+        word = next(w for w in words if found(eng.inputs.bad_words_ids([w]), plain))
+        ids = eng.inputs.bad_words_ids([word])
+        got = [t for o in eng.add_request(prompt, SamplingParams(**knobs, bad_words=(word,))) for t in o.token_ids]
+    finally:
+        eng.shutdown()
+    assert got != plain and not found(ids, got), (word, ids, got)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap):
     """vLLM's guided_regex and guided_choice (a regex of its texts): each reply, greedy or sampled, penalized or
     not, matches whole and ends by its EOS once nothing more could match; with overlap scheduling too."""

@@ -399,3 +399,29 @@ def test_allowed_token_ids_keep_their_rows_to_those_tokens(draw):
     assert seen == {6, 7}
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=(-1,)).validate()
+
+
+def test_bad_words_ban_a_words_last_token_where_the_reply_holds_the_rest():
+    """vLLM's bad_words (as token ids, `Request.bad_words_ids`): a one-token word is never drawn; a longer word's
+    last token only where the reply ends with the rest of it, its last token read from the step before's tokens
+    where it is still on its way (overlap scheduling); other rows are untouched."""
+    from engine.sampler import SampledTokens
+
+    s = Sampler(vocab_limit=12, eos_token_ids=[EOS], device=torch.device("cpu"))
+    logits = torch.zeros(3, 12)
+    logits[:, 7] = 9.0  # each row's likeliest ...
+    logits[:, 4] = 8.0  # ... then this one
+    a = Request("a", [1, 2], SamplingParams(temperature=0.0), bad_words_ids=((7,),))
+    b = Request("b", [1, 2], SamplingParams(temperature=0.0), bad_words_ids=((2, 3, 7), (9, 4)))
+    c = _req("c")
+    a.token_ids += [7, 1]
+    b.token_ids += [2, 3]
+    assert s.sample(logits.clone(), [a, b, c]) == [4, 4, 7]  # "2 3 7" banned its 7; "9 4" not begun
+    b.token_ids += [9]
+    assert s.sample(logits[:1].clone(), [b]) == [7]
+    b.token_ids[-1] = -2  # row 1 of the step in flight, which drew 9: "9 4" banned its 4 ...
+    logits[:, 7] = -9.0
+    d = s.plan([b], prev=SampledTokens([0, 9, 0]))
+    assert s.draw(logits[1:2].clone(), d).result() == [0]  # ... (the next likeliest is 0)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=("",)).validate()

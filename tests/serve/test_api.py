@@ -475,8 +475,11 @@ def test_vllms_output_knobs_allowed_ids_special_tokens_stop_strings_and_truncati
         "choices"][0]["text"]
     chat = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2, "truncate_prompt_tokens": 4}
     assert client.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 4
+    r = client.post("/v1/completions", json={**base, "bad_words": ["the", " sky"]})  # (tests/test_engine.py: kept out)
+    assert r.status_code == 200, r.text
     for field, value in (("allowed_token_ids", [-1]), ("allowed_token_ids", [10**8]), ("truncate_prompt_tokens", 0),
-                         ("skip_special_tokens", "no"), ("include_stop_str_in_output", 1)):
+                         ("skip_special_tokens", "no"), ("include_stop_str_in_output", 1), ("bad_words", [" "]),
+                         ("bad_words", ["w"] * 300), ("bad_words", "word")):
         r = client.post("/v1/completions", json={**base, field: value})
         assert r.status_code == 400, (field, value, r.text)
         assert r.json()["error"]["param"] == field or field in r.json()["error"]["message"], r.json()
