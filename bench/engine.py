@@ -36,6 +36,7 @@ from bench.report import best_of, print_table, run_info, write_json, write_summa
 MODULE = "bench.engine"
 DEFAULT_MODEL = "kairos-random-42m"
 _RUNS = itertools.count()  # request ids unique across repetitions
+GUIDED_WORDS = r"[A-Za-z ,.]*"  # the regex point's: words, commas and full stops, of any length
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.1-8B: 8.0B parameters, untied embeddings
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         cfg = AutoConfig.from_pretrained(path)
 
     res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "penalties": [],
-                           "logprobs": [], "json": [],
+                           "logprobs": [], "json": [], "regex": [],
                            "overlap": []}
     bmax = max(plan.batches + plan.spread_batches + plan.overlap_batches + (plan.sampling_batch,))
     try:
@@ -419,6 +420,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             side_by_side("json", plan.sampling_batch, "json",
                          lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
 
+        def regex() -> None:  # greedy beside greedy held to a guided regex of words (each row's token checked on the host)
+            knobs = {"temperature": 0.0, "regex": GUIDED_WORDS}
+            side_by_side("regex", plan.sampling_batch, "regex",
+                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
+
         def overlap() -> None:
             def without(prompts, tag):
                 eng.run_idle(lambda e: setattr(e, "overlap", False))
@@ -443,6 +449,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             guarded("logprobs", logprobs)
         if plan.sampling_batch and time_left("json"):
             guarded("json", json_mode)
+        if plan.sampling_batch and time_left("regex"):
+            guarded("regex", regex)
         if eng.overlap and plan.overlap_batches:
             guarded("overlap", overlap)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
@@ -508,7 +516,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
         "sampling": res["sampling"], "penalties": res["penalties"], "logprobs": res["logprobs"],
-        "json": res["json"],
+        "json": res["json"], "regex": res["regex"],
         "overlap": res["overlap"], "skipped": skipped,
         "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
@@ -551,6 +559,8 @@ def headline(r: dict[str, Any]) -> str:
         parts.append(f"logprobs 5 at B={d['batch']} {d['ratio']:.3f}x")
     for d in r.get("json", []):
         parts.append(f"JSON mode at B={d['batch']} {d['ratio']:.3f}x")
+    for d in r.get("regex", []):
+        parts.append(f"guided regex at B={d['batch']} {d['ratio']:.3f}x")
     if r.get("overlap"):
         parts.append("without overlap " + ", ".join(f"B={d['batch']} {d['ratio']:.2f}x" for d in r["overlap"]))
     return "; ".join(parts)
@@ -560,7 +570,7 @@ def write_run_summary(target: str, r: dict[str, Any]):
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
                                  "decode", "spread", "prefill", "hf", "sampling", "penalties", "logprobs", "json",
-                                 "overlap", "skipped",
+                                 "regex", "overlap", "skipped",
                                  "versions", "total_s")}
     return write_summary(target, r["command"], headline(r), figures, commit=r["commit"])
 
@@ -603,6 +613,9 @@ def print_report(r: dict[str, Any]) -> None:
     for d in r.get("json", []):
         print(f"JSON mode B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, in JSON mode {d['json_ms_step']:.2f} "
               f"ms/step ({d['ratio']:.3f}x)")
+    for d in r.get("regex", []):
+        print(f"guided regex B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, held to {GUIDED_WORDS!r} "
+              f"{d['regex_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
     for d in r["overlap"]:
         print(f"overlap scheduling B={d['batch']}: {d['ms_step']:.2f} ms/step, without it {d['no_overlap_ms_step']:.2f} "
               f"ms/step ({d['ratio']:.2f}x)")
