@@ -1514,7 +1514,8 @@ def openai_api() -> FastAPI:
                              ("/v1/chat/completions", OpenAIFrontend.chat_completions, P.ChatCompletionRequest)):
         api.add_api_route(path, fn, methods=["POST"], openapi_extra=openapi_operation(schema),
                           responses=ERROR_RESPONSES)
-    api.add_api_route("/v1/responses", OpenAIFrontend.responses, methods=["POST"], responses=ERROR_RESPONSES)
+    api.add_api_route("/v1/responses", OpenAIFrontend.responses, methods=["POST"],
+                      openapi_extra=openapi_operation(P.ResponsesRequest), responses=ERROR_RESPONSES)
     return api
 
 

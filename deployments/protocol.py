@@ -683,6 +683,29 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         return "messages", "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API body (`POST /v1/responses`) as this server reads it: the route's documentation (its
+    OpenAPI schema); `deployments.responses.chat_request` reads the body itself, into the chat it amounts to, whose
+    other fields (SLOs, vLLM's sampling fields) it takes too."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
+    temperature: float | None = Field(None, json_schema_extra=_opt({"type": "number", "minimum": 0, "maximum": 2}))
+    top_p: float | None = Field(None, json_schema_extra=_opt({"type": "number", "minimum": 0, "maximum": 1}))
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
+    slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
+
+
 # vLLM's /tokenize and /detokenize
 class TokenizeCompletionRequest(BaseModel):
     """A text prompt's token ids, as a completion would take them."""

@@ -25,6 +25,7 @@ TEN_MB = 10 * 1024 * 1024
 FUZZ_EXAMPLES = int(os.environ.get("KAIROS_FUZZ_EXAMPLES", "50"))
 FUZZ_MAX_TOKENS = 16  # generated bodies may ask for 10**9 tokens: cap the work, not the validation
 FUZZ_MAX_CHOICES = 4  # ... and for 256 choices (`n`, `best_of`)
+RESP = "/v1/responses"
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +255,11 @@ def _check_response(r: httpx.Response, body: Any) -> None:
         assert ctype.startswith("application/json"), (r.status_code, ctype, r.text[:300])
         assert _is_json_error(r.text), r.text[:300]
         return
+    if ctype.startswith("text/event-stream") and r.text.startswith("event: "):  # the Responses API's events
+        events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed", events[-2:]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        return
     if ctype.startswith("text/event-stream"):
         events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
         assert events and events[-1] == "[DONE]", r.text[-300:]
@@ -262,6 +268,10 @@ def _check_response(r: httpx.Response, body: Any) -> None:
         assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks), chunks[-2:]
         return
     out = r.json()
+    if out.get("object") == "response":
+        assert out["status"] in ("completed", "incomplete") and out["usage"]["total_tokens"] == \
+            out["usage"]["input_tokens"] + out["usage"]["output_tokens"], out
+        return
     assert out["object"] in ("text_completion", "chat.completion"), out
     choice = out["choices"][0]
     assert choice["finish_reason"] in ("stop", "length"), out
@@ -273,7 +283,7 @@ def _bounded(body: Any, path: str) -> Any:
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for k in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for k in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
         v = body.get(k)  # JSON Schema integers include 5012.0; pydantic (lax) also takes "5012"
         if isinstance(v, str) and v.strip().isdigit():
             v = int(v)
@@ -281,6 +291,8 @@ def _bounded(body: Any, path: str) -> Any:
             body[k] = FUZZ_MAX_TOKENS
     if path == CHAT and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = FUZZ_MAX_TOKENS  # the chat default fills the context window
+    if path == RESP and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = FUZZ_MAX_TOKENS  # (as a chat's)
     for k in ("n", "best_of"):
         v = body.get(k)
         if isinstance(v, int) and not isinstance(v, bool) and v > FUZZ_MAX_CHOICES:
@@ -306,7 +318,7 @@ def _headers(case_headers: dict | None) -> list[tuple[bytes, bytes]]:
 def openapi_schema(base_url: str, client: httpx.Client):
     schemathesis = pytest.importorskip("schemathesis")
     spec = client.get("/openapi.json").json()
-    for path in (CMPL, CHAT):  # the generation routes document their JSON body and SLO headers
+    for path in (CMPL, CHAT, RESP):  # the generation routes document their JSON body and SLO headers
         op = spec["paths"][path]["post"]
         assert op["requestBody"]["content"]["application/json"]["schema"]["properties"], op
         assert {p["name"] for p in op["parameters"]} >= {"x-slo-ttft-ms", "x-slo-tpot-ms"}
@@ -314,7 +326,7 @@ def openapi_schema(base_url: str, client: httpx.Client):
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-@pytest.mark.parametrize("path", [CMPL, CHAT])
+@pytest.mark.parametrize("path", [CMPL, CHAT, RESP])
 def test_fuzz_from_openapi_schema(openapi_schema, client: httpx.Client, path: str, mode: str) -> None:
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode
