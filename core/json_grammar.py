@@ -35,8 +35,9 @@ from core.regex_grammar import Regex, compile_regex
 MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
 # modes
-VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN = \
-    range(14)
+VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN, \
+    THINK = range(15)
+THINK_OPEN, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, before the format holds (`thinking_first`)
 _WS = frozenset(" \t\n\r")
 _DIGITS = frozenset("0123456789")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -70,6 +71,31 @@ def start(schema: Schema = OBJECT) -> State:
 def start_pattern(rx: Regex) -> State:
     """The state before a reply that must match `rx` whole (vLLM's guided_regex and guided_choice): no JSON."""
     return ((), PATTERN, (rx, rx.start), 0)
+
+
+def thinking_first(then: State, opened: bool) -> State:
+    """The state before a reasoning model's reply whose format (`then`) holds once its thinking has ended: at the
+    first `</think>`. `opened`: the reply starts inside the thinking (the template opened it: vLLM's deepseek_r1
+    parser); else it thinks only where it opens with `<think>` (after whitespace), and otherwise the format holds
+    from its first character (qwen3's)."""
+    return ((), THINK, (opened, "", then), 0)
+
+
+def _think(sub: tuple, ch: str) -> State | None:
+    """A thinking reply's state after `ch`: still thinking (the text's last characters kept, to see `</think>`), or
+    the format's own state once the thinking has ended (or never began)."""
+    inside, text, then = sub
+    text += ch
+    if inside:
+        if text.endswith(THINK_END):
+            return then
+        return ((), THINK, (True, text[-(len(THINK_END) - 1):], then), 0)
+    head = text.lstrip()
+    if head == THINK_OPEN:
+        return ((), THINK, (True, "", then), 0)
+    if not head or THINK_OPEN.startswith(head):
+        return ((), THINK, (False, text, then), 0)  # (whitespace, or `<think>` begun)
+    return advance(then, text)  # no thinking: the text so far is the format's
 
 
 START = start()
@@ -487,6 +513,8 @@ def _key_char(stack: tuple, ch: str) -> State | None:
 def step(state: State, ch: str) -> State | None:
     """The state after one more character, or None where it cannot come next."""
     stack, mode, sub, ws = state
+    if mode == THINK:
+        return _think(sub, ch)
     if mode == PATTERN:
         rx, at = sub
         nxt = rx.step(at, ch)
@@ -622,6 +650,8 @@ def complete(state: State) -> bool:
         return True
     if mode == PATTERN:
         return sub[0].accepts(sub[1])
+    if mode == THINK:  # (a reply that has not given its format yet)
+        return False
     if stack:
         return False
     return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \

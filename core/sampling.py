@@ -59,6 +59,10 @@ class SamplingParams:
     # vLLM's guided_regex (and guided_choice, as `core.regex_grammar.choice_pattern` writes its texts): the whole
     # reply matches this regular expression (`core.regex_grammar` says what one may hold)
     regex: str | None = None
+    # a reasoning model's reply held to a format (json_object, json_schema, regex) thinks first, as vLLM's: the format
+    # holds from the end of its thinking (`core.json_grammar.thinking_first`): "open", the reply starts inside it (its
+    # template opened <think>); "tagged", only a reply that opens with <think> thinks; None: from the first token
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -117,6 +121,8 @@ class SamplingParams:
         if self.regex is not None:
             from core.regex_grammar import compile_regex
             compile_regex(self.regex)
+        if self.thinking not in (None, "open", "tagged"):
+            raise ValueError(f'thinking must be "open", "tagged" or None, got {self.thinking!r}')
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
             raise ValueError("allowed_token_ids must be non-negative token ids")
         if len(self.bad_words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip()

@@ -561,6 +561,8 @@ class OpenAIFrontend:
                                '"none"', param="tool_choice")
             if parser in KEEPS_SPECIAL_TOKENS and "skip_special_tokens" not in body.model_fields_set:
                 params = dataclasses.replace(params, skip_special_tokens=False)  # its marks may be special tokens
+        if isinstance(body, P.ChatCompletionRequest) and self.reasoning_parser != "none":
+            params = dataclasses.replace(params, thinking=body.thinking(self.reasoning_parser))
         n = _made(body)
         if n > (body.n or 1) and params.logprobs is None:  # best_of: the choices' logprobs rank them
             params = dataclasses.replace(params, logprobs=0)

@@ -630,12 +630,20 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
 
     def reply_reader(self, tool_parser: str | None, reasoning_parser: str | None) -> ReplyReader | None:
         """A reader of the reply (`deployments.reasoning.ReplyReader`): its reasoning, where the app reads it
-        (`reasoning_parser`) and the reply is not held to a format (whose grammar holds from its first token), and
-        its tool calls (`tool_reader`); None where it is read for neither."""
+        (`reasoning_parser`; a reply held to a format thinks first, `thinking`), and its tool calls (`tool_reader`);
+        None where it is read for neither."""
         tools = self.tool_reader(tool_parser)
-        guided = self.json_object() or self.json_schema() is not None or self.regex() is not None
-        reasoning = reasoning_reader(reasoning_parser) if reasoning_parser and not guided else None
+        reasoning = reasoning_reader(reasoning_parser) if reasoning_parser else None
         return None if tools is None and reasoning is None else ReplyReader(reasoning, tools, self.include_reasoning)
+
+    def thinking(self, reasoning_parser: str | None) -> str | None:
+        """`SamplingParams.thinking` for a reply held to a format where the app reads a reasoning model's thinking:
+        its format holds from the end of the thinking (deepseek_r1's: from the reply's start; qwen3's: where the
+        reply opens with <think>)."""
+        guided = self.json_object() or self.json_schema() is not None or self.regex() is not None
+        if not reasoning_parser or not guided:
+            return None
+        return "open" if reasoning_parser == "deepseek_r1" else "tagged"
 
     def tool_reader(self, parser: str | None) -> ToolCallReader | None:
         """A reader of the reply's tool calls (`deployments.tool_calls`): a named tool's arguments, "required"'s

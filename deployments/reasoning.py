@@ -9,14 +9,14 @@ The app's `reasoning_parser` says where the thinking starts (`PARSERS`):
   releases);
 - `qwen3`: only where the reply opens with `<think>` (Qwen3, whose thinking may be switched off): a reply that does
   not is all content.
-A request held to a format (JSON mode, a guided regex, a named or required tool) is not read for reasoning: its
-format holds from its first token.
+A request held to a format (JSON mode, a guided regex, a named or required tool) thinks first too, as vLLM's: its
+format holds from the end of the thinking (`SamplingParams.thinking`, `core.json_grammar.thinking_first`).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from deployments.tool_calls import ReplyDelta, ToolCallReader, _held, merge_calls
+from deployments.tool_calls import ReplyDelta, ToolCallReader, _held
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -111,8 +111,13 @@ class ReplyReader:
     def whole(self, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """A whole reply's reasoning (None where it is not read for any, or has none), content (None where only
         whitespace is left beside its reasoning or calls) and calls (each whole)."""
-        if self.tools is not None and self.reasoning is None:
-            content, calls = self.tools.whole(text)
+        if self.reasoning is None:
+            content, calls = self.tools.whole(text) if self.tools is not None else (text, [])
             return None, content, calls
-        d = self.feed(text).add(self.end())
-        return d.reasoning or None, d.content if d.content.strip() else None, merge_calls(d.calls)
+        (r1, c1), (r2, c2) = self.reasoning.feed(text), self.reasoning.end()
+        reasoning, content = (r1 + r2 if self.show else ""), c1 + c2
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            got, calls = self.tools.whole(content)
+            content = got or ""
+        return reasoning or None, content if content.strip() else None, calls

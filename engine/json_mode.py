@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from core.json_grammar import START, State, advance, compile_schema, complete, start, start_pattern
+from core.json_grammar import START, State, advance, compile_schema, complete, start, start_pattern, thinking_first
 from core.regex_grammar import compile_regex
 from core.sampling import SamplingParams
 
@@ -42,13 +42,15 @@ class JsonStates:
         self._live.add(request_id)
 
     def origin(self, params: SamplingParams) -> State:
-        """The state before a reply: any object (json_object), a value of its schema, or a match of its regex."""
+        """The state before a reply: any object (json_object), a value of its schema, or a match of its regex; after
+        a reasoning model's thinking (`params.thinking`)."""
         if params.regex is not None:
-            rx = self._compiled(params.regex, compile_regex)
-            return start_pattern(rx)
-        if params.json_schema is None:
-            return START
-        return start(self._compiled(params.json_schema, compile_schema))
+            st = start_pattern(self._compiled(params.regex, compile_regex))
+        elif params.json_schema is None:
+            st = START
+        else:
+            st = start(self._compiled(params.json_schema, compile_schema))
+        return st if params.thinking is None else thinking_first(st, params.thinking == "open")
 
     def _compiled(self, text: str, make: Callable[[str], Any]) -> Any:
         """A schema's or regex's compiled form, made once for the requests that share it (n choices, a client's

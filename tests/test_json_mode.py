@@ -178,6 +178,25 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     assert complete(advance(const_top, "1")) and complete(advance(const_top, "12"))
 
 
+def test_a_reasoning_models_format_holds_once_its_thinking_has_ended():
+    """`thinking_first`: anything goes until `</think>` (seen across pieces), then the format; "open" (the template
+    opened the thinking: deepseek_r1) thinks from the start, otherwise only a reply that opens with `<think>` does
+    (qwen3), and one that does not is held to the format from its first character."""
+    from core.json_grammar import start_pattern, thinking_first
+    from core.regex_grammar import compile_regex
+
+    opened = thinking_first(START, True)
+    for text in ("Let me see. </think>{}", "<think>hm</think>\n{}", "a</th" + "ink>{}"):
+        assert complete(advance(opened, text)), text
+    for text in ("no end yet", "2 < 3 </thi"):  # still thinking: neither refused nor ended
+        st = advance(opened, text)
+        assert st is not None and not complete(st), text
+    assert advance(opened, "ok</think>x") is None  # the format holds after it
+    tagged = thinking_first(start_pattern(compile_regex("yes|no")), False)
+    assert complete(advance(tagged, "yes")) and complete(advance(tagged, " <think>maybe</think>no"))
+    assert advance(tagged, "x") is None and not complete(advance(tagged, "<thi"))
+
+
 def test_string_lengths_tuples_and_number_bounds_are_kept():
     """pydantic's constrained fields: a string's min_length / max_length (an escape one character), a tuple's items
     (prefixItems), a number's ge / gt / le / lt: what keeps them is taken, what breaks them refused as soon as no

@@ -42,5 +42,11 @@ def test_thinking_streams_as_it_comes_and_calls_after_it_are_read() -> None:
     d = r.feed('think>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert d.reasoning == "" and d.content == "" and d.calls[0]["function"] == {"name": "f", "arguments": "{}"}
     assert r.calls == 1 and r.as_calls
+    from deployments.tool_calls import NamedToolReader
+
+    named = ReplyReader(reasoning_reader("qwen3"), NamedToolReader("f"))  # a named tool's call after the thinking
+    reasoning, content, calls = named.whole('<think>which?</think>\n{"a": 1}')
+    assert (reasoning, content) == ("which?", None) and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert ReplyReader(reasoning_reader("qwen3"), NamedToolReader("f")).whole("<think>x</think>{") == ("x", "{", [])
     hidden = ReplyReader(reasoning_reader("deepseek_r1"), None, show=False)  # vLLM's include_reasoning false
     assert hidden.whole("secret</think>answer") == (None, "answer", [])

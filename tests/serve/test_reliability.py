@@ -129,7 +129,7 @@ def test_tool_choice_auto_is_a_400_where_no_tool_call_format_is_known(rel_app: d
 def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> None:
     """This app reads chat replies as DeepSeek-R1's (reasoning_parser=deepseek_r1: thinking from the reply's start
     to a </think> that kairos-tiny never writes): the reply is all `reasoning_content` (content null), streamed as
-    whole; vLLM's include_reasoning false leaves it out; a reply held to a format (JSON mode) is content, and a
+    whole; vLLM's include_reasoning false leaves it out; a reply held to a format (JSON mode) thinks first, and a
     completion is never read."""
     import json
 
@@ -149,9 +149,10 @@ def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> 
         assert not "".join(d.get("content") or "" for d in deltas)
         hidden = c.post(CHAT, json={**chat, "include_reasoning": False}).json()["choices"][0]["message"]
         assert hidden["content"] is None and not hidden.get("reasoning_content"), hidden
-        shaped = c.post(CHAT, json={**chat, "ignore_eos": False, "max_tokens": 60,
-                                    "response_format": {"type": "json_object"}}).json()["choices"][0]["message"]
-        assert shaped["content"].lstrip().startswith("{") and not shaped.get("reasoning_content"), shaped
+        # held to a format, it thinks first (vLLM's way): JSON only after a </think> this model never writes
+        shaped = c.post(CHAT, json={**chat, "response_format": {"type": "json_object"}}).json()["choices"][0]
+        assert shaped["message"]["content"] is None and shaped["message"]["reasoning_content"], shaped
+        assert shaped["finish_reason"] == "length"
 
 
 def test_a_trusted_request_chat_template_renders_the_prompt(rel_app: dict) -> None:
