@@ -77,24 +77,30 @@ def thinking_first(then: State, opened: bool) -> State:
     """The state before a reasoning model's reply whose format (`then`) holds once its thinking has ended: at the
     first `</think>`. `opened`: the reply starts inside the thinking (the template opened it: vLLM's deepseek_r1
     parser); else it thinks only where it opens with `<think>` (after whitespace), and otherwise the format holds
-    from its first character (qwen3's)."""
-    return ((), THINK, (opened, "", then), 0)
+    from its first character (qwen3's). The whitespace a model writes after `</think>` is allowed before the format
+    (`MAX_WHITESPACE` of it)."""
+    return ((), THINK, ("in" if opened else "start", "", then), 0)
 
 
 def _think(sub: tuple, ch: str) -> State | None:
-    """A thinking reply's state after `ch`: still thinking (the text's last characters kept, to see `</think>`), or
-    the format's own state once the thinking has ended (or never began)."""
-    inside, text, then = sub
+    """A thinking reply's state after `ch`: before its thinking (`<think>` may come), in it (the text's last
+    characters kept, to see `</think>`), in the whitespace after it, or the format's own state once the thinking
+    has ended (or never began)."""
+    stage, text, then = sub
+    if stage == "after":
+        if ch in _WS and len(text) < MAX_WHITESPACE:
+            return ((), THINK, ("after", text + ch, then), 0)
+        return step(then, ch)
     text += ch
-    if inside:
+    if stage == "in":
         if text.endswith(THINK_END):
-            return then
-        return ((), THINK, (True, text[-(len(THINK_END) - 1):], then), 0)
+            return ((), THINK, ("after", "", then), 0)
+        return ((), THINK, ("in", text[-(len(THINK_END) - 1):], then), 0)
     head = text.lstrip()
     if head == THINK_OPEN:
-        return ((), THINK, (True, "", then), 0)
+        return ((), THINK, ("in", "", then), 0)
     if not head or THINK_OPEN.startswith(head):
-        return ((), THINK, (False, text, then), 0)  # (whitespace, or `<think>` begun)
+        return ((), THINK, ("start", text, then), 0)  # (whitespace, or `<think>` begun)
     return advance(then, text)  # no thinking: the text so far is the format's
 
 
@@ -650,8 +656,8 @@ def complete(state: State) -> bool:
         return True
     if mode == PATTERN:
         return sub[0].accepts(sub[1])
-    if mode == THINK:  # (a reply that has not given its format yet)
-        return False
+    if mode == THINK:  # (a reply that has not given its format yet; or, its thinking ended, one that may be empty)
+        return sub[0] == "after" and complete(sub[2])
     if stack:
         return False
     return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \

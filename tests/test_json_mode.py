@@ -181,7 +181,8 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
 def test_a_reasoning_models_format_holds_once_its_thinking_has_ended():
     """`thinking_first`: anything goes until `</think>` (seen across pieces), then the format; "open" (the template
     opened the thinking: deepseek_r1) thinks from the start, otherwise only a reply that opens with `<think>` does
-    (qwen3), and one that does not is held to the format from its first character."""
+    (qwen3), and one that does not is held to the format from its first character; whitespace may follow the
+    thinking."""
     from core.json_grammar import start_pattern, thinking_first
     from core.regex_grammar import compile_regex
 
@@ -194,6 +195,9 @@ def test_a_reasoning_models_format_holds_once_its_thinking_has_ended():
     assert advance(opened, "ok</think>x") is None  # the format holds after it
     tagged = thinking_first(start_pattern(compile_regex("yes|no")), False)
     assert complete(advance(tagged, "yes")) and complete(advance(tagged, " <think>maybe</think>no"))
+    assert complete(advance(tagged, "<think>hm</think>\n\nyes"))  # the whitespace after the thinking, then the format
+    assert advance(tagged, "<think>hm</think>" + " " * 17) is None  # (as much as JSON allows)
+    assert not complete(advance(tagged, "<think>hm</think>"))  # "yes|no" is not empty
     assert advance(tagged, "x") is None and not complete(advance(tagged, "<thi"))
 
 
