@@ -78,7 +78,7 @@ def thinking_first(then: State, opened: bool) -> State:
     first `</think>`. `opened`: the reply starts inside the thinking (the template opened it: vLLM's deepseek_r1
     parser); else it thinks only where it opens with `<think>` (after whitespace), and otherwise the format holds
     from its first character (qwen3's). The whitespace a model writes after `</think>` is allowed before the format
-    (`MAX_WHITESPACE` of it)."""
+    (`MAX_WHITESPACE` of it). While it thinks, nothing is held, a stop token included (vLLM's way)."""
     return ((), THINK, ("in" if opened else "start", "", then), 0)
 
 
@@ -88,8 +88,11 @@ def _think(sub: tuple, ch: str) -> State | None:
     has ended (or never began)."""
     stage, text, then = sub
     if stage == "after":
-        if ch in _WS and len(text) < MAX_WHITESPACE:
-            return ((), THINK, ("after", text + ch, then), 0)
+        if ch in _WS:  # the format's own where it takes it, else the thinking's last (MAX_WHITESPACE of it)
+            got = step(then, ch)
+            if got is not None:
+                return got
+            return ((), THINK, ("after", text + ch, then), 0) if len(text) < MAX_WHITESPACE else None
         return step(then, ch)
     text += ch
     if stage == "in":
@@ -99,8 +102,10 @@ def _think(sub: tuple, ch: str) -> State | None:
     head = text.lstrip()
     if head == THINK_OPEN:
         return ((), THINK, ("in", "", then), 0)
-    if not head or THINK_OPEN.startswith(head):
-        return ((), THINK, ("start", text, then), 0)  # (whitespace, or `<think>` begun)
+    if not head:  # whitespace first: only as much as the format itself would take, were there no thinking
+        return ((), THINK, ("start", text, then), 0) if advance(then, text) is not None else None
+    if THINK_OPEN.startswith(head):
+        return ((), THINK, ("start", text, then), 0)  # (`<think>` begun)
     return advance(then, text)  # no thinking: the text so far is the format's
 
 
@@ -656,8 +661,9 @@ def complete(state: State) -> bool:
         return True
     if mode == PATTERN:
         return sub[0].accepts(sub[1])
-    if mode == THINK:  # (a reply that has not given its format yet; or, its thinking ended, one that may be empty)
-        return sub[0] == "after" and complete(sub[2])
+    if mode == THINK:  # thinking: a stop token may end it (vLLM's way: no format is held while it thinks); its
+        # thinking ended, a format that may be empty
+        return sub[0] == "in" or sub[0] == "after" and complete(sub[2])
     if stack:
         return False
     return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \

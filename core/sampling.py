@@ -69,7 +69,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids or ()))
-        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        bad = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        object.__setattr__(self, "bad_words", tuple(bad or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
         pairs = tuple((k, v) for k, v in bias)
         try:

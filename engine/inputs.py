@@ -16,6 +16,8 @@ from core.request import SLO, Request
 from core.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
+MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens (each step compares a row's last tokens with every word's)
+THINK_TAIL_TOKENS = 64  # the prompt's last tokens read for an opened or closed <think> (`thinking_after`)
 
 
 def prompt_encoder(tokenizer, add_special_tokens: bool = False) -> Callable[[str], list[int]]:
@@ -140,15 +142,30 @@ class InputProcessor:
         return self.tokenizer.decode(list(ids))
 
     def bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        """vLLM's bad_words as token ids: each word as at the text's start, and after a space where that makes
-        tokens of their own (as many, a different first one), so that a word is banned at the start and
-        mid-text."""
+        """vLLM's bad_words as token ids: each word as at the text's start, and after a space where that makes as
+        many tokens with a different first one (vLLM's rule), so that a word is banned at the start and mid-text.
+        ValueError for a word of more than `MAX_BAD_WORD_TOKENS` tokens or of tokens past the model's vocabulary."""
         out: list[tuple[int, ...]] = []
         for word in words:
             bare = tuple(self.encode(word.lstrip()))
             spaced = tuple(self.encode(" " + word.lstrip()))
-            out.extend(ids for ids in {bare: None, spaced: None} if ids and all(t < self.vocab_limit for t in ids))
-        return tuple(out)
+            for ids in (bare, spaced) if len(spaced) == len(bare) and spaced[:1] != bare[:1] else (bare,):
+                if len(ids) > MAX_BAD_WORD_TOKENS or any(t >= self.vocab_limit for t in ids):
+                    raise ValueError(f"bad_words: {word[:40]!r} is more than {MAX_BAD_WORD_TOKENS} tokens, or has "
+                                     "tokens past the model's vocabulary")
+                if ids:
+                    out.append(ids)
+        return tuple(dict.fromkeys(out))
+
+    def thinking_after(self, ids: Sequence[int], thinking: str) -> str | None:
+        """A guided reply's thinking (`SamplingParams.thinking`) as the prompt leaves it: where its end has the
+        thinking closed already (`</think>` last: a template that switched it off), the format holds from the
+        first token; where it has it open (`<think>` last), the reply starts inside it; else as asked."""
+        tail = self.tokenizer.decode(list(ids[-THINK_TAIL_TOKENS:]))
+        opened, closed = tail.rfind("<think>"), tail.rfind("</think>")
+        if closed > opened:
+            return None
+        return "open" if opened >= 0 else thinking
 
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
@@ -184,8 +201,16 @@ class InputProcessor:
             # None: OpenAI's chat default, the rest of the context window. Beyond it (max_tokens_over_context=clamp):
             # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
+        if params.thinking is not None:
+            params = dataclasses.replace(params, thinking=self.thinking_after(ids, params.thinking))
+        if params.min_tokens and params.allowed_token_ids and \
+                set(params.allowed_token_ids) <= {*self.eos_token_ids, *params.stop_token_ids}:
+            raise ValueError("min_tokens bans the stop tokens below it, and allowed_token_ids allows nothing else")
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=self.bad_words_ids(params.bad_words))
+        bad = self.bad_words_ids(params.bad_words)
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
+            raise ValueError("bad_words ban every token allowed_token_ids allows")
+        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

@@ -359,15 +359,17 @@ class PenaltyCounts:
 
 def _bad_words_bans(d: "Draws") -> list[tuple[int, tuple[int, ...]]]:
     """Each bad-words row's banned tokens: a one-token word's always, a longer word's last where the reply ends
-    with the rest of it (a last token still on its way read from the step before's tokens, as JSON rows read it)."""
+    with the rest of it (a last token still on its way read from the step before's tokens, as JSON rows read it).
+    A row whose allowed_token_ids the bans would leave empty keeps them (its draw needs a token)."""
     prev = d.prev.result() if d.prev is not None and any(t < 0 for _, _, tail in d.bad for t in tail) else None
+    allowed = dict(d.allowed)
     out = []
     for i, words, tail in d.bad:
         if any(t < 0 for t in tail):
             tail = [prev[-t - 1] if t < 0 and prev is not None else t for t in tail]
         ban = tuple(w[-1] for w in words if len(w) == 1 or (len(tail) >= len(w) - 1
                                                                and tuple(tail[len(tail) - len(w) + 1:]) == w[:-1]))
-        if ban:
+        if ban and not (i in allowed and set(allowed[i]) <= set(ban)):
             out.append((i, ban))
     return out
 

@@ -182,3 +182,44 @@ def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
     assert inputs.prompt_ids("one two three four five", options=PromptOptions(truncate_prompt_tokens=2)) == whole[-2:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         inputs.prompt_ids("x", options=PromptOptions(truncate_prompt_tokens=0))
+
+
+def test_a_guided_reasoning_replys_thinking_is_as_its_prompt_leaves_it():
+    """`thinking_after`: a prompt that closed the thinking (a template that switched it off) holds the reply to its
+    format from the first token; one that opened it starts the reply inside it; else as asked."""
+    from core.sampling import SamplingParams
+
+    inputs = _inputs(build_tokenizer(TINY_VOCAB))
+
+    def thinking(prompt: str, asked: str) -> str | None:
+        params = SamplingParams(max_tokens=4, json_object=True, thinking=asked)
+        return inputs.process(prompt, params, None, None).params.thinking
+
+    assert thinking("user: hi\nassistant: <think>\n\n</think>\n\n", "open") is None
+    assert thinking("user: hi\nassistant: <think>\n", "tagged") == "open"
+    assert thinking("user: hi\nassistant:", "tagged") == "tagged"
+    assert thinking("user: hi\nassistant:", "open") == "open"
+
+
+def test_bad_words_are_token_ids_as_vllm_makes_them():
+    """A bad word's ids as at the text's start, and after a space where that gives as many with another first one
+    (vLLM's rule); a word too long or past the vocabulary, or bans that leave allowed_token_ids nothing, is refused;
+    one word given as a string is that word."""
+    from core.sampling import SamplingParams
+    from engine.inputs import MAX_BAD_WORD_TOKENS
+
+    tok = build_tokenizer(TINY_VOCAB)
+    inputs = _inputs(tok)
+    for word in ("the", "Zebra", " sky"):
+        bare, spaced = tuple(inputs.encode(word.strip())), tuple(inputs.encode(" " + word.strip()))
+        want = [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+        assert list(inputs.bad_words_ids([word])) == want, word
+    with pytest.raises(ValueError, match="bad_words"):
+        inputs.bad_words_ids(["x" * (MAX_BAD_WORD_TOKENS * 8)])
+    assert SamplingParams(bad_words="hello").bad_words == ("hello",)
+    singles = tuple(w[0] for w in inputs.bad_words_ids(["the"]) if len(w) == 1)
+    assert singles  # ("the" is a token of this tokenizer)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        inputs.process("x", SamplingParams(max_tokens=2, bad_words=("the",), allowed_token_ids=singles), None, None)
+    with pytest.raises(ValueError, match="min_tokens"):
+        inputs.process("x", SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(0,)), None, None)

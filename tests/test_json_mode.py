@@ -181,20 +181,24 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
 def test_a_reasoning_models_format_holds_once_its_thinking_has_ended():
     """`thinking_first`: anything goes until `</think>` (seen across pieces), then the format; "open" (the template
     opened the thinking: deepseek_r1) thinks from the start, otherwise only a reply that opens with `<think>` does
-    (qwen3), and one that does not is held to the format from its first character; whitespace may follow the
-    thinking."""
+    (qwen3), and one that does not is held to the format from its first character (whitespace before `<think>` as
+    the format would take it); whitespace may follow the thinking; while it thinks a stop token may end it."""
     from core.json_grammar import start_pattern, thinking_first
     from core.regex_grammar import compile_regex
 
     opened = thinking_first(START, True)
     for text in ("Let me see. </think>{}", "<think>hm</think>\n{}", "a</th" + "ink>{}"):
         assert complete(advance(opened, text)), text
-    for text in ("no end yet", "2 < 3 </thi"):  # still thinking: neither refused nor ended
+    for text in ("no end yet", "2 < 3 </thi"):  # still thinking: nothing held, a stop token either (vLLM's way)
         st = advance(opened, text)
-        assert st is not None and not complete(st), text
+        assert st is not None and complete(st), text
     assert advance(opened, "ok</think>x") is None  # the format holds after it
     tagged = thinking_first(start_pattern(compile_regex("yes|no")), False)
-    assert complete(advance(tagged, "yes")) and complete(advance(tagged, " <think>maybe</think>no"))
+    assert complete(advance(tagged, "yes")) and complete(advance(tagged, "<think>maybe</think>no"))
+    assert advance(tagged, "\n") is None  # whitespace first only as the format would take it (this one: none) ...
+    json_tagged = thinking_first(START, False)
+    assert advance(json_tagged, " " * 16 + "<think>x</think>{}") and advance(json_tagged, " " * 17) is None  # (JSON)
+    assert not complete(advance(json_tagged, "<thi"))  # (not yet thinking: no stop)
     assert complete(advance(tagged, "<think>hm</think>\n\nyes"))  # the whitespace after the thinking, then the format
     assert advance(tagged, "<think>hm</think>" + " " * 17) is None  # (as much as JSON allows)
     assert not complete(advance(tagged, "<think>hm</think>"))  # "yes|no" is not empty

@@ -423,5 +423,8 @@ def test_bad_words_ban_a_words_last_token_where_the_reply_holds_the_rest():
     logits[:, 7] = -9.0
     d = s.plan([b], prev=SampledTokens([0, 9, 0]))
     assert s.draw(logits[1:2].clone(), d).result() == [0]  # ... (the next likeliest is 0)
+    only = Request("o", [1, 2], SamplingParams(temperature=0.0, allowed_token_ids=(4,)), bad_words_ids=((7, 4),))
+    only.token_ids += [7]
+    assert s.sample(logits[:1].clone(), [only]) == [4]  # the ban would leave it nothing: its one allowed token
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=("",)).validate()
