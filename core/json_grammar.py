@@ -37,7 +37,7 @@ MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven leve
 # modes
 VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN, \
     THINK = range(15)
-THINK_OPEN, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, before the format holds (`thinking_first`)
+THINK_OPEN, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, before its format (`thinking_first`)
 _WS = frozenset(" \t\n\r")
 _DIGITS = frozenset("0123456789")
 _HEX = frozenset("0123456789abcdefABCDEF")
