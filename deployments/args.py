@@ -78,10 +78,11 @@ class ServeArgs(BaseModel):
                                  "headers, browsers then refuse cross-origin calls")
     allow_credentials: bool = Field(False, description="CORS: browsers may send cookies and Authorization with "
                                     "cross-origin calls (vLLM's --allow-credentials)")
-    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
+    tool_call_parser: Literal["auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral"] = Field(
         "auto", description="how a chat reply's own tool calls are read where a request with tools leaves the "
         "choice to the model (tool_choice auto, OpenAI's default): the model's format, as vLLM's "
-        "--tool-call-parser names it (hermes: <tool_call> JSON, Qwen2.5/Qwen3; llama3_json: a JSON object, "
+        "--tool-call-parser names it (hermes: <tool_call> JSON, Qwen2.5/Qwen3; qwen3_coder: <tool_call> with "
+        "<function=...> and <parameter=...>, Qwen3-Coder; llama3_json: a JSON object, "
         "Llama 3.x; mistral: [TOOL_CALLS]); auto: the one its chat template shows; none (or a template that shows "
         "none): such requests get a 400")
     trust_request_chat_template: bool = Field(

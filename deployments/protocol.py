@@ -652,7 +652,9 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         tools = self.called_tools()
         if tools is not None:
             return NamedToolReader(tools[0].name) if isinstance(self.tool_choice, dict) else RequiredToolReader()
-        return model_format_reader(parser) if self.auto_tools() and parser else None
+        if not (self.auto_tools() and parser):
+            return None
+        return model_format_reader(parser, [t.function.model_dump() for t in self.tools or ()])
 
     def called_tools(self) -> list[FunctionDef] | None:
         """The tools the reply calls (tool_choice a tool's name: that one; "required": any of them), else None."""

@@ -7,6 +7,8 @@ naming its call's `index`); `whole` reads a whole reply. Readers:
   names), picked by the app's `tool_call_parser` or, by default, from the model's chat template (`detect`):
   - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more, after any text (Qwen2.5,
     Qwen3, Hermes);
+  - `qwen3_coder`: the same marks around `<function=NAME><parameter=P>value</parameter>...</function>` (Qwen3-Coder),
+    each value as its tool's schema types it (a string's text as it is, else its JSON);
   - `llama3_json`: a reply that is a JSON object `{"name": ..., "parameters": {...}}` (or several, separated by
     `;`), after an optional `<|python_tag|>` (Llama 3.1-3.3);
   - `mistral`: `[TOOL_CALLS]` and then a JSON list of `{"name", "arguments"}`, or `name[ARGS]{...}` (Mistral);
@@ -18,11 +20,12 @@ whitespace is dropped.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral")
 
 
 def detect(template: Any) -> str | None:
@@ -35,6 +38,8 @@ def detect(template: Any) -> str | None:
         text = "\n".join(str(t.get("template", "")) if isinstance(t, dict) else str(t) for t in template)
     else:
         text = str(template or "")
+    if "<function=" in text and "<parameter=" in text:
+        return "qwen3_coder"
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:
@@ -237,6 +242,42 @@ class HermesReader(_MarkedReader):
         return self._calls([call])
 
 
+class Qwen3CoderReader(HermesReader):
+    """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>`;
+    a value is its text (one newline either side dropped) where its tool's schema makes it a string (or says
+    nothing and it is no JSON), else its JSON value."""
+
+    FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.S)
+    PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.S)
+
+    def __init__(self, types: dict[str, dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self.types = types or {}  # tool name -> parameter name -> its schema's type
+
+    def _close(self, buf: str, last: bool) -> ReplyDelta | None:
+        j = buf.find(self.END)
+        if j < 0 and not last:
+            return None
+        body, rest = (buf[:j], buf[j + len(self.END):]) if j >= 0 else (buf, "")
+        self._inside, self._buf = False, rest
+        m = self.FUNCTION.match(body)
+        if m is None:
+            return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
+        name, types = m.group(1), self.types.get(m.group(1), {})
+        args = {p.strip(): self._value(v, types.get(p.strip())) for p, v in self.PARAMETER.findall(m.group(2))}
+        return self._calls([(name, args)])
+
+    @staticmethod
+    def _value(text: str, kind: Any) -> Any:
+        text = text.removeprefix("\n").removesuffix("\n")
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+            return text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
 class MistralReader(_MarkedReader):
     """`[TOOL_CALLS]` then a JSON list of calls, or `name[ARGS]{...}` (also `name{...}`), each call after a mark of
     its own; read at the reply's end."""
@@ -361,12 +402,18 @@ class RequiredToolReader(ToolCallReader):
         return self._calls(as_calls(_json(buf), ("parameters",))) or ReplyDelta(content=buf)
 
 
-_FORMATS: dict[str, type[ToolCallReader]] = {"hermes": HermesReader, "llama3_json": Llama3JsonReader,
-                                             "mistral": MistralReader}
+_FORMATS: dict[str, type[ToolCallReader]] = {"hermes": HermesReader, "qwen3_coder": Qwen3CoderReader,
+                                             "llama3_json": Llama3JsonReader, "mistral": MistralReader}
 assert tuple(_FORMATS) == PARSERS
-KEEPS_SPECIAL_TOKENS = frozenset({"hermes", "mistral"})  # formats whose marks may be special tokens (vLLM's)
+KEEPS_SPECIAL_TOKENS = frozenset({"hermes", "qwen3_coder", "mistral"})  # formats whose marks may be special tokens
 
 
-def model_format_reader(parser: str) -> ToolCallReader:
-    """A reader of the model's own tool-call format (`PARSERS`), for tool_choice "auto"."""
+def model_format_reader(parser: str, tools: list[dict[str, Any]] | None = None) -> ToolCallReader:
+    """A reader of the model's own tool-call format (`PARSERS`), for tool_choice "auto"; `tools`: the request's
+    function definitions (name, parameters), which qwen3_coder's values are typed by."""
+    if parser == "qwen3_coder":
+        types = {t.get("name"): {p: (s or {}).get("type") for p, s in
+                                 ((t.get("parameters") or {}).get("properties") or {}).items()}
+                 for t in tools or () if isinstance(t, dict)}
+        return Qwen3CoderReader(types)
     return _FORMATS[parser]()

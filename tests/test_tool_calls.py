@@ -22,6 +22,11 @@ CASES = [
     ("hermes", '<tool_call>{"name": oops}</tool_call> then text', '<tool_call>{"name": oops}</tool_call> then text',
      []),
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+    ("qwen3_coder", "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "I'll check.\n",
+     [("get_weather", {"city": "Zürich", "days": 3})]),
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n</tool_call>", None, [("now", {})]),
+    ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>", "<tool_call>{\"name\": \"f\"}</tool_call>", []),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"q": "é"}}; {"name": "g", "parameters": {}}', None,
      [("f", {"q": "é"}), ("g", {})]),
     ("llama3_json", '\n {"name": "f", "parameters": {"q": 1}}', None, [("f", {"q": 1})]),
@@ -95,15 +100,29 @@ LLAMA31 = ('{{- "<|start_header_id|>user<|end_header_id|>\\n\\n" -}}{{- "Given t
            'respond with a JSON for a function call with its proper arguments that best answers the given prompt.'
            '\\n\\n" }}{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument '
            'name and its value}.\' }}{%- if builtin_tools is defined %}{{- "<|python_tag|>" }}{%- endif %}')
+QWEN3_CODER = ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{%- for args_name, args_value in "
+               "tool_call.arguments|items %}{{- '<parameter=' + args_name + '>\\n' }}")
 MISTRAL = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- for tool in message.tool_calls %}"
 CHATML = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
 
 
+def test_qwen3_coders_values_are_typed_by_their_tools_schema() -> None:
+    """A string parameter keeps its text (digits too); others are their JSON; a tool the request does not name, or
+    a parameter it does not type, reads JSON where the text is JSON."""
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"zip": {"type": "string"},
+                                                                          "n": {"type": "integer"}}}}]
+    reply = ("<tool_call>\n<function=f>\n<parameter=zip>\n01234\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
+             "<parameter=extra>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+    _, calls = model_format_reader("qwen3_coder", tools).whole(reply)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"zip": "01234", "n": 7, "extra": [1, 2]}
+
+
 def test_the_format_is_the_one_the_chat_template_shows() -> None:
     assert detect(QWEN) == "hermes" and detect(LLAMA31) == "llama3_json" and detect(MISTRAL) == "mistral"
+    assert detect(QWEN3_CODER) == "qwen3_coder"
     assert detect(CHATML) is None and detect(None) is None
     assert detect({"default": CHATML, "tool_use": QWEN}) == "hermes"  # a tokenizer's named templates
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(PARSERS) == {"hermes", "qwen3_coder", "llama3_json", "mistral"}
 
 
 def test_the_app_argument_names_the_formats_there_are() -> None:
