@@ -236,10 +236,14 @@ class HermesReader(_MarkedReader):
             return None
         body, rest = (buf[:j], buf[j + len(self.END):]) if j >= 0 else (buf, "")
         self._inside, self._buf = False, rest
-        call = as_call(_json(body))
+        call = self._call_of(body)
         if call is None:  # not a call: its text stays content
             return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
         return self._calls([call])
+
+    def _call_of(self, body: str) -> Call | None:
+        """The call a `<tool_call>`'s body holds (JSON: its name and arguments), else None."""
+        return as_call(_json(body))
 
 
 class Qwen3CoderReader(HermesReader):
@@ -254,18 +258,12 @@ class Qwen3CoderReader(HermesReader):
         super().__init__()
         self.types = types or {}  # tool name -> parameter name -> its schema's type
 
-    def _close(self, buf: str, last: bool) -> ReplyDelta | None:
-        j = buf.find(self.END)
-        if j < 0 and not last:
-            return None
-        body, rest = (buf[:j], buf[j + len(self.END):]) if j >= 0 else (buf, "")
-        self._inside, self._buf = False, rest
+    def _call_of(self, body: str) -> Call | None:
         m = self.FUNCTION.match(body)
         if m is None:
-            return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
+            return None
         name, types = m.group(1), self.types.get(m.group(1), {})
-        args = {p.strip(): self._value(v, types.get(p.strip())) for p, v in self.PARAMETER.findall(m.group(2))}
-        return self._calls([(name, args)])
+        return name, {p.strip(): self._value(v, types.get(p.strip())) for p, v in self.PARAMETER.findall(m.group(2))}
 
     @staticmethod
     def _value(text: str, kind: Any) -> Any:
