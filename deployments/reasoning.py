@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployments.tool_calls import ReplyDelta, ToolCallReader, _held
+from deployments.tool_calls import ReplyDelta, ToolCallReader, held_back
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -50,7 +50,7 @@ class ReasoningReader:
             elif self._mode == "think":
                 i = buf.find(END)
                 if i < 0:
-                    cut = len(buf) - _held(buf, END)
+                    cut = len(buf) - held_back(buf, END)
                     reasoning += buf[:cut]
                     self._buf = buf[cut:]
                     return reasoning, content

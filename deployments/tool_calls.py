@@ -85,7 +85,7 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _held(text: str, mark: str) -> int:
+def held_back(text: str, mark: str) -> int:
     """How many characters at the end of `text` could start `mark` (held back until the next piece says)."""
     for k in range(min(len(mark) - 1, len(text)), 0, -1):
         if mark.startswith(text[-k:]):
@@ -197,7 +197,7 @@ class _MarkedReader(ToolCallReader):
             if not self._inside:
                 i = self._buf.find(self.START)
                 if i < 0:
-                    cut = len(self._buf) - _held(self._buf, self.START)
+                    cut = len(self._buf) - held_back(self._buf, self.START)
                     out.content += self._content(self._buf[:cut])
                     self._buf = self._buf[cut:]
                     return out
