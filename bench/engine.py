@@ -19,6 +19,7 @@ and the run goes on.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import random
@@ -37,6 +38,19 @@ MODULE = "bench.engine"
 DEFAULT_MODEL = "kairos-random-42m"
 _RUNS = itertools.count()  # request ids unique across repetitions
 GUIDED_WORDS = r"[A-Za-z ,.]*"  # the regex point's: words, commas and full stops, of any length
+# the sampling points, each the served step at the sampling batch beside greedy's: (section, the other run's key, its
+# sampling knobs, how the report and the headline name it)
+BESIDE_GREEDY: tuple[tuple[str, str, dict[str, Any], str, str], ...] = (
+    ("sampling", "top_p", {"temperature": 1.0, "top_p": 0.9}, "temperature 1.0 + top-p 0.9", "top-p 0.9"),
+    ("penalties", "penalized", {"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.1},
+     "repetition 1.1 + frequency 0.1", "penalties"),
+    ("logprobs", "logprobs", {"temperature": 0.0, "logprobs": 5}, "with logprobs 5 (a vLLM default)", "logprobs 5"),
+    ("json", "json", {"temperature": 0.0, "json_object": True}, "in JSON mode (rows checked on the host)",
+     "JSON mode"),
+    ("regex", "regex", {"temperature": 0.0, "regex": GUIDED_WORDS}, f"held to {GUIDED_WORDS!r} (on the host)",
+     "guided regex"),
+)
+SIDES = tuple(b[0] for b in BESIDE_GREEDY)
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.1-8B: 8.0B parameters, untied embeddings
@@ -310,8 +324,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         path = resolve_model_path(args.model or DEFAULT_MODEL)
         cfg = AutoConfig.from_pretrained(path)
 
-    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], "sampling": [], "penalties": [],
-                           "logprobs": [], "json": [], "regex": [],
+    res: dict[str, Any] = {"decode": [], "spread": [], "prefill": [], "hf": [], **{k: [] for k in SIDES},
                            "overlap": []}
     bmax = max(plan.batches + plan.spread_batches + plan.overlap_batches + (plan.sampling_batch,))
     try:
@@ -400,29 +413,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             log(f"{section} B={b}: {base['ms_step']:.2f} ms/step, {other} {alt['ms_step']:.2f} ms/step "
                 f"({d['ratio']:.3f}x)")
 
-        def sampling() -> None:
-            knobs = {"temperature": 1.0, "top_p": 0.9}
-            side_by_side("sampling", plan.sampling_batch, "top_p",
-                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
-
-        def penalties() -> None:  # greedy beside greedy under repetition and frequency penalties
-            knobs = {"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.1}
-            side_by_side("penalties", plan.sampling_batch, "penalized",
-                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
-
-        def logprobs() -> None:  # greedy beside greedy with each token's logprob and its 5 likeliest (a vLLM default)
-            knobs = {"temperature": 0.0, "logprobs": 5}
-            side_by_side("logprobs", plan.sampling_batch, "logprobs",
-                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
-
-        def json_mode() -> None:  # greedy beside greedy in JSON mode (each row's token checked on the host)
-            knobs = {"temperature": 0.0, "json_object": True}
-            side_by_side("json", plan.sampling_batch, "json",
-                         lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
-
-        def regex() -> None:  # greedy beside greedy held to a guided regex of words (each row's token checked on the host)
-            knobs = {"temperature": 0.0, "regex": GUIDED_WORDS}
-            side_by_side("regex", plan.sampling_batch, "regex",
+        def beside_greedy(section: str, other: str, knobs: dict[str, Any]) -> None:
+            side_by_side(section, plan.sampling_batch, other,
                          lambda prompts, tag: _served_decode(eng, events, prompts, plan, tag, knobs))
 
         def overlap() -> None:
@@ -441,16 +433,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         ladder("decode", plan.batches, lambda b: [plan.prompt_len] * b)
         if time_left("prefill"):
             guarded("prefill", prefill)
-        if plan.sampling_batch and time_left("sampling"):
-            guarded("sampling", sampling)
-        if plan.sampling_batch and time_left("penalties"):
-            guarded("penalties", penalties)
-        if plan.sampling_batch and time_left("logprobs"):
-            guarded("logprobs", logprobs)
-        if plan.sampling_batch and time_left("json"):
-            guarded("json", json_mode)
-        if plan.sampling_batch and time_left("regex"):
-            guarded("regex", regex)
+        for section, other, knobs, _, _ in BESIDE_GREEDY:
+            if plan.sampling_batch and time_left(section):
+                guarded(section, functools.partial(beside_greedy, section, other, knobs))
         if eng.overlap and plan.overlap_batches:
             guarded("overlap", overlap)
         ladder("spread", plan.spread_batches, lambda b: _spread_lengths(b, *plan.spread))
@@ -515,9 +500,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                             "bytes) / the copy bandwidth measured in this run",
         "plan": asdict(plan), "startup": startup, "kv_cache": kv_info, "rejected": rejected,
         "decode": res["decode"], "spread": res["spread"], "prefill": res["prefill"], "hf": res["hf"],
-        "sampling": res["sampling"], "penalties": res["penalties"], "logprobs": res["logprobs"],
-        "json": res["json"], "regex": res["regex"],
-        "overlap": res["overlap"], "skipped": skipped,
+        **{k: res[k] for k in SIDES}, "overlap": res["overlap"], "skipped": skipped,
         "versions": _versions(), "commit": info["commit"] or os.environ.get("KAIROS_COMMIT", ""),
         "date": info["date"], "command": info["command"], "env": info, "total_s": time.perf_counter() - t_all}
 
@@ -551,16 +534,10 @@ def headline(r: dict[str, Any]) -> str:
     if r["prefill"]:
         parts.append("prefill " + ", ".join(f"{p['shape']} {p['tok_s']:.0f} tok/s {p['tflops']:.1f} TFLOP/s"
                                             for p in r["prefill"]))
-    for d in r.get("sampling", []):
-        parts.append(f"top-p 0.9 at B={d['batch']} {d['ratio']:.3f}x greedy's step")
-    for d in r.get("penalties", []):
-        parts.append(f"penalties at B={d['batch']} {d['ratio']:.3f}x")
-    for d in r.get("logprobs", []):
-        parts.append(f"logprobs 5 at B={d['batch']} {d['ratio']:.3f}x")
-    for d in r.get("json", []):
-        parts.append(f"JSON mode at B={d['batch']} {d['ratio']:.3f}x")
-    for d in r.get("regex", []):
-        parts.append(f"guided regex at B={d['batch']} {d['ratio']:.3f}x")
+    for section, _, _, _, name in BESIDE_GREEDY:
+        for d in r.get(section, []):
+            parts.append(f"{name} at B={d['batch']} {d['ratio']:.3f}x" + (" greedy's step" if section == SIDES[0]
+                                                                          else ""))
     if r.get("overlap"):
         parts.append("without overlap " + ", ".join(f"B={d['batch']} {d['ratio']:.2f}x" for d in r["overlap"]))
     return "; ".join(parts)
@@ -569,8 +546,7 @@ def headline(r: dict[str, Any]) -> str:
 def write_run_summary(target: str, r: dict[str, Any]):
     figures = {k: r[k] for k in ("model", "shape", "device", "gpu", "dtype", "threads", "params", "weight_bytes",
                                  "bandwidth_gb_s", "peak_bf16_tflops", "bound_definition", "startup", "kv_cache",
-                                 "decode", "spread", "prefill", "hf", "sampling", "penalties", "logprobs", "json",
-                                 "regex", "overlap", "skipped",
+                                 "decode", "spread", "prefill", "hf", *SIDES, "overlap", "skipped",
                                  "versions", "total_s")}
     return write_summary(target, r["command"], headline(r), figures, commit=r["commit"])
 
@@ -601,21 +577,10 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"prefill {p['shape']}: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s, {p['tflops']:.2f} TFLOP/s"
               + (f" = {p['pct_of_peak']:.0f}% of {p['peak_tflops']:g} (bf16 dense peak, datasheet)"
                  if p["peak_tflops"] else ""))
-    for d in r["sampling"]:
-        print(f"sampling B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, temperature 1.0 + top-p 0.9 "
-              f"{d['top_p_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
-    for d in r.get("penalties", []):
-        print(f"penalties B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, repetition 1.1 + frequency 0.1 "
-              f"{d['penalized_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
-    for d in r.get("logprobs", []):
-        print(f"logprobs B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, with logprobs 5 "
-              f"{d['logprobs_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
-    for d in r.get("json", []):
-        print(f"JSON mode B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, in JSON mode {d['json_ms_step']:.2f} "
-              f"ms/step ({d['ratio']:.3f}x)")
-    for d in r.get("regex", []):
-        print(f"guided regex B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, held to {GUIDED_WORDS!r} "
-              f"{d['regex_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
+    for section, other, _, label, _ in BESIDE_GREEDY:
+        for d in r.get(section, []):
+            print(f"{section} B={d['batch']}: greedy {d['ms_step']:.2f} ms/step, {label} "
+                  f"{d[f'{other}_ms_step']:.2f} ms/step ({d['ratio']:.3f}x)")
     for d in r["overlap"]:
         print(f"overlap scheduling B={d['batch']}: {d['ms_step']:.2f} ms/step, without it {d['no_overlap_ms_step']:.2f} "
               f"ms/step ({d['ratio']:.2f}x)")
