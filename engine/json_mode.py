@@ -15,7 +15,7 @@ step feeds only the tokens new since."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -28,7 +28,7 @@ GREEDY_CANDIDATES = 64  # a greedy row's
 
 
 class JsonStates:
-    """Per JSON request: (reply tokens fed, the automaton's state after them); and the schemas compiled lately.
+    """Per guided request: (reply tokens fed, the automaton's state after them).
     A request's state is kept from its first plan (`hold`, on the engine's thread) to its `release`: a draw that
     lands after the release (overlap scheduling on the host stream: a step in flight when its request ended) keeps
     nothing."""
@@ -36,7 +36,6 @@ class JsonStates:
     def __init__(self) -> None:
         self._at: dict[str, tuple[int, State]] = {}
         self._live: set[str] = set()
-        self._schemas: dict[tuple, Any] = {}  # (compiler, text) -> compiled, a few (n choices share one)
 
     def hold(self, request_id: str) -> None:
         self._live.add(request_id)
@@ -44,24 +43,13 @@ class JsonStates:
     def origin(self, params: SamplingParams) -> State:
         """The state before a reply: any object (json_object), a value of its schema, or a match of its regex; after
         a reasoning model's thinking (`params.thinking`)."""
-        if params.regex is not None:
-            st = start_pattern(self._compiled(params.regex, compile_regex))
+        if params.regex is not None:  # (each compiled once for the requests that share it: the compilers' own caches)
+            st = start_pattern(compile_regex(params.regex))
         elif params.json_schema is None:
             st = START
         else:
-            st = start(self._compiled(params.json_schema, compile_schema))
+            st = start(compile_schema(params.json_schema))
         return st if params.thinking is None else thinking_first(st, params.thinking == "open")
-
-    def _compiled(self, text: str, make: Callable[[str], Any]) -> Any:
-        """A schema's or regex's compiled form, made once for the requests that share it (n choices, a client's
-        repeated format)."""
-        key = (make, text)
-        got = self._schemas.get(key)
-        if got is None:
-            if len(self._schemas) >= 64:
-                self._schemas.clear()
-            got = self._schemas[key] = make(text)
-        return got
 
     def state(self, request_id: str, params: SamplingParams, reply: list[int], text: Callable[[int], str]
               ) -> State | None:
