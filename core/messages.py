@@ -225,6 +225,7 @@ class RequestMetrics:
     # served tokens, at the calibration of that time: what it planned with then); None where it predicted none (no
     # predictor, an output-length hint, a reply only its cap ends)
     predicted_output_len: int | None = None
+    num_cached_tokens: int = 0  # the prompt tokens its admission found in the prefix cache (not computed again)
 
     @property
     def ttft_s(self) -> float | None:

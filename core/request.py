@@ -113,6 +113,13 @@ class Request:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
+    # prefix caching (the scheduler's BlockManager): while it waits, the tokens its cached prefix would spare it (as
+    # last looked up); once admitted, the cached block its next full block follows (None: it caches no more) and how
+    # many of its blocks are cached or were shared; and the prompt tokens its first admission found cached (usage)
+    prefix_hit: int = 0
+    cache_tail: object | None = field(default=None, repr=False)
+    num_registered: int = 0
+    num_cached_tokens: int = 0
     # scheduling state
     credit: float = 0.0
     num_preemptions: int = 0

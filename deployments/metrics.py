@@ -127,6 +127,10 @@ class ReplicaMetrics:
         self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
         self.kv_usage = gauge("kv_cache_usage", "paged-KV blocks in use, a fraction of all (0 to 1)")
         self.preemptions = ctr("preemptions", "requests preempted (KV freed, prefilled again later)")
+        self.prefix_queries = ctr("prefix_cache_queries", "prompt tokens admissions looked up in the prefix cache "
+                                  "(vLLM's prefix_cache_queries)")
+        self.prefix_hits = ctr("prefix_cache_hits", "of those, the tokens found cached, not computed again (vLLM's "
+                               "prefix_cache_hits)")
         self.rejected_seats_full = ctr("requests_rejected_seats_full", "of the requests rejected, those turned away "
                                        "while every seat (max_num_seqs) was taken: many say the seats, not the "
                                        "policy, bound the batch")
@@ -155,8 +159,7 @@ class ReplicaMetrics:
                                   "seconds (a loop falling behind its streams: deployments/pacing.py)",
                                   boundaries=_LOOP_LAG_S, tag_keys=("model",))
         self.loop_lag.set_default_tags(dict(model_tags))  # Serve mutates the dict
-        self._preempted_seen = 0
-        self._seats_full_seen = 0
+        self._seen: dict[str, int] = {}  # each engine count since start, as last handed to its counter (`_advance`)
         self._tiers: set[str] = set()
         self._itl = _TierRecorder(self.itl)
         # counts not yet on their counters, by tier, flushed at each metrics refresh and at a request's end
@@ -177,6 +180,15 @@ class ReplicaMetrics:
             return tier
         return OTHER_TIER
 
+    def _advance(self, name: str, counter: Any, now: int) -> None:
+        """Hand an engine's count since its start (`name`, now `now`) to its counter: what it grew since last read."""
+        seen = self._seen.get(name, 0)
+        if now < seen:  # a new engine (counting from 0 again)
+            seen = 0
+        if now > seen:
+            counter.inc(now - seen)
+        self._seen[name] = now
+
     def update_engine(self, st: Any, inflight: int) -> None:
         """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works), and hand the
         counts since the last refresh to their counters."""
@@ -193,18 +205,9 @@ class ReplicaMetrics:
         self.kv_free.set(g("kv_blocks_free"))
         used, total = g("kv_blocks_used"), g("kv_blocks_total")
         self.kv_usage.set(used / total if total else 0.0)
-        preempted, seen = g("preemptions"), self._preempted_seen
-        if preempted < seen:  # a new engine (counting from 0 again)
-            seen = 0
-        if preempted > seen:
-            self.preemptions.inc(preempted - seen)
-        self._preempted_seen = preempted
-        full, seen = g("rejected_seats_full"), self._seats_full_seen
-        if full < seen:  # a new engine
-            seen = 0
-        if full > seen:
-            self.rejected_seats_full.inc(full - seen)
-        self._seats_full_seen = full
+        for name, counter in (("preemptions", self.preemptions), ("rejected_seats_full", self.rejected_seats_full),
+                              ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+            self._advance(name, counter, g(name))
         self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))

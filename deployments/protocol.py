@@ -949,13 +949,16 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int,
 
 def engine_metrics(m: RequestMetrics | None) -> dict | None:
     """TTFT / TPOT / end-to-end as the engine measured them (ms), from the final item's metrics, and the reply
-    length its length predictor expected (`predicted_output_tokens`, where it predicted one)."""
+    length its length predictor expected (`predicted_output_tokens`, where it predicted one), and the prompt tokens
+    found in the prefix cache (`cached_prompt_tokens`, where there were any)."""
     if m is None:
         return None
     ms = {"ttft": m.ttft_s, "tpot": m.tpot_s, "e2e": m.e2e_s}
     out: dict = {f"{k}_ms": round(v * 1000.0, 3) for k, v in ms.items() if v is not None}
     if m.predicted_output_len is not None:
         out["predicted_output_tokens"] = m.predicted_output_len
+    if m.num_cached_tokens:
+        out["cached_prompt_tokens"] = m.num_cached_tokens
     return out or None
 
 

@@ -590,6 +590,7 @@ class LLMEngine:
             return
         new.num_preemptions, new.model_error = old.num_preemptions, old.model_error
         new.num_rejected_seats_full = old.num_rejected_seats_full
+        new.prefix_queries, new.prefix_hits = old.prefix_queries, old.prefix_hits
         self.scheduler = new
         self.config = self.config.model_copy(update={"scheduler": config})
         self._churn += 1  # the published snapshot is stale
@@ -754,6 +755,7 @@ class LLMEngine:
         streams, the step's feedback and the published stats."""
         sched, plan = self.scheduler, f.plan
         self._landed(f)
+        sched.landed(plan)  # (its KV is in the cache: its full blocks may be shared)
         t0 = time.perf_counter()
         tokens = f.tokens.result() if f.tokens is not None else []
         logprobs = f.tokens.logprobs() if f.tokens is not None else {}

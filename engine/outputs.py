@@ -141,7 +141,7 @@ class OutputProcessor:
             error_kind=error_kind if reason is FinishReason.ERROR else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             metrics=RequestMetrics(req.arrival_s, req.admitted_s, req.first_token_s, req.finished_s,
-                                   req.token_times, _planned_len(req)), logprobs=logprobs,
+                                   req.token_times, _planned_len(req), req.num_cached_tokens), logprobs=logprobs,
             prompt_logprobs=self._prompt_out(req, live) if last_token is not None else None))
 
 

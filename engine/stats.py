@@ -65,6 +65,9 @@ class EngineStats:
     tpot_inv_sum: float = 0.0  # sum of 1 / TPOT (ms) over the running requests with a TPOT SLO, as the gate counts
     num_best_effort: int = 0  # running requests without a TPOT SLO
     preemptions: int = 0  # requests preempted (their KV freed, to be prefilled again) since start
+    # prefix caching since start (vLLM's counters): the tokens admissions looked up, and those found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # the output tokens the running request nearest its end is still expected to make (its expected length, as the
     # scheduler plans for it, less its tokens out); None with none running
     nearest_end: int | None = None
@@ -109,6 +112,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         shed_threshold=None if s.last_shed_threshold == float("inf") else s.last_shed_threshold,
         decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()),
         tpot_inv_sum=inv_sum, num_best_effort=n_be, preemptions=s.num_preemptions,
+        prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
         nearest_end=None if nearest is None else max(0, nearest), policy=s.config.policy)
 
 

@@ -107,6 +107,10 @@ class SchedulerConfig(BaseModel):
     chunked_prefill: bool = Field(False, description="split a prompt over several steps so that no step computes "
                                   "more than prefill_max_tokens of prompt (vLLM's chunked prefill); a prompt in "
                                   "progress goes first in each step's budget")
+    enable_prefix_caching: bool = Field(True, description="keep each full block of computed tokens' KV for later "
+                                        "requests that start with the same tokens (vLLM's automatic prefix caching: a "
+                                        "shared system prompt or an earlier turn is computed once); blocks nobody "
+                                        "holds stay cached until a request needs them")
     prefill_admission_policy: Literal["fifo", "pack"] | None = None
     prefill_admission_lookahead: int = Field(64, gt=0)
     prefill_force_fifo_every: int | None = Field(None, ge=0, description="every N-th round is FIFO (0: never)")

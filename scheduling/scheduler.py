@@ -56,6 +56,9 @@ class StepPlan:
     num_prefill_tokens: int = 0  # fixed when planned: the prompt tokens this step computes
     num_prefill_sq: float = 0.0  # and their attention work in token pairs (predictor.prefill_sq, summed)
     decode_mean_len: float = 0.0  # mean context of the decodes, fixed when planned
+    # prefix caching: each request of the forward as launched, the tokens whose KV the step computes, and its
+    # preemptions then (the blocks it may cache once the step lands: `landed`)
+    kv_ends: list[tuple[Request, int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -94,7 +97,10 @@ class Scheduler:
                  tokenizer_fingerprint: str | None = None, tokenizer: Any = None) -> None:
         self.config = config
         self.flags = config.flags()
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, caching=config.enable_prefix_caching)
+        # prefix caching since start (metrics, vLLM's): the tokens admissions looked up, and those found cached
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.predictor = predictor
@@ -172,6 +178,7 @@ class Scheduler:
                 self.num_rejected_seats_full += 1
             return OVERLOADED
         req.status = Status.WAITING
+        self._peek(req)
         self.waiting.append(req)
         if self.floor is not None:
             self.floor.arrived(req.tpot_slo_ms, req.arrival_s, self._mid_len(req))
@@ -234,7 +241,8 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.blocks.free(req)
+        # (a request that failed may have left KV that is not its tokens': none of its own blocks stays cached)
+        self._release(req, keep_cached=reason is not FinishReason.ERROR)
         while req.token_ids and req.token_ids[-1] < 0:  # placeholders of tokens it will not get (`launched`)
             req.token_ids.pop()
         req.status = Status.FINISHED
@@ -297,12 +305,64 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def _start(req: Request) -> int:
+        """Where its prompt's computation stands: its computed tokens, or while it waits, its cached prefix."""
+        return req.num_computed_tokens or req.prefix_hit
+
     def _cost(self, req: Request) -> int:
-        return min(len(req.token_ids) - req.num_computed_tokens, self.max_model_len)
+        return min(len(req.token_ids) - self._start(req), self.max_model_len)
 
     def _cost_sq(self, req: Request) -> float:
         """The attention work (token pairs) of its `_cost` tokens, from where its prompt's computation stands."""
-        return prefill_sq(req.num_computed_tokens, req.num_computed_tokens + self._cost(req))
+        start = self._start(req)
+        return prefill_sq(start, start + self._cost(req))
+
+    # --- prefix caching ---
+    def _peek(self, req: Request) -> list:
+        """The cached blocks `req` (which holds none) could start with now, at least its last token left to compute;
+        sets its prefix_hit. None where caching is off or its prompt is computed whole (it asks for the prompt's
+        log-probabilities, vLLM's rule)."""
+        bm = self.blocks
+        if not bm.caching or req.block_table or req.params.prompt_logprobs is not None:
+            req.prefix_hit = 0
+            return []
+        hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len))
+        req.prefix_hit = len(hits) * bm.block_size
+        return hits
+
+    def _claim(self, req: Request, hits: list) -> None:
+        """`req`, admitted, starts with the cached blocks `hits` (`_peek`'s, this round): their tokens are computed."""
+        bm = self.blocks
+        if not bm.caching:
+            return
+        bm.share(req, hits)
+        n = len(hits) * bm.block_size
+        req.num_computed_tokens, req.prefix_hit = n, 0
+        req.cache_tail, req.num_registered = (hits[-1] if hits else bm.root), len(hits)
+        if req.first_token_s is None and not req.num_preemptions:
+            req.num_cached_tokens = n
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += n
+
+    def _release(self, req: Request, keep_cached: bool = True) -> None:
+        self.blocks.free(req, keep_cached)
+        req.cache_tail, req.num_registered = None, 0
+
+    def landed(self, plan: StepPlan) -> None:
+        """A launched step ran (its requests that failed have ended): each request still running as it was launched
+        caches its full blocks of tokens whose KV the step computed, for the requests after it (prefix caching)."""
+        running, bs = Status.RUNNING, self.blocks.block_size
+        for r, end, epoch in plan.kv_ends:
+            if r.status is not running or r.num_preemptions != epoch or r.cache_tail is None:
+                continue
+            ids = r.token_ids
+            full = min(end, len(ids)) // bs
+            while full > r.num_registered and min(ids[(full - 1) * bs:full * bs]) < 0:
+                full -= 1  # a block with a token still on its way (overlap scheduling: the tail's)
+            if full > r.num_registered:
+                r.cache_tail = self.blocks.register(r, ids, r.num_registered, full, r.cache_tail)
+                r.num_registered = full
 
     # --- the step decision ---
     def schedule(self, now: float) -> StepPlan:
@@ -413,7 +473,7 @@ class Scheduler:
         to all before it); with paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the decodes) also
         ends before the first one's next token is due, as `_hold` predicts it. The rest goes in later steps, at least
         a block a step, so that it always progresses."""
-        start, budget, model = r.num_computed_tokens, self.config.prefill_max_tokens, self.predictor
+        start, budget, model = self._start(r), self.config.prefill_max_tokens, self.predictor
         tests: list[Callable[[int], bool]] = []
         if beside and budget and model is not None:
             cap = model.prefill_ms(budget, prefill_sq(0, budget))
@@ -540,15 +600,17 @@ class Scheduler:
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
             if stall is True:
                 stall = self._stall_room(now)
+            hits = self._peek(r) if not r.block_table else []  # its cached prefix now (prefix caching)
             c, q = self._cost(r), self._cost_sq(r)
             chunk, chunk_sq = c, q  # what its prefill computes in this step (chunked: its first chunk)
             if chunked and c > budget:
-                chunk, chunk_sq = budget, prefill_sq(r.num_computed_tokens, r.num_computed_tokens + budget)
+                start = self._start(r)
+                chunk, chunk_sq = budget, prefill_sq(start, start + budget)
             cut = None  # where a best-effort prompt's computation stops this step, short of `chunk`
             if be_chunks and r.first_token_s is None and math.isinf(r.deadline_s):
                 # best effort: never held; beside running replies its prompt goes in chunks within what is left of
                 # the budget (at least a block), each within the step paced replies can take
-                start = r.num_computed_tokens
+                start = self._start(r)
                 end = start + chunk
                 if budget is not None and self.running:
                     end = min(end, start + max(budget - (step_tokens - step0), self.blocks.block_size))
@@ -561,10 +623,14 @@ class Scheduler:
             if decode_blocks is None:
                 decode_blocks = sum([self.blocks.extra_blocks_for(q, q.num_tokens) for q in self.running
                                      if not self._mid_prefill(q)])
-            if self.blocks.extra_blocks_for(r, r.num_tokens + 1) + decode_blocks > self.blocks.num_free:
+            bm = self.blocks
+            # (a cached prefix takes no new block, but the cached blocks nobody holds now count among the free)
+            if bm.extra_blocks_for(r, r.num_tokens + 1) - len(hits) + bm.blocks_to_share(hits) + decode_blocks \
+                    > bm.num_free:
                 kv_full = True  # memory is head-of-line: wait for blocks to free up
                 return Verdict.STOP
-            self.blocks.ensure(r, r.num_tokens)
+            self._claim(r, hits)
+            bm.ensure(r, r.num_tokens)
             if cut is not None:
                 self._first_chunks[id(r)] = cut
             round_tokens += c if cut is None else chunk  # (in chunks: only its first is in this step)
@@ -901,12 +967,13 @@ class Scheduler:
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
         self.running.remove(r)
-        self.blocks.free(r)
+        self._release(r)
         r.num_computed_tokens = 0
         r.num_preemptions += 1
         self.num_preemptions += 1
         r.credit = 0.0
         r.status = Status.WAITING
+        self._peek(r)  # (its own blocks, those it cached, are the likeliest)
         self.waiting.appendleft(r)
         plan.preempted.append(r)
 
@@ -918,7 +985,9 @@ class Scheduler:
         token id), LENGTH (max_tokens or the context window), ERROR (sampling failed), else None. Stop *strings*
         are text and the engine's; it ends such requests with `finish`."""
         reqs = plan.requests
-        return self.resolved(reqs, self.launched(plan, reqs), tokens, now)
+        index = self.launched(plan, reqs)
+        self.landed(plan)
+        return self.resolved(reqs, index, tokens, now)
 
     def launched(self, plan: StepPlan, reqs: list[Request]) -> list[int]:
         """The step is on its way: its KV will be in the cache before any later step reads it, and each request that
@@ -938,6 +1007,9 @@ class Scheduler:
             req.num_computed_tokens = n
             index.append(n)
             req.token_ids.append(-(row + 1))
+        if self.blocks.caching:
+            plan.kv_ends = [(r, r.num_computed_tokens, r.num_preemptions) for r in plan.forward
+                            if r.status is not finished]
         return index
 
     def resolved(self, reqs: list[Request], index: list[int], tokens: list[int | Exception], now: float
@@ -994,7 +1066,7 @@ class Scheduler:
         """The prompt tokens queued for prefill and their attention work in token pairs, in one pass."""
         tokens, sq = 0, 0.0
         for r in self.waiting:
-            c = self._cost(r)
+            c, start = self._cost(r), self._start(r)
             tokens += c
-            sq += prefill_sq(r.num_computed_tokens, r.num_computed_tokens + c)
+            sq += prefill_sq(start, start + c)
         return tokens, sq

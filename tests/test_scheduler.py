@@ -9,7 +9,13 @@ from scheduling.scheduler import OVERLOADED, Scheduler
 
 
 def _req(i, n, tpot=None, ttft=None, arrival=0.0):
-    return Request(f"r{i}", [1] * n, SamplingParams(max_tokens=8), SLO(ttft_ms=ttft, tpot_ms=tpot), arrival_s=arrival)
+    """Request i with a prompt of n tokens that no other request's begins with (no prefix cache hit)."""
+    return Request(f"r{i}", _prompt(i, n), SamplingParams(max_tokens=8), SLO(ttft_ms=ttft, tpot_ms=tpot),
+                   arrival_s=arrival)
+
+
+def _prompt(i, n):
+    return [100_000 + i] + [1] * (n - 1)
 
 
 def _sched(policy="fcfs", blocks=64, **kw):

@@ -215,8 +215,30 @@ def test_preempted_requests_resume_token_exact(device, ckpts, llama_engine):
         assert st.kv_blocks_free == st.kv_blocks_total == 40
     finally:
         eng.shutdown()
-    assert sum(e.num_prefill_tokens for e in events) > sum(map(len, prompts)), "nothing was preempted"
+    assert st.preemptions > 0 and sum(e.num_prefill_tokens for e in events) > sum(map(len, prompts))
     assert tight == free
+
+
+def test_replies_over_a_cached_prefix_equal_the_uncached_engines(device, ckpts):
+    """Prompts over one 100-token system prompt, and one prompt again: with prefix caching (the default) each
+    admission after the first computes only what follows the cached blocks (the paged prefill kernel over them), and
+    every reply equals an engine's without it, which computes each prompt whole."""
+    outs = {}
+    for caching in (False, True):
+        eng = make_engine(ckpts["llama"], device, block_size=16, enable_prefix_caching=caching)
+        try:
+            system = random_prompts([100], eng.bundle.vocab_limit, seed=41)[0]
+            tails = random_prompts([5, 40, 1, 130], eng.bundle.vocab_limit, seed=43)
+            prompts = [system + t for t in tails] + [system + tails[1]]
+            first = run_all([eng.add_request(prompts[0], greedy(16))])
+            outs[caching] = first + run_all(_submit_together(eng, prompts[1:], [greedy(16)] * 4))
+            eng.run_idle(lambda e: None, require_idle=False)
+            st = eng.stats()
+        finally:
+            eng.shutdown()
+        assert st.kv_blocks_free == st.kv_blocks_total
+        assert (st.prefix_cache_hits >= 4 * 96) == caching and (st.prefix_cache_hits == 0) != caching
+    assert outs[True] == outs[False]
 
 
 def test_default_temperature_and_sampling_knobs(device, llama_engine):

@@ -660,6 +660,25 @@ def test_completion_stream(client: httpx.Client) -> None:
     assert em["ttft_ms"] > 0 and em["tpot_ms"] > 0 and em["e2e_ms"] >= em["ttft_ms"]
 
 
+def test_a_prompt_sent_again_finds_its_blocks_in_the_prefix_cache(client: httpx.Client) -> None:
+    """Prefix caching over HTTP: a prompt sent three times (two of them reach the same one of this app's two
+    replicas). The `kairos_metrics` of one sent again count its prompt tokens found cached (every full block of it,
+    short of its last token, which is computed for its logits)."""
+    import uuid
+
+    prompt = " ".join(uuid.uuid4().hex for _ in range(12))  # no other request's prompt begins so
+    req = {"prompt": prompt, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    got = []
+    for _ in range(3):
+        with client.stream("POST", "/v1/completions", json=req) as r:
+            assert r.status_code == 200
+            last = json.loads(sse_events(r)[-2])
+        got.append((last["usage"]["prompt_tokens"], last["kairos_metrics"].get("cached_prompt_tokens", 0)))
+    n = got[0][0]
+    again = max(c for _, c in got[1:])
+    assert n > 64 and got[0][1] == 0 and n - 16 <= again < n, got  # (blocks of 16 tokens)
+
+
 def test_chat(client: httpx.Client) -> None:
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi"}]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 5,
@@ -908,7 +927,7 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
     want = {"ray_kairos_ttft_s_bucket", "ray_kairos_generation_tokens_total", "ray_kairos_kv_blocks_free",
             "ray_kairos_requests_rejected_total", "ray_kairos_decode_steps_total",
             "ray_kairos_decode_step_over_model_sum_total", "ray_kairos_scheduler_policy",
-            "ray_kairos_event_loop_lag_s_bucket"}
+            "ray_kairos_event_loop_lag_s_bucket", "ray_kairos_prefix_cache_queries_total"}
     deadline, names, text = time.monotonic() + 30, set(), ""
     while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
         r = client.get("/metrics")
