@@ -93,6 +93,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "tool_call_parser": a.tool_call_parser,
         "reasoning_parser": a.reasoning_parser,
         "trust_request_chat_template": a.trust_request_chat_template,
+        "prompt_tokens_details": a.enable_prompt_tokens_details,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
     }

@@ -85,6 +85,9 @@ class ServeArgs(BaseModel):
         "<function=...> and <parameter=...>, Qwen3-Coder; llama3_json: a JSON object, "
         "Llama 3.x; mistral: [TOOL_CALLS]); auto: the one its chat template shows; none (or a template that shows "
         "none): such requests get a 400")
+    enable_prompt_tokens_details: bool = Field(
+        False, description="each usage has OpenAI's `prompt_tokens_details` with `cached_tokens`, the prompt tokens "
+        "found in the prefix cache (vLLM's --enable-prompt-tokens-details)")
     trust_request_chat_template: bool = Field(
         False, description="a chat request's own `chat_template` is rendered (in transformers' sandbox) in place of "
         "the model's, as vLLM's --trust-request-chat-template; off: such a request gets a 400")

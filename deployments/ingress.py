@@ -268,6 +268,8 @@ class OpenAIFrontend:
         # how a reasoning model's thinking is read out of a chat reply (`deployments.reasoning`), or "none"
         self.reasoning_parser: str = settings.get("reasoning_parser", "none")
         self.trust_request_chat_template: bool = settings.get("trust_request_chat_template", False)
+        # each usage says how many prompt tokens the prefix cache held (enable_prompt_tokens_details)
+        self.prompt_tokens_details: bool = settings.get("prompt_tokens_details", False)
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -855,7 +857,9 @@ class OpenAIFrontend:
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
                 if kind == "completion" else P.read_replies(P.batch_chat_response(rid, model, choices),
                                                                self._reply_readers(body) or _no_reader)
-            return JSONResponse(whole_body, headers=_batch_headers([h for h, _ in done]))
+            # (each prompt once, as its tokens are counted: its first choice's)
+            cached = self._cached([w.last for _, w in done[::n]])
+            return JSONResponse(P.with_cached_tokens(whole_body, cached), headers=_batch_headers([h for h, _ in done]))
         wave = min(len(reqs), self.batch_concurrency)  # started before the response: its failures are its status
 
         def close(s: tuple[GenerateStream, RequestOutput, dict[str, str]] | None) -> None:
@@ -918,6 +922,7 @@ class OpenAIFrontend:
         tasks = [asyncio.ensure_future(pump(i, gen, first)) for i, (gen, first, _) in started]
         tasks += [asyncio.ensure_future(pump(i, None, None, req)) for i, req in later]
         left, pt, ct = total, 0, 0
+        finals: list[RequestOutput] = []  # each prompt's first choice's last item (its prompt counted once)
         fasts: dict[int, TextChunks | None] = {}  # each choice's text chunks (None with `continuous` or logprobs)
         shown: dict[int, P.Logprobs] = {}  # each choice's logprobs (with `top`)
         readers: dict[int, ReplyReader | None] = {}  # each choice's reader of its reply (with `tools`)
@@ -953,13 +958,22 @@ class OpenAIFrontend:
                     yield out
                 if item.finished:
                     left, ct = left - 1, ct + item.num_output_tokens
-                    pt += item.num_prompt_tokens if i % n == 0 else 0
+                    if i % n == 0:
+                        pt += item.num_prompt_tokens
+                        finals.append(item)
             if not left and include_usage:
-                yield P.sse(P.usage_chunk(rid, model, created, obj, pt, ct))
+                yield P.sse(P.usage_chunk(rid, model, created, obj, pt, ct, cached_tokens=self._cached(finals)))
             yield P.SSE_DONE
         finally:  # also on client disconnect: each pump cancelled cancels its stream
             for task in tasks:
                 task.cancel()
+
+    def _cached(self, finals: list[RequestOutput]) -> int | None:
+        """The prompt tokens the prefix cache held for these requests (their final items), where the usage says so
+        (enable_prompt_tokens_details)."""
+        if not self.prompt_tokens_details:
+            return None
+        return sum([f.metrics.num_cached_tokens for f in finals if f.metrics is not None])
 
     async def _rest(self, gen: Any, first: RequestOutput, rid: str, headers: dict[str, str]) -> "_Whole":
         """A non-streaming request's reply from its first item on (`_Whole`); an APIError where it failed."""
@@ -993,11 +1007,14 @@ class OpenAIFrontend:
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str, headers: dict[str, str],
                        model: str, body: P._Common | None = None, echo: str | None = None) -> JSONResponse:
         """A non-streaming request's response: its reply, with what `body` asks (logprobs), after `echo`."""
-        choice = _choice(kind, body, await self._rest(gen, first, rid, headers), echo)
+        whole = await self._rest(gen, first, rid, headers)
+        choice, cached = _choice(kind, body, whole, echo), self._cached([whole.last])
         if kind == "completion":
-            return JSONResponse(P.batch_completion_response(rid, model, [choice]), headers=headers)
-        return JSONResponse(P.read_replies(P.batch_chat_response(rid, model, [choice]),
-                                              self._reply_readers(body) or _no_reader), headers=headers)
+            return JSONResponse(P.with_cached_tokens(P.batch_completion_response(rid, model, [choice]), cached),
+                                headers=headers)
+        return JSONResponse(P.with_cached_tokens(P.read_replies(P.batch_chat_response(rid, model, [choice]),
+                                                                self._reply_readers(body) or _no_reader), cached),
+                            headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
@@ -1033,7 +1050,8 @@ class OpenAIFrontend:
                 item = check_output(await gen.__anext__())
             if include_usage and item.finish_reason is not FinishReason.ERROR:  # a failed stream ends at its error
                 yield P.sse(P.usage_chunk(rid, model, created, obj, item.num_prompt_tokens,
-                                          item.num_output_tokens, P.engine_metrics(item.metrics)))
+                                          item.num_output_tokens, P.engine_metrics(item.metrics),
+                                          self._cached([item])))
             yield P.SSE_DONE
         except (Exception, StopAsyncIteration) as e:  # replica died mid-stream or broke the contract: tell the
             log.warning("stream %s failed: %r", rid, e)  # client with an error event, end cleanly

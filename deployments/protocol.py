@@ -767,9 +767,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with `cached_tokens` (the app's enable_prompt_tokens_details), its `prompt_tokens_details`:
+    the prompt tokens found in the prefix cache."""
+    out: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def with_cached_tokens(response: dict, cached_tokens: int | None) -> dict:
+    """A whole response whose usage says its prompts' tokens found cached (None: says nothing)."""
+    if cached_tokens is not None:
+        response["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return response
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
@@ -939,9 +951,10 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, pt: int, ct: int,
-                metrics: dict | None = None) -> dict:
+                metrics: dict | None = None, cached_tokens: int | None = None) -> dict:
     """The final usage chunk; `metrics` (Kairos extension, ignored by OpenAI clients): the engine's own view."""
-    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(pt, ct)}
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+           "usage": usage(pt, ct, cached_tokens)}
     if metrics:
         out["kairos_metrics"] = metrics
     return out

@@ -194,7 +194,8 @@ def response_object(rid: str, model: str, echoed: dict[str, Any], output: list[d
             **echoed,
             "usage": None if usage is None else {
                 "input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
-                "total_tokens": u.get("total_tokens", 0), "input_tokens_details": {"cached_tokens": 0},
+                "total_tokens": u.get("total_tokens", 0), "input_tokens_details": {
+                    "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
                 "output_tokens_details": {"reasoning_tokens": 0}}}
 
 

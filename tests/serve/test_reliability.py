@@ -63,7 +63,7 @@ def _rel_app(tmp: Path):
     return build_app({**TEST_ARGS, "num_replicas": 1, "topology": "routed", "api_key_file": str(key_file),
                       "allowed_origins": ORIGIN, "log_prompts": True, "health_check_period_s": 1.0,
                       "health_check_timeout_s": 10.0, "tool_call_parser": "auto", "reasoning_parser": "deepseek_r1",
-                      "trust_request_chat_template": True})
+                      "trust_request_chat_template": True, "enable_prompt_tokens_details": True})
 
 
 SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
@@ -153,6 +153,32 @@ def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> 
         shaped = c.post(CHAT, json={**chat, "response_format": {"type": "json_object"}}).json()["choices"][0]
         assert shaped["message"]["content"] is None and shaped["message"]["reasoning_content"], shaped
         assert shaped["finish_reason"] == "length"
+
+
+def test_the_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(rel_app: dict) -> None:
+    """This app's usages have OpenAI's prompt_tokens_details (enable_prompt_tokens_details, vLLM's flag): a chat sent
+    again (one replica) finds all of its prompt's full blocks cached, whole and streamed; a batch of completions sums
+    its prompts'; the Responses API's usage says the same as input_tokens_details."""
+    import json
+    import uuid
+
+    words = " ".join(uuid.uuid4().hex for _ in range(12))
+    chat = {"messages": [{"role": "user", "content": words}], "max_tokens": 2}
+    with httpx.Client(base_url=rel_app["url"], timeout=60, headers=rel_app["auth"]) as c:
+        first = c.post(CHAT, json=chat).json()["usage"]
+        again = c.post(CHAT, json=chat).json()["usage"]
+        n = again["prompt_tokens"]
+        assert first["prompt_tokens_details"]["cached_tokens"] < n - 16 <= again["prompt_tokens_details"][
+            "cached_tokens"] < n, (first, again)
+        r = c.post(CHAT, json={**chat, "stream": True, "stream_options": {"include_usage": True}})
+        usage = [json.loads(line[6:]) for line in r.text.splitlines()
+                 if line.startswith("data: ") and line != "data: [DONE]"][-1]["usage"]
+        assert usage["prompt_tokens_details"] == again["prompt_tokens_details"], usage
+        assert c.post(CMPL, json={"prompt": words, "max_tokens": 2}).status_code == 200  # (its blocks cached)
+        both = c.post(CMPL, json={"prompt": [words, words], "max_tokens": 2}).json()["usage"]
+        assert both["prompt_tokens_details"]["cached_tokens"] >= 2 * 64, both
+        resp = c.post("/v1/responses", json={"input": words, "max_output_tokens": 2}).json()["usage"]
+        assert resp["input_tokens_details"]["cached_tokens"] >= 64, resp
 
 
 def test_a_trusted_request_chat_template_renders_the_prompt(rel_app: dict) -> None:
