@@ -338,6 +338,12 @@ def _http_added(f: dict[str, Any]) -> str:
     return f"TTFT {ttft:+.1f} ms, ITL {itl:+.1f} ms (p50)"
 
 
+def _prefix_cache(f: dict[str, Any]) -> str:
+    on, off = f["rows"]
+    return (f"TTFT p50 {on['TTFT p50 ms']:.1f} ms with it, {off['TTFT p50 ms']:.1f} ms without "
+            f"({f['ttft_p50_speedup']:.1f}×); replies alike {f['replies_alike']}/{f['requests']}")
+
+
 def _slo_gpu(f: dict[str, Any]) -> str:
     rows = [r for r in f.get("rows") or [] if r["lengths"] == "predicted"]
     if not rows:
@@ -385,6 +391,8 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
      "slo-sharegpt-1.5x-3seeds-484req-acc67-zen4", _slo_goodput),
     ("Issue 55's CPU ratios over repeated runs of that protocol (mean of the runs, 90% interval)",
      "slo-sharegpt-1.5x-pooled-*", _pooled),
+    ("Prefix caching: requests over one 1,000-token system prompt, each alone (SmolLM2-135M)",
+     "prefix-cache-smollm2-zen5", _prefix_cache),
     ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
     ("The same on a GPU (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h*-llama8b*", _http_added),
     ("SLO goodput on one GPU replica over Ray Serve (8B shape, ShareGPT, lengths predicted, seeds 0 and 1)",
