@@ -21,6 +21,10 @@ come the replicas whose engine reported itself dead and those that stopped repor
 a partition, which Serve replaces only after its health check has timed out three times). Each replica is its
 own rank, so Ray falls through to the next one when the best is at `max_ongoing_requests`. Other methods
 (`stats`, ...) are spread uniformly at random, dead and silent replicas last.
+Prefix affinity (each replica keeps the prompts it served in its prefix cache): among the replicas whose slack is
+within `AFFINITY_SLACK` of the best one's (best effort: whose load is within `AFFINITY_LOAD` of the least loaded),
+the one this router last sent the longest prefix of the request's prompt (`prefix_keys`: its text cut at 256, 512,
+1,024 ... characters) goes first, as Ray Serve LLM's PrefixCacheAffinityRouter does within its load imbalance bound.
 Pace affinity (each TPOT tier first where it already sets the batch's pace) was tried twice and removed (git
 history): ranking by slack already sends most strict requests to one replica, and affinity only cost the
 interactive tier its TTFT.
@@ -31,7 +35,7 @@ import logging
 import math
 import random
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +55,10 @@ REFUSED_TTL_S = 2.0  # a replica that turned a request away is passed over for a
 # a replica whose last report is this much older than the freshest one of the others has stopped answering (a stopped
 # process, a network partition: Serve's health check replaces it only after three timeouts, about 90 s)
 SILENT_S = 15.0
+PREFIX_CHARS = 256  # the shortest prefix of a prompt's text the router remembers and matches (then twice as long ...)
+PREFIX_KEEP = 8192  # prefixes remembered per replica, the least recently sent forgotten first
+AFFINITY_SLACK = 0.1  # a replica holding a longer prefix goes first if its slack is at most this much below the best
+AFFINITY_LOAD = 2.0  # (a best-effort request: if its load is at most this many requests above the least loaded)
 
 
 def silent(candidates: list[RunningReplica]) -> list[ReplicaID]:
@@ -123,6 +131,31 @@ def generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
     return req
 
 
+def prefix_keys(req: GenerateRequest) -> list[int]:
+    """The request's prompt (its text, token ids or chat turns) cut at PREFIX_CHARS characters, twice that, and so on,
+    each hashed: the longest first."""
+    if req.messages is not None:
+        text = "\x00".join(f"{t.role}\x01{t.content}\x01{t.tool_calls or ''}" for t in req.messages)
+    elif isinstance(req.prompt, str):
+        text = req.prompt
+    else:
+        text = ",".join(map(str, req.prompt or ()))
+    keys, k = [], PREFIX_CHARS
+    while k <= len(text):
+        keys.append(hash(text[:k]))
+        k *= 2
+    return keys[::-1]
+
+
+def prefix_match(keys: list[int], held: OrderedDict[int, None] | None) -> int:
+    """How many of `keys` (`prefix_keys`) the prefixes `held` begin with: 0 for none, len(keys) for all."""
+    if held:
+        for i, key in enumerate(keys):
+            if key in held:
+                return len(keys) - i
+    return 0
+
+
 def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
          inflight_tpot_ms: float | None = None) -> ReplicaView:
     """What to believe about a replica: its last `RoutingStats` report (None or {} before the first) plus the
@@ -177,16 +210,17 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
 
 
 def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], slo: SLO,
-         avoid: tuple[str, ...] = ()) -> list[RunningReplica]:
+         avoid: tuple[str, ...] = (), affinity: dict[ReplicaID, int] | None = None) -> list[RunningReplica]:
     """Replicas best first (see the module docstring); the ones in `avoid` (by unique id: they turned this request
     away already) last, in the same order among themselves, and after them the ones whose engine is dead (their
     report says so: Serve routes to them until their health checks fail, and they fail every request at once, which
-    makes them look the least loaded)."""
+    makes them look the least loaded). `affinity`: how much of the request's prompt each replica holds
+    (`prefix_match`)."""
     dead = [r for r in candidates if not views[r.replica_id].alive]
     if dead:
-        return rank([r for r in candidates if views[r.replica_id].alive], views, slo, avoid) + dead
+        return rank([r for r in candidates if views[r.replica_id].alive], views, slo, avoid, affinity) + dead
     if avoid:
-        ranked = rank(candidates, views, slo)
+        ranked = rank(candidates, views, slo, affinity=affinity)
         return [r for r in ranked if r.replica_id.unique_id not in avoid] + \
             [r for r in ranked if r.replica_id.unique_id in avoid]
     shuffled = random.sample(candidates, len(candidates))  # random tie-break
@@ -198,10 +232,20 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], 
     for r in shuffled:
         s = slack(views[r.replica_id], slo)
         (ok if s is not None else rest).append((s, r))
-    if slo.ttft_ms is None and slo.tpot_ms is None:
+    best_effort = slo.ttft_ms is None and slo.tpot_ms is None
+    if best_effort:
         ok_sorted = sorted((r for _, r in ok), key=load_key)  # best effort: least loaded
     else:
         ok_sorted = [r for _, r in sorted(ok, key=lambda sr: (-min(sr[0], 1e9), load_key(sr[1])))]
+    if affinity and len(ok_sorted) > 1:
+        first = ok_sorted[0]
+        held = max(ok_sorted, key=lambda r: affinity.get(r.replica_id, 0))  # (the best ranked of equals)
+        if affinity.get(held.replica_id, 0) > affinity.get(first.replica_id, 0):
+            slacks = {r.replica_id: min(s, 1e9) for s, r in ok}
+            if views[held.replica_id].load <= views[first.replica_id].load + AFFINITY_LOAD if best_effort else \
+                    slacks[held.replica_id] >= slacks[first.replica_id] - AFFINITY_SLACK:
+                ok_sorted.remove(held)
+                ok_sorted.insert(0, held)
     return ok_sorted + sorted((r for _, r in rest), key=load_key)
 
 
@@ -223,6 +267,9 @@ class SLORouter(RequestRouter):
         # replica unique id -> (wall time, SLO, reason) of the last refusal the ingress saw from it (refusals.py)
         self._refused: dict[str, tuple[float, SLO, str]] = {}
         refusals.subscribe(self._refused)
+        # replica -> the prompt prefixes (`prefix_keys`) this router sent it, least recently sent first: what its
+        # prefix cache likely holds (prefix affinity)
+        self._prefixes: dict[ReplicaID, OrderedDict[int, None]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -247,7 +294,17 @@ class SLORouter(RequestRouter):
             if r.replica_id in quiet:  # ranked with the dead: last
                 views[r.replica_id] = replace(views[r.replica_id], alive=False)
         avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo)
-        ranked = rank(candidate_replicas, views, req.slo, avoid)
+        keys = prefix_keys(req)
+        affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
+            if keys and self._prefixes else None
+        ranked = rank(candidate_replicas, views, req.slo, avoid, affinity)
+        if keys:
+            held = self._prefixes.setdefault(ranked[0].replica_id, OrderedDict())
+            for key in keys:
+                held[key] = None
+                held.move_to_end(key)
+            while len(held) > PREFIX_KEEP:
+                held.popitem(last=False)
         self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
         self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
         return [[r] for r in ranked]
@@ -337,6 +394,7 @@ class SLORouter(RequestRouter):
         self._inflight.pop(replica_id, None)
         self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}
         self._reconciled.pop(replica_id, None)
+        self._prefixes.pop(replica_id, None)
         self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}
 
 

@@ -414,6 +414,53 @@ def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) ->
     assert choose(pow2) == ["fresh", "stuck"]
 
 
+def test_router_sends_a_prompt_where_its_prefix_went_while_that_costs_little_slack() -> None:
+    """Prefix affinity: a request whose prompt begins as one sent to a replica goes there (its prefix cache likely
+    holds it) while that replica's slack is within AFFINITY_SLACK of the best (best effort: its load within
+    AFFINITY_LOAD of the least loaded); else the ranking stands. A short prompt has no prefix to match."""
+    import asyncio
+
+    from deployments.router import PREFIX_CHARS, SLORouter, prefix_keys, prefix_match
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+    system = "You are a careful assistant. " * 40  # 1,160 characters
+
+    def pending(call_id: str, prompt: str, **slo):
+        req = GenerateRequest(f"cmpl-{call_id}", prompt=prompt, slo=SLO(**slo), prompt_len_hint=64)
+        return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call_id),
+                               args=(req,), kwargs={})
+
+    def choose(replicas, p) -> str:
+        got = asyncio.run(router.choose_replicas(replicas, p))[0][0].replica_id
+        router.on_request_routed(p, got, None)
+        router.on_request_completed(got, p.metadata.internal_request_id)
+        return got
+
+    a, b = _replica("a", _stats(10, 20, kv=100)), _replica("b", _stats(10, 20, kv=99))  # "a" first on ties
+    assert choose([a, b], pending("0", "hi")) == "a"
+    assert router._prefixes == {}  # (shorter than PREFIX_CHARS: nothing to remember)
+    b_first = [_replica("a", _stats(10, 20, load=1)), b]  # "b" less loaded: best effort goes there
+    assert choose(b_first, pending("1", system + "first question")) == "b"
+    assert choose([a, b], pending("2", system + "second question")) == "b"  # "a" no longer first: "b" holds it
+    assert choose([a, b], pending("3", "another " * 200)) == "a"  # no prefix of it went anywhere
+    busy_b = _replica("b", _stats(10, 20, load=4))  # 4 requests above "a": past AFFINITY_LOAD
+    assert choose([a, busy_b], pending("4", system + "third")) == "a"
+    assert choose([a, b], pending("4b", system + "then")) == "a"  # both hold it now: the ranking stands
+    # with SLOs: within the slack bound it goes where the prefix is, past it to the most slack
+    system = "Answer in French. " * 60
+    assert choose(b_first, pending("4c", system + "first")) == "b"
+    near = _replica("b", _stats(10, 50))  # TTFT 50 ms of 400: slack 0.875 against "a"'s 0.95
+    far = _replica("b", _stats(10, 300))  # slack 0.25
+    assert choose([a, near], pending("5", system + "fourth", ttft_ms=400)) == "b"
+    assert choose([a, far], pending("6", system + "fifth", ttft_ms=400)) == "a"
+    # the keys: the text cut at 256, 512, 1,024 characters, longest first; a match counts how far it goes
+    keys = prefix_keys(GenerateRequest("x", prompt=system))
+    assert len(keys) == 3 and PREFIX_CHARS == 256
+    assert prefix_match(keys, router._prefixes["b"]) == 3 and prefix_match(keys, None) == 0
+    assert prefix_keys(GenerateRequest("x", prompt=system[:300])) == keys[-1:]
+
+
 def test_router_bookkeeping_survives_a_reroute_under_the_same_request_id() -> None:
     from deployments.router import SLORouter
 
