@@ -49,6 +49,10 @@ class BlockManager:
         self._node: dict[int, CachedBlock] = {}  # the cached blocks, by block
         self._idle: OrderedDict[int, None] = OrderedDict()  # the cached blocks nobody holds, least recently freed first
         self.root = CachedBlock(-1, None, ())
+        # how many times blocks were cached, and uncached: a lookup made when both were as now still holds, and one
+        # made when only `added` was less may have grown since (`lookup`'s `after`)
+        self.added = 0
+        self.dropped = 0
 
     @property
     def num_free(self) -> int:
@@ -92,9 +96,10 @@ class BlockManager:
                 refs[b] = 1
             table.append(b)
 
-    def free(self, seq: HasBlocks, keep_cached: bool = True) -> None:
-        """Give back `seq`'s blocks. A cached block nobody else holds stays cached (unless not `keep_cached`: a request
-        that failed, whose KV may not be what its tokens say, leaves none of its own blocks to others)."""
+    def free(self, seq: HasBlocks, keep_cached: bool = True, shared: int = 0) -> None:
+        """Give back `seq`'s blocks. A cached block nobody else holds stays cached, unless not `keep_cached`: a request
+        that failed, whose KV may not be what its tokens say, leaves none of its own blocks to others (its first
+        `shared` blocks, which it found cached, were not its own to write)."""
         if not seq.block_table:
             return
         free, refs = self._free, self._refs
@@ -102,12 +107,14 @@ class BlockManager:
             for b in seq.block_table:
                 heappush(free, b)
         else:
-            for b in reversed(seq.block_table):  # its last blocks are the first to go
+            table = seq.block_table
+            for i in range(len(table) - 1, -1, -1):  # its last blocks are the first to go
+                b = table[i]
                 refs[b] -= 1
                 if refs[b]:
                     continue
                 if b in self._node:
-                    if keep_cached:
+                    if keep_cached or i < shared:
                         self._idle[b] = None
                         continue
                     self._drop(self._node[b])
@@ -115,13 +122,16 @@ class BlockManager:
         seq.block_table = []
 
     # --- prefix caching ---
-    def lookup(self, token_ids: list[int], limit: int) -> list[CachedBlock]:
+    def lookup(self, token_ids: list[int], limit: int, after: list[CachedBlock] | None = None) -> list[CachedBlock]:
         """The cached blocks that hold the KV of `token_ids`' first full blocks, at most `limit` tokens of them, in
-        order: a request that starts with those tokens may `share` them."""
+        order: a request that starts with those tokens may `share` them. `after`: an earlier lookup's, made when
+        nothing was uncached since (`dropped` as now), from whose end this one goes on."""
         if not self._node:
             return []
-        bs, node, out = self.block_size, self.root, []
-        for start in range(0, limit - bs + 1, bs):
+        bs = self.block_size
+        out = list(after) if after else []
+        node = out[-1] if out else self.root
+        for start in range(len(out) * bs, limit - bs + 1, bs):
             node = node.children.get(tuple(token_ids[start:start + bs]))
             if node is None:
                 break
@@ -163,8 +173,14 @@ class BlockManager:
                 child = CachedBlock(b, node, key)
                 node.children[key] = child
                 self._node[b] = child
+                self.added += 1
             node = child
         return node
+
+    def clear_cache(self) -> None:
+        """Uncache every block nobody holds (their KV is about to be overwritten: a profile on the idle engine)."""
+        while self._idle:
+            self._evict_one()
 
     def _evict_one(self) -> None:
         """Free the cached block least recently freed that nobody holds (into the uncached free blocks), and uncache
@@ -178,6 +194,7 @@ class BlockManager:
         from the idle blocks to the free ones; one a request holds (its chain went on from a block cached by another,
         its own a copy) stays that request's, uncached."""
         del node.parent.children[node.tokens]
+        self.dropped += 1
         refs, idle, stack = self._refs, self._idle, [node]
         while stack:
             n = stack.pop()

@@ -298,8 +298,9 @@ class SLORouter(RequestRouter):
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
         ranked = rank(candidate_replicas, views, req.slo, avoid, affinity)
-        if keys:
-            held = self._prefixes.setdefault(ranked[0].replica_id, OrderedDict())
+        top = ranked[0]
+        if keys and views[top.replica_id].alive and not (avoid and top.replica_id.unique_id in avoid):
+            held = self._prefixes.setdefault(top.replica_id, OrderedDict())
             for key in keys:
                 held[key] = None
                 held.move_to_end(key)

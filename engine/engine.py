@@ -992,5 +992,7 @@ def _when_idle(fn: Callable[[LLMEngine], T]) -> Callable[[LLMEngine], T]:
     def guarded(e: LLMEngine) -> T:
         if e._requests:
             raise RuntimeError(f"{len(e._requests)} requests in flight")
+        # a job on the idle engine may write any block (profile probes take them from the first): none stays cached
+        e.scheduler.blocks.clear_cache()
         return fn(e)
     return guarded

@@ -321,14 +321,19 @@ class Scheduler:
     # --- prefix caching ---
     def _peek(self, req: Request) -> list:
         """The cached blocks `req` (which holds none) could start with now, at least its last token left to compute;
-        sets its prefix_hit. None where caching is off or its prompt is computed whole (it asks for the prompt's
-        log-probabilities, vLLM's rule)."""
+        sets its prefix_hit. Looked up again only where the cache changed since its last lookup, from where that one
+        ended where nothing was uncached since. Nothing where caching is off or its prompt is computed whole (it asks for
+        the prompt's log-probabilities, vLLM's rule)."""
         bm = self.blocks
         if not bm.caching or req.block_table or req.params.prompt_logprobs is not None:
-            req.prefix_hit = 0
+            req.prefix_hit, req.prefix_nodes = 0, []
             return []
-        hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len))
-        req.prefix_hit = len(hits) * bm.block_size
+        seen, was = (bm.added, bm.dropped), req.prefix_seen
+        if was == seen:
+            return req.prefix_nodes
+        after = req.prefix_nodes if was is not None and was[1] == bm.dropped else None
+        hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len), after)
+        req.prefix_nodes, req.prefix_seen, req.prefix_hit = hits, seen, len(hits) * bm.block_size
         return hits
 
     def _claim(self, req: Request, hits: list) -> None:
@@ -338,16 +343,17 @@ class Scheduler:
             return
         bm.share(req, hits)
         n = len(hits) * bm.block_size
-        req.num_computed_tokens, req.prefix_hit = n, 0
-        req.cache_tail, req.num_registered = (hits[-1] if hits else bm.root), len(hits)
+        req.num_computed_tokens, req.prefix_hit, req.prefix_nodes, req.prefix_seen = n, 0, [], None
+        req.cache_tail, req.num_registered, req.num_shared = (hits[-1] if hits else bm.root), len(hits), len(hits)
         if req.first_token_s is None and not req.num_preemptions:
             req.num_cached_tokens = n
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += n
+        if req.params.prompt_logprobs is None:  # (one computed whole looked nothing up)
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += n
 
     def _release(self, req: Request, keep_cached: bool = True) -> None:
-        self.blocks.free(req, keep_cached)
-        req.cache_tail, req.num_registered = None, 0
+        self.blocks.free(req, keep_cached, req.num_shared)
+        req.cache_tail, req.num_registered, req.num_shared = None, 0, 0
 
     def landed(self, plan: StepPlan) -> None:
         """A launched step ran (its requests that failed have ended): each request still running as it was launched
@@ -371,6 +377,9 @@ class Scheduler:
         busy = bool(self.running)
         if self.margin is not None:
             self.margin.expire(now)
+        if self.blocks.caching:  # what each waiting prompt finds cached now: its cost, for every decision below
+            for r in self.waiting:
+                self._peek(r)
         if f.queue_order == "ldf" and f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
         if f.ttft_reject and self.predictor is not None and self.waiting:
@@ -973,6 +982,7 @@ class Scheduler:
         self.num_preemptions += 1
         r.credit = 0.0
         r.status = Status.WAITING
+        r.prefix_seen = None  # (its tokens grew: looked up afresh)
         self._peek(r)  # (its own blocks, those it cached, are the likeliest)
         self.waiting.appendleft(r)
         plan.preempted.append(r)

@@ -204,7 +204,7 @@ def test_a_request_over_a_prefix_another_computed_starts_after_it_and_costs_only
     assert p.prefill == [c, d] and p.num_prefill_tokens == 4 + 20
 
 
-def test_a_preempted_request_finds_its_own_blocks_cached_and_a_failed_one_leaves_none():
+def test_a_preempted_request_finds_its_own_blocks_cached_and_a_failed_one_leaves_only_what_it_found():
     s = _sched()
     a = Request("a", list(range(1, 14)), SamplingParams(max_tokens=20))
     s.add(a)
@@ -217,8 +217,45 @@ def test_a_preempted_request_finds_its_own_blocks_cached_and_a_failed_one_leaves
     p = s.schedule(0.0)
     assert p.prefill == [a] and a.num_computed_tokens == 16
     _step(s, p)
-    s.finish(a, FinishReason.ERROR, 0.0)
-    assert s.blocks.num_cached == 0 and s.blocks.num_free == 64
+    s.finish(a, FinishReason.STOP, 0.0)
+    assert s.blocks.num_cached == 4
+    # one that found a's blocks, cached two of its own, then failed: its own leave the cache, a's stay
+    b = Request("b", a.token_ids[:16] + list(range(50, 59)), SamplingParams(max_tokens=20))
+    s.add(b)
+    p = s.schedule(0.0)
+    assert b.num_computed_tokens == 16 and p.num_prefill_tokens == 9
+    _step(s, p)
+    assert s.blocks.num_cached == 6
+    s.finish(b, FinishReason.ERROR, 0.0)
+    assert s.blocks.num_cached == 4 and s.blocks.num_free == 64
+
+
+def test_the_costs_of_waiting_requests_follow_the_cache_as_it_changes():
+    """A request that arrived before its prefix was computed costs only the rest once it is (each step's decisions
+    read what each waiting prompt finds cached now), and a hit whose blocks were evicted since costs it all again."""
+    s = Scheduler(SchedulerConfig(policy="fcfs", prefill_max_tokens=40), 12, 4, max_model_len=48)
+    a = Request("a", list(range(1, 34)), SamplingParams(max_tokens=1))  # 33 tokens: 8 full blocks
+    b = Request("b", list(range(1, 34)) + [99], SamplingParams(max_tokens=1))
+    s.add(a)
+    s.add(b)
+    assert b.prefix_hit == 0
+    p = s.schedule(0.0)
+    assert p.prefill == [a]  # 33 + 34 past the budget of 40
+    for req, tok, reason in _step(s, p):
+        s.finish(req, reason, 0.0)
+    p = s.schedule(0.0)
+    assert p.prefill == [b] and p.num_prefill_tokens == 2 and b.num_computed_tokens == 32
+    for req, tok, reason in _step(s, p):
+        s.finish(req, reason, 0.0)
+    c = Request("c", list(range(1, 34)) + [7], SamplingParams(max_tokens=1))
+    s.add(c)
+    assert c.prefix_hit == 32 and s._cost(c) == 2
+    d = Request("d", list(range(200, 248)), SamplingParams(max_tokens=1))  # every block, a's evicted
+    s.blocks.ensure(d, 48)
+    e = Request("e", list(range(300, 302)), SamplingParams(max_tokens=1))
+    s.add(e)
+    s.schedule(0.0)  # (nothing fits: d holds the blocks) the costs are read again
+    assert c.prefix_hit == 0 and s._cost(c) == 34
 
 
 def test_caching_off_finds_nothing():
@@ -295,5 +332,33 @@ def test_a_cache_smaller_than_the_traffic_evicts_and_stays_exact(tiny_checkpoint
         time.sleep(0.05)
         st = eng.stats()
         assert st.kv_blocks_free == 60 and st.prefix_cache_hits > 0
+    finally:
+        eng.shutdown()
+
+
+def test_a_profile_on_the_idle_engine_leaves_nothing_cached_for_its_probes_to_overwrite(tiny_checkpoints, tmp_path):
+    """reprofile's probes write throwaway KV into the cache's first blocks: the idle engine uncaches every block
+    first, so a request over a prefix served before the profile computes it again and is still HF's."""
+    path = tiny_checkpoints["llama"]
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
+                                 max_model_len=200, scheduler=SchedulerConfig(
+                                     policy="fcfs", prefill_max_tokens=256, predictor_path=str(tmp_path / "p.json"))))
+
+    def run(p):
+        out = []
+        for o in eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)):
+            out.extend(o.token_ids)
+        return out, o.metrics.num_cached_tokens
+
+    try:
+        g = random.Random(1)
+        system = [g.randrange(1, eng.bundle.vocab_limit) for _ in range(40)]
+        a, b = system + [7, 8, 9], system + [11, 12]
+        got_a, _ = run(a)
+        assert eng.scheduler.blocks.num_cached >= 10
+        eng.reprofile(time_budget_s=1.0)
+        assert eng.scheduler.blocks.num_cached == 0
+        got_b, cached = run(b)
+        assert cached == 0 and [got_a, got_b] == _hf_greedy(path, [a, b], [8, 8])
     finally:
         eng.shutdown()
