@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.summary:
         figures: dict[str, Any] = {"rows": rows, "requests": len(prompts), "prompt_tokens": total,
                                    "cached_tokens": cached_tokens, "ttft_p50_speedup": round(speedup, 3),
-                                   "replies_alike": agree, "args": vars(args), "run": run_info("bench.prefix_cache", argv)}
+                                   "replies_alike": agree, "args": vars(args),
+                                   "run": run_info("bench.prefix_cache", argv)}
         headline = (f"{args.system_tokens}-token system prompt, {len(prompts)} requests one at a time: TTFT p50 "
                     f"{rows[0]['TTFT p50 ms']} ms with prefix caching, {rows[1]['TTFT p50 ms']} ms without "
                     f"({speedup:.2f}x); prompt tokens computed {computed[True]} / {computed[False]}")

@@ -322,8 +322,8 @@ class Scheduler:
     def _peek(self, req: Request) -> list:
         """The cached blocks `req` (which holds none) could start with now, at least its last token left to compute;
         sets its prefix_hit. Looked up again only where the cache changed since its last lookup, from where that one
-        ended where nothing was uncached since. Nothing where caching is off or its prompt is computed whole (it asks for
-        the prompt's log-probabilities, vLLM's rule)."""
+        ended where nothing was uncached since. Nothing where caching is off or its prompt is computed whole (it asks
+        for the prompt's log-probabilities, vLLM's rule)."""
         bm = self.blocks
         if not bm.caching or req.block_table or req.params.prompt_logprobs is not None:
             req.prefix_hit, req.prefix_nodes = 0, []
