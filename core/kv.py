@@ -49,10 +49,9 @@ class BlockManager:
         self._node: dict[int, CachedBlock] = {}  # the cached blocks, by block
         self._idle: OrderedDict[int, None] = OrderedDict()  # the cached blocks nobody holds, least recently freed first
         self.root = CachedBlock(-1, None, ())
-        # how many times blocks were cached, and uncached: a lookup made when both were as now still holds, and one
-        # made when only `added` was less may have grown since (`lookup`'s `after`)
+        # how many blocks were ever cached: a lookup made when it was as now, whose blocks are all still cached, holds
+        # (an uncached block's node has block -1, and so has every node after it: `lookup`'s `after`)
         self.added = 0
-        self.dropped = 0
 
     @property
     def num_free(self) -> int:
@@ -124,12 +123,18 @@ class BlockManager:
     # --- prefix caching ---
     def lookup(self, token_ids: list[int], limit: int, after: list[CachedBlock] | None = None) -> list[CachedBlock]:
         """The cached blocks that hold the KV of `token_ids`' first full blocks, at most `limit` tokens of them, in
-        order: a request that starts with those tokens may `share` them. `after`: an earlier lookup's, made when
-        nothing was uncached since (`dropped` as now), from whose end this one goes on."""
+        order: a request that starts with those tokens may `share` them. `after`: an earlier lookup's of the same
+        tokens, from whose blocks still cached this one goes on."""
         if not self._node:
             return []
         bs = self.block_size
         out = list(after) if after else []
+        if out and out[-1].block < 0:  # some were uncached since: they and all after them (the first such, bisected)
+            lo, hi = 0, len(out) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (mid + 1, hi) if out[mid].block >= 0 else (lo, mid)
+            del out[lo:]
         node = out[-1] if out else self.root
         for start in range(len(out) * bs, limit - bs + 1, bs):
             node = node.children.get(tuple(token_ids[start:start + bs]))
@@ -149,6 +154,7 @@ class BlockManager:
         refs, idle = self._refs, self._idle
         for n in hits:
             b = n.block
+            assert b >= 0, "a cached block shared after it was uncached"
             if not refs[b]:
                 del idle[b]
             refs[b] += 1
@@ -194,7 +200,6 @@ class BlockManager:
         from the idle blocks to the free ones; one a request holds (its chain went on from a block cached by another,
         its own a copy) stays that request's, uncached."""
         del node.parent.children[node.tokens]
-        self.dropped += 1
         refs, idle, stack = self._refs, self._idle, [node]
         while stack:
             n = stack.pop()

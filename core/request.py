@@ -114,12 +114,12 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     # prefix caching (the scheduler's BlockManager): while it waits, the cached blocks it could start with, the tokens
-    # they spare it and the cache's (added, dropped) counts when they were looked up; once admitted, how many blocks it
+    # they spare it and the cache's count of blocks ever cached when they were looked up; once admitted, how many it
     # found cached, the cached block its next full block follows (None: it caches no more) and how many of its blocks
     # are cached or were shared; and the prompt tokens its first admission found cached (usage)
     prefix_nodes: list = field(default_factory=list, repr=False)
     prefix_hit: int = 0
-    prefix_seen: tuple[int, int] | None = None
+    prefix_seen: int | None = None
     num_shared: int = 0
     cache_tail: object | None = field(default=None, repr=False)
     num_registered: int = 0

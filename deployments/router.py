@@ -56,6 +56,7 @@ REFUSED_TTL_S = 2.0  # a replica that turned a request away is passed over for a
 # process, a network partition: Serve's health check replaces it only after three timeouts, about 90 s)
 SILENT_S = 15.0
 PREFIX_CHARS = 256  # the shortest prefix of a prompt's text the router remembers and matches (then twice as long ...)
+PREFIX_MAX_CHARS = 1 << 18  # and the longest (a prompt's first 256 KiB of text, its first ids as such)
 PREFIX_KEEP = 8192  # prefixes remembered per replica, the least recently sent forgotten first
 AFFINITY_SLACK = 0.1  # a replica holding a longer prefix goes first if its slack is at most this much below the best
 AFFINITY_LOAD = 2.0  # (a best-effort request: if its load is at most this many requests above the least loaded)
@@ -132,14 +133,18 @@ def generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
 
 
 def prefix_keys(req: GenerateRequest) -> list[int]:
-    """The request's prompt (its text, token ids or chat turns) cut at PREFIX_CHARS characters, twice that, and so on,
-    each hashed: the longest first."""
+    """The request's prompt (its text, token ids, or chat turns after what its chat template shows first: the tools
+    and a template of its own) cut at PREFIX_CHARS characters, twice that, and so on up to PREFIX_MAX_CHARS, each
+    hashed: the longest first."""
     if req.messages is not None:
-        text = "\x00".join(f"{t.role}\x01{t.content}\x01{t.tool_calls or ''}" for t in req.messages)
+        o = req.options
+        text = "\x00".join([o.chat_template or "", o.tools or ""] + [
+            f"{t.role}\x01{t.content}\x01{t.tool_calls or ''}" for t in req.messages])
     elif isinstance(req.prompt, str):
         text = req.prompt
     else:
-        text = ",".join(map(str, req.prompt or ()))
+        text = ",".join(map(str, (req.prompt or ())[:PREFIX_MAX_CHARS // 2]))
+    text = text[:PREFIX_MAX_CHARS]
     keys, k = [], PREFIX_CHARS
     while k <= len(text):
         keys.append(hash(text[:k]))
@@ -268,8 +273,9 @@ class SLORouter(RequestRouter):
         self._refused: dict[str, tuple[float, SLO, str]] = {}
         refusals.subscribe(self._refused)
         # replica -> the prompt prefixes (`prefix_keys`) this router sent it, least recently sent first: what its
-        # prefix cache likely holds (prefix affinity)
+        # prefix cache likely holds (prefix affinity); and those of the calls chosen but not yet routed, by call
         self._prefixes: dict[ReplicaID, OrderedDict[int, None]] = {}
+        self._keys: dict[str, list[int]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -285,6 +291,7 @@ class SLORouter(RequestRouter):
         now = time.monotonic()
         for stale in [k for k, (_, _, t) in self._chosen.items() if now - t > CHOSEN_TTL_S]:
             self._unchoose(stale)  # chosen, then never routed (cancelled while routing)
+            self._keys.pop(stale, None)
         views = {}
         for r in candidate_replicas:
             self._reconcile(r.replica_id, r.routing_stats)
@@ -298,14 +305,8 @@ class SLORouter(RequestRouter):
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
         ranked = rank(candidate_replicas, views, req.slo, avoid, affinity)
-        top = ranked[0]
-        if keys and views[top.replica_id].alive and not (avoid and top.replica_id.unique_id in avoid):
-            held = self._prefixes.setdefault(top.replica_id, OrderedDict())
-            for key in keys:
-                held[key] = None
-                held.move_to_end(key)
-            while len(held) > PREFIX_KEEP:
-                held.popitem(last=False)
+        if keys:  # remembered where the call lands (`on_request_routed`)
+            self._keys[call_id] = keys
         self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
         self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
         return [[r] for r in ranked]
@@ -377,6 +378,13 @@ class SLORouter(RequestRouter):
             return
         tpot, call_id = req.slo.tpot_ms, pending_request.metadata.internal_request_id
         self._unchoose(call_id)  # counted as chosen until now: from here on, as in flight where it landed
+        if (keys := self._keys.pop(call_id, None)) is not None:  # its prompt is in that replica's cache now
+            held = self._prefixes.setdefault(replica_id, OrderedDict())
+            for key in keys:
+                held[key] = None
+                held.move_to_end(key)
+            while len(held) > PREFIX_KEEP:
+                held.popitem(last=False)
         self._calls.setdefault((call_id, replica_id), []).append((tpot, time.time()))
         self._count(replica_id, tpot, +1)
 

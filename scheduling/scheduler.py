@@ -321,19 +321,19 @@ class Scheduler:
     # --- prefix caching ---
     def _peek(self, req: Request) -> list:
         """The cached blocks `req` (which holds none) could start with now, at least its last token left to compute;
-        sets its prefix_hit. Looked up again only where the cache changed since its last lookup, from where that one
-        ended where nothing was uncached since. Nothing where caching is off or its prompt is computed whole (it asks
-        for the prompt's log-probabilities, vLLM's rule)."""
+        sets its prefix_hit. Its last lookup's blocks still cached stand; it goes on from them only where blocks were
+        cached since. Nothing where caching is off or its prompt is computed whole (it asks for the prompt's
+        log-probabilities, vLLM's rule)."""
         bm = self.blocks
         if not bm.caching or req.block_table or req.params.prompt_logprobs is not None:
-            req.prefix_hit, req.prefix_nodes = 0, []
+            req.prefix_hit, req.prefix_nodes, req.prefix_seen = 0, [], None
             return []
-        seen, was = (bm.added, bm.dropped), req.prefix_seen
-        if was == seen:
-            return req.prefix_nodes
-        after = req.prefix_nodes if was is not None and was[1] == bm.dropped else None
-        hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len), after)
-        req.prefix_nodes, req.prefix_seen, req.prefix_hit = hits, seen, len(hits) * bm.block_size
+        nodes = req.prefix_nodes
+        if req.prefix_seen == bm.added and (not nodes or nodes[-1].block >= 0):
+            return nodes
+        hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len),
+                         nodes if req.prefix_seen is not None else None)
+        req.prefix_nodes, req.prefix_seen, req.prefix_hit = hits, bm.added, len(hits) * bm.block_size
         return hits
 
     def _claim(self, req: Request, hits: list) -> None:
@@ -609,8 +609,11 @@ class Scheduler:
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
             if stall is True:
                 stall = self._stall_room(now)
+            priced = self._cost(r)  # as the round's budget counted it
             hits = self._peek(r) if not r.block_table else []  # its cached prefix now (prefix caching)
             c, q = self._cost(r), self._cost_sq(r)
+            if c > priced and round_tokens and (budget is None or min(c, budget) > min(priced, budget)):
+                return Verdict.KEEP  # an admission of this round evicted its prefix: past what the budget counted
             chunk, chunk_sq = c, q  # what its prefill computes in this step (chunked: its first chunk)
             if chunked and c > budget:
                 start = self._start(r)

@@ -134,6 +134,26 @@ def test_a_failed_requests_own_blocks_leave_the_cache():
     _check(bm, [])
 
 
+def test_a_lookup_goes_on_from_an_earlier_ones_blocks_still_cached():
+    bm = BlockManager(10, 2, caching=True)
+    a = Seq()
+    bm.ensure(a, 8)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    bm.register(a, ids, 0, 2, bm.root)
+    early = bm.lookup(ids, 9)
+    assert [n.block for n in early] == [0, 1]
+    bm.register(a, ids, 2, 4, early[-1])  # more cached since: found from where it ended
+    assert bm.lookup(ids, 9, early) == bm.lookup(ids, 9) and len(bm.lookup(ids, 9, early)) == 4
+    later = bm.lookup(ids, 9)
+    bm.free(a)  # idle: 3, 2, 1, 0 (its last first)
+    b = Seq()
+    bm.ensure(b, 14)  # the 6 uncached, then 3: its third and fourth blocks stay
+    bm.ensure(b, 16)  # and 2
+    assert [n.block for n in bm.lookup(ids, 9, later)] == [n.block for n in bm.lookup(ids, 9)] == [0, 1]
+    with pytest.raises(AssertionError):
+        bm.share(Seq(), later)  # (its last blocks were uncached)
+
+
 def test_random_traffic_keeps_every_block_accounted_for():
     rng = random.Random(0)
     bm = BlockManager(40, 4, caching=True)

@@ -459,6 +459,19 @@ def test_router_sends_a_prompt_where_its_prefix_went_while_that_costs_little_sla
     assert len(keys) == 3 and PREFIX_CHARS == 256
     assert prefix_match(keys, router._prefixes["b"]) == 3 and prefix_match(keys, None) == 0
     assert prefix_keys(GenerateRequest("x", prompt=system[:300])) == keys[-1:]
+    # a chat's keys begin with what its template shows first (its tools); token ids count as text
+    from core.messages import ChatTurn, PromptOptions
+
+    turns = (ChatTurn("user", system),)
+    with_tools = GenerateRequest("x", messages=turns, options=PromptOptions(tools='[{"type": "function"}]'))
+    assert prefix_keys(with_tools) != prefix_keys(GenerateRequest("x", messages=turns))
+    assert len(prefix_keys(GenerateRequest("x", prompt=tuple(range(10**6))))) == 11  # (256 chars to 256 KiB)
+    # a prefix is the replica's where the call landed, not where it was ranked first
+    p = pending("7", "Reply briefly. " * 40)
+    assert asyncio.run(router.choose_replicas([a, b], p))[0][0].replica_id == "a"
+    router.on_request_routed(p, "b", None)  # "a" was full
+    keys = prefix_keys(p.args[0])
+    assert prefix_match(keys, router._prefixes["b"]) == len(keys) and prefix_match(keys, router._prefixes["a"]) == 0
 
 
 def test_router_bookkeeping_survives_a_reroute_under_the_same_request_id() -> None:
