@@ -353,7 +353,7 @@ class Scheduler:
 
     def _release(self, req: Request, keep_cached: bool = True) -> None:
         self.blocks.free(req, keep_cached, req.num_shared)
-        req.cache_tail, req.num_registered, req.num_shared = None, 0, 0
+        req.cache_tail, req.num_registered, req.num_shared, req.prefix_nodes = None, 0, 0, []
 
     def landed(self, plan: StepPlan) -> None:
         """A launched step ran (its requests that failed have ended): each request still running as it was launched
