@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 from typing import Any, Sequence
 
+from bench.metrics import percentile
 from bench.report import command_line, print_table, run_info, write_summary
 
 
@@ -38,11 +38,6 @@ def _run(eng, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int
         toks.extend(last.token_ids)
     m = last.metrics
     return toks, (m.first_token_s - m.arrival_s) * 1000.0, m.num_cached_tokens
-
-
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,10 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for eng in engines.values():
             eng.shutdown()
 
-    rows = [{"prefix caching": "on" if c else "off", "TTFT p50 ms": round(_q(ttft[c], 0.5), 1),
-             "TTFT p90 ms": round(_q(ttft[c], 0.9), 1), "prompt tokens computed": computed[c]} for c in (True, False)]
+    rows = [{"prefix caching": "on" if c else "off", "TTFT p50 ms": round(percentile(ttft[c], 50), 1),
+             "TTFT p90 ms": round(percentile(ttft[c], 90), 1), "prompt tokens computed": computed[c]}
+            for c in (True, False)]
     print_table(list(rows[0]), [list(r.values()) for r in rows])
-    speedup = statistics.median(ttft[False]) / statistics.median(ttft[True])
+    speedup = percentile(ttft[False], 50) / percentile(ttft[True], 50)
     total = sum(len(p) for _, p in prompts)
     print(f"{len(prompts)} requests, {total} prompt tokens, {cached_tokens} found cached; TTFT p50 of those over a "
           f"cached system prompt: {speedup:.2f}x faster with caching; replies alike on both: {agree}/{len(prompts)}")
