@@ -49,6 +49,9 @@ class BlockManager:
         self._node: dict[int, CachedBlock] = {}  # the cached blocks, by block
         self._idle: OrderedDict[int, None] = OrderedDict()  # the cached blocks nobody holds, least recently freed first
         self.root = CachedBlock(-1, None, ())
+        # the roots of other namespaces (a LoRA adapter's requests, a cache_salt's), by their key: only requests of a
+        # namespace share its blocks. A root is kept while it has cached blocks after it (its key as its `tokens`)
+        self._roots: dict[object, CachedBlock] = {}
         # how many blocks were ever cached: a lookup made when it was as now, whose blocks are all still cached, holds
         # (an uncached block's node has block -1, and so has every node after it: `lookup`'s `after`)
         self.added = 0
@@ -121,11 +124,22 @@ class BlockManager:
         seq.block_table = []
 
     # --- prefix caching ---
-    def lookup(self, token_ids: list[int], limit: int, after: list[CachedBlock] | None = None) -> list[CachedBlock]:
+    def root_of(self, namespace: object = None) -> CachedBlock:
+        """The root of `namespace`'s blocks (None: the default one): where a request of it that found none cached
+        `register`s its first. A new namespace's root is kept once a block is cached after it."""
+        if namespace is None:
+            return self.root
+        return self._roots.get(namespace) or CachedBlock(-1, None, namespace)  # type: ignore[arg-type]
+
+    def lookup(self, token_ids: list[int], limit: int, after: list[CachedBlock] | None = None,
+               namespace: object = None) -> list[CachedBlock]:
         """The cached blocks that hold the KV of `token_ids`' first full blocks, at most `limit` tokens of them, in
         order: a request that starts with those tokens may `share` them. `after`: an earlier lookup's of the same
-        tokens, from whose blocks still cached this one goes on."""
+        tokens, from whose blocks still cached this one goes on. `namespace`: only blocks its requests cached."""
         if not self._node:
+            return []
+        root = self.root if namespace is None else self._roots.get(namespace)
+        if root is None:
             return []
         bs = self.block_size
         out = list(after) if after else []
@@ -135,7 +149,7 @@ class BlockManager:
                 mid = (lo + hi) // 2
                 lo, hi = (mid + 1, hi) if out[mid].block >= 0 else (lo, mid)
             del out[lo:]
-        node = out[-1] if out else self.root
+        node = out[-1] if out else root
         for start in range(len(out) * bs, limit - bs + 1, bs):
             node = node.children.get(tuple(token_ids[start:start + bs]))
             if node is None:
@@ -166,7 +180,10 @@ class BlockManager:
         `after` (the cached block before it, or the root). Returns the cached block the next one follows; None where
         the chain broke off (`after` was evicted): the request caches no more. A block whose tokens are cached
         already, in another block, stays the request's own: the next follows the one cached."""
-        if after.block < 0 and after is not self.root:
+        if after.parent is None:  # a root: a namespace's is kept from its first block on (the one kept, if another)
+            if after is not self.root:
+                after = self._roots.setdefault(after.tokens, after)
+        elif after.block < 0:
             return None
         bs, node = self.block_size, after
         for i in range(start, end):
@@ -199,7 +216,10 @@ class BlockManager:
         """Uncache `node` (its block is the caller's to place) and the blocks after it: each that nobody holds goes
         from the idle blocks to the free ones; one a request holds (its chain went on from a block cached by another,
         its own a copy) stays that request's, uncached."""
-        del node.parent.children[node.tokens]
+        parent = node.parent
+        del parent.children[node.tokens]
+        if parent.parent is None and not parent.children and parent is not self.root:
+            self._roots.pop(parent.tokens, None)  # a namespace with no block cached: forgotten
         refs, idle, stack = self._refs, self._idle, [node]
         while stack:
             n = stack.pop()

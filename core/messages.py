@@ -186,6 +186,9 @@ class GenerateRequest:
     # (clock_id(), time.monotonic()) where and when an Ingress sent it to an LLM replica: the replica counts the time
     # since as spent too (`arrived`: routing, Serve's queue, transport), where the two share a clock
     sent_at: tuple[str | None, float] | None = None
+    # the LoRA adapter (its served name) the request runs through, None: the base model; and vLLM's cache_salt
+    lora: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

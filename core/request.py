@@ -146,6 +146,10 @@ class Request:
     # vLLM's bad_words as token ids (`SamplingParams.bad_words`, tokenized by the input processor): each sequence's
     # last token may not be drawn where the reply ends with the rest of it
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # the LoRA adapter its tokens run through (engine.lora; 0: the base model), and vLLM's cache_salt: a prompt's
+    # cached prefix is shared only between requests of the same adapter and salt
+    lora_id: int = 0
+    cache_salt: str | None = None
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the

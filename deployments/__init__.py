@@ -94,6 +94,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "reasoning_parser": a.reasoning_parser,
         "trust_request_chat_template": a.trust_request_chat_template,
         "prompt_tokens_details": a.enable_prompt_tokens_details,
+        "lora_modules": a.engine_config().lora_modules,  # the LoRA adapters' names a request's `model` may give
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
     }

@@ -270,6 +270,8 @@ class OpenAIFrontend:
         self.trust_request_chat_template: bool = settings.get("trust_request_chat_template", False)
         # each usage says how many prompt tokens the prefix cache held (enable_prompt_tokens_details)
         self.prompt_tokens_details: bool = settings.get("prompt_tokens_details", False)
+        # the LoRA adapters the replicas serve (`lora_modules`): a request that names one as its model runs through it
+        self.lora_modules: dict[str, str] = dict(settings.get("lora_modules") or {})
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -359,16 +361,22 @@ class OpenAIFrontend:
         max_len = info["max_model_len"] if info else None
         cards = [P.ModelCard(id=name, max_model_len=max_len, root=self.served_model_name)
                  for name in self._served_names()]
+        cards += [self._lora_card(name, max_len) for name in self.lora_modules]
         return P.ModelList(data=cards).model_dump()
+
+    def _lora_card(self, name: str, max_len: int | None) -> P.ModelCard:
+        return P.ModelCard(id=name, max_model_len=max_len, root=self.lora_modules[name], parent=self.served_model_name)
 
     async def model(self, request: Request, model_id: str) -> dict[str, Any]:
         """`GET /v1/models/{model}`: one served name's card (OpenAI's retrieve model), else 404 model_not_found."""
         self._auth(request)
-        if model_id not in self._served_names():
-            raise model_not_found(model_id, self._served_names())
+        if model_id not in self._served_names() and model_id not in self.lora_modules:
+            raise model_not_found(model_id, self._model_names())
         info = self._ready_info()
-        return P.ModelCard(id=model_id, max_model_len=info["max_model_len"] if info else None,
-                           root=self.served_model_name).model_dump()
+        max_len = info["max_model_len"] if info else None
+        if model_id in self.lora_modules and model_id not in self._served_names():
+            return self._lora_card(model_id, max_len).model_dump()
+        return P.ModelCard(id=model_id, max_model_len=max_len, root=self.served_model_name).model_dump()
 
     async def prometheus_metrics(self) -> Any:
         """Prometheus text: the `ray_kairos_*` and `ray_serve_*` series of this node's Ray metrics agent (where
@@ -444,6 +452,14 @@ class OpenAIFrontend:
                 self._names = served_names(self.served_model_name, info.get("model"))
                 self._names_final = True
         return self._names
+
+    def _model_names(self) -> list[str]:
+        """Every name a request's `model` may give: the served model's, then its LoRA adapters'."""
+        return self._served_names() + [n for n in self.lora_modules if n not in self._served_names()]
+
+    def _lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return model if model in self.lora_modules and model not in self._served_names() else None
 
     def _tool_parser(self) -> str | None:
         """The tool-call format replies are read in with tool_choice "auto" (`tool_calls.PARSERS`), or None."""
@@ -532,8 +548,9 @@ class OpenAIFrontend:
         except ValidationError as e:
             message, param = _validation_message(e, schema.model_fields)
             raise APIError(400, message, param=param) from None
-        if check_model and body.model is not None and body.model not in self._served_names():  # absent: served
-            raise model_not_found(body.model, self._served_names())
+        if check_model and body.model is not None and body.model not in self._served_names() \
+                and body.model not in self.lora_modules:  # absent: the served model
+            raise model_not_found(body.model, self._model_names())
         if getattr(body, "chat_template", None) is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template: this server renders chats with its model's own template (the app's "
                            "trust_request_chat_template lets a request bring its own)", param="chat_template",
@@ -569,16 +586,19 @@ class OpenAIFrontend:
         if n > (body.n or 1) and params.logprobs is None:  # best_of: the choices' logprobs rank them
             params = dataclasses.replace(params, logprobs=0)
         each = [params] + [child_params(params, j) for j in range(1, n)]  # a prompt's n choices (best_of)
+        lora = self._lora_of(body.model)
         if isinstance(body, P.CompletionRequest):
             prompts = body.prompts()
             one = len(prompts) * n == 1
             return body, [GenerateRequest(rid if one else f"{rid}-{i * n + j}", prompt=prompt, params=sp, slo=slo,
-                                          options=body.prompt_options(), prompt_len_hint=_len_hint(prompt))
+                                          options=body.prompt_options(), prompt_len_hint=_len_hint(prompt),
+                                          lora=lora, cache_salt=body.cache_salt)
                           for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
         hint = _len_hint("".join(t.content for t in turns))
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
-                                      options=body.prompt_options(), prompt_len_hint=hint)
+                                      options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
+                                      cache_salt=body.cache_salt)
                       for j, sp in enumerate(each)]
 
     async def _handle(self, request: Request, kind: str) -> Any:

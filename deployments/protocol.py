@@ -164,6 +164,9 @@ class _Common(BaseModel):
     # vLLM's: each prompt token's logprob and its `prompt_logprobs` likeliest tokens' (not streamed)
     prompt_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
                                                                       "maximum": MAX_LOGPROBS}))
+    # vLLM's: the prompt shares cached KV (prefix caching) only with requests that give the same salt, so that no
+    # other client can tell from its TTFT which prompts were sent before
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -758,7 +761,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: SERVED_SINCE)  # when this process started serving (as vLLM)
     owned_by: str = "kairos"
-    root: str | None = None  # the served model this name stands for (vLLM's field)
+    root: str | None = None  # the served model this name stands for (vLLM's field; a LoRA adapter: its folder)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int | None = None
 
 

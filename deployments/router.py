@@ -134,8 +134,8 @@ def generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
 
 def prefix_keys(req: GenerateRequest) -> list[int]:
     """The request's prompt (its text, token ids, or chat turns after what its chat template shows first: the tools
-    and a template of its own) cut at PREFIX_CHARS characters, twice that, and so on up to PREFIX_MAX_CHARS, each
-    hashed: the longest first."""
+    and a template of its own; after its LoRA adapter and cache_salt, where it gives them) cut at PREFIX_CHARS
+    characters, twice that, and so on up to PREFIX_MAX_CHARS, each hashed: the longest first."""
     if req.messages is not None:
         o = req.options
         text = "\x00".join([o.chat_template or "", o.tools or ""] + [
@@ -145,6 +145,8 @@ def prefix_keys(req: GenerateRequest) -> list[int]:
     else:
         text = ",".join(map(str, (req.prompt or ())[:PREFIX_MAX_CHARS // 2]))
     text = text[:PREFIX_MAX_CHARS]
+    if req.lora is not None or req.cache_salt is not None:  # only requests of its adapter and salt share its KV
+        text = f"{req.lora or ''}\x02{req.cache_salt or ''}\x02{text}"
     keys, k = [], PREFIX_CHARS
     while k <= len(text):
         keys.append(hash(text[:k]))

@@ -5,8 +5,9 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.lora import MAX_RANK_LIMIT, LoraSpec
 from scheduling.config import SchedulerConfig
 
 # "1": the CPU kernels' parallel loops (engine/backends/cpu/) run on Kairos's own thread team instead of OpenMP
@@ -125,8 +126,28 @@ class EngineConfig(BaseModel):
                                   "start-up freeze is, until the last engine's worker exits: each step allocates "
                                   "thousands of short-lived objects, and Python's 700 runs the collector several "
                                   "times a step; 0: leave Python's")
+    enable_lora: bool = Field(
+        False, description="vLLM's --enable-lora: serve LoRA adapters (PEFT folders) beside the model, a request "
+                           "naming one as its `model`; on where lora_modules are given")
+    lora_modules: dict[str, str] | list[Any] | str = Field(  # (a dict once validated: `_lora_modules`)
+        default_factory=dict, description="vLLM's --lora-modules: the adapters to serve, name=path (several: "
+                                          "comma-separated, or a JSON list of {\"name\", \"path\"}, or a mapping)")
+    max_lora_rank: int = Field(16, gt=0, le=MAX_RANK_LIMIT, description="vLLM's: the largest adapter rank served")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, v: Any) -> dict[str, str]:
+        return {s.name: s.path for s in LoraSpec.parse(v)}
+
+    @property
+    def serves_lora(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def lora_ids(self) -> dict[str, int]:
+        """Each adapter's id (`Request.lora_id`), in the order given, from 1: the engine's and its clients' alike."""
+        return {name: i for i, name in enumerate(self.lora_modules, 1)}  # (a dict: `_lora_modules`)
 
 
 def for_device(config: "EngineConfig", device_type: str) -> "EngineConfig":

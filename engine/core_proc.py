@@ -414,7 +414,8 @@ class EngineCoreClient:
         self._device_type = info.device_type
         self._scheduler = for_device(self.config, info.device_type).scheduler  # its knobs fixed at start
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
-                                     info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject")
+                                     info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject",
+                                     self.config.lora_ids())
         self._loop = reader_loop
         self._heard = time.monotonic()  # when the child last sent anything (`_deliver`)
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread
@@ -454,7 +455,7 @@ class EngineCoreClient:
         """Validate and tokenize here (ValueError on bad input), then hand the request to the child."""
         self._check_alive()
         req = self.inputs.process(request.prompt, request.params, request.engine_slo, request.request_id,
-                                  request.messages, request.options)
+                                  request.messages, request.options, request.lora, request.cache_salt)
         stream = RequestStream(req.request_id)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up

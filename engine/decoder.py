@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.base import AttnMetadata, Backend, fuse_linears, rms_norm
+from engine.lora import LoraAdapter, LoraError, LoraSpec, ModelShape, load_adapter
+from engine.lora import apply as apply_lora
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _TABLE_ROPE = ("default", "linear", "llama3", "yarn")  # position-only RoPE: one table for every step
@@ -60,7 +62,10 @@ class _Layer:
 
 
 class KairosDecoder:
-    def __init__(self, model: nn.Module, max_positions: int, backend: Backend, upcast: bool = False) -> None:
+    def __init__(self, model: nn.Module, max_positions: int, backend: Backend, upcast: bool = False,
+                 lora: bool = False) -> None:
+        """`lora`: serve LoRA adapters (`add_lora`): steps whose requests name one run each layer unfused, their
+        updates added after each projection."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"KairosDecoder cannot run this model: {reason}")
@@ -77,7 +82,11 @@ class KairosDecoder:
         self.dtype = self.embed.dtype
         hidden = cfg.hidden_size
         self.mm = mm = backend.matmuls(self.dtype, upcast, (hidden, self.num_heads * self.head_dim,
-                                                            cfg.intermediate_size))
+                                                            cfg.intermediate_size), lora=lora)
+        self.serves_lora = lora
+        self.loras: dict[int, LoraAdapter] = {}  # by id (a request's lora_id)
+        self.lora_shape = ModelShape(len(model.model.layers), hidden, self.num_heads * self.head_dim,
+                                     self.num_kv_heads * self.head_dim, cfg.intermediate_size)
         self.norm = inner.norm.weight
         self.lm_head = mm.pack(model.lm_head.weight)
         self.rotary = inner.rotary_emb
@@ -134,15 +143,19 @@ class KairosDecoder:
         else:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
-        if self.whole_step and backend.whole_step(self, h, positions, meta):
+        lora = [(self.loras[i], rows) for i, rows in meta.lora] if meta.lora else None
+        if self.whole_step and lora is None and backend.whole_step(self, h, positions, meta):
             return h if logit_rows is None else self.head(h[logit_rows])
-        fuse_norm = hasattr(mm, "residual_norm")  # each residual add fused with the RMSNorm after it
+        # each residual add fused with the RMSNorm after it (not where LoRA updates come between them)
+        fuse_norm = hasattr(mm, "residual_norm") and lora is None
         layers = self.layers
         x = norm(h, layers[0].ln_in, eps)
         for i, L in enumerate(layers):
             if i and not fuse_norm:
                 x = norm(h, L.ln_in, eps)
             qkv = linear(x, L.qkv_w, L.qkv_b)
+            if lora is not None:
+                apply_lora(qkv, x, lora, "qkv", i)
             heads = qkv.view(T, H + 2 * KV, hd)
             if L.q_norm is not None:  # qwen3: per-head norms of q and k, before RoPE
                 heads[:, :H] = rms_norm(heads[:, :H], L.q_norm, eps)
@@ -155,7 +168,9 @@ class KairosDecoder:
                 half = hd // 2
                 qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
             o = attend(i, qk[:, :H], qk[:, H:], heads[:, H + KV:], meta, self.scaling)
-            if not fuse_norm:
+            if lora is not None:
+                h = self._lora_rest(i, L, o.view(T, H * hd), h, lora)
+            elif not fuse_norm:
                 h = mm.residual(o.view(T, H * hd), L.o_w, L.o_b, h)
                 h = mm.mlp(norm(h, L.ln_post, eps), L.mlp, L.down_w, h)
             else:  # (h + o W_o, its norm), then (h + mlp, the next layer's input norm): h updated in place
@@ -166,19 +181,48 @@ class KairosDecoder:
                     h = mm.mlp(x, L.mlp, L.down_w, h)
         return h if logit_rows is None else self.head(h.index_select(0, logit_rows))
 
+    def _lora_rest(self, i: int, L: _Layer, o: torch.Tensor, h: torch.Tensor, lora: list) -> torch.Tensor:
+        """A LoRA step's layer after attention: o_proj, the MLP, each with the step's adapters' updates."""
+        mm = self.mm
+        h = mm.residual(o, L.o_w, L.o_b, h)
+        apply_lora(h, o, lora, "o", i)
+        x = self.backend.rms_norm(h, L.ln_post, self.eps)
+        gu = mm.gate_up(x, L.mlp)
+        apply_lora(gu, x, lora, "gate_up", i)
+        a = mm.silu_mul(gu, self.intermediate_size)
+        h = mm.residual(a, L.down_w, None, h)
+        apply_lora(h, a, lora, "down", i)
+        return h
+
+    def add_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:
+        """Load `spec`'s adapter for requests whose lora_id is `adapter_id` (LoraError where it cannot be served)."""
+        if not self.serves_lora:
+            raise LoraError("this engine was not started to serve LoRA adapters (enable_lora)")
+        adapter = load_adapter(spec, adapter_id, self.lora_shape, self.dtype, self.embed.device, max_rank)
+        self.loras[adapter_id] = adapter
+        return adapter
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.loras.pop(adapter_id, None)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of these rows' last hidden states: the final norm, then the LM head."""
         return self.mm.linear(self.backend.rms_norm(h, self.norm, self.eps), self.lm_head)
 
 
-def build_decoder(model_impl: str, bundle, backend: Backend, upcast: bool = False) -> KairosDecoder | None:
+def build_decoder(model_impl: str, bundle, backend: Backend, upcast: bool = False,
+                  lora: bool = False) -> KairosDecoder | None:
     """The decoder `model_impl` asks for: "hf" -> None (HF forward); "kairos" -> ours or a ValueError;
-    "auto" -> ours when it supports the model."""
+    "auto" -> ours when it supports the model. `lora`: it serves LoRA adapters (only ours does: a ValueError
+    where it cannot run the model)."""
+    reason = unsupported_reason(bundle.model) if model_impl != "hf" else "model_impl='hf'"
+    if lora and reason is not None:
+        raise ValueError(f"LoRA adapters are served by Kairos's own decoder (llama, mistral, qwen2, qwen3), which "
+                         f"cannot run {bundle.name!r}: {reason}")
     if model_impl == "hf":
         return None
-    reason = unsupported_reason(bundle.model)
     if reason is None:
-        return KairosDecoder(bundle.model, bundle.max_model_len, backend, upcast)
+        return KairosDecoder(bundle.model, bundle.max_model_len, backend, upcast, lora)
     if model_impl == "kairos":
         raise ValueError(f"model_impl='kairos' cannot run {bundle.name!r}: {reason}; use model_impl='hf'")
     return None

@@ -34,6 +34,7 @@ from engine.backends.base import PreparedStep, prompt_spans
 from engine.config import EngineConfig, for_device, reconfigured
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
+from engine.lora import LoraSpec
 from engine.detokenizer import TokenTexts
 from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
@@ -203,7 +204,10 @@ class LLMEngine:
                             ", ".join(f"{k}={v!r}" for k, v in skipped.items()))
         spec = cache_spec(config, b, backend)
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
-        decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0)
+        decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0, config.serves_lora)
+        for name, i in config.lora_ids().items():  # before the KV cache is sized: their memory is counted
+            a = decoder.add_lora(LoraSpec(name, config.lora_modules[name]), i, config.max_lora_rank)
+            log.info("LoRA adapter %r (rank %d, %.1f MB) from %s", name, a.rank, a.nbytes() / 2**20, a.path)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
         self.sampler.token_text = TokenTexts(b.tokenizer, skip_special_tokens=True)  # what JSON mode checks
         t_load = time.perf_counter()
@@ -225,7 +229,7 @@ class LLMEngine:
                                             config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
-                                     config.max_tokens_over_context == "reject")
+                                     config.max_tokens_over_context == "reject", config.lora_ids())
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
@@ -344,11 +348,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ public API (any thread)
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,
                     request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None,
-                    options: PromptOptions | None = None) -> RequestStream:
+                    options: PromptOptions | None = None, lora: str | None = None,
+                    cache_salt: str | None = None) -> RequestStream:
         """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s.
         `options`: how the prompt is tokenized (`PromptOptions`; default a text prompt's special tokens, a chat's
-        template with the assistant's turn opened)."""
-        req = self.inputs.process(prompt, params, slo, request_id, messages, options)
+        template with the assistant's turn opened). `lora`: the name of a LoRA adapter served (`lora_modules`) to
+        run it through; `cache_salt` (vLLM's): its prompt shares cached KV only with requests of the same salt."""
+        req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt)
         stream = RequestStream(req.request_id)
         self.submit(req, stream)
         return stream
@@ -385,7 +391,8 @@ class LLMEngine:
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
         return self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
-                                messages=request.messages, options=request.options)
+                                messages=request.messages, options=request.options, lora=request.lora,
+                                cache_salt=request.cache_salt)
 
     def abort(self, request_id: str) -> None:
         self._post(request_id)

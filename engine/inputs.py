@@ -77,9 +77,12 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
-                 kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False) -> None:
+                 kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False,
+                 lora_ids: dict[str, int] | None = None) -> None:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
-        OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way)."""
+        OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
+        `lora_ids`: the LoRA adapters served, by name (`EngineConfig.lora_ids`)."""
+        self.lora_ids = dict(lora_ids or {})
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
         self.encode_special = prompt_encoder(tokenizer, add_special_tokens=True)
@@ -169,11 +172,20 @@ class InputProcessor:
 
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
-                options: PromptOptions | None = None) -> Request:
+                options: PromptOptions | None = None, lora: str | None = None,
+                cache_salt: str | None = None) -> Request:
         """Validate and tokenize; ValueError with a client-facing message on bad input. The request arrives when
         this is called: its TTFT SLO counts the time its prompt takes to render and tokenize (a long one's, ms)."""
         arrival_s = time.monotonic()
         options = options or PromptOptions()
+        lora_id = 0
+        if lora is not None:
+            lora_id = self.lora_ids.get(lora, 0)
+            if not lora_id:
+                raise ValueError(f"no LoRA adapter named {lora!r} is served here"
+                                 + (f" (these are: {', '.join(self.lora_ids)})" if self.lora_ids else ""))
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         params = (params or SamplingParams()).validate()
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
@@ -210,7 +222,8 @@ class InputProcessor:
         bad = self.bad_words_ids(params.bad_words)
         if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
             raise ValueError("bad_words ban every token allowed_token_ids allows")
-        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad)
+        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora_id=lora_id,
+                      cache_salt=cache_salt)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

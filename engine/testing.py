@@ -106,3 +106,31 @@ def q8_0_round_trip(w: "torch.Tensor") -> "torch.Tensor":
 
 __all__ = ["TINY_FAMILIES", "TINY_MAX_POSITIONS", "TINY_VOCAB", "TinyFamily", "build_tiny_checkpoint", "q4_1_round_trip",
            "q8_0_round_trip"]
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_lora(base: str | os.PathLike[str], out_dir: str | os.PathLike[str], seed: int = 0,
+                    targets: tuple[str, ...] = LORA_TARGETS, r: int = 8, alpha: float = 16, rslora: bool = False,
+                    scale: float = 3.0) -> Path:
+    """Write a PEFT LoRA adapter of `base` (a checkpoint's folder) into `out_dir` with PEFT's own `save_pretrained`:
+    random A and B (PEFT's init leaves B zero, an update of nothing), times `scale` so that it changes the replies.
+    Needs peft (a test dependency)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with deterministic_cpu_build(seed):
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                            use_rslora=rslora)
+        peft_model = get_peft_model(model, config)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.mul_(scale)
+    out = Path(out_dir)
+    with quiet_progress_bars():
+        peft_model.save_pretrained(out)
+    return out

@@ -84,6 +84,12 @@ class StepPlan:
         return self.prefill + self.decode
 
 
+def _namespace(r: Request) -> tuple[int, str | None] | None:
+    """Whose cached blocks `r` may share (prefix caching): its LoRA adapter's and its cache_salt's (None: the base
+    model's, unsalted)."""
+    return None if not r.lora_id and r.cache_salt is None else (r.lora_id, r.cache_salt)
+
+
 def _tpot_of(r: Request) -> float:
     return r.tpot_slo_ms
 
@@ -332,7 +338,7 @@ class Scheduler:
         if req.prefix_seen == bm.added and (not nodes or nodes[-1].block >= 0):
             return nodes
         hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len),
-                         nodes if req.prefix_seen is not None else None)
+                         nodes if req.prefix_seen is not None else None, _namespace(req))
         req.prefix_nodes, req.prefix_seen, req.prefix_hit = hits, bm.added, len(hits) * bm.block_size
         return hits
 
@@ -344,7 +350,8 @@ class Scheduler:
         bm.share(req, hits)
         n = len(hits) * bm.block_size
         req.num_computed_tokens, req.prefix_hit, req.prefix_nodes, req.prefix_seen = n, 0, [], None
-        req.cache_tail, req.num_registered, req.num_shared = (hits[-1] if hits else bm.root), len(hits), len(hits)
+        req.cache_tail, req.num_registered, req.num_shared = (hits[-1] if hits else bm.root_of(_namespace(req))), \
+            len(hits), len(hits)
         if req.first_token_s is None and not req.num_preemptions:
             req.num_cached_tokens = n
         if req.params.prompt_logprobs is None:  # (one computed whole looked nothing up)

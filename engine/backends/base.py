@@ -119,6 +119,9 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     max_position: int = 0  # the step's largest position id
     kv_written: bool = False  # the decoder already wrote this step's K/V into the cache (a fused RoPE + write)
+    # LoRA (engine.lora): (adapter id, the packed rows of its requests, None: every row) for each adapter the step's
+    # requests name; None: no request names one
+    lora: list[tuple[int, torch.Tensor | None]] | None = None
 
 
 @dataclass(slots=True)
@@ -145,6 +148,7 @@ class Packed:
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     decode_start: int = 0
     prompt_rows: int = 0  # the last of `rows` that give prompt logprobs (`prompt_spans`)
+    lora: dict[int, list[int]] = field(default_factory=dict)  # the rows of each LoRA adapter's requests, by its id
 
 
 def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = None,
@@ -170,6 +174,8 @@ def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = Non
             if end == r.num_tokens:  # a chunk that leaves prompt for later samples nothing
                 last[i] = len(tokens) - 1
             p.spans.append((i, q_start, start, end))
+            if r.lora_id:
+                p.lora.setdefault(r.lora_id, []).extend(range(q_start, len(tokens)))
 
     def decodes() -> None:
         p.decode_start = len(tokens)
@@ -177,6 +183,8 @@ def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = Non
             r = step.decode[i]
             rank[i] = pos
             q = r.num_tokens - 1
+            if r.lora_id:
+                p.lora.setdefault(r.lora_id, []).append(len(tokens))
             tokens.append(r.token_ids[-1])
             positions.append(q)
             slots.append(r.block_table[q // bs] * bs + q % bs)
@@ -195,6 +203,18 @@ def pack(step: StepBatch, block_size: int, prefill_order: list[int] | None = Non
             p.rows.extend(range(q_of[i], q_of[i] + count))
             p.prompt_rows += count
     return p
+
+
+def lora_groups(p: Packed, device: torch.device) -> list[tuple[int, torch.Tensor | None]] | None:
+    """`AttnMetadata.lora` of a packed step: None where no request names an adapter; (id, None) where one adapter's
+    requests are all of the step's rows."""
+    if not p.lora:
+        return None
+    if len(p.lora) == 1:
+        (i, rows), = p.lora.items()
+        if len(rows) == len(p.tokens):
+            return [(i, None)]
+    return [(i, to_device(torch.tensor(rows, dtype=torch.long), device)) for i, rows in p.lora.items()]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -241,8 +261,9 @@ class Backend:
         self.cache = cache
 
     # ---------------------------------------------------------------- the model's ops
-    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]) -> Any:
-        """The decoder's matmul strategy (`pack`, `pack_mlp`, `linear`, `residual`, `mlp`, `copies_weights`)."""
+    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...], lora: bool = False) -> Any:
+        """The decoder's matmul strategy (`pack`, `pack_mlp`, `linear`, `residual`, `mlp`, `copies_weights`, and for
+        LoRA steps `gate_up` and `silu_mul`); `lora`: the decoder serves LoRA adapters."""
         raise NotImplementedError
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.base import AttnMetadata, Backend, PreparedStep, StepBatch, fuse_linears, pack
+from engine.backends.base import AttnMetadata, Backend, PreparedStep, StepBatch, fuse_linears, lora_groups, pack
 from engine.sampler import Sampler
 
 # A decode group costs a gather + SDPA call per layer; about this many blocks' worth of padded work. A longer
@@ -118,6 +118,13 @@ class TorchMatmuls:
         gu = self.linear(x, w)
         return h + self.linear(F.silu(gu[:, :n]) * gu[:, n:], down)
 
+    def gate_up(self, x: torch.Tensor, mlp: tuple[torch.Tensor, int]) -> torch.Tensor:
+        """gate|up before the activation, [T, 2 * intermediate] (a LoRA step adds its updates there)."""
+        return self.linear(x, mlp[0])
+
+    def silu_mul(self, gu: torch.Tensor, n: int) -> torch.Tensor:
+        return F.silu(gu[:, :n]) * gu[:, n:]
+
 
 class TorchBackend(Backend):
     name = "torch"
@@ -139,7 +146,8 @@ class TorchBackend(Backend):
             return model_dtype
         return torch.float32  # half SDPA on a CPU without native half runs several times slower
 
-    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]) -> TorchMatmuls:
+    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...], lora: bool = False
+                ) -> TorchMatmuls:
         return TorchMatmuls()
 
     def sampler(self, vocab_limit: int, eos_token_ids: list[int]) -> Sampler:
@@ -152,6 +160,7 @@ class TorchBackend(Backend):
 
     def _step_inputs(self, p, meta: AttnMetadata) -> PreparedStep:
         dev = self.device
+        meta.lora = lora_groups(p, dev)
         return PreparedStep(torch.tensor(p.tokens, dtype=torch.long, device=dev),
                             torch.tensor(p.positions, dtype=torch.long, device=dev),
                             torch.tensor(p.rows, dtype=torch.long, device=dev), meta, p.prompt_rows)

@@ -241,6 +241,42 @@ def test_replies_over_a_cached_prefix_equal_the_uncached_engines(device, ckpts):
     assert outs[True] == outs[False]
 
 
+def test_lora_adapters_replies_equal_peft(device, ckpts, tmp_path):
+    """Requests of the base model and of two LoRA adapters in the same steps (those run eagerly: no graph holds an
+    adapter's rows), then base requests alone (the decode graphs): each reply is PEFT's own model's, on the GPU."""
+    peft = pytest.importorskip("peft")
+    from engine.testing import build_tiny_lora
+
+    base = ckpts["llama"]
+    adapters = {"a": str(build_tiny_lora(base, tmp_path / "a", seed=1)),
+                "b": str(build_tiny_lora(base, tmp_path / "b", seed=2, targets=("q_proj", "v_proj", "down_proj"), r=4,
+                                         alpha=8, rslora=True))}
+    eng = make_engine(base, device, lora_modules=adapters)
+    try:
+        prompts = random_prompts([5, 40, 100], eng.bundle.vocab_limit, seed=7)
+        jobs = [(p, lo) for lo in (None, "a", "b") for p in prompts]
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            streams = [eng.add_request(p, greedy(12), lora=lo) for p, lo in jobs]
+        finally:
+            sys.setswitchinterval(old)
+        outs = run_all(streams)
+        alone = run_all(_submit_together(eng, prompts, [greedy(12)] * 3))
+    finally:
+        eng.shutdown()
+    want = {}
+    for lo in (None, "a", "b"):
+        model = hf_model(base, device)
+        if lo is not None:
+            model = peft.PeftModel.from_pretrained(model, adapters[lo]).eval()
+        want[lo] = hf_greedy(model, prompts, [12] * 3)
+    free_device_memory()
+    assert want["a"] != want[None] and want["b"] != want[None]
+    assert outs == [w for lo in (None, "a", "b") for w in want[lo]]
+    assert alone == want[None]
+
+
 def test_default_temperature_and_sampling_knobs(device, llama_engine):
     """What an OpenAI client sends without `temperature` (1.0), and each knob: every request ends by length
     with ids the tokenizer has."""

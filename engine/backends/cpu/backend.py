@@ -101,15 +101,15 @@ class CpuBackend(TorchBackend):
         return {"backend": self.name, "cpu_build": self.kernels.build if self.kernels else None}
 
     # ---------------------------------------------------------------- the model's ops
-    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]):
+    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...], lora: bool = False):
         """Kairos's packed GEMM where the kernels run it on this dtype and these widths (bf16: AMX, AVX512-BF16, or
         AVX2's FMAs on bf16 weights widened to fp32, which is itself an upcast matmul; fp32: AVX2 or AVX-512 FMA);
         else oneDNN's packed bf16 where the CPU has native bf16; else `F.linear` (upcast per call where bf16 would
-        be emulated)."""
+        be emulated). `lora`: an engine that serves LoRA adapters (the packed GEMM's gate|up unfused)."""
         k = self.kernels
         if k is not None and k.packed_linear_supported(dtype, *inner_dims) \
                 and (not upcast or (dtype == torch.bfloat16 and k.packed_isa == "avx2_fma")):
-            return PackedMatmuls(k)
+            return PackedMatmuls(k, gated=not lora)
         if dtype == torch.bfloat16 and not upcast and cpu_has_native_half() and torch.backends.mkldnn.is_available():
             return OneDNNMatmuls()
         return TorchMatmuls(upcast_linear if upcast else F.linear)
@@ -126,7 +126,8 @@ class CpuBackend(TorchBackend):
 
     def can_run_whole_step(self, decoder) -> bool:
         """Every layer in one kernel call: the packed GEMM, position-only RoPE, no per-head q/k norms."""
-        return isinstance(decoder.mm, PackedMatmuls) and decoder.table_rope and decoder.layers[0].q_norm is None
+        return isinstance(decoder.mm, PackedMatmuls) and decoder.mm.gated and decoder.table_rope \
+            and decoder.layers[0].q_norm is None
 
     def whole_step(self, decoder, h: torch.Tensor, positions: torch.Tensor, meta: CpuAttnMetadata) -> bool:
         p, cache = getattr(meta, "paged", None), meta.cache

@@ -4,6 +4,7 @@ originals)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.cpu.kernels import CpuKernels, PackedWeight
@@ -35,6 +36,13 @@ class OneDNNMatmuls:
         a = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
         return torch.ops.mkldnn._linear_pointwise.binary(a, h, down, None, "add")
 
+    def gate_up(self, x: torch.Tensor, mlp: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """gate|up before the activation, [T, 2 * intermediate] (a LoRA step adds its updates there)."""
+        return torch.cat([self.linear(x, mlp[0]), self.linear(x, mlp[1])], 1)
+
+    def silu_mul(self, gu: torch.Tensor, n: int) -> torch.Tensor:
+        return F.silu(gu[:, :n]) * gu[:, n:]
+
 
 class PackedMatmuls:
     """Kairos's own GEMM (`CpuKernels.linear`) on weights packed once at load, the bias, the residual adds and
@@ -44,8 +52,11 @@ class PackedMatmuls:
 
     copies_weights = True
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, gated: bool = True) -> None:
+        """`gated` False (an engine that serves LoRA adapters): gate|up packed as one plain projection, whose
+        output before the activation a LoRA step adds its updates to; the activation then runs after it."""
         self.kernels = kernels
+        self.gated = gated
 
     def pack(self, w: torch.Tensor) -> PackedWeight:
         w = w.detach()
@@ -54,12 +65,23 @@ class PackedMatmuls:
     def linear(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, w, b)
 
-    def pack_mlp(self, gate: nn.Linear, up: nn.Linear) -> PackedWeight:
+    def pack_mlp(self, gate: nn.Linear, up: nn.Linear) -> PackedWeight | tuple[PackedWeight, int]:
         g, u = gate.weight.detach(), up.weight.detach()
+        if not self.gated:
+            return self.pack(torch.cat([g, u])), g.shape[0]
         return self.kernels.pack_exact_gated(g, u)
 
     def residual(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, w, b, residual=h)  # h += x @ W^T + b, in place
 
     def mlp(self, x: torch.Tensor, mlp: PackedWeight, down: PackedWeight, h: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.kernels.linear(self.silu_mul(self.gate_up(x, mlp), mlp[1]), down, residual=h)
         return self.kernels.linear(self.kernels.linear(x, mlp), down, residual=h)
+
+    def gate_up(self, x: torch.Tensor, mlp: tuple[PackedWeight, int]) -> torch.Tensor:
+        """gate|up before the activation (`gated` False only), [T, 2 * intermediate]."""
+        return self.kernels.linear(x, mlp[0])
+
+    def silu_mul(self, gu: torch.Tensor, n: int) -> torch.Tensor:
+        return F.silu(gu[:, :n]) * gu[:, n:]

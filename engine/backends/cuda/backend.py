@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, pack, to_device
+from engine.backends.base import AttnMetadata, PreparedStep, StepBatch, lora_groups, pack, to_device
 from engine.backends.torch_ref import TorchAttnMetadata, TorchBackend, TorchMatmuls
 
 log = logging.getLogger("kairos.cuda")
@@ -82,6 +82,9 @@ class CudaMatmuls(TorchMatmuls):
         w, n = mlp
         return h + self.linear(self.fused.silu_mul(self.linear(x, w), n), down)
 
+    def silu_mul(self, gu: torch.Tensor, n: int) -> torch.Tensor:
+        return self.fused.silu_mul(gu, n)
+
     def residual_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor,
                       norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + x @ W^T + b, rms_norm of that): the sum is written in place into h."""
@@ -128,7 +131,8 @@ class CudaBackend(TorchBackend):
         return out
 
     # ---------------------------------------------------------------- the model's ops
-    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...]) -> TorchMatmuls:
+    def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...], lora: bool = False
+                ) -> TorchMatmuls:
         return TorchMatmuls() if self.fused is None else CudaMatmuls(self.fused)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -189,7 +193,7 @@ class CudaBackend(TorchBackend):
                                                        for r in step.decode])),
                 decode_lens=self._to_device(torch.tensor([r.num_tokens for r in step.decode], dtype=torch.int32)))
         meta = CudaAttnMetadata(self, self.cache, self._long(p.slots), max(p.positions, default=0),
-                                workspace=self.workspace, **fields)
+                                workspace=self.workspace, lora=lora_groups(p, self.device), **fields)
         return PreparedStep(self._long(p.tokens), self._long(p.positions), self._long(p.rows), meta, p.prompt_rows)
 
     # ---------------------------------------------------------------- attention
@@ -277,6 +281,8 @@ class CudaBackend(TorchBackend):
 
     def execute(self, runner, step: StepBatch) -> torch.Tensor:
         g = self.graphs
+        if any(r.lora_id for r in step.prefill) or any(r.lora_id for r in step.decode):
+            return runner.forward(self.prepare(step), step.prev_tokens)  # LoRA rows: eager (no graph holds them)
         if not step.prefill:
             if g is not None and 0 < len(step.decode) <= g.max_batch:
                 return g.replay(step.decode, step.prev_tokens)

@@ -1,0 +1,257 @@
+"""LoRA adapters (PEFT's format) served beside the base model, as vLLM's `--enable-lora --lora-modules` serves them:
+a request names an adapter as its `model` and its tokens run through the base weights plus that adapter's low-rank
+update, in the same step as requests of the base model and of other adapters.
+
+An adapter is a folder with `adapter_config.json` and `adapter_model.safetensors` (or `adapter_model.bin`), as
+PEFT's `save_pretrained` writes it. Its update of a projection W (out x in) is `scaling * B @ A` (A: r x in, B: out
+x r; scaling `lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA; a module's own rank and alpha where the
+config's `rank_pattern` / `alpha_pattern` name it). Kairos applies it to the Llama-family projections its decoder
+runs (q, k, v, o, gate, up, down), unmerged: y = x W^T + (x A^T) (scaling B)^T, for the rows of the requests that
+name the adapter. q|k|v and gate|up run as one projection, so their adapters are kept fused too: their A's stacked
+and their B's as one block-diagonal matrix (one pair of matmuls for the three, or two, updates).
+
+What an adapter changes beyond those projections (embeddings, the LM head, `modules_to_save`, biases, DoRA) is
+refused with the reason, rather than served differently from what it was trained as.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (torch is imported where tensors are made: the app's builder reads LoraSpec without it)
+    import torch
+
+# the projections an adapter may target, by the HF module names of the Llama family
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTN_MODULES + MLP_MODULES
+MAX_RANK_LIMIT = 512
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.default)?\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter Kairos cannot serve (its files, its config, or its shapes): the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """An adapter to serve: the name requests give as their `model`, and its folder."""
+    name: str
+    path: str
+
+    @staticmethod
+    def parse(items) -> tuple["LoraSpec", ...]:
+        """vLLM's `--lora-modules` forms: `name=path` strings, or mappings {"name", "path"} (JSON text too), a
+        comma-separated string of `name=path`, or a mapping of name to path."""
+        if items is None or items == "":
+            return ()
+        if isinstance(items, str):
+            text = items.strip()
+            if text.startswith(("[", "{")):
+                try:
+                    items = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise LoraError(f"lora_modules is not valid JSON: {e}") from None
+            else:
+                items = [s for s in text.split(",") if s.strip()]
+        if isinstance(items, dict):
+            items = [{"name": k, "path": v} for k, v in items.items()] if "name" not in items else [items]
+        out: list[LoraSpec] = []
+        for it in items:
+            if isinstance(it, LoraSpec):
+                out.append(it)
+                continue
+            if isinstance(it, str):
+                name, sep, path = it.partition("=")
+                if not sep:
+                    raise LoraError(f"lora_modules: {it!r} is not name=path")
+            elif isinstance(it, dict) and isinstance(it.get("name"), str) and isinstance(it.get("path"), str):
+                name, path = it["name"], it["path"]
+            elif isinstance(it, (list, tuple)) and len(it) == 2:
+                name, path = it
+            else:
+                raise LoraError(f"lora_modules: {it!r} is neither name=path nor {{\"name\": ..., \"path\": ...}}")
+            name, path = str(name).strip(), str(path).strip()
+            if not name or not path:
+                raise LoraError(f"lora_modules: {it!r} has an empty name or path")
+            out.append(LoraSpec(name, path))
+        names = [s.name for s in out]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise LoraError(f"lora_modules names {', '.join(dup)} more than once")
+        return tuple(out)
+
+
+@dataclass(slots=True)
+class LoraLayer:
+    """One layer's updates, each (A [R, in], scaled B [out, R]) or None where the adapter leaves it: q|k|v fused,
+    o, gate|up fused, down."""
+    qkv: tuple[torch.Tensor, torch.Tensor] | None = None
+    o: tuple[torch.Tensor, torch.Tensor] | None = None
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+    down: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """An adapter loaded for one decoder: its id (the request's `lora_id`, from 1), name, rank and layers."""
+    id: int
+    name: str
+    path: str
+    rank: int
+    layers: list[LoraLayer] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for L in self.layers
+                   for pair in (L.qkv, L.o, L.gate_up, L.down) if pair is not None for t in pair)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The base model's projection widths, which an adapter's shapes must match."""
+    num_layers: int
+    hidden: int
+    q_out: int
+    kv_out: int
+    intermediate: int
+
+    def io(self, module: str) -> tuple[int, int]:
+        """(in, out) features of `module`."""
+        return {"q_proj": (self.hidden, self.q_out), "k_proj": (self.hidden, self.kv_out),
+                "v_proj": (self.hidden, self.kv_out), "o_proj": (self.q_out, self.hidden),
+                "gate_proj": (self.hidden, self.intermediate), "up_proj": (self.hidden, self.intermediate),
+                "down_proj": (self.intermediate, self.hidden)}[module]
+
+
+def _pattern_value(patterns: dict, module_name: str, default: float) -> float:
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key that matches the module's name at its end."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return value
+    return default
+
+
+def read_config(path: Path) -> dict:
+    f = path / "adapter_config.json"
+    if not f.is_file():
+        raise LoraError(f"LoRA adapter {str(path)!r}: no adapter_config.json there (a PEFT adapter folder)")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoraError(f"LoRA adapter {str(path)!r}: adapter_config.json unreadable: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"LoRA adapter {str(path)!r}: adapter_config.json is not an object")
+    kind = str(cfg.get("peft_type", "LORA")).upper()
+    if kind != "LORA":
+        raise LoraError(f"LoRA adapter {str(path)!r}: peft_type {kind} (only LORA is served)")
+    why = []
+    if cfg.get("use_dora"):
+        why.append("DoRA (use_dora)")
+    if cfg.get("bias", "none") not in ("none", None):
+        why.append(f"trained biases (bias={cfg.get('bias')!r})")
+    if cfg.get("modules_to_save"):
+        why.append(f"modules_to_save {cfg['modules_to_save']}")
+    if cfg.get("fan_in_fan_out"):
+        why.append("fan_in_fan_out (Conv1D weights)")
+    if why:
+        raise LoraError(f"LoRA adapter {str(path)!r} uses {', '.join(why)}, which Kairos does not serve")
+    return cfg
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
+    st, bin_ = path / "adapter_model.safetensors", path / "adapter_model.bin"
+    if st.is_file():
+        from safetensors.torch import load_file
+        return load_file(str(st))
+    if bin_.is_file():
+        return torch.load(str(bin_), map_location="cpu", weights_only=True)
+    raise LoraError(f"LoRA adapter {str(path)!r}: no adapter_model.safetensors or adapter_model.bin there")
+
+
+def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                 max_rank: int) -> LoraAdapter:
+    """`spec`'s adapter for a model of `shape`, its tensors in `dtype` on `device`; LoraError where it cannot be
+    served as trained."""
+    import torch
+
+    path = Path(spec.path).expanduser()
+    cfg = read_config(path)
+    weights = read_weights(path)
+    alpha0 = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    rslora = bool(cfg.get("use_rslora"))
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in weights.items():
+        m = _KEY.match(key)
+        if m is None:
+            what = "embeddings" if "embed" in key else "the LM head" if "lm_head" in key else key
+            raise LoraError(f"LoRA adapter {spec.name!r} changes {what}, which Kairos does not serve (it applies "
+                            f"adapters of {', '.join(TARGETS)})")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        if module not in TARGETS:
+            raise LoraError(f"LoRA adapter {spec.name!r} targets {module}, which Kairos does not serve (it applies "
+                            f"adapters of {', '.join(TARGETS)})")
+        if layer >= shape.num_layers:
+            raise LoraError(f"LoRA adapter {spec.name!r} has layer {layer}; the model has {shape.num_layers}")
+        pairs.setdefault((layer, module), {})[ab] = t
+    if not pairs:
+        raise LoraError(f"LoRA adapter {spec.name!r} has no LoRA weights")
+    rank = 0
+    scaled: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter {spec.name!r}: layer {layer}'s {module} lacks its lora_A or lora_B")
+        a, b = ab["A"].float(), ab["B"].float()
+        fan_in, fan_out = shape.io(module)
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+            raise LoraError(f"LoRA adapter {spec.name!r}: layer {layer}'s {module} has A {tuple(a.shape)} and B "
+                            f"{tuple(b.shape)}, not ({r}, {fan_in}) and ({fan_out}, {r}): trained for another model?")
+        if r > max_rank:
+            raise LoraError(f"LoRA adapter {spec.name!r} has rank {r}, above max_lora_rank {max_rank}")
+        rank = max(rank, r)
+        name = f"model.layers.{layer}.{'mlp' if module in MLP_MODULES else 'self_attn'}.{module}"
+        alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, alpha0))
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        scaled[(layer, module)] = (a, b * scaling)
+    adapter = LoraAdapter(adapter_id, spec.name, str(path), rank)
+
+    def fused(layer: int, modules: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        present = [(m, scaled[(layer, m)]) for m in modules if (layer, m) in scaled]
+        if not present:
+            return None
+        outs = [shape.io(m)[1] for m in modules]
+        a = torch.cat([p[0] for _, p in present])
+        b = torch.zeros(sum(outs), a.shape[0])
+        col = 0
+        for m, (_, bm) in present:
+            row = sum(outs[:modules.index(m)])
+            b[row:row + bm.shape[0], col:col + bm.shape[1]] = bm
+            col += bm.shape[1]
+        return a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous()
+
+    for i in range(shape.num_layers):
+        adapter.layers.append(LoraLayer(fused(i, ("q_proj", "k_proj", "v_proj")), fused(i, ("o_proj",)),
+                                        fused(i, ("gate_proj", "up_proj")), fused(i, ("down_proj",))))
+    return adapter
+
+
+def apply(y: torch.Tensor, x: torch.Tensor, groups: list, which: str, layer: int) -> None:
+    """y += each group's update of projection `which` at `layer` from x: groups are (adapter, rows), rows the
+    packed step's rows of its requests (None: all)."""
+    for adapter, rows in groups:
+        pair = getattr(adapter.layers[layer], which)
+        if pair is None:
+            continue
+        a, b = pair
+        if rows is None:
+            y += ((x.to(a.dtype) @ a.T) @ b.T).to(y.dtype)
+        else:
+            d = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b.T
+            y.index_add_(0, rows, d.to(y.dtype))

@@ -1,0 +1,116 @@
+"""LoRA adapters over HTTP, as vLLM's `--lora-modules` serves them: a request's `model` names the adapter, /v1/models
+lists it with its parent, its reply is PEFT's, and the prefix cache keeps each adapter's and each cache_salt's KV
+apart."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.conftest import TEST_ARGS, SideApp, side_app
+
+LORA_APP, LORA_PREFIX, ADAPTER = "kairos-lora", "/lora", "tiny-sql"
+PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog runs after the fox into the woods."
+
+
+def _adapter(tmp: Path) -> Path:
+    from engine.default_model import ensure_default_model
+    from engine.testing import build_tiny_lora
+
+    return build_tiny_lora(ensure_default_model("kairos-tiny"), tmp / ADAPTER, seed=3, scale=4.0)
+
+
+def _lora_app(tmp: Path):
+    from deployments import build_app
+
+    return build_app({**TEST_ARGS, "num_replicas": 1, "lora_modules": f"{ADAPTER}={_adapter(tmp)}",
+                      "enable_prompt_tokens_details": True})
+
+
+SIDE_APP = SideApp(LORA_APP, LORA_PREFIX, _lora_app)
+
+
+@pytest.fixture(scope="module")
+def lora_url(serve_app: dict):
+    from ray import serve
+
+    try:
+        yield side_app(serve_app, SIDE_APP)
+    finally:
+        serve.delete(LORA_APP, _blocking=False)
+
+
+def _peft_greedy(adapter: Path | None, ids: list[int], n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.default_model import ensure_default_model
+
+    peft = pytest.importorskip("peft")
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model("kairos-tiny"), dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, str(adapter))
+    model = model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    vocab = len(AutoTokenizer.from_pretrained(ensure_default_model("kairos-tiny")))
+    beyond = list(range(vocab, model.get_output_embeddings().weight.shape[0]))  # rows no token decodes to
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             suppress_tokens=beyond)
+    return out[0, len(ids):].tolist()
+
+
+def _complete(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                  "ignore_eos": True, "logprobs": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _ids(resp: dict) -> list[int]:
+    return [int(t.split(":", 1)[1]) for t in resp["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_models_lists_the_adapter_with_its_parent(lora_url):
+    cards = {c["id"]: c for c in httpx.get(lora_url + "/v1/models", timeout=10).json()["data"]}
+    assert cards[ADAPTER]["parent"] == "kairos-tiny" and cards[ADAPTER]["root"].endswith(ADAPTER)
+    assert cards["kairos-tiny"]["parent"] is None
+    one = httpx.get(lora_url + f"/v1/models/{ADAPTER}", timeout=10)
+    assert one.status_code == 200 and one.json()["parent"] == "kairos-tiny"
+    r = httpx.post(lora_url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=10)
+    assert r.status_code == 404 and ADAPTER in r.json()["error"]["message"]
+
+
+def test_a_request_naming_the_adapter_gets_peft_s_reply(lora_url, tmp_path):
+    """The same prompt through the base model and through the adapter: each reply is its model's, token for token
+    (PEFT's own forward with the adapter's files, built again here from the same seed)."""
+    adapter = _adapter(tmp_path)
+    tok = httpx.post(lora_url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    base = _complete(lora_url, model="kairos-tiny", return_tokens_as_token_ids=True)
+    lora = _complete(lora_url, model=ADAPTER, return_tokens_as_token_ids=True)
+    assert lora["model"] == ADAPTER
+    assert _ids(base) == _peft_greedy(None, tok, 8)
+    assert _ids(lora) == _peft_greedy(adapter, tok, 8) != _ids(base)
+    chat = httpx.post(lora_url + "/v1/chat/completions", json={
+        "model": ADAPTER, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "stream": True,
+        "temperature": 0}, timeout=60)
+    assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]")
+
+
+def test_the_prefix_cache_is_the_adapter_s_and_the_salt_s_own(lora_url):
+    prompt = "A prompt of its own, long enough for a block or two of the cache: " + PROMPT  # nothing cached it yet
+
+    def cached(**body) -> int:
+        return _complete(lora_url, prompt=prompt, **body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(model="kairos-tiny")
+    assert cached(model="kairos-tiny") > 0
+    assert cached(model=ADAPTER) == 0  # the base model's KV is not the adapter's
+    assert cached(model=ADAPTER) > 0
+    assert cached(model=ADAPTER, cache_salt="user-1") == 0
+    assert cached(model=ADAPTER, cache_salt="user-1") > 0
+    assert cached(model=ADAPTER, cache_salt="user-2") == 0
+    r = httpx.post(lora_url + "/v1/completions", json={"prompt": "hi", "cache_salt": ""}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

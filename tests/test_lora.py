@@ -1,0 +1,196 @@
+"""LoRA adapters (engine.lora): PEFT adapters of tiny checkpoints, served beside the base model, give PEFT's own
+replies token for token; their prefix cache is their own; what cannot be served as trained is refused."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from core.kv import BlockManager
+from core.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.lora import LoraError, LoraSpec
+from engine.testing import build_tiny_lora
+from scheduling.config import SchedulerConfig
+
+peft = pytest.importorskip("peft")
+
+PROMPTS = [[5, 17, 99, 23, 41, 7, 300, 12] * 3, [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 200], list(range(40, 75))]
+MAX_TOKENS = [12, 9, 14]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoints, tmp_path_factory):
+    """Per family: two adapters, `a` on every projection and `b` (rsLoRA, another rank) on three."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for fam in ("llama", "qwen2", "qwen3"):
+        base = tiny_checkpoints[fam]
+        out[fam] = {"a": str(build_tiny_lora(base, root / f"{fam}-a", seed=1)),
+                    "b": str(build_tiny_lora(base, root / f"{fam}-b", seed=2, targets=("q_proj", "v_proj", "down_proj"),
+                                             r=4, alpha=8, rslora=True))}
+    return out
+
+
+def _peft_greedy(base, adapter, prompts, max_tokens):
+    """PEFT's own model (the base, or the base with the adapter unmerged) run greedily to each length."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    model = model.eval()
+    model.generation_config.eos_token_id = None  # run to length, like ignore_eos
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.inference_mode():
+        for ids, k in zip(prompts, max_tokens):
+            x = torch.tensor([ids])
+            gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k,
+                                 do_sample=False)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def _engine(base, adapters, **kw):
+    sched = kw.pop("scheduler", SchedulerConfig(policy="fcfs", prefill_max_tokens=256))
+    return LLMEngine(EngineConfig(model=base, dtype="float32", device="cpu", block_size=4, lora_modules=adapters,
+                                  scheduler=sched, **kw))
+
+
+def _run(eng, jobs):
+    """jobs: (prompt, max_tokens, lora) all added at once; each one's tokens."""
+    streams = [eng.add_request(p, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True), lora=lo)
+               for p, k, lo in jobs]
+    return [[t for o in s for t in o.token_ids] for s in streams]
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"kernels": "off"}), ("llama", {"backend": "torch"}),
+    ("llama", {"overlap": "on", "num_threads": 1}),
+    ("llama", {"scheduler": SchedulerConfig(policy="fcfs", prefill_max_tokens=16, chunked_prefill=True)})])
+def test_replies_through_adapters_equal_peft(tiny_checkpoints, adapters, family, kw):
+    """Requests of the base model and of two adapters in the same steps (prefill and decode rows mixed): each reply
+    is PEFT's, token for token."""
+    base = tiny_checkpoints[family]
+    want = {lo: _peft_greedy(base, adapters[family].get(lo), PROMPTS, MAX_TOKENS) for lo in (None, "a", "b")}
+    assert want["a"] != want[None] and want["b"] != want[None]  # the adapters change the replies
+    eng = _engine(base, adapters[family], **kw)
+    try:
+        jobs = [(p, k, lo) for lo in (None, "a", "b") for p, k in zip(PROMPTS, MAX_TOKENS)]
+        got = _run(eng, jobs)
+        for (p, k, lo), tokens in zip(jobs, got):
+            assert tokens == want[lo][PROMPTS.index(p)], (lo, PROMPTS.index(p))
+    finally:
+        eng.shutdown()
+
+
+def test_prefix_cache_is_per_adapter_and_per_salt(tiny_checkpoints, adapters):
+    """A prompt the base model cached is computed again through an adapter (and its reply is the adapter's), then
+    found cached by the adapter's next request; a cache_salt likewise keeps its own."""
+    base = tiny_checkpoints["llama"]
+    prompt = PROMPTS[2]
+    want = {lo: _peft_greedy(base, adapters["llama"].get(lo), [prompt], [6])[0] for lo in (None, "a")}
+    eng = _engine(base, adapters["llama"])
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def one(**kw):
+        items = list(eng.add_request(prompt, sp, **kw))
+        return [t for o in items for t in o.token_ids], items[-1].metrics.num_cached_tokens
+
+    try:
+        assert one() == (want[None], 0)
+        assert one() == (want[None], 32)  # (8 full blocks of 4; the last token is always computed)
+        assert one(lora="a") == (want["a"], 0)
+        assert one(lora="a") == (want["a"], 32)
+        assert one(cache_salt="s1") == (want[None], 0)
+        assert one(cache_salt="s1") == (want[None], 32)
+        assert one(cache_salt="s2", lora="a") == (want["a"], 0)
+        with pytest.raises(ValueError, match="no LoRA adapter named 'c'"):
+            eng.add_request(prompt, sp, lora="c")
+        with pytest.raises(ValueError, match="cache_salt"):
+            eng.add_request(prompt, sp, cache_salt="")
+    finally:
+        eng.shutdown()
+
+
+def test_block_manager_namespaces_share_only_their_own():
+    bm = BlockManager(8, 2, caching=True)
+
+    class Seq:
+        def __init__(self):
+            self.block_table = []
+
+    ids = [1, 2, 3, 4, 5]
+    a, b = Seq(), Seq()
+    bm.ensure(a, 5)
+    bm.register(a, ids, 0, 2, bm.root)
+    bm.ensure(b, 5)
+    ns_root = bm.root_of(("x",))
+    assert bm.lookup(ids, 4, namespace=("x",)) == []
+    tail = bm.register(b, ids, 0, 2, ns_root)
+    assert tail is not None and [n.block for n in bm.lookup(ids, 4, namespace=("x",))] == b.block_table[:2]
+    assert [n.block for n in bm.lookup(ids, 4)] == a.block_table[:2]
+    assert bm.root_of(("x",)) is ns_root
+    bm.free(b)
+    bm.free(a)
+    bm.clear_cache()  # every block uncached: the namespace is forgotten
+    assert bm.num_cached == 0 and bm._roots == {}
+    assert bm.lookup(ids, 4, namespace=("x",)) == []
+
+
+def test_lora_spec_forms():
+    assert LoraSpec.parse("a=/x, b=/y") == (LoraSpec("a", "/x"), LoraSpec("b", "/y"))
+    assert LoraSpec.parse('[{"name": "a", "path": "/x"}]') == (LoraSpec("a", "/x"),)
+    assert LoraSpec.parse({"a": "/x"}) == (LoraSpec("a", "/x"),)
+    assert LoraSpec.parse(["a=/x=y"]) == (LoraSpec("a", "/x=y"),)
+    for bad, match in [("a", "name=path"), ("a=/x,a=/y", "more than once"), ("=/x", "empty"), ("[1]", "neither")]:
+        with pytest.raises(LoraError, match=match):
+            LoraSpec.parse(bad)
+
+
+def _edited(src, dst, config=None, weights=None):
+    """A copy of adapter `src` with its config updated by `config` and its weights by `weights(dict)`."""
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    w = load_file(str(src / "adapter_model.safetensors"))
+    if weights is not None:
+        weights(w)
+    save_file(w, str(dst / "adapter_model.safetensors"))
+    return str(dst)
+
+
+def test_adapters_not_served_as_trained_are_refused(tiny_checkpoints, adapters, tmp_path):
+    from pathlib import Path
+
+    base = tiny_checkpoints["llama"]
+    src = Path(adapters["llama"]["a"])
+
+    def lm_head(w):
+        w["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+
+    def shrink(w):
+        key = next(k for k in w if "q_proj.lora_A" in k)
+        w[key] = w[key][:, :32].contiguous()
+
+    cases = [
+        ({"use_dora": True}, None, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"bias": "all"}, None, "biases"),
+        (None, lm_head, "the LM head"),
+        (None, shrink, "another model"),
+    ]
+    for i, (config, weights, match) in enumerate(cases):
+        path = _edited(src, tmp_path / f"bad{i}", config, weights)
+        with pytest.raises(ValueError, match=match):
+            _engine(base, {"x": path})
+    with pytest.raises(ValueError, match="above max_lora_rank 4"):
+        _engine(base, {"a": str(src)}, max_lora_rank=4)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        _engine(base, {"a": str(tmp_path)})
+    with pytest.raises(ValueError, match="Kairos's own decoder"):
+        _engine(tiny_checkpoints["gpt2"], {"a": str(src)})
+    with pytest.raises(ValueError, match="Kairos's own decoder"):
+        _engine(base, {"a": str(src)}, model_impl="hf")
