@@ -146,8 +146,10 @@ class Request:
     # vLLM's bad_words as token ids (`SamplingParams.bad_words`, tokenized by the input processor): each sequence's
     # last token may not be drawn where the reply ends with the rest of it
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    # the LoRA adapter its tokens run through (engine.lora; 0: the base model), and vLLM's cache_salt: a prompt's
-    # cached prefix is shared only between requests of the same adapter and salt
+    # the LoRA adapter its tokens run through (engine.lora): its name (None: the base model) and the id of its load,
+    # which the engine sets as it takes the request; and vLLM's cache_salt. A prompt's cached prefix is shared only
+    # between requests of the same adapter load and salt
+    lora: str | None = None
     lora_id: int = 0
     cache_salt: str | None = None
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length

@@ -94,7 +94,9 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "reasoning_parser": a.reasoning_parser,
         "trust_request_chat_template": a.trust_request_chat_template,
         "prompt_tokens_details": a.enable_prompt_tokens_details,
-        "lora_modules": a.engine_config().lora_modules,  # the LoRA adapters' names a request's `model` may give
+        # the LoRA adapters' names a request's `model` may give, and the folder of those loaded on demand
+        "lora_modules": a.engine_config().lora_modules,
+        "dynamic_lora_loading_path": a.engine_config().dynamic_lora_loading_path,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
     }

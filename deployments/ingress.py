@@ -48,6 +48,7 @@ from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
 from deployments.reasoning import ReplyReader
 from deployments.tool_calls import KEEPS_SPECIAL_TOKENS
+from engine.lora import dynamic_adapter_dir
 
 log = logging.getLogger("ray.serve")
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
@@ -272,6 +273,8 @@ class OpenAIFrontend:
         self.prompt_tokens_details: bool = settings.get("prompt_tokens_details", False)
         # the LoRA adapters the replicas serve (`lora_modules`): a request that names one as its model runs through it
         self.lora_modules: dict[str, str] = dict(settings.get("lora_modules") or {})
+        # and the folder of adapters loaded on demand: a request's model `<served name>:<folder>` names one
+        self.lora_dir: str | None = settings.get("dynamic_lora_loading_path")
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -364,18 +367,22 @@ class OpenAIFrontend:
         cards += [self._lora_card(name, max_len) for name in self.lora_modules]
         return P.ModelList(data=cards).model_dump()
 
-    def _lora_card(self, name: str, max_len: int | None) -> P.ModelCard:
-        return P.ModelCard(id=name, max_model_len=max_len, root=self.lora_modules[name], parent=self.served_model_name)
+    def _lora_card(self, model: str, max_len: int | None, name: str | None = None) -> P.ModelCard:
+        """The card of adapter `name` (`_lora_of`), asked for as `model`."""
+        name = name or model
+        root = self.lora_modules.get(name) or str(dynamic_adapter_dir(self.lora_dir, name))
+        return P.ModelCard(id=model, max_model_len=max_len, root=root, parent=self.served_model_name)
 
     async def model(self, request: Request, model_id: str) -> dict[str, Any]:
         """`GET /v1/models/{model}`: one served name's card (OpenAI's retrieve model), else 404 model_not_found."""
         self._auth(request)
-        if model_id not in self._served_names() and model_id not in self.lora_modules:
+        lora = self._lora_of(model_id)
+        if model_id not in self._served_names() and lora is None:
             raise model_not_found(model_id, self._model_names())
         info = self._ready_info()
         max_len = info["max_model_len"] if info else None
-        if model_id in self.lora_modules and model_id not in self._served_names():
-            return self._lora_card(model_id, max_len).model_dump()
+        if lora is not None:
+            return self._lora_card(model_id, max_len, lora).model_dump()
         return P.ModelCard(id=model_id, max_model_len=max_len, root=self.served_model_name).model_dump()
 
     async def prometheus_metrics(self) -> Any:
@@ -458,8 +465,17 @@ class OpenAIFrontend:
         return self._served_names() + [n for n in self.lora_modules if n not in self._served_names()]
 
     def _lora_of(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model)."""
-        return model if model in self.lora_modules and model not in self._served_names() else None
+        """The LoRA adapter a request's `model` names: one of `lora_modules` by its name, or one of the folder of
+        adapters loaded on demand as `<served name>:<folder>` (Ray Serve LLM's form); None: the base model, or no
+        model served here."""
+        if model is None or model in self._served_names():
+            return None
+        if model in self.lora_modules:
+            return model
+        base, sep, name = model.rpartition(":")
+        if sep and base in self._served_names() and dynamic_adapter_dir(self.lora_dir, name) is not None:
+            return name
+        return None
 
     def _tool_parser(self) -> str | None:
         """The tool-call format replies are read in with tool_choice "auto" (`tool_calls.PARSERS`), or None."""
@@ -549,7 +565,7 @@ class OpenAIFrontend:
             message, param = _validation_message(e, schema.model_fields)
             raise APIError(400, message, param=param) from None
         if check_model and body.model is not None and body.model not in self._served_names() \
-                and body.model not in self.lora_modules:  # absent: the served model
+                and self._lora_of(body.model) is None:  # absent: the served model
             raise model_not_found(body.model, self._model_names())
         if getattr(body, "chat_template", None) is not None and not self.trust_request_chat_template:
             raise APIError(400, "chat_template: this server renders chats with its model's own template (the app's "

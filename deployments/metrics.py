@@ -127,6 +127,8 @@ class ReplicaMetrics:
         self.kv_free = gauge("kv_blocks_free", "paged-KV blocks free")
         self.kv_usage = gauge("kv_cache_usage", "paged-KV blocks in use, a fraction of all (0 to 1)")
         self.preemptions = ctr("preemptions", "requests preempted (KV freed, prefilled again later)")
+        self.lora_adapters = gauge("lora_adapters", "LoRA adapters loaded (lora_modules, and those of "
+                                   "dynamic_lora_loading_path loaded on demand)")
         self.prefix_queries = ctr("prefix_cache_queries", "prompt tokens admissions looked up in the prefix cache "
                                   "(vLLM's prefix_cache_queries)")
         self.prefix_hits = ctr("prefix_cache_hits", "of those, the tokens found cached, not computed again (vLLM's "
@@ -205,6 +207,7 @@ class ReplicaMetrics:
         self.kv_free.set(g("kv_blocks_free"))
         used, total = g("kv_blocks_used"), g("kv_blocks_total")
         self.kv_usage.set(used / total if total else 0.0)
+        self.lora_adapters.set(g("lora_adapters"))
         for name, counter in (("preemptions", self.preemptions), ("rejected_seats_full", self.rejected_seats_full),
                               ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
             self._advance(name, counter, g(name))

@@ -151,6 +151,8 @@ def prefix_keys(req: GenerateRequest) -> list[int]:
     while k <= len(text):
         keys.append(hash(text[:k]))
         k *= 2
+    if req.lora is not None:  # last: a replica that ran the adapter holds it loaded (Ray Serve LLM's multiplexing)
+        return keys[::-1] + [hash(f"\x03lora\x03{req.lora}")]
     return keys[::-1]
 
 

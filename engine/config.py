@@ -132,6 +132,12 @@ class EngineConfig(BaseModel):
     lora_modules: dict[str, str] | list[Any] | str = Field(  # (a dict once validated: `_lora_modules`)
         default_factory=dict, description="vLLM's --lora-modules: the adapters to serve, name=path (several: "
                                           "comma-separated, or a JSON list of {\"name\", \"path\"}, or a mapping)")
+    dynamic_lora_loading_path: str | None = Field(
+        None, description="Ray Serve LLM's: a folder of adapter folders; a request whose model is "
+                          "`<served model>:<folder name>` runs through that adapter, loaded at its first request")
+    max_loras: int = Field(16, gt=0, description="adapters held at once (Ray Serve LLM's max_num_adapters_per_"
+                                                 "replica): past it, the least recently used one loaded on demand that "
+                                                 "no request holds is unloaded")
     max_lora_rank: int = Field(16, gt=0, le=MAX_RANK_LIMIT, description="vLLM's: the largest adapter rank served")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -143,11 +149,7 @@ class EngineConfig(BaseModel):
 
     @property
     def serves_lora(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules)
-
-    def lora_ids(self) -> dict[str, int]:
-        """Each adapter's id (`Request.lora_id`), in the order given, from 1: the engine's and its clients' alike."""
-        return {name: i for i, name in enumerate(self.lora_modules, 1)}  # (a dict: `_lora_modules`)
+        return self.enable_lora or bool(self.lora_modules) or bool(self.dynamic_lora_loading_path)
 
 
 def for_device(config: "EngineConfig", device_type: str) -> "EngineConfig":

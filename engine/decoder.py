@@ -143,7 +143,9 @@ class KairosDecoder:
         else:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
-        lora = [(self.loras[i], rows) for i, rows in meta.lora] if meta.lora else None
+        # (an adapter unloaded since the step was planned: only an ended request's discarded row named it)
+        lora = [(a, rows) for i, rows in meta.lora if (a := self.loras.get(i)) is not None] if meta.lora else None
+        lora = lora or None
         if self.whole_step and lora is None and backend.whole_step(self, h, positions, meta):
             return h if logit_rows is None else self.head(h[logit_rows])
         # each residual add fused with the RMSNorm after it (not where LoRA updates come between them)

@@ -34,7 +34,7 @@ from engine.backends.base import PreparedStep, prompt_spans
 from engine.config import EngineConfig, for_device, reconfigured
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
-from engine.lora import LoraSpec
+from engine.lora import LoraError, LoraRegistry
 from engine.detokenizer import TokenTexts
 from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
@@ -140,6 +140,7 @@ class LLMEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}  # worker-owned
+        self.loras: LoraRegistry | None = None  # the LoRA adapters it serves (`_setup`; worker-owned)
         self._observers: list[Callable[[StepEvent], None]] = []
         self._stop = False
         self._dead: BaseException | None = None
@@ -205,9 +206,9 @@ class LLMEngine:
         spec = cache_spec(config, b, backend)
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0, config.serves_lora)
-        for name, i in config.lora_ids().items():  # before the KV cache is sized: their memory is counted
-            a = decoder.add_lora(LoraSpec(name, config.lora_modules[name]), i, config.max_lora_rank)
-            log.info("LoRA adapter %r (rank %d, %.1f MB) from %s", name, a.rank, a.nbytes() / 2**20, a.path)
+        # (the adapters of lora_modules load here, before the KV cache is sized: their memory is counted)
+        self.loras = LoraRegistry(decoder, config.lora_modules, config.dynamic_lora_loading_path, config.max_loras,
+                                  config.max_lora_rank) if config.serves_lora else None
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
         self.sampler.token_text = TokenTexts(b.tokenizer, skip_special_tokens=True)  # what JSON mode checks
         t_load = time.perf_counter()
@@ -229,7 +230,8 @@ class LLMEngine:
                                             config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
-                                     config.max_tokens_over_context == "reject", config.lora_ids())
+                                     config.max_tokens_over_context == "reject", list(config.lora_modules),
+                                     config.dynamic_lora_loading_path)
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
@@ -484,6 +486,8 @@ class LLMEngine:
         snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
                         phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
                         step=(self._step_ms, self._step_batch))
+        if self.loras is not None:
+            snap = dataclasses.replace(snap, lora_adapters=len(self.loras.loaded))
         if self._parked:  # waiting for a scheduler change: they count as waiting (those not aborted meanwhile)
             parked = sum([r.status is not Status.FINISHED for r in self._parked])
             snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + parked)
@@ -564,6 +568,12 @@ class LLMEngine:
             stream.put(RequestOutput.failed(req.request_id, f"duplicate request id {req.request_id!r}",
                                             ErrorKind.INVALID_REQUEST))
             return
+        if req.lora is not None:
+            try:
+                req.lora_id = self._acquire_lora(req.lora)
+            except LoraError as e:  # (a dynamic adapter that does not load: this request's error alone)
+                stream.put(RequestOutput.failed(req.request_id, str(e), ErrorKind.INVALID_REQUEST))
+                return
         self._requests[req.request_id] = req
         self._churn += 1
         self.outputs.add(req, stream)
@@ -571,6 +581,12 @@ class LLMEngine:
             self._parked.append(req)
             return
         self._take((req,))
+
+    def _acquire_lora(self, name: str) -> int:
+        """The id of LoRA adapter `name` for a request the engine takes (loaded where it is not yet)."""
+        if self.loras is None:
+            raise LoraError("this engine serves no LoRA adapters")
+        return self.loras.acquire(name)
 
     def _new_scheduler(self, config: SchedulerConfig, predictor: LatencyModel | None) -> Scheduler:
         b = self.bundle
@@ -883,6 +899,8 @@ class LLMEngine:
             return
         self._requests.pop(req.request_id, None)
         self._churn += 1
+        if req.lora_id:
+            self.loras.release(req.lora_id)
         self.sampler.release(req.request_id)
         self.outputs.finish(req, reject_reason=reject_reason, error=error, error_kind=ErrorKind.ENGINE,
                             last_token=last_token, last_logprobs=last_logprobs)

@@ -14,6 +14,7 @@ from typing import Any
 from core.messages import ChatTurn, ContextLengthExceeded, PromptOptions, PromptTooLong
 from core.request import SLO, Request
 from core.sampling import SamplingParams
+from engine.lora import dynamic_adapter_dir
 
 Prompt = str | Sequence[int]
 MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens (each step compares a row's last tokens with every word's)
@@ -78,11 +79,13 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
                  kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False,
-                 lora_ids: dict[str, int] | None = None) -> None:
+                 lora_names: Sequence[str] = (), lora_dir: str | None = None) -> None:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
-        `lora_ids`: the LoRA adapters served, by name (`EngineConfig.lora_ids`)."""
-        self.lora_ids = dict(lora_ids or {})
+        `lora_names`, `lora_dir`: the LoRA adapters served (`lora_modules`), and the folder of those loaded on demand
+        (`dynamic_lora_loading_path`)."""
+        self.lora_names = frozenset(lora_names)
+        self.lora_dir = lora_dir
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
         self.encode_special = prompt_encoder(tokenizer, add_special_tokens=True)
@@ -178,12 +181,9 @@ class InputProcessor:
         this is called: its TTFT SLO counts the time its prompt takes to render and tokenize (a long one's, ms)."""
         arrival_s = time.monotonic()
         options = options or PromptOptions()
-        lora_id = 0
-        if lora is not None:
-            lora_id = self.lora_ids.get(lora, 0)
-            if not lora_id:
-                raise ValueError(f"no LoRA adapter named {lora!r} is served here"
-                                 + (f" (these are: {', '.join(self.lora_ids)})" if self.lora_ids else ""))
+        if lora is not None and lora not in self.lora_names and dynamic_adapter_dir(self.lora_dir, lora) is None:
+            raise ValueError(f"no LoRA adapter named {lora!r} is served here"
+                             + (f" (these are: {', '.join(sorted(self.lora_names))})" if self.lora_names else ""))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         params = (params or SamplingParams()).validate()
@@ -222,8 +222,7 @@ class InputProcessor:
         bad = self.bad_words_ids(params.bad_words)
         if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
             raise ValueError("bad_words ban every token allowed_token_ids allows")
-        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora_id=lora_id,
-                      cache_salt=cache_salt)
+        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

@@ -16,6 +16,7 @@ refused with the reason, rather than served differently from what it was trained
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (torch is imported where tensors are made: the app's builder reads LoraSpec without it)
     import torch
+
+log = logging.getLogger("kairos.engine")
 
 # the projections an adapter may target, by the HF module names of the Llama family
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -255,3 +258,85 @@ def apply(y: torch.Tensor, x: torch.Tensor, groups: list, which: str, layer: int
         else:
             d = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b.T
             y.index_add_(0, rows, d.to(y.dtype))
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def dynamic_adapter_dir(root: str | None, name: str) -> Path | None:
+    """The folder of adapter `name` under `root` (dynamic_lora_loading_path), where `name` is a plain folder name
+    and the folder holds an adapter config; else None."""
+    if not root or not _NAME.match(name) or name in (".", ".."):
+        return None
+    path = Path(root).expanduser() / name
+    return path if (path / "adapter_config.json").is_file() else None
+
+
+class LoraRegistry:
+    """The adapters an engine serves, owned by its worker thread. Those of `lora_modules` are loaded at start and
+    kept; one of `dynamic_lora_loading_path` (a folder there, named by a request) is loaded when the first request
+    that names it arrives, and past `max_loras` adapters the least recently used one that no request holds is
+    unloaded (Ray Serve LLM's multi-LoRA). Each load has an id of its own (`Request.lora_id`), never used again:
+    an adapter loaded again is a new namespace of the prefix cache."""
+
+    def __init__(self, decoder, static: dict[str, str], dynamic_root: str | None, max_loras: int,
+                 max_rank: int) -> None:
+        self.decoder = decoder
+        self.dynamic_root = dynamic_root
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self._ids: dict[str, int] = {}  # loaded adapters' ids by name
+        self._names: dict[int, str] = {}  # and their names by id
+        self._static: set[str] = set(static)
+        self._holders: dict[int, int] = {}  # requests in the engine per adapter id
+        self._idle: dict[int, str] = {}  # dynamic adapters no request holds, least recently released first
+        self._next = 1
+        for name, path in static.items():
+            self._load(name, path)
+
+    def _load(self, name: str, path: str) -> int:
+        i = self._next
+        adapter = self.decoder.add_lora(LoraSpec(name, path), i, self.max_rank)
+        self._next += 1
+        self._ids[name], self._names[i] = i, name
+        self._holders[i] = 0
+        log.info("LoRA adapter %r loaded (rank %d, %.1f MB) from %s", name, adapter.rank, adapter.nbytes() / 2**20,
+                 adapter.path)
+        return i
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self._ids)
+
+    def acquire(self, name: str) -> int:
+        """The id of adapter `name` for a request that will run through it (loaded first where it is not);
+        LoraError where there is no such adapter or it cannot be served."""
+        i = self._ids.get(name)
+        if i is None:
+            path = dynamic_adapter_dir(self.dynamic_root, name)
+            if path is None:
+                raise LoraError(f"no LoRA adapter named {name!r} is served here")
+            self._evict(self.max_loras - 1)
+            i = self._load(name, str(path))
+        self._idle.pop(i, None)
+        self._holders[i] += 1
+        return i
+
+    def release(self, lora_id: int) -> None:
+        """A request that held adapter `lora_id` has ended."""
+        n = self._holders.get(lora_id)
+        if n is None:
+            return
+        self._holders[lora_id] = n - 1
+        if n == 1 and self._names[lora_id] not in self._static:
+            self._idle[lora_id] = self._names[lora_id]
+            self._evict(self.max_loras)
+
+    def _evict(self, keep: int) -> None:
+        """Unload idle dynamic adapters, least recently used first, while more than `keep` are loaded."""
+        while len(self._ids) > keep and self._idle:
+            i, name = next(iter(self._idle.items()))
+            del self._idle[i], self._ids[name], self._names[i], self._holders[i]
+            self.decoder.remove_lora(i)
+            log.info("LoRA adapter %r unloaded: the least recently used of those idle, past max_loras %d", name,
+                     self.max_loras)

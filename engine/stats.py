@@ -68,6 +68,7 @@ class EngineStats:
     # prefix caching since start (vLLM's counters): the tokens admissions looked up, and those found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    lora_adapters: int = 0  # LoRA adapters loaded (engine.lora)
     # the output tokens the running request nearest its end is still expected to make (its expected length, as the
     # scheduler plans for it, less its tokens out); None with none running
     nearest_end: int | None = None

@@ -194,3 +194,31 @@ def test_adapters_not_served_as_trained_are_refused(tiny_checkpoints, adapters, 
         _engine(tiny_checkpoints["gpt2"], {"a": str(src)})
     with pytest.raises(ValueError, match="Kairos's own decoder"):
         _engine(base, {"a": str(src)}, model_impl="hf")
+
+
+def test_adapters_of_a_folder_load_on_demand_and_the_idle_ones_unload(tiny_checkpoints, adapters, tmp_path):
+    """Ray Serve LLM's multi-LoRA: a request names a folder of dynamic_lora_loading_path; it loads at the first such
+    request; past max_loras the least recently used adapter no request holds is unloaded (and loads again, as a
+    new namespace of the prefix cache, when named again). A folder that is no adapter fails its request alone."""
+    import shutil
+
+    base = tiny_checkpoints["llama"]
+    root = tmp_path / "adapters"
+    for name in ("a", "b"):
+        shutil.copytree(adapters["llama"][name], root / name)
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text('{"r": 8, "use_dora": true}')
+    want = {lo: _peft_greedy(base, adapters["llama"][lo], PROMPTS[:2], MAX_TOKENS[:2]) for lo in ("a", "b")}
+    eng = _engine(base, {}, dynamic_lora_loading_path=str(root), max_loras=1)
+    try:
+        for lo in ("a", "b", "a"):
+            assert _run(eng, [(p, k, lo) for p, k in zip(PROMPTS[:2], MAX_TOKENS[:2])]) == want[lo]
+            assert eng.run_idle(lambda e: e.loras.loaded) == [lo]
+        items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="broken"))
+        assert items[-1].error is not None and "DoRA" in items[-1].error
+        assert _run(eng, [(PROMPTS[1], 4, "b"), (PROMPTS[1], 4, None)])[0] == want["b"][1][:4]
+        for bad in ("../a", "c", ".", "a/../b"):
+            with pytest.raises(ValueError, match="no LoRA adapter named"):
+                eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora=bad)
+    finally:
+        eng.shutdown()

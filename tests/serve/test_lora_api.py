@@ -22,10 +22,14 @@ def _adapter(tmp: Path) -> Path:
 
 
 def _lora_app(tmp: Path):
+    import shutil
+
     from deployments import build_app
 
-    return build_app({**TEST_ARGS, "num_replicas": 1, "lora_modules": f"{ADAPTER}={_adapter(tmp)}",
-                      "enable_prompt_tokens_details": True})
+    adapter = _adapter(tmp)
+    shutil.copytree(adapter, tmp / "on-demand" / "dyn")  # the same adapter, loaded at its first request
+    return build_app({**TEST_ARGS, "num_replicas": 1, "lora_modules": f"{ADAPTER}={adapter}",
+                      "dynamic_lora_loading_path": str(tmp / "on-demand"), "enable_prompt_tokens_details": True})
 
 
 SIDE_APP = SideApp(LORA_APP, LORA_PREFIX, _lora_app)
@@ -79,8 +83,11 @@ def test_models_lists_the_adapter_with_its_parent(lora_url):
     assert cards["kairos-tiny"]["parent"] is None
     one = httpx.get(lora_url + f"/v1/models/{ADAPTER}", timeout=10)
     assert one.status_code == 200 and one.json()["parent"] == "kairos-tiny"
-    r = httpx.post(lora_url + "/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=10)
-    assert r.status_code == 404 and ADAPTER in r.json()["error"]["message"]
+    for missing in ("nope", "kairos-tiny:nope", "other:dyn", "kairos-tiny:../on-demand/dyn"):
+        r = httpx.post(lora_url + "/v1/completions", json={"model": missing, "prompt": "hi"}, timeout=10)
+        assert r.status_code == 404 and ADAPTER in r.json()["error"]["message"], missing
+    one = httpx.get(lora_url + "/v1/models/kairos-tiny:dyn", timeout=10).json()
+    assert one["parent"] == "kairos-tiny" and one["root"].endswith("dyn")
 
 
 def test_a_request_naming_the_adapter_gets_peft_s_reply(lora_url, tmp_path):
@@ -93,6 +100,8 @@ def test_a_request_naming_the_adapter_gets_peft_s_reply(lora_url, tmp_path):
     assert lora["model"] == ADAPTER
     assert _ids(base) == _peft_greedy(None, tok, 8)
     assert _ids(lora) == _peft_greedy(adapter, tok, 8) != _ids(base)
+    dyn = _complete(lora_url, model="kairos-tiny:dyn", return_tokens_as_token_ids=True)  # Ray Serve LLM's form
+    assert _ids(dyn) == _ids(lora) and dyn["model"] == "kairos-tiny:dyn"
     chat = httpx.post(lora_url + "/v1/chat/completions", json={
         "model": ADAPTER, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "stream": True,
         "temperature": 0}, timeout=60)
