@@ -39,7 +39,7 @@ from ray.serve import Application  # noqa: E402
 
 from deployments.args import AppArgs, ServeArgs, gpus_for_app  # noqa: E402
 from deployments.direct import DirectLLMServer  # noqa: E402
-from deployments.ingress import Ingress  # noqa: E402
+from deployments.ingress import Ingress, served_names  # noqa: E402
 from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
@@ -95,11 +95,15 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "trust_request_chat_template": a.trust_request_chat_template,
         "prompt_tokens_details": a.enable_prompt_tokens_details,
         # the LoRA adapters' names a request's `model` may give, and the folder of those loaded on demand
-        "lora_modules": a.engine_config().lora_modules,
+        "lora_modules": a.engine_config().lora_paths(),
         "dynamic_lora_loading_path": a.engine_config().dynamic_lora_loading_path,
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
     }
+    clash = set(settings["lora_modules"]) & set(served_names(a.model_name, str(getattr(a, "model", ""))))
+    if clash:
+        raise ValueError(f"lora_modules: {', '.join(sorted(clash))} is the served model's name: a request naming it "
+                         "would run the model itself; name the adapter otherwise")
     # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
     engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
     log_config = {"enable_access_log": a.access_log}

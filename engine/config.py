@@ -129,7 +129,7 @@ class EngineConfig(BaseModel):
     enable_lora: bool = Field(
         False, description="vLLM's --enable-lora: serve LoRA adapters (PEFT folders) beside the model, a request "
                            "naming one as its `model`; on where lora_modules are given")
-    lora_modules: dict[str, str] | list[Any] | str = Field(  # (a dict once validated: `_lora_modules`)
+    lora_modules: list[dict[str, str]] | dict[str, str] | str = Field(  # (vLLM's list of {name, path} once validated)
         default_factory=dict, description="vLLM's --lora-modules: the adapters to serve, name=path (several: "
                                           "comma-separated, or a JSON list of {\"name\", \"path\"}, or a mapping)")
     dynamic_lora_loading_path: str | None = Field(
@@ -144,12 +144,28 @@ class EngineConfig(BaseModel):
 
     @field_validator("lora_modules", mode="before")
     @classmethod
-    def _lora_modules(cls, v: Any) -> dict[str, str]:
-        return {s.name: s.path for s in LoraSpec.parse(v)}
+    def _lora_modules(cls, v: Any) -> list[dict[str, str]]:
+        return [{"name": s.name, "path": s.path} for s in LoraSpec.parse(v)]
+
+    @field_validator("dynamic_lora_loading_path")
+    @classmethod
+    def _lora_dir(cls, v: str | None) -> str | None:
+        return os.path.abspath(os.path.expanduser(v)) if v else None  # (where the app is built: see LoraSpec.parse)
+
+    def lora_paths(self) -> dict[str, str]:
+        """The adapters of `lora_modules`: name -> folder."""
+        return {m["name"]: m["path"] for m in self.lora_modules}  # (validated: a list of {name, path})
 
     @property
     def serves_lora(self) -> bool:
         return self.enable_lora or bool(self.lora_modules) or bool(self.dynamic_lora_loading_path)
+
+
+def with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
+    """`config` with these fields given too, validated as given ones are (the knobs given stay those given)."""
+    if not overrides:
+        return config
+    return EngineConfig.model_validate({**config.model_dump(exclude_unset=True), **overrides})
 
 
 def for_device(config: "EngineConfig", device_type: str) -> "EngineConfig":

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from core.messages import ErrorKind, GenerateRequest, RequestOutput, TokenLogprob
-from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig, for_device, reconfigured
+from engine.config import TEAM_ENV, TEAM_NICE_ENV, EngineConfig, for_device, reconfigured, with_overrides
 from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
@@ -372,7 +372,7 @@ class EngineCoreClient:
         loop: each step's items then reach the streams' readers without a thread that wakes up only to hand them
         over (on shared cores, Ray's nice 15 kept that thread waiting for a core each step). The client
         may be built on another thread; it starts reading once the loop runs."""
-        self.config = (config or EngineConfig()).model_copy(update=overrides)
+        self.config = with_overrides(config or EngineConfig(), overrides)
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -415,7 +415,7 @@ class EngineCoreClient:
         self._scheduler = for_device(self.config, info.device_type).scheduler  # its knobs fixed at start
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject",
-                                     list(self.config.lora_modules), self.config.dynamic_lora_loading_path)
+                                     list(self.config.lora_paths()), self.config.dynamic_lora_loading_path)
         self._loop = reader_loop
         self._heard = time.monotonic()  # when the child last sent anything (`_deliver`)
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.base import AttnMetadata, Backend, fuse_linears, rms_norm
-from engine.lora import LoraAdapter, LoraError, LoraSpec, ModelShape, load_adapter
-from engine.lora import apply as apply_lora
+from engine.lora import LoraAdapter, LoraError, LoraSpec, LoraStacks, LoraStep, ModelShape, load_adapter
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _TABLE_ROPE = ("default", "linear", "llama3", "yarn")  # position-only RoPE: one table for every step
@@ -85,6 +84,7 @@ class KairosDecoder:
                                                             cfg.intermediate_size), lora=lora)
         self.serves_lora = lora
         self.loras: dict[int, LoraAdapter] = {}  # by id (a request's lora_id)
+        self.lora_stacks = LoraStacks()  # the last set of adapters of a step's rows, stacked
         self.lora_shape = ModelShape(len(model.model.layers), hidden, self.num_heads * self.head_dim,
                                      self.num_kv_heads * self.head_dim, cfg.intermediate_size)
         self.norm = inner.norm.weight
@@ -144,8 +144,8 @@ class KairosDecoder:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
         # (an adapter unloaded since the step was planned: only an ended request's discarded row named it)
-        lora = [(a, rows) for i, rows in meta.lora if (a := self.loras.get(i)) is not None] if meta.lora else None
-        lora = lora or None
+        groups = [(a, rows) for i, rows in meta.lora if (a := self.loras.get(i)) is not None] if meta.lora else None
+        lora = LoraStep(groups, T, self.lora_stacks) if groups else None
         if self.whole_step and lora is None and backend.whole_step(self, h, positions, meta):
             return h if logit_rows is None else self.head(h[logit_rows])
         # each residual add fused with the RMSNorm after it (not where LoRA updates come between them)
@@ -157,7 +157,7 @@ class KairosDecoder:
                 x = norm(h, L.ln_in, eps)
             qkv = linear(x, L.qkv_w, L.qkv_b)
             if lora is not None:
-                apply_lora(qkv, x, lora, "qkv", i)
+                lora.apply(qkv, x, "qkv", i)
             heads = qkv.view(T, H + 2 * KV, hd)
             if L.q_norm is not None:  # qwen3: per-head norms of q and k, before RoPE
                 heads[:, :H] = rms_norm(heads[:, :H], L.q_norm, eps)
@@ -183,17 +183,17 @@ class KairosDecoder:
                     h = mm.mlp(x, L.mlp, L.down_w, h)
         return h if logit_rows is None else self.head(h.index_select(0, logit_rows))
 
-    def _lora_rest(self, i: int, L: _Layer, o: torch.Tensor, h: torch.Tensor, lora: list) -> torch.Tensor:
+    def _lora_rest(self, i: int, L: _Layer, o: torch.Tensor, h: torch.Tensor, lora: LoraStep) -> torch.Tensor:
         """A LoRA step's layer after attention: o_proj, the MLP, each with the step's adapters' updates."""
         mm = self.mm
         h = mm.residual(o, L.o_w, L.o_b, h)
-        apply_lora(h, o, lora, "o", i)
+        lora.apply(h, o, "o", i)
         x = self.backend.rms_norm(h, L.ln_post, self.eps)
         gu = mm.gate_up(x, L.mlp)
-        apply_lora(gu, x, lora, "gate_up", i)
+        lora.apply(gu, x, "gate_up", i)
         a = mm.silu_mul(gu, self.intermediate_size)
         h = mm.residual(a, L.down_w, None, h)
-        apply_lora(h, a, lora, "down", i)
+        lora.apply(h, a, "down", i)
         return h
 
     def add_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:

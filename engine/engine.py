@@ -31,7 +31,7 @@ from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
 from engine.backends.base import PreparedStep, prompt_spans
-from engine.config import EngineConfig, for_device, reconfigured
+from engine.config import EngineConfig, for_device, reconfigured, with_overrides
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
 from engine.lora import LoraError, LoraRegistry
@@ -131,7 +131,7 @@ class LLMEngine:
         inbox while idle): the hook that ships a turn's stream items out of the process at once
         (`engine.core_proc`). `on_hung(why)`, if given, runs on the watchdog thread once the worker has hung
         (`step_timeout_s`) and the engine counts as dead, instead of failing every open stream here."""
-        self.config = (config or EngineConfig()).model_copy(update=overrides)
+        self.config = with_overrides(config or EngineConfig(), overrides)
         self._emit = on_outputs or (lambda: None)
         self._on_hung = on_hung
         self.step_timeout_s = 0.0  # the watchdog's limit on one turn of the worker (`_setup`; 0: no watchdog)
@@ -143,6 +143,8 @@ class LLMEngine:
         self.loras: LoraRegistry | None = None  # the LoRA adapters it serves (`_setup`; worker-owned)
         self._observers: list[Callable[[StepEvent], None]] = []
         self._stop = False
+        self._stopped = threading.Event()  # set by shutdown (the watchdog's wake-up)
+        self._watchdog: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._closed = False  # the worker has ended and read its inbox for the last time (`_run`'s end)
         self._fault_steps = 0
@@ -169,7 +171,8 @@ class LLMEngine:
             self._thread.join()
             raise self._setup_error
         if self.step_timeout_s > 0:
-            threading.Thread(target=self._watch, name="kairos-engine-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(target=self._watch, name="kairos-engine-watchdog", daemon=True)
+            self._watchdog.start()
 
     def _setup(self) -> None:
         """On the worker thread, like every tensor op of the engine: libgomp keeps one thread pool per thread
@@ -207,7 +210,7 @@ class LLMEngine:
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0, config.serves_lora)
         # (the adapters of lora_modules load here, before the KV cache is sized: their memory is counted)
-        self.loras = LoraRegistry(decoder, config.lora_modules, config.dynamic_lora_loading_path, config.max_loras,
+        self.loras = LoraRegistry(decoder, config.lora_paths(), config.dynamic_lora_loading_path, config.max_loras,
                                   config.max_lora_rank) if config.serves_lora else None
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
         self.sampler.token_text = TokenTexts(b.tokenizer, skip_special_tokens=True)  # what JSON mode checks
@@ -230,7 +233,7 @@ class LLMEngine:
                                             config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
-                                     config.max_tokens_over_context == "reject", list(config.lora_modules),
+                                     config.max_tokens_over_context == "reject", list(config.lora_paths()),
                                      config.dynamic_lora_loading_path)
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
@@ -477,8 +480,14 @@ class LLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wakeup.set()
+        self._stopped.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        # the watchdog too: a thread that outlives its engine may drop the engine's last reference, and free its
+        # tensors, while the interpreter exits (a daemon thread that blocks then is ended mid C++ frame: an abort)
+        w = self._watchdog
+        if w is not None and w.is_alive() and threading.current_thread() is not w:
+            w.join(timeout)
 
     # ------------------------------------------------------------------ worker thread
     def _snapshot(self, last_prefill: int, last_decode: int) -> EngineStats:
@@ -932,7 +941,8 @@ class LLMEngine:
         look healthy while every stream waits forever."""
         period = min(1.0, self.step_timeout_s / 4)
         while not self._stop and self._dead is None and self._thread.is_alive():
-            time.sleep(period)
+            if self._stopped.wait(period):
+                return
             started, allowed = self._turn
             stuck = time.monotonic() - started
             if stuck > allowed and not self._stop and self._dead is None:

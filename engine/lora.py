@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,18 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN_MODULES + MLP_MODULES
 MAX_RANK_LIMIT = 512
+# adapter_config.json's keys that do not change how a served adapter computes (training, bookkeeping, initialisation),
+# or that the loader reads: any other key that is set is refused (`read_config`)
+SERVED_CONFIG_KEYS = frozenset({
+    "peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
+    "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules", "exclude_modules",
+    "layers_to_transform", "layers_pattern", "lora_dropout", "init_lora_weights", "loftq_config", "eva_config",
+    "corda_config", "lora_ga_config", "megatron_config", "megatron_core", "runtime_config", "target_parameters",
+    "qalora_group_size", "ensure_weight_tying"})  # (the last two: only with use_qalora / trainable tokens)
+KNOWN_UNSERVED = {"use_dora": "DoRA", "bias": "trained biases", "modules_to_save": "modules_to_save",
+                  "fan_in_fan_out": "Conv1D weights", "layer_replication": "layer replication",
+                  "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trainable tokens",
+                  "lora_bias": "LoRA biases", "use_qalora": "QA-LoRA"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
 
@@ -62,13 +75,19 @@ class LoraSpec:
                     raise LoraError(f"lora_modules is not valid JSON: {e}") from None
             else:
                 items = [s for s in text.split(",") if s.strip()]
-        if isinstance(items, dict):
-            items = [{"name": k, "path": v} for k, v in items.items()] if "name" not in items else [items]
+        if isinstance(items, dict):  # vLLM's one {"name", "path"} object, else a mapping of name to path
+            single = {"name", "path"} <= set(items) <= {"name", "path", "base_model_name"}
+            items = [items] if single else [{"name": k, "path": v} for k, v in items.items()]
         out: list[LoraSpec] = []
         for it in items:
             if isinstance(it, LoraSpec):
                 out.append(it)
                 continue
+            if isinstance(it, str) and it.lstrip().startswith("{"):  # vLLM's JSON object, one item of a list
+                try:
+                    it = json.loads(it)
+                except json.JSONDecodeError as e:
+                    raise LoraError(f"lora_modules: {it!r} is not valid JSON: {e}") from None
             if isinstance(it, str):
                 name, sep, path = it.partition("=")
                 if not sep:
@@ -82,7 +101,8 @@ class LoraSpec:
             name, path = str(name).strip(), str(path).strip()
             if not name or not path:
                 raise LoraError(f"lora_modules: {it!r} has an empty name or path")
-            out.append(LoraSpec(name, path))
+            # (absolute where the app is built: a replica runs in another working directory)
+            out.append(LoraSpec(name, os.path.abspath(os.path.expanduser(path))))
         names = [s.name for s in out]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -107,6 +127,7 @@ class LoraAdapter:
     name: str
     path: str
     rank: int
+    device: torch.device | None = None
     layers: list[LoraLayer] = field(default_factory=list)
 
     def nbytes(self) -> int:
@@ -152,18 +173,20 @@ def read_config(path: Path) -> dict:
     kind = str(cfg.get("peft_type", "LORA")).upper()
     if kind != "LORA":
         raise LoraError(f"LoRA adapter {str(path)!r}: peft_type {kind} (only LORA is served)")
-    why = []
-    if cfg.get("use_dora"):
-        why.append("DoRA (use_dora)")
-    if cfg.get("bias", "none") not in ("none", None):
-        why.append(f"trained biases (bias={cfg.get('bias')!r})")
-    if cfg.get("modules_to_save"):
-        why.append(f"modules_to_save {cfg['modules_to_save']}")
-    if cfg.get("fan_in_fan_out"):
-        why.append("fan_in_fan_out (Conv1D weights)")
+    why = [f"{KNOWN_UNSERVED.get(k, k)} ({k}={v!r})"[:160] for k, v in cfg.items()
+           if k not in SERVED_CONFIG_KEYS and _set(v) and not (k == "bias" and v == "none")]
     if why:
-        raise LoraError(f"LoRA adapter {str(path)!r} uses {', '.join(why)}, which Kairos does not serve")
+        raise LoraError(f"LoRA adapter {str(path)!r} uses {', '.join(why)}, which Kairos does not serve (a key of "
+                        "adapter_config.json it does not know, set, may change the model: it refuses it rather than "
+                        "serve the adapter otherwise than it was trained)")
     return cfg
+
+
+def _set(v) -> bool:
+    """Whether a config value asks for something (a mapping of only unset values does not)."""
+    if isinstance(v, dict):
+        return any(_set(x) for x in v.values())
+    return bool(v)
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -187,7 +210,7 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
     path = Path(spec.path).expanduser()
     cfg = read_config(path)
     weights = read_weights(path)
-    alpha0 = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    alpha0 = float(cfg.get("lora_alpha") or 8)  # (PEFT's LoraConfig default)
     rslora = bool(cfg.get("use_rslora"))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in weights.items():
@@ -223,7 +246,7 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
         alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, alpha0))
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
         scaled[(layer, module)] = (a, b * scaling)
-    adapter = LoraAdapter(adapter_id, spec.name, str(path), rank)
+    adapter = LoraAdapter(adapter_id, spec.name, str(path), rank, torch.device(device))
 
     def fused(layer: int, modules: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         present = [(m, scaled[(layer, m)]) for m in modules if (layer, m) in scaled]
@@ -245,19 +268,76 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
     return adapter
 
 
-def apply(y: torch.Tensor, x: torch.Tensor, groups: list, which: str, layer: int) -> None:
-    """y += each group's update of projection `which` at `layer` from x: groups are (adapter, rows), rows the
-    packed step's rows of its requests (None: all)."""
-    for adapter, rows in groups:
-        pair = getattr(adapter.layers[layer], which)
-        if pair is None:
-            continue
-        a, b = pair
-        if rows is None:
-            y += ((x.to(a.dtype) @ a.T) @ b.T).to(y.dtype)
+class LoraStacks:
+    """Several adapters' updates of each projection stacked (their A's one above the other, their B's side by side)
+    for the steps whose rows name them all: two matmuls a projection, whatever their number, instead of two for
+    each. Kept for the last set of adapters asked for (a batch's set changes only as requests come and go)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._stacks: dict[tuple[str, int], tuple | None] = {}
+
+    def of(self, adapters: list[LoraAdapter]) -> dict[tuple[str, int], tuple | None]:
+        """Per (projection, layer): (A's [sum R, in], B's [out, sum R], which adapter each column is: a tuple of
+        (adapter index, its rank)), or None where none of them changes it."""
+        import torch
+
+        key = tuple(a.id for a in adapters)  # (an id is never used again: a stack of unloaded adapters is not met)
+        if key != self._key:
+            self._key, self._stacks = key, {}
+            for i in range(len(adapters[0].layers)):
+                for which in ("qkv", "o", "gate_up", "down"):
+                    parts = [(k, p) for k, a in enumerate(adapters) if (p := getattr(a.layers[i], which)) is not None]
+                    self._stacks[(which, i)] = None if not parts else (
+                        torch.cat([p[0] for _, p in parts]), torch.cat([p[1] for _, p in parts], 1).contiguous(),
+                        tuple((k, p[0].shape[0]) for k, p in parts))
+        return self._stacks
+
+
+class LoraStep:
+    """One step's LoRA updates: (adapter, its rows, None: all) for each adapter its requests name, applied to each
+    projection's output. One adapter over every row: its own two matmuls; else the step's adapters stacked
+    (`LoraStacks`), each row's update masked to its own adapter's columns (a base model's row: none)."""
+
+    def __init__(self, groups: list, num_rows: int, stacks: LoraStacks) -> None:
+        import torch
+
+        self.one = groups[0][0] if len(groups) == 1 and groups[0][1] is None else None
+        if self.one is not None:
+            return
+        self.stacks = stacks.of([a for a, _ in groups])
+        self.owner = torch.full((num_rows,), -1, dtype=torch.long, device=groups[0][0].device)
+        for k, (_, rows) in enumerate(groups):
+            if rows is None:
+                self.owner.fill_(k)
+            else:
+                self.owner.index_fill_(0, rows, k)
+        self.masks: dict[tuple, torch.Tensor] = {}
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, which: str, layer: int) -> None:
+        """y += the update of projection `which` (qkv, o, gate_up, down) at `layer` of each row, from x."""
+        import torch
+
+        if self.one is not None:
+            pair = getattr(self.one.layers[layer], which)
+            if pair is None:
+                return
+            a, b = pair
+            xa = x.to(a.dtype) @ a.T
         else:
-            d = (x.index_select(0, rows).to(a.dtype) @ a.T) @ b.T
-            y.index_add_(0, rows, d.to(y.dtype))
+            entry = self.stacks[(which, layer)]
+            if entry is None:
+                return
+            a, b, cols = entry
+            mask = self.masks.get(cols)
+            if mask is None:
+                col_owner = torch.tensor([k for k, r in cols for _ in range(r)], device=a.device)
+                mask = self.masks[cols] = (self.owner[:, None] == col_owner[None, :]).to(a.dtype)
+            xa = (x.to(a.dtype) @ a.T).mul_(mask)
+        if y.dtype == b.dtype:
+            y.addmm_(xa, b.T)
+        else:
+            y += (xa @ b.T).to(y.dtype)
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -61,6 +61,8 @@ def _meta(engine: "LLMEngine") -> dict:
             "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
+            # an engine that serves LoRA adapters runs its steps another way (engine.lora; its MLP unfused on a CPU)
+            **({"lora": True} if c.serves_lora else {}),
             **engine.backend.identity(),  # e.g. the CPU kernels' build (their source, flags, CPU), graph use
             "torch": torch.__version__,
             # the GPU grid reaches max_num_seqs and twice the prefill budget: a fit probed for other ones is not reused

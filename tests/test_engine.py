@@ -945,8 +945,9 @@ def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_cou
         cfg = eng.reconfigure({"policy": "scorpio", "vbs_margin": 1.2})
         assert (cfg.policy, cfg.vbs_margin, cfg.prefill_max_tokens) == ("scorpio", 1.2, 256)  # over its start's
         late = eng.add_request([5] * 30, params)
-        time.sleep(0.05)
-        st = eng.stats()
+        deadline = time.time() + 5  # (a fast box runs the first's 400 steps in tens of ms: the stats polled)
+        while (st := eng.stats()).num_waiting != 1 and time.time() < deadline:
+            time.sleep(0.001)
         assert (st.num_running, st.num_waiting) == (1, 1)  # (the test needs the first still running here)
         assert st.policy == "fcfs" and eng.scheduler.config.policy == "fcfs"  # busy: not yet
         rest = [t for o in busy for t in o.token_ids]

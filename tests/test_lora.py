@@ -85,6 +85,27 @@ def test_replies_through_adapters_equal_peft(tiny_checkpoints, adapters, family,
         eng.shutdown()
 
 
+def test_a_config_without_lora_alpha_scales_as_peft_s(tiny_checkpoints, adapters, tmp_path):
+    """PEFT's LoraConfig default (lora_alpha 8) where adapter_config.json leaves it out."""
+    from pathlib import Path
+
+    base = tiny_checkpoints["llama"]
+    src = Path(adapters["llama"]["a"])
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.pop("lora_alpha")
+    dst = tmp_path / "no-alpha"
+    dst.mkdir()
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    want = _peft_greedy(base, str(dst), PROMPTS[:1], [10])
+    assert want != _peft_greedy(base, str(src), PROMPTS[:1], [10])  # (alpha 16 in the original)
+    eng = _engine(base, {"x": str(dst)})
+    try:
+        assert _run(eng, [(PROMPTS[0], 10, "x")]) == want
+    finally:
+        eng.shutdown()
+
+
 def test_prefix_cache_is_per_adapter_and_per_salt(tiny_checkpoints, adapters):
     """A prompt the base model cached is computed again through an adapter (and its reply is the adapter's), then
     found cached by the adapter's next request; a cache_salt likewise keeps its own."""
@@ -140,10 +161,18 @@ def test_block_manager_namespaces_share_only_their_own():
 
 
 def test_lora_spec_forms():
+    import os
+
     assert LoraSpec.parse("a=/x, b=/y") == (LoraSpec("a", "/x"), LoraSpec("b", "/y"))
     assert LoraSpec.parse('[{"name": "a", "path": "/x"}]') == (LoraSpec("a", "/x"),)
     assert LoraSpec.parse({"a": "/x"}) == (LoraSpec("a", "/x"),)
-    assert LoraSpec.parse(["a=/x=y"]) == (LoraSpec("a", "/x=y"),)
+    assert LoraSpec.parse({"name": "a", "path": "/x"}) == (LoraSpec("a", "/x"),)  # vLLM's one object
+    assert LoraSpec.parse(["a=/x=y", '{"name": "b", "path": "/p,q"}']) == (LoraSpec("a", "/x=y"), LoraSpec("b", "/p,q"))
+    assert LoraSpec.parse("a=rel") == (LoraSpec("a", os.path.abspath("rel")),)  # where the app is built
+    # the validated form reads back the same, whatever the names
+    cfg = EngineConfig(lora_modules={"name": "/x", "path": "/y", "b": "/z"})
+    assert EngineConfig.model_validate(cfg.model_dump(mode="json", exclude_unset=True)).lora_paths() == \
+        {"name": "/x", "path": "/y", "b": "/z"} == cfg.lora_paths()
     for bad, match in [("a", "name=path"), ("a=/x,a=/y", "more than once"), ("=/x", "empty"), ("[1]", "neither")]:
         with pytest.raises(LoraError, match=match):
             LoraSpec.parse(bad)
@@ -179,6 +208,9 @@ def test_adapters_not_served_as_trained_are_refused(tiny_checkpoints, adapters, 
         ({"use_dora": True}, None, "DoRA"),
         ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
         ({"bias": "all"}, None, "biases"),
+        ({"alora_invocation_tokens": [5, 6]}, None, "activated LoRA"),
+        ({"layer_replication": [[0, 2]]}, None, "layer replication"),
+        ({"a_key_from_a_later_peft": {"on": 1}}, None, "a_key_from_a_later_peft"),
         (None, lm_head, "the LM head"),
         (None, shrink, "another model"),
     ]
@@ -186,6 +218,10 @@ def test_adapters_not_served_as_trained_are_refused(tiny_checkpoints, adapters, 
         path = _edited(src, tmp_path / f"bad{i}", config, weights)
         with pytest.raises(ValueError, match=match):
             _engine(base, {"x": path})
+    # keys that are set but change nothing served, and new keys left unset, load
+    quiet = _edited(src, tmp_path / "quiet", {"lora_dropout": 0.1, "runtime_config": {"ephemeral_gpu_offload": False},
+                                              "a_key_from_a_later_peft": None, "bias": "none"})
+    _engine(base, {"q": quiet}).shutdown()
     with pytest.raises(ValueError, match="above max_lora_rank 4"):
         _engine(base, {"a": str(src)}, max_lora_rank=4)
     with pytest.raises(ValueError, match="no adapter_config.json"):
