@@ -344,6 +344,13 @@ def _prefix_cache(f: dict[str, Any]) -> str:
             f"({f['ttft_p50_speedup']:.1f}×); replies alike {f['replies_alike']}/{f['requests']}")
 
 
+def _lora(f: dict[str, Any]) -> str:
+    base, plain, one, mixed = f["rows"]
+    n = f["args"]["adapters"]
+    return (f"one adapter {one['x base']:.2f}×, {n} mixed {mixed['x base']:.2f}×, base requests beside them "
+            f"{plain['x base']:.2f}× the step without adapters ({base['ms/step']:.1f} ms)")
+
+
 def _slo_gpu(f: dict[str, Any]) -> str:
     rows = [r for r in f.get("rows") or [] if r["lengths"] == "predicted"]
     if not rows:
@@ -393,6 +400,8 @@ HEADLINES: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
      "slo-sharegpt-1.5x-pooled-*", _pooled),
     ("Prefix caching: requests over one 1,000-token system prompt, each alone (SmolLM2-135M)",
      "prefix-cache-smollm2-zen5", _prefix_cache),
+    ("LoRA adapters of rank 16 on every projection: the decode step, batch 16 (SmolLM2-135M)", "lora-smollm2-*",
+     _lora),
     ("What HTTP adds over the in-process engine (default server)", "http-overhead-amx-emr-loop-reader", _http_added),
     ("The same on a GPU (Llama-3.1-8B's shape, bf16, random weights)", "http-overhead-h*-llama8b*", _http_added),
     ("SLO goodput on one GPU replica over Ray Serve (8B shape, ShareGPT, lengths predicted, seeds 0 and 1)",

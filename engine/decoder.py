@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.base import AttnMetadata, Backend, fuse_linears, rms_norm
-from engine.lora import LoraAdapter, LoraError, LoraSpec, LoraStacks, LoraStep, ModelShape, load_adapter
+from engine.lora import (PROJECTIONS, LoraAdapter, LoraError, LoraSpec, LoraStacks, LoraStep, ModelShape, load_adapter,
+                         pack_pair)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _TABLE_ROPE = ("default", "linear", "llama3", "yarn")  # position-only RoPE: one table for every step
@@ -145,7 +146,7 @@ class KairosDecoder:
         h = F.embedding(input_ids, self.embed)
         # (an adapter unloaded since the step was planned: only an ended request's discarded row named it)
         groups = [(a, rows) for i, rows in meta.lora if (a := self.loras.get(i)) is not None] if meta.lora else None
-        lora = LoraStep(groups, T, self.lora_stacks) if groups else None
+        lora = LoraStep(groups, T, self.lora_stacks, mm) if groups else None
         if self.whole_step and lora is None and backend.whole_step(self, h, positions, meta):
             return h if logit_rows is None else self.head(h[logit_rows])
         # each residual add fused with the RMSNorm after it (not where LoRA updates come between them)
@@ -157,7 +158,7 @@ class KairosDecoder:
                 x = norm(h, L.ln_in, eps)
             qkv = linear(x, L.qkv_w, L.qkv_b)
             if lora is not None:
-                lora.apply(qkv, x, "qkv", i)
+                qkv = lora.apply(qkv, x, "qkv", i)
             heads = qkv.view(T, H + 2 * KV, hd)
             if L.q_norm is not None:  # qwen3: per-head norms of q and k, before RoPE
                 heads[:, :H] = rms_norm(heads[:, :H], L.q_norm, eps)
@@ -186,21 +187,19 @@ class KairosDecoder:
     def _lora_rest(self, i: int, L: _Layer, o: torch.Tensor, h: torch.Tensor, lora: LoraStep) -> torch.Tensor:
         """A LoRA step's layer after attention: o_proj, the MLP, each with the step's adapters' updates."""
         mm = self.mm
-        h = mm.residual(o, L.o_w, L.o_b, h)
-        lora.apply(h, o, "o", i)
+        h = lora.apply(mm.residual(o, L.o_w, L.o_b, h), o, "o", i)
         x = self.backend.rms_norm(h, L.ln_post, self.eps)
-        gu = mm.gate_up(x, L.mlp)
-        lora.apply(gu, x, "gate_up", i)
+        gu = lora.apply(mm.gate_up(x, L.mlp), x, "gate_up", i)
         a = mm.silu_mul(gu, self.intermediate_size)
-        h = mm.residual(a, L.down_w, None, h)
-        lora.apply(h, a, "down", i)
-        return h
+        return lora.apply(mm.residual(a, L.down_w, None, h), a, "down", i)
 
     def add_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:
         """Load `spec`'s adapter for requests whose lora_id is `adapter_id` (LoraError where it cannot be served)."""
         if not self.serves_lora:
             raise LoraError("this engine was not started to serve LoRA adapters (enable_lora)")
         adapter = load_adapter(spec, adapter_id, self.lora_shape, self.dtype, self.embed.device, max_rank)
+        adapter.packed = {(which, i): pack_pair(self.mm, *pair) for i, L in enumerate(adapter.layers)
+                          for which in PROJECTIONS if (pair := getattr(L, which)) is not None}
         self.loras[adapter_id] = adapter
         return adapter
 

@@ -129,6 +129,7 @@ class LoraAdapter:
     rank: int
     device: torch.device | None = None
     layers: list[LoraLayer] = field(default_factory=list)
+    packed: dict[tuple[str, int], tuple] = field(default_factory=dict)  # (projection, layer): `pack_pair`'s
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for L in self.layers
@@ -268,6 +269,22 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
     return adapter
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def pack_pair(mm, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """(A, B) as the decoder's matmul strategy `mm` runs them (`mm.linear(x, A)`, then `mm.residual(xa, B, None,
+    y)`): packed where it packs weights, the rank padded with zeros to a multiple of 32 there (a packed bf16 GEMM's
+    inner width; the zeros add nothing)."""
+    import torch.nn.functional as F
+
+    r = a.shape[0]
+    pad = -r % 32 if mm.copies_weights else 0
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+    return mm.pack(a.contiguous()), mm.pack(b.contiguous())
+
+
 class LoraStacks:
     """Several adapters' updates of each projection stacked (their A's one above the other, their B's side by side)
     for the steps whose rows name them all: two matmuls a projection, whatever their number, instead of two for
@@ -277,36 +294,43 @@ class LoraStacks:
         self._key: tuple[int, ...] | None = None
         self._stacks: dict[tuple[str, int], tuple | None] = {}
 
-    def of(self, adapters: list[LoraAdapter]) -> dict[tuple[str, int], tuple | None]:
-        """Per (projection, layer): (A's [sum R, in], B's [out, sum R], which adapter each column is: a tuple of
-        (adapter index, its rank)), or None where none of them changes it."""
+    def of(self, adapters: list[LoraAdapter], mm) -> dict[tuple[str, int], tuple | None]:
+        """Per (projection, layer): (A's, B's, as `pack_pair` packs them, and which adapter each column is: a tuple
+        of (adapter index, its rank), the padding's index -1), or None where none of them changes it."""
         import torch
 
         key = tuple(a.id for a in adapters)  # (an id is never used again: a stack of unloaded adapters is not met)
         if key != self._key:
             self._key, self._stacks = key, {}
             for i in range(len(adapters[0].layers)):
-                for which in ("qkv", "o", "gate_up", "down"):
+                for which in PROJECTIONS:
                     parts = [(k, p) for k, a in enumerate(adapters) if (p := getattr(a.layers[i], which)) is not None]
-                    self._stacks[(which, i)] = None if not parts else (
-                        torch.cat([p[0] for _, p in parts]), torch.cat([p[1] for _, p in parts], 1).contiguous(),
-                        tuple((k, p[0].shape[0]) for k, p in parts))
+                    if not parts:
+                        self._stacks[(which, i)] = None
+                        continue
+                    a_cat, b_cat = torch.cat([p[0] for _, p in parts]), torch.cat([p[1] for _, p in parts], 1)
+                    cols = tuple((k, p[0].shape[0]) for k, p in parts)
+                    ap, bp = pack_pair(mm, a_cat, b_cat)
+                    pad = -a_cat.shape[0] % 32 if mm.copies_weights else 0
+                    self._stacks[(which, i)] = (ap, bp, cols + ((-1, pad),) if pad else cols)
         return self._stacks
 
 
 class LoraStep:
     """One step's LoRA updates: (adapter, its rows, None: all) for each adapter its requests name, applied to each
-    projection's output. One adapter over every row: its own two matmuls; else the step's adapters stacked
-    (`LoraStacks`), each row's update masked to its own adapter's columns (a base model's row: none)."""
+    projection's output through the decoder's matmul strategy `mm` (the backend's GEMMs). One adapter over every row:
+    its own two matmuls; else the step's adapters stacked (`LoraStacks`), each row's update masked to its own
+    adapter's columns (a base model's row: none)."""
 
-    def __init__(self, groups: list, num_rows: int, stacks: LoraStacks) -> None:
+    def __init__(self, groups: list, num_rows: int, stacks: LoraStacks, mm) -> None:
         import torch
 
+        self.mm = mm
         self.one = groups[0][0] if len(groups) == 1 and groups[0][1] is None else None
         if self.one is not None:
             return
-        self.stacks = stacks.of([a for a, _ in groups])
-        self.owner = torch.full((num_rows,), -1, dtype=torch.long, device=groups[0][0].device)
+        self.stacks = stacks.of([a for a, _ in groups], mm)
+        self.owner = torch.full((num_rows,), -2, dtype=torch.long, device=groups[0][0].device)
         for k, (_, rows) in enumerate(groups):
             if rows is None:
                 self.owner.fill_(k)
@@ -314,30 +338,26 @@ class LoraStep:
                 self.owner.index_fill_(0, rows, k)
         self.masks: dict[tuple, torch.Tensor] = {}
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, which: str, layer: int) -> None:
-        """y += the update of projection `which` (qkv, o, gate_up, down) at `layer` of each row, from x."""
+    def apply(self, y: torch.Tensor, x: torch.Tensor, which: str, layer: int) -> torch.Tensor:
+        """y plus the update of projection `which` (qkv, o, gate_up, down) at `layer` of each row, from x (y itself,
+        updated in place, where the matmul strategy adds in place)."""
         import torch
 
+        mm = self.mm
         if self.one is not None:
-            pair = getattr(self.one.layers[layer], which)
+            pair = self.one.packed.get((which, layer))
             if pair is None:
-                return
-            a, b = pair
-            xa = x.to(a.dtype) @ a.T
-        else:
-            entry = self.stacks[(which, layer)]
-            if entry is None:
-                return
-            a, b, cols = entry
-            mask = self.masks.get(cols)
-            if mask is None:
-                col_owner = torch.tensor([k for k, r in cols for _ in range(r)], device=a.device)
-                mask = self.masks[cols] = (self.owner[:, None] == col_owner[None, :]).to(a.dtype)
-            xa = (x.to(a.dtype) @ a.T).mul_(mask)
-        if y.dtype == b.dtype:
-            y.addmm_(xa, b.T)
-        else:
-            y += (xa @ b.T).to(y.dtype)
+                return y
+            return mm.residual(mm.linear(x, pair[0]), pair[1], None, y)
+        entry = self.stacks[(which, layer)]
+        if entry is None:
+            return y
+        a, b, cols = entry
+        mask = self.masks.get(cols)
+        if mask is None:
+            col_owner = torch.tensor([k for k, r in cols for _ in range(r)], device=x.device)
+            mask = self.masks[cols] = (self.owner[:, None] == col_owner[None, :]).to(x.dtype)
+        return mm.residual(mm.linear(x, a).mul_(mask), b, None, y)
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
