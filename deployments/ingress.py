@@ -474,7 +474,7 @@ class OpenAIFrontend:
             return model
         base, sep, name = model.rpartition(":")
         if sep and base in self._served_names() and dynamic_adapter_dir(self.lora_dir, name) is not None:
-            return name
+            return f"{self.served_model_name}:{name}"  # (one name a folder, whichever served name asked for it)
         return None
 
     def _tool_parser(self) -> str | None:

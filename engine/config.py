@@ -135,9 +135,10 @@ class EngineConfig(BaseModel):
     dynamic_lora_loading_path: str | None = Field(
         None, description="Ray Serve LLM's: a folder of adapter folders; a request whose model is "
                           "`<served model>:<folder name>` runs through that adapter, loaded at its first request")
-    max_loras: int = Field(16, gt=0, description="adapters held at once (Ray Serve LLM's max_num_adapters_per_"
+    max_loras: int = Field(16, gt=0, description="adapters kept loaded (Ray Serve LLM's max_num_adapters_per_"
                                                  "replica): past it, the least recently used one loaded on demand that "
-                                                 "no request holds is unloaded")
+                                                 "no request holds is unloaded (one a request holds never is: while "
+                                                 "requests hold them, more may be loaded)")
     max_lora_rank: int = Field(16, gt=0, le=MAX_RANK_LIMIT, description="vLLM's: the largest adapter rank served")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

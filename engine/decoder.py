@@ -205,6 +205,7 @@ class KairosDecoder:
 
     def remove_lora(self, adapter_id: int) -> None:
         self.loras.pop(adapter_id, None)
+        self.lora_stacks.forget(adapter_id)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of these rows' last hidden states: the final norm, then the LM head."""

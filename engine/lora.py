@@ -294,6 +294,11 @@ class LoraStacks:
         self._key: tuple[int, ...] | None = None
         self._stacks: dict[tuple[str, int], tuple | None] = {}
 
+    def forget(self, adapter_id: int) -> None:
+        """An adapter was unloaded: a stack that holds it goes too."""
+        if self._key is not None and adapter_id in self._key:
+            self._key, self._stacks = None, {}
+
     def of(self, adapters: list[LoraAdapter], mm) -> dict[tuple[str, int], tuple | None]:
         """Per (projection, layer): (A's, B's, as `pack_pair` packs them, and which adapter each column is: a tuple
         of (adapter index, its rank), the padding's index -1), or None where none of them changes it."""
@@ -365,7 +370,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def dynamic_adapter_dir(root: str | None, name: str) -> Path | None:
     """The folder of adapter `name` under `root` (dynamic_lora_loading_path), where `name` is a plain folder name
-    and the folder holds an adapter config; else None."""
+    (or `<model>:<folder name>`, as a request's model names it: the ingress passes it so, apart from the names of
+    lora_modules) and the folder holds an adapter config; else None."""
+    name = name.rpartition(":")[2]
     if not root or not _NAME.match(name) or name in (".", ".."):
         return None
     path = Path(root).expanduser() / name
@@ -417,7 +424,12 @@ class LoraRegistry:
             if path is None:
                 raise LoraError(f"no LoRA adapter named {name!r} is served here")
             self._evict(self.max_loras - 1)
-            i = self._load(name, str(path))
+            try:
+                i = self._load(name, str(path))
+            except LoraError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a folder being written, a file torch cannot read: its request's
+                raise LoraError(f"LoRA adapter {name!r} did not load from {path}: {e}") from e
         self._idle.pop(i, None)
         self._holders[i] += 1
         return i

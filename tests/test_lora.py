@@ -242,18 +242,35 @@ def test_adapters_of_a_folder_load_on_demand_and_the_idle_ones_unload(tiny_check
     root = tmp_path / "adapters"
     for name in ("a", "b"):
         shutil.copytree(adapters["llama"][name], root / name)
+    # a folder named as an adapter of lora_modules is another adapter: the ingress names it `<model>:<folder>`
+    eng = _engine(base, {"a": adapters["llama"]["b"]}, dynamic_lora_loading_path=str(root))
+    try:
+        want_b = _peft_greedy(base, adapters["llama"]["b"], PROMPTS[:1], [6])
+        assert _run(eng, [(PROMPTS[0], 6, "a")]) == want_b
+        assert _run(eng, [(PROMPTS[0], 6, "m:a")]) == _peft_greedy(base, adapters["llama"]["a"], PROMPTS[:1], [6])
+    finally:
+        eng.shutdown()
+    root = tmp_path / "more"
+    for name in ("a", "b"):
+        shutil.copytree(adapters["llama"][name], root / name)
     (root / "broken").mkdir()
     (root / "broken" / "adapter_config.json").write_text('{"r": 8, "use_dora": true}')
+    shutil.copytree(adapters["llama"]["a"], root / "cut")  # its weights cut short (an upload in progress)
+    st = root / "cut" / "adapter_model.safetensors"
+    st.write_bytes(st.read_bytes()[:200])
     want = {lo: _peft_greedy(base, adapters["llama"][lo], PROMPTS[:2], MAX_TOKENS[:2]) for lo in ("a", "b")}
     eng = _engine(base, {}, dynamic_lora_loading_path=str(root), max_loras=1)
     try:
         for lo in ("a", "b", "a"):
             assert _run(eng, [(p, k, lo) for p, k in zip(PROMPTS[:2], MAX_TOKENS[:2])]) == want[lo]
             assert eng.run_idle(lambda e: e.loras.loaded) == [lo]
+            assert eng.run_idle(lambda e: e.runner.decoder.lora_stacks._key) is None  # (nothing stacked left over)
         items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="broken"))
         assert items[-1].error is not None and "DoRA" in items[-1].error
+        items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="cut"))
+        assert "did not load" in items[-1].error and eng.is_alive()
         assert _run(eng, [(PROMPTS[1], 4, "b"), (PROMPTS[1], 4, None)])[0] == want["b"][1][:4]
-        for bad in ("../a", "c", ".", "a/../b"):
+        for bad in ("../a", "c", ".", "a/../b", "m:../a"):
             with pytest.raises(ValueError, match="no LoRA adapter named"):
                 eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora=bad)
     finally:
