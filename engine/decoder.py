@@ -145,7 +145,9 @@ class KairosDecoder:
             cos, sin = (t[:, None] for t in self._rope(positions[None]))
         h = F.embedding(input_ids, self.embed)
         # (an adapter unloaded since the step was planned: only an ended request's discarded row named it)
-        groups = [(a, rows) for i, rows in meta.lora if (a := self.loras.get(i)) is not None] if meta.lora else None
+        groups = None  # (by id: the same set of adapters, the same stack)
+        if meta.lora:
+            groups = [(a, rows) for i, rows in sorted(meta.lora, key=lambda g: g[0]) if (a := self.loras.get(i))]
         lora = LoraStep(groups, T, self.lora_stacks, mm) if groups else None
         if self.whole_step and lora is None and backend.whole_step(self, h, positions, meta):
             return h if logit_rows is None else self.head(h[logit_rows])

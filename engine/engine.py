@@ -332,6 +332,7 @@ class LLMEngine:
         stream = getattr(self, "_stream", None)
         if stream is not None:  # its step in flight writes the cache: it ends first
             stream.close()
+        self.loras = None  # (it holds the decoder)
         backend = getattr(self, "backend", None)
         if backend is None:
             return

@@ -176,6 +176,11 @@ def read_config(path: Path) -> dict:
         raise LoraError(f"LoRA adapter {str(path)!r}: peft_type {kind} (only LORA is served)")
     why = [f"{KNOWN_UNSERVED.get(k, k)} ({k}={v!r})"[:160] for k, v in cfg.items()
            if k not in SERVED_CONFIG_KEYS and _set(v) and not (k == "bias" and v == "none")]
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "loftq")):
+        # (these change the base weights as they initialise: PEFT redoes that as it loads such an adapter)
+        why.append(f"an initialisation that changes the base weights (init_lora_weights={init!r}; PEFT's "
+                   "path_initial_model_for_weight_conversion saves it as a plain LoRA)")
     if why:
         raise LoraError(f"LoRA adapter {str(path)!r} uses {', '.join(why)}, which Kairos does not serve (a key of "
                         "adapter_config.json it does not know, set, may change the model: it refuses it rather than "
@@ -211,7 +216,7 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
     path = Path(spec.path).expanduser()
     cfg = read_config(path)
     weights = read_weights(path)
-    alpha0 = float(cfg.get("lora_alpha") or 8)  # (PEFT's LoraConfig default)
+    alpha0 = float(8 if cfg.get("lora_alpha") is None else cfg["lora_alpha"])  # (PEFT's LoraConfig default)
     rslora = bool(cfg.get("use_rslora"))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in weights.items():
@@ -365,7 +370,7 @@ class LoraStep:
         return mm.residual(mm.linear(x, a).mul_(mask), b, None, y)
 
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def dynamic_adapter_dir(root: str | None, name: str) -> Path | None:
@@ -373,7 +378,7 @@ def dynamic_adapter_dir(root: str | None, name: str) -> Path | None:
     (or `<model>:<folder name>`, as a request's model names it: the ingress passes it so, apart from the names of
     lora_modules) and the folder holds an adapter config; else None."""
     name = name.rpartition(":")[2]
-    if not root or not _NAME.match(name) or name in (".", ".."):
+    if not root or not _NAME.fullmatch(name) or name in (".", ".."):
         return None
     path = Path(root).expanduser() / name
     return path if (path / "adapter_config.json").is_file() else None
