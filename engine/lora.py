@@ -278,16 +278,15 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def pack_pair(mm, a: torch.Tensor, b: torch.Tensor) -> tuple:
-    """(A, B) as the decoder's matmul strategy `mm` runs them (`mm.linear(x, A)`, then `mm.residual(xa, B, None,
-    y)`): packed where it packs weights, the rank padded with zeros to a multiple of 32 there (a packed bf16 GEMM's
-    inner width; the zeros add nothing)."""
+    """(A, B, the zero rows of rank padding) as the decoder's matmul strategy `mm` runs them (`mm.linear(x, A)`,
+    then `mm.residual(xa, B, None, y)`): packed where it packs weights, the rank padded with zeros to a multiple of 32
+    there (a packed bf16 GEMM's inner width; the zeros add nothing)."""
     import torch.nn.functional as F
 
-    r = a.shape[0]
-    pad = -r % 32 if mm.copies_weights else 0
+    pad = -a.shape[0] % 32 if mm.copies_weights else 0
     if pad:
         a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-    return mm.pack(a.contiguous()), mm.pack(b.contiguous())
+    return mm.pack(a.contiguous()), mm.pack(b.contiguous()), pad
 
 
 class LoraStacks:
@@ -320,8 +319,7 @@ class LoraStacks:
                         continue
                     a_cat, b_cat = torch.cat([p[0] for _, p in parts]), torch.cat([p[1] for _, p in parts], 1)
                     cols = tuple((k, p[0].shape[0]) for k, p in parts)
-                    ap, bp = pack_pair(mm, a_cat, b_cat)
-                    pad = -a_cat.shape[0] % 32 if mm.copies_weights else 0
+                    ap, bp, pad = pack_pair(mm, a_cat, b_cat)
                     self._stacks[(which, i)] = (ap, bp, cols + ((-1, pad),) if pad else cols)
         return self._stacks
 

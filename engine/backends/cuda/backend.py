@@ -281,7 +281,8 @@ class CudaBackend(TorchBackend):
 
     def execute(self, runner, step: StepBatch) -> torch.Tensor:
         g = self.graphs
-        if any(r.lora_id for r in step.prefill) or any(r.lora_id for r in step.decode):
+        if runner.decoder is not None and runner.decoder.loras \
+                and (any(r.lora_id for r in step.prefill) or any(r.lora_id for r in step.decode)):
             return runner.forward(self.prepare(step), step.prev_tokens)  # LoRA rows: eager (no graph holds them)
         if not step.prefill:
             if g is not None and 0 < len(step.decode) <= g.max_batch:
