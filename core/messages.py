@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.request import SLO, FinishReason
+from core.request import SLO, FinishReason, LoraSource
 from core.sampling import SamplingParams
 
 
@@ -189,6 +189,7 @@ class GenerateRequest:
     # the LoRA adapter (its served name) the request runs through, None: the base model; and vLLM's cache_salt
     lora: str | None = None
     cache_salt: str | None = None
+    lora_source: LoraSource | None = None  # the folder of an adapter loaded at run time (/v1/load_lora_adapter)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

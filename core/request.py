@@ -79,6 +79,14 @@ def check_slo_value(name: str, v: float | int | None, integer: bool = False) -> 
 
 
 @dataclass(frozen=True, slots=True)
+class LoraSource:
+    """Where a LoRA adapter loaded at run time (vLLM's /v1/load_lora_adapter) is, and which load of it: the engine
+    loads the folder at the first request that brings it, and again for a later `version` (`load_inplace`)."""
+    path: str
+    version: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class SLO:
     """Per-request latency objectives. None means best effort (never rejected for SLO reasons)."""
 
@@ -152,6 +160,7 @@ class Request:
     lora: str | None = None
     lora_id: int = 0
     cache_salt: str | None = None
+    lora_source: LoraSource | None = None  # a run-time adapter's (None: one of lora_modules or on demand)
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the

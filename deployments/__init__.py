@@ -97,6 +97,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         # the LoRA adapters' names a request's `model` may give, and the folder of those loaded on demand
         "lora_modules": a.engine_config().lora_paths(),
         "dynamic_lora_loading_path": a.engine_config().dynamic_lora_loading_path,
+        "allow_runtime_lora_updating": a.allow_runtime_lora_updating,  # /v1/load_lora_adapter and its unload
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
         "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
     }
@@ -104,6 +105,12 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     if clash:
         raise ValueError(f"lora_modules: {', '.join(sorted(clash))} is the served model's name: a request naming it "
                          "would run the model itself; name the adapter otherwise")
+    fronts = a.num_replicas if a.direct else a.ingress_num_replicas
+    if a.allow_runtime_lora_updating and fronts > 1:
+        raise ValueError(f"allow_runtime_lora_updating: the adapters loaded at run time are listed by the app's front "
+                         f"replica, and this app has {fronts} (ingress_num_replicas, or topology=direct with several "
+                         "replicas): a load would reach one of them; serve it with one, or name the adapters in "
+                         "lora_modules or dynamic_lora_loading_path")
     # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
     engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
     log_config = {"enable_access_log": a.access_log}

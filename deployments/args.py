@@ -88,6 +88,12 @@ class ServeArgs(BaseModel):
     enable_prompt_tokens_details: bool = Field(
         False, description="each usage has OpenAI's `prompt_tokens_details` with `cached_tokens`, the prompt tokens "
         "found in the prefix cache (vLLM's --enable-prompt-tokens-details)")
+    allow_runtime_lora_updating: bool = Field(
+        default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        description="vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (which sets its default): POST /v1/load_lora_adapter "
+        "and /v1/unload_lora_adapter add and remove LoRA adapters while the app serves (enable_lora with it). "
+        "The app's one front replica keeps the list: with ingress_num_replicas above 1 (or topology=direct and "
+        "several replicas) it is refused")
     trust_request_chat_template: bool = Field(
         False, description="a chat request's own `chat_template` is rendered (in transformers' sandbox) in place of "
         "the model's, as vLLM's --trust-request-chat-template; off: such a request gets a 400")
@@ -199,6 +205,8 @@ class ServeArgs(BaseModel):
             # replicas sharing a GPU: each takes its fraction of what one replica per GPU would
             eng["gpu_memory_utilization"] = EngineConfig.model_fields["gpu_memory_utilization"].default * num_gpus
         sched = {k: getattr(self, k) for k in _SCHED_FIELDS if k in given}
+        if self.allow_runtime_lora_updating:
+            eng["enable_lora"] = True  # (the replicas' decoders must serve adapters from the start)
         eng.setdefault("max_tokens_over_context", "reject")  # an OpenAI server answers 400, as vLLM's does
         return EngineConfig(**eng, scheduler=SchedulerConfig(**sched))
 

@@ -85,7 +85,8 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
                 await res
 
     async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
-        return getattr(self, method)(*args)  # this replica's own engine (`LLMReplica`)
+        got = getattr(self, method)(*args)  # this replica's own engine (`LLMReplica`)
+        return await got if inspect.isawaitable(got) else got
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return LocalStream(self._bounded(req))

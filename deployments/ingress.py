@@ -17,6 +17,7 @@ import functools
 import hmac
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -35,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.messages import (ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput, TokenLogprob,
                            check_output, clock_id, waited_since_ms)
-from core.request import SLO, FinishReason
+from core.request import SLO, FinishReason, LoraSource
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments import responses as R
@@ -275,6 +276,12 @@ class OpenAIFrontend:
         self.lora_modules: dict[str, str] = dict(settings.get("lora_modules") or {})
         # and the folder of adapters loaded on demand: a request's model `<served name>:<folder>` names one
         self.lora_dir: str | None = settings.get("dynamic_lora_loading_path")
+        # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (allow_runtime_lora_updating): the adapters loaded
+        # so, by name (each request that names one brings its folder, and the replicas load it at the first), and
+        # how many loads there have been (a load's version: one loaded again in place is a new load)
+        self.runtime_lora: bool = settings.get("allow_runtime_lora_updating", False)
+        self.lora_loaded: dict[str, LoraSource] = {}
+        self._lora_loads = 0
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -364,14 +371,77 @@ class OpenAIFrontend:
         max_len = info["max_model_len"] if info else None
         cards = [P.ModelCard(id=name, max_model_len=max_len, root=self.served_model_name)
                  for name in self._served_names()]
-        cards += [self._lora_card(name, max_len) for name in self.lora_modules]
+        cards += [self._lora_card(name, max_len) for name in self._lora_names()]
         return P.ModelList(data=cards).model_dump()
+
+    def _lora_names(self) -> list[str]:
+        """The adapters served by name: those of lora_modules, then those loaded at run time."""
+        return [*self.lora_modules, *(n for n in self.lora_loaded if n not in self.lora_modules)]
 
     def _lora_card(self, model: str, max_len: int | None, name: str | None = None) -> P.ModelCard:
         """The card of adapter `name` (`_lora_of`), asked for as `model`."""
         name = name or model
-        root = self.lora_modules.get(name) or str(dynamic_adapter_dir(self.lora_dir, name))
+        loaded = self.lora_loaded.get(name)
+        root = loaded.path if loaded else self.lora_modules.get(name) or str(dynamic_adapter_dir(self.lora_dir, name))
         return P.ModelCard(id=model, max_model_len=max_len, root=root, parent=self.served_model_name)
+
+    async def load_lora_adapter(self, request: Request) -> Any:
+        """vLLM's `POST /v1/load_lora_adapter` (the app's allow_runtime_lora_updating, vLLM's
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapter `lora_name` is served from the folder `lora_path` from now on, once
+        a replica has checked that its engine can serve it (its config, its tensors' names and shapes). Each replica
+        loads it at the first request that names it. `load_inplace` replaces an adapter of that name: requests that
+        arrive after run through the folder as it is now (read again), those running finish on the earlier load."""
+        self._auth(request)
+        self._runtime_lora_on()
+        raw = await self._read_json(request)
+        body = self._validated(P.LoadLoRAAdapterRequest, raw, check_model=False)
+        name, path = body.lora_name.strip(), body.lora_path.strip()
+        if not name or not path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
+                           param="lora_name" if not name else "lora_path")
+        await self._until_ready()
+        self._check_lora_name(name, body.load_inplace)
+        path = os.path.abspath(os.path.expanduser(path))
+        got = await self._replica_call("check_lora", name, path)
+        if "error" in got:
+            raise APIError(404 if got.get("not_found") else 400, got["error"],
+                           "NotFoundError" if got.get("not_found") else "invalid_request_error", param="lora_path")
+        self._check_lora_name(name, body.load_inplace)  # (another load of the name may have ended meanwhile)
+        self._lora_loads += 1
+        self.lora_loaded[name] = LoraSource(path, self._lora_loads)
+        log.info("LoRA adapter %r loaded at run time from %s (rank %s)", name, path, got.get("rank"))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    def _check_lora_name(self, name: str, inplace: bool) -> None:
+        if name in self._served_names():
+            raise APIError(400, f"lora_name {name!r} is the served model's name: name the adapter otherwise",
+                           param="lora_name")
+        if not inplace and (name in self.lora_loaded or name in self.lora_modules):
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                           "in place, set 'load_inplace' to True.", param="lora_name")
+
+    async def unload_lora_adapter(self, request: Request) -> Any:
+        """vLLM's `POST /v1/unload_lora_adapter`: adapter `lora_name` (loaded at run time, or of lora_modules) is no
+        longer served; a request naming it is a 404 from now on. The replicas' copies go as they unload idle adapters
+        (past max_loras, least recently used first; one of lora_modules stays loaded until the replica restarts)."""
+        self._auth(request)
+        self._runtime_lora_on()
+        raw = await self._read_json(request)
+        body = self._validated(P.UnloadLoRAAdapterRequest, raw, check_model=False)
+        name = body.lora_name.strip()
+        if not name:
+            raise APIError(400, "'lora_name' must be provided.", param="lora_name")
+        if name not in self.lora_loaded and name not in self.lora_modules:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", param="lora_name")
+        self.lora_loaded.pop(name, None)
+        self.lora_modules.pop(name, None)
+        log.info("LoRA adapter %r unloaded at run time", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _runtime_lora_on(self) -> None:
+        if not self.runtime_lora:  # (vLLM has no such routes then)
+            raise APIError(404, "Not Found: loading LoRA adapters at run time is off (the app's "
+                           "allow_runtime_lora_updating, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)", code="not_found")
 
     async def model(self, request: Request, model_id: str) -> dict[str, Any]:
         """`GET /v1/models/{model}`: one served name's card (OpenAI's retrieve model), else 404 model_not_found."""
@@ -462,7 +532,7 @@ class OpenAIFrontend:
 
     def _model_names(self) -> list[str]:
         """Every name a request's `model` may give: the served model's, then its LoRA adapters'."""
-        return self._served_names() + [n for n in self.lora_modules if n not in self._served_names()]
+        return self._served_names() + [n for n in self._lora_names() if n not in self._served_names()]
 
     def _lora_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names: one of `lora_modules` by its name, or one of the folder of
@@ -470,7 +540,7 @@ class OpenAIFrontend:
         model served here."""
         if model is None or model in self._served_names():
             return None
-        if model in self.lora_modules:
+        if model in self.lora_loaded or model in self.lora_modules:
             return model
         base, sep, name = model.rpartition(":")
         if sep and base in self._served_names() and dynamic_adapter_dir(self.lora_dir, name) is not None:
@@ -603,18 +673,19 @@ class OpenAIFrontend:
             params = dataclasses.replace(params, logprobs=0)
         each = [params] + [child_params(params, j) for j in range(1, n)]  # a prompt's n choices (best_of)
         lora = self._lora_of(body.model)
+        source = self.lora_loaded.get(lora) if lora is not None else None  # (loaded at run time: its folder)
         if isinstance(body, P.CompletionRequest):
             prompts = body.prompts()
             one = len(prompts) * n == 1
             return body, [GenerateRequest(rid if one else f"{rid}-{i * n + j}", prompt=prompt, params=sp, slo=slo,
                                           options=body.prompt_options(), prompt_len_hint=_len_hint(prompt),
-                                          lora=lora, cache_salt=body.cache_salt)
+                                          lora=lora, cache_salt=body.cache_salt, lora_source=source)
                           for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
         hint = _len_hint("".join(t.content for t in turns))
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
                                       options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
-                                      cache_salt=body.cache_salt)
+                                      cache_salt=body.cache_salt, lora_source=source)
                       for j, sp in enumerate(each)]
 
     async def _handle(self, request: Request, kind: str) -> Any:
@@ -1564,6 +1635,10 @@ def openai_api() -> FastAPI:
     api.add_api_route("/detokenize", OpenAIFrontend.detokenize, methods=["POST"])
     api.add_api_route("/v1/models", OpenAIFrontend.models, methods=["GET"])
     api.add_api_route("/v1/models/{model_id:path}", OpenAIFrontend.model, methods=["GET"])  # ids may hold a slash
+    api.add_api_route("/v1/load_lora_adapter", OpenAIFrontend.load_lora_adapter, methods=["POST"],
+                      response_class=PlainTextResponse)
+    api.add_api_route("/v1/unload_lora_adapter", OpenAIFrontend.unload_lora_adapter, methods=["POST"],
+                      response_class=PlainTextResponse)
     api.add_api_route("/metrics", OpenAIFrontend.prometheus_metrics, methods=["GET"],
                       response_class=PlainTextResponse)
     for path, fn, schema in (("/v1/completions", OpenAIFrontend.completions, P.CompletionRequest),

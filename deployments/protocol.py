@@ -746,6 +746,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(..., max_length=1 << 20)
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter (with VLLM_ALLOW_RUNTIME_LORA_UPDATING: the app's
+    allow_runtime_lora_updating)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False  # an adapter of that name loaded already: replaced (else a 400)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter (its `lora_int_id` is read as vLLM's ids are not: by name only)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str = ""
+
+
 # ---------------------------------------------------------------- responses
 class Usage(BaseModel):
     prompt_tokens: int

@@ -445,6 +445,17 @@ class LLMReplica:
         strs = inputs.tokenizer.convert_ids_to_tokens(ids) if token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
+    async def check_lora(self, name: str, path: str) -> dict[str, Any]:
+        """vLLM's /v1/load_lora_adapter asks a replica whether its engine can serve the folder `path` as adapter
+        `name` before the front lists it: {"rank"}, or {"error", "not_found"} (no such folder). Read on a thread (its
+        config and its tensors' shapes): the replica's event loop streams other requests' tokens meanwhile."""
+        from engine.lora import LoraError
+
+        try:
+            return {"rank": await asyncio.to_thread(self.engine.inputs.check_lora, name, path)}
+        except LoraError as e:
+            return {"error": str(e)[:1000], "not_found": not os.path.isdir(path)}
+
     def token_text(self, tokens: list[int]) -> dict[str, Any]:
         """vLLM's /detokenize on this replica's model: the text of `tokens` (`prompt`), or `error`."""
         try:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.lora import MAX_RANK_LIMIT, LoraSpec
+from engine.lora import MAX_RANK_LIMIT, LoraServing, LoraSpec, ModelShape
 from scheduling.config import SchedulerConfig
 
 # "1": the CPU kernels' parallel loops (engine/backends/cpu/) run on Kairos's own thread team instead of OpenMP
@@ -160,6 +160,10 @@ class EngineConfig(BaseModel):
     @property
     def serves_lora(self) -> bool:
         return self.enable_lora or bool(self.lora_modules) or bool(self.dynamic_lora_loading_path)
+
+    def lora_serving(self, shape: ModelShape) -> LoraServing:
+        """What a request may name of the adapters served, for a model of `shape` (`InputProcessor`)."""
+        return LoraServing(frozenset(self.lora_paths()), self.dynamic_lora_loading_path, shape, self.max_lora_rank)
 
 
 def with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:

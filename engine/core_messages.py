@@ -8,6 +8,7 @@ from typing import Any
 
 from core.messages import RequestOutput, TokenLogprob
 from core.request import Request
+from engine.lora import LoraServing
 from engine.stats import EngineStats
 from scheduling.predictor import LatencyModel
 
@@ -28,6 +29,7 @@ class CoreInfo:
     step_timeout_s: float = 0.0  # the engine's watchdog limit (0: none): also how long the child may be silent
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # LLMEngine.sampling_defaults
     device_type: str = "cpu"  # the engine's device (cpu, cuda): its scheduler defaults (`engine.config.for_device`)
+    lora: LoraServing | None = None  # the LoRA adapters it serves (`InputProcessor.lora`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
                         inputs.kv_capacity_tokens, engine.latency_model, engine.stats(), engine.step_timeout_s,
-                        engine.sampling_defaults, engine.bundle.device.type)
+                        engine.sampling_defaults, engine.bundle.device.type, inputs.lora)
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
@@ -415,7 +415,7 @@ class EngineCoreClient:
         self._scheduler = for_device(self.config, info.device_type).scheduler  # its knobs fixed at start
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject",
-                                     list(self.config.lora_paths()), self.config.dynamic_lora_loading_path)
+                                     info.lora)
         self._loop = reader_loop
         self._heard = time.monotonic()  # when the child last sent anything (`_deliver`)
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread
@@ -455,7 +455,8 @@ class EngineCoreClient:
         """Validate and tokenize here (ValueError on bad input), then hand the request to the child."""
         self._check_alive()
         req = self.inputs.process(request.prompt, request.params, request.engine_slo, request.request_id,
-                                  request.messages, request.options, request.lora, request.cache_salt)
+                                  request.messages, request.options, request.lora, request.cache_salt,
+                                  request.lora_source)
         stream = RequestStream(req.request_id)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up

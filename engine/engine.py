@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, PromptOptions, RejectReason, RequestOutput
-from core.request import SLO, FinishReason, Request, Status
+from core.request import SLO, FinishReason, LoraSource, Request, Status
 from core.sampling import MAX_LOGPROBS, SamplingParams
 from core.kv import BlockManager
 from engine import backends
@@ -233,8 +233,8 @@ class LLMEngine:
                                             config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
-                                     config.max_tokens_over_context == "reject", list(config.lora_paths()),
-                                     config.dynamic_lora_loading_path)
+                                     config.max_tokens_over_context == "reject",
+                                     config.lora_serving(decoder.lora_shape) if config.serves_lora else None)
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
@@ -355,12 +355,13 @@ class LLMEngine:
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,
                     request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None,
                     options: PromptOptions | None = None, lora: str | None = None,
-                    cache_salt: str | None = None) -> RequestStream:
+                    cache_salt: str | None = None, lora_source: LoraSource | None = None) -> RequestStream:
         """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s.
         `options`: how the prompt is tokenized (`PromptOptions`; default a text prompt's special tokens, a chat's
         template with the assistant's turn opened). `lora`: the name of a LoRA adapter served (`lora_modules`) to
-        run it through; `cache_salt` (vLLM's): its prompt shares cached KV only with requests of the same salt."""
-        req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt)
+        run it through (`lora_source`: the folder of one loaded at run time); `cache_salt` (vLLM's): its prompt shares
+        cached KV only with requests of the same salt."""
+        req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt, lora_source)
         stream = RequestStream(req.request_id)
         self.submit(req, stream)
         return stream
@@ -398,7 +399,7 @@ class LLMEngine:
         """`add_request` for the typed message the ingress sends."""
         return self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
                                 messages=request.messages, options=request.options, lora=request.lora,
-                                cache_salt=request.cache_salt)
+                                cache_salt=request.cache_salt, lora_source=request.lora_source)
 
     def abort(self, request_id: str) -> None:
         self._post(request_id)
@@ -580,7 +581,7 @@ class LLMEngine:
             return
         if req.lora is not None:
             try:
-                req.lora_id = self._acquire_lora(req.lora)
+                req.lora_id = self._acquire_lora(req.lora, req.lora_source)
             except LoraError as e:  # (a dynamic adapter that does not load: this request's error alone)
                 stream.put(RequestOutput.failed(req.request_id, str(e), ErrorKind.INVALID_REQUEST))
                 return
@@ -592,11 +593,11 @@ class LLMEngine:
             return
         self._take((req,))
 
-    def _acquire_lora(self, name: str) -> int:
+    def _acquire_lora(self, name: str, source: LoraSource | None) -> int:
         """The id of LoRA adapter `name` for a request the engine takes (loaded where it is not yet)."""
         if self.loras is None:
             raise LoraError("this engine serves no LoRA adapters")
-        return self.loras.acquire(name)
+        return self.loras.acquire(name, source)
 
     def _new_scheduler(self, config: SchedulerConfig, predictor: LatencyModel | None) -> Scheduler:
         b = self.bundle

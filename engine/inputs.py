@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from core.messages import ChatTurn, ContextLengthExceeded, PromptOptions, PromptTooLong
-from core.request import SLO, Request
+from core.request import SLO, LoraSource, Request
 from core.sampling import SamplingParams
-from engine.lora import dynamic_adapter_dir
+from engine.lora import LoraError, LoraServing, LoraSpec, check_adapter
 
 Prompt = str | Sequence[int]
 MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens (each step compares a row's last tokens with every word's)
@@ -79,13 +79,11 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
                  kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False,
-                 lora_names: Sequence[str] = (), lora_dir: str | None = None) -> None:
+                 lora: LoraServing | None = None) -> None:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
-        `lora_names`, `lora_dir`: the LoRA adapters served (`lora_modules`), and the folder of those loaded on demand
-        (`dynamic_lora_loading_path`)."""
-        self.lora_names = frozenset(lora_names)
-        self.lora_dir = lora_dir
+        `lora`: the LoRA adapters the engine serves (None: none)."""
+        self.lora = lora
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
         self.encode_special = prompt_encoder(tokenizer, add_special_tokens=True)
@@ -94,6 +92,14 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.reject_max_tokens_over_context = reject_max_tokens_over_context
+
+    def check_lora(self, name: str, path: str) -> int:
+        """Whether the folder `path` holds an adapter this engine can serve as `name` (vLLM's /v1/load_lora_adapter
+        asks before it registers one): its rank, else LoraError saying why. Reads its config and its tensors'
+        shapes, on the caller's thread."""
+        if self.lora is None:
+            raise LoraError("this engine was not started to serve LoRA adapters (enable_lora)")
+        return check_adapter(LoraSpec(name, path), self.lora.shape, self.lora.max_rank)
 
     def render_chat(self, messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:
         return render_chat(self.tokenizer, messages, options)
@@ -176,14 +182,15 @@ class InputProcessor:
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
                 options: PromptOptions | None = None, lora: str | None = None,
-                cache_salt: str | None = None) -> Request:
+                cache_salt: str | None = None, lora_source: LoraSource | None = None) -> Request:
         """Validate and tokenize; ValueError with a client-facing message on bad input. The request arrives when
         this is called: its TTFT SLO counts the time its prompt takes to render and tokenize (a long one's, ms)."""
         arrival_s = time.monotonic()
         options = options or PromptOptions()
-        if lora is not None and lora not in self.lora_names and dynamic_adapter_dir(self.lora_dir, lora) is None:
+        if lora is not None and (self.lora is None or (lora_source is None and not self.lora.serves(lora))):
+            names = sorted(self.lora.names) if self.lora is not None else []
             raise ValueError(f"no LoRA adapter named {lora!r} is served here"
-                             + (f" (these are: {', '.join(sorted(self.lora_names))})" if self.lora_names else ""))
+                             + (f" (these are: {', '.join(names)})" if names else ""))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         params = (params or SamplingParams()).validate()
@@ -222,7 +229,8 @@ class InputProcessor:
         bad = self.bad_words_ids(params.bad_words)
         if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
             raise ValueError("bad_words ban every token allowed_token_ids allows")
-        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt)
+        req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt,
+                      lora_source=lora_source if lora is not None else None)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

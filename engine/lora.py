@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.request import LoraSource
+
 if TYPE_CHECKING:  # (torch is imported where tensors are made: the app's builder reads LoraSpec without it)
     import torch
 
@@ -153,6 +155,20 @@ class ModelShape:
                 "down_proj": (self.intermediate, self.hidden)}[module]
 
 
+@dataclass(frozen=True, slots=True)
+class LoraServing:
+    """The adapters an engine serves, as its input processor checks what a request names: those of `lora_modules`
+    by name, the folder of those loaded on demand (`dynamic_lora_loading_path`), and the model's `shape` and
+    `max_rank` that a folder loaded at run time is checked against (`check_adapter`)."""
+    names: frozenset[str]
+    dynamic_root: str | None
+    shape: ModelShape
+    max_rank: int
+
+    def serves(self, name: str) -> bool:
+        return name in self.names or dynamic_adapter_dir(self.dynamic_root, name) is not None
+
+
 def _pattern_value(patterns: dict, module_name: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern: the value of the first key that matches the module's name at its end."""
     for key, value in (patterns or {}).items():
@@ -207,6 +223,67 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise LoraError(f"LoRA adapter {str(path)!r}: no adapter_model.safetensors or adapter_model.bin there")
 
 
+def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes of an adapter folder's tensors (a safetensors file's from its header, without reading them)."""
+    st = path / "adapter_model.safetensors"
+    if st.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(st), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return {k: tuple(t.shape) for k, t in read_weights(path).items()}
+
+
+def _pairs(name: str, shapes: dict[str, tuple[int, ...]], shape: ModelShape,
+           max_rank: int) -> dict[tuple[int, str], tuple[str, str]]:
+    """The (A, B) tensor names of each (layer, module) an adapter updates, its tensors' `shapes` checked against the
+    model's `shape` and `max_rank`; LoraError where it updates anything else or is of other shapes."""
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for key in shapes:
+        m = _KEY.match(key)
+        if m is None:
+            what = "embeddings" if "embed" in key else "the LM head" if "lm_head" in key else key
+            raise LoraError(f"LoRA adapter {name!r} changes {what}, which Kairos does not serve (it applies "
+                            f"adapters of {', '.join(TARGETS)})")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        if module not in TARGETS:
+            raise LoraError(f"LoRA adapter {name!r} targets {module}, which Kairos does not serve (it applies "
+                            f"adapters of {', '.join(TARGETS)})")
+        if layer >= shape.num_layers:
+            raise LoraError(f"LoRA adapter {name!r} has layer {layer}; the model has {shape.num_layers}")
+        pairs.setdefault((layer, module), {})[ab] = key
+    if not pairs:
+        raise LoraError(f"LoRA adapter {name!r} has no LoRA weights")
+    out: dict[tuple[int, str], tuple[str, str]] = {}
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer}'s {module} lacks its lora_A or lora_B")
+        a, b = shapes[ab["A"]], shapes[ab["B"]]
+        fan_in, fan_out = shape.io(module)
+        r = a[0] if a else 0
+        if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b != (fan_out, r):
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer}'s {module} has A {a} and B {b}, not ({r}, "
+                            f"{fan_in}) and ({fan_out}, {r}): trained for another model?")
+        if r > max_rank:
+            raise LoraError(f"LoRA adapter {name!r} has rank {r}, above max_lora_rank {max_rank}")
+        out[(layer, module)] = (ab["A"], ab["B"])
+    return out
+
+
+def check_adapter(spec: LoraSpec, shape: ModelShape, max_rank: int) -> int:
+    """Whether `spec`'s folder is an adapter a model of `shape` serves (its config, its tensors' names and shapes,
+    none read in full): its rank, else LoraError saying why (`load_adapter` checks the same as it loads)."""
+    path = Path(spec.path).expanduser()
+    read_config(path)
+    try:
+        shapes = _tensor_shapes(path)
+    except LoraError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise LoraError(f"LoRA adapter {spec.name!r}: its weights do not read: {e}") from e
+    return max(shapes[a][0] for a, _ in _pairs(spec.name, shapes, shape, max_rank).values())
+
+
 def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torch.dtype, device: torch.device,
                  max_rank: int) -> LoraAdapter:
     """`spec`'s adapter for a model of `shape`, its tensors in `dtype` on `device`; LoraError where it cannot be
@@ -218,35 +295,12 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
     weights = read_weights(path)
     alpha0 = float(8 if cfg.get("lora_alpha") is None else cfg["lora_alpha"])  # (PEFT's LoraConfig default)
     rslora = bool(cfg.get("use_rslora"))
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in weights.items():
-        m = _KEY.match(key)
-        if m is None:
-            what = "embeddings" if "embed" in key else "the LM head" if "lm_head" in key else key
-            raise LoraError(f"LoRA adapter {spec.name!r} changes {what}, which Kairos does not serve (it applies "
-                            f"adapters of {', '.join(TARGETS)})")
-        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
-        if module not in TARGETS:
-            raise LoraError(f"LoRA adapter {spec.name!r} targets {module}, which Kairos does not serve (it applies "
-                            f"adapters of {', '.join(TARGETS)})")
-        if layer >= shape.num_layers:
-            raise LoraError(f"LoRA adapter {spec.name!r} has layer {layer}; the model has {shape.num_layers}")
-        pairs.setdefault((layer, module), {})[ab] = t
-    if not pairs:
-        raise LoraError(f"LoRA adapter {spec.name!r} has no LoRA weights")
     rank = 0
     scaled: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (layer, module), ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            raise LoraError(f"LoRA adapter {spec.name!r}: layer {layer}'s {module} lacks its lora_A or lora_B")
-        a, b = ab["A"].float(), ab["B"].float()
-        fan_in, fan_out = shape.io(module)
+    for (layer, module), (ka, kb) in _pairs(spec.name, {k: tuple(t.shape) for k, t in weights.items()}, shape,
+                                            max_rank).items():
+        a, b = weights[ka].float(), weights[kb].float()
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
-            raise LoraError(f"LoRA adapter {spec.name!r}: layer {layer}'s {module} has A {tuple(a.shape)} and B "
-                            f"{tuple(b.shape)}, not ({r}, {fan_in}) and ({fan_out}, {r}): trained for another model?")
-        if r > max_rank:
-            raise LoraError(f"LoRA adapter {spec.name!r} has rank {r}, above max_lora_rank {max_rank}")
         rank = max(rank, r)
         name = f"model.layers.{layer}.{'mlp' if module in MLP_MODULES else 'self_attn'}.{module}"
         alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, alpha0))
@@ -385,9 +439,13 @@ def dynamic_adapter_dir(root: str | None, name: str) -> Path | None:
 class LoraRegistry:
     """The adapters an engine serves, owned by its worker thread. Those of `lora_modules` are loaded at start and
     kept; one of `dynamic_lora_loading_path` (a folder there, named by a request) is loaded when the first request
-    that names it arrives, and past `max_loras` adapters the least recently used one that no request holds is
-    unloaded (Ray Serve LLM's multi-LoRA). Each load has an id of its own (`Request.lora_id`), never used again:
-    an adapter loaded again is a new namespace of the prefix cache."""
+    that names it arrives, and so is one loaded at run time (vLLM's /v1/load_lora_adapter: its request brings the
+    folder, `LoraSource`). Past `max_loras` adapters the least recently used one that no request holds and that is
+    not of `lora_modules` is unloaded (Ray Serve LLM's multi-LoRA). Each load has an id of its own
+    (`Request.lora_id`), never used again: an adapter loaded again is a new namespace of the prefix cache. A run-time
+    adapter loaded again under its name (`load_inplace`, a later `LoraSource.version`) replaces the earlier load for
+    the requests that arrive after; those that hold the earlier one finish on it, and it is unloaded as the last
+    of them ends."""
 
     def __init__(self, decoder, static: dict[str, str], dynamic_root: str | None, max_loras: int,
                  max_rank: int) -> None:
@@ -395,20 +453,21 @@ class LoraRegistry:
         self.dynamic_root = dynamic_root
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self._ids: dict[str, int] = {}  # loaded adapters' ids by name
-        self._names: dict[int, str] = {}  # and their names by id
-        self._static: set[str] = set(static)
+        self._ids: dict[str, int] = {}  # loaded adapters' ids by name (the load requests get)
+        self._names: dict[int, str] = {}  # and their names by id (replaced loads too, until unloaded)
+        self._sources: dict[int, LoraSource | None] = {}  # a run-time load's source (None: by name)
+        self._static: set[int] = set()  # the ids of lora_modules' loads (never unloaded as idle)
         self._holders: dict[int, int] = {}  # requests in the engine per adapter id
-        self._idle: dict[int, str] = {}  # dynamic adapters no request holds, least recently released first
+        self._idle: dict[int, str] = {}  # evictable adapters no request holds, least recently released first
         self._next = 1
         for name, path in static.items():
-            self._load(name, path)
+            self._static.add(self._load(name, path))
 
-    def _load(self, name: str, path: str) -> int:
+    def _load(self, name: str, path: str, source: LoraSource | None = None) -> int:
         i = self._next
         adapter = self.decoder.add_lora(LoraSpec(name, path), i, self.max_rank)
         self._next += 1
-        self._ids[name], self._names[i] = i, name
+        self._ids[name], self._names[i], self._sources[i] = i, name, source
         self._holders[i] = 0
         log.info("LoRA adapter %r loaded (rank %d, %.1f MB) from %s", name, adapter.rank, adapter.nbytes() / 2**20,
                  adapter.path)
@@ -418,17 +477,22 @@ class LoraRegistry:
     def loaded(self) -> list[str]:
         return list(self._ids)
 
-    def acquire(self, name: str) -> int:
-        """The id of adapter `name` for a request that will run through it (loaded first where it is not);
-        LoraError where there is no such adapter or it cannot be served."""
+    def acquire(self, name: str, source: LoraSource | None = None) -> int:
+        """The id of adapter `name` for a request that will run through it (loaded first where it is not; `source`:
+        a run-time adapter's folder and load); LoraError where there is no such adapter or it cannot be served."""
         i = self._ids.get(name)
+        if i is not None and source is not None:
+            held = self._sources[i]
+            if held is None or held.path != source.path or held.version < source.version:
+                self._retire(i)  # loaded again since (or a lora_modules adapter of its name): the new load serves
+                i = None
         if i is None:
-            path = dynamic_adapter_dir(self.dynamic_root, name)
+            path = Path(source.path) if source is not None else dynamic_adapter_dir(self.dynamic_root, name)
             if path is None:
                 raise LoraError(f"no LoRA adapter named {name!r} is served here")
             self._evict(self.max_loras - 1)
             try:
-                i = self._load(name, str(path))
+                i = self._load(name, str(path), source)
             except LoraError:
                 raise
             except Exception as e:  # noqa: BLE001 - a folder being written, a file torch cannot read: its request's
@@ -443,15 +507,35 @@ class LoraRegistry:
         if n is None:
             return
         self._holders[lora_id] = n - 1
-        if n == 1 and self._names[lora_id] not in self._static:
-            self._idle[lora_id] = self._names[lora_id]
+        if n > 1:
+            return
+        name = self._names[lora_id]
+        if self._ids.get(name) != lora_id:  # replaced by a later load: its last request has ended
+            self._unload(lora_id, "replaced by a later load")
+        elif lora_id not in self._static:
+            self._idle[lora_id] = name
             self._evict(self.max_loras)
 
+    def _retire(self, lora_id: int) -> None:
+        """A load that new requests no longer get: unloaded now where no request holds it, else by `release`."""
+        del self._ids[self._names[lora_id]]
+        self._idle.pop(lora_id, None)
+        if not self._holders[lora_id]:
+            self._unload(lora_id, "replaced by a later load")
+
+    def _unload(self, lora_id: int, why: str) -> None:
+        name = self._names.pop(lora_id)
+        if self._ids.get(name) == lora_id:
+            del self._ids[name]
+        del self._holders[lora_id], self._sources[lora_id]
+        self._static.discard(lora_id)
+        self._idle.pop(lora_id, None)
+        self.decoder.remove_lora(lora_id)
+        log.info("LoRA adapter %r (load %d) unloaded: %s", name, lora_id, why)
+
     def _evict(self, keep: int) -> None:
-        """Unload idle dynamic adapters, least recently used first, while more than `keep` are loaded."""
+        """Unload idle adapters (not of lora_modules), least recently used first, while more than `keep` are
+        loaded."""
         while len(self._ids) > keep and self._idle:
-            i, name = next(iter(self._idle.items()))
-            del self._idle[i], self._ids[name], self._names[i], self._holders[i]
-            self.decoder.remove_lora(i)
-            log.info("LoRA adapter %r unloaded: the least recently used of those idle, past max_loras %d", name,
-                     self.max_loras)
+            self._unload(next(iter(self._idle)), f"the least recently used of those idle, past max_loras "
+                                                 f"{self.max_loras}")

@@ -276,3 +276,88 @@ def test_adapters_of_a_folder_load_on_demand_and_the_idle_ones_unload(tiny_check
                 eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora=bad)
     finally:
         eng.shutdown()
+
+
+def test_the_check_before_a_run_time_load_refuses_what_a_load_refuses(tiny_checkpoints, adapters, tmp_path):
+    """/v1/load_lora_adapter's check (`InputProcessor.check_lora`: the config, the tensors' names and shapes, none
+    read in full) says what loading would."""
+    from pathlib import Path
+
+    src = Path(adapters["llama"]["a"])
+    eng = _engine(tiny_checkpoints["llama"], {}, enable_lora=True, max_lora_rank=8)
+    try:
+        assert eng.inputs.check_lora("a", str(src)) == 8
+        assert eng.inputs.check_lora("b", adapters["llama"]["b"]) == 4
+
+        def lm_head(w):
+            w["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+
+        def shrink(w):
+            key = next(k for k in w if "q_proj.lora_A" in k)
+            w[key] = w[key][:, :32].contiguous()
+
+        def drop_b(w):
+            del w[next(k for k in w if "o_proj.lora_B" in k)]
+
+        for i, (config, weights, match) in enumerate([({"use_dora": True}, None, "DoRA"), (None, lm_head, "LM head"),
+                                                      (None, shrink, "another model"), (None, drop_b, "lacks")]):
+            with pytest.raises(LoraError, match=match):
+                eng.inputs.check_lora("x", _edited(src, tmp_path / f"bad{i}", config, weights))
+        with pytest.raises(LoraError, match="no adapter_config.json"):
+            eng.inputs.check_lora("x", str(tmp_path / "nowhere"))
+        cut = Path(_edited(src, tmp_path / "cut"))
+        st = cut / "adapter_model.safetensors"
+        st.write_bytes(st.read_bytes()[:100])
+        with pytest.raises(LoraError, match="do not read"):
+            eng.inputs.check_lora("x", str(cut))
+    finally:
+        eng.shutdown()
+    eng = _engine(tiny_checkpoints["llama"], {}, enable_lora=True, max_lora_rank=4)
+    try:
+        with pytest.raises(LoraError, match="above max_lora_rank 4"):
+            eng.inputs.check_lora("a", str(src))
+    finally:
+        eng.shutdown()
+
+
+def test_adapters_loaded_at_run_time_and_loaded_again_in_place(tiny_checkpoints, adapters, tmp_path):
+    """A request of an adapter loaded at run time brings its folder (`LoraSource`); a later load of that name (vLLM's
+    load_inplace) serves the requests after it from the folder as it is then, while a request that holds the
+    earlier load finishes on it, and an earlier load is unloaded once no request holds it."""
+    import shutil
+
+    from core.request import LoraSource
+
+    base = tiny_checkpoints["llama"]
+    folder = tmp_path / "rt"
+    shutil.copytree(adapters["llama"]["a"], folder)
+    want = {lo: _peft_greedy(base, adapters["llama"][lo], PROMPTS[:1], [24])[0] for lo in ("a", "b")}
+    eng = _engine(base, {"s": adapters["llama"]["b"]}, enable_lora=True)
+
+    def start(source, name="rt", k=24):
+        return eng.add_request(PROMPTS[0], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True), lora=name,
+                               lora_source=source)
+
+    def loads():
+        return eng.run_idle(lambda e: sorted(e.loras._names.values()))
+
+    try:
+        with pytest.raises(ValueError, match="no LoRA adapter named"):
+            eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="rt")  # (not without its folder)
+        assert [t for o in start(LoraSource(str(folder), 1), k=6) for t in o.token_ids] == want["a"][:6]
+        held = start(LoraSource(str(folder), 1))
+        first = next(iter(held))  # it runs: it holds the first load
+        shutil.rmtree(folder)
+        shutil.copytree(adapters["llama"]["b"], folder)  # the folder written again, then loaded in place
+        again = [t for o in start(LoraSource(str(folder), 2)) for t in o.token_ids]
+        assert first.token_ids + [t for o in held for t in o.token_ids] == want["a"]
+        assert again == want["b"]
+        assert loads() == ["rt", "s"]  # the first load went with the request that held it
+        # a request sent before the later load, arriving after it, runs through the later one
+        assert [t for o in start(LoraSource(str(folder), 1), k=6) for t in o.token_ids] == want["b"][:6]
+        # an adapter of lora_modules loaded again at run time under its name, from another folder
+        assert [t for o in start(LoraSource(adapters["llama"]["a"], 3), name="s", k=6) for t in o.token_ids] \
+            == want["a"][:6]
+        assert loads() == ["rt", "s"]
+    finally:
+        eng.shutdown()
