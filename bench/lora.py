@@ -9,6 +9,13 @@ serving adapters costs requests that use none), `one adapter` (every request thr
 that a box whose speed drifts charges all alike; the table has each point's median over the rounds. The base
 model's replies on both engines are compared token for token.
 
+What loading an adapter on demand costs the requests running meanwhile (`load stall`): on the adapters' engine, a
+batch of base requests decodes; once it has made a few tokens a request names an adapter of
+`dynamic_lora_loading_path` not loaded yet. The longest gap between two tokens of a base request is compared
+with their median gap, with the load run on the engine's worker between two steps (`LoraRegistry.loader` None) and on
+its loader thread beside the steps (the engine's way), in turns over the rounds; `build ms` is an adapter's load
+alone (read, laid out, packed).
+
     python -m bench.lora --model kairos-default --batch 16 --summary lora-smollm2
 """
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,13 +33,14 @@ from bench.report import command_line, print_table, run_info, write_summary
 POINTS = ("base", "lora-engine base", "one adapter", "mixed")
 
 
-def _engine(args, adapters: dict[str, str]):
+def _engine(args, adapters: dict[str, str], dynamic: str | None = None):
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from scheduling.config import SchedulerConfig
 
     b = args.batch
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora_modules=adapters,
+                                  dynamic_lora_loading_path=dynamic,
                                   max_lora_rank=max(16, args.rank), max_loras=max(1, len(adapters)),
                                   scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=b, prefill_max_batch_size=b,
                                                             prefill_max_tokens=b * args.prompt_len)))
@@ -58,6 +67,31 @@ def _decode(eng, events: list, prompts: list[list[int]], loras: list[str | None]
     return statistics.median(ms), replies
 
 
+def _load_stall(eng, prompts: list[list[int]], adapter: str, steps: int, on_worker: bool) -> tuple[float, float]:
+    """The base requests of `prompts` decoding `steps` tokens each, and a request of the adapter folder `adapter`
+    (not loaded yet) arriving once they have made a few: (their longest gap between two tokens, their median gap),
+    ms. `on_worker`: the load runs on the engine's worker (else on its loader thread)."""
+    from core.sampling import SamplingParams
+
+    loader = eng.run_idle(lambda e: e.loras.loader)
+    eng.run_idle(lambda e: setattr(e.loras, "loader", None if on_worker else loader))
+    try:
+        sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        streams = [eng.add_request(p, sp) for p in prompts]
+        first = iter(streams[0])
+        made = []
+        while len(made) < min(8, steps // 4):
+            made += next(first).token_ids
+        lora = eng.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                               lora=f"m:{adapter}")
+        finals = [list(s)[-1] for s in [first, *streams[1:]]]
+        list(lora)
+    finally:
+        eng.run_idle(lambda e: setattr(e.loras, "loader", loader))
+    gaps = [(b - a) * 1000.0 for f in finals for a, b in zip(f.metrics.token_times, f.metrics.token_times[1:])]
+    return max(gaps), statistics.median(gaps)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import random
 
     from bench.driver import resolve_model_path
+    from engine.lora import LoraSpec
     from engine.testing import build_tiny_lora
 
     args.model = str(resolve_model_path(args.model))
@@ -83,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kairos-lora-bench-") as tmp:
         adapters = {f"a{i}": str(build_tiny_lora(args.model, Path(tmp) / f"a{i}", seed=i, r=args.rank,
                                                  alpha=2 * args.rank)) for i in range(args.adapters)}
-        engines = {"plain": _engine(args, {}), "lora": _engine(args, adapters)}
+        fresh = Path(tmp) / "on-demand"  # adapters loaded at a request, one new one for each measurement
+        for i in range(2 * (args.rounds + 1)):
+            build_tiny_lora(args.model, fresh / f"d{i}", seed=100 + i, r=args.rank, alpha=2 * args.rank)
+        engines = {"plain": _engine(args, {}), "lora": _engine(args, adapters, str(fresh))}
         events: dict[str, list] = {k: [] for k in engines}
         for k, eng in engines.items():
             eng.add_step_observer(events[k].append)
@@ -92,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = {"base": ("plain", [None] * b), "lora-engine base": ("lora", [None] * b),
                 "one adapter": ("lora", [names[0]] * b), "mixed": ("lora", [names[i % len(names)] for i in range(b)])}
         ms: dict[str, list[float]] = {p: [] for p in POINTS}
+        stall: dict[str, list[tuple[float, float]]] = {"on the worker": [], "on the loader": []}
         alike = total = 0
         try:
             vocab = engines["plain"].bundle.vocab_limit
@@ -106,6 +145,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ms[point].append(t)
                 alike += sum(x == y for x, y in zip(replies["base"], replies["lora-engine base"]))
                 total += b
+                for j, where in enumerate(sorted(stall, key=lambda w: (w == "on the worker") == bool(r % 2))):
+                    got = _load_stall(engines["lora"], prompts, f"d{2 * r + j}", args.steps,
+                                      where == "on the worker")
+                    if r:
+                        stall[where].append(got)
+            eng = engines["lora"]
+            build_ms = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                eng.run_idle(lambda e: e.runner.decoder.build_lora(LoraSpec("x", str(fresh / "d0")), 0,
+                                                                   e.loras.max_rank))
+                build_ms.append((time.perf_counter() - t0) * 1000.0)
         finally:
             for eng in engines.values():
                 eng.shutdown()
@@ -116,12 +167,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(list(rows[0]), [list(r.values()) for r in rows])
     print(f"batch {b}, {args.adapters} adapters of rank {args.rank} on every projection; base replies alike on both "
           f"engines: {alike}/{total}")
+    srows = [{"load stall": w, "longest gap ms": round(statistics.median([g for g, _ in v]), 2),
+              "median gap ms": round(statistics.median([m for _, m in v]), 2)} for w, v in stall.items()]
+    print_table(list(srows[0]), [list(r.values()) for r in srows])
+    build = round(statistics.median(build_ms), 2)
+    print(f"an adapter's load alone (build ms, median of 3): {build}; each gap: the median over the rounds")
     if args.summary:
         figures: dict[str, Any] = {"rows": rows, "ms_by_round": ms, "base_replies_alike": [alike, total],
+                                   "load_stall": srows, "load_stall_by_round": stall, "build_ms": build,
                                    "args": vars(args), "run": run_info("bench.lora", argv)}
         headline = (f"decode B={b}, rank {args.rank}: an adapter {rows[2]['x base']}x the base step, "
                     f"{args.adapters} adapters mixed {rows[3]['x base']}x, base requests on the adapters' engine "
-                    f"{rows[1]['x base']}x")
+                    f"{rows[1]['x base']}x; a load on demand: base requests' longest gap {srows[1]['longest gap ms']} "
+                    f"ms (loader thread), {srows[0]['longest gap ms']} ms on the worker, median gap "
+                    f"{srows[1]['median gap ms']} ms")
         write_summary(args.summary, command_line("bench.lora", argv), headline, figures)
     return 0
 

@@ -197,12 +197,23 @@ class KairosDecoder:
 
     def add_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:
         """Load `spec`'s adapter for requests whose lora_id is `adapter_id` (LoraError where it cannot be served)."""
+        return self.install_lora(self.build_lora(spec, adapter_id, max_rank))
+
+    def build_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:
+        """`spec`'s adapter read and laid out as the steps run it, not yet served (LoraError where it cannot be):
+        any thread may build one while the worker runs steps (`LoraRegistry`'s loader)."""
         if not self.serves_lora:
             raise LoraError("this engine was not started to serve LoRA adapters (enable_lora)")
         adapter = load_adapter(spec, adapter_id, self.lora_shape, self.dtype, self.embed.device, max_rank)
         adapter.packed = {(which, i): pack_pair(self.mm, *pair) for i, L in enumerate(adapter.layers)
                           for which in PROJECTIONS if (pair := getattr(L, which)) is not None}
-        self.loras[adapter_id] = adapter
+        if adapter.device is not None and adapter.device.type == "cuda":
+            torch.cuda.current_stream(adapter.device).synchronize()  # its copies landed before a step reads them
+        return adapter
+
+    def install_lora(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Serve a built adapter to the requests whose lora_id is its id (on the worker, between steps)."""
+        self.loras[adapter.id] = adapter
         return adapter
 
     def remove_lora(self, adapter_id: int) -> None:

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,7 +35,7 @@ from engine.backends.base import PreparedStep, prompt_spans
 from engine.config import EngineConfig, for_device, reconfigured, with_overrides
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
-from engine.lora import LoraError, LoraRegistry
+from engine.lora import LoraError, LoraLoaded, LoraRegistry
 from engine.detokenizer import TokenTexts
 from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
@@ -141,6 +142,9 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}  # worker-owned
         self.loras: LoraRegistry | None = None  # the LoRA adapters it serves (`_setup`; worker-owned)
+        self._lora_loader: ThreadPoolExecutor | None = None  # where they load (`LoraRegistry`)
+        # requests that wait for their adapter's load, by the load (worker-owned)
+        self._lora_waiting: dict[tuple[str, LoraSource | None], list[Request]] = {}
         self._observers: list[Callable[[StepEvent], None]] = []
         self._stop = False
         self._stopped = threading.Event()  # set by shutdown (the watchdog's wake-up)
@@ -210,8 +214,10 @@ class LLMEngine:
         backend.bind(spec, b.dtype, b.config.num_attention_heads)
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0, config.serves_lora)
         # (the adapters of lora_modules load here, before the KV cache is sized: their memory is counted)
-        self.loras = LoraRegistry(decoder, config.lora_paths(), config.dynamic_lora_loading_path, config.max_loras,
-                                  config.max_lora_rank) if config.serves_lora else None
+        if config.serves_lora:  # adapters loaded later are read on a thread of their own, between the worker's steps
+            self._lora_loader = ThreadPoolExecutor(1, thread_name_prefix="kairos-lora-load")
+            self.loras = LoraRegistry(decoder, config.lora_paths(), config.dynamic_lora_loading_path,
+                                      config.max_loras, config.max_lora_rank, self._lora_loader.submit, self._post)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
         self.sampler.token_text = TokenTexts(b.tokenizer, skip_special_tokens=True)  # what JSON mode checks
         t_load = time.perf_counter()
@@ -490,6 +496,8 @@ class LLMEngine:
         w = self._watchdog
         if w is not None and w.is_alive() and threading.current_thread() is not w:
             w.join(timeout)
+        if self._lora_loader is not None:  # (likewise: a load in progress ends first)
+            self._lora_loader.shutdown(wait=threading.current_thread() is not self._thread, cancel_futures=True)
 
     # ------------------------------------------------------------------ worker thread
     def _snapshot(self, last_prefill: int, last_decode: int) -> EngineStats:
@@ -499,9 +507,12 @@ class LLMEngine:
                         step=(self._step_ms, self._step_batch))
         if self.loras is not None:
             snap = dataclasses.replace(snap, lora_adapters=len(self.loras.loaded))
-        if self._parked:  # waiting for a scheduler change: they count as waiting (those not aborted meanwhile)
-            parked = sum([r.status is not Status.FINISHED for r in self._parked])
-            snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + parked)
+        # waiting for a scheduler change, or for their adapter's load: they count as waiting (those not aborted)
+        held = [*self._parked, *(r for rs in self._lora_waiting.values() for r in rs)] \
+            if self._parked or self._lora_waiting else ()
+        if held:
+            snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + sum([r.status is not Status.FINISHED
+                                                                                 for r in held]))
         return snap
 
     def _run(self) -> None:
@@ -562,6 +573,8 @@ class LLMEngine:
                     self._fault_steps += item.count
             elif isinstance(item, _IdleJob):
                 self._run_job(item)
+            elif isinstance(item, LoraLoaded):
+                self._lora_landed(item)
             elif isinstance(item, SchedulerConfig):  # reconfigure: the next one while idle
                 self._next_scheduler = item
             elif isinstance(item, tuple):
@@ -579,25 +592,49 @@ class LLMEngine:
             stream.put(RequestOutput.failed(req.request_id, f"duplicate request id {req.request_id!r}",
                                             ErrorKind.INVALID_REQUEST))
             return
+        lora_id: int | None = 0
         if req.lora is not None:
             try:
-                req.lora_id = self._acquire_lora(req.lora, req.lora_source)
+                lora_id = self._acquire_lora(req.lora, req.lora_source)
             except LoraError as e:  # (a dynamic adapter that does not load: this request's error alone)
                 stream.put(RequestOutput.failed(req.request_id, str(e), ErrorKind.INVALID_REQUEST))
                 return
         self._requests[req.request_id] = req
         self._churn += 1
         self.outputs.add(req, stream)
+        if lora_id is None:  # its adapter is being loaded: it waits for the load (`_lora_landed`)
+            self._lora_waiting.setdefault((req.lora, req.lora_source), []).append(req)
+            return
+        req.lora_id = lora_id
+        self._take_or_park(req)
+
+    def _take_or_park(self, req: Request) -> None:
         if self._next_scheduler is not None:  # a scheduler change waits for the requests the scheduler holds
             self._parked.append(req)
             return
         self._take((req,))
 
-    def _acquire_lora(self, name: str, source: LoraSource | None) -> int:
-        """The id of LoRA adapter `name` for a request the engine takes (loaded where it is not yet)."""
+    def _acquire_lora(self, name: str, source: LoraSource | None) -> int | None:
+        """The id of LoRA adapter `name` for a request the engine takes; None: it is being loaded."""
         if self.loras is None:
             raise LoraError("this engine serves no LoRA adapters")
         return self.loras.acquire(name, source)
+
+    def _lora_landed(self, done: LoraLoaded) -> None:
+        """An adapter's load has ended (`LoraRegistry`'s loader): the requests that waited for it run through it, or
+        each fails with the reason it did not load (those aborted meanwhile have ended already)."""
+        waiting = [r for r in self._lora_waiting.pop(done.key, []) if r.status is not Status.FINISHED]
+        if self.loras is None:
+            return
+        try:
+            lora_id = self.loras.installed(done)
+        except LoraError as e:
+            for r in waiting:
+                self._finish(r, FinishReason.ERROR, error=str(e), error_kind=ErrorKind.INVALID_REQUEST)
+            return
+        for r in waiting:
+            r.lora_id = self.loras.hold(lora_id)
+            self._take_or_park(r)
 
     def _new_scheduler(self, config: SchedulerConfig, predictor: LatencyModel | None) -> Scheduler:
         b = self.bundle
@@ -905,7 +942,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: FinishReason, *, reject_reason: RejectReason | None = None,
                 error: str | None = None, last_token: int | None = None,
-                last_logprobs: RowLogprobs | None = None) -> None:
+                last_logprobs: RowLogprobs | None = None, error_kind: ErrorKind = ErrorKind.ENGINE) -> None:
         if not self.scheduler.finish(req, reason, time.monotonic()):
             return
         self._requests.pop(req.request_id, None)
@@ -913,7 +950,7 @@ class LLMEngine:
         if req.lora_id:
             self.loras.release(req.lora_id)
         self.sampler.release(req.request_id)
-        self.outputs.finish(req, reject_reason=reject_reason, error=error, error_kind=ErrorKind.ENGINE,
+        self.outputs.finish(req, reject_reason=reject_reason, error=error, error_kind=error_kind,
                             last_token=last_token, last_logprobs=last_logprobs)
 
     def _publish_step(self, last_prefill: int, last_decode: int, now: float) -> None:

@@ -22,6 +22,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from core.request import LoraSource
@@ -436,6 +437,15 @@ def dynamic_adapter_dir(root: str | None, name: str) -> Path | None:
     return path if (path / "adapter_config.json").is_file() else None
 
 
+@dataclass(slots=True)
+class LoraLoaded:
+    """A load the registry's loader finished (the adapter built, or why it was not), for the worker to install
+    (`LoraRegistry.installed`)."""
+    key: tuple[str, LoraSource | None]
+    adapter: LoraAdapter | None
+    error: LoraError | None = None
+
+
 class LoraRegistry:
     """The adapters an engine serves, owned by its worker thread. Those of `lora_modules` are loaded at start and
     kept; one of `dynamic_lora_loading_path` (a folder there, named by a request) is loaded when the first request
@@ -445,28 +455,40 @@ class LoraRegistry:
     (`Request.lora_id`), never used again: an adapter loaded again is a new namespace of the prefix cache. A run-time
     adapter loaded again under its name (`load_inplace`, a later `LoraSource.version`) replaces the earlier load for
     the requests that arrive after; those that hold the earlier one finish on it, and it is unloaded as the last
-    of them ends."""
+    of them ends.
+
+    With a `loader` (a function that runs a job on another thread) a load runs there, reading the files and laying
+    the adapter out while the worker runs its steps: `acquire` says None (the request waits), and the loader hands
+    the result to `post` (`LoraLoaded`, which the worker gives `installed`). Without one, `acquire` loads at once."""
 
     def __init__(self, decoder, static: dict[str, str], dynamic_root: str | None, max_loras: int,
-                 max_rank: int) -> None:
+                 max_rank: int, loader: Callable[[Callable[[], None]], object] | None = None,
+                 post: Callable[[LoraLoaded], None] | None = None) -> None:
         self.decoder = decoder
         self.dynamic_root = dynamic_root
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.loader, self._post = loader, post  # (None: loads on the worker, at once)
         self._ids: dict[str, int] = {}  # loaded adapters' ids by name (the load requests get)
         self._names: dict[int, str] = {}  # and their names by id (replaced loads too, until unloaded)
         self._sources: dict[int, LoraSource | None] = {}  # a run-time load's source (None: by name)
         self._static: set[int] = set()  # the ids of lora_modules' loads (never unloaded as idle)
         self._holders: dict[int, int] = {}  # requests in the engine per adapter id
         self._idle: dict[int, str] = {}  # evictable adapters no request holds, least recently released first
+        self._pending: dict[tuple[str, LoraSource | None], int] = {}  # loads on the loader: their ids
         self._next = 1
         for name, path in static.items():
-            self._static.add(self._load(name, path))
+            self._static.add(self._install(self.decoder.build_lora(LoraSpec(name, path), self._take_id(),
+                                                                   self.max_rank), None))
 
-    def _load(self, name: str, path: str, source: LoraSource | None = None) -> int:
-        i = self._next
-        adapter = self.decoder.add_lora(LoraSpec(name, path), i, self.max_rank)
-        self._next += 1
+    def _take_id(self) -> int:
+        i, self._next = self._next, self._next + 1
+        return i
+
+    def _install(self, adapter: LoraAdapter, source: LoraSource | None) -> int:
+        self._evict(self.max_loras - 1)
+        self.decoder.install_lora(adapter)
+        i, name = adapter.id, adapter.name
         self._ids[name], self._names[i], self._sources[i] = i, name, source
         self._holders[i] = 0
         log.info("LoRA adapter %r loaded (rank %d, %.1f MB) from %s", name, adapter.rank, adapter.nbytes() / 2**20,
@@ -477,29 +499,69 @@ class LoraRegistry:
     def loaded(self) -> list[str]:
         return list(self._ids)
 
-    def acquire(self, name: str, source: LoraSource | None = None) -> int:
-        """The id of adapter `name` for a request that will run through it (loaded first where it is not; `source`:
-        a run-time adapter's folder and load); LoraError where there is no such adapter or it cannot be served."""
+    @property
+    def loading(self) -> int:
+        """Loads on the loader now."""
+        return len(self._pending)
+
+    def _current(self, name: str, source: LoraSource | None) -> int | None:
+        """The load of `name` a request that brings `source` runs through, where there is one (a load older than
+        `source`, or of another folder, is retired: the request gets a new one)."""
         i = self._ids.get(name)
         if i is not None and source is not None:
             held = self._sources[i]
             if held is None or held.path != source.path or held.version < source.version:
                 self._retire(i)  # loaded again since (or a lora_modules adapter of its name): the new load serves
-                i = None
+                return None
+        return i
+
+    def acquire(self, name: str, source: LoraSource | None = None) -> int | None:
+        """The id of adapter `name` for a request that will run through it (`source`: a run-time adapter's folder
+        and load), held for it until `release`; None: it is being loaded on the loader (the request waits for
+        `installed`, then `hold`s it). LoraError where there is no such adapter or it cannot be served."""
+        i = self._current(name, source)
         if i is None:
+            key = (name, source)
+            if key in self._pending:
+                return None
             path = Path(source.path) if source is not None else dynamic_adapter_dir(self.dynamic_root, name)
             if path is None:
                 raise LoraError(f"no LoRA adapter named {name!r} is served here")
-            self._evict(self.max_loras - 1)
-            try:
-                i = self._load(name, str(path), source)
-            except LoraError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a folder being written, a file torch cannot read: its request's
-                raise LoraError(f"LoRA adapter {name!r} did not load from {path}: {e}") from e
-        self._idle.pop(i, None)
-        self._holders[i] += 1
-        return i
+            spec, i = LoraSpec(name, str(path)), self._take_id()
+            if self.loader is not None:
+                self._pending[key] = i
+                self.loader(lambda: self._post(self._build(key, spec, i)))
+                return None
+            got = self._build(key, spec, i)
+            if got.error is not None:
+                raise got.error
+            i = self._install(got.adapter, source)
+        return self.hold(i)
+
+    def _build(self, key: tuple[str, LoraSource | None], spec: LoraSpec, i: int) -> LoraLoaded:
+        """(On the loader, or the worker without one.) The adapter built, or the reason it was not."""
+        try:
+            return LoraLoaded(key, self.decoder.build_lora(spec, i, self.max_rank))
+        except LoraError as e:
+            return LoraLoaded(key, None, e)
+        except Exception as e:  # noqa: BLE001 - a folder being written, a file torch cannot read: its requests'
+            return LoraLoaded(key, None, LoraError(f"LoRA adapter {spec.name!r} did not load from {spec.path}: {e}"))
+
+    def installed(self, done: LoraLoaded) -> int:
+        """(On the worker.) Serve a load the loader finished: the id the requests that waited for it run through
+        (`hold` each), or its LoraError. A later load of the name that landed meanwhile serves them instead."""
+        self._pending.pop(done.key, None)
+        if done.error is not None:
+            raise done.error
+        name, source = done.key
+        i = self._current(name, source)
+        return i if i is not None else self._install(done.adapter, source)
+
+    def hold(self, lora_id: int) -> int:
+        """A request runs through load `lora_id` until its `release`."""
+        self._idle.pop(lora_id, None)
+        self._holders[lora_id] += 1
+        return lora_id
 
     def release(self, lora_id: int) -> None:
         """A request that held adapter `lora_id` has ended."""

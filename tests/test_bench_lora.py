@@ -11,4 +11,6 @@ def test_the_lora_benchmark_writes_its_summary(tmp_path, capsys):
     fig = json.loads(out.read_text())["figures"]
     assert [r["point"] for r in fig["rows"]] == list(lora.POINTS) and fig["rows"][0]["x base"] == 1.0
     assert fig["base_replies_alike"] == [8, 8] and all(len(v) == 1 for v in fig["ms_by_round"].values())
+    assert [r["load stall"] for r in fig["load_stall"]] == ["on the worker", "on the loader"]
+    assert all(len(v) == 1 for v in fig["load_stall_by_round"].values()) and fig["build_ms"] > 0
     assert "base replies alike on both engines: 8/8" in capsys.readouterr().out

@@ -361,3 +361,48 @@ def test_adapters_loaded_at_run_time_and_loaded_again_in_place(tiny_checkpoints,
         assert loads() == ["rt", "s"]
     finally:
         eng.shutdown()
+
+
+def test_an_adapter_loads_beside_the_steps_while_its_requests_wait(tiny_checkpoints, adapters, tmp_path):
+    """An adapter loaded on demand is read on the engine's loader thread: the running requests keep stepping while
+    it loads (a base request runs to its end with the load held back), the requests that name it wait and then run
+    through it, and one aborted while it waited ends then."""
+    import shutil
+    import threading
+    import time
+
+    base = tiny_checkpoints["llama"]
+    root = tmp_path / "on-demand"
+    shutil.copytree(adapters["llama"]["a"], root / "a")
+    eng = _engine(base, {}, dynamic_lora_loading_path=str(root))
+    gate, started = threading.Event(), threading.Event()
+    decoder = eng.run_idle(lambda e: e.runner.decoder)
+    build = decoder.build_lora
+
+    def held_back(*args, **kw):
+        started.set()
+        gate.wait(60)
+        return build(*args, **kw)
+
+    decoder.build_lora = held_back
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        running = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        waits = eng.add_request(PROMPTS[0], greedy, lora="m:a")
+        gone = eng.add_request(PROMPTS[0], greedy, lora="m:a", request_id="gone")
+        assert started.wait(60)
+        assert len([t for o in running for t in o.token_ids]) == 40 and not gate.is_set()
+        t_end = time.monotonic() + 10
+        while eng.stats().num_waiting != 2 and time.monotonic() < t_end:  # (the stats are published between steps)
+            time.sleep(0.01)
+        assert eng.stats().num_waiting == 2
+        eng.abort("gone")
+        gate.set()
+        want = _peft_greedy(base, adapters["llama"]["a"], PROMPTS[:1], [6])[0]
+        assert [t for o in waits for t in o.token_ids] == want
+        last = list(gone)[-1]
+        assert last.finished and last.finish_reason.value == "abort" and not last.token_ids
+        assert eng.run_idle(lambda e: (e.loras.loaded, e.loras.loading, e._lora_waiting)) == (["m:a"], 0, {})
+    finally:
+        gate.set()
+        eng.shutdown()
