@@ -1,20 +1,23 @@
-"""What serving LoRA adapters costs a decode step: one model on two engines side by side, one without adapters and one
-serving `--adapters` of rank `--rank` on every projection (PEFT adapters of that model, random, built here), the
-same batch of prompts on each, decoding together.
+"""What serving LoRA adapters costs a decode step: one model on two engines side by side, each in a process of its own
+(as a Serve replica runs its engine), one without adapters and one serving `--adapters` of rank `--rank` on every
+projection (PEFT adapters of that model, random, built here), the same batch of prompts on each, decoding together.
 
-Four points, each the median wall time of the decode steps of the whole batch (schedule, forward, sampling):
-`base` (the engine without adapters), `lora-engine base` (the adapters' engine, requests of the base model: what
-serving adapters costs requests that use none), `one adapter` (every request through the same adapter) and `mixed`
-(the requests spread over every adapter). The points run in turns, `--rounds` times, in an order that rotates, so
-that a box whose speed drifts charges all alike; the table has each point's median over the rounds. The base
-model's replies on both engines are compared token for token.
+Four points, each the median time between two tokens of the batch's requests once all decode together (a decode
+step of the whole batch, as its requests see it): `base` (the engine without adapters), `lora-engine base` (the
+adapters' engine, requests of the base model: what serving adapters costs requests that use none), `one adapter`
+(every request through the same adapter) and `mixed` (the requests spread over every adapter). The points run in
+turns, `--rounds` times, in an order that rotates, so that a box whose speed drifts charges all alike; the table has
+each point's median over the rounds, and what each engine's latency model predicts of such a step (the adapters'
+engine's with and without its price of the step's adapters, `LatencyModel.lora_ms`). The base model's replies on both
+engines are compared token for token. (Two engines in one process share its OpenMP threads, and each slows the
+other's steps.)
 
-What loading an adapter on demand costs the requests running meanwhile (`load stall`): on the adapters' engine, a
-batch of base requests decodes; once it has made a few tokens a request names an adapter of
-`dynamic_lora_loading_path` not loaded yet. The longest gap between two tokens of a base request is compared
-with their median gap, with the load run on the engine's worker between two steps (`LoraRegistry.loader` None) and on
-its loader thread beside the steps (the engine's way), in turns over the rounds; `build ms` is an adapter's load
-alone (read, laid out, packed).
+What loading an adapter on demand costs the requests running meanwhile (`load stall`), the adapters' engine alone in
+this process: a batch of base requests decodes; once it has made a few tokens a request names an adapter of
+`dynamic_lora_loading_path` not loaded yet. The longest gap between two tokens of a base request is compared with
+their median gap, with the load run on the engine's worker between two steps (`LoraRegistry.loader` None) and on its
+loader thread beside the steps (the engine's way), in turns over the rounds; `build ms` is an adapter's load alone
+(read, laid out, packed).
 
     python -m bench.lora --model kairos-default --batch 16 --summary lora-smollm2
 """
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,40 +33,35 @@ from typing import Any, Sequence
 from bench.report import command_line, print_table, run_info, write_summary
 
 POINTS = ("base", "lora-engine base", "one adapter", "mixed")
+SKIP_TOKENS = 4  # a request's first gaps, before the whole batch decodes together
 
 
-def _engine(args, adapters: dict[str, str], dynamic: str | None = None):
+def _config(args, adapters: dict[str, str], dynamic: str | None = None):
     from engine.config import EngineConfig
-    from engine.engine import LLMEngine
     from scheduling.config import SchedulerConfig
 
     b = args.batch
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora_modules=adapters,
-                                  dynamic_lora_loading_path=dynamic,
-                                  max_lora_rank=max(16, args.rank), max_loras=max(1, len(adapters)),
-                                  scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=b, prefill_max_batch_size=b,
-                                                            prefill_max_tokens=b * args.prompt_len)))
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora_modules=adapters,
+                        dynamic_lora_loading_path=dynamic, max_lora_rank=max(16, args.rank),
+                        max_loras=max(1, len(adapters)),
+                        scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=b, prefill_max_batch_size=b,
+                                                  prefill_max_tokens=b * args.prompt_len))
 
 
-def _decode(eng, events: list, prompts: list[list[int]], loras: list[str | None], steps: int) -> tuple[float, list]:
-    """The batch submitted at once, `steps + 4` tokens each: the median wall ms of its decode steps of the whole
-    batch after the first two, and the replies."""
+def _decode(eng, prompts: list[list[int]], loras: list[str | None], steps: int, tag: str) -> tuple[float, list]:
+    """The batch submitted at once to an engine in its own process (`EngineCoreClient`), `steps + SKIP_TOKENS`
+    tokens each: the median time between two tokens of its requests after their first SKIP_TOKENS, and the
+    replies."""
+    from core.messages import GenerateRequest
     from core.sampling import SamplingParams
 
-    start, b = len(events), len(prompts)
-    sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1.0)  # the worker sees the whole batch at once
-    try:
-        streams = [eng.add_request(p, sp, lora=lo) for p, lo in zip(prompts, loras)]
-    finally:
-        sys.setswitchinterval(old)
-    replies = [[t for o in s for t in o.token_ids] for s in streams]
-    eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
-    ms = [e.wall_ms for e in events[start:] if e.num_decode == b and e.num_prefill == 0][2:]
-    if not ms:
-        raise RuntimeError("no decode step of the whole batch (the scheduler split it)")
-    return statistics.median(ms), replies
+    sp = SamplingParams(max_tokens=steps + SKIP_TOKENS, temperature=0.0, ignore_eos=True)
+    streams = [eng.generate(GenerateRequest(f"{tag}-{i}", prompt=tuple(p), params=sp, lora=lo))
+               for i, (p, lo) in enumerate(zip(prompts, loras))]
+    items = [list(s) for s in streams]
+    gaps = [(b - a) * 1000.0 for it in items for t in [it[-1].metrics.token_times[SKIP_TOKENS:]]
+            for a, b in zip(t, t[1:])]
+    return statistics.median(gaps), [[t for o in it for t in o.token_ids] for it in items]
 
 
 def _load_stall(eng, prompts: list[list[int]], adapter: str, steps: int, on_worker: bool) -> tuple[float, float]:
@@ -110,47 +107,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     import random
 
     from bench.driver import resolve_model_path
+    from engine.core_proc import EngineCoreClient
+    from engine.engine import LLMEngine
     from engine.lora import LoraSpec
     from engine.testing import build_tiny_lora
 
     args.model = str(resolve_model_path(args.model))
     rng = random.Random(0)
+    b = args.batch
     with tempfile.TemporaryDirectory(prefix="kairos-lora-bench-") as tmp:
         adapters = {f"a{i}": str(build_tiny_lora(args.model, Path(tmp) / f"a{i}", seed=i, r=args.rank,
                                                  alpha=2 * args.rank)) for i in range(args.adapters)}
         fresh = Path(tmp) / "on-demand"  # adapters loaded at a request, one new one for each measurement
         for i in range(2 * (args.rounds + 1)):
             build_tiny_lora(args.model, fresh / f"d{i}", seed=100 + i, r=args.rank, alpha=2 * args.rank)
-        engines = {"plain": _engine(args, {}), "lora": _engine(args, adapters, str(fresh))}
-        events: dict[str, list] = {k: [] for k in engines}
-        for k, eng in engines.items():
-            eng.add_step_observer(events[k].append)
         names = list(adapters)
-        b = args.batch
         runs = {"base": ("plain", [None] * b), "lora-engine base": ("lora", [None] * b),
                 "one adapter": ("lora", [names[0]] * b), "mixed": ("lora", [names[i % len(names)] for i in range(b)])}
         ms: dict[str, list[float]] = {p: [] for p in POINTS}
-        stall: dict[str, list[tuple[float, float]]] = {"on the worker": [], "on the loader": []}
         alike = total = 0
+        engines = {}
         try:
-            vocab = engines["plain"].bundle.vocab_limit
+            engines["plain"] = EngineCoreClient(_config(args, {}))
+            engines["lora"] = EngineCoreClient(_config(args, adapters))
+            vocab = engines["plain"].inputs.vocab_limit
             for r in range(args.rounds + 1):  # round 0 warms both engines up (not counted)
                 prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
                 order = POINTS[r % len(POINTS):] + POINTS[:r % len(POINTS)]
                 replies = {}
                 for point in order:
                     which, loras = runs[point]
-                    t, replies[point] = _decode(engines[which], events[which], prompts, loras, args.steps)
+                    t, replies[point] = _decode(engines[which], prompts, loras, args.steps, f"r{r}-{point}")
                     if r:
                         ms[point].append(t)
                 alike += sum(x == y for x, y in zip(replies["base"], replies["lora-engine base"]))
                 total += b
+            models = {k: eng.latency_model for k, eng in engines.items()}
+        finally:
+            for eng in engines.values():
+                eng.shutdown()
+        # the load stall: the adapters' engine alone in this process
+        stall: dict[str, list[tuple[float, float]]] = {"on the worker": [], "on the loader": []}
+        eng = LLMEngine(_config(args, adapters, str(fresh)))
+        try:
+            for r in range(args.rounds + 1):
+                prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
                 for j, where in enumerate(sorted(stall, key=lambda w: (w == "on the worker") == bool(r % 2))):
-                    got = _load_stall(engines["lora"], prompts, f"d{2 * r + j}", args.steps,
-                                      where == "on the worker")
+                    got = _load_stall(eng, prompts, f"d{2 * r + j}", args.steps, where == "on the worker")
                     if r:
                         stall[where].append(got)
-            eng = engines["lora"]
             build_ms = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -158,12 +163,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                    e.loras.max_rank))
                 build_ms.append((time.perf_counter() - t0) * 1000.0)
         finally:
-            for eng in engines.values():
-                eng.shutdown()
+            eng.shutdown()
 
     med = {p: statistics.median(ms[p]) for p in POINTS}
+    ctx = args.prompt_len + SKIP_TOKENS + args.steps / 2  # the steps' mean context
+    adapters_in = {"base": 0, "lora-engine base": 0, "one adapter": 1, "mixed": min(b, args.adapters)}
+
+    def predicted(point: str, priced: bool) -> float | None:
+        model = models[runs[point][0]]
+        if model is None:
+            return None
+        return round(model.itl_ms(b, ctx) + (model.lora_ms(adapters_in[point], b) if priced else 0.0), 2)
+
     rows = [{"point": p, "ms/step": round(med[p], 2), "tok/s": round(b / med[p] * 1000.0, 1),
-             "x base": round(med[p] / med["base"], 3)} for p in POINTS]
+             "x base": round(med[p] / med["base"], 3), "predicted ms": predicted(p, True),
+             "unpriced ms": predicted(p, False)} for p in POINTS]
     print_table(list(rows[0]), [list(r.values()) for r in rows])
     print(f"batch {b}, {args.adapters} adapters of rank {args.rank} on every projection; base replies alike on both "
           f"engines: {alike}/{total}")

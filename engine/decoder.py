@@ -204,7 +204,11 @@ class KairosDecoder:
         any thread may build one while the worker runs steps (`LoraRegistry`'s loader)."""
         if not self.serves_lora:
             raise LoraError("this engine was not started to serve LoRA adapters (enable_lora)")
-        adapter = load_adapter(spec, adapter_id, self.lora_shape, self.dtype, self.embed.device, max_rank)
+        return self.prepare_lora(load_adapter(spec, adapter_id, self.lora_shape, self.dtype, self.embed.device,
+                                              max_rank))
+
+    def prepare_lora(self, adapter: LoraAdapter) -> LoraAdapter:
+        """`adapter`'s updates laid out as the matmul strategy runs them (any thread)."""
         adapter.packed = {(which, i): pack_pair(self.mm, *pair) for i, L in enumerate(adapter.layers)
                           for which in PROJECTIONS if (pair := getattr(L, which)) is not None}
         if adapter.device is not None and adapter.device.type == "cuda":

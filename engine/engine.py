@@ -417,7 +417,7 @@ class LLMEngine:
     @property
     def latency_model(self) -> LatencyModel | None:
         """The scheduler's current step-time model (immutable; replaced whole by `reprofile`)."""
-        return self.scheduler.predictor
+        return self.scheduler.latency
 
     @property
     def itl_correction_enabled(self) -> bool:
@@ -651,7 +651,7 @@ class LLMEngine:
         parked, self._parked = [r for r in self._parked if r.status is not Status.FINISHED], []
         old = self.scheduler
         try:
-            new = self._new_scheduler(config, old.predictor)
+            new = self._new_scheduler(config, old.latency)
         except Exception:  # noqa: BLE001 - e.g. a length predictor file that does not load: serve on as before
             log.exception("scheduler not reconfigured (policy %s stays): %s", old.config.policy,
                           config.model_dump(exclude_unset=True))

@@ -329,6 +329,27 @@ def load_adapter(spec: LoraSpec, adapter_id: int, shape: ModelShape, dtype: torc
     return adapter
 
 
+def synthetic_adapter(adapter_id: int, shape: ModelShape, rank: int, dtype: torch.dtype,
+                      device: torch.device) -> LoraAdapter:
+    """An adapter of `rank` on every projection, its weights random (what a step takes does not depend on them):
+    the latency profile's, to time steps with adapters (`engine.profiling`)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(abs(adapter_id))
+
+    def pair(fan_in: int, fan_out: int, fused: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = fused * rank
+        return (torch.randn(r, fan_in, generator=gen, device=device, dtype=dtype) * 0.01,
+                torch.randn(fan_out, r, generator=gen, device=device, dtype=dtype) * 0.01)
+
+    adapter = LoraAdapter(adapter_id, f"profile-{abs(adapter_id)}", "", rank, torch.device(device))
+    h, q, kv, inter = shape.hidden, shape.q_out, shape.kv_out, shape.intermediate
+    for _ in range(shape.num_layers):
+        adapter.layers.append(LoraLayer(pair(h, q + 2 * kv, 3), pair(q, h, 1), pair(h, 2 * inter, 2),
+                                        pair(inter, h, 1)))
+    return adapter
+
+
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 

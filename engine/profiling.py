@@ -62,7 +62,8 @@ def _meta(engine: "LLMEngine") -> dict:
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
             # an engine that serves LoRA adapters runs its steps another way (engine.lora; its MLP unfused on a CPU)
-            **({"lora": True} if c.serves_lora else {}),
+            # (and its fit prices steps with adapters of up to max_lora_rank: `profile_lora`)
+            **({"lora": {"max_lora_rank": c.max_lora_rank, "probe": 2}} if c.serves_lora else {}),
             **engine.backend.identity(),  # e.g. the CPU kernels' build (their source, flags, CPU), graph use
             "torch": torch.__version__,
             # the GPU grid reaches max_num_seqs and twice the prefill budget: a fit probed for other ones is not reused
@@ -136,9 +137,12 @@ class Prober:
     def decode(self, batch: int, ctx: int) -> float:
         return self.decode_ms(self.lengths(batch, ctx))
 
-    def decode_ms(self, lens: list[int]) -> float:
-        """One decode step over contexts of these lengths (ms)."""
+    def decode_ms(self, lens: list[int], loras: list[int] | None = None) -> float:
+        """One decode step over contexts of these lengths (ms); `loras`: the ids of LoRA adapters its rows run
+        through, in turn."""
         reqs, _ = self._requests([self._ids(n) for n in lens], 1)
+        for i, r in enumerate(reqs if loras else ()):
+            r.lora_id = loras[i % len(loras)]
         return self._timed([], reqs)
 
     def mixed_ms(self, prompts: list[list[int]], lens: list[int]) -> float:
@@ -155,6 +159,47 @@ class Prober:
         t0 = time.perf_counter()
         self.e.runner.prepare([], reqs)
         return (time.perf_counter() - t0) * 1000.0
+
+
+LORA_ADAPTERS = (1, 2, 4)  # the adapters a LoRA probe's rows run through
+LORA_BATCHES = (1, 4, 16, 64, 256)
+
+
+def profile_lora(engine: "LLMEngine", probe: Prober, batches: tuple[int, ...], ctx: int, capacity: int,
+                 repeats: int = 3) -> tuple[list[tuple[float, float, float]], dict]:
+    """What a decode step takes more with rows of LoRA adapters, on an engine that serves them: steps of B rows at
+    mean context `ctx` (B of `batches`, at most four of `LORA_BATCHES`), without adapters and with the rows spread over
+    k of them (random adapters of max_lora_rank, installed for the probes only), paired: the ``(B, k, extra ms)``
+    samples `LatencyModel.fit_lora` takes, and their fit's report once fitted by the caller. A step whose set of
+    adapters changed (stacked anew) is not timed: the set of a batch's adapters changes only as requests come and
+    go."""
+    from engine.lora import synthetic_adapter
+
+    decoder = engine.runner.decoder
+    ks = [k for k in LORA_ADAPTERS if k <= max(1, engine.config.max_loras)]
+    ids = [-(j + 1) for j in range(max(ks))]  # (ids no request has: the registry's start at 1)
+    block = engine.cache.block_size
+    points = [B for B in LORA_BATCHES if B <= max(batches) and B * (2 * ctx + block) <= capacity] or [1]
+    points = sorted({points[0], *points[-3:]})
+    for i in ids:
+        decoder.install_lora(decoder.prepare_lora(synthetic_adapter(
+            i, decoder.lora_shape, engine.config.max_lora_rank, decoder.dtype, decoder.embed.device)))
+    samples: list[tuple[float, float, float]] = []
+    try:
+        for B in points:  # warm up: each size once
+            probe.decode_ms(probe.lengths(B, ctx), ids[:1])
+        for _ in range(repeats):
+            for B in points:
+                lens = probe.lengths(B, ctx)
+                plain = probe.decode_ms(lens)
+                for k in (k for k in ks if k <= B):
+                    if k > 1:  # a step's set of adapters is stacked when it changes (`LoraStacks`): not timed
+                        probe.decode_ms(lens, ids[:k])
+                    samples.append((B, k, probe.decode_ms(lens, ids[:k]) - plain))
+    finally:
+        for i in ids:
+            decoder.remove_lora(i)
+    return samples, {"lora_batches": points, "lora_adapters": ks, "lora_ctx": ctx, "n_lora": len(samples)}
 
 
 def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
@@ -203,6 +248,14 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     model, report = profile(probe.prefill, probe.decode, prefill_sizes=sizes, batch_sizes=batches,
                             ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s, grid=grid,
                             find_knee=grid is not None)
+    if engine.config.serves_lora and engine.runner.decoder is not None:
+        samples, lora_report = profile_lora(engine, probe, batches, ctx_lens[min(1, len(ctx_lens) - 1)], capacity)
+        model.fit_lora(samples)
+        cells = _lora_cells(samples)
+        lora_report.update(lora_coef=[round(c, 5) for c in model.lora_coef],
+                           lora_mae_ms=round(sum(abs(model.lora_ms(int(k), b) - ms) for b, k, ms in cells)
+                                             / max(1, len(cells)), 3))
+        report.update(lora_report)
     report = dict(report, seconds=round(time.perf_counter() - t0, 2))
     model.meta = dict(meta, fit=report)
     try:
@@ -212,6 +265,14 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
         log.warning("could not save latency profile to %s: %s", path, e)
     log.info("latency model fitted in %.1fs: %s", report["seconds"], report)
     return model, dict(report, cached=False, path=str(path))
+
+
+def _lora_cells(samples: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """The median extra ms of each (B, k)."""
+    cells: dict[tuple[float, float], list[float]] = {}
+    for b, k, ms in samples:
+        cells.setdefault((b, k), []).append(ms)
+    return [(b, k, sorted(v)[len(v) // 2]) for (b, k), v in cells.items()]
 
 
 def refit(engine: "LLMEngine", time_budget_s: float, scale: tuple[float, float]) -> dict:

@@ -1,5 +1,6 @@
 """Step-time model: ``Prefill(n, q) = alpha·n + beta + gamma·q`` (``c0`` for a step of at most ``theta`` tokens) and
-``ITL(B, L) = a·B·L + b·B + c·L + d``.
+``ITL(B, L) = a·B·L + b·B + c·L + d``; on an engine that serves LoRA adapters, a decode step whose rows run through
+``k >= 1`` of them takes ``e0 + e1·k + e2·B`` more (`LatencyModel.lora_ms`; `Adapters` adds it for the batch running).
 
 ``q`` is the step's attention work in token pairs: the sum over its prompts of ``end² - start²`` (a prompt computed
 from position ``start`` to ``end`` attends each new token to all before it), ``n²`` for one fresh prompt of ``n``
@@ -142,8 +143,10 @@ class LatencyModel:
         c0: float = 0.0,
         theta: float = -5.0,
         meta: Mapping[str, Any] | None = None,
+        lora_coef: Sequence[float] = (0.0, 0.0, 0.0),
     ) -> None:
         self.c0 = float(c0)
+        self._lora = _Linear(lora_coef)
         self.theta = float(theta)
         self.meta: dict[str, Any] = dict(meta or {})
         self._prefill = _Linear(_prefill_w(prefill_coef))
@@ -160,6 +163,31 @@ class LatencyModel:
         """(a, b, c, d) of ``a·B·L + b·B + c·L + d``."""
         a, b, c, d = self._decode.w.tolist()
         return a, b, c, d
+
+    @property
+    def lora_coef(self) -> tuple[float, float, float]:
+        """(e0, e1, e2) of a decode step's ``e0 + e1·k + e2·B`` more with rows of k >= 1 LoRA adapters."""
+        e0, e1, e2 = self._lora.w.tolist()
+        return e0, e1, e2
+
+    @property
+    def prices_adapters(self) -> bool:
+        return any(self._lora.coef)
+
+    def lora_ms(self, adapters: int, batch: float) -> float:
+        """What a decode step of `batch` rows takes more where they run through `adapters` LoRA adapters (0: none)."""
+        if adapters <= 0:
+            return 0.0
+        e0, e1, e2 = self._lora.coef
+        return e0 + e1 * adapters + e2 * batch
+
+    def fit_lora(self, samples: Sequence[tuple[float, float, float]]) -> LatencyModel:
+        """Least squares (non-negative) on ``(B, k, extra ms)``: decode steps of B rows over k >= 1 adapters, less
+        the same steps without them."""
+        if samples:
+            self._lora.fit(np.array([[1.0, float(k), float(b)] for b, k, _ in samples]),
+                           np.array([max(0.0, ms) for _, _, ms in samples]))
+        return self
 
     def prefill_ms(self, n: float, q: float | None = None) -> float:
         """Time of a prefill step over ``n`` prompt tokens whose attention work is ``q`` token pairs (`prefill_sq`
@@ -209,6 +237,7 @@ class LatencyModel:
         """A copy whose decode and prefill step times are multiplied by these factors (a calibration)."""
         model = LatencyModel.from_json(self.to_json())
         model._decode.w = model._decode.w * decode
+        model._lora.w = model._lora.w * decode
         model._prefill.w = model._prefill.w * prefill
         model.c0 *= prefill
         return model
@@ -230,7 +259,7 @@ class LatencyModel:
     def to_json(self) -> str:
         return json.dumps({
             "format": _FORMAT, "meta": self.meta, "theta": self.theta, "c0": self.c0,
-            "prefill": self._prefill.to_dict(), "decode": self._decode.to_dict(),
+            "prefill": self._prefill.to_dict(), "decode": self._decode.to_dict(), "lora": self._lora.to_dict(),
         })
 
     @classmethod
@@ -241,6 +270,8 @@ class LatencyModel:
         model = cls(c0=d["c0"], theta=d["theta"], meta=d["meta"])
         model._prefill = _Linear(_prefill_w(d["prefill"]["w"]), _prefill_w(d["prefill"]["scale"], 1.0))
         model._decode = _Linear(d["decode"]["w"], d["decode"]["scale"])
+        if "lora" in d:  # (a fit for an engine that serves adapters)
+            model._lora = _Linear(d["lora"]["w"], d["lora"]["scale"])
         return model
 
     def save(self, path: str | Path) -> None:
@@ -249,6 +280,24 @@ class LatencyModel:
     @classmethod
     def load(cls, path: str | Path) -> LatencyModel:
         return cls.from_json(Path(path).read_text())
+
+
+class Adapters:
+    """A latency model whose decode steps carry the LoRA adapters of the batch running now (`adapters`, which the
+    scheduler sets as the batch changes): ``itl_ms(B, L)`` is the model's plus its `lora_ms` of them. Everything
+    else is the model's."""
+
+    def __init__(self, model: LatencyModel) -> None:
+        self.model = model
+        self.adapters = 0
+
+    def itl_ms(self, batch: float, ctx_len: float) -> float:
+        return self.model.itl_ms(batch, ctx_len) + self.model.lora_ms(self.adapters, batch)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # (not set yet: a copy being made)
+            raise AttributeError(name)
+        return getattr(self.model, name)
 
 
 def _cell_medians(samples: Sequence[tuple[float, ...]]) -> list[tuple[float, ...]]:

@@ -25,7 +25,7 @@ from scheduling.admission import Verdict, take_for_prefill
 from scheduling.config import SchedulerConfig
 from scheduling.length_predictor import LengthCalibration, conditional_means, for_served_model
 from scheduling.length_predictor import quantile as length_quantile
-from scheduling.predictor import LatencyModel, prefill_sq
+from scheduling.predictor import Adapters, LatencyModel, prefill_sq
 from scheduling.queues import order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
@@ -109,7 +109,7 @@ class Scheduler:
         self.prefix_hits = 0
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.predictor = predictor
+        self._price(predictor)
         # the length predictor where it is on: the one that counts lengths in the served model's tokens
         # (`tokenizer_fingerprint`: length_predictor.tokenizer_fingerprint), else a words-only one bound to the served
         # `tokenizer`, else (set explicitly) the configured one as it is (`for_served_model`)
@@ -289,9 +289,17 @@ class Scheduler:
 
     def set_predictor(self, predictor: LatencyModel | None) -> None:
         """A new latency model (a re-profile); the engine calls it on its worker thread, between steps."""
-        self.predictor = predictor
+        self._price(predictor)
         self._gate_line = None
         self._set_pace_cost()
+
+    def _price(self, model: LatencyModel | None) -> None:
+        """`latency`: the step-time model as fitted; `predictor`: what the decisions read, the same model, or where
+        it prices LoRA adapters (an engine that serves them), the model with the adapters of the running batch
+        (`Adapters`, kept up to date by `schedule`)."""
+        self.latency = model
+        self._adapters = Adapters(model) if model is not None and model.prices_adapters else None
+        self.predictor: LatencyModel | Adapters | None = self._adapters or model
 
     def _set_pace_cost(self) -> None:
         if self.flags.pace_work and self.predictor is not None:
@@ -381,6 +389,8 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         f = self.flags
+        if self._adapters is not None:  # the LoRA adapters the batch's decode steps run through
+            self._adapters.adapters = len({r.lora_id for r in self.running if r.lora_id})
         busy = bool(self.running)
         if self.margin is not None:
             self.margin.expire(now)

@@ -406,3 +406,22 @@ def test_an_adapter_loads_beside_the_steps_while_its_requests_wait(tiny_checkpoi
     finally:
         gate.set()
         eng.shutdown()
+
+
+def test_a_lora_engine_s_latency_model_prices_the_adapters_of_a_step(tiny_checkpoints):
+    """The profile of an engine that serves adapters times decode steps with rows of random adapters of
+    max_lora_rank, and fits what they take more (`LatencyModel.lora_ms`); the scheduler reads it for the batch's
+    adapters. Another engine's fit has no such price."""
+    eng = _engine(tiny_checkpoints["llama"], {}, enable_lora=True, max_lora_rank=8, max_loras=2)
+    try:
+        rep = eng.profile_report
+        assert rep["lora_adapters"] == [1, 2] and rep["n_lora"] > 0 and len(rep["lora_coef"]) == 3
+        assert all(c >= 0 for c in eng.latency_model.lora_coef) and eng.latency_model.meta["lora"]
+        assert eng.run_idle(lambda e: e.runner.decoder.loras) == {}  # (the probes' adapters are gone)
+    finally:
+        eng.shutdown()
+    eng = _engine(tiny_checkpoints["llama"], {})
+    try:
+        assert not eng.latency_model.prices_adapters and "lora_coef" not in eng.profile_report
+    finally:
+        eng.shutdown()

@@ -193,3 +193,20 @@ def test_prefill_knee_fits_a_flat_then_linear_step_time():
     assert abs(knee.prefill_ms(64) - 10.0) < 0.1 and abs(knee.prefill_ms(3000) - (10 + 0.02 * 2488)) < 1.0
     plain = LatencyModel().fit_prefill(samples)
     assert plain.score_prefill(samples)["mape"] > 0.1
+
+
+def test_the_price_of_lora_adapters_is_fitted_kept_and_scaled():
+    from scheduling.predictor import Adapters
+
+    truth = (2.0, 0.5, 0.01)
+    samples = [(b, k, truth[0] + truth[1] * k + truth[2] * b) for b in (1, 4, 16, 64) for k in (1, 2, 4) if k <= b]
+    m = LatencyModel(decode_coef=(0.0, 0.5, 0.0, 5.0)).fit_lora(samples)
+    assert m.prices_adapters and all(abs(x - y) < 1e-6 for x, y in zip(m.lora_coef, truth))
+    assert m.lora_ms(0, 16) == 0.0 and abs(m.lora_ms(2, 16) - 3.16) < 1e-6
+    again = LatencyModel.from_json(m.to_json())
+    assert again.lora_coef == m.lora_coef and not LatencyModel().prices_adapters
+    assert abs(m.scaled(decode=2.0).lora_ms(2, 16) - 6.32) < 1e-6
+    view = Adapters(m)
+    assert view.itl_ms(4, 100) == m.itl_ms(4, 100) and view.prefill_ms(10) == m.prefill_ms(10)
+    view.adapters = 2
+    assert view.itl_ms(4, 100) == m.itl_ms(4, 100) + m.lora_ms(2, 4)
