@@ -36,7 +36,7 @@ POINTS = ("base", "lora-engine base", "one adapter", "mixed")
 SKIP_TOKENS = 4  # a request's first gaps, before the whole batch decodes together
 
 
-def _config(args, adapters: dict[str, str], dynamic: str | None = None):
+def _config(args, adapters: dict[str, str], dynamic: str | None = None, profile: str | None = None):
     from engine.config import EngineConfig
     from scheduling.config import SchedulerConfig
 
@@ -45,7 +45,7 @@ def _config(args, adapters: dict[str, str], dynamic: str | None = None):
                         dynamic_lora_loading_path=dynamic, max_lora_rank=max(16, args.rank),
                         max_loras=max(1, len(adapters)),
                         scheduler=SchedulerConfig(policy="fcfs", max_num_seqs=b, prefill_max_batch_size=b,
-                                                  prefill_max_tokens=b * args.prompt_len))
+                                                  prefill_max_tokens=b * args.prompt_len, predictor_path=profile))
 
 
 def _decode(eng, prompts: list[list[int]], loras: list[str | None], steps: int, tag: str) -> tuple[float, list]:
@@ -89,6 +89,27 @@ def _load_stall(eng, prompts: list[list[int]], adapter: str, steps: int, on_work
     return max(gaps), statistics.median(gaps)
 
 
+def _restack_ms(decoder, adapters: list) -> dict[str, float]:
+    """A new set of `adapters` stacked for a step (`LoraStacks.build`), median ms of 3: as the decoder's matmul
+    strategy stacks them (a CPU's: its packed weights copied as they are), and with the stacked matrices packed
+    anew."""
+    import types
+
+    from engine.lora import LoraStacks
+
+    mm = decoder.mm
+    anew = types.SimpleNamespace(pack=mm.pack, copies_weights=mm.copies_weights)  # (no `stack`)
+    out = {}
+    for name, strategy in (("as packed", mm), ("packed anew", anew)):
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            LoraStacks.build(adapters, strategy)
+            ts.append((time.perf_counter() - t0) * 1000.0)
+        out[name] = round(statistics.median(ts), 2)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,8 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         alike = total = 0
         engines = {}
         try:
-            engines["plain"] = EngineCoreClient(_config(args, {}))
-            engines["lora"] = EngineCoreClient(_config(args, adapters))
+            # (each profiled afresh, alone: its predictions are of this box now)
+            engines["plain"] = EngineCoreClient(_config(args, {}, profile=f"{tmp}/plain.json"))
+            engines["lora"] = EngineCoreClient(_config(args, adapters, profile=f"{tmp}/lora.json"))
             vocab = engines["plain"].inputs.vocab_limit
             for r in range(args.rounds + 1):  # round 0 warms both engines up (not counted)
                 prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
@@ -162,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 eng.run_idle(lambda e: e.runner.decoder.build_lora(LoraSpec("x", str(fresh / "d0")), 0,
                                                                    e.loras.max_rank))
                 build_ms.append((time.perf_counter() - t0) * 1000.0)
+            restack = eng.run_idle(lambda e: _restack_ms(e.runner.decoder, [
+                a for a in e.runner.decoder.loras.values() if a.name in adapters]))
         finally:
             eng.shutdown()
 
@@ -186,15 +210,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(list(srows[0]), [list(r.values()) for r in srows])
     build = round(statistics.median(build_ms), 2)
     print(f"an adapter's load alone (build ms, median of 3): {build}; each gap: the median over the rounds")
+    print(f"a new set of the {args.adapters} adapters stacked for a step (ms, median of 3): {restack}")
     if args.summary:
         figures: dict[str, Any] = {"rows": rows, "ms_by_round": ms, "base_replies_alike": [alike, total],
                                    "load_stall": srows, "load_stall_by_round": stall, "build_ms": build,
+                                   "restack_ms": restack,
                                    "args": vars(args), "run": run_info("bench.lora", argv)}
         headline = (f"decode B={b}, rank {args.rank}: an adapter {rows[2]['x base']}x the base step, "
                     f"{args.adapters} adapters mixed {rows[3]['x base']}x, base requests on the adapters' engine "
                     f"{rows[1]['x base']}x; a load on demand: base requests' longest gap {srows[1]['longest gap ms']} "
                     f"ms (loader thread), {srows[0]['longest gap ms']} ms on the worker, median gap "
-                    f"{srows[1]['median gap ms']} ms")
+                    f"{srows[1]['median gap ms']} ms; mixed step predicted {rows[3]['predicted ms']} ms "
+                    f"({rows[3]['unpriced ms']} without the adapters' price); a new set of {args.adapters} stacked "
+                    f"{restack['as packed']} ms ({restack['packed anew']} packed anew)")
         write_summary(args.summary, command_line("bench.lora", argv), headline, figures)
     return 0
 

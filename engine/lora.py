@@ -373,31 +373,59 @@ class LoraStacks:
     def __init__(self) -> None:
         self._key: tuple[int, ...] | None = None
         self._stacks: dict[tuple[str, int], tuple | None] = {}
+        self._single: dict[int, dict[tuple[str, int], tuple | None]] = {}  # an adapter's own, by its id
 
     def forget(self, adapter_id: int) -> None:
         """An adapter was unloaded: a stack that holds it goes too."""
+        self._single.pop(adapter_id, None)
         if self._key is not None and adapter_id in self._key:
             self._key, self._stacks = None, {}
 
     def of(self, adapters: list[LoraAdapter], mm) -> dict[tuple[str, int], tuple | None]:
         """Per (projection, layer): (A's, B's, as `pack_pair` packs them, and which adapter each column is: a tuple
-        of (adapter index, its rank), the padding's index -1), or None where none of them changes it."""
-        import torch
-
+        of (adapter index, its rank), the padding's index -1), or None where none of them changes it. One adapter
+        (beside rows of the base model): its own packed pairs, kept apart from the last stack."""
+        if len(adapters) == 1:
+            got = self._single.get(adapters[0].id)
+            if got is None:
+                got = self._single[adapters[0].id] = self.build(adapters, mm)
+            return got
         key = tuple(a.id for a in adapters)  # (an id is never used again: a stack of unloaded adapters is not met)
         if key != self._key:
-            self._key, self._stacks = key, {}
-            for i in range(len(adapters[0].layers)):
-                for which in PROJECTIONS:
-                    parts = [(k, p) for k, a in enumerate(adapters) if (p := getattr(a.layers[i], which)) is not None]
-                    if not parts:
-                        self._stacks[(which, i)] = None
-                        continue
-                    a_cat, b_cat = torch.cat([p[0] for _, p in parts]), torch.cat([p[1] for _, p in parts], 1)
-                    cols = tuple((k, p[0].shape[0]) for k, p in parts)
-                    ap, bp, pad = pack_pair(mm, a_cat, b_cat)
-                    self._stacks[(which, i)] = (ap, bp, cols + ((-1, pad),) if pad else cols)
+            self._key, self._stacks = key, self.build(adapters, mm)
         return self._stacks
+
+    @staticmethod
+    def build(adapters: list[LoraAdapter], mm) -> dict[tuple[str, int], tuple | None]:
+        """`of`'s stacks of `adapters`, made anew: where `mm` stacks packed weights as they are (`stack`), a few
+        copies; else the stacked matrices packed."""
+        import torch
+
+        stacks: dict[tuple[str, int], tuple | None] = {}
+        stack = getattr(mm, "stack", None)  # stacks packed pairs as they are (a CPU's packing), else None
+        for i in range(len(adapters[0].layers)):
+            for which in PROJECTIONS:
+                parts = [(k, p) for k, a in enumerate(adapters) if (p := getattr(a.layers[i], which)) is not None]
+                if not parts:
+                    stacks[(which, i)] = None
+                    continue
+                packed = [adapters[k].packed[(which, i)] for k, _ in parts]
+                if len(parts) == 1:  # one adapter changes it: its own packed pair
+                    ap, bp = packed[0][:2]
+                elif stack is not None:
+                    ap, bp = stack([q[0] for q in packed], False), stack([q[1] for q in packed], True)
+                else:
+                    ap = bp = None
+                if ap is not None and bp is not None:  # each adapter's rank padding stays in the stack
+                    cols = tuple(c for (k, p), q in zip(parts, packed)
+                                 for c in ((k, p[0].shape[0]),) + (((-1, q[2]),) if q[2] else ()))
+                    stacks[(which, i)] = (ap, bp, cols)
+                    continue
+                a_cat, b_cat = torch.cat([p[0] for _, p in parts]), torch.cat([p[1] for _, p in parts], 1)
+                cols = tuple((k, p[0].shape[0]) for k, p in parts)
+                ap, bp, pad = pack_pair(mm, a_cat, b_cat)
+                stacks[(which, i)] = (ap, bp, cols + ((-1, pad),) if pad else cols)
+        return stacks
 
 
 class LoraStep:

@@ -176,7 +176,7 @@ def profile_lora(engine: "LLMEngine", probe: Prober, batches: tuple[int, ...], c
     from engine.lora import synthetic_adapter
 
     decoder = engine.runner.decoder
-    ks = [k for k in LORA_ADAPTERS if k <= max(1, engine.config.max_loras)]
+    ks = list(LORA_ADAPTERS)
     ids = [-(j + 1) for j in range(max(ks))]  # (ids no request has: the registry's start at 1)
     block = engine.cache.block_size
     points = [B for B in LORA_BATCHES if B <= max(batches) and B * (2 * ctx + block) <= capacity] or [1]

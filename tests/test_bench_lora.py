@@ -13,4 +13,5 @@ def test_the_lora_benchmark_writes_its_summary(tmp_path, capsys):
     assert fig["base_replies_alike"] == [8, 8] and all(len(v) == 1 for v in fig["ms_by_round"].values())
     assert [r["load stall"] for r in fig["load_stall"]] == ["on the worker", "on the loader"]
     assert all(len(v) == 1 for v in fig["load_stall_by_round"].values()) and fig["build_ms"] > 0
+    assert set(fig["restack_ms"]) == {"as packed", "packed anew"} and fig["rows"][3]["predicted ms"] > 0
     assert "base replies alike on both engines: 8/8" in capsys.readouterr().out

@@ -266,6 +266,7 @@ def test_adapters_of_a_folder_load_on_demand_and_the_idle_ones_unload(tiny_check
             assert _run(eng, [(p, k, lo) for p, k in zip(PROMPTS[:2], MAX_TOKENS[:2])]) == want[lo]
             assert eng.run_idle(lambda e: e.loras.loaded) == [lo]
             assert eng.run_idle(lambda e: e.runner.decoder.lora_stacks._key) is None  # (nothing stacked left over)
+            assert eng.run_idle(lambda e: set(e.runner.decoder.lora_stacks._single) <= set(e.runner.decoder.loras))
         items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="broken"))
         assert items[-1].error is not None and "DoRA" in items[-1].error
         items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="cut"))
@@ -412,10 +413,10 @@ def test_a_lora_engine_s_latency_model_prices_the_adapters_of_a_step(tiny_checkp
     """The profile of an engine that serves adapters times decode steps with rows of random adapters of
     max_lora_rank, and fits what they take more (`LatencyModel.lora_ms`); the scheduler reads it for the batch's
     adapters. Another engine's fit has no such price."""
-    eng = _engine(tiny_checkpoints["llama"], {}, enable_lora=True, max_lora_rank=8, max_loras=2)
+    eng = _engine(tiny_checkpoints["llama"], {}, enable_lora=True, max_lora_rank=8)
     try:
         rep = eng.profile_report
-        assert rep["lora_adapters"] == [1, 2] and rep["n_lora"] > 0 and len(rep["lora_coef"]) == 3
+        assert rep["lora_adapters"] == [1, 2, 4] and rep["n_lora"] > 0 and len(rep["lora_coef"]) == 3
         assert all(c >= 0 for c in eng.latency_model.lora_coef) and eng.latency_model.meta["lora"]
         assert eng.run_idle(lambda e: e.runner.decoder.loras) == {}  # (the probes' adapters are gone)
     finally:
@@ -425,3 +426,25 @@ def test_a_lora_engine_s_latency_model_prices_the_adapters_of_a_step(tiny_checkp
         assert not eng.latency_model.prices_adapters and "lora_coef" not in eng.profile_report
     finally:
         eng.shutdown()
+
+
+def test_adapters_packed_alike_stack_as_packed_and_others_packed_again(tiny_checkpoints, adapters, tmp_path):
+    """A step's adapters are stacked from their packed pairs as they are where packed alike (the CPU's packed GEMMs),
+    else the stacked matrices are packed anew (here: one adapter's values all bf16's, packed compact, beside one
+    packed as fp32): either way each reply is PEFT's."""
+    from pathlib import Path
+
+    base = tiny_checkpoints["llama"]
+    rounded = _edited(Path(adapters["llama"]["a"]), tmp_path / "rounded",
+                      weights=lambda w: w.update({k: v.bfloat16().float() for k, v in w.items()}))
+    for names in (("a", "b"), ("a", "rounded")):
+        paths = {"a": adapters["llama"]["a"], "b": adapters["llama"]["b"], "rounded": rounded}
+        want = {lo: _peft_greedy(base, paths[lo], PROMPTS[:2], MAX_TOKENS[:2]) for lo in names}
+        eng = _engine(base, {lo: paths[lo] for lo in names})
+        try:
+            jobs = [(p, k, lo) for lo in names for p, k in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+            got = _run(eng, jobs)
+            assert got == [want[lo][i] for lo in names for i in range(2)]
+            assert eng.run_idle(lambda e: e.runner.decoder.lora_stacks._key) is not None  # (steps stacked the two)
+        finally:
+            eng.shutdown()

@@ -405,6 +405,24 @@ def weight_code(rows: torch.dtype, w: PackedWeight) -> int | None:
     return None
 
 
+def stack_packed(ws: list[PackedWeight], along_k: bool) -> PackedWeight | None:
+    """Weights packed alike (`pack_weight`: the same data dtype, not gated, no grid) stacked in their packed form: their
+    output features one after another (each a whole number of panel pairs: N a multiple of 32), or with `along_k`
+    their inputs side by side (the same N, each K even): the weight `pack_weight` would make of the stacked matrix,
+    for a few copies instead of a pack. None where they are not packed so."""
+    first = ws[0].data
+    if any(type(w) is not PackedWeight or w.gated or w.data.dtype != first.dtype for w in ws) \
+            or first.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if along_k:
+        if any(w.n != ws[0].n or w.k % 2 for w in ws):
+            return None
+        return PackedWeight(torch.cat([w.data for w in ws], 1), ws[0].n, sum(w.k for w in ws), ws[0].pairs)
+    if any(w.k != ws[0].k or w.n != 32 * w.pairs for w in ws):
+        return None
+    return PackedWeight(torch.cat([w.data for w in ws], 0), sum(w.n for w in ws), ws[0].k, sum(w.pairs for w in ws))
+
+
 WEIGHT_FORMATS = {DTYPES[torch.float32]: 0, DTYPES[torch.bfloat16]: 0, COMPACT: 1, GRID4: 2, GRID8: 3}  # `WeightFormat`
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.cpu.kernels import CpuKernels, PackedWeight
+from engine.backends.cpu.kernels import CpuKernels, PackedWeight, stack_packed
 
 
 class OneDNNMatmuls:
@@ -61,6 +61,11 @@ class PackedMatmuls:
     def pack(self, w: torch.Tensor) -> PackedWeight:
         w = w.detach()
         return self.kernels.pack_exact(w)
+
+    def stack(self, ws: list[PackedWeight], along_k: bool) -> PackedWeight | None:
+        """Packed weights stacked as packed (`stack_packed`: rows one after another, or `along_k` columns side by
+        side), None where their packing does not allow it (the caller packs the stacked matrix then)."""
+        return stack_packed(ws, along_k)
 
     def linear(self, x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.linear(x, w, b)
