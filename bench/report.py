@@ -347,8 +347,16 @@ def _prefix_cache(f: dict[str, Any]) -> str:
 def _lora(f: dict[str, Any]) -> str:
     base, plain, one, mixed = f["rows"]
     n = f["args"]["adapters"]
-    return (f"one adapter {one['x base']:.2f}×, {n} mixed {mixed['x base']:.2f}×, base requests beside them "
-            f"{plain['x base']:.2f}× the step without adapters ({base['ms/step']:.1f} ms)")
+    out = (f"one adapter {one['x base']:.2f}×, {n} mixed {mixed['x base']:.2f}×, base requests beside them "
+           f"{plain['x base']:.2f}× the step without adapters ({base['ms/step']:.1f} ms)")
+    if mixed.get("predicted ms") is not None:
+        out += (f"; the mixed step predicted {mixed['predicted ms']:.1f} ms with the adapters priced "
+                f"({mixed['unpriced ms']:.1f} without)")
+    stall = {r["load stall"]: r for r in f.get("load_stall") or []}
+    if stall:
+        out += (f"; a load on demand: running requests' longest gap {stall['on the loader']['longest gap ms']:.0f} ms "
+                f"({stall['on the worker']['longest gap ms']:.0f} ms loaded on the worker)")
+    return out
 
 
 def _slo_gpu(f: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import queue
 import sys
 import threading
@@ -215,7 +216,7 @@ class LLMEngine:
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0, config.serves_lora)
         # (the adapters of lora_modules load here, before the KV cache is sized: their memory is counted)
         if config.serves_lora:  # adapters loaded later are read on a thread of their own, between the worker's steps
-            self._lora_loader = ThreadPoolExecutor(1, thread_name_prefix="kairos-lora-load")
+            self._lora_loader = ThreadPoolExecutor(1, thread_name_prefix="kairos-lora-load", initializer=_background)
             self.loras = LoraRegistry(decoder, config.lora_paths(), config.dynamic_lora_loading_path,
                                       config.max_loras, config.max_lora_rank, self._lora_loader.submit, self._post)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
@@ -1040,6 +1041,16 @@ def _draw_step(sampler: Sampler, logits: torch.Tensor | PromptLogits, draws: Dra
         tokens = tokens if tokens is not None else SampledTokens.of([])
         tokens.prompt = prompt
     return tokens
+
+
+def _background() -> None:
+    """The calling thread (and the OpenMP threads it starts) at the lowest CPU priority (Linux: a thread's nice is its
+    own): a LoRA adapter's load, whose tensor work would otherwise take cores from the worker's steps, runs in what
+    they leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
+        pass
 
 
 def _put_quietly(stream: OutputSink, item: RequestOutput) -> None:
