@@ -277,11 +277,12 @@ class OpenAIFrontend:
         # and the folder of adapters loaded on demand: a request's model `<served name>:<folder>` names one
         self.lora_dir: str | None = settings.get("dynamic_lora_loading_path")
         # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (allow_runtime_lora_updating): the adapters loaded
-        # so, by name (each request that names one brings its folder, and the replicas load it at the first), and
-        # how many loads there have been (a load's version: one loaded again in place is a new load)
+        # so, by name (each request that names one brings its folder and its load's version, and the replicas load
+        # it at the first); the last version given (a clock's ns: a front started again gives later ones, which the
+        # replicas that kept running take as loads after theirs)
         self.runtime_lora: bool = settings.get("allow_runtime_lora_updating", False)
         self.lora_loaded: dict[str, LoraSource] = {}
-        self._lora_loads = 0
+        self._lora_version = 0
         self._names: list[str] = served_names(self.served_model_name, None)
         self._names_final = False  # set once an engine has said which model it loaded
         self._scraper = AgentScraper()
@@ -407,8 +408,8 @@ class OpenAIFrontend:
             raise APIError(404 if got.get("not_found") else 400, got["error"],
                            "NotFoundError" if got.get("not_found") else "invalid_request_error", param="lora_path")
         self._check_lora_name(name, body.load_inplace)  # (another load of the name may have ended meanwhile)
-        self._lora_loads += 1
-        self.lora_loaded[name] = LoraSource(path, self._lora_loads)
+        self._lora_version = max(self._lora_version + 1, time.time_ns())
+        self.lora_loaded[name] = LoraSource(path, self._lora_version)
         log.info("LoRA adapter %r loaded at run time from %s (rank %s)", name, path, got.get("rank"))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 

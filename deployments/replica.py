@@ -447,14 +447,15 @@ class LLMReplica:
 
     async def check_lora(self, name: str, path: str) -> dict[str, Any]:
         """vLLM's /v1/load_lora_adapter asks a replica whether its engine can serve the folder `path` as adapter
-        `name` before the front lists it: {"rank"}, or {"error", "not_found"} (no such folder). Read on a thread (its
+        `name` before the front lists it: {"rank"}, or {"error", "not_found"} (no adapter there). Read on a thread (its
         config and its tensors' shapes): the replica's event loop streams other requests' tokens meanwhile."""
         from engine.lora import LoraError
 
         try:
             return {"rank": await asyncio.to_thread(self.engine.inputs.check_lora, name, path)}
-        except LoraError as e:
-            return {"error": str(e)[:1000], "not_found": not os.path.isdir(path)}
+        except (LoraError, OSError) as e:  # (OSError: a folder this replica may not read)
+            found = os.path.isfile(os.path.join(path, "adapter_config.json"))
+            return {"error": str(e)[:1000], "not_found": not found}  # (vLLM's 404: no adapter there)
 
     def token_text(self, tokens: list[int]) -> dict[str, Any]:
         """vLLM's /detokenize on this replica's model: the text of `tokens` (`prompt`), or `error`."""

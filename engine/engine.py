@@ -20,7 +20,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -143,7 +142,7 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}  # worker-owned
         self.loras: LoraRegistry | None = None  # the LoRA adapters it serves (`_setup`; worker-owned)
-        self._lora_loader: ThreadPoolExecutor | None = None  # where they load (`LoraRegistry`)
+        self._lora_loader: _Loader | None = None  # where they load (`LoraRegistry`)
         # requests that wait for their adapter's load, by the load (worker-owned)
         self._lora_waiting: dict[tuple[str, LoraSource | None], list[Request]] = {}
         self._observers: list[Callable[[StepEvent], None]] = []
@@ -216,7 +215,7 @@ class LLMEngine:
         decoder = build_decoder(config.model_impl, b, backend, self.upcast_linears > 0, config.serves_lora)
         # (the adapters of lora_modules load here, before the KV cache is sized: their memory is counted)
         if config.serves_lora:  # adapters loaded later are read on a thread of their own, between the worker's steps
-            self._lora_loader = ThreadPoolExecutor(1, thread_name_prefix="kairos-lora-load", initializer=_background)
+            self._lora_loader = _Loader()
             self.loras = LoraRegistry(decoder, config.lora_paths(), config.dynamic_lora_loading_path,
                                       config.max_loras, config.max_lora_rank, self._lora_loader.submit, self._post)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
@@ -497,8 +496,8 @@ class LLMEngine:
         w = self._watchdog
         if w is not None and w.is_alive() and threading.current_thread() is not w:
             w.join(timeout)
-        if self._lora_loader is not None:  # (likewise: a load in progress ends first)
-            self._lora_loader.shutdown(wait=threading.current_thread() is not self._thread, cancel_futures=True)
+        if self._lora_loader is not None:  # (likewise: a load in progress ends first, within `timeout`)
+            self._lora_loader.close(timeout)
 
     # ------------------------------------------------------------------ worker thread
     def _snapshot(self, last_prefill: int, last_decode: int) -> EngineStats:
@@ -593,7 +592,7 @@ class LLMEngine:
             stream.put(RequestOutput.failed(req.request_id, f"duplicate request id {req.request_id!r}",
                                             ErrorKind.INVALID_REQUEST))
             return
-        lora_id: int | None = 0
+        lora_id: int | tuple = 0
         if req.lora is not None:
             try:
                 lora_id = self._acquire_lora(req.lora, req.lora_source)
@@ -603,8 +602,8 @@ class LLMEngine:
         self._requests[req.request_id] = req
         self._churn += 1
         self.outputs.add(req, stream)
-        if lora_id is None:  # its adapter is being loaded: it waits for the load (`_lora_landed`)
-            self._lora_waiting.setdefault((req.lora, req.lora_source), []).append(req)
+        if not isinstance(lora_id, int):  # its adapter is being loaded: it waits for that load (`_lora_landed`)
+            self._lora_waiting.setdefault(lora_id, []).append(req)
             return
         req.lora_id = lora_id
         self._take_or_park(req)
@@ -615,8 +614,8 @@ class LLMEngine:
             return
         self._take((req,))
 
-    def _acquire_lora(self, name: str, source: LoraSource | None) -> int | None:
-        """The id of LoRA adapter `name` for a request the engine takes; None: it is being loaded."""
+    def _acquire_lora(self, name: str, source: LoraSource | None) -> int | tuple:
+        """The id of LoRA adapter `name` for a request the engine takes, or the load it waits for."""
         if self.loras is None:
             raise LoraError("this engine serves no LoRA adapters")
         return self.loras.acquire(name, source)
@@ -1043,14 +1042,46 @@ def _draw_step(sampler: Sampler, logits: torch.Tensor | PromptLogits, draws: Dra
     return tokens
 
 
-def _background() -> None:
-    """The calling thread (and the OpenMP threads it starts) at the lowest CPU priority (Linux: a thread's nice is its
-    own): a LoRA adapter's load, whose tensor work would otherwise take cores from the worker's steps, runs in what
-    they leave."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
-        pass
+class _Loader:
+    """The thread LoRA adapters load on (`LoraRegistry`'s loader), started at the first load, one job at a time, at
+    the lowest CPU priority (Linux: a thread's nice is its own, and the OpenMP threads it starts inherit it): a load's
+    tensor work runs in what the worker's steps leave. A daemon, so that a load stuck on its files (a hung mount)
+    holds up neither the engine's shutdown (`close` waits `timeout` at most) nor the process's exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._closed:  # (the engine stopped: its requests end with it)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kairos-lora-load", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
+            pass
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self, timeout: float) -> None:
+        """No more jobs: the one running ends (within `timeout`), those queued are dropped (their requests end with
+        the engine)."""
+        self._closed = True
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        self._jobs.put(None)
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
 
 
 def _put_quietly(stream: OutputSink, item: RequestOutput) -> None:

@@ -362,7 +362,8 @@ def pack_pair(mm, a: torch.Tensor, b: torch.Tensor) -> tuple:
     pad = -a.shape[0] % 32 if mm.copies_weights else 0
     if pad:
         a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-    return mm.pack(a.contiguous()), mm.pack(b.contiguous()), pad
+    pack = getattr(mm, "pack_plain", mm.pack)  # (where the strategy has one: a pack that needs no thread team)
+    return pack(a.contiguous()), pack(b.contiguous()), pad
 
 
 class LoraStacks:
@@ -527,19 +528,24 @@ class LoraRegistry:
         self._pending: dict[tuple[str, LoraSource | None], int] = {}  # loads on the loader: their ids
         self._next = 1
         for name, path in static.items():
-            self._static.add(self._install(self.decoder.build_lora(LoraSpec(name, path), self._take_id(),
-                                                                   self.max_rank), None))
+            self._install(self.decoder.build_lora(LoraSpec(name, path), self._take_id(), self.max_rank), None,
+                          static=True)
 
     def _take_id(self) -> int:
         i, self._next = self._next, self._next + 1
         return i
 
-    def _install(self, adapter: LoraAdapter, source: LoraSource | None) -> int:
+    def _install(self, adapter: LoraAdapter, source: LoraSource | None, static: bool = False) -> int:
+        """Serve a built adapter under its name: idle (evictable) until a request `hold`s it, unless `static`."""
         self._evict(self.max_loras - 1)
         self.decoder.install_lora(adapter)
         i, name = adapter.id, adapter.name
         self._ids[name], self._names[i], self._sources[i] = i, name, source
         self._holders[i] = 0
+        if static:
+            self._static.add(i)
+        else:  # (a load whose requests all ended while it was read is unloaded as any idle one)
+            self._idle[i] = name
         log.info("LoRA adapter %r loaded (rank %d, %.1f MB) from %s", name, adapter.rank, adapter.nbytes() / 2**20,
                  adapter.path)
         return i
@@ -554,25 +560,34 @@ class LoraRegistry:
         return len(self._pending)
 
     def _current(self, name: str, source: LoraSource | None) -> int | None:
-        """The load of `name` a request that brings `source` runs through, where there is one (a load older than
-        `source`, or of another folder, is retired: the request gets a new one)."""
+        """The load of `name` a request that brings `source` runs through, where there is one: the one loaded,
+        unless `source` is a later load (then it is retired: the request gets a new one). A request of an earlier
+        load that arrives after a later one runs through the later one."""
         i = self._ids.get(name)
         if i is not None and source is not None:
             held = self._sources[i]
-            if held is None or held.path != source.path or held.version < source.version:
+            if held is None or held.version < source.version:
                 self._retire(i)  # loaded again since (or a lora_modules adapter of its name): the new load serves
                 return None
         return i
 
-    def acquire(self, name: str, source: LoraSource | None = None) -> int | None:
+    def _pending_for(self, name: str, source: LoraSource | None) -> tuple[str, LoraSource | None] | None:
+        """The load of `name` on the loader that a request bringing `source` waits for: its own, or a later one."""
+        if source is None:
+            return (name, None) if (name, None) in self._pending else None
+        later = [k for k in self._pending if k[0] == name and k[1] is not None and k[1].version >= source.version]
+        return min(later, key=lambda k: k[1].version) if later else None
+
+    def acquire(self, name: str, source: LoraSource | None = None) -> int | tuple[str, LoraSource | None]:
         """The id of adapter `name` for a request that will run through it (`source`: a run-time adapter's folder
-        and load), held for it until `release`; None: it is being loaded on the loader (the request waits for
-        `installed`, then `hold`s it). LoraError where there is no such adapter or it cannot be served."""
+        and load), held for it until `release`; or the key of the load on the loader it waits for (`installed`
+        serves it, then the request `hold`s it). LoraError where there is no such adapter or it cannot be served."""
         i = self._current(name, source)
         if i is None:
+            key = self._pending_for(name, source)
+            if key is not None:
+                return key
             key = (name, source)
-            if key in self._pending:
-                return None
             path = Path(source.path) if source is not None else dynamic_adapter_dir(self.dynamic_root, name)
             if path is None:
                 raise LoraError(f"no LoRA adapter named {name!r} is served here")
@@ -580,7 +595,7 @@ class LoraRegistry:
             if self.loader is not None:
                 self._pending[key] = i
                 self.loader(lambda: self._post(self._build(key, spec, i)))
-                return None
+                return key
             got = self._build(key, spec, i)
             if got.error is not None:
                 raise got.error
@@ -598,13 +613,14 @@ class LoraRegistry:
 
     def installed(self, done: LoraLoaded) -> int:
         """(On the worker.) Serve a load the loader finished: the id the requests that waited for it run through
-        (`hold` each), or its LoraError. A later load of the name that landed meanwhile serves them instead."""
+        (`hold` each; none left: it stays idle), or its LoraError. A later load of the name that landed meanwhile
+        serves them instead."""
         self._pending.pop(done.key, None)
         if done.error is not None:
             raise done.error
         name, source = done.key
         i = self._current(name, source)
-        return i if i is not None else self._install(done.adapter, source)
+        return i if i is not None else self._install(done.adapter, source)  # (a later load on its way replaces it)
 
     def hold(self, lora_id: int) -> int:
         """A request runs through load `lora_id` until its `release`."""

@@ -390,7 +390,11 @@ class Scheduler:
         plan = StepPlan()
         f = self.flags
         if self._adapters is not None:  # the LoRA adapters the batch's decode steps run through
-            self._adapters.adapters = len({r.lora_id for r in self.running if r.lora_id})
+            n = len({r.lora_id for r in self.running if r.lora_id})
+            if n != self._adapters.adapters:
+                self._adapters.adapters = n
+                if self.pace_cost is not None:
+                    self.pace_cost.forget()
         busy = bool(self.running)
         if self.margin is not None:
             self.margin.expire(now)

@@ -76,6 +76,10 @@ class PaceCost:
             self.scale = scale
             self._memo.clear()
 
+    def forget(self) -> None:
+        """The model changed (the LoRA adapters of the running batch, `predictor.Adapters`): solve again."""
+        self._memo.clear()
+
     def token_ms(self, tpot_ms: float, length: float) -> float:
         """Machine ms per token of a batch paced at `tpot_ms` (+inf: the largest batch) at mean context `length`."""
         return self.tokens_ms(tpot_ms, (length,))

@@ -448,3 +448,56 @@ def test_adapters_packed_alike_stack_as_packed_and_others_packed_again(tiny_chec
             assert eng.run_idle(lambda e: e.runner.decoder.lora_stacks._key) is not None  # (steps stacked the two)
         finally:
             eng.shutdown()
+
+
+class _FakeDecoder:
+    """What `LoraRegistry` asks of a decoder, without tensors."""
+
+    def __init__(self):
+        self.loras = {}
+
+    def build_lora(self, spec, adapter_id, max_rank):
+        from engine.lora import LoraAdapter
+
+        return LoraAdapter(adapter_id, spec.name, spec.path, 4)
+
+    def install_lora(self, adapter):
+        self.loras[adapter.id] = adapter
+        return adapter
+
+    def remove_lora(self, adapter_id):
+        del self.loras[adapter_id]
+
+
+def test_the_registry_serves_the_latest_load_and_unloads_what_no_request_holds(tmp_path):
+    """Loads on the loader, in order: requests of a load wait for it or for a later one of the name; a later load
+    replaces an earlier one (unloaded once no request holds it); a load no request waits for any more stays idle,
+    and goes as idle ones go past max_loras."""
+    from core.request import LoraSource
+    from engine.lora import LoraRegistry
+
+    jobs, done = [], []
+    reg = LoraRegistry(_FakeDecoder(), {}, None, max_loras=1, max_rank=16, loader=jobs.append, post=done.append)
+    v1, v2, v3 = (LoraSource(str(tmp_path / "x"), v) for v in (1, 2, 3))
+    assert reg.acquire("x", v2) == ("x", v2) and reg.loading == 1
+    assert reg.acquire("x", v1) == ("x", v2)  # an earlier load's request waits for the later one
+    assert reg.acquire("x", v3) == ("x", v3) and reg.loading == 2  # a later load starts
+    for job in jobs:
+        job()
+    first = reg.installed(done[0])
+    assert set(reg.decoder.loras) == {first}  # no request held it (all aborted): idle
+    last = reg.installed(done[1])
+    assert last != first and set(reg.decoder.loras) == {last} and reg.loading == 0
+    assert reg.acquire("x", v1) == reg.acquire("x", v3) == last  # held twice
+    reg.release(last)
+    v4 = LoraSource(str(tmp_path / "x"), 4)
+    key = reg.acquire("x", v4)
+    jobs[-1]()
+    newest = reg.installed(done[-1])
+    assert set(reg.decoder.loras) == {last, newest}  # the replaced load stays while a request holds it
+    reg.release(last)
+    assert set(reg.decoder.loras) == {newest} and key == ("x", v4)
+    reg.acquire("y", LoraSource(str(tmp_path / "y"), 5))
+    jobs[-1]()
+    other = reg.installed(done[-1])
+    assert set(reg.decoder.loras) == {other} and reg.loaded == ["y"]  # past max_loras 1: the idle one went

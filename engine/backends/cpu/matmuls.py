@@ -62,6 +62,12 @@ class PackedMatmuls:
         w = w.detach()
         return self.kernels.pack_exact(w)
 
+    def pack_plain(self, w: torch.Tensor) -> PackedWeight:
+        """`w` packed as is (bf16, or fp32 compact where exact), without `pack_exact`'s search for a grid: a LoRA
+        adapter's weights, packed on a loader thread beside the steps (the search runs on the kernels' thread team)."""
+        w = w.detach()
+        return self.kernels.pack_weight(w, self.kernels.compactable(w))
+
     def stack(self, ws: list[PackedWeight], along_k: bool) -> PackedWeight | None:
         """Packed weights stacked as packed (`stack_packed`: rows one after another, or `along_k` columns side by
         side), None where their packing does not allow it (the caller packs the stacked matrix then)."""
