@@ -69,7 +69,8 @@ def start(schema: Schema = OBJECT) -> State:
 
 
 def start_pattern(rx: Regex) -> State:
-    """The state before a reply that must match `rx` whole (vLLM's guided_regex and guided_choice): no JSON."""
+    """The state before a reply that must match `rx` whole (vLLM's guided_regex and guided_choice; or a text of a
+    grammar, `core.ebnf_grammar.Grammar`, which steps alike: guided_grammar): no JSON."""
     return ((), PATTERN, (rx, rx.start), 0)
 
 

@@ -59,7 +59,10 @@ class SamplingParams:
     # vLLM's guided_regex (and guided_choice, as `core.regex_grammar.choice_pattern` writes its texts): the whole
     # reply matches this regular expression (`core.regex_grammar` says what one may hold)
     regex: str | None = None
-    # a reasoning model's reply held to a format (json_object, json_schema, regex) thinks first, as vLLM's: the format
+    # vLLM's guided_grammar (structured_outputs' grammar): the whole reply is a text of this EBNF grammar, from its
+    # `root` rule (`core.ebnf_grammar` says what one may hold)
+    grammar: str | None = None
+    # a reasoning model's reply held to a format (json_object, json_schema, regex, grammar) thinks first, as vLLM's: the format
     # holds from the end of its thinking (`core.json_grammar.thinking_first`): "open", the reply starts inside it (its
     # template opened <think>); "tagged", only a reply that opens with <think> thinks; None: from the first token
     thinking: str | None = None
@@ -114,14 +117,18 @@ class SamplingParams:
             lp = getattr(self, name)
             if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
-        if self.json_object + (self.json_schema is not None) + (self.regex is not None) > 1:
-            raise ValueError("a reply may be held to one of json_object, json_schema and regex, not several")
+        if self.json_object + (self.json_schema is not None) + (self.regex is not None) \
+                + (self.grammar is not None) > 1:
+            raise ValueError("a reply may be held to one of json_object, json_schema, regex and grammar, not several")
         if self.json_schema is not None:
             from core.json_grammar import compile_schema  # (a ValueError naming what it refuses)
             compile_schema(self.json_schema)
         if self.regex is not None:
             from core.regex_grammar import compile_regex
             compile_regex(self.regex)
+        if self.grammar is not None:
+            from core.ebnf_grammar import compile_grammar
+            compile_grammar(self.grammar)
         if self.thinking not in (None, "open", "tagged"):
             raise ValueError(f'thinking must be "open", "tagged" or None, got {self.thinking!r}')
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
@@ -154,8 +161,9 @@ class SamplingParams:
     @property
     def guided(self) -> bool:
         """Whether each token must keep the reply within a grammar (`engine.json_mode`): a JSON object
-        (`json_object`), a value of a schema (`json_schema`) or a match of a regular expression (`regex`)."""
-        return self.json_object or self.json_schema is not None or self.regex is not None
+        (`json_object`), a value of a schema (`json_schema`), a match of a regular expression (`regex`) or a text of
+        a grammar (`grammar`)."""
+        return self.json_object or self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def greedy(self) -> bool:

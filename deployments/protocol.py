@@ -4,13 +4,13 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: a chat's best_of, suffix, a
-completion's tools, the legacy functions, vLLM's guided_grammar and beam search (`UNSUPPORTED`); a request's own chat
+completion's tools, the legacy functions and beam search (`UNSUPPORTED`); a request's own chat
 template only where the app trusts requests with one. `logit_bias`, the presence / frequency / repetition penalties,
 min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`, vLLM's
 return_tokens_as_token_ids; vLLM's `prompt_logprobs`, `shown_prompt_logprobs`), `echo` (a completion's prompt, a
 chat's last assistant message) and a completion's `best_of`, JSON mode (`response_format` json_object or
-json_schema, vLLM's guided_json: `core.json_grammar`; guided_regex and guided_choice: `core.regex_grammar`; vLLM's
-structured_outputs), a chat's tools and the calls its reply makes, and a reasoning model's thinking
+json_schema, vLLM's guided_json: `core.json_grammar`; guided_regex and guided_choice: `core.regex_grammar`;
+guided_grammar: `core.ebnf_grammar`; vLLM's structured_outputs), a chat's tools and the calls its reply makes, and a reasoning model's thinking
 (`ChatCompletionRequest.reply_reader`: `deployments.tool_calls`, `deployments.reasoning`), and vLLM's other sampling
 and output fields are honoured, and so are vLLM's fields for how a prompt is tokenized
 (`core.messages.PromptOptions`).
@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from core.ebnf_grammar import compile_grammar
 from core.json_grammar import compile_schema
 from core.regex_grammar import choice_pattern, compile_regex
 from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob, check_template_kwargs
@@ -62,7 +63,7 @@ class StreamOptions(BaseModel):
 
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "guided_grammar": (),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "parallel_tool_calls": (True, False),
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
@@ -73,7 +74,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 # vLLM's structured_outputs: the grammars this server keeps (and what each takes), and options it takes and ignores
 STRUCTURED_KINDS = {"json": "a JSON schema", "regex": "a regular expression (a string)",
-                    "choice": "a list of texts", "json_object": "true"}
+                    "choice": "a list of texts", "json_object": "true", "grammar": "an EBNF grammar (a string)"}
 STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properties", "whitespace_pattern"))
 
 
@@ -148,6 +149,7 @@ class _Common(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(None, max_length=1 << 20)  # an EBNF grammar (`core.ebnf_grammar`)
     structured_outputs: dict[str, Any] | None = None
     # vLLM's: only these tokens may be drawn; special tokens kept in the text; a stop string kept in it; the prompt's
     # last k tokens only (-1: as many as the context window takes)
@@ -236,10 +238,11 @@ class _Common(BaseModel):
             return v
         given = {k for k, x in v.items() if x not in (None, False) and k not in STRUCTURED_OPTIONS}
         if len(given) != 1 or not given <= set(STRUCTURED_KINDS):
-            raise ValueError(f"structured_outputs must hold one of {', '.join(STRUCTURED_KINDS)} (grammar and "
-                             f"structural_tag are not supported here), got {json.dumps(v)[:80]}")
+            raise ValueError(f"structured_outputs must hold one of {', '.join(STRUCTURED_KINDS)} (structural_tag is "
+                             f"not supported here), got {json.dumps(v)[:80]}")
         (kind,) = given
-        if kind == "json_object" and v[kind] is not True or kind == "regex" and not isinstance(v[kind], str) \
+        if kind == "json_object" and v[kind] is not True \
+                or kind in ("regex", "grammar") and not isinstance(v[kind], str) \
                 or kind == "json" and not isinstance(v[kind], (dict, str)) or kind == "choice" and (
                     not isinstance(v[kind], list) or not v[kind] or any(not isinstance(c, str) for c in v[kind])):
             raise ValueError(f"structured_outputs.{kind} must be {STRUCTURED_KINDS[kind]}")
@@ -251,7 +254,7 @@ class _Common(BaseModel):
         given = [name for name, on in (
             ("response_format", (self.response_format or {}).get("type", "text") != "text"),
             ("guided_json", self.guided_json is not None), ("guided_regex", self.guided_regex is not None),
-            ("guided_choice", self.guided_choice is not None),
+            ("guided_choice", self.guided_choice is not None), ("guided_grammar", self.guided_grammar is not None),
             ("structured_outputs", self.structured_outputs is not None)) if on]
         if len(given) > 1:
             raise ValueError(f"{given[1]}: a reply may be held to one format; {given[0]} gives one already")
@@ -265,9 +268,19 @@ class _Common(BaseModel):
                 compile_regex(regex)
             except ValueError as e:
                 raise ValueError(f"{given[0]}: {e}") from None
+        elif (grammar := self.grammar()) is not None:
+            try:
+                compile_grammar(grammar)
+            except ValueError as e:
+                raise ValueError(f"{given[0]}: {e}") from None
         elif self.structured_outputs and "json" in self.structured_outputs:
             compile_schema(self.json_schema() or "{}")
         return self
+
+    def grammar(self) -> str | None:
+        """The EBNF grammar the whole reply must be a text of (vLLM's guided_grammar), where one is given."""
+        return self.guided_grammar if self.guided_grammar is not None else \
+            (self.structured_outputs or {}).get("grammar")
 
     def json_schema(self) -> str | None:
         """The schema the reply must be a value of (its JSON text), where one is given."""
@@ -330,6 +343,7 @@ class _Common(BaseModel):
             bad_words=list(self.bad_words or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             json_object=self.json_object(), json_schema=self.json_schema(), regex=self.regex(),
+            grammar=self.grammar(),
         )
         kw["max_tokens"] = max_tokens
         return kw
@@ -643,7 +657,8 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         """`SamplingParams.thinking` for a reply held to a format where the app reads a reasoning model's thinking:
         its format holds from the end of the thinking (deepseek_r1's: from the reply's start; qwen3's: where the
         reply opens with <think>)."""
-        guided = self.json_object() or self.json_schema() is not None or self.regex() is not None
+        guided = self.json_object() or self.json_schema() is not None or self.regex() is not None \
+            or self.grammar() is not None
         if not reasoning_parser or not guided:
             return None
         return "open" if reasoning_parser == "deepseek_r1" else "tagged"

@@ -1,7 +1,8 @@
 """Guided decoding in the sampler (`SamplingParams.guided`: OpenAI's `response_format` json_object or json_schema,
-vLLM's guided_regex and guided_choice): a row's token is one whose text keeps the reply a prefix of a JSON object, of
-a value of its schema (`core.json_grammar`), or of a match of its regex (`core.regex_grammar`), and a stop token
-(the EOS, a stop token id) only once the value has ended (the regex matches).
+vLLM's guided_regex, guided_choice and guided_grammar): a row's token is one whose text keeps the reply a prefix of a
+JSON object, of a value of its schema (`core.json_grammar`), of a match of its regex (`core.regex_grammar`) or of a
+text of its grammar (`core.ebnf_grammar`), and a stop token (the EOS, a stop token id) only once the value has ended
+(the regex matches, the grammar's root is complete).
 
 The row's own distribution decides among the tokens that fit: greedy, the likeliest that fits; sampled, a draw among
 those that fit of its most likely `CANDIDATES` (after temperature, top-k, min_p and top-p; the rest renormalized),
@@ -20,6 +21,7 @@ from typing import Callable
 import torch
 
 from core.json_grammar import START, State, advance, compile_schema, complete, start, start_pattern, thinking_first
+from core.ebnf_grammar import compile_grammar
 from core.regex_grammar import compile_regex
 from core.sampling import SamplingParams
 
@@ -45,6 +47,8 @@ class JsonStates:
         a reasoning model's thinking (`params.thinking`)."""
         if params.regex is not None:  # (each compiled once for the requests that share it: the compilers' own caches)
             st = start_pattern(compile_regex(params.regex))
+        elif params.grammar is not None:  # (a grammar steps as a regex does)
+            st = start_pattern(compile_grammar(params.grammar))
         elif params.json_schema is None:
             st = START
         else:

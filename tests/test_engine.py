@@ -325,13 +325,18 @@ def test_bad_words_keep_their_words_out_of_the_reply(tiny_checkpoints, overlap):
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap):
-    """vLLM's guided_regex and guided_choice (a regex of its texts): each reply, greedy or sampled, penalized or
-    not, matches whole and ends by its EOS once nothing more could match; with overlap scheduling too."""
+    """vLLM's guided_regex and guided_choice (a regex of its texts), and guided_grammar (an EBNF grammar): each
+    reply, greedy or sampled, penalized or not, matches whole and ends by its EOS once nothing more could match; with
+    overlap scheduling too."""
     import re
 
+    from core.ebnf_grammar import compile_grammar
     from core.regex_grammar import choice_pattern
 
     pattern, choices = r"(ab|[0-9]{2,4})-[a-z]+\.", ["red", "green", "blue sky"]
+    grammar = ('root ::= "(" expr ")"\nexpr ::= term ((" + " | " * ") term){0,2}\n'
+               'term ::= [0-9]{1,3} | "x" | "(" inner ")"\ninner ::= [0-9]{1,3} (" - " [0-9])?')
+    g = compile_grammar(grammar)
     eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", block_size=4,
                                  overlap=overlap, scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256)))
     try:
@@ -339,15 +344,23 @@ def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap)
         ask = [SamplingParams(max_tokens=60, temperature=0.0, regex=pattern),
                SamplingParams(max_tokens=60, temperature=1.0, seed=8, frequency_penalty=0.4, regex=pattern),
                SamplingParams(max_tokens=60, temperature=0.0, regex=choice_pattern(choices)),
-               SamplingParams(max_tokens=60, temperature=1.2, seed=9, regex=choice_pattern(choices))]
-        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts, ask)]
+               SamplingParams(max_tokens=60, temperature=1.2, seed=9, regex=choice_pattern(choices)),
+               SamplingParams(max_tokens=200, temperature=0.0, grammar=grammar),
+               SamplingParams(max_tokens=200, temperature=1.0, seed=4, grammar=grammar)]
+        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts + prompts[:2], ask)]
     finally:
         eng.shutdown()
     texts = ["".join(o.text for o in r) for r in replies]
     for text, r in zip(texts[:2], replies):
         assert re.fullmatch(pattern, text) and r[-1].finish_reason == "stop", (text, r[-1])
-    for text, r in zip(texts[2:], replies[2:]):
+    for text, r in zip(texts[2:4], replies[2:4]):
         assert text in choices and r[-1].finish_reason == "stop", (text, r[-1])
+    for text, r in zip(texts[4:], replies[4:]):
+        st = g.start
+        for ch in text:
+            st = g.step(st, ch)
+            assert st is not None, text
+        assert g.accepts(st) and r[-1].finish_reason == "stop", (text, r[-1])
 
 
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),

@@ -531,10 +531,30 @@ def test_json_mode_replies_are_json_objects(client: httpx.Client) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
 
 
+SQL_GRAMMAR = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""  # vLLM's documentation's example of guided_grammar
+
+
+def _in_grammar(g, text: str) -> bool:
+    st = g.start
+    for ch in text:
+        st = g.step(st, ch)
+        if st is None:
+            return False
+    return g.accepts(st)
+
+
 def test_guided_regex_and_choice_replies_match(client: httpx.Client) -> None:
-    """vLLM's guided_regex (the whole reply matches it), guided_choice (the reply is one of the texts) and their
-    structured_outputs forms, streamed as whole, sampled or greedy: the reply ends, by the EOS, once it matches and
-    nothing more could; a regex this server cannot keep, or two formats at once, is a 400 naming the field."""
+    """vLLM's guided_regex (the whole reply matches it), guided_choice (the reply is one of the texts),
+    guided_grammar (the reply is a text of an EBNF grammar) and their structured_outputs forms, streamed as whole,
+    sampled or greedy: the reply ends, by the EOS, once it matches and nothing more could; a regex or grammar this
+    server cannot keep, or two formats at once, is a 400 naming the field."""
     import json as json_
     import re
 
@@ -556,7 +576,22 @@ def test_guided_regex_and_choice_replies_match(client: httpx.Client) -> None:
             r.json()["choices"][0]["message"]["content"]
     r = client.post("/v1/completions", json={**cmpl, "structured_outputs": {"json": {"enum": [1, 22]}}})
     assert r.status_code == 200 and json_.loads(r.json()["choices"][0]["text"]) in (1, 22), r.text
+    from core.ebnf_grammar import compile_grammar
+
+    sql = SQL_GRAMMAR
+    g = compile_grammar(sql)
+    for seed, body in enumerate(({"guided_grammar": sql}, {"structured_outputs": {"grammar": sql}})):
+        r = client.post("/v1/completions", json={**cmpl, **body, "max_tokens": 120, "seed": seed})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and _in_grammar(g, choice["text"]), choice
+        with client.stream("POST", "/v1/chat/completions", json={**chat, **body, "max_tokens": 120,
+                                                                   "stream": True}) as st:
+            chunks = [json_.loads(e) for e in sse_events(st)[:-1]]
+        assert _in_grammar(g, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks))
     for bad, param in (({"guided_regex": "(?<=a)b"}, "guided_regex"), ({"guided_regex": r"\1"}, "guided_regex"),
+                       ({"guided_grammar": "root ::= root \"a\" | \"b\""}, "guided_grammar"),
+                       ({"guided_grammar": "start: \"a\""}, "guided_grammar"),
+                       ({"guided_grammar": "root ::= \"a\"", "guided_regex": "a"}, "guided_grammar"),
                        ({"guided_choice": []}, "guided_choice"), ({"guided_choice": [1]}, "guided_choice"),
                        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
                        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),

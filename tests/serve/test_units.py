@@ -2188,7 +2188,7 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
 
 @pytest.mark.parametrize("field,value", [
     ("length_penalty", 1.2), ("function_call", {"name": "f"}), ("functions", [{"name": "f"}]),
-    ("guided_grammar", "root ::= \"a\""), ("use_beam_search", True)])
+    ("use_beam_search", True)])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
     """OpenAI / vLLM apply these or answer 400; silently ignoring them would return an output the client did not
     ask for. Their defaults (or an explicit null) pass."""

@@ -1,0 +1,453 @@
+"""Context-free grammars as a reply grows, for guided decoding (vLLM's `guided_grammar` and `structured_outputs`
+`grammar`): an EBNF grammar in the GBNF form that vLLM's xgrammar backend and llama.cpp read, checked character by
+character. `Grammar.step(state, ch)` is the state after one more character, or None where no text of the grammar
+goes on from there; `Grammar.accepts(state)` whether the text so far is one (the reply may end). The interface is
+`core.regex_grammar.Regex`'s, so JSON mode's automaton (`core.json_grammar.start_pattern`) holds a grammar as it
+holds a regex.
+
+The syntax: rules `name ::= body`, one of them `root` (the whole reply); a body of alternatives split by `|`, each a
+sequence of string literals (`"..."` or `'...'`, with the escapes `\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, `\\'`,
+`\\xhh`, `\\uhhhh`, `\\Uhhhhhhhh`), character classes (`[a-z_]`, `[^"\\\\]`, with those escapes, and `\\d`, `\\w`,
+`\\s` as ASCII's), `.` (any character), rule names, groups `( ... )`, and the quantifiers `*`, `+`, `?`, `{m}`,
+`{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span lines. A grammar this checker
+cannot hold as written is refused with a ValueError naming why: left recursion (a rule that can come back to itself
+before a character), an undefined rule, lookahead assertions, a rule no text derives from `root`, or more than
+`MAX_ELEMENTS` elements once its quantifiers are written out.
+
+The state is the set of the parses that are still possible, each a stack of the places to go on from in the rules'
+alternatives (a rule called last in its alternative leaves no place: repetition does not deepen the stack); the
+steps taken are cached per grammar, as the regex automaton's are.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from core.regex_grammar import DIGIT, SPACE, WORD, Ranges, _complement, _has, _norm
+
+MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
+MAX_REPEAT = 1_000  # the largest count a {m,n} may name
+MAX_STACK = 1_000  # a parse's depth (nested groups of the text): deeper is refused
+MAX_PARSES = 4_096  # the parses a state keeps (an ambiguous grammar's), the first found kept
+_CACHE_STATES = 200_000  # the states the steps kept (all parses counted), per grammar, before it starts over
+ANY: Ranges = ((0, 0x10FFFF),)
+
+State = frozenset  # of stacks: tuples of (alternative, element) places; () a parse that has ended
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "[": "[", "]": "]", "-": "-",
+            "^": "^", "/": "/", "b": "\b", "f": "\f", "v": "\v", "0": "\0"}
+_CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE}
+
+
+@dataclass(frozen=True, slots=True)
+class _Tok:
+    kind: str  # name, def, str, class, any, ( ) | * + ? rep, end
+    value: object
+    at: int
+
+
+class _Lexer:
+    def __init__(self, text: str) -> None:
+        self.text, self.i = text, 0
+
+    def fail(self, what: str, at: int | None = None) -> ValueError:
+        at = self.i if at is None else at
+        line = self.text.count("\n", 0, at) + 1
+        return ValueError(f"grammar, line {line}: {what}")
+
+    def tokens(self) -> list[_Tok]:
+        out, t = [], self.text
+        while True:
+            self._blank()
+            if self.i >= len(t):
+                out.append(_Tok("end", None, self.i))
+                return out
+            at, c = self.i, t[self.i]
+            if t.startswith("::=", self.i):
+                self.i += 3
+                out.append(_Tok("def", None, at))
+            elif c in "\"'":
+                out.append(_Tok("str", self._string(c), at))
+            elif c == "[":
+                out.append(_Tok("class", self._class(), at))
+            elif c == ".":
+                self.i += 1
+                out.append(_Tok("any", None, at))
+            elif c == "(" and t.startswith("(=", self.i):
+                raise self.fail("lookahead assertions `(= ...)` are not supported")
+            elif c in "()|*+?":
+                self.i += 1
+                out.append(_Tok(c, None, at))
+            elif c == "{":
+                out.append(_Tok("rep", self._repeat(), at))
+            elif c.isalnum() or c == "_":
+                j = self.i
+                while j < len(t) and (t[j].isalnum() or t[j] in "_-"):
+                    j += 1
+                out.append(_Tok("name", t[self.i:j], at))
+                self.i = j
+            else:
+                raise self.fail(f"unexpected {c!r}")
+
+    def _blank(self) -> None:
+        t = self.text
+        while self.i < len(t):
+            if t[self.i].isspace():
+                self.i += 1
+            elif t[self.i] == "#":
+                while self.i < len(t) and t[self.i] != "\n":
+                    self.i += 1
+            else:
+                return
+
+    def _escape(self) -> int:
+        """The code point of the escape after a backslash (self.i at the backslash)."""
+        t = self.text
+        self.i += 1
+        if self.i >= len(t):
+            raise self.fail("an escape at the end")
+        c = t[self.i]
+        for lead, width in (("x", 2), ("u", 4), ("U", 8)):
+            if c == lead:
+                digits = t[self.i + 1:self.i + 1 + width]
+                if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                    raise self.fail(f"\\{lead} needs {width} hex digits")
+                self.i += 1 + width
+                code = int(digits, 16)
+                if code > 0x10FFFF:
+                    raise self.fail(f"\\{lead}{digits} is past the last code point")
+                return code
+        if c in _ESCAPES:
+            self.i += 1
+            return ord(_ESCAPES[c])
+        raise self.fail(f"unknown escape \\{c}")
+
+    def _string(self, quote: str) -> str:
+        t, out = self.text, []
+        start = self.i
+        self.i += 1
+        while True:
+            if self.i >= len(t):
+                raise self.fail("a string literal is not closed", start)
+            c = t[self.i]
+            if c == quote:
+                self.i += 1
+                return "".join(out)
+            if c == "\\":
+                out.append(chr(self._escape()))
+            else:
+                out.append(c)
+                self.i += 1
+
+    def _class(self) -> Ranges:
+        t, start = self.text, self.i
+        self.i += 1
+        negate = self.i < len(t) and t[self.i] == "^"
+        self.i += negate
+        ranges: list[tuple[int, int]] = []
+        first = True
+        while True:
+            if self.i >= len(t):
+                raise self.fail("a character class is not closed", start)
+            c = t[self.i]
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            if c == "\\" and self.i + 1 < len(t) and t[self.i + 1] in _CLASSES:
+                ranges += _CLASSES[t[self.i + 1]]
+                self.i += 2
+                continue
+            lo = self._escape() if c == "\\" else self._char()
+            if self.i + 1 < len(t) and t[self.i] == "-" and t[self.i + 1] != "]":
+                self.i += 1
+                hi = self._escape() if t[self.i] == "\\" else self._char()
+                if hi < lo:
+                    raise self.fail(f"a range {chr(lo)!r}-{chr(hi)!r} runs backwards")
+                ranges.append((lo, hi))
+            else:
+                ranges.append((lo, lo))
+        got = _norm(ranges)
+        return _complement(got) if negate else got
+
+    def _char(self) -> int:
+        c = self.text[self.i]
+        self.i += 1
+        return ord(c)
+
+    def _repeat(self) -> tuple[int, int | None]:
+        t, start = self.text, self.i
+        end = t.find("}", self.i)
+        if end < 0:
+            raise self.fail("a {m,n} is not closed", start)
+        body = t[self.i + 1:end].replace(" ", "")
+        self.i = end + 1
+        lo, sep, hi = body.partition(",")
+        try:
+            m = int(lo)
+            n = m if not sep else (None if hi == "" else int(hi))
+        except ValueError:
+            raise self.fail(f"{{{body}}} is not a count {{m}}, {{m,}} or {{m,n}}", start) from None
+        if m < 0 or n is not None and n < m or max(m, n or 0) > MAX_REPEAT:
+            raise self.fail(f"{{{body}}}: counts from 0 to {MAX_REPEAT}, the second no less than the first", start)
+        return m, n
+
+
+class Grammar:
+    """A compiled grammar: its rules' alternatives, each a tuple of elements (("c", ranges): one character of
+    them; ("r", rule): the rule's text), and the steps taken so far (cached)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.alts: list[tuple[tuple[str, object], ...]] = []
+        self.rules: list[list[int]] = []  # each rule's alternatives (indices into alts)
+        self._names: dict[str, int] = {}
+        self._elements = 0
+        self._parse(_Lexer(text))
+        self._prune()
+        self._check_left_recursion()
+        self._steps: dict[tuple[State, int], State | None] = {}
+        self._states: dict[State, State] = {}
+        self._held = 0
+        self.start = self._closure([((b, 0),) for b in self.rules[self._names["root"]]])
+
+    # ------------------------------------------------------------------ compiling
+    def _rule(self) -> int:
+        self.rules.append([])
+        return len(self.rules) - 1
+
+    def _alt(self, rule: int, elems: list[tuple[str, object]]) -> None:
+        self._elements += len(elems) + 1
+        if self._elements > MAX_ELEMENTS:
+            raise ValueError(f"grammar: more than {MAX_ELEMENTS} elements once its quantifiers are written out")
+        self.alts.append(tuple(elems))
+        self.rules[rule].append(len(self.alts) - 1)
+
+    def _parse(self, lx: _Lexer) -> None:
+        toks = lx.tokens()
+        defs = [i for i, tk in enumerate(toks) if tk.kind == "def"]
+        if not defs:
+            raise ValueError("grammar: no rule (`name ::= ...`); the reply's rule is `root`")
+        for i in defs:
+            if i == 0 or toks[i - 1].kind != "name":
+                raise lx.fail("`::=` needs a rule name before it", toks[i].at)
+            name = toks[i - 1].value
+            if name in self._names:
+                raise lx.fail(f"rule {name!r} is defined twice", toks[i].at)
+            self._names[name] = self._rule()
+        if "root" not in self._names:
+            raise ValueError("grammar: no `root` rule (the rule the whole reply is)")
+        starts = [i - 1 for i in defs] + [len(toks) - 1]
+        for k, i in enumerate(defs):
+            body = toks[i + 1:starts[k + 1]]
+            self._pos, self._toks, self._lx = 0, body + [_Tok("end", None, toks[starts[k + 1]].at)], lx
+            rule = self._names[toks[i - 1].value]
+            for seq in self._alternation():
+                self._alt(rule, seq)
+            if self._toks[self._pos].kind != "end":
+                raise lx.fail(f"unexpected {self._toks[self._pos].kind!r}", self._toks[self._pos].at)
+
+    def _peek(self) -> _Tok:
+        return self._toks[self._pos]
+
+    def _alternation(self) -> list[list[tuple[str, object]]]:
+        seqs = [self._sequence()]
+        while self._peek().kind == "|":
+            self._pos += 1
+            seqs.append(self._sequence())
+        return seqs
+
+    def _sequence(self) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        while self._peek().kind in ("name", "str", "class", "any", "("):
+            atom = self._atom()
+            while self._peek().kind in ("*", "+", "?", "rep"):
+                atom = self._quantified(atom, self._peek())
+                self._pos += 1
+            out += atom
+        return out
+
+    def _atom(self) -> list[tuple[str, object]]:
+        tk = self._peek()
+        self._pos += 1
+        if tk.kind == "name":
+            rule = self._names.get(tk.value)
+            if rule is None:
+                raise self._lx.fail(f"rule {tk.value!r} is not defined", tk.at)
+            return [("r", rule)]
+        if tk.kind == "str":
+            return [("c", ((ord(c), ord(c)),)) for c in tk.value]
+        if tk.kind == "class":
+            if not tk.value:
+                raise self._lx.fail("a character class that holds no character", tk.at)
+            return [("c", tk.value)]
+        if tk.kind == "any":
+            return [("c", ANY)]
+        group = self._alternation()  # "("
+        if self._peek().kind != ")":
+            raise self._lx.fail("a group is not closed", tk.at)
+        self._pos += 1
+        if len(group) == 1:
+            return group[0]
+        rule = self._rule()
+        for seq in group:
+            self._alt(rule, seq)
+        return [("r", rule)]
+
+    def _unit(self, atom: list[tuple[str, object]]) -> tuple[str, object]:
+        """One element for `atom`: itself, or a rule of its sequence."""
+        if len(atom) == 1:
+            return atom[0]
+        rule = self._rule()
+        self._alt(rule, atom)
+        return ("r", rule)
+
+    def _star(self, unit: tuple[str, object]) -> tuple[str, object]:
+        rule = self._rule()  # R ::= unit R | (nothing): R last in its alternative, so the stack stays as deep
+        self._alt(rule, [unit, ("r", rule)])
+        self._alt(rule, [])
+        return ("r", rule)
+
+    def _quantified(self, atom: list[tuple[str, object]], q: _Tok) -> list[tuple[str, object]]:
+        unit = self._unit(atom)
+        if q.kind == "*":
+            return [self._star(unit)]
+        if q.kind == "+":
+            return [unit, self._star(unit)]
+        if q.kind == "?":
+            rule = self._rule()
+            self._alt(rule, [unit])
+            self._alt(rule, [])
+            return [("r", rule)]
+        m, n = q.value  # type: ignore[misc]
+        out = [unit] * m
+        if n is None:
+            return out + [self._star(unit)]
+        tail: tuple[str, object] | None = None
+        for _ in range(n - m):  # O_k ::= unit O_(k-1) | (nothing)
+            rule = self._rule()
+            self._alt(rule, [unit] + ([tail] if tail is not None else []))
+            self._alt(rule, [])
+            tail = ("r", rule)
+        return out + ([tail] if tail is not None else [])
+
+    def _prune(self) -> None:
+        """Drop the alternatives that derive no text (a rule of them only calls itself for ever); a root left with
+        none matches nothing."""
+        productive: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for r, alts in enumerate(self.rules):
+                if r not in productive and any(all(k == "c" or v in productive for k, v in self.alts[a])
+                                               for a in alts):
+                    productive.add(r)
+                    changed = True
+        if self._names["root"] not in productive:
+            raise ValueError("grammar: `root` derives no text (every way through it calls a rule for ever)")
+        for r, alts in enumerate(self.rules):
+            self.rules[r] = [a for a in alts if all(k == "c" or v in productive for k, v in self.alts[a])]
+
+    def _check_left_recursion(self) -> None:
+        """Refuse a rule that can come back to itself before a character: its parse would never end."""
+        nullable: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for r, alts in enumerate(self.rules):
+                if r not in nullable and any(all(k == "r" and v in nullable for k, v in self.alts[a]) for a in alts):
+                    nullable.add(r)
+                    changed = True
+        first: dict[int, set[int]] = {}
+        for r, alts in enumerate(self.rules):
+            for a in alts:
+                for k, v in self.alts[a]:
+                    if k == "c":
+                        break
+                    first.setdefault(r, set()).add(v)  # type: ignore[arg-type]
+                    if v not in nullable:
+                        break
+        names = {r: n for n, r in self._names.items()}
+        for r in range(len(self.rules)):
+            seen, todo = set(), list(first.get(r, ()))
+            while todo:
+                s = todo.pop()
+                if s == r:
+                    what = f"rule {names[r]!r}" if r in names else "a repeated group"
+                    raise ValueError(f"grammar: {what} is left-recursive (it can come back to itself before a "
+                                     "character), which this server's checker cannot hold: write it right-recursive "
+                                     "or with a repetition (x*)")
+                if s not in seen:
+                    seen.add(s)
+                    todo += first.get(s, ())
+
+    # ------------------------------------------------------------------ checking
+    def _closure(self, stacks: list[tuple]) -> State:
+        """The parses from these stacks, each down to a character element (or ended: ())."""
+        out: set[tuple] = set()
+        todo = list(stacks)
+        while todo and len(out) < MAX_PARSES:
+            stack = todo.pop()
+            while True:
+                if not stack:
+                    out.add(())
+                    break
+                a, i = stack[-1]
+                alt = self.alts[a]
+                if i == len(alt):
+                    stack = stack[:-1]
+                    continue
+                kind, v = alt[i]
+                if kind == "c":
+                    out.add(stack)
+                    break
+                rest = stack[:-1] if i + 1 == len(alt) else stack[:-1] + ((a, i + 1),)
+                if len(rest) >= MAX_STACK:
+                    break  # (a text nested this deep is not followed)
+                todo += [rest + ((b, 0),) for b in self.rules[v]]  # type: ignore[index]
+                break
+        return frozenset(out)
+
+    def step(self, state: State, ch: str) -> State | None:
+        """The parses after `ch`, or None where none goes on."""
+        key = (state, ord(ch))
+        got = self._steps.get(key, ...)
+        if got is not ...:
+            return got  # type: ignore[return-value]
+        c = ord(ch)
+        moved = []
+        for stack in state:
+            if stack:
+                a, i = stack[-1]
+                if _has(self.alts[a][i][1], c):  # type: ignore[arg-type]
+                    moved.append(stack[:-1] + ((a, i + 1),))
+        res = self._closure(moved) if moved else None
+        if res is not None:
+            held = self._states.get(res)
+            if held is None:
+                if self._held + len(res) > _CACHE_STATES:  # a memory's worth kept: start over
+                    self._steps.clear()
+                    self._states.clear()
+                    self._held = 0
+                self._states[res] = res
+                self._held += len(res)
+            else:
+                res = held
+        self._steps[key] = res
+        return res
+
+    def accepts(self, state: State) -> bool:
+        return () in state
+
+
+@functools.lru_cache(maxsize=64)
+def compile_grammar(text: str) -> Grammar:
+    """`Grammar(text)`, compiled once for the requests that send it (the last few kept); a ValueError (a client's
+    400) naming what it refuses."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("a grammar must be a non-empty string of rules (`root ::= ...`)")
+    if "::=" not in text and re.search(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*\s*:", text, re.M):
+        raise ValueError("grammar: this reads as a Lark grammar (`name: ...`); this server takes EBNF as vLLM's "
+                         "xgrammar backend does (GBNF: `root ::= ...`)")
+    return Grammar(text)

@@ -1,0 +1,124 @@
+"""The EBNF grammars of guided decoding (`core.ebnf_grammar`, vLLM's guided_grammar): a grammar written for a regular
+language accepts what Python's `re` matches whole, a recursive one what its language holds, every prefix of a text
+goes on, and what the checker cannot hold is refused with the reason."""
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+
+from core.ebnf_grammar import compile_grammar
+
+# (grammar, the same language as a regex)
+REGULAR = [
+    ('root ::= [0-9]+', r"\d+"),
+    ('root ::= ("ab" | "a")* "b"', r"(ab|a)*b"),
+    ('root ::= [a-c]{2,3} "x"?', r"[a-c]{2,3}x?"),
+    ('root ::= "-"? [0-9]+ ("." [0-9]+)?', r"-?\d+(\.\d+)?"),
+    ("root ::= 'a'{2,} b\nb ::= \"b\" | \"\"", r"a{2,}b?"),
+    ('root ::= item ("," " "? item)*\nitem ::= [a-z]+ | "9"', r"([a-z]+|9)(, ?([a-z]+|9))*"),
+    ('root ::= [^a-c\\n] .', r"[^a-c\n][\s\S]"),
+    ('root ::= "\\x41\\t" [\\]x-z]+ "\\u00e9"', "A\t[\\]x-z]+\u00e9"),
+    ('root ::= \\\n  "a"  # a comment, "b"\n  | "c" [\\d]{0,2}', r"a|c\d{0,2}"),
+]
+ALPHABET = "abcxyz019.,- \n\tA]é"
+
+
+def _run(g, text: str):
+    st = g.start
+    for ch in text:
+        st = g.step(st, ch)
+        if st is None:
+            return None
+    return st
+
+
+def _texts(seed: int, n: int = 400) -> set[str]:
+    rng = random.Random(seed)
+    out = {"".join(p) for k in range(4) for p in itertools.product("ab9,", repeat=k)}
+    out |= {"".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 8))) for _ in range(n)}
+    return out
+
+
+@pytest.mark.parametrize("grammar,pattern", REGULAR)
+def test_a_grammar_of_a_regular_language_accepts_what_re_matches(grammar, pattern):
+    grammar = grammar.replace("\\\n", "\n")  # (a rule that spans lines)
+    g = compile_grammar(grammar)
+    for text in _texts(len(grammar)):
+        st = _run(g, text)
+        want = re.fullmatch(pattern, text) is not None
+        assert (st is not None and g.accepts(st)) == want, (grammar, text)
+        if want:  # every prefix of a text goes on
+            assert all(_run(g, text[:k]) is not None for k in range(len(text)))
+
+
+def _balanced(text: str) -> bool:
+    depth = 0
+    for ch in text:
+        depth += 1 if ch == "(" else -1
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def test_a_recursive_grammar_accepts_its_language():
+    """Balanced parentheses (no regex holds them): nested as deep as the text goes, repetition keeping the parse as
+    shallow as the nesting."""
+    g = compile_grammar('root ::= ("(" root ")")*')
+    for k in range(9):
+        for text in ("".join(p) for p in itertools.product("()", repeat=k)):
+            st = _run(g, text)
+            assert (st is not None and g.accepts(st)) == _balanced(text), text
+    deep = "(" * 300 + ")" * 300
+    assert g.accepts(_run(g, deep)) and g.accepts(_run(g, "()" * 500))
+    assert max(len(s) for s in _run(g, "()" * 500)) <= 2
+
+
+def test_json_as_a_grammar():
+    g = compile_grammar(r'''
+        root   ::= object
+        value  ::= object | array | string | number | ("true" | "false" | "null") ws
+        object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+        array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+        string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+        number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,3})? ws
+        ws     ::= | " " | "\n" [ \t]{0,20}
+    ''')
+    good = ['{"a": [1, -2.5e3, {"b": "x\\u00e9\\n"}], "c": true}', "{}", '{"k": null}\n']
+    bad = ['{"a": }', '{"a": [1, 2', "[]", '{"a" 1}', '{"a": tru}']
+    assert all(g.accepts(_run(g, t)) for t in good)
+    assert all((st := _run(g, t)) is None or not g.accepts(st) for t in bad)
+
+
+@pytest.mark.parametrize("grammar,reason", [
+    ('root ::= root "a" | "b"', "left-recursive"),
+    ('root ::= x\nx ::= y "a"\ny ::= "" | root', "left-recursive"),
+    ('root ::= ("a"?)* "b"', "left-recursive"),
+    ('x ::= "a"', "no `root`"),
+    ('root ::= y', "'y' is not defined"),
+    ('root ::= "a"\nroot ::= "b"', "defined twice"),
+    ('root ::= "a', "not closed"),
+    ('root ::= [a-', "not closed"),
+    ('root ::= ("a" | "b"', "not closed"),
+    ('root ::= [z-a]', "backwards"),
+    ('root ::= "a"{3,2}', "counts"),
+    ('root ::= "a"{1,5000}', "counts"),
+    ('root ::= (= "a") "a"', "lookahead"),
+    ('root ::= "a" root', "derives no text"),
+    ('root: "a" | "b"', "Lark"),
+    ("", "non-empty"),
+    ('root ::= "\\q"', "unknown escape"),
+    ('root ::= "a" ; "b"', "unexpected"),
+    ("root ::= " + " ".join(['"a"{1000}'] * 51), "elements"),
+])
+def test_what_the_checker_cannot_hold_is_refused_with_the_reason(grammar, reason):
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        compile_grammar(grammar)
+
+
+def test_steps_are_cached_and_states_shared():
+    g = compile_grammar('root ::= [a-z]+ "." [a-z]+')
+    a, b = _run(g, "abc.de"), _run(g, "xyz.qq")
+    assert a is b and g.accepts(a) and not g.accepts(_run(g, "abc."))
