@@ -34,10 +34,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (ErrorKind, GenerateRequest, ProtocolError, RejectReason, RequestOutput, TokenLogprob,
-                           check_output, clock_id, waited_since_ms)
+from core.messages import (ErrorKind, GenerateRequest, PromptOptions, ProtocolError, RejectReason, RequestOutput,
+                           TokenLogprob, check_output, clock_id, waited_since_ms)
 from core.request import SLO, FinishReason, LoraSource
-from core.sampling import SamplingParams
+from core.sampling import MAX_LOGPROBS, SamplingParams
 from deployments import protocol as P
 from deployments import responses as R
 from deployments.args import load_api_keys
@@ -731,8 +731,12 @@ class OpenAIFrontend:
         else:
             echo = await until_disconnected(request.receive, self._echoed(body)) \
                 if isinstance(body, P.CompletionRequest) and body.echo else None
-        work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms, echo[0] if echo else None) \
-            if len(reqs) == 1 else self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms, echo)
+        if body.use_beam_search:
+            work = self._beam_search(body, reqs[::body.n or 1], kind, rid, t_in, t_call, proxy_ms)
+        elif len(reqs) == 1:
+            work = self._respond(body, reqs[0], kind, rid, t_in, t_call, proxy_ms, echo[0] if echo else None)
+        else:
+            work = self._respond_batch(body, reqs, kind, rid, t_in, proxy_ms, echo)
         got = await until_disconnected(request.receive, work)
         return got if echoed is None else _as_response(got, rid, echoed)
 
@@ -837,6 +841,72 @@ class OpenAIFrontend:
             response.kairos_cancel = gen.cancel  # type: ignore[attr-defined]
             return response
         return await self._collect(gen, first, kind, rid, headers, model, body, echo)
+
+    async def _beam_search(self, body: P._Common, reqs: list[GenerateRequest], kind: str, rid: str, t_in: float,
+                           t_call: float, proxy_ms: float) -> JSONResponse:
+        """vLLM's beam search (`use_beam_search`), as vLLM's OpenAI server runs it over its engine: for each prompt,
+        `n` beams (the prompt, at first); each step, each beam's next-token log-probabilities (a request of one token
+        over the beam's tokens, its 2n likeliest: the prefix cache holds the beam's KV), every beam grown by each of
+        them, and the n likeliest kept, ranked by their summed log-probability over their length (the prompt's
+        tokens counted) to the power `length_penalty`. A beam grown by an EOS (unless `ignore_eos`) has ended (with
+        the EOS where `include_stop_str_in_output`); after `max_tokens` steps, or once no beam goes on, the n best of
+        the ended and the living beams are the choices, best first (finish reason stop where ended by an EOS, else
+        length). Each step's requests carry no SLO (their pace is the search's); one turned away or failed fails the
+        response with its status."""
+        width = body.n or 1
+        eos = frozenset((self._ready_info() or {}).get("eos_token_ids") or ())
+        model = body.model or self.served_model_name
+        first_headers: list[dict[str, str]] = []
+
+        async def step(req: GenerateRequest, tokens: tuple[int, ...], tag: str) -> list[tuple[int, float]]:
+            self._own_call()  # in this call's own task
+            one = dataclasses.replace(req, request_id=tag, prompt=tokens, messages=None, slo=SLO(),
+                                      prompt_len_hint=len(tokens), params=dataclasses.replace(
+                                          req.params, max_tokens=1, min_tokens=0, temperature=0.0, ignore_eos=True,
+                                          logprobs=min(MAX_LOGPROBS, 2 * width), seed=None),
+                                      options=PromptOptions(add_special_tokens=False))
+            sent, gen, first = await self._start(one, time.perf_counter())
+            headers = self._headers(rid, sent, first, t_in, t_call, proxy_ms)
+            if first.finished:
+                failure = item_failure(first, headers, self.retry_after_s, body.fields_at_fault())
+                if failure is not None:
+                    raise failure
+            whole = await self._rest(gen, first, rid, headers)
+            if not first_headers:
+                first_headers.append(headers)
+            lp = (whole.logprobs or [None])[0]
+            return [] if lp is None else [(t, v) for t, _, v in lp.top if v != float("-inf")]
+
+        async def search(i: int, req: GenerateRequest) -> list[P.Choice]:
+            self._own_call()
+            got = await self._replica_call("prompt_tokens", req.prompt if req.messages is None else None,
+                                           req.messages, req.options)
+            if "error" in got:
+                raise APIError(400, got["error"], param=body.fields_at_fault()[0])
+            prompt = tuple(got["tokens"])
+            beams = BeamSearch(prompt, width, eos, req.params.ignore_eos, req.params.include_stop_str_in_output,
+                               body.length_penalty)
+            for k in range(req.params.max_tokens or 1):
+                tops = await asyncio.gather(*(step(req, toks, f"{req.request_id}-beam{k}.{j}")
+                                              for j, (toks, _) in enumerate(beams.live)))
+                if not beams.grow(tops):
+                    break
+            out = []
+            for toks, _, stopped in beams.best():
+                reply = list(toks[len(prompt):])
+                text = await self._replica_call("token_text", reply) if reply else {"prompt": ""}
+                if "error" in text:
+                    raise APIError(500, text["error"], "server_error", "replica_error")
+                out.append((text["prompt"], FinishReason.STOP if stopped else FinishReason.LENGTH, len(prompt),
+                            len(reply), None, None, None))
+            return out
+
+        done = await _all_or_none([search(i, r) for i, r in enumerate(reqs)])
+        choices = [c for group in done for c in group]
+        headers = first_headers[0] if first_headers else {"x-kairos-request-id": rid}
+        if kind == "completion":
+            return JSONResponse(P.batch_completion_response(rid, model, choices, width), headers=headers)
+        return JSONResponse(P.batch_chat_response(rid, model, choices), headers=headers)
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
         """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
@@ -1298,6 +1368,43 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
                 fin = "tool_calls"  # type: ignore[assignment]
         delta = read.delta()
     return _chunk(P.chat_chunk(rid, model, created, delta, fin, item.stop_reason, index, lp), include_usage, usage)
+
+
+class BeamSearch:
+    """vLLM's beam search over next-token log-probabilities (`OpenAIFrontend._beam_search` asks the model for them):
+    the `live` beams (token ids, the prompt's first; summed log-probability of the reply's tokens) and those `ended`
+    by an EOS. A beam's score is its sum over its length (the prompt counted, an ending EOS not) to the power
+    `length_penalty`, vLLM's `get_beam_search_score`."""
+
+    def __init__(self, prompt: tuple[int, ...], width: int, eos: frozenset[int], ignore_eos: bool = False,
+                 keep_eos: bool = False, length_penalty: float = 1.0) -> None:
+        self.width, self.eos, self.ignore_eos, self.keep_eos = width, eos, ignore_eos, keep_eos
+        self.length_penalty = length_penalty
+        self.live: list[tuple[tuple[int, ...], float]] = [(prompt, 0.0)]
+        self.ended: list[tuple[tuple[int, ...], float]] = []
+
+    def score(self, tokens: tuple[int, ...], cum: float, ended: bool = False) -> float:
+        n = len(tokens) - (1 if ended and self.keep_eos else 0)
+        return cum / (max(n, 1) ** self.length_penalty)
+
+    def grow(self, tops: list[list[tuple[int, float]]]) -> bool:
+        """One step: each live beam's likeliest next tokens (id, log-probability), in `live`'s order. Each beam grown
+        by each; one grown by an EOS has ended (unless `ignore_eos`; its EOS kept with `keep_eos`); the `width` best
+        of the others live on. False once none does."""
+        grown = []
+        for (toks, cum), top in zip(self.live, tops):
+            for t, v in top:
+                if t in self.eos and not self.ignore_eos:
+                    self.ended.append((toks + (t,) if self.keep_eos else toks, cum + v))
+                else:
+                    grown.append((toks + (t,), cum + v))
+        self.live = sorted(grown, key=lambda b: self.score(*b), reverse=True)[:self.width]
+        return bool(self.live)
+
+    def best(self) -> list[tuple[tuple[int, ...], float, bool]]:
+        """The `width` best beams, ended and live, best first: (tokens, summed log-probability, ended)."""
+        every = [(t, c, True) for t, c in self.ended] + [(t, c, False) for t, c in self.live]
+        return sorted(every, key=lambda b: self.score(*b), reverse=True)[:self.width]
 
 
 class _Whole(NamedTuple):

@@ -4,7 +4,7 @@ Validation policy: every invalid request is answered 400 `invalid_request_error`
 schema/type errors that FastAPI would answer 422; malformed JSON is 400 too, an oversized body 413.
 Unknown fields are ignored (clients send `user`, `metadata`, ...); fields that would change the output and that we
 cannot honour are rejected explicitly when given a value other than their default: a chat's best_of, suffix, a
-completion's tools, the legacy functions and beam search (`UNSUPPORTED`); a request's own chat
+completion's tools and the legacy functions (`UNSUPPORTED`); a request's own chat
 template only where the app trusts requests with one. `logit_bias`, the presence / frequency / repetition penalties,
 min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprobs`: `Logprobs`, vLLM's
 return_tokens_as_token_ids; vLLM's `prompt_logprobs`, `shown_prompt_logprobs`), `echo` (a completion's prompt, a
@@ -64,12 +64,18 @@ class StreamOptions(BaseModel):
 # fields that change the output, which Kairos does not implement: accepted only at their default (None, or these)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False),
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "echo": (False,), "suffix": ("",),
+    "parallel_tool_calls": (True, False), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
     # RAG documents
     "documents": (),
 }
+
+
+# fields a beam search does not honour (`_Common._beam`): a 400 where one is given beside use_beam_search
+BEAM_REFUSED = ("stop", "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "min_tokens", "bad_words", "allowed_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
+                "best_of", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs", "tools", "tool_choice")
 
 
 # vLLM's structured_outputs: the grammars this server keeps (and what each takes), and options it takes and ignores
@@ -150,6 +156,10 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, max_length=1 << 20)  # an EBNF grammar (`core.ebnf_grammar`)
+    # vLLM's beam search: the n likeliest replies by their tokens' summed log-probabilities over their length (with
+    # the prompt's) to the power length_penalty, n beams kept each step (`OpenAIFrontend._beam_search`)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     structured_outputs: dict[str, Any] | None = None
     # vLLM's: only these tokens may be drawn; special tokens kept in the text; a stop string kept in it; the prompt's
     # last k tokens only (-1: as many as the context window takes)
@@ -247,6 +257,28 @@ class _Common(BaseModel):
                     not isinstance(v[kind], list) or not v[kind] or any(not isinstance(c, str) for c in v[kind])):
             raise ValueError(f"structured_outputs.{kind} must be {STRUCTURED_KINDS[kind]}")
         return v
+
+    @model_validator(mode="after")
+    def _beam(self) -> "_Common":
+        """Beam search takes its beams' width (n), max_tokens, ignore_eos, include_stop_str_in_output and
+        length_penalty (vLLM's BeamSearchParams); a field it would not honour is a 400 naming it."""
+        if not math.isfinite(self.length_penalty):
+            raise ValueError("length_penalty must be a finite number")
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty weighs beam search's scores: it needs use_beam_search")
+            return self
+        if self.stream:
+            raise ValueError("stream: a beam search's replies come whole here (use_beam_search takes stream false)")
+        if (self.n or 1) > MAX_LOGPROBS // 2:
+            raise ValueError(f"n: a beam search keeps at most {MAX_LOGPROBS // 2} beams (n), got {self.n}")
+        for name in BEAM_REFUSED:
+            v = getattr(self, name, None)
+            default = type(self).model_fields[name].default if name in type(self).model_fields else None
+            if v not in (None, False, default) and not (name == "response_format" and v.get("type") == "text") \
+                    and not (name == "best_of" and v == (self.n or 1)) and not (name == "tool_choice" and v == "none"):
+                raise ValueError(f"{name} is not supported with use_beam_search")
+        return self
 
     @model_validator(mode="after")
     def _one_guide(self) -> "_Common":

@@ -986,3 +986,28 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
 
     lag = lag_between(server_metrics(str(client.base_url), loop_lag, limit_s=0.0), None)
     assert lag and lag["wakeups"] >= 1 and lag["mean_ms"] >= 0 and lag["p99_le_ms"] > 0, lag
+
+
+def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
+    """vLLM's use_beam_search: n beams, best first; one beam over a reply that cannot end early is the greedy reply;
+    the beams of a wider search are distinct replies of max_tokens tokens; what a beam search does not honour is a
+    400 naming it."""
+    cmpl = {"prompt": "The quick brown fox", "max_tokens": 6, "ignore_eos": True}
+    greedy = client.post("/v1/completions", json={**cmpl, "temperature": 0}).json()["choices"][0]["text"]
+    one = client.post("/v1/completions", json={**cmpl, "use_beam_search": True})
+    assert one.status_code == 200 and one.json()["choices"][0]["text"] == greedy, one.text
+    r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, "n": 3, "length_penalty": 0.5,
+                                              "prompt": ["The quick brown fox", "Once upon a time"]})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6)) and all(c["finish_reason"] == "length" for c in choices)
+    assert len({c["text"] for c in choices[:3]}) == 3 and len({c["text"] for c in choices[3:]}) == 3
+    assert r.json()["usage"]["completion_tokens"] == 36
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                                     "use_beam_search": True, "n": 2})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
+    for bad, param in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+                       ({"logprobs": 2}, "logprobs"), ({"use_beam_search": False, "length_penalty": 2.0},
+                                                       "length_penalty")):
+        r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

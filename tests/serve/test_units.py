@@ -2187,8 +2187,7 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
 
 
 @pytest.mark.parametrize("field,value", [
-    ("length_penalty", 1.2), ("function_call", {"name": "f"}), ("functions", [{"name": "f"}]),
-    ("use_beam_search", True)])
+    ("function_call", {"name": "f"}), ("functions", [{"name": "f"}])])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
     """OpenAI / vLLM apply these or answer 400; silently ignoring them would return an output the client did not
     ask for. Their defaults (or an explicit null) pass."""
@@ -2734,3 +2733,26 @@ def test_a_streams_text_chunks_are_the_bytes_of_its_chunk_dicts(kind, include_us
     it = RequestOutput("r", "x", [5])
     assert _sse_item(it, kind, rid, "\x00kairos-text\x00", 1, include_usage, fast=odd) == \
         _sse_item(it, kind, rid, "\x00kairos-text\x00", 1, include_usage)
+
+
+def test_beam_search_keeps_the_best_beams_by_vllm_s_score() -> None:
+    """vLLM's beam search (`BeamSearch`): each step every live beam grows by each of its likeliest tokens, the best
+    `width` live on, a beam grown by the EOS has ended; beams rank by their summed log-probability over their length
+    (the prompt's counted) to the power length_penalty, an ending EOS not counted where it is kept."""
+    from deployments.ingress import BeamSearch
+
+    eos = frozenset({0})
+    b = BeamSearch((7, 7), 2, eos)
+    assert b.grow([[(5, -0.1), (0, -0.2), (6, -1.0)]])  # the EOS ends a beam; 5 and 6 live on
+    assert [t for t, _ in b.live] == [(7, 7, 5), (7, 7, 6)] and b.ended == [((7, 7), -0.2)]
+    assert b.grow([[(8, -0.1), (9, -3.0)], [(8, -0.05)]])
+    assert [t for t, _ in b.live] == [(7, 7, 5, 8), (7, 7, 6, 8)]
+    best = b.best()  # scores: -0.2 / 4 = -0.05, the ended -0.2 / 2 = -0.1, then -1.05 / 4
+    assert [(t, e) for t, _, e in best] == [((7, 7, 5, 8), False), ((7, 7), True)]
+    assert BeamSearch((1,), 1, eos, length_penalty=0.0).score((1, 2, 3), -3.0) == -3.0
+    kept = BeamSearch((1,), 1, eos, keep_eos=True)
+    kept.grow([[(0, -1.0)]])
+    assert kept.ended == [((1, 0), -1.0)] and kept.score((1, 0), -1.0, True) == -1.0 and not kept.live
+    assert not kept.grow([])  # no beam left: the search ends
+    wide = BeamSearch((1,), 3, eos, ignore_eos=True)
+    assert wide.grow([[(0, -0.5), (4, -0.6)]]) and [t for t, _ in wide.live] == [(1, 0), (1, 4)]
