@@ -10,9 +10,9 @@ min_p, logprobs (a completion's `logprobs`, a chat's `logprobs` and `top_logprob
 return_tokens_as_token_ids; vLLM's `prompt_logprobs`, `shown_prompt_logprobs`), `echo` (a completion's prompt, a
 chat's last assistant message) and a completion's `best_of`, JSON mode (`response_format` json_object or
 json_schema, vLLM's guided_json: `core.json_grammar`; guided_regex and guided_choice: `core.regex_grammar`;
-guided_grammar: `core.ebnf_grammar`; vLLM's structured_outputs), a chat's tools and the calls its reply makes, and a reasoning model's thinking
-(`ChatCompletionRequest.reply_reader`: `deployments.tool_calls`, `deployments.reasoning`), and vLLM's other sampling
-and output fields are honoured, and so are vLLM's fields for how a prompt is tokenized
+guided_grammar: `core.ebnf_grammar`; vLLM's structured_outputs), vLLM's beam search (`use_beam_search`), a chat's
+tools and the calls its reply makes, and a reasoning model's thinking (`ChatCompletionRequest.reply_reader`:
+`deployments.tool_calls`, `deployments.reasoning`), and vLLM's other sampling and output fields are honoured, and so are vLLM's fields for how a prompt is tokenized
 (`core.messages.PromptOptions`).
 """
 from __future__ import annotations
