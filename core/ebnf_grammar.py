@@ -15,8 +15,10 @@ before a character), an undefined rule, lookahead assertions, a rule no text der
 `MAX_ELEMENTS` elements once its quantifiers are written out.
 
 The state is the set of the parses that are still possible, each a stack of the places to go on from in the rules'
-alternatives (a rule called last in its alternative leaves no place: repetition does not deepen the stack); the
-steps taken are cached per grammar, as the regex automaton's are.
+alternatives (a rule called last in its alternative leaves no place: repetition does not deepen the stack); a
+rule's alternatives that begin alike are taken as one until they differ (a list of words is a tree of letters), so
+that an ambiguity that ends keeps no parses apart; the steps taken are cached per grammar, as the regex automaton's
+are. A repetition of what may be empty is held (its paths meet again and stop); left recursion is not.
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ from core.regex_grammar import DIGIT, SPACE, WORD, Ranges, _complement, _has, _n
 
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
 MAX_REPEAT = 1_000  # the largest count a {m,n} may name
-MAX_STACK = 1_000  # a parse's depth (nested groups of the text): deeper is refused
-MAX_PARSES = 4_096  # the parses a state keeps (an ambiguous grammar's), the first found kept
-_CACHE_STATES = 200_000  # the states the steps kept (all parses counted), per grammar, before it starts over
+MAX_STACK = 1_000  # a parse's depth in places (a nested group of the text takes one or two): deeper is not followed
+MAX_PARSES = 16_384  # the parses a state keeps (an ambiguous grammar's), the first found kept
+_CACHE_PLACES = 2_000_000  # the places the states the steps kept hold in all, per grammar, before it starts over
+_CACHE_STEPS = 1_000_000  # and the steps kept
 ANY: Ranges = ((0, 0x10FFFF),)
 
 State = frozenset  # of stacks: tuples of (alternative, element) places; () a parse that has ended
@@ -181,14 +184,13 @@ class _Lexer:
         end = t.find("}", self.i)
         if end < 0:
             raise self.fail("a {m,n} is not closed", start)
-        body = t[self.i + 1:end].replace(" ", "")
+        body = "".join(t[self.i + 1:end].split())
         self.i = end + 1
         lo, sep, hi = body.partition(",")
-        try:
-            m = int(lo)
-            n = m if not sep else (None if hi == "" else int(hi))
-        except ValueError:
-            raise self.fail(f"{{{body}}} is not a count {{m}}, {{m,}} or {{m,n}}", start) from None
+        if not (re.fullmatch(r"[0-9]+", lo) and (not sep or re.fullmatch(r"[0-9]*", hi))):
+            raise self.fail(f"{{{body}}} is not a count {{m}}, {{m,}} or {{m,n}}", start)
+        m = int(lo)
+        n = m if not sep else (None if hi == "" else int(hi))
         if m < 0 or n is not None and n < m or max(m, n or 0) > MAX_REPEAT:
             raise self.fail(f"{{{body}}}: counts from 0 to {MAX_REPEAT}, the second no less than the first", start)
         return m, n
@@ -205,6 +207,7 @@ class Grammar:
         self._names: dict[str, int] = {}
         self._elements = 0
         self._parse(_Lexer(text))
+        self._factor()
         self._prune()
         self._check_left_recursion()
         self._steps: dict[tuple[State, int], State | None] = {}
@@ -218,11 +221,14 @@ class Grammar:
         return len(self.rules) - 1
 
     def _alt(self, rule: int, elems: list[tuple[str, object]]) -> None:
+        self.rules[rule].append(self._new_alt(elems))
+
+    def _new_alt(self, elems: list[tuple[str, object]]) -> int:
         self._elements += len(elems) + 1
         if self._elements > MAX_ELEMENTS:
             raise ValueError(f"grammar: more than {MAX_ELEMENTS} elements once its quantifiers are written out")
         self.alts.append(tuple(elems))
-        self.rules[rule].append(len(self.alts) - 1)
+        return len(self.alts) - 1
 
     def _parse(self, lx: _Lexer) -> None:
         toks = lx.tokens()
@@ -332,6 +338,38 @@ class Grammar:
             tail = ("r", rule)
         return out + ([tail] if tail is not None else [])
 
+    def _factor(self) -> None:
+        """A rule's alternatives that begin alike as one, its tails a rule of their own (`"ab" | "ac"` as
+        `"a" ("b" | "c")`), down to where they differ: a text then keeps one parse where the alternatives would keep
+        one each (a list of words is a tree of their letters; `"(" s ")" | "(" s "]"` keeps one parse a level, not
+        two)."""
+        todo = list(range(len(self.rules)))
+        budget = 4 * MAX_ELEMENTS  # the elements the tails may take in all (past it, the rest stays as written)
+        while todo:
+            r = todo.pop()
+            groups: dict[tuple[str, object], list[int]] = {}
+            for a in self.rules[r]:
+                if self.alts[a]:
+                    groups.setdefault(self.alts[a][0], []).append(a)
+            if all(len(g) < 2 for g in groups.values()):
+                continue
+            budget -= sum(len(self.alts[a]) for g in groups.values() if len(g) > 1 for a in g)
+            if budget < 0:
+                break
+            kept = [a for a in self.rules[r] if not self.alts[a]]
+            for head, group in groups.items():
+                if len(group) == 1:
+                    kept.append(group[0])
+                    continue
+                tails = self._rule()
+                for a in group:
+                    self.alts.append(self.alts[a][1:])
+                    self.rules[tails].append(len(self.alts) - 1)
+                self.alts.append((head, ("r", tails)))
+                kept.append(len(self.alts) - 1)
+                todo.append(tails)
+            self.rules[r] = kept
+
     def _prune(self) -> None:
         """Drop the alternatives that derive no text (a rule of them only calls itself for ever); a root left with
         none matches nothing."""
@@ -350,7 +388,10 @@ class Grammar:
             self.rules[r] = [a for a in alts if all(k == "c" or v in productive for k, v in self.alts[a])]
 
     def _check_left_recursion(self) -> None:
-        """Refuse a rule that can come back to itself before a character: its parse would never end."""
+        """Refuse a rule that can come back to itself before a character through a call that is not the last of
+        its alternative: each time round, its parse would be one place deeper, for ever. (Back through last calls
+        only, as a repetition of what may be empty comes back, a parse stays as deep: `_closure` meets it again and
+        stops.)"""
         nullable: set[int] = set()
         changed = True
         while changed:
@@ -359,36 +400,50 @@ class Grammar:
                 if r not in nullable and any(all(k == "r" and v in nullable for k, v in self.alts[a]) for a in alts):
                     nullable.add(r)
                     changed = True
-        first: dict[int, set[int]] = {}
+        edges: dict[int, list[tuple[int, bool]]] = {}  # rule -> (a rule it may call first, as not its last call)
         for r, alts in enumerate(self.rules):
             for a in alts:
-                for k, v in self.alts[a]:
+                alt = self.alts[a]
+                for i, (k, v) in enumerate(alt):
                     if k == "c":
                         break
-                    first.setdefault(r, set()).add(v)  # type: ignore[arg-type]
+                    edges.setdefault(r, []).append((v, i + 1 < len(alt)))  # type: ignore[arg-type]
                     if v not in nullable:
                         break
         names = {r: n for n, r in self._names.items()}
-        for r in range(len(self.rules)):
-            seen, todo = set(), list(first.get(r, ()))
+
+        def reaches(src: int, dst: int) -> bool:
+            seen, todo = {src}, [src]
             while todo:
-                s = todo.pop()
-                if s == r:
-                    what = f"rule {names[r]!r}" if r in names else "a repeated group"
+                for s_, _ in edges.get(todo.pop(), ()):
+                    if s_ == dst:
+                        return True
+                    if s_ not in seen:
+                        seen.add(s_)
+                        todo.append(s_)
+            return False
+
+        for r, out in edges.items():
+            for s_, deeper in out:
+                if deeper and (s_ == r or reaches(s_, r)):
+                    what = f"rule {names[r]!r}" if r in names else "a group"
                     raise ValueError(f"grammar: {what} is left-recursive (it can come back to itself before a "
                                      "character), which this server's checker cannot hold: write it right-recursive "
                                      "or with a repetition (x*)")
-                if s not in seen:
-                    seen.add(s)
-                    todo += first.get(s, ())
 
     # ------------------------------------------------------------------ checking
     def _closure(self, stacks: list[tuple]) -> State:
-        """The parses from these stacks, each down to a character element (or ended: ())."""
+        """The parses from these stacks, each down to a character element (or ended: ()). Each stack is expanded
+        once: paths through what may be empty that meet again (a repetition of something that may be empty) end
+        there, and so does the work."""
         out: set[tuple] = set()
         todo = list(stacks)
+        seen: set[tuple] = set()
         while todo and len(out) < MAX_PARSES:
             stack = todo.pop()
+            if stack in seen:
+                continue
+            seen.add(stack)
             while True:
                 if not stack:
                     out.add(())
@@ -423,19 +478,25 @@ class Grammar:
                 if _has(self.alts[a][i][1], c):  # type: ignore[arg-type]
                     moved.append(stack[:-1] + ((a, i + 1),))
         res = self._closure(moved) if moved else None
+        if len(self._steps) >= _CACHE_STEPS:  # a memory's worth kept: start over
+            self._forget()
         if res is not None:
             held = self._states.get(res)
             if held is None:
-                if self._held + len(res) > _CACHE_STATES:  # a memory's worth kept: start over
-                    self._steps.clear()
-                    self._states.clear()
-                    self._held = 0
+                size = sum(len(s) for s in res) + 1
+                if self._held + size > _CACHE_PLACES:
+                    self._forget()
                 self._states[res] = res
-                self._held += len(res)
+                self._held += size
             else:
                 res = held
         self._steps[key] = res
         return res
+
+    def _forget(self) -> None:
+        self._steps.clear()
+        self._states.clear()
+        self._held = 0
 
     def accepts(self, state: State) -> bool:
         return () in state
