@@ -2310,7 +2310,7 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
 
     from core.messages import ContextLengthExceeded, PromptTooLong
 
-    assert P.unsupported_field({"prompt": "x", "use_beam_search": True}) == "use_beam_search"
+    assert P.unsupported_field({"prompt": "x", "functions": [{"name": "f"}]}) == "functions"
     assert P.unsupported_field({"prompt": "x", "prompt_logprobs": 0, "skip_special_tokens": True,
                                 "prediction": {}, "logprobs": 3, "top_logprobs": 2}) is None  # logprobs: honoured
     for field, value in (("echo", True), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):  # (a chat's)
