@@ -522,6 +522,23 @@ class Regex:
         return bool(self.start)
 
 
+def walk(automaton, text: str, state=None):
+    """The state of a character automaton (a `Regex`, or a `core.ebnf_grammar.Grammar`: `start`, `step`) after
+    `text`, from `state` (default: its start); None where some character of it cannot come next."""
+    st = automaton.start if state is None else state
+    for ch in text:
+        st = automaton.step(st, ch)
+        if st is None:
+            return None
+    return st
+
+
+def matches(automaton, text: str) -> bool:
+    """Whether `text` is a whole match (a text of the grammar)."""
+    st = walk(automaton, text)
+    return st is not None and automaton.accepts(st)
+
+
 @functools.lru_cache(maxsize=64)
 def compile_regex(pattern: str, search: bool = False) -> Regex:
     """`Regex(pattern, search)`, compiled once for the requests that send it (the last few patterns kept); a

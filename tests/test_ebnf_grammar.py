@@ -10,6 +10,7 @@ import re
 import pytest
 
 from core.ebnf_grammar import compile_grammar
+from core.regex_grammar import walk
 
 # (grammar, the same language as a regex)
 REGULAR = [
@@ -29,15 +30,6 @@ REGULAR = [
 ALPHABET = "abcxyz019.,- \n\tA]é"
 
 
-def _run(g, text: str):
-    st = g.start
-    for ch in text:
-        st = g.step(st, ch)
-        if st is None:
-            return None
-    return st
-
-
 def _texts(seed: int, n: int = 400) -> set[str]:
     rng = random.Random(seed)
     out = {"".join(p) for k in range(4) for p in itertools.product("ab9,", repeat=k)}
@@ -50,11 +42,11 @@ def test_a_grammar_of_a_regular_language_accepts_what_re_matches(grammar, patter
     grammar = grammar.replace("\\\n", "\n")  # (a rule that spans lines)
     g = compile_grammar(grammar)
     for text in _texts(len(grammar)):
-        st = _run(g, text)
+        st = walk(g, text)
         want = re.fullmatch(pattern, text) is not None
         assert (st is not None and g.accepts(st)) == want, (grammar, text)
         if want:  # every prefix of a text goes on
-            assert all(_run(g, text[:k]) is not None for k in range(len(text)))
+            assert all(walk(g, text[:k]) is not None for k in range(len(text)))
 
 
 def _balanced(text: str) -> bool:
@@ -72,11 +64,11 @@ def test_a_recursive_grammar_accepts_its_language():
     g = compile_grammar('root ::= ("(" root ")")*')
     for k in range(9):
         for text in ("".join(p) for p in itertools.product("()", repeat=k)):
-            st = _run(g, text)
+            st = walk(g, text)
             assert (st is not None and g.accepts(st)) == _balanced(text), text
     deep = "(" * 300 + ")" * 300
-    assert g.accepts(_run(g, deep)) and g.accepts(_run(g, "()" * 500))
-    assert max(len(s) for s in _run(g, "()" * 500)) <= 2
+    assert g.accepts(walk(g, deep)) and g.accepts(walk(g, "()" * 500))
+    assert max(len(s) for s in walk(g, "()" * 500)) <= 2
 
 
 def test_json_as_a_grammar():
@@ -91,8 +83,8 @@ def test_json_as_a_grammar():
     ''')
     good = ['{"a": [1, -2.5e3, {"b": "x\\u00e9\\n"}], "c": true}', "{}", '{"k": null}\n']
     bad = ['{"a": }', '{"a": [1, 2', "[]", '{"a" 1}', '{"a": tru}']
-    assert all(g.accepts(_run(g, t)) for t in good)
-    assert all((st := _run(g, t)) is None or not g.accepts(st) for t in bad)
+    assert all(g.accepts(walk(g, t)) for t in good)
+    assert all((st := walk(g, t)) is None or not g.accepts(st) for t in bad)
 
 
 @pytest.mark.parametrize("grammar,reason", [
@@ -124,16 +116,16 @@ def test_alternatives_that_begin_alike_keep_one_parse():
     """A list of words, and brackets closed either way: the text keeps one parse, not one per alternative (or
     per level), and an ambiguity as deep as the text costs nothing."""
     words = compile_grammar("root ::= " + " | ".join(f'"w{i:04d}"' for i in range(3000)))
-    assert len(words.start) == 1 and all(words.accepts(_run(words, f"w{i:04d}")) for i in range(0, 3000, 7))
-    assert _run(words, "w3000") is None
+    assert len(words.start) == 1 and all(words.accepts(walk(words, f"w{i:04d}")) for i in range(0, 3000, 7))
+    assert walk(words, "w3000") is None
     g = compile_grammar('root ::= "(" root ")" | "(" root "]" | "x"')
     text = "(" * 40 + "x" + "])" * 20
-    assert g.accepts(_run(g, text)) and max(len(_run(g, text[:k])) for k in range(1, 41)) == 2  # ( or x next
+    assert g.accepts(walk(g, text)) and max(len(walk(g, text[:k])) for k in range(1, 41)) == 2  # ( or x next
     slow = compile_grammar('root ::= ("a"?){0,300} ("a"?){0,300} ("a"?){0,300} "x"')  # (paths through what may be
-    assert slow.accepts(_run(slow, "a" * 500 + "x"))  # empty meet again: compiled at once)
+    assert slow.accepts(walk(slow, "a" * 500 + "x"))  # empty meet again: compiled at once)
 
 
 def test_steps_are_cached_and_states_shared():
     g = compile_grammar('root ::= [a-z]+ "." [a-z]+')
-    a, b = _run(g, "abc.de"), _run(g, "xyz.qq")
-    assert a is b and g.accepts(a) and not g.accepts(_run(g, "abc."))
+    a, b = walk(g, "abc.de"), walk(g, "xyz.qq")
+    assert a is b and g.accepts(a) and not g.accepts(walk(g, "abc."))

@@ -9,22 +9,13 @@ import re
 
 import pytest
 
-from core.regex_grammar import choice_pattern, compile_regex
+from core.regex_grammar import choice_pattern, compile_regex, walk
 
 PATTERNS = [r"\d+", r"[a-c]{2,3}x?", r"(ab|a)*b", r"^\w+@\w+\.(com|org)$", r"(?:yes|no)", r"a{0}", r"a{,2}b",
             r"[^\d\s]+", r"-?\d+(\.\d+)?", r"[\w.-]+", r"x|", r"(a|b){3}", r"\u00e9+", r"[a\-z]+", r"a{2,}",
             r"(?P<n>ab)+c", r"[]a]+", r"a.b", r"[\\]+", r"\.\*", r"a{1,3}?b", r"(a*)*b", r"((a|)+)+c", r"[^]]",
             r"\x41\t", r"a{", r"(a$|b)c", r"[\s\S]{2}", r"\012+", r"[\0-\011]", r"\08", r"a{,}b", r"a{٣}"]
 ALPHABET = "abcxyz019.-@ \né]\\*A\t{"
-
-
-def _run(rx, text: str):
-    st = rx.start
-    for ch in text:
-        st = rx.step(st, ch)
-        if st is None:
-            return None
-    return st
 
 
 def _texts(seed: int) -> set[str]:
@@ -37,11 +28,11 @@ def _texts(seed: int) -> set[str]:
 def test_a_pattern_matches_whole_what_python_matches_and_every_prefix_of_a_match_goes_on(pattern: str) -> None:
     rx, ref = compile_regex(pattern), re.compile(pattern, re.ASCII)
     for text in _texts(len(pattern)):
-        st = _run(rx, text)
+        st = walk(rx, text)
         want = ref.fullmatch(text) is not None
         assert (st is not None and rx.accepts(st)) == want, text
         if want:
-            assert all(_run(rx, text[:k]) is not None for k in range(len(text))), text
+            assert all(walk(rx, text[:k]) is not None for k in range(len(text))), text
         if st is not None:  # a text it goes on from is a prefix of some match: no dead ends
             assert rx.accepts(st) or any(rx.step(st, ch) is not None for ch in ALPHABET + "abcdefghij0123456789_-\0\n")
 
@@ -55,7 +46,7 @@ def test_the_lengths_a_match_may_still_take_are_known() -> None:
         rx = compile_regex(pattern)
         assert rx.lengths(rx.start) == want, pattern
     rx = compile_regex(r"^(a|bbb)$")
-    assert rx.lengths(_run(rx, "b")) == (2, 2) and rx.lengths(_run(rx, "a")) == (0, 0)
+    assert rx.lengths(walk(rx, "b")) == (2, 2) and rx.lengths(walk(rx, "a")) == (0, 0)
     rx = compile_regex("abc", search=True)
     assert rx.lengths(rx.start) == (3, float("inf"))
 
@@ -65,16 +56,16 @@ def test_a_search_pattern_is_found_anywhere_unless_anchored() -> None:
                            (r"ab$", ["zab", "abz", "ab"]), (r"^$", ["", "a"])):
         rx = compile_regex(pattern, search=True)
         for text in texts:
-            st = _run(rx, text)
+            st = walk(rx, text)
             assert (st is not None and rx.accepts(st)) == (re.search(pattern, text) is not None), (pattern, text)
 
 
 def test_a_choice_is_matched_only_by_one_of_its_texts_whole() -> None:
     rx = compile_regex(choice_pattern(["yes", "no, really!", "a|b", "日本", "(x)*"]))
     for text in ("yes", "no, really!", "a|b", "日本", "(x)*"):
-        assert rx.accepts(_run(rx, text)), text
+        assert rx.accepts(walk(rx, text)), text
     for text in ("a", "ye", "yess", "b", "x", "(x)"):
-        st = _run(rx, text)
+        st = walk(rx, text)
         assert st is None or not rx.accepts(st), text
 
 
