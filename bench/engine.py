@@ -38,6 +38,7 @@ MODULE = "bench.engine"
 DEFAULT_MODEL = "kairos-random-42m"
 _RUNS = itertools.count()  # request ids unique across repetitions
 GUIDED_WORDS = r"[A-Za-z ,.]*"  # the regex point's: words, commas and full stops, of any length
+GUIDED_GRAMMAR = "root ::= (word | [ ,.])*\nword ::= [A-Za-z]+"  # the grammar point's: the same language, as EBNF
 # the sampling points, each the served step at the sampling batch beside greedy's: (section, the other run's key, its
 # sampling knobs, how the report and the headline name it)
 BESIDE_GREEDY: tuple[tuple[str, str, dict[str, Any], str, str], ...] = (
@@ -49,6 +50,8 @@ BESIDE_GREEDY: tuple[tuple[str, str, dict[str, Any], str, str], ...] = (
      "JSON mode"),
     ("regex", "regex", {"temperature": 0.0, "regex": GUIDED_WORDS}, f"held to {GUIDED_WORDS!r} (on the host)",
      "guided regex"),
+    ("grammar", "grammar", {"temperature": 0.0, "grammar": GUIDED_GRAMMAR}, "held to the same language as an EBNF "
+     "grammar (on the host)", "guided grammar"),
 )
 SIDES = tuple(b[0] for b in BESIDE_GREEDY)
 
