@@ -9,10 +9,11 @@ The syntax: rules `name ::= body`, one of them `root` (the whole reply); a body 
 sequence of string literals (`"..."` or `'...'`, with the escapes `\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, `\\'`,
 `\\xhh`, `\\uhhhh`, `\\Uhhhhhhhh`), character classes (`[a-z_]`, `[^"\\\\]`, with those escapes, and `\\d`, `\\w`,
 `\\s` as ASCII's), `.` (any character), rule names, groups `( ... )`, and the quantifiers `*`, `+`, `?`, `{m}`,
-`{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span lines. A grammar this checker
-cannot hold as written is refused with a ValueError naming why: left recursion (a rule that can come back to itself
-before a character), an undefined rule, lookahead assertions, a rule no text derives from `root`, or more than
-`MAX_ELEMENTS` elements once its quantifiers are written out.
+`{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span lines. A grammar with no `::=`
+is read as Lark's, as vLLM reads one (`from_lark`). A grammar this checker cannot hold as written is refused with a
+ValueError naming why: left recursion (a rule that can come back to itself before a character), an undefined rule,
+lookahead assertions, Lark's regular expressions, a rule no text derives from `root`, or more than `MAX_ELEMENTS`
+elements once its quantifiers are written out.
 
 The state is the set of the parses that are still possible, each a stack of the places to go on from in the rules'
 alternatives (a rule called last in its alternative leaves no place: repetition does not deepen the stack); a
@@ -508,7 +509,60 @@ def compile_grammar(text: str) -> Grammar:
     400) naming what it refuses."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("a grammar must be a non-empty string of rules (`root ::= ...`)")
-    if "::=" not in text and re.search(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*\s*:", text, re.M):
-        raise ValueError("grammar: this reads as a Lark grammar (`name: ...`); this server takes EBNF as vLLM's "
-                         "xgrammar backend does (GBNF: `root ::= ...`)")
+    if "::=" not in text:  # (no EBNF rule: vLLM reads it as Lark's, and so does this server)
+        text = from_lark(text)
     return Grammar(text)
+
+
+_LARK_RULE = re.compile(r"[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?[0-9]+)?\s*:(.*)")
+
+
+def _lark_line(line: str) -> str:
+    """A Lark line without its comment (`//` or `#` outside a string literal)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            if c == "\\":
+                continue
+            if c == quote and line[i - 1] != "\\":
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c == "#" or line.startswith("//", i):
+            return line[:i].strip()
+    return line.strip()
+
+
+def from_lark(text: str) -> str:
+    """A grammar in Lark's notation as vLLM's xgrammar backend takes it (`name: ...` rules, `|` lines that go on
+    with the last rule's alternatives, `?`/`!` and priorities dropped, `start` the reply's rule, else the first), as
+    EBNF. Its bodies are read as EBNF's (literals, classes, groups, quantifiers): Lark's regular expressions
+    (`/.../`), ranges (`"a".."z"`) and `~` repeats are refused by `Grammar` as it meets them."""
+    rules: list[tuple[str, list[str]]] = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = _lark_line(raw)
+        if not line:
+            continue
+        if line.startswith("|"):
+            if not rules:
+                raise ValueError(f"grammar (Lark), line {n}: an alternative `|` before any rule")
+            rules[-1][1].append(line[1:].strip())
+            continue
+        m = _LARK_RULE.fullmatch(line)
+        if m is None or m.group(2).lstrip().startswith("="):
+            raise ValueError(f"grammar (Lark), line {n}: not a rule `name: ...` (EBNF's rules are `name ::= ...`)")
+        if "/" in m.group(2).replace("//", "") and re.search(r"(^|\s)/[^/]", m.group(2)):
+            raise ValueError(f"grammar (Lark), line {n}: Lark's regular expressions (/.../) are not supported here: "
+                             "write the terminal as EBNF (literals, [classes], quantifiers)")
+        if re.search(r"[\"']\s*\.\.\s*[\"']", m.group(2)):
+            raise ValueError(f"grammar (Lark), line {n}: Lark's ranges (\"a\"..\"z\") are not supported here: write a "
+                             "class ([a-z])")
+        rules.append((m.group(1), [m.group(2).strip()]))
+    if not rules:
+        raise ValueError("grammar: no rule (`name ::= ...`, or Lark's `name: ...`)")
+    names = [name for name, _ in rules]
+    empty = '""'  # (an alternative left empty)
+    out = [f"{name} ::= {' | '.join(a or empty for a in alts)}" for name, alts in rules]
+    if "root" not in names:
+        out.insert(0, f"root ::= {'start' if 'start' in names else names[0]}")
+    return "\n".join(out)

@@ -101,7 +101,10 @@ def test_json_as_a_grammar():
     ('root ::= "a"{1,5000}', "counts"),
     ('root ::= (= "a") "a"', "lookahead"),
     ('root ::= "a" root', "derives no text"),
-    ('root: "a" | "b"', "Lark"),
+    ('start: /[a-z]+/', "regular expressions"),
+    ('start: "a".."z"', "ranges"),
+    ('| "a"', "before any rule"),
+    ('start "a"', "not a rule"),
     ("", "non-empty"),
     ('root ::= "\\q"', "unknown escape"),
     ('root ::= "a" ; "b"', "unexpected"),
@@ -129,3 +132,21 @@ def test_steps_are_cached_and_states_shared():
     g = compile_grammar('root ::= [a-z]+ "." [a-z]+')
     a, b = walk(g, "abc.de"), walk(g, "xyz.qq")
     assert a is b and g.accepts(a) and not g.accepts(walk(g, "abc."))
+
+
+def test_a_lark_grammar_is_read_as_vllm_reads_it():
+    """No `::=`: vLLM takes the grammar as Lark's (`name: ...`, `|` lines going on with the last rule, `?` dropped,
+    `start` the reply's rule, comments `//` and `#`), and so does this server."""
+    from core.regex_grammar import matches
+
+    g = compile_grammar('''
+        // vLLM's documentation's SQL grammar, in Lark's notation
+        ?start: select_statement
+        select_statement: "SELECT " column " from " table " where " condition   # the query
+        column: "col_1 " | 'col_2 '
+        table: "table_1 "
+             | "table_2 "
+        condition: column "= " number
+        number: "1 " | "2 " | "#"
+    ''')
+    assert matches(g, "SELECT col_2  from table_1  where col_1 = #") and not matches(g, "SELECT col_3 ")

@@ -582,7 +582,7 @@ def test_guided_regex_and_choice_replies_match(client: httpx.Client) -> None:
         assert matches(g, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks))
     for bad, param in (({"guided_regex": "(?<=a)b"}, "guided_regex"), ({"guided_regex": r"\1"}, "guided_regex"),
                        ({"guided_grammar": "root ::= root \"a\" | \"b\""}, "guided_grammar"),
-                       ({"guided_grammar": "start: \"a\""}, "guided_grammar"),
+                       ({"guided_grammar": "start: /a+/"}, "guided_grammar"),
                        ({"guided_grammar": "root ::= \"a\"", "guided_regex": "a"}, "guided_grammar"),
                        ({"guided_choice": []}, "guided_choice"), ({"guided_choice": [1]}, "guided_choice"),
                        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
