@@ -852,7 +852,8 @@ class OpenAIFrontend:
         the EOS where `include_stop_str_in_output`); after `max_tokens` steps, or once no beam goes on, the n best of
         the ended and the living beams are the choices, best first (finish reason stop where ended by an EOS, else
         length). Each step's requests carry no SLO (their pace is the search's); one turned away or failed fails the
-        response with its status."""
+        response with its status. Streamed, the choices come once the search has ended, each in one chunk (vLLM's
+        way)."""
         width = body.n or 1
         eos = frozenset((self._ready_info() or {}).get("eos_token_ids") or ())
         model = body.model or self.served_model_name
@@ -904,6 +905,9 @@ class OpenAIFrontend:
         done = await _all_or_none([search(i, r) for i, r in enumerate(reqs)])
         choices = [c for group in done for c in group]
         headers = first_headers[0] if first_headers else {"x-kairos-request-id": rid}
+        if body.stream:  # (as vLLM's: each beam's text in one chunk, once the search has ended)
+            return StreamingResponse(_beam_chunks(choices, kind, rid, model, width, body.include_usage),
+                                     media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         if kind == "completion":
             return JSONResponse(P.batch_completion_response(rid, model, choices, width), headers=headers)
         return JSONResponse(P.batch_chat_response(rid, model, choices), headers=headers)
@@ -1405,6 +1409,24 @@ class BeamSearch:
         """The `width` best beams, ended and live, best first: (tokens, summed log-probability, ended)."""
         every = [(t, c, True) for t, c in self.ended] + [(t, c, False) for t, c in self.live]
         return sorted(every, key=lambda b: self.score(*b), reverse=True)[:self.width]
+
+
+async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str, n: int,
+                       include_usage: bool) -> AsyncIterator[bytes]:
+    """A beam search's choices as an SSE stream: each its text in one chunk (a chat's: its role first), its usage
+    (each prompt counted once) where asked, and [DONE]."""
+    created = int(time.time())
+    for i, (text, finish, *_) in enumerate(choices):
+        if kind == "completion":
+            yield P.sse(P.completion_chunk(rid, model, created, text, finish.value, i))
+            continue
+        yield P.sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, index=i))
+        yield P.sse(P.chat_chunk(rid, model, created, {"content": text}, finish.value, index=i))
+    if include_usage:
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        yield P.sse(P.usage_chunk(rid, model, created, obj, sum(c[2] for c in choices[::n]),
+                                  sum(c[3] for c in choices)))
+    yield P.SSE_DONE
 
 
 class _Whole(NamedTuple):

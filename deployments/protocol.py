@@ -268,8 +268,6 @@ class _Common(BaseModel):
             if self.length_penalty != 1.0:
                 raise ValueError("length_penalty weighs beam search's scores: it needs use_beam_search")
             return self
-        if self.stream:
-            raise ValueError("stream: a beam search's replies come whole here (use_beam_search takes stream false)")
         if (self.n or 1) > MAX_LOGPROBS // 2:
             raise ValueError(f"n: a beam search keeps at most {MAX_LOGPROBS // 2} beams (n), got {self.n}")
         for name in BEAM_REFUSED:

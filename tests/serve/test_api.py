@@ -982,12 +982,16 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
 
 def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
     """vLLM's use_beam_search: n beams, best first; one beam over a reply that cannot end early is the greedy reply;
-    the beams of a wider search are distinct replies of max_tokens tokens; what a beam search does not honour is a
-    400 naming it."""
+    the beams of a wider search are distinct replies of max_tokens tokens; streamed, each beam in one chunk; what a
+    beam search does not honour is a 400 naming it."""
+    import json as json_
+
     cmpl = {"prompt": "The quick brown fox", "max_tokens": 6, "ignore_eos": True}
     greedy = client.post("/v1/completions", json={**cmpl, "temperature": 0}).json()["choices"][0]["text"]
     one = client.post("/v1/completions", json={**cmpl, "use_beam_search": True})
     assert one.status_code == 200 and one.json()["choices"][0]["text"] == greedy, one.text
+    greedy_beams = [c["text"] for c in client.post("/v1/completions", json={
+        **cmpl, "use_beam_search": True, "n": 2}).json()["choices"]]
     r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, "n": 3, "length_penalty": 0.5,
                                               "prompt": ["The quick brown fox", "Once upon a time"]})
     assert r.status_code == 200, r.text
@@ -998,7 +1002,14 @@ def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
                                                      "use_beam_search": True, "n": 2})
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
-    for bad, param in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+    with client.stream("POST", "/v1/completions", json={**cmpl, "use_beam_search": True, "n": 2, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as st:
+        events = sse_events(st)
+    assert events[-1] == "[DONE]"
+    chunks = [json_.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1] and chunks[2]["usage"]["completion_tokens"] == 12
+    assert chunks[0]["choices"][0]["text"] == greedy_beams[0]
+    for bad, param in (({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
                        ({"logprobs": 2}, "logprobs"), ({"use_beam_search": False, "length_penalty": 2.0},
                                                        "length_penalty")):
         r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, **bad})
