@@ -301,6 +301,13 @@ class Scheduler:
         self._adapters = Adapters(model) if model is not None and model.prices_adapters else None
         self.predictor: LatencyModel | Adapters | None = self._adapters or model
 
+    def _set_adapters(self, n: int) -> None:
+        """The LoRA adapters the decisions price the steps with (`Adapters`; a LoRA engine's model only)."""
+        if n != self._adapters.adapters:
+            self._adapters.adapters = n
+            if self.pace_cost is not None:
+                self.pace_cost.forget()
+
     def _set_pace_cost(self) -> None:
         if self.flags.pace_work and self.predictor is not None:
             self.pace_cost = PaceCost(self.predictor.itl_ms, self.flags.vbs_margin, self.config.vbs_slack,
@@ -390,11 +397,7 @@ class Scheduler:
         plan = StepPlan()
         f = self.flags
         if self._adapters is not None:  # the LoRA adapters the batch's decode steps run through
-            n = len({r.lora_id for r in self.running if r.lora_id})
-            if n != self._adapters.adapters:
-                self._adapters.adapters = n
-                if self.pace_cost is not None:
-                    self.pace_cost.forget()
+            self._set_adapters(len({r.lora_id for r in self.running if r.lora_id}))
         busy = bool(self.running)
         if self.margin is not None:
             self.margin.expire(now)
@@ -596,10 +599,16 @@ class Scheduler:
         # (else the decode preempts an older reply for the newcomer's sake); read once a candidate gets that far
         decode_blocks: int | None = None if f.hybrid_steps else 0
 
+        # the LoRA adapters the batch will run through (a LoRA engine's model prices them): the running requests',
+        # this round's admissions', and the candidate's own while it is judged
+        loras = {q.lora_id for q in self.running if q.lora_id} if self._adapters is not None else None
+
         def accept(r: Request) -> Verdict:
             nonlocal kv_full, round_tokens, round_sq, step_tokens, step_sq, pace, stall, impatient, decode_blocks
             if kv_full:
                 return Verdict.STOP
+            if loras is not None:
+                self._set_adapters(len(loras | {r.lora_id} if r.lora_id else loras))
             # no threshold (+inf) sheds nothing: the request's work is not needed then
             if r.first_token_s is None and shed_above != math.inf and sheds(
                     self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace, self.config.shed_pace_factor):
@@ -676,6 +685,8 @@ class Scheduler:
             pace = min(pace, r.tpot_slo_ms)
             if gate is not None:
                 gate.admit(r)
+            if loras is not None and r.lora_id:
+                loras.add(r.lora_id)
             if self.floor is not None and r.first_token_s is None:
                 self.floor.admitted(r.tpot_slo_ms, now)
             return Verdict.ADMIT
@@ -688,6 +699,8 @@ class Scheduler:
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
             max_tokens=budget, policy=f.admission,
             lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
+        if loras is not None:
+            self._set_adapters(len(loras))
         if len(selected) == 1 and not self.running and (est := selected[0].ttft_estimate) is not None:
             selected[0].ttft_estimate = (est[0], est[1], True)  # admitted alone (MeasuredMargin's idle table)
         for r in selected:

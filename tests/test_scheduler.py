@@ -1162,20 +1162,23 @@ def test_the_virtual_batch_size_is_zero_once_the_last_request_ends():
     assert s.last_vbs == 0.0
 
 
-def test_the_gate_prices_the_lora_adapters_the_running_batch_runs_through():
+def test_the_gate_prices_the_lora_adapters_the_batch_would_run_through():
     """A model fitted on an engine that serves LoRA adapters prices a decode step's adapters (`lora_coef`): a strict
-    request that fits beside a base-model reply is turned away beside a reply that runs through an adapter."""
+    request that fits beside a base-model reply is turned away beside a reply that runs through an adapter, and so is
+    one that would bring an adapter of its own into the batch."""
     reasons = []
-    for lora_id in (0, 7):
+    for running_lora, own_lora in ((0, 0), (7, 0), (0, 9)):
         model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), lora_coef=(10.0, 0.0, 0.0))
         s = Scheduler(SchedulerConfig(policy="scorpio"), 64, 4, max_model_len=256, predictor=model)
         assert s.latency is model and s.predictor is not model
         first = _req(0, 4, tpot=100.0)
-        first.lora_id = lora_id
+        first.lora_id = running_lora
         s.add(first)
         _run(s, s.schedule(0.0))
-        s.add(_req(1, 4, tpot=15.0))  # itl(2) = 6 ms; with the adapter's 10 ms more, 16 ms: past 15 / 1.3
+        strict = _req(1, 4, tpot=15.0)  # itl(2) = 6 ms; with an adapter's 10 ms more, 16 ms: past 15 / 1.3
+        strict.lora_id = own_lora
+        s.add(strict)
         plan = s.schedule(0.01)
         reasons.append([why for _, why in plan.rejected])
-        assert s.predictor.itl_ms(2, 8) == model.itl_ms(2, 8) + (10.0 if lora_id else 0.0)
-    assert reasons == [[], ["tpot_unattainable"]]
+        assert s.predictor.itl_ms(2, 8) == model.itl_ms(2, 8) + (10.0 if running_lora else 0.0)  # (the batch's)
+    assert reasons == [[], ["tpot_unattainable"], ["tpot_unattainable"]]
