@@ -239,6 +239,7 @@ class LLMReplica:
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
         self._callers: dict[str, set[str]] = {}  # caller actor id (an Ingress replica) -> its requests in flight here
+        self._caller_aborted: set[str] = set()  # requests `_callers_loop` aborted (and counted) whose generator runs
         self._callers_task = asyncio.get_running_loop().create_task(self._callers_loop(CALLER_CHECK_S))
         log.info("LLMServer %s ready: model=%s max_model_len=%d engine_process=%s %s", self.replica_id,
                  self.model_name, self.engine.max_model_len, engine_process, cores)
@@ -324,6 +325,7 @@ class LLMReplica:
                     left.pop(rid, None)
                     if req.caller is not None:
                         _forget_caller(self._callers, req.caller, rid)
+                    self._caller_aborted.discard(rid)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
@@ -335,7 +337,10 @@ class LLMReplica:
                 left.pop(rid, None)
                 if req.caller is not None:
                     _forget_caller(self._callers, req.caller, rid)
-                self.aborted += 1
+                if rid in self._caller_aborted:  # (counted already, as its caller died)
+                    self._caller_aborted.discard(rid)
+                else:
+                    self.aborted += 1
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
                 if admitted:
@@ -488,6 +493,7 @@ class LLMReplica:
                 for rid in rids:
                     self.engine.abort(rid)
                 self.aborted += len(rids)
+                self._caller_aborted |= rids  # (their generators, closed later, count them no more)
                 log.warning("aborted %d request(s) whose caller %s died", len(rids), caller)
 
     async def _metrics_loop(self, period_s: float) -> None:
