@@ -325,7 +325,7 @@ class LLMReplica:
                     left.pop(rid, None)
                     if req.caller is not None:
                         _forget_caller(self._callers, req.caller, rid)
-                    self._caller_aborted.discard(rid)
+                        self._caller_aborted.discard(rid)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
@@ -335,11 +335,12 @@ class LLMReplica:
             if not finished:
                 self.inflight -= 1
                 left.pop(rid, None)
+                counted = False  # (already, where `_callers_loop` aborted it as its caller died)
                 if req.caller is not None:
                     _forget_caller(self._callers, req.caller, rid)
-                if rid in self._caller_aborted:  # (counted already, as its caller died)
+                    counted = rid in self._caller_aborted
                     self._caller_aborted.discard(rid)
-                else:
+                if not counted:
                     self.aborted += 1
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
