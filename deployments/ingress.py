@@ -878,7 +878,7 @@ class OpenAIFrontend:
             lp = (whole.logprobs or [None])[0]
             return [] if lp is None else [(t, v) for t, _, v in lp.top if v != float("-inf")]
 
-        async def search(i: int, req: GenerateRequest) -> list[P.Choice]:
+        async def search(req: GenerateRequest) -> list[P.Choice]:
             self._own_call()
             got = await self._replica_call("prompt_tokens", req.prompt if req.messages is None else None,
                                            req.messages, req.options)
@@ -902,7 +902,7 @@ class OpenAIFrontend:
                             len(reply), None, None, None))
             return out
 
-        done = await _all_or_none([search(i, r) for i, r in enumerate(reqs)])
+        done = await _all_or_none([search(r) for r in reqs])
         choices = [c for group in done for c in group]
         headers = first_headers[0] if first_headers else {"x-kairos-request-id": rid}
         if body.stream:  # (as vLLM's: each beam's text in one chunk, once the search has ended)

@@ -64,7 +64,7 @@ class _Layer:
 class KairosDecoder:
     def __init__(self, model: nn.Module, max_positions: int, backend: Backend, upcast: bool = False,
                  lora: bool = False) -> None:
-        """`lora`: serve LoRA adapters (`add_lora`): steps whose requests name one run each layer unfused, their
+        """`lora`: serve LoRA adapters (`build_lora`, `install_lora`): steps whose requests name one run each layer unfused, their
         updates added after each projection."""
         reason = unsupported_reason(model)
         if reason is not None:
@@ -194,10 +194,6 @@ class KairosDecoder:
         gu = lora.apply(mm.gate_up(x, L.mlp), x, "gate_up", i)
         a = mm.silu_mul(gu, self.intermediate_size)
         return lora.apply(mm.residual(a, L.down_w, None, h), a, "down", i)
-
-    def add_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:
-        """Load `spec`'s adapter for requests whose lora_id is `adapter_id` (LoraError where it cannot be served)."""
-        return self.install_lora(self.build_lora(spec, adapter_id, max_rank))
 
     def build_lora(self, spec: LoraSpec, adapter_id: int, max_rank: int) -> LoraAdapter:
         """`spec`'s adapter read and laid out as the steps run it, not yet served (LoraError where it cannot be):

@@ -525,7 +525,7 @@ class LoraRegistry:
         self._static: set[int] = set()  # the ids of lora_modules' loads (never unloaded as idle)
         self._holders: dict[int, int] = {}  # requests in the engine per adapter id
         self._idle: dict[int, str] = {}  # evictable adapters no request holds, least recently released first
-        self._pending: dict[tuple[str, LoraSource | None], int] = {}  # loads on the loader: their ids
+        self._pending: set[tuple[str, LoraSource | None]] = set()  # loads on the loader
         self._next = 1
         for name, path in static.items():
             self._install(self.decoder.build_lora(LoraSpec(name, path), self._take_id(), self.max_rank), None,
@@ -593,7 +593,7 @@ class LoraRegistry:
                 raise LoraError(f"no LoRA adapter named {name!r} is served here")
             spec, i = LoraSpec(name, str(path)), self._take_id()
             if self.loader is not None:
-                self._pending[key] = i
+                self._pending.add(key)
                 self.loader(lambda: self._post(self._build(key, spec, i)))
                 return key
             got = self._build(key, spec, i)
@@ -615,7 +615,7 @@ class LoraRegistry:
         """(On the worker.) Serve a load the loader finished: the id the requests that waited for it run through
         (`hold` each; none left: it stays idle), or its LoraError. A later load of the name that landed meanwhile
         serves them instead."""
-        self._pending.pop(done.key, None)
+        self._pending.discard(done.key)
         if done.error is not None:
             raise done.error
         name, source = done.key

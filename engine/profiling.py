@@ -15,7 +15,7 @@ import torch
 from core.kv import BlockManager
 from core.request import Request
 from core.sampling import SamplingParams
-from scheduling.predictor import LatencyModel, profile
+from scheduling.predictor import LatencyModel, cell_medians, profile
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
@@ -251,7 +251,7 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     if engine.config.serves_lora and engine.runner.decoder is not None:
         samples, lora_report = profile_lora(engine, probe, batches, ctx_lens[min(1, len(ctx_lens) - 1)], capacity)
         model.fit_lora(samples)
-        cells = _lora_cells(samples)
+        cells = cell_medians(samples)
         lora_report.update(lora_coef=[round(c, 5) for c in model.lora_coef],
                            lora_mae_ms=round(sum(abs(model.lora_ms(int(k), b) - ms) for b, k, ms in cells)
                                              / max(1, len(cells)), 3))
@@ -265,14 +265,6 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
         log.warning("could not save latency profile to %s: %s", path, e)
     log.info("latency model fitted in %.1fs: %s", report["seconds"], report)
     return model, dict(report, cached=False, path=str(path))
-
-
-def _lora_cells(samples: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
-    """The median extra ms of each (B, k)."""
-    cells: dict[tuple[float, float], list[float]] = {}
-    for b, k, ms in samples:
-        cells.setdefault((b, k), []).append(ms)
-    return [(b, k, sorted(v)[len(v) // 2]) for (b, k), v in cells.items()]
 
 
 def refit(engine: "LLMEngine", time_budget_s: float, scale: tuple[float, float]) -> dict:

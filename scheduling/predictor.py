@@ -300,7 +300,7 @@ class Adapters:
         return getattr(self.model, name)
 
 
-def _cell_medians(samples: Sequence[tuple[float, ...]]) -> list[tuple[float, ...]]:
+def cell_medians(samples: Sequence[tuple[float, ...]]) -> list[tuple[float, ...]]:
     """One sample per distinct input (all fields but the last): the median of its measured times."""
     cells: dict[tuple[float, ...], list[float]] = {}
     for *key, ms in samples:
@@ -351,7 +351,7 @@ def profile(
             break
     train = [s for i, s in enumerate(decode) if i % 4 != 3]
     holdout = [s for i, s in enumerate(decode) if i % 4 == 3]
-    model = LatencyModel().fit_prefill(_cell_medians(prefill), find_knee=find_knee).fit_decode(_cell_medians(train))
+    model = LatencyModel().fit_prefill(cell_medians(prefill), find_knee=find_knee).fit_decode(cell_medians(train))
     fit = model.score_decode(train) if train else {"r2": None, "mape": None}
     prefill_fit = model.score_prefill(prefill) if prefill else {"r2": None, "mape": None}
     report = {
