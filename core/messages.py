@@ -190,6 +190,7 @@ class GenerateRequest:
     lora: str | None = None
     cache_salt: str | None = None
     lora_source: LoraSource | None = None  # the folder of an adapter loaded at run time (/v1/load_lora_adapter)
+    priority: int = 0  # vLLM's: lower first, where the engine's scheduling_policy is "priority" (else only 0)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

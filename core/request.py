@@ -161,6 +161,9 @@ class Request:
     lora_id: int = 0
     cache_salt: str | None = None
     lora_source: LoraSource | None = None  # a run-time adapter's (None: one of lora_modules or on demand)
+    # vLLM's request priority: with SchedulerConfig.scheduling_policy "priority" a lower value is served first
+    # (waiting order, admission, and the last preempted); 0 elsewhere
+    priority: int = 0
     # BENCHMARK ONLY: end the reply after this many tokens (finish reason "length"), as a reply of that length
     # would end. Honoured only by the scheduler's finish check and only with SchedulerConfig.bench_stop (off in
     # serving), and settable only in-process (no HTTP field reaches it); no policy reads it, so it hides the

@@ -36,12 +36,14 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 # the request fields an engine-side or sampling refusal may name first (`param_named`)
 NAMED_PARAMS = frozenset(("prompt", "messages", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logit_bias",
-                          "seed", "temperature", "top_p", "top_k"))
+                          "seed", "temperature", "top_p", "top_k", "priority"))
 
 
 def param_named(message: str | None) -> str | None:
     """The request field a refusal's message starts with (`NAMED_PARAMS`: "prompt token ids must be ...",
     "min_tokens must be ..."), OpenAI's `param` of the 400; None where it names none."""
+    if (message or "").startswith("Got priority "):  # vLLM's words (engine.inputs.check_priority)
+        return "priority"
     first = (message or "").split(" ", 1)[0].strip(":,")
     return first if first in NAMED_PARAMS else None
 

@@ -680,13 +680,14 @@ class OpenAIFrontend:
             one = len(prompts) * n == 1
             return body, [GenerateRequest(rid if one else f"{rid}-{i * n + j}", prompt=prompt, params=sp, slo=slo,
                                           options=body.prompt_options(), prompt_len_hint=_len_hint(prompt),
-                                          lora=lora, cache_salt=body.cache_salt, lora_source=source)
+                                          lora=lora, cache_salt=body.cache_salt, lora_source=source,
+                                          priority=body.priority)
                           for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
         hint = _len_hint("".join(t.content for t in turns))
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
                                       options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
-                                      cache_salt=body.cache_salt, lora_source=source)
+                                      cache_salt=body.cache_salt, lora_source=source, priority=body.priority)
                       for j, sp in enumerate(each)]
 
     async def _handle(self, request: Request, kind: str) -> Any:

@@ -179,6 +179,9 @@ class _Common(BaseModel):
     # vLLM's: the prompt shares cached KV (prefix caching) only with requests that give the same salt, so that no
     # other client can tell from its TTFT which prompts were sent before
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: lower first where the app's scheduling_policy is "priority" (SchedulerConfig.scheduling_policy); any
+    # other value than 0 is a 400 elsewhere, as vLLM's (the engine's input processor says so)
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -762,6 +765,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     slo_ttft_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
     slo_tpot_ms: float | None = Field(None, json_schema_extra=_opt(_SLO_MS))
+    priority: int = 0  # vLLM's (a chat's)
 
 
 # vLLM's /tokenize and /detokenize

@@ -240,7 +240,8 @@ class LLMEngine:
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject",
-                                     config.lora_serving(decoder.lora_shape) if config.serves_lora else None)
+                                     config.lora_serving(decoder.lora_shape) if config.serves_lora else None,
+                                     config.scheduler.scheduling_policy == "priority")
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
@@ -361,13 +362,16 @@ class LLMEngine:
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, slo: SLO | None = None,
                     request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None,
                     options: PromptOptions | None = None, lora: str | None = None,
-                    cache_salt: str | None = None, lora_source: LoraSource | None = None) -> RequestStream:
+                    cache_salt: str | None = None, lora_source: LoraSource | None = None,
+                    priority: int = 0) -> RequestStream:
         """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s.
         `options`: how the prompt is tokenized (`PromptOptions`; default a text prompt's special tokens, a chat's
         template with the assistant's turn opened). `lora`: the name of a LoRA adapter served (`lora_modules`) to
         run it through (`lora_source`: the folder of one loaded at run time); `cache_salt` (vLLM's): its prompt shares
-        cached KV only with requests of the same salt."""
-        req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt, lora_source)
+        cached KV only with requests of the same salt; `priority` (vLLM's): lower first, with the scheduler's
+        scheduling_policy "priority" (else only 0)."""
+        req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt, lora_source,
+                                  priority)
         stream = RequestStream(req.request_id)
         self.submit(req, stream)
         return stream
@@ -405,7 +409,8 @@ class LLMEngine:
         """`add_request` for the typed message the ingress sends."""
         return self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
                                 messages=request.messages, options=request.options, lora=request.lora,
-                                cache_salt=request.cache_salt, lora_source=request.lora_source)
+                                cache_salt=request.cache_salt, lora_source=request.lora_source,
+                                priority=request.priority)
 
     def abort(self, request_id: str) -> None:
         self._post(request_id)
@@ -476,6 +481,7 @@ class LLMEngine:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         config = reconfigured(self._given_scheduler, self.config.scheduler, scheduler, self.bundle.device.type)
         self._post(config)
+        self.inputs.priority_scheduling = config.scheduling_policy == "priority"  # (requests from now on)
         return config
 
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:

@@ -76,14 +76,28 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
     return turn
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer's range
+
+
+def check_priority(priority: object, enabled: bool) -> None:
+    """ValueError unless `priority` is an integer a scheduler of priorities (`enabled`) ranks, or 0 without one,
+    in vLLM's words."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be an integer from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}")
+    if priority != 0 and not enabled:
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
                  kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False,
-                 lora: LoraServing | None = None) -> None:
+                 lora: LoraServing | None = None, priority_scheduling: bool = False) -> None:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
-        `lora`: the LoRA adapters the engine serves (None: none)."""
+        `lora`: the LoRA adapters the engine serves (None: none). `priority_scheduling`: the scheduler ranks requests
+        by their `priority` (SchedulerConfig.scheduling_policy); else a priority other than 0 is refused."""
         self.lora = lora
+        self.priority_scheduling = priority_scheduling
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
         self.encode_special = prompt_encoder(tokenizer, add_special_tokens=True)
@@ -182,7 +196,7 @@ class InputProcessor:
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
                 options: PromptOptions | None = None, lora: str | None = None,
-                cache_salt: str | None = None, lora_source: LoraSource | None = None) -> Request:
+                cache_salt: str | None = None, lora_source: LoraSource | None = None, priority: int = 0) -> Request:
         """Validate and tokenize; ValueError with a client-facing message on bad input. The request arrives when
         this is called: its TTFT SLO counts the time its prompt takes to render and tokenize (a long one's, ms)."""
         arrival_s = time.monotonic()
@@ -193,6 +207,7 @@ class InputProcessor:
                              + (f" (these are: {', '.join(names)})" if names else ""))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
+        check_priority(priority, self.priority_scheduling)
         params = (params or SamplingParams()).validate()
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
@@ -230,7 +245,7 @@ class InputProcessor:
         if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
             raise ValueError("bad_words ban every token allowed_token_ids allows")
         req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt,
-                      lora_source=lora_source if lora is not None else None)
+                      lora_source=lora_source if lora is not None else None, priority=priority)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

@@ -38,6 +38,7 @@ def take_for_prefill(
     lookahead: int,
     force_fifo: bool,
     accept: Callable[[T], Verdict] | None = None,
+    rank: Callable[[T], int] | None = None,
 ) -> list[T]:
     """Remove and return the requests to prefill this round, in queue order.
 
@@ -50,6 +51,9 @@ def take_for_prefill(
     ``accept`` is asked, in the order candidates are considered, about each one that fits the budget
     (and about the oversize one admitted alone); see ``Verdict``. In FIFO mode a KEEP does not stop
     the scan: later requests are still considered, so a held request never blocks the queue.
+
+    ``rank`` (priority scheduling: a request's priority, lower first; the queue is in its order): pack considers
+    the lower ranks first, and no request of a higher rank than one left out for the budget.
     """
     if max_reqs <= 0:
         raise ValueError("max_reqs must be positive")
@@ -61,7 +65,7 @@ def take_for_prefill(
         raise ValueError("policy must be fifo|pack")
     if force_fifo or policy == "fifo" or max_tokens is None:
         return _take_fifo(waiting, cost, max_reqs, max_tokens, accept)
-    return _take_pack(waiting, cost, max_reqs, max_tokens, lookahead, accept)
+    return _take_pack(waiting, cost, max_reqs, max_tokens, lookahead, accept, rank)
 
 
 def _take_fifo(
@@ -106,20 +110,28 @@ def _take_pack(
     max_tokens: int,
     lookahead: int,
     accept: Callable[[T], Verdict] | None,
+    rank: Callable[[T], int] | None = None,
 ) -> list[T]:
-    """Greedy smallest-first packing over a lookahead window; output and leftovers in queue order."""
+    """Greedy smallest-first packing over a lookahead window (`rank`: lowest rank first, smallest first within
+    it, none of a higher rank than one left out for the budget); output and leftovers in queue order."""
     window = [waiting.popleft() for _ in range(min(lookahead, len(waiting)))]
     costs = [cost(r) for r in window]
+    ranks = [rank(r) for r in window] if rank is not None else [0] * len(window)
+    blocked = None  # the lowest rank a request left out for the budget has: none above it goes ahead of it
     judged = [False] * len(window)
     selected = [False] * len(window)
     dropped = [False] * len(window)
     used = 0
     n_selected = 0
     stopped = False
-    for idx in sorted(range(len(window)), key=lambda i: (costs[i], i)):
+    for idx in sorted(range(len(window)), key=lambda i: (ranks[i], costs[i], i)):
         if n_selected >= max_reqs:
             break
+        if blocked is not None and ranks[idx] > blocked:
+            break  # (in rank order: every one left is of a higher rank)
         if used + costs[idx] > max_tokens:  # also skips anything oversize on its own
+            if rank is not None:
+                blocked = ranks[idx]
             continue
         judged[idx] = True
         verdict = _judge(accept, window[idx])

@@ -97,6 +97,12 @@ class SchedulerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: PolicyName = "kairos"
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vLLM's --scheduling-policy, beside `policy`: priority: a request's `priority` (an "
+        "integer, lower first, 0 by default) ranks it before everything the policy weighs: the waiting queue is in "
+        "priority order (the policy's order within each priority), no request is admitted while one of a lower "
+        "value waits for room, and a full KV cache preempts the lowest priority first; fcfs: every request is of "
+        "priority 0 (another value is a 400, as vLLM's)")
     # capacity
     max_num_seqs: int = Field(64, gt=0, description="max running (admitted, unfinished) requests")
     max_waiting: int = Field(128, gt=0, description="queued requests beyond this are rejected (429): overloaded. "

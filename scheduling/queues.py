@@ -1,5 +1,5 @@
 """Waiting-queue ordering: FIFO (leave as is), LDF (least deadline first, SCORPIO's TTFT-slack sort), or least work
-first (kairos's `short_first`)."""
+first (kairos's `short_first`); and, with priority scheduling, by priority over any of them."""
 from __future__ import annotations
 
 import math
@@ -42,3 +42,18 @@ def order_least_work(waiting: deque[T], work: Callable[[T], float], urgent_befor
                      else (1 if r.deadline_s < urgent_before else 2, work(r), r.deadline_s, r.arrival_s))
     waiting.clear()
     waiting.extend(ordered)
+
+
+def order_by_priority(waiting: deque[T]) -> bool:
+    """Sort ``waiting`` in place stably by ``priority``, lowest first (vLLM's priority scheduling): the order within
+    each priority stays the policy's. Returns whether the queue holds more than one priority (else it is left as
+    it is)."""
+    if len(waiting) < 2:
+        return False
+    first = waiting[0].priority
+    if all(r.priority == first for r in waiting):
+        return False
+    ordered = sorted(waiting, key=lambda r: r.priority)
+    waiting.clear()
+    waiting.extend(ordered)
+    return True

@@ -26,7 +26,7 @@ from scheduling.config import SchedulerConfig
 from scheduling.length_predictor import LengthCalibration, conditional_means, for_served_model
 from scheduling.length_predictor import quantile as length_quantile
 from scheduling.predictor import Adapters, LatencyModel, prefill_sq
-from scheduling.queues import order_least_work, order_waiting
+from scheduling.queues import order_by_priority, order_least_work, order_waiting
 from scheduling.reserve import ImpatientReserve
 from scheduling.shedding import PaceCost, WorkShedder, sheds
 from scheduling.tier_floor import TierFloor, tpot_class
@@ -90,6 +90,10 @@ def _namespace(r: Request) -> tuple[int, str | None] | None:
     return None if not r.lora_id and r.cache_salt is None else (r.lora_id, r.cache_salt)
 
 
+def _priority(r: Request) -> int:
+    return r.priority
+
+
 def _tpot_of(r: Request) -> float:
     return r.tpot_slo_ms
 
@@ -146,6 +150,8 @@ class Scheduler:
         self.floor = (TierFloor(config.tier_floor_share, config.tier_floor_window_s)
                       if self.flags.tier_floor else None)
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
+        # vLLM's priority scheduling: requests ranked by `priority` before anything the policy weighs
+        self.by_priority = config.scheduling_policy == "priority"
         # a running prompt is partly computed (without chunked_prefill: a best-effort one in chunks,
         # `_best_effort_end`), and the chunk ends of this round's admissions that stop short of their prompt (by id)
         self._partial = False
@@ -406,6 +412,8 @@ class Scheduler:
                 self._peek(r)
         if f.queue_order == "ldf" and f.sort_before_reject:
             order_waiting(self.waiting, "ldf")
+        # priority scheduling: the guard walks the queue as it will be served, the lower priorities after the rest
+        ranked = self.by_priority and order_by_priority(self.waiting)
         if f.ttft_reject and self.predictor is not None and self.waiting:
             fresh = [r for r in self.waiting if r.first_token_s is None]
             for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.ttft_margin_ms,
@@ -421,6 +429,8 @@ class Scheduler:
             order_least_work(self.waiting,
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
                              now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf)
+        if ranked:  # the policy's order within each priority
+            order_by_priority(self.waiting)
         budget = self.config.prefill_max_tokens
         partial = self.config.chunked_prefill or self._partial
         self._partial = False
@@ -602,9 +612,15 @@ class Scheduler:
         # the LoRA adapters the batch will run through (a LoRA engine's model prices them): the running requests',
         # this round's admissions', and the candidate's own while it is judged
         loras = {q.lora_id for q in self.running if q.lora_id} if self._adapters is not None else None
+        # priority scheduling: the lowest priority of a request that waits for room this round (none of a higher
+        # one is admitted ahead of it); `yields`: the candidate judged last waits to leave room to others' tiers
+        waits_at: int | None = None
+        yields = False
 
         def accept(r: Request) -> Verdict:
             nonlocal kv_full, round_tokens, round_sq, step_tokens, step_sq, pace, stall, impatient, decode_blocks
+            nonlocal yields
+            yields = False
             if kv_full:
                 return Verdict.STOP
             if loras is not None:
@@ -615,6 +631,7 @@ class Scheduler:
                 plan.rejected.append((r, SHED))
                 return Verdict.DROP
             if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:
+                yields = True
                 return Verdict.KEEP  # waits (not rejected) while the batch drains for a starved tier
             if gate is not None and r.first_token_s is None and not gate.check(r):
                 if self._hold_for_floor(r, gate, now):
@@ -630,12 +647,14 @@ class Scheduler:
                 return Verdict.STOP if gate.stopped else Verdict.KEEP
             if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
                     and not gate.leaves_room(r, *room):
+                yields = True
                 return Verdict.KEEP  # would take the starved tier's room: waits
             if impatient is True:
                 room_for = self.reserve.room(now, patience, feasible=gate.feasible_alone)
                 impatient = None if room_for is None else (patience, room_for)
             if impatient and r.first_token_s is None \
                     and (r.deadline_s - now) * 1000.0 > impatient[0] and not gate.leaves_room(r, *impatient[1]):
+                yields = True
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
             if stall is True:
                 stall = self._stall_room(now)
@@ -691,6 +710,17 @@ class Scheduler:
                 self.floor.admitted(r.tpot_slo_ms, now)
             return Verdict.ADMIT
 
+        def ranked(r: Request) -> Verdict:
+            """`accept`, in priority order: a request waits while one of a lower priority value waits for room
+            (not one that waits only to leave room to a tier the tier floor or the impatient reserve keeps it for)."""
+            nonlocal waits_at
+            if waits_at is not None and r.priority > waits_at:
+                return Verdict.KEEP
+            verdict = accept(r)
+            if verdict is Verdict.KEEP and not yields:
+                waits_at = r.priority if waits_at is None else min(waits_at, r.priority)
+            return verdict
+
         def capped(r: Request) -> int:  # chunked prefill: a prompt longer than the budget takes all of it
             return min(self._cost(r), budget)
 
@@ -698,7 +728,8 @@ class Scheduler:
         selected = take_for_prefill(
             self.waiting, cost=cost, max_reqs=min(self.config.prefill_max_batch_size, cap),
             max_tokens=budget, policy=f.admission,
-            lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo, accept=accept)
+            lookahead=self.config.prefill_admission_lookahead, force_fifo=force_fifo,
+            accept=ranked if self.by_priority else accept, rank=_priority if self.by_priority else None)
         if loras is not None:
             self._set_adapters(len(loras))
         if len(selected) == 1 and not self.running and (est := selected[0].ttft_estimate) is not None:
@@ -938,7 +969,8 @@ class Scheduler:
             batch = kept
         out: list[Request] = []
         block_size, running = self.blocks.block_size, Status.RUNNING
-        for r in batch:
+        # priority scheduling: the higher priorities take the blocks first, so a lower one is preempted for them
+        for r in sorted(batch, key=_priority) if self.by_priority else batch:
             if r.status is not running:  # preempted earlier in this loop
                 continue
             if len(r.block_table) * block_size >= len(r.token_ids):  # its blocks hold the step's token (`holds`)
@@ -952,6 +984,9 @@ class Scheduler:
             if r.status is Status.RUNNING:
                 self.blocks.ensure(r, r.num_tokens)
                 out.append(r)
+        if self.by_priority and len(out) > 1:  # in the batch's order
+            order = {id(r): i for i, r in enumerate(batch)}
+            out.sort(key=lambda r: order[id(r)])
         return out
 
     def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
@@ -1005,11 +1040,17 @@ class Scheduler:
         return due
 
     def _victim(self, exclude: list[Request]) -> Request:
-        """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice)."""
+        """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice); with priority
+        scheduling, the most recently admitted of the highest priority value (the lowest priority) among them."""
+        victim = None
         for r in reversed(self.running):
-            if r not in exclude:
-                return r
-        raise RuntimeError("KV cache too small for a single request")  # excluded by add-time validation
+            if r not in exclude and (victim is None or r.priority > victim.priority):
+                if not self.by_priority:
+                    return r
+                victim = r
+        if victim is None:
+            raise RuntimeError("KV cache too small for a single request")  # excluded by add-time validation
+        return victim
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
         self.running.remove(r)

@@ -436,6 +436,41 @@ def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "kairos"])
+def test_priority_scheduling_serves_the_lowest_priority_value_first_and_stays_exact(tiny_checkpoints, policy):
+    """vLLM's priority scheduling on a real model: one seat, taken; two requests of priority 1 queue, then one of
+    priority -1, the longest and the last: it is served next, then the others in arrival order, each token-exact."""
+    path = tiny_checkpoints["llama"]
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, scheduler=SchedulerConfig(
+        policy=policy, scheduling_policy="priority", max_num_seqs=1, prefill_max_tokens=256)))
+    try:
+        prompts = _prompts(eng.bundle.vocab_limit, seed=2)[:4]
+        lens = [24, 6, 6, 12]
+        params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lens]
+        first = eng.add_request(prompts[0], params[0])
+        head = first.get(timeout=30)  # the seat is taken
+        streams = [eng.add_request(prompts[i], params[i], priority=p) for i, p in ((1, 1), (2, 1), (3, -1))]
+        outs = [head.token_ids + [t for o in first for t in o.token_ids]]
+        finals = []
+        for s in streams:
+            items = list(s)
+            outs.append([t for o in items for t in o.token_ids])
+            finals.append(items[-1].metrics)
+        assert outs == _hf_greedy(path, prompts, lens)
+        low1, low2, high = finals
+        assert high.admitted_s < low1.admitted_s < low2.admitted_s
+    finally:
+        eng.shutdown()
+
+
+def test_without_priority_scheduling_a_priority_other_than_0_is_refused(llama_engine):
+    with pytest.raises(ValueError, match="Got priority 3 but Priority scheduling is not enabled"):
+        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=3)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=1.5)
+    assert list(llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=0))[-1].finished
+
+
 def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
     """The worker publishes its stats after a step that changed its requests (one admitted, one ended), and otherwise
     often enough that the step count moves while a reply decodes."""

@@ -1182,3 +1182,93 @@ def test_the_gate_prices_the_lora_adapters_the_batch_would_run_through():
         reasons.append([why for _, why in plan.rejected])
         assert s.predictor.itl_ms(2, 8) == model.itl_ms(2, 8) + (10.0 if running_lora else 0.0)  # (the batch's)
     assert reasons == [[], ["tpot_unattainable"], ["tpot_unattainable"]]
+
+
+# --- vLLM's priority scheduling (SchedulerConfig.scheduling_policy) ---
+def _ranked(r, priority):
+    r.priority = priority
+    return r
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "scorpio", "kairos"])
+def test_priority_scheduling_admits_the_lowest_priority_value_first_within_the_policys_order(policy):
+    s = _sched(policy, max_num_seqs=2, prefill_hold=False, scheduling_policy="priority")
+    late = [_ranked(_req(i, 4, ttft=1000.0, arrival=0.001 * i), 5) for i in range(3)]
+    urgent = _ranked(_req(9, 40, ttft=5000.0, arrival=0.01), -1)  # the most work, the latest deadline, the last
+    zero = _ranked(_req(8, 4, ttft=1000.0, arrival=0.009), 0)
+    for r in (*late, zero, urgent):
+        s.add(r)
+    p = s.schedule(0.02)
+    assert p.prefill == [urgent, zero]
+    assert list(s.waiting) == late  # the policy's order among equals (arrival, deadline, work: all alike)
+
+
+def test_without_priority_scheduling_the_priority_is_not_read():
+    s = _sched("fcfs", max_num_seqs=1)
+    a, b = _ranked(_req(0, 4), 5), _ranked(_req(1, 4, arrival=0.001), -5)
+    s.add(a)
+    s.add(b)
+    assert s.schedule(0.01).prefill == [a]
+
+
+@pytest.mark.parametrize("admission", ["fifo", "pack"])
+def test_a_request_that_waits_for_room_keeps_every_higher_priority_value_waiting(admission):
+    """kairos with short_first keeps a request the gate has no room for waiting, and admits one behind it that
+    fits; with priority scheduling one of a higher priority value waits behind it, and one of the same does not."""
+    s = _full_batch(short_first=True, scheduling_policy="priority", prefill_admission_policy=admission)
+    s.add(_reply("short", 4, 5, ttft=1000.0, arrival=0.001))
+    _run(s, s.schedule(0.01))  # the batch's last room
+    s.finish(s.running[-1], "length", 0.02)  # room for one more of TPOT 10 ms
+    strict = _ranked(_reply("strict", 4, 5, tpot=8.0, ttft=1000.0, arrival=0.02), 0)  # no room for its 8 ms
+    light_low = _ranked(_reply("light_low", 4, 5, ttft=1000.0, arrival=0.021), 1)
+    s.add(strict)
+    s.add(light_low)
+    p = s.schedule(0.03)
+    assert p.prefill == [] and not p.rejected and list(s.waiting) == [strict, light_low]
+    light_same = _ranked(_reply("light_same", 4, 5, ttft=1000.0, arrival=0.031), 0)
+    s.add(light_same)
+    p = s.schedule(0.031)
+    assert p.prefill == [light_same] and list(s.waiting) == [strict, light_low]
+    # without priority scheduling light_low takes the room at once
+    s = _full_batch(short_first=True, prefill_admission_policy=admission)
+    s.add(_reply("short", 4, 5, ttft=1000.0, arrival=0.001))
+    _run(s, s.schedule(0.01))
+    s.finish(s.running[-1], "length", 0.02)
+    strict = _ranked(_reply("strict", 4, 5, tpot=8.0, ttft=1000.0, arrival=0.02), 0)
+    light_low = _ranked(_reply("light_low", 4, 5, ttft=1000.0, arrival=0.021), 1)
+    s.add(strict)
+    s.add(light_low)
+    assert s.schedule(0.03).prefill == [light_low]
+
+
+def test_pack_admission_by_priority_leaves_no_lower_priority_ahead_of_one_over_the_budget():
+    s = _sched("pack", max_num_seqs=8, prefill_max_tokens=16, scheduling_policy="priority")
+    big = _ranked(_req(0, 16), 0)
+    small_same, small_low = _ranked(_req(1, 4, arrival=0.001), 0), _ranked(_req(2, 4, arrival=0.002), 1)
+    small_low2 = _ranked(_req(3, 4, arrival=0.003), 1)
+    for r in (small_low, big, small_low2, small_same):
+        s.add(r)
+    p = s.schedule(0.01)
+    # priority 0 first, smallest first: small_same (4), then big (16) would pass the budget of 16: the priority-1
+    # ones wait behind it, though they would fit
+    assert p.prefill == [small_same] and list(s.waiting) == [big, small_low, small_low2]
+    _run(s, p)
+    assert s.schedule(0.02).prefill == [big]
+
+
+def test_priority_scheduling_preempts_the_lowest_priority_first():
+    s = _sched("fcfs", blocks=6, scheduling_policy="priority")  # 24 token slots
+    a, b = _ranked(_req(0, 8), 0), _ranked(_req(1, 8, arrival=0.001), -1)
+    s.add(a)
+    s.add(b)
+    p = s.schedule(0.0)
+    assert p.prefill == [b, a]  # b first by its priority; both admitted
+    _run(s, p)
+    for _ in range(20):  # both grow into the 2 free blocks, then one must make room
+        p = s.schedule(0.0)
+        _run(s, p)
+        if p.preempted:
+            break
+    # a was admitted first (vLLM's choice would take b, the most recent): its priority value is the higher
+    assert p.preempted == [a] and p.decode == [b]
+    assert a.status is Status.WAITING and s.waiting[0] is a

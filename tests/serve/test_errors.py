@@ -92,7 +92,10 @@ def test_every_slo_value_sent_is_checked_where_a_header_wins(client: httpx.Clien
     ({**OK_CMPL, "stop": [f"s{i}" for i in range(17)]}, "stop", "stop may hold at most 16"),
     ({"prompt": ["x"] * 257, "max_tokens": 1}, "prompt", "prompt: a batch holds at most 256 prompts"),
     ({**OK_CMPL, "stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed"),
-    ({"prompt": [5, -1], "max_tokens": 1}, "prompt", "prompt: token ids must be non-negative")])
+    ({"prompt": [5, -1], "max_tokens": 1}, "prompt", "prompt: token ids must be non-negative"),
+    # the session app schedules without priorities (vLLM's default scheduling_policy fcfs): vLLM's refusal
+    ({**OK_CMPL, "priority": 3}, "priority", "Got priority 3 but Priority scheduling is not enabled."),
+    ({**OK_CMPL, "priority": 1.5}, "priority", "priority: Input should be a valid integer")])
 def test_a_refusal_names_the_field_at_fault(client: httpx.Client, body, param: str, says: str) -> None:
     err = assert_error(client.post(CMPL, json=body), 400)
     assert err["param"] == param and err["message"].startswith(says), err

@@ -24,8 +24,9 @@ from tests.serve.conftest import TEST_ARGS, SideApp, side_app, wait_idle
 
 OVL_APP, OVL_PREFIX = "kairos-ovl", "/ovl"
 MAX_NUM_SEQS, MAX_WAITING = 4, 4
+# (vLLM's priority scheduling: the overload test's requests are all of priority 0, the default, as without it)
 OVL_ARGS = {**TEST_ARGS, "num_replicas": 1, "max_num_seqs": MAX_NUM_SEQS, "max_waiting": MAX_WAITING,
-            "max_ongoing_requests": 32, "max_queued_requests": 8, "retry_after_s": 1}
+            "max_ongoing_requests": 32, "max_queued_requests": 8, "retry_after_s": 1, "scheduling_policy": "priority"}
 DURATION_S = float(os.environ.get("KAIROS_OVERLOAD_S", "10"))
 OVERLOAD_FACTOR = 3.0
 MAX_TOKENS = 64
@@ -245,6 +246,46 @@ def _wait_haproxy_sends_to_a_replica(backend: str, timeout_s: float = 60.0) -> N
             return
         time.sleep(0.2)
     pytest.fail(f"HAProxy has no replica of {backend} UP after {timeout_s} s")
+
+
+def test_a_request_of_a_lower_priority_value_takes_the_next_seat_over_http(ovl_app: dict) -> None:
+    """vLLM's `priority` with the app's scheduling_policy priority: three long replies run, the engine's next step
+    hangs (a test hook) while two light requests of priority 1 arrive, then one of priority -1 with the most work:
+    the free seat goes to it, and the others start only once a seat frees again (least work first, or arrival
+    order, would have taken them first)."""
+    url, handle = ovl_app["url"], ovl_app["handle"]
+    wait_idle(handle, want=1)
+
+    async def run() -> tuple[dict[str, float], list[int]]:
+        firsts: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
+            async def stream(name: str, priority: int, max_tokens: int, started: asyncio.Event | None = None) -> int:
+                body = {"prompt": f"request {name}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                        "priority": priority}
+                async with ac.stream("POST", CMPL, json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and name not in firsts:
+                            firsts[name] = time.monotonic()
+                            if started is not None:
+                                started.set()
+                    return r.status_code
+
+            started = [asyncio.Event() for _ in range(MAX_NUM_SEQS - 1)]
+            # (their KV, 3 x 600 tokens, and the others' fit the app's 2,048 without a preemption)
+            blockers = [asyncio.create_task(stream(f"blocker{i}", 0, 600, e)) for i, e in enumerate(started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            await asyncio.to_thread(lambda: handle.inject_fault.remote(hang_s=3.0).result(timeout_s=10))
+            await asyncio.sleep(0.2)  # (the hang has begun: the replies' next step)
+            queued = []
+            for name, priority, max_tokens in (("low1", 1, 8), ("low2", 1, 8), ("high", -1, 100)):
+                queued.append(asyncio.create_task(stream(name, priority, max_tokens)))
+                await asyncio.sleep(0.1)  # (in this order)
+            statuses = await asyncio.wait_for(asyncio.gather(*queued, *blockers), 60)
+            return firsts, statuses
+
+    firsts, statuses = asyncio.run(run())
+    assert statuses == [200] * 6
+    assert firsts["high"] < firsts["low1"] and firsts["high"] < firsts["low2"], firsts
 
 
 def test_a_replica_that_dies_under_a_request_answers_it_in_openai_json(ovl_app: dict) -> None:
