@@ -9,6 +9,10 @@ thousands a second, and a counter call per chunk was a large part of its event l
 with a request's first token, histograms and the other counters when a request ends; inter-token latencies are
 observed per token as they stream, through `_TierRecorder`.
 
+Beside them, the series Ray Serve LLM's vLLM engines export, under vLLM's names (`VllmSeries`: `vllm_*`, exported as
+`ray_vllm_*` and tagged `model_name`): Ray's own Serve LLM Grafana dashboard reads them, and the serving port's
+`/metrics` gives them as vLLM's server names them (`vllm:*`, `VLLM_RENAME`).
+
 Every request a replica's engine takes ends counted once: rejected (`requests_rejected`), abandoned while it
 waited for its first token (`requests_abandoned`: its caller went away), or admitted (`requests_admitted`, with its
 first token); every admitted request is finished (`requests_finished`, by reason, `abort` for a caller that went
@@ -72,11 +76,102 @@ class _TierRecorder:
             self.record(value, tier, n)
 
 
+def _one_two_five(top: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `top` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > top:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class VllmSeries:
+    """The series a vLLM engine exports under Ray Serve LLM (vLLM's metric names with `vllm_` for `vllm:`, as Ray
+    takes them, and its `model_name` tag), for what they mean in this engine: Ray's Serve LLM Grafana dashboard
+    (token throughput, TTFT, TPOT and end-to-end latency, the scheduler's state, KV cache and prefix cache use, the
+    finish reasons, queue, prefill and decode times, prompt and reply lengths) works on a Kairos app as on Ray Serve
+    LLM's. Per request, observed when it ends; `time_per_output_token` once per request (its mean: vLLM's
+    request_time_per_output_token, not its per-token inter_token_latency, which would cost a call per chunk)."""
+
+    def __init__(self, model: str, max_model_len: int = 1 << 17) -> None:
+        tags = {"model_name": model}
+
+        def made(kind: type, name: str, desc: str, keys: tuple[str, ...] = (), **kw: Any) -> Any:
+            m = kind(f"vllm_{name}", description=desc, tag_keys=keys + ("model_name",), **kw)
+            m.set_default_tags(dict(tags))  # Serve mutates the dict
+            return m
+
+        def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
+            return made(Histogram, name, desc, boundaries=bounds)
+
+        lengths = _one_two_five(max(max_model_len, 2))
+        self.running = made(Gauge, "num_requests_running", "requests running (admitted, unfinished)")
+        self.waiting = made(Gauge, "num_requests_waiting", "requests waiting to be admitted")
+        self.kv_usage = made(Gauge, "kv_cache_usage_perc", "KV cache blocks in use, a fraction of all (0 to 1)")
+        self.prompt_tokens = made(Counter, "prompt_tokens", "prompt tokens of admitted requests")
+        self.generation_tokens = made(Counter, "generation_tokens", "generated tokens")
+        self.preemptions = made(Counter, "num_preemptions", "requests preempted (KV freed, prefilled again later)")
+        self.prefix_queries = made(Counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = made(Counter, "prefix_cache_hits", "of those, the tokens found cached")
+        self.success = made(Counter, "request_success", "finished requests, by finish reason", ("finished_reason",))
+        self.ttft = hist("time_to_first_token_seconds", "time to first token, seconds", _LAT_S)
+        self.tpot = hist("request_time_per_output_token_seconds", "a request's mean time per output token after "
+                         "the first, seconds", _LAT_S)
+        self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds", _E2E_S)
+        self.queue = hist("request_queue_time_seconds", "time waiting, arrival to admission, seconds", _E2E_S)
+        self.prefill = hist("request_prefill_time_seconds", "admission to first token, seconds", _E2E_S)
+        self.decode = hist("request_decode_time_seconds", "first token to last, seconds", _E2E_S)
+        self.inference = hist("request_inference_time_seconds", "admission to last token, seconds", _E2E_S)
+        self.prompt_len = hist("request_prompt_tokens", "prompt tokens per finished request", lengths)
+        self.output_len = hist("request_generation_tokens", "generated tokens per finished request", lengths)
+        self.max_output_len = hist("request_max_num_generation_tokens", "the most generated tokens of a finished "
+                                   "request's choices (one choice each here: its own)", lengths)
+
+    def engine(self, st: Any, advance: Any) -> None:
+        """The gauges from an `EngineStats`; `advance(name, counter, count)` hands the engine's counts on."""
+        g = lambda name, default=0: getattr(st, name, default)  # noqa: E731
+        self.running.set(g("num_running"))
+        self.waiting.set(g("num_waiting"))
+        used, total = g("kv_blocks_used"), g("kv_blocks_total")
+        self.kv_usage.set(used / total if total else 0.0)
+        for name, counter in (("preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
+                              ("prefix_cache_hits", self.prefix_hits)):
+            advance("vllm_" + name, counter, g(name))
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        if prompt > 0:  # Counter.inc(0) raises ValueError
+            self.prompt_tokens.inc(prompt)
+        if generated > 0:
+            self.generation_tokens.inc(generated)
+
+    def finished(self, reason: str, final: RequestOutput | None) -> None:
+        """A request that ended with `reason` (an admitted one's: stop, length, abort, error); `final` its last
+        stream item (None for one whose caller went away)."""
+        self.success.inc(tags={"finished_reason": reason})
+        m = final.metrics if final is not None else None
+        if m is None:
+            return
+        self.prompt_len.observe(final.num_prompt_tokens)
+        self.output_len.observe(final.num_output_tokens)
+        self.max_output_len.observe(final.num_output_tokens)
+        spans = ((self.ttft, m.arrival_s, m.first_token_s), (self.e2e, m.arrival_s, m.finished_s),
+                 (self.queue, m.arrival_s, m.admitted_s), (self.prefill, m.admitted_s, m.first_token_s),
+                 (self.decode, m.first_token_s, m.finished_s), (self.inference, m.admitted_s, m.finished_s))
+        for hist, start, end in spans:
+            if start is not None and end is not None:
+                hist.observe(max(end - start, 0.0))
+        if m.tpot_s is not None:
+            self.tpot.observe(m.tpot_s)
+
+
 class ReplicaMetrics:
     """All series one LLM replica exports. Cheap to call from the request path (no I/O)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, max_model_len: int = 1 << 17) -> None:
         tier, model_tags = ("tier", "model"), {"model": model}
+        self.vllm = VllmSeries(model, max_model_len)
 
         def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
             h = Histogram(f"kairos_{name}", description=desc, boundaries=bounds, tag_keys=tier + ("model",))
@@ -211,6 +306,7 @@ class ReplicaMetrics:
         for name, counter in (("preemptions", self.preemptions), ("rejected_seats_full", self.rejected_seats_full),
                               ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
             self._advance(name, counter, g(name))
+        self.vllm.engine(st, self._advance)
         self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))
@@ -258,10 +354,12 @@ class ReplicaMetrics:
                 self.admitted.inc(got[0], tags=tags)
                 if got[1] > 0:  # Counter.inc(0) raises ValueError
                     self.tokens_in.inc(got[1], tags=tags)
+                    self.vllm.tokens(got[1], 0)
         for t in (self._tokens_pending.copy() if tier is None else (tier,)):
             n = self._tokens_pending.pop(t, 0)
             if n > 0:
                 self.tokens_out.inc(n, tags={"tier": t})
+                self.vllm.tokens(0, n)
 
     def on_abandoned(self, tier: str) -> None:
         """A request whose caller went away before its first token (it waited in the queue, or for its prefill)."""
@@ -273,6 +371,7 @@ class ReplicaMetrics:
     def on_aborted(self, tier: str) -> None:
         """An admitted request whose caller went away before it finished (reason `abort`, as vLLM counts it)."""
         self.finished.inc(tags={"tier": tier, "reason": "abort"})
+        self.vllm.finished("abort", None)
         self.flush_counts(tier)
 
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
@@ -285,6 +384,7 @@ class ReplicaMetrics:
         t = {"tier": tier}
         reason = final.finish_reason or "unknown"
         self.finished.inc(tags={"tier": tier, "reason": reason})
+        self.vllm.finished(reason, final)
         self.on_tokens(tier, final.num_output_tokens - streamed)  # tokens the stream never carried (none, or a stop)
         self.flush_counts(tier)
         m = final.metrics
@@ -312,28 +412,37 @@ class ReplicaMetrics:
             self.slo_met.inc(tags=t)
 
 
-SCRAPE_PREFIXES = ("ray_kairos_", "ray_serve_")  # what `/metrics` on the serving port passes on
+SCRAPE_PREFIXES = ("ray_kairos_", "ray_serve_", "ray_vllm_")  # what `/metrics` on the serving port passes on
+VLLM_RENAME = ("ray_vllm_", "vllm:")  # ...the vLLM series as vLLM's own server names them
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def filter_exposition(text: str, prefixes: tuple[str, ...] = SCRAPE_PREFIXES) -> str:
+def filter_exposition(text: str, prefixes: tuple[str, ...] = SCRAPE_PREFIXES,
+                      rename: tuple[str, str] | None = VLLM_RENAME) -> str:
     """The lines of a Prometheus text exposition that belong to metrics named with one of `prefixes` (samples and
-    their `# HELP` / `# TYPE` lines), in order."""
+    their `# HELP` / `# TYPE` lines), in order; `rename` (old prefix, new prefix): the names of those metrics
+    that begin with the old one begin with the new one instead."""
     out = []
     for line in text.splitlines():
         if line.startswith("#"):
             parts = line.split(None, 3)
             keep = len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].startswith(prefixes)
+            if keep and rename is not None and parts[2].startswith(rename[0]):
+                parts[2] = rename[1] + parts[2][len(rename[0]):]
+                line = " ".join(parts)
         else:
             keep = line.startswith(prefixes)
+            if keep and rename is not None and line.startswith(rename[0]):
+                line = rename[1] + line[len(rename[0]):]
         if keep:
             out.append(line)
     return "\n".join(out) + ("\n" if out else "")
 
 
 class AgentScraper:
-    """`/metrics` on the serving port: the series this node's Ray metrics agent exports (Serve's `ray_serve_*` and
-    Kairos's `ray_kairos_*`, from every replica on the node), read from the agent's Prometheus endpoint on each
+    """`/metrics` on the serving port: the series this node's Ray metrics agent exports (Serve's `ray_serve_*`,
+    Kairos's `ray_kairos_*` and the vLLM series as vLLM names them, `vllm:*`, from every replica on the node), read
+    from the agent's Prometheus endpoint on each
     scrape. The agent's address is looked up once (`ray.nodes()`: this node's `MetricsExportPort`). On a
     multi-node cluster each node's agent holds its own replicas' series: scrape every node's agent (Ray's
     service discovery file, /tmp/ray/prom_metrics_service_discovery.json) for the whole picture."""

@@ -232,7 +232,7 @@ class LLMReplica:
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
         self.pacing = pacing or StreamPacing()
-        self.metrics = ReplicaMetrics(str(cfg.model))
+        self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len)
         self.inflight = 0
         self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
         self._prompt_lens: deque[int] = deque([64], maxlen=256)

@@ -463,14 +463,6 @@ def test_priority_scheduling_serves_the_lowest_priority_value_first_and_stays_ex
         eng.shutdown()
 
 
-def test_without_priority_scheduling_a_priority_other_than_0_is_refused(llama_engine):
-    with pytest.raises(ValueError, match="Got priority 3 but Priority scheduling is not enabled"):
-        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=3)
-    with pytest.raises(ValueError, match="priority must be an integer"):
-        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=1.5)
-    assert list(llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=0))[-1].finished
-
-
 def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
     """The worker publishes its stats after a step that changed its requests (one admitted, one ended), and otherwise
     often enough that the step count moves while a reply decodes."""
@@ -717,6 +709,14 @@ def test_bad_input_raises_clear_error_and_engine_keeps_serving(llama_engine, pro
         llama_engine.add_request(prompt, params)
     outs = list(llama_engine.add_request("still serving", SamplingParams(max_tokens=3, temperature=0.0)))
     assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
+
+
+def test_without_priority_scheduling_a_priority_other_than_0_is_refused(llama_engine):
+    with pytest.raises(ValueError, match="Got priority 3 but Priority scheduling is not enabled"):
+        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=3)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=1.5)
+    assert list(llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=0))[-1].finished
 
 
 def test_unknown_model_path_is_a_value_error():

@@ -944,8 +944,9 @@ def test_openai_client(base_url: str) -> None:
 
 
 def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
-    """/metrics on the serving port (through Serve's HAProxy): the Ray metrics agent's kairos and Serve series, in
-    Prometheus text format, as a vLLM user's scraper expects them."""
+    """/metrics on the serving port (through Serve's HAProxy): the Ray metrics agent's kairos and Serve series, and
+    vLLM's series under vLLM's own names (`vllm:*`, tagged model_name), in Prometheus text format, as a vLLM user's
+    scraper and dashboards expect them."""
     import time
 
     assert client.post("/v1/completions", json={"prompt": "m", "max_tokens": 3}).status_code == 200
@@ -954,7 +955,11 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
     want = {"ray_kairos_ttft_s_bucket", "ray_kairos_generation_tokens_total", "ray_kairos_kv_blocks_free",
             "ray_kairos_requests_rejected_total", "ray_kairos_decode_steps_total",
             "ray_kairos_decode_step_over_model_sum_total", "ray_kairos_scheduler_policy",
-            "ray_kairos_event_loop_lag_s_bucket", "ray_kairos_prefix_cache_queries_total"}
+            "ray_kairos_event_loop_lag_s_bucket", "ray_kairos_prefix_cache_queries_total",
+            "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+            "vllm:request_time_per_output_token_seconds_bucket", "vllm:generation_tokens_total",
+            "vllm:prompt_tokens_total", "vllm:request_success_total", "vllm:request_prompt_tokens_sum"}
     deadline, names, text = time.monotonic() + 30, set(), ""
     while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
         r = client.get("/metrics")
@@ -966,7 +971,9 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
             break
         time.sleep(0.5)
     assert want <= names, want - names
-    assert all(n.startswith(("ray_kairos_", "ray_serve_")) for n in names), names
+    assert all(n.startswith(("ray_kairos_", "ray_serve_", "vllm:")) for n in names), names
+    assert 'vllm:request_success_total{' in text and 'finished_reason="length"' in text
+    assert 'model_name="kairos-tiny"' in text
     assert 'reason="slo_unattainable"' in text and 'deployment="LLMServer"' in text
     # the latency model against the replicas' decode-only steps, by decode rows, as bench.slo reads it
     from bench.driver import server_decode_over_model

@@ -49,11 +49,14 @@ def test_metrics_exported(base_url: str) -> None:
             "ray_kairos_generation_tokens_total", "ray_kairos_prompt_tokens_total", "ray_kairos_kv_blocks_free",
             "ray_kairos_kv_blocks_used", "ray_kairos_queue_len", "ray_kairos_num_running", "ray_kairos_vbs",
             "ray_kairos_itl_correction", "ray_kairos_length_scale",
-            "ray_kairos_requests_rejected_total", "ray_kairos_requests_admitted_total"}
+            "ray_kairos_requests_rejected_total", "ray_kairos_requests_admitted_total",
+            # vLLM's, under the names Ray Serve LLM's engines give them: Ray's Serve LLM dashboard reads these
+            "ray_vllm_request_prompt_tokens_sum", "ray_vllm_generation_tokens_total", "ray_vllm_num_requests_running",
+            "ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_request_success_total"}
     deadline, names = time.monotonic() + 20, set()
     while time.monotonic() < deadline:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        names = {ln.split("{")[0] for ln in text.splitlines() if ln.startswith("ray_kairos_")}
+        names = {ln.split("{")[0] for ln in text.splitlines() if ln.startswith(("ray_kairos_", "ray_vllm_"))}
         if want <= names:
             break
         time.sleep(0.5)

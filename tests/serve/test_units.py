@@ -2057,6 +2057,78 @@ ray_serve_num_http_requests_total{route="/"} 7.0
         'ray_kairos_ttft_s_bucket{le="0.1",tier="best_effort"} 3.0',
         "# TYPE ray_serve_num_http_requests_total counter", 'ray_serve_num_http_requests_total{route="/"} 7.0']
     assert filter_exposition("ray_node_mem 1\n") == ""
+    # the vLLM series (Ray Serve LLM's names) as vLLM's own server names them
+    vllm = """# HELP ray_vllm_num_requests_running requests running
+# TYPE ray_vllm_num_requests_running gauge
+ray_vllm_num_requests_running{model_name="m"} 2.0
+ray_vllm_generation_tokens_total{model_name="m"} 9.0
+"""
+    assert filter_exposition(vllm).splitlines() == [
+        "# HELP vllm:num_requests_running requests running", "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{model_name="m"} 2.0', 'vllm:generation_tokens_total{model_name="m"} 9.0']
+
+
+def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_vllms_names(monkeypatch):
+    """Ray's Serve LLM Grafana dashboard reads vLLM's series (`ray_vllm_*`, tagged model_name): the replica
+    exports them from the engine's stats and each request's end, beside its own."""
+    from types import SimpleNamespace
+
+    from core.messages import RequestMetrics, RequestOutput
+    from core.request import SLO
+    from deployments import metrics as Mx
+
+    incs: list[tuple[str, float, dict]] = []
+    observed: list[tuple[str, float, dict]] = []
+    gauges: dict[str, float] = {}
+
+    class H:
+        def __init__(self, name, description="", boundaries=(), tag_keys=()):
+            self.name = name
+            assert list(boundaries) == sorted(boundaries) and boundaries
+
+        def set_default_tags(self, tags):
+            pass
+
+        def observe(self, value, tags=None):
+            observed.append((self.name, value, dict(tags or {})))
+
+    class G(H):
+        def __init__(self, name, description="", tag_keys=()):
+            self.name = name
+
+        def set(self, value, tags=None):
+            gauges[self.name] = value
+
+    monkeypatch.setattr(Mx, "Counter", recording_counter(incs))
+    monkeypatch.setattr(Mx, "Histogram", H)
+    monkeypatch.setattr(Mx, "Gauge", G)
+    m = Mx.ReplicaMetrics("m", max_model_len=4096)
+    m.update_engine(SimpleNamespace(num_running=2, num_waiting=3, kv_blocks_used=1, kv_blocks_total=4, preemptions=2,
+                                    prefix_cache_queries=10, prefix_cache_hits=4), 0)
+    assert (gauges["vllm_num_requests_running"], gauges["vllm_num_requests_waiting"],
+            gauges["vllm_kv_cache_usage_perc"]) == (2, 3, 0.25)
+    vllm = lambda: {n: v for n, v, _ in incs if n.startswith("vllm_")}  # noqa: E731
+    assert vllm() == {"vllm_num_preemptions": 2, "vllm_prefix_cache_queries": 10, "vllm_prefix_cache_hits": 4}
+    incs.clear()
+    m.on_admitted("best_effort", 7)
+    m.on_tokens("best_effort", 5)
+    final = RequestOutput("r", finished=True, finish_reason="stop", num_prompt_tokens=7, num_output_tokens=6,
+                          metrics=RequestMetrics(arrival_s=10.0, admitted_s=10.1, first_token_s=10.3,
+                                                 finished_s=11.3, token_times=[10.3, 10.5, 10.7, 10.9, 11.1, 11.3]))
+    m.on_finished("best_effort", SLO(), final, streamed=5)
+    assert vllm() == {"vllm_prompt_tokens": 7, "vllm_generation_tokens": 6, "vllm_request_success": 1}
+    assert [t for n, _, t in incs if n == "vllm_request_success"] == [{"finished_reason": "stop"}]
+    got = {n: v for n, v, _ in observed if n.startswith("vllm_")}
+    assert got == pytest.approx({
+        "vllm_time_to_first_token_seconds": 0.3, "vllm_e2e_request_latency_seconds": 1.3,
+        "vllm_request_queue_time_seconds": 0.1, "vllm_request_prefill_time_seconds": 0.2,
+        "vllm_request_decode_time_seconds": 1.0, "vllm_request_inference_time_seconds": 1.2,
+        "vllm_request_time_per_output_token_seconds": 0.2, "vllm_request_prompt_tokens": 7,
+        "vllm_request_generation_tokens": 6, "vllm_request_max_num_generation_tokens": 6})
+    incs.clear()
+    m.on_aborted("best_effort")
+    assert [(n, t) for n, _, t in incs if n.startswith("vllm_")] == [
+        ("vllm_request_success", {"finished_reason": "abort"})]
 
 
 def recording_counter(incs: list) -> type:
