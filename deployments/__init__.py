@@ -59,7 +59,9 @@ def llm_actor_options(a: ServeArgs, actor_opts: dict[str, Any]) -> dict[str, Any
     need = 2 * a.max_body_bytes + (1 << 20)
     if a.llm_transport != "grpc" or need <= serve_max:
         return actor_opts
-    return {**actor_opts, "runtime_env": {"env_vars": {GRPC_MAX_ENV: str(need)}}}
+    env = dict(actor_opts.get("runtime_env") or {})
+    env["env_vars"] = {**(env.get("env_vars") or {}), GRPC_MAX_ENV: str(need)}
+    return {**actor_opts, "runtime_env": env}
 
 
 def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
@@ -76,6 +78,10 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
             log.info("kairos: %d LLM replica(s) on the CPU: Ray has %g GPU(s), fewer than num_replicas or device "
                      "says so (num_gpus=%g would share them)", a.num_replicas, gpus, gpus / a.num_replicas)
     actor_opts: dict[str, Any] = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus}
+    if a.accelerator_type:
+        actor_opts["accelerator_type"] = a.accelerator_type
+    if a.runtime_env:
+        actor_opts["runtime_env"] = dict(a.runtime_env)
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
@@ -149,6 +155,14 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
 app = build_app  # `serve run deployments:app [key=value ...]`
 
 
+def build_openai_app(builder_config: dict) -> Application:  # type: ignore[valid-type]
+    """Ray Serve LLM's `build_openai_app` arguments (`llm_configs`: one LLMConfig; deployments/llm_config.py) as
+    a Kairos app: a Ray Serve LLM config runs with `import_path: deployments:build_openai_app`."""
+    from deployments.llm_config import translate
+
+    return build_app(AppArgs.model_validate(translate(builder_config)))
+
+
 def __getattr__(name: str) -> Any:
     """`default_app` (`serve build deployments:default_app`), built when first asked for, not by every process that
     imports the package (each replica does). It is one replica on the CPU wherever it is built: the file `serve build`
@@ -159,4 +173,4 @@ def __getattr__(name: str) -> Any:
         return built
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["AppArgs", "app", "build_app", "default_app"]
+__all__ = ["AppArgs", "app", "build_app", "build_openai_app", "default_app"]

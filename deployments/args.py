@@ -36,6 +36,10 @@ class ServeArgs(BaseModel):
                                    "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`) "
                                    "and `device` is auto or cuda, else 0")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
+    accelerator_type: str | None = Field(None, description="the accelerator the LLM replicas need, as Ray names it "
+                                         "(H100, A10G, ...: Ray's actor option, Ray Serve LLM's accelerator_type)")
+    runtime_env: dict[str, Any] | None = Field(None, description="the LLM replicas' Ray runtime_env (env_vars, ...), "
+                                               "as Ray Serve LLM's runtime_env")
     max_ongoing_requests: int | None = Field(None, ge=1, description="per-LLM-replica cap enforced by the caller's "
                                              "router; default: what its engine holds, max_num_seqs + max_waiting, "
                                              "and at least 256")

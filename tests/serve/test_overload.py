@@ -34,9 +34,15 @@ CMPL = "/v1/completions"
 
 
 def _ovl_app(_: object):
-    from deployments import build_app
+    """Built as a Ray Serve LLM config is (`deployments:build_openai_app`): OVL_ARGS as an LLMConfig, Kairos's own
+    arguments among its engine_kwargs."""
+    from deployments import build_openai_app
 
-    return build_app(OVL_ARGS)
+    serve_opts = ("num_replicas", "max_ongoing_requests", "max_queued_requests")
+    engine = {k: v for k, v in OVL_ARGS.items() if k not in ("model", "served_model_name", *serve_opts)}
+    return build_openai_app({"llm_configs": [{
+        "model_loading_config": {"model_id": OVL_ARGS["served_model_name"], "model_source": OVL_ARGS["model"]},
+        "engine_kwargs": engine, "deployment_config": {k: OVL_ARGS[k] for k in serve_opts}}]})
 
 
 SIDE_APP = SideApp(OVL_APP, OVL_PREFIX, _ovl_app)

@@ -1,0 +1,220 @@
+"""Ray Serve LLM's application config, served by Kairos: `build_openai_app`'s arguments read as `AppArgs`.
+
+A Ray Serve LLM config (`import_path: ray.serve.llm:build_openai_app`, `args: {llm_configs: [...]}`) runs as a Kairos
+app by pointing its import path at `deployments:build_openai_app`, the rest of the file as it is:
+
+    applications:
+    - name: llm
+      route_prefix: /
+      import_path: deployments:build_openai_app
+      args:
+        llm_configs:
+        - model_loading_config: {model_id: qwen, model_source: /models/Qwen2.5-7B-Instruct}
+          engine_kwargs: {max_model_len: 8192, max_num_seqs: 128, enable_chunked_prefill: true}
+          deployment_config: {num_replicas: 2}
+          lora_config: {dynamic_lora_loading_path: /models/adapters, max_num_adapters_per_replica: 8}
+
+Each part of an `LLMConfig` maps to what Kairos has for it (`translate`): the model's id is its served name and its
+source the checkpoint; `engine_kwargs` are vLLM's engine arguments, under Kairos's names where they differ
+(`VLLM_NAMES`), any Kairos argument too (`policy`, SLO knobs); `deployment_config` the replicas' count and Serve
+options; `lora_config` the adapters loaded on demand. What Kairos cannot do as asked (several models in one app,
+autoscaling, tensor parallelism, cloud mirrors, another engine, a custom server class) is a ValueError naming it, at
+build time; vLLM arguments that change nothing served here (`VLLM_NO_EFFECT`) are accepted and logged.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ray.serve")
+
+# vLLM's engine arguments by Kairos's name where the two differ
+VLLM_NAMES = {
+    "max_num_batched_tokens": "prefill_max_tokens",
+    "enable_chunked_prefill": "chunked_prefill",
+    "max_cpu_loras": None,  # (no CPU tier of adapters here: the replicas keep max_loras loaded)
+}
+# vLLM's engine arguments that change nothing a client sees here: accepted with their value logged
+VLLM_NO_EFFECT = frozenset((
+    "enforce_eager", "disable_log_stats", "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
+    "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_custom_all_reduce",
+    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling"))
+# vLLM's engine arguments that must keep their default (one GPU per replica, no quantization or drafts here)
+VLLM_ONE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
+VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_config", "cpu_offload_gb", "task",
+                          "runner", "limit_mm_per_prompt", "pooler_config", "kv_events_config"))
+# an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
+_LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
+                         "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",
+                         "accelerator_config", "placement_group_config", "server_cls", "callback_config"))
+_DEPLOYMENT = {"num_replicas": "num_replicas", "max_ongoing_requests": "max_ongoing_requests",
+               "max_queued_requests": "max_queued_requests", "health_check_period_s": "health_check_period_s",
+               "health_check_timeout_s": "health_check_timeout_s"}
+_DEPLOYMENT_NO_EFFECT = frozenset(("name", "graceful_shutdown_wait_loop_s", "graceful_shutdown_timeout_s",
+                                   "logging_config"))
+
+
+def _refuse(where: str, why: str) -> ValueError:
+    return ValueError(f"Ray Serve LLM config: {where}: {why}")
+
+
+def _llm_config(entry: Any) -> dict[str, Any]:
+    """One of `llm_configs`: a mapping, or the path of a YAML file that holds one (as Ray Serve LLM reads them)."""
+    if isinstance(entry, (str, Path)):
+        import yaml  # (Ray's dependency)
+
+        path = Path(entry)
+        if not path.is_file():
+            raise _refuse("llm_configs", f"{str(entry)!r} is not a file")
+        entry = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(entry, dict):
+        raise _refuse("llm_configs", f"each entry must be a mapping (an LLMConfig) or a YAML file's path, got "
+                      f"{type(entry).__name__}")
+    return entry
+
+
+def translate(builder_config: dict[str, Any]) -> dict[str, Any]:
+    """`build_openai_app`'s arguments (Ray Serve LLM's `LLMServingArgs`) as Kairos's flat app arguments (`AppArgs`'
+    names); ValueError for what Kairos would not serve as asked."""
+    if not isinstance(builder_config, dict):
+        raise _refuse("args", "must be a mapping with llm_configs")
+    unknown = set(builder_config) - {"llm_configs", "ingress_deployment_config", "ingress_cls_config"}
+    if unknown:
+        raise _refuse("args", f"unknown field(s) {', '.join(sorted(map(str, unknown)))} (LLMServingArgs has "
+                      "llm_configs, ingress_deployment_config and ingress_cls_config)")
+    configs = builder_config.get("llm_configs")
+    if not isinstance(configs, list) or not configs:
+        raise _refuse("llm_configs", "must be a non-empty list of LLMConfigs")
+    if len(configs) > 1:
+        raise _refuse("llm_configs", f"{len(configs)} models: a Kairos app serves one model (its replicas' SLO "
+                      "scheduling and routing are per model); deploy one application per model, each with its own "
+                      "route_prefix")
+    if builder_config.get("ingress_cls_config"):
+        raise _refuse("ingress_cls_config", "Kairos's ingress is its own: no other ingress class")
+    out = _from_llm_config(_llm_config(configs[0]))
+    ingress = builder_config.get("ingress_deployment_config") or {}
+    for key, value in ingress.items():
+        if key == "num_replicas":
+            out["ingress_num_replicas"] = value
+        elif key == "max_ongoing_requests":
+            out["ingress_max_ongoing_requests"] = value
+        elif key not in _DEPLOYMENT_NO_EFFECT:
+            raise _refuse(f"ingress_deployment_config.{key}", "not an option of Kairos's ingress (num_replicas and "
+                          "max_ongoing_requests are)")
+    return out
+
+
+def _from_llm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(cfg) - _LLM_FIELDS
+    if unknown:
+        raise _refuse("llm_configs[0]", f"unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+    out: dict[str, Any] = {}
+    loading = cfg.get("model_loading_config")
+    if not isinstance(loading, dict) or not isinstance(loading.get("model_id"), str) or not loading["model_id"]:
+        raise _refuse("model_loading_config", "must give model_id (the name clients ask for)")
+    source = loading.get("model_source") or loading["model_id"]
+    if not isinstance(source, str):
+        raise _refuse("model_loading_config.model_source", "a cloud mirror (bucket_uri) is not read here: copy the "
+                      "checkpoint to a folder the replicas' hosts share and give its path")
+    out["model"], out["served_model_name"] = source, loading["model_id"]
+    if loading.get("tokenizer_source"):
+        out["tokenizer"] = loading["tokenizer_source"]
+    engine = cfg.get("llm_engine", "vLLM")
+    if str(engine).lower() != "vllm":
+        raise _refuse("llm_engine", f"{engine!r}: Kairos runs its own engine in vLLM's place (vLLM's arguments "
+                      "are read)")
+    for name in ("accelerator_config", "placement_group_config", "server_cls"):
+        if cfg.get(name):
+            raise _refuse(name, "not read here: a Kairos replica is one engine on one GPU (or the CPU), its server "
+                          "Kairos's own")
+    callback = cfg.get("callback_config")
+    if callback and any(v not in (None, {}, [], False) for v in (callback.values() if isinstance(callback, dict)
+                                                                 else [callback])):
+        raise _refuse("callback_config", "model initialization callbacks are not run here")
+    if cfg.get("accelerator_type"):
+        out["accelerator_type"] = cfg["accelerator_type"]
+    if cfg.get("runtime_env"):
+        out["runtime_env"] = cfg["runtime_env"]
+    for key, value in (cfg.get("experimental_configs") or {}).items():
+        if key == "stream_batching_interval_ms":
+            out["stream_interval_ms"] = value
+        elif key == "num_ingress_replicas":
+            out["ingress_num_replicas"] = value
+        else:
+            raise _refuse(f"experimental_configs.{key}", "not read here (stream_batching_interval_ms and "
+                          "num_ingress_replicas are)")
+    out.update(_engine_kwargs(cfg.get("engine_kwargs") or {}))
+    out.update(_deployment(cfg.get("deployment_config") or {}))
+    lora = cfg.get("lora_config")
+    if lora:
+        if not isinstance(lora, dict):
+            raise _refuse("lora_config", "must be a mapping")
+        if lora.get("dynamic_lora_loading_path"):
+            out["dynamic_lora_loading_path"] = lora["dynamic_lora_loading_path"]
+        if lora.get("max_num_adapters_per_replica") is not None:
+            out["max_loras"] = lora["max_num_adapters_per_replica"]
+        out["enable_lora"] = True
+    return out
+
+
+def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's engine arguments under Kairos's names; a Kairos argument passes as it is (AppArgs checks names and
+    values, and suggests a near name for an unknown one)."""
+    if not isinstance(kwargs, dict):
+        raise _refuse("engine_kwargs", "must be a mapping of vLLM engine arguments")
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in VLLM_ONE:
+            if value not in (None, VLLM_ONE[key]):
+                raise _refuse(f"engine_kwargs.{key}", f"{value!r}: a Kairos replica runs its model on one GPU "
+                              "(give num_replicas for more)")
+        elif key in VLLM_REFUSED:
+            if value not in (None, {}, False, "auto", "generate"):
+                raise _refuse(f"engine_kwargs.{key}", f"{value!r}: not supported by Kairos's engine")
+        elif key in VLLM_NO_EFFECT:
+            log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key, value)
+        elif key in VLLM_NAMES:
+            if VLLM_NAMES[key] is not None:
+                out[VLLM_NAMES[key]] = value
+        elif key == "model" or key == "served_model_name":
+            raise _refuse(f"engine_kwargs.{key}", "give it in model_loading_config (model_source, model_id)")
+        else:
+            out[key] = value
+    return out
+
+
+def _deployment(dep: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(dep, dict):
+        raise _refuse("deployment_config", "must be a mapping of Serve deployment options")
+    out: dict[str, Any] = {}
+    for key, value in dep.items():
+        if key in _DEPLOYMENT:
+            out[_DEPLOYMENT[key]] = value
+        elif key == "autoscaling_config":
+            scaling = value or {}
+            low, high = scaling.get("min_replicas"), scaling.get("max_replicas")
+            if low is None or low != high:
+                raise _refuse("deployment_config.autoscaling_config", "Kairos's replicas do not autoscale (the SLO "
+                              "router, stream pacing and thread budgets are sized for a fixed count): give "
+                              "num_replicas, or min_replicas equal to max_replicas")
+            out["num_replicas"] = low
+        elif key == "ray_actor_options":
+            opts = dict(value or {})
+            for name, arg in (("num_gpus", "num_gpus"), ("num_cpus", "num_cpus"),
+                              ("accelerator_type", "accelerator_type"), ("runtime_env", "runtime_env")):
+                if name in opts:
+                    out[arg] = opts.pop(name)
+            if opts:
+                raise _refuse("deployment_config.ray_actor_options", f"{', '.join(sorted(opts))}: not read here "
+                              "(num_gpus, num_cpus, accelerator_type and runtime_env are)")
+        elif key == "user_config":
+            if value:
+                raise _refuse("deployment_config.user_config", "a Kairos replica's user_config holds its "
+                              "scheduler knobs (policy, ...): give them in engine_kwargs here")
+        elif key == "request_router_config":
+            raise _refuse("deployment_config.request_router_config", "Kairos routes by SLO slack (router=slo) or "
+                          "power of two choices (router=pow2): give router in engine_kwargs")
+        elif key not in _DEPLOYMENT_NO_EFFECT:
+            raise _refuse(f"deployment_config.{key}", "not a Serve deployment option Kairos reads")
+    return out

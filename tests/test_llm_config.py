@@ -1,0 +1,87 @@
+"""A Ray Serve LLM config (`build_openai_app`'s arguments) read as Kairos's app arguments: what maps, what is refused.
+Over HTTP, tests/serve/test_overload.py's app is built from such a config."""
+import pytest
+
+from deployments.llm_config import translate
+
+LLM = {
+    "model_loading_config": {"model_id": "qwen", "model_source": "kairos-tiny"},
+    "accelerator_type": "A10G",
+    "engine_kwargs": {"max_model_len": 512, "max_num_seqs": 32, "max_num_batched_tokens": 2048,
+                      "enable_chunked_prefill": True, "tensor_parallel_size": 1, "enforce_eager": True,
+                      "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "dtype": "float32",
+                      "policy": "scorpio"},  # (a Kairos argument passes as it is)
+    "deployment_config": {"num_replicas": 2, "max_ongoing_requests": 64,
+                          "ray_actor_options": {"num_gpus": 0, "runtime_env": {"env_vars": {"A": "1"}}}},
+    "lora_config": {"dynamic_lora_loading_path": "/adapters", "max_num_adapters_per_replica": 4},
+    "experimental_configs": {"stream_batching_interval_ms": 50},
+    "log_engine_metrics": True,
+}
+
+
+def test_a_ray_serve_llm_config_maps_to_kairos_arguments():
+    assert translate({"llm_configs": [LLM], "ingress_deployment_config": {"num_replicas": 2}}) == {
+        "model": "kairos-tiny", "served_model_name": "qwen", "accelerator_type": "A10G",
+        "max_model_len": 512, "max_num_seqs": 32, "prefill_max_tokens": 2048, "chunked_prefill": True,
+        "tool_call_parser": "hermes", "dtype": "float32", "policy": "scorpio",
+        "num_replicas": 2, "max_ongoing_requests": 64, "num_gpus": 0, "runtime_env": {"env_vars": {"A": "1"}},
+        "dynamic_lora_loading_path": "/adapters", "max_loras": 4, "enable_lora": True, "stream_interval_ms": 50,
+        "ingress_num_replicas": 2}
+    # model_source left out: the model id is the checkpoint (a hub id, or a folder), as Ray Serve LLM reads it
+    assert translate({"llm_configs": [{"model_loading_config": {"model_id": "kairos-tiny"}}]}) == {
+        "model": "kairos-tiny", "served_model_name": "kairos-tiny"}
+    # equal autoscaling bounds are a fixed count
+    one = {"model_loading_config": {"model_id": "m"},
+           "deployment_config": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 3}}}
+    assert translate({"llm_configs": [one]})["num_replicas"] == 3
+
+
+def test_an_llm_config_file_is_read_as_ray_serve_llm_reads_it(tmp_path):
+    import yaml
+
+    path = tmp_path / "qwen.yaml"
+    path.write_text(yaml.safe_dump({"model_loading_config": {"model_id": "q", "model_source": "kairos-tiny"},
+                                    "engine_kwargs": {"max_num_seqs": 8}}))
+    assert translate({"llm_configs": [str(path)]}) == {"model": "kairos-tiny", "served_model_name": "q",
+                                                        "max_num_seqs": 8}
+    with pytest.raises(ValueError, match="is not a file"):
+        translate({"llm_configs": [str(tmp_path / "none.yaml")]})
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"llm_configs": [LLM, {**LLM, "model_loading_config": {"model_id": "b"}}]}, "a Kairos app serves one model"),
+    ({"llm_configs": []}, "non-empty list"),
+    ({"llm_configs": [{"engine_kwargs": {}}]}, "model_id"),
+    ({"llm_configs": [{**LLM, "engine_kwargs": {"tensor_parallel_size": 2}}]}, "tensor_parallel_size: 2"),
+    ({"llm_configs": [{**LLM, "engine_kwargs": {"quantization": "awq"}}]}, "quantization: 'awq'"),
+    ({"llm_configs": [{**LLM, "deployment_config": {"autoscaling_config": {"min_replicas": 1,
+                                                                           "max_replicas": 4}}}]}, "do not autoscale"),
+    ({"llm_configs": [{**LLM, "model_loading_config": {"model_id": "m", "model_source": {
+        "bucket_uri": "s3://b/m"}}}]}, "cloud mirror"),
+    ({"llm_configs": [{**LLM, "llm_engine": "SGLang"}]}, "llm_engine"),
+    ({"llm_configs": [{**LLM, "placement_group_config": {"bundles": [{"GPU": 1}] * 2}}]}, "placement_group_config"),
+    ({"llm_configs": [{**LLM, "deployment_config": {"user_config": {"x": 1}}}]}, "user_config"),
+    ({"llm_configs": [LLM], "ingress_cls_config": {"ingress_cls": "x:Y"}}, "ingress_cls_config"),
+    ({"llm_configs": [LLM], "extra": 1}, "unknown field"),
+    ({"llm_configs": [{**LLM, "surprise": 1}]}, "unknown field"),
+])
+def test_what_kairos_would_not_serve_as_asked_is_refused_naming_it(config, says):
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        translate(config)
+
+
+def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to():
+    from ray.serve import Application
+
+    from deployments import AppArgs, build_openai_app
+
+    cfg = {"llm_configs": [{"model_loading_config": {"model_id": "tiny", "model_source": "kairos-tiny"},
+                            "engine_kwargs": {"max_num_batched_tokens": 256, "dtype": "float32"},
+                            "deployment_config": {"num_replicas": 1, "ray_actor_options": {"num_gpus": 0}}}]}
+    assert isinstance(build_openai_app(cfg), Application)
+    args = AppArgs.model_validate(translate(cfg))
+    assert (args.served_model_name, args.prefill_max_tokens, args.num_replicas) == ("tiny", 256, 1)
+    # a vLLM argument Kairos does not have is refused by name, as any unknown argument is, with the nearest one
+    cfg["llm_configs"][0]["engine_kwargs"] = {"max_num_seq": 4}
+    with pytest.raises(ValueError, match="max_num_seq.*did you mean 'max_num_seqs'"):
+        build_openai_app(cfg)
