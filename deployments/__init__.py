@@ -120,9 +120,12 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
     engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
     log_config = {"enable_access_log": a.access_log}
+    # the LLM replicas' count: fixed, or Serve's autoscaling between its bounds (the app sized for the most)
+    scaling = a.autoscaling()
+    count: dict[str, Any] = {"autoscaling_config": scaling} if scaling is not None else {"num_replicas": a.num_replicas}
     if a.direct:
         return DirectLLMServer.options(
-            num_replicas=a.num_replicas,
+            **count,
             logging_config=log_config,
             ray_actor_options=actor_opts,
             max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
@@ -134,7 +137,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "request_routing_stats_period_s": a.routing_stats_period_s,
     }
     llm = LLMServer.options(
-        num_replicas=a.num_replicas,
+        **count,
         logging_config=log_config,
         ray_actor_options=llm_actor_options(a, actor_opts),
         max_ongoing_requests=a.max_ongoing_requests,

@@ -35,6 +35,12 @@ class ServeArgs(BaseModel):
     num_gpus: float | None = Field(None, ge=0, description="GPUs per LLM replica (0: on CPU; 1: a GPU each; a "
                                    "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`) "
                                    "and `device` is auto or cuda, else 0")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve's autoscaling of the LLM replicas, in place of num_replicas (min_replicas >= 1, "
+        "max_replicas, target_ongoing_requests, delays: Serve's AutoscalingConfig). target_ongoing_requests left "
+        "out is a replica's max_num_seqs (Serve's own default, 2, would add a replica for a third request); the "
+        "app is sized for max_replicas (routed topology where it exceeds 1; stream pacing and CPU threads split "
+        "over that many)")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
     accelerator_type: str | None = Field(None, description="the accelerator the LLM replicas need, as Ray names it "
                                          "(H100, A10G, ...: Ray's actor option, Ray Serve LLM's accelerator_type)")
@@ -157,9 +163,33 @@ class ServeArgs(BaseModel):
 
     @model_validator(mode="after")
     def _validate_nested(self) -> "ServeArgs":
+        if self.autoscaling_config is not None:
+            if self.num_replicas is not None:
+                raise ValueError("give num_replicas or autoscaling_config, not both")
+            self.autoscaling()  # Serve's checks, and Kairos's, at parse time
         self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
         check_local_model(str(getattr(self, "model", "")))  # a checkpoint here the engine cannot run: at once
         return self
+
+    def autoscaling(self) -> dict[str, Any] | None:
+        """The LLM replicas' autoscaling config as Serve takes it (None: a fixed num_replicas): Serve's
+        AutoscalingConfig checks it; `target_ongoing_requests` left out is a replica's `max_num_seqs`. ValueError
+        for a scale to zero (a replica's start loads its model, profiles and captures: the requests waiting for it
+        would be told 503 first)."""
+        if self.autoscaling_config is None:
+            return None
+        from ray.serve.config import AutoscalingConfig
+
+        cfg = dict(self.autoscaling_config)
+        cfg.setdefault("target_ongoing_requests", self.replica_scheduler().max_num_seqs)
+        try:
+            checked = AutoscalingConfig(**cfg)
+        except Exception as e:  # noqa: BLE001 - Serve's validation error, as a ValueError naming the field
+            raise ValueError(f"autoscaling_config: {e}") from None
+        if checked.min_replicas < 1:
+            raise ValueError("autoscaling_config: min_replicas must be at least 1 (a replica's start loads its "
+                             "model and profiles it: requests waiting for the first would be answered 503)")
+        return cfg
 
     def resolved(self) -> "ServeArgs":
         """These arguments with what was left to the machine decided (`placement`), and `max_ongoing_requests`,
@@ -178,6 +208,13 @@ class ServeArgs(BaseModel):
         """(num_gpus, num_replicas), each as given or else: one replica per GPU of those there are
         (`gpus_for_app`) where the engine may take one (`device` auto or cuda), and where `num_replicas` is given,
         a GPU each if there are that many; otherwise one replica, on the CPU."""
+        if self.autoscaling_config is not None:  # sized for its most replicas, a GPU each where there is one
+            most = int(self.autoscaling_config.get("max_replicas", 1))
+            gpus = gpus_for_app() if self.num_gpus is None else 0.0
+            device = str(getattr(self, "device", "auto"))
+            num_gpus = self.num_gpus if self.num_gpus is not None else \
+                (1.0 if gpus >= 1 and device in ("auto", "cuda") else 0.0)
+            return num_gpus, most
         if self.num_gpus is not None and self.num_replicas is not None:
             return self.num_gpus, self.num_replicas
         gpus = gpus_for_app()

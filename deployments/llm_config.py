@@ -17,9 +17,9 @@ app by pointing its import path at `deployments:build_openai_app`, the rest of t
 Each part of an `LLMConfig` maps to what Kairos has for it (`translate`): the model's id is its served name and its
 source the checkpoint; `engine_kwargs` are vLLM's engine arguments, under Kairos's names where they differ
 (`VLLM_NAMES`), any Kairos argument too (`policy`, SLO knobs); `deployment_config` the replicas' count and Serve
-options; `lora_config` the adapters loaded on demand. What Kairos cannot do as asked (several models in one app,
-autoscaling, tensor parallelism, cloud mirrors, another engine, a custom server class) is a ValueError naming it, at
-build time; vLLM arguments that change nothing served here (`VLLM_NO_EFFECT`) are accepted and logged.
+options (autoscaling too); `lora_config` the adapters loaded on demand. What Kairos cannot do as asked (several
+models in one app, tensor parallelism, cloud mirrors, another engine, a custom server class) is a ValueError naming
+it, at build time; vLLM arguments that change nothing served here (`VLLM_NO_EFFECT`) are accepted and logged.
 """
 from __future__ import annotations
 
@@ -192,13 +192,7 @@ def _deployment(dep: dict[str, Any]) -> dict[str, Any]:
         if key in _DEPLOYMENT:
             out[_DEPLOYMENT[key]] = value
         elif key == "autoscaling_config":
-            scaling = value or {}
-            low, high = scaling.get("min_replicas"), scaling.get("max_replicas")
-            if low is None or low != high:
-                raise _refuse("deployment_config.autoscaling_config", "Kairos's replicas do not autoscale (the SLO "
-                              "router, stream pacing and thread budgets are sized for a fixed count): give "
-                              "num_replicas, or min_replicas equal to max_replicas")
-            out["num_replicas"] = low
+            out["autoscaling_config"] = value  # (Serve's, checked with Kairos's default target by AppArgs)
         elif key == "ray_actor_options":
             opts = dict(value or {})
             for name, arg in (("num_gpus", "num_gpus"), ("num_cpus", "num_cpus"),

@@ -30,10 +30,10 @@ def test_a_ray_serve_llm_config_maps_to_kairos_arguments():
     # model_source left out: the model id is the checkpoint (a hub id, or a folder), as Ray Serve LLM reads it
     assert translate({"llm_configs": [{"model_loading_config": {"model_id": "kairos-tiny"}}]}) == {
         "model": "kairos-tiny", "served_model_name": "kairos-tiny"}
-    # equal autoscaling bounds are a fixed count
-    one = {"model_loading_config": {"model_id": "m"},
-           "deployment_config": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 3}}}
-    assert translate({"llm_configs": [one]})["num_replicas"] == 3
+    # Serve's autoscaling, as given (AppArgs checks it, with a replica's seats as the default target)
+    scaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
+    one = {"model_loading_config": {"model_id": "m"}, "deployment_config": {"autoscaling_config": scaling}}
+    assert translate({"llm_configs": [one]})["autoscaling_config"] == scaling
 
 
 def test_an_llm_config_file_is_read_as_ray_serve_llm_reads_it(tmp_path):
@@ -54,8 +54,6 @@ def test_an_llm_config_file_is_read_as_ray_serve_llm_reads_it(tmp_path):
     ({"llm_configs": [{"engine_kwargs": {}}]}, "model_id"),
     ({"llm_configs": [{**LLM, "engine_kwargs": {"tensor_parallel_size": 2}}]}, "tensor_parallel_size: 2"),
     ({"llm_configs": [{**LLM, "engine_kwargs": {"quantization": "awq"}}]}, "quantization: 'awq'"),
-    ({"llm_configs": [{**LLM, "deployment_config": {"autoscaling_config": {"min_replicas": 1,
-                                                                           "max_replicas": 4}}}]}, "do not autoscale"),
     ({"llm_configs": [{**LLM, "model_loading_config": {"model_id": "m", "model_source": {
         "bucket_uri": "s3://b/m"}}}]}, "cloud mirror"),
     ({"llm_configs": [{**LLM, "llm_engine": "SGLang"}]}, "llm_engine"),
@@ -81,6 +79,16 @@ def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to()
     assert isinstance(build_openai_app(cfg), Application)
     args = AppArgs.model_validate(translate(cfg))
     assert (args.served_model_name, args.prefill_max_tokens, args.num_replicas) == ("tiny", 256, 1)
+    # autoscaling: Serve's between its bounds, the app sized for the most (routed beyond one replica)
+    cfg["llm_configs"][0]["deployment_config"] = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
+                                                  "ray_actor_options": {"num_gpus": 0}}
+    llm = build_openai_app(cfg)._bound_deployment.init_args[0]._bound_deployment
+    scaling = llm._deployment_config.autoscaling_config
+    assert llm.name == "LLMServer" and (scaling.min_replicas, scaling.max_replicas) == (1, 3)
+    assert scaling.target_ongoing_requests == AppArgs.model_validate(translate(cfg)).replica_scheduler().max_num_seqs
+    with pytest.raises(ValueError, match="min_replicas must be at least 1"):
+        build_openai_app({"llm_configs": [{**cfg["llm_configs"][0], "deployment_config": {
+            "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}}]})
     # a vLLM argument Kairos does not have is refused by name, as any unknown argument is, with the nearest one
     cfg["llm_configs"][0]["engine_kwargs"] = {"max_num_seq": 4}
     with pytest.raises(ValueError, match="max_num_seq.*did you mean 'max_num_seqs'"):

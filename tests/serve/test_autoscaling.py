@@ -1,0 +1,71 @@
+"""Serve's autoscaling of the LLM replicas (`autoscaling_config`): under load past its target the app grows from one
+replica to two, and the SLO router sends requests to the new one."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import TEST_ARGS, SideApp, side_app
+
+AUTO_APP, AUTO_PREFIX = "kairos-auto", "/auto"
+SCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.0,
+           "metrics_interval_s": 0.5, "look_back_period_s": 1.0, "downscale_delay_s": 600.0}
+
+
+def _auto_app(_: object):
+    from deployments import build_app
+
+    args = {k: v for k, v in TEST_ARGS.items() if k != "num_replicas"}
+    return build_app({**args, "max_num_seqs": 4, "autoscaling_config": SCALING})
+
+
+SIDE_APP = SideApp(AUTO_APP, AUTO_PREFIX, _auto_app)
+
+
+@pytest.fixture(scope="module")
+def auto_url(serve_app: dict):
+    from ray import serve
+
+    try:
+        yield side_app(serve_app, SIDE_APP)
+    finally:
+        serve.delete(AUTO_APP)  # (blocking: its replicas' cores go back before the next tests)
+
+
+def _running(app: str) -> int:
+    from ray import serve
+
+    dep = serve.status().applications[app].deployments["LLMServer"]
+    return dep.replica_states.get("RUNNING", 0)
+
+
+def test_load_past_the_target_adds_a_replica_that_the_router_uses(auto_url: str) -> None:
+    assert _running(AUTO_APP) == 1
+    replicas: set[str] = set()
+    statuses: list[int] = []
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=auto_url, timeout=60) as ac:
+            async def client(i: int) -> None:
+                while not stop.is_set():
+                    r = await ac.post("/v1/completions", json={"prompt": f"load {i}", "max_tokens": 200,
+                                                                "ignore_eos": True})
+                    statuses.append(r.status_code)
+                    if r.status_code == 200:
+                        replicas.add(r.headers["x-kairos-replica"])
+
+            tasks = [asyncio.create_task(client(i)) for i in range(8)]  # 8 ongoing: 4 a replica over its target 2
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and len(replicas) < 2:
+                await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert len(replicas) == 2, f"requests served by {replicas}; LLM replicas running: {_running(AUTO_APP)}"
+    assert _running(AUTO_APP) == 2
+    assert set(statuses) <= {200, 429}, statuses  # (a request the SLO gate turns away is a 429, never an error)
