@@ -60,6 +60,9 @@ def llm_actor_options(a: ServeArgs, actor_opts: dict[str, Any]) -> dict[str, Any
     if a.llm_transport != "grpc" or need <= serve_max:
         return actor_opts
     env = dict(actor_opts.get("runtime_env") or {})
+    given = (env.get("env_vars") or {}).get(GRPC_MAX_ENV)
+    if given is not None and str(given).isdigit():
+        need = max(need, int(given))  # (a larger limit the runtime_env asks for stays)
     env["env_vars"] = {**(env.get("env_vars") or {}), GRPC_MAX_ENV: str(need)}
     return {**actor_opts, "runtime_env": env}
 
@@ -85,7 +88,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
-                    a.engine_process, a.loop_priority)
+                    a.engine_process, a.loop_priority, a.model_name)
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,

@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from engine.config import EngineConfig, check_local_model, for_device
 from scheduling.config import SchedulerConfig
@@ -43,7 +43,8 @@ class ServeArgs(BaseModel):
         "over that many)")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
     accelerator_type: str | None = Field(None, description="the accelerator the LLM replicas need, as Ray names it "
-                                         "(H100, A10G, ...: Ray's actor option, Ray Serve LLM's accelerator_type)")
+                                         "(H100, A10G, ...: Ray's actor option, Ray Serve LLM's accelerator_type); "
+                                         "a replica then takes a GPU unless num_gpus says otherwise")
     runtime_env: dict[str, Any] | None = Field(None, description="the LLM replicas' Ray runtime_env (env_vars, ...), "
                                                "as Ray Serve LLM's runtime_env")
     max_ongoing_requests: int | None = Field(None, ge=1, description="per-LLM-replica cap enforced by the caller's "
@@ -161,6 +162,21 @@ class ServeArgs(BaseModel):
                 raise ValueError(f"unknown argument(s): {', '.join(hints)}; valid: {', '.join(sorted(known))}")
         return data
 
+    @field_validator("accelerator_type")
+    @classmethod
+    def _accelerator(cls, v: str | None) -> str | None:
+        """An NVIDIA accelerator as Ray names it (A10 is Ray's A10G, as Ray Serve LLM reads it): a replica that asks
+        for another would wait for a node that Kairos's engine cannot run on, or that Ray never names."""
+        if v is None:
+            return None
+        import ray.util.accelerators.accelerators as ray_accelerators
+
+        v = "A10G" if v == "A10" else v
+        known = sorted({getattr(ray_accelerators, n) for n in dir(ray_accelerators) if n.startswith("NVIDIA_")})
+        if v not in known:
+            raise ValueError(f"accelerator_type {v!r}: not an NVIDIA GPU as Ray names them ({', '.join(known)})")
+        return v
+
     @model_validator(mode="after")
     def _validate_nested(self) -> "ServeArgs":
         if self.autoscaling_config is not None:
@@ -213,13 +229,15 @@ class ServeArgs(BaseModel):
             gpus = gpus_for_app() if self.num_gpus is None else 0.0
             device = str(getattr(self, "device", "auto"))
             num_gpus = self.num_gpus if self.num_gpus is not None else \
-                (1.0 if gpus >= 1 and device in ("auto", "cuda") else 0.0)
+                (1.0 if (gpus >= 1 or self.accelerator_type) and device in ("auto", "cuda") else 0.0)
             return num_gpus, most
         if self.num_gpus is not None and self.num_replicas is not None:
             return self.num_gpus, self.num_replicas
         gpus = gpus_for_app()
         device = str(getattr(self, "device", "auto"))
         num_gpus = self.num_gpus
+        if num_gpus is None and self.accelerator_type and device in ("auto", "cuda"):
+            num_gpus = 1.0  # a replica that names its accelerator takes one, however many there are now
         if num_gpus is None:
             enough = gpus >= 1 and (self.num_replicas is None or self.num_replicas <= gpus)
             num_gpus = 1.0 if enough and device in ("auto", "cuda") else 0.0

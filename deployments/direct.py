@@ -59,9 +59,10 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
     async def __init__(self, engine_config: dict[str, Any], settings: dict[str, Any], max_ongoing_requests: int,
                        max_queued_requests: int, metrics_interval_s: float = 0.5, log_prompts: bool = False,
                        share_cores_with: int | None = None, pacing: StreamPacing | None = None,
-                       engine_process: bool = True, loop_priority: str = "engine") -> None:
+                       engine_process: bool = True, loop_priority: str = "engine",
+                       served_name: str | None = None) -> None:
         await LLMReplica.__init__(self, engine_config, metrics_interval_s, log_prompts, share_cores_with,
-                                  pacing, engine_process, loop_priority)
+                                  pacing, engine_process, loop_priority, served_name)
         self._init_frontend(settings)
         self._info = self.model_info()  # the engine is up: this replica can serve from its first request
         self._slots = asyncio.Semaphore(max_ongoing_requests)

@@ -44,6 +44,10 @@ VLLM_NO_EFFECT = frozenset((
 VLLM_ONE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_config", "cpu_offload_gb", "task",
                           "runner", "limit_mm_per_prompt", "pooler_config", "kv_events_config"))
+# vLLM's engine arguments accepted at these values only (what Kairos does), with vLLM's default among them
+VLLM_AT = {"tokenizer_mode": ("auto",), "revision": (None, "main"), "tokenizer_revision": (None, "main"),
+           "disable_sliding_window": (False,), "enable_sleep_mode": (False,), "max_logprobs": None,
+           "hf_token": None, "skip_tokenizer_init": (False,)}
 # an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
 _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
                          "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",
@@ -59,8 +63,17 @@ def _refuse(where: str, why: str) -> ValueError:
     return ValueError(f"Ray Serve LLM config: {where}: {why}")
 
 
+def _plain(value: Any) -> Any:
+    """A pydantic model (Ray Serve LLM's LLMConfig or LLMServingArgs, built in Python) as the mapping of what it was
+    given; anything else as it is."""
+    dump = getattr(value, "model_dump", None)
+    return dump(exclude_unset=True) if callable(dump) else value
+
+
 def _llm_config(entry: Any) -> dict[str, Any]:
-    """One of `llm_configs`: a mapping, or the path of a YAML file that holds one (as Ray Serve LLM reads them)."""
+    """One of `llm_configs`: a mapping (or an LLMConfig), or the path of a YAML file that holds one (as Ray Serve
+    LLM reads them)."""
+    entry = _plain(entry)
     if isinstance(entry, (str, Path)):
         import yaml  # (Ray's dependency)
 
@@ -77,6 +90,7 @@ def _llm_config(entry: Any) -> dict[str, Any]:
 def translate(builder_config: dict[str, Any]) -> dict[str, Any]:
     """`build_openai_app`'s arguments (Ray Serve LLM's `LLMServingArgs`) as Kairos's flat app arguments (`AppArgs`'
     names); ValueError for what Kairos would not serve as asked."""
+    builder_config = _plain(builder_config)
     if not isinstance(builder_config, dict):
         raise _refuse("args", "must be a mapping with llm_configs")
     unknown = set(builder_config) - {"llm_configs", "ingress_deployment_config", "ingress_cls_config"}
@@ -93,7 +107,7 @@ def translate(builder_config: dict[str, Any]) -> dict[str, Any]:
     if builder_config.get("ingress_cls_config"):
         raise _refuse("ingress_cls_config", "Kairos's ingress is its own: no other ingress class")
     out = _from_llm_config(_llm_config(configs[0]))
-    ingress = builder_config.get("ingress_deployment_config") or {}
+    ingress = _plain(builder_config.get("ingress_deployment_config")) or {}
     for key, value in ingress.items():
         if key == "num_replicas":
             out["ingress_num_replicas"] = value
@@ -172,6 +186,11 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif key in VLLM_REFUSED:
             if value not in (None, {}, False, "auto", "generate"):
                 raise _refuse(f"engine_kwargs.{key}", f"{value!r}: not supported by Kairos's engine")
+        elif key in VLLM_AT:
+            if VLLM_AT[key] is not None and value not in VLLM_AT[key]:
+                raise _refuse(f"engine_kwargs.{key}", f"{value!r}: Kairos runs with "
+                              f"{' or '.join(map(repr, VLLM_AT[key]))}")
+            log.info("kairos: engine_kwargs.%s=%r accepted (Kairos's way)", key, value if key != "hf_token" else "...")
         elif key in VLLM_NO_EFFECT:
             log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key, value)
         elif key in VLLM_NAMES:

@@ -169,9 +169,11 @@ class VllmSeries:
 class ReplicaMetrics:
     """All series one LLM replica exports. Cheap to call from the request path (no I/O)."""
 
-    def __init__(self, model: str, max_model_len: int = 1 << 17) -> None:
+    def __init__(self, model: str, max_model_len: int = 1 << 17, served_name: str | None = None) -> None:
+        """`model`: the model argument (the `model` tag); `served_name`: its name to clients, the vLLM series'
+        `model_name` (None: `model`)."""
         tier, model_tags = ("tier", "model"), {"model": model}
-        self.vllm = VllmSeries(model, max_model_len)
+        self.vllm = VllmSeries(served_name or model, max_model_len)
 
         def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
             h = Histogram(f"kairos_{name}", description=desc, boundaries=bounds, tag_keys=tier + ("model",))

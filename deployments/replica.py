@@ -195,7 +195,8 @@ class LLMReplica:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
                        pacing: StreamPacing | None = None, engine_process: bool = True,
-                       loop_priority: str = "engine") -> None:
+                       loop_priority: str = "engine", served_name: str | None = None) -> None:
+        """`served_name`: the model's name to clients (the app's served_model_name), the vLLM series' model_name."""
         cfg = EngineConfig.model_validate(engine_config)
         cores = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
                                os.environ.get("OMP_NUM_THREADS"), gpu=_on_gpu(cfg.device))
@@ -232,7 +233,7 @@ class LLMReplica:
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
         self.pacing = pacing or StreamPacing()
-        self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len)
+        self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
         self.inflight = 0
         self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
         self._prompt_lens: deque[int] = deque([64], maxlen=256)

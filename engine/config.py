@@ -151,6 +151,9 @@ class EngineConfig(BaseModel):
     @field_validator("dynamic_lora_loading_path")
     @classmethod
     def _lora_dir(cls, v: str | None) -> str | None:
+        if v and "://" in v:  # (Ray Serve LLM's s3://, gs://, ...: abspath would make a local path of it)
+            raise ValueError(f"dynamic_lora_loading_path {v!r}: adapters are read from a folder the replicas' hosts "
+                             "share, not from a remote store: copy them there (or mount the bucket) and give its path")
         return os.path.abspath(os.path.expanduser(v)) if v else None  # (where the app is built: see LoraSpec.parse)
 
     def lora_paths(self) -> dict[str, str]:

@@ -152,6 +152,7 @@ class Scheduler:
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
         # vLLM's priority scheduling: requests ranked by `priority` before anything the policy weighs
         self.by_priority = config.scheduling_policy == "priority"
+        self._evicted: list[Request] = []  # waiting requests a more urgent one's arrival turned away (`_evict_for`)
         # a running prompt is partly computed (without chunked_prefill: a best-effort one in chunks,
         # `_best_effort_end`), and the chunk ends of this round's admissions that stop short of their prompt (by id)
         self._partial = False
@@ -181,7 +182,7 @@ class Scheduler:
         if self.reserve is not None:
             self.reserve.arrived(req.arrival_s, (req.deadline_s - req.arrival_s) * 1000.0, req.tpot_slo_ms,
                                  self._mid_len(req))
-        if len(self.waiting) >= self.config.max_waiting:
+        if len(self.waiting) >= self.config.max_waiting and not self._evict_for(req):
             if self.floor is not None:
                 self.floor.rejected(req.tpot_slo_ms, req.arrival_s)
             if self.shedder is not None:
@@ -195,6 +196,22 @@ class Scheduler:
         if self.floor is not None:
             self.floor.arrived(req.tpot_slo_ms, req.arrival_s, self._mid_len(req))
         return None
+
+    def _evict_for(self, req: Request) -> bool:
+        """Priority scheduling with the queue full: the fresh waiting request of the highest priority value (the
+        latest of them) makes room for `req` where `req`'s value is lower; it is turned away as overloaded at the
+        next schedule (`_evicted`), as `req` would have been. Whether one made room."""
+        if not self.by_priority:
+            return False
+        fresh = [r for r in self.waiting if r.first_token_s is None]
+        if not fresh:
+            return False
+        worst = max(fresh, key=lambda r: (r.priority, r.arrival_s))
+        if worst.priority <= req.priority:
+            return False
+        self.waiting.remove(worst)
+        self._evicted.append(worst)
+        return True
 
     def _predict_length(self, req: Request) -> None:
         """The length predictor's expectations for `req`, from its question (a chat request's last user message) or
@@ -402,6 +419,9 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
         f = self.flags
+        if self._evicted:  # (counted below with the round's rejections)
+            plan.rejected += [(r, OVERLOADED) for r in self._evicted]
+            self._evicted.clear()
         if self._adapters is not None:  # the LoRA adapters the batch's decode steps run through
             self._set_adapters(len({r.lora_id for r in self.running if r.lora_id}))
         busy = bool(self.running)
@@ -486,7 +506,8 @@ class Scheduler:
         planned = {id(r) for r in plan.prefill} if best_effort else ()  # this round's admissions have their chunk
         # a best-effort prompt alone (nothing beside it, none admitted this round, none waiting): the rest goes whole
         alone = len(self.running) == 1 and not self.waiting
-        for r in self.running:
+        # priority scheduling: the prompts of the lower priority values take the budget first
+        for r in sorted(self.running, key=_priority) if self.by_priority else self.running:
             if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
             if best_effort:
@@ -1041,16 +1062,16 @@ class Scheduler:
 
     def _victim(self, exclude: list[Request]) -> Request:
         """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice); with priority
-        scheduling, the most recently admitted of the highest priority value (the lowest priority) among them."""
-        victim = None
-        for r in reversed(self.running):
-            if r not in exclude and (victim is None or r.priority > victim.priority):
-                if not self.by_priority:
+        scheduling, the one of the highest priority value (the lowest priority), the latest to arrive of them."""
+        if self.by_priority:  # vLLM's: the highest (priority, arrival)
+            left = [r for r in self.running if r not in exclude]
+            if left:
+                return max(left, key=lambda r: (r.priority, r.arrival_s))
+        else:
+            for r in reversed(self.running):
+                if r not in exclude:
                     return r
-                victim = r
-        if victim is None:
-            raise RuntimeError("KV cache too small for a single request")  # excluded by add-time validation
-        return victim
+        raise RuntimeError("KV cache too small for a single request")  # excluded by add-time validation
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
         self.running.remove(r)

@@ -36,6 +36,49 @@ def test_a_ray_serve_llm_config_maps_to_kairos_arguments():
     assert translate({"llm_configs": [one]})["autoscaling_config"] == scaling
 
 
+def test_vllm_arguments_at_what_kairos_does_are_accepted_and_others_refused():
+    base = {"model_loading_config": {"model_id": "m"}}
+    ok = {"tokenizer_mode": "auto", "revision": "main", "disable_sliding_window": False, "max_logprobs": 20,
+          "enable_sleep_mode": False}
+    assert translate({"llm_configs": [{**base, "engine_kwargs": ok}]}) == {"model": "m", "served_model_name": "m"}
+    with pytest.raises(ValueError, match="disable_sliding_window: True"):
+        translate({"llm_configs": [{**base, "engine_kwargs": {"disable_sliding_window": True}}]})
+
+
+def test_pydantic_configs_built_in_python_are_read_as_their_mappings():
+    from pydantic import BaseModel
+
+    class Loading(BaseModel):  # (Ray's LLMConfig is a pydantic model of this kind)
+        model_id: str
+        model_source: str | None = None
+
+    class Config(BaseModel):
+        model_loading_config: Loading
+        engine_kwargs: dict = {}
+        callback_config: dict = {"callback_class": "x"}  # a default: not given, so not read
+
+    cfg = Config(model_loading_config=Loading(model_id="q", model_source="kairos-tiny"),
+                 engine_kwargs={"max_num_seqs": 8})
+    assert translate({"llm_configs": [cfg]}) == {"model": "kairos-tiny", "served_model_name": "q", "max_num_seqs": 8}
+
+
+def test_an_accelerator_type_takes_a_gpu_and_is_named_as_ray_names_it():
+    from deployments import AppArgs
+
+    args = AppArgs.model_validate({"model": "kairos-tiny", "num_replicas": 4, "accelerator_type": "A10"})
+    assert args.accelerator_type == "A10G" and args.placement() == (1.0, 4)  # (a GPU each, whatever Ray has now)
+    with pytest.raises(ValueError, match="not an NVIDIA GPU"):
+        AppArgs.model_validate({"model": "kairos-tiny", "accelerator_type": "TPU-V4"})
+
+
+def test_a_remote_adapter_store_is_refused_not_read_as_a_local_folder():
+    from deployments import AppArgs
+
+    with pytest.raises(ValueError, match="not from a remote store"):
+        AppArgs.model_validate(translate({"llm_configs": [{"model_loading_config": {"model_id": "kairos-tiny"},
+                                                            "lora_config": {"dynamic_lora_loading_path": "s3://b/l"}}]}))
+
+
 def test_an_llm_config_file_is_read_as_ray_serve_llm_reads_it(tmp_path):
     import yaml
 

@@ -1272,3 +1272,19 @@ def test_priority_scheduling_preempts_the_lowest_priority_first():
     # a was admitted first (vLLM's choice would take b, the most recent): its priority value is the higher
     assert p.preempted == [a] and p.decode == [b]
     assert a.status is Status.WAITING and s.waiting[0] is a
+
+
+def test_with_the_queue_full_a_more_urgent_arrival_takes_the_place_of_the_least_urgent():
+    """vLLM's priority queue has no bound; Kairos's has (max_waiting): there a request of a lower priority value
+    turns the one of the highest value (the latest of them) away as overloaded, not itself."""
+    s = _sched("fcfs", max_num_seqs=1, max_waiting=2, scheduling_policy="priority")
+    running = _req(0, 4)
+    s.add(running)
+    _run(s, s.schedule(0.0))
+    low_early, low_late = _ranked(_req(1, 4, arrival=0.001), 5), _ranked(_req(2, 4, arrival=0.002), 5)
+    assert s.add(low_early) is None and s.add(low_late) is None
+    assert s.add(_ranked(_req(3, 4, arrival=0.003), 5)) == "overloaded"  # none below it: itself
+    urgent = _ranked(_req(4, 4, arrival=0.004), -1)
+    assert s.add(urgent) is None
+    p = s.schedule(0.01)
+    assert p.rejected == [(low_late, "overloaded")] and list(s.waiting) == [urgent, low_early]
