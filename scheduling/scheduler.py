@@ -612,6 +612,9 @@ class Scheduler:
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
         room = self._floor_reservation(gate, now)  # (tpot, length) of a starved tier to keep VBS room for
         shed_above = self._shed_threshold(now)
+        # priority scheduling: a request is shed only where none of a higher priority value waits (they go first)
+        shed_from = max([r.priority for r in self.waiting if r.first_token_s is None], default=0) \
+            if self.by_priority and shed_above != math.inf else None
         round_tokens, round_sq = 0, 0.0
         chunked = self.config.chunked_prefill and budget is not None
         be_chunks = self._be_chunks
@@ -647,8 +650,8 @@ class Scheduler:
             if loras is not None:
                 self._set_adapters(len(loras | {r.lora_id} if r.lora_id else loras))
             # no threshold (+inf) sheds nothing: the request's work is not needed then
-            if r.first_token_s is None and shed_above != math.inf and sheds(
-                    self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace, self.config.shed_pace_factor):
+            if r.first_token_s is None and shed_above != math.inf and (shed_from is None or r.priority >= shed_from) \
+                    and sheds(self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace, self.config.shed_pace_factor):
                 plan.rejected.append((r, SHED))
                 return Verdict.DROP
             if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:

@@ -149,6 +149,20 @@ def test_kairos_sheds_a_long_request_under_overload_and_admits_a_short_one():
     assert long_ not in s.waiting and long_ not in s.running and s.last_shed_threshold == pytest.approx(10 / TPOT)
 
 
+def test_with_priority_scheduling_a_request_is_shed_only_where_none_of_a_higher_value_waits():
+    s = _primed(scheduling_policy="priority")
+    urgent, short_low = _req(1, 200, arrival=10.0), _req(2, 10, arrival=10.0)
+    urgent.priority, short_low.priority = -1, 3
+    s.add(urgent)
+    s.add(short_low)
+    plan = s.schedule(10.0)
+    assert plan.rejected == [] and plan.prefill[0] is urgent  # the long one, first and not shed
+    long_low = _req(3, 200, arrival=10.1)
+    long_low.priority = 3
+    s.add(long_low)
+    assert (long_low, RejectReason.SHED) in s.schedule(10.1).rejected  # the least urgent: shed as ever
+
+
 def test_kairos_sheds_only_while_the_replica_is_saturated():
     """θ stays what the window says, but 1.5 s after the last capacity rejection (the shedder's hold is 1 s) the
     batch has had room: the long request goes to the gate instead, and is admitted."""
