@@ -141,6 +141,18 @@ def _validation_message(e: ValidationError, fields: Collection[str] = ()) -> tup
     return "; ".join(parts), param
 
 
+REQUEST_ID_HEADER = "x-request-id"
+MAX_CLIENT_REQUEST_ID = 256
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's X-Request-Id where it can name a response (vLLM's: `chatcmpl-<id>`; at most
+    MAX_CLIENT_REQUEST_ID printable characters), else None (the server names it)."""
+    if value and len(value) <= MAX_CLIENT_REQUEST_ID and value.isprintable():
+        return value
+    return None
+
+
 class Readiness:
     """Whether the app can serve yet: the Ingress answers HTTP as soon as it is up, often long before an LLM replica
     has loaded its model (12 s for the default model on a 2-core CPU), and a load balancer that sent traffic on the
@@ -692,9 +704,13 @@ class OpenAIFrontend:
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
-        rid = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind] + uuid.uuid4().hex
+        # vLLM's: a client's X-Request-Id names the response (`chatcmpl-<id>`; Serve echoes the header); the engine's
+        # ids stay unique (a client may send the same one twice at once)
+        given = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+        rid = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind] + (given or uuid.uuid4().hex)
+        eid = rid if given is None else f"{rid}.{uuid.uuid4().hex[:8]}"
         try:
-            return await self._generate(request, kind, rid, t_in)
+            return await self._generate(request, kind, rid, t_in, eid)
         except APIError as e:  # every answer names its request, a refusal at parse time too (as vLLM's X-Request-Id)
             e.headers = {**(e.headers or {}), "x-kairos-request-id": rid}
             raise
@@ -702,7 +718,8 @@ class OpenAIFrontend:
             e.kairos_request_id = rid  # type: ignore[attr-defined]
             raise
 
-    async def _generate(self, request: Request, kind: str, rid: str, t_in: float) -> Any:
+    async def _generate(self, request: Request, kind: str, rid: str, t_in: float, eid: str | None = None) -> Any:
+        """`rid`: the response's id; `eid`: its requests' ids in the engine (None: `rid`)."""
         try:
             self._auth(request)
         except APIError:
@@ -719,7 +736,7 @@ class OpenAIFrontend:
                 raise APIError(400, str(e), param=e.param) from None
             kind = "chat"
         (body, reqs), t_call = await self._parsed_when_ready(
-            request, lambda known: self._build(request, raw, kind, rid, known))
+            request, lambda known: self._build(request, raw, kind, eid or rid, known))
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)
         if proxy_ms > 0:
@@ -1723,7 +1740,7 @@ class GenerationFastPath:
 
             self._app = CORSMiddleware(self._route, allow_origins=list(allowed_origins), allow_methods=["*"],
                                        allow_headers=["*"], allow_credentials=allow_credentials,
-                                       expose_headers=["x-kairos-request-id", "retry-after"])
+                                       expose_headers=["x-kairos-request-id", "x-request-id", "retry-after"])
 
     def add_exception_handler(self, exc: Any, handler: Callable) -> None:
         """Serve registers its handlers (e.g. for BackPressureError) on the app it runs: they belong to FastAPI's."""

@@ -943,6 +943,29 @@ def test_openai_client(base_url: str) -> None:
     assert e.value.code == "slo_unattainable" and "x-kairos-slo-best-ttft-ms" in e.value.response.headers
 
 
+def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.Client) -> None:
+    """vLLM's: `X-Request-Id` names the response (`chatcmpl-<id>`, `cmpl-<id>`) and comes back as a header; two
+    requests of one id at once are both served (the engine's ids stay unique)."""
+    import concurrent.futures
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda _: client.post("/v1/chat/completions", json=chat,
+                                                 headers={"x-request-id": "trace-7"}), range(2)))
+    for r in rs:
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == "chatcmpl-trace-7" and r.headers["x-request-id"] == "trace-7"
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2, "stream": True},
+                    headers={"x-request-id": "trace-8"})
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    assert events and all(e["id"] == "cmpl-trace-8" for e in events) and r.headers["x-request-id"] == "trace-8"
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 0}, headers={"x-request-id": "trace-9"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "trace-9"  # (a refusal too)
+    assert client.get("/v1/models", headers={"x-request-id": "trace-10"}).headers["x-request-id"] == "trace-10"
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers={"x-request-id": "x" * 300})
+    assert r.json()["id"].startswith("cmpl-") and "x" * 300 not in r.json()["id"]  # too long: the server names it
+
+
 def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
     """/metrics on the serving port (through Serve's HAProxy): the Ray metrics agent's kairos and Serve series, and
     vLLM's series under vLLM's own names (`vllm:*`, tagged model_name), in Prometheus text format, as a vLLM user's
