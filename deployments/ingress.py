@@ -1323,7 +1323,7 @@ def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:
     sb = first.served_by
     if first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica \
             and first.reject_reason is not RejectReason.SLO_UNATTAINABLE:  # that one says nothing about load
-        note_refusal(sb.replica, req.engine_slo, (first.reject_reason or RejectReason.OVERLOADED).value)
+        note_refusal(sb.replica, req.engine_slo, (first.reject_reason or RejectReason.OVERLOADED).value, req.priority)
 
 
 def _chunk(body: dict, include_usage: bool, usage: dict | None = None) -> bytes:

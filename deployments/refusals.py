@@ -11,17 +11,18 @@ from __future__ import annotations
 import time
 from core.request import SLO
 
-# the routers' tables (replica unique id -> (wall time, SLO, reason)); a router lives as long as its handle
-_TABLES: list[dict[str, tuple[float, SLO, str]]] = []
+# the routers' tables (replica unique id -> (wall time, SLO, reason, priority)); a router lives as long as its handle
+_TABLES: list[dict[str, tuple[float, SLO, str, int]]] = []
 
 
-def subscribe(table: dict[str, tuple[float, SLO, str]]) -> None:
+def subscribe(table: dict[str, tuple[float, SLO, str, int]]) -> None:
     """Have `table` (an SLORouter's) receive every refusal noted in this process from now on."""
     _TABLES.append(table)
 
 
-def note_refusal(replica: str, slo: SLO, reason: str) -> None:
-    """`replica` (its unique id) turned a request of `slo` away for its load (`reason`: a RejectReason value)."""
+def note_refusal(replica: str, slo: SLO, reason: str, priority: int = 0) -> None:
+    """`replica` (its unique id) turned a request of `slo` away for its load (`reason`: a RejectReason value);
+    `priority`: the request's (with priority scheduling, one of a lower value would have gone before it)."""
     now = time.time()
     for table in _TABLES:
-        table[replica] = (now, slo, reason)
+        table[replica] = (now, slo, reason, priority)

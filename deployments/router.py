@@ -79,10 +79,14 @@ def answering(r: RunningReplica, quiet: list[ReplicaID]) -> bool:
     return r.replica_id not in quiet and (r.routing_stats or {}).get("alive", True)
 
 
-def refused_for(slo: SLO, old: SLO, reason: str) -> bool:
+def refused_for(slo: SLO, old: SLO, reason: str, priority: int = 0, old_priority: int = 0) -> bool:
     """Whether a request of `slo` would likely be turned away too where one of SLO `old` was, for `reason` (a
     RejectReason value): a TPOT refusal for a TPOT SLO as strict or stricter, a TTFT refusal for a TTFT SLO as
-    tight or tighter; a shed or a full queue for any request with an SLO."""
+    tight or tighter; a shed or a full queue for any request with an SLO. Never for a request of a lower
+    `priority` value than the one turned away (priority scheduling serves it first, and sheds or turns away the
+    other first)."""
+    if priority < old_priority:
+        return False
     if reason == RejectReason.TPOT_UNATTAINABLE:
         return slo.tpot_ms is not None and old.tpot_ms is not None and slo.tpot_ms <= old.tpot_ms
     if reason == RejectReason.TTFT_UNATTAINABLE:
@@ -274,7 +278,7 @@ class SLORouter(RequestRouter):
         # counts at once where it will most likely land, and moves in `on_request_routed` if it landed elsewhere.
         self._chosen: dict[str, tuple[ReplicaID, float | None, float]] = {}
         # replica unique id -> (wall time, SLO, reason) of the last refusal the ingress saw from it (refusals.py)
-        self._refused: dict[str, tuple[float, SLO, str]] = {}
+        self._refused: dict[str, tuple[float, SLO, str, int]] = {}
         refusals.subscribe(self._refused)
         # replica -> the prompt prefixes (`prefix_keys`) this router sent it, least recently sent first: what its
         # prefix cache likely holds (prefix affinity); and those of the calls chosen but not yet routed, by call
@@ -304,7 +308,7 @@ class SLORouter(RequestRouter):
                                        min((t for t in tpots if t is not None), default=None))
             if r.replica_id in quiet:  # ranked with the dead: last
                 views[r.replica_id] = replace(views[r.replica_id], alive=False)
-        avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo)
+        avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo, req.priority)
         keys = prefix_keys(req)
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
@@ -315,9 +319,9 @@ class SLORouter(RequestRouter):
         self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
         return [[r] for r in ranked]
 
-    def _refusing(self, candidates: list[RunningReplica], slo: SLO) -> tuple[str, ...]:
-        """The candidates that turned away a request as strict as `slo` since their last report
-        (`refusals.note_refusal`)."""
+    def _refusing(self, candidates: list[RunningReplica], slo: SLO, priority: int = 0) -> tuple[str, ...]:
+        """The candidates that turned away a request as strict as `slo`, and of no higher `priority` value, since
+        their last report (`refusals.note_refusal`)."""
         if not self._refused:
             return ()
         now, out = time.time(), []
@@ -326,12 +330,12 @@ class SLORouter(RequestRouter):
             got = self._refused.get(uid)
             if got is None:
                 continue
-            at, old, reason = got
+            at, old, reason, old_priority = got
             report_ts = (r.routing_stats or {}).get("ts", 0.0)
             if now - at > REFUSED_TTL_S or report_ts > at + REPORT_LAG_S:  # a report shows the replica since
                 if self._refused.get(uid) is got:  # not a refusal noted meanwhile (the ingress's thread)
                     self._refused.pop(uid, None)
-            elif refused_for(slo, old, reason):
+            elif refused_for(slo, old, reason, priority, old_priority):
                 out.append(uid)
         return tuple(out)
 

@@ -601,8 +601,8 @@ def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_
     a = SimpleNamespace(replica_id=Rid("a"), routing_stats=_stats(10, 20, gate=(1.0, 0.1)))
     b = SimpleNamespace(replica_id=Rid("b"), routing_stats=_stats(10, 20, gate=(1.0, 0.1), kv=99))  # "a" wins ties
 
-    def first(tpot: float | None, ttft: float | None = None) -> str:
-        req = GenerateRequest("cmpl-x", prompt="x", slo=SLO(tpot_ms=tpot, ttft_ms=ttft))
+    def first(tpot: float | None, ttft: float | None = None, priority: int = 0) -> str:
+        req = GenerateRequest("cmpl-x", prompt="x", slo=SLO(tpot_ms=tpot, ttft_ms=ttft), priority=priority)
         p = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=f"c{random.random()}"),
                             args=(req,), kwargs={})
         return asyncio.run(router.choose_replicas([a, b], p))[0][0].replica_id.unique_id
@@ -619,6 +619,8 @@ def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_
     assert first(50.0) == "a"  # looser: "a" may still have room
     forget_choices()
     assert first(None, 500.0) == "a"  # another SLO
+    forget_choices()
+    assert first(20.0, priority=-1) == "a"  # priority scheduling serves it before the one turned away
     forget_choices()
     a.routing_stats = {**a.routing_stats, "ts": time.time() + 5.0}  # a newer report shows "a" as it is now
     assert first(20.0) == "a" and not router._refused
