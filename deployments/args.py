@@ -39,6 +39,8 @@ class ServeArgs(BaseModel):
         None, description="Serve's autoscaling of the LLM replicas, in place of num_replicas (min_replicas >= 1, "
         "max_replicas, target_ongoing_requests, delays: Serve's AutoscalingConfig). target_ongoing_requests left "
         "out is a replica's max_num_seqs (Serve's own default, 2, would add a replica for a third request); the "
+        "policy left out is Kairos's, Serve's rule or more where the replicas turn requests away for their load "
+        "(deployments/autoscaling.py); the "
         "app is sized for max_replicas (routed topology where it exceeds 1; stream pacing and CPU threads split "
         "over that many)")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
@@ -196,8 +198,11 @@ class ServeArgs(BaseModel):
             return None
         from ray.serve.config import AutoscalingConfig
 
+        from deployments.autoscaling import POLICY_PATH
+
         cfg = dict(self.autoscaling_config)
         cfg.setdefault("target_ongoing_requests", self.replica_scheduler().max_num_seqs)
+        cfg.setdefault("policy", {"policy_function": POLICY_PATH})  # (on what the SLOs turn away too)
         try:
             checked = AutoscalingConfig(**cfg)
         except Exception as e:  # noqa: BLE001 - Serve's validation error, as a ValueError naming the field

@@ -23,6 +23,7 @@ from ray import serve
 from core.messages import (ChatTurn, ContextLengthExceeded, ErrorKind, GenerateRequest, PromptOptions, PromptTooLong,
                            RejectReason, RequestOutput, RoutingStats, ServedBy)
 from core.request import FinishReason
+from deployments.autoscaling import DemandRates
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
 from deployments.tool_calls import detect
@@ -235,6 +236,7 @@ class LLMReplica:
         self.pacing = pacing or StreamPacing()
         self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
         self.inflight = 0
+        self.demand = DemandRates()  # admitted and turned away, for Serve's autoscaling (`record_autoscaling_stats`)
         self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
@@ -305,8 +307,11 @@ class LLMReplica:
                                                      best_ttft_ms=view.best_ttft_ms, best_tpot_ms=view.best_tpot_ms)
                         out = dataclasses.replace(out, reject_reason=view.reason)
                         self.metrics.on_rejected(tier, view.reason)
+                        if view.reason is not RejectReason.SLO_UNATTAINABLE:  # (an idle replica's too: not load)
+                            self.demand.turned_away += 1
                     else:
                         admitted = True
+                        self.demand.admitted += 1
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)
                     out = dataclasses.replace(out, served_by=served)
                 elif out.token_ids:
@@ -365,6 +370,11 @@ class LLMReplica:
             return RejectionView(reason, 1, None, None)
 
     # ------------------------------------------------------------------ control plane
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (where the app autoscales): the requests this replica admitted and
+        turned away for its load, a second each lately (deployments/autoscaling.py)."""
+        return self.demand.rates(time.monotonic())
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by the controller every `request_routing_stats_period_s`; read by `router.SLORouter` as a
         `RoutingStats` (Serve carries it as a plain dict)."""

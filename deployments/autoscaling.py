@@ -1,0 +1,70 @@
+"""Autoscaling the LLM replicas on what their SLOs turn away, not only on their queues.
+
+Serve's own rule scales on ongoing requests per replica over a target. A Kairos replica under SLO load does not
+queue much: its TTFT guard, VBS gate and work shedding answer the requests it cannot serve in time with a 429 at
+once, so its ongoing requests stay near what it can serve while the demand it turns away grows. Each replica reports
+the requests it admitted and those it turned away for its load, a second each over the last `WINDOW_S`
+(`DemandRates`, Serve's `record_autoscaling_stats`), and `slo_autoscaling_policy` asks for as many replicas as
+would have admitted them too (the offered over the admitted), or as Serve's rule asks, whichever is more. Serve
+applies the config's bounds, delays and factors around it. `AppArgs.autoscaling` makes it the default policy of an
+app's `autoscaling_config`.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+POLICY_PATH = "deployments.autoscaling:slo_autoscaling_policy"
+WINDOW_S = 30.0  # the rates' window: about Serve's default look-back
+ADMITTED, TURNED_AWAY = "kairos_admitted_per_s", "kairos_turned_away_per_s"
+
+
+class DemandRates:
+    """A replica's requests admitted and turned away for its load (counted by its request path), as rates over
+    the last `window_s` (read by Serve through `record_autoscaling_stats`)."""
+
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self.admitted = 0
+        self.turned_away = 0
+        self._samples: deque[tuple[float, int, int]] = deque()
+
+    def rates(self, now: float) -> dict[str, float]:
+        """{ADMITTED: ..., TURNED_AWAY: ...} per second since the oldest sample within the window (0 at first)."""
+        self._samples.append((now, self.admitted, self.turned_away))
+        while len(self._samples) > 1 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        t0, a0, r0 = self._samples[0]
+        span = now - t0
+        if span <= 0:
+            return {ADMITTED: 0.0, TURNED_AWAY: 0.0}
+        return {ADMITTED: (self.admitted - a0) / span, TURNED_AWAY: (self.turned_away - r0) / span}
+
+
+def desired_replicas(current: int, ongoing: float, target: float, admitted_per_s: float,
+                     turned_away_per_s: float) -> float:
+    """The replicas to ask for: Serve's rule (`current` x the ongoing requests over `target` a replica), or where
+    the replicas turned requests away for their load, `current` x (admitted + turned away) / admitted (the
+    offered load over what they served), whichever is more. With nothing admitted but requests turned away, one
+    more replica than now."""
+    if current <= 0:
+        return 1.0
+    by_queue = ongoing / target if target > 0 else float(current)
+    if turned_away_per_s <= 0:
+        return by_queue
+    if admitted_per_s <= 0:
+        return max(by_queue, current + 1.0)
+    return max(by_queue, current * (admitted_per_s + turned_away_per_s) / admitted_per_s)
+
+
+def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
+    """Serve's custom autoscaling policy (its AutoscalingContext): `desired_replicas` from the replicas' reports."""
+    current = ctx.current_num_replicas
+    if current == 0:
+        return ctx.target_num_replicas, {}
+    metrics = ctx.aggregated_metrics or {}
+    admitted = sum(v for v in (metrics.get(ADMITTED) or {}).values() if math.isfinite(v))
+    turned = sum(v for v in (metrics.get(TURNED_AWAY) or {}).values() if math.isfinite(v))
+    target = ctx.config.get_target_ongoing_requests()
+    return desired_replicas(current, ctx.total_num_requests, target, admitted, turned), {}

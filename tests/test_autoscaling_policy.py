@@ -1,0 +1,35 @@
+"""Kairos's autoscaling policy (deployments/autoscaling.py): Serve's queue rule, or more where the replicas turn
+requests away for their load; the replicas' rates over a window."""
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.autoscaling import ADMITTED, TURNED_AWAY, DemandRates, desired_replicas, slo_autoscaling_policy
+
+
+def test_desired_replicas_follow_the_queue_or_the_demand_turned_away_whichever_asks_more():
+    assert desired_replicas(2, ongoing=64, target=16, admitted_per_s=10, turned_away_per_s=0) == 4  # Serve's rule
+    assert desired_replicas(2, ongoing=8, target=16, admitted_per_s=10, turned_away_per_s=5) == 3  # 15 offered / 10
+    assert desired_replicas(2, ongoing=80, target=16, admitted_per_s=10, turned_away_per_s=5) == 5  # the queue's more
+    assert desired_replicas(1, ongoing=1, target=16, admitted_per_s=0, turned_away_per_s=3) == 2  # none served
+    assert desired_replicas(3, ongoing=0, target=16, admitted_per_s=0, turned_away_per_s=0) == 0  # idle: down
+
+
+def test_the_policy_reads_the_replicas_reports_from_serves_context():
+    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 16)
+    ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, total_num_requests=8.0, config=cfg,
+                          aggregated_metrics={ADMITTED: {"a": 6.0, "b": 4.0}, TURNED_AWAY: {"a": 5.0, "b": 0.0}})
+    assert slo_autoscaling_policy(ctx) == (pytest.approx(3.0), {})
+    ctx.aggregated_metrics = None  # no report yet: Serve's rule
+    assert slo_autoscaling_policy(ctx) == (pytest.approx(0.5), {})
+    ctx.current_num_replicas = 0
+    assert slo_autoscaling_policy(ctx)[0] == 2
+
+
+def test_demand_rates_are_over_the_last_window():
+    d = DemandRates(window_s=10.0)
+    assert d.rates(0.0) == {ADMITTED: 0.0, TURNED_AWAY: 0.0}
+    d.admitted, d.turned_away = 20, 5
+    assert d.rates(5.0) == {ADMITTED: 4.0, TURNED_AWAY: 1.0}
+    d.admitted, d.turned_away = 30, 5
+    assert d.rates(15.0) == {ADMITTED: 1.0, TURNED_AWAY: 0.0}  # since 5.0: the sample at 0.0 left the window
