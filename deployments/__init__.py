@@ -108,7 +108,8 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "dynamic_lora_loading_path": a.engine_config().dynamic_lora_loading_path,
         "allow_runtime_lora_updating": a.allow_runtime_lora_updating,  # /v1/load_lora_adapter and its unload
         # a batched completion's prompts in flight at once: what the replicas that serve it run at once
-        "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.num_replicas),
+        # (an autoscaled app: what its fewest replicas run)
+        "batch_concurrency": a.replica_scheduler().max_num_seqs * (1 if a.direct else a.fewest_replicas),
     }
     clash = set(settings["lora_modules"]) & set(served_names(a.model_name, str(getattr(a, "model", ""))))
     if clash:
@@ -126,6 +127,9 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     # the LLM replicas' count: fixed, or Serve's autoscaling between its bounds (the app sized for the most)
     scaling = a.autoscaling()
     count: dict[str, Any] = {"autoscaling_config": scaling} if scaling is not None else {"num_replicas": a.num_replicas}
+    # a replica Serve stops finishes its requests first, within this (an autoscaled app stops them as load falls)
+    count["graceful_shutdown_timeout_s"] = a.graceful_shutdown_timeout_s if a.graceful_shutdown_timeout_s is not None \
+        else (600.0 if scaling is not None else 20.0)
     if a.direct:
         return DirectLLMServer.options(
             **count,

@@ -43,6 +43,10 @@ class ServeArgs(BaseModel):
         "(deployments/autoscaling.py); the "
         "app is sized for max_replicas (routed topology where it exceeds 1; stream pacing and CPU threads split "
         "over that many)")
+    graceful_shutdown_timeout_s: float | None = Field(
+        None, ge=0, description="how long Serve lets an LLM replica it stops (a scale-down, a redeploy) finish its "
+        "requests before it is killed (their streams cut off); default 20 s, and 600 s for an app that "
+        "autoscales (a scale-down stops a replica that may be streaming a long reply)")
     num_cpus: float = Field(0, ge=0, description="CPUs reserved per replica (0 lets replicas pack on small boxes)")
     accelerator_type: str | None = Field(None, description="the accelerator the LLM replicas need, as Ray names it "
                                          "(H100, A10G, ...: Ray's actor option, Ray Serve LLM's accelerator_type); "
@@ -164,6 +168,19 @@ class ServeArgs(BaseModel):
                 raise ValueError(f"unknown argument(s): {', '.join(hints)}; valid: {', '.join(sorted(known))}")
         return data
 
+    @field_validator("autoscaling_config", mode="before")
+    @classmethod
+    def _scaling_text(cls, v: Any) -> Any:
+        """`serve run ... autoscaling_config='{"min_replicas": 1, "max_replicas": 4}'`: the command line's JSON."""
+        if isinstance(v, str):
+            import json
+
+            try:
+                return json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"autoscaling_config: not a JSON object ({e})") from None
+        return v
+
     @field_validator("accelerator_type")
     @classmethod
     def _accelerator(cls, v: str | None) -> str | None:
@@ -211,6 +228,13 @@ class ServeArgs(BaseModel):
             raise ValueError("autoscaling_config: min_replicas must be at least 1 (a replica's start loads its "
                              "model and profiles it: requests waiting for the first would be answered 503)")
         return cfg
+
+    @property
+    def fewest_replicas(self) -> int:
+        """The LLM replicas the app runs at least: `min_replicas` where it autoscales, else its `num_replicas`."""
+        if self.autoscaling_config is not None:
+            return max(1, int(self.autoscaling_config.get("min_replicas", 1)))
+        return self.placement()[1]
 
     def resolved(self) -> "ServeArgs":
         """These arguments with what was left to the machine decided (`placement`), and `max_ongoing_requests`,

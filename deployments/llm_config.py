@@ -54,9 +54,9 @@ _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", 
                          "accelerator_config", "placement_group_config", "server_cls", "callback_config"))
 _DEPLOYMENT = {"num_replicas": "num_replicas", "max_ongoing_requests": "max_ongoing_requests",
                "max_queued_requests": "max_queued_requests", "health_check_period_s": "health_check_period_s",
-               "health_check_timeout_s": "health_check_timeout_s"}
-_DEPLOYMENT_NO_EFFECT = frozenset(("name", "graceful_shutdown_wait_loop_s", "graceful_shutdown_timeout_s",
-                                   "logging_config"))
+               "health_check_timeout_s": "health_check_timeout_s",
+               "graceful_shutdown_timeout_s": "graceful_shutdown_timeout_s"}
+_DEPLOYMENT_NO_EFFECT = frozenset(("name", "graceful_shutdown_wait_loop_s", "logging_config"))
 
 
 def _refuse(where: str, why: str) -> ValueError:

@@ -82,10 +82,10 @@ def answering(r: RunningReplica, quiet: list[ReplicaID]) -> bool:
 def refused_for(slo: SLO, old: SLO, reason: str, priority: int = 0, old_priority: int = 0) -> bool:
     """Whether a request of `slo` would likely be turned away too where one of SLO `old` was, for `reason` (a
     RejectReason value): a TPOT refusal for a TPOT SLO as strict or stricter, a TTFT refusal for a TTFT SLO as
-    tight or tighter; a shed or a full queue for any request with an SLO. Never for a request of a lower
-    `priority` value than the one turned away (priority scheduling serves it first, and sheds or turns away the
-    other first)."""
-    if priority < old_priority:
+    tight or tighter; a shed or a full queue for any request with an SLO. Never, but for a TPOT refusal (the VBS
+    gate judges each request alone), for a request of a lower `priority` value than the one turned away: priority
+    scheduling queues it first, and sheds or turns away the other first."""
+    if priority < old_priority and reason != RejectReason.TPOT_UNATTAINABLE:
         return False
     if reason == RejectReason.TPOT_UNATTAINABLE:
         return slo.tpot_ms is not None and old.tpot_ms is not None and slo.tpot_ms <= old.tpot_ms
@@ -277,7 +277,8 @@ class SLORouter(RequestRouter):
         # request chosen meanwhile would see the same in-flight counts and go to the same replica. So the choice
         # counts at once where it will most likely land, and moves in `on_request_routed` if it landed elsewhere.
         self._chosen: dict[str, tuple[ReplicaID, float | None, float]] = {}
-        # replica unique id -> (wall time, SLO, reason) of the last refusal the ingress saw from it (refusals.py)
+        # replica unique id -> (wall time, SLO, reason, priority) of the last refusal the ingress saw from it
+        # (refusals.py)
         self._refused: dict[str, tuple[float, SLO, str, int]] = {}
         refusals.subscribe(self._refused)
         # replica -> the prompt prefixes (`prefix_keys`) this router sent it, least recently sent first: what its
@@ -406,8 +407,20 @@ class SLORouter(RequestRouter):
             del self._calls[key]
         self._count(replica_id, tpot, -1)
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of replicas: what the router kept of those no longer in it (stopped by a scale-down or a
+        redeploy, not dead) goes with them."""
+        gone = set(self._replica_id_set) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            self._forget(replica_id)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
+        self._refused.pop(replica_id.unique_id, None)
         self._inflight.pop(replica_id, None)
         self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}
         self._reconciled.pop(replica_id, None)

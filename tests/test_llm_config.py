@@ -129,6 +129,12 @@ def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to()
     scaling = llm._deployment_config.autoscaling_config
     assert llm.name == "LLMServer" and (scaling.min_replicas, scaling.max_replicas) == (1, 3)
     assert scaling.target_ongoing_requests == AppArgs.model_validate(translate(cfg)).replica_scheduler().max_num_seqs
+    # Kairos's policy (what the replicas turn away too), and a scale-down lets a replica finish its long replies
+    assert scaling.policy.policy_function == "deployments.autoscaling:slo_autoscaling_policy"
+    assert llm._deployment_config.graceful_shutdown_timeout_s == 600.0
+    # the command line's JSON
+    assert AppArgs.model_validate({"model": "kairos-tiny", "autoscaling_config": '{"min_replicas": 1, '
+                                   '"max_replicas": 2}'}).autoscaling_config == {"min_replicas": 1, "max_replicas": 2}
     with pytest.raises(ValueError, match="min_replicas must be at least 1"):
         build_openai_app({"llm_configs": [{**cfg["llm_configs"][0], "deployment_config": {
             "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}}]})

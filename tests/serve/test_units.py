@@ -17,6 +17,7 @@ from core.request import SLO
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import AppArgs, load_api_keys
+from deployments.autoscaling import DemandRates
 from deployments.router import rank, view
 from engine.config import EngineConfig
 from scheduling.ttft_guard import margin_at
@@ -620,10 +621,41 @@ def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_
     forget_choices()
     assert first(None, 500.0) == "a"  # another SLO
     forget_choices()
-    assert first(20.0, priority=-1) == "a"  # priority scheduling serves it before the one turned away
+    assert first(20.0, priority=-1) == "b"  # the TPOT gate judges each request alone: as strict, elsewhere too
+    forget_choices()
+    note_refusal("a", SLO(ttft_ms=500.0), "ttft_unattainable")
+    assert first(None, 400.0) == "b" and first(None, 400.0, priority=-1) == "a"  # a TTFT refusal: its queue's order
     forget_choices()
     a.routing_stats = {**a.routing_stats, "ts": time.time() + 5.0}  # a newer report shows "a" as it is now
     assert first(20.0) == "a" and not router._refused
+
+
+def test_the_router_forgets_a_replica_serve_stopped(monkeypatch) -> None:
+    """A scale-down (or a redeploy) stops replicas without their dying: what the router kept of them (refusals,
+    in-flight counts, prefixes) goes with them, as for a dead one."""
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    from deployments.refusals import note_refusal
+    from deployments.router import SLORouter
+
+    @dataclasses.dataclass(frozen=True)
+    class Rid:
+        unique_id: str
+
+    def base_update(self, replicas):  # (Serve's own bookkeeping, as far as the router reads it)
+        self._replica_id_set = {r.replica_id for r in replicas}
+
+    monkeypatch.setattr(RequestRouter, "update_replicas", base_update)
+    router = object.__new__(SLORouter)
+    router.initialize_state()
+    router._replica_id_set = set()
+    a, b = (SimpleNamespace(replica_id=Rid(n)) for n in ("a", "b"))
+    router.update_replicas([a, b])
+    note_refusal("a", SLO(tpot_ms=20.0), "tpot_unattainable")
+    router._count(a.replica_id, 20.0, +1)
+    router._prefixes[a.replica_id] = {"k": 1}
+    router.update_replicas([b])
+    assert "a" not in router._refused and a.replica_id not in router._inflight and a.replica_id not in router._prefixes
 
 
 def test_router_drops_calls_a_report_proves_finished() -> None:
@@ -871,6 +903,7 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
         noop = lambda *a, **k: None  # noqa: E731
         me = SimpleNamespace(
             pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            demand=DemandRates(),
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st, abort=noop,
                                                     stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
             metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop, on_tokens=noop,
@@ -910,6 +943,7 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
     def replica(st: RequestStream) -> SimpleNamespace:
         return SimpleNamespace(
             pacing=StreamPacing(0.0), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            demand=DemandRates(),
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st,
                                                                      abort=lambda rid: calls.append(("abort", rid))),
             metrics=SimpleNamespace(
@@ -1665,6 +1699,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
             "abort": lambda _s, rid: aborted.append(rid), "shutdown": lambda _s, timeout=None: None})()
         me.log_prompts, me.pacing, me.metrics, me.replica_id = False, StreamPacing(), Metrics(), "r"
         me.inflight, me.aborted, me._prompt_lens, me._decode_left = 0, 0, deque(maxlen=4), {}
+        me.demand = DemandRates()
         done = me.generate(GenerateRequest("done", prompt=(1,)))
         assert (await done.__anext__()).text == "a" and me.inflight == 1
         assert (await done.__anext__()).finished and me.inflight == 0  # before the generator is resumed or closed
