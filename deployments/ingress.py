@@ -170,6 +170,7 @@ class Readiness:
         self._info: dict[str, Any] | None = None
         self._down: str | None = None
         self.serving = asyncio.Event()  # set while an LLM replica can serve: ready and not down
+        self.running: int | None = None  # the LLM replicas running, as `monitor` last heard (None: not heard)
 
     @property
     def info(self) -> dict[str, Any] | None:
@@ -225,6 +226,8 @@ class Readiness:
                 raise
             except Exception:  # noqa: BLE001 - the controller busy: no news
                 n = None
+            if n is not None:
+                self.running = n
             if n == 0:
                 why = "no LLM replica is running"
             else:
@@ -352,6 +355,10 @@ class OpenAIFrontend:
 
     def _ready_info(self) -> dict[str, Any] | None:
         raise NotImplementedError
+
+    def _running_replicas(self) -> int | None:
+        """The LLM replicas running now, where this front knows (None: it does not)."""
+        return None
 
     def _unavailable(self) -> str | None:
         """Why this frontend cannot serve now although it was ready (its engine died; Serve will replace the
@@ -792,6 +799,8 @@ class OpenAIFrontend:
                 break
             if (again := _resent(req, waited_ms, t_call, sb.replica)) is None:
                 break
+            if len(set(again.avoid_replicas)) >= (self._running_replicas() or 0) > 0:
+                break  # every replica running turned it away (an autoscaled app with its fewest)
             req, gen, first = await self._first_item_anywhere(again, waited_ms, t_call)
             _note_refusal(first, req)
         return req, gen, first
@@ -1850,6 +1859,9 @@ class IngressFrontend(OpenAIFrontend):
 
     def _ready_info(self) -> dict[str, Any] | None:
         return self._readiness.info  # an LLM replica has answered: the app can serve
+
+    def _running_replicas(self) -> int | None:
+        return self._readiness.running
 
     def _unavailable(self) -> str | None:
         return self._readiness.down  # no LLM replica can serve now

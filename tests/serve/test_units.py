@@ -2865,3 +2865,33 @@ def test_beam_search_keeps_the_best_beams_by_vllm_s_score() -> None:
     assert not kept.grow([])  # no beam left: the search ends
     wide = BeamSearch((1,), 3, eos, ignore_eos=True)
     assert wide.grow([[(0, -0.5), (4, -0.6)]]) and [t for t, _ in wide.live] == [(1, 0), (1, 4)]
+
+
+def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_turned_it_away() -> None:
+    """reroute_rejected: each resend goes to a replica that has not turned the request away yet; with as many
+    running as have (an autoscaled app at its fewest: one), it is not sent again."""
+    import asyncio
+
+    from core.messages import RejectReason, ServedBy
+    from deployments.ingress import OpenAIFrontend
+
+    def run(running: int) -> list[tuple[str, ...]]:
+        sent: list[tuple[str, ...]] = []
+        me = object.__new__(OpenAIFrontend)
+        me.reroutes = 3
+        me._running_replicas = lambda: running
+
+        async def first_item(req, waited_ms, t_call):
+            sent.append(req.avoid_replicas)
+            out = RequestOutput(req.request_id, finished=True, finish_reason="rejected",
+                                reject_reason=RejectReason.OVERLOADED,
+                                served_by=ServedBy(f"r{len(sent)}", 1.0))
+            return req, None, out
+
+        me._first_item_anywhere = first_item
+        asyncio.run(me._start(GenerateRequest("x", prompt=(1,), slo=SLO(ttft_ms=60_000.0)), time.perf_counter()))
+        return sent
+
+    assert run(1) == [()]
+    assert run(2) == [(), ("r1",)]
+    assert run(5) == [(), ("r1",), ("r1", "r2"), ("r1", "r2", "r3")]  # (reroute_rejected: 3 at most)
