@@ -105,6 +105,17 @@ def side_app(serve_app: dict, app: SideApp) -> str:
     return app.url
 
 
+def side_app_url(serve_app: dict, app: SideApp, blocking: bool = True) -> Iterator[str]:
+    """A module fixture's body: `app`'s URL (`side_app`), and the app deleted after the module's tests
+    (`blocking`: its replicas gone, and their cores back, before the next tests)."""
+    from ray import serve
+
+    try:
+        yield side_app(serve_app, app)
+    finally:
+        serve.delete(app.name, _blocking=blocking)
+
+
 @pytest.fixture(scope="package")
 def serve_app(request, tmp_path_factory) -> Iterator[dict]:
     ray = pytest.importorskip("ray")

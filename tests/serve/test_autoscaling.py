@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import TEST_ARGS, SideApp, side_app
+from tests.serve.conftest import TEST_ARGS, SideApp, side_app_url
 
 AUTO_APP, AUTO_PREFIX = "kairos-auto", "/auto"
 # (ongoing requests never reach the target: only what the replica turns away can scale the app)
@@ -29,12 +29,7 @@ SIDE_APP = SideApp(AUTO_APP, AUTO_PREFIX, _auto_app)
 
 @pytest.fixture(scope="module")
 def auto_url(serve_app: dict):
-    from ray import serve
-
-    try:
-        yield side_app(serve_app, SIDE_APP)
-    finally:
-        serve.delete(AUTO_APP)  # (blocking: its replicas' cores go back before the next tests)
+    yield from side_app_url(serve_app, SIDE_APP)
 
 
 def _running(app: str) -> int:

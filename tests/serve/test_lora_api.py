@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.conftest import TEST_ARGS, SideApp, side_app
+from tests.serve.conftest import TEST_ARGS, SideApp, side_app_url
 
 LORA_APP, LORA_PREFIX, ADAPTER = "kairos-lora", "/lora", "tiny-sql"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog runs after the fox into the woods."
@@ -39,12 +39,7 @@ SIDE_APP = SideApp(LORA_APP, LORA_PREFIX, _lora_app)
 
 @pytest.fixture(scope="module")
 def lora_url(serve_app: dict):
-    from ray import serve
-
-    try:
-        yield side_app(serve_app, SIDE_APP)
-    finally:
-        serve.delete(LORA_APP, _blocking=False)
+    yield from side_app_url(serve_app, SIDE_APP, blocking=False)
 
 
 def _peft_greedy(adapter: Path | None, ids: list[int], n: int) -> list[int]:
