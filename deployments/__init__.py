@@ -126,13 +126,14 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     log_config = {"enable_access_log": a.access_log}
     # the LLM replicas' count: fixed, or Serve's autoscaling between its bounds (the app sized for the most)
     scaling = a.autoscaling()
-    count: dict[str, Any] = {"autoscaling_config": scaling} if scaling is not None else {"num_replicas": a.num_replicas}
+    replicas: dict[str, Any] = {"autoscaling_config": scaling} if scaling is not None else \
+        {"num_replicas": a.num_replicas}
     # a replica Serve stops finishes its requests first, within this (an autoscaled app stops them as load falls)
-    count["graceful_shutdown_timeout_s"] = a.graceful_shutdown_timeout_s if a.graceful_shutdown_timeout_s is not None \
+    replicas["graceful_shutdown_timeout_s"] = a.graceful_shutdown_timeout_s if a.graceful_shutdown_timeout_s is not None \
         else (600.0 if scaling is not None else 20.0)
     if a.direct:
         return DirectLLMServer.options(
-            **count,
+            **replicas,
             logging_config=log_config,
             ray_actor_options=actor_opts,
             max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
@@ -144,7 +145,7 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
         "request_routing_stats_period_s": a.routing_stats_period_s,
     }
     llm = LLMServer.options(
-        **count,
+        **replicas,
         logging_config=log_config,
         ray_actor_options=llm_actor_options(a, actor_opts),
         max_ongoing_requests=a.max_ongoing_requests,
