@@ -36,7 +36,6 @@ log = logging.getLogger("ray.serve")
 
 MAX_RETRY_AFTER_S = 60  # the `openai` client waits out a Retry-After of up to 60 s, and no longer
 CALLER_CHECK_S = 1.0  # how often a replica asks whether the callers of its requests are alive (`_callers_loop`)
-PACING_CHECK_S = 5.0  # how often an autoscaled app's replica hears how many LLM replicas share its chunk budget
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -206,11 +205,9 @@ class LLMReplica:
         try:
             ctx = serve.get_replica_context()
             self.replica_id = ctx.replica_id.unique_id
-            self._deployment = (ctx.app_name, ctx.deployment)
             label = f"ServeReplica:{ctx.app_name}:{ctx.deployment}-engine"  # as Ray titles the replica's process
         except Exception:  # noqa: BLE001 - outside Serve (unit use)
             self.replica_id, label = "local", None
-            self._deployment = None
         if engine_process:  # the engine in its own process: no per-token Python shares its GIL
             from engine.core_proc import EngineCoreClient, unnice  # noqa: PLC0415
 
@@ -244,8 +241,6 @@ class LLMReplica:
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
-        self._pacing_task = asyncio.get_running_loop().create_task(self._pacing_loop(PACING_CHECK_S)) \
-            if self.pacing.shared_chunks_per_s > 0 and self._deployment is not None else None
         self._callers: dict[str, set[str]] = {}  # caller actor id (an Ingress replica) -> its requests in flight here
         self._caller_aborted: set[str] = set()  # requests `_callers_loop` aborted (and counted) whose generator runs
         self._callers_task = asyncio.get_running_loop().create_task(self._callers_loop(CALLER_CHECK_S))
@@ -450,7 +445,7 @@ class LLMReplica:
         return {"replica": self.replica_id, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": st.kv_blocks_total,
                 "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected),
-                "policy": st.policy, "chunks_per_s": self.pacing.max_chunks_per_s,
+                "policy": st.policy,
                 "pid": os.getpid(), "engine_pid": self._engine_pid,
                 # this replica's memory, its engine process included
                 "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}
@@ -513,20 +508,6 @@ class LLMReplica:
                 self._caller_aborted |= rids  # (their generators, closed later, count them no more)
                 log.warning("aborted %d request(s) whose caller %s died", len(rids), caller)
 
-    async def _pacing_loop(self, period_s: float) -> None:
-        """An autoscaled app's replica: every `period_s`, its share of the Ingress's chunk budget by the LLM replicas
-        running now (Serve's controller counts them; `StreamPacing.for_running`)."""
-        app, deployment = self._deployment
-        while not self._closed:
-            try:
-                status = (await asyncio.to_thread(serve.status)).applications.get(app)
-                dep = status.deployments.get(deployment) if status is not None else None
-                if dep is not None:
-                    self.pacing = self.pacing.for_running(int(dep.replica_states.get("RUNNING", 0)))
-            except Exception:  # noqa: BLE001 - the controller busy: the share stays as it was
-                pass
-            await asyncio.sleep(period_s)
-
     async def _metrics_loop(self, period_s: float) -> None:
         """Every `period_s`: the engine's gauges, and how late this wake-up came (`kairos_event_loop_lag_s`: the
         event loop that streams every chunk and takes every request of this replica, behind by that much)."""
@@ -544,7 +525,7 @@ class LLMReplica:
 
     def __del__(self) -> None:
         self._closed = True
-        for name in ("_metrics_task", "_callers_task", "_pacing_task"):
+        for name in ("_metrics_task", "_callers_task"):
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()

@@ -2895,16 +2895,3 @@ def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_
     assert run(1) == [()]
     assert run(2) == [(), ("r1",)]
     assert run(5) == [(), ("r1",), ("r1", "r2"), ("r1", "r2", "r3")]  # (reroute_rejected: 3 at most)
-
-
-def test_an_autoscaled_apps_replicas_split_the_ingress_chunk_budget_over_those_running() -> None:
-    from deployments.pacing import StreamPacing
-
-    fixed = StreamPacing.of_app(0.0, 2000.0, 4, ingress_num_replicas=1)
-    assert fixed.max_chunks_per_s == 500.0 and fixed.for_running(1) == fixed  # a fixed count: its own split
-    scaled = StreamPacing.of_app(0.0, 2000.0, 4, ingress_num_replicas=1, autoscaled=True)
-    assert scaled.max_chunks_per_s == 500.0  # planned for the most until it hears otherwise
-    assert scaled.for_running(1).max_chunks_per_s == 2000.0 and scaled.for_running(2).max_chunks_per_s == 1000.0
-    assert scaled.for_running(0) == scaled
-    direct = StreamPacing.of_app(0.0, 2000.0, 1, routed=False, direct_max_chunks_s=5000.0, autoscaled=True)
-    assert direct.for_running(3).max_chunks_per_s == 5000.0  # a replica's own budget: not shared
