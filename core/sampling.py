@@ -15,6 +15,11 @@ def finite_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def is_int64(v: object) -> bool:
+    """Whether `v` is an integer (not a bool) of a signed 64-bit integer's range: a seed's, a priority's."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None: the rest of the context window (the engine resolves it)
@@ -93,8 +98,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if self.top_k is None or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -(2**63) <= self.seed < 2**63):
+        if self.seed is not None and not is_int64(self.seed):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.min_tokens < 0 or (mt is not None and self.min_tokens > mt):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")

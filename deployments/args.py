@@ -252,14 +252,8 @@ class ServeArgs(BaseModel):
     def placement(self) -> tuple[float, int]:
         """(num_gpus, num_replicas), each as given or else: one replica per GPU of those there are
         (`gpus_for_app`) where the engine may take one (`device` auto or cuda), and where `num_replicas` is given,
-        a GPU each if there are that many; otherwise one replica, on the CPU."""
-        if self.autoscaling_config is not None:  # sized for its most replicas, a GPU each where there is one
-            most = int(self.autoscaling_config.get("max_replicas", 1))
-            gpus = gpus_for_app() if self.num_gpus is None else 0.0
-            device = str(getattr(self, "device", "auto"))
-            num_gpus = self.num_gpus if self.num_gpus is not None else \
-                (1.0 if (gpus >= 1 or self.accelerator_type) and device in ("auto", "cuda") else 0.0)
-            return num_gpus, most
+        a GPU each if there are that many; otherwise one replica, on the CPU. An app that autoscales (no
+        num_replicas) is sized for its most replicas."""
         if self.num_gpus is not None and self.num_replicas is not None:
             return self.num_gpus, self.num_replicas
         gpus = gpus_for_app()
@@ -270,6 +264,8 @@ class ServeArgs(BaseModel):
         if num_gpus is None:
             enough = gpus >= 1 and (self.num_replicas is None or self.num_replicas <= gpus)
             num_gpus = 1.0 if enough and device in ("auto", "cuda") else 0.0
+        if self.autoscaling_config is not None:
+            return num_gpus, int(self.autoscaling_config.get("max_replicas", 1))
         num_replicas = self.num_replicas
         if num_replicas is None:  # (the epsilon: 1.0 / 0.1 is 9.999...)
             num_replicas = max(1, min(1024, math.floor(gpus / num_gpus + 1e-9))) if 0 < num_gpus <= gpus else 1

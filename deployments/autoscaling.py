@@ -42,15 +42,11 @@ class DemandRates:
         return {ADMITTED: (self.admitted - a0) / span, TURNED_AWAY: (self.turned_away - r0) / span}
 
 
-def desired_replicas(current: int, ongoing: float, target: float, admitted_per_s: float,
-                     turned_away_per_s: float) -> float:
-    """The replicas to ask for: Serve's rule (`current` x the ongoing requests over `target` a replica), or where
-    the replicas turned requests away for their load, `current` x (admitted + turned away) / admitted (the
-    offered load over what they served), whichever is more. With nothing admitted but requests turned away, one
-    more replica than now."""
-    if current <= 0:
-        return 1.0
-    by_queue = ongoing / target if target > 0 else float(current)
+def desired_replicas(current: int, by_queue: float, admitted_per_s: float, turned_away_per_s: float) -> float:
+    """The replicas to ask for: Serve's rule's (`by_queue`: the ongoing requests over the target a replica), or
+    where the `current` replicas turned requests away for their load, `current` x (admitted + turned away) /
+    admitted (the offered load over what they served), whichever is more. With nothing admitted but requests
+    turned away, one more replica than now."""
     if turned_away_per_s <= 0:
         return by_queue
     if admitted_per_s <= 0:
@@ -59,12 +55,14 @@ def desired_replicas(current: int, ongoing: float, target: float, admitted_per_s
 
 
 def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
-    """Serve's custom autoscaling policy (its AutoscalingContext): `desired_replicas` from the replicas' reports."""
-    current = ctx.current_num_replicas
-    if current == 0:
-        return ctx.target_num_replicas, {}
+    """Serve's custom autoscaling policy (its AutoscalingContext): Serve's own rule's replicas, raised by
+    `desired_replicas` from the replicas' reports."""
+    from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+    by_queue, state = replica_queue_length_autoscaling_policy(ctx)
+    if ctx.current_num_replicas == 0:
+        return by_queue, state
     metrics = ctx.aggregated_metrics or {}
     admitted = sum(v for v in (metrics.get(ADMITTED) or {}).values() if math.isfinite(v))
     turned = sum(v for v in (metrics.get(TURNED_AWAY) or {}).values() if math.isfinite(v))
-    target = ctx.config.get_target_ongoing_requests()
-    return desired_replicas(current, ctx.total_num_requests, target, admitted, turned), {}
+    return desired_replicas(ctx.current_num_replicas, by_queue, admitted, turned), state

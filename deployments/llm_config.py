@@ -214,10 +214,9 @@ def _deployment(dep: dict[str, Any]) -> dict[str, Any]:
             out["autoscaling_config"] = value  # (Serve's, checked with Kairos's default target by AppArgs)
         elif key == "ray_actor_options":
             opts = dict(value or {})
-            for name, arg in (("num_gpus", "num_gpus"), ("num_cpus", "num_cpus"),
-                              ("accelerator_type", "accelerator_type"), ("runtime_env", "runtime_env")):
+            for name in ("num_gpus", "num_cpus", "accelerator_type", "runtime_env"):  # (Kairos's names too)
                 if name in opts:
-                    out[arg] = opts.pop(name)
+                    out[name] = opts.pop(name)
             if opts:
                 raise _refuse("deployment_config.ray_actor_options", f"{', '.join(sorted(opts))}: not read here "
                               "(num_gpus, num_cpus, accelerator_type and runtime_env are)")

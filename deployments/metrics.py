@@ -129,13 +129,13 @@ class VllmSeries:
         self.max_output_len = hist("request_max_num_generation_tokens", "the most generated tokens of a finished "
                                    "request's choices (one choice each here: its own)", lengths)
 
-    def engine(self, st: Any, advance: Any) -> None:
-        """The gauges from an `EngineStats`; `advance(name, counter, count)` hands the engine's counts on."""
+    def engine(self, st: Any, kv_usage: float, advance: Any) -> None:
+        """The gauges from an `EngineStats` (and its KV usage, a fraction); `advance(name, counter, count)` hands
+        the engine's counts on."""
         g = lambda name, default=0: getattr(st, name, default)  # noqa: E731
         self.running.set(g("num_running"))
         self.waiting.set(g("num_waiting"))
-        used, total = g("kv_blocks_used"), g("kv_blocks_total")
-        self.kv_usage.set(used / total if total else 0.0)
+        self.kv_usage.set(kv_usage)
         for name, counter in (("preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
                               ("prefix_cache_hits", self.prefix_hits)):
             advance("vllm_" + name, counter, g(name))
@@ -303,12 +303,13 @@ class ReplicaMetrics:
         self.kv_used.set(g("kv_blocks_used"))
         self.kv_free.set(g("kv_blocks_free"))
         used, total = g("kv_blocks_used"), g("kv_blocks_total")
-        self.kv_usage.set(used / total if total else 0.0)
+        usage = used / total if total else 0.0
+        self.kv_usage.set(usage)
         self.lora_adapters.set(g("lora_adapters"))
         for name, counter in (("preemptions", self.preemptions), ("rejected_seats_full", self.rejected_seats_full),
                               ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
             self._advance(name, counter, g(name))
-        self.vllm.engine(st, self._advance)
+        self.vllm.engine(st, usage, self._advance)
         self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))

@@ -242,7 +242,6 @@ class LLMReplica:
         self._closed = False
         self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop(metrics_interval_s))
         self._callers: dict[str, set[str]] = {}  # caller actor id (an Ingress replica) -> its requests in flight here
-        self._caller_aborted: set[str] = set()  # requests `_callers_loop` aborted (and counted) whose generator runs
         self._callers_task = asyncio.get_running_loop().create_task(self._callers_loop(CALLER_CHECK_S))
         log.info("LLMServer %s ready: model=%s max_model_len=%d engine_process=%s %s", self.replica_id,
                  self.model_name, self.engine.max_model_len, engine_process, cores)
@@ -331,7 +330,6 @@ class LLMReplica:
                     left.pop(rid, None)
                     if req.caller is not None:
                         _forget_caller(self._callers, req.caller, rid)
-                        self._caller_aborted.discard(rid)
                     if out.finish_reason is not FinishReason.REJECTED:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
                     yield out
@@ -341,12 +339,8 @@ class LLMReplica:
             if not finished:
                 self.inflight -= 1
                 left.pop(rid, None)
-                counted = False  # (already, where `_callers_loop` aborted it as its caller died)
-                if req.caller is not None:
-                    _forget_caller(self._callers, req.caller, rid)
-                    counted = rid in self._caller_aborted
-                    self._caller_aborted.discard(rid)
-                if not counted:
+                # counted already where `_callers_loop` aborted it as its caller died (and took it off its caller)
+                if req.caller is None or _forget_caller(self._callers, req.caller, rid):
                     self.aborted += 1
                 self.engine.abort(rid)  # first: its KV blocks are freed whatever the metrics do
                 log.info("request %s aborted (caller cancelled)", rid)
@@ -504,8 +498,7 @@ class LLMReplica:
                 rids = self._callers.pop(caller, set())
                 for rid in rids:
                     self.engine.abort(rid)
-                self.aborted += len(rids)
-                self._caller_aborted |= rids  # (their generators, closed later, count them no more)
+                self.aborted += len(rids)  # (their generators, closed later, find them gone and count them no more)
                 log.warning("aborted %d request(s) whose caller %s died", len(rids), caller)
 
     async def _metrics_loop(self, period_s: float) -> None:
@@ -534,12 +527,16 @@ class LLMReplica:
             eng.shutdown(timeout=5.0)
 
 
-def _forget_caller(callers: dict[str, set[str]], caller: str, rid: str) -> None:
-    """Request `rid` ended: `caller` no longer has it in flight here (`LLMReplica._callers`)."""
-    if (rids := callers.get(caller)) is not None:
-        rids.discard(rid)
-        if not rids:
-            del callers[caller]
+def _forget_caller(callers: dict[str, set[str]], caller: str, rid: str) -> bool:
+    """Request `rid` ended: `caller` no longer has it in flight here (`LLMReplica._callers`). Whether it had
+    (False: `_callers_loop` took it off, aborting it, as its caller died)."""
+    rids = callers.get(caller)
+    if rids is None or rid not in rids:
+        return False
+    rids.discard(rid)
+    if not rids:
+        del callers[caller]
+    return True
 
 
 def _actor_state(actor_id: str) -> str | None:

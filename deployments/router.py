@@ -85,10 +85,10 @@ def refused_for(slo: SLO, old: SLO, reason: str, priority: int = 0, old_priority
     tight or tighter; a shed or a full queue for any request with an SLO. Never, but for a TPOT refusal (the VBS
     gate judges each request alone), for a request of a lower `priority` value than the one turned away: priority
     scheduling queues it first, and sheds or turns away the other first."""
-    if priority < old_priority and reason != RejectReason.TPOT_UNATTAINABLE:
-        return False
     if reason == RejectReason.TPOT_UNATTAINABLE:
         return slo.tpot_ms is not None and old.tpot_ms is not None and slo.tpot_ms <= old.tpot_ms
+    if priority < old_priority:
+        return False
     if reason == RejectReason.TTFT_UNATTAINABLE:
         return slo.ttft_ms is not None and old.ttft_ms is not None and slo.ttft_ms <= old.ttft_ms
     return slo.ttft_ms is not None or slo.tpot_ms is not None

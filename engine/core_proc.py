@@ -415,7 +415,7 @@ class EngineCoreClient:
         self._scheduler = for_device(self.config, info.device_type).scheduler  # its knobs fixed at start
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject",
-                                     info.lora, self._scheduler.scheduling_policy == "priority")
+                                     info.lora, self._scheduler.by_priority)
         self._loop = reader_loop
         self._heard = time.monotonic()  # when the child last sent anything (`_deliver`)
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread
@@ -496,7 +496,7 @@ class EngineCoreClient:
             self._send(Reconfigure(dict(scheduler)))
         except OSError as e:
             raise EngineDeadError(f"engine process unreachable: {e}") from None
-        self.inputs.priority_scheduling = config.scheduling_policy == "priority"  # (requests from now on)
+        self.inputs.priority_scheduling = config.by_priority  # (requests from now on)
         return config
 
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:

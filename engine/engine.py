@@ -241,7 +241,7 @@ class LLMEngine:
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject",
                                      config.lora_serving(decoder.lora_shape) if config.serves_lora else None,
-                                     config.scheduler.scheduling_policy == "priority")
+                                     config.scheduler.by_priority)
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
@@ -481,7 +481,7 @@ class LLMEngine:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         config = reconfigured(self._given_scheduler, self.config.scheduler, scheduler, self.bundle.device.type)
         self._post(config)
-        self.inputs.priority_scheduling = config.scheduling_policy == "priority"  # (requests from now on)
+        self.inputs.priority_scheduling = config.by_priority  # (requests from now on)
         return config
 
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:

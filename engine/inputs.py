@@ -13,7 +13,7 @@ from typing import Any
 
 from core.messages import ChatTurn, ContextLengthExceeded, PromptOptions, PromptTooLong
 from core.request import SLO, LoraSource, Request
-from core.sampling import SamplingParams
+from core.sampling import SamplingParams, is_int64
 from engine.lora import LoraError, LoraServing, LoraSpec, check_adapter
 
 Prompt = str | Sequence[int]
@@ -76,14 +76,11 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
     return turn
 
 
-PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer's range
-
-
 def check_priority(priority: object, enabled: bool) -> None:
     """ValueError unless `priority` is an integer a scheduler of priorities (`enabled`) ranks, or 0 without one,
     in vLLM's words."""
-    if not isinstance(priority, int) or isinstance(priority, bool) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ValueError(f"priority must be an integer from {PRIORITY_MIN} to {PRIORITY_MAX}, got {priority!r}")
+    if not is_int64(priority):
+        raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
     if priority != 0 and not enabled:
         raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
 

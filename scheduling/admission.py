@@ -130,8 +130,7 @@ def _take_pack(
         if blocked is not None and ranks[idx] > blocked:
             break  # (in rank order: every one left is of a higher rank)
         if used + costs[idx] > max_tokens:  # also skips anything oversize on its own
-            if rank is not None:
-                blocked = ranks[idx]
+            blocked = ranks[idx]  # (without `rank` all are 0: it blocks none)
             continue
         judged[idx] = True
         verdict = _judge(accept, window[idx])

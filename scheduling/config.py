@@ -294,6 +294,11 @@ class SchedulerConfig(BaseModel):
             raise ValueError("prefill_max_batch_size is unreasonably large (> 4096)")
         return self
 
+    @property
+    def by_priority(self) -> bool:
+        """Whether requests are ranked by their priority (vLLM's scheduling_policy "priority")."""
+        return self.scheduling_policy == "priority"
+
     def flags(self) -> PolicyFlags:
         """The policy's preset with every explicitly set knob applied."""
         preset = PRESETS[self.policy]

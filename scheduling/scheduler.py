@@ -151,7 +151,7 @@ class Scheduler:
                       if self.flags.tier_floor else None)
         self._held: list[Request] = []  # starved-tier requests the batch is draining for (tier floor)
         # vLLM's priority scheduling: requests ranked by `priority` before anything the policy weighs
-        self.by_priority = config.scheduling_policy == "priority"
+        self.by_priority = config.by_priority
         self._evicted: list[Request] = []  # waiting requests a more urgent one's arrival turned away (`_evict_for`)
         # a running prompt is partly computed (without chunked_prefill: a best-effort one in chunks,
         # `_best_effort_end`), and the chunk ends of this round's admissions that stop short of their prompt (by id)
@@ -203,11 +203,9 @@ class Scheduler:
         next schedule (`_evicted`), as `req` would have been. Whether one made room."""
         if not self.by_priority:
             return False
-        fresh = [r for r in self.waiting if r.first_token_s is None]
-        if not fresh:
-            return False
-        worst = max(fresh, key=lambda r: (r.priority, r.arrival_s))
-        if worst.priority <= req.priority:
+        worst = max((r for r in self.waiting if r.first_token_s is None), key=lambda r: (r.priority, r.arrival_s),
+                    default=None)
+        if worst is None or worst.priority <= req.priority:
             return False
         self.waiting.remove(worst)
         self._evicted.append(worst)
@@ -329,7 +327,7 @@ class Scheduler:
         if n != self._adapters.adapters:
             self._adapters.adapters = n
             if self.pace_cost is not None:
-                self.pace_cost.forget()
+                self.pace_cost.use_model(n)
 
     def _set_pace_cost(self) -> None:
         if self.flags.pace_work and self.predictor is not None:
@@ -449,8 +447,8 @@ class Scheduler:
             order_least_work(self.waiting,
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
                              now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf)
-        if ranked:  # the policy's order within each priority
-            order_by_priority(self.waiting)
+        if ranked and (f.short_first or (f.queue_order == "ldf" and not f.sort_before_reject)):
+            order_by_priority(self.waiting)  # (reordered since by the policy: its order within each priority)
         budget = self.config.prefill_max_tokens
         partial = self.config.chunked_prefill or self._partial
         self._partial = False
@@ -507,7 +505,7 @@ class Scheduler:
         # a best-effort prompt alone (nothing beside it, none admitted this round, none waiting): the rest goes whole
         alone = len(self.running) == 1 and not self.waiting
         # priority scheduling: the prompts of the lower priority values take the budget first
-        for r in sorted(self.running, key=_priority) if self.by_priority else self.running:
+        for r in sorted(filter(self._mid_prefill, self.running), key=_priority) if self.by_priority else self.running:
             if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
             if best_effort:
@@ -648,7 +646,7 @@ class Scheduler:
             if kv_full:
                 return Verdict.STOP
             if loras is not None:
-                self._set_adapters(len(loras | {r.lora_id} if r.lora_id else loras))
+                self._set_adapters(len(loras) + (bool(r.lora_id) and r.lora_id not in loras))
             # no threshold (+inf) sheds nothing: the request's work is not needed then
             if r.first_token_s is None and shed_above != math.inf and (shed_from is None or r.priority >= shed_from) \
                     and sheds(self._work(r, pace=pace), shed_above, r.tpot_slo_ms, pace, self.config.shed_pace_factor):
@@ -1009,8 +1007,8 @@ class Scheduler:
                 self.blocks.ensure(r, r.num_tokens)
                 out.append(r)
         if self.by_priority and len(out) > 1:  # in the batch's order
-            order = {id(r): i for i, r in enumerate(batch)}
-            out.sort(key=lambda r: order[id(r)])
+            kept = {id(r) for r in out}
+            out = [r for r in batch if id(r) in kept]
         return out
 
     def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
@@ -1067,9 +1065,10 @@ class Scheduler:
         """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice); with priority
         scheduling, the one of the highest priority value (the lowest priority), the latest to arrive of them."""
         if self.by_priority:  # vLLM's: the highest (priority, arrival)
-            left = [r for r in self.running if r not in exclude]
-            if left:
-                return max(left, key=lambda r: (r.priority, r.arrival_s))
+            victim = max((r for r in self.running if r not in exclude), key=lambda r: (r.priority, r.arrival_s),
+                         default=None)
+            if victim is not None:
+                return victim
         else:
             for r in reversed(self.running):
                 if r not in exclude:

@@ -62,23 +62,31 @@ class PaceCost:
     """Machine time per decoded token at a pace, from the latency model the VBS gate uses (`itl(b, length)`, ms;
     increasing in b): a batch stepping at pace T holds at most V(T) requests, the largest b with
     itl(b, L) * margin <= slack * T (at least 1, at most `max_batch`), and each of its tokens costs itl(V, L) / V.
-    Lengths are bucketed (`len_step` tokens) and each (pace, length) is solved once per `scale` of the model."""
+    Lengths are bucketed (`len_step` tokens) and each (pace, length) is solved once per `scale` of the model and
+    variant of it (`use_model`: the LoRA adapters a batch runs through)."""
 
     def __init__(self, itl: Callable[[float, float], float], margin: float, slack: float, max_batch: int,
                  len_step: int = 64) -> None:
         self.itl, self.margin, self.slack, self.max_batch, self.len_step = itl, margin, slack, max_batch, len_step
         self.scale = 1.0
-        self._memo: dict[tuple[float, int], float] = {}
+        # the costs solved, by variant of the model (`use_model`), the one in use as `_memo`
+        self._memos: dict[int, dict[tuple[float, int], float]] = {}
+        self._variant = 0
+        self._memo = self._memos.setdefault(0, {})
 
     def set_scale(self, scale: float) -> None:
         """The gate's correction of the model (measured / predicted steps); the memo is kept within 5% of it."""
         if abs(scale - self.scale) > 0.05 * self.scale:
             self.scale = scale
-            self._memo.clear()
+            self._memos.clear()
+            self._memo = self._memos.setdefault(self._variant, {})
 
-    def forget(self) -> None:
-        """The model changed (the LoRA adapters of the running batch, `predictor.Adapters`): solve again."""
-        self._memo.clear()
+    def use_model(self, variant: int) -> None:
+        """The variant of the model the costs are of from now on (the LoRA adapters a step runs through,
+        `predictor.Adapters`): each keeps its own solved costs, so going back to one solves nothing again."""
+        if variant != self._variant:
+            self._variant = variant
+            self._memo = self._memos.setdefault(variant, {})
 
     def token_ms(self, tpot_ms: float, length: float) -> float:
         """Machine ms per token of a batch paced at `tpot_ms` (+inf: the largest batch) at mean context `length`."""

@@ -8,21 +8,22 @@ from deployments.autoscaling import ADMITTED, TURNED_AWAY, DemandRates, desired_
 
 
 def test_desired_replicas_follow_the_queue_or_the_demand_turned_away_whichever_asks_more():
-    assert desired_replicas(2, ongoing=64, target=16, admitted_per_s=10, turned_away_per_s=0) == 4  # Serve's rule
-    assert desired_replicas(2, ongoing=8, target=16, admitted_per_s=10, turned_away_per_s=5) == 3  # 15 offered / 10
-    assert desired_replicas(2, ongoing=80, target=16, admitted_per_s=10, turned_away_per_s=5) == 5  # the queue's more
-    assert desired_replicas(1, ongoing=1, target=16, admitted_per_s=0, turned_away_per_s=3) == 2  # none served
-    assert desired_replicas(3, ongoing=0, target=16, admitted_per_s=0, turned_away_per_s=0) == 0  # idle: down
+    assert desired_replicas(2, by_queue=4, admitted_per_s=10, turned_away_per_s=0) == 4  # Serve's rule
+    assert desired_replicas(2, by_queue=0.5, admitted_per_s=10, turned_away_per_s=5) == 3  # 15 offered / 10
+    assert desired_replicas(2, by_queue=5, admitted_per_s=10, turned_away_per_s=5) == 5  # the queue's more
+    assert desired_replicas(1, by_queue=1 / 16, admitted_per_s=0, turned_away_per_s=3) == 2  # none served
+    assert desired_replicas(3, by_queue=0, admitted_per_s=0, turned_away_per_s=0) == 0  # idle: down
 
 
 def test_the_policy_reads_the_replicas_reports_from_serves_context():
-    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 16)
+    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 16, get_upscaling_factor=lambda: 1.0)
     ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, total_num_requests=8.0, config=cfg,
                           aggregated_metrics={ADMITTED: {"a": 6.0, "b": 4.0}, TURNED_AWAY: {"a": 5.0, "b": 0.0}})
     assert slo_autoscaling_policy(ctx) == (pytest.approx(3.0), {})
     ctx.aggregated_metrics = None  # no report yet: Serve's rule
     assert slo_autoscaling_policy(ctx) == (pytest.approx(0.5), {})
-    ctx.current_num_replicas = 0
+    ctx.current_num_replicas = 0  # (a cold start: Serve's)
+    ctx.policy_state = {}
     assert slo_autoscaling_policy(ctx)[0] == 2
 
 
