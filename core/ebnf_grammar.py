@@ -44,6 +44,46 @@ _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "["
 _CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE}
 
 
+def _components(graph: dict[int, list[int]]) -> dict[int, int]:
+    """The strongly connected components of `graph` (node -> its successors): node -> its component's number
+    (Tarjan's, without recursion: a grammar's chains of rules may be thousands deep)."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    part: dict[int, int] = {}
+    stack: list[int] = []
+    on_stack: set[int] = set()
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph.get(root, ())))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, succ = work[-1]
+            for s in succ:
+                if s not in index:
+                    index[s] = low[s] = len(index)
+                    stack.append(s)
+                    on_stack.add(s)
+                    work.append((s, iter(graph.get(s, ()))))
+                    break
+                if s in on_stack:
+                    low[node] = min(low[node], index[s])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    while True:
+                        s = stack.pop()
+                        on_stack.discard(s)
+                        part[s] = index[node]
+                        if s == node:
+                            break
+    return part
+
+
 @dataclass(frozen=True, slots=True)
 class _Tok:
     kind: str  # name, def, str, class, any, ( ) | * + ? rep, end
@@ -374,33 +414,52 @@ class Grammar:
     def _prune(self) -> None:
         """Drop the alternatives that derive no text (a rule of them only calls itself for ever); a root left with
         none matches nothing."""
-        productive: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for r, alts in enumerate(self.rules):
-                if r not in productive and any(all(k == "c" or v in productive for k, v in self.alts[a])
-                                               for a in alts):
-                    productive.add(r)
-                    changed = True
+        productive = self._derives(through_characters=True)
         if self._names["root"] not in productive:
             raise ValueError("grammar: `root` derives no text (every way through it calls a rule for ever)")
         for r, alts in enumerate(self.rules):
             self.rules[r] = [a for a in alts if all(k == "c" or v in productive for k, v in self.alts[a])]
+
+    def _derives(self, through_characters: bool) -> set[int]:
+        """The rules with an alternative whose every element is a rule of the set or (`through_characters`) a
+        character: the productive rules (those that derive some text), or, without characters, those that may
+        derive the empty text. One pass over a worklist (each rule, once in the set, counts off the alternatives
+        that call it), linear in the grammar's size however deep its chains of rules."""
+        owners: dict[int, list[int]] = {}  # alternative -> the rules it is one of
+        left: dict[int, int] = {}  # alternative -> its calls of rules not (yet) in the set
+        callers: dict[int, list[int]] = {}  # rule -> the alternatives that call it (once a call)
+        for r, alts in enumerate(self.rules):
+            for a in alts:
+                owners.setdefault(a, []).append(r)
+                if a in left:
+                    continue
+                alt = self.alts[a]
+                if not through_characters and any(k == "c" for k, _ in alt):
+                    left[a] = -1  # (never met)
+                    continue
+                calls = [v for k, v in alt if k == "r"]
+                left[a] = len(calls)
+                for v in calls:
+                    callers.setdefault(v, []).append(a)  # type: ignore[arg-type]
+        todo = [r for a, n in left.items() if n == 0 for r in owners[a]]
+        found: set[int] = set()
+        while todo:
+            r = todo.pop()
+            if r in found:
+                continue
+            found.add(r)
+            for a in callers.get(r, ()):
+                left[a] -= 1
+                if left[a] == 0:
+                    todo.extend(owners[a])
+        return found
 
     def _check_left_recursion(self) -> None:
         """Refuse a rule that can come back to itself before a character through a call that is not the last of
         its alternative: each time round, its parse would be one place deeper, for ever. (Back through last calls
         only, as a repetition of what may be empty comes back, a parse stays as deep: `_closure` meets it again and
         stops.)"""
-        nullable: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for r, alts in enumerate(self.rules):
-                if r not in nullable and any(all(k == "r" and v in nullable for k, v in self.alts[a]) for a in alts):
-                    nullable.add(r)
-                    changed = True
+        nullable = self._derives(through_characters=False)
         edges: dict[int, list[tuple[int, bool]]] = {}  # rule -> (a rule it may call first, as not its last call)
         for r, alts in enumerate(self.rules):
             for a in alts:
@@ -412,21 +471,11 @@ class Grammar:
                     if v not in nullable:
                         break
         names = {r: n for n, r in self._names.items()}
-
-        def reaches(src: int, dst: int) -> bool:
-            seen, todo = {src}, [src]
-            while todo:
-                for s_, _ in edges.get(todo.pop(), ()):
-                    if s_ == dst:
-                        return True
-                    if s_ not in seen:
-                        seen.add(s_)
-                        todo.append(s_)
-            return False
-
+        # a first call r -> s comes back to r where s reaches r: where the two are in one strongly connected part
+        part = _components({r: [s_ for s_, _ in out] for r, out in edges.items()})
         for r, out in edges.items():
             for s_, deeper in out:
-                if deeper and (s_ == r or reaches(s_, r)):
+                if deeper and (s_ == r or part.get(s_) == part[r]):
                     what = f"rule {names[r]!r}" if r in names else "a group"
                     raise ValueError(f"grammar: {what} is left-recursive (it can come back to itself before a "
                                      "character), which this server's checker cannot hold: write it right-recursive "

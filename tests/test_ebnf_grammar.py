@@ -10,7 +10,7 @@ import re
 import pytest
 
 from core.ebnf_grammar import compile_grammar
-from core.regex_grammar import walk
+from core.regex_grammar import matches, walk
 
 # (grammar, the same language as a regex)
 REGULAR = [
@@ -150,3 +150,16 @@ def test_a_lark_grammar_is_read_as_vllm_reads_it():
         number: "1 " | "2 " | "#"
     ''')
     assert matches(g, "SELECT col_2  from table_1  where col_1 = #") and not matches(g, "SELECT col_3 ")
+
+
+def test_a_deep_chain_of_rules_is_checked_whole():
+    """Rules that call the next, thousands deep (what derives text, what may be empty and what is left-recursive
+    are found in one pass each): the chain's texts are held, and a left recursion at its far end is refused."""
+    n = 3000
+    chain = "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(n)) + f'\nr{n} ::= "z"'
+    g = compile_grammar("root ::= r0\n" + chain)
+    assert matches(g, "a" * 5 + "b") and matches(g, "a" * n + "z") and not matches(g, "a" * 5)
+    empty = "\n".join(f"e{i} ::= e{i + 1} | \"b\"?" for i in range(n)) + f'\ne{n} ::= "c"?'
+    assert matches(compile_grammar('root ::= e0 "x"\n' + empty), "x")
+    with pytest.raises(ValueError, match="left-recursive"):
+        compile_grammar('root ::= e0 "x"\n' + empty.replace(f'e{n} ::= "c"?', f'e{n} ::= root "y" | "c"?'))
