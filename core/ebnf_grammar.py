@@ -27,15 +27,13 @@ import functools
 import re
 from dataclasses import dataclass
 
-from core.regex_grammar import DIGIT, SPACE, WORD, Ranges, _complement, _has, _norm
+from core.regex_grammar import ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm
 
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
-MAX_REPEAT = 1_000  # the largest count a {m,n} may name
 MAX_STACK = 1_000  # a parse's depth in places (a nested group of the text takes one or two): deeper is not followed
 MAX_PARSES = 16_384  # the parses a state keeps (an ambiguous grammar's), the first found kept
 _CACHE_PLACES = 2_000_000  # the places the states the steps kept hold in all, per grammar, before it starts over
 _CACHE_STEPS = 1_000_000  # and the steps kept
-ANY: Ranges = ((0, 0x10FFFF),)
 
 State = frozenset  # of stacks: tuples of (alternative, element) places; () a parse that has ended
 
@@ -232,7 +230,7 @@ class _Lexer:
             raise self.fail(f"{{{body}}} is not a count {{m}}, {{m,}} or {{m,n}}", start)
         m = int(lo)
         n = m if not sep else (None if hi == "" else int(hi))
-        if m < 0 or n is not None and n < m or max(m, n or 0) > MAX_REPEAT:
+        if n is not None and n < m or max(m, n or 0) > MAX_REPEAT:
             raise self.fail(f"{{{body}}}: counts from 0 to {MAX_REPEAT}, the second no less than the first", start)
         return m, n
 
@@ -242,7 +240,6 @@ class Grammar:
     them; ("r", rule): the rule's text), and the steps taken so far (cached)."""
 
     def __init__(self, text: str) -> None:
-        self.text = text
         self.alts: list[tuple[tuple[str, object], ...]] = []
         self.rules: list[list[int]] = []  # each rule's alternatives (indices into alts)
         self._names: dict[str, int] = {}
@@ -358,16 +355,7 @@ class Grammar:
 
     def _quantified(self, atom: list[tuple[str, object]], q: _Tok) -> list[tuple[str, object]]:
         unit = self._unit(atom)
-        if q.kind == "*":
-            return [self._star(unit)]
-        if q.kind == "+":
-            return [unit, self._star(unit)]
-        if q.kind == "?":
-            rule = self._rule()
-            self._alt(rule, [unit])
-            self._alt(rule, [])
-            return [("r", rule)]
-        m, n = q.value  # type: ignore[misc]
+        m, n = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(q.kind) or q.value  # type: ignore[misc]
         out = [unit] * m
         if n is None:
             return out + [self._star(unit)]
@@ -571,8 +559,6 @@ def _lark_line(line: str) -> str:
     quote = None
     for i, c in enumerate(line):
         if quote:
-            if c == "\\":
-                continue
             if c == quote and line[i - 1] != "\\":
                 quote = None
         elif c in "\"'":
@@ -600,7 +586,7 @@ def from_lark(text: str) -> str:
         m = _LARK_RULE.fullmatch(line)
         if m is None or m.group(2).lstrip().startswith("="):
             raise ValueError(f"grammar (Lark), line {n}: not a rule `name: ...` (EBNF's rules are `name ::= ...`)")
-        if "/" in m.group(2).replace("//", "") and re.search(r"(^|\s)/[^/]", m.group(2)):
+        if re.search(r"(^|\s)/[^/]", m.group(2)):
             raise ValueError(f"grammar (Lark), line {n}: Lark's regular expressions (/.../) are not supported here: "
                              "write the terminal as EBNF (literals, [classes], quantifiers)")
         if re.search(r"[\"']\s*\.\.\s*[\"']", m.group(2)):

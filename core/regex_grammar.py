@@ -522,10 +522,10 @@ class Regex:
         return bool(self.start)
 
 
-def walk(automaton, text: str, state=None):
+def walk(automaton, text: str):
     """The state of a character automaton (a `Regex`, or a `core.ebnf_grammar.Grammar`: `start`, `step`) after
-    `text`, from `state` (default: its start); None where some character of it cannot come next."""
-    st = automaton.start if state is None else state
+    `text` from its start; None where some character of it cannot come next."""
+    st = automaton.start
     for ch in text:
         st = automaton.step(st, ch)
         if st is None:

@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 from core.messages import (ErrorKind, GenerateRequest, PromptOptions, ProtocolError, RejectReason, RequestOutput,
                            TokenLogprob, check_output, clock_id, waited_since_ms)
 from core.request import SLO, FinishReason, LoraSource
-from core.sampling import MAX_LOGPROBS, SamplingParams
+from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments import responses as R
 from deployments.args import load_api_keys
@@ -891,7 +891,7 @@ class OpenAIFrontend:
             one = dataclasses.replace(req, request_id=tag, prompt=tokens, messages=None, slo=SLO(),
                                       prompt_len_hint=len(tokens), params=dataclasses.replace(
                                           req.params, max_tokens=1, min_tokens=0, temperature=0.0, ignore_eos=True,
-                                          logprobs=min(MAX_LOGPROBS, 2 * width), seed=None),
+                                          logprobs=2 * width, seed=None),  # (n <= MAX_LOGPROBS / 2: _beam)
                                       options=PromptOptions(add_special_tokens=False))
             sent, gen, first = await self._start(one, time.perf_counter())
             headers = self._headers(rid, sent, first, t_in, t_call, proxy_ms)
@@ -915,18 +915,22 @@ class OpenAIFrontend:
             beams = BeamSearch(prompt, width, eos, req.params.ignore_eos, req.params.include_stop_str_in_output,
                                body.length_penalty)
             for k in range(req.params.max_tokens or 1):
-                tops = await asyncio.gather(*(step(req, toks, f"{req.request_id}-beam{k}.{j}")
-                                              for j, (toks, _) in enumerate(beams.live)))
+                tops = await _all_or_none([step(req, toks, f"{req.request_id}-beam{k}.{j}")
+                                           for j, (toks, _) in enumerate(beams.live)])
                 if not beams.grow(tops):
                     break
+            best = beams.best()
+
+            async def text_of(reply: list[int]) -> dict[str, Any]:
+                return await self._replica_call("token_text", reply) if reply else {"prompt": ""}
+
+            texts = await _all_or_none([text_of(list(toks[len(prompt):])) for toks, _, _ in best])
             out = []
-            for toks, _, stopped in beams.best():
-                reply = list(toks[len(prompt):])
-                text = await self._replica_call("token_text", reply) if reply else {"prompt": ""}
+            for (toks, _, stopped), text in zip(best, texts):
                 if "error" in text:
                     raise APIError(500, text["error"], "server_error", "replica_error")
                 out.append((text["prompt"], FinishReason.STOP if stopped else FinishReason.LENGTH, len(prompt),
-                            len(reply), None, None, None))
+                            len(toks) - len(prompt), None, None, None))
             return out
 
         done = await _all_or_none([search(r) for r in reqs])
@@ -1445,10 +1449,11 @@ async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str,
     created = int(time.time())
     for i, (text, finish, *_) in enumerate(choices):
         if kind == "completion":
-            yield P.sse(P.completion_chunk(rid, model, created, text, finish.value, i))
+            yield _chunk(P.completion_chunk(rid, model, created, text, finish.value, i), include_usage)
             continue
-        yield P.sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, index=i))
-        yield P.sse(P.chat_chunk(rid, model, created, {"content": text}, finish.value, index=i))
+        yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, index=i),
+                     include_usage)
+        yield _chunk(P.chat_chunk(rid, model, created, {"content": text}, finish.value, index=i), include_usage)
     if include_usage:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         yield P.sse(P.usage_chunk(rid, model, created, obj, sum(c[2] for c in choices[::n]),
