@@ -922,6 +922,7 @@ class OpenAIFrontend:
             best = beams.best()
 
             async def text_of(reply: list[int]) -> dict[str, Any]:
+                self._own_call()  # (calls at once: each its own id, as `step`'s)
                 return await self._replica_call("token_text", reply) if reply else {"prompt": ""}
 
             texts = await _all_or_none([text_of(list(toks[len(prompt):])) for toks, _, _ in best])
