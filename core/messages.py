@@ -190,7 +190,9 @@ class GenerateRequest:
     lora: str | None = None
     cache_salt: str | None = None
     lora_source: LoraSource | None = None  # the folder of an adapter loaded at run time (/v1/load_lora_adapter)
-    priority: int = 0  # vLLM's: lower first, where the engine's scheduling_policy is "priority" (else only 0)
+    priority: int = 0  # vLLM's: lower first, where the engine's scheduling_policy is "priority" (else no effect)
+    # vLLM's return_token_ids: the first item carries the prompt's token ids (`RequestOutput.prompt_token_ids`)
+    return_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -302,6 +304,9 @@ class RequestOutput:
     # with `SamplingParams.prompt_logprobs`, on the item of the reply's first token: one per prompt token (the first's
     # logprob None: nothing predicts it)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # with `GenerateRequest.return_token_ids`, on a replica's first item of an admitted request: the prompt's token
+    # ids as the engine took them (its chat template rendered, truncated where asked)
+    prompt_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.finished and self.finish_reason is None and self.reject_reason is None \

@@ -42,8 +42,6 @@ NAMED_PARAMS = frozenset(("prompt", "messages", "max_tokens", "min_tokens", "sto
 def param_named(message: str | None) -> str | None:
     """The request field a refusal's message starts with (`NAMED_PARAMS`: "prompt token ids must be ...",
     "min_tokens must be ..."), OpenAI's `param` of the 400; None where it names none."""
-    if (message or "").startswith("Got priority "):  # vLLM's words (engine.inputs.check_priority)
-        return "priority"
     first = (message or "").split(" ", 1)[0].strip(":,")
     return first if first in NAMED_PARAMS else None
 

@@ -12,6 +12,7 @@ handle; `deployments.direct` serves HTTP from the LLM replica itself.
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -151,6 +152,46 @@ def client_request_id(value: str | None) -> str | None:
     if value and len(value) <= MAX_CLIENT_REQUEST_ID and value.isprintable():
         return value
     return None
+
+
+PRIORITY_HEADER = "x-vllm-priority"
+
+
+def header_priority(value: str | None, given: int) -> int:
+    """vLLM's: the X-Vllm-Priority header's integer, where it is one (else it is ignored), wins over the body's
+    `priority` (`given`)."""
+    if value is not None:
+        with contextlib.suppress(ValueError):
+            return int(value)
+    return given
+
+
+# the X-Request-Id Serve's replica gives a request that came without one (a version 4 UUID: its `RequestIdMiddleware`)
+_SERVE_MADE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+
+
+class ResponseIds:
+    """A response's id (`rid`) and its requests' ids in the engine (`eid`). As vLLM's, a client's X-Request-Id, else
+    its body's `request_id`, names the response (`chatcmpl-<id>`; Serve echoes the header); the engine's ids then
+    get a suffix, unique where a client sends one id twice at once. Serve gives every request without the header
+    one (a UUID): a body's `request_id` wins over a header that may be Serve's."""
+
+    PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}
+
+    def __init__(self, kind: str, given: str | None) -> None:
+        self.prefix = self.PREFIX[kind]
+        self.given = given
+        self.rid = self.prefix + (given or uuid.uuid4().hex)
+        self.eid = self.rid if given is None else f"{self.rid}.{uuid.uuid4().hex[:8]}"
+
+    def name_by_body(self, value: Any) -> None:
+        """The body's `request_id`, where no client's header named the response (one that cannot name it is left
+        unused)."""
+        if (self.given is None or _SERVE_MADE_ID.fullmatch(self.given)) and isinstance(value, str) \
+                and (value := client_request_id(value)) is not None:
+            self.given = value
+            self.rid = self.prefix + value
+            self.eid = f"{self.rid}.{uuid.uuid4().hex[:8]}"
 
 
 class Readiness:
@@ -672,6 +713,7 @@ class OpenAIFrontend:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         body = self._validated(schema, raw, check_model)
         slo = self._slo(request, body)
+        priority = header_priority(request.headers.get(PRIORITY_HEADER), body.priority)
         defaults = (self._ready_info() or {}).get("sampling_defaults")  # the model's (its generation_config)
         try:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens(), defaults)).validate()
@@ -700,33 +742,29 @@ class OpenAIFrontend:
             return body, [GenerateRequest(rid if one else f"{rid}-{i * n + j}", prompt=prompt, params=sp, slo=slo,
                                           options=body.prompt_options(), prompt_len_hint=_len_hint(prompt),
                                           lora=lora, cache_salt=body.cache_salt, lora_source=source,
-                                          priority=body.priority)
+                                          priority=priority, return_token_ids=bool(body.return_token_ids))
                           for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
         hint = _len_hint("".join(t.content for t in turns))
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
                                       options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
-                                      cache_salt=body.cache_salt, lora_source=source, priority=body.priority)
+                                      cache_salt=body.cache_salt, lora_source=source, priority=priority,
+                                      return_token_ids=bool(body.return_token_ids))
                       for j, sp in enumerate(each)]
 
     async def _handle(self, request: Request, kind: str) -> Any:
         t_in = time.perf_counter()
-        # vLLM's: a client's X-Request-Id names the response (`chatcmpl-<id>`; Serve echoes the header); the engine's
-        # ids stay unique (a client may send the same one twice at once)
-        given = client_request_id(request.headers.get(REQUEST_ID_HEADER))
-        rid = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[kind] + (given or uuid.uuid4().hex)
-        eid = rid if given is None else f"{rid}.{uuid.uuid4().hex[:8]}"
+        ids = ResponseIds(kind, client_request_id(request.headers.get(REQUEST_ID_HEADER)))
         try:
-            return await self._generate(request, kind, rid, t_in, eid)
+            return await self._generate(request, kind, ids, t_in)
         except APIError as e:  # every answer names its request, a refusal at parse time too (as vLLM's X-Request-Id)
-            e.headers = {**(e.headers or {}), "x-kairos-request-id": rid}
+            e.headers = {**(e.headers or {}), "x-kairos-request-id": ids.rid}
             raise
         except Exception as e:  # a 500 names it too (_serve_generation)
-            e.kairos_request_id = rid  # type: ignore[attr-defined]
+            e.kairos_request_id = ids.rid  # type: ignore[attr-defined]
             raise
 
-    async def _generate(self, request: Request, kind: str, rid: str, t_in: float, eid: str | None = None) -> Any:
-        """`rid`: the response's id; `eid`: its requests' ids in the engine (None: `rid`)."""
+    async def _generate(self, request: Request, kind: str, ids: "ResponseIds", t_in: float) -> Any:
         try:
             self._auth(request)
         except APIError:
@@ -735,6 +773,9 @@ class OpenAIFrontend:
             await _drain(request.stream())
             raise
         raw = await self._read_json(request)
+        if isinstance(raw, dict):
+            ids.name_by_body(raw.get("request_id"))
+        rid = ids.rid
         echoed = None  # a Responses API request's fields its response repeats (it runs as the chat it amounts to)
         if kind == "responses":
             try:
@@ -743,7 +784,7 @@ class OpenAIFrontend:
                 raise APIError(400, str(e), param=e.param) from None
             kind = "chat"
         (body, reqs), t_call = await self._parsed_when_ready(
-            request, lambda known: self._build(request, raw, kind, eid or rid, known))
+            request, lambda known: self._build(request, raw, kind, ids.eid, known))
         # the time it waited between HAProxy and this handler (this event loop busy) is off its TTFT SLO too
         proxy_ms = max(0.0, proxy_wait_ms(request.headers.get(RECEIVED_HEADER)) - (t_call - t_in) * 1000.0)
         if proxy_ms > 0:
@@ -860,7 +901,7 @@ class OpenAIFrontend:
         if body.stream:
             response = StreamingResponse(self._sse(gen, first, kind, rid, body.include_usage, model,
                                                    body.continuous_usage, body.logprobs_shape(), echo,
-                                                   self._reply_readers(body)),
+                                                   self._reply_readers(body), bool(body.return_token_ids)),
                                          media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
             # a response never sent never starts its SSE generator, whose `finally` cancels the stream: whoever
@@ -930,8 +971,8 @@ class OpenAIFrontend:
             for (toks, _, stopped), text in zip(best, texts):
                 if "error" in text:
                     raise APIError(500, text["error"], "server_error", "replica_error")
-                out.append((text["prompt"], FinishReason.STOP if stopped else FinishReason.LENGTH, len(prompt),
-                            len(toks) - len(prompt), None, None, None))
+                out.append(P.Choice(text["prompt"], FinishReason.STOP if stopped else FinishReason.LENGTH,
+                                    len(prompt), len(toks) - len(prompt)))
             return out
 
         done = await _all_or_none([search(r) for r in reqs])
@@ -1065,7 +1106,7 @@ class OpenAIFrontend:
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
             choices = [_choice(kind, body, w, echo[i // n] if echo else None) for i, (_, w) in enumerate(done)]
-            made = sum(c[3] for c in choices)  # every choice's tokens count, those not returned too (OpenAI's)
+            made = sum(c.completion_tokens for c in choices)  # every choice's tokens count, those not returned (OpenAI's)
             if n > (body.n or 1):
                 choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
@@ -1086,7 +1127,8 @@ class OpenAIFrontend:
         later = [(i, reqs[i]) for i, s in enumerate(first_wave) if s is None] + list(enumerate(reqs))[wave:]
         response = StreamingResponse(
             self._sse_batch(started, later, start, rid, body.include_usage, model, batch, body.continuous_usage,
-                            kind, n, body.logprobs_shape(), echo, self._reply_readers(body)),
+                            kind, n, body.logprobs_shape(), echo, self._reply_readers(body),
+                            bool(body.return_token_ids)),
             media_type="text/event-stream",
             headers={**_batch_headers([h for _, (_, _, h) in started]), "Cache-Control": "no-cache"})
         response.kairos_cancel = lambda: [s[0].cancel() for _, s in started]  # type: ignore[attr-defined]
@@ -1096,16 +1138,16 @@ class OpenAIFrontend:
                          later: list[tuple[int, GenerateRequest]], start: Callable[..., Awaitable[Any]], rid: str,
                          include_usage: bool, model: str, batch: "_BatchFlight", continuous: bool = False,
                          kind: str = "completion", n: int = 1, top: P.LogprobShape | None = None,
-                         echo: list[str] | None = None,
-                         tools: Callable[[], ReplyReader | None] | None = None) -> AsyncIterator[bytes]:
+                         echo: list[str] | None = None, tools: Callable[[], ReplyReader | None] | None = None,
+                         ids: bool = False) -> AsyncIterator[bytes]:
         """A batched response's SSE stream: every choice's chunks as its items arrive, each naming its choice (the
         `started` ones', then the `later` ones' as slots free up), (index, started stream) and (index, request);
         (chat) a choice's first chunk says its role; then the summed usage (each prompt counted once, of `n`
         choices each; with include_usage; `continuous`: each chunk its choice's so far too) and [DONE]. `top`: each
         chunk has its tokens' logprobs, shown so (`P.LogprobShape`). `echo`: each prompt's text, which its
         choices' first chunks open with. `tools`: each choice's reader of its reply (a chat's reasoning and tool
-        calls, `ReplyReader`), whose reading its chunks carry instead of that text. A choice that fails ends the
-        stream with an error event, and the others are cancelled."""
+        calls, `ReplyReader`), whose reading its chunks carry instead of that text. `ids`: vLLM's return_token_ids
+        (`_sse`). A choice that fails ends the stream with an error event, and the others are cancelled."""
         created = int(time.time())
         total = len(started) + len(later)
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -1156,7 +1198,7 @@ class OpenAIFrontend:
                 lead = None  # an echoed prompt's logprobs, before its choice's first tokens'
                 if i not in fasts:  # the choice's first item
                     readers[i] = tools() if tools is not None else None
-                    fasts[i] = None if continuous or top is not None or readers[i] is not None else \
+                    fasts[i] = None if continuous or top is not None or readers[i] is not None or ids else \
                         TextChunks(kind, rid, model, created, include_usage, i)
                     if top is not None:
                         shown[i] = P.Logprobs(kind, top)
@@ -1164,11 +1206,10 @@ class OpenAIFrontend:
                         item = dataclasses.replace(item, text=echo[i // n] + item.text)
                         lead = item.prompt_logprobs if top is not None else None
                     if kind == "chat":
-                        yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
-                                                  index=i),
+                        yield _chunk(_role_chunk(rid, model, created, i, item.prompt_token_ids if ids else None),
                                      include_usage, P.usage(item.num_prompt_tokens, 0) if continuous else None)
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, i, continuous,
-                                     fasts[i], shown.get(i), lead, readers[i])) is not None:
+                                     fasts[i], shown.get(i), lead, readers[i], ids)) is not None:
                     yield out
                 if item.finished:
                     left, ct = left - 1, ct + item.num_output_tokens
@@ -1191,13 +1232,14 @@ class OpenAIFrontend:
 
     async def _rest(self, gen: Any, first: RequestOutput, rid: str, headers: dict[str, str]) -> "_Whole":
         """A non-streaming request's reply from its first item on (`_Whole`); an APIError where it failed."""
-        parts, item = [first.text], first
+        parts, item, ids = [first.text], first, list(first.token_ids)
         lps = None if first.logprobs is None else list(first.logprobs)
         prompt = first.prompt_logprobs
         try:
             while not item.finished:
                 item = check_output(await gen.__anext__())
                 parts.append(item.text)
+                ids += item.token_ids
                 if item.logprobs is not None:
                     if lps is None:
                         lps = []
@@ -1216,7 +1258,7 @@ class OpenAIFrontend:
             raise
         if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
-        return _Whole("".join(parts), item, lps, prompt)
+        return _Whole("".join(parts), item, lps, prompt, ids, first.prompt_token_ids)
 
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str, headers: dict[str, str],
                        model: str, body: P._Common | None = None, echo: str | None = None) -> JSONResponse:
@@ -1233,29 +1275,29 @@ class OpenAIFrontend:
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
                    include_usage: bool, model: str, continuous: bool = False,
                    top: P.LogprobShape | None = None, echo: str | None = None,
-                   tools: Callable[[], ReplyReader | None] | None = None) -> AsyncIterator[bytes]:
+                   tools: Callable[[], ReplyReader | None] | None = None, ids: bool = False) -> AsyncIterator[bytes]:
         """A request's SSE stream from its `first` item: (chat) the role's chunk, a chunk per item, the usage (with
         include_usage; `continuous`: in every chunk too, the tokens so far) and [DONE]. `top`: each chunk has its
         tokens' logprobs, shown so (`P.LogprobShape`). `echo`: text the first chunk opens with. `tools`:
         the reader of a chat reply (its reasoning and tool calls), whose reading its chunks carry instead of that
-        text."""
+        text. `ids`: vLLM's return_token_ids, each chunk its tokens' ids and the first its prompt's."""
         created, item, lead = int(time.time()), first, None
         if echo is not None:
             item = dataclasses.replace(first, text=echo + first.text)
             lead = first.prompt_logprobs if top is not None else None  # the echoed prompt's, before the reply's
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         reader = tools() if tools is not None else None
-        fast = None if continuous or top is not None or reader is not None else \
+        fast = None if continuous or top is not None or reader is not None or ids else \
             TextChunks(kind, rid, model, created, include_usage)
         shown = P.Logprobs(kind, top) if top is not None else None
         done = False
         try:
             if kind == "chat":
-                yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None),
+                yield _chunk(_role_chunk(rid, model, created, 0, first.prompt_token_ids if ids else None),
                              include_usage, P.usage(first.num_prompt_tokens, 0) if continuous else None)
             while True:
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast, shown,
-                                     lead, reader)) is not None:
+                                     lead, reader, ids)) is not None:
                     yield out
                 lead = None
                 if item.finished:
@@ -1374,12 +1416,13 @@ class TextChunks:
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
               index: int = 0, continuous: bool = False, fast: TextChunks | None = None,
               shown: P.Logprobs | None = None, lead: list[TokenLogprob] | None = None,
-              tools: ReplyReader | None = None) -> bytes | None:
+              tools: ReplyReader | None = None, ids: bool = False) -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
     in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous` or
     logprobs), which builds an unfinished item's chunk with text. `shown`: the choice's logprobs so far, where its
-    request asks for them: the chunk has its tokens', after `lead`'s (an echoed prompt's tokens, in its text)."""
+    request asks for them: the chunk has its tokens', after `lead`'s (an echoed prompt's tokens, in its text).
+    `ids`: vLLM's return_token_ids: the chunk has its tokens' ids (a completion's first, its prompt's too)."""
     fin = item.finish_reason
     if fin is FinishReason.ERROR:
         return _error_event(item)
@@ -1393,8 +1436,10 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     if shown is not None and not lps:
         shown.offset += len(item.text)
     if kind == "completion":
-        return _chunk(P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason, lp),
-                      include_usage, usage)
+        body = P.completion_chunk(rid, model, created, item.text, fin, index, item.stop_reason, lp)
+        if ids:
+            P.with_token_ids(body["choices"][0], item.token_ids, item.prompt_token_ids)
+        return _chunk(body, include_usage, usage)
     delta = {"content": item.text} if item.text else {}
     if tools is not None:  # the reply's text as reasoning, content and tool calls
         read = tools.feed(item.text)
@@ -1403,7 +1448,16 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
             if tools.calls and tools.as_calls and fin in (FinishReason.STOP, FinishReason.LENGTH):
                 fin = "tool_calls"  # type: ignore[assignment]
         delta = read.delta()
-    return _chunk(P.chat_chunk(rid, model, created, delta, fin, item.stop_reason, index, lp), include_usage, usage)
+    body = P.chat_chunk(rid, model, created, delta, fin, item.stop_reason, index, lp)
+    if ids:
+        P.with_token_ids(body["choices"][0], item.token_ids)
+    return _chunk(body, include_usage, usage)
+
+
+def _role_chunk(rid: str, model: str, created: int, index: int, prompt_token_ids: list[int] | None) -> dict:
+    """A chat choice's first chunk, which says its role (and, with vLLM's return_token_ids, the prompt's ids)."""
+    return P.with_token_ids(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, index=index),
+                            None, prompt_token_ids)
 
 
 class BeamSearch:
@@ -1452,23 +1506,25 @@ async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str,
         if kind == "completion":
             yield _chunk(P.completion_chunk(rid, model, created, text, finish.value, i), include_usage)
             continue
-        yield _chunk(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, index=i),
-                     include_usage)
+        yield _chunk(_role_chunk(rid, model, created, i, None), include_usage)
         yield _chunk(P.chat_chunk(rid, model, created, {"content": text}, finish.value, index=i), include_usage)
     if include_usage:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        yield P.sse(P.usage_chunk(rid, model, created, obj, sum(c[2] for c in choices[::n]),
-                                  sum(c[3] for c in choices)))
+        yield P.sse(P.usage_chunk(rid, model, created, obj, sum(c.prompt_tokens for c in choices[::n]),
+                                  sum(c.completion_tokens for c in choices)))
     yield P.SSE_DONE
 
 
 class _Whole(NamedTuple):
     """A reply read to its end: its text, its last item, its tokens' logprobs (None where its items carry none) and
-    its prompt's (`RequestOutput.prompt_logprobs`, where asked)."""
+    its prompt's (`RequestOutput.prompt_logprobs`, where asked), its token ids and its prompt's (where asked:
+    `RequestOutput.prompt_token_ids`)."""
     text: str
     last: RequestOutput
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob] | None
+    token_ids: list[int]
+    prompt_token_ids: list[int] | None
 
 
 def _as_response(got: Any, rid: str, echoed: dict[str, Any]) -> Any:
@@ -1515,7 +1571,7 @@ def _best_of(choices: list[P.Choice], wholes: list[_Whole], made: int, n: int) -
 
 def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P.Choice:
     """A whole reply as a response's choice (`P.Choice`): its text after `echo`; its logprobs where `body` asks for
-    them (with `echo`, the prompt's tokens' first); vLLM's `prompt_logprobs` where it asks for those."""
+    them (with `echo`, the prompt's tokens' first); vLLM's `prompt_logprobs` and token ids where it asks for those."""
     top = body.logprobs_shape() if body is not None else None
     text, lps = (echo or "") + w.text, w.logprobs
     if kind == "completion" and echo is not None and top is not None and w.prompt_logprobs is not None:
@@ -1523,8 +1579,9 @@ def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P
     shown = None if top is None or lps is None else P.Logprobs(kind, top).render(lps, text)
     asked = body.prompt_logprobs if body is not None else None
     prompt = None if asked is None or w.prompt_logprobs is None else P.shown_prompt_logprobs(w.prompt_logprobs, asked)
-    item = w.last
-    return text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason, shown, prompt
+    item, ids = w.last, body is not None and body.return_token_ids
+    return P.Choice(text, item.finish_reason, item.num_prompt_tokens, item.num_output_tokens, item.stop_reason, shown,
+                    prompt, w.token_ids if ids else None, w.prompt_token_ids if ids else None)
 
 
 def _error_event(item: RequestOutput, prefix: str = "") -> bytes:

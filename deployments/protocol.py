@@ -179,9 +179,12 @@ class _Common(BaseModel):
     # vLLM's: the prompt shares cached KV (prefix caching) only with requests that give the same salt, so that no
     # other client can tell from its TTFT which prompts were sent before
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
-    # vLLM's: lower first where the app's scheduling_policy is "priority" (SchedulerConfig.scheduling_policy); any
-    # other value than 0 is a 400 elsewhere, as vLLM's (the engine's input processor says so)
+    # vLLM's: lower first where the app's scheduling_policy is "priority" (SchedulerConfig.scheduling_policy); no
+    # effect elsewhere, as vLLM's (the header X-Vllm-Priority, where it is an integer, wins)
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    # vLLM's: each choice has its reply's token ids (`token_ids`; streamed, each chunk its own) and its prompt's
+    # (`prompt_token_ids`: a completion's choice, a chat's response; streamed, in the first chunk)
+    return_token_ids: bool | None = False
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -538,7 +541,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
         {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
         {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "array"}]}}, "required": ["content"]}]})
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles (system, developer, user, assistant, tool) or any other a model's chat template reads
+    # (Llama 3's ipython, ...): passed to the template as they are, as vLLM's
+    role: str = Field(..., min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's (OpenAI's shape), for the chat template
@@ -860,10 +865,20 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | i
 # A choice's `stop_reason` (vLLM's extension): the stop string or stop token id that ended it, None otherwise (EOS,
 # length, or not ended yet).
 StopReason = str | int | None
-# a choice of a whole response: (text, finish reason, prompt tokens, completion tokens, stop reason, its logprobs as
-# the response shows them (`Logprobs`) or None, its prompt's logprobs as vLLM shows them (`shown_prompt_logprobs`)
-# or None)
-Choice = tuple[str, str | None, int, int, StopReason, dict | None, list | None]
+
+
+class Choice(NamedTuple):
+    """A choice of a whole response."""
+
+    text: str
+    finish: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    stop_reason: StopReason = None
+    logprobs: dict | None = None  # as the response shows them (`Logprobs`)
+    prompt_logprobs: list | None = None  # as vLLM shows them (`shown_prompt_logprobs`)
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the reply's
+    prompt_token_ids: list[int] | None = None  # and its prompt's
 
 # a logprob below it (-inf: a token the model rules out) is shown as it (vLLM's: JSON has no infinity)
 LOGPROB_FLOOR = -9999.0
@@ -964,12 +979,22 @@ def read_replies(resp: dict, reader: Callable[[], ReplyReader | None]) -> dict:
 def completion_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
                         stop_reason: StopReason = None, logprobs: dict | None = None,
                         prompt_logprobs: list | None = None) -> dict:
-    return batch_completion_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs, prompt_logprobs)])
+    return batch_completion_response(rid, model, [Choice(text, finish, pt, ct, stop_reason, logprobs,
+                                                         prompt_logprobs)])
 
 
 def _with_prompt_logprobs(d: dict, shown: list | None) -> dict:
     if shown is not None:
         d["prompt_logprobs"] = shown
+    return d
+
+
+def with_token_ids(d: dict, token_ids: list[int] | None, prompt_token_ids: list[int] | None = None) -> dict:
+    """vLLM's return_token_ids: a choice's reply token ids and (a completion's) its prompt's, where asked."""
+    if token_ids is not None:
+        d["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        d["prompt_token_ids"] = prompt_token_ids
     return d
 
 
@@ -979,29 +1004,33 @@ def batch_completion_response(rid: str, model: str, choices: list[Choice], n: in
     i x n + j); the usage is their sum, each prompt's tokens counted once (as vLLM's), or `completion_tokens` (with
     best_of: the choices not returned too). A choice has vLLM's `prompt_logprobs` where its request asked for
     them."""
-    ct = sum(c[3] for c in choices) if completion_tokens is None else completion_tokens
+    ct = sum(c.completion_tokens for c in choices) if completion_tokens is None else completion_tokens
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [_with_prompt_logprobs({"index": i, "text": text, "logprobs": lp, "finish_reason": finish,
-                                               "stop_reason": stop}, plp)
-                        for i, (text, finish, _, _, stop, lp, plp) in enumerate(choices)],
-            "usage": usage(sum(c[2] for c in choices[::n]), ct)}
+            "choices": [with_token_ids(_with_prompt_logprobs(
+                {"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish,
+                 "stop_reason": c.stop_reason}, c.prompt_logprobs), c.token_ids, c.prompt_token_ids)
+                for i, c in enumerate(choices)],
+            "usage": usage(sum(c.prompt_tokens for c in choices[::n]), ct)}
 
 
 def chat_response(rid: str, model: str, text: str, finish: str | None, pt: int, ct: int,
                   stop_reason: StopReason = None, logprobs: dict | None = None,
                   prompt_logprobs: list | None = None) -> dict:
-    return batch_chat_response(rid, model, [(text, finish, pt, ct, stop_reason, logprobs, prompt_logprobs)])
+    return batch_chat_response(rid, model, [Choice(text, finish, pt, ct, stop_reason, logprobs, prompt_logprobs)])
 
 
 def batch_chat_response(rid: str, model: str, choices: list[Choice]) -> dict:
     """A chat completion's n choices (`Choice`s), in order; the usage counts the prompt once (as vLLM's); vLLM's
-    `prompt_logprobs` (of the prompt the choices share) where the request asked for them."""
-    return _with_prompt_logprobs(
+    `prompt_logprobs` (of the prompt the choices share) where the request asked for them, and its return_token_ids'
+    `prompt_token_ids`."""
+    return with_token_ids(_with_prompt_logprobs(
         {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-         "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish, "stop_reason": stop}
-                     for i, (text, finish, _, _, stop, lp, _) in enumerate(choices)],
-         "usage": usage(choices[0][2], sum(c[3] for c in choices))}, choices[0][6])
+         "choices": [with_token_ids({"index": i, "message": {"role": "assistant", "content": c.text},
+                                      "logprobs": c.logprobs, "finish_reason": c.finish,
+                                      "stop_reason": c.stop_reason}, c.token_ids)
+                     for i, c in enumerate(choices)],
+         "usage": usage(choices[0].prompt_tokens, sum(c.completion_tokens for c in choices))},
+        choices[0].prompt_logprobs), None, choices[0].prompt_token_ids)
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None, index: int = 0,

@@ -312,6 +312,8 @@ class LLMReplica:
                         admitted = True
                         self.demand.admitted += 1
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)
+                        if req.return_token_ids:  # (vLLM's return_token_ids)
+                            out = dataclasses.replace(out, prompt_token_ids=list(stream.prompt_token_ids or ()))
                     out = dataclasses.replace(out, served_by=served)
                 elif out.token_ids:
                     self.metrics.on_itl(tier, (now - last_t) / len(out.token_ids), len(out.token_ids))

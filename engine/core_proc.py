@@ -457,7 +457,7 @@ class EngineCoreClient:
         req = self.inputs.process(request.prompt, request.params, request.engine_slo, request.request_id,
                                   request.messages, request.options, request.lora, request.cache_salt,
                                   request.lora_source, request.priority)
-        stream = RequestStream(req.request_id)
+        stream = RequestStream(req.request_id, req.prompt_token_ids)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:

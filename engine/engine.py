@@ -369,10 +369,10 @@ class LLMEngine:
         template with the assistant's turn opened). `lora`: the name of a LoRA adapter served (`lora_modules`) to
         run it through (`lora_source`: the folder of one loaded at run time); `cache_salt` (vLLM's): its prompt shares
         cached KV only with requests of the same salt; `priority` (vLLM's): lower first, with the scheduler's
-        scheduling_policy "priority" (else only 0)."""
+        scheduling_policy "priority" (else it has no effect, as vLLM's)."""
         req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt, lora_source,
                                   priority)
-        stream = RequestStream(req.request_id)
+        stream = RequestStream(req.request_id, req.prompt_token_ids)
         self.submit(req, stream)
         return stream
 

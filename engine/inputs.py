@@ -46,7 +46,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOpt
     options.check()
     if not options.chat_template and not getattr(tokenizer, "chat_template", None):
         return render_plain_chat(messages, options)
-    turns = [_turn(m) for m in messages]
+    turns = _as_template_reads(options.chat_template or tokenizer.chat_template, [_turn(m) for m in messages])
     tools = json.loads(options.tools) if options.tools else None
     own = {"chat_template": options.chat_template} if options.chat_template else {}
     try:
@@ -55,6 +55,21 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOpt
             continue_final_message=options.continue_final_message, **own, **(options.chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a bad variable)
         raise ValueError(f"the chat template cannot render these messages: {e}") from None
+
+
+def _as_template_reads(template: Any, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's: where a template never names the `developer` role (OpenAI's newer name for the system's), developer
+    messages are system messages, and the system messages are then one, first (their texts joined by a blank line),
+    as templates that take a system message only first need."""
+    if not any(t["role"] == "developer" for t in turns) or "'developer'" in str(template) \
+            or '"developer"' in str(template):
+        return turns
+    turns = [{**t, "role": "system"} if t["role"] == "developer" else t for t in turns]
+    systems = [i for i, t in enumerate(turns) if t["role"] == "system"]
+    if systems == [0]:
+        return turns
+    text = "\n\n".join(turns[i]["content"] for i in systems if turns[i]["content"])
+    return [{"role": "system", "content": text}, *(t for t in turns if t["role"] != "system")]
 
 
 def _turn(m: ChatTurn) -> dict[str, Any]:
@@ -76,13 +91,10 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
     return turn
 
 
-def check_priority(priority: object, enabled: bool) -> None:
-    """ValueError unless `priority` is an integer a scheduler of priorities (`enabled`) ranks, or 0 without one,
-    in vLLM's words."""
+def check_priority(priority: object) -> None:
+    """ValueError unless `priority` is an integer (an int64, vLLM's)."""
     if not is_int64(priority):
         raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {priority!r}")
-    if priority != 0 and not enabled:
-        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
 
 
 class InputProcessor:
@@ -92,7 +104,8 @@ class InputProcessor:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
         `lora`: the LoRA adapters the engine serves (None: none). `priority_scheduling`: the scheduler ranks requests
-        by their `priority` (SchedulerConfig.scheduling_policy); else a priority other than 0 is refused."""
+        by their `priority` (SchedulerConfig.scheduling_policy); else every request is of priority 0 (a client's is
+        accepted and has no effect, as vLLM's)."""
         self.lora = lora
         self.priority_scheduling = priority_scheduling
         self.tokenizer = tokenizer
@@ -204,7 +217,7 @@ class InputProcessor:
                              + (f" (these are: {', '.join(names)})" if names else ""))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        check_priority(priority, self.priority_scheduling)
+        check_priority(priority)
         params = (params or SamplingParams()).validate()
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
@@ -242,7 +255,8 @@ class InputProcessor:
         if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
             raise ValueError("bad_words ban every token allowed_token_ids allows")
         req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt,
-                      lora_source=lora_source if lora is not None else None, priority=priority)
+                      lora_source=lora_source if lora is not None else None,
+                      priority=priority if self.priority_scheduling else 0)
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

@@ -31,6 +31,8 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
+        # the tokenizer's own EOS; the model's other EOS ids (its generation config's) are stop tokens to vLLM
+        self.tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self._live: dict[str, _Live] = {}
         self.token_text = TokenTexts(tokenizer)  # a token's text alone, as logprobs name tokens
 
@@ -50,12 +52,12 @@ class OutputProcessor:
         makes it STOP), or None while it goes on. A token that ends the request as a stop (the EOS, a stop token id)
         adds nothing to the text, as in vLLM without include_stop_str_in_output (nor do the bytes of a character it
         would have completed; with it, its text is the reply's last); `stop_reason` is then its id, except for the
-        EOS (None, as vLLM's). `logprobs`: the token's, where its request asks for them (a token that ends the
+        tokenizer's EOS (None, as vLLM's: the model's other EOS ids are stop tokens there). `logprobs`: the token's, where its request asks for them (a token that ends the
         request has them in the final item: `finish`'s `last_logprobs`)."""
         live = self._live[req.request_id]
         p = req.params
         if reason is FinishReason.STOP:
-            if tok in p.stop_token_ids and not (tok in self.eos and not p.ignore_eos):
+            if (tok in p.stop_token_ids or tok in self.eos) and not (tok == self.tokenizer_eos and not p.ignore_eos):
                 live.stop_reason = tok
             if p.include_stop_str_in_output:  # vLLM's: the stop token's text stays too (the EOS's, special: none)
                 live.text += live.detok.step(tok)

@@ -102,7 +102,7 @@ class SchedulerConfig(BaseModel):
         "integer, lower first, 0 by default) ranks it before everything the policy weighs: the waiting queue is in "
         "priority order (the policy's order within each priority), no request is admitted while one of a lower "
         "value waits for room, and a full KV cache preempts the lowest priority first; fcfs: every request is of "
-        "priority 0 (another value is a 400, as vLLM's)")
+        "priority 0 (a client's value is accepted and has no effect, as vLLM's)")
     # capacity
     max_num_seqs: int = Field(64, gt=0, description="max running (admitted, unfinished) requests")
     max_waiting: int = Field(128, gt=0, description="queued requests beyond this are rejected (429): overloaded. "

@@ -711,9 +711,10 @@ def test_bad_input_raises_clear_error_and_engine_keeps_serving(llama_engine, pro
     assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
 
 
-def test_without_priority_scheduling_a_priority_other_than_0_is_refused(llama_engine):
-    with pytest.raises(ValueError, match="Got priority 3 but Priority scheduling is not enabled"):
-        llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=3)
+def test_without_priority_scheduling_a_priority_is_accepted_and_has_no_effect(llama_engine):
+    # vLLM 0.32's: a priority under its default fcfs is taken (and ignored); a non-integer is refused
+    assert llama_engine.inputs.process("hi", SamplingParams(max_tokens=2), None, None, priority=3).priority == 0
+    assert list(llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=3))[-1].finished
     with pytest.raises(ValueError, match="priority must be an integer"):
         llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=1.5)
     assert list(llama_engine.add_request("hi", SamplingParams(max_tokens=2), priority=0))[-1].finished

@@ -223,3 +223,20 @@ def test_bad_words_are_token_ids_as_vllm_makes_them():
         inputs.process("x", SamplingParams(max_tokens=2, bad_words=("the",), allowed_token_ids=singles), None, None)
     with pytest.raises(ValueError, match="min_tokens"):
         inputs.process("x", SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(0,)), None, None)
+
+
+def test_developer_messages_are_system_ones_where_the_template_has_no_developer_role(bos_tokenizer):
+    """vLLM's: OpenAI's `developer` role becomes `system` for a template that never names it, and the system
+    messages are then one, first; a template that names it gets it as it is, and so does any other role."""
+    tok, inputs = bos_tokenizer, _inputs(bos_tokenizer)
+
+    def text(messages: list[ChatTurn], template: str | None = None) -> str:
+        req = inputs.process(None, None, None, None, messages, PromptOptions(chat_template=template))
+        return tok.decode(req.prompt_token_ids)
+
+    got = text([ChatTurn("system", "A."), ChatTurn("user", "Hi"), ChatTurn("developer", "B.")])
+    assert got.startswith(f"{IM_START}system\nA.\n\nB.{IM_END}\n{IM_START}user\nHi{IM_END}\n"), got
+    assert text([ChatTurn("developer", "B."), ChatTurn("user", "Hi")]).startswith(f"{IM_START}system\nB.{IM_END}")
+    knows = TEMPLATE.replace("{% for m in messages %}", "{% for m in messages %}{# 'developer' #}")
+    assert text([ChatTurn("developer", "B."), ChatTurn("user", "Hi")], knows).startswith(f"{IM_START}developer\nB.")
+    assert text([ChatTurn("ipython", "42"), ChatTurn("user", "Hi")]).startswith(f"{IM_START}ipython\n42{IM_END}")

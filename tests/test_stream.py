@@ -87,3 +87,23 @@ def test_a_reader_that_gave_up_and_closed_its_loop_does_not_fail_the_producer():
     st.put(RequestOutput("r", "", [], finished=True, finish_reason=FinishReason.LENGTH, num_prompt_tokens=3,
                          num_output_tokens=1))
     assert st.get(timeout=1).finished
+
+
+def test_a_reply_ended_by_a_models_other_eos_names_it_as_its_stop_reason():
+    """vLLM's: the tokenizer's EOS ends a reply with stop_reason None; the model's other EOS ids (its generation
+    config's, here <|im_end|>) are stop tokens there, named by their id."""
+    from core.request import Request
+    from core.sampling import SamplingParams
+    from engine.outputs import OutputProcessor
+    from engine.testing import TINY_VOCAB, build_tokenizer
+
+    tok = build_tokenizer(TINY_VOCAB)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    outputs = OutputProcessor(tok, [tok.eos_token_id, im_end])
+    for i, (ended_by, named) in enumerate(((tok.eos_token_id, None), (im_end, im_end))):
+        req, stream = Request(f"r{i}", [5, 6], SamplingParams(max_tokens=4)), RequestStream(f"r{i}")
+        outputs.add(req, stream)
+        req.finish_reason = FinishReason.STOP
+        outputs.on_token(req, ended_by, FinishReason.STOP)
+        outputs.finish(req, last_token=ended_by)
+        assert stream.get(1).stop_reason == named

@@ -964,6 +964,23 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
     assert client.get("/v1/models", headers={"x-request-id": "trace-10"}).headers["x-request-id"] == "trace-10"
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers={"x-request-id": "x" * 300})
     assert r.json()["id"].startswith("cmpl-") and "x" * 300 not in r.json()["id"]  # too long: the server names it
+    # the body's request_id (vLLM's) names it where no header does; the header wins
+    r = client.post("/v1/chat/completions", json={**chat, "request_id": "body-1"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-body-1", r.text
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2, "request_id": "body-2"},
+                    headers={"x-request-id": "trace-11"})
+    assert r.json()["id"] == "cmpl-trace-11"
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 0, "request_id": "body-3"})
+    assert r.status_code == 400 and r.headers["x-kairos-request-id"] == "cmpl-body-3"  # (a refusal too)
+
+
+def test_a_priority_without_priority_scheduling_is_accepted(client: httpx.Client) -> None:
+    """vLLM's (0.32): under the default scheduling_policy fcfs a request's priority, in its body or vLLM's
+    X-Vllm-Priority header (ignored where it is not an integer), has no effect and is no error."""
+    body = {"prompt": "m", "max_tokens": 2}
+    assert client.post("/v1/completions", json={**body, "priority": 3}).status_code == 200
+    assert client.post("/v1/completions", json=body, headers={"x-vllm-priority": "-2"}).status_code == 200
+    assert client.post("/v1/completions", json=body, headers={"x-vllm-priority": "soon"}).status_code == 200
 
 
 def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
@@ -1044,3 +1061,32 @@ def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
                                                        "length_penalty")):
         r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_return_token_ids_gives_the_reply_and_prompt_token_ids(client: httpx.Client) -> None:
+    """vLLM's `return_token_ids`: a completion's choice has its reply's `token_ids` and its prompt's
+    `prompt_token_ids`, a chat's response the prompt's (the template rendered) and each choice its reply's; streamed,
+    each chunk its tokens' ids and the first the prompt's. The ids are the reply's: /detokenize makes its text, and
+    /tokenize gives the prompt's."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    c = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["prompt_token_ids"] == [5, 6, 7] and len(c["token_ids"]) == 6
+    assert client.post("/detokenize", json={"tokens": c["token_ids"]}).json()["prompt"] == c["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(e)["choices"][0] for e in sse_events(s)[:-1]]
+    assert chunks[0]["prompt_token_ids"] == [5, 6, 7] and all("prompt_token_ids" not in x for x in chunks[1:])
+    assert [t for x in chunks for t in x["token_ids"]] == c["token_ids"]
+    two = client.post("/v1/completions", json={**body, "prompt": [[5, 6], [7]]}).json()["choices"]
+    assert [x["prompt_token_ids"] for x in two] == [[5, 6], [7]]  # a batch: each choice its own prompt's
+    assert "token_ids" not in client.post("/v1/completions", json={**body, "return_token_ids": False}).json()[
+        "choices"][0]  # not asked: not given
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True}
+    prompt = client.post("/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    r = client.post("/v1/chat/completions", json={**chat, "n": 2}).json()
+    assert r["prompt_token_ids"] == prompt and all(len(x["token_ids"]) == 5 for x in r["choices"])
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+        events = [json.loads(e) for e in sse_events(s)[:-1]]
+    assert events[0]["prompt_token_ids"] == prompt and "token_ids" not in events[0]["choices"][0]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == r["choices"][0]["token_ids"]

@@ -258,7 +258,7 @@ def test_a_request_of_a_lower_priority_value_takes_the_next_seat_over_http(ovl_a
     """vLLM's `priority` with the app's scheduling_policy priority: three long replies run, the engine's next step
     hangs (a test hook) while two light requests of priority 1 arrive, then one of priority -1 with the most work:
     the free seat goes to it, and the others start only once a seat frees again (least work first, or arrival
-    order, would have taken them first)."""
+    order, would have taken them first). The urgent one's priority is in vLLM's X-Vllm-Priority header."""
     url, handle = ovl_app["url"], ovl_app["handle"]
     wait_idle(handle, want=1)
 
@@ -268,7 +268,10 @@ def test_a_request_of_a_lower_priority_value_takes_the_next_seat_over_http(ovl_a
             async def stream(name: str, priority: int, max_tokens: int, started: asyncio.Event | None = None) -> int:
                 body = {"prompt": f"request {name}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                         "priority": priority}
-                async with ac.stream("POST", CMPL, json=body) as r:
+                # the urgent one's by vLLM's header X-Vllm-Priority, which wins over its body's
+                headers = {"x-vllm-priority": str(priority)} if priority < 0 else {}
+                async with ac.stream("POST", CMPL, json={**body, "priority": 5} if headers else body,
+                                     headers=headers) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: ") and name not in firsts:
                             firsts[name] = time.monotonic()
