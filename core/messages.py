@@ -127,6 +127,7 @@ class PromptOptions:
     truncate_prompt_tokens: int | None = None
     tools: str | None = None  # chat only: OpenAI's `tools` (their JSON text), which the chat template shows the model
     chat_template: str | None = None  # chat only: a request's own template (vLLM's), in place of the tokenizer's
+    documents: str | None = None  # chat only: vLLM's `documents` (their JSON text), for a RAG model's template
 
     def check(self) -> "PromptOptions":
         """ValueError (a client's 400) for options that contradict each other or are out of range."""
@@ -176,6 +177,9 @@ class GenerateRequest:
     options: PromptOptions = field(default_factory=PromptOptions)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
     avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
+    # the LLM replicas running as the sending Ingress last heard (None: not known): an autoscaled app's replica
+    # splits the Ingress's chunk budget over them (`StreamPacing.for_running`)
+    replicas_running: int | None = None
     # ms of its TTFT SLO spent before this send (since HAProxy read it: its wait for the Ingress, reading, parsing,
     # earlier sends turned away; and at the replica its way there, `arrived`): the engine's TTFT deadline is that much
     # nearer (`engine_slo`); its metrics labels and the test of an SLO no idle replica meets keep `slo`

@@ -86,7 +86,8 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     if a.runtime_env:
         actor_opts["runtime_env"] = dict(a.runtime_env)
     pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
-                                 a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s)
+                                 a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s,
+                                 autoscaled=a.autoscaling_config is not None)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
                     a.engine_process, a.loop_priority, a.model_name)
     settings = {

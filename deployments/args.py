@@ -41,8 +41,8 @@ class ServeArgs(BaseModel):
         "out is a replica's max_num_seqs (Serve's own default, 2, would add a replica for a third request); the "
         "policy left out is Kairos's, Serve's rule or more where the replicas turn requests away for their load "
         "(deployments/autoscaling.py); the "
-        "app is sized for max_replicas (routed topology where it exceeds 1; stream pacing and CPU threads split "
-        "over that many)")
+        "app is sized for max_replicas (routed topology where it exceeds 1; CPU threads split over that many; the "
+        "Ingress's chunk budget split over those running, as each replica hears with its requests)")
     graceful_shutdown_timeout_s: float | None = Field(
         None, ge=0, description="how long Serve lets an LLM replica it stops (a scale-down, a redeploy) finish its "
         "requests before it is killed (their streams cut off); default 20 s, and 600 s for an app that "

@@ -1906,7 +1906,8 @@ class IngressFrontend(OpenAIFrontend):
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id,
-                                                            sent_at=(clock_id(), time.monotonic())))
+                                                            sent_at=(clock_id(), time.monotonic()),
+                                                            replicas_running=self._running_replicas()))
 
     def _own_call(self) -> None:
         """A handle call takes its internal request id from the HTTP request's Serve context, and Serve's router

@@ -16,13 +16,24 @@ made meanwhile go out together, so its mean TPOT is unchanged) and the last toke
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class StreamPacing:
     interval_s: float = 0.0  # fixed floor between a stream's chunks after its first
     max_chunks_per_s: float = 0.0  # the replica's chunk budget over all its streams; 0: none
+    # an autoscaled routed app's: the Ingress replicas' budget for all LLM replicas together, which a replica splits
+    # over those running as its requests say (`GenerateRequest.replicas_running`, `for_running`); 0: the split
+    # `max_chunks_per_s` is fixed
+    shared_chunks_per_s: float = 0.0
+
+    def for_running(self, replicas: int) -> "StreamPacing":
+        """This pacing with `replicas` LLM replicas running (`shared_chunks_per_s` split over them; as it is
+        without a shared budget)."""
+        if self.shared_chunks_per_s <= 0 or replicas < 1:
+            return self
+        return replace(self, max_chunks_per_s=self.shared_chunks_per_s / replicas)
 
     def __post_init__(self) -> None:
         if self.interval_s < 0 or self.max_chunks_per_s < 0:
@@ -31,15 +42,18 @@ class StreamPacing:
     @classmethod
     def of_app(cls, stream_interval_ms: float, stream_max_chunks_s: float, num_replicas: int,
                ingress_num_replicas: int = 1, routed: bool = True,
-               direct_max_chunks_s: float = 0.0) -> "StreamPacing":
+               direct_max_chunks_s: float = 0.0, autoscaled: bool = False) -> "StreamPacing":
         """Routed: the app's budget (chunks a second through each Ingress replica) split over the LLM replicas that
         share it. Direct: there is no Ingress, each replica writes its streams to the proxy itself, a hop without
         Ray, and its own budget (`direct_max_chunks_s`) is set above a CPU replica's tokens a second (where a
         budget, binding under a burst, gained no tokens a second and only held tokens back) but under a GPU
         replica's hundreds of streams (where a chunk per token left new requests waiting for the replica's event
-        loop for up to seconds)."""
-        per = stream_max_chunks_s * ingress_num_replicas / max(num_replicas, 1) if routed else direct_max_chunks_s
-        return cls(max(0.0, stream_interval_ms) / 1000.0, max(0.0, per))
+        loop for up to seconds). `autoscaled` (routed): `num_replicas` is the most, and each replica splits the
+        budget over those running as the Ingress sending its requests last heard (`for_running`)."""
+        total = stream_max_chunks_s * ingress_num_replicas
+        per = total / max(num_replicas, 1) if routed else direct_max_chunks_s
+        return cls(max(0.0, stream_interval_ms) / 1000.0, max(0.0, per),
+                   max(0.0, total) if routed and autoscaled else 0.0)
 
     @property
     def holds(self) -> bool:

@@ -66,8 +66,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "parallel_tool_calls": (True, False), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
-    # RAG documents
-    "documents": (),
 }
 
 
@@ -573,6 +571,8 @@ class _ChatPrompt(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     # a template of the request's own (vLLM's): run only where the app trusts requests with one (the ingress checks)
     chat_template: str | None = Field(None, max_length=1 << 16)
+    # vLLM's: documents a RAG model's chat template shows it (Command R's, Granite's); other templates ignore them
+    documents: list[dict[str, str]] | None = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -592,7 +592,7 @@ class _ChatPrompt(BaseModel):
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
                              self.chat_template_kwargs, getattr(self, "truncate_prompt_tokens", None),
                              json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else None,
-                             self.chat_template)
+                             self.chat_template, json.dumps(self.documents) if self.documents else None)
 
     def turns(self) -> tuple[ChatTurn, ...]:
         return tuple(ChatTurn(m.role, m.text(), json.dumps(m.tool_calls) if m.tool_calls else None,

@@ -233,7 +233,8 @@ class LLMReplica:
         self._decode_left: dict[str, int] = {}  # in-flight request -> output tokens it is still expected to make
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
-        self.pacing = pacing or StreamPacing()
+        self.pacing = self._app_pacing = pacing or StreamPacing()
+        self._pacing_running: int | None = None  # the LLM replicas running, as the last request said
         self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
         self.inflight = 0
         self.demand = DemandRates()  # admitted and turned away, for Serve's autoscaling (`record_autoscaling_stats`)
@@ -255,6 +256,9 @@ class LLMReplica:
         rid = req.request_id
         t_in = time.monotonic()
         req = req.arrived(t_in)  # its way here (routing, Serve's queue) is spent too
+        if req.replicas_running and req.replicas_running != self._pacing_running:  # (an autoscaled app's share)
+            self._pacing_running = req.replicas_running
+            self.pacing = self._app_pacing.for_running(req.replicas_running)
         try:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:
@@ -441,7 +445,7 @@ class LLMReplica:
         return {"replica": self.replica_id, "num_running": st.num_running, "num_waiting": st.num_waiting,
                 "kv_blocks_free": st.kv_blocks_free, "kv_blocks_total": st.kv_blocks_total,
                 "inflight": self.inflight, "aborted": self.aborted, "steps": st.steps, "rejected": dict(st.rejected),
-                "policy": st.policy,
+                "policy": st.policy, "chunks_per_s": self.pacing.max_chunks_per_s,
                 "pid": os.getpid(), "engine_pid": self._engine_pid,
                 # this replica's memory, its engine process included
                 "rss_bytes": _rss_bytes() + (_rss_bytes(self._engine_pid) if self._engine_pid != os.getpid() else 0)}

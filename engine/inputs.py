@@ -48,11 +48,13 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatTurn], options: PromptOpt
         return render_plain_chat(messages, options)
     turns = _as_template_reads(options.chat_template or tokenizer.chat_template, [_turn(m) for m in messages])
     tools = json.loads(options.tools) if options.tools else None
+    documents = {"documents": json.loads(options.documents)} if options.documents else {}
     own = {"chat_template": options.chat_template} if options.chat_template else {}
     try:
         return tokenizer.apply_chat_template(
             turns, tools=tools, tokenize=False, add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **own, **(options.chat_template_kwargs or {}))
+            continue_final_message=options.continue_final_message, **own, **documents,
+            **(options.chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, a bad variable)
         raise ValueError(f"the chat template cannot render these messages: {e}") from None
 

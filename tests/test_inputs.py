@@ -1,6 +1,8 @@
 """How a prompt becomes token ids (`engine.inputs`, `core.messages.PromptOptions`): a text prompt gets the
 tokenizer's special tokens unless told otherwise, a chat prompt its template's; the chat template's generation
 prompt, a continued last message and template variables, as vLLM's request fields say."""
+import json
+
 import pytest
 from tokenizers.processors import TemplateProcessing
 
@@ -240,3 +242,17 @@ def test_developer_messages_are_system_ones_where_the_template_has_no_developer_
     knows = TEMPLATE.replace("{% for m in messages %}", "{% for m in messages %}{# 'developer' #}")
     assert text([ChatTurn("developer", "B."), ChatTurn("user", "Hi")], knows).startswith(f"{IM_START}developer\nB.")
     assert text([ChatTurn("ipython", "42"), ChatTurn("user", "Hi")]).startswith(f"{IM_START}ipython\n42{IM_END}")
+
+
+def test_documents_go_to_the_chat_template(bos_tokenizer):
+    """vLLM's `documents` (RAG): the chat template gets them, as HF's apply_chat_template(documents=...); a template
+    that reads none ignores them."""
+    tok, inputs = bos_tokenizer, _inputs(bos_tokenizer)
+    rag = "{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}" + TEMPLATE
+    docs = PromptOptions(chat_template=rag, documents=json.dumps([{"title": "a", "text": "b"}]))
+    req = inputs.process(None, None, None, None, [ChatTurn("user", "Hi")], docs)
+    assert tok.decode(req.prompt_token_ids).startswith("[a: b]")
+    plain = inputs.process(None, None, None, None, [ChatTurn("user", "Hi")],
+                           PromptOptions(documents=json.dumps([{"text": "b"}])))
+    assert plain.prompt_token_ids == inputs.process(None, None, None, None, [ChatTurn("user", "Hi")],
+                                                    PromptOptions()).prompt_token_ids

@@ -1485,10 +1485,12 @@ def test_the_way_from_the_ingress_to_an_llm_replica_is_off_the_ttft_slo(monkeypa
     f = object.__new__(IngressFrontend)
     f._actor_id = "ingress-1"
     f.llm = SimpleNamespace(generate=SimpleNamespace(remote=opened.append))
+    f._readiness = SimpleNamespace(running=3)
     t0 = time.monotonic()
     f._open(req)
     assert opened[0].caller == "ingress-1"
     assert opened[0].sent_at[0] == clock and t0 <= opened[0].sent_at[1] <= time.monotonic()
+    assert opened[0].replicas_running == 3  # (an autoscaled app's replicas split the chunk budget over them)
 
 
 def test_a_direct_replicas_wait_for_a_slot_is_off_the_ttft_slo() -> None:
@@ -2426,7 +2428,7 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
         assert P.unsupported_field({"prompt": "x", field: value}) == field  # each 400 names its own field
     assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "tools": []}) is None
     assert P.unsupported_field({"messages": [], "chat_template": "{{ x }}"}) is None  # (the app trusts it, or a 400)
-    assert P.unsupported_field({"messages": [], "documents": [{"text": "d"}]}) == "documents"
+    assert P.unsupported_field({"messages": [], "documents": [{"text": "d"}]}) is None  # (to the chat template)
     with pytest.raises(ValidationError):
         P.CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1234567890": 1}})
     for e in (PromptTooLong(9000, 8192), ContextLengthExceeded(100, 8192, 8150)):
@@ -2895,3 +2897,16 @@ def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_
     assert run(1) == [()]
     assert run(2) == [(), ("r1",)]
     assert run(5) == [(), ("r1",), ("r1", "r2"), ("r1", "r2", "r3")]  # (reroute_rejected: 3 at most)
+
+
+def test_an_autoscaled_apps_replicas_split_the_ingress_chunk_budget_over_those_running() -> None:
+    from deployments.pacing import StreamPacing
+
+    fixed = StreamPacing.of_app(0.0, 2000.0, 4, ingress_num_replicas=1)
+    assert fixed.max_chunks_per_s == 500.0 and fixed.for_running(1) == fixed  # a fixed count: its own split
+    scaled = StreamPacing.of_app(0.0, 2000.0, 4, ingress_num_replicas=1, autoscaled=True)
+    assert scaled.max_chunks_per_s == 500.0  # planned for the most until it hears otherwise
+    assert scaled.for_running(1).max_chunks_per_s == 2000.0 and scaled.for_running(2).max_chunks_per_s == 1000.0
+    assert scaled.for_running(0) == scaled
+    direct = StreamPacing.of_app(0.0, 2000.0, 1, routed=False, direct_max_chunks_s=5000.0, autoscaled=True)
+    assert direct.for_running(3).max_chunks_per_s == 5000.0  # a replica's own budget: not shared
