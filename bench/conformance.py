@@ -69,7 +69,7 @@ def _json(text: str) -> Any:
 
 
 VOLATILE = {"id", "created", "system_fingerprint", "root", "parent", "owned_by", "permission", "max_model_len",
-            "version", "service_tier", "kv_transfer_params", "prompt_token_ids", "token_ids"}
+            "version", "service_tier", "kv_transfer_params"}
 
 
 def shape(v: Any, depth: int = 0) -> Any:

@@ -190,7 +190,7 @@ class ResponseIds:
         if (self.given is None or _SERVE_MADE_ID.fullmatch(self.given)) and isinstance(value, str) \
                 and (value := client_request_id(value)) is not None:
             self.given = value
-            self.rid = self.prefix + value
+            self.rid = value if self.prefix == "resp_" else self.prefix + value  # (vLLM's Responses API: as given)
             self.eid = f"{self.rid}.{uuid.uuid4().hex[:8]}"
 
 
@@ -713,8 +713,11 @@ class OpenAIFrontend:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
         body = self._validated(schema, raw, check_model)
         slo = self._slo(request, body)
-        priority = header_priority(request.headers.get(PRIORITY_HEADER), body.priority)
-        defaults = (self._ready_info() or {}).get("sampling_defaults")  # the model's (its generation_config)
+        info = self._ready_info() or {}
+        # (where the replicas schedule without priorities, a client's has no effect: the router weighs none either)
+        priority = header_priority(request.headers.get(PRIORITY_HEADER), body.priority) \
+            if info.get("priority_scheduling") else 0
+        defaults = info.get("sampling_defaults")  # the model's (its generation_config)
         try:
             params = SamplingParams(**body.sampling_kwargs(body.default_max_tokens(), defaults)).validate()
         except (ValueError, TypeError) as e:
@@ -730,6 +733,8 @@ class OpenAIFrontend:
                 params = dataclasses.replace(params, skip_special_tokens=False)  # its marks may be special tokens
         if isinstance(body, P.ChatCompletionRequest) and self.reasoning_parser != "none":
             params = dataclasses.replace(params, thinking=body.thinking(self.reasoning_parser))
+            if not body.include_reasoning:  # (vLLM's: the reasoning left out, its token ids are too)
+                body.return_token_ids = False
         n = _made(body)
         if n > (body.n or 1) and params.logprobs is None:  # best_of: the choices' logprobs rank them
             params = dataclasses.replace(params, logprobs=0)
@@ -933,7 +938,7 @@ class OpenAIFrontend:
                                       prompt_len_hint=len(tokens), params=dataclasses.replace(
                                           req.params, max_tokens=1, min_tokens=0, temperature=0.0, ignore_eos=True,
                                           logprobs=2 * width, seed=None),  # (n <= MAX_LOGPROBS / 2: _beam)
-                                      options=PromptOptions(add_special_tokens=False))
+                                      options=PromptOptions(add_special_tokens=False), return_token_ids=False)
             sent, gen, first = await self._start(one, time.perf_counter())
             headers = self._headers(rid, sent, first, t_in, t_call, proxy_ms)
             if first.finished:
@@ -971,8 +976,10 @@ class OpenAIFrontend:
             for (toks, _, stopped), text in zip(best, texts):
                 if "error" in text:
                     raise APIError(500, text["error"], "server_error", "replica_error")
+                ids = body.return_token_ids  # (vLLM's: the beam's tokens, and its prompt's)
                 out.append(P.Choice(text["prompt"], FinishReason.STOP if stopped else FinishReason.LENGTH,
-                                    len(prompt), len(toks) - len(prompt)))
+                                    len(prompt), len(toks) - len(prompt), token_ids=list(toks[len(prompt):])
+                                    if ids else None, prompt_token_ids=list(prompt) if ids else None))
             return out
 
         done = await _all_or_none([search(r) for r in reqs])
@@ -1499,15 +1506,18 @@ class BeamSearch:
 
 async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str, n: int,
                        include_usage: bool) -> AsyncIterator[bytes]:
-    """A beam search's choices as an SSE stream: each its text in one chunk (a chat's: its role first), its usage
-    (each prompt counted once) where asked, and [DONE]."""
+    """A beam search's choices as an SSE stream: each its text in one chunk (a chat's: its role first; with their
+    token ids where asked), its usage (each prompt counted once) where asked, and [DONE]."""
     created = int(time.time())
-    for i, (text, finish, *_) in enumerate(choices):
+    for i, c in enumerate(choices):
         if kind == "completion":
-            yield _chunk(P.completion_chunk(rid, model, created, text, finish.value, i), include_usage)
+            chunk = P.completion_chunk(rid, model, created, c.text, c.finish.value, i)
+            P.with_token_ids(chunk["choices"][0], c.token_ids, c.prompt_token_ids)
+            yield _chunk(chunk, include_usage)
             continue
-        yield _chunk(_role_chunk(rid, model, created, i, None), include_usage)
-        yield _chunk(P.chat_chunk(rid, model, created, {"content": text}, finish.value, index=i), include_usage)
+        yield _chunk(_role_chunk(rid, model, created, i, c.prompt_token_ids), include_usage)
+        yield _chunk(P.with_token_ids(P.chat_chunk(rid, model, created, {"content": c.text}, c.finish.value, index=i),
+                                      c.token_ids), include_usage)
     if include_usage:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         yield P.sse(P.usage_chunk(rid, model, created, obj, sum(c.prompt_tokens for c in choices[::n]),

@@ -1,6 +1,7 @@
 """Engine configuration (validated). The scheduler's knobs live in `scheduling.config`."""
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from typing import Any, Literal
@@ -68,6 +69,10 @@ class EngineConfig(BaseModel):
 
     model: str = Field(DEFAULT_MODEL, description="local HF dir, hub id, or kairos-default / kairos-random-42m / kairos-tiny")
     tokenizer: str | None = None
+    chat_template: str | None = Field(
+        None, description="vLLM's --chat-template: the chat template chats are rendered with, in place of the "
+                          "tokenizer's (a model without one, or one to mend): a file's path, read where the app is "
+                          "built, or the template itself (on one line, its \\n escapes read as vLLM reads them)")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="auto: the checkpoint's weights; dummy: random weights of its config.json, no weight file "
                             "read (vLLM's --load-format dummy): for measuring speed, its replies mean nothing")
@@ -143,6 +148,11 @@ class EngineConfig(BaseModel):
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        return load_chat_template(v)
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _lora_modules(cls, v: Any) -> list[dict[str, str]]:
@@ -167,6 +177,24 @@ class EngineConfig(BaseModel):
     def lora_serving(self, shape: ModelShape) -> LoraServing:
         """What a request may name of the adapters served, for a model of `shape` (`InputProcessor`)."""
         return LoraServing(frozenset(self.lora_paths()), self.dynamic_lora_loading_path, shape, self.max_lora_rank)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's `--chat-template` value as a template: a value with none of Jinja's marks (`{`, `}`, a line break) is a
+    file's path, whose text it is (a ValueError where it cannot be read); a template on one line has its backslash
+    escapes read, as vLLM reads one given on the command line; one of several lines (a file's text, read once) is
+    kept as it is."""
+    if value is None:
+        return None
+    if not any(c in value for c in "{}\n"):
+        try:
+            with open(os.path.expanduser(value), encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template {value!r} looks like a file's path, but it cannot be read ({e})") from None
+    if "\n" not in value and "\\" in value and value.isascii():
+        return codecs.decode(value, "unicode_escape")
+    return value
 
 
 def with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:

@@ -402,6 +402,8 @@ class EngineCoreClient:
                 if os.environ.get("HF_HUB_OFFLINE") == "1":
                     kw["local_files_only"] = True
                 tok = AutoTokenizer.from_pretrained(info.tokenizer_path, **kw)
+            if self.config.chat_template is not None:  # (vLLM's --chat-template, as the child's)
+                tok.chat_template = self.config.chat_template
         except BaseException:
             self._kill()
             self._conn.close()
@@ -457,7 +459,7 @@ class EngineCoreClient:
         req = self.inputs.process(request.prompt, request.params, request.engine_slo, request.request_id,
                                   request.messages, request.options, request.lora, request.cache_salt,
                                   request.lora_source, request.priority)
-        stream = RequestStream(req.request_id, req.prompt_token_ids)
+        stream = RequestStream(req.request_id, req.prompt_token_ids if request.return_token_ids else None)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:

@@ -208,6 +208,7 @@ def load_model(
     max_model_len: int | None = None,
     backend: str = "auto",
     load_format: str = "auto",
+    chat_template: str | None = None,
 ) -> ModelBundle:
     """Load `model` (kairos-default / kairos-random-42m / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
     With `load_format="dummy"` (vLLM's) the weights are not read: the model of its config is built on the device with
@@ -275,6 +276,8 @@ def load_model(
             f"tokenizer for {tokenizer or model!r} is not a fast (tokenizers-backed) tokenizer; "
             "streaming detokenization needs one (save it with tokenizer.json)"
         )
+    if chat_template is not None:  # vLLM's --chat-template: in place of the tokenizer's own
+        tok.chat_template = chat_template
 
     torch_dtype = resolve_dtype(dtype, dev, backend)
     load_kw = dict(hub_kw, config=config, dtype=torch_dtype)

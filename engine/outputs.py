@@ -52,8 +52,9 @@ class OutputProcessor:
         makes it STOP), or None while it goes on. A token that ends the request as a stop (the EOS, a stop token id)
         adds nothing to the text, as in vLLM without include_stop_str_in_output (nor do the bytes of a character it
         would have completed; with it, its text is the reply's last); `stop_reason` is then its id, except for the
-        tokenizer's EOS (None, as vLLM's: the model's other EOS ids are stop tokens there). `logprobs`: the token's, where its request asks for them (a token that ends the
-        request has them in the final item: `finish`'s `last_logprobs`)."""
+        tokenizer's EOS (None, as vLLM's: the model's other EOS ids are stop tokens there). `logprobs`: the token's,
+        where its request asks for them (a token that ends the request has them in the final item: `finish`'s
+        `last_logprobs`)."""
         live = self._live[req.request_id]
         p = req.params
         if reason is FinishReason.STOP:

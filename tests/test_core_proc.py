@@ -20,8 +20,11 @@ from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
 
 
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\\n{% endfor %}"  # (one line: vLLM's escapes)
+
+
 def _config(path):
-    return EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, num_threads=1,
+    return EngineConfig(model=path, dtype="float32", device="cpu", block_size=4, num_threads=1, chat_template=TEMPLATE,
                         scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256))
 
 
@@ -110,6 +113,14 @@ def test_same_tokens_as_the_in_process_engine(tiny_checkpoints, client, in_proce
     assert [_text(client.generate(r)) for r in reqs] == [w[1] for w in in_process]
     assert client.model_name == tiny_checkpoints["llama"] and client.max_model_len > 0
     assert client.sampling_defaults == {}  # said by the child (CoreInfo): this checkpoint recommends none
+
+
+def test_the_apps_chat_template_renders_chats(client):
+    """vLLM's --chat-template: chats are rendered with it in place of the tokenizer's, by the client's tokenizer
+    (the engine process's tokens are its caller's; an in-process engine's is set as the child's)."""
+    from core.messages import ChatTurn
+
+    assert client.inputs.render_chat([ChatTurn("user", "hi")]) == "[user] hi\n"
 
 
 def test_each_item_counts_the_tokens_so_far_and_the_prompt(client):

@@ -1134,3 +1134,14 @@ def test_a_request_posted_as_the_engine_stops_ends_instead_of_waiting_forever(ti
     out = box["s"].get(timeout=10)
     assert out.finished and out.finish_reason is FinishReason.ERROR and out.error == "engine shut down"
     assert out.error_kind is ErrorKind.UNAVAILABLE
+
+
+def test_the_apps_chat_template_renders_chats_in_process(tiny_checkpoints):
+    """vLLM's --chat-template (EngineConfig.chat_template) in place of the tokenizer's own."""
+    from core.messages import ChatTurn
+
+    eng = _engine(tiny_checkpoints["llama"], chat_template="{{ messages[0]['content'] }}!")
+    try:
+        assert eng.inputs.render_chat([ChatTurn("user", "hi")]) == "hi!"
+    finally:
+        eng.shutdown()

@@ -256,3 +256,17 @@ def test_documents_go_to_the_chat_template(bos_tokenizer):
                            PromptOptions(documents=json.dumps([{"text": "b"}])))
     assert plain.prompt_token_ids == inputs.process(None, None, None, None, [ChatTurn("user", "Hi")],
                                                     PromptOptions()).prompt_token_ids
+
+
+def test_the_chat_template_argument_is_a_files_text_or_a_template(tmp_path):
+    """vLLM's --chat-template: a path is read (where it cannot be, a ValueError naming it); a template on one line
+    has its escapes read; one of several lines is kept as it is, so that reading it again changes nothing."""
+    from engine.config import EngineConfig, load_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    assert load_chat_template(str(path)) == path.read_text() == load_chat_template(load_chat_template(str(path)))
+    assert load_chat_template("{{ 'a' }}\\n{{ 'b' }}") == "{{ 'a' }}\n{{ 'b' }}"
+    assert load_chat_template("{{ 'a' }}") == "{{ 'a' }}" and load_chat_template(None) is None
+    with pytest.raises(ValueError, match="looks like a file's path"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))

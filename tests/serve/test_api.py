@@ -972,6 +972,8 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
     assert r.json()["id"] == "cmpl-trace-11"
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 0, "request_id": "body-3"})
     assert r.status_code == 400 and r.headers["x-kairos-request-id"] == "cmpl-body-3"  # (a refusal too)
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "request_id": "resp_body-4"})
+    assert r.json()["id"] == "resp_body-4", r.text  # (vLLM's Responses API: the body's id as it is)
 
 
 def test_a_priority_without_priority_scheduling_is_accepted(client: httpx.Client) -> None:
@@ -1047,8 +1049,10 @@ def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
     assert len({c["text"] for c in choices[:3]}) == 3 and len({c["text"] for c in choices[3:]}) == 3
     assert r.json()["usage"]["completion_tokens"] == 36
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                                                     "use_beam_search": True, "n": 2})
+                                                     "use_beam_search": True, "n": 2, "return_token_ids": True})
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
+    # (vLLM's return_token_ids: each beam's tokens, and the prompt's)
+    assert chat.json()["prompt_token_ids"] and all(len(c["token_ids"]) == 4 for c in chat.json()["choices"])
     with client.stream("POST", "/v1/completions", json={**cmpl, "use_beam_search": True, "n": 2, "stream": True,
                                                         "stream_options": {"include_usage": True}}) as st:
         events = sse_events(st)

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import TEST_ARGS, SideApp, replica_stats, side_app_url
+from tests.serve.conftest import TEST_ARGS, SideApp, side_app_url
 
 AUTO_APP, AUTO_PREFIX = "kairos-auto", "/auto"
 # (ongoing requests never reach the target: only what the replica turns away can scale the app)
@@ -39,29 +39,8 @@ def _running(app: str) -> int:
     return dep.replica_states.get("RUNNING", 0)
 
 
-BUDGET = 2000.0  # the Ingress's chunks a second (stream_max_chunks_s' default), for the LLM replicas together
-
-
-def _chunk_budgets(url: str, want: int, timeout_s: float = 20.0) -> set[float]:
-    """The LLM replicas' shares of the Ingress's chunk budget, once each has heard that `want` run (a request says
-    how many the Ingress last heard of; a few are sent each round, so that each replica gets one)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("LLMServer", app_name=AUTO_APP)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for _ in range(2 * want):
-            httpx.post(f"{url}/v1/completions", json={"prompt": "share", "max_tokens": 1}, timeout=60)
-        got = {s["chunks_per_s"] for s in replica_stats(handle, want=want).values()}
-        if got == {BUDGET / want} or time.monotonic() > deadline:
-            return got
-        time.sleep(0.5)
-
-
 def test_requests_turned_away_for_load_add_a_replica_that_the_router_uses(auto_url: str) -> None:
     assert _running(AUTO_APP) == 1
-    # planned for max_replicas (2: half the budget each), the one running takes it all once it hears it runs alone
-    assert _chunk_budgets(auto_url, 1) == {BUDGET}
     replicas: set[str] = set()
     statuses: list[int] = []
 
@@ -88,6 +67,4 @@ def test_requests_turned_away_for_load_add_a_replica_that_the_router_uses(auto_u
     asyncio.run(run())
     assert len(replicas) == 2, f"requests served by {replicas}; LLM replicas running: {_running(AUTO_APP)}"
     assert _running(AUTO_APP) == 2
-    # each splits the Ingress's chunk budget over the two running now
-    assert _chunk_budgets(auto_url, 2) == {BUDGET / 2}
     assert set(statuses) <= {200, 429} and 429 in statuses, statuses  # (turned away: a 429, never an error)

@@ -1683,6 +1683,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
     class Stream:
         def __init__(self, items: list[RequestOutput]) -> None:
             self.items = items
+            self.prompt_token_ids = [1]
 
         async def aget(self) -> RequestOutput:
             return self.items.pop(0)
@@ -1716,6 +1717,12 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
                                            sent_at=(clock_id(), time.monotonic() - 0.2)))
         assert [(await sent.__anext__()).finished for _ in range(2)] == [False, True]
         assert (200.0 <= seen[-1].waited_ms < 1000.0 or clock_id() is None) and seen[-1].sent_at is None
+        # an autoscaled app's replica splits the Ingress's chunk budget over the replicas its requests say run
+        me._app_pacing, me._pacing_running = StreamPacing.of_app(0.0, 2000.0, 4, autoscaled=True), None
+        shared = me.generate(GenerateRequest("shared", prompt=(1,), replicas_running=2, return_token_ids=True))
+        first = await shared.__anext__()
+        assert me.pacing.max_chunks_per_s == 1000.0 and first.prompt_token_ids == [1]  # (vLLM's return_token_ids)
+        await shared.aclose()
 
     asyncio.run(run())
 
