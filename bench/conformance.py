@@ -128,6 +128,30 @@ def texts(a: Answer) -> list[str]:
     return []
 
 
+def calls(a: Answer) -> list[list[tuple[str, Any]]]:
+    """Each choice's tool calls (name, arguments parsed where they are JSON), streamed ones put together."""
+    def parsed(args: str) -> Any:
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    got: dict[int, dict[int, list[str]]] = {}
+    if a.stream:
+        for it in a.body:
+            for ch in (it.get("choices") or []) if isinstance(it, dict) else []:
+                for tc in (ch.get("delta") or {}).get("tool_calls") or []:
+                    one = got.setdefault(ch.get("index", 0), {}).setdefault(tc.get("index", 0), ["", ""])
+                    fn = tc.get("function") or {}
+                    one[0] += fn.get("name") or ""
+                    one[1] += fn.get("arguments") or ""
+    elif isinstance(a.body, dict):
+        for ch in a.body.get("choices") or []:
+            for j, tc in enumerate((ch.get("message") or {}).get("tool_calls") or []):
+                fn = tc.get("function") or {}
+                got.setdefault(ch.get("index", 0), {})[j] = [fn.get("name") or "", fn.get("arguments") or ""]
+    return [[(n, parsed(x)) for _, (n, x) in sorted(got[i].items())] for i in sorted(got)]
+
+
 def stream_parts(a: Answer) -> dict[str, Any]:
     items = [x for x in a.body if isinstance(x, dict)]
     with_choices = [x for x in items if x.get("choices")]
@@ -172,6 +196,8 @@ def compare(c: Case, k: Answer, v: Answer) -> list[str]:
             fv = [ch.get("finish_reason") for ch in v.body.get("choices") or []]
             if fk != fv:
                 out.append(f"finish reasons: Kairos {fk}, vLLM {fv}")
+    if k.status < 400 and calls(k) != calls(v):
+        out.append(f"tool calls: Kairos {calls(k)}, vLLM {calls(v)}"[:400])
     if c.greedy and texts(k) != texts(v):
         cut = [[t[:50] if t else t for t in texts(a)] for a in (k, v)]
         out.append(f"text: Kairos {cut[0]}, vLLM {cut[1]}")
@@ -432,16 +458,63 @@ def cases(m: str) -> list[Case]:
     ]
 
 
+def tool_cases(m: str) -> list[Case]:
+    """Tool calling, for two servers that read the same tool-call format (`--suite tools`): vLLM with
+    `--enable-auto-tool-choice --tool-call-parser hermes --chat-template T`, Kairos with `chat_template=T
+    tool_call_parser=hermes`, T a template that shows tools and `<tool_call>` replies."""
+    CH = "/v1/chat/completions"
+    g = {"temperature": 0}
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    time_ = {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "city": {"type": "string"}}, "required": ["city"]}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    return [
+        Case("tools auto", CH, {"model": m, "messages": ask, "max_tokens": 60, "tools": [weather, time_], **g},
+             greedy=True),
+        Case("tools auto stream", CH, {"model": m, "messages": ask, "max_tokens": 60, "tools": [weather, time_],
+                                       "stream": True, **g}),
+        Case("tools named", CH, {"model": m, "messages": ask, "max_tokens": 40, "tools": [weather, time_],
+                                 "tool_choice": named, **g}),
+        Case("tools named stream", CH, {"model": m, "messages": ask, "max_tokens": 40, "tools": [weather, time_],
+                                        "tool_choice": named, "stream": True, **g}),
+        Case("tools required", CH, {"model": m, "messages": ask, "max_tokens": 60, "tools": [weather, time_],
+                                    "tool_choice": "required", **g}),
+        Case("tools required one", CH, {"model": m, "messages": ask, "max_tokens": 60, "tools": [weather, time_],
+                                        "tool_choice": "required", "parallel_tool_calls": False, **g}),
+        Case("tools required stream", CH, {"model": m, "messages": ask, "max_tokens": 60, "tools": [weather],
+                                           "tool_choice": "required", "stream": True, **g}),
+        Case("tools none", CH, {"model": m, "messages": ask, "max_tokens": 20, "tools": [weather],
+                                "tool_choice": "none", **g}, greedy=True),
+        Case("tools answer", CH, {"model": m, "messages": [
+            *ask, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}], "max_tokens": 20,
+            "tools": [weather], **g}, greedy=True),
+        Case("tools bad named", CH, {"model": m, "messages": ask, "max_tokens": 20, "tools": [weather],
+                                     "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+        Case("tools bad schema", CH, {"model": m, "messages": ask, "max_tokens": 20, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+                "x": {"type": "string", "pattern": "^a+$"}}}}}], "tool_choice": "required"}),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kairos", default="http://127.0.0.1:8000")
     p.add_argument("--vllm", default="http://127.0.0.1:8011")
     p.add_argument("--model", default=MODEL)
     p.add_argument("--only", nargs="*", help="case names (substrings)")
+    p.add_argument("--suite", choices=("api", "tools"), default="api",
+                   help="api: the routes, fields and bad input; tools: tool calling (see `tool_cases`)")
     p.add_argument("--json", help="write the differences here")
     a = p.parse_args(argv)
     found: dict[str, list[str]] = {}
-    for c in cases(a.model):
+    for c in (cases if a.suite == "api" else tool_cases)(a.model):
         if a.only and not any(s in c.name for s in a.only):
             continue
         try:
