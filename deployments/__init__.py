@@ -72,6 +72,23 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
     given: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
     a = given.resolved()
+    parts = model_parts(given, a)
+    if not isinstance(parts, tuple):  # (direct: the replicas are the app)
+        return parts
+    llm, settings = parts
+    return _ingress(a).bind(llm, settings)
+
+
+def _ingress(a: ServeArgs, cls: Any = None) -> Any:
+    """The app's Ingress deployment (`cls`: Ingress, or MultiModelIngress), as `a` sizes it."""
+    return (cls or Ingress).options(num_replicas=a.ingress_num_replicas, logging_config={"enable_access_log":
+                                    a.access_log}, max_ongoing_requests=a.ingress_max_ongoing_requests,
+                                    ray_actor_options={"num_cpus": 0})
+
+
+def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServer") -> Any:
+    """One model's LLM deployment, as `a` (`given`, resolved) says: the bound LLM replicas (`deployment_name`) and
+    the settings of the front that routes to them, or (direct topology) the replicas that serve HTTP themselves."""
     if given.num_gpus is None and (gpus := gpus_for_app()) > 0:
         if a.num_gpus:
             log.info("kairos: %d LLM replica(s) of %g GPU each, on the %g GPU(s) Ray has%s (num_gpus / num_replicas "
@@ -90,6 +107,47 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
                                  autoscaled=a.autoscaling_config is not None)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
                     a.engine_process, a.loop_priority, a.model_name)
+    settings = front_settings(a)
+    # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
+    engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
+    log_config = {"enable_access_log": a.access_log}
+    # the LLM replicas' count: fixed, or Serve's autoscaling between its bounds (the app sized for the most)
+    scaling = a.autoscaling()
+    replicas: dict[str, Any] = {"autoscaling_config": scaling} if scaling is not None else \
+        {"num_replicas": a.num_replicas}
+    # a replica Serve stops finishes its requests first, within this (an autoscaled app stops them as load falls)
+    replicas["graceful_shutdown_timeout_s"] = a.graceful_shutdown_timeout_s if a.graceful_shutdown_timeout_s is not None \
+        else (600.0 if scaling is not None else 20.0)
+    if a.direct:
+        return DirectLLMServer.options(
+            **replicas,
+            logging_config=log_config,
+            ray_actor_options=actor_opts,
+            max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
+            health_check_period_s=a.health_check_period_s,
+            health_check_timeout_s=a.health_check_timeout_s,
+        ).bind(engine_config, settings, a.max_ongoing_requests, a.max_queued_requests, *replica_args)
+    router = {
+        "request_router_class": ROUTER_PATH if a.router == "slo" else POW2_ROUTER_PATH,
+        "request_routing_stats_period_s": a.routing_stats_period_s,
+    }
+    llm = LLMServer.options(
+        name=deployment_name,
+        **replicas,
+        logging_config=log_config,
+        ray_actor_options=llm_actor_options(a, actor_opts),
+        max_ongoing_requests=a.max_ongoing_requests,
+        max_queued_requests=a.max_queued_requests,
+        health_check_period_s=a.health_check_period_s,
+        health_check_timeout_s=a.health_check_timeout_s,
+        request_router_config=router,
+    ).bind(engine_config, *replica_args)
+    return llm, settings
+
+
+def front_settings(a: ServeArgs) -> dict[str, Any]:
+    """What an app's front (its Ingress, or a replica serving HTTP itself) needs to know of the model it serves;
+    ValueError for LoRA settings it could not serve."""
     settings = {
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
@@ -122,57 +180,52 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
                          f"replica, and this app has {fronts} (ingress_num_replicas, or topology=direct with several "
                          "replicas): a load would reach one of them; serve it with one, or name the adapters in "
                          "lora_modules or dynamic_lora_loading_path")
-    # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
-    engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)
-    log_config = {"enable_access_log": a.access_log}
-    # the LLM replicas' count: fixed, or Serve's autoscaling between its bounds (the app sized for the most)
-    scaling = a.autoscaling()
-    replicas: dict[str, Any] = {"autoscaling_config": scaling} if scaling is not None else \
-        {"num_replicas": a.num_replicas}
-    # a replica Serve stops finishes its requests first, within this (an autoscaled app stops them as load falls)
-    replicas["graceful_shutdown_timeout_s"] = a.graceful_shutdown_timeout_s if a.graceful_shutdown_timeout_s is not None \
-        else (600.0 if scaling is not None else 20.0)
-    if a.direct:
-        return DirectLLMServer.options(
-            **replicas,
-            logging_config=log_config,
-            ray_actor_options=actor_opts,
-            max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
-            health_check_period_s=a.health_check_period_s,
-            health_check_timeout_s=a.health_check_timeout_s,
-        ).bind(engine_config, settings, a.max_ongoing_requests, a.max_queued_requests, *replica_args)
-    router = {
-        "request_router_class": ROUTER_PATH if a.router == "slo" else POW2_ROUTER_PATH,
-        "request_routing_stats_period_s": a.routing_stats_period_s,
-    }
-    llm = LLMServer.options(
-        **replicas,
-        logging_config=log_config,
-        ray_actor_options=llm_actor_options(a, actor_opts),
-        max_ongoing_requests=a.max_ongoing_requests,
-        max_queued_requests=a.max_queued_requests,
-        health_check_period_s=a.health_check_period_s,
-        health_check_timeout_s=a.health_check_timeout_s,
-        request_router_config=router,
-    ).bind(engine_config, *replica_args)
-    ingress = Ingress.options(
-        num_replicas=a.ingress_num_replicas,
-        logging_config=log_config,
-        max_ongoing_requests=a.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
-    )
-    return ingress.bind(llm, settings)
+    return settings
+
+
+def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type: ignore[valid-type]
+    """Several models in one app (Ray Serve LLM's several llm_configs): an LLM deployment per model
+    (`LLMServer:<served name>`, each with its own replicas, SLO router and scheduler), behind one Ingress that sends
+    each request to the model its `model` names (deployments/multi_model.py). `models`: each model's app arguments
+    (`AppArgs`); the front's own (API keys, CORS, body limit, Ingress replicas) are the first model's. A model that
+    names no replica count gets one (of a GPU where Ray has them): the default of a replica per GPU is one model's."""
+    from deployments.multi_model import MultiModelIngress, deployment_name
+
+    if len(models) < 2:
+        raise ValueError("a multi-model app serves two models or more")
+    parts, names, settings = [], set(), []
+    for i, raw in enumerate(models):
+        raw = dict(raw)
+        if raw.get("allow_runtime_lora_updating"):
+            raise ValueError(f"model {i}: allow_runtime_lora_updating: the adapters loaded at run time have no model "
+                             "to go to in an app of several; name them in lora_modules or dynamic_lora_loading_path")
+        if "num_replicas" not in raw and "autoscaling_config" not in raw:
+            raw["num_replicas"] = 1
+        given = AppArgs.model_validate({**raw, "topology": "routed"})
+        a = given.resolved()
+        name = deployment_name(a.model_name)
+        if name in names:
+            raise ValueError(f"model {i}: served as {a.model_name!r}, as another model of the app is")
+        names.add(name)
+        llm, s = model_parts(given, a, name)
+        parts.append(llm)
+        settings.append(s)
+        if i == 0:
+            front = a
+    return _ingress(front, MultiModelIngress).bind(parts, settings)
 
 
 app = build_app  # `serve run deployments:app [key=value ...]`
 
 
 def build_openai_app(builder_config: dict) -> Application:  # type: ignore[valid-type]
-    """Ray Serve LLM's `build_openai_app` arguments (`llm_configs`: one LLMConfig; deployments/llm_config.py) as
-    a Kairos app: a Ray Serve LLM config runs with `import_path: deployments:build_openai_app`."""
-    from deployments.llm_config import translate
+    """Ray Serve LLM's `build_openai_app` arguments (`llm_configs`: its LLMConfigs; deployments/llm_config.py) as
+    a Kairos app (of several models: `build_multi_model_app`): a Ray Serve LLM config runs with `import_path:
+    deployments:build_openai_app`."""
+    from deployments.llm_config import translate_all
 
-    return build_app(AppArgs.model_validate(translate(builder_config)))
+    models = translate_all(builder_config)
+    return build_app(AppArgs.model_validate(models[0])) if len(models) == 1 else build_multi_model_app(models)
 
 
 def __getattr__(name: str) -> Any:
@@ -185,4 +238,4 @@ def __getattr__(name: str) -> Any:
         return built
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["AppArgs", "app", "build_app", "build_openai_app", "default_app"]
+__all__ = ["AppArgs", "app", "build_app", "build_multi_model_app", "build_openai_app", "default_app"]

@@ -88,8 +88,18 @@ def _llm_config(entry: Any) -> dict[str, Any]:
 
 
 def translate(builder_config: dict[str, Any]) -> dict[str, Any]:
-    """`build_openai_app`'s arguments (Ray Serve LLM's `LLMServingArgs`) as Kairos's flat app arguments (`AppArgs`'
-    names); ValueError for what Kairos would not serve as asked."""
+    """`build_openai_app`'s arguments (Ray Serve LLM's `LLMServingArgs`) of one model as Kairos's flat app arguments
+    (`AppArgs`' names); ValueError for what Kairos would not serve as asked (several models too: `translate_all`)."""
+    models = translate_all(builder_config)
+    if len(models) > 1:
+        raise _refuse("llm_configs", f"{len(models)} models: build_openai_app serves them as one app of several")
+    return models[0]
+
+
+def translate_all(builder_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """`build_openai_app`'s arguments (Ray Serve LLM's `LLMServingArgs`) as each model's Kairos app arguments
+    (`AppArgs`' names), the ingress deployment's options in each; ValueError for what Kairos would not serve as
+    asked."""
     builder_config = _plain(builder_config)
     if not isinstance(builder_config, dict):
         raise _refuse("args", "must be a mapping with llm_configs")
@@ -100,29 +110,29 @@ def translate(builder_config: dict[str, Any]) -> dict[str, Any]:
     configs = builder_config.get("llm_configs")
     if not isinstance(configs, list) or not configs:
         raise _refuse("llm_configs", "must be a non-empty list of LLMConfigs")
-    if len(configs) > 1:
-        raise _refuse("llm_configs", f"{len(configs)} models: a Kairos app serves one model (its replicas' SLO "
-                      "scheduling and routing are per model); deploy one application per model, each with its own "
-                      "route_prefix")
     if builder_config.get("ingress_cls_config"):
         raise _refuse("ingress_cls_config", "Kairos's ingress is its own: no other ingress class")
-    out = _from_llm_config(_llm_config(configs[0]))
+    front: dict[str, Any] = {}
     ingress = _plain(builder_config.get("ingress_deployment_config")) or {}
     for key, value in ingress.items():
         if key == "num_replicas":
-            out["ingress_num_replicas"] = value
+            front["ingress_num_replicas"] = value
         elif key == "max_ongoing_requests":
-            out["ingress_max_ongoing_requests"] = value
+            front["ingress_max_ongoing_requests"] = value
         elif key not in _DEPLOYMENT_NO_EFFECT:
             raise _refuse(f"ingress_deployment_config.{key}", "not an option of Kairos's ingress (num_replicas and "
                           "max_ongoing_requests are)")
+    out = [{**_from_llm_config(_llm_config(cfg), i), **front} for i, cfg in enumerate(configs)]
+    names = [m["served_model_name"] for m in out]
+    if len(set(names)) < len(names):
+        raise _refuse("llm_configs", f"model_ids {names}: each model needs a name of its own")
     return out
 
 
-def _from_llm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
     unknown = set(cfg) - _LLM_FIELDS
     if unknown:
-        raise _refuse("llm_configs[0]", f"unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+        raise _refuse(f"llm_configs[{i}]", f"unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     out: dict[str, Any] = {}
     loading = cfg.get("model_loading_config")
     if not isinstance(loading, dict) or not isinstance(loading.get("model_id"), str) or not loading["model_id"]:

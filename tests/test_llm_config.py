@@ -92,7 +92,8 @@ def test_an_llm_config_file_is_read_as_ray_serve_llm_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"llm_configs": [LLM, {**LLM, "model_loading_config": {"model_id": "b"}}]}, "a Kairos app serves one model"),
+    ({"llm_configs": [LLM, {**LLM, "model_loading_config": {"model_id": "b"}}]}, "as one app of several"),
+    ({"llm_configs": [LLM, LLM]}, "a name of its own"),
     ({"llm_configs": []}, "non-empty list"),
     ({"llm_configs": [{"engine_kwargs": {}}]}, "model_id"),
     ({"llm_configs": [{**LLM, "engine_kwargs": {"tensor_parallel_size": 2}}]}, "tensor_parallel_size: 2"),
@@ -142,3 +143,27 @@ def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to()
     cfg["llm_configs"][0]["engine_kwargs"] = {"max_num_seq": 4}
     with pytest.raises(ValueError, match="max_num_seq.*did you mean 'max_num_seqs'"):
         build_openai_app(cfg)
+
+
+def test_several_llm_configs_are_one_app_of_several_models():
+    """Ray Serve LLM's several llm_configs: an LLM deployment per model (`LLMServer:<model_id>`, one replica where
+    the config names no count) behind one Ingress; a model's runtime-loaded adapters have nowhere to go there."""
+    from deployments import build_openai_app
+    from deployments.multi_model import deployment_name, model_of
+
+    def model(name: str, **deployment) -> dict:
+        return {"model_loading_config": {"model_id": name, "model_source": "kairos-tiny"},
+                "deployment_config": {"ray_actor_options": {"num_gpus": 0}, **deployment}}
+    app = build_openai_app({"llm_configs": [model("a/b"), model("c", num_replicas=2)],
+                            "ingress_deployment_config": {"num_replicas": 2}})
+    ingress = app._bound_deployment
+    llms = [d._bound_deployment if hasattr(d, "_bound_deployment") else d for d in ingress.init_args[0]]
+    assert ingress.name == "Ingress" and ingress._deployment_config.num_replicas == 2
+    assert [(d.name, d._deployment_config.num_replicas) for d in llms] == [("LLMServer:a_b", 1), ("LLMServer:c", 2)]
+    assert [s["model_name"] for s in ingress.init_args[1]] == ["a/b", "c"]
+    assert deployment_name("org/m v2") == "LLMServer:org_m_v2"
+    assert model_of(b'{"model": "c", "prompt": "x"}') == (True, "c") and model_of(b"[1]") == (False, None)
+    assert model_of(b"{not json") == (False, None)
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
+        build_openai_app({"llm_configs": [model("a"), {**model("c"), "engine_kwargs": {
+            "allow_runtime_lora_updating": True}}]})

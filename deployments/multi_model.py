@@ -1,0 +1,246 @@
+"""Several models in one app (Ray Serve LLM's `build_openai_app` with several `llm_configs`).
+
+Each model is its own LLM deployment (`LLMServer:<served name>`: its replicas, its SLO router, its scheduler) and
+has its own front, an `IngressFrontend` as a one-model app's Ingress is; one Ingress replica holds them all and
+sends each request to the front of the model its `model` names (a request that names none goes to the first model,
+one that names no model served here is a 404 listing those that are). `GET /v1/models` lists every model and
+adapter; `/health` is 200 once every model can serve. What a front owns stays its own: its handle, its readiness,
+its LoRA adapters. Adapters loaded at run time (`/v1/load_lora_adapter`) have no model to go to here: those routes
+are a 404, as they are where runtime loading is off.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from deployments.errors import APIError, error_response, model_not_found
+from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, IngressFrontend, _drain, _http_error,
+                                 is_json_content_type, route_path)
+
+BODY_ROUTES = ("/tokenize", "/detokenize")  # the other routes whose body names a model
+
+
+def deployment_name(served: str) -> str:
+    """A model's LLM deployment's name in an app of several: `LLMServer:<served name>` (Ray Serve LLM's form), the
+    characters a deployment's name may not hold made `_`."""
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9._:-]", "_", served)
+
+
+def model_of(body: bytes) -> tuple[bool, Any]:
+    """(whether it is a JSON object, its `model`) of a request's body."""
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError):
+        return False, None
+    return isinstance(raw, dict), raw.get("model") if isinstance(raw, dict) else None
+
+
+class MultiModelFrontend:
+    """The Ingress of an app of several models: a front per model (`IngressFrontend`), and the ASGI app that sends
+    each request to the front of the model it names."""
+
+    async def __init__(self, llms: list[Any], settings: list[dict[str, Any]]) -> None:
+        self.fronts: list[IngressFrontend] = []
+        for llm, s in zip(llms, settings, strict=True):
+            front = IngressFrontend.__new__(IngressFrontend)
+            await front.__init__(llm, s)  # type: ignore[misc] - (its constructor is a coroutine, as Serve runs it)
+            self.fronts.append(front)
+        self.max_body_bytes: int = settings[0]["max_body_bytes"]
+        self._cors: dict[str, Any] = settings[0].get("cors") or {}
+
+    def front_for(self, model: Any) -> IngressFrontend | None:
+        """The front of the model (or adapter) a request's `model` names; the first model's where it names none."""
+        if model is None:
+            return self.fronts[0]
+        if not isinstance(model, str):
+            return None
+        for front in self.fronts:
+            if model in front._served_names() or front._lora_of(model) is not None:
+                return front
+        return None
+
+    def _names(self) -> list[str]:
+        return [n for f in self.fronts for n in f._model_names()]
+
+    @property
+    def docs_path(self) -> str | None:
+        return None
+
+    def __serve_build_asgi_app__(self) -> "_Routes":
+        """Serve runs this ASGI app (`OpenAIFrontend.__serve_build_asgi_app__`'s counterpart)."""
+        return _Routes(self, self.app, self._cors.get("origins", ()),  # type: ignore[attr-defined]
+                       self._cors.get("credentials", False))
+
+    async def route(self, scope: Scope, receive: Receive, send: Send, fallback: Callable) -> None:
+        path, method = route_path(scope), scope["method"]
+        if method == "POST" and (path in GENERATION_ROUTES or path in BODY_ROUTES):
+            await self._by_body(scope, receive, send, path)
+            return
+        request = Request(scope, receive)
+        if method == "GET" and path == "/v1/models":
+            response = await _answer(self._models, request)
+        elif method == "GET" and path.startswith("/v1/models/"):
+            response = await _answer(self._model, request, path[len("/v1/models/"):])
+        elif (method in ("GET", "HEAD") and path == "/health") or (method in ("GET", "POST") and path == "/ping"):
+            response = await _answer(self._health)
+        elif method == "GET" and path == "/version":
+            response = JSONResponse({"version": SERVER_VERSION})
+        elif method == "GET" and path == "/metrics":
+            response = await _answer(self.fronts[0].prometheus_metrics)
+        else:
+            await fallback(scope, receive, send)  # (FastAPI's: the docs, lifespan, a 404 in OpenAI's shape)
+            return
+        await response(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+
+    async def _by_body(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """A request whose body names its model: read here (up to the body limit), then given whole to that model's
+        front, which reads, checks and answers it as a one-model app's Ingress does."""
+        body, whole = await _read(receive, self.max_body_bytes)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        is_object, model = model_of(body) if whole and is_json_content_type(headers.get("content-type")) \
+            else (False, None)
+        front = self.front_for(model) if is_object else self.fronts[0]  # (the front refuses what is not JSON)
+        if front is None:
+            await _drain(_rest(receive))
+            response = _error(model_not_found(str(model), self._names()))
+            await response(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+            return
+        replay = _replay(body, whole, receive)
+        if path in GENERATION_ROUTES:
+            await front._serve_generation(scope, replay, send, GENERATION_ROUTES[path])
+            return
+        handler = front.tokenize if path == "/tokenize" else front.detokenize
+        response = await _answer(handler, Request(scope, replay))
+        await response(scope, replay, _named(send, f"req-{uuid.uuid4().hex}"))
+
+    async def _models(self, request: Request) -> dict[str, Any]:
+        cards: list[dict[str, Any]] = []
+        for front in self.fronts:
+            got = await front.models(request)
+            cards += [c for c in got["data"] if c["id"] not in {seen["id"] for seen in cards}]
+        return {"object": "list", "data": cards}
+
+    async def _model(self, request: Request, model_id: str) -> dict[str, Any]:
+        front = self.front_for(model_id)
+        if front is None:
+            self.fronts[0]._auth(request)  # (an unknown model is no answer to a request without a key)
+            raise model_not_found(model_id, self._names())
+        return await front.model(request, model_id)
+
+    async def _health(self) -> Any:
+        """200 once every model can serve; else the first one's 503 that cannot (`starting`, `unavailable`)."""
+        for front in self.fronts:
+            got = await front.health()
+            if isinstance(got, Response):
+                return got
+        return {"status": "ok"}
+
+
+class _Routes:
+    """The ASGI app Serve runs for `MultiModelFrontend` (CORS in front, where the app allows origins)."""
+
+    def __init__(self, frontend: MultiModelFrontend, api: Any, allowed_origins: Any = (),
+                 allow_credentials: bool = False) -> None:
+        self.frontend, self.api = frontend, api
+        self.docs_url = getattr(api, "docs_url", None)
+        self._app: Callable[[Scope, Receive, Send], Awaitable[None]] = self._route
+        if allowed_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            self._app = CORSMiddleware(self._route, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                       allow_headers=["*"], allow_credentials=allow_credentials,
+                                       expose_headers=["x-kairos-request-id", "x-request-id", "retry-after"])
+
+    def add_exception_handler(self, exc: Any, handler: Callable) -> None:
+        self.api.add_exception_handler(exc, handler)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.frontend.route(scope, receive, send, self.api)
+
+
+async def _read(receive: Receive, limit: int) -> tuple[bytes, bool]:
+    """A request's body up to `limit` bytes, and whether that is all of it (else the front answers the 413)."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return bytes(body), False
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return bytes(body), True
+        if len(body) > limit:
+            return bytes(body), False
+
+
+def _replay(body: bytes, whole: bool, receive: Receive) -> Receive:
+    """A `receive` that gives `body` first (as one message; the rest of the client's after it where it was not
+    whole), then the client's own messages (its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": not whole}
+        return await receive()
+    return replay
+
+
+async def _rest(receive: Receive) -> Any:
+    """The chunks of a body not read yet (`_drain` them)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
+
+
+async def _answer(handler: Callable[..., Awaitable[Any]], *args: Any) -> Response:
+    """A front's route handler's answer as a response: a dict as JSON, an APIError as OpenAI's error."""
+    try:
+        got = await handler(*args)
+    except APIError as e:
+        return _error(e)
+    return got if isinstance(got, Response) else JSONResponse(got)
+
+
+def _error(e: APIError) -> Response:
+    return error_response(e.status, e.message, e.type, e.code, e.headers, e.param)
+
+
+def _named(send: Send, rid: str) -> Send:
+    """`send`, every response start naming its request (`x-kairos-request-id`), as a one-model app's answers do."""
+    async def named(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"x-kairos-request-id", rid.encode())]}
+        await send(message)
+    return named
+
+
+def _api() -> FastAPI:
+    """The FastAPI app behind the routes (`serve.ingress` needs one): lifespan, and a 404 in OpenAI's shape."""
+    api = FastAPI(title="Kairos", version=SERVER_VERSION, description="SLO-aware OpenAI-compatible LLM server")
+    api.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    return api
+
+
+MultiModelIngress = serve.deployment(serve.ingress(_api())(MultiModelFrontend), name="Ingress",
+                                     ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)
