@@ -193,7 +193,7 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
 
     if len(models) < 2:
         raise ValueError("a multi-model app serves two models or more")
-    parts, names, settings = [], set(), []
+    parts, names, settings, gpus = [], {}, [], 0.0
     for i, raw in enumerate(models):
         raw = dict(raw)
         if raw.get("allow_runtime_lora_updating"):
@@ -203,15 +203,22 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
             raw["num_replicas"] = 1
         given = AppArgs.model_validate({**raw, "topology": "routed"})
         a = given.resolved()
-        name = deployment_name(a.model_name)
-        if name in names:
-            raise ValueError(f"model {i}: served as {a.model_name!r}, as another model of the app is")
-        names.add(name)
-        llm, s = model_parts(given, a, name)
+        own = [a.model_name, *a.engine_config().lora_paths()]  # (the names a request may give it, beside aliases)
+        for name in (deployment_name(a.model_name), *own):
+            if name in names:
+                raise ValueError(f"model {i} ({a.model_name!r}): {name!r} names model {names[name]} of the app too")
+            names[name] = i
+        llm, s = model_parts(given, a, deployment_name(a.model_name))
         parts.append(llm)
-        settings.append(s)
         if i == 0:
-            front = a
+            front, shared = a, {k: s[k] for k in ("max_body_bytes", "api_keys_env", "api_key_file", "cors")}
+        settings.append({**s, **shared})  # (the app's front: one key set, one CORS policy, one body limit)
+        gpus += a.num_gpus * (int((a.autoscaling_config or {}).get("max_replicas", 1)) if a.autoscaling_config
+                              else a.num_replicas)
+    if 0 < (have := gpus_for_app()) < gpus:
+        log.warning("kairos: the app's models ask for %g GPU(s) in all and Ray has %g: the replicas beyond wait for "
+                    "GPUs (a cluster autoscaler's nodes), and /health is 503 until every model serves; give num_gpus "
+                    "(a share) or fewer replicas", gpus, have)
     return _ingress(front, MultiModelIngress).bind(parts, settings)
 
 

@@ -2,9 +2,10 @@
 
 Each model is its own LLM deployment (`LLMServer:<served name>`: its replicas, its SLO router, its scheduler) and
 has its own front, an `IngressFrontend` as a one-model app's Ingress is; one Ingress replica holds them all and
-sends each request to the front of the model its `model` names (a request that names none goes to the first model,
-one that names no model served here is a 404 listing those that are). `GET /v1/models` lists every model and
-adapter; `/health` is 200 once every model can serve. What a front owns stays its own: its handle, its readiness,
+sends each request to the front of the model its `model` names (as Ray Serve LLM's: a request that names none is a
+400, one that names no model served here a 404, each listing those that are). `GET /v1/models` lists every model
+and adapter; `/health` is 200 once every model can serve. The API keys, CORS and body limit are the app's (the
+first model's arguments). What a front owns stays its own: its handle, its readiness,
 its LoRA adapters. Adapters loaded at run time (`/v1/load_lora_adapter`) have no model to go to here: those routes
 are a 404, as they are where runtime loading is off.
 """
@@ -25,15 +26,15 @@ from starlette.types import Message, Receive, Scope, Send
 
 from deployments.errors import APIError, error_response, model_not_found
 from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, IngressFrontend, _drain, _http_error,
-                                 is_json_content_type, route_path)
+                                 _unexpected, is_json_content_type, route_path)
 
 BODY_ROUTES = ("/tokenize", "/detokenize")  # the other routes whose body names a model
 
 
 def deployment_name(served: str) -> str:
-    """A model's LLM deployment's name in an app of several: `LLMServer:<served name>` (Ray Serve LLM's form), the
-    characters a deployment's name may not hold made `_`."""
-    return "LLMServer:" + re.sub(r"[^A-Za-z0-9._:-]", "_", served)
+    """A model's LLM deployment's name in an app of several: `LLMServer:<served name>`, its `/` as `--` and its `.`
+    as `_` (Ray Serve LLM's), any other character a name may not hold as `_`."""
+    return "LLMServer:" + re.sub(r"[^A-Za-z0-9_:-]", "_", served.replace("/", "--").replace(".", "_"))
 
 
 def model_of(body: bytes) -> tuple[bool, Any]:
@@ -59,15 +60,14 @@ class MultiModelFrontend:
         self._cors: dict[str, Any] = settings[0].get("cors") or {}
 
     def front_for(self, model: Any) -> IngressFrontend | None:
-        """The front of the model (or adapter) a request's `model` names; the first model's where it names none."""
-        if model is None:
-            return self.fronts[0]
+        """The front of the model (or adapter) a request's `model` names: by its served name or an adapter's first,
+        then by another name it is known by (its checkpoint's: the first model's where several share one)."""
         if not isinstance(model, str):
             return None
         for front in self.fronts:
-            if model in front._served_names() or front._lora_of(model) is not None:
+            if model == front.served_model_name or front._lora_of(model) is not None:
                 return front
-        return None
+        return next((f for f in self.fronts if model in f._served_names()), None)
 
     def _names(self) -> list[str]:
         return [n for f in self.fronts for n in f._model_names()]
@@ -105,15 +105,23 @@ class MultiModelFrontend:
     async def _by_body(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """A request whose body names its model: read here (up to the body limit), then given whole to that model's
         front, which reads, checks and answers it as a one-model app's Ingress does."""
+        try:
+            self.fronts[0]._auth(Request(scope))  # (before the body is read, as a one-model app's: no model named)
+        except APIError as e:
+            await _drain(_rest(receive))
+            await _error(e)(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+            return
         body, whole = await _read(receive, self.max_body_bytes)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         is_object, model = model_of(body) if whole and is_json_content_type(headers.get("content-type")) \
             else (False, None)
-        front = self.front_for(model) if is_object else self.fronts[0]  # (the front refuses what is not JSON)
-        if front is None:
-            await _drain(_rest(receive))
-            response = _error(model_not_found(str(model), self._names()))
-            await response(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+        # (the first front refuses what is not JSON, or a `model` that is not a string)
+        front = self.front_for(model) if is_object and (model is None or isinstance(model, str)) else self.fronts[0]
+        if front is None:  # (Ray Serve LLM's answers)
+            e = APIError(400, "Model parameter is required when multiple models are configured. Available models: "
+                         f"{self._names()}", param="model") if model is None else \
+                model_not_found(str(model), self._names())
+            await _error(e)(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
             return
         replay = _replay(body, whole, receive)
         if path in GENERATION_ROUTES:
@@ -219,6 +227,8 @@ async def _answer(handler: Callable[..., Awaitable[Any]], *args: Any) -> Respons
         got = await handler(*args)
     except APIError as e:
         return _error(e)
+    except Exception as e:  # noqa: BLE001 - as the one-model app's FastAPI handler: logged, a 500
+        return await _unexpected(None, e)  # type: ignore[arg-type]
     return got if isinstance(got, Response) else JSONResponse(got)
 
 

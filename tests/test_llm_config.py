@@ -159,9 +159,11 @@ def test_several_llm_configs_are_one_app_of_several_models():
     ingress = app._bound_deployment
     llms = [d._bound_deployment if hasattr(d, "_bound_deployment") else d for d in ingress.init_args[0]]
     assert ingress.name == "Ingress" and ingress._deployment_config.num_replicas == 2
-    assert [(d.name, d._deployment_config.num_replicas) for d in llms] == [("LLMServer:a_b", 1), ("LLMServer:c", 2)]
+    assert [(d.name, d._deployment_config.num_replicas) for d in llms] == [("LLMServer:a--b", 1), ("LLMServer:c", 2)]
     assert [s["model_name"] for s in ingress.init_args[1]] == ["a/b", "c"]
-    assert deployment_name("org/m v2") == "LLMServer:org_m_v2"
+    assert deployment_name("org/m-2.5 x") == "LLMServer:org--m-2_5_x"  # (Ray Serve LLM's `/` and `.`)
+    with pytest.raises(ValueError, match="names model 0 of the app too"):  # (an adapter named as another model)
+        build_openai_app({"llm_configs": [model("a"), {**model("c"), "engine_kwargs": {"lora_modules": "a=/x"}}]})
     assert model_of(b'{"model": "c", "prompt": "x"}') == (True, "c") and model_of(b"[1]") == (False, None)
     assert model_of(b"{not json") == (False, None)
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
