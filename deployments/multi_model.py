@@ -25,8 +25,8 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from deployments.errors import APIError, error_response, model_not_found
-from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, IngressFrontend, _drain, _http_error,
-                                 _unexpected, is_json_content_type, route_path)
+from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, GenerationFastPath, IngressFrontend, _drain,
+                                 _http_error, _unexpected, is_json_content_type, route_path)
 
 BODY_ROUTES = ("/tokenize", "/detokenize")  # the other routes whose body names a model
 
@@ -78,7 +78,7 @@ class MultiModelFrontend:
 
     def __serve_build_asgi_app__(self) -> "_Routes":
         """Serve runs this ASGI app (`OpenAIFrontend.__serve_build_asgi_app__`'s counterpart)."""
-        return _Routes(self, self.app, self._cors.get("origins", ()),  # type: ignore[attr-defined]
+        return _Routes(self, self.app, self._cors.get("origins", ()),  # type: ignore[arg-type,attr-defined]
                        self._cors.get("credentials", False))
 
     async def route(self, scope: Scope, receive: Receive, send: Send, fallback: Callable) -> None:
@@ -154,32 +154,12 @@ class MultiModelFrontend:
         return {"status": "ok"}
 
 
-class _Routes:
-    """The ASGI app Serve runs for `MultiModelFrontend` (CORS in front, where the app allows origins)."""
-
-    def __init__(self, frontend: MultiModelFrontend, api: Any, allowed_origins: Any = (),
-                 allow_credentials: bool = False) -> None:
-        self.frontend, self.api = frontend, api
-        self.docs_url = getattr(api, "docs_url", None)
-        self._app: Callable[[Scope, Receive, Send], Awaitable[None]] = self._route
-        if allowed_origins:
-            from starlette.middleware.cors import CORSMiddleware
-
-            self._app = CORSMiddleware(self._route, allow_origins=list(allowed_origins), allow_methods=["*"],
-                                       allow_headers=["*"], allow_credentials=allow_credentials,
-                                       expose_headers=["x-kairos-request-id", "x-request-id", "retry-after"])
-
-    def add_exception_handler(self, exc: Any, handler: Callable) -> None:
-        self.api.add_exception_handler(exc, handler)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.api(scope, receive, send)
-            return
-        await self._app(scope, receive, send)
+class _Routes(GenerationFastPath):
+    """The ASGI app Serve runs for `MultiModelFrontend`: `GenerationFastPath`'s CORS and Serve hooks, the routing
+    by model behind them."""
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.frontend.route(scope, receive, send, self.api)
+        await self.frontend.route(scope, receive, send, self.api)  # type: ignore[attr-defined]
 
 
 async def _read(receive: Receive, limit: int) -> tuple[bytes, bool]:

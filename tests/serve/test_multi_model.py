@@ -10,7 +10,9 @@ import pytest
 from tests.serve.conftest import SideApp, side_app_url
 
 MULTI_APP, MULTI_PREFIX = "kairos-multi", "/multi"
-ENGINE = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 16, "num_threads": 1, "max_num_seqs": 4}
+# (each engine in its replica's process: no child process to start beside the session's other apps)
+ENGINE = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 16, "num_threads": 1, "max_num_seqs": 4,
+          "engine_process": False}
 
 
 def _multi_app(_: object):
