@@ -212,7 +212,9 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
         parts.append(llm)
         if i == 0:
             front, shared = a, {k: s[k] for k in ("max_body_bytes", "api_keys_env", "api_key_file", "cors")}
-        settings.append({**s, **shared})  # (the app's front: one key set, one CORS policy, one body limit)
+        # (the app's front: one key set, one CORS policy, one body limit; the names the model is known by before its
+        # replicas say them)
+        settings.append({**s, **shared, "aliases": served_names(a.model_name, str(a.model))})
         gpus += a.num_gpus * (int((a.autoscaling_config or {}).get("max_replicas", 1)) if a.autoscaling_config
                               else a.num_replicas)
     if 0 < (have := gpus_for_app()) < gpus:

@@ -56,6 +56,8 @@ class MultiModelFrontend:
             front = IngressFrontend.__new__(IngressFrontend)
             await front.__init__(llm, s)  # type: ignore[misc] - (its constructor is a coroutine, as Serve runs it)
             self.fronts.append(front)
+        # each model's other names (its checkpoint's, their aliases), known before its replicas answer
+        self._aliases = [set(s.get("aliases", ())) for s in settings]
         self.max_body_bytes: int = settings[0]["max_body_bytes"]
         self._cors: dict[str, Any] = settings[0].get("cors") or {}
 
@@ -67,7 +69,8 @@ class MultiModelFrontend:
         for front in self.fronts:
             if model == front.served_model_name or front._lora_of(model) is not None:
                 return front
-        return next((f for f in self.fronts if model in f._served_names()), None)
+        return next((f for f, aliases in zip(self.fronts, self._aliases)
+                     if model in aliases or model in f._served_names()), None)
 
     def _names(self) -> list[str]:
         return [n for f in self.fronts for n in f._model_names()]
@@ -117,6 +120,8 @@ class MultiModelFrontend:
             else (False, None)
         # (the first front refuses what is not JSON, or a `model` that is not a string)
         front = self.front_for(model) if is_object and (model is None or isinstance(model, str)) else self.fronts[0]
+        if front is None and model is None and path in BODY_ROUTES:
+            front = self.fronts[0]  # (vLLM's /tokenize takes no model: the first's tokenizer)
         if front is None:  # (Ray Serve LLM's answers)
             e = APIError(400, "Model parameter is required when multiple models are configured. Available models: "
                          f"{self._names()}", param="model") if model is None else \

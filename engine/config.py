@@ -1,7 +1,6 @@
 """Engine configuration (validated). The scheduler's knobs live in `scheduling.config`."""
 from __future__ import annotations
 
-import codecs
 import json
 import os
 from typing import Any, Literal
@@ -72,7 +71,7 @@ class EngineConfig(BaseModel):
     chat_template: str | None = Field(
         None, description="vLLM's --chat-template: the chat template chats are rendered with, in place of the "
                           "tokenizer's (a model without one, or one to mend): a file's path, read where the app is "
-                          "built, or the template itself (on one line, its \\n escapes read as vLLM reads them)")
+                          "built, or the template itself, as it is")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="auto: the checkpoint's weights; dummy: random weights of its config.json, no weight file "
                             "read (vLLM's --load-format dummy): for measuring speed, its replies mean nothing")
@@ -181,20 +180,20 @@ class EngineConfig(BaseModel):
 
 def load_chat_template(value: str | None) -> str | None:
     """vLLM's `--chat-template` value as a template: a value with none of Jinja's marks (`{`, `}`, a line break) is a
-    file's path, whose text it is (a ValueError where it cannot be read); a template on one line has its backslash
-    escapes read, as vLLM reads one given on the command line; one of several lines (a file's text, read once) is
-    kept as it is."""
-    if value is None:
-        return None
-    if not any(c in value for c in "{}\n"):
-        try:
-            with open(os.path.expanduser(value), encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"chat_template {value!r} looks like a file's path, but it cannot be read ({e})") from None
-    if "\n" not in value and "\\" in value and value.isascii():
-        return codecs.decode(value, "unicode_escape")
-    return value
+    file's path, whose text it is (a ValueError where it cannot be read, or holds none of those marks: no template);
+    any other value is the template, as it is (its line breaks its own: a one-line value's `\\n` is not read as one).
+    So the text it returns is returned as it is when read again (the app's builder, its replicas and their engine
+    processes each validate the engine's config)."""
+    if value is None or any(c in value for c in "{}\n"):
+        return value
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"chat_template {value!r} looks like a file's path, but it cannot be read ({e})") from None
+    if not any(c in text for c in "{}\n"):
+        raise ValueError(f"chat_template {value!r}: the file holds no Jinja template")
+    return text
 
 
 def with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:

@@ -20,7 +20,7 @@ from engine.errors import EngineDeadError
 from scheduling.config import SchedulerConfig
 
 
-TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\\n{% endfor %}"  # (one line: vLLM's escapes)
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 
 
 def _config(path):

@@ -259,14 +259,19 @@ def test_documents_go_to_the_chat_template(bos_tokenizer):
 
 
 def test_the_chat_template_argument_is_a_files_text_or_a_template(tmp_path):
-    """vLLM's --chat-template: a path is read (where it cannot be, a ValueError naming it); a template on one line
-    has its escapes read; one of several lines is kept as it is, so that reading it again changes nothing."""
+    """vLLM's --chat-template: a path is read (where it cannot be, or holds no template, a ValueError naming it); a
+    template is taken as it is; the text read is read again as it is (the builder, the replica and the engine
+    process each validate the config)."""
     from engine.config import EngineConfig, load_chat_template
 
-    path = tmp_path / "t.jinja"
-    path.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
-    assert load_chat_template(str(path)) == path.read_text() == load_chat_template(load_chat_template(str(path)))
-    assert load_chat_template("{{ 'a' }}\\n{{ 'b' }}") == "{{ 'a' }}\n{{ 'b' }}"
-    assert load_chat_template("{{ 'a' }}") == "{{ 'a' }}" and load_chat_template(None) is None
+    one_line = tmp_path / "t.jinja"  # (one line, a backslash, no line break at its end)
+    one_line.write_text("{{ messages[0]['content'] | replace('\\'', '\"') }}")
+    text = load_chat_template(str(one_line))
+    assert text == one_line.read_text() == load_chat_template(text) == load_chat_template(load_chat_template(text))
+    assert EngineConfig.model_validate(EngineConfig(chat_template=str(one_line)).model_dump()).chat_template == text
+    assert load_chat_template("{{ 'a' }}\\n") == "{{ 'a' }}\\n" and load_chat_template(None) is None
     with pytest.raises(ValueError, match="looks like a file's path"):
         EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "plain.txt").write_text("hello")
+    with pytest.raises(ValueError, match="holds no Jinja template"):
+        EngineConfig(chat_template=str(tmp_path / "plain.txt"))

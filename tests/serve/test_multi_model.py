@@ -55,6 +55,9 @@ def test_each_request_goes_to_the_model_it_names(url: str) -> None:
         events = [e[6:] for e in r.text.splitlines() if e.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[0])["model"] == "tiny-b"
         assert c.post("/tokenize", json={"model": "tiny-b", "prompt": "hi"}).json()["max_model_len"] == 256
+        assert c.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] > 256  # (no model: the first's)
+        # a name both are known by (their checkpoint's): the first model's
+        assert c.post("/v1/completions", json={**long, "model": "kairos-tiny"}).status_code == 200
         r = c.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2})
         err = r.json()["error"]
         assert r.status_code == 404 and err["code"] == "model_not_found" and "tiny-a" in err["message"] \
