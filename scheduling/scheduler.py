@@ -264,10 +264,12 @@ class Scheduler:
             if self.reserve is not None:
                 self.reserve.finished(now)
         else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+            for queue in (self.waiting, self._evicted):  # (one a more urgent arrival evicted: ended before its turn)
+                try:
+                    queue.remove(req)
+                    break
+                except ValueError:
+                    pass
         # (a request that failed may have left KV that is not its tokens': none of its own blocks stays cached)
         self._release(req, keep_cached=reason is not FinishReason.ERROR)
         while req.token_ids and req.token_ids[-1] < 0:  # placeholders of tokens it will not get (`launched`)
@@ -439,16 +441,15 @@ class Scheduler:
                 self.waiting.remove(r)
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
         if f.queue_order == "ldf" and not f.sort_before_reject:
-            order_waiting(self.waiting, "ldf")
+            order_waiting(self.waiting, "ldf", ranked)
         # the measured time between finished replies, once a step (urgent_first's order, impatient_reserve's room)
         patience = self.reserve.patience_ms(now) if self.reserve is not None else None
         if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
             pace = self._pace()
             order_least_work(self.waiting,
                              lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
-                             now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf)
-        if ranked and (f.short_first or (f.queue_order == "ldf" and not f.sort_before_reject)):
-            order_by_priority(self.waiting)  # (reordered since by the policy: its order within each priority)
+                             now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf,
+                             ranked)
         budget = self.config.prefill_max_tokens
         partial = self.config.chunked_prefill or self._partial
         self._partial = False
@@ -505,8 +506,9 @@ class Scheduler:
         # a best-effort prompt alone (nothing beside it, none admitted this round, none waiting): the rest goes whole
         alone = len(self.running) == 1 and not self.waiting
         # priority scheduling: the prompts of the lower priority values take the budget first
-        for r in sorted(filter(self._mid_prefill, self.running), key=_priority) if self.by_priority else self.running:
-            if not self._mid_prefill(r) or (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
+        mid = filter(self._mid_prefill, self.running)
+        for r in sorted(mid, key=_priority) if self.by_priority else mid:
+            if (be_last and math.isinf(r.deadline_s)) != best_effort or id(r) in planned:
                 continue
             if best_effort:
                 end = self._chunk_end(r, None if budget is None or alone else max(budget, self.blocks.block_size))

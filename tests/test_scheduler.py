@@ -1288,3 +1288,17 @@ def test_with_the_queue_full_a_more_urgent_arrival_takes_the_place_of_the_least_
     assert s.add(urgent) is None
     p = s.schedule(0.01)
     assert p.rejected == [(low_late, "overloaded")] and list(s.waiting) == [urgent, low_early]
+
+
+def test_a_request_evicted_for_a_more_urgent_one_and_aborted_before_the_next_round_is_not_rejected():
+    """A request `_evict_for` turned away is reported at the next schedule; one that ended before it (its client
+    aborted) is ended once, not reported as rejected too."""
+    from core.request import FinishReason
+
+    s = _sched("fcfs", max_num_seqs=1, max_waiting=1, scheduling_policy="priority")
+    s.add(_req(0, 4))
+    _run(s, s.schedule(0.0))
+    evicted = _ranked(_req(1, 4, arrival=0.001), 5)
+    assert s.add(evicted) is None and s.add(_ranked(_req(2, 4, arrival=0.002), -1)) is None
+    assert s.finish(evicted, FinishReason.ABORT, 0.005)
+    assert s.schedule(0.01).rejected == []
