@@ -27,7 +27,8 @@ import functools
 import re
 from dataclasses import dataclass
 
-from core.regex_grammar import ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm
+from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm,
+                                strong_components)
 
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
 MAX_STACK = 1_000  # a parse's depth in places (a nested group of the text takes one or two): deeper is not followed
@@ -40,46 +41,6 @@ State = frozenset  # of stacks: tuples of (alternative, element) places; () a pa
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "[": "[", "]": "]", "-": "-",
             "^": "^", "/": "/", "b": "\b", "f": "\f", "v": "\v", "0": "\0"}
 _CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE}
-
-
-def _components(graph: dict[int, list[int]]) -> dict[int, int]:
-    """The strongly connected components of `graph` (node -> its successors): node -> its component's number
-    (Tarjan's, without recursion: a grammar's chains of rules may be thousands deep)."""
-    index: dict[int, int] = {}
-    low: dict[int, int] = {}
-    part: dict[int, int] = {}
-    stack: list[int] = []
-    on_stack: set[int] = set()
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(graph.get(root, ())))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, succ = work[-1]
-            for s in succ:
-                if s not in index:
-                    index[s] = low[s] = len(index)
-                    stack.append(s)
-                    on_stack.add(s)
-                    work.append((s, iter(graph.get(s, ()))))
-                    break
-                if s in on_stack:
-                    low[node] = min(low[node], index[s])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    while True:
-                        s = stack.pop()
-                        on_stack.discard(s)
-                        part[s] = index[node]
-                        if s == node:
-                            break
-    return part
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,7 +421,7 @@ class Grammar:
                         break
         names = {r: n for n, r in self._names.items()}
         # a first call r -> s comes back to r where s reaches r: where the two are in one strongly connected part
-        part = _components({r: [s_ for s_, _ in out] for r, out in edges.items()})
+        part, _ = strong_components(edges, lambda r: (s_ for s_, _ in edges.get(r, ())))
         for r, out in edges.items():
             for s_, deeper in out:
                 if deeper and (s_ == r or part.get(s_) == part[r]):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_NODES = 5_000  # an automaton's positions (a {m,n} repeats its group's): what one step may cost
@@ -34,6 +35,52 @@ def _norm(ranges: list[tuple[int, int]]) -> Ranges:
         else:
             out.append((lo, hi))
     return tuple(out)
+
+
+def strong_components(nodes: Iterable[int], successors: Callable[[int], Iterable[int]]
+                      ) -> tuple[dict[int, int], list[list[int]]]:
+    """The strongly connected components of the graph over `nodes` (`successors(node)`: where its edges go), by
+    Tarjan's algorithm without recursion (a grammar's chains of rules may be thousands deep): node -> its part's
+    number, and the parts' members, in Tarjan's order (a part's successors come before it)."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    part: dict[int, int] = {}
+    stack: list[int] = []
+    on_stack: set[int] = set()
+    parts: list[list[int]] = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(successors(root)))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, succ = work[-1]
+            for s in succ:
+                if s not in index:
+                    index[s] = low[s] = len(index)
+                    stack.append(s)
+                    on_stack.add(s)
+                    work.append((s, iter(successors(s))))
+                    break
+                if s in on_stack:
+                    low[node] = min(low[node], index[s])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members = []
+                    while True:
+                        s = stack.pop()
+                        on_stack.discard(s)
+                        part[s] = len(parts)
+                        members.append(s)
+                        if s == node:
+                            break
+                    parts.append(members)
+    return part, parts
 
 
 def _complement(ranges: Ranges) -> Ranges:
@@ -404,45 +451,8 @@ class Regex:
                 if d < dmin.get(a, _INF):
                     dmin[a] = d
                     (todo.append if w else todo.appendleft)(a)
-        # the most: strongly connected parts (Tarjan's, without recursion); a part with a character inside it loops
-        index: dict[int, int] = {}
-        low: dict[int, int] = {}
-        part: dict[int, int] = {}
-        stack: list[int] = []
-        on: set[int] = set()
-        parts: list[list[int]] = []
-        for root in self._live:
-            if root in index:
-                continue
-            work = [(root, 0)]
-            while work:
-                v, i = work.pop()
-                if i == 0:
-                    index[v] = low[v] = len(index)
-                    stack.append(v)
-                    on.add(v)
-                nxt = fwd.get(v, [])
-                if i < len(nxt):
-                    work.append((v, i + 1))
-                    w = nxt[i][0]
-                    if w not in index:
-                        work.append((w, 0))
-                    elif w in on:
-                        low[v] = min(low[v], index[w])
-                    continue
-                for w, _ in nxt:
-                    if w in on:
-                        low[v] = min(low[v], low[w])
-                if low[v] == index[v]:
-                    members = []
-                    while True:
-                        w = stack.pop()
-                        on.discard(w)
-                        part[w] = len(parts)
-                        members.append(w)
-                        if w == v:
-                            break
-                    parts.append(members)
+        # the most: strongly connected parts; a part with a character inside it loops
+        part, parts = strong_components(self._live, lambda v: (w for w, _ in fwd.get(v, ())))
         loops = [any(w and part[b] == k for a in members for b, w in fwd.get(a, ())) for k, members in
                  enumerate(parts)]
         best: list[float] = [0.0] * len(parts)  # Tarjan's order: a part's successors come before it

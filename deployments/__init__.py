@@ -72,11 +72,8 @@ def build_app(args: AppArgs) -> Application:  # type: ignore[valid-type]
     that serve HTTP themselves (`topology=direct`; `auto`, the default, picks it for one replica)."""
     given: ServeArgs = args if isinstance(args, ServeArgs) else AppArgs.model_validate(args or {})
     a = given.resolved()
-    parts = model_parts(given, a)
-    if not isinstance(parts, tuple):  # (direct: the replicas are the app)
-        return parts
-    llm, settings = parts
-    return _ingress(a).bind(llm, settings)
+    llm, settings = model_parts(given, a)
+    return llm if a.direct else _ingress(a).bind(llm, settings)  # (direct: the replicas are the app)
 
 
 def _ingress(a: ServeArgs, cls: Any = None) -> Any:
@@ -87,8 +84,8 @@ def _ingress(a: ServeArgs, cls: Any = None) -> Any:
 
 
 def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServer") -> Any:
-    """One model's LLM deployment, as `a` (`given`, resolved) says: the bound LLM replicas (`deployment_name`) and
-    the settings of the front that routes to them, or (direct topology) the replicas that serve HTTP themselves."""
+    """One model's LLM deployment, as `a` (`given`, resolved) says: the bound LLM replicas (`deployment_name`; with
+    the direct topology, replicas that serve HTTP themselves) and the settings of their front."""
     if given.num_gpus is None and (gpus := gpus_for_app()) > 0:
         if a.num_gpus:
             log.info("kairos: %d LLM replica(s) of %g GPU each, on the %g GPU(s) Ray has%s (num_gpus / num_replicas "
@@ -126,7 +123,7 @@ def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServe
             max_ongoing_requests=a.ingress_max_ongoing_requests,  # the replica caps its engine's share itself
             health_check_period_s=a.health_check_period_s,
             health_check_timeout_s=a.health_check_timeout_s,
-        ).bind(engine_config, settings, a.max_ongoing_requests, a.max_queued_requests, *replica_args)
+        ).bind(engine_config, settings, a.max_ongoing_requests, a.max_queued_requests, *replica_args), settings
     router = {
         "request_router_class": ROUTER_PATH if a.router == "slo" else POW2_ROUTER_PATH,
         "request_routing_stats_period_s": a.routing_stats_period_s,
@@ -215,8 +212,7 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
         # (the app's front: one key set, one CORS policy, one body limit; the names the model is known by before its
         # replicas say them)
         settings.append({**s, **shared, "aliases": served_names(a.model_name, str(a.model))})
-        gpus += a.num_gpus * (int((a.autoscaling_config or {}).get("max_replicas", 1)) if a.autoscaling_config
-                              else a.num_replicas)
+        gpus += a.num_gpus * a.num_replicas  # (an autoscaled model's: its most)
     if 0 < (have := gpus_for_app()) < gpus:
         log.warning("kairos: the app's models ask for %g GPU(s) in all and Ray has %g: the replicas beyond wait for "
                     "GPUs (a cluster autoscaler's nodes), and /health is 503 until every model serves; give num_gpus "

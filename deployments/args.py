@@ -168,9 +168,9 @@ class ServeArgs(BaseModel):
                 raise ValueError(f"unknown argument(s): {', '.join(hints)}; valid: {', '.join(sorted(known))}")
         return data
 
-    @field_validator("autoscaling_config", mode="before")
+    @field_validator("autoscaling_config", "runtime_env", mode="before")
     @classmethod
-    def _scaling_text(cls, v: Any) -> Any:
+    def _json_text(cls, v: Any, info: Any) -> Any:
         """`serve run ... autoscaling_config='{"min_replicas": 1, "max_replicas": 4}'`: the command line's JSON."""
         if isinstance(v, str):
             import json
@@ -178,7 +178,7 @@ class ServeArgs(BaseModel):
             try:
                 return json.loads(v)
             except ValueError as e:
-                raise ValueError(f"autoscaling_config: not a JSON object ({e})") from None
+                raise ValueError(f"{info.field_name}: not a JSON object ({e})") from None
         return v
 
     @field_validator("accelerator_type")

@@ -180,8 +180,11 @@ class ResponseIds:
 
     def __init__(self, kind: str, given: str | None) -> None:
         self.prefix = self.PREFIX[kind]
+        self._name(given)
+
+    def _name(self, given: str | None, as_given: bool = False) -> None:
         self.given = given
-        self.rid = self.prefix + (given or uuid.uuid4().hex)
+        self.rid = given if as_given and given else self.prefix + (given or uuid.uuid4().hex)
         self.eid = self.rid if given is None else f"{self.rid}.{uuid.uuid4().hex[:8]}"
 
     def name_by_body(self, value: Any) -> None:
@@ -189,9 +192,7 @@ class ResponseIds:
         unused)."""
         if (self.given is None or _SERVE_MADE_ID.fullmatch(self.given)) and isinstance(value, str) \
                 and (value := client_request_id(value)) is not None:
-            self.given = value
-            self.rid = value if self.prefix == "resp_" else self.prefix + value  # (vLLM's Responses API: as given)
-            self.eid = f"{self.rid}.{uuid.uuid4().hex[:8]}"
+            self._name(value, as_given=self.prefix == "resp_")  # (vLLM's Responses API: as given)
 
 
 class Readiness:
@@ -971,15 +972,16 @@ class OpenAIFrontend:
                 self._own_call()  # (calls at once: each its own id, as `step`'s)
                 return await self._replica_call("token_text", reply) if reply else {"prompt": ""}
 
-            texts = await _all_or_none([text_of(list(toks[len(prompt):])) for toks, _, _ in best])
+            replies = [list(toks[len(prompt):]) for toks, _, _ in best]
+            texts = await _all_or_none([text_of(reply) for reply in replies])
+            ids = body.return_token_ids  # (vLLM's: the beam's tokens, and its prompt's)
             out = []
-            for (toks, _, stopped), text in zip(best, texts):
+            for (_, _, stopped), reply, text in zip(best, replies, texts):
                 if "error" in text:
                     raise APIError(500, text["error"], "server_error", "replica_error")
-                ids = body.return_token_ids  # (vLLM's: the beam's tokens, and its prompt's)
                 out.append(P.Choice(text["prompt"], FinishReason.STOP if stopped else FinishReason.LENGTH,
-                                    len(prompt), len(toks) - len(prompt), token_ids=list(toks[len(prompt):])
-                                    if ids else None, prompt_token_ids=list(prompt) if ids else None))
+                                    len(prompt), len(reply), token_ids=reply if ids else None,
+                                    prompt_token_ids=list(prompt) if ids else None))
             return out
 
         done = await _all_or_none([search(r) for r in reqs])
@@ -1239,14 +1241,16 @@ class OpenAIFrontend:
 
     async def _rest(self, gen: Any, first: RequestOutput, rid: str, headers: dict[str, str]) -> "_Whole":
         """A non-streaming request's reply from its first item on (`_Whole`); an APIError where it failed."""
-        parts, item, ids = [first.text], first, list(first.token_ids)
+        # (the reply's token ids where the request asked for them: the replica then gave its prompt's)
+        parts, item, ids = [first.text], first, None if first.prompt_token_ids is None else list(first.token_ids)
         lps = None if first.logprobs is None else list(first.logprobs)
         prompt = first.prompt_logprobs
         try:
             while not item.finished:
                 item = check_output(await gen.__anext__())
                 parts.append(item.text)
-                ids += item.token_ids
+                if ids is not None:
+                    ids += item.token_ids
                 if item.logprobs is not None:
                     if lps is None:
                         lps = []
@@ -1533,7 +1537,7 @@ class _Whole(NamedTuple):
     last: RequestOutput
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob] | None
-    token_ids: list[int]
+    token_ids: list[int] | None
     prompt_token_ids: list[int] | None
 
 
@@ -1840,14 +1844,18 @@ class GenerationFastPath:
             if kind is not None:
                 await self.frontend._serve_generation(scope, receive, send, kind)
                 return
-        rid = f"req-{uuid.uuid4().hex}".encode()
+        await self.api(scope, receive, named_send(send))
 
-        async def named(message: dict) -> None:  # every response names its request (a generation's: its own id)
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-kairos-request-id", rid)]}
-            await send(message)
 
-        await self.api(scope, receive, named)
+def named_send(send: Send) -> Send:
+    """`send`, its response naming its request (`x-kairos-request-id`: a new id; a generation names its own)."""
+    rid = f"req-{uuid.uuid4().hex}".encode()
+
+    async def named(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"x-kairos-request-id", rid)]}
+        await send(message)
+    return named
 
 
 def openai_api() -> FastAPI:

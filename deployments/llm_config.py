@@ -39,15 +39,15 @@ VLLM_NAMES = {
 VLLM_NO_EFFECT = frozenset((
     "enforce_eager", "disable_log_stats", "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
     "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_custom_all_reduce",
-    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling"))
+    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling", "max_logprobs",
+    "hf_token"))
 # vLLM's engine arguments that must keep their default (one GPU per replica, no quantization or drafts here)
 VLLM_ONE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_config", "cpu_offload_gb", "task",
                           "runner", "limit_mm_per_prompt", "pooler_config", "kv_events_config"))
 # vLLM's engine arguments accepted at these values only (what Kairos does), with vLLM's default among them
 VLLM_AT = {"tokenizer_mode": ("auto",), "revision": (None, "main"), "tokenizer_revision": (None, "main"),
-           "disable_sliding_window": (False,), "enable_sleep_mode": (False,), "max_logprobs": None,
-           "hf_token": None, "skip_tokenizer_init": (False,)}
+           "disable_sliding_window": (False,), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,)}
 # an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
 _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
                          "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",
@@ -197,12 +197,13 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             if value not in (None, {}, False, "auto", "generate"):
                 raise _refuse(f"engine_kwargs.{key}", f"{value!r}: not supported by Kairos's engine")
         elif key in VLLM_AT:
-            if VLLM_AT[key] is not None and value not in VLLM_AT[key]:
+            if value not in VLLM_AT[key]:
                 raise _refuse(f"engine_kwargs.{key}", f"{value!r}: Kairos runs with "
                               f"{' or '.join(map(repr, VLLM_AT[key]))}")
-            log.info("kairos: engine_kwargs.%s=%r accepted (Kairos's way)", key, value if key != "hf_token" else "...")
+            log.info("kairos: engine_kwargs.%s=%r accepted (Kairos's way)", key, value)
         elif key in VLLM_NO_EFFECT:
-            log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key, value)
+            log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key,
+                     value if key != "hf_token" else "...")
         elif key in VLLM_NAMES:
             if VLLM_NAMES[key] is not None:
                 out[VLLM_NAMES[key]] = value

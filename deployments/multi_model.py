@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI
@@ -24,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from deployments.errors import APIError, error_response, model_not_found
-from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, GenerationFastPath, IngressFrontend, _drain,
-                                 _http_error, _unexpected, is_json_content_type, route_path)
+from deployments.errors import APIError, model_not_found
+from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, GenerationFastPath, IngressFrontend, _api_error,
+                                 _drain, _http_error, _unexpected, is_json_content_type, named_send, route_path)
 
 BODY_ROUTES = ("/tokenize", "/detokenize")  # the other routes whose body names a model
 
@@ -101,22 +100,22 @@ class MultiModelFrontend:
         elif method == "GET" and path == "/metrics":
             response = await _answer(self.fronts[0].prometheus_metrics)
         else:
-            await fallback(scope, receive, send)  # (FastAPI's: the docs, lifespan, a 404 in OpenAI's shape)
+            await fallback(scope, receive, named_send(send))  # (FastAPI's: the docs, a 404 in OpenAI's shape)
             return
-        await response(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+        await response(scope, receive, named_send(send))
 
     async def _by_body(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """A request whose body names its model: read here (up to the body limit), then given whole to that model's
         front, which reads, checks and answers it as a one-model app's Ingress does."""
+        request = Request(scope, receive)
         try:
-            self.fronts[0]._auth(Request(scope))  # (before the body is read, as a one-model app's: no model named)
+            self.fronts[0]._auth(request)  # (before the body is read, as a one-model app's: no model named)
         except APIError as e:
-            await _drain(_rest(receive))
-            await _error(e)(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+            await _drain(request.stream())
+            await (await _api_error(request, e))(scope, receive, named_send(send))
             return
         body, whole = await _read(receive, self.max_body_bytes)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        is_object, model = model_of(body) if whole and is_json_content_type(headers.get("content-type")) \
+        is_object, model = model_of(body) if whole and is_json_content_type(request.headers.get("content-type")) \
             else (False, None)
         # (the first front refuses what is not JSON, or a `model` that is not a string)
         front = self.front_for(model) if is_object and (model is None or isinstance(model, str)) else self.fronts[0]
@@ -126,7 +125,7 @@ class MultiModelFrontend:
             e = APIError(400, "Model parameter is required when multiple models are configured. Available models: "
                          f"{self._names()}", param="model") if model is None else \
                 model_not_found(str(model), self._names())
-            await _error(e)(scope, receive, _named(send, f"req-{uuid.uuid4().hex}"))
+            await (await _api_error(request, e))(scope, receive, named_send(send))
             return
         replay = _replay(body, whole, receive)
         if path in GENERATION_ROUTES:
@@ -134,13 +133,16 @@ class MultiModelFrontend:
             return
         handler = front.tokenize if path == "/tokenize" else front.detokenize
         response = await _answer(handler, Request(scope, replay))
-        await response(scope, replay, _named(send, f"req-{uuid.uuid4().hex}"))
+        await response(scope, replay, named_send(send))
 
     async def _models(self, request: Request) -> dict[str, Any]:
         cards: list[dict[str, Any]] = []
+        seen: set[str] = set()
         for front in self.fronts:
-            got = await front.models(request)
-            cards += [c for c in got["data"] if c["id"] not in {seen["id"] for seen in cards}]
+            for card in (await front.models(request))["data"]:
+                if card["id"] not in seen:
+                    seen.add(card["id"])
+                    cards.append(card)
         return {"object": "list", "data": cards}
 
     async def _model(self, request: Request, model_id: str) -> dict[str, Any]:
@@ -195,39 +197,15 @@ def _replay(body: bytes, whole: bool, receive: Receive) -> Receive:
     return replay
 
 
-async def _rest(receive: Receive) -> Any:
-    """The chunks of a body not read yet (`_drain` them)."""
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        yield message.get("body", b"")
-        if not message.get("more_body", False):
-            return
-
-
 async def _answer(handler: Callable[..., Awaitable[Any]], *args: Any) -> Response:
     """A front's route handler's answer as a response: a dict as JSON, an APIError as OpenAI's error."""
     try:
         got = await handler(*args)
     except APIError as e:
-        return _error(e)
+        return await _api_error(None, e)  # type: ignore[arg-type]
     except Exception as e:  # noqa: BLE001 - as the one-model app's FastAPI handler: logged, a 500
         return await _unexpected(None, e)  # type: ignore[arg-type]
     return got if isinstance(got, Response) else JSONResponse(got)
-
-
-def _error(e: APIError) -> Response:
-    return error_response(e.status, e.message, e.type, e.code, e.headers, e.param)
-
-
-def _named(send: Send, rid: str) -> Send:
-    """`send`, every response start naming its request (`x-kairos-request-id`), as a one-model app's answers do."""
-    async def named(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), (b"x-kairos-request-id", rid.encode())]}
-        await send(message)
-    return named
 
 
 def _api() -> FastAPI:

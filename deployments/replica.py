@@ -233,7 +233,7 @@ class LLMReplica:
         self._decode_left: dict[str, int] = {}  # in-flight request -> output tokens it is still expected to make
         self.model_name = self.engine.model_name
         self.log_prompts = log_prompts
-        self.pacing = self._app_pacing = pacing or StreamPacing()
+        self.pacing = pacing or StreamPacing()
         self._pacing_running: int | None = None  # the LLM replicas running, as the last request said
         self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
         self.inflight = 0
@@ -258,7 +258,7 @@ class LLMReplica:
         req = req.arrived(t_in)  # its way here (routing, Serve's queue) is spent too
         if req.replicas_running and req.replicas_running != self._pacing_running:  # (an autoscaled app's share)
             self._pacing_running = req.replicas_running
-            self.pacing = self._app_pacing.for_running(req.replicas_running)
+            self.pacing = self.pacing.for_running(req.replicas_running)
         try:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:
@@ -303,6 +303,7 @@ class LLMReplica:
                     first = False
                     self._prompt_lens.append(max(out.num_prompt_tokens, 1))
                     served = ServedBy(self.replica_id, (now - t_in) * 1000.0)
+                    ids = None  # (vLLM's return_token_ids: an admitted request's prompt's)
                     if out.finish_reason is FinishReason.REJECTED:
                         left.pop(rid, None)
                         view = self._judge(req, out)
@@ -317,8 +318,8 @@ class LLMReplica:
                         self.demand.admitted += 1
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)
                         if req.return_token_ids:  # (vLLM's return_token_ids)
-                            out = dataclasses.replace(out, prompt_token_ids=list(stream.prompt_token_ids or ()))
-                    out = dataclasses.replace(out, served_by=served)
+                            ids = list(stream.prompt_token_ids or ())
+                    out = dataclasses.replace(out, served_by=served, prompt_token_ids=ids)
                 elif out.token_ids:
                     self.metrics.on_itl(tier, (now - last_t) / len(out.token_ids), len(out.token_ids))
                 if out.token_ids:

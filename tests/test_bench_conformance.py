@@ -3,7 +3,8 @@ from bench.conformance import Answer, Case, compare, shape, shape_diff
 
 
 def test_shapes_ignore_volatile_fields_and_nulls_one_side_leaves_out():
-    k = {"id": "a", "choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": 1}}
+    k = {"id": "a", "system_fingerprint": "fp", "choices": [{"text": "x", "finish_reason": "stop"}],
+         "usage": {"prompt_tokens": 1}}  # (a volatile field one side has)
     v = {"id": "b", "choices": [{"text": "y", "finish_reason": "stop", "routed_experts": None}],
          "usage": {"prompt_tokens": 2, "extra": 3}}
     assert shape_diff(shape(k), shape(v)) == [".usage.extra: vLLM only (\"num\")"]

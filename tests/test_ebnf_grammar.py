@@ -137,7 +137,6 @@ def test_steps_are_cached_and_states_shared():
 def test_a_lark_grammar_is_read_as_vllm_reads_it():
     """No `::=`: vLLM takes the grammar as Lark's (`name: ...`, `|` lines going on with the last rule, `?` dropped,
     `start` the reply's rule, comments `//` and `#`), and so does this server."""
-    from core.regex_grammar import matches
 
     g = compile_grammar('''
         // vLLM's documentation's SQL grammar, in Lark's notation

@@ -136,6 +136,7 @@ def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to()
     # the command line's JSON
     assert AppArgs.model_validate({"model": "kairos-tiny", "autoscaling_config": '{"min_replicas": 1, '
                                    '"max_replicas": 2}'}).autoscaling_config == {"min_replicas": 1, "max_replicas": 2}
+    assert AppArgs.model_validate({"runtime_env": '{"env_vars": {"A": "1"}}'}).runtime_env == {"env_vars": {"A": "1"}}
     with pytest.raises(ValueError, match="min_replicas must be at least 1"):
         build_openai_app({"llm_configs": [{**cfg["llm_configs"][0], "deployment_config": {
             "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}}]})

@@ -957,7 +957,7 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
         assert r.json()["id"] == "chatcmpl-trace-7" and r.headers["x-request-id"] == "trace-7"
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2, "stream": True},
                     headers={"x-request-id": "trace-8"})
-    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    events = [json.loads(e) for e in sse_events(r)[:-1]]
     assert events and all(e["id"] == "cmpl-trace-8" for e in events) and r.headers["x-request-id"] == "trace-8"
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 0}, headers={"x-request-id": "trace-9"})
     assert r.status_code == 400 and r.headers["x-request-id"] == "trace-9"  # (a refusal too)

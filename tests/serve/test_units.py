@@ -1718,7 +1718,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         assert [(await sent.__anext__()).finished for _ in range(2)] == [False, True]
         assert (200.0 <= seen[-1].waited_ms < 1000.0 or clock_id() is None) and seen[-1].sent_at is None
         # an autoscaled app's replica splits the Ingress's chunk budget over the replicas its requests say run
-        me._app_pacing, me._pacing_running = StreamPacing.of_app(0.0, 2000.0, 4, autoscaled=True), None
+        me.pacing, me._pacing_running = StreamPacing.of_app(0.0, 2000.0, 4, autoscaled=True), None
         shared = me.generate(GenerateRequest("shared", prompt=(1,), replicas_running=2, return_token_ids=True))
         first = await shared.__anext__()
         assert me.pacing.max_chunks_per_s == 1000.0 and first.prompt_token_ids == [1]  # (vLLM's return_token_ids)
