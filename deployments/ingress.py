@@ -1115,7 +1115,7 @@ class OpenAIFrontend:
 
             done = await _all_or_none([whole(i, r) for i, r in enumerate(reqs)])
             choices = [_choice(kind, body, w, echo[i // n] if echo else None) for i, (_, w) in enumerate(done)]
-            made = sum(c.completion_tokens for c in choices)  # every choice's tokens count, those not returned (OpenAI's)
+            made = sum(c.completion_tokens for c in choices)  # every choice made counts, returned or not (OpenAI's)
             if n > (body.n or 1):
                 choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
