@@ -13,9 +13,11 @@ naming its call's `index`); `whole` reads a whole reply. Readers:
     `;`), after an optional `<|python_tag|>` (Llama 3.1-3.3);
   - `mistral`: `[TOOL_CALLS]` and then a JSON list of `{"name", "arguments"}`, or `name[ARGS]{...}` (Mistral);
 - a tool_choice naming a tool (`NamedToolReader`: the reply is its arguments, streamed as they come) or
-  "required" (`RequiredToolReader`: the reply is a JSON list of calls, read once whole).
-A call whose JSON does not parse stays text, as vLLM's parsers leave it. Text between or after calls that is only
-whitespace is dropped.
+  "required" (`RequiredToolReader`: the reply is a JSON list of calls).
+Streamed (vLLM's and OpenAI's way), a call's entry is sent once its name is read and its arguments open, then
+its arguments as they are written (`ObjectCall`, `FunctionCall`, `CallList`; mistral's calls whole at the end).
+A call whose JSON does not parse stays text, as vLLM's parsers leave it, unless it was sent before its text ended
+(then it stays a call, cut). Text between or after calls that is only whitespace is dropped.
 """
 from __future__ import annotations
 
@@ -102,6 +104,7 @@ class ToolCallReader:
     def __init__(self) -> None:
         self.calls = 0
         self._ws = ""  # whitespace after a call, held until text that is not says whether it is content
+        self._whole = False  # read whole (`whole`): no call is sent before its text is
 
     def feed(self, text: str) -> ReplyDelta:
         raise NotImplementedError
@@ -112,6 +115,7 @@ class ToolCallReader:
     def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A whole reply's content (None where it is only whitespace beside calls) and its calls (each whole: no
         `index`)."""
+        self._whole = True
         d = self.feed(text).add(self.end())
         return (d.content if d.content.strip() or not d.calls else None), merge_calls(d.calls)
 
@@ -179,9 +183,170 @@ def merge_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(calls.values())
 
 
+class JsonText:
+    """A JSON value's text as it streams in, rewritten as `json.dumps(value, ensure_ascii=False)` writes it: `, `
+    and `: ` between items, no other whitespace, a string's escapes only where json.dumps writes one (numbers as
+    written). `feed` gives the rewritten text of what it was given, up to where the value closes (`end`: that
+    place in all it was given; None while the value is open). Text that is not JSON is passed on as written."""
+
+    _PLAIN = re.compile(r'[^"\\\x00-\x1f\ud800-\udfff]+')
+    _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+    _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+    _BETWEEN = {",": ", ", ":": ": ", " ": "", "\t": "", "\r": "", "\n": ""}
+
+    def __init__(self) -> None:
+        self.end: int | None = None
+        self._fed = 0
+        self._depth = 0
+        self._in_string = False
+        self._escape = ""  # an escape being read, from its backslash
+        self._high = ""  # a high surrogate's escape, waiting for its low one
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        i, n = 0, len(text)
+        while i < n and self.end is None:
+            ch = text[i]
+            if not self._in_string:
+                i += 1
+                if ch == '"':
+                    self._in_string = True
+                elif ch in "{[":
+                    self._depth += 1
+                elif ch in "}]":
+                    self._depth -= 1
+                    if self._depth <= 0:
+                        self.end = self._fed + i
+                out.append(self._BETWEEN.get(ch, ch))
+            elif self._escape:
+                self._escape += ch
+                i += 1
+                out.append(self._escaped())
+            elif ch == "\\":
+                self._escape = ch
+                i += 1
+            else:
+                out.append(self._unpaired())
+                m = self._PLAIN.match(text, i)
+                if m is not None:
+                    out.append(m.group())
+                    i = m.end()
+                    continue
+                i += 1
+                if ch == '"':
+                    self._in_string = False
+                    out.append(ch)
+                else:  # a control character or a surrogate: its escape
+                    out.append(self._char(ch))
+        self._fed += i
+        return "".join(out)
+
+    def _escaped(self) -> str:
+        """What an escape read so far is written as (nothing while it is unfinished)."""
+        e = self._escape
+        if e[1] != "u":
+            self._escape = ""
+            c = self._ESCAPES.get(e[1])
+            return self._unpaired() + (self._char(c) if c is not None else e)
+        if len(e) < 6:
+            return ""
+        self._escape = ""
+        if not self._HEX4.fullmatch(e[2:]):
+            return self._unpaired() + e
+        cp = int(e[2:], 16)
+        if 0xD800 <= cp < 0xDC00:  # the first half of a pair: held for the second
+            held, self._high = self._unpaired(), e
+            return held
+        if 0xDC00 <= cp < 0xE000 and self._high:
+            high, self._high = int(self._high[2:], 16), ""
+            return chr(0x10000 + ((high - 0xD800) << 10) + (cp - 0xDC00))
+        return self._unpaired() + self._char(chr(cp))
+
+    def _unpaired(self) -> str:
+        """A held high surrogate that no low one followed, as its escape."""
+        held, self._high = self._high, ""
+        return held.lower()
+
+    @staticmethod
+    def _char(c: str) -> str:
+        if 0xD800 <= ord(c) < 0xE000:  # a lone surrogate cannot be written as UTF-8: its escape
+            return f"\\u{ord(c):04x}"
+        return json.dumps(c, ensure_ascii=False)[1:-1]
+
+
+_KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*', re.S)
+_SPACE = re.compile(r"\s*")
+
+
+def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
+    """Where a call's JSON object, as far as `text` has it, has its name read and its arguments' object opened:
+    (its name, where in `text` the arguments start); None before (or where it is no such object)."""
+    i = _SPACE.match(text).end()
+    if text[i:i + 1] != "{":
+        return None
+    decoder, name, args, i = json.JSONDecoder(), None, None, i + 1
+    while True:
+        i = _SPACE.match(text, i).end()
+        if text[i:i + 1] == ",":
+            i += 1
+        m = _KEY.match(text, i)
+        if m is None or m.end() == len(text):
+            return None
+        key, i = _json(f'"{m.group(1)}"'), m.end()
+        if key in keys and args is None:
+            if text[i] != "{":
+                return None  # arguments as JSON text, or not a call's: read whole
+            args = i
+            if name is not None:
+                return name, args
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        if key == "name":
+            if not isinstance(value, str) or not value:
+                return None
+            name = value
+            if args is not None:
+                return name, args
+
+
+class ObjectCall:
+    """One call written as a JSON object (`{"name": ..., <one of keys>: {...}}`), streamed as it is written: once
+    its name is read and its arguments' object opened, its entry (id, name and the arguments so far), then the
+    rest of its arguments as they come (as `JsonText` rewrites them). `feed` takes the object's text so far."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.args: JsonText | None = None  # once the entry is sent
+        self._index = 0
+        self._seen = 0  # of the object's text, what the arguments were given
+
+    @property
+    def sent(self) -> bool:
+        return self.args is not None
+
+    def feed(self, reader: "ToolCallReader", text: str) -> list[dict[str, Any]]:
+        if self.args is None:
+            start = _call_start(text, self.keys)
+            if start is None:
+                return []
+            self.args, self._seen = JsonText(), start[1]
+            entry = reader._call(start[0], "")
+            self._index = entry["index"]
+            entry["function"]["arguments"] = self.args.feed(text[self._seen:])
+            self._seen = len(text)
+            return [entry]
+        if self.args.end is not None or len(text) <= self._seen:
+            return []
+        delta, self._seen = self.args.feed(text[self._seen:]), len(text)
+        return [{"index": self._index, "function": {"arguments": delta}}] if delta else []
+
+
 class _MarkedReader(ToolCallReader):
     """Calls that open with a mark (`START`): text before it is content, held back only while it could be the
-    mark's start; each call's text is read once whole (`_close` says where one ends)."""
+    mark's start; each call's text is read once whole (`_close` says where one ends), or streamed as it comes where
+    the format can be (`_partial`)."""
 
     START = ""
 
@@ -206,7 +371,7 @@ class _MarkedReader(ToolCallReader):
             else:
                 got = self._close(self._buf, False)
                 if got is None:
-                    return out
+                    return out.add(self._partial(self._buf)) if not self._whole else out
                 out.add(got)
 
     def end(self) -> ReplyDelta:
@@ -226,9 +391,30 @@ class _MarkedReader(ToolCallReader):
         reader's state moved past them; None while it is not."""
         raise NotImplementedError
 
+    def _partial(self, buf: str) -> ReplyDelta:
+        """What a call not yet whole (`buf`: its text so far) says already: nothing, unless the format streams."""
+        return ReplyDelta()
+
 
 class HermesReader(_MarkedReader):
+    """`<tool_call>` JSON `</tool_call>`: each call's entry sent once its name is read and its arguments' object
+    opened, then its arguments as they come (`ObjectCall`); one whose text never gets that far is read whole at
+    its end, and stays text where it is no call. A call sent before its text ended stays a call (cut, its arguments
+    are cut too, as vLLM's)."""
+
     START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open: ObjectCall | FunctionCall | None = None  # the call being streamed
+
+    def _streamed(self) -> "ObjectCall | FunctionCall":
+        return ObjectCall(("arguments", "parameters"))
+
+    def _partial(self, buf: str) -> ReplyDelta:
+        if self._open is None:
+            self._open = self._streamed()
+        return ReplyDelta(calls=self._open.feed(self, buf[:len(buf) - held_back(buf, self.END)]))
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         j = buf.find(self.END)
@@ -236,6 +422,9 @@ class HermesReader(_MarkedReader):
             return None
         body, rest = (buf[:j], buf[j + len(self.END):]) if j >= 0 else (buf, "")
         self._inside, self._buf = False, rest
+        opened, self._open = self._open, None
+        if opened is not None and opened.sent:
+            return ReplyDelta(calls=opened.feed(self, body))
         call = self._call_of(body)
         if call is None:  # not a call: its text stays content
             return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
@@ -249,7 +438,7 @@ class HermesReader(_MarkedReader):
 class Qwen3CoderReader(HermesReader):
     """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>`;
     a value is its text (one newline either side dropped) where its tool's schema makes it a string (or says
-    nothing and it is no JSON), else its JSON value."""
+    nothing and it is no JSON), else its JSON value. Streamed a parameter at a time (`FunctionCall`)."""
 
     FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.S)
     PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.S)
@@ -257,6 +446,9 @@ class Qwen3CoderReader(HermesReader):
     def __init__(self, types: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
         self.types = types or {}  # tool name -> parameter name -> its schema's type
+
+    def _streamed(self) -> "FunctionCall":
+        return FunctionCall()
 
     def _call_of(self, body: str) -> Call | None:
         m = self.FUNCTION.match(body)
@@ -274,6 +466,50 @@ class Qwen3CoderReader(HermesReader):
             return json.loads(text)
         except ValueError:
             return text
+
+
+class FunctionCall:
+    """A Qwen3-Coder call streamed as it is written: its entry once `<function=NAME>` is read, then each parameter
+    once whole (`{"P": value` for the first, `, "P": value` after), and the arguments' `}` once the function
+    closes. `feed` takes the call's text so far."""
+
+    OPEN = re.compile(r"\s*<function=([^>\s]+)>")
+    CLOSE = "</function>"
+
+    def __init__(self) -> None:
+        self.sent = False
+        self._name = ""
+        self._index = 0
+        self._pos = 0  # where the next parameter (or the function's end) is looked for
+        self._count = 0  # parameters sent
+        self._closed = False
+
+    def feed(self, reader: Qwen3CoderReader, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not self.sent:
+            m = self.OPEN.match(text)
+            if m is None:
+                return out
+            entry = reader._call(m.group(1), "")
+            self.sent, self._name, self._index, self._pos = True, m.group(1), entry["index"], m.end()
+            out.append(entry)
+        if self._closed:
+            return out
+        types, args = reader.types.get(self._name, {}), ""
+        for m in reader.PARAMETER.finditer(text, self._pos):
+            key = m.group(1).strip()
+            value = reader._value(m.group(2), types.get(key))
+            args += (", " if self._count else "{") + json.dumps(key, ensure_ascii=False) + ": " + \
+                json.dumps(value, ensure_ascii=False)
+            self._count, self._pos = self._count + 1, m.end()
+        tail = text[self._pos:]
+        if self.CLOSE in tail and "<parameter=" not in tail[:tail.find(self.CLOSE)]:
+            args, self._closed = args + ("}" if self._count else "{}"), True
+        if args and out:
+            out[0]["function"]["arguments"] = args
+        elif args:
+            out.append({"index": self._index, "function": {"arguments": args}})
+        return out
 
 
 class MistralReader(_MarkedReader):
@@ -307,9 +543,59 @@ class MistralReader(_MarkedReader):
         return [(name.strip(), value)] if name.strip() and isinstance(value, (dict, str)) else None
 
 
+class CallList:
+    """Calls written as JSON objects one after another, with only whitespace and `seps` between them, streamed
+    (an `ObjectCall` each; one not sent before its text ended is read whole there); `stopped` where the text goes
+    on with something else (the list's end, or text that is no call). `feed` takes all the text so far."""
+
+    def __init__(self, keys: tuple[str, ...], seps: str) -> None:
+        self.keys, self.seps = keys, seps
+        self.pos = 0  # where the next object (or the open one) starts
+        self.open: ObjectCall | None = None
+        self.stopped = False
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, reader: "ToolCallReader", text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while not self.stopped:
+            if self.open is None:
+                i = self.pos
+                while i < len(text) and (text[i].isspace() or text[i] in self.seps):
+                    i += 1
+                self.pos = i
+                if i == len(text):
+                    break
+                if text[i] != "{":
+                    self.stopped = True
+                    break
+                self.open = ObjectCall(self.keys)
+            out.extend(self.open.feed(reader, text[self.pos:]))  # (its arguments end where they close)
+            if self.open.sent and self.open.args.end is None:
+                break
+            try:
+                value, end = self._decoder.raw_decode(text, self.pos)
+            except ValueError:  # not whole yet
+                break
+            if not self.open.sent:
+                call = as_call(value, self.keys)
+                if call is None:
+                    self.stopped = True
+                    break
+                out.append(reader._call(*call))
+            self.open, self.pos = None, end
+        return out
+
+    @property
+    def rest_is_text(self) -> bool:
+        """Whether the text from `pos` on is no call's (else it is a call's, sent and cut)."""
+        return self.open is None or not self.open.sent
+
+
 class Llama3JsonReader(ToolCallReader):
-    """A reply that opens (after whitespace, and an optional `<|python_tag|>`) with `{` is calls, read at its end:
-    JSON objects `{"name", "parameters"}` separated by `;`; any other reply is content, streamed at once."""
+    """A reply that opens (after whitespace, and an optional `<|python_tag|>`) with `{` is calls: JSON objects
+    `{"name", "parameters"}` separated by `;`, each streamed as it is written (`CallList`); any other reply is
+    content, streamed at once. Where no call is sent before the reply ends, it is read whole there: calls, or
+    else all of it content."""
 
     TAG = "<|python_tag|>"
 
@@ -317,6 +603,8 @@ class Llama3JsonReader(ToolCallReader):
         super().__init__()
         self._buf = ""
         self._mode: str | None = None  # "text" or "calls", once the reply's start says
+        self._body = 0  # where in the reply the calls start
+        self._list = CallList(("arguments", "parameters"), ";")
 
     def feed(self, text: str) -> ReplyDelta:
         if self._mode == "text":
@@ -328,15 +616,22 @@ class Llama3JsonReader(ToolCallReader):
                 return ReplyDelta()
             if head.startswith((self.TAG, "{")):
                 self._mode = "calls"
+                self._body = len(self._buf) - len(head) + (len(self.TAG) if head.startswith(self.TAG) else 0)
             else:
                 self._mode, out, self._buf = "text", self._buf, ""
                 return ReplyDelta(content=out)
-        return ReplyDelta()
+        if self._whole:
+            return ReplyDelta()
+        return ReplyDelta(calls=self._list.feed(self, self._buf[self._body:]))
 
     def end(self) -> ReplyDelta:
         buf, self._buf = self._buf, ""
         if self._mode != "calls":
             return ReplyDelta(content=buf)
+        if self.calls:  # calls sent as they came: what follows them is text (unless a call was cut)
+            rest = buf[self._body:][self._list.pos:] if self._list.rest_is_text else ""
+            out, self._ws = ReplyDelta(content=self._content(rest)), ""
+            return out
         body = buf.lstrip()
         body = body[len(self.TAG):] if body.startswith(self.TAG) else body
         decoder, found, i = json.JSONDecoder(), [], 0
@@ -384,19 +679,32 @@ class NamedToolReader(ToolCallReader):
 
 
 class RequiredToolReader(ToolCallReader):
-    """tool_choice "required": the reply is a JSON list of calls (`{"name", "parameters"}`), read at its end; one
-    that is not (its cap cut it) stays text."""
+    """tool_choice "required": the reply is a JSON list of calls (`{"name", "parameters"}`), each streamed as it is
+    written (`CallList`); read whole, one that is not (its cap cut it) stays text."""
 
     def __init__(self) -> None:
         super().__init__()
         self._buf = ""
+        self._start: int | None = None  # where the list's items start (-1: the reply is no list)
+        self._list = CallList(("parameters",), ",")
 
     def feed(self, text: str) -> ReplyDelta:
         self._buf += text
-        return ReplyDelta()
+        if self._whole:
+            return ReplyDelta()
+        if self._start is None:
+            head = self._buf.lstrip()
+            if not head:
+                return ReplyDelta()
+            self._start = len(self._buf) - len(head) + 1 if head[0] == "[" else -1
+        if self._start < 0:
+            return ReplyDelta()
+        return ReplyDelta(calls=self._list.feed(self, self._buf[self._start:]))
 
     def end(self) -> ReplyDelta:
         buf, self._buf = self._buf, ""
+        if self.calls:  # sent as they came
+            return ReplyDelta()
         return self._calls(as_calls(_json(buf), ("parameters",))) or ReplyDelta(content=buf)
 
 

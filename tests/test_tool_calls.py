@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from deployments.tool_calls import (PARSERS, NamedToolReader, RequiredToolReader, ReplyDelta, detect, merge_calls,
-                                    model_format_reader)
+from deployments.tool_calls import (PARSERS, JsonText, NamedToolReader, RequiredToolReader, ReplyDelta, detect,
+                                    merge_calls, model_format_reader)
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}'
 
@@ -32,7 +32,6 @@ CASES = [
     ("llama3_json", '\n {"name": "f", "parameters": {"q": 1}}', None, [("f", {"q": 1})]),
     ("llama3_json", "Hello {there}", "Hello {there}", []),
     ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
-    ("llama3_json", '{"name": "f", "parameters": {"q"', '{"name": "f", "parameters": {"q"', []),
     ("mistral", 'Sure[TOOL_CALLS][{"name": "f", "arguments": {"a": 2}}, {"name": "g", "arguments": {}}]', "Sure",
      [("f", {"a": 2}), ("g", {})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 2}[TOOL_CALLS]g{"b": [3]}', None, [("f", {"a": 2}), ("g", {"b": [3]})]),
@@ -63,6 +62,65 @@ def test_a_reply_reads_as_the_same_content_and_calls_whole_and_in_every_cut(fmt,
         assert (d.content if d.content.strip() or not d.calls else None) == content, step
         assert [c["index"] for c in d.calls if "id" in c] == list(range(len(calls)))  # each call once, in order
         assert _named(merge_calls(d.calls)) == calls, step
+        assert [c["function"]["arguments"] for c in merge_calls(d.calls)] == \
+            [c["function"]["arguments"] for c in got_calls], step  # the same text, not only the same JSON
+
+
+def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_written() -> None:
+    """vLLM's streaming: the entry (id, name) as soon as the arguments' object opens, then each piece of them, as
+    json.dumps writes them (however the model spaced them), before the call's text has ended."""
+    for fmt, reply in [("hermes", '<tool_call>\n{"name":"get_weather" , "arguments":{"city":"Z\\u00fcrich",\n'
+                                  '  "days":[1,2]}}\n</tool_call>'),
+                       ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Zürich", '
+                                       '"days": [1, 2]}}')]:
+        r, sent = model_format_reader(fmt), []
+        for k in range(len(reply)):
+            sent.extend(r.feed(reply[k]).calls)
+        sent.extend(r.end().calls)
+        assert sent[0]["function"]["name"] == "get_weather" and sent[0]["id"] and sent[0]["index"] == 0
+        assert len(sent) > 10 and all(set(e) == {"index", "function"} for e in sent[1:])  # piece by piece
+        assert merge_calls(sent)[0]["function"]["arguments"] == '{"city": "Zürich", "days": [1, 2]}'
+    r = model_format_reader("qwen3_coder")  # a parameter at a time
+    d = [r.feed(p) for p in ("<tool_call>\n<function=get_weather>\n<parameter=city>\nZü", "rich\n</parameter>\n",
+                             "<parameter=days>\n3\n</parameter>\n</function>", "\n</tool_call>")]
+    assert d[0].calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert [e["function"]["arguments"] for x in d[1:] for e in x.calls] == ['{"city": "Zürich"', ', "days": 3}']
+    r = RequiredToolReader()
+    first = r.feed('[{"name": "f", "parameters": {"x": ')
+    assert first.calls[0]["function"] == {"name": "f", "arguments": '{"x": '}
+    rest = r.feed('1}}, {"name": "g", "parameters": {}}]').add(r.end())
+    assert merge_calls(first.calls + rest.calls)[1]["function"] == {"name": "g", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("fmt,reply,sent", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"q": "ab', '{"q": "ab'),
+    ("llama3_json", '{"name": "f", "parameters": {"q"', '{"q"'),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=q>\n1\n</parameter>\n<parameter=r>", '{"q": 1'),
+    ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x"', '{"x"'),
+])
+def test_a_call_cut_after_it_was_sent_stays_a_call_as_in_vllm(fmt, reply, sent) -> None:
+    """Read whole, a cut call stays text (as vLLM's reply); streamed, what was sent of it stays sent."""
+    content, calls = model_format_reader(fmt).whole(reply)
+    assert calls == [] and content == reply
+    d = _streamed(model_format_reader(fmt), reply, 1)
+    assert d.content == "" and merge_calls(d.calls)[-1]["function"]["arguments"] == sent
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": 1, "b": [true, false, null], "c": {"d": -1.5}}',
+    ' {\n  "s" : "tab\\there \\"q\\" back\\\\slash \\/ \\u00e9 \\ud83d\\ude00 \\u0001 é 😀" ,"e":{} }',
+    '{"lone": "\\ud83d then text", "low": "\\udc00", "ctl": "\\b\\f\\n\\r\\t"}',
+    '[1, [2, [3]], "]"]',
+])
+def test_json_text_writes_what_it_is_fed_as_json_dumps_does_and_knows_where_it_ends(text) -> None:
+    want = json.dumps(json.loads(text), ensure_ascii=False)
+    if "lone" in text:  # json.dumps would write the lone surrogates as they are (no UTF-8 can)
+        want = want.replace("\ud83d", "\\ud83d").replace("\udc00", "\\udc00")
+    for step in range(1, len(text) + 2):
+        j, out = JsonText(), []
+        for k in range(0, len(text) + 5, step):
+            out.append(j.feed((text + " tail")[k:k + step]))
+        assert "".join(out) == want and j.end == len(text.rstrip()), step
 
 
 def test_hermes_streams_text_at_once_and_holds_only_what_could_open_a_call() -> None:

@@ -1101,9 +1101,9 @@ def test_sse_sends_a_chunk_for_every_token_delivery_even_without_text() -> None:
 
 def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() -> None:
     """With a reader of the reply (a reasoning model's thinking; tool_choice auto, in the model's format), a chat
-    stream's chunks carry the thinking as `reasoning_content`, the text before a call as content and each call,
-    once read, as a `tool_calls` delta; the last chunk's finish reason is `tool_calls`. Read whole, the same reply
-    gives the same message."""
+    stream's chunks carry the thinking as `reasoning_content`, the text before a call as content and each call as
+    `tool_calls` deltas (its name once read, then its arguments as they come); the last chunk's finish reason is
+    `tool_calls`. Read whole, the same reply gives the same message."""
     import asyncio
     import json
 
@@ -1116,7 +1116,7 @@ def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() ->
         return ReplyReader(reasoning_reader("qwen3"), model_format_reader("hermes"))
 
     pieces = ["<think>\nRain", "?</th", "ink>\n\nChecking", ". <tool", '_call>\n{"name": "get_weather", ',
-              '"arguments": {"city": "Oslo"}}\n</tool_call>', "\n"]
+              '"arguments": {"city": ', '"Oslo"}}\n</tool_call>', "\n"]
     items = [RequestOutput("c", text=t, token_ids=[i]) for i, t in enumerate(pieces)]
     items[-1] = RequestOutput("c", text=pieces[-1], token_ids=[9], finished=True, finish_reason="stop",
                               num_prompt_tokens=3, num_output_tokens=len(pieces))
@@ -1132,8 +1132,9 @@ def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() ->
     assert "".join(d.get("content", "") for d in deltas[1:]) == "Checking. "
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nRain?"
     calls = [e for d in deltas for e in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["id"] and calls[0]["type"] == "function"
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert len(calls) == 2 and calls[0]["index"] == 0 and calls[0]["id"] and calls[0]["type"] == "function"
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert calls[1] == {"index": 0, "function": {"arguments": '"Oslo"}'}}
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
     whole = P.read_replies(P.chat_response("chatcmpl-1", "m", "".join(pieces), "stop", 3, 5), reader)
     message = whole["choices"][0]["message"]
