@@ -42,14 +42,15 @@ OTHER_TIER = "other"
 
 
 class _TierRecorder:
-    """`metric`'s observations by `tier` label, on its recording path with each tier's final tags built once. A
+    """`metric`'s observations by `tier` label (`label`; None: a metric with no such tag, its own tags only), on its
+    recording path with each tier's final tags built once. A
     Serve metric's own `observe` / `inc` merges and checks its tags and reads Serve's request context on every call,
     what a per-token series pays per token on the replica's event loop; the tags it would send are the same for every
     call of a tier (the metric's default tags, Serve's replica tags, the tier). Falls back to the public call where
     the metric has no such path (a metric Ray discards, another Ray)."""
 
-    def __init__(self, metric: Any) -> None:
-        self.metric = metric
+    def __init__(self, metric: Any, label: str | None = "tier") -> None:
+        self.metric, self.label = metric, label
         self._tags: dict[str, dict[str, str]] = {}
         self._record = None
         if not getattr(metric, "_discard_metric", True) and getattr(metric, "_metric", None) is not None \
@@ -58,14 +59,15 @@ class _TierRecorder:
 
     def record(self, value: float, tier: str, n: int = 1) -> None:
         """`n` observations of `value` (a histogram) for `tier`."""
+        given = {self.label: tier} if self.label is not None else {}
         if self._record is None:
             for _ in range(n):
-                self.metric.observe(value, tags={"tier": tier})
+                self.metric.observe(value, tags=given)
             return
         try:
             tags = self._tags.get(tier)
             if tags is None:
-                tags = self.metric._get_final_tags({"tier": tier})
+                tags = self.metric._get_final_tags(given)
                 self.metric._validate_tags(tags)
                 tags = self._tags[tier] = dict(tags)
             for _ in range(n):
@@ -92,8 +94,9 @@ class VllmSeries:
     takes them, and its `model_name` tag), for what they mean in this engine: Ray's Serve LLM Grafana dashboard
     (token throughput, TTFT, TPOT and end-to-end latency, the scheduler's state, KV cache and prefix cache use, the
     finish reasons, queue, prefill and decode times, prompt and reply lengths) works on a Kairos app as on Ray Serve
-    LLM's. Per request, observed when it ends; `time_per_output_token` once per request (its mean: vLLM's
-    request_time_per_output_token, not its per-token inter_token_latency, which would cost a call per chunk)."""
+    LLM's. Per request, observed when it ends (`time_per_output_token` once per request, its mean: vLLM's
+    request_time_per_output_token), but for `inter_token_latency`, observed per token as the replica streams them
+    (`itl`; a chunk of n tokens: n gaps of its time over n)."""
 
     def __init__(self, model: str, max_model_len: int = 1 << 17) -> None:
         tags = {"model_name": model}
@@ -119,6 +122,8 @@ class VllmSeries:
         self.ttft = hist("time_to_first_token_seconds", "time to first token, seconds", _LAT_S)
         self.tpot = hist("request_time_per_output_token_seconds", "a request's mean time per output token after "
                          "the first, seconds", _LAT_S)
+        self.itl = _TierRecorder(hist("inter_token_latency_seconds", "time between a request's output tokens, "
+                                      "seconds", _LAT_S), None)
         self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds", _E2E_S)
         self.queue = hist("request_queue_time_seconds", "time waiting, arrival to admission, seconds", _E2E_S)
         self.prefill = hist("request_prefill_time_seconds", "admission to first token, seconds", _E2E_S)
@@ -380,6 +385,7 @@ class ReplicaMetrics:
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
         """`n` tokens that came `seconds` apart each (a chunk of `n` tokens, `n` x `seconds` after the last)."""
         self._itl.record(seconds, tier, n)
+        self.vllm.itl.record(seconds, "", n)
 
     def on_finished(self, tier: str, slo: SLO, final: RequestOutput, streamed: int) -> None:
         """An admitted request's end: per-request histograms from its final stream item; `streamed`: its tokens

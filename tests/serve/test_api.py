@@ -1000,7 +1000,8 @@ def test_metrics_on_the_serving_port(client: httpx.Client) -> None:
             "ray_kairos_event_loop_lag_s_bucket", "ray_kairos_prefix_cache_queries_total",
             "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-            "vllm:request_time_per_output_token_seconds_bucket", "vllm:generation_tokens_total",
+            "vllm:request_time_per_output_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+            "vllm:generation_tokens_total",
             "vllm:prompt_tokens_total", "vllm:request_success_total", "vllm:request_prompt_tokens_sum"}
     deadline, names, text = time.monotonic() + 30, set(), ""
     while time.monotonic() < deadline:  # the agent takes what the replicas report every second (conftest)
