@@ -15,7 +15,7 @@ naming its call's `index`); `whole` reads a whole reply. Readers:
 - a tool_choice naming a tool (`NamedToolReader`: the reply is its arguments, streamed as they come) or
   "required" (`RequiredToolReader`: the reply is a JSON list of calls).
 Streamed (vLLM's and OpenAI's way), a call's entry is sent once its name is read and its arguments open, then
-its arguments as they are written (`ObjectCall`, `FunctionCall`, `CallList`; mistral's calls whole at the end).
+its arguments as they are written (`ObjectCall`, `NamedArgsCall`, `FunctionCall`, `CallList`).
 A call whose JSON does not parse stays text, as vLLM's parsers leave it, unless it was sent before its text ended
 (then it stays a call, cut). Text between or after calls that is only whitespace is dropped.
 """
@@ -314,21 +314,25 @@ def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
 class ObjectCall:
     """One call written as a JSON object (`{"name": ..., <one of keys>: {...}}`), streamed as it is written: once
     its name is read and its arguments' object opened, its entry (id, name and the arguments so far), then the
-    rest of its arguments as they come (as `JsonText` rewrites them). `feed` takes the object's text so far."""
+    rest of its arguments as they come (as `JsonText` rewrites them). `feed` takes the call's text so far."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
+    def __init__(self, keys: tuple[str, ...] = ()) -> None:
         self.keys = keys
         self.args: JsonText | None = None  # once the entry is sent
         self._index = 0
-        self._seen = 0  # of the object's text, what the arguments were given
+        self._seen = 0  # of the call's text, what the arguments were given
 
     @property
     def sent(self) -> bool:
         return self.args is not None
 
+    def _start(self, text: str) -> tuple[str, int] | None:
+        """The call's name and where its arguments' object starts in `text`, once both are read."""
+        return _call_start(text, self.keys)
+
     def feed(self, reader: "ToolCallReader", text: str) -> list[dict[str, Any]]:
         if self.args is None:
-            start = _call_start(text, self.keys)
+            start = self._start(text)
             if start is None:
                 return []
             self.args, self._seen = JsonText(), start[1]
@@ -341,6 +345,25 @@ class ObjectCall:
             return []
         delta, self._seen = self.args.feed(text[self._seen:]), len(text)
         return [{"index": self._index, "function": {"arguments": delta}}] if delta else []
+
+
+class NamedArgsCall(ObjectCall):
+    """Mistral's `NAME[ARGS]{...}` (or `NAME{...}`), streamed as an `ObjectCall` is."""
+
+    ARGS = "[ARGS]"
+
+    def _start(self, text: str) -> tuple[str, int] | None:
+        i = text.find(self.ARGS)
+        if i >= 0:
+            name, j = text[:i].strip(), _SPACE.match(text, i + len(self.ARGS)).end()
+        else:
+            i = text.find("{")
+            if i <= 0:
+                return None
+            name, j = text[:i].strip(), i
+        if not name or any(c.isspace() for c in name) or text[j:j + 1] != "{":
+            return None
+        return name, j
 
 
 class _MarkedReader(ToolCallReader):
@@ -514,14 +537,57 @@ class FunctionCall:
 
 class MistralReader(_MarkedReader):
     """`[TOOL_CALLS]` then a JSON list of calls, or `name[ARGS]{...}` (also `name{...}`), each call after a mark of
-    its own; read at the reply's end."""
+    its own. Streamed a part (the text after a mark) at a time, each call as it is written (`CallList`,
+    `NamedArgsCall`), up to a part that is no call; where nothing was sent before the reply ended, read whole there
+    (all of it content unless every part is calls)."""
 
     START = "[TOOL_CALLS]"
-    ARGS = "[ARGS]"
+    ARGS = NamedArgsCall.ARGS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._done = 0  # the parts read
+        self._part: CallList | NamedArgsCall | None = None  # the part being read
+        self._offset = 0  # where in that part its calls start
+        self._before = 0  # the calls sent before that part
+        self._stuck = False  # at a part that is no call: nothing more is read as calls
+
+    def _partial(self, buf: str) -> ReplyDelta:
+        return ReplyDelta(calls=self._stream(buf[:len(buf) - held_back(buf, self.START)], False))
+
+    def _stream(self, text: str, last: bool) -> list[dict[str, Any]]:
+        """The calls of the parts of `text` (all after the first mark) not read yet (`last`: its last part is
+        whole too)."""
+        parts, out = text.split(self.START), []
+        while not self._stuck and self._done < len(parts):
+            part, whole = parts[self._done], last or self._done < len(parts) - 1
+            if self._part is None:
+                head = part.lstrip()
+                if not head and not whole:
+                    break
+                listed = head.startswith("[")
+                self._part = CallList(("arguments",), ",") if listed else NamedArgsCall()
+                self._offset, self._before = len(part) - len(head) + listed, self.calls
+            out.extend(self._part.feed(self, part[self._offset:]))
+            if not whole:
+                break
+            if self.calls == self._before:  # nothing of it streamed: read whole
+                calls = self._read(part.strip())
+                if calls is None:
+                    self._stuck = True
+                    break
+                out.extend(self._call(*c) for c in calls)
+            self._done, self._part = self._done + 1, None
+        return out
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         if not last:
             return None
+        if self.calls and not self._whole:  # sent as they came: what is left of the calls, then any text as text
+            out = self._stream(buf, True)
+            self._inside, parts = False, buf.split(self.START)
+            self._buf = self.START + self.START.join(parts[self._done:]) if self._stuck else ""
+            return ReplyDelta(calls=out)
         self._inside, found = False, []
         for part in buf.split(self.START):
             calls = self._read(part.strip())

@@ -80,6 +80,14 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
         assert sent[0]["function"]["name"] == "get_weather" and sent[0]["id"] and sent[0]["index"] == 0
         assert len(sent) > 10 and all(set(e) == {"index", "function"} for e in sent[1:])  # piece by piece
         assert merge_calls(sent)[0]["function"]["arguments"] == '{"city": "Zürich", "days": [1, 2]}'
+    for reply in ('[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "days": [1, 2]}',
+                  '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}]'):
+        r, sent = model_format_reader("mistral"), []
+        for k in range(len(reply)):
+            sent.extend(r.feed(reply[k]).calls)
+        sent.extend(r.end().calls)
+        assert sent[0]["function"]["name"] == "get_weather" and len(sent) > 10, reply
+        assert merge_calls(sent)[0]["function"]["arguments"] == '{"city": "Zürich", "days": [1, 2]}'
     r = model_format_reader("qwen3_coder")  # a parameter at a time
     d = [r.feed(p) for p in ("<tool_call>\n<function=get_weather>\n<parameter=city>\nZü", "rich\n</parameter>\n",
                              "<parameter=days>\n3\n</parameter>\n</function>", "\n</tool_call>")]
@@ -96,6 +104,7 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
     ("hermes", '<tool_call>{"name": "f", "arguments": {"q": "ab', '{"q": "ab'),
     ("llama3_json", '{"name": "f", "parameters": {"q"', '{"q"'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=q>\n1\n</parameter>\n<parameter=r>", '{"q": 1'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": [', '{"b": ['),
     ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x"', '{"x"'),
 ])
 def test_a_call_cut_after_it_was_sent_stays_a_call_as_in_vllm(fmt, reply, sent) -> None:
