@@ -765,6 +765,8 @@ class OpenAIFrontend:
             return await self._generate(request, kind, ids, t_in)
         except APIError as e:  # every answer names its request, a refusal at parse time too (as vLLM's X-Request-Id)
             e.headers = {**(e.headers or {}), "x-kairos-request-id": ids.rid}
+            if kind == "responses":  # (its errors name its own fields, not the chat's it ran as)
+                e.param, e.message = R.responses_param(e.param), R.responses_message(e.message)
             raise
         except Exception as e:  # a 500 names it too (_serve_generation)
             e.kairos_request_id = ids.rid  # type: ignore[attr-defined]
@@ -1456,7 +1458,7 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
         read = tools.feed(item.text)
         if item.finished:
             read.add(tools.end())
-            if tools.calls and tools.as_calls and fin in (FinishReason.STOP, FinishReason.LENGTH):
+            if tools.calls and tools.as_calls and fin == FinishReason.STOP:  # (cut by its cap: `length`)
                 fin = "tool_calls"  # type: ignore[assignment]
         delta = read.delta()
     body = P.chat_chunk(rid, model, created, delta, fin, item.stop_reason, index, lp)

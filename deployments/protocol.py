@@ -689,7 +689,9 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         None where it is read for neither."""
         tools = self.tool_reader(tool_parser)
         reasoning = reasoning_reader(reasoning_parser) if reasoning_parser else None
-        return None if tools is None and reasoning is None else ReplyReader(reasoning, tools, self.include_reasoning)
+        if tools is None and reasoning is None:
+            return None
+        return ReplyReader(reasoning, tools, self.include_reasoning, one_call=self.parallel_tool_calls is False)
 
     def thinking(self, reasoning_parser: str | None) -> str | None:
         """`SamplingParams.thinking` for a reply held to a format where the app reads a reasoning model's thinking:
@@ -958,8 +960,8 @@ def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None
 def read_replies(resp: dict, reader: Callable[[], ReplyReader | None]) -> dict:
     """A chat response whose replies are read (`reader()`: a `ChatCompletionRequest.reply_reader` per choice, or
     None: text): a reasoning model's thinking as the message's `reasoning_content`; tool calls as its `tool_calls`
-    (content: the text beside them, or null), finish reason `tool_calls` unless a named tool was called (OpenAI's);
-    a reply with no calls (or whose cap cut them) keeps its text."""
+    (content: the text beside them, or null), finish reason `tool_calls` where it stopped on its own, unless a named
+    tool was called (OpenAI's); a reply with no calls (or whose cap cut them) keeps its text."""
     for c in resp["choices"]:
         r = reader()
         if r is None:
@@ -970,7 +972,7 @@ def read_replies(resp: dict, reader: Callable[[], ReplyReader | None]) -> dict:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
-            if r.as_calls:
+            if r.as_calls and c["finish_reason"] == "stop":
                 c["finish_reason"] = "tool_calls"
         c["message"] = message
     return resp

@@ -80,9 +80,11 @@ class ReplyReader:
     """A chat reply's reading, piece by piece: its reasoning (`reasoning`, where the app reads it), then in what is
     left its tool calls (`tools`, where the request asks that they be read), else its content."""
 
-    def __init__(self, reasoning: ReasoningReader | None, tools: ToolCallReader | None, show: bool = True) -> None:
-        """`show`: the reasoning is given (vLLM's include_reasoning), else dropped."""
-        self.reasoning, self.tools, self.show = reasoning, tools, show
+    def __init__(self, reasoning: ReasoningReader | None, tools: ToolCallReader | None, show: bool = True,
+                 one_call: bool = False) -> None:
+        """`show`: the reasoning is given (vLLM's include_reasoning), else dropped; `one_call`: only the reply's
+        first tool call is given (parallel_tool_calls false, as vLLM's)."""
+        self.reasoning, self.tools, self.show, self.one_call = reasoning, tools, show, one_call
 
     @property
     def calls(self) -> int:
@@ -105,6 +107,8 @@ class ReplyReader:
             out = self.tools.feed(content)
             if last:
                 out.add(self.tools.end())
+            if self.one_call:
+                out.calls = [c for c in out.calls if c["index"] == 0]
         out.reasoning = reasoning if self.show else ""
         return out
 
@@ -113,11 +117,11 @@ class ReplyReader:
         whitespace is left beside its reasoning or calls) and calls (each whole)."""
         if self.reasoning is None:
             content, calls = self.tools.whole(text) if self.tools is not None else (text, [])
-            return None, content, calls
+            return None, content, calls[:1] if self.one_call else calls
         (r1, c1), (r2, c2) = self.reasoning.feed(text), self.reasoning.end()
         reasoning, content = (r1 + r2 if self.show else ""), c1 + c2
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             got, calls = self.tools.whole(content)
-            content = got or ""
+            content, calls = got or "", calls[:1] if self.one_call else calls
         return reasoning or None, content if content.strip() else None, calls

@@ -14,6 +14,7 @@ text (a `message` item) and its tool calls (`function_call` items); a reply its 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -143,6 +144,30 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+# the chat's fields a Responses API request's own become (`chat_request`), as its errors name them back
+_CHAT_FIELDS = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+                ("response_format", "text.format"))
+_TOOL_FIELD = re.compile(r"^tools\.(\d+)\.function\.")
+
+
+def responses_param(param: str | None) -> str | None:
+    """An error's `param` that names the chat's field as the Responses API request's field it came from."""
+    if not param:
+        return param
+    if param == "messages" or param.startswith(("messages.", "messages[")):
+        return "input"  # (its items are not the messages one for one: instructions come first)
+    for chat, own in _CHAT_FIELDS:
+        if param == chat or param.startswith((chat + ".", chat + "[")):
+            return own + param[len(chat):]
+    return _TOOL_FIELD.sub(r"tools.\1.", param)
+
+
+def responses_message(message: str) -> str:
+    """An error's message with the chat's token cap named as the Responses API's."""
+    return message.replace("'max_tokens' or 'max_completion_tokens'", "'max_output_tokens'") \
+        .replace("max_completion_tokens", "max_output_tokens")
+
+
 def _tool(i: int, tool: Any) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -195,7 +220,8 @@ def response_object(rid: str, model: str, echoed: dict[str, Any], output: list[d
             "usage": None if usage is None else {
                 "input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
                 "total_tokens": u.get("total_tokens", 0), "input_tokens_details": {
-                    "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+                    "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                    "cache_write_tokens": 0},
                 "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
@@ -283,9 +309,9 @@ class ResponseEvents:
             for entry in delta.get("tool_calls") or ():
                 out.extend(self._call(entry))
             if choice.get("finish_reason") is not None:
-                out.extend(self._close())
                 if choice["finish_reason"] == "length":
                     self.status = "incomplete"
+                out.extend(self._close())
         return out
 
     def _text(self, kind: str, text: str) -> list[bytes]:
@@ -334,9 +360,11 @@ class ResponseEvents:
         o, self.open = self.open, None
         if o is None:
             return out
-        if o["kind"] == "call":
-            for call in sorted(self.calls.values(), key=lambda c: c["index"]):
-                item = {**call["item"], "status": "completed"}
+        if o["kind"] == "call":  # (the last one cut where the reply was: incomplete)
+            calls = sorted(self.calls.values(), key=lambda c: c["index"])
+            for call in calls:
+                cut = call is calls[-1] and self.status == "incomplete"
+                item = {**call["item"], "status": "incomplete" if cut else "completed"}
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=call["index"], arguments=item["arguments"]))
                 out.append(self._event("response.output_item.done", output_index=call["index"], item=item))

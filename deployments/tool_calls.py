@@ -161,9 +161,15 @@ def as_calls(values: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _json(text: str) -> Any:
+    """`text`'s JSON value (control characters allowed in strings: a model writes code's tabs and line breaks as
+    they are), else None."""
     try:
-        return json.loads(text)
+        return json.loads(text, strict=False, parse_constant=_no_constant)
     except ValueError:
         return None
 
@@ -187,17 +193,21 @@ class JsonText:
     """A JSON value's text as it streams in, rewritten as `json.dumps(value, ensure_ascii=False)` writes it: `, `
     and `: ` between items, no other whitespace, a string's escapes only where json.dumps writes one (numbers as
     written). `feed` gives the rewritten text of what it was given, up to where the value closes (`end`: that
-    place in all it was given; None while the value is open). Text that is not JSON is passed on as written."""
+    place in all it was given; None while the value is open) or where it stops being JSON (`broken`: a character
+    no JSON value has outside a string, or a bracket that closes none it opened; `stop`: that place)."""
 
     _PLAIN = re.compile(r'[^"\\\x00-\x1f\ud800-\udfff]+')
     _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
     _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
     _BETWEEN = {",": ", ", ":": ": ", " ": "", "\t": "", "\r": "", "\n": ""}
+    _SCALAR = frozenset("-+.0123456789eEtrufalsn")  # a number's, true's, false's and null's characters
+    _PAIRS = {"}": "{", "]": "["}
 
     def __init__(self) -> None:
         self.end: int | None = None
+        self.broken: int | None = None
         self._fed = 0
-        self._depth = 0
+        self._open: list[str] = []  # the brackets open
         self._in_string = False
         self._escape = ""  # an escape being read, from its backslash
         self._high = ""  # a high surrogate's escape, waiting for its low one
@@ -205,18 +215,23 @@ class JsonText:
     def feed(self, text: str) -> str:
         out: list[str] = []
         i, n = 0, len(text)
-        while i < n and self.end is None:
+        while i < n and self.stop is None:
             ch = text[i]
             if not self._in_string:
-                i += 1
                 if ch == '"':
                     self._in_string = True
                 elif ch in "{[":
-                    self._depth += 1
+                    self._open.append(ch)
                 elif ch in "}]":
-                    self._depth -= 1
-                    if self._depth <= 0:
-                        self.end = self._fed + i
+                    if not self._open or self._open.pop() != self._PAIRS[ch]:
+                        self.broken = self._fed + i
+                        break
+                    if not self._open:
+                        self.end = self._fed + i + 1
+                elif ch not in self._BETWEEN and ch not in self._SCALAR:
+                    self.broken = self._fed + i
+                    break
+                i += 1
                 out.append(self._BETWEEN.get(ch, ch))
             elif self._escape:
                 self._escape += ch
@@ -240,6 +255,11 @@ class JsonText:
                     out.append(self._char(ch))
         self._fed += i
         return "".join(out)
+
+    @property
+    def stop(self) -> int | None:
+        """Where the value ended (`end`) or stopped being JSON (`broken`); None while it goes on."""
+        return self.end if self.end is not None else self.broken
 
     def _escaped(self) -> str:
         """What an escape read so far is written as (nothing while it is unfinished)."""
@@ -284,7 +304,7 @@ def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
     i = _SPACE.match(text).end()
     if text[i:i + 1] != "{":
         return None
-    decoder, name, args, i = json.JSONDecoder(), None, None, i + 1
+    decoder, name, args, i = json.JSONDecoder(strict=False, parse_constant=_no_constant), None, None, i + 1
     while True:
         i = _SPACE.match(text, i).end()
         if text[i:i + 1] == ",":
@@ -314,17 +334,28 @@ def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
 class ObjectCall:
     """One call written as a JSON object (`{"name": ..., <one of keys>: {...}}`), streamed as it is written: once
     its name is read and its arguments' object opened, its entry (id, name and the arguments so far), then the
-    rest of its arguments as they come (as `JsonText` rewrites them). `feed` takes the call's text so far."""
+    rest of its arguments as they come (as `JsonText` rewrites them). `feed` takes the call's text so far; a reader
+    that reads whole (`ToolCallReader.whole`) sends a call only once its arguments have closed."""
 
     def __init__(self, keys: tuple[str, ...] = ()) -> None:
         self.keys = keys
         self.args: JsonText | None = None  # once the entry is sent
         self._index = 0
+        self._at = 0  # where in the call's text its arguments start
         self._seen = 0  # of the call's text, what the arguments were given
 
     @property
     def sent(self) -> bool:
         return self.args is not None
+
+    @property
+    def after(self) -> int | None:
+        """Where in the call's text what follows it may start: past its arguments once they are over (0: not
+        sent); None while they go on (a mark there is inside them)."""
+        if self.args is None:
+            return 0
+        stop = self.args.stop
+        return None if stop is None else self._at + stop
 
     def _start(self, text: str) -> tuple[str, int] | None:
         """The call's name and where its arguments' object starts in `text`, once both are read."""
@@ -335,13 +366,15 @@ class ObjectCall:
             start = self._start(text)
             if start is None:
                 return []
-            self.args, self._seen = JsonText(), start[1]
-            entry = reader._call(start[0], "")
+            args = JsonText()
+            written = args.feed(text[start[1]:])
+            if reader._whole and args.end is None:
+                return []
+            self.args, self._at, self._seen = args, start[1], len(text)
+            entry = reader._call(start[0], written)
             self._index = entry["index"]
-            entry["function"]["arguments"] = self.args.feed(text[self._seen:])
-            self._seen = len(text)
             return [entry]
-        if self.args.end is not None or len(text) <= self._seen:
+        if self.args.stop is not None or len(text) <= self._seen:
             return []
         delta, self._seen = self.args.feed(text[self._seen:]), len(text)
         return [{"index": self._index, "function": {"arguments": delta}}] if delta else []
@@ -394,7 +427,7 @@ class _MarkedReader(ToolCallReader):
             else:
                 got = self._close(self._buf, False)
                 if got is None:
-                    return out.add(self._partial(self._buf)) if not self._whole else out
+                    return out.add(self._partial(self._buf))
                 out.add(got)
 
     def end(self) -> ReplyDelta:
@@ -415,39 +448,45 @@ class _MarkedReader(ToolCallReader):
         raise NotImplementedError
 
     def _partial(self, buf: str) -> ReplyDelta:
-        """What a call not yet whole (`buf`: its text so far) says already: nothing, unless the format streams."""
+        """What a call not yet whole (`buf`: its text so far) says already (read whole, what `_close` found while
+        it looked for the call's end): nothing, unless the format streams."""
         return ReplyDelta()
 
 
 class HermesReader(_MarkedReader):
     """`<tool_call>` JSON `</tool_call>`: each call's entry sent once its name is read and its arguments' object
-    opened, then its arguments as they come (`ObjectCall`); one whose text never gets that far is read whole at
-    its end, and stays text where it is no call. A call sent before its text ended stays a call (cut, its arguments
-    are cut too, as vLLM's)."""
+    opened, then its arguments as they come (`ObjectCall`; a `</tool_call>` inside them is theirs); one whose text
+    never gets that far is read whole at its end, and stays text where it is no call. A call sent before its text
+    ended stays a call (cut, its arguments are cut too, as vLLM's); read whole, it stays text."""
 
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         super().__init__()
-        self._open: ObjectCall | FunctionCall | None = None  # the call being streamed
+        self._open: ObjectCall | FunctionCall | None = None  # the call being read
+        self._early = ReplyDelta()  # what it sent while its end was looked for (`_close`), for `_partial`
 
     def _streamed(self) -> "ObjectCall | FunctionCall":
         return ObjectCall(("arguments", "parameters"))
 
     def _partial(self, buf: str) -> ReplyDelta:
-        if self._open is None:
-            self._open = self._streamed()
-        return ReplyDelta(calls=self._open.feed(self, buf[:len(buf) - held_back(buf, self.END)]))
+        early, self._early = self._early, ReplyDelta()
+        return early
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
-        j = buf.find(self.END)
+        if self._open is None:
+            self._open = self._streamed()
+        opened = self._open
+        got = ReplyDelta(calls=opened.feed(self, buf if last else buf[:len(buf) - held_back(buf, self.END)]))
+        after = opened.after
+        j = buf.find(self.END, after) if after is not None else -1
         if j < 0 and not last:
+            self._early.add(got)
             return None
         body, rest = (buf[:j], buf[j + len(self.END):]) if j >= 0 else (buf, "")
-        self._inside, self._buf = False, rest
-        opened, self._open = self._open, None
-        if opened is not None and opened.sent:
-            return ReplyDelta(calls=opened.feed(self, body))
+        self._inside, self._buf, self._open = False, rest, None
+        if opened.sent:
+            return got
         call = self._call_of(body)
         if call is None:  # not a call: its text stays content
             return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
@@ -463,7 +502,7 @@ class Qwen3CoderReader(HermesReader):
     a value is its text (one newline either side dropped) where its tool's schema makes it a string (or says
     nothing and it is no JSON), else its JSON value. Streamed a parameter at a time (`FunctionCall`)."""
 
-    FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.S)
+    FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>", re.S)
     PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.S)
 
     def __init__(self, types: dict[str, dict[str, Any]] | None = None) -> None:
@@ -494,13 +533,15 @@ class Qwen3CoderReader(HermesReader):
 class FunctionCall:
     """A Qwen3-Coder call streamed as it is written: its entry once `<function=NAME>` is read, then each parameter
     once whole (`{"P": value` for the first, `, "P": value` after), and the arguments' `}` once the function
-    closes. `feed` takes the call's text so far."""
+    closes. `feed` takes the call's text so far; a reader that reads whole sends a call only once it has closed."""
 
     OPEN = re.compile(r"\s*<function=([^>\s]+)>")
     CLOSE = "</function>"
+    PARAMETER = "<parameter="
 
     def __init__(self) -> None:
         self.sent = False
+        self.after: int | None = 0  # as `ObjectCall.after`: past the function, or where no parameter is open
         self._name = ""
         self._index = 0
         self._pos = 0  # where the next parameter (or the function's end) is looked for
@@ -509,30 +550,38 @@ class FunctionCall:
 
     def feed(self, reader: Qwen3CoderReader, text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if not self.sent:
-            m = self.OPEN.match(text)
-            if m is None:
-                return out
-            entry = reader._call(m.group(1), "")
-            self.sent, self._name, self._index, self._pos = True, m.group(1), entry["index"], m.end()
-            out.append(entry)
         if self._closed:
             return out
-        types, args = reader.types.get(self._name, {}), ""
-        for m in reader.PARAMETER.finditer(text, self._pos):
-            key = m.group(1).strip()
-            value = reader._value(m.group(2), types.get(key))
-            args += (", " if self._count else "{") + json.dumps(key, ensure_ascii=False) + ": " + \
+        m = self.OPEN.match(text) if not self.sent else None
+        if not self.sent and (m is None or reader._whole and self.CLOSE not in text):
+            return out
+        if m is not None:
+            self._name, self._pos = m.group(1), m.end()
+        types, args, count, pos = reader.types.get(self._name, {}), "", self._count, self._pos
+        while True:  # the parameters whole before the function's end
+            end, p = text.find(self.CLOSE, pos), reader.PARAMETER.search(text, pos)
+            if p is None or 0 <= end < p.start():
+                break
+            key = p.group(1).strip()
+            value = reader._value(p.group(2), types.get(key))
+            args += (", " if count else "{") + json.dumps(key, ensure_ascii=False) + ": " + \
                 json.dumps(value, ensure_ascii=False)
-            self._count, self._pos = self._count + 1, m.end()
-        tail = text[self._pos:]
-        if self.CLOSE in tail and "<parameter=" not in tail[:tail.find(self.CLOSE)]:
-            args, self._closed = args + ("}" if self._count else "{}"), True
-        if args and out:
-            out[0]["function"]["arguments"] = args
-        elif args:
-            out.append({"index": self._index, "function": {"arguments": args}})
-        return out
+            count, pos = count + 1, p.end()
+        opened = text.find(self.PARAMETER, pos)  # a parameter not whole yet
+        closed = end >= 0 and not 0 <= opened < end
+        if reader._whole and not closed:
+            return out
+        if closed:
+            args += "}" if count else "{}"
+            self.after = end + len(self.CLOSE)
+        else:
+            self.after = None if opened >= 0 else pos
+        self._count, self._pos, self._closed = count, pos, closed
+        if not self.sent:
+            entry = reader._call(self._name, args)
+            self.sent, self._index = True, entry["index"]
+            return [entry]
+        return [{"index": self._index, "function": {"arguments": args}}] if args else out
 
 
 class MistralReader(_MarkedReader):
@@ -553,6 +602,8 @@ class MistralReader(_MarkedReader):
         self._stuck = False  # at a part that is no call: nothing more is read as calls
 
     def _partial(self, buf: str) -> ReplyDelta:
+        if self._whole:
+            return ReplyDelta()
         return ReplyDelta(calls=self._stream(buf[:len(buf) - held_back(buf, self.START)], False))
 
     def _stream(self, text: str, last: bool) -> list[dict[str, Any]]:
@@ -619,7 +670,7 @@ class CallList:
         self.pos = 0  # where the next object (or the open one) starts
         self.open: ObjectCall | None = None
         self.stopped = False
-        self._decoder = json.JSONDecoder()
+        self._decoder = json.JSONDecoder(strict=False, parse_constant=_no_constant)
 
     def feed(self, reader: "ToolCallReader", text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -659,9 +710,9 @@ class CallList:
 
 class Llama3JsonReader(ToolCallReader):
     """A reply that opens (after whitespace, and an optional `<|python_tag|>`) with `{` is calls: JSON objects
-    `{"name", "parameters"}` separated by `;`, each streamed as it is written (`CallList`); any other reply is
-    content, streamed at once. Where no call is sent before the reply ends, it is read whole there: calls, or
-    else all of it content."""
+    `{"name", "parameters"}` separated by `;`, each streamed as it is written (`CallList`), and any text after
+    them content; any other reply is content, streamed at once. A reply whose first object is no call is all
+    content."""
 
     TAG = "<|python_tag|>"
 
@@ -686,49 +737,39 @@ class Llama3JsonReader(ToolCallReader):
             else:
                 self._mode, out, self._buf = "text", self._buf, ""
                 return ReplyDelta(content=out)
-        if self._whole:
-            return ReplyDelta()
         return ReplyDelta(calls=self._list.feed(self, self._buf[self._body:]))
 
     def end(self) -> ReplyDelta:
         buf, self._buf = self._buf, ""
         if self._mode != "calls":
             return ReplyDelta(content=buf)
-        if self.calls:  # calls sent as they came: what follows them is text (unless a call was cut)
-            rest = buf[self._body:][self._list.pos:] if self._list.rest_is_text else ""
-            out, self._ws = ReplyDelta(content=self._content(rest)), ""
-            return out
-        body = buf.lstrip()
-        body = body[len(self.TAG):] if body.startswith(self.TAG) else body
-        decoder, found, i = json.JSONDecoder(), [], 0
-        while found is not None:
-            while i < len(body) and (body[i].isspace() or body[i] == ";"):
-                i += 1
-            if i == len(body):
-                break
-            try:
-                value, i = decoder.raw_decode(body, i)
-            except ValueError:
-                found = None
-                break
-            call = as_call(value)
-            found = None if call is None else found + [call]
-        return self._calls(found) or ReplyDelta(content=buf)
+        if not self.calls:  # its first object is no call (or not whole)
+            return ReplyDelta(content=buf)
+        rest = buf[self._body:][self._list.pos:] if self._list.rest_is_text else ""  # (else a call was cut)
+        out, self._ws = ReplyDelta(content=self._content(rest)), ""
+        return out
 
 
 class NamedToolReader(ToolCallReader):
     """tool_choice naming a tool: the reply is that call's arguments (a JSON value of its parameters), streamed as
-    they come; read whole, a reply its cap cut (not JSON) stays text."""
+    they come, without the whitespace around them (as read whole); read whole, a reply its cap cut (not JSON)
+    stays text."""
 
     as_calls = False
 
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self._space = ""  # whitespace held until text that is not says it is inside the arguments
 
     def feed(self, text: str) -> ReplyDelta:
-        if not text:
+        if not self.calls:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._space += text if self.calls else ""
             return ReplyDelta()
+        text, self._space = self._space + body, text[len(body):]
         if self.calls:
             return ReplyDelta(calls=[{"index": 0, "function": {"arguments": text}}])
         return ReplyDelta(calls=[self._call(self.name, text)])
@@ -746,7 +787,7 @@ class NamedToolReader(ToolCallReader):
 
 class RequiredToolReader(ToolCallReader):
     """tool_choice "required": the reply is a JSON list of calls (`{"name", "parameters"}`), each streamed as it is
-    written (`CallList`); read whole, one that is not (its cap cut it) stays text."""
+    written (`CallList`); a reply with none (its cap cut the first) stays text."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -756,8 +797,6 @@ class RequiredToolReader(ToolCallReader):
 
     def feed(self, text: str) -> ReplyDelta:
         self._buf += text
-        if self._whole:
-            return ReplyDelta()
         if self._start is None:
             head = self._buf.lstrip()
             if not head:
@@ -769,9 +808,7 @@ class RequiredToolReader(ToolCallReader):
 
     def end(self) -> ReplyDelta:
         buf, self._buf = self._buf, ""
-        if self.calls:  # sent as they came
-            return ReplyDelta()
-        return self._calls(as_calls(_json(buf), ("parameters",))) or ReplyDelta(content=buf)
+        return ReplyDelta() if self.calls else ReplyDelta(content=buf)
 
 
 _FORMATS: dict[str, type[ToolCallReader]] = {"hermes": HermesReader, "qwen3_coder": Qwen3CoderReader,

@@ -100,17 +100,19 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
     assert merge_calls(first.calls + rest.calls)[1]["function"] == {"name": "g", "arguments": "{}"}
 
 
-@pytest.mark.parametrize("fmt,reply,sent", [
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"q": "ab', '{"q": "ab'),
-    ("llama3_json", '{"name": "f", "parameters": {"q"', '{"q"'),
-    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=q>\n1\n</parameter>\n<parameter=r>", '{"q": 1'),
-    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": [', '{"b": ['),
-    ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x"', '{"x"'),
+@pytest.mark.parametrize("fmt,reply,whole,sent", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"q": "ab', 0, '{"q": "ab'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"q": [1}}</tool_call>', 0, '{"q": [1'),  # not JSON from `}`
+    ("llama3_json", '{"name": "f", "parameters": {"q"', 0, '{"q"'),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=q>\n1\n</parameter>\n<parameter=r>", 0, '{"q": 1'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": [', 0, '{"b": ['),
+    ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x"', 33, '{"x"'),
 ])
-def test_a_call_cut_after_it_was_sent_stays_a_call_as_in_vllm(fmt, reply, sent) -> None:
-    """Read whole, a cut call stays text (as vLLM's reply); streamed, what was sent of it stays sent."""
+def test_a_call_cut_after_it_was_sent_stays_a_call_as_in_vllm(fmt, reply, whole, sent) -> None:
+    """Read whole, a cut call stays text (as vLLM's reply; `whole`: where that text starts, the calls before it
+    read); streamed, what was sent of it stays sent."""
     content, calls = model_format_reader(fmt).whole(reply)
-    assert calls == [] and content == reply
+    assert content == reply[whole:] and len(calls) == (whole > 0)
     d = _streamed(model_format_reader(fmt), reply, 1)
     assert d.content == "" and merge_calls(d.calls)[-1]["function"]["arguments"] == sent
 
@@ -151,6 +153,11 @@ def test_a_named_tool_streams_its_arguments_and_required_reads_a_list() -> None:
     assert first.calls[0]["function"] == {"name": "pick", "arguments": '{"a"'} and first.calls[0]["id"]
     assert second.calls == [{"index": 0, "function": {"arguments": ": 1}"}}]
     assert NamedToolReader("pick").whole('{"a": 1') == ('{"a": 1', [])  # cut by its cap: text
+    r = NamedToolReader("pick")  # the whitespace around the arguments is not sent (read whole it is stripped)
+    pieces = [r.feed(t) for t in ("\n ", '{"a":', " ", "\n", "1}", "\n\n", "  ")] + [r.end()]
+    assert "".join(e["function"]["arguments"] for d in pieces for e in d.calls) == '{"a": \n1}'
+    assert NamedToolReader("pick").whole('\n {"a": \n1}\n\n  ')[1][0]["function"]["arguments"] == '{"a": \n1}'
+
     assert not NamedToolReader("pick").as_calls
     content, calls = RequiredToolReader().whole('[{"name": "f", "parameters": {"x": 1}}, {"name": "g", '
                                                 '"parameters": {}}]')
@@ -198,3 +205,18 @@ def test_the_app_argument_names_the_formats_there_are() -> None:
     from deployments.args import ServeArgs
 
     assert set(get_args(ServeArgs.model_fields["tool_call_parser"].annotation)) == {"auto", "none", *PARSERS}
+
+
+def test_parallel_tool_calls_false_gives_the_first_call_only() -> None:
+    """vLLM's: with parallel_tool_calls false, a reply of several calls (tool_choice auto) gives its first."""
+    from deployments.reasoning import ReplyReader
+
+    reply = ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+             '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    _, content, calls = ReplyReader(None, model_format_reader("hermes"), one_call=True).whole(reply)
+    assert content is None and _named(calls) == [("f", {"a": 1})]
+    r = ReplyReader(None, model_format_reader("hermes"), one_call=True)
+    sent = [e for k in range(len(reply)) for e in r.feed(reply[k]).calls] + r.end().calls
+    assert {e["index"] for e in sent} == {0} and _named(merge_calls(sent)) == [("f", {"a": 1})]
+    _, _, calls = ReplyReader(None, model_format_reader("hermes")).whole(reply)
+    assert len(calls) == 2

@@ -869,6 +869,10 @@ def test_the_responses_api_answers_as_the_chat_it_amounts_to(base_url: str) -> N
     with pytest.raises(openai.BadRequestError) as e:
         oa.responses.create(input="x", extra_headers={"x-slo-ttft-ms": "0.001"}, **knobs)
     assert e.value.code == "slo_unattainable"
+    for cap in (0, 10**9):  # its errors name its own fields, not those of the chat it runs as
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.responses.create(model=MODEL, input="x", max_output_tokens=cap)
+        assert e.value.body["param"] == "max_output_tokens" and "max_completion_tokens" not in e.value.body["message"]
 
 
 def test_openai_client(base_url: str) -> None:

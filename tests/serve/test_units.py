@@ -1143,6 +1143,38 @@ def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() ->
     assert [c["function"] for c in message["tool_calls"]] == [c["function"] for c in merge_calls(calls)]
 
 
+def test_a_chat_stream_cut_in_a_tool_call_by_its_cap_ends_with_finish_reason_length() -> None:
+    """A streamed reply whose max_tokens cut it inside a call it sent ends `length` (the arguments are cut), as
+    the same reply read whole does (there, the cut call stays text); one that ended on its own, `tool_calls`."""
+    import asyncio
+    import json
+
+    from deployments import protocol as P
+    from deployments.ingress import Ingress
+    from deployments.reasoning import ReplyReader
+    from deployments.tool_calls import model_format_reader
+
+    def reader() -> ReplyReader:
+        return ReplyReader(None, model_format_reader("hermes"))
+
+    pieces = ['<tool_call>{"name": "f", ', '"arguments": {"city": ', '"Par']
+    for fin, want in (("length", "length"), ("stop", "tool_calls")):
+        items = [RequestOutput("c", text=t, token_ids=[i]) for i, t in enumerate(pieces)]
+        items[-1] = RequestOutput("c", text=pieces[-1], token_ids=[9], finished=True, finish_reason=fin,
+                                  num_prompt_tokens=3, num_output_tokens=len(pieces))
+
+        async def collect() -> list[bytes]:
+            gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "chat",
+                                             "chatcmpl-1", False, "m", tools=reader)
+            return [c async for c in gen]
+
+        chunks = [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == want, fin
+        assert any(d["choices"][0]["delta"].get("tool_calls") for d in chunks)
+    whole = P.read_replies(P.chat_response("chatcmpl-1", "m", "".join(pieces), "length", 3, 3), reader)
+    assert whole["choices"][0]["finish_reason"] == "length" and "tool_calls" not in whole["choices"][0]["message"]
+
+
 def test_malformed_stream_items_fail_loudly() -> None:
     """The typed contract: an unknown or malformed stream item raises at the receiving end and is never
     taken for a success (no finish_reason read off a dict, no 200 with a normal end)."""
