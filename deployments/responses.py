@@ -146,7 +146,7 @@ def _text(content: Any, where: str) -> str:
 
 # the chat's fields a Responses API request's own become (`chat_request`), as its errors name them back
 _CHAT_FIELDS = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-                ("response_format", "text.format"))
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
 _TOOL_FIELD = re.compile(r"^tools\.(\d+)\.function\.")
 
 
@@ -360,11 +360,9 @@ class ResponseEvents:
         o, self.open = self.open, None
         if o is None:
             return out
-        if o["kind"] == "call":  # (the last one cut where the reply was: incomplete)
-            calls = sorted(self.calls.values(), key=lambda c: c["index"])
-            for call in calls:
-                cut = call is calls[-1] and self.status == "incomplete"
-                item = {**call["item"], "status": "incomplete" if cut else "completed"}
+        if o["kind"] == "call":
+            for call in sorted(self.calls.values(), key=lambda c: c["index"]):
+                item = {**call["item"], "status": "completed"}
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=call["index"], arguments=item["arguments"]))
                 out.append(self._event("response.output_item.done", output_index=call["index"], item=item))

@@ -15,9 +15,12 @@ naming its call's `index`); `whole` reads a whole reply. Readers:
 - a tool_choice naming a tool (`NamedToolReader`: the reply is its arguments, streamed as they come) or
   "required" (`RequiredToolReader`: the reply is a JSON list of calls).
 Streamed (vLLM's and OpenAI's way), a call's entry is sent once its name is read and its arguments open, then
-its arguments as they are written (`ObjectCall`, `NamedArgsCall`, `FunctionCall`, `CallList`).
-A call whose JSON does not parse stays text, as vLLM's parsers leave it, unless it was sent before its text ended
-(then it stays a call, cut). Text between or after calls that is only whitespace is dropped.
+its arguments as they are written (`ObjectCall`, `FunctionCall`, `CallList`; mistral's calls whole at the end).
+A reply read whole and the same reply streamed in pieces of any size give the same calls (the same arguments'
+text) and content, but for a call sent before its text was whole that never became whole (its cap cut it, its
+JSON broke off, or a `</tool_call>` came before its `</function>`): streamed, it stays a call, its arguments cut;
+read whole, it stays text, as any call whose JSON does not parse (vLLM's parsers leave it so). Text between or
+after calls that is only whitespace is dropped (streamed, whitespace before the first call has gone out already).
 """
 from __future__ import annotations
 
@@ -82,9 +85,18 @@ class ReplyDelta:
         return out
 
 
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _dumps(value: Any) -> str:
+    """`value`'s JSON text as json.dumps writes it (not ASCII only), a lone surrogate as its escape (no UTF-8 can
+    carry one)."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
+
+
 def _arguments(value: Any) -> str:
     """A call's arguments as OpenAI's JSON text (a model may write them as an object or as text)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) else _dumps(value)
 
 
 def held_back(text: str, mark: str) -> int:
@@ -105,6 +117,7 @@ class ToolCallReader:
         self.calls = 0
         self._ws = ""  # whitespace after a call, held until text that is not says whether it is content
         self._whole = False  # read whole (`whole`): no call is sent before its text is
+        self._spoke = 0  # the calls content came after
 
     def feed(self, text: str) -> ReplyDelta:
         raise NotImplementedError
@@ -126,14 +139,15 @@ class ToolCallReader:
         return entry
 
     def _content(self, text: str) -> str:
-        """Text as content: after a call, whitespace alone is held (and dropped at the end)."""
+        """Text as content: after a call, whitespace alone is held until text follows it (dropped at the end);
+        once text has followed the last call, all of it is content."""
         if not self.calls:
             return text
         text = self._ws + text
-        if not text.strip():
+        if not text.strip() and self._spoke < self.calls:
             self._ws = text
             return ""
-        self._ws = ""
+        self._ws, self._spoke = "", self.calls
         return text
 
     def _calls(self, found: list[Call] | None) -> ReplyDelta | None:
@@ -192,9 +206,10 @@ def merge_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class JsonText:
     """A JSON value's text as it streams in, rewritten as `json.dumps(value, ensure_ascii=False)` writes it: `, `
     and `: ` between items, no other whitespace, a string's escapes only where json.dumps writes one (numbers as
-    written). `feed` gives the rewritten text of what it was given, up to where the value closes (`end`: that
-    place in all it was given; None while the value is open) or where it stops being JSON (`broken`: a character
-    no JSON value has outside a string, or a bracket that closes none it opened; `stop`: that place)."""
+    written; a lone surrogate as its escape, which no UTF-8 can carry). `feed` gives the rewritten text of what it
+    was given, up to where the value closes (`end`: that place in all it was given; None while the value is open)
+    or where it stops being JSON (`broken`: a character no JSON value has outside a string, or a bracket that
+    closes none it opened; `stop`: that place). It checks no more of JSON's grammar than that."""
 
     _PLAIN = re.compile(r'[^"\\\x00-\x1f\ud800-\udfff]+')
     _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
@@ -206,6 +221,7 @@ class JsonText:
     def __init__(self) -> None:
         self.end: int | None = None
         self.broken: int | None = None
+        self.low = 0  # the fewest brackets open at any point of the last `feed` (its start too)
         self._fed = 0
         self._open: list[str] = []  # the brackets open
         self._in_string = False
@@ -215,6 +231,7 @@ class JsonText:
     def feed(self, text: str) -> str:
         out: list[str] = []
         i, n = 0, len(text)
+        self.low = len(self._open)
         while i < n and self.stop is None:
             ch = text[i]
             if not self._in_string:
@@ -226,6 +243,7 @@ class JsonText:
                     if not self._open or self._open.pop() != self._PAIRS[ch]:
                         self.broken = self._fed + i
                         break
+                    self.low = min(self.low, len(self._open))
                     if not self._open:
                         self.end = self._fed + i + 1
                 elif ch not in self._BETWEEN and ch not in self._SCALAR:
@@ -335,7 +353,7 @@ class ObjectCall:
     """One call written as a JSON object (`{"name": ..., <one of keys>: {...}}`), streamed as it is written: once
     its name is read and its arguments' object opened, its entry (id, name and the arguments so far), then the
     rest of its arguments as they come (as `JsonText` rewrites them). `feed` takes the call's text so far; a reader
-    that reads whole (`ToolCallReader.whole`) sends a call only once its arguments have closed."""
+    that reads whole (`ToolCallReader.whole`) sends a call only once its arguments are a whole JSON object."""
 
     def __init__(self, keys: tuple[str, ...] = ()) -> None:
         self.keys = keys
@@ -343,6 +361,9 @@ class ObjectCall:
         self._index = 0
         self._at = 0  # where in the call's text its arguments start
         self._seen = 0  # of the call's text, what the arguments were given
+        self._object: JsonText | None = None  # the whole object as read (where it ends; where its strings are)
+        self._lead = 0  # where in the call's text the object starts
+        self._read = 0  # of the call's text, what the object was given
 
     @property
     def sent(self) -> bool:
@@ -350,26 +371,34 @@ class ObjectCall:
 
     @property
     def after(self) -> int | None:
-        """Where in the call's text what follows it may start: past its arguments once they are over (0: not
-        sent); None while they go on (a mark there is inside them)."""
-        if self.args is None:
+        """Where in the call's text what follows it may start: past its object once that is over (0: the text is
+        no object); None while the object goes on (a mark there is inside it)."""
+        if self._object is None:
             return 0
-        stop = self.args.stop
-        return None if stop is None else self._at + stop
-
-    def _start(self, text: str) -> tuple[str, int] | None:
-        """The call's name and where its arguments' object starts in `text`, once both are read."""
-        return _call_start(text, self.keys)
+        stop = self._object.stop
+        return None if stop is None else self._lead + stop
 
     def feed(self, reader: "ToolCallReader", text: str) -> list[dict[str, Any]]:
+        if self._object is None:
+            i = _SPACE.match(text).end()
+            if i == len(text) or text[i] != "{":
+                return []
+            self._object, self._lead, self._read = JsonText(), i, i
+        obj = self._object
+        if obj.stop is None and len(text) > self._read:
+            obj.feed(text[self._read:])
+            self._read = len(text)
         if self.args is None:
+            if obj.low > 1 and obj.stop is None:  # all of it inside a value: no key of the object's own came
+                return []
             start = self._start(text)
             if start is None:
                 return []
             args = JsonText()
             written = args.feed(text[start[1]:])
-            if reader._whole and args.end is None:
-                return []
+            if reader._whole and (args.end is None or not isinstance(_json(text[start[1]:start[1] + args.end]),
+                                                                     dict)):
+                return []  # (read whole, arguments that are no JSON object leave the call text)
             self.args, self._at, self._seen = args, start[1], len(text)
             entry = reader._call(start[0], written)
             self._index = entry["index"]
@@ -379,24 +408,9 @@ class ObjectCall:
         delta, self._seen = self.args.feed(text[self._seen:]), len(text)
         return [{"index": self._index, "function": {"arguments": delta}}] if delta else []
 
-
-class NamedArgsCall(ObjectCall):
-    """Mistral's `NAME[ARGS]{...}` (or `NAME{...}`), streamed as an `ObjectCall` is."""
-
-    ARGS = "[ARGS]"
-
     def _start(self, text: str) -> tuple[str, int] | None:
-        i = text.find(self.ARGS)
-        if i >= 0:
-            name, j = text[:i].strip(), _SPACE.match(text, i + len(self.ARGS)).end()
-        else:
-            i = text.find("{")
-            if i <= 0:
-                return None
-            name, j = text[:i].strip(), i
-        if not name or any(c.isspace() for c in name) or text[j:j + 1] != "{":
-            return None
-        return name, j
+        """The call's name and where its arguments' object starts in `text`, once both are read."""
+        return _call_start(text, self.keys)
 
 
 class _MarkedReader(ToolCallReader):
@@ -500,10 +514,8 @@ class HermesReader(_MarkedReader):
 class Qwen3CoderReader(HermesReader):
     """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>`;
     a value is its text (one newline either side dropped) where its tool's schema makes it a string (or says
-    nothing and it is no JSON), else its JSON value. Streamed a parameter at a time (`FunctionCall`)."""
-
-    FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>", re.S)
-    PARAMETER = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.S)
+    nothing and it is no JSON), else its JSON value. Read a parameter at a time (`FunctionCall`, whole too: a
+    call whose function never closes stays text)."""
 
     def __init__(self, types: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
@@ -513,132 +525,100 @@ class Qwen3CoderReader(HermesReader):
         return FunctionCall()
 
     def _call_of(self, body: str) -> Call | None:
-        m = self.FUNCTION.match(body)
-        if m is None:
-            return None
-        name, types = m.group(1), self.types.get(m.group(1), {})
-        return name, {p.strip(): self._value(v, types.get(p.strip())) for p, v in self.PARAMETER.findall(m.group(2))}
+        return None  # (`FunctionCall` read every call there is)
 
     @staticmethod
     def _value(text: str, kind: Any) -> Any:
         text = text.removeprefix("\n").removesuffix("\n")
         if kind == "string" or (isinstance(kind, list) and "string" in kind):
             return text
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
+        value = _json(text)
+        return text if value is None and text.strip() != "null" else value
 
 
 class FunctionCall:
     """A Qwen3-Coder call streamed as it is written: its entry once `<function=NAME>` is read, then each parameter
-    once whole (`{"P": value` for the first, `, "P": value` after), and the arguments' `}` once the function
-    closes. `feed` takes the call's text so far; a reader that reads whole sends a call only once it has closed."""
+    once whole (`{"P": value` for the first, `, "P": value` after), and the arguments' `}` once `</function>`
+    closes the function (a `</tool_call>` before it ends the call without: cut). A parameter's value is its own
+    (a mark in it is text). `feed` takes the call's text so far; a reader that reads whole sends a call only once
+    its function has closed."""
 
     OPEN = re.compile(r"\s*<function=([^>\s]+)>")
-    CLOSE = "</function>"
-    PARAMETER = "<parameter="
+    CLOSE, END = "</function>", "</tool_call>"
+    PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 
     def __init__(self) -> None:
         self.sent = False
-        self.after: int | None = 0  # as `ObjectCall.after`: past the function, or where no parameter is open
+        self.after: int | None = 0  # as `ObjectCall.after`: where the call's end may be (None: in a parameter)
         self._name = ""
         self._index = 0
         self._pos = 0  # where the next parameter (or the function's end) is looked for
+        self._param: tuple[int, int] | None = None  # a parameter not whole yet: where its name and value start
+        self._scan = 0  # where its end is looked for
         self._count = 0  # parameters sent
         self._closed = False
 
     def feed(self, reader: Qwen3CoderReader, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
         if self._closed:
-            return out
-        m = self.OPEN.match(text) if not self.sent else None
-        if not self.sent and (m is None or reader._whole and self.CLOSE not in text):
-            return out
-        if m is not None:
-            self._name, self._pos = m.group(1), m.end()
-        types, args, count, pos = reader.types.get(self._name, {}), "", self._count, self._pos
-        while True:  # the parameters whole before the function's end
-            end, p = text.find(self.CLOSE, pos), reader.PARAMETER.search(text, pos)
-            if p is None or 0 <= end < p.start():
+            return []
+        name, pos, param, scan = self._name, self._pos, self._param, self._scan
+        if not self.sent:
+            m = self.OPEN.match(text)
+            if m is None:
+                return []
+            name, pos = m.group(1), m.end()
+        types, args, count, closed, opened = reader.types.get(name, {}), "", self._count, False, False
+        while True:
+            if param is None:
+                marks = [(k, what) for what in (self.CLOSE, self.END, self.PARAMETER)
+                         if (k := text.find(what, pos)) >= 0]
+                if not marks:
+                    break
+                k, what = min(marks)
+                if what != self.PARAMETER:
+                    closed, pos = what == self.CLOSE, k + len(what) if what == self.CLOSE else k
+                    break
+                head = text.find(">", k + len(self.PARAMETER))
+                if head >= 0 and "<" in text[k + 1:head]:  # no parameter's name: skipped, as its text is
+                    pos = k + len(self.PARAMETER)
+                    continue
+                if head < 0:  # its name is not whole yet: read again from its mark
+                    pos, opened = k, True
+                    break
+                param, scan = (k, head + 1), head + 1
+            key_at, value_at = param
+            end = text.find(self.PARAMETER_END, scan)
+            if end < 0:
+                scan = max(value_at, len(text) - len(self.PARAMETER_END) + 1)
                 break
-            key = p.group(1).strip()
-            value = reader._value(p.group(2), types.get(key))
-            args += (", " if count else "{") + json.dumps(key, ensure_ascii=False) + ": " + \
-                json.dumps(value, ensure_ascii=False)
-            count, pos = count + 1, p.end()
-        opened = text.find(self.PARAMETER, pos)  # a parameter not whole yet
-        closed = end >= 0 and not 0 <= opened < end
+            key = text[key_at + len(self.PARAMETER):value_at - 1].strip()
+            value = reader._value(text[value_at:end], types.get(key))
+            args += (", " if count else "{") + _dumps(key) + ": " + _dumps(value)
+            count, pos, param = count + 1, end + len(self.PARAMETER_END), None
         if reader._whole and not closed:
-            return out
+            return []
         if closed:
             args += "}" if count else "{}"
-            self.after = end + len(self.CLOSE)
-        else:
-            self.after = None if opened >= 0 else pos
-        self._count, self._pos, self._closed = count, pos, closed
+        self.after = None if param is not None or opened else pos
+        self._name, self._pos, self._param, self._scan, self._count, self._closed = name, pos, param, scan, count, \
+            closed
         if not self.sent:
-            entry = reader._call(self._name, args)
+            entry = reader._call(name, args)
             self.sent, self._index = True, entry["index"]
             return [entry]
-        return [{"index": self._index, "function": {"arguments": args}}] if args else out
+        return [{"index": self._index, "function": {"arguments": args}}] if args else []
 
 
 class MistralReader(_MarkedReader):
     """`[TOOL_CALLS]` then a JSON list of calls, or `name[ARGS]{...}` (also `name{...}`), each call after a mark of
-    its own. Streamed a part (the text after a mark) at a time, each call as it is written (`CallList`,
-    `NamedArgsCall`), up to a part that is no call; where nothing was sent before the reply ended, read whole there
-    (all of it content unless every part is calls)."""
+    its own; read at the reply's end."""
 
     START = "[TOOL_CALLS]"
-    ARGS = NamedArgsCall.ARGS
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._done = 0  # the parts read
-        self._part: CallList | NamedArgsCall | None = None  # the part being read
-        self._offset = 0  # where in that part its calls start
-        self._before = 0  # the calls sent before that part
-        self._stuck = False  # at a part that is no call: nothing more is read as calls
-
-    def _partial(self, buf: str) -> ReplyDelta:
-        if self._whole:
-            return ReplyDelta()
-        return ReplyDelta(calls=self._stream(buf[:len(buf) - held_back(buf, self.START)], False))
-
-    def _stream(self, text: str, last: bool) -> list[dict[str, Any]]:
-        """The calls of the parts of `text` (all after the first mark) not read yet (`last`: its last part is
-        whole too)."""
-        parts, out = text.split(self.START), []
-        while not self._stuck and self._done < len(parts):
-            part, whole = parts[self._done], last or self._done < len(parts) - 1
-            if self._part is None:
-                head = part.lstrip()
-                if not head and not whole:
-                    break
-                listed = head.startswith("[")
-                self._part = CallList(("arguments",), ",") if listed else NamedArgsCall()
-                self._offset, self._before = len(part) - len(head) + listed, self.calls
-            out.extend(self._part.feed(self, part[self._offset:]))
-            if not whole:
-                break
-            if self.calls == self._before:  # nothing of it streamed: read whole
-                calls = self._read(part.strip())
-                if calls is None:
-                    self._stuck = True
-                    break
-                out.extend(self._call(*c) for c in calls)
-            self._done, self._part = self._done + 1, None
-        return out
+    ARGS = "[ARGS]"
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         if not last:
             return None
-        if self.calls and not self._whole:  # sent as they came: what is left of the calls, then any text as text
-            out = self._stream(buf, True)
-            self._inside, parts = False, buf.split(self.START)
-            self._buf = self.START + self.START.join(parts[self._done:]) if self._stuck else ""
-            return ReplyDelta(calls=out)
         self._inside, found = False, []
         for part in buf.split(self.START):
             calls = self._read(part.strip())
@@ -687,11 +667,12 @@ class CallList:
                     break
                 self.open = ObjectCall(self.keys)
             out.extend(self.open.feed(reader, text[self.pos:]))  # (its arguments end where they close)
-            if self.open.sent and self.open.args.end is None:
+            if self.open.after is None:  # the object goes on
                 break
             try:
                 value, end = self._decoder.raw_decode(text, self.pos)
-            except ValueError:  # not whole yet
+            except ValueError:  # it broke off: no more calls (one sent stays, cut)
+                self.stopped = True
                 break
             if not self.open.sent:
                 call = as_call(value, self.keys)
@@ -779,7 +760,7 @@ class NamedToolReader(ToolCallReader):
 
     def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         try:
-            json.loads(text)
+            json.loads(text, strict=False)
         except ValueError:
             return text, []
         return None, [merge_calls([self._call(self.name, text.strip())])[0]]

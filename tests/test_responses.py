@@ -114,13 +114,13 @@ def test_a_chat_stream_is_the_responses_events_and_ends_with_the_whole_response(
     tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(_chunk({"content": "x"}, "length"), "[DONE]")
             for e in cut.feed(c)]
     assert tail[-1]["type"] == "response.completed" and tail[-1]["response"]["status"] == "incomplete"
-    cut_call = ResponseEvents("resp_4", "m", {})  # a call the cap cut: incomplete, and so is the response
+    cut_call = ResponseEvents("resp_4", "m", {})  # a call the cap cut: the response is incomplete
     tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(
         _chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function",
                                 "function": {"name": "f", "arguments": '{"a": '}}]}, "length"), "[DONE]")
         for e in cut_call.feed(c)]
     done = tail[-1]["response"]
-    assert done["status"] == "incomplete" and done["output"][0]["status"] == "incomplete"
+    assert done["status"] == "incomplete" and done["output"][0]["arguments"] == '{"a": '
     failed = ResponseEvents("resp_3", "m", {})
     tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(
         _chunk({"content": "x"}), {"error": {"message": "boom", "type": "server_error", "code": "replica_error"}},
@@ -134,6 +134,6 @@ def test_an_error_names_the_responses_fields_not_the_chats() -> None:
     assert responses_param("max_completion_tokens") == responses_param("max_tokens") == "max_output_tokens"
     assert responses_param("tools.0.function.name") == "tools.0.name"
     assert responses_param("messages.2.content") == "input" and responses_param("temperature") == "temperature"
-    assert responses_param("response_format.json_schema") == "text.format.json_schema"
+    assert responses_param("response_format.json_schema.schema") == "text.format.schema"
     assert responses_message("'max_tokens' or 'max_completion_tokens' is too large: 9") == \
         "'max_output_tokens' is too large: 9"

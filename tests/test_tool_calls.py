@@ -22,6 +22,11 @@ CASES = [
     ("hermes", '<tool_call>{"name": oops}</tool_call> then text', '<tool_call>{"name": oops}</tool_call> then text',
      []),
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+    ("hermes", '<tool_call>{"arguments": {"x": "</tool_call>"}, "name": "f"}</tool_call>', None,  # (theirs)
+     [("f", {"x": "</tool_call>"})]),
+    ("hermes", '<tool_call>{"name":"f","arguments":{"c":"a\tb"}} x</tool_call>Sure. ', "Sure. ", [("f", {"c": "a\tb"})]),
+    ("qwen3_coder", "<tool_call><function=f><parameter=a>x</tool_call>y</parameter></function></tool_call> ok", " ok",
+     [("f", {"a": "x</tool_call>y"})]),
     ("qwen3_coder", "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
      "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "I'll check.\n",
      [("get_weather", {"city": "Zürich", "days": 3})]),
@@ -80,14 +85,6 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
         assert sent[0]["function"]["name"] == "get_weather" and sent[0]["id"] and sent[0]["index"] == 0
         assert len(sent) > 10 and all(set(e) == {"index", "function"} for e in sent[1:])  # piece by piece
         assert merge_calls(sent)[0]["function"]["arguments"] == '{"city": "Zürich", "days": [1, 2]}'
-    for reply in ('[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "days": [1, 2]}',
-                  '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}]'):
-        r, sent = model_format_reader("mistral"), []
-        for k in range(len(reply)):
-            sent.extend(r.feed(reply[k]).calls)
-        sent.extend(r.end().calls)
-        assert sent[0]["function"]["name"] == "get_weather" and len(sent) > 10, reply
-        assert merge_calls(sent)[0]["function"]["arguments"] == '{"city": "Zürich", "days": [1, 2]}'
     r = model_format_reader("qwen3_coder")  # a parameter at a time
     d = [r.feed(p) for p in ("<tool_call>\n<function=get_weather>\n<parameter=city>\nZü", "rich\n</parameter>\n",
                              "<parameter=days>\n3\n</parameter>\n</function>", "\n</tool_call>")]
@@ -105,7 +102,6 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
     ("hermes", '<tool_call>{"name": "f", "arguments": {"q": [1}}</tool_call>', 0, '{"q": [1'),  # not JSON from `}`
     ("llama3_json", '{"name": "f", "parameters": {"q"', 0, '{"q"'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=q>\n1\n</parameter>\n<parameter=r>", 0, '{"q": 1'),
-    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": [', 0, '{"b": ['),
     ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x"', 33, '{"x"'),
 ])
 def test_a_call_cut_after_it_was_sent_stays_a_call_as_in_vllm(fmt, reply, whole, sent) -> None:
@@ -220,3 +216,14 @@ def test_parallel_tool_calls_false_gives_the_first_call_only() -> None:
     assert {e["index"] for e in sent} == {0} and _named(merge_calls(sent)) == [("f", {"a": 1})]
     _, _, calls = ReplyReader(None, model_format_reader("hermes")).whole(reply)
     assert len(calls) == 2
+
+
+def test_arguments_that_are_no_json_leave_a_call_read_whole_as_text_and_no_lone_surrogate_is_sent() -> None:
+    bad = '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>'
+    assert model_format_reader("hermes").whole(bad) == (bad, [])
+    _, calls = model_format_reader("qwen3_coder").whole("<tool_call><function=f><parameter=s>\"\\ud83d\"</parameter>"
+                                                        "</function></tool_call>")
+    _, more = model_format_reader("mistral").whole('[TOOL_CALLS]g[ARGS]{"s": "\\ud83d"}')
+    for c in calls + more:  # (UTF-8 can carry no lone surrogate: it is sent as its escape)
+        assert json.loads(c["function"]["arguments"]) == {"s": "\ud83d"}
+        c["function"]["arguments"].encode()
