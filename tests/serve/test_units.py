@@ -1099,16 +1099,32 @@ def test_sse_sends_a_chunk_for_every_token_delivery_even_without_text() -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def _chat_chunks(pieces: list[str], finish: str, reader) -> list[dict]:
+    """The chunks of a chat stream (the Ingress's `_sse`) of a reply in `pieces` that ends with `finish`, read by
+    `reader` (a factory of its `ReplyReader`)."""
+    import asyncio
+    import json
+
+    from deployments.ingress import Ingress
+
+    items = [RequestOutput("c", text=t, token_ids=[i]) for i, t in enumerate(pieces)]
+    items[-1] = RequestOutput("c", text=pieces[-1], token_ids=[9], finished=True, finish_reason=finish,
+                              num_prompt_tokens=3, num_output_tokens=len(pieces))
+
+    async def collect() -> list[bytes]:
+        gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "chat",
+                                         "chatcmpl-1", False, "m", tools=reader)
+        return [c async for c in gen]
+
+    return [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+
+
 def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() -> None:
     """With a reader of the reply (a reasoning model's thinking; tool_choice auto, in the model's format), a chat
     stream's chunks carry the thinking as `reasoning_content`, the text before a call as content and each call as
     `tool_calls` deltas (its name once read, then its arguments as they come); the last chunk's finish reason is
     `tool_calls`. Read whole, the same reply gives the same message."""
-    import asyncio
-    import json
-
     from deployments import protocol as P
-    from deployments.ingress import Ingress
     from deployments.reasoning import ReplyReader, reasoning_reader
     from deployments.tool_calls import merge_calls, model_format_reader
 
@@ -1117,16 +1133,7 @@ def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() ->
 
     pieces = ["<think>\nRain", "?</th", "ink>\n\nChecking", ". <tool", '_call>\n{"name": "get_weather", ',
               '"arguments": {"city": ', '"Oslo"}}\n</tool_call>', "\n"]
-    items = [RequestOutput("c", text=t, token_ids=[i]) for i, t in enumerate(pieces)]
-    items[-1] = RequestOutput("c", text=pieces[-1], token_ids=[9], finished=True, finish_reason="stop",
-                              num_prompt_tokens=3, num_output_tokens=len(pieces))
-
-    async def collect() -> list[bytes]:
-        gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "chat",
-                                         "chatcmpl-1", False, "m", tools=reader)
-        return [c async for c in gen]
-
-    chunks = [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+    chunks = _chat_chunks(pieces, "stop", reader)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert "".join(d.get("content", "") for d in deltas[1:]) == "Checking. "
@@ -1146,11 +1153,7 @@ def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() ->
 def test_a_chat_stream_cut_in_a_tool_call_by_its_cap_ends_with_finish_reason_length() -> None:
     """A streamed reply whose max_tokens cut it inside a call it sent ends `length` (the arguments are cut), as
     the same reply read whole does (there, the cut call stays text); one that ended on its own, `tool_calls`."""
-    import asyncio
-    import json
-
     from deployments import protocol as P
-    from deployments.ingress import Ingress
     from deployments.reasoning import ReplyReader
     from deployments.tool_calls import model_format_reader
 
@@ -1159,16 +1162,7 @@ def test_a_chat_stream_cut_in_a_tool_call_by_its_cap_ends_with_finish_reason_len
 
     pieces = ['<tool_call>{"name": "f", ', '"arguments": {"city": ', '"Par']
     for fin, want in (("length", "length"), ("stop", "tool_calls")):
-        items = [RequestOutput("c", text=t, token_ids=[i]) for i, t in enumerate(pieces)]
-        items[-1] = RequestOutput("c", text=pieces[-1], token_ids=[9], finished=True, finish_reason=fin,
-                                  num_prompt_tokens=3, num_output_tokens=len(pieces))
-
-        async def collect() -> list[bytes]:
-            gen = Ingress.func_or_class._sse(SimpleNamespace(served_model_name="m"), _Gen(items), items[0], "chat",
-                                             "chatcmpl-1", False, "m", tools=reader)
-            return [c async for c in gen]
-
-        chunks = [json.loads(c.decode()[6:]) for c in asyncio.run(collect()) if c != b"data: [DONE]\n\n"]
+        chunks = _chat_chunks(pieces, fin, reader)
         assert chunks[-1]["choices"][0]["finish_reason"] == want, fin
         assert any(d["choices"][0]["delta"].get("tool_calls") for d in chunks)
     whole = P.read_replies(P.chat_response("chatcmpl-1", "m", "".join(pieces), "length", 3, 3), reader)
