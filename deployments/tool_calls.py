@@ -179,11 +179,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# JSON as the readers take it: control characters allowed in strings (a model writes code's tabs and line breaks as
+# they are), NaN and Infinity refused (no JSON has them)
+_DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant)
+
+
 def _json(text: str) -> Any:
-    """`text`'s JSON value (control characters allowed in strings: a model writes code's tabs and line breaks as
-    they are), else None."""
+    """`text`'s JSON value (as `_DECODER` reads it), else None."""
     try:
-        return json.loads(text, strict=False, parse_constant=_no_constant)
+        return _DECODER.decode(text)
     except ValueError:
         return None
 
@@ -322,7 +326,7 @@ def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
     i = _SPACE.match(text).end()
     if text[i:i + 1] != "{":
         return None
-    decoder, name, args, i = json.JSONDecoder(strict=False, parse_constant=_no_constant), None, None, i + 1
+    name, args, i = None, None, i + 1
     while True:
         i = _SPACE.match(text, i).end()
         if text[i:i + 1] == ",":
@@ -338,7 +342,7 @@ def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
             if name is not None:
                 return name, args
         try:
-            value, i = decoder.raw_decode(text, i)
+            value, i = _DECODER.raw_decode(text, i)
         except ValueError:
             return None
         if key == "name":
@@ -391,7 +395,7 @@ class ObjectCall:
         if self.args is None:
             if obj.low > 1 and obj.stop is None:  # all of it inside a value: no key of the object's own came
                 return []
-            start = self._start(text)
+            start = _call_start(text, self.keys)
             if start is None:
                 return []
             args = JsonText()
@@ -407,10 +411,6 @@ class ObjectCall:
             return []
         delta, self._seen = self.args.feed(text[self._seen:]), len(text)
         return [{"index": self._index, "function": {"arguments": delta}}] if delta else []
-
-    def _start(self, text: str) -> tuple[str, int] | None:
-        """The call's name and where its arguments' object starts in `text`, once both are read."""
-        return _call_start(text, self.keys)
 
 
 class _MarkedReader(ToolCallReader):
@@ -650,7 +650,6 @@ class CallList:
         self.pos = 0  # where the next object (or the open one) starts
         self.open: ObjectCall | None = None
         self.stopped = False
-        self._decoder = json.JSONDecoder(strict=False, parse_constant=_no_constant)
 
     def feed(self, reader: "ToolCallReader", text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -670,7 +669,7 @@ class CallList:
             if self.open.after is None:  # the object goes on
                 break
             try:
-                value, end = self._decoder.raw_decode(text, self.pos)
+                value, end = _DECODER.raw_decode(text, self.pos)
             except ValueError:  # it broke off: no more calls (one sent stays, cut)
                 self.stopped = True
                 break
@@ -760,7 +759,7 @@ class NamedToolReader(ToolCallReader):
 
     def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         try:
-            json.loads(text, strict=False)
+            _DECODER.decode(text)
         except ValueError:
             return text, []
         return None, [merge_calls([self._call(self.name, text.strip())])[0]]
