@@ -151,7 +151,8 @@ def front_settings(a: ServeArgs) -> dict[str, Any]:
         "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
         # a request whose replica failed before its first token goes to another one (routed: the ingress's handle)
         "failovers": 0 if a.direct else FAILOVERS,
-        "unready_wait_s": a.unready_wait_s,
+        "unready_wait_s": a.unready_wait,
+        "scale_to_zero": a.scales_to_zero,  # (routed: the Ingress holds a request while an LLM replica starts)
         "cors": {"origins": [o.strip() for o in a.allowed_origins.split(",") if o.strip()],
                  "credentials": a.allow_credentials},
         "llm_transport": a.llm_transport,

@@ -22,6 +22,9 @@ _ENGINE_FIELDS = tuple(n for n in EngineConfig.model_fields if n != "scheduler")
 _SCHED_FIELDS = tuple(SchedulerConfig.model_fields)
 _CLASH = set(_ENGINE_FIELDS) & set(_SCHED_FIELDS)
 assert not _CLASH, f"engine and scheduler knobs share names {_CLASH}; AppArgs needs them distinct"
+# how long a request waits for an app scaled to zero to start an LLM replica (`unready_wait_s`'s default there): the
+# OpenAI client's own default timeout, as a cold start may wait for a node, then load and profile the model
+COLD_START_WAIT_S = 600.0
 
 
 class ServeArgs(BaseModel):
@@ -36,8 +39,11 @@ class ServeArgs(BaseModel):
                                    "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`) "
                                    "and `device` is auto or cuda, else 0")
     autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Serve's autoscaling of the LLM replicas, in place of num_replicas (min_replicas >= 1, "
-        "max_replicas, target_ongoing_requests, delays: Serve's AutoscalingConfig). target_ongoing_requests left "
+        None, description="Serve's autoscaling of the LLM replicas, in place of num_replicas (min_replicas, "
+        "max_replicas, target_ongoing_requests, delays: Serve's AutoscalingConfig). min_replicas 0 scales to zero "
+        "(routed topology): after downscale_to_zero_delay_s (else downscale_delay_s) with no request in flight the "
+        "last replica stops, /health stays 200, and the next request starts one and waits for it (at most "
+        "unready_wait_s). target_ongoing_requests left "
         "out is a replica's max_num_seqs (Serve's own default, 2, would add a replica for a third request); the "
         "policy left out is Kairos's, Serve's rule or more where the replicas turn requests away for their load "
         "(deployments/autoscaling.py); the "
@@ -119,9 +125,12 @@ class ServeArgs(BaseModel):
         "given as `reasoning_content`, as vLLM's --reasoning-parser: deepseek_r1: from the reply's start (its "
         "template opens <think> in the prompt: DeepSeek-R1, QwQ); qwen3: where the reply opens with <think> "
         "(Qwen3); none: the thinking stays in the content")
-    unready_wait_s: float = Field(30.0, ge=0, description="routed topology: how long a request waits at the Ingress "
-                                  "while no LLM replica can serve (none has loaded its model yet, or Serve is "
-                                  "replacing them) before it gets a 503 `unavailable` with Retry-After")
+    unready_wait_s: float | None = Field(None, ge=0, description="routed topology: how long a request waits at the "
+                                         "Ingress while no LLM replica can serve (none has loaded its model yet, "
+                                         "Serve is replacing them, or the app scaled to zero and is starting one) "
+                                         "before it gets a 503 `unavailable` with Retry-After; default 30 s, and "
+                                         f"{COLD_START_WAIT_S:.0f} s for an app that scales to zero (a cold start "
+                                         "loads the model, and may wait for a node)")
     stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="stream batching: after the first token, "
                                       "send at most one chunk per request per interval, merging the tokens "
                                       "generated meanwhile; the final tokens go out as soon as the request ends. "
@@ -224,14 +233,28 @@ class ServeArgs(BaseModel):
             checked = AutoscalingConfig(**cfg)
         except Exception as e:  # noqa: BLE001 - Serve's validation error, as a ValueError naming the field
             raise ValueError(f"autoscaling_config: {e}") from None
-        if checked.min_replicas < 1:
-            raise ValueError("autoscaling_config: min_replicas must be at least 1 (a replica's start loads its "
-                             "model and profiles it: requests waiting for the first would be answered 503)")
+        if checked.min_replicas == 0 and self.topology == "direct":
+            raise ValueError("autoscaling_config: min_replicas 0 needs the routed topology (topology=direct: the LLM "
+                             "replicas answer HTTP themselves, and with none running nothing would; the Ingress of "
+                             "the routed one holds a request while a replica starts)")
         return cfg
 
     @property
+    def scales_to_zero(self) -> bool:
+        """Whether the LLM replicas autoscale down to none (`autoscaling_config` with min_replicas 0)."""
+        return self.autoscaling_config is not None and int(self.autoscaling_config.get("min_replicas", 1)) == 0
+
+    @property
+    def unready_wait(self) -> float:
+        """`unready_wait_s`, or its default for this app."""
+        if self.unready_wait_s is not None:
+            return self.unready_wait_s
+        return COLD_START_WAIT_S if self.scales_to_zero else 30.0
+
+    @property
     def fewest_replicas(self) -> int:
-        """The LLM replicas the app runs at least: `min_replicas` where it autoscales, else its `num_replicas`."""
+        """The LLM replicas the app runs at least while it serves: `min_replicas` where it autoscales (1 where that
+        is 0: a request starts one), else its `num_replicas`."""
         if self.autoscaling_config is not None:
             return max(1, int(self.autoscaling_config.get("min_replicas", 1)))
         return self.placement()[1]
@@ -274,8 +297,8 @@ class ServeArgs(BaseModel):
     @property
     def direct(self) -> bool:
         """Whether the LLM replicas serve HTTP themselves (`topology`)."""
-        if self.topology == "auto":
-            return self.placement()[1] == 1 and self.ingress_num_replicas == 1
+        if self.topology == "auto":  # (an app that scales to zero needs a front that stays up)
+            return self.placement()[1] == 1 and self.ingress_num_replicas == 1 and not self.scales_to_zero
         return self.topology == "direct"
 
     def engine_config(self) -> EngineConfig:

@@ -8,6 +8,12 @@ the requests it admitted and those it turned away for its load, a second each ov
 would have admitted them too (the offered over the admitted), or as Serve's rule asks, whichever is more. Serve
 applies the config's bounds, delays and factors around it. `AppArgs.autoscaling` makes it the default policy of an
 app's `autoscaling_config`.
+
+Scale to zero (min_replicas 0): Serve's rule never asks for none while any call reaches a replica, and the Ingress
+asks a replica whether it can serve every few seconds (`ingress.Readiness`). Its replicas also report the requests
+they have in flight (`INFLIGHT`); where every one reports none over the look-back, and none turned any away, the
+policy asks for none (Serve then waits `downscale_to_zero_delay_s`, else `downscale_delay_s`). A request that finds
+none running is held by the Ingress, which asks for one with a call through the handle: Serve's cold start.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Any
 POLICY_PATH = "deployments.autoscaling:slo_autoscaling_policy"
 WINDOW_S = 30.0  # the rates' window: about Serve's default look-back
 ADMITTED, TURNED_AWAY = "kairos_admitted_per_s", "kairos_turned_away_per_s"
+INFLIGHT = "kairos_inflight"  # a replica's requests in flight (generate calls: what a scale to zero must wait out)
 
 
 class DemandRates:
@@ -65,4 +72,13 @@ def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     metrics = ctx.aggregated_metrics or {}
     admitted = sum(v for v in (metrics.get(ADMITTED) or {}).values() if math.isfinite(v))
     turned = sum(v for v in (metrics.get(TURNED_AWAY) or {}).values() if math.isfinite(v))
+    if getattr(ctx.config, "min_replicas", 1) == 0 and turned <= 0 and idle(metrics.get(INFLIGHT),
+                                                                            ctx.current_num_replicas):
+        return 0.0, state
     return desired_replicas(ctx.current_num_replicas, by_queue, admitted, turned), state
+
+
+def idle(inflight: dict[Any, float] | None, replicas: int) -> bool:
+    """Whether the replicas' reports say none had a request in flight over the look-back: one from each of the
+    `replicas` running (a replica that has not reported yet may be serving), each 0."""
+    return inflight is not None and len(inflight) >= replicas and all(v == 0 for v in inflight.values())

@@ -18,6 +18,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -195,6 +196,9 @@ class ResponseIds:
             self._name(value, as_given=self.prefix == "resp_")  # (vLLM's Responses API: as given)
 
 
+IDLE_LOOK_S = 0.5  # a request waiting for an LLM replica looks this often whether the app scaled to zero meanwhile
+
+
 class Readiness:
     """Whether the app can serve yet: the Ingress answers HTTP as soon as it is up, often long before an LLM replica
     has loaded its model (12 s for the default model on a 2-core CPU), and a load balancer that sent traffic on the
@@ -206,12 +210,21 @@ class Readiness:
     /health is 503 `unavailable`: Serve is replacing the replicas, and requests meanwhile wait for one or get 503s of
     their own). A probe that times out or meets back pressure proves nothing: it waits behind generate calls on busy
     replicas (Serve's `max_ongoing_requests` counts every method), and an overloaded app must not look dead to a
-    load balancer."""
+    load balancer.
 
-    def __init__(self) -> None:
+    An app that scales to zero (`may_idle`) is `idle` instead where no LLM replica runs: not down (/health 200, the
+    app takes requests), and not probed, since a call through the handle is demand that Serve's autoscaler answers
+    with a replica. A request that finds the app idle asks for one (`wake`: one probe at a time, which waits in the
+    handle until Serve has started a replica and it answers); the app serves again once it has."""
+
+    def __init__(self, may_idle: bool = False) -> None:
         self._info: dict[str, Any] | None = None
         self._down: str | None = None
-        self.serving = asyncio.Event()  # set while an LLM replica can serve: ready and not down
+        self.may_idle = may_idle
+        self._idle = False
+        self._answered = -math.inf  # (monotonic) when a probe or a wake last got an answer
+        self._waking: asyncio.Task | None = None
+        self.serving = asyncio.Event()  # set while an LLM replica can serve: ready, not down and not idle
         self.running: int | None = None  # the LLM replicas running, as `monitor` last heard (None: not heard)
 
     @property
@@ -234,8 +247,21 @@ class Readiness:
         self._down = why
         self._sync()
 
+    @property
+    def idle(self) -> bool:
+        """Whether the app scaled to zero: no LLM replica runs, and none is down."""
+        return self._idle
+
+    @idle.setter
+    def idle(self, idle: bool) -> None:
+        if idle != self._idle:
+            log.info("ingress: %s", "no LLM replica runs (scaled to zero): the next request starts one" if idle
+                     else "an LLM replica serves")
+        self._idle = idle
+        self._sync()
+
     def _sync(self) -> None:
-        if self._info is not None and self._down is None:
+        if self._info is not None and self._down is None and not self._idle:
             self.serving.set()
         else:
             self.serving.clear()
@@ -244,11 +270,55 @@ class Readiness:
     def ready(self) -> bool:
         return self.info is not None
 
+    def _heard(self, info: dict[str, Any]) -> None:
+        """A replica answered a probe: it runs."""
+        self._answered = time.monotonic()
+        self.running = max(self.running or 0, 1)
+        self._idle = False
+        self.info = info
+
+    def wake(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float) -> None:
+        """Ask Serve for an LLM replica while the app is idle: one probe at a time, bounded by `timeout_s`."""
+        if self._waking is None or self._waking.done():
+            log.info("ingress: a request asks for an LLM replica (the app scaled to zero)")
+            self._waking = asyncio.get_running_loop().create_task(self._wake(probe, timeout_s))
+
+    async def _wake(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float) -> None:
+        try:
+            self._heard(await asyncio.wait_for(probe(), timeout_s))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - none came up in time: the next request asks again
+            log.warning("ingress: no LLM replica answered within %.0f s of a request that asked for one (%s)",
+                        timeout_s, type(e).__name__)
+
+    async def _count(self, running: Callable[[], Awaitable[int | None]] | None, timeout_s: float) -> int | None:
+        try:
+            n = await asyncio.wait_for(running(), timeout_s) if running is not None else None
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the controller busy: no news
+            n = None
+        if n is not None:
+            self.running = n
+        return n
+
+    def _none_runs(self, grace_s: float) -> None:
+        """Serve's controller counts no LLM replica running, in an app that may scale to zero: idle, unless a
+        replica answered within `grace_s` (the controller's count lags a replica that has just started)."""
+        if time.monotonic() - self._answered > grace_s:
+            self.idle = True
+
     async def watch(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float = 60.0,
-                    retry_s: float = 1.0) -> None:
+                    retry_s: float = 1.0, running: Callable[[], Awaitable[int | None]] | None = None) -> None:
         while self.info is None:
+            if self.may_idle and running is not None and await self._count(running, timeout_s) in (0, None):
+                if self.running == 0:  # (none asked for yet: no probe, which would start one)
+                    self._none_runs(retry_s)
+                await asyncio.sleep(retry_s)
+                continue
             try:
-                self.info = await asyncio.wait_for(probe(), timeout_s)
+                self._heard(await asyncio.wait_for(probe(), timeout_s))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a replica still starting, or one that died: ask again
@@ -262,14 +332,14 @@ class Readiness:
         while True:
             await asyncio.sleep(period_s)
             why = None
-            try:
-                n = await asyncio.wait_for(running(), timeout_s) if running is not None else None
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the controller busy: no news
-                n = None
-            if n is not None:
-                self.running = n
+            n = await self._count(running, timeout_s)
+            if n == 0 and self.may_idle:
+                self._none_runs(2.0 * period_s)
+                failed = 0
+                self.down = None
+                continue
+            if n is None and self.idle:
+                continue  # (no news; a probe would start a replica)
             if n == 0:
                 why = "no LLM replica is running"
             else:
@@ -277,7 +347,7 @@ class Readiness:
                     info = await asyncio.wait_for(probe(), timeout_s)
                     why = None if info.get("alive", True) else "the LLM replicas' engines exited"
                     if why is None:
-                        self.info = info  # the latest (a redeployed LLM deployment may serve otherwise)
+                        self._heard(info)  # the latest (a redeployed LLM deployment may serve otherwise)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # noqa: BLE001 - busy replicas, or one being replaced: no news
@@ -407,6 +477,11 @@ class OpenAIFrontend:
         replica), else None."""
         return None
 
+    def _idle(self) -> bool:
+        """Whether the app scaled to zero (routed, `autoscaling_config` min_replicas 0): no LLM replica runs, and a
+        request starts one (`_until_ready`)."""
+        return False
+
     async def _until_ready(self) -> None:
         """Before a parsed request is sent: wait while nothing could serve it (the routed Ingress, `IngressFrontend`;
         a replica serving HTTP itself is ready from its first request)."""
@@ -415,7 +490,10 @@ class OpenAIFrontend:
     async def health(self) -> Any:
         """200 once an engine can serve, 503 `starting` before and `unavailable` once it cannot (its engine died,
         until Serve replaces the replica): what a load balancer's readiness probe needs. Answered from the
-        replica's own state: it never waits on an engine."""
+        replica's own state: it never waits on an engine. An app scaled to zero is 200: it takes requests (the first
+        starts an LLM replica)."""
+        if self._idle():
+            return {"status": "ok"}
         if self._ready_info() is None:
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "1"})
         if (why := self._unavailable()) is not None:
@@ -562,7 +640,7 @@ class OpenAIFrontend:
         known = self._ready_info() is not None
         got = parse(known)
         t_parsed = time.perf_counter()
-        if not known or self._unavailable() is not None:
+        if not known or self._unavailable() is not None or self._idle():
             await until_disconnected(request.receive, self._until_ready())
             if not known:
                 got = parse(True)
@@ -1905,13 +1983,13 @@ class IngressFrontend(OpenAIFrontend):
         import ray
 
         self._actor_id: str | None = ray.get_runtime_context().get_actor_id()  # the LLM replicas watch it (caller)
-        self._readiness = Readiness()
+        self._readiness = Readiness(may_idle=settings.get("scale_to_zero", False))
+        self._probe = lambda: llm.model_info.remote()
 
         async def readiness() -> None:
-            await self._readiness.watch(lambda: llm.model_info.remote())
-            await self._readiness.monitor(
-                lambda: llm.model_info.remote(),
-                lambda: asyncio.to_thread(running_replicas, llm.app_name, llm.deployment_name))
+            running = lambda: asyncio.to_thread(running_replicas, llm.app_name, llm.deployment_name)  # noqa: E731
+            await self._readiness.watch(self._probe, running=running)
+            await self._readiness.monitor(self._probe, running)
         self._ready_task = asyncio.get_running_loop().create_task(readiness())
 
     async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
@@ -1950,20 +2028,29 @@ class IngressFrontend(OpenAIFrontend):
     def _unavailable(self) -> str | None:
         return self._readiness.down  # no LLM replica can serve now
 
+    def _idle(self) -> bool:
+        return self._readiness.idle
+
     async def _until_ready(self) -> None:
-        """While no LLM replica can serve (none has loaded its model yet, or `Readiness.monitor` says none can now),
-        a request waits for one at most `unready_wait_s`, then gets a 503 `unavailable` with Retry-After: Serve's
-        handle would hold it with no limit (an LLM replica that cannot be placed never comes up). The wait counts
-        against its TTFT SLO, whose time runs from its arrival."""
+        """While no LLM replica can serve (none has loaded its model yet, `Readiness.monitor` says none can now, or
+        the app scaled to zero: the request asks for one, `Readiness.wake`), a request waits for one at most
+        `unready_wait_s`, then gets a 503 `unavailable` with Retry-After: Serve's handle would hold it with no limit
+        (an LLM replica that cannot be placed never comes up). The wait counts against its TTFT SLO, whose time runs
+        from its arrival."""
         r = self._readiness
         if r.serving.is_set():
             return
-        try:
-            await asyncio.wait_for(r.serving.wait(), self.unready_wait_s)
-        except TimeoutError:
-            why = r.down or "no LLM replica is ready yet"
-            raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
-                           {"Retry-After": str(self.retry_after_s)}) from None
+        deadline = time.monotonic() + self.unready_wait_s
+        while not r.serving.is_set():
+            if r.idle:
+                r.wake(self._probe, self.unready_wait_s)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = r.down or "no LLM replica is ready yet"
+                raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
+                               {"Retry-After": str(self.retry_after_s)})
+            with contextlib.suppress(TimeoutError):  # (and looks again whether the app went idle meanwhile)
+                await asyncio.wait_for(r.serving.wait(), min(left, IDLE_LOOK_S))
 
 
 Ingress = serve.deployment(serve.ingress(openai_api())(IngressFrontend), name="Ingress",

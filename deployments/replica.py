@@ -23,7 +23,7 @@ from ray import serve
 from core.messages import (ChatTurn, ContextLengthExceeded, ErrorKind, GenerateRequest, PromptOptions, PromptTooLong,
                            RejectReason, RequestOutput, RoutingStats, ServedBy)
 from core.request import FinishReason
-from deployments.autoscaling import DemandRates
+from deployments.autoscaling import INFLIGHT, DemandRates
 from deployments.metrics import ReplicaMetrics
 from deployments.pacing import StreamPacing
 from deployments.tool_calls import detect
@@ -373,8 +373,8 @@ class LLMReplica:
     # ------------------------------------------------------------------ control plane
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (where the app autoscales): the requests this replica admitted and
-        turned away for its load, a second each lately (deployments/autoscaling.py)."""
-        return self.demand.rates(time.monotonic())
+        turned away for its load, a second each lately, and those in flight now (deployments/autoscaling.py)."""
+        return {**self.demand.rates(time.monotonic()), INFLIGHT: float(self.inflight)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by the controller every `request_routing_stats_period_s`; read by `router.SLORouter` as a

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.autoscaling import ADMITTED, TURNED_AWAY, DemandRates, desired_replicas, slo_autoscaling_policy
+from deployments.autoscaling import (ADMITTED, INFLIGHT, TURNED_AWAY, DemandRates, desired_replicas, idle,
+                                     slo_autoscaling_policy)
 
 
 def test_desired_replicas_follow_the_queue_or_the_demand_turned_away_whichever_asks_more():
@@ -34,3 +35,25 @@ def test_demand_rates_are_over_the_last_window():
     assert d.rates(5.0) == {ADMITTED: 4.0, TURNED_AWAY: 1.0}
     d.admitted, d.turned_away = 30, 5
     assert d.rates(15.0) == {ADMITTED: 1.0, TURNED_AWAY: 0.0}  # since 5.0: the sample at 0.0 left the window
+
+
+def test_an_app_that_scales_to_zero_asks_for_none_once_no_replica_has_a_request_in_flight():
+    """min_replicas 0: Serve's rule keeps a replica while any call reaches it (the Ingress's probes do); Kairos asks
+    for none where every running replica reports no request in flight over the look-back and none turned away."""
+    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 16, get_upscaling_factor=lambda: 1.0, min_replicas=0)
+    ctx = SimpleNamespace(current_num_replicas=1, target_num_replicas=1, total_num_requests=0.01, config=cfg,
+                          aggregated_metrics={ADMITTED: {"a": 0.0}, TURNED_AWAY: {"a": 0.0}, INFLIGHT: {"a": 0.0}})
+    assert slo_autoscaling_policy(ctx)[0] == 0  # only probes: none
+    ctx.aggregated_metrics[INFLIGHT] = {"a": 0.2}  # a request ran within the look-back
+    assert slo_autoscaling_policy(ctx)[0] == pytest.approx(0.01 / 16)  # (Serve's rule: rounded up, one)
+    ctx.aggregated_metrics[INFLIGHT] = {"a": 0.0}
+    ctx.aggregated_metrics[TURNED_AWAY] = {"a": 1.0}  # turned requests away: more, not none
+    assert slo_autoscaling_policy(ctx)[0] == 2
+    ctx.aggregated_metrics[TURNED_AWAY] = {"a": 0.0}
+    ctx.current_num_replicas = 2  # a replica that has not reported yet may be serving
+    assert slo_autoscaling_policy(ctx)[0] > 0
+    ctx.aggregated_metrics[INFLIGHT] = {"a": 0.0, "b": 0.0}
+    assert slo_autoscaling_policy(ctx)[0] == 0
+    cfg.min_replicas = 1  # (an app that keeps one: Serve's rule)
+    assert slo_autoscaling_policy(ctx)[0] == pytest.approx(0.01 / 16)
+    assert not idle(None, 1) and idle({}, 0)

@@ -2,6 +2,7 @@
 Over HTTP, tests/serve/test_overload.py's app is built from such a config."""
 import pytest
 
+from deployments.args import COLD_START_WAIT_S
 from deployments.llm_config import translate
 
 LLM = {
@@ -137,9 +138,20 @@ def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to()
     assert AppArgs.model_validate({"model": "kairos-tiny", "autoscaling_config": '{"min_replicas": 1, '
                                    '"max_replicas": 2}'}).autoscaling_config == {"min_replicas": 1, "max_replicas": 2}
     assert AppArgs.model_validate({"runtime_env": '{"env_vars": {"A": "1"}}'}).runtime_env == {"env_vars": {"A": "1"}}
-    with pytest.raises(ValueError, match="min_replicas must be at least 1"):
-        build_openai_app({"llm_configs": [{**cfg["llm_configs"][0], "deployment_config": {
-            "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}}]})
+    # scale to zero: routed however few replicas (the Ingress holds a request while one starts), and a longer wait
+    zero = {**cfg["llm_configs"][0], "deployment_config": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 1},
+                                                           "ray_actor_options": {"num_gpus": 0}}}
+    app = build_openai_app({"llm_configs": [zero]})
+    llm = app._bound_deployment.init_args[0]._bound_deployment
+    assert llm._deployment_config.autoscaling_config.min_replicas == 0
+    settings = app._bound_deployment.init_args[1]
+    assert settings["scale_to_zero"] and settings["unready_wait_s"] == COLD_START_WAIT_S
+    zero_args = AppArgs.model_validate(translate({"llm_configs": [zero]}))
+    assert not zero_args.direct and zero_args.fewest_replicas == 1
+    assert AppArgs.model_validate({**translate({"llm_configs": [zero]}), "unready_wait_s": 5}).unready_wait == 5
+    assert AppArgs.model_validate(translate(cfg)).unready_wait == 30.0
+    with pytest.raises(ValueError, match="min_replicas 0 needs the routed topology"):
+        AppArgs.model_validate({**translate({"llm_configs": [zero]}), "topology": "direct"})
     # a vLLM argument Kairos does not have is refused by name, as any unknown argument is, with the nearest one
     cfg["llm_configs"][0]["engine_kwargs"] = {"max_num_seq": 4}
     with pytest.raises(ValueError, match="max_num_seq.*did you mean 'max_num_seqs'"):

@@ -1317,6 +1317,63 @@ def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> 
     asyncio.run(run())
 
 
+def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> None:
+    """min_replicas 0: while Serve's controller counts no LLM replica, the Ingress is idle, not down: /health 200 and
+    no probe (a call through the handle would start a replica). A request asks for one (a single probe however many
+    wait), waits for its answer, and is sent; once the controller counts none again, the app is idle again."""
+    from deployments.errors import APIError
+    from deployments.ingress import IngressFrontend, Readiness
+
+    state = {"running": 0, "answer": asyncio.Event()}
+    probes: list[float] = []
+
+    async def running() -> int:
+        return state["running"]
+
+    async def probe() -> dict:  # (waits in the handle until Serve has started a replica)
+        probes.append(time.monotonic())
+        await state["answer"].wait()
+        return {"max_model_len": 7}
+
+    front = object.__new__(IngressFrontend)
+    front._readiness, front.unready_wait_s, front.retry_after_s = Readiness(may_idle=True), 5.0, 1
+    front._probe = probe
+    r = front._readiness
+
+    async def run() -> None:
+        watch = asyncio.create_task(r.watch(probe, timeout_s=1.0, retry_s=0.01, running=running))
+        while not r.idle:
+            await asyncio.sleep(0.005)
+        assert await front.health() == {"status": "ok"} and not probes and not r.serving.is_set()
+        waiting = [asyncio.create_task(front._until_ready()) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert len(probes) == 1 and not any(t.done() for t in waiting)  # one call asks for a replica
+        state["running"] = 1
+        state["answer"].set()
+        await asyncio.wait_for(asyncio.gather(*waiting), 1.0)
+        await asyncio.wait_for(watch, 1.0)
+        assert r.serving.is_set() and not r.idle and r.info == {"max_model_len": 7}
+        # the controller's count lags a replica that has just answered: not idle at once
+        state["running"] = 0
+        monitor = asyncio.create_task(r.monitor(probe, running, period_s=0.01, timeout_s=0.5))
+        await asyncio.sleep(0.005)
+        assert not r.idle
+        while not r.idle:  # scaled to zero again: idle after the grace, never down, no probe meanwhile
+            await asyncio.sleep(0.005)
+        n = len(probes)
+        await asyncio.sleep(0.05)
+        assert len(probes) == n and r.down is None and await front.health() == {"status": "ok"}
+        monitor.cancel()
+        # a replica that never comes up: the request's 503 after unready_wait_s
+        state["answer"] = asyncio.Event()
+        front.unready_wait_s = 0.1
+        with pytest.raises(APIError) as e:
+            await front._until_ready()
+        assert e.value.status == 503 and e.value.code == "unavailable"
+
+    asyncio.run(run())
+
+
 def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
     """Serve routes to a replica whose engine died until its health checks fail; the ingress sends a request that
     failed there before its first item to another one (`failovers`), the failed replica in its avoid list; a
