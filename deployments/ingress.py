@@ -271,9 +271,8 @@ class Readiness:
         return self.info is not None
 
     def _heard(self, info: dict[str, Any]) -> None:
-        """A replica answered a probe: it runs."""
+        """A replica answered a probe: it runs (how many, the controller's next count says)."""
         self._answered = time.monotonic()
-        self.running = max(self.running or 0, 1)
         self._idle = False
         self.info = info
 

@@ -21,7 +21,9 @@ def _auto_app(_: object):
     from deployments import build_app
 
     args = {k: v for k, v in TEST_ARGS.items() if k != "num_replicas"}
-    return build_app({**args, "max_num_seqs": 2, "max_waiting": 2, "autoscaling_config": SCALING})
+    # (the engine in the replica's process: the new replica starts without a second process's imports)
+    return build_app({**args, "max_num_seqs": 2, "max_waiting": 2, "autoscaling_config": SCALING,
+                      "engine_process": False})
 
 
 SIDE_APP = SideApp(AUTO_APP, AUTO_PREFIX, _auto_app)

@@ -29,7 +29,7 @@ SIDE_APP = SideApp(ZERO_APP, ZERO_PREFIX, _zero_app)
 
 @pytest.fixture(scope="module")
 def zero_url(serve_app: dict):
-    yield from side_app_url(serve_app, SIDE_APP)
+    yield from side_app_url(serve_app, SIDE_APP, blocking=False)  # (no LLM replica left to wait for)
 
 
 def _running(state: str = "RUNNING") -> int:
