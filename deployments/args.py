@@ -70,7 +70,8 @@ class ServeArgs(BaseModel):
     topology: Literal["auto", "routed", "direct"] = Field(
         "auto", description="routed: an Ingress deployment sends each request to an LLM replica through a Serve "
         "handle, picked by `router`; direct: the LLM replicas serve HTTP themselves (HAProxy balances them; no "
-        "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more")
+        "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more or where "
+        "autoscaling_config's min_replicas is 0")
     router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default, "
                                            "power of two choices (passing over replicas that failed the request "
                                            "or whose engine is dead)")

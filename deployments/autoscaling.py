@@ -9,11 +9,14 @@ would have admitted them too (the offered over the admitted), or as Serve's rule
 applies the config's bounds, delays and factors around it. `AppArgs.autoscaling` makes it the default policy of an
 app's `autoscaling_config`.
 
-Scale to zero (min_replicas 0): Serve's rule never asks for none while any call reaches a replica, and the Ingress
-asks a replica whether it can serve every few seconds (`ingress.Readiness`). Its replicas also report the requests
-they have in flight (`INFLIGHT`); where every one reports none over the look-back, and none turned any away, the
-policy asks for none (Serve then waits `downscale_to_zero_delay_s`, else `downscale_delay_s`). A request that finds
-none running is held by the Ingress, which asks for one with a call through the handle: Serve's cold start.
+Scale to zero (min_replicas 0): Serve's rule reads the calls at the replicas by samples, which miss most short
+requests and now and then take the Ingress's probes (it asks a replica whether it can serve every few seconds,
+`ingress.Readiness`): a light load could stop the last replica, and a probe sampled holds it and starts the delay
+again. The replicas report the most requests they had in flight since their last report (`INFLIGHT`, generate calls
+only, counted from their arrival: a request turned away at once counts too); where every one reports none over the
+look-back and no request waits at a handle, the policy asks for none (Serve then waits `downscale_to_zero_delay_s`, else
+`downscale_delay_s`). A request that finds none running is held by the Ingress, which asks for one with a call
+through the handle: Serve's cold start.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from typing import Any
 POLICY_PATH = "deployments.autoscaling:slo_autoscaling_policy"
 WINDOW_S = 30.0  # the rates' window: about Serve's default look-back
 ADMITTED, TURNED_AWAY = "kairos_admitted_per_s", "kairos_turned_away_per_s"
-INFLIGHT = "kairos_inflight"  # a replica's requests in flight (generate calls: what a scale to zero must wait out)
+# a replica's most requests in flight (generate calls) since its last report: what a scale to zero must wait out
+INFLIGHT = "kairos_inflight"
 
 
 class DemandRates:
@@ -72,13 +76,14 @@ def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     metrics = ctx.aggregated_metrics or {}
     admitted = sum(v for v in (metrics.get(ADMITTED) or {}).values() if math.isfinite(v))
     turned = sum(v for v in (metrics.get(TURNED_AWAY) or {}).values() if math.isfinite(v))
-    if getattr(ctx.config, "min_replicas", 1) == 0 and turned <= 0 and idle(metrics.get(INFLIGHT),
-                                                                            ctx.current_num_replicas):
+    if getattr(ctx.config, "min_replicas", 1) == 0 and not getattr(ctx, "total_queued_requests", 0) \
+            and idle(metrics.get(INFLIGHT), ctx.current_num_replicas):
         return 0.0, state
     return desired_replicas(ctx.current_num_replicas, by_queue, admitted, turned), state
 
 
 def idle(inflight: dict[Any, float] | None, replicas: int) -> bool:
     """Whether the replicas' reports say none had a request in flight over the look-back: one from each of the
-    `replicas` running (a replica that has not reported yet may be serving), each 0."""
+    `replicas` running (a replica that has not reported yet may be serving), each 0 (each report is the most in
+    flight since the one before)."""
     return inflight is not None and len(inflight) >= replicas and all(v == 0 for v in inflight.values())

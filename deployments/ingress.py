@@ -215,7 +215,10 @@ class Readiness:
     An app that scales to zero (`may_idle`) is `idle` instead where no LLM replica runs: not down (/health 200, the
     app takes requests), and not probed, since a call through the handle is demand that Serve's autoscaler answers
     with a replica. A request that finds the app idle asks for one (`wake`: one probe at a time, which waits in the
-    handle until Serve has started a replica and it answers); the app serves again once it has."""
+    handle until Serve has started a replica and it answers); the app serves again once it has. A count of none
+    taken before a probe's latest answer is stale (a replica answers only once the controller counts it running).
+    Where Serve says the deployment failed (its replicas fail to start, or cannot be placed), the app is down.
+    `running` returns the count, or the count and why the deployment failed (`running_replicas`)."""
 
     def __init__(self, may_idle: bool = False) -> None:
         self._info: dict[str, Any] | None = None
@@ -273,8 +276,8 @@ class Readiness:
     def _heard(self, info: dict[str, Any]) -> None:
         """A replica answered a probe: it runs (how many, the controller's next count says)."""
         self._answered = time.monotonic()
-        self._idle = False
-        self.info = info
+        self._info = info
+        self.idle = False  # (and serving)
 
     def wake(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float) -> None:
         """Ask Serve for an LLM replica while the app is idle: one probe at a time, bounded by `timeout_s`."""
@@ -287,34 +290,34 @@ class Readiness:
             self._heard(await asyncio.wait_for(probe(), timeout_s))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - none came up in time: the next request asks again
-            log.warning("ingress: no LLM replica answered within %.0f s of a request that asked for one (%s)",
-                        timeout_s, type(e).__name__)
+        except TimeoutError:  # (the next request asks again)
+            log.warning("ingress: no LLM replica answered within %.0f s of a request that asked for one", timeout_s)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ingress: asking for an LLM replica failed: %r", e)
 
-    async def _count(self, running: Callable[[], Awaitable[int | None]] | None, timeout_s: float) -> int | None:
+    async def _count(self, running: Callable[[], Awaitable[Any]] | None, timeout_s: float) -> int | None:
+        """The controller's count of LLM replicas running (None: no news). Where none runs in an app that may scale
+        to zero: down where the deployment failed, else idle unless a replica answered since the count began."""
+        t0 = time.monotonic()
         try:
-            n = await asyncio.wait_for(running(), timeout_s) if running is not None else None
+            got = await asyncio.wait_for(running(), timeout_s) if running is not None else None
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the controller busy: no news
-            n = None
+            got = None
+        n, failed = got if isinstance(got, tuple) else (got, None)
         if n is not None:
             self.running = n
+        if n == 0 and self.may_idle and self._answered < t0:
+            self.down = failed
+            self.idle = failed is None
         return n
 
-    def _none_runs(self, grace_s: float) -> None:
-        """Serve's controller counts no LLM replica running, in an app that may scale to zero: idle, unless a
-        replica answered within `grace_s` (the controller's count lags a replica that has just started)."""
-        if time.monotonic() - self._answered > grace_s:
-            self.idle = True
-
     async def watch(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float = 60.0,
-                    retry_s: float = 1.0, running: Callable[[], Awaitable[int | None]] | None = None) -> None:
+                    retry_s: float = 1.0, running: Callable[[], Awaitable[Any]] | None = None) -> None:
         while self.info is None:
             if self.may_idle and running is not None and await self._count(running, timeout_s) in (0, None):
-                if self.running == 0:  # (none asked for yet: no probe, which would start one)
-                    self._none_runs(retry_s)
-                await asyncio.sleep(retry_s)
+                await asyncio.sleep(retry_s)  # (none asked for yet: no probe, which would start one)
                 continue
             try:
                 self._heard(await asyncio.wait_for(probe(), timeout_s))
@@ -325,17 +328,15 @@ class Readiness:
                 await asyncio.sleep(retry_s)
 
     async def monitor(self, probe: Callable[[], Awaitable[dict[str, Any]]],
-                      running: Callable[[], Awaitable[int | None]] | None = None, period_s: float = 2.0,
+                      running: Callable[[], Awaitable[Any]] | None = None, period_s: float = 2.0,
                       timeout_s: float = 2.0, failures: int = 2) -> None:
         failed = 0
         while True:
             await asyncio.sleep(period_s)
             why = None
             n = await self._count(running, timeout_s)
-            if n == 0 and self.may_idle:
-                self._none_runs(2.0 * period_s)
+            if n == 0 and self.may_idle:  # (idle, or down where the deployment failed: `_count`)
                 failed = 0
-                self.down = None
                 continue
             if n is None and self.idle:
                 continue  # (no news; a probe would start a replica)
@@ -1439,11 +1440,15 @@ def _len_hint(prompt: str | list[int]) -> int:
     return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
 
 
-def running_replicas(app: str, deployment: str) -> int | None:
-    """How many replicas of `deployment` in `app` Serve's controller counts as RUNNING (None if it does not know)."""
+def running_replicas(app: str, deployment: str) -> int | tuple[int, str | None] | None:
+    """How many replicas of `deployment` in `app` Serve's controller counts as RUNNING (None if it does not know),
+    with why the deployment failed where Serve says it did (replicas that fail to start, or cannot be placed)."""
     status = serve.status().applications.get(app)
     d = status.deployments.get(deployment) if status is not None else None
-    return None if d is None else int(d.replica_states.get("RUNNING", 0))
+    if d is None:
+        return None
+    failed = str(getattr(d.status, "value", d.status)) in ("UNHEALTHY", "DEPLOY_FAILED")
+    return int(d.replica_states.get("RUNNING", 0)), (d.message or "the LLM deployment failed") if failed else None
 
 
 def _engine_lost(item: RequestOutput) -> bool:

@@ -237,6 +237,7 @@ class LLMReplica:
         self._pacing_running: int | None = None  # the LLM replicas running, as the last request said
         self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
         self.inflight = 0
+        self._inflight_peak = 0  # the most in flight since the last autoscaling report
         self.demand = DemandRates()  # admitted and turned away, for Serve's autoscaling (`record_autoscaling_stats`)
         self.aborted = 0  # requests the caller abandoned (client disconnects), aborted in the engine
         self._prompt_lens: deque[int] = deque([64], maxlen=256)
@@ -279,6 +280,7 @@ class LLMReplica:
         else:
             log.debug("request %s: slo=%s", rid, req.slo)
         self.inflight += 1
+        self._inflight_peak = max(self._inflight_peak, self.inflight)
         if req.caller is not None:
             self._callers.setdefault(req.caller, set()).add(rid)
         left = self._decode_left
@@ -373,8 +375,10 @@ class LLMReplica:
     # ------------------------------------------------------------------ control plane
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (where the app autoscales): the requests this replica admitted and
-        turned away for its load, a second each lately, and those in flight now (deployments/autoscaling.py)."""
-        return {**self.demand.rates(time.monotonic()), INFLIGHT: float(self.inflight)}
+        turned away for its load, a second each lately, and the most in flight since the last report
+        (deployments/autoscaling.py)."""
+        peak, self._inflight_peak = self._inflight_peak, self.inflight
+        return {**self.demand.rates(time.monotonic()), INFLIGHT: float(peak)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by the controller every `request_routing_stats_period_s`; read by `router.SLORouter` as a

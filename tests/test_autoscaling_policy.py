@@ -38,8 +38,9 @@ def test_demand_rates_are_over_the_last_window():
 
 
 def test_an_app_that_scales_to_zero_asks_for_none_once_no_replica_has_a_request_in_flight():
-    """min_replicas 0: Serve's rule keeps a replica while any call reaches it (the Ingress's probes do); Kairos asks
-    for none where every running replica reports no request in flight over the look-back and none turned away."""
+    """min_replicas 0: Serve's rule samples the calls at the replicas (short requests missed, the Ingress's probes
+    now and then taken); Kairos asks for none where every running replica reports that it had no request in flight
+    over the look-back (each report the most since the one before) and none waits at a handle."""
     cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 16, get_upscaling_factor=lambda: 1.0, min_replicas=0)
     ctx = SimpleNamespace(current_num_replicas=1, target_num_replicas=1, total_num_requests=0.01, config=cfg,
                           aggregated_metrics={ADMITTED: {"a": 0.0}, TURNED_AWAY: {"a": 0.0}, INFLIGHT: {"a": 0.0}})
@@ -47,9 +48,14 @@ def test_an_app_that_scales_to_zero_asks_for_none_once_no_replica_has_a_request_
     ctx.aggregated_metrics[INFLIGHT] = {"a": 0.2}  # a request ran within the look-back
     assert slo_autoscaling_policy(ctx)[0] == pytest.approx(0.01 / 16)  # (Serve's rule: rounded up, one)
     ctx.aggregated_metrics[INFLIGHT] = {"a": 0.0}
-    ctx.aggregated_metrics[TURNED_AWAY] = {"a": 1.0}  # turned requests away: more, not none
+    ctx.total_queued_requests = 1.0  # a request waits at a handle
+    assert slo_autoscaling_policy(ctx)[0] > 0
+    ctx.total_queued_requests = 0.0
+    ctx.aggregated_metrics[TURNED_AWAY] = {"a": 1.0}  # (turned away: in flight first; its rate asks for more)
+    ctx.aggregated_metrics[INFLIGHT] = {"a": 0.5}
     assert slo_autoscaling_policy(ctx)[0] == 2
     ctx.aggregated_metrics[TURNED_AWAY] = {"a": 0.0}
+    ctx.aggregated_metrics[INFLIGHT] = {"a": 0.0}
     ctx.current_num_replicas = 2  # a replica that has not reported yet may be serving
     assert slo_autoscaling_policy(ctx)[0] > 0
     ctx.aggregated_metrics[INFLIGHT] = {"a": 0.0, "b": 0.0}

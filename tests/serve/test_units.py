@@ -17,7 +17,7 @@ from core.request import SLO
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import AppArgs, load_api_keys
-from deployments.autoscaling import DemandRates
+from deployments.autoscaling import INFLIGHT, DemandRates
 from deployments.router import rank, view
 from engine.config import EngineConfig
 from scheduling.ttft_guard import margin_at
@@ -902,7 +902,8 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
 
         noop = lambda *a, **k: None  # noqa: E731
         me = SimpleNamespace(
-            pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            pacing=StreamPacing(interval_s), log_prompts=False, inflight=0, _inflight_peak=0, aborted=0, itl_ms=None,
+            replica_id="r",
             demand=DemandRates(),
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st, abort=noop,
                                                     stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
@@ -942,7 +943,8 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
 
     def replica(st: RequestStream) -> SimpleNamespace:
         return SimpleNamespace(
-            pacing=StreamPacing(0.0), log_prompts=False, inflight=0, aborted=0, itl_ms=None, replica_id="r",
+            pacing=StreamPacing(0.0), log_prompts=False, inflight=0, _inflight_peak=0, aborted=0, itl_ms=None,
+            replica_id="r",
             demand=DemandRates(),
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st,
                                                                      abort=lambda rid: calls.append(("abort", rid))),
@@ -1320,15 +1322,16 @@ def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> 
 def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> None:
     """min_replicas 0: while Serve's controller counts no LLM replica, the Ingress is idle, not down: /health 200 and
     no probe (a call through the handle would start a replica). A request asks for one (a single probe however many
-    wait), waits for its answer, and is sent; once the controller counts none again, the app is idle again."""
+    wait), waits for its answer, and is sent; once the controller counts none again, the app is idle again, and down
+    where Serve says the deployment failed."""
     from deployments.errors import APIError
     from deployments.ingress import IngressFrontend, Readiness
 
-    state = {"running": 0, "answer": asyncio.Event()}
+    state = {"running": 0, "answer": asyncio.Event(), "failed": None}
     probes: list[float] = []
 
-    async def running() -> int:
-        return state["running"]
+    async def running() -> tuple[int, str | None]:  # (`running_replicas`: the count, and why the deployment failed)
+        return state["running"], state["failed"]
 
     async def probe() -> dict:  # (waits in the handle until Serve has started a replica)
         probes.append(time.monotonic())
@@ -1353,16 +1356,34 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         await asyncio.wait_for(asyncio.gather(*waiting), 1.0)
         await asyncio.wait_for(watch, 1.0)
         assert r.serving.is_set() and not r.idle and r.info == {"max_model_len": 7}
-        # the controller's count lags a replica that has just answered: not idle at once
+        # a count of none begun before a replica's answer is stale (the controller counted it running first)
         state["running"] = 0
-        monitor = asyncio.create_task(r.monitor(probe, running, period_s=0.01, timeout_s=0.5))
+        stale = asyncio.Event()
+
+        async def slow_count() -> int:
+            await stale.wait()
+            return 0
+        counting = asyncio.create_task(r._count(slow_count, 1.0))
         await asyncio.sleep(0.005)
-        assert not r.idle
-        while not r.idle:  # scaled to zero again: idle after the grace, never down, no probe meanwhile
+        r._heard({"max_model_len": 7})
+        stale.set()
+        assert await counting == 0 and not r.idle and r.serving.is_set()
+        monitor = asyncio.create_task(r.monitor(probe, running, period_s=0.01, timeout_s=0.5))
+        while not r.idle:  # scaled to zero again: idle, never down, no probe meanwhile
             await asyncio.sleep(0.005)
         n = len(probes)
         await asyncio.sleep(0.05)
         assert len(probes) == n and r.down is None and await front.health() == {"status": "ok"}
+        # a deployment whose replicas fail to start: down (503), not idle
+        state["failed"] = "replica constructor failed"
+        while r.down is None:
+            await asyncio.sleep(0.005)
+        assert not r.idle and r.down == "replica constructor failed"
+        assert (await front.health()).status_code == 503
+        state["failed"] = None
+        while r.down is not None:
+            await asyncio.sleep(0.005)
+        assert r.idle
         monitor.cancel()
         # a replica that never comes up: the request's 503 after unready_wait_s
         state["answer"] = asyncio.Event()
@@ -1785,10 +1806,12 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
             RequestOutput(req.request_id, text="b", token_ids=[2], finished=True, finish_reason="length")]),
             "abort": lambda _s, rid: aborted.append(rid), "shutdown": lambda _s, timeout=None: None})()
         me.log_prompts, me.pacing, me.metrics, me.replica_id = False, StreamPacing(), Metrics(), "r"
-        me.inflight, me.aborted, me._prompt_lens, me._decode_left = 0, 0, deque(maxlen=4), {}
+        me.inflight, me._inflight_peak, me.aborted, me._prompt_lens, me._decode_left = 0, 0, 0, deque(maxlen=4), {}
         me.demand = DemandRates()
         done = me.generate(GenerateRequest("done", prompt=(1,)))
         assert (await done.__anext__()).text == "a" and me.inflight == 1
+        # Serve's autoscaling reads the most in flight since its last read (a scale to zero waits out short ones)
+        assert me.record_autoscaling_stats()[INFLIGHT] == 1.0
         assert (await done.__anext__()).finished and me.inflight == 0  # before the generator is resumed or closed
         gone = me.generate(GenerateRequest("gone", prompt=(1,)))
         await gone.__anext__()
@@ -1796,6 +1819,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         assert me.inflight == 0 and aborted == ["gone"] and me.aborted == 1
         await done.aclose()
         assert me.inflight == 0 and aborted == ["gone"]
+        assert [me.record_autoscaling_stats()[INFLIGHT] for _ in range(2)] == [1.0, 0.0]  # ("gone", ended since)
         # sent by an Ingress on this host 200 ms ago: the engine gets its TTFT SLO less that way here
         sent = me.generate(GenerateRequest("sent", prompt=(1,), slo=SLO(ttft_ms=1000.0),
                                            sent_at=(clock_id(), time.monotonic() - 0.2)))
