@@ -274,7 +274,11 @@ class Readiness:
         return self.info is not None
 
     def _heard(self, info: dict[str, Any]) -> None:
-        """A replica answered a probe: it runs (how many, the controller's next count says)."""
+        """A replica answered a probe: it runs (how many, the controller's next count says). It says whether its
+        deployment may scale to zero as Serve runs it (a Serve config's `deployments:` may say so, where the app's
+        arguments did not)."""
+        if info.get("scales_to_zero") is not None:
+            self.may_idle = bool(info["scales_to_zero"])
         self._answered = time.monotonic()
         self._info = info
         self.idle = False  # (and serving)

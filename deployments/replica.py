@@ -160,6 +160,17 @@ def _on_gpu(device: str) -> bool:
         return False
 
 
+def _scales_to_zero() -> bool | None:
+    """Whether this replica's deployment autoscales down to none (min_replicas 0), as Serve runs it: the app's
+    arguments, or a Serve config's `deployments:` that overrides them (None outside Serve; the replica context's
+    deployment config is Ray's private field, pinned with Ray)."""
+    try:
+        scaling = serve.get_replica_context()._deployment_config.autoscaling_config
+    except Exception:  # noqa: BLE001 - outside Serve (unit use)
+        return None
+    return scaling is not None and scaling.min_replicas == 0
+
+
 def _usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -493,7 +504,9 @@ class LLMReplica:
                 # whether it ranks requests by their priority (scheduling_policy "priority"; `user_config` may set it)
                 "priority_scheduling": self.engine.inputs.priority_scheduling,
                 # the tool-call format its chat template shows (`tool_calls.detect`): tool_call_parser=auto's
-                "tool_call_parser": detect(getattr(self.engine.inputs.tokenizer, "chat_template", None))}
+                "tool_call_parser": detect(getattr(self.engine.inputs.tokenizer, "chat_template", None)),
+                # whether its deployment may scale to zero, as Serve runs it (a Serve config's `deployments:` too)
+                "scales_to_zero": _scales_to_zero()}
 
     async def _callers_loop(self, period_s: float) -> None:
         """Every `period_s`, abort in the engine the requests whose caller (an Ingress replica) Ray reports dead: when

@@ -1385,6 +1385,16 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
             await asyncio.sleep(0.005)
         assert r.idle
         monitor.cancel()
+        # an app whose arguments did not say it scales to zero, where its replicas say so (a Serve config's
+        # `deployments:`): idle, not down, once none runs; and back where they say otherwise
+        other = Readiness()
+        other._heard({"max_model_len": 7, "scales_to_zero": True})
+        assert other.may_idle and other.serving.is_set()
+        assert await other._count(running, 0.5) == 0 and other.idle and other.down is None
+        other._heard({"max_model_len": 7, "scales_to_zero": False})
+        assert not other.may_idle and not other.idle
+        other._heard({"max_model_len": 7})  # (an older replica: no word)
+        assert not other.may_idle
         # a replica that never comes up: the request's 503 after unready_wait_s
         state["answer"] = asyncio.Event()
         front.unready_wait_s = 0.1
