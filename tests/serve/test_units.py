@@ -1405,6 +1405,23 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
     asyncio.run(run())
 
 
+def test_a_replica_says_whether_its_deployment_scales_to_zero_as_serve_runs_it(monkeypatch) -> None:
+    """`model_info`'s `scales_to_zero`: the replica context's deployment config (a Serve config's `deployments:` may
+    set min_replicas where the app's arguments did not); None outside Serve. (No handle from the test process on an
+    autoscaled deployment: such a handle once broke tests/serve/test_shutdown.py's later Serve.)"""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig
+
+    from deployments.replica import _scales_to_zero
+
+    assert _scales_to_zero() is None
+    for scaling, says in ((AutoscalingConfig(min_replicas=0, max_replicas=2), True),
+                          (AutoscalingConfig(min_replicas=1, max_replicas=2), False), (None, False)):
+        ctx = SimpleNamespace(_deployment_config=SimpleNamespace(autoscaling_config=scaling))
+        monkeypatch.setattr(serve, "get_replica_context", lambda ctx=ctx: ctx)
+        assert _scales_to_zero() is says
+
+
 def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
     """Serve routes to a replica whose engine died until its health checks fail; the ingress sends a request that
     failed there before its first item to another one (`failovers`), the failed replica in its avoid list; a
