@@ -37,7 +37,7 @@ hook_serve_run()  # `serve run`: HTTP host/port from KAIROS_HTTP_HOST/PORT, SIGT
 
 from ray.serve import Application  # noqa: E402
 
-from deployments.args import AppArgs, ServeArgs, gpus_for_app  # noqa: E402
+from deployments.args import COLD_START_WAIT_S, AppArgs, ServeArgs, gpus_for_app  # noqa: E402
 from deployments.direct import DirectLLMServer  # noqa: E402
 from deployments.ingress import Ingress, served_names  # noqa: E402
 from deployments.pacing import StreamPacing  # noqa: E402
@@ -153,6 +153,9 @@ def front_settings(a: ServeArgs) -> dict[str, Any]:
         "failovers": 0 if a.direct else FAILOVERS,
         "unready_wait_s": a.unready_wait,
         "scale_to_zero": a.scales_to_zero,  # (routed: the Ingress holds a request while an LLM replica starts)
+        # the wait where the replicas say they scale to zero though the arguments did not (a Serve config's
+        # `deployments:`): a cold start's, unless unready_wait_s was given
+        "cold_start_wait_s": a.unready_wait_s if a.unready_wait_s is not None else COLD_START_WAIT_S,
         "cors": {"origins": [o.strip() for o in a.allowed_origins.split(",") if o.strip()],
                  "credentials": a.allow_credentials},
         "llm_transport": a.llm_transport,

@@ -392,6 +392,8 @@ class OpenAIFrontend:
         self.failovers: int = settings.get("failovers", 0)
         # a request that finds no LLM replica able to serve waits this long for one, then gets a 503 (`_until_ready`)
         self.unready_wait_s: float = settings.get("unready_wait_s", 30.0)
+        # that wait where the LLM replicas say they scale to zero (`Readiness.may_idle`): a cold start's
+        self.cold_start_wait_s: float = settings.get("cold_start_wait_s", self.unready_wait_s)
         # the LLM replicas' streams come over gRPC (`llm_transport`; else Ray actor calls)
         self.grpc: bool = settings.get("llm_transport", "ray") == "grpc"
         self.batch_concurrency: int = settings.get("batch_concurrency", 64)  # a batch's prompts in flight at once
@@ -2042,16 +2044,18 @@ class IngressFrontend(OpenAIFrontend):
     async def _until_ready(self) -> None:
         """While no LLM replica can serve (none has loaded its model yet, `Readiness.monitor` says none can now, or
         the app scaled to zero: the request asks for one, `Readiness.wake`), a request waits for one at most
-        `unready_wait_s`, then gets a 503 `unavailable` with Retry-After: Serve's handle would hold it with no limit
+        `unready_wait_s` (`cold_start_wait_s` where the replicas scale to zero), then gets a 503 `unavailable` with
+        Retry-After: Serve's handle would hold it with no limit
         (an LLM replica that cannot be placed never comes up). The wait counts against its TTFT SLO, whose time runs
         from its arrival."""
         r = self._readiness
         if r.serving.is_set():
             return
-        deadline = time.monotonic() + self.unready_wait_s
+        wait_s = self.cold_start_wait_s if r.may_idle else self.unready_wait_s
+        deadline = time.monotonic() + wait_s
         while not r.serving.is_set():
             if r.idle:
-                r.wake(self._probe, self.unready_wait_s)
+                r.wake(self._probe, wait_s)
             left = deadline - time.monotonic()
             if left <= 0:
                 why = r.down or "no LLM replica is ready yet"

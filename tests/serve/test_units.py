@@ -1291,6 +1291,7 @@ def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> 
 
     front = object.__new__(IngressFrontend)
     front._readiness, front.unready_wait_s, front.retry_after_s = Readiness(), 0.1, 3
+    front.cold_start_wait_s = 60.0  # (where the replicas say they scale to zero: not these)
 
     async def refused() -> APIError:
         t0 = time.monotonic()
@@ -1339,7 +1340,8 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         return {"max_model_len": 7}
 
     front = object.__new__(IngressFrontend)
-    front._readiness, front.unready_wait_s, front.retry_after_s = Readiness(may_idle=True), 5.0, 1
+    front._readiness, front.unready_wait_s, front.retry_after_s = Readiness(may_idle=True), 0.01, 1
+    front.cold_start_wait_s = 5.0  # (a cold start's wait, not unready_wait_s)
     front._probe = probe
     r = front._readiness
 
@@ -1395,9 +1397,9 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         assert not other.may_idle and not other.idle
         other._heard({"max_model_len": 7})  # (an older replica: no word)
         assert not other.may_idle
-        # a replica that never comes up: the request's 503 after unready_wait_s
+        # a replica that never comes up: the request's 503 after the cold start's wait
         state["answer"] = asyncio.Event()
-        front.unready_wait_s = 0.1
+        front.cold_start_wait_s = 0.1
         with pytest.raises(APIError) as e:
             await front._until_ready()
         assert e.value.status == 503 and e.value.code == "unavailable"
