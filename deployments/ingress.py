@@ -2054,13 +2054,13 @@ class IngressFrontend(OpenAIFrontend):
         wait_s = self.cold_start_wait_s if r.may_idle else self.unready_wait_s
         deadline = time.monotonic() + wait_s
         while not r.serving.is_set():
-            if r.idle:
-                r.wake(self._probe, wait_s)
             left = deadline - time.monotonic()
             if left <= 0:
                 why = r.down or "no LLM replica is ready yet"
                 raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
                                {"Retry-After": str(self.retry_after_s)})
+            if r.idle:  # (asked for as long as this request waits: a later one asks again for its own wait)
+                r.wake(self._probe, left)
             with contextlib.suppress(TimeoutError):  # (and looks again whether the app went idle meanwhile)
                 await asyncio.wait_for(r.serving.wait(), min(left, IDLE_LOOK_S))
 

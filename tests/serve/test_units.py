@@ -1403,6 +1403,8 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         with pytest.raises(APIError) as e:
             await front._until_ready()
         assert e.value.status == 503 and e.value.code == "unavailable"
+        await asyncio.sleep(0.05)
+        assert r._waking.done()  # (its ask for a replica lasted as long as it waited, no longer)
 
     asyncio.run(run())
 
@@ -1422,6 +1424,16 @@ def test_a_replica_says_whether_its_deployment_scales_to_zero_as_serve_runs_it(m
         ctx = SimpleNamespace(_deployment_config=SimpleNamespace(autoscaling_config=scaling))
         monkeypatch.setattr(serve, "get_replica_context", lambda ctx=ctx: ctx)
         assert _scales_to_zero() is says
+
+
+def test_a_replica_of_the_direct_topology_refuses_to_scale_to_zero(monkeypatch) -> None:
+    """A Serve config's `deployments:` may give the direct topology's replicas min_replicas 0, which the app's
+    arguments never saw: the replica refuses to start, by name, before it loads its model."""
+    from deployments import direct
+
+    monkeypatch.setattr(direct, "_scales_to_zero", lambda: True)
+    with pytest.raises(ValueError, match="min_replicas 0 needs the routed topology"):
+        asyncio.run(direct.DirectFrontend.__init__(object.__new__(direct.DirectFrontend), {}, {}, 1, 1))
 
 
 def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
