@@ -46,7 +46,7 @@ from deployments.args import load_api_keys
 from deployments.errors import (REPLICA_ERRORS, APIError, error_response, item_failure, model_not_found, overloaded,
                                 param_named, protocol_failure, replica_failure, unsupported_media_type)
 from deployments.haproxy_ingress import RECEIVED_HEADER
-from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper
+from deployments.metrics import PROMETHEUS_CONTENT_TYPE, AgentScraper, replica_wait_histogram
 from deployments.openapi import ERROR_RESPONSES, openapi_operation
 from deployments.refusals import note_refusal
 from deployments.reasoning import ReplyReader
@@ -1982,6 +1982,8 @@ class IngressFrontend(OpenAIFrontend):
     """The routed topology's front: requests go to `LLMServer` replicas through a streaming handle, each to the
     replica the router picks (`router=slo`: by SLO slack, deployments/router.py)."""
 
+    _replica_wait: Any = None  # the requests that waited for an LLM replica (`replica_wait_histogram`)
+
     async def __init__(self, llm: DeploymentHandle, settings: dict[str, Any]) -> None:
         self._init_frontend(settings)
         # every call to the LLM replicas over the same transport (the private option selects it): Serve sends even a
@@ -1995,6 +1997,7 @@ class IngressFrontend(OpenAIFrontend):
         self._actor_id: str | None = ray.get_runtime_context().get_actor_id()  # the LLM replicas watch it (caller)
         self._readiness = Readiness(may_idle=settings.get("scale_to_zero", False))
         self._probe = lambda: llm.model_info.remote()
+        self._replica_wait = replica_wait_histogram(self.served_model_name)
 
         async def readiness() -> None:
             running = lambda: asyncio.to_thread(running_replicas, llm.app_name, llm.deployment_name)  # noqa: E731
@@ -2052,17 +2055,23 @@ class IngressFrontend(OpenAIFrontend):
         if r.serving.is_set():
             return
         wait_s = self.cold_start_wait_s if r.may_idle else self.unready_wait_s
-        deadline = time.monotonic() + wait_s
-        while not r.serving.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                why = r.down or "no LLM replica is ready yet"
-                raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
-                               {"Retry-After": str(self.retry_after_s)})
-            if r.idle:  # (asked for as long as this request waits: a later one asks again for its own wait)
-                r.wake(self._probe, left)
-            with contextlib.suppress(TimeoutError):  # (and looks again whether the app went idle meanwhile)
-                await asyncio.wait_for(r.serving.wait(), min(left, IDLE_LOOK_S))
+        t0 = time.monotonic()
+        reason = "scaled_to_zero" if r.idle else "not_ready"
+        try:
+            while not r.serving.is_set():
+                left = t0 + wait_s - time.monotonic()
+                if left <= 0:
+                    why = r.down or "no LLM replica is ready yet"
+                    raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
+                                   {"Retry-After": str(self.retry_after_s)})
+                if r.idle:  # (asked for as long as this request waits: a later one asks again for its own wait)
+                    r.wake(self._probe, left)
+                    reason = "scaled_to_zero"
+                with contextlib.suppress(TimeoutError):  # (and looks again whether the app went idle meanwhile)
+                    await asyncio.wait_for(r.serving.wait(), min(left, IDLE_LOOK_S))
+        finally:
+            if self._replica_wait is not None:
+                self._replica_wait.observe(time.monotonic() - t0, tags={"reason": reason})
 
 
 Ingress = serve.deployment(serve.ingress(openai_api())(IngressFrontend), name="Ingress",

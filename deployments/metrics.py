@@ -171,6 +171,20 @@ class VllmSeries:
             self.tpot.observe(m.tpot_s)
 
 
+_WAIT_S = [0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600]
+
+
+def replica_wait_histogram(model: str) -> Histogram:
+    """The Ingress's series of the requests that waited for an LLM replica able to serve, and how long (their 503s
+    too): `reason` scaled_to_zero (none ran, and the request asked Serve for one: a cold start) or not_ready (none had
+    answered yet, or Serve was replacing them)."""
+    h = Histogram("kairos_ingress_replica_wait_s", description="time a request waited at the Ingress for an LLM "
+                  "replica able to serve (a cold start where the app scaled to zero), seconds", boundaries=_WAIT_S,
+                  tag_keys=("reason", "model"))
+    h.set_default_tags({"model": model})
+    return h
+
+
 class ReplicaMetrics:
     """All series one LLM replica exports. Cheap to call from the request path (no I/O)."""
 

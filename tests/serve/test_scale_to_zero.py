@@ -59,3 +59,8 @@ def test_a_request_starts_an_llm_replica_of_an_app_scaled_to_zero_which_stops_on
     _until(lambda: httpx.get(zero_url + "/health").status_code == 200, 10, "/health not 200 once idle")
     time.sleep(2.5)  # (a period of the Ingress's readiness monitor)
     assert _running() == 0 and _running("STARTING") == 0
+    # the request's wait for the cold start, on the serving port's /metrics (kairos_ingress_replica_wait_s)
+    metrics = httpx.get(zero_url + "/metrics").text
+    waited = [line for line in metrics.splitlines() if line.startswith("ray_kairos_ingress_replica_wait_s_count")
+              and 'reason="scaled_to_zero"' in line and f'application="{ZERO_APP}"' in line]
+    assert waited and float(waited[0].rsplit(" ", 1)[1]) >= 1, metrics[:2000]

@@ -1341,6 +1341,8 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
 
     front = object.__new__(IngressFrontend)
     front._readiness, front.unready_wait_s, front.retry_after_s = Readiness(may_idle=True), 0.01, 1
+    waits: list[tuple[float, str]] = []  # what the Ingress's kairos_ingress_replica_wait_s took
+    front._replica_wait = SimpleNamespace(observe=lambda s, tags: waits.append((s, tags["reason"])))
     front.cold_start_wait_s = 5.0  # (a cold start's wait, not unready_wait_s)
     front._probe = probe
     r = front._readiness
@@ -1356,6 +1358,7 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         state["running"] = 1
         state["answer"].set()
         await asyncio.wait_for(asyncio.gather(*waiting), 1.0)
+        assert len(waits) == 3 and all(s >= 0.05 and why == "scaled_to_zero" for s, why in waits)
         await asyncio.wait_for(watch, 1.0)
         assert r.serving.is_set() and not r.idle and r.info == {"max_model_len": 7}
         # a count of none begun before a replica's answer is stale (the controller counted it running first)
@@ -1403,6 +1406,7 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         with pytest.raises(APIError) as e:
             await front._until_ready()
         assert e.value.status == 503 and e.value.code == "unavailable"
+        assert waits[-1][0] >= 0.1 and waits[-1][1] == "scaled_to_zero" and len(waits) == 4  # (a 503's wait too)
         await asyncio.sleep(0.05)
         assert r._waking.done()  # (its ask for a replica lasted as long as it waited, no longer)
 
