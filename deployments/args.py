@@ -219,8 +219,7 @@ class ServeArgs(BaseModel):
     def autoscaling(self) -> dict[str, Any] | None:
         """The LLM replicas' autoscaling config as Serve takes it (None: a fixed num_replicas): Serve's
         AutoscalingConfig checks it; `target_ongoing_requests` left out is a replica's `max_num_seqs`. ValueError
-        for a scale to zero (a replica's start loads its model, profiles and captures: the requests waiting for it
-        would be told 503 first)."""
+        for a scale to zero in the direct topology (with no LLM replica nothing would answer HTTP)."""
         if self.autoscaling_config is None:
             return None
         from ray.serve.config import AutoscalingConfig

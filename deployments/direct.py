@@ -28,7 +28,7 @@ from core.messages import GenerateRequest, RequestOutput
 from deployments.errors import overloaded
 from deployments.ingress import GenerateStream, OpenAIFrontend, openai_api
 from deployments.pacing import StreamPacing
-from deployments.replica import LLMReplica, _scales_to_zero
+from deployments.replica import LLMReplica, scales_to_zero
 
 
 class LocalStream:
@@ -61,7 +61,7 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
                        share_cores_with: int | None = None, pacing: StreamPacing | None = None,
                        engine_process: bool = True, loop_priority: str = "engine",
                        served_name: str | None = None) -> None:
-        if _scales_to_zero():  # (a Serve config's `deployments:` may say so, which the app's arguments never saw)
+        if scales_to_zero():  # (a Serve config's `deployments:` may say so, which the app's arguments never saw)
             raise ValueError("autoscaling_config: min_replicas 0 needs the routed topology (topology=direct: the LLM "
                              "replicas answer HTTP themselves, and with none running each request, /health too, "
                              "waits for one to start); give the app's arguments topology: routed")

@@ -197,6 +197,9 @@ class ResponseIds:
 
 
 IDLE_LOOK_S = 0.5  # a request waiting for an LLM replica looks this often whether the app scaled to zero meanwhile
+WAKE_LOG_S = 10.0  # a wake that fails at once (the handle refusing) is logged at most this often
+# where an app that scales to zero is down (Serve says its deployment failed), a request waits at most this long
+DOWN_WAIT_S = 30.0
 
 
 class Readiness:
@@ -227,8 +230,9 @@ class Readiness:
         self._idle = False
         self._answered = -math.inf  # (monotonic) when a probe or a wake last got an answer
         self._waking: asyncio.Task | None = None
+        self._failed_logged = -math.inf  # when a wake's failure was last logged
         self.serving = asyncio.Event()  # set while an LLM replica can serve: ready, not down and not idle
-        self.running: int | None = None  # the LLM replicas running, as `monitor` last heard (None: not heard)
+        self.running: int | None = None  # the LLM replicas running, as the controller last said (None: not heard)
 
     @property
     def info(self) -> dict[str, Any] | None:
@@ -296,8 +300,10 @@ class Readiness:
             raise
         except TimeoutError:  # (the next request asks again)
             log.warning("ingress: no LLM replica answered within %.0f s of a request that asked for one", timeout_s)
-        except Exception as e:  # noqa: BLE001
-            log.warning("ingress: asking for an LLM replica failed: %r", e)
+        except Exception as e:  # noqa: BLE001 - (asked again by each waiting request: logged once a while)
+            if time.monotonic() - self._failed_logged > WAKE_LOG_S:
+                self._failed_logged = time.monotonic()
+                log.warning("ingress: asking for an LLM replica failed: %r", e)
 
     async def _count(self, running: Callable[[], Awaitable[Any]] | None, timeout_s: float) -> int | None:
         """The controller's count of LLM replicas running (None: no news). Where none runs in an app that may scale
@@ -318,10 +324,11 @@ class Readiness:
         return n
 
     async def watch(self, probe: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float = 60.0,
-                    retry_s: float = 1.0, running: Callable[[], Awaitable[Any]] | None = None) -> None:
+                    retry_s: float = 1.0, running: Callable[[], Awaitable[Any]] | None = None,
+                    period_s: float = 2.0) -> None:
         while self.info is None:
             if self.may_idle and running is not None and await self._count(running, timeout_s) in (0, None):
-                await asyncio.sleep(retry_s)  # (none asked for yet: no probe, which would start one)
+                await asyncio.sleep(period_s)  # (none asked for yet: no probe, which would start one)
                 continue
             try:
                 self._heard(await asyncio.wait_for(probe(), timeout_s))
@@ -1446,7 +1453,7 @@ def _len_hint(prompt: str | list[int]) -> int:
     return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
 
 
-def running_replicas(app: str, deployment: str) -> int | tuple[int, str | None] | None:
+def running_replicas(app: str, deployment: str) -> tuple[int, str | None] | None:
     """How many replicas of `deployment` in `app` Serve's controller counts as RUNNING (None if it does not know),
     with why the deployment failed where Serve says it did (replicas that fail to start, or cannot be placed)."""
     status = serve.status().applications.get(app)
@@ -2047,28 +2054,34 @@ class IngressFrontend(OpenAIFrontend):
     async def _until_ready(self) -> None:
         """While no LLM replica can serve (none has loaded its model yet, `Readiness.monitor` says none can now, or
         the app scaled to zero: the request asks for one, `Readiness.wake`), a request waits for one at most
-        `unready_wait_s` (`cold_start_wait_s` where the replicas scale to zero), then gets a 503 `unavailable` with
-        Retry-After: Serve's handle would hold it with no limit
-        (an LLM replica that cannot be placed never comes up). The wait counts against its TTFT SLO, whose time runs
-        from its arrival."""
+        `unready_wait_s` (`cold_start_wait_s` where the replicas scale to zero, `DOWN_WAIT_S` at most where Serve
+        says their deployment failed), then gets a 503 `unavailable` with Retry-After: Serve's handle would hold it
+        with no limit (an LLM replica that cannot be placed never comes up). The wait counts against its TTFT SLO,
+        whose time runs from its arrival."""
         r = self._readiness
         if r.serving.is_set():
             return
-        wait_s = self.cold_start_wait_s if r.may_idle else self.unready_wait_s
         t0 = time.monotonic()
         reason = "scaled_to_zero" if r.idle else "not_ready"
         try:
-            while not r.serving.is_set():
-                left = t0 + wait_s - time.monotonic()
-                if left <= 0:
-                    why = r.down or "no LLM replica is ready yet"
-                    raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
-                                   {"Retry-After": str(self.retry_after_s)})
-                if r.idle:  # (asked for as long as this request waits: a later one asks again for its own wait)
-                    r.wake(self._probe, left)
+            if not r.may_idle:  # (replicas that never scale to zero: Serve starts or replaces them by itself)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(r.serving.wait(), self.unready_wait_s)
+            while r.may_idle and not r.serving.is_set():
+                # (a deployment Serve says failed is down: not a cold start's wait)
+                left = t0 + (min(self.cold_start_wait_s, DOWN_WAIT_S) if r.down else self.cold_start_wait_s) \
+                    - time.monotonic()
+                if r.idle:  # asked for as long as this request waits (a later one asks again for its own wait), a
+                    r.wake(self._probe, max(left, IDLE_LOOK_S))  # moment at least: Serve starts one on the ask
                     reason = "scaled_to_zero"
+                if left <= 0:
+                    break
                 with contextlib.suppress(TimeoutError):  # (and looks again whether the app went idle meanwhile)
                     await asyncio.wait_for(r.serving.wait(), min(left, IDLE_LOOK_S))
+            if not r.serving.is_set():
+                why = r.down or "no LLM replica is ready yet"
+                raise APIError(503, f"no LLM replica available: {why}", "server_error", "unavailable",
+                               {"Retry-After": str(self.retry_after_s)})
         finally:
             if self._replica_wait is not None:
                 self._replica_wait.observe(time.monotonic() - t0, tags={"reason": reason})

@@ -160,7 +160,7 @@ def _on_gpu(device: str) -> bool:
         return False
 
 
-def _scales_to_zero() -> bool | None:
+def scales_to_zero() -> bool | None:
     """Whether this replica's deployment autoscales down to none (min_replicas 0), as Serve runs it: the app's
     arguments, or a Serve config's `deployments:` that overrides them (None outside Serve; the replica context's
     deployment config is Ray's private field, pinned with Ray)."""
@@ -506,7 +506,7 @@ class LLMReplica:
                 # the tool-call format its chat template shows (`tool_calls.detect`): tool_call_parser=auto's
                 "tool_call_parser": detect(getattr(self.engine.inputs.tokenizer, "chat_template", None)),
                 # whether its deployment may scale to zero, as Serve runs it (a Serve config's `deployments:` too)
-                "scales_to_zero": _scales_to_zero()}
+                "scales_to_zero": scales_to_zero()}
 
     async def _callers_loop(self, period_s: float) -> None:
         """Every `period_s`, abort in the engine the requests whose caller (an Ingress replica) Ray reports dead: when

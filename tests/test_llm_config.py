@@ -145,7 +145,8 @@ def test_the_app_builds_from_a_ray_serve_llm_config_and_checks_what_it_maps_to()
     llm = app._bound_deployment.init_args[0]._bound_deployment
     assert llm._deployment_config.autoscaling_config.min_replicas == 0
     settings = app._bound_deployment.init_args[1]
-    assert settings["scale_to_zero"] and settings["unready_wait_s"] == settings["cold_start_wait_s"] == COLD_START_WAIT_S
+    assert settings["scale_to_zero"]
+    assert settings["unready_wait_s"] == settings["cold_start_wait_s"] == COLD_START_WAIT_S
     # (an app whose replicas say they scale to zero where its arguments did not, a Serve config's `deployments:`,
     # waits for a cold start as long, unless unready_wait_s is given)
     fixed = build_openai_app(cfg)._bound_deployment.init_args[1]

@@ -1320,11 +1320,12 @@ def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> 
     asyncio.run(run())
 
 
-def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> None:
+def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica(monkeypatch) -> None:
     """min_replicas 0: while Serve's controller counts no LLM replica, the Ingress is idle, not down: /health 200 and
     no probe (a call through the handle would start a replica). A request asks for one (a single probe however many
     wait), waits for its answer, and is sent; once the controller counts none again, the app is idle again, and down
     where Serve says the deployment failed."""
+    from deployments import ingress
     from deployments.errors import APIError
     from deployments.ingress import IngressFrontend, Readiness
 
@@ -1347,10 +1348,15 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
     front._probe = probe
     r = front._readiness
 
+    async def until(cond) -> None:  # (bounded: a regression fails, never hangs)
+        async def poll() -> None:
+            while not cond():
+                await asyncio.sleep(0.005)
+        await asyncio.wait_for(poll(), 2.0)
+
     async def run() -> None:
-        watch = asyncio.create_task(r.watch(probe, timeout_s=1.0, retry_s=0.01, running=running))
-        while not r.idle:
-            await asyncio.sleep(0.005)
+        watch = asyncio.create_task(r.watch(probe, timeout_s=1.0, retry_s=0.01, running=running, period_s=0.01))
+        await until(lambda: r.idle)
         assert await front.health() == {"status": "ok"} and not probes and not r.serving.is_set()
         waiting = [asyncio.create_task(front._until_ready()) for _ in range(3)]
         await asyncio.sleep(0.05)
@@ -1374,22 +1380,18 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
         stale.set()
         assert await counting == 0 and not r.idle and r.serving.is_set()
         monitor = asyncio.create_task(r.monitor(probe, running, period_s=0.01, timeout_s=0.5))
-        while not r.idle:  # scaled to zero again: idle, never down, no probe meanwhile
-            await asyncio.sleep(0.005)
+        await until(lambda: r.idle)  # scaled to zero again: idle, never down, no probe meanwhile
         n = len(probes)
         await asyncio.sleep(0.05)
         assert len(probes) == n and r.down is None and await front.health() == {"status": "ok"}
         # a deployment whose replicas fail to start: down (503), not idle
         state["failed"] = "replica constructor failed"
-        while r.down is None:
-            await asyncio.sleep(0.005)
+        await until(lambda: r.down is not None)
         assert not r.idle and r.down == "replica constructor failed"
         assert (await front.health()).status_code == 503
         state["failed"] = None
-        while r.down is not None:
-            await asyncio.sleep(0.005)
+        await until(lambda: r.down is None)
         assert r.idle
-        monitor.cancel()
         # an app whose arguments did not say it scales to zero, where its replicas say so (a Serve config's
         # `deployments:`): idle, not down, once none runs; and back where they say otherwise
         other = Readiness()
@@ -1407,8 +1409,23 @@ def test_an_app_scaled_to_zero_is_healthy_and_a_request_starts_a_replica() -> No
             await front._until_ready()
         assert e.value.status == 503 and e.value.code == "unavailable"
         assert waits[-1][0] >= 0.1 and waits[-1][1] == "scaled_to_zero" and len(waits) == 4  # (a 503's wait too)
-        await asyncio.sleep(0.05)
-        assert r._waking.done()  # (its ask for a replica lasted as long as it waited, no longer)
+        asked = r._waking
+        await asyncio.wait_for(asked, 1.0)  # (its ask for a replica lasted about as long as it waited)
+        # unready_wait_s 0: a 503 at once, and still an ask (Serve starts a replica on it), else none ever would
+        front.cold_start_wait_s = 0.0
+        with pytest.raises(APIError):
+            await front._until_ready()
+        assert r._waking is not asked and not r._waking.done()
+        await asyncio.wait_for(r._waking, 2.0)
+        # a deployment Serve says failed: a request waits DOWN_WAIT_S at most, not a cold start's wait
+        front.cold_start_wait_s = 600.0
+        monkeypatch.setattr(ingress, "DOWN_WAIT_S", 0.05)
+        state["failed"] = "replica constructor failed"
+        await until(lambda: r.down is not None)
+        with pytest.raises(APIError) as e:
+            await asyncio.wait_for(front._until_ready(), 2.0)
+        assert "replica constructor failed" in e.value.message
+        monitor.cancel()
 
     asyncio.run(run())
 
@@ -1420,14 +1437,14 @@ def test_a_replica_says_whether_its_deployment_scales_to_zero_as_serve_runs_it(m
     from ray import serve
     from ray.serve.config import AutoscalingConfig
 
-    from deployments.replica import _scales_to_zero
+    from deployments.replica import scales_to_zero
 
-    assert _scales_to_zero() is None
+    assert scales_to_zero() is None
     for scaling, says in ((AutoscalingConfig(min_replicas=0, max_replicas=2), True),
                           (AutoscalingConfig(min_replicas=1, max_replicas=2), False), (None, False)):
         ctx = SimpleNamespace(_deployment_config=SimpleNamespace(autoscaling_config=scaling))
         monkeypatch.setattr(serve, "get_replica_context", lambda ctx=ctx: ctx)
-        assert _scales_to_zero() is says
+        assert scales_to_zero() is says
 
 
 def test_a_replica_of_the_direct_topology_refuses_to_scale_to_zero(monkeypatch) -> None:
@@ -1435,7 +1452,7 @@ def test_a_replica_of_the_direct_topology_refuses_to_scale_to_zero(monkeypatch) 
     arguments never saw: the replica refuses to start, by name, before it loads its model."""
     from deployments import direct
 
-    monkeypatch.setattr(direct, "_scales_to_zero", lambda: True)
+    monkeypatch.setattr(direct, "scales_to_zero", lambda: True)
     with pytest.raises(ValueError, match="min_replicas 0 needs the routed topology"):
         asyncio.run(direct.DirectFrontend.__init__(object.__new__(direct.DirectFrontend), {}, {}, 1, 1))
 
