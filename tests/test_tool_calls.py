@@ -24,7 +24,8 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
     ("hermes", '<tool_call>{"arguments": {"x": "</tool_call>"}, "name": "f"}</tool_call>', None,  # (theirs)
      [("f", {"x": "</tool_call>"})]),
-    ("hermes", '<tool_call>{"name":"f","arguments":{"c":"a\tb"}} x</tool_call>Sure. ', "Sure. ", [("f", {"c": "a\tb"})]),
+    ("hermes", '<tool_call>{"name":"f","arguments":{"c":"a\tb"}} x</tool_call>Sure. ', "Sure. ",
+     [("f", {"c": "a\tb"})]),
     ("qwen3_coder", "<tool_call><function=f><parameter=a>x</tool_call>y</parameter></function></tool_call> ok", " ok",
      [("f", {"a": "x</tool_call>y"})]),
     ("qwen3_coder", "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
