@@ -120,9 +120,10 @@ BEST_TTFT_HEADER, BEST_TPOT_HEADER = "x-kairos-slo-best-ttft-ms", "x-kairos-slo-
 # floor follows what the replica measures (the gate's idle ITL correction, the TTFT margin), so it moves from one
 # request to the next, and an SLO taken from the offer should still be accepted after it has. A burst on a busy host
 # slows the steps of its last requests, which decode alone, and so raises the idle correction: a burst at the offer
-# was refused as unattainable in CI with a tenth of headroom, and once with a quarter. So the TPOT floor, and an idle
-# replica's gate, take the least correction of the last few seconds (`Scheduler.offer_gate_scale`), which a burst does
-# not raise.
+# was refused as unattainable in CI with a tenth of headroom, and once with a quarter. So the TPOT floor offered takes
+# the least correction of the last few seconds (`Scheduler.offer_gate_scale`), which a burst does not raise, and an
+# idle replica's gate and the unattainable verdict the least over twice that memory (`Scheduler.judge_gate_scale`),
+# which holds the floor of every offer made within the last memory.
 OFFER_HEADROOM = 1.25
 
 

@@ -53,7 +53,8 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
                     sched: SchedulerConfig, max_model_len: int, waiting_tokens: int, step_ms: float | None,
                     decode_left: list[int], ttft_margin_ms: float | Callable[[float], float] | None = None,
                     waiting_sq: float = 0.0, gate_scale: float = 1.0,
-                    planned_len: int | None = None, nearest_end: int | None = None) -> RejectionView:
+                    planned_len: int | None = None, nearest_end: int | None = None,
+                    judge_scale: float | None = None) -> RejectionView:
     """Tell a rejection a retry cannot help (`slo_unattainable`: an SLO stricter than the idle floor of the
     scheduler's own guards, `scheduling.ttft_guard.idle_slo_floor`, for an SLO the policy enforces) from a busy
     one, and for a busy one compute Retry-After from the queue: the predicted prefill of the waiting prompts and
@@ -63,7 +64,9 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     `ttft_margin_ms`: the TTFT guard's margin on an idle replica, or a function of the request's predicted prefill
     that gives it (measured: `ttft_guard.idle_margin_at`; default the configured). `waiting_sq`: the waiting
     prompts' attention work in token pairs (`Scheduler.waiting_sq`). `gate_scale`: the VBS gate's scale of the model
-    on an idle replica (`Scheduler.offer_gate_scale`: the least the decode steps it measured gave lately).
+    on an idle replica that the SLOs offered are drawn with (`Scheduler.offer_gate_scale`: the least the decode steps
+    it measured gave lately); `judge_scale`, the one an SLO is judged unattainable with (`Scheduler.judge_gate_scale`:
+    the least over a longer memory, so that an SLO offered lately is not judged unattainable; default `gate_scale`).
     `planned_len`: the reply length the scheduler planned the request for (`RequestOutput.planned_output_len`: a
     predicted one where its length predictor ran), else its hint, else max_tokens. `nearest_end`: the engine's own
     count of the tokens until the running request nearest its end finishes (`EngineStats.nearest_end`: expected
@@ -79,12 +82,18 @@ def judge_rejection(reason: RejectReason, req: GenerateRequest, num_prompt_token
     margin = sched.ttft_margin_ms if ttft_margin_ms is None else ttft_margin_ms
     if callable(margin):
         margin = margin(model.prefill_ms(min(n, max_model_len)))
-    best_ttft, best_tpot = idle_slo_floor(model.prefill_ms, model.itl_ms, min(n, max_model_len), mid_len,
-                                          margin, flags.vbs_margin, sched.vbs_slack, gate_scale)
+
+    def floor(scale: float) -> tuple[float, float]:
+        return idle_slo_floor(model.prefill_ms, model.itl_ms, min(n, max_model_len), mid_len, margin,
+                              flags.vbs_margin, sched.vbs_slack, scale)
+
+    best_ttft, best_tpot = floor(gate_scale)
+    least_ttft, least_tpot = (best_ttft, best_tpot) if judge_scale is None or judge_scale == gate_scale \
+        else floor(judge_scale)
     slo = req.slo
     if reason in (RejectReason.TTFT_UNATTAINABLE, RejectReason.TPOT_UNATTAINABLE) and (
-            (flags.ttft_reject and slo.ttft_ms is not None and slo.ttft_ms < best_ttft)
-            or (flags.vbs_gate and slo.tpot_ms is not None and slo.tpot_ms <= best_tpot)):
+            (flags.ttft_reject and slo.ttft_ms is not None and slo.ttft_ms < least_ttft)
+            or (flags.vbs_gate and slo.tpot_ms is not None and slo.tpot_ms <= least_tpot)):
         return RejectionView(RejectReason.SLO_UNATTAINABLE, None, best_ttft, best_tpot)
     own = min(n, max_model_len)
     wait_ms = model.prefill_ms(waiting_tokens + own, waiting_sq + float(own) * own)
@@ -378,7 +387,8 @@ class LLMReplica:
                                    list(self._decode_left.values()),
                                    lambda p: idle_margin_at(st.ttft_idle_margins, st.ttft_margins, p,
                                                             self._sched.ttft_margin_ms),
-                                   st.waiting_sq, st.offer_gate_scale, out.planned_output_len, st.nearest_end)
+                                   st.waiting_sq, st.offer_gate_scale, out.planned_output_len, st.nearest_end,
+                                   st.judge_gate_scale)
         except Exception:  # noqa: BLE001 - a rejection must still answer
             log.exception("judging a rejection failed")
             return RejectionView(reason, 1, None, None)

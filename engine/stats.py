@@ -46,9 +46,11 @@ class EngineStats:
     predictor_mape: float | None = None
     itl_correction: float = 1.0  # the gate's measured/predicted step-time factor (kairos; 1 when off)
     length_scale: float = 1.0  # the served replies' lengths over the length predictor's (length_calibration; 1: off)
-    # the gate's scale of the model on an idle replica, the least of it lately: the SLO floor's
-    # (Scheduler.offer_gate_scale)
+    # the gate's scale of the model on an idle replica, the least of it lately: the SLO floor's it offers
+    # (Scheduler.offer_gate_scale), and, over a longer memory, the one it judges an SLO unattainable with
+    # (Scheduler.judge_gate_scale)
     offer_gate_scale: float = 1.0
+    judge_gate_scale: float = 1.0
     step_ms: float | None = None  # EWMA of the wall time of steps that decoded: the ITL of a request paced every step
     step_batch: float | None = None  # EWMA of those steps' decode batch sizes
     ttft_margin_ms: float | None = None  # the TTFT guard's margin now for a typical request (measured where the
@@ -106,7 +108,8 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         rejected_seats_full=s.num_rejected_seats_full,
         predictor_mape=predictor_mape if s.predictor is not None else None,
         itl_correction=s.last_correction, length_scale=s.length_cal.scale if s.length_cal is not None else 1.0,
-        offer_gate_scale=s.offer_gate_scale(now), phase_s=dict(phase_s),
+        offer_gate_scale=s.offer_gate_scale(now), judge_gate_scale=s.judge_gate_scale(now),
+        phase_s=dict(phase_s),
         step_ms=step[0], step_batch=step[1], ttft_margin_ms=s.ttft_margin_ms(),
         ttft_margins=s.margin.table() if s.margin is not None else (),
         ttft_idle_margins=s.margin.table(idle=True) if s.margin is not None else (),

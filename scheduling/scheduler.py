@@ -811,7 +811,7 @@ class Scheduler:
             alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))
             return (r.deadline_s - r.arrival_s) * 1000.0 >= alone_ms + self.ttft_margin_ms(alone_ms, idle=True)
         if reason is TPOT_UNATTAINABLE:
-            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r)) * self.offer_gate_scale(now)
+            alone_ms = self.predictor.itl_ms(1.0, self._mid_len(r)) * self.judge_gate_scale(now)
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
@@ -903,10 +903,10 @@ class Scheduler:
     def _gate_factor(self, now: float) -> float:
         """The measured step factor the gate scales its model by: the window's (`_window_factor`) while requests
         run; on a replica with none running, that of the steps a request decoding alone runs, the least of the last
-        few seconds (`ItlCorrection.offer_factor`), since a request admitted now alone decodes without the stalls the
-        last requests' prefills made (the factor the best TPOT it advertises is drawn with, so that the replica
-        admits what it offered; a burst admitted together is gated with the window's, `_admit`)."""
-        return self._window_factor(now) if self.running else self.correction.offer_factor(now)
+        few seconds (`ItlCorrection.judge_factor`), since a request admitted now alone decodes without the stalls
+        the last requests' prefills made (at most the factor the best TPOT it advertised lately was drawn with, so
+        that the replica admits what it offered; a burst admitted together is gated with the window's, `_admit`)."""
+        return self._window_factor(now) if self.running else self.correction.judge_factor(now)
 
     def _window_factor(self, now: float) -> float:
         """The factor over the recent steps with `stall_share` of their prefill stalls: from the model's error on
@@ -920,15 +920,20 @@ class Scheduler:
     def idle_gate_scale(self) -> float:
         """The gate's scale of the model for what the steps of a request decoding alone measured lately
         (`ItlCorrection.idle_factor`; 1 without the correction). An idle replica's gate and its SLO floor take the
-        least of it over a few seconds (`offer_gate_scale`)."""
+        least of it over a few seconds (`offer_gate_scale`, `judge_gate_scale`)."""
         return self._gate_scale(self.correction.idle_factor()) if self.correction is not None else 1.0
 
     def offer_gate_scale(self, now: float) -> float:
-        """The gate's scale on an idle replica, which its SLO floor is drawn with (the SLOs it offers, and those it
-        judges unattainable): the least `idle_gate_scale` of the last few seconds (`ItlCorrection.offer_factor`), so
-        that an SLO it offered is admitted and not judged unattainable moments later because a burst slowed the
-        steps it measures."""
+        """The scale the SLO floor an idle replica offers is drawn with: the least `idle_gate_scale` of the last few
+        seconds (`ItlCorrection.offer_factor`)."""
         return self._gate_scale(self.correction.offer_factor(now)) if self.correction is not None else 1.0
+
+    def judge_gate_scale(self, now: float) -> float:
+        """The gate's scale on an idle replica, which an SLO is judged unattainable with: the least
+        `idle_gate_scale` over a longer memory than the offer's (`ItlCorrection.judge_factor`), so that an SLO it
+        offered is admitted and not judged unattainable moments later because a burst slowed the steps it
+        measures."""
+        return self._gate_scale(self.correction.judge_factor(now)) if self.correction is not None else 1.0
 
     def _gate_scale(self, factor: float) -> float:
         """The gate's scale of the model for a measured step factor: the static margin already covers up to k of

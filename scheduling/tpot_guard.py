@@ -364,6 +364,8 @@ class ItlCorrection:
     model by, and the gate's factor where it counts only a share of the stalls (`correction_stall_share`).
     """
 
+    JUDGE_MEMORY = 2.0  # judge_factor's window, in offer memories
+
     def __init__(self, tau_ms: float = 2000.0, lo: float = 0.8, hi: float = 2.5,
                  min_pred_ms: float = 100.0, idle_horizon_ms: float = 5000.0, idle_prior_ms: float = 1000.0,
                  offer_memory_s: float = 10.0) -> None:
@@ -375,7 +377,8 @@ class ItlCorrection:
         self.idle_horizon_ms = idle_horizon_ms
         self.offer_memory_s = offer_memory_s
         # (time, idle factor) after each step that moved it, the factors rising from front to back: the front is the
-        # least of the last offer_memory_s (a later, lower factor makes every earlier, higher one irrelevant)
+        # least of the last JUDGE_MEMORY x offer_memory_s (a later, lower factor makes every earlier, higher one
+        # irrelevant)
         self._lows: collections.deque[tuple[float, float]] = collections.deque()
         self._actual = 0.0
         self._pred = 0.0
@@ -442,20 +445,38 @@ class ItlCorrection:
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
 
     def _forget_lows(self, now_s: float) -> None:
-        """Drop the factors no longer in effect within the last `offer_memory_s`: the front stays while the next one
-        came after the window's start (the front still held then)."""
-        lows, cut = self._lows, now_s - self.offer_memory_s
+        """Drop the factors no longer in effect within the longest window read (`judge_factor`'s): the front stays
+        while the next one came after the window's start (the front still held then)."""
+        lows, cut = self._lows, now_s - self.JUDGE_MEMORY * self.offer_memory_s
         while len(lows) > 1 and lows[1][0] <= cut:
             lows.popleft()
 
-    def offer_factor(self, now_s: float) -> float:
-        """The least `idle_factor` in effect over the last `offer_memory_s`: what an idle replica's gate, the SLOs it
-        offers and its judgement of an SLO as unattainable are drawn with. A burst on a loaded host slows the steps
-        of its last requests, which decode alone, and raises the idle factor; an SLO the replica offered just before
-        must still be admitted when it is idle, and not be judged unattainable. A rise the machine keeps shows once
-        the memory has passed; a fall, at once."""
+    def _least_since(self, now_s: float, memory_s: float) -> float:
+        """The least `idle_factor` in effect over the last `memory_s`: that of the latest change at or before the
+        window's start (still in effect then), else the earliest kept (the factors rise from front to back)."""
         self._forget_lows(now_s)
-        return self._lows[0][1] if self._lows else self.idle_factor()
+        lows, cut = self._lows, now_s - memory_s
+        if not lows:
+            return self.idle_factor()
+        i = 0
+        while i + 1 < len(lows) and lows[i + 1][0] <= cut:
+            i += 1
+        return lows[i][1]
+
+    def offer_factor(self, now_s: float) -> float:
+        """The least `idle_factor` in effect over the last `offer_memory_s`: what the SLOs an idle replica offers
+        (its SLO floor) are drawn with. A burst on a loaded host slows the steps of its last requests, which decode
+        alone, and raises the idle factor; the floor offered just before holds. A rise the machine keeps shows once
+        the memory has passed; a fall, at once."""
+        return self._least_since(now_s, self.offer_memory_s)
+
+    def judge_factor(self, now_s: float) -> float:
+        """The least `idle_factor` in effect over the last JUDGE_MEMORY x `offer_memory_s`: what an idle replica's
+        gate admits with and what an SLO is judged unattainable with. Its window holds the whole of the offer's of
+        any moment in the last `offer_memory_s`, so an SLO the replica offered (`offer_factor`) is neither refused
+        by its idle gate nor judged unattainable for `offer_memory_s` after the offer, however the factor rose
+        since (the offer's floor may have stood on a low measured most of a memory before)."""
+        return self._least_since(now_s, self.JUDGE_MEMORY * self.offer_memory_s)
 
     def step_factor(self, now_s: float) -> float:
         """The model's error on the decode-only steps of the window (no stall in them); the idle factor while they

@@ -60,9 +60,10 @@ def idle_slo_floor(
     """The strictest TTFT and TPOT SLOs (ms) an idle replica's guards would accept for one request, by the latency
     model: the TTFT guard keeps a request iff its TTFT SLO >= its prefill alone + ``ttft_margin_ms``; the VBS gate
     admits it alone iff ``itl(1, L) * gate_scale * vbs_margin < vbs_slack * TPOT`` (``L = mid_len``, its context
-    mid-reply; ``gate_scale``, what the replica's steps measured, `Scheduler.offer_gate_scale`), so any TPOT SLO
-    above the returned bound passes. An SLO stricter than these is refused whatever the load
-    (`Scheduler._for_capacity` draws the same line): the replica answers it as `slo_unattainable`, not busy."""
+    mid-reply; ``gate_scale``, what the replica's steps measured, `Scheduler.offer_gate_scale` or
+    `judge_gate_scale`), so any TPOT SLO above the returned bound passes. An SLO stricter than these is refused
+    whatever the load (`Scheduler._for_capacity` draws the same line): the replica answers it as `slo_unattainable`,
+    not busy."""
     best_ttft = prefill_ms(prompt_tokens) + ttft_margin_ms
     best_tpot = itl_ms(1.0, mid_len) * gate_scale * vbs_margin / vbs_slack
     return best_ttft, best_tpot

@@ -411,12 +411,31 @@ def test_itl_correction_offer_factor_is_the_least_idle_factor_of_its_memory():
     assert c.offer_factor(61.0) == pytest.approx(1.2)  # 1.2 still held at the window's start, until the burst
     assert 1.2 < c.offer_factor(70.0) < 1.4  # then the burst's first step's, which moved it little
     assert c.offer_factor(70.7) == pytest.approx(2.0, rel=0.01)  # all forgotten: what the steps measure now
+    assert c.judge_factor(70.7) == pytest.approx(1.2)  # the verdict's memory is twice the offer's
+    assert c.judge_factor(130.7) == pytest.approx(2.0, rel=0.01)
     assert len(c._lows) == 1  # what no window can need is dropped
     for k in range(60):  # quiet again: down at once
         c.observe(71 + k * 0.01, 11.0, 10.0, alone=True)
     assert c.offer_factor(72.0) == pytest.approx(1.1, rel=0.01)
     with pytest.raises(ValueError):
         ItlCorrection(offer_memory_s=-1.0)
+
+
+def test_itl_correction_judges_with_every_floor_it_offered_within_its_memory():
+    """An offer stands on the least idle factor of the offer memory, which may be a low measured most of a memory
+    before, the factor up since: the factor an SLO is judged unattainable with (`judge_factor`) holds that low for
+    a whole memory after the offer, where the offer factor has moved up a moment later."""
+    from scheduling.tpot_guard import ItlCorrection
+
+    c = ItlCorrection(idle_horizon_ms=100.0, idle_prior_ms=1e-6, offer_memory_s=10.0)
+    for k in range(60):  # alone at the model's ITL
+        c.observe(k * 0.01, 10.0, 10.0, alone=True)
+    for k in range(60):  # then slower, a while later
+        c.observe(1.0 + k * 0.01, 15.0, 10.0, alone=True)
+    assert c.offer_factor(10.9) == pytest.approx(1.0)  # offered at 10.9 s: the low still in the offer's memory
+    for t in (11.1, 12.0, 20.8):  # moments and a memory later, the offer factor has moved up; the verdict has not
+        assert c.offer_factor(t) > 1.2 and c.judge_factor(t) == pytest.approx(1.0), t
+    assert c.judge_factor(21.1) > 1.2 and c.judge_factor(21.7) == pytest.approx(c.idle_factor())
 
 
 def test_itl_correction_step_factor_is_the_models_error_on_the_decode_only_steps():

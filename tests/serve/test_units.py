@@ -2132,7 +2132,7 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
                     step_ms: float | None = None, decode_left: tuple[int, ...] = (), policy: str = "kairos",
                     ttft_margin_ms=None, gate_scale: float = 1.0, planned_len: int | None = None,
-                    nearest_end: int | None = None):
+                    nearest_end: int | None = None, judge_scale: float | None = None):
     from deployments.replica import judge_rejection
     from scheduling.config import SchedulerConfig
     from scheduling.predictor import LatencyModel
@@ -2142,7 +2142,7 @@ def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens:
     req = GenerateRequest("r", prompt=(1,), params=SamplingParams(max_tokens=max_tokens), slo=slo)
     return judge_rejection(reason, req, prompt_tokens, model, SchedulerConfig(policy=policy), 1024,
                            waiting_tokens, step_ms, list(decode_left), ttft_margin_ms, gate_scale=gate_scale,
-                           planned_len=planned_len, nearest_end=nearest_end)
+                           planned_len=planned_len, nearest_end=nearest_end, judge_scale=judge_scale)
 
 
 def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is():
@@ -2168,6 +2168,12 @@ def test_an_slo_not_even_an_idle_replica_meets_is_unattainable_and_says_what_is(
     v = _rejection_view("tpot_unattainable", SLO(tpot_ms=30.0), gate_scale=1.5)
     assert v.reason == "slo_unattainable" and v.best_tpot_ms == pytest.approx((20.0 + 0.01 * 125) * 1.5 * 1.05 / 0.99)
     assert _rejection_view("tpot_unattainable", SLO(tpot_ms=30.0)).reason == "tpot_unattainable"
+    # judged with the least scale of a longer memory (Scheduler.judge_gate_scale: the floor of an SLO offered lately)
+    # while the floor it offers is drawn with the scale now: busy, and the offer the higher one
+    v = _rejection_view("tpot_unattainable", SLO(tpot_ms=30.0), gate_scale=1.5, judge_scale=1.0)
+    assert v.reason == "tpot_unattainable" and v.best_tpot_ms == pytest.approx((20.0 + 0.01 * 125) * 1.5 * 1.05 / 0.99)
+    assert _rejection_view("tpot_unattainable", SLO(tpot_ms=22.0), gate_scale=1.5, judge_scale=1.0).reason \
+        == "slo_unattainable"
     # a busy rejection of a request whose other SLO no idle replica meets: retrying cannot help either
     assert _rejection_view("ttft_unattainable", SLO(ttft_ms=5000.0, tpot_ms=1.0)).reason == "slo_unattainable"
     # ...unless the policy does not enforce that SLO (no VBS gate: the TPOT is not checked at all)
