@@ -10,8 +10,10 @@ sequence of string literals (`"..."` or `'...'`, with the escapes `\\n`, `\\t`, 
 `\\xhh`, `\\uhhhh`, `\\Uhhhhhhhh`), character classes (`[a-z_]`, `[^"\\\\]`, with those escapes, and `\\d`, `\\w`,
 `\\s` as ASCII's), `.` (any character), rule names, groups `( ... )`, and the quantifiers `*`, `+`, `?`, `{m}`,
 `{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span lines. A grammar with no `::=`
-is read as Lark's, as vLLM reads one (`from_lark`). A grammar this checker cannot hold as written is refused with a
-ValueError naming why: left recursion (a rule that can come back to itself before a character), an undefined rule,
+is read as Lark's, as vLLM reads one (`from_lark`). Left recursion through first calls (`sum ::= sum "+" n | n`) is
+rewritten into right recursion of the same language (`Grammar._unleft`). A grammar this checker cannot hold as
+written is refused with a ValueError naming why: left recursion through a rule that may be empty (`a ::= b a "x"`,
+b empty: a rule that can come back to itself before a character that way), an undefined rule,
 lookahead assertions, Lark's regular expressions, a rule no text derives from `root`, or more than `MAX_ELEMENTS`
 elements once its quantifiers are written out.
 
@@ -19,7 +21,7 @@ The state is the set of the parses that are still possible, each a stack of the 
 alternatives (a rule called last in its alternative leaves no place: repetition does not deepen the stack); a
 rule's alternatives that begin alike are taken as one until they differ (a list of words is a tree of letters), so
 that an ambiguity that ends keeps no parses apart; the steps taken are cached per grammar, as the regex automaton's
-are. A repetition of what may be empty is held (its paths meet again and stop); left recursion is not.
+are. A repetition of what may be empty is held (its paths meet again and stop); left recursion is rewritten first.
 """
 from __future__ import annotations
 
@@ -206,6 +208,7 @@ class Grammar:
         self._names: dict[str, int] = {}
         self._elements = 0
         self._parse(_Lexer(text))
+        self._unleft()
         self._factor()
         self._prune()
         self._check_left_recursion()
@@ -328,6 +331,51 @@ class Grammar:
             tail = ("r", rule)
         return out + ([tail] if tail is not None else [])
 
+    def _unleft(self) -> None:
+        """Rewrite left recursion through first calls (`expr ::= expr "+" term | term`, as Lark's and xgrammar's
+        grammars write lists and operators) into right recursion of the same language, by Paull's method: in each
+        set of rules that reach one another through the first elements of their alternatives, ranked as defined,
+        a rule's alternatives that begin with a rule ranked before it take that rule's alternatives in its place
+        (until they begin with itself, a later rule, or anything else), and then `A ::= A a1 | ... | b1 | ...`
+        becomes `A ::= b1 A' | ...` with `A' ::= a1 A' | ... | (nothing)` (`A ::= A` is dropped: it adds no text).
+        A left recursion only through rules that may be empty (`A ::= B A "x"`, B empty) is left as written, for
+        `_check_left_recursion` to refuse. The rewritten alternatives count against MAX_ELEMENTS."""
+        def first(r: int) -> list[int]:  # the rules r's alternatives begin with
+            return [alt[0][1] for alt in (self.alts[a] for a in self.rules[r])  # type: ignore[misc]
+                    if alt and alt[0][0] == "r"]
+
+        _, parts = strong_components(range(len(self.rules)), first)
+        for part in parts:
+            if len(part) == 1 and part[0] not in first(part[0]):
+                continue
+            rank = {r: k for k, r in enumerate(sorted(part))}
+            grown = 0  # the elements the substitutions wrote (before they are kept: a guard on their growth)
+            for r in sorted(part):
+                done: list[tuple] = []
+                todo = [self.alts[a] for a in self.rules[r]]
+                while todo:
+                    alt = todo.pop()
+                    head = alt[0][1] if alt and alt[0][0] == "r" else None
+                    if head is not None and rank.get(head, len(part)) < rank[r]:  # type: ignore[arg-type]
+                        tail = alt[1:]
+                        for b in self.rules[head]:  # type: ignore[index]
+                            grown += len(self.alts[b]) + len(tail) + 1
+                            todo.append(self.alts[b] + tail)
+                        if self._elements + grown > MAX_ELEMENTS:
+                            raise ValueError(f"grammar: more than {MAX_ELEMENTS} elements once its left recursion "
+                                             "is rewritten")
+                    else:
+                        done.append(alt)
+                done.reverse()  # (the alternatives in their written order, for the parses kept first)
+                own = [alt[1:] for alt in done if alt and alt[0] == ("r", r)]
+                if not own:
+                    self.rules[r] = [self._new_alt(list(alt)) for alt in done]
+                    continue
+                rest = self._rule()  # A' ::= a1 A' | ... | (nothing): A' last in its alternative
+                self.rules[rest] = [self._new_alt([*a, ("r", rest)]) for a in own if a] + [self._new_alt([])]
+                self.rules[r] = [self._new_alt([*alt, ("r", rest)]) for alt in done
+                                 if not (alt and alt[0] == ("r", r))]
+
     def _factor(self) -> None:
         """A rule's alternatives that begin alike as one, its tails a rule of their own (`"ab" | "ac"` as
         `"a" ("b" | "c")`), down to where they differ: a text then keeps one parse where the alternatives would keep
@@ -405,7 +453,8 @@ class Grammar:
 
     def _check_left_recursion(self) -> None:
         """Refuse a rule that can come back to itself before a character through a call that is not the last of
-        its alternative: each time round, its parse would be one place deeper, for ever. (Back through last calls
+        its alternative (after `_unleft`: only through rules that may be empty): each time round, its parse would be
+        one place deeper, for ever. (Back through last calls
         only, as a repetition of what may be empty comes back, a parse stays as deep: `_closure` meets it again and
         stops.)"""
         nullable = self._derives(through_characters=False)
@@ -426,9 +475,10 @@ class Grammar:
             for s_, deeper in out:
                 if deeper and (s_ == r or part.get(s_) == part[r]):
                     what = f"rule {names[r]!r}" if r in names else "a group"
-                    raise ValueError(f"grammar: {what} is left-recursive (it can come back to itself before a "
-                                     "character), which this server's checker cannot hold: write it right-recursive "
-                                     "or with a repetition (x*)")
+                    raise ValueError(f"grammar: {what} is left-recursive through a rule that may be empty (it can "
+                                     "come back to itself before a character that way), which this server's checker "
+                                     "cannot hold: write that rule first without its empty text, or with a "
+                                     "repetition (x*)")
 
     # ------------------------------------------------------------------ checking
     def _closure(self, stacks: list[tuple]) -> State:

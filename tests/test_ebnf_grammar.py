@@ -71,6 +71,88 @@ def test_a_recursive_grammar_accepts_its_language():
     assert max(len(s) for s in walk(g, "()" * 500)) <= 2
 
 
+# (left-recursive grammar, the same language as a regex): rewritten into right recursion (Paull's method)
+LEFT_RECURSIVE = [
+    ('root ::= root "a" | "b"', r"ba*"),
+    ('root ::= root "," item | item\nitem ::= [a-z]+ | "9"', r"([a-z]+|9)(,([a-z]+|9))*"),
+    ('root ::= x\nx ::= y "a"\ny ::= "" | root', r"a+"),  # indirect, through a rule that may be empty last
+    ('root ::= root? "x"', r"x+"),  # through a quantifier's group
+    ('root ::= root | root "a" | "" | "b" root', r"b*a*"),  # A ::= A dropped; an empty base
+    ('root ::= a "z"\na ::= b "y" | "x"\nb ::= a "w" | c\nc ::= "c" | a', r"(x|cy)(wy|y)*z"),
+]
+
+
+@pytest.mark.parametrize("grammar,pattern", LEFT_RECURSIVE)
+def test_a_left_recursive_grammar_is_rewritten_and_accepts_its_language(grammar, pattern):
+    """Left recursion through first calls, as Lark's and xgrammar's grammars write lists and operators, is held (the
+    same language right-recursive): what Python's `re` matches, every prefix of a match going on."""
+    g = compile_grammar(grammar)
+    for text in _texts(len(grammar)) | {"ba", "xxx", "a,b,9", "bbaa", "cywyyz", "xywz", "xyz", "cz", "cyz"}:
+        st = walk(g, text)
+        want = re.fullmatch(pattern, text) is not None
+        assert (st is not None and g.accepts(st)) == want, (grammar, text)
+        if want:
+            assert all(walk(g, text[:k]) is not None for k in range(len(text)))
+
+
+def _expression(text: str) -> bool:
+    """Whether `text` is a sum of products of numbers, negated atoms and bracketed sums (recursive descent)."""
+    i = 0
+
+    def atom() -> bool:
+        nonlocal i
+        if text[i:i + 1] == "-":
+            i += 1
+            return atom()
+        if text[i:i + 1] == "(":
+            i += 1
+            if not chain(atom_chain, "+-") or text[i:i + 1] != ")":
+                return False
+            i += 1
+            return True
+        j = i
+        while text[i:i + 1].isdigit():
+            i += 1
+        return i > j
+
+    def chain(item, ops: str) -> bool:
+        nonlocal i
+        if not item():
+            return False
+        while text[i:i + 1] and text[i] in ops:
+            i += 1
+            if not item():
+                return False
+        return True
+
+    def atom_chain() -> bool:
+        return chain(atom, "*/")
+
+    return chain(atom_chain, "+-") and i == len(text)
+
+
+def test_operators_left_recursive_as_lark_writes_them():
+    """An arithmetic grammar in Lark's notation, its operators left-recursive (as Lark's documentation writes them):
+    it accepts the expressions a recursive descent parses, and nothing else; a long sum keeps its parses few."""
+    g = compile_grammar('''
+        ?start: sum
+        ?sum: product | sum "+" product | sum "-" product
+        ?product: atom | product "*" atom | product "/" atom
+        ?atom: NUMBER | "-" atom | "(" sum ")"
+        NUMBER: DIGIT+
+        DIGIT: "0" | "1" | "2" | "3" | "4" | "5" | "6" | "7" | "8" | "9"
+    ''')
+    rng = random.Random(0)
+    texts = ["1+2*3", "-(1-2)/3", "((4))", "1+", "*1", "1(2)", "()", "--1", "1--2"]
+    texts += ["".join(rng.choice("12+-*/()") for _ in range(rng.randint(1, 9))) for _ in range(400)]
+    assert sum(map(_expression, texts)) >= 30  # (enough of each)
+    for text in texts:
+        st = walk(g, text)
+        assert (st is not None and g.accepts(st)) == _expression(text), text
+    long = "+".join(["(1*2-3)"] * 200)
+    assert g.accepts(walk(g, long)) and len(walk(g, long)) <= 8
+
+
 def test_json_as_a_grammar():
     g = compile_grammar(r'''
         root   ::= object
@@ -88,8 +170,8 @@ def test_json_as_a_grammar():
 
 
 @pytest.mark.parametrize("grammar,reason", [
-    ('root ::= root "a" | "b"', "left-recursive"),
-    ('root ::= x\nx ::= y "a"\ny ::= "" | root', "left-recursive"),
+    ('root ::= b root "x" | "y"\nb ::= "" | "z"', "left-recursive"),  # (through a rule that may be empty)
+    ('root ::= x\nx ::= y root "a" | "b"\ny ::= "z"?', "left-recursive"),
     ('x ::= "a"', "no `root`"),
     ('root ::= y', "'y' is not defined"),
     ('root ::= "a"\nroot ::= "b"', "defined twice"),
@@ -153,12 +235,15 @@ def test_a_lark_grammar_is_read_as_vllm_reads_it():
 
 def test_a_deep_chain_of_rules_is_checked_whole():
     """Rules that call the next, thousands deep (what derives text, what may be empty and what is left-recursive
-    are found in one pass each): the chain's texts are held, and a left recursion at its far end is refused."""
+    are found in one pass each): the chain's texts are held, a left recursion at its far end is rewritten, and one
+    there through a rule that may be empty is refused."""
     n = 3000  # (each rule derives text, or may be empty, only through the next: found from the far end)
     chain = "\n".join(f'r{i} ::= "a" r{i + 1}' for i in range(n)) + f'\nr{n} ::= "z" | "y"'
     g = compile_grammar("root ::= r0\n" + chain)
     assert matches(g, "a" * n + "z") and matches(g, "a" * n + "y") and not matches(g, "a" * 5 + "z")
     empty = "\n".join(f"e{i} ::= e{i + 1}" for i in range(n)) + f'\ne{n} ::= "c"?'
     assert matches(compile_grammar('root ::= e0 "x"\n' + empty), "x")
+    g = compile_grammar('root ::= e0 "x"\n' + empty.replace(f'e{n} ::= "c"?', f'e{n} ::= root "y" | "c"?'))
+    assert all(matches(g, t) for t in ("x", "cx", "xyx", "cxyxyx")) and not any(matches(g, t) for t in ("xy", "cc"))
     with pytest.raises(ValueError, match="left-recursive"):
-        compile_grammar('root ::= e0 "x"\n' + empty.replace(f'e{n} ::= "c"?', f'e{n} ::= root "y" | "c"?'))
+        compile_grammar('root ::= e0 "x"\n' + empty.replace(f'e{n} ::= "c"?', f'e{n} ::= "c"? root "y" | "c"'))

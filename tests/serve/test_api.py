@@ -568,7 +568,7 @@ def test_guided_regex_and_choice_replies_match(client: httpx.Client) -> None:
     r = client.post("/v1/completions", json={**cmpl, "structured_outputs": {"json": {"enum": [1, 22]}}})
     assert r.status_code == 200 and json_.loads(r.json()["choices"][0]["text"]) in (1, 22), r.text
     from core.ebnf_grammar import compile_grammar
-    from core.regex_grammar import matches
+    from core.regex_grammar import matches, walk
 
     sql = SQL_GRAMMAR
     g = compile_grammar(sql)
@@ -580,8 +580,12 @@ def test_guided_regex_and_choice_replies_match(client: httpx.Client) -> None:
                                                                    "stream": True}) as st:
             chunks = [json_.loads(e) for e in sse_events(st)[:-1]]
         assert matches(g, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks))
+    lark = 'start: items "."\nitems: items "," ITEM | ITEM\nITEM: "a" | "b"'  # left-recursive, as Lark writes lists
+    r = client.post("/v1/completions", json={**cmpl, "guided_grammar": lark, "max_tokens": 12})
+    choice, g = r.json()["choices"][0], compile_grammar(lark)
+    assert matches(g, choice["text"]) if choice["finish_reason"] == "stop" else walk(g, choice["text"]), choice
     for bad, param in (({"guided_regex": "(?<=a)b"}, "guided_regex"), ({"guided_regex": r"\1"}, "guided_regex"),
-                       ({"guided_grammar": "root ::= root \"a\" | \"b\""}, "guided_grammar"),
+                       ({"guided_grammar": "root ::= b root \"a\" | \"c\"\nb ::= \"\" | \"b\""}, "guided_grammar"),
                        ({"guided_grammar": "start: /a+/"}, "guided_grammar"),
                        ({"guided_grammar": "root ::= \"a\"", "guided_regex": "a"}, "guided_grammar"),
                        ({"guided_choice": []}, "guided_choice"), ({"guided_choice": [1]}, "guided_choice"),
