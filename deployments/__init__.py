@@ -149,6 +149,9 @@ def front_settings(a: ServeArgs) -> dict[str, Any]:
         "model_name": a.model_name, "max_body_bytes": a.max_body_bytes, "retry_after_s": a.retry_after_s,
         "log_prompts": a.log_prompts, "api_keys_env": a.api_keys_env, "api_key_file": a.api_key_file,
         "reroutes": a.reroute_rejected if a.router == "slo" and a.num_replicas > 1 and not a.direct else 0,
+        # a replica's `slo_unattainable` is checked with another replica before the 400 (Ray's pow2 router cannot
+        # avoid one; direct: no Ingress)
+        "second_opinion": a.router == "slo" and not a.direct,
         # a request whose replica failed before its first token goes to another one (routed: the ingress's handle)
         "failovers": 0 if a.direct else FAILOVERS,
         "unready_wait_s": a.unready_wait,

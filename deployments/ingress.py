@@ -395,6 +395,8 @@ class OpenAIFrontend:
         self.retry_after_s: int = settings.get("retry_after_s", 1)
         self.log_prompts: bool = settings.get("log_prompts", False)
         self.reroutes: int = settings.get("reroutes", 0)
+        # a request one replica judged `slo_unattainable` goes to another once (where the router can avoid one)
+        self.second_opinion: bool = settings.get("second_opinion", False)
         # a request whose replica failed before its first item is sent again, to another replica, this many times
         self.failovers: int = settings.get("failovers", 0)
         # a request that finds no LLM replica able to serve waits this long for one, then gets a 503 (`_until_ready`)
@@ -924,18 +926,30 @@ class OpenAIFrontend:
     async def _start(self, req: GenerateRequest, t_call: float
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
-        (`reroutes` times at most, with what is left of its TTFT SLO). `req.waited_ms` is the time of its TTFT SLO
-        spent up to `t_call` (`_respond`: its wait between HAProxy and this Ingress, up to its arrival here; a batch's
-        prompt: all its wait so far), and every send, the first too, tells the engine what is left at the send (what
-        this Ingress took to read and parse it counted). Returns the request as last sent."""
+        (`reroutes` times at most, with what is left of its TTFT SLO); where one judges its SLO unattainable, on
+        another once (`second_opinion`), the 400 offering the lower floor of the two. `req.waited_ms` is the time of
+        its TTFT SLO spent up to `t_call` (`_respond`: its wait between HAProxy and this Ingress, up to its arrival
+        here; a batch's prompt: all its wait so far), and every send, the first too, tells the engine what is left at
+        the send (what this Ingress took to read and parse it counted). Returns the request as last sent."""
         waited_ms = req.waited_ms
         first_send = dataclasses.replace(req, waited_ms=waited_ms + (time.perf_counter() - t_call) * 1000.0)
         req, gen, first = await self._first_item_anywhere(first_send, waited_ms, t_call)
         _note_refusal(first, req)
-        for _ in range(self.reroutes):  # a replica turned it away: another one may have room (router=slo)
+        reroutes, asked = self.reroutes, not self.second_opinion
+        judged: RequestOutput | None = None  # the first replica's `slo_unattainable`, where another was asked
+        while True:
             sb = first.served_by
-            if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica) \
-                    or first.reject_reason is RejectReason.SLO_UNATTAINABLE:  # no replica could: not rerouted
+            if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
+                break
+            if first.reject_reason is RejectReason.SLO_UNATTAINABLE:
+                # a replica's idle floor is drawn from what its own steps measured (a replica just started, one on
+                # a slower or busier host): another replica is asked once before the client hears no replica can
+                if asked:
+                    break
+                asked, judged = True, first
+            elif reroutes > 0:  # a replica turned it away: another one may have room (router=slo)
+                reroutes -= 1
+            else:
                 break
             if (again := _resent(req, waited_ms, t_call, sb.replica)) is None:
                 break
@@ -943,6 +957,9 @@ class OpenAIFrontend:
                 break  # every replica running turned it away (an autoscaled app with its fewest)
             req, gen, first = await self._first_item_anywhere(again, waited_ms, t_call)
             _note_refusal(first, req)
+        if judged is not None and first.reject_reason is RejectReason.SLO_UNATTAINABLE \
+                and _offer(judged) < _offer(first):
+            first = judged  # (both refused it: the 400 offers the lower of their floors)
         return req, gen, first
 
     async def _first_item_anywhere(self, req: GenerateRequest, waited_ms: float, t_call: float
@@ -1477,6 +1494,14 @@ def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | 
         return None
     return dataclasses.replace(req, waited_ms=spent_ms,
                                avoid_replicas=(*req.avoid_replicas, avoid) if avoid else req.avoid_replicas)
+
+
+def _offer(item: RequestOutput) -> tuple[float, float]:
+    """The idle floor a replica's `slo_unattainable` gave (TPOT, then TTFT), to pick the lower offer of two."""
+    sb = item.served_by
+    if sb is None or sb.best_tpot_ms is None or sb.best_ttft_ms is None:
+        return math.inf, math.inf
+    return sb.best_tpot_ms, sb.best_ttft_ms
 
 
 def _note_refusal(first: RequestOutput, req: GenerateRequest) -> None:

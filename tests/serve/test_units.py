@@ -3063,7 +3063,7 @@ def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_
     def run(running: int) -> list[tuple[str, ...]]:
         sent: list[tuple[str, ...]] = []
         me = object.__new__(OpenAIFrontend)
-        me.reroutes = 3
+        me.reroutes, me.second_opinion = 3, False
         me._running_replicas = lambda: running
 
         async def first_item(req, waited_ms, t_call):
@@ -3080,6 +3080,47 @@ def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_
     assert run(1) == [()]
     assert run(2) == [(), ("r1",)]
     assert run(5) == [(), ("r1",), ("r1", "r2"), ("r1", "r2", "r3")]  # (reroute_rejected: 3 at most)
+
+
+def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_the_400() -> None:
+    """second_opinion: a replica's idle floor is its own measure (one just started, one on a slower host): a request
+    it judged unattainable goes to another replica once; one that serves it or turns it away as busy answers, and
+    where both judge it unattainable, the 400 offers the lower floor. One replica running: not sent again."""
+    import asyncio
+
+    from core.messages import RejectReason, ServedBy
+    from deployments.ingress import OpenAIFrontend
+
+    def run(verdicts: list[tuple[str, float]], running: int = 2, reroutes: int = 0):
+        sent: list[tuple[str, ...]] = []
+        me = object.__new__(OpenAIFrontend)
+        me.reroutes, me.second_opinion = reroutes, True
+        me._running_replicas = lambda: running
+
+        async def first_item(req, waited_ms, t_call):
+            sent.append(req.avoid_replicas)
+            why, floor = verdicts[len(sent) - 1]
+            sb = ServedBy(f"r{len(sent)}", 1.0, best_ttft_ms=10.0, best_tpot_ms=floor)
+            if why == "ok":
+                return req, None, RequestOutput(req.request_id, token_ids=[5], served_by=sb)
+            return req, None, RequestOutput(req.request_id, finished=True, finish_reason="rejected",
+                                            reject_reason=RejectReason(why), served_by=sb)
+
+        me._first_item_anywhere = first_item
+        _, _, first = asyncio.run(me._start(GenerateRequest("x", prompt=(1,), slo=SLO(tpot_ms=2.0)),
+                                            time.perf_counter()))
+        return sent, first
+
+    sent, first = run([("slo_unattainable", 3.0), ("ok", 1.5)])
+    assert sent == [(), ("r1",)] and not first.finished and first.served_by.replica == "r2"
+    sent, first = run([("slo_unattainable", 3.0), ("tpot_unattainable", 1.5)])
+    assert first.reject_reason is RejectReason.TPOT_UNATTAINABLE and len(sent) == 2  # busy: a 429 to retry
+    sent, first = run([("slo_unattainable", 2.5), ("slo_unattainable", 3.0)])  # (asked once, however many run)
+    assert len(sent) == 2 and first.served_by.replica == "r1" and first.served_by.best_tpot_ms == 2.5
+    sent, first = run([("slo_unattainable", 3.0), ("slo_unattainable", 2.5)], running=5, reroutes=3)
+    assert len(sent) == 2 and first.served_by.replica == "r2"
+    sent, _ = run([("slo_unattainable", 3.0)], running=1)
+    assert sent == [()]
 
 
 def test_an_autoscaled_apps_replicas_split_the_ingress_chunk_budget_over_those_running() -> None:
