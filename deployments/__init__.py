@@ -187,19 +187,44 @@ def front_settings(a: ServeArgs) -> dict[str, Any]:
     return settings
 
 
+# the arguments of an app's one front (its Ingress): in an app of several models, the app's, whichever model gives them
+FRONT_ARGS = ("api_keys_env", "api_key_file", "allowed_origins", "allow_credentials", "max_body_bytes",
+              "ingress_num_replicas", "ingress_max_ongoing_requests", "access_log")
+
+
+def _front_args(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The front's arguments (FRONT_ARGS) the models of an app of several give, which every model then takes: a
+    ValueError where two give one differently (an API key set on one model only would otherwise be the app's or
+    none, unseen)."""
+    out: dict[str, tuple[int, Any]] = {}
+    for i, raw in enumerate(models):
+        for key in FRONT_ARGS:
+            if key not in raw:
+                continue
+            value = AppArgs.model_validate({key: raw[key]}).model_dump()[key]  # (as parsed: "2" and 2 alike)
+            if key in out and out[key][1] != value:
+                raise ValueError(f"model {i}: {key}={raw[key]!r} where model {out[key][0]} gives {out[key][1]!r}: "
+                                 "an app of several models has one front (its API keys, CORS, body limit and "
+                                 "Ingress), so give it once, or alike on every model")
+            out.setdefault(key, (i, value))
+    return {k: v for k, (_, v) in out.items()}
+
+
 def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type: ignore[valid-type]
     """Several models in one app (Ray Serve LLM's several llm_configs): an LLM deployment per model
     (`LLMServer:<served name>`, each with its own replicas, SLO router and scheduler), behind one Ingress that sends
     each request to the model its `model` names (deployments/multi_model.py). `models`: each model's app arguments
-    (`AppArgs`); the front's own (API keys, CORS, body limit, Ingress replicas) are the first model's. A model that
-    names no replica count gets one (of a GPU where Ray has them): the default of a replica per GPU is one model's."""
+    (`AppArgs`); the front's own (API keys, CORS, body limit, Ingress replicas: FRONT_ARGS) are the app's, given on
+    any of its models and alike where given on several (`_front_args`). A model that names no replica count gets one
+    (of a GPU where Ray has them): the default of a replica per GPU is one model's."""
     from deployments.multi_model import MultiModelIngress, deployment_name
 
     if len(models) < 2:
         raise ValueError("a multi-model app serves two models or more")
+    shared_args = _front_args(models)
     parts, names, settings, gpus = [], {}, [], 0.0
     for i, raw in enumerate(models):
-        raw = dict(raw)
+        raw = {**raw, **shared_args}
         if raw.get("allow_runtime_lora_updating"):
             raise ValueError(f"model {i}: allow_runtime_lora_updating: the adapters loaded at run time have no model "
                              "to go to in an app of several; name them in lora_modules or dynamic_lora_loading_path")
@@ -214,7 +239,7 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
             names[name] = i
         llm, s = model_parts(given, a, deployment_name(a.model_name))
         parts.append(llm)
-        if i == 0:
+        if i == 0:  # (every model's front arguments alike: the app's, `_front_args`)
             front, shared = a, {k: s[k] for k in ("max_body_bytes", "api_keys_env", "api_key_file", "cors")}
         # (the app's front: one key set, one CORS policy, one body limit; the names the model is known by before its
         # replicas say them)

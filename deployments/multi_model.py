@@ -4,9 +4,9 @@ Each model is its own LLM deployment (`LLMServer:<served name>`: its replicas, i
 has its own front, an `IngressFrontend` as a one-model app's Ingress is; one Ingress replica holds them all and
 sends each request to the front of the model its `model` names (as Ray Serve LLM's: a request that names none is a
 400, one that names no model served here a 404, each listing those that are). `GET /v1/models` lists every model
-and adapter; `/health` is 200 once every model can serve. The API keys, CORS and body limit are the app's (the
-first model's arguments). What a front owns stays its own: its handle, its readiness,
-its LoRA adapters. Adapters loaded at run time (`/v1/load_lora_adapter`) have no model to go to here: those routes
+and adapter; `/health` is 200 once every model can serve. The API keys, CORS and body limit are the app's (given on
+any model, alike where on several: `deployments._front_args`). What a front owns stays its own: its handle, its
+readiness, its LoRA adapters. Adapters loaded at run time (`/v1/load_lora_adapter`) have no model to go to here: those routes
 are a 404, as they are where runtime loading is off.
 """
 from __future__ import annotations

@@ -188,3 +188,21 @@ def test_several_llm_configs_are_one_app_of_several_models():
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
         build_openai_app({"llm_configs": [model("a"), {**model("c"), "engine_kwargs": {
             "allow_runtime_lora_updating": True}}]})
+
+
+def test_an_app_of_several_models_has_one_front_given_on_any_model():
+    """The front's arguments (API keys, CORS, body limit, the Ingress's replicas) are the app's: given on any one of
+    its models they hold for every model; given differently on two, the app is refused naming them (a key set on
+    the second model was the first model's none, unseen)."""
+    from deployments import build_multi_model_app
+
+    def model(name: str, **args) -> dict:
+        return {"model": "kairos-tiny", "served_model_name": name, "num_gpus": 0, **args}
+    app = build_multi_model_app([model("a"), model("b", api_keys_env="KAIROS_KEYS", max_body_bytes="4096",
+                                                   ingress_num_replicas=2)])
+    ingress = app._bound_deployment
+    assert ingress._deployment_config.num_replicas == 2
+    assert [(s["api_keys_env"], s["max_body_bytes"]) for s in ingress.init_args[1]] == [("KAIROS_KEYS", 4096)] * 2
+    build_multi_model_app([model("a", allowed_origins="https://x.org"), model("b", allowed_origins="https://x.org")])
+    with pytest.raises(ValueError, match="model 1: api_key_file='/b' where model 0 gives '/a'"):
+        build_multi_model_app([model("a", api_key_file="/a"), model("b", api_key_file="/b")])
