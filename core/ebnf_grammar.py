@@ -22,6 +22,7 @@ alternatives (a rule called last in its alternative leaves no place: repetition 
 rule's alternatives that begin alike are taken as one until they differ (a list of words is a tree of letters), so
 that an ambiguity that ends keeps no parses apart; the steps taken are cached per grammar, as the regex automaton's
 are. A repetition of what may be empty is held (its paths meet again and stop); left recursion is rewritten first.
+An ambiguous grammar's state keeps its shallowest parses, MAX_PLACES places in all: each goes on to a text of it.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _co
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
 MAX_STACK = 1_000  # a parse's depth in places (a nested group of the text takes one or two): deeper is not followed
 MAX_PARSES = 16_384  # the parses a state keeps (an ambiguous grammar's), the first found kept
+# the places a state's parses hold in all (what a step costs: each parse's stack is copied), the shallowest parses
+# kept: an ambiguous grammar (`a ::= "x" a a | ""`) holds a parse per depth the text could have reached, and without
+# a bound a step of a reply thousands of characters deep would cost millions of copies (the engine's thread, for every
+# token a guided row checks); each parse kept still goes on to a text of the grammar
+MAX_PLACES = 8_192
 _CACHE_PLACES = 2_000_000  # the places the states the steps kept hold in all, per grammar, before it starts over
 _CACHE_STEPS = 1_000_000  # and the steps kept
 
@@ -511,6 +517,14 @@ class Grammar:
                     break  # (a text nested this deep is not followed)
                 todo += [rest + ((b, 0),) for b in self.rules[v]]  # type: ignore[index]
                 break
+        if sum(map(len, out)) > MAX_PLACES:  # (an ambiguous grammar's parses, as deep as the text: the shallowest)
+            kept, places = [], 0
+            for stack in sorted(out, key=len):
+                places += len(stack)
+                if places > MAX_PLACES:
+                    break
+                kept.append(stack)
+            return frozenset(kept)
         return frozenset(out)
 
     def step(self, state: State, ch: str) -> State | None:

@@ -247,3 +247,20 @@ def test_a_deep_chain_of_rules_is_checked_whole():
     assert all(matches(g, t) for t in ("x", "cx", "xyx", "cxyxyx")) and not any(matches(g, t) for t in ("xy", "cc"))
     with pytest.raises(ValueError, match="left-recursive"):
         compile_grammar('root ::= e0 "x"\n' + empty.replace(f'e{n} ::= "c"?', f'e{n} ::= "c"? root "y" | "c"'))
+
+
+@pytest.mark.parametrize("grammar", ['root ::= "a" root root | ""', 'root ::= root root | "a"',
+                                     'e ::= e "+" e | "(" e ")" | "1"\nroot ::= e'])
+def test_an_ambiguous_grammar_keeps_its_shallowest_parses_within_a_bound(grammar):
+    """A parse per depth the text could have reached (an ambiguous grammar, right- or left-recursive) would make a
+    step of a long reply cost millions of copies: a state keeps its shallowest parses up to MAX_PLACES places in
+    all, each still going on to a text of the grammar, so the reply goes on and may end."""
+    from core.ebnf_grammar import MAX_PLACES
+
+    g = compile_grammar(grammar)
+    text = "1+" * 1000 + "1" if grammar.startswith("e") else "a" * 2000
+    states = [g.start]
+    for ch in text:
+        states.append(g.step(states[-1], ch))
+        assert states[-1] is not None and sum(map(len, states[-1])) <= MAX_PLACES
+    assert g.accepts(states[-1])
