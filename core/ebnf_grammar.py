@@ -366,13 +366,15 @@ class Grammar:
                         tail = alt[1:]
                         for b in self.rules[head]:  # type: ignore[index]
                             grown += len(self.alts[b]) + len(tail) + 1
+                            if self._elements + grown > MAX_ELEMENTS:  # (before it is built: tails may be long)
+                                raise ValueError(f"grammar: more than {MAX_ELEMENTS} elements once its left "
+                                                 "recursion is rewritten")
                             todo.append(self.alts[b] + tail)
-                        if self._elements + grown > MAX_ELEMENTS:
-                            raise ValueError(f"grammar: more than {MAX_ELEMENTS} elements once its left recursion "
-                                             "is rewritten")
                     else:
                         done.append(alt)
-                done.reverse()  # (the alternatives in their written order, for the parses kept first)
+                # the alternatives in their written order (for the parses kept first), each once (a substitution may
+                # write one twice)
+                done = list(dict.fromkeys(reversed(done)))
                 own = [alt[1:] for alt in done if alt and alt[0] == ("r", r)]
                 if not own:
                     self.rules[r] = [self._new_alt(list(alt)) for alt in done]

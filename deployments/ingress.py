@@ -936,7 +936,8 @@ class OpenAIFrontend:
         req, gen, first = await self._first_item_anywhere(first_send, waited_ms, t_call)
         _note_refusal(first, req)
         reroutes, asked = self.reroutes, not self.second_opinion
-        judged: RequestOutput | None = None  # the first replica's `slo_unattainable`, where another was asked
+        # the first replica's `slo_unattainable` (the request as sent, its stream, the verdict), where another is asked
+        judged: tuple[GenerateRequest, GenerateStream, RequestOutput] | None = None
         while True:
             sb = first.served_by
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
@@ -946,7 +947,7 @@ class OpenAIFrontend:
                 # a slower or busier host): another replica is asked once before the client hears no replica can
                 if asked:
                     break
-                asked, judged = True, first
+                asked, judged = True, (req, gen, first)
             elif reroutes > 0:  # a replica turned it away: another one may have room (router=slo)
                 reroutes -= 1
             else:
@@ -955,11 +956,16 @@ class OpenAIFrontend:
                 break
             if len(set(again.avoid_replicas)) >= (self._running_replicas() or 0) > 0:
                 break  # every replica running turned it away (an autoscaled app with its fewest)
-            req, gen, first = await self._first_item_anywhere(again, waited_ms, t_call)
+            try:
+                req, gen, first = await self._first_item_anywhere(again, waited_ms, t_call)
+            except APIError:
+                if judged is not None and first is judged[2]:  # (the second opinion failed: the first verdict holds)
+                    return judged
+                raise
             _note_refusal(first, req)
-        if judged is not None and first.reject_reason is RejectReason.SLO_UNATTAINABLE \
-                and _offer(judged) < _offer(first):
-            first = judged  # (both refused it: the 400 offers the lower of their floors)
+        if judged is not None and first is not judged[2] and first.reject_reason is RejectReason.SLO_UNATTAINABLE \
+                and _offer(judged[2]) <= _offer(first):
+            return judged  # (both refused it: the 400 offers the lower of their floors)
         return req, gen, first
 
     async def _first_item_anywhere(self, req: GenerateRequest, waited_ms: float, t_call: float

@@ -376,10 +376,10 @@ class ItlCorrection:
         self.tau_ms, self.lo, self.hi, self.min_pred_ms = tau_ms, lo, hi, min_pred_ms
         self.idle_horizon_ms = idle_horizon_ms
         self.offer_memory_s = offer_memory_s
-        # (time, idle factor) after each step that moved it, the factors rising from front to back: the front is the
-        # least of the last JUDGE_MEMORY x offer_memory_s (a later, lower factor makes every earlier, higher one
-        # irrelevant)
-        self._lows: collections.deque[tuple[float, float]] = collections.deque()
+        # [idle factor, when it stopped being in effect (inf: it is)] after each step that moved it, the factors
+        # rising from front to back (a later, lower factor makes every earlier, higher one irrelevant to any window
+        # that reaches now), those that ended before JUDGE_MEMORY x offer_memory_s dropped
+        self._lows: collections.deque[list[float]] = collections.deque()
         self._actual = 0.0
         self._pred = 0.0
         self._decode_actual = 0.0  # wall ms of the steps that decoded (the rest: prefill-only stalls)
@@ -433,9 +433,11 @@ class ItlCorrection:
             self._pure[0] = self._pure[0] * k + max(step_ms, 0.0)
             self._pure[1] = self._pure[1] * k + predicted_decode_ms
             f, lows = self.idle_factor(), self._lows
-            while lows and lows[-1][1] >= f:
+            if lows:
+                lows[-1][1] = min(lows[-1][1], now_s)  # (the factor in effect until now; one kept below keeps its end)
+            while lows and lows[-1][0] >= f:
                 lows.pop()
-            lows.append((now_s, f))
+            lows.append([f, math.inf])
             self._forget_lows(now_s)
 
     def idle_factor(self) -> float:
@@ -445,23 +447,17 @@ class ItlCorrection:
         return min(self.hi, max(self.lo, self._pure[0] / self._pure[1]))
 
     def _forget_lows(self, now_s: float) -> None:
-        """Drop the factors no longer in effect within the longest window read (`judge_factor`'s): the front stays
-        while the next one came after the window's start (the front still held then)."""
+        """Drop the factors that ended before the longest window read (`judge_factor`'s) began."""
         lows, cut = self._lows, now_s - self.JUDGE_MEMORY * self.offer_memory_s
-        while len(lows) > 1 and lows[1][0] <= cut:
+        while lows and lows[0][1] <= cut:
             lows.popleft()
 
     def _least_since(self, now_s: float, memory_s: float) -> float:
-        """The least `idle_factor` in effect over the last `memory_s`: that of the latest change at or before the
-        window's start (still in effect then), else the earliest kept (the factors rise from front to back)."""
+        """The least `idle_factor` in effect over the last `memory_s`: the first kept that was still in effect at
+        the window's start or came after it (the factors rise from front to back)."""
         self._forget_lows(now_s)
-        lows, cut = self._lows, now_s - memory_s
-        if not lows:
-            return self.idle_factor()
-        i = 0
-        while i + 1 < len(lows) and lows[i + 1][0] <= cut:
-            i += 1
-        return lows[i][1]
+        cut = now_s - memory_s
+        return next((f for f, end in self._lows if end > cut), self.idle_factor())
 
     def offer_factor(self, now_s: float) -> float:
         """The least `idle_factor` in effect over the last `offer_memory_s`: what the SLOs an idle replica offers

@@ -436,6 +436,12 @@ def test_itl_correction_judges_with_every_floor_it_offered_within_its_memory():
     for t in (11.1, 12.0, 20.8):  # moments and a memory later, the offer factor has moved up; the verdict has not
         assert c.offer_factor(t) > 1.2 and c.judge_factor(t) == pytest.approx(1.0), t
     assert c.judge_factor(21.1) > 1.2 and c.judge_factor(21.7) == pytest.approx(c.idle_factor())
+    # a low that a higher factor followed, which a lower one then replaced: it ended with the higher one's start
+    c = ItlCorrection(idle_horizon_ms=1.0, idle_prior_ms=1e-6, offer_memory_s=10.0)
+    for t, step_ms in ((0.0, 10.0), (1.0, 20.0), (15.0, 12.0)):  # 1.0 until 1 s, 2.0 until 15 s, then 1.2
+        c.observe(t, step_ms, 10.0, alone=True)
+    assert c.offer_factor(16.0) == pytest.approx(1.2, rel=0.01)  # 1.0 ended before the window
+    assert c.judge_factor(16.0) == pytest.approx(1.0) and c.judge_factor(30.0) == pytest.approx(1.2, rel=0.01)
 
 
 def test_itl_correction_step_factor_is_the_models_error_on_the_decode_only_steps():

@@ -3089,6 +3089,7 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
     import asyncio
 
     from core.messages import RejectReason, ServedBy
+    from deployments.errors import APIError
     from deployments.ingress import OpenAIFrontend
 
     def run(verdicts: list[tuple[str, float]], running: int = 2, reroutes: int = 0):
@@ -3100,6 +3101,8 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
         async def first_item(req, waited_ms, t_call):
             sent.append(req.avoid_replicas)
             why, floor = verdicts[len(sent) - 1]
+            if why == "queue_full":  # (Serve's back pressure: the replicas' queues are full)
+                raise APIError(429, "the replicas' queues are full", "server_error", "overloaded")
             sb = ServedBy(f"r{len(sent)}", 1.0, best_ttft_ms=10.0, best_tpot_ms=floor)
             if why == "ok":
                 return req, None, RequestOutput(req.request_id, token_ids=[5], served_by=sb)
@@ -3113,6 +3116,8 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
 
     sent, first = run([("slo_unattainable", 3.0), ("ok", 1.5)])
     assert sent == [(), ("r1",)] and not first.finished and first.served_by.replica == "r2"
+    sent, first = run([("slo_unattainable", 3.0), ("queue_full", 0.0)])  # the second send failed: the first holds
+    assert len(sent) == 2 and first.reject_reason is RejectReason.SLO_UNATTAINABLE and first.served_by.replica == "r1"
     sent, first = run([("slo_unattainable", 3.0), ("tpot_unattainable", 1.5)])
     assert first.reject_reason is RejectReason.TPOT_UNATTAINABLE and len(sent) == 2  # busy: a 429 to retry
     sent, first = run([("slo_unattainable", 2.5), ("slo_unattainable", 3.0)])  # (asked once, however many run)
