@@ -965,7 +965,7 @@ class OpenAIFrontend:
             _note_refusal(first, req)
         if judged is not None and first is not judged[2] and first.reject_reason is RejectReason.SLO_UNATTAINABLE \
                 and _offer(judged[2]) <= _offer(first):
-            return judged  # (both refused it: the 400 offers the lower of their floors)
+            return req, judged[1], judged[2]  # (both refused it: the 400 offers the lower of their floors; sent twice)
         return req, gen, first
 
     async def _first_item_anywhere(self, req: GenerateRequest, waited_ms: float, t_call: float
