@@ -611,15 +611,39 @@ class FunctionCall:
 
 class MistralReader(_MarkedReader):
     """`[TOOL_CALLS]` then a JSON list of calls, or `name[ARGS]{...}` (also `name{...}`), each call after a mark of
-    its own; read at the reply's end."""
+    its own. Streamed, as vLLM's parser streams them: a list's calls each as it is written (`CallList`); a named
+    call's entry once its name is read and its arguments' object opened, then its arguments as they come (as
+    `JsonText` rewrites them). A call whose text never gets that far (arguments as a JSON string, a name that is no
+    function's), and every call read whole, is read at the reply's end; a call sent before its text ended stays a
+    call (cut), as Hermes's."""
 
     START = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a function's name (OpenAI's: letters, digits, _ and -)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._early = ReplyDelta()  # what a call sent while its end was looked for (`_close`), for `_partial`
+        self._list: CallList | None = None  # the list form's calls, as they stream
+        self._args: JsonText | None = None  # the named form's arguments, once its entry is sent
+        self._at = 0  # where in the text after the mark the list's items, or the arguments, start
+        self._seen = 0  # of that text, what the arguments were given
+        self._index = 0  # the named call's index
+        self._before = 0  # the calls read before the list
+        self._later = False  # this mark's text streams no call: read at the reply's end
+
+    def _partial(self, buf: str) -> ReplyDelta:
+        early, self._early = self._early, ReplyDelta()
+        return early
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
+        if not self._whole and not self._later:
+            got = self._stream(buf, last)
+            if got is not None or not last:
+                return got
         if not last:
             return None
-        self._inside, found = False, []
+        self._later, self._inside, found = False, False, []
         for part in buf.split(self.START):
             calls = self._read(part.strip())
             if calls is None:  # not calls: the text stays content
@@ -628,6 +652,77 @@ class MistralReader(_MarkedReader):
             found.extend(calls)
         self._buf = ""
         return self._calls(found)
+
+    def _stream(self, buf: str, last: bool) -> ReplyDelta | None:
+        """Streamed: the calls of this mark's text so far, once it is over (the list's or the arguments' end, or the
+        reply's, a call sent); None while it goes on (what it sent kept for `_partial`), or where it streams no call
+        (`_later`)."""
+        head = buf.lstrip()
+        if self._list is None and self._args is None:
+            if not head:
+                return None
+            if head[0] == "[":
+                self._list, self._at, self._before = CallList(("arguments", "parameters"), ","), \
+                    len(buf) - len(head) + 1, self.calls
+            else:
+                opened = self._open_named(buf)
+                if opened is None:
+                    self._later = "{" in buf  # (a name and what is no object: read at the end)
+                    return None
+                self._early.add(opened)
+        if self._list is not None:
+            return self._stream_list(buf, last)
+        return self._stream_named(buf, last)
+
+    def _open_named(self, buf: str) -> ReplyDelta | None:
+        """`name[ARGS]{` or `name{` read: the call's entry, its arguments so far; None before, or where it is not."""
+        brace = buf.find("{")
+        if brace < 0:
+            return None
+        mark = buf.find(self.ARGS)
+        if 0 <= mark < brace:
+            name, at = buf[:mark], mark + len(self.ARGS)
+            if buf[at:brace].strip():
+                return None
+        else:
+            name = buf[:brace]
+        name = name.strip()
+        if not self._NAME.fullmatch(name):
+            return None
+        self._args, self._at, self._seen = JsonText(), brace, len(buf)
+        entry = self._call(name, self._args.feed(buf[brace:]))
+        self._index = entry["index"]
+        return ReplyDelta(calls=[entry])
+
+    def _stream_named(self, buf: str, last: bool) -> ReplyDelta | None:
+        args = self._args
+        assert args is not None
+        got = self._partial(buf)
+        if args.stop is None and len(buf) > self._seen:
+            delta, self._seen = args.feed(buf[self._seen:]), len(buf)
+            if delta:
+                got.add(ReplyDelta(calls=[{"index": self._index, "function": {"arguments": delta}}]))
+        if args.stop is None and not last:
+            self._early = got
+            return None
+        rest = buf[self._at + args.stop:] if args.stop is not None else ""  # (what follows: content, or a mark)
+        self._args, self._inside, self._buf = None, False, rest
+        return got
+
+    def _stream_list(self, buf: str, last: bool) -> ReplyDelta | None:
+        lst = self._list
+        assert lst is not None
+        got = self._partial(buf).add(ReplyDelta(calls=lst.feed(self, buf[self._at:])))
+        if not lst.stopped and not last:
+            self._early = got
+            return None
+        if self.calls == self._before:  # no call in it (not a list of calls): read at the end
+            self._list, self._later = None, True
+            return None
+        rest = buf[self._at:][lst.pos:] if lst.rest_is_text else ""  # (else a call was cut)
+        rest = rest.lstrip()
+        self._list, self._inside, self._buf = None, False, rest[1:] if rest.startswith("]") else rest
+        return got
 
     def _read(self, part: str) -> list[Call] | None:
         if part.startswith("["):

@@ -41,6 +41,10 @@ CASES = [
     ("mistral", 'Sure[TOOL_CALLS][{"name": "f", "arguments": {"a": 2}}, {"name": "g", "arguments": {}}]', "Sure",
      [("f", {"a": 2}), ("g", {})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 2}[TOOL_CALLS]g{"b": [3]}', None, [("f", {"a": 2}), ("g", {"b": [3]})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, {"b": "]"}]}}]', None,
+     [("f", {"a": [1, {"b": "]"}]})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]"{\\"a\\": 1}"', None, [("f", {"a": 1})]),  # (arguments as JSON text)
+    ("mistral", '[TOOL_CALLS][1, 2]', '[TOOL_CALLS][1, 2]', []),
     ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
     ("mistral", "plain [TOOL", "plain [TOOL", []),
 ]
@@ -78,7 +82,10 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
     for fmt, reply in [("hermes", '<tool_call>\n{"name":"get_weather" , "arguments":{"city":"Z\\u00fcrich",\n'
                                   '  "days":[1,2]}}\n</tool_call>'),
                        ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Zürich", '
-                                       '"days": [1, 2]}}')]:
+                                       '"days": [1, 2]}}'),
+                       ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich", '
+                                   '"days": [1, 2]}}]'),
+                       ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city":"Zürich","days":[1,2]}')]:
         r, sent = model_format_reader(fmt), []
         for k in range(len(reply)):
             sent.extend(r.feed(reply[k]).calls)
@@ -104,6 +111,8 @@ def test_a_call_is_sent_once_its_name_is_read_and_its_arguments_as_they_are_writ
     ("llama3_json", '{"name": "f", "parameters": {"q"', 0, '{"q"'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=q>\n1\n</parameter>\n<parameter=r>", 0, '{"q": 1'),
     ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x"', 33, '{"x"'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"q": "ab', 0, '{"q": "ab'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"q"', 0, '{"q"'),
 ])
 def test_a_call_cut_after_it_was_sent_stays_a_call_as_in_vllm(fmt, reply, whole, sent) -> None:
     """Read whole, a cut call stays text (as vLLM's reply; `whole`: where that text starts, the calls before it
