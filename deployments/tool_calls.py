@@ -644,14 +644,19 @@ class MistralReader(_MarkedReader):
         if not last:
             return None
         self._later, self._inside, found = False, False, []
+        after = ""  # text after calls (as streamed: content)
         for part in buf.split(self.START):
-            calls = self._read(part.strip())
+            calls, rest = self._read(part.strip())
             if calls is None:  # not calls: the text stays content
                 self._buf = self.START + buf
                 return None
             found.extend(calls)
+            after += rest
         self._buf = ""
-        return self._calls(found)
+        got = self._calls(found)
+        if got is not None and after:
+            got.content += self._content(after)
+        return got
 
     def _stream(self, buf: str, last: bool) -> ReplyDelta | None:
         """Streamed: the calls of this mark's text so far, once it is over (the list's or the arguments' end, or the
@@ -724,15 +729,26 @@ class MistralReader(_MarkedReader):
         self._list, self._inside, self._buf = None, False, rest[1:] if rest.startswith("]") else rest
         return got
 
-    def _read(self, part: str) -> list[Call] | None:
+    def _read(self, part: str) -> tuple[list[Call] | None, str]:
+        """The calls a mark's text holds (None: it is no calls), and the text after them."""
         if part.startswith("["):
-            return as_calls(_json(part))
+            value, rest = _json_head(part)
+            return as_calls(value), rest
         name, sep, args = part.partition(self.ARGS)
         if not sep:
             i = part.find("{")
             name, args = (part[:i], part[i:]) if i > 0 else ("", "")
-        value = _json(args)
-        return [(name.strip(), value)] if name.strip() and isinstance(value, (dict, str)) else None
+        value, rest = _json_head(args.strip())
+        return ([(name.strip(), value)] if name.strip() and isinstance(value, (dict, str)) else None), rest
+
+
+def _json_head(text: str) -> tuple[Any, str]:
+    """The JSON value `text` opens with (None where it does not) and the text after it."""
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except ValueError:
+        return None, ""
+    return value, text[end:]
 
 
 class CallList:

@@ -45,6 +45,7 @@ CASES = [
      [("f", {"a": [1, {"b": "]"}]})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]"{\\"a\\": 1}"', None, [("f", {"a": 1})]),  # (arguments as JSON text)
     ("mistral", '[TOOL_CALLS][1, 2]', '[TOOL_CALLS][1, 2]', []),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 2} ok[TOOL_CALLS]g{}', " ok", [("f", {"a": 2}), ("g", {})]),
     ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
     ("mistral", "plain [TOOL", "plain [TOOL", []),
 ]
