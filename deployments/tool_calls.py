@@ -644,14 +644,18 @@ class MistralReader(_MarkedReader):
         if not last:
             return None
         self._later, self._inside, found = False, False, []
-        after = ""  # text after calls (as streamed: content)
-        for part in buf.split(self.START):
-            calls, rest = self._read(part.strip())
+        text, after = buf, ""  # (after: text after calls, content as streamed)
+        while True:  # each mark's calls, then the next mark after their JSON (a mark inside it is its text)
+            calls, rest = self._read(text.strip())
             if calls is None:  # not calls: the text stays content
                 self._buf = self.START + buf
                 return None
             found.extend(calls)
-            after += rest
+            k = rest.find(self.START)
+            if k < 0:
+                after += rest
+                break
+            after, text = after + rest[:k], rest[k + len(self.START):]
         self._buf = ""
         got = self._calls(found)
         if got is not None and after:
@@ -730,14 +734,17 @@ class MistralReader(_MarkedReader):
         return got
 
     def _read(self, part: str) -> tuple[list[Call] | None, str]:
-        """The calls a mark's text holds (None: it is no calls), and the text after them."""
+        """The calls the text after a mark opens with (None: it is no calls), and the text after their JSON."""
         if part.startswith("["):
             value, rest = _json_head(part)
             return as_calls(value), rest
-        name, sep, args = part.partition(self.ARGS)
-        if not sep:
-            i = part.find("{")
-            name, args = (part[:i], part[i:]) if i > 0 else ("", "")
+        brace, mark = part.find("{"), part.find(self.ARGS)
+        if mark >= 0 and (brace < 0 or mark < brace):
+            name, args = part[:mark], part[mark + len(self.ARGS):]
+        elif brace > 0:
+            name, args = part[:brace], part[brace:]
+        else:
+            return None, ""
         value, rest = _json_head(args.strip())
         return ([(name.strip(), value)] if name.strip() and isinstance(value, (dict, str)) else None), rest
 
