@@ -144,6 +144,10 @@ class EngineConfig(BaseModel):
                                                  "no request holds is unloaded (one a request holds never is: while "
                                                  "requests hold them, more may be loaded)")
     max_lora_rank: int = Field(16, gt=0, le=MAX_RANK_LIMIT, description="vLLM's: the largest adapter rank served")
+    lora_load_timeout_s: float = Field(300.0, ge=0, description="an adapter loaded on demand or at run time that has "
+                                       "not loaded within this long (its files unreadable: a hung mount) fails the "
+                                       "requests that wait for it (503: retry), and later loads go to a new loader "
+                                       "thread; 0: wait for it however long")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 

@@ -145,6 +145,7 @@ class LLMEngine:
         self._lora_loader: _Loader | None = None  # where they load (`LoraRegistry`)
         # requests that wait for their adapter's load, by the load (worker-owned)
         self._lora_waiting: dict[tuple[str, LoraSource | None], list[Request]] = {}
+        self._lora_since: dict[tuple[str, LoraSource | None], float] = {}  # when each load began (its deadline's)
         self._observers: list[Callable[[StepEvent], None]] = []
         self._stop = False
         self._stopped = threading.Event()  # set by shutdown (the watchdog's wake-up)
@@ -528,6 +529,8 @@ class LLMEngine:
             while not self._stop:
                 self._turn = (time.monotonic(), limit)  # the watchdog's clock: this turn must end within `limit`
                 self._drain_inbox()
+                if self._lora_since:
+                    self._expire_lora_loads()
                 if not self.scheduler.has_work():
                     if self._inflight is not None:  # its requests all ended (aborted): nothing waits for it
                         self._settle()
@@ -610,6 +613,7 @@ class LLMEngine:
         self._churn += 1
         self.outputs.add(req, stream)
         if not isinstance(lora_id, int):  # its adapter is being loaded: it waits for that load (`_lora_landed`)
+            self._lora_since.setdefault(lora_id, time.monotonic())
             self._lora_waiting.setdefault(lora_id, []).append(req)
             return
         req.lora_id = lora_id
@@ -630,9 +634,10 @@ class LLMEngine:
     def _lora_landed(self, done: LoraLoaded) -> None:
         """An adapter's load has ended (`LoraRegistry`'s loader): the requests that waited for it run through it, or
         each fails with the reason it did not load (those aborted meanwhile have ended already)."""
-        waiting = [r for r in self._lora_waiting.pop(done.key, []) if r.status is not Status.FINISHED]
-        if self.loras is None:
+        if self.loras is None or self.loras.stale(done):  # (one past its deadline: its requests failed already)
             return
+        waiting = [r for r in self._lora_waiting.pop(done.key, []) if r.status is not Status.FINISHED]
+        self._lora_since.pop(done.key, None)
         try:
             lora_id = self.loras.installed(done)
         except LoraError as e:
@@ -642,6 +647,25 @@ class LLMEngine:
         for r in waiting:
             r.lora_id = self.loras.hold(lora_id)
             self._take_or_park(r)
+
+    def _expire_lora_loads(self) -> None:
+        """Loads past `lora_load_timeout_s` (files that cannot be read: a hung mount) fail the requests waiting for
+        them (503: a retry loads again); the loader goes on with later loads on a new thread, the stuck read left
+        to end on its own (what it brings then is dropped: `LoraRegistry.stale`)."""
+        limit = self.config.lora_load_timeout_s
+        if not limit or self.loras is None or self._lora_loader is None:
+            return
+        now = time.monotonic()
+        for key in [k for k, t0 in self._lora_since.items() if now - t0 > limit]:
+            del self._lora_since[key]
+            self.loras.forget(key)
+            self._lora_loader.restart()
+            why = (f"LoRA adapter {key[0]!r} did not load within {limit:g} s (lora_load_timeout_s): its files could "
+                   "not be read in time; retry later")
+            log.error("%s", why)
+            for r in self._lora_waiting.pop(key, []):
+                if r.status is not Status.FINISHED:
+                    self._finish(r, FinishReason.ERROR, error=why, error_kind=ErrorKind.UNAVAILABLE)
 
     def _new_scheduler(self, config: SchedulerConfig, predictor: LatencyModel | None) -> Scheduler:
         b = self.bundle
@@ -1064,16 +1088,34 @@ class _Loader:
         if self._closed:  # (the engine stopped: its requests end with it)
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kairos-lora-load", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(self._jobs,), name="kairos-lora-load",
+                                            daemon=True)
             self._thread.start()
         self._jobs.put(job)
 
-    def _run(self) -> None:
+    def restart(self) -> None:
+        """The job running is stuck past its deadline (`LLMEngine._expire_lora_loads`): the jobs queued behind it,
+        and later ones, run on a new thread; the stuck one ends after its job."""
+        old, self._jobs, self._thread = self._jobs, queue.SimpleQueue(), None
+        queued = []
+        while True:
+            try:
+                job = old.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                queued.append(job)
+        old.put(None)
+        for job in queued:
+            self.submit(job)
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
             pass
-        while (job := self._jobs.get()) is not None:
+        while (job := jobs.get()) is not None:
             job()
 
     def close(self, timeout: float) -> None:

@@ -494,6 +494,7 @@ class LoraLoaded:
     key: tuple[str, LoraSource | None]
     adapter: LoraAdapter | None
     error: LoraError | None = None
+    load_id: int = 0  # the load's own id (`LoraRegistry.stale`: one past its deadline that ended late)
 
 
 class LoraRegistry:
@@ -525,7 +526,7 @@ class LoraRegistry:
         self._static: set[int] = set()  # the ids of lora_modules' loads (never unloaded as idle)
         self._holders: dict[int, int] = {}  # requests in the engine per adapter id
         self._idle: dict[int, str] = {}  # evictable adapters no request holds, least recently released first
-        self._pending: set[tuple[str, LoraSource | None]] = set()  # loads on the loader
+        self._pending: dict[tuple[str, LoraSource | None], int] = {}  # loads on the loader, and each one's id
         self._next = 1
         for name, path in static.items():
             self._install(self.decoder.build_lora(LoraSpec(name, path), self._take_id(), self.max_rank), None,
@@ -593,7 +594,7 @@ class LoraRegistry:
                 raise LoraError(f"no LoRA adapter named {name!r} is served here")
             spec, i = LoraSpec(name, str(path)), self._take_id()
             if self.loader is not None:
-                self._pending.add(key)
+                self._pending[key] = i
                 self.loader(lambda: self._post(self._build(key, spec, i)))
                 return key
             got = self._build(key, spec, i)
@@ -605,17 +606,28 @@ class LoraRegistry:
     def _build(self, key: tuple[str, LoraSource | None], spec: LoraSpec, i: int) -> LoraLoaded:
         """(On the loader, or the worker without one.) The adapter built, or the reason it was not."""
         try:
-            return LoraLoaded(key, self.decoder.build_lora(spec, i, self.max_rank))
+            return LoraLoaded(key, self.decoder.build_lora(spec, i, self.max_rank), load_id=i)
         except LoraError as e:
-            return LoraLoaded(key, None, e)
+            return LoraLoaded(key, None, e, i)
         except Exception as e:  # noqa: BLE001 - a folder being written, a file torch cannot read: its requests'
-            return LoraLoaded(key, None, LoraError(f"LoRA adapter {spec.name!r} did not load from {spec.path}: {e}"))
+            return LoraLoaded(key, None, LoraError(f"LoRA adapter {spec.name!r} did not load from {spec.path}: {e}"),
+                              i)
+
+    def stale(self, done: LoraLoaded) -> bool:
+        """Whether a finished load is one `forget` gave up on (past its deadline): dropped, its requests failed
+        already; those that named the adapter since wait for a load of their own."""
+        return self._pending.get(done.key) != done.load_id
+
+    def forget(self, key: tuple[str, LoraSource | None]) -> None:
+        """(On the worker.) A load past its deadline: requests that name the adapter from now on start another
+        (what the stuck one brings, if it ends, is dropped: `stale`)."""
+        self._pending.pop(key, None)
 
     def installed(self, done: LoraLoaded) -> int:
         """(On the worker.) Serve a load the loader finished: the id the requests that waited for it run through
         (`hold` each; none left: it stays idle), or its LoraError. A later load of the name that landed meanwhile
         serves them instead."""
-        self._pending.discard(done.key)
+        self._pending.pop(done.key, None)
         if done.error is not None:
             raise done.error
         name, source = done.key

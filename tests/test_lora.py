@@ -501,3 +501,39 @@ def test_the_registry_serves_the_latest_load_and_unloads_what_no_request_holds(t
     jobs[-1]()
     other = reg.installed(done[-1])
     assert set(reg.decoder.loras) == {other} and reg.loaded == ["y"]  # past max_loras 1: the idle one went
+
+
+def test_an_adapter_whose_files_hang_fails_its_requests_at_its_deadline_and_later_loads_go_on(tiny_checkpoints,
+                                                                                              adapters, tmp_path):
+    """lora_load_timeout_s: a load stuck reading its files (a hung mount) fails the requests waiting for it as
+    unavailable (503: retry) at its deadline, not never; a request after it loads the adapter again on a new loader
+    thread and is served; what the stuck read brings when it ends is dropped."""
+    import shutil
+    import threading
+
+    from core.messages import ErrorKind
+
+    base = tiny_checkpoints["llama"]
+    root = tmp_path / "adapters"
+    shutil.copytree(adapters["llama"]["a"], root / "a")
+    eng = _engine(base, {}, dynamic_lora_loading_path=str(root), lora_load_timeout_s=0.5)
+    try:
+        decoder = eng.run_idle(lambda e: e.loras.decoder)
+        build, hung, calls = decoder.build_lora, threading.Event(), []
+
+        def stuck_once(*args, **kw):
+            calls.append(threading.current_thread().ident)
+            if len(calls) == 1:
+                hung.wait(30)  # (the first read hangs)
+            return build(*args, **kw)
+
+        decoder.build_lora = stuck_once
+        items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="a"))
+        assert items[-1].error_kind is ErrorKind.UNAVAILABLE and "lora_load_timeout_s" in items[-1].error
+        want = _peft_greedy(base, adapters["llama"]["a"], PROMPTS[:1], [4])
+        assert _run(eng, [(PROMPTS[0], 4, "a")]) == want  # loaded again, on a new thread
+        assert len(calls) == 2 and calls[0] != calls[1]
+        hung.set()  # the stuck read ends: dropped, nothing breaks
+        assert _run(eng, [(PROMPTS[0], 4, "a")]) == want and eng.is_alive()
+    finally:
+        eng.shutdown()
