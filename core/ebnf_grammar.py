@@ -22,7 +22,8 @@ alternatives (a rule called last in its alternative leaves no place: repetition 
 rule's alternatives that begin alike are taken as one until they differ (a list of words is a tree of letters), so
 that an ambiguity that ends keeps no parses apart; the steps taken are cached per grammar, as the regex automaton's
 are. A repetition of what may be empty is held (its paths meet again and stop); left recursion is rewritten first.
-An ambiguous grammar's state keeps its shallowest parses, MAX_PLACES places in all: each goes on to a text of it.
+An ambiguous grammar's state keeps its shallowest parses (MAX_KEPT, MAX_PLACES places in all): each goes on to a
+text of it, though not every text of it may still follow (the reply stays one of its texts).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ MAX_PARSES = 16_384  # the parses a state keeps (an ambiguous grammar's), the fi
 # kept: an ambiguous grammar (`a ::= "x" a a | ""`) holds a parse per depth the text could have reached, and without
 # a bound a step of a reply thousands of characters deep would cost millions of copies (the engine's thread, for every
 # token a guided row checks); each parse kept still goes on to a text of the grammar
-MAX_PLACES = 8_192
+MAX_PLACES = 4_096
+MAX_KEPT = 256  # and the parses it keeps (the guided rows' token checks step each one's stack)
 _CACHE_PLACES = 2_000_000  # the places the states the steps kept hold in all, per grammar, before it starts over
 _CACHE_STEPS = 1_000_000  # and the steps kept
 
@@ -519,13 +521,13 @@ class Grammar:
                     break  # (a text nested this deep is not followed)
                 todo += [rest + ((b, 0),) for b in self.rules[v]]  # type: ignore[index]
                 break
-        if sum(map(len, out)) > MAX_PLACES:  # (an ambiguous grammar's parses, as deep as the text: the shallowest)
+        if len(out) > MAX_KEPT or sum(map(len, out)) > MAX_PLACES:  # (an ambiguous grammar's: the shallowest)
             kept, places = [], 0
             for stack in sorted(out, key=len):
                 places += len(stack)
-                if places > MAX_PLACES:
+                if kept and (places > MAX_PLACES or len(kept) == MAX_KEPT):
                     break
-                kept.append(stack)
+                kept.append(stack)  # (the shallowest at least, however deep: a text nested MAX_STACK deep)
             return frozenset(kept)
         return frozenset(out)
 

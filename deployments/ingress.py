@@ -952,7 +952,10 @@ class OpenAIFrontend:
                 reroutes -= 1
             else:
                 break
-            if (again := _resent(req, waited_ms, t_call, sb.replica)) is None:
+            # (a second opinion is asked whatever is left of the TTFT SLO: the other replica judges the SLO, not the
+            # time left, and a request it would serve when idle is a 429 to retry there, not a 400)
+            if (again := _resent(req, waited_ms, t_call, sb.replica, any_time=judged is not None
+                                 and first is judged[2])) is None:
                 break
             if len(set(again.avoid_replicas)) >= (self._running_replicas() or 0) > 0:
                 break  # every replica running turned it away (an autoscaled app with its fewest)
@@ -1492,11 +1495,13 @@ def _engine_lost(item: RequestOutput) -> bool:
     return item.finish_reason is FinishReason.ERROR and item.error_kind is ErrorKind.UNAVAILABLE
 
 
-def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | None = None) -> GenerateRequest | None:
+def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | None = None,
+            any_time: bool = False) -> GenerateRequest | None:
     """`req` to send again: the time it spent (`waited_ms` before `t_call`, and since) taken off its TTFT SLO, and
-    replica `avoid` (one that turned it away or failed) added to those it avoids; None once its TTFT SLO ran out."""
+    replica `avoid` (one that turned it away or failed) added to those it avoids; None once its TTFT SLO ran out
+    (unless `any_time`: a second opinion on an SLO judged unattainable)."""
     spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
-    if req.slo.ttft_ms is not None and spent_ms >= req.slo.ttft_ms:
+    if req.slo.ttft_ms is not None and spent_ms >= req.slo.ttft_ms and not any_time:
         return None
     return dataclasses.replace(req, waited_ms=spent_ms,
                                avoid_replicas=(*req.avoid_replicas, avoid) if avoid else req.avoid_replicas)

@@ -250,17 +250,18 @@ def test_a_deep_chain_of_rules_is_checked_whole():
 
 
 @pytest.mark.parametrize("grammar", ['root ::= "a" root root | ""', 'root ::= root root | "a"',
-                                     'e ::= e "+" e | "(" e ")" | "1"\nroot ::= e'])
+                                     'e ::= e "+" e | "(" e ")" | "1"\nroot ::= e',
+                                     'root ::= root root | root " " root | [ -~]'])
 def test_an_ambiguous_grammar_keeps_its_shallowest_parses_within_a_bound(grammar):
     """A parse per depth the text could have reached (an ambiguous grammar, right- or left-recursive) would make a
-    step of a long reply cost millions of copies: a state keeps its shallowest parses up to MAX_PLACES places in
-    all, each still going on to a text of the grammar, so the reply goes on and may end."""
-    from core.ebnf_grammar import MAX_PLACES
+    step of a long reply cost millions of copies: a state keeps its shallowest parses, MAX_KEPT of them and
+    MAX_PLACES places in all, each still going on to a text of the grammar, so the reply goes on and may end."""
+    from core.ebnf_grammar import MAX_KEPT, MAX_PLACES
 
     g = compile_grammar(grammar)
     text = "1+" * 1000 + "1" if grammar.startswith("e") else "a" * 2000
     states = [g.start]
     for ch in text:
         states.append(g.step(states[-1], ch))
-        assert states[-1] is not None and sum(map(len, states[-1])) <= MAX_PLACES
+        assert states[-1] is not None and sum(map(len, states[-1])) <= MAX_PLACES and len(states[-1]) <= MAX_KEPT
     assert g.accepts(states[-1])

@@ -3092,7 +3092,7 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
     from deployments.errors import APIError
     from deployments.ingress import OpenAIFrontend
 
-    def run(verdicts: list[tuple[str, float]], running: int = 2, reroutes: int = 0):
+    def run(verdicts: list[tuple[str, float]], running: int = 2, reroutes: int = 0, slo: SLO = SLO(tpot_ms=2.0)):
         sent: list[tuple[str, ...]] = []
         me = object.__new__(OpenAIFrontend)
         me.reroutes, me.second_opinion = reroutes, True
@@ -3110,8 +3110,7 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
                                             reject_reason=RejectReason(why), served_by=sb)
 
         me._first_item_anywhere = first_item
-        _, _, first = asyncio.run(me._start(GenerateRequest("x", prompt=(1,), slo=SLO(tpot_ms=2.0)),
-                                            time.perf_counter()))
+        _, _, first = asyncio.run(me._start(GenerateRequest("x", prompt=(1,), slo=slo), time.perf_counter()))
         return sent, first
 
     sent, first = run([("slo_unattainable", 3.0), ("ok", 1.5)])
@@ -3126,6 +3125,9 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
     assert len(sent) == 2 and first.served_by.replica == "r2"
     sent, _ = run([("slo_unattainable", 3.0)], running=1)
     assert sent == [()]
+    # asked whatever is left of its TTFT SLO (the other replica judges the SLO: one it meets idle is busy, a 429)
+    sent, first = run([("slo_unattainable", 3.0), ("ttft_unattainable", 1.5)], slo=SLO(ttft_ms=1e-6))
+    assert len(sent) == 2 and first.reject_reason is RejectReason.TTFT_UNATTAINABLE
 
 
 def test_an_autoscaled_apps_replicas_split_the_ingress_chunk_budget_over_those_running() -> None:
