@@ -378,8 +378,9 @@ class Grammar:
                 # write one twice)
                 done = list(dict.fromkeys(reversed(done)))
                 own = [alt[1:] for alt in done if alt and alt[0] == ("r", r)]
-                if not own:
-                    self.rules[r] = [self._new_alt(list(alt)) for alt in done]
+                if not own:  # (those written as they were keep their place: no elements counted twice)
+                    kept = {self.alts[a]: a for a in self.rules[r]}
+                    self.rules[r] = [kept[alt] if alt in kept else self._new_alt(list(alt)) for alt in done]
                     continue
                 rest = self._rule()  # A' ::= a1 A' | ... | (nothing): A' last in its alternative
                 self.rules[rest] = [self._new_alt([*a, ("r", rest)]) for a in own if a] + [self._new_alt([])]

@@ -942,7 +942,8 @@ class OpenAIFrontend:
             sb = first.served_by
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
                 break
-            if first.reject_reason is RejectReason.SLO_UNATTAINABLE:
+            opinion = first.reject_reason is RejectReason.SLO_UNATTAINABLE
+            if opinion:
                 # a replica's idle floor is drawn from what its own steps measured (a replica just started, one on
                 # a slower or busier host): another replica is asked once before the client hears no replica can
                 if asked:
@@ -954,15 +955,14 @@ class OpenAIFrontend:
                 break
             # (a second opinion is asked whatever is left of the TTFT SLO: the other replica judges the SLO, not the
             # time left, and a request it would serve when idle is a 429 to retry there, not a 400)
-            if (again := _resent(req, waited_ms, t_call, sb.replica, any_time=judged is not None
-                                 and first is judged[2])) is None:
+            if (again := _resent(req, waited_ms, t_call, sb.replica, any_time=opinion)) is None:
                 break
             if len(set(again.avoid_replicas)) >= (self._running_replicas() or 0) > 0:
                 break  # every replica running turned it away (an autoscaled app with its fewest)
             try:
                 req, gen, first = await self._first_item_anywhere(again, waited_ms, t_call)
             except APIError:
-                if judged is not None and first is judged[2]:  # (the second opinion failed: the first verdict holds)
+                if opinion and judged is not None:  # (the second opinion failed: the first verdict holds)
                     return judged
                 raise
             _note_refusal(first, req)

@@ -424,6 +424,7 @@ class _MarkedReader(ToolCallReader):
         super().__init__()
         self._buf = ""
         self._inside = False
+        self._early = ReplyDelta()  # what a call sent while its end was looked for (`_close`), for `_partial`
 
     def feed(self, text: str) -> ReplyDelta:
         self._buf += text
@@ -462,9 +463,10 @@ class _MarkedReader(ToolCallReader):
         raise NotImplementedError
 
     def _partial(self, buf: str) -> ReplyDelta:
-        """What a call not yet whole (`buf`: its text so far) says already (read whole, what `_close` found while
-        it looked for the call's end): nothing, unless the format streams."""
-        return ReplyDelta()
+        """What a call not yet whole (`buf`: its text so far) says already: what a format that streams sent while
+        `_close` looked for the call's end (kept in `_early`)."""
+        early, self._early = self._early, ReplyDelta()
+        return early
 
 
 class HermesReader(_MarkedReader):
@@ -478,14 +480,9 @@ class HermesReader(_MarkedReader):
     def __init__(self) -> None:
         super().__init__()
         self._open: ObjectCall | FunctionCall | None = None  # the call being read
-        self._early = ReplyDelta()  # what it sent while its end was looked for (`_close`), for `_partial`
 
     def _streamed(self) -> "ObjectCall | FunctionCall":
         return ObjectCall(("arguments", "parameters"))
-
-    def _partial(self, buf: str) -> ReplyDelta:
-        early, self._early = self._early, ReplyDelta()
-        return early
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         if self._open is None:
@@ -623,7 +620,6 @@ class MistralReader(_MarkedReader):
 
     def __init__(self) -> None:
         super().__init__()
-        self._early = ReplyDelta()  # what a call sent while its end was looked for (`_close`), for `_partial`
         self._list: CallList | None = None  # the list form's calls, as they stream
         self._args: JsonText | None = None  # the named form's arguments, once its entry is sent
         self._at = 0  # where in the text after the mark the list's items, or the arguments, start
@@ -631,10 +627,6 @@ class MistralReader(_MarkedReader):
         self._index = 0  # the named call's index
         self._before = 0  # the calls read before the list
         self._later = False  # this mark's text streams no call: read at the reply's end
-
-    def _partial(self, buf: str) -> ReplyDelta:
-        early, self._early = self._early, ReplyDelta()
-        return early
 
     def _close(self, buf: str, last: bool) -> ReplyDelta | None:
         if not self._whole and not self._later:
