@@ -75,13 +75,13 @@ def _load_stall(eng, prompts: list[list[int]], adapter: str, steps: int, on_work
     try:
         sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         streams = [eng.add_request(p, sp) for p in prompts]
-        first = iter(streams[0])
-        made = []
-        while len(made) < min(8, steps // 4):
-            made += next(first).token_ids
+        first, seen, made = iter(streams[0]), None, 0
+        while made < min(8, steps // 4) and (seen is None or not seen.finished):
+            seen = next(first)  # (a step's tokens may come in one output, the last one too)
+            made += len(seen.token_ids)
         lora = eng.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                                lora=f"m:{adapter}")
-        finals = [list(s)[-1] for s in [first, *streams[1:]]]
+        finals = [([seen] + list(first))[-1]] + [list(s)[-1] for s in streams[1:]]
         list(lora)
     finally:
         eng.run_idle(lambda e: setattr(e.loras, "loader", loader))
