@@ -31,7 +31,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm,
+from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm, cuts,
                                 strong_components)
 
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
@@ -565,6 +565,10 @@ class Grammar:
         self._steps.clear()
         self._states.clear()
         self._held = 0
+
+    def samples(self, state: State, lo: int, hi: int) -> list[int]:
+        """Code points `lo`..`hi` that stand for all of them at `state` (`regex_grammar.cuts`), as `Regex.samples`."""
+        return cuts((self.alts[s[-1][0]][s[-1][1]][1] for s in state if s), lo, hi)  # type: ignore[misc]
 
     def accepts(self, state: State) -> bool:
         return () in state

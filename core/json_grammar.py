@@ -30,7 +30,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from core.regex_grammar import Regex, compile_regex
+from core.regex_grammar import _TOP, Regex, compile_regex
 
 MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
@@ -372,8 +372,8 @@ def _one_more(limits: tuple | None, ch: str) -> tuple | None:
             limits = _take(limits, waiting)
             if limits is None:
                 return None
-    elif "\ud800" <= ch <= "\udbff":
-        return limits[:5] + (ch,)
+    elif "\ud800" <= ch <= "\udbff":  # (where a character its pair writes may come)
+        return limits[:5] + (ch,) if _string_may_take(limits, ord(ch), ord(ch)) else None
     return _take(limits, ch)
 
 
@@ -512,14 +512,57 @@ def _key_char(stack: tuple, ch: str) -> State | None:
         if text in obj[2] or (closed and text not in props):  # (a key twice, or one the object does not take)
             return None
         return (stack[:-2] + (("o", obj[1], obj[2] | {text}, text),), COLON, None, 0)
-    if ch == "\\":
-        return None if closed else (stack, ESCAPE, None, 0)
+    if ch == "\\":  # (an escape may write any character: where some key goes on)
+        return (stack, ESCAPE, None, 0) if _key_can_take(stack, 0, _TOP) else None
     if ch < " ":
         return None
+    return _key_more(stack, ch)
+
+
+def _key_more(stack: tuple, ch: str) -> State | None:
+    """The key's text one character `ch` longer (written, or an escape's), where a key of its object begins so."""
+    (_, text), obj = stack[-1], stack[-2]
+    props, closed, _ = _object(obj)
     text += ch
     if closed and not any(k.startswith(text) and k not in obj[2] for k in props):
         return None
     return (stack[:-1] + (("k", text),), STRING, None, 0)
+
+
+def _key_can_take(stack: tuple, lo: int, hi: int) -> bool:
+    """Whether a character of code points `lo`..`hi` may come next in the key being read (a closed object's: the
+    next character of a key of it not written yet)."""
+    (_, text), obj = stack[-1], stack[-2]
+    props, closed, _ = _object(obj)
+    if not closed:
+        return True
+    n = len(text)
+    return any(len(k) > n and k.startswith(text) and k not in obj[2] and lo <= ord(k[n]) <= hi for k in props)
+
+
+def _string_may_take(limits: tuple | None, lo: int, hi: int) -> bool:
+    """Whether a character of code points `lo`..`hi` (written, or an escape's) may come next in a string of
+    `limits` (`_one_more`'s; None: any string): within its maxLength, where its pattern may go on with one of them
+    (a high surrogate: a character above U+FFFF to come, escaped as a pair)."""
+    if limits is None:
+        return True
+    waiting = limits[5]
+    if waiting is not None:  # a high surrogate waits: its low half, or it alone and then the character
+        base = 0x10000 + ((ord(waiting) - 0xD800) << 10) - 0xDC00
+        a, b = max(lo, 0xDC00), min(hi, 0xDFFF)
+        if a <= b and _string_may_take(limits[:5] + (None,), base + a, base + b):
+            return True
+        alone = _take(limits, waiting)
+        return alone is not None and _string_may_take(alone, lo, hi)
+    count, _, most, rx, at, _ = limits
+    if most is not None and count >= most:
+        return False
+    if rx is None:
+        return True
+    a, b = max(lo, 0xD800), min(hi, 0xDBFF)  # high surrogates: the characters their pairs write
+    if a <= b and _string_may_take(limits, 0x10000 + ((a - 0xD800) << 10), 0x10000 + ((b - 0xD800) << 10) + 0x3FF):
+        return True
+    return any(_take(limits, chr(c)) is not None for c in rx.samples(at, lo, hi) if not 0xD800 <= c <= 0xDFFF)
 
 
 def step(state: State, ch: str) -> State | None:
@@ -538,8 +581,8 @@ def step(state: State, ch: str) -> State | None:
             return _after_value(stack) if sub is None or _string_may_end(sub) else None
         if ch < " " or sub is not None and sub[2] is not None and sub[0] >= sub[2]:  # (maxLength)
             return None  # (a control character must be escaped)
-        if ch == "\\":
-            return (stack, ESCAPE, sub, 0)
+        if ch == "\\":  # (an escape may write any character: where one may come)
+            return (stack, ESCAPE, sub, 0) if _string_may_take(sub, 0, _TOP) else None
         if sub is None:
             return state
         more = _one_more(sub, ch)
@@ -549,15 +592,24 @@ def step(state: State, ch: str) -> State | None:
             return (stack, UNICODE, (4, sub, ""), 0)
         if ch not in _ESCAPES:
             return None
+        if stack and stack[-1][0] == "k":
+            return _key_more(stack, _ESCAPES[ch])
         more = _one_more(sub, _ESCAPES[ch])
         return None if more is None and sub is not None else (stack, STRING, more, 0)
     if mode == UNICODE:
         if ch not in _HEX:
             return None
         left, limits, digits = sub
-        if left > 1:
-            return (stack, UNICODE, (left - 1, limits, digits + ch), 0)
-        more = _one_more(limits, chr(int(digits + ch, 16)))
+        digits += ch
+        key = bool(stack) and stack[-1][0] == "k"
+        if left > 1:  # the characters its digits may still write: one of them must be able to come
+            lo, hi = int(digits + "0" * (left - 1), 16), int(digits + "f" * (left - 1), 16)
+            if not (_key_can_take(stack, lo, hi) if key else _string_may_take(limits, lo, hi)):
+                return None
+            return (stack, UNICODE, (left - 1, limits, digits), 0)
+        if key:
+            return _key_more(stack, chr(int(digits, 16)))
+        more = _one_more(limits, chr(int(digits, 16)))
         return None if more is None and limits is not None else (stack, STRING, more, 0)
     if mode == LITERAL:
         if ch != sub[0]:
@@ -652,6 +704,95 @@ def advance(state: State, text: str) -> State | None:
         if state is None:
             return None
     return state
+
+
+def can_take(state: State, lo: int, hi: int) -> bool:
+    """Whether some character of code points `lo`..`hi` may come next: one whose first bytes a token wrote (its
+    UTF-8 split between tokens: `feed`) can still be completed to fit."""
+    if lo < 0x80:  # (ASCII: each tried)
+        if any(step(state, chr(c)) is not None for c in range(lo, min(hi, 0x7F) + 1)):
+            return True
+        lo = 0x80
+        if lo > hi:
+            return False
+    stack, mode, sub = state[0], state[1], state[2]
+    if mode == THINK:
+        stage, text, then = sub
+        if stage == "in":
+            return True
+        if stage == "start" and text:  # (what it wrote is the format's, once a character no `<think>` has follows)
+            then = advance(then, text)
+        return then is not None and can_take(then, lo, hi)
+    if mode == PATTERN:
+        rx, at = sub
+        return any(rx.step(at, chr(c)) is not None for c in rx.samples(at, lo, hi) if not 0xD800 <= c <= 0xDFFF)
+    if mode == STRING:
+        if stack and stack[-1][0] == "k":
+            return _key_can_take(stack, lo, hi)
+        return _string_may_take(sub, lo, hi)
+    if mode == CHOICE:
+        texts, written = sub
+        n = len(written)
+        return any(len(t) > n and t.startswith(written) and lo <= ord(t[n]) <= hi for t in texts)
+    return False  # the rest of JSON takes ASCII alone
+
+
+def utf8_span(head: bytes) -> tuple[int, int] | None:
+    """The code points of the characters whose UTF-8 begins with `head` (one to three bytes, fewer than the
+    character's), or None where no character's does (a stray continuation byte, an overlong form, a surrogate,
+    beyond U+10FFFF, or a whole character)."""
+    lead = head[0]
+    need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 0
+    if not need or len(head) >= need or any(b >> 6 != 0b10 for b in head[1:]):
+        return None
+    bits = lead & (0x7F >> need)
+    for b in head[1:]:
+        bits = bits << 6 | (b & 0x3F)
+    left = 6 * (need - len(head))
+    lo, hi = max(bits << left, (0x80, 0x800, 0x10000)[need - 2]), min(bits << left | ((1 << left) - 1), _TOP)
+    if lo <= 0xDFFF and hi >= 0xD800:  # (only U+D000..U+DFFF's lead reaches them, at its end)
+        if lo >= 0xD800:
+            return None
+        hi = 0xD7FF
+    return (lo, hi) if lo <= hi else None
+
+
+def _whole(buf: bytes) -> int:
+    """How many bytes of `buf` its whole characters take: all, or up to where a last character begins that its bytes
+    do not yet finish (its UTF-8 not checked here)."""
+    n, i = len(buf), len(buf) - 1
+    while i >= 0 and n - i < 4 and buf[i] >> 6 == 0b10:
+        i -= 1
+    if i < 0:
+        return n
+    lead = buf[i]
+    need = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
+    return i if n - i < need else n
+
+
+def feed(state: State, pending: bytes, data: bytes) -> tuple[State, bytes] | None:
+    """The state after a token's bytes `data`, with `pending` the first bytes of a character a token before began:
+    (the state after the whole characters, the bytes of a last character they begin and do not finish), or None
+    where they cannot come next (not UTF-8, a character that cannot, or the first bytes of none that can). A token
+    of no bytes is None (`advance`'s empty text)."""
+    if not data:
+        return None
+    buf = pending + data if pending else data
+    end = _whole(buf)
+    if end:
+        try:
+            text = buf[:end].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        state = advance(state, text)  # type: ignore[assignment]
+        if state is None:
+            return None
+    rest = buf[end:]
+    if rest:
+        span = utf8_span(rest)
+        if span is None or not can_take(state, *span):
+            return None
+    return state, rest
 
 
 def complete(state: State) -> bool:

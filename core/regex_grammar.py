@@ -115,6 +115,20 @@ _ASCII_DIGITS = frozenset("0123456789")
 _INF = float("inf")
 
 
+def cuts(classes: Iterable[Ranges], lo: int, hi: int) -> list[int]:
+    """Characters of code points `lo`..`hi` that stand for all of them before the character classes `classes`: the
+    first of each run of that span that every class either holds whole or not at all (a step on one of them goes
+    where a step on any other of its run goes). For a character begun in bytes, whose first bytes fix such a span."""
+    out = {lo}
+    for ranges in classes:
+        for a, b in ranges:
+            if b >= lo and a <= hi:
+                out.add(max(a, lo))
+                if b < hi:
+                    out.add(b + 1)
+    return sorted(out)
+
+
 def _number(text: str) -> bool:
     return bool(text) and all(c in _ASCII_DIGITS for c in text)
 
@@ -522,6 +536,12 @@ class Regex:
                 res = held
         self._steps[key] = res
         return res
+
+    def samples(self, states: frozenset[int], lo: int, hi: int) -> list[int]:
+        """Code points `lo`..`hi` that stand for all of them at `states` (`cuts`): a step on each says whether some
+        character of the span can come next, and where each can go."""
+        n = len(self.nodes)
+        return cuts((self.nodes[s].ranges for s in states if s < n and self.nodes[s].kind == _CHAR), lo, hi)
 
     def accepts(self, states: frozenset[int]) -> bool:
         n = len(self.nodes)

@@ -1,6 +1,8 @@
 """Incremental detokenization: exact for multi-byte UTF-8 split across tokens, linear in output length."""
 from __future__ import annotations
 
+import json
+
 from tokenizers.decoders import DecodeStream
 
 
@@ -28,6 +30,86 @@ class TokenTexts:
                     text = " " * missing + text
             self._texts[token_id] = text
         return text
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's pieces (GPT-2's, Llama 3's, Qwen's): each byte stands as a printable character, those of
+    printable Latin-1 as themselves and the rest from U+0100 up, in byte order. Character -> its byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shown, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            shown[chr(b)] = b
+        else:
+            shown[chr(256 + extra)] = b
+            extra += 1
+    return shown
+
+
+_BYTE_OF = _byte_alphabet()
+
+
+def _decoder_kinds(hf_tokenizer) -> set[str]:
+    """The kinds of the tokenizer's decoders (a Sequence's parts too), from its backend's JSON; empty where it has
+    none to read (a slow tokenizer)."""
+    try:
+        spec = json.loads(hf_tokenizer.backend_tokenizer.to_str()).get("decoder")
+    except Exception:  # noqa: BLE001 - no backend tokenizer: no decoder known
+        return set()
+    kinds, todo = set(), [spec]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            kinds.add(d.get("type"))
+            todo.extend(d.get("decoders") or ())
+    return kinds
+
+
+class TokenBytes:
+    """Each token's bytes, for guided decoding (`core.json_grammar.feed`): a character's UTF-8 may be split between
+    tokens, whose texts alone say only U+FFFD. A byte-level BPE's piece mapped back to its bytes, a SentencePiece
+    byte piece (`<0xE6>`) as its byte, an added token as its text's UTF-8 (a special one as none: it writes no
+    text), and any other token as its text's UTF-8 (`TokenTexts`), or as none where that text holds a U+FFFD its
+    piece does not (bytes this class cannot know: the token never fits). Cached by id. Called with an id."""
+
+    __slots__ = ("_hf", "_texts", "_bytes", "_byte_level", "_byte_pieces", "_special", "_added")
+
+    def __init__(self, hf_tokenizer) -> None:
+        self._hf = hf_tokenizer
+        self._texts = TokenTexts(hf_tokenizer, skip_special_tokens=True)
+        self._bytes: dict[int, bytes] = {}
+        kinds = _decoder_kinds(hf_tokenizer)
+        self._byte_level = "ByteLevel" in kinds
+        self._byte_pieces = "ByteFallback" in kinds
+        added = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+        self._special = {i for i, t in added.items() if getattr(t, "special", False)} \
+            | set(getattr(hf_tokenizer, "all_special_ids", None) or ())
+        self._added = {i: str(getattr(t, "content", t)) for i, t in added.items()}
+
+    def __call__(self, token_id: int) -> bytes:
+        got = self._bytes.get(token_id)
+        if got is None:
+            got = self._bytes[token_id] = self._of(token_id)
+        return got
+
+    def _of(self, token_id: int) -> bytes:
+        if token_id in self._special:
+            return b""
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = self._hf.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and piece:
+            if self._byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+            if self._byte_pieces and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        text = self._texts(token_id)
+        if "\ufffd" in text and not (isinstance(piece, str) and "\ufffd" in piece):
+            return b""
+        return text.encode("utf-8")
 
 
 class IncrementalDetokenizer:

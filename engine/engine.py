@@ -36,7 +36,7 @@ from engine.config import EngineConfig, for_device, reconfigured, with_overrides
 from engine.errors import EngineDeadError, EngineHungError
 from engine.decoder import build_decoder
 from engine.lora import LoraError, LoraLoaded, LoraRegistry
-from engine.detokenizer import TokenTexts
+from engine.detokenizer import TokenBytes
 from engine.host_stream import HostStream, Pending
 from engine.inputs import InputProcessor, Prompt
 from engine.kv_cache import (KVCache, KVCacheSpec, cache_spec, check_blocks, configured_blocks, cuda_cache_blocks,
@@ -221,7 +221,7 @@ class LLMEngine:
             self.loras = LoraRegistry(decoder, config.lora_paths(), config.dynamic_lora_loading_path,
                                       config.max_loras, config.max_lora_rank, self._lora_loader.submit, self._post)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
-        self.sampler.token_text = TokenTexts(b.tokenizer, skip_special_tokens=True)  # what JSON mode checks
+        self.sampler.token_bytes = TokenBytes(b.tokenizer)  # what guided decoding checks
         t_load = time.perf_counter()
         blocks = configured_blocks(config, spec)
         if blocks is None and b.device.type == "cuda":  # what is left after the largest step's activations

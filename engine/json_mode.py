@@ -2,7 +2,10 @@
 vLLM's guided_regex, guided_choice and guided_grammar): a row's token is one whose text keeps the reply a prefix of a
 JSON object, of a value of its schema (`core.json_grammar`), of a match of its regex (`core.regex_grammar`) or of a
 text of its grammar (`core.ebnf_grammar`), and a stop token (the EOS, a stop token id) only once the value has ended
-(the regex matches, the grammar's root is complete).
+(the regex matches, the grammar's root is complete). Tokens are checked by their bytes (`engine.detokenizer.TokenBytes`,
+`core.json_grammar.feed`): a character whose UTF-8 is split between tokens (a CJK character, an emoji, in most
+byte-level vocabularies) is written a token at a time, each token's first bytes only where the character they begin
+can still come, and a stop only once no character is left begun.
 
 The row's own distribution decides among the tokens that fit: greedy, the likeliest that fits; sampled, a draw among
 those that fit of its most likely `CANDIDATES` (after temperature, top-k, min_p and top-p; the rest renormalized),
@@ -11,8 +14,8 @@ pays for a few checks where the model already writes JSON and for a scan of the 
 where no token fits (a stop token banned by min_tokens once the object has ended) keeps the token drawn without the
 constraint.
 
-`JsonStates` is the sampler's: each JSON request's automaton state after the reply tokens it has seen, so that a
-step feeds only the tokens new since."""
+`JsonStates` is the sampler's: each JSON request's automaton state after the reply tokens it has seen (`Guided`: with
+the bytes of a character begun), so that a step feeds only the tokens new since."""
 from __future__ import annotations
 
 import math
@@ -20,13 +23,14 @@ from typing import Callable
 
 import torch
 
-from core.json_grammar import START, State, advance, compile_schema, complete, start, start_pattern, thinking_first
+from core.json_grammar import START, State, compile_schema, complete, feed, start, start_pattern, thinking_first
 from core.ebnf_grammar import compile_grammar
 from core.regex_grammar import compile_regex
 from core.sampling import SamplingParams
 
 CANDIDATES = 256  # a sampled row's most likely tokens looked at first
 GREEDY_CANDIDATES = 64  # a greedy row's
+Guided = tuple[State, bytes]  # an automaton's state, and the first bytes of a character a token began (b"": none)
 
 
 class JsonStates:
@@ -36,7 +40,7 @@ class JsonStates:
     nothing."""
 
     def __init__(self) -> None:
-        self._at: dict[str, tuple[int, State]] = {}
+        self._at: dict[str, tuple[int, Guided | None]] = {}
         self._live: set[str] = set()
 
     def hold(self, request_id: str) -> None:
@@ -55,19 +59,19 @@ class JsonStates:
             st = start(compile_schema(params.json_schema))
         return st if params.thinking is None else thinking_first(st, params.thinking == "open")
 
-    def state(self, request_id: str, params: SamplingParams, reply: list[int], text: Callable[[int], str]
-              ) -> State | None:
+    def state(self, request_id: str, params: SamplingParams, reply: list[int], token_bytes: Callable[[int], bytes]
+              ) -> Guided | None:
         """The state after `reply` (the reply's tokens, none a placeholder), feeding only what is new since the
         last call (from the start where the reply is shorter: a step re-run); None where the reply is no JSON
         prefix (a token drawn without the constraint, where none fitted)."""
-        n, st = self._at.get(request_id, (0, None))
-        if st is None and n == 0 or n > len(reply):
-            n, st = 0, self.origin(params)
+        n, g = self._at.get(request_id, (0, None))
+        if g is None and n == 0 or n > len(reply):
+            n, g = 0, (self.origin(params), b"")
         for t in reply[n:]:
-            st = advance(st, text(t)) if st is not None else None
+            g = feed(g[0], g[1], token_bytes(t)) if g is not None else None
         if request_id in self._live:
-            self._at[request_id] = (len(reply), st)
-        return st
+            self._at[request_id] = (len(reply), g)
+        return g
 
     def release(self, request_id: str) -> None:
         self._live.discard(request_id)
@@ -94,14 +98,15 @@ def _row_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def choose(x: torch.Tensor, p: SamplingParams, u: float | None, st: State, stops: frozenset[int],
-           text: Callable[[int], str]) -> int | None:
-    """A token for one JSON row from its logits `x` [V] (after bans, logit_bias and penalties): greedy (`u` None) the
-    likeliest that fits; else the draw `u` in [0, 1) among those that fit. None where no token fits."""
-    done = complete(st)
+def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops: frozenset[int],
+           token_bytes: Callable[[int], bytes]) -> int | None:
+    """A token for one JSON row from its logits `x` [V] (after bans, logit_bias and penalties) at state `g`: greedy
+    (`u` None) the likeliest that fits; else the draw `u` in [0, 1) among those that fit. None where no token fits."""
+    st, pending = g
+    done = complete(st) and not pending
 
     def fits(t: int) -> bool:
-        return done if t in stops else advance(st, text(t)) is not None
+        return done if t in stops else feed(st, pending, token_bytes(t)) is not None
 
     if u is None:
         vals, idx = torch.topk(x, min(GREEDY_CANDIDATES, x.shape[-1]))

@@ -398,8 +398,8 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._penalties = PenaltyCounts(vocab_limit)
         self._json = JsonStates()
-        # a token's text alone, special tokens as "" (the engine's `TokenTexts`): what JSON mode checks
-        self.token_text: Callable[[int], str] | None = None
+        # a token's bytes, special tokens' none (the engine's `TokenBytes`): what guided decoding checks
+        self.token_bytes: Callable[[int], bytes] | None = None
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator | None:
         if req.params.seed is None:
@@ -515,7 +515,7 @@ class Sampler:
         logits = self._processed(logits, d)
         # the JSON rows' logits as processed, a copy (the draw below may change them in place: temperature, top-k)
         json_logits = logits[_to([i for i, _ in d.json], logits.device)] \
-            if d.json and self.token_text is not None else None
+            if d.json and self.token_bytes is not None else None
         tokens = self._pick(logits, d)
         if json_logits is not None:
             tokens = self._json_rows(json_logits, d, tokens)
@@ -594,12 +594,12 @@ class Sampler:
                     continue
             r = d.reqs[i]
             p = r.params
-            st = self._json.state(r.request_id, p, reply, self.token_text)
-            if st is None:  # a token that did not fit went before (none did): no constraint left to keep
+            g = self._json.state(r.request_id, p, reply, self.token_bytes)
+            if g is None:  # a token that did not fit went before (none did): no constraint left to keep
                 continue
             u = float(d.u[drawn[i], 0]) if i in drawn and d.u is not None else None
             stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
-            t = choose(logits[k], p, u, st, stops, self.token_text)
+            t = choose(logits[k], p, u, g, stops, self.token_bytes)
             if t is not None:
                 toks[i] = t
         return SampledTokens.of(toks)

@@ -327,13 +327,15 @@ def test_bad_words_keep_their_words_out_of_the_reply(tiny_checkpoints, overlap):
 def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap):
     """vLLM's guided_regex and guided_choice (a regex of its texts), and guided_grammar (an EBNF grammar): each
     reply, greedy or sampled, penalized or not, matches whole and ends by its EOS once nothing more could match; with
-    overlap scheduling too."""
+    overlap scheduling too. Characters whose UTF-8 the tiny vocabulary splits between tokens (CJK, an emoji, the euro
+    sign) are written a token at a time and counted once each."""
     import re
 
     from core.ebnf_grammar import compile_grammar
     from core.regex_grammar import choice_pattern, matches
 
     pattern, choices = r"(ab|[0-9]{2,4})-[a-z]+\.", ["red", "green", "blue sky"]
+    wide, wide_choices = "[龍国€½]{3}", ["龍国", "🎊 fiesta", "日本"]
     grammar = ('root ::= "(" expr ")"\nexpr ::= term ((" + " | " * ") term){0,2}\n'
                'term ::= [0-9]{1,3} | "x" | "(" inner ")"\ninner ::= [0-9]{1,3} (" - " [0-9])?')
     g = compile_grammar(grammar)
@@ -346,8 +348,10 @@ def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap)
                SamplingParams(max_tokens=60, temperature=0.0, regex=choice_pattern(choices)),
                SamplingParams(max_tokens=60, temperature=1.2, seed=9, regex=choice_pattern(choices)),
                SamplingParams(max_tokens=200, temperature=0.0, grammar=grammar),
-               SamplingParams(max_tokens=200, temperature=1.0, seed=4, grammar=grammar)]
-        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts + prompts[:2], ask)]
+               SamplingParams(max_tokens=200, temperature=1.0, seed=4, grammar=grammar),
+               SamplingParams(max_tokens=60, temperature=0.0, regex=wide),
+               SamplingParams(max_tokens=60, temperature=1.2, seed=3, regex=choice_pattern(wide_choices))]
+        replies = [list(eng.add_request(p, sp)) for p, sp in zip(prompts * 2, ask)]
     finally:
         eng.shutdown()
     texts = ["".join(o.text for o in r) for r in replies]
@@ -355,8 +359,10 @@ def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap)
         assert re.fullmatch(pattern, text) and r[-1].finish_reason == "stop", (text, r[-1])
     for text, r in zip(texts[2:4], replies[2:4]):
         assert text in choices and r[-1].finish_reason == "stop", (text, r[-1])
-    for text, r in zip(texts[4:], replies[4:]):
+    for text, r in zip(texts[4:6], replies[4:6]):
         assert matches(g, text) and r[-1].finish_reason == "stop", (text, r[-1])
+    assert re.fullmatch(wide, texts[6]) and replies[6][-1].finish_reason == "stop", (texts[6], replies[6][-1])
+    assert texts[7] in wide_choices and replies[7][-1].finish_reason == "stop", (texts[7], replies[7][-1])
 
 
 @pytest.mark.parametrize("family,impl,kernels", [("llama", "auto", "auto"), ("llama", "auto", "off"),

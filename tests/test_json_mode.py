@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from core.json_grammar import MAX_WHITESPACE, START, advance, complete
+from core.json_grammar import MAX_WHITESPACE, START, advance, complete, feed
 from core.sampling import SamplingParams
 from engine.json_mode import JsonStates, choose
 
@@ -69,22 +69,22 @@ def test_whitespace_outside_strings_is_capped_and_an_empty_text_never_fits():
 TEXTS = {0: "", 1: "{", 2: "}", 3: '"', 4: "a", 5: ":", 6: "1", 7: "]", 8: " ", 9: "x\n"}  # 0: the EOS
 
 
-def _text(t: int) -> str:
-    return TEXTS[t]
+def _text(t: int) -> bytes:
+    return TEXTS[t].encode()
 
 
 def test_greedy_takes_the_likeliest_token_that_fits_and_a_stop_only_once_the_object_ended():
     x = torch.tensor([5.0, 1.0, 0.5, 0.0, 4.0, 0.0, 3.0, 6.0, -1.0, 7.0])
     p = SamplingParams(temperature=0.0)
     stops = frozenset({0})
-    assert choose(x, p, None, START, stops, _text) == 1  # "x\n", "]", the EOS and "a" do not fit before "{"
+    assert choose(x, p, None, (START, b""), stops, _text) == 1  # "x\n", "]", the EOS and "a" do not fit before "{"
     opened = advance(START, "{")
-    assert choose(x, p, None, opened, stops, _text) == 2  # "}" (0.5) before a key's quote (0.0) and " " (-1)
+    assert choose(x, p, None, (opened, b""), stops, _text) == 2  # "}" (0.5) before a key's quote (0.0) and " " (-1)
     done = advance(START, "{}")
-    assert choose(x, p, None, done, stops, _text) == 0  # the EOS, now
+    assert choose(x, p, None, (done, b""), stops, _text) == 0  # the EOS, now
     x[0] = float("-inf")  # the EOS banned (min_tokens): only whitespace fits
-    assert choose(x, p, None, done, stops, _text) == 8
-    assert choose(torch.full((10,), float("-inf")), p, None, done, stops, _text) is None
+    assert choose(x, p, None, (done, b""), stops, _text) == 8
+    assert choose(torch.full((10,), float("-inf")), p, None, (done, b""), stops, _text) is None
 
 
 def test_a_draw_keeps_the_rows_distribution_over_the_tokens_that_fit():
@@ -94,7 +94,7 @@ def test_a_draw_keeps_the_rows_distribution_over_the_tokens_that_fit():
     g = torch.Generator().manual_seed(0)
     counts = {}
     for _ in range(4000):
-        t = choose(x, p, float(torch.rand(1, generator=g)), opened, frozenset({0}), _text)
+        t = choose(x, p, float(torch.rand(1, generator=g)), (opened, b""), frozenset({0}), _text)
         counts[t] = counts.get(t, 0) + 1
     assert set(counts) == {2, 3, 8}
     for t, want in ((3, 0.3 / 0.45), (2, 0.05 / 0.45), (8, 0.1 / 0.45)):
@@ -107,17 +107,17 @@ JS = SamplingParams(json_object=True)
 def test_states_feed_only_the_new_tokens_and_start_over_for_a_shorter_reply():
     seen = []
 
-    def text(t: int) -> str:
+    def text(t: int) -> bytes:
         seen.append(t)
-        return TEXTS[t]
+        return TEXTS[t].encode()
     js = JsonStates()
     js.hold("r")
-    assert js.state("r", JS, [1, 3, 4], text) == advance(START, '{"a')
-    assert js.state("r", JS, [1, 3, 4, 3], text) == advance(START, '{"a"') and seen == [1, 3, 4, 3]
-    assert js.state("r", JS, [1, 3], text) == advance(START, '{"')  # a step re-run: from the start
+    assert js.state("r", JS, [1, 3, 4], text) == (advance(START, '{"a'), b"")
+    assert js.state("r", JS, [1, 3, 4, 3], text) == (advance(START, '{"a"'), b"") and seen == [1, 3, 4, 3]
+    assert js.state("r", JS, [1, 3], text) == (advance(START, '{"'), b"")  # a step re-run: from the start
     assert js.state("bad", JS, [4], text) is None  # a token that did not fit: no state
     js.release("r")
-    assert js.state("r", JS, [1], text) == advance(START, "{") and not js._at  # released: a late draw keeps nothing
+    assert js.state("r", JS, [1], text) == (advance(START, "{"), b"") and not js._at  # released: a late draw keeps nothing
 
 
 def _schema_state(schema: dict):
@@ -176,6 +176,127 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     assert complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number at the top may end anywhere
     const_top = _schema_state({"enum": [1, 12]})
     assert complete(advance(const_top, "1")) and complete(advance(const_top, "12"))
+
+
+def _fed(state, chunks):
+    """(state, pending bytes) after feeding each chunk of bytes (`feed`), or None once one does not fit."""
+    g = (state, b"")
+    for c in chunks:
+        g = feed(g[0], g[1], c) if g is not None else None
+    return g
+
+
+def test_a_character_split_between_tokens_is_written_a_token_at_a_time():
+    """A byte-level vocabulary splits a CJK character or an emoji between tokens: every JSON object's UTF-8, cut at
+    random bytes, is taken chunk by chunk; a stop fits only at its end (nothing begun and left); bytes that are no
+    UTF-8 (a stray continuation, an overlong form, a surrogate's, a lead byte past U+10FFFF) are refused."""
+    rng = random.Random(3)
+    for _ in range(300):
+        obj = {f"k{i}\u00e9": _value(rng, 1) for i in range(rng.randint(1, 4))}
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 12))))
+        chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        g = (START, b"")
+        for j, c in enumerate(chunks):
+            g = feed(g[0], g[1], c)
+            assert g is not None, (data, cuts, j)
+            assert (complete(g[0]) and not g[1]) == (j == len(chunks) - 1), (data, cuts, j)
+    opened = advance(START, '{"a": "')
+    for bad in (b"\x80", b"\xc0", b"\xc1\xbf", b"\xe0\x80", b"\xed\xa0", b"\xf4\x90", b"\xf5", b"\xff", b"\xe6x"):
+        assert _fed(opened, [bad]) is None, bad
+    assert _fed(START, ["日".encode()[:1]]) is None  # (no JSON value begins with a CJK character)
+    assert _fed(START, [b""]) is None  # a token of no bytes never fits
+
+
+def test_guided_texts_count_characters_not_tokens():
+    """A regex or a choice of characters that take several bytes: a character begun in one token and finished in
+    the next counts once, and its first bytes fit only where a character they begin may come."""
+    from core.json_grammar import start_pattern
+    from core.regex_grammar import choice_pattern, compile_regex
+
+    two = start_pattern(compile_regex(".{2}"))
+    ni = "你".encode()
+    half = _fed(two, [ni[:2]])
+    assert half is not None and half[1] == ni[:2] and not complete(half[0])
+    assert not complete(_fed(two, [ni[:2], ni[2:]])[0]) and complete(_fed(two, ["你好".encode()])[0])
+    choice = start_pattern(compile_regex(choice_pattern(["日本", "中国", "🎊 fiesta"])))
+    for text in ("日本", "中国", "🎊 fiesta"):
+        b = text.encode()
+        g = _fed(choice, [b[k:k + 1] for k in range(len(b))])  # a byte at a time
+        assert g is not None and complete(g[0]) and not g[1], text
+    assert _fed(choice, ["国".encode()[:1]]) is None  # U+56FD's lead byte: no choice begins with such a character
+    assert _fed(choice, ["😀".encode()[:3]]) is None  # 🎊's first two bytes, not its third
+    enum = _schema_state({"enum": ["日本", "中国"]})
+    assert complete(_fed(enum, [b'"', "中".encode()[:2], "中".encode()[2:] + "国".encode(), b'"'])[0])
+
+
+def test_escapes_in_keys_and_unicode_escapes_only_where_a_character_they_write_may_come():
+    """A closed object's key that holds a quote or a backslash is written escaped (it was refused: the reply lost
+    its schema there); a \\u escape's digits fit only while some character they may still write can come (a
+    pattern's, a maxLength's, a closed key's), a surrogate pair's high half only where a character it pairs into can."""
+    closed = _schema_state({"type": "object", "properties": {'we"ird': {"type": "integer"}, "a\\b": {"type": "integer"}},
+                            "required": ['we"ird'], "additionalProperties": False})
+    assert complete(advance(closed, '{"a\\\\b": 2, "we\\"ird": 1}')) and complete(advance(closed, '{"we\\u0022ird": 1}'))
+    assert advance(closed, '{"w\\n') is None and advance(closed, '{"we\\u0023') is None and advance(closed, '{"x') is None
+    upper = _schema_state({"type": "string", "pattern": "^[A-Z]+$"})
+    assert advance(upper, '"\\u2') is None and advance(upper, '"\\u005') is not None and advance(upper, '"\\u005b') is None
+    assert complete(advance(upper, '"\\u0041B"'))
+    ended = _schema_state({"type": "string", "pattern": "^a$"})
+    assert advance(ended, '"a\\') is None and complete(advance(ended, '"a"'))  # (no character may come after "a")
+    smile = _schema_state({"type": "string", "pattern": "^[\U0001f600-\U0001f64f]$"})
+    assert advance(smile, '"\\ud83c') is None and complete(advance(smile, '"\\ud83d\\ude00"'))
+    assert complete(_fed(smile, ['"😀"'.encode()])[0]) and _fed(smile, ['"🎉'.encode()[:4]]) is None
+
+
+SCHEMAS_TO_WALK = [
+    {"type": "string", "pattern": "^[A-Z]{3}-\\d{4}$"}, {"type": "string", "pattern": "^a\\nb$"},
+    {"type": "string", "pattern": "^é+$", "maxLength": 4}, {"type": "string", "enum": ["日本", "中国", 'a"b', "x\\y"]},
+    {"const": "🎉"}, {"type": "string", "minLength": 2, "maxLength": 3},
+    {"type": "string", "pattern": "^[\\u4e00-\\u9fff]{2}$"}, {"type": "string", "pattern": "^[😀-🙏]$"},
+    {"type": "object", "properties": {'we"ird': {"type": "integer", "minimum": 3, "maximum": 7},
+                                      "a\\b": {"type": "string", "maxLength": 2}, "日本": {"type": "boolean"}},
+     "required": ['we"ird'], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"},
+                                               "minItems": 1, "maxItems": 3}}, "required": ["tags"]}]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS_TO_WALK, ids=range(len(SCHEMAS_TO_WALK)))
+def test_no_walk_of_single_bytes_reaches_a_state_nothing_can_follow(schema):
+    """A byte-level vocabulary has a token for each byte: from any state a walk of them reaches, some byte goes on,
+    or the value has ended (guided decoding never strands a reply where no token fits, which then went on free)."""
+    st0 = _schema_state(schema)
+    rng = random.Random(0)
+    for _ in range(8):
+        g = (st0, b"")
+        for _ in range(30):
+            nxt = [bytes([b]) for b in range(256) if feed(g[0], g[1], bytes([b])) is not None]
+            if not nxt:
+                assert complete(g[0]) and not g[1], (schema, g)
+                break
+            g = feed(g[0], g[1], rng.choice(nxt))
+
+
+def test_token_bytes_of_byte_level_and_byte_fallback_vocabularies():
+    """`TokenBytes`: a byte-level BPE piece as its bytes (a CJK character's first two bytes alone), a SentencePiece
+    vocabulary's byte piece as its byte and a word piece as its text (its leading space put back), special tokens
+    as none."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.detokenizer import TokenBytes
+    from engine.testing import build_tokenizer
+
+    bl = build_tokenizer(512)
+    tb = TokenBytes(bl)
+    ids = bl.encode("龍 a", add_special_tokens=False)
+    assert b"".join(tb(i) for i in ids) == "龍 a".encode() and len(ids) > 2
+    assert all(tb(i) == b"" for i in bl.all_special_ids)
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "\u2581a": 258, "a": 259, "日": 260}
+    sp = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tb = TokenBytes(PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", unk_token="<unk>"))
+    assert [tb(i) for i in (0, 1, 2 + 0xE6, 258, 259, 260)] == [b"", b"", b"\xe6", b" a", b"a", "日".encode()]
 
 
 def test_a_reasoning_models_format_holds_once_its_thinking_has_ended():
