@@ -331,11 +331,50 @@ def with_received_stamp(config: str, clock: str | None) -> str:
     return "".join(out)
 
 
+# Serve's replica reads some request headers as UTF-8 before any of the app's code runs (X-Request-Id, its session,
+# timeout and disconnect headers, the multiplexed model id, the trace context): one whose value is not UTF-8 (a Latin-1
+# `é` that python-requests sends as one byte) raised there, and the client got a plain-text 500 on every route, /health
+# too. The HTTP frontend drops such a header (vLLM's server, which reads headers as Latin-1, answers the request; here
+# an X-Request-Id dropped is one the server names instead, as Kairos names a request whose id cannot name a response).
+# Serve matches the session and model headers' names with `-` and `_` alike.
+UTF8_HEADERS = ("x-request-id", "x-request-timeout-seconds", "x-request-disconnect-disabled", "x-session-id",
+                "x_session_id", "serve_multiplexed_model_id", "serve-multiplexed-model-id", "traceparent", "tracestate")
+# a whole value that is UTF-8 (no overlong form, no surrogate, nothing past U+10FFFF): HAProxy reads each \xNN as
+# that byte
+UTF8_VALUE = (r"^([\x01-\x7F]|[\xC2-\xDF][\x80-\xBF]|\xE0[\xA0-\xBF][\x80-\xBF]|[\xE1-\xEC\xEE\xEF][\x80-\xBF][\x80-\xBF]"
+              r"|\xED[\x80-\x9F][\x80-\xBF]|\xF0[\x90-\xBF][\x80-\xBF][\x80-\xBF]|[\xF1-\xF3][\x80-\xBF][\x80-\xBF][\x80-\xBF]"
+              r"|\xF4[\x80-\x8F][\x80-\xBF][\x80-\xBF])*$")
+
+
+def utf8_header_rules(session_header: str | None = None) -> list[str]:
+    """The HAProxy rules that drop each of `UTF8_HEADERS` (and `session_header`, Serve's session header where it is
+    set to another name: RAY_SERVE_SESSION_ID_HEADER_KEY) whose last value is not UTF-8 (the one Serve reads)."""
+    names = list(UTF8_HEADERS)
+    if session_header:
+        names += [n for n in {session_header.lower(), session_header.lower().replace("-", "_"),
+                              session_header.lower().replace("_", "-")} if n not in names and n.isascii()
+                  and all(c.isalnum() or c in "-_" for c in n)]
+    return [f"http-request del-header {n} if {{ req.fhdr({n}) -m found }} !{{ req.fhdr({n}) -m reg {UTF8_VALUE} }}"
+            for n in names]
+
+
+def with_utf8_headers(config: str, session_header: str | None = None) -> str:
+    """`config` with `utf8_header_rules` first in its `frontend http_frontend` section (once)."""
+    if UTF8_VALUE in config:
+        return config
+    out = []
+    for line in config.splitlines(keepends=True):
+        out.append(line)
+        if line.split() == ["frontend", "http_frontend"]:
+            out.extend(f"    {rule}\n" for rule in utf8_header_rules(session_header))
+    return "".join(out)
+
+
 def _rewrite_config(argv: list[str], host: str | None) -> None:
     """Rewrite the config HAProxy is about to read (`-f PATH`), under the lock Serve writes it under: without the
     request splice or server connection reuse, its own errors answered in OpenAI's shape (files beside it), each
-    request stamped with when HAProxy read it (`with_received_stamp`), and its admin listeners on `host` (None: left
-    where they are)."""
+    request stamped with when HAProxy read it (`with_received_stamp`), Serve's headers that are not UTF-8 dropped
+    (`with_utf8_headers`), and its admin listeners on `host` (None: left where they are)."""
     import fcntl
 
     try:
@@ -349,6 +388,7 @@ def _rewrite_config(argv: list[str], host: str | None) -> None:
             text = f.read()
         new = with_received_stamp(without_request_splice(text if host is None else admin_binds_on(text, host)),
                                   launcher_clock_id())
+        new = with_utf8_headers(new, os.environ.get("RAY_SERVE_SESSION_ID_HEADER_KEY"))
         if os.environ.get(REUSE_ENV, "").strip() != "1":
             new = without_connection_reuse(new)
         errors = with_openai_errors(new, folder)

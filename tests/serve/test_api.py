@@ -982,6 +982,14 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
     assert r.status_code == 400 and r.headers["x-kairos-request-id"] == "cmpl-body-3"  # (a refusal too)
     r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "request_id": "resp_body-4"})
     assert r.json()["id"] == "resp_body-4", r.text  # (vLLM's Responses API: the body's id as it is)
+    # a value that is not UTF-8 (python-requests sends a Latin-1 "é" as one byte) in a header Serve reads: HAProxy
+    # drops it, and the server names the request (was a plain-text 500 from Serve's replica, /health's too)
+    latin1 = {"x-request-id": b"req-\xe9", "x-session-id": b"\xff\xfe", "serve_multiplexed_model_id": b"\xe9"}
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers=latin1)
+    assert r.status_code == 200 and r.json()["id"].startswith("cmpl-") and "req-" not in r.json()["id"], r.text
+    assert client.get("/health", headers=latin1).status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers={"x-request-id": "req-é".encode()})
+    assert r.status_code == 200 and r.json()["id"].startswith("cmpl-req-")  # (UTF-8: kept, read as Latin-1 as vLLM's)
 
 
 def test_a_priority_without_priority_scheduling_is_accepted(client: httpx.Client) -> None:

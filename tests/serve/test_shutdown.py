@@ -64,6 +64,24 @@ def test_the_launcher_drops_the_request_splice_and_nothing_else() -> None:
     assert out == cfg.replace("    option splice-request\n", "") and H.without_request_splice(out) == out
 
 
+def test_haproxy_drops_the_serve_headers_whose_values_are_not_utf8() -> None:
+    """Serve's replica reads X-Request-Id and a few other headers as UTF-8 before the app runs: the HTTP frontend's
+    first rules drop each whose value is not (once; Serve's session header under the name it is given too)."""
+    out = H.with_utf8_headers(HAPROXY_CFG, "My-Session")
+    rules = H.utf8_header_rules("My-Session")
+    assert out == HAPROXY_CFG.replace("frontend http_frontend\n", "frontend http_frontend\n"
+                                      + "".join(f"    {r}\n" for r in rules))
+    assert H.with_utf8_headers(out) == out and len(rules) == len(H.UTF8_HEADERS) + 2
+    assert any("del-header my_session " in r for r in rules) and any("del-header x-request-id " in r for r in rules)
+    import re
+
+    value = re.compile(H.UTF8_VALUE.encode().decode("unicode_escape").encode("latin-1"))  # (HAProxy's \xNN: a byte)
+    for ok in ("trace-7", "req-é", "日本🎉", "a\tb"):
+        assert value.match(ok.encode()), ok
+    for bad in (b"req-\xe9", b"\xff\xfe", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf4\x90\x80\x80", b"\xe6\x97"):
+        assert not value.match(bad), bad
+
+
 def test_haproxy_stamps_each_request_with_when_it_read_it() -> None:
     """The Ingress takes the wait between HAProxy and itself off a request's TTFT SLO (`ingress.proxy_wait_ms`): the
     stamp, with HAProxy's machine's clock id, is the first rule of the HTTP frontend, once."""
