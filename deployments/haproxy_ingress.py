@@ -341,8 +341,9 @@ UTF8_HEADERS = ("x-request-id", "x-request-timeout-seconds", "x-request-disconne
                 "x_session_id", "serve_multiplexed_model_id", "serve-multiplexed-model-id", "traceparent", "tracestate")
 # a whole value that is UTF-8 (no overlong form, no surrogate, nothing past U+10FFFF): HAProxy reads each \xNN as
 # that byte
-UTF8_VALUE = (r"^([\x01-\x7F]|[\xC2-\xDF][\x80-\xBF]|\xE0[\xA0-\xBF][\x80-\xBF]|[\xE1-\xEC\xEE\xEF][\x80-\xBF][\x80-\xBF]"
-              r"|\xED[\x80-\x9F][\x80-\xBF]|\xF0[\x90-\xBF][\x80-\xBF][\x80-\xBF]|[\xF1-\xF3][\x80-\xBF][\x80-\xBF][\x80-\xBF]"
+UTF8_VALUE = (r"^([\x01-\x7F]|[\xC2-\xDF][\x80-\xBF]|\xE0[\xA0-\xBF][\x80-\xBF]"
+              r"|[\xE1-\xEC\xEE\xEF][\x80-\xBF][\x80-\xBF]|\xED[\x80-\x9F][\x80-\xBF]"
+              r"|\xF0[\x90-\xBF][\x80-\xBF][\x80-\xBF]|[\xF1-\xF3][\x80-\xBF][\x80-\xBF][\x80-\xBF]"
               r"|\xF4[\x80-\x8F][\x80-\xBF][\x80-\xBF])*$")
 
 

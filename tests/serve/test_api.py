@@ -988,7 +988,8 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers=latin1)
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-") and "req-" not in r.json()["id"], r.text
     assert client.get("/health", headers=latin1).status_code == 200
-    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers={"x-request-id": "req-é".encode()})
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2},
+                    headers={"x-request-id": "req-é".encode()})
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-req-")  # (UTF-8: kept, read as Latin-1 as vLLM's)
 
 
