@@ -23,6 +23,7 @@ takes the first alternative its first character fits), and `$ref` to `#/$defs/..
 keep. A reply held to a regular expression alone (`start_pattern`) is a state of mode `PATTERN`."""
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -275,8 +276,11 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
                     return got
             return None
         if "const" in node or "enum" in node:
-            values = [node["const"]] if "const" in node else node["enum"]
-            texts = tuple(json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in values)
+            texts = node.get(_TEXTS)
+            if texts is None:  # (in order: a prefix's candidates are a run of them, `_choices`)
+                values = [node["const"]] if "const" in node else node["enum"]
+                texts = node[_TEXTS] = tuple(sorted({json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+                                                     for v in values}))
             return step((stack, CHOICE, (texts, ""), 0), ch)
         types = _types(node)
     else:
@@ -308,24 +312,43 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
     return None
 
 
+_TEXTS = "\x00texts"  # an enum's or const's values as JSON texts, in order, kept in its schema once written
+
+
+def _choices(texts: tuple[str, ...], prefix: str) -> tuple[bool, bool]:
+    """Whether `prefix` is one of `texts` (in order), and whether one of them is longer and begins with it."""
+    i = bisect.bisect_left(texts, prefix)
+    whole = i < len(texts) and texts[i] == prefix
+    i += whole
+    return whole, i < len(texts) and texts[i].startswith(prefix)
+
+
 def _after_value(stack: tuple) -> State:
     return (stack, AFTER if stack else DONE, None, 0)
 
 
-def _object(frame: tuple) -> tuple[dict, bool, frozenset[str]]:
+_SHAPE = "\x00shape"  # an object schema's `_object`, kept in it once read (no schema keyword holds a NUL)
+_FREE: tuple[dict, bool, frozenset[str], tuple[str, ...]] = ({}, False, frozenset(), ())
+
+
+def _object(frame: tuple) -> tuple[dict, bool, frozenset[str], tuple[str, ...]]:
     """An object frame's properties, whether it is closed (no keys but its properties: `additionalProperties` false,
-    or left out where it has properties, as vLLM's xgrammar takes a schema by default), its required keys."""
+    or left out where it has properties, as vLLM's xgrammar takes a schema by default), its required keys, and its
+    properties' names in order (a key's prefix looked up among hundreds: `_key_more`)."""
     node = frame[1]
     if node is None:
-        return {}, False, frozenset()
-    props = node.get("properties") or {}
-    extra = node.get("additionalProperties", not props)
-    return props, extra is False, frozenset(node.get("required") or ())
+        return _FREE
+    got = node.get(_SHAPE)
+    if got is None:
+        props = node.get("properties") or {}
+        extra = node.get("additionalProperties", not props)
+        got = node[_SHAPE] = (props, extra is False, frozenset(node.get("required") or ()), tuple(sorted(props)))
+    return got
 
 
 def _may_add_key(frame: tuple) -> bool:
-    props, closed, _ = _object(frame)
-    return not closed or any(k not in frame[2] for k in props)
+    props, closed, _, _ = _object(frame)
+    return not closed or len(frame[2]) < len(props)  # (a closed object's keys are all its properties')
 
 
 def _may_close(frame: tuple) -> bool:
@@ -507,7 +530,7 @@ def _value_schema(frame: tuple) -> Schema:
 def _key_char(stack: tuple, ch: str) -> State | None:
     """A character of an object's key (`stack` ends with its ("k", text) frame)."""
     (_, text), obj = stack[-1], stack[-2]
-    props, closed, _ = _object(obj)
+    props, closed, _, _ = _object(obj)
     if ch == '"':
         if text in obj[2] or (closed and text not in props):  # (a key twice, or one the object does not take)
             return None
@@ -522,10 +545,14 @@ def _key_char(stack: tuple, ch: str) -> State | None:
 def _key_more(stack: tuple, ch: str) -> State | None:
     """The key's text one character `ch` longer (written, or an escape's), where a key of its object begins so."""
     (_, text), obj = stack[-1], stack[-2]
-    props, closed, _ = _object(obj)
+    _, closed, _, names = _object(obj)
     text += ch
-    if closed and not any(k.startswith(text) and k not in obj[2] for k in props):
-        return None
+    if closed:  # a name not written yet that begins so: from the first in order at or after the text
+        i, seen = bisect.bisect_left(names, text), obj[2]
+        while i < len(names) and names[i].startswith(text) and names[i] in seen:
+            i += 1
+        if i == len(names) or not names[i].startswith(text):
+            return None
     return (stack[:-1] + (("k", text),), STRING, None, 0)
 
 
@@ -533,7 +560,7 @@ def _key_can_take(stack: tuple, lo: int, hi: int) -> bool:
     """Whether a character of code points `lo`..`hi` may come next in the key being read (a closed object's: the
     next character of a key of it not written yet)."""
     (_, text), obj = stack[-1], stack[-2]
-    props, closed, _ = _object(obj)
+    props, closed, _, _ = _object(obj)
     if not closed:
         return True
     n = len(text)
@@ -618,11 +645,12 @@ def step(state: State, ch: str) -> State | None:
     if mode == CHOICE:
         texts, written = sub
         more = written + ch
-        if more in texts and not any(t != more and t.startswith(more) for t in texts):
+        whole, longer = _choices(texts, more)
+        if whole and not longer:
             return _after_value(stack)  # no other candidate goes on from here: the value has ended
-        if any(t.startswith(more) for t in texts):
+        if whole or longer:
             return (stack, CHOICE, (texts, more), 0)
-        return step(_after_value(stack), ch) if written in texts else None  # it ended: this is what follows it
+        return step(_after_value(stack), ch) if _choices(texts, written)[0] else None  # it ended: this follows it
     if mode == NUMBER:
         part, integer, text, bounds = sub
         nxt = _number(part, ch, integer or bounds is not None and ch in "eE")
@@ -809,4 +837,4 @@ def complete(state: State) -> bool:
     if stack:
         return False
     return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \
-        (mode == CHOICE and sub[1] in sub[0])
+        (mode == CHOICE and _choices(sub[0], sub[1])[0])

@@ -9,7 +9,8 @@ can still come, and a stop only once no character is left begun.
 
 The row's own distribution decides among the tokens that fit: greedy, the likeliest that fits; sampled, a draw among
 those that fit of its most likely `CANDIDATES` (after temperature, top-k, min_p and top-p; the rest renormalized),
-or, where none of them fits, among all tokens that fit. Tokens are checked on the host, likeliest first, so a step
+or, where none of them fits, among all tokens that fit; a sampled row's draw checks the tokens it lands on, one at a
+time, before it checks the rest. Tokens are checked on the host, likeliest first, so a step
 pays for a few checks where the model already writes JSON and for a scan of the vocabulary where it does not. A row
 where no token fits (a stop token banned by min_tokens once the object has ended) keeps the token drawn without the
 constraint.
@@ -30,6 +31,7 @@ from core.sampling import SamplingParams
 
 CANDIDATES = 256  # a sampled row's most likely tokens looked at first
 GREEDY_CANDIDATES = 64  # a greedy row's
+MAX_REDRAWS = 16  # a sampled row's draws among its likeliest that each check one token; then the rest checked at once
 Guided = tuple[State, bytes]  # an automaton's state, and the first bytes of a character a token began (b"": none)
 
 
@@ -108,19 +110,47 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
     def fits(t: int) -> bool:
         return done if t in stops else feed(st, pending, token_bytes(t)) is not None
 
-    if u is None:
-        vals, idx = torch.topk(x, min(GREEDY_CANDIDATES, x.shape[-1]))
-        for v, t in zip(vals.tolist(), idx.tolist()):
-            if v == float("-inf"):
+    if u is None:  # the likeliest first, in widening rounds (a sort of the whole vocabulary only as the last)
+        checked: set[int] = set()
+        k = GREEDY_CANDIDATES
+        while True:
+            k = min(k, x.shape[-1])
+            vals, idx = torch.topk(x, k)
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                if v == float("-inf"):
+                    return None
+                if t not in checked:
+                    if fits(t):
+                        return t
+                    checked.add(t)
+            if k == x.shape[-1]:
                 return None
-            if fits(t):
-                return t
-        order = torch.argsort(x, descending=True).tolist()
-        finite = int(torch.isfinite(x).sum())
-        return next((t for t in order[len(idx):finite] if fits(t)), None)
+            k *= 8
     probs = _row_probs(x, p)
     vals, idx = torch.topk(probs, min(CANDIDATES, probs.shape[-1]))
-    cands = [(t, v) for v, t in zip(vals.tolist(), idx.tolist()) if v > 0.0 and fits(t)]
+    cands = [(t, v) for v, t in zip(vals.tolist(), idx.tolist()) if v > 0.0]
+    # a draw among the likeliest, checked only once drawn: one that does not fit leaves the list and the draw goes on
+    # with where `u` fell within its share (uniform again, and apart from which token it fell on), so that the token
+    # drawn follows the row's distribution over those that fit, as a draw among the checked ones would, at a check or
+    # two where the model already writes the format (each check steps the automaton in Python)
+    for _ in range(MAX_REDRAWS):
+        total = sum(v for _, v in cands)
+        if not cands or not total > 0.0:
+            break
+        at, acc, j = u * total, 0.0, len(cands) - 1
+        for k, (_, v) in enumerate(cands):
+            if acc + v > at:
+                j = k
+                break
+            acc += v
+        else:
+            acc -= cands[j][1]  # (rounding past the end: the last)
+        t, v = cands[j]
+        if fits(t):
+            return t
+        u = min(max((at - acc) / v, 0.0), math.nextafter(1.0, 0.0))
+        del cands[j]
+    cands = [(t, v) for t, v in cands if fits(t)]
     if not cands:  # none of its likeliest fit: every token that does, by the row's distribution before truncation
         whole = torch.softmax(x.float() / p.temperature, dim=-1)
         nz = torch.nonzero(whole > 0).flatten().tolist()

@@ -101,6 +101,34 @@ def test_a_draw_keeps_the_rows_distribution_over_the_tokens_that_fit():
         assert abs(counts[t] / 4000 - want) < 0.03, counts
 
 
+def test_a_sampled_row_checks_the_tokens_its_draw_lands_on_and_a_greedy_row_the_likeliest():
+    """A draw checks only the token it lands on while that one fits (a check steps the automaton in Python, and a
+    row's 256 likeliest were each checked every step: a large schema's row slowed its batch's steps), the next draw
+    going on from where it fell; a greedy row checks from the likeliest down. An enum of hundreds of values and a
+    closed object of hundreds of keys are looked up in order, not scanned."""
+    checked: list[int] = []
+
+    def counted(t: int) -> bytes:
+        checked.append(t)
+        return TEXTS[t].encode()
+    opened = (advance(START, "{"), b"")
+    x = torch.log(torch.tensor([0.01, 0.01, 0.01, 0.9, 0.01, 0.01, 0.01, 0.02, 0.01, 0.01]))  # '"' likeliest
+    assert choose(x, SamplingParams(temperature=1.0), 0.5, opened, frozenset({0}), counted) == 3 and checked == [3]
+    checked.clear()
+    x = torch.log(torch.tensor([0.01, 0.01, 0.01, 0.01, 0.9, 0.01, 0.01, 0.02, 0.01, 0.01]))  # "a" (no fit) likeliest
+    t = choose(x, SamplingParams(temperature=1.0), 0.5, opened, frozenset({0}), counted)
+    assert t in (2, 3, 8) and checked[0] == 4 and len(checked) == len(set(checked)) <= 10
+    checked.clear()
+    x = torch.tensor([0.0, 0.1, 0.4, 0.2, 0.9, 0.3, 0.15, 0.5, 0.05, 0.25])  # "a", "]", "}" ... ('"' below "}")
+    assert choose(x, SamplingParams(temperature=0.0), None, opened, frozenset({0}), counted) == 2
+    assert checked == [4, 7, 2]  # "a" and "]" do not fit, "}" does
+    big = _schema_state({"type": "object", "additionalProperties": False,
+                         "properties": {f"k{i}": {"enum": [f"v{j}" for j in range(300)]} for i in range(300)}})
+    assert complete(advance(big, '{"k7": "v123", "k299": "v9", "k0": "v0"}'))
+    assert advance(big, '{"k7": "v123", "k7"') is None and advance(big, '{"k300"') is None
+    assert advance(big, '{"k1": "v300"') is None and advance(big, '{"k1": "v30"') is not None
+
+
 JS = SamplingParams(json_object=True)
 
 
