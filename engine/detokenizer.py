@@ -72,7 +72,7 @@ class TokenBytes:
     text), and any other token as its text's UTF-8 (`TokenTexts`), or as none where that text holds a U+FFFD its
     piece does not (bytes this class cannot know: the token never fits). Cached by id. Called with an id."""
 
-    __slots__ = ("_hf", "_texts", "_bytes", "_byte_level", "_byte_pieces", "_special", "_added")
+    __slots__ = ("_hf", "_texts", "_bytes", "_byte_level", "_byte_pieces", "_special", "_added", "_first")
 
     def __init__(self, hf_tokenizer) -> None:
         self._hf = hf_tokenizer
@@ -85,6 +85,24 @@ class TokenBytes:
         self._special = {i for i, t in added.items() if getattr(t, "special", False)} \
             | set(getattr(hf_tokenizer, "all_special_ids", None) or ())
         self._added = {i: str(getattr(t, "content", t)) for i, t in added.items()}
+        self._first: dict[int, object] = {}
+
+    def first_bytes(self, width: int):
+        """A LongTensor [width, 2]: each token's first two bytes, 256 for one it has not (a special token, an id past
+        the tokenizer's: none); computed once per width (a pass over the vocabulary)."""
+        got = self._first.get(width)
+        if got is None:
+            import torch
+
+            firsts = []
+            for t in range(width):
+                try:
+                    b = self(t)
+                except Exception:  # noqa: BLE001 - an id the tokenizer cannot name: no bytes
+                    b = b""
+                firsts.append((b[0] if b else 256, b[1] if len(b) > 1 else 256))
+            got = self._first[width] = torch.tensor(firsts, dtype=torch.long).reshape(width, 2)
+        return got
 
     def __call__(self, token_id: int) -> bytes:
         got = self._bytes.get(token_id)

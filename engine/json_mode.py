@@ -32,6 +32,7 @@ from core.sampling import SamplingParams
 CANDIDATES = 256  # a sampled row's most likely tokens looked at first
 GREEDY_CANDIDATES = 64  # a greedy row's
 MAX_REDRAWS = 16  # a sampled row's draws among its likeliest that each check one token; then the rest checked at once
+PAIRED_BYTES = 8  # a whole scan picks its tokens by their first two bytes where at most this many first bytes may come
 Guided = tuple[State, bytes]  # an automaton's state, and the first bytes of a character a token began (b"": none)
 
 
@@ -100,6 +101,35 @@ def _row_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def _may_fit(g: Guided, token_bytes: Callable[[int], bytes], width: int, stops: frozenset[int], done: bool
+             ) -> torch.Tensor | None:
+    """[width] bool: the tokens that may fit at `g`, by their first byte (one that may come next) and, where few
+    first bytes may, their first two, and the stop tokens where the value has ended; None where `token_bytes` does
+    not tell its tokens' first bytes. A whole scan of the vocabulary checks only these (each check steps the
+    automaton in Python: tens of thousands, most of them words after a space, stalled the whole batch)."""
+    first = getattr(token_bytes, "first_bytes", None)
+    if first is None:
+        return None
+    st, pending = g
+    firsts = first(width)
+    ones = [b for b in range(256) if feed(st, pending, bytes([b])) is not None]
+    if len(ones) <= PAIRED_BYTES:
+        pairs = torch.zeros(257 * 257, dtype=torch.bool)
+        for b in ones:
+            pairs[b * 257 + 256] = True  # (a token of that byte alone)
+            pairs[b * 257: b * 257 + 256] = torch.tensor(
+                [feed(st, pending, bytes([b, c])) is not None for c in range(256)])
+        mask = pairs[firsts[:, 0] * 257 + firsts[:, 1]]
+    else:
+        may = torch.zeros(257, dtype=torch.bool)
+        may[ones] = True
+        mask = may[firsts[:, 0]]
+    ids = [t for t in stops if 0 <= t < width]
+    if ids:
+        mask[ids] = done
+    return mask
+
+
 def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops: frozenset[int],
            token_bytes: Callable[[int], bytes]) -> int | None:
     """A token for one JSON row from its logits `x` [V] (after bans, logit_bias and penalties) at state `g`: greedy
@@ -114,6 +144,10 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         checked: set[int] = set()
         k = GREEDY_CANDIDATES
         while True:
+            if k > GREEDY_CANDIDATES:  # (past the first round: only the tokens whose first byte may come)
+                mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
+                if mask is not None:
+                    x = x.masked_fill(~mask, float("-inf"))
             k = min(k, x.shape[-1])
             vals, idx = torch.topk(x, k)
             for v, t in zip(vals.tolist(), idx.tolist()):
@@ -153,7 +187,8 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
     cands = [(t, v) for t, v in cands if fits(t)]
     if not cands:  # none of its likeliest fit: every token that does, by the row's distribution before truncation
         whole = torch.softmax(x.float() / p.temperature, dim=-1)
-        nz = torch.nonzero(whole > 0).flatten().tolist()
+        mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
+        nz = torch.nonzero((whole > 0) if mask is None else (whole > 0) & mask).flatten().tolist()
         w = whole.tolist()
         cands = [(t, w[t]) for t in nz if fits(t)]
     if not cands:

@@ -309,6 +309,32 @@ def test_no_walk_of_single_bytes_reaches_a_state_nothing_can_follow(schema):
             g = feed(g[0], g[1], rng.choice(nxt))
 
 
+def test_a_whole_scan_checks_only_the_tokens_whose_first_bytes_may_come():
+    """`_may_fit`: every token that fits is among those the scan keeps (by their first two bytes, or their first
+    where many may come), the stops only once the value has ended, and far fewer are kept where little may come."""
+    from core.json_grammar import start_pattern
+    from core.regex_grammar import compile_regex
+    from engine.detokenizer import TokenBytes
+    from engine.json_mode import _may_fit
+    from engine.testing import build_tokenizer
+
+    tok = build_tokenizer(512)
+    tb = TokenBytes(tok)
+    width, stops = len(tok), frozenset({0})
+    states = [(START, b""), (advance(START, '{"a": "x'), b""), (advance(START, "{"), b""),
+              _fed(_schema_state({"enum": ["日本", "中国"]}), [b'"', "中".encode()[:1]]),
+              (advance(_schema_state({"type": "object", "additionalProperties": False,
+                                      "properties": {"key one": {"type": "integer"}}}), '{"key'), b""),
+              (start_pattern(compile_regex("[龍国]{2}|ab")), b""), (advance(START, "{}"), b"")]
+    for g in states:
+        done = complete(g[0]) and not g[1]
+        mask = _may_fit(g, tb, width, stops, done)
+        fit = [t for t in range(width) if (done if t in stops else feed(g[0], g[1], tb(t)) is not None)]
+        assert all(mask[t] for t in fit), g
+        assert bool(mask[0]) == done
+    assert int(_may_fit(states[2], tb, width, stops, False).sum()) < width // 8  # '"', "}" or whitespace first
+
+
 def test_token_bytes_of_byte_level_and_byte_fallback_vocabularies():
     """`TokenBytes`: a byte-level BPE piece as its bytes (a CJK character's first two bytes alone), a SentencePiece
     vocabulary's byte piece as its byte and a word piece as its text (its leading space put back), special tokens
