@@ -535,8 +535,9 @@ def _key_char(stack: tuple, ch: str) -> State | None:
         if text in obj[2] or (closed and text not in props):  # (a key twice, or one the object does not take)
             return None
         return (stack[:-2] + (("o", obj[1], obj[2] | {text}, text),), COLON, None, 0)
-    if ch == "\\":  # (an escape may write any character: where some key goes on)
-        return (stack, ESCAPE, None, 0) if _key_can_take(stack, 0, _TOP) else None
+    if ch == "\\":  # (an escape writes a character of the BMP: where some key goes on with one)
+        return (stack, ESCAPE, None, 0) if _key_can_take(stack, 0, 0xD7FF) or _key_can_take(stack, 0xE000, 0xFFFF) \
+            else None
     if ch < " ":
         return None
     return _key_more(stack, ch)

@@ -349,18 +349,22 @@ UTF8_VALUE = (r"^([\x01-\x7F]|[\xC2-\xDF][\x80-\xBF]|\xE0[\xA0-\xBF][\x80-\xBF]"
 
 def utf8_header_rules(session_header: str | None = None) -> list[str]:
     """The HAProxy rules that drop each of `UTF8_HEADERS` (and `session_header`, Serve's session header where it is
-    set to another name: RAY_SERVE_SESSION_ID_HEADER_KEY) whose last value is not UTF-8 (the one Serve reads)."""
+    set to another name: RAY_SERVE_SESSION_ID_HEADER_KEY) that is given more than once or whose value is not
+    UTF-8."""
     names = list(UTF8_HEADERS)
     if session_header:
         names += [n for n in {session_header.lower(), session_header.lower().replace("-", "_"),
                               session_header.lower().replace("_", "-")} if n not in names and n.isascii()
                   and all(c.isalnum() or c in "-_" for c in n)]
-    return [f"http-request del-header {n} if {{ req.fhdr({n}) -m found }} !{{ req.fhdr({n}) -m reg {UTF8_VALUE} }}"
-            for n in names]
+    # (in an ACL a fetch of a header checks each of its values, and one that matches is enough: a header given twice
+    # is dropped, and Serve reads its last value, or each, as UTF-8)
+    return [rule for n in names for rule in (
+        f"http-request del-header {n} if {{ req.fhdr_cnt({n}) gt 1 }}",
+        f"http-request del-header {n} if {{ req.fhdr({n}) -m found }} !{{ req.fhdr({n}) -m reg {UTF8_VALUE} }}")]
 
 
 def with_utf8_headers(config: str, session_header: str | None = None) -> str:
-    """`config` with `utf8_header_rules` first in its `frontend http_frontend` section (once)."""
+    """`config` with `utf8_header_rules` at the start of its `frontend http_frontend` section (once)."""
     if UTF8_VALUE in config:
         return config
     out = []
@@ -387,9 +391,9 @@ def _rewrite_config(argv: list[str], host: str | None) -> None:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         with open(path) as f:
             text = f.read()
-        new = with_received_stamp(without_request_splice(text if host is None else admin_binds_on(text, host)),
-                                  launcher_clock_id())
-        new = with_utf8_headers(new, os.environ.get("RAY_SERVE_SESSION_ID_HEADER_KEY"))
+        new = with_utf8_headers(without_request_splice(text if host is None else admin_binds_on(text, host)),
+                                os.environ.get("RAY_SERVE_SESSION_ID_HEADER_KEY"))
+        new = with_received_stamp(new, launcher_clock_id())  # (its rule the first)
         if os.environ.get(REUSE_ENV, "").strip() != "1":
             new = without_connection_reuse(new)
         errors = with_openai_errors(new, folder)

@@ -103,9 +103,9 @@ def _row_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _may_fit(g: Guided, token_bytes: Callable[[int], bytes], width: int, stops: frozenset[int], done: bool
              ) -> torch.Tensor | None:
-    """[width] bool: the tokens that may fit at `g`, by their first byte (one that may come next) and, where few
-    first bytes may, their first two, and the stop tokens where the value has ended; None where `token_bytes` does
-    not tell its tokens' first bytes. A whole scan of the vocabulary checks only these (each check steps the
+    """[width] bool (on the CPU): the tokens that may fit at `g`, by their first byte (one that may come next) and,
+    where few first bytes may, their first two, and the stop tokens where the value has ended; None where
+    `token_bytes` does not tell its tokens' first bytes. A whole scan of the vocabulary checks only these (each check steps the
     automaton in Python: tens of thousands, most of them words after a space, stalled the whole batch)."""
     first = getattr(token_bytes, "first_bytes", None)
     if first is None:
@@ -147,7 +147,7 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
             if k > GREEDY_CANDIDATES:  # (past the first round: only the tokens whose first byte may come)
                 mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
                 if mask is not None:
-                    x = x.masked_fill(~mask, float("-inf"))
+                    x = x.masked_fill(~mask.to(x.device), float("-inf"))
             k = min(k, x.shape[-1])
             vals, idx = torch.topk(x, k)
             for v, t in zip(vals.tolist(), idx.tolist()):
@@ -188,7 +188,7 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
     if not cands:  # none of its likeliest fit: every token that does, by the row's distribution before truncation
         whole = torch.softmax(x.float() / p.temperature, dim=-1)
         mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
-        nz = torch.nonzero((whole > 0) if mask is None else (whole > 0) & mask).flatten().tolist()
+        nz = torch.nonzero((whole > 0) if mask is None else (whole > 0) & mask.to(whole.device)).flatten().tolist()
         w = whole.tolist()
         cands = [(t, w[t]) for t in nz if fits(t)]
     if not cands:

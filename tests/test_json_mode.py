@@ -289,6 +289,7 @@ SCHEMAS_TO_WALK = [
     {"type": "object", "properties": {'we"ird': {"type": "integer", "minimum": 3, "maximum": 7},
                                       "a\\b": {"type": "string", "maxLength": 2}, "日本": {"type": "boolean"}},
      "required": ['we"ird'], "additionalProperties": False},
+    {"type": "object", "properties": {"😀": {"type": "integer"}}, "required": ["😀"]},  # (no escape writes it)
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"},
                                                "minItems": 1, "maxItems": 3}}, "required": ["tags"]}]
 

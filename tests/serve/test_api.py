@@ -988,6 +988,9 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers=latin1)
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-") and "req-" not in r.json()["id"], r.text
     assert client.get("/health", headers=latin1).status_code == 200
+    twice = [("x-request-id", "ok"), ("x-request-id", b"\xe9")]  # (Serve reads the last)
+    r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2}, headers=twice)
+    assert r.status_code == 200 and not r.json()["id"].startswith("cmpl-ok"), r.text
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2},
                     headers={"x-request-id": "req-é".encode()})
     assert r.status_code == 200 and r.json()["id"].startswith("cmpl-req-")  # (UTF-8: kept, read as Latin-1 as vLLM's)
