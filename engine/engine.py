@@ -222,6 +222,9 @@ class LLMEngine:
                                       config.max_loras, config.max_lora_rank, self._lora_loader.submit, self._post)
         self.sampler = backend.sampler(b.vocab_limit, b.eos_token_ids)
         self.sampler.token_bytes = TokenBytes(b.tokenizer)  # what guided decoding checks
+        # its tokens' first bytes (a guided row's whole scan keeps those that may come) read at the start, not in the
+        # first step that needs them (a pass over the vocabulary: a stall of that step's batch)
+        self.sampler.token_bytes.first_bytes(b.vocab_limit)
         t_load = time.perf_counter()
         blocks = configured_blocks(config, spec)
         if blocks is None and b.device.type == "cuda":  # what is left after the largest step's activations
