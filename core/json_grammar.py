@@ -535,9 +535,8 @@ def _key_char(stack: tuple, ch: str) -> State | None:
         if text in obj[2] or (closed and text not in props):  # (a key twice, or one the object does not take)
             return None
         return (stack[:-2] + (("o", obj[1], obj[2] | {text}, text),), COLON, None, 0)
-    if ch == "\\":  # (an escape writes a character of the BMP: where some key goes on with one)
-        return (stack, ESCAPE, None, 0) if _key_can_take(stack, 0, 0xD7FF) or _key_can_take(stack, 0xE000, 0xFFFF) \
-            else None
+    if ch == "\\":  # (an escape may write any character: where some key goes on)
+        return (stack, ESCAPE, None, 0) if _escaped(stack, None, 0, 0xFFFF, None) else None
     if ch < " ":
         return None
     return _key_more(stack, ch)
@@ -566,6 +565,23 @@ def _key_can_take(stack: tuple, lo: int, hi: int) -> bool:
         return True
     n = len(text)
     return any(len(k) > n and k.startswith(text) and k not in obj[2] and lo <= ord(k[n]) <= hi for k in props)
+
+
+def _escaped(stack: tuple, limits: tuple | None, lo: int, hi: int, high: str | None) -> bool:
+    """Whether a \\u escape whose digits may still write code points `lo`..`hi` can go on to a character that may come
+    next in its string (a key's, or a value's of `limits`): a high surrogate to a character its pair may write, a low
+    one only as the pair of `high` (a lone half is no character: strict parsers refuse it)."""
+    key = bool(stack) and stack[-1][0] == "k"
+
+    def may(a: int, b: int) -> bool:
+        return a <= b and (_key_can_take(stack, a, b) if key else _string_may_take(limits, a, b))
+
+    if high is not None:
+        base = 0x10000 + ((ord(high) - 0xD800) << 10) - 0xDC00
+        return may(base + max(lo, 0xDC00), base + min(hi, 0xDFFF))
+    a, b = max(lo, 0xD800), min(hi, 0xDBFF)
+    pairs = (0x10000 + ((a - 0xD800) << 10), 0x10000 + ((b - 0xD800) << 10) + 0x3FF) if a <= b else (1, 0)
+    return may(lo, min(hi, 0xD7FF)) or may(max(lo, 0xE000), hi) or may(*pairs)
 
 
 def _string_may_take(limits: tuple | None, lo: int, hi: int) -> bool:
@@ -610,34 +626,46 @@ def step(state: State, ch: str) -> State | None:
         if ch < " " or sub is not None and sub[2] is not None and sub[0] >= sub[2]:  # (maxLength)
             return None  # (a control character must be escaped)
         if ch == "\\":  # (an escape may write any character: where one may come)
-            return (stack, ESCAPE, sub, 0) if _string_may_take(sub, 0, _TOP) else None
+            return (stack, ESCAPE, sub, 0) if _escaped(stack, sub, 0, 0xFFFF, None) else None
         if sub is None:
             return state
         more = _one_more(sub, ch)
         return None if more is None else (stack, STRING, more, 0)
     if mode == ESCAPE:
         if ch == "u":
-            return (stack, UNICODE, (4, sub, ""), 0)
+            return (stack, UNICODE, (4, sub, "", None), 0)
         if ch not in _ESCAPES:
             return None
         if stack and stack[-1][0] == "k":
             return _key_more(stack, _ESCAPES[ch])
         more = _one_more(sub, _ESCAPES[ch])
         return None if more is None and sub is not None else (stack, STRING, more, 0)
-    if mode == UNICODE:
+    if mode == UNICODE:  # (left, the string's limits, the digits read, a high surrogate whose low half is to come)
+        left, limits, digits, high = sub
+        if left > 4:  # a high surrogate's pair: its "\u" first
+            return (stack, UNICODE, (left - 1, limits, "", high), 0) if ch == ("\\" if left == 6 else "u") else None
         if ch not in _HEX:
             return None
-        left, limits, digits = sub
         digits += ch
-        key = bool(stack) and stack[-1][0] == "k"
         if left > 1:  # the characters its digits may still write: one of them must be able to come
             lo, hi = int(digits + "0" * (left - 1), 16), int(digits + "f" * (left - 1), 16)
-            if not (_key_can_take(stack, lo, hi) if key else _string_may_take(limits, lo, hi)):
+            return (stack, UNICODE, (left - 1, limits, digits, high), 0) if _escaped(stack, limits, lo, hi, high) \
+                else None
+        code = int(digits, 16)
+        if high is not None:  # the pair's low half: the character they write together
+            if not 0xDC00 <= code <= 0xDFFF:
                 return None
-            return (stack, UNICODE, (left - 1, limits, digits), 0)
-        if key:
-            return _key_more(stack, chr(int(digits, 16)))
-        more = _one_more(limits, chr(int(digits, 16)))
+            c = chr(0x10000 + ((ord(high) - 0xD800) << 10) + code - 0xDC00)
+        elif 0xD800 <= code <= 0xDBFF:  # a high half: its low one must follow (a lone half is no character)
+            return (stack, UNICODE, (6, limits, "", chr(code)), 0) if _escaped(stack, limits, code, code, None) \
+                else None
+        elif 0xDC00 <= code <= 0xDFFF:
+            return None
+        else:
+            c = chr(code)
+        if stack and stack[-1][0] == "k":
+            return _key_more(stack, c)
+        more = _one_more(limits, c)
         return None if more is None and limits is not None else (stack, STRING, more, 0)
     if mode == LITERAL:
         if ch != sub[0]:

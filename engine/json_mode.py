@@ -32,6 +32,7 @@ from core.sampling import SamplingParams
 CANDIDATES = 256  # a sampled row's most likely tokens looked at first
 GREEDY_CANDIDATES = 64  # a greedy row's
 MAX_REDRAWS = 16  # a sampled row's draws among its likeliest that each check one token; then the rest checked at once
+WEIGHT_SPAN = 40.0  # a fallback draw weighs tokens down to e^-40 of the likeliest that fits (below: nothing)
 PAIRED_BYTES = 8  # a whole scan picks its tokens by their first two bytes where at most this many first bytes may come
 Guided = tuple[State, bytes]  # an automaton's state, and the first bytes of a character a token began (b"": none)
 
@@ -105,8 +106,8 @@ def _may_fit(g: Guided, token_bytes: Callable[[int], bytes], width: int, stops: 
              ) -> torch.Tensor | None:
     """[width] bool (on the CPU): the tokens that may fit at `g`, by their first byte (one that may come next) and,
     where few first bytes may, their first two, and the stop tokens where the value has ended; None where
-    `token_bytes` does not tell its tokens' first bytes. A whole scan of the vocabulary checks only these (each check steps the
-    automaton in Python: tens of thousands, most of them words after a space, stalled the whole batch)."""
+    `token_bytes` does not tell its tokens' first bytes. A whole scan of the vocabulary checks only these (each check
+    steps the automaton in Python: tens of thousands, most of them words after a space, stalled the whole batch)."""
     first = getattr(token_bytes, "first_bytes", None)
     if first is None:
         return None
@@ -128,6 +129,34 @@ def _may_fit(g: Guided, token_bytes: Callable[[int], bytes], width: int, stops: 
     if ids:
         mask[ids] = done
     return mask
+
+
+def _fitting(y: torch.Tensor, mask: torch.Tensor | None, fits: Callable[[int], bool]) -> list[tuple[int, float]]:
+    """The tokens that fit, by a row's scaled logits `y` [V] (logits / temperature; `mask`: those that may fit), each
+    weighed as its probability over the likeliest of them, down to `WEIGHT_SPAN` below it (the rest weigh nothing
+    a float could hold): in widening top-k rounds, likeliest first. Weighed against the likeliest that fits, not the
+    row's own likeliest: at a low temperature or under a large logit_bias every other token's probability is 0.0 in
+    a float, and the row must still get a token of its format."""
+    if mask is not None:
+        y = y.masked_fill(~mask.to(y.device), float("-inf"))
+    out: list[tuple[int, float]] = []
+    best: float | None = None
+    checked: set[int] = set()
+    k = GREEDY_CANDIDATES
+    while True:
+        k = min(k, y.shape[-1])
+        vals, idx = torch.topk(y, k)
+        for v, t in zip(vals.tolist(), idx.tolist()):
+            if v == float("-inf") or (best is not None and v < best - WEIGHT_SPAN):
+                return out
+            if t not in checked:
+                checked.add(t)
+                if fits(t):
+                    best = v if best is None else best
+                    out.append((t, math.exp(v - best)))
+        if k == y.shape[-1]:
+            return out
+        k *= 8
 
 
 def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops: frozenset[int],
@@ -185,12 +214,8 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         u = min(max((at - acc) / v, 0.0), math.nextafter(1.0, 0.0))
         del cands[j]
     cands = [(t, v) for t, v in cands if fits(t)]
-    if not cands:  # none of its likeliest fit: every token that does, by the row's distribution before truncation
-        whole = torch.softmax(x.float() / p.temperature, dim=-1)
-        mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
-        nz = torch.nonzero((whole > 0) if mask is None else (whole > 0) & mask.to(whole.device)).flatten().tolist()
-        w = whole.tolist()
-        cands = [(t, w[t]) for t in nz if fits(t)]
+    if not cands:  # none of its likeliest fit: those that do, by the row's distribution before truncation
+        cands = _fitting(x.float() / p.temperature, _may_fit(g, token_bytes, x.shape[-1], stops, done), fits)
     if not cands:
         return None
     total = sum(v for _, v in cands)

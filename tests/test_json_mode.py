@@ -1,6 +1,7 @@
 """JSON mode's parts: the character-level JSON automaton (`core.json_grammar`) against Python's json, and the choice
 of a fitting token (`engine.json_mode.choose`) on hand-made logits."""
 import json
+import math
 import random
 
 import pytest
@@ -127,6 +128,27 @@ def test_a_sampled_row_checks_the_tokens_its_draw_lands_on_and_a_greedy_row_the_
     assert complete(advance(big, '{"k7": "v123", "k299": "v9", "k0": "v0"}'))
     assert advance(big, '{"k7": "v123", "k7"') is None and advance(big, '{"k300"') is None
     assert advance(big, '{"k1": "v300"') is None and advance(big, '{"k1": "v30"') is not None
+
+
+def test_a_row_whose_likeliest_token_takes_all_its_probability_still_gets_one_that_fits():
+    """At a low temperature, or under a large logit_bias, every token but the likeliest has probability 0.0 in a
+    float: where that one does not fit, the draw is among those that do, weighed against the likeliest of them (it
+    went unconstrained: QA's guided_choice at temperature 0.05, a regex with a quote biased by 100)."""
+    opened = (advance(START, "{"), b"")  # fit: "}" (2), '"' (3), " " (8)
+    x = torch.tensor([0.0, 0.0, 1.0, 3.0, 100.0, 0.0, 0.0, 0.0, 2.0, 0.0])  # "a" (4) far ahead, then '"', " ", "}"
+    for temperature, u in ((0.01, 0.5), (0.05, 0.99), (0.7, 0.3), (1.0, 0.0)):
+        t = choose(x, SamplingParams(temperature=temperature), u, opened, frozenset({0}), _text)
+        assert t in (2, 3, 8), (temperature, t)
+    assert choose(x, SamplingParams(temperature=0.01), 0.9, opened, frozenset({0}), _text) == 3  # (e^-100 for " ")
+    g = torch.Generator().manual_seed(1)
+    counts = {}
+    for _ in range(3000):  # at temperature 1 the fitting ones keep their odds: '"' e^3, " " e^2, "}" e^1
+        t = choose(x, SamplingParams(temperature=1.0), float(torch.rand(1, generator=g)), opened, frozenset({0}),
+                   _text)
+        counts[t] = counts.get(t, 0) + 1
+    total = math.exp(3) + math.exp(2) + math.exp(1)
+    for t, want in ((3, math.exp(3) / total), (8, math.exp(2) / total), (2, math.exp(1) / total)):
+        assert abs(counts[t] / 3000 - want) < 0.03, counts
 
 
 JS = SamplingParams(json_object=True)
@@ -278,6 +300,12 @@ def test_escapes_in_keys_and_unicode_escapes_only_where_a_character_they_write_m
     smile = _schema_state({"type": "string", "pattern": "^[\U0001f600-\U0001f64f]$"})
     assert advance(smile, '"\\ud83c') is None and complete(advance(smile, '"\\ud83d\\ude00"'))
     assert complete(_fed(smile, ['"😀"'.encode()])[0]) and _fed(smile, ['"🎉'.encode()[:4]]) is None
+    free = _schema_state({"type": "string", "maxLength": 2})  # a surrogate pair is one character; a lone half none
+    assert complete(advance(free, '"\\ud83d\\ude00x"')) and advance(free, '"\\ud83d\\ude00xy') is None
+    for lone in ('"\\ud83d"', '"\\ud83dx', '"\\ud83d\\u0041', '"\\ude00', '"\\ud83d\\ud83d', '"\\udc'):
+        assert advance(free, lone) is None, lone
+    keyed = _schema_state({"type": "object", "properties": {"😀": {"type": "integer"}}, "required": ["😀"]})
+    assert complete(advance(keyed, '{"\\ud83d\\ude00": 1}')) and advance(keyed, '{"\\ud83c') is None
 
 
 SCHEMAS_TO_WALK = [
