@@ -173,7 +173,7 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         checked: set[int] = set()
         k = GREEDY_CANDIDATES
         while True:
-            if k > GREEDY_CANDIDATES:  # (past the first round: only the tokens whose first byte may come)
+            if k == GREEDY_CANDIDATES * 8:  # (past the first round: only the tokens whose first bytes may come)
                 mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
                 if mask is not None:
                     x = x.masked_fill(~mask.to(x.device), float("-inf"))
