@@ -29,7 +29,7 @@ import json
 import math
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
+from typing import Any, Iterator
 
 from core.regex_grammar import _TOP, Regex, compile_regex
 
@@ -297,8 +297,7 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
         limits = None
         if node is not None and ("minLength" in node or "maxLength" in node or "pattern" in node):
             rx = node.get("pattern")
-            limits = (0, node.get("minLength", 0), node.get("maxLength"), rx, rx.start if rx is not None else None,
-                      None)
+            limits = (0, node.get("minLength", 0), node.get("maxLength"), rx, rx.start if rx is not None else None)
         return (stack, STRING, limits, 0)
     if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
         integer = types is not None and "number" not in types
@@ -382,28 +381,13 @@ def _item(node: Schema, index: int) -> Schema:
 
 
 def _one_more(limits: tuple | None, ch: str) -> tuple | None:
-    """A constrained string's (length, minLength, maxLength, pattern, the pattern's state, a high surrogate waiting
-    for its pair) after one more character `ch` (an escape's: it counts one; an escaped surrogate pair one), or None
-    where no string of its schema goes on from there (or it is unconstrained)."""
+    """A constrained string's (length, minLength, maxLength, pattern, the pattern's state) after one more character
+    `ch` (an escape's counts one, a surrogate pair's too), or None where no string of its schema goes on from there
+    (the length past maxLength, a pattern that cannot take `ch`, or one whose matches from here are all too short or
+    too long for the string's bounds), or where the string is unconstrained."""
     if limits is None:
         return None
-    waiting = limits[5]
-    if waiting is not None:
-        if "\udc00" <= ch <= "\udfff":  # the pair's low half: one character
-            ch = chr(0x10000 + ((ord(waiting) - 0xD800) << 10) + (ord(ch) - 0xDC00))
-        else:
-            limits = _take(limits, waiting)
-            if limits is None:
-                return None
-    elif "\ud800" <= ch <= "\udbff":  # (where a character its pair writes may come)
-        return limits[:5] + (ch,) if _string_may_take(limits, ord(ch), ord(ch)) else None
-    return _take(limits, ch)
-
-
-def _take(limits: tuple, ch: str) -> tuple | None:
-    """`_one_more` for a whole character: the length past maxLength, a pattern that cannot take `ch`, or a pattern
-    whose matches from here are all too short or too long for the string's bounds, is None."""
-    count, lo, hi, rx, at, _ = limits
+    count, lo, hi, rx, at = limits
     count += 1
     if hi is not None and count > hi:
         return None
@@ -414,15 +398,11 @@ def _take(limits: tuple, ch: str) -> tuple | None:
         fewest, most = rx.lengths(at)
         if (hi is not None and count + fewest > hi) or count + most < lo:
             return None
-    return count, lo, hi, rx, at, None
+    return count, lo, hi, rx, at
 
 
 def _string_may_end(limits: tuple) -> bool:
-    """Whether a constrained string may end here (a surrogate that waited alone taken first)."""
-    if limits[5] is not None:
-        limits = _take(limits, limits[5])  # type: ignore[assignment]
-        if limits is None:
-            return False
+    """Whether a constrained string may end here."""
     return limits[0] >= limits[1] and (limits[3] is None or limits[3].accepts(limits[4]))
 
 
@@ -542,17 +522,23 @@ def _key_char(stack: tuple, ch: str) -> State | None:
     return _key_more(stack, ch)
 
 
+def _unwritten(obj: tuple, prefix: str) -> Iterator[str]:
+    """A closed object frame's property names that begin with `prefix` and are not written yet, in order (from the
+    first at or after it: a prefix's names are a run of them)."""
+    names, seen = _object(obj)[3], obj[2]
+    i = bisect.bisect_left(names, prefix)
+    while i < len(names) and names[i].startswith(prefix):
+        if names[i] not in seen:
+            yield names[i]
+        i += 1
+
+
 def _key_more(stack: tuple, ch: str) -> State | None:
     """The key's text one character `ch` longer (written, or an escape's), where a key of its object begins so."""
     (_, text), obj = stack[-1], stack[-2]
-    _, closed, _, names = _object(obj)
     text += ch
-    if closed:  # a name not written yet that begins so: from the first in order at or after the text
-        i, seen = bisect.bisect_left(names, text), obj[2]
-        while i < len(names) and names[i].startswith(text) and names[i] in seen:
-            i += 1
-        if i == len(names) or not names[i].startswith(text):
-            return None
+    if _object(obj)[1] and next(_unwritten(obj, text), None) is None:
+        return None
     return (stack[:-1] + (("k", text),), STRING, None, 0)
 
 
@@ -560,11 +546,8 @@ def _key_can_take(stack: tuple, lo: int, hi: int) -> bool:
     """Whether a character of code points `lo`..`hi` may come next in the key being read (a closed object's: the
     next character of a key of it not written yet)."""
     (_, text), obj = stack[-1], stack[-2]
-    props, closed, _, _ = _object(obj)
-    if not closed:
-        return True
     n = len(text)
-    return any(len(k) > n and k.startswith(text) and k not in obj[2] and lo <= ord(k[n]) <= hi for k in props)
+    return not _object(obj)[1] or any(len(k) > n and lo <= ord(k[n]) <= hi for k in _unwritten(obj, text))
 
 
 def _escaped(stack: tuple, limits: tuple | None, lo: int, hi: int, high: str | None) -> bool:
@@ -585,28 +568,15 @@ def _escaped(stack: tuple, limits: tuple | None, lo: int, hi: int, high: str | N
 
 
 def _string_may_take(limits: tuple | None, lo: int, hi: int) -> bool:
-    """Whether a character of code points `lo`..`hi` (written, or an escape's) may come next in a string of
-    `limits` (`_one_more`'s; None: any string): within its maxLength, where its pattern may go on with one of them
-    (a high surrogate: a character above U+FFFF to come, escaped as a pair)."""
+    """Whether a character of code points `lo`..`hi` (no surrogate: written, or an escape's, `_escaped`) may come next
+    in a string of `limits` (`_one_more`'s; None: any string): within its maxLength, where its pattern may go on with
+    one of them."""
     if limits is None:
         return True
-    waiting = limits[5]
-    if waiting is not None:  # a high surrogate waits: its low half, or it alone and then the character
-        base = 0x10000 + ((ord(waiting) - 0xD800) << 10) - 0xDC00
-        a, b = max(lo, 0xDC00), min(hi, 0xDFFF)
-        if a <= b and _string_may_take(limits[:5] + (None,), base + a, base + b):
-            return True
-        alone = _take(limits, waiting)
-        return alone is not None and _string_may_take(alone, lo, hi)
-    count, _, most, rx, at, _ = limits
+    count, _, most, rx, at = limits
     if most is not None and count >= most:
         return False
-    if rx is None:
-        return True
-    a, b = max(lo, 0xD800), min(hi, 0xDBFF)  # high surrogates: the characters their pairs write
-    if a <= b and _string_may_take(limits, 0x10000 + ((a - 0xD800) << 10), 0x10000 + ((b - 0xD800) << 10) + 0x3FF):
-        return True
-    return any(_take(limits, chr(c)) is not None for c in rx.samples(at, lo, hi) if not 0xD800 <= c <= 0xDFFF)
+    return rx is None or any(_one_more(limits, chr(c)) is not None for c in rx.samples(at, lo, hi))
 
 
 def step(state: State, ch: str) -> State | None:
@@ -782,7 +752,7 @@ def can_take(state: State, lo: int, hi: int) -> bool:
         return then is not None and can_take(then, lo, hi)
     if mode == PATTERN:
         rx, at = sub
-        return any(rx.step(at, chr(c)) is not None for c in rx.samples(at, lo, hi) if not 0xD800 <= c <= 0xDFFF)
+        return any(rx.step(at, chr(c)) is not None for c in rx.samples(at, lo, hi))
     if mode == STRING:
         if stack and stack[-1][0] == "k":
             return _key_can_take(stack, lo, hi)

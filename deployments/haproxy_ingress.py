@@ -323,11 +323,16 @@ def with_received_stamp(config: str, clock: str | None) -> str:
     stamp already is left as it is); as it is without a clock id."""
     if clock is None or f"set-header {RECEIVED_HEADER} " in config:
         return config
+    return _frontend_first(config, [received_rule(clock)])
+
+
+def _frontend_first(config: str, rules: list[str]) -> str:
+    """`config` with `rules` at the start of its `frontend http_frontend` section."""
     out = []
     for line in config.splitlines(keepends=True):
         out.append(line)
         if line.split() == ["frontend", "http_frontend"]:
-            out.append(f"    {received_rule(clock)}\n")
+            out.extend(f"    {rule}\n" for rule in rules)
     return "".join(out)
 
 
@@ -365,14 +370,7 @@ def utf8_header_rules(session_header: str | None = None) -> list[str]:
 
 def with_utf8_headers(config: str, session_header: str | None = None) -> str:
     """`config` with `utf8_header_rules` at the start of its `frontend http_frontend` section (once)."""
-    if UTF8_VALUE in config:
-        return config
-    out = []
-    for line in config.splitlines(keepends=True):
-        out.append(line)
-        if line.split() == ["frontend", "http_frontend"]:
-            out.extend(f"    {rule}\n" for rule in utf8_header_rules(session_header))
-    return "".join(out)
+    return config if UTF8_VALUE in config else _frontend_first(config, utf8_header_rules(session_header))
 
 
 def _rewrite_config(argv: list[str], host: str | None) -> None:

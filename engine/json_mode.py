@@ -20,7 +20,7 @@ the bytes of a character begun), so that a step feeds only the tokens new since.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -131,32 +131,42 @@ def _may_fit(g: Guided, token_bytes: Callable[[int], bytes], width: int, stops: 
     return mask
 
 
-def _fitting(y: torch.Tensor, mask: torch.Tensor | None, fits: Callable[[int], bool]) -> list[tuple[int, float]]:
-    """The tokens that fit, by a row's scaled logits `y` [V] (logits / temperature; `mask`: those that may fit), each
-    weighed as its probability over the likeliest of them, down to `WEIGHT_SPAN` below it (the rest weigh nothing
-    a float could hold): in widening top-k rounds, likeliest first. Weighed against the likeliest that fits, not the
-    row's own likeliest: at a low temperature or under a large logit_bias every other token's probability is 0.0 in
-    a float, and the row must still get a token of its format."""
-    if mask is not None:
-        y = y.masked_fill(~mask.to(y.device), float("-inf"))
-    out: list[tuple[int, float]] = []
-    best: float | None = None
+def _in_order(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], torch.Tensor | None],
+              span: float = math.inf) -> Iterator[tuple[int, float]]:
+    """The tokens that fit with their scores in `y` [V], likeliest first, down to `span` below the first: in widening
+    top-k rounds (a sort of the whole vocabulary only as the last), from the second round only among those `mask()`
+    keeps (their first bytes may come)."""
     checked: set[int] = set()
+    floor = -math.inf
     k = GREEDY_CANDIDATES
     while True:
+        if k == GREEDY_CANDIDATES * 8:
+            keep = mask()
+            if keep is not None:
+                y = y.masked_fill(~keep.to(y.device), float("-inf"))
         k = min(k, y.shape[-1])
         vals, idx = torch.topk(y, k)
         for v, t in zip(vals.tolist(), idx.tolist()):
-            if v == float("-inf") or (best is not None and v < best - WEIGHT_SPAN):
-                return out
+            if v == float("-inf") or v < floor:
+                return
             if t not in checked:
                 checked.add(t)
                 if fits(t):
-                    best = v if best is None else best
-                    out.append((t, math.exp(v - best)))
+                    floor = max(floor, v - span)
+                    yield t, v
         if k == y.shape[-1]:
-            return out
+            return
         k *= 8
+
+
+def _fitting(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], torch.Tensor | None]
+             ) -> list[tuple[int, float]]:
+    """The tokens that fit, by a row's scaled logits `y` [V] (logits / temperature), each weighed as its probability
+    over the likeliest of them, down to `WEIGHT_SPAN` below it (the rest weigh nothing a float could hold). Weighed
+    against the likeliest that fits, not the row's own likeliest: at a low temperature or under a large logit_bias
+    every other token's probability is 0.0 in a float, and the row must still get a token of its format."""
+    out = list(_in_order(y, fits, mask, WEIGHT_SPAN))
+    return [(t, math.exp(v - out[0][1])) for t, v in out]
 
 
 def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops: frozenset[int],
@@ -169,26 +179,11 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
     def fits(t: int) -> bool:
         return done if t in stops else feed(st, pending, token_bytes(t)) is not None
 
-    if u is None:  # the likeliest first, in widening rounds (a sort of the whole vocabulary only as the last)
-        checked: set[int] = set()
-        k = GREEDY_CANDIDATES
-        while True:
-            if k == GREEDY_CANDIDATES * 8:  # (past the first round: only the tokens whose first bytes may come)
-                mask = _may_fit(g, token_bytes, x.shape[-1], stops, done)
-                if mask is not None:
-                    x = x.masked_fill(~mask.to(x.device), float("-inf"))
-            k = min(k, x.shape[-1])
-            vals, idx = torch.topk(x, k)
-            for v, t in zip(vals.tolist(), idx.tolist()):
-                if v == float("-inf"):
-                    return None
-                if t not in checked:
-                    if fits(t):
-                        return t
-                    checked.add(t)
-            if k == x.shape[-1]:
-                return None
-            k *= 8
+    def mask() -> torch.Tensor | None:
+        return _may_fit(g, token_bytes, x.shape[-1], stops, done)
+
+    if u is None:  # the likeliest that fits
+        return next(_in_order(x, fits, mask), (None, 0.0))[0]
     probs = _row_probs(x, p)
     vals, idx = torch.topk(probs, min(CANDIDATES, probs.shape[-1]))
     cands = [(t, v) for v, t in zip(vals.tolist(), idx.tolist()) if v > 0.0]
@@ -215,7 +210,7 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         del cands[j]
     cands = [(t, v) for t, v in cands if fits(t)]
     if not cands:  # none of its likeliest fit: those that do, by the row's distribution before truncation
-        cands = _fitting(x.float() / p.temperature, _may_fit(g, token_bytes, x.shape[-1], stops, done), fits)
+        cands = _fitting(x.float() / p.temperature, fits, mask)
     if not cands:
         return None
     total = sum(v for _, v in cands)
