@@ -144,8 +144,8 @@ class LLMEngine:
         self.loras: LoraRegistry | None = None  # the LoRA adapters it serves (`_setup`; worker-owned)
         self._lora_loader: _Loader | None = None  # where they load (`LoraRegistry`)
         # requests that wait for their adapter's load, by the load (worker-owned)
-        self._lora_waiting: dict[tuple[str, LoraSource | None], list[Request]] = {}
-        self._lora_since: dict[tuple[str, LoraSource | None], float] = {}  # when each load began (its deadline's)
+        # (and when the load began: its deadline's)
+        self._lora_waiting: dict[tuple[str, LoraSource | None], tuple[float, list[Request]]] = {}
         self._observers: list[Callable[[StepEvent], None]] = []
         self._stop = False
         self._stopped = threading.Event()  # set by shutdown (the watchdog's wake-up)
@@ -519,7 +519,7 @@ class LLMEngine:
         if self.loras is not None:
             snap = dataclasses.replace(snap, lora_adapters=len(self.loras.loaded))
         # waiting for a scheduler change, or for their adapter's load: they count as waiting (those not aborted)
-        held = [*self._parked, *(r for rs in self._lora_waiting.values() for r in rs)] \
+        held = [*self._parked, *(r for _, rs in self._lora_waiting.values() for r in rs)] \
             if self._parked or self._lora_waiting else ()
         if held:
             snap = dataclasses.replace(snap, num_waiting=snap.num_waiting + sum([r.status is not Status.FINISHED
@@ -532,7 +532,7 @@ class LLMEngine:
             while not self._stop:
                 self._turn = (time.monotonic(), limit)  # the watchdog's clock: this turn must end within `limit`
                 self._drain_inbox()
-                if self._lora_since:
+                if self._lora_waiting:
                     self._expire_lora_loads()
                 if not self.scheduler.has_work():
                     if self._inflight is not None:  # its requests all ended (aborted): nothing waits for it
@@ -616,8 +616,7 @@ class LLMEngine:
         self._churn += 1
         self.outputs.add(req, stream)
         if not isinstance(lora_id, int):  # its adapter is being loaded: it waits for that load (`_lora_landed`)
-            self._lora_since.setdefault(lora_id, time.monotonic())
-            self._lora_waiting.setdefault(lora_id, []).append(req)
+            self._lora_waiting.setdefault(lora_id, (time.monotonic(), []))[1].append(req)
             return
         req.lora_id = lora_id
         self._take_or_park(req)
@@ -639,8 +638,7 @@ class LLMEngine:
         each fails with the reason it did not load (those aborted meanwhile have ended already)."""
         if self.loras is None or self.loras.stale(done):  # (one past its deadline: its requests failed already)
             return
-        waiting = [r for r in self._lora_waiting.pop(done.key, []) if r.status is not Status.FINISHED]
-        self._lora_since.pop(done.key, None)
+        waiting = [r for r in self._lora_waiting.pop(done.key, (0.0, []))[1] if r.status is not Status.FINISHED]
         try:
             lora_id = self.loras.installed(done)
         except LoraError as e:
@@ -659,14 +657,13 @@ class LLMEngine:
         if not limit or self.loras is None or self._lora_loader is None:
             return
         now = time.monotonic()
-        for key in [k for k, t0 in self._lora_since.items() if now - t0 > limit]:
-            del self._lora_since[key]
+        for key in [k for k, (t0, _) in self._lora_waiting.items() if now - t0 > limit]:
             self.loras.forget(key)
             self._lora_loader.restart()
             why = (f"LoRA adapter {key[0]!r} did not load within {limit:g} s (lora_load_timeout_s): its files could "
                    "not be read in time; retry later")
             log.error("%s", why)
-            for r in self._lora_waiting.pop(key, []):
+            for r in self._lora_waiting.pop(key)[1]:
                 if r.status is not Status.FINISHED:
                     self._finish(r, FinishReason.ERROR, error=why, error_kind=ErrorKind.UNAVAILABLE)
 
