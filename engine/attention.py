@@ -4,11 +4,13 @@ run through the HF forward (`model_impl=hf`, or families our decoder does not co
 The model is called on one packed sequence [1, T]: first the tokens of every prefill (or chunk), then one token per
 decoding request. Each layer hands its query and new K/V to the backend's `attend` (`engine.backends.base.Backend`),
 which writes the K/V into the cache and attends over it, as it does for our own decoder.
+
+Registered with transformers (`register`) only where a model is loaded with `from_pretrained`: importing its
+attention interface imports its modeling code, which a model our decoder runs never needs (`engine.own_model`).
 """
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
 
 from engine.backends.base import AttnMetadata
 
@@ -26,4 +28,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(ATTN_NAME, paged_attention)
+def register() -> None:
+    """`ATTN_NAME` known to transformers' attention interface (before a model naming it is built)."""
+    from transformers import AttentionInterface  # noqa: PLC0415 - imports transformers' modeling code
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)

@@ -1,7 +1,8 @@
 """Kairos's own forward for Llama-family checkpoints (llama, mistral, qwen2, qwen3) over the paged cache.
 
-The HF module tree stays the source of the weights and of the RoPE tables; this class only runs them, with
-the step's tokens packed into one [T] sequence:
+The model's module tree (HF's, or the same tree read by `engine.own_model` without transformers' modeling code) stays
+the source of the weights and of the RoPE tables; this class only runs them, with the step's tokens packed into one
+[T] sequence:
 
     x = rms_norm(h); q, k, v = x @ W_qkv (+ bias); [qwen3: per-head rms_norm of q, k]; RoPE on q and k;
     o = attend(...)  (cache write + attention: the backend's); h += o @ W_o
@@ -27,20 +28,14 @@ from torch import nn
 from engine.backends.base import AttnMetadata, Backend, fuse_linears, rms_norm
 from engine.lora import (PROJECTIONS, LoraAdapter, LoraError, LoraSpec, LoraStacks, LoraStep, ModelShape, load_adapter,
                          pack_pair)
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-_TABLE_ROPE = ("default", "linear", "llama3", "yarn")  # position-only RoPE: one table for every step
-
+from engine.own_model import TABLE_ROPE
+from engine.own_model import unsupported_reason as config_unsupported
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """None when `KairosDecoder` can run this model, else why not (the engine then runs the HF forward)."""
-    cfg = model.config
-    if cfg.model_type not in FAMILIES:
-        return f"model family {cfg.model_type!r} (ours: {', '.join(FAMILIES)})"
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        return f"activation {cfg.hidden_act!r}"
-    if getattr(cfg, "mlp_bias", False):
-        return "MLP biases"
+    reason = config_unsupported(model.config)
+    if reason is not None:
+        return reason
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "not a standard *ForCausalLM module tree"
@@ -104,7 +99,7 @@ class KairosDecoder:
             if mm.copies_weights:  # keep one copy of the weights: the HF projections are emptied
                 for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                     m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-        self.table_rope = (getattr(self.rotary, "rope_type", None) or "default") in _TABLE_ROPE
+        self.table_rope = (getattr(self.rotary, "rope_type", None) or "default") in TABLE_ROPE
         self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, hd]
         self.tables_captured = False  # CUDA graphs read the tables where they are: they may no longer move
         if self.table_rope:

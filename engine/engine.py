@@ -193,7 +193,7 @@ class LLMEngine:
             config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
             trust_remote_code=config.trust_remote_code, attn_implementation=ATTN_NAME,
             max_model_len=config.max_model_len, backend=config.backend, load_format=config.load_format,
-            chat_template=config.chat_template)
+            chat_template=config.chat_template, own_decoder=config.model_impl != "hf")
         if b.device.type == "cuda":  # this thread's current device: kernels, graphs and events go to the model's GPU
             torch.cuda.set_device(b.device)
         self._given_scheduler = config.scheduler  # its knobs as given, which `reconfigure` starts from

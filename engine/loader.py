@@ -1,9 +1,10 @@
 """Load a causal LM + fast tokenizer into a `ModelBundle` (embedded Kairos models, local dirs, hub ids).
 
-Everything goes through `from_pretrained` (the embedded models are built once into the cache by
-`engine.default_model.ensure_default_model` and then loaded like any checkpoint). With
-`HF_HUB_OFFLINE=1` nothing is fetched (`local_files_only=True`). Attention registration is the
-caller's business: `attn_implementation` is passed through to `from_pretrained` untouched.
+A local Llama-family checkpoint that Kairos's own decoder will run is read straight from its safetensors
+(`engine.own_model`: no transformers modeling code imported); everything else goes through `from_pretrained` (the
+embedded models are built once into the cache by `engine.default_model.ensure_default_model` and then loaded like any
+checkpoint). With `HF_HUB_OFFLINE=1` nothing is fetched (`local_files_only=True`). `attn_implementation` is passed
+through to `from_pretrained`; Kairos's paged attention (`engine.attention.ATTN_NAME`) is registered first.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import torch
 from core.sampling import SamplingParams, finite_number
 from engine.backends import default_dtype
 from engine.config import SUPPORTED_FAMILIES, check_family
+from engine import own_model
+from engine.attention import ATTN_NAME
+from engine.attention import register as register_paged_attention
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, is_complete, model_dir, quiet_progress_bars
 
 log = logging.getLogger("kairos.loader")
@@ -36,7 +40,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass
 class ModelBundle:
-    model: Any  # transformers PreTrainedModel (causal LM), eval mode, no grads
+    model: Any  # transformers PreTrainedModel (causal LM), or `own_model.CausalLM`; eval mode, no grads
     tokenizer: Any  # fast tokenizer (has `.backend_tokenizer` for DecodeStream)
     config: Any  # the HF config
     device: torch.device
@@ -181,6 +185,37 @@ def _ids(v: Any) -> list[int]:
 # --------------------------------------------------------------------------- load
 
 
+def _generation_config(path: str, config: Any, hub_kw: dict[str, Any]) -> Any:
+    """The checkpoint's generation config, as `from_pretrained` sets it: its generation_config.json, else the one of
+    its model config."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path, **{k: v for k, v in hub_kw.items() if k != "trust_remote_code"})
+    except (OSError, ValueError):
+        return GenerationConfig.from_model_config(config)
+
+
+def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load_kw: dict[str, Any],
+                     hub_kw: dict[str, Any], load_format: str) -> Any:
+    """The model through transformers' `from_pretrained` (`load_format="dummy"`: `from_config`, random weights)."""
+    from transformers import AutoModelForCausalLM
+
+    if load_kw.get("attn_implementation") == ATTN_NAME:
+        register_paged_attention()
+    try:
+        if load_format == "dummy":
+            lm = _dummy_model(AutoModelForCausalLM, config, dev, load_kw)
+            # the checkpoint's generation config, as from_pretrained reads it (its EOS ids, sampling defaults)
+            lm.generation_config = _generation_config(path, config, hub_kw)
+        else:
+            with quiet_progress_bars():
+                lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
+    return lm
+
+
 def _has_remote_code(path: str) -> bool:
     cfg = Path(path) / "config.json"
     try:
@@ -209,6 +244,7 @@ def load_model(
     backend: str = "auto",
     load_format: str = "auto",
     chat_template: str | None = None,
+    own_decoder: bool = False,
 ) -> ModelBundle:
     """Load `model` (kairos-default / kairos-random-42m / kairos-tiny, a local HF directory, or a hub id) and its tokenizer.
     With `load_format="dummy"` (vLLM's) the weights are not read: the model of its config is built on the device with
@@ -217,8 +253,11 @@ def load_model(
     Raises ValueError (never a bare OSError) for unknown paths/ids, unsupported model families,
     non-fast tokenizers, bad dtype/device strings, or a `max_model_len` beyond the model's positions or its sliding
     attention window (`sliding_window`).
+
+    `own_decoder`: the caller runs the model with Kairos's own decoder where it can (never with the HF forward): a
+    local checkpoint it can run is read without transformers' modeling code (`engine.own_model`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     if not isinstance(model, str) or not model.strip():
         raise ValueError(f"cannot load model {model!r}: expected a model name, directory or hub id")
@@ -285,21 +324,14 @@ def load_model(
         load_kw["attn_implementation"] = attn_implementation
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
-    try:
-        if load_format == "dummy":
-            lm = _dummy_model(AutoModelForCausalLM, config, dev, load_kw)
-            try:  # the checkpoint's generation config, as from_pretrained reads it (its EOS ids, sampling defaults)
-                from transformers import GenerationConfig
-
-                lm.generation_config = GenerationConfig.from_pretrained(
-                    path, **{k: v for k, v in hub_kw.items() if k != "trust_remote_code"})
-            except (OSError, ValueError):  # none there: the config's own
-                pass
-        else:
-            with quiet_progress_bars():
-                lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
+    lm = None
+    if own_decoder and is_local and load_format == "auto":
+        try:
+            lm = own_model.load(path, config, torch_dtype, dev, _generation_config(path, config, hub_kw))
+        except (OSError, ValueError, RuntimeError, own_model.SafetensorError) as e:
+            raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
+    if lm is None:
+        lm = _from_pretrained(model, path, config, dev, load_kw, hub_kw, load_format)
     lm = lm.to(device=dev, dtype=torch_dtype)
     lm.eval()
     lm.requires_grad_(False)

@@ -373,3 +373,106 @@ def test_the_models_generation_config_gives_its_sampling_defaults(tiny_checkpoin
         {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}, {})
     assert sampling_defaults({"top_p": 1.5, "temperature": 0.7, "repetition_penalty": 0.0, "min_p": 0.1}) == (
         {"temperature": 0.7, "min_p": 0.1}, {"top_p": 1.5, "repetition_penalty": 0.0})
+
+
+# --------------------------------------------------------------------------- our own loader (engine.own_model)
+
+
+def _variant(tiny_checkpoints, tmp_path, name: str) -> str:
+    """Tiny checkpoints of each kind our loader builds: the families, a tied LM head, RoPE of each table type."""
+    if name in ("llama", "qwen2", "qwen3"):
+        return tiny_checkpoints[name]
+    if name == "mistral":
+        return _with_config(tiny_checkpoints["llama"], tmp_path / name, model_type="mistral",
+                            architectures=["MistralForCausalLM"])
+    if name == "tied":  # a checkpoint with no LM head of its own
+        from safetensors.torch import load_file, save_file
+
+        path = _with_config(tiny_checkpoints["qwen3"], tmp_path / name, tie_word_embeddings=True)
+        weights = load_file(f"{path}/model.safetensors")
+        del weights["lm_head.weight"]
+        save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+        return path
+    scaling = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 128},
+               "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+               "linear": {"rope_type": "linear", "factor": 2.0}}[name]
+    return _with_config(tiny_checkpoints["llama"], tmp_path / name, rope_scaling=scaling, rope_theta=50000.0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "tied", "llama3", "yarn", "linear"])
+def test_our_loader_builds_the_tensors_from_pretrained_builds(name, tiny_checkpoints, tmp_path):
+    """A checkpoint our decoder runs is read from its safetensors without transformers' modeling code: the same
+    tensors under the same names, in the dtype asked for (a tied head: the embedding itself), the same RoPE tables,
+    the same generation config, as `from_pretrained` gives; the engine's tokens are exact to HF's either way
+    (tests/test_engine.py)."""
+    from engine.own_model import CausalLM
+
+    path = _variant(tiny_checkpoints, tmp_path, name)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = load_model(path, device="cpu", dtype=dtype, own_decoder=True)
+        hf = load_model(path, device="cpu", dtype=dtype)
+        assert type(ours.model) is CausalLM and type(hf.model) is not CausalLM
+        a, b = ours.model.state_dict(), hf.model.state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype == dtype and torch.equal(a[k], b[k]), k
+        tied = ours.model.lm_head.weight is ours.model.model.embed_tokens.weight
+        assert tied == (hf.model.lm_head.weight is hf.model.model.embed_tokens.weight) == (name == "tied")
+        rot_a, rot_b = ours.model.model.rotary_emb, hf.model.model.rotary_emb
+        assert rot_a.rope_type == rot_b.rope_type and rot_a.attention_scaling == rot_b.attention_scaling
+        positions = torch.arange(0, 600, 7)[None]
+        probe = torch.empty(0, dtype=dtype)
+        for x, y in zip(rot_a(probe, positions), rot_b(probe, positions)):
+            assert x.dtype == dtype and torch.equal(x, y)
+        assert ours.model.generation_config.to_diff_dict() == hf.model.generation_config.to_diff_dict()
+        assert (ours.eos_token_ids, ours.vocab_limit, ours.generation_sampling) == \
+            (hf.eos_token_ids, hf.vocab_limit, hf.generation_sampling)
+        with pytest.raises(RuntimeError, match="no forward"):
+            ours.model(torch.tensor([[1, 2]]))
+
+
+def test_our_loader_reads_shards_and_leaves_the_rest_to_from_pretrained(tiny_checkpoints, tmp_path):
+    """Shards named by an index are read like one file; a checkpoint with a tensor the tree does not hold, one
+    without safetensors, a RoPE that changes with the length, a family our decoder does not run, or an engine that
+    runs HF's forward (model_impl=hf: `own_decoder` False) goes through `from_pretrained`, as before."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.own_model import CausalLM
+
+    src = Path(tiny_checkpoints["llama"])
+    whole = load_file(str(src / "model.safetensors"))
+
+    def copy(name: str, tensors: dict | None = None, files: dict | None = None) -> str:
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        if tensors is not None:
+            save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        for f, text in (files or {}).items():
+            (dst / f).write_text(text)
+        return str(dst)
+
+    sharded = copy("sharded")
+    keys = sorted(whole)
+    halves = {"a.safetensors": keys[: len(keys) // 2], "b.safetensors": keys[len(keys) // 2:]}
+    for f, ks in halves.items():
+        save_file({k: whole[k] for k in ks}, str(tmp_path / "sharded" / f), metadata={"format": "pt"})
+    (tmp_path / "sharded" / "model.safetensors").unlink()
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}))
+    got = load_model(sharded, device="cpu", dtype="float32", own_decoder=True).model
+    assert type(got) is CausalLM
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in whole.items())
+
+    extra = copy("extra", {**whole, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    missing = copy("missing", {k: v for k, v in whole.items() if k != "model.norm.weight"})
+    dynamic = _with_config(str(src), tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    for path in (extra, missing, dynamic, tiny_checkpoints["gpt2"]):
+        assert type(load_model(path, device="cpu", own_decoder=True).model) is not CausalLM, path
+    assert type(load_model(str(src), device="cpu").model) is not CausalLM
+    bad = copy("bad")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="cannot load model"):
+        load_model(bad, device="cpu", own_decoder=True)
