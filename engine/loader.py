@@ -1,9 +1,9 @@
 """Load a causal LM + fast tokenizer into a `ModelBundle` (embedded Kairos models, local dirs, hub ids).
 
-A local Llama-family checkpoint that Kairos's own decoder will run is read straight from its safetensors
-(`engine.own_model`: no transformers modeling code imported); everything else goes through `from_pretrained` (the
-embedded models are built once into the cache by `engine.default_model.ensure_default_model` and then loaded like any
-checkpoint). With `HF_HUB_OFFLINE=1` nothing is fetched (`local_files_only=True`). `attn_implementation` is passed
+A Llama-family checkpoint that Kairos's own decoder will run, in a local folder (or, offline, a hub id's files in the
+hub cache), is read straight from its safetensors (`engine.own_model`: no transformers modeling code imported);
+everything else goes through `from_pretrained` (the embedded models are built once into the cache by
+`engine.default_model.ensure_default_model` and then loaded like any checkpoint). With `HF_HUB_OFFLINE=1` nothing is fetched (`local_files_only=True`). `attn_implementation` is passed
 through to `from_pretrained`; Kairos's paged attention (`engine.attention.ATTN_NAME`) is registered first.
 """
 from __future__ import annotations
@@ -196,6 +196,17 @@ def _generation_config(path: str, config: Any, hub_kw: dict[str, Any]) -> Any:
         return GenerationConfig.from_model_config(config)
 
 
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The folder of hub id `repo_id`'s files in the local hub cache (its main revision), None where none is cached:
+    what `from_pretrained` reads offline."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, or not a valid repo id: from_pretrained says why
+        return None
+
+
 def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load_kw: dict[str, Any],
                      hub_kw: dict[str, Any], load_format: str) -> Any:
     """The model through transformers' `from_pretrained` (`load_format="dummy"`: `from_config`, random weights)."""
@@ -255,7 +266,8 @@ def load_model(
     attention window (`sliding_window`).
 
     `own_decoder`: the caller runs the model with Kairos's own decoder where it can (never with the HF forward): a
-    local checkpoint it can run is read without transformers' modeling code (`engine.own_model`).
+    local checkpoint it can run (or, offline, a hub id's files in the hub cache) is read without transformers'
+    modeling code (`engine.own_model`).
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -324,10 +336,12 @@ def load_model(
         load_kw["attn_implementation"] = attn_implementation
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
-    lm = None
-    if own_decoder and is_local and load_format == "auto":
+    lm, local = None, None
+    if own_decoder and load_format == "auto":
+        local = path if is_local else _cached_snapshot(path) if _offline() else None
+    if local is not None:
         try:
-            lm = own_model.load(path, config, torch_dtype, dev, _generation_config(path, config, hub_kw))
+            lm = own_model.load(local, config, torch_dtype, dev, _generation_config(local, config, hub_kw))
         except (OSError, ValueError, RuntimeError, own_model.SafetensorError) as e:
             raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
     if lm is None:

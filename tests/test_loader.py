@@ -476,3 +476,25 @@ def test_our_loader_reads_shards_and_leaves_the_rest_to_from_pretrained(tiny_che
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="cannot load model"):
         load_model(bad, device="cpu", own_decoder=True)
+
+
+def test_offline_a_hub_ids_cached_files_are_read_by_our_loader(tiny_checkpoints, tmp_path, monkeypatch):
+    """Offline, a hub id is loaded from its files in the hub cache (as `from_pretrained` reads them there), by our
+    loader where the engine's decoder runs it; one not in the cache is still a clear error."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from engine.own_model import CausalLM
+
+    repo = tmp_path / "hub" / "models--kairos-test--tiny-llama"
+    shutil.copytree(tiny_checkpoints["llama"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    ours = load_model("kairos-test/tiny-llama", device="cpu", dtype="float32", own_decoder=True)
+    hf = load_model("kairos-test/tiny-llama", device="cpu", dtype="float32")
+    assert type(ours.model) is CausalLM and type(hf.model) is not CausalLM and ours.path == "kairos-test/tiny-llama"
+    assert all(torch.equal(v, hf.model.state_dict()[k]) for k, v in ours.model.state_dict().items())
+    with pytest.raises(ValueError, match="cannot load model 'kairos-test/absent'"):
+        load_model("kairos-test/absent", device="cpu", own_decoder=True)
