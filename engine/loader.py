@@ -3,8 +3,9 @@
 A Llama-family checkpoint that Kairos's own decoder will run, in a local folder (or, offline, a hub id's files in the
 hub cache), is read straight from its safetensors (`engine.own_model`: no transformers modeling code imported);
 everything else goes through `from_pretrained` (the embedded models are built once into the cache by
-`engine.default_model.ensure_default_model` and then loaded like any checkpoint). With `HF_HUB_OFFLINE=1` nothing is fetched (`local_files_only=True`). `attn_implementation` is passed
-through to `from_pretrained`; Kairos's paged attention (`engine.attention.ATTN_NAME`) is registered first.
+`engine.default_model.ensure_default_model` and then loaded like any checkpoint). With `HF_HUB_OFFLINE=1` nothing is
+fetched (`local_files_only=True`). `attn_implementation` is passed through to `from_pretrained`; Kairos's paged
+attention (`engine.attention.ATTN_NAME`) is registered first.
 """
 from __future__ import annotations
 
