@@ -187,14 +187,15 @@ def _ids(v: Any) -> list[int]:
 
 
 def _generation_config(path: str, config: Any, hub_kw: dict[str, Any]) -> Any:
-    """The checkpoint's generation config, as `from_pretrained` sets it: its generation_config.json, else the one of
-    its model config."""
+    """The checkpoint's generation config, as `from_pretrained` sets it: its generation_config.json, else (none, or
+    one that cannot be read) the generation keys of its config.json."""
     from transformers import GenerationConfig
 
+    kw = {k: v for k, v in hub_kw.items() if k != "trust_remote_code"}
     try:
-        return GenerationConfig.from_pretrained(path, **{k: v for k, v in hub_kw.items() if k != "trust_remote_code"})
-    except (OSError, ValueError):
-        return GenerationConfig.from_model_config(config)
+        return GenerationConfig.from_pretrained(path, **kw)
+    except OSError:
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True, **kw)
 
 
 def _cached_snapshot(repo_id: str) -> str | None:

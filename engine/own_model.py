@@ -165,18 +165,23 @@ class CausalLM(nn.Module):
 
 
 def weight_files(path: str | Path) -> list[Path] | None:
-    """The safetensors files of a checkpoint directory: the one, or the shards its index names (None: neither)."""
+    """The safetensors files of a checkpoint directory, as `from_pretrained` picks them: the one file, else the shards
+    its index names (None: neither, or an index naming a file outside the directory)."""
     root = Path(path)
-    index = root / _INDEX
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None
-        files = [root / n for n in names]
-        return files if files and all(f.is_file() for f in files) else None
     single = root / _SINGLE
-    return [single] if single.is_file() else None
+    if single.is_file():
+        return [single]
+    index = root / _INDEX
+    if not index.is_file():
+        return None
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not names or any(not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts for n in names):
+        return None
+    files = [root / n for n in names]
+    return files if all(f.is_file() for f in files) else None
 
 
 def why_not(path: str | Path, config: Any) -> str | None:
@@ -186,6 +191,10 @@ def why_not(path: str | Path, config: Any) -> str | None:
         return reason
     if getattr(config, "quantization_config", None) is not None:
         return "a quantized checkpoint"
+    if getattr(config, "auto_map", None):
+        return "the checkpoint's own code (auto_map)"
+    if getattr(config, "transformers_weights", None):
+        return "weights named by transformers_weights"
     rope = _rope(config)
     if rope is None or rope[0] not in TABLE_ROPE:
         return f"RoPE {rope[0] if rope else None!r}"

@@ -465,17 +465,46 @@ def test_our_loader_reads_shards_and_leaves_the_rest_to_from_pretrained(tiny_che
     got = load_model(sharded, device="cpu", dtype="float32", own_decoder=True).model
     assert type(got) is CausalLM
     assert all(torch.equal(got.state_dict()[k], v) for k, v in whole.items())
+    stale = copy("stale")  # the one file beside an index and shards of other values: the one file, as HF reads
+    save_file({k: 3 * v for k, v in whole.items()}, str(tmp_path / "stale" / "a.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "stale" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "a.safetensors" for k in whole}}))
+    got = load_model(stale, device="cpu", dtype="float32", own_decoder=True).model
+    assert type(got) is CausalLM and all(torch.equal(got.state_dict()[k], v) for k, v in whole.items())
 
     extra = copy("extra", {**whole, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     missing = copy("missing", {k: v for k, v in whole.items() if k != "model.norm.weight"})
     dynamic = _with_config(str(src), tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    for path in (extra, missing, dynamic, tiny_checkpoints["gpt2"]):
+    named = _with_config(str(src), tmp_path / "named", transformers_weights="model.safetensors")
+    for path in (extra, missing, dynamic, named, tiny_checkpoints["gpt2"]):
         assert type(load_model(path, device="cpu", own_decoder=True).model) is not CausalLM, path
     assert type(load_model(str(src), device="cpu").model) is not CausalLM
     bad = copy("bad")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(ValueError, match="cannot load model"):
-        load_model(bad, device="cpu", own_decoder=True)
+    outside = copy("outside")  # shards named outside the folder: refused, as from_pretrained refuses them
+    (tmp_path / "outside" / "model.safetensors").unlink()
+    (tmp_path / "outside" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "../sharded/a.safetensors" for k in whole}}))
+    for path in (bad, outside):
+        with pytest.raises(ValueError, match="cannot load model"):
+            load_model(path, device="cpu", own_decoder=True)
+
+
+def test_our_loader_reads_the_generation_config_from_pretrained_reads(tiny_checkpoints, tmp_path):
+    """Without a generation_config.json (or with one that cannot be read), the generation keys of config.json: the
+    requests' sampling defaults are the same either way."""
+    keys = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    for name, text in (("none", None), ("corrupt", "{not json")):
+        path = _with_config(tiny_checkpoints["llama"], tmp_path / name, **keys)
+        if text is None:
+            (tmp_path / name / "generation_config.json").unlink()
+        else:
+            (tmp_path / name / "generation_config.json").write_text(text)
+        ours = load_model(path, device="cpu", own_decoder=True)
+        hf = load_model(path, device="cpu")
+        assert ours.generation_sampling == hf.generation_sampling == keys, name
+        assert ours.model.generation_config.to_diff_dict() == hf.model.generation_config.to_diff_dict()
+        assert ours.eos_token_ids == hf.eos_token_ids
 
 
 def test_offline_a_hub_ids_cached_files_are_read_by_our_loader(tiny_checkpoints, tmp_path, monkeypatch):
