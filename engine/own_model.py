@@ -9,10 +9,10 @@ same names (`model.embed_tokens`, `model.layers[i].self_attn.{q,k,v,o}_proj`, qw
 `lm_head`), with the biases the HF class of the family has, and fills it from the checkpoint's tensors, cast to the
 dtype asked for.
 
-Only where the result is the model `from_pretrained` would build: the checkpoint is safetensors files (one, or the
-shards its index names), and holds exactly the tensors of that tree, of its shapes (a tied LM head: none of its
-own), with no quantization; the RoPE is one whose tables depend on the position alone. Anything else is None, and
-the caller loads it with `from_pretrained`.
+Only where the result is the model `from_pretrained` would build (`why_not`): the checkpoint is safetensors files
+(the one file, else the shards its index names), and holds exactly the tensors of that tree, of its shapes (a tied LM
+head: none of its own), with no quantization, no code of its own and no other weights file named; the RoPE is one
+whose tables depend on the position alone. Anything else is None, and the caller loads it with `from_pretrained`.
 """
 from __future__ import annotations
 
