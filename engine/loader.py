@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from core.sampling import SamplingParams, finite_number
 from engine.backends import default_dtype
@@ -338,14 +339,16 @@ def load_model(
         load_kw["attn_implementation"] = attn_implementation
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
-    lm, local = None, None
+    lm = None
     if own_decoder and load_format == "auto":
         local = path if is_local else _cached_snapshot(path) if _offline() else None
-    if local is not None:
-        try:
-            lm = own_model.load(local, config, torch_dtype, dev, _generation_config(local, config, hub_kw))
-        except (OSError, ValueError, RuntimeError, own_model.SafetensorError) as e:
-            raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
+        if local is not None:
+            try:
+                lm = own_model.load(local, config, torch_dtype, dev)
+                if lm is not None:
+                    lm.generation_config = _generation_config(local, config, hub_kw)
+            except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+                raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
     if lm is None:
         lm = _from_pretrained(model, path, config, dev, load_kw, hub_kw, load_format)
     lm = lm.to(device=dev, dtype=torch_dtype)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from torch import nn
 
 log = logging.getLogger("kairos.loader")
@@ -146,10 +146,10 @@ class CausalLM(nn.Module):
     """The module tree of a Llama-family *ForCausalLM, holding its weights: no forward of its own (the engine runs
     it with `KairosDecoder`)."""
 
-    def __init__(self, config: Any, generation_config: Any = None) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.generation_config = generation_config
+        self.generation_config = None  # (the loader's: as from_pretrained reads it)
         self.model = Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -184,8 +184,9 @@ def weight_files(path: str | Path) -> list[Path] | None:
     return files if all(f.is_file() for f in files) else None
 
 
-def why_not(path: str | Path, config: Any) -> str | None:
-    """None where `load` can build this checkpoint's model, else why it is left to `from_pretrained`."""
+def why_not(config: Any) -> str | None:
+    """None where `load` can build a model of this config (its tensors permitting), else why it is left to
+    `from_pretrained`."""
     reason = unsupported_reason(config)
     if reason is not None:
         return reason
@@ -198,22 +199,20 @@ def why_not(path: str | Path, config: Any) -> str | None:
     rope = _rope(config)
     if rope is None or rope[0] not in TABLE_ROPE:
         return f"RoPE {rope[0] if rope else None!r}"
-    if weight_files(path) is None:
-        return "no safetensors weights"
     return None
 
 
-def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device,
-         generation_config: Any = None) -> CausalLM | None:
-    """The model of a local checkpoint directory, its weights read from its safetensors onto `device` in `dtype`,
-    in eval mode with no gradients; None where it must be loaded with `from_pretrained` (`why_not`, or tensors that
-    are not exactly the tree's)."""
-    reason = why_not(path, config)
-    if reason is not None:
-        log.debug("%s: loaded with transformers (%s)", path, reason)
+def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM | None:
+    """The model of a local checkpoint directory, its weights read from its safetensors onto `device` in `dtype`;
+    None where it must be loaded with `from_pretrained` (`why_not`, no safetensors, or tensors that are not exactly
+    the tree's)."""
+    reason = why_not(config)
+    files = weight_files(path) if reason is None else None
+    if files is None:
+        log.debug("%s: loaded with transformers (%s)", path, reason or "no safetensors weights")
         return None
     with torch.device("meta"):
-        lm = CausalLM(config, generation_config)
+        lm = CausalLM(config)
     lm.model.rotary_emb = Rotary(config)  # (after the meta block: its tables are computed, not read)
     wanted = {k: tuple(v.shape) for k, v in lm.state_dict().items()}
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -221,7 +220,7 @@ def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device
         wanted.pop("lm_head.weight")
     dev = "cpu" if device.type == "cpu" else str(device)
     state: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
+    for file in files:
         with safe_open(str(file), framework="pt", device=dev) as f:
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
@@ -237,6 +236,4 @@ def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device
     lm.load_state_dict(state, strict=True, assign=True)
     if tied:  # one parameter, as HF ties them
         lm.lm_head.weight = lm.model.embed_tokens.weight
-    lm.eval()
-    lm.requires_grad_(False)
     return lm
