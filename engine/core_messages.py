@@ -30,6 +30,7 @@ class CoreInfo:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # LLMEngine.sampling_defaults
     device_type: str = "cpu"  # the engine's device (cpu, cuda): its scheduler defaults (`engine.config.for_device`)
     lora: LoraServing | None = None  # the LoRA adapters it serves (`InputProcessor.lora`)
+    tokenizer_class: str = ""  # the class of the engine's tokenizer (`engine.tokenizer_files.class_name`)
 
 
 @dataclass(frozen=True, slots=True)

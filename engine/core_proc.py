@@ -45,6 +45,7 @@ from engine.errors import HUNG_EXIT_CODE, EngineDeadError
 from engine.inputs import InputProcessor
 from engine.stats import EngineStats, predict_ttft_ms
 from engine.stream import RequestStream
+from engine.tokenizer_files import class_name, load_light, ready_tokenizer_dir
 from engine.core_messages import (Abort, Add, CoreInfo, Died, Heartbeat, InjectFault, Outputs, Reconfigure,
                                   SetupFailed, Shutdown, TokenDeltas)
 from scheduling.config import SchedulerConfig
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         info = CoreInfo(engine.model_name, engine.max_model_len, engine.bundle.tokenizer_path,
                         config.trust_remote_code, inputs.vocab_limit, list(inputs.eos_token_ids),
                         inputs.kv_capacity_tokens, engine.latency_model, engine.stats(), engine.step_timeout_s,
-                        engine.sampling_defaults, engine.bundle.device.type, inputs.lora)
+                        engine.sampling_defaults, engine.bundle.device.type, inputs.lora,
+                        class_name(engine.bundle.tokenizer))
     except BaseException as e:  # noqa: BLE001 - handed to the client, which raises it
         conn.send(SetupFailed(isinstance(e, ValueError), str(e) if isinstance(e, ValueError) else repr(e)))
         return 1
@@ -322,9 +324,11 @@ def unnice() -> int:
 
 class _TokenizerPreload:
     """The client's tokenizer, loaded on a thread of its own while the child starts: from the directory the
-    child's loader will take it from, where that exists already (`loader.ready_tokenizer_dir`); nothing
-    otherwise, and nothing is built or downloaded here. `result` waits for it and hands it over only if the child
-    loaded its tokenizer from that same directory."""
+    child's loader will take it from, where that exists already (`tokenizer_files.ready_tokenizer_dir`); nothing
+    otherwise, and nothing is built or downloaded here. A generic fast tokenizer is loaded without transformers'
+    `AutoTokenizer`, and so without torch (`tokenizer_files.load_light`): the client's process then imports no
+    torch. `result` waits for it and hands it over only if the child loaded its tokenizer from that same directory,
+    and (`AutoTokenizer` choosing the class) of the same class."""
 
     def __init__(self, config: EngineConfig) -> None:
         self._tok: Any = None
@@ -335,21 +339,24 @@ class _TokenizerPreload:
 
     def _load(self, config: EngineConfig) -> None:
         try:
-            from engine.loader import ready_tokenizer_dir  # noqa: PLC0415
-
             path = ready_tokenizer_dir(config.model, config.tokenizer)
-            from transformers import AutoTokenizer  # noqa: PLC0415 - the import is most of the wait
+            if path is None:
+                return
+            tok = load_light(path)
+            if tok is None:
+                from transformers import AutoTokenizer  # noqa: PLC0415 - the import is most of the wait
 
-            if path is not None:
-                self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code,
-                                                          local_files_only=True)
-                self._path = path
+                tok = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code,
+                                                    local_files_only=True)
+            self._tok, self._path = tok, path
         except Exception:  # noqa: BLE001 - a guess: the client loads the tokenizer itself then
             self._tok = None
 
-    def result(self, tokenizer_path: str) -> Any:
+    def result(self, tokenizer_path: str, tokenizer_class: str) -> Any:
         self._thread.join()
-        return self._tok if self._tok is not None and self._path == tokenizer_path else None
+        if self._tok is None or self._path != tokenizer_path or class_name(self._tok) != tokenizer_class:
+            return None
+        return self._tok
 
 
 # ---------------------------------------------------------------------- the client
@@ -394,8 +401,8 @@ class EngineCoreClient:
             preload = _TokenizerPreload(self.config)
             self._send(self.config.model_dump(mode="json", exclude_unset=True))  # the engine fills in its device's
             info = self._wait_ready(startup_timeout_s)
-            tok = preload.result(info.tokenizer_path)
-            if tok is None:  # not preloaded (a hub id, a model built by the child), or from elsewhere
+            tok = preload.result(info.tokenizer_path, info.tokenizer_class)
+            if tok is None:  # not preloaded (a hub id, a model built by the child), or from elsewhere, or another class
                 from transformers import AutoTokenizer  # noqa: PLC0415
 
                 kw: dict[str, Any] = {"trust_remote_code": info.trust_remote_code}

@@ -25,7 +25,7 @@ from engine.config import SUPPORTED_FAMILIES, check_family
 from engine import own_model
 from engine.attention import ATTN_NAME
 from engine.attention import register as register_paged_attention
-from engine.default_model import EMBEDDED_MODELS, ensure_default_model, is_complete, model_dir, quiet_progress_bars
+from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
 
 log = logging.getLogger("kairos.loader")
 
@@ -134,21 +134,6 @@ def _resolve_source(model: str, what: str) -> tuple[str, bool]:
     if _looks_like_path(model):
         raise ValueError(f"cannot load {what} {model!r}: no such directory")
     return model, False  # a hub id
-
-
-def ready_tokenizer_dir(model: str, tokenizer: str | None = None) -> str | None:
-    """The local directory `load_model` will load the tokenizer of (`model`, `tokenizer`) from, where it exists
-    already (an embedded model built before, a checkpoint directory), else None (a hub id, an embedded model not
-    built yet, a path that is not a directory): what another process may load beside the engine's own start
-    without building, downloading or racing it for anything."""
-    name = tokenizer if tokenizer is not None else model
-    if not isinstance(name, str) or not name.strip():
-        return None
-    if name in EMBEDDED_MODELS:
-        target = model_dir(name)
-        return str(target) if is_complete(target) else None
-    expanded = os.path.expanduser(name)
-    return os.path.abspath(expanded) if os.path.isdir(expanded) else None
 
 
 def _model_max_len(config: Any) -> int | None:

@@ -58,7 +58,7 @@ def engines(tiny_checkpoints, tmp_path_factory):
         "from engine.config import EngineConfig\n"
         "from engine.core_proc import EngineCoreClient\n"
         f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
-        "print(c.pid, flush=True)\n"
+        "print(c.pid, 'torch' in sys.modules, flush=True)\n"
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -261,10 +261,24 @@ def test_a_stopped_engine_process_is_killed_and_its_streams_fail_as_unavailable(
         c.shutdown()
 
 
-def test_the_engine_process_exits_when_its_parent_dies(engines):
+@pytest.fixture(scope="module")
+def parent_said(engines) -> tuple[int, bool]:
+    """What the parent process printed once its client was up: its engine process's pid, and whether the parent
+    imported torch."""
+    pid, torch_imported = engines[1].stdout.readline().split()
+    return int(pid), torch_imported == "True"
+
+
+def test_a_client_whose_tokenizer_is_a_generic_fast_one_imports_no_torch(parent_said):
+    """A process that drives an engine in a child (a Serve replica) needs no torch: the client's tokenizer (the
+    checkpoint's generic fast one) is loaded without AutoTokenizer, which imports it."""
+    assert parent_said[1] is False
+
+
+def test_the_engine_process_exits_when_its_parent_dies(engines, parent_said):
     """A parent killed outright (no shutdown, no socket close by Python) leaves no engine process behind."""
     parent = engines[1]
-    child = int(parent.stdout.readline())
+    child = parent_said[0]
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     deadline = time.monotonic() + 15
@@ -384,12 +398,14 @@ def test_shutdown_of_a_client_reading_on_an_event_loop_ends_what_is_in_flight(ti
 
 def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_checkpoints, tmp_path):
     """While the child starts, the client loads the tokenizer from where the child's loader will (a directory
-    that exists already: nothing is built or downloaded for it), and keeps it only if the child's came from there."""
+    that exists already: nothing is built or downloaded for it), and keeps it only if the child's came from there,
+    of the same class (a generic fast tokenizer is loaded without AutoTokenizer, which may choose another class)."""
     from transformers import AutoTokenizer
 
     from engine.core_proc import _TokenizerPreload
     from engine.default_model import is_complete, model_dir
-    from engine.loader import load_model, ready_tokenizer_dir
+    from engine.loader import load_model
+    from engine.tokenizer_files import class_name, ready_tokenizer_dir
 
     path = tiny_checkpoints["llama"]
     here = os.path.abspath(path)
@@ -399,11 +415,49 @@ def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_che
     assert ready_tokenizer_dir("some-org/some-model", tokenizer=path) == here  # a tokenizer of its own wins
     tiny = model_dir("kairos-tiny")
     assert ready_tokenizer_dir("kairos-tiny") == (str(tiny) if is_complete(tiny) else None)
-    tok = _TokenizerPreload(_config(path)).result(here)
-    assert tok is not None and tok("hello number 3").input_ids == AutoTokenizer.from_pretrained(path)(
-        "hello number 3").input_ids
-    assert _TokenizerPreload(_config(path)).result(str(tmp_path)) is None  # the child's came from elsewhere
-    assert _TokenizerPreload(_config("some-org/some-model")).result("some-org/some-model") is None
+    auto = AutoTokenizer.from_pretrained(path)
+    tok = _TokenizerPreload(_config(path)).result(here, class_name(auto))
+    assert tok is not None and tok("hello number 3").input_ids == auto("hello number 3").input_ids
+    assert _TokenizerPreload(_config(path)).result(str(tmp_path), class_name(auto)) is None  # from elsewhere
+    assert _TokenizerPreload(_config(path)).result(here, "transformers.SomeOtherTokenizer") is None
+    assert _TokenizerPreload(_config("some-org/some-model")).result("some-org/some-model", class_name(auto)) is None
+    # a Qwen2 checkpoint's config names the generic class, and AutoTokenizer builds Qwen2's own from it
+    qwen2 = os.path.abspath(tiny_checkpoints["qwen2"])
+    assert class_name(AutoTokenizer.from_pretrained(qwen2)) != class_name(auto)
+    assert _TokenizerPreload(_config(qwen2)).result(qwen2, class_name(AutoTokenizer.from_pretrained(qwen2))) is None
+
+
+def test_a_generic_fast_tokenizer_loads_without_auto_tokenizer_and_others_do_not(tiny_checkpoints, tmp_path):
+    """`tokenizer_files.load_light`: the class AutoTokenizer builds from the same files (a Llama checkpoint's,
+    the embedded models'), the same ids, specials and chat template; None for a config naming another class or code
+    of its own, or with no tokenizer.json."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from engine.default_model import ensure_default_model
+    from engine.tokenizer_files import class_name, load_light
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for path in (tiny_checkpoints["llama"], str(ensure_default_model("kairos-tiny"))):
+        light, auto = load_light(path), AutoTokenizer.from_pretrained(path)
+        assert class_name(light) == class_name(auto)
+        assert light("hello number 3 <|im_end|>").input_ids == auto("hello number 3 <|im_end|>").input_ids
+        assert light.all_special_ids == auto.all_special_ids and light.eos_token_id == auto.eos_token_id
+        assert light.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    src = tiny_checkpoints["llama"]
+    for name, edit in (("other", {"tokenizer_class": "GPT2Tokenizer"}),
+                       ("code", {"auto_map": {"AutoTokenizer": [None, "tok.MyTokenizer"]}})):
+        shutil.copytree(src, tmp_path / name)
+        cfg_path = tmp_path / name / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **edit}))
+        assert load_light(str(tmp_path / name)) is None
+    shutil.copytree(src, tmp_path / "no-json")
+    (tmp_path / "no-json" / "tokenizer.json").unlink()
+    assert load_light(str(tmp_path / "no-json")) is None
+    assert load_light(str(tmp_path / "missing")) is None
 
 
 def test_reconfigure_is_checked_in_the_caller_and_swaps_the_childs_scheduler(client):
