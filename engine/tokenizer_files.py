@@ -45,7 +45,7 @@ def class_name(tokenizer: Any) -> str:
 def load_light(path: str) -> Any | None:
     """The generic fast tokenizer of local directory `path`, loaded without `AutoTokenizer`, where its
     tokenizer_config.json names that class (`GENERIC_CLASSES`) and no code of its own (auto_map), beside a
-    tokenizer.json; else None. Raises what loading raises."""
+    tokenizer.json; else None (also where transformers has no such class). Raises what loading raises."""
     folder = Path(path)
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -54,6 +54,8 @@ def load_light(path: str) -> Any | None:
     if (not isinstance(config, dict) or config.get("tokenizer_class") not in GENERIC_CLASSES or "auto_map" in config
             or not (folder / "tokenizer.json").is_file()):
         return None
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: PLC0415 - no torch
-
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: PLC0415 - no torch
+    except ImportError:  # a transformers without that module: AutoTokenizer, then
+        return None
     return TokenizersBackend.from_pretrained(str(folder), local_files_only=True)
