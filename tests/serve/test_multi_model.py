@@ -30,7 +30,9 @@ SIDE_APP = SideApp(MULTI_APP, MULTI_PREFIX, _multi_app)
 
 @pytest.fixture(scope="module")
 def url(serve_app: dict):
-    yield from side_app_url(serve_app, SIDE_APP)
+    # (not blocking: Serve waits out its shutdown loop before it stops the idle replicas; their engines, in their
+    # processes, stop with them while the next tests run)
+    yield from side_app_url(serve_app, SIDE_APP, blocking=False)
 
 
 def test_each_request_goes_to_the_model_it_names(url: str) -> None:
