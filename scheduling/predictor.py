@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -275,7 +277,15 @@ class LatencyModel:
         return model
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Written whole or not at all: a private file renamed over `path`, so that a process that reads it while
+        another writes it (replicas of one host profiling the same setup at once) reads a whole model."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_text(self.to_json())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: str | Path) -> LatencyModel:

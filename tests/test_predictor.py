@@ -96,6 +96,44 @@ def test_json_round_trip(tmp_path) -> None:
         LatencyModel.from_json('{"format": 99}')
 
 
+def test_a_model_saved_while_others_read_and_write_it_is_read_whole(tmp_path) -> None:
+    """Replicas of one host profile the same setup at once: each save lands whole (no reader sees part of a file),
+    and leaves no file of its own beside it."""
+    import threading
+
+    path = tmp_path / "fit.json"
+    models = []
+    for i in range(4):
+        m = _fitted()
+        m.meta = {**m.meta, "writer": i, "pad": "x" * 200_000}  # (a file long enough to be read while written)
+        models.append(m)
+    models[0].save(path)
+    stop, seen, errors = threading.Event(), set(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                seen.add(LatencyModel.load(path).meta["writer"])
+            except Exception as e:  # noqa: BLE001 - what the test counts
+                errors.append(repr(e))
+
+    def write(m) -> None:
+        for _ in range(15):
+            m.save(path)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(m,)) for m in models]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    reader.join()
+    assert not errors, errors[:3]
+    assert seen and [p.name for p in tmp_path.iterdir()] == ["fit.json"]
+
+
 def test_score_helpers() -> None:
     assert r2([1, 2, 3], [1, 2, 3]) == 1.0
     assert r2([1, 2, 3], [2, 2, 2]) == 0.0
