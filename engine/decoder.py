@@ -31,6 +31,7 @@ from engine.lora import (PROJECTIONS, LoraAdapter, LoraError, LoraSpec, LoraStac
 from engine.own_model import TABLE_ROPE
 from engine.own_model import unsupported_reason as config_unsupported
 
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """None when `KairosDecoder` can run this model, else why not (the engine then runs the HF forward)."""
     reason = config_unsupported(model.config)
