@@ -927,7 +927,8 @@ class OpenAIFrontend:
                      ) -> tuple[GenerateRequest, GenerateStream, RequestOutput]:
         """Start `req` and wait for its first item; where a replica turns it away for its load, on another one
         (`reroutes` times at most, with what is left of its TTFT SLO); where one judges its SLO unattainable, on
-        another once (`second_opinion`), the 400 offering the lower floor of the two. `req.waited_ms` is the time of
+        another once (`second_opinion`), the 400 offering the lower floor of the two; where one turned it away as busy
+        before another judged it unattainable, the busy one's answer (a 429). `req.waited_ms` is the time of
         its TTFT SLO spent up to `t_call` (`_respond`: its wait between HAProxy and this Ingress, up to its arrival
         here; a batch's prompt: all its wait so far), and every send, the first too, tells the engine what is left at
         the send (what this Ingress took to read and parse it counted). Returns the request as last sent."""
@@ -938,11 +939,15 @@ class OpenAIFrontend:
         reroutes, asked = self.reroutes, not self.second_opinion
         # the first replica's `slo_unattainable` (the request as sent, its stream, the verdict), where another is asked
         judged: tuple[GenerateRequest, GenerateStream, RequestOutput] | None = None
+        # the last replica that turned it away for its load (it did not judge the SLO unattainable: a 429 to retry)
+        busy: tuple[GenerateRequest, GenerateStream, RequestOutput] | None = None
         while True:
             sb = first.served_by
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
                 break
             opinion = first.reject_reason is RejectReason.SLO_UNATTAINABLE
+            if not opinion:
+                busy = (req, gen, first)
             if opinion:
                 # a replica's idle floor is drawn from what its own steps measured (a replica just started, one on
                 # a slower or busier host): another replica is asked once before the client hears no replica can
@@ -966,6 +971,10 @@ class OpenAIFrontend:
                     return judged
                 raise
             _note_refusal(first, req)
+        if first.reject_reason is RejectReason.SLO_UNATTAINABLE and busy is not None:
+            # a replica asked before turned it away only for its load (every running one asked): by its own floor
+            # an idle replica meets the SLO, so the client hears that one's 429, not that no replica can
+            return busy
         if judged is not None and first is not judged[2] and first.reject_reason is RejectReason.SLO_UNATTAINABLE \
                 and _offer(judged[2]) <= _offer(first):
             return req, judged[1], judged[2]  # (both refused it: the 400 offers the lower of their floors; sent twice)

@@ -3084,8 +3084,9 @@ def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_
 
 def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_the_400() -> None:
     """second_opinion: a replica's idle floor is its own measure (one just started, one on a slower host): a request
-    it judged unattainable goes to another replica once; one that serves it or turns it away as busy answers, and
-    where both judge it unattainable, the 400 offers the lower floor. One replica running: not sent again."""
+    it judged unattainable goes to another replica once; one that serves it or turns it away as busy answers (before
+    or after the verdict), and where both judge it unattainable, the 400 offers the lower floor. One replica running:
+    not sent again."""
     import asyncio
 
     from core.messages import RejectReason, ServedBy
@@ -3125,6 +3126,13 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
     assert len(sent) == 2 and first.served_by.replica == "r2"
     sent, _ = run([("slo_unattainable", 3.0)], running=1)
     assert sent == [()]
+    # turned away as busy first, then judged unattainable by the other (both asked): the busy one's 429 (by its floor
+    # an idle replica meets the SLO), not a 400
+    sent, first = run([("tpot_unattainable", 1.5), ("slo_unattainable", 3.0)], reroutes=1)
+    assert sent == [(), ("r1",)] and first.reject_reason is RejectReason.TPOT_UNATTAINABLE
+    assert first.served_by.replica == "r1"
+    sent, first = run([("shed", 1.5), ("slo_unattainable", 3.0), ("slo_unattainable", 2.5)], running=3, reroutes=1)
+    assert len(sent) == 3 and first.reject_reason is RejectReason.SHED
     # asked whatever is left of its TTFT SLO (the other replica judges the SLO: one it meets idle is busy, a 429)
     sent, first = run([("slo_unattainable", 3.0), ("ttft_unattainable", 1.5)], slo=SLO(ttft_ms=1e-6))
     assert len(sent) == 2 and first.reject_reason is RejectReason.TTFT_UNATTAINABLE
