@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make serve   -> venv + install + `serve run deployments:app` (the trained default model, SmolLM2-135M-Instruct)
-#   make test    -> venv + install + pytest
+#   make test    -> venv + install + pytest (tests/run.py: in two processes; PYTEST_ARGS=...: one pytest)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -47,7 +47,7 @@ wheels:
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m tests.run $(PYTEST_ARGS)
 
 # `exec`: serve replaces the recipe's shell, so a SIGTERM/SIGINT for the recipe reaches it (it shuts Serve and Ray
 # down, HAProxy included); SERVE_ARGS: app arguments, e.g. SERVE_ARGS="policy=fcfs"; KAIROS_HTTP_HOST/PORT: the address

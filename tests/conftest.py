@@ -9,6 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.run import CLAIMS_ENV, SERVE_DONE_ENV  # noqa: E402
+
 # Without a GPU, Triton kernels (the CUDA backend's) run in Triton's interpreter on CPU tensors. triton.jit picks the
 # interpreter when a kernel is decorated, so this must be set before anything imports triton.
 if not torch.cuda.is_available():
@@ -111,6 +113,16 @@ def tiny_checkpoints(tmp_path_factory):
 # (KAIROS_TEST_SIGTERM_INLINE=1: in its place instead).
 SIGTERM_TEST = "test_sigterm_stops_everything_and_the_same_port_serves_again"
 _SERVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve")
+# `make test` (tests/run.py) runs the suite in two pytest processes: the first runs the serving package alone, as one
+# process does, and says so by creating the file SERVE_DONE_ENV names; from then both take the other test files, one
+# file at a time, each claiming a file by creating its name in the directory CLAIMS_ENV names (a file's tests run in
+# one process, in order, with its module's fixtures), so the core that one process left idle runs half of them.
+
+
+def pytest_configure(config) -> None:
+    # (taken out of the environment: a process a test starts is no part of the split)
+    config._kairos_claims = os.environ.pop(CLAIMS_ENV, None)
+    config._kairos_serve_done = os.environ.pop(SERVE_DONE_ENV, None)
 
 
 def _in_serve_package(item) -> bool:
@@ -123,16 +135,72 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     rest = [it for it in items if it not in last]
     after = [i for i, it in enumerate(rest) if _in_serve_package(it)]
     start = (after[-1] + 1) if after else 0  # the first test after the serving package
-    if last and start < len(rest) and os.environ.get("KAIROS_TEST_SIGTERM_INLINE") != "1":
+    moved = bool(last) and start < len(rest) and os.environ.get("KAIROS_TEST_SIGTERM_INLINE") != "1"
+    if moved:
         items[:] = rest + last
-        config._kairos_sigterm_start = rest[start].nodeid
+    config._kairos_sigterm_moved = moved
+    config._kairos_serve_left = len(after)  # the serving package's tests still to start (the moved one not counted)
+    config._kairos_past_serve = False
 
 
 def pytest_runtest_setup(item) -> None:
-    if item.nodeid == getattr(item.config, "_kairos_sigterm_start", None):
+    config = item.config
+    if _in_serve_package(item):
+        if item.name != SIGTERM_TEST or not config._kairos_sigterm_moved:
+            config._kairos_serve_left -= 1
+        return
+    if config._kairos_serve_left > 0 or config._kairos_past_serve:
+        return
+    config._kairos_past_serve = True  # the first test after the serving package, whichever file it is in
+    if config._kairos_sigterm_moved:
         from tests.serve import test_shutdown
 
         test_shutdown.start_in_background()
+    if config._kairos_serve_done:
+        open(config._kairos_serve_done, "a").close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """With CLAIMS_ENV set: run the serving package's tests and the other files this process claims (pytest's own
+    loop, but over the files claimed as it goes; the next file is claimed before the last test of the one running,
+    so that the test's teardown knows what comes next)."""
+    claims = session.config._kairos_claims
+    if not claims or session.config.option.collectonly:
+        return None  # pytest's own loop
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} errors during collection")
+    todo = _claimed(session.items, claims, str(session.config.rootpath))
+    item = next(todo, None)
+    while item is not None:
+        nextitem = next(todo, None)
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+        item = nextitem
+    return True
+
+
+def _claimed(items, claims: str, root: str):
+    """`items` (in order) of the serving package and of the files this process claims as it reaches them."""
+    import itertools
+
+    for path, tests in itertools.groupby(items, key=lambda it: str(it.path)):
+        tests = list(tests)
+        name = os.path.relpath(path, root).replace(os.sep, "__")
+        if _in_serve_package(tests[0]) or _claim(os.path.join(claims, name)):
+            yield from tests
+
+
+def _claim(marker: str) -> bool:
+    """Whether this process claimed the file `marker` stands for (it created `marker`; another process did not)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

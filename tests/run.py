@@ -1,0 +1,68 @@
+"""`make test`: the suite in two pytest processes, so that both cores of a small CI box work.
+
+The serving package (tests/serve: one Ray cluster, the Serve apps on port 8000, tests of latency under load) runs
+first and alone, in the first process, as in one process. From its end the other test files, most of them
+in-process tests on one core, are shared by two processes: each takes the next file no process has taken yet
+(tests/conftest.py: `pytest_runtestloop` with KAIROS_TEST_CLAIMS), so they end within about one file of each other
+whatever the files' durations, with no table of them to keep. The first process's output streams here; the second's
+follows when both have ended. The exit status is the first nonzero of the two.
+
+`python -m tests.run ARGS` with any pytest arguments (`make test PYTEST_ARGS=...`), or with KAIROS_TEST_PROCESSES=1
+or one core: a single `python -m pytest ARGS`, as before.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERVE_PACKAGE = "tests/serve"
+# (read by tests/conftest.py) the directory where a process claims a file by creating its name, and the file the first
+# process creates when its serving package has ended
+CLAIMS_ENV, SERVE_DONE_ENV = "KAIROS_TEST_CLAIMS", "KAIROS_TEST_SERVE_DONE"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _pytest(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", *args]
+
+
+def main(argv: list[str]) -> int:
+    if argv or os.environ.get("KAIROS_TEST_PROCESSES") == "1" or _cores() < 2:
+        os.execv(sys.executable, _pytest(argv))
+    with tempfile.TemporaryDirectory(prefix="kairos-test-") as tmp:
+        claims, done, log = Path(tmp) / "claims", Path(tmp) / "serve-done", Path(tmp) / "second.log"
+        claims.mkdir()
+        env = {**os.environ, CLAIMS_ENV: str(claims), SERVE_DONE_ENV: str(done)}
+        first = subprocess.Popen(_pytest([]), env=env)
+        second = None
+        try:
+            while first.poll() is None and not done.exists():
+                time.sleep(0.5)
+            if done.exists():  # (the first process ended before it: it was stopped, or failed to collect)
+                with open(log, "wb") as out:
+                    second = subprocess.Popen(_pytest([f"--ignore={SERVE_PACKAGE}"]), env=env, stdout=out,
+                                              stderr=subprocess.STDOUT)
+            rc_first = first.wait()
+            rc_second = second.wait() if second is not None else None
+        except KeyboardInterrupt:  # (the processes got the terminal's SIGINT too)
+            for p in (first, second):
+                if p is not None:
+                    p.wait()
+            raise
+        if second is not None:
+            print(f"\n===== the second pytest process (the files it took), exit status {rc_second} =====", flush=True)
+            sys.stdout.write(log.read_text(errors="replace"))
+        print(f"\n===== pytest exit statuses: {rc_first} (serving package and files), {rc_second} (files) =====",
+              flush=True)
+        return rc_first or (rc_second or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
