@@ -33,6 +33,21 @@ def _pytest(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", *args]
 
 
+def _s(t: float | None) -> str:
+    return "-" if t is None else f"{t:.0f} s"
+
+
+def _wait(procs: list[subprocess.Popen], t0: float) -> list[float]:
+    """Wait for `procs` to end; when each did, in seconds from `t0`."""
+    ended: list[float | None] = [None] * len(procs)
+    while None in ended:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic() - t0
+        time.sleep(0.2)
+    return ended
+
+
 def main(argv: list[str]) -> int:
     if argv or os.environ.get("KAIROS_TEST_PROCESSES") == "1" or _cores() < 2:
         os.execv(sys.executable, _pytest(argv))
@@ -40,17 +55,19 @@ def main(argv: list[str]) -> int:
         claims, done, log = Path(tmp) / "claims", Path(tmp) / "serve-done", Path(tmp) / "second.log"
         claims.mkdir()
         env = {**os.environ, CLAIMS_ENV: str(claims), SERVE_DONE_ENV: str(done)}
+        t0 = time.monotonic()
         first = subprocess.Popen(_pytest([]), env=env)
-        second = None
+        second, started = None, None
         try:
             while first.poll() is None and not done.exists():
                 time.sleep(0.5)
             if done.exists():  # (the first process ended before it: it was stopped, or failed to collect)
+                started = time.monotonic() - t0
                 with open(log, "wb") as out:
                     second = subprocess.Popen(_pytest([f"--ignore={SERVE_PACKAGE}"]), env=env, stdout=out,
                                               stderr=subprocess.STDOUT)
-            rc_first = first.wait()
-            rc_second = second.wait() if second is not None else None
+            ended = _wait([p for p in (first, second) if p is not None], t0) + [None]
+            rc_first, rc_second = first.returncode, second.returncode if second is not None else None
         except KeyboardInterrupt:  # (the processes got the terminal's SIGINT too)
             for p in (first, second):
                 if p is not None:
@@ -59,8 +76,8 @@ def main(argv: list[str]) -> int:
         if second is not None:
             print(f"\n===== the second pytest process (the files it took), exit status {rc_second} =====", flush=True)
             sys.stdout.write(log.read_text(errors="replace"))
-        print(f"\n===== pytest exit statuses: {rc_first} (serving package and files), {rc_second} (files) =====",
-              flush=True)
+        print(f"\n===== pytest exit statuses: {rc_first} (serving package and files), {rc_second} (files); the second "
+              f"started at {_s(started)}, they ended at {_s(ended[0])} and {_s(ended[1])} =====", flush=True)
         return rc_first or (rc_second or 0)
 
 
