@@ -946,18 +946,17 @@ class OpenAIFrontend:
             if not (first.finish_reason is FinishReason.REJECTED and sb is not None and sb.replica):
                 break
             opinion = first.reject_reason is RejectReason.SLO_UNATTAINABLE
-            if not opinion:
-                busy = (req, gen, first)
             if opinion:
                 # a replica's idle floor is drawn from what its own steps measured (a replica just started, one on
                 # a slower or busier host): another replica is asked once before the client hears no replica can
                 if asked:
                     break
                 asked, judged = True, (req, gen, first)
-            elif reroutes > 0:  # a replica turned it away: another one may have room (router=slo)
-                reroutes -= 1
             else:
-                break
+                busy = (req, gen, first)
+                if reroutes <= 0:
+                    break
+                reroutes -= 1  # a replica turned it away: another one may have room (router=slo)
             # (a second opinion is asked whatever is left of the TTFT SLO: the other replica judges the SLO, not the
             # time left, and a request it would serve when idle is a 429 to retry there, not a 400)
             if (again := _resent(req, waited_ms, t_call, sb.replica, any_time=opinion)) is None:

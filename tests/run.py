@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SERVE_PACKAGE = "tests/serve"
+SERVE_PACKAGE = Path(__file__).resolve().parent / "serve"
 # (read by tests/conftest.py) the directory where a process claims a file by creating its name, and the file the first
 # process creates when its serving package has ended
 CLAIMS_ENV, SERVE_DONE_ENV = "KAIROS_TEST_CLAIMS", "KAIROS_TEST_SERVE_DONE"
