@@ -61,12 +61,13 @@ def main(argv: list[str]) -> int:
         try:
             while first.poll() is None and not done.exists():
                 time.sleep(0.5)
-            if done.exists():  # (the first process ended before it: it was stopped, or failed to collect)
+            # (no file: the first process ended before the package did: it was stopped, or failed to collect)
+            if done.exists():
                 started = time.monotonic() - t0
                 with open(log, "wb") as out:
                     second = subprocess.Popen(_pytest([f"--ignore={SERVE_PACKAGE}"]), env=env, stdout=out,
                                               stderr=subprocess.STDOUT)
-            ended = _wait([p for p in (first, second) if p is not None], t0) + [None]
+            ended = _wait([p for p in (first, second) if p is not None], t0)
             rc_first, rc_second = first.returncode, second.returncode if second is not None else None
         except KeyboardInterrupt:  # (the processes got the terminal's SIGINT too)
             for p in (first, second):
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> int:
             print(f"\n===== the second pytest process (the files it took), exit status {rc_second} =====", flush=True)
             sys.stdout.write(log.read_text(errors="replace"))
         print(f"\n===== pytest exit statuses: {rc_first} (serving package and files), {rc_second} (files); the second "
-              f"started at {_s(started)}, they ended at {_s(ended[0])} and {_s(ended[1])} =====", flush=True)
+              f"started at {_s(started)}, they ended at {', '.join(_s(t) for t in ended)} =====", flush=True)
         return rc_first or (rc_second or 0)
 
 
