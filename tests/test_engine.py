@@ -442,6 +442,21 @@ def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
         eng.shutdown()
 
 
+def _hold_after_first_step(eng: LLMEngine) -> tuple[threading.Event, threading.Event]:
+    """(reached, go): the engine's worker stops after its next model step until `go` is set (30 s at most), and sets
+    `reached` there: what a test queues meanwhile finds that step's request admitted, however slowly the test's own
+    thread runs (a reader scheduled late had found a short reply already finished)."""
+    reached, go = threading.Event(), threading.Event()
+
+    def hold(_event) -> None:
+        if not reached.is_set():
+            reached.set()
+            go.wait(30)
+
+    eng.add_step_observer(hold)
+    return reached, go
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "kairos"])
 def test_priority_scheduling_serves_the_lowest_priority_value_first_and_stays_exact(tiny_checkpoints, policy):
     """vLLM's priority scheduling on a real model: one seat, taken; two requests of priority 1 queue, then one of
@@ -453,10 +468,12 @@ def test_priority_scheduling_serves_the_lowest_priority_value_first_and_stays_ex
         prompts = _prompts(eng.bundle.vocab_limit, seed=2)[:4]
         lens = [24, 6, 6, 12]
         params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lens]
+        reached, go = _hold_after_first_step(eng)
         first = eng.add_request(prompts[0], params[0])
-        head = first.get(timeout=30)  # the seat is taken
+        assert reached.wait(30)  # the seat is taken
         streams = [eng.add_request(prompts[i], params[i], priority=p) for i, p in ((1, 1), (2, 1), (3, -1))]
-        outs = [head.token_ids + [t for o in first for t in o.token_ids]]
+        go.set()
+        outs = [[t for o in first for t in o.token_ids]]
         finals = []
         for s in streams:
             items = list(s)
@@ -507,10 +524,12 @@ def test_rejections_made_with_every_seat_taken_are_counted_apart(tiny_checkpoint
                                                            prefill_max_tokens=256)))
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     try:
-        a = eng.add_request([5] * 40, params, request_id="a")
-        assert not a.get(timeout=30).finished  # the one seat is taken
+        reached, go = _hold_after_first_step(eng)
+        eng.add_request([5] * 40, params, request_id="a")
+        assert reached.wait(30)  # the one seat is taken
         b = eng.add_request([6] * 40, params, request_id="b")  # waits: the queue holds one
         turned = [eng.add_request([7] * 40, params, request_id=x) for x in ("c", "d")]
+        go.set()
         for s in turned:
             last = s.get(timeout=30)
             assert last.finished and last.finish_reason == "rejected"
