@@ -546,11 +546,12 @@ def test_rejections_made_with_every_seat_taken_are_counted_apart(tiny_checkpoint
 def test_abort_frees_blocks_and_ends_stream(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:
+        reached, go = _hold_after_first_step(eng)
         s = eng.add_request([5] * 40, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
                             request_id="long")
-        first = s.get(timeout=30)
-        assert not first.finished
+        assert reached.wait(30)  # running, far from its end
         eng.abort("long")
+        go.set()
         last = None
         for last in s:
             pass
