@@ -1,3 +1,4 @@
+import itertools
 import os
 import sys
 
@@ -185,8 +186,6 @@ def pytest_runtestloop(session):
 
 def _claimed(items, claims: str, root: str):
     """`items` (in order) of the serving package and of the files this process claims as it reaches them."""
-    import itertools
-
     for path, tests in itertools.groupby(items, key=lambda it: str(it.path)):
         tests = list(tests)
         name = os.path.relpath(path, root).replace(os.sep, "__")

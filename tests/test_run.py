@@ -11,6 +11,8 @@ from tests.run import CLAIMS_ENV, SERVE_DONE_ENV
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ["tests/test_reserve.py", "tests/test_autoscaling_policy.py", "tests/test_tier_floor.py",
          "tests/test_stream.py"]
+# (run in both processes below, with the variables set: each process takes them out of its environment)
+POPPED = "tests/test_run.py::test_a_process_a_test_starts_is_not_part_of_the_split"
 
 
 def _ran(xml: Path) -> list[tuple[str, str]]:
@@ -28,22 +30,23 @@ def test_two_processes_run_each_file_once_and_whole(tmp_path: Path) -> None:
     claims.mkdir()
     (claims / FILES[-1].replace("/", "__")).touch()  # a file another process took already: neither runs it
     env = {**os.environ, CLAIMS_ENV: str(claims), SERVE_DONE_ENV: str(done)}
-    procs = [_pytest([*FILES, f"--junitxml={tmp_path / f'{i}.xml'}"], env) for i in range(2)]
+    procs = [_pytest([*FILES, POPPED, f"--junitxml={tmp_path / f'{i}.xml'}"], env) for i in range(2)]
     outs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     ran = [_ran(tmp_path / f"{i}.xml") for i in range(2)]
     alone = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
-                            "--collect-only", *FILES[:-1]], cwd=ROOT, capture_output=True, text=True,
+                            "--collect-only", *FILES[:-1], POPPED], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout
     collected = sorted((f.removesuffix(".py").replace("/", "."), t.split("[")[0])
                        for f, t in (line.split("::") for line in alone.splitlines() if "::" in line))
     assert sorted((m, t.split("[")[0]) for m, t in ran[0] + ran[1]) == collected  # each test once
     modules = [{m for m, _ in r} for r in ran]
     assert not modules[0] & modules[1]  # a file's tests all in one process
-    assert sorted(os.listdir(claims)) == sorted(f.replace("/", "__") for f in FILES)
+    assert sorted(os.listdir(claims)) == sorted(f.replace("/", "__") for f in [*FILES, "tests/test_run.py"])
     assert done.exists()  # no serving package collected: its end is the first test's start
 
 
 def test_a_process_a_test_starts_is_not_part_of_the_split(tmp_path: Path) -> None:
-    """The variables are taken out of the environment the tests (and what they start) see."""
+    """The variables are taken out of the environment the tests (and what they start) see (the test above runs this
+    one in processes started with them)."""
     assert CLAIMS_ENV not in os.environ and SERVE_DONE_ENV not in os.environ
