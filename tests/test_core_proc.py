@@ -54,11 +54,19 @@ def engines(tiny_checkpoints, tmp_path_factory):
     cfg = _config(tiny_checkpoints["llama"])
     script = tmp_path_factory.mktemp("parent") / "parent.py"
     script.write_text(
-        "import sys, time\n"
+        "import sys, time, traceback\n"
+        "class Spy:  # where torch is first looked for, other than by a check that it is installed\n"
+        "    where = None\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        stack = traceback.extract_stack()[:-1]\n"
+        "        if name == 'torch' and Spy.where is None and not any(f.name == 'find_spec' for f in stack):\n"
+        "            Spy.where = ' < '.join(f'{f.filename}:{f.lineno}' for f in reversed(stack)\n"
+        "                                   if not f.filename.startswith('<frozen'))\n"
+        "sys.meta_path.insert(0, Spy())\n"
         "from engine.config import EngineConfig\n"
         "from engine.core_proc import EngineCoreClient\n"
         f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
-        "print(c.pid, 'torch' in sys.modules, flush=True)\n"
+        "print(c.pid, 'torch' in sys.modules, Spy.where, flush=True)\n"
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -262,17 +270,17 @@ def test_a_stopped_engine_process_is_killed_and_its_streams_fail_as_unavailable(
 
 
 @pytest.fixture(scope="module")
-def parent_said(engines) -> tuple[int, bool]:
-    """What the parent process printed once its client was up: its engine process's pid, and whether the parent
-    imported torch."""
-    pid, torch_imported = engines[1].stdout.readline().split()
-    return int(pid), torch_imported == "True"
+def parent_said(engines) -> tuple[int, bool, str]:
+    """What the parent process printed once its client was up: its engine process's pid, whether the parent
+    imported torch, and the stack that first imported it ("None")."""
+    pid, torch_imported, where = engines[1].stdout.readline().split(maxsplit=2)
+    return int(pid), torch_imported == "True", where.strip()
 
 
 def test_a_client_whose_tokenizer_is_a_generic_fast_one_imports_no_torch(parent_said):
     """A process that drives an engine in a child (a Serve replica) needs no torch: the client's tokenizer (the
     checkpoint's generic fast one) is loaded without AutoTokenizer, which imports it."""
-    assert parent_said[1] is False
+    assert parent_said[1] is False, f"torch imported at {parent_said[2]}"
 
 
 def test_the_engine_process_exits_when_its_parent_dies(engines, parent_said):

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.engine import PUBLISH_EVERY_S, LLMEngine
 from engine.errors import EngineDeadError
 from core.messages import ErrorKind
 from core.sampling import SamplingParams
@@ -328,13 +328,15 @@ def test_a_guided_regex_or_choice_reply_matches_whole(tiny_checkpoints, overlap)
     """vLLM's guided_regex and guided_choice (a regex of its texts), and guided_grammar (an EBNF grammar): each
     reply, greedy or sampled, penalized or not, matches whole and ends by its EOS once nothing more could match; with
     overlap scheduling too. Characters whose UTF-8 the tiny vocabulary splits between tokens (CJK, an emoji, the euro
-    sign) are written a token at a time and counted once each."""
+    sign) are written a token at a time and counted once each. Every pattern is bounded, so that the constraint ends
+    each reply within its max_tokens whatever the random model prefers (an unbounded `[a-z]+` ran to the cap where the
+    CPU's kernels' rounding led greedy decoding never to a period)."""
     import re
 
     from core.ebnf_grammar import compile_grammar
     from core.regex_grammar import choice_pattern, matches
 
-    pattern, choices = r"(ab|[0-9]{2,4})-[a-z]+\.", ["red", "green", "blue sky"]
+    pattern, choices = r"(ab|[0-9]{2,4})-[a-z]{1,12}\.", ["red", "green", "blue sky"]
     wide, wide_choices = "[龍国€½]{3}", ["龍国", "🎊 fiesta", "日本"]
     grammar = ('root ::= "(" expr ")"\nexpr ::= term ((" + " | " * ") term){0,2}\n'
                'term ::= [0-9]{1,3} | "x" | "(" inner ")"\ninner ::= [0-9]{1,3} (" - " [0-9])?')
@@ -488,24 +490,43 @@ def test_priority_scheduling_serves_the_lowest_priority_value_first_and_stays_ex
 
 def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
     """The worker publishes its stats after a step that changed its requests (one admitted, one ended), and otherwise
-    often enough that the step count moves while a reply decodes."""
+    often enough that the step count moves while a reply decodes. The worker runs a step only when the test lets it
+    (a step observer), so the 400-token replies run until aborted however slowly the test's own thread runs."""
     eng = _engine(tiny_checkpoints["llama"])
+    permits, free = threading.Semaphore(0), threading.Event()
+
+    def pace(_event) -> None:
+        if not free.is_set():
+            permits.acquire(timeout=30)
+
+    eng.add_step_observer(pace)
 
     def until(cond, timeout=10.0):
         deadline = time.time() + timeout
         while not cond(eng.stats()) and time.time() < deadline:
+            permits.release()  # one more step
             time.sleep(0.002)
         return eng.stats()
+
+    def first(stream, timeout=30.0):
+        deadline = time.time() + timeout
+        while True:
+            try:
+                return stream.get(timeout=0.01)
+            except TimeoutError:
+                assert time.time() < deadline
+                permits.release()  # one more step
 
     try:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         a = eng.add_request([5] * 40, params, request_id="a")
-        assert not a.get(timeout=30).finished
+        assert not first(a).finished
         assert until(lambda st: st.num_running == 1).num_running == 1
         b = eng.add_request([6] * 40, params, request_id="b")
-        assert not b.get(timeout=30).finished
+        assert not first(b).finished
         assert until(lambda st: st.num_running == 2).num_running == 2
         steps = eng.stats().steps
+        time.sleep(2 * PUBLISH_EVERY_S)  # the worker holds: its next step finds its last snapshot old
         assert until(lambda st: st.steps > steps).steps > steps  # the time-based refresh, the requests unchanged
         eng.abort("a")
         assert until(lambda st: st.num_running == 1).num_running == 1
@@ -513,6 +534,8 @@ def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
         st = until(lambda st: st.num_running == 0 and st.kv_blocks_used == 0)
         assert st.num_running == 0 and st.kv_blocks_used == 0
     finally:
+        free.set()
+        permits.release(1000)
         eng.shutdown()
 
 
