@@ -333,6 +333,7 @@ class _TokenizerPreload:
     def __init__(self, config: EngineConfig) -> None:
         self._tok: Any = None
         self._path: str | None = None
+        self._failed: Exception | None = None  # what loading raised
         self._thread = threading.Thread(target=self._load, args=(config,), name="kairos-tokenizer-preload",
                                          daemon=True)
         self._thread.start()
@@ -349,12 +350,18 @@ class _TokenizerPreload:
                 tok = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code,
                                                     local_files_only=True)
             self._tok, self._path = tok, path
-        except Exception:  # noqa: BLE001 - a guess: the client loads the tokenizer itself then
-            self._tok = None
+        except Exception as e:  # noqa: BLE001 - a guess: the client loads the tokenizer itself then
+            self._tok, self._failed = None, e
 
     def result(self, tokenizer_path: str, tokenizer_class: str) -> Any:
         self._thread.join()
         if self._tok is None or self._path != tokenizer_path or class_name(self._tok) != tokenizer_class:
+            if self._failed is not None or self._tok is not None:  # (else there was nothing to preload)
+                log.info("the tokenizer loaded beside the engine's start is not used (%s): loading the tokenizer of "
+                         "%s again",
+                         f"it failed: {self._failed!r}" if self._tok is None else
+                         f"{class_name(self._tok)} of {self._path}, the engine's {tokenizer_class}",
+                         tokenizer_path)
             return None
         return self._tok
 

@@ -63,10 +63,15 @@ def engines(tiny_checkpoints, tmp_path_factory):
         "            Spy.where = ' < '.join(f'{f.filename}:{f.lineno}' for f in reversed(stack)\n"
         "                                   if not f.filename.startswith('<frozen'))\n"
         "sys.meta_path.insert(0, Spy())\n"
+        "import logging\n"
+        "said = []  # what the client logged of its tokenizer's preload\n"
+        "logging.getLogger('kairos.engine').addHandler(logging.Handler())\n"
+        "logging.getLogger('kairos.engine').handlers[-1].emit = lambda r: said.append(r.getMessage())\n"
+        "logging.getLogger('kairos.engine').setLevel(logging.INFO)\n"
         "from engine.config import EngineConfig\n"
         "from engine.core_proc import EngineCoreClient\n"
         f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
-        "print(c.pid, 'torch' in sys.modules, Spy.where, flush=True)\n"
+        "print(c.pid, 'torch' in sys.modules, Spy.where, *said, flush=True)\n"
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -272,7 +277,7 @@ def test_a_stopped_engine_process_is_killed_and_its_streams_fail_as_unavailable(
 @pytest.fixture(scope="module")
 def parent_said(engines) -> tuple[int, bool, str]:
     """What the parent process printed once its client was up: its engine process's pid, whether the parent
-    imported torch, and the stack that first imported it ("None")."""
+    imported torch, and the stack that first imported it ("None") with what the client logged of its tokenizer."""
     pid, torch_imported, where = engines[1].stdout.readline().split(maxsplit=2)
     return int(pid), torch_imported == "True", where.strip()
 
