@@ -71,6 +71,10 @@ def engines(tiny_checkpoints, tmp_path_factory):
         "from engine.config import EngineConfig\n"
         "from engine.core_proc import EngineCoreClient\n"
         f"c = EngineCoreClient(EngineConfig(model={tiny_checkpoints['llama']!r}, dtype='float32', num_threads=1))\n"
+        "from core.messages import GenerateRequest\n"
+        "from core.sampling import SamplingParams\n"
+        "list(c.generate(GenerateRequest(request_id='a', prompt='hello there', params=SamplingParams(\n"
+        "    max_tokens=4, temperature=0.8, seed=1, logprobs=2, prompt_logprobs=1))))  # outputs, with logprobs\n"
         "print(c.pid, 'torch' in sys.modules, Spy.where, *said, flush=True)\n"
         "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
@@ -284,7 +288,8 @@ def parent_said(engines) -> tuple[int, bool, str]:
 
 def test_a_client_whose_tokenizer_is_a_generic_fast_one_imports_no_torch(parent_said):
     """A process that drives an engine in a child (a Serve replica) needs no torch: the client's tokenizer (the
-    checkpoint's generic fast one) is loaded without AutoTokenizer, which imports it."""
+    checkpoint's generic fast one) is loaded without AutoTokenizer, which imports it, and nothing the child sends
+    (its setup, a reply with log-probabilities) holds a torch object."""
     assert parent_said[1] is False, f"torch imported at {parent_said[2]}"
 
 

@@ -893,13 +893,34 @@ def test_a_cached_profile_follows_the_checkpoint_not_its_folder(tiny_checkpoints
     assert model_identity("some-hub/id") == "some-hub/id"  # not a folder: the name as given
 
 
+def _pickled_modules(obj) -> list[str]:
+    """The modules whose classes unpickling `obj` imports."""
+    import io
+    import pickle
+
+    seen: list[str] = []
+
+    class Spy(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.append(module)
+            return super().find_class(module, name)
+
+    Spy(io.BytesIO(pickle.dumps(obj))).load()
+    return seen
+
+
 def test_reprofile_swaps_the_fit_when_idle_and_refuses_while_serving(tiny_checkpoints):
+    from engine import profiling
+
     eng = _engine(tiny_checkpoints["llama"])
     try:
         before = eng.latency_model
         report = eng.reprofile(time_budget_s=2.0)
         assert report["cached"] is False and report["n_decode"] > 0
         assert eng.latency_model is not before and eng.profile_report == report
+        fit, _ = eng.run_idle(lambda e: profiling.load_or_profile(e, 1.0, fresh=True))
+        assert fit.meta and not [m for m in _pickled_modules(fit) if m.split(".")[0] == "torch"]  # (a new fit, as
+        # an engine makes where none is cached: an engine process's client unpickles it, and imports no torch)
         rep = eng.reprofile(time_budget_s=2.0, scale=(2.0, 3.0))  # calibrated: the new fit's times, scaled
         fit, cal = LatencyModel.load(rep["path"]), eng.latency_model  # the cache keeps the unscaled fit
         assert cal.itl_ms(4, 100) == pytest.approx(2.0 * fit.itl_ms(4, 100))
