@@ -32,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
+from engine.file_lock import held
+
 TRAINED_DEFAULT = "kairos-default"  # SmolLM2-135M-Instruct (engine/trained_model.py)
 RANDOM_MODELS: tuple[str, ...] = ("kairos-random-42m", "kairos-tiny")
 EMBEDDED_MODELS: tuple[str, ...] = (TRAINED_DEFAULT, *RANDOM_MODELS)
@@ -271,9 +273,10 @@ def ensure_default_model(name: str = TRAINED_DEFAULT, cache_dir: str | os.PathLi
     target = model_dir(name, cache_dir)
     if is_complete(target):
         return target
-    # The lock serialises builds within this process (they share torch's global RNG state);
-    # across processes the atomic os.replace below decides the winner.
-    with _BUILD_LOCK:
+    # The lock serialises builds within this process (they share torch's global RNG state); the file lock, across
+    # processes (a host's replicas starting at once): the others wait and find the winner's directory. Where the file
+    # cannot be locked, the atomic os.replace below decides the winner.
+    with _BUILD_LOCK, held(target, f"build of {name}"):
         if is_complete(target):
             return target
         target.parent.mkdir(parents=True, exist_ok=True)

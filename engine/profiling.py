@@ -15,6 +15,7 @@ import torch
 from core.kv import BlockManager
 from core.request import Request
 from core.sampling import SamplingParams
+from engine.file_lock import held
 from scheduling.predictor import LatencyModel, cell_medians, profile
 
 if TYPE_CHECKING:
@@ -209,13 +210,30 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     """The cached fit for this engine's setup, or (none cached, or `fresh`) a new one, saved for next time."""
     meta = _meta(engine)
     path = Path(engine.config.scheduler.predictor_path or _default_path(meta))
-    if path.exists() and not fresh:
-        try:
-            model = LatencyModel.load(path)
-            if model.meta.get("fit") and {k: model.meta.get(k) for k in meta} == meta:
-                return model, dict(model.meta["fit"], cached=True, path=str(path))
-        except (ValueError, KeyError, OSError) as e:
-            log.warning("ignoring unreadable latency profile %s: %s", path, e)
+    if not fresh and (cached := _cached(path, meta)) is not None:
+        return cached
+    # one engine of a setup profiles at a time (a host's replicas start together): the others wait for its fit and
+    # load it, instead of timing their probes against each other's on shared cores
+    with held(path, "latency profile"):
+        if not fresh and (cached := _cached(path, meta)) is not None:
+            return cached
+        return _profile(engine, time_budget_s, meta, path)
+
+
+def _cached(path: Path, meta: dict) -> tuple[LatencyModel, dict] | None:
+    if not path.exists():
+        return None
+    try:
+        model = LatencyModel.load(path)
+        if model.meta.get("fit") and {k: model.meta.get(k) for k in meta} == meta:
+            return model, dict(model.meta["fit"], cached=True, path=str(path))
+    except (ValueError, KeyError, OSError) as e:
+        log.warning("ignoring unreadable latency profile %s: %s", path, e)
+    return None
+
+
+def _profile(engine: "LLMEngine", time_budget_s: float, meta: dict, path: Path) -> tuple[LatencyModel, dict]:
+    """A new fit of the engine's setup, saved at `path`."""
     probe = Prober(engine)
     limit = engine.max_model_len - 1
     capacity = engine.cache.num_blocks * engine.cache.block_size

@@ -11,6 +11,7 @@ import torch
 
 from engine import default_model as dm
 from engine.default_model import RANDOM_MODELS, build_model_dir, ensure_default_model
+from engine.file_lock import lock_path
 from engine.backends.cpu.matmul import cpu_has_native_half
 from engine.loader import ModelBundle, load_model, resolve_device, resolve_dtype
 from engine.testing import TINY_VOCAB, build_tiny_checkpoint
@@ -91,7 +92,7 @@ def test_lost_build_race_uses_the_winner(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dm, "build_model_dir", build_and_lose)
     assert ensure_default_model("kairos-tiny", root) == target
-    assert sorted(p.name for p in root.iterdir()) == [target.name]
+    assert sorted(p.name for p in root.iterdir()) == sorted([target.name, lock_path(target).name])  # no temp dir
     assert (target / "model.safetensors").is_file()
 
 

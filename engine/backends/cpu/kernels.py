@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from engine.config import TEAM_ENV, TEAM_NICE_ENV
+from engine.file_lock import held
 
 log = logging.getLogger("kairos.cpu")
 
@@ -554,7 +555,9 @@ def load_source(source: Path, extra_flags: tuple[str, ...] = ()) -> CpuKernels:
         flags = (*FLAGS, *extra_flags)
         path = _library_path(compiler, source, flags)
         if not path.exists():
-            _build(compiler, path, source, flags)
+            with held(path, "build of the CPU kernels"):  # (the others wait, then load its build)
+                if not path.exists():
+                    _build(compiler, path, source, flags)
         lib = ctypes.CDLL(str(path))
         if lib.kairos_abi_version() != ABI_VERSION:
             raise KernelsUnavailable(f"{path} is stale (ABI {lib.kairos_abi_version()}, want {ABI_VERSION})")
