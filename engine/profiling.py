@@ -210,12 +210,14 @@ def load_or_profile(engine: "LLMEngine", time_budget_s: float = 12.0, *,
     """The cached fit for this engine's setup, or (none cached, or `fresh`) a new one, saved for next time."""
     meta = _meta(engine)
     path = Path(engine.config.scheduler.predictor_path or _default_path(meta))
-    if not fresh and (cached := _cached(path, meta)) is not None:
+    if fresh:  # this engine's own new fit (`reprofile`): replicas on devices of their own need not wait in turn
+        return _profile(engine, time_budget_s, meta, path)
+    if (cached := _cached(path, meta)) is not None:
         return cached
-    # one engine of a setup profiles at a time (a host's replicas start together): the others wait for its fit and
-    # load it, instead of timing their probes against each other's on shared cores
+    # none cached: one engine of a setup profiles at a time (a host's replicas start together), and the others wait
+    # for its fit and load it, instead of each profiling (on shared cores, timed against each other's probes)
     with held(path, "latency profile"):
-        if not fresh and (cached := _cached(path, meta)) is not None:
+        if (cached := _cached(path, meta)) is not None:
             return cached
         return _profile(engine, time_budget_s, meta, path)
 
