@@ -925,10 +925,22 @@ def test_reprofile_swaps_the_fit_when_idle_and_refuses_while_serving(tiny_checkp
         fit, cal = LatencyModel.load(rep["path"]), eng.latency_model  # the cache keeps the unscaled fit
         assert cal.itl_ms(4, 100) == pytest.approx(2.0 * fit.itl_ms(4, 100))
         assert cal.prefill_ms(200) == pytest.approx(3.0 * fit.prefill_ms(200))
+        held = threading.Event()
+
+        def hold(_event) -> None:  # (after the busy request's first step, until the profile's job is queued: it
+            if not held.is_set():  # is in flight when the job runs, however late this thread is scheduled)
+                held.set()
+                deadline = time.monotonic() + 30
+                while eng._inbox.empty() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+
+        unsubscribe = eng.add_step_observer(hold)
         s = eng.add_request([5] * 40, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
                             request_id="busy")
+        assert held.wait(30)
         with pytest.raises(RuntimeError, match="in flight"):
             eng.reprofile(time_budget_s=2.0)
+        unsubscribe()
         eng.abort("busy")
         assert list(s)[-1].finish_reason == "abort"
         deadline = time.time() + 5
