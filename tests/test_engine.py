@@ -438,7 +438,9 @@ def test_out_of_blocks_waits_or_preempts_and_stays_exact(tiny_checkpoints):
         prompts = _prompts(eng.bundle.vocab_limit, seed=1)
         outs = _run_staggered(eng, prompts)
         assert outs == _hf_greedy(path, prompts, MAX_TOKENS)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10  # (the stats are published by the worker after the streams end)
+        while eng.stats().kv_blocks_free != 120 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert eng.stats().kv_blocks_free == 120
     finally:
         eng.shutdown()
@@ -1067,16 +1069,19 @@ def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_cou
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         alone = [t for o in eng.add_request([5] * 30, params) for t in o.token_ids]
         errors = eng.scheduler.model_error
+        checked = threading.Event()  # (until the test has seen both: each step of the busy one takes 10 ms or more,
+        eng.add_step_observer(lambda _: checked.is_set() or time.sleep(0.01))  # a 4 s window for a late thread)
         busy = eng.add_request([5] * 30, params)
         first = busy.get(timeout=30)
         cfg = eng.reconfigure({"policy": "scorpio", "vbs_margin": 1.2})
         assert (cfg.policy, cfg.vbs_margin, cfg.prefill_max_tokens) == ("scorpio", 1.2, 256)  # over its start's
         late = eng.add_request([5] * 30, params)
-        deadline = time.time() + 5  # (a fast box runs the first's 400 steps in tens of ms: the stats polled)
+        deadline = time.time() + 5
         while (st := eng.stats()).num_waiting != 1 and time.time() < deadline:
             time.sleep(0.001)
         assert (st.num_running, st.num_waiting) == (1, 1)  # (the test needs the first still running here)
         assert st.policy == "fcfs" and eng.scheduler.config.policy == "fcfs"  # busy: not yet
+        checked.set()
         rest = [t for o in busy for t in o.token_ids]
         assert first.token_ids + rest == alone  # the request in flight is served as before
         assert [t for o in late for t in o.token_ids] == alone  # and the late one, by the new scheduler
@@ -1103,19 +1108,26 @@ def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_cou
 def test_a_request_aborted_while_it_waits_for_a_new_scheduler_no_longer_counts_as_waiting(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:
-        eng.add_step_observer(lambda ev: time.sleep(0.005))  # the running request stays a while (its 200 steps)
-        busy = eng.add_request([5] * 10, SamplingParams(max_tokens=200, ignore_eos=True))
+        checked = threading.Event()  # (until the test has seen it all, the running request's steps take 10 ms or
+        eng.add_step_observer(lambda _: checked.is_set() or time.sleep(0.01))  # more: its 2,000 last 20 s at least)
+        busy = eng.add_request([5] * 10, SamplingParams(max_tokens=2000, ignore_eos=True))
         busy.get(timeout=30)
         eng.reconfigure({"policy": "edf"})
         waiting = [eng.add_request([6] * 10, SamplingParams(max_tokens=5)) for _ in range(3)]
-        time.sleep(0.1)
-        assert eng.stats().num_waiting == 3
+
+        def published(want: tuple) -> tuple:
+            deadline = time.monotonic() + 10
+            while (got := ((st := eng.stats()).num_waiting, st.num_running, st.policy)) != want \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return got
+
+        assert published((3, 1, "fcfs")) == (3, 1, "fcfs")
         for s in waiting:
             eng.abort(s.request_id)
             assert [o for o in s][-1].finish_reason is FinishReason.ABORT
-        time.sleep(0.1)
-        st = eng.stats()
-        assert (st.num_waiting, st.num_running, st.policy) == (0, 1, "fcfs")  # (busy still runs)
+        assert published((0, 1, "fcfs")) == (0, 1, "fcfs")  # (busy still runs)
+        checked.set()
     finally:
         eng.shutdown()
 
