@@ -176,7 +176,13 @@ def test_bad_input_is_a_value_error_in_the_caller(client):
     assert len(toks) == 3 and last.finish_reason is FinishReason.LENGTH
 
 
+# (a test that acts on a request in flight first holds the child's next step, the request's first, with
+# `inject_fault(hang_s=...)`: the child works on while the test's thread waits to be scheduled, and would otherwise end
+# a reply of a few hundred tokens within about a second)
+
+
 def test_duplicate_request_id_is_refused_without_touching_the_first(client):
+    client.inject_fault(hang_s=2.0)
     first = client.generate(_greedy(50, 40))
     dup = client.generate(_greedy(50, 4))
     out = dup.get(timeout=10)
@@ -187,12 +193,13 @@ def test_duplicate_request_id_is_refused_without_touching_the_first(client):
 
 def test_abort_ends_the_stream_and_frees_its_kv(client):
     total = client.stats().kv_blocks_total
+    client.inject_fault(hang_s=2.0)
     stream = client.generate(_greedy(7, 500))
-    stream.get(timeout=30)
     client.abort("r7")
     _, last = _tokens(stream)
     assert last.finish_reason is FinishReason.ABORT
     assert _wait_free(client, total) == total
+    _tokens(client.generate(_greedy(8, 1)))  # (the hold, where the abort came before the request's first step)
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(client):
@@ -206,8 +213,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(client):
 def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(engines):
     c = engines[0]["killed"].result()
     try:
+        c.inject_fault(hang_s=60.0)
         stream = c.generate(_greedy(3, 2000))
-        stream.get(timeout=30)
         os.kill(c._proc.pid, signal.SIGKILL)
         _, last = _tokens(stream)
         # the engine is gone, not a step of it: unavailable (503 and retry over HTTP), as a dead replica is
@@ -222,9 +229,8 @@ def test_a_dead_engine_process_fails_its_streams_and_refuses_new_requests(engine
 def test_a_dead_engine_worker_ends_the_process_and_the_client_refuses_new_requests(engines):
     c = engines[0]["fatal"].result()
     try:
+        c.inject_fault(1, fatal=True)  # (the request's first step breaks the worker's loop)
         stream = c.generate(_greedy(3, 2000))
-        stream.get(timeout=30)
-        c.inject_fault(1, fatal=True)
         _, last = _tokens(stream)
         assert last.finish_reason is FinishReason.ERROR
         assert c._proc.wait(30) is not None  # the child hung up and exited
@@ -324,8 +330,8 @@ def test_a_model_that_cannot_load_raises_value_error_from_the_child(engines):
 
 def test_shutdown_aborts_what_is_in_flight(engines):
     c = engines[0]["shut_down"].result()
+    c.inject_fault(hang_s=2.0)
     stream = c.generate(_greedy(5, 2000))
-    stream.get(timeout=30)
     c.shutdown()
     _, last = _tokens(stream)
     assert last.finished and last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
@@ -380,8 +386,8 @@ def test_a_client_reading_on_an_event_loop_streams_the_same_tokens_and_fails_str
         try:
             assert c._reader is None
             got = await asyncio.gather(*(collect(c.generate(r)) for r in reqs))
+            c.inject_fault(hang_s=60.0)
             long = c.generate(_greedy(3, 2000))
-            await long.aget()
             os.kill(c._proc.pid, signal.SIGKILL)
             _, last = await asyncio.wait_for(collect(long), 30)
             with pytest.raises(EngineDeadError):
@@ -401,8 +407,8 @@ def test_shutdown_of_a_client_reading_on_an_event_loop_ends_what_is_in_flight(ti
 
     async def main():
         c = EngineCoreClient(_config(tiny_checkpoints["llama"]), reader_loop=asyncio.get_running_loop())
+        c.inject_fault(hang_s=2.0)
         stream = c.generate(_greedy(5, 2000))
-        await stream.aget()
         c.shutdown()
         last = None
         async for out in stream:

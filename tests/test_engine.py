@@ -495,18 +495,20 @@ def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
     often enough that the step count moves while a reply decodes. The worker runs a step only when the test lets it
     (a step observer), so the 400-token replies run until aborted however slowly the test's own thread runs."""
     eng = _engine(tiny_checkpoints["llama"])
-    permits, free = threading.Semaphore(0), threading.Event()
+    step, free = threading.Event(), threading.Event()  # (one step at most for each time the test lets one: a
+    # worker scheduled late runs one step, not as many as the test's polls meanwhile)
 
     def pace(_event) -> None:
         if not free.is_set():
-            permits.acquire(timeout=30)
+            step.wait(30)
+            step.clear()
 
     eng.add_step_observer(pace)
 
     def until(cond, timeout=10.0):
         deadline = time.time() + timeout
         while not cond(eng.stats()) and time.time() < deadline:
-            permits.release()  # one more step
+            step.set()  # one more step
             time.sleep(0.002)
         return eng.stats()
 
@@ -517,7 +519,7 @@ def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
                 return stream.get(timeout=0.01)
             except TimeoutError:
                 assert time.time() < deadline
-                permits.release()  # one more step
+                step.set()  # one more step
 
     try:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -537,7 +539,7 @@ def test_stats_follow_the_requests_while_steps_run(tiny_checkpoints):
         assert st.num_running == 0 and st.kv_blocks_used == 0
     finally:
         free.set()
-        permits.release(1000)
+        step.set()
         eng.shutdown()
 
 
@@ -550,6 +552,8 @@ def test_rejections_made_with_every_seat_taken_are_counted_apart(tiny_checkpoint
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     try:
         reached, go = _hold_after_first_step(eng)
+        checked = threading.Event()  # (until the test has seen b waiting, a's steps take 10 ms or more: a 4 s window)
+        eng.add_step_observer(lambda _: checked.is_set() or time.sleep(0.01))
         eng.add_request([5] * 40, params, request_id="a")
         assert reached.wait(30)  # the one seat is taken
         b = eng.add_request([6] * 40, params, request_id="b")  # waits: the queue holds one
@@ -563,6 +567,7 @@ def test_rejections_made_with_every_seat_taken_are_counted_apart(tiny_checkpoint
             time.sleep(0.005)
         st = eng.stats()
         assert st.rejected == {"overloaded": 2} and st.rejected_seats_full == 2 and st.num_waiting == 1
+        checked.set()
         eng.abort("b")
     finally:
         eng.shutdown()
@@ -1085,11 +1090,12 @@ def test_reconfigure_swaps_the_scheduler_once_idle_and_keeps_what_the_engine_cou
         rest = [t for o in busy for t in o.token_ids]
         assert first.token_ids + rest == alone  # the request in flight is served as before
         assert [t for o in late for t in o.token_ids] == alone  # and the late one, by the new scheduler
-        deadline = time.time() + 5
-        while eng.stats().policy != "scorpio" and time.time() < deadline:
+        deadline = time.time() + 5  # (the late one's blocks are free once a snapshot after its end is published)
+        while ((st := eng.stats()).policy != "scorpio" or st.kv_blocks_free != st.kv_blocks_total) \
+                and time.time() < deadline:
             time.sleep(0.01)
-        assert eng.stats().policy == "scorpio" and eng.scheduler.flags.vbs_gate and eng.scheduler.model_error is errors
-        assert eng.stats().kv_blocks_free == eng.stats().kv_blocks_total
+        assert st.policy == "scorpio" and eng.scheduler.flags.vbs_gate and eng.scheduler.model_error is errors
+        assert st.kv_blocks_free == st.kv_blocks_total
         assert [t for o in eng.add_request([5] * 30, params) for t in o.token_ids] == alone
         # the knobs asked replace those asked before: back to the start's policy, with its own margin
         assert eng.reconfigure({}).policy == "fcfs"
@@ -1109,8 +1115,8 @@ def test_a_request_aborted_while_it_waits_for_a_new_scheduler_no_longer_counts_a
     eng = _engine(tiny_checkpoints["llama"])
     try:
         checked = threading.Event()  # (until the test has seen it all, the running request's steps take 10 ms or
-        eng.add_step_observer(lambda _: checked.is_set() or time.sleep(0.01))  # more: its 2,000 last 20 s at least)
-        busy = eng.add_request([5] * 10, SamplingParams(max_tokens=2000, ignore_eos=True))
+        eng.add_step_observer(lambda _: checked.is_set() or time.sleep(0.01))  # more: its reply, clamped to the
+        busy = eng.add_request([5] * 10, SamplingParams(max_tokens=2000, ignore_eos=True))  # window, 5 s at least
         busy.get(timeout=30)
         eng.reconfigure({"policy": "edf"})
         waiting = [eng.add_request([6] * 10, SamplingParams(max_tokens=5)) for _ in range(3)]
@@ -1209,10 +1215,13 @@ def test_a_request_posted_as_the_engine_stops_ends_instead_of_waiting_forever(ti
     eng = _engine(tiny_checkpoints["llama"])
     real = eng._inbox
 
-    class SlowPost:  # the caller's thread descheduled between the check and the put
+    entered, stopped = threading.Event(), threading.Event()
+
+    class SlowPost:  # the caller's thread descheduled between the check and the put, until the engine has stopped
         def put(self, item):
             if isinstance(item, tuple):
-                time.sleep(0.3)
+                entered.set()
+                stopped.wait(10)
             real.put(item)
 
         def get_nowait(self):
@@ -1222,8 +1231,9 @@ def test_a_request_posted_as_the_engine_stops_ends_instead_of_waiting_forever(ti
     box = {}
     poster = threading.Thread(target=lambda: box.setdefault("s", eng.add_request([1, 2, 3], SamplingParams())))
     poster.start()
-    time.sleep(0.05)
+    assert entered.wait(10)  # (checked that the engine runs)
     eng.shutdown()
+    stopped.set()
     poster.join()
     out = box["s"].get(timeout=10)
     assert out.finished and out.finish_reason is FinishReason.ERROR and out.error == "engine shut down"

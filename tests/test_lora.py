@@ -530,6 +530,9 @@ def test_an_adapter_whose_files_hang_fails_its_requests_at_its_deadline_and_late
         decoder.build_lora = stuck_once
         items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="a"))
         assert items[-1].error_kind is ErrorKind.UNAVAILABLE and "lora_load_timeout_s" in items[-1].error
+        # (the next loads get a minute: the loader thread runs at the lowest priority, and on a box whose cores
+        # are busy its read may take longer than half a second)
+        eng.run_idle(lambda e: setattr(e, "config", e.config.model_copy(update={"lora_load_timeout_s": 60.0})))
         want = _peft_greedy(base, adapters["llama"]["a"], PROMPTS[:1], [4])
         assert _run(eng, [(PROMPTS[0], 4, "a")]) == want  # loaded again, on a new thread
         assert len(calls) == 2 and calls[0] != calls[1]
