@@ -447,6 +447,9 @@ def test_requests_of_a_killed_ingress_are_aborted_in_their_replica(rel_app: dict
         while not all(started) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert all(started), "streams did not start"
+        # (their next step holds 4 s: they are still running when the replica finds their caller gone, however
+        # slowly the kill and that check are scheduled)
+        handle.inject_fault.remote(hang_s=4.0).result(timeout_s=10)
         ray.kill(ray.get_actor(actors["Ingress"][0], namespace="serve"), no_restart=False)
         for f in futures:
             f.result(timeout=60)
@@ -508,8 +511,11 @@ def test_killed_replica_fails_inflight_cleanly_and_is_replaced(rel_app: dict) ->
             time.sleep(0.05)
         assert all(started), "streams did not start"
         # the plain requests too are in the replica (on a busy box one sent late reached only the replacement: a 200)
-        while handle.stats.remote().result(timeout_s=10)["inflight"] < 6 and time.monotonic() < deadline:
+        while (inflight := handle.stats.remote().result(timeout_s=10)["inflight"]) < 6 \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert inflight == 6, f"{inflight} of the 6 requests in the replica"
+        handle.inject_fault.remote(hang_s=60.0).result(timeout_s=10)  # (none of them ends before the kill)
         t_kill = time.monotonic()
         ray.kill(ray.get_actor(actors["LLMServer"][0], namespace="serve"), no_restart=False)
         stream_res = [f.result(timeout=90) for f in streams]

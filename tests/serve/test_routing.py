@@ -117,6 +117,9 @@ def test_a_client_gone_before_a_response_whose_body_came_after_its_headers_is_ab
         s.sendall(head)
         time.sleep(0.05)
         s.sendall(body)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # (the request runs in a replica: then the client goes)
+        while sum(st["num_running"] for st in replica_stats(llm_handle).values()) < 1:
+            assert time.monotonic() < deadline, "the request did not start"
+            time.sleep(0.02)
     aborted, idle, stats = _aborted_since(llm_handle, before)
     assert aborted == 1 and idle, stats
