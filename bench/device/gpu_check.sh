@@ -6,10 +6,10 @@
 # .dev/site312.tar.xz (build it here first: `bash bench/device/bundle.sh`).
 #
 # Call it with the device tool's `run` (the commit is written in here: the host gets no .git):
-#   run(carry=[".dev"], timeout_s=420,
+#   run(carry=[".dev"], timeout_s=480,
 #       command="KAIROS_COMMIT=<git rev-parse --short HEAD, here> bash bench/device/gpu_check.sh")
-# Knobs (environment): TOTAL_S the whole run's budget in seconds (default 340: tests then benchmark; the device's
-# start and transfers come on top); TEST_LIMIT_S the tests' share (default 200); TESTS=0 / BENCH=0 skip either;
+# Knobs (environment): TOTAL_S the whole run's budget in seconds (default 400: tests then benchmark; the device's
+# start and transfers come on top); TEST_LIMIT_S the tests' share (default 270); TESTS=0 / BENCH=0 skip either;
 # SHAPE llama-8b (default) | llama-1b; BENCH_ARGS more bench.engine arguments; MIN_BENCH_S the least time left
 # for the benchmark to start (default 120); SUMMARY the benchmark summary's name ($OUT/NAME.json, the schema of
 # bench/summaries/; default engine-cuda-SHAPE). If the benchmark was cut short, a second call on the warm host
@@ -31,8 +31,8 @@ fi
 T0=$(date +%s)
 PY=${PY:-python3}
 export OUT=${OUT:-/tmp/gpucheck-out}
-TOTAL_S=${TOTAL_S:-340}
-TEST_LIMIT_S=${TEST_LIMIT_S:-200}
+TOTAL_S=${TOTAL_S:-400}
+TEST_LIMIT_S=${TEST_LIMIT_S:-270}
 MIN_BENCH_S=${MIN_BENCH_S:-120}
 dflt=engine-cuda-${SHAPE:-llama-8b}; [ "${KAIROS_GPU_TESTS_ON_CPU:-}" = 1 ] && dflt=engine-cpu-tiny
 SUMMARY=${SUMMARY:-$dflt}  # the benchmark's summary: $OUT/$SUMMARY.json (for bench/summaries/)

@@ -6,6 +6,7 @@ mixed context lengths in one batch; chunked prefill; a preempted request resumed
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -188,11 +189,20 @@ def test_best_effort_prompts_in_chunks_beside_a_running_reply_equal_unchunked(de
     eng = make_engine(ckpts["llama"], device, policy="kairos", prefill_max_tokens=32)
     try:
         events, _ = _observe(eng)
+        reached, go = threading.Event(), threading.Event()
+
+        def hold(_event) -> None:  # after the reply's first step the worker waits for the long prompts: on a GPU
+            if not reached.is_set():  # its other 19 steps may take less than a late thread's wake-up
+                reached.set()
+                go.wait(30)
+
+        eng.add_step_observer(hold)
         first = eng.add_request(prompts[0], greedy(20))
-        head = first.get(timeout=120)  # the reply is decoding before the long prompts arrive
+        assert reached.wait(120)  # the reply is decoding before the long prompts arrive
         rest = [eng.add_request(p, greedy(20)) for p in prompts[1:]]
+        go.set()
         toks, last = collect(first)
-        outs = [list(head.token_ids) + toks] + run_all(rest)
+        outs = [toks] + run_all(rest)
         eng.run_idle(lambda e: None, require_idle=False)  # the last step's event is in
     finally:
         eng.shutdown()
