@@ -36,8 +36,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from core.messages import (ErrorKind, GenerateRequest, PromptOptions, ProtocolError, RejectReason, RequestOutput,
-                           TokenLogprob, check_output, clock_id, waited_since_ms)
+from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, PromptOptions, PromptTooLong,
+                           ProtocolError, RejectReason, RequestOutput, TokenLogprob, check_output, clock_id,
+                           waited_since_ms)
 from core.request import SLO, FinishReason, LoraSource
 from core.sampling import SamplingParams
 from deployments import protocol as P
@@ -148,9 +149,14 @@ MAX_CLIENT_REQUEST_ID = 256
 
 
 def client_request_id(value: str | None) -> str | None:
-    """A client's X-Request-Id where it can name a response (vLLM's: `chatcmpl-<id>`; at most
-    MAX_CLIENT_REQUEST_ID printable characters), else None (the server names it)."""
+    """A client's X-Request-Id (or its body's `request_id`) where it can name a response (vLLM's: `chatcmpl-<id>`;
+    at most MAX_CLIENT_REQUEST_ID printable characters, each one a header may carry: the response's
+    x-kairos-request-id names it), else None (the server names it)."""
     if value and len(value) <= MAX_CLIENT_REQUEST_ID and value.isprintable():
+        try:
+            value.encode("latin-1")  # (a header's value: one a header came with always is)
+        except UnicodeEncodeError:
+            return None
         return value
     return None
 
@@ -1057,6 +1063,7 @@ class OpenAIFrontend:
         way)."""
         width = body.n or 1
         eos = frozenset((self._ready_info() or {}).get("eos_token_ids") or ())
+        over_context = (self._ready_info() or {}).get("max_tokens_over_context", "reject")
         model = body.model or self.served_model_name
         first_headers: list[dict[str, str]] = []
 
@@ -1086,9 +1093,19 @@ class OpenAIFrontend:
             if "error" in got:
                 raise APIError(400, got["error"], param=body.fields_at_fault()[0])
             prompt = tuple(got["tokens"])
+            # each step is a request of one token: the reply's cap is checked here, against the context the prompt
+            # leaves, as the engine checks a generation's (a chat's default: the rest of the context)
+            limit, fields = got["max_model_len"], body.fields_at_fault()
+            room, cap = limit - len(prompt), req.params.max_tokens
+            if room < 1:
+                raise APIError(400, str(PromptTooLong(len(prompt), limit)), param=fields[0],
+                               code="context_length_exceeded")
+            if cap is not None and cap > room and over_context == "reject":
+                raise APIError(400, str(ContextLengthExceeded(cap, limit, len(prompt))), param=fields[1],
+                               code="context_length_exceeded")
             beams = BeamSearch(prompt, width, eos, req.params.ignore_eos, req.params.include_stop_str_in_output,
                                body.length_penalty)
-            for k in range(req.params.max_tokens or 1):
+            for k in range(room if cap is None else min(cap, room)):
                 tops = await _all_or_none([step(req, toks, f"{req.request_id}-beam{k}.{j}")
                                            for j, (toks, _) in enumerate(beams.live)])
                 if not beams.grow(tops):

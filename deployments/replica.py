@@ -511,6 +511,8 @@ class LLMReplica:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive(),
                 "sampling_defaults": dict(self.engine.sampling_defaults),
                 "eos_token_ids": list(self.engine.inputs.eos_token_ids),  # (beam search ends a beam at one)
+                # what a max_tokens beyond the context left is (beam search checks its own: its steps are 1 token)
+                "max_tokens_over_context": "reject" if self.engine.inputs.reject_max_tokens_over_context else "clamp",
                 # whether it ranks requests by their priority (scheduling_policy "priority"; `user_config` may set it)
                 "priority_scheduling": self.engine.inputs.priority_scheduling,
                 # the tool-call format its chat template shows (`tool_calls.detect`): tool_call_parser=auto's

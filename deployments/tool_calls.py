@@ -907,12 +907,19 @@ assert tuple(_FORMATS) == PARSERS
 KEEPS_SPECIAL_TOKENS = frozenset({"hermes", "qwen3_coder", "mistral"})  # formats whose marks may be special tokens
 
 
+def _property_types(parameters: Any) -> dict[str, Any]:
+    """A function's parameters by name, with the JSON type each one's schema names (None where it names none: a
+    boolean schema, a schema without `type`)."""
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(props, dict):
+        return {}
+    return {p: s.get("type") if isinstance(s, dict) else None for p, s in props.items()}
+
+
 def model_format_reader(parser: str, tools: list[dict[str, Any]] | None = None) -> ToolCallReader:
     """A reader of the model's own tool-call format (`PARSERS`), for tool_choice "auto"; `tools`: the request's
     function definitions (name, parameters), which qwen3_coder's values are typed by."""
     if parser == "qwen3_coder":
-        types = {t.get("name"): {p: (s or {}).get("type") for p, s in
-                                 ((t.get("parameters") or {}).get("properties") or {}).items()}
-                 for t in tools or () if isinstance(t, dict)}
+        types = {t.get("name"): _property_types(t.get("parameters")) for t in tools or () if isinstance(t, dict)}
         return Qwen3CoderReader(types)
     return _FORMATS[parser]()

@@ -198,6 +198,21 @@ def test_qwen3_coders_values_are_typed_by_their_tools_schema() -> None:
     assert json.loads(calls[0]["function"]["arguments"]) == {"zip": "01234", "n": 7, "extra": [1, 2]}
 
 
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"zip": True, "n": {"type": "integer"}}},  # a boolean schema (JSON Schema's)
+    {"type": "object", "properties": {"zip": "string", "n": {"type": "integer"}}},
+    {"type": "object", "properties": ["zip", "n"]},
+    ["not", "a", "schema"],
+])
+def test_qwen3_coders_reader_takes_any_parameters_a_tool_may_declare(parameters) -> None:
+    """A tool's parameters whose properties are not all schema objects type nothing (was an AttributeError, a 500
+    once the request ran): the values read as JSON where the text is JSON, as for a parameter nobody types."""
+    reply = "<tool_call>\n<function=f>\n<parameter=zip>\nabc\n</parameter>\n<parameter=n>\n7\n</parameter>\n" \
+            "</function>\n</tool_call>"
+    _, calls = model_format_reader("qwen3_coder", [{"name": "f", "parameters": parameters}]).whole(reply)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"zip": "abc", "n": 7}
+
+
 def test_the_format_is_the_one_the_chat_template_shows() -> None:
     assert detect(QWEN) == "hermes" and detect(LLAMA31) == "llama3_json" and detect(MISTRAL) == "mistral"
     assert detect(QWEN3_CODER) == "qwen3_coder"

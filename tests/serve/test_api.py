@@ -976,6 +976,11 @@ def test_a_clients_x_request_id_names_its_response_and_is_echoed(client: httpx.C
     # the body's request_id (vLLM's) names it where no header does; the header wins
     r = client.post("/v1/chat/completions", json={**chat, "request_id": "body-1"})
     assert r.status_code == 200 and r.json()["id"] == "chatcmpl-body-1", r.text
+    for sent in ({**chat, "request_id": "日本"}, {**chat, "request_id": "日本", "max_tokens": 0},
+                 {**chat, "request_id": "日本", "stream": True}):  # one no header can carry: the server names it
+        r = client.post("/v1/chat/completions", json=sent)  # (was a 500: the id is in x-kairos-request-id)
+        assert r.status_code == (400 if sent.get("max_tokens") == 0 else 200), r.text
+        assert r.headers["x-kairos-request-id"].startswith("chatcmpl-") and "日本" not in r.text
     r = client.post("/v1/completions", json={"prompt": "m", "max_tokens": 2, "request_id": "body-2"},
                     headers={"x-request-id": "trace-11"})
     assert r.json()["id"] == "cmpl-trace-11"
@@ -1087,6 +1092,34 @@ def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
                                                        "length_penalty")):
         r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_a_beam_searchs_reply_is_capped_by_the_context_the_prompt_leaves(client: httpx.Client) -> None:
+    """A beam search's steps are requests of one token each, so its reply's cap is checked as a generation's is
+    (vLLM's): a chat without max_tokens searches to the end of the context (was: 1 token), a max_tokens beyond the
+    context left is a 400 before any step (was: a 400 on the prompt once the beams reached the end), and a prompt
+    that fills the context is a 400."""
+    limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    beam = {"use_beam_search": True, "n": 2, "ignore_eos": True, "return_token_ids": True}
+    r = client.post("/v1/completions", json={"prompt": [5] * (limit - 3), "max_tokens": 10, **beam})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "max_tokens"), err
+    assert err["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 10.")
+    r = client.post("/v1/completions", json={"prompt": [5] * limit, "max_tokens": 1, **beam})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    words = 50  # a chat whose template leaves 3 tokens of the context
+    for _ in range(4):
+        turns = [{"role": "user", "content": "a " * words}]
+        count = client.post("/tokenize", json={"messages": turns}).json()["count"]
+        if count == limit - 3:
+            break
+        words += limit - 3 - count
+    assert count == limit - 3, count
+    r = client.post("/v1/chat/completions", json={"messages": turns, **beam})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and all(len(c["token_ids"]) == 3 and c["finish_reason"] == "length" for c in choices)
 
 
 def test_return_token_ids_gives_the_reply_and_prompt_token_ids(client: httpx.Client) -> None:
