@@ -712,6 +712,8 @@ class LLMEngine:
             self._settle()  # a job sees the engine between steps, every launched step resolved
             if self._stop:
                 raise RuntimeError("engine shut down")
+            if self._dead is not None:  # (the inbox drained after the worker's loop broke: no job on its remains)
+                raise EngineDeadError(f"engine is not running: {self._dead!r}")
             self._turn = (time.monotonic(), job.timeout_s + (self.step_timeout_s or math.inf))
             job.result = job.fn(self)
         except BaseException as e:  # noqa: BLE001 - handed to the caller

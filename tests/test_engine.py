@@ -794,6 +794,25 @@ def test_fault_in_a_step_ends_streams_with_error_and_engine_recovers(tiny_checkp
         eng.shutdown()
 
 
+def test_a_job_queued_behind_a_step_that_breaks_the_worker_is_refused_not_run(tiny_checkpoints):
+    """`run_idle`'s job posted while a step runs whose failure breaks the worker's loop: the inbox drained after the
+    loop is refused (EngineDeadError), not run on the broken engine as if it were idle."""
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        eng.inject_fault(hang_s=2.0)  # the next step holds 2 s, then breaks the loop
+        eng.inject_fault(fatal=True)
+        stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+        deadline = time.monotonic() + 10
+        while not (eng._fatal_fault and eng._hang_s == 0) and time.monotonic() < deadline:
+            time.sleep(0.001)  # (until the step holds: both faults read, the hang begun)
+        ran = []
+        with pytest.raises(EngineDeadError):
+            eng.run_idle(lambda e: ran.append(1), timeout=30)
+        assert not ran and list(stream)[-1].finish_reason == "error"
+    finally:
+        eng.shutdown()
+
+
 def test_a_hung_step_fails_every_request_as_unavailable_and_the_engine_counts_dead(tiny_checkpoints):
     """A step stuck in a device call never returns an error: past step_timeout_s the watchdog ends every open
     stream (the request in the step, one sent after) as unavailable, which the Ingress resends elsewhere, and the
