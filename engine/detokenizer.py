@@ -130,15 +130,34 @@ class TokenBytes:
         return text.encode("utf-8")
 
 
+PRIME_MIN, PRIME_MAX = 4, 24  # the prompt's last tokens a reply's decoding starts after (vLLM's bounds)
+
+
 class IncrementalDetokenizer:
+    """A reply's text token by token, decoded after the prompt's last tokens (`prompt_ids`), as vLLM's: a
+    SentencePiece decoder (Llama 2's, Mistral's) strips the space of a sequence's first word, so a reply decoded on
+    its own would lose the space before its first word (`"Paris."` after "The capital of France is", not
+    `" Paris."`). The shortest suffix of PRIME_MIN to PRIME_MAX tokens whose text is whole (no U+FFFD: no character
+    cut at its start) is fed first and its text dropped; none, where no suffix is whole."""
+
     __slots__ = ("_hf", "_tok", "_stream", "_pending", "_skip")
 
-    def __init__(self, hf_tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, hf_tokenizer, skip_special_tokens: bool = True, prompt_ids=()) -> None:
         self._hf = hf_tokenizer
         self._tok = hf_tokenizer.backend_tokenizer
         self._skip = skip_special_tokens  # special tokens (a chat template's markers) left out of the text
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._pending: list[int] = []  # ids whose bytes do not yet form a complete character
+        for t in self._prime(prompt_ids):
+            self._stream.step(self._tok, t)
+
+    def _prime(self, prompt_ids) -> list[int]:
+        ids = list(prompt_ids[-PRIME_MAX:])
+        for n in range(min(PRIME_MIN, len(ids)), len(ids) + 1):
+            suffix = ids[-n:]
+            if "\ufffd" not in self._tok.decode(suffix, skip_special_tokens=self._skip):
+                return suffix
+        return []
 
     def step(self, token_id: int) -> str:
         """Text completed by this token ('' while a character is still incomplete)."""

@@ -38,7 +38,8 @@ class OutputProcessor:
 
     def add(self, req: Request, stream: OutputSink) -> None:
         self._live[req.request_id] = _Live(stream, IncrementalDetokenizer(self.tokenizer,
-                                                                          req.params.skip_special_tokens))
+                                                                          req.params.skip_special_tokens,
+                                                                          req.prompt_token_ids))
 
     def open_streams(self) -> list[tuple[str, OutputSink]]:
         """(request id, stream) of every request not finished yet (the engine's watchdog fails them)."""

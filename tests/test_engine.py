@@ -661,6 +661,40 @@ def test_incremental_detokenizer_multibyte(tiny_checkpoints):
     assert "" in pieces  # some characters really were split across tokens
 
 
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's decoder: a word's marker is its space, the first
+    word's stripped in a decode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "\u2581The", "\u2581capital", "\u2581is", "\u2581Pa", "ris", ".", "\u2581and", "\u2581so"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+def test_a_reply_is_decoded_after_its_prompt_so_its_first_word_keeps_its_space(tiny_checkpoints):
+    """vLLM's: the reply's text is what decoding the prompt and the reply adds to the prompt's: a SentencePiece
+    decode strips a sequence's first space, and a reply decoded alone lost the one before its first word; byte-level
+    BPE (GPT-2's) is the same either way; a prompt whose last tokens cut a character primes nothing."""
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.loader import load_model
+
+    tok = _metaspace_tokenizer()
+    prompt, reply = [1, 2, 3], [4, 5, 6, 7, 8]
+    assert tok.decode(reply) == "Paris. and so"  # (alone: its first space stripped)
+    d = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    text = "".join(d.step(t) for t in reply) + d.flush()
+    assert text == " Paris. and so" == tok.decode(prompt + reply)[len(tok.decode(prompt)):]
+    gpt2 = load_model(tiny_checkpoints["gpt2"]).tokenizer
+    words = "emoji 🎉🧪 and CJK 你好世界, accents héllo wörld ✓"
+    ids, head = gpt2.encode(words, add_special_tokens=False), gpt2.encode("Say it:", add_special_tokens=False)
+    for prompt_ids in (head, head + ids[:5]):  # (the second ends inside a character: nothing primed)
+        d = IncrementalDetokenizer(gpt2, prompt_ids=prompt_ids)
+        assert "".join(d.step(t) for t in ids) + d.flush() == words
+
+
 def test_seeded_sampling_is_reproducible(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:
