@@ -627,15 +627,23 @@ class Sampler:
         else:
             out = [0] * len(reqs)
         if sampled:
+            # each row by its own parameters, whatever its neighbours' (a seeded row draws the same token in any
+            # batch): the kernel draws the rows it can (no min_p), the torch ops the others
             sreqs = [reqs[i] for i in sampled]
-            drawn = None
-            if self.draw_rows is not None and not any(r.params.min_p > 0.0 for r in sreqs):  # (no min_p there)
-                drawn = self.draw_rows(logits, sampled, [r.params.temperature for r in sreqs],
-                                       _top_ks(sreqs, logits.shape[-1]), [r.params.top_p for r in sreqs], u[:, 0])
-            if drawn is None:
-                drawn = self._sample_rows(logits, sreqs, sampled, u).tolist()
-            for i, t in zip(sampled, drawn):
-                out[i] = t
+            got: dict[int, int] = {}
+            kernel = [j for j, r in enumerate(sreqs) if r.params.min_p <= 0.0] if self.draw_rows is not None else []
+            if kernel:
+                ks = [sreqs[j] for j in kernel]
+                drawn = self.draw_rows(logits, [sampled[j] for j in kernel], [r.params.temperature for r in ks],
+                                       _top_ks(ks, logits.shape[-1]), [r.params.top_p for r in ks], u[kernel, 0])
+                if drawn is not None:
+                    got.update(zip(kernel, drawn))
+            rest = [j for j in range(len(sreqs)) if j not in got]
+            if rest:
+                drawn = self._sample_rows(logits, [sreqs[j] for j in rest], [sampled[j] for j in rest], u[rest])
+                got.update(zip(rest, drawn.tolist()))
+            for j, i in enumerate(sampled):
+                out[i] = got[j]
         return out
 
     def _device_paths(self, logits: torch.Tensor, reqs: list[Request], sampled: list[int], u: torch.Tensor,

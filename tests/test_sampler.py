@@ -151,6 +151,21 @@ def test_seeded_rows_repeat_and_a_bad_row_fails_alone(draw):
     assert all(isinstance(o[2], RuntimeError) for o in first)  # the NaN row fails, the others do not
 
 
+def test_a_seeded_rows_draws_do_not_depend_on_its_neighbours_parameters(draw):
+    """A seeded top-p row draws the same tokens alone and beside a min_p row or a greedy one: on the CPU kernel's
+    path a min_p row sent the whole batch to torch's draw, whose order differs (the same uniform, another token)."""
+    s = Sampler(vocab_limit=1000, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3))
+
+    def run(*beside: Request) -> list:
+        s.release("a")
+        return [s.sample(logits[:1 + len(beside)].clone(), [_sampled("a", temperature=1.0, top_p=0.9, seed=42),
+                                                            *beside])[0] for _ in range(10)]
+    alone = run()
+    assert run(_sampled("b", temperature=1.0, min_p=0.01)) == alone
+    assert run(_req("g"), _sampled("b", temperature=1.0, min_p=0.01)) == alone
+
+
 def test_seeds_that_share_their_low_32_bits_draw_different_tokens(draw):
     """Torch's CPU generator keys on a seed's low 32 bits: -1 and 2**63 - 1 (or s and s + 2**32) drew alike."""
     from engine.sampler import generator_seed
