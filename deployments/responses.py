@@ -322,6 +322,8 @@ class ResponseEvents:
             item = message_item("", "in_progress") if kind == "message" else reasoning_item("")
             if kind == "reasoning":
                 item["status"] = "in_progress"
+            else:  # (OpenAI's: the message's part comes with content_part.added, not with the item as well)
+                item["content"] = []
             self.open = {"kind": kind, "item": item, "text": "", "index": index}
             out.append(self._event("response.output_item.added", output_index=index, item=item))
             if kind == "message":

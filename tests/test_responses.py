@@ -110,6 +110,10 @@ def test_a_chat_stream_is_the_responses_events_and_ends_with_the_whole_response(
     assert done["output"][1]["content"][0]["text"] == "Hello" and done["output"][2]["arguments"] == '{"a": 1}'
     assert done["usage"]["output_tokens"] == 5 and done["model"] == "m"
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+    # the message's one part: added by content_part.added, not already in the item added (OpenAI's; an SDK that
+    # builds the item from the events had two parts)
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert added[1]["type"] == "message" and added[1]["content"] == []
     cut = ResponseEvents("resp_2", "m", {})
     tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(_chunk({"content": "x"}, "length"), "[DONE]")
             for e in cut.feed(c)]
