@@ -27,6 +27,7 @@ import bisect
 import functools
 import json
 import math
+import urllib.parse
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Iterator
@@ -114,6 +115,33 @@ def _think(sub: tuple, ch: str) -> State | None:
 START = start()
 
 
+def _finite(value: Any) -> bool:
+    """Whether a JSON value holds no NaN or infinity (at any depth)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def _pointed(root: Any, ref: str) -> Any:
+    """What a local `$ref` (a JSON pointer after "#", RFC 6901, its parts URI-escaped) names in `root`, or None."""
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 @functools.lru_cache(maxsize=64)
 def compile_schema(text: str) -> dict[str, Any]:
     """A JSON schema (its text) made ready for `start` (once per text, the last few kept: shared, never to be
@@ -143,11 +171,13 @@ def compile_schema(text: str) -> dict[str, Any]:
         for key, sub in (got or {}).items():
             defs[f"#/{name}/{key}"] = sub
 
+    defs["#"] = root  # (the whole schema: OpenAI's recursive example's `"$ref": "#"`)
+
     def ref(name: Any) -> dict[str, Any]:
         for _ in range(32):  # a $ref to a $ref: followed
-            got = defs.get(name) if isinstance(name, str) else None
+            got = defs.get(name, _pointed(root, name)) if isinstance(name, str) else None
             if not isinstance(got, dict):
-                raise fail(f"$ref {name!r}", "names no schema under #/$defs or #/definitions")
+                raise fail(f"$ref {name!r}", "names no schema in this one (a JSON pointer from #)")
             if "$ref" not in got:
                 return got
             name = got["$ref"]
@@ -203,6 +233,9 @@ def compile_schema(text: str) -> dict[str, Any]:
                 node[name] = [check(alt, f"{where}.{name}[{k}]") for k, alt in enumerate(alts)]
         if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
             raise fail(f"{where}.enum", "must be a list of values")
+        for name in ("const", "enum"):
+            if name in node and not _finite(node[name]):  # (Python's JSON reads them; no JSON text writes them)
+                raise fail(f"{where}.{name}", "holds NaN or Infinity, which are not JSON values")
         for name in _COUNTS:
             if name in node and (isinstance(node[name], bool) or not isinstance(node[name], int) or node[name] < 0):
                 raise fail(f"{where}.{name}", "must be a non-negative integer")

@@ -227,6 +227,19 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     assert complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number at the top may end anywhere
     const_top = _schema_state({"enum": [1, 12]})
     assert complete(advance(const_top, "1")) and complete(advance(const_top, "12"))
+    # `$ref`s are JSON pointers from the root: "#" itself (OpenAI's recursive UI example), a property's schema, an
+    # escaped name
+    ui = _schema_state({"type": "object", "properties": {"label": {"type": "string"},
+                                                         "children": {"type": "array", "items": {"$ref": "#"}}},
+                        "required": ["label", "children"], "additionalProperties": False})
+    assert complete(advance(ui, '{"label": "a", "children": [{"label": "b", "children": []}]}'))
+    assert advance(ui, '{"label": "a", "children": [{"label": 1') is None
+    props = {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}, "c": {"$ref": "#/$defs/x~1y"},
+             "d": {"$ref": "#/$defs/x%25"}}
+    pointed = _schema_state({"type": "object", "properties": props,
+                             "$defs": {"x/y": {"type": "boolean"}, "x%": {"type": "null"}}})
+    assert complete(advance(pointed, '{"a": 1, "b": 2, "c": true, "d": null}'))
+    assert advance(pointed, '{"b": "2"') is None and advance(pointed, '{"c": 1') is None
 
 
 def _fed(state, chunks):
@@ -478,7 +491,9 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
     ([], "must be a JSON object"), ({"type": "string", "pattern": "(?=a)"}, "pattern"), ({"uniqueItems": True},
                                                                                        "uniqueItems"),
     ({"pattern": 3}, "pattern must be"), ({"pattern": "a$b"}, "matches no text"),
-    ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"type": "strin"}, "type that is none of"),
+    ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"$ref": "#/properties/a/type"}, "names no schema"),
+    ({"$ref": "#"}, "refers to itself"), ({"enum": [1, float("nan")]}, "NaN or Infinity"),
+    ({"properties": {"a": {"const": [float("-inf")]}}}, "NaN or Infinity"), ({"type": "strin"}, "type that is none of"),
     ({"type": 5}, "type that is none of"), ({"type": []}, "type that is none of"),
     ({"properties": {"a": {"multipleOf": 2}}}, "multipleOf"), ({"properties": {"a": 3}}, "must be a schema"),
     ({"properties": [1]}, "properties must be"), ({"items": [{"type": "string"}]}, "items must be a schema"),
