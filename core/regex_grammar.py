@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_NODES = 5_000  # an automaton's positions (a {m,n} repeats its group's): what one step may cost
+MAX_REPARSED = 200_000  # the characters a pattern's {m,n}s parse again (a copy is its atom parsed again): what the
+# compile may cost (a long class repeated, one position a copy, stayed under MAX_NODES and took seconds)
 MAX_REPEAT = 1_000  # the largest count a {m,n} may name
 MAX_DEPTH = 100  # groups within groups
 _CACHE_POSITIONS = 2_000_000  # the positions the steps kept hold in all (each state once), per automaton
@@ -151,6 +153,7 @@ class _Parser:
         self.p, self.i = pattern, 0
         self.nodes: list[_Node] = []
         self.depth = 0  # groups open
+        self.reparsed = 0  # characters parsed again for {m,n} copies
 
     def fail(self, what: str) -> ValueError:
         return ValueError(f"regex {self.p[:60]!r}: {what} (at {self.i})")
@@ -238,7 +241,12 @@ class _Parser:
         again; the mandatory copies in a row, then a loop, or the optional ones each skippable."""
         end = self.i
         copies = [first]
-        for _ in range(lo + (1 if hi is None else hi - lo) - 1):
+        again = lo + (1 if hi is None else hi - lo) - 1
+        self.reparsed += (end - at) * again
+        if self.reparsed > MAX_REPARSED:
+            raise self.fail(f"repeats {MAX_REPARSED} or more characters of itself in all (a long part with a large "
+                            "{m,n})")
+        for _ in range(again):
             self.i = at
             copies.append(self.atom())
         self.i = end
