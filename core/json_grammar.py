@@ -274,16 +274,41 @@ def compile_schema(text: str) -> dict[str, Any]:
 
     def alternatives(node: dict[str, Any]) -> list[dict[str, Any]]:
         return (node.get("anyOf") or []) + (node.get("oneOf") or [])
-    for node in [root, *(ref(n) for n in defs)]:  # an alternative that leads back to itself: no value starts
-        path, todo = [], [(node, 0)]
-        while todo:
-            cur, depth = todo.pop()
-            del path[depth:]
-            if any(cur is p for p in path):
+    # an alternative that leads back to itself: no value starts (a depth-first search of the alternatives, each
+    # schema once: shared ones made a walk of every path exponential)
+    state: dict[int, bool] = {}  # id -> finished (False: on the path now)
+    for node in [root, *(ref(n) for n in defs)]:
+        if id(node) in state:
+            continue
+        state[id(node)], path = False, [(node, iter(alternatives(node)))]
+        while path:
+            nxt = next(path[-1][1], None)
+            if nxt is None:
+                state[id(path.pop()[0])] = True
+            elif id(nxt) not in state:
+                state[id(nxt)] = False
+                path.append((nxt, iter(alternatives(nxt))))
+            elif not state[id(nxt)]:
                 raise fail("the schema", "has an anyOf or oneOf whose alternatives lead back to it")
-            path.append(cur)
-            todo.extend((alt, depth + 1) for alt in alternatives(cur))
     return root
+
+
+def _leaves(node: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The schemas of `node`'s alternatives (`anyOf`, else `oneOf`) that have none of their own, in the order a
+    depth-first search meets them, each once: the first of them a value fits is the one the recursion over the
+    alternatives would take, without its cost (exponential where alternatives share schemas)."""
+    out, seen, todo = [], set(), [node]
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        alts = n.get("anyOf") or n.get("oneOf")
+        if alts:
+            todo.extend(reversed(alts))
+        else:
+            out.append(n)
+    return tuple(out)
 
 
 def _types(node: dict[str, Any]) -> frozenset[str] | None:
@@ -301,9 +326,11 @@ def _types(node: dict[str, Any]) -> frozenset[str] | None:
 def _value(stack: tuple, ch: str, node: Schema) -> State | None:
     """A value of schema `node` starting with `ch`."""
     if node is not None:
-        alts = node.get("anyOf") or node.get("oneOf")
-        if alts:  # (`compile_schema` refuses alternatives that lead back to themselves)
-            for alt in alts:
+        if node.get("anyOf") or node.get("oneOf"):  # (`compile_schema` refuses alternatives that lead back to
+            leaves = node.get(_LEAVES)  # themselves)
+            if leaves is None:
+                leaves = node[_LEAVES] = _leaves(node)
+            for alt in leaves:
                 got = _value(stack, ch, alt)
                 if got is not None:
                     return got
@@ -345,6 +372,7 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
 
 
 _TEXTS = "\x00texts"  # an enum's or const's values as JSON texts, in order, kept in its schema once written
+_LEAVES = "\x00leaves"  # an anyOf's or oneOf's schemas without alternatives (`_leaves`), kept in its schema once found
 
 
 def _choices(texts: tuple[str, ...], prefix: str) -> tuple[bool, bool]:

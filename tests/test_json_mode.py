@@ -227,6 +227,14 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     assert complete(advance(either, "7")) and complete(advance(either, "7 "))  # a number at the top may end anywhere
     const_top = _schema_state({"enum": [1, 12]})
     assert complete(advance(const_top, "1")) and complete(advance(const_top, "12"))
+    # alternatives that share schemas: 2**40 paths to the one string, each schema looked at once (compiling walked
+    # every path, and so did each character's step: hours)
+    shared = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(40)}
+    chain = _schema_state({"$defs": {**shared, "d40": {"type": "string"}}, "$ref": "#/$defs/d0"})
+    assert complete(advance(chain, '"abc"')) and advance(chain, "1") is None
+    first = _schema_state({"anyOf": [{"anyOf": [{"type": "integer", "maximum": 5}, {"enum": [7]}]},
+                                     {"type": "number"}]})  # (the first alternative a value fits, as before)
+    assert complete(advance(first, "7")) and complete(advance(first, "9.5")) and complete(advance(first, "3"))
     # `$ref`s are JSON pointers from the root: "#" itself (OpenAI's recursive UI example), a property's schema, an
     # escaped name
     ui = _schema_state({"type": "object", "properties": {"label": {"type": "string"},
