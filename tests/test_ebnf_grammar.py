@@ -249,9 +249,14 @@ def test_a_deep_chain_of_rules_is_checked_whole():
         compile_grammar('root ::= e0 "x"\n' + empty.replace(f'e{n} ::= "c"?', f'e{n} ::= "c"? root "y" | "c"'))
 
 
+_DOUBLING = "root ::= r300\n" + "\n".join(f'r{i} ::= r{i - 1} r{i - 1} | "a"' for i in range(1, 301)) \
+    + '\nr0 ::= "a" | ""'  # (a parse at every depth to 300: a depth-first search for them dove there, a second a
+# step on the engine's thread; found breadth first, the shallow ones come first)
+
+
 @pytest.mark.parametrize("grammar", ['root ::= "a" root root | ""', 'root ::= root root | "a"',
                                      'e ::= e "+" e | "(" e ")" | "1"\nroot ::= e',
-                                     'root ::= root root | root " " root | [ -~]'])
+                                     'root ::= root root | root " " root | [ -~]', _DOUBLING])
 def test_an_ambiguous_grammar_keeps_its_shallowest_parses_within_a_bound(grammar):
     """A parse per depth the text could have reached (an ambiguous grammar, right- or left-recursive) would make a
     step of a long reply cost millions of copies: a state keeps its shallowest parses, MAX_KEPT of them and
@@ -259,7 +264,7 @@ def test_an_ambiguous_grammar_keeps_its_shallowest_parses_within_a_bound(grammar
     from core.ebnf_grammar import MAX_KEPT, MAX_PLACES
 
     g = compile_grammar(grammar)
-    text = "1+" * 1000 + "1" if grammar.startswith("e") else "a" * 2000
+    text = "1+" * 1000 + "1" if grammar.startswith("e") else "a" * (300 if grammar == _DOUBLING else 2000)
     states = [g.start]
     for ch in text:
         states.append(g.step(states[-1], ch))
