@@ -172,10 +172,16 @@ def compile_schema(text: str) -> dict[str, Any]:
             defs[f"#/{name}/{key}"] = sub
 
     defs["#"] = root  # (the whole schema: OpenAI's recursive example's `"$ref": "#"`)
+    pristine: list[Any] = []  # the schema as sent, where a pointer is read (`check` rewrites `root` as it goes)
+
+    def pointed(name: str) -> Any:
+        if not pristine:
+            pristine.append(json.loads(text))
+        return _pointed(pristine[0], name)
 
     def ref(name: Any) -> dict[str, Any]:
         for _ in range(32):  # a $ref to a $ref: followed
-            got = defs.get(name, _pointed(root, name)) if isinstance(name, str) else None
+            got = (defs[name] if name in defs else pointed(name)) if isinstance(name, str) else None
             if not isinstance(got, dict):
                 raise fail(f"$ref {name!r}", "names no schema in this one (a JSON pointer from #)")
             if "$ref" not in got:
@@ -184,6 +190,7 @@ def compile_schema(text: str) -> dict[str, Any]:
         raise fail(f"$ref {name!r}", "refers to itself")
 
     checked: set[int] = set()
+    schemas: list[dict[str, Any]] = []  # every schema checked (a pointer may name one neither root nor a def)
 
     def check(node: Any, where: str) -> dict[str, Any]:
         """`node` checked, its sub-schemas replaced by what they resolve to; the schema it stands for."""
@@ -194,6 +201,7 @@ def compile_schema(text: str) -> dict[str, Any]:
         if id(node) in checked:
             return node
         checked.add(id(node))
+        schemas.append(node)
         bad = sorted(set(node) - ENFORCED - NOTES)
         if bad:
             raise fail(where, f"uses {', '.join(bad)}, which this server does not enforce")
@@ -267,7 +275,8 @@ def compile_schema(text: str) -> dict[str, Any]:
 
     try:
         for name, sub in defs.items():
-            check(sub, name)
+            if name != "#":  # (the root, checked as "the schema")
+                check(sub, name)
         root = check(root, "the schema")
     except RecursionError:
         raise fail("the schema", "is nested too deeply") from None
@@ -277,7 +286,7 @@ def compile_schema(text: str) -> dict[str, Any]:
     # an alternative that leads back to itself: no value starts (a depth-first search of the alternatives, each
     # schema once: shared ones made a walk of every path exponential)
     state: dict[int, bool] = {}  # id -> finished (False: on the path now)
-    for node in [root, *(ref(n) for n in defs)]:
+    for node in schemas:
         if id(node) in state:
             continue
         state[id(node)], path = False, [(node, iter(alternatives(node)))]

@@ -242,7 +242,7 @@ class _Parser:
         end = self.i
         copies = [first]
         again = lo + (1 if hi is None else hi - lo) - 1
-        self.reparsed += (end - at) * again
+        self.reparsed += (end - at) * max(again, 0)
         if self.reparsed > MAX_REPARSED:
             raise self.fail(f"repeats {MAX_REPARSED} or more characters of itself in all (a long part with a large "
                             "{m,n})")

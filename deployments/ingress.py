@@ -150,9 +150,9 @@ MAX_CLIENT_REQUEST_ID = 256
 
 def client_request_id(value: str | None) -> str | None:
     """A client's X-Request-Id (or its body's `request_id`) where it can name a response (vLLM's: `chatcmpl-<id>`;
-    at most MAX_CLIENT_REQUEST_ID printable characters, each one a header may carry: the response's
-    x-kairos-request-id names it), else None (the server names it)."""
-    if value and len(value) <= MAX_CLIENT_REQUEST_ID and value.isprintable():
+    at most MAX_CLIENT_REQUEST_ID printable characters, each one a header may carry, no space at either end: the
+    response's x-kairos-request-id names it), else None (the server names it)."""
+    if value and len(value) <= MAX_CLIENT_REQUEST_ID and value.isprintable() and value == value.strip():
         try:
             value.encode("latin-1")  # (a header's value: one a header came with always is)
         except UnicodeEncodeError:

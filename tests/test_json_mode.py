@@ -501,6 +501,13 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
     ({"pattern": 3}, "pattern must be"), ({"pattern": "a$b"}, "matches no text"),
     ({"$ref": "#/$defs/Nope"}, "names no schema"), ({"$ref": "#/properties/a/type"}, "names no schema"),
     ({"$ref": "#"}, "refers to itself"), ({"enum": [1, float("nan")]}, "NaN or Infinity"),
+    ({"properties": {"a": {"anyOf": [{"$ref": "#/properties/a"}]}}}, "lead back"),  # (through a pointer's schema)
+    # a pointer reads the schema as sent, through no $ref (JSON Pointer's), whatever the order of the keys
+    ({"properties": {"b": {"$ref": "#/properties/a/properties/x"}, "a": {"$ref": "#/$defs/A"}},
+      "$defs": {"A": {"properties": {"x": {"type": "integer"}}}}}, "names no schema"),
+    ({"properties": {"a": {"$ref": "#/$defs/A"}, "b": {"$ref": "#/properties/a/properties/x"}},
+      "$defs": {"A": {"properties": {"x": {"type": "integer"}}}}}, "names no schema"),
+    ({"properties": {"a": {"foo": 1}}}, "^json_schema: the schema.properties.a uses foo"),
     ({"properties": {"a": {"const": [float("-inf")]}}}, "NaN or Infinity"), ({"type": "strin"}, "type that is none of"),
     ({"type": 5}, "type that is none of"), ({"type": []}, "type that is none of"),
     ({"properties": {"a": {"multipleOf": 2}}}, "multipleOf"), ({"properties": {"a": 3}}, "must be a schema"),

@@ -75,7 +75,9 @@ def test_a_choice_is_matched_only_by_one_of_its_texts_whole() -> None:
     (r"a{5,2}", "below"), (r"a{2000}", "more than"), (r"[a", "does not close"), (r"a$b", "matches no text"),
     (r"*a", "nothing"), ("(" * 300, "deep"), ("(a{1000}){1000}", "positions"), ("(?:.{0,9}){0,999}", "positions"),
     # a long class repeated: one position a copy, each copy parsed again (10M characters: seconds on the front)
-    ("[" + "\u5b57" * 10_000 + "]{1000}", "characters of itself")])
+    ("[" + "\u5b57" * 10_000 + "]{1000}", "characters of itself"),
+    (("[" + "\u5b57" * 10_000 + "]{0}") * 10 + "[" + "\u5b57" * 10_000 + "]{25}", "characters of itself")])  # ({0}
+# gave its part's characters back)
 def test_what_a_reply_cannot_be_checked_against_is_refused(pattern: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         compile_regex(pattern)

@@ -2675,6 +2675,17 @@ def test_all_or_none_cancels_the_rest_and_closes_what_started() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 2.0))
 
 
+def test_a_request_id_names_the_response_only_where_a_header_can_carry_it_as_it_is() -> None:
+    """vLLM's X-Request-Id (or body `request_id`) names the response, and the response's x-kairos-request-id
+    carries it: one a header cannot carry as it is (beyond Latin-1; a space at either end, which h11 refuses and
+    clients strip) is not used, the server names the response."""
+    from deployments.ingress import client_request_id
+
+    assert client_request_id("trace-7") == "trace-7" and client_request_id("req-\xe9") == "req-\xe9"
+    for bad in ("\u65e5\u672c", "abc ", " abc", "a\tb", "x" * 257, "", None):
+        assert client_request_id(bad) is None, bad
+
+
 def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch under a TPOT SLO that a replica keeps for only some of its prompts at once: a prompt turned away for
     the load (429 tpot_unattainable) while others of the batch run waits for one of them to end and is sent again,
