@@ -27,7 +27,6 @@ text of it, though not every text of it may still follow (the reply stays one of
 """
 from __future__ import annotations
 
-import collections
 import functools
 import re
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _co
 
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
 MAX_STACK = 1_000  # a parse's depth in places (a nested group of the text takes one or two): deeper is not followed
-MAX_PARSES = 1_024  # the parses a closure finds (breadth first: 4 x MAX_KEPT), the shallowest of them kept
+MAX_PARSES = 1_024  # the parses a closure finds, the shallowest of them kept: each may be a dive MAX_STACK deep
 # the places a state's parses hold in all (what a step costs: each parse's stack is copied), the shallowest parses
 # kept: an ambiguous grammar (`a ::= "x" a a | ""`) holds a parse per depth the text could have reached, and without
 # a bound a step of a reply thousands of characters deep would cost millions of copies (the engine's thread, for every
@@ -498,10 +497,10 @@ class Grammar:
         once: paths through what may be empty that meet again (a repetition of something that may be empty) end
         there, and so does the work."""
         out: set[tuple] = set()
-        todo = collections.deque(stacks)  # (breadth first: the shallow parses, the ones kept, are found first; depth
-        seen: set[tuple] = set()  # first, an ambiguous grammar's search dove MAX_STACK deep, a deep copy a stack)
+        todo = list(stacks)  # (depth first: each dive ends in a parse, so the work is about MAX_PARSES dives;
+        seen: set[tuple] = set()  # breadth first, a grammar with a choice at every level expanded all of them)
         while todo and len(out) < MAX_PARSES:
-            stack = todo.popleft()
+            stack = todo.pop()
             if stack in seen:
                 continue
             seen.add(stack)
