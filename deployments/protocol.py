@@ -547,6 +547,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's (OpenAI's shape), for the chat template
     tool_call_id: str | None = None  # a tool's reply: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part other than text (an image, audio, a file) is named, not lost in the union's errors."""
+        if isinstance(content, list):
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content part {k} is of type {kind!r}: this server takes text parts only")
+        return content
+
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":  # OpenAI: only an assistant's turn may have none

@@ -2686,6 +2686,22 @@ def test_a_request_id_names_the_response_only_where_a_header_can_carry_it_as_it_
         assert client_request_id(bad) is None, bad
 
 
+def test_a_chat_part_other_than_text_is_named_in_the_400() -> None:
+    """An image (or audio, a file) part of a chat message: a 400 that says so, not pydantic's union of errors."""
+    from pydantic import ValidationError
+
+    from deployments.ingress import _validation_message
+    from deployments.protocol import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x"}}]
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    message, param = _validation_message(e.value, set(ChatCompletionRequest.model_fields))
+    assert message == "messages.0.content: content part 1 is of type 'image_url': this server takes text parts only"
+    assert param == "messages"
+    ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": parts[:1]}]})
+
+
 def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch under a TPOT SLO that a replica keeps for only some of its prompts at once: a prompt turned away for
     the load (429 tpot_unattainable) while others of the batch run waits for one of them to end and is sent again,
