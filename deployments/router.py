@@ -216,6 +216,8 @@ def slack(v: ReplicaView, slo: SLO) -> float | None:
         itl = v.itl_with(tpot, tightest)
         if itl is not None:
             slacks.append((tightest - itl) / tightest)
+        elif tpot is not None:  # its own TPOT SLO and nothing to check it against (no report yet): unknown, as
+            return None  # a TTFT SLO is there, not infinite slack (a new replica took every TPOT request first)
     if not slacks:
         return math.inf  # no SLO (or nothing to check it against): every replica is fine
     s = min(slacks)

@@ -290,6 +290,15 @@ def test_router_predicts_a_long_prompts_ttft_with_its_attention() -> None:
     assert view(_stats(20, 70), 0, 127).pred_ttft_ms == pytest.approx(20 + 50 / 63 * 126)  # no gamma: the line
 
 
+def test_a_replica_without_a_report_is_not_ranked_first_for_a_tpot_slo() -> None:
+    """A replica that has not reported yet (just started) has nothing to check a TPOT SLO against: unknown, after the
+    replicas with measured headroom (as for a TTFT SLO), not first for every TPOT request until its first report."""
+    new, a = _replica("new", {}), _replica("a", {**_stats(20, 70, load=2), "itl_ms": 10.0})
+    for slo in ({"tpot_ms": 50}, {"ttft_ms": 500}, {"ttft_ms": 500, "tpot_ms": 50}):
+        assert _rank([new, a], slo) == ["a", "new"], slo
+    assert _rank([new, a], {}) == ["new", "a"]  # best effort: by load, as before
+
+
 def test_router_counts_its_own_inflight_between_reports() -> None:
     a, b = _replica("a", _stats(20, 70)), _replica("b", _stats(20, 70))
     assert _rank([a, b], {}, inflight={"a": 3}) == ["b", "a"]
