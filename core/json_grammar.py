@@ -171,10 +171,11 @@ def compile_schema(text: str) -> dict[str, Any]:
         for key, sub in (got or {}).items():
             defs[f"#/{name}/{key}"] = sub
 
-    defs["#"] = root  # (the whole schema: OpenAI's recursive example's `"$ref": "#"`)
     pristine: list[Any] = []  # the schema as sent, where a pointer is read (`check` rewrites `root` as it goes)
 
     def pointed(name: str) -> Any:
+        if name == "#":  # the whole schema (OpenAI's recursive example's `"$ref": "#"`)
+            return root
         if not pristine:
             pristine.append(json.loads(text))
         return _pointed(pristine[0], name)
@@ -275,8 +276,7 @@ def compile_schema(text: str) -> dict[str, Any]:
 
     try:
         for name, sub in defs.items():
-            if name != "#":  # (the root, checked as "the schema")
-                check(sub, name)
+            check(sub, name)
         root = check(root, "the schema")
     except RecursionError:
         raise fail("the schema", "is nested too deeply") from None

@@ -1062,8 +1062,8 @@ class OpenAIFrontend:
         response with its status. Streamed, the choices come once the search has ended, each in one chunk (vLLM's
         way)."""
         width = body.n or 1
-        eos = frozenset((self._ready_info() or {}).get("eos_token_ids") or ())
-        over_context = (self._ready_info() or {}).get("max_tokens_over_context", "reject")
+        info = self._ready_info() or {}
+        eos, over_context = frozenset(info.get("eos_token_ids") or ()), info.get("max_tokens_over_context", "reject")
         model = body.model or self.served_model_name
         first_headers: list[dict[str, str]] = []
 

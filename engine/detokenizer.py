@@ -130,7 +130,7 @@ class TokenBytes:
         return text.encode("utf-8")
 
 
-PRIME_MIN, PRIME_MAX = 4, 24  # the prompt's last tokens a reply's decoding starts after (vLLM's bounds)
+PRIME_MIN, PRIME_MAX = 4, 24  # the prompt's last tokens a reply's decoding starts after (vLLM's: 4 to 23)
 
 
 class IncrementalDetokenizer:

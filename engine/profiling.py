@@ -60,7 +60,7 @@ def _meta(engine: "LLMEngine") -> dict:
     """What the fit was made for (its cache key), in plain JSON values: the fit travels pickled to processes that
     import no torch (`engine.core_proc`'s client), where a `torch.__version__` (a TorchVersion) would import it."""
     b, c = engine.bundle, engine.config
-    return json.loads(json.dumps({"version": PROFILE_VERSION, "model": model_identity(b.path), "dtype": str(b.dtype),
+    meta = {"version": PROFILE_VERSION, "model": model_identity(b.path), "dtype": str(b.dtype),
             "device": str(b.device),
             "threads": torch.get_num_threads(), "block_size": c.block_size, "kv_dtype": str(engine.cache.dtype),
             "upcast_linears": engine.upcast_linears, "impl": "kairos" if engine.runner.decoder else "hf",
@@ -71,7 +71,8 @@ def _meta(engine: "LLMEngine") -> dict:
             "torch": torch.__version__,
             # the GPU grid reaches max_num_seqs and twice the prefill budget: a fit probed for other ones is not reused
             **({"max_num_seqs": c.scheduler.max_num_seqs, "prefill_max_tokens": c.scheduler.prefill_max_tokens}
-               if b.device.type == "cuda" else {})}))
+               if b.device.type == "cuda" else {})}
+    return json.loads(json.dumps(meta))  # (as a cached fit's reads back: lists for tuples, str for TorchVersion)
 
 
 def _default_path(meta: dict) -> Path:
