@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,14 +392,27 @@ class RoutingStats:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "RoutingStats":
+    def from_dict(cls, d: Any, unknown_ok: bool = False) -> "RoutingStats":
+        """The stats a replica reported, checked: ProtocolError for a key missing, of the wrong type, or unknown.
+        `unknown_ok`: keys this version does not know are left out instead (a replica of a newer version, during a
+        rolling upgrade: the router reads what it knows)."""
         if not isinstance(d, dict):
             raise ProtocolError(f"routing stats must be a dict, got {type(d).__name__}")
         fields = dataclasses.fields(cls)
         names = {f.name for f in fields}
         # a field with a default may be missing: a replica of the version before it was added (a rolling upgrade)
         required = {f.name for f in fields if f.default is dataclasses.MISSING}
-        if not required <= set(d) <= names:
+        unknown = set(d) - names
+        if not required <= set(d) or (unknown and not unknown_ok):
             raise ProtocolError(f"routing stats keys differ: missing {sorted(required - set(d))}, "
-                                f"unknown {sorted(set(d) - names)}")
-        return cls(**d)
+                                f"unknown {sorted(unknown)}")
+        for f in fields:  # (annotations are strings here: `from __future__ import annotations`)
+            if f.name not in d:
+                continue
+            v, kind = d[f.name], str(f.type)
+            ok = (v is None and kind.endswith("| None")) or (
+                isinstance(v, bool) if kind == "bool" else
+                not isinstance(v, bool) and isinstance(v, numbers.Integral if kind == "int" else numbers.Real))
+            if not ok:
+                raise ProtocolError(f"routing stats field {f.name} is {v!r}, not of type {kind}")
+        return cls(**{k: v for k, v in d.items() if k in names})

@@ -10,9 +10,12 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
   * this router's own in-flight requests per replica (`on_request_routed` / `on_request_completed`, and the
     calls it chose a replica for that are not routed yet, so that requests arriving together spread), fresh
     between reports: requests routed since the last report add their predicted prefill time and their share of
-    the batch, and the strictest TPOT SLO in flight counts as running. Each report also corrects the count: calls
-    it shows ended are dropped (`SLORouter._reconcile`), and a chosen call never routed stops counting after
-    `CHOSEN_TTL_S`.
+    the batch, and the strictest TPOT SLO in flight counts as running. With several ingress replicas a report
+    counts every router's calls: each counts its own since the report was taken, less its own in it that have
+    ended since (a replica's clock is read against this process's through the lag of its reports, not taken as
+    agreeing). Each report also corrects the count: calls it shows ended are dropped (`SLORouter._reconcile`), and
+    a chosen call never routed stops counting after `CHOSEN_TTL_S`. A report that cannot be read (a key missing or
+    of the wrong type) is no report; keys this version does not know are left out (a newer replica's).
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
@@ -35,7 +38,7 @@ import logging
 import math
 import random
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +54,10 @@ log = logging.getLogger("ray.serve")
 # RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S, 0.5 s, until a replica accepts it): stop counting it
 CHOSEN_TTL_S = 5.0
 REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may not be in it yet (transit, clocks)
+# how fast the estimate of a replica's clock against this process's may rise per report (`SLORouter._reconcile`: the
+# least lag seen, so that a replica's clock set back is followed, slowly)
+OFFSET_CREEP_S = 0.01
+ENDED_KEEP = 4096  # calls ended lately, per replica, kept to tell which of them a report (taken before) counted
 REFUSED_TTL_S = 2.0  # a replica that turned a request away is passed over for as strict ones at most this long
 # a replica whose last report is this much older than the freshest one of the others has stopped answering (a stopped
 # process, a network partition: Serve's health check replaces it only after three timeouts, about 90 s)
@@ -169,16 +176,20 @@ def prefix_match(keys: list[int], held: OrderedDict[int, None] | None) -> int:
     return 0
 
 
-def view(report: dict[str, Any] | None, inflight: int, prompt_tokens: int,
-         inflight_tpot_ms: float | None = None) -> ReplicaView:
+def view(report: RoutingStats | dict[str, Any] | None, inflight: int, prompt_tokens: int,
+         inflight_tpot_ms: float | None = None, fresh: int | None = None) -> ReplicaView:
     """What to believe about a replica: its last `RoutingStats` report (None or {} before the first) plus the
-    requests this router sent it since (`inflight`, and the strictest TPOT SLO among those in flight)."""
+    requests this router sent it since (`inflight`: this router's calls in flight there, and the strictest TPOT SLO
+    among them). The arrivals the report does not show: `inflight` less the report's count, which holds where this
+    router is the replica's only caller (one ingress replica: it is 0 where several call it), and at least `fresh`:
+    this router's calls there that the report cannot count (routed since it was taken) less its calls the report
+    counts that have ended since (`SLORouter._reconcile`)."""
     if not report:
         return ReplicaView(load=float(inflight), pred_ttft_ms=None, itl_ms=None, strictest_tpot_ms=inflight_tpot_ms,
                            kv_free=math.inf)
-    st = RoutingStats.from_dict(report)
+    st = report if isinstance(report, RoutingStats) else RoutingStats.from_dict(report)
     reported = float(st.inflight)
-    extra = max(0.0, inflight - reported)  # routed by us since the last report
+    extra = max(0.0, inflight - reported, float(fresh or 0))  # arrivals the report does not show
     q_ms, m_ms = st.predicted_queue_ms, st.predicted_ttft_ms
     pred = None
     if q_ms is not None and m_ms is not None:
@@ -274,6 +285,18 @@ class SLORouter(RequestRouter):
         self._calls: dict[tuple[str, ReplicaID], list[tuple[float | None, float]]] = {}
         # replica -> `ts` of the last report `_reconcile` checked our count against
         self._reconciled: dict[ReplicaID, float] = {}
+        # replica -> its clock less this process's, as far as its reports show (the least lag seen, `_reconcile`),
+        # and the time (this process's clock) its last report was taken: a replica on another node need not agree
+        # with this node's clock, and a second apart would mistake which calls and refusals a report shows
+        self._offset: dict[ReplicaID, float] = {}
+        self._taken: dict[ReplicaID, float] = {}
+        # replica -> this router's calls there that its last report cannot count (chosen, or routed since it was
+        # taken) less its calls that report counts and that have ended since: the replica's load is the report's
+        # plus this (every other ingress replica's calls since are unknown here); and (routed, ended) of the calls
+        # that ended lately, for the next report's count
+        self._fresh: dict[ReplicaID, int] = {}
+        self._ended: dict[ReplicaID, deque[tuple[float, float]]] = {}
+        self._unreadable: set[ReplicaID] = set()  # replicas whose report could not be read (logged once)
         # request id -> (replica ranked first, TPOT SLO, when) for the calls chosen but not yet routed. Serve calls
         # `on_request_routed` only once the replica has answered that it accepts the call (a round trip); every
         # request chosen meanwhile would see the same in-flight counts and go to the same replica. So the choice
@@ -305,10 +328,12 @@ class SLORouter(RequestRouter):
             self._keys.pop(stale, None)
         views = {}
         for r in candidate_replicas:
-            self._reconcile(r.replica_id, r.routing_stats)
+            st = self._stats(r)
+            self._reconcile(r.replica_id, st)
             tpots = self._inflight.get(r.replica_id) or Counter()
-            views[r.replica_id] = view(r.routing_stats or {}, tpots.total(), req.prompt_len_hint,
-                                       min((t for t in tpots if t is not None), default=None))
+            views[r.replica_id] = view(st, tpots.total(), req.prompt_len_hint,
+                                       min((t for t in tpots if t is not None), default=None),
+                                       fresh=self._fresh.get(r.replica_id, 0))
             if r.replica_id in quiet:  # ranked with the dead: last
                 views[r.replica_id] = replace(views[r.replica_id], alive=False)
         avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo, req.priority)
@@ -320,7 +345,23 @@ class SLORouter(RequestRouter):
             self._keys[call_id] = keys
         self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
         self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
+        self._fresh[ranked[0].replica_id] = self._fresh.get(ranked[0].replica_id, 0) + 1
         return [[r] for r in ranked]
+
+    def _stats(self, r: RunningReplica) -> RoutingStats | None:
+        """The replica's last report, None before its first or where it cannot be read (logged once: a malformed
+        report must not fail the routing of every request, which Ray would leave waiting). Keys this version does
+        not know (a newer replica's, during a rolling upgrade) are left out."""
+        if not r.routing_stats:
+            return None
+        try:
+            return RoutingStats.from_dict(r.routing_stats, unknown_ok=True)
+        except ProtocolError as e:
+            if r.replica_id not in self._unreadable:
+                self._unreadable.add(r.replica_id)
+                log.warning("router: the routing stats of %s cannot be read (%s): routed as a replica that has "
+                            "not reported", r.replica_id, e)
+            return None
 
     def _refusing(self, candidates: list[RunningReplica], slo: SLO, priority: int = 0) -> tuple[str, ...]:
         """The candidates that turned away a request as strict as `slo`, and of no higher `priority` value, since
@@ -334,8 +375,8 @@ class SLORouter(RequestRouter):
             if got is None:
                 continue
             at, old, reason, old_priority = got
-            report_ts = (r.routing_stats or {}).get("ts", 0.0)
-            if now - at > REFUSED_TTL_S or report_ts > at + REPORT_LAG_S:  # a report shows the replica since
+            taken = self._taken.get(r.replica_id, -math.inf)  # (on this process's clock, as `at`)
+            if now - at > REFUSED_TTL_S or taken > at + REPORT_LAG_S:  # a report shows the replica since
                 if self._refused.get(uid) is got:  # not a refusal noted meanwhile (the ingress's thread)
                     self._refused.pop(uid, None)
             elif refused_for(slo, old, reason, priority, old_priority):
@@ -351,21 +392,35 @@ class SLORouter(RequestRouter):
         if tpots[tpot] <= 0:
             del tpots[tpot]
 
-    def _reconcile(self, replica_id: ReplicaID, report: dict[str, Any] | None) -> None:
-        """Drop calls a replica's report proves finished. Serve schedules a call's completion callback and the
-        routing coroutine that calls `on_request_routed` separately on the event loop: a call that ends at once
-        (a 429, a 400) can complete *before* it is routed, and would then count as in flight forever, steering
-        every later request away from that replica. A call we routed well before a report (`REPORT_LAG_S`) and
-        still count is in that report's `inflight` if it still runs there (other ingress replicas' calls only add
-        to it); where we hold more such calls than the report counts, the oldest extra ones have ended and are
-        dropped. Once per report."""
-        if not report or self._reconciled.get(replica_id) == report.get("ts"):
+    def _reconcile(self, replica_id: ReplicaID, st: RoutingStats | None) -> None:
+        """Once per report of a replica:
+        * when it was taken, on this process's clock: the report's `ts` plus the replica's clock offset, estimated as
+          the least lag between a report's `ts` and the time it is first seen here (allowed to rise by
+          `OFFSET_CREEP_S` a report, so that a clock set back is followed);
+        * what this router knows the replica holds beyond the report (`_fresh`): its calls chosen or routed since it
+          was taken, less its calls routed before and ended since;
+        * drop calls the report proves finished. Serve schedules a call's completion callback and the routing
+          coroutine that calls `on_request_routed` separately on the event loop: a call that ends at once (a 429, a
+          400) can complete *before* it is routed, and would then count as in flight forever, steering every later
+          request away from that replica. A call we routed well before the report (`REPORT_LAG_S`) and still count
+          is in the report's `inflight` if it still runs there (other ingress replicas' calls only add to it); where
+          we hold more such calls than the report counts, the oldest extra ones have ended and are dropped."""
+        if st is None or self._reconciled.get(replica_id) == st.ts:
             return
-        st = RoutingStats.from_dict(report)
         self._reconciled[replica_id] = st.ts
-        before = sorted(((routed_at, key, i) for key, calls in self._calls.items() if key[1] == replica_id
-                         for i, (_, routed_at) in enumerate(calls) if routed_at < st.ts - REPORT_LAG_S),
-                        key=lambda c: c[0])
+        now = time.time()
+        old = self._offset.get(replica_id)
+        offset = self._offset[replica_id] = now - st.ts if old is None else min(now - st.ts, old + OFFSET_CREEP_S)
+        taken = self._taken[replica_id] = st.ts + offset
+        ended = self._ended.get(replica_id)
+        while ended and ended[0][1] < taken:  # ended before the report: it does not count them
+            ended.popleft()
+        mine = [(routed_at, key, i) for key, calls in self._calls.items() if key[1] == replica_id
+                for i, (_, routed_at) in enumerate(calls)]
+        self._fresh[replica_id] = sum(routed_at >= taken for routed_at, _, _ in mine) \
+            + sum(c[0] == replica_id for c in self._chosen.values()) \
+            - sum(routed_at < taken for routed_at, _ in ended or ())
+        before = sorted((c for c in mine if c[0] < taken - REPORT_LAG_S), key=lambda c: c[0])
         extra = len(before) - st.inflight
         if extra <= 0:
             return
@@ -382,6 +437,7 @@ class SLORouter(RequestRouter):
         chosen = self._chosen.pop(call_id, None)
         if chosen is not None:
             self._count(chosen[0], chosen[1], -1)
+            self._fresh[chosen[0]] = self._fresh.get(chosen[0], 0) - 1
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         req = generate_request(pending_request)
@@ -398,16 +454,20 @@ class SLORouter(RequestRouter):
                 held.popitem(last=False)
         self._calls.setdefault((call_id, replica_id), []).append((tpot, time.time()))
         self._count(replica_id, tpot, +1)
+        self._fresh[replica_id] = self._fresh.get(replica_id, 0) + 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = (internal_request_id, replica_id)
         calls = self._calls.get(key)
         if not calls:
             return
-        tpot, _ = calls.pop()
+        tpot, routed_at = calls.pop()
         if not calls:
             del self._calls[key]
         self._count(replica_id, tpot, -1)
+        # routed since the last report: no longer an arrival it misses; routed before: an end it does not show yet
+        self._fresh[replica_id] = self._fresh.get(replica_id, 0) - 1
+        self._ended.setdefault(replica_id, deque(maxlen=ENDED_KEEP)).append((routed_at, time.time()))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new set of replicas: what the router kept of those no longer in it (stopped by a scale-down or a
@@ -426,6 +486,9 @@ class SLORouter(RequestRouter):
         self._inflight.pop(replica_id, None)
         self._calls = {k: v for k, v in self._calls.items() if k[1] != replica_id}
         self._reconciled.pop(replica_id, None)
+        for table in (self._offset, self._taken, self._fresh, self._ended):
+            table.pop(replica_id, None)
+        self._unreadable.discard(replica_id)
         self._prefixes.pop(replica_id, None)
         self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}
 

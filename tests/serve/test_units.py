@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import random
 import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -596,11 +599,23 @@ def test_a_burst_of_strict_requests_goes_where_the_gates_admit_it() -> None:
     assert sorted(chosen[:6]) == ["a", "a", "b", "b", "b", "b"] and chosen[6] == "a"
 
 
-def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_ones_until_it_reports() -> None:
+def _fake_clock(monkeypatch) -> list[float]:
+    """This process's wall clock, as the router and the refusals read it: moved by the test (`clock[0] += s`)."""
+    clock = [time.time()]
+    fake = SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic)
+    monkeypatch.setattr("deployments.router.time", fake)
+    monkeypatch.setattr("deployments.refusals.time", fake)
+    return clock
+
+
+def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_ones_until_it_reports(
+        monkeypatch) -> None:
     import asyncio
 
     from deployments.refusals import note_refusal
     from deployments.router import SLORouter
+
+    clock = _fake_clock(monkeypatch)
 
     @dataclasses.dataclass(frozen=True)
     class Rid:
@@ -635,7 +650,12 @@ def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_
     note_refusal("a", SLO(ttft_ms=500.0), "ttft_unattainable")
     assert first(None, 400.0) == "b" and first(None, 400.0, priority=-1) == "a"  # a TTFT refusal: its queue's order
     forget_choices()
-    a.routing_stats = {**a.routing_stats, "ts": time.time() + 5.0}  # a newer report shows "a" as it is now
+    note_refusal("a", SLO(tpot_ms=20.0), "tpot_unattainable")
+    a.routing_stats = {**a.routing_stats, "ts": 0.5}  # a report from "a" whose clock is 1.76e9 s behind ours...
+    clock[0] += 1.5
+    assert first(20.0) == "b"  # ...taken before the refusal: it still holds
+    forget_choices()
+    a.routing_stats = {**a.routing_stats, "ts": 1.5}  # a newer report shows "a" as it is now
     assert first(20.0) == "a" and not router._refused
 
 
@@ -667,13 +687,14 @@ def test_the_router_forgets_a_replica_serve_stopped(monkeypatch) -> None:
     assert "a" not in router._refused and a.replica_id not in router._inflight and a.replica_id not in router._prefixes
 
 
-def test_router_drops_calls_a_report_proves_finished() -> None:
+def test_router_drops_calls_a_report_proves_finished(monkeypatch) -> None:
     # Serve may run a call's completion callback before `on_request_routed` (a call that failed at once): that call
     # would count as in flight forever and steer every request away from its replica, unless a report fixes it
     import asyncio
 
     from deployments.router import REPORT_LAG_S, SLORouter
 
+    clock = _fake_clock(monkeypatch)
     router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
     router.initialize_state()
 
@@ -686,18 +707,100 @@ def test_router_drops_calls_a_report_proves_finished() -> None:
     router.on_request_routed(pending("http-0", 10.0), "a", None)  # ...then routed: a leak
     router.on_request_routed(pending("http-1"), "a", None)  # still running there
     assert router._inflight["a"].total() == 2
-    t0 = time.time()
+    t0 = 1000.0  # the replicas' clock, far from this process's
     a, b = _replica("a", {**_stats(10, 20), "ts": t0}), _replica("b", {**_stats(10, 20, kv=99), "ts": t0})
     # a report taken right after they were routed proves nothing yet (it may not include them)
     asyncio.run(router.choose_replicas([a, b], pending("http-2")))
     assert router._inflight["a"].total() == 2
     # a later report counts one call running: one of ours is gone, and the strict TPOT with it (the oldest)
+    clock[0] += REPORT_LAG_S + 1.0
     a.routing_stats = {**_stats(10, 20, load=1), "ts": t0 + REPORT_LAG_S + 1.0}
     b.routing_stats = {**_stats(10, 20, kv=99), "ts": t0 + REPORT_LAG_S + 1.0}
     chosen = asyncio.run(router.choose_replicas([a, b], pending("http-3")))[0][0].replica_id
     assert dict(router._inflight["a"]) == {None: 1 + (chosen == "a")}
     router.on_request_completed("a", "http-1")
     assert router._calls == {}
+
+
+def test_routers_of_several_ingress_replicas_spread_a_burst_between_reports(monkeypatch) -> None:
+    """Four ingress replicas, each with its own router, two LLM replicas that report 8 calls in flight each (2 from
+    each router). A burst of 3 requests at each ingress before the next report: each router counts the calls it sent
+    since the report, not its in-flight count less the report's (which stays below 0: every router saw no change and
+    sent all 12 to the replica that wins ties)."""
+    import asyncio
+
+    from deployments.router import SLORouter
+
+    clock = _fake_clock(monkeypatch)
+    a = _replica("a", {**_stats(10, 20, load=8), "ts": 50.0})
+    b = _replica("b", {**_stats(10, 20, load=8, kv=99), "ts": 50.0})  # "a" first on ties (more KV free)
+    routers = []
+    for k in range(4):
+        router = object.__new__(SLORouter)
+        router.initialize_state()
+        for i, where in enumerate("aabb"):  # routed before the report: in its count
+            router.on_request_routed(_pending(f"old-{k}-{i}"), where, None)
+        routers.append(router)
+    clock[0] += 0.5  # the report comes (taken after those calls)
+    sent = Counter()
+    for k, router in enumerate(routers):
+        for i in range(3):
+            p = _pending(f"new-{k}-{i}", ttft=1000.0)
+            where = asyncio.run(router.choose_replicas([a, b], p))[0][0].replica_id
+            router.on_request_routed(p, where, None)
+            sent[where] += 1
+    assert sent == {"a": 8, "b": 4}  # each router: a, b, a
+    # a call routed before the report that ended since is one fewer there than it shows
+    router = routers[0]
+    router.on_request_completed("a", "old-0-0")
+    router.on_request_completed("a", "old-0-1")
+    router.on_request_completed("a", "new-0-0")
+    router.on_request_completed("a", "new-0-2")
+    assert router._fresh == {"a": -2, "b": 1}
+    p = _pending("new-0-3", ttft=1000.0)
+    assert asyncio.run(router.choose_replicas([a, b], p))[0][0].replica_id == "a"
+    # the next report (taken after the ends, 1 s later by the replicas' clock) counts afresh: the one call to "b"
+    clock[0] += 1.0
+    a.routing_stats = {**a.routing_stats, "ts": 51.0}
+    b.routing_stats = {**b.routing_stats, "ts": 51.0}
+    router._unchoose("new-0-3")
+    asyncio.run(router.choose_replicas([a, b], _pending("new-0-4", ttft=1000.0)))
+    assert router._fresh == {"a": 1, "b": 0}  # (the call just chosen)
+
+
+def _pending(call_id: str, tpot: float | None = None, ttft: float | None = None) -> SimpleNamespace:
+    req = GenerateRequest(f"cmpl-{call_id}", prompt="x", slo=SLO(tpot_ms=tpot, ttft_ms=ttft))
+    return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call_id),
+                           args=(req,), kwargs={})
+
+
+def test_a_report_the_router_cannot_read_leaves_the_replica_unreported_and_routing_going(caplog) -> None:
+    """A key a newer replica adds (a rolling upgrade) is left out; a report with a key missing or of the wrong type
+    is the replica's not having reported (logged once): routing still answers, where an exception would leave Ray's
+    pending request waiting."""
+    import asyncio
+
+    from deployments.router import SLORouter
+
+    router = object.__new__(SLORouter)
+    router.initialize_state()
+    newer = _replica("newer", {**_stats(10, 20, load=3), "ts": 5.0, "new_field": [1]})
+    broken = _replica("broken", {**_stats(10, 20), "num_running": "3"})
+    plain = _replica("plain", _stats(10, 20, load=1))
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        views = {r.replica_id: view(router._stats(r), 0, 64) for r in (newer, broken, plain)}
+        assert views["newer"].load == 3 and views["plain"].load == 1
+        assert views["broken"].pred_ttft_ms is None and views["broken"].load == 0  # as one with no report yet
+        for i in range(3):
+            ranked = asyncio.run(router.choose_replicas([newer, broken, plain], _pending(f"c{i}", ttft=500.0)))
+            assert len(ranked) == 3 and ranked[-1][0].replica_id == "broken"
+    assert sum("cannot be read" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(ProtocolError, match="num_running"):
+        RoutingStats.from_dict(broken.routing_stats)
+    for bad in ({"alive": 1}, {"ts": None}, {"kv_blocks_free": 1.5}, {"vbs": True}):
+        with pytest.raises(ProtocolError):
+            RoutingStats.from_dict({**plain.routing_stats, **bad})
+    assert RoutingStats.from_dict({**plain.routing_stats, "itl_ms": None, "vbs": 2, "kv_blocks_free": np.int64(7)})
 
 
 def test_router_without_stats_spreads_by_inflight() -> None:
