@@ -607,7 +607,7 @@ class _ChatPrompt(BaseModel):
 
     def turns(self) -> tuple[ChatTurn, ...]:
         return tuple(ChatTurn(m.role, m.text(), json.dumps(m.tool_calls) if m.tool_calls else None,
-                              m.tool_call_id) for m in self.messages)
+                              m.tool_call_id, m.name) for m in self.messages)
 
 
 class FunctionDef(BaseModel):

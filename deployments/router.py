@@ -150,7 +150,7 @@ def prefix_keys(req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         o = req.options
         text = "\x00".join([o.chat_template or "", o.tools or ""] + [
-            f"{t.role}\x01{t.content}\x01{t.tool_calls or ''}" for t in req.messages])
+            f"{t.role}\x01{t.name or ''}\x01{t.content}\x01{t.tool_calls or ''}" for t in req.messages])
     elif isinstance(req.prompt, str):
         text = req.prompt
     else:

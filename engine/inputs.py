@@ -76,7 +76,8 @@ def _as_template_reads(template: Any, turns: list[dict[str, Any]]) -> list[dict[
 
 def _turn(m: ChatTurn) -> dict[str, Any]:
     """A message as a chat template reads it: an assistant's tool calls with their arguments as objects (templates
-    write them out as JSON: vLLM parses the OpenAI arguments' JSON text likewise), a tool reply's call id."""
+    write them out as JSON: vLLM parses the OpenAI arguments' JSON text likewise), a tool reply's call id, and the
+    message's `name` where it has one (as vLLM passes it: a template may show who speaks, or a tool's name)."""
     turn: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         calls = json.loads(m.tool_calls)
@@ -90,6 +91,8 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
         turn["tool_calls"] = calls
     if m.tool_call_id is not None:
         turn["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        turn["name"] = m.name
     return turn
 
 

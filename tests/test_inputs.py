@@ -155,7 +155,8 @@ def test_prompt_ids_are_what_a_generation_takes_and_detokenize_reads_them_back(b
 def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
     """OpenAI's tools (`PromptOptions.tools`) go to the template as `tools`; an assistant's tool calls with their
     arguments as objects (JSON text parsed, as vLLM does for templates that write them out), a tool reply's call
-    id; truncate_prompt_tokens keeps the prompt's last tokens."""
+    id, a message's name (from the request's messages too); truncate_prompt_tokens keeps the prompt's last
+    tokens."""
     import json
 
     from engine.inputs import render_chat
@@ -165,13 +166,21 @@ def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
         "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}"
         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
         "{% if m.tool_calls %}={{ m.tool_calls[0].function.arguments.city }}{% endif %}"
-        "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}|{% endfor %}")
+        "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}{% if m.name %}({{ m.name }}){% endif %}|"
+        "{% endfor %}")
     tools = [{"type": "function", "function": {"name": "get_weather"}},
              {"type": "function", "function": {"name": "t2"}}]
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
     turns = [ChatTurn("user", "hi"), ChatTurn("assistant", "", json.dumps(calls)), ChatTurn("tool", "21", None, "c1")]
     text = render_chat(tok, turns, PromptOptions(add_generation_prompt=False, tools=json.dumps(tools)))
     assert text == "get_weather;t2;user:hi|assistant:=Oslo|tool:21[c1]|"
+    from deployments.protocol import ChatCompletionRequest
+
+    sent = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi", "name": "ada"}, {"role": "tool", "content": "21", "tool_call_id": "c1",
+                                                          "name": "get_weather"}]})
+    assert render_chat(tok, sent.turns(), PromptOptions(add_generation_prompt=False)) == \
+        "user:hi(ada)|tool:21[c1](get_weather)|"
     assert render_chat(tok, turns[:1], PromptOptions(add_generation_prompt=False)) == "user:hi|"
     own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
     assert render_chat(tok, turns[:1], PromptOptions(chat_template=own)) == "<user>hi>"  # a request's own template
