@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm, cuts,
                                 strong_components)
+from core.step_cache import MISSING, StepCache
 
 MAX_ELEMENTS = 50_000  # a grammar's elements once its quantifiers are written out
 MAX_STACK = 1_000  # a parse's depth in places (a nested group of the text takes one or two): deeper is not followed
@@ -44,7 +45,7 @@ MAX_PARSES = 1_024  # the parses a closure finds, the shallowest of them kept: e
 MAX_PLACES = 4_096
 MAX_KEPT = 256  # and the parses it keeps (the guided rows' token checks step each one's stack)
 _CACHE_PLACES = 2_000_000  # the places the states the steps kept hold in all, per grammar, before it starts over
-_CACHE_STEPS = 1_000_000  # and the steps kept
+_CACHE_STEPS = 1_000_000  # and the steps kept (every grammar's and regex's together: `core.step_cache.BUDGET`)
 
 State = frozenset  # of stacks: tuples of (alternative, element) places; () a parse that has ended
 
@@ -220,9 +221,7 @@ class Grammar:
         self._factor()
         self._prune()
         self._check_left_recursion()
-        self._steps: dict[tuple[State, int], State | None] = {}
-        self._states: dict[State, State] = {}
-        self._held = 0
+        self._steps: StepCache[State] = StepCache(_CACHE_PLACES, _CACHE_STEPS)
         self.start = self._closure([((b, 0),) for b in self.rules[self._names["root"]]])
 
     # ------------------------------------------------------------------ compiling
@@ -534,11 +533,10 @@ class Grammar:
 
     def step(self, state: State, ch: str) -> State | None:
         """The parses after `ch`, or None where none goes on."""
-        key = (state, ord(ch))
-        got = self._steps.get(key, ...)
-        if got is not ...:
-            return got  # type: ignore[return-value]
         c = ord(ch)
+        got = self._steps.get(state, c)
+        if got is not MISSING:
+            return got  # type: ignore[return-value]
         moved = []
         for stack in state:
             if stack:
@@ -546,25 +544,7 @@ class Grammar:
                 if _has(self.alts[a][i][1], c):  # type: ignore[arg-type]
                     moved.append(stack[:-1] + ((a, i + 1),))
         res = self._closure(moved) if moved else None
-        if len(self._steps) >= _CACHE_STEPS:  # a memory's worth kept: start over
-            self._forget()
-        if res is not None:
-            held = self._states.get(res)
-            if held is None:
-                size = sum(len(s) for s in res) + 1
-                if self._held + size > _CACHE_PLACES:
-                    self._forget()
-                self._states[res] = res
-                self._held += size
-            else:
-                res = held
-        self._steps[key] = res
-        return res
-
-    def _forget(self) -> None:
-        self._steps.clear()
-        self._states.clear()
-        self._held = 0
+        return self._steps.put(state, c, res, _places)
 
     def samples(self, state: State, lo: int, hi: int) -> list[int]:
         """Code points `lo`..`hi` that stand for all of them at `state` (`regex_grammar.cuts`), as `Regex.samples`."""
@@ -572,6 +552,11 @@ class Grammar:
 
     def accepts(self, state: State) -> bool:
         return () in state
+
+
+def _places(state: State) -> int:
+    """The places a state holds (its stacks' places, and one for itself)."""
+    return sum(len(s) for s in state) + 1
 
 
 @functools.lru_cache(maxsize=64)

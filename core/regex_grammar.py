@@ -18,12 +18,15 @@ import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from core.step_cache import MISSING, StepCache
+
 MAX_NODES = 5_000  # an automaton's positions (a {m,n} repeats its group's): what one step may cost
 MAX_REPARSED = 200_000  # the characters a pattern's {m,n}s parse again (a copy is its atom parsed again): what the
 # compile may cost (a long class repeated, one position a copy, stayed under MAX_NODES and took seconds)
 MAX_REPEAT = 1_000  # the largest count a {m,n} may name
 MAX_DEPTH = 100  # groups within groups
 _CACHE_POSITIONS = 2_000_000  # the positions the steps kept hold in all (each state once), per automaton
+_CACHE_STEPS = 1_000_000  # and the steps kept (every automaton's together: `core.step_cache.BUDGET`)
 _TOP = 0x10FFFF
 
 Ranges = tuple[tuple[int, int], ...]  # sorted, disjoint code point ranges
@@ -405,9 +408,7 @@ class Regex:
             start, ends = pre, [(post, "out")]
         p.patch(ends, p.new(_MATCH))
         self.nodes = p.nodes
-        self._steps: dict[tuple[frozenset[int], int], frozenset[int] | None] = {}
-        self._states: dict[frozenset[int], frozenset[int]] = {}  # each state the steps hold, once
-        self._held = 0  # the positions those states hold
+        self._steps: StepCache[frozenset[int]] = StepCache(_CACHE_POSITIONS, _CACHE_STEPS)
         self._live = self._coreachable()
         self._dmin, self._dmax = self._distances()
         self.start = self._closure([start], True)
@@ -521,29 +522,14 @@ class Regex:
 
     def step(self, states: frozenset[int], ch: str) -> frozenset[int] | None:
         """The positions after `ch`, or None where no match goes on."""
-        key = (states, ord(ch))
-        got = self._steps.get(key, ...)
-        if got is not ...:
-            return got  # type: ignore[return-value]
         n, c = len(self.nodes), ord(ch)
+        got = self._steps.get(states, c)
+        if got is not MISSING:
+            return got  # type: ignore[return-value]
         nxt = [self.nodes[s].out for s in states if s < n and self.nodes[s].kind == _CHAR
                and _has(self.nodes[s].ranges, c)]
         res = self._closure(nxt, False) if nxt else None
-        if res is not None and not res:
-            res = None
-        if res is not None:
-            held = self._states.get(res)
-            if held is None:
-                if self._held + len(res) > _CACHE_POSITIONS:  # a memory's worth kept: start over
-                    self._steps.clear()
-                    self._states.clear()
-                    self._held = 0
-                self._states[res] = res
-                self._held += len(res)
-            else:
-                res = held
-        self._steps[key] = res
-        return res
+        return self._steps.put(states, c, res or None, len)
 
     def samples(self, states: frozenset[int], lo: int, hi: int) -> list[int]:
         """Code points `lo`..`hi` that stand for all of them at `states` (`cuts`): a step on each says whether some

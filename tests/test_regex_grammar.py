@@ -81,3 +81,36 @@ def test_a_choice_is_matched_only_by_one_of_its_texts_whole() -> None:
 def test_what_a_reply_cannot_be_checked_against_is_refused(pattern: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         compile_regex(pattern)
+
+
+def test_the_step_caches_of_every_automaton_share_one_budget(monkeypatch) -> None:
+    """Each automaton keeps the steps it took (the compilers keep the last 64 automata each): every cache in the
+    process holds at most `BUDGET` units together, the least recently grown emptied first; an emptied cache steps on
+    right; a freed automaton's cache leaves the budget."""
+    import gc
+
+    from core import step_cache
+    from core.ebnf_grammar import Grammar
+    from core.regex_grammar import Regex
+
+    monkeypatch.setattr(step_cache, "BUDGET", step_cache.held_total() + 5_000)
+    first, second = Regex(r"[a-z]{0,60}"), Regex(r"[a-j]{0,60}!")  # 60 steps: 3,660 units each (61 + ... + 2)
+    word = "".join(random.Random(0).choice("abcdefghij") for _ in range(60))
+    assert first.accepts(walk(first, word))
+    assert len(first._steps) == 60 and step_cache.held_total() <= step_cache.BUDGET
+    for i in range(1, 61):  # the second's steps pass the budget: the first's (grown least recently) go
+        assert walk(second, word[:i]) is not None and not second.accepts(walk(second, word[:i]))
+        assert step_cache.held_total() <= step_cache.BUDGET
+    assert second.accepts(walk(second, word + "!")) and walk(second, word + "!?") is None
+    assert len(first._steps) == 0 and len(second._steps) == 62  # (the "?" that goes nowhere too)
+    assert first.accepts(walk(first, word)) and walk(first, word + "b") is None  # (61 letters: no)
+    assert step_cache.held_total() <= step_cache.BUDGET and len(second._steps) == 0  # (now the second's went)
+    before = step_cache.held_total()
+    held = first._steps._units
+    del first
+    gc.collect()
+    assert held > 0 and step_cache.held_total() == before - held
+    grammar = Grammar('root ::= ("ab" | "cd")* "!"')  # one cache past the budget by itself: it starts over
+    monkeypatch.setattr(step_cache, "BUDGET", step_cache.held_total() + 5)
+    assert grammar.accepts(walk(grammar, "abcd" * 20 + "!")) and walk(grammar, "abcd" * 20 + "x") is None
+    assert step_cache.held_total() <= step_cache.BUDGET
