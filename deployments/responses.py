@@ -302,12 +302,21 @@ class ResponseEvents:
             self.usage = c["usage"]
         for choice in c.get("choices") or ():
             delta = choice.get("delta") or {}
+            # a chunk of merged deltas may end a call already open and go on with text after it (a stream whose
+            # reader fell behind; a stop string held back): the open calls' rest first, so that the text does not
+            # close them cut, and a call the chunk begins after its text
+            entries = delta.get("tool_calls") or ()
+            going_on = [e.get("index", 0) in self.calls for e in entries]
+            for entry, on in zip(entries, going_on):
+                if on:
+                    out.extend(self._call(entry))
             if delta.get("reasoning_content"):
                 out.extend(self._text("reasoning", delta["reasoning_content"]))
             if delta.get("content"):
                 out.extend(self._text("message", delta["content"]))
-            for entry in delta.get("tool_calls") or ():
-                out.extend(self._call(entry))
+            for entry, on in zip(entries, going_on):
+                if not on:
+                    out.extend(self._call(entry))
             if choice.get("finish_reason") is not None:
                 if choice["finish_reason"] == "length":
                     self.status = "incomplete"

@@ -132,6 +132,25 @@ def test_a_chat_stream_is_the_responses_events_and_ends_with_the_whole_response(
     assert [e["type"] for e in tail][-2:] == ["error", "response.failed"] and tail[-2]["message"] == "boom"
 
 
+def test_a_chunk_that_ends_a_call_and_goes_on_with_text_keeps_the_call_whole() -> None:
+    """Merged deltas (a stream whose reader fell behind) may end an open call and begin text after it in one chunk:
+    the call gets its rest before the text closes it, and the text is a message after it, not a cut call and a
+    nameless second one; a chunk with text and then a new call begins the call after the text."""
+    ev = ResponseEvents("resp_1", "m", {"tools": []})
+    chunks = _sse(_chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": '}}]}),
+                  _chunk({"content": " Done.", "tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+                  _chunk({"content": " And", "tool_calls": [{"index": 1, "id": "c1", "type": "function",
+                                                             "function": {"name": "g", "arguments": "{}"}}]},
+                         "tool_calls"), "[DONE]")
+    events = [json.loads(e.decode().split("data: ", 1)[1]) for c in chunks for e in ev.feed(c)]
+    out = events[-1]["response"]["output"]
+    assert [(o["type"], o.get("name"), o.get("arguments")) for o in out] == [
+        ("function_call", "f", '{"a": 1}'), ("message", None, None), ("function_call", "g", "{}")]
+    assert out[1]["content"][0]["text"] == " Done. And"
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
+
+
 def test_an_error_names_the_responses_fields_not_the_chats() -> None:
     from deployments.responses import responses_message, responses_param
 
