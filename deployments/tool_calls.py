@@ -24,7 +24,9 @@ after calls that is only whitespace is dropped (streamed, whitespace before the 
 """
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -160,10 +162,16 @@ Call = tuple[str, Any]  # a call's name and arguments
 
 def as_call(value: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> Call | None:
     """A call from its JSON value: an object with a `name` and its arguments (an object, or their JSON text) under
-    one of `keys` (none: no arguments), else None."""
+    one of `keys` (none: no arguments), else None. Text that is no JSON is itself the value: a JSON string (as
+    vLLM writes it: `"hello"`), not text a client cannot read as JSON."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     args = next((value[k] for k in keys if k in value), {})
+    if isinstance(args, str):
+        try:
+            _DECODER.decode(args)
+        except (ValueError, RecursionError):
+            args = _dumps(args)
     return (value["name"], args) if isinstance(args, (dict, str)) else None
 
 
@@ -188,7 +196,7 @@ def _json(text: str) -> Any:
     """`text`'s JSON value (as `_DECODER` reads it), else None."""
     try:
         return _DECODER.decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -343,7 +351,7 @@ def _call_start(text: str, keys: tuple[str, ...]) -> tuple[str, int] | None:
                 return name, args
         try:
             value, i = _DECODER.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if key == "name":
             if not isinstance(value, str) or not value:
@@ -431,19 +439,27 @@ class _MarkedReader(ToolCallReader):
         out = ReplyDelta()
         while True:
             if not self._inside:
-                i = self._buf.find(self.START)
+                i, mark = self._start(self._buf)
                 if i < 0:
-                    cut = len(self._buf) - held_back(self._buf, self.START)
+                    cut = len(self._buf) - self._held(self._buf)
                     out.content += self._content(self._buf[:cut])
                     self._buf = self._buf[cut:]
                     return out
                 out.content += self._content(self._buf[:i])
-                self._buf, self._inside = self._buf[i + len(self.START):], True
+                self._buf, self._inside = self._buf[i + len(mark):], True
             else:
                 got = self._close(self._buf, False)
                 if got is None:
                     return out.add(self._partial(self._buf))
                 out.add(got)
+
+    def _start(self, buf: str) -> tuple[int, str]:
+        """Where the first call in `buf` begins (-1: none yet), and its mark (what is read past)."""
+        return buf.find(self.START), self.START
+
+    def _held(self, buf: str) -> int:
+        """How much of the end of `buf` (no call begun in it) may begin one's mark: held back."""
+        return held_back(buf, self.START)
 
     def end(self) -> ReplyDelta:
         out = ReplyDelta()
@@ -510,27 +526,115 @@ class HermesReader(_MarkedReader):
 
 class Qwen3CoderReader(HermesReader):
     """Qwen3-Coder's calls: `<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>`;
-    a value is its text (one newline either side dropped) where its tool's schema makes it a string (or says
-    nothing and it is no JSON), else its JSON value. Read a parameter at a time (`FunctionCall`, whole too: a
-    call whose function never closes stays text)."""
+    a value is its text (one newline either side dropped), typed by its tool's schema as vLLM's parser types it
+    (`_value`). Read a parameter at a time (`FunctionCall`, whole too: a call whose function never closes stays
+    text)."""
+
+    BARE = "<function="  # a call the model began without `<tool_call>` (Qwen3-Coder may): read as vLLM's parser does
 
     def __init__(self, types: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__()
         self.types = types or {}  # tool name -> parameter name -> its schema's type
+        self._bare = False  # the call being read began with its function's mark
 
     def _streamed(self) -> "FunctionCall":
         return FunctionCall()
+
+    def _start(self, buf: str) -> tuple[int, str]:
+        i, j = buf.find(self.START), buf.find(self.BARE)
+        self._bare = j >= 0 and not 0 <= i < j
+        return (j, "") if self._bare else (i, self.START)
+
+    def _held(self, buf: str) -> int:
+        return max(held_back(buf, self.START), held_back(buf, self.BARE))
+
+    def _close(self, buf: str, last: bool) -> ReplyDelta | None:
+        if not self._bare:
+            return super()._close(buf, last)
+        # a call begun by its function's mark: it ends with the function (a `</tool_call>` right after it, if the
+        # model wrote one, is its end too); else as a call in the marks
+        if self._open is None:
+            self._open = self._streamed()
+        opened = self._open
+        got = ReplyDelta(calls=opened.feed(self, buf if last else buf[:len(buf) - held_back(buf, self.END)]))
+        assert isinstance(opened, FunctionCall)
+        if opened.closed:
+            rest = buf[opened.after:]
+            tail = rest.lstrip()
+            if tail.startswith(self.END):
+                rest = tail[len(self.END):]
+            elif not last and self.END.startswith(tail):  # (whitespace, or that mark begun: the next text says)
+                self._early.add(got)
+                return None
+            self._inside, self._buf, self._open = False, rest, None
+            return got
+        j = buf.find(self.END, opened.after) if opened.after is not None else -1
+        if j < 0 and not last:
+            self._early.add(got)
+            return None
+        self._inside, self._buf, self._open = False, buf[j + len(self.END):] if j >= 0 else "", None
+        if opened.sent:  # cut: it stays a call, as one in the marks
+            return got
+        return ReplyDelta(content=self._content(buf[:j + len(self.END)] if j >= 0 else buf))
 
     def _call_of(self, body: str) -> Call | None:
         return None  # (`FunctionCall` read every call there is)
 
     @staticmethod
     def _value(text: str, kind: Any) -> Any:
+        """A parameter's value: `null` is None; a string's is its text; an integer's, a number's or a boolean's is
+        its text read as one where it reads so (`007`, `1e3`, `True`: as vLLM's); an object's or an array's is its
+        JSON, or its Python literal (`{'a': True}`). Where the schema names no type (or no tool or parameter of
+        the request's), its JSON where the text is JSON; else its text."""
         text = text.removeprefix("\n").removesuffix("\n")
-        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        if text.strip().lower() == "null":
+            return None
+        kinds = [k for k in (kind if isinstance(kind, list) else [kind]) if isinstance(k, str) and k != "null"]
+        if "string" in kinds:
             return text
+        word = text.strip()
+        for k in kinds:
+            if k == "integer" and re.fullmatch(r"[+-]?\d+", word):
+                return int(word)
+            if k == "number":
+                try:
+                    x = float(word)
+                except ValueError:
+                    continue
+                if math.isfinite(x):
+                    return int(x) if x.is_integer() and re.fullmatch(r"[+-]?\d+", word) else x
+            if k == "boolean" and word.lower() in ("true", "false"):
+                return word.lower() == "true"
         value = _json(text)
-        return text if value is None and text.strip() != "null" else value
+        if value is None and any(k in ("object", "array") for k in kinds):
+            value = _literal(word)
+        return text if value is None else value
+
+
+def _literal(text: str) -> Any:
+    """A Python literal's value where it is one JSON can carry (a dict with str keys, a list, text, a number, a
+    boolean, None), else None: a model may write an object as Python's repr."""
+    if len(text) > 100_000:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                return None
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return None
+        elif v is not None and not isinstance(v, (str, int, bool)):
+            return None
+    return value
 
 
 class FunctionCall:
@@ -554,6 +658,11 @@ class FunctionCall:
         self._scan = 0  # where its end is looked for
         self._count = 0  # parameters sent
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether its function's end was read (`after`: where the text after it begins)."""
+        return self._closed
 
     def feed(self, reader: Qwen3CoderReader, text: str) -> list[dict[str, Any]]:
         if self._closed:
@@ -584,14 +693,18 @@ class FunctionCall:
                     break
                 param, scan = (k, head + 1), head + 1
             key_at, value_at = param
-            end = text.find(self.PARAMETER_END, scan)
+            # its end, or where the model left that out, the next parameter's mark or the function's end, whichever
+            # comes first (then read next: vLLM's parser reads a value so)
+            end, what = min([(k, mark) for mark in (self.PARAMETER_END, self.PARAMETER, self.CLOSE)
+                             if (k := text.find(mark, scan)) >= 0], default=(-1, ""))
             if end < 0:
                 scan = max(value_at, len(text) - len(self.PARAMETER_END) + 1)
                 break
             key = text[key_at + len(self.PARAMETER):value_at - 1].strip()
-            value = reader._value(text[value_at:end], types.get(key))
+            value = reader._value(text[value_at:end].removesuffix("\n") if what != self.PARAMETER_END else
+                                  text[value_at:end], types.get(key))
             args += (", " if count else "{") + _dumps(key) + ": " + _dumps(value)
-            count, pos, param = count + 1, end + len(self.PARAMETER_END), None
+            count, pos, param = count + 1, end + len(self.PARAMETER_END) if what == self.PARAMETER_END else end, None
         if reader._whole and not closed:
             return []
         if closed:
@@ -745,7 +858,7 @@ def _json_head(text: str) -> tuple[Any, str]:
     """The JSON value `text` opens with (None where it does not) and the text after it."""
     try:
         value, end = _DECODER.raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, ""
     return value, text[end:]
 
@@ -780,7 +893,7 @@ class CallList:
                 break
             try:
                 value, end = _DECODER.raw_decode(text, self.pos)
-            except ValueError:  # it broke off: no more calls (one sent stays, cut)
+            except (ValueError, RecursionError):  # it broke off: no more calls (one sent stays, cut)
                 self.stopped = True
                 break
             if not self.open.sent:
@@ -870,7 +983,7 @@ class NamedToolReader(ToolCallReader):
     def whole(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         try:
             _DECODER.decode(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         return None, [merge_calls([self._call(self.name, text.strip())])[0]]
 

@@ -22,6 +22,7 @@ CASES = [
     ("hermes", '<tool_call>{"name": oops}</tool_call> then text', '<tool_call>{"name": oops}</tool_call> then text',
      []),
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', None, [("f", "hello")]),  # (JSON text)
     ("hermes", '<tool_call>{"arguments": {"x": "</tool_call>"}, "name": "f"}</tool_call>', None,  # (theirs)
      [("f", {"x": "</tool_call>"})]),
     ("hermes", '<tool_call>{"name":"f","arguments":{"c":"a\tb"}} x</tool_call>Sure. ', "Sure. ",
@@ -32,6 +33,15 @@ CASES = [
      "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "I'll check.\n",
      [("get_weather", {"city": "Zürich", "days": 3})]),
     ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n</tool_call>", None, [("now", {})]),
+    # a value whose </parameter> the model left out ends at the next parameter or the function's end (vLLM's)
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx\n</function>\n</tool_call>", None,
+     [("f", {"a": 1, "b": "x"})]),
+    # a call begun without <tool_call> (vLLM's parser reads it): it ends with its function
+    ("qwen3_coder", "I will check.\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call> Done.",
+     "I will check.\n Done.", [("f", {"a": 1})]),
+    ("qwen3_coder", "<function=f>\n</function>\n<function=g>\n<parameter=a>\n[1]\n</parameter>\n</function>", None,
+     [("f", {}), ("g", {"a": [1]})]),
+    ("qwen3_coder", "Code: <function=x", "Code: <function=x", []),
     ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>", "<tool_call>{\"name\": \"f\"}</tool_call>", []),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"q": "é"}}; {"name": "g", "parameters": {}}', None,
      [("f", {"q": "é"}), ("g", {})]),
@@ -189,13 +199,37 @@ CHATML = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['cont
 
 def test_qwen3_coders_values_are_typed_by_their_tools_schema() -> None:
     """A string parameter keeps its text (digits too); others are their JSON; a tool the request does not name, or
-    a parameter it does not type, reads JSON where the text is JSON."""
-    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"zip": {"type": "string"},
-                                                                          "n": {"type": "integer"}}}}]
-    reply = ("<tool_call>\n<function=f>\n<parameter=zip>\n01234\n</parameter>\n<parameter=n>\n7\n</parameter>\n"
-             "<parameter=extra>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+    a parameter it does not type, reads JSON where the text is JSON. As vLLM's parser: `null` is None, an integer,
+    a number or a boolean reads so where its text does (`007`, `1e3`, `True`), an object may be a Python literal."""
+    props = {"zip": {"type": "string"}, "n": {"type": "integer"}, "flag": {"type": "boolean"},
+             "x": {"type": ["number", "null"]}, "o": {"type": "object"}, "s": {"type": "string"},
+             "bad": {"type": "integer"}, "nan": {"type": "number"}, "e": {"type": "array"}}
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": props}}]
+    values = {"zip": "01234", "n": "007", "extra": "[1, 2]", "flag": "True", "x": "1e3", "o": "{'a': True, 'b': None}",
+              "s": "null", "bad": "seven", "nan": "nan", "e": "[1, 'x', (2,)]"}
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    reply = f"<tool_call>\n<function=f>\n{params}</function>\n</tool_call>"
     _, calls = model_format_reader("qwen3_coder", tools).whole(reply)
-    assert json.loads(calls[0]["function"]["arguments"]) == {"zip": "01234", "n": 7, "extra": [1, 2]}
+    assert json.loads(calls[0]["function"]["arguments"]) == {
+        "zip": "01234", "n": 7, "extra": [1, 2], "flag": True, "x": 1000.0, "o": {"a": True, "b": None}, "s": None,
+        "bad": "seven", "nan": "nan", "e": "[1, 'x', (2,)]"}  # (a tuple is no JSON: the text)
+
+
+def test_a_value_nested_past_what_json_reads_is_text_not_an_error() -> None:
+    """A model's runaway brackets: Python's JSON reader raises RecursionError past its depth (a 500 before)."""
+    deep = "[" * 5000 + "]" * 5000
+    for fmt, reply in (("hermes", "<tool_call>" + "[" * 5000), ("hermes", '<tool_call>{"name": "f", "arguments": '
+                                                                          + deep + "}</tool_call>"),
+                       ("llama3_json", '{"name": "f", "parameters": ' + deep + "}"),
+                       ("mistral", "[TOOL_CALLS]" + deep), ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n"
+                                                          + deep + "\n</parameter>\n</function>")):
+        content, calls = model_format_reader(fmt).whole(reply)
+        assert (content, calls) == (reply, []) or calls and json.loads(calls[0]["function"]["arguments"]) in (
+            {"a": deep},), fmt
+        _streamed(model_format_reader(fmt), reply, 997)
+    for reader in (NamedToolReader("f"), RequiredToolReader()):
+        reader.whole('{"a": ' + deep + "}")
+        _streamed(reader, '{"a": ' + deep + "}", 997)
 
 
 @pytest.mark.parametrize("parameters", [
