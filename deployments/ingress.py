@@ -58,6 +58,22 @@ log = logging.getLogger("ray.serve")
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def parse_body(body: bytes | bytearray) -> Any:
+    """A request body's JSON value. Its text decoded strictly (json.loads lets the bytes of a lone surrogate through,
+    which no answer naming them could encode: UnicodeDecodeError), no NaN or Infinity (no JSON has them, and an
+    answer echoing one would be no JSON: ValueError), and no lone surrogate escape (UnicodeEncodeError: the
+    tokenizer would raise TypeError)."""
+    data = bytes(body)
+    obj = json.loads(data.decode(json.detect_encoding(data)), parse_constant=_no_constant)
+    if _SURROGATE_ESCAPE.search(data):
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    return obj
+
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.type, e.code, e.headers, e.param)
 
@@ -752,10 +768,7 @@ class OpenAIFrontend:
                 await _drain(chunks)
                 raise too_big
         try:
-            obj = json.loads(body)
-            if _SURROGATE_ESCAPE.search(body):  # lone surrogates would make the tokenizer raise TypeError
-                json.dumps(obj, ensure_ascii=False).encode("utf-8")
-            return obj
+            return parse_body(body)
         except UnicodeEncodeError:
             raise APIError(400, "request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
                            "strings must be valid Unicode", code="invalid_unicode") from None

@@ -11,7 +11,6 @@ are a 404, as they are where runtime loading is off.
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Awaitable, Callable
 
@@ -25,7 +24,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from deployments.errors import APIError, model_not_found
 from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, GenerationFastPath, IngressFrontend, _api_error,
-                                 _drain, _http_error, _unexpected, is_json_content_type, named_send, route_path)
+                                 _drain, _http_error, _unexpected, is_json_content_type, named_send, parse_body,
+                                 route_path)
 
 BODY_ROUTES = ("/tokenize", "/detokenize")  # the other routes whose body names a model
 
@@ -39,8 +39,8 @@ def deployment_name(served: str) -> str:
 def model_of(body: bytes) -> tuple[bool, Any]:
     """(whether it is a JSON object, its `model`) of a request's body."""
     try:
-        raw = json.loads(body)
-    except (ValueError, RecursionError):
+        raw = parse_body(body)
+    except (ValueError, RecursionError):  # (UnicodeError too: the front's 400 says why)
         return False, None
     return isinstance(raw, dict), raw.get("model") if isinstance(raw, dict) else None
 

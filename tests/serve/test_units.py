@@ -2121,6 +2121,12 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
         assert sent[0]["status"] == 400 and b"invalid_json" in sent[1]["body"]
         rid = dict(sent[0]["headers"]).get(b"x-kairos-request-id", b"")  # a parse-time refusal names its request too
         assert rid.startswith(b"chatcmpl-")
+        # a lone surrogate's bytes (json.loads let them through: the 404 naming the model could not be encoded, and
+        # nothing was answered), NaN (an answer echoing it would be no JSON)
+        for bad in (b'{"model": "x\xed\xa0\x80", "messages": [{"role": "user", "content": "hi"}]}',
+                    b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"1": NaN}}'):
+            sent = await call("POST", "/v1/completions", bad)
+            assert sent[0]["status"] == 400 and b"invalid_json" in sent[1]["body"], bad
         sent = await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
         assert sent[0]["status"] == 200 and json.loads(sent[1]["body"])["choices"][0]["text"] == "Hi!"
         for method, path, kind in (("GET", "/health", "http"), ("GET", "/v1/completions", "http"),
@@ -3288,3 +3294,16 @@ def test_an_autoscaled_apps_replicas_split_the_ingress_chunk_budget_over_those_r
     assert scaled.for_running(0) == scaled
     direct = StreamPacing.of_app(0.0, 2000.0, 1, routed=False, direct_max_chunks_s=5000.0, autoscaled=True)
     assert direct.for_running(3).max_chunks_per_s == 5000.0  # a replica's own budget: not shared
+
+
+def test_a_body_is_json_as_rfc_8259_has_it() -> None:
+    """UTF-8 (a BOM allowed), no NaN or Infinity, no lone surrogate (as an escape or as its bytes)."""
+    from deployments.ingress import parse_body
+
+    assert parse_body(b'{"a": [1, "\\u00e9", "\xc3\xa9"]}') == {"a": [1, "\u00e9", "\u00e9"]}
+    assert parse_body(b"\xef\xbb\xbf{}") == {} and parse_body('{"a": "é"}'.encode("utf-16")) == {"a": "é"}
+    for bad, error in ((b'{"a": NaN}', ValueError), (b'{"a": -Infinity}', ValueError),
+                       (b'{"a": "\xed\xa0\x80"}', UnicodeDecodeError), (b'{"a": "\\ud800"}', UnicodeEncodeError),
+                       (b'{"a": "\xc0\xaf"}', UnicodeDecodeError)):
+        with pytest.raises(error):
+            parse_body(bad)
