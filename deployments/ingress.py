@@ -803,6 +803,8 @@ class OpenAIFrontend:
         an engine has said which it loaded); else a 400 (a 404 for another model) naming the field."""
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
+        if raw.get("model") == "":  # no model named (vLLM's: the served one)
+            raw = {**raw, "model": None}
         try:
             body = schema.model_validate(raw)
         except ValidationError as e:

@@ -42,7 +42,10 @@ def model_of(body: bytes) -> tuple[bool, Any]:
         raw = parse_body(body)
     except (ValueError, RecursionError):  # (UnicodeError too: the front's 400 says why)
         return False, None
-    return isinstance(raw, dict), raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        return False, None
+    model = raw.get("model")
+    return True, None if model == "" else model  # ("": no model named, as null)
 
 
 class MultiModelFrontend:

@@ -234,8 +234,9 @@ class _Common(BaseModel):
         if v is None:
             return v
         kind = v.get("type")
-        if kind in ("text", "json_object") and set(v) == {"type"}:
-            return v
+        # (a client that writes every field sends the others as null: vLLM's ResponseFormat takes them)
+        if kind in ("text", "json_object") and all(val is None for k, val in v.items() if k != "type"):
+            return {"type": kind}
         if kind != "json_schema":
             raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                              f'"json_schema", "json_schema": {{"schema": ...}}}}, got {json.dumps(v)[:80]}')

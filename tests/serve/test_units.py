@@ -2129,6 +2129,8 @@ def test_generation_fast_path_serves_the_generation_routes_and_leaves_the_rest_t
             assert sent[0]["status"] == 400 and b"invalid_json" in sent[1]["body"], bad
         sent = await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
         assert sent[0]["status"] == 200 and json.loads(sent[1]["body"])["choices"][0]["text"] == "Hi!"
+        sent = await call("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2, "model": ""}).encode())
+        assert sent[0]["status"] == 200, sent  # no model named: the served one (vLLM's), not a 404 for ""
         for method, path, kind in (("GET", "/health", "http"), ("GET", "/v1/completions", "http"),
                                    ("POST", "/v1/completions/", "http"), ("POST", "/v1/models", "http"),
                                    ("", "", "lifespan")):
@@ -2661,6 +2663,10 @@ def test_a_schema_error_names_its_field_as_param_without_pydantics_prefix() -> N
         with pytest.raises(ValidationError) as e:
             P.CompletionRequest.model_validate({"prompt": "x", "response_format": bad})
         assert _validation_message(e.value)[1] == "response_format"
+    # a client that writes every field sends the others as null (vLLM's ResponseFormat takes it)
+    sent = {"type": "json_object", "json_schema": None}
+    assert P.CompletionRequest.model_validate({"prompt": "x", "response_format": sent}).response_format == \
+        {"type": "json_object"}
 
 
 def test_edge_values_get_a_400_that_says_what_is_wrong() -> None:
