@@ -66,6 +66,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "parallel_tool_calls": (True, False), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
+    "logits_processors": ([],),  # vLLM's, where its server allows a pattern of them: code a request names
 }
 
 
@@ -226,6 +227,8 @@ class _Common(BaseModel):
     def _token_ids(cls, v: list[int] | None, info: Any) -> list[int] | None:
         if v and any(t < 0 for t in v):
             raise ValueError(f"{info.field_name} must be non-negative token ids")
+        if v is not None and not v and info.field_name == "allowed_token_ids":  # (vLLM's 400: no token may come)
+            raise ValueError("allowed_token_ids is empty: no token could be drawn")
         return v
 
     @field_validator("response_format")

@@ -707,12 +707,14 @@ class Sampler:
 
 def _logprob_columns(raw: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Of log-probabilities `raw` [n, V], each row's `tokens` entry and the k largest: values [n, 1 + k] (the
-    token's first) and ids [n, 1 + k] (the token's rank first, 1 the likeliest; then the k ids). A token at or past
-    V (an id the tokenizer does not have) is -inf, ranked below all."""
+    token's first) and ids [n, 1 + k] (the token's rank first: how many tokens are at least as likely, itself and
+    those it ties counted, as vLLM ranks; then the k ids). A token at or past V (an id the tokenizer does not have)
+    is -inf, ranked below all (V + 1)."""
     width = raw.shape[-1]
     chosen = raw.gather(-1, tokens.clamp(max=width - 1).unsqueeze(-1))
-    chosen.masked_fill_((tokens >= width).unsqueeze(-1), float("-inf"))
-    rank = (raw > chosen).sum(dim=-1, keepdim=True) + 1
+    past = (tokens >= width).unsqueeze(-1)
+    chosen.masked_fill_(past, float("-inf"))
+    rank = torch.where(past, width + 1, (raw >= chosen).sum(dim=-1, keepdim=True))
     k = min(k, width)
     if not k:
         return chosen, rank

@@ -357,7 +357,7 @@ def test_logprobs_are_the_raw_distributions_of_their_rows_only(path):
     for i, k in ((0, 3), (1, 0), (2, 40), (4, 2)):
         v, rank, top = lps[i]
         assert v == pytest.approx(ref[i, toks[i]].item(), abs=1e-6)
-        assert rank == int((ref[i] > ref[i, toks[i]]).sum()) + 1
+        assert rank == int((ref[i] >= ref[i, toks[i]]).sum())
         want = torch.topk(ref[i], k)
         assert [t for t, _ in top] == want.indices.tolist()
         assert [x for _, x in top] == pytest.approx(want.values.tolist(), abs=1e-6)
@@ -392,7 +392,7 @@ def test_prompt_logprobs_of_spans_in_passes(monkeypatch):
             assert v == float("-inf") and rank == 31  # below every token it can say
             continue
         assert v == pytest.approx(ref[j, t].item(), abs=1e-6)
-        assert rank == int((ref[j] > ref[j, t]).sum()) + 1
+        assert rank == int((ref[j] >= ref[j, t]).sum())
         k = 2 if j < 4 else 0
         assert [i for i, _ in top] == torch.topk(ref[j], k).indices.tolist()
 
@@ -443,3 +443,15 @@ def test_bad_words_ban_a_words_last_token_where_the_reply_holds_the_rest():
     assert s.sample(logits[:1].clone(), [only]) == [4]  # the ban would leave it nothing: its one allowed token
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=("",)).validate()
+
+
+def test_a_logprobs_rank_counts_the_tokens_it_ties_as_vllm_does():
+    """vLLM's rank: how many tokens are at least as likely as the one drawn, itself and its ties counted (bf16
+    logits tie often): a greedy token tied for the top is rank 2."""
+    from engine.sampler import _logprob_columns
+
+    raw = torch.log_softmax(torch.tensor([[2.0, 2.0, 1.0, 0.5], [2.0, 2.0, 1.0, 0.5]]), dim=-1)
+    _, ids = _logprob_columns(raw, torch.tensor([1, 3]), 0)
+    assert ids[:, 0].tolist() == [2, 4]
+    _, ids = _logprob_columns(raw, torch.tensor([2, 9]), 1)
+    assert ids[:, 0].tolist() == [3, 5] and ids[0, 1] in (0, 1)  # (9: past the vocabulary, below all; a top tie)

@@ -2733,9 +2733,13 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
     assert P.unsupported_field({"prompt": "x", "functions": [{"name": "f"}]}) == "functions"
     assert P.unsupported_field({"prompt": "x", "prompt_logprobs": 0, "skip_special_tokens": True,
                                 "prediction": {}, "logprobs": 3, "top_logprobs": 2}) is None  # logprobs: honoured
-    for field, value in (("echo", True), ("best_of", 2), ("suffix", "!"), ("tools", [{}])):  # (a chat's)
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "!"), ("tools", [{}]),  # (a chat's)
+                         ("logits_processors", ["my.module.Processor"])):  # (vLLM's 400 without its pattern)
         assert P.unsupported_field({"prompt": "x", field: value}) == field  # each 400 names its own field
-    assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "tools": []}) is None
+    assert P.unsupported_field({"prompt": "x", "echo": False, "best_of": 1, "suffix": "", "tools": [],
+                                "logits_processors": []}) is None
+    with pytest.raises(ValidationError, match="allowed_token_ids is empty"):  # (vLLM's 400: no token may come)
+        P.CompletionRequest.model_validate({"prompt": "x", "allowed_token_ids": []})
     assert P.unsupported_field({"messages": [], "chat_template": "{{ x }}"}) is None  # (the app trusts it, or a 400)
     assert P.unsupported_field({"messages": [], "documents": [{"text": "d"}]}) is None  # (to the chat template)
     with pytest.raises(ValidationError):
