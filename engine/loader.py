@@ -28,6 +28,7 @@ from engine.attention import register as register_paged_attention
 from engine.default_model import EMBEDDED_MODELS, ensure_default_model, quiet_progress_bars
 
 log = logging.getLogger("kairos.loader")
+ROPE_BUFFERS = ("inv_freq", "original_inv_freq")  # a rotary module's frequencies (ours, HF's): kept in fp32
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -336,7 +337,12 @@ def load_model(
                 raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
     if lm is None:
         lm = _from_pretrained(model, path, config, dev, load_kw, hub_kw, load_format)
+    # the rotary frequencies stay in fp32, as HF's and vLLM's (a cast to bf16 turns a long prompt's angles)
+    rope = [(m, name, b.detach().float().clone()) for m in lm.modules()
+            for name, b in m.named_buffers(recurse=False) if name in ROPE_BUFFERS and b is not None]
     lm = lm.to(device=dev, dtype=torch_dtype)
+    for m, name, b in rope:
+        m._buffers[name] = b.to(dev)
     lm.eval()
     lm.requires_grad_(False)
 

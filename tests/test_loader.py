@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from engine import default_model as dm
 from engine.default_model import RANDOM_MODELS, build_model_dir, ensure_default_model
@@ -426,6 +427,13 @@ def test_our_loader_builds_the_tensors_from_pretrained_builds(name, tiny_checkpo
         probe = torch.empty(0, dtype=dtype)
         for x, y in zip(rot_a(probe, positions), rot_b(probe, positions)):
             assert x.dtype == dtype and torch.equal(x, y)
+        # and transformers' own model's: its frequencies stay in fp32 (cast with the weights, a long prompt's
+        # angles turned: its last logits were 8.7 off fp32's at 3,000 tokens, HF's bf16 0.7)
+        raw = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).model.rotary_emb
+        assert rot_a.inv_freq.dtype == rot_b.inv_freq.dtype == raw.inv_freq.dtype == torch.float32
+        far = torch.arange(0, 4096, 61)[None]
+        for x, y in zip(rot_a(probe, far), raw(probe, far)):
+            assert torch.equal(x, y)
         assert ours.model.generation_config.to_diff_dict() == hf.model.generation_config.to_diff_dict()
         assert (ours.eos_token_ids, ours.vocab_limit, ours.generation_sampling) == \
             (hf.eos_token_ids, hf.vocab_limit, hf.generation_sampling)
