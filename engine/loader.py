@@ -138,11 +138,23 @@ def _resolve_source(model: str, what: str) -> tuple[str, bool]:
 
 
 def _model_max_len(config: Any) -> int | None:
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = getattr(config, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+    """The positions a model takes: its config's, times the factor of a RoPE scaling that extends them (YaRN's from
+    its original positions, linear's), as vLLM derives them (Qwen2.5's long-context set-up adds YaRN to its config).
+    Llama 3's and LongRoPE's configs give their extended positions already; dynamic NTK is left at the config's (its
+    frequencies past them hang on the longest sequence in the batch)."""
+    base = next((v for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+                 if isinstance(v := getattr(config, attr, None), int) and not isinstance(v, bool) and v > 0), None)
+    scaling = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if base is None or not isinstance(scaling, dict):
+        return base
+    kind, factor = scaling.get("rope_type") or scaling.get("type"), scaling.get("factor")
+    if kind not in ("yarn", "linear") or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or factor <= 1:
+        return base
+    original = scaling.get("original_max_position_embeddings")
+    if kind == "yarn" and isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        base = original
+    return int(base * factor)
 
 
 def sliding_window(config: Any) -> int | None:

@@ -234,6 +234,26 @@ def test_a_sliding_window_caps_the_context_where_full_attention_equals_it(tiny_c
     assert load_model(on, device="cpu").max_model_len == 64
 
 
+def test_a_rope_scaling_that_extends_the_positions_extends_the_context(tiny_checkpoints, tmp_path):
+    """As vLLM derives a model's context: YaRN's original positions times its factor (Qwen2.5's long-context set-up
+    adds YaRN to a config of 32,768 positions: 131,072), linear's positions times its factor; Llama 3's config gives
+    its extended positions already, and dynamic NTK stays at the config's. (The tables there: transformers' own, as
+    `test_our_loader_builds_the_tensors_from_pretrained_builds` checks to 4,096 positions.)"""
+    llama = tiny_checkpoints["llama"]  # 512 positions
+    for name, scaling, positions in (
+            ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),
+            ("yarn-legacy", {"type": "yarn", "factor": 2.0}, 1024),
+            ("linear", {"rope_type": "linear", "factor": 2.0}, 1024),
+            ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 128}, 512),
+            ("dynamic", {"rope_type": "dynamic", "factor": 2.0}, 512)):
+        path = _with_config(llama, tmp_path / name, rope_scaling=scaling)
+        assert load_model(path, device="cpu").max_model_len == positions, name
+        assert load_model(path, device="cpu", own_decoder=True, max_model_len=positions).max_model_len == positions
+        with pytest.raises(ValueError, match=f"maximum context of {positions}"):
+            load_model(path, max_model_len=positions + 1)
+
+
 def test_separate_tokenizer_path(tiny_checkpoints):
     b = load_model(tiny_checkpoints["llama"], tokenizer=tiny_checkpoints["gpt2"])
     assert b.tokenizer.name_or_path.endswith("gpt2")
