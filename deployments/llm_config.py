@@ -45,9 +45,11 @@ VLLM_NO_EFFECT = frozenset((
 VLLM_ONE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_config", "cpu_offload_gb", "task",
                           "runner", "limit_mm_per_prompt", "pooler_config", "kv_events_config"))
-# vLLM's engine arguments accepted at these values only (what Kairos does), with vLLM's default among them
+# vLLM's engine arguments accepted at these values only (what Kairos does), with vLLM's default among them (Kairos
+# attends to the whole context: a sliding-window model's context is capped at its window, vLLM's
+# disable_sliding_window true; its default, false, is taken too: the loader names the cap where it binds)
 VLLM_AT = {"tokenizer_mode": ("auto",), "revision": (None, "main"), "tokenizer_revision": (None, "main"),
-           "disable_sliding_window": (False,), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,)}
+           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,)}
 # an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
 _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
                          "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",

@@ -75,7 +75,7 @@ class EngineConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="auto: the checkpoint's weights; dummy: random weights of its config.json, no weight file "
                             "read (vLLM's --load-format dummy): for measuring speed, its replies mean nothing")
-    dtype: Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "auto"
+    dtype: Literal["auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"] = "auto"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     trust_remote_code: bool = False
     generation_config: Literal["auto", "vllm"] = Field(

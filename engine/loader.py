@@ -38,6 +38,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
     "float16": torch.float16,
+    "half": torch.float16,  # (vLLM's --dtype names)
+    "float": torch.float32,
 }
 
 
@@ -89,7 +91,7 @@ def resolve_device(s: str | torch.device = "auto") -> torch.device:
 def resolve_dtype(s: str | torch.dtype, device: torch.device | str, backend: str = "auto") -> torch.dtype:
     """Map a dtype option to a torch dtype.
 
-    "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16" are taken literally. "auto" is the device's backend's
+    "fp32"/"float32"/"float", "bf16"/"bfloat16", "fp16"/"float16"/"half" are taken literally. "auto" is the device's backend's
     choice (`engine.backends`): on CUDA bfloat16 where the GPU supports it, else float16; on CPUs with native bf16
     (AVX512-BF16 or AMX) bfloat16, whatever the checkpoint's dtype, as vLLM's CPU backend does; on other CPUs
     float32, where bf16 GEMMs are emulated.

@@ -42,8 +42,12 @@ def test_vllm_arguments_at_what_kairos_does_are_accepted_and_others_refused():
     ok = {"tokenizer_mode": "auto", "revision": "main", "disable_sliding_window": False, "max_logprobs": 20,
           "enable_sleep_mode": False}
     assert translate({"llm_configs": [{**base, "engine_kwargs": ok}]}) == {"model": "m", "served_model_name": "m"}
-    with pytest.raises(ValueError, match="disable_sliding_window: True"):
-        translate({"llm_configs": [{**base, "engine_kwargs": {"disable_sliding_window": True}}]})
+    # vLLM's disable_sliding_window true is what Kairos does with a sliding-window model (full attention, the
+    # context capped at the window); false, vLLM's default, is taken too (the cap, which a longer max_model_len names)
+    one = {**base, "engine_kwargs": {"disable_sliding_window": True, "dtype": "half"}}
+    assert translate({"llm_configs": [one]}) == {"model": "m", "served_model_name": "m", "dtype": "half"}
+    with pytest.raises(ValueError, match="enable_sleep_mode: True"):
+        translate({"llm_configs": [{**base, "engine_kwargs": {"enable_sleep_mode": True}}]})
 
 
 def test_pydantic_configs_built_in_python_are_read_as_their_mappings():

@@ -302,6 +302,10 @@ def test_resolve_dtype_and_device():
     assert resolve_dtype("fp32", cpu) is torch.float32 and resolve_dtype("float32", cpu) is torch.float32
     assert resolve_dtype("bf16", cpu) is torch.bfloat16 and resolve_dtype("bfloat16", cpu) is torch.bfloat16
     assert resolve_dtype("fp16", cpu) is torch.float16 and resolve_dtype("float16", cpu) is torch.float16
+    assert resolve_dtype("half", cpu) is torch.float16 and resolve_dtype("float", cpu) is torch.float32  # vLLM's
+    from engine.config import EngineConfig
+
+    assert EngineConfig(model="m", dtype="half").dtype == "half"
     # auto on CPU: bf16 where the CPU has native bf16 GEMMs, else fp32
     assert resolve_dtype("auto", cpu) is (torch.bfloat16 if cpu_has_native_half() else torch.float32)
     assert resolve_device("cpu") == cpu
