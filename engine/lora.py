@@ -44,9 +44,10 @@ SERVED_CONFIG_KEYS = frozenset({
     "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules", "exclude_modules",
     "layers_to_transform", "layers_pattern", "lora_dropout", "init_lora_weights", "loftq_config", "eva_config",
     "corda_config", "lora_ga_config", "megatron_config", "megatron_core", "runtime_config", "target_parameters",
-    "qalora_group_size", "ensure_weight_tying"})  # (the last two: only with use_qalora / trainable tokens)
+    "qalora_group_size", "ensure_weight_tying",  # (these two: only with use_qalora / trainable tokens)
+    "fan_in_fan_out"})  # (Conv1D's weights: PEFT sets it back to false for the Linear layers adapters here target)
 KNOWN_UNSERVED = {"use_dora": "DoRA", "bias": "trained biases", "modules_to_save": "modules_to_save",
-                  "fan_in_fan_out": "Conv1D weights", "layer_replication": "layer replication",
+                  "layer_replication": "layer replication",
                   "alora_invocation_tokens": "activated LoRA", "trainable_token_indices": "trainable tokens",
                   "lora_bias": "LoRA biases", "use_qalora": "QA-LoRA"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
@@ -202,6 +203,23 @@ def read_config(path: Path) -> dict:
         raise LoraError(f"LoRA adapter {str(path)!r} uses {', '.join(why)}, which Kairos does not serve (a key of "
                         "adapter_config.json it does not know, set, may change the model: it refuses it rather than "
                         "serve the adapter otherwise than it was trained)")
+    for key in ("lora_alpha", "r"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise LoraError(f"LoRA adapter {str(path)!r}: {key} is {v!r}, not a positive number")
+    for key in ("alpha_pattern", "rank_pattern"):
+        patterns = cfg.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise LoraError(f"LoRA adapter {str(path)!r}: {key} is not an object of module patterns")
+        for pattern, v in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise LoraError(f"LoRA adapter {str(path)!r}: {key} key {pattern!r} is no regex: {e}") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise LoraError(f"LoRA adapter {str(path)!r}: {key}[{pattern!r}] is {v!r}, not a positive number")
     return cfg
 
 
@@ -216,11 +234,14 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
     st, bin_ = path / "adapter_model.safetensors", path / "adapter_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
-        return load_file(str(st))
-    if bin_.is_file():
-        return torch.load(str(bin_), map_location="cpu", weights_only=True)
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+            return load_file(str(st))
+        if bin_.is_file():
+            return torch.load(str(bin_), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise LoraError(f"LoRA adapter {str(path)!r}: its weights do not read: {str(e)[:200]}") from None
     raise LoraError(f"LoRA adapter {str(path)!r}: no adapter_model.safetensors or adapter_model.bin there")
 
 
@@ -262,6 +283,8 @@ def _pairs(name: str, shapes: dict[str, tuple[int, ...]], shape: ModelShape,
         a, b = shapes[ab["A"]], shapes[ab["B"]]
         fan_in, fan_out = shape.io(module)
         r = a[0] if a else 0
+        if r == 0:
+            raise LoraError(f"LoRA adapter {name!r}: layer {layer}'s {module} has rank 0")
         if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b != (fan_out, r):
             raise LoraError(f"LoRA adapter {name!r}: layer {layer}'s {module} has A {a} and B {b}, not ({r}, "
                             f"{fan_in}) and ({fan_out}, {r}): trained for another model?")

@@ -227,6 +227,10 @@ def test_adapters_not_served_as_trained_are_refused(tiny_checkpoints, adapters, 
         _engine(base, {"a": str(src)}, max_lora_rank=4)
     with pytest.raises(ValueError, match="no adapter_config.json"):
         _engine(base, {"a": str(tmp_path)})
+    cut = Path(_edited(src, tmp_path / "cut"))  # a truncated file: an error that names the adapter (a bare one)
+    (cut / "adapter_model.safetensors").write_bytes((cut / "adapter_model.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match="LoRA adapter .*cut.*do not read"):
+        _engine(base, {"c": str(cut)})
     with pytest.raises(ValueError, match="Kairos's own decoder"):
         _engine(tiny_checkpoints["gpt2"], {"a": str(src)})
     with pytest.raises(ValueError, match="Kairos's own decoder"):
@@ -270,7 +274,7 @@ def test_adapters_of_a_folder_load_on_demand_and_the_idle_ones_unload(tiny_check
         items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="broken"))
         assert items[-1].error is not None and "DoRA" in items[-1].error
         items = list(eng.add_request(PROMPTS[0], SamplingParams(max_tokens=3), lora="cut"))
-        assert "did not load" in items[-1].error and eng.is_alive()
+        assert "do not read" in items[-1].error and eng.is_alive()
         assert _run(eng, [(PROMPTS[1], 4, "b"), (PROMPTS[1], 4, None)])[0] == want["b"][1][:4]
         for bad in ("../a", "c", ".", "a/../b", "m:../a"):
             with pytest.raises(ValueError, match="no LoRA adapter named"):
@@ -300,10 +304,21 @@ def test_the_check_before_a_run_time_load_refuses_what_a_load_refuses(tiny_check
         def drop_b(w):
             del w[next(k for k in w if "o_proj.lora_B" in k)]
 
-        for i, (config, weights, match) in enumerate([({"use_dora": True}, None, "DoRA"), (None, lm_head, "LM head"),
-                                                      (None, shrink, "another model"), (None, drop_b, "lacks")]):
+        def rank_0(w):
+            for k in [k for k in w if "q_proj" in k]:
+                w[k] = w[k][:0].contiguous() if "lora_A" in k else w[k][:, :0].contiguous()
+
+        # (each of the last four passed the check, and the load then failed with a ZeroDivisionError, a ValueError,
+        # an AttributeError, a re.error)
+        for i, (config, weights, match) in enumerate([
+                ({"use_dora": True}, None, "DoRA"), (None, lm_head, "LM head"), (None, shrink, "another model"),
+                (None, drop_b, "lacks"), (None, rank_0, "rank 0"), ({"lora_alpha": "sixteen"}, None, "lora_alpha"),
+                ({"alpha_pattern": ["q_proj"]}, None, "alpha_pattern"),
+                ({"alpha_pattern": {"q_proj(": 4}}, None, "no regex")]):
             with pytest.raises(LoraError, match=match):
                 eng.inputs.check_lora("x", _edited(src, tmp_path / f"bad{i}", config, weights))
+        # PEFT serves an adapter saved with fan_in_fan_out true on Linear layers as with false (it sets it back)
+        assert eng.inputs.check_lora("f", _edited(src, tmp_path / "fan", {"fan_in_fan_out": True})) == 8
         with pytest.raises(LoraError, match="no adapter_config.json"):
             eng.inputs.check_lora("x", str(tmp_path / "nowhere"))
         cut = Path(_edited(src, tmp_path / "cut"))
