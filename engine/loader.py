@@ -294,6 +294,11 @@ def load_model(
         raise ValueError(f"cannot load model {model!r}: {where}{_short(e)}") from None
     family = getattr(config, "model_type", None)
     check_family(model, family)
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:  # (its modules would be transformers' quantized ones, or an ImportError for their library)
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise ValueError(f"cannot load model {model!r}: it is a quantized checkpoint ({method or 'quantization_config'}"
+                         "), which Kairos does not serve: give its unquantized (bf16/fp16/fp32) checkpoint")
 
     model_max = _model_max_len(config)
     window = sliding_window(config)

@@ -254,6 +254,17 @@ def test_a_rope_scaling_that_extends_the_positions_extends_the_context(tiny_chec
             load_model(path, max_model_len=positions + 1)
 
 
+def test_a_quantized_checkpoint_is_refused_by_name(tiny_checkpoints, tmp_path):
+    """Kairos serves unquantized weights: a checkpoint with a quantization_config is a ValueError that says so (it was
+    transformers' ImportError for the quantizer's library, or its quantized modules run by our decoder)."""
+    for method in ("bitsandbytes", "gptq", "awq", "fp8", "compressed-tensors"):
+        path = _with_config(tiny_checkpoints["llama"], tmp_path / method,
+                            quantization_config={"quant_method": method, "bits": 4})
+        for own in (False, True):
+            with pytest.raises(ValueError, match=f"quantized checkpoint \\({method}\\)"):
+                load_model(path, device="cpu", own_decoder=own)
+
+
 def test_separate_tokenizer_path(tiny_checkpoints):
     b = load_model(tiny_checkpoints["llama"], tokenizer=tiny_checkpoints["gpt2"])
     assert b.tokenizer.name_or_path.endswith("gpt2")
