@@ -91,10 +91,10 @@ def resolve_device(s: str | torch.device = "auto") -> torch.device:
 def resolve_dtype(s: str | torch.dtype, device: torch.device | str, backend: str = "auto") -> torch.dtype:
     """Map a dtype option to a torch dtype.
 
-    "fp32"/"float32"/"float", "bf16"/"bfloat16", "fp16"/"float16"/"half" are taken literally. "auto" is the device's backend's
-    choice (`engine.backends`): on CUDA bfloat16 where the GPU supports it, else float16; on CPUs with native bf16
-    (AVX512-BF16 or AMX) bfloat16, whatever the checkpoint's dtype, as vLLM's CPU backend does; on other CPUs
-    float32, where bf16 GEMMs are emulated.
+    "fp32"/"float32"/"float", "bf16"/"bfloat16", "fp16"/"float16"/"half" are taken literally. "auto" is the device's
+    backend's choice (`engine.backends`): on CUDA bfloat16 where the GPU supports it, else float16; on CPUs with
+    native bf16 (AVX512-BF16 or AMX) bfloat16, whatever the checkpoint's dtype, as vLLM's CPU backend does; on other
+    CPUs float32, where bf16 GEMMs are emulated.
     """
     if isinstance(s, torch.dtype):
         if s not in _DTYPES.values():
