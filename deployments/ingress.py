@@ -57,6 +57,9 @@ from engine.lora import dynamic_adapter_dir
 log = logging.getLogger("ray.serve")
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
+# the finish reasons of a reply that failed: an error, or its engine stopping under it (a replica shut down aborts the
+# requests it holds), a 503 or an error event wherever they come, not a reply that ends `abort` as if it succeeded
+FAILED = (FinishReason.ERROR, FinishReason.ABORT)
 
 
 def _no_constant(name: str) -> Any:
@@ -1359,7 +1362,7 @@ class OpenAIFrontend:
                                            and err.message.startswith(("prompt ", "choice ")) else
                                            f"{_choice_name(kind, n, i)}: ")
                     break
-                if item.finish_reason is FinishReason.ERROR:  # as a choice failing before the stream: ends it
+                if item.finish_reason in FAILED:  # as a choice failing before the stream: ends it
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
                     yield _error_event(item, f"{_choice_name(kind, n, i)}: ")
                     break
@@ -1426,7 +1429,7 @@ class OpenAIFrontend:
         except BaseException:  # client gone (CancelledError): stop generating
             gen.cancel()
             raise
-        if item.finish_reason is FinishReason.ERROR:  # 503 where the engine died under it, else 500
+        if item.finish_reason in FAILED:  # 503 where the engine died or stopped under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
         return _Whole("".join(parts), item, lps, prompt, ids, first.prompt_token_ids)
 
@@ -1474,7 +1477,7 @@ class OpenAIFrontend:
                     done = True
                     break
                 item = check_output(await gen.__anext__())
-            if include_usage and item.finish_reason is not FinishReason.ERROR:  # a failed stream ends at its error
+            if include_usage and item.finish_reason not in FAILED:  # a failed stream ends at its error
                 yield P.sse(P.usage_chunk(rid, model, created, obj, item.num_prompt_tokens,
                                           item.num_output_tokens, P.engine_metrics(item.metrics),
                                           self._cached([item])))
@@ -1608,7 +1611,7 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     request asks for them: the chunk has its tokens', after `lead`'s (an echoed prompt's tokens, in its text).
     `ids`: vLLM's return_token_ids: the chunk has its tokens' ids (a completion's first, its prompt's too)."""
     fin = item.finish_reason
-    if fin is FinishReason.ERROR:
+    if fin in FAILED:
         return _error_event(item)
     if not (item.text or item.token_ids or item.finished):
         return None
@@ -1772,10 +1775,11 @@ def _choice(kind: str, body: P._Common | None, w: _Whole, echo: str | None) -> P
 
 
 def _error_event(item: RequestOutput, prefix: str = "") -> bytes:
-    """The SSE error event of a stream that failed at `item` (a finish reason ERROR): the message, type and code a
-    request failing so before its response would get (`item_failure`: `replica_failed` where the engine died)."""
+    """The SSE error event of a stream that failed at `item` (a finish reason in `FAILED`): the message, type and
+    code a request failing so before its response would get (`item_failure`: `replica_failed` where the engine died,
+    a 503 where it stopped)."""
     failure = item_failure(item, {}, 1)
-    assert failure is not None  # an ERROR item always maps to a failure
+    assert failure is not None  # a failed item always maps to a failure
     return _failure_event(failure, prefix)
 
 

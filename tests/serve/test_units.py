@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from core.messages import ChatTurn, GenerateRequest, ProtocolError, RequestOutput, RoutingStats
-from core.request import SLO
+from core.request import SLO, FinishReason
 from core.sampling import SamplingParams
 from deployments import protocol as P
 from deployments.args import AppArgs, load_api_keys
@@ -3317,3 +3317,56 @@ def test_a_body_is_json_as_rfc_8259_has_it() -> None:
                        (b'{"a": "\xc0\xaf"}', UnicodeDecodeError)):
         with pytest.raises(error):
             parse_body(bad)
+
+
+def test_a_reply_its_engine_stops_under_is_a_failure_not_an_abort_finish() -> None:
+    """A replica shutting down aborts the requests it holds ("engine shut down"): after the first token too, a
+    non-streamed request is a 503 (it was a 200 whose reply ended `abort` as if it succeeded) and a stream ends with
+    an error event, as where the abort came first or the engine died."""
+    import asyncio
+    import json
+
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+
+    async def generate(req: GenerateRequest):
+        yield RequestOutput(req.request_id, text="Hel", token_ids=[1])
+        yield RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ABORT, error="engine shut down",
+                            num_prompt_tokens=1, num_output_tokens=1)
+
+    class Front(OpenAIFrontend):
+        def _ready_info(self) -> None:
+            return None
+
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 4096})
+    app = GenerationFastPath(front, SimpleNamespace(docs_url=None))  # type: ignore[arg-type]
+
+    async def call(path: str, body: dict) -> tuple[int, bytes]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await app({"type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
+                   "headers": [(b"content-type", b"application/json")]}, receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    async def run() -> None:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 5}), ("/v1/chat/completions", chat)):
+            status, text = await call(path, body)
+            assert status == 503 and json.loads(text)["error"]["message"].startswith("engine stopping"), text
+            status, text = await call(path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+            events = [e[6:] for e in text.decode().split("\n\n") if e.startswith("data: ")]
+            assert status == 200 and events[-1] == "[DONE]", events
+            assert "engine stopping" in json.loads(events[-2])["error"]["message"], events
+            assert not any('"abort"' in e for e in events) and not any('"usage": {' in e for e in events), events
+
+    asyncio.run(run())
