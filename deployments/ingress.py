@@ -1282,7 +1282,8 @@ class OpenAIFrontend:
                 choices = _best_of(choices, [w for _, w in done], n, body.n or 1)
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
                 if kind == "completion" else P.read_replies(P.batch_chat_response(rid, model, choices),
-                                                               self._reply_readers(body) or _no_reader)
+                                                               self._reply_readers(body) or _no_reader,
+                                                               echo[0] if echo else None)
             # (each prompt once, as its tokens are counted: its first choice's)
             cached = self._cached([w.last for _, w in done[::n]])
             return JSONResponse(P.with_cached_tokens(whole_body, cached), headers=_batch_headers([h for h, _ in done]))
@@ -1366,7 +1367,7 @@ class OpenAIFrontend:
                     log.warning("stream %s-%d failed: %s", rid, i, item.error)
                     yield _error_event(item, f"{_choice_name(kind, n, i)}: ")
                     break
-                lead = None  # an echoed prompt's logprobs, before its choice's first tokens'
+                lead, echoed = None, ""  # an echoed prompt's logprobs and text, before its choice's first tokens'
                 if i not in fasts:  # the choice's first item
                     readers[i] = tools() if tools is not None else None
                     fasts[i] = None if continuous or top is not None or readers[i] is not None or ids else \
@@ -1374,13 +1375,14 @@ class OpenAIFrontend:
                     if top is not None:
                         shown[i] = P.Logprobs(kind, top)
                     if echo:
-                        item = dataclasses.replace(item, text=echo[i // n] + item.text)
+                        echoed = echo[i // n]
+                        item = dataclasses.replace(item, text=echoed + item.text)
                         lead = item.prompt_logprobs if top is not None else None
                     if kind == "chat":
                         yield _chunk(_role_chunk(rid, model, created, i, item.prompt_token_ids if ids else None),
                                      include_usage, P.usage(item.num_prompt_tokens, 0) if continuous else None)
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, i, continuous,
-                                     fasts[i], shown.get(i), lead, readers[i], ids)) is not None:
+                                     fasts[i], shown.get(i), lead, readers[i], ids, echoed)) is not None:
                     yield out
                 if item.finished:
                     left, ct = left - 1, ct + item.num_output_tokens
@@ -1442,7 +1444,8 @@ class OpenAIFrontend:
             return JSONResponse(P.with_cached_tokens(P.batch_completion_response(rid, model, [choice]), cached),
                                 headers=headers)
         return JSONResponse(P.with_cached_tokens(P.read_replies(P.batch_chat_response(rid, model, [choice]),
-                                                                self._reply_readers(body) or _no_reader), cached),
+                                                                self._reply_readers(body) or _no_reader, echo),
+                                                 cached),
                             headers=headers)
 
     async def _sse(self, gen: Any, first: RequestOutput, kind: str, rid: str,
@@ -1454,7 +1457,7 @@ class OpenAIFrontend:
         tokens' logprobs, shown so (`P.LogprobShape`). `echo`: text the first chunk opens with. `tools`:
         the reader of a chat reply (its reasoning and tool calls), whose reading its chunks carry instead of that
         text. `ids`: vLLM's return_token_ids, each chunk its tokens' ids and the first its prompt's."""
-        created, item, lead = int(time.time()), first, None
+        created, item, lead, echoed = int(time.time()), first, None, echo or ""
         if echo is not None:
             item = dataclasses.replace(first, text=echo + first.text)
             lead = first.prompt_logprobs if top is not None else None  # the echoed prompt's, before the reply's
@@ -1470,9 +1473,9 @@ class OpenAIFrontend:
                              include_usage, P.usage(first.num_prompt_tokens, 0) if continuous else None)
             while True:
                 if (out := _sse_item(item, kind, rid, model, created, include_usage, 0, continuous, fast, shown,
-                                     lead, reader, ids)) is not None:
+                                     lead, reader, ids, echoed)) is not None:
                     yield out
-                lead = None
+                lead, echoed = None, ""
                 if item.finished:
                     done = True
                     break
@@ -1603,13 +1606,15 @@ class TextChunks:
 def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int, include_usage: bool,
               index: int = 0, continuous: bool = False, fast: TextChunks | None = None,
               shown: P.Logprobs | None = None, lead: list[TokenLogprob] | None = None,
-              tools: ReplyReader | None = None, ids: bool = False) -> bytes | None:
+              tools: ReplyReader | None = None, ids: bool = False, echoed: str = "") -> bytes | None:
     """One stream item as SSE: an error event for a failed generation, else the choice's chunk (`index`), or None
     for an item with nothing to say. A token with no text yet (a partial UTF-8 character) still gets its chunk, as
     in vLLM: clients time tokens by chunk arrival. `fast`: the stream's `TextChunks` (not with `continuous` or
     logprobs), which builds an unfinished item's chunk with text. `shown`: the choice's logprobs so far, where its
     request asks for them: the chunk has its tokens', after `lead`'s (an echoed prompt's tokens, in its text).
-    `ids`: vLLM's return_token_ids: the chunk has its tokens' ids (a completion's first, its prompt's too)."""
+    `ids`: vLLM's return_token_ids: the chunk has its tokens' ids (a completion's first, its prompt's too).
+    `echoed`: the text the item's opens with that is a chat's echoed last message: content, not read by `tools`
+    (vLLM reads the reply, then puts the echo before its content)."""
     fin = item.finish_reason
     if fin in FAILED:
         return _error_event(item)
@@ -1629,7 +1634,8 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
         return _chunk(body, include_usage, usage)
     delta = {"content": item.text} if item.text else {}
     if tools is not None:  # the reply's text as reasoning, content and tool calls
-        read = tools.feed(item.text)
+        read = tools.feed(item.text[len(echoed):])
+        read.content = echoed + read.content
         if item.finished:
             read.add(tools.end())
             if tools.calls and tools.as_calls and fin == FinishReason.STOP:  # (cut by its cap: `length`)

@@ -972,16 +972,22 @@ def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None
     return out
 
 
-def read_replies(resp: dict, reader: Callable[[], ReplyReader | None]) -> dict:
+def read_replies(resp: dict, reader: Callable[[], ReplyReader | None], echo: str | None = None) -> dict:
     """A chat response whose replies are read (`reader()`: a `ChatCompletionRequest.reply_reader` per choice, or
     None: text): a reasoning model's thinking as the message's `reasoning_content`; tool calls as its `tool_calls`
     (content: the text beside them, or null), finish reason `tool_calls` where it stopped on its own, unless a named
-    tool was called (OpenAI's); a reply with no calls (or whose cap cut them) keeps its text."""
+    tool was called (OpenAI's); a reply with no calls (or whose cap cut them) keeps its text. `echo`: the echoed last
+    message each content opens with: not read, put back before the reply's content (vLLM's)."""
     for c in resp["choices"]:
         r = reader()
         if r is None:
             return resp
-        reasoning, content, calls = r.whole(c["message"]["content"])
+        text = c["message"]["content"]
+        if echo and text.startswith(echo):
+            text = text[len(echo):]
+        reasoning, content, calls = r.whole(text)
+        if echo:
+            content = echo + (content or "")
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if r.reasoning is not None:
             message["reasoning_content"] = reasoning

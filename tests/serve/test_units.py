@@ -3370,3 +3370,62 @@ def test_a_reply_its_engine_stops_under_is_a_failure_not_an_abort_finish() -> No
             assert not any('"abort"' in e for e in events) and not any('"usage": {' in e for e in events), events
 
     asyncio.run(run())
+
+
+def test_a_chats_echo_is_content_before_its_read_reply() -> None:
+    """A chat's `echo` (its last assistant message, continued) goes before the reply's content, not through the
+    reasoning reader (vLLM reads the reply, then puts the echo before its content): with deepseek_r1's reader the
+    echo was read as reasoning ("The answer ist0t1" as reasoning_content, content null)."""
+    import asyncio
+    import json
+
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+
+    async def generate(req: GenerateRequest):
+        for i, text in enumerate((" 4", "</think>", "Four.")):
+            last = i == 2
+            yield RequestOutput(req.request_id, text=text, token_ids=[10 + i], finished=last,
+                                finish_reason=FinishReason.STOP if last else None, num_prompt_tokens=5,
+                                num_output_tokens=i + 1)
+
+    class Front(OpenAIFrontend):
+        def _ready_info(self) -> dict:
+            return {"model": "m", "max_model_len": 64}
+
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 1 << 16})
+    front.reasoning_parser = "deepseek_r1"
+    app = GenerationFastPath(front, SimpleNamespace(docs_url=None))  # type: ignore[arg-type]
+
+    async def call(body: dict) -> tuple[int, str]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
+                   "query_string": b"", "headers": [(b"content-type", b"application/json")]}, receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]).decode()
+
+    async def run() -> None:
+        body = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is "}],
+                "continue_final_message": True, "add_generation_prompt": False, "echo": True, "max_tokens": 3}
+        status, text = await call(body)
+        message = json.loads(text)["choices"][0]["message"]
+        assert status == 200 and (message["reasoning_content"], message["content"]) == (" 4", "The answer is Four.")
+        status, text = await call({**body, "n": 2})
+        assert [c["message"]["content"] for c in json.loads(text)["choices"]] == ["The answer is Four."] * 2
+        status, text = await call({**body, "stream": True})
+        deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in text.split("\n\n") if e.startswith("data: {")]
+        content = "".join(d.get("content") or "" for d in deltas)
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        assert (reasoning, content) == (" 4", "The answer is Four."), deltas
+
+    asyncio.run(run())
