@@ -25,6 +25,7 @@ _OWN = frozenset(("input", "instructions", "max_output_tokens", "text", "tools",
                   "service_tier", "top_logprobs", "prompt_cache_key", "safety_identifier", "messages",
                   "max_tokens", "max_completion_tokens", "response_format", "n", "stream_options"))
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the text's logprobs (with top_logprobs)
 
 
 class ResponsesError(ValueError):
@@ -78,13 +79,22 @@ def chat_request(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ResponsesError("text", 'must be an object, e.g. {"format": {"type": "json_object"}}')
     if fmt is not None:
         chat["response_format"] = _format(fmt)
+    include = raw.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+        raise ResponsesError("include", "must be a list of strings")
+    top = raw.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise ResponsesError("top_logprobs", f"must be an integer in [0, 20], got {json.dumps(top)[:40]}")
+    if LOGPROBS in (include or ()):  # the text's tokens' logprobs, each with its top_logprobs likeliest (vLLM's)
+        chat["logprobs"], chat["top_logprobs"] = True, top or 0
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # (the usage goes into the last event's response)
     echoed = {"instructions": raw.get("instructions"), "max_output_tokens": raw.get("max_output_tokens"),
               "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "tools": tools or [],
               "tool_choice": raw.get("tool_choice", "auto"), "metadata": raw.get("metadata") or {},
               "parallel_tool_calls": raw.get("parallel_tool_calls", True), "user": raw.get("user"),
-              "text": {"format": fmt or {"type": "text"}}, "reasoning": raw.get("reasoning")}
+              "text": {"format": fmt or {"type": "text"}}, "reasoning": raw.get("reasoning"),
+              "top_logprobs": top or 0}
     return chat, echoed
 
 
@@ -192,9 +202,16 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+def message_item(text: str, status: str = "completed", item_id: str | None = None,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": item_id or _new_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk's) token logprobs as the Responses API's (the same token, logprob, bytes and
+    top_logprobs entries)."""
+    return list(((choice.get("logprobs") or {}).get("content")) or ())
 
 
 def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
@@ -233,7 +250,7 @@ def from_chat(rid: str, chat: dict[str, Any], echoed: dict[str, Any]) -> dict[st
     if message.get("reasoning_content"):
         output.append(reasoning_item(message["reasoning_content"]))
     if message.get("content"):
-        output.append(message_item(message["content"]))
+        output.append(message_item(message["content"], logprobs=_logprobs(choice)))
     for call in message.get("tool_calls") or ():
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
@@ -312,8 +329,8 @@ class ResponseEvents:
                     out.extend(self._call(entry))
             if delta.get("reasoning_content"):
                 out.extend(self._text("reasoning", delta["reasoning_content"]))
-            if delta.get("content"):
-                out.extend(self._text("message", delta["content"]))
+            if delta.get("content"):  # (with its tokens' logprobs, where asked: the chunk's)
+                out.extend(self._text("message", delta["content"], _logprobs(choice)))
             for entry, on in zip(entries, going_on):
                 if not on:
                     out.extend(self._call(entry))
@@ -323,7 +340,7 @@ class ResponseEvents:
                 out.extend(self._close())
         return out
 
-    def _text(self, kind: str, text: str) -> list[bytes]:
+    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
         out: list[bytes] = []
         if self.open is None or self.open["kind"] != kind:
             out.extend(self._close())
@@ -333,15 +350,16 @@ class ResponseEvents:
                 item["status"] = "in_progress"
             else:  # (OpenAI's: the message's part comes with content_part.added, not with the item as well)
                 item["content"] = []
-            self.open = {"kind": kind, "item": item, "text": "", "index": index}
+            self.open = {"kind": kind, "item": item, "text": "", "index": index, "logprobs": []}
             out.append(self._event("response.output_item.added", output_index=index, item=item))
             if kind == "message":
                 out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
                                        content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         o = self.open
         o["text"] += text
+        o["logprobs"] += logprobs or []
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": logprobs or []} if kind == "message" else {}
         out.append(self._event(name, item_id=o["item"]["id"], output_index=o["index"], content_index=0, delta=text,
                                **extra))
         return out
@@ -382,10 +400,10 @@ class ResponseEvents:
             return out
         item_id, index, text = o["item"]["id"], o["index"], o["text"]
         if o["kind"] == "message":
-            item = message_item(text, item_id=item_id)
+            item = message_item(text, item_id=item_id, logprobs=o["logprobs"])
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item_id, output_index=index,
-                                   content_index=0, text=text, logprobs=[]))
+                                   content_index=0, text=text, logprobs=o["logprobs"]))
             out.append(self._event("response.content_part.done", item_id=item_id, output_index=index,
                                    content_index=0, part=part))
         else:

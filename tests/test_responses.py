@@ -160,3 +160,36 @@ def test_an_error_names_the_responses_fields_not_the_chats() -> None:
     assert responses_param("response_format.json_schema.schema") == "text.format.schema"
     assert responses_message("'max_tokens' or 'max_completion_tokens' is too large: 9") == \
         "'max_output_tokens' is too large: 9"
+
+
+def test_the_texts_logprobs_come_where_include_asks_for_them() -> None:
+    """include ["message.output_text.logprobs"] with top_logprobs (vLLM's and OpenAI's): the chat asks for them, and
+    the response's output_text (streamed: each text delta and the text's done event) carries them; without the
+    include none are asked for (the field was dropped and the logprobs always [])."""
+    from openai.types.responses import Response
+
+    chat, echoed = chat_request({"input": "hi", "top_logprobs": 2, "include": ["message.output_text.logprobs"]})
+    assert (chat["logprobs"], chat["top_logprobs"], echoed["top_logprobs"]) == (True, 2, 2)
+    assert "logprobs" not in chat_request({"input": "hi", "top_logprobs": 2})[0]
+    assert chat_request({"input": "hi", "include": ["message.output_text.logprobs"]})[0]["top_logprobs"] == 0
+    for bad, param in (({"top_logprobs": 21}, "top_logprobs"), ({"include": "logprobs"}, "include")):
+        with pytest.raises(ResponsesError) as e:
+            chat_request({"input": "hi", **bad})
+        assert e.value.param == param
+    lp = [{"token": "He", "logprob": -0.1, "bytes": [72, 101], "top_logprobs": [
+        {"token": "He", "logprob": -0.1, "bytes": [72, 101]}, {"token": "Hi", "logprob": -2.5, "bytes": [72, 105]}]},
+        {"token": "llo", "logprob": -0.2, "bytes": [108, 108, 111], "top_logprobs": []}]
+    whole = _chat("Hello")
+    whole["choices"][0]["logprobs"] = {"content": lp}
+    r = from_chat("resp_1", whole, echoed)
+    assert r["output"][0]["content"][0]["logprobs"] == lp and r["top_logprobs"] == 2
+    Response.model_validate(r)
+    ev = ResponseEvents("resp_1", "m", echoed)
+    chunks = [{**_chunk({"content": "He"}), "choices": [{"index": 0, "delta": {"content": "He"},
+                                                         "finish_reason": None, "logprobs": {"content": lp[:1]}}]},
+              {**_chunk({"content": "llo"}), "choices": [{"index": 0, "delta": {"content": "llo"},
+                                                          "finish_reason": "stop", "logprobs": {"content": lp[1:]}}]}]
+    events = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(*chunks, "[DONE]") for e in ev.feed(c)]
+    assert [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"] == [lp[:1], lp[1:]]
+    assert next(e for e in events if e["type"] == "response.output_text.done")["logprobs"] == lp
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == lp
