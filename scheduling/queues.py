@@ -17,7 +17,9 @@ def order_waiting(waiting: deque[T], order: QueueOrder, ranked: bool = False) ->
 
     ``fifo`` keeps the caller's order (arrival order, preempted requests wherever the caller put
     them). ``ldf`` sorts stably by ``(deadline_s, arrival_s)``: least TTFT slack first, which is EDF
-    on arrival + TTFT SLO; best-effort requests (deadline +inf) go last, in arrival order.
+    on arrival + TTFT SLO; best-effort requests (deadline +inf) go last, in arrival order. Requests
+    already started (preempted mid-reply) go first, as vLLM resumes them: one without a TTFT SLO
+    (deadline +inf) went behind every fresh one with a deadline, and under load never resumed.
     ``ranked`` (priority scheduling): by ``priority`` first, lowest first, that order within each.
     """
     if order == "fifo":
@@ -26,7 +28,8 @@ def order_waiting(waiting: deque[T], order: QueueOrder, ranked: bool = False) ->
         raise ValueError("order must be fifo|ldf")
     if len(waiting) < 2:
         return
-    ordered = sorted(waiting, key=lambda r: (r.priority if ranked else 0, r.deadline_s, r.arrival_s))
+    ordered = sorted(waiting, key=lambda r: (r.priority if ranked else 0, r.first_token_s is None, r.deadline_s,
+                                             r.arrival_s))
     waiting.clear()
     waiting.extend(ordered)
 

@@ -657,7 +657,9 @@ class Scheduler:
             if held and r.first_token_s is None and tpot_class(r.tpot_slo_ms) not in held:
                 yields = True
                 return Verdict.KEEP  # waits (not rejected) while the batch drains for a starved tier
-            if gate is not None and r.first_token_s is None and not gate.check(r):
+            # a reply of one token ends at its prefill: no TPOT to keep, and none to pace the batch at
+            decodes = r.params.max_tokens > 1 or r.first_token_s is not None
+            if gate is not None and decodes and r.first_token_s is None and not gate.check(r):
                 if self._hold_for_floor(r, gate, now):
                     held.add(tpot_class(r.tpot_slo_ms))
                     return Verdict.KEEP
@@ -667,6 +669,7 @@ class Scheduler:
                     return Verdict.KEEP  # the TTFT guard rejects it once its deadline is out of reach
                 if self.config.tpot_on_fail == "reject" or (not self.running and not gate.admitted):
                     plan.rejected.append((r, TPOT_UNATTAINABLE))
+                    gate.resume()  # it leaves: the ones after it are judged on their own, not all turned away
                     return Verdict.DROP
                 return Verdict.STOP if gate.stopped else Verdict.KEEP
             if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
@@ -725,9 +728,10 @@ class Scheduler:
             if self.margin is not None and r.first_token_s is None and self.predictor is not None \
                     and id(r) not in self._first_chunks:  # (a prompt in chunks: its first token is steps away)
                 r.ttft_estimate = (now, self.predictor.prefill_ms(round_tokens, round_sq), False)
-            pace = min(pace, r.tpot_slo_ms)
-            if gate is not None:
-                gate.admit(r)
+            if decodes:
+                pace = min(pace, r.tpot_slo_ms)
+                if gate is not None:
+                    gate.admit(r)
             if loras is not None and r.lora_id:
                 loras.add(r.lora_id)
             if self.floor is not None and r.first_token_s is None:

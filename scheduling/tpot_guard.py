@@ -326,6 +326,11 @@ class VBSGate:
         self._stopped = not self._monotone_skip
         return False
 
+    def resume(self) -> None:
+        """The candidate that failed last leaves the queue (turned away): admission goes on past it. (Without
+        `monotone_skip` a failure stops the round: the candidate waits at the head, SCORPIO's head-of-line stop.)"""
+        self._stopped = False
+
     def admit(self, candidate: T) -> None:
         """Record ``candidate`` as admitted this round: later checks include its TRP and tokens."""
         self._add(candidate.tpot_slo_ms, candidate.num_tokens)

@@ -1302,3 +1302,65 @@ def test_a_request_evicted_for_a_more_urgent_one_and_aborted_before_the_next_rou
     assert s.add(evicted) is None and s.add(_ranked(_req(2, 4, arrival=0.002), -1)) is None
     assert s.finish(evicted, FinishReason.ABORT, 0.005)
     assert s.schedule(0.01).rejected == []
+
+
+@pytest.mark.parametrize("policy", ["scorpio", "tpot_guard"])
+def test_a_request_the_vbs_gate_turns_away_leaves_the_ones_after_it_to_be_judged_on_their_own(policy):
+    """Ten requests at TPOT 20 decode; one at TPOT 8 fails the gate (ITL(11) = 10.5 ms x 1.3 > 0.99 x 8) and is turned
+    away; the twenty at TPOT 1000 behind it each pass, and are admitted. The gate's head-of-line stop after a
+    failure made every one of them fail too: all 21 were turned away as tpot_unattainable. (Held instead, SCORPIO's
+    way, the failing request stops the round, and all wait.)"""
+    s = _sched(policy, blocks=256)
+    for i in range(10):
+        s.add(_req(i, 4, tpot=20.0, ttft=10_000))
+    _run(s, s.schedule(0.0))
+    strict = _req(100, 4, tpot=8.0, ttft=10_000)
+    loose = [_req(200 + j, 4, tpot=1000.0, ttft=10_000) for j in range(20)]
+    for r in [strict, *loose]:
+        s.add(r)
+    p = s.schedule(0.01)
+    assert [r for r, _ in p.rejected] == [strict] and p.prefill == loose
+    held = _sched(policy, blocks=256, tpot_on_fail="hold")
+    for i in range(10):
+        held.add(_req(i, 4, tpot=20.0, ttft=10_000))
+    _run(held, held.schedule(0.0))
+    for r in [_req(100, 4, tpot=8.0, ttft=10_000), *(_req(200 + j, 4, tpot=1000.0, ttft=10_000) for j in range(20))]:
+        held.add(r)
+    p = held.schedule(0.01)
+    assert p.prefill == [] and p.rejected == [] and len(held.waiting) == 21
+
+
+@pytest.mark.parametrize("policy", ["scorpio", "tpot_guard", "kairos"])
+def test_a_reply_of_one_token_has_no_tpot_to_keep(policy):
+    """max_tokens 1: the reply ends at its prefill, with no inter-token latency (the scheduler never counts it a TPOT
+    miss); a TPOT SLO no step could keep does not turn it away, nor set the batch's pace."""
+    s = _sched(policy)
+    one = Request("r0", _prompt(0, 4), SamplingParams(max_tokens=1), SLO(ttft_ms=10_000, tpot_ms=5.0))
+    s.add(one)
+    p = s.schedule(0.0)
+    assert p.prefill == [one] and p.rejected == []
+
+
+@pytest.mark.parametrize("policy", ["edf", "edf_reject", "scorpio", "kairos"])
+def test_a_reply_preempted_without_a_ttft_slo_resumes_before_fresh_requests(policy):
+    """Least-deadline-first put a preempted reply with no TTFT SLO (deadline +inf) behind every fresh request with
+    one: under a steady stream of them it never resumed. Started replies resume first, as vLLM's (and FIFO's)."""
+    s = _sched(policy, blocks=16)
+    first = Request("b", _prompt(0, 8), SamplingParams(max_tokens=40), SLO(ttft_ms=60_000))
+    reply = Request("a", _prompt(1, 8), SamplingParams(max_tokens=50), SLO(tpot_ms=200.0))
+    s.add(first)
+    s.add(reply)
+    now, i, waited = 0.0, 2, 0
+    for _ in range(300):
+        now += 0.01
+        s.add(Request(f"r{i}", _prompt(i, 4), SamplingParams(max_tokens=8), SLO(ttft_ms=60_000), arrival_s=now))
+        i += 1
+        p = s.schedule(now)
+        waited += reply.status is Status.WAITING and reply.first_token_s is not None
+        for r, _ in p.rejected:
+            s.finish(r, FinishReason.REJECTED, now)
+        for r, _, reason in s.postprocess(p, [3] * len(p.requests), now):
+            if reason:
+                s.finish(r, reason, now)
+    assert reply.num_preemptions >= 1 and reply.status is Status.FINISHED and reply.num_output_tokens == 50
+    assert waited < 60, waited
