@@ -335,7 +335,7 @@ class LLMReplica:
                         self.metrics.on_rejected(tier, view.reason)
                         if view.reason is not RejectReason.SLO_UNATTAINABLE:  # (an idle replica's too: not load)
                             self.demand.turned_away += 1
-                    else:
+                    elif out.token_ids or not out.finished or out.metrics is None or out.metrics.admitted_s is not None:
                         admitted = True
                         self.demand.admitted += 1
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)

@@ -148,8 +148,11 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens  # special tokens (a chat template's markers) left out of the text
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._pending: list[int] = []  # ids whose bytes do not yet form a complete character
-        for t in self._prime(prompt_ids):
-            self._stream.step(self._tok, t)
+        try:
+            for t in self._prime(prompt_ids):
+                self._stream.step(self._tok, t)
+        except Exception:  # noqa: BLE001 - (as `step`'s): no priming then
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def _prime(self, prompt_ids) -> list[int]:
         ids = list(prompt_ids[-PRIME_MAX:])
@@ -160,8 +163,18 @@ class IncrementalDetokenizer:
         return []
 
     def step(self, token_id: int) -> str:
-        """Text completed by this token ('' while a character is still incomplete)."""
-        text = self._stream.step(self._tok, token_id)
+        """Text completed by this token ('' while a character is still incomplete). Where tokenizers' DecodeStream
+        raises (a ByteFallback decoder's, Llama 2's or Mistral's, on a run of bytes that turns invalid: "Invalid
+        prefix encountered"), the stream starts over from this token, as vLLM's does: the text out stays out."""
+        try:
+            text = self._stream.step(self._tok, token_id)
+        except Exception:  # noqa: BLE001 - the Rust side's error (a plain Exception), or an id it cannot decode
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            self._pending.clear()
+            try:
+                text = self._stream.step(self._tok, token_id)
+            except Exception:  # noqa: BLE001 - not even alone: its text is left out
+                return ""
         if text:
             self._pending.clear()
             return text

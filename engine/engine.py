@@ -864,8 +864,8 @@ class LLMEngine:
         tokens = f.tokens.result() if f.tokens is not None else []
         logprobs = f.tokens.logprobs() if f.tokens is not None else {}
         if f.tokens is not None and f.tokens.prompt:  # before the tokens: a reply's first item carries them
-            for req in plan.prefill:
-                if (got := f.tokens.prompt.get(req.request_id)) is not None:
+            for req in plan.prefill:  # (not one that ended meanwhile: its id may be a new request's by now)
+                if req.status is not Status.FINISHED and (got := f.tokens.prompt.get(req.request_id)) is not None:
                     self.outputs.add_prompt_logprobs(req, *got)
         t1 = time.perf_counter()
         self._phase["forward"] += t1 - t0  # waiting for the device
@@ -877,7 +877,12 @@ class LLMEngine:
                 self._finish(req, FinishReason.ERROR, error=f"{what}: {tok.__cause__ or tok!r}")
                 continue
             lp = logprobs.get(row[id(req)]) if logprobs else None
-            reason = self.outputs.on_token(req, tok, reason, where[id(req)] + 1 - req.num_prompt_tokens, lp)
+            try:
+                reason = self.outputs.on_token(req, tok, reason, where[id(req)] + 1 - req.num_prompt_tokens, lp)
+            except Exception as e:  # noqa: BLE001 - its text's failure (detokenizing, a stop string) is its own
+                log.exception("request %s: its output failed", req.request_id)
+                self._finish(req, FinishReason.ERROR, error=f"output failed: {e!r}"[:500])
+                continue
             if reason is not None:
                 self._finish(req, reason, last_token=tok, last_logprobs=lp)
         self._steps += 1

@@ -347,7 +347,9 @@ class Scheduler:
         return len(self.running) >= self.config.max_num_seqs
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a schedule has something to do: requests waiting or running, or ones a more urgent arrival
+        evicted (turned away at the next schedule: without it they never ended)."""
+        return bool(self.waiting or self.running or self._evicted)
 
     @staticmethod
     def _start(req: Request) -> int:

@@ -695,6 +695,111 @@ def test_a_reply_is_decoded_after_its_prompt_so_its_first_word_keeps_its_space(t
         assert "".join(d.step(t) for t in ids) + d.flush() == words
 
 
+def _byte_fallback_tokenizer():
+    """Llama 2's kind of decoder: SentencePiece with byte fallback (a character the vocabulary lacks is its UTF-8
+    bytes, a token each)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "\u2581a": 258, "a": 259,
+             "\u65e5": 260, "\u2581": 261, "\u00bb": 262}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", unk_token="<unk>")
+
+
+def test_a_byte_run_that_turns_invalid_starts_the_decode_stream_over():
+    """tokenizers' DecodeStream raises "Invalid prefix encountered" where a ByteFallback decoder's byte run turns
+    invalid after a whole character (a sampled reply of byte tokens): the engine's worker died with every request
+    in flight. The stream starts over, as vLLM's does; a reply of whole characters is decoded as before."""
+    import random
+
+    from engine.detokenizer import IncrementalDetokenizer
+
+    tok = _byte_fallback_tokenizer()
+    rng = random.Random(0)
+    bytes_ = [2 + b for b in (0xE6, 0x97, 0xA5, 0xC2, 0xBB, 0x80, 0xC5)]
+    for _ in range(300):
+        d = IncrementalDetokenizer(tok, True, [rng.randrange(2, 263) for _ in range(rng.randrange(0, 6))])
+        text = "".join(d.step(rng.choice(bytes_ + [258, 259, 260, 261, 262])) for _ in range(12)) + d.flush()
+        assert isinstance(text, str)
+    whole = [258, 2 + 0xE6, 2 + 0x97, 2 + 0xA5, 259, 262]  # " a", 日 as its three bytes, "a", »
+    d = IncrementalDetokenizer(tok, True, [259])
+    assert "".join(d.step(t) for t in whole) + d.flush() == " a\u65e5a\u00bb"
+
+
+def test_a_request_whose_output_fails_fails_alone(tiny_checkpoints):
+    """An exception in one request's output (its text, a stop string) ends that request with an error; its
+    neighbours and the engine go on (it broke the worker's loop: the engine died)."""
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        on_token = eng.outputs.on_token
+
+        def failing(req, *args, **kwargs):
+            if req.request_id == "bad" and req.num_output_tokens >= 3:
+                raise RuntimeError("Invalid prefix encountered")
+            return on_token(req, *args, **kwargs)
+
+        eng.outputs.on_token = failing
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        bad, good = eng.add_request([5, 6, 7], params, request_id="bad"), eng.add_request([8, 9], params)
+        last_bad, last_good = list(bad)[-1], list(good)[-1]
+        assert last_bad.finish_reason == "error" and "output failed" in last_bad.error
+        assert last_good.finish_reason == "length" and last_good.num_output_tokens == 12 and eng.is_alive()
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_id_used_again_while_its_aborted_step_runs_gets_only_its_own_prompt_logprobs(tiny_checkpoints):
+    """Overlap scheduling: request A (asking prompt logprobs) is aborted while its prefill is in flight, and a new
+    request takes its id; that step's prompt logprobs were written into the new request's (a longer prompt: an
+    IndexError that killed the engine)."""
+    eng = _engine(tiny_checkpoints["llama"], overlap="on")
+    try:
+        eng.inject_fault(hang_s=1.5)  # A's step held: what is posted meanwhile lands with it in flight
+        a = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=5, prompt_logprobs=1), request_id="A")
+        time.sleep(0.3)  # (later, A's step has run: then nothing to see, and nothing fails)
+        eng.abort("A")
+        prompt = list(range(100, 109))
+        b = eng.add_request(prompt, SamplingParams(max_tokens=3, prompt_logprobs=1), request_id="A")
+        assert list(a)[-1].finished
+        items = list(b)
+        got = next(o.prompt_logprobs for o in items if o.prompt_logprobs is not None)
+        assert [t.id for t in got] == prompt and items[-1].finish_reason == "length" and eng.is_alive()
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_a_more_urgent_one_evicted_ends_though_nothing_else_is_queued(tiny_checkpoints):
+    """Priority scheduling with a full queue: B (more urgent) evicts A, then B is aborted before the next schedule.
+    A is turned away at the next schedule, which, with no other request, never came: A's stream stayed open."""
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", block_size=4,
+                                 scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256, max_waiting=1,
+                                                           scheduling_policy="priority")))
+    try:
+        gate, holding = threading.Event(), threading.Event()
+
+        def hold(_):
+            holding.set()
+            gate.wait(30)
+
+        # the worker held in one drain of its inbox: the three posts below are taken in the same turn
+        t = threading.Thread(target=lambda: eng.run_idle(hold, require_idle=False))
+        t.start()
+        assert holding.wait(30)
+        a = eng.add_request([5, 6], SamplingParams(max_tokens=4), priority=5)
+        b = eng.add_request([7, 8], SamplingParams(max_tokens=4), priority=0, request_id="b")
+        eng.abort("b")
+        gate.set()
+        t.join(30)
+        assert list(b)[-1].finish_reason == "abort"
+        last = a.get(timeout=30)
+        assert last.finished and last.finish_reason == "rejected" and last.reject_reason == "overloaded"
+    finally:
+        eng.shutdown()
+
+
 def test_seeded_sampling_is_reproducible(tiny_checkpoints):
     eng = _engine(tiny_checkpoints["llama"])
     try:

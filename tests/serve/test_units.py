@@ -1097,6 +1097,19 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
                          finish_reason="stop"))  # the stop token: counted, never streamed
     asyncio.run(three(st, replica(st), 1))
     assert calls == [("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 1), ("finished", "tpot1.5", 2, 1)]
+    # a request that fails before the engine admits it (an adapter that does not load, a duplicate id, a shutdown)
+    # is not counted admitted, nor its prompt's tokens (it was, with them: vllm:prompt_tokens too); one that failed
+    # once admitted (a step) is
+    from core.messages import ErrorKind, RequestMetrics
+
+    for admitted_s, counted in ((None, False), (1.0, True)):
+        calls.clear()
+        failed = RequestOutput.failed("r1", "LoRA adapter 'x' uses DoRA", ErrorKind.INVALID_REQUEST)
+        st = RequestStream("r1")
+        st.put(dataclasses.replace(failed, num_prompt_tokens=2, metrics=RequestMetrics(0.0, admitted_s, None, 1.0)))
+        me = replica(st)
+        asyncio.run(three(st, me, 1))
+        assert (("admitted", "tpot1.5", 2) in calls) == counted and me.demand.admitted == counted, calls
 
 
 def test_replica_metrics_bound_the_tier_labels_clients_make() -> None:
