@@ -69,8 +69,12 @@ def prefer_haproxy_ingress() -> bool:
     """Set Serve's HAProxy ingress flags where that is still possible and wanted; True when they are set to 1.
     Where HAProxy is to be used and Ray is not started yet, it is also started through `guard_haproxy`."""
     if any(f in os.environ for f in FLAGS):
-        on = all(os.environ.get(f) == "1" for f in FLAGS)
+        # HAProxy is on where its flag is (Ray turns direct ingress on with it: its serve constants), and then it is
+        # started through the launcher whatever the other flag says (Ray's template alone binds its stats to every
+        # interface, outlives a killed Serve, answers errors in plain text)
+        on = os.environ.get(FLAGS[0]) == "1"
         if on and _before_ray():
+            os.environ.setdefault(DRAIN_ENV, DRAIN_S)
             guard_haproxy()
         return on
     if not _before_ray():

@@ -2038,6 +2038,29 @@ def test_user_code_runs_on_the_http_loop_unless_the_user_says_otherwise(monkeypa
     assert H.prefer_user_code_on_main_loop() is True and H.os.environ[H.USER_CODE_ENV] == "0"
 
 
+def test_haproxy_set_on_by_rays_own_flag_alone_is_started_through_the_launcher(monkeypatch) -> None:
+    """Ray turns direct ingress on with RAY_SERVE_ENABLE_HA_PROXY=1 alone: HAProxy is on, and it must be started
+    through Kairos's launcher (`guard_haproxy`: stats on 127.0.0.1, OpenAI-shaped errors, killed with Serve); with
+    only one of the two flags set it was reported off and left to Ray's template."""
+    import ray
+
+    from deployments import haproxy_ingress as H
+
+    guarded: list[int] = []
+    monkeypatch.setattr(H, "guard_haproxy", lambda: guarded.append(1) or True)
+    monkeypatch.setenv(H.DRAIN_ENV, H.DRAIN_S)  # (restored after the test: the flag's path sets it where unset)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    for flags, on in (({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, True), ({"RAY_SERVE_ENABLE_HA_PROXY": "0"}, False),
+                      ({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}, True),
+                      ({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, False)):
+        guarded.clear()
+        for f in H.FLAGS:
+            monkeypatch.delenv(f, raising=False)
+        for f, v in flags.items():
+            monkeypatch.setenv(f, v)
+        assert H.prefer_haproxy_ingress() is on and bool(guarded) == on, flags
+
+
 def test_serve_control_loop_is_slowed_to_half_a_second_unless_the_user_says_otherwise(monkeypatch) -> None:
     from deployments import haproxy_ingress as H
 
