@@ -840,6 +840,10 @@ def test_serve_config_yaml_is_valid() -> None:
     assert a.num_gpus == 1 and build_app(a) is not None
     llm = next(d for d in app_cfg.deployments if d.name == "LLMServer")
     assert llm.ray_actor_options.num_gpus == 1
+    # a replica takes what its engine holds (running and waiting): a cap of max_num_seqs (256) left the engine's
+    # queue, where the scheduler orders and turns requests away, empty, and the rest waited at the Ingress's handle
+    sched = a.resolved().replica_scheduler()
+    assert llm.max_ongoing_requests == a.resolved().max_ongoing_requests == sched.max_num_seqs + sched.max_waiting
 
 
 def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> None:
