@@ -228,6 +228,9 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
         if raw.get("allow_runtime_lora_updating"):
             raise ValueError(f"model {i}: allow_runtime_lora_updating: the adapters loaded at run time have no model "
                              "to go to in an app of several; name them in lora_modules or dynamic_lora_loading_path")
+        # (nor from VLLM_ALLOW_RUNTIME_LORA_UPDATING's default: it turned adapters on in every engine, and a model
+        # that cannot serve them failed to start)
+        raw["allow_runtime_lora_updating"] = False
         if "num_replicas" not in raw and "autoscaling_config" not in raw:
             raw["num_replicas"] = 1
         given = AppArgs.model_validate({**raw, "topology": "routed"})
@@ -258,11 +261,16 @@ app = build_app  # `serve run deployments:app [key=value ...]`
 def build_openai_app(builder_config: dict) -> Application:  # type: ignore[valid-type]
     """Ray Serve LLM's `build_openai_app` arguments (`llm_configs`: its LLMConfigs; deployments/llm_config.py) as
     a Kairos app (of several models: `build_multi_model_app`): a Ray Serve LLM config runs with `import_path:
-    deployments:build_openai_app`."""
+    deployments:build_openai_app`, with Ray Serve LLM's one replica where it names no count."""
     from deployments.llm_config import translate_all
 
     models = translate_all(builder_config)
-    return build_app(AppArgs.model_validate(models[0])) if len(models) == 1 else build_multi_model_app(models)
+    if len(models) > 1:
+        return build_multi_model_app(models)
+    one = models[0]
+    if "num_replicas" not in one and "autoscaling_config" not in one:  # Ray Serve LLM's default where a config names
+        one = {**one, "num_replicas": 1}  # no count (autoscaling from 1 to 1): one replica, not one per GPU
+    return build_app(AppArgs.model_validate(one))
 
 
 def __getattr__(name: str) -> Any:

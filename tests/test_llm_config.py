@@ -194,6 +194,21 @@ def test_several_llm_configs_are_one_app_of_several_models():
             "allow_runtime_lora_updating": True}}]})
 
 
+def test_vllms_runtime_lora_variable_turns_no_adapters_on_in_an_app_of_several(monkeypatch):
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING sets allow_runtime_lora_updating's default, which turns adapters on in an
+    engine; an app of several models has no route for them: neither its fronts nor its engines take them (a model
+    that cannot serve adapters, model_impl hf, failed to start)."""
+    from deployments import build_multi_model_app
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    app = build_multi_model_app([{"model": "kairos-tiny", "served_model_name": n, "num_gpus": 0, "model_impl": impl}
+                                 for n, impl in (("a", "auto"), ("b", "hf"))])
+    ingress = app._bound_deployment
+    assert [s["allow_runtime_lora_updating"] for s in ingress.init_args[1]] == [False, False]
+    llms = [d._bound_deployment if hasattr(d, "_bound_deployment") else d for d in ingress.init_args[0]]
+    assert [d.init_args[0].get("enable_lora", False) for d in llms] == [False, False]  # (engine configs, as sent)
+
+
 def test_an_app_of_several_models_has_one_front_given_on_any_model():
     """The front's arguments (API keys, CORS, body limit, the Ingress's replicas) are the app's: given on any one of
     its models they hold for every model; given differently on two, the app is refused naming them (a key set on
@@ -210,3 +225,18 @@ def test_an_app_of_several_models_has_one_front_given_on_any_model():
     build_multi_model_app([model("a", allowed_origins="https://x.org"), model("b", allowed_origins="https://x.org")])
     with pytest.raises(ValueError, match="model 1: api_key_file='/b' where model 0 gives '/a'"):
         build_multi_model_app([model("a", api_key_file="/a"), model("b", api_key_file="/b")])
+
+
+def test_a_ray_serve_llm_config_that_names_no_replica_count_gets_one_replica(monkeypatch):
+    """Ray Serve LLM's default (autoscaling from 1 to 1): one replica, not Kairos's one per GPU (on a node of 8, the
+    config took all 8)."""
+    import deployments.args as A
+    from deployments import build_openai_app
+
+    monkeypatch.setattr(A, "gpus_for_app", lambda: 8)
+    one = {"model_loading_config": {"model_id": "m", "model_source": "kairos-tiny"}}
+    top = build_openai_app({"llm_configs": [one]})._bound_deployment
+    assert top.name == "LLMServer" and top._deployment_config.num_replicas == 1
+    two = {**one, "deployment_config": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 0}}}
+    top = build_openai_app({"llm_configs": [two]})._bound_deployment
+    assert top.name == "Ingress" and top.init_args[0]._bound_deployment._deployment_config.num_replicas == 2
