@@ -63,7 +63,8 @@ class ServeArgs(BaseModel):
                                              "router; default: what its engine holds, max_num_seqs + max_waiting, "
                                              "and at least 256")
     max_queued_requests: int = Field(1024, ge=-1, description="requests queued in the ingress's handle beyond "
-                                     "the replicas' caps before answering 429 (-1: unbounded)")
+                                     "the replicas' caps before answering 429 (-1: unbounded; 0 is not a value Serve "
+                                     "takes)")
     ingress_max_ongoing_requests: int = Field(1_000_000, ge=1, description="per-ingress-replica cap (keep high)")
     ingress_num_replicas: int = Field(1, ge=1)
     # topology / routing / health / metrics
@@ -204,6 +205,13 @@ class ServeArgs(BaseModel):
         known = sorted({getattr(ray_accelerators, n) for n in dir(ray_accelerators) if n.startswith("NVIDIA_")})
         if v not in known:
             raise ValueError(f"accelerator_type {v!r}: not an NVIDIA GPU as Ray names them ({', '.join(known)})")
+        return v
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queued(cls, v: int) -> int:
+        if v == 0:  # (Serve's DeploymentConfig refuses it, but only once the app deploys)
+            raise ValueError("max_queued_requests must be -1 (no limit) or a positive integer, as Serve takes it")
         return v
 
     @model_validator(mode="after")

@@ -221,7 +221,9 @@ def _deployment(dep: dict[str, Any]) -> dict[str, Any]:
         raise _refuse("deployment_config", "must be a mapping of Serve deployment options")
     out: dict[str, Any] = {}
     for key, value in dep.items():
-        if key in _DEPLOYMENT:
+        if key == "num_replicas" and value == "auto":  # Serve's: autoscaling from 1 to 100 replicas (its target
+            out["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 100}  # left to Kairos's: max_num_seqs)
+        elif key in _DEPLOYMENT:
             out[_DEPLOYMENT[key]] = value
         elif key == "autoscaling_config":
             out["autoscaling_config"] = value  # (Serve's, checked with Kairos's default target by AppArgs)

@@ -240,3 +240,16 @@ def test_a_ray_serve_llm_config_that_names_no_replica_count_gets_one_replica(mon
     two = {**one, "deployment_config": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 0}}}
     top = build_openai_app({"llm_configs": [two]})._bound_deployment
     assert top.name == "Ingress" and top.init_args[0]._bound_deployment._deployment_config.num_replicas == 2
+
+
+def test_num_replicas_auto_autoscales_as_serve_has_it():
+    """Serve's `num_replicas: "auto"`: autoscaling from 1 to 100 replicas (it was a bare integer type error)."""
+    from deployments.llm_config import translate
+
+    auto = {"model_loading_config": {"model_id": "m"}, "deployment_config": {"num_replicas": "auto"}}
+    args = translate({"llm_configs": [auto]})
+    assert args["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 100} and "num_replicas" not in args
+    from deployments.args import AppArgs
+
+    cfg = AppArgs.model_validate({**args, "model": "kairos-tiny"}).autoscaling()
+    assert cfg["max_replicas"] == 100 and cfg["target_ongoing_requests"] > 2

@@ -38,6 +38,9 @@ def test_app_args_map_flat_knobs_into_nested_configs() -> None:
     # nothing given -> the engine's own defaults, on a GPU-less replica, as an OpenAI server (max_tokens past the
     # context is a 400, as vLLM's)
     assert defaults == EngineConfig(device="cpu", max_tokens_over_context="reject")
+    with pytest.raises(ValidationError, match="max_queued_requests must be -1"):  # (Serve refused it at deploy time)
+        AppArgs.model_validate({"max_queued_requests": 0})
+    assert AppArgs.model_validate({"max_queued_requests": -1}).max_queued_requests == -1
 
 
 def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
