@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 class StreamPacing:
     interval_s: float = 0.0  # fixed floor between a stream's chunks after its first
     max_chunks_per_s: float = 0.0  # the replica's chunk budget over all its streams; 0: none
-    # an autoscaled routed app's: the Ingress replicas' budget for all LLM replicas together, which a replica splits
-    # over those running as its requests say (`GenerateRequest.replicas_running`, `for_running`); 0: the split
-    # `max_chunks_per_s` is fixed
+    # a routed app's: the Ingress replicas' budget for all LLM replicas together, which a replica splits over those
+    # running as its requests say (`GenerateRequest.replicas_running`, `for_running`: an autoscaled app's count
+    # moves, and a fixed one's too where `serve deploy` changes the deployment's num_replicas in place); 0: the split
+    # `max_chunks_per_s` is fixed (a direct app's replicas have budgets of their own)
     shared_chunks_per_s: float = 0.0
 
     def for_running(self, replicas: int) -> "StreamPacing":
@@ -48,12 +49,11 @@ class StreamPacing:
         Ray, and its own budget (`direct_max_chunks_s`) is set above a CPU replica's tokens a second (where a
         budget, binding under a burst, gained no tokens a second and only held tokens back) but under a GPU
         replica's hundreds of streams (where a chunk per token left new requests waiting for the replica's event
-        loop for up to seconds). `autoscaled` (routed): `num_replicas` is the most, and each replica splits the
-        budget over those running as the Ingress sending its requests last heard (`for_running`)."""
+        loop for up to seconds). Routed, each replica splits the budget over those running as the Ingress sending
+        its requests last heard (`for_running`): `num_replicas` (`autoscaled`: the most) is the split until then."""
         total = stream_max_chunks_s * ingress_num_replicas
         per = total / max(num_replicas, 1) if routed else direct_max_chunks_s
-        return cls(max(0.0, stream_interval_ms) / 1000.0, max(0.0, per),
-                   max(0.0, total) if routed and autoscaled else 0.0)
+        return cls(max(0.0, stream_interval_ms) / 1000.0, max(0.0, per), max(0.0, total) if routed else 0.0)
 
     @property
     def holds(self) -> bool:

@@ -3336,11 +3336,14 @@ def test_a_request_one_replica_judges_unattainable_is_judged_by_another_before_t
     assert len(sent) == 2 and first.reject_reason is RejectReason.TTFT_UNATTAINABLE
 
 
-def test_an_autoscaled_apps_replicas_split_the_ingress_chunk_budget_over_those_running() -> None:
+def test_a_routed_apps_replicas_split_the_ingress_chunk_budget_over_those_running() -> None:
+    """Autoscaled, and with a fixed count too: `serve deploy` of the yaml's LLMServer num_replicas changes Serve's
+    count in place, and the split made at build time pushed twice the Ingress's budget through it (4 of 2)."""
     from deployments.pacing import StreamPacing
 
-    fixed = StreamPacing.of_app(0.0, 2000.0, 4, ingress_num_replicas=1)
-    assert fixed.max_chunks_per_s == 500.0 and fixed.for_running(1) == fixed  # a fixed count: its own split
+    fixed = StreamPacing.of_app(0.0, 2000.0, 2, ingress_num_replicas=1)
+    assert fixed.max_chunks_per_s == 1000.0 and fixed.for_running(4).max_chunks_per_s == 500.0
+    assert fixed.for_running(1).max_chunks_per_s == 2000.0
     scaled = StreamPacing.of_app(0.0, 2000.0, 4, ingress_num_replicas=1, autoscaled=True)
     assert scaled.max_chunks_per_s == 500.0  # planned for the most until it hears otherwise
     assert scaled.for_running(1).max_chunks_per_s == 2000.0 and scaled.for_running(2).max_chunks_per_s == 1000.0
