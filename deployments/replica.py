@@ -419,7 +419,16 @@ class LLMReplica:
             step_batch=st.step_batch, alive=st.alive and self.engine.is_alive(), ts=time.time(),
             gate_base_ms=st.gate_line[0] if st.gate_line else None,
             gate_row_ms=st.gate_line[1] if st.gate_line else None, tpot_inv_sum=st.tpot_inv_sum,
-            best_effort_share=st.num_best_effort * self._sched.best_effort_trp).to_dict()
+            best_effort_share=st.num_best_effort * self._sched.best_effort_trp,
+            **self._prefill_model(), waiting_tokens=int(st.waiting_tokens), waiting_sq=float(st.waiting_sq)).to_dict()
+
+    def _prefill_model(self) -> dict[str, float | None]:
+        """The latency model's prefill (`LatencyModel.prefill_params`) as `RoutingStats` carries it (None: none)."""
+        model = self.engine.latency_model
+        if model is None:
+            return {}
+        c0, theta, alpha, beta, _ = model.prefill_params()
+        return {"prefill_c0_ms": c0, "prefill_theta": theta, "prefill_alpha_ms": alpha, "prefill_beta_ms": beta}
 
     def _prefill_sq_ms(self) -> float:
         """The latency model's ms per token pair of attention (0 without a model, or one fitted as a line)."""

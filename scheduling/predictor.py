@@ -1,4 +1,5 @@
-"""Step-time model: ``Prefill(n, q) = alpha·n + beta + gamma·q`` (``c0`` for a step of at most ``theta`` tokens) and
+"""Step-time model: ``Prefill(n, q) = alpha·n + beta + gamma·q``, never below ``c0`` where the fit found a knee (a
+step of at most ``theta`` tokens costs ``c0``: `prefill_time_ms`) and
 ``ITL(B, L) = a·B·L + b·B + c·L + d``; on an engine that serves LoRA adapters, a decode step whose rows run through
 ``k >= 1`` of them takes ``e0 + e1·k + e2·B`` more (`LatencyModel.lora_ms`; `Adapters` adds it for the batch running).
 
@@ -26,6 +27,16 @@ from typing import Any
 import numpy as np
 
 MIN_MS = 0.05  # predictions are clamped to at least this
+
+
+def prefill_time_ms(n: float, q: float, c0: float, theta: float, alpha: float, beta: float, gamma: float) -> float:
+    """A prefill step's time over ``n`` tokens of ``q`` token pairs: the line ``alpha·n + beta + gamma·q``, and where
+    the fit found a knee (``theta`` > 0: on a GPU a small step costs about a launch-bound ``c0`` whatever its size)
+    never below ``c0``. So a step never costs less for more tokens (the line below the knee's ``c0`` just past it
+    did), and a short chunk deep in a long prompt keeps its attention (``c0`` alone dropped it). The one formula
+    of the replica's model and of the router's copy of it (`deployments.router.view`)."""
+    line = alpha * n + beta + gamma * q
+    return max(MIN_MS, max(c0, line) if theta > 0 else line)
 _FORMAT = 2  # 2: no RLS state
 
 
@@ -194,10 +205,13 @@ class LatencyModel:
     def prefill_ms(self, n: float, q: float | None = None) -> float:
         """Time of a prefill step over ``n`` prompt tokens whose attention work is ``q`` token pairs (`prefill_sq`
         summed over its prompts; default ``n²``: one fresh prompt)."""
-        if n <= self.theta:
-            return max(MIN_MS, self.c0)
         alpha, beta, gamma = self._prefill.coef
-        return max(MIN_MS, alpha * n + beta + gamma * (n * n if q is None else q))
+        return prefill_time_ms(n, n * n if q is None else q, self.c0, self.theta, alpha, beta, gamma)
+
+    def prefill_params(self) -> tuple[float, float, float, float, float]:
+        """(c0, theta, alpha, beta, gamma) of `prefill_time_ms`: what a replica reports for the router's copy."""
+        alpha, beta, gamma = self._prefill.coef
+        return float(self.c0), float(self.theta), float(alpha), float(beta), float(gamma)
 
     def itl_ms(self, batch: float, ctx_len: float) -> float:
         """Time of a decode step over ``batch`` sequences of mean context length ``ctx_len``."""

@@ -248,3 +248,19 @@ def test_the_price_of_lora_adapters_is_fitted_kept_and_scaled():
     assert view.itl_ms(4, 100) == m.itl_ms(4, 100) and view.prefill_ms(10) == m.prefill_ms(10)
     view.adapters = 2
     assert view.itl_ms(4, 100) == m.itl_ms(4, 100) + m.lora_ms(2, 4)
+
+
+def test_a_prefill_past_the_knee_never_costs_less_and_a_short_chunk_keeps_its_attention():
+    """A knee fit: c0 for a step of up to theta tokens, the line beyond. The two are fitted apart: the line just past
+    the knee was below c0 (every stored GPU fit predicted less for one more token there), and a short chunk deep in a
+    long prompt cost c0, its attention dropped (5.4 ms for 128 tokens of a 32k prompt, 16.8 ms for 129)."""
+    from scheduling.predictor import prefill_sq
+
+    model = LatencyModel(c0=5.4, theta=128.0, prefill_coef=(0.03, 0.5, 1e-6))  # the line at 129: 4.4 ms
+    times = [model.prefill_ms(n) for n in range(1, 400)]
+    assert all(b >= a for a, b in zip(times, times[1:])) and model.prefill_ms(129) == model.prefill_ms(128) == 5.4
+    deep = [model.prefill_ms(n, prefill_sq(32768 - n, 32768)) for n in (64, 128, 129, 256)]
+    assert deep[1] > 5.4 and all(b >= a for a, b in zip(deep, deep[1:]))
+    assert deep[2] - deep[1] < 0.1  # one more token: about one more token's time, not three times the step
+    flat = LatencyModel(prefill_coef=(0.03, 0.5, 1e-6))  # no knee (a CPU fit): the line, as before
+    assert flat.prefill_ms(10) == pytest.approx(0.03 * 10 + 0.5 + 1e-6 * 100)

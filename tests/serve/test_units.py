@@ -296,6 +296,29 @@ def test_router_predicts_a_long_prompts_ttft_with_its_attention() -> None:
     assert view(_stats(20, 70), 0, 127).pred_ttft_ms == pytest.approx(20 + 50 / 63 * 126)  # no gamma: the line
 
 
+def test_router_predicts_a_prompts_ttft_with_the_replicas_own_model() -> None:
+    """A GPU fit has a knee: every step of up to theta tokens costs c0, the line beyond. An idle replica's two points
+    (1 and a median of 64 tokens) both read c0: the line through them put a prompt of 8,192 tokens at c0 (15 ms where
+    the model says 208 ms), and unreported arrivals at nothing. The replica reports its model's terms and its waiting
+    tokens; the router's prediction is the replica's (`engine.stats.predict_ttft_ms`), arrivals added as ~median
+    prompts."""
+    from engine.stats import predict_ttft_ms
+    from scheduling.predictor import LatencyModel
+
+    model = LatencyModel(c0=14.6, theta=512.0, prefill_coef=(0.024, 3.0, 1e-7))
+    c0, theta, alpha, beta, gamma = model.prefill_params()
+    for waiting, sq in ((0, 0.0), (1000, 1000.0 ** 2), (300, 2 * 150.0 ** 2)):
+        st = SimpleNamespace(waiting_tokens=waiting, waiting_sq=sq)  # (what predict_ttft_ms reads of EngineStats)
+        report = {**_stats(predict_ttft_ms(model, st, 1, 10**6), predict_ttft_ms(model, st, 64, 10**6),
+                           sq_ms=gamma), "prefill_c0_ms": c0, "prefill_theta": theta, "prefill_alpha_ms": alpha,
+                  "prefill_beta_ms": beta, "waiting_tokens": waiting, "waiting_sq": sq}
+        for n in (1, 64, 600, 2048, 8192):
+            assert view(report, 0, n).pred_ttft_ms == pytest.approx(predict_ttft_ms(model, st, n, 10**6)), (waiting, n)
+        more = SimpleNamespace(waiting_tokens=waiting + 20 * 64, waiting_sq=sq + 20 * 64.0 ** 2)
+        assert view(report, 0, 100, fresh=20).pred_ttft_ms == pytest.approx(predict_ttft_ms(model, more, 100, 10**6))
+    assert view(_stats(10, 20), 0, 127).pred_ttft_ms == pytest.approx(10 + 10 / 63 * 126)  # (no terms: the line)
+
+
 def test_a_replica_without_a_report_is_not_ranked_first_for_a_tpot_slo() -> None:
     """A replica that has not reported yet (just started) has nothing to check a TPOT SLO against: unknown, after the
     replicas with measured headroom (as for a TTFT SLO), not first for every TPOT request until its first report."""
