@@ -281,6 +281,11 @@ def _profile(engine: "LLMEngine", time_budget_s: float, meta: dict, path: Path) 
         report.update(lora_report)
     report = dict(report, seconds=round(time.perf_counter() - t0, 2))
     model.meta = dict(meta, fit=report)
+    why = untrusted(report)
+    if why is not None:  # served with for now (the steps' own corrections apply); the next start profiles afresh
+        log.warning("latency model fitted in %.1fs but not kept for later starts (%s): %s", report["seconds"], why,
+                    report)
+        return model, dict(report, cached=False, path=None, untrusted=why)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save(path)
@@ -288,6 +293,24 @@ def _profile(engine: "LLMEngine", time_budget_s: float, meta: dict, path: Path) 
         log.warning("could not save latency profile to %s: %s", path, e)
     log.info("latency model fitted in %.1fs: %s", report["seconds"], report)
     return model, dict(report, cached=False, path=str(path))
+
+
+UNTRUSTED_MAPE = 3.0  # a fit whose prefill or held-out decode error is above this (300%) is not kept
+
+
+def untrusted(report: dict) -> str | None:
+    """Why a fit (`scheduling.predictor.profile`'s report) is not to be kept for later starts, None where it may be:
+    the time budget ran out before there were samples for its terms (four decode terms from two samples read 620 ms
+    for a 9 ms step), or its error is gross (`UNTRUSTED_MAPE`: steps timed on a busy host, a 985% prefill error). A
+    fit kept was reused at every start, however bad; one not kept serves its engine's run, and the next start
+    profiles afresh."""
+    if report.get("budget_exhausted") and (report.get("n_decode", 0) < 4 or report.get("n_prefill", 0) < 3):
+        return (f"the {report.get('seconds', '?')} s budget ran out at {report.get('n_decode')} decode and "
+                f"{report.get('n_prefill')} prefill samples")
+    for key in ("prefill_mape", "mape_holdout"):
+        if report.get(key) is not None and report[key] > UNTRUSTED_MAPE:
+            return f"{key} {report[key]:.2f}: the steps' times do not follow the model (a busy host?)"
+    return None
 
 
 def refit(engine: "LLMEngine", time_budget_s: float, scale: tuple[float, float]) -> dict:

@@ -264,3 +264,32 @@ def test_a_prefill_past_the_knee_never_costs_less_and_a_short_chunk_keeps_its_at
     assert deep[2] - deep[1] < 0.1  # one more token: about one more token's time, not three times the step
     flat = LatencyModel(prefill_coef=(0.03, 0.5, 1e-6))  # no knee (a CPU fit): the line, as before
     assert flat.prefill_ms(10) == pytest.approx(0.03 * 10 + 0.5 + 1e-6 * 100)
+
+
+def test_a_fit_from_too_few_samples_or_with_gross_error_is_not_kept_for_later_starts(tmp_path, monkeypatch):
+    """A profile was cached and reused at every start however bad: four decode terms fitted from two samples (the
+    budget gone to first-step compiles) read 620 ms for a 9 ms step; a fit timed on a busy host had a 985% prefill
+    error. Such a fit serves its engine's run, and is not saved: the next start profiles afresh."""
+    from types import SimpleNamespace
+
+    from engine import profiling
+
+    assert profiling.untrusted({"budget_exhausted": True, "n_decode": 2, "n_prefill": 2}) is not None
+    assert profiling.untrusted({"budget_exhausted": False, "n_decode": 90, "prefill_mape": 9.85}) is not None
+    assert profiling.untrusted({"budget_exhausted": True, "n_decode": 40, "n_prefill": 12, "prefill_mape": 0.2,
+                                "mape_holdout": 0.3}) is None
+    saved: list = []
+    monkeypatch.setattr(LatencyModel, "save", lambda self, path: saved.append(path))
+    fits = iter([{"budget_exhausted": True, "n_decode": 2, "n_prefill": 2}, {"budget_exhausted": False,
+                                                                             "n_decode": 90, "n_prefill": 30}])
+    monkeypatch.setattr(profiling, "profile", lambda *a, **k: (LatencyModel(), dict(next(fits))))
+    monkeypatch.setattr(profiling, "Prober", lambda engine: SimpleNamespace(prefill=lambda n: 1.0,
+                                                                             decode=lambda b, n: 1.0))
+    cache = SimpleNamespace(num_blocks=64, block_size=16)
+    engine = SimpleNamespace(max_model_len=512, cache=cache, bundle=SimpleNamespace(device=SimpleNamespace(type="cpu")),
+                             config=SimpleNamespace(scheduler=SimpleNamespace(prefill_max_tokens=256, max_num_seqs=8),
+                                                    serves_lora=False))
+    model, report = profiling._profile(engine, 1.0, {"m": 1}, tmp_path / "p.json")
+    assert report["untrusted"] and report["path"] is None and saved == []
+    model, report = profiling._profile(engine, 1.0, {"m": 1}, tmp_path / "p.json")
+    assert "untrusted" not in report and saved == [tmp_path / "p.json"]
