@@ -100,6 +100,18 @@ def margin_at(table: MarginTable, prefill_ms: float, default_ms: float) -> float
     return table[-1][1]
 
 
+LONE_STALL = 4.0  # an error this many times the next largest (and the configured margin) is a lone stall (below)
+
+
+def _lone_stall(largest: tuple[float, float], next_ms: float, default_ms: float, typical_ms: float) -> bool:
+    """Whether the largest error of a row, (error, its predicted prefill), stands alone far above the rest on a
+    prompt of the row's typical size (its prediction at most twice the row's median, `typical_ms`): a stall of the
+    host (a garbage collection, a kernel compile). The model's error on a prompt far longer than the rest is not
+    one: that one sets the margin of prompts as long."""
+    err, predicted = largest
+    return err > LONE_STALL * max(next_ms, default_ms) and predicted <= 2.0 * typical_ms
+
+
 class MeasuredMargin:
     """kairos's TTFT margin, measured on the replica's own admissions instead of SCORPIO's fixed 50 ms.
 
@@ -120,7 +132,10 @@ class MeasuredMargin:
     prefill took seconds more than predicted raises the margin of prompts as long, and no longer that of every
     short request for the next ``window`` admissions (which then all missed a TTFT SLO of a few seconds). With just
     ``min_samples`` admissions measured every row pools them all, and a row of fewer than 1 / (1 - quantile) errors
-    takes its largest: the first admissions after start-up count fully until more come.
+    takes its largest: the first admissions after start-up count fully until more come; but not a lone stall
+    (`_lone_stall`: far above the next largest error and its own prefill): one 1.5 s collection or compile among
+    errors of 8 ms made the margin 1.5 s, which turned every request of a shorter TTFT SLO away until it aged out;
+    a tail of several large errors still sets it.
 
     Errors also age out: those older than ``window_s`` (`expire`) no longer count. Under a burst the errors are the
     burst's (a queue of prefills, decodes riding in every step, on a CPU the HTTP work on the same cores); on the
@@ -166,15 +181,19 @@ class MeasuredMargin:
             return ()
         if not idle:
             self._typical = obs[n // 2][0]
-        errs: list[float] = []
+        errs: list[tuple[float, float]] = []  # (error, predicted prefill), by error
         rows: list[tuple[float, float]] = []
         i, k, top = 0, _bucket(obs[0][0]), _bucket(obs[-1][0])
         while True:
             limit = 2.0 ** (k + 1)  # twice the row's bound
             while i < n and (obs[i][0] <= limit or i < self.min_samples):
-                bisect.insort(errs, obs[i][1])
+                bisect.insort(errs, (obs[i][1], obs[i][0]))
                 i += 1
-            rows.append((2.0 ** k, errs[min(len(errs) - 1, math.ceil(self.quantile * len(errs)) - 1)]))
+            j = min(len(errs) - 1, math.ceil(self.quantile * len(errs)) - 1)
+            typical = obs[(i - 1) // 2][0]  # the row's median predicted prefill (obs are sorted by it)
+            if j == len(errs) - 1 and j > 0 and _lone_stall(errs[j], errs[j - 1][0], self.default_ms, typical):
+                j -= 1  # a lone stall (a collection, a compile) in a row too short for its quantile: not the margin
+            rows.append((2.0 ** k, errs[j][0]))
             if k >= top:
                 return tuple(rows)
             k += 1

@@ -602,3 +602,16 @@ def test_the_ttft_guard_sums_each_prompts_attention_not_the_queues() -> None:
     cost = lambda r: r.n  # noqa: E731
     assert find_ttft_unattainable(queue, 0.0, model.prefill_ms, 0.0, cost, cost_sq=lambda r: prefill_sq(0, r.n)) == []
     assert find_ttft_unattainable(queue, 0.0, model.prefill_ms, 0.0, cost) == queue[4:]
+
+
+def test_a_lone_stall_does_not_become_the_ttft_margin() -> None:
+    """Under 1 / (1 - quantile) errors a row takes its largest; one 1.5 s stall (a collection, a compile) among
+    admissions 8 ms late made the margin 1.5 s, and a request of a 1 s TTFT SLO with a 12 ms prefill was turned away
+    until the stall aged out. A lone error far above the rest and its own prefill is left out; two such set it."""
+    m = MeasuredMargin(50.0, quantile=0.99, window=256, min_samples=32, window_s=60.0)
+    for i in range(60):
+        m.observe(8.0, predicted_ms=12.0, now_s=float(i))
+    m.observe(1500.0, predicted_ms=12.0, now_s=60.0)
+    assert m.margin_ms(12.0) == 8.0 and m.margin_ms(12.0, idle=False) == 8.0
+    m.observe(1400.0, predicted_ms=12.0, now_s=61.0)  # a second: a tail, not a lone stall
+    assert m.margin_ms(12.0) == 1500.0
