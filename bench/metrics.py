@@ -5,13 +5,16 @@ DistServe definitions (`summarize` a run):
 
 - TTFT = first token − arrival; TPOT = (E2E − TTFT)/(n − 1) = (last token − first token)/(n − 1), 0 for n = 1.
 - A request is *good* iff it was not rejected, completed (finish_reason stop/length), TTFT ≤ F and TPOT ≤ T.
-- goodput = #good / wall (req/s); adherence = #good / #all, so rejections (and timeouts, errors) are misses.
+- goodput = #good / window (req/s); adherence = #good / #all, so rejections (and timeouts, errors) are misses.
 - Violations are counted among *served* (not rejected) requests: a TTFT violation is a late or missing first
   token; a TPOT violation is TPOT > T over the tokens it got (needs ≥ 2). `incomplete` counts served requests
   that did not complete (timed out / aborted / failed).
 - Warm-up: the first `warmup_frac` of the requests by arrival are dropped from every statistic.
-- wall (for goodput and token throughput): from the first kept arrival to the last kept end (last token,
-  rejection or give-up time), unless the caller passes `wall_s`.
+- window (for goodput): from the first kept arrival to the last kept arrival, unless the caller passes `window_s`:
+  the same for every policy offered the same arrivals, so their goodputs compare as their good requests do (over
+  the run's own end, each policy's was over its own tail, and a harness's drain moved it).
+- wall (for token throughput): from the first kept arrival to the last kept end (last token, rejection or give-up
+  time), unless the caller passes `wall_s`.
 """
 from __future__ import annotations
 
@@ -98,9 +101,19 @@ def drop_warmup(records: Iterable[Record], frac: float = 0.1) -> list[Record]:
 
 
 def wall_of(records: Sequence[Record]) -> float:
+    """The run's span: its first arrival to its last request's end (what the token throughput is over)."""
     if not records:
         return 0.0
     return max(r.end_s for r in records) - min(r.arrival_s for r in records)
+
+
+def window_of(records: Sequence[Record]) -> float:
+    """The arrivals' span: its first arrival to its last (what goodput is over). The same for every policy offered
+    the same arrivals, so that their goodputs compare as their good requests do: over `wall_of`, each was over its
+    own last end (a reply not good, a request timed out at the drain's end), and moved with the harness's drain."""
+    if not records:
+        return 0.0
+    return max(r.arrival_s for r in records) - min(r.arrival_s for r in records)
 
 
 def _latency_stats(recs: Sequence[Record]) -> dict[str, float]:
@@ -142,11 +155,13 @@ def per_replica(records: Iterable[Record]) -> dict[str, dict[str, int]]:
 
 
 def summarize(records: Iterable[Record], *, warmup_frac: float = 0.1, wall_s: float | None = None,
-              tiers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Every metric of one run (one policy × load × seed, or pooled records with an explicit `wall_s`)."""
+              tiers: Sequence[str] | None = None, window_s: float | None = None) -> dict[str, Any]:
+    """Every metric of one run (one policy × load × seed, or pooled records with an explicit `wall_s` and
+    `window_s`). Goodput is over the arrivals' span (`window_of`), the token throughput over the run's (`wall_of`)."""
     records = list(records)
     kept = drop_warmup(records, warmup_frac)
     wall = wall_of(kept) if wall_s is None else float(wall_s)
+    window = window_of(kept) if window_s is None else float(window_s)
     c = _counts(kept)
     out_tokens = sum(r.n_out for r in kept)
     reasons: dict[str, int] = {}
@@ -163,7 +178,8 @@ def summarize(records: Iterable[Record], *, warmup_frac: float = 0.1, wall_s: fl
         **c,
         "n_dropped_warmup": len(records) - len(kept),
         "wall_s": wall,
-        "goodput_rps": c["good"] / wall if wall > 0 else math.nan,
+        "window_s": window,
+        "goodput_rps": c["good"] / window if window > 0 else math.nan,
         "token_throughput": out_tokens / wall if wall > 0 else math.nan,
         "output_tokens": out_tokens,
         "reject_reasons": reasons,

@@ -67,8 +67,10 @@ def per_seed(summary: dict[str, Any], restates: Sequence[str] = ()) -> dict[str,
         elif key in restating:
             continue
         try:
-            out[key] = {int(s["seed"]): (float(s["goodput_rps"]) * float(s["wall_s"]), float(s["wall_s"]))
-                        for s in fig.get("per_seed") or []}
+            # (good, span): goodput is over the arrivals' span (`window_s`) since it is reported, over the run's own
+            # (`wall_s`) in the summaries before
+            out[key] = {int(s["seed"]): (float(s["goodput_rps"]) * float(s.get("window_s", s["wall_s"])),
+                                         float(s.get("window_s", s["wall_s"]))) for s in fig.get("per_seed") or []}
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{summary.get('name')}: {label!r} has no per-seed goodput and wall ({e!r})") from None
     return out

@@ -47,7 +47,7 @@ import numpy as np
 from bench import driver as D
 from bench import metrics as M
 from bench import workload as W
-from bench.slo import (arm_sched, completion_rate, length_arm, overrides, policy_spec, probe_text,
+from bench.slo import (arm_sched, completion_rate, drain_for, length_arm, overrides, policy_spec, probe_text,
                        search_lambda)
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
@@ -475,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,
                           args.hybrid_saving_ms, args.host_row_ms)
         return simulate(config(label), items, machine, planner, max_model_len=args.max_model_len,
+                        drain_s=drain_for(items, None),  # (bench.slo's: a run's drain, the same in both)
                         tokenizer_fingerprint=fp, clock=clock, noise=noise_of(label)[1], lengths=lengths,
                         seats_full=seats_full)
 
@@ -550,12 +551,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = next(iter(by))
         for label, g in by.items():
             if label != first and statistics.fmean(g) > 0:
-                ratios = [x / y for x, y in zip(by[first], g) if y > 0]
-                of_means = statistics.fmean(by[first]) / statistics.fmean(g)
+                ratios = [x / y for x, y in zip(by[first], g) if y > 0]  # (a seed where `label` made none: left out,
+                of_means = statistics.fmean(by[first]) / statistics.fmean(g)  # and said so)
                 out["ratios"].append({"load": load, "of": first, "over": label, "mean_of_ratios":
-                                      statistics.fmean(ratios), "min": min(ratios), "ratio_of_means": of_means})
+                                      statistics.fmean(ratios), "min": min(ratios), "ratio_of_means": of_means,
+                                      "seeds": len(ratios), "of_seeds": len(g)})
+                left = f", {len(g) - len(ratios)} of {len(g)} seeds left out: none good there" \
+                    if len(ratios) < len(g) else ""
                 print(f"    {first} / {label}: mean of ratios {statistics.fmean(ratios):.3f} "
-                      f"(min {min(ratios):.2f}), ratio of means {of_means:.3f}")
+                      f"(min {min(ratios):.2f}{left}), ratio of means {of_means:.3f}")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -484,14 +484,15 @@ def hop_summary(records: Sequence[D.Record]) -> dict[str, dict[str, float]]:
 
 def summarize_point(policy: str, load: float, rate: float, runs: list[tuple[int, D.Run]], warmup: float,
                     tiers: Sequence[str]) -> dict[str, Any]:
-    per_seed, pooled, wall = [], [], 0.0
+    per_seed, pooled, wall, window = [], [], 0.0, 0.0
     for seed, run in runs:
         s = M.summarize(run.records, warmup_frac=warmup, tiers=tiers)
         per_seed.append({"seed": seed, "goodput_rps": s["goodput_rps"], "adherence": s["adherence"],
-                         "wall_s": s["wall_s"], "n": s["n"]})
+                         "wall_s": s["wall_s"], "window_s": s["window_s"], "n": s["n"]})
         pooled.extend(M.drop_warmup(run.records, warmup))
         wall += s["wall_s"]
-    s = M.summarize(pooled, warmup_frac=0.0, wall_s=wall, tiers=tiers)  # warm-up already dropped per seed
+        window += s["window_s"]
+    s = M.summarize(pooled, warmup_frac=0.0, wall_s=wall, window_s=window, tiers=tiers)  # (warm-up dropped per seed)
     s["n_dropped_warmup"] = sum(len(r.records) for _, r in runs) - len(pooled)
     eng = [r.engine for _, r in runs if r.engine]
     steps = sum(e["steps"] for e in eng)

@@ -235,7 +235,7 @@ def test_a_gpu_fitted_model_runs_the_scheduler_with_a_gpu_replicas_defaults(tmp_
         assert sim.main(["--tiers", str(tiers), "--dataset", "synthetic", "--policies",
                          "kairos,kairos+correction_stall_share=0.5,kairos+correction_stall_share=1", "--seeds", "0-1",
                          "--num-requests", "80", "--lambda-star", "25", "--loads", "1.5", "--json", str(out)]) == 0
-        return {p["policy"]: p["goodput_rps"] for p in json.loads(out.read_text())["points"]}
+        return {p["policy"]: (p["goodput_rps"], p["run_s"]) for p in json.loads(out.read_text())["points"]}
 
     gpu, cpu = goodputs("cuda:0"), goodputs("cpu")
     assert gpu["kairos"] == gpu["kairos+correction_stall_share=0.5"] != gpu["kairos+correction_stall_share=1"]
