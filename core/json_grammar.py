@@ -17,7 +17,8 @@ and `prefixItems` (a tuple's items; `items` false: no more), `minItems`, `maxIte
 `maxLength` (in characters, an escape one) and `pattern` (`core.regex_grammar`: found anywhere in the string's
 text, as JSON Schema's, unless anchored), a number's `minimum`, `maximum`, `exclusiveMinimum` and
 `exclusiveMaximum` (a bounded number is written without an exponent), `enum`, `const`, `anyOf` / `oneOf` (a value
-takes the first alternative its first character fits), and `$ref` to `#/$defs/...` or `#/definitions/...`;
+follows every alternative it fits so far, a state of mode `FORK` holding one state each: `MAX_FORK` at most), and
+`$ref` to `#/$defs/...` or `#/definitions/...`;
 `title`, `description`, `default`, `examples`, `format` and the like are read and not enforced; any other keyword
 (`multipleOf`, `uniqueItems`, ...) is refused by `compile_schema`, so that no reply breaks a rule it was asked to
 keep. A reply held to a regular expression alone (`start_pattern`) is a state of mode `PATTERN`."""
@@ -38,7 +39,8 @@ MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven leve
 
 # modes
 VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN, \
-    THINK = range(15)
+    THINK, FORK = range(16)
+MAX_FORK = 64  # the alternatives a value of an anyOf / oneOf follows at once (`FORK`), the first ones kept
 THINK_OPEN, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, before its format (`thinking_first`)
 _WS = frozenset(" \t\n\r")
 _DIGITS = frozenset("0123456789")
@@ -339,11 +341,8 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
             leaves = node.get(_LEAVES)  # themselves)
             if leaves is None:
                 leaves = node[_LEAVES] = _leaves(node)
-            for alt in leaves:
-                got = _value(stack, ch, alt)
-                if got is not None:
-                    return got
-            return None
+            return _fork(_value(stack, ch, alt) for alt in leaves)  # (each alternative it fits, not only the first:
+            # a union of objects all begin with "{", and tool_choice required's anyOf of tools called only the first)
         if "const" in node or "enum" in node:
             texts = node.get(_TEXTS)
             if texts is None:  # (in order: a prefix's candidates are a run of them, `_choices`)
@@ -649,9 +648,26 @@ def _string_may_take(limits: tuple | None, lo: int, hi: int) -> bool:
     return rx is None or any(_one_more(limits, chr(c)) is not None for c in rx.samples(at, lo, hi))
 
 
+def _fork(states: Iterator[State | None]) -> State | None:
+    """The states of a value's alternatives that go on (a fork's members flattened), as one: None for none, the one
+    for one, else a state of mode `FORK` (its first `MAX_FORK`)."""
+    alive: list[State] = []
+    for s in states:
+        if s is None:
+            continue
+        for member in (s[2] if s[1] == FORK else (s,)):
+            if len(alive) < MAX_FORK and member not in alive:
+                alive.append(member)
+    if not alive:
+        return None
+    return alive[0] if len(alive) == 1 else ((), FORK, tuple(alive), 0)
+
+
 def step(state: State, ch: str) -> State | None:
     """The state after one more character, or None where it cannot come next."""
     stack, mode, sub, ws = state
+    if mode == FORK:  # every alternative that takes it
+        return _fork(step(s, ch) for s in sub)
     if mode == THINK:
         return _think(sub, ch)
     if mode == PATTERN:
@@ -813,6 +829,8 @@ def can_take(state: State, lo: int, hi: int) -> bool:
         if lo > hi:
             return False
     stack, mode, sub = state[0], state[1], state[2]
+    if mode == FORK:
+        return any(can_take(s, lo, hi) for s in sub)
     if mode == THINK:
         stage, text, then = sub
         if stage == "in":
@@ -898,6 +916,8 @@ def complete(state: State) -> bool:
     stack, mode, sub = state[0], state[1], state[2]
     if mode == DONE:
         return True
+    if mode == FORK:
+        return any(complete(s) for s in sub)
     if mode == PATTERN:
         return sub[0].accepts(sub[1])
     if mode == THINK:  # thinking: a stop token may end it (vLLM's way: no format is held while it thinks); its

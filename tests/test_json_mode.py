@@ -233,8 +233,17 @@ def test_a_schemas_values_are_taken_and_what_breaks_it_is_refused():
     chain = _schema_state({"$defs": {**shared, "d40": {"type": "string"}}, "$ref": "#/$defs/d0"})
     assert complete(advance(chain, '"abc"')) and advance(chain, "1") is None
     first = _schema_state({"anyOf": [{"anyOf": [{"type": "integer", "maximum": 5}, {"enum": [7]}]},
-                                     {"type": "number"}]})  # (the first alternative a value fits, as before)
+                                     {"type": "number"}]})
     assert complete(advance(first, "7")) and complete(advance(first, "9.5")) and complete(advance(first, "3"))
+    # a value follows every alternative it fits so far, not the first its first character fits: an integer or a
+    # number (1.5 was refused), a union of objects (each begins with "{": only the first was ever written)
+    assert complete(advance(_schema_state({"anyOf": [{"type": "integer"}, {"type": "number"}]}), "1.5"))
+    cat = {"type": "object", "properties": {"meow": {"type": "boolean"}}, "required": ["meow"]}
+    dog = {"type": "object", "properties": {"bark": {"type": "integer"}}, "required": ["bark"]}
+    pet = _schema_state({"oneOf": [cat, dog]})
+    assert complete(advance(pet, '{"meow": true}')) and complete(advance(pet, '{"bark": 3}'))
+    assert advance(pet, '{"bark": true') is None and advance(pet, '{"meow": true, "bark"') is None
+    assert not complete(advance(pet, '{"meow": true'))
     # `$ref`s are JSON pointers from the root: "#" itself (OpenAI's recursive UI example), a property's schema, an
     # escaped name
     ui = _schema_state({"type": "object", "properties": {"label": {"type": "string"},
@@ -533,3 +542,25 @@ def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema,
         compile_schema(json.dumps(schema))
     with pytest.raises(ValueError, match=match):
         SamplingParams(json_schema=json.dumps(schema)).validate()
+
+
+def test_tool_choice_required_may_call_any_of_its_tools():
+    """tool_choice required holds the reply to a list of calls, each an anyOf of one object per tool (vLLM's, which
+    xgrammar reads as a real alternation): every tool may be called, not only the first."""
+    from core.json_grammar import compile_schema, start
+    from deployments.protocol import ChatCompletionRequest
+
+    def tool(name: str, arg: str) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}}}
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "time?"}],
+                                                 "tools": [tool("get_weather", "city"), tool("get_time", "tz")],
+                                                 "tool_choice": "required"})
+    st = start(compile_schema(body.json_schema()))
+    for calls in ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+                  '[{"name": "get_time", "parameters": {"tz": "UTC"}}]',
+                  '[{"name": "get_time", "parameters": {"tz": "UTC"}}, {"name": "get_weather", '
+                  '"parameters": {"city": "x"}}]'):
+        assert complete(advance(st, calls)), calls
+    assert advance(st, '[{"name": "get_time", "parameters": {"city"') is None
