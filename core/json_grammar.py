@@ -199,6 +199,16 @@ def compile_schema(text: str) -> dict[str, Any]:
         """`node` checked, its sub-schemas replaced by what they resolve to; the schema it stands for."""
         if not isinstance(node, dict):
             raise fail(where, f"must be a schema (an object), got {json.dumps(node)[:40]}")
+        # every keyword of a schema applies; those beside a $ref, an anyOf or oneOf, or an enum or const, the automaton
+        # does not hold a value to (it took the $ref's schema, an alternative, a value of the list): refused, not
+        # dropped (a reply then broke them), but an enum's or const's type, which picks its values
+        for key, free in (("$ref", _WITH_REF), ("anyOf", _WITH_ALTS), ("oneOf", _WITH_ALTS), ("enum", _WITH_VALUES),
+                          ("const", _WITH_VALUES)):
+            if key in node and (beside := sorted((set(node) & ENFORCED) - free - {key})):
+                into = {"$ref": "the schema it names", "anyOf": "each alternative", "oneOf": "each alternative"}
+                raise fail(where, f"has {', '.join(beside)} beside {key}, which this server does not enforce "
+                                  f"together (put {'them' if len(beside) > 1 else 'it'} into "
+                                  f"{into.get(key, 'the values')})")
         if "$ref" in node:
             node = ref(node["$ref"])
         if id(node) in checked:
@@ -247,6 +257,13 @@ def compile_schema(text: str) -> dict[str, Any]:
         for name in ("const", "enum"):
             if name in node and not _finite(node[name]):  # (Python's JSON reads them; no JSON text writes them)
                 raise fail(f"{where}.{name}", "holds NaN or Infinity, which are not JSON values")
+        if types is not None and ("enum" in node or "const" in node):  # its values of its type only
+            values = [node["const"]] if "const" in node else node["enum"]
+            kept = [v for v in values if _of_types(v, types)]
+            if not kept:
+                raise fail(where, f"has no {'const' if 'const' in node else 'enum'} value of its type")
+            if "enum" in node:
+                node["enum"] = kept
         for name in _COUNTS:
             if name in node and (isinstance(node[name], bool) or not isinstance(node[name], int) or node[name] < 0):
                 raise fail(f"{where}.{name}", "must be a non-negative integer")
@@ -302,6 +319,26 @@ def compile_schema(text: str) -> dict[str, Any]:
             elif not state[id(nxt)]:
                 raise fail("the schema", "has an anyOf or oneOf whose alternatives lead back to it")
     return root
+
+
+# the keywords a schema may hold beside a $ref, an anyOf / oneOf, an enum / const (`compile_schema`): the notes, and
+# the definitions (a root's); beside an enum or const, its type too
+_WITH_REF = frozenset(("$defs", "definitions"))
+_WITH_ALTS = frozenset(("$defs", "definitions"))
+_WITH_VALUES = frozenset(("$defs", "definitions", "type", "enum", "const"))
+
+
+def _of_types(value: Any, types: list[str]) -> bool:
+    """Whether a JSON value is of one of `types` (an integer: a number with no fraction, as JSON Schema's)."""
+    for t in types:
+        if t == "null" and value is None or t == "boolean" and isinstance(value, bool) \
+                or t == "string" and isinstance(value, str) or t == "array" and isinstance(value, list) \
+                or t == "object" and isinstance(value, dict):
+            return True
+        if t in ("number", "integer") and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and (t == "number" or float(value).is_integer()):
+            return True
+    return False
 
 
 def _leaves(node: dict[str, Any]) -> tuple[dict[str, Any], ...]:

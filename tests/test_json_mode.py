@@ -564,3 +564,32 @@ def test_tool_choice_required_may_call_any_of_its_tools():
                   '"parameters": {"city": "x"}}]'):
         assert complete(advance(st, calls)), calls
     assert advance(st, '[{"name": "get_time", "parameters": {"city"') is None
+
+
+@pytest.mark.parametrize("schema,beside", [
+    ({"type": "string", "anyOf": [{"maxLength": 3}, {"pattern": "^x"}]}, "type beside anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, "beside anyOf"),
+    ({"anyOf": [{"type": "integer"}], "oneOf": [{"type": "string"}]}, "oneOf beside anyOf"),
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, r"maxLength beside \$ref"),
+    ({"enum": ["a", "bb"], "maxLength": 1}, "maxLength beside enum")])
+def test_a_keyword_beside_what_the_automaton_follows_instead_is_refused_not_dropped(schema, beside):
+    """Every keyword of a schema applies. Beside a $ref, an anyOf / oneOf or an enum / const the automaton followed
+    the $ref's schema, an alternative or a value of the list and dropped the rest: replies that finished broke them
+    ("4" for a string of at most 3 characters). Refused with a 400 that says so; notes beside them are fine."""
+    from core.json_grammar import compile_schema
+
+    with pytest.raises(ValueError, match=beside):
+        compile_schema(json.dumps(schema))
+    optional = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Nick"}  # (Pydantic's)
+    compile_schema(json.dumps({"$defs": {"o": optional}, "$ref": "#/$defs/o", "description": "a nickname"}))
+
+
+def test_an_enums_type_picks_its_values():
+    """{"type": "integer", "enum": [1, "a"]}: "a" was written (a reply that broke the type); the type keeps 1."""
+    from core.json_grammar import compile_schema, start
+
+    st = start(compile_schema(json.dumps({"type": "integer", "enum": [1, "a", 2.0, True]})))
+    assert complete(advance(st, "1")) and complete(advance(st, "2.0")) and advance(st, '"a') is None
+    assert advance(st, "t") is None
+    with pytest.raises(ValueError, match="no enum value of its type"):
+        compile_schema(json.dumps({"type": "string", "enum": [1, 2]}))
