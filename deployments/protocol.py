@@ -80,7 +80,8 @@ BEAM_REFUSED = ("stop", "stop_token_ids", "logit_bias", "presence_penalty", "fre
 # vLLM's structured_outputs: the grammars this server keeps (and what each takes), and options it takes and ignores
 STRUCTURED_KINDS = {"json": "a JSON schema", "regex": "a regular expression (a string)",
                     "choice": "a list of texts", "json_object": "true", "grammar": "an EBNF grammar (a string)"}
-STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properties", "whitespace_pattern"))
+STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properties", "whitespace_pattern",
+                                "disable_any_whitespace"))  # (a reply's whitespace is capped here: MAX_WHITESPACE)
 
 
 def unsupported_field(data: Any, honoured: frozenset[str] = frozenset()) -> str | None:

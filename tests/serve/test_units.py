@@ -3498,3 +3498,13 @@ def test_a_chats_echo_is_content_before_its_read_reply() -> None:
         assert (reasoning, content) == (" 4", "The answer is Four."), deltas
 
     asyncio.run(run())
+
+
+def test_structured_outputs_take_vllms_options() -> None:
+    """vLLM's StructuredOutputsParams options beside the grammar (disable_any_whitespace was a 400 saying the request
+    held no grammar); a grammar still has to be there."""
+    body = P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {
+        "json": {"type": "object"}, "disable_any_whitespace": True, "disable_fallback": True}})
+    assert body.structured_outputs["json"] == {"type": "object"}
+    with pytest.raises(ValidationError, match="structured_outputs must hold one of"):
+        P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"disable_any_whitespace": True}})
