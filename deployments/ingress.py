@@ -1135,7 +1135,9 @@ class OpenAIFrontend:
                 return await self._replica_call("token_text", reply) if reply else {"prompt": ""}
 
             replies = [list(toks[len(prompt):]) for toks, _, _ in best]
-            texts = await _all_or_none([text_of(reply) for reply in replies])
+            # (a beam that stopped ends with its stop token: in its token ids, not in its text, as vLLM's)
+            texts = await _all_or_none([text_of(reply[:-1] if stopped else reply)
+                                        for (_, _, stopped), reply in zip(best, replies)])
             ids = body.return_token_ids  # (vLLM's: the beam's tokens, and its prompt's)
             out = []
             for (_, _, stopped), reply, text in zip(best, replies, texts):
@@ -1149,12 +1151,15 @@ class OpenAIFrontend:
         done = await _all_or_none([search(r) for r in reqs])
         choices = [c for group in done for c in group]
         headers = first_headers[0] if first_headers else {"x-kairos-request-id": rid}
+        # a chat's replies read as any chat's are (reasoning, tool calls: `P.read_replies`)
+        whole = P.read_replies(P.batch_chat_response(rid, model, choices), self._reply_readers(body) or _no_reader) \
+            if kind == "chat" else None
         if body.stream:  # (as vLLM's: each beam's text in one chunk, once the search has ended)
-            return StreamingResponse(_beam_chunks(choices, kind, rid, model, width, body.include_usage),
+            return StreamingResponse(_beam_chunks(choices, kind, rid, model, width, body.include_usage, whole),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         if kind == "completion":
             return JSONResponse(P.batch_completion_response(rid, model, choices, width), headers=headers)
-        return JSONResponse(P.batch_chat_response(rid, model, choices), headers=headers)
+        return JSONResponse(whole, headers=headers)
 
     async def _first_item(self, req: GenerateRequest) -> tuple[GenerateStream, RequestOutput]:
         """Start the request (on a replica the router picks, or on this replica's engine) and wait for its first
@@ -1691,9 +1696,10 @@ class BeamSearch:
 
 
 async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str, n: int,
-                       include_usage: bool) -> AsyncIterator[bytes]:
-    """A beam search's choices as an SSE stream: each its text in one chunk (a chat's: its role first; with their
-    token ids where asked), its usage (each prompt counted once) where asked, and [DONE]."""
+                       include_usage: bool, read: dict | None = None) -> AsyncIterator[bytes]:
+    """A beam search's choices as an SSE stream: each its text in one chunk (a chat's: its role first, then its reply
+    as `read` has it: its reasoning, content and tool calls; with their token ids where asked), its usage (each prompt
+    counted once) where asked, and [DONE]."""
     created = int(time.time())
     for i, c in enumerate(choices):
         if kind == "completion":
@@ -1702,7 +1708,13 @@ async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str,
             yield _chunk(chunk, include_usage)
             continue
         yield _chunk(_role_chunk(rid, model, created, i, c.prompt_token_ids), include_usage)
-        yield _chunk(P.with_token_ids(P.chat_chunk(rid, model, created, {"content": c.text}, c.finish.value, index=i),
+        got = read["choices"][i] if read is not None else {"message": {"content": c.text},
+                                                            "finish_reason": c.finish.value}
+        message = got["message"]
+        delta = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        yield _chunk(P.with_token_ids(P.chat_chunk(rid, model, created, delta, got["finish_reason"], index=i),
                                       c.token_ids), include_usage)
     if include_usage:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"

@@ -3508,3 +3508,27 @@ def test_structured_outputs_take_vllms_options() -> None:
     assert body.structured_outputs["json"] == {"type": "object"}
     with pytest.raises(ValidationError, match="structured_outputs must hold one of"):
         P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"disable_any_whitespace": True}})
+
+
+def test_a_chat_beam_searchs_stream_carries_its_replies_as_read() -> None:
+    """A chat's beam search: its replies read as any chat's are (a reasoning model's thinking as reasoning_content,
+    tool calls), streamed too: each beam's text went out whole as content."""
+    import asyncio
+    import json
+
+    from deployments.ingress import _beam_chunks
+    from deployments.reasoning import ReplyReader, reasoning_reader
+
+    choices = [P.Choice("<think>hmm</think>yes", FinishReason.STOP, 3, 6),
+               P.Choice("<think>a</think>no", FinishReason.LENGTH, 3, 5)]
+    read = P.read_replies(P.batch_chat_response("r", "m", choices),
+                          lambda: ReplyReader(reasoning_reader("qwen3"), None))
+    assert [c["message"].get("reasoning_content") for c in read["choices"]] == ["hmm", "a"]
+
+    async def collect() -> list[dict]:
+        return [json.loads(e[6:]) for b in [x async for x in _beam_chunks(choices, "chat", "r", "m", 2, False, read)]
+                for e in b.decode().split("\n\n") if e.startswith("data: {")]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(collect()) if c["choices"][0]["delta"].get("content")
+              or c["choices"][0]["delta"].get("reasoning_content")]
+    assert deltas == [{"reasoning_content": "hmm", "content": "yes"}, {"reasoning_content": "a", "content": "no"}]
