@@ -541,10 +541,25 @@ class EngineCoreClient:
             self._send(Shutdown())
         except OSError:
             pass
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._kill()
+        # the child's stopping engine sends what it ends (each open request's last item) before it exits: read on a
+        # loop, that loop may be this very thread (Serve runs a replica's destructor there), so it is read here while
+        # the child stops, or a send past the socket's buffer blocked the child until it was killed at the timeout,
+        # and its requests failed as an engine failure instead of ending aborted
+        deadline = time.monotonic() + timeout
+        while self._proc.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._kill()
+                break
+            if self._reader is None and self._dead is None:
+                ready, _, _ = select.select([self._conn.fileno()], [], [], min(left, 0.05))
+                if ready:
+                    self._on_readable()
+            else:
+                try:
+                    self._proc.wait(min(left, 0.05))
+                except subprocess.TimeoutExpired:
+                    pass
         if self._reader is not None:
             self._reader.join(timeout)
         elif self._dead is None:  # read on a loop: stop reading, deliver what the child sent last, end the rest

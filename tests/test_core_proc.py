@@ -420,6 +420,38 @@ def test_shutdown_of_a_client_reading_on_an_event_loop_ends_what_is_in_flight(ti
     assert c._proc.poll() is not None and not c.is_alive()
 
 
+def test_shutdown_on_the_loop_that_reads_the_engine_reads_what_it_flushes_as_it_stops(tiny_checkpoints):
+    """Serve runs a replica's destructor, and so its engine's shutdown, on the loop that reads the engine. The child
+    sends each open request's last item as it stops (each with its token times): past the socket's buffer its send
+    blocked while the shutdown waited for it to exit, and at the timeout it was killed, every request failing as an
+    engine failure (64 requests of 440 tokens: killed after 5 s). Read meanwhile, they end aborted at once."""
+    import asyncio
+
+    async def main():
+        c = await asyncio.to_thread(EngineCoreClient, _config(tiny_checkpoints["llama"]),
+                                    reader_loop=asyncio.get_running_loop())
+        streams = [c.generate(GenerateRequest(request_id=f"s{i}", prompt="hello there ", params=SamplingParams(
+            max_tokens=480, temperature=0.0, ignore_eos=True))) for i in range(64)]
+        counts, lasts = [0] * 64, [None] * 64
+
+        async def read(i, stream):
+            async for out in stream:
+                counts[i] += len(out.token_ids)
+                lasts[i] = out
+
+        tasks = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
+        deadline = time.monotonic() + 120
+        while min(counts) < 440 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        c.shutdown(timeout=30.0)  # (on the loop's thread)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return c, lasts
+
+    c, lasts = asyncio.run(main())
+    assert c._proc.returncode == 0, c._proc.returncode  # it exited: not killed
+    assert {(last.finish_reason, last.error) for last in lasts} == {(FinishReason.ABORT, "engine shut down")}
+
+
 def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_checkpoints, tmp_path):
     """While the child starts, the client loads the tokenizer from where the child's loader will (a directory
     that exists already: nothing is built or downloaded for it), and keeps it only if the child's came from there,
