@@ -40,7 +40,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -254,15 +254,20 @@ def over_oracle(measured: Sequence[D.Record]) -> float:
     return sum(M.is_good(r) for r in measured) / best if best else math.nan
 
 
-def scaled_replies(items: Sequence[W.WorkItem], factor: float, max_model_len: int) -> list[W.WorkItem]:
+def scaled_replies(items: Sequence[W.WorkItem], factor: float, max_model_len: int,
+                   cap: Callable[[int], int] | None = None) -> list[W.WorkItem]:
     """`items` with every reply `factor` times its reference length, at least one token: within its cap where the
-    length is hidden (`stop_after`), within the window where it is the forced max_tokens (and its hint with it)."""
+    length is hidden (`stop_after`), within the window where it is the forced max_tokens (and its hint with it), and
+    within `cap(prompt length)` too (the hidden arms' cap, `workload.length_cap`: every arm's replies the same)."""
     out = []
     for w in items:
         if w.stop_after is not None:
             out.append(replace(w, stop_after=max(1, min(w.max_tokens, round(w.stop_after * factor)))))
         else:
-            n = max(1, min(max_model_len - len(w.prompt_ids) - 1, round(w.max_tokens * factor)))
+            most = max_model_len - len(w.prompt_ids) - 1
+            if cap is not None:
+                most = min(most, cap(len(w.prompt_ids)))
+            n = max(1, min(most, round(w.max_tokens * factor)))
             out.append(replace(w, max_tokens=n, output_len_hint=n if w.output_len_hint is not None else None))
     return out
 
@@ -466,10 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run(label: str, rate: float, seed: int, n: int, clock: dict[str, float] | None = None,
             lengths: list[tuple[float, int]] | None = None, seats_full: set[int] | None = None) -> list[D.Record]:
-        items = W.generate(replace(base, num_requests=n, rate_rps=rate, seed=seed,
-                                   lengths=length_arm(label, args.lengths)), scale.tiers)
-        if args.reply_scale != 1.0:
-            items = scaled_replies(items, args.reply_scale, args.max_model_len)
+        spec = replace(base, num_requests=n, rate_rps=rate, seed=seed, lengths=length_arm(label, args.lengths))
+        items = W.generate(spec, scale.tiers)
+        if args.reply_scale != 1.0:  # (every arm's replies within the hidden arms' cap, as at 1)
+            items = scaled_replies(items, args.reply_scale, args.max_model_len, lambda k: W.length_cap(spec, k))
         if args.no_hints:
             items = [replace(w, output_len_hint=None) for w in items]
         machine = Machine(truth, args.factor, args.jitter, host_of(label), seed, args.drift, args.drift_s,

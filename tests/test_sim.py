@@ -256,6 +256,9 @@ def test_reply_scale_stretches_each_reply_within_its_cap_and_the_window():
     assert c.stop_after == 2
     a, b, c = sim.scaled_replies([hidden, forced, short], 0.25, 256)
     assert (a.stop_after, b.max_tokens, b.output_len_hint, c.stop_after) == (50, 50, 50, 1)
+    # the exact arm's reply within the hidden arms' cap too (300 here, its own: a reply of 400 it was, 300 theirs)
+    (b,) = sim.scaled_replies([forced], 2.0, 4096, cap=lambda prompt_len: 300)
+    assert b.max_tokens == b.output_len_hint == 300
 
 
 def test_over_oracle_counts_good_requests_against_shortest_first_with_the_same_tokens():
