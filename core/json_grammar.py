@@ -202,7 +202,7 @@ def compile_schema(text: str) -> dict[str, Any]:
         # every keyword of a schema applies; those beside a $ref, an anyOf or oneOf, or an enum or const, the automaton
         # does not hold a value to (it took the $ref's schema, an alternative, a value of the list): refused, not
         # dropped (a reply then broke them), but an enum's or const's type, which picks its values
-        for key, free in (("$ref", _WITH_REF), ("anyOf", _WITH_ALTS), ("oneOf", _WITH_ALTS), ("enum", _WITH_VALUES),
+        for key, free in (("$ref", _WITH_DEFS), ("anyOf", _WITH_DEFS), ("oneOf", _WITH_DEFS), ("enum", _WITH_VALUES),
                           ("const", _WITH_VALUES)):
             if key in node and (beside := sorted((set(node) & ENFORCED) - free - {key})):
                 into = {"$ref": "the schema it names", "anyOf": "each alternative", "oneOf": "each alternative"}
@@ -323,9 +323,8 @@ def compile_schema(text: str) -> dict[str, Any]:
 
 # the keywords a schema may hold beside a $ref, an anyOf / oneOf, an enum / const (`compile_schema`): the notes, and
 # the definitions (a root's); beside an enum or const, its type too
-_WITH_REF = frozenset(("$defs", "definitions"))
-_WITH_ALTS = frozenset(("$defs", "definitions"))
-_WITH_VALUES = frozenset(("$defs", "definitions", "type", "enum", "const"))
+_WITH_DEFS = frozenset(("$defs", "definitions"))
+_WITH_VALUES = _WITH_DEFS | {"type", "enum", "const"}
 
 
 def _of_types(value: Any, types: list[str]) -> bool:
@@ -343,8 +342,8 @@ def _of_types(value: Any, types: list[str]) -> bool:
 
 def _leaves(node: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     """The schemas of `node`'s alternatives (`anyOf`, else `oneOf`) that have none of their own, in the order a
-    depth-first search meets them, each once: the first of them a value fits is the one the recursion over the
-    alternatives would take, without its cost (exponential where alternatives share schemas)."""
+    depth-first search meets them, each once: what the recursion over the alternatives would reach, without its
+    cost (exponential where alternatives share schemas)."""
     out, seen, todo = [], set(), [node]
     while todo:
         n = todo.pop()

@@ -387,8 +387,8 @@ class RoutingStats:
     best_effort_share: float = 0.0  # the running best-effort requests' share of the batch (best_effort_trp each)
     # the replica's prefill model (`scheduling.predictor.prefill_time_ms`: c0, theta, alpha, beta; gamma is
     # `prefill_sq_ms`) and the prompt tokens waiting there (and their token pairs): the router predicts a prompt's
-    # TTFT with the model itself (the two points above miss a GPU fit's knee: a line through them read 15 ms for a
-    # prompt of 8,192 tokens the model put at 208 ms); None where the replica has no model
+    # TTFT with the model itself (the two points above miss a GPU fit's knee: a line through them read any prompt on
+    # an idle replica as the knee's flat cost); None where the replica has no model
     prefill_c0_ms: float | None = None
     prefill_theta: float | None = None
     prefill_alpha_ms: float | None = None

@@ -18,7 +18,7 @@ from typing import Callable, Generic, Hashable, TypeVar
 BUDGET = 6_000_000  # units held by every cache in the process together
 
 S = TypeVar("S", bound=Hashable)
-_MISSING = object()
+MISSING = object()  # `StepCache.get`: no step kept
 _lock = threading.Lock()
 # the caches holding anything, least recently grown first: key -> (a weak reference, the units it holds)
 _holders: OrderedDict[int, tuple[weakref.ref, int]] = OrderedDict()
@@ -63,7 +63,7 @@ class StepCache(Generic[S]):
 
     def get(self, state: S, ch: int) -> S | None | object:
         """The state after `ch` at `state` where kept, else `MISSING`."""
-        return self._steps.get((state, ch), _MISSING)
+        return self._steps.get((state, ch), MISSING)
 
     def put(self, state: S, ch: int, res: S | None, size: Callable[[S], int]) -> S | None:
         """Keep the step; `res` is returned as the one copy of its state kept (`size(res)` its places)."""
@@ -111,5 +111,3 @@ class StepCache(Generic[S]):
     def __len__(self) -> int:
         return len(self._steps)
 
-
-MISSING = _MISSING

@@ -77,6 +77,7 @@ def parse_body(body: bytes | bytearray) -> Any:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     return obj
 
+
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.type, e.code, e.headers, e.param)
 
@@ -1708,8 +1709,7 @@ async def _beam_chunks(choices: list[P.Choice], kind: str, rid: str, model: str,
             yield _chunk(chunk, include_usage)
             continue
         yield _chunk(_role_chunk(rid, model, created, i, c.prompt_token_ids), include_usage)
-        got = read["choices"][i] if read is not None else {"message": {"content": c.text},
-                                                            "finish_reason": c.finish.value}
+        got = read["choices"][i]  # (`read_replies`'s: every chat beam search's)
         message = got["message"]
         delta = {k: message[k] for k in ("reasoning_content", "content") if message.get(k)}
         if message.get("tool_calls"):

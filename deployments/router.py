@@ -193,14 +193,13 @@ def view(report: RoutingStats | dict[str, Any] | None, inflight: int, prompt_tok
     extra = max(0.0, inflight - reported, float(fresh or 0))  # arrivals the report does not show
     q_ms, m_ms = st.predicted_queue_ms, st.predicted_ttft_ms
     pred = None
-    if st.prefill_alpha_ms is not None and st.prefill_beta_ms is not None and st.prefill_c0_ms is not None \
-            and st.prefill_theta is not None and q_ms is not None:
+    terms = (st.prefill_c0_ms, st.prefill_theta, st.prefill_alpha_ms, st.prefill_beta_ms)
+    if None not in terms and q_ms is not None:
         # the replica's own model (`prefill_time_ms`): its waiting prompts, each unreported arrival as a ~median one,
         # then this one, as the replica's `predict_ttft_ms` sums them
         m, n = max(st.median_prompt_tokens, 1), max(prompt_tokens, 1)
         pred = prefill_time_ms(st.waiting_tokens + extra * m + n, st.waiting_sq + extra * m * m + float(n) * n,
-                               st.prefill_c0_ms, st.prefill_theta, st.prefill_alpha_ms, st.prefill_beta_ms,
-                               max(st.prefill_sq_ms, 0.0))
+                               *terms, max(st.prefill_sq_ms, 0.0))  # type: ignore[arg-type]
     elif q_ms is not None and m_ms is not None:  # (a replica that reports no model's terms: the line through two)
         # q_ms and m_ms are the model at 1 and `median` prompt tokens, the queue included: alpha·n + gamma·n² above
         # the 1-token point, with gamma reported (a prompt's attention) and alpha the line left between the two

@@ -701,8 +701,7 @@ class FunctionCall:
                 scan = max(value_at, len(text) - len(self.PARAMETER_END) + 1)
                 break
             key = text[key_at + len(self.PARAMETER):value_at - 1].strip()
-            value = reader._value(text[value_at:end].removesuffix("\n") if what != self.PARAMETER_END else
-                                  text[value_at:end], types.get(key))
+            value = reader._value(text[value_at:end], types.get(key))
             args += (", " if count else "{") + _dumps(key) + ": " + _dumps(value)
             count, pos, param = count + 1, end + len(self.PARAMETER_END) if what == self.PARAMETER_END else end, None
         if reader._whole and not closed:

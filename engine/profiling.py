@@ -300,10 +300,10 @@ UNTRUSTED_MAPE = 3.0  # a fit whose prefill or held-out decode error is above th
 
 def untrusted(report: dict) -> str | None:
     """Why a fit (`scheduling.predictor.profile`'s report) is not to be kept for later starts, None where it may be:
-    the time budget ran out before there were samples for its terms (four decode terms from two samples read 620 ms
-    for a 9 ms step), or its error is gross (`UNTRUSTED_MAPE`: steps timed on a busy host, a 985% prefill error). A
-    fit kept was reused at every start, however bad; one not kept serves its engine's run, and the next start
-    profiles afresh."""
+    the time budget ran out before there were samples for its terms (four decode terms fitted to a couple of samples
+    read a step many times too long), or its error is gross (`UNTRUSTED_MAPE`: steps timed on a busy host). A fit
+    kept was reused at every start, however bad; one not kept serves its engine's run, and the next start profiles
+    afresh."""
     if report.get("budget_exhausted") and (report.get("n_decode", 0) < 4 or report.get("n_prefill", 0) < 3):
         return (f"the {report.get('seconds', '?')} s budget ran out at {report.get('n_decode')} decode and "
                 f"{report.get('n_prefill')} prefill samples")

@@ -133,8 +133,8 @@ class MeasuredMargin:
     short request for the next ``window`` admissions (which then all missed a TTFT SLO of a few seconds). With just
     ``min_samples`` admissions measured every row pools them all, and a row of fewer than 1 / (1 - quantile) errors
     takes its largest: the first admissions after start-up count fully until more come; but not a lone stall
-    (`_lone_stall`: far above the next largest error and its own prefill): one 1.5 s collection or compile among
-    errors of 8 ms made the margin 1.5 s, which turned every request of a shorter TTFT SLO away until it aged out;
+    (`_lone_stall`: far above the next largest error, on a prompt of the row's typical size): one collection or
+    compile made the margin its length, which turned every request of a shorter TTFT SLO away until it aged out;
     a tail of several large errors still sets it.
 
     Errors also age out: those older than ``window_s`` (`expire`) no longer count. Under a burst the errors are the

@@ -253,7 +253,7 @@ def test_the_price_of_lora_adapters_is_fitted_kept_and_scaled():
 def test_a_prefill_past_the_knee_never_costs_less_and_a_short_chunk_keeps_its_attention():
     """A knee fit: c0 for a step of up to theta tokens, the line beyond. The two are fitted apart: the line just past
     the knee was below c0 (every stored GPU fit predicted less for one more token there), and a short chunk deep in a
-    long prompt cost c0, its attention dropped (5.4 ms for 128 tokens of a 32k prompt, 16.8 ms for 129)."""
+    long prompt cost c0, its attention dropped (and one token more cost several times as much)."""
     from scheduling.predictor import prefill_sq
 
     model = LatencyModel(c0=5.4, theta=128.0, prefill_coef=(0.03, 0.5, 1e-6))  # the line at 129: 4.4 ms
@@ -268,8 +268,8 @@ def test_a_prefill_past_the_knee_never_costs_less_and_a_short_chunk_keeps_its_at
 
 def test_a_fit_from_too_few_samples_or_with_gross_error_is_not_kept_for_later_starts(tmp_path, monkeypatch):
     """A profile was cached and reused at every start however bad: four decode terms fitted from two samples (the
-    budget gone to first-step compiles) read 620 ms for a 9 ms step; a fit timed on a busy host had a 985% prefill
-    error. Such a fit serves its engine's run, and is not saved: the next start profiles afresh."""
+    budget gone to first-step compiles) read a step many times too long; a fit timed on a busy host had a gross
+    prefill error. Such a fit serves its engine's run, and is not saved: the next start profiles afresh."""
     from types import SimpleNamespace
 
     from engine import profiling

@@ -298,10 +298,9 @@ def test_router_predicts_a_long_prompts_ttft_with_its_attention() -> None:
 
 def test_router_predicts_a_prompts_ttft_with_the_replicas_own_model() -> None:
     """A GPU fit has a knee: every step of up to theta tokens costs c0, the line beyond. An idle replica's two points
-    (1 and a median of 64 tokens) both read c0: the line through them put a prompt of 8,192 tokens at c0 (15 ms where
-    the model says 208 ms), and unreported arrivals at nothing. The replica reports its model's terms and its waiting
-    tokens; the router's prediction is the replica's (`engine.stats.predict_ttft_ms`), arrivals added as ~median
-    prompts."""
+    (1 and a median of 64 tokens) both read c0: the line through them put a prompt of 8,192 tokens at c0, and
+    unreported arrivals at nothing. The replica reports its model's terms and its waiting tokens; the router's
+    prediction is the replica's (`engine.stats.predict_ttft_ms`), arrivals added as ~median prompts."""
     from engine.stats import predict_ttft_ms
     from scheduling.predictor import LatencyModel
 
