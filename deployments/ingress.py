@@ -247,7 +247,10 @@ class Readiness:
     handle until Serve has started a replica and it answers); the app serves again once it has. A count of none
     taken before a probe's latest answer is stale (a replica answers only once the controller counts it running).
     Where Serve says the deployment failed (its replicas fail to start, or cannot be placed), the app is down.
-    `running` returns the count, or the count and why the deployment failed (`running_replicas`)."""
+    `running` returns the count, or the count and why the deployment failed (`running_replicas`). There, too,
+    `monitor` probes running replicas only where a request was `sent` since its last look (or the app is down): a
+    count of one taken as Serve stops the last idle replica sent the probe to none, and the handle's queued call
+    started a replica that no request asked for."""
 
     def __init__(self, may_idle: bool = False) -> None:
         self._info: dict[str, Any] | None = None
@@ -259,6 +262,7 @@ class Readiness:
         self._failed_logged = -math.inf  # when a wake's failure was last logged
         self.serving = asyncio.Event()  # set while an LLM replica can serve: ready, not down and not idle
         self.running: int | None = None  # the LLM replicas running, as the controller last said (None: not heard)
+        self.sent = -math.inf  # (monotonic) when this Ingress last sent a request to an LLM replica
 
     @property
     def info(self) -> dict[str, Any] | None:
@@ -369,6 +373,7 @@ class Readiness:
                       timeout_s: float = 2.0, failures: int = 2) -> None:
         failed = 0
         while True:
+            since = time.monotonic()
             await asyncio.sleep(period_s)
             why = None
             n = await self._count(running, timeout_s)
@@ -379,6 +384,8 @@ class Readiness:
                 continue  # (no news; a probe would start a replica)
             if n == 0:
                 why = "no LLM replica is running"
+            elif self.may_idle and self.sent < since and self.down is None:
+                continue  # (no request since the last look: the replicas may be stopping, and a probe is demand)
             else:
                 try:
                     info = await asyncio.wait_for(probe(), timeout_s)
@@ -2121,6 +2128,7 @@ class IngressFrontend(OpenAIFrontend):
                            {"Retry-After": str(self.retry_after_s)}) from None
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
+        self._readiness.sent = time.monotonic()
         return self.llm.generate.remote(dataclasses.replace(req, caller=self._actor_id,
                                                             sent_at=(clock_id(), time.monotonic()),
                                                             replicas_running=self._running_replicas()))

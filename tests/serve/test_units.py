@@ -1437,6 +1437,47 @@ def test_readiness_monitor_says_when_no_llm_replica_can_serve() -> None:
     assert downs[9] is None  # a live engine answers
 
 
+def test_an_app_that_scales_to_zero_probes_its_replicas_only_while_requests_are_sent() -> None:
+    """min_replicas 0: a probe is a call through the handle, which Serve answers with a replica where none runs. The
+    controller counted one running as Serve stopped the last idle one, the probe went to none, and a replica started
+    that no request asked for (the CI's tests/serve/test_autoscaling.py). The monitor probes there only where a
+    request was sent since its last look, or the app is down (to see it serve again); an app that never scales to
+    zero probes every period."""
+    from deployments.ingress import Readiness
+
+    probes: list[float] = []
+
+    async def running() -> int:
+        return 1
+
+    async def probe() -> dict:
+        probes.append(time.monotonic())
+        return {"max_model_len": 7}
+
+    async def run() -> None:
+        r = Readiness(may_idle=True)
+        r._heard({"max_model_len": 7})
+        task = asyncio.create_task(r.monitor(probe, running, period_s=0.005, timeout_s=0.5))
+        await asyncio.sleep(0.1)
+        assert not probes  # idle: no request sent
+        r.sent = time.monotonic()
+        await asyncio.sleep(0.05)
+        assert len(probes) == 1 and probes[0] >= r.sent  # a request sent: probed at the next look, once
+        r.down = "the LLM replicas' engines exited"
+        await asyncio.sleep(0.05)
+        assert len(probes) == 2 and r.down is None  # down: probed until it serves again
+        task.cancel()
+        always = Readiness()
+        always._heard({"max_model_len": 7})
+        probes.clear()
+        task = asyncio.create_task(always.monitor(probe, running, period_s=0.005, timeout_s=0.5))
+        await asyncio.sleep(0.05)
+        assert len(probes) >= 2
+        task.cancel()
+
+    asyncio.run(run())
+
+
 def test_a_request_waits_for_an_llm_replica_a_bounded_time_then_gets_a_503() -> None:
     """Routed: a request that finds no LLM replica able to serve (none has loaded yet, or none can now) waits for one
     at most `unready_wait_s`, then gets a 503 `unavailable` with Retry-After; one that comes up meanwhile serves it."""
