@@ -25,6 +25,7 @@ first; the client then fails every open stream with an engine error and refuses 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -59,23 +60,80 @@ HEARTBEAT_S = 1.0  # the child's heartbeat (a thread of its own): the client kil
 class Link:
     """One end of the socket between the client and its engine process: pickled messages, each behind its length
     (8 bytes, big-endian). `send` from any thread; `recv` blocks (the child's main thread, the client's reader
-    thread); `read_available` takes what has arrived without blocking (the client reading on an asyncio loop)."""
+    thread); `read_available` takes what has arrived without blocking (the client reading on an asyncio loop).
+
+    `queued` (the client's end): `send` never waits for the other end to read. What the socket does not take at once
+    waits, in order, for a sender thread that writes it as the socket drains: the client sends from a Serve replica's
+    event loop, which a child that stopped reading (stopped, or stuck holding its interpreter until the client's
+    watchdog kills it) would otherwise freeze, every other stream of the replica with it. The child's end blocks (its
+    outputs wait for a reader, bounded)."""
 
     HEADER = struct.Struct("!Q")
     CHUNK = 1 << 16
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, queued: bool = False) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
         self._buf = bytearray()
+        self._queued = queued
+        self._backlog: collections.deque[memoryview] = collections.deque()  # (queued) what the socket has not taken
+        self._sender: threading.Thread | None = None  # (queued) writing the backlog, while there is one
+        self._broken: OSError | None = None  # (queued) why the sender could not write: every later send raises it
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def send(self, msg: Any) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = self.HEADER.pack(len(data)) + data
         with self._send_lock:
-            self.sock.sendall(self.HEADER.pack(len(data)) + data)
+            if not self._queued:
+                self.sock.sendall(data)
+                return
+            if self._broken is not None:
+                raise OSError(self._broken.errno, f"the link broke: {self._broken}")
+            view = memoryview(data)
+            if not self._backlog:  # (else behind it, in order)
+                try:
+                    view = view[self.sock.send(view, socket.MSG_DONTWAIT):]
+                except (BlockingIOError, InterruptedError):
+                    pass
+                if not view:
+                    return
+            self._backlog.append(view)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._write_backlog, name="kairos-core-sender", daemon=True)
+                self._sender.start()
+
+    def _write_backlog(self) -> None:
+        """The sender thread (queued): the backlog as the socket takes it; it ends with the backlog, or where the
+        socket fails (the other end gone: the reader's EOF fails what is open)."""
+        while True:
+            with self._send_lock:
+                try:
+                    while self._backlog:
+                        head = self._backlog[0]
+                        n = self.sock.send(head, socket.MSG_DONTWAIT)
+                        if n < len(head):
+                            self._backlog[0] = head[n:]
+                            break
+                        self._backlog.popleft()
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as e:
+                    self._broken = e
+                    self._backlog.clear()
+                if not self._backlog:
+                    self._sender = None
+                    return
+            try:
+                select.select([], [self.sock], [], 1.0)
+            except (OSError, ValueError) as e:  # (closed meanwhile)
+                with self._send_lock:
+                    self._broken = e if isinstance(e, OSError) else OSError(f"the link closed: {e}")
+                    self._backlog.clear()
+                    self._sender = None
+                return
 
     def offer(self, msg: Any, timeout: float = 1.0, *, last: bool = False) -> None:
         """`send`, unless another sender has held the link for `timeout` (stuck: a reader that stopped reading).
@@ -397,7 +455,7 @@ class EngineCoreClient:
         argv += (["--favoured"] if favoured else []) + (["--label", label] if label else [])
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
-        self._conn = Link(ours)
+        self._conn = Link(ours, queued=True)  # (sent from a replica's event loop: never waits for the child)
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead (callers' threads add, the reader removes)
         self._dead: str | None = None

@@ -271,11 +271,18 @@ def test_a_stopped_engine_process_is_killed_and_its_streams_fail_as_unavailable(
     try:
         os.kill(c._proc.pid, signal.SIGSTOP)
         stream = c.generate(_greedy(3, 2000))
+        # sending never waits for the child to read (a Serve replica sends on its event loop): far more than the
+        # socket holds is sent, each call returning, while the child is still stopped
+        ids = tuple(range(5, 205))
+        more = [c.generate(GenerateRequest(request_id=f"bulk{i}", prompt=ids, params=SamplingParams(max_tokens=2)))
+                for i in range(1500)]
+        assert c._proc.poll() is None and c._conn._backlog
         t0 = time.monotonic()
         _, last = _tokens(stream)
         assert time.monotonic() - t0 < 60.0
         assert last.finish_reason is FinishReason.ERROR and last.error_kind is ErrorKind.UNAVAILABLE
         assert "sent nothing" in last.error
+        assert all(_tokens(s)[1].error_kind is ErrorKind.UNAVAILABLE for s in more)
         assert c._proc.wait(10) == -signal.SIGKILL
         assert not c.is_alive()
         with pytest.raises(EngineDeadError, match="sent nothing"):
