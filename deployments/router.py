@@ -20,7 +20,7 @@ Ranking: replicas where every SLO of the request looks attainable come first, mo
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
 by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
 request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). After all of them
-come the replicas whose engine reported itself dead and those that stopped reporting (`silent`: a stopped process or
+come the replicas whose engine reported itself dead and those that stopped reporting (`Silence`: a stopped process or
 a partition, which Serve replaces only after its health check has timed out three times). Each replica is its
 own rank, so Ray falls through to the next one when the best is at `max_ongoing_requests`. Other methods
 (`stats`, ...) are spread uniformly at random, dead and silent replicas last.
@@ -70,16 +70,34 @@ AFFINITY_SLACK = 0.1  # a replica holding a longer prefix goes first if its slac
 AFFINITY_LOAD = 2.0  # (a best-effort request: if its load is at most this many requests above the least loaded)
 
 
-def silent(candidates: list[RunningReplica]) -> list[ReplicaID]:
-    """The ids of the candidates whose last routing-stats report is `SILENT_S` older than the freshest: the
-    controller asks every replica each period and keeps a replica's last answer while it gets none. Measured
-    against the other replicas' reports, not this process's clock, which another node's need not agree with."""
-    stamps = [(r.replica_id, (r.routing_stats or {}).get("ts")) for r in candidates]
-    known = [(rid, float(t)) for rid, t in stamps if isinstance(t, (int, float)) and t > 0]
-    if len(known) < 2:
-        return []
-    newest = max(t for _, t in known)
-    return [rid for rid, t in known if newest - t > SILENT_S]
+class Silence:
+    """Which replicas stopped reporting (`quiet`): those whose last routing-stats report reached this router
+    `SILENT_S` before the freshest of the others' (the controller asks every replica each period and keeps a
+    replica's last answer while it gets none). Timed on this process's clock as the reports change, since a replica
+    on another node stamps its reports on a clock that need not agree with the others' by seconds; a replica first
+    seen is as old as its report against the freshest one."""
+
+    def __init__(self) -> None:
+        self._seen: dict[ReplicaID, tuple[float, float]] = {}  # replica -> (its report's ts, when it changed here)
+
+    def quiet(self, candidates: list[RunningReplica]) -> list[ReplicaID]:
+        stamps = [(r.replica_id, (r.routing_stats or {}).get("ts")) for r in candidates]
+        known = [(rid, float(t)) for rid, t in stamps if isinstance(t, (int, float)) and t > 0]
+        if len(known) < 2:
+            return []
+        now, newest = time.monotonic(), max(t for _, t in known)
+        for rid, ts in known:
+            got = self._seen.get(rid)
+            if got is None:
+                self._seen[rid] = (ts, now - (newest - ts))
+            elif got[0] != ts:
+                self._seen[rid] = (ts, now)
+        if len(self._seen) > 4 * len(known):  # (replicas gone: forgotten)
+            ids = {rid for rid, _ in known}
+            self._seen = {rid: v for rid, v in self._seen.items() if rid in ids}
+        heard = [(rid, self._seen[rid][1]) for rid, _ in known]
+        latest = max(at for _, at in heard)
+        return [rid for rid, at in heard if latest - at > SILENT_S]
 
 
 def answering(r: RunningReplica, quiet: list[ReplicaID]) -> bool:
@@ -285,6 +303,7 @@ def rank(candidates: list[RunningReplica], views: dict[ReplicaID, ReplicaView], 
 
 class SLORouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
+        self._silence = Silence()  # the replicas that stopped reporting
         # per replica, the TPOT SLOs (None: none) of the generate calls this router has in flight there: their
         # count is its in-flight load, their minimum its strictest pace before the next report
         self._inflight: dict[ReplicaID, Counter[float | None]] = {}
@@ -324,7 +343,7 @@ class SLORouter(RequestRouter):
         if not candidate_replicas:
             return []
         req = generate_request(pending_request)
-        quiet = silent(candidate_replicas)
+        quiet = self._silence.quiet(candidate_replicas)
         if req is None:  # other methods: uniformly at random, the replicas whose engine is dead or silent last
             shuffled = random.sample(candidate_replicas, len(candidate_replicas))
             return [[r] for r in sorted(shuffled, key=lambda r: not answering(r, quiet))]
@@ -504,7 +523,7 @@ class SLORouter(RequestRouter):
 class Pow2Router(PowerOfTwoChoicesRequestRouter):
     """Serve's power of two choices (`router=pow2`), except that a `generate` call passes over the replicas it
     must avoid (`GenerateRequest.avoid_replicas`: they failed it or turned it away), those whose engine reported
-    itself dead and those that stopped reporting (`silent`), as `SLORouter` does. A replica whose engine died
+    itself dead and those that stopped reporting (`Silence`), as `SLORouter` does. A replica whose engine died
     answers at once, so by queue length it looks the least loaded: a request resent away from it went straight
     back."""
 
@@ -514,7 +533,9 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         req = generate_request(pending_request)
         avoid = set(req.avoid_replicas) if req is not None else set()
 
-        quiet = silent(candidate_replicas)
+        if getattr(self, "_silence", None) is None:
+            self._silence = Silence()
+        quiet = self._silence.quiet(candidate_replicas)
 
         def passed_over(r: RunningReplica) -> bool:
             return r.replica_id.unique_id in avoid or not answering(r, quiet)

@@ -410,11 +410,14 @@ def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dea
 
 def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) -> None:
     """A replica whose process stopped (or that a partition cut off) keeps its last routing stats in Serve's
-    controller until the health check replaces it, about 90 s: both routers rank it with the dead once its report is
-    SILENT_S older than the others', judged against their reports rather than this process's clock."""
+    controller until the health check replaces it, about 90 s: both routers rank it with the dead once its report
+    reached them SILENT_S before the others' latest. First seen, a report is as old as its stamp against the
+    freshest; then each is timed as it changes here: a replica on a node whose clock is behind the others' by more
+    than SILENT_S, reporting each period, is not silent once its report changes."""
     from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
-    from deployments.router import SILENT_S, Pow2Router, SLORouter, silent
+    from deployments import router as router_mod
+    from deployments.router import SILENT_S, Pow2Router, Silence, SLORouter
 
     from collections import namedtuple
 
@@ -428,8 +431,22 @@ def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) ->
 
     now = 1_000_000.0  # another node's clock: only the gaps between reports count
     fresh, also, stuck = rep("fresh", now), rep("also", now - 1.0), rep("stuck", now - SILENT_S - 5)
-    assert silent([fresh, also, stuck]) == [rid("stuck")]
-    assert silent([stuck]) == [] and silent([fresh, rep("new", 0.0)]) == []  # alone, or not reported yet
+    assert Silence().quiet([fresh, also, stuck]) == [rid("stuck")]
+    assert Silence().quiet([stuck]) == [] and Silence().quiet([fresh, rep("new", 0.0)]) == []  # alone, or no report
+    # this process's clock (monotonic), as reports change: "skewed" stamps 60 s behind the others, "stopped" stops
+    clock = {"t": 500.0}
+    monkeypatch.setattr(router_mod.time, "monotonic", lambda: clock["t"])
+    watch = Silence()
+    for k in range(40):
+        t = now + k
+        reps = [rep("fresh", t), rep("skewed", t - 60.0), rep("stopped", min(t, now + 3))]
+        got = watch.quiet(reps)
+        if k == 0:
+            assert got == [rid("skewed")]  # first seen: as old as its stamp against the freshest
+        else:
+            assert got == ([rid("stopped")] if k - 3 > SILENT_S else []), k
+        clock["t"] += 1.0
+    monkeypatch.undo()
     router = object.__new__(SLORouter)
     router.initialize_state()
 
