@@ -361,7 +361,8 @@ class ItlCorrection:
     rows), so that an idle replica's gate holds what the machine measured instead of returning to the profile,
     which the next steps would overrun, and admitting what it refused a moment earlier. That factor leaves out
     stalls and big batches (where the model errs otherwise) and averages over the last ``idle_horizon_ms`` of
-    their predicted time, however long ago, starting from the profile's 1 (worth ``idle_prior_ms`` of them): a
+    their predicted time, however long ago (each step counted at most ``hi`` times its prediction), starting from
+    the profile's 1 (worth ``idle_prior_ms`` of them): a
     replica's best TPOT, drawn with it, holds still across idle gaps, short requests and bursts, and moves by
     degrees. The offline fit is never replaced, only scaled within bounds. This is the robust replacement for
     four-coefficient RLS, which drifted on steps where B and B*L are collinear. Beside it, ``step_factor`` is the
@@ -435,7 +436,9 @@ class ItlCorrection:
             self._plain[1] += predicted_decode_ms
         if alone and predicted_decode_ms > 0:
             k = math.exp(-predicted_decode_ms / self.idle_horizon_ms)
-            self._pure[0] = self._pure[0] * k + max(step_ms, 0.0)
+            # (a step past `hi` times its prediction is a stall, e.g. a host's pause: it counts as `hi`, else one
+            # such step held the factor at `hi` for the whole horizon)
+            self._pure[0] = self._pure[0] * k + min(max(step_ms, 0.0), self.hi * predicted_decode_ms)
             self._pure[1] = self._pure[1] * k + predicted_decode_ms
             f, lows = self.idle_factor(), self._lows
             if lows:
