@@ -388,16 +388,20 @@ def find_capacity(measure: Callable[[float], float | None], guess: float, *, sat
     saturated probe can read low. The capacity is the highest saturated completion rate. Never saturated: the best
     seen (flagged)."""
     probes: list[dict] = []
-    rate, best, best_saturated = guess, 0.0, None
+    rate, best = guess, 0.0
+    best_saturated: float | None = None  # the highest saturated reading so far
+    last_saturated: float | None = None  # the probe before's reading, where it saturated
     for _ in range(max_tries):
         got = measure(rate)
         probes.append({"rate_rps": rate, "completion_rps": got})
-        if got is not None:
+        if got is not None and got < saturated * rate:
             best = max(best, got)
-            if got < saturated * rate:
-                if best_saturated is not None and got <= best_saturated * (1.0 + plateau):
-                    return max(best_saturated, got), probes
-                best_saturated = max(best_saturated or 0.0, got)
+            if last_saturated is not None and got <= last_saturated * (1.0 + plateau):
+                return max(best_saturated or 0.0, got), probes
+            best_saturated, last_saturated = max(best_saturated or 0.0, got), got
+        else:  # (not saturated, or no reading: the next saturated probe is a first again)
+            best = max(best, got or 0.0)
+            last_saturated = None
         rate *= factor
     if best_saturated is not None:
         probes.append({"note": "FCFS saturated once; no second probe confirmed the plateau"})

@@ -301,6 +301,14 @@ def test_completion_rate_and_capacity_search():
     cap, probes = find_capacity(ramping, 8.0, max_tries=1)  # saturated once, no room to confirm: flagged
     assert cap == 4.6 and "no second probe" in probes[-1]["note"]
 
+    def noisy(rate):  # saturated, then a probe that reads as not (or reads nothing), then saturated once more:
+        return {2.0: 1.5, 4.0: 3.9, 8.0: 1.6, 16.0: 1.7}[rate]  # not twice in a row until the last
+
+    cap, probes = find_capacity(noisy, 2.0)
+    assert cap == 1.7 and [p["rate_rps"] for p in probes] == [2.0, 4.0, 8.0, 16.0]
+    cap, probes = find_capacity(lambda r: {2.0: 1.5, 4.0: None, 8.0: 1.6, 16.0: 1.7}[r], 2.0)
+    assert cap == 1.7 and len(probes) == 4
+
 
 def test_acceptance_checks():
     from bench.slo import acceptance
