@@ -193,11 +193,31 @@ _DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant)
 
 
 def _json(text: str) -> Any:
-    """`text`'s JSON value (as `_DECODER` reads it), else None."""
+    """`text`'s JSON value (as `_DECODER` reads it), else None. An object or a list with Python's True, False and
+    None where JSON has true, false and null (as a model may write a call's arguments) reads as JSON's."""
     try:
         return _DECODER.decode(text)
     except (ValueError, RecursionError):
-        return None
+        value, end = _pythonic_head(text)
+        return value if end is not None and not text[end:].strip() else None
+
+
+_PY_WORD = re.compile(r"\b(?:True|False|None)\b")
+
+
+def _pythonic_head(text: str) -> tuple[Any, int | None]:
+    """The object or list `text` opens with (after whitespace) where only Python's True, False and None kept it
+    from being JSON, and where it ends in `text`; (None, None) otherwise."""
+    if _PY_WORD.search(text) is None:
+        return None, None
+    rewritten = JsonText()
+    written = rewritten.feed(text)
+    if rewritten.end is None:
+        return None, None
+    try:
+        return _DECODER.decode(written), rewritten.end
+    except (ValueError, RecursionError):
+        return None, None
 
 
 def merge_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,10 +238,11 @@ def merge_calls(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class JsonText:
     """A JSON value's text as it streams in, rewritten as `json.dumps(value, ensure_ascii=False)` writes it: `, `
     and `: ` between items, no other whitespace, a string's escapes only where json.dumps writes one (numbers as
-    written; a lone surrogate as its escape, which no UTF-8 can carry). `feed` gives the rewritten text of what it
-    was given, up to where the value closes (`end`: that place in all it was given; None while the value is open)
-    or where it stops being JSON (`broken`: a character no JSON value has outside a string, or a bracket that
-    closes none it opened; `stop`: that place). It checks no more of JSON's grammar than that."""
+    written; a lone surrogate as its escape, which no UTF-8 can carry; Python's True, False and None, which a model
+    may write, as JSON's true, false and null, each held until the character after it). `feed` gives the rewritten
+    text of what it was given, up to where the value closes (`end`: that place in all it was given; None while the
+    value is open) or where it stops being JSON (`broken`: a character no JSON value has outside a string, or a
+    bracket that closes none it opened; `stop`: that place). It checks no more of JSON's grammar than that."""
 
     _PLAIN = re.compile(r'[^"\\\x00-\x1f\ud800-\udfff]+')
     _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
@@ -229,6 +250,7 @@ class JsonText:
     _BETWEEN = {",": ", ", ":": ": ", " ": "", "\t": "", "\r": "", "\n": ""}
     _SCALAR = frozenset("-+.0123456789eEtrufalsn")  # a number's, true's, false's and null's characters
     _PAIRS = {"}": "{", "]": "["}
+    _PYTHON = {"True": "true", "False": "false", "None": "null"}
 
     def __init__(self) -> None:
         self.end: int | None = None
@@ -239,6 +261,8 @@ class JsonText:
         self._in_string = False
         self._escape = ""  # an escape being read, from its backslash
         self._high = ""  # a high surrogate's escape, waiting for its low one
+        self._word = ""  # a Python word being read (True, False or None so far), and where it began
+        self._word_at = 0
 
     def feed(self, text: str) -> str:
         out: list[str] = []
@@ -247,6 +271,21 @@ class JsonText:
         while i < n and self.stop is None:
             ch = text[i]
             if not self._in_string:
+                if self._word or ch in "TFN":
+                    if ch.isalpha():
+                        if not self._word:
+                            self._word_at = self._fed + i
+                        self._word += ch
+                        if not any(w.startswith(self._word) for w in self._PYTHON):
+                            self.broken = self._word_at
+                            break
+                        i += 1
+                        continue
+                    word, self._word = self._PYTHON.get(self._word), ""
+                    if word is None:  # (cut short: "Tru,")
+                        self.broken = self._word_at
+                        break
+                    out.append(word)
                 if ch == '"':
                     self._in_string = True
                 elif ch in "{[":
@@ -854,11 +893,13 @@ class MistralReader(_MarkedReader):
 
 
 def _json_head(text: str) -> tuple[Any, str]:
-    """The JSON value `text` opens with (None where it does not) and the text after it."""
+    """The JSON value `text` opens with (None where it does not; Python's True, False and None as `_json` reads
+    them) and the text after it."""
     try:
         value, end = _DECODER.raw_decode(text)
     except (ValueError, RecursionError):
-        return None, ""
+        value, at = _pythonic_head(text)
+        return (None, "") if at is None else (value, text[at:])
     return value, text[end:]
 
 
@@ -890,11 +931,11 @@ class CallList:
             out.extend(self.open.feed(reader, text[self.pos:]))  # (its arguments end where they close)
             if self.open.after is None:  # the object goes on
                 break
-            try:
-                value, end = _DECODER.raw_decode(text, self.pos)
-            except (ValueError, RecursionError):  # it broke off: no more calls (one sent stays, cut)
+            value, rest = _json_head(text[self.pos:])
+            if value is None:  # it broke off: no more calls (one sent stays, cut)
                 self.stopped = True
                 break
+            end = len(text) - len(rest)
             if not self.open.sent:
                 call = as_call(value, self.keys)
                 if call is None:

@@ -58,6 +58,14 @@ CASES = [
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 2} ok[TOOL_CALLS]g{}', " ok", [("f", {"a": 2}), ("g", {})]),
     ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
     ("mistral", "plain [TOOL", "plain [TOOL", []),
+    # Python's True, False and None where JSON has true, false and null: JSON's, whole and streamed alike (the stream
+    # sent the call and then cut its arguments at the first of them)
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": True, "b": [False, None], "c": "None"}}\n</tool_call>',
+     None, [("f", {"a": True, "b": [False, None], "c": "None"})]),
+    ("hermes", '<tool_call>{"arguments": {"a": None}, "name": "f"}</tool_call>', None, [("f", {"a": None})]),
+    ("llama3_json", '{"name": "f", "parameters": {"q": True}}', None, [("f", {"q": True})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": False}}]', None, [("f", {"a": False})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": None}', None, [("f", {"a": None})]),
 ]
 
 
@@ -149,6 +157,18 @@ def test_json_text_writes_what_it_is_fed_as_json_dumps_does_and_knows_where_it_e
         for k in range(0, len(text) + 5, step):
             out.append(j.feed((text + " tail")[k:k + step]))
         assert "".join(out) == want and j.end == len(text.rstrip()), step
+
+
+def test_json_text_writes_pythons_true_false_and_none_as_json_and_breaks_on_other_words() -> None:
+    for step in (1, 2, 3, 100):
+        text, j, out = '{"a": [True, False, None], "T": "None"}', JsonText(), []
+        for k in range(0, len(text), step):
+            out.append(j.feed(text[k:k + step]))
+        assert "".join(out) == '{"a": [true, false, null], "T": "None"}' and j.end == len(text), step
+    for bad, at in (('{"a": Nonsense}', 6), ('{"a": Tru}', 6), ('{"a": NaN}', 6)):
+        j = JsonText()
+        j.feed(bad)
+        assert j.broken == at and j.end is None, bad
 
 
 def test_hermes_streams_text_at_once_and_holds_only_what_could_open_a_call() -> None:
