@@ -1143,8 +1143,9 @@ class OpenAIFrontend:
                 return await self._replica_call("token_text", reply) if reply else {"prompt": ""}
 
             replies = [list(toks[len(prompt):]) for toks, _, _ in best]
-            # (a beam that stopped ends with its stop token: in its token ids, not in its text, as vLLM's)
-            texts = await _all_or_none([text_of(reply[:-1] if stopped else reply)
+            # (a beam that stopped keeps its stop token where include_stop_str_in_output says so: in its token ids,
+            # not in its text, as vLLM's; else its last token is the reply's own)
+            texts = await _all_or_none([text_of(reply[:-1] if stopped and reply and reply[-1] in eos else reply)
                                         for (_, _, stopped), reply in zip(best, replies)])
             ids = body.return_token_ids  # (vLLM's: the beam's tokens, and its prompt's)
             out = []

@@ -3330,6 +3330,51 @@ def test_beam_search_keeps_the_best_beams_by_vllm_s_score() -> None:
     assert wide.grow([[(0, -0.5), (4, -0.6)]]) and [t for t, _ in wide.live] == [(1, 0), (1, 4)]
 
 
+def test_a_beam_that_ends_on_its_eos_keeps_its_last_words_text() -> None:
+    """A beam grown by the EOS has ended: without include_stop_str_in_output its tokens leave the EOS out, and its
+    text is all of them (its last token's text was cut, as if the EOS were there); with it, its tokens keep the EOS
+    and its text leaves that out, as vLLM's."""
+    from starlette.datastructures import Headers
+
+    from core.messages import TokenLogprob
+    from deployments import ingress as I
+
+    EOS, PROMPT, SAT, ON = 0, (3, 4), 5, 6
+    words = {SAT: " sat", ON: " on", EOS: "</s>"}
+
+    class Front(I.OpenAIFrontend):
+        def __init__(self) -> None:
+            self._init_frontend({"model_name": "m", "max_body_bytes": 1 << 20})
+
+        def _ready_info(self) -> dict:
+            return {"eos_token_ids": [EOS], "max_tokens_over_context": "clamp"}
+
+        async def _start(self, req, t):
+            reply = list(req.prompt[len(PROMPT):])
+            top = [(SAT, -0.1), (ON, -5.0)] if not reply else [(EOS, -0.01), (ON, -6.0)]  # " sat", then the end
+            lp = TokenLogprob(0, "", 0.0, 1, tuple((t, words[t], v) for t, v in top))
+            return req, None, RequestOutput(req.request_id, "", [0], finished=True, finish_reason=FinishReason.LENGTH,
+                                            logprobs=[lp], num_prompt_tokens=len(req.prompt), num_output_tokens=1)
+
+        async def _replica_call(self, method: str, *args):
+            if method == "prompt_tokens":
+                return {"tokens": list(PROMPT), "max_model_len": 64}
+            assert method == "token_text"
+            return {"prompt": "".join(words[t] for t in args[0])}
+
+    async def run(keep: bool) -> dict:
+        f = Front()
+        raw = {"model": "m", "prompt": "The cat", "max_tokens": 5, "use_beam_search": True, "n": 1,
+               "include_stop_str_in_output": keep, "return_token_ids": True}
+        body, reqs = f._build(SimpleNamespace(headers=Headers()), raw, "completion", "cmpl-1")
+        return json.loads((await f._beam_search(body, reqs, "completion", "cmpl-1", 0.0, 0.0, 0.0)).body)["choices"][0]
+
+    got = asyncio.run(run(False))
+    assert (got["text"], got["finish_reason"], got["token_ids"]) == (" sat", "stop", [SAT])
+    got = asyncio.run(run(True))
+    assert (got["text"], got["finish_reason"], got["token_ids"]) == (" sat", "stop", [SAT, EOS])
+
+
 def test_a_request_turned_away_is_rerouted_only_while_a_running_replica_has_not_turned_it_away() -> None:
     """reroute_rejected: each resend goes to a replica that has not turned the request away yet; with as many
     running as have (an autoscaled app at its fewest: one), it is not sent again."""
