@@ -138,7 +138,8 @@ class IncrementalDetokenizer:
     SentencePiece decoder (Llama 2's, Mistral's) strips the space of a sequence's first word, so a reply decoded on
     its own would lose the space before its first word (`"Paris."` after "The capital of France is", not
     `" Paris."`). The shortest suffix of PRIME_MIN to PRIME_MAX tokens whose text is whole (no U+FFFD: no character
-    cut at its start) is fed first and its text dropped; none, where no suffix is whole."""
+    cut at its start) is fed first and its text dropped; where none is, the last PRIME_MAX tokens (a prompt that ends
+    inside a character, whose rest the reply's first tokens bring, or one that holds a U+FFFD)."""
 
     __slots__ = ("_hf", "_tok", "_stream", "_pending", "_skip")
 
@@ -160,7 +161,9 @@ class IncrementalDetokenizer:
             suffix = ids[-n:]
             if "\ufffd" not in self._tok.decode(suffix, skip_special_tokens=self._skip):
                 return suffix
-        return []
+        # (none whole: a prompt of token ids that ends inside a character, or a U+FFFD the prompt holds. Its last
+        # tokens still say where the reply's text starts, and the reply's first tokens complete a cut character)
+        return ids
 
     def step(self, token_id: int) -> str:
         """Text completed by this token ('' while a character is still incomplete). Where tokenizers' DecodeStream

@@ -677,7 +677,8 @@ def _metaspace_tokenizer():
 def test_a_reply_is_decoded_after_its_prompt_so_its_first_word_keeps_its_space(tiny_checkpoints):
     """vLLM's: the reply's text is what decoding the prompt and the reply adds to the prompt's: a SentencePiece
     decode strips a sequence's first space, and a reply decoded alone lost the one before its first word; byte-level
-    BPE (GPT-2's) is the same either way; a prompt whose last tokens cut a character primes nothing."""
+    BPE (GPT-2's) is the same either way; a prompt whose last tokens cut a character is primed with its last
+    PRIME_MAX tokens."""
     from engine.detokenizer import IncrementalDetokenizer
     from engine.loader import load_model
 
@@ -690,9 +691,14 @@ def test_a_reply_is_decoded_after_its_prompt_so_its_first_word_keeps_its_space(t
     gpt2 = load_model(tiny_checkpoints["gpt2"]).tokenizer
     words = "emoji 🎉🧪 and CJK 你好世界, accents héllo wörld ✓"
     ids, head = gpt2.encode(words, add_special_tokens=False), gpt2.encode("Say it:", add_special_tokens=False)
-    for prompt_ids in (head, head + ids[:5]):  # (the second ends inside a character: nothing primed)
-        d = IncrementalDetokenizer(gpt2, prompt_ids=prompt_ids)
-        assert "".join(d.step(t) for t in ids) + d.flush() == words
+    d = IncrementalDetokenizer(gpt2, prompt_ids=head)
+    assert "".join(d.step(t) for t in ids) + d.flush() == words
+    # a prompt of token ids that ends inside a character (a reply cut by max_tokens, continued): the reply's first
+    # tokens complete it, and the character is the reply's (it began with U+FFFD), as vLLM's
+    assert [gpt2.decode([t]) for t in ids[4:7]] == [" \ufffd", "\ufffd", "\ufffd"]  # (🎉's space and bytes)
+    for k in (5, 6):
+        d = IncrementalDetokenizer(gpt2, prompt_ids=head + ids[:k])
+        assert "".join(d.step(t) for t in ids[k:]) + d.flush() == words[len("emoji"):], k
 
 
 def _byte_fallback_tokenizer():
@@ -727,6 +733,12 @@ def test_a_byte_run_that_turns_invalid_starts_the_decode_stream_over():
     whole = [258, 2 + 0xE6, 2 + 0x97, 2 + 0xA5, 259, 262]  # " a", 日 as its three bytes, "a", »
     d = IncrementalDetokenizer(tok, True, [259])
     assert "".join(d.step(t) for t in whole) + d.flush() == " a\u65e5a\u00bb"
+    # a prompt whose last tokens all hold a U+FFFD (its bytes, written in the prompt): still primed, so the reply's
+    # first word keeps its space
+    prompt = [1, 258, 2 + 0xEF, 2 + 0xBF, 2 + 0xBD, 258]
+    d = IncrementalDetokenizer(tok, True, prompt)
+    assert "".join(d.step(t) for t in (258, 258)) + d.flush() == " a a" == \
+        tok.decode(prompt + [258, 258], skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
 
 
 def test_a_request_whose_output_fails_fails_alone(tiny_checkpoints):
