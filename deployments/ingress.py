@@ -1057,6 +1057,7 @@ class OpenAIFrontend:
         (`req.waited_ms` holds what it spent before `t_in`), not from the end of its parsing. `echo`: text that goes
         before the reply's (a completion's prompt)."""
         req, gen, first = await self._start(req, t_in)
+        gen, first = _prompt_only(gen, first, body)
         headers = self._headers(rid, req, first, t_in, t_call, proxy_ms)
         model = body.model or self.served_model_name  # the name the client asked for, as vLLM answers
         if first.finished:
@@ -1238,6 +1239,7 @@ class OpenAIFrontend:
                     seen = batch.sending()
                     try:
                         sent, gen, first = await self._start(sent, t0)
+                        gen, first = _prompt_only(gen, first, body)
                     except APIError as e:
                         batch.answered(False, tries > 0)
                         if e.status != 429:
@@ -1760,6 +1762,36 @@ def _as_response(got: Any, rid: str, echoed: dict[str, Any]) -> Any:
     headers = {k: v for k, v in got.headers.items() if k.lower() not in ("content-length", "content-type")}
     return JSONResponse(R.from_chat(rid, json.loads(got.body), echoed), status_code=got.status_code,
                         headers=headers)
+
+
+def _prompt_only(gen: GenerateStream, first: RequestOutput, body: P._Common
+                 ) -> tuple[GenerateStream, RequestOutput]:
+    """A completion's stream, or where it asks for its prompt alone (`echo` with max_tokens 0, vLLM's: a prompt's
+    text and logprobs, scored without a reply), that stream without the one token its request made."""
+    if not (isinstance(body, P.CompletionRequest) and body.prompt_only):
+        return gen, first
+    return _PromptOnly(gen), _without_reply(first)
+
+
+def _without_reply(item: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(item, text="", token_ids=[], num_output_tokens=0,
+                               logprobs=None if item.logprobs is None else [])
+
+
+class _PromptOnly:
+    """A stream whose items carry no reply (`_prompt_only`)."""
+
+    def __init__(self, gen: GenerateStream) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> "_PromptOnly":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return _without_reply(await self._gen.__anext__())
+
+    def cancel(self) -> None:
+        self._gen.cancel()
 
 
 def _no_reader() -> None:

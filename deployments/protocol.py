@@ -500,7 +500,28 @@ class CompletionRequest(_Common):
         lists), each answered by a choice of its own."""
         return _prompt_list(self.prompt)
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt_alone(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be a positive integer, got 0 (0 only with echo: the prompt alone)")
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with max_tokens 0 (vLLM's, OpenAI's): the prompt's text (and its tokens' logprobs) without a reply.
+        Its requests make one token, which the response leaves out (`ingress._prompt_only`)."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def default_max_tokens(self) -> int | None:
+        if self.prompt_only:
+            return 1
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
 

@@ -412,6 +412,20 @@ def test_echo_with_logprobs_and_prompt_logprobs_are_the_models_own(client: httpx
     assert streamed[0]["tokens"][:6] == lp["tokens"][:6]
     assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
     assert [v for x in streamed for v in x["token_logprobs"]] == lp["token_logprobs"]
+    # max_tokens 0 with echo (vLLM's, OpenAI's): the prompt alone, scored, without a reply; streamed alike
+    r = client.post("/v1/completions", json={**body, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    alone = r.json()["choices"][0]
+    assert alone["text"] == echoed and alone["logprobs"]["tokens"] == lp["tokens"][:6]
+    assert alone["logprobs"]["token_logprobs"] == lp["token_logprobs"][:6]
+    assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == 6
+    with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 0, "stream": True}) as st:
+        chunks = [json.loads(e) for e in sse_events(st)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == echoed
+    assert [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]] == \
+        lp["tokens"][:6]
+    err = client.post("/v1/completions", json={**body, "max_tokens": 0, "echo": False}).json()["error"]
+    assert err["param"] == "max_tokens" and "only with echo" in err["message"]
     # vLLM's prompt_logprobs: per prompt token a map of token id to {logprob, rank, decoded_token}
     r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2, "n": 2,
                                              "temperature": 0})
