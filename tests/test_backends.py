@@ -124,6 +124,48 @@ def test_cuda_mixed_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
     assert any(n not in (16, 32, 64) for n, _ in sizes)  # padded
 
 
+def test_cuda_decode_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
+    """Decode-only steps through the decode graphs' buffers, staging sets and metadata (`DecodeGraphs`, run eagerly
+    here: the capture needs a GPU), with overlap scheduling's placeholders: a batch padded to its ladder size (6
+    decodes at most: sizes 1, 2, 4, 6), block tables written row by row as they grow, the LM head on the step's rows
+    only (the graphs hold hidden states, not logits per size); the CPU backend's tokens."""
+    if not _triton_interpreted():
+        pytest.skip("triton is not installed, or not in interpreter mode on this CPU-only process")
+    from engine.backends.cuda.graphs import DecodeGraphs
+
+    sched = SchedulerConfig(max_num_seqs=6)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 3, 14, 6, 11)]
+    prompts = [list(range(5, 45)), list(range(9, 30)), list(range(3, 6)), list(range(2, 50)), list(range(7, 20))]
+    want, _ = _run(tiny_checkpoints["qwen2"], prompts, params, dtype="float32", backend="cpu", scheduler=sched)
+    for overlap in ("off", "on"):
+        eng = LLMEngine(EngineConfig(model=tiny_checkpoints["qwen2"], device="cpu", block_size=4, dtype="float32",
+                                     backend="cuda", scheduler=sched, overlap=overlap))
+        try:
+            if eng._stream is not None:  # overlap as on a GPU (steps launched through the backend), not the host's
+                eng._stream.close()
+                eng._stream = None
+            be = eng.backend
+            be.graphs = DecodeGraphs(be, eng.runner.decoder, eng.cache, sched.max_num_seqs, eng.max_model_len)
+            assert be.graphs.sizes == [1, 2, 4, 6]
+            sizes, real = [], be.graphs.replay
+
+            def replay(decode, prev=None):
+                sizes.append(len(decode))
+                return real(decode, prev)
+            be.graphs.replay = replay
+            got = []
+            for s in [eng.add_request(p, q) for p, q in zip(prompts, params)]:
+                toks = []
+                for item in s:
+                    assert item.error is None, item.error
+                    toks.extend(item.token_ids or [])
+                got.append(toks)
+        finally:
+            eng.shutdown()
+        assert got == want, overlap
+        assert any(n in (3, 5) for n in sizes) and 1 in sizes, sizes  # padded, and down to one
+
+
 def test_steps_with_prompt_rows_run_eagerly_on_the_cuda_backend_and_give_the_cpu_backends_logprobs(tiny_checkpoints):
     """A step whose prefills give prompt logprobs returns more rows than it samples: on the CUDA backend it runs
     eagerly, never through the mixed graphs (whose rows are the sampled ones), and its prompt logprobs and tokens are

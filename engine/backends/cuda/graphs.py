@@ -3,12 +3,16 @@ steps with prefill rows up to a token count (`MixedGraphs`).
 
 At start, one graph is captured per batch size of a ladder up to `max_num_seqs` (1, 2, 4, 8, then every 16, as
 nano-vllm does), largest first, all sharing one memory pool. Each graph reads persistent input buffers: token ids,
-positions, cache slots, block tables [B, window / block_size], context lengths, and writes the logits of its B rows.
-A step of n decodes replays the smallest graph of at least n rows: the host fills pinned staging buffers (two sets, in
-turn), one non-blocking copy each moves them to the device, placeholder token ids (overlap scheduling) are read from
-the previous step's tokens on the device, and the padding rows (token 0, position 0, the cache's scratch slot,
-context length 0) write their K/V into the scratch block and attend to nothing. The split-K count of each graph's
-decode attention is fixed from shapes at capture, with its own preallocated workspace.
+positions, cache slots, block tables [B, window / block_size], context lengths, and writes the last hidden states of
+its B rows; the final norm and the LM head run after the replay, on the step's n rows only (as vLLM's and nano-vllm's:
+logits [B, vocab] kept per captured size would hold hundreds of MiB to GiBs of the card that the KV cache's sizing
+never counted). A step of n decodes replays the smallest graph of at least n rows: the host fills pinned staging
+buffers (two sets, in turn), one non-blocking copy each moves them to the device, placeholder token ids (overlap
+scheduling) are read from the previous step's tokens on the device, and the padding rows (token 0, position 0, the
+cache's scratch slot, context length 0) write their K/V into the scratch block and attend to nothing. The split-K
+count of each graph's decode attention is fixed from shapes at capture, with its own preallocated workspace. Without
+a captured graph (`replay` before `capture`, or on a CPU device) the same buffers run eagerly: how the CPU checks
+this path under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
@@ -59,18 +63,19 @@ class DecodeGraphs:
         self.slots = torch.full((B,), cache.scratch_slot, dtype=torch.long, device=dev)
         self.tables = torch.zeros(B, W, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(B, dtype=torch.long, device=dev)
         # pinned host staging, one copy per buffer per step; two sets, used in turn, so that a step's host work
         # never waits for the copies of the step before (overlap scheduling launches a step while that one runs)
-        self.h_ids = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
-        self.h_pos = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
-        self.h_slots = torch.zeros(2, B, dtype=torch.long, pin_memory=True)
-        self.h_lens = torch.zeros(2, B, dtype=torch.int32, pin_memory=True)
-        self.h_tables = torch.zeros(2, B, W, dtype=torch.int32, pin_memory=True)
+        pin = dev.type == "cuda"
+        self.h_ids = torch.zeros(2, B, dtype=torch.long, pin_memory=pin)
+        self.h_pos = torch.zeros(2, B, dtype=torch.long, pin_memory=pin)
+        self.h_slots = torch.zeros(2, B, dtype=torch.long, pin_memory=pin)
+        self.h_lens = torch.zeros(2, B, dtype=torch.int32, pin_memory=pin)
+        self.h_tables = torch.zeros(2, B, W, dtype=torch.int32, pin_memory=pin)
         self._set = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.sizes: list[int] = []
+        self.sizes: list[int] = ladder(max_batch)
         self.pool = None
+        self._metas: dict[int, CudaAttnMetadata] = {}
         self._workspaces: list[torch.Tensor] = []
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each staging set's last copies
         # what each staging row of each set's block tables holds: (the request, its preemptions, blocks written). A
@@ -79,37 +84,40 @@ class DecodeGraphs:
         self._rows: list[list[tuple[Request, int, int] | None]] = [[None] * max_batch, [None] * max_batch]
 
     def _meta(self, b: int) -> CudaAttnMetadata:
-        ops = self.backend.ops
-        kvh, hd = self.cache.num_kv_heads, self.cache.head_dim
-        heads = self.decoder.num_heads
-        splits = ops.choose_num_splits(b, kvh, self.width * self.cache.block_size, ops.num_sms_of(self.device))
-        ws = ops.alloc_decode_workspace(b, heads, hd, splits, self.device)
-        self._workspaces.append(ws)
-        return CudaAttnMetadata(self.backend, self.cache, self.slots[:b], self.max_model_len - 1,
-                                decode_start=0, decode_tables=self.tables[:b], decode_lens=self.lens[:b],
-                                num_splits=splits, workspace_splits=ws)
+        if b not in self._metas:
+            ops = self.backend.ops
+            kvh, hd = self.cache.num_kv_heads, self.cache.head_dim
+            heads = self.decoder.num_heads
+            splits = ops.choose_num_splits(b, kvh, self.width * self.cache.block_size, ops.num_sms_of(self.device))
+            ws = ops.alloc_decode_workspace(b, heads, hd, splits, self.device)
+            self._workspaces.append(ws)
+            self._metas[b] = CudaAttnMetadata(self.backend, self.cache, self.slots[:b], self.max_model_len - 1,
+                                              decode_start=0, decode_tables=self.tables[:b],
+                                              decode_lens=self.lens[:b], num_splits=splits, workspace_splits=ws)
+        return self._metas[b]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The last hidden states [b, hidden] of a batch of b (the LM head runs after, on the step's rows only)."""
+        return self.decoder(self.ids[:b], self.pos[:b], None, self._meta(b))
 
     @torch.inference_mode()
     def capture(self) -> dict:
         t0 = time.perf_counter()
-        sizes = ladder(self.max_batch)
+        sizes = self.sizes
         stream = _side_stream(self.device)
         for b in reversed(sizes):
-            meta = self._meta(b)
-            args = (self.ids[:b], self.pos[:b], self.rows[:b], meta)
             # compile the kernels for this shape (and let the allocator settle) before capture
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.decoder(*args)
+                self._forward(b)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.decoder(*args)
+                out = self._forward(b)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
-        self.sizes = sizes
         report = {"graphs": len(sizes), "max_batch": self.max_batch, "capture_s": round(time.perf_counter() - t0, 2)}
         log.info("captured decode graphs: %s", report)
         return report
@@ -150,23 +158,29 @@ class DecodeGraphs:
         h_pos[:b] = torch.tensor(pos, dtype=torch.long)
         h_slots[:b] = torch.tensor(slots, dtype=torch.long)
         h_lens[:b] = torch.tensor(lens, dtype=torch.int32)
-        self.ids[:b].copy_(h_ids[:b], non_blocking=True)
-        self.pos[:b].copy_(h_pos[:b], non_blocking=True)
-        self.slots[:b].copy_(h_slots[:b], non_blocking=True)
-        self.lens[:b].copy_(h_lens[:b], non_blocking=True)
-        self.tables[:n].copy_(h_tables[:n], non_blocking=True)  # whole rows: one contiguous copy
+        nbk = self.device.type != "cpu"
+        self.ids[:b].copy_(h_ids[:b], non_blocking=nbk)
+        self.pos[:b].copy_(h_pos[:b], non_blocking=nbk)
+        self.slots[:b].copy_(h_slots[:b], non_blocking=nbk)
+        self.lens[:b].copy_(h_lens[:b], non_blocking=nbk)
+        self.tables[:n].copy_(h_tables[:n], non_blocking=nbk)  # whole rows: one contiguous copy
         if prev_tokens is not None:  # overlap scheduling: the last step's tokens, still on the device
             self.ids[:b].copy_(resolve_placeholders(self.ids[:b], prev_tokens))
-        self._copied[k] = torch.cuda.Event()
-        self._copied[k].record()
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[:n]
+        if self.device.type == "cuda":
+            self._copied[k] = torch.cuda.Event()
+            self._copied[k].record()
+        if b in self.graphs:
+            graph, hidden = self.graphs[b]
+            graph.replay()
+        else:
+            hidden = self._forward(b)
+        return self.decoder.head(hidden[:n])
 
     def release(self) -> None:
         self.graphs.clear()
         self._rows = [[None] * self.max_batch, [None] * self.max_batch]
         self._copied = [None, None]
+        self._metas.clear()
         self._workspaces.clear()
         self.pool = None
 
