@@ -303,7 +303,7 @@ class LLMEngine:
         seqs = sc.max_num_seqs
         bs = spec.block_size
         dev = self.bundle.device
-        n = -(-budget // bs) + seqs
+        n = -(-budget // bs) + seqs * -(-2 // bs)  # (each decode holds 2 tokens: 2 blocks of 1)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)

@@ -71,12 +71,13 @@ def cache_spec(config, bundle, backend) -> KVCacheSpec:
     return KVCacheSpec(hf.num_hidden_layers, config.block_size, kvh, hd, dtype)
 
 
-def cuda_cache_bytes(free: int, total: int, own: int, utilization: float) -> int:
+def cuda_cache_bytes(free: int, total: int, own: int, utilization: float, peak: int = 0) -> int:
     """Bytes of KV cache on a GPU: this process may hold `utilization` of the card, the `own` bytes it holds
-    already (weights, and the peak of the largest step's activations) included, as vLLM counts it; and the cache must
-    fit in what is `free` now, less 2% of the card, so that replicas sharing a GPU (each with its own fraction) cannot
-    take each other's room."""
-    return max(0, int(min(utilization * total - own, free - 0.02 * total)))
+    already (weights, and the `peak` of the largest step's activations beyond them) included, as vLLM counts it; and
+    the cache must fit in what is `free` now less that peak (freed since it was measured, and needed again by the
+    largest step) and 2% of the card, so that replicas sharing a GPU (each with its own fraction) cannot take each
+    other's room."""
+    return max(0, int(min(utilization * total - own, free - peak - 0.02 * total)))
 
 
 def configured_blocks(config, spec: KVCacheSpec) -> int | None:
@@ -98,7 +99,7 @@ def cuda_cache_blocks(config, spec: KVCacheSpec, device: torch.device, peak_extr
     plus `peak_extra`, the activations' peak beyond it measured in a warm-up at the largest step."""
     free, total = torch.cuda.mem_get_info(device)
     own = torch.cuda.memory_reserved(device) + peak_extra
-    return int(cuda_cache_bytes(free, total, own, config.gpu_memory_utilization) // spec.bytes_per_block)
+    return int(cuda_cache_bytes(free, total, own, config.gpu_memory_utilization, peak_extra) // spec.bytes_per_block)
 
 
 def check_blocks(n: int, spec: KVCacheSpec, max_model_len: int) -> None:

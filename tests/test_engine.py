@@ -1419,3 +1419,24 @@ def test_the_apps_chat_template_renders_chats_in_process(tiny_checkpoints):
         assert eng.inputs.render_chat([ChatTurn("user", "hi")]) == "hi!"
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_the_gpu_warm_up_step_fits_its_own_cache_at_any_block_size(tiny_checkpoints, monkeypatch, block_size):
+    """The CUDA start's warm-up step (the largest step's activations, measured before the KV cache is sized) holds
+    its prompt and `max_num_seqs` decodes of 2 tokens each in a cache made for it: with block_size 1 each decode
+    needs 2 blocks, and the start failed ("KV accounting bug"). Its torch.cuda calls stubbed, on the CPU."""
+    from engine.kv_cache import cache_spec
+
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 1 << 40)
+    sched = SchedulerConfig(policy="fcfs", max_num_seqs=4, prefill_max_tokens=16, chunked_prefill=True)
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], device="cpu", block_size=block_size,
+                                 dtype="float32", backend="torch", scheduler=sched, max_model_len=64))
+    try:
+        spec = cache_spec(eng.config, eng.bundle, eng.backend)
+        assert eng.run_idle(lambda e: e._warmup_peak(spec, e.runner.decoder)) > 0
+    finally:
+        eng.shutdown()

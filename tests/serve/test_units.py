@@ -62,6 +62,10 @@ def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
     # a card another process filled: only what is free, less a 2% margin; never negative
     assert cuda_cache_bytes(free=10 * gib, total=80 * gib, own=gib, utilization=0.85) == int(10 * gib - 1.6 * gib)
     assert cuda_cache_bytes(free=gib, total=80 * gib, own=gib, utilization=0.85) == 0
+    # the largest step's activations (measured, then freed) need room again beside the cache: 16 GiB of weights and
+    # a 4 GiB peak on a card with 14 GiB free leaves a cache of 14 - 4 - 1.6 GiB
+    assert cuda_cache_bytes(free=14 * gib, total=80 * gib, own=20 * gib, utilization=0.5, peak=4 * gib) == \
+        int(14 * gib - 4 * gib - 1.6 * gib)
 
 
 def test_app_args_reject_unknown_and_invalid() -> None:
