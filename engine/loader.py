@@ -159,6 +159,9 @@ def _model_max_len(config: Any) -> int | None:
     return int(base * factor)
 
 
+_FULL_ATTENTION = frozenset({"llama", "gpt2"})  # families whose every layer attends to the whole context
+
+
 def sliding_window(config: Any) -> int | None:
     """The attention window of a model whose layers (some or all) attend only to their last W positions (Mistral's
     `sliding_window`; Qwen2/3 with `use_sliding_window`, from `max_window_layers` on), None where every layer
@@ -167,6 +170,8 @@ def sliding_window(config: Any) -> int | None:
     `--disable-sliding-window` does)."""
     w = getattr(config, "sliding_window", None)
     if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+        return None
+    if getattr(config, "model_type", None) in _FULL_ATTENTION:  # (their attention never reads the key: HF's, vLLM's)
         return None
     types = getattr(config, "layer_types", None)
     if types is not None:
@@ -224,10 +229,32 @@ def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load
             lm.generation_config = _generation_config(path, config, hub_kw)
         else:
             with quiet_progress_bars():
-                lm = AutoModelForCausalLM.from_pretrained(path, **load_kw)
-    except (OSError, ValueError, KeyError) as e:
+                lm, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **load_kw)
+            _check_loaded(model, info)
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        # (a tensor of another shape than the config's: transformers' RuntimeError; a corrupt file: safetensors')
         raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
     return lm
+
+
+# tensors an older checkpoint may hold that every model computes instead (vLLM skips them too)
+_COMPUTED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _check_loaded(model: str, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose tensors are not the ones its config says (transformers' loading info, after the
+    model's own ignore lists): one it lacks would be served with random weights, and one it holds that the model does
+    not use would be dropped (a bias the config leaves out), both only logged by transformers, as vLLM refuses."""
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not k.endswith(_COMPUTED))
+    if missing or unexpected:
+        def few(keys: list[str]) -> str:
+            return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+        said = ([f"missing {few(missing)}"] if missing else []) + \
+            ([f"unused {few(unexpected)}"] if unexpected else [])
+        raise ValueError("its tensors are not those its config describes: " + "; ".join(said))
 
 
 def _has_remote_code(path: str) -> bool:

@@ -232,6 +232,9 @@ def test_a_sliding_window_caps_the_context_where_full_attention_equals_it(tiny_c
     on = _with_config(tiny_checkpoints["qwen2"], tmp_path / "on", use_sliding_window=True, sliding_window=64,
                       max_window_layers=1, layer_types=None)  # a checkpoint saved before layer_types
     assert load_model(on, device="cpu").max_model_len == 64
+    # a family whose attention never reads the key (Llama's, as HF's and vLLM's): its whole context
+    stray = _with_config(tiny_checkpoints["llama"], tmp_path / "stray", sliding_window=64)
+    assert load_model(stray, device="cpu").max_model_len == 512 and load_model(stray, max_model_len=512)
 
 
 def test_a_rope_scaling_that_extends_the_positions_extends_the_context(tiny_checkpoints, tmp_path):
@@ -517,11 +520,19 @@ def test_our_loader_reads_shards_and_leaves_the_rest_to_from_pretrained(tiny_che
     assert type(got) is CausalLM and all(torch.equal(got.state_dict()[k], v) for k, v in whole.items())
 
     extra = copy("extra", {**whole, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
-    missing = copy("missing", {k: v for k, v in whole.items() if k != "model.norm.weight"})
     dynamic = _with_config(str(src), tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     named = _with_config(str(src), tmp_path / "named", transformers_weights="model.safetensors")
-    for path in (extra, missing, dynamic, named, tiny_checkpoints["gpt2"]):
+    for path in (extra, dynamic, named, tiny_checkpoints["gpt2"]):
         assert type(load_model(path, device="cpu", own_decoder=True).model) is not CausalLM, path
+    # a checkpoint that lacks a tensor its config needs (from_pretrained would start it random), or holds one its
+    # config leaves out (dropped: a bias of a config without attention_bias): refused, naming them, as vLLM refuses
+    missing = copy("missing", {k: v for k, v in whole.items() if k != "model.norm.weight"})
+    unused = copy("unused", {**whole, "model.layers.0.self_attn.q_proj.bias": torch.ones(
+        whole["model.layers.0.self_attn.q_proj.weight"].shape[0])})
+    for path, says in ((missing, "missing model.norm.weight"), (unused, "unused model.layers.0.self_attn.q_proj.bias")):
+        for own in (True, False):
+            with pytest.raises(ValueError, match=says):
+                load_model(path, device="cpu", own_decoder=own)
     assert type(load_model(str(src), device="cpu").model) is not CausalLM
     bad = copy("bad")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
