@@ -323,7 +323,8 @@ class LLMReplica:
                 now = time.monotonic()
                 if first:
                     first = False
-                    self._prompt_lens.append(max(out.num_prompt_tokens, 1))
+                    if not early_end(out):  # (one the engine never took says nothing of the prompts it runs)
+                        self._prompt_lens.append(max(out.num_prompt_tokens, 1))
                     served = ServedBy(self.replica_id, (now - t_in) * 1000.0)
                     ids = None  # (vLLM's return_token_ids: an admitted request's prompt's)
                     if out.finish_reason is FinishReason.REJECTED:
@@ -335,7 +336,7 @@ class LLMReplica:
                         self.metrics.on_rejected(tier, view.reason)
                         if view.reason is not RejectReason.SLO_UNATTAINABLE:  # (an idle replica's too: not load)
                             self.demand.turned_away += 1
-                    elif out.token_ids or not out.finished or out.metrics is None or out.metrics.admitted_s is not None:
+                    elif not early_end(out):
                         admitted = True
                         self.demand.admitted += 1
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)
@@ -359,8 +360,10 @@ class LLMReplica:
                     left.pop(rid, None)
                     if req.caller is not None:
                         _forget_caller(self._callers, req.caller, rid)
-                    if out.finish_reason is not FinishReason.REJECTED:
+                    if admitted:
                         self.metrics.on_finished(tier, req.engine_slo, out, streamed)  # TTFT as it measures it
+                    elif out.finish_reason is FinishReason.ABORT:  # before its admission (its caller's death, a
+                        self.metrics.on_abandoned(tier)  # shutdown): as a caller that went away
                     yield out
                     return
                 yield out
@@ -572,6 +575,14 @@ class LLMReplica:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown(timeout=5.0)
+
+
+def early_end(out: RequestOutput) -> bool:
+    """Whether a request's first item ends it before the engine admitted it, not by a rejection: failed (an adapter
+    that does not load, a duplicate id, an engine that died or shut down) or aborted (its caller's death) while it
+    waited. Counted neither admitted nor finished (`metrics`): only what the scheduler took is."""
+    return out.finished and not out.token_ids and out.finish_reason is not FinishReason.REJECTED \
+        and (out.metrics is None or out.metrics.admitted_s is None)
 
 
 def _forget_caller(callers: dict[str, set[str]], caller: str, rid: str) -> bool:

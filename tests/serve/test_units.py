@@ -1152,14 +1152,24 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
     # once admitted (a step) is
     from core.messages import ErrorKind, RequestMetrics
 
-    for admitted_s, counted in ((None, False), (1.0, True)):
+    failed = RequestOutput.failed("r1", "LoRA adapter 'x' uses DoRA", ErrorKind.INVALID_REQUEST)
+    for metrics, counted in ((None, False), (RequestMetrics(0.0, None, None, 1.0), False),
+                             (RequestMetrics(0.0, 1.0, None, 1.0), True)):
         calls.clear()
-        failed = RequestOutput.failed("r1", "LoRA adapter 'x' uses DoRA", ErrorKind.INVALID_REQUEST)
         st = RequestStream("r1")
-        st.put(dataclasses.replace(failed, num_prompt_tokens=2, metrics=RequestMetrics(0.0, admitted_s, None, 1.0)))
+        st.put(dataclasses.replace(failed, num_prompt_tokens=2, metrics=metrics))  # (the engine's own: no metrics)
         me = replica(st)
         asyncio.run(three(st, me, 1))
         assert (("admitted", "tpot1.5", 2) in calls) == counted and me.demand.admitted == counted, calls
+        assert any(c[0] == "finished" for c in calls) == counted, calls  # only an admitted request is finished
+        assert me._prompt_lens == ([2] if counted else []), me._prompt_lens
+    # aborted while it waited (its ingress died, the engine shut down): abandoned, never finished
+    calls.clear()
+    st = RequestStream("r1")
+    st.put(RequestOutput("r1", finished=True, finish_reason="abort", error="engine shut down",
+                         metrics=RequestMetrics(0.0, None, None, 1.0)))
+    asyncio.run(three(st, replica(st), 1))
+    assert calls == [("gone", "tpot1.5")], calls
 
 
 def test_replica_metrics_bound_the_tier_labels_clients_make() -> None:
