@@ -76,6 +76,12 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
     def _ready_info(self) -> dict[str, Any] | None:
         return self._info
 
+    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """`LLMReplica.reconfigure`, then the model's info again: what the requests are built with (priority
+        scheduling turned on or off) follows the engine's new scheduler."""
+        LLMReplica.reconfigure(self, user_config)
+        self._info = self.model_info()
+
     def _unavailable(self) -> str | None:
         return None if self.engine.is_alive() else "the replica's LLM engine exited"
 

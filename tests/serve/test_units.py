@@ -1172,6 +1172,46 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
     assert calls == [("gone", "tpot1.5")], calls
 
 
+def test_a_direct_replica_builds_requests_with_the_scheduler_its_user_config_switched_to() -> None:
+    """topology=direct: the replica answers HTTP with the model's info it read at start; a `reconfigure` (Serve's
+    user_config) that turns priority scheduling on reaches its requests too: a client's priority was zeroed for good,
+    though the engine ranked by it."""
+    from starlette.requests import Request
+
+    from deployments.direct import DirectFrontend
+    from engine.config import reconfigured
+    from scheduling.config import SchedulerConfig
+
+    class Engine:  # what LLMEngine.reconfigure does to its inputs
+        def __init__(self) -> None:
+            self.inputs = SimpleNamespace(priority_scheduling=False, eos_token_ids=[2],
+                                          reject_max_tokens_over_context=True,
+                                          tokenizer=SimpleNamespace(chat_template=None))
+            self.max_model_len, self.sampling_defaults = 512, {}
+
+        def is_alive(self) -> bool:
+            return True
+
+        def reconfigure(self, knobs: dict) -> SchedulerConfig:
+            cfg = reconfigured(SchedulerConfig(), SchedulerConfig(), knobs, "cpu")
+            self.inputs.priority_scheduling = cfg.by_priority
+            return cfg
+
+    class Direct(DirectFrontend):
+        def __del__(self) -> None:  # (no engine to stop: its coroutine would never be awaited)
+            pass
+
+    d = object.__new__(Direct)
+    d.engine, d.model_name, d.replica_id, d._user_config = Engine(), "m", "r", {}
+    d._init_frontend({"model_name": "m", "max_body_bytes": 1 << 20})
+    d._info = d.model_info()  # (as its __init__ reads it)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    body = {"model": "m", "prompt": "hi", "priority": -5, "max_tokens": 4}
+    assert d._build(Request(scope), body, "completion", "cmpl-1")[1][0].priority == 0  # (no priority scheduling)
+    d.reconfigure({"scheduling_policy": "priority"})
+    assert d._build(Request(scope), body, "completion", "cmpl-2")[1][0].priority == -5
+
+
 def test_replica_metrics_bound_the_tier_labels_clients_make() -> None:
     """A tier label is the request's SLOs: clients choose them, so a replica names at most MAX_TIER_LABELS tiers
     and counts the rest as `other`."""
