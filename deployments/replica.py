@@ -397,10 +397,11 @@ class LLMReplica:
             return RejectionView(reason, 1, None, None)
 
     # ------------------------------------------------------------------ control plane
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (where the app autoscales): the requests this replica admitted and
         turned away for its load, a second each lately, and the most in flight since the last report
-        (deployments/autoscaling.py)."""
+        (deployments/autoscaling.py). On the event loop, as `generate` counts them (a sync hook runs on Serve's
+        thread pool, where its swap of the peak could write over a request counted in between)."""
         peak, self._inflight_peak = self._inflight_peak, self.inflight
         return {**self.demand.rates(time.monotonic()), INFLIGHT: float(peak)}
 

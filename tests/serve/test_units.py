@@ -2141,7 +2141,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         done = me.generate(GenerateRequest("done", prompt=(1,)))
         assert (await done.__anext__()).text == "a" and me.inflight == 1
         # Serve's autoscaling reads the most in flight since its last read (a scale to zero waits out short ones)
-        assert me.record_autoscaling_stats()[INFLIGHT] == 1.0
+        assert (await me.record_autoscaling_stats())[INFLIGHT] == 1.0
         assert (await done.__anext__()).finished and me.inflight == 0  # before the generator is resumed or closed
         gone = me.generate(GenerateRequest("gone", prompt=(1,)))
         await gone.__anext__()
@@ -2149,7 +2149,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         assert me.inflight == 0 and aborted == ["gone"] and me.aborted == 1
         await done.aclose()
         assert me.inflight == 0 and aborted == ["gone"]
-        assert [me.record_autoscaling_stats()[INFLIGHT] for _ in range(2)] == [1.0, 0.0]  # ("gone", ended since)
+        assert [(await me.record_autoscaling_stats())[INFLIGHT] for _ in range(2)] == [1.0, 0.0]  # (ended since)
         # sent by an Ingress on this host 200 ms ago: the engine gets its TTFT SLO less that way here
         sent = me.generate(GenerateRequest("sent", prompt=(1,), slo=SLO(ttft_ms=1000.0),
                                            sent_at=(clock_id(), time.monotonic() - 0.2)))
