@@ -57,6 +57,14 @@ HEARTBEAT_S = 1.0  # the child's heartbeat (a thread of its own): the client kil
 
 
 # ---------------------------------------------------------------------- the socket
+def _ready_for(sock: socket.socket, events: int, timeout: float) -> bool:
+    """Whether `sock` is ready for `events` (POLLIN, POLLOUT; a hang-up or an error counts) within `timeout` seconds:
+    poll, not select, which refuses a descriptor past 1023 (a Ray worker holds hundreds of files and sockets)."""
+    p = select.poll()
+    p.register(sock, events)
+    return bool(p.poll(max(0.0, timeout) * 1000.0))
+
+
 class Link:
     """One end of the socket between the client and its engine process: pickled messages, each behind its length
     (8 bytes, big-endian). `send` from any thread; `recv` blocks (the child's main thread, the client's reader
@@ -127,7 +135,7 @@ class Link:
                     self._sender = None
                     return
             try:
-                select.select([], [self.sock], [], 1.0)
+                _ready_for(self.sock, select.POLLOUT, 1.0)
             except (OSError, ValueError) as e:  # (closed meanwhile)
                 with self._send_lock:
                     self._broken = e if isinstance(e, OSError) else OSError(f"the link closed: {e}")
@@ -173,7 +181,7 @@ class Link:
 
     def poll(self, timeout: float) -> bool:
         """Whether a message (or EOF) can be read within `timeout` seconds."""
-        return self._complete() or bool(select.select([self.sock], [], [], timeout)[0])
+        return self._complete() or _ready_for(self.sock, select.POLLIN, timeout)
 
     def read_available(self) -> tuple[list[Any], bool]:
         """The whole messages that have arrived, without blocking, and whether the other end has closed."""
@@ -610,8 +618,7 @@ class EngineCoreClient:
                 self._kill()
                 break
             if self._reader is None and self._dead is None:
-                ready, _, _ = select.select([self._conn.fileno()], [], [], min(left, 0.05))
-                if ready:
+                if _ready_for(self._conn.sock, select.POLLIN, min(left, 0.05)):
                     self._on_readable()
             else:
                 try:

@@ -571,3 +571,37 @@ def test_a_turns_first_tokens_are_delivered_before_the_other_streams_tokens():
     got.clear()
     client._deliver(Outputs(tokens=TokenDeltas(["a", "c"], ["x"] * 2, [7] * 2, [3] * 2, [6, 10])))
     assert got == [("a", 6), ("c", 10)]  # none first: in the turn's order
+
+
+def test_a_queued_link_on_a_high_descriptor_sends_in_order_without_waiting_for_its_reader():
+    """The client's end (`Link(queued=True)`): sends return while the reader reads nothing, far past what the socket
+    holds, and the reader then gets every message whole and in order; on a descriptor past 1023 too (a Ray worker
+    holds hundreds of files: select refuses those, poll does not)."""
+    import resource
+    import socket
+    import threading
+
+    from engine.core_proc import Link
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 1500:
+        pytest.skip("the process may not open a descriptor past 1500")
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 1500)
+    a.close()
+    ours, theirs = Link(socket.socket(fileno=high), queued=True), Link(b)
+    try:
+        msgs = [("m", i, "x" * 4000) for i in range(400)]  # 1.6 MB
+        for m in msgs:
+            ours.send(m)
+        assert ours._backlog  # (most of it waits for the reader)
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(theirs.recv() for _ in msgs))
+        reader.start()
+        reader.join(30)
+        assert got == msgs
+        assert theirs.poll(0.0) is False and ours.poll(0.0) is False
+        theirs.sock.sendall(Link.HEADER.pack(1) + b"x")  # (a byte: readable now)
+        assert ours.poll(1.0) is True
+    finally:
+        ours.close()
+        theirs.close()
