@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0, help="engine seed; ShareGPT order (default: 0)")
     a("--num-threads", type=int, default=None, help="in-process engine's torch threads (default: all cores)")
     a("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    a("--load-format", default="auto", choices=("auto", "dummy"),
+      help="dummy: random weights built on the device from the model's config (none read; default: auto)")
     a = p.add_argument_group("workload").add_argument
     a("--dataset", choices=("synthetic", "sharegpt"), default="synthetic",
       help="synthetic: --prompt repeated; sharegpt: real prompts and reply lengths (default: synthetic)")
@@ -154,7 +156,8 @@ def _engine_config(args: argparse.Namespace):
     sched = SchedulerConfig(policy=args.policy, max_num_seqs=args.max_batch_size,
                             prefill_max_batch_size=args.max_batch_size, prefill_max_tokens=args.prefill_max_tokens)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-                        max_model_len=args.max_model_len, num_threads=args.num_threads, scheduler=sched)
+                        max_model_len=args.max_model_len, num_threads=args.num_threads, scheduler=sched,
+                        load_format=args.load_format)
 
 
 def _run_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -341,7 +344,8 @@ def _with_model(serve_args: str, model: str) -> str:
 
 
 def _with_engine(serve_args: str, engine: dict[str, str]) -> str:
-    """`serve_args` with the comparison's engine knobs (device, dtype) added where it does not set them."""
+    """`serve_args` with the comparison's engine knobs (device, dtype, load_format) added where it does not set
+    them."""
     given = {t.split("=", 1)[0] for t in serve_args.split()}
     return " ".join([serve_args] + [f"{k}={v}" for k, v in engine.items() if k not in given]).strip()
 
@@ -381,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="the engine's device on both sides (e.g. cuda; default: each "
                    "side's own default, the CPU)")
     p.add_argument("--dtype", default=None, help="the engine's dtype on both sides (default: auto)")
+    p.add_argument("--load-format", default=None, choices=("auto", "dummy"), help="the engine's load_format on both "
+                   "sides (dummy: random weights built from the model's config, none read)")
     p.add_argument("--num-threads", type=int, default=None, help="the in-process engine's torch threads (default: "
                    "all cores; a server sizes its own, e.g. one for a GPU engine)")
     p.add_argument("--num-requests", type=int, default=60)
@@ -395,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     servers = args.serve if args.serve else ["", "engine_process=false"]
 
-    engine = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
+    engine = {k: v for k, v in (("device", args.device), ("dtype", args.dtype), ("load_format", args.load_format))
+              if v}
 
     def load(n: int, ivl: float) -> list[str]:
         return ["--model", args.model, "--prompt", "Hello", "--prompt-repeats", "8", "--unique-prompts",
@@ -405,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     def serve_args(s: str) -> str:
         return _with_engine(_with_model(s, args.model), engine)
 
-    in_process = [a for k, v in engine.items() for a in (f"--{k}", v)]
+    in_process = [a for k, v in engine.items() for a in (f"--{k.replace('_', '-')}", v)]
     if args.num_threads:
         in_process += ["--num-threads", str(args.num_threads)]
 

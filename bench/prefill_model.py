@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                    help="dummy: random weights built on the device from the model's config (none read)")
     ap.add_argument("--long", type=int, default=8000, help="the longest single prompt measured")
     ap.add_argument("--round", type=int, default=2048, help="tokens of a round of several prompts")
     ap.add_argument("--profile-max", type=int, default=2048, help="the longest single prompt fitted on (the "
@@ -71,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     graphs = {} if args.mixed_graph_tokens is None else {"mixed_graph_tokens": args.mixed_graph_tokens}
     eng = LLMEngine(EngineConfig(model=resolve_model_path(args.model), dtype=args.dtype, device=args.device,
-                                 max_model_len=args.max_model_len,
+                                 max_model_len=args.max_model_len, load_format=args.load_format,
                                  scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), **graphs))
     try:
         return _measure(eng, args, argv)

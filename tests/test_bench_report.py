@@ -100,6 +100,30 @@ def _slo_gpu_doc() -> dict:
                                                                 "kairos_90pct_oracle": False}}}
 
 
+def test_ingest_keeps_call_1s_rows_over_a_fresh_call_2_and_goes_on_past_a_cut_archive(tmp_path: Path) -> None:
+    """Call 2 on a fresh host (call 1's went back) starts the SLO run afresh and holds fewer rows: call 1's document
+    is kept. A replica-profile archive cut off mid-write is noted, and the other results are still kept."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ingest", report.SUMMARIES.parents[1] / "bench/device/ingest.py")
+    ingest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ingest)
+    call1, call2, sums, models = (tmp_path / n for n in ("call1", "call2", "summaries", "sim_models"))
+    for d in (call1, call2, sums):
+        d.mkdir()
+    slo = _slo_gpu_doc()
+    (call1 / "slo-gpu.json").write_text(json.dumps(slo))
+    (call2 / "slo-gpu.json").write_text(json.dumps(dict(slo, rows=slo["rows"][:1])))  # a fresh run, cut off
+    (call1 / "slo_gpu-out.tgz").write_bytes(b"\x1f\x8b\x08\x00cut")  # (a gzip's head, then nothing)
+    (call2 / "gpu-check.json").write_text(json.dumps({
+        "name": "gpu-check", "command": "bash bench/device/gpu_check.sh", "commit": "", "date": "2026-12-01T10:09:00",
+        "device": {"name": "NVIDIA H200"}, "tests": {"counts": {"passed": 3}, "results": []}}))
+    written, note = ingest.ingest([call1, call2], commit="abc1234", summaries=sums, sim_models=models)
+    assert sorted(p.name for p in written) == ["gpu-check-h200.json", "slo-gpu-h200-llama8b.json"]
+    assert len(json.loads((sums / "slo-gpu-h200-llama8b.json").read_text())["figures"]["rows"]) == len(slo["rows"])
+    assert any("WARNING: no replica profile" in line for line in note)
+
+
 def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     """bench/device/ingest.py: a lease's files (two calls, the later one's wins) become summaries and a profile,
     and the SLO summary feeds its headline row."""

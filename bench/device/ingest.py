@@ -3,7 +3,8 @@
     python bench/device/ingest.py DIR [DIR ...] [--tag h200] [--commit SHA] [--no-readme]
 
 Each DIR is the folder of one `run` call's files (the device tool's `files_at`), in the order of the calls: where two
-hold the same file, the later one's is taken (call 2's resumed slo-gpu.json holds call 1's rows as well). It keeps
+hold the same file, the later one's is taken (slo-gpu.json: the one with the most rows, the later among equals:
+call 2's resumed one holds call 1's rows as well, one started afresh on another host fewer). It keeps
 
 - slo-gpu.json as the summary `slo-gpu-TAG-SHAPE` (its headline: lambda*, every policy's goodput at the highest
   load, kairos's adherence at the lowest, and the acceptance checks that failed), the whole run's document as its
@@ -60,6 +61,21 @@ def latest(dirs: list[Path], pattern: str) -> Path | None:
         if hits:
             return hits[-1]
     return None
+
+
+def richest_slo(dirs: list[Path]) -> Path | None:
+    """The slo-gpu.json with the most rows, the later call's among equals: call 2's resumed run holds call 1's rows
+    too, but one started afresh on another host holds fewer (and one cut off may hold none)."""
+    best, most = None, -1
+    for d in dirs:
+        for path in sorted(d.glob("slo-gpu.json")):
+            try:
+                n = len(json.loads(path.read_text()).get("rows") or [])
+            except (OSError, ValueError, AttributeError):
+                continue
+            if n >= most:
+                best, most = path, n
+    return best
 
 
 def gpu_tag(name: str | None) -> str | None:
@@ -149,7 +165,7 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
     note: list[str] = []
     gc_path = latest(dirs, "gpu-check.json")
     gc = json.loads(gc_path.read_text()) if gc_path else None
-    slo_path = latest(dirs, "slo-gpu.json")
+    slo_path = richest_slo(dirs)
     slo = json.loads(slo_path.read_text()) if slo_path else None
     gpu = (slo or {}).get("gpu") or ((gc or {}).get("device") or {}).get("name")
     tag = tag or gpu_tag(gpu) or "gpu"
@@ -200,21 +216,28 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
         if "serve-proxy" in (slo.get("http_front") or {}).values():
             note.append("  WARNING: a server ran behind Serve's Python proxy, not HAProxy (no haproxy on the host): "
                         "its TTFTs carry that proxy's milliseconds")
-        tgz = latest(dirs, "slo_gpu-out.tgz")
+        # the profile beside the summary taken (else the latest): a cut-off archive is noted, and the rest goes on
+        tgz = next(iter(sorted(slo_path.parent.glob("slo_gpu-out.tgz"))), None) or latest(dirs, "slo_gpu-out.tgz")
+        data = None
         if tgz is not None:
-            with tarfile.open(tgz) as tf:
-                member = next((m for m in tf.getmembers() if m.name.endswith("replica-profile.json")), None)
-                if member is not None:
-                    data = tf.extractfile(member).read()  # type: ignore[union-attr]
-                    json.loads(data)  # a profile that does not parse is not kept
-                    for suffix in stamps(run.get("date") or "")[1:]:  # another lease's of the same day stays
-                        path = sim_models / f"{tag}-{shape}-measured{suffix}.json"
-                        if not path.exists() or path.read_bytes() == data:
-                            break
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(data)
-                    written.append(path)
-                    note.append(f"replica profile -> {path} (bench.sim --tiers)")
+            try:
+                with tarfile.open(tgz) as tf:
+                    member = next((m for m in tf.getmembers() if m.name.endswith("replica-profile.json")), None)
+                    if member is not None:
+                        data = tf.extractfile(member).read()  # type: ignore[union-attr]
+                        json.loads(data)  # a profile that does not parse is not kept
+            except (tarfile.TarError, EOFError, OSError, ValueError) as e:
+                data = None
+                note.append(f"  WARNING: no replica profile from {tgz}: {type(e).__name__}: {e}")
+        if data is not None:
+            for suffix in stamps(run.get("date") or "")[1:]:  # another lease's of the same day stays
+                path = sim_models / f"{tag}-{shape}-measured{suffix}.json"
+                if not path.exists() or path.read_bytes() == data:
+                    break
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            written.append(path)
+            note.append(f"replica profile -> {path} (bench.sim --tiers)")
     ov_path = latest(dirs, "overhead-http-gpu.json")
     if ov_path is not None:
         ov = json.loads(ov_path.read_text())

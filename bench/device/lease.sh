@@ -15,7 +15,9 @@
 #           hop, the prefill model and hybrid steps), then
 #           tests/gpu (gpu_check.sh BENCH=0), each in what BUDGET_S leaves (OVERHEAD=0 skips overhead_gpu.sh:
 #           tests/gpu gets its time)
-# Everything lands in $OUT: slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json, gpu-check.json and logs.
+# Everything lands in $OUT: slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json, gpu-check.json and logs
+# (call 2's in logs-2.tgz: a call returns at most 8 files). Call 2 on a fresh host (the warm one went back) has no
+# call-1 run to resume: it skips the SLO step (SLO_FRESH=1 runs one from scratch).
 # Then here (after give_back): python bench/device/ingest.py <call 1's files_at> <call 2's files_at> keeps them as
 # summaries and the replica profile, regenerates the READMEs' tables and prints what the issue's note wants.
 set -u
@@ -52,7 +54,11 @@ case "${1:-}" in
   2)
     [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"  # call 1's decision
     l=$(left)
-    RESUME=1 LIMIT_S=${SLO_S:-$(( l - 10 ))} bash bench/device/slo_gpu.sh
+    if [ -f /tmp/slo_gpu/slo-gpu.json ] || [ "${SLO_FRESH:-0}" = 1 ]; then
+      RESUME=1 LIMIT_S=${SLO_S:-$(( l - 10 ))} bash bench/device/slo_gpu.sh
+    else  # a fresh host (call 1's went back): a run from scratch would not finish, and its few rows are no news
+      echo "lease.sh: no call-1 run on this host to resume (a fresh host): no slo_gpu.sh (SLO_FRESH=1 runs one)"
+    fi
     [ -f /tmp/site/ray/__init__.py ] && export PYTHONPATH=/tmp/site:$PWD  # unpacked once (gpu_check.sh looks)
     # the device free for what follows, whatever the resumed run left (call 1's server, where it never took it over)
     python3 -c "from bench.driver import stop_host; stop_host()" 2>/dev/null
@@ -70,6 +76,13 @@ case "${1:-}" in
       BENCH=0 TEST_LIMIT_S=$(( l - 15 )) TOTAL_S=$(( l - 5 )) bash bench/device/gpu_check.sh
     else
       echo "lease.sh: ${l} s left: no tests/gpu"
+    fi
+    # the logs in one file: the device's tool returns at most 8 files of a call (this one's three steps make 9)
+    if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+      (cd "$OUT" || exit 0
+       logs=()
+       for f in *.log junit.xml; do if [ -f "$f" ]; then logs+=("$f"); fi; done
+       if [ "${#logs[@]}" -gt 0 ]; then tar czf logs-2.tgz "${logs[@]}" && rm -f "${logs[@]}"; fi)
     fi ;;
   *)
     echo "usage: bash bench/device/lease.sh 1|2 (see its header)" >&2

@@ -6,7 +6,8 @@
 # steps), its summary to $OUT/prefill-model-SHAPE-DEVICE.json.
 #
 # Run HERE first: bench/device/bundle.sh (Ray Serve and pydantic for CPython 3.12 in .dev/site312.tar.xz). Then
-# THERE, best on the host slo_gpu.sh just ran on (it reuses the 8B model that one built under /tmp):
+# THERE, best on the host slo_gpu.sh just ran on (it reuses the 8B model's config that one wrote under /tmp; every
+# engine builds its random weights on the device, load_format=dummy, none written or read):
 #   run(carry=[".dev"], timeout_s=300, command="bash bench/device/overhead_gpu.sh")
 # The CPU dry run HERE (kairos-tiny's shape, float32): DRY_RUN=1 bash bench/device/overhead_gpu.sh
 # Knobs (environment): SHAPE (llama-8b if slo_gpu.sh built it on this host, else llama-1b), ROUNDS (2),
@@ -36,11 +37,12 @@ from pathlib import Path
 sys.path.insert(0, "bench/device")
 from slo_gpu import build_model  # noqa: E402 (the same model slo_gpu.sh serves, built once per shape and dtype)
 shape, out, dtype, device = sys.argv[1:]
-build_model(shape, Path(out), dtype, device, 4096)
+build_model(shape, Path(out), dtype, device, 4096, weights=False)  # (its config: the engines build the weights)
 EOF
 # the in-process engine with the threads a GPU replica's engine runs (one: deployments.replica.engine_threads), so
 # that the two differ by the HTTP hop only (the dry run passes it too: the same command line as on the device)
-"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --serve "" --num-threads 1 \
+"$PY" -m bench.overhead --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --load-format dummy --serve "" \
+  --num-threads 1 \
   --num-requests "${NUM_REQUESTS:-60}" --submit-interval-ms "${INTERVAL_MS:-150}" \
   --max-new-tokens "${MAX_NEW_TOKENS:-32}" --rounds "${ROUNDS:-2}" --summary overhead-http-gpu 2>&1 \
   | tee "$OUT/overhead_gpu.log"
@@ -48,7 +50,8 @@ rc=${PIPESTATUS[0]}
 cp bench/summaries/overhead-http-gpu.json "$OUT/" 2>/dev/null
 # the prefill model against measured steps on this host: single prompts to the window, rounds of short prompts, with
 # the attention term and without (`bench.prefill_model`; its summary to $OUT, to commit here)
-"$PY" -m bench.prefill_model --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --max-model-len 4096 --long 4095 \
+"$PY" -m bench.prefill_model --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --load-format dummy \
+  --max-model-len 4096 --long 4095 \
   --round 2048 --profile-max 2048 --reps "${PREFILL_REPS:-3}" --hybrid-prompts 32,128,512,2048 \
   --hybrid-rows 8,32,64,128 ${MIXED_GRAPH_TOKENS:+--mixed-graph-tokens "$MIXED_GRAPH_TOKENS"} \
   --summary "$OUT/prefill-model-$SHAPE-$DEVICE.json" 2>&1 \
