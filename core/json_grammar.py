@@ -33,7 +33,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Iterator
 
-from core.regex_grammar import _TOP, Regex, compile_regex
+from core.regex_grammar import _TOP, MAX_NODES, Regex, compile_regex
 
 MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
@@ -41,6 +41,9 @@ MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven leve
 VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN, \
     THINK, FORK = range(16)
 MAX_FORK = 64  # the alternatives a value of an anyOf / oneOf follows at once (`FORK`), the first ones kept
+# the automaton positions of a schema's patterns in all (each is within regex_grammar.MAX_NODES): what checking one
+# schema may cost (each pattern is compiled as the request is read, on the HTTP front's event loop)
+MAX_PATTERN_NODES = 2 * MAX_NODES
 THINK_OPEN, THINK_END = "<think>", "</think>"  # a reasoning model's thinking, before its format (`thinking_first`)
 _WS = frozenset(" \t\n\r")
 _DIGITS = frozenset("0123456789")
@@ -166,6 +169,7 @@ def compile_schema(text: str) -> dict[str, Any]:
         return ValueError(f"json_schema: {where} {what}")
 
     defs: dict[str, Any] = {}
+    positions = [0]  # the schema's patterns' automaton positions so far (MAX_PATTERN_NODES)
     for name in ("$defs", "definitions"):
         got = root.get(name)
         if got is not None and not isinstance(got, dict):
@@ -277,6 +281,10 @@ def compile_schema(text: str) -> dict[str, Any]:
                 node["pattern"] = compile_regex(node["pattern"], search=True)  # (JSON Schema's: found anywhere)
             except ValueError as e:
                 raise fail(f"{where}.pattern", str(e)) from None
+            positions[0] += len(node["pattern"].nodes)
+            if positions[0] > MAX_PATTERN_NODES:
+                raise fail(f"{where}.pattern", f"takes the schema's patterns past {MAX_PATTERN_NODES} automaton "
+                                               "positions in all")
         for name in _BOUNDS:
             v = node.get(name)
             if name in node and (isinstance(v, bool) or not isinstance(v, (int, float))

@@ -544,6 +544,22 @@ def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema,
         SamplingParams(json_schema=json.dumps(schema)).validate()
 
 
+def test_a_schemas_patterns_have_one_compile_budget_in_all():
+    """Each pattern is within the regex's own bounds, but a schema may hold any number of them, each compiled as the
+    request is read (on the HTTP front's event loop: 120 costly ones stalled it for seconds): past
+    MAX_PATTERN_NODES automaton positions in all, the schema is refused, naming the pattern; many small patterns
+    (a schema of a hundred fields, each with one) are not."""
+    from core.json_grammar import MAX_PATTERN_NODES, compile_schema
+
+    costly = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": f"(a*b*c*){{{700 + i}}}"}
+                                              for i in range(10)}}
+    with pytest.raises(ValueError, match=f"past {MAX_PATTERN_NODES} automaton positions"):
+        compile_schema(json.dumps(costly))
+    small = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i + 1}}}-[0-9]+$"}
+                                             for i in range(100)}}
+    assert compile_schema(json.dumps(small))
+
+
 def test_tool_choice_required_may_call_any_of_its_tools():
     """tool_choice required holds the reply to a list of calls, each an anyOf of one object per tool (vLLM's, which
     xgrammar reads as a real alternation): every tool may be called, not only the first."""
