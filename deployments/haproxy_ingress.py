@@ -170,21 +170,30 @@ def guard_haproxy() -> bool:
 
 def _write_launcher(python: str, module_path: str) -> str:
     """An executable that runs `exec_haproxy` of this file with the venv's Python (isolated, without site), in a
-    per-user directory; its name hashes its content, so concurrent writers agree and a stale one is never reused."""
+    per-user directory; its name hashes its content, so concurrent writers agree. The directory is this user's alone
+    (owned by it, no one else's access, not a link), else a fresh one: a shared temp directory is anyone's, and a
+    file another user planted at the predictable path would have run as Serve's HTTP front. The file is written
+    each time (atomically), never trusted as found."""
     import hashlib
+    import stat
     import tempfile
 
     text = (f"#!{python} -IS\nimport runpy, sys\n"
             f"runpy.run_path({module_path!r})['exec_haproxy'](sys.argv[1:])\n")
     folder = os.path.join(tempfile.gettempdir(), f"kairos-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        folder = tempfile.mkdtemp(prefix=f"kairos-{os.getuid()}-")  # (someone else's, or open to others)
     path = os.path.join(folder, f"haproxy-{hashlib.sha1(text.encode()).hexdigest()[:12]}")
-    if not os.access(path, os.X_OK):
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".haproxy-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o700)
+    os.replace(tmp, path)
     return path
 
 

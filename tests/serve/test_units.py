@@ -3688,3 +3688,33 @@ def test_a_chat_beam_searchs_stream_carries_its_replies_as_read() -> None:
     deltas = [c["choices"][0]["delta"] for c in asyncio.run(collect()) if c["choices"][0]["delta"].get("content")
               or c["choices"][0]["delta"].get("reasoning_content")]
     assert deltas == [{"reasoning_content": "hmm", "content": "yes"}, {"reasoning_content": "a", "content": "no"}]
+
+
+def test_the_haproxy_launcher_is_never_one_found_in_a_folder_others_may_write(tmp_path, monkeypatch) -> None:
+    """Serve runs the launcher as its HTTP front's binary: in a temp folder others may write (made by another user
+    first, or open to all), a file planted at its predictable path ran as Serve. The folder must be this user's
+    alone, else a fresh one is made; and the file is always written, never reused as found."""
+    import hashlib
+    import os
+    import stat
+    import sys
+    import tempfile
+
+    from deployments import haproxy_ingress as H
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"kairos-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)  # (as another user would leave it)
+    text = (f"#!{sys.executable} -IS\nimport runpy, sys\n"
+            f"runpy.run_path({os.path.abspath(H.__file__)!r})['exec_haproxy'](sys.argv[1:])\n")
+    planted = shared / f"haproxy-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    planted.write_text("#!/bin/sh\necho PWNED\n")
+    planted.chmod(0o755)
+    got = H._write_launcher(sys.executable, os.path.abspath(H.__file__))
+    assert os.path.dirname(got) != str(shared) and open(got).read() == text
+    folder = os.lstat(os.path.dirname(got))
+    assert folder.st_uid == os.getuid() and not folder.st_mode & 0o077 and stat.S_ISDIR(folder.st_mode)
+    shared.chmod(0o700)  # this user's own folder: a stale or changed file there is written over
+    assert H._write_launcher(sys.executable, os.path.abspath(H.__file__)) == str(planted)
+    assert planted.read_text() == text
