@@ -384,13 +384,19 @@ def _local_gpus() -> int:
 
 
 def load_api_keys(env_name: str | None, key_file: str | None) -> list[str]:
-    """Keys are read where they are used (the ingress replica), so they never enter the Serve config."""
+    """Keys are read where they are used (the ingress replica), so they never enter the Serve config. A key file
+    holds one key a line; blank lines and comments (`#`, indented too) are not keys, and a byte-order mark (an
+    editor's) is not part of the first. A name given empty (an unset variable in a template) is refused, as is a
+    configuration that yields no key: either would serve unauthenticated."""
+    for what, name in (("api_keys_env", env_name), ("api_key_file", key_file)):
+        if name is not None and not name.strip():
+            raise ValueError(f"{what} is empty; refusing to serve unauthenticated (leave it out for no API keys)")
     keys: list[str] = []
     if env_name:
         keys += [k.strip() for k in os.environ.get(env_name, "").split(",") if k.strip()]
     if key_file:
-        with open(key_file, encoding="utf-8") as f:
-            keys += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+        with open(key_file, encoding="utf-8-sig") as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
     if (env_name or key_file) and not keys:
         raise ValueError(f"API-key auth is configured (api_keys_env={env_name!r}, api_key_file={key_file!r}) "
                          "but no key was found; refusing to serve unauthenticated")

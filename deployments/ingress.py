@@ -754,7 +754,8 @@ class OpenAIFrontend:
         if not self._keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
+        # (the header's bytes as sent: Starlette decodes them as Latin-1, the keys are UTF-8)
+        given = token.strip().encode("latin-1", "replace")
         ok = False
         for key in self._keys:  # compare against every key: no early exit
             ok |= hmac.compare_digest(given, key)

@@ -118,6 +118,13 @@ def test_api_keys(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("EMPTY_KEYS", "")
     with pytest.raises(ValueError, match="refusing"):
         load_api_keys("EMPTY_KEYS", None)
+    # an indented comment is no key; an editor's byte-order mark and CRLFs are not part of a key
+    f.write_bytes("\ufeffalpha-key\r\n  # old key, revoked: omega-key\r\nbeta-key\r\n".encode())
+    assert load_api_keys(None, str(f)) == ["alpha-key", "beta-key"]
+    # a name given empty (an unset variable in a template) would serve unauthenticated: refused
+    for env, path in (("", None), (None, ""), ("  ", str(f))):
+        with pytest.raises(ValueError, match="is empty; refusing"):
+            load_api_keys(env, path)
 
 
 def test_bearer_auth() -> None:
@@ -137,6 +144,8 @@ def test_bearer_auth() -> None:
         with pytest.raises(APIError) as e:
             auth(ing, req(bad))
         assert e.value.status == 401
+    # a key beyond ASCII: the header's bytes as the client sent them (UTF-8), not Starlette's Latin-1 reading
+    auth(SimpleNamespace(_keys=["clé-secrète".encode()]), req("Bearer clé-secrète"))
 
 
 def test_a_request_leaving_sampling_knobs_out_takes_the_models_defaults() -> None:
