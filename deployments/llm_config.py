@@ -27,6 +27,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from core.sampling import MAX_LOGPROBS
+
 log = logging.getLogger("ray.serve")
 
 # vLLM's engine arguments by Kairos's name where the two differ
@@ -39,8 +41,7 @@ VLLM_NAMES = {
 VLLM_NO_EFFECT = frozenset((
     "enforce_eager", "disable_log_stats", "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
     "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_custom_all_reduce",
-    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling", "max_logprobs",
-    "hf_token"))
+    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling"))
 # vLLM's engine arguments that must keep their default (one GPU per replica, no quantization or drafts here)
 VLLM_ONE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_config", "cpu_offload_gb", "task",
@@ -49,7 +50,8 @@ VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_con
 # attends to the whole context: a sliding-window model's context is capped at its window, vLLM's
 # disable_sliding_window true; its default, false, is taken too: the loader names the cap where it binds)
 VLLM_AT = {"tokenizer_mode": ("auto",), "revision": (None, "main"), "tokenizer_revision": (None, "main"),
-           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,)}
+           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,),
+           "max_logprobs": (None, MAX_LOGPROBS)}  # (the most a request may ask for here: vLLM's default)
 # an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
 _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
                          "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",
@@ -170,7 +172,13 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
         else:
             raise _refuse(f"experimental_configs.{key}", "not read here (stream_batching_interval_ms and "
                           "num_ingress_replicas are)")
-    out.update(_engine_kwargs(cfg.get("engine_kwargs") or {}))
+    kwargs = cfg.get("engine_kwargs") or {}
+    if isinstance(kwargs, dict) and kwargs.get("hf_token"):  # (vLLM's: the hub's token, for a gated model's files)
+        kwargs = {k: v for k, v in kwargs.items() if k != "hf_token"}
+        env = dict(out.get("runtime_env") or {})
+        env["env_vars"] = {**(env.get("env_vars") or {}), "HF_TOKEN": str(cfg["engine_kwargs"]["hf_token"])}
+        out["runtime_env"] = env
+    out.update(_engine_kwargs(kwargs))
     out.update(_deployment(cfg.get("deployment_config") or {}))
     lora = cfg.get("lora_config")
     if lora:
@@ -204,8 +212,7 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                               f"{' or '.join(map(repr, VLLM_AT[key]))}")
             log.info("kairos: engine_kwargs.%s=%r accepted (Kairos's way)", key, value)
         elif key in VLLM_NO_EFFECT:
-            log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key,
-                     value if key != "hf_token" else "...")
+            log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key, value)
         elif key in VLLM_NAMES:
             if VLLM_NAMES[key] is not None:
                 out[VLLM_NAMES[key]] = value

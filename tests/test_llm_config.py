@@ -48,6 +48,14 @@ def test_vllm_arguments_at_what_kairos_does_are_accepted_and_others_refused():
     assert translate({"llm_configs": [one]}) == {"model": "m", "served_model_name": "m", "dtype": "half"}
     with pytest.raises(ValueError, match="enable_sleep_mode: True"):
         translate({"llm_configs": [{**base, "engine_kwargs": {"enable_sleep_mode": True}}]})
+    # max_logprobs: the most a request may ask for here (vLLM's default), not another cap taken and not kept
+    for cap in (5, 100):
+        with pytest.raises(ValueError, match=f"max_logprobs: {cap}"):
+            translate({"llm_configs": [{**base, "engine_kwargs": {"max_logprobs": cap}}]})
+    # hf_token: the hub's token for a gated model's files, in the replicas' environment (it was dropped)
+    got = translate({"llm_configs": [{**base, "runtime_env": {"env_vars": {"A": "1"}},
+                                      "engine_kwargs": {"hf_token": "hf_xxx"}}]})
+    assert got["runtime_env"] == {"env_vars": {"A": "1", "HF_TOKEN": "hf_xxx"}} and "hf_token" not in got
 
 
 def test_pydantic_configs_built_in_python_are_read_as_their_mappings():
