@@ -925,7 +925,7 @@ class OpenAIFrontend:
             reqs = [dataclasses.replace(r, waited_ms=r.waited_ms + proxy_ms) for r in reqs]
         if self.log_prompts:
             for req in reqs:
-                log.info("%s %s", req.request_id, req.prompt if req.messages is None else req.messages)
+                log.info("%s %r", req.request_id, req.prompt if req.messages is None else req.messages)
         if isinstance(body, P.ChatCompletionRequest):
             echo = body.echoed()
         else:
