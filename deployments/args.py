@@ -36,8 +36,9 @@ class ServeArgs(BaseModel):
     num_replicas: int | None = Field(None, ge=1, le=1024, description="LLM replicas (one engine each); default: "
                                      "one per GPU (each `num_gpus` of them) where the replicas take GPUs, else 1")
     num_gpus: float | None = Field(None, ge=0, description="GPUs per LLM replica (0: on CPU; 1: a GPU each; a "
-                                   "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`) "
-                                   "and `device` is auto or cuda, else 0")
+                                   "fraction shares one); default: 1 where Ray has GPUs to give (`gpus_for_app`), "
+                                   "at least num_replicas of them, and `device` is auto or cuda (or where "
+                                   "accelerator_type is given), else 0")
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Serve's autoscaling of the LLM replicas, in place of num_replicas (min_replicas, "
         "max_replicas, target_ongoing_requests, delays: Serve's AutoscalingConfig). min_replicas 0 scales to zero "
@@ -71,8 +72,8 @@ class ServeArgs(BaseModel):
     topology: Literal["auto", "routed", "direct"] = Field(
         "auto", description="routed: an Ingress deployment sends each request to an LLM replica through a Serve "
         "handle, picked by `router`; direct: the LLM replicas serve HTTP themselves (HAProxy balances them; no "
-        "extra hop, see deployments/direct.py); auto: direct with one LLM replica, routed with more or where "
-        "autoscaling_config's min_replicas is 0")
+        "extra hop, see deployments/direct.py); auto: direct with one LLM replica and one Ingress replica "
+        "(ingress_num_replicas), routed with more or where autoscaling_config's min_replicas is 0")
     router: Literal["slo", "pow2"] = Field("slo", description="slo: Kairos SLO-aware router; pow2: Ray's default, "
                                            "power of two choices (passing over replicas that failed the request "
                                            "or whose engine is dead)")

@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/models, /health;
-vLLM's /ping, /version, /tokenize and /detokenize.
+"""OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/models (and /v1/models/{id}), /health, /metrics; vLLM's /ping, /version, /tokenize, /detokenize and
+/v1/load_lora_adapter, /v1/unload_lora_adapter.
 
 `OpenAIFrontend` reads every request with a byte cap (413), parses (400) and validates it (400), waits (bounded:
 503) where no engine can serve it yet, then starts it and awaits its first item *before* any status is sent, so SLO

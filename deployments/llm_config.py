@@ -17,9 +17,10 @@ app by pointing its import path at `deployments:build_openai_app`, the rest of t
 Each part of an `LLMConfig` maps to what Kairos has for it (`translate`): the model's id is its served name and its
 source the checkpoint; `engine_kwargs` are vLLM's engine arguments, under Kairos's names where they differ
 (`VLLM_NAMES`), any Kairos argument too (`policy`, SLO knobs); `deployment_config` the replicas' count and Serve
-options (autoscaling too); `lora_config` the adapters loaded on demand. What Kairos cannot do as asked (several
-models in one app, tensor parallelism, cloud mirrors, another engine, a custom server class) is a ValueError naming
-it, at build time; vLLM arguments that change nothing served here (`VLLM_NO_EFFECT`) are accepted and logged.
+options (autoscaling too); `lora_config` the adapters loaded on demand. What Kairos cannot do as asked (tensor
+parallelism, cloud mirrors, another engine, a custom server class) is a ValueError naming it, at build time (several
+`llm_configs` are one app of several models: `deployments.multi_model`); vLLM arguments that change nothing served
+here (`VLLM_NO_EFFECT`) are accepted and logged.
 """
 from __future__ import annotations
 

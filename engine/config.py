@@ -82,7 +82,8 @@ class EngineConfig(BaseModel):
         "auto", description="vLLM's --generation-config: auto: a request that leaves temperature, top_p, top_k, min_p "
         "or repetition_penalty out takes the value the model's generation_config.json recommends; vllm: the server's "
         "own defaults (temperature 1, top_p 1, none of the others)")
-    num_threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
+    num_threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores in process; "
+                                      "a Serve replica's: deployments.replica.engine_threads, 1 on a GPU)")
     max_model_len: int | None = Field(None, gt=0, description="context window (default: the model's)")
     # paged KV cache
     block_size: int = Field(16, gt=0, le=1024)
