@@ -89,6 +89,12 @@ class _StepFailed(RuntimeError):
     """A request's own forward failed (its step was re-run request by request)."""
 
 
+class _Preempted(RuntimeError):
+    """A request preempted while its failed step was in flight (overlap scheduling on the host: the next step was
+    planned before this one landed): its KV went with the preemption, so its part cannot be re-run alone. Not its
+    failure: its token is dropped, and drawn again once it runs again (`_resolve`)."""
+
+
 class _InjectedFault(RuntimeError):
     """`inject_fault`'s failure of a whole step (not re-run request by request)."""
 
@@ -872,6 +878,11 @@ class LLMEngine:
         where = {id(r): i for r, i in zip(f.reqs, f.index)}
         row = {id(r): k for k, r in enumerate(f.reqs)} if logprobs else {}
         for req, tok, reason in sched.resolved(f.reqs, f.index, tokens, time.monotonic()):
+            if isinstance(tok, _Preempted):  # its placeholder goes: the token is drawn again when it runs again
+                if req.status is not Status.RUNNING and where[id(req)] == len(req.token_ids) - 1:
+                    req.token_ids.pop()
+                    continue
+                tok = _StepFailed(str(tok))  # (running again already, on its placeholder: it cannot go on)
             if isinstance(tok, Exception):
                 what = "model step failed" if isinstance(tok, _StepFailed) else "sampling failed"
                 self._finish(req, FinishReason.ERROR, error=f"{what}: {tok.__cause__ or tok!r}")
@@ -940,6 +951,8 @@ class LLMEngine:
                     logprobs[sampled[id(req)]] = lp
                 if alone is not None and alone.prompt:
                     prompt.update(alone.prompt)
+            except _Preempted as e:  # not its failure: a chunk is run again, a token drawn again (`_resolve`)
+                tok = e
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.warning("request %s failed its step: %r", req.request_id, e)
                 fail = _StepFailed(str(e))
@@ -963,7 +976,7 @@ class LLMEngine:
         if as_launched is not None:
             computed, n = as_launched
             if req.num_computed_tokens < (end if end is not None else n):  # its blocks went since
-                raise RuntimeError("preempted while its step was in flight")
+                raise _Preempted("preempted while its step was in flight")
             req.token_ids, req.num_computed_tokens = req.token_ids[:n], computed
         try:
             logits = self.runner.execute([req], [], [end]) if end is not None else self.runner.execute([], [req])

@@ -333,3 +333,45 @@ def test_a_not_finite_row_never_feeds_a_negative_id_to_the_next_step(tiny_checkp
         assert min(seen) >= 0, f"a forward was fed token id {min(seen)}"
     finally:
         eng.shutdown()
+
+
+def test_a_request_preempted_while_its_failed_step_was_in_flight_runs_again_and_is_not_failed(tiny_checkpoints):
+    """On the host stream the next step is planned before this one lands: where it preempts a request of this step
+    for blocks, and this step then fails (another request's forward breaks it), the preempted request cannot be re-run
+    alone (its KV went with the preemption). That is not its failure: its token is drawn again once it runs again,
+    and its reply is the one it gets without the fault; the request that broke the step fails alone."""
+    import random
+
+    path = tiny_checkpoints["llama"]
+    g = random.Random(3)
+    pa, px = [g.randrange(1, 500) for _ in range(16)], [g.randrange(1, 500) for _ in range(16)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = _serve(path, [px], [greedy], "off", max_model_len=40)[0][0]
+    for t in (17, 19):  # A's reply breaks the step at its t-th token; 10 blocks of 4 preempt X on the way
+        eng = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", block_size=4, overlap="on",
+                                     num_kv_blocks=10, max_model_len=40,
+                                     scheduler=SchedulerConfig(policy="fcfs", prefill_max_tokens=256)))
+        try:
+            assert eng._stream is not None
+            prepare, forward, breaks = eng.runner.prepare, eng.runner.forward, set()
+
+            def marked(prefill, decode, ends=None):
+                p = prepare(prefill, decode, ends)
+                if any(r.request_id == "A" and r.num_tokens >= t for r in decode):
+                    breaks.add(id(p))
+                return p
+
+            def failing(p, ids=None):
+                out = forward(p, ids)
+                if id(p) in breaks:
+                    raise RuntimeError("A's step fails")
+                return out
+            eng.runner.prepare, eng.runner.forward = marked, failing
+            sa = eng.add_request(pa, greedy, request_id="A")
+            sx = eng.add_request(px, greedy, request_id="X")
+            got = _replies([sa, sx], {})
+            assert got["A"][1].error and "model step failed" in got["A"][1].error
+            assert got["X"][1].error is None and got["X"][0] == want, t
+            assert eng.stats().preemptions >= 1 and eng.scheduler.blocks.num_used == 0
+        finally:
+            eng.shutdown()
