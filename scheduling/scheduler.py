@@ -394,7 +394,9 @@ class Scheduler:
             len(hits), len(hits)
         if req.first_token_s is None and not req.num_preemptions:
             req.num_cached_tokens = n
-        if req.params.prompt_logprobs is None:  # (one computed whole looked nothing up)
+        # (one computed whole looked nothing up; one preempted finds its own blocks again, which vLLM counts apart:
+        # counted here, its hits would overstate what requests share under memory pressure)
+        if req.params.prompt_logprobs is None and not req.num_preemptions:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += n
 
