@@ -599,7 +599,9 @@ def test_http_client_counts_the_tokens_of_merged_chunks_toward_the_stop():
     # its 8 tokens came in 4 chunks (each merged token at its chunk's time), and its TPOT spans its 7 later tokens,
     # the three chunks 50 ms apart
     assert len(set(rec.token_times)) == 4 and rec.token_times == sorted(rec.token_times)
-    assert tpot_s(rec) == pytest.approx((rec.token_times[-1] - rec.token_times[0]) / 7) and tpot_s(rec) >= 0.15 / 7
+    # (the three gaps are the server's 50 ms sleeps as the client reads them: a chunk held in a buffer comes with the
+    # next, so a gap may read shorter; their sum is well above none)
+    assert tpot_s(rec) == pytest.approx((rec.token_times[-1] - rec.token_times[0]) / 7) and tpot_s(rec) >= 0.1 / 7
 
 
 def test_bound_reads_the_reply_length_not_the_cap(tmp_path):
