@@ -46,6 +46,18 @@ def _run(path, prompts, params, **cfg):
 PROMPTS = [list(range(3, 5)), list(range(7, 30)), list(range(11, 70)), list(range(2, 9)) * 3]
 
 
+def _tokens_of(streams) -> list[list[int]]:
+    """Each stream's tokens, every item without an error."""
+    got = []
+    for s in streams:
+        toks = []
+        for item in s:
+            assert item.error is None, item.error
+            toks.extend(item.token_ids or [])
+        got.append(toks)
+    return got
+
+
 def _triton_interpreted() -> bool:
     try:
         import triton.language as tl
@@ -109,13 +121,7 @@ def test_cuda_mixed_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
             sizes.append((step.num_tokens(), len(step.decode)))
             return real(step, prev)
         be.mixed.run = run
-        got = []
-        for s in eng.add_requests(prompts, params):
-            toks = []
-            for item in s:
-                assert item.error is None, item.error
-                toks.extend(item.token_ids or [])
-            got.append(toks)
+        got = _tokens_of(eng.add_requests(prompts, params))
     finally:
         eng.shutdown()
     assert got == want
@@ -153,13 +159,7 @@ def test_cuda_decode_graph_path_gives_the_cpu_backends_tokens(tiny_checkpoints):
                 sizes.append(len(decode))
                 return real(decode, prev)
             be.graphs.replay = replay
-            got = []
-            for s in [eng.add_request(p, q) for p, q in zip(prompts, params)]:
-                toks = []
-                for item in s:
-                    assert item.error is None, item.error
-                    toks.extend(item.token_ids or [])
-                got.append(toks)
+            got = _tokens_of([eng.add_request(p, q) for p, q in zip(prompts, params)])
         finally:
             eng.shutdown()
         assert got == want, overlap

@@ -100,17 +100,28 @@ def _slo_gpu_doc() -> dict:
                                                                 "kairos_90pct_oracle": False}}}
 
 
-def test_ingest_keeps_call_1s_rows_over_a_fresh_call_2_and_goes_on_past_a_cut_archive(tmp_path: Path) -> None:
-    """Call 2 on a fresh host (call 1's went back) starts the SLO run afresh and holds fewer rows: call 1's document
-    is kept. A replica-profile archive cut off mid-write is noted, and the other results are still kept."""
+def _ingest_module():
+    """bench/device/ingest.py, a script, as a module."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ingest", report.SUMMARIES.parents[1] / "bench/device/ingest.py")
     ingest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ingest)
+    return ingest
+
+
+def _lease_dirs(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """Two calls' folders and the summaries' (made), and the replica profiles' (not)."""
     call1, call2, sums, models = (tmp_path / n for n in ("call1", "call2", "summaries", "sim_models"))
     for d in (call1, call2, sums):
         d.mkdir()
+    return call1, call2, sums, models
+
+
+def test_ingest_keeps_call_1s_rows_over_a_fresh_call_2_and_goes_on_past_a_cut_archive(tmp_path: Path) -> None:
+    """Call 2 on a fresh host (call 1's went back) starts the SLO run afresh and holds fewer rows: call 1's document
+    is kept. A replica-profile archive cut off mid-write is noted, and the other results are still kept."""
+    ingest, (call1, call2, sums, models) = _ingest_module(), _lease_dirs(tmp_path)
     slo = _slo_gpu_doc()
     (call1 / "slo-gpu.json").write_text(json.dumps(slo))
     (call2 / "slo-gpu.json").write_text(json.dumps(dict(slo, rows=slo["rows"][:1])))  # a fresh run, cut off
@@ -127,16 +138,10 @@ def test_ingest_keeps_call_1s_rows_over_a_fresh_call_2_and_goes_on_past_a_cut_ar
 def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     """bench/device/ingest.py: a lease's files (two calls, the later one's wins) become summaries and a profile,
     and the SLO summary feeds its headline row."""
-    import importlib.util
     import io
     import tarfile
 
-    spec = importlib.util.spec_from_file_location("ingest", report.SUMMARIES.parents[1] / "bench/device/ingest.py")
-    ingest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ingest)
-    call1, call2, sums, models = (tmp_path / n for n in ("call1", "call2", "summaries", "sim_models"))
-    for d in (call1, call2, sums):
-        d.mkdir()
+    ingest, (call1, call2, sums, models) = _ingest_module(), _lease_dirs(tmp_path)
     slo = _slo_gpu_doc()
     (call1 / "slo-gpu.json").write_text(json.dumps(dict(slo, rows=slo["rows"][:2])))  # cut off: call 2 resumed it
     hops = {"client_proxy": {"p50": 1.0, "p99": 9.0}, "replica": {"p50": 12.0, "p99": 80.0},
