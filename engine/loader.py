@@ -239,6 +239,21 @@ def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load
     return lm
 
 
+def _check_rotary(model: str, lm: Any, config: Any) -> None:
+    """Refuse a rotary embedding narrower than the heads it turns where the family's attention turns whole heads
+    (a partial_rotary_factor under a scaled RoPE in a Llama-family config): its first step failed with a bare
+    AssertionError, and HF's own forward cannot run it either."""
+    rot = getattr(getattr(lm, "model", None), "rotary_emb", None)
+    inv = getattr(rot, "inv_freq", None)
+    head = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads
+                                                 if getattr(config, "num_attention_heads", None) else None)
+    if getattr(config, "model_type", None) in own_model.FAMILIES and isinstance(inv, torch.Tensor) and head \
+            and 2 * inv.numel() != head:
+        raise ValueError(f"cannot load model {model!r}: its rotary embedding turns {2 * inv.numel()} of each head's "
+                         f"{head} dimensions (partial_rotary_factor), which this model family's attention does not "
+                         "run")
+
+
 # tensors an older checkpoint may hold that every model computes instead (vLLM skips them too)
 _COMPUTED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -383,6 +398,7 @@ def load_model(
                 raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
     if lm is None:
         lm = _from_pretrained(model, path, config, dev, load_kw, hub_kw, load_format)
+    _check_rotary(model, lm, config)
     # the rotary frequencies stay in fp32, as HF's and vLLM's (a cast to bf16 turns a long prompt's angles)
     rope = [(m, name, b.detach().float().clone()) for m in lm.modules()
             for name, b in m.named_buffers(recurse=False) if name in ROPE_BUFFERS and b is not None]

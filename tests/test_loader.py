@@ -582,3 +582,14 @@ def test_offline_a_hub_ids_cached_files_are_read_by_our_loader(tiny_checkpoints,
     assert all(torch.equal(v, hf.model.state_dict()[k]) for k, v in ours.model.state_dict().items())
     with pytest.raises(ValueError, match="cannot load model 'kairos-test/absent'"):
         load_model("kairos-test/absent", device="cpu", own_decoder=True)
+
+
+def test_a_rotary_narrower_than_the_heads_of_a_llama_family_model_is_refused_at_load(tiny_checkpoints, tmp_path):
+    """A partial_rotary_factor under a scaled RoPE in a Llama config builds a rotary of fewer dimensions than a head,
+    which this family's attention (ours, and HF's) turns whole: a ValueError naming it at load, where the engine's
+    first step failed with a bare AssertionError."""
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    path = _with_config(tiny_checkpoints["llama"], tmp_path / "partial", rope_parameters=rope, rope_scaling=None)
+    for own in (True, False):
+        with pytest.raises(ValueError, match="partial_rotary_factor"):
+            load_model(path, device="cpu", dtype="float32", own_decoder=own)
