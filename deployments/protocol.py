@@ -553,6 +553,10 @@ def _prompt_list(p: Any) -> list[str | list[int]]:
     return list(p)
 
 
+# the content parts read as text (vLLM's), by type: the key that holds their text
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # no coercion: "3" is not 3, true is not 1 (as OpenAI)
     type: Literal["text"]
@@ -576,13 +580,25 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
-        """A part other than text (an image, audio, a file) is named, not lost in the union's errors."""
-        if isinstance(content, list):
-            for k, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
-                    raise ValueError(f"content part {k} is of type {kind!r}: this server takes text parts only")
-        return content
+        """The text parts vLLM reads as text: `text`, the Responses API's `input_text` / `output_text`, an assistant's
+        `refusal` (OpenAI's schema), and a plain string, each as a text part. A part other than text (an image,
+        audio, a file) is named, not lost in the union's errors."""
+        if not isinstance(content, list):
+            return content
+        out = []
+        for k, part in enumerate(content):
+            if isinstance(part, str):
+                part = {"type": "text", "text": part}
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _TEXT_PART_KEYS:
+                key = _TEXT_PART_KEYS[kind]
+                if key not in part:
+                    raise ValueError(f"content part {k} of type {kind!r} has no {key!r}")
+                part = {"type": "text", "text": part[key]}
+            elif isinstance(kind, str):
+                raise ValueError(f"content part {k} is of type {kind!r}: this server takes text parts only")
+            out.append(part)
+        return out
 
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":

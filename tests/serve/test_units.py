@@ -3014,6 +3014,12 @@ def test_a_chat_part_other_than_text_is_named_in_the_400() -> None:
     assert message == "messages.0.content: content part 1 is of type 'image_url': this server takes text parts only"
     assert param == "messages"
     ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": parts[:1]}]})
+    # the parts vLLM reads as text: a plain string, the Responses API's input_text / output_text, an assistant's
+    # refusal (OpenAI's schema): each a text part, joined by newlines
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": ["hi", {"type": "input_text", "text": "there"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "!"}]}]})
+    assert [m.text() for m in body.messages] == ["hi\nthere", "no\n!"]
 
 
 def test_a_batch_prompt_turned_away_for_the_load_waits_for_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
