@@ -115,7 +115,8 @@ class PromptOptions:
     """How a prompt becomes token ids, as vLLM's request fields say:
     - `add_special_tokens`: the tokenizer's special tokens around the text (a BOS, ...); None: the default of the
       prompt's kind, True for a text prompt (as HF's `tokenizer(text)` and vLLM's completions) and False for a chat
-      prompt, whose template writes its own;
+      prompt, whose template writes its own (True on the plain fallback of a tokenizer without one, which writes
+      none);
     - chat only: `add_generation_prompt` (open the assistant's turn), `continue_final_message` (the last message
       is left open for the reply to continue; not with `add_generation_prompt`), and `chat_template_kwargs`, more
       variables for the template (e.g. Qwen3's `enable_thinking`; not apply_chat_template's own arguments), and

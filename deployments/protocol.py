@@ -620,7 +620,8 @@ class _ChatPrompt(BaseModel):
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    add_special_tokens: bool = False  # the template writes its own
+    # None: none where a chat template writes its own, the tokenizer's (a BOS) on the plain fallback, which writes none
+    add_special_tokens: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # a template of the request's own (vLLM's): run only where the app trusts requests with one (the ingress checks)
     chat_template: str | None = Field(None, max_length=1 << 16)

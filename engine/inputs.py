@@ -167,7 +167,9 @@ class InputProcessor:
         options = (options or PromptOptions()).check()
         special = options.add_special_tokens
         if messages is not None:
-            ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=bool(special))
+            if special is None:  # (a chat template writes its own; the plain fallback none: the tokenizer's)
+                special = not options.chat_template and not getattr(self.tokenizer, "chat_template", None)
+            ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=special)
         else:
             ids = self.tokenize(prompt, add_special_tokens=special is not False)
         k = options.truncate_prompt_tokens

@@ -284,3 +284,20 @@ def test_the_chat_template_argument_is_a_files_text_or_a_template(tmp_path):
     (tmp_path / "plain.txt").write_text("hello")
     with pytest.raises(ValueError, match="holds no Jinja template"):
         EngineConfig(chat_template=str(tmp_path / "plain.txt"))
+
+
+def test_the_plain_chat_fallback_gets_the_tokenizers_bos_as_a_text_prompt_does(bos_tokenizer):
+    """Without a chat template the chat is the plain `Role: content` text, which writes no BOS: a chat's default
+    (add_special_tokens unset) then takes the tokenizer's, as the same text sent as a completion does (a base Llama
+    without its <s> reads it worse); a template writes its own, and add_special_tokens false is kept."""
+    tok = bos_tokenizer
+    tok.chat_template = None
+    inputs, bos = _inputs(tok), tok.convert_tokens_to_ids(IM_START)
+    turns = [ChatTurn("user", "Hi")]
+
+    def ids(options: PromptOptions) -> list[int]:
+        return inputs.process(None, None, None, None, turns, options).prompt_token_ids
+
+    assert ids(PromptOptions())[0] == bos and ids(PromptOptions()).count(bos) == 1
+    assert ids(PromptOptions()) == inputs.process("User: Hi\nAssistant:", None, None, None).prompt_token_ids
+    assert ids(PromptOptions(add_special_tokens=False))[0] != bos

@@ -2940,18 +2940,19 @@ def test_an_unsupported_field_is_named_as_param_and_refusals_pickle() -> None:
 
 def test_prompt_options_reach_the_typed_request_and_contradictions_are_400() -> None:
     """vLLM's tokenization fields: a completion's add_special_tokens (default true), a chat's add_special_tokens
-    (default false), add_generation_prompt, continue_final_message and chat_template_kwargs, carried to the replica
-    as `PromptOptions`; contradictory ones are refused at the edge."""
+    (unset: none where a template writes its own, the tokenizer's on the plain fallback), add_generation_prompt,
+    continue_final_message and chat_template_kwargs, carried to the replica as `PromptOptions`; contradictory ones
+    are refused at the edge."""
     from core.messages import PromptOptions
 
     assert P.CompletionRequest.model_validate({"prompt": "x"}).add_special_tokens is True
     chat = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
-    assert chat.prompt_options() == PromptOptions(False, True, False, None)
+    assert chat.prompt_options() == PromptOptions(None, True, False, None)
     msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     cont = P.ChatCompletionRequest.model_validate({"messages": msgs, "add_generation_prompt": False,
                                                    "continue_final_message": True,
                                                    "chat_template_kwargs": {"enable_thinking": False}})
-    assert cont.prompt_options() == PromptOptions(False, False, True, {"enable_thinking": False})
+    assert cont.prompt_options() == PromptOptions(None, False, True, {"enable_thinking": False})
     for bad, match in (({"messages": msgs, "continue_final_message": True}, "cannot both be true"),
                        ({"messages": msgs, "chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
                        ({"messages": msgs, "add_generation_prompt": "no"}, "valid boolean")):
