@@ -844,10 +844,12 @@ class TokenizeCompletionRequest(BaseModel):
 
 
 class TokenizeChatRequest(_ChatPrompt):
-    """A chat's token ids, as a chat completion would take them (its template rendered)."""
+    """A chat's token ids, as a chat completion would take them (its template rendered, with the `tools` the template
+    shows, as vLLM's)."""
 
     model: str | None = None
     return_token_strs: bool = False
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -2953,6 +2953,11 @@ def test_prompt_options_reach_the_typed_request_and_contradictions_are_400() -> 
                                                    "continue_final_message": True,
                                                    "chat_template_kwargs": {"enable_thinking": False}})
     assert cont.prompt_options() == PromptOptions(None, False, True, {"enable_thinking": False})
+    # vLLM's /tokenize of a chat takes its tools too: the template shows them, and the count is the chat's
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tok = P.TokenizeChatRequest.model_validate({"messages": msgs[:1], "tools": [tool]}).prompt_options()
+    assert tok == P.ChatCompletionRequest.model_validate({"messages": msgs[:1], "tools": [tool]}).prompt_options()
+    assert json.loads(tok.tools)[0]["function"]["name"] == "f"
     for bad, match in (({"messages": msgs, "continue_final_message": True}, "cannot both be true"),
                        ({"messages": msgs, "chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
                        ({"messages": msgs, "add_generation_prompt": "no"}, "valid boolean")):
