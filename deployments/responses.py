@@ -57,6 +57,9 @@ def chat_request(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         messages.extend(_messages(given))
     else:
         raise ResponsesError("input", "must be a text or a non-empty list of input items")
+    if len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system" and raw.get("instructions"):
+        # the instructions and the input's own system message: one, first (a template takes one system message)
+        messages[:2] = [{"role": "system", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}]
     chat: dict[str, Any] = {k: v for k, v in raw.items() if k not in _OWN}
     chat["messages"] = messages
     if raw.get("max_output_tokens") is not None:
@@ -112,15 +115,16 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise ResponsesError(where, f"a message's role must be user, assistant, system or developer, got "
                                      f"{json.dumps(role)[:40]}")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"{where}.content")})
+            # (developer as it is: a template that does not name it reads it as the system's, merged with the
+            # system messages first, `engine.inputs._as_template_reads`)
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise ResponsesError(where, "a function_call needs its name and arguments (a JSON text)")
             call = {"id": str(item.get("call_id") or item.get("id") or f"call_{uuid.uuid4().hex}"),
                     "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
-                out[-1]["tool_calls"].append(call)
+            if out and out[-1]["role"] == "assistant":  # (its text, then its calls: one assistant turn)
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

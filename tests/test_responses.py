@@ -21,8 +21,10 @@ def test_a_request_reads_as_the_chat_it_amounts_to() -> None:
         "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
         "tool_choice": {"type": "function", "name": "get_weather"}, "slo_ttft_ms": 500, "store": True,
         "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}})
+    # a developer message stays one (a template that does not name the role reads it as the system's, merged
+    # with the instructions: engine.inputs); the calls join one assistant turn
     assert chat["messages"] == [
-        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+        {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use tools."},
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
@@ -37,6 +39,16 @@ def test_a_request_reads_as_the_chat_it_amounts_to() -> None:
     assert chat["stream_options"] == {"include_usage": True} and "store" not in chat and "input" not in chat
     assert echoed["instructions"] == "Be brief." and echoed["max_output_tokens"] == 30
     assert chat_request({"input": "hi"})[0]["messages"] == [{"role": "user", "content": "hi"}]
+    # the instructions and a system input item: one system message first (templates take one, first); an assistant
+    # message then its call (the items this server's own responses hold, sent back): one assistant turn
+    msgs = chat_request({"instructions": "Be brief.", "input": [
+        {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}]})[0]["messages"]
+    assert msgs == [{"role": "system", "content": "Be brief.\n\nAnswer in French."},
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
 
 
 @pytest.mark.parametrize("raw,param", [
