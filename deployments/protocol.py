@@ -643,8 +643,13 @@ class _ChatPrompt(BaseModel):
 
     def prompt_options(self) -> PromptOptions:
         tools = getattr(self, "tools", None)
+        kwargs = self.chat_template_kwargs
+        effort = getattr(self, "reasoning_effort", None)
+        if effort is not None:  # (vLLM's: the template reads it; "none" switches the thinking off unless told)
+            kwargs = {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {}),
+                      **(kwargs or {})}
         return PromptOptions(self.add_special_tokens, self.add_generation_prompt, self.continue_final_message,
-                             self.chat_template_kwargs, getattr(self, "truncate_prompt_tokens", None),
+                             kwargs, getattr(self, "truncate_prompt_tokens", None),
                              json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else None,
                              self.chat_template, json.dumps(self.documents) if self.documents else None)
 
@@ -684,6 +689,9 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     # vLLM's: a reasoning model's thinking is given as `reasoning_content` (where the app reads it:
     # `deployments.reasoning`); false: left out
     include_reasoning: bool = True
+    # OpenAI's: how much a reasoning model thinks, passed to the chat template as vLLM passes it ("none": Qwen3's
+    # enable_thinking false, unless chat_template_kwargs says otherwise)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's: the reply continues the conversation's last message, an assistant's (continue_final_message), whose
     # text goes first in each choice's content
     echo: bool = False

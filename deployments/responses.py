@@ -92,6 +92,12 @@ def chat_request(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         chat["logprobs"], chat["top_logprobs"] = True, top or 0
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # (the usage goes into the last event's response)
+    reasoning = raw.get("reasoning")
+    if reasoning is not None:  # (its effort, as the chat's reasoning_effort; its summary is not written here)
+        if not isinstance(reasoning, dict):
+            raise ResponsesError("reasoning", 'must be an object, e.g. {"effort": "low"}')
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
     echoed = {"instructions": raw.get("instructions"), "max_output_tokens": raw.get("max_output_tokens"),
               "temperature": raw.get("temperature"), "top_p": raw.get("top_p"), "tools": tools or [],
               "tool_choice": raw.get("tool_choice", "auto"), "metadata": raw.get("metadata") or {},

@@ -39,6 +39,7 @@ def test_a_request_reads_as_the_chat_it_amounts_to() -> None:
     assert chat["stream_options"] == {"include_usage": True} and "store" not in chat and "input" not in chat
     assert echoed["instructions"] == "Be brief." and echoed["max_output_tokens"] == 30
     assert chat_request({"input": "hi"})[0]["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat_request({"input": "hi", "reasoning": {"effort": "none"}})[0]["reasoning_effort"] == "none"
     # the instructions and a system input item: one system message first (templates take one, first); an assistant
     # message then its call (the items this server's own responses hold, sent back): one assistant turn
     msgs = chat_request({"instructions": "Be brief.", "input": [

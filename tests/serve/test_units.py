@@ -2953,6 +2953,16 @@ def test_prompt_options_reach_the_typed_request_and_contradictions_are_400() -> 
                                                    "continue_final_message": True,
                                                    "chat_template_kwargs": {"enable_thinking": False}})
     assert cont.prompt_options() == PromptOptions(None, False, True, {"enable_thinking": False})
+    # OpenAI's reasoning_effort reaches the template (vLLM's): "none" switches the thinking off unless the request's
+    # chat_template_kwargs say otherwise; a value OpenAI does not name is a 400
+    def kwargs(**body) -> dict | None:
+        return P.ChatCompletionRequest.model_validate({"messages": msgs[:1], **body}).prompt_options() \
+            .chat_template_kwargs
+    assert kwargs(reasoning_effort="none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert kwargs(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})["enable_thinking"] is True
+    assert kwargs(reasoning_effort="high") == {"reasoning_effort": "high"} and kwargs() is None
+    with pytest.raises(ValidationError, match="reasoning_effort"):
+        kwargs(reasoning_effort="max")
     # vLLM's /tokenize of a chat takes its tools too: the template shows them, and the count is the chat's
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     tok = P.TokenizeChatRequest.model_validate({"messages": msgs[:1], "tools": [tool]}).prompt_options()
