@@ -85,14 +85,15 @@ def _enum(cls: type[enum.Enum], v: Any, name: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
     """One message of a chat: its role and text; an assistant's tool calls (OpenAI's `tool_calls`, as JSON text), a
-    tool's reply's call id (`tool_call_id`) and the speaker's `name` (OpenAI's, where the client gives one), for the
-    chat template."""
+    tool's reply's call id (`tool_call_id`), the speaker's `name` (OpenAI's, where the client gives one) and an
+    assistant's thinking (`reasoning`: vLLM's reasoning_content, sent back), for the chat template."""
 
     role: str
     content: str
     tool_calls: str | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not set

@@ -576,6 +576,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's (OpenAI's shape), for the chat template
     tool_call_id: str | None = None  # a tool's reply: the call it answers
+    # an assistant's thinking, sent back (vLLM's reasoning_content, or its newer name): for the chat template
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -655,7 +658,8 @@ class _ChatPrompt(BaseModel):
 
     def turns(self) -> tuple[ChatTurn, ...]:
         return tuple(ChatTurn(m.role, m.text(), json.dumps(m.tool_calls) if m.tool_calls else None,
-                              m.tool_call_id, m.name) for m in self.messages)
+                              m.tool_call_id, m.name, m.reasoning_content if m.reasoning_content is not None
+                              else m.reasoning) for m in self.messages)
 
 
 class FunctionDef(BaseModel):

@@ -93,6 +93,8 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
         turn["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         turn["name"] = m.name
+    if m.reasoning is not None:  # (under both names a template may read, as vLLM passes it: Qwen3's shows it)
+        turn["reasoning_content"] = turn["reasoning"] = m.reasoning
     return turn
 
 

@@ -301,3 +301,20 @@ def test_the_plain_chat_fallback_gets_the_tokenizers_bos_as_a_text_prompt_does(b
     assert ids(PromptOptions())[0] == bos and ids(PromptOptions()).count(bos) == 1
     assert ids(PromptOptions()) == inputs.process("User: Hi\nAssistant:", None, None, None).prompt_token_ids
     assert ids(PromptOptions(add_special_tokens=False))[0] != bos
+
+
+def test_an_assistant_turns_thinking_sent_back_reaches_the_template():
+    """vLLM's: an assistant message's `reasoning_content` (or its newer name, `reasoning`) goes to the chat template
+    under both names (Qwen3's shows the latest turn's thinking); it was dropped."""
+    from deployments.protocol import ChatCompletionRequest
+
+    tok = build_tokenizer(TINY_VOCAB)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}:{% if m.reasoning_content %}<think>"
+                         "{{ m.reasoning_content }}|{{ m.reasoning }}</think>{% endif %}{{ m['content'] }};{% endfor %}")
+    for key in ("reasoning_content", "reasoning"):
+        body = ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", key: "greet back"},
+            {"role": "user", "content": "Bye"}]})
+        text = tok.decode(_inputs(tok).process(None, None, None, None, body.turns(), body.prompt_options())
+                          .prompt_token_ids)
+        assert text == "user:Hi;assistant:<think>greet back|greet back</think>Hello;user:Bye;", key
