@@ -1634,8 +1634,11 @@ def _sse_item(item: RequestOutput, kind: str, rid: str, model: str, created: int
     `echoed`: the text the item's opens with that is a chat's echoed last message: content, not read by `tools`
     (vLLM reads the reply, then puts the echo before its content)."""
     fin = item.finish_reason
-    if fin in FAILED:
-        return _error_event(item)
+    if fin in FAILED:  # (its tokens first, where the stream merged some into it: they were made, and streamed)
+        made = _sse_item(dataclasses.replace(item, finished=False, finish_reason=None, error=None, error_kind=None,
+                                             metrics=None), kind, rid, model, created, include_usage, index,
+                         continuous, fast, shown, lead, tools, ids, echoed) if item.text or item.token_ids else None
+        return (made or b"") + _error_event(item)
     if not (item.text or item.token_ids or item.finished):
         return None
     if fast is not None and fin is None and (item.text or fast.empty_ok) and fast.usable:

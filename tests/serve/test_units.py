@@ -3749,3 +3749,23 @@ def test_the_haproxy_launcher_is_never_one_found_in_a_folder_others_may_write(tm
     shared.chmod(0o700)  # this user's own folder: a stale or changed file there is written over
     assert H._write_launcher(sys.executable, os.path.abspath(H.__file__)) == str(planted)
     assert planted.read_text() == text
+
+
+def test_tokens_a_stream_merged_into_its_failed_item_go_out_before_the_error_event() -> None:
+    """A stream held by pacing merges the tokens queued meanwhile into its next item, the failure too (an engine
+    that shut down): those tokens were made and go out as a chunk of their own, then the error event (they were
+    lost: only the error went)."""
+    from deployments.ingress import _sse_item
+
+    failed = RequestOutput("r", text="Hello world", token_ids=[1, 2], finished=True, finish_reason="abort",
+                           error="engine shut down", num_prompt_tokens=3, num_output_tokens=2)
+    for kind in ("completion", "chat"):
+        got = _sse_item(failed, kind, "rid", "m", 1, False).decode()
+        events = [e for e in got.split("\n\n") if e]
+        assert len(events) == 2, got
+        first = json.loads(events[0].removeprefix("data: "))
+        text = first["choices"][0]["text"] if kind == "completion" else first["choices"][0]["delta"]["content"]
+        assert text == "Hello world" and first["choices"][0]["finish_reason"] is None
+        assert "error" in json.loads(events[1].removeprefix("data: "))
+    alone = RequestOutput("r", finished=True, finish_reason="abort", error="engine shut down")
+    assert len([e for e in _sse_item(alone, "chat", "rid", "m", 1, False).decode().split("\n\n") if e]) == 1
