@@ -346,9 +346,12 @@ class LengthCalibration:
     (`Scheduler._predict_length`). The predictor learned ShareGPT's reference replies; a served model that answers
     at half their length (or twice) keeps their ranking but not their size, and the VBS gate, work estimates and
     shedding plan with sizes. The scale is the ratio of the decayed sums of the replies' lengths and of the
-    uncalibrated expectations they were admitted with, each capped where the reply was (a reply ended by its cap
-    says only that it was at least that long: counted at the cap on both sides, it pulls the ratio towards 1), with
-    `prior` replies at 1 before the first (decayed as they are), within [lo, hi]. `half_life`: in replies."""
+    uncalibrated expectations they were admitted with (`Request.length_base`: the calibrated expectation within the
+    reply's cap, over the scale; not capped again here, which counted a reply as planned as longer than expected
+    where the scale was below 1), with `prior` replies at 1 before the first (decayed as they are), within [lo, hi].
+    A reply ended by its cap says only that it was at least that long: it counts as the scale now says (no pull
+    either way; compared with its capped expectation, replies that all ran to a short cap pushed the scale to its
+    bound). `half_life`: in replies."""
 
     def __init__(self, half_life: float = 200.0, prior: float = 20.0, lo: float = 0.25, hi: float = 4.0) -> None:
         self._decay = 0.5 ** (1.0 / half_life)
@@ -362,8 +365,10 @@ class LengthCalibration:
         if not (expected > 0 and cap >= 1 and math.isfinite(expected)):
             return
         d = self._decay
-        self._actual = self._actual * d + min(actual, cap)
-        self._expected = self._expected * d + min(expected, cap)
+        if actual >= cap:  # (censored: as the scale now says)
+            actual, expected = cap, cap / self.scale
+        self._actual = self._actual * d + actual
+        self._expected = self._expected * d + expected
         self._n = self._n * d + 1.0
         self._prior *= d
         self.observed += 1

@@ -749,6 +749,18 @@ def test_length_calibration_learns_the_served_replies_scale_and_counts_a_capped_
     for _ in range(10):
         low.observe(400.0, 1.0, 1000)
     assert low.scale == 0.25  # bounded
+    # the expectation (within the cap at the scale, over the scale) is compared as it is: a reply as planned at a
+    # scale of 0.25 under a cap of 200 (expected 80 served tokens: 320 over the scale) keeps the scale (it counted
+    # 320 as 200, a ratio of 0.4)
+    learned = LP.LengthCalibration(prior=0.0)
+    for _ in range(20):
+        learned.observe(320.0, 80.0, 200)
+    assert learned.scale == pytest.approx(0.25)
+    # replies that all run to a short cap say only "at least that long": the scale stays (it climbed to its bound)
+    censored = LP.LengthCalibration(half_life=50.0, prior=10.0)
+    for _ in range(2000):
+        censored.observe(50.0, 64.0, 64)
+    assert censored.scale == pytest.approx(1.0)
 
 
 def test_kairos_scales_its_predictions_by_the_replies_it_served_and_scorpio_does_not():
