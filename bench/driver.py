@@ -282,6 +282,9 @@ class Record:
     replica: str | None = None  # HTTP: the LLM replica that answered (`x-kairos-replica`)
     rerouted: int = 0  # HTTP: replicas that turned it away before that one (`x-kairos-rerouted`)
     predicted_len: int | None = None  # the reply length the server's length predictor expected at its arrival
+    # when it was due (the run's start + its item's arrival_s): a client that falls behind sends late, and a span of
+    # the sends would differ between policies offered the same arrivals (`metrics.window_of`)
+    scheduled_s: float | None = None
 
     @property
     def completed(self) -> bool:
@@ -477,7 +480,7 @@ def run_engine(engine: Any, items: Sequence[WorkItem], *, drain_s: float = math.
     for i, w in enumerate(items):
         lags.append(_pace(t0, w))
         rec = records[i]
-        rec.arrival_s = time.monotonic()
+        rec.arrival_s, rec.scheduled_s = time.monotonic(), t0 + w.arrival_s
         rid = f"{tag}-{i}"
         try:
             stream = _submit(engine, w, rid)
@@ -750,6 +753,7 @@ async def run_http_async(url: str, items: Iterable[WorkItem], *, model: str = ""
                 await asyncio.sleep(delay)
             lags.append(max(0.0, time.monotonic() - (t0 + w.arrival_s)) * 1000.0)
             rec = new_record(i if indices is None else indices[i], w, time.monotonic())
+            rec.scheduled_s = t0 + w.arrival_s
             records.append(rec)
             if max_inflight is not None and len(inflight) >= max_inflight:
                 rec.finish_reason, rec.error, rec.finished_s = "error", "client_backlog", rec.arrival_s

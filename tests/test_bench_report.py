@@ -227,3 +227,32 @@ def test_the_pooled_row_reads_bench_pools_figures() -> None:
     assert cell.endswith(", 1/2 runs ≥ 1.1×")
     assert "fcfs" not in cell  # no run compared with it
     assert report._pooled({"arm": "kairos", "vs": {"scorpio": {"runs": 0}}}) == "no run compared"
+
+
+def test_the_gpu_experiments_low_load_checks_are_left_out_where_only_one_load_ran() -> None:
+    """bench/device/slo_gpu.py's acceptance: the 1x checks read the lowest load's rows; with one load that was the
+    1.5x rows, read as the 1x checks. Left out (None) then; with both loads, each from its own rows."""
+    import importlib.util
+    import sys
+
+    path = report.SUMMARIES.parents[1] / "bench/device/slo_gpu.py"
+    spec = importlib.util.spec_from_file_location("slo_gpu_for_test", path)
+    slo_gpu = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(slo_gpu)
+    finally:
+        sys.path.remove(str(path.parent))
+
+    def row(policy: str, load: float, goodput: float, adherence: float) -> dict:
+        return {"policy": policy, "lengths": "predicted", "load": load, "goodput_rps": goodput,
+                "adherence": adherence, "per_seed": [{"seed": 0, "goodput_rps": goodput}],
+                "tpot_met_admitted": 1.0, "per_tier_adherence": {"a": adherence}}
+
+    high = [row("fcfs", 1.5, 2.0, 0.3), row("scorpio", 1.5, 4.0, 0.6), row("kairos", 1.5, 5.0, 0.7)]
+    one = slo_gpu.acceptance(high, [], [1.5])
+    assert one["checks"]["kairos_low_load_adherence_95"] is None and one["checks"]["kairos_low_load_goodput_ge_fcfs"] \
+        is None
+    assert one["checks"]["scorpio_2x_fcfs"] is True and one["kairos_over_scorpio_min_seed"] == 1.25
+    both = slo_gpu.acceptance(high + [row("fcfs", 1.0, 3.0, 0.9), row("kairos", 1.0, 3.1, 0.97)], [], [1.0, 1.5])
+    assert both["checks"]["kairos_low_load_adherence_95"] is True and both["checks"]["kairos_low_load_goodput_ge_fcfs"]

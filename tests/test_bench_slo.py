@@ -189,6 +189,19 @@ def test_good_requires_both_slos_and_completion():
     assert M.is_good(rec(first=0.05, n=1))  # n = 1: TPOT 0
 
 
+def test_goodput_is_over_the_arrivals_as_they_were_due_not_as_a_lagging_client_sent_them():
+    """Two policies offered the same arrivals: where the HTTP client fell behind under one's load, its sends are late
+    (0.4 s at the end here), and a span of the sends gave it a longer window, a lower goodput for the same good
+    requests. The span of the due times (`Record.scheduled_s`) is the same for both; records without them (the
+    simulator's, whose sends are never late) keep their sends' span."""
+    due = [0.0, 1.0, 2.0, 3.0]
+    on_time = [replace(rec("a", arrival=t, first=0.05, n=2, gap=0.01), scheduled_s=t) for t in due]
+    late = [replace(r, arrival_s=r.arrival_s + 0.1 * i) for i, r in enumerate(on_time)]
+    assert M.window_of(on_time) == M.window_of(late) == 3.0
+    assert M.window_of([replace(r, scheduled_s=None) for r in late]) == pytest.approx(3.3)
+    assert M.summarize(late)["goodput_rps"] == M.summarize(on_time)["goodput_rps"]
+
+
 def test_summary_goodput_adherence_rejections_and_violations():
     recs = [
         rec("a", arrival=0.0, first=0.05, n=5, gap=0.01),  # good

@@ -593,6 +593,7 @@ def test_http_client_counts_the_tokens_of_merged_chunks_toward_the_stop():
     with stub_server(_sse_stub(merged, seen, delay_s=0.05)) as url:
         run = run_http(url, [item], model="m", drain_s=5.0)
     rec = run.records[0]
+    assert rec.scheduled_s == pytest.approx(run.started_s) and rec.arrival_s >= rec.scheduled_s  # (due at 0.0)
     assert seen[0][0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert rec.finish_reason == "length" and rec.n_out == 8 and len(rec.token_times) == 8
     assert rec.deliveries == 4 and rec.merged_deliveries == 3  # (1), (3), (3), (3: the 8th token in it)
