@@ -791,8 +791,11 @@ class Scheduler:
 
     @staticmethod
     def _mid_len(r: Request) -> float:
-        """The context length the gate sees for `r` over its reply: its prompt and half the output it plans for."""
-        return len(r.token_ids) + r.gate_output_len / 2.0
+        """The context length the gate sees for `r` over the rest of its reply: its prompt and the middle of the
+        output still to come, from the tokens out to the output it plans for (a fresh request: half of it). Its
+        tokens out were counted twice (prompt and output so far, then half the whole plan): past the longest
+        context the reply can reach."""
+        return r.num_prompt_tokens + (r.num_output_tokens + r.gate_output_len) / 2.0
 
     @staticmethod
     def _output_left(r: Request) -> float:
@@ -885,7 +888,7 @@ class Scheduler:
             if t != inf:
                 if t < pace:
                     pace = t
-                lengths.append(len(r.token_ids) + r.gate_output_len / 2.0)
+                lengths.append(r.num_prompt_tokens + (r.num_output_tokens + r.gate_output_len) / 2.0)
         return self.pace_cost.tokens_ms(pace, lengths) if lengths else 0.0
 
     def gate_line(self, now: float) -> tuple[float, float] | None:

@@ -631,3 +631,20 @@ def test_a_lone_stall_does_not_become_the_ttft_margin() -> None:
     assert m.margin_ms(12.0) == 8.0 and m.margin_ms(12.0, idle=False) == 8.0
     m.observe(1400.0, predicted_ms=12.0, now_s=61.0)  # a second: a tail, not a lone stall
     assert m.margin_ms(12.0) == 1500.0
+
+
+def test_a_running_replys_mid_context_stays_within_the_context_it_can_reach():
+    """The gate's context for a reply over the rest of it (`Scheduler._mid_len`, the router's gate line, work
+    shedding's paced work): its prompt and the middle of the output still to come. Its tokens out were counted
+    twice: 1,599 tokens for a reply of 100 + 1,000 at its 999th token."""
+    from core.request import SLO, Request
+    from core.sampling import SamplingParams
+    from scheduling.scheduler import Scheduler
+
+    r = Request("r", [1] * 100, SamplingParams(max_tokens=1000), SLO(tpot_ms=50))
+    r.predicted_len = 1000
+    got = []
+    for k in (0, 500, 900, 999):
+        r.token_ids = r.prompt_token_ids + [7] * k
+        got.append(Scheduler._mid_len(r))
+    assert got == [600.0, 850.0, 1050.0, 1099.5] and all(x <= 1100 for x in got)
