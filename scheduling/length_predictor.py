@@ -212,7 +212,10 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 _LOG_MIDS = np.log(bucket_mids())
 _LO = np.asarray((LEN_LO, *EDGES), float)
 _HI = np.asarray((*EDGES, LEN_HI), float)
-OUTLOOK_GRID = OUTLOOK_RATIO ** np.arange(int(math.log(LEN_HI) / math.log(OUTLOOK_RATIO)) + 1)
+# the outlook's lengths, in served tokens: past the buckets' end times a served tokenizer's scale and a calibration's
+# (up to 4 each): a grid that stopped at the buckets' end planned a reply past it with one token left
+OUTLOOK_REACH = 16.0
+OUTLOOK_GRID = OUTLOOK_RATIO ** np.arange(int(math.log(LEN_HI * OUTLOOK_REACH) / math.log(OUTLOOK_RATIO)) + 1)
 
 
 def quantile(p: np.ndarray, q: float, scale: float = 1.0) -> int:

@@ -804,3 +804,21 @@ def test_kairos_scales_its_predictions_by_the_replies_it_served_and_scorpio_does
     assert later.length_base == pytest.approx(later.length_outlook[0] / k.length_cal.scale)
     assert later.length_base == pytest.approx(base, rel=0.1)
     assert later.predicted_len == round(later.length_outlook[0])
+
+
+def test_the_outlook_reaches_past_the_buckets_at_a_scale_above_one():
+    """At a scale above 1 (a calibration's, or a wordier served tokenizer's) the predicted lengths reach past the
+    buckets' end in served tokens: the outlook's grid goes that far, so a reply past the end of the scale-1 grid is
+    planned with the distribution's tokens left, not one (a helper's probe: at scale 2 and 3,000 tokens out, 1
+    planned where the distribution says 520)."""
+    import math
+
+    from core.request import outlook_at
+
+    p = np.zeros(len(LP.EDGES) + 1)
+    p[-1] = 1.0  # all in the last bucket: [lo, hi) training tokens
+    lo, hi = float(LP.EDGES[-1]), float(LP.LEN_HI)
+    for scale, k in ((2.0, 3000), (4.0, 7000)):
+        out = LP.conditional_means(p, scale, cap=50_000)
+        want = (scale * hi - k) / math.log(scale * hi / k)  # E[len | len > k], log-uniform within the bucket
+        assert outlook_at(out, k) - k > 0.6 * (want - k), (scale, outlook_at(out, k), want)
