@@ -94,6 +94,11 @@ def _priority(r: Request) -> int:
     return r.priority
 
 
+def _rank(r: Request) -> tuple[int, float]:
+    """Priority scheduling's order of preemption: the highest (priority, arrival) goes first (vLLM's)."""
+    return r.priority, r.arrival_s
+
+
 def _tpot_of(r: Request) -> float:
     return r.tpot_slo_ms
 
@@ -1018,6 +1023,13 @@ class Scheduler:
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
                 victim = self._victim(exclude=out + plan.prefill)
+                if self.by_priority:  # a prompt this step computes, of a lower priority than that, goes first (vLLM's
+                    # choice is over every running request): it leaves the step, and is preempted
+                    worse = max((p for p in plan.prefill if _rank(p) > _rank(victim)), key=_rank, default=None)
+                    if worse is not None:
+                        k = plan.prefill.index(worse)
+                        del plan.prefill[k], plan.prefill_ends[k]
+                        victim = worse
                 self._preempt(victim, plan)
                 if victim is r:
                     break
@@ -1083,8 +1095,7 @@ class Scheduler:
         """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice); with priority
         scheduling, the one of the highest priority value (the lowest priority), the latest to arrive of them."""
         if self.by_priority:  # vLLM's: the highest (priority, arrival)
-            victim = max((r for r in self.running if r not in exclude), key=lambda r: (r.priority, r.arrival_s),
-                         default=None)
+            victim = max((r for r in self.running if r not in exclude), key=_rank, default=None)
             if victim is not None:
                 return victim
         else:

@@ -1274,6 +1274,33 @@ def test_priority_scheduling_preempts_the_lowest_priority_first():
     assert a.status is Status.WAITING and s.waiting[0] is a
 
 
+@pytest.mark.parametrize("policy,knobs", [("fcfs", {"chunked_prefill": True, "hybrid_steps": True,
+                                                     "prefill_max_tokens": 4}), ("kairos", {"prefill_max_tokens": 4})])
+def test_priority_scheduling_preempts_a_lower_priority_prompt_in_the_step_before_a_higher_reply(policy, knobs):
+    """A reply of priority 0 needs a block while a prompt of priority 5 is being computed in chunks beside it (chunked
+    prefill with hybrid steps; kairos's default sends a best-effort prompt so): the prompt leaves the step and is
+    preempted, as vLLM chooses over every running request; the reply preempted itself, the prompt kept its blocks."""
+    s = _sched(policy, blocks=7, scheduling_policy="priority", **knobs)
+    hi = _ranked(_req(0, 7), 0)
+    s.add(hi)
+    _run(s, s.schedule(0.0))
+    lo = _ranked(_req(1, 19, arrival=0.001), 5)  # 5 blocks, prefilled 4 tokens at a time
+    s.add(lo)
+    for step in range(6):
+        p = s.schedule(0.01 * (step + 1))
+        for r, e in zip(p.prefill, p.prefill_ends):
+            r.num_computed_tokens = e
+            if e >= r.num_tokens:
+                r.token_ids.append(3)
+        for r in p.decode:
+            r.num_computed_tokens = r.num_tokens
+            r.token_ids.append(3)
+        if p.preempted:
+            break
+    assert p.preempted == [lo] and p.decode == [hi] and lo not in p.prefill
+    assert hi.status is Status.RUNNING and lo.status is Status.WAITING and s.waiting[0] is lo
+
+
 def test_with_the_queue_full_a_more_urgent_arrival_takes_the_place_of_the_least_urgent():
     """vLLM's priority queue has no bound; Kairos's has (max_waiting): there a request of a lower priority value
     turns the one of the highest value (the latest of them) away as overloaded, not itself."""
