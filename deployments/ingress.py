@@ -187,10 +187,13 @@ PRIORITY_HEADER = "x-vllm-priority"
 
 def header_priority(value: str | None, given: int) -> int:
     """vLLM's: the X-Vllm-Priority header's integer, where it is one (else it is ignored), wins over the body's
-    `priority` (`given`)."""
-    if value is not None:
-        with contextlib.suppress(ValueError):
-            return int(value)
+    `priority` (`given`); one past an int64, as the body's would be, a 400 here (it was refused only by the replica,
+    after routing)."""
+    if value is not None and re.fullmatch(r"[+-]?[0-9]+", value.strip()):
+        got = int(value)
+        if not -2**63 <= got < 2**63:
+            raise APIError(400, f"X-Vllm-Priority must be an int64, got {value[:40]}", param="x-vllm-priority")
+        return got
     return given
 
 

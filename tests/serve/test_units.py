@@ -3769,3 +3769,19 @@ def test_tokens_a_stream_merged_into_its_failed_item_go_out_before_the_error_eve
         assert "error" in json.loads(events[1].removeprefix("data: "))
     alone = RequestOutput("r", finished=True, finish_reason="abort", error="engine shut down")
     assert len([e for e in _sse_item(alone, "chat", "rid", "m", 1, False).decode().split("\n\n") if e]) == 1
+
+
+def test_the_priority_header_is_an_int64_as_the_bodys_field_is() -> None:
+    """X-Vllm-Priority (vLLM's): an integer wins over the body's priority, text that is none is ignored, and one past
+    an int64 is a 400 at the Ingress, as the body's field is (it went through, and the replica refused it after
+    routing); Python's int() extras ("1_000") are no integer here."""
+    from deployments.errors import APIError
+    from deployments.ingress import header_priority
+
+    assert header_priority("-2", 5) == -2 and header_priority(" 7 ", 5) == 7 and header_priority(None, 5) == 5
+    assert header_priority("soon", 5) == 5 and header_priority("1_000", 5) == 5
+    assert header_priority(str(2**63 - 1), 0) == 2**63 - 1 and header_priority(str(-2**63), 0) == -2**63
+    for big in (str(2**63), str(-2**63 - 1)):
+        with pytest.raises(APIError) as e:
+            header_priority(big, 0)
+        assert e.value.status == 400 and e.value.param == "x-vllm-priority"
