@@ -219,11 +219,13 @@ class Request:
 
     @property
     def gate_output_len(self) -> int:
-        """The reply length admission (the VBS gate) plans for: `gate_len` where set and no hint is given (capped by
-        max_tokens, at least one more token than out so far), else `expected_output_len`."""
+        """The reply length admission (the VBS gate) plans for: `gate_len` where set and no hint is given (a
+        conservative quantile: never below `expected_output_len`, which follows the reply as it outlives the
+        quantile; capped by max_tokens), else `expected_output_len`."""
+        expected = self.expected_output_len
         if self.gate_len is not None and not self.slo.output_len_hint:
-            return min(max(self.gate_len, self.num_output_tokens + 1), self.params.max_tokens)
-        return self.expected_output_len
+            return min(max(self.gate_len, expected), self.params.max_tokens)
+        return expected
 
     @property
     def expected_output_len(self) -> int:

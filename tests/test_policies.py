@@ -648,3 +648,24 @@ def test_a_running_replys_mid_context_stays_within_the_context_it_can_reach():
         r.token_ids = r.prompt_token_ids + [7] * k
         got.append(Scheduler._mid_len(r))
     assert got == [600.0, 850.0, 1050.0, 1099.5] and all(x <= 1100 for x in got)
+
+
+def test_the_gate_length_never_falls_below_the_expected_one_as_the_reply_outlives_its_quantile():
+    """length_gate_quantile (opt-in): the gate plans for a conservative quantile of the reply's length; once the
+    reply outlives it, the plan follows the expected length (the outlook above what is out), not one more token
+    (it fell to k + 1: one token left, where the distribution said hundreds)."""
+    from core.request import SLO, Request
+    from core.sampling import SamplingParams
+    from scheduling.config import SchedulerConfig
+    from scheduling.predictor import LatencyModel
+    from scheduling.scheduler import Scheduler
+
+    model = LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.0, 0.01, 5.0))
+    s = Scheduler(SchedulerConfig(policy="kairos", length_predictor=True, length_gate_quantile=0.5), 512, 4,
+                  max_model_len=4096, predictor=model)
+    r = Request("r", list(range(3, 13)), SamplingParams(max_tokens=3000), SLO(tpot_ms=50))
+    s.add(r)
+    assert r.gate_len is not None
+    for k in (0, r.gate_len + 1, 800, 1200):
+        r.token_ids = r.prompt_token_ids + [7] * k
+        assert r.gate_output_len >= r.expected_output_len > k, k
