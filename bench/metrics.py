@@ -112,8 +112,8 @@ def window_of(records: Sequence[Record]) -> float:
     (`Record.scheduled_s`, where every record has it), else as they were sent. The same for every policy offered the
     same arrivals, so that their goodputs compare as their good requests do: over `wall_of`, each was over its own
     last end (a reply not good, a request timed out at the drain's end), and moved with the harness's drain; over the
-    sends, a client that fell behind under one policy's load (an HTTP client's sends, 0.4 s late) stretched that
-    policy's span alone."""
+    sends, a client that fell behind under one policy's load (an HTTP client's) stretched that policy's span
+    alone."""
     if not records:
         return 0.0
     times = [r.scheduled_s for r in records]

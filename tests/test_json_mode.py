@@ -546,7 +546,7 @@ def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema,
 
 def test_a_schemas_patterns_have_one_compile_budget_in_all():
     """Each pattern is within the regex's own bounds, but a schema may hold any number of them, each compiled as the
-    request is read (on the HTTP front's event loop: 120 costly ones stalled it for seconds): past
+    request is read (on the HTTP front's event loop, which many costly ones stalled): past
     MAX_PATTERN_NODES automaton positions in all, the schema is refused, naming the pattern; many small patterns
     (a schema of a hundred fields, each with one) are not."""
     from core.json_grammar import MAX_PATTERN_NODES, compile_schema

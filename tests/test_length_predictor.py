@@ -809,8 +809,7 @@ def test_kairos_scales_its_predictions_by_the_replies_it_served_and_scorpio_does
 def test_the_outlook_reaches_past_the_buckets_at_a_scale_above_one():
     """At a scale above 1 (a calibration's, or a wordier served tokenizer's) the predicted lengths reach past the
     buckets' end in served tokens: the outlook's grid goes that far, so a reply past the end of the scale-1 grid is
-    planned with the distribution's tokens left, not one (a helper's probe: at scale 2 and 3,000 tokens out, 1
-    planned where the distribution says 520)."""
+    planned with the distribution's tokens left, not one."""
     import math
 
     from core.request import outlook_at

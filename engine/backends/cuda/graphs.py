@@ -5,11 +5,11 @@ At start, one graph is captured per batch size of a ladder up to `max_num_seqs` 
 nano-vllm does), largest first, all sharing one memory pool. Each graph reads persistent input buffers: token ids,
 positions, cache slots, block tables [B, window / block_size], context lengths, and writes the last hidden states of
 its B rows; the final norm and the LM head run after the replay, on the step's n rows only (as vLLM's and nano-vllm's:
-logits [B, vocab] kept per captured size would hold hundreds of MiB to GiBs of the card that the KV cache's sizing
-never counted). A step of n decodes replays the smallest graph of at least n rows: the host fills pinned staging
-buffers (two sets, in turn), one non-blocking copy each moves them to the device, placeholder token ids (overlap
-scheduling) are read from the previous step's tokens on the device, and the padding rows (token 0, position 0, the
-cache's scratch slot, context length 0) write their K/V into the scratch block and attend to nothing. The split-K
+logits [B, vocab] kept per captured size would hold memory of the card, a vocabulary's width per row, that the KV
+cache's sizing never counted). A step of n decodes replays the smallest graph of at least n rows: the host fills
+pinned staging buffers (two sets, in turn), one non-blocking copy each moves them to the device, placeholder token
+ids (overlap scheduling) are read from the previous step's tokens on the device, and the padding rows (token 0,
+position 0, the cache's scratch slot, context length 0) write their K/V into the scratch block and attend to nothing. The split-K
 count of each graph's decode attention is fixed from shapes at capture, with its own preallocated workspace. Without
 a captured graph (`replay` before `capture`, or on a CPU device) the same buffers run eagerly: how the CPU checks
 this path under TRITON_INTERPRET=1.
