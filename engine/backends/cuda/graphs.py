@@ -9,10 +9,10 @@ logits [B, vocab] kept per captured size would hold memory of the card, a vocabu
 cache's sizing never counted). A step of n decodes replays the smallest graph of at least n rows: the host fills
 pinned staging buffers (two sets, in turn), one non-blocking copy each moves them to the device, placeholder token
 ids (overlap scheduling) are read from the previous step's tokens on the device, and the padding rows (token 0,
-position 0, the cache's scratch slot, context length 0) write their K/V into the scratch block and attend to nothing. The split-K
-count of each graph's decode attention is fixed from shapes at capture, with its own preallocated workspace. Without
-a captured graph (`replay` before `capture`, or on a CPU device) the same buffers run eagerly: how the CPU checks
-this path under TRITON_INTERPRET=1.
+position 0, the cache's scratch slot, context length 0) write their K/V into the scratch block and attend to nothing.
+The split-K count of each graph's decode attention is fixed from shapes at capture, with its own preallocated
+workspace. Without a captured graph (`replay` before `capture`, or on a CPU device) the same buffers run eagerly: how
+the CPU checks this path under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
