@@ -187,8 +187,7 @@ PRIORITY_HEADER = "x-vllm-priority"
 
 def header_priority(value: str | None, given: int) -> int:
     """vLLM's: the X-Vllm-Priority header's integer, where it is one (else it is ignored), wins over the body's
-    `priority` (`given`); one past an int64, as the body's would be, a 400 here (it was refused only by the replica,
-    after routing)."""
+    `priority` (`given`); one past an int64 is a 400, as the body's is."""
     if value is not None and re.fullmatch(r"[+-]?[0-9]+", value.strip()):
         got = int(value)
         if not -2**63 <= got < 2**63:

@@ -797,9 +797,7 @@ class Scheduler:
     @staticmethod
     def _mid_len(r: Request) -> float:
         """The context length the gate sees for `r` over the rest of its reply: its prompt and the middle of the
-        output still to come, from the tokens out to the output it plans for (a fresh request: half of it). Its
-        tokens out were counted twice (prompt and output so far, then half the whole plan): past the longest
-        context the reply can reach."""
+        output still to come, from the tokens out to the output it plans for (a fresh request: half of it)."""
         return r.num_prompt_tokens + (r.num_output_tokens + r.gate_output_len) / 2.0
 
     @staticmethod
@@ -1022,14 +1020,7 @@ class Scheduler:
                 out.append(r)
                 continue
             while not self.blocks.can_fit(r, r.num_tokens):
-                victim = self._victim(exclude=out + plan.prefill)
-                if self.by_priority:  # a prompt this step computes, of a lower priority than that, goes first (vLLM's
-                    # choice is over every running request): it leaves the step, and is preempted
-                    worse = max((p for p in plan.prefill if _rank(p) > _rank(victim)), key=_rank, default=None)
-                    if worse is not None:
-                        k = plan.prefill.index(worse)
-                        del plan.prefill[k], plan.prefill_ends[k]
-                        victim = worse
+                victim = self._victim(out, plan)
                 self._preempt(victim, plan)
                 if victim is r:
                     break
@@ -1091,16 +1082,21 @@ class Scheduler:
                 r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now, step_ms + prefill_ms, step_ms)
         return due
 
-    def _victim(self, exclude: list[Request]) -> Request:
-        """Preempt the most recently admitted request not yet in this step's batch (vLLM's choice); with priority
-        scheduling, the one of the highest priority value (the lowest priority), the latest to arrive of them."""
+    def _victim(self, batch: list[Request], plan: StepPlan) -> Request:
+        """Preempt the most recently admitted request neither in this step's decode `batch` nor prefilled in it
+        (vLLM's choice); with priority scheduling, the one of the highest priority value (the lowest priority), the
+        latest to arrive of them, a prompt this step computes too (vLLM chooses over every running request): it
+        leaves the step."""
         if self.by_priority:  # vLLM's: the highest (priority, arrival)
-            victim = max((r for r in self.running if r not in exclude), key=_rank, default=None)
+            victim = max((r for r in self.running if r not in batch), key=_rank, default=None)
             if victim is not None:
+                if victim in plan.prefill:
+                    k = plan.prefill.index(victim)
+                    del plan.prefill[k], plan.prefill_ends[k]
                 return victim
         else:
             for r in reversed(self.running):
-                if r not in exclude:
+                if r not in batch and r not in plan.prefill:
                     return r
         raise RuntimeError("KV cache too small for a single request")  # excluded by add-time validation
 
