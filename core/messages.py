@@ -202,6 +202,9 @@ class GenerateRequest:
     priority: int = 0  # vLLM's: lower first, where the engine's scheduling_policy is "priority" (else no effect)
     # vLLM's return_token_ids: the first item carries the prompt's token ids (`RequestOutput.prompt_token_ids`)
     return_token_ids: bool = False
+    # the app reads a reasoning model's thinking out of the reply: the first item says where the prompt leaves the
+    # thinking (`RequestOutput.prompt_thinking`)
+    read_thinking: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -316,6 +319,10 @@ class RequestOutput:
     # with `GenerateRequest.return_token_ids`, on a replica's first item of an admitted request: the prompt's token
     # ids as the engine took them (its chat template rendered, truncated where asked)
     prompt_token_ids: list[int] | None = None
+    # with `GenerateRequest.read_thinking`, on a replica's first item of an admitted request: where the prompt (its
+    # chat template rendered) leaves a reasoning model's thinking: "open" (it ends inside a `<think>`: the reply
+    # starts in the thinking), "closed" (a template that switched the thinking off closed it), None (neither)
+    prompt_thinking: str | None = None
 
     def __post_init__(self) -> None:
         if not self.finished and self.finish_reason is None and self.reject_reason is None \

@@ -671,6 +671,7 @@ class OpenAIFrontend:
                                        body.prompt_options(), body.return_token_strs)
         if "error" in got:
             raise APIError(400, got["error"], param="messages" if chat else "prompt")
+        got.pop("thinking", None)  # (the beam search's)
         return got
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
@@ -744,9 +745,10 @@ class OpenAIFrontend:
             return None if self.tool_call_parser == "none" else self.tool_call_parser
         return (self._ready_info() or {}).get("tool_call_parser")
 
-    def _reply_readers(self, body: P._Common | None) -> Callable[[], ReplyReader | None] | None:
+    def _reply_readers(self, body: P._Common | None) -> Callable[[str | None], ReplyReader | None] | None:
         """A new reader of a choice's reply per call (`P.ChatCompletionRequest.reply_reader`: its reasoning and
-        tool calls), where `body`'s replies are read for them; else None."""
+        tool calls; its argument: where the prompt leaves the thinking, `RequestOutput.prompt_thinking`), where
+        `body`'s replies are read for them; else None."""
         if not isinstance(body, P.ChatCompletionRequest):
             return None
         made = functools.partial(body.reply_reader, self._tool_parser(),
@@ -884,7 +886,8 @@ class OpenAIFrontend:
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
                                       options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
                                       cache_salt=body.cache_salt, lora_source=source, priority=priority,
-                                      return_token_ids=bool(body.return_token_ids))
+                                      return_token_ids=bool(body.return_token_ids),
+                                      read_thinking=self.reasoning_parser != "none")
                       for j, sp in enumerate(each)]
 
     async def _handle(self, request: Request, kind: str) -> Any:
@@ -1124,6 +1127,7 @@ class OpenAIFrontend:
             if "error" in got:
                 raise APIError(400, got["error"], param=body.fields_at_fault()[0])
             prompt = tuple(got["tokens"])
+            thinking.append(got.get("thinking"))
             # each step is a request of one token: the reply's cap is checked here, against the context the prompt
             # leaves, as the engine checks a generation's (a chat's default: the rest of the context)
             limit, fields = got["max_model_len"], body.fields_at_fault()
@@ -1162,12 +1166,13 @@ class OpenAIFrontend:
                                     prompt_token_ids=list(prompt) if ids else None))
             return out
 
+        thinking: list[str | None] = []  # where the prompt leaves the thinking (`RequestOutput.prompt_thinking`)
         done = await _all_or_none([search(r) for r in reqs])
         choices = [c for group in done for c in group]
         headers = first_headers[0] if first_headers else {"x-kairos-request-id": rid}
         # a chat's replies read as any chat's are (reasoning, tool calls: `P.read_replies`)
-        whole = P.read_replies(P.batch_chat_response(rid, model, choices), self._reply_readers(body) or _no_reader) \
-            if kind == "chat" else None
+        whole = P.read_replies(P.batch_chat_response(rid, model, choices), self._reply_readers(body) or _no_reader,
+                               None, thinking[0] if thinking else None) if kind == "chat" else None
         if body.stream:  # (as vLLM's: each beam's text in one chunk, once the search has ended)
             return StreamingResponse(_beam_chunks(choices, kind, rid, model, width, body.include_usage, whole),
                                      media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
@@ -1303,7 +1308,7 @@ class OpenAIFrontend:
             whole_body = P.batch_completion_response(rid, model, choices, body.n or 1, made) \
                 if kind == "completion" else P.read_replies(P.batch_chat_response(rid, model, choices),
                                                                self._reply_readers(body) or _no_reader,
-                                                               echo[0] if echo else None)
+                                                               echo[0] if echo else None, done[0][1].prompt_thinking)
             # (each prompt once, as its tokens are counted: its first choice's)
             cached = self._cached([w.last for _, w in done[::n]])
             return JSONResponse(P.with_cached_tokens(whole_body, cached), headers=_batch_headers([h for h, _ in done]))
@@ -1389,7 +1394,7 @@ class OpenAIFrontend:
                     break
                 lead, echoed = None, ""  # an echoed prompt's logprobs and text, before its choice's first tokens'
                 if i not in fasts:  # the choice's first item
-                    readers[i] = tools() if tools is not None else None
+                    readers[i] = tools(item.prompt_thinking) if tools is not None else None
                     fasts[i] = None if continuous or top is not None or readers[i] is not None or ids else \
                         TextChunks(kind, rid, model, created, include_usage, i)
                     if top is not None:
@@ -1453,7 +1458,7 @@ class OpenAIFrontend:
             raise
         if item.finish_reason in FAILED:  # 503 where the engine died or stopped under it, else 500
             raise item_failure(item, headers, self.retry_after_s)  # type: ignore[misc]
-        return _Whole("".join(parts), item, lps, prompt, ids, first.prompt_token_ids)
+        return _Whole("".join(parts), item, lps, prompt, ids, first.prompt_token_ids, first.prompt_thinking)
 
     async def _collect(self, gen: Any, first: RequestOutput, kind: str, rid: str, headers: dict[str, str],
                        model: str, body: P._Common | None = None, echo: str | None = None) -> JSONResponse:
@@ -1464,7 +1469,8 @@ class OpenAIFrontend:
             return JSONResponse(P.with_cached_tokens(P.batch_completion_response(rid, model, [choice]), cached),
                                 headers=headers)
         return JSONResponse(P.with_cached_tokens(P.read_replies(P.batch_chat_response(rid, model, [choice]),
-                                                                self._reply_readers(body) or _no_reader, echo),
+                                                                self._reply_readers(body) or _no_reader, echo,
+                                                                whole.prompt_thinking),
                                                  cached),
                             headers=headers)
 
@@ -1482,7 +1488,7 @@ class OpenAIFrontend:
             item = dataclasses.replace(first, text=echo + first.text)
             lead = first.prompt_logprobs if top is not None else None  # the echoed prompt's, before the reply's
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        reader = tools() if tools is not None else None
+        reader = tools(first.prompt_thinking) if tools is not None else None
         fast = None if continuous or top is not None or reader is not None or ids else \
             TextChunks(kind, rid, model, created, include_usage)
         shown = P.Logprobs(kind, top) if top is not None else None
@@ -1750,6 +1756,7 @@ class _Whole(NamedTuple):
     prompt_logprobs: list[TokenLogprob] | None
     token_ids: list[int] | None
     prompt_token_ids: list[int] | None
+    prompt_thinking: str | None = None  # where its prompt leaves the thinking (`RequestOutput.prompt_thinking`)
 
 
 def _as_response(got: Any, rid: str, echoed: dict[str, Any]) -> Any:
@@ -1801,7 +1808,7 @@ class _PromptOnly:
         self._gen.cancel()
 
 
-def _no_reader() -> None:
+def _no_reader(prompt_thinking: str | None = None) -> None:
     """No reply is read (`P.read_replies`)."""
     return None
 

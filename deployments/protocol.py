@@ -749,12 +749,13 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         tools): its reply is read in its own tool-call format (`tool_reader`)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
-    def reply_reader(self, tool_parser: str | None, reasoning_parser: str | None) -> ReplyReader | None:
+    def reply_reader(self, tool_parser: str | None, reasoning_parser: str | None,
+                     prompt_thinking: str | None = None) -> ReplyReader | None:
         """A reader of the reply (`deployments.reasoning.ReplyReader`): its reasoning, where the app reads it
-        (`reasoning_parser`; a reply held to a format thinks first, `thinking`), and its tool calls (`tool_reader`);
-        None where it is read for neither."""
+        (`reasoning_parser`, and where the prompt leaves the thinking, `prompt_thinking`; a reply held to a format
+        thinks first, `thinking`), and its tool calls (`tool_reader`); None where it is read for neither."""
         tools = self.tool_reader(tool_parser)
-        reasoning = reasoning_reader(reasoning_parser) if reasoning_parser else None
+        reasoning = reasoning_reader(reasoning_parser, prompt_thinking) if reasoning_parser else None
         if tools is None and reasoning is None:
             return None
         return ReplyReader(reasoning, tools, self.include_reasoning, one_call=self.parallel_tool_calls is False)
@@ -1025,14 +1026,17 @@ def shown_prompt_logprobs(lps: list[TokenLogprob], top: int) -> list[dict | None
     return out
 
 
-def read_replies(resp: dict, reader: Callable[[], ReplyReader | None], echo: str | None = None) -> dict:
-    """A chat response whose replies are read (`reader()`: a `ChatCompletionRequest.reply_reader` per choice, or
-    None: text): a reasoning model's thinking as the message's `reasoning_content`; tool calls as its `tool_calls`
+def read_replies(resp: dict, reader: Callable[[str | None], ReplyReader | None], echo: str | None = None,
+                 prompt_thinking: str | None = None) -> dict:
+    """A chat response whose replies are read (`reader(prompt_thinking)`: a `ChatCompletionRequest.reply_reader`
+    per choice, or None: text; `prompt_thinking`: where the prompt the choices share leaves the thinking,
+    `RequestOutput.prompt_thinking`): a reasoning model's thinking as the message's `reasoning_content`; tool calls
+    as its `tool_calls`
     (content: the text beside them, or null), finish reason `tool_calls` where it stopped on its own, unless a named
     tool was called (OpenAI's); a reply with no calls (or whose cap cut them) keeps its text. `echo`: the echoed last
     message each content opens with: not read, put back before the reply's content (vLLM's)."""
     for c in resp["choices"]:
-        r = reader()
+        r = reader(prompt_thinking)
         if r is None:
             return resp
         text = c["message"]["content"]

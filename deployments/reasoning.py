@@ -9,6 +9,9 @@ The app's `reasoning_parser` says where the thinking starts (`PARSERS`):
   releases);
 - `qwen3`: only where the reply opens with `<think>` (Qwen3, whose thinking may be switched off): a reply that does
   not is all content.
+Where the replica says how the rendered prompt leaves the thinking (`RequestOutput.prompt_thinking`), that decides
+instead: a template that opened `<think>` (Qwen3's thinking-only releases) starts the reply in it; one that closed it
+(the thinking switched off) leaves the reply content unless it opens with `<think>`.
 A request held to a format (JSON mode, a guided regex, a named or required tool) thinks first too, as vLLM's: its
 format holds from the end of the thinking (`SamplingParams.thinking`, `core.json_grammar.thinking_first`).
 """
@@ -72,8 +75,12 @@ class ReasoningReader:
         return "", buf.lstrip() if self._ws else buf
 
 
-def reasoning_reader(parser: str) -> ReasoningReader:
-    return ReasoningReader(opened=parser == "deepseek_r1")
+def reasoning_reader(parser: str, prompt: str | None = None) -> ReasoningReader:
+    """`parser`'s reader, where the prompt leaves the thinking as `prompt` says (`RequestOutput.prompt_thinking`):
+    "open" (the template opened `<think>`): the reply starts in the thinking, whatever the parser; "closed" (a
+    template that switched the thinking off closed it): only a `<think>` the reply opens with starts it; None:
+    as the parser says."""
+    return ReasoningReader(opened=prompt == "open" or (prompt is None and parser == "deepseek_r1"))
 
 
 class ReplyReader:

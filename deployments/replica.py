@@ -326,7 +326,7 @@ class LLMReplica:
                     if not early_end(out):  # (one the engine never took says nothing of the prompts it runs)
                         self._prompt_lens.append(max(out.num_prompt_tokens, 1))
                     served = ServedBy(self.replica_id, (now - t_in) * 1000.0)
-                    ids = None  # (vLLM's return_token_ids: an admitted request's prompt's)
+                    ids, thinking = None, None  # (vLLM's return_token_ids: an admitted request's prompt's)
                     if out.finish_reason is FinishReason.REJECTED:
                         left.pop(rid, None)
                         view = self._judge(req, out)
@@ -342,7 +342,8 @@ class LLMReplica:
                         self.metrics.on_admitted(tier, out.num_prompt_tokens)
                         if req.return_token_ids:  # (vLLM's return_token_ids)
                             ids = list(stream.prompt_token_ids or ())
-                    out = dataclasses.replace(out, served_by=served, prompt_token_ids=ids)
+                        thinking = stream.prompt_thinking
+                    out = dataclasses.replace(out, served_by=served, prompt_token_ids=ids, prompt_thinking=thinking)
                 elif out.token_ids:
                     self.metrics.on_itl(tier, (now - last_t) / len(out.token_ids), len(out.token_ids))
                 if out.token_ids:
@@ -492,14 +493,16 @@ class LLMReplica:
     def prompt_tokens(self, prompt: str | None, messages: tuple[ChatTurn, ...] | None, options: PromptOptions,
                       token_strs: bool = False) -> dict[str, Any]:
         """vLLM's /tokenize on this replica's model: the token ids a generation would take (`count`, `tokens`,
-        `max_model_len`, and with `token_strs` each token's text), or `error` for a prompt the engine refuses."""
+        `max_model_len`, and with `token_strs` each token's text; `thinking`: where they leave a reasoning model's
+        thinking, `RequestOutput.prompt_thinking`), or `error` for a prompt the engine refuses."""
         inputs = self.engine.inputs
         try:
             ids = inputs.prompt_ids(prompt, messages, options.check())
         except (ValueError, TypeError, UnicodeError) as e:
             return {"error": str(e)[:500]}
         strs = inputs.tokenizer.convert_ids_to_tokens(ids) if token_strs else None
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs,
+                "thinking": inputs.prompt_thinking(ids) if messages is not None else None}
 
     async def check_lora(self, name: str, path: str) -> dict[str, Any]:
         """vLLM's /v1/load_lora_adapter asks a replica whether its engine can serve the folder `path` as adapter

@@ -418,10 +418,13 @@ class LLMEngine:
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
-        return self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
-                                messages=request.messages, options=request.options, lora=request.lora,
-                                cache_salt=request.cache_salt, lora_source=request.lora_source,
-                                priority=request.priority)
+        stream = self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
+                                  messages=request.messages, options=request.options, lora=request.lora,
+                                  cache_salt=request.cache_salt, lora_source=request.lora_source,
+                                  priority=request.priority)
+        if request.read_thinking:  # (read before its first item, which the caller has yet to take)
+            stream.prompt_thinking = self.inputs.prompt_thinking(stream.prompt_token_ids or ())
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._post(request_id)

@@ -18,7 +18,7 @@ from engine.lora import LoraError, LoraServing, LoraSpec, check_adapter
 
 Prompt = str | Sequence[int]
 MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens (each step compares a row's last tokens with every word's)
-THINK_TAIL_TOKENS = 64  # the prompt's last tokens read for an opened or closed <think> (`thinking_after`)
+THINK_TAIL_TOKENS = 64  # the prompt's last tokens read for an opened or closed <think> (`prompt_thinking`)
 
 
 def prompt_encoder(tokenizer, add_special_tokens: bool = False) -> Callable[[str], list[int]]:
@@ -202,15 +202,22 @@ class InputProcessor:
                     out.append(ids)
         return tuple(dict.fromkeys(out))
 
-    def thinking_after(self, ids: Sequence[int], thinking: str) -> str | None:
-        """A guided reply's thinking (`SamplingParams.thinking`) as the prompt leaves it: where its end has the
-        thinking closed already (`</think>` last: a template that switched it off), the format holds from the
-        first token; where it has it open (`<think>` last), the reply starts inside it; else as asked."""
+    def prompt_thinking(self, ids: Sequence[int]) -> str | None:
+        """Where the prompt's end leaves a reasoning model's thinking (`RequestOutput.prompt_thinking`): "closed"
+        (`</think>` last: a template that switched the thinking off), "open" (`<think>` last: the reply starts
+        inside it), else None."""
         tail = self.tokenizer.decode(list(ids[-THINK_TAIL_TOKENS:]))
         opened, closed = tail.rfind("<think>"), tail.rfind("</think>")
         if closed > opened:
-            return None
-        return "open" if opened >= 0 else thinking
+            return "closed"
+        return "open" if opened >= 0 else None
+
+    def thinking_after(self, ids: Sequence[int], thinking: str) -> str | None:
+        """A guided reply's thinking (`SamplingParams.thinking`) as the prompt leaves it: where its end has the
+        thinking closed already, the format holds from the first token; where it has it open, the reply starts
+        inside it; else as asked."""
+        state = self.prompt_thinking(ids)
+        return None if state == "closed" else "open" if state == "open" else thinking
 
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,

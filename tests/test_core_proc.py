@@ -605,3 +605,25 @@ def test_a_queued_link_on_a_high_descriptor_sends_in_order_without_waiting_for_i
     finally:
         ours.close()
         theirs.close()
+
+
+def test_the_first_item_says_where_the_prompt_leaves_the_thinking(client, tiny_checkpoints):
+    """Asked (`read_thinking`: the app reads a reasoning model's thinking), the replica's stream says where the
+    rendered prompt leaves the thinking: open (a template that opened `<think>`), closed (one that switched it off),
+    or neither; in the engine process's client as in-process."""
+    from core.messages import ChatTurn, GenerateRequest, PromptOptions
+
+    ends = {"<think>\n": "open", "<think>\n\n</think>\n\n": "closed", "": None}
+    eng = LLMEngine(_config(tiny_checkpoints["llama"]))
+    try:
+        for engine in (client, eng):
+            for end, want in ends.items():
+                options = PromptOptions(chat_template="{{ messages[0]['content'] }}" + end)
+                for read in (True, False):
+                    req = GenerateRequest(f"think-{len(end)}-{read}", messages=[ChatTurn("user", "hi")],
+                                          options=options, params=SamplingParams(max_tokens=1), read_thinking=read)
+                    stream = engine.generate(req)
+                    assert stream.prompt_thinking == (want if read else None), (engine, end, read)
+                    _tokens(stream)
+    finally:
+        eng.shutdown()

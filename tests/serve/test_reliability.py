@@ -130,7 +130,7 @@ def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> 
     """This app reads chat replies as DeepSeek-R1's (reasoning_parser=deepseek_r1: thinking from the reply's start
     to a </think> that kairos-tiny never writes): the reply is all `reasoning_content` (content null), streamed as
     whole; vLLM's include_reasoning false leaves it out; a reply held to a format (JSON mode) thinks first, and a
-    completion is never read."""
+    completion is never read. A prompt whose template closed the thinking leaves the reply content."""
     import json
 
     chat = {"messages": [{"role": "user", "content": "Think"}], "max_tokens": 12, "temperature": 0,
@@ -153,6 +153,10 @@ def test_a_reasoning_models_thinking_is_its_reasoning_content(rel_app: dict) -> 
         shaped = c.post(CHAT, json={**chat, "response_format": {"type": "json_object"}}).json()["choices"][0]
         assert shaped["message"]["content"] is None and shaped["message"]["reasoning_content"], shaped
         assert shaped["finish_reason"] == "length"
+        # a template that closed the thinking (switched it off): the replica says so, and the reply is content
+        closed = {**chat, "chat_template": "{{ messages[0]['content'] }}<think>\n\n</think>\n\n"}
+        message = c.post(CHAT, json=closed).json()["choices"][0]["message"]
+        assert message["content"] and message["reasoning_content"] is None, message
 
 
 def test_the_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(rel_app: dict) -> None:

@@ -1364,7 +1364,7 @@ def test_a_chat_stream_carries_the_reasoning_and_tool_calls_its_reply_makes() ->
     from deployments.reasoning import ReplyReader, reasoning_reader
     from deployments.tool_calls import merge_calls, model_format_reader
 
-    def reader() -> ReplyReader:  # (a reasoning model's: its thinking first)
+    def reader(_: str | None = None) -> ReplyReader:  # (a reasoning model's: its thinking first)
         return ReplyReader(reasoning_reader("qwen3"), model_format_reader("hermes"))
 
     pieces = ["<think>\nRain", "?</th", "ink>\n\nChecking", ". <tool", '_call>\n{"name": "get_weather", ',
@@ -1393,7 +1393,7 @@ def test_a_chat_stream_cut_in_a_tool_call_by_its_cap_ends_with_finish_reason_len
     from deployments.reasoning import ReplyReader
     from deployments.tool_calls import model_format_reader
 
-    def reader() -> ReplyReader:
+    def reader(_: str | None = None) -> ReplyReader:
         return ReplyReader(None, model_format_reader("hermes"))
 
     pieces = ['<tool_call>{"name": "f", ', '"arguments": {"city": ', '"Par']
@@ -3687,6 +3687,84 @@ def test_a_chats_echo_is_content_before_its_read_reply() -> None:
     asyncio.run(run())
 
 
+def test_a_reply_is_read_from_where_its_prompt_leaves_the_thinking() -> None:
+    """Where the replica says how the rendered prompt leaves the thinking (`RequestOutput.prompt_thinking`), the
+    reply is read from there whatever the app's parser: a template that opened `<think>` (Qwen3's thinking-only
+    releases, served with qwen3's parser) starts the reply in it (its text up to `</think>` was content); one that
+    closed it (the thinking switched off, deepseek_r1's parser) leaves the reply content (it was all reasoning).
+    Whole, streamed, and n=2 alike; a chat asks the replica for it (`read_thinking`)."""
+    import asyncio
+    import json
+
+    from deployments.direct import LocalStream
+    from deployments.ingress import GenerationFastPath, OpenAIFrontend
+
+    asked: list[GenerateRequest] = []
+    said: dict[str, tuple[str | None, tuple[str, ...]]] = {}
+
+    async def generate(req: GenerateRequest):
+        asked.append(req)
+        thinking, texts = said["now"]
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            yield RequestOutput(req.request_id, text=text, token_ids=[10 + i], finished=last,
+                                finish_reason=FinishReason.STOP if last else None, num_prompt_tokens=5,
+                                num_output_tokens=i + 1, prompt_thinking=thinking if i == 0 else None)
+
+    class Front(OpenAIFrontend):
+        def _ready_info(self) -> dict:
+            return {"model": "m", "max_model_len": 64}
+
+        def _open(self, req: GenerateRequest) -> LocalStream:
+            return LocalStream(generate(req))
+
+    front = object.__new__(Front)
+    front._init_frontend({"model_name": "m", "max_body_bytes": 1 << 16})
+    app = GenerationFastPath(front, SimpleNamespace(docs_url=None))  # type: ignore[arg-type]
+
+    async def call(body: dict) -> str:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
+                   "query_string": b"", "headers": [(b"content-type", b"application/json")]}, receive, send)
+        assert sent[0]["status"] == 200, sent
+        return b"".join(m.get("body", b"") for m in sent[1:]).decode()
+
+    async def read(body: dict) -> list[tuple[str | None, str | None]]:
+        whole = [(c["message"].get("reasoning_content"), c["message"]["content"])
+                 for c in json.loads(await call(body))["choices"]]
+        text = await call({**body, "stream": True})
+        chunks = [json.loads(e[6:])["choices"][0] for e in text.split("\n\n") if e.startswith("data: {")]
+        deltas = [c["delta"] for c in chunks if c["index"] == 0]
+        streamed = ("".join(d.get("reasoning_content") or "" for d in deltas) or None,
+                    "".join(d.get("content") or "" for d in deltas) or None)
+        assert streamed == whole[0], (streamed, whole)
+        return whole
+
+    async def run() -> None:
+        body = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 3}
+        front.reasoning_parser = "qwen3"
+        said["now"] = ("open", ("Adding", "</think>", "\n\nFour."))
+        assert await read(body) == [("Adding", "Four.")]
+        assert await read({**body, "n": 2}) == [("Adding", "Four.")] * 2
+        assert asked and all(r.read_thinking for r in asked)
+        said["now"] = (None, ("Adding", "</think>", "Four."))  # (no word from the replica: as the parser says)
+        assert await read(body) == [(None, "Adding</think>Four.")]
+        front.reasoning_parser = "deepseek_r1"
+        said["now"] = ("closed", ("Four", "."))
+        assert await read(body) == [(None, "Four.")]
+        said["now"] = (None, ("Four", "."))
+        assert await read(body) == [("Four.", None)]
+
+    asyncio.run(run())
+
+
 def test_structured_outputs_take_vllms_options() -> None:
     """vLLM's StructuredOutputsParams options beside the grammar (disable_any_whitespace was a 400 saying the request
     held no grammar); a grammar still has to be there."""
@@ -3709,7 +3787,7 @@ def test_a_chat_beam_searchs_stream_carries_its_replies_as_read() -> None:
     choices = [P.Choice("<think>hmm</think>yes", FinishReason.STOP, 3, 6),
                P.Choice("<think>a</think>no", FinishReason.LENGTH, 3, 5)]
     read = P.read_replies(P.batch_chat_response("r", "m", choices),
-                          lambda: ReplyReader(reasoning_reader("qwen3"), None))
+                          lambda _=None: ReplyReader(reasoning_reader("qwen3"), None))
     assert [c["message"].get("reasoning_content") for c in read["choices"]] == ["hmm", "a"]
 
     async def collect() -> list[dict]:
