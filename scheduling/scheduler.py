@@ -444,9 +444,13 @@ class Scheduler:
         # priority scheduling: the guard walks the queue as it will be served, the lower priorities after the rest
         ranked = self.by_priority and order_by_priority(self.waiting)
         if f.ttft_reject and self.predictor is not None and self.waiting:
-            fresh = [r for r in self.waiting if r.first_token_s is None]
-            for r in find_ttft_unattainable(fresh, now, self.predictor.prefill_ms, self.ttft_margin_ms,
-                                            self._cost, cost_sq=self._cost_sq):
+            # walked in the order served: the prompts in progress (their chunks go first) and the preempted replies
+            # (their recompute) count ahead of the fresh requests after them, and are never turned away
+            ahead = [r for r in self.running if self._mid_prefill(r) and math.isfinite(r.deadline_s)] \
+                if self.config.chunked_prefill or self._partial else []
+            walk = [*ahead, *self.waiting] if ahead else self.waiting
+            for r in find_ttft_unattainable(walk, now, self.predictor.prefill_ms, self.ttft_margin_ms, self._cost,
+                                            cost_sq=self._cost_sq, kept=_started):
                 self.waiting.remove(r)
                 plan.rejected.append((r, TTFT_UNATTAINABLE))
         if f.queue_order == "ldf" and not f.sort_before_reject:
@@ -455,8 +459,11 @@ class Scheduler:
         patience = self.reserve.patience_ms(now) if self.reserve is not None else None
         if f.short_first:  # the TTFT guard above walked the queue by deadline; room goes to the least work
             pace = self._pace()
+            # (a request without a TPOT SLO weighs nothing to shedding, but is not the least work: it goes after
+            # the paced ones, as LDF sends best effort last)
             order_least_work(self.waiting,
-                             lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace),
+                             lambda r: self._work(r, r.expected_output_len - r.num_output_tokens, pace)
+                             if r.tpot_slo_ms != math.inf else math.inf,
                              now + patience / 1000.0 if f.urgent_first and patience is not None else -math.inf,
                              ranked)
         budget = self.config.prefill_max_tokens
@@ -543,9 +550,9 @@ class Scheduler:
         """prefill_hold for a best-effort prompt, which has no deadline to wait against: where its computation stops
         this step (at most `end`, which the caller keeps within the step's prompt budget). `beside` running replies,
         its chunk takes no longer than a fresh prompt of prefill_max_tokens (deep in a long prompt a token attends
-        to all before it); with paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it, its chunk, the decodes) also
-        ends before the first one's next token is due, as `_hold` predicts it. The rest goes in later steps, at least
-        a block a step, so that it always progresses."""
+        to all before it); with paced replies (`stall`) the step (`step_tokens` / `step_sq` of prefill before it,
+        its chunk, the decodes) also ends before the first one's next token is due, as `_hold` predicts it. The rest
+        goes in later steps, at least a block a step, so that it always progresses."""
         start, budget, model = self._start(r), self.config.prefill_max_tokens, self.predictor
         tests: list[Callable[[int], bool]] = []
         if beside and budget and model is not None:
@@ -593,6 +600,9 @@ class Scheduler:
         gate = None
         if f.vbs_gate and self.predictor is not None:
             model = itl = self.predictor.itl_ms
+            # "would it pass on an idle replica" (a request waiting for room, the tier floor, the reserve) is judged
+            # as a rejection's capacity is (`_for_capacity`): the idle factor, not the busy batch's stalls
+            idle = self.judge_gate_scale(now)
             if self.correction is not None:
                 # the static margin already covers up to k of inflation; scale only by what it does not. Steps
                 # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
@@ -615,7 +625,8 @@ class Scheduler:
                            slack=self.config.vbs_slack, best_effort_trp=self.config.best_effort_trp,
                            monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len,
                            running_tpot=self.pace_of(now),
-                           remaining_of=self._output_left if f.gate_context == "horizon" else None)
+                           remaining_of=self._output_left if f.gate_context == "horizon" else None,
+                           idle_itl=lambda length: model(1.0, length) * idle)
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted
@@ -681,14 +692,16 @@ class Scheduler:
                     gate.resume()  # it leaves: the ones after it are judged on their own, not all turned away
                     return Verdict.DROP
                 return Verdict.STOP if gate.stopped else Verdict.KEEP
-            if room is not None and r.first_token_s is None and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) \
-                    and not gate.leaves_room(r, *room):
+            # (a reply of one token leaves the batch at its prefill: it takes no room from a tier or the reserve)
+            if room is not None and decodes and r.first_token_s is None \
+                    and tpot_class(r.tpot_slo_ms) != tpot_class(room[0]) and not gate.leaves_room(r, *room):
                 yields = True
                 return Verdict.KEEP  # would take the starved tier's room: waits
             if impatient is True:
                 room_for = self.reserve.room(now, patience, feasible=gate.feasible_alone)
                 impatient = None if room_for is None else (patience, room_for)
-            if impatient and r.first_token_s is None \
+            # (one without a TTFT deadline is never held for the reserve: nothing would end its wait)
+            if impatient and decodes and r.first_token_s is None and math.isfinite(r.deadline_s) \
                     and (r.deadline_s - now) * 1000.0 > impatient[0] and not gate.leaves_room(r, *impatient[1]):
                 yields = True
                 return Verdict.KEEP  # it can wait for room: it leaves some for a request that cannot
@@ -1206,3 +1219,8 @@ class Scheduler:
             tokens += c
             sq += prefill_sq(start, start + c)
         return tokens, sq
+
+
+def _started(r: Request) -> bool:
+    """A request the TTFT guard never turns away: a reply already started (preempted), a prompt in progress."""
+    return r.first_token_s is not None or r.num_computed_tokens > 0

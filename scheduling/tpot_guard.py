@@ -217,8 +217,11 @@ class VBSGate:
         output_len_estimate: Callable[[T], float] | None = None,
         running_tpot: Callable[[T], float] | None = None,
         remaining_of: Callable[[T], float] | None = None,
+        idle_itl: Callable[[float], float] | None = None,
     ) -> None:
         self._itl = predictor_itl
+        # one request's ITL on an idle replica, by its mid-decode context (`feasible_alone`); None: predictor_itl's
+        self._idle_itl = idle_itl or (lambda length: predictor_itl(1.0, length))
         self._rem_of = remaining_of
         self._rems: list[float] = []  # with remaining_of: the batch's replies' outputs left, ascending
         self._rem_cum: list[float] | None = [0.0]  # their prefix sums (None: to be summed again)
@@ -307,8 +310,8 @@ class VBSGate:
         return self._itl(batch, length)
 
     def feasible_alone(self, tpot_ms: float, length: float) -> bool:
-        """Would a request of this TPOT and mid-decode context pass the gate on an idle replica?"""
-        return passes_gate(self._itl(1.0, length), self._margin, self._slack, tpot_ms)
+        """Would a request of this TPOT and mid-decode context pass the gate on an idle replica (`idle_itl`)?"""
+        return passes_gate(self._idle_itl(length), self._margin, self._slack, tpot_ms)
 
     def check(self, candidate: T) -> bool:
         """Whether admitting ``candidate`` keeps every admitted request within its TPOT SLO."""

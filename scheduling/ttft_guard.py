@@ -18,6 +18,7 @@ def find_ttft_unattainable(
     cost: Callable[[T], int],
     base_ms: float = 0.0,
     cost_sq: Callable[[T], float] | None = None,
+    kept: Callable[[T], bool] | None = None,
 ) -> list[T]:
     """Return the requests (in queue order) that would miss their TTFT deadline.
 
@@ -27,7 +28,8 @@ def find_ttft_unattainable(
     without a TTFT SLO are never returned but their tokens count. ``base_ms`` is delay already
     known to come first (e.g. the rest of the current step). ``margin_ms``: a number, or the margin for a
     predicted prefill (`MeasuredMargin.margin_ms`), given ``prefill_ms(cum)``. With ``cost_sq`` (a request's
-    attention work in token pairs, `predictor.prefill_sq`) the prefill is ``prefill_ms(cum, cum_sq)``.
+    attention work in token pairs, `predictor.prefill_sq`) the prefill is ``prefill_ms(cum, cum_sq)``. Requests
+    ``kept`` says of (a preempted reply's recompute, a prompt in progress) are never returned but their tokens count.
     """
     out: list[T] = []
     cum, cum_sq = 0, 0.0
@@ -38,7 +40,7 @@ def find_ttft_unattainable(
         cum += c
         cum_sq += q
         deadline = req.deadline_s
-        if math.isfinite(deadline):
+        if math.isfinite(deadline) and (kept is None or not kept(req)):
             p = prefill_ms(cum, cum_sq) if cost_sq is not None else prefill_ms(cum)
             if (deadline - now_s) * 1000.0 < base_ms + p + (margin(p) if margin is not None else margin_ms):
                 out.append(req)
