@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 MAX_BAD_WORDS = 256  # words in one request's bad_words
+MAX_STOP_STRINGS = 256  # stop strings in one request (OpenAI takes 4, vLLM any number; each is looked for per token)
 MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of per token (vLLM's max_logprobs)
 
 
@@ -106,8 +107,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        if len(self.stop) > 16:
-            raise ValueError(f"stop may hold at most 16 strings, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not finite_number(v) or not -2.0 <= v <= 2.0:

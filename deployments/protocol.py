@@ -67,6 +67,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True, False), "echo": (False,), "suffix": ("",),
     "best_of": (1,), "tools": ([],),
     "logits_processors": ([],),  # vLLM's, where its server allows a pattern of them: code a request names
+    "structural_tag": (),  # vLLM's top-level form of the grammar (refused in structured_outputs and response_format)
 }
 
 
@@ -75,6 +76,8 @@ BEAM_REFUSED = ("stop", "stop_token_ids", "logit_bias", "presence_penalty", "fre
                 "min_tokens", "bad_words", "allowed_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
                 "best_of", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                 "structured_outputs", "tools", "tool_choice")
+BEAM_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_tokens": 0,
+                "top_logprobs": 0}  # values of those that change nothing (a logprobs of 0 is not one: it asks)
 
 
 # vLLM's structured_outputs: the grammars this server keeps (and what each takes), and options it takes and ignores
@@ -270,20 +273,25 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _beam(self) -> "_Common":
         """Beam search takes its beams' width (n), max_tokens, ignore_eos, include_stop_str_in_output and
-        length_penalty (vLLM's BeamSearchParams); a field it would not honour is a 400 naming it."""
+        length_penalty (vLLM's BeamSearchParams; without beam search length_penalty has no effect, as vLLM's); a
+        field it would not honour is a 400 naming it, where it is given a value that would change the reply (an
+        empty list, or the field's default, changes nothing)."""
         if not math.isfinite(self.length_penalty):
             raise ValueError("length_penalty must be a finite number")
         if not self.use_beam_search:
-            if self.length_penalty != 1.0:
-                raise ValueError("length_penalty weighs beam search's scores: it needs use_beam_search")
             return self
         if (self.n or 1) > MAX_LOGPROBS // 2:
             raise ValueError(f"n: a beam search keeps at most {MAX_LOGPROBS // 2} beams (n), got {self.n}")
         for name in BEAM_REFUSED:
             v = getattr(self, name, None)
             default = type(self).model_fields[name].default if name in type(self).model_fields else None
-            if v not in (None, False, default) and not (name == "response_format" and v.get("type") == "text") \
-                    and not (name == "best_of" and v == (self.n or 1)) and not (name == "tool_choice" and v == "none"):
+            if v is None or v is False or (isinstance(v, (list, dict)) and not v) \
+                    or (type(v) is type(default) and v == default) \
+                    or (name in BEAM_NEUTRAL and not isinstance(v, bool) and v == BEAM_NEUTRAL[name]):
+                continue
+            if not (name == "response_format" and v.get("type") == "text") \
+                    and not (name == "best_of" and v == (self.n or 1)) \
+                    and not (name == "tool_choice" and (v == "none" or (v == "auto" and not self.tools))):
                 raise ValueError(f"{name} is not supported with use_beam_search")
         return self
 
@@ -363,7 +371,8 @@ class _Common(BaseModel):
     def sampling_kwargs(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """Keyword arguments for `core.sampling.SamplingParams` (max_tokens None: fill the context window); a
         temperature, top_p, top_k, min_p or repetition_penalty the request leaves out is the model's (`defaults`:
-        what its generation_config recommends, as vLLM applies it), else none of them (temperature 1, top_p 1)."""
+        what its generation_config recommends, as vLLM applies it), else none of them (temperature 1, top_p 1); its
+        max_tokens (the generation_config's max_new_tokens) caps every reply, as vLLM's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         d = defaults or {}
         kw: dict[str, Any] = dict(
@@ -384,7 +393,8 @@ class _Common(BaseModel):
             json_object=self.json_object(), json_schema=self.json_schema(), regex=self.regex(),
             grammar=self.grammar(),
         )
-        kw["max_tokens"] = max_tokens
+        cap = d.get("max_tokens")
+        kw["max_tokens"] = max_tokens if cap is None else cap if max_tokens is None else min(max_tokens, cap)
         return kw
 
     def top_count(self) -> int | None:
@@ -729,7 +739,8 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         if isinstance(choice, dict) and choice["function"]["name"] not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names a tool the request does not have: {choice['function']['name']!r}")
         if self.guided_json is not None or (self.response_format or {}).get("type", "text") != "text" \
-                or self.guided_regex is not None or self.guided_choice is not None or self.structured_outputs:
+                or self.guided_regex is not None or self.guided_choice is not None or self.structured_outputs \
+                or self.guided_grammar is not None:
             raise ValueError("tool_choice naming or requiring a tool and a response_format or guided format "
                              "cannot both be given")
         try:

@@ -438,28 +438,31 @@ def load_model(
     )
 
 
-# what a generation_config may set that requests take (vLLM's `--generation-config auto` takes max_new_tokens too)
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# what a generation_config may set that requests take (vLLM's `--generation-config auto`); max_new_tokens is taken
+# as max_tokens: a cap on every reply, as vLLM's
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def sampling_defaults(given: dict[str, Any]) -> tuple[dict[str, float | int], dict[str, Any]]:
     """What a checkpoint's generation_config sets (`ModelBundle.generation_sampling`) as the defaults of requests
     that leave them out, as vLLM's `--generation-config auto` takes them: the temperature, top_p, top_k, min_p and
-    repetition_penalty it sets (those it leaves unset are not), each one `SamplingParams.validate` takes; and what it
-    sets that is not taken (an invalid value), for the log."""
+    repetition_penalty it sets (those it leaves unset are not), each one `SamplingParams.validate` takes, and its
+    max_new_tokens as `max_tokens` (a cap on every reply: vLLM's); and what it sets that is not taken (an invalid
+    value), for the log."""
     taken: dict[str, float | int] = {}
     skipped: dict[str, Any] = {}
     for key in SAMPLING_DEFAULT_KEYS:
         v = given.get(key)
         if v is None:
             continue
-        number = finite_number(v)
-        value = (int(v) if key == "top_k" else float(v)) if number else None
+        number = finite_number(v) and not isinstance(v, bool)
+        name = "max_tokens" if key == "max_new_tokens" else key
+        value = (int(v) if name in ("top_k", "max_tokens") else float(v)) if number else None
         try:
-            if value is None or value != v:  # (a top_k of 2.5)
+            if value is None or value != v or (name == "max_tokens" and value < 1):  # (a top_k of 2.5)
                 raise ValueError
-            SamplingParams(**{key: value}).validate()
-            taken[key] = value
+            SamplingParams(**{name: value}).validate()
+            taken[name] = value
         except ValueError:
             skipped[key] = v
     return taken, skipped

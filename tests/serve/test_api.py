@@ -1101,11 +1101,13 @@ def test_beam_search_returns_the_best_beams(client: httpx.Client) -> None:
     chunks = [json_.loads(e) for e in events[:-1]]
     assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1] and chunks[2]["usage"]["completion_tokens"] == 12
     assert chunks[0]["choices"][0]["text"] == greedy_beams[0]
-    for bad, param in (({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
-                       ({"logprobs": 2}, "logprobs"), ({"use_beam_search": False, "length_penalty": 2.0},
-                                                       "length_penalty")):
+    for bad, param in (({"stop": ["x"]}, "stop"), ({"n": 11}, "n"), ({"logprobs": 2}, "logprobs"),
+                       ({"logprobs": 0}, "logprobs")):
         r = client.post("/v1/completions", json={**cmpl, "use_beam_search": True, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    # (without beam search length_penalty has no effect, as vLLM's)
+    r = client.post("/v1/completions", json={**cmpl, "use_beam_search": False, "length_penalty": 2.0})
+    assert r.status_code == 200, r.text
 
 
 def test_a_beam_searchs_reply_is_capped_by_the_context_the_prompt_leaves(client: httpx.Client) -> None:

@@ -90,7 +90,7 @@ def test_every_slo_value_sent_is_checked_where_a_header_wins(client: httpx.Clien
 
 
 @pytest.mark.parametrize("body,param,says", [
-    ({**OK_CMPL, "stop": [f"s{i}" for i in range(17)]}, "stop", "stop may hold at most 16"),
+    ({**OK_CMPL, "stop": [f"s{i}" for i in range(257)]}, "stop", "stop may hold at most 256"),
     ({"prompt": ["x"] * 257, "max_tokens": 1}, "prompt", "prompt: a batch holds at most 256 prompts"),
     ({**OK_CMPL, "stream_options": {"include_usage": True}}, "stream_options", "stream_options is only allowed"),
     ({"prompt": [5, -1], "max_tokens": 1}, "prompt", "prompt: token ids must be non-negative"),

@@ -2788,8 +2788,58 @@ ray_kairos_vbs{deployment="LLMServer",model="m",replica="a"} 1.0
     assert running_policies(text) == {("a", "scorpio"), ("b", "fcfs")} and running_policies("") == set()
 
 
+def test_beam_search_refuses_only_values_that_would_change_its_reply() -> None:
+    """Beside use_beam_search a field it would not honour is a 400 where its value would change the reply: a
+    logprobs of 0 too (it was taken for false, and the logprobs left out without a word); empty lists and maps, and
+    tool_choice auto without tools, change nothing (a client's defaults were 400s); length_penalty without beam
+    search has no effect, as vLLM's (it was a 400)."""
+    beam = {"prompt": "x", "use_beam_search": True, "n": 2}
+    for field, value in (("logprobs", 0), ("prompt_logprobs", 0), ("logprobs", 1), ("stop", ["a"]),
+                         ("presence_penalty", 0.5)):
+        with pytest.raises(ValidationError, match=f"{field} is not supported with use_beam_search"):
+            P.CompletionRequest.model_validate({**beam, field: value})
+    for field, value in (("stop", []), ("stop_token_ids", []), ("bad_words", []), ("logit_bias", {}),
+                         ("presence_penalty", 0.0), ("logprobs", None)):
+        P.CompletionRequest.model_validate({**beam, field: value})
+    chat = {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}
+    P.ChatCompletionRequest.model_validate({**chat, "tools": [], "tool_choice": "auto"})
+    P.ChatCompletionRequest.model_validate({**chat, "logprobs": False})
+    with pytest.raises(ValidationError, match="logprobs is not supported with use_beam_search"):
+        P.ChatCompletionRequest.model_validate({**chat, "logprobs": True})
+    assert P.CompletionRequest.model_validate({"prompt": "x", "length_penalty": 1.5}).length_penalty == 1.5
+
+
+def test_a_tool_choice_beside_a_grammar_names_the_tool_choice() -> None:
+    """A named or required tool and a guided_grammar: the 400 says the two cannot both be given, naming tool_choice
+    (it said a reply may be held to one format, as if two formats had been given)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(ValidationError, match="tool_choice naming or requiring a tool and a response_format"):
+        P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                "tool_choice": "required", "guided_grammar": 'root ::= "a"'})
+
+
+def test_a_models_max_new_tokens_caps_every_reply() -> None:
+    """A checkpoint's generation_config max_new_tokens is its replies' cap (vLLM's --generation-config auto takes
+    it as max_tokens): a request without max_tokens gets it, and one above it is held to it; a chat's window stays
+    the cap where it is the smaller (the engine's)."""
+    from engine.loader import sampling_defaults
+
+    taken, skipped = sampling_defaults({"temperature": 0.6, "max_new_tokens": 2048})
+    assert (taken, skipped) == ({"temperature": 0.6, "max_tokens": 2048}, {})
+    assert sampling_defaults({"max_new_tokens": 0})[1] == {"max_new_tokens": 0}
+    assert sampling_defaults({"max_new_tokens": True})[1] == {"max_new_tokens": True}
+    chat = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    assert chat.sampling_kwargs(chat.default_max_tokens(), taken)["max_tokens"] == 2048
+    assert chat.sampling_kwargs(None, {})["max_tokens"] is None
+    cmpl = P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 4096})
+    assert cmpl.sampling_kwargs(cmpl.default_max_tokens(), taken)["max_tokens"] == 2048
+    cmpl = P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 8})
+    assert cmpl.sampling_kwargs(cmpl.default_max_tokens(), taken)["max_tokens"] == 8
+
+
 @pytest.mark.parametrize("field,value", [
-    ("function_call", {"name": "f"}), ("functions", [{"name": "f"}])])
+    ("function_call", {"name": "f"}), ("functions", [{"name": "f"}]),
+    ("structural_tag", '{"type": "structural_tag", "structures": [], "triggers": ["<f>"]}')])
 def test_fields_that_change_the_output_and_are_not_implemented_are_refused(field, value) -> None:
     """OpenAI / vLLM apply these or answer 400; silently ignoring them would return an output the client did not
     ask for. Their defaults (or an explicit null) pass."""
