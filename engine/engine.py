@@ -562,16 +562,24 @@ class LLMEngine:
             log.exception("engine worker died")
             self._dead = e
             for req in list(self._requests.values()):
-                self._finish(req, FinishReason.ERROR, error=f"engine failure: {e!r}")
+                try:
+                    self._finish(req, FinishReason.ERROR, error=f"engine failure: {e!r}")
+                except Exception:  # noqa: BLE001 - its stream is ended below all the same
+                    log.exception("request %s: ending it after the worker died failed", req.request_id)
             self._publish(0, 0)
         finally:
-            self._inflight = None  # (its device work finishes before `_release` frees memory: `Backend.release`)
-            self._drain_after_stop()
-            self._emit()
-            # a request posted after that drain (its `_enqueue` ran before the stop) is failed by its poster once
-            # this is set, or here if it came before: either way its stream ends
-            self._closed = True
-            self._fail_inbox(self._gone_why())
+            try:
+                self._inflight = None  # (its device work finishes before `_release` frees memory: `Backend.release`)
+                self._drain_after_stop()
+                self._emit()
+            finally:  # whatever failed above, no stream is left waiting
+                # a request posted after that drain (its `_enqueue` ran before the stop) is failed by its poster once
+                # this is set, or here if it came before: either way its stream ends
+                self._closed = True
+                why = self._gone_why()
+                for rid, stream in self.outputs.open_streams():  # (none, unless ending one failed above)
+                    _put_quietly(stream, RequestOutput.failed(rid, why, ErrorKind.UNAVAILABLE))
+                self._fail_inbox(why)
 
     def _gone_why(self) -> str:
         return "engine shut down" if self._dead is None else f"engine failure: {self._dead!r}"

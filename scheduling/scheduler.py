@@ -380,6 +380,8 @@ class Scheduler:
             req.prefix_hit, req.prefix_nodes, req.prefix_seen = 0, [], None
             return []
         nodes = req.prefix_nodes
+        if len(nodes) * bm.block_size >= req.num_tokens:  # its tokens shrank below its last lookup (a placeholder
+            req.prefix_seen = None                         # taken back, `engine._resolve`): looked up afresh
         if req.prefix_seen == bm.added and (not nodes or nodes[-1].block >= 0):
             return nodes
         hits = bm.lookup(req.token_ids, min(req.num_tokens - 1, self.max_model_len),

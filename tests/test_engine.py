@@ -964,6 +964,33 @@ def test_a_job_queued_behind_a_step_that_breaks_the_worker_is_refused_not_run(ti
         eng.shutdown()
 
 
+def test_a_dead_worker_ends_every_stream_even_where_ending_a_request_fails(tiny_checkpoints):
+    """The worker's loop broke and ending a request then failed too (`_finish` raising): every open stream still
+    ends (they waited for ever: the rest of the worker's clean-up never ran), and a request sent after is refused."""
+    eng = _engine(tiny_checkpoints["llama"])
+    try:
+        stream = eng.add_request([1, 2, 3], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        next(iter(stream))  # (running)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("finish broke")
+
+        eng._finish = broken
+        eng.inject_fault(fatal=True)
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
+        reader.start()
+        reader.join(20)
+        assert got and got[-1].finished and got[-1].finish_reason == "error", got[-1:]
+        deadline = time.monotonic() + 10
+        while eng._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(EngineDeadError):
+            eng.add_request([1, 2], SamplingParams(max_tokens=2))
+    finally:
+        eng.shutdown()
+
+
 def test_a_hung_step_fails_every_request_as_unavailable_and_the_engine_counts_dead(tiny_checkpoints):
     """A step stuck in a device call never returns an error: past step_timeout_s the watchdog ends every open
     stream (the request in the step, one sent after) as unavailable, which the Ingress resends elsewhere, and the

@@ -250,6 +250,21 @@ def test_a_preempted_request_finds_its_own_blocks_cached_and_a_failed_one_leaves
     assert s.blocks.num_cached == 4 and s.blocks.num_free == 64
 
 
+def test_a_waiting_request_whose_tokens_shrank_leaves_its_last_token_to_compute():
+    """A preempted request whose failed step's placeholder token was taken back (`engine._resolve`) has one token
+    fewer than its last lookup saw: that lookup's hit covered all of its tokens now, and the prefill had none to
+    compute (its logits give the next token); looked up again, at least its last token is left."""
+    s = _sched()
+    a = Request("a", list(range(1, 18)), SamplingParams(max_tokens=4))  # 17 tokens: 4 full blocks cached
+    s.add(a)
+    _step(s, s.schedule(0.0))
+    b = Request("b", list(range(1, 17)) + [0], SamplingParams(max_tokens=4))  # a placeholder 17th token
+    s.add(b)
+    assert b.prefix_hit == 16
+    b.token_ids.pop()  # (taken back: 16 tokens, all of them in cached blocks)
+    assert len(s._peek(b)) * 4 < b.num_tokens and b.prefix_hit == 12
+
+
 def test_the_costs_of_waiting_requests_follow_the_cache_as_it_changes():
     """A request that arrived before its prefix was computed costs only the rest once it is (each step's decisions
     read what each waiting prompt finds cached now), and a hit whose blocks were evicted since costs it all again."""
