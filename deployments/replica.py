@@ -280,6 +280,9 @@ class LLMReplica:
         if req.replicas_running and req.replicas_running != self._pacing_running:  # (an autoscaled app's share)
             self._pacing_running = req.replicas_running
             self.pacing = self.pacing.for_running(req.replicas_running)
+        if rid in self._decode_left:  # (the engine refuses it too, but this call's clean-up would undo the first's)
+            yield self._refused(req, t_in, ErrorKind.INVALID_REQUEST, f"duplicate request id {rid!r}")
+            return
         try:
             stream = self.engine.generate(req)
         except ContextLengthExceeded as e:

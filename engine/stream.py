@@ -130,11 +130,12 @@ class RequestStream:
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
             self._close_waiter = (loop, fut, threading.get_ident())
+        # (a timer, not wait_for: on 3.11 wait_for may swallow a cancellation that comes as the final item is put)
+        timer = loop.call_later(timeout, _wake, fut)
         try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
+            await fut
         finally:
+            timer.cancel()
             with self._lock:
                 if self._close_waiter is not None and self._close_waiter[1] is fut:
                     self._close_waiter = None

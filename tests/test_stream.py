@@ -107,3 +107,25 @@ def test_a_reply_ended_by_a_models_other_eos_names_it_as_its_stop_reason():
         outputs.on_token(req, ended_by, FinishReason.STOP)
         outputs.finish(req, last_token=ended_by)
         assert stream.get(1).stop_reason == named
+
+
+def test_a_cancel_during_wait_closed_is_never_swallowed_by_the_final_item():
+    """A pacing hold (`wait_closed`) cancelled in the same loop turn as the final item is put raises CancelledError
+    (with asyncio.wait_for, Python 3.11 returned instead and dropped the cancel: a client gone counted as served);
+    the timeout and the final item each end the wait."""
+    async def run() -> None:
+        s = RequestStream("x")
+        waiting = asyncio.ensure_future(s.wait_closed(5.0))
+        await asyncio.sleep(0.01)
+        s.put(RequestOutput("x", finished=True, finish_reason=FinishReason.LENGTH))
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await RequestStream("y").wait_closed(0.01) is False
+        t = RequestStream("z")
+        later = asyncio.ensure_future(t.wait_closed(5.0))
+        await asyncio.sleep(0.01)
+        t.put(RequestOutput("z", finished=True, finish_reason=FinishReason.LENGTH))
+        assert await asyncio.wait_for(later, 1.0) is True
+
+    asyncio.run(run())

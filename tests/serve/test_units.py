@@ -2127,7 +2127,7 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
     class Stream:
         def __init__(self, items: list[RequestOutput]) -> None:
             self.items = items
-            self.prompt_token_ids = [1]
+            self.prompt_token_ids, self.prompt_thinking = [1], None
 
         async def aget(self) -> RequestOutput:
             return self.items.pop(0)
@@ -2169,6 +2169,13 @@ def test_a_replica_counts_a_request_out_when_it_yields_the_last_item() -> None:
         shared = me.generate(GenerateRequest("shared", prompt=(1,), replicas_running=2, return_token_ids=True))
         first = await shared.__anext__()
         assert me.pacing.max_chunks_per_s == 1000.0 and first.prompt_token_ids == [1]  # (vLLM's return_token_ids)
+        # another call with an id in flight is refused before it touches that request's state (its clean-up
+        # forgot the first's caller and plan, and could abort it)
+        dup = me.generate(GenerateRequest("shared", prompt=(1,), caller="ingress-1"))
+        refused = await dup.__anext__()
+        assert refused.finish_reason is FinishReason.ERROR and "duplicate request id" in refused.error
+        await dup.aclose()
+        assert "shared" in me._decode_left and aborted == ["gone"] and me.inflight == 1
         await shared.aclose()
 
     asyncio.run(run())
