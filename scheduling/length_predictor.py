@@ -218,16 +218,25 @@ OUTLOOK_REACH = 16.0
 OUTLOOK_GRID = OUTLOOK_RATIO ** np.arange(int(math.log(LEN_HI * OUTLOOK_REACH) / math.log(OUTLOOK_RATIO)) + 1)
 
 
-def quantile(p: np.ndarray, q: float, scale: float = 1.0) -> int:
+def quantile(p: np.ndarray, q: float, scale: float = 1.0, floor: float = 0.0) -> int:
     """The q-quantile of bucket probabilities `p` (interpolated in log length within its bucket), in tokens (times
-    `scale`: the served tokenizer's tokens for one of the training tokenizer's, `LengthPredictor.scale`)."""
+    `scale`: the served tokenizer's tokens for one of the training tokenizer's, `LengthPredictor.scale`); with
+    `floor` (served tokens: a request's min_tokens), of the distribution above it (never below it)."""
     cdf = np.cumsum(p)
+    f = floor / scale
+    if f > LEN_LO:  # the mass below the floor, each bucket log-uniform: the quantile is of the rest
+        k = bucket_of(f)  # (past LEN_HI: the last bucket, all of it below)
+        below = cdf[k] - p[k] + p[k] * min(1.0, math.log(f / _LO[k]) / math.log(_HI[k] / _LO[k]))
+        if below >= 1.0 - 1e-9:
+            return max(1, math.ceil(floor))
+        q = below + q * (1.0 - below)
     k = int(min(np.searchsorted(cdf, q), len(p) - 1))
     lo = (LEN_LO, *EDGES)[k]
     hi = (*EDGES, LEN_HI)[k]
     below = cdf[k] - p[k]
     frac = (q - below) / p[k] if p[k] > 0 else 0.5
-    return max(1, int(round(scale * math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo))))))
+    got = scale * math.exp(math.log(lo) + min(max(frac, 0.0), 1.0) * (math.log(hi) - math.log(lo)))
+    return max(1, int(round(got)), math.ceil(floor))
 
 
 def conditional_means(p: np.ndarray, scale: float = 1.0, cap: float | None = None) -> tuple[float, ...]:

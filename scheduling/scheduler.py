@@ -240,7 +240,7 @@ class Scheduler:
         floor = req.params.min_tokens  # a reply at least this long: the distribution above it
         cap = self._reply_cap(req)  # ...and at most this long: every expectation is of min(length, cap)
         if q is not None:
-            req.predicted_len = max(length_quantile(p, q, scale * cal), floor)
+            req.predicted_len = length_quantile(p, q, scale * cal, floor)
             if self.length_cal is not None:  # the mean is what the replies' lengths are compared with
                 # (above min_tokens and within the cap in the calibrated scale, as the mean path's: both are in
                 # served tokens)
@@ -252,7 +252,8 @@ class Scheduler:
         req.length_base = req.length_outlook[0] / cal
         req.predicted_len = max(1, int(round(req.length_outlook[0])))
         if self.flags.length_gate_quantile > 0:
-            req.gate_len = max(req.predicted_len, length_quantile(p, self.flags.length_gate_quantile, scale * cal))
+            req.gate_len = max(req.predicted_len,
+                               length_quantile(p, self.flags.length_gate_quantile, scale * cal, floor))
 
     def _reply_cap(self, req: Request) -> int:
         """The most tokens `req`'s reply can have: its max_tokens, within the window's rest."""

@@ -821,3 +821,20 @@ def test_the_outlook_reaches_past_the_buckets_at_a_scale_above_one():
         out = LP.conditional_means(p, scale, cap=50_000)
         want = (scale * hi - k) / math.log(scale * hi / k)  # E[len | len > k], log-uniform within the bucket
         assert outlook_at(out, k) - k > 0.6 * (want - k), (scale, outlook_at(out, k), want)
+
+
+def test_a_quantile_above_min_tokens_is_of_the_distribution_above_it():
+    """A request's min_tokens: the planning quantile is of the lengths above it (it was the whole distribution's,
+    raised to min_tokens: a median of a reply at least 160 tokens long planned 160, not 175), never below it; past
+    the distribution's end it is min_tokens itself."""
+    from scheduling.length_predictor import EDGES, quantile
+
+    one = np.zeros(len(EDGES) + 1)
+    one[4] = 1.0  # all of it in [128, 192), log-uniform
+    assert quantile(one, 0.5) == quantile(one, 0.5, floor=0.0) == round(math.sqrt(128 * 192))
+    assert quantile(one, 0.5, floor=160.0) == round(math.sqrt(160 * 192))
+    assert quantile(one, 0.5, scale=2.0, floor=320.0) == round(2 * math.sqrt(160 * 192))
+    assert quantile(one, 0.9, floor=5000.0) == 5000
+    flat = np.full(len(EDGES) + 1, 1.0 / (len(EDGES) + 1))
+    got = [quantile(flat, 0.5, floor=f) for f in (0, 50, 200, 800)]
+    assert got == sorted(got) and all(g >= f for g, f in zip(got, (0, 50, 200, 800)))
