@@ -7,8 +7,8 @@ holds a regex.
 
 The syntax: rules `name ::= body`, one of them `root` (the whole reply); a body of alternatives split by `|`, each a
 sequence of string literals (`"..."` or `'...'`, with the escapes `\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, `\\'`,
-`\\xhh`, `\\uhhhh`, `\\Uhhhhhhhh`), character classes (`[a-z_]`, `[^"\\\\]`, with those escapes, and `\\d`, `\\w`,
-`\\s` as ASCII's), `.` (any character), rule names, groups `( ... )`, and the quantifiers `*`, `+`, `?`, `{m}`,
+`\\xhh`, `\\uhhhh`, `\\Uhhhhhhhh`), character classes (`[a-z_]`, `[^"\\\\]`, with those escapes, and `\\d`, `\\w`
+as ASCII's, `\\s` as Unicode's white space), `.` (any character), rule names, groups `( ... )`, and the quantifiers `*`, `+`, `?`, `{m}`,
 `{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span lines. A grammar with no `::=`
 is read as Lark's, as vLLM reads one (`from_lark`). Left recursion through first calls (`sum ::= sum "+" n | n`) is
 rewritten into right recursion of the same language (`Grammar._unleft`). A grammar this checker cannot hold as
@@ -587,11 +587,35 @@ def _lark_line(line: str) -> str:
     return line.strip()
 
 
+def _lark_optionals(body: str, n: int) -> str:
+    """A Lark body with its `[item]`s (optional items) written `(item)?`; a `[` or `]` inside a string literal is
+    the literal's."""
+    out: list[str] = []
+    quote, depth = None, 0
+    for i, c in enumerate(body):
+        if quote:
+            if c == quote and body[i - 1] != "\\":
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c == "[":
+            depth, c = depth + 1, "("
+        elif c == "]":
+            if not depth:
+                raise ValueError(f"grammar (Lark), line {n}: a `]` with no `[` before it")
+            depth, c = depth - 1, ")?"
+        out.append(c)
+    if depth:
+        raise ValueError(f"grammar (Lark), line {n}: a `[` with no `]` after it")
+    return "".join(out)
+
+
 def from_lark(text: str) -> str:
     """A grammar in Lark's notation as vLLM's xgrammar backend takes it (`name: ...` rules, `|` lines that go on
     with the last rule's alternatives, `?`/`!` and priorities dropped, `start` the reply's rule, else the first), as
-    EBNF. Its bodies are read as EBNF's (literals, classes, groups, quantifiers): Lark's regular expressions
-    (`/.../`), ranges (`"a".."z"`) and `~` repeats are refused by `Grammar` as it meets them."""
+    EBNF. Its bodies are read as EBNF's (literals, groups, quantifiers), but for Lark's `[item]`, an optional
+    item (`(item)?`: Lark has no character classes); Lark's regular expressions (`/.../`), ranges (`"a".."z"`) and
+    `~` repeats are refused by `Grammar` as it meets them."""
     rules: list[tuple[str, list[str]]] = []
     for n, raw in enumerate(text.splitlines(), 1):
         line = _lark_line(raw)
@@ -600,7 +624,7 @@ def from_lark(text: str) -> str:
         if line.startswith("|"):
             if not rules:
                 raise ValueError(f"grammar (Lark), line {n}: an alternative `|` before any rule")
-            rules[-1][1].append(line[1:].strip())
+            rules[-1][1].append(_lark_optionals(line[1:].strip(), n))
             continue
         m = _LARK_RULE.fullmatch(line)
         if m is None or m.group(2).lstrip().startswith("="):
@@ -611,7 +635,7 @@ def from_lark(text: str) -> str:
         if re.search(r"[\"']\s*\.\.\s*[\"']", m.group(2)):
             raise ValueError(f"grammar (Lark), line {n}: Lark's ranges (\"a\"..\"z\") are not supported here: write a "
                              "class ([a-z])")
-        rules.append((m.group(1), [m.group(2).strip()]))
+        rules.append((m.group(1), [_lark_optionals(m.group(2).strip(), n)]))
     if not rules:
         raise ValueError("grammar: no rule (`name ::= ...`, or Lark's `name: ...`)")
     names = [name for name, _ in rules]

@@ -40,7 +40,9 @@ MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven leve
 # modes
 VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN, \
     THINK, FORK = range(16)
-MAX_FORK = 64  # the alternatives a value of an anyOf / oneOf follows at once (`FORK`), the first ones kept
+# the alternatives a value of an anyOf / oneOf follows at once (`FORK`): a union of more is refused (its values count
+# as one, `_union_leaves`); where unions inside unions' alternatives add up past it, the first ones are kept
+MAX_FORK = 64
 # the automaton positions of a schema's patterns in all (each is within regex_grammar.MAX_NODES): what checking one
 # schema may cost (each pattern is compiled as the request is read, on the HTTP front's event loop)
 MAX_PATTERN_NODES = 2 * MAX_NODES
@@ -62,7 +64,8 @@ ENFORCED = frozenset(("type", "properties", "required", "additionalProperties", 
 _COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 NOTES = frozenset(("title", "description", "default", "examples", "format", "$schema", "$id", "$comment", "strict",
-                   "readOnly", "writeOnly", "deprecated"))
+                   "readOnly", "writeOnly", "deprecated",
+                   "discriminator"))  # (OpenAPI's, pydantic's tagged unions: the members' consts already say it)
 TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
 
 Schema = dict[str, Any] | None
@@ -169,7 +172,8 @@ def compile_schema(text: str) -> dict[str, Any]:
         return ValueError(f"json_schema: {where} {what}")
 
     defs: dict[str, Any] = {}
-    positions = [0]  # the schema's patterns' automaton positions so far (MAX_PATTERN_NODES)
+    positions = [0]  # the schema's patterns' automaton positions so far (MAX_PATTERN_NODES), each pattern once
+    counted: set[int] = set()  # (a pattern written again is the same automaton: `compile_regex` keeps it)
     for name in ("$defs", "definitions"):
         got = root.get(name)
         if got is not None and not isinstance(got, dict):
@@ -281,7 +285,9 @@ def compile_schema(text: str) -> dict[str, Any]:
                 node["pattern"] = compile_regex(node["pattern"], search=True)  # (JSON Schema's: found anywhere)
             except ValueError as e:
                 raise fail(f"{where}.pattern", str(e)) from None
-            positions[0] += len(node["pattern"].nodes)
+            if id(node["pattern"]) not in counted:
+                counted.add(id(node["pattern"]))
+                positions[0] += len(node["pattern"].nodes)
             if positions[0] > MAX_PATTERN_NODES:
                 raise fail(f"{where}.pattern", f"takes the schema's patterns past {MAX_PATTERN_NODES} automaton "
                                                "positions in all")
@@ -293,10 +299,8 @@ def compile_schema(text: str) -> dict[str, Any]:
         if any(name in node for name in _BOUNDS) and not _bounded_exists(node):
             raise fail(where, "has bounds no number meets")
         rx = node.get("pattern")
-        if rx is not None:
-            fewest, most = rx.lengths(rx.start)
-            if fewest > node.get("maxLength", fewest) or most < node.get("minLength", 0):
-                raise fail(where, "has a pattern no string of its minLength and maxLength matches")
+        if rx is not None and not rx.within(rx.start, node.get("minLength", 0), node.get("maxLength", math.inf)):
+            raise fail(where, "has a pattern no string of its minLength and maxLength matches")
         if node.get("items") is False and node.get("minItems", 0) > len(node.get("prefixItems") or ()):
             raise fail(where, "has a minItems its prefixItems cannot reach (items: false)")
         return node
@@ -326,6 +330,10 @@ def compile_schema(text: str) -> dict[str, Any]:
                 path.append((nxt, iter(alternatives(nxt))))
             elif not state[id(nxt)]:
                 raise fail("the schema", "has an anyOf or oneOf whose alternatives lead back to it")
+    for node in schemas:  # (a union's values are one list: `_union_leaves`; more alternatives would be dropped)
+        if (node.get("anyOf") or node.get("oneOf")) and len(leaves := _union_leaves(node)) > MAX_FORK:
+            raise fail("the schema", f"has an anyOf or oneOf of {len(leaves)} alternatives (values aside, which "
+                                     f"count as one), more than the {MAX_FORK} this server follows at once")
     return root
 
 
@@ -366,6 +374,19 @@ def _leaves(node: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def _union_leaves(node: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """`_leaves`, those that are values (`enum`, `const`) as one `enum` of them all in the first one's place: a
+    union of many values (pydantic's Literal, an anyOf of consts) is one list of texts, not a fork of one member
+    each (`MAX_FORK`)."""
+    leaves = _leaves(node)
+    values = [n for n in leaves if "const" in n or "enum" in n]
+    if len(values) < 2:
+        return leaves
+    merged = {"enum": [v for n in values for v in ([n["const"]] if "const" in n else n["enum"])]}
+    first = values[0]
+    return tuple(merged if n is first else n for n in leaves if n is first or not ("const" in n or "enum" in n))
+
+
 def _types(node: dict[str, Any]) -> frozenset[str] | None:
     """The types a schema allows (None: any), `integer` within `number`."""
     t = node.get("type")
@@ -384,7 +405,7 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
         if node.get("anyOf") or node.get("oneOf"):  # (`compile_schema` refuses alternatives that lead back to
             leaves = node.get(_LEAVES)  # themselves)
             if leaves is None:
-                leaves = node[_LEAVES] = _leaves(node)
+                leaves = node[_LEAVES] = _union_leaves(node)
             return _fork(_value(stack, ch, alt) for alt in leaves)  # (each alternative it fits, not only the first:
             # a union of objects all begin with "{", and tool_choice required's anyOf of tools called only the first)
         if "const" in node or "enum" in node:
@@ -409,7 +430,9 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
         limits = None
         if node is not None and ("minLength" in node or "maxLength" in node or "pattern" in node):
             rx = node.get("pattern")
-            limits = (0, node.get("minLength", 0), node.get("maxLength"), rx, rx.start if rx is not None else None)
+            lo, hi = node.get("minLength", 0), node.get("maxLength")
+            at = rx.within(rx.start, lo, math.inf if hi is None else hi) if rx is not None else None
+            limits = (0, lo, hi, rx, at)
         return (stack, STRING, limits, 0)
     if (ch == "-" or ch in _DIGITS) and (allows("number") or allows("integer")):
         integer = types is not None and "number" not in types
@@ -508,9 +531,10 @@ def _one_more(limits: tuple | None, ch: str) -> tuple | None:
         at = rx.step(at, ch)
         if at is None:
             return None
-        fewest, most = rx.lengths(at)
-        if (hi is not None and count + fewest > hi) or count + most < lo:
-            return None
+        if lo > count or hi is not None:  # (only positions whose matches may still meet the bounds go on)
+            at = rx.within(at, lo - count, math.inf if hi is None else hi - count)
+            if not at:
+                return None
     return count, lo, hi, rx, at
 
 
@@ -965,8 +989,12 @@ def complete(state: State) -> bool:
     if mode == PATTERN:
         return sub[0].accepts(sub[1])
     if mode == THINK:  # thinking: a stop token may end it (vLLM's way: no format is held while it thinks); its
-        # thinking ended, a format that may be empty
-        return sub[0] == "in" or sub[0] == "after" and complete(sub[2])
+        # thinking ended, a format that may be empty; before any, what it wrote is the format's (a `<` may be both)
+        stage, text, then = sub
+        if stage == "start":
+            then = advance(then, text) if text else then
+            return then is not None and complete(then)
+        return stage == "in" or stage == "after" and complete(then)
     if stack:
         return False
     return (mode == NUMBER and sub[0] in _NUMBER_ENDS and _within(sub[2], sub[3])) or \

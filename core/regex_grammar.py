@@ -7,7 +7,9 @@ The syntax is Python's `re` (and JSON Schema's ECMA 262, where they agree): lite
 `\\xhh`, `\\uhhhh`, an escaped punctuation mark), `.` (any character but a newline), classes (`[a-z_]`, `[^...]`,
 `\\d`, `\\w`, `\\s` and their negations, inside classes too), groups (`(...)`, `(?:...)`, `(?P<name>...)`,
 `(?<name>...)`), `|`, the quantifiers `*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}` (lazy forms too: the same language),
-and `^` / `$` (the text's start and end); `\\d`, `\\w` and `\\s` are ASCII's, as JSON Schema's (ECMA 262) are.
+and `^` / `$` (the text's start and end); `\\d` and `\\w` are ASCII's, as JSON Schema's (ECMA 262) are, and `\\s` is
+Unicode's white space (ECMA's: U+00A0, U+FEFF, U+2028 and the space separators too; Python's agrees but for a few
+control characters).
 What a reply cannot be checked against as it grows (backreferences, lookarounds, word boundaries, inline flags) is
 refused with a ValueError naming it, as is a pattern no text matches or whose automaton would exceed `MAX_NODES`
 positions."""
@@ -25,6 +27,7 @@ MAX_REPARSED = 200_000  # the characters a pattern's {m,n}s parse again (a copy 
 # compile may cost (a long class repeated, one position a copy, stayed under MAX_NODES and took seconds)
 MAX_REPEAT = 1_000  # the largest count a {m,n} may name
 MAX_DEPTH = 100  # groups within groups
+LENGTH_SET_WORK = 2_000_000  # edge visits listing a pattern's lengths under a string's maxLength (`Regex.within`)
 _CACHE_POSITIONS = 2_000_000  # the positions the steps kept hold in all (each state once), per automaton
 _CACHE_STEPS = 1_000_000  # and the steps kept (every automaton's together: `core.step_cache.BUDGET`)
 _TOP = 0x10FFFF
@@ -110,7 +113,9 @@ def _has(ranges: Ranges, c: int) -> bool:
 
 DIGIT: Ranges = ((48, 57),)
 WORD: Ranges = _norm([(48, 57), (65, 90), (95, 95), (97, 122)])
-SPACE: Ranges = _norm([(9, 13), (32, 32)])
+# ECMA 262's white space and line terminators (JSON Schema's `\s`)
+SPACE: Ranges = _norm([(9, 13), (32, 32), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+                       (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)])
 DOT: Ranges = _complement(((10, 10),))
 ANY: Ranges = ((0, _TOP),)
 _CLASSES = {"d": DIGIT, "w": WORD, "s": SPACE, "D": _complement(DIGIT), "W": _complement(WORD),
@@ -411,6 +416,7 @@ class Regex:
         self._steps: StepCache[frozenset[int]] = StepCache(_CACHE_POSITIONS, _CACHE_STEPS)
         self._live = self._coreachable()
         self._dmin, self._dmax = self._distances()
+        self._sets: tuple[int, dict[int, int]] | None = None  # (up to, per position its lengths): `_length_sets`
         self.start = self._closure([start], True)
 
     def _coreachable(self) -> frozenset[int]:
@@ -492,6 +498,54 @@ class Regex:
     def lengths(self, states: frozenset[int]) -> tuple[float, float]:
         """The fewest and the most characters a match may still take from `states`."""
         return min(self._dmin[k] for k in states), max(self._dmax[k] for k in states)
+
+    def within(self, states: frozenset[int], lo: float, hi: float) -> frozenset[int]:
+        """The positions of `states` from which a match may still take between `lo` and `hi` characters; `states`
+        itself where all of them may. Each position's own lengths: one position's fewest and another's most may
+        meet the bounds where no position's matches do, and one position's lengths may skip the bounds (`(ab)?`
+        takes 0 or 2); with `hi` infinite, or lengths too costly to list (`LENGTH_SET_WORK`), its fewest and most."""
+        lo = max(lo, 0)
+        sets = self._length_sets(int(hi)) if hi != _INF and hi >= 0 else None
+        if sets is not None:
+            mask = (1 << (int(hi) + 1)) - (1 << int(lo)) if lo <= hi else 0
+            keep = frozenset(k for k in states if sets.get(k, 0) & mask)
+        else:
+            keep = frozenset(k for k in states if self._dmin[k] <= hi and self._dmax[k] >= lo)
+        return states if len(keep) == len(states) else keep
+
+    def _length_sets(self, most: int) -> dict[int, int] | None:
+        """Per live position, the numbers of characters up to `most` a match may still take from it (a bitset:
+        bit L for L characters); None where listing them would take more than LENGTH_SET_WORK edge visits."""
+        if self._sets is not None and self._sets[0] >= most:
+            return self._sets[1]
+        edges = self._edges()
+        if (most + 1) * (len(edges) + 1) > LENGTH_SET_WORK:
+            return None
+        n = len(self.nodes)
+        back: tuple[dict[int, list[int]], dict[int, list[int]]] = ({}, {})  # (without a character, with one)
+        for a, b, w in edges:
+            back[w].setdefault(b, []).append(a)
+
+        def closed(front: Iterable[int]) -> set[int]:  # and the positions that reach them without a character
+            seen = set(front)
+            todo = list(seen)
+            while todo:
+                for a in back[0].get(todo.pop(), ()):
+                    if a not in seen:
+                        seen.add(a)
+                        todo.append(a)
+            return seen
+
+        bits = dict.fromkeys(self._live, 0)
+        layer = closed(k for k in self._live if self.nodes[k % n].kind == _MATCH)  # a match in 0 characters
+        for length in range(most + 1):
+            for k in layer:
+                bits[k] |= 1 << length
+            layer = closed({a for b in layer for a in back[1].get(b, ())})
+            if not layer:
+                break
+        self._sets = (most, bits)
+        return bits
 
     def __repr__(self) -> str:
         return f"Regex({self.pattern!r})"

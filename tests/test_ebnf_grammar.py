@@ -283,3 +283,18 @@ def test_an_ambiguous_grammar_keeps_its_shallowest_parses_within_a_bound(grammar
         states.append(g.step(states[-1], ch))
         assert states[-1] is not None and sum(map(len, states[-1])) <= MAX_PLACES and len(states[-1]) <= MAX_KEPT
     assert g.accepts(states[-1]) or grammar == _DOUBLING  # (its parses kept may all want more letters)
+
+
+def test_a_lark_bracket_is_an_optional_item():
+    """Lark's `[item]` is an optional item (Lark has no character classes): it was read as EBNF's class, which
+    refused `a` for `start: "a" ["b"]` and took `a"`; a bracket inside a string is the string's."""
+    from core.ebnf_grammar import compile_grammar, from_lark
+
+    g = compile_grammar('start: "a" ["b"]\n    | "[" [c [d]] "]"\nc: "c"\nd: "d"')
+    for text, ok in (("a", True), ("ab", True), ('a"', False), ("[]", True), ("[cd]", True), ("[d]", False)):
+        state = g.start
+        for ch in text:
+            state = state if state is None else g.step(state, ch)
+        assert (state is not None and g.accepts(state)) is ok, text
+    with pytest.raises(ValueError, match="a `\\[` with no `\\]`"):
+        from_lark('start: "a" ["b"')

@@ -609,3 +609,63 @@ def test_an_enums_type_picks_its_values():
     assert advance(st, "t") is None
     with pytest.raises(ValueError, match="no enum value of its type"):
         compile_schema(json.dumps({"type": "string", "enum": [1, 2]}))
+
+
+def _takes(schema: dict, text: str) -> bool:
+    got = advance(_schema_state(schema), text)
+    return got is not None and complete(got)
+
+
+def test_a_union_of_many_values_is_one_list_and_a_wider_union_is_refused():
+    """An anyOf of values (consts, enums: pydantic's Literal) is one list of texts: past the fork's MAX_FORK
+    members every value after the 64th could never be written (the schema compiled); a union of more alternatives
+    than that is refused rather than cut."""
+    from core.json_grammar import MAX_FORK, compile_schema
+
+    values = {"anyOf": [{"const": f"v{i:03d}"} for i in range(80)] + [{"enum": [1, 2]}]}
+    assert _takes(values, '"v070"') and _takes(values, "2") and not _takes(values, '"v080"')
+    wide = {"anyOf": [{"type": "string", "pattern": f"^{i}"} for i in range(MAX_FORK + 1)]}
+    with pytest.raises(ValueError, match="anyOf or oneOf of 65 alternatives"):
+        compile_schema(json.dumps(wide))
+
+
+def test_a_patterns_lengths_are_each_positions_own_under_min_and_max_length():
+    """A pattern whose alternatives' lengths straddle a string's bounds: each position's lengths decide (the fewest
+    of one and the most of another let a prefix in that no string of the bounds finishes: a dead end, no character
+    and no closing quote), gaps too (`(xx)*` takes only even lengths)."""
+    from core.json_grammar import compile_schema
+
+    zip_or_word = {"type": "string", "pattern": "^([0-9]{5}(-[0-9]{4})?|[A-Z]{7})$", "minLength": 6, "maxLength": 9}
+    assert _takes(zip_or_word, '"ABCDEFG"') and advance(_schema_state(zip_or_word), '"12345') is None
+    assert _takes({**zip_or_word, "maxLength": 10}, '"12345-6789"')
+    with pytest.raises(ValueError, match="no string of its minLength and maxLength"):
+        compile_schema(json.dumps({"type": "string", "pattern": "^(xx)*$", "minLength": 1, "maxLength": 1}))
+    assert _takes({"type": "string", "pattern": "^(xx)*$", "minLength": 1, "maxLength": 3}, '"xx"')
+
+
+def test_schema_notes_and_patterns_written_twice():
+    """OpenAPI's discriminator (pydantic's tagged unions) is a note: the members' consts say it already (it was a
+    400); a pattern written again counts once against the schema's pattern budget (250 UUID fields were refused)."""
+    from core.json_grammar import compile_schema
+
+    pet = {"type": "object", "properties": {"pet": {
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        "discriminator": {"propertyName": "kind", "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}}}},
+        "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}},
+                  "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}}}}}
+    assert _takes(pet, '{"pet": {"kind": "dog"}}') and not _takes(pet, '{"pet": {"kind": "cow"}}')
+    uuid = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+    compile_schema(json.dumps({"type": "object", "properties": {
+        f"id{i}": {"type": "string", "pattern": uuid} for i in range(250)}}))
+
+
+def test_a_tagged_thinking_format_ends_on_text_that_begins_like_a_think_mark():
+    """qwen3's thinking (`tagged`): a reply of the format's text that is a prefix of `<think>` (a guided choice of
+    `<`) may end there, as it may without thinking (it could not: held until `<think>` or more came)."""
+    from core.json_grammar import start_pattern, thinking_first
+    from core.regex_grammar import choice_pattern, compile_regex
+
+    rx = compile_regex(choice_pattern(["<", "<=", ">"]))
+    assert complete(advance(thinking_first(start_pattern(rx), False), "<"))
+    assert complete(thinking_first(start_pattern(compile_regex("a*")), False))
+    assert not complete(advance(thinking_first(start_pattern(rx), False), "<think"))

@@ -114,3 +114,13 @@ def test_the_step_caches_of_every_automaton_share_one_budget(monkeypatch) -> Non
     monkeypatch.setattr(step_cache, "BUDGET", step_cache.held_total() + 5)
     assert grammar.accepts(walk(grammar, "abcd" * 20 + "!")) and walk(grammar, "abcd" * 20 + "x") is None
     assert step_cache.held_total() <= step_cache.BUDGET
+
+
+def test_white_space_is_unicodes():
+    """`\\s` is Unicode's white space (ECMA 262's, a JSON Schema pattern's, and Python's): a no-break space, the
+    line separator, an ideographic space are white space and `\\S` refuses them (they were ASCII's only)."""
+    from core.regex_grammar import compile_regex, matches
+
+    for ch in ("\u00a0", "\u2028", "\u3000", "\ufeff", " ", "\t"):
+        assert matches(compile_regex(r"\s"), ch) and not matches(compile_regex(r"\S"), ch), repr(ch)
+    assert matches(compile_regex(r"\S+"), "ab") and not matches(compile_regex(r"\s"), "a")
