@@ -7,7 +7,7 @@ The syntax is Python's `re` (and JSON Schema's ECMA 262, where they agree): lite
 `\\xhh`, `\\uhhhh`, an escaped punctuation mark), `.` (any character but a newline), classes (`[a-z_]`, `[^...]`,
 `\\d`, `\\w`, `\\s` and their negations, inside classes too), groups (`(...)`, `(?:...)`, `(?P<name>...)`,
 `(?<name>...)`), `|`, the quantifiers `*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}` (lazy forms too: the same language),
-and `^` / `$` (the text's start and end); `\\d` and `\\w` are ASCII's, as JSON Schema's (ECMA 262) are, and `\\s` is
+and `^` / `$` (the text's start and end, as `\\A` / `\\Z`); `\\d` and `\\w` are ASCII's, as JSON Schema's (ECMA 262) are, and `\\s` is
 Unicode's white space (ECMA's: U+00A0, U+FEFF, U+2028 and the space separators too; Python's agrees but for a few
 control characters).
 What a reply cannot be checked against as it grows (backreferences, lookarounds, word boundaries, inline flags) is
@@ -314,6 +314,9 @@ class _Parser:
         if ch == "[":
             return self.single(_CHAR, self.klass())
         if ch == "\\":
+            if self.p[self.i:self.i + 1] in ("A", "Z"):  # Python's text start and end: `^` and `$` here
+                self.i += 1
+                return self.single(_BEGIN if self.p[self.i - 1] == "A" else _END)
             return self.single(_CHAR, self.escape(False))
         return self.single(_CHAR, ((ord(ch), ord(ch)),))
 

@@ -124,3 +124,12 @@ def test_white_space_is_unicodes():
     for ch in ("\u00a0", "\u2028", "\u3000", "\ufeff", " ", "\t"):
         assert matches(compile_regex(r"\s"), ch) and not matches(compile_regex(r"\S"), ch), repr(ch)
     assert matches(compile_regex(r"\S+"), "ab") and not matches(compile_regex(r"\s"), "a")
+
+
+def test_pythons_text_anchors_are_the_texts_start_and_end():
+    """`\\A` and `\\Z` (Python's) are `^` and `$` (they were a 400 as an unknown escape)."""
+    from core.regex_grammar import compile_regex, matches
+
+    anchored = compile_regex(r"\Aab\Z", search=True)
+    assert matches(anchored, "ab") and not matches(anchored, "xab") and not matches(anchored, "abx")
+    assert matches(compile_regex(r"a\Z|b"), "b")
