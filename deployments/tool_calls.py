@@ -194,7 +194,8 @@ _DECODER = json.JSONDecoder(strict=False, parse_constant=_no_constant)
 
 def _json(text: str) -> Any:
     """`text`'s JSON value (as `_DECODER` reads it), else None. An object or a list with Python's True, False and
-    None where JSON has true, false and null (as a model may write a call's arguments) reads as JSON's."""
+    None where JSON has true, false and null (as a model may write a call's arguments), or with an escape JSON has
+    not, reads as `JsonText` rewrites it (`_pythonic_head`)."""
     try:
         return _DECODER.decode(text)
     except (ValueError, RecursionError):
@@ -206,9 +207,10 @@ _PY_WORD = re.compile(r"\b(?:True|False|None)\b")
 
 
 def _pythonic_head(text: str) -> tuple[Any, int | None]:
-    """The object or list `text` opens with (after whitespace) where only Python's True, False and None kept it
-    from being JSON, and where it ends in `text`; (None, None) otherwise."""
-    if _PY_WORD.search(text) is None:
+    """The object or list `text` opens with (after whitespace) where only Python's True, False and None, or an
+    escape JSON has not (`"\\d+"`, a regex a model wrote: its backslash is its own), kept it from being JSON, and
+    where it ends in `text`, as `JsonText` rewrites it; (None, None) otherwise."""
+    if _PY_WORD.search(text) is None and "\\" not in text:
         return None, None
     rewritten = JsonText()
     written = rewritten.feed(text)
@@ -246,6 +248,7 @@ class JsonText:
 
     _PLAIN = re.compile(r'[^"\\\x00-\x1f\ud800-\udfff]+')
     _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+    _HEX = frozenset("0123456789abcdefABCDEF")
     _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
     _BETWEEN = {",": ", ", ":": ": ", " ": "", "\t": "", "\r": "", "\n": ""}
     _SCALAR = frozenset("-+.0123456789eEtrufalsn")  # a number's, true's, false's and null's characters
@@ -303,6 +306,10 @@ class JsonText:
                 i += 1
                 out.append(self._BETWEEN.get(ch, ch))
             elif self._escape:
+                if self._escape[1:2] == "u" and ch not in self._HEX:  # a `\u` cut short: a backslash of its own
+                    out.append(self._unpaired() + "\\\\" + self._escape[1:])  # (then `ch` is read as it is)
+                    self._escape = ""
+                    continue
                 self._escape += ch
                 i += 1
                 out.append(self._escaped())
@@ -335,8 +342,8 @@ class JsonText:
         e = self._escape
         if e[1] != "u":
             self._escape = ""
-            c = self._ESCAPES.get(e[1])
-            return self._unpaired() + (self._char(c) if c is not None else e)
+            c = self._ESCAPES.get(e[1])  # (one JSON has not, `\d` in a regex: a backslash of its own, as meant)
+            return self._unpaired() + (self._char(c) if c is not None else "\\\\" + self._char(e[1]))
         if len(e) < 6:
             return ""
         self._escape = ""
@@ -633,7 +640,7 @@ class Qwen3CoderReader(HermesReader):
             return text
         word = text.strip()
         for k in kinds:
-            if k == "integer" and re.fullmatch(r"[+-]?\d+", word):
+            if k == "integer" and re.fullmatch(r"[+-]?\d+", word) and len(word) <= _MAX_INT_DIGITS:
                 return int(word)
             if k == "number":
                 try:
@@ -648,6 +655,9 @@ class Qwen3CoderReader(HermesReader):
         if value is None and any(k in ("object", "array") for k in kinds):
             value = _literal(word)
         return text if value is None else value
+
+
+_MAX_INT_DIGITS = 4000  # an integer's digits read as one (Python's int() refuses past 4300): longer stays text
 
 
 def _literal(text: str) -> Any:
@@ -790,9 +800,12 @@ class MistralReader(_MarkedReader):
         text, after = buf, ""  # (after: text after calls, content as streamed)
         while True:  # each mark's calls, then the next mark after their JSON (a mark inside it is its text)
             calls, rest = self._read(text.strip())
-            if calls is None:  # not calls: the text stays content
-                self._buf = self.START + buf
-                return None
+            if calls is None:  # not calls: the text from this mark stays content (the calls before it stand)
+                if not found:
+                    self._buf = self.START + buf
+                    return None
+                after += self.START + text
+                break
             found.extend(calls)
             k = rest.find(self.START)
             if k < 0:
@@ -871,7 +884,8 @@ class MistralReader(_MarkedReader):
         if self.calls == self._before:  # no call in it (not a list of calls): read at the end
             self._list, self._later = None, True
             return None
-        rest = buf[self._at:][lst.pos:] if lst.rest_is_text else ""  # (else a call was cut)
+        at = lst.text_from
+        rest = buf[self._at:][at:] if at is not None else ""  # (else a call was cut)
         rest = rest.lstrip()
         self._list, self._inside, self._buf = None, False, rest[1:] if rest.startswith("]") else rest
         return got
@@ -889,7 +903,8 @@ class MistralReader(_MarkedReader):
         else:
             return None, ""
         value, rest = _json_head(args.strip())
-        return ([(name.strip(), value)] if name.strip() and isinstance(value, (dict, str)) else None), rest
+        call = as_call({"name": name.strip(), "arguments": value}) if isinstance(value, (dict, str)) else None
+        return ([call] if call is not None else None), rest
 
 
 def _json_head(text: str) -> tuple[Any, str]:
@@ -950,6 +965,16 @@ class CallList:
         """Whether the text from `pos` on is no call's (else it is a call's, sent and cut)."""
         return self.open is None or not self.open.sent
 
+    @property
+    def text_from(self) -> int | None:
+        """Where the text after the calls starts: `pos` where it is no call's; where a sent call's JSON broke off
+        (its text from there on is no call's: content, as a named call's); None where a call was cut by the text's
+        end."""
+        if self.rest_is_text:
+            return self.pos
+        assert self.open is not None
+        return None if self.open.after is None else self.pos + self.open.after
+
 
 class Llama3JsonReader(ToolCallReader):
     """A reply that opens (after whitespace, and an optional `<|python_tag|>`) with `{` is calls: JSON objects
@@ -988,7 +1013,8 @@ class Llama3JsonReader(ToolCallReader):
             return ReplyDelta(content=buf)
         if not self.calls:  # its first object is no call (or not whole)
             return ReplyDelta(content=buf)
-        rest = buf[self._body:][self._list.pos:] if self._list.rest_is_text else ""  # (else a call was cut)
+        at = self._list.text_from
+        rest = buf[self._body:][at:] if at is not None else ""  # (else a call was cut)
         out, self._ws = ReplyDelta(content=self._content(rest)), ""
         return out
 

@@ -66,6 +66,18 @@ CASES = [
     ("llama3_json", '{"name": "f", "parameters": {"q": True}}', None, [("f", {"q": True})]),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": False}}]', None, [("f", {"a": False})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": None}', None, [("f", {"a": None})]),
+    # an escape JSON has not (a regex, a Windows path, a cut \u): a backslash of its own, whole and streamed alike
+    # (streamed, the arguments were no JSON; whole, the call was text)
+    ("hermes", r'<tool_call>{"name": "grep", "arguments": {"p": "\d+", "dir": "C:\Users\me", "u": "\uZZ"}}'
+     "</tool_call>", None, [("grep", {"p": r"\d+", "dir": r"C:\Users\me", "u": r"\uZZ"})]),
+    ("llama3_json", r'{"name": "f", "parameters": {"q": "a\.b", "u": "\u12"}}', None,
+     [("f", {"q": r"a\.b", "u": r"\u12"})]),
+    ("mistral", r'[TOOL_CALLS]f[ARGS]{"re": "\s+\w"}', None, [("f", {"re": r"\s+\w"})]),
+    # a mark that holds no call after a call: that call stands, the text from the mark is content (read whole, the
+    # call was dropped); arguments as a string that is no JSON are a JSON string
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1} Use [TOOL_CALLS] to call.', " Use [TOOL_CALLS] to call.",
+     [("f", {"a": 1})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]"hello"', None, [("f", "hello")]),
 ]
 
 
@@ -307,3 +319,21 @@ def test_arguments_that_are_no_json_leave_a_call_read_whole_as_text_and_no_lone_
     for c in calls + more:  # (UTF-8 can carry no lone surrogate: it is sent as its escape)
         assert json.loads(c["function"]["arguments"]) == {"s": "\ud83d"}
         c["function"]["arguments"].encode()
+
+
+def test_what_follows_a_sent_call_whose_json_broke_is_the_same_content_in_every_cut() -> None:
+    """A listed call sent, then its JSON broke off (Python's quotes): the text from where it broke is content, in
+    every cut of the stream (it was the rest of the piece it broke in dropped, and later pieces kept); a
+    qwen3_coder integer past Python's int() digits stays text (it raised out of the reader)."""
+    for fmt, reply, rest in (("mistral", "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {'a': 1}}] Done.",
+                              "'a': 1}}] Done."),
+                             ("llama3_json", '{"name": "f", "parameters": {"a": x}} ok', "x}} ok")):
+        got = {(_streamed(model_format_reader(fmt), reply, step).content) for step in range(1, len(reply) + 1)}
+        assert got == {rest}, (fmt, got)
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}]
+    digits = "1" * 4301
+    reply = f"<tool_call>\n<function=f>\n<parameter=n>\n{digits}\n</parameter>\n</function>\n</tool_call>"
+    _, calls = model_format_reader("qwen3_coder", tools).whole(reply)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"n": digits}
+    assert json.loads(merge_calls(_streamed(model_format_reader("qwen3_coder", tools), reply, 7).calls)[0][
+        "function"]["arguments"]) == {"n": digits}
