@@ -509,10 +509,13 @@ class _MarkedReader(ToolCallReader):
 
     def end(self) -> ReplyDelta:
         out = ReplyDelta()
-        if self._inside:
+        while self._inside:  # (more than one where a block holds more calls: `_next_in_block`)
+            held = len(self._buf)
             got = self._close(self._buf, True)
             if got is not None:
                 out.add(got)
+            if self._inside and len(self._buf) >= held:
+                break
         if self._buf:  # a mark's start the reply ended on, or a call that did not parse
             out.content += self._content(self._buf)
             self._buf = ""
@@ -542,6 +545,7 @@ class HermesReader(_MarkedReader):
     def __init__(self) -> None:
         super().__init__()
         self._open: ObjectCall | FunctionCall | None = None  # the call being read
+        self._lead = self.START  # the mark its text began after ("": a block's next call, `_next_in_block`)
 
     def _streamed(self) -> "ObjectCall | FunctionCall":
         return ObjectCall(("arguments", "parameters"))
@@ -551,23 +555,32 @@ class HermesReader(_MarkedReader):
             self._open = self._streamed()
         opened = self._open
         got = ReplyDelta(calls=opened.feed(self, buf if last else buf[:len(buf) - held_back(buf, self.END)]))
+        nxt = self._next_in_block(opened, buf)
+        if nxt is not None:  # another call in the same block: read on from it, still inside
+            self._buf, self._open, self._lead = buf[nxt:], None, ""
+            return got
         after = opened.after
         j = buf.find(self.END, after) if after is not None else -1
         if j < 0 and not last:
             self._early.add(got)
             return None
         body, rest = (buf[:j], buf[j + len(self.END):]) if j >= 0 else (buf, "")
+        lead, self._lead = self._lead, self.START
         self._inside, self._buf, self._open = False, rest, None
         if opened.sent:
             return got
         call = self._call_of(body)
         if call is None:  # not a call: its text stays content
-            return ReplyDelta(content=self._content(self.START + body + (self.END if j >= 0 else "")))
+            return ReplyDelta(content=self._content(lead + body + (self.END if j >= 0 else "")))
         return self._calls([call])
 
     def _call_of(self, body: str) -> Call | None:
         """The call a `<tool_call>`'s body holds (JSON: its name and arguments), else None."""
         return as_call(_json(body))
+
+    def _next_in_block(self, opened: "ObjectCall | FunctionCall", buf: str) -> int | None:
+        """Where in `buf` another call of the same block begins, once `opened` has ended (None: none does)."""
+        return None
 
 
 class Qwen3CoderReader(HermesReader):
@@ -625,6 +638,20 @@ class Qwen3CoderReader(HermesReader):
 
     def _call_of(self, body: str) -> Call | None:
         return None  # (`FunctionCall` read every call there is)
+
+    def _next_in_block(self, opened: "ObjectCall | FunctionCall", buf: str) -> int | None:
+        """A `<function=` after a closed function, before `</tool_call>`: the block's next call (vLLM's parser reads
+        every function of a block; the second was dropped)."""
+        if not isinstance(opened, FunctionCall) or not opened.closed or opened.after is None:
+            return None
+        rest = buf[opened.after:]
+        head = rest.lstrip()
+        at = opened.after + len(rest) - len(head)
+        if head.startswith(self.BARE):
+            return at
+        # (a block the model left open before the next: `<tool_call>` again, then its function)
+        return at + len(self.START) if head.startswith(self.START + self.BARE) or \
+            head.startswith(self.START) and head[len(self.START):].lstrip().startswith(self.BARE) else None
 
     @staticmethod
     def _value(text: str, kind: Any) -> Any:

@@ -78,6 +78,12 @@ CASES = [
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1} Use [TOOL_CALLS] to call.', " Use [TOOL_CALLS] to call.",
      [("f", {"a": 1})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]"hello"', None, [("f", "hello")]),
+    # a qwen3_coder block of two functions, or a block left open before the next: each function a call (vLLM's
+    # parser reads every function of a block; the second was dropped)
+    ("qwen3_coder", "<tool_call>\n<function=f>\n</function>\n<function=g>\n<parameter=a>\n1\n</parameter>\n"
+     "</function>\n</tool_call> ok", " ok", [("f", {}), ("g", {"a": 1})]),
+    ("qwen3_coder", "<tool_call><function=f></function>\n<tool_call>\n<function=g></function></tool_call>", None,
+     [("f", {}), ("g", {})]),
 ]
 
 
