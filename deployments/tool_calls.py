@@ -371,6 +371,8 @@ class JsonText:
 
 
 _KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*', re.S)
+_NAME_END = re.compile(r"[>\s]")
+_MAY_END = re.compile(r'["{}\[\],:\s]')  # a character that may end a key or a value, or open the arguments' object
 _SPACE = re.compile(r"\s*")
 
 
@@ -422,6 +424,7 @@ class ObjectCall:
         self._object: JsonText | None = None  # the whole object as read (where it ends; where its strings are)
         self._lead = 0  # where in the call's text the object starts
         self._read = 0  # of the call's text, what the object was given
+        self._looked = 0  # of the call's text, what `_call_start` read last
 
     @property
     def sent(self) -> bool:
@@ -449,6 +452,11 @@ class ObjectCall:
         if self.args is None:
             if obj.low > 1 and obj.stop is None:  # all of it inside a value: no key of the object's own came
                 return []
+            # (no key or value can have ended since the last look without one of these: a long key or string is
+            # not read again from the object's start at every piece)
+            if self._looked and obj.stop is None and not _MAY_END.search(text, self._looked):
+                return []
+            self._looked = len(text)
             start = _call_start(text, self.keys)
             if start is None:
                 return []
@@ -734,6 +742,7 @@ class FunctionCall:
         self._scan = 0  # where its end is looked for
         self._count = 0  # parameters sent
         self._closed = False
+        self._looked = 0  # of the call's text, what its mark was looked for in last
 
     @property
     def closed(self) -> bool:
@@ -745,6 +754,10 @@ class FunctionCall:
             return []
         name, pos, param, scan = self._name, self._pos, self._param, self._scan
         if not self.sent:
+            # (the mark's name goes on until a `>` or white space comes: not matched again at every piece)
+            if self._looked and not _NAME_END.search(text, self._looked):
+                return []
+            self._looked = len(text)
             m = self.OPEN.match(text)
             if m is None:
                 return []
