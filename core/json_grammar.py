@@ -28,6 +28,7 @@ import bisect
 import functools
 import json
 import math
+import re
 import urllib.parse
 from decimal import Decimal
 from fractions import Fraction
@@ -412,8 +413,7 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
             texts = node.get(_TEXTS)
             if texts is None:  # (in order: a prefix's candidates are a run of them, `_choices`)
                 values = [node["const"]] if "const" in node else node["enum"]
-                texts = node[_TEXTS] = tuple(sorted({json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-                                                     for v in values}))
+                texts = node[_TEXTS] = tuple(sorted({_value_text(v) for v in values}))
             return step((stack, CHOICE, (texts, ""), 0), ch)
         types = _types(node)
     else:
@@ -444,6 +444,16 @@ def _value(stack: tuple, ch: str, node: Schema) -> State | None:
     if (ch in "tf" and allows("boolean")) or (ch == "n" and allows("null")):
         return (stack, LITERAL, _LITERALS[ch], 0)
     return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _value_text(value: Any) -> str:
+    """A value's JSON text as a reply writes it: compact, its characters as they are, but a lone surrogate, which no
+    UTF-8 reply holds, as its escape."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) if _SURROGATE.search(text) else text
 
 
 _TEXTS = "\x00texts"  # an enum's or const's values as JSON texts, in order, kept in its schema once written

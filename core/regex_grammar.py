@@ -169,6 +169,10 @@ class _Parser:
     def new(self, kind: int, ranges: Ranges = ()) -> int:
         if len(self.nodes) >= MAX_NODES:
             raise self.fail(f"makes an automaton of more than {MAX_NODES} positions")
+        if kind == _CHAR and any(lo <= 0xDFFF and hi >= 0xD800 for lo, hi in ranges):
+            # (no reply holds a lone surrogate: its text is UTF-8's; a position of only those takes no character)
+            ranges = _norm([r for lo, hi in ranges for r in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi))
+                            if r[0] <= r[1]])
         self.nodes.append(_Node(kind, ranges))
         return len(self.nodes) - 1
 
@@ -433,9 +437,9 @@ class Regex:
                     nxt = [node.out + tag] + ([node.alt + tag] if node.kind == _SPLIT else [])
                 elif node.kind == _END:
                     nxt = [node.out + n]
-                elif node.kind == _CHAR and not tag:
+                elif node.kind == _CHAR and not tag and node.ranges:
                     nxt = [node.out]
-                else:  # a match; `^`, passed only in the start's closure; a character after the end
+                else:  # a match; `^`, passed only in the start's closure; a character after the end (or none)
                     nxt = []
                 for t in nxt:
                     back.setdefault(t, []).append(s + tag)

@@ -669,3 +669,10 @@ def test_a_tagged_thinking_format_ends_on_text_that_begins_like_a_think_mark():
     assert complete(advance(thinking_first(start_pattern(rx), False), "<"))
     assert complete(thinking_first(start_pattern(compile_regex("a*")), False))
     assert not complete(advance(thinking_first(start_pattern(rx), False), "<think"))
+
+
+def test_an_enums_lone_surrogate_is_written_as_its_escape():
+    """An enum's string with a lone surrogate (which no UTF-8 reply holds) is written as its `\\u` escape, which
+    JSON reads as that value (no character fitted after its opening quote)."""
+    schema = {"enum": ["\ud800", "a"]}
+    assert _takes(schema, '"\\ud800"') and _takes(schema, '"a"')

@@ -133,3 +133,14 @@ def test_pythons_text_anchors_are_the_texts_start_and_end():
     anchored = compile_regex(r"\Aab\Z", search=True)
     assert matches(anchored, "ab") and not matches(anchored, "xab") and not matches(anchored, "abx")
     assert matches(compile_regex(r"a\Z|b"), "b")
+
+
+def test_no_position_waits_for_a_lone_surrogate():
+    """A reply's text is UTF-8's: it holds no lone surrogate. A pattern of only those matches no text (a 400; it
+    compiled, and no character fitted from the start), and a class or `.` takes the rest of its characters."""
+    from core.regex_grammar import compile_regex, matches
+
+    with pytest.raises(ValueError, match="matches no text"):
+        compile_regex("\\ud800")
+    assert matches(compile_regex("a|\\ud800"), "a") and matches(compile_regex("[\\ud800-\\udfffb]"), "b")
+    assert matches(compile_regex("."), "\U0001f600")
