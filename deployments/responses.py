@@ -286,6 +286,9 @@ class ResponseEvents:
         self.usage: dict[str, Any] | None = None
         self.started = False
         self.ended = False
+        # logprobs of chunks with no text (held back while it might open a call, reasoning's): the next text's, as
+        # the whole reply's message has every token's (`from_chat`)
+        self.pending: list[dict[str, Any]] = []
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -318,12 +321,14 @@ class ResponseEvents:
     def _chunk(self, c: dict[str, Any]) -> list[bytes]:
         out = [] if self.started else self._start(c)
         if "error" in c:
-            out.extend(self._close())
+            out.extend(self._close("incomplete"))  # (what it wrote is cut)
             err = c["error"]
             self.ended = True
             out.append(self._event("error", code=err.get("code"), message=err.get("message"), param=err.get("param")))
+            # (the response's error code is one of OpenAI's: the chat's own is in the `error` event)
+            limited = "rate_limit" in f"{err.get('type')} {err.get('code')}"
             out.append(self._event("response.failed", response={**self._response("failed"), "error": {
-                "code": err.get("code") or "server_error", "message": err.get("message")}}))
+                "code": "rate_limit_exceeded" if limited else "server_error", "message": err.get("message")}}))
             return out
         if c.get("usage") is not None:
             self.usage = c["usage"]
@@ -339,8 +344,12 @@ class ResponseEvents:
                     out.extend(self._call(entry))
             if delta.get("reasoning_content"):
                 out.extend(self._text("reasoning", delta["reasoning_content"]))
-            if delta.get("content"):  # (with its tokens' logprobs, where asked: the chunk's)
-                out.extend(self._text("message", delta["content"], _logprobs(choice)))
+            lp = self.pending + (_logprobs(choice) or [])
+            if delta.get("content"):  # (with its tokens' logprobs, where asked: the chunk's, and those held)
+                self.pending = []
+                out.extend(self._text("message", delta["content"], lp))
+            else:
+                self.pending = lp
             for entry, on in zip(entries, going_on):
                 if not on:
                     out.extend(self._call(entry))
@@ -393,15 +402,16 @@ class ResponseEvents:
         self.open = {"kind": "call"}
         return out
 
-    def _close(self) -> list[bytes]:
-        """The open item's (or calls') `.done` events; it joins the output."""
+    def _close(self, status: str = "completed") -> list[bytes]:
+        """The open item's (or calls') `.done` events, with `status` (incomplete: a failure cut it); it joins the
+        output."""
         out: list[bytes] = []
         o, self.open = self.open, None
         if o is None:
             return out
         if o["kind"] == "call":
             for call in sorted(self.calls.values(), key=lambda c: c["index"]):
-                item = {**call["item"], "status": "completed"}
+                item = {**call["item"], "status": status}
                 out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=call["index"], arguments=item["arguments"]))
                 out.append(self._event("response.output_item.done", output_index=call["index"], item=item))
@@ -410,14 +420,14 @@ class ResponseEvents:
             return out
         item_id, index, text = o["item"]["id"], o["index"], o["text"]
         if o["kind"] == "message":
-            item = message_item(text, item_id=item_id, logprobs=o["logprobs"])
+            item = message_item(text, status, item_id=item_id, logprobs=o["logprobs"])
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item_id, output_index=index,
                                    content_index=0, text=text, logprobs=o["logprobs"]))
             out.append(self._event("response.content_part.done", item_id=item_id, output_index=index,
                                    content_index=0, part=part))
         else:
-            item = reasoning_item(text, item_id=item_id)
+            item = {**reasoning_item(text, item_id=item_id), "status": status}
             out.append(self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
                                    content_index=0, text=text))
         out.append(self._event("response.output_item.done", output_index=index, item=item))

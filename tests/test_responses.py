@@ -206,3 +206,30 @@ def test_the_texts_logprobs_come_where_include_asks_for_them() -> None:
     assert [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"] == [lp[:1], lp[1:]]
     assert next(e for e in events if e["type"] == "response.output_text.done")["logprobs"] == lp
     assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == lp
+
+
+def test_held_back_tokens_keep_their_logprobs_and_a_failure_leaves_its_item_incomplete() -> None:
+    """A token the chat stream held back (it might have opened a call) comes in a chunk with no text and its
+    logprobs, its text later: the text's delta carries them (they were lost, so the streamed text had fewer
+    logprobs than the same reply whole). A stream that fails leaves the item it cut incomplete, and the response's
+    error code is one of OpenAI's (the chat's own, `replica_failed`, stays in the `error` event)."""
+    from openai.types.responses import Response
+
+    lp = [{"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []} for t in ("Hello ", "<", "b>")]
+
+    def chunk(text: str | None, lps: list, finish: str | None = None) -> dict:
+        return {"id": "resp_1", "model": "m", "choices": [{"index": 0, "delta": {} if text is None else {
+            "content": text}, "finish_reason": finish, "logprobs": {"content": lps}}]}
+
+    ev = ResponseEvents("resp_1", "m", {"top_logprobs": 0})
+    chunks = _sse(chunk("Hello ", lp[:1]), chunk(None, lp[1:2]), chunk("<b>", lp[2:], "stop"), "[DONE]")
+    events = [json.loads(e.decode().split("data: ", 1)[1]) for c in chunks for e in ev.feed(c)]
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == lp
+    failed = ResponseEvents("resp_2", "m", chat_request({"input": "hi"})[1])
+    tail = [json.loads(e.decode().split("data: ", 1)[1]) for c in _sse(
+        _chunk({"content": "Hel"}), {"error": {"message": "gone", "type": "server_error", "code": "replica_failed"}})
+        for e in failed.feed(c)]
+    assert tail[-2]["code"] == "replica_failed"
+    response = tail[-1]["response"]
+    assert response["error"]["code"] == "server_error" and response["output"][0]["status"] == "incomplete"
+    Response.model_validate(response)
