@@ -454,9 +454,9 @@ class ObjectCall:
                 return []
             # (no key or value can have ended since the last look without one of these: a long key or string is
             # not read again from the object's start at every piece)
-            if self._looked and obj.stop is None and not _MAY_END.search(text, self._looked):
+            looked, self._looked = self._looked, len(text)
+            if looked and obj.stop is None and not _MAY_END.search(text, looked):
                 return []
-            self._looked = len(text)
             start = _call_start(text, self.keys)
             if start is None:
                 return []
@@ -755,9 +755,9 @@ class FunctionCall:
         name, pos, param, scan = self._name, self._pos, self._param, self._scan
         if not self.sent:
             # (the mark's name goes on until a `>` or white space comes: not matched again at every piece)
-            if self._looked and not _NAME_END.search(text, self._looked):
+            looked, self._looked = self._looked, len(text)
+            if looked and not _NAME_END.search(text, looked):
                 return []
-            self._looked = len(text)
             m = self.OPEN.match(text)
             if m is None:
                 return []
