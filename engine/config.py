@@ -235,7 +235,9 @@ def reconfigured(given: SchedulerConfig, running: SchedulerConfig, overrides: di
     {"policy": "scorpio"}): the knobs it was started with (`given`, before any device default) with `overrides` on
     top, and then its device's defaults where neither set a knob (`for_device`: a GPU's follow the new policy).
     `overrides` replace whatever an earlier call asked, as a Serve deployment's `user_config` does. ValueError for an
-    unknown knob, a bad value, or a change of one of `FIXED_SCHEDULER_KNOBS` (from `running`, the config it runs)."""
+    unknown knob, a bad value, a change of one of `FIXED_SCHEDULER_KNOBS` (from `running`, the config it runs), or a
+    length predictor file that does not load (the new scheduler is built once the old one has drained: a failure
+    there is only logged, and the old one stays)."""
     if not isinstance(overrides, dict):
         raise ValueError(f"scheduler knobs must be a mapping of name to value, got {type(overrides).__name__}")
     cfg = SchedulerConfig.model_validate({**given.model_dump(exclude_unset=True), **overrides})
@@ -245,4 +247,11 @@ def reconfigured(given: SchedulerConfig, running: SchedulerConfig, overrides: di
         raise ValueError(", ".join(f"{k} ({getattr(running, k)!r} -> {getattr(engine, k)!r})" for k in fixed)
                          + " cannot change while the engine runs: it sized the KV cache and CUDA graphs or chose the "
                          "latency profile at start; deploy the change as an application argument (a new replica)")
+    if engine.length_predictor_path is not None:
+        from scheduling.length_predictor import load_cached
+
+        try:
+            load_cached(engine.length_predictor_path)
+        except Exception as e:  # noqa: BLE001 - any reason it does not load is the caller's to hear
+            raise ValueError(f"length_predictor_path: {engine.length_predictor_path!r} does not load: {e}") from None
     return engine

@@ -705,6 +705,7 @@ class LLMEngine:
                           config.model_dump(exclude_unset=True))
             new = None
         if new is None:
+            self.inputs.priority_scheduling = old.config.by_priority  # (the old scheduler's ranking stands)
             self._take(parked)
             return
         new.num_preemptions, new.model_error = old.num_preemptions, old.model_error

@@ -1390,17 +1390,28 @@ def test_dummy_load_format_serves_random_weights_from_a_config_alone(tiny_checkp
 
 
 def test_a_reconfigure_whose_scheduler_cannot_be_built_leaves_the_engine_serving_as_before(tiny_checkpoints, tmp_path):
-    """A change that validates but fails when the worker builds its scheduler (here a length predictor file that is
-    not one) is logged; the engine keeps its scheduler and serves."""
-    eng = _engine(tiny_checkpoints["llama"])
+    """A length predictor file that does not load is the caller's ValueError (it was only logged, once the old
+    scheduler had drained). A change that fails when the worker builds its scheduler is logged; the engine keeps its
+    scheduler, serves, and its requests keep their priorities where that scheduler ranks by them (they came in at
+    priority 0 once a change to fcfs had been asked)."""
+    eng = LLMEngine(EngineConfig(model=tiny_checkpoints["llama"], dtype="float32", device="cpu", block_size=4,
+                                 scheduler=SchedulerConfig(policy="fcfs", scheduling_policy="priority")))
     try:
         bad = tmp_path / "lengths.npz"
         bad.write_bytes(b"not an npz")
-        eng.reconfigure({"policy": "kairos", "length_predictor": True, "length_predictor_path": str(bad)})
+        with pytest.raises(ValueError, match="length_predictor_path"):
+            eng.reconfigure({"policy": "kairos", "length_predictor": True, "length_predictor_path": str(bad)})
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("cannot build it")
+
+        eng._new_scheduler = broken
+        eng.reconfigure({"policy": "edf", "scheduling_policy": "fcfs"})
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         assert list(eng.add_request([1, 2, 3], params))[-1].finish_reason == "length"
         time.sleep(0.2)
         assert eng.is_alive() and eng.stats().policy == "fcfs"
+        assert eng.inputs.process([1, 2, 3], params, None, None, priority=5).priority == 5
         assert list(eng.add_request([1, 2, 3], params))[-1].finish_reason == "length"
     finally:
         eng.shutdown()
