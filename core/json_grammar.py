@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 from core.regex_grammar import _TOP, MAX_NODES, Regex, compile_regex
 
-MAX_WHITESPACE = 32  # a newline and an indent of four spaces a level (json.dumps indent=4), seven levels deep
+MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
 # modes
 VALUE, KEY_OR_END, KEY, COLON, VALUE_OR_END, AFTER, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, CHOICE, DONE, PATTERN, \
