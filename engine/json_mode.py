@@ -19,7 +19,9 @@ constraint.
 the bytes of a character begun), so that a step feeds only the tokens new since."""
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from typing import Callable, Iterator
 
 import torch
@@ -169,6 +171,13 @@ def _fitting(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], to
     return [(t, math.exp(v - out[0][1])) for t, v in out]
 
 
+def _again(u: float, k: int) -> float:
+    """A uniform number in [0, 1) made from the draw `u` for its `k`-th redraw: a hash of its bits, uniform whatever
+    interval `u` fell in, and the same for the same `u` (a seeded request's)."""
+    digest = hashlib.blake2b(struct.pack("<dI", u, k), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
 def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops: frozenset[int],
            token_bytes: Callable[[int], bytes]) -> int | None:
     """A token for one JSON row from its logits `x` [V] (after bans, logit_bias and penalties) at state `g`: greedy
@@ -186,12 +195,16 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         return next(_in_order(x, fits, mask), (None, 0.0))[0]
     probs = _row_probs(x, p)
     vals, idx = torch.topk(probs, min(CANDIDATES, probs.shape[-1]))
-    cands = [(t, v) for v, t in zip(vals.tolist(), idx.tolist()) if v > 0.0]
+    # (in token order, as the unconstrained draw walks its row: an order by probability swapped near-ties, and the
+    # draw's token, where logits moved by a rounding)
+    cands = sorted((t, v) for v, t in zip(vals.tolist(), idx.tolist()) if v > 0.0)
     # a draw among the likeliest, checked only once drawn: one that does not fit leaves the list and the draw goes on
-    # with where `u` fell within its share (uniform again, and apart from which token it fell on), so that the token
+    # with a uniform number of its own made from `u` (`_again`: apart from which token it fell on, and from the
+    # logits: where `u` fell within the token's share was uniform too, but it read the probabilities' last bits, and
+    # a neighbour in the batch that moved them by a rounding moved the token a seeded request drew), so that the token
     # drawn follows the row's distribution over those that fit, as a draw among the checked ones would, at a check or
     # two where the model already writes the format (each check steps the automaton in Python)
-    for _ in range(MAX_REDRAWS):
+    for redraw in range(MAX_REDRAWS):
         total = sum(v for _, v in cands)
         if not cands or not total > 0.0:
             break
@@ -206,11 +219,11 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         t, v = cands[j]
         if fits(t):
             return t
-        u = min(max((at - acc) / v, 0.0), math.nextafter(1.0, 0.0))
+        u = _again(u, redraw)
         del cands[j]
     cands = [(t, v) for t, v in cands if fits(t)]
     if not cands:  # none of its likeliest fit: those that do, by the row's distribution before truncation
-        cands = _fitting(x.float() / p.temperature, fits, mask)
+        cands = sorted(_fitting(x.float() / p.temperature, fits, mask))
     if not cands:
         return None
     total = sum(v for _, v in cands)

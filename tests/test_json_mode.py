@@ -676,3 +676,24 @@ def test_an_enums_lone_surrogate_is_written_as_its_escape():
     JSON reads as that value (no character fitted after its opening quote)."""
     schema = {"enum": ["\ud800", "a"]}
     assert _takes(schema, '"\\ud800"') and _takes(schema, '"a"')
+
+
+def test_a_seeded_draw_does_not_follow_rounding_noise_in_the_logits():
+    """A draw whose tokens do not fit goes on with a uniform number of its own made from the draw's: it went on
+    with where the draw fell within the token's share, which read the probabilities' last bits, so that logits a
+    neighbour in the batch moved by a rounding drew another token for the same seed (most draws on a flat row where
+    few tokens fit); the draw still follows the row's distribution over the tokens that fit."""
+    texts = [f"w{i}" for i in range(300)]
+    texts[5], texts[7], texts[11] = "{", " ", "\n"
+    x = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    noisy = x + 1e-6 * torch.randn(300, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=0.8)
+    g = torch.Generator().manual_seed(0)
+    draws = [float(torch.rand(1, generator=g)) for _ in range(300)]
+    picks = [choose(x, p, u, (START, b""), frozenset({0}), lambda t: texts[t].encode()) for u in draws]
+    moved = sum(a != choose(noisy, p, u, (START, b""), frozenset({0}), lambda t: texts[t].encode())
+                for u, a in zip(draws, picks))
+    assert set(picks) == {5, 7, 11} and moved <= 3, moved
+    weights = torch.softmax(x / 0.8, -1)[[5, 7, 11]]
+    for t, w in zip((5, 7, 11), (weights / weights.sum()).tolist()):
+        assert abs(picks.count(t) / 300 - w) < 0.1, (t, w)
