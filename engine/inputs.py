@@ -270,6 +270,10 @@ class InputProcessor:
         bad = self.bad_words_ids(params.bad_words)
         if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad if len(w) == 1}:
             raise ValueError("bad_words ban every token allowed_token_ids allows")
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= {
+                *self.eos_token_ids, *params.stop_token_ids, *(w[0] for w in bad if len(w) == 1)}:
+            raise ValueError("bad_words and min_tokens (which bans the stop tokens below it) ban every token "
+                             "allowed_token_ids allows")
         req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt,
                       lora_source=lora_source if lora is not None else None,
                       priority=priority if self.priority_scheduling else 0)

@@ -234,6 +234,12 @@ def test_bad_words_are_token_ids_as_vllm_makes_them():
         inputs.process("x", SamplingParams(max_tokens=2, bad_words=("the",), allowed_token_ids=singles), None, None)
     with pytest.raises(ValueError, match="min_tokens"):
         inputs.process("x", SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(0,)), None, None)
+    # the two bans together leave nothing either (a greedy row wrote a token outside allowed_token_ids, a sampled one
+    # failed)
+    eos = sorted(inputs.eos_token_ids)[0]
+    with pytest.raises(ValueError, match="bad_words and min_tokens"):
+        inputs.process("x", SamplingParams(max_tokens=4, min_tokens=2, bad_words=("the",),
+                                           allowed_token_ids=(*singles, eos)), None, None)
 
 
 def test_developer_messages_are_system_ones_where_the_template_has_no_developer_role(bos_tokenizer):
