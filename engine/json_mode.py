@@ -65,15 +65,18 @@ class JsonStates:
             st = start(compile_schema(params.json_schema))
         return st if params.thinking is None else thinking_first(st, params.thinking == "open")
 
-    def state(self, request_id: str, params: SamplingParams, reply: list[int], token_bytes: Callable[[int], bytes]
-              ) -> Guided | None:
+    def state(self, request_id: str, params: SamplingParams, reply: list[int], token_bytes: Callable[[int], bytes],
+              stops: frozenset[int] = frozenset()) -> Guided | None:
         """The state after `reply` (the reply's tokens, none a placeholder), feeding only what is new since the
         last call (from the start where the reply is shorter: a step re-run); None where the reply is no JSON
-        prefix (a token drawn without the constraint, where none fitted)."""
+        prefix (a token drawn without the constraint, where none fitted). A stop token (`stops`) after a whole value
+        leaves it as it is: one that did not end the reply (ignore_eos) writes nothing."""
         n, g = self._at.get(request_id, (0, None))
         if g is None and n == 0 or n > len(reply):
             n, g = 0, (self.origin(params), b"")
         for t in reply[n:]:
+            if g is not None and t in stops and not g[1] and complete(g[0]):
+                continue
             g = feed(g[0], g[1], token_bytes(t)) if g is not None else None
         if request_id in self._live:
             self._at[request_id] = (len(reply), g)

@@ -594,11 +594,13 @@ class Sampler:
                     continue
             r = d.reqs[i]
             p = r.params
-            g = self._json.state(r.request_id, p, reply, self.token_bytes)
+            # (the EOS fits once the value is whole with ignore_eos too: it then writes nothing and the reply goes on to
+            # its cap, as vLLM's; without it nothing fitted there and the reply left its format)
+            stops = frozenset(p.stop_token_ids) | eos
+            g = self._json.state(r.request_id, p, reply, self.token_bytes, stops)
             if g is None:  # a token that did not fit went before (none did): no constraint left to keep
                 continue
             u = float(d.u[drawn[i], 0]) if i in drawn and d.u is not None else None
-            stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos)
             t = choose(logits[k], p, u, g, stops, self.token_bytes)
             if t is not None:
                 toks[i] = t
