@@ -8,9 +8,9 @@ holds a regex.
 The syntax: rules `name ::= body`, one of them `root` (the whole reply); a body of alternatives split by `|`, each a
 sequence of string literals (`"..."` or `'...'`, with the escapes `\\n`, `\\t`, `\\r`, `\\\\`, `\\"`, `\\'`,
 `\\xhh`, `\\uhhhh`, `\\Uhhhhhhhh`), character classes (`[a-z_]`, `[^"\\\\]`, with those escapes, and `\\d`, `\\w`
-as ASCII's, `\\s` as Unicode's white space), `.` (any character), rule names, groups `( ... )`, and the quantifiers `*`, `+`, `?`, `{m}`,
-`{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span lines. A grammar with no `::=`
-is read as Lark's, as vLLM reads one (`from_lark`). Left recursion through first calls (`sum ::= sum "+" n | n`) is
+as ASCII's, `\\s` as Unicode's white space), `.` (any character), rule names, groups `( ... )`, and the
+quantifiers `*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}`; `#` starts a comment to the end of the line, and a rule may span
+lines. A grammar with no `::=` is read as Lark's, as vLLM reads one (`from_lark`). Left recursion through first calls (`sum ::= sum "+" n | n`) is
 rewritten into right recursion of the same language (`Grammar._unleft`). A grammar this checker cannot hold as
 written is refused with a ValueError naming why: left recursion through a rule that may be empty (`a ::= b a "x"`,
 b empty: a rule that can come back to itself before a character that way), an undefined rule,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from core.regex_grammar import (ANY, DIGIT, MAX_REPEAT, SPACE, WORD, Ranges, _complement, _has, _norm, cuts,
@@ -573,16 +574,25 @@ def compile_grammar(text: str) -> Grammar:
 _LARK_RULE = re.compile(r"[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?[0-9]+)?\s*:(.*)")
 
 
+def _outside_strings(text: str) -> Iterator[tuple[int, str, bool]]:
+    """Each character of a Lark line with its place, and whether it is outside its string literals (`"..."`,
+    `'...'`; a quote opens one there)."""
+    quote = None
+    for i, c in enumerate(text):
+        if quote:
+            if c == quote and text[i - 1] != "\\":
+                quote = None
+            yield i, c, False
+        else:
+            if c in "\"'":
+                quote = c
+            yield i, c, quote is None
+
+
 def _lark_line(line: str) -> str:
     """A Lark line without its comment (`//` or `#` outside a string literal)."""
-    quote = None
-    for i, c in enumerate(line):
-        if quote:
-            if c == quote and line[i - 1] != "\\":
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c == "#" or line.startswith("//", i):
+    for i, c, outside in _outside_strings(line):
+        if outside and (c == "#" or line.startswith("//", i)):
             return line[:i].strip()
     return line.strip()
 
@@ -591,16 +601,11 @@ def _lark_optionals(body: str, n: int) -> str:
     """A Lark body with its `[item]`s (optional items) written `(item)?`; a `[` or `]` inside a string literal is
     the literal's."""
     out: list[str] = []
-    quote, depth = None, 0
-    for i, c in enumerate(body):
-        if quote:
-            if c == quote and body[i - 1] != "\\":
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c == "[":
+    depth = 0
+    for _, c, outside in _outside_strings(body):
+        if outside and c == "[":
             depth, c = depth + 1, "("
-        elif c == "]":
+        elif outside and c == "]":
             if not depth:
                 raise ValueError(f"grammar (Lark), line {n}: a `]` with no `[` before it")
             depth, c = depth - 1, ")?"

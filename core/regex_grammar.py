@@ -7,9 +7,9 @@ The syntax is Python's `re` (and JSON Schema's ECMA 262, where they agree): lite
 `\\xhh`, `\\uhhhh`, an escaped punctuation mark), `.` (any character but a newline), classes (`[a-z_]`, `[^...]`,
 `\\d`, `\\w`, `\\s` and their negations, inside classes too), groups (`(...)`, `(?:...)`, `(?P<name>...)`,
 `(?<name>...)`), `|`, the quantifiers `*`, `+`, `?`, `{m}`, `{m,}`, `{m,n}` (lazy forms too: the same language),
-and `^` / `$` (the text's start and end, as `\\A` / `\\Z`); `\\d` and `\\w` are ASCII's, as JSON Schema's (ECMA 262) are, and `\\s` is
-Unicode's white space (ECMA's: U+00A0, U+FEFF, U+2028 and the space separators too; Python's agrees but for a few
-control characters).
+and `^` / `$` (the text's start and end, as `\\A` / `\\Z`); `\\d` and `\\w` are ASCII's, as JSON Schema's (ECMA 262)
+are, and `\\s` is Unicode's white space (ECMA's: U+00A0, U+FEFF, U+2028 and the space separators too; Python's
+agrees but for a few control characters).
 What a reply cannot be checked against as it grows (backreferences, lookarounds, word boundaries, inline flags) is
 refused with a ValueError naming it, as is a pattern no text matches or whose automaton would exceed `MAX_NODES`
 positions."""

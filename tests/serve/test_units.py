@@ -3685,22 +3685,11 @@ def test_a_reply_its_engine_stops_under_is_a_failure_not_an_abort_finish() -> No
     asyncio.run(run())
 
 
-def test_a_chats_echo_is_content_before_its_read_reply() -> None:
-    """A chat's `echo` (its last assistant message, continued) goes before the reply's content, not through the
-    reasoning reader (vLLM reads the reply, then puts the echo before its content): with deepseek_r1's reader the
-    echo was read as reasoning ("The answer ist0t1" as reasoning_content, content null)."""
-    import asyncio
-    import json
-
+def _front_of(generate):
+    """An Ingress front whose replicas answer with the async generator `generate(req)` of RequestOutput items, and
+    its ASGI app (the generation routes' fast path)."""
     from deployments.direct import LocalStream
     from deployments.ingress import GenerationFastPath, OpenAIFrontend
-
-    async def generate(req: GenerateRequest):
-        for i, text in enumerate((" 4", "</think>", "Four.")):
-            last = i == 2
-            yield RequestOutput(req.request_id, text=text, token_ids=[10 + i], finished=last,
-                                finish_reason=FinishReason.STOP if last else None, num_prompt_tokens=5,
-                                num_output_tokens=i + 1)
 
     class Front(OpenAIFrontend):
         def _ready_info(self) -> dict:
@@ -3711,21 +3700,45 @@ def test_a_chats_echo_is_content_before_its_read_reply() -> None:
 
     front = object.__new__(Front)
     front._init_frontend({"model_name": "m", "max_body_bytes": 1 << 16})
+    return front, GenerationFastPath(front, SimpleNamespace(docs_url=None))  # type: ignore[arg-type]
+
+
+async def _post_chat(app, body: dict) -> tuple[int, str]:
+    """POST `body` to /v1/chat/completions of an ASGI `app` in-process: (the status, the body's text)."""
+    import json
+
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
+               "query_string": b"", "headers": [(b"content-type", b"application/json")]}, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]).decode()
+
+
+def test_a_chats_echo_is_content_before_its_read_reply() -> None:
+    """A chat's `echo` (its last assistant message, continued) goes before the reply's content, not through the
+    reasoning reader (vLLM reads the reply, then puts the echo before its content): with deepseek_r1's reader the
+    echo was read as reasoning ("The answer ist0t1" as reasoning_content, content null)."""
+    import asyncio
+    import json
+
+    async def generate(req: GenerateRequest):
+        for i, text in enumerate((" 4", "</think>", "Four.")):
+            last = i == 2
+            yield RequestOutput(req.request_id, text=text, token_ids=[10 + i], finished=last,
+                                finish_reason=FinishReason.STOP if last else None, num_prompt_tokens=5,
+                                num_output_tokens=i + 1)
+
+    front, app = _front_of(generate)
     front.reasoning_parser = "deepseek_r1"
-    app = GenerationFastPath(front, SimpleNamespace(docs_url=None))  # type: ignore[arg-type]
 
     async def call(body: dict) -> tuple[int, str]:
-        sent: list[dict] = []
-
-        async def receive() -> dict:
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-
-        async def send(msg: dict) -> None:
-            sent.append(msg)
-
-        await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
-                   "query_string": b"", "headers": [(b"content-type", b"application/json")]}, receive, send)
-        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]).decode()
+        return await _post_chat(app, body)
 
     async def run() -> None:
         body = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is "}],
@@ -3753,9 +3766,6 @@ def test_a_reply_is_read_from_where_its_prompt_leaves_the_thinking() -> None:
     import asyncio
     import json
 
-    from deployments.direct import LocalStream
-    from deployments.ingress import GenerationFastPath, OpenAIFrontend
-
     asked: list[GenerateRequest] = []
     said: dict[str, tuple[str | None, tuple[str, ...]]] = {}
 
@@ -3768,30 +3778,12 @@ def test_a_reply_is_read_from_where_its_prompt_leaves_the_thinking() -> None:
                                 finish_reason=FinishReason.STOP if last else None, num_prompt_tokens=5,
                                 num_output_tokens=i + 1, prompt_thinking=thinking if i == 0 else None)
 
-    class Front(OpenAIFrontend):
-        def _ready_info(self) -> dict:
-            return {"model": "m", "max_model_len": 64}
-
-        def _open(self, req: GenerateRequest) -> LocalStream:
-            return LocalStream(generate(req))
-
-    front = object.__new__(Front)
-    front._init_frontend({"model_name": "m", "max_body_bytes": 1 << 16})
-    app = GenerationFastPath(front, SimpleNamespace(docs_url=None))  # type: ignore[arg-type]
+    front, app = _front_of(generate)
 
     async def call(body: dict) -> str:
-        sent: list[dict] = []
-
-        async def receive() -> dict:
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-
-        async def send(msg: dict) -> None:
-            sent.append(msg)
-
-        await app({"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "",
-                   "query_string": b"", "headers": [(b"content-type", b"application/json")]}, receive, send)
-        assert sent[0]["status"] == 200, sent
-        return b"".join(m.get("body", b"") for m in sent[1:]).decode()
+        status, text = await _post_chat(app, body)
+        assert status == 200, text
+        return text
 
     async def read(body: dict) -> list[tuple[str | None, str | None]]:
         whole = [(c["message"].get("reasoning_content"), c["message"]["content"])
