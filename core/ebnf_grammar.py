@@ -577,10 +577,14 @@ _LARK_RULE = re.compile(r"[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?[0-9]+)?\s*:(.*)")
 def _outside_strings(text: str) -> Iterator[tuple[int, str, bool]]:
     """Each character of a Lark line with its place, and whether it is outside its string literals (`"..."`,
     `'...'`; a quote opens one there)."""
-    quote = None
+    quote, escaped = None, False
     for i, c in enumerate(text):
         if quote:
-            if c == quote and text[i - 1] != "\\":
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == quote:
                 quote = None
             yield i, c, False
         else:

@@ -285,7 +285,8 @@ class _Common(BaseModel):
         for name in BEAM_REFUSED:
             v = getattr(self, name, None)
             default = type(self).model_fields[name].default if name in type(self).model_fields else None
-            if v is None or v is False or (isinstance(v, (list, dict)) and not v) \
+            # (an empty list, or logit_bias {}, changes nothing; an empty schema, guided_json {}, is one: any value)
+            if v is None or v is False or (isinstance(v, list) or name == "logit_bias") and not v \
                     or (type(v) is type(default) and v == default) \
                     or (name in BEAM_NEUTRAL and not isinstance(v, bool) and v == BEAM_NEUTRAL[name]):
                 continue

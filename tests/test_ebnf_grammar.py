@@ -298,3 +298,5 @@ def test_a_lark_bracket_is_an_optional_item():
         assert (state is not None and g.accepts(state)) is ok, text
     with pytest.raises(ValueError, match="a `\\[` with no `\\]`"):
         from_lark('start: "a" ["b"')
+    # a literal that ends in an escaped backslash ends there (it was read on, and `[b]` became a class)
+    assert '"\\\\" (b)?' in from_lark('start: "\\\\" [b] # a comment\nb: "x"')

@@ -2808,6 +2808,8 @@ def test_beam_search_refuses_only_values_that_would_change_its_reply() -> None:
     for field, value in (("stop", []), ("stop_token_ids", []), ("bad_words", []), ("logit_bias", {}),
                          ("presence_penalty", 0.0), ("logprobs", None)):
         P.CompletionRequest.model_validate({**beam, field: value})
+    with pytest.raises(ValidationError, match="guided_json is not supported with use_beam_search"):
+        P.CompletionRequest.model_validate({**beam, "guided_json": {}})  # (an empty schema is one: any value)
     chat = {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}
     P.ChatCompletionRequest.model_validate({**chat, "tools": [], "tool_choice": "auto"})
     P.ChatCompletionRequest.model_validate({**chat, "logprobs": False})
