@@ -394,8 +394,8 @@ class _Common(BaseModel):
             json_object=self.json_object(), json_schema=self.json_schema(), regex=self.regex(),
             grammar=self.grammar(),
         )
-        cap = d.get("max_tokens")
-        kw["max_tokens"] = max_tokens if cap is None else cap if max_tokens is None else min(max_tokens, cap)
+        cap = d.get("max_tokens")  # (a reply whose request sets none: the engine's, within the context it leaves)
+        kw["max_tokens"] = max_tokens if cap is None or max_tokens is None else min(max_tokens, cap)
         return kw
 
     def top_count(self) -> int | None:

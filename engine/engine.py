@@ -252,7 +252,7 @@ class LLMEngine:
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject",
                                      config.lora_serving(decoder.lora_shape) if config.serves_lora else None,
-                                     config.scheduler.by_priority)
+                                     config.scheduler.by_priority, self.sampling_defaults.get("max_tokens"))
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)

@@ -107,13 +107,16 @@ def check_priority(priority: object) -> None:
 class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
                  kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False,
-                 lora: LoraServing | None = None, priority_scheduling: bool = False) -> None:
+                 lora: LoraServing | None = None, priority_scheduling: bool = False,
+                 default_max_tokens: int | None = None) -> None:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
         `lora`: the LoRA adapters the engine serves (None: none). `priority_scheduling`: the scheduler ranks requests
         by their `priority` (SchedulerConfig.scheduling_policy); else every request is of priority 0 (a client's is
-        accepted and has no effect, as vLLM's)."""
+        accepted and has no effect, as vLLM's). `default_max_tokens`: the model's cap on a reply whose request sets
+        none (its generation_config's max_new_tokens, vLLM's --generation-config auto), within the context left."""
         self.lora = lora
+        self.default_max_tokens = default_max_tokens
         self.priority_scheduling = priority_scheduling
         self.tokenizer = tokenizer
         self.encode = prompt_encoder(tokenizer)
@@ -257,6 +260,8 @@ class InputProcessor:
             raise ValueError(f"min_tokens must be at most the context left for the reply, {rest} tokens (this "
                              f"model's maximum context length is {limit} tokens and the prompt has {len(ids)}), "
                              f"got {params.min_tokens}")
+        if params.max_tokens is None and self.default_max_tokens:  # (the model's; a min_tokens above it wins)
+            params = dataclasses.replace(params, max_tokens=min(rest, max(self.default_max_tokens, params.min_tokens)))
         if params.max_tokens is None or params.max_tokens > rest:
             # None: OpenAI's chat default, the rest of the context window. Beyond it (max_tokens_over_context=clamp):
             # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet

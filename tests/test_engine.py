@@ -1256,10 +1256,16 @@ def test_the_engine_offers_the_models_sampling_defaults_unless_told_not_to(tiny_
     path = tmp_path / "sampling"
     shutil.copytree(tiny_checkpoints["llama"], path)
     cfg = json.loads((path / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**cfg, "temperature": 0.6, "top_p": 0.9}))
+    (path / "generation_config.json").write_text(json.dumps({**cfg, "temperature": 0.6, "top_p": 0.9,
+                                                             "max_new_tokens": 7}))
     eng = _engine(str(path), generation_config=mode)
     try:
-        assert eng.sampling_defaults == ({"temperature": 0.6, "top_p": 0.9} if mode == "auto" else {})
+        auto = mode == "auto"
+        assert eng.sampling_defaults == ({"temperature": 0.6, "top_p": 0.9, "max_tokens": 7} if auto else {})
+        # (its max_new_tokens: the cap of a reply whose request sets none)
+        assert eng.inputs.default_max_tokens == (7 if auto else None)
+        out = list(eng.add_request([1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)))
+        assert out[-1].num_output_tokens == (7 if auto else eng.max_model_len - 3)
     finally:
         eng.shutdown()
 

@@ -324,3 +324,26 @@ def test_an_assistant_turns_thinking_sent_back_reaches_the_template():
         text = tok.decode(_inputs(tok).process(None, None, None, None, body.turns(), body.prompt_options())
                           .prompt_token_ids)
         assert text == "user:Hi;assistant:<think>greet back|greet back</think>Hello;user:Bye;", key
+
+
+def test_the_models_reply_cap_holds_a_request_that_sets_none_within_the_context_left():
+    """A checkpoint's max_new_tokens (`default_max_tokens`) caps a reply whose request sets no max_tokens, within
+    the context its prompt leaves and never below its min_tokens: a cap above that context was sent as the
+    request's own max_tokens, and an OpenAI server (max_tokens_over_context reject) refused every chat that set
+    none with a 400 naming a max_tokens the client never sent."""
+    from core.messages import ContextLengthExceeded
+    from core.sampling import SamplingParams
+
+    tok = build_tokenizer(TINY_VOCAB)
+    inputs = InputProcessor(tok, len(tok), [0], max_model_len=64, kv_capacity_tokens=1 << 20,
+                            reject_max_tokens_over_context=True, default_max_tokens=8192)
+    prompt = "one two three"
+    rest = 64 - len(inputs.prompt_ids(prompt))
+    unset = SamplingParams(max_tokens=None)
+    assert inputs.process(prompt, unset, None, None).params.max_tokens == rest
+    inputs.default_max_tokens = 8
+    assert inputs.process(prompt, unset, None, None).params.max_tokens == 8
+    assert inputs.process(prompt, SamplingParams(max_tokens=None, min_tokens=10), None, None).params.max_tokens == 10
+    assert inputs.process(prompt, SamplingParams(max_tokens=20), None, None).params.max_tokens == 20  # (its own)
+    with pytest.raises(ContextLengthExceeded):  # (a max_tokens the client sent, past the context: vLLM's 400)
+        inputs.process(prompt, SamplingParams(max_tokens=100), None, None)

@@ -2829,8 +2829,8 @@ def test_a_tool_choice_beside_a_grammar_names_the_tool_choice() -> None:
 
 def test_a_models_max_new_tokens_caps_every_reply() -> None:
     """A checkpoint's generation_config max_new_tokens is its replies' cap (vLLM's --generation-config auto takes
-    it as max_tokens): a request without max_tokens gets it, and one above it is held to it; a chat's window stays
-    the cap where it is the smaller (the engine's)."""
+    it as max_tokens): a request's max_tokens above it is held to it; one without is capped by the engine, within
+    the context its prompt leaves (tests/test_inputs.py)."""
     from engine.loader import sampling_defaults
 
     taken, skipped = sampling_defaults({"temperature": 0.6, "max_new_tokens": 2048})
@@ -2838,8 +2838,8 @@ def test_a_models_max_new_tokens_caps_every_reply() -> None:
     assert sampling_defaults({"max_new_tokens": 0})[1] == {"max_new_tokens": 0}
     assert sampling_defaults({"max_new_tokens": True})[1] == {"max_new_tokens": True}
     chat = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
-    assert chat.sampling_kwargs(chat.default_max_tokens(), taken)["max_tokens"] == 2048
-    assert chat.sampling_kwargs(None, {})["max_tokens"] is None
+    # (a request that sets none: the engine's cap, within the context left: InputProcessor.default_max_tokens)
+    assert chat.sampling_kwargs(chat.default_max_tokens(), taken)["max_tokens"] is None
     cmpl = P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 4096})
     assert cmpl.sampling_kwargs(cmpl.default_max_tokens(), taken)["max_tokens"] == 2048
     cmpl = P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 8})
