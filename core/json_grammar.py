@@ -34,7 +34,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Iterator
 
-from core.regex_grammar import _TOP, MAX_NODES, Regex, compile_regex
+from core.regex_grammar import _TOP, LENGTH_SET_CHECK_WORK, MAX_NODES, Regex, compile_regex
 
 MAX_WHITESPACE = 16  # a newline and an indent of two spaces a level, seven levels deep
 
@@ -300,7 +300,8 @@ def compile_schema(text: str) -> dict[str, Any]:
         if any(name in node for name in _BOUNDS) and not _bounded_exists(node):
             raise fail(where, "has bounds no number meets")
         rx = node.get("pattern")
-        if rx is not None and not rx.within(rx.start, node.get("minLength", 0), node.get("maxLength", math.inf)):
+        if rx is not None and not rx.within(rx.start, node.get("minLength", 0), node.get("maxLength", math.inf),
+                                            LENGTH_SET_CHECK_WORK):
             raise fail(where, "has a pattern no string of its minLength and maxLength matches")
         if node.get("items") is False and node.get("minItems", 0) > len(node.get("prefixItems") or ()):
             raise fail(where, "has a minItems its prefixItems cannot reach (items: false)")

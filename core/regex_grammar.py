@@ -27,7 +27,10 @@ MAX_REPARSED = 200_000  # the characters a pattern's {m,n}s parse again (a copy 
 # compile may cost (a long class repeated, one position a copy, stayed under MAX_NODES and took seconds)
 MAX_REPEAT = 1_000  # the largest count a {m,n} may name
 MAX_DEPTH = 100  # groups within groups
-LENGTH_SET_WORK = 2_000_000  # edge visits listing a pattern's lengths under a string's maxLength (`Regex.within`)
+# edge visits listing a pattern's lengths under a string's maxLength (`Regex.within`), once per pattern and bound as
+# the reply is checked (on the engine's worker), and as a schema is checked (on the HTTP front's event loop: each
+# pattern's, where the schema may hold dozens)
+LENGTH_SET_WORK, LENGTH_SET_CHECK_WORK = 300_000, 20_000
 _CACHE_POSITIONS = 2_000_000  # the positions the steps kept hold in all (each state once), per automaton
 _CACHE_STEPS = 1_000_000  # and the steps kept (every automaton's together: `core.step_cache.BUDGET`)
 _TOP = 0x10FFFF
@@ -506,13 +509,14 @@ class Regex:
         """The fewest and the most characters a match may still take from `states`."""
         return min(self._dmin[k] for k in states), max(self._dmax[k] for k in states)
 
-    def within(self, states: frozenset[int], lo: float, hi: float) -> frozenset[int]:
+    def within(self, states: frozenset[int], lo: float, hi: float, work: int = LENGTH_SET_WORK) -> frozenset[int]:
         """The positions of `states` from which a match may still take between `lo` and `hi` characters; `states`
         itself where all of them may. Each position's own lengths: one position's fewest and another's most may
         meet the bounds where no position's matches do, and one position's lengths may skip the bounds (`(ab)?`
-        takes 0 or 2); with `hi` infinite, or lengths too costly to list (`LENGTH_SET_WORK`), its fewest and most."""
+        takes 0 or 2); with `hi` infinite, or lengths that take more than `work` edge visits to list, its fewest and
+        most."""
         lo = max(lo, 0)
-        sets = self._length_sets(int(hi)) if hi != _INF and hi >= 0 else None
+        sets = self._length_sets(int(hi), work) if hi != _INF and hi >= 0 else None
         if sets is not None:
             mask = (1 << (int(hi) + 1)) - (1 << int(lo)) if lo <= hi else 0
             keep = frozenset(k for k in states if sets.get(k, 0) & mask)
@@ -520,13 +524,13 @@ class Regex:
             keep = frozenset(k for k in states if self._dmin[k] <= hi and self._dmax[k] >= lo)
         return states if len(keep) == len(states) else keep
 
-    def _length_sets(self, most: int) -> dict[int, int] | None:
+    def _length_sets(self, most: int, work: int) -> dict[int, int] | None:
         """Per live position, the numbers of characters up to `most` a match may still take from it (a bitset:
-        bit L for L characters); None where listing them would take more than LENGTH_SET_WORK edge visits."""
+        bit L for L characters); None where listing them would take more than `work` edge visits."""
         if self._sets is not None and self._sets[0] >= most:
             return self._sets[1]
         edges = self._edges()
-        if (most + 1) * (len(edges) + 1) > LENGTH_SET_WORK:
+        if (most + 1) * (len(edges) + 1) > work:
             return None
         n = len(self.nodes)
         back: tuple[dict[int, list[int]], dict[int, list[int]]] = ({}, {})  # (without a character, with one)
