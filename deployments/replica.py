@@ -505,7 +505,7 @@ class LLMReplica:
             return {"error": str(e)[:500]}
         strs = inputs.tokenizer.convert_ids_to_tokens(ids) if token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs,
-                "thinking": inputs.prompt_thinking(ids) if messages is not None else None}
+                "thinking": inputs.prompt_thinking(ids, messages, options) if messages is not None else None}
 
     async def check_lora(self, name: str, path: str) -> dict[str, Any]:
         """vLLM's /v1/load_lora_adapter asks a replica whether its engine can serve the folder `path` as adapter

@@ -541,7 +541,8 @@ class EngineCoreClient:
                                   request.lora_source, request.priority)
         stream = RequestStream(req.request_id, req.prompt_token_ids if request.return_token_ids else None)
         if request.read_thinking:
-            stream.prompt_thinking = self.inputs.prompt_thinking(req.prompt_token_ids)
+            stream.prompt_thinking = self.inputs.prompt_thinking(req.prompt_token_ids, request.messages,
+                                                                 request.options)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:

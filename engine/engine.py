@@ -423,7 +423,8 @@ class LLMEngine:
                                   cache_salt=request.cache_salt, lora_source=request.lora_source,
                                   priority=request.priority)
         if request.read_thinking:  # (read before its first item, which the caller has yet to take)
-            stream.prompt_thinking = self.inputs.prompt_thinking(stream.prompt_token_ids or ())
+            stream.prompt_thinking = self.inputs.prompt_thinking(stream.prompt_token_ids or (), request.messages,
+                                                                 request.options)
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -205,21 +205,36 @@ class InputProcessor:
                     out.append(ids)
         return tuple(dict.fromkeys(out))
 
-    def prompt_thinking(self, ids: Sequence[int]) -> str | None:
+    def prompt_thinking(self, ids: Sequence[int], messages: Sequence[ChatTurn] | None = None,
+                        options: PromptOptions | None = None) -> str | None:
         """Where the prompt's end leaves a reasoning model's thinking (`RequestOutput.prompt_thinking`): "closed"
         (`</think>` last: a template that switched the thinking off), "open" (`<think>` last: the reply starts
-        inside it), else None."""
-        tail = self.tokenizer.decode(list(ids[-THINK_TAIL_TOKENS:]))
+        inside it), else None. Of a chat's prompt whose template opens the assistant's turn (`messages`, `options`),
+        only what the template writes to open it counts (its last message rendered with and without that turn: a
+        user may name the tags); else the prompt's last tokens (a message the reply goes on from is its own)."""
+        tail = None
+        if messages and options is not None and options.add_generation_prompt and not options.continue_final_message:
+            try:
+                last = list(messages[-1:])
+                opened = self.render_chat(last, options)
+                bare = self.render_chat(last, dataclasses.replace(options, add_generation_prompt=False))
+                # (a template that writes nothing to open the turn, or writes it whatever it is asked: the tokens)
+                tail = opened[len(bare):] if opened.startswith(bare) and len(opened) > len(bare) else None
+            except (ValueError, TypeError):
+                tail = None
+        if tail is None:
+            tail = self.tokenizer.decode(list(ids[-THINK_TAIL_TOKENS:]))
         opened, closed = tail.rfind("<think>"), tail.rfind("</think>")
         if closed > opened:
             return "closed"
         return "open" if opened >= 0 else None
 
-    def thinking_after(self, ids: Sequence[int], thinking: str) -> str | None:
+    def thinking_after(self, ids: Sequence[int], thinking: str, messages: Sequence[ChatTurn] | None = None,
+                       options: PromptOptions | None = None) -> str | None:
         """A guided reply's thinking (`SamplingParams.thinking`) as the prompt leaves it: where its end has the
         thinking closed already, the format holds from the first token; where it has it open, the reply starts
         inside it; else as asked."""
-        state = self.prompt_thinking(ids)
+        state = self.prompt_thinking(ids, messages, options)
         return None if state == "closed" else "open" if state == "open" else thinking
 
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
@@ -267,7 +282,7 @@ class InputProcessor:
             # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         if params.thinking is not None:
-            params = dataclasses.replace(params, thinking=self.thinking_after(ids, params.thinking))
+            params = dataclasses.replace(params, thinking=self.thinking_after(ids, params.thinking, messages, options))
         if params.min_tokens and params.allowed_token_ids and \
                 set(params.allowed_token_ids) <= {*self.eos_token_ids, *params.stop_token_ids}:
             raise ValueError("min_tokens bans the stop tokens below it, and allowed_token_ids allows nothing else")

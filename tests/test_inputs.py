@@ -347,3 +347,26 @@ def test_the_models_reply_cap_holds_a_request_that_sets_none_within_the_context_
     assert inputs.process(prompt, SamplingParams(max_tokens=20), None, None).params.max_tokens == 20  # (its own)
     with pytest.raises(ContextLengthExceeded):  # (a max_tokens the client sent, past the context: vLLM's 400)
         inputs.process(prompt, SamplingParams(max_tokens=100), None, None)
+
+
+def test_a_users_think_tags_do_not_say_where_the_prompt_leaves_the_thinking():
+    """Where the prompt leaves the thinking is what the template writes to open the assistant's turn: a user's
+    message that names `<think>` or `</think>` left the prompt's last tokens saying open or closed (a reply then read
+    all as reasoning, or its thinking as content); a message the reply goes on from is the reply's own."""
+    from core.sampling import SamplingParams
+
+    tok = build_tokenizer(TINY_VOCAB)
+    turns = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    for opening, want in (("", None), ("<think>\n", "open"), ("<think>\n\n</think>\n\n", "closed")):
+        tok.chat_template = turns + "{% if add_generation_prompt %}<|im_start|>assistant\n" + opening + "{% endif %}"
+        inputs = _inputs(tok)
+        for text in ("hi", "Explain the </think> tag", "Explain <think> tags"):
+            messages, options = (ChatTurn("user", text),), PromptOptions()
+            ids = inputs.prompt_ids(None, messages, options)
+            assert inputs.prompt_thinking(ids, messages, options) == want, (opening, text)
+        guided = SamplingParams(max_tokens=4, json_object=True, thinking="tagged")
+        got = inputs.process(None, guided, None, None, (ChatTurn("user", "Explain <think> tags"),)).params.thinking
+        assert got == {None: "tagged", "open": "open", "closed": None}[want], opening
+    continued = (ChatTurn("user", "q"), ChatTurn("assistant", "<think>\nhmm"))
+    options = PromptOptions(add_generation_prompt=False, continue_final_message=True)
+    assert inputs.prompt_thinking(inputs.prompt_ids(None, continued, options), continued, options) == "open"
