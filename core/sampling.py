@@ -8,6 +8,7 @@ GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by th
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 MAX_BAD_WORDS = 256  # words in one request's bad_words
 MAX_STOP_STRINGS = 256  # stop strings in one request (OpenAI takes 4, vLLM any number; each is looked for per token)
+MAX_STOP_CHARS = 16_384  # their characters in all: each token's look costs the worker about as many compares
 MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of per token (vLLM's max_logprobs)
 
 
@@ -109,6 +110,9 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_CHARS} characters in all, got "
+                             f"{sum(len(s) for s in self.stop)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not finite_number(v) or not -2.0 <= v <= 2.0:

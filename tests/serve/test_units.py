@@ -2818,6 +2818,18 @@ def test_beam_search_refuses_only_values_that_would_change_its_reply() -> None:
     assert P.CompletionRequest.model_validate({"prompt": "x", "length_penalty": 1.5}).length_penalty == 1.5
 
 
+def test_stop_strings_are_bounded_in_all() -> None:
+    """256 stop strings of 2,000 characters each cost the engine's worker hundreds of microseconds a token for that
+    request: their characters are bounded in all (a 400), their number too."""
+    from core.sampling import MAX_STOP_CHARS
+
+    SamplingParams(stop=("x" * 64,) * 256).validate()
+    with pytest.raises(ValueError, match="characters in all"):
+        SamplingParams(stop=("x" * 2000,) * 256).validate()
+    with pytest.raises(ValueError, match="characters in all"):
+        SamplingParams(stop=("x" * (MAX_STOP_CHARS + 1),)).validate()
+
+
 def test_a_tool_choice_beside_a_grammar_names_the_tool_choice() -> None:
     """A named or required tool and a guided_grammar: the 400 says the two cannot both be given, naming tool_choice
     (it said a reply may be held to one format, as if two formats had been given)."""
