@@ -373,7 +373,8 @@ class _Common(BaseModel):
         """Keyword arguments for `core.sampling.SamplingParams` (max_tokens None: fill the context window); a
         temperature, top_p, top_k, min_p or repetition_penalty the request leaves out is the model's (`defaults`:
         what its generation_config recommends, as vLLM applies it), else none of them (temperature 1, top_p 1); its
-        max_tokens (the generation_config's max_new_tokens) caps every reply, as vLLM's."""
+        max_tokens (the generation_config's max_new_tokens) caps the request's own, as vLLM's (a request that sets
+        none is capped by the engine, within the context its prompt leaves: `InputProcessor.default_max_tokens`)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         d = defaults or {}
         kw: dict[str, Any] = dict(
