@@ -333,7 +333,10 @@ def compile_schema(text: str) -> dict[str, Any]:
             elif not state[id(nxt)]:
                 raise fail("the schema", "has an anyOf or oneOf whose alternatives lead back to it")
     for node in schemas:  # (a union's values are one list: `_union_leaves`; more alternatives would be dropped)
-        if (node.get("anyOf") or node.get("oneOf")) and len(leaves := _union_leaves(node)) > MAX_FORK:
+        if not (node.get("anyOf") or node.get("oneOf")):
+            continue
+        leaves = node[_LEAVES] = _union_leaves(node)  # (kept: `_value` reads them)
+        if len(leaves) > MAX_FORK:
             raise fail("the schema", f"has an anyOf or oneOf of {len(leaves)} alternatives (values aside, which "
                                      f"count as one), more than the {MAX_FORK} this server follows at once")
     return root

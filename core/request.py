@@ -139,6 +139,9 @@ class Request:
     # prompt is the conversation in the chat template, the predictor was trained on a turn's own text); set by the
     # input processor
     question_ids: list[int] | None = None
+    # where asked (`GenerateRequest.read_thinking`), where its prompt leaves a reasoning model's thinking
+    # (`InputProcessor.prompt_thinking`), for its stream's first item
+    prompt_thinking: str | None = None
     # the reply length the scheduler's length predictor expects (scheduling/length_predictor.py; set at add)
     predicted_len: int | None = None
     # with it, the length expected once the reply has output some tokens (`outlook_at`: the predicted distribution's

@@ -538,11 +538,9 @@ class EngineCoreClient:
         self._check_alive()
         req = self.inputs.process(request.prompt, request.params, request.engine_slo, request.request_id,
                                   request.messages, request.options, request.lora, request.cache_salt,
-                                  request.lora_source, request.priority)
-        stream = RequestStream(req.request_id, req.prompt_token_ids if request.return_token_ids else None)
-        if request.read_thinking:
-            stream.prompt_thinking = self.inputs.prompt_thinking(req.prompt_token_ids, request.messages,
-                                                                 request.options)
+                                  request.lora_source, request.priority, request.read_thinking)
+        stream = RequestStream(req.request_id, req.prompt_token_ids if request.return_token_ids else None,
+                               req.prompt_thinking)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:

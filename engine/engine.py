@@ -374,16 +374,17 @@ class LLMEngine:
                     request_id: str | None = None, *, messages: Sequence[ChatTurn] | None = None,
                     options: PromptOptions | None = None, lora: str | None = None,
                     cache_salt: str | None = None, lora_source: LoraSource | None = None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, read_thinking: bool = False) -> RequestStream:
         """Validate and tokenize (ValueError on bad input), then enqueue; the stream yields `RequestOutput`s.
         `options`: how the prompt is tokenized (`PromptOptions`; default a text prompt's special tokens, a chat's
         template with the assistant's turn opened). `lora`: the name of a LoRA adapter served (`lora_modules`) to
         run it through (`lora_source`: the folder of one loaded at run time); `cache_salt` (vLLM's): its prompt shares
         cached KV only with requests of the same salt; `priority` (vLLM's): lower first, with the scheduler's
-        scheduling_policy "priority" (else it has no effect, as vLLM's)."""
+        scheduling_policy "priority" (else it has no effect, as vLLM's); `read_thinking`: its stream says where the
+        prompt leaves a reasoning model's thinking (`RequestStream.prompt_thinking`)."""
         req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt, lora_source,
-                                  priority)
-        stream = RequestStream(req.request_id, req.prompt_token_ids)
+                                  priority, read_thinking)
+        stream = RequestStream(req.request_id, req.prompt_token_ids, req.prompt_thinking)
         self.submit(req, stream)
         return stream
 
@@ -418,14 +419,10 @@ class LLMEngine:
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """`add_request` for the typed message the ingress sends."""
-        stream = self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
-                                  messages=request.messages, options=request.options, lora=request.lora,
-                                  cache_salt=request.cache_salt, lora_source=request.lora_source,
-                                  priority=request.priority)
-        if request.read_thinking:  # (read before its first item, which the caller has yet to take)
-            stream.prompt_thinking = self.inputs.prompt_thinking(stream.prompt_token_ids or (), request.messages,
-                                                                 request.options)
-        return stream
+        return self.add_request(request.prompt, request.params, request.engine_slo, request.request_id,
+                                messages=request.messages, options=request.options, lora=request.lora,
+                                cache_salt=request.cache_salt, lora_source=request.lora_source,
+                                priority=request.priority, read_thinking=request.read_thinking)
 
     def abort(self, request_id: str) -> None:
         self._post(request_id)

@@ -229,18 +229,11 @@ class InputProcessor:
             return "closed"
         return "open" if opened >= 0 else None
 
-    def thinking_after(self, ids: Sequence[int], thinking: str, messages: Sequence[ChatTurn] | None = None,
-                       options: PromptOptions | None = None) -> str | None:
-        """A guided reply's thinking (`SamplingParams.thinking`) as the prompt leaves it: where its end has the
-        thinking closed already, the format holds from the first token; where it has it open, the reply starts
-        inside it; else as asked."""
-        state = self.prompt_thinking(ids, messages, options)
-        return None if state == "closed" else "open" if state == "open" else thinking
-
     def process(self, prompt: Prompt | None, params: SamplingParams | None, slo: SLO | None,
                 request_id: str | None, messages: Sequence[ChatTurn] | None = None,
                 options: PromptOptions | None = None, lora: str | None = None,
-                cache_salt: str | None = None, lora_source: LoraSource | None = None, priority: int = 0) -> Request:
+                cache_salt: str | None = None, lora_source: LoraSource | None = None, priority: int = 0,
+                read_thinking: bool = False) -> Request:
         """Validate and tokenize; ValueError with a client-facing message on bad input. The request arrives when
         this is called: its TTFT SLO counts the time its prompt takes to render and tokenize (a long one's, ms)."""
         arrival_s = time.monotonic()
@@ -281,8 +274,11 @@ class InputProcessor:
             # None: OpenAI's chat default, the rest of the context window. Beyond it (max_tokens_over_context=clamp):
             # the reply ends at the window, so that is its cap, and the scheduler plans with the cap it will meet
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
-        if params.thinking is not None:
-            params = dataclasses.replace(params, thinking=self.thinking_after(ids, params.thinking, messages, options))
+        # where the prompt leaves the thinking: asked for its stream, and a guided reply's as the prompt leaves it
+        # (closed already: the format holds from the first token; open: the reply starts inside it; else as asked)
+        state = self.prompt_thinking(ids, messages, options) if read_thinking or params.thinking is not None else None
+        if params.thinking is not None and state is not None:
+            params = dataclasses.replace(params, thinking=None if state == "closed" else "open")
         if params.min_tokens and params.allowed_token_ids and \
                 set(params.allowed_token_ids) <= {*self.eos_token_ids, *params.stop_token_ids}:
             raise ValueError("min_tokens bans the stop tokens below it, and allowed_token_ids allows nothing else")
@@ -297,6 +293,7 @@ class InputProcessor:
         req = Request(rid, ids, params, slo, arrival_s=arrival_s, bad_words_ids=bad, lora=lora, cache_salt=cache_salt,
                       lora_source=lora_source if lora is not None else None,
                       priority=priority if self.priority_scheduling else 0)
+        req.prompt_thinking = state if read_thinking else None
         if messages is not None:  # the length predictor reads the question, not the template around it
             last = next((m.content for m in reversed(messages) if m.role == "user" and m.content), None)
             if last:

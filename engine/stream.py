@@ -33,10 +33,11 @@ class RequestStream:
     __slots__ = ("request_id", "prompt_token_ids", "prompt_thinking", "_items", "_lock", "_cond", "_blocked", "_waiter",
                  "_close_waiter", "_closed")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                 prompt_thinking: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids  # the request's prompt, as the engine took it
-        self.prompt_thinking: str | None = None  # where asked, where it leaves the thinking (`InputProcessor`)
+        self.prompt_thinking = prompt_thinking  # where asked, where it leaves the thinking (`Request.prompt_thinking`)
         self._items: deque[RequestOutput] = deque()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)

@@ -603,9 +603,6 @@ class Scheduler:
         gate = None
         if f.vbs_gate and self.predictor is not None:
             model = itl = self.predictor.itl_ms
-            # "would it pass on an idle replica" (a request waiting for room, the tier floor, the reserve) is judged
-            # as a rejection's capacity is (`_for_capacity`): the idle factor, not the busy batch's stalls
-            idle = self.judge_gate_scale(now)
             if self.correction is not None:
                 # the static margin already covers up to k of inflation; scale only by what it does not. Steps
                 # measured faster than the model (a fit taken during a stall) scale it down, the margin kept.
@@ -629,7 +626,10 @@ class Scheduler:
                            monotone_skip=f.monotone_skip, output_len_estimate=lambda r: r.gate_output_len,
                            running_tpot=self.pace_of(now),
                            remaining_of=self._output_left if f.gate_context == "horizon" else None,
-                           idle_itl=lambda length: model(1.0, length) * idle)
+                           # "would it pass on an idle replica" (a request waiting for room, the tier floor, the
+                           # reserve; asked of a few, so read as asked) is judged as a rejection's capacity is
+                           # (`_for_capacity`): the idle factor, not the busy batch's stalls
+                           idle_itl=lambda length: model(1.0, length) * self.judge_gate_scale(now))
         kv_full = False
         self._held = [r for r in self._held if r.status is Status.WAITING]
         held = {tpot_class(r.tpot_slo_ms) for r in self._held}  # reserved: only these classes are admitted

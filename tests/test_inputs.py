@@ -196,8 +196,9 @@ def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
 
 
 def test_a_guided_reasoning_replys_thinking_is_as_its_prompt_leaves_it():
-    """`thinking_after`: a prompt that closed the thinking (a template that switched it off) holds the reply to its
-    format from the first token; one that opened it starts the reply inside it; else as asked."""
+    """A guided reply's thinking as the prompt leaves it (`InputProcessor.process`): a prompt that closed the
+    thinking (a template that switched it off) holds the reply to its format from the first token; one that opened
+    it starts the reply inside it; else as asked."""
     from core.sampling import SamplingParams
 
     inputs = _inputs(build_tokenizer(TINY_VOCAB))
