@@ -8,9 +8,9 @@ from scheduling.predictor import LatencyModel
 from scheduling.scheduler import OVERLOADED, Scheduler
 
 
-def _req(i, n, tpot=None, ttft=None, arrival=0.0):
+def _req(i, n, tpot=None, ttft=None, arrival=0.0, max_tokens=8):
     """Request i with a prompt of n tokens that no other request's begins with (no prefix cache hit)."""
-    return Request(f"r{i}", _prompt(i, n), SamplingParams(max_tokens=8), SLO(ttft_ms=ttft, tpot_ms=tpot),
+    return Request(f"r{i}", _prompt(i, n), SamplingParams(max_tokens=max_tokens), SLO(ttft_ms=ttft, tpot_ms=tpot),
                    arrival_s=arrival)
 
 
@@ -1395,25 +1395,18 @@ def test_a_reply_preempted_without_a_ttft_slo_resumes_before_fresh_requests(poli
 
 def _loop(s, until_s, arrive, dt=0.005):
     """Steps every `dt` s up to `until_s`, each step's requests one token (`arrive(now)`: what arrives then);
-    finishes by length and rejections as the engine does. Returns the rejections."""
-    rejected, now = [], 0.0
+    finishes by length and rejections as the engine does."""
+    now = 0.0
     while now < until_s:
         for r in arrive(now):
             s.add(r)
         plan = s.schedule(now)
-        for r, reason in plan.rejected:
+        for r, _ in plan.rejected:
             s.finish(r, FinishReason.REJECTED, now)
-            rejected.append((r, reason))
         for r, _, reason in s.postprocess(plan, [3] * len(plan.requests), now):
             if reason is not None:
                 s.finish(r, reason, now)
         now = round(now + dt, 6)
-    return rejected
-
-
-def _timed(i, n, tpot=None, ttft=None, arrival=0.0, max_tokens=8):
-    return Request(f"r{i}", _prompt(i, n), SamplingParams(max_tokens=max_tokens), SLO(ttft_ms=ttft, tpot_ms=tpot),
-                   arrival_s=arrival)
 
 
 @pytest.mark.parametrize("policy", ["edf_reject", "kairos"])
@@ -1425,12 +1418,12 @@ def test_the_ttft_guard_counts_a_preempted_replys_recompute_ahead_of_a_fresh_req
 
     model = LatencyModel(prefill_coef=(0.5, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))  # prefill 1 + 0.5n ms
     s = Scheduler(SchedulerConfig(policy=policy), 512, 4, max_model_len=512, predictor=model)
-    p = _timed(0, 200, ttft=10_000, max_tokens=50)
+    p = _req(0, 200, ttft=10_000, max_tokens=50)
     s.add(p)
     _run(s, s.schedule(0.0))
     p.first_token_s = 0.0
     s._preempt(p, StepPlan())
-    f = _timed(1, 8, ttft=75.0, arrival=20.0)  # alone: 5 ms of prefill and the 50 ms margin
+    f = _req(1, 8, ttft=75.0, arrival=20.0)  # alone: 5 ms of prefill and the 50 ms margin
     s.add(f)
     plan = s.schedule(20.0)  # (p's TTFT deadline long past: started, it is never turned away)
     assert plan.rejected == [(f, TTFT_UNATTAINABLE)] and plan.prefill == [p]
@@ -1441,13 +1434,13 @@ def test_a_request_waits_for_room_if_an_idle_replica_would_take_it_whatever_the_
     admit it, judged with the idle factor (as a rejection's capacity is), not with the busy batch's measured
     prefill stalls, which turned it away as unattainable though an idle replica takes it."""
     s = _sched("kairos", short_first=True)
-    loose = _timed(0, 8, tpot=1000.0, ttft=10_000, max_tokens=200)
+    loose = _req(0, 8, tpot=1000.0, ttft=10_000, max_tokens=200)
     s.add(loose)
     _run(s, s.schedule(0.0))
     loose.first_token_s = 0.0
     for k in range(40):  # steps slowed by prefill stalls; none of a reply decoding alone
         s.correction.observe(0.5 + k * 0.001, 25.0, 5.5, rows=1, alone=False, prefill=True)
-    cand = _timed(1, 8, tpot=10.0, ttft=10_000, max_tokens=20, arrival=0.6)
+    cand = _req(1, 8, tpot=10.0, ttft=10_000, max_tokens=20, arrival=0.6)
     s.add(cand)
     plan = s.schedule(0.6)
     assert s._gate_scale(s._window_factor(0.6)) > 2 and s.judge_gate_scale(0.6) == 1.0
@@ -1460,8 +1453,8 @@ def test_least_work_order_sends_a_request_without_a_tpot_slo_after_the_paced_one
     after the paced ones, as LDF sends best effort last."""
     s = Scheduler(SchedulerConfig(policy="kairos", short_first=True, max_num_seqs=1), 2048, 4, max_model_len=4096,
                   predictor=LatencyModel(prefill_coef=(0.01, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0)))
-    paced = _timed(0, 8, tpot=50.0, ttft=2000.0, max_tokens=4)
-    best_effort = _timed(1, 8, max_tokens=2000, arrival=0.001)
+    paced = _req(0, 8, tpot=50.0, ttft=2000.0, max_tokens=4)
+    best_effort = _req(1, 8, max_tokens=2000, arrival=0.001)
     s.add(paced)
     s.add(best_effort)
     assert s.schedule(0.002).prefill == [paced]
@@ -1479,7 +1472,7 @@ def _strict_stream(extra: dict):
     def arrive(now):
         out = []
         if abs(now / 0.03 - round(now / 0.03)) < 1e-6:
-            out.append(_timed(n[0], 8, tpot=8.0, ttft=20.0, arrival=now))
+            out.append(_req(n[0], 8, tpot=8.0, ttft=20.0, arrival=now))
             n[0] += 1
         return out + extra.pop(now, [])
     return arrive
@@ -1489,7 +1482,7 @@ def test_the_impatient_reserve_never_holds_a_request_without_a_ttft_deadline():
     """The reserve keeps a patient request waiting while impatient ones arrive; one without a TTFT deadline was
     patient for ever, so nothing ended its wait (still waiting after 28 s of strict arrivals); it is admitted."""
     s = _reserved()
-    be, tpot_only = _timed(999, 8, arrival=2.0), _timed(998, 8, tpot=200.0, arrival=2.0)
+    be, tpot_only = _req(999, 8, arrival=2.0), _req(998, 8, tpot=200.0, arrival=2.0)
     _loop(s, 4.0, _strict_stream({2.0: [be, tpot_only]}))
     assert be.admitted_s == 2.0 and tpot_only.admitted_s == 2.0
 
