@@ -495,6 +495,7 @@ class EngineCoreClient:
         self._stats: EngineStats = info.stats
         self._device_type = info.device_type
         self._scheduler = for_device(self.config, info.device_type).scheduler  # its knobs fixed at start
+        self._reconfigures = 0  # `reconfigure` calls sent to the child
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject",
                                      info.lora, self._scheduler.by_priority, info.sampling_defaults.get("max_tokens"))
@@ -579,7 +580,9 @@ class EngineCoreClient:
             self._send(Reconfigure(dict(scheduler)))
         except OSError as e:
             raise EngineDeadError(f"engine process unreachable: {e}") from None
-        self.inputs.priority_scheduling = config.by_priority  # (requests from now on)
+        with self._lock:  # (beside `_deliver`'s reading of the child's)
+            self._reconfigures += 1
+            self.inputs.priority_scheduling = config.by_priority  # (requests from now on; the child's stats confirm)
         return config
 
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:
@@ -650,6 +653,9 @@ class EngineCoreClient:
             return
         if msg.stats is not None:
             self._stats = msg.stats
+            with self._lock:  # the child has taken every change sent: its rule stands (the old one's where it failed)
+                if msg.stats.reconfigures == self._reconfigures:
+                    self.inputs.priority_scheduling = msg.stats.priority_scheduling
         if (t := msg.tokens) is not None:  # before the items: a request's last item comes after its tokens
             with self._lock:
                 streams = [self._streams.get(rid) for rid in t.request_ids]

@@ -169,6 +169,7 @@ class LLMEngine:
         self._step_batch: float | None = None  # EWMA of their decode batch sizes
         self._inflight: _InFlight | None = None  # overlap scheduling: the launched step not yet resolved
         self._next_scheduler: SchedulerConfig | None = None  # `reconfigure`'s, until the scheduler has drained
+        self._reconfigures = 0  # `reconfigure` calls taken
         self._parked: list[Request] = []  # requests that arrived meanwhile: the next scheduler takes them
         self._last_resolved = 0.0  # perf_counter when the last step's tokens were resolved
         self._stats_lock = threading.Lock()
@@ -489,12 +490,15 @@ class LLMEngine:
         takes them in their order (a switch under load costs them the old scheduler's drain: at most about its
         longest reply). Returns the config that will run;
         ValueError for an unknown knob, a bad value, or one fixed at start (`FIXED_SCHEDULER_KNOBS`)."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is not running: {self._dead!r}")
-        config = reconfigured(self._given_scheduler, self.config.scheduler, scheduler, self.bundle.device.type)
-        self._post(config)
-        self.inputs.priority_scheduling = config.by_priority  # (requests from now on)
-        return config
+        try:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead!r}")
+            config = reconfigured(self._given_scheduler, self.config.scheduler, scheduler, self.bundle.device.type)
+            self._post(config)
+            self.inputs.priority_scheduling = config.by_priority  # (requests from now on)
+            return config
+        finally:  # (counted once its rule is set: the stats' count and rule, read in that order, agree)
+            self._reconfigures += 1
 
     def inject_fault(self, count: int = 1, *, fatal: bool = False, hang_s: float = 0.0) -> None:
         """Test hook: the next `count` model steps raise (their requests fail, the engine goes on); with `fatal`,
@@ -523,8 +527,10 @@ class LLMEngine:
         snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
                         phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
                         step=(self._step_ms, self._step_batch))
-        if self.loras is not None:
-            snap = dataclasses.replace(snap, lora_adapters=len(self.loras.loaded))
+        # (the count read before the rule: a count that takes in a reconfigure call comes with that call's rule)
+        taken = self._reconfigures
+        snap = dataclasses.replace(snap, reconfigures=taken, priority_scheduling=self.inputs.priority_scheduling,
+                                   lora_adapters=len(self.loras.loaded) if self.loras is not None else 0)
         # waiting for a scheduler change, or for their adapter's load: they count as waiting (those not aborted)
         held = [*self._parked, *(r for _, rs in self._lora_waiting.values() for r in rs)] \
             if self._parked or self._lora_waiting else ()
@@ -704,6 +710,7 @@ class LLMEngine:
             new = None
         if new is None:
             self.inputs.priority_scheduling = old.config.by_priority  # (the old scheduler's ranking stands)
+            self._churn += 1  # (the published rule is stale)
             self._take(parked)
             return
         new.num_preemptions, new.model_error = old.num_preemptions, old.model_error

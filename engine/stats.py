@@ -75,6 +75,10 @@ class EngineStats:
     # scheduler plans for it, less its tokens out); None with none running
     nearest_end: int | None = None
     policy: str = ""  # the scheduling policy running (`LLMEngine.reconfigure` changes it)
+    # `LLMEngine.reconfigure` calls the engine has taken, and whether the requests it takes now keep their priority
+    # (`InputProcessor.priority_scheduling`: the asked scheduler's rule, or the old one's where that one stayed)
+    reconfigures: int = 0
+    priority_scheduling: bool = False
 
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],

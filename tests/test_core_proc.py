@@ -544,6 +544,29 @@ def test_reconfigure_is_checked_in_the_caller_and_swaps_the_childs_scheduler(cli
     assert client.stats().policy == "fcfs"
 
 
+def test_a_change_the_child_cannot_take_leaves_the_fronts_ranking_as_the_childs(client, tmp_path):
+    """A change the caller's check passes but the child cannot take (here its length predictor file is gone by then;
+    the caller read it from its own copy) leaves the child's scheduler as it was: the front's requests then keep
+    that scheduler's ranking (they took the asked one's, priority scheduling, for good)."""
+    import shutil
+
+    from scheduling.length_predictor import DEFAULT_PATH, load_cached
+
+    path = tmp_path / "lengths.npz"
+    shutil.copy(DEFAULT_PATH, path)
+    load_cached(str(path))
+    path.unlink()
+    params = SamplingParams(max_tokens=2)
+    assert client.inputs.process([1, 2, 3], params, None, None, priority=5).priority == 0
+    client.reconfigure({"scheduling_policy": "priority", "length_predictor_path": str(path)})
+    deadline = time.monotonic() + 10
+    while client.stats().reconfigures != client._reconfigures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats().reconfigures == client._reconfigures
+    assert client.inputs.process([1, 2, 3], params, None, None, priority=5).priority == 0
+    assert client.stats().policy == "fcfs" and not client.stats().priority_scheduling
+
+
 def test_a_turns_first_tokens_are_delivered_before_the_other_streams_tokens():
     """The client hands a turn's first tokens (a reply's token 1) to their streams before the rest, so that the
     readers they wake go first in the event loop's queue; a request's later tokens still come after its first, and
