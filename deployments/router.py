@@ -363,15 +363,16 @@ class SLORouter(RequestRouter):
                                        fresh=self._fresh.get(r.replica_id, 0))
             if r.replica_id in quiet:  # ranked with the dead: last
                 views[r.replica_id] = replace(views[r.replica_id], alive=False)
-        avoid = req.avoid_replicas + self._refusing(candidate_replicas, req.slo, req.priority)
+        slo = req.engine_slo  # (a resent request's TTFT is what is left of it)
+        avoid = req.avoid_replicas + self._refusing(candidate_replicas, slo, req.priority)
         keys = prefix_keys(req)
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
-        ranked = rank(candidate_replicas, views, req.slo, avoid, affinity)
+        ranked = rank(candidate_replicas, views, slo, avoid, affinity)
         if keys:  # remembered where the call lands (`on_request_routed`)
             self._keys[call_id] = keys
-        self._chosen[call_id] = (ranked[0].replica_id, req.slo.tpot_ms, now)
-        self._count(ranked[0].replica_id, req.slo.tpot_ms, +1)
+        self._chosen[call_id] = (ranked[0].replica_id, slo.tpot_ms, now)
+        self._count(ranked[0].replica_id, slo.tpot_ms, +1)
         self._fresh[ranked[0].replica_id] = self._fresh.get(ranked[0].replica_id, 0) + 1
         return [[r] for r in ranked]
 

@@ -288,6 +288,27 @@ def test_router_prefers_attainable_slo_with_most_slack() -> None:
     assert _rank([busy, idle], {"ttft_ms": 1}) == ["idle", "busy"]
 
 
+def test_router_ranks_a_resent_request_by_the_ttft_it_has_left() -> None:
+    """A request resent after time spent elsewhere (`waited_ms`) is ranked by what is left of its TTFT SLO, as the
+    engine schedules it: a replica that meets the whole SLO with more TPOT slack, but not what is left, goes after
+    one that meets what is left."""
+    from deployments.router import SLORouter
+
+    slow = _replica("slow", _stats(115, 120, load=1, itl=10.0))
+    quick = _replica("quick", _stats(5, 10, load=3, itl=21.0))
+    def first(waited_ms: float, call: str) -> str:
+        router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+        router.initialize_state()
+        req = GenerateRequest("cmpl-1", prompt="x" * 256, slo=SLO(ttft_ms=500.0, tpot_ms=40.0), prompt_len_hint=64,
+                              waited_ms=waited_ms)
+        p = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call), args=(req,),
+                            kwargs={})
+        return asyncio.run(router.choose_replicas([slow, quick], p))[0][0].replica_id
+
+    assert first(0.0, "h0") == "slow"  # (both meet 500 ms: the lighter batch's TPOT slack)
+    assert first(400.0, "h1") == "quick"  # (100 ms left)
+
+
 def test_router_sends_nothing_to_a_replica_whose_engine_died_while_another_can_serve() -> None:
     """A replica whose engine died fails every request at once and reports no load: until Serve's health checks
     replace it, it would look the least loaded. Its report says it is dead: it comes last, for every SLO."""
