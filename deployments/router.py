@@ -54,6 +54,7 @@ log = logging.getLogger("ray.serve")
 # a call chosen this long ago and never routed was cancelled (a live one is chosen again at least every
 # RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S, 0.5 s, until a replica accepts it): stop counting it
 CHOSEN_TTL_S = 5.0
+ENDED_EARLY_KEEP = 4096  # calls remembered as ended before they were routed (kept for CHOSEN_TTL_S)
 REPORT_LAG_S = 1.0  # a call routed this shortly before a replica's report may not be in it yet (transit, clocks)
 # how fast the estimate of a replica's clock against this process's may rise per report (`SLORouter._reconcile`: the
 # least lag seen, so that a replica's clock set back is followed, slowly)
@@ -337,6 +338,9 @@ class SLORouter(RequestRouter):
         # prefix cache likely holds (prefix affinity); and those of the calls chosen but not yet routed, by call
         self._prefixes: dict[ReplicaID, OrderedDict[int, None]] = {}
         self._keys: dict[str, list[int]] = {}
+        # (request id, replica) -> wall time of calls that completed before they were routed (Serve runs the two
+        # callbacks apart: `on_request_completed` may come first): their routing is not counted
+        self._ended_early: dict[tuple[str, ReplicaID], float] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -480,14 +484,22 @@ class SLORouter(RequestRouter):
                 held.move_to_end(key)
             while len(held) > PREFIX_KEEP:
                 held.popitem(last=False)
-        self._calls.setdefault((call_id, replica_id), []).append((tpot, time.time()))
+        now = time.time()
+        if self._ended_early:
+            if self._ended_early.pop((call_id, replica_id), None) is not None:
+                return  # it has ended already
+            for key in [k for k, t in self._ended_early.items() if now - t > CHOSEN_TTL_S]:
+                del self._ended_early[key]
+        self._calls.setdefault((call_id, replica_id), []).append((tpot, now))
         self._count(replica_id, tpot, +1)
         self._fresh[replica_id] = self._fresh.get(replica_id, 0) + 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = (internal_request_id, replica_id)
         calls = self._calls.get(key)
-        if not calls:
+        if not calls:  # (ended before it was routed: its routing, next, is not counted)
+            if len(self._ended_early) < ENDED_EARLY_KEEP:
+                self._ended_early[key] = time.time()
             return
         tpot, routed_at = calls.pop()
         if not calls:
@@ -519,6 +531,7 @@ class SLORouter(RequestRouter):
         self._unreadable.discard(replica_id)
         self._prefixes.pop(replica_id, None)
         self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}
+        self._ended_early = {k: t for k, t in self._ended_early.items() if k[1] != replica_id}
 
 
 class Pow2Router(PowerOfTwoChoicesRequestRouter):

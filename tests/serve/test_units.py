@@ -763,9 +763,27 @@ def test_the_router_forgets_a_replica_serve_stopped(monkeypatch) -> None:
     assert "a" not in router._refused and a.replica_id not in router._inflight and a.replica_id not in router._prefixes
 
 
+def test_router_does_not_count_a_call_that_completed_before_it_was_routed() -> None:
+    """Serve may run a call's completion callback before `on_request_routed` (a call that failed at once). It is not
+    counted: a report need not prove it gone (one that counts other ingress replicas' calls never would), and its
+    strict TPOT SLO would hold the replica's pace down for good."""
+    from deployments.router import SLORouter
+
+    router = object.__new__(SLORouter)  # only its bookkeeping: no Ray
+    router.initialize_state()
+    req = GenerateRequest("cmpl-0", prompt="x", slo=SLO(tpot_ms=5.0))
+    p = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id="http-0"), args=(req,),
+                        kwargs={})
+    router.on_request_completed("a", "http-0")
+    router.on_request_routed(p, "a", None)
+    assert not router._inflight.get("a") and router._calls == {}
+    router.on_request_routed(p, "a", None)  # (routed again: a retry under the same id counts)
+    assert dict(router._inflight["a"]) == {5.0: 1}
+
+
 def test_router_drops_calls_a_report_proves_finished(monkeypatch) -> None:
-    # Serve may run a call's completion callback before `on_request_routed` (a call that failed at once): that call
-    # would count as in flight forever and steer every request away from its replica, unless a report fixes it
+    # a call whose completion never reaches the router would count as in flight forever and steer every request away
+    # from its replica, unless a report fixes it
     import asyncio
 
     from deployments.router import REPORT_LAG_S, SLORouter
@@ -779,8 +797,7 @@ def test_router_drops_calls_a_report_proves_finished(monkeypatch) -> None:
         return SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id=call_id),
                                args=(req,), kwargs={})
 
-    router.on_request_completed("a", "http-0")  # completed first...
-    router.on_request_routed(pending("http-0", 10.0), "a", None)  # ...then routed: a leak
+    router.on_request_routed(pending("http-0", 10.0), "a", None)  # (its completion is lost)
     router.on_request_routed(pending("http-1"), "a", None)  # still running there
     assert router._inflight["a"].total() == 2
     t0 = 1000.0  # the replicas' clock, far from this process's
