@@ -109,6 +109,9 @@ class EngineConfig(BaseModel):
                                         "them) of up to this many tokens replay CUDA graphs captured at start (token "
                                         "counts 16, 32, ... up to it), instead of an eager forward whose per-op host "
                                         "work costs more than the GPU's; 0: they run eagerly")
+    enforce_eager: bool = Field(
+        False, description="CUDA: capture no CUDA graphs, every step runs eagerly (vLLM's enforce_eager; Triton "
+                           "attention stays: kernels=off turns that off too)")
     max_tokens_over_context: Literal["clamp", "reject"] = Field(
         "clamp", description="a max_tokens beyond the context left: clamp (the reply ends at the window, as an "
                              "in-process engine does) or reject (ValueError; the OpenAI server's 400, as vLLM's)")

@@ -247,8 +247,9 @@ class LLMEngine:
         self.overlap = config.overlap == "on" or (config.overlap == "auto" and not host)
         self._stream = HostStream(torch.get_num_threads()) if self.overlap and host else None
         t_cache = time.perf_counter()
-        self.graph_report = backend.capture(self.runner, config.scheduler.max_num_seqs, self.max_model_len,
-                                            config.mixed_graph_tokens)
+        # (enforce_eager: the kernels compiled, no graph captured)
+        self.graph_report = backend.capture(self.runner, 0 if config.enforce_eager else config.scheduler.max_num_seqs,
+                                            self.max_model_len, config.mixed_graph_tokens)
         self.inputs = InputProcessor(b.tokenizer, b.vocab_limit, b.eos_token_ids, self.max_model_len,
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject",

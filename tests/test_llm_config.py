@@ -24,7 +24,7 @@ def test_a_ray_serve_llm_config_maps_to_kairos_arguments():
     assert translate({"llm_configs": [LLM], "ingress_deployment_config": {"num_replicas": 2}}) == {
         "model": "kairos-tiny", "served_model_name": "qwen", "accelerator_type": "A10G",
         "max_model_len": 512, "max_num_seqs": 32, "prefill_max_tokens": 2048, "chunked_prefill": True,
-        "tool_call_parser": "hermes", "dtype": "float32", "policy": "scorpio",
+        "enforce_eager": True, "tool_call_parser": "hermes", "dtype": "float32", "policy": "scorpio",
         "num_replicas": 2, "max_ongoing_requests": 64, "num_gpus": 0, "runtime_env": {"env_vars": {"A": "1"}},
         "dynamic_lora_loading_path": "/adapters", "max_loras": 4, "enable_lora": True, "stream_interval_ms": 50,
         "ingress_num_replicas": 2}

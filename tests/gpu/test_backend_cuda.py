@@ -43,6 +43,24 @@ def test_graph_replays_equal_the_torch_reference(device, ckpts):
         eng.shutdown()
 
 
+def test_enforce_eager_runs_every_step_without_a_graph(device, ckpts):
+    """vLLM's enforce_eager: no CUDA graph is captured (Triton attention stays), and the tokens are the reference's."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    ref = make_engine(ckpts["llama"], device, backend="torch", max_num_seqs=8)
+    try:
+        want = _tokens(ref, PROMPTS)
+    finally:
+        ref.shutdown()
+    eng = make_engine(ckpts["llama"], device, max_num_seqs=8, enforce_eager=True)
+    try:
+        assert eng.graph_report.get("graphs") == 0 and eng.backend.graphs is None and eng.backend.mixed is None
+        assert eng.graph_report.get("kernel_variants", 0) >= 4, eng.graph_report  # (Triton's, compiled at start)
+        assert _tokens(eng, PROMPTS) == want
+    finally:
+        eng.shutdown()
+
+
 def test_mixed_graph_replays_equal_the_torch_reference(device, ckpts):
     """Steps with prefill rows (16-token chunks, and the decodes riding with them) replay the mixed graphs of up to
     64 tokens, padded to 16 / 32 / 64, longer steps eager: the torch reference backend's tokens."""

@@ -62,6 +62,7 @@ def _next_tokens(eng, prefixes: list[list[int]]) -> list[int]:
     return [o[0] for o in run_all(eng.add_requests(prefixes, greedy(1)))]
 
 
+@pytest.mark.timeout(400)  # (where pytest-timeout runs: it builds a 1B checkpoint and three engines, on a cold host)
 def test_bf16_agrees_with_fp32(device, shape_ckpt):
     import torch
 
