@@ -73,13 +73,15 @@ AFFINITY_LOAD = 2.0  # (a best-effort request: if its load is at most this many 
 
 class Silence:
     """Which replicas stopped reporting (`quiet`): those whose last routing-stats report reached this router
-    `SILENT_S` before the freshest of the others' (the controller asks every replica each period and keeps a
-    replica's last answer while it gets none). Timed on this process's clock as the reports change, since a replica
-    on another node stamps its reports on a clock that need not agree with the others' by seconds; a replica first
-    seen is as old as its report against the freshest one."""
+    `SILENT_S` (or three intervals between reports, where that is longer: a long `routing_stats_period_s`) before
+    the freshest of the others' (the controller asks every replica each period and keeps a replica's last answer
+    while it gets none). Timed on this process's clock as the reports change, since a replica on another node
+    stamps its reports on a clock that need not agree with the others' by seconds; a replica first seen is as old as
+    its report against the freshest one."""
 
     def __init__(self) -> None:
-        self._seen: dict[ReplicaID, tuple[float, float]] = {}  # replica -> (its report's ts, when it changed here)
+        # replica -> (its report's ts, when it changed here, the interval between its last two reports' ts)
+        self._seen: dict[ReplicaID, tuple[float, float, float]] = {}
 
     def quiet(self, candidates: list[RunningReplica]) -> list[ReplicaID]:
         stamps = [(r.replica_id, (r.routing_stats or {}).get("ts")) for r in candidates]
@@ -90,15 +92,17 @@ class Silence:
         for rid, ts in known:
             got = self._seen.get(rid)
             if got is None:
-                self._seen[rid] = (ts, now - (newest - ts))
+                self._seen[rid] = (ts, now - (newest - ts), 0.0)
             elif got[0] != ts:
-                self._seen[rid] = (ts, now)
+                self._seen[rid] = (ts, now, ts - got[0])
         if len(self._seen) > 4 * len(known):  # (replicas gone: forgotten)
             ids = {rid for rid, _ in known}
             self._seen = {rid: v for rid, v in self._seen.items() if rid in ids}
-        heard = [(rid, self._seen[rid][1]) for rid, _ in known]
-        latest = max(at for _, at in heard)
-        return [rid for rid, at in heard if latest - at > SILENT_S]
+        heard = [self._seen[rid] for rid, _ in known]
+        latest = max(at for _, at, _ in heard)
+        # (the period is the deployment's, every replica's: the longest interval seen stands for those not seen twice)
+        limit = max(SILENT_S, 3 * max(every for _, _, every in heard))
+        return [rid for (rid, _), (_, at, _) in zip(known, heard) if latest - at > limit]
 
 
 def answering(r: RunningReplica, quiet: list[ReplicaID]) -> bool:

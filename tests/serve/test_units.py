@@ -480,6 +480,17 @@ def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) ->
         else:
             assert got == ([rid("stopped")] if k - 3 > SILENT_S else []), k
         clock["t"] += 1.0
+    # a routing_stats_period_s past SILENT_S: replicas reporting every 20 s, 17 s apart, are heard as they report;
+    # one that stops is silent three of its intervals after its last report
+    watch = Silence()
+    for k in range(200):
+        t = now + k
+        last_a, last_b = t - t % 20, max(now, t - (t - 17) % 20)
+        reps = [rep("a", last_a), rep("b", last_b), rep("gone", min(last_a, now + 40))]
+        got = watch.quiet(reps)
+        assert got in ([], [rid("gone")]) and (got == [] or k - 40 > 3 * 20), k
+        clock["t"] += 1.0
+    assert got == [rid("gone")]
     monkeypatch.undo()
     router = object.__new__(SLORouter)
     router.initialize_state()
