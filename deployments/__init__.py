@@ -83,9 +83,11 @@ def _ingress(a: ServeArgs, cls: Any = None) -> Any:
                                     ray_actor_options={"num_cpus": 0})
 
 
-def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServer") -> Any:
+def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServer", chunk_share: float = 1.0) -> Any:
     """One model's LLM deployment, as `a` (`given`, resolved) says: the bound LLM replicas (`deployment_name`; with
-    the direct topology, replicas that serve HTTP themselves) and the settings of their front."""
+    the direct topology, replicas that serve HTTP themselves) and the settings of their front. `chunk_share`: the
+    share of the Ingress's chunk budget (`stream_max_chunks_s`) its replicas split (an app of several models: the
+    model's share of the replicas)."""
     if given.num_gpus is None and (gpus := gpus_for_app()) > 0:
         if a.num_gpus:
             log.info("kairos: %d LLM replica(s) of %g GPU each, on the %g GPU(s) Ray has%s (num_gpus / num_replicas "
@@ -99,7 +101,7 @@ def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServe
         actor_opts["accelerator_type"] = a.accelerator_type
     if a.runtime_env:
         actor_opts["runtime_env"] = dict(a.runtime_env)
-    pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s, a.num_replicas,
+    pacing = StreamPacing.of_app(a.stream_interval_ms, a.stream_max_chunks_s * chunk_share, a.num_replicas,
                                  a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s,
                                  autoscaled=a.autoscaling_config is not None)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
@@ -223,6 +225,7 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
         raise ValueError("a multi-model app serves two models or more")
     shared_args = _front_args(models)
     parts, names, settings, gpus = [], {}, [], 0.0
+    resolved = []
     for i, raw in enumerate(models):
         raw = {**raw, **shared_args}
         if raw.get("allow_runtime_lora_updating"):
@@ -234,13 +237,16 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
         if "num_replicas" not in raw and "autoscaling_config" not in raw:
             raw["num_replicas"] = 1
         given = AppArgs.model_validate({**raw, "topology": "routed"})
-        a = given.resolved()
+        resolved.append((given, given.resolved()))
+    # one Ingress relays every model's streams: its chunk budget is split over all the models' replicas
+    replicas = sum(a.num_replicas for _, a in resolved)
+    for i, (given, a) in enumerate(resolved):
         own = [a.model_name, *a.engine_config().lora_paths()]  # (the names a request may give it, beside aliases)
         for name in (deployment_name(a.model_name), *own):
             if name in names:
                 raise ValueError(f"model {i} ({a.model_name!r}): {name!r} names model {names[name]} of the app too")
             names[name] = i
-        llm, s = model_parts(given, a, deployment_name(a.model_name))
+        llm, s = model_parts(given, a, deployment_name(a.model_name), a.num_replicas / max(replicas, 1))
         parts.append(llm)
         if i == 0:  # (every model's front arguments alike: the app's, `_front_args`)
             front, shared = a, {k: s[k] for k in ("max_body_bytes", "api_keys_env", "api_key_file", "cors")}

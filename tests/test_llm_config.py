@@ -235,6 +235,20 @@ def test_an_app_of_several_models_has_one_front_given_on_any_model():
         build_multi_model_app([model("a", api_key_file="/a"), model("b", api_key_file="/b")])
 
 
+def test_the_models_of_an_app_split_its_ingress_chunk_budget():
+    """One Ingress relays every model's streams: its chunk budget (stream_max_chunks_s a replica of it) is split over
+    all the models' replicas, each model's in proportion to its replicas (each model split the whole of it)."""
+    from deployments import build_multi_model_app
+
+    app = build_multi_model_app([{"model": "kairos-tiny", "served_model_name": n, "num_gpus": 0, "num_replicas": k,
+                                  "stream_max_chunks_s": 3000, "ingress_num_replicas": 2}
+                                 for n, k in (("a", 1), ("b", 2))])
+    llms = [d._bound_deployment for d in app._bound_deployment.init_args[0]]
+    pacings = [d.init_args[4] for d in llms]  # (engine config, metrics interval, prompt logging, cores, pacing, ...)
+    assert [p.shared_chunks_per_s for p in pacings] == [2000.0, 4000.0]
+    assert [p.max_chunks_per_s for p in pacings] == [2000.0, 2000.0]
+
+
 def test_a_ray_serve_llm_config_that_names_no_replica_count_gets_one_replica(monkeypatch):
     """Ray Serve LLM's default (autoscaling from 1 to 1): one replica, not Kairos's one per GPU (on a node of 8, the
     config took all 8)."""

@@ -52,7 +52,8 @@ case "${1:-}" in
         else
           echo "enforce_eager=true" > /tmp/kairos-lease-serve
         fi
-        echo "lease.sh: the graphs' check failed (exit $rc): the SLO experiment serves with $(cat /tmp/kairos-lease-serve)"
+        echo "lease.sh: the graphs' check failed (exit $rc): the SLO experiment serves with" \
+          "$(cat /tmp/kairos-lease-serve)"
       fi
     fi
     [ -f /tmp/kairos-lease-serve ] && export SERVE="$(cat /tmp/kairos-lease-serve) ${SERVE:-}"
