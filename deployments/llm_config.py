@@ -32,6 +32,9 @@ from core.sampling import MAX_LOGPROBS
 
 log = logging.getLogger("ray.serve")
 
+# Ray Serve LLM's LoraConfig fields
+_LORA_FIELDS = ("dynamic_lora_loading_path", "max_num_adapters_per_replica", "download_timeout_s",
+                "max_download_tries")
 # vLLM's engine arguments by Kairos's name where the two differ
 VLLM_NAMES = {
     "max_num_batched_tokens": "prefill_max_tokens",
@@ -142,6 +145,9 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
     loading = cfg.get("model_loading_config")
     if not isinstance(loading, dict) or not isinstance(loading.get("model_id"), str) or not loading["model_id"]:
         raise _refuse("model_loading_config", "must give model_id (the name clients ask for)")
+    if unknown := set(loading) - {"model_id", "model_source", "tokenizer_source"}:  # (as Ray Serve LLM's)
+        raise _refuse("model_loading_config", f"unknown field(s) {', '.join(sorted(map(str, unknown)))} (it has "
+                      "model_id, model_source and tokenizer_source)")
     source = loading.get("model_source") or loading["model_id"]
     if not isinstance(source, str):
         raise _refuse("model_loading_config.model_source", "a cloud mirror (bucket_uri) is not read here: copy the "
@@ -165,7 +171,10 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
         out["accelerator_type"] = cfg["accelerator_type"]
     if cfg.get("runtime_env"):
         out["runtime_env"] = cfg["runtime_env"]
-    for key, value in (cfg.get("experimental_configs") or {}).items():
+    experimental = cfg.get("experimental_configs") or {}
+    if not isinstance(experimental, dict):
+        raise _refuse("experimental_configs", "must be a mapping")
+    for key, value in experimental.items():
         if key == "stream_batching_interval_ms":
             out["stream_interval_ms"] = value
         elif key == "num_ingress_replicas":
@@ -185,6 +194,12 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
     if lora:
         if not isinstance(lora, dict):
             raise _refuse("lora_config", "must be a mapping")
+        if unknown := set(lora) - set(_LORA_FIELDS):  # (as Ray Serve LLM's)
+            raise _refuse("lora_config", f"unknown field(s) {', '.join(sorted(map(str, unknown)))} (it has "
+                          f"{', '.join(_LORA_FIELDS)})")
+        for name in ("download_timeout_s", "max_download_tries"):  # (adapters are read from a path: no download)
+            if lora.get(name) is not None:
+                log.info("kairos: lora_config.%s=%r changes nothing here; ignored", name, lora[name])
         if lora.get("dynamic_lora_loading_path"):
             out["dynamic_lora_loading_path"] = lora["dynamic_lora_loading_path"]
         if lora.get("max_num_adapters_per_replica") is not None:
@@ -228,13 +243,18 @@ def _deployment(dep: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(dep, dict):
         raise _refuse("deployment_config", "must be a mapping of Serve deployment options")
     out: dict[str, Any] = {}
+    auto = dep.get("num_replicas") == "auto"
     for key, value in dep.items():
-        if key == "num_replicas" and value == "auto":  # Serve's: autoscaling from 1 to 100 replicas (its target
-            out["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 100}  # left to Kairos's: max_num_seqs)
+        if key == "num_replicas" and auto:  # Serve's: autoscaling from 1 to 100 replicas (its target left to
+            # Kairos's: max_num_seqs), under what autoscaling_config gives, whichever comes first
+            given = dep.get("autoscaling_config")
+            out["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 100,
+                                         **(given if isinstance(given, dict) else {})}
         elif key in _DEPLOYMENT:
             out[_DEPLOYMENT[key]] = value
         elif key == "autoscaling_config":
-            out["autoscaling_config"] = value  # (Serve's, checked with Kairos's default target by AppArgs)
+            if not auto or not isinstance(value, dict):  # (Serve's, checked with Kairos's default target by AppArgs)
+                out["autoscaling_config"] = value
         elif key == "ray_actor_options":
             opts = dict(value or {})
             for name in ("num_gpus", "num_cpus", "accelerator_type", "runtime_env"):  # (Kairos's names too)

@@ -119,6 +119,10 @@ def test_an_llm_config_file_is_read_as_ray_serve_llm_reads_it(tmp_path):
     ({"llm_configs": [LLM], "ingress_cls_config": {"ingress_cls": "x:Y"}}, "ingress_cls_config"),
     ({"llm_configs": [LLM], "extra": 1}, "unknown field"),
     ({"llm_configs": [{**LLM, "surprise": 1}]}, "unknown field"),
+    ({"llm_configs": [{**LLM, "model_loading_config": {"model_id": "q", "model_sorce": "/ckpt"}}]},
+     "model_loading_config: unknown field"),
+    ({"llm_configs": [{**LLM, "lora_config": {"dynamic_lora_path": "/a"}}]}, "lora_config: unknown field"),
+    ({"llm_configs": [{**LLM, "experimental_configs": ["x"]}]}, "experimental_configs: must be a mapping"),
 ])
 def test_what_kairos_would_not_serve_as_asked_is_refused_naming_it(config, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
@@ -275,3 +279,12 @@ def test_num_replicas_auto_autoscales_as_serve_has_it():
 
     cfg = AppArgs.model_validate({**args, "model": "kairos-tiny"}).autoscaling()
     assert cfg["max_replicas"] == 100 and cfg["target_ongoing_requests"] > 2
+    # with an autoscaling_config beside it, before or after: that config over the auto one's bounds (as Serve's)
+    for given in ({"min_replicas": 2, "max_replicas": 4}, {"target_ongoing_requests": 4}):
+        for dep in ({"num_replicas": "auto", "autoscaling_config": given},
+                    {"autoscaling_config": given, "num_replicas": "auto"}):
+            got = translate({"llm_configs": [{**auto, "deployment_config": dep}]})["autoscaling_config"]
+            assert got == {"min_replicas": 1, "max_replicas": 100, **given}, dep
+    lora = {**auto, "lora_config": {"dynamic_lora_loading_path": "/a", "download_timeout_s": 30,
+                                    "max_download_tries": 3}}
+    assert translate({"llm_configs": [lora]})["dynamic_lora_loading_path"] == "/a"  # (Ray's download knobs: no effect)
