@@ -113,16 +113,16 @@ def answering(r: RunningReplica, quiet: list[ReplicaID]) -> bool:
 def refused_for(slo: SLO, old: SLO, reason: str, priority: int = 0, old_priority: int = 0) -> bool:
     """Whether a request of `slo` would likely be turned away too where one of SLO `old` was, for `reason` (a
     RejectReason value): a TPOT refusal for a TPOT SLO as strict or stricter, a TTFT refusal for a TTFT SLO as
-    tight or tighter; a shed or a full queue for any request with an SLO. Never, but for a TPOT refusal (the VBS
-    gate judges each request alone), for a request of a lower `priority` value than the one turned away: priority
-    scheduling queues it first, and sheds or turns away the other first."""
+    tight or tighter; a shed for any request with an SLO; a full queue for any request (one without an SLO too).
+    Never, but for a TPOT refusal (the VBS gate judges each request alone), for a request of a lower `priority`
+    value than the one turned away: priority scheduling queues it first, and sheds or turns away the other first."""
     if reason == RejectReason.TPOT_UNATTAINABLE:
         return slo.tpot_ms is not None and old.tpot_ms is not None and slo.tpot_ms <= old.tpot_ms
     if priority < old_priority:
         return False
     if reason == RejectReason.TTFT_UNATTAINABLE:
         return slo.ttft_ms is not None and old.ttft_ms is not None and slo.ttft_ms <= old.ttft_ms
-    return slo.ttft_ms is not None or slo.tpot_ms is not None
+    return reason == RejectReason.OVERLOADED or slo.ttft_ms is not None or slo.tpot_ms is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,7 +534,9 @@ class SLORouter(RequestRouter):
             table.pop(replica_id, None)
         self._unreadable.discard(replica_id)
         self._prefixes.pop(replica_id, None)
-        self._chosen = {k: v for k, v in self._chosen.items() if v[0] != replica_id}
+        for call_id in [k for k, v in self._chosen.items() if v[0] == replica_id]:
+            del self._chosen[call_id]
+            self._keys.pop(call_id, None)
         self._ended_early = {k: t for k, t in self._ended_early.items() if k[1] != replica_id}
 
 

@@ -744,6 +744,9 @@ def test_a_replica_that_just_turned_a_request_away_is_passed_over_for_as_strict_
     forget_choices()
     a.routing_stats = {**a.routing_stats, "ts": 1.5}  # a newer report shows "a" as it is now
     assert first(20.0) == "a" and not router._refused
+    forget_choices()
+    note_refusal("a", SLO(), "overloaded")  # its queue is full: a request without an SLO is turned away there too
+    assert first(None) == "b" and first(None, priority=-1) == "a"
 
 
 def test_the_router_forgets_a_replica_serve_stopped(monkeypatch) -> None:
