@@ -6,7 +6,7 @@ once, so its ongoing requests stay near what it can serve while the demand it tu
 the requests it admitted and those it turned away for its load, a second each over the last `WINDOW_S`
 (`DemandRates`, Serve's `record_autoscaling_stats`), and `slo_autoscaling_policy` asks for as many replicas as
 would have admitted them too (the offered over the admitted), or as Serve's rule asks, whichever is more; for a
-window after a scale-up, the target it made (the rates then still hold what the fewer replicas turned away). Serve
+window and Serve's look-back after a scale-up, the target it made (the rates then still hold what the fewer replicas turned away). Serve
 applies the config's bounds, delays and factors around it. `AppArgs.autoscaling` makes it the default policy of an
 app's `autoscaling_config`.
 
@@ -81,10 +81,12 @@ def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
             and idle(metrics.get(INFLIGHT), ctx.current_num_replicas):
         return 0.0, state
     up, now = getattr(ctx, "last_scale_up_time", None), getattr(ctx, "current_time", None)
-    if turned > 0 and up is not None and now is not None and now - up < WINDOW_S:
+    look_back = getattr(ctx.config, "look_back_period_s", None)
+    hold = WINDOW_S + (look_back if isinstance(look_back, (int, float)) and look_back > 0 else WINDOW_S)
+    if turned > 0 and up is not None and now is not None and now - up < hold:
         # the rates still hold what the replicas turned away before the last scale-up (their window, then Serve's
-        # look-back): times the new count, they asked for more again and again. Until they are of the replicas
-        # now: the target stays (or Serve's rule's, where more)
+        # look-back over their reports): times the new count, they asked for more again and again. Until they are
+        # of the replicas now: the target stays (or Serve's rule's, where more)
         return max(by_queue, float(getattr(ctx, "target_num_replicas", ctx.current_num_replicas))), state
     return desired_replicas(ctx.current_num_replicas, by_queue, admitted, turned), state
 

@@ -69,14 +69,18 @@ def test_the_policy_does_not_scale_up_again_on_what_was_turned_away_before_the_l
     """15 req/s offered, 5 a replica: two replicas turned 5/s away and Serve added a third. The third serves 5/s and
     none is turned away any more, but the old two's rates (a window, then Serve's look-back) still hold the 429s of
     before: times the new count they asked for 4 (then 5, 6: the extra replicas stayed up for the downscale delay).
-    Until the window has passed since the scale-up, the target stays; after it, the rates are the new replicas'."""
-    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 64, get_upscaling_factor=lambda: 1.0, min_replicas=1)
+    Until the window and Serve's look-back over the reports have passed since the scale-up, the target stays;
+    after them, the rates are the new replicas'."""
+    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 64, get_upscaling_factor=lambda: 1.0, min_replicas=1,
+                          look_back_period_s=30.0)
     ctx = SimpleNamespace(current_num_replicas=3, target_num_replicas=3, total_num_requests=24.0, config=cfg,
                           aggregated_metrics={ADMITTED: {"a": 5.0, "b": 5.0, "c": 5.0},
                                               TURNED_AWAY: {"a": 2.5, "b": 2.5, "c": 0.0}},
                           last_scale_up_time=1000.0, current_time=1010.0)
     assert slo_autoscaling_policy(ctx)[0] == 3
-    ctx.current_time = 1000.0 + WINDOW_S + 1  # rates of the three replicas now: what they still turn away counts
+    ctx.current_time = 1000.0 + WINDOW_S + 1  # the reports Serve averages still reach back before the scale-up
+    assert slo_autoscaling_policy(ctx)[0] == 3
+    ctx.current_time = 1000.0 + WINDOW_S + 31  # rates of the three replicas now: what they still turn away counts
     assert slo_autoscaling_policy(ctx)[0] == 4
     ctx.current_time, ctx.current_num_replicas = 1010.0, 2  # the third still starting: the target (3) stays
     assert slo_autoscaling_policy(ctx)[0] == 3
