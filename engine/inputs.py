@@ -85,9 +85,11 @@ def _turn(m: ChatTurn) -> dict[str, Any]:
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 try:
-                    fn["arguments"] = json.loads(fn["arguments"])
+                    fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else None
                 except ValueError:
                     pass  # (not JSON: the template gets the text)
+            if isinstance(fn, dict) and fn.get("arguments", None) is None:  # none (a call of no arguments sent
+                fn["arguments"] = {}  # back as "", null or "null"): an empty object, as vLLM gives templates
         turn["tool_calls"] = calls
     if m.tool_call_id is not None:
         turn["tool_call_id"] = m.tool_call_id
@@ -170,6 +172,10 @@ class InputProcessor:
         ValueError on bad input. With `truncate_prompt_tokens`, its last k (-1: as many as the context window takes
         with a token of reply)."""
         options = (options or PromptOptions()).check()
+        k = options.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:  # (vLLM's 400)
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                             f"({self.max_model_len}); select a smaller truncation size")
         special = options.add_special_tokens
         if messages is not None:
             if special is None:  # (a chat template writes its own; the plain fallback none: the tokenizer's)
@@ -177,7 +183,6 @@ class InputProcessor:
             ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=special)
         else:
             ids = self.tokenize(prompt, add_special_tokens=special is not False)
-        k = options.truncate_prompt_tokens
         if k is not None:
             keep = self.max_model_len - 1 if k == -1 else k
             ids = ids[-keep:] if len(ids) > keep else ids

@@ -193,6 +193,16 @@ def test_tools_and_a_conversations_tool_turns_reach_the_chat_template():
     assert inputs.prompt_ids("one two three four five", options=PromptOptions(truncate_prompt_tokens=2)) == whole[-2:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         inputs.prompt_ids("x", options=PromptOptions(truncate_prompt_tokens=0))
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(4097\) is greater than max_model_len"):
+        inputs.prompt_ids("x", options=PromptOptions(truncate_prompt_tokens=4097))  # (vLLM's 400)
+    # a call of no arguments sent back as "", null or "null": an empty object, as vLLM gives templates (a template
+    # that walks the arguments' items could not render the text)
+    tok.chat_template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}(" \
+        "{% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %}){% endfor %}{% endfor %}"
+    for args in ("", None, "null", " "):
+        call = [{"id": "c1", "type": "function", "function": {"name": "now", "arguments": args}}]
+        assert render_chat(tok, [ChatTurn("assistant", "", json.dumps(call))],
+                           PromptOptions(add_generation_prompt=False)) == "now()", args
 
 
 def test_a_guided_reasoning_replys_thinking_is_as_its_prompt_leaves_it():
