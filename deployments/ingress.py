@@ -882,7 +882,9 @@ class OpenAIFrontend:
                                           priority=priority, return_token_ids=bool(body.return_token_ids))
                           for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
-        hint = _len_hint("".join(t.content for t in turns))
+        options = body.prompt_options()
+        hint = _len_hint("".join([options.tools or "", options.documents or "",
+                                  *(f"{t.content}{t.tool_calls or ''}" for t in turns)])) + _TURN_TOKENS * len(turns)
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
                                       options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
                                       cache_salt=body.cache_salt, lora_source=source, priority=priority,
@@ -1546,9 +1548,16 @@ def child_params(params: SamplingParams, j: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
 
 
+_TURN_TOKENS = 4  # a chat turn's markers (its role, its start and end), as a router guesses them
+
+
 def _len_hint(prompt: str | list[int]) -> int:
-    """A prompt's length in tokens as a router guesses it before the replica counts: its ids, or 4 characters each."""
-    return max(1, len(prompt) if isinstance(prompt, list) else len(prompt) // 4)
+    """A prompt's length in tokens as a router guesses it before the replica counts: its ids, or 4 ASCII characters
+    each and a token for each other character (CJK text takes about one a character)."""
+    if isinstance(prompt, list):
+        return max(1, len(prompt))
+    ascii_chars = len(prompt.encode("ascii", "ignore"))
+    return max(1, ascii_chars // 4 + len(prompt) - ascii_chars)
 
 
 def running_replicas(app: str, deployment: str) -> tuple[int, str | None] | None:

@@ -34,6 +34,7 @@ interactive tier its TTFT.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -168,12 +169,14 @@ def generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
 
 
 def prefix_keys(req: GenerateRequest) -> list[int]:
-    """The request's prompt (its text, token ids, or chat turns after what its chat template shows first: the tools
-    and a template of its own; after its LoRA adapter and cache_salt, where it gives them) cut at PREFIX_CHARS
+    """The request's prompt (its text, token ids, or chat turns after what its chat template shows first: the tools,
+    documents, template arguments and a template of its own; after its LoRA adapter and cache_salt, where it gives
+    them) cut at PREFIX_CHARS
     characters, twice that, and so on up to PREFIX_MAX_CHARS, each hashed: the longest first."""
     if req.messages is not None:
         o = req.options
-        text = "\x00".join([o.chat_template or "", o.tools or ""] + [
+        kwargs = json.dumps(o.chat_template_kwargs, sort_keys=True, default=str) if o.chat_template_kwargs else ""
+        text = "\x00".join([o.chat_template or "", o.tools or "", o.documents or "", kwargs] + [
             f"{t.role}\x01{t.name or ''}\x01{t.content}\x01{t.tool_calls or ''}" for t in req.messages])
     elif isinstance(req.prompt, str):
         text = req.prompt

@@ -174,6 +174,34 @@ def test_a_request_leaving_sampling_knobs_out_takes_the_models_defaults() -> Non
     assert (req.params.temperature, req.params.top_k) == (1.0, 0)
 
 
+def test_a_chats_length_hint_counts_what_its_template_shows_and_text_of_any_script() -> None:
+    """The router's guess of a prompt's tokens (`prompt_len_hint`, before the replica counts them) takes in a chat's
+    tools, documents and tool calls and its turns' markers, and a token for each character that is not ASCII (CJK
+    text is about one a character): only the turns' text, 4 characters a token, read a tool-heavy chat as nearly
+    free to prefill."""
+    from fastapi import Request
+
+    from deployments.ingress import OpenAIFrontend
+
+    class Front(OpenAIFrontend):
+        def _ready_info(self) -> dict | None:
+            return {"model": "m", "max_model_len": 1 << 16}
+
+    f = object.__new__(Front)
+    f._init_frontend({"model_name": "m", "max_body_bytes": 1 << 20})
+    http = Request({"type": "http", "headers": []})
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing " * 20,
+                                               "parameters": {"type": "object"}}} for i in range(10)]
+    bare = f._build(http, {"messages": hi}, "chat", "r1")[1][0].prompt_len_hint
+    raw = {"messages": hi, "tools": tools, "tool_choice": "none"}
+    tooled = f._build(http, raw, "chat", "r2")[1][0].prompt_len_hint
+    assert tooled > bare + 10 * 20 * 12 // 4 // 2
+    cjk = f._build(http, {"messages": [{"role": "user", "content": "漢" * 2000}]}, "chat", "r3")[1][0]
+    assert cjk.prompt_len_hint >= 2000
+    assert f._build(http, {"prompt": "ab" * 400}, "completion", "r4")[1][0].prompt_len_hint == 200
+
+
 def _local_fast_path(front_cls: type, generate: Any) -> tuple[Any, Any]:
     """A bare instance of frontend `front_cls` whose requests stream `generate(req)` here (no replica), and the
     generation fast path serving it."""
@@ -565,6 +593,11 @@ def test_router_sends_a_prompt_where_its_prefix_went_while_that_costs_little_sla
     turns = (ChatTurn("user", system),)
     with_tools = GenerateRequest("x", messages=turns, options=PromptOptions(tools='[{"type": "function"}]'))
     assert prefix_keys(with_tools) != prefix_keys(GenerateRequest("x", messages=turns))
+    with_docs = GenerateRequest("x", messages=turns, options=PromptOptions(documents='[{"text": "a"}]'))
+    other_docs = GenerateRequest("x", messages=turns, options=PromptOptions(documents='[{"text": "b"}]'))
+    assert len({tuple(prefix_keys(r)) for r in (with_docs, other_docs, GenerateRequest("x", messages=turns))}) == 3
+    thinking = GenerateRequest("x", messages=turns, options=PromptOptions(chat_template_kwargs={"enable_thinking": 0}))
+    assert prefix_keys(thinking) != prefix_keys(GenerateRequest("x", messages=turns))
     assert len(prefix_keys(GenerateRequest("x", prompt=tuple(range(10**6))))) == 11  # (256 chars to 256 KiB)
     # a prefix is the replica's where the call landed, not where it was ranked first
     p = pending("7", "Reply briefly. " * 40)
