@@ -7,10 +7,12 @@ policy this counts how many of the measured arrivals (the warm-up left out, as i
 knew every reply's length in advance would complete, serving the shortest replies first, within a budget of
 decode tokens:
 
-- `own tokens`: the tokens the policy's admitted requests decoded in its run (the same work, better chosen);
+- `own tokens`: the tokens the policy's admitted requests decoded in its run (the same work, better chosen); and
+  the most of those over the run's policies (`oracle_best_own_tokens`: one bound for all, which a policy cannot
+  lower by turning requests away);
 - `full rate`: the fastest decode rate any policy of the run reached (decoded tokens over its run's span, the
-  first arrival to the last token; FCFS's large batches as a rule) over this policy's own span (the engine's
-  whole throughput in the same time).
+  first measured arrival to the last token; FCFS's large batches as a rule) over this policy's own span (the
+  engine's whole throughput in the same time).
 
 Both leave out what a real policy pays on top (prefills, arrival times, TTFT and TPOT SLOs), so they are
 optimistic: a goodput beyond `own tokens` needs more decode throughput than the policy had, and one beyond
@@ -54,17 +56,20 @@ def bounds(records: Iterable[dict], load: float | None = None) -> list[dict[str,
         measured = {p: [r for r in recs if not r.get("warmup")] for p, recs in by_policy.items()}
         lengths = [r.get("output_len") or r["max_tokens"] for r in next(iter(measured.values()))]
         policies: dict[str, dict[str, Any]] = {}
-        for p, recs in by_policy.items():
-            span = _span_s(recs)
+        for p in by_policy:  # (the measured arrivals' span and tokens: the warm-up's are no budget for them)
+            span = _span_s(measured[p])
+            decoded = sum(r["n_out"] or 0 for r in measured[p] if not r["rejected"])
             policies[p] = {"good": sum(bool(r["good"]) for r in measured[p]), "span_s": span,
-                           "decoded_tokens": sum(r["n_out"] or 0 for r in measured[p] if not r["rejected"]),
-                           "tok_s": sum(r["n_out"] or 0 for r in recs if not r["rejected"]) / span if span else 0.0}
+                           "decoded_tokens": decoded, "tok_s": decoded / span if span else 0.0}
         fastest = max(policies, key=lambda p: policies[p]["tok_s"])
         for v in policies.values():
             v["oracle_own_tokens"] = shortest_first(lengths, v["decoded_tokens"])
             v["oracle_full_rate"] = shortest_first(lengths, policies[fastest]["tok_s"] * v["span_s"])
+        # the same bound for every policy: the most any policy's decode work completes, chosen shortest first (a
+        # policy's own bound shrinks with what it turns away: judged against it, turning most away scored well)
+        best = max(v["oracle_own_tokens"] for v in policies.values())
         out.append({"load_multiple": lm, "seed": seed, "arrivals": len(lengths), "arrival_tokens": sum(lengths),
-                    "fastest": fastest, "policies": policies})
+                    "fastest": fastest, "oracle_best_own_tokens": best, "policies": policies})
     return out
 
 

@@ -566,7 +566,8 @@ def test_slo_gpu_checks_from_its_rows():
     def res(load, goodput, adh, seeds):
         return {"load_multiple": load, "rate_rps": 10.0 * load, "goodput_rps": goodput, "adherence": adh, "n": 100,
                 "per_seed": [{"seed": s, "goodput_rps": x} for s, x in seeds], "rejection_rate": 0.1,
-                "ttft_violations": 0, "tpot_violations": 1, "per_tier": {"a": {"adherence": adh}, "b": {"adherence": 0.3}}}
+                "ttft_violations": 0, "tpot_violations": 1, "per_tier": {"a": {"adherence": adh}, "b": {"adherence": 0.3},
+                                                         "c": {"adherence": None}}}  # (c: no request of the run)
 
     recs = [{"load_multiple": 1.5, "warmup": False, "rejected": False, "n_out": 9, "tpot_ms": t, "tpot_slo_ms": 10.0}
             for t in (5.0,) * 99 + (11.0,)] + [{"load_multiple": 1.5, "warmup": False, "rejected": True, "n_out": 0,
@@ -582,7 +583,8 @@ def test_slo_gpu_checks_from_its_rows():
     assert g.point_row("kairos", "predicted", {**res(1.5, 5.0, 0.6, []), "http_hops_ms": hops}, [])[
         "http_hops_ms"] == {"replica": {"p50": 2.0, "p90": 5.0, "p99": 9.0, "max": 9.5}}  # where the TTFT went
     assert rows[0]["http_hops_ms"] == {}
-    oracle = [{"load_multiple": 1.5, "policies": {"kairos": {"good": 50, "oracle_own_tokens": 60}}}]
+    oracle = [{"load_multiple": 1.5, "oracle_best_own_tokens": 60,  # (one bound for all: kairos's own is less)
+               "policies": {"kairos": {"good": 50, "oracle_own_tokens": 52}}}]
     acc = g.acceptance(rows, oracle, [1.0, 1.5])
     assert acc["kairos_over_scorpio_goodput"] == pytest.approx(1.25)
     assert acc["kairos_over_scorpio_per_seed"] == pytest.approx({0: 1.25, 1: 1.1})

@@ -268,10 +268,12 @@ def acceptance(rows: list[dict], oracle: list[dict], loads: list[float]) -> dict
         out["kairos_over_scorpio_min_seed"] = min(per) if per else None
     if k:
         out["kairos_tpot_met_admitted"] = k["tpot_met_admitted"]
-        out["kairos_min_tier_adherence"] = min(k["per_tier_adherence"].values(), default=None)
+        out["kairos_min_tier_adherence"] = min((v for v in k["per_tier_adherence"].values() if v is not None),
+                                               default=None)  # (a tier no request of the run fell in: none)
         good = sum(o["policies"].get("kairos", {}).get("good", 0) for o in oracle if o["load_multiple"] == hi)
-        orc = sum(o["policies"].get("kairos", {}).get("oracle_own_tokens", 0) for o in oracle
-                  if o["load_multiple"] == hi)
+        # (against one bound for every policy, the most any policy's decode work completes shortest first: its own
+        # shrank with what it turned away)
+        orc = sum(o.get("oracle_best_own_tokens", 0) for o in oracle if o["load_multiple"] == hi)
         out["kairos_over_oracle_own_tokens"] = good / orc if orc else None
     e = by.get(("kairos", "exact", hi))
     if k and e:
