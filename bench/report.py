@@ -436,7 +436,8 @@ def headline_table(root: str | os.PathLike[str] | None = None) -> str:
         if (name := newest(pattern, root)) is None:
             continue
         d = _load(name, root)
-        rows.append([what, cell(d["figures"]), where(d), (d.get("date") or "")[:10],
+        figure = cell(d["figures"]) + (" (a flawed run: its summary's caveat says how)" if d.get("caveat") else "")
+        rows.append([what, figure, where(d), (d.get("date") or "")[:10],
                      f"[{name}](bench/summaries/{name}.json)"])
     return format_table(["what", "figure", "machine", "date", "summary"], rows, align="lllll")
 
