@@ -80,7 +80,8 @@ class Machine:
     def step_ms(self, prefill_tokens: int, decode_rows: int, mean_len: float, rng: random.Random,
                 prefill_sq: float | None = None, speed: float = 1.0) -> float:
         """A step's time; `speed`: the drift's multiplier now (`Drift.at`)."""
-        ms = self.truth.prefill_ms(prefill_tokens, prefill_sq) if prefill_tokens else 0.0
+        # (its prefill beside its decode rows, as the truth's fit adds them up: `LatencyModel.beside_ms`)
+        ms = self.truth.beside_ms(prefill_tokens, prefill_sq, float(decode_rows), mean_len) if prefill_tokens else 0.0
         if decode_rows:
             decode = self.truth.itl_ms(float(decode_rows), mean_len)
             ms += decode - (min(self.hybrid_saving_ms, ms, decode) if ms else 0.0)

@@ -865,9 +865,8 @@ class LLMEngine:
         lm = self.scheduler.predictor
         if lm is None:
             return
-        ms = lm.prefill_ms(plan.num_prefill_tokens, plan.num_prefill_sq) if plan.num_prefill_tokens else 0.0
-        if plan.decode:
-            ms += lm.itl_ms(len(plan.decode), plan.decode_mean_len)
+        rows, ctx = len(plan.decode), plan.decode_mean_len
+        ms = lm.beside_ms(plan.num_prefill_tokens, plan.num_prefill_sq, rows, ctx) + (lm.itl_ms(rows, ctx) if rows else 0.0)
         started, limit = self._turn
         if STEP_TIMEOUT_FACTOR * ms / 1000.0 > limit:
             self._turn = (started, STEP_TIMEOUT_FACTOR * ms / 1000.0)

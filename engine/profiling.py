@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger("kairos.profiling")
-PROFILE_VERSION = 5  # 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee; 5: attention term
+# 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee; 5: attention term; 6: a GPU's chunks over a
+# cached prefix and hybrid steps
+PROFILE_VERSION = 6
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 # A GPU replica runs hundreds of requests at contexts in the thousands: its probes reach `max_num_seqs` and the
@@ -30,6 +32,15 @@ CTX_LENS = (64, 128, 256, 512)
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 GPU_CTX_LENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 GPU_GRID_SAMPLES = 40
+# A GPU's prompts of a few thousand tokens spend little on attention, which a long prompt's chunks deep in it spend
+# most on: chunks timed over a cached prefix (these sizes, at these shares of the window) fix the attention term; and
+# hybrid steps (a fresh prompt of these sizes beside these many decodes, at GPU_MIXED_CTX) say how a step's prefill
+# and decode rows add up (`LatencyModel.fit_mixed`)
+GPU_CHUNK_SIZES = (512, 2048)
+GPU_CHUNK_DEPTHS = (0.25, 0.5, 1.0)
+GPU_MIXED_TOKENS = (64, 256, 1024)
+GPU_MIXED_BATCHES = (16, 64, 256)
+GPU_MIXED_CTX = 1024
 
 
 _SAMPLE_BYTES = 1 << 20
@@ -149,6 +160,15 @@ class Prober:
             r.lora_id = loras[i % len(loras)]
         return self._timed([], reqs)
 
+    def chunk(self, n: int, start: int) -> float:
+        """One prefill step of a prompt's `n` tokens after its first `start`, which count as cached (ms)."""
+        reqs, _ = self._requests([self._ids(start + n)], n)
+        return self._timed(reqs, [])
+
+    def mixed(self, n: int, batch: int, ctx: int) -> float:
+        """One hybrid step: a fresh prompt of `n` tokens beside `batch` decodes of mean context `ctx` (ms)."""
+        return self.mixed_ms([self._ids(n)], self.lengths(batch, ctx))
+
     def mixed_ms(self, prompts: list[list[int]], lens: list[int]) -> float:
         """One step that prefills these prompts and decodes contexts of these lengths together (a hybrid step)."""
         prefill, _ = self._requests(prompts, 0)
@@ -255,7 +275,14 @@ def _profile(engine: "LLMEngine", time_budget_s: float, meta: dict, path: Path) 
         grid = sorted(corners) + sorted(rng.sample(rest, min(len(rest), max(0, GPU_GRID_SAMPLES - len(corners)))))
         sizes = sorted({n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, budget,
                                     min(2 * budget, limit)) if n <= min(limit, capacity, max(budget, 16) * 2)})
-    else:
+        chunks = sorted({(n, at) for n in GPU_CHUNK_SIZES if n <= min(budget, limit)
+                         for f in GPU_CHUNK_DEPTHS
+                         if (at := int(f * (min(limit, capacity) - n)) // block * block) >= n})
+        ctx = min(GPU_MIXED_CTX, limit // 2)
+        mixed = [(n, B, ctx) for n in GPU_MIXED_TOKENS for B in GPU_MIXED_BATCHES
+                 if n <= min(budget, limit) and B <= sc.max_num_seqs and n + B * (2 * ctx + block) <= capacity]
+    else:  # (a CPU's fit as it was: its prefill and decode steps alone)
+        chunks, mixed = [], []
         ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)
         batches = tuple(B for B in BATCH_SIZES if B * (max(ctx_lens) + block) <= capacity) or (1,)
         # up to twice the budget, or the longest prompt the window takes where that is less (the fit's longest size
@@ -270,7 +297,9 @@ def _profile(engine: "LLMEngine", time_budget_s: float, meta: dict, path: Path) 
     t0 = time.perf_counter()
     model, report = profile(probe.prefill, probe.decode, prefill_sizes=sizes, batch_sizes=batches,
                             ctx_lens=ctx_lens, repeats=5, time_budget_s=time_budget_s, grid=grid,
-                            find_knee=grid is not None)
+                            find_knee=grid is not None, run_chunk=probe.chunk if chunks else None, chunks=chunks,
+                            run_mixed=probe.mixed if mixed else None, mixed=mixed,
+                            token_ladder=engine.backend.token_ladder() if grid is not None else ())
     if engine.config.serves_lora and engine.runner.decoder is not None:
         samples, lora_report = profile_lora(engine, probe, batches, ctx_lens[min(1, len(ctx_lens) - 1)], capacity)
         model.fit_lora(samples)

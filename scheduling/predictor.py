@@ -2,19 +2,25 @@
 step of at most ``theta`` tokens costs ``c0``: `prefill_time_ms`) and
 ``ITL(B, L) = a·B·L + b·B + c·L + d``; on an engine that serves LoRA adapters, a decode step whose rows run through
 ``k >= 1`` of them takes ``e0 + e1·k + e2·B`` more (`LatencyModel.lora_ms`; `Adapters` adds it for the batch running).
+A step that prefills beside B decodes (a hybrid step) costs their sum (``mixed`` "sum"), or, where the profile's
+hybrid probes say so (a GPU: the decode rows are more tokens of the same forward, whose weights it reads once), the
+prefill of its tokens and the decode rows together plus their context's reads, ``Prefill(n + B, q) + a·B·L``
+("shared"; `LatencyModel.beside_ms`).
 
 ``q`` is the step's attention work in token pairs: the sum over its prompts of ``end² - start²`` (a prompt computed
 from position ``start`` to ``end`` attends each new token to all before it), ``n²`` for one fresh prompt of ``n``
 tokens, the default. A prompt's attention grows with its square: a model linear in a step's tokens, fitted on single
 prompts, under-predicts prompts longer than the profiled ones and over-predicts a round of short prompts, which
 costs far less than one prompt of their total (`bench.prefill_model` measures both). Callers that sum several
-prompts' tokens pass their ``q`` (`prefill_sq`).
+prompts' tokens pass their ``q`` (`prefill_sq`). A profile may time chunks over a cached prefix too (``q`` then
+grows with the prefix at a fixed ``n``), which fixes the attention term where fresh prompts leave it to their noise.
 
 Fitted by non-negative least squares on profiled steps (``profile``) and saved as JSON. A fitted model is
 not changed afterwards (``scaled`` returns a copy). Pure numpy; the engine supplies the timings.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import os
@@ -27,6 +33,7 @@ from typing import Any
 import numpy as np
 
 MIN_MS = 0.05  # predictions are clamped to at least this
+MIXED_FORMS = ("sum", "shared")  # how a hybrid step's prefill and decode rows add up (`LatencyModel.beside_ms`)
 
 
 def prefill_time_ms(n: float, q: float, c0: float, theta: float, alpha: float, beta: float, gamma: float) -> float:
@@ -115,26 +122,42 @@ def _prefill_w(w: Sequence[float], pad: float = 0.0) -> list[float]:
     return w + [pad] * (3 - len(w))
 
 
-def _fit_prefill_line(samples: Sequence[tuple[float, float]], attention: bool = True) -> "_Linear":
-    """``alpha·n + beta (+ gamma·n²)`` fitted on single-prompt ``(n, ms)`` samples (non-negative weights)."""
+def _triples(samples: Sequence[tuple[float, ...]]) -> list[tuple[float, float, float]]:
+    """Prefill samples as ``(n, q, ms)``: a ``(n, ms)`` one is a fresh prompt (``q = n²``)."""
+    return [(float(s[0]), float(s[0]) ** 2, float(s[1])) if len(s) == 2 else (float(s[0]), float(s[1]), float(s[2]))
+            for s in samples]
+
+
+def _deep(n: float, q: float) -> bool:
+    """Whether a prefill sample computed its tokens over a cached prefix (more attention than a fresh prompt's)."""
+    return q > n * n * (1 + 1e-9)
+
+
+def _fit_prefill_line(samples: Sequence[tuple[float, ...]], attention: bool = True) -> "_Linear":
+    """``alpha·n + beta (+ gamma·q)`` fitted on prefill samples, ``(n, ms)`` (one fresh prompt each) or
+    ``(n, q, ms)`` (non-negative weights)."""
     line = _Linear([0.0, 0.0, 0.0])
-    x = np.array([_prefill_x(n) if attention else [float(n), 1.0, 0.0] for n, _ in samples])
-    line.fit(x, np.array([ms for _, ms in samples]))
+    rows = _triples(samples)
+    x = np.array([[n, 1.0, q if attention else 0.0] for n, q, _ in rows])
+    line.fit(x, np.array([ms for _, _, ms in rows]))
     return line
 
 
-def _attention_extrapolates(samples: Sequence[tuple[float, float]]) -> bool:
+def _attention_extrapolates(samples: Sequence[tuple[float, ...]]) -> bool:
     """Whether the attention term predicts past the profiled prompts better than a line: both are fitted without the
     longest size and judged on it. On a few short sizes the square of n is mostly the noise of a busy box, and a
     fit that bends with it over-predicts the prompts past them; where the steps do grow with the square (a long
-    prompt on a small model's CPU kernels), the bent fit wins by far."""
-    sizes = sorted({n for n, _ in samples})
+    prompt on a small model's CPU kernels), the bent fit wins by far. Chunks timed over a cached prefix fix the term
+    by themselves (their attention grows at a fixed n): it is kept."""
+    rows = _triples(samples)
+    if any(_deep(n, q) for n, q, _ in rows):
+        return True
+    sizes = sorted({n for n, _, _ in rows})
     if len(sizes) < 4:
         return False
     top = sizes[-1]
-    train = [(n, ms) for n, ms in samples if n < top]
-    held = [ms for n, ms in samples if n == top]
-    measured = float(np.median(held))
+    train = [(n, ms) for n, _, ms in rows if n < top]
+    measured = float(np.median([ms for n, _, ms in rows if n == top]))
 
     def miss(line: "_Linear") -> float:
         return abs(float(line.w @ np.array(_prefill_x(top))) - measured)
@@ -157,7 +180,15 @@ class LatencyModel:
         theta: float = -5.0,
         meta: Mapping[str, Any] | None = None,
         lora_coef: Sequence[float] = (0.0, 0.0, 0.0),
+        mixed: str = "sum",
+        token_ladder: Sequence[int] = (),
     ) -> None:
+        if mixed not in MIXED_FORMS:
+            raise ValueError(f"mixed must be one of {MIXED_FORMS}, got {mixed!r}")
+        self.mixed = mixed  # how a hybrid step's prefill and decode rows add up (`beside_ms`)
+        # the token counts steps with prefill rows are padded to, in order (a GPU's mixed CUDA graphs): a step of up
+        # to the last runs as the next count up (its attention as it is: padding rows attend to nothing)
+        self.token_ladder = tuple(int(t) for t in token_ladder)
         self.c0 = float(c0)
         self._lora = _Linear(lora_coef)
         self.theta = float(theta)
@@ -204,9 +235,14 @@ class LatencyModel:
 
     def prefill_ms(self, n: float, q: float | None = None) -> float:
         """Time of a prefill step over ``n`` prompt tokens whose attention work is ``q`` token pairs (`prefill_sq`
-        summed over its prompts; default ``n²``: one fresh prompt)."""
+        summed over its prompts; default ``n²``: one fresh prompt), as many tokens as its padding runs
+        (``token_ladder``)."""
         alpha, beta, gamma = self._prefill.coef
-        return prefill_time_ms(n, n * n if q is None else q, self.c0, self.theta, alpha, beta, gamma)
+        q = n * n if q is None else q
+        ladder = self.token_ladder
+        if ladder and 0 < n <= ladder[-1]:
+            n = ladder[bisect.bisect_left(ladder, n)]
+        return prefill_time_ms(n, q, self.c0, self.theta, alpha, beta, gamma)
 
     def prefill_params(self) -> tuple[float, float, float, float, float]:
         """(c0, theta, alpha, beta, gamma) of `prefill_time_ms`: what a replica reports for the router's copy."""
@@ -218,24 +254,57 @@ class LatencyModel:
         a, b, c, d = self._decode.coef  # _decode_x's terms, in plain floats (called many times a step)
         return max(MIN_MS, a * batch * ctx_len + b * batch + c * ctx_len + d)
 
-    def fit_prefill(self, samples: Sequence[tuple[float, float]], *, find_knee: bool = False) -> LatencyModel:
-        """Least squares on ``(n, ms)``, one fresh prompt of n tokens each: ``c0`` = mean over ``n <= theta``,
-        ``alpha·n + beta + gamma·n²`` over the rest. With ``find_knee`` theta is chosen among the sampled sizes (or
+    def beside_ms(self, n: float, q: float | None, batch: float, ctx_len: float) -> float:
+        """What a prefill of ``n`` tokens (``q`` token pairs, as `prefill_ms`) adds to a decode step of ``batch`` rows
+        at mean context ``ctx_len`` that it runs beside (a hybrid step is this plus `itl_ms`; 0 without tokens):
+        "sum", its own prefill step; "shared", the one forward over its tokens and the decode rows with their
+        context's reads, less the decode step alone (never below nothing)."""
+        if n <= 0:
+            return 0.0
+        if self.mixed == "sum" or batch <= 0:
+            return self.prefill_ms(n, q)
+        a = self._decode.coef[0]
+        q = n * n if q is None else q
+        return max(0.0, self.prefill_ms(n + batch, q) + a * batch * ctx_len - self.itl_ms(batch, ctx_len))
+
+    def mixed_ms(self, n: float, q: float | None, batch: float, ctx_len: float) -> float:
+        """Time of a step that prefills ``n`` tokens (``q`` pairs) beside ``batch`` decodes at mean context
+        ``ctx_len``."""
+        decode = self.itl_ms(batch, ctx_len) if batch > 0 else 0.0
+        return decode + self.beside_ms(n, q, batch, ctx_len)
+
+    def fit_mixed(self, samples: Sequence[tuple[float, float, float, float, float]]) -> dict[str, Any]:
+        """Choose how hybrid steps add up (``mixed``) by their error on ``(n, q, B, L, ms)`` samples (hybrid steps
+        timed at start): the form of the lower mean absolute percentage error. Returns both errors and the form."""
+        if not samples:
+            return {}
+        errs = {}
+        for form in MIXED_FORMS:
+            self.mixed = form
+            errs[form] = mape([ms for *_, ms in samples], [self.mixed_ms(n, q, b, ln) for n, q, b, ln, _ in samples])
+        self.mixed = min(MIXED_FORMS, key=lambda f: errs[f])
+        return {"mixed": self.mixed, **{f"mixed_mape_{f}": errs[f] for f in MIXED_FORMS}, "n_mixed": len(samples)}
+
+    def fit_prefill(self, samples: Sequence[tuple[float, ...]], *, find_knee: bool = False) -> LatencyModel:
+        """Least squares on ``(n, ms)`` samples, one fresh prompt of n tokens each, or ``(n, q, ms)`` (a chunk over
+        a cached prefix: ``q`` its attention's token pairs): ``c0`` = mean over the fresh prompts of ``n <= theta``,
+        ``alpha·n + beta + gamma·q`` over the rest. With ``find_knee`` theta is chosen among the fresh sizes (or
         none; three sizes at least above it) for the least squared error: on a GPU a small prefill costs about the
         same as a launch-bound step whatever its size, and only larger ones grow with n."""
+        rows = _triples(samples)
         if find_knee:
-            sizes = sorted({n for n, _ in samples})
+            sizes = sorted({n for n, q, _ in rows if not _deep(n, q)})
             best = None
             for theta in [-5.0, *sizes[:-3]]:
-                trial = LatencyModel(c0=self.c0, theta=theta).fit_prefill(samples)
-                err = sum((trial.prefill_ms(n) - ms) ** 2 for n, ms in samples)
+                trial = LatencyModel(c0=self.c0, theta=theta, token_ladder=self.token_ladder).fit_prefill(rows)
+                err = sum((trial.prefill_ms(n, q) - ms) ** 2 for n, q, ms in rows)
                 if best is None or err < best[0] - 1e-12:
                     best = (err, trial)
             if best is not None:
                 self.theta, self.c0, self._prefill = best[1].theta, best[1].c0, best[1]._prefill
             return self
-        low = [ms for n, ms in samples if n <= self.theta]
-        high = [(n, ms) for n, ms in samples if n > self.theta]
+        low = [ms for n, q, ms in rows if n <= self.theta and not _deep(n, q)]
+        high = [(n, q, ms) for n, q, ms in rows if n > self.theta or _deep(n, q)]
         if low:
             self.c0 = float(np.mean(low))
         if high:
@@ -258,9 +327,10 @@ class LatencyModel:
         model.c0 *= prefill
         return model
 
-    def score_prefill(self, samples: Sequence[tuple[float, float]]) -> dict[str, float]:
-        y = [ms for _, ms in samples]
-        yhat = [self.prefill_ms(n) for n, _ in samples]
+    def score_prefill(self, samples: Sequence[tuple[float, ...]]) -> dict[str, float]:
+        rows = _triples(samples)
+        y = [ms for _, _, ms in rows]
+        yhat = [self.prefill_ms(n, q) for n, q, _ in rows]
         return {"r2": r2(y, yhat), "mape": mape(y, yhat)}
 
     def score_decode(self, samples: Sequence[tuple[float, float, float]]) -> dict[str, float]:
@@ -276,6 +346,7 @@ class LatencyModel:
         return json.dumps({
             "format": _FORMAT, "meta": self.meta, "theta": self.theta, "c0": self.c0,
             "prefill": self._prefill.to_dict(), "decode": self._decode.to_dict(), "lora": self._lora.to_dict(),
+            "mixed": self.mixed, "token_ladder": list(self.token_ladder),
         })
 
     @classmethod
@@ -283,7 +354,8 @@ class LatencyModel:
         d = json.loads(text)
         if d.get("format") != _FORMAT:
             raise ValueError(f"unsupported latency-model format {d.get('format')!r}")
-        model = cls(c0=d["c0"], theta=d["theta"], meta=d["meta"])
+        model = cls(c0=d["c0"], theta=d["theta"], meta=d["meta"], mixed=d.get("mixed", "sum"),
+                    token_ladder=d.get("token_ladder", ()))
         model._prefill = _Linear(_prefill_w(d["prefill"]["w"]), _prefill_w(d["prefill"]["scale"], 1.0))
         model._decode = _Linear(d["decode"]["w"], d["decode"]["scale"])
         if "lora" in d:  # (a fit for an engine that serves adapters)
@@ -345,39 +417,69 @@ def profile(
     clock: Callable[[], float] = time.perf_counter,
     grid: Sequence[tuple[int, int]] | None = None,
     find_knee: bool = False,
+    run_chunk: Callable[[int, int], float] | None = None,
+    chunks: Sequence[tuple[int, int]] = (),
+    run_mixed: Callable[[int, int, int], float] | None = None,
+    mixed: Sequence[tuple[int, int, int]] = (),
+    token_ladder: Sequence[int] = (),
 ) -> tuple[LatencyModel, dict[str, Any]]:
     """Measure prefill and decode steps through the engine's callables (which return ms) and fit.
 
     Each repeat interleaves prefill sizes with the (B, L) grid in a seeded shuffled order, so a
     budget cut leaves both kinds of sample and holding out every 4th decode sample does not alias
-    with the grid (`grid`, a sample of (B, L) pairs, replaces the full product; `find_knee`: see `fit_prefill`). No sample is started once ``time_budget_s`` has elapsed; the fit uses whatever
-    was measured. The decode fit excludes the held-out samples, which give ``mape_holdout``.
+    with the grid (`grid`, a sample of (B, L) pairs, replaces the full product; `find_knee`: see `fit_prefill`).
+    `chunks`: ``(n, start)`` prompt chunks computed over a cached prefix (`run_chunk`), prefill samples whose
+    attention grows at a fixed n; `mixed`: ``(n, B, L)`` hybrid steps, a fresh prompt of n tokens beside B decodes
+    at mean context L (`run_mixed`), which choose how such steps add up (`LatencyModel.fit_mixed`); both are
+    spread among the others, each repeat. No sample is started once ``time_budget_s`` has elapsed; the fit uses
+    whatever was measured. The decode fit excludes the held-out samples, which give ``mape_holdout``.
+    `token_ladder`: the token counts the engine pads steps with prefill rows to (`LatencyModel.token_ladder`).
     """
     rng = np.random.default_rng(seed)
     grid = list(grid) if grid is not None else [(b, n) for b in batch_sizes for n in ctx_lens]
-    prefill: list[tuple[float, float]] = []
+    extra = [("chunk", c) for c in (chunks if run_chunk is not None else ())] \
+        + [("mixed", m) for m in (mixed if run_mixed is not None else ())]
+    prefill: list[tuple[float, float, float]] = []
     decode: list[tuple[float, float, float]] = []
+    hybrid: list[tuple[float, float, float, float, float]] = []
     start = clock()
     exhausted = False
     for _ in range(repeats):
-        shuffled = [grid[i] for i in rng.permutation(len(grid))]
-        for task in itertools.chain.from_iterable(itertools.zip_longest(prefill_sizes, shuffled)):
-            if task is None:
-                continue
+        shuffled = [("decode", grid[i]) for i in rng.permutation(len(grid))]
+        tasks = [t for t in itertools.chain.from_iterable(itertools.zip_longest(
+            [("prefill", n) for n in prefill_sizes], shuffled)) if t is not None]
+        if extra:  # (one among every few of the others)
+            pending = [extra[i] for i in rng.permutation(len(extra))]
+            every = max(1, len(tasks) // len(pending))
+            merged = []
+            for i, t in enumerate(tasks):
+                merged.append(t)
+                if pending and i % every == every - 1:
+                    merged.append(pending.pop())
+            tasks = merged + pending
+        for kind, task in tasks:
             if clock() - start >= time_budget_s:
                 exhausted = True
                 break
-            if isinstance(task, tuple):
+            if kind == "decode":
                 decode.append((task[0], task[1], float(run_decode(*task))))
+            elif kind == "prefill":
+                prefill.append((task, float(task) * task, float(run_prefill(task))))
+            elif kind == "chunk":
+                n, at = task
+                prefill.append((n, prefill_sq(at, at + n), float(run_chunk(n, at))))  # type: ignore[misc]
             else:
-                prefill.append((task, float(run_prefill(task))))
+                n, b, ln = task
+                hybrid.append((n, float(n) * n, b, ln, float(run_mixed(n, b, ln))))  # type: ignore[misc]
         if exhausted:
             break
     train = [s for i, s in enumerate(decode) if i % 4 != 3]
     holdout = [s for i, s in enumerate(decode) if i % 4 == 3]
-    model = LatencyModel().fit_prefill(cell_medians(prefill), find_knee=find_knee).fit_decode(cell_medians(train))
+    model = LatencyModel(token_ladder=token_ladder).fit_prefill(cell_medians(prefill), find_knee=find_knee) \
+        .fit_decode(cell_medians(train))
     fit = model.score_decode(train) if train else {"r2": None, "mape": None}
     prefill_fit = model.score_prefill(prefill) if prefill else {"r2": None, "mape": None}
+    mixed_fit = model.fit_mixed(cell_medians(hybrid)) if hybrid else {}
     report = {
         "r2": fit["r2"],
         "mape_train": fit["mape"],
@@ -390,5 +492,7 @@ def profile(
         "n_holdout": len(holdout),
         "seconds": clock() - start,
         "budget_exhausted": exhausted,
+        **({"n_chunk": sum(_deep(n, q) for n, q, _ in prefill)} if extra else {}),
+        **mixed_fit,
     }
     return model, report

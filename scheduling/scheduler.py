@@ -42,6 +42,9 @@ TPOT_UNATTAINABLE = RejectReason.TPOT_UNATTAINABLE
 OVERLOADED = RejectReason.OVERLOADED
 SHED = RejectReason.SHED
 GATE_LINE_REFRESH_S = 0.05  # Scheduler.gate_line's answer is reused this long
+# the prefill hold's view of a round (`Scheduler._stall_room`): ms until a running reply's next token is due, the step
+# predicted with a prefill of n tokens (q token pairs) beside the running decodes, and every such slack
+Stall = tuple[float, Callable[[float, float], float], list[float]]
 
 
 @dataclass(slots=True)
@@ -520,7 +523,7 @@ class Scheduler:
         in progress after this step."""
         be_chunks = self._be_chunks
         be_last = be_chunks and not self.config.chunked_prefill  # (chunked prefill: all in progress go first)
-        stall: tuple[float, float, list[float]] | None | bool = be_chunks  # True: not read yet
+        stall: Stall | None | bool = be_chunks  # True: not read yet
         planned = {id(r) for r in plan.prefill} if best_effort else ()  # this round's admissions have their chunk
         # a best-effort prompt alone (nothing beside it, none admitted this round, none waiting): the rest goes whole
         alone = len(self.running) == 1 and not self.waiting
@@ -548,7 +551,7 @@ class Scheduler:
                 budget -= end - r.num_computed_tokens
         return budget
 
-    def _best_effort_end(self, r: Request, stall: tuple[float, float, list[float]] | None, step_tokens: int,
+    def _best_effort_end(self, r: Request, stall: Stall | None, step_tokens: int,
                          step_sq: float, end: int, beside: bool) -> int:
         """prefill_hold for a best-effort prompt, which has no deadline to wait against: where its computation stops
         this step (at most `end`, which the caller keeps within the step's prompt budget). `beside` running replies,
@@ -562,10 +565,9 @@ class Scheduler:
             cap = model.prefill_ms(budget, prefill_sq(0, budget))
             tests.append(lambda e: model.prefill_ms(e - start, prefill_sq(start, e)) <= cap)
         if stall and model is not None:
-            limit, decode_ms, _ = stall
+            limit, step_of, _ = stall
             k = self.flags.vbs_margin
-            tests.append(lambda e: (model.prefill_ms(step_tokens + e - start, step_sq + prefill_sq(start, e))
-                                    + decode_ms) * k <= limit)
+            tests.append(lambda e: step_of(step_tokens + e - start, step_sq + prefill_sq(start, e)) * k <= limit)
 
         def fits(e: int) -> bool:
             return all(t(e) for t in tests)
@@ -645,10 +647,10 @@ class Scheduler:
         step_tokens, step_sq = plan.num_prefill_tokens_now(), plan.prefill_sq_now()
         step0 = step_tokens
         # Read only once a candidate passes the gate (most rounds admit none): the running batch, the model and the
-        # reserve do not change within the round. stall: (ms to a reply's next token, decode ms, every such slack
-        # in order); impatient:
+        # reserve do not change within the round. stall: `Stall` (ms to a reply's next token, the step with a
+        # prefill beside the decodes, every such slack in order); impatient:
         # (patience ms, (tpot, length) of a typical impatient arrival), the room a patient request leaves (reserve.py)
-        stall: tuple[float, float, list[float]] | None | bool = f.prefill_hold  # True: not read yet
+        stall: Stall | None | bool = f.prefill_hold  # True: not read yet
         impatient: tuple[float, tuple[float, float]] | None | bool = \
             f.impatient_reserve and self.reserve is not None and gate is not None and patience is not None
         pace = self._pace()  # the batch's, for work shedding
@@ -845,14 +847,16 @@ class Scheduler:
             return passes_gate(alone_ms, self.flags.vbs_margin, self.config.vbs_slack, r.tpot_slo_ms)
         return True
 
-    def _stall_room(self, now: float) -> tuple[float, float, list[float]] | None:
+    def _stall_room(self, now: float) -> Stall | None:
         """Prefill hold: how long a step may take before a running reply's next token is due (the least
-        `next_token_slack_ms`), the decode step predicted now, and every such slack (in ascending order where
-        `prefill_hold_replies` counts them: sorted once a round); None when no reply sets a limit. A reply already
-        late for it by more than a decode step is behind its pace whatever the step, and sets none."""
+        `next_token_slack_ms`), the step predicted now with a prefill of n tokens (q token pairs) beside the running
+        decodes, and every such slack (in ascending order where `prefill_hold_replies` counts them: sorted once a
+        round); None when no reply sets a limit. A reply already late for it by more than a decode step is behind
+        its pace whatever the step, and sets none."""
         if self.predictor is None or not self.running:
             return None
-        decode_ms = self._decode_model(self.running, now)(len(self.running))
+        rows = len(self.running)
+        decode_ms = self._decode_model(self.running, now)(rows)
         slacks = [x for r in self.running
                   if (x := next_token_slack_ms(r.first_token_s, r.num_output_tokens, r.tpot_slo_ms, now)) >= decode_ms]
         limit = min(slacks, default=math.inf)
@@ -860,9 +864,13 @@ class Scheduler:
             return None
         if self.config.prefill_hold_replies > 0:
             slacks.sort()
-        return limit, decode_ms, slacks
+        model = self.predictor
+        if getattr(model, "mixed", "sum") == "sum":
+            return limit, lambda n, q: model.prefill_ms(n, q) + decode_ms, slacks
+        mean_len = sum([len(r.token_ids) for r in self.running]) / rows
+        return limit, lambda n, q: model.beside_ms(n, q, rows, mean_len) + decode_ms, slacks
 
-    def _hold(self, r: Request, stall: tuple[float, float, list[float]], step_tokens: int, step_sq: float, chunk: int,
+    def _hold(self, r: Request, stall: Stall, step_tokens: int, step_sq: float, chunk: int,
               chunk_sq: float, now: float) -> bool:
         """Prefill hold for fresh `r`, whose prefill computes `chunk` prompt tokens (`chunk_sq` token pairs) in the
         step, beside the `step_tokens` (`step_sq`) of this round's admissions so far (chunked prefill: their first
@@ -872,9 +880,9 @@ class Scheduler:
         deadline = r.deadline_s
         if math.isinf(deadline):
             return False  # best effort: no deadline to wait against, so it is never held
-        limit, decode_ms, slacks = stall
+        limit, step_of, slacks = stall
         k = self.flags.vbs_margin  # the gate's margin on predicted steps: their error decides a miss here too
-        step_ms = (self.predictor.prefill_ms(step_tokens + chunk, step_sq + chunk_sq) + decode_ms) * k
+        step_ms = step_of(step_tokens + chunk, step_sq + chunk_sq) * k
         alone_ms = self.predictor.prefill_ms(self._cost(r), self._cost_sq(r))  # its first token: the whole prompt
         if hold_prefill(step_ms, limit, (deadline - now) * 1000.0, alone_ms, self.ttft_margin_ms(alone_ms)):
             return True
@@ -1051,12 +1059,21 @@ class Scheduler:
     def _step_ms_for(self, plan: StepPlan, batch: list[Request], now: float) -> Callable[[int], float]:
         """The predicted time of this step with n of `batch` decoding (`_decode_model`, plus the step's prefill)."""
         decode = self._decode_model(batch, now)
-        prefill_ms = self._plan_prefill_ms(plan)
-        return lambda n: prefill_ms + decode(n)
+        beside = self._beside_model(plan, batch)
+        return lambda n: beside(n) + decode(n)
 
-    def _plan_prefill_ms(self, plan: StepPlan) -> float:
-        """The predicted prefill of this step as planned so far (0 without one)."""
-        return self.predictor.prefill_ms(plan.num_prefill_tokens_now(), plan.prefill_sq_now()) if plan.prefill else 0.0
+    def _beside_model(self, plan: StepPlan, reqs: list[Request]) -> Callable[[int], float]:
+        """What this step's prefill as planned so far adds to a decode step of n of `reqs` (non-empty) at their mean
+        context (`LatencyModel.beside_ms`: its own prefill step, or where the fit found a hybrid step one forward, its
+        tokens beside the decode rows); 0 without one."""
+        if not plan.prefill:
+            return lambda n: 0.0
+        tokens, sq, model = plan.num_prefill_tokens_now(), plan.prefill_sq_now(), self.predictor
+        if getattr(model, "mixed", "sum") == "sum":
+            ms = model.prefill_ms(tokens, sq)
+            return lambda n: ms
+        mean_len = sum([len(r.token_ids) for r in reqs]) / len(reqs)
+        return lambda n: model.beside_ms(tokens, sq, n, mean_len)
 
     def _decode_model(self, reqs: list[Request], now: float) -> Callable[[int], float]:
         """The predicted decode step with n rows at the mean context of `reqs` (non-empty), scaled by the model's
@@ -1088,10 +1105,11 @@ class Scheduler:
         limit = self.config.vbs_slack * t_min
         # fill: what the gate plans a step at T_min to take; none for a while after a paced reply missed its TPOT
         fill_limit = limit / f.vbs_margin if f.fill_steps and now >= self._fill_off_until else 0.0
-        prefill_ms = self._plan_prefill_ms(plan)
+        beside = self._beside_model(plan, decoding)
 
         def due(r: Request, batch: int) -> bool:
             step_ms = decode(batch + 1)
+            prefill_ms = beside(batch + 1)
             if f.fill_steps and step_ms + prefill_ms <= fill_limit:
                 return True
             return f.pace_guard and step_ms <= limit and behind_pace(

@@ -293,3 +293,80 @@ def test_a_fit_from_too_few_samples_or_with_gross_error_is_not_kept_for_later_st
     assert report["untrusted"] and report["path"] is None and saved == []
     model, report = profiling._profile(engine, 1.0, {"m": 1}, tmp_path / "p.json")
     assert "untrusted" not in report and saved == [tmp_path / "p.json"]
+
+
+def _gpu_like(n: float, q: float = None, batch: int = 0, ctx: float = 0.0) -> float:
+    """A GPU-shaped step (exact): the weights read once per forward (6 ms) whatever its tokens, 0.004 ms a token,
+    1e-6 ms a prefill token pair, 2e-5 ms a decode row's context token; a hybrid step is one forward."""
+    q = n * n if q is None else q
+    return 6.0 + 0.004 * (n + batch) + 1e-6 * q + 2e-5 * batch * ctx
+
+
+def test_chunks_over_a_cached_prefix_fix_the_attention_term_that_short_fresh_prompts_leave_to_noise() -> None:
+    """Fresh prompts of up to 4,096 tokens on a GPU spend little on attention: with a little noise the term is kept or
+    dropped by chance, and a chunk deep in a long prompt was predicted at a third of its time. Chunks timed over a
+    cached prefix (`(n, q, ms)` samples: q grows at a fixed n) fix it."""
+    from scheduling.predictor import prefill_sq
+
+    sizes = (256, 512, 1024, 2048, 4096)
+    noisy = {256: 0.0, 512: 0.5, 1024: -0.5, 2048: 1.0, 4096: -3.0}  # ms (of steps of 8 to 45 ms)
+    fresh = [(n, _gpu_like(n) + noisy[n]) for n in sizes]
+    deep = [(n, prefill_sq(at, at + n), _gpu_like(n, prefill_sq(at, at + n))) for n in (512, 2048)
+            for at in (8192, 16384, 30720)]
+    without = LatencyModel().fit_prefill(fresh)
+    model = LatencyModel().fit_prefill(fresh + deep)
+    q = prefill_sq(30720, 32768)
+    assert without.prefill_ms(2048, q) < 0.6 * _gpu_like(2048, q)  # (this noise drops the term)
+    assert model.prefill_ms(2048, q) == pytest.approx(_gpu_like(2048, q), rel=0.05)
+    assert model.prefill_ms(32768) == pytest.approx(_gpu_like(32768), rel=0.05)
+    assert model.score_prefill(deep)["mape"] < 0.05
+
+
+def test_a_hybrid_step_is_one_forward_where_the_profile_measures_it_so() -> None:
+    """A step that prefills beside decodes: their sum (`mixed` "sum", a CPU's fit and any saved before) counted a
+    GPU's weight read twice (a 64-token chunk beside 64 decodes predicted at about twice its time); where the hybrid
+    probes say so (`fit_mixed`), the prefill of its tokens and the decode rows together, plus their context."""
+    model = LatencyModel().fit_prefill([(n, _gpu_like(n)) for n in (16, 64, 256, 1024, 4096)])
+    model.fit_decode([(b, c, _gpu_like(0, 0, b, c)) for b in (1, 8, 64, 256) for c in (128, 1024, 4096)])
+    assert model.mixed == "sum" and model.beside_ms(64, None, 64, 1024) == model.prefill_ms(64)
+    hybrid = [(n, float(n * n), b, 1024.0, _gpu_like(n, None, b, 1024)) for n in (64, 256, 1024) for b in (16, 64, 256)]
+    report = model.fit_mixed(hybrid)
+    assert report["mixed"] == model.mixed == "shared" and report["mixed_mape_shared"] < 0.02 < report["mixed_mape_sum"]
+    for n, b in ((64, 64), (512, 128), (16, 256)):
+        assert model.mixed_ms(n, None, b, 2048) == pytest.approx(_gpu_like(n, None, b, 2048), rel=0.02)
+        assert model.mixed_ms(n, None, b, 2048) >= model.itl_ms(b, 2048)  # (a prefill never makes it faster)
+    assert model.beside_ms(0, 0, 64, 1024) == 0.0 and model.beside_ms(64, None, 0, 0) == model.prefill_ms(64)
+    again = LatencyModel.from_json(model.to_json())
+    assert again.mixed == "shared" and again.mixed_ms(64, None, 64, 1024) == model.mixed_ms(64, None, 64, 1024)
+    assert LatencyModel.from_json(model.scaled(2.0, 2.0).to_json()).mixed == "shared"
+    cpu_like = [(n, q, b, c, model.prefill_ms(n, q) + model.itl_ms(b, c)) for n, q, b, c, _ in hybrid]
+    assert model.fit_mixed(cpu_like)["mixed"] == model.mixed == "sum"
+    with pytest.raises(ValueError, match="mixed"):
+        LatencyModel(mixed="overlap")
+
+
+def test_a_step_padded_to_a_graphs_token_count_is_predicted_at_that_count() -> None:
+    """Steps with prefill rows replay CUDA graphs at fixed token counts: a step of 129 tokens runs as 192. The fit
+    (on counts of the ladder) predicts a step at the count it runs as, up to the ladder's last (its attention as
+    it is); past it, as it is."""
+    ladder = (16, 32, 64, 96, 128, 192, 256)
+    model = LatencyModel(prefill_coef=(0.01, 5.0, 0.0), token_ladder=ladder)
+    assert model.prefill_ms(129) == pytest.approx(0.01 * 192 + 5.0)
+    assert model.prefill_ms(128) == pytest.approx(0.01 * 128 + 5.0)
+    assert model.prefill_ms(300) == pytest.approx(0.01 * 300 + 5.0)
+    assert LatencyModel.from_json(model.to_json()).token_ladder == ladder
+
+
+def test_profile_times_chunks_and_hybrid_steps_where_asked() -> None:
+    """`profile` with chunk and hybrid probes (a GPU's): both kinds measured beside the others, the attention term
+    from the chunks, the hybrid form chosen by them."""
+    from scheduling.predictor import prefill_sq
+
+    model, report = profile(lambda n: _gpu_like(n), lambda b, c: _gpu_like(0, 0, b, c),
+                            prefill_sizes=(16, 64, 256, 1024, 4096), batch_sizes=(1, 8, 64), ctx_lens=(128, 1024),
+                            repeats=2, time_budget_s=1e9, run_chunk=lambda n, at: _gpu_like(n, prefill_sq(at, at + n)),
+                            chunks=[(512, 8192), (2048, 30720)],
+                            run_mixed=lambda n, b, c: _gpu_like(n, None, b, c), mixed=[(64, 16, 1024), (256, 64, 1024)])
+    assert report["n_chunk"] == 4 and report["n_mixed"] == 2 and report["mixed"] == model.mixed == "shared"
+    q = prefill_sq(30720, 32768)
+    assert model.prefill_ms(2048, q) == pytest.approx(_gpu_like(2048, q), rel=0.02)

@@ -611,6 +611,25 @@ def test_prefill_hold_keeps_a_long_prompt_waiting_while_a_short_reply_cannot_abs
     assert (long in s.waiting) == hold
 
 
+@pytest.mark.parametrize("mixed,held", [("sum", True), ("shared", False)])
+def test_prefill_hold_judges_a_step_as_the_fit_adds_its_prefill_and_decodes_up(mixed, held):
+    """A 60-token prompt beside the pressed reply: its own prefill step and the decode step, (7 + 5.5) x 1.1 ms, is
+    past the reply's 10 ms; where the fit found a hybrid step one forward (a GPU), its tokens beside the decode row
+    cost (0.1 x 61 + 1) x 1.1 = 7.8 ms, within them."""
+    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), mixed=mixed)
+    s = Scheduler(SchedulerConfig(policy="kairos", vbs_margin=1.1), 256, 4, max_model_len=256, predictor=model)
+    a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))
+    s.add(a)
+    _run(s, s.schedule(0.0))
+    a.token_ids.extend([3] * 4)
+    a.num_computed_tokens = a.num_tokens - 1
+    a.first_token_s = 0.0
+    mid = _req(1, 60, tpot=50.0, ttft=1000.0, arrival=0.03)
+    s.add(mid)
+    p = s.schedule(0.030)
+    assert p.prefill == ([] if held else [mid]) and p.decode == [a] and (mid in s.waiting) == held
+
+
 def test_prefill_hold_admits_a_long_prompt_whose_deadline_draws_near():
     s, a = _pressed_reply()
     # 90 ms to its deadline: more than its 21 ms prefill and the TTFT guard's 50 ms margin, less than twice

@@ -305,6 +305,11 @@ class Backend:
         """What a cached latency profile depends on beyond the model (kernel builds, graph use)."""
         return {"backend": self.name}
 
+    def token_ladder(self) -> tuple[int, ...]:
+        """The token counts a step with prefill rows is padded to, in order, where the backend pads them (graphs
+        captured at fixed sizes); a step of more tokens than the last runs as it is. Empty: none padded."""
+        return ()
+
     def release(self) -> None:
         """Free what the backend holds on the device (buffers, graphs); the engine is shutting down."""
         self.cache = None

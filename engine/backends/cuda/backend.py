@@ -130,6 +130,12 @@ class CudaBackend(TorchBackend):
             out["mixed_graph_tokens"] = self.mixed_tokens
         return out
 
+    def token_ladder(self) -> tuple[int, ...]:
+        if self.mixed is None or not self.mixed_tokens:
+            return ()
+        from engine.backends.cuda.graphs import mixed_ladder
+        return tuple(mixed_ladder(self.mixed_tokens))
+
     # ---------------------------------------------------------------- the model's ops
     def matmuls(self, dtype: torch.dtype, upcast: bool, inner_dims: tuple[int, ...], lora: bool = False
                 ) -> TorchMatmuls:
