@@ -260,7 +260,9 @@ def predictor_info(eng: Any | None, predictor: Any) -> dict[str, Any]:
     info: dict[str, Any] = {
         "r2": rep.get("r2"), "mape": rep.get("mape_holdout", rep.get("mape_train")),
         "profile_seconds": rep.get("seconds"),
-        **{k: rep.get(k) for k in ("mape_train", "prefill_r2", "prefill_mape", "n_samples", "cached", "path")}}
+        **{k: rep.get(k) for k in ("mape_train", "prefill_r2", "prefill_mape", "n_samples", "cached", "path")},
+        # (a GPU's fit: its chunks over a cached prefix, and how its hybrid steps add up)
+        **{k: rep[k] for k in ("n_chunk", "mixed", "mixed_mape_sum", "mixed_mape_shared") if k in rep}}
     if predictor is not None:
         info["prefill_coef"], info["decode_coef"] = list(predictor.prefill_coef), list(predictor.decode_coef)
     return info
