@@ -76,6 +76,15 @@ def per_seed(summary: dict[str, Any], restates: Sequence[str] = ()) -> dict[str,
     return out
 
 
+def goodput_over(summary: dict[str, Any]) -> str:
+    """What a bench.slo summary's goodputs divide by: "window" (the arrivals' span, one for every policy of a seed:
+    `window_s`, reported since 12-07) or "wall" (each policy's own run, in the summaries before)."""
+    for fig in (summary.get("figures", {}).get("policies") or {}).values():
+        if any("window_s" in s for s in fig.get("per_seed") or ()):
+            return "window"
+    return "wall"
+
+
 def goodput(seeds: Iterable[tuple[float, float]]) -> float | None:
     """Good requests over wall time of (good, wall) seeds pooled, as bench.slo pools a point's seeds."""
     got = list(seeds)
@@ -114,7 +123,10 @@ def pool(summaries: Sequence[tuple[str, dict[str, Any]]], arm: str, vs: Sequence
         out["runs"].append({"summary": name, "commit": s.get("commit"), "date": s.get("date"),
                             "lambda_star_rps": f.get("lambda_star_rps"),
                             "seeds": sorted(seeds.get(arm, {})),
-                            "arm_goodput_rps": goodput(seeds.get(arm, {}).values())})
+                            "arm_goodput_rps": goodput(seeds.get(arm, {}).values()),
+                            "goodput_over": goodput_over(s)})
+    # (a run's ratio compares its arms under one definition; runs under both are pooled, and said to be)
+    out["goodput_over"] = sorted({r["goodput_over"] for r in out["runs"]})
     for label, target in zip(vs, targets):
         rows, skipped, pooled_a, pooled_b = [], [], [], []
         for name, _, seeds in runs:
@@ -180,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         figs = pool(docs, args.arm, vs, targets, args.restates)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    rows = [[r["summary"], r["commit"], r["lambda_star_rps"], r["arm_goodput_rps"]] for r in figs["runs"]]
-    print(format_table(["run", "commit", "lambda* rps", f"{args.arm} rps"], rows, digits=2))
+    rows = [[r["summary"], r["commit"], r["lambda_star_rps"], r["arm_goodput_rps"], r["goodput_over"]]
+            for r in figs["runs"]]
+    print(format_table(["run", "commit", "lambda* rps", f"{args.arm} rps", "goodput over"], rows, digits=2))
+    if len(figs["goodput_over"]) > 1:
+        print("note: these runs' goodputs divide by different times (each run's ratio by one of them): "
+              "the arrivals' span (window) and each policy's own run (wall)")
     print()
     heads = ["vs", "runs", "per run", "mean", "sd", "90% interval", "pooled", "target", "runs meeting"]
     rows = []

@@ -83,6 +83,13 @@ def test_pool_reports_each_run_and_the_spread_of_their_ratios():
     assert f["runs_meeting"] == 1  # 1.2 >= 1.1, 1.0 not
     assert f["pooled"] == pytest.approx(160.0 / 140.0)  # 160 good in 30 s over 140 in 30 s
     assert figs["vs"]["fcfs"]["runs"] == 0 and f["skipped"] == []
+    assert figs["goodput_over"] == ["wall"] and {r["goodput_over"] for r in figs["runs"]} == {"wall"}
+    # a run whose goodputs divide by the arrivals' span (window_s, since 12-07) beside those over each run's wall
+    new = _summary("d", {"kairos": [(0, 6.0, 10.0)], "scorpio": [(0, 5.0, 10.0)]})
+    for fig in new["figures"]["policies"].values():
+        fig["per_seed"][0]["window_s"] = 9.0
+    mixed = pool.pool(runs + [("d", new)], "kairos", ["scorpio"], [1.1])
+    assert mixed["goodput_over"] == ["wall", "window"] and mixed["runs"][-1]["goodput_over"] == "window"
 
 
 def test_one_run_has_no_spread_and_a_run_whose_other_arm_served_nothing_is_skipped():
