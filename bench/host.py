@@ -161,7 +161,8 @@ def _engine_side(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) 
 
     wire = _Wire()
     batch = code.core_proc._Batch(wire)
-    batch.engine = SimpleNamespace(stats=lambda stats=SimpleNamespace(alive=True): stats)
+    stats = SimpleNamespace(alive=True, reconfigures=0, priority_scheduling=False)  # (what the client reads of it)
+    batch.engine = SimpleNamespace(stats=lambda: stats)
     tokens = _on_tokens(code, rows, tokenizer, vocab, steps, batch)
 
     def step() -> None:
@@ -179,6 +180,7 @@ def client_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -
     """The client's side of `engine_step`'s messages (made once, beforehand): each read back, delivered into its
     requests' `RequestStream`s (`EngineCoreClient._deliver`) and read from each (`get`), as by a reader keeping up."""
     import threading
+    from types import SimpleNamespace
 
     make, wire = _engine_side(code, rows, tokenizer, vocab, steps)
     msgs = []
@@ -188,6 +190,7 @@ def client_step(code: Code, rows: int, tokenizer: Any, vocab: int, steps: int) -
     streams = {f"host-{i}": code.stream.RequestStream(f"host-{i}") for i in range(rows)}
     client = object.__new__(code.core_proc.EngineCoreClient)  # the reader's side only: no process
     client._lock, client._streams, client._heard, client._stats = threading.Lock(), dict(streams), 0.0, None
+    client._reconfigures, client.inputs = 0, SimpleNamespace(priority_scheduling=False)
     at = [0]
 
     def step() -> None:

@@ -63,8 +63,9 @@ class Machine:
     """The simulated machine: step ms = (truth prefill + truth decode - hybrid saving) x factor x jitter x drift +
     host_ms + host_row_ms x decode rows (jitter and drift lognormal of median 1: a drift of spread s makes the mean
     step e^(s^2 / 2) as long). A hybrid step (a prefill and decodes in one forward) saves `hybrid_saving_ms` against
-    its two parts alone, at most the smaller part: on a GPU both parts pay a launch-bound floor (the weights read
-    once), which one forward pays once; the scheduler still plans a hybrid step as the sum."""
+    its two parts alone, at most the smaller part, where the truth adds them up (`LatencyModel.mixed` "sum"): on a
+    GPU both parts pay a launch-bound floor (the weights read once), which one forward pays once; a truth fitted as
+    one forward ("shared") counts it already."""
 
     truth: LatencyModel
     factor: float = 1.25
@@ -84,7 +85,9 @@ class Machine:
         ms = self.truth.beside_ms(prefill_tokens, prefill_sq, float(decode_rows), mean_len) if prefill_tokens else 0.0
         if decode_rows:
             decode = self.truth.itl_ms(float(decode_rows), mean_len)
-            ms += decode - (min(self.hybrid_saving_ms, ms, decode) if ms else 0.0)
+            # (a hybrid step's saving where the truth adds its prefill and decode up: "shared" counts it already)
+            saving = self.hybrid_saving_ms if self.truth.mixed == "sum" else 0.0
+            ms += decode - (min(saving, ms, decode) if ms else 0.0)
         mult = math.exp(rng.gauss(0.0, self.jitter)) if self.jitter > 0 else 1.0
         return ms * self.factor * mult * speed + self.host_ms + self.host_row_ms * decode_rows
 

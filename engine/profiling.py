@@ -280,7 +280,7 @@ def _profile(engine: "LLMEngine", time_budget_s: float, meta: dict, path: Path) 
                          if (at := int(f * (min(limit, capacity) - n)) // block * block) >= n})
         ctx = min(GPU_MIXED_CTX, limit // 2)
         mixed = [(n, B, ctx) for n in GPU_MIXED_TOKENS for B in GPU_MIXED_BATCHES
-                 if n <= min(budget, limit) and B <= sc.max_num_seqs and n + B * (2 * ctx + block) <= capacity]
+                 if n <= min(budget, limit) and B + 1 <= sc.max_num_seqs and n + B * (2 * ctx + block) <= capacity]
     else:  # (a CPU's fit as it was: its prefill and decode steps alone)
         chunks, mixed = [], []
         ctx_lens = tuple(L for L in CTX_LENS if L <= limit) or (min(limit, 32),)

@@ -105,10 +105,6 @@ class _Linear:
         return {"w": self.w.tolist(), "scale": self.scale.tolist()}
 
 
-def _prefill_x(n: float) -> list[float]:
-    return [float(n), 1.0, float(n) * float(n)]
-
-
 def prefill_sq(start: int, end: int) -> float:
     """The attention work (token pairs, `LatencyModel.prefill_ms`'s ``q``) of computing a prompt from ``start`` to
     ``end``."""
@@ -133,17 +129,25 @@ def _deep(n: float, q: float) -> bool:
     return q > n * n * (1 + 1e-9)
 
 
-def _fit_prefill_line(samples: Sequence[tuple[float, ...]], attention: bool = True) -> "_Linear":
+def _padded(n: float, ladder: Sequence[int]) -> float:
+    """The tokens a step of ``n`` runs as where its engine pads such steps to ``ladder``'s counts (up to its last)."""
+    if ladder and 0 < n <= ladder[-1]:
+        return float(ladder[bisect.bisect_left(ladder, n)])
+    return n
+
+
+def _fit_prefill_line(samples: Sequence[tuple[float, ...]], attention: bool = True,
+                      ladder: Sequence[int] = ()) -> "_Linear":
     """``alpha·n + beta (+ gamma·q)`` fitted on prefill samples, ``(n, ms)`` (one fresh prompt each) or
-    ``(n, q, ms)`` (non-negative weights)."""
+    ``(n, q, ms)`` (non-negative weights); each sample a step of n tokens run as ``ladder`` pads it."""
     line = _Linear([0.0, 0.0, 0.0])
     rows = _triples(samples)
-    x = np.array([[n, 1.0, q if attention else 0.0] for n, q, _ in rows])
+    x = np.array([[_padded(n, ladder), 1.0, q if attention else 0.0] for n, q, _ in rows])
     line.fit(x, np.array([ms for _, _, ms in rows]))
     return line
 
 
-def _attention_extrapolates(samples: Sequence[tuple[float, ...]]) -> bool:
+def _attention_extrapolates(samples: Sequence[tuple[float, ...]], ladder: Sequence[int] = ()) -> bool:
     """Whether the attention term predicts past the profiled prompts better than a line: both are fitted without the
     longest size and judged on it. On a few short sizes the square of n is mostly the noise of a busy box, and a
     fit that bends with it over-predicts the prompts past them; where the steps do grow with the square (a long
@@ -160,8 +164,8 @@ def _attention_extrapolates(samples: Sequence[tuple[float, ...]]) -> bool:
     measured = float(np.median([ms for n, _, ms in rows if n == top]))
 
     def miss(line: "_Linear") -> float:
-        return abs(float(line.w @ np.array(_prefill_x(top))) - measured)
-    return miss(_fit_prefill_line(train, True)) < miss(_fit_prefill_line(train, False))
+        return abs(float(line.w @ np.array([_padded(top, ladder), 1.0, top * top])) - measured)
+    return miss(_fit_prefill_line(train, True, ladder)) < miss(_fit_prefill_line(train, False, ladder))
 
 
 def _decode_x(batch: float, ctx_len: float) -> list[float]:
@@ -187,7 +191,8 @@ class LatencyModel:
             raise ValueError(f"mixed must be one of {MIXED_FORMS}, got {mixed!r}")
         self.mixed = mixed  # how a hybrid step's prefill and decode rows add up (`beside_ms`)
         # the token counts steps with prefill rows are padded to, in order (a GPU's mixed CUDA graphs): a step of up
-        # to the last runs as the next count up (its attention as it is: padding rows attend to nothing)
+        # to the last runs as the next count up (its attention as it is: padding rows attend to nothing); read by
+        # the predictions of one step (`step_prefill_ms`, `beside_ms`), not by a queue's (`prefill_ms`)
         self.token_ladder = tuple(int(t) for t in token_ladder)
         self.c0 = float(c0)
         self._lora = _Linear(lora_coef)
@@ -235,14 +240,14 @@ class LatencyModel:
 
     def prefill_ms(self, n: float, q: float | None = None) -> float:
         """Time of a prefill step over ``n`` prompt tokens whose attention work is ``q`` token pairs (`prefill_sq`
-        summed over its prompts; default ``n²``: one fresh prompt), as many tokens as its padding runs
-        (``token_ladder``)."""
+        summed over its prompts; default ``n²``: one fresh prompt). The one formula of the router's copy too
+        (`prefill_time_ms`): what a queue of prompts takes, summed over steps, reads it."""
         alpha, beta, gamma = self._prefill.coef
-        q = n * n if q is None else q
-        ladder = self.token_ladder
-        if ladder and 0 < n <= ladder[-1]:
-            n = ladder[bisect.bisect_left(ladder, n)]
-        return prefill_time_ms(n, q, self.c0, self.theta, alpha, beta, gamma)
+        return prefill_time_ms(n, n * n if q is None else q, self.c0, self.theta, alpha, beta, gamma)
+
+    def step_prefill_ms(self, n: float, q: float | None = None) -> float:
+        """`prefill_ms` of one step: as many tokens as the engine pads it to (``token_ladder``)."""
+        return self.prefill_ms(_padded(n, self.token_ladder), n * n if q is None else q)
 
     def prefill_params(self) -> tuple[float, float, float, float, float]:
         """(c0, theta, alpha, beta, gamma) of `prefill_time_ms`: what a replica reports for the router's copy."""
@@ -262,10 +267,10 @@ class LatencyModel:
         if n <= 0:
             return 0.0
         if self.mixed == "sum" or batch <= 0:
-            return self.prefill_ms(n, q)
+            return self.step_prefill_ms(n, q)
         a = self._decode.coef[0]
         q = n * n if q is None else q
-        return max(0.0, self.prefill_ms(n + batch, q) + a * batch * ctx_len - self.itl_ms(batch, ctx_len))
+        return max(0.0, self.step_prefill_ms(n + batch, q) + a * batch * ctx_len - self.itl_ms(batch, ctx_len))
 
     def mixed_ms(self, n: float, q: float | None, batch: float, ctx_len: float) -> float:
         """Time of a step that prefills ``n`` tokens (``q`` pairs) beside ``batch`` decodes at mean context
@@ -297,7 +302,7 @@ class LatencyModel:
             best = None
             for theta in [-5.0, *sizes[:-3]]:
                 trial = LatencyModel(c0=self.c0, theta=theta, token_ladder=self.token_ladder).fit_prefill(rows)
-                err = sum((trial.prefill_ms(n, q) - ms) ** 2 for n, q, ms in rows)
+                err = sum((trial.step_prefill_ms(n, q) - ms) ** 2 for n, q, ms in rows)
                 if best is None or err < best[0] - 1e-12:
                     best = (err, trial)
             if best is not None:
@@ -308,7 +313,8 @@ class LatencyModel:
         if low:
             self.c0 = float(np.mean(low))
         if high:
-            self._prefill = _fit_prefill_line(high, attention=_attention_extrapolates(high))
+            ladder = self.token_ladder
+            self._prefill = _fit_prefill_line(high, _attention_extrapolates(high, ladder), ladder)
         return self
 
     def fit_decode(self, samples: Sequence[tuple[float, float, float]]) -> LatencyModel:
@@ -330,7 +336,7 @@ class LatencyModel:
     def score_prefill(self, samples: Sequence[tuple[float, ...]]) -> dict[str, float]:
         rows = _triples(samples)
         y = [ms for _, _, ms in rows]
-        yhat = [self.prefill_ms(n, q) for n, q, _ in rows]
+        yhat = [self.step_prefill_ms(n, q) for n, q, _ in rows]  # (each sample one step)
         return {"r2": r2(y, yhat), "mape": mape(y, yhat)}
 
     def score_decode(self, samples: Sequence[tuple[float, float, float]]) -> dict[str, float]:

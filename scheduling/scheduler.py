@@ -865,8 +865,8 @@ class Scheduler:
         if self.config.prefill_hold_replies > 0:
             slacks.sort()
         model = self.predictor
-        if getattr(model, "mixed", "sum") == "sum":
-            return limit, lambda n, q: model.prefill_ms(n, q) + decode_ms, slacks
+        if model.mixed == "sum":
+            return limit, lambda n, q: model.step_prefill_ms(n, q) + decode_ms, slacks
         mean_len = sum([len(r.token_ids) for r in self.running]) / rows
         return limit, lambda n, q: model.beside_ms(n, q, rows, mean_len) + decode_ms, slacks
 
@@ -1069,8 +1069,8 @@ class Scheduler:
         if not plan.prefill:
             return lambda n: 0.0
         tokens, sq, model = plan.num_prefill_tokens_now(), plan.prefill_sq_now(), self.predictor
-        if getattr(model, "mixed", "sum") == "sum":
-            ms = model.prefill_ms(tokens, sq)
+        if model.mixed == "sum":
+            ms = model.step_prefill_ms(tokens, sq)
             return lambda n: ms
         mean_len = sum([len(r.token_ids) for r in reqs]) / len(reqs)
         return lambda n: model.beside_ms(tokens, sq, n, mean_len)

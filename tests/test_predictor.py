@@ -350,11 +350,21 @@ def test_a_step_padded_to_a_graphs_token_count_is_predicted_at_that_count() -> N
     (on counts of the ladder) predicts a step at the count it runs as, up to the ladder's last (its attention as
     it is); past it, as it is."""
     ladder = (16, 32, 64, 96, 128, 192, 256)
-    model = LatencyModel(prefill_coef=(0.01, 5.0, 0.0), token_ladder=ladder)
-    assert model.prefill_ms(129) == pytest.approx(0.01 * 192 + 5.0)
-    assert model.prefill_ms(128) == pytest.approx(0.01 * 128 + 5.0)
-    assert model.prefill_ms(300) == pytest.approx(0.01 * 300 + 5.0)
+    model = LatencyModel(prefill_coef=(0.01, 5.0, 0.0), decode_coef=(0.0, 0.1, 0.0, 4.0), token_ladder=ladder)
+    assert model.step_prefill_ms(129) == pytest.approx(0.01 * 192 + 5.0)
+    assert model.step_prefill_ms(128) == pytest.approx(0.01 * 128 + 5.0)
+    assert model.step_prefill_ms(300) == pytest.approx(0.01 * 300 + 5.0)
+    assert model.beside_ms(129, None, 8, 100) == model.step_prefill_ms(129)  # ("sum": its own step)
+    model.mixed = "shared"  # (its tokens beside 8 decode rows: 137, run as 192)
+    assert model.beside_ms(129, None, 8, 100) == pytest.approx(0.01 * 192 + 5.0 - (0.1 * 8 + 4.0))
+    # a queue of prompts (the TTFT guard's, the router's copy of the model) is no one step: not padded
+    assert model.prefill_ms(129) == pytest.approx(0.01 * 129 + 5.0)
     assert LatencyModel.from_json(model.to_json()).token_ladder == ladder
+    # fitted on steps that ran padded: a size off the ladder (a budget of 300) is read as the count it ran as
+    true = LatencyModel(prefill_coef=(0.01, 5.0, 0.0), token_ladder=(16, 64, 128, 256, 320, 512))
+    fit = LatencyModel(token_ladder=true.token_ladder).fit_prefill([(n, true.step_prefill_ms(n))
+                                                                     for n in (16, 64, 256, 300, 512, 1024, 2048)])
+    assert fit.prefill_coef == pytest.approx((0.01, 5.0, 0.0), abs=1e-9)
 
 
 def test_profile_times_chunks_and_hybrid_steps_where_asked() -> None:
@@ -370,3 +380,40 @@ def test_profile_times_chunks_and_hybrid_steps_where_asked() -> None:
     assert report["n_chunk"] == 4 and report["n_mixed"] == 2 and report["mixed"] == model.mixed == "shared"
     q = prefill_sq(30720, 32768)
     assert model.prefill_ms(2048, q) == pytest.approx(_gpu_like(2048, q), rel=0.02)
+
+
+def test_a_gpu_profile_asks_for_chunks_hybrid_steps_and_the_ladder_and_a_cpu_profile_for_neither(tmp_path,
+                                                                                                  monkeypatch):
+    """`engine.profiling._profile` on CUDA: chunks over a cached prefix within the window and the cache, hybrid steps
+    whose prompt and decodes fit the seats and the cache, the backend's token ladder; on a CPU, its fit as before."""
+    from types import SimpleNamespace
+
+    from engine import profiling
+
+    asked: list[dict] = []
+    monkeypatch.setattr(LatencyModel, "save", lambda self, path: None)
+    monkeypatch.setattr(profiling, "profile", lambda *a, **k: (asked.append(k), (LatencyModel(), {}))[1])
+    prober = SimpleNamespace(prefill=lambda n: 1.0, decode=lambda b, n: 1.0, chunk=lambda n, at: 1.0,
+                             mixed=lambda n, b, c: 1.0)
+    monkeypatch.setattr(profiling, "Prober", lambda engine: prober)
+
+    def engine(device: str, window: int, tokens: int, seqs: int):
+        sched = SimpleNamespace(prefill_max_tokens=2048, max_num_seqs=seqs)
+        return SimpleNamespace(max_model_len=window, cache=SimpleNamespace(num_blocks=tokens // 16, block_size=16),
+                               bundle=SimpleNamespace(device=SimpleNamespace(type=device)),
+                               config=SimpleNamespace(scheduler=sched, serves_lora=False),
+                               backend=SimpleNamespace(token_ladder=lambda: (16, 32, 512)))
+
+    profiling._profile(engine("cuda", 32768, 400_000, 256), 1.0, {"m": 1}, tmp_path / "p.json")
+    k = asked.pop()
+    assert k["run_chunk"] is prober.chunk and k["run_mixed"] is prober.mixed and k["token_ladder"] == (16, 32, 512)
+    assert k["chunks"] and all(at >= n and at + n <= 32767 and at % 16 == 0 for n, at in k["chunks"])
+    assert {n for n, _ in k["chunks"]} == {512, 2048} and max(at for _, at in k["chunks"]) >= 30000
+    assert k["mixed"] and all(b + 1 <= 256 for _, b, _ in k["mixed"])  # (a hybrid step of 257 rows never runs)
+    profiling._profile(engine("cuda", 4096, 20_000, 64), 1.0, {"m": 1}, tmp_path / "p.json")  # a small cache
+    k = asked.pop()
+    assert all(at + n <= 4095 for n, at in k["chunks"])
+    assert all(n + b * (2 * ctx + 16) <= 20_000 and b + 1 <= 64 for n, b, ctx in k["mixed"])
+    profiling._profile(engine("cpu", 4096, 20_000, 64), 1.0, {"m": 1}, tmp_path / "p.json")
+    k = asked.pop()
+    assert (k["run_chunk"], k["chunks"], k["run_mixed"], k["mixed"], k["token_ladder"]) == (None, [], None, [], ())

@@ -1514,3 +1514,30 @@ def test_a_one_token_reply_takes_no_room_the_reserve_keeps():
                   arrival_s=2.0)
     _loop(s, 2.5, _strict_stream({2.0: [one]}))
     assert one.admitted_s == 2.0
+
+
+@pytest.mark.parametrize("mixed", ["sum", "shared"])
+def test_every_prediction_of_a_hybrid_step_adds_its_prefill_as_the_fit_does(mixed):
+    """The step the catch-up trim and the pace guard weigh (`_step_ms_for`, `_pace_guard`), the engine's allowance
+    for a step (`LLMEngine._allow`) and bench.sim's truth all add a step's prefill to its decodes as the fit says
+    (`LatencyModel.beside_ms`): their sum, or one forward (a GPU)."""
+    import types
+
+    from bench.sim import Machine
+    from engine.engine import STEP_TIMEOUT_FACTOR, LLMEngine
+    from scheduling.scheduler import StepPlan
+
+    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), mixed=mixed)
+    s = Scheduler(SchedulerConfig(policy="kairos"), 256, 4, max_model_len=256, predictor=model)
+    rows = [Request(f"r{i}", [1] * 9, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0)) for i in range(4)]
+    prompt = Request("p", [1] * 60, SamplingParams(max_tokens=8), SLO(tpot_ms=50.0))
+    plan = StepPlan(prefill=[prompt], prefill_ends=[60], decode=rows, num_prefill_tokens=60,
+                    num_prefill_sq=3600.0, decode_mean_len=9.0)
+    want = model.mixed_ms(60, 3600.0, 4, 9.0)  # sum: 7 + 7; shared: 0.1 x 64 + 1 = 7.4
+    assert want == pytest.approx(14.0 if mixed == "sum" else 7.4)
+    assert s._step_ms_for(plan, rows, 0.0)(4) == pytest.approx(want)
+    engine = types.SimpleNamespace(scheduler=s, _turn=(0.0, 0.0))
+    LLMEngine._allow(engine, plan)
+    assert engine._turn[1] == pytest.approx(STEP_TIMEOUT_FACTOR * want / 1000.0)
+    machine = Machine(model, factor=1.0, jitter=0.0, host_ms=0.0, hybrid_saving_ms=1.0)
+    assert machine.step_ms(60, 4, 9.0, None, 3600.0) == pytest.approx(want - (1.0 if mixed == "sum" else 0.0))

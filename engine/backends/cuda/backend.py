@@ -124,7 +124,10 @@ class CudaBackend(TorchBackend):
         # eagerly there, under TRITON_INTERPRET=1, in the tests)
 
     def identity(self) -> dict:
-        graphs = self.device.type == "cuda" and self.ops is not None and self.kernels_setting != "off"
+        # (graphs where decode graphs were captured: an engine of enforce_eager, or whose RoPE a capture refuses, is
+        # timed eagerly, and keeps a fit of its own)
+        graphs = self.device.type == "cuda" and self.ops is not None and self.kernels_setting != "off" \
+            and self.graphs is not None
         out = {"backend": self.name, "triton": self.ops is not None, "fused": self.fused is not None, "graphs": graphs}
         if graphs and self.mixed_tokens:
             out["mixed_graph_tokens"] = self.mixed_tokens
