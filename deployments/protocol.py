@@ -534,6 +534,8 @@ class CompletionRequest(_Common):
     def default_max_tokens(self) -> int | None:
         if self.prompt_only:
             return 1
+        if self.max_tokens is None and "max_tokens" in self.model_fields_set:
+            return None  # an explicit null: the context left (vLLM's), not the default of a field left out
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
 

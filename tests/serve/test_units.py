@@ -278,6 +278,9 @@ def test_completion_prompt_forms() -> None:
     assert P.CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
     kw = P.CompletionRequest.model_validate({"prompt": "a", "stop": "x", "top_k": 3}).sampling_kwargs(5)
     assert kw["stop"] == ["x"] and kw["top_k"] == 3 and kw["max_tokens"] == 5
+    # max_tokens left out: OpenAI's 16; an explicit null: the context left (vLLM's; it was 16, a 400 near the window)
+    assert P.CompletionRequest.model_validate({"prompt": "a"}).default_max_tokens() == 16
+    assert P.CompletionRequest.model_validate({"prompt": "a", "max_tokens": None}).default_max_tokens() is None
     assert P.CompletionRequest.model_validate({"prompt": [[1], [2]]}).prompts() == [[1], [2]]  # a batch
     assert P.CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
     for bad in ([[1], []], [[1], [-1]], ["a", ""], ["a"] * (P.MAX_BATCH_PROMPTS + 1), [[1], "a"]):
