@@ -950,17 +950,35 @@ class OpenAIFrontend:
 
     async def _echoed(self, body: P.CompletionRequest) -> list[str]:
         """A completion's prompts as text, to go before their choices' (`echo`): a text prompt as sent, token ids
-        as the model's tokenizer decodes them (vLLM's)."""
+        as the model's tokenizer decodes them (vLLM's); with truncate_prompt_tokens, the tokens the engine keeps of
+        one it cuts, as decoded (the prompt's logprobs are of those)."""
         prompts = body.prompts()
+        options = body.prompt_options()
 
         async def text(i: int, prompt: str | list[int]) -> str:
+            def refused(got: dict[str, Any]) -> APIError:
+                return APIError(400, f"prompt {i}: {got['error']}" if len(prompts) > 1 else got["error"],
+                                param="prompt")
+            self._own_call()  # in this prompt's own task: its call's own id (concurrent calls under one hang)
+            keep = options.truncate_prompt_tokens
+            if keep == -1:  # (the window less a token of reply)
+                info = self._ready_info()
+                keep = info["max_model_len"] - 1 if info else None
+            if keep is not None and (isinstance(prompt, list) and len(prompt) > keep or isinstance(prompt, str)):
+                whole = prompt
+                if isinstance(prompt, str):  # (its tokens, to know whether it is cut)
+                    got = await self._replica_call("prompt_tokens", prompt, None,
+                                                   dataclasses.replace(options, truncate_prompt_tokens=None))
+                    if "error" in got:
+                        raise refused(got)
+                    whole = got["tokens"]
+                if len(whole) > keep:
+                    prompt = list(whole[-keep:])
             if isinstance(prompt, str):
                 return prompt
-            self._own_call()  # in this prompt's own task: its call's own id (concurrent calls under one hang)
             got = await self._replica_call("token_text", prompt)
             if "error" in got:
-                raise APIError(400, f"prompt {i}: {got['error']}" if len(prompts) > 1 else got["error"],
-                               param="prompt")
+                raise refused(got)
             return got["prompt"]
         return list(await asyncio.gather(*(text(i, p) for i, p in enumerate(prompts))))
 

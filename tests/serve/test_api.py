@@ -373,6 +373,19 @@ def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client: httpx.C
     r = client.post("/v1/chat/completions", json={**base, "messages": [{"role": "user", "content": "x"}],
                                                   "echo": True})
     assert r.status_code == 200, r.text  # a chat's echo (vLLM's): its last message where the assistant's, else none
+    # with truncate_prompt_tokens, the tokens the engine keeps of a prompt it cuts (their logprobs are what it
+    # scores: the echo and its tokens' text agree), token ids or text alike; a prompt it does not cut, as sent
+    kept = client.post("/detokenize", json={"tokens": ids[-2:]}).json()["prompt"]
+    for prompt in (ids, "Once upon a time"):
+        cut = client.post("/v1/completions", json={**base, "prompt": prompt, "echo": True, "logprobs": 0,
+                                                   "truncate_prompt_tokens": 2})
+        assert cut.status_code == 200, cut.text
+        choice = cut.json()["choices"][0]
+        assert choice["text"].startswith(kept) and "".join(choice["logprobs"]["tokens"][:2]) == kept
+        assert choice["logprobs"]["text_offset"][2] == len(kept)  # (the reply's first token after the echo)
+    whole = client.post("/v1/completions", json={**base, "prompt": "Once upon a time", "echo": True,
+                                                 "truncate_prompt_tokens": 100})
+    assert whole.json()["choices"][0]["text"].startswith("Once upon a time")
 
 
 def test_echo_with_logprobs_and_prompt_logprobs_are_the_models_own(client: httpx.Client) -> None:
