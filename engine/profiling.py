@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger("kairos.profiling")
-# 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee; 5: attention term; 6: a GPU's chunks over a
-# cached prefix and hybrid steps
-PROFILE_VERSION = 6
+# 3: decode probes hold mixed context lengths; 4: GPU grid, prefill knee; 5: attention term (a GPU's chunks over a
+# cached prefix and hybrid steps: its meta's "probes")
+PROFILE_VERSION = 5
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 CTX_LENS = (64, 128, 256, 512)
 # A GPU replica runs hundreds of requests at contexts in the thousands: its probes reach `max_num_seqs` and the
@@ -81,8 +81,10 @@ def _meta(engine: "LLMEngine") -> dict:
             **engine.backend.identity(),  # e.g. the CPU kernels' build (their source, flags, CPU), graph use
             "torch": torch.__version__,
             # the GPU grid reaches max_num_seqs and twice the prefill budget: a fit probed for other ones is not reused
-            **({"max_num_seqs": c.scheduler.max_num_seqs, "prefill_max_tokens": c.scheduler.prefill_max_tokens}
-               if b.device.type == "cuda" else {})}
+            # (and a GPU's fit of chunks over a cached prefix and of hybrid steps is not one from before: a CPU's fit
+            # is as it was, and keeps its cache)
+            **({"max_num_seqs": c.scheduler.max_num_seqs, "prefill_max_tokens": c.scheduler.prefill_max_tokens,
+                "probes": "chunks+hybrid"} if b.device.type == "cuda" else {})}
     return json.loads(json.dumps(meta))  # (as a cached fit's reads back: lists for tuples, str for TorchVersion)
 
 
