@@ -6,7 +6,8 @@ once, so its ongoing requests stay near what it can serve while the demand it tu
 the requests it admitted and those it turned away for its load, a second each over the last `WINDOW_S`
 (`DemandRates`, Serve's `record_autoscaling_stats`), and `slo_autoscaling_policy` asks for as many replicas as
 would have admitted them too (the offered over the admitted), or as Serve's rule asks, whichever is more; for a
-window and Serve's look-back after a scale-up, the target it made (the rates then still hold what the fewer replicas turned away). Serve
+window and Serve's look-back after a scale-up (not one from zero: no rate holds anything of before), the target it
+made (the rates then still hold what the fewer replicas turned away). Serve
 applies the config's bounds, delays and factors around it. `AppArgs.autoscaling` makes it the default policy of an
 app's `autoscaling_config`.
 
@@ -30,6 +31,9 @@ WINDOW_S = 30.0  # the rates' window: about Serve's default look-back
 ADMITTED, TURNED_AWAY = "kairos_admitted_per_s", "kairos_turned_away_per_s"
 # a replica's most requests in flight (generate calls) since its last report: what a scale to zero must wait out
 INFLIGHT = "kairos_inflight"
+# the policy's own state between calls (Serve keeps what it returns): the replicas the last call saw, and the last
+# scale-up's time and the replicas before it
+_SEEN, _UP_AT, _UP_FROM = "kairos_replicas_seen", "kairos_scale_up_at", "kairos_scale_up_from"
 
 
 class DemandRates:
@@ -72,6 +76,14 @@ def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
     by_queue, state = replica_queue_length_autoscaling_policy(ctx)
+    # the replicas before the last scale-up: those of the call before it was made (none: a cold start, whose rates
+    # hold nothing of before; unknown where no call saw them), kept in the policy's state, which Serve hands back
+    before = getattr(ctx, "policy_state", None) or {}
+    state = {**(state or {}), **{k: before[k] for k in (_UP_AT, _UP_FROM) if k in before},
+             _SEEN: ctx.current_num_replicas}
+    up = getattr(ctx, "last_scale_up_time", None)
+    if up is not None and state.get(_UP_AT) != up:
+        state[_UP_AT], state[_UP_FROM] = up, before.get(_SEEN)
     if ctx.current_num_replicas == 0:
         return by_queue, state
     metrics = ctx.aggregated_metrics or {}
@@ -80,10 +92,10 @@ def slo_autoscaling_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     if getattr(ctx.config, "min_replicas", 1) == 0 and not getattr(ctx, "total_queued_requests", 0) \
             and idle(metrics.get(INFLIGHT), ctx.current_num_replicas):
         return 0.0, state
-    up, now = getattr(ctx, "last_scale_up_time", None), getattr(ctx, "current_time", None)
+    now = getattr(ctx, "current_time", None)
     look_back = getattr(ctx.config, "look_back_period_s", None)
     hold = WINDOW_S + (look_back if isinstance(look_back, (int, float)) and look_back > 0 else WINDOW_S)
-    if turned > 0 and up is not None and now is not None and now - up < hold:
+    if turned > 0 and up is not None and now is not None and now - up < hold and state.get(_UP_FROM) != 0:
         # the rates still hold what the replicas turned away before the last scale-up (their window, then Serve's
         # look-back over their reports): times the new count, they asked for more again and again. Until they are
         # of the replicas now: the target stays (or Serve's rule's, where more)

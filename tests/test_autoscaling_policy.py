@@ -20,9 +20,9 @@ def test_the_policy_reads_the_replicas_reports_from_serves_context():
     cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 16, get_upscaling_factor=lambda: 1.0)
     ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, total_num_requests=8.0, config=cfg,
                           aggregated_metrics={ADMITTED: {"a": 6.0, "b": 4.0}, TURNED_AWAY: {"a": 5.0, "b": 0.0}})
-    assert slo_autoscaling_policy(ctx) == (pytest.approx(3.0), {})
+    assert slo_autoscaling_policy(ctx) == (pytest.approx(3.0), {"kairos_replicas_seen": 2})  # (its own state)
     ctx.aggregated_metrics = None  # no report yet: Serve's rule
-    assert slo_autoscaling_policy(ctx) == (pytest.approx(0.5), {})
+    assert slo_autoscaling_policy(ctx)[0] == pytest.approx(0.5)
     ctx.current_num_replicas = 0  # (a cold start: Serve's)
     ctx.policy_state = {}
     assert slo_autoscaling_policy(ctx)[0] == 2
@@ -84,3 +84,32 @@ def test_the_policy_does_not_scale_up_again_on_what_was_turned_away_before_the_l
     assert slo_autoscaling_policy(ctx)[0] == 4
     ctx.current_time, ctx.current_num_replicas = 1010.0, 2  # the third still starting: the target (3) stays
     assert slo_autoscaling_policy(ctx)[0] == 3
+
+
+def test_after_a_cold_start_the_policy_grows_at_once_on_what_the_new_replica_turns_away():
+    """A scale-up from zero leaves no rate of before: what the first replica turns away is of it alone, so the hold
+    after a scale-up does not apply (it held a cold-started app at one replica for the window and the look-back). A
+    scale-up from one still holds. The policy learns the replicas before a scale-up from its own state, which Serve
+    hands back each call."""
+    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 64, get_upscaling_factor=lambda: 1.0, min_replicas=0,
+                          look_back_period_s=30.0)
+    ctx = SimpleNamespace(current_num_replicas=0, target_num_replicas=0, total_num_requests=1.0, config=cfg,
+                          total_queued_requests=1.0, aggregated_metrics={}, last_scale_up_time=None,
+                          current_time=990.0, policy_state={})
+
+    def ask() -> float:
+        got, ctx.policy_state = slo_autoscaling_policy(ctx)
+        return got
+
+    assert ask() >= 1  # (Serve's cold start)
+    ctx.current_num_replicas = ctx.target_num_replicas = 1
+    ctx.last_scale_up_time, ctx.current_time = 1000.0, 1005.0
+    ctx.aggregated_metrics = {ADMITTED: {"a": 5.0}, TURNED_AWAY: {"a": 5.0}, INFLIGHT: {"a": 8.0}}
+    assert ask() == 2  # (5 admitted, 5 turned away: twice the replicas, at once)
+    ctx.current_num_replicas = ctx.target_num_replicas = 2
+    ctx.last_scale_up_time, ctx.current_time = 1010.0, 1015.0
+    ctx.aggregated_metrics = {ADMITTED: {"a": 5.0, "b": 5.0}, TURNED_AWAY: {"a": 2.5, "b": 0.0},
+                              INFLIGHT: {"a": 8.0, "b": 8.0}}
+    assert ask() == 2  # a scale-up from one: held while the rates may hold what one replica turned away
+    ctx.current_time = 1010.0 + WINDOW_S + 31
+    assert ask() == pytest.approx(2.5)  # (12.5 offered over 10 admitted, x 2: Serve rounds it up)
