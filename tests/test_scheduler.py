@@ -583,11 +583,11 @@ def test_catch_up_does_not_skip_a_reply_that_is_only_on_pace():
     assert s.schedule(0.039).decode == [a, b]
 
 
-def _pressed_reply(**kw):
+def _pressed_reply(mixed: str = "sum", **kw):
     """kairos over a model whose prefill costs 1 + 0.1 n ms (decode: 5 + 0.5 B), with one short reply running:
     8 ms TPOT, 5 tokens out, the first at t=0, so its 6th is due at 40 ms. At 30 ms a step may take 10 ms;
-    steps are predicted with the gate's margin, 1.1."""
-    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0))
+    steps are predicted with the gate's margin, 1.1 (`mixed`: how the model adds a hybrid step up)."""
+    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), mixed=mixed)
     s = Scheduler(SchedulerConfig(policy="kairos", **{"vbs_margin": 1.1, **kw}), 256, 4, max_model_len=256,
                   predictor=model)
     a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))
@@ -616,14 +616,7 @@ def test_prefill_hold_judges_a_step_as_the_fit_adds_its_prefill_and_decodes_up(m
     """A 60-token prompt beside the pressed reply: its own prefill step and the decode step, (7 + 5.5) x 1.1 ms, is
     past the reply's 10 ms; where the fit found a hybrid step one forward (a GPU), its tokens beside the decode row
     cost (0.1 x 61 + 1) x 1.1 = 7.8 ms, within them."""
-    model = LatencyModel(prefill_coef=(0.1, 1.0), decode_coef=(0.0, 0.5, 0.0, 5.0), mixed=mixed)
-    s = Scheduler(SchedulerConfig(policy="kairos", vbs_margin=1.1), 256, 4, max_model_len=256, predictor=model)
-    a = Request("a", [1] * 5, SamplingParams(max_tokens=8), SLO(tpot_ms=8.0))
-    s.add(a)
-    _run(s, s.schedule(0.0))
-    a.token_ids.extend([3] * 4)
-    a.num_computed_tokens = a.num_tokens - 1
-    a.first_token_s = 0.0
+    s, a = _pressed_reply(mixed)
     mid = _req(1, 60, tpot=50.0, ttft=1000.0, arrival=0.03)
     s.add(mid)
     p = s.schedule(0.030)

@@ -17,14 +17,19 @@ def _tokens(eng, prompts, max_tokens=12):
     return [collect(s)[0] for s in eng.add_requests(prompts, params)]
 
 
+def _reference_tokens(ckpts, device) -> list[list[int]]:
+    """PROMPTS' greedy tokens from the torch reference backend (no graphs, no Triton)."""
+    ref = make_engine(ckpts["llama"], device, backend="torch", max_num_seqs=8)
+    try:
+        return _tokens(ref, PROMPTS)
+    finally:
+        ref.shutdown()
+
+
 def test_graph_replays_equal_the_torch_reference(device, ckpts):
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    ref = make_engine(ckpts["llama"], device, backend="torch", max_num_seqs=8)
-    try:
-        want = _tokens(ref, PROMPTS)
-    finally:
-        ref.shutdown()
+    want = _reference_tokens(ckpts, device)
     eng = make_engine(ckpts["llama"], device, max_num_seqs=8)
     try:
         assert type(eng.backend).__name__ == "CudaBackend" and eng.backend.ops is not None
@@ -47,11 +52,7 @@ def test_enforce_eager_runs_every_step_without_a_graph(device, ckpts):
     """vLLM's enforce_eager: no CUDA graph is captured (Triton attention stays), and the tokens are the reference's."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    ref = make_engine(ckpts["llama"], device, backend="torch", max_num_seqs=8)
-    try:
-        want = _tokens(ref, PROMPTS)
-    finally:
-        ref.shutdown()
+    want = _reference_tokens(ckpts, device)
     eng = make_engine(ckpts["llama"], device, max_num_seqs=8, enforce_eager=True)
     try:
         assert eng.graph_report.get("graphs") == 0 and eng.backend.graphs is None and eng.backend.mixed is None
