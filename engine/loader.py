@@ -254,6 +254,33 @@ def _check_rotary(model: str, lm: Any, config: Any) -> None:
                          "run")
 
 
+def _fix_longrope(model: str, lm: Any, config: Any, max_model_len: int) -> None:
+    """LongRoPE (Phi-3's, `rope_type` longrope) as vLLM runs it: its long factors for every position where the context
+    window passes the pretraining one (`original_max_position_embeddings`), else its short ones. HF's rotary module
+    chooses by the longest position of the tensor it is given: over a packed step of several requests, a short one
+    took the long factors because another was long (and a chunked prompt's chunks took different ones). ValueError
+    where this transformers' module does not hold what the choice needs."""
+    for m in lm.modules():
+        if getattr(m, "rope_type", None) != "longrope":
+            continue
+        params = getattr(config, "rope_parameters", None) or {}
+        original = params.get("original_max_position_embeddings") \
+            or getattr(config, "original_max_position_embeddings", None)
+        short = getattr(m, "original_inv_freq", None)
+        if not isinstance(original, int) or not isinstance(short, torch.Tensor):
+            raise ValueError(f"cannot load model {model!r}: its LongRoPE needs original_max_position_embeddings and "
+                             "a rotary module that keeps its short factors")
+        if max_model_len > original:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+            chosen = ROPE_INIT_FUNCTIONS["longrope"](config, short.device, seq_len=original + 1)[0]
+        else:
+            chosen = short.clone()
+        # (its update picks one of the two by each call's longest position: both are the one chosen)
+        m.inv_freq.copy_(chosen.to(m.inv_freq.device, m.inv_freq.dtype))
+        m.original_inv_freq, m.long_inv_freq = chosen, chosen
+
+
 # tensors an older checkpoint may hold that every model computes instead (vLLM skips them too)
 _COMPUTED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -336,6 +363,14 @@ def load_model(
         raise ValueError(f"cannot load model {model!r}: {where}{_short(e)}") from None
     family = getattr(config, "model_type", None)
     check_family(model, family)
+    rope = getattr(config, "rope_parameters", None)
+    rope_type = rope.get("rope_type") if isinstance(rope, dict) else None
+    if isinstance(rope_type, str) and rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415 - light (no modeling)
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:  # (it failed with a bare KeyError's text as it loaded)
+            raise ValueError(f"cannot load model {model!r}: its RoPE type {rope_type!r} (rope_scaling) is none this "
+                             f"transformers knows ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     quant = getattr(config, "quantization_config", None)
     if quant is not None:  # (its modules would be transformers' quantized ones, or an ImportError for their library)
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
@@ -399,6 +434,7 @@ def load_model(
     if lm is None:
         lm = _from_pretrained(model, path, config, dev, load_kw, hub_kw, load_format)
     _check_rotary(model, lm, config)
+    _fix_longrope(model, lm, config, limit)
     # the rotary frequencies stay in fp32, as HF's and vLLM's (a cast to bf16 turns a long prompt's angles)
     rope = [(m, name, b.detach().float().clone()) for m in lm.modules()
             for name, b in m.named_buffers(recurse=False) if name in ROPE_BUFFERS and b is not None]

@@ -1488,3 +1488,35 @@ def test_the_gpu_warm_up_step_fits_its_own_cache_at_any_block_size(tiny_checkpoi
         assert eng.run_idle(lambda e: e._warmup_peak(spec, e.runner.decoder)) > 0
     finally:
         eng.shutdown()
+
+
+def test_longrope_takes_one_set_of_factors_for_every_request_of_a_step(tiny_checkpoints, tmp_path):
+    """LongRoPE (Phi-3's) as vLLM runs it: its long factors for every position where the window passes the
+    pretraining one, else its short ones. HF's rotary module chose by the longest position of the packed step: a
+    short prompt batched with a long one took the long factors, alone the short ones (its logprobs differed)."""
+    import json
+    import shutil
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = tmp_path / "longrope"
+    shutil.copytree(tiny_checkpoints["llama"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(max_position_embeddings=128, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.3 * i for i in range(8)], "original_max_position_embeddings": 32})
+    (path / "config.json").write_text(json.dumps(cfg))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    for window, factors in ((128, "long"), (32, "short")):
+        eng = _engine(str(path), max_model_len=window)
+        try:
+            short, long = _prompts(eng.bundle.vocab_limit)[0][:5], _prompts(eng.bundle.vocab_limit)[-1][:window - 8]
+            together = [[x.logprob for o in s for x in o.logprobs] for s in eng.add_requests([short, long], params)]
+            alone = [x.logprob for o in eng.add_request(short, params) for x in o.logprobs]
+            assert together[0] == pytest.approx(alone, abs=1e-5), window
+            rotary = eng.bundle.model.model.rotary_emb
+            seq = 33 if factors == "long" else None
+            want = ROPE_INIT_FUNCTIONS["longrope"](eng.bundle.config, rotary.inv_freq.device, seq_len=seq)[0]
+            assert torch.allclose(rotary.inv_freq.float(), want.float()), window
+        finally:
+            eng.shutdown()

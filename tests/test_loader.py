@@ -257,6 +257,12 @@ def test_a_rope_scaling_that_extends_the_positions_extends_the_context(tiny_chec
             load_model(path, max_model_len=positions + 1)
 
 
+def test_an_unknown_rope_type_is_refused_by_name(tiny_checkpoints, tmp_path):
+    path = _with_config(tiny_checkpoints["llama"], tmp_path / "foo", rope_scaling={"rope_type": "foo", "factor": 2.0})
+    with pytest.raises(ValueError, match="its RoPE type 'foo' .rope_scaling. is none this transformers knows"):
+        load_model(path, device="cpu")
+
+
 def test_a_quantized_checkpoint_is_refused_by_name(tiny_checkpoints, tmp_path):
     """Kairos serves unquantized weights: a checkpoint with a quantization_config is a ValueError that says so (it was
     transformers' ImportError for the quantizer's library, or its quantized modules run by our decoder)."""
