@@ -289,8 +289,8 @@ class StepTap:
         model = self.engine.latency_model
         if ev.num_prefill and not ev.num_decode:
             self.prefill_only_ms += ev.wall_ms
-            pred = model.prefill_ms(ev.num_prefill_tokens, getattr(ev, "num_prefill_sq", None)) \
-                if model is not None else 0.0
+            pred = model.step_prefill_ms(ev.num_prefill_tokens, getattr(ev, "num_prefill_sq", None)) \
+                if model is not None else 0.0  # (one step: as many tokens as the engine pads it to)
             if pred > 0:
                 self.prefill_ratios.append(ev.wall_ms / pred)
         elif ev.num_decode and not ev.num_prefill and model is not None:

@@ -238,15 +238,20 @@ def build_multi_model_app(models: list[dict[str, Any]]) -> Application:  # type:
             raw["num_replicas"] = 1
         given = AppArgs.model_validate({**raw, "topology": "routed"})
         resolved.append((given, given.resolved()))
-    # one Ingress relays every model's streams: its chunk budget is split over all the models' replicas
-    replicas = sum(a.num_replicas for _, a in resolved)
+    # one Ingress relays every model's streams: its chunk budget is split over all the models' replicas, an
+    # autoscaled model's counted at its least (at its most, 100 for Ray's `auto`, it left the others next to nothing;
+    # each model's replicas split its share over those running)
+    def weight(a: ServeArgs) -> int:
+        scaling = a.autoscaling_config
+        return a.num_replicas if scaling is None else max(1, int(scaling.get("min_replicas", 1) or 0))
+    replicas = sum(weight(a) for _, a in resolved)
     for i, (given, a) in enumerate(resolved):
         own = [a.model_name, *a.engine_config().lora_paths()]  # (the names a request may give it, beside aliases)
         for name in (deployment_name(a.model_name), *own):
             if name in names:
                 raise ValueError(f"model {i} ({a.model_name!r}): {name!r} names model {names[name]} of the app too")
             names[name] = i
-        llm, s = model_parts(given, a, deployment_name(a.model_name), a.num_replicas / max(replicas, 1))
+        llm, s = model_parts(given, a, deployment_name(a.model_name), weight(a) / max(replicas, 1))
         parts.append(llm)
         if i == 0:  # (every model's front arguments alike: the app's, `_front_args`)
             front, shared = a, {k: s[k] for k in ("max_body_bytes", "api_keys_env", "api_key_file", "cors")}

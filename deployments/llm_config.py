@@ -252,8 +252,8 @@ def _deployment(dep: dict[str, Any]) -> dict[str, Any]:
                                          **(given if isinstance(given, dict) else {})}
         elif key in _DEPLOYMENT:
             out[_DEPLOYMENT[key]] = value
-        elif key == "autoscaling_config":
-            if not auto or not isinstance(value, dict):  # (Serve's, checked with Kairos's default target by AppArgs)
+        elif key == "autoscaling_config":  # (Serve's, checked with Kairos's default target by AppArgs)
+            if not auto or (value is not None and not isinstance(value, dict)):  # (auto's merges a mapping or none)
                 out["autoscaling_config"] = value
         elif key == "ray_actor_options":
             opts = dict(value or {})

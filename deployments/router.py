@@ -360,6 +360,9 @@ class SLORouter(RequestRouter):
             return [[r] for r in sorted(shuffled, key=lambda r: not answering(r, quiet))]
         call_id = pending_request.metadata.internal_request_id  # type: ignore[union-attr]
         self._unchoose(call_id)  # a retry (the replica ranked first was full): choose afresh
+        if self._ended_early:  # (the attempt a replica turned away ended: its end is not this one's)
+            for key in [k for k in self._ended_early if k[0] == call_id]:
+                del self._ended_early[key]
         now = time.monotonic()
         for stale in [k for k, (_, _, t) in self._chosen.items() if now - t > CHOSEN_TTL_S]:
             self._unchoose(stale)  # chosen, then never routed (cancelled while routing)
@@ -504,8 +507,8 @@ class SLORouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = (internal_request_id, replica_id)
         calls = self._calls.get(key)
-        if not calls:  # (ended before it was routed: its routing, next, is not counted)
-            if len(self._ended_early) < ENDED_EARLY_KEEP:
+        if not calls:  # a generate call chosen and ended before it was routed: its routing, next, is not counted
+            if internal_request_id in self._chosen and len(self._ended_early) < ENDED_EARLY_KEEP:
                 self._ended_early[key] = time.time()
             return
         tpot, routed_at = calls.pop()

@@ -495,8 +495,9 @@ class LLMEngine:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead!r}")
             config = reconfigured(self._given_scheduler, self.config.scheduler, scheduler, self.bundle.device.type)
+            # (requests from now on; set before the worker can take the change: a swap that fails sets it back)
+            self.inputs.priority_scheduling = config.by_priority
             self._post(config)
-            self.inputs.priority_scheduling = config.by_priority  # (requests from now on)
             return config
         finally:  # (counted once its rule is set: the stats' count and rule, read in that order, agree)
             self._reconfigures += 1

@@ -361,7 +361,7 @@ def test_step_tap_splits_prefill_stalls_and_decode_vs_model():
     from engine.stats import StepEvent
 
     subscribed = []
-    model = NS(itl_ms=lambda b, length: 2.0 * b, prefill_ms=lambda n, q=None: 2.0 * n)  # 2 ms per request/token
+    model = NS(itl_ms=lambda b, length: 2.0 * b, step_prefill_ms=lambda n, q=None: 2.0 * n)  # 2 ms per request/token
     eng = NS(latency_model=model, add_step_observer=lambda fn: subscribed.append(fn) or (lambda: subscribed.remove(fn)))
     tap = StepTap(eng)
     assert subscribed == [tap]

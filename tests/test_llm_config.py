@@ -251,6 +251,14 @@ def test_the_models_of_an_app_split_its_ingress_chunk_budget():
     pacings = [d.init_args[4] for d in llms]  # (engine config, metrics interval, prompt logging, cores, pacing, ...)
     assert [p.shared_chunks_per_s for p in pacings] == [2000.0, 4000.0]
     assert [p.max_chunks_per_s for p in pacings] == [2000.0, 2000.0]
+    # an autoscaled model counts at its least replicas (at its most, Ray's auto 100, it left the other next to none)
+    app = build_multi_model_app([
+        {"model": "kairos-tiny", "served_model_name": "a", "num_gpus": 0, "stream_max_chunks_s": 3000,
+         "autoscaling_config": {"min_replicas": 1, "max_replicas": 100}},
+        {"model": "kairos-tiny", "served_model_name": "b", "num_gpus": 0, "num_replicas": 1,
+         "stream_max_chunks_s": 3000}])
+    pacings = [d._bound_deployment.init_args[4] for d in app._bound_deployment.init_args[0]]
+    assert [p.shared_chunks_per_s for p in pacings] == [1500.0, 1500.0]
 
 
 def test_a_ray_serve_llm_config_that_names_no_replica_count_gets_one_replica(monkeypatch):
@@ -280,6 +288,10 @@ def test_num_replicas_auto_autoscales_as_serve_has_it():
     cfg = AppArgs.model_validate({**args, "model": "kairos-tiny"}).autoscaling()
     assert cfg["max_replicas"] == 100 and cfg["target_ongoing_requests"] > 2
     # with an autoscaling_config beside it, before or after: that config over the auto one's bounds (as Serve's)
+    for dep in ({"num_replicas": "auto", "autoscaling_config": None}, {"autoscaling_config": None,
+                                                                        "num_replicas": "auto"}):  # (YAML's bare key)
+        got = translate({"llm_configs": [{**auto, "deployment_config": dep}]})["autoscaling_config"]
+        assert got == {"min_replicas": 1, "max_replicas": 100}, dep
     for given in ({"min_replicas": 2, "max_replicas": 4}, {"target_ongoing_requests": 4}):
         for dep in ({"num_replicas": "auto", "autoscaling_config": given},
                     {"autoscaling_config": given, "num_replicas": "auto"}):

@@ -824,11 +824,28 @@ def test_router_does_not_count_a_call_that_completed_before_it_was_routed() -> N
     req = GenerateRequest("cmpl-0", prompt="x", slo=SLO(tpot_ms=5.0))
     p = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id="http-0"), args=(req,),
                         kwargs={})
+    router._chosen["http-0"] = ("a", 5.0, time.monotonic())  # (chosen: Serve asks the router first)
     router.on_request_completed("a", "http-0")
     router.on_request_routed(p, "a", None)
     assert not router._inflight.get("a") and router._calls == {}
     router.on_request_routed(p, "a", None)  # (routed again: a retry under the same id counts)
     assert dict(router._inflight["a"]) == {5.0: 1}
+    # a call the replica turned away ends (Serve cancels it), then its retry under the same id is chosen and lands
+    # on the same replica (the only one): it runs, and counts
+    import asyncio
+
+    router = object.__new__(SLORouter)
+    router.initialize_state()
+    a = _replica("a", _stats(10, 20))
+    asyncio.run(router.choose_replicas([a], p))
+    router.on_request_completed("a", "http-0")
+    asyncio.run(router.choose_replicas([a], p))
+    router.on_request_routed(p, "a", None)
+    assert dict(router._inflight["a"]) == {5.0: 1}
+    # the Ingress's other calls through the handle (token_text, ...) are never routed as generate calls: no trace
+    for i in range(50):
+        router.on_request_completed("a", f"other-{i}")
+    assert not router._ended_early
 
 
 def test_router_drops_calls_a_report_proves_finished(monkeypatch) -> None:
