@@ -128,7 +128,8 @@ class _FakeEngine:
 
         self.streams, self.aborted, self.observers = {}, [], []
         self.steps, self.phase = 0, {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
-        self.latency_model = NS(itl_ms=lambda b, length: 5.0, prefill_ms=lambda n, q=None: 5.0)
+        self.latency_model = NS(itl_ms=lambda b, length: 5.0, prefill_ms=lambda n, q=None: 5.0,
+                               step_prefill_ms=lambda n, q=None: 5.0)
 
     def add_step_observer(self, fn):
         self.observers.append(fn)
