@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from core.messages import GenerateRequest, RequestOutput
+from deployments.args import load_api_keys
 from deployments.errors import overloaded
 from deployments.ingress import GenerateStream, OpenAIFrontend, openai_api
 from deployments.pacing import StreamPacing
@@ -65,6 +66,9 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
             raise ValueError("autoscaling_config: min_replicas 0 needs the routed topology (topology=direct: the LLM "
                              "replicas answer HTTP themselves, and with none running each request, /health too, "
                              "waits for one to start); give the app's arguments topology: routed")
+        # (the front's keys read before the model loads: a key file that is not there fails at once, not after a
+        # load of minutes, again at each of Serve's restarts)
+        load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         await LLMReplica.__init__(self, engine_config, metrics_interval_s, log_prompts, share_cores_with,
                                   pacing, engine_process, loop_priority, served_name)
         self._init_frontend(settings)
@@ -76,10 +80,10 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
     def _ready_info(self) -> dict[str, Any] | None:
         return self._info
 
-    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+    def reconfigure(self, user_config: dict[str, Any] | None, rank: Any = None) -> None:
         """`LLMReplica.reconfigure`, then the model's info again: what the requests are built with (priority
         scheduling turned on or off) follows the engine's new scheduler."""
-        LLMReplica.reconfigure(self, user_config)
+        LLMReplica.reconfigure(self, user_config, rank)
         self._info = self.model_info()
 
     def _unavailable(self) -> str | None:

@@ -443,7 +443,7 @@ class LLMReplica:
         model = self.engine.latency_model
         return float(model.prefill_coef[2]) if model is not None else 0.0
 
-    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+    def reconfigure(self, user_config: dict[str, Any] | None, rank: Any = None) -> None:
         """Serve's `user_config` of the LLM deployment: scheduler knobs by the names the app's arguments give them
         (`{"policy": "scorpio"}`, `{"policy": "kairos", "vbs_margin": 1.1}`), over the knobs the replica started with.
         `serve deploy` of a config whose only change is this `user_config` calls it on every running replica in place:
@@ -452,7 +452,9 @@ class LLMReplica:
         An unknown knob, a bad value, or one fixed at start (max_num_seqs, prefill_max_tokens, chunked_prefill,
         predictor_path) is logged as an error and changes nothing: the replica keeps serving as it was (Serve would
         replace a replica whose `reconfigure` raised, and its replacement would fail the same way: a typo would leave
-        the deployment no replica)."""
+        the deployment no replica). `rank` (the replica's, Serve's) is not read: taking it, the method is called with
+        a None `user_config` too (Serve 2.60 calls one without it only for a config), so that a config that drops its
+        `user_config` takes the replicas back to the knobs they started with."""
         knobs = {} if user_config is None else dict(user_config) if isinstance(user_config, dict) else user_config
         if knobs == self._user_config:
             return

@@ -4031,3 +4031,59 @@ def test_the_priority_header_is_an_int64_as_the_bodys_field_is() -> None:
         with pytest.raises(APIError) as e:
             header_priority(big, 0)
         assert e.value.status == 400 and e.value.param == "x-vllm-priority"
+
+
+def test_a_config_that_drops_its_user_config_takes_the_replicas_back_to_their_start_up_knobs() -> None:
+    """Serve 2.60 calls a replica's `reconfigure` with a None user_config only where the method takes the replica's
+    rank: a `serve deploy` that dropped the user_config left the running replicas on its knobs, and new ones on the
+    start-up knobs (a mixed fleet). Driven through Serve's own wrapper."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.config import DeploymentConfig
+    from ray.serve._private.replica import UserCallableWrapper
+
+    from deployments.replica import LLMReplica
+
+    class Probe(LLMReplica):  # LLMReplica's reconfigure over an engine stub
+        def __init__(self) -> None:
+            self._user_config, self.replica_id, self.applied = {}, "probe", []
+            self.engine = SimpleNamespace(reconfigure=lambda knobs: self.applied.append(dict(knobs))
+                                          or SimpleNamespace(policy=knobs.get("policy", "kairos")))
+
+        def __del__(self) -> None:
+            pass
+
+    async def main() -> list[dict]:
+        w = UserCallableWrapper(Probe, (), {}, deployment_id=DeploymentID("LLMServer", "app"),
+                                run_sync_methods_in_threadpool=False, run_user_code_in_separate_thread=False,
+                                local_testing_mode=True, deployment_config=DeploymentConfig(), actor_id="a")
+        await w.initialize_callable()
+        await w.call_reconfigure({"policy": "scorpio"}, None)
+        await w.call_reconfigure(None, None)  # (the config's user_config dropped)
+        return w._callable.applied
+
+    assert asyncio.run(main()) == [{"policy": "scorpio"}, {}]
+
+
+def test_a_direct_replica_with_a_missing_key_file_fails_before_its_model_loads(monkeypatch, tmp_path) -> None:
+    """The direct topology's replica reads its front's API keys before the model loads: a key file that is not there
+    failed only after a load of minutes on a GPU, and again at each of Serve's restarts."""
+    from deployments import direct
+    from deployments.replica import LLMReplica
+
+    loaded: list[bool] = []
+
+    async def load(self, *args, **kwargs) -> None:
+        loaded.append(True)
+
+    monkeypatch.setattr(LLMReplica, "__init__", load)
+    monkeypatch.setattr(direct, "scales_to_zero", lambda: False)
+
+    class Direct(direct.DirectFrontend):
+        def __del__(self) -> None:
+            pass
+
+    d = object.__new__(Direct)
+    with pytest.raises((FileNotFoundError, ValueError)):
+        asyncio.run(direct.DirectFrontend.__init__(d, {}, {"model_name": "m", "max_body_bytes": 1 << 20,
+                                                           "api_key_file": str(tmp_path / "none")}, 4, 4))
+    assert loaded == []
