@@ -29,6 +29,7 @@ from deployments.pacing import StreamPacing
 from deployments.tool_calls import detect
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.inputs import LONG_TEXT_CHARS
 from scheduling.config import SchedulerConfig
 from scheduling.ttft_guard import idle_margin_at, idle_slo_floor
 
@@ -207,6 +208,15 @@ def engine_logs_to_serve() -> None:
     kairos.propagate = False
 
 
+def _text_chars(req: GenerateRequest) -> int:
+    """The characters of text a request's prompt holds (what rendering and tokenizing it costs)."""
+    n = len(req.prompt) if isinstance(req.prompt, str) else 0
+    for turn in req.messages or ():
+        n += len(turn.content or "") + len(turn.tool_calls or "")
+    options = req.options
+    return n + (len(options.tools or "") + len(options.documents or "") if options is not None else 0)
+
+
 class LLMReplica:
     """One engine and what Serve asks of it: `generate` streams, the control plane (`check_health`,
     `record_routing_stats`, `stats`, `model_info`, `reconfigure`, `inject_fault`) and the replica's metrics.
@@ -284,7 +294,7 @@ class LLMReplica:
             yield self._refused(req, t_in, ErrorKind.INVALID_REQUEST, f"duplicate request id {rid!r}")
             return
         try:
-            stream = self.engine.generate(req)
+            stream = self.engine.generate(req) if _text_chars(req) <= LONG_TEXT_CHARS else await self._generate_off(req)
         except ContextLengthExceeded as e:
             yield self._refused(req, t_in, ErrorKind.CONTEXT_LENGTH, str(e))
             return
@@ -442,6 +452,20 @@ class LLMReplica:
         """The latency model's ms per token pair of attention (0 without a model, or one fitted as a line)."""
         model = self.engine.latency_model
         return float(model.prefill_coef[2]) if model is not None else 0.0
+
+    async def _generate_off(self, req: GenerateRequest) -> Any:
+        """`engine.generate` of a long prompt on a thread of its own: rendering and tokenizing it on the event loop
+        stalled every stream of the replica for as long (a second a megabyte). A caller that goes away meanwhile
+        (a client that disconnected) has its request aborted once the engine has it."""
+        job = asyncio.get_running_loop().run_in_executor(None, self.engine.generate, req)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            def ended(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.engine.abort(req.request_id)
+            job.add_done_callback(ended)
+            raise
 
     def reconfigure(self, user_config: dict[str, Any] | None, rank: Any = None) -> None:
         """Serve's `user_config` of the LLM deployment: scheduler knobs by the names the app's arguments give them

@@ -19,15 +19,24 @@ from engine.lora import LoraError, LoraServing, LoraSpec, check_adapter
 Prompt = str | Sequence[int]
 MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens (each step compares a row's last tokens with every word's)
 THINK_TAIL_TOKENS = 64  # the prompt's last tokens read for an opened or closed <think> (`prompt_thinking`)
+LONG_TEXT_CHARS = 32_768  # a prompt text longer than this is tokenized off the caller's thread where it has an event
+# loop (`deployments.replica`), through a call that lets that thread run meanwhile (`prompt_encoder`)
 
 
 def prompt_encoder(tokenizer, add_special_tokens: bool = False) -> Callable[[str], list[int]]:
     """text -> ids, as `tokenizer.encode(text, add_special_tokens=...)`. A fast tokenizer's Rust backend is
-    called directly: the same ids without the Python wrapper, which was most of add_request's own cost."""
+    called directly: the same ids without the Python wrapper, which was most of add_request's own cost. A long text
+    goes through its batch call, which lets other threads run meanwhile (its single call holds the interpreter: a
+    text of a megabyte, a second, stalled every thread of the process, a replica's event loop too)."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is None:
         return lambda text: tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return lambda text: backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode(text: str) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return encode
 
 
 def render_plain_chat(messages: Sequence[ChatTurn], options: PromptOptions = PromptOptions()) -> str:

@@ -4087,3 +4087,54 @@ def test_a_direct_replica_with_a_missing_key_file_fails_before_its_model_loads(m
         asyncio.run(direct.DirectFrontend.__init__(d, {}, {"model_name": "m", "max_body_bytes": 1 << 20,
                                                            "api_key_file": str(tmp_path / "none")}, 4, 4))
     assert loaded == []
+
+
+def test_a_long_prompt_is_tokenized_off_the_replicas_event_loop_and_a_caller_gone_meanwhile_aborts_it() -> None:
+    """A prompt of more than LONG_TEXT_CHARS characters (its text, messages, tools, documents) is handed to the
+    engine on a thread of its own (rendering and tokenizing it on the loop stalled every stream of the replica: a
+    second a megabyte); a caller that went away meanwhile has its request aborted once the engine holds it. The long
+    text's ids are the tokenizer's own."""
+    import threading
+
+    from engine.default_model import build_tokenizer
+    from engine.inputs import LONG_TEXT_CHARS, prompt_encoder
+    from deployments.replica import LLMReplica, _text_chars
+
+    tok = build_tokenizer(512)
+    text = "hello world, " * (LONG_TEXT_CHARS // 10)
+    assert prompt_encoder(tok)(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    long_chat = GenerateRequest("c", messages=(ChatTurn("user", "x" * LONG_TEXT_CHARS),),
+                                options=P.PromptOptions(tools="[]"))
+    assert _text_chars(long_chat) > LONG_TEXT_CHARS >= _text_chars(GenerateRequest("s", prompt="short"))
+    threads, aborted = [], []
+    release = threading.Event()
+
+    class Engine:
+        def generate(self, req):
+            threads.append(threading.get_ident())
+            release.wait(5)
+            return "stream"
+
+        def abort(self, rid):
+            aborted.append(rid)
+
+    r = object.__new__(LLMReplica)
+    r.engine = Engine()
+
+    async def main() -> None:
+        release.set()
+        assert await r._generate_off(long_chat) == "stream" and threads[-1] != threading.get_ident()
+        release.clear()
+        task = asyncio.create_task(r._generate_off(long_chat))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        for _ in range(100):
+            if aborted:
+                break
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    assert aborted == ["c"]
