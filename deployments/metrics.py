@@ -20,6 +20,7 @@ away) or still running.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -234,6 +235,8 @@ class ReplicaMetrics:
                              ("tier",))
         self.slo_met = ctr("slo_met", "finished requests that met all their SLOs", ("tier",))
         self.slo_missed = ctr("slo_missed", "finished requests that missed an SLO, by which", ("tier", "slo"))
+        self.engine_alive = gauge("engine_alive", "1 while the replica's engine serves, 0 once it died (its "
+                                  "requests failed; the replica fails its health checks until Serve replaces it)")
         self.queue_len = gauge("queue_len", "requests waiting in the engine")
         self.running = gauge("num_running", "requests running in the engine")
         self.decode_batch = gauge("decode_batch_size", "last decode batch size")
@@ -311,6 +314,12 @@ class ReplicaMetrics:
         """Refresh gauges from an `EngineStats` (duck-typed so a partial stats object still works), and hand the
         counts since the last refresh to their counters."""
         self.flush_counts()
+        alive = bool(getattr(st, "alive", True))
+        self.engine_alive.set(1.0 if alive else 0.0)
+        if not alive and dataclasses.is_dataclass(st):  # what a dead engine holds is nothing (its last figures were
+            # republished, a busy replica on the dashboards, until Serve replaced it)
+            st = dataclasses.replace(st, num_running=0, num_waiting=0, last_decode_batch=0, last_prefill_batch=0,
+                                     kv_blocks_used=0, kv_blocks_free=st.kv_blocks_total, vbs=0.0)
         g = lambda name, default=0: getattr(st, name, default)  # noqa: E731
         self.queue_len.set(g("num_waiting"))
         self.running.set(g("num_running"))

@@ -2749,6 +2749,16 @@ def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_
                                     prefix_cache_queries=10, prefix_cache_hits=4), 0)
     assert (gauges["vllm_num_requests_running"], gauges["vllm_num_requests_waiting"],
             gauges["vllm_kv_cache_usage_perc"]) == (2, 3, 0.25)
+    assert gauges["kairos_engine_alive"] == 1.0
+    # a dead engine's last figures are no load: its gauges say nothing held, and that it is dead (they stayed at the
+    # last figures, a busy replica on the dashboards, until Serve replaced it)
+    from engine.stats import EngineStats
+
+    m.update_engine(EngineStats(alive=False, num_waiting=3, num_running=2, kv_blocks_total=4, kv_blocks_free=1,
+                                kv_blocks_used=3, vbs=2.0, strictest_tpot_ms=None, last_prefill_batch=1,
+                                last_decode_batch=2, steps=9), 0)
+    assert gauges["kairos_engine_alive"] == 0.0 and gauges["kairos_num_running"] == gauges["kairos_queue_len"] == 0
+    assert gauges["vllm_num_requests_running"] == gauges["vllm_kv_cache_usage_perc"] == 0
     vllm = lambda: {n: v for n, v, _ in incs if n.startswith("vllm_")}  # noqa: E731
     assert vllm() == {"vllm_num_preemptions": 2, "vllm_prefix_cache_queries": 10, "vllm_prefix_cache_hits": 4}
     incs.clear()
