@@ -15,6 +15,7 @@ import functools
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from core.request import SLO, FinishReason, LoraSource
@@ -168,6 +169,13 @@ def waited_since_ms(stamp_clock: str | None, stamp_s: float, now_s: float) -> fl
     mine = clock_id()
     return wait if mine is not None and stamp_clock == mine and 0.0 < wait <= MAX_SEND_WAIT_MS else 0.0
 
+
+
+def chat_texts(turns: Sequence[ChatTurn], options: PromptOptions | None) -> list[str]:
+    """The texts a chat's prompt is rendered from (its tools, documents, turns and their tool calls): what rendering
+    and tokenizing it costs, and what its tokens are guessed from before they are counted."""
+    texts = [options.tools or "", options.documents or ""] if options is not None else []
+    return texts + [f"{t.content or ''}{t.tool_calls or ''}" for t in turns]
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:

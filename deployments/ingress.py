@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from core.messages import (ContextLengthExceeded, ErrorKind, GenerateRequest, PromptOptions, PromptTooLong,
-                           ProtocolError, RejectReason, RequestOutput, TokenLogprob, check_output, clock_id,
+                           ProtocolError, RejectReason, RequestOutput, TokenLogprob, chat_texts, check_output, clock_id,
                            waited_since_ms)
 from core.request import SLO, FinishReason, LoraSource
 from core.sampling import SamplingParams
@@ -883,8 +883,7 @@ class OpenAIFrontend:
                           for i, prompt in enumerate(prompts) for j, sp in enumerate(each)]
         turns = body.turns()
         options = body.prompt_options()
-        hint = _len_hint("".join([options.tools or "", options.documents or "",
-                                  *(f"{t.content}{t.tool_calls or ''}" for t in turns)])) + _TURN_TOKENS * len(turns)
+        hint = _len_hint("".join(chat_texts(turns, options))) + _TURN_TOKENS * len(turns)
         return body, [GenerateRequest(rid if n == 1 else f"{rid}-{j}", messages=turns, params=sp, slo=slo,
                                       options=body.prompt_options(), prompt_len_hint=hint, lora=lora,
                                       cache_salt=body.cache_salt, lora_source=source, priority=priority,

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from core.messages import (ChatTurn, ContextLengthExceeded, ErrorKind, GenerateRequest, PromptOptions, PromptTooLong,
-                           RejectReason, RequestOutput, RoutingStats, ServedBy)
+                           RejectReason, RequestOutput, RoutingStats, ServedBy, chat_texts)
 from core.request import FinishReason
 from deployments.autoscaling import INFLIGHT, DemandRates
 from deployments.metrics import ReplicaMetrics
@@ -210,11 +210,9 @@ def engine_logs_to_serve() -> None:
 
 def _text_chars(req: GenerateRequest) -> int:
     """The characters of text a request's prompt holds (what rendering and tokenizing it costs)."""
-    n = len(req.prompt) if isinstance(req.prompt, str) else 0
-    for turn in req.messages or ():
-        n += len(turn.content or "") + len(turn.tool_calls or "")
-    options = req.options
-    return n + (len(options.tools or "") + len(options.documents or "") if options is not None else 0)
+    if req.messages is None:
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return sum(map(len, chat_texts(req.messages, req.options)))
 
 
 class LLMReplica:

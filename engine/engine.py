@@ -526,13 +526,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ worker thread
     def _snapshot(self, last_prefill: int, last_decode: int) -> EngineStats:
         mape = (self.profile_report or {}).get("mape_holdout")
-        snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
-                        phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
-                        step=(self._step_ms, self._step_batch))
         # (the count read before the rule: a count that takes in a reconfigure call comes with that call's rule)
         taken = self._reconfigures
-        snap = dataclasses.replace(snap, reconfigures=taken, priority_scheduling=self.inputs.priority_scheduling,
-                                   lora_adapters=len(self.loras.loaded) if self.loras is not None else 0)
+        snap = snapshot(self.scheduler, alive=self._dead is None, steps=self._steps, rejected=self._rejected,
+                        phase_s=self._phase, predictor_mape=mape, last=(last_prefill, last_decode),
+                        step=(self._step_ms, self._step_batch), reconfigures=taken,
+                        priority_scheduling=self.inputs.priority_scheduling,
+                        lora_adapters=len(self.loras.loaded) if self.loras is not None else 0)
         # waiting for a scheduler change, or for their adapter's load: they count as waiting (those not aborted)
         held = [*self._parked, *(r for _, rs in self._lora_waiting.values() for r in rs)] \
             if self._parked or self._lora_waiting else ()
@@ -867,7 +867,8 @@ class LLMEngine:
         if lm is None:
             return
         rows, ctx = len(plan.decode), plan.decode_mean_len
-        ms = lm.beside_ms(plan.num_prefill_tokens, plan.num_prefill_sq, rows, ctx) + (lm.itl_ms(rows, ctx) if rows else 0.0)
+        ms = lm.beside_ms(plan.num_prefill_tokens, plan.num_prefill_sq, rows, ctx) \
+            + (lm.itl_ms(rows, ctx) if rows else 0.0)
         started, limit = self._turn
         if STEP_TIMEOUT_FACTOR * ms / 1000.0 > limit:
             self._turn = (started, STEP_TIMEOUT_FACTOR * ms / 1000.0)

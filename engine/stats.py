@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler
@@ -83,8 +84,9 @@ class EngineStats:
 
 def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int], phase_s: dict[str, float],
              predictor_mape: float | None, last: tuple[int, int],
-             step: tuple[float | None, float | None]) -> EngineStats:
-    """The scheduler's state as an immutable snapshot (taken on the worker thread)."""
+             step: tuple[float | None, float | None], **engine: Any) -> EngineStats:
+    """The scheduler's state as an immutable snapshot (taken on the worker thread); `engine`: fields the engine
+    owns (its reconfigure calls and their rule, its LoRA adapters)."""
     bm = s.blocks
     tmin, inv_sum, n_be = math.inf, 0.0, 0
     now = time.monotonic()
@@ -121,7 +123,7 @@ def snapshot(s: Scheduler, *, alive: bool, steps: int, rejected: dict[str, int],
         decode_over_model=s.model_error.snapshot(), gate_line=s.gate_line(time.monotonic()),
         tpot_inv_sum=inv_sum, num_best_effort=n_be, preemptions=s.num_preemptions,
         prefix_cache_queries=s.prefix_queries, prefix_cache_hits=s.prefix_hits,
-        nearest_end=None if nearest is None else max(0, nearest), policy=s.config.policy)
+        nearest_end=None if nearest is None else max(0, nearest), policy=s.config.policy, **engine)
 
 
 def predict_ttft_ms(model: LatencyModel | None, stats: EngineStats, num_prompt_tokens: int,
