@@ -1,6 +1,7 @@
 import itertools
 import os
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -10,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.run import CLAIMS_ENV, SERVE_DONE_ENV  # noqa: E402
+from tests.run import AFTER_ENV, CLAIMS_ENV, SERVE_DONE_ENV  # noqa: E402
 
 # Without a GPU, Triton kernels (the CUDA backend's) run in Triton's interpreter on CPU tensors. triton.jit picks the
 # interpreter when a kernel is decorated, so this must be set before anything imports triton.
@@ -124,6 +125,7 @@ def pytest_configure(config) -> None:
     # (taken out of the environment: a process a test starts is no part of the split)
     config._kairos_claims = os.environ.pop(CLAIMS_ENV, None)
     config._kairos_serve_done = os.environ.pop(SERVE_DONE_ENV, None)
+    config._kairos_after = os.environ.pop(AFTER_ENV, None)
 
 
 def _in_serve_package(item) -> bool:
@@ -171,6 +173,8 @@ def pytest_runtestloop(session):
         return None  # pytest's own loop
     if session.testsfailed and not session.config.option.continue_on_collection_errors:
         raise session.Interrupted(f"{session.testsfailed} errors during collection")
+    if session.config._kairos_after:
+        _wait_for(session.config._kairos_after)
     todo = _claimed(session.items, claims, str(session.config.rootpath))
     item = next(todo, None)
     while item is not None:
@@ -182,6 +186,16 @@ def pytest_runtestloop(session):
             raise session.Interrupted(session.shouldstop)
         item = nextitem
     return True
+
+
+def _wait_for(path: str) -> None:
+    """Until the file `path` exists (the first process's signal); a process whose parent is gone (tests/run.py,
+    which stops it where no signal will come) exits instead of waiting on."""
+    parent = os.getppid()
+    while not os.path.exists(path):
+        if os.getppid() != parent:
+            pytest.exit("the process that started this one is gone", returncode=1)
+        time.sleep(0.2)
 
 
 def _claimed(items, claims: str, root: str):

@@ -4,8 +4,11 @@ The serving package (tests/serve: one Ray cluster, the Serve apps on port 8000, 
 first and alone, in the first process, as in one process. From its end the other test files, most of them
 in-process tests on one core, are shared by two processes: each takes the next file no process has taken yet
 (tests/conftest.py: `pytest_runtestloop` with KAIROS_TEST_CLAIMS), so they end within about one file of each other
-whatever the files' durations, with no table of them to keep. The first process's output streams here; the second's
-follows when both have ended. The exit status is the first nonzero of the two.
+whatever the files' durations, with no table of them to keep. The second process starts with the first: it
+imports and collects the suite beside the first's collection, then waits (KAIROS_TEST_AFTER) for the package's end
+before it runs a test, so that its collection is not on the way once the package has ended; it is stopped if the
+first process ends without that signal (stopped, or failed to collect). The first process's output streams here;
+the second's follows when both have ended. The exit status is the first nonzero of the two.
 
 `python -m tests.run ARGS` with any pytest arguments (`make test PYTEST_ARGS=...`), or with KAIROS_TEST_PROCESSES=1
 or one core: a single `python -m pytest ARGS`, as before.
@@ -23,6 +26,8 @@ SERVE_PACKAGE = Path(__file__).resolve().parent / "serve"
 # (read by tests/conftest.py) the directory where a process claims a file by creating its name, and the file the first
 # process creates when its serving package has ended
 CLAIMS_ENV, SERVE_DONE_ENV = "KAIROS_TEST_CLAIMS", "KAIROS_TEST_SERVE_DONE"
+# (read by tests/conftest.py) a file whose existence a process waits for, once collected, before it runs a test
+AFTER_ENV = "KAIROS_TEST_AFTER"
 
 
 def _cores() -> int:
@@ -59,26 +64,27 @@ def main(argv: list[str]) -> int:
         first = subprocess.Popen(_pytest([]), env=env)
         second, started = None, None
         try:
+            with open(log, "wb") as out:
+                second = subprocess.Popen(_pytest([f"--ignore={SERVE_PACKAGE}"]), env={**env, AFTER_ENV: str(done)},
+                                          stdout=out, stderr=subprocess.STDOUT)
             while first.poll() is None and not done.exists():
                 time.sleep(0.5)
-            # (no file: the first process ended before the package did: it was stopped, or failed to collect)
             if done.exists():
                 started = time.monotonic() - t0
-                with open(log, "wb") as out:
-                    second = subprocess.Popen(_pytest([f"--ignore={SERVE_PACKAGE}"]), env=env, stdout=out,
-                                              stderr=subprocess.STDOUT)
-            ended = _wait([p for p in (first, second) if p is not None], t0)
-            rc_first, rc_second = first.returncode, second.returncode if second is not None else None
+            else:  # the first process ended before the package did: it was stopped, or failed to collect
+                second.terminate()
+            ended = _wait([first, second], t0)
+            rc_first, rc_second = first.returncode, second.returncode if started is not None else None
         except KeyboardInterrupt:  # (the processes got the terminal's SIGINT too)
             for p in (first, second):
                 if p is not None:
                     p.wait()
             raise
-        if second is not None:
+        if started is not None:
             print(f"\n===== the second pytest process (the files it took), exit status {rc_second} =====", flush=True)
             sys.stdout.write(log.read_text(errors="replace"))
         print(f"\n===== pytest exit statuses: {rc_first} (serving package and files), {rc_second} (files); the second "
-              f"started at {_s(started)}, they ended at {', '.join(_s(t) for t in ended)} =====", flush=True)
+              f"started its tests at {_s(started)}, they ended at {', '.join(_s(t) for t in ended)} =====", flush=True)
         return rc_first or (rc_second or 0)
 
 

@@ -50,3 +50,25 @@ def test_a_process_a_test_starts_is_not_part_of_the_split(tmp_path: Path) -> Non
     """The variables are taken out of the environment the tests (and what they start) see (the test above runs this
     one in processes started with them)."""
     assert CLAIMS_ENV not in os.environ and SERVE_DONE_ENV not in os.environ
+
+
+def test_a_process_told_to_wait_collects_then_takes_no_file_until_the_signal(tmp_path: Path) -> None:
+    """The second process of `make test` starts with the first and waits, once collected, for the first's signal
+    (the file AFTER_ENV names) before it claims a file or runs a test."""
+    import time
+
+    from tests.run import AFTER_ENV
+
+    claims, done, go = tmp_path / "claims", tmp_path / "serve-done", tmp_path / "go"
+    claims.mkdir()
+    env = {**os.environ, CLAIMS_ENV: str(claims), SERVE_DONE_ENV: str(done), AFTER_ENV: str(go)}
+    proc = _pytest([FILES[0]], env)
+    try:
+        time.sleep(8)  # (its collection of one file, or part of it)
+        assert proc.poll() is None and not os.listdir(claims)
+        go.touch()
+        out = proc.communicate(timeout=300)[0].decode(errors="replace")
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert os.listdir(claims) == [FILES[0].replace("/", "__")]
