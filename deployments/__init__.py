@@ -40,6 +40,7 @@ from ray.serve import Application  # noqa: E402
 from deployments.args import COLD_START_WAIT_S, AppArgs, ServeArgs, gpus_for_app  # noqa: E402
 from deployments.direct import DirectLLMServer  # noqa: E402
 from deployments.ingress import Ingress, served_names  # noqa: E402
+from deployments.metrics import LOG_STATS_S  # noqa: E402
 from deployments.pacing import StreamPacing  # noqa: E402
 from deployments.replica import LLMServer  # noqa: E402
 
@@ -105,7 +106,7 @@ def model_parts(given: ServeArgs, a: ServeArgs, deployment_name: str = "LLMServe
                                  a.ingress_num_replicas, routed=not a.direct, direct_max_chunks_s=a.direct_max_chunks_s,
                                  autoscaled=a.autoscaling_config is not None)
     replica_args = (a.metrics_interval_s, a.log_prompts, a.num_replicas if a.num_cpus == 0 else None, pacing,
-                    a.engine_process, a.loop_priority, a.model_name)
+                    a.engine_process, a.loop_priority, a.model_name, 0.0 if a.disable_log_stats else LOG_STATS_S)
     settings = front_settings(a)
     # without the knobs left to their defaults: the engine fills those in for its device (`for_device`)
     engine_config = a.engine_config().model_dump(mode="json", exclude_unset=True)

@@ -161,6 +161,10 @@ class ServeArgs(BaseModel):
         "sharing the node's cores): engine: the engine thread's (0); ray: Ray's 15, under which a burst's "
         "admissions held /health for longer on a small box")
     log_prompts: bool = Field(False, description="log prompt text (off: only lengths and ids are logged)")
+    disable_log_stats: bool = Field(False, description="vLLM's: no periodic stats line in the LLM replicas' logs "
+                                    "(by default each logs, every 10 s while it serves, its prompt and generation "
+                                    "throughput, running and waiting requests, KV cache usage and prefix cache hit "
+                                    "rate, as vLLM's engine does)")
     access_log: bool = Field(False, description="Ray Serve's access log: a line per request in the replicas' logs "
                              "(and, through Ray's log monitor, on the driver's console). Off by default, as vLLM "
                              "logs requests only when asked: every line is work for the replica, the log monitor "

@@ -61,7 +61,7 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
                        max_queued_requests: int, metrics_interval_s: float = 0.5, log_prompts: bool = False,
                        share_cores_with: int | None = None, pacing: StreamPacing | None = None,
                        engine_process: bool = True, loop_priority: str = "engine",
-                       served_name: str | None = None) -> None:
+                       served_name: str | None = None, log_stats_s: float = 0.0) -> None:
         if scales_to_zero():  # (a Serve config's `deployments:` may say so, which the app's arguments never saw)
             raise ValueError("autoscaling_config: min_replicas 0 needs the routed topology (topology=direct: the LLM "
                              "replicas answer HTTP themselves, and with none running each request, /health too, "
@@ -70,7 +70,7 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
         # load of minutes, again at each of Serve's restarts)
         load_api_keys(settings.get("api_keys_env"), settings.get("api_key_file"))
         await LLMReplica.__init__(self, engine_config, metrics_interval_s, log_prompts, share_cores_with,
-                                  pacing, engine_process, loop_priority, served_name)
+                                  pacing, engine_process, loop_priority, served_name, log_stats_s)
         self._init_frontend(settings)
         self._info = self.model_info()  # the engine is up: this replica can serve from its first request
         self._slots = asyncio.Semaphore(max_ongoing_requests)

@@ -43,7 +43,7 @@ VLLM_NAMES = {
 }
 # vLLM's engine arguments that change nothing a client sees here: accepted with their value logged
 VLLM_NO_EFFECT = frozenset((
-    "disable_log_stats", "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
+    "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
     "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_custom_all_reduce",
     "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling"))
 # vLLM's engine arguments that must keep their default (one GPU per replica, no quantization or drafts here)

@@ -6,8 +6,10 @@ keep their name, later ones are `other` (clients choose SLO values: the series t
 gauges are refreshed periodically from `LLMEngine.stats()` by the replica; generated tokens are counted as they are
 streamed and handed to their counter when their request ends and on each refresh (a GPU replica streams tens of
 thousands a second, and a counter call per chunk was a large part of its event loop's work per chunk), prompt tokens
-with a request's first token, histograms and the other counters when a request ends; inter-token latencies are
-observed per token as they stream, through `_TierRecorder`.
+with a request's first token, TTFT at the first token, the other histograms and counters when a request ends;
+inter-token latencies are observed per token as they come, through `_TierRecorder`. TTFT and inter-token latencies
+are timed as the engine gave the tokens (when they were put on the request's stream), not as the replica read them:
+stream pacing reads a stream's tokens in chunks (`deployments/pacing.py`).
 
 Beside them, the series Ray Serve LLM's vLLM engines export, under vLLM's names (`VllmSeries`: `vllm_*`, exported as
 `ray_vllm_*` and tagged `model_name`): Ray's own Serve LLM Grafana dashboard reads them, and the serving port's
@@ -31,8 +33,15 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 log = logging.getLogger("ray.serve")
 
-_LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60]
-_E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300]
+_LAT_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60, 180, 600]
+_E2E_S = [0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600, 1200, 2400, 7680]
+# vLLM's own buckets for its series (vllm/v1/metrics/loggers.py), so that dashboards and alerts made for vLLM read
+# them alike: time to first token; time per output token and inter-token latency; a request's phases
+VLLM_TTFT_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0, 160.0, 640.0, 2560.0]
+VLLM_ITL_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+VLLM_REQUEST_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                  960.0, 1920.0, 7680.0]
 _BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 _LOOP_LAG_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]
 # a reply's tokens over the length predicted for it: powers of two either way of exact, finer near it
@@ -96,8 +105,9 @@ class VllmSeries:
     (token throughput, TTFT, TPOT and end-to-end latency, the scheduler's state, KV cache and prefix cache use, the
     finish reasons, queue, prefill and decode times, prompt and reply lengths) works on a Kairos app as on Ray Serve
     LLM's. Per request, observed when it ends (`time_per_output_token` once per request, its mean: vLLM's
-    request_time_per_output_token), but for `inter_token_latency`, observed per token as the replica streams them
-    (`itl`; a chunk of n tokens: n gaps of its time over n)."""
+    request_time_per_output_token), but for `time_to_first_token`, observed at the first token, and
+    `inter_token_latency`, observed per token as they come (`itl`; an item of n tokens: n gaps of its time over n),
+    as vLLM observes them. Latency buckets are vLLM's (`VLLM_TTFT_S`, `VLLM_ITL_S`, `VLLM_REQUEST_S`)."""
 
     def __init__(self, model: str, max_model_len: int = 1 << 17) -> None:
         tags = {"model_name": model}
@@ -120,16 +130,16 @@ class VllmSeries:
         self.prefix_queries = made(Counter, "prefix_cache_queries", "prompt tokens looked up in the prefix cache")
         self.prefix_hits = made(Counter, "prefix_cache_hits", "of those, the tokens found cached")
         self.success = made(Counter, "request_success", "finished requests, by finish reason", ("finished_reason",))
-        self.ttft = hist("time_to_first_token_seconds", "time to first token, seconds", _LAT_S)
+        self.ttft = hist("time_to_first_token_seconds", "time to first token, seconds", VLLM_TTFT_S)
         self.tpot = hist("request_time_per_output_token_seconds", "a request's mean time per output token after "
-                         "the first, seconds", _LAT_S)
+                         "the first, seconds", VLLM_ITL_S)
         self.itl = _TierRecorder(hist("inter_token_latency_seconds", "time between a request's output tokens, "
-                                      "seconds", _LAT_S), None)
-        self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds", _E2E_S)
-        self.queue = hist("request_queue_time_seconds", "time waiting, arrival to admission, seconds", _E2E_S)
-        self.prefill = hist("request_prefill_time_seconds", "admission to first token, seconds", _E2E_S)
-        self.decode = hist("request_decode_time_seconds", "first token to last, seconds", _E2E_S)
-        self.inference = hist("request_inference_time_seconds", "admission to last token, seconds", _E2E_S)
+                                      "seconds", VLLM_ITL_S), None)
+        self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds", VLLM_REQUEST_S)
+        self.queue = hist("request_queue_time_seconds", "time waiting, arrival to admission, seconds", VLLM_REQUEST_S)
+        self.prefill = hist("request_prefill_time_seconds", "admission to first token, seconds", VLLM_REQUEST_S)
+        self.decode = hist("request_decode_time_seconds", "first token to last, seconds", VLLM_REQUEST_S)
+        self.inference = hist("request_inference_time_seconds", "admission to last token, seconds", VLLM_REQUEST_S)
         self.prompt_len = hist("request_prompt_tokens", "prompt tokens per finished request", lengths)
         self.output_len = hist("request_generation_tokens", "generated tokens per finished request", lengths)
         self.max_output_len = hist("request_max_num_generation_tokens", "the most generated tokens of a finished "
@@ -162,7 +172,7 @@ class VllmSeries:
         self.prompt_len.observe(final.num_prompt_tokens)
         self.output_len.observe(final.num_output_tokens)
         self.max_output_len.observe(final.num_output_tokens)
-        spans = ((self.ttft, m.arrival_s, m.first_token_s), (self.e2e, m.arrival_s, m.finished_s),
+        spans = ((self.e2e, m.arrival_s, m.finished_s),
                  (self.queue, m.arrival_s, m.admitted_s), (self.prefill, m.admitted_s, m.first_token_s),
                  (self.decode, m.first_token_s, m.finished_s), (self.inference, m.admitted_s, m.finished_s))
         for hist, start, end in spans:
@@ -289,6 +299,12 @@ class ReplicaMetrics:
         # every first token
         self._tokens_pending: dict[str, int] = {}
         self._admitted_pending: dict[str, list[int]] = {}  # tier -> [requests, prompt tokens]
+        self._tokens_counted = [0, 0]  # prompt and generated tokens flushed onto their counters since start
+
+    @property
+    def tokens_counted(self) -> tuple[int, int]:
+        """The prompt and generated tokens counted on this replica's series since its start."""
+        return self._tokens_counted[0], self._tokens_counted[1]
 
     def tier_label(self, slo: SLO) -> str:
         """The `tier` label of a request with `slo`: its tier while this replica has seen fewer than
@@ -386,11 +402,13 @@ class ReplicaMetrics:
                 if got[1] > 0:  # Counter.inc(0) raises ValueError
                     self.tokens_in.inc(got[1], tags=tags)
                     self.vllm.tokens(got[1], 0)
+                    self._tokens_counted[0] += got[1]
         for t in (self._tokens_pending.copy() if tier is None else (tier,)):
             n = self._tokens_pending.pop(t, 0)
             if n > 0:
                 self.tokens_out.inc(n, tags={"tier": t})
                 self.vllm.tokens(0, n)
+                self._tokens_counted[1] += n
 
     def on_abandoned(self, tier: str) -> None:
         """A request whose caller went away before its first token (it waited in the queue, or for its prefill)."""
@@ -404,6 +422,12 @@ class ReplicaMetrics:
         self.finished.inc(tags={"tier": tier, "reason": "abort"})
         self.vllm.finished("abort", None)
         self.flush_counts(tier)
+
+    def on_first_token(self, tier: str, seconds: float) -> None:
+        """An admitted request's first token, `seconds` after its arrival (TTFT, observed as it comes, as vLLM
+        observes it: a request aborted later counts too, and the series does not wait for the reply's end)."""
+        self.ttft.observe(seconds, tags={"tier": tier})
+        self.vllm.ttft.observe(seconds)
 
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
         """`n` tokens that came `seconds` apart each (a chunk of `n` tokens, `n` x `seconds` after the last)."""
@@ -422,7 +446,7 @@ class ReplicaMetrics:
         m = final.metrics
         ttft, tpot, e2e = (m.ttft_s, m.tpot_s, m.e2e_s) if m is not None else (None, None, None)
         queued = None if m is None or m.admitted_s is None else max(m.admitted_s - m.arrival_s, 0.0)
-        for hist, v in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e), (self.queue_time, queued)):
+        for hist, v in ((self.tpot, tpot), (self.e2e, e2e), (self.queue_time, queued)):
             if v is not None:
                 hist.observe(v, tags=t)
         if reason in ("stop", "length"):
@@ -442,6 +466,47 @@ class ReplicaMetrics:
             self.slo_missed.inc(tags={"tier": tier, "slo": which})
         if not missed:
             self.slo_met.inc(tags=t)
+
+
+LOG_STATS_S = 10.0  # the period of an LLM replica's stats line (vLLM's engine logs its own as often)
+
+
+class StatsLog:
+    """An LLM replica's stats line, as vLLM's engine logs one (its LoggingStatLogger): every `period_s` while it
+    serves, its prompt and generation throughput over the period, its running and waiting requests, KV cache usage
+    and the period's prefix cache hit rate; once when it falls idle, then nothing until it serves again."""
+
+    def __init__(self, period_s: float = LOG_STATS_S) -> None:
+        self.period_s = period_s
+        self._last: tuple[float, int, int, int, int] | None = None  # (time, prompt, generated, queries, hits)
+        self._idle_told = False
+
+    def line(self, now: float, metrics: ReplicaMetrics, st: Any) -> str | None:
+        """The line to log at `now` (time.monotonic()) from the replica's `metrics` and its engine's stats `st`; None
+        before a period has passed, and while idle once said."""
+        prompt, generated = metrics.tokens_counted
+        queries, hits = getattr(st, "prefix_cache_queries", 0), getattr(st, "prefix_cache_hits", 0)
+        last = self._last
+        if last is not None and now - last[0] < self.period_s:
+            return None
+        self._last = (now, prompt, generated, queries, hits)
+        if last is None:
+            return None
+        dt = max(now - last[0], 1e-9)
+        if queries < last[3]:  # a new engine (its counts from 0 again)
+            last = (last[0], last[1], last[2], 0, 0)
+        running, waiting = getattr(st, "num_running", 0), getattr(st, "num_waiting", 0)
+        idle = prompt == last[1] and generated == last[2] and not running and not waiting
+        if idle and self._idle_told:
+            return None
+        self._idle_told = idle
+        total, used = getattr(st, "kv_blocks_total", 0), getattr(st, "kv_blocks_used", 0)
+        looked = queries - last[3]
+        hit_rate = (hits - last[4]) / looked if looked > 0 else 0.0
+        return (f"Avg prompt throughput: {(prompt - last[1]) / dt:.1f} tokens/s, Avg generation throughput: "
+                f"{(generated - last[2]) / dt:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {100.0 * used / total if total else 0.0:.1f}%, Prefix cache hit rate: "
+                f"{100.0 * hit_rate:.1f}%")
 
 
 SCRAPE_PREFIXES = ("ray_kairos_", "ray_serve_", "ray_vllm_")  # what `/metrics` on the serving port passes on

@@ -24,7 +24,7 @@ from core.messages import (ChatTurn, ContextLengthExceeded, ErrorKind, GenerateR
                            RejectReason, RequestOutput, RoutingStats, ServedBy, chat_texts)
 from core.request import FinishReason
 from deployments.autoscaling import INFLIGHT, DemandRates
-from deployments.metrics import ReplicaMetrics
+from deployments.metrics import ReplicaMetrics, StatsLog
 from deployments.pacing import StreamPacing
 from deployments.tool_calls import detect
 from engine.config import EngineConfig
@@ -224,8 +224,10 @@ class LLMReplica:
     async def __init__(self, engine_config: dict[str, Any], metrics_interval_s: float = 0.5,
                        log_prompts: bool = False, share_cores_with: int | None = None,
                        pacing: StreamPacing | None = None, engine_process: bool = True,
-                       loop_priority: str = "engine", served_name: str | None = None) -> None:
-        """`served_name`: the model's name to clients (the app's served_model_name), the vLLM series' model_name."""
+                       loop_priority: str = "engine", served_name: str | None = None,
+                       log_stats_s: float = 0.0) -> None:
+        """`served_name`: the model's name to clients (the app's served_model_name), the vLLM series' model_name;
+        `log_stats_s`: the period of the replica's stats line in its log (`StatsLog`; 0: none)."""
         cfg = EngineConfig.model_validate(engine_config)
         cores = engine_threads(_usable_cpus(), cfg.num_threads, share_cores_with, engine_process,
                                os.environ.get("OMP_NUM_THREADS"), gpu=_on_gpu(cfg.device))
@@ -264,6 +266,7 @@ class LLMReplica:
         self.pacing = pacing or StreamPacing()
         self._pacing_running: int | None = None  # the LLM replicas running, as the last request said
         self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
+        self._stats_log = StatsLog(log_stats_s) if log_stats_s > 0 else None
         self.inflight = 0
         self._inflight_peak = 0  # the most in flight since the last autoscaling report
         self.demand = DemandRates()  # admitted and turned away, for Serve's autoscaling (`record_autoscaling_stats`)
@@ -319,6 +322,12 @@ class LLMReplica:
         left[rid] = min(hint, cap) if hint else cap
         finished, first, last_t = False, True, time.monotonic()
         admitted, streamed = False, 0  # for the metrics of a request its caller abandons
+        # TTFT and ITL as the engine's tokens came out (their put times on the stream), not as this loop read them:
+        # pacing merges a stream's tokens into chunks, and a loop behind them reads them late
+        track = getattr(stream, "track_token_times", None)
+        if track is not None:
+            track()
+        timing = _TokenTiming(tier, getattr(stream, "arrival_s", None) or t_in, self.metrics)
         try:
             while True:
                 if not first and self.pacing.holds:
@@ -332,6 +341,7 @@ class LLMReplica:
                         await stream.wait_closed(wait)
                 out = await stream.aget()
                 now = time.monotonic()
+                timing.read(stream)
                 if first:
                     first = False
                     if not early_end(out):  # (one the engine never took says nothing of the prompts it runs)
@@ -355,8 +365,6 @@ class LLMReplica:
                             ids = list(stream.prompt_token_ids or ())
                         thinking = stream.prompt_thinking
                     out = dataclasses.replace(out, served_by=served, prompt_token_ids=ids, prompt_thinking=thinking)
-                elif out.token_ids:
-                    self.metrics.on_itl(tier, (now - last_t) / len(out.token_ids), len(out.token_ids))
                 if out.token_ids:
                     n = len(out.token_ids)
                     if rid in left:
@@ -590,7 +598,11 @@ class LLMReplica:
             try:
                 if lag is not None:
                     self.metrics.on_loop_lag(lag)
-                self.metrics.update_engine(self.engine.stats(), self.inflight)
+                st = self.engine.stats()
+                self.metrics.update_engine(st, self.inflight)
+                if self._stats_log is not None and (line := self._stats_log.line(time.monotonic(), self.metrics,
+                                                                                  st)):
+                    log.info("%s", line)
             except Exception:  # noqa: BLE001 - metrics must never take the replica down
                 log.exception("metrics update failed")
             due = time.monotonic() + period_s
@@ -610,10 +622,33 @@ class LLMReplica:
 
 def early_end(out: RequestOutput) -> bool:
     """Whether a request's first item ends it before the engine admitted it, not by a rejection: failed (an adapter
-    that does not load, a duplicate id, an engine that died or shut down) or aborted (its caller's death) while it
-    waited. Counted neither admitted nor finished (`metrics`): only what the scheduler took is."""
+    that does not load, a duplicate id, an engine that died or shut down) or aborted (its caller's death, a shutdown)
+    while it waited, or aborted while its prompt ran (as its caller going away then counts: abandoned before its
+    first token). Counted neither admitted nor finished (`metrics`): only what the scheduler took is, and a step's
+    failure is (an error the operators see)."""
     return out.finished and not out.token_ids and out.finish_reason is not FinishReason.REJECTED \
-        and (out.metrics is None or out.metrics.admitted_s is None)
+        and (out.metrics is None or out.metrics.admitted_s is None or out.finish_reason is FinishReason.ABORT)
+
+
+class _TokenTiming:
+    """A request's TTFT (from its arrival, `arrival_s`) and inter-token latencies, observed as its stream's token
+    items were put (`RequestStream.take_token_times`): when the engine gave them, however they were read. An item of
+    n tokens after a gap of t counts n latencies of t / n. A stream without put times (a stand-in): none."""
+
+    __slots__ = ("tier", "arrival_s", "metrics", "last_s")
+
+    def __init__(self, tier: str, arrival_s: float, metrics: Any) -> None:
+        self.tier, self.arrival_s, self.metrics = tier, arrival_s, metrics
+        self.last_s: float | None = None  # the last token's put time (None: no token yet)
+
+    def read(self, stream: Any) -> None:
+        take = getattr(stream, "take_token_times", None)
+        for t, n in take() if take is not None else ():
+            if self.last_s is None:  # (an item's other tokens came with the first: no latency of theirs)
+                self.metrics.on_first_token(self.tier, max(t - self.arrival_s, 0.0))
+            else:
+                self.metrics.on_itl(self.tier, max(t - self.last_s, 0.0) / n, n)
+            self.last_s = t
 
 
 def _forget_caller(callers: dict[str, set[str]], caller: str, rid: str) -> bool:

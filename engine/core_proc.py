@@ -541,7 +541,7 @@ class EngineCoreClient:
                                   request.messages, request.options, request.lora, request.cache_salt,
                                   request.lora_source, request.priority, request.read_thinking)
         stream = RequestStream(req.request_id, req.prompt_token_ids if request.return_token_ids else None,
-                               req.prompt_thinking)
+                               req.prompt_thinking, req.arrival_s)
         with self._lock:
             self._check_alive()  # under the lock: the reader fails every stream registered before it gave up
             if req.request_id in self._streams:

@@ -386,7 +386,7 @@ class LLMEngine:
         prompt leaves a reasoning model's thinking (`RequestStream.prompt_thinking`)."""
         req = self.inputs.process(prompt, params, slo, request_id, messages, options, lora, cache_salt, lora_source,
                                   priority, read_thinking)
-        stream = RequestStream(req.request_id, req.prompt_token_ids, req.prompt_thinking)
+        stream = RequestStream(req.request_id, req.prompt_token_ids, req.prompt_thinking, req.arrival_s)
         self.submit(req, stream)
         return stream
 

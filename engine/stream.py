@@ -1,13 +1,16 @@
 """A per-request output queue filled by the worker thread and read from threads or asyncio.
 
 put() never blocks; readers either block (`get`, iteration) or await (`aget`, async iteration).
-If the reader is behind, pending deltas are merged on read so it never falls further behind.
+If the reader is behind, pending deltas are merged on read so it never falls further behind. Each item's put time is
+kept with it, for the reader to take with the items it read (`take_token_times`): when its tokens came out of the
+engine, however late or merged they were read (the replica's latency metrics).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import threading
+import time
 from collections import deque
 from typing import Protocol
 
@@ -30,15 +33,19 @@ class OutputSink(Protocol):
 
 
 class RequestStream:
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_thinking", "_items", "_lock", "_cond", "_blocked", "_waiter",
-                 "_close_waiter", "_closed")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_thinking", "arrival_s", "_items", "_times", "_read_times",
+                 "_lock", "_cond", "_blocked", "_waiter", "_close_waiter", "_closed")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int] | None = None,
-                 prompt_thinking: str | None = None) -> None:
+                 prompt_thinking: str | None = None, arrival_s: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids  # the request's prompt, as the engine took it
         self.prompt_thinking = prompt_thinking  # where asked, where it leaves the thinking (`Request.prompt_thinking`)
+        self.arrival_s = arrival_s  # the request's arrival (`Request.arrival_s`, time.monotonic()), where known
         self._items: deque[RequestOutput] = deque()
+        self._times: deque[float] = deque()  # each item's put time (time.monotonic()), beside it
+        # (put time, tokens) of the token items read and not yet taken, for a reader that asked (`track_token_times`)
+        self._read_times: list[tuple[float, int]] | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._blocked = 0  # threads waiting in `get` (notified only then: a put is made for every token)
@@ -53,6 +60,7 @@ class RequestStream:
             if self._closed:
                 return
             self._items.append(item)
+            self._times.append(time.monotonic())
             closer = None
             if item.finished:
                 self._closed = True
@@ -83,10 +91,25 @@ class RequestStream:
         return self._closed
 
     # --- consumer side ---
+    def track_token_times(self) -> None:
+        """From now on keep, for `take_token_times`, the put times of the token items read (call it before the first
+        read, from the reader's thread or loop)."""
+        if self._read_times is None:
+            self._read_times = []
+
+    def take_token_times(self) -> list[tuple[float, int]]:
+        """(put time, number of tokens) of each item with tokens read since the last call, in order, where tracked
+        (`track_token_times`; else none). The reader's own: call it from the thread or loop that reads."""
+        got = self._read_times
+        if not got:
+            return []
+        self._read_times = []
+        return got
+
     def _pop_merged(self) -> RequestOutput:
-        parts = [self._items.popleft()]
+        parts = [self._pop()]
         while self._items and not parts[-1].finished:
-            parts.append(self._items.popleft())
+            parts.append(self._pop())
         if len(parts) == 1:
             return parts[0]
         logprobs = [x for p in parts for x in p.logprobs or ()] \
@@ -95,6 +118,12 @@ class RequestStream:
         return dataclasses.replace(parts[-1], text="".join(p.text for p in parts),
                                    token_ids=[t for p in parts for t in p.token_ids], logprobs=logprobs,
                                    prompt_logprobs=prompt)
+
+    def _pop(self) -> RequestOutput:
+        item, t = self._items.popleft(), self._times.popleft()
+        if item.token_ids and self._read_times is not None:
+            self._read_times.append((t, len(item.token_ids)))
+        return item
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         with self._cond:

@@ -52,6 +52,8 @@ def test_vllm_arguments_at_what_kairos_does_are_accepted_and_others_refused():
     for cap in (5, 100):
         with pytest.raises(ValueError, match=f"max_logprobs: {cap}"):
             translate({"llm_configs": [{**base, "engine_kwargs": {"max_logprobs": cap}}]})
+    # disable_log_stats: the replicas' periodic stats line off, as vLLM's (it was accepted and changed nothing)
+    assert translate({"llm_configs": [{**base, "engine_kwargs": {"disable_log_stats": True}}]})["disable_log_stats"]
     # hf_token: the hub's token for a gated model's files, in the replicas' environment (it was dropped)
     got = translate({"llm_configs": [{**base, "runtime_env": {"env_vars": {"A": "1"}},
                                       "engine_kwargs": {"hf_token": "hf_xxx"}}]})

@@ -1184,6 +1184,7 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st, abort=noop,
                                                     stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
             metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop, on_tokens=noop,
+                                    on_first_token=noop,
                                     tier_label=lambda slo: slo.tier))
 
         async def collect() -> list[RequestOutput]:
@@ -1227,6 +1228,7 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
             metrics=SimpleNamespace(
                 tier_label=lambda slo: slo.tier, on_admitted=lambda t, n: calls.append(("admitted", t, n)),
                 on_tokens=lambda t, n: calls.append(("tokens", t, n)), on_itl=noop, on_rejected=noop,
+                on_first_token=lambda t, s: calls.append(("first", t)),
                 on_finished=lambda t, slo, out, n: calls.append(("finished", t, out.num_output_tokens, n)),
                 on_aborted=lambda t: calls.append(("aborted", t)), on_abandoned=lambda t: calls.append(("gone", t))))
 
@@ -1241,7 +1243,8 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
         st.put(RequestOutput("r1", text=f"t{i}", token_ids=[i], num_prompt_tokens=2, num_output_tokens=i + 1))
     me = replica(st)
     asyncio.run(three(st, me, 1))
-    assert calls == [("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 3), ("abort", "r1"), ("aborted", "tpot1.5")]
+    assert calls == [("first", "tpot1.5"), ("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 3), ("abort", "r1"),
+                     ("aborted", "tpot1.5")]  # (its TTFT counted at its first token, though it never finished)
     assert me.inflight == 0 and me.aborted == 1
     calls.clear()
     me = replica(RequestStream("r1"))
@@ -1260,7 +1263,8 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
     st.put(RequestOutput("r1", text="", token_ids=[], num_prompt_tokens=2, num_output_tokens=2, finished=True,
                          finish_reason="stop"))  # the stop token: counted, never streamed
     asyncio.run(three(st, replica(st), 1))
-    assert calls == [("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 1), ("finished", "tpot1.5", 2, 1)]
+    assert calls == [("first", "tpot1.5"), ("admitted", "tpot1.5", 2), ("tokens", "tpot1.5", 1),
+                     ("finished", "tpot1.5", 2, 1)]
     # a request that fails before the engine admits it (an adapter that does not load, a duplicate id, a shutdown)
     # is not counted admitted, nor its prompt's tokens (it was, with them: vllm:prompt_tokens too); one that failed
     # once admitted (a step) is
@@ -1284,6 +1288,52 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
                          metrics=RequestMetrics(0.0, None, None, 1.0)))
     asyncio.run(three(st, replica(st), 1))
     assert calls == [("gone", "tpot1.5")], calls
+    # aborted while its prompt ran (its caller's death): abandoned too, with no prompt tokens counted (they were,
+    # as an admitted request's, where its caller closing the stream at that point counted it abandoned)
+    calls.clear()
+    st = RequestStream("r1")
+    st.put(RequestOutput("r1", finished=True, finish_reason="abort", num_prompt_tokens=2,
+                         metrics=RequestMetrics(0.0, 0.5, None, 1.0)))
+    asyncio.run(three(st, replica(st), 1))
+    assert calls == [("gone", "tpot1.5")], calls
+
+
+def test_ttft_and_inter_token_latencies_are_timed_as_the_engine_gave_the_tokens(monkeypatch) -> None:
+    """The replica's TTFT and ITL series time a stream's tokens as they were put on it (the engine's pace), from the
+    request's arrival: a reader that takes five tokens merged into one item (stream pacing, a busy loop) still sees
+    a 300 ms stall among them, and the first token's TTFT as it came."""
+    import asyncio
+
+    import engine.engine  # noqa: F401
+    import engine.stream as stream_mod
+    from deployments.pacing import StreamPacing
+    from deployments.replica import LLMServer
+    from engine.stream import RequestStream
+
+    clock = iter([10.0, 10.01, 10.02, 10.32, 10.33])
+    monkeypatch.setattr(stream_mod.time, "monotonic", lambda: next(clock))
+    st = RequestStream("r1", arrival_s=9.5)
+    for i in range(5):
+        st.put(RequestOutput("r1", text=f"t{i}", token_ids=[i], num_prompt_tokens=2, num_output_tokens=i + 1,
+                             finished=i == 4, finish_reason="length" if i == 4 else None))
+    monkeypatch.undo()
+    seen: list[tuple] = []
+    noop = lambda *a, **k: None  # noqa: E731
+    me = SimpleNamespace(
+        pacing=StreamPacing(0.0), log_prompts=False, inflight=0, _inflight_peak=0, aborted=0, itl_ms=None,
+        replica_id="r", demand=DemandRates(), _prompt_lens=[], _decode_left={},
+        engine=SimpleNamespace(generate=lambda req: st, abort=noop),
+        metrics=SimpleNamespace(tier_label=lambda slo: slo.tier, on_admitted=noop, on_tokens=noop, on_rejected=noop,
+                                on_finished=noop, on_aborted=noop, on_abandoned=noop,
+                                on_first_token=lambda t, s: seen.append(("ttft", round(s, 3))),
+                                on_itl=lambda t, s, n=1: seen.append(("itl", round(s, 3), n))))
+
+    async def read() -> list[RequestOutput]:
+        return [x async for x in LLMServer.func_or_class.generate(me, GenerateRequest("r1", prompt=(1, 2)))]
+
+    items = asyncio.run(read())
+    assert len(items) == 1 and items[0].token_ids == [0, 1, 2, 3, 4]  # (read at once: one item of five tokens)
+    assert seen == [("ttft", 0.5), ("itl", 0.01, 1), ("itl", 0.01, 1), ("itl", 0.3, 1), ("itl", 0.01, 1)], seen
 
 
 def test_a_direct_replica_builds_requests_with_the_scheduler_its_user_config_switched_to() -> None:
@@ -2763,11 +2813,13 @@ def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_
     assert vllm() == {"vllm_num_preemptions": 2, "vllm_prefix_cache_queries": 10, "vllm_prefix_cache_hits": 4}
     incs.clear()
     m.on_admitted("best_effort", 7)
+    m.on_first_token("best_effort", 0.3)  # (TTFT as the first token came, as vLLM observes it: not at the end)
     m.on_tokens("best_effort", 5)
     final = RequestOutput("r", finished=True, finish_reason="stop", num_prompt_tokens=7, num_output_tokens=6,
                           metrics=RequestMetrics(arrival_s=10.0, admitted_s=10.1, first_token_s=10.3,
                                                  finished_s=11.3, token_times=[10.3, 10.5, 10.7, 10.9, 11.1, 11.3]))
     m.on_finished("best_effort", SLO(), final, streamed=5)
+    assert sum(n == "kairos_ttft_s" for n, _, _ in observed) == 1
     assert vllm() == {"vllm_prompt_tokens": 7, "vllm_generation_tokens": 6, "vllm_request_success": 1}
     assert [t for n, _, t in incs if n == "vllm_request_success"] == [{"finished_reason": "stop"}]
     got = {n: v for n, v, _ in observed if n.startswith("vllm_")}
@@ -2781,6 +2833,52 @@ def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_
     m.on_aborted("best_effort")
     assert [(n, t) for n, _, t in incs if n.startswith("vllm_")] == [
         ("vllm_request_success", {"finished_reason": "abort"})]
+
+
+def test_the_vllm_series_take_vllms_buckets_and_the_replica_logs_vllms_stats_line(monkeypatch):
+    """vLLM's histograms' buckets (a 16k-token reply's 400 s end to end fell past the top bucket, 300 s), and its
+    engine's periodic stats line: throughput over the period, requests, KV cache usage, the prefix cache's hit rate;
+    told once when idle, then quiet until it serves again."""
+    from types import SimpleNamespace
+
+    from deployments import metrics as Mx
+
+    bounds: dict[str, list[float]] = {}
+
+    class H:
+        def __init__(self, name, description="", boundaries=(), tag_keys=()):
+            self.name = name
+            bounds[name] = list(boundaries)
+
+        def set_default_tags(self, tags):
+            pass
+
+        observe = set = inc = lambda self, *a, **k: None
+
+    for kind in ("Counter", "Histogram", "Gauge"):
+        monkeypatch.setattr(Mx, kind, H)
+    m = Mx.ReplicaMetrics("m", max_model_len=4096)
+    assert bounds["vllm_time_to_first_token_seconds"][-1] == 2560.0
+    assert bounds["vllm_e2e_request_latency_seconds"][-1] == bounds["vllm_request_decode_time_seconds"][-1] == 7680.0
+    assert bounds["vllm_inter_token_latency_seconds"][-1] == 80.0 and bounds["kairos_e2e_s"][-1] >= 7680
+    log = Mx.StatsLog(10.0)
+    st = SimpleNamespace(num_running=3, num_waiting=1, kv_blocks_used=1, kv_blocks_total=4, prefix_cache_queries=0,
+                         prefix_cache_hits=0)
+    assert log.line(100.0, m, st) is None  # (the period's start)
+    m.on_admitted("a", 500)
+    m.on_tokens("a", 200)
+    m.flush_counts()
+    assert log.line(105.0, m, st) is None  # (within the period)
+    st.prefix_cache_queries, st.prefix_cache_hits = 400, 100
+    assert log.line(110.0, m, st) == (
+        "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, Running: 3 reqs, "
+        "Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
+    st.num_running = st.num_waiting = 0
+    assert log.line(120.0, m, st).startswith("Avg prompt throughput: 0.0 tokens/s")  # (idle: said once)
+    assert log.line(130.0, m, st) is None and log.line(140.0, m, st) is None
+    m.on_tokens("a", 10)
+    m.flush_counts()
+    assert "generation throughput: 1.0 tokens/s" in log.line(150.0, m, st)
 
 
 def recording_counter(incs: list) -> type:
