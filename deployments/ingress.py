@@ -1562,7 +1562,11 @@ def child_params(params: SamplingParams, j: int) -> SamplingParams:
     integer), where the request has one; the same params otherwise (each choice draws from its own numbers)."""
     if params.seed is None:
         return params
-    return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
+    seed = (params.seed + j + 2**63) % 2**64 - 2**63
+    child = dataclasses.replace(params, seed=seed)
+    if child.seed != seed:  # (-1, which a request's own seed means none: a seeded request's choice keeps it)
+        object.__setattr__(child, "seed", seed)
+    return child
 
 
 _TURN_TOKENS = 4  # a chat turn's markers (its role, its start and end), as a router guesses them

@@ -156,10 +156,10 @@ def _planned_len(req: Request) -> int | None:
 
 
 def _find_stop(text: str, stops: tuple[str, ...], new_from: int) -> tuple[int, str] | None:
-    """Earliest index of a stop string that ends inside the newly added text, and that string."""
-    best = None
+    """The first stop string, in the request's order, found ending inside the newly added text (as vLLM's
+    check_stop_strings: where one token completes two, the one listed first ends the reply), and its index."""
     for s in stops:
         i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
+        if i != -1:
+            return i, s
+    return None

@@ -176,11 +176,26 @@ def test_seeds_that_share_their_low_32_bits_draw_different_tokens(draw):
     def tokens(rid: str, seed: int) -> list:
         s.release(rid)
         return [s.sample(logits.clone(), [_sampled(rid, temperature=1.0, seed=seed)])[0] for _ in range(8)]
-    for a, b in ((-1, 2**63 - 1), (-5, 2**63 - 5), (-(2**63), 0), (7, 2**32 + 7)):
+    for a, b in ((-2, 2**63 - 2), (-5, 2**63 - 5), (-(2**63), 0), (7, 2**32 + 7)):
         assert tokens("a", a) != tokens("b", b), (a, b)
-    assert tokens("c", -1) == tokens("d", -1)  # still a seed: the same one draws the same
+    assert tokens("c", -2) == tokens("d", -2)  # still a seed: the same one draws the same
     assert [generator_seed(x) for x in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]  # the usual seeds keep their streams
     assert all(0 <= generator_seed(x) < 2**32 for x in (-1, -(2**63), 2**32, 2**63 - 1))
+
+
+def test_a_seed_of_minus_one_asks_for_none_as_in_vllm():
+    """vLLM's SamplingParams reads seed -1 as no seed (clients send it for "random"): each request draws anew. A
+    seeded request's choices keep seed + j, -1 among them (`child_params`: a choice of seed -2's second)."""
+    from deployments.ingress import child_params
+
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert child_params(SamplingParams(seed=-1), 1).seed is None
+    assert [child_params(SamplingParams(seed=-2), j).seed for j in range(3)] == [-2, -1, 0]
+    s = Sampler(vocab_limit=1000, eos_token_ids=[EOS], device=torch.device("cpu"))
+    logits = torch.zeros(1, 1000)
+    draws = [[s.sample(logits.clone(), [_sampled(rid, temperature=1.0, seed=-1)])[0] for _ in range(12)]
+             for rid in ("a", "b")]
+    assert draws[0] != draws[1]  # (one in 1000**12 alike by chance)
 
 
 def test_nucleus_of_a_flat_row_is_the_sorted_prefix():

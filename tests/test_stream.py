@@ -129,3 +129,14 @@ def test_a_cancel_during_wait_closed_is_never_swallowed_by_the_final_item():
         assert await asyncio.wait_for(later, 1.0) is True
 
     asyncio.run(run())
+
+
+def test_where_one_token_completes_two_stop_strings_the_one_listed_first_ends_the_reply():
+    """As vLLM's check_stop_strings: the stop strings are tried in the request's order (the earliest-starting one
+    ended the reply here, at another place than vLLM's)."""
+    from engine.outputs import _find_stop
+
+    assert _find_stop("xab", ("b", "ab"), 1) == (2, "b")  # vLLM: "xa", stop_reason "b"
+    assert _find_stop("xab", ("ab", "b"), 1) == (1, "ab")
+    assert _find_stop("xab", ("q",), 1) is None
+    assert _find_stop("abxy", ("ab",), 2) is None  # (ended before the new text: seen already)
