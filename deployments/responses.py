@@ -3,13 +3,15 @@ completion it amounts to (`chat_request`), and the chat's answer is written back
 or, streamed, as the Responses API's typed events (`ResponseEvents`).
 
 What a request may hold: `input` (a text, or a list of items: messages, whose content is a text or a list of text
-parts; an earlier turn's `function_call`s and their `function_call_output`s; `reasoning` items, dropped),
+parts; an earlier turn's `function_call`s and their `function_call_output`s; `reasoning` items, the thinking of the
+assistant turn they precede),
 `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`, function `tools`,
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object or json_schema), and the chat's own extras
 (SLO fields, vLLM's sampling fields). Nothing is stored: `previous_response_id` and `background` are a 400, and
 `store` is read as false. A response's output is its reasoning (a `reasoning` item, where the app reads it), its
 text (a `message` item) and its tool calls (`function_call` items); a reply its cap cut is `incomplete`
-(`max_output_tokens`).
+(`max_output_tokens`), and so is the item the cap cut. Streamed, items go out one after another, each done before
+the next is added (parallel tool calls too).
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ _OWN = frozenset(("input", "instructions", "max_output_tokens", "text", "tools",
                   "truncation", "include", "metadata", "user", "previous_response_id", "background", "prompt",
                   "service_tier", "top_logprobs", "prompt_cache_key", "safety_identifier", "messages",
                   "max_tokens", "max_completion_tokens", "response_format", "n", "stream_options"))
+# OpenAI's `include` values (only the text's logprobs, `LOGPROBS`, add anything here: the rest are of tools and inputs
+# this server does not have)
+_INCLUDABLE = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+               "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
+               "web_search_call.action.sources", "web_search_call.results")
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the text's logprobs (with top_logprobs)
 
@@ -85,6 +92,20 @@ def chat_request(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     include = raw.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
         raise ResponsesError("include", "must be a list of strings")
+    unknown = [x for x in include or () if x not in _INCLUDABLE]
+    if unknown:
+        raise ResponsesError("include", f"{json.dumps(unknown[0])[:60]} is not one of OpenAI's include values "
+                             f"({', '.join(_INCLUDABLE)})")
+    metadata = raw.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in metadata.items())):
+        raise ResponsesError("metadata", "must be an object of at most 16 string values (keys of at most 64 "
+                             "characters, values of at most 512)")
+    if raw.get("user") is not None and not isinstance(raw["user"], str):
+        raise ResponsesError("user", "must be a string")
+    if raw.get("truncation") not in (None, "auto", "disabled"):  # (auto: a prompt over the window is a 400 here)
+        raise ResponsesError("truncation", f'must be "auto" or "disabled", got {json.dumps(raw["truncation"])[:40]}')
     top = raw.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise ResponsesError("top_logprobs", f"must be an integer in [0, 20], got {json.dumps(top)[:40]}")
@@ -103,7 +124,7 @@ def chat_request(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
               "tool_choice": raw.get("tool_choice", "auto"), "metadata": raw.get("metadata") or {},
               "parallel_tool_calls": raw.get("parallel_tool_calls", True), "user": raw.get("user"),
               "text": {"format": fmt or {"type": "text"}}, "reasoning": raw.get("reasoning"),
-              "top_logprobs": top or 0}
+              "top_logprobs": top or 0, "truncation": raw.get("truncation") or "disabled"}
     return chat, echoed
 
 
@@ -111,11 +132,17 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
     """Input items as chat messages: a function call joins the assistant message before it (one message per run of
     calls), its output is a tool message."""
     out: list[dict[str, Any]] = []
+    thinking: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ResponsesError(where, "must be an input item (an object)")
         kind = item.get("type", "message")
+        if kind == "reasoning":  # an earlier turn's thinking: its assistant turn's `reasoning_content` (vLLM's
+            # reasoning), which a template shows where it shows thinking (e.g. within a tool-calling loop)
+            thinking = _reasoning_text(item, where)
+            continue
+        given, thinking = thinking, None  # (a thinking a user's or a tool's turn follows is dropped)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -124,6 +151,8 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
             # (developer as it is: a template that does not name it reads it as the system's, merged with the
             # system messages first, `engine.inputs._as_template_reads`)
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            if role == "assistant" and given is not None:
+                out[-1]["reasoning_content"] = given
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise ResponsesError(where, "a function_call needs its name and arguments (a JSON text)")
@@ -133,20 +162,31 @@ def _messages(items: list[Any]) -> list[dict[str, Any]]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if given is not None:
+                out[-1].setdefault("reasoning_content", given)
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise ResponsesError(where, "a function_call_output needs its call_id and output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # an earlier turn's thinking: not shown to the model again (as chat templates drop it)
         else:
             raise ResponsesError(where, f"input items of type {json.dumps(kind)[:40]} are not supported here (only "
                                  "message, function_call, function_call_output and reasoning)")
     if not out:
         raise ResponsesError("input", "holds no message")
     return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str | None:
+    """A reasoning input item's text: its content's (reasoning_text parts), else its summary's; None if empty."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts:
+            text = _text(parts, f"{where}.{key}")
+            if text:
+                return text
+    return None
 
 
 def _text(content: Any, where: str) -> str:
@@ -166,8 +206,10 @@ def _text(content: Any, where: str) -> str:
 
 # the chat's fields a Responses API request's own become (`chat_request`), as its errors name them back
 _CHAT_FIELDS = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-                ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("reasoning_effort", "reasoning.effort"))
 _TOOL_FIELD = re.compile(r"^tools\.(\d+)\.function\.")
+_TOOL_IN_TEXT = re.compile(r"\btools\.(\d+)\.function\.")
 
 
 def responses_param(param: str | None) -> str | None:
@@ -184,8 +226,11 @@ def responses_param(param: str | None) -> str | None:
 
 def responses_message(message: str) -> str:
     """An error's message with the chat's token cap named as the Responses API's."""
-    return message.replace("'max_tokens' or 'max_completion_tokens'", "'max_output_tokens'") \
-        .replace("max_completion_tokens", "max_output_tokens")
+    message = message.replace("'max_tokens' or 'max_completion_tokens'", "'max_output_tokens'") \
+        .replace("max_completion_tokens", "max_output_tokens").replace("reasoning_effort", "reasoning.effort")
+    message = _TOOL_IN_TEXT.sub(r"tools.\1.", message)
+    return message.replace("response_format.json_schema", "text.format").replace("response_format", "text.format") \
+        .replace(" at json_schema.", " at text.format.")
 
 
 def _tool(i: int, tool: Any) -> dict[str, Any]:
@@ -264,6 +309,8 @@ def from_chat(rid: str, chat: dict[str, Any], echoed: dict[str, Any]) -> dict[st
     for call in message.get("tool_calls") or ():
         output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    if status == "incomplete" and output:  # (the item its cap cut: a call's arguments may not even parse)
+        output[-1]["status"] = "incomplete"
     return response_object(rid, chat.get("model", ""), echoed, output, status, chat.get("usage"), chat.get("created"))
 
 
@@ -356,7 +403,7 @@ class ResponseEvents:
             if choice.get("finish_reason") is not None:
                 if choice["finish_reason"] == "length":
                     self.status = "incomplete"
-                out.extend(self._close())
+                out.extend(self._close(self.status))  # (incomplete: the item its cap cut)
         return out
 
     def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[bytes]:
@@ -387,9 +434,8 @@ class ResponseEvents:
         out: list[bytes] = []
         index = entry.get("index", 0)
         fn = entry.get("function") or {}
-        if index not in self.calls:
-            if self.open is not None and self.open["kind"] != "call":
-                out.extend(self._close())
+        if index not in self.calls:  # a new call: what is open is done first (a call before it too)
+            out.extend(self._close())
             item = call_item(entry.get("id") or _new_id("call"), fn.get("name", ""), "", "in_progress")
             self.calls[index] = {"item": item, "index": len(self.output) + len(self.calls)}
             out.append(self._event("response.output_item.added", output_index=self.calls[index]["index"],

@@ -60,7 +60,10 @@ def test_a_request_reads_as_the_chat_it_amounts_to() -> None:
                                                              "tools[0]"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"), ({"input": "x", "tool_choice": 3},
                                                                             "tool_choice"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]")])
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
+    ({"input": "x", "include": ["bogus.value"]}, "include"), ({"input": "x", "metadata": "x"}, "metadata"),
+    ({"input": "x", "metadata": {"k": 5}}, "metadata"), ({"input": "x", "user": 5}, "user"),
+    ({"input": "x", "truncation": "middle"}, "truncation")])
 def test_what_is_not_a_request_here_is_refused_naming_its_field(raw, param) -> None:
     with pytest.raises(ResponsesError) as e:
         chat_request(raw)
@@ -87,6 +90,9 @@ def test_a_chats_answer_is_a_response_with_its_items() -> None:
     assert r["status"] == "completed" and r["usage"]["input_tokens"] == 3 and r["usage"]["output_tokens"] == 4
     cut = from_chat("resp_1", _chat("Hel", finish="length"), {})
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    # the truncation asked for, as vLLM echoes it (it said disabled whatever was asked)
+    echoed = chat_request({"input": "hi", "truncation": "auto", "metadata": {"k": "v"}, "user": "u"})[1]
+    assert from_chat("resp_1", _chat("Hi"), echoed)["truncation"] == "auto" and echoed["metadata"] == {"k": "v"}
 
 
 def _sse(*chunks: dict | str) -> list[bytes]:
@@ -164,6 +170,42 @@ def test_a_chunk_that_ends_a_call_and_goes_on_with_text_keeps_the_call_whole() -
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1, 2]
 
 
+def test_parallel_calls_stream_one_after_another_and_the_item_a_cap_cut_is_incomplete() -> None:
+    """Each item is done before the next is added (vLLM's and OpenAI's order; a client that keeps one current item
+    lost the first call's done); the call the cap cut, whose arguments may not parse, is `incomplete`, streamed and
+    whole, as the response is."""
+    ev = ResponseEvents("resp_1", "m", {"tools": []})
+    chunks = _sse(_chunk({"tool_calls": [{"index": 0, "id": "c0", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": 1}'}}]}),
+                  _chunk({"tool_calls": [{"index": 1, "id": "c1", "type": "function",
+                                          "function": {"name": "g", "arguments": '{"b": '}}]}, "length"), "[DONE]")
+    events = [json.loads(e.decode().split("data: ", 1)[1]) for c in chunks for e in ev.feed(c)]
+    order = [(e["type"], e.get("output_index")) for e in events if e["type"].startswith("response.output_item")]
+    assert order == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    done = events[-1]["response"]
+    assert done["status"] == "incomplete" and [o["status"] for o in done["output"]] == ["completed", "incomplete"]
+    whole = from_chat("resp_1", _chat("Hel", calls=[("f", '{"a": 1}')], finish="length"), {})
+    assert [o["status"] for o in whole["output"]] == ["completed", "incomplete"]
+
+
+def test_a_reasoning_item_sent_back_is_the_thinking_of_the_assistant_turn_after_it() -> None:
+    """As vLLM reads it: a reasoning item's text is the next assistant turn's reasoning (which templates show within a
+    tool-calling loop); one a user's turn follows is dropped."""
+    think = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "I should call get"}]}
+    msgs = chat_request({"input": [
+        {"role": "user", "content": "Weather?"}, think,
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "say it"}]},
+        {"type": "message", "role": "assistant", "content": "Sunny."}, think,
+        {"role": "user", "content": "Thanks"}]})[0]["messages"]
+    assert msgs[1] == {"role": "assistant", "content": None, "reasoning_content": "I should call get", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{}"}}]}
+    assert msgs[3] == {"role": "assistant", "content": "Sunny.", "reasoning_content": "say it"}
+    assert msgs[4] == {"role": "user", "content": "Thanks"} and len(msgs) == 5
+
+
 def test_an_error_names_the_responses_fields_not_the_chats() -> None:
     from deployments.responses import responses_message, responses_param
 
@@ -171,6 +213,10 @@ def test_an_error_names_the_responses_fields_not_the_chats() -> None:
     assert responses_param("tools.0.function.name") == "tools.0.name"
     assert responses_param("messages.2.content") == "input" and responses_param("temperature") == "temperature"
     assert responses_param("response_format.json_schema.schema") == "text.format.schema"
+    assert responses_param("reasoning_effort") == "reasoning.effort"
+    assert responses_message("tools.0.function.name: Field required") == "tools.0.name: Field required"
+    assert responses_message("response_format: a schema is needed at json_schema.schema") == \
+        "text.format: a schema is needed at text.format.schema"
     assert responses_message("'max_tokens' or 'max_completion_tokens' is too large: 9") == \
         "'max_output_tokens' is too large: 9"
 
