@@ -64,7 +64,9 @@ def test_a_process_told_to_wait_collects_then_takes_no_file_until_the_signal(tmp
     env = {**os.environ, CLAIMS_ENV: str(claims), SERVE_DONE_ENV: str(done), AFTER_ENV: str(go)}
     proc = _pytest([FILES[0]], env)
     try:
-        time.sleep(8)  # (its collection of one file, or part of it)
+        while b"waiting for the serving package" not in (line := proc.stdout.readline()):  # (collected)
+            assert line, "the process ended before it waited"
+        time.sleep(0.5)
         assert proc.poll() is None and not os.listdir(claims)
         go.touch()
         out = proc.communicate(timeout=300)[0].decode(errors="replace")
