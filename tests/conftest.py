@@ -115,9 +115,10 @@ def tiny_checkpoints(tmp_path_factory):
 # (KAIROS_TEST_SIGTERM_INLINE=1: in its place instead).
 SIGTERM_TEST = "test_sigterm_stops_everything_and_the_same_port_serves_again"
 _SERVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve")
-# `make test` (tests/run.py) runs the suite in two pytest processes: the first runs the serving package alone, as one
-# process does, and says so by creating the file SERVE_DONE_ENV names; from then both take the other test files, one
-# file at a time, each claiming a file by creating its name in the directory CLAIMS_ENV names (a file's tests run in
+# `make test` (tests/run.py) runs the suite in two pytest processes: the first runs the serving package, as one
+# process does, and once the package's tests that must run alone (its modules' RUNS_ALONE) are done, says so by
+# creating the file SERVE_DONE_ENV names; from then the second takes the other test files, and the first too once its
+# package has ended, one file at a time, each claiming a file by creating its name in the directory CLAIMS_ENV names (a file's tests run in
 # one process, in order, with its module's fixtures), so the core that one process left idle runs half of them.
 
 
@@ -146,11 +147,22 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     config._kairos_past_serve = False
 
 
+def _signal_serve_done(config) -> None:
+    """Tell the second process (tests/run.py) that it may take files now: once only."""
+    if config._kairos_serve_done and not os.path.exists(config._kairos_serve_done):
+        open(config._kairos_serve_done, "a").close()
+
+
 def pytest_runtest_setup(item) -> None:
     config = item.config
     if _in_serve_package(item):
         if item.name != SIGTERM_TEST or not config._kairos_sigterm_moved:
             config._kairos_serve_left -= 1
+        # the package's tests that need its cores to themselves (a module's RUNS_ALONE: latency under load, kills,
+        # autoscaling on what is turned away) run first (tests/serve/conftest.py); the rest of it runs beside the
+        # second process's files
+        if "serve_app" in item.fixturenames and not getattr(item.module, "RUNS_ALONE", False):
+            _signal_serve_done(config)
         return
     if config._kairos_serve_left > 0 or config._kairos_past_serve:
         return
@@ -159,8 +171,7 @@ def pytest_runtest_setup(item) -> None:
         from tests.serve import test_shutdown
 
         test_shutdown.start_in_background()
-    if config._kairos_serve_done:
-        open(config._kairos_serve_done, "a").close()
+    _signal_serve_done(config)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,14 +1,15 @@
 """`make test`: the suite in two pytest processes, so that both cores of a small CI box work.
 
 The serving package (tests/serve: one Ray cluster, the Serve apps on port 8000, tests of latency under load) runs
-first and alone, in the first process, as in one process. From its end the other test files, most of them
-in-process tests on one core, are shared by two processes: each takes the next file no process has taken yet
-(tests/conftest.py: `pytest_runtestloop` with KAIROS_TEST_CLAIMS), so they end within about one file of each other
-whatever the files' durations, with no table of them to keep. The second process starts with the first: it
-imports and collects the suite beside the first's collection, then waits (KAIROS_TEST_AFTER) for the package's end
-before it runs a test, so that its collection is not on the way once the package has ended; it is stopped if the
-first process ends without that signal (stopped, or failed to collect). The first process's output streams here;
-the second's follows when both have ended. The exit status is the first nonzero of the two.
+first, in the first process, as in one process: its tests that need the cores to themselves (its modules'
+RUNS_ALONE) alone, the rest beside the second process. From the end of those, the other test files, most of them
+in-process tests on one core, are shared by two processes (the first joins once its package has ended): each takes
+the next file no process has taken yet (tests/conftest.py: `pytest_runtestloop` with KAIROS_TEST_CLAIMS), so they
+end within about one file of each other whatever the files' durations, with no table of them to keep. The second
+process starts with the first: it imports and collects the suite beside the first's collection, then waits
+(KAIROS_TEST_AFTER) for that signal before it runs a test, so that its collection is not on the way then; it is
+stopped if the first process ends without the signal (stopped, or failed to collect). The first process's output
+streams here; the second's follows when both have ended. The exit status is the first nonzero of the two.
 
 `python -m tests.run ARGS` with any pytest arguments (`make test PYTEST_ARGS=...`), or with KAIROS_TEST_PROCESSES=1
 or one core: a single `python -m pytest ARGS`, as before.

@@ -50,16 +50,25 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _order(item) -> int:
+    """0: a unit (no session app); 1: an app test of a module that must run alone (RUNS_ALONE); 2: the others."""
+    if "serve_app" not in getattr(item, "fixturenames", ()):
+        return 0
+    return 1 if getattr(getattr(item, "module", None), "RUNS_ALONE", False) else 2
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Within this package, the tests that need no session app (units) run first, so that none of them runs beside
-    the app's idle replicas; with the app's package scope, the rest of the suite runs after its Ray cluster has
-    stopped (`serve run` in a subprocess runs beside that rest: tests/conftest.py)."""
+    the app's idle replicas; then those of the modules that must have the cores to themselves (`RUNS_ALONE`: latency
+    under load, kills, autoscaling on what is turned away), then the rest, beside the other test files `make test`'s
+    second process runs by then (tests/conftest.py). With the app's package scope, the rest of the suite runs after
+    its Ray cluster has stopped (`serve run` in a subprocess runs beside that rest: tests/conftest.py)."""
     here = Path(__file__).resolve().parent
     idx = [i for i, it in enumerate(items) if here in Path(str(it.path)).resolve().parents]
     if not idx:
         return
     block = [items[i] for i in idx]
-    block.sort(key=lambda it: "serve_app" in getattr(it, "fixturenames", ()))  # stable: file order otherwise
+    block.sort(key=_order)  # stable: file order otherwise
     for i, it in zip(idx, block):
         items[i] = it
 

@@ -30,6 +30,9 @@ def _auto_app(_: object):
                       "engine_process": False, "graceful_shutdown_timeout_s": 5.0})
 
 
+# (tests/serve/conftest.py: before the package's other tests, with the cores to itself: the app grows on what its
+# replica turns away under load, within deadlines)
+RUNS_ALONE = True
 SIDE_APP = SideApp(AUTO_APP, AUTO_PREFIX, _auto_app)
 
 

@@ -16,6 +16,9 @@ def _default_app(_: object):
     return serve_builds(deployments.app, {})
 
 
+# (tests/serve/conftest.py: before the package's other tests, with the cores to itself: /health's latency under a
+# burst)
+RUNS_ALONE = True
 SIDE_APP = SideApp("kairos-default-app", "/default", _default_app)
 
 

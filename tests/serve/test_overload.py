@@ -45,6 +45,9 @@ def _ovl_app(_: object):
         "engine_kwargs": engine, "deployment_config": {k: OVL_ARGS[k] for k in serve_opts}}]})
 
 
+# (tests/serve/conftest.py: before the package's other tests, with the cores to itself: /health's latency and the
+# replica's memory under an open loop of three times its capacity)
+RUNS_ALONE = True
 SIDE_APP = SideApp(OVL_APP, OVL_PREFIX, _ovl_app)
 
 

@@ -66,6 +66,9 @@ def _rel_app(tmp: Path):
                       "trust_request_chat_template": True, "enable_prompt_tokens_details": True})
 
 
+# (tests/serve/conftest.py: before the package's other tests, with the cores to itself: kills and hangs, and how
+# soon their requests end)
+RUNS_ALONE = True
 SIDE_APP = SideApp(REL_APP, REL_PREFIX, _rel_app)
 ORIGIN = "https://ui.example"
 
