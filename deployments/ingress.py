@@ -24,6 +24,7 @@ import os
 import re
 import time
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Collection, NamedTuple, Protocol
 
 from fastapi import FastAPI, Request
@@ -56,6 +57,7 @@ from deployments.tool_calls import KEEPS_SPECIAL_TOKENS
 from engine.lora import dynamic_adapter_dir
 
 log = logging.getLogger("ray.serve")
+MAX_FOLDER_ADAPTERS = 1000  # the most of dynamic_lora_loading_path's adapters /v1/models lists
 SERVER_VERSION = "0.1.0"  # /version, the OpenAPI document (pyproject.toml's)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff: valid JSON, but not encodable text
 # the finish reasons of a reply that failed: an error, or its engine stopping under it (a replica shut down aborts the
@@ -560,14 +562,32 @@ class OpenAIFrontend:
         self._auth(request)
         info = self._ready_info()  # the list works without it while no engine has answered yet
         max_len = info["max_model_len"] if info else None
-        cards = [P.ModelCard(id=name, max_model_len=max_len, root=self.served_model_name)
+        cards = [P.ModelCard(id=name, max_model_len=max_len, root=self._root(info))
                  for name in self._served_names()]
         cards += [self._lora_card(name, max_len) for name in self._lora_names()]
+        listed = {c.id for c in cards}
+        cards += [self._lora_card(name, max_len, name) for name in self._folder_names() if name not in listed]
         return P.ModelList(data=cards).model_dump()
+
+    def _root(self, info: dict[str, Any] | None) -> str:
+        """A base model card's `root`: the checkpoint it was loaded from (vLLM's model path), where known."""
+        return str((info or {}).get("model") or self.served_model_name)
 
     def _lora_names(self) -> list[str]:
         """The adapters served by name: those of lora_modules, then those loaded at run time."""
         return [*self.lora_modules, *(n for n in self.lora_loaded if n not in self.lora_modules)]
+
+    def _folder_names(self) -> list[str]:
+        """The adapters of dynamic_lora_loading_path as a request names them, `<served name>:<folder>` (Ray Serve
+        LLM's list of them): its folders that hold an adapter config, by name (the first MAX_FOLDER_ADAPTERS)."""
+        if not self.lora_dir:
+            return []
+        try:
+            entries = sorted(p.name for p in Path(self.lora_dir).expanduser().iterdir())
+        except OSError:
+            return []
+        names = [f"{self.served_model_name}:{n}" for n in entries if dynamic_adapter_dir(self.lora_dir, n)]
+        return names[:MAX_FOLDER_ADAPTERS]
 
     def _lora_card(self, model: str, max_len: int | None, name: str | None = None) -> P.ModelCard:
         """The card of adapter `name` (`_lora_of`), asked for as `model`."""
@@ -644,7 +664,7 @@ class OpenAIFrontend:
         max_len = info["max_model_len"] if info else None
         if lora is not None:
             return self._lora_card(model_id, max_len, lora).model_dump()
-        return P.ModelCard(id=model_id, max_model_len=max_len, root=self.served_model_name).model_dump()
+        return P.ModelCard(id=model_id, max_model_len=max_len, root=self._root(info)).model_dump()
 
     async def prometheus_metrics(self) -> Any:
         """Prometheus text: the `ray_kairos_*` and `ray_serve_*` series of this node's Ray metrics agent (where

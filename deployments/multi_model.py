@@ -75,7 +75,7 @@ class MultiModelFrontend:
                      if model in aliases or model in f._served_names()), None)
 
     def _names(self) -> list[str]:
-        return [n for f in self.fronts for n in f._model_names()]
+        return list(dict.fromkeys(n for f in self.fronts for n in f._model_names()))
 
     @property
     def docs_path(self) -> str | None:
@@ -139,10 +139,15 @@ class MultiModelFrontend:
         await response(scope, replay, named_send(send))
 
     async def _models(self, request: Request) -> dict[str, Any]:
+        """Every model's cards: first each one's own (its served name, its adapters: what `front_for` routes to it
+        first), then the other names they are known by (a checkpoint's) that no model has as its own."""
+        lists = [(await front.models(request))["data"] for front in self.fronts]
+        own = [[c for c in data if c["id"] == front.served_model_name or front._lora_of(c["id"]) is not None]
+               for front, data in zip(self.fronts, lists)]
         cards: list[dict[str, Any]] = []
         seen: set[str] = set()
-        for front in self.fronts:
-            for card in (await front.models(request))["data"]:
+        for data in own + lists:
+            for card in data:
                 if card["id"] not in seen:
                     seen.add(card["id"])
                     cards.append(card)

@@ -865,7 +865,7 @@ class TokenizeCompletionRequest(BaseModel):
     model: str | None = None
     prompt: str = Field(..., min_length=1)
     add_special_tokens: bool = True
-    return_token_strs: bool = False
+    return_token_strs: bool | None = False  # (None: false, as vLLM's)
 
     def prompt_options(self) -> PromptOptions:
         return PromptOptions(add_special_tokens=self.add_special_tokens)
@@ -876,7 +876,7 @@ class TokenizeChatRequest(_ChatPrompt):
     shows, as vLLM's)."""
 
     model: str | None = None
-    return_token_strs: bool = False
+    return_token_strs: bool | None = False  # (None: false, as vLLM's)
     tools: list[Tool] | None = None
 
 
