@@ -78,6 +78,7 @@ def test_models_lists_the_adapter_with_its_parent(lora_url):
     cards = {c["id"]: c for c in httpx.get(lora_url + "/v1/models", timeout=10).json()["data"]}
     assert cards[ADAPTER]["parent"] == "kairos-tiny" and cards[ADAPTER]["root"].endswith(ADAPTER)
     assert cards["kairos-tiny"]["parent"] is None
+    assert cards["kairos-tiny:dyn"]["parent"] == "kairos-tiny"  # (the folder's adapter, loaded on demand)
     one = httpx.get(lora_url + f"/v1/models/{ADAPTER}", timeout=10)
     assert one.status_code == 200 and one.json()["parent"] == "kairos-tiny"
     for missing in ("nope", "kairos-tiny:nope", "other:dyn", "kairos-tiny:../on-demand/dyn"):
