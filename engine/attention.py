@@ -19,8 +19,13 @@ ATTN_NAME = "kairos_paged"
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    kairos: AttnMetadata | None = None, **_: object) -> tuple[torch.Tensor, None]:
-    """The HF attention interface over the backend's `attend`: query [1, H, T, hd], key/value [1, kvh, T, hd]."""
+                    kairos: AttnMetadata | None = None, softcap: float | None = None,
+                    **_: object) -> tuple[torch.Tensor, None]:
+    """The HF attention interface over the backend's `attend`: query [1, H, T, hd], key/value [1, kvh, T, hd]. A
+    logit softcap (Gemma 2's) is refused, not dropped: the kernels do not cap (a sliding window HF passes is the
+    loader's, which caps the context at it)."""
+    if softcap is not None:
+        raise NotImplementedError(f"kairos_paged attention has no logit softcapping (the model asks {softcap})")
     if kairos is None:
         raise RuntimeError("kairos_paged attention needs the `kairos` metadata kwarg (use the engine's runner)")
     out = kairos.backend.attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),

@@ -1520,3 +1520,14 @@ def test_longrope_takes_one_set_of_factors_for_every_request_of_a_step(tiny_chec
             assert torch.allclose(rotary.inv_freq.float(), want.float()), window
         finally:
             eng.shutdown()
+
+
+def test_a_logit_softcap_is_refused_by_the_paged_attention_not_dropped():
+    """The paged attention the engine's models run has no logit softcapping (Gemma 2's): a model asking for one
+    gets an error, not logits computed without it."""
+    import pytest as _pytest
+
+    from engine.attention import paged_attention
+
+    with _pytest.raises(NotImplementedError, match="softcap"):
+        paged_attention(None, None, None, None, None, softcap=50.0)

@@ -199,3 +199,14 @@ def test_kernels_compile_for_hopper_without_spills():
         assert row["shared"] <= HOPPER_SMEM, row
         if row["dtype"] != "fp32" and "local" in row:
             assert row["local"] == 0 and row["stack"] == 0, row
+
+
+def test_the_start_up_compile_covers_the_split_count_of_a_window_in_whole_blocks():
+    """A decode picks its split count from its block table's width in tokens (whole blocks): at block size 48 a
+    256-token window is read as 288 tokens, which takes two splits where 256 took one; the start-up compile is
+    sized by that width, so none of its counts compiles while requests run."""
+    from engine.backends.cuda.backend import decode_window
+
+    assert decode_window(256, 48) == 288 and decode_window(256, 16) == 256
+    assert ta.split_counts(8, 256) == [1] and ta.choose_num_splits(1, 8, 288) == 2
+    assert ta.choose_num_splits(1, 8, 288) in ta.split_counts(8, decode_window(256, 48))

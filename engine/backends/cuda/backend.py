@@ -43,6 +43,14 @@ def _triton():
     return triton_attention, None
 
 
+def decode_window(max_model_len: int, block_size: int) -> int:
+    """The longest context a decode's split count is chosen for: the window in whole blocks, as a decode reads it
+    (its block table's width times the block size). A block size that does not divide the split step takes it past
+    the window's own count (the start-up compile of `compile_kernels` then missed a split count a full-length
+    decode used)."""
+    return -(-max_model_len // block_size) * block_size
+
+
 @dataclass(slots=True)
 class CudaAttnMetadata(TorchAttnMetadata):
     # the decodes, rows [decode_start, decode_start + B) of the packed step, through the paged decode kernel
@@ -243,7 +251,8 @@ class CudaBackend(TorchBackend):
         is logged, not raised: it only leaves a variant to compile on first use."""
         t0 = time.perf_counter()
         cache = self.cache
-        window = max_model_len or cache.num_blocks * cache.block_size
+        window = decode_window(max_model_len, cache.block_size) if max_model_len \
+            else cache.num_blocks * cache.block_size
         scratch = cache.num_blocks if cache.scratch_blocks else 0
         try:
             launches = self.ops.compile_variants(cache.k[0], cache.v[0], self.num_heads, window, scratch)
