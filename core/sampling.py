@@ -75,8 +75,6 @@ class SamplingParams:
     thinking: str | None = None
 
     def __post_init__(self) -> None:
-        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: -1 asks for no seed (random draws)
-            object.__setattr__(self, "seed", None)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))

@@ -586,8 +586,13 @@ class OpenAIFrontend:
             entries = sorted(p.name for p in Path(self.lora_dir).expanduser().iterdir())
         except OSError:
             return []
-        names = [f"{self.served_model_name}:{n}" for n in entries if dynamic_adapter_dir(self.lora_dir, n)]
-        return names[:MAX_FOLDER_ADAPTERS]
+        names: list[str] = []
+        for n in entries:
+            if len(names) >= MAX_FOLDER_ADAPTERS:
+                break
+            if dynamic_adapter_dir(self.lora_dir, n):
+                names.append(f"{self.served_model_name}:{n}")
+        return names
 
     def _lora_card(self, model: str, max_len: int | None, name: str | None = None) -> P.ModelCard:
         """The card of adapter `name` (`_lora_of`), asked for as `model`."""
@@ -1582,11 +1587,7 @@ def child_params(params: SamplingParams, j: int) -> SamplingParams:
     integer), where the request has one; the same params otherwise (each choice draws from its own numbers)."""
     if params.seed is None:
         return params
-    seed = (params.seed + j + 2**63) % 2**64 - 2**63
-    child = dataclasses.replace(params, seed=seed)
-    if child.seed != seed:  # (-1, which a request's own seed means none: a seeded request's choice keeps it)
-        object.__setattr__(child, "seed", seed)
-    return child
+    return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)
 
 
 _TURN_TOKENS = 4  # a chat turn's markers (its role, its start and end), as a router guesses them

@@ -69,10 +69,15 @@ class _TierRecorder:
 
     def record(self, value: float, tier: str, n: int = 1) -> None:
         """`n` observations of `value` (a histogram) for `tier`."""
+        self.record_many(((value, n),), tier)
+
+    def record_many(self, values: Any, tier: str) -> None:
+        """For each (value, n) of `values`, `n` observations of `value` for `tier` (its tags built once)."""
         given = {self.label: tier} if self.label is not None else {}
         if self._record is None:
-            for _ in range(n):
-                self.metric.observe(value, tags=given)
+            for value, n in values:
+                for _ in range(n):
+                    self.metric.observe(value, tags=given)
             return
         try:
             tags = self._tags.get(tier)
@@ -80,12 +85,14 @@ class _TierRecorder:
                 tags = self.metric._get_final_tags(given)
                 self.metric._validate_tags(tags)
                 tags = self._tags[tier] = dict(tags)
-            for _ in range(n):
-                self._record(value, tags=tags)
+            record = self._record
+            for value, n in values:
+                for _ in range(n):
+                    record(value, tags=tags)
         except (AttributeError, TypeError, ValueError) as e:  # a Ray whose path differs: its public call from now on
             log.warning("kairos metrics: %s's recording path failed (%r); using its observe()", self.metric, e)
             self._record = None
-            self.record(value, tier, n)
+            self.record_many(values, tier)
 
 
 def _one_two_five(top: int) -> list[float]:
@@ -135,7 +142,8 @@ class VllmSeries:
                          "the first, seconds", VLLM_ITL_S)
         self.itl = _TierRecorder(hist("inter_token_latency_seconds", "time between a request's output tokens, "
                                       "seconds", VLLM_ITL_S), None)
-        self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds", VLLM_REQUEST_S)
+        self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds",
+                        VLLM_REQUEST_S)
         self.queue = hist("request_queue_time_seconds", "time waiting, arrival to admission, seconds", VLLM_REQUEST_S)
         self.prefill = hist("request_prefill_time_seconds", "admission to first token, seconds", VLLM_REQUEST_S)
         self.decode = hist("request_decode_time_seconds", "first token to last, seconds", VLLM_REQUEST_S)
@@ -431,8 +439,12 @@ class ReplicaMetrics:
 
     def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
         """`n` tokens that came `seconds` apart each (a chunk of `n` tokens, `n` x `seconds` after the last)."""
-        self._itl.record(seconds, tier, n)
-        self.vllm.itl.record(seconds, "", n)
+        self.on_itls(tier, ((seconds, n),))
+
+    def on_itls(self, tier: str, gaps: Any) -> None:
+        """`on_itl` for each (seconds, n) of `gaps` (a read's tokens: the tags built once for all)."""
+        self._itl.record_many(gaps, tier)
+        self.vllm.itl.record_many(gaps, "")
 
     def on_finished(self, tier: str, slo: SLO, final: RequestOutput, streamed: int) -> None:
         """An admitted request's end: per-request histograms from its final stream item; `streamed`: its tokens
@@ -493,7 +505,7 @@ class StatsLog:
         if last is None:
             return None
         dt = max(now - last[0], 1e-9)
-        if queries < last[3]:  # a new engine (its counts from 0 again)
+        if queries < last[3] or hits < last[4]:  # a new engine (its counts from 0 again)
             last = (last[0], last[1], last[2], 0, 0)
         running, waiting = getattr(st, "num_running", 0), getattr(st, "num_waiting", 0)
         idle = prompt == last[1] and generated == last[2] and not running and not waiting

@@ -385,7 +385,9 @@ class _Common(BaseModel):
             repetition_penalty=d.get("repetition_penalty", 1.0) if self.repetition_penalty is None
             else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+            # (seed -1: vLLM's for no seed)
+            seed=None if self.seed == -1 else self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             logprobs=self.top_count(), prompt_logprobs=self.prompt_count(),

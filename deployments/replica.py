@@ -643,12 +643,15 @@ class _TokenTiming:
 
     def read(self, stream: Any) -> None:
         take = getattr(stream, "take_token_times", None)
+        gaps = []
         for t, n in take() if take is not None else ():
             if self.last_s is None:  # (an item's other tokens came with the first: no latency of theirs)
                 self.metrics.on_first_token(self.tier, max(t - self.arrival_s, 0.0))
             else:
-                self.metrics.on_itl(self.tier, max(t - self.last_s, 0.0) / n, n)
+                gaps.append((max(t - self.last_s, 0.0) / n, n))
             self.last_s = t
+        if gaps:
+            self.metrics.on_itls(self.tier, gaps)
 
 
 def _forget_caller(callers: dict[str, set[str]], caller: str, rid: str) -> bool:

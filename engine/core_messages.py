@@ -109,3 +109,6 @@ class Outputs:
     items: list[RequestOutput] = field(default_factory=list)
     stats: EngineStats | None = None
     tokens: TokenDeltas | None = None
+    # the child's time.monotonic() as it sent them (the host's one clock): when the engine gave them, however late
+    # the client reads them (`RequestStream.put`'s `at`)
+    sent_s: float | None = None

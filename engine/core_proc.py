@@ -246,7 +246,8 @@ class _Batch:
         fresh = stats != self._last_stats and (some or now - self._stats_at >= STATS_PERIOD_S or not stats.alive)
         if not some and not fresh:
             return
-        msg = Outputs(self.items, stats if fresh else None, self.tokens if self.tokens.request_ids else None)
+        msg = Outputs(self.items, stats if fresh else None, self.tokens if self.tokens.request_ids else None,
+                      time.monotonic())
         self.items = []
         if msg.tokens is not None:
             self.tokens = TokenDeltas()
@@ -670,13 +671,13 @@ class EngineCoreClient:
                 stream = streams[i]
                 if stream is not None:
                     stream.put_token(t.request_ids[i], t.texts[i], t.token_ids[i], t.num_prompt_tokens[i], n_outs[i],
-                                     lps.get(i) if lps else None, prompts.get(i) if prompts else None)
+                                     lps.get(i) if lps else None, prompts.get(i) if prompts else None, at=msg.sent_s)
         for item in msg.items:
             with self._lock:
                 stream = self._streams.pop(item.request_id, None) if item.finished else \
                     self._streams.get(item.request_id)
             if stream is not None:
-                stream.put(item)
+                stream.put(item, at=msg.sent_s)
 
     def _read(self) -> None:
         """The reader thread (no `reader_loop`)."""

@@ -3,7 +3,8 @@
 put() never blocks; readers either block (`get`, iteration) or await (`aget`, async iteration).
 If the reader is behind, pending deltas are merged on read so it never falls further behind. Each item's put time is
 kept with it, for the reader to take with the items it read (`take_token_times`): when its tokens came out of the
-engine, however late or merged they were read (the replica's latency metrics).
+engine (the engine process's own send time, where its client puts them: `put`'s `at`), however late or merged they
+were read (the replica's latency metrics).
 """
 from __future__ import annotations
 
@@ -55,12 +56,13 @@ class RequestStream:
         self._closed = False
 
     # --- producer side (worker thread) ---
-    def put(self, item: RequestOutput) -> None:
+    def put(self, item: RequestOutput, at: float | None = None) -> None:
+        """`item` onto the stream; `at`: when its producer made it (time.monotonic(); None: now)."""
         with self._lock:
             if self._closed:
                 return
             self._items.append(item)
-            self._times.append(time.monotonic())
+            self._times.append(time.monotonic() if at is None else at)
             closer = None
             if item.finished:
                 self._closed = True
@@ -81,10 +83,10 @@ class RequestStream:
 
     def put_token(self, request_id: str, text: str, token_id: int, num_prompt_tokens: int,
                   num_output_tokens: int, logprobs: TokenLogprob | None = None,
-                  prompt_logprobs: list[TokenLogprob] | None = None) -> None:
+                  prompt_logprobs: list[TokenLogprob] | None = None, at: float | None = None) -> None:
         self.put(RequestOutput(request_id, text, [token_id], num_prompt_tokens=num_prompt_tokens,
                                num_output_tokens=num_output_tokens, logprobs=None if logprobs is None else [logprobs],
-                               prompt_logprobs=prompt_logprobs))
+                               prompt_logprobs=prompt_logprobs), at)
 
     @property
     def closed(self) -> bool:

@@ -118,8 +118,9 @@ _SERVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve")
 # `make test` (tests/run.py) runs the suite in two pytest processes: the first runs the serving package, as one
 # process does, and once the package's tests that must run alone (its modules' RUNS_ALONE) are done, says so by
 # creating the file SERVE_DONE_ENV names; from then the second takes the other test files, and the first too once its
-# package has ended, one file at a time, each claiming a file by creating its name in the directory CLAIMS_ENV names (a file's tests run in
-# one process, in order, with its module's fixtures), so the core that one process left idle runs half of them.
+# package has ended, one file at a time, each claiming a file by creating its name in the directory CLAIMS_ENV names
+# (a file's tests run in one process, in order, with its module's fixtures), so the core that one process left idle
+# runs half of them.
 
 
 def pytest_configure(config) -> None:

@@ -578,10 +578,10 @@ def test_a_turns_first_tokens_are_delivered_before_the_other_streams_tokens():
     got: list[tuple[str, int]] = []
 
     class Stream:
-        def put_token(self, rid, text, tok, n_in, n_out, logprobs=None, prompt_logprobs=None):
+        def put_token(self, rid, text, tok, n_in, n_out, logprobs=None, prompt_logprobs=None, at=None):
             got.append((rid, n_out))
 
-        def put(self, item):
+        def put(self, item, at=None):
             got.append((item.request_id, -1))
 
     client = object.__new__(EngineCoreClient)
@@ -594,6 +594,30 @@ def test_a_turns_first_tokens_are_delivered_before_the_other_streams_tokens():
     got.clear()
     client._deliver(Outputs(tokens=TokenDeltas(["a", "c"], ["x"] * 2, [7] * 2, [3] * 2, [6, 10])))
     assert got == [("a", 6), ("c", 10)]  # none first: in the turn's order
+
+
+def test_tokens_from_the_engine_process_are_timed_when_it_sent_them_not_when_the_client_read_them():
+    """A replica's TTFT and ITL read its streams' put times: the client puts a turn's items at the child's send time
+    (`Outputs.sent_s`; the host's one monotonic clock), so a client loop that fell behind does not fold its own
+    delay into them (three turns read at once were three tokens of one instant)."""
+    import threading
+
+    from core.messages import RequestOutput
+    from engine.core_messages import Outputs, TokenDeltas
+    from engine.stream import RequestStream
+
+    client = object.__new__(EngineCoreClient)
+    client._lock = threading.Lock()
+    stream = RequestStream("a")
+    stream.track_token_times()
+    client._streams = {"a": stream}
+    client._stats = None
+    for n, sent in ((1, 10.0), (2, 10.02), (3, 10.3)):
+        client._deliver(Outputs(tokens=TokenDeltas(["a"], ["x"], [7], [3], [n]), sent_s=sent))
+    client._deliver(Outputs(items=[RequestOutput("a", "y", [8], finished=True, finish_reason="length",
+                                                 num_output_tokens=4)], sent_s=10.31))
+    assert stream.get(timeout=1).token_ids == [7, 7, 7, 8]
+    assert stream.take_token_times() == [(10.0, 1), (10.02, 1), (10.3, 1), (10.31, 1)]
 
 
 def test_a_queued_link_on_a_high_descriptor_sends_in_order_without_waiting_for_its_reader():

@@ -184,17 +184,24 @@ def test_seeds_that_share_their_low_32_bits_draw_different_tokens(draw):
 
 
 def test_a_seed_of_minus_one_asks_for_none_as_in_vllm():
-    """vLLM's SamplingParams reads seed -1 as no seed (clients send it for "random"): each request draws anew. A
-    seeded request's choices keep seed + j, -1 among them (`child_params`: a choice of seed -2's second)."""
+    """vLLM's API reads seed -1 as no seed (clients send it for "random"): each request draws anew. A seeded
+    request's choices keep seed + j, -1 among them, through the engine's own copies of their params."""
+    import dataclasses
+
+    from deployments import protocol as P
     from deployments.ingress import child_params
 
-    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
-    assert child_params(SamplingParams(seed=-1), 1).seed is None
-    assert [child_params(SamplingParams(seed=-2), j).seed for j in range(3)] == [-2, -1, 0]
+    def params(body: dict) -> SamplingParams:
+        req = P.CompletionRequest.model_validate({"prompt": "hi", **body})
+        return SamplingParams(**req.sampling_kwargs(req.default_max_tokens(), {}))
+
+    assert params({"seed": -1}).seed is None and params({"seed": -2}).seed == -2
+    assert [child_params(params({"seed": -2}), j).seed for j in range(3)] == [-2, -1, 0]
+    assert dataclasses.replace(child_params(params({"seed": -2}), 1), max_tokens=5).seed == -1
     s = Sampler(vocab_limit=1000, eos_token_ids=[EOS], device=torch.device("cpu"))
     logits = torch.zeros(1, 1000)
-    draws = [[s.sample(logits.clone(), [_sampled(rid, temperature=1.0, seed=-1)])[0] for _ in range(12)]
-             for rid in ("a", "b")]
+    draws = [[s.sample(logits.clone(), [Request(rid, [1, 2, 3], params({"seed": -1, "temperature": 1.0}))])[0]
+              for _ in range(12)] for rid in ("a", "b")]
     assert draws[0] != draws[1]  # (one in 1000**12 alike by chance)
 
 

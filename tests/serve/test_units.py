@@ -1183,7 +1183,7 @@ def test_stream_batching_merges_tokens_but_sends_the_first_at_once() -> None:
             demand=DemandRates(),
             _prompt_lens=[], _decode_left={}, engine=SimpleNamespace(generate=lambda req: st, abort=noop,
                                                     stats=lambda: SimpleNamespace(step_ms=2.0, step_batch=1.0)),
-            metrics=SimpleNamespace(on_admitted=noop, on_itl=noop, on_finished=noop, on_rejected=noop, on_tokens=noop,
+            metrics=SimpleNamespace(on_admitted=noop, on_itls=noop, on_finished=noop, on_rejected=noop, on_tokens=noop,
                                     on_first_token=noop,
                                     tier_label=lambda slo: slo.tier))
 
@@ -1227,7 +1227,7 @@ def test_a_stream_its_caller_abandons_is_counted_aborted_or_abandoned_with_its_t
                                                                      abort=lambda rid: calls.append(("abort", rid))),
             metrics=SimpleNamespace(
                 tier_label=lambda slo: slo.tier, on_admitted=lambda t, n: calls.append(("admitted", t, n)),
-                on_tokens=lambda t, n: calls.append(("tokens", t, n)), on_itl=noop, on_rejected=noop,
+                on_tokens=lambda t, n: calls.append(("tokens", t, n)), on_itls=noop, on_rejected=noop,
                 on_first_token=lambda t, s: calls.append(("first", t)),
                 on_finished=lambda t, slo, out, n: calls.append(("finished", t, out.num_output_tokens, n)),
                 on_aborted=lambda t: calls.append(("aborted", t)), on_abandoned=lambda t: calls.append(("gone", t))))
@@ -1326,7 +1326,7 @@ def test_ttft_and_inter_token_latencies_are_timed_as_the_engine_gave_the_tokens(
         metrics=SimpleNamespace(tier_label=lambda slo: slo.tier, on_admitted=noop, on_tokens=noop, on_rejected=noop,
                                 on_finished=noop, on_aborted=noop, on_abandoned=noop,
                                 on_first_token=lambda t, s: seen.append(("ttft", round(s, 3))),
-                                on_itl=lambda t, s, n=1: seen.append(("itl", round(s, 3), n))))
+                                on_itls=lambda t, gaps: seen.extend(("itl", round(s, 3), n) for s, n in gaps)))
 
     async def read() -> list[RequestOutput]:
         return [x async for x in LLMServer.func_or_class.generate(me, GenerateRequest("r1", prompt=(1, 2)))]
