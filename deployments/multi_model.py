@@ -102,6 +102,9 @@ class MultiModelFrontend:
             response = JSONResponse({"version": SERVER_VERSION})
         elif method == "GET" and path == "/metrics":
             response = await _answer(self.fronts[0].prometheus_metrics)
+        elif (allowed := _allowed(path)) is not None:  # a route of the app's, another method (as a one-model app's)
+            response = await _api_error(request, APIError(405, "Method Not Allowed",
+                                                          headers={"Allow": ", ".join(allowed)}))
         else:
             await fallback(scope, receive, named_send(send))  # (FastAPI's: the docs, a 404 in OpenAI's shape)
             return
@@ -225,3 +228,12 @@ def _api() -> FastAPI:
 
 MultiModelIngress = serve.deployment(serve.ingress(_api())(MultiModelFrontend), name="Ingress",
                                      ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)
+
+
+def _allowed(path: str) -> tuple[str, ...] | None:
+    """The methods the app answers `path` with (None: no route of its own: FastAPI's fallback)."""
+    if path in GENERATION_ROUTES or path in BODY_ROUTES:
+        return ("POST",)
+    if path in ("/v1/models", "/version", "/metrics") or path.startswith("/v1/models/"):
+        return ("GET",)
+    return {"/health": ("GET", "HEAD"), "/ping": ("GET", "POST")}.get(path)

@@ -24,7 +24,7 @@ def _front(name: str, checkpoint: str, max_len: int, **settings) -> _Front:
     return f
 
 
-def _get(app, path: str) -> tuple[int, dict]:
+def _get(app, path: str, method: str = "GET") -> tuple[int, dict]:
     sent: list[dict] = []
 
     async def receive():
@@ -33,7 +33,7 @@ def _get(app, path: str) -> tuple[int, dict]:
     async def send(m):
         sent.append(m)
 
-    scope = {"type": "http", "method": "GET", "path": path, "root_path": "", "query_string": b"", "headers": []}
+    scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"", "headers": []}
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
@@ -75,3 +75,14 @@ def test_tokenize_takes_return_token_strs_null_as_vllm_does() -> None:
     assert not P.TokenizeCompletionRequest.model_validate({"prompt": "hi", "return_token_strs": None}).return_token_strs
     assert not P.TokenizeChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                                      "return_token_strs": None}).return_token_strs
+
+
+def test_a_route_of_several_models_asked_with_another_method_is_a_405() -> None:
+    """As a one-model app answers (FastAPI's routes) and vLLM's: 405 with the methods it takes, not a 404."""
+    m = object.__new__(MultiModelFrontend)
+    m.fronts, m._aliases, m.max_body_bytes, m._cors = [_front("a", "kairos-tiny", 512)], [set()], 1 << 20, {}
+    app = _Routes(m, _api())
+    for method, path in (("GET", "/v1/completions"), ("POST", "/v1/models"), ("DELETE", "/health")):
+        status, body = _get(app, path, method)
+        assert status == 405 and body["error"]["message"] == "Method Not Allowed", (method, path, body)
+    assert _get(app, "/v1/embeddings", "POST")[0] == 404
