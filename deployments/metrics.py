@@ -437,12 +437,9 @@ class ReplicaMetrics:
         self.ttft.observe(seconds, tags={"tier": tier})
         self.vllm.ttft.observe(seconds)
 
-    def on_itl(self, tier: str, seconds: float, n: int = 1) -> None:
-        """`n` tokens that came `seconds` apart each (a chunk of `n` tokens, `n` x `seconds` after the last)."""
-        self.on_itls(tier, ((seconds, n),))
-
     def on_itls(self, tier: str, gaps: Any) -> None:
-        """`on_itl` for each (seconds, n) of `gaps` (a read's tokens: the tags built once for all)."""
+        """For each (seconds, n) of `gaps`, `n` tokens that came `seconds` apart each (an item of n tokens, n x
+        seconds after the one before): a read's tokens, the tags built once for all."""
         self._itl.record_many(gaps, tier)
         self.vllm.itl.record_many(gaps, "")
 
@@ -504,19 +501,19 @@ class StatsLog:
         self._last = (now, prompt, generated, queries, hits)
         if last is None:
             return None
-        dt = max(now - last[0], 1e-9)
-        if queries < last[3] or hits < last[4]:  # a new engine (its counts from 0 again)
-            last = (last[0], last[1], last[2], 0, 0)
+        t0, p0, g0, q0, h0 = last
+        if queries < q0 or hits < h0:  # a new engine (its counts from 0 again)
+            q0 = h0 = 0
         running, waiting = getattr(st, "num_running", 0), getattr(st, "num_waiting", 0)
-        idle = prompt == last[1] and generated == last[2] and not running and not waiting
+        idle = prompt == p0 and generated == g0 and not running and not waiting
         if idle and self._idle_told:
             return None
         self._idle_told = idle
+        dt = max(now - t0, 1e-9)
         total, used = getattr(st, "kv_blocks_total", 0), getattr(st, "kv_blocks_used", 0)
-        looked = queries - last[3]
-        hit_rate = (hits - last[4]) / looked if looked > 0 else 0.0
-        return (f"Avg prompt throughput: {(prompt - last[1]) / dt:.1f} tokens/s, Avg generation throughput: "
-                f"{(generated - last[2]) / dt:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+        hit_rate = (hits - h0) / (queries - q0) if queries > q0 else 0.0
+        return (f"Avg prompt throughput: {(prompt - p0) / dt:.1f} tokens/s, Avg generation throughput: "
+                f"{(generated - g0) / dt:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
                 f"KV cache usage: {100.0 * used / total if total else 0.0:.1f}%, Prefix cache hit rate: "
                 f"{100.0 * hit_rate:.1f}%")
 

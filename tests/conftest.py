@@ -204,7 +204,8 @@ def _wait_for(path: str) -> None:
     """Until the file `path` exists (the first process's signal); a process whose parent is gone (tests/run.py,
     which stops it where no signal will come) exits instead of waiting on."""
     parent = os.getppid()
-    print("[kairos tests] collected; waiting for the serving package to end", file=sys.stderr, flush=True)
+    print("[kairos tests] collected; waiting for the serving package's tests that run alone to end", file=sys.stderr,
+          flush=True)
     while not os.path.exists(path):
         if os.getppid() != parent:
             pytest.exit("the process that started this one is gone", returncode=1)
