@@ -448,15 +448,18 @@ def test_shutdown_on_the_loop_that_reads_the_engine_reads_what_it_flushes_as_it_
 
         tasks = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
         deadline = time.monotonic() + 120
-        while min(counts) < 440 and time.monotonic() < deadline:
+        while min(counts) < 400 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         c.shutdown(timeout=30.0)  # (on the loop's thread)
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        return c, lasts
+        return c, counts, lasts
 
-    c, lasts = asyncio.run(main())
+    c, counts, lasts = asyncio.run(main())
     assert c._proc.returncode == 0, c._proc.returncode  # it exited: not killed
-    assert {(last.finish_reason, last.error) for last in lasts} == {(FinishReason.ABORT, "engine shut down")}
+    # a request the engine ended before the shutdown (its reader behind, on a loaded box) ends as it ended
+    ends = {(last.finish_reason, last.error) for n, last in zip(counts, lasts) if n < 480}
+    assert ends == {(FinishReason.ABORT, "engine shut down")}, ends
+    assert all(last.finish_reason == FinishReason.LENGTH for n, last in zip(counts, lasts) if n == 480)
 
 
 def test_the_client_preloads_the_tokenizer_the_child_loads_and_no_other(tiny_checkpoints, tmp_path):
