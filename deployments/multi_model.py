@@ -24,8 +24,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from deployments.errors import APIError, model_not_found
 from deployments.ingress import (GENERATION_ROUTES, SERVER_VERSION, GenerationFastPath, IngressFrontend, _api_error,
-                                 _drain, _http_error, _unexpected, is_json_content_type, named_send, parse_body,
-                                 route_path)
+                                 _drain, _http_error, _unexpected, is_json_content_type, named_send, openai_api,
+                                 parse_body, route_path)
 
 BODY_ROUTES = ("/tokenize", "/detokenize")  # the other routes whose body names a model
 
@@ -79,7 +79,8 @@ class MultiModelFrontend:
 
     @property
     def docs_path(self) -> str | None:
-        return None
+        """Where Serve's status and dashboard point for the API docs (the FastAPI app's: `_api`)."""
+        return getattr(getattr(self, "app", None), "docs_url", None)
 
     def __serve_build_asgi_app__(self) -> "_Routes":
         """Serve runs this ASGI app (`OpenAIFrontend.__serve_build_asgi_app__`'s counterpart)."""
@@ -220,9 +221,20 @@ async def _answer(handler: Callable[..., Awaitable[Any]], *args: Any) -> Respons
 
 
 def _api() -> FastAPI:
-    """The FastAPI app behind the routes (`serve.ingress` needs one): lifespan, and a 404 in OpenAI's shape."""
+    """The FastAPI app behind the routes (`serve.ingress` needs one): lifespan, a 404 in OpenAI's shape, and the
+    OpenAPI description (/openapi.json, /docs) of the routes the app answers: a one-model app's, less runtime LoRA
+    loading."""
     api = FastAPI(title="Kairos", version=SERVER_VERSION, description="SLO-aware OpenAI-compatible LLM server")
     api.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            schema = openai_api().openapi()
+            schema["paths"] = {path: ops for path, ops in schema["paths"].items()
+                               if _allowed(path.replace("{model_id}", "x")) is not None}
+            api.openapi_schema = schema
+        return api.openapi_schema
+    api.openapi = openapi  # type: ignore[method-assign]
     return api
 
 
@@ -230,10 +242,13 @@ MultiModelIngress = serve.deployment(serve.ingress(_api())(MultiModelFrontend), 
                                      ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000)
 
 
+# the app's routes other than those whose body names a model, and the methods each takes; `route` answers them
+OWN_ROUTES: dict[str, tuple[str, ...]] = {"/v1/models": ("GET",), "/version": ("GET",), "/metrics": ("GET",),
+                                          "/health": ("GET", "HEAD"), "/ping": ("GET", "POST")}
+
+
 def _allowed(path: str) -> tuple[str, ...] | None:
     """The methods the app answers `path` with (None: no route of its own: FastAPI's fallback)."""
     if path in GENERATION_ROUTES or path in BODY_ROUTES:
         return ("POST",)
-    if path in ("/v1/models", "/version", "/metrics") or path.startswith("/v1/models/"):
-        return ("GET",)
-    return {"/health": ("GET", "HEAD"), "/ping": ("GET", "POST")}.get(path)
+    return ("GET",) if path.startswith("/v1/models/") else OWN_ROUTES.get(path)

@@ -86,3 +86,22 @@ def test_a_route_of_several_models_asked_with_another_method_is_a_405() -> None:
         status, body = _get(app, path, method)
         assert status == 405 and body["error"]["message"] == "Method Not Allowed", (method, path, body)
     assert _get(app, "/v1/embeddings", "POST")[0] == 404
+
+
+def test_several_models_describe_their_routes_in_openapi() -> None:
+    """/openapi.json (and so /docs) of an app of several models describes the routes it answers, as a one-model app's
+    does (it described none): the generation routes with their bodies and SLO headers; no runtime LoRA loading, which
+    such an app answers with a 404."""
+    m = object.__new__(MultiModelFrontend)
+    m.fronts, m._aliases, m.max_body_bytes, m._cors = [_front("a", "kairos-tiny", 512)], [set()], 1 << 20, {}
+    status, spec = _get(_Routes(m, _api()), "/openapi.json")
+    assert status == 200
+    assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                  "/detokenize", "/v1/models", "/v1/models/{model_id}", "/health", "/ping",
+                                  "/version", "/metrics"}
+    chat = spec["paths"]["/v1/chat/completions"]["post"]
+    assert "messages" in chat["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert {p["name"] for p in chat["parameters"]} >= {"x-slo-ttft-ms", "x-slo-tpot-ms"}
+    assert set(spec["paths"]["/health"]) == {"get", "head"}
+    m.app = _api()  # (Serve sets it)
+    assert m.docs_path == "/docs"
