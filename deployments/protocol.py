@@ -865,7 +865,7 @@ class TokenizeCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
-    prompt: str = Field(..., min_length=1)
+    prompt: str  # ("": its special tokens alone, as vLLM's)
     add_special_tokens: bool = True
     return_token_strs: bool | None = False  # (None: false, as vLLM's)
 

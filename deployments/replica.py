@@ -532,7 +532,7 @@ class LLMReplica:
         thinking, `RequestOutput.prompt_thinking`), or `error` for a prompt the engine refuses."""
         inputs = self.engine.inputs
         try:
-            ids = inputs.prompt_ids(prompt, messages, options.check())
+            ids = inputs.prompt_ids(prompt, messages, options.check(), empty=True)
         except (ValueError, TypeError, UnicodeError) as e:
             return {"error": str(e)[:500]}
         strs = inputs.tokenizer.convert_ids_to_tokens(ids) if token_strs else None

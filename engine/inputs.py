@@ -176,10 +176,10 @@ class InputProcessor:
             raise ValueError(f"{what} must be integers in [0, {vocab})")
 
     def prompt_ids(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None = None,
-                   options: PromptOptions | None = None) -> list[int]:
+                   options: PromptOptions | None = None, empty: bool = False) -> list[int]:
         """The token ids a generation would take for this prompt or chat (`process`'s), for vLLM's /tokenize;
         ValueError on bad input. With `truncate_prompt_tokens`, its last k (-1: as many as the context window takes
-        with a token of reply)."""
+        with a token of reply). With `empty`, an empty text is the tokenizer's own ids alone (/tokenize's, as vLLM's)."""
         options = (options or PromptOptions()).check()
         k = options.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:  # (vLLM's 400)
@@ -189,9 +189,13 @@ class InputProcessor:
         if messages is not None:
             if special is None:  # (a chat template writes its own; the plain fallback none: the tokenizer's)
                 special = not options.chat_template and not getattr(self.tokenizer, "chat_template", None)
-            ids = self.tokenize(self.render_chat(messages, options), add_special_tokens=special)
+            prompt = self.render_chat(messages, options)
         else:
-            ids = self.tokenize(prompt, add_special_tokens=special is not False)
+            special = special is not False
+        if empty and prompt == "":  # (`empty`: vLLM's /tokenize, the tokenizer's own ids alone; a generation refuses)
+            ids = (self.encode_special if special else self.encode)("")
+        else:
+            ids = self.tokenize(prompt, add_special_tokens=special)
         if k is not None:
             keep = self.max_model_len - 1 if k == -1 else k
             ids = ids[-keep:] if len(ids) > keep else ids

@@ -381,3 +381,16 @@ def test_a_users_think_tags_do_not_say_where_the_prompt_leaves_the_thinking():
     continued = (ChatTurn("user", "q"), ChatTurn("assistant", "<think>\nhmm"))
     options = PromptOptions(add_generation_prompt=False, continue_final_message=True)
     assert inputs.prompt_thinking(inputs.prompt_ids(None, continued, options), continued, options) == "open"
+
+
+def test_tokenize_takes_an_empty_prompt_as_vllm_does(bos_tokenizer):
+    """vLLM's /tokenize: an empty prompt is its special tokens alone (a generation refuses it; /tokenize did too)."""
+    from core.sampling import SamplingParams
+    from deployments import protocol as P
+
+    tok, inputs = bos_tokenizer, _inputs(bos_tokenizer)
+    assert inputs.prompt_ids("", None, PromptOptions(), empty=True) == tok.encode("", add_special_tokens=True) != []
+    assert inputs.prompt_ids("", None, PromptOptions(add_special_tokens=False), empty=True) == []
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        inputs.process("", SamplingParams(max_tokens=2), None, None)
+    assert P.TokenizeCompletionRequest.model_validate({"prompt": ""}).prompt == ""

@@ -827,7 +827,9 @@ def test_tokenize_and_detokenize_as_vllm(client: httpx.Client) -> None:
     assert chat["count"] == usage("/v1/chat/completions", messages=msgs) and chat["token_strs"] is None
     back = client.post("/detokenize", json={"tokens": chat["tokens"]})
     assert back.status_code == 200 and "Be brief." in back.json()["prompt"] and "Hi" in back.json()["prompt"]
-    for path, body, param in (("/tokenize", {"prompt": ""}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+    empty = client.post("/tokenize", json={"prompt": "", "add_special_tokens": False})  # (vLLM's: no ids)
+    assert empty.status_code == 200 and empty.json()["tokens"] == [] and empty.json()["count"] == 0, empty.text
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {"messages": []}, "messages"), ("/detokenize", {"tokens": [-1]}, "tokens"),
                               ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
         r = client.post(path, json=body)
