@@ -13,7 +13,7 @@ export RAY_AUTH_MODE ?= disabled
 # (pytest, each engine process, each Ray worker, each `serve run`) compiled torch, transformers and Ray again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install wheels test serve stream bench clean
+.PHONY: install wheels test serve stream clean
 
 # --no-compile: pip's byte-compiling of every installed module (torch, ray, transformers: tens of thousands of files)
 # took most of the install's time; Python compiles (and caches) only what is imported, on first import.

@@ -110,6 +110,7 @@ def reply_agreement(tokenizer: Any, seed: int = 0, boot: int = 1000) -> dict[str
     over prompts; for first turns, every turn (a later turn such as "continue" has its context in the chat, not in
     its text), and the held-out ones."""
     from bench import workload as W
+    from bench import length_training as LT
     from scheduling import length_predictor as L
 
     by_prompt: dict[str, dict[str, bool]] = {}  # prompt text -> {distinct reply text: a first turn}
@@ -140,7 +141,7 @@ def reply_agreement(tokenizer: Any, seed: int = 0, boot: int = 1000) -> dict[str
         got = [L.spearman(x[j], y[j]) for j in (rng.integers(0, len(x), len(x)) for _ in range(boot))]
         return [round(float(np.nanpercentile(got, q)), 3) for q in (2.5, 97.5)]
 
-    rows_ = L.sharegpt_rows(tokenizer)
+    rows_ = LT.sharegpt_rows(tokenizer)
     held = {tuple(x) for x, h in zip(rows_.ids, rows_.held) if h}  # the benchmark's prompts: never trained on
     out: dict[str, Any] = {}
     for name, rows in (("first_turns", [i for i in keep if picked[i][3]]), ("all_turns", keep),
@@ -159,10 +160,11 @@ def fit_and_score(design: str, rows: Any, feats: list, dense: np.ndarray | None,
     the held-out Spearman of its expected log length at the best validation epoch."""
     import torch
 
+    from bench import length_training as LT
     from scheduling import length_predictor as L
 
     torch.manual_seed(seed)
-    cfg = L.TrainConfig()
+    cfg = LT.TrainConfig()
     K = len(L.EDGES) + 1
     y = torch.tensor([L.bucket_of(n) for n in rows.lens])
     w = torch.tensor(np.where(rows.first, 1.0, cfg.later_weight), dtype=torch.float32)
@@ -186,7 +188,7 @@ def fit_and_score(design: str, rows: Any, feats: list, dense: np.ndarray | None,
     def logits(idx: np.ndarray, train: bool) -> Any:
         z = bias.expand(len(idx), K)
         if ngrams:
-            bi, bo, bw = L._batches(feats, idx, cfg.bag_pool)
+            bi, bo, bw = LT._batches(feats, idx, cfg.bag_pool)
             if train:
                 bw = bw * (torch.rand(bw.shape) >= cfg.dropout).float() / (1.0 - cfg.dropout)
             z = z + bag(bi, bo, per_sample_weights=bw)
@@ -245,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.driver import resolve_model_path
+    from bench import length_training as LT
     from scheduling import length_predictor as L
 
     t0 = time.perf_counter()
@@ -265,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = command_line("bench.length_features", argv)
             print(f"summary -> {write_summary(args.summary, cmd, head, figures)}")
         return 0
-    rows = L.sharegpt_rows(tok)
+    rows = LT.sharegpt_rows(tok)
     groups = sorted({g for g, h in zip(rows.group, rows.held) if not h})
     val_groups = set(np.random.default_rng(0).choice(groups, int(len(groups) * 0.25), replace=False).tolist())
     in_val = np.array([g in val_groups for g in rows.group]) & ~rows.held

@@ -3,10 +3,11 @@ import numpy as np
 
 from bench import length_features as LF
 from bench.length_features import fit_and_score
+from bench import length_training as LT
 from scheduling import length_predictor as L
 
 
-def _rows(n: int = 2400, seed: int = 0) -> L.Rows:
+def _rows(n: int = 2400, seed: int = 0) -> LT.Rows:
     """Prompts whose reply length is set by their first token (long replies after token 7), and a dense feature
     that says the same."""
     rng = np.random.default_rng(seed)
@@ -15,7 +16,7 @@ def _rows(n: int = 2400, seed: int = 0) -> L.Rows:
         long = rng.random() < 0.5
         ids.append([7 if long else 9] + rng.integers(20, 200, size=int(rng.integers(4, 30))).tolist())
         lens.append(float(rng.integers(400, 900) if long else rng.integers(8, 40)))
-    return L.Rows(ids, np.asarray(lens), np.zeros(n, bool), np.ones(n, bool), [str(i) for i in range(n)])
+    return LT.Rows(ids, np.asarray(lens), np.zeros(n, bool), np.ones(n, bool), [str(i) for i in range(n)])
 
 
 def test_every_design_learns_what_its_features_say(monkeypatch) -> None:

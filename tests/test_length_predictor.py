@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from bench import length_training as LT
 from bench import workload as W
 from core.request import SLO, FinishReason, Request
 from core.sampling import SamplingParams
@@ -155,8 +156,8 @@ def test_training_rows_keep_the_held_out_prompts_and_their_conversations_out(mon
         return " ".join(back[i] for i in ids)
 
     monkeypatch.setattr(W, "read_conversations", lambda path=None: tuple(records))
-    monkeypatch.setattr(LP, "HOLDOUT", 4)
-    rows = LP.sharegpt_rows(Tok())
+    monkeypatch.setattr(LT, "HOLDOUT", 4)
+    rows = LT.sharegpt_rows(Tok())
     firsts = records[:-1]  # every record but the last opens with a human turn (W.first_turns' records)
     assert len(W.first_turns(records)) == len(firsts)
     held_recs = [firsts[k] for k in W.sample_order(len(firsts), 0)[:4]]
@@ -180,14 +181,14 @@ def test_training_learns_which_prompts_get_long_replies_and_calibrates_a_tempera
         ids.append([7 if long else 8] + [int(t) for t in rng.integers(100, 110, size=8)])
         lens.append(float(rng.integers(600, 760) if long else rng.integers(20, 30)))
     lens = np.asarray(lens)
-    cfg = LP.TrainConfig(max_epochs=4, lr=0.05, dropout=0.1, batch=16)
-    W_, b, hist = LP.train(ids[:300], lens[:300], cfg=cfg, val=(ids[300:], lens[300:]))
+    cfg = LT.TrainConfig(max_epochs=4, lr=0.05, dropout=0.1, batch=16)
+    W_, b, hist = LT.train(ids[:300], lens[:300], cfg=cfg, val=(ids[300:], lens[300:]))
     assert [h["epoch"] for h in hist] == [1, 2, 3, 4]
     m = LP.LengthPredictor(W_, b, {"edges": list(LP.EDGES), "bag_pool": cfg.bag_pool})
-    fig = LP.evaluate(m, ids[300:], lens[300:])
+    fig = LT.evaluate(m, ids[300:], lens[300:])
     assert fig["bucket_accuracy"] > 0.9 and fig["spearman"] > 0.6  # (ties within a class cap the rank correlation)
     assert fig["spearman"] == pytest.approx(max(h["spearman"] for h in hist))  # the best epoch's weights
-    assert 0.5 <= LP.fit_temperature(m, ids[300:], lens[300:]) <= 4.0
+    assert 0.5 <= LT.fit_temperature(m, ids[300:], lens[300:]) <= 4.0
 
 
 def test_spearman_and_buckets():
@@ -636,7 +637,7 @@ def test_a_policy_turns_the_predictor_on_only_for_the_tokenizer_it_counts_in(tmp
 
 
 def test_selection_gain_is_what_a_ranking_serves_under_half_the_tokens_over_a_random_order():
-    from scheduling.length_predictor import selection_gain
+    from bench.length_training import selection_gain
     lens = np.array([10.0, 20.0, 30.0, 40.0, 100.0, 200.0, 300.0, 400.0])  # 1,100 tokens: a budget of 550
     exact = selection_gain(lens, lens)
     assert exact["predicted"] == exact["exact"] > 1.0  # the true order: 10..200 (400 tokens) + 300 > 550 -> 6
