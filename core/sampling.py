@@ -9,7 +9,9 @@ MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 MAX_BAD_WORDS = 256  # words in one request's bad_words
 MAX_STOP_STRINGS = 256  # stop strings in one request (OpenAI takes 4, vLLM any number; each is looked for per token)
 MAX_STOP_CHARS = 16_384  # their characters in all: each token's look costs the worker about as many compares
-MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of per token (vLLM's max_logprobs)
+# most likely tokens a request may ask the log-probabilities of per token: vLLM's default max_logprobs (an engine's
+# own, `EngineConfig.max_logprobs`, is checked where it takes a request: `engine.inputs`)
+MAX_LOGPROBS = 20
 
 
 def finite_number(v: object) -> bool:
@@ -124,8 +126,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
-            if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+            if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {lp!r}")
         if self.json_object + (self.json_schema is not None) + (self.regex is not None) \
                 + (self.grammar is not None) > 1:
             raise ValueError("a reply may be held to one of json_object, json_schema, regex and grammar, not several")

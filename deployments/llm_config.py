@@ -28,7 +28,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from core.sampling import MAX_LOGPROBS
 
 log = logging.getLogger("ray.serve")
 
@@ -54,8 +53,7 @@ VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_con
 # attends to the whole context: a sliding-window model's context is capped at its window, vLLM's
 # disable_sliding_window true; its default, false, is taken too: the loader names the cap where it binds)
 VLLM_AT = {"tokenizer_mode": ("auto",), "revision": (None, "main"), "tokenizer_revision": (None, "main"),
-           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,),
-           "max_logprobs": (None, MAX_LOGPROBS)}  # (the most a request may ask for here: vLLM's default)
+           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,)}
 # an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
 _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
                          "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",

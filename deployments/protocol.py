@@ -192,7 +192,7 @@ class _Common(BaseModel):
     @field_validator("prompt_logprobs")
     @classmethod
     def _prompt_logprobs(cls, v: int | None, info: Any) -> int | None:
-        _top_range(info.field_name, v)
+        _top_range(info.field_name, v, info)
         if v is not None and info.data.get("stream"):
             raise ValueError("prompt_logprobs are not available when stream is true")
         return v
@@ -451,7 +451,7 @@ class CompletionRequest(_Common):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, v: int | None, info: Any) -> int | None:
-        return _top_range(info.field_name, v)
+        return _top_range(info.field_name, v, info)
 
     def top_count(self) -> int | None:
         return self.logprobs
@@ -541,10 +541,13 @@ class CompletionRequest(_Common):
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
 
-def _top_range(name: str, v: int | None) -> int | None:
-    """A count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): ValueError outside [0, MAX_LOGPROBS]."""
-    if v is not None and not 0 <= v <= MAX_LOGPROBS:
-        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+def _top_range(name: str, v: int | None, info: Any = None) -> int | None:
+    """A count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): ValueError outside [0, the cap], the
+    validation context's `max_logprobs` (the served engine's, once the front knows it), else vLLM's default."""
+    cap = ((getattr(info, "context", None) or {}).get("max_logprobs")) if info is not None else None
+    cap = MAX_LOGPROBS if cap is None else cap
+    if v is not None and not 0 <= v <= cap:
+        raise ValueError(f"{name} must be in [0, {cap}], got {v}")
     return v
 
 
@@ -719,7 +722,7 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v: int | None, info: Any) -> int | None:
-        _top_range(info.field_name, v)
+        _top_range(info.field_name, v, info)
         if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return v

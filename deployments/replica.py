@@ -560,6 +560,7 @@ class LLMReplica:
 
     def model_info(self) -> dict[str, Any]:
         return {"model": self.model_name, "max_model_len": self.engine.max_model_len, "alive": self.engine.is_alive(),
+                "max_logprobs": self.engine.inputs.max_logprobs,  # (the front checks a request's against it)
                 "sampling_defaults": dict(self.engine.sampling_defaults),
                 "eos_token_ids": list(self.engine.inputs.eos_token_ids),  # (beam search ends a beam at one)
                 # what a max_tokens beyond the context left is (beam search checks its own: its steps are 1 token)

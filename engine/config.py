@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.sampling import MAX_LOGPROBS
 from engine.lora import MAX_RANK_LIMIT, LoraServing, LoraSpec, ModelShape
 from scheduling.config import SchedulerConfig
 
@@ -112,6 +113,9 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="CUDA: capture no CUDA graphs, every step runs eagerly (vLLM's enforce_eager; Triton "
                            "attention stays: kernels=off turns that off too)")
+    max_logprobs: int = Field(
+        MAX_LOGPROBS, ge=-1, description="vLLM's: the most likely tokens a request may ask the log-probabilities of "
+                                         "per token (logprobs, top_logprobs, prompt_logprobs); -1: the vocabulary")
     max_tokens_over_context: Literal["clamp", "reject"] = Field(
         "clamp", description="a max_tokens beyond the context left: clamp (the reply ends at the window, as an "
                              "in-process engine does) or reject (ValueError; the OpenAI server's 400, as vLLM's)")

@@ -499,7 +499,8 @@ class EngineCoreClient:
         self._reconfigures = 0  # `reconfigure` calls sent to the child
         self.inputs = InputProcessor(tok, info.vocab_limit, info.eos_token_ids, info.max_model_len,
                                      info.kv_capacity_tokens, self.config.max_tokens_over_context == "reject",
-                                     info.lora, self._scheduler.by_priority, info.sampling_defaults.get("max_tokens"))
+                                     info.lora, self._scheduler.by_priority, info.sampling_defaults.get("max_tokens"),
+                                     self.config.max_logprobs)
         self._loop = reader_loop
         self._heard = time.monotonic()  # when the child last sent anything (`_deliver`)
         # one reader at a time on a loop's socket: the loop's callback, or a shutdown from another thread

@@ -27,7 +27,7 @@ import torch
 
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, PromptOptions, RejectReason, RequestOutput
 from core.request import SLO, FinishReason, LoraSource, Request, Status
-from core.sampling import MAX_LOGPROBS, SamplingParams
+from core.sampling import SamplingParams
 from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
@@ -254,7 +254,8 @@ class LLMEngine:
                                      self.cache.num_blocks * self.cache.block_size,
                                      config.max_tokens_over_context == "reject",
                                      config.lora_serving(decoder.lora_shape) if config.serves_lora else None,
-                                     config.scheduler.by_priority, self.sampling_defaults.get("max_tokens"))
+                                     config.scheduler.by_priority, self.sampling_defaults.get("max_tokens"),
+                                     config.max_logprobs)
         self.outputs = OutputProcessor(b.tokenizer, b.eos_token_ids)
         t_graphs = time.perf_counter()
         predictor, self.profile_report = load_or_profile(self)
@@ -323,8 +324,10 @@ class LLMEngine:
         blocks = BlockManager(n, bs)
         # every row sampled, penalized, under min_p and with logprobs: the peak holds the sampler's largest step too
         # (its token counts for `seqs` penalized requests are made here, and freed with the rest)
+        vocab = self.bundle.vocab_limit
+        top = vocab if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                                frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+                                frequency_penalty=0.1, logprobs=top)
         prompt = Request("warmup-prefill", [0] * budget, params)
         decodes = [Request(f"warmup-decode-{i}", [0, 0], params) for i in range(seqs)]
         for r in (prompt, *decodes):

@@ -13,7 +13,7 @@ from typing import Any
 
 from core.messages import ChatTurn, ContextLengthExceeded, PromptOptions, PromptTooLong
 from core.request import SLO, LoraSource, Request
-from core.sampling import SamplingParams, is_int64
+from core.sampling import MAX_LOGPROBS, SamplingParams, is_int64
 from engine.lora import LoraError, LoraServing, LoraSpec, check_adapter
 
 Prompt = str | Sequence[int]
@@ -119,13 +119,15 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_limit: int, eos_token_ids: Sequence[int], max_model_len: int,
                  kv_capacity_tokens: int, reject_max_tokens_over_context: bool = False,
                  lora: LoraServing | None = None, priority_scheduling: bool = False,
-                 default_max_tokens: int | None = None) -> None:
+                 default_max_tokens: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
         """`reject_max_tokens_over_context`: a max_tokens beyond the context left is a `ContextLengthExceeded` (an
         OpenAI server's 400, as vLLM's), else the reply just ends at the window (an in-process engine's way).
         `lora`: the LoRA adapters the engine serves (None: none). `priority_scheduling`: the scheduler ranks requests
         by their `priority` (SchedulerConfig.scheduling_policy); else every request is of priority 0 (a client's is
         accepted and has no effect, as vLLM's). `default_max_tokens`: the model's cap on a reply whose request sets
-        none (its generation_config's max_new_tokens, vLLM's --generation-config auto), within the context left."""
+        none (its generation_config's max_new_tokens, vLLM's --generation-config auto), within the context left.
+        `max_logprobs`: the most likely tokens a request may ask the log-probabilities of (vLLM's; -1: the
+        vocabulary)."""
         self.lora = lora
         self.default_max_tokens = default_max_tokens
         self.priority_scheduling = priority_scheduling
@@ -137,6 +139,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.reject_max_tokens_over_context = reject_max_tokens_over_context
+        self.max_logprobs = vocab_limit if max_logprobs == -1 else max_logprobs
 
     def check_lora(self, name: str, path: str) -> int:
         """Whether the folder `path` holds an adapter this engine can serve as `name` (vLLM's /v1/load_lora_adapter
@@ -264,6 +267,9 @@ class InputProcessor:
             raise ValueError("cache_salt must be a non-empty string")
         check_priority(priority)
         params = (params or SamplingParams()).validate()
+        for name in ("logprobs", "prompt_logprobs"):  # (vLLM's 400)
+            if (n := getattr(params, name)) is not None and n > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs} (the server's max_logprobs), got {n}")
         if any(t >= self.vocab_limit for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_limit}")
         if any(t >= self.vocab_limit for t, _ in params.logit_bias):

@@ -394,3 +394,26 @@ def test_tokenize_takes_an_empty_prompt_as_vllm_does(bos_tokenizer):
     with pytest.raises(ValueError, match="prompt must not be empty"):
         inputs.process("", SamplingParams(max_tokens=2), None, None)
     assert P.TokenizeCompletionRequest.model_validate({"prompt": ""}).prompt == ""
+
+
+def test_a_request_asks_logprobs_up_to_the_engines_max_logprobs(bos_tokenizer):
+    """vLLM's max_logprobs: 20 by default, another cap where the server sets one (-1: the vocabulary); above it a
+    ValueError naming the field (a 400). The front checks the same cap once the engine has said it."""
+    from core.sampling import SamplingParams
+    from deployments import protocol as P
+
+    tok = bos_tokenizer
+    for cap, ok, bad in ((20, 20, 21), (100, 100, 101), (-1, len(tok), len(tok) + 1), (0, 0, 1)):
+        inputs = InputProcessor(tok, len(tok), [0], max_model_len=64, kv_capacity_tokens=1 << 20, max_logprobs=cap)
+        for name in ("logprobs", "prompt_logprobs"):
+            inputs.process("hello", SamplingParams(max_tokens=2, **{name: ok}), None, None)
+            with pytest.raises(ValueError, match=rf"^{name} must be at most {ok} \(the server's max_logprobs\)"):
+                inputs.process("hello", SamplingParams(max_tokens=2, **{name: bad}), None, None)
+    body = {"prompt": "x", "logprobs": 50}
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
+        P.CompletionRequest.model_validate(body)
+    assert P.CompletionRequest.model_validate(body, context={"max_logprobs": 64}).logprobs == 50
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}
+    assert P.ChatCompletionRequest.model_validate(chat, context={"max_logprobs": 30}).top_logprobs == 30
+    with pytest.raises(ValueError, match=r"top_logprobs must be in \[0, 29\]"):
+        P.ChatCompletionRequest.model_validate(chat, context={"max_logprobs": 29})

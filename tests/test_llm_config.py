@@ -39,8 +39,7 @@ def test_a_ray_serve_llm_config_maps_to_kairos_arguments():
 
 def test_vllm_arguments_at_what_kairos_does_are_accepted_and_others_refused():
     base = {"model_loading_config": {"model_id": "m"}}
-    ok = {"tokenizer_mode": "auto", "revision": "main", "disable_sliding_window": False, "max_logprobs": 20,
-          "enable_sleep_mode": False}
+    ok = {"tokenizer_mode": "auto", "revision": "main", "disable_sliding_window": False, "enable_sleep_mode": False}
     assert translate({"llm_configs": [{**base, "engine_kwargs": ok}]}) == {"model": "m", "served_model_name": "m"}
     # vLLM's disable_sliding_window true is what Kairos does with a sliding-window model (full attention, the
     # context capped at the window); false, vLLM's default, is taken too (the cap, which a longer max_model_len names)
@@ -48,10 +47,9 @@ def test_vllm_arguments_at_what_kairos_does_are_accepted_and_others_refused():
     assert translate({"llm_configs": [one]}) == {"model": "m", "served_model_name": "m", "dtype": "half"}
     with pytest.raises(ValueError, match="enable_sleep_mode: True"):
         translate({"llm_configs": [{**base, "engine_kwargs": {"enable_sleep_mode": True}}]})
-    # max_logprobs: the most a request may ask for here (vLLM's default), not another cap taken and not kept
-    for cap in (5, 100):
-        with pytest.raises(ValueError, match=f"max_logprobs: {cap}"):
-            translate({"llm_configs": [{**base, "engine_kwargs": {"max_logprobs": cap}}]})
+    # max_logprobs: the most a request may ask for, kept as given (it was refused but at vLLM's default)
+    for cap in (5, 100, -1):
+        assert translate({"llm_configs": [{**base, "engine_kwargs": {"max_logprobs": cap}}]})["max_logprobs"] == cap
     # disable_log_stats: the replicas' periodic stats line off, as vLLM's (it was accepted and changed nothing)
     assert translate({"llm_configs": [{**base, "engine_kwargs": {"disable_log_stats": True}}]})["disable_log_stats"]
     # hf_token: the hub's token for a gated model's files, in the replicas' environment (it was dropped)

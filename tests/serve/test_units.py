@@ -1349,7 +1349,7 @@ def test_a_direct_replica_builds_requests_with_the_scheduler_its_user_config_swi
     class Engine:  # what LLMEngine.reconfigure does to its inputs
         def __init__(self) -> None:
             self.inputs = SimpleNamespace(priority_scheduling=False, eos_token_ids=[2],
-                                          reject_max_tokens_over_context=True,
+                                          reject_max_tokens_over_context=True, max_logprobs=20,
                                           tokenizer=SimpleNamespace(chat_template=None))
             self.max_model_len, self.sampling_defaults = 512, {}
 
