@@ -850,7 +850,7 @@ class OpenAIFrontend:
         # a count of logprobs up to what the served engine takes, once it has said (before, any: parsed again then)
         info = self._ready_info()
         try:
-            body = schema.model_validate(raw, context={"max_logprobs": info.get("max_logprobs") if info else 1 << 62})
+            body = schema.model_validate(raw, context={"max_logprobs": info.get("max_logprobs") if info else -1})
         except ValidationError as e:
             message, param = _validation_message(e, schema.model_fields)
             raise APIError(400, message, param=param) from None

@@ -543,11 +543,12 @@ class CompletionRequest(_Common):
 
 def _top_range(name: str, v: int | None, info: Any = None) -> int | None:
     """A count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): ValueError outside [0, the cap], the
-    validation context's `max_logprobs` (the served engine's, once the front knows it), else vLLM's default."""
+    validation context's `max_logprobs` (the served engine's, once the front knows it; -1: none known yet, the engine
+    checks), else vLLM's default."""
     cap = ((getattr(info, "context", None) or {}).get("max_logprobs")) if info is not None else None
     cap = MAX_LOGPROBS if cap is None else cap
-    if v is not None and not 0 <= v <= cap:
-        raise ValueError(f"{name} must be in [0, {cap}], got {v}")
+    if v is not None and (v < 0 or 0 <= cap < v):
+        raise ValueError(f"{name} must be in [0, {cap}], got {v}" if cap >= 0 else f"{name} must be >= 0, got {v}")
     return v
 
 

@@ -417,3 +417,6 @@ def test_a_request_asks_logprobs_up_to_the_engines_max_logprobs(bos_tokenizer):
     assert P.ChatCompletionRequest.model_validate(chat, context={"max_logprobs": 30}).top_logprobs == 30
     with pytest.raises(ValueError, match=r"top_logprobs must be in \[0, 29\]"):
         P.ChatCompletionRequest.model_validate(chat, context={"max_logprobs": 29})
+    assert P.CompletionRequest.model_validate({**body, "logprobs": 10**6}, context={"max_logprobs": -1})  # (unknown)
+    with pytest.raises(ValueError, match=r"logprobs must be >= 0, got -1"):
+        P.CompletionRequest.model_validate({**body, "logprobs": -1}, context={"max_logprobs": -1})
