@@ -20,6 +20,7 @@ the bytes of a character begun), so that a step feeds only the tokens new since.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import struct
 from typing import Callable, Iterator
@@ -35,6 +36,11 @@ CANDIDATES = 256  # a sampled row's most likely tokens looked at first
 GREEDY_CANDIDATES = 64  # a greedy row's
 MAX_REDRAWS = 16  # a sampled row's draws among its likeliest that each check one token; then the rest checked at once
 WEIGHT_SPAN = 40.0  # a fallback draw weighs tokens down to e^-40 of the likeliest that fits (below: nothing)
+# a fallback draw (none of a sampled row's likeliest fit) is among at most this many fitting tokens, the likeliest, found
+# by checking at most FALLBACK_CHECKS tokens once one fits (a format most tokens fit, its likeliest pushed out by a
+# logit_bias, walked the whole vocabulary in Python for every row of every step, the engine's thread stalled meanwhile)
+FALLBACK_FITS = CANDIDATES
+FALLBACK_CHECKS = 4096
 PAIRED_BYTES = 8  # a whole scan picks its tokens by their first two bytes where at most this many first bytes may come
 Guided = tuple[State, bytes]  # an automaton's state, and the first bytes of a character a token began (b"": none)
 
@@ -137,12 +143,15 @@ def _may_fit(g: Guided, token_bytes: Callable[[int], bytes], width: int, stops: 
 
 
 def _in_order(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], torch.Tensor | None],
-              span: float = math.inf) -> Iterator[tuple[int, float]]:
+              span: float = math.inf, unfit: frozenset[int] = frozenset(), checks: float = math.inf
+              ) -> Iterator[tuple[int, float]]:
     """The tokens that fit with their scores in `y` [V], likeliest first, down to `span` below the first: in widening
     top-k rounds (a sort of the whole vocabulary only as the last), from the second round only among those `mask()`
-    keeps (their first bytes may come)."""
-    checked: set[int] = set()
+    keeps (their first bytes may come). `unfit`: tokens known not to fit (not checked again); `checks`: once one has
+    fit, at most this many checks in all."""
+    checked: set[int] = set(unfit)
     floor = -math.inf
+    found = False
     k = GREEDY_CANDIDATES
     while True:
         if k == GREEDY_CANDIDATES * 8:
@@ -155,8 +164,11 @@ def _in_order(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], t
             if v == float("-inf") or v < floor:
                 return
             if t not in checked:
+                if found and len(checked) - len(unfit) >= checks:
+                    return
                 checked.add(t)
                 if fits(t):
+                    found = True
                     floor = max(floor, v - span)
                     yield t, v
         if k == y.shape[-1]:
@@ -164,13 +176,15 @@ def _in_order(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], t
         k *= 8
 
 
-def _fitting(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], torch.Tensor | None]
-             ) -> list[tuple[int, float]]:
+def _fitting(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], torch.Tensor | None],
+             unfit: frozenset[int] = frozenset()) -> list[tuple[int, float]]:
     """The tokens that fit, by a row's scaled logits `y` [V] (logits / temperature), each weighed as its probability
-    over the likeliest of them, down to `WEIGHT_SPAN` below it (the rest weigh nothing a float could hold). Weighed
-    against the likeliest that fits, not the row's own likeliest: at a low temperature or under a large logit_bias
-    every other token's probability is 0.0 in a float, and the row must still get a token of its format."""
-    out = list(_in_order(y, fits, mask, WEIGHT_SPAN))
+    over the likeliest of them, down to `WEIGHT_SPAN` below it (the rest weigh nothing a float could hold): the
+    likeliest `FALLBACK_FITS` of them, among the `FALLBACK_CHECKS` tokens checked once one fits. Weighed against the
+    likeliest that fits, not the row's own likeliest: at a low temperature or under a large logit_bias every other
+    token's probability is 0.0 in a float, and the row must still get a token of its format. `unfit`: tokens known
+    not to fit."""
+    out = list(itertools.islice(_in_order(y, fits, mask, WEIGHT_SPAN, unfit, FALLBACK_CHECKS), FALLBACK_FITS))
     return [(t, math.exp(v - out[0][1])) for t, v in out]
 
 
@@ -207,6 +221,7 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
     # a neighbour in the batch that moved them by a rounding moved the token a seeded request drew), so that the token
     # drawn follows the row's distribution over those that fit, as a draw among the checked ones would, at a check or
     # two where the model already writes the format (each check steps the automaton in Python)
+    tried: set[int] = set()  # (drawn and not fitting)
     for redraw in range(MAX_REDRAWS):
         total = sum(v for _, v in cands)
         if not cands or not total > 0.0:
@@ -223,10 +238,12 @@ def choose(x: torch.Tensor, p: SamplingParams, u: float | None, g: Guided, stops
         if fits(t):
             return t
         u = _again(u, redraw)
+        tried.add(t)
         del cands[j]
-    cands = [(t, v) for t, v in cands if fits(t)]
+    unfit = frozenset(t for t, _ in cands if not fits(t)) | tried
+    cands = [(t, v) for t, v in cands if t not in unfit]
     if not cands:  # none of its likeliest fit: those that do, by the row's distribution before truncation
-        cands = sorted(_fitting(x.float() / p.temperature, fits, mask))
+        cands = sorted(_fitting(x.float() / p.temperature, fits, mask, unfit))
     if not cands:
         return None
     total = sum(v for _, v in cands)

@@ -130,6 +130,31 @@ def test_a_sampled_row_checks_the_tokens_its_draw_lands_on_and_a_greedy_row_the_
     assert advance(big, '{"k1": "v300"') is None and advance(big, '{"k1": "v30"') is not None
 
 
+def test_a_fallback_draw_checks_a_bounded_part_of_the_vocabulary():
+    """A sampled row none of whose likeliest tokens fit (a logit_bias of +100 on 300 tokens its own regex refuses)
+    draws among the likeliest tokens that fit, found by checking a bounded number of tokens: it walked the whole
+    vocabulary, a Python automaton step each, for every row of every step (a request of n=256 such rows stalled its
+    replica's every step)."""
+    from core.json_grammar import start_pattern
+    from core.regex_grammar import compile_regex
+    from engine.json_mode import CANDIDATES, FALLBACK_CHECKS
+
+    V = 40_000
+    texts = [("e" if t < 300 else "") + f"w{t} " for t in range(V)]  # the first 300 have an "e"
+    checked = []
+
+    def token_bytes(t: int) -> bytes:
+        checked.append(t)
+        return texts[t].encode()
+    x = torch.randn(V, generator=torch.Generator().manual_seed(0))
+    x[:300] += 100.0
+    g = (start_pattern(compile_regex("[^e]*")), b"")
+    for u in (0.1, 0.5, 0.9):
+        checked.clear()
+        t = choose(x, SamplingParams(temperature=1.0, regex="[^e]*"), u, g, frozenset({V - 1}), token_bytes)
+        assert t is not None and t >= 300 and len(checked) <= CANDIDATES + FALLBACK_CHECKS, (t, len(checked))
+
+
 def test_a_row_whose_likeliest_token_takes_all_its_probability_still_gets_one_that_fits():
     """At a low temperature, or under a large logit_bias, every token but the likeliest has probability 0.0 in a
     float: where that one does not fit, the draw is among those that do, weighed against the likeliest of them (it
