@@ -100,8 +100,12 @@ class DirectFrontend(OpenAIFrontend, LLMReplica):
                 await res
 
     async def _replica_call(self, method: str, *args: Any) -> dict[str, Any]:
-        got = getattr(self, method)(*args)  # this replica's own engine (`LLMReplica`)
-        return await got if inspect.isawaitable(got) else got
+        """This replica's own engine's `LLMReplica` method; one that is not a coroutine on a thread, as Serve runs a
+        routed replica's (/tokenize of a long text, a chat's template: they stalled every stream of the loop)."""
+        fn = getattr(self, method)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     def _open(self, req: GenerateRequest) -> GenerateStream:
         return LocalStream(self._bounded(req))

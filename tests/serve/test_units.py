@@ -1376,6 +1376,36 @@ def test_a_direct_replica_builds_requests_with_the_scheduler_its_user_config_swi
     assert d._build(Request(scope), body, "completion", "cmpl-2")[1][0].priority == -5
 
 
+def test_a_direct_replica_tokenizes_for_tokenize_off_its_event_loop() -> None:
+    """topology=direct: /tokenize and /detokenize (and echo's, beam search's) run the replica's tokenizer on a
+    thread, as Serve runs a routed replica's methods: on the event loop, a megabyte's tokenization or a chat's
+    template stalled every stream the replica was writing. Its coroutine methods stay on the loop."""
+    import asyncio
+    import threading
+
+    from deployments.direct import DirectFrontend
+
+    class Direct(DirectFrontend):
+        def __del__(self) -> None:
+            pass
+
+        def prompt_tokens(self, *args):  # (the replica's own: synchronous)
+            return {"thread": threading.get_ident()}
+
+        async def check_lora(self, name, path):
+            return {"thread": threading.get_ident()}
+
+    d = object.__new__(Direct)
+
+    async def main():
+        loop = threading.get_ident()
+        tok = await d._replica_call("prompt_tokens", "hi", None, None, False)
+        lora = await d._replica_call("check_lora", "a", "/x")
+        return loop, tok["thread"], lora["thread"]
+    loop, tok, lora = asyncio.run(main())
+    assert tok != loop and lora == loop
+
+
 def test_replica_metrics_bound_the_tier_labels_clients_make() -> None:
     """A tier label is the request's SLOs: clients choose them, so a replica names at most MAX_TIER_LABELS tiers
     and counts the rest as `other`."""
