@@ -103,7 +103,8 @@ class ServeArgs(BaseModel):
                                  "from, any method and header ('*', vLLM's default: any origin); empty: no CORS "
                                  "headers, browsers then refuse cross-origin calls")
     allow_credentials: bool = Field(False, description="CORS: browsers may send cookies and Authorization with "
-                                    "cross-origin calls (vLLM's --allow-credentials)")
+                                    "cross-origin calls from the origins allowed_origins lists (vLLM's "
+                                    "--allow-credentials; with '*', a refusal)")
     tool_call_parser: Literal["auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral"] = Field(
         "auto", description="how a chat reply's own tool calls are read where a request with tools leaves the "
         "choice to the model (tool_choice auto, OpenAI's default): the model's format, as vLLM's "
@@ -221,6 +222,12 @@ class ServeArgs(BaseModel):
 
     @model_validator(mode="after")
     def _validate_nested(self) -> "ServeArgs":
+        if self.allow_credentials and "*" in (o.strip() for o in self.allowed_origins.split(",")):
+            # (Starlette answers any page's origin with credentials allowed: any site a signed-in browser visits
+            # could call the API as that user, where a proxy before it signs in by cookie)
+            raise ValueError("allow_credentials needs the origins listed in allowed_origins, not '*' (browsers "
+                             "refuse credentials with a wildcard origin; reflecting any origin would let every site "
+                             "call the API with a user's cookies)")
         if self.autoscaling_config is not None:
             if self.num_replicas is not None:
                 raise ValueError("give num_replicas or autoscaling_config, not both")

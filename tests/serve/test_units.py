@@ -41,6 +41,11 @@ def test_app_args_map_flat_knobs_into_nested_configs() -> None:
     with pytest.raises(ValidationError, match="max_queued_requests must be -1"):  # (Serve refused it at deploy time)
         AppArgs.model_validate({"max_queued_requests": 0})
     assert AppArgs.model_validate({"max_queued_requests": -1}).max_queued_requests == -1
+    # CORS credentials go only to listed origins: with '*' Starlette reflected any page's origin, credentials allowed
+    for origins in ("*", "https://a.example, *"):
+        with pytest.raises(ValidationError, match="allow_credentials needs the origins listed"):
+            AppArgs.model_validate({"allow_credentials": True, "allowed_origins": origins})
+    assert AppArgs.model_validate({"allow_credentials": True, "allowed_origins": "https://a.example"}).allow_credentials
 
 
 def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
