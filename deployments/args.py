@@ -123,7 +123,9 @@ class ServeArgs(BaseModel):
         "several replicas) it is refused")
     trust_request_chat_template: bool = Field(
         False, description="a chat request's own `chat_template` is rendered (in transformers' sandbox) in place of "
-        "the model's, as vLLM's --trust-request-chat-template; off: such a request gets a 400")
+        "the model's, as vLLM's --trust-request-chat-template; off: such a request gets a 400. The sandbox keeps a "
+        "template from files and code, not from the replica's CPU and memory (a loop in a loop, a string times a "
+        "billion): turn it on only for clients trusted with those")
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
         "none", description="how a reasoning model's thinking (<think> ... </think>) is read out of a chat reply and "
         "given as `reasoning_content`, as vLLM's --reasoning-parser: deepseek_r1: from the reply's start (its "
