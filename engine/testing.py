@@ -7,7 +7,7 @@ corpus, so tests exercise the same `from_pretrained` path as real models. Determ
 seed (same bytes in any process). Model vocab == len(tokenizer) == 512.
 
 `q4_1_round_trip(w)`, `q8_0_round_trip(w)`: a weight's values after a GGUF Q4_1 / Q8_0 round trip, the values the
-grid-weight kernels pack exactly (tests).
+grid-weight kernels pack exactly (tests). `idle_stats(engine)`: an engine's stats once it has published its last step.
 """
 from __future__ import annotations
 
@@ -134,3 +134,16 @@ def build_tiny_lora(base: str | os.PathLike[str], out_dir: str | os.PathLike[str
     with quiet_progress_bars():
         peft_model.save_pretrained(out)
     return out
+
+
+def idle_stats(engine, timeout: float = 10.0):
+    """An engine's stats once it has published its last step (a reply's final item goes out before it): every KV
+    block free and nothing running, or as they are at `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        st = engine.stats()
+        if (st.num_running == 0 and st.kv_blocks_free == st.kv_blocks_total) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.01)

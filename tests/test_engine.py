@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.engine import PUBLISH_EVERY_S, LLMEngine
 from engine.errors import EngineDeadError
+from engine.testing import idle_stats
 from core.messages import ErrorKind
 from core.sampling import SamplingParams
 from core.request import SLO, FinishReason
@@ -91,8 +92,7 @@ def test_greedy_equals_hf_generate(tiny_checkpoints, family, impl, kernels):
         slos = [SLO(tpot_ms=1e5 * (1 + i % 3)) for i in range(len(prompts))]
         outs = _run_staggered(eng, prompts, slos)
         assert outs == _hf_greedy(path, prompts, MAX_TOKENS)
-        time.sleep(0.05)
-        st = eng.stats()
+        st = idle_stats(eng)
         assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
         # the step time the router scales: measured on steps that decoded, with their batch sizes
         assert st.step_ms > 0 and 1 <= st.step_batch <= len(prompts)
@@ -392,8 +392,7 @@ def test_chunked_prefill_stays_exact(tiny_checkpoints, family, impl, kernels):
         # no step computed more prompt than the budget, and every prompt token was computed (a prompt's last by its
         # first decode, where a chunk stopped one short of it)
         assert max(seen) <= 37 and sum(seen) >= sum(PROMPT_LENS) - len(PROMPT_LENS)
-        time.sleep(0.05)
-        st = eng.stats()
+        st = idle_stats(eng)
         assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
     finally:
         eng.shutdown()
@@ -430,8 +429,7 @@ def test_best_effort_prompts_in_chunks_beside_paced_replies_stay_exact(tiny_chec
                 outs[i].extend(o.token_ids)
         assert outs == _hf_greedy(path, paced + lone, [40, 40, 8, 8])
         assert cuts  # a step computed part of a prompt while the replies decoded
-        time.sleep(0.05)
-        st = eng.stats()
+        st = idle_stats(eng)
         assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
     finally:
         eng.shutdown()

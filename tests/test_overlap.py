@@ -155,7 +155,9 @@ def test_abort_and_a_failing_request_with_a_step_in_flight(tiny_checkpoints):
                                  backend="torch"))
     try:
         break_inputs_of(eng, "bad")
-        streams = [eng.add_request(PROMPTS[i], params, request_id=rid)
+        # ("gone" is long: its abort lands mid-reply however late this thread runs on a loaded box)
+        long = dataclasses.replace(params, max_tokens=400)
+        streams = [eng.add_request(PROMPTS[i], long if rid == "gone" else params, request_id=rid)
                    for i, rid in zip([0, 1, 2, 3], ["a", "bad", "c", "gone"])]
         eng.abort("gone")
         got = _replies(streams)

@@ -1,7 +1,6 @@
 """Prefix caching (vLLM's automatic prefix caching): the block manager's cached blocks, the scheduler's hits, and
 the engine's replies over shared prefixes, token for token as HF computes them whole."""
 import random
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -11,6 +10,7 @@ from core.request import FinishReason, Request, Status
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.testing import idle_stats
 from scheduling.config import SchedulerConfig
 from scheduling.predictor import LatencyModel
 from scheduling.scheduler import Scheduler
@@ -338,8 +338,7 @@ def test_replies_over_cached_prefixes_equal_hf_computing_them_whole(tiny_checkpo
         assert outs == _hf_greedy(path, prompts, n)
         cached = [f.metrics.num_cached_tokens for f in finals]
         assert cached[0] == 0 and all(c >= 36 for c in cached[1:6]), cached  # the system prompt's 9 blocks
-        time.sleep(0.05)
-        st = eng.stats()
+        st = idle_stats(eng)
         assert st.kv_blocks_free == st.kv_blocks_total and st.num_running == 0
         assert st.prefix_cache_hits == sum(cached) and st.prefix_cache_queries >= sum(map(len, prompts))
     finally:
@@ -365,8 +364,7 @@ def test_a_cache_smaller_than_the_traffic_evicts_and_stays_exact(tiny_checkpoint
             outs.append(got)
             cached.append(o.metrics.num_cached_tokens)
         assert outs == _hf_greedy(path, prompts, n)
-        time.sleep(0.05)
-        st = eng.stats()
+        st = idle_stats(eng)
         assert st.kv_blocks_free == 60 and st.prefix_cache_hits > 0
         # a preempted request finding its own blocks again is no hit (vLLM counts those apart): the hits are what
         # the requests found cached when first admitted

@@ -456,19 +456,24 @@ def test_pace_slack_gives_a_fresh_request_the_room_replies_ahead_of_their_pace_l
     assert not _banked_case()  # opt-in: kairos counts every reply at its SLO's TPOT, as SCORPIO
 
 
-def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_replica_does():
+def test_the_gate_a_router_copies_counts_replies_ahead_of_their_pace_as_the_replica_does(monkeypatch):
     """EngineStats.tpot_inv_sum (the router's copy of the VBS gate) sums 1 / the TPOT the gate counts each running
     reply at: with pace_slack, a loose reply far ahead of its pace counts less than its SLO says."""
     import time
+    import types
 
+    from engine import stats
     from engine.stats import snapshot
+
+    now = time.monotonic()  # (one clock for the reply's first token and the snapshot: a stall between is no drift)
+    monkeypatch.setattr(stats, "time", types.SimpleNamespace(monotonic=lambda: now))
 
     def inv_sum(**kw) -> float:
         s = _sched("kairos", **kw)
         r = Request("r0", [1] * 4, SamplingParams(max_tokens=100), SLO(tpot_ms=20.0, output_len_hint=40))
         s.add(r)
         s.schedule(0.0)
-        r.first_token_s = time.monotonic() - 0.05  # 30 tokens in 50 ms: 730 ms left for its last 10
+        r.first_token_s = now - 0.05  # 30 tokens in 50 ms: 730 ms left for its last 10
         r.token_ids.extend([3] * 30)
         return snapshot(s, alive=True, steps=0, rejected={}, phase_s={}, predictor_mape=None, last=(0, 0),
                         step=(None, None)).tpot_inv_sum

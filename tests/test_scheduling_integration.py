@@ -73,7 +73,9 @@ def test_strict_requests_meet_tpot_and_loose_ones_yield(engine):
     # credits both would step alike, a ratio of ~1). How much less depends on how many strict ones the gate lets in
     # and how long both run together, so the bound leaves room below what single runs of kairos and scorpio showed
     # (once, on the 2-core box, every request of a round stepped alike, a ratio of 1.06: a rerun for it too)
-    for _ in range(2):
+    for attempt in range(2):
+        if attempt:  # (timed again first: the box's load now, where the fit was timed while the neighbour was quiet)
+            engine.reprofile(time_budget_s=4.0)
         served, reasons, strict = _strict_and_loose(engine)
         late = [t for t in served["strict"] if t > strict * TPOT_TOLERANCE + TPOT_NOISE_MS]
         yields = bool(served["strict"] and served["loose"]) \

@@ -1724,6 +1724,12 @@ def test_an_app_that_scales_to_zero_probes_its_replicas_only_while_requests_are_
         probes.append(time.monotonic())
         return {"max_model_len": 7}
 
+    async def until(cond) -> None:  # (polled, bounded: a loaded box's slow loop is no failure, a regression is)
+        async def poll() -> None:
+            while not cond():
+                await asyncio.sleep(0.005)
+        await asyncio.wait_for(poll(), 5.0)
+
     async def run() -> None:
         r = Readiness(may_idle=True)
         r._heard({"max_model_len": 7})
@@ -1731,18 +1737,19 @@ def test_an_app_that_scales_to_zero_probes_its_replicas_only_while_requests_are_
         await asyncio.sleep(0.1)
         assert not probes  # idle: no request sent
         r.sent = time.monotonic()
+        await until(lambda: probes)
         await asyncio.sleep(0.05)
         assert len(probes) == 1 and probes[0] >= r.sent  # a request sent: probed at the next look, once
         r.down = "the LLM replicas' engines exited"
+        await until(lambda: len(probes) == 2 and r.down is None)  # down: probed until it serves again
         await asyncio.sleep(0.05)
-        assert len(probes) == 2 and r.down is None  # down: probed until it serves again
+        assert len(probes) == 2  # (and then no more: it serves, and no request was sent since)
         task.cancel()
         always = Readiness()
         always._heard({"max_model_len": 7})
         probes.clear()
         task = asyncio.create_task(always.monitor(probe, running, period_s=0.005, timeout_s=0.5))
-        await asyncio.sleep(0.05)
-        assert len(probes) >= 2
+        await until(lambda: len(probes) >= 2)
         task.cancel()
 
     asyncio.run(run())
