@@ -36,9 +36,9 @@ CANDIDATES = 256  # a sampled row's most likely tokens looked at first
 GREEDY_CANDIDATES = 64  # a greedy row's
 MAX_REDRAWS = 16  # a sampled row's draws among its likeliest that each check one token; then the rest checked at once
 WEIGHT_SPAN = 40.0  # a fallback draw weighs tokens down to e^-40 of the likeliest that fits (below: nothing)
-# a fallback draw (none of a sampled row's likeliest fit) is among at most this many fitting tokens, the likeliest, found
-# by checking at most FALLBACK_CHECKS tokens once one fits (a format most tokens fit, its likeliest pushed out by a
-# logit_bias, walked the whole vocabulary in Python for every row of every step, the engine's thread stalled meanwhile)
+# a fallback draw (none of a sampled row's likeliest fit) is among at most this many fitting tokens, the likeliest,
+# found by checking at most FALLBACK_CHECKS tokens more once one fits (a format most tokens fit, its likeliest pushed
+# out by a logit_bias, walked the whole vocabulary in Python for every row of every step, the engine's thread stalled)
 FALLBACK_FITS = CANDIDATES
 FALLBACK_CHECKS = 4096
 PAIRED_BYTES = 8  # a whole scan picks its tokens by their first two bytes where at most this many first bytes may come
@@ -148,10 +148,10 @@ def _in_order(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], t
     """The tokens that fit with their scores in `y` [V], likeliest first, down to `span` below the first: in widening
     top-k rounds (a sort of the whole vocabulary only as the last), from the second round only among those `mask()`
     keeps (their first bytes may come). `unfit`: tokens known not to fit (not checked again); `checks`: once one has
-    fit, at most this many checks in all."""
+    fit, at most this many checks more."""
     checked: set[int] = set(unfit)
     floor = -math.inf
-    found = False
+    first: int | None = None  # the checks made when the first token fit
     k = GREEDY_CANDIDATES
     while True:
         if k == GREEDY_CANDIDATES * 8:
@@ -164,11 +164,11 @@ def _in_order(y: torch.Tensor, fits: Callable[[int], bool], mask: Callable[[], t
             if v == float("-inf") or v < floor:
                 return
             if t not in checked:
-                if found and len(checked) - len(unfit) >= checks:
+                if first is not None and len(checked) - first >= checks:
                     return
                 checked.add(t)
                 if fits(t):
-                    found = True
+                    first = len(checked) if first is None else first
                     floor = max(floor, v - span)
                     yield t, v
         if k == y.shape[-1]:

@@ -153,6 +153,14 @@ def test_a_fallback_draw_checks_a_bounded_part_of_the_vocabulary():
         checked.clear()
         t = choose(x, SamplingParams(temperature=1.0, regex="[^e]*"), u, g, frozenset({V - 1}), token_bytes)
         assert t is not None and t >= 300 and len(checked) <= CANDIDATES + FALLBACK_CHECKS, (t, len(checked))
+    # where more tokens than the bound come before the first that fits, the draw is still among many that fit (the
+    # bound counts from the first fit: counted from the start, the first alone was drawn, whatever the draw)
+    texts = [("e" if t < 6000 else "") + f"w{t} " for t in range(V)]
+    flat = torch.zeros(V)
+    flat[:6000] += 100.0
+    drawn = {choose(flat, SamplingParams(temperature=1.0, regex="[^e]*"), u / 50, g, frozenset({V - 1}), token_bytes)
+             for u in range(50)}
+    assert len(drawn) > 20 and all(t >= 6000 for t in drawn), drawn
 
 
 def test_a_row_whose_likeliest_token_takes_all_its_probability_still_gets_one_that_fits():
