@@ -1152,7 +1152,7 @@ class OpenAIFrontend:
             one = dataclasses.replace(req, request_id=tag, prompt=tokens, messages=None, slo=SLO(),
                                       prompt_len_hint=len(tokens), params=dataclasses.replace(
                                           req.params, max_tokens=1, min_tokens=0, temperature=0.0, ignore_eos=True,
-                                          logprobs=2 * width, seed=None),  # (n <= MAX_LOGPROBS / 2: _beam)
+                                          logprobs=2 * width, seed=None),  # (n <= max_logprobs / 2: _beam)
                                       options=PromptOptions(add_special_tokens=False), return_token_ids=False)
             sent, gen, first = await self._start(one, time.perf_counter())
             headers = self._headers(rid, sent, first, t_in, t_call, proxy_ms)

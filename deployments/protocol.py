@@ -51,6 +51,9 @@ def _opt(schema: dict[str, Any]) -> Any:
 
 
 _POS_INT = {"type": "integer", "minimum": 1}
+# a count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): the maximum shown is vLLM's default cap
+_TOP_COUNT = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+              "description": "at most the server's max_logprobs (vLLM's; 20 unless the server sets another)"}
 MAX_CHOICES = 256  # choices in one response: a completion's prompts x n (each a request of its own)
 _SLO_MS = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SLO_MS}
 
@@ -177,8 +180,7 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, json_schema_extra=_opt(
         {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "integer", "const": -1}]}))
     # vLLM's: each prompt token's logprob and its `prompt_logprobs` likeliest tokens' (not streamed)
-    prompt_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
-                                                                      "maximum": MAX_LOGPROBS}))
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_opt(_TOP_COUNT))
     # vLLM's: the prompt shares cached KV (prefix caching) only with requests that give the same salt, so that no
     # other client can tell from its TTFT which prompts were sent before
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
@@ -271,7 +273,7 @@ class _Common(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _beam(self) -> "_Common":
+    def _beam(self, info: Any) -> "_Common":
         """Beam search takes its beams' width (n), max_tokens, ignore_eos, include_stop_str_in_output and
         length_penalty (vLLM's BeamSearchParams; without beam search length_penalty has no effect, as vLLM's); a
         field it would not honour is a 400 naming it, where it is given a value that would change the reply (an
@@ -280,8 +282,10 @@ class _Common(BaseModel):
             raise ValueError("length_penalty must be a finite number")
         if not self.use_beam_search:
             return self
-        if (self.n or 1) > MAX_LOGPROBS // 2:
-            raise ValueError(f"n: a beam search keeps at most {MAX_LOGPROBS // 2} beams (n), got {self.n}")
+        cap = logprobs_cap(info)  # (each step asks twice its width's logprobs: vLLM's)
+        if cap >= 0 and (self.n or 1) > cap // 2:
+            raise ValueError(f"n: a beam search keeps at most {cap // 2} beams (n) here (each step asks the logprobs "
+                             f"of twice as many tokens, and this server's max_logprobs is {cap}), got {self.n or 1}")
         for name in BEAM_REFUSED:
             v = getattr(self, name, None)
             default = type(self).model_fields[name].default if name in type(self).model_fields else None
@@ -444,8 +448,7 @@ class CompletionRequest(_Common):
     best_of: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 1,
                                                               "maximum": MAX_CHOICES}))
     # each reply token's log-probability and its `logprobs` likeliest tokens' (and the chosen one's)
-    logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
-                                                               "maximum": MAX_LOGPROBS}))
+    logprobs: int | None = Field(None, json_schema_extra=_opt(_TOP_COUNT))
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
     @field_validator("logprobs")
@@ -541,12 +544,17 @@ class CompletionRequest(_Common):
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
 
+def logprobs_cap(info: Any) -> int:
+    """The most likely tokens a request may ask the logprobs of: the validation context's `max_logprobs` (the served
+    engine's, once the front knows it; -1: none known yet, the engine checks), else vLLM's default."""
+    cap = (getattr(info, "context", None) or {}).get("max_logprobs") if info is not None else None
+    return MAX_LOGPROBS if cap is None else cap
+
+
 def _top_range(name: str, v: int | None, info: Any = None) -> int | None:
-    """A count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): ValueError outside [0, the cap], the
-    validation context's `max_logprobs` (the served engine's, once the front knows it; -1: none known yet, the engine
-    checks), else vLLM's default."""
-    cap = ((getattr(info, "context", None) or {}).get("max_logprobs")) if info is not None else None
-    cap = MAX_LOGPROBS if cap is None else cap
+    """A count of likeliest tokens (logprobs, top_logprobs, prompt_logprobs): ValueError outside [0, the cap]
+    (`logprobs_cap`)."""
+    cap = logprobs_cap(info)
     if v is not None and (v < 0 or 0 <= cap < v):
         raise ValueError(f"{name} must be in [0, {cap}], got {v}" if cap >= 0 else f"{name} must be >= 0, got {v}")
     return v
@@ -701,8 +709,7 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
     max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
     # each reply token's log-probability, and its `top_logprobs` likeliest tokens' (with logprobs only)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, json_schema_extra=_opt({"type": "integer", "minimum": 0,
-                                                                   "maximum": MAX_LOGPROBS}))
+    top_logprobs: int | None = Field(None, json_schema_extra=_opt(_TOP_COUNT))
     # OpenAI's tools, shown to the model by its chat template; with tool_choice a tool's name or "required" the reply
     # is that tool's call (its arguments a value of its parameters' schema: JSON mode) or a list of calls, returned
     # as `tool_calls`; with "auto" (the default with tools) the model's own calls are read from its reply, in the

@@ -182,7 +182,8 @@ class InputProcessor:
                    options: PromptOptions | None = None, empty: bool = False) -> list[int]:
         """The token ids a generation would take for this prompt or chat (`process`'s), for vLLM's /tokenize;
         ValueError on bad input. With `truncate_prompt_tokens`, its last k (-1: as many as the context window takes
-        with a token of reply). With `empty`, an empty text is the tokenizer's own ids alone (/tokenize's, as vLLM's)."""
+        with a token of reply). With `empty`, an empty text prompt is the tokenizer's own ids alone (/tokenize's, as
+        vLLM's)."""
         options = (options or PromptOptions()).check()
         k = options.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:  # (vLLM's 400)
@@ -195,7 +196,7 @@ class InputProcessor:
             prompt = self.render_chat(messages, options)
         else:
             special = special is not False
-        if empty and prompt == "":  # (`empty`: vLLM's /tokenize, the tokenizer's own ids alone; a generation refuses)
+        if empty and messages is None and prompt == "":  # (/tokenize's: the tokenizer's own ids; a generation refuses)
             ids = (self.encode_special if special else self.encode)("")
         else:
             ids = self.tokenize(prompt, add_special_tokens=special)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from core.request import Request
-from core.sampling import GREEDY_BELOW
+from core.sampling import GREEDY_BELOW, MAX_LOGPROBS
 from engine.backends.base import to_device
 from engine.json_mode import JsonStates, choose
 
@@ -487,14 +487,17 @@ class Sampler:
         rank and the span's top k). On the host (a wait for the device: only steps with such rows pay it)."""
         targets = [t for _, _, tokens, _ in spans for t in tokens]
         k = max(k for *_, k in spans)
+        # fewer rows a pass where k is above vLLM's default cap (a server's max_logprobs may be the vocabulary): a
+        # pass's top tokens stay as many as PROMPT_ROWS rows of that cap's
+        per = max(1, min(PROMPT_ROWS, PROMPT_ROWS * (MAX_LOGPROBS + 1) // (k + 1)))
         vals: list[list[float]] = []
         ids: list[list[int]] = []
-        for a in range(0, len(targets), PROMPT_ROWS):
-            logits = rows(a, min(a + PROMPT_ROWS, len(targets)))
+        for a in range(0, len(targets), per):
+            logits = rows(a, min(a + per, len(targets)))
             if logits.shape[-1] > self.vocab_limit:
                 logits = logits[:, : self.vocab_limit]
             raw = torch.log_softmax(logits.float(), dim=-1)
-            v, i = _logprob_columns(raw, _to(targets[a:a + PROMPT_ROWS], raw.device, torch.long), k)
+            v, i = _logprob_columns(raw, _to(targets[a:a + per], raw.device, torch.long), k)
             vals.extend(v.tolist())
             ids.extend(i.tolist())
         out: dict[str, tuple[int, list[RowLogprobs]]] = {}

@@ -106,8 +106,8 @@ class SchedulerConfig(BaseModel):
     # capacity
     max_num_seqs: int = Field(64, gt=0, description="max running (admitted, unfinished) requests")
     max_waiting: int = Field(128, gt=0, description="queued requests beyond this are rejected (429): overloaded. "
-                             "The default, 2 x the default max_num_seqs (512 on a GPU), bounds a burst's wait to about two "
-                             "generations; set it beside a larger max_num_seqs")
+                             "The default, 2 x the default max_num_seqs (512 on a GPU), bounds a burst's wait to "
+                             "about two generations; set it beside a larger max_num_seqs")
     # seeds: pending-queue admission
     prefill_max_batch_size: int = Field(64, gt=0, description="requests per prefill round")
     prefill_max_tokens: int | None = Field(1024, gt=0, description="prompt-token budget per prefill round")

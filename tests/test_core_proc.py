@@ -458,7 +458,7 @@ def test_shutdown_on_the_loop_that_reads_the_engine_reads_what_it_flushes_as_it_
     assert c._proc.returncode == 0, c._proc.returncode  # it exited: not killed
     # a request the engine ended before the shutdown (its reader behind, on a loaded box) ends as it ended
     ends = {(last.finish_reason, last.error) for n, last in zip(counts, lasts) if n < 480}
-    assert ends == {(FinishReason.ABORT, "engine shut down")}, ends
+    assert ends <= {(FinishReason.ABORT, "engine shut down")}, ends
     assert all(last.finish_reason == FinishReason.LENGTH for n, last in zip(counts, lasts) if n == 480)
 
 

@@ -420,6 +420,15 @@ def test_a_request_asks_logprobs_up_to_the_engines_max_logprobs(bos_tokenizer):
     assert P.ChatCompletionRequest.model_validate(chat, context={"max_logprobs": 30}).top_logprobs == 30
     with pytest.raises(ValueError, match=r"top_logprobs must be in \[0, 29\]"):
         P.ChatCompletionRequest.model_validate(chat, context={"max_logprobs": 29})
+    # beam search asks twice its width's logprobs each step: its width is held to half the cap (it was to 10 whatever
+    # the cap, a lower cap failing each step with an error naming logprobs, which the client never sent)
+    beam = {"prompt": "x", "use_beam_search": True}
+    for cap, most in ((20, 10), (4, 2), (100, 50), (1, 0)):
+        if most:
+            assert P.CompletionRequest.model_validate({**beam, "n": most}, context={"max_logprobs": cap}).n == most
+        with pytest.raises(ValueError, match=rf"n: a beam search keeps at most {most} beams"):
+            P.CompletionRequest.model_validate({**beam, "n": most + 1}, context={"max_logprobs": cap})
+    assert P.CompletionRequest.model_validate({**beam, "n": 64}, context={"max_logprobs": -1}).n == 64  # (unknown)
     assert P.CompletionRequest.model_validate({**body, "logprobs": 10**6}, context={"max_logprobs": -1})  # (unknown)
     with pytest.raises(ValueError, match=r"logprobs must be >= 0, got -1"):
         P.CompletionRequest.model_validate({**body, "logprobs": -1}, context={"max_logprobs": -1})

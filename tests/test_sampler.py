@@ -417,6 +417,13 @@ def test_prompt_logprobs_of_spans_in_passes(monkeypatch):
         assert rank == int((ref[j] >= ref[j, t]).sum())
         k = 2 if j < 4 else 0
         assert [i for i, _ in top] == torch.topk(ref[j], k).indices.tolist()
+    # a k above vLLM's default cap (a server's max_logprobs of -1: the vocabulary) takes fewer rows a pass, the same
+    # figures: a pass's top tokens no more than PROMPT_ROWS rows' at the default cap
+    monkeypatch.setattr(S, "PROMPT_ROWS", 4)
+    passes = []
+    wide = s.prompt_logprobs(lambda a, b: passes.append(b - a) or logits[a:b], [("a", 0, targets, 29)])
+    assert max(passes) == 4 * (S.MAX_LOGPROBS + 1) // 30 and sum(passes) == 7
+    assert [r[:2] for r in wide["a"][1]] == [r[:2] for r in rows] and all(len(r[2]) == 29 for r in wide["a"][1])
 
 
 def test_allowed_token_ids_keep_their_rows_to_those_tokens(draw):
