@@ -273,16 +273,26 @@ app = build_app  # `serve run deployments:app [key=value ...]`
 def build_openai_app(builder_config: dict) -> Application:  # type: ignore[valid-type]
     """Ray Serve LLM's `build_openai_app` arguments (`llm_configs`: its LLMConfigs; deployments/llm_config.py) as
     a Kairos app (of several models: `build_multi_model_app`): a Ray Serve LLM config runs with `import_path:
-    deployments:build_openai_app`, with Ray Serve LLM's one replica where it names no count."""
+    deployments:build_openai_app`, with Ray Serve LLM's defaults where it names none: one replica, and a GPU for
+    each (`ray_actor_options.num_gpus` 0, or `device: cpu` among its engine_kwargs, serves on the CPU)."""
     from deployments.llm_config import translate_all
 
-    models = translate_all(builder_config)
+    models = [_ray_serve_llm_defaults(m) for m in translate_all(builder_config)]
     if len(models) > 1:
         return build_multi_model_app(models)
-    one = models[0]
-    if "num_replicas" not in one and "autoscaling_config" not in one:  # Ray Serve LLM's default where a config names
-        one = {**one, "num_replicas": 1}  # no count (autoscaling from 1 to 1): one replica, not one per GPU
-    return build_app(AppArgs.model_validate(one))
+    return build_app(AppArgs.model_validate(models[0]))
+
+
+def _ray_serve_llm_defaults(one: dict[str, Any]) -> dict[str, Any]:
+    """A Ray Serve LLM model's arguments with its defaults where they name none: one replica (autoscaling from 1 to 1),
+    not one per GPU; and a GPU a replica, as vLLM's placement asks for one and waits where none is free yet (a
+    cluster that adds GPU nodes on demand shows none when the app is built: Kairos's own default, the CPU where no
+    GPU is found, put every replica there)."""
+    if "num_replicas" not in one and "autoscaling_config" not in one:
+        one = {**one, "num_replicas": 1}
+    if "num_gpus" not in one and str(one.get("device", "auto")).split(":")[0] in ("auto", "cuda"):
+        one = {**one, "num_gpus": 1.0}
+    return one
 
 
 def __getattr__(name: str) -> Any:

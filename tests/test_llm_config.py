@@ -300,3 +300,21 @@ def test_num_replicas_auto_autoscales_as_serve_has_it():
     lora = {**auto, "lora_config": {"dynamic_lora_loading_path": "/a", "download_timeout_s": 30,
                                     "max_download_tries": 3}}
     assert translate({"llm_configs": [lora]})["dynamic_lora_loading_path"] == "/a"  # (Ray's download knobs: no effect)
+
+
+def test_a_ray_serve_llm_replica_asks_for_a_gpu_unless_its_config_says_the_cpu():
+    """Ray Serve LLM's replica asks for a GPU (vLLM's placement), and waits where none is free yet: a cluster that
+    adds GPU nodes on demand shows none when the app is built, and Kairos's own default (the CPU where no GPU is
+    found) put every replica of such a config on the CPU, saying so only in an info line. ray_actor_options'
+    num_gpus, or device cpu among the engine_kwargs, serves on the CPU."""
+    from deployments import build_openai_app
+
+    base = {"model_loading_config": {"model_id": "tiny", "model_source": "kairos-tiny"},
+            "engine_kwargs": {"dtype": "float32"}}
+
+    def gpus(cfg: dict) -> float:
+        return build_openai_app({"llm_configs": [cfg]})._bound_deployment._replica_config.ray_actor_options["num_gpus"]
+    assert gpus(base) == 1.0  # (this box has no GPU)
+    assert gpus({**base, "engine_kwargs": {"dtype": "float32", "device": "cpu"}}) == 0.0
+    assert gpus({**base, "deployment_config": {"ray_actor_options": {"num_gpus": 0}}}) == 0.0
+    assert gpus({**base, "deployment_config": {"ray_actor_options": {"num_gpus": 0.5}}}) == 0.5

@@ -42,7 +42,8 @@ def _ovl_app(_: object):
     engine = {k: v for k, v in OVL_ARGS.items() if k not in ("model", "served_model_name", *serve_opts)}
     return build_openai_app({"llm_configs": [{
         "model_loading_config": {"model_id": OVL_ARGS["served_model_name"], "model_source": OVL_ARGS["model"]},
-        "engine_kwargs": engine, "deployment_config": {k: OVL_ARGS[k] for k in serve_opts}}]})
+        "engine_kwargs": engine, "deployment_config": {**{k: OVL_ARGS[k] for k in serve_opts},
+                                                       "ray_actor_options": {"num_gpus": 0}}}]})
 
 
 # (tests/serve/conftest.py: before the package's other tests, with the cores to itself: /health's latency and the
