@@ -44,7 +44,10 @@ VLLM_NAMES = {
 VLLM_NO_EFFECT = frozenset((
     "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
     "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_custom_all_reduce",
-    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling"))
+    "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling",
+    # (Kairos's own structured outputs and reasoning reader stand for vLLM's backends; logging and loading display)
+    "guided_decoding_backend", "structured_outputs_config", "enable_reasoning", "use_tqdm_on_load",
+    "uvicorn_log_level", "disable_uvicorn_access_log", "max_log_len"))
 # vLLM's engine arguments that must keep their default (one GPU per replica, no quantization or drafts here)
 VLLM_ONE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_config", "cpu_offload_gb", "task",
@@ -53,7 +56,9 @@ VLLM_REFUSED = frozenset(("quantization", "speculative_config", "kv_transfer_con
 # attends to the whole context: a sliding-window model's context is capped at its window, vLLM's
 # disable_sliding_window true; its default, false, is taken too: the loader names the cap where it binds)
 VLLM_AT = {"tokenizer_mode": ("auto",), "revision": (None, "main"), "tokenizer_revision": (None, "main"),
-           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,)}
+           "disable_sliding_window": (False, True), "enable_sleep_mode": (False,), "skip_tokenizer_init": (False,),
+           "code_revision": (None, "main"), "config_format": ("auto",), "calculate_kv_scales": (False,),
+           "enable_prompt_embeds": (False,), "response_role": ("assistant",), "long_prefill_token_threshold": (0,)}
 # an LLMConfig's fields and Serve deployment options this module reads (the rest must be absent or at their default)
 _LLM_FIELDS = frozenset(("model_loading_config", "llm_engine", "engine_kwargs", "accelerator_type", "lora_config",
                          "deployment_config", "runtime_env", "log_engine_metrics", "experimental_configs",
@@ -147,9 +152,10 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
         raise _refuse("model_loading_config", f"unknown field(s) {', '.join(sorted(map(str, unknown)))} (it has "
                       "model_id, model_source and tokenizer_source)")
     source = loading.get("model_source") or loading["model_id"]
-    if not isinstance(source, str):
-        raise _refuse("model_loading_config.model_source", "a cloud mirror (bucket_uri) is not read here: copy the "
-                      "checkpoint to a folder the replicas' hosts share and give its path")
+    for name, value in (("model_source", source), ("tokenizer_source", loading.get("tokenizer_source"))):
+        if not (value is None or isinstance(value, str)) or "://" in str(value or ""):  # (Ray reads s3://... so)
+            raise _refuse(f"model_loading_config.{name}", "a cloud mirror (bucket_uri, s3://, gs://, ...) is not "
+                          "read here: copy the checkpoint to a folder the replicas' hosts share and give its path")
     out["model"], out["served_model_name"] = source, loading["model_id"]
     if loading.get("tokenizer_source"):
         out["tokenizer"] = loading["tokenizer_source"]
@@ -157,10 +163,11 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
     if str(engine).lower() != "vllm":
         raise _refuse("llm_engine", f"{engine!r}: Kairos runs its own engine in vLLM's place (vLLM's arguments "
                       "are read)")
-    for name in ("accelerator_config", "placement_group_config", "server_cls"):
+    for name in ("accelerator_config", "server_cls"):
         if cfg.get(name):
             raise _refuse(name, "not read here: a Kairos replica is one engine on one GPU (or the CPU), its server "
                           "Kairos's own")
+    out.update(_placement(cfg.get("placement_group_config")))
     callback = cfg.get("callback_config")
     if callback and any(v not in (None, {}, [], False) for v in (callback.values() if isinstance(callback, dict)
                                                                  else [callback])):
@@ -187,7 +194,18 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
         env["env_vars"] = {**(env.get("env_vars") or {}), "HF_TOKEN": str(cfg["engine_kwargs"]["hf_token"])}
         out["runtime_env"] = env
     out.update(_engine_kwargs(kwargs))
-    out.update(_deployment(cfg.get("deployment_config") or {}))
+    deployment = _deployment(cfg.get("deployment_config") or {})
+    if "runtime_env" in deployment and "runtime_env" in out:  # (Ray Serve LLM's: the LLMConfig's win, key by key)
+        dep_env, own = dict(deployment.pop("runtime_env") or {}), out["runtime_env"]
+        env_vars = {**(dep_env.get("env_vars") or {}), **(own.get("env_vars") or {})}
+        out["runtime_env"] = {**dep_env, **own, **({"env_vars": env_vars} if env_vars else {})}
+    if "accelerator_type" in out:  # (the LLMConfig's own, over ray_actor_options')
+        deployment.pop("accelerator_type", None)
+    for name in ("num_gpus", "num_cpus"):
+        if name in deployment and name in out and deployment[name] != out[name]:
+            raise _refuse(f"deployment_config.ray_actor_options.{name}", f"{deployment[name]!r}, and "
+                          f"{out[name]!r} in placement_group_config: give one")
+    out.update(deployment)
     lora = cfg.get("lora_config")
     if lora:
         if not isinstance(lora, dict):
@@ -232,9 +250,31 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                 out[VLLM_NAMES[key]] = value
         elif key == "model" or key == "served_model_name":
             raise _refuse(f"engine_kwargs.{key}", "give it in model_loading_config (model_source, model_id)")
+        elif key == "seed" and value is None:  # (vLLM's: none)
+            continue
         else:
             out[key] = value
     return out
+
+
+def _placement(pg: Any) -> dict[str, Any]:
+    """A placement group config of one bundle (`bundles` of one, or `bundle_per_worker`: a replica is one worker
+    here) as a replica's GPUs and CPUs; anything else refused: a Kairos replica is one engine on one GPU, or a
+    share of one, or the CPU."""
+    if not pg:
+        return {}
+    if not isinstance(pg, dict):
+        raise _refuse("placement_group_config", "must be a mapping (bundles, strategy)")
+    bundles = pg.get("bundles")
+    one = pg.get("bundle_per_worker") if bundles is None else (bundles[0] if isinstance(bundles, list)
+                                                                and len(bundles) == 1 else None)
+    rest = set(pg) - {"bundles", "bundle_per_worker", "strategy"}
+    if not isinstance(one, dict) or rest or (bundles is not None and "bundle_per_worker" in pg) \
+            or set(one) - {"GPU", "CPU"} or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+                                                or (k == "GPU" and v > 1) for k, v in one.items()):
+        raise _refuse("placement_group_config", "one bundle of GPU (at most 1) and CPU is read here: a Kairos "
+                      "replica is one engine on one GPU, a share of one, or the CPU")
+    return {name: float(one[key]) for key, name in (("GPU", "num_gpus"), ("CPU", "num_cpus")) if key in one}
 
 
 def _deployment(dep: dict[str, Any]) -> dict[str, Any]:

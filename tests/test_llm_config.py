@@ -318,3 +318,31 @@ def test_a_ray_serve_llm_replica_asks_for_a_gpu_unless_its_config_says_the_cpu()
     assert gpus({**base, "engine_kwargs": {"dtype": "float32", "device": "cpu"}}) == 0.0
     assert gpus({**base, "deployment_config": {"ray_actor_options": {"num_gpus": 0}}}) == 0.0
     assert gpus({**base, "deployment_config": {"ray_actor_options": {"num_gpus": 0.5}}}) == 0.5
+
+
+def test_real_configs_fields_are_taken_merged_or_refused_as_ray_serve_llm_means_them():
+    """What a helper's run of real Ray Serve LLM configs found: vLLM arguments that change nothing here are taken
+    (they were refused as unknown); a model_source URI is refused as a cloud mirror at build time (replicas failed
+    to load it); the LLMConfig's runtime_env and ray_actor_options' are merged, the LLMConfig's winning key by key
+    (one replaced the other: a gated model's HF_TOKEN went missing); a placement group of one bundle is a replica's
+    GPUs and CPUs (it was refused); a seed of null is vLLM's none."""
+    base = {"model_loading_config": {"model_id": "m"}}
+
+    def one(**cfg) -> dict:
+        return translate({"llm_configs": [{**base, **cfg}]})
+    assert one(engine_kwargs={"guided_decoding_backend": "xgrammar", "use_tqdm_on_load": False, "seed": None,
+                              "enable_reasoning": True, "config_format": "auto", "response_role": "assistant"}) \
+        == {"model": "m", "served_model_name": "m"}
+    for uri in ("s3://bucket/llama", "gs://b/m"):
+        with pytest.raises(ValueError, match="model_source: a cloud mirror"):
+            one(model_loading_config={"model_id": "m", "model_source": uri})
+    got = one(runtime_env={"env_vars": {"A": "llm"}}, engine_kwargs={"hf_token": "hf_x"}, accelerator_type="A10G",
+              deployment_config={"ray_actor_options": {"runtime_env": {"pip": ["x"], "env_vars": {"A": "dep", "B": "1"}},
+                                                       "accelerator_type": "L4"}})
+    assert got["runtime_env"] == {"pip": ["x"], "env_vars": {"A": "llm", "B": "1", "HF_TOKEN": "hf_x"}}
+    assert got["accelerator_type"] == "A10G"
+    assert one(placement_group_config={"bundles": [{"GPU": 0.49, "CPU": 1}]})["num_gpus"] == 0.49
+    assert one(placement_group_config={"bundle_per_worker": {"GPU": 1}})["num_gpus"] == 1.0
+    for bad in ({"bundles": [{"GPU": 1}, {"GPU": 1}]}, {"bundles": [{"GPU": 2}]}, {"bundles": [{"TPU": 1}]}):
+        with pytest.raises(ValueError, match="placement_group_config: one bundle"):
+            one(placement_group_config=bad)
