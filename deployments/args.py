@@ -177,6 +177,9 @@ class ServeArgs(BaseModel):
     @classmethod
     def _unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            from deployments.llm_config import vllm_arguments  # (vLLM's names and values, as an LLMConfig's)
+
+            data = vllm_arguments(data)
             known = set(cls.model_fields)
             bad = [k for k in data if k not in known]
             if bad:
@@ -186,6 +189,31 @@ class ServeArgs(BaseModel):
                     hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
                 raise ValueError(f"unknown argument(s): {', '.join(hints)}; valid: {', '.join(sorted(known))}")
         return data
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, v: Any) -> Any:
+        """vLLM's list (`--allowed-origins '["https://a.example"]'`, or a YAML list) as the comma-separated text."""
+        if isinstance(v, str) and v.strip().startswith("["):
+            import json
+
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"allowed_origins: not a JSON list ({e})") from None
+        if isinstance(v, (list, tuple)):
+            if not all(isinstance(o, str) for o in v):
+                raise ValueError("allowed_origins: a list of origins (strings)")
+            return ",".join(v)
+        return v
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) or (isinstance(v, str) and v.strip().startswith("[")):
+            raise ValueError("served_model_name: one name here (vLLM's list of several names is not taken: a "
+                             "request may name the model's folder too)")
+        return v
 
     @field_validator("autoscaling_config", "runtime_env", mode="before")
     @classmethod

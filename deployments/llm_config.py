@@ -224,6 +224,36 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
     return out
 
 
+VLLM_ARGUMENTS = frozenset((*VLLM_NAMES, *VLLM_NO_EFFECT, *VLLM_ONE, *VLLM_REFUSED, *VLLM_AT))
+
+
+def vllm_arguments(args: dict[str, Any]) -> dict[str, Any]:
+    """App arguments (`serve run deployments:app key=value`) with vLLM's engine arguments among them read as in a
+    Ray Serve LLM config's engine_kwargs (its names, `max-model-len` for `max_model_len`); the rest as they are."""
+    args = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in args.items()}
+    vllm = {k: _scalar(v) if k not in VLLM_NAMES else v for k, v in args.items() if k in VLLM_ARGUMENTS}
+    if not vllm:
+        return args
+    try:
+        taken = _engine_kwargs(vllm)
+    except ValueError as e:  # (named as the command line names it)
+        raise ValueError(str(e).replace("Ray Serve LLM config: engine_kwargs.", "", 1)) from None
+    return {**{k: v for k, v in args.items() if k not in vllm}, **taken}
+
+
+def _scalar(value: Any) -> Any:
+    """A command line's text as the JSON scalar it spells ("1", "false", "null"), else as it is ("auto")."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            got = json.loads(value)
+        except ValueError:
+            return value
+        return got if got is None or isinstance(got, (bool, int, float)) else value
+    return value
+
+
 def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """vLLM's engine arguments under Kairos's names; a Kairos argument passes as it is (AppArgs checks names and
     values, and suggests a near name for an unknown one)."""

@@ -346,3 +346,27 @@ def test_real_configs_fields_are_taken_merged_or_refused_as_ray_serve_llm_means_
     for bad in ({"bundles": [{"GPU": 1}, {"GPU": 1}]}, {"bundles": [{"GPU": 2}]}, {"bundles": [{"TPU": 1}]}):
         with pytest.raises(ValueError, match="placement_group_config: one bundle"):
             one(placement_group_config=bad)
+
+
+def test_the_command_lines_app_arguments_take_vllms_names_as_an_llm_config_does():
+    """`serve run deployments:app key=value`: vLLM's engine arguments as engine_kwargs takes them (they were unknown
+    there, though an LLMConfig took them), dashes for underscores; vLLM's JSON list of origins (it became one origin
+    spelled as the list, refusing every browser); a list of served names is refused, not taken as one name."""
+    from pydantic import ValidationError
+
+    from deployments import AppArgs
+
+    def given(**kw) -> dict:
+        a = AppArgs.model_validate(kw)
+        return {k: getattr(a, k) for k in a.model_fields_set}
+    assert given(**{"max-model-len": "256", "enable_chunked_prefill": "true", "max_num_batched_tokens": "512",
+                    "tensor_parallel_size": "1", "enable_auto_tool_choice": "true"}) \
+        == {"max_model_len": 256, "chunked_prefill": True, "prefill_max_tokens": 512}
+    with pytest.raises(ValidationError, match="tensor_parallel_size: 2: a Kairos replica runs its model on one GPU"):
+        AppArgs.model_validate({"tensor_parallel_size": "2"})
+    assert given(allowed_origins='["https://a.example", "https://b.example"]')["allowed_origins"] \
+        == "https://a.example,https://b.example"
+    assert given(allowed_origins=["https://a.example"])["allowed_origins"] == "https://a.example"
+    for names in ('["a", "b"]', ["a", "b"]):
+        with pytest.raises(ValidationError, match="served_model_name: one name here"):
+            AppArgs.model_validate({"served_model_name": names})
