@@ -290,8 +290,12 @@ def _ray_serve_llm_defaults(one: dict[str, Any]) -> dict[str, Any]:
     GPU is found, put every replica there)."""
     if "num_replicas" not in one and "autoscaling_config" not in one:
         one = {**one, "num_replicas": 1}
-    if "num_gpus" not in one and str(one.get("device", "auto")).split(":")[0] in ("auto", "cuda"):
+    if "num_gpus" not in one and one.get("device", "auto") in ("auto", "cuda"):  # (as `placement` reads a device)
         one = {**one, "num_gpus": 1.0}
+        if gpus_for_app() == 0:
+            log.warning("kairos: model %r: a replica asks for a GPU, as Ray Serve LLM's does, and Ray shows none "
+                        "now: it waits for one (a node that brings one); give deployment_config.ray_actor_options."
+                        "num_gpus 0 (or engine_kwargs device cpu) to serve on the CPU", one.get("served_model_name"))
     return one
 
 

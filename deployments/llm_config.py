@@ -195,7 +195,11 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
         out["runtime_env"] = env
     out.update(_engine_kwargs(kwargs))
     deployment = _deployment(cfg.get("deployment_config") or {})
-    if "runtime_env" in deployment and "runtime_env" in out:  # (Ray Serve LLM's: the LLMConfig's win, key by key)
+    for where, env in (("runtime_env", out.get("runtime_env")),
+                       ("deployment_config.ray_actor_options.runtime_env", deployment.get("runtime_env"))):
+        if env is not None and not isinstance(env, dict):
+            raise _refuse(where, "must be a mapping (Ray's runtime_env)")
+    if "runtime_env" in deployment and "runtime_env" in out:  # (the LLMConfig's win, key by key; env_vars merged)
         dep_env, own = dict(deployment.pop("runtime_env") or {}), out["runtime_env"]
         env_vars = {**(dep_env.get("env_vars") or {}), **(own.get("env_vars") or {})}
         out["runtime_env"] = {**dep_env, **own, **({"env_vars": env_vars} if env_vars else {})}
@@ -203,8 +207,8 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
         deployment.pop("accelerator_type", None)
     for name in ("num_gpus", "num_cpus"):
         if name in deployment and name in out and deployment[name] != out[name]:
-            raise _refuse(f"deployment_config.ray_actor_options.{name}", f"{deployment[name]!r}, and "
-                          f"{out[name]!r} in placement_group_config: give one")
+            raise _refuse(f"deployment_config.ray_actor_options.{name}", f"{deployment[name]!r}, where the config "
+                          f"gives {out[name]!r} too (placement_group_config or engine_kwargs): give one")
     out.update(deployment)
     lora = cfg.get("lora_config")
     if lora:
@@ -259,6 +263,7 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     values, and suggests a near name for an unknown one)."""
     if not isinstance(kwargs, dict):
         raise _refuse("engine_kwargs", "must be a mapping of vLLM engine arguments")
+    kwargs = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in kwargs.items()}  # (vLLM's CLI names)
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key in VLLM_ONE:
@@ -304,7 +309,8 @@ def _placement(pg: Any) -> dict[str, Any]:
                                                 or (k == "GPU" and v > 1) for k, v in one.items()):
         raise _refuse("placement_group_config", "one bundle of GPU (at most 1) and CPU is read here: a Kairos "
                       "replica is one engine on one GPU, a share of one, or the CPU")
-    return {name: float(one[key]) for key, name in (("GPU", "num_gpus"), ("CPU", "num_cpus")) if key in one}
+    # (a bundle of no GPU is a replica on the CPU, as Ray Serve LLM reads one)
+    return {"num_gpus": float(one.get("GPU", 0)), **({"num_cpus": float(one["CPU"])} if "CPU" in one else {})}
 
 
 def _deployment(dep: dict[str, Any]) -> dict[str, Any]:

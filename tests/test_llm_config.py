@@ -318,6 +318,7 @@ def test_a_ray_serve_llm_replica_asks_for_a_gpu_unless_its_config_says_the_cpu()
     assert gpus({**base, "engine_kwargs": {"dtype": "float32", "device": "cpu"}}) == 0.0
     assert gpus({**base, "deployment_config": {"ray_actor_options": {"num_gpus": 0}}}) == 0.0
     assert gpus({**base, "deployment_config": {"ray_actor_options": {"num_gpus": 0.5}}}) == 0.5
+    assert gpus({**base, "engine_kwargs": {"dtype": "float32", "device": "cuda:1"}}) == 0.0  # (Kairos's: its device)
 
 
 def test_real_configs_fields_are_taken_merged_or_refused_as_ray_serve_llm_means_them():
@@ -337,12 +338,17 @@ def test_real_configs_fields_are_taken_merged_or_refused_as_ray_serve_llm_means_
         with pytest.raises(ValueError, match="model_source: a cloud mirror"):
             one(model_loading_config={"model_id": "m", "model_source": uri})
     got = one(runtime_env={"env_vars": {"A": "llm"}}, engine_kwargs={"hf_token": "hf_x"}, accelerator_type="A10G",
-              deployment_config={"ray_actor_options": {"runtime_env": {"pip": ["x"], "env_vars": {"A": "dep", "B": "1"}},
-                                                       "accelerator_type": "L4"}})
+              deployment_config={"ray_actor_options": {
+                  "runtime_env": {"pip": ["x"], "env_vars": {"A": "dep", "B": "1"}}, "accelerator_type": "L4"}})
     assert got["runtime_env"] == {"pip": ["x"], "env_vars": {"A": "llm", "B": "1", "HF_TOKEN": "hf_x"}}
     assert got["accelerator_type"] == "A10G"
     assert one(placement_group_config={"bundles": [{"GPU": 0.49, "CPU": 1}]})["num_gpus"] == 0.49
     assert one(placement_group_config={"bundle_per_worker": {"GPU": 1}})["num_gpus"] == 1.0
+    assert one(placement_group_config={"bundles": [{"CPU": 4}]}) == {"model": "m", "served_model_name": "m",
+                                                                     "num_gpus": 0.0, "num_cpus": 4.0}  # (the CPU)
+    # vLLM's command-line spellings among engine_kwargs: a front setting too, whichever model gives it
+    assert one(engine_kwargs={"api-keys-env": "KEYS", "max-num-seqs": 8}) == {
+        "model": "m", "served_model_name": "m", "api_keys_env": "KEYS", "max_num_seqs": 8}
     for bad in ({"bundles": [{"GPU": 1}, {"GPU": 1}]}, {"bundles": [{"GPU": 2}]}, {"bundles": [{"TPU": 1}]}):
         with pytest.raises(ValueError, match="placement_group_config: one bundle"):
             one(placement_group_config=bad)
