@@ -352,6 +352,10 @@ def test_real_configs_fields_are_taken_merged_or_refused_as_ray_serve_llm_means_
     for bad in ({"bundles": [{"GPU": 1}, {"GPU": 1}]}, {"bundles": [{"GPU": 2}]}, {"bundles": [{"TPU": 1}]}):
         with pytest.raises(ValueError, match="placement_group_config: one bundle"):
             one(placement_group_config=bad)
+    # two counts of adapters kept loaded: refused (the lora_config's won in silence), one of them, or both alike, taken
+    with pytest.raises(ValueError, match="max_num_adapters_per_replica: 16, where engine_kwargs.max_loras is 4"):
+        one(engine_kwargs={"max_loras": 4}, lora_config={"max_num_adapters_per_replica": 16})
+    assert one(engine_kwargs={"max_loras": 4}, lora_config={"max_num_adapters_per_replica": 4})["max_loras"] == 4
 
 
 def test_the_command_lines_app_arguments_take_vllms_names_as_an_llm_config_does():
