@@ -55,12 +55,19 @@ def check_local_model(model: str) -> None:
     left to the loader."""
     if not model:
         return
-    path = os.path.join(os.path.expanduser(model), "config.json")
+    folder = os.path.expanduser(model)
+    if os.path.isfile(folder):
+        raise ValueError(f"cannot load model {model!r}: it is a file, expected a checkpoint directory")
+    path = os.path.join(folder, "config.json")
+    if os.path.isdir(folder) and not os.path.isfile(path):
+        raise ValueError(f"cannot load model {model!r}: no config.json in {folder}")
     try:
         with open(path, encoding="utf-8") as f:
             family = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except OSError:
         return
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"cannot load model {model!r}: its config.json is not a JSON object ({e})") from None
     check_family(model, family)
 
 

@@ -234,9 +234,34 @@ def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load
     except torch.OutOfMemoryError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-        # (a tensor of another shape than the config's: transformers' RuntimeError; a corrupt file: safetensors')
-        raise ValueError(f"cannot load model {model!r}: {_short(e)}") from None
+        # (a tensor of another shape than the config's: transformers' RuntimeError, naming none; a corrupt file:
+        # safetensors')
+        raise ValueError(f"cannot load model {model!r}: {_mismatched(path, config) or _short(e)}") from None
     return lm
+
+
+def _mismatched(path: str, config: Any) -> str | None:
+    """The first tensor of a local checkpoint's safetensors whose shape is not the one its config describes, said
+    as a reason (None: none found)."""
+    files = own_model.weight_files(path) if os.path.isdir(path) else None
+    if not files:
+        return None
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            wanted = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if key in wanted and wanted[key] != shape:
+                        return (f"its tensor {key} is {list(shape)} in {file.name}, where its config.json describes "
+                                f"{list(wanted[key])} (a vocab_size that is not the embedding's rows?)")
+    except Exception:  # noqa: BLE001 - (a reason where one is found; transformers' own message otherwise)
+        return None
+    return None
 
 
 def _check_rotary(model: str, lm: Any, config: Any) -> None:
@@ -315,6 +340,28 @@ def _dummy_model(auto: Any, config: Any, dev: torch.device, load_kw: dict[str, A
         return auto.from_config(config, **kw)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+
+
+def _check_tokenizer_files(path: str, name: str) -> None:
+    """A local folder with no tokenizer files, or a SentencePiece model with no tokenizer.json where sentencepiece
+    is not installed: ValueError saying so (transformers said to install sentencepiece or tiktoken). A folder that
+    is not here (a hub id) is left to transformers."""
+    if not os.path.isdir(path):
+        return
+    names = set(os.listdir(path))
+    if not names & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
+        raise ValueError(f"cannot load tokenizer {name!r}: no tokenizer files in {path} (tokenizer.json, "
+                         "tokenizer_config.json, ...): copy the base model's there, or give tokenizer=<its folder>")
+    if "tokenizer.model" in names and "tokenizer.json" not in names:
+        import importlib.util
+
+        if importlib.util.find_spec("sentencepiece") is None:
+            raise ValueError(f"cannot load tokenizer {name!r}: {path} has a SentencePiece tokenizer.model and no "
+                             "tokenizer.json; add its tokenizer.json (a fast tokenizer's save_pretrained writes one), "
+                             "or install sentencepiece and protobuf to convert it")
+
+
 def load_model(
     model: str,
     *,
@@ -356,6 +403,8 @@ def load_model(
     if not trust_remote_code and is_local and _has_remote_code(path):
         raise ValueError(f"cannot load model {model!r}: its config.json names custom code (auto_map); "
                          "Kairos does not run checkpoint code unless trust_remote_code=True is set explicitly")
+    if is_local and not os.path.isfile(os.path.join(path, "config.json")):  # (transformers: "should have a model_type")
+        raise ValueError(f"cannot load model {model!r}: no config.json in {path}")
     try:
         config = AutoConfig.from_pretrained(path, **hub_kw)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build (its classes raise many kinds)
@@ -403,6 +452,7 @@ def load_model(
     else:
         raise ValueError(f"model {model!r} does not declare its context length; pass max_model_len")
 
+    _check_tokenizer_files(tok_path, tokenizer or model)
     try:
         tok = AutoTokenizer.from_pretrained(tok_path, **hub_kw)
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -175,8 +175,14 @@ def weight_files(path: str | Path) -> list[Path] | None:
     if not index.is_file():
         return None
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        text = index.read_text()
+    except OSError:
+        return None
+    try:
+        names = sorted(set(json.loads(text)["weight_map"].values()))
+    except ValueError as e:  # (transformers' own read named no file)
+        raise ValueError(f"cannot load model {str(path)!r}: {_INDEX} is not JSON ({e})") from None
+    except (KeyError, TypeError, AttributeError):
         return None
     if not names or any(not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts for n in names):
         return None
@@ -224,6 +230,10 @@ def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device
         with safe_open(str(file), framework="pt", device=dev) as f:
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
+                if key in wanted and wanted[key] != shape:  # (transformers named no tensor: ignore_mismatched_sizes)
+                    raise ValueError(f"cannot load model {str(path)!r}: its tensor {key} is {list(shape)} in "
+                                     f"{file.name}, where its config.json describes {list(wanted[key])} (a "
+                                     "vocab_size that is not the embedding's rows?)")
                 if wanted.get(key) != shape or key in state:
                     log.debug("%s: loaded with transformers (tensor %s %s)", path, key, shape)
                     return None

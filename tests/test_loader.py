@@ -599,3 +599,57 @@ def test_a_rotary_narrower_than_the_heads_of_a_llama_family_model_is_refused_at_
     for own in (True, False):
         with pytest.raises(ValueError, match="partial_rotary_factor"):
             load_model(path, device="cpu", dtype="float32", own_decoder=own)
+
+
+def test_a_broken_checkpoint_folder_is_refused_naming_what_is_wrong(tiny_checkpoints, tmp_path):
+    """What a helper's broken folders got instead: a tensor of another shape than its config describes named none
+    (transformers' ignore_mismatched_sizes, a knob Kairos has not); no tokenizer files, or a SentencePiece model
+    alone, said to install sentencepiece or tiktoken; no config.json said it should have a model_type; a shard index
+    that is not JSON named no file. The app's build refuses a file, a folder without config.json, and a config.json
+    that is not JSON, before any replica tries (they passed)."""
+    import importlib.util
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.config import check_local_model
+
+    src = Path(tiny_checkpoints["llama"])
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(src, tmp_path / name))
+    wide = copy("wide")
+    tensors = load_file(str(wide / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = torch.cat([tensors["model.embed_tokens.weight"]] * 2)
+    save_file(tensors, str(wide / "model.safetensors"), metadata={"format": "pt"})
+    for own in (False, True):  # (transformers' from_pretrained, and Kairos's own reader)
+        with pytest.raises(ValueError, match=r"its tensor model.embed_tokens.weight is \[1024, .*config.json "
+                                             r"describes \[512, "):
+            load_model(str(wide), own_decoder=own)
+    bare = copy("no-tokenizer")
+    for f in bare.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            f.unlink()
+    with pytest.raises(ValueError, match="no tokenizer files in"):
+        load_model(str(bare))
+    if importlib.util.find_spec("sentencepiece") is None:
+        (bare / "tokenizer.model").write_bytes(b"\0")
+        with pytest.raises(ValueError, match="a SentencePiece tokenizer.model and no tokenizer.json"):
+            load_model(str(bare))
+    unconfigured = copy("no-config")
+    (unconfigured / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json in"):
+        load_model(str(unconfigured))
+    with pytest.raises(ValueError, match="no config.json in"):
+        check_local_model(str(unconfigured))
+    with pytest.raises(ValueError, match="it is a file"):
+        check_local_model(str(src / "config.json"))
+    garbled = copy("garbled")
+    (garbled / "config.json").write_text("{model_type: llama")
+    with pytest.raises(ValueError, match="its config.json is not a JSON object"):
+        check_local_model(str(garbled))
+    sharded = copy("sharded")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
+    (sharded / "model.safetensors.index.json").write_text("{weight_map: ")
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not JSON"):
+        load_model(str(sharded))

@@ -1019,6 +1019,7 @@ def test_app_is_a_builder_for_serve_run_with_and_without_arguments(tmp_path) -> 
 
     import deployments
 
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # (a folder without one is refused at build)
     for args in ({"model": str(tmp_path), "dtype": "float32"}, {}, {"num_replicas": 2},
                  {"num_replicas": 2, "access_log": "true"}):
         built = serve_builds(deployments.app, args)
