@@ -224,7 +224,7 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
             out["dynamic_lora_loading_path"] = lora["dynamic_lora_loading_path"]
         if lora.get("max_num_adapters_per_replica") is not None:
             per = lora["max_num_adapters_per_replica"]
-            if out.get("max_loras", per) != per:
+            if out.get("max_loras") not in (None, per):
                 raise _refuse("lora_config.max_num_adapters_per_replica", f"{per!r}, where engine_kwargs.max_loras "
                               f"is {out['max_loras']!r}: give one")
             out["max_loras"] = per

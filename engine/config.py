@@ -53,7 +53,9 @@ def check_local_model(model: str) -> None:
     (`deployments.args`), so that `serve run` refuses a checkpoint its replicas would fail to load at once instead
     of after Serve's retries. Anything else (a built-in name, a hub id, a path only the cluster's nodes have) is
     left to the loader."""
-    if not model:
+    from engine.default_model import EMBEDDED_MODELS
+
+    if not model or model in EMBEDDED_MODELS:  # (a built-in name is the loader's, whatever folder is named so here)
         return
     folder = os.path.expanduser(model)
     if os.path.isfile(folder):

@@ -241,14 +241,17 @@ def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load
 
 
 def _mismatched(path: str, config: Any) -> str | None:
-    """The first tensor of a local checkpoint's safetensors whose shape is not the one its config describes, said
-    as a reason (None: none found)."""
-    files = own_model.weight_files(path) if os.path.isdir(path) else None
-    if not files:
-        return None
+    """The first tensor of a local checkpoint's safetensors whose shape is not the one its config describes, or its
+    shard index that is not JSON, said as a reason (None: none found)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    try:
+        files = own_model.weight_files(path) if os.path.isdir(path) else None
+    except ValueError as e:  # (an index that is not JSON)
+        return str(e)
+    if not files:
+        return None
     try:
         with torch.device("meta"):
             wanted = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -340,7 +343,8 @@ def _dummy_model(auto: Any, config: Any, dev: torch.device, load_kw: dict[str, A
         return auto.from_config(config, **kw)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
 def _check_tokenizer_files(path: str, name: str) -> None:
@@ -350,13 +354,14 @@ def _check_tokenizer_files(path: str, name: str) -> None:
     if not os.path.isdir(path):
         return
     names = set(os.listdir(path))
-    if not names & set(TOKENIZER_FILES) and not any(n.endswith(".tiktoken") for n in names):
+    if not names & set(TOKENIZER_FILES) and not any(n.endswith((".tiktoken", ".model")) or "tekken" in n
+                                                    for n in names):
         raise ValueError(f"cannot load tokenizer {name!r}: no tokenizer files in {path} (tokenizer.json, "
                          "tokenizer_config.json, ...): copy the base model's there, or give tokenizer=<its folder>")
     if "tokenizer.model" in names and "tokenizer.json" not in names:
         import importlib.util
 
-        if importlib.util.find_spec("sentencepiece") is None:
+        if importlib.util.find_spec("sentencepiece") is None and importlib.util.find_spec("tiktoken") is None:
             raise ValueError(f"cannot load tokenizer {name!r}: {path} has a SentencePiece tokenizer.model and no "
                              "tokenizer.json; add its tokenizer.json (a fast tokenizer's save_pretrained writes one), "
                              "or install sentencepiece and protobuf to convert it")

@@ -181,7 +181,7 @@ def weight_files(path: str | Path) -> list[Path] | None:
     try:
         names = sorted(set(json.loads(text)["weight_map"].values()))
     except ValueError as e:  # (transformers' own read named no file)
-        raise ValueError(f"cannot load model {str(path)!r}: {_INDEX} is not JSON ({e})") from None
+        raise ValueError(f"{_INDEX} is not JSON ({e})") from None
     except (KeyError, TypeError, AttributeError):
         return None
     if not names or any(not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts for n in names):
@@ -231,9 +231,8 @@ def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
                 if key in wanted and wanted[key] != shape:  # (transformers named no tensor: ignore_mismatched_sizes)
-                    raise ValueError(f"cannot load model {str(path)!r}: its tensor {key} is {list(shape)} in "
-                                     f"{file.name}, where its config.json describes {list(wanted[key])} (a "
-                                     "vocab_size that is not the embedding's rows?)")
+                    raise ValueError(f"its tensor {key} is {list(shape)} in {file.name}, where its config.json "
+                                     f"describes {list(wanted[key])} (a vocab_size that is not the embedding's rows?)")
                 if wanted.get(key) != shape or key in state:
                     log.debug("%s: loaded with transformers (tensor %s %s)", path, key, shape)
                     return None

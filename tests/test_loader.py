@@ -653,3 +653,24 @@ def test_a_broken_checkpoint_folder_is_refused_naming_what_is_wrong(tiny_checkpo
     (sharded / "model.safetensors.index.json").write_text("{weight_map: ")
     with pytest.raises(ValueError, match="model.safetensors.index.json is not JSON"):
         load_model(str(sharded))
+
+
+def test_tokenizer_folders_of_other_layouts_and_built_in_names_pass_the_new_checks(tiny_checkpoints, tmp_path):
+    """The checks above refuse only what is wrong: a Mistral tekken.json, a WordPiece vocab.txt and other
+    SentencePiece names count as tokenizer files; a built-in model's name is the loader's, whatever folder is
+    named so where the app is built."""
+    from engine.config import check_local_model
+    from engine.loader import _check_tokenizer_files
+
+    for name in ("tekken.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "cl100k.tiktoken"):
+        folder = tmp_path / name.replace(".", "-")
+        folder.mkdir()
+        (folder / name).write_text("{}")
+        _check_tokenizer_files(str(folder), "m")  # (no refusal)
+    (tmp_path / "kairos-tiny").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        check_local_model("kairos-tiny")
+    finally:
+        os.chdir(cwd)
