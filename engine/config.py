@@ -49,10 +49,11 @@ def check_family(model: str, family: Any) -> None:
 
 
 def check_local_model(model: str) -> None:
-    """Where `model` is a directory here with a readable config.json, `check_family` on it: where an app is built
+    """Where `model` is a directory here with a readable config.json, `check_family` on it; a file, a directory
+    without config.json, or a config.json that is not JSON, a ValueError: where an app is built
     (`deployments.args`), so that `serve run` refuses a checkpoint its replicas would fail to load at once instead
-    of after Serve's retries. Anything else (a built-in name, a hub id, a path only the cluster's nodes have) is
-    left to the loader."""
+    of after Serve's retries (a path that is a directory here must be the checkpoint the replicas read). Anything
+    else (a built-in name, a hub id, a path only the cluster's nodes have) is left to the loader."""
     from engine.default_model import EMBEDDED_MODELS
 
     if not model or model in EMBEDDED_MODELS:  # (a built-in name is the loader's, whatever folder is named so here)
