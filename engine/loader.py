@@ -241,8 +241,9 @@ def _from_pretrained(model: str, path: str, config: Any, dev: torch.device, load
 
 
 def _mismatched(path: str, config: Any) -> str | None:
-    """The first tensor of a local checkpoint's safetensors whose shape is not the one its config describes, or its
-    shard index that is not JSON, said as a reason (None: none found)."""
+    """The first tensor of a local checkpoint's safetensors whose shape is not the one its config describes, a
+    safetensors file that cannot be read (truncated: its error named no file), or its shard index that is not JSON,
+    said as a reason (None: none found)."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -256,7 +257,11 @@ def _mismatched(path: str, config: Any) -> str | None:
         with torch.device("meta"):
             wanted = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
         for file in files:
-            with safe_open(str(file), framework="pt") as f:
+            try:
+                opened = safe_open(str(file), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError, or an OSError
+                return f"{file.name} is not a readable safetensors file ({_short(e)})"
+            with opened as f:
                 for key in f.keys():
                     shape = tuple(f.get_slice(key).get_shape())
                     if key in wanted and wanted[key] != shape:

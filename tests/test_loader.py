@@ -648,6 +648,11 @@ def test_a_broken_checkpoint_folder_is_refused_naming_what_is_wrong(tiny_checkpo
     (garbled / "config.json").write_text("{model_type: llama")
     with pytest.raises(ValueError, match="its config.json is not a JSON object"):
         check_local_model(str(garbled))
+    truncated = copy("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        load_model(str(truncated))
     sharded = copy("sharded")
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
     (sharded / "model.safetensors.index.json").write_text("{weight_map: ")
