@@ -42,7 +42,7 @@ VLLM_NAMES = {
 }
 # vLLM's engine arguments that change nothing a client sees here: accepted with their value logged
 VLLM_NO_EFFECT = frozenset((
-    "disable_log_requests", "enable_log_requests", "enable_auto_tool_choice",
+    "disable_log_requests", "enable_log_requests",
     "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_custom_all_reduce",
     "max_parallel_loading_workers", "download_dir", "compilation_config", "async_scheduling",
     # (Kairos's own structured outputs and reasoning reader stand for vLLM's backends; logging and loading display)
@@ -232,7 +232,8 @@ def _from_llm_config(cfg: dict[str, Any], i: int = 0) -> dict[str, Any]:
     return out
 
 
-VLLM_ARGUMENTS = frozenset((*VLLM_NAMES, *VLLM_NO_EFFECT, *VLLM_ONE, *VLLM_REFUSED, *VLLM_AT))
+VLLM_ARGUMENTS = frozenset((*VLLM_NAMES, *VLLM_NO_EFFECT, *VLLM_ONE, *VLLM_REFUSED, *VLLM_AT,
+                            "enable_auto_tool_choice"))
 
 
 def vllm_arguments(args: dict[str, Any]) -> dict[str, Any]:
@@ -269,6 +270,7 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise _refuse("engine_kwargs", "must be a mapping of vLLM engine arguments")
     kwargs = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in kwargs.items()}  # (vLLM's CLI names)
     out: dict[str, Any] = {}
+    auto_tools_off = False
     for key, value in kwargs.items():
         if key in VLLM_ONE:
             if value not in (None, VLLM_ONE[key]):
@@ -291,8 +293,15 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise _refuse(f"engine_kwargs.{key}", "give it in model_loading_config (model_source, model_id)")
         elif key == "seed" and value is None:  # (vLLM's: none)
             continue
+        elif key == "enable_auto_tool_choice":  # (true: Kairos reads a model's own tool calls wherever it can)
+            if value is False:  # vLLM's: tool_choice auto is a 400 (Kairos's tool_call_parser none), whatever parser
+                auto_tools_off = True
+            else:
+                log.info("kairos: engine_kwargs.%s=%r changes nothing here; ignored", key, value)
         else:
             out[key] = value
+    if auto_tools_off:
+        out["tool_call_parser"] = "none"
     return out
 
 

@@ -356,6 +356,10 @@ def test_real_configs_fields_are_taken_merged_or_refused_as_ray_serve_llm_means_
     with pytest.raises(ValueError, match="max_num_adapters_per_replica: 16, where engine_kwargs.max_loras is 4"):
         one(engine_kwargs={"max_loras": 4}, lora_config={"max_num_adapters_per_replica": 16})
     assert one(engine_kwargs={"max_loras": 4}, lora_config={"max_num_adapters_per_replica": 4})["max_loras"] == 4
+    # vLLM's enable_auto_tool_choice false: tool_choice auto is a 400 there, whatever the parser (it was no effect)
+    assert one(engine_kwargs={"enable_auto_tool_choice": False, "tool_call_parser": "hermes"})["tool_call_parser"] \
+        == "none"
+    assert "tool_call_parser" not in one(engine_kwargs={"enable_auto_tool_choice": True})
 
 
 def test_the_command_lines_app_arguments_take_vllms_names_as_an_llm_config_does():
