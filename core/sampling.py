@@ -14,6 +14,12 @@ MAX_STOP_CHARS = 16_384  # their characters in all: each token's look costs the 
 MAX_LOGPROBS = 20
 
 
+def max_logprobs_of(max_logprobs: int, vocab: int) -> int:
+    """An engine's cap on a request's logprobs counts: its `max_logprobs` (-1: vLLM's, the vocabulary), at most the
+    vocabulary's size."""
+    return vocab if max_logprobs == -1 else min(max_logprobs, vocab)
+
+
 def finite_number(v: object) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

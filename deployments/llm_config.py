@@ -239,7 +239,7 @@ VLLM_ARGUMENTS = frozenset((*VLLM_NAMES, *VLLM_NO_EFFECT, *VLLM_ONE, *VLLM_REFUS
 def vllm_arguments(args: dict[str, Any]) -> dict[str, Any]:
     """App arguments (`serve run deployments:app key=value`) with vLLM's engine arguments among them read as in a
     Ray Serve LLM config's engine_kwargs (its names, `max-model-len` for `max_model_len`); the rest as they are."""
-    args = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in args.items()}
+    args = _underscored(args)
     vllm = {k: _scalar(v) if k not in VLLM_NAMES else v for k, v in args.items() if k in VLLM_ARGUMENTS}
     if not vllm:
         return args
@@ -248,6 +248,11 @@ def vllm_arguments(args: dict[str, Any]) -> dict[str, Any]:
     except ValueError as e:  # (named as the command line names it)
         raise ValueError(str(e).replace("Ray Serve LLM config: engine_kwargs.", "", 1)) from None
     return {**{k: v for k, v in args.items() if k not in vllm}, **taken}
+
+
+def _underscored(args: dict[str, Any]) -> dict[str, Any]:
+    """Arguments named as vLLM's command line spells them (`max-model-len`) under their names (`max_model_len`)."""
+    return {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in args.items()}
 
 
 def _scalar(value: Any) -> Any:
@@ -268,7 +273,7 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     values, and suggests a near name for an unknown one)."""
     if not isinstance(kwargs, dict):
         raise _refuse("engine_kwargs", "must be a mapping of vLLM engine arguments")
-    kwargs = {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in kwargs.items()}  # (vLLM's CLI names)
+    kwargs = _underscored(kwargs)
     out: dict[str, Any] = {}
     auto_tools_off = False
     for key, value in kwargs.items():

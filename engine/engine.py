@@ -27,7 +27,7 @@ import torch
 
 from core.messages import ChatTurn, ErrorKind, GenerateRequest, PromptOptions, RejectReason, RequestOutput
 from core.request import SLO, FinishReason, LoraSource, Request, Status
-from core.sampling import SamplingParams
+from core.sampling import SamplingParams, max_logprobs_of
 from core.kv import BlockManager
 from engine import backends
 from engine.attention import ATTN_NAME
@@ -324,8 +324,7 @@ class LLMEngine:
         blocks = BlockManager(n, bs)
         # every row sampled, penalized, under min_p and with logprobs: the peak holds the sampler's largest step too
         # (its token counts for `seqs` penalized requests are made here, and freed with the rest)
-        vocab = self.bundle.vocab_limit
-        top = vocab if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab)
+        top = max_logprobs_of(self.config.max_logprobs, self.bundle.vocab_limit)
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                                 frequency_penalty=0.1, logprobs=top)
         prompt = Request("warmup-prefill", [0] * budget, params)

@@ -13,7 +13,7 @@ from typing import Any
 
 from core.messages import ChatTurn, ContextLengthExceeded, PromptOptions, PromptTooLong
 from core.request import SLO, LoraSource, Request
-from core.sampling import MAX_LOGPROBS, SamplingParams, is_int64
+from core.sampling import MAX_LOGPROBS, SamplingParams, is_int64, max_logprobs_of
 from engine.lora import LoraError, LoraServing, LoraSpec, check_adapter
 
 Prompt = str | Sequence[int]
@@ -139,7 +139,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.reject_max_tokens_over_context = reject_max_tokens_over_context
-        self.max_logprobs = vocab_limit if max_logprobs == -1 else max_logprobs
+        self.max_logprobs = max_logprobs_of(max_logprobs, vocab_limit)
 
     def check_lora(self, name: str, path: str) -> int:
         """Whether the folder `path` holds an adapter this engine can serve as `name` (vLLM's /v1/load_lora_adapter

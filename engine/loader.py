@@ -265,8 +265,7 @@ def _mismatched(path: str, config: Any) -> str | None:
                 for key in f.keys():
                     shape = tuple(f.get_slice(key).get_shape())
                     if key in wanted and wanted[key] != shape:
-                        return (f"its tensor {key} is {list(shape)} in {file.name}, where its config.json describes "
-                                f"{list(wanted[key])} (a vocab_size that is not the embedding's rows?)")
+                        return own_model.shape_mismatch(key, shape, wanted[key], file)
     except Exception:  # noqa: BLE001 - (a reason where one is found; transformers' own message otherwise)
         return None
     return None

@@ -164,6 +164,12 @@ class CausalLM(nn.Module):
                            "(model_impl='hf' loads it with transformers)")
 
 
+def shape_mismatch(key: str, shape: tuple[int, ...], wanted: tuple[int, ...], file: Path) -> str:
+    """Why a checkpoint cannot load: its tensor `key` in `file` is of another shape than its config describes."""
+    return (f"its tensor {key} is {list(shape)} in {file.name}, where its config.json describes {list(wanted)} (a "
+            "vocab_size that is not the embedding's rows?)")
+
+
 def weight_files(path: str | Path) -> list[Path] | None:
     """The safetensors files of a checkpoint directory, as `from_pretrained` picks them: the one file, else the shards
     its index names (None: neither, or an index naming a file outside the directory)."""
@@ -231,8 +237,7 @@ def load(path: str | Path, config: Any, dtype: torch.dtype, device: torch.device
             for key in f.keys():
                 shape = tuple(f.get_slice(key).get_shape())
                 if key in wanted and wanted[key] != shape:  # (transformers named no tensor: ignore_mismatched_sizes)
-                    raise ValueError(f"its tensor {key} is {list(shape)} in {file.name}, where its config.json "
-                                     f"describes {list(wanted[key])} (a vocab_size that is not the embedding's rows?)")
+                    raise ValueError(shape_mismatch(key, shape, wanted[key], file))
                 if wanted.get(key) != shape or key in state:
                     log.debug("%s: loaded with transformers (tensor %s %s)", path, key, shape)
                     return None
