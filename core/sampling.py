@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (dividing logits by them overflows)
+# a positive temperature below this is raised to it, as vLLM's (`_MAX_TEMP`): 0 alone is greedy
+MIN_TEMPERATURE = 1e-2
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 MAX_BAD_WORDS = 256  # words in one request's bad_words
 MAX_STOP_STRINGS = 256  # stop strings in one request (OpenAI takes 4, vLLM any number; each is looked for per token)
@@ -83,6 +85,9 @@ class SamplingParams:
     thinking: str | None = None
 
     def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and 0.0 < t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))

@@ -104,6 +104,20 @@ def test_temperature_draws_follow_the_softmax(draw):
         assert torch.all((counts - want).abs() <= 5 * want.sqrt() + 1), (counts, want)
 
 
+def test_a_tiny_positive_temperature_samples_at_vllms_floor(draw):
+    """vLLM raises a positive temperature below 0.01 to 0.01 (0 alone is greedy): two logits 0.01 apart are both
+    drawn at 1e-6 (a greedy row would always take the first), in the softmax's share at 0.01."""
+    assert SamplingParams(temperature=1e-6).temperature == 0.01 and not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.5).temperature == 0.5
+    torch.manual_seed(2)
+    s = Sampler(vocab_limit=6, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
+    logits = torch.tensor([[1.01, 1.0, -5.0, -5.0, -5.0, -5.0]])
+    n = 4000
+    counts = _counts(s, logits, _sampled("tiny", temperature=1e-6), n)
+    want = torch.softmax(logits[0] / 0.01, -1) * n
+    assert torch.all((counts - want).abs() <= 5 * want.sqrt() + 1), (counts, want)
+
+
 def test_top_p_keeps_the_smallest_nucleus_and_top_k_the_k_best(draw):
     torch.manual_seed(1)
     s = Sampler(vocab_limit=200, eos_token_ids=[EOS], device=torch.device("cpu"), draw=draw)
