@@ -307,6 +307,10 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
     if auto_tools_off:
         out["tool_call_parser"] = "none"
+    if "max_num_batched_tokens" in kwargs and "enable_chunked_prefill" not in kwargs:
+        # (vLLM's: a step's token cap, a longer prompt computed in chunks within it; Kairos's prefill_max_tokens alone
+        # is a round's budget that one longer prompt exceeds)
+        out.setdefault("chunked_prefill", True)
     return out
 
 

@@ -276,6 +276,20 @@ def test_a_ray_serve_llm_config_that_names_no_replica_count_gets_one_replica(mon
     assert top.name == "Ingress" and top.init_args[0]._bound_deployment._deployment_config.num_replicas == 2
 
 
+def test_a_ray_serve_llm_config_chunks_long_prompts_as_vllm_v1_unless_told_not_to():
+    """vLLM V1 computes a prompt longer than a step's token budget in chunks by default (Kairos's own default does
+    not: its round budget is one that a longer prompt exceeds); enable_chunked_prefill false turns it off."""
+    from deployments import _ray_serve_llm_defaults
+    from deployments.llm_config import translate
+
+    def chunked(kwargs: dict) -> bool:
+        one = {"model_loading_config": {"model_id": "m"}, "engine_kwargs": {"device": "cpu", **kwargs}}
+        return _ray_serve_llm_defaults(translate({"llm_configs": [one]}))["chunked_prefill"]
+    assert chunked({}) is True and chunked({"max_num_batched_tokens": 512}) is True
+    assert chunked({"enable_chunked_prefill": False}) is False
+    assert chunked({"chunked_prefill": False}) is False  # (Kairos's name, as given)
+
+
 def test_num_replicas_auto_autoscales_as_serve_has_it():
     """Serve's `num_replicas: "auto"`: autoscaling from 1 to 100 replicas (it was a bare integer type error)."""
     from deployments.llm_config import translate
@@ -376,6 +390,12 @@ def test_the_command_lines_app_arguments_take_vllms_names_as_an_llm_config_does(
     assert given(**{"max-model-len": "256", "enable_chunked_prefill": "true", "max_num_batched_tokens": "512",
                     "tensor_parallel_size": "1", "enable_auto_tool_choice": "true"}) \
         == {"max_model_len": 256, "chunked_prefill": True, "prefill_max_tokens": 512}
+    # vLLM's max_num_batched_tokens caps every step: a longer prompt is computed in chunks (Kairos's own
+    # prefill_max_tokens alone stays a round's budget, as it was)
+    assert given(max_num_batched_tokens="512") == {"chunked_prefill": True, "prefill_max_tokens": 512}
+    assert given(max_num_batched_tokens="512", enable_chunked_prefill="false") \
+        == {"chunked_prefill": False, "prefill_max_tokens": 512}
+    assert given(prefill_max_tokens="512") == {"prefill_max_tokens": 512}
     with pytest.raises(ValidationError, match="tensor_parallel_size: 2: a Kairos replica runs its model on one GPU"):
         AppArgs.model_validate({"tensor_parallel_size": "2"})
     assert given(allowed_origins='["https://a.example", "https://b.example"]')["allowed_origins"] \
