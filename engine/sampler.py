@@ -493,10 +493,9 @@ class Sampler:
         vals: list[list[float]] = []
         ids: list[list[int]] = []
         for a in range(0, len(targets), per):
-            logits = rows(a, min(a + per, len(targets)))
-            if logits.shape[-1] > self.vocab_limit:
-                logits = logits[:, : self.vocab_limit]
-            raw = torch.log_softmax(logits.float(), dim=-1)
+            # over every row of the model's head (vLLM's, a padded vocabulary's too), the tokens beyond the
+            # tokenizer's never named
+            raw = torch.log_softmax(rows(a, min(a + per, len(targets))).float(), dim=-1)[:, : self.vocab_limit]
             v, i = _logprob_columns(raw, _to(targets[a:a + per], raw.device, torch.long), k)
             vals.extend(v.tolist())
             ids.extend(i.tolist())
@@ -511,10 +510,11 @@ class Sampler:
     @torch.inference_mode()
     def draw(self, logits: torch.Tensor, d: "Draws") -> "SampledTokens":
         """The step's tokens from its logits (the sampler's to change) and its `plan`."""
+        # the rows' log-probabilities as the model gave them (vLLM's raw_logprobs), before any change below: over
+        # every row of its head (vLLM's, a padded vocabulary's too), the tokens beyond the tokenizer's never named
+        raw = _log_softmax_rows(logits, [i for i, _ in d.logprobs])[:, : self.vocab_limit] if d.logprobs else None
         if logits.shape[-1] > self.vocab_limit:  # rows the tokenizer cannot decode are never sampled
             logits = logits[:, : self.vocab_limit]
-        # the rows' log-probabilities as the model gave them (vLLM's raw_logprobs), before any change below
-        raw = _log_softmax_rows(logits, [i for i, _ in d.logprobs]) if d.logprobs else None
         logits = self._processed(logits, d)
         # the JSON rows' logits as processed, a copy (the draw below may change them in place: temperature, top-k)
         json_logits = logits[_to([i for i, _ in d.json], logits.device)] \

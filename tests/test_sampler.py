@@ -379,13 +379,13 @@ def test_logprobs_are_the_raw_distributions_of_their_rows_only(path):
     s = Sampler(vocab_limit=40, eos_token_ids=[EOS], device=torch.device("cpu"), **kw)
     logits = torch.randn(5, 48, generator=torch.Generator().manual_seed(5))
     logits[:, 9] = 4.0  # every row's favourite...
-    logits[:, 44] = 50.0  # ...past the tokenizer's vocabulary: never drawn, never counted
+    logits[:, 44] = 5.0  # ...past the tokenizer's vocabulary: never drawn or named, counted (the model's, as vLLM's)
     reqs = [_req("greedy", logprobs=3),
             _req("biased", logprobs=0, logit_bias={9: -100.0}),  # draws another token: rank > 1
             _sampled("sampled", temperature=1.5, seed=3, logprobs=40),  # the whole vocabulary
             _req("none"),
             _req("penalized", logprobs=2, repetition_penalty=3.0, min_tokens=1, max_tokens=4)]
-    ref = torch.log_softmax(logits[:, :40].float(), dim=-1)
+    ref = torch.log_softmax(logits.float(), dim=-1)[:, :40]
     plan = s.plan(reqs)
     out = s.draw(logits.clone(), plan)
     toks, lps = out.result(), out.logprobs()
@@ -419,7 +419,7 @@ def test_prompt_logprobs_of_spans_in_passes(monkeypatch):
     logits = torch.randn(7, 32, generator=torch.Generator().manual_seed(9))
     spans = [("a", 0, [4, 8, 15, 16], 2), ("b", 5, [23, 31, 0], 0)]  # 31: past the vocabulary
     got = s.prompt_logprobs(lambda a, b: logits[a:b], spans)
-    ref = torch.log_softmax(logits[:, :30], dim=-1)
+    ref = torch.log_softmax(logits, dim=-1)[:, :30]  # (over the head's every row, as vLLM's)
     targets = [4, 8, 15, 16, 23, 31, 0]
     rows = got["a"][1] + got["b"][1]
     assert (got["a"][0], got["b"][0]) == (0, 5) and len(rows) == 7
