@@ -222,7 +222,8 @@ _HEADLINE = ("<!-- headline:begin -->", "<!-- headline:end -->")
 
 
 def git_commit() -> str:
-    """The checkout's commit (short), with "+dirty" when tracked files differ from it; "" outside git."""
+    """The checkout's commit (short), with "+dirty" when tracked files differ from it; outside git (a device's copy of
+    the working tree) KAIROS_COMMIT, else ""."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
@@ -231,7 +232,7 @@ def git_commit() -> str:
                              check=True).stdout.strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
     except (OSError, subprocess.CalledProcessError):
-        return ""
+        return os.environ.get("KAIROS_COMMIT", "")
     return sha + ("+dirty" if dirty else "")
 
 

@@ -135,6 +135,26 @@ def test_ingest_keeps_call_1s_rows_over_a_fresh_call_2_and_goes_on_past_a_cut_ar
     assert any("WARNING: no replica profile" in line for line in note)
 
 
+def test_ingest_takes_the_profile_beside_a_cut_off_summary_and_says_why_a_run_has_no_rows(tmp_path: Path,
+                                                                                           capsys) -> None:
+    """A call cut off before its archive: the replica profile slo_gpu.py keeps beside its summary is taken. A run
+    that wrote no summary (its server never came up) prints its log's last lines, and one that ended on an error
+    says so; a summary that records no commit gets the one given (main: this checkout's)."""
+    ingest, (call1, call2, sums, models) = _ingest_module(), _lease_dirs(tmp_path)
+    (call1 / "slo-gpu.json").write_text(json.dumps(dict(_slo_gpu_doc(), error="RuntimeError: cut")))
+    (call1 / "replica-profile.json").write_text(json.dumps({"format": 2, "meta": {}}))
+    (call1 / "slo_gpu.log").write_text("building\nRuntimeError: cut\n")
+    written, note = ingest.ingest([call1], commit="abc1234", summaries=sums, sim_models=models)
+    assert any(p.parent == models and "measured" in p.name for p in written)
+    assert any("ended on an error: RuntimeError: cut" in line for line in note)
+    assert json.loads((sums / "slo-gpu-h200-llama8b.json").read_text())["commit"] == "abc1234"
+    (call2 / "slo_gpu.log").write_text("starting the server\nRuntimeError: the server did not come up\n")
+    (call2 / "mixed-check.log").write_text("1 failed\n")
+    assert ingest.main([str(call2), "--no-readme"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing to ingest" in out and "the server did not come up" in out and "1 failed" in out
+
+
 def test_ingest_keeps_a_leases_results_as_summaries(tmp_path: Path) -> None:
     """bench/device/ingest.py: a lease's files (two calls, the later one's wins) become summaries and a profile,
     and the SLO summary feeds its headline row."""

@@ -17,7 +17,7 @@ call 2's resumed one holds call 1's rows as well, one started afresh on another 
 then regenerates bench/README.md's table and README.md's headlines (`bench.report`), and prints what the issue's
 note wants: the SLO rows as a table, the acceptance checks, the HTTP hop, tests/gpu's counts and failures, and the
 mixed graphs' check (mixed-check.log). TAG is the GPU's model ("NVIDIA H200" -> h200) unless given; a summary's
-commit is the one the device recorded, else --commit. SHAPE drops its dash (llama-8b -> llama8b), as the names of
+commit is the one the device recorded, else --commit (default: this checkout's). SHAPE drops its dash (llama-8b -> llama8b), as the names of
 the first lease's summaries do.
 """
 from __future__ import annotations
@@ -229,6 +229,14 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
             except (tarfile.TarError, EOFError, OSError, ValueError) as e:
                 data = None
                 note.append(f"  WARNING: no replica profile from {tgz}: {type(e).__name__}: {e}")
+        if data is None:  # the copy slo_gpu.py keeps beside its summary (a call cut off before its archive)
+            plain = slo_path.parent / "replica-profile.json"
+            plain = plain if plain.is_file() else latest(dirs, "replica-profile.json")
+            try:
+                data = plain.read_bytes() if plain is not None else None
+                json.loads(data) if data is not None else None
+            except (OSError, ValueError):
+                data = None
         if data is not None:
             for suffix in stamps(run.get("date") or "")[1:]:  # another lease's of the same day stays
                 path = sim_models / f"{tag}-{shape}-measured{suffix}.json"
@@ -275,6 +283,12 @@ def ingest(dirs: list[Path], tag: str | None = None, commit: str | None = None,
     if mixed is not None:
         note.append("mixed graphs' check (mixed-check.log, last lines):")
         note += ["  " + line for line in mixed.read_text(errors="replace").splitlines()[-4:]]
+    if slo is not None and slo.get("error"):
+        note.append(f"  WARNING: the SLO run ended on an error: {slo['error']}")
+    log = latest(dirs, "slo_gpu.log")
+    if log is not None and (slo is None or slo.get("error") or not slo.get("rows")):  # why it has no rows
+        note.append("SLO run's log (slo_gpu.log, last lines):")
+        note += ["  " + line for line in log.read_text(errors="replace").splitlines()[-12:]]
     return written, note
 
 
@@ -282,17 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+", type=Path, help="the files of each run call, in the order of the calls")
     ap.add_argument("--tag", default=None, help="the host's name in the summaries' names (default: the GPU model)")
-    ap.add_argument("--commit", default=None, help="the commit the device ran, where a file does not say")
+    ap.add_argument("--commit", default=None, help="the commit the device ran, where a file does not say (default: "
+                    "this checkout's)")
     ap.add_argument("--no-readme", action="store_true", help="leave bench/README.md and README.md as they are")
     args = ap.parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]
     if missing:
         ap.error(f"not a folder: {', '.join(map(str, missing))}")
-    written, note = ingest(args.dirs, args.tag, args.commit)
+    commit = args.commit or report.git_commit()  # (the device has no .git: its files record none)
+    written, note = ingest(args.dirs, args.tag, commit)
     for p in written:
         print(f"wrote {p}")
     if not written:
         print("nothing to ingest: no slo-gpu.json, overhead-http-gpu.json, prefill-model-*.json or gpu-check.json")
+        print("\n".join(["", "for the note:", *note]))
         return 1
     if not args.no_readme:
         print(f"bench/README.md {'updated' if report.update_readme() else 'unchanged'}; "

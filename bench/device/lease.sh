@@ -2,7 +2,8 @@
 # Issue 55's device work in one lease (15 minutes of device time, all calls together; a fresh host takes ~35 s to
 # start), in two calls of this script, the second at once on the warm host (it goes back after 30 s idle):
 #   here first: bash bench/device/bundle.sh
-#   call 1: run(carry=[".dev"], timeout_s=600, command="bash bench/device/lease.sh 1")
+#   call 1: run(carry=[".dev"], timeout_s=600, command="KAIROS_COMMIT=<sha> bash bench/device/lease.sh 1")
+#           (<sha>: `git rev-parse --short HEAD` here; the device's copy has no .git)
 #           the graphs' check (tests/gpu's graph tests, up to 180 s: without the mixed graphs if they fail), then
 #           slo_gpu.sh (the SLO experiment) within what is left of 585 s (a call's most is 600 s; the summary is
 #           rewritten after each arm, so even a call cut off keeps what it finished; what it did not finish,

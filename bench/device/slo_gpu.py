@@ -102,14 +102,15 @@ def run_slo(target: str, out: Path, args: argparse.Namespace, clock: Clock, extr
         log(f"out of time before {out.name}")
         return None
     log(" ".join(cmd[2:]))
-    with open(out.with_suffix(".log"), "w") as f:
+    log_path = out.with_name(out.name + ".log")  # (not with_suffix: "fcfs-predicted-1.5x" has ".5x" for one)
+    with open(log_path, "w") as f:
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=left).returncode
         except subprocess.TimeoutExpired:
             log(f"{out.name}: cut off by the time limit")
             return None
     if rc != 0 or not (out / "results.json").is_file():
-        log(f"{out.name}: bench.slo exit {rc}; see {out.with_suffix('.log')}")
+        log(f"{out.name}: bench.slo exit {rc}; see {log_path}")
         return None
     return json.loads((out / "results.json").read_text())
 
@@ -412,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=1, default=str))
             os.replace(tmp, path)
+        beside = summary_path.parent / profile.name  # the replica profile beside the summary (a call cut off before
+        if profile.is_file() and beside.resolve() != profile.resolve():  # its archive is written keeps it)
+            tmp = beside.with_name(beside.name + ".tmp")
+            tmp.write_bytes(profile.read_bytes())
+            os.replace(tmp, beside)
 
     build_model(args.shape, args.model_dir, args.dtype, args.device, args.window, weights=False)
     doc["phases"]["built_s"] = time.monotonic() - clock.t0
@@ -583,6 +589,10 @@ def main(argv: list[str] | None = None) -> int:
             doc["oracle"] = bounds(arm_recs)
             doc["acceptance"] = acceptance(doc["rows"], doc["oracle"], loads)
             save()
+    except BaseException as e:  # the summary says how the run ended (a server that never came up: no rows)
+        doc["error"] = f"{type(e).__name__}: {e}"
+        save()
+        raise
     finally:
         ending = True
         servers.close()

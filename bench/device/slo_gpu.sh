@@ -86,6 +86,8 @@ else
   rm -rf /tmp/slo_gpu  # a host can come back with an earlier lease's /tmp
 fi
 "$PY" bench/device/slo_gpu.py "${args[@]}" --out /tmp/slo_gpu --summary-out "$OUT/slo-gpu.json" 2>&1 | tee "$OUT/slo_gpu.log"
-echo "slo_gpu exit ${PIPESTATUS[0]}, $(( $(date +%s) - T0 )) s in all"
+rc=${PIPESTATUS[0]}
+echo "slo_gpu exit $rc, $(( $(date +%s) - T0 )) s in all"
 tar --exclude='*.png' --exclude='*.safetensors' -czf "$OUT/slo_gpu-out.tgz" -C /tmp slo_gpu 2>/dev/null
 ls -la "$OUT"
+exit "$rc"
