@@ -160,13 +160,14 @@ class ToolCallReader:
 Call = tuple[str, Any]  # a call's name and arguments
 
 
-def as_call(value: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> Call | None:
+def as_call(value: Any, keys: tuple[str, ...] = ("arguments", "parameters"), bare: bool = True) -> Call | None:
     """A call from its JSON value: an object with a `name` and its arguments (an object, or their JSON text) under
-    one of `keys` (none: no arguments), else None. Text that is no JSON is itself the value: a JSON string (as
+    one of `keys` (none: no arguments, where `bare`; else no call: a format with no marker around its calls, whose
+    JSON answer with a "name" is no call, as vLLM's), else None. Text that is no JSON is itself the value: a JSON string (as
     vLLM writes it: `"hello"`), not text a client cannot read as JSON."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    args = next((value[k] for k in keys if k in value), {})
+    args = next((value[k] for k in keys if k in value), {} if bare else None)
     if isinstance(args, str):
         try:
             _DECODER.decode(args)
@@ -963,8 +964,8 @@ class CallList:
     (an `ObjectCall` each; one not sent before its text ended is read whole there); `stopped` where the text goes
     on with something else (the list's end, or text that is no call). `feed` takes all the text so far."""
 
-    def __init__(self, keys: tuple[str, ...], seps: str) -> None:
-        self.keys, self.seps = keys, seps
+    def __init__(self, keys: tuple[str, ...], seps: str, bare: bool = True) -> None:
+        self.keys, self.seps, self.bare = keys, seps, bare  # (bare: `as_call`'s)
         self.pos = 0  # where the next object (or the open one) starts
         self.open: ObjectCall | None = None
         self.stopped = False
@@ -992,7 +993,7 @@ class CallList:
                 break
             end = len(text) - len(rest)
             if not self.open.sent:
-                call = as_call(value, self.keys)
+                call = as_call(value, self.keys, self.bare)
                 if call is None:
                     self.stopped = True
                     break
@@ -1019,8 +1020,8 @@ class CallList:
 class Llama3JsonReader(ToolCallReader):
     """A reply that opens (after whitespace, and an optional `<|python_tag|>`) with `{` is calls: JSON objects
     `{"name", "parameters"}` separated by `;`, each streamed as it is written (`CallList`), and any text after
-    them content; any other reply is content, streamed at once. A reply whose first object is no call is all
-    content."""
+    them content; any other reply is content, streamed at once. A reply whose first object is no call (one without
+    its arguments too: a JSON answer with a "name", as vLLM reads it) is all content."""
 
     TAG = "<|python_tag|>"
 
@@ -1029,7 +1030,7 @@ class Llama3JsonReader(ToolCallReader):
         self._buf = ""
         self._mode: str | None = None  # "text" or "calls", once the reply's start says
         self._body = 0  # where in the reply the calls start
-        self._list = CallList(("arguments", "parameters"), ";")
+        self._list = CallList(("arguments", "parameters"), ";", bare=False)  # (a JSON answer may have a "name")
 
     def feed(self, text: str) -> ReplyDelta:
         if self._mode == "text":

@@ -48,6 +48,8 @@ CASES = [
     ("llama3_json", '\n {"name": "f", "parameters": {"q": 1}}', None, [("f", {"q": 1})]),
     ("llama3_json", "Hello {there}", "Hello {there}", []),
     ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+    # a JSON answer with a "name" but no arguments is content, not a call (nothing marks llama3's calls; vLLM's)
+    ("llama3_json", '{"name": "John Smith", "age": 31}', '{"name": "John Smith", "age": 31}', []),
     ("mistral", 'Sure[TOOL_CALLS][{"name": "f", "arguments": {"a": 2}}, {"name": "g", "arguments": {}}]', "Sure",
      [("f", {"a": 2}), ("g", {})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 2}[TOOL_CALLS]g{"b": [3]}', None, [("f", {"a": 2}), ("g", {"b": [3]})]),
