@@ -33,7 +33,8 @@ from core.messages import ChatTurn, PromptOptions, RequestMetrics, TokenLogprob,
 from core.request import MAX_OUTPUT_LEN_HINT, MAX_SLO_MS, check_slo_value
 from core.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from deployments.reasoning import ReplyReader, reasoning_reader
-from deployments.tool_calls import NamedToolReader, RequiredToolReader, ToolCallReader, model_format_reader
+from deployments.tool_calls import (NamedToolReader, RequiredToolReader, ToolCallReader, mistral_call_id,
+                                    model_format_reader)
 
 
 def _documented(schema: dict[str, Any]) -> Any:
@@ -804,7 +805,10 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         where the reply is text."""
         tools = self.called_tools()
         if tools is not None:
-            return NamedToolReader(tools[0].name) if isinstance(self.tool_choice, dict) else RequiredToolReader()
+            reader = NamedToolReader(tools[0].name) if isinstance(self.tool_choice, dict) else RequiredToolReader()
+            if parser == "mistral":  # (its templates take back only ids of its own shape on the next turn)
+                reader.new_id = mistral_call_id  # type: ignore[method-assign]
+            return reader
         if not (self.auto_tools() and parser):
             return None
         return model_format_reader(parser, [t.function.model_dump() for t in self.tools or ()])

@@ -28,6 +28,8 @@ import ast
 import json
 import math
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,14 @@ def detect(template: Any) -> str | None:
 
 def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """A call's id as Mistral's chat templates take it back on the next turn: 9 letters and digits (vLLM's)."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 @dataclass(slots=True)
@@ -114,6 +124,7 @@ class ToolCallReader:
     `as_calls`: a reply with calls ends with finish reason `tool_calls` (not for a named tool, as OpenAI's)."""
 
     as_calls = True
+    new_id = staticmethod(call_id)  # each call's id
 
     def __init__(self) -> None:
         self.calls = 0
@@ -135,7 +146,7 @@ class ToolCallReader:
         return (d.content if d.content.strip() or not d.calls else None), merge_calls(d.calls)
 
     def _call(self, name: str, arguments: Any) -> dict[str, Any]:
-        entry = {"index": self.calls, "id": call_id(), "type": "function",
+        entry = {"index": self.calls, "id": self.new_id(), "type": "function",
                  "function": {"name": name, "arguments": _arguments(arguments)}}
         self.calls += 1
         return entry
@@ -818,6 +829,7 @@ class MistralReader(_MarkedReader):
 
     START = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    new_id = staticmethod(mistral_call_id)  # (Mistral's templates refuse any other id on the next turn)
     _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a function's name (OpenAI's: letters, digits, _ and -)
 
     def __init__(self) -> None:

@@ -3,6 +3,7 @@ of every size (the same calls and content however the text is cut), and the form
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -104,7 +105,9 @@ def _named(calls: list[dict]) -> list[tuple[str, object]]:
 def test_a_reply_reads_as_the_same_content_and_calls_whole_and_in_every_cut(fmt, reply, content, calls) -> None:
     got_content, got_calls = model_format_reader(fmt).whole(reply)
     assert got_content == content and _named(got_calls) == calls
-    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in got_calls)
+    # (Mistral's: 9 letters and digits, all its chat templates take back on the next turn; vLLM's)
+    assert all((re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) if fmt == "mistral" else c["id"].startswith("chatcmpl-tool-"))
+               and c["type"] == "function" for c in got_calls)
     assert len({c["id"] for c in got_calls}) == len(got_calls)
     for step in range(1, len(reply) + 1):
         d = _streamed(model_format_reader(fmt), reply, step)
@@ -345,3 +348,22 @@ def test_what_follows_a_sent_call_whose_json_broke_is_the_same_content_in_every_
     assert json.loads(calls[0]["function"]["arguments"]) == {"n": digits}
     assert json.loads(merge_calls(_streamed(model_format_reader("qwen3_coder", tools), reply, 7).calls)[0][
         "function"]["arguments"]) == {"n": digits}
+
+
+def test_a_mistral_models_calls_get_ids_its_templates_take_back_whatever_the_tool_choice():
+    """Mistral's chat templates refuse a call id that is not 9 letters and digits on the next turn (a 400 for every
+    second turn of a tool conversation): its own format's calls, "required"'s and a named tool's get such ids, as
+    vLLM's; another model's keep OpenAI's shape."""
+    from deployments.protocol import ChatCompletionRequest
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    for choice, reply in (("required", '[{"name": "f", "parameters": {"a": 1}}]'),
+                          ({"type": "function", "function": {"name": "f"}}, '{"a": 1}'),
+                          ("auto", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')):
+        req = ChatCompletionRequest.model_validate({**base, "tool_choice": choice})
+        _, calls = req.tool_reader("mistral").whole(reply)
+        assert len(calls) == 1 and re.fullmatch(r"[A-Za-z0-9]{9}", calls[0]["id"]), (choice, calls)
+        if choice != "auto":
+            _, calls = req.tool_reader("hermes").whole(reply)
+            assert calls[0]["id"].startswith("chatcmpl-tool-")
