@@ -184,6 +184,11 @@ class InputProcessor:
         ValueError on bad input. With `truncate_prompt_tokens`, its last k (-1: as many as the context window takes
         with a token of reply). With `empty`, an empty text prompt is the tokenizer's own ids alone (/tokenize's, as
         vLLM's)."""
+        return self._prompt(prompt, messages, options, empty)[0]
+
+    def _prompt(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None, options: PromptOptions | None,
+                empty: bool = False) -> tuple[list[int], str | None]:
+        """`prompt_ids`' ids, and a chat's prompt as its template rendered it (else None)."""
         options = (options or PromptOptions()).check()
         k = options.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:  # (vLLM's 400)
@@ -203,7 +208,7 @@ class InputProcessor:
         if k is not None:
             keep = self.max_model_len - 1 if k == -1 else k
             ids = ids[-keep:] if len(ids) > keep else ids
-        return ids
+        return ids, (prompt if messages is not None else None)  # type: ignore[return-value]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize); ValueError for ids outside the
@@ -228,18 +233,19 @@ class InputProcessor:
         return tuple(dict.fromkeys(out))
 
     def prompt_thinking(self, ids: Sequence[int], messages: Sequence[ChatTurn] | None = None,
-                        options: PromptOptions | None = None) -> str | None:
+                        options: PromptOptions | None = None, rendered: str | None = None) -> str | None:
         """Where the prompt's end leaves a reasoning model's thinking (`RequestOutput.prompt_thinking`): "closed"
         (`</think>` last: a template that switched the thinking off), "open" (`<think>` last: the reply starts
-        inside it), else None. Of a chat's prompt whose template opens the assistant's turn (`messages`, `options`),
-        only what the template writes to open it counts (its last message rendered with and without that turn: a
-        user may name the tags); else the prompt's last tokens (a message the reply goes on from is its own)."""
+        inside it), else None. Of a chat's prompt whose template opens the assistant's turn (`messages`, `options`;
+        `rendered`: the prompt as rendered, else rendered here), only what the template writes to open it counts
+        (the conversation rendered with and without that turn: a user may name the tags, and the turn a template
+        opens may follow from an earlier message, as SmolLM3's system prompt's /no_think); else the prompt's last
+        tokens (a message the reply goes on from is its own)."""
         tail = None
         if messages and options is not None and options.add_generation_prompt and not options.continue_final_message:
             try:
-                last = list(messages[-1:])
-                opened = self.render_chat(last, options)
-                bare = self.render_chat(last, dataclasses.replace(options, add_generation_prompt=False))
+                opened = rendered if rendered is not None else self.render_chat(messages, options)
+                bare = self.render_chat(messages, dataclasses.replace(options, add_generation_prompt=False))
                 # (a template that writes nothing to open the turn, or writes it whatever it is asked: the tokens)
                 tail = opened[len(bare):] if opened.startswith(bare) and len(opened) > len(bare) else None
             except (ValueError, TypeError):
@@ -278,7 +284,7 @@ class InputProcessor:
         if any(t >= self.vocab_limit for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids must be below the vocabulary size {self.vocab_limit}")
         slo = (slo or SLO()).validate()
-        ids = self.prompt_ids(prompt, messages, options)
+        ids, rendered = self._prompt(prompt, messages, options)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise PromptTooLong(len(ids), limit)
@@ -301,7 +307,8 @@ class InputProcessor:
             params = dataclasses.replace(params, max_tokens=rest, min_tokens=min(params.min_tokens, rest))
         # where the prompt leaves the thinking: asked for its stream, and a guided reply's as the prompt leaves it
         # (closed already: the format holds from the first token; open: the reply starts inside it; else as asked)
-        state = self.prompt_thinking(ids, messages, options) if read_thinking or params.thinking is not None else None
+        state = self.prompt_thinking(ids, messages, options, rendered) \
+            if read_thinking or params.thinking is not None else None
         if params.thinking is not None and state is not None:
             params = dataclasses.replace(params, thinking=None if state == "closed" else "open")
         if params.min_tokens and params.allowed_token_ids and \

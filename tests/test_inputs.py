@@ -386,6 +386,32 @@ def test_a_users_think_tags_do_not_say_where_the_prompt_leaves_the_thinking():
     assert inputs.prompt_thinking(inputs.prompt_ids(None, continued, options), continued, options) == "open"
 
 
+def test_where_the_prompt_leaves_the_thinking_follows_an_earlier_messages_switch():
+    """A template whose assistant turn follows from an earlier message (SmolLM3's: /no_think in the system prompt
+    closes the thinking): the whole conversation says where the prompt leaves it (its last message alone read as
+    none, so a deepseek_r1 reply was all reasoning, and a guided one waited for a </think> never written)."""
+    from core.sampling import SamplingParams
+
+    tok = build_tokenizer(TINY_VOCAB)
+    tok.chat_template = (
+        "{%- set ns = namespace(mode='think') -%}"
+        "{%- for m in messages -%}{%- if m.role == 'system' and '/no_think' in m.content -%}"
+        "{%- set ns.mode = 'no_think' -%}{%- endif -%}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+        "{%- if ns.mode == 'no_think' -%}<think>\n\n</think>\n{%- endif -%}{%- endif -%}")
+    inputs = _inputs(tok)
+    for system, want in (("Be terse. /no_think", "closed"), ("Be terse.", None)):
+        messages = (ChatTurn("system", system), ChatTurn("user", "Capital of France?"))
+        ids = inputs.prompt_ids(None, messages, PromptOptions())
+        assert inputs.prompt_thinking(ids, messages, PromptOptions()) == want, system
+        got = inputs.process(None, SamplingParams(max_tokens=4), None, None, messages, read_thinking=True)
+        assert got.prompt_thinking == want, system
+        guided = SamplingParams(max_tokens=4, json_object=True, thinking="open")
+        assert inputs.process(None, guided, None, None, messages).params.thinking == \
+            ("open" if want is None else None), system
+
+
 def test_tokenize_takes_an_empty_prompt_as_vllm_does(bos_tokenizer):
     """vLLM's /tokenize: an empty prompt is its special tokens alone (a generation refuses it; /tokenize did too)."""
     from core.sampling import SamplingParams
