@@ -12,7 +12,7 @@ are timed as the engine gave the tokens (when they were put on the request's str
 stream pacing reads a stream's tokens in chunks (`deployments/pacing.py`).
 
 Beside them, the series Ray Serve LLM's vLLM engines export, under vLLM's names (`VllmSeries`: `vllm_*`, exported as
-`ray_vllm_*` and tagged `model_name`): Ray's own Serve LLM Grafana dashboard reads them, and the serving port's
+`ray_vllm_*` and tagged `model_name` and `engine`): Ray's own Serve LLM Grafana dashboard reads them, and the serving port's
 `/metrics` gives them as vLLM's server names them (`vllm:*`, `VLLM_RENAME`).
 
 Every request a replica's engine takes ends counted once: rejected (`requests_rejected`), abandoned while it
@@ -96,7 +96,7 @@ class _TierRecorder:
 
 
 def _one_two_five(top: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to `top` (vLLM's buckets for token counts)."""
+    """1, 2, 5, 10, 20, 50, ... up to `top` (vLLM's buckets for token counts, up to its max_model_len)."""
     out, scale = [], 1
     while True:
         for m in (1, 2, 5):
@@ -104,6 +104,9 @@ def _one_two_five(top: int) -> list[float]:
                 return out
             out.append(float(m * scale))
         scale *= 10
+
+
+LENGTH_TOP = 10_000_000  # the token-count histograms' last finite bucket (a window of 10M tokens: Llama 4's)
 
 
 class VllmSeries:
@@ -114,20 +117,23 @@ class VllmSeries:
     LLM's. Per request, observed when it ends (`time_per_output_token` once per request, its mean: vLLM's
     request_time_per_output_token), but for `time_to_first_token`, observed at the first token, and
     `inter_token_latency`, observed per token as they come (`itl`; an item of n tokens: n gaps of its time over n),
-    as vLLM observes them. Latency buckets are vLLM's (`VLLM_TTFT_S`, `VLLM_ITL_S`, `VLLM_REQUEST_S`)."""
+    as vLLM observes them. Latency buckets are vLLM's (`VLLM_TTFT_S`, `VLLM_ITL_S`, `VLLM_REQUEST_S`); token counts'
+    are its 1-2-5 steps up to `LENGTH_TOP` whatever the model's window (vLLM's end at it: Ray's metrics agent keeps
+    the first buckets a name is reported with on a node, and dropped the counts of every other model's replicas
+    there). Each series has vLLM's `engine` tag ("0": one engine a replica)."""
 
-    def __init__(self, model: str, max_model_len: int = 1 << 17) -> None:
-        tags = {"model_name": model}
+    def __init__(self, model: str) -> None:
+        tags = {"model_name": model, "engine": "0"}
 
         def made(kind: type, name: str, desc: str, keys: tuple[str, ...] = (), **kw: Any) -> Any:
-            m = kind(f"vllm_{name}", description=desc, tag_keys=keys + ("model_name",), **kw)
+            m = kind(f"vllm_{name}", description=desc, tag_keys=keys + ("model_name", "engine"), **kw)
             m.set_default_tags(dict(tags))  # Serve mutates the dict
             return m
 
         def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
             return made(Histogram, name, desc, boundaries=bounds)
 
-        lengths = _one_two_five(max(max_model_len, 2))
+        lengths = _one_two_five(LENGTH_TOP)
         self.running = made(Gauge, "num_requests_running", "requests running (admitted, unfinished)")
         self.waiting = made(Gauge, "num_requests_waiting", "requests waiting to be admitted")
         self.kv_usage = made(Gauge, "kv_cache_usage_perc", "KV cache blocks in use, a fraction of all (0 to 1)")
@@ -207,11 +213,11 @@ def replica_wait_histogram(model: str) -> Histogram:
 class ReplicaMetrics:
     """All series one LLM replica exports. Cheap to call from the request path (no I/O)."""
 
-    def __init__(self, model: str, max_model_len: int = 1 << 17, served_name: str | None = None) -> None:
+    def __init__(self, model: str, served_name: str | None = None) -> None:
         """`model`: the model argument (the `model` tag); `served_name`: its name to clients, the vLLM series'
         `model_name` (None: `model`)."""
         tier, model_tags = ("tier", "model"), {"model": model}
-        self.vllm = VllmSeries(served_name or model, max_model_len)
+        self.vllm = VllmSeries(served_name or model)
 
         def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
             h = Histogram(f"kairos_{name}", description=desc, boundaries=bounds, tag_keys=tier + ("model",))

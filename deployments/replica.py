@@ -265,7 +265,7 @@ class LLMReplica:
         self.log_prompts = log_prompts
         self.pacing = pacing or StreamPacing()
         self._pacing_running: int | None = None  # the LLM replicas running, as the last request said
-        self.metrics = ReplicaMetrics(str(cfg.model), self.engine.max_model_len, served_name)
+        self.metrics = ReplicaMetrics(str(cfg.model), served_name)
         self._stats_log = StatsLog(log_stats_s) if log_stats_s > 0 else None
         self.inflight = 0
         self._inflight_peak = 0  # the most in flight since the last autoscaling report

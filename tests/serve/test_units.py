@@ -2837,7 +2837,7 @@ def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_
     monkeypatch.setattr(Mx, "Counter", recording_counter(incs))
     monkeypatch.setattr(Mx, "Histogram", H)
     monkeypatch.setattr(Mx, "Gauge", G)
-    m = Mx.ReplicaMetrics("m", max_model_len=4096)
+    m = Mx.ReplicaMetrics("m")
     m.update_engine(SimpleNamespace(num_running=2, num_waiting=3, kv_blocks_used=1, kv_blocks_total=4, preemptions=2,
                                     prefix_cache_queries=10, prefix_cache_hits=4), 0)
     assert (gauges["vllm_num_requests_running"], gauges["vllm_num_requests_waiting"],
@@ -2887,20 +2887,29 @@ def test_the_vllm_series_take_vllms_buckets_and_the_replica_logs_vllms_stats_lin
     from deployments import metrics as Mx
 
     bounds: dict[str, list[float]] = {}
+    tagged: dict[str, dict] = {}
 
     class H:
         def __init__(self, name, description="", boundaries=(), tag_keys=()):
-            self.name = name
+            self.name, self.keys = name, tag_keys
             bounds[name] = list(boundaries)
 
         def set_default_tags(self, tags):
-            pass
+            assert set(tags) <= set(self.keys)
+            tagged[self.name] = dict(tags)
 
         observe = set = inc = lambda self, *a, **k: None
 
     for kind in ("Counter", "Histogram", "Gauge"):
         monkeypatch.setattr(Mx, kind, H)
-    m = Mx.ReplicaMetrics("m", max_model_len=4096)
+    m = Mx.ReplicaMetrics("m")
+    # token counts' buckets are the same for every model (Ray's agent keeps the first a name is reported with on a
+    # node: another model's replica with other buckets had its counts dropped), vLLM's 1-2-5 steps
+    lengths = bounds["vllm_request_prompt_tokens"]
+    assert lengths[:4] == [1.0, 2.0, 5.0, 10.0] and lengths[-1] == 1e7
+    assert bounds["vllm_request_generation_tokens"] == bounds["vllm_request_max_num_generation_tokens"] == lengths
+    # vLLM's labels: model_name and engine (queries by engine found nothing)
+    assert all(t == {"model_name": "m", "engine": "0"} for n, t in tagged.items() if n.startswith("vllm_"))
     assert bounds["vllm_time_to_first_token_seconds"][-1] == 2560.0
     assert bounds["vllm_e2e_request_latency_seconds"][-1] == bounds["vllm_request_decode_time_seconds"][-1] == 7680.0
     assert bounds["vllm_inter_token_latency_seconds"][-1] == 80.0 and bounds["kairos_e2e_s"][-1] >= 7680
