@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any
 
 from core.messages import RequestOutput
@@ -106,6 +107,26 @@ def _one_two_five(top: int) -> list[float]:
         scale *= 10
 
 
+class _Summed:
+    """A histogram and its observations' exact total, handed to a counter beside it (`flush`, with the engine's
+    gauges): Ray's metrics agent exports a histogram's `_sum` rebuilt from its buckets (each observation as its
+    bucket's midpoint), which the serving port's `/metrics` replaces with this total (`filter_exposition`), as
+    vLLM's own server exports it."""
+
+    def __init__(self, hist: Any, total: Any) -> None:
+        self.hist, self.total, self.pending = hist, total, 0.0
+
+    def observe(self, value: float) -> None:
+        self.hist.observe(value)
+        self.pending += value
+
+    def flush(self) -> None:
+        if self.pending > 0:  # (Counter.inc(0) raises)
+            self.total.inc(self.pending)
+            self.pending = 0.0
+
+
+EXACT_SUM = "_exact_sum"  # a histogram's name and this: its counter of the observations' exact total (`_Summed`)
 LENGTH_TOP = 10_000_000  # the token-count histograms' last finite bucket (a window of 10M tokens: Llama 4's)
 
 
@@ -130,8 +151,13 @@ class VllmSeries:
             m.set_default_tags(dict(tags))  # Serve mutates the dict
             return m
 
-        def hist(name: str, desc: str, bounds: list[float]) -> Histogram:
-            return made(Histogram, name, desc, boundaries=bounds)
+        self.summed: list[_Summed] = []
+
+        def hist(name: str, desc: str, bounds: list[float]) -> Any:
+            h = _Summed(made(Histogram, name, desc, boundaries=bounds),
+                        made(Counter, name + EXACT_SUM, f"the exact total of {name}'s observations"))
+            self.summed.append(h)
+            return h
 
         lengths = _one_two_five(LENGTH_TOP)
         self.running = made(Gauge, "num_requests_running", "requests running (admitted, unfinished)")
@@ -146,8 +172,9 @@ class VllmSeries:
         self.ttft = hist("time_to_first_token_seconds", "time to first token, seconds", VLLM_TTFT_S)
         self.tpot = hist("request_time_per_output_token_seconds", "a request's mean time per output token after "
                          "the first, seconds", VLLM_ITL_S)
-        self.itl = _TierRecorder(hist("inter_token_latency_seconds", "time between a request's output tokens, "
-                                      "seconds", VLLM_ITL_S), None)
+        self.itl_sum = hist("inter_token_latency_seconds", "time between a request's output tokens, seconds",
+                            VLLM_ITL_S)
+        self.itl = _TierRecorder(self.itl_sum.hist, None)  # (per token: its recording path; the total by hand)
         self.e2e = hist("e2e_request_latency_seconds", "request latency, arrival to last token, seconds",
                         VLLM_REQUEST_S)
         self.queue = hist("request_queue_time_seconds", "time waiting, arrival to admission, seconds", VLLM_REQUEST_S)
@@ -169,6 +196,15 @@ class VllmSeries:
         for name, counter in (("preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
                               ("prefix_cache_hits", self.prefix_hits)):
             advance("vllm_" + name, counter, g(name))
+
+    def itls(self, gaps: Any) -> None:
+        """For each (seconds, n) of `gaps`, n inter-token latencies of `seconds`."""
+        self.itl.record_many(gaps, "")
+        self.itl_sum.pending += sum(s * n for s, n in gaps)
+
+    def flush_sums(self) -> None:
+        for h in self.summed:
+            h.flush()
 
     def tokens(self, prompt: int, generated: int) -> None:
         if prompt > 0:  # Counter.inc(0) raises ValueError
@@ -368,6 +404,7 @@ class ReplicaMetrics:
                               ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
             self._advance(name, counter, g(name))
         self.vllm.engine(st, usage, self._advance)
+        self.vllm.flush_sums()
         self.shed_threshold.set(float(g("shed_threshold", None) or 0.0))
         if g("predictor_mape", None) is not None:
             self.predictor_mape.set(float(st.predictor_mape))
@@ -447,7 +484,7 @@ class ReplicaMetrics:
         """For each (seconds, n) of `gaps`, `n` tokens that came `seconds` apart each (an item of n tokens, n x
         seconds after the one before): a read's tokens, the tags built once for all."""
         self._itl.record_many(gaps, tier)
-        self.vllm.itl.record_many(gaps, "")
+        self.vllm.itls(gaps)
 
     def on_finished(self, tier: str, slo: SLO, final: RequestOutput, streamed: int) -> None:
         """An admitted request's end: per-request histograms from its final stream item; `streamed`: its tokens
@@ -529,21 +566,50 @@ VLLM_RENAME = ("ray_vllm_", "vllm:")  # ...the vLLM series as vLLM's own server 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+_SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)(.*)$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _sample(line: str) -> tuple[str, frozenset, str, str] | None:
+    """A sample line's name, labels (as a set of pairs), value and what follows it (a timestamp); None for another."""
+    m = _SAMPLE.match(line)
+    if m is None:
+        return None
+    return m.group(1), frozenset(_LABEL.findall(m.group(2) or "")), m.group(3), m.group(4)
+
+
 def filter_exposition(text: str, prefixes: tuple[str, ...] = SCRAPE_PREFIXES,
                       rename: tuple[str, str] | None = VLLM_RENAME) -> str:
     """The lines of a Prometheus text exposition that belong to metrics named with one of `prefixes` (samples and
     their `# HELP` / `# TYPE` lines), in order; `rename` (old prefix, new prefix): the names of those metrics
-    that begin with the old one begin with the new one instead."""
+    that begin with the old one begin with the new one instead. A histogram whose exact total a counter beside it
+    keeps (`_Summed`: `<name>_exact_sum`, as Ray exports it `<name>_exact_sum_total`) has that total for its
+    `_sum` (Ray's agent rebuilds it from the buckets), and the counter is left out."""
+    lines = text.splitlines()
+    exact: dict[tuple[str, frozenset], str] = {}
+    for line in lines:
+        if EXACT_SUM in line and not line.startswith("#") and (got := _sample(line)) is not None:
+            name, labels, value, _ = got
+            base = name.removesuffix("_total").removesuffix(EXACT_SUM)
+            if base != name.removesuffix("_total"):
+                exact[(base, labels)] = value
     out = []
-    for line in text.splitlines():
+    for line in lines:
         if line.startswith("#"):
             parts = line.split(None, 3)
-            keep = len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].startswith(prefixes)
+            keep = len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].startswith(prefixes) \
+                and EXACT_SUM not in parts[2]
             if keep and rename is not None and parts[2].startswith(rename[0]):
                 parts[2] = rename[1] + parts[2][len(rename[0]):]
                 line = " ".join(parts)
         else:
             keep = line.startswith(prefixes)
+            if keep and exact and "_sum" in line and (got := _sample(line)) is not None:
+                name, labels, value, rest = got
+                if EXACT_SUM in name:
+                    keep = False
+                elif name.endswith("_sum") and (total := exact.get((name[:-4], labels))) is not None:
+                    line = line[:len(line) - len(value) - len(rest)] + total + rest
             if keep and rename is not None and line.startswith(rename[0]):
                 line = rename[1] + line[len(rename[0]):]
         if keep:

@@ -2801,6 +2801,27 @@ ray_vllm_generation_tokens_total{model_name="m"} 9.0
     assert filter_exposition(vllm).splitlines() == [
         "# HELP vllm:num_requests_running requests running", "# TYPE vllm:num_requests_running gauge",
         'vllm:num_requests_running{model_name="m"} 2.0', 'vllm:generation_tokens_total{model_name="m"} 9.0']
+    # a histogram's _sum as Ray's agent rebuilds it (each observation its bucket's midpoint) is replaced by the exact
+    # total the replica keeps beside it, per label set; that counter is left out
+    sums = """# HELP ray_vllm_request_prompt_tokens prompt tokens
+# TYPE ray_vllm_request_prompt_tokens histogram
+ray_vllm_request_prompt_tokens_bucket{le="10.0",model_name="a",engine="0"} 1.0
+ray_vllm_request_prompt_tokens_sum{model_name="a",engine="0"} 7.5
+ray_vllm_request_prompt_tokens_count{model_name="a",engine="0"} 1.0
+ray_vllm_request_prompt_tokens_sum{model_name="b",engine="0"} 1800.0
+# HELP ray_vllm_request_prompt_tokens_exact_sum_total the exact total
+# TYPE ray_vllm_request_prompt_tokens_exact_sum_total counter
+ray_vllm_request_prompt_tokens_exact_sum_total{engine="0",model_name="a"} 8.0
+ray_vllm_request_prompt_tokens_exact_sum_total{engine="0",model_name="b"} 1212.0
+ray_vllm_e2e_request_latency_seconds_sum{model_name="a",engine="0"} 0.15
+"""
+    assert filter_exposition(sums).splitlines() == [
+        "# HELP vllm:request_prompt_tokens prompt tokens", "# TYPE vllm:request_prompt_tokens histogram",
+        'vllm:request_prompt_tokens_bucket{le="10.0",model_name="a",engine="0"} 1.0',
+        'vllm:request_prompt_tokens_sum{model_name="a",engine="0"} 8.0',
+        'vllm:request_prompt_tokens_count{model_name="a",engine="0"} 1.0',
+        'vllm:request_prompt_tokens_sum{model_name="b",engine="0"} 1212.0',
+        'vllm:e2e_request_latency_seconds_sum{model_name="a",engine="0"} 0.15']  # (no total seen: as it came)
 
 
 def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_vllms_names(monkeypatch):
@@ -2872,6 +2893,15 @@ def test_replica_metrics_export_the_series_ray_serve_llms_dashboard_reads_under_
         "vllm_request_decode_time_seconds": 1.0, "vllm_request_inference_time_seconds": 1.2,
         "vllm_request_time_per_output_token_seconds": 0.2, "vllm_request_prompt_tokens": 7,
         "vllm_request_generation_tokens": 6, "vllm_request_max_num_generation_tokens": 6})
+    # each histogram's exact total beside it, handed on with the engine's gauges (the serving port's /metrics gives
+    # it for the _sum Ray's agent rebuilds from the buckets)
+    m.on_itls("best_effort", [(0.2, 2), (0.1, 1)])
+    incs.clear()
+    m.update_engine(SimpleNamespace(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=4), 0)
+    assert {n: v for n, v, _ in incs if n.endswith("_exact_sum")} == pytest.approx({
+        f"{n}_exact_sum": v for n, v in got.items()} | {"vllm_inter_token_latency_seconds_exact_sum": 0.5})
+    m.update_engine(SimpleNamespace(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=4), 0)
+    assert sum(n.endswith("_exact_sum") for n, _, _ in incs) == len(got) + 1  # (handed on once)
     incs.clear()
     m.on_aborted("best_effort")
     assert [(n, t) for n, _, t in incs if n.startswith("vllm_")] == [
