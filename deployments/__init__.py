@@ -285,9 +285,9 @@ def build_openai_app(builder_config: dict) -> Application:  # type: ignore[valid
 
 def _ray_serve_llm_defaults(one: dict[str, Any]) -> dict[str, Any]:
     """A Ray Serve LLM model's arguments with its defaults where they name none: one replica (autoscaling from 1 to 1),
-    not one per GPU; a prompt longer than a step's budget computed in chunks, as vLLM V1's; and a GPU a replica, as vLLM's placement asks for one and waits where none is free yet (a
-    cluster that adds GPU nodes on demand shows none when the app is built: Kairos's own default, the CPU where no
-    GPU is found, put every replica there)."""
+    not one per GPU; a prompt longer than a step's budget computed in chunks, as vLLM V1's; and a GPU a replica, as
+    vLLM's placement asks for one and waits where none is free yet (a cluster that adds GPU nodes on demand shows none
+    when the app is built: Kairos's own default, the CPU where no GPU is found, put every replica there)."""
     if "num_replicas" not in one and "autoscaling_config" not in one:
         one = {**one, "num_replicas": 1}
     if "chunked_prefill" not in one:  # (vLLM V1's: engine_kwargs enable_chunked_prefill false turns it off)

@@ -777,7 +777,8 @@ class OpenAIFrontend:
         if not isinstance(body, P.ChatCompletionRequest):
             return None
         made = functools.partial(body.reply_reader, self._tool_parser(),
-                                 None if self.reasoning_parser == "none" else self.reasoning_parser)
+                                 None if self.reasoning_parser == "none" else self.reasoning_parser,
+                                 model_format=(self._ready_info() or {}).get("tool_call_parser"))
         return None if made() is None else made
 
     def _auth(self, request: Request) -> None:

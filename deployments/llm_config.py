@@ -247,6 +247,8 @@ def vllm_arguments(args: dict[str, Any]) -> dict[str, Any]:
         taken = _engine_kwargs(vllm)
     except ValueError as e:  # (named as the command line names it)
         raise ValueError(str(e).replace("Ray Serve LLM config: engine_kwargs.", "", 1)) from None
+    if "chunked_prefill" in args and "enable_chunked_prefill" not in vllm:  # (Kairos's own name, given: it stands)
+        taken.pop("chunked_prefill", None)
     return {**{k: v for k, v in args.items() if k not in vllm}, **taken}
 
 

@@ -12,8 +12,8 @@ are timed as the engine gave the tokens (when they were put on the request's str
 stream pacing reads a stream's tokens in chunks (`deployments/pacing.py`).
 
 Beside them, the series Ray Serve LLM's vLLM engines export, under vLLM's names (`VllmSeries`: `vllm_*`, exported as
-`ray_vllm_*` and tagged `model_name` and `engine`): Ray's own Serve LLM Grafana dashboard reads them, and the serving port's
-`/metrics` gives them as vLLM's server names them (`vllm:*`, `VLLM_RENAME`).
+`ray_vllm_*` and tagged `model_name` and `engine`): Ray's own Serve LLM Grafana dashboard reads them, and the serving
+port's `/metrics` gives them as vLLM's server names them (`vllm:*`, `VLLM_RENAME`).
 
 Every request a replica's engine takes ends counted once: rejected (`requests_rejected`), abandoned while it
 waited for its first token (`requests_abandoned`: its caller went away), or admitted (`requests_admitted`, with its
@@ -115,15 +115,21 @@ class _Summed:
 
     def __init__(self, hist: Any, total: Any) -> None:
         self.hist, self.total, self.pending = hist, total, 0.0
+        self.started = False  # whether the counter has its series (its first total goes with the histogram's)
 
     def observe(self, value: float) -> None:
         self.hist.observe(value)
+        self.add(value)
+
+    def add(self, value: float) -> None:
         self.pending += value
+        if not self.started:  # at once: the agent gets the two series in one report (a _sum that fell back to
+            self.flush()  # the agent's own for a report, then to this total, would read as a counter's reset)
 
     def flush(self) -> None:
         if self.pending > 0:  # (Counter.inc(0) raises)
             self.total.inc(self.pending)
-            self.pending = 0.0
+            self.pending, self.started = 0.0, True
 
 
 EXACT_SUM = "_exact_sum"  # a histogram's name and this: its counter of the observations' exact total (`_Summed`)
@@ -200,7 +206,7 @@ class VllmSeries:
     def itls(self, gaps: Any) -> None:
         """For each (seconds, n) of `gaps`, n inter-token latencies of `seconds`."""
         self.itl.record_many(gaps, "")
-        self.itl_sum.pending += sum(s * n for s, n in gaps)
+        self.itl_sum.add(sum(s * n for s, n in gaps))
 
     def flush_sums(self) -> None:
         for h in self.summed:

@@ -779,11 +779,11 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def reply_reader(self, tool_parser: str | None, reasoning_parser: str | None,
-                     prompt_thinking: str | None = None) -> ReplyReader | None:
+                     prompt_thinking: str | None = None, model_format: str | None = None) -> ReplyReader | None:
         """A reader of the reply (`deployments.reasoning.ReplyReader`): its reasoning, where the app reads it
         (`reasoning_parser`, and where the prompt leaves the thinking, `prompt_thinking`; a reply held to a format
         thinks first, `thinking`), and its tool calls (`tool_reader`); None where it is read for neither."""
-        tools = self.tool_reader(tool_parser)
+        tools = self.tool_reader(tool_parser, model_format)
         reasoning = reasoning_reader(reasoning_parser, prompt_thinking) if reasoning_parser else None
         if tools is None and reasoning is None:
             return None
@@ -799,19 +799,23 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
             return None
         return "open" if reasoning_parser == "deepseek_r1" else "tagged"
 
-    def tool_reader(self, parser: str | None) -> ToolCallReader | None:
+    def tool_reader(self, parser: str | None, model_format: str | None = None) -> ToolCallReader | None:
         """A reader of the reply's tool calls (`deployments.tool_calls`): a named tool's arguments, "required"'s
         list of calls, or with "auto" the model's own format (`parser`, which the ingress checked there is); None
-        where the reply is text."""
+        where the reply is text. `model_format`: the format the model's chat template shows (`tool_calls.detect`):
+        a Mistral model's calls get ids of its own shape, whatever reads them (its templates take back no other on
+        the next turn)."""
         tools = self.called_tools()
         if tools is not None:
-            reader = NamedToolReader(tools[0].name) if isinstance(self.tool_choice, dict) else RequiredToolReader()
-            if parser == "mistral":  # (its templates take back only ids of its own shape on the next turn)
-                reader.new_id = mistral_call_id  # type: ignore[method-assign]
-            return reader
-        if not (self.auto_tools() and parser):
+            reader: ToolCallReader = NamedToolReader(tools[0].name) if isinstance(self.tool_choice, dict) \
+                else RequiredToolReader()
+        elif self.auto_tools() and parser:
+            reader = model_format_reader(parser, [t.function.model_dump() for t in self.tools or ()])
+        else:
             return None
-        return model_format_reader(parser, [t.function.model_dump() for t in self.tools or ()])
+        if "mistral" in (parser, model_format):
+            reader.new_id = mistral_call_id  # type: ignore[method-assign]
+        return reader
 
     def called_tools(self) -> list[FunctionDef] | None:
         """The tools the reply calls (tool_choice a tool's name: that one; "required": any of them), else None."""

@@ -532,12 +532,12 @@ class LLMReplica:
         thinking, `RequestOutput.prompt_thinking`), or `error` for a prompt the engine refuses."""
         inputs = self.engine.inputs
         try:
-            ids = inputs.prompt_ids(prompt, messages, options.check(), empty=True)
+            ids, rendered = inputs.prompt_ids_and_text(prompt, messages, options.check(), empty=True)
         except (ValueError, TypeError, UnicodeError) as e:
             return {"error": str(e)[:500]}
         strs = inputs.tokenizer.convert_ids_to_tokens(ids) if token_strs else None
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs,
-                "thinking": inputs.prompt_thinking(ids, messages, options) if messages is not None else None}
+                "thinking": inputs.prompt_thinking(ids, messages, options, rendered) if messages is not None else None}
 
     async def check_lora(self, name: str, path: str) -> dict[str, Any]:
         """vLLM's /v1/load_lora_adapter asks a replica whether its engine can serve the folder `path` as adapter

@@ -172,9 +172,9 @@ Call = tuple[str, Any]  # a call's name and arguments
 
 
 def as_call(value: Any, keys: tuple[str, ...] = ("arguments", "parameters"), bare: bool = True) -> Call | None:
-    """A call from its JSON value: an object with a `name` and its arguments (an object, or their JSON text) under
-    one of `keys` (none: no arguments, where `bare`; else no call: a format with no marker around its calls, whose
-    JSON answer with a "name" is no call, as vLLM's), else None. Text that is no JSON is itself the value: a JSON string (as
+    """A call from its JSON value: an object with a `name` and its arguments (an object, or their JSON text) under one
+    of `keys` (none: no arguments, where `bare`; else no call: a format with no marker around its calls, whose JSON
+    answer with a "name" is no call, as vLLM's), else None. Text that is no JSON is itself the value: a JSON string (as
     vLLM writes it: `"hello"`), not text a client cannot read as JSON."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None

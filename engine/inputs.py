@@ -184,10 +184,10 @@ class InputProcessor:
         ValueError on bad input. With `truncate_prompt_tokens`, its last k (-1: as many as the context window takes
         with a token of reply). With `empty`, an empty text prompt is the tokenizer's own ids alone (/tokenize's, as
         vLLM's)."""
-        return self._prompt(prompt, messages, options, empty)[0]
+        return self.prompt_ids_and_text(prompt, messages, options, empty)[0]
 
-    def _prompt(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None, options: PromptOptions | None,
-                empty: bool = False) -> tuple[list[int], str | None]:
+    def prompt_ids_and_text(self, prompt: Prompt | None, messages: Sequence[ChatTurn] | None,
+                            options: PromptOptions | None, empty: bool = False) -> tuple[list[int], str | None]:
         """`prompt_ids`' ids, and a chat's prompt as its template rendered it (else None)."""
         options = (options or PromptOptions()).check()
         k = options.truncate_prompt_tokens
@@ -242,6 +242,8 @@ class InputProcessor:
         opens may follow from an earlier message, as SmolLM3's system prompt's /no_think); else the prompt's last
         tokens (a message the reply goes on from is its own)."""
         tail = None
+        if rendered is not None and "think>" not in rendered:  # (neither tag: none in what opens the turn either)
+            return None
         if messages and options is not None and options.add_generation_prompt and not options.continue_final_message:
             try:
                 opened = rendered if rendered is not None else self.render_chat(messages, options)
@@ -284,7 +286,7 @@ class InputProcessor:
         if any(t >= self.vocab_limit for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids must be below the vocabulary size {self.vocab_limit}")
         slo = (slo or SLO()).validate()
-        ids, rendered = self._prompt(prompt, messages, options)
+        ids, rendered = self.prompt_ids_and_text(prompt, messages, options)
         limit = self.max_model_len
         if len(ids) >= limit:
             raise PromptTooLong(len(ids), limit)

@@ -393,6 +393,8 @@ def test_the_command_lines_app_arguments_take_vllms_names_as_an_llm_config_does(
     # vLLM's max_num_batched_tokens caps every step: a longer prompt is computed in chunks (Kairos's own
     # prefill_max_tokens alone stays a round's budget, as it was)
     assert given(max_num_batched_tokens="512") == {"chunked_prefill": True, "prefill_max_tokens": 512}
+    assert given(max_num_batched_tokens="512", chunked_prefill="false") \
+        == {"chunked_prefill": False, "prefill_max_tokens": 512}  # (Kairos's own name stands)
     assert given(max_num_batched_tokens="512", enable_chunked_prefill="false") \
         == {"chunked_prefill": False, "prefill_max_tokens": 512}
     assert given(prefill_max_tokens="512") == {"prefill_max_tokens": 512}

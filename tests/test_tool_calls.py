@@ -367,3 +367,6 @@ def test_a_mistral_models_calls_get_ids_its_templates_take_back_whatever_the_too
         if choice != "auto":
             _, calls = req.tool_reader("hermes").whole(reply)
             assert calls[0]["id"].startswith("chatcmpl-tool-")
+            # a Mistral model whose app reads no format of its own (tool_call_parser none): its template's shape
+            _, calls = req.tool_reader(None, model_format="mistral").whole(reply)
+            assert re.fullmatch(r"[A-Za-z0-9]{9}", calls[0]["id"]), calls

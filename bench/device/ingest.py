@@ -14,11 +14,11 @@ call 2's resumed one holds call 1's rows as well, one started afresh on another 
 - gpu-check.json (tests/gpu's results) as `gpu-check-TAG`;
 - the replica profile in slo_gpu-out.tgz as bench/sim_models/TAG-SHAPE-measured-DATE.json (bench.sim's --tiers);
 
-then regenerates bench/README.md's table and README.md's headlines (`bench.report`), and prints what the issue's
-note wants: the SLO rows as a table, the acceptance checks, the HTTP hop, tests/gpu's counts and failures, and the
-mixed graphs' check (mixed-check.log). TAG is the GPU's model ("NVIDIA H200" -> h200) unless given; a summary's
-commit is the one the device recorded, else --commit (default: this checkout's). SHAPE drops its dash (llama-8b -> llama8b), as the names of
-the first lease's summaries do.
+then regenerates bench/README.md's table and README.md's headlines (`bench.report`), and prints what the issue's note
+wants: the SLO rows as a table, the acceptance checks, the HTTP hop, tests/gpu's counts and failures, and the mixed
+graphs' check (mixed-check.log). TAG is the GPU's model ("NVIDIA H200" -> h200) unless given; a summary's commit is the
+one the device recorded, else --commit (default: this checkout's). SHAPE drops its dash (llama-8b -> llama8b), as the
+names of the first lease's summaries do.
 """
 from __future__ import annotations
 
