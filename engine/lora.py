@@ -586,11 +586,14 @@ class LoraRegistry:
     def _current(self, name: str, source: LoraSource | None) -> int | None:
         """The load of `name` a request that brings `source` runs through, where there is one: the one loaded,
         unless `source` is a later load (then it is retired: the request gets a new one). A request of an earlier
-        load that arrives after a later one runs through the later one."""
+        load that arrives after a later one runs through the later one. A request that brings none (a folder's
+        adapter, `<model>:<folder>`) never runs through a load made at run time under its name: that one was
+        unloaded at the front since (it is retired, the folder's loaded)."""
         i = self._ids.get(name)
-        if i is not None and source is not None:
+        if i is not None:
             held = self._sources[i]
-            if held is None or held.version < source.version:
+            if (source is None and held is not None) or (source is not None and (held is None
+                                                                                 or held.version < source.version)):
                 self._retire(i)  # loaded again since (or a lora_modules adapter of its name): the new load serves
                 return None
         return i

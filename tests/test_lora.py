@@ -518,6 +518,25 @@ def test_the_registry_serves_the_latest_load_and_unloads_what_no_request_holds(t
     assert set(reg.decoder.loras) == {other} and reg.loaded == ["y"]  # past max_loras 1: the idle one went
 
 
+def test_a_folders_adapter_never_runs_through_a_run_time_load_of_its_name(tmp_path):
+    """`<model>:<folder>` loaded at run time from another folder (vLLM's /v1/load_lora_adapter), then unloaded at the
+    front: its requests (no run-time source any more) run through the folder's adapter, not the unloaded weights
+    (they did until that load went idle past max_loras)."""
+    from core.request import LoraSource
+    from engine.lora import LoraRegistry
+
+    (tmp_path / "d0").mkdir()
+    (tmp_path / "d0" / "adapter_config.json").write_text("{}")
+    reg = LoraRegistry(_FakeDecoder(), {}, str(tmp_path), max_loras=4, max_rank=16)
+    run_time = reg.acquire("m:d0", LoraSource(str(tmp_path / "c"), 1))
+    assert reg.decoder.loras[run_time].path == str(tmp_path / "c")
+    folder = reg.acquire("m:d0")  # (unloaded at the front: a request brings no source)
+    assert folder != run_time and reg.decoder.loras[folder].path == str(tmp_path / "d0")
+    assert run_time in reg.decoder.loras  # (its request still holds it)
+    reg.release(run_time)
+    assert set(reg.decoder.loras) == {folder} and reg.acquire("m:d0") == folder
+
+
 def test_an_adapter_whose_files_hang_fails_its_requests_at_its_deadline_and_later_loads_go_on(tiny_checkpoints,
                                                                                               adapters, tmp_path):
     """lora_load_timeout_s: a load stuck reading its files (a hung mount) fails the requests waiting for it as
