@@ -21,8 +21,10 @@ rest, least loaded first. Replicas that turned the request away already (`Genera
 by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
 request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). After all of them
 come the replicas whose engine reported itself dead and those that stopped reporting (`Silence`: a stopped process or
-a partition, which Serve replaces only after its health check has timed out three times). Each replica is its
-own rank, so Ray falls through to the next one when the best is at `max_ongoing_requests`. Other methods
+a partition, which Serve replaces only after its health check has timed out three times), only where no other is
+there (a dead engine fails a request at once, a silent replica holds it: while the live ones are full, Serve queues
+it for them). Each replica is its own rank, so Ray falls through to the next one when the best is at
+`max_ongoing_requests`. Other methods
 (`stats`, ...) are spread uniformly at random, dead and silent replicas last.
 Prefix affinity (each replica keeps the prompts it served in its prefix cache): among the replicas whose slack is
 within `AFFINITY_SLACK` of the best one's (best effort: whose load is within `AFFINITY_LOAD` of the least loaded),
@@ -383,6 +385,9 @@ class SLORouter(RequestRouter):
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
         ranked = rank(candidate_replicas, views, slo, avoid, affinity)
+        live = [r for r in ranked if views[r.replica_id].alive]
+        if live:  # a dead engine fails a request at once (a silent replica holds it): where the live ones are full,
+            ranked = live  # Serve queues it for them (as it was, it went to the dead one, the ingress's resends too)
         if keys:  # remembered where the call lands (`on_request_routed`)
             self._keys[call_id] = keys
         self._chosen[call_id] = (ranked[0].replica_id, slo.tpot_ms, now)
@@ -573,4 +578,7 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         if not good:  # both picks passed over: two of the others, if any
             others = [r for r in candidate_replicas if not passed_over(r)]
             good = random.sample(others, min(2, len(others)))
-        return [g for g in (good, [r for r in chosen if passed_over(r)]) if g]
+        # after them those that failed this request; a dead or silent one not where another can take it (Serve
+        # queues the request for the live ones: a dead engine fails it at once, a silent replica holds it)
+        last = [r for r in chosen if passed_over(r) and (req is None or not good or answering(r, quiet))]
+        return [g for g in (good, last) if g]
