@@ -18,7 +18,7 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
     of the wrong type) is no report; keys this version does not know are left out (a newer replica's).
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
-by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
+by the ingress when it reroutes) come last (only where no other is there), and so do, until their next report, replicas that turned away a
 request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). After all of them
 come the replicas whose engine reported itself dead and those that stopped reporting (`Silence`: a stopped process or
 a partition, which Serve replaces only after its health check has timed out three times), only where no other is
@@ -385,9 +385,10 @@ class SLORouter(RequestRouter):
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
         ranked = rank(candidate_replicas, views, slo, avoid, affinity)
-        live = [r for r in ranked if views[r.replica_id].alive]
-        if live:  # a dead engine fails a request at once (a silent replica holds it): where the live ones are full,
-            ranked = live  # Serve queues it for them (as it was, it went to the dead one, the ingress's resends too)
+        gone = req.avoid_replicas
+        live = [r for r in ranked if views[r.replica_id].alive and not (gone and r.replica_id.unique_id in gone)]
+        if live:  # a dead engine fails a request at once (a silent replica holds it), and one that failed this
+            ranked = live  # request would again: where the others are full, Serve queues it for them (it went there)
         if keys:  # remembered where the call lands (`on_request_routed`)
             self._keys[call_id] = keys
         self._chosen[call_id] = (ranked[0].replica_id, slo.tpot_ms, now)
@@ -578,7 +579,7 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         if not good:  # both picks passed over: two of the others, if any
             others = [r for r in candidate_replicas if not passed_over(r)]
             good = random.sample(others, min(2, len(others)))
-        # after them those that failed this request; a dead or silent one not where another can take it (Serve
-        # queues the request for the live ones: a dead engine fails it at once, a silent replica holds it)
-        last = [r for r in chosen if passed_over(r) and (req is None or not good or answering(r, quiet))]
+        # after them, where no other can take the request, those passed over (Serve queues a request for the
+        # others: a dead engine fails it at once, a silent replica holds it, one that failed it would again)
+        last = [r for r in chosen if passed_over(r) and (req is None or not good)]
         return [g for g in (good, last) if g]

@@ -468,7 +468,7 @@ def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dea
 
     picks[:] = [a, b]
     assert choose() == [["a", "b"]]  # nothing to pass over: Serve's pick as it is
-    assert choose(avoid=["a"]) == [["b"], ["a"]]  # the replica that failed it: last
+    assert choose(avoid=["a"]) == [["b"]]  # the replica that failed it: not while another can take it
     picks[:] = [dead, a]
     assert choose() == [["a"]]  # a dead engine not where another can take it (Serve queues for the live ones)
     picks[:] = [dead]
@@ -476,7 +476,7 @@ def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dea
     random.seed(3)
     picks[:] = [dead, b]
     got = choose(avoid=["b"])  # both picks passed over: two of the others first
-    assert sorted(got[0]) == ["a", "c"] and got[1:] == [["b"]]
+    assert sorted(got[0]) == ["a", "c"] and got[1:] == []
     assert choose(avoid=["b"], method="stats") == [["b"], ["d"]]  # other methods: a dead engine last (as SLORouter)
 
 
@@ -543,6 +543,13 @@ def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) ->
         got = choose(router)
         assert sorted(got) == ["also", "fresh"]
         assert choose(router, "stats")[-1] == "stuck"  # (other methods: last)
+    # a request resent away from a replica that failed it (its engine died before its report says so): not there
+    # while another can take it (it went back there, and its resend too: a 503 where the other one was full)
+    resent = GenerateRequest("cmpl-r", prompt="x", slo=SLO(ttft_ms=1000.0), avoid_replicas=("fresh",))
+    pending = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id="cmpl-r"),
+                              args=(resent,), kwargs={})
+    assert [g[0].replica_id.unique_id for g in asyncio.run(router.choose_replicas([stuck, fresh, also], pending))] \
+        == ["also"]
 
     async def serve_picks(self, candidates, pending=None):
         return [[stuck, fresh]]
