@@ -178,4 +178,5 @@ def item_failure(item: RequestOutput, headers: dict[str, str], retry_after_s: in
         return APIError(400, item.error or "invalid request", headers=headers, param=param_named(item.error))
     if item.error_kind is ErrorKind.UNAVAILABLE:
         return replica_died(item.error or "engine unavailable", retry_after_s, headers)
-    return APIError(500, f"generation failed: {item.error}", "server_error", headers={**headers, **retry})
+    return APIError(500, f"generation failed: {item.error}", "server_error", "engine_error",
+                    headers={**headers, **retry})

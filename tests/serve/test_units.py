@@ -2648,7 +2648,8 @@ def test_an_engine_that_died_under_a_request_answers_as_a_dead_replica():
         assert "replica serving this request died" in e.message
     assert "engine process exited" in item_failure(dead, {}, 2).message
     step = dataclasses.replace(dead, error_kind=ErrorKind.ENGINE, error="injected fault")
-    assert item_failure(step, {}, 2).status == 500
+    failed = item_failure(step, {}, 2)  # (a step the engine failed: a retry may succeed)
+    assert (failed.status, failed.code, failed.headers["Retry-After"]) == (500, "engine_error", "2")
 
 
 def _rejection_view(reason: str, slo: SLO, prompt_tokens: int = 100, max_tokens: int = 50, waiting_tokens: int = 0,
