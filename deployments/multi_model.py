@@ -64,12 +64,16 @@ class MultiModelFrontend:
         self._cors: dict[str, Any] = settings[0].get("cors") or {}
 
     def front_for(self, model: Any) -> IngressFrontend | None:
-        """The front of the model (or adapter) a request's `model` names: by its served name or an adapter's first,
-        then by another name it is known by (its checkpoint's: the first model's where several share one)."""
+        """The front of the model (or adapter) a request's `model` names: by its served name first (a model named
+        `tiny:x` is not the adapter `x` of model `tiny`'s folder), then an adapter's, then by another name it is
+        known by (its checkpoint's: the first model's where several share one)."""
         if not isinstance(model, str):
             return None
         for front in self.fronts:
-            if model == front.served_model_name or front._lora_of(model) is not None:
+            if model == front.served_model_name:
+                return front
+        for front in self.fronts:
+            if front._lora_of(model) is not None:
                 return front
         return next((f for f, aliases in zip(self.fronts, self._aliases)
                      if model in aliases or model in f._served_names()), None)
@@ -148,6 +152,9 @@ class MultiModelFrontend:
         lists = [(await front.models(request))["data"] for front in self.fronts]
         own = [[c for c in data if c["id"] == front.served_model_name or front._lora_of(c["id"]) is not None]
                for front, data in zip(self.fronts, lists)]
+        served = {front.served_model_name for front in self.fronts}  # (a model's own name over another's adapter)
+        own = [[c for c in data if c["id"] == front.served_model_name or c["id"] not in served]
+               for front, data in zip(self.fronts, own)]
         cards: list[dict[str, Any]] = []
         seen: set[str] = set()
         for data in own + lists:

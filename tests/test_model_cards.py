@@ -105,3 +105,22 @@ def test_several_models_describe_their_routes_in_openapi() -> None:
     assert set(spec["paths"]["/health"]) == {"get", "head"}
     m.app = _api()  # (Serve sets it)
     assert m.docs_path == "/docs"
+
+
+def test_a_model_named_like_another_models_adapter_is_that_model(tmp_path) -> None:
+    """Model `tiny` reads adapters from a folder holding `x`; model `tiny:x` is served too: a request for `tiny:x`
+    is that model's (it went to tiny's adapter x, and `/v1/models` aside, the model could not be reached by its
+    name); `tiny:fr` stays tiny's adapter."""
+    for name in ("x", "fr"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    tiny = _front("tiny", "kairos-tiny", 1024, dynamic_lora_loading_path=str(tmp_path))
+    other = _front("tiny:x", "/ckpt/qwen", 128)
+    m = object.__new__(MultiModelFrontend)
+    m.fronts, m._aliases, m.max_body_bytes, m._cors = [tiny, other], [set(), set()], 1 << 20, {}
+    assert m.front_for("tiny:x") is other and m.front_for("tiny:fr") is tiny and m.front_for("tiny") is tiny
+    status, body = _get(_Routes(m, _api()), "/v1/models")
+    cards = [c for c in body["data"] if c["id"] == "tiny:x"]
+    assert status == 200 and len(cards) == 1 and cards[0]["parent"] is None and cards[0]["root"] == "/ckpt/qwen"
+    status, card = _get(_Routes(m, _api()), "/v1/models/tiny:x")
+    assert status == 200 and card["parent"] is None and card["root"] == "/ckpt/qwen"
