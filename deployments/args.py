@@ -262,6 +262,10 @@ class ServeArgs(BaseModel):
             if self.num_replicas is not None:
                 raise ValueError("give num_replicas or autoscaling_config, not both")
             self.autoscaling()  # Serve's checks, and Kairos's, at parse time
+        if str(getattr(self, "device", "auto")).strip().lower() == "cpu" and (self.num_gpus or 0) > 0:
+            # (the replica would wait for a GPU it never uses, where none is free: an app that never starts)
+            raise ValueError(f"num_gpus {self.num_gpus} with device cpu: a replica on the CPU takes no GPU (give "
+                             "num_gpus 0, or device auto or cuda)")
         self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
         check_local_model(str(getattr(self, "model", "")))  # a checkpoint here the engine cannot run: at once
         return self

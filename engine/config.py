@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -168,6 +169,16 @@ class EngineConfig(BaseModel):
                                        "thread; 0: wait for it however long")
     seed: int = 0
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        """auto, cpu, cuda or cuda:N, at once (an app's replicas failed their starts on another, the reason at the
+        end of Serve's traceback); whether this host has CUDA is the replica's host's to say."""
+        d = str(v).strip().lower()
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", d):
+            raise ValueError(f"device {v!r}: expected auto, cpu, cuda or cuda:N")
+        return d
 
     @field_validator("chat_template")
     @classmethod

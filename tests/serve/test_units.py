@@ -46,6 +46,15 @@ def test_app_args_map_flat_knobs_into_nested_configs() -> None:
         with pytest.raises(ValidationError, match="allow_credentials needs the origins listed"):
             AppArgs.model_validate({"allow_credentials": True, "allowed_origins": origins})
     assert AppArgs.model_validate({"allow_credentials": True, "allowed_origins": "https://a.example"}).allow_credentials
+    # a device no engine takes, and a GPU asked for a replica on the CPU (it waited for a GPU it never used), at
+    # build time (the replicas failed their starts, or never started)
+    for bad in ("tpu", "gpu", "cuda:abc", "cuda:"):
+        with pytest.raises(ValidationError, match="expected auto, cpu, cuda or cuda:N"):
+            AppArgs.model_validate({"device": bad})
+    assert AppArgs.model_validate({"device": " CUDA:1 "}).engine_config().device == "cuda:1"
+    with pytest.raises(ValidationError, match="num_gpus 0.5 with device cpu"):
+        AppArgs.model_validate({"device": "cpu", "num_gpus": 0.5})
+    assert AppArgs.model_validate({"device": "cpu", "num_gpus": 0}).placement()[0] == 0
 
 
 def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
