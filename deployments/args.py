@@ -283,6 +283,13 @@ class ServeArgs(BaseModel):
         cfg = dict(self.autoscaling_config)
         cfg.setdefault("target_ongoing_requests", self.replica_scheduler().max_num_seqs)
         cfg.setdefault("policy", {"policy_function": POLICY_PATH})  # (on what the SLOs turn away too)
+        known = sorted(AutoscalingConfig.model_fields)
+        if unknown := [k for k in cfg if k not in known]:  # (Serve's drops them: a typo'd bound was no bound)
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(str(k), known, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"autoscaling_config: unknown field(s) {', '.join(hints)}")
         try:
             checked = AutoscalingConfig(**cfg)
         except Exception as e:  # noqa: BLE001 - Serve's validation error, as a ValueError naming the field

@@ -55,6 +55,9 @@ def test_app_args_map_flat_knobs_into_nested_configs() -> None:
     with pytest.raises(ValidationError, match="num_gpus 0.5 with device cpu"):
         AppArgs.model_validate({"device": "cpu", "num_gpus": 0.5})
     assert AppArgs.model_validate({"device": "cpu", "num_gpus": 0}).placement()[0] == 0
+    # a typo in autoscaling_config (Serve's drops the key: the bound it meant was no bound)
+    with pytest.raises(ValidationError, match="unknown field.*'max_replica' \\(did you mean 'max_replicas'"):
+        AppArgs.model_validate({"autoscaling_config": '{"min_replicas": 1, "max_replica": 4}'})
 
 
 def test_replicas_take_only_the_gpu_share_they_are_given() -> None:
