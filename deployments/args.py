@@ -267,7 +267,8 @@ class ServeArgs(BaseModel):
             raise ValueError(f"num_gpus {self.num_gpus} with device cpu: a replica on the CPU takes no GPU (give "
                              "num_gpus 0, or device auto or cuda)")
         self.engine_config()  # surfaces EngineConfig/SchedulerConfig validation errors at parse time
-        check_local_model(str(getattr(self, "model", "")))  # a checkpoint here the engine cannot run: at once
+        # a checkpoint here the engine cannot run (or not at the context asked for): at once
+        check_local_model(str(getattr(self, "model", "")), getattr(self, "max_model_len", None))
         return self
 
     def autoscaling(self) -> dict[str, Any] | None:

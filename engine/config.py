@@ -49,12 +49,13 @@ def check_family(model: str, family: Any) -> None:
                          f"supported: {', '.join(SUPPORTED_FAMILIES)}")
 
 
-def check_local_model(model: str) -> None:
-    """Where `model` is a directory here with a readable config.json, `check_family` on it; a file, a directory
-    without config.json, or a config.json that is not JSON, a ValueError: where an app is built
-    (`deployments.args`), so that `serve run` refuses a checkpoint its replicas would fail to load at once instead
-    of after Serve's retries (a path that is a directory here must be the checkpoint the replicas read). Anything
-    else (a built-in name, a hub id, a path only the cluster's nodes have) is left to the loader."""
+def check_local_model(model: str, max_model_len: int | None = None) -> None:
+    """Where `model` is a directory here with a readable config.json, `check_family` on it, and a `max_model_len`
+    past the positions it takes (`loader.model_max_len`) refused; a file, a directory without config.json, or a
+    config.json that is not JSON, a ValueError: where an app is built (`deployments.args`), so that `serve run`
+    refuses a checkpoint its replicas would fail to load at once instead of after Serve's retries (a path that is a
+    directory here must be the checkpoint the replicas read). Anything else (a built-in name, a hub id, a path only
+    the cluster's nodes have) is left to the loader."""
     from engine.default_model import EMBEDDED_MODELS
 
     if not model or model in EMBEDDED_MODELS:  # (a built-in name is the loader's, whatever folder is named so here)
@@ -67,12 +68,22 @@ def check_local_model(model: str) -> None:
         raise ValueError(f"cannot load model {model!r}: no config.json in {folder}")
     try:
         with open(path, encoding="utf-8") as f:
-            family = json.load(f).get("model_type")
+            raw = json.load(f)
+        family = raw.get("model_type")
     except OSError:
         return
     except (ValueError, AttributeError) as e:
         raise ValueError(f"cannot load model {model!r}: its config.json is not a JSON object ({e})") from None
     check_family(model, family)
+    if max_model_len is not None:
+        from types import SimpleNamespace
+
+        from engine.loader import model_max_len
+
+        top = model_max_len(SimpleNamespace(**{k: v for k, v in raw.items() if isinstance(k, str)}))
+        if top is not None and max_model_len > top:  # (the loader's refusal, as its replicas would give it)
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum context of {top} positions "
+                             f"({model})")
 
 
 class EngineConfig(BaseModel):

@@ -139,7 +139,7 @@ def _resolve_source(model: str, what: str) -> tuple[str, bool]:
     return model, False  # a hub id
 
 
-def _model_max_len(config: Any) -> int | None:
+def model_max_len(config: Any) -> int | None:
     """The positions a model takes: its config's, times the factor of a RoPE scaling that extends them (YaRN's from
     its original positions, linear's), as vLLM derives them (Qwen2.5's long-context set-up adds YaRN to its config).
     Llama 3's and LongRoPE's configs give their extended positions already; dynamic NTK is left at the config's (its
@@ -435,7 +435,7 @@ def load_model(
         raise ValueError(f"cannot load model {model!r}: it is a quantized checkpoint ({method or 'quantization_config'}"
                          "), which Kairos does not serve: give its unquantized (bf16/fp16/fp32) checkpoint")
 
-    model_max = _model_max_len(config)
+    model_max = model_max_len(config)
     window = sliding_window(config)
     if max_model_len is not None:
         if max_model_len <= 0:

@@ -648,6 +648,16 @@ def test_a_broken_checkpoint_folder_is_refused_naming_what_is_wrong(tiny_checkpo
     (garbled / "config.json").write_text("{model_type: llama")
     with pytest.raises(ValueError, match="its config.json is not a JSON object"):
         check_local_model(str(garbled))
+    # a context past the checkpoint's positions: the loader's refusal, at the app's build (its replicas failed)
+    top = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"max_model_len={2 * top} exceeds the model's maximum context of {top}"):
+        check_local_model(str(src), 2 * top)
+    check_local_model(str(src), top)
+    from pydantic import ValidationError
+
+    from deployments.args import AppArgs
+    with pytest.raises(ValidationError, match="exceeds the model's maximum context"):
+        AppArgs.model_validate({"model": str(src), "max_model_len": 2 * top})
     truncated = copy("truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
