@@ -190,6 +190,8 @@ class GenerateRequest:
     options: PromptOptions = field(default_factory=PromptOptions)
     prompt_len_hint: int = 1  # the caller's estimate, for routing only; the engine counts tokens itself
     avoid_replicas: tuple[str, ...] = ()  # replicas that already turned this request away (routing only)
+    # of those, the ones whose engine failed it (died): never again while another replica can take it (routing only)
+    failed_replicas: tuple[str, ...] = ()
     # the LLM replicas running as the sending Ingress last heard (None: not known): an autoscaled app's replica
     # splits the Ingress's chunk budget over them (`StreamPacing.for_running`)
     replicas_running: int | None = None
@@ -222,6 +224,7 @@ class GenerateRequest:
         if self.messages is not None:
             object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "avoid_replicas", tuple(self.avoid_replicas))
+        object.__setattr__(self, "failed_replicas", tuple(self.failed_replicas))
 
     def arrived(self, now_s: float) -> "GenerateRequest":
         """This request as a replica got it at `now_s` (its monotonic clock): the time since it was sent (`sent_at`)

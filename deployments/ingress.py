@@ -1086,7 +1086,8 @@ class OpenAIFrontend:
                 continue
             sb = first.served_by
             lost = sb.replica if sb is not None else None
-            if (again := _resent(req, waited_ms, t_call, lost) if more and _engine_lost(first) else None) is None:
+            if (again := _resent(req, waited_ms, t_call, lost, failed=True) if more and _engine_lost(first)
+                    else None) is None:
                 return req, gen, first
             gen.cancel()
             log.warning("request %s: the engine of replica %s had died; sent to another one", req.request_id, lost)
@@ -1622,15 +1623,17 @@ def _engine_lost(item: RequestOutput) -> bool:
 
 
 def _resent(req: GenerateRequest, waited_ms: float, t_call: float, avoid: str | None = None,
-            any_time: bool = False) -> GenerateRequest | None:
+            any_time: bool = False, failed: bool = False) -> GenerateRequest | None:
     """`req` to send again: the time it spent (`waited_ms` before `t_call`, and since) taken off its TTFT SLO, and
-    replica `avoid` (one that turned it away or failed) added to those it avoids; None once its TTFT SLO ran out
-    (unless `any_time`: a second opinion on an SLO judged unattainable)."""
+    replica `avoid` (one that turned it away, or that `failed` it: its engine died) added to those it avoids; None
+    once its TTFT SLO ran out (unless `any_time`: a second opinion on an SLO judged unattainable)."""
     spent_ms = waited_ms + (time.perf_counter() - t_call) * 1000.0
     if req.slo.ttft_ms is not None and spent_ms >= req.slo.ttft_ms and not any_time:
         return None
     return dataclasses.replace(req, waited_ms=spent_ms,
-                               avoid_replicas=(*req.avoid_replicas, avoid) if avoid else req.avoid_replicas)
+                               avoid_replicas=(*req.avoid_replicas, avoid) if avoid else req.avoid_replicas,
+                               failed_replicas=(*req.failed_replicas, avoid) if avoid and failed
+                               else req.failed_replicas)
 
 
 def _offer(item: RequestOutput) -> tuple[float, float]:

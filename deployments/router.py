@@ -18,14 +18,15 @@ SLO (and the replicas to avoid, where one turned it away already) from the `Gene
     of the wrong type) is no report; keys this version does not know are left out (a newer replica's).
 Ranking: replicas where every SLO of the request looks attainable come first, most slack first; then the
 rest, least loaded first. Replicas that turned the request away already (`GenerateRequest.avoid_replicas`, set
-by the ingress when it reroutes) come last (only where no other is there), and so do, until their next report, replicas that turned away a
-request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). After all of them
-come the replicas whose engine reported itself dead and those that stopped reporting (`Silence`: a stopped process or
-a partition, which Serve replaces only after its health check has timed out three times), only where no other is
-there (a dead engine fails a request at once, a silent replica holds it: while the live ones are full, Serve queues
-it for them). Each replica is its own rank, so Ray falls through to the next one when the best is at
-`max_ongoing_requests`. Other methods
-(`stats`, ...) are spread uniformly at random, dead and silent replicas last.
+by the ingress when it reroutes) come last, and so do, until their next report, replicas that turned away a
+request as strict (`refusals.note_refusal`, called by the ingress on every refusal it sees). The replicas whose
+engine reported itself dead, those that stopped reporting (`Silence`: a stopped process or a partition, which Serve
+replaces only after its health check has timed out three times) and those whose engine failed this request
+(`GenerateRequest.failed_replicas`: its death reaches this router only with the next report) are left out where
+another is there (a dead engine fails a request at once, a silent replica holds it: while the live ones are full,
+Serve queues it for them, backing off between tries), else last. Each replica is its own rank, so Ray falls through
+to the next one when the best is at `max_ongoing_requests`. Other methods (`stats`, ...) are spread uniformly at
+random, dead and silent replicas last.
 Prefix affinity (each replica keeps the prompts it served in its prefix cache): among the replicas whose slack is
 within `AFFINITY_SLACK` of the best one's (best effort: whose load is within `AFFINITY_LOAD` of the least loaded),
 the one this router last sent the longest prefix of the request's prompt (`prefix_keys`: its text cut at 256, 512,
@@ -385,10 +386,14 @@ class SLORouter(RequestRouter):
         affinity = {r.replica_id: prefix_match(keys, self._prefixes.get(r.replica_id)) for r in candidate_replicas} \
             if keys and self._prefixes else None
         ranked = rank(candidate_replicas, views, slo, avoid, affinity)
-        gone = req.avoid_replicas
+        gone = req.failed_replicas
         live = [r for r in ranked if views[r.replica_id].alive and not (gone and r.replica_id.unique_id in gone)]
         if live:  # a dead engine fails a request at once (a silent replica holds it), and one that failed this
             ranked = live  # request would again: where the others are full, Serve queues it for them (it went there)
+        if pending_request is not None and getattr(pending_request, "routing_context", None) is not None:
+            # (Serve backs off between tries only where the router says so: its locality and multiplex steps do,
+            # which this router has none of; without, a full replica was asked again and again at once)
+            pending_request.routing_context.should_backoff = True
         if keys:  # remembered where the call lands (`on_request_routed`)
             self._keys[call_id] = keys
         self._chosen[call_id] = (ranked[0].replica_id, slo.tpot_ms, now)
@@ -569,8 +574,13 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
             self._silence = Silence()
         quiet = self._silence.quiet(candidate_replicas)
 
+        failed = set(req.failed_replicas) if req is not None else set()
+
         def passed_over(r: RunningReplica) -> bool:
             return r.replica_id.unique_id in avoid or not answering(r, quiet)
+
+        def gone(r: RunningReplica) -> bool:  # (a dead or silent engine, or one that failed this request)
+            return r.replica_id.unique_id in failed or not answering(r, quiet)
 
         chosen = [r for group in ranks for r in group]
         if not any(map(passed_over, chosen)):
@@ -579,7 +589,7 @@ class Pow2Router(PowerOfTwoChoicesRequestRouter):
         if not good:  # both picks passed over: two of the others, if any
             others = [r for r in candidate_replicas if not passed_over(r)]
             good = random.sample(others, min(2, len(others)))
-        # after them, where no other can take the request, those passed over (Serve queues a request for the
-        # others: a dead engine fails it at once, a silent replica holds it, one that failed it would again)
-        last = [r for r in chosen if passed_over(r) and (req is None or not good)]
+        # after them those passed over; a dead or silent one, or one that failed this request, only where no other
+        # can take it (Serve queues it for the others: a dead engine fails it at once, a silent replica holds it)
+        last = [r for r in chosen if passed_over(r) and (req is None or not good or not gone(r))]
         return [g for g in (good, last) if g]

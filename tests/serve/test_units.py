@@ -472,15 +472,17 @@ def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dea
     monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serve_picks)
     router = object.__new__(Pow2Router)  # no Ray: Serve's own pick is stubbed
 
-    def choose(avoid=(), method="generate", candidates=(a, b, c, dead)):
-        req = GenerateRequest("cmpl-1", prompt="x", avoid_replicas=tuple(avoid))
+    def choose(avoid=(), method="generate", candidates=(a, b, c, dead), failed=()):
+        req = GenerateRequest("cmpl-1", prompt="x", avoid_replicas=tuple(avoid) + tuple(failed),
+                              failed_replicas=tuple(failed))
         pending = SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=(req,), kwargs={})
         ranks = asyncio.run(router.choose_replicas(list(candidates), pending))
         return [[r.replica_id.unique_id for r in group] for group in ranks]
 
     picks[:] = [a, b]
     assert choose() == [["a", "b"]]  # nothing to pass over: Serve's pick as it is
-    assert choose(avoid=["a"]) == [["b"]]  # the replica that failed it: not while another can take it
+    assert choose(avoid=["a"]) == [["b"], ["a"]]  # the replica that turned it away: last
+    assert choose(failed=["a"]) == [["b"]]  # the one whose engine failed it: not while another can take it
     picks[:] = [dead, a]
     assert choose() == [["a"]]  # a dead engine not where another can take it (Serve queues for the live ones)
     picks[:] = [dead]
@@ -488,7 +490,7 @@ def test_the_pow2_router_passes_over_replicas_that_failed_the_request_or_are_dea
     random.seed(3)
     picks[:] = [dead, b]
     got = choose(avoid=["b"])  # both picks passed over: two of the others first
-    assert sorted(got[0]) == ["a", "c"] and got[1:] == []
+    assert sorted(got[0]) == ["a", "c"] and got[1:] == [["b"]]
     assert choose(avoid=["b"], method="stats") == [["b"], ["d"]]  # other methods: a dead engine last (as SLORouter)
 
 
@@ -557,11 +559,20 @@ def test_both_routers_pass_over_a_replica_that_stopped_reporting(monkeypatch) ->
         assert choose(router, "stats")[-1] == "stuck"  # (other methods: last)
     # a request resent away from a replica that failed it (its engine died before its report says so): not there
     # while another can take it (it went back there, and its resend too: a 503 where the other one was full)
-    resent = GenerateRequest("cmpl-r", prompt="x", slo=SLO(ttft_ms=1000.0), avoid_replicas=("fresh",))
+    resent = GenerateRequest("cmpl-r", prompt="x", slo=SLO(ttft_ms=1000.0), avoid_replicas=("fresh",),
+                             failed_replicas=("fresh",))
+    ctx = SimpleNamespace(should_backoff=False)
     pending = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id="cmpl-r"),
-                              args=(resent,), kwargs={})
+                              args=(resent,), kwargs={}, routing_context=ctx)
     assert [g[0].replica_id.unique_id for g in asyncio.run(router.choose_replicas([stuck, fresh, also], pending))] \
         == ["also"]
+    assert ctx.should_backoff  # (Serve backs off between tries only where told: a full replica was asked at once)
+    # one that only turned it away (busy): last, not left out
+    busy = dataclasses.replace(resent, request_id="cmpl-b", failed_replicas=())
+    pending = SimpleNamespace(metadata=SimpleNamespace(call_method="generate", internal_request_id="cmpl-b"),
+                              args=(busy,), kwargs={})
+    assert [g[0].replica_id.unique_id for g in asyncio.run(router.choose_replicas([stuck, fresh, also], pending))] \
+        == ["also", "fresh"]
 
     async def serve_picks(self, candidates, pending=None):
         return [[stuck, fresh]]
@@ -1971,6 +1982,7 @@ def test_a_request_whose_replicas_engine_died_goes_to_another_replica() -> None:
     async def generate(req: GenerateRequest):
         sent.append(req.avoid_replicas)
         calls.append(req.waited_ms)
+        assert req.failed_replicas == req.avoid_replicas  # (each failed it: the routers leave them out)
         if died:
             await asyncio.sleep(0.05)
             raise died.pop()
