@@ -76,11 +76,15 @@ def check_local_model(model: str, max_model_len: int | None = None) -> None:
         raise ValueError(f"cannot load model {model!r}: its config.json is not a JSON object ({e})") from None
     check_family(model, family)
     if max_model_len is not None:
-        from types import SimpleNamespace
+        from transformers import AutoConfig
 
         from engine.loader import model_max_len
 
-        top = model_max_len(SimpleNamespace(**{k: v for k, v in raw.items() if isinstance(k, str)}))
+        try:  # (as the loader reads it: transformers resolves rope_scaling beside the rope_parameters it wrote)
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except Exception:  # noqa: BLE001 - what transformers cannot read is the loader's to refuse, naming why
+            return
+        top = model_max_len(config)
         if top is not None and max_model_len > top:  # (the loader's refusal, as its replicas would give it)
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum context of {top} positions "
                              f"({model})")

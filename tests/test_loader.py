@@ -658,6 +658,15 @@ def test_a_broken_checkpoint_folder_is_refused_naming_what_is_wrong(tiny_checkpo
     from deployments.args import AppArgs
     with pytest.raises(ValidationError, match="exceeds the model's maximum context"):
         AppArgs.model_validate({"model": str(src), "max_model_len": 2 * top})
+    # as the loader reads it: a YaRN rope_scaling added beside the rope_parameters transformers wrote (Qwen2.5's
+    # long-context set-up) extends the positions
+    yarn = copy("yarn")
+    cfg = json.loads((yarn / "config.json").read_text())
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": top}
+    (yarn / "config.json").write_text(json.dumps(cfg))
+    check_local_model(str(yarn), 4 * top)
+    with pytest.raises(ValueError, match=f"maximum context of {4 * top} positions"):
+        check_local_model(str(yarn), 4 * top + 1)
     truncated = copy("truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
