@@ -619,6 +619,14 @@ def _lark_optionals(body: str, n: int) -> str:
     return "".join(out)
 
 
+_LARK_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|\[(?:[^\]\\]|\\.)*\]|[\w-]+|.', re.S)
+
+
+def _renamed(body: str, old: str, new: str) -> str:
+    """A rule's body with rule name `old` as `new`, its literals and classes as they are."""
+    return "".join(new if t == old else t for t in _LARK_TOKEN.findall(body))
+
+
 def from_lark(text: str) -> str:
     """A grammar in Lark's notation as vLLM's xgrammar backend takes it (`name: ...` rules, `|` lines that go on
     with the last rule's alternatives, `?`/`!` and priorities dropped, `start` the reply's rule, else the first), as
@@ -648,8 +656,14 @@ def from_lark(text: str) -> str:
     if not rules:
         raise ValueError("grammar: no rule (`name ::= ...`, or Lark's `name: ...`)")
     names = [name for name, _ in rules]
+    first = "start" if "start" in names else names[0]  # (Lark's reply rule, whatever else is named root)
+    if "root" in names and first != "root":  # a rule of its own named root: under another name, root the reply's
+        free = next(n for n in (f"root_{k}" for k in range(len(names) + 1)) if n not in names)
+        rules = [(free if name == "root" else name, [_renamed(a, "root", free) for a in alts]) for name, alts in rules]
+        first = free if first == "root" else first
+        names = [name for name, _ in rules]
     empty = '""'  # (an alternative left empty)
     out = [f"{name} ::= {' | '.join(a or empty for a in alts)}" for name, alts in rules]
     if "root" not in names:
-        out.insert(0, f"root ::= {'start' if 'start' in names else names[0]}")
+        out.insert(0, f"root ::= {first}")
     return "\n".join(out)

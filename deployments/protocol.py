@@ -72,6 +72,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "tools": ([],),
     "logits_processors": ([],),  # vLLM's, where its server allows a pattern of them: code a request names
     "structural_tag": (),  # vLLM's top-level form of the grammar (refused in structured_outputs and response_format)
+    "guided_whitespace_pattern": ("",),  # vLLM's: the whitespace a format allows (capped here: MAX_WHITESPACE)
 }
 
 
@@ -88,7 +89,10 @@ BEAM_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penal
 STRUCTURED_KINDS = {"json": "a JSON schema", "regex": "a regular expression (a string)",
                     "choice": "a list of texts", "json_object": "true", "grammar": "an EBNF grammar (a string)"}
 STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properties", "whitespace_pattern",
-                                "disable_any_whitespace"))  # (a reply's whitespace is capped here: MAX_WHITESPACE)
+                                "disable_any_whitespace"))
+# of those, the ones that would change a reply (a format's whitespace, capped here at MAX_WHITESPACE characters and
+# otherwise free): refused where given otherwise than as their defaults
+STRUCTURED_WHITESPACE = {"whitespace_pattern": (None, ""), "disable_any_whitespace": (None, False)}
 
 
 def unsupported_field(data: Any, honoured: frozenset[str] = frozenset()) -> str | None:
@@ -261,6 +265,10 @@ class _Common(BaseModel):
     def _structured_outputs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is None:
             return v
+        for k, ok in STRUCTURED_WHITESPACE.items():
+            if k in v and not any(v[k] == o and type(v[k]) is type(o) for o in ok):
+                raise ValueError(f"structured_outputs.{k}={json.dumps(v[k])[:40]} is not supported here: a format's "
+                                 "whitespace outside strings is any JSON whitespace, up to 16 characters in a row")
         given = {k for k, x in v.items() if x not in (None, False) and k not in STRUCTURED_OPTIONS}
         if len(given) != 1 or not given <= set(STRUCTURED_KINDS):
             raise ValueError(f"structured_outputs must hold one of {', '.join(STRUCTURED_KINDS)} (structural_tag is "

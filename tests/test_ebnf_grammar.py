@@ -300,3 +300,22 @@ def test_a_lark_bracket_is_an_optional_item():
         from_lark('start: "a" ["b"')
     # a literal that ends in an escaped backslash ends there (it was read on, and `[b]` became a class)
     assert '"\\\\" (b)?' in from_lark('start: "\\\\" [b] # a comment\nb: "x"')
+
+
+def test_a_lark_grammars_own_root_rule_is_not_the_reply():
+    """Lark's reply is `start` (else its first rule): a rule of the grammar's own named `root` held the reply to it
+    (`start: root "!"` gave `a`, not `a!`); it keeps its place under another name, literals that say root as they
+    are."""
+    from core.ebnf_grammar import compile_grammar
+
+    g = compile_grammar('start: root "!" ["root"]\nroot: "a" | "b"')
+    for text, ok in (("a!", True), ("b!root", True), ("a", False), ("b", False)):
+        state = g.start
+        for ch in text:
+            state = state if state is None else g.step(state, ch)
+        assert (state is not None and g.accepts(state)) is ok, text
+    g = compile_grammar('root: "x" root | "y"')  # (the reply's rule named root: as it is)
+    state = g.start
+    for ch in "xxy":
+        state = g.step(state, ch)
+    assert state is not None and g.accepts(state)

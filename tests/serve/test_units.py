@@ -4167,12 +4167,20 @@ def test_a_reply_is_read_from_where_its_prompt_leaves_the_thinking() -> None:
 
 def test_structured_outputs_take_vllms_options() -> None:
     """vLLM's StructuredOutputsParams options beside the grammar (disable_any_whitespace was a 400 saying the request
-    held no grammar); a grammar still has to be there."""
+    held no grammar); a grammar still has to be there. Those that would change the reply's whitespace are refused
+    unless at their defaults (they were taken and ignored: a reply with newlines and indents where none were
+    asked for), vLLM's top-level guided_whitespace_pattern too."""
     body = P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {
-        "json": {"type": "object"}, "disable_any_whitespace": True, "disable_fallback": True}})
+        "json": {"type": "object"}, "disable_any_whitespace": False, "disable_fallback": True,
+        "whitespace_pattern": None}})
     assert body.structured_outputs["json"] == {"type": "object"}
     with pytest.raises(ValidationError, match="structured_outputs must hold one of"):
-        P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"disable_any_whitespace": True}})
+        P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"disable_fallback": True}})
+    for option in ({"disable_any_whitespace": True}, {"whitespace_pattern": "[ ]?"}):
+        with pytest.raises(ValidationError, match=f"structured_outputs.{next(iter(option))}=.* is not supported"):
+            P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": {}, **option}})
+    assert P.unsupported_field({"guided_whitespace_pattern": "[ ]?"}) == "guided_whitespace_pattern"
+    assert P.unsupported_field({"guided_whitespace_pattern": None}) is None
 
 
 def test_a_chat_beam_searchs_stream_carries_its_replies_as_read() -> None:
