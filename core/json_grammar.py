@@ -17,7 +17,8 @@ and `prefixItems` (a tuple's items; `items` false: no more), `minItems`, `maxIte
 `maxLength` (in characters, an escape one) and `pattern` (`core.regex_grammar`: found anywhere in the string's
 text, as JSON Schema's, unless anchored), a number's `minimum`, `maximum`, `exclusiveMinimum` and
 `exclusiveMaximum` (a bounded number is written without an exponent), `enum`, `const`, `anyOf` / `oneOf` (a value
-follows every alternative it fits so far, a state of mode `FORK` holding one state each: `MAX_FORK` at most), and
+follows every alternative it fits so far, a state of mode `FORK` holding one state each: `MAX_FORK` at most; a
+`oneOf` only where no value the automaton writes matches two alternatives, `_disjoint`), and
 `$ref` to `#/$defs/...` or `#/definitions/...`;
 `title`, `description`, `default`, `examples`, `format` and the like are read and not enforced; any other keyword
 (`multipleOf`, `uniqueItems`, ...) is refused by `compile_schema`, so that no reply breaks a rule it was asked to
@@ -339,7 +340,54 @@ def compile_schema(text: str) -> dict[str, Any]:
         if len(leaves) > MAX_FORK:
             raise fail("the schema", f"has an anyOf or oneOf of {len(leaves)} alternatives (values aside, which "
                                      f"count as one), more than the {MAX_FORK} this server follows at once")
+        # (the automaton holds a value to any one of them; a discriminator, OpenAPI's and pydantic's, tags each)
+        if node.get("oneOf") and not node.get("anyOf") and "discriminator" not in node:
+            groups = [_leaves(alt) for alt in node["oneOf"]]
+            if not all(_disjoint(x, y) for i, g in enumerate(groups) for h in groups[i + 1:] for x in g for y in h):
+                raise fail("the schema", "has a oneOf whose alternatives may both match a value (which JSON Schema "
+                                         "refuses and this server's automaton cannot tell): give anyOf, or "
+                                         "alternatives of different types or values (a property of distinct consts "
+                                         "in each, as pydantic's discriminated unions)")
     return root
+
+
+def _values(node: dict[str, Any]) -> list[Any] | None:
+    """A schema's values where it lists them (`const`, `enum`), else None."""
+    return [node["const"]] if "const" in node else node.get("enum")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two JSON values are the same value (JSON Schema's equality: 1 and 1.0 are, true and 1 are not)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
+        isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+        and not isinstance(b, bool) and a == b)
+
+
+def _disjoint(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether no value is valid for both schemas, as far as their types, values and a property of distinct values
+    they both require tell (False where that does not show it)."""
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None:
+        return not any(_same(x, y) for x in va for y in vb)
+    ta, tb = _types(a), _types(b)
+    if va is not None or vb is not None:
+        values, types = (va, tb) if va is not None else (vb, ta)
+        return types is not None and not any(_of_types(v, sorted(types)) for v in values)
+    if ta is None or tb is None:
+        return False
+    numeric = {"number", "integer"}
+    if not (ta & tb) and not (ta & numeric and tb & numeric):
+        return True
+    if ta == tb == frozenset(("object",)):  # a tag: a property each requires, of values the other's has not
+        pa, pb = a.get("properties") or {}, b.get("properties") or {}
+        for x, px, y in ((a, pa, b), (b, pb, a)):  # a key one requires that the other, closed, may not have
+            if x.get("additionalProperties", not px) is False and set(y.get("required") or ()) - set(px):
+                return True
+        for key in set(a.get("required") or ()) & set(b.get("required") or ()) & set(pa) & set(pb):
+            if isinstance(pa[key], dict) and isinstance(pb[key], dict) and _values(pa[key]) is not None \
+                    and _values(pb[key]) is not None and _disjoint(pa[key], pb[key]):
+                return True
+    return False
 
 
 # the keywords a schema may hold beside a $ref, an anyOf / oneOf, an enum / const (`compile_schema`): the notes, and

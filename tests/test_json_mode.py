@@ -567,7 +567,12 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
                                                                   "maximum": 10**399}, "no number meets"),
     ({"minimum": float("inf")}, "must be a number"), ({"pattern": "^a{5}$", "maxLength": 3}, "no string"),
     ({"prefixItems": [{}], "items": False, "minItems": 2}, "cannot reach"),
-    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no number meets")])
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no number meets"),
+    # a oneOf whose alternatives may both match a value (it was held as anyOf: 4 is both, so valid for neither)
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf whose alternatives may both match"),
+    ({"oneOf": [{"const": 1}, {"type": "number", "minimum": 0}]}, "oneOf whose alternatives may both match"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+                {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}, "may both match")])
 def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema, match):
     from core.json_grammar import compile_schema
 
@@ -730,3 +735,19 @@ def test_a_seeded_draw_does_not_follow_rounding_noise_in_the_logits():
     weights = torch.softmax(x / 0.8, -1)[[5, 7, 11]]
     for t, w in zip((5, 7, 11), (weights / weights.sum()).tolist()):
         assert abs(picks.count(t) / 300 - w) < 0.1, (t, w)
+
+
+def test_a_oneof_of_alternatives_no_value_matches_twice_is_taken():
+    """oneOf where its alternatives cannot both match a value the automaton writes: other types (an integer is a
+    number), other values, an object tagged by a required property of other consts, one that requires a key the
+    other's closed object may not have, or a discriminator (pydantic's tagged unions)."""
+    from core.json_grammar import compile_schema
+
+    tagged = [{"type": "object", "properties": {"k": {"const": c}, "x": {}}, "required": ["k"]} for c in "ab"]
+    for alts in ([{"type": "string"}, {"type": "integer"}], [{"const": 1}, {"const": 2}, {"type": "string"}],
+                 [{"enum": ["a", 1]}, {"type": "boolean"}], tagged,
+                 [{"type": "object", "properties": {"meow": {}}, "required": ["meow"]},
+                  {"type": "object", "properties": {"bark": {}}, "required": ["bark"]}]):
+        compile_schema(json.dumps({"oneOf": alts}))
+    compile_schema(json.dumps({"oneOf": [{"type": "object"}, {"type": "object"}], "discriminator": {
+        "propertyName": "k"}}))
