@@ -713,6 +713,43 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
+_VALUE_KEYS = frozenset(("const", "enum", "default", "examples"))  # a schema's values, not schemas: no $ref in them
+
+
+def _rooted(schema: Any, name: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters schema as a part of tool_choice required's schema of calls: as it is where it refers to
+    nothing; else under `name` in `defs` (the calls' schema's $defs), its own $defs and definitions beside it there,
+    and its local $refs rewritten to point where they pointed from its root (vLLM's: a tool's `#` and `#/$defs/X`
+    are its own, not the list of calls'), a $ref to it in its place."""
+    if not isinstance(schema, dict) or '"$ref"' not in json.dumps(schema):
+        return schema
+
+    def ref(target: str) -> str:
+        if not target.startswith("#"):
+            return target  # (not local: compile_schema refuses it)
+        for holder in ("$defs", "definitions"):
+            head = f"#/{holder}/"
+            if target.startswith(head):
+                return f"#/$defs/{name}_{holder.strip('$')}_" + target[len(head):]
+        return f"#/$defs/{name}" + target[1:]
+
+    def walk(node: Any, key: str | None = None) -> Any:
+        if key in _VALUE_KEYS:
+            return node
+        if isinstance(node, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v, k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        return node
+
+    own = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    defs[name] = walk(own)
+    for holder in ("$defs", "definitions"):
+        for k, sub in (schema.get(holder) or {}).items() if isinstance(schema.get(holder), dict) else ():
+            defs[f"{name}_{holder.strip('$')}_{k}"] = walk(sub)
+    return {"$ref": f"#/$defs/{name}"}
+
+
 class ChatCompletionRequest(_Common, _ChatPrompt):
     HONOURED: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice", "echo"})
     max_completion_tokens: int | None = Field(None, json_schema_extra=_opt(_POS_INT))
@@ -842,10 +879,12 @@ class ChatCompletionRequest(_Common, _ChatPrompt):
             return super().json_schema()
         if isinstance(self.tool_choice, dict):
             return _schema_text(tools[0].parameters or {"type": "object"})
+        defs: dict[str, Any] = {}
         calls = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                   "parameters": t.parameters or {"type": "object"}},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                                                   "parameters": _rooted(t.parameters or {"type": "object"},
+                                                                         f"tool{i}", defs)},
+                  "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
         if self.parallel_tool_calls is False:
             array["maxItems"] = 1
         return _schema_text(array)

@@ -620,6 +620,30 @@ def test_tool_choice_required_may_call_any_of_its_tools():
     assert advance(st, '[{"name": "get_time", "parameters": {"city"') is None
 
 
+def test_tool_choice_required_reads_each_tools_refs_from_its_own_parameters():
+    """A tool's `$ref`s point into its own parameters (vLLM's): `#` was the list of calls (a tree's children took
+    calls, not nodes), and pydantic's `#/$defs/...` named nothing (a 400), in tool_choice required's schema."""
+    from core.json_grammar import compile_schema, start
+    from deployments.protocol import ChatCompletionRequest
+
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {
+        "$ref": "#"}}}, "required": ["name", "children"]}
+    items = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+             "required": ["items"], "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"}},
+                                                       "required": ["sku"]}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("tree", tree),
+                                                                                         ("order", items))]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                 "tool_choice": "required"})
+    st = start(compile_schema(body.json_schema()))
+    ok = ('[{"name": "tree", "parameters": {"name": "a", "children": [{"name": "b", "children": []}]}}]',
+          '[{"name": "order", "parameters": {"items": [{"sku": "x1"}]}}]')
+    for calls in ok:
+        assert complete(advance(st, calls)), calls
+    assert advance(st, '[{"name": "tree", "parameters": {"name": "a", "children": [[') is None
+    assert advance(st, '[{"name": "order", "parameters": {"items": [{"name"') is None
+
+
 @pytest.mark.parametrize("schema,beside", [
     ({"type": "string", "anyOf": [{"maxLength": 3}, {"pattern": "^x"}]}, "type beside anyOf"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, "beside anyOf"),
