@@ -336,12 +336,18 @@ def compile_schema(text: str) -> dict[str, Any]:
     for node in schemas:  # (a union's values are one list: `_union_leaves`; more alternatives would be dropped)
         if not (node.get("anyOf") or node.get("oneOf")):
             continue
+        disc = node.get("discriminator")
+        if node.get("oneOf") and isinstance(disc, dict) and isinstance(key := disc.get("propertyName"), str):
+            # OpenAPI's and pydantic's tag: each alternative writes it (pydantic's of a default tag did not, a value
+            # both of its members took; pydantic's parse needs it)
+            node["oneOf"] = [dict(a, required=[*(a.get("required") or ()), key])
+                             if key in (a.get("properties") or {}) and key not in (a.get("required") or ()) else a
+                             for a in node["oneOf"]]
         leaves = node[_LEAVES] = _union_leaves(node)  # (kept: `_value` reads them)
         if len(leaves) > MAX_FORK:
             raise fail("the schema", f"has an anyOf or oneOf of {len(leaves)} alternatives (values aside, which "
                                      f"count as one), more than the {MAX_FORK} this server follows at once")
-        # (the automaton holds a value to any one of them; a discriminator, OpenAPI's and pydantic's, tags each)
-        if node.get("oneOf") and not node.get("anyOf") and "discriminator" not in node:
+        if node.get("oneOf") and not node.get("anyOf"):  # (the automaton holds a value to any one of them)
             groups = [_leaves(alt) for alt in node["oneOf"]]
             if not all(_disjoint(x, y) for i, g in enumerate(groups) for h in groups[i + 1:] for x in g for y in h):
                 raise fail("the schema", "has a oneOf whose alternatives may both match a value (which JSON Schema "
@@ -356,11 +362,20 @@ def _values(node: dict[str, Any]) -> list[Any] | None:
     return [node["const"]] if "const" in node else node.get("enum")
 
 
+def _plain(value: Any) -> Any:
+    """A JSON value with its integral numbers as integers, through its lists and objects (JSON Schema's equality)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_plain(x) for x in value]
+    if isinstance(value, dict):
+        return {k: _plain(x) for k, x in value.items()}
+    return value
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether two JSON values are the same value (JSON Schema's equality: 1 and 1.0 are, true and 1 are not)."""
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) or (
-        isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
-        and not isinstance(b, bool) and a == b)
+    return json.dumps(_plain(a), sort_keys=True) == json.dumps(_plain(b), sort_keys=True)
 
 
 def _disjoint(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -369,20 +384,28 @@ def _disjoint(a: dict[str, Any], b: dict[str, Any]) -> bool:
     va, vb = _values(a), _values(b)
     if va is not None and vb is not None:
         return not any(_same(x, y) for x in va for y in vb)
-    ta, tb = _types(a), _types(b)
+
+    def declared(node: dict[str, Any]) -> frozenset[str] | None:  # (a schema with no type takes every value)
+        t = node.get("type")
+        return None if t is None else frozenset([t] if isinstance(t, str) else t)
+    ta, tb = declared(a), declared(b)
     if va is not None or vb is not None:
         values, types = (va, tb) if va is not None else (vb, ta)
         return types is not None and not any(_of_types(v, sorted(types)) for v in values)
-    if ta is None or tb is None:
-        return False
     numeric = {"number", "integer"}
-    if not (ta & tb) and not (ta & numeric and tb & numeric):
+    if ta is not None and tb is not None and not (ta & tb) and not (ta & numeric and tb & numeric):
         return True
-    if ta == tb == frozenset(("object",)):  # a tag: a property each requires, of values the other's has not
+    if _types(a) == _types(b) == frozenset(("object",)):  # both write objects alone (declared or not)
         pa, pb = a.get("properties") or {}, b.get("properties") or {}
-        for x, px, y in ((a, pa, b), (b, pb, a)):  # a key one requires that the other, closed, may not have
-            if x.get("additionalProperties", not px) is False and set(y.get("required") or ()) - set(px):
-                return True
+
+        def fails(x: dict[str, Any], px: dict[str, Any], y: dict[str, Any], py: dict[str, Any]) -> bool:
+            """Whether every object written for y fails x: x requires a key y writes none of (it writes its
+            properties alone), or y requires one x refuses (its additionalProperties false: JSON Schema reads an
+            object open where it is left out)."""
+            return (y.get("additionalProperties", not py) is False and bool(set(x.get("required") or ()) - set(py))) \
+                or (x.get("additionalProperties") is False and bool(set(y.get("required") or ()) - set(px)))
+        if fails(a, pa, b, pb) and fails(b, pb, a, pa):
+            return True
         for key in set(a.get("required") or ()) & set(b.get("required") or ()) & set(pa) & set(pb):
             if isinstance(pa[key], dict) and isinstance(pb[key], dict) and _values(pa[key]) is not None \
                     and _values(pb[key]) is not None and _disjoint(pa[key], pb[key]):

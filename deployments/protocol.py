@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -72,7 +73,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "tools": ([],),
     "logits_processors": ([],),  # vLLM's, where its server allows a pattern of them: code a request names
     "structural_tag": (),  # vLLM's top-level form of the grammar (refused in structured_outputs and response_format)
-    "guided_whitespace_pattern": ("",),  # vLLM's: the whitespace a format allows (capped here: MAX_WHITESPACE)
+    "guided_whitespace_pattern": (),  # vLLM's: the whitespace a format allows (capped here: MAX_WHITESPACE)
 }
 
 
@@ -92,7 +93,7 @@ STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properti
                                 "disable_any_whitespace"))
 # of those, the ones that would change a reply (a format's whitespace, capped here at MAX_WHITESPACE characters and
 # otherwise free): refused where given otherwise than as their defaults
-STRUCTURED_WHITESPACE = {"whitespace_pattern": (None, ""), "disable_any_whitespace": (None, False)}
+STRUCTURED_WHITESPACE = {"whitespace_pattern": (None,), "disable_any_whitespace": (None, False)}
 
 
 def unsupported_field(data: Any, honoured: frozenset[str] = frozenset()) -> str | None:
@@ -714,6 +715,8 @@ class Tool(BaseModel):
 
 
 _VALUE_KEYS = frozenset(("const", "enum", "default", "examples"))  # a schema's values, not schemas: no $ref in them
+# a schema's maps of names to schemas (a property named `default` is a schema)
+_SCHEMA_MAPS = frozenset(("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"))
 
 
 def _rooted(schema: Any, name: str, defs: dict[str, Any]) -> Any:
@@ -727,20 +730,22 @@ def _rooted(schema: Any, name: str, defs: dict[str, Any]) -> Any:
     def ref(target: str) -> str:
         if not target.startswith("#"):
             return target  # (not local: compile_schema refuses it)
-        for holder in ("$defs", "definitions"):
-            head = f"#/{holder}/"
-            if target.startswith(head):
-                return f"#/$defs/{name}_{holder.strip('$')}_" + target[len(head):]
+        parts = target[1:].split("/")
+        if len(parts) > 2 and parts[0] == "" and urllib.parse.unquote(parts[1]) in ("$defs", "definitions"):
+            holder = urllib.parse.unquote(parts[1]).strip("$")
+            return f"#/$defs/{name}_{holder}_" + "/".join(parts[2:])
         return f"#/$defs/{name}" + target[1:]
 
-    def walk(node: Any, key: str | None = None) -> Any:
-        if key in _VALUE_KEYS:
-            return node
-        if isinstance(node, dict):
-            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v, k)) for k, v in node.items()}
+    def walk(node: Any, names: bool = False) -> Any:
+        """A schema with its $refs rewritten (`names`: a map of names to schemas, such as `properties`)."""
         if isinstance(node, list):
             return [walk(x) for x in node]
-        return node
+        if not isinstance(node, dict):
+            return node
+        if names:
+            return {k: walk(v) for k, v in node.items()}
+        return {k: ref(v) if k == "$ref" and isinstance(v, str) else v if k in _VALUE_KEYS
+                else walk(v, k in _SCHEMA_MAPS) for k, v in node.items()}
 
     own = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
     defs[name] = walk(own)

@@ -572,7 +572,15 @@ def test_string_lengths_tuples_and_number_bounds_are_kept():
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf whose alternatives may both match"),
     ({"oneOf": [{"const": 1}, {"type": "number", "minimum": 0}]}, "oneOf whose alternatives may both match"),
     ({"oneOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": True},
-                {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}, "may both match")])
+                {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}, "may both match"),
+    # (a review's: an object left open where additionalProperties is left out, as JSON Schema reads it; a schema
+    # with no type takes every value; numbers inside values; a discriminator's tag written by each)
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}, "may both match"),
+    ({"oneOf": [{"type": "string"}, {"required": ["a"], "properties": {"a": {"type": "integer"}}}]}, "may both"),
+    ({"oneOf": [{"const": "a"}, {"properties": {"x": {}}}]}, "may both match"),
+    ({"oneOf": [{"const": [1]}, {"const": [1.0]}]}, "may both match"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}], "discriminator": {"propertyName": "x"}}, "may both")])
 def test_a_schema_with_what_is_not_enforced_or_no_value_meets_is_refused(schema, match):
     from core.json_grammar import compile_schema
 
@@ -642,6 +650,19 @@ def test_tool_choice_required_reads_each_tools_refs_from_its_own_parameters():
         assert complete(advance(st, calls)), calls
     assert advance(st, '[{"name": "tree", "parameters": {"name": "a", "children": [[') is None
     assert advance(st, '[{"name": "order", "parameters": {"items": [{"name"') is None
+    # a parameter named as a keyword of values (`default`) is a schema whose $ref is rewritten too; a pointer
+    # %-escaped as JSON Pointer's URI form
+    odd = {"type": "object", "properties": {"v": {"type": "integer"}, "default": {"$ref": "#"}},
+           "required": ["v"]}
+    pct = {"type": "object", "properties": {"i": {"$ref": "#/%24defs/I"}}, "required": ["i"],
+           "$defs": {"I": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("odd", odd), ("pct", pct))]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                 "tool_choice": "required"})
+    st = start(compile_schema(body.json_schema()))
+    assert complete(advance(st, '[{"name": "odd", "parameters": {"v": 1, "default": {"v": 2}}}]'))
+    assert advance(st, '[{"name": "odd", "parameters": {"v": 1, "default": [') is None
+    assert complete(advance(st, '[{"name": "pct", "parameters": {"i": 3}}]'))
 
 
 @pytest.mark.parametrize("schema,beside", [
@@ -765,7 +786,7 @@ def test_a_oneof_of_alternatives_no_value_matches_twice_is_taken():
     """oneOf where its alternatives cannot both match a value the automaton writes: other types (an integer is a
     number), other values, an object tagged by a required property of other consts, one that requires a key the
     other's closed object may not have, or a discriminator (pydantic's tagged unions)."""
-    from core.json_grammar import compile_schema
+    from core.json_grammar import compile_schema, start
 
     tagged = [{"type": "object", "properties": {"k": {"const": c}, "x": {}}, "required": ["k"]} for c in "ab"]
     for alts in ([{"type": "string"}, {"type": "integer"}], [{"const": 1}, {"const": 2}, {"type": "string"}],
@@ -773,5 +794,7 @@ def test_a_oneof_of_alternatives_no_value_matches_twice_is_taken():
                  [{"type": "object", "properties": {"meow": {}}, "required": ["meow"]},
                   {"type": "object", "properties": {"bark": {}}, "required": ["bark"]}]):
         compile_schema(json.dumps({"oneOf": alts}))
-    compile_schema(json.dumps({"oneOf": [{"type": "object"}, {"type": "object"}], "discriminator": {
-        "propertyName": "k"}}))
+    # a discriminator's tag (pydantic's, of a default too): each alternative writes it
+    tags = [{"type": "object", "properties": {"k": {"const": c, "default": c}, "x": {}}} for c in "ab"]
+    st = start(compile_schema(json.dumps({"oneOf": tags, "discriminator": {"propertyName": "k"}})))
+    assert complete(advance(st, '{"k": "a", "x": 1}')) and advance(st, "{}") is None

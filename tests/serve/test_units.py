@@ -4176,7 +4176,7 @@ def test_structured_outputs_take_vllms_options() -> None:
     assert body.structured_outputs["json"] == {"type": "object"}
     with pytest.raises(ValidationError, match="structured_outputs must hold one of"):
         P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"disable_fallback": True}})
-    for option in ({"disable_any_whitespace": True}, {"whitespace_pattern": "[ ]?"}):
+    for option in ({"disable_any_whitespace": True}, {"whitespace_pattern": "[ ]?"}, {"whitespace_pattern": ""}):
         with pytest.raises(ValidationError, match=f"structured_outputs.{next(iter(option))}=.* is not supported"):
             P.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": {}, **option}})
     assert P.unsupported_field({"guided_whitespace_pattern": "[ ]?"}) == "guided_whitespace_pattern"
