@@ -27,6 +27,16 @@ assert not _CLASH, f"engine and scheduler knobs share names {_CLASH}; AppArgs ne
 COLD_START_WAIT_S = 600.0
 
 
+
+def _unknown_names(given: Any, known: set[str]) -> str:
+    """The names of `given` not in `known`, each with the near known one where there is one; "" where none."""
+    hints = []
+    for k in given:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), known, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(hints)
+
 class ServeArgs(BaseModel):
     """Serving (Ray Serve / HTTP) knobs; the engine and scheduler knobs are added by `AppArgs`."""
 
@@ -181,13 +191,8 @@ class ServeArgs(BaseModel):
 
             data = vllm_arguments(data)
             known = set(cls.model_fields)
-            bad = [k for k in data if k not in known]
-            if bad:
-                hints = []
-                for k in bad:
-                    close = difflib.get_close_matches(str(k), known, n=1)
-                    hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-                raise ValueError(f"unknown argument(s): {', '.join(hints)}; valid: {', '.join(sorted(known))}")
+            if bad := _unknown_names(data, known):
+                raise ValueError(f"unknown argument(s): {bad}; valid: {', '.join(sorted(known))}")
         return data
 
     @field_validator("allowed_origins", mode="before")
@@ -284,13 +289,8 @@ class ServeArgs(BaseModel):
         cfg = dict(self.autoscaling_config)
         cfg.setdefault("target_ongoing_requests", self.replica_scheduler().max_num_seqs)
         cfg.setdefault("policy", {"policy_function": POLICY_PATH})  # (on what the SLOs turn away too)
-        known = sorted(AutoscalingConfig.model_fields)
-        if unknown := [k for k in cfg if k not in known]:  # (Serve's drops them: a typo'd bound was no bound)
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(str(k), known, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ValueError(f"autoscaling_config: unknown field(s) {', '.join(hints)}")
+        if bad := _unknown_names(cfg, set(AutoscalingConfig.model_fields)):  # (Serve's drops them: a typo'd bound
+            raise ValueError(f"autoscaling_config: unknown field(s) {bad}")  # was no bound)
         try:
             checked = AutoscalingConfig(**cfg)
         except Exception as e:  # noqa: BLE001 - Serve's validation error, as a ValueError naming the field

@@ -93,14 +93,15 @@ STRUCTURED_OPTIONS = frozenset(("disable_fallback", "disable_additional_properti
                                 "disable_any_whitespace"))
 # of those, the ones that would change a reply (a format's whitespace, capped here at MAX_WHITESPACE characters and
 # otherwise free): refused where given otherwise than as their defaults
-STRUCTURED_WHITESPACE = {"whitespace_pattern": (None,), "disable_any_whitespace": (None, False)}
+STRUCTURED_WHITESPACE = {"whitespace_pattern": (), "disable_any_whitespace": (False,)}
 
 
-def unsupported_field(data: Any, honoured: frozenset[str] = frozenset()) -> str | None:
-    """The first field of a request body (a dict) that `UNSUPPORTED` refuses with the value given, else None;
-    `honoured`: fields of `UNSUPPORTED` that the endpoint takes (a completion's `echo`)."""
+def unsupported_field(data: Any, honoured: frozenset[str] = frozenset(),
+                      table: dict[str, tuple[Any, ...]] | None = None) -> str | None:
+    """The first field of a request body (a dict) that `table` (`UNSUPPORTED`) refuses with the value given (null
+    is taken), else None; `honoured`: fields of it that the endpoint takes (a completion's `echo`)."""
     if isinstance(data, dict):
-        for name, ok in UNSUPPORTED.items():
+        for name, ok in (UNSUPPORTED if table is None else table).items():
             if name in honoured:
                 continue
             v = data.get(name)
@@ -266,10 +267,9 @@ class _Common(BaseModel):
     def _structured_outputs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is None:
             return v
-        for k, ok in STRUCTURED_WHITESPACE.items():
-            if k in v and not any(v[k] == o and type(v[k]) is type(o) for o in ok):
-                raise ValueError(f"structured_outputs.{k}={json.dumps(v[k])[:40]} is not supported here: a format's "
-                                 "whitespace outside strings is any JSON whitespace, up to 16 characters in a row")
+        if (k := unsupported_field(v, table=STRUCTURED_WHITESPACE)) is not None:
+            raise ValueError(f"structured_outputs.{k}={json.dumps(v[k])[:40]} is not supported here: a format's "
+                             "whitespace outside strings is any JSON whitespace, up to 16 characters in a row")
         given = {k for k, x in v.items() if x not in (None, False) and k not in STRUCTURED_OPTIONS}
         if len(given) != 1 or not given <= set(STRUCTURED_KINDS):
             raise ValueError(f"structured_outputs must hold one of {', '.join(STRUCTURED_KINDS)} (structural_tag is "

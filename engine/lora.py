@@ -592,8 +592,8 @@ class LoraRegistry:
         i = self._ids.get(name)
         if i is not None:
             held = self._sources[i]
-            if (source is None and held is not None) or (source is not None and (held is None
-                                                                                 or held.version < source.version)):
+            later = held is not None if source is None else held is None or held.version < source.version
+            if later:
                 self._retire(i)  # loaded again since (or a lora_modules adapter of its name): the new load serves
                 return None
         return i
