@@ -181,10 +181,12 @@ def test_engine_point_open_loop_and_timeouts():
     assert [r.finish_reason for r in recs] == ["length", "timeout"] * 3
     assert run.timeouts == 3
     assert all(M.is_good(r) for r in recs[::2]) and not any(M.is_good(r) for r in recs[1::2])
-    arrivals = [r.arrival_s - recs[0].arrival_s for r in recs]
-    # open-loop schedule kept: a closed loop would send each after the one before gave up (0.3 s); a busy 2-core
-    # box (CI) ran one 33 ms late
-    np.testing.assert_allclose(arrivals, [0.05 * k for k in range(6)], atol=0.1)
+    arrivals = np.array([r.arrival_s - recs[0].arrival_s for r in recs])
+    # open-loop schedule kept: none sent early, and the last well before a closed loop's, which sends each after the
+    # one before ended (three give-ups of 0.3 s: 0.9 s at least); a busy 2-core box (CI) stalled the sender once by
+    # 0.2 s (the sends due meanwhile went at once, as open loop does)
+    assert np.all(arrivals >= np.array([0.05 * k for k in range(6)]) - 0.01), arrivals
+    assert arrivals[-1] < 0.8, arrivals
     assert all(r.finished_s >= recs[-1].arrival_s + 0.29 for r in recs[1::2])  # misses end at the give-up
     assert run.engine["steps"] == 9 and run.engine["sched_ms_per_step"] == pytest.approx(1.0 / 3)
     tap = run.engine["tap"]  # the step observer saw the 3 decode-only steps, and is gone again
